@@ -1,0 +1,14 @@
+#!/usr/bin/env node
+// The CLI runs from the JavaScript that `npm ci` builds in `prepare` (tsc → dist/).
+'use strict';
+const path = require('node:path');
+const fs = require('node:fs');
+const entry = path.join(__dirname, '..', 'dist', 'workers', 'magus.js');
+if (!fs.existsSync(entry)) {
+  console.error('magus: dist/ is missing; run `npm ci` (or `npm run build`) in the checkout first.');
+  process.exit(1);
+}
+require(entry).main(process.argv.slice(2)).then(
+  (code) => process.exit(code),
+  (err) => { console.error(`magus: ${err instanceof Error ? err.message : String(err)}`); process.exit(1); },
+);

@@ -1,0 +1,27 @@
+/**
+ * Names shared by workflows, activities, workers and the gateway. Workflow-safe: no imports.
+ */
+
+/** Temporal task queues (DESIGN.md: control work vs. heavy download/convert work). */
+export const TaskQueue = {
+  control: 'magus-control',
+  pipeline: 'magus-pipeline',
+} as const;
+
+/** Custom resources: group and version of Model, Dllama and Session. */
+export const CRD_GROUP = 'magus.dev';
+export const CRD_VERSION = 'v1alpha1';
+
+/** NATS names (DESIGN.md, data plane). */
+export const Nats = {
+  requestStream: 'MAGUS_REQUESTS',
+  requestSubjectPrefix: 'magus.req',
+  responseSubjectPrefix: 'magus.res',
+  modelsBucket: 'magus_models',
+  tokensBucket: 'magus_tokens',
+  sessionsBucket: 'magus_sessions',
+} as const;
+
+/** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */
+export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert'] as const;
+export type Mode = (typeof MODES)[number];

@@ -1,0 +1,69 @@
+/**
+ * What integration tests use to reach the real servers started by the global setup, and to
+ * stay out of each other's way: every test file gets its own task queue, bucket, NATS names
+ * and Kubernetes namespace from {@link isolation}.
+ */
+import { readFileSync } from 'node:fs';
+import { basename } from 'node:path';
+import { randomBytes } from 'node:crypto';
+import { S3Client } from '@aws-sdk/client-s3';
+import { Connection, Client } from '@temporalio/client';
+import { NativeConnection } from '@temporalio/worker';
+import { connect, type NatsConnection } from 'nats';
+import type { ServiceEndpoints } from '../../workers/dev/services';
+
+export type { ServiceEndpoints };
+
+/**
+ * Connection info of one running server; throws when run outside the integration project or
+ * when MAGUS_TEST_SERVICES left that server out.
+ */
+export function endpoint<K extends keyof ServiceEndpoints>(name: K): NonNullable<ServiceEndpoints[K]> {
+  const file = process.env.MAGUS_TEST_ENDPOINTS;
+  if (!file) throw new Error('MAGUS_TEST_ENDPOINTS is unset: run integration tests (*.int.test.ts) through jest, which starts the servers');
+  const e = (JSON.parse(readFileSync(file, 'utf8')) as ServiceEndpoints)[name];
+  if (!e) throw new Error(`the test services do not include ${name} (see MAGUS_TEST_SERVICES)`);
+  return e;
+}
+
+export interface Isolation {
+  /** Short unique id: `<file-stem>-<random>`, lowercase, DNS-label safe. */
+  id: string;
+  taskQueue: string;
+  bucket: string;
+  /** Prefix for stream, consumer and KV bucket names (NATS names allow [A-Za-z0-9_-]). */
+  natsPrefix: string;
+  namespace: string;
+}
+
+/** Unique resource names for the calling test file (call once per file, in a describe/beforeAll). */
+export function isolation(): Isolation {
+  const testPath = expect.getState().testPath ?? 'test';
+  const stem = basename(testPath).replace(/\.int\.test\.ts$|\.test\.ts$/, '').toLowerCase().replace(/[^a-z0-9]+/g, '-').slice(0, 30);
+  const id = `${stem}-${randomBytes(3).toString('hex')}`;
+  return { id, taskQueue: `test-${id}`, bucket: `test-${id}`, natsPrefix: `T_${id.replace(/-/g, '_').toUpperCase()}`, namespace: `test-${id}` };
+}
+
+export function s3Client(): S3Client {
+  const s3 = endpoint('s3');
+  return new S3Client({
+    endpoint: s3.endpoint,
+    region: s3.region,
+    forcePathStyle: true,
+    credentials: { accessKeyId: s3.accessKeyId, secretAccessKey: s3.secretAccessKey },
+  });
+}
+
+export async function natsConnect(): Promise<NatsConnection> {
+  return connect({ servers: endpoint('nats').servers, name: `magus-test-${process.pid}` });
+}
+
+export async function temporalClient(): Promise<{ client: Client; connection: Connection }> {
+  const temporal = endpoint('temporal');
+  const connection = await Connection.connect({ address: temporal.address });
+  return { client: new Client({ connection, namespace: temporal.namespace }), connection };
+}
+
+export async function temporalWorkerConnection(): Promise<NativeConnection> {
+  return NativeConnection.connect({ address: endpoint('temporal').address });
+}

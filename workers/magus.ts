@@ -1,0 +1,99 @@
+/**
+ * The single `magus <mode>` entry point. Each mode is one process kind from DESIGN.md; modes
+ * not built yet say so and exit 2, so scripts can tell "not available" from "failed".
+ */
+import { writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { MODES, type Mode } from '../shared/constants';
+import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
+
+const DESCRIPTIONS: Record<Mode, string> = {
+  dev: 'start Temporal, NATS, S3 (and a Kubernetes API server with --services) locally and print their addresses',
+  worker: 'Temporal workers for the magus-control and magus-pipeline task queues',
+  controller: 'watch Model/Dllama/Session resources and drive their workflows',
+  gateway: 'OpenAI-compatible HTTP API',
+  bridge: 'NATS ↔ engine sidecar',
+  engine: 'llama.cpp engine with the dllama-api HTTP surface',
+  convert: 'convert safetensors to GGUF or distributed-llama',
+};
+
+export const EXIT_NOT_AVAILABLE = 2;
+
+function usage(): string {
+  const width = Math.max(...MODES.map((m) => m.length));
+  return [
+    'usage: magus <mode> [options]',
+    '',
+    'modes:',
+    ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
+    '',
+    'magus dev [--services temporal,nats,s3,kubernetes] [--json]',
+  ].join('\n');
+}
+
+function parseServices(arg: string | undefined): ServiceName[] {
+  if (!arg) return ['temporal', 'nats', 's3'];
+  const names = arg.split(',').map((s) => s.trim()).filter(Boolean);
+  for (const n of names) {
+    if (!(ALL_SERVICES as readonly string[]).includes(n)) throw new Error(`unknown service '${n}' (known: ${ALL_SERVICES.join(', ')})`);
+  }
+  return names as ServiceName[];
+}
+
+/** `magus dev`: for now, the local servers; later issues add the worker, gateway and demo model. */
+async function dev(args: string[]): Promise<number> {
+  const flag = (name: string) => {
+    const i = args.indexOf(name);
+    return i >= 0 ? args[i + 1] : undefined;
+  };
+  const json = args.includes('--json');
+  const services = parseServices(flag('--services'));
+  if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
+  const running = await startServices({ services });
+  const endpointsFile = join(running.dataDir, 'endpoints.json');
+  writeFileSync(endpointsFile, JSON.stringify(running.endpoints, null, 2), { mode: 0o600 });
+
+  const e = running.endpoints;
+  if (json) {
+    // Machine-readable readiness line (tests use it); credentials stay in the 0600 file.
+    process.stdout.write(`${JSON.stringify({ ready: true, pids: running.pids, endpointsFile, dataDir: running.dataDir })}\n`);
+  } else {
+    const lines = [
+      e.temporal && `Temporal      ${e.temporal.address}  (namespace ${e.temporal.namespace})`,
+      e.temporal && `Temporal UI   ${e.temporal.uiUrl}`,
+      e.nats && `NATS          ${e.nats.servers}  (monitoring ${e.nats.monitorUrl})`,
+      e.s3 && `S3 (MinIO)    ${e.s3.endpoint}  (region ${e.s3.region})`,
+      e.kubernetes && `Kubernetes    ${e.kubernetes.server}`,
+      `credentials   ${endpointsFile}`,
+      '',
+      'Ctrl-C stops everything.',
+    ].filter((l): l is string => typeof l === 'string');
+    process.stdout.write(`${lines.join('\n')}\n`);
+  }
+
+  await new Promise<void>((resolve) => {
+    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
+  });
+  if (!json) process.stderr.write('\nmagus dev: stopping …\n');
+  await running.stop();
+  return 0;
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const [mode, ...rest] = argv;
+  if (!mode || mode === '--help' || mode === '-h' || mode === 'help') {
+    process.stdout.write(`${usage()}\n`);
+    return mode ? 0 : 1;
+  }
+  if (!(MODES as readonly string[]).includes(mode)) {
+    process.stderr.write(`magus: unknown mode '${mode}'\n\n${usage()}\n`);
+    return 1;
+  }
+  switch (mode as Mode) {
+    case 'dev':
+      return dev(rest);
+    default:
+      process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
+      return EXIT_NOT_AVAILABLE;
+  }
+}
