@@ -1,0 +1,84 @@
+/**
+ * Writing an output file so that its final name only ever holds a complete file: the bytes go to
+ * `<path>.tmp-<random>` in the same directory, are fsynced, and the file is renamed into place.
+ * On any failure the temporary file is removed and nothing appears at `path`.
+ */
+import { randomBytes } from 'node:crypto';
+import { open, rename, rm } from 'node:fs/promises';
+
+/** Sequential writer handed to the fill callback. */
+export interface ByteSink {
+  write(chunk: Uint8Array): Promise<void>;
+  /** Bytes written so far. */
+  readonly bytesWritten: number;
+}
+
+/** Small chunks are gathered up to this size before each write system call. */
+const FLUSH_BYTES = 4 * 1024 * 1024;
+
+/**
+ * Creates `path` atomically from what `fill` writes to the sink.
+ * @returns whatever `fill` returns
+ */
+export async function writeFileAtomically<T>(path: string, fill: (sink: ByteSink) => Promise<T>): Promise<T> {
+  const tmp = `${path}.tmp-${randomBytes(6).toString('hex')}`;
+  const handle = await open(tmp, 'wx');
+  let closed = false;
+  try {
+    let pending: Uint8Array[] = [];
+    let pendingBytes = 0;
+    let written = 0;
+    const flush = async (): Promise<void> => {
+      if (pendingBytes === 0) return;
+      const chunk = pending.length === 1 ? (pending[0] as Uint8Array) : Buffer.concat(pending, pendingBytes);
+      pending = [];
+      pendingBytes = 0;
+      let off = 0;
+      while (off < chunk.length) {
+        const { bytesWritten } = await handle.write(chunk, off, chunk.length - off);
+        off += bytesWritten;
+      }
+    };
+    const sink: ByteSink = {
+      async write(chunk: Uint8Array): Promise<void> {
+        if (chunk.length === 0) return;
+        // Copy: callers may reuse their buffers once write() resolves.
+        pending.push(chunk.length >= FLUSH_BYTES ? chunk : new Uint8Array(chunk));
+        pendingBytes += chunk.length;
+        written += chunk.length;
+        if (pendingBytes >= FLUSH_BYTES) await flush();
+      },
+      get bytesWritten() {
+        return written;
+      },
+    };
+    const result = await fill(sink);
+    await flush();
+    await handle.sync();
+    await handle.close();
+    closed = true;
+    await rename(tmp, path);
+    return result;
+  } catch (err) {
+    if (!closed) await handle.close().catch(() => undefined);
+    await rm(tmp, { force: true });
+    throw err;
+  }
+}
+
+/** Tensor data: one buffer or a stream of chunks. */
+export type TensorData = Uint8Array | AsyncIterable<Uint8Array>;
+
+/** Writes `data` to the sink and returns how many bytes it held. */
+export async function writeTensorData(sink: ByteSink, data: TensorData): Promise<number> {
+  if (data instanceof Uint8Array) {
+    await sink.write(data);
+    return data.length;
+  }
+  let n = 0;
+  for await (const chunk of data) {
+    n += chunk.length;
+    await sink.write(chunk);
+  }
+  return n;
+}

@@ -1,0 +1,41 @@
+/**
+ * Types shared by the pieces of the conversion library (reader, quantizers, writers).
+ * The library is pure: no Temporal imports; I/O only through {@link ByteSource} and file sinks.
+ */
+
+/** Element types found in safetensors inputs. */
+export type SourceDType = 'F32' | 'F16' | 'BF16';
+
+/** Output weight encodings. `q40`/`q80` are block formats (32 elements per block). */
+export type WeightsFormat = 'f32' | 'f16' | 'q80' | 'q40';
+
+/**
+ * Anything we can read byte ranges from: a local file, or (later) an S3 object via ranged GETs.
+ * `read` must return exactly `length` bytes or throw.
+ */
+export interface ByteSource {
+  /** Human-readable name used in error messages (file path or s3 key). */
+  readonly name: string;
+  size(): Promise<number>;
+  read(offset: number, length: number): Promise<Uint8Array>;
+  close?(): Promise<void>;
+}
+
+/** One tensor as declared in a safetensors header, with absolute offsets into its shard. */
+export interface SourceTensor {
+  name: string;
+  dtype: SourceDType;
+  shape: number[];
+  /** The shard that holds it. */
+  source: ByteSource;
+  /** Absolute byte offset of the tensor data within the shard file. */
+  offset: number;
+  byteLength: number;
+}
+
+/**
+ * Whose bytes a block quantizer reproduces: `ggml` = llama.cpp's `quantize_row_q{4,8}_0_ref`
+ * (GGUF Q4_0/Q8_0), `dllama` = distributed-llama's `converter/writer.py` (its `.m` q40/q80).
+ * The block layouts are identical; the rounding rules differ (see quant.ts).
+ */
+export type QuantFlavor = 'ggml' | 'dllama';
