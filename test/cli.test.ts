@@ -1,6 +1,9 @@
 /** The `magus` CLI as a user runs it (from the JavaScript `npm ci` builds). */
 import { spawnSync } from 'node:child_process';
+import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { writeTinyModel } from './fixtures/tiny-model';
 
 const bin = join(__dirname, '..', 'bin', 'magus.js');
 const run = (...args: string[]) => spawnSync(process.execPath, [bin, ...args], { encoding: 'utf8', timeout: 30_000 });
@@ -9,6 +12,47 @@ test('help lists every mode', () => {
   const r = run('--help');
   expect(r.status).toBe(0);
   for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert']) expect(r.stdout).toMatch(new RegExp(`^  ${mode} `, 'm'));
+});
+
+describe('convert', () => {
+  let dir: string;
+  beforeAll(async () => {
+    dir = mkdtempSync(join(tmpdir(), 'magus-cli-'));
+    await writeTinyModel(join(dir, 'tiny'), { seed: 11 });
+  });
+  afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+  test('writes a GGUF and reports progress as plain lines when not on a terminal', () => {
+    const out = join(dir, 'tiny.gguf');
+    const r = run('convert', join(dir, 'tiny'), '--format', 'gguf', '--weights', 'q40', '-o', out, '--threads', '2');
+    expect(r.stderr).toMatch(/100\.0% .*21\/21 tensors/);
+    expect(r.status).toBe(0);
+    expect(r.stdout).toContain(out);
+    expect(existsSync(out)).toBe(true);
+  });
+
+  test('writes model.m and tokenizer.t for distributed-llama', () => {
+    const out = join(dir, 'dl');
+    const r = run('convert', join(dir, 'tiny'), '--format', 'dllama', '--weights', 'q80', '-o', out);
+    expect(r.status).toBe(0);
+    expect(existsSync(join(out, 'model.m')) && existsSync(join(out, 'tokenizer.t'))).toBe(true);
+  });
+
+  test.each([
+    [['--format', 'onnx', '--weights', 'q40'], /--format must be one of gguf, dllama/],
+    [['--format', 'gguf', '--weights', 'q3'], /--weights must be one of q40, q80, f16, f32/],
+    [['--format', 'gguf', '--weights', 'q40', '--threads', '0'], /--threads must be/],
+  ])('rejects bad options %j', (opts, why) => {
+    const r = run('convert', join(dir, 'tiny'), ...opts);
+    expect(r.status).toBe(1);
+    expect(r.stderr).toMatch(why);
+  });
+
+  test('a directory without a checkpoint is a clear error', () => {
+    const r = run('convert', join(dir, 'nope'), '--format', 'gguf', '--weights', 'q40', '-o', join(dir, 'nope.gguf'));
+    expect(r.status).toBe(1);
+    expect(r.stderr).toMatch(/MissingFile: .*nope\/config\.json/);
+  });
 });
 
 test('a mode that is not built yet says so and exits 2', () => {

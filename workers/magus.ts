@@ -5,6 +5,7 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
+import { convertCommand } from './convert';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
 
 const DESCRIPTIONS: Record<Mode, string> = {
@@ -28,6 +29,7 @@ function usage(): string {
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
     'magus dev [--services temporal,nats,s3,kubernetes] [--json]',
+    'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
   ].join('\n');
 }
 
@@ -92,6 +94,8 @@ export async function main(argv: string[]): Promise<number> {
   switch (mode as Mode) {
     case 'dev':
       return dev(rest);
+    case 'convert':
+      return convertCommand(rest);
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
       return EXIT_NOT_AVAILABLE;

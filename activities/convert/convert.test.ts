@@ -1,0 +1,133 @@
+/**
+ * The conversion pipeline end to end on the tiny synthetic model: every format and weights
+ * encoding, parsed back; output independent of thread count and sharding; bad input fails with
+ * a typed error and leaves nothing at (or next to) the output name.
+ */
+import { createHash } from 'node:crypto';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { writeTinyModel } from '../../test/fixtures/tiny-model';
+import { convertModel, type ConvertProgress } from './convert';
+import { planDllama } from './dllama';
+import { readGguf } from './gguf-reader';
+import { parseModelSpec } from './arch';
+import { GgmlType } from './gguf';
+import type { WeightsFormat } from './types';
+
+let root: string;
+beforeAll(() => {
+  root = mkdtempSync(join(tmpdir(), 'magus-convert-'));
+});
+afterAll(() => rmSync(root, { recursive: true, force: true }));
+
+const sha = (path: string) => createHash('sha256').update(readFileSync(path)).digest('hex');
+const GGML_OF: Record<WeightsFormat, number> = { f32: GgmlType.F32, f16: GgmlType.F16, q80: GgmlType.Q8_0, q40: GgmlType.Q4_0 };
+
+describe('GGUF', () => {
+  let model: string;
+  beforeAll(async () => {
+    model = join(root, 'tiny-f16');
+    await writeTinyModel(model, { seed: 7, dtype: 'F16', ropeScaling: true });
+  });
+
+  test.each(['f32', 'f16', 'q80', 'q40'] as const)('%s: every tensor and key parses back, with progress', async (weights) => {
+    const out = join(root, `tiny-${weights}.gguf`);
+    const progress: ConvertProgress[] = [];
+    const result = await convertModel({ modelDir: model, format: 'gguf', weights, output: out, threads: 2, onProgress: (p) => progress.push(p) });
+    const bytes = readFileSync(out);
+    expect(bytes.length).toBe(result.files[0]?.bytes);
+
+    const gguf = await readGguf(new Uint8Array(bytes));
+    const kv = (k: string) => gguf.metadata.get(k)?.value;
+    expect(kv('general.architecture')).toBe('llama');
+    expect(kv('llama.block_count')).toBe(2);
+    expect(kv('llama.embedding_length')).toBe(64);
+    expect(kv('tokenizer.ggml.model')).toBe('gpt2');
+    expect(typeof kv('tokenizer.chat_template')).toBe('string');
+    const names = gguf.tensors.map((t) => t.name);
+    expect(names).toEqual(expect.arrayContaining(['rope_freqs.weight', 'token_embd.weight', 'blk.1.ffn_down.weight', 'output_norm.weight', 'output.weight']));
+    expect(gguf.tensors).toHaveLength(result.tensors);
+    for (const t of gguf.tensors) {
+      const oneD = t.dims.length === 1;
+      expect([t.name, t.ggmlType]).toEqual([t.name, oneD ? GgmlType.F32 : GGML_OF[weights]]);
+    }
+
+    const last = progress[progress.length - 1];
+    expect(last?.tensorsDone).toBe(result.tensors);
+    expect(last?.bytesDone).toBe(last?.bytesTotal);
+    expect(last?.bytesTotal).toBe(result.inputBytes);
+    expect(readdirSync(root).filter((f) => f.includes('.tmp-'))).toEqual([]);
+  });
+
+  test('output bytes do not depend on thread count or sharding', async () => {
+    const sharded = join(root, 'tiny-f16-sharded');
+    await writeTinyModel(sharded, { seed: 7, dtype: 'F16', ropeScaling: true, shards: 3 });
+    const a = join(root, 'a.gguf');
+    const b = join(root, 'b.gguf');
+    await convertModel({ modelDir: model, format: 'gguf', weights: 'q40', output: a, threads: 1, name: 'tiny' });
+    await convertModel({ modelDir: sharded, format: 'gguf', weights: 'q40', output: b, threads: 2, name: 'tiny' });
+    expect(sha(a)).toBe(sha(b));
+  });
+});
+
+test('distributed-llama: model.m header as planned, sizes add up, tokenizer.t written', async () => {
+  const model = join(root, 'tiny-bf16');
+  await writeTinyModel(model, { seed: 3, dtype: 'BF16' });
+  const out = join(root, 'dllama-q40');
+  const result = await convertModel({ modelDir: model, format: 'dllama', weights: 'q40', output: out, threads: 2 });
+  const m = readFileSync(join(out, 'model.m'));
+  const config = JSON.parse(readFileSync(join(model, 'config.json'), 'utf8')) as unknown;
+  const plan = planDllama(parseModelSpec(config), 'q40', (n) => n !== 'nothing');
+  expect(m.length).toBe(plan.totalSize);
+  expect(m.subarray(0, plan.headerBytes.length).equals(Buffer.from(plan.headerBytes))).toBe(true);
+  expect(result.files.map((f) => f.path)).toEqual([join(out, 'model.m'), join(out, 'tokenizer.t')]);
+  expect(readFileSync(join(out, 'tokenizer.t')).readUInt32LE(0)).toBe(0x567124);
+});
+
+describe('bad input', () => {
+  test('a NaN weight names its tensor and leaves no output', async () => {
+    const model = join(root, 'nan');
+    const tiny = await writeTinyModel(model, { seed: 5, dtype: 'F32' });
+    const file = join(model, tiny.weightFiles[0]!);
+    const buf = readFileSync(file);
+    const headerLen = Number(buf.readBigUInt64LE(0));
+    const header = JSON.parse(buf.subarray(8, 8 + headerLen).toString('utf8')) as Record<string, { data_offsets: [number, number] }>;
+    const target = 'model.layers.1.mlp.up_proj.weight';
+    buf.writeFloatLE(Number.NaN, 8 + headerLen + header[target]!.data_offsets[0] + 4 * 100);
+    writeFileSync(file, buf);
+    const out = join(root, 'nan-out');
+    const err = await convertModel({ modelDir: model, format: 'gguf', weights: 'q40', output: `${out}.gguf`, threads: 2 }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ name: 'ConvertError', code: 'NonFinite' });
+    expect((err as Error).message).toContain(target);
+    expect(readdirSync(root).filter((f) => f.startsWith('nan-out'))).toEqual([]);
+  });
+
+  test('an unsupported architecture is a typed error naming it', async () => {
+    const model = join(root, 'mistral');
+    await writeTinyModel(model, { seed: 1 });
+    const configPath = join(model, 'config.json');
+    const config = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
+    writeFileSync(configPath, JSON.stringify({ ...config, architectures: ['GPTNeoXForCausalLM'], model_type: 'gpt_neox' }));
+    const err = await convertModel({ modelDir: model, format: 'gguf', weights: 'f16', output: join(root, 'x.gguf') }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'UnsupportedArchitecture' });
+    expect((err as Error).message).toMatch(/gpt_neox|GPTNeoX/);
+  });
+
+  test('a missing tensor is a typed error before anything is written', async () => {
+    const model = join(root, 'missing');
+    const tiny = await writeTinyModel(model, { seed: 2, dtype: 'F32' });
+    // Rename a tensor in place (same length, so every offset stays valid).
+    const file = join(model, tiny.weightFiles[0]!);
+    const buf = readFileSync(file);
+    const at = buf.indexOf('model.layers.0.self_attn.v_proj.weight');
+    expect(at).toBeGreaterThan(0);
+    buf.write('model.layers.0.self_attn.w_proj.weight', at);
+    writeFileSync(file, buf);
+    const out = join(root, 'missing-out');
+    const err = await convertModel({ modelDir: model, format: 'dllama', weights: 'q80', output: out }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ code: 'MissingTensor' });
+    expect((err as Error).message).toContain('model.layers.0.self_attn.v_proj.weight');
+    expect(readdirSync(root).filter((f) => f.startsWith('missing-out'))).toEqual([]);
+  });
+});

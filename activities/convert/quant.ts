@@ -1,0 +1,621 @@
+/**
+ * Element conversions (F32/F16/BF16) and the 32-element block quantizers Q4_0/Q8_0 (GGUF) and
+ * q40/q80 (distributed-llama), bit-exact with the tools that normally write those files.
+ *
+ * Exactness. JavaScript computes in float64; the references compute in float32. Every float32
+ * operation is reproduced as `Math.fround(op in float64)`, which is exact because a float64
+ * product of two float32 values is exact (24+24 < 53 bits) and, for + − × ÷, rounding first to
+ * float64 then to float32 gives the same result as rounding once (53 ≥ 2·24+2). A `Math.fround`
+ * is omitted only where the comment next to it proves the result cannot change.
+ *
+ * The two flavors ({@link QuantFlavor}), per block of 32 values x:
+ *
+ * ggml `quantize_row_q4_0_ref`: m = the first x with the largest |x| (+0 if all are zero);
+ *   d = m / -8; id = d ? 1/d : 0; q = min(15, (int8)(x·id + 8.5)) (truncation), two nibbles per
+ *   byte (element j low, j+16 high); the fp16 scale d comes first.
+ * dllama q40 (`converter/writer.py`, numpy float32): m = min if −min > max else max. This equals
+ *   ggml's m except (a) when +A and −A are both the largest magnitude, dllama takes +A and ggml the
+ *   first one, and (b) in an all-zero block, where m is ±0 following numpy's max (the sign of the
+ *   block's last element with numpy 1.23.5, the version dllama pins) and ggml's is +0, so only the
+ *   sign bit of d differs. The rest (float32 x·id, + 8.5, clip to [0, 15], truncate) is the same
+ *   math, so one kernel serves both.
+ * ggml `quantize_row_q8_0_ref`: amax = max |x| (+0 if all zero); d = amax/127; q = roundf(x·id),
+ *   i.e. halves round away from zero.
+ * dllama q80: same d except its sign in all-zero blocks (as above), but `np.round` rounds halves
+ *   to even: x·id = 2.5 gives 3 in ggml and 2 in dllama.
+ *
+ * Both references are sequences of plain float32 operations (ISO C semantics, no FMA contraction;
+ * numpy never fuses). A ggml build that contracts `x·id + 8.5f` into an FMA (GCC with FMA-capable
+ * `-march`, e.g. on aarch64) can differ in Q4_0 nibbles; measured: 6 of 64M random elements.
+ *
+ * Degenerate scales. When |d| is a float32 subnormal (all |x| below ~1e-37, which only F32/BF16
+ * sources can hold) 1/d is inexact or overflows, x·id leaves [−8.5, 8.5], and the references
+ * convert out-of-range floats to integers: ggml as x86-64 GCC does (cvttss2si, then the low byte:
+ * NaN and ±Inf give 0, −3 wraps to 253), numpy by clipping first. {@link quantizeQ40} and friends
+ * reproduce both on a per-block slow path. Scales beyond the fp16 range are written as ±Inf, as
+ * the references do.
+ *
+ * Speed: hot loops read typed arrays only, allocate nothing, and take F16/BF16 input directly
+ * through 64K-entry lookup tables (the largest |x| is found on the integer bit patterns).
+ */
+import { ConvertError } from './errors';
+import type { QuantFlavor, SourceDType, WeightsFormat } from './types';
+
+/** Elements per quantization block (Q4_0, Q8_0, q40, q80). */
+export const QK = 32;
+/** Bytes per Q4_0/q40 block: fp16 scale + 16 bytes of nibbles. */
+export const Q40_BLOCK_BYTES = 18;
+/** Bytes per Q8_0/q80 block: fp16 scale + 32 signed bytes. */
+export const Q80_BLOCK_BYTES = 34;
+
+if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) {
+  // Typed-array views over file bytes assume the host byte order is the file's (little-endian).
+  throw new Error('quant.ts requires a little-endian host');
+}
+
+/** Options shared by the quantizers and encoders. */
+export interface EncodeOptions {
+  /** Whose rounding rules to follow for q40/q80 (default `ggml`). */
+  flavor?: QuantFlavor;
+  /** Byte offset in the output at which to start writing (default 0). */
+  outOffset?: number;
+  /** Tensor name for error messages. */
+  label?: string;
+  /** Index of the chunk's first element within its tensor, for error messages. */
+  elementOffset?: number;
+}
+
+/** A run of raw tensor bytes in its source element type (little-endian). */
+export interface RawChunk {
+  dtype: SourceDType;
+  bytes: Uint8Array;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions and lookup tables
+
+/**
+ * fp16 bit pattern → value. Every value is exactly a float32; the table is float64 because V8
+ * loads a Float64Array element about twice as fast as it loads and widens a Float32Array one.
+ */
+export const F16_TABLE: Float64Array = buildF16Table();
+/** bf16 bit pattern → value (the bits are the top half of a float32); float64 as {@link F16_TABLE}. */
+export const BF16_TABLE: Float64Array = buildBf16Table();
+
+function buildF16Table(): Float64Array {
+  const t = new Float64Array(65536);
+  for (let h = 0; h < 65536; h++) {
+    const exp = (h >>> 10) & 0x1f;
+    const mant = h & 0x3ff;
+    let v: number;
+    if (exp === 0) v = mant * 2 ** -24;
+    else if (exp === 31) v = mant === 0 ? Infinity : NaN;
+    else v = (1024 + mant) * 2 ** (exp - 25);
+    t[h] = h & 0x8000 ? -v : v;
+  }
+  return t;
+}
+
+function buildBf16Table(): Float64Array {
+  const t = new Float32Array(65536);
+  const bits = new Uint32Array(t.buffer);
+  for (let h = 0; h < 65536; h++) bits[h] = h << 16;
+  return Float64Array.from(t);
+}
+
+/**
+ * float32 bit pattern → fp16 bit pattern, rounding to nearest, ties to even (IEEE 754), with
+ * gradual underflow to fp16 subnormals; |x| ≥ 65520 gives ±Inf and NaN gives ±0x7E00, exactly
+ * as ggml's `ggml_compute_fp32_to_fp16` (checked against it for all 2^32 non-NaN inputs).
+ */
+export function f16FromF32Bits(u: number): number {
+  const sign = (u >>> 16) & 0x8000;
+  const a = u & 0x7fffffff;
+  if (a >= 0x477ff000) return a > 0x7f800000 ? sign | 0x7e00 : sign | 0x7c00;
+  if (a >= 0x38800000) {
+    // Normal fp16: re-bias the exponent (127 → 15) and round the 13 dropped mantissa bits;
+    // a carry out of the mantissa correctly bumps the exponent.
+    return sign | ((a - 0x38000000 + 0xfff + ((a >>> 13) & 1)) >>> 13);
+  }
+  if (a <= 0x33000000) return sign; // ≤ 2^-25: rounds to zero (2^-25 itself is a tie → even 0)
+  // fp16 subnormal: value = m · 2^(e-150), result unit 2^-24, so shift right by 126 - e (14..24).
+  const e = a >>> 23;
+  const m = (a & 0x7fffff) | 0x800000;
+  const shift = 126 - e;
+  return sign | ((m + (1 << (shift - 1)) - 1 + ((m >>> shift) & 1)) >>> shift);
+}
+
+const scratchF32 = new Float32Array(1);
+const scratchU32 = new Uint32Array(scratchF32.buffer);
+
+/** The bit pattern of `Math.fround(x)`. */
+export function f32Bits(x: number): number {
+  scratchF32[0] = x;
+  return scratchU32[0]!;
+}
+
+/** Value (rounded to float32 first) → fp16 bit pattern; see {@link f16FromF32Bits}. */
+export function f32ToF16Bits(x: number): number {
+  return f16FromF32Bits(f32Bits(x));
+}
+
+/** fp16 bit pattern → value. */
+export function f16BitsToF32(h: number): number {
+  return F16_TABLE[h & 0xffff]!;
+}
+
+/** bf16 bit pattern → value. */
+export function bf16BitsToF32(h: number): number {
+  return BF16_TABLE[h & 0xffff]!;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sizes and views
+
+/** Bytes needed to encode `elements` values as `format`. Throws `BadBlockSize` for q40/q80 when not a multiple of 32. */
+export function encodedSize(format: WeightsFormat, elements: number, label?: string): number {
+  switch (format) {
+    case 'f32':
+      return elements * 4;
+    case 'f16':
+      return elements * 2;
+    case 'q80':
+      checkBlocks(elements, label);
+      return (elements / QK) * Q80_BLOCK_BYTES;
+    case 'q40':
+      checkBlocks(elements, label);
+      return (elements / QK) * Q40_BLOCK_BYTES;
+  }
+}
+
+/** Bytes per element of a source dtype. */
+export function dtypeSize(dtype: SourceDType): number {
+  return dtype === 'F32' ? 4 : 2;
+}
+
+function checkBlocks(elements: number, label?: string): void {
+  if (!Number.isInteger(elements) || elements < 0 || elements % QK !== 0) {
+    throw new ConvertError('BadBlockSize', `${label ?? 'tensor'}: ${elements} values are not a whole number of ${QK}-value blocks`);
+  }
+}
+
+/** A Uint16Array over `bytes`, copying only when `bytes` is not 2-byte aligned. */
+export function u16View(bytes: Uint8Array): Uint16Array {
+  if (bytes.byteOffset % 2 === 0) return new Uint16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >>> 1);
+  return new Uint16Array(bytes.slice().buffer, 0, bytes.byteLength >>> 1);
+}
+
+/** A Float32Array over `bytes`, copying only when `bytes` is not 4-byte aligned. */
+export function f32View(bytes: Uint8Array): Float32Array {
+  if (bytes.byteOffset % 4 === 0) return new Float32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength >>> 2);
+  return new Float32Array(bytes.slice().buffer, 0, bytes.byteLength >>> 2);
+}
+
+function u32Of(x: Float32Array): Uint32Array {
+  return new Uint32Array(x.buffer, x.byteOffset, x.length);
+}
+
+function nonFinite(value: number, index: number, opts: EncodeOptions | undefined, what = 'is'): ConvertError {
+  const at = (opts?.elementOffset ?? 0) + index;
+  return new ConvertError('NonFinite', `${opts?.label ?? 'tensor'}: element ${at} ${what} ${value}`);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk element conversions
+
+/** fp16 bits → float32. Throws `NonFinite` on ±Inf/NaN unless `allowNonFinite`. */
+export function f16ToF32(src: Uint16Array, out: Float32Array, opts?: EncodeOptions & { allowNonFinite?: boolean }): void {
+  const n = src.length;
+  const lut = F16_TABLE;
+  const check = !opts?.allowNonFinite;
+  for (let i = 0; i < n; i++) {
+    const h = src[i]!;
+    if (check && (h & 0x7c00) === 0x7c00) throw nonFinite(lut[h]!, i, opts);
+    out[i] = lut[h]!;
+  }
+}
+
+/** bf16 bits → float32. Throws `NonFinite` on ±Inf/NaN unless `allowNonFinite`. */
+export function bf16ToF32(src: Uint16Array, out: Float32Array, opts?: EncodeOptions & { allowNonFinite?: boolean }): void {
+  const n = src.length;
+  const bits = u32Of(out);
+  for (let i = 0; i < n; i++) bits[i] = src[i]! << 16;
+  if (!opts?.allowNonFinite) {
+    for (let i = 0; i < n; i++) {
+      if ((src[i]! & 0x7f80) === 0x7f80) throw nonFinite(out[i]!, i, opts);
+    }
+  }
+}
+
+/** float32 → fp16 bits (ties to even). Throws `NonFinite` for NaN/±Inf and for values that overflow fp16. */
+export function f32ToF16(src: Float32Array, out: Uint16Array, opts?: EncodeOptions): void {
+  const n = src.length;
+  const bits = u32Of(src);
+  for (let i = 0; i < n; i++) {
+    const u = bits[i]!;
+    if ((u & 0x7fffffff) >= 0x477ff000) {
+      throw nonFinite(src[i]!, i, opts, (u & 0x7f800000) === 0x7f800000 ? 'is' : 'overflows f16:');
+    }
+    out[i] = f16FromF32Bits(u);
+  }
+}
+
+/** Throws `NonFinite` naming the tensor and element if `chunk` holds NaN or ±Inf. */
+export function assertFinite(chunk: Float32Array, tensorName: string, elementOffset = 0): void {
+  const bits = u32Of(chunk);
+  const n = bits.length;
+  for (let i = 0; i < n; i++) {
+    if ((bits[i]! & 0x7f800000) === 0x7f800000) throw nonFinite(chunk[i]!, i, { label: tensorName, elementOffset });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Degenerate-scale helpers (slow path, see the file comment)
+
+/** A float32 |d| below this is subnormal: 1/d may be inexact or overflow. */
+const MIN_NORMAL_F32 = 2 ** -126;
+/** 1.5·2^52: `v + RINT_MAGIC - RINT_MAGIC` is `v` rounded to an integer, ties to even (|v| < 2^51). */
+const RINT_MAGIC = 6755399441055744;
+
+/** `(uint8_t)MIN(15, (int8_t)s)` as x86-64 GCC evaluates it for any float s. */
+function ggmlNibble(s: number): number {
+  if (!(Math.abs(s) < 2147483648)) return 0; // NaN / out of int32 range: cvttss2si gives 0x80000000
+  const t = (Math.trunc(s) << 24) >> 24; // the low byte, as int8
+  return (t < 15 ? t : 15) & 0xff;
+}
+
+/** `np.clip(s, 0, 15).astype(int) & 0xF`, NaN casting to INT64_MIN (low bits 0). */
+function dllamaNibble(s: number): number {
+  if (s !== s) return 0;
+  return Math.trunc(s < 0 ? 0 : s > 15 ? 15 : s) & 0xf;
+}
+
+/** A rounded float converted to an int8 byte as the references do on x86-64 (NaN/huge → 0, else the low byte). */
+function toInt8Byte(r: number): number {
+  return Math.abs(r) < 2147483648 ? r : 0; // stored into a Uint8Array, which keeps the low byte
+}
+
+function roundHalfAway(v: number): number {
+  return Math.trunc(v + (v < 0 ? -0.5 : 0.5));
+}
+
+function roundHalfEven(v: number): number {
+  const r = Math.round(v);
+  return r - v === 0.5 && (r & 1) !== 0 ? r - 1 : r;
+}
+
+function writeScale(out: Uint8Array, o: number, d: number): void {
+  const h = f32ToF16Bits(d);
+  out[o] = h & 0xff;
+  out[o + 1] = h >>> 8;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q4_0 / q40
+
+/** Q4_0 (ggml) or q40 (dllama) of float32 values into `out` (18 bytes per 32 values). */
+export function quantizeQ40(x: Float32Array, out: Uint8Array, opts?: EncodeOptions): void {
+  const n = x.length;
+  checkBlocks(n, opts?.label);
+  const dllama = opts?.flavor === 'dllama';
+  let o = opts?.outOffset ?? 0;
+  checkOut(out, o, (n / QK) * Q40_BLOCK_BYTES);
+  const bits = u32Of(x);
+  for (let b = 0; b < n; b += QK, o += Q40_BLOCK_BYTES) {
+    // Largest magnitude on the bit patterns (monotonic in |x| for non-NaN; NaN sorts above Inf).
+    let amax = 0;
+    let at = -1;
+    let positive = false; // dllama: a +amax element exists
+    for (let j = 0; j < QK; j++) {
+      const u = bits[b + j]!;
+      const a = u & 0x7fffffff;
+      if (a > amax) {
+        amax = a;
+        at = j;
+        positive = u === a;
+      } else if (a === amax && u === a) {
+        positive = true;
+      }
+    }
+    if (amax >= 0x7f800000) throw nonFinite(x[b + at]!, b + at, opts);
+    let m: number;
+    if (at < 0) m = dllama ? x[b + QK - 1]! : 0; // all ±0 (see file comment)
+    else if (dllama) m = positive ? Math.abs(x[b + at]!) : -Math.abs(x[b + at]!);
+    else m = x[b + at]!;
+    // m / -8 is exact in float64; fround matters only if the quotient is a float32 subnormal.
+    const d = Math.fround(m / -8);
+    const id = d !== 0 ? Math.fround(1 / d) : 0;
+    writeScale(out, o, d);
+    if (d !== 0 && Math.abs(d) < MIN_NORMAL_F32) {
+      q40SlowBlock(x, b, id, out, o + 2, dllama);
+      continue;
+    }
+    // Fast path: |x·id| ≤ 8·(1+2^-23), so s = x·id + 8.5 lies in [0.49, 16.6]: `| 0` truncates
+    // like the int8 conversion and clip(s, 0, 15) equals min(15, trunc(s)). Both frounds are
+    // needed (x·id and s may round across an integer boundary).
+    for (let j = 0; j < QK / 2; j++) {
+      let q0 = Math.fround(Math.fround(x[b + j]! * id) + 8.5) | 0;
+      let q1 = Math.fround(Math.fround(x[b + j + 16]! * id) + 8.5) | 0;
+      if (q0 > 15) q0 = 15;
+      if (q1 > 15) q1 = 15;
+      out[o + 2 + j] = q0 | (q1 << 4);
+    }
+  }
+}
+
+function q40SlowBlock(x: Float32Array, b: number, id: number, out: Uint8Array, o: number, dllama: boolean): void {
+  for (let j = 0; j < QK / 2; j++) {
+    const s0 = Math.fround(Math.fround(x[b + j]! * id) + 8.5);
+    const s1 = Math.fround(Math.fround(x[b + j + 16]! * id) + 8.5);
+    out[o + j] = dllama ? dllamaNibble(s0) | (dllamaNibble(s1) << 4) : ggmlNibble(s0) | (ggmlNibble(s1) << 4);
+  }
+}
+
+/**
+ * Q4_0/q40 of fp16 or bf16 bit patterns, without an intermediate float32 copy: the magnitude
+ * search runs on the 15 magnitude bits (two values per 32-bit load), values come from the table.
+ */
+export function quantizeQ40Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, opts?: EncodeOptions): void {
+  const n = src.length;
+  checkBlocks(n, opts?.label);
+  const dllama = opts?.flavor === 'dllama';
+  const lut = dtype === 'F16' ? F16_TABLE : BF16_TABLE;
+  const infBits = dtype === 'F16' ? 0x7c00 : 0x7f80;
+  let o = opts?.outOffset ?? 0;
+  checkOut(out, o, (n / QK) * Q40_BLOCK_BYTES);
+  const h = src.byteOffset % 4 === 0 ? src : src.slice();
+  const pairs = new Uint32Array(h.buffer, h.byteOffset, n >>> 1);
+  for (let b = 0; b < n; b += QK, o += Q40_BLOCK_BYTES) {
+    // First element with the largest magnitude (ggml's strict `amax < |v|` keeps the first).
+    let amax = 0;
+    let at = -1;
+    for (let j = 0, p = b >>> 1; j < QK; j += 2, p++) {
+      const w = pairs[p]!;
+      const lo = w & 0x7fff;
+      const hi = (w >>> 16) & 0x7fff;
+      if (lo > amax) {
+        amax = lo;
+        at = j;
+      }
+      if (hi > amax) {
+        amax = hi;
+        at = j + 1;
+      }
+    }
+    if (amax >= infBits) throw nonFinite(lut[h[b + at]!]!, b + at, opts);
+    let m: number;
+    if (at < 0) {
+      m = dllama ? lut[h[b + QK - 1]!]! : 0; // all ±0 (see file comment)
+    } else if (dllama) {
+      // numpy picks +amax whenever it occurs, even after a −amax.
+      let positive = h[b + at] === amax;
+      for (let j = at + 1; !positive && j < QK; j++) positive = h[b + j] === amax;
+      m = positive ? lut[amax]! : -lut[amax]!;
+    } else {
+      m = lut[h[b + at]!]!;
+    }
+    // m / -8 is exact in float64; fround matters only if the quotient is a float32 subnormal.
+    const d = Math.fround(m / -8);
+    const id = d !== 0 ? Math.fround(1 / d) : 0;
+    writeScale(out, o, d);
+    if (d !== 0 && Math.abs(d) < MIN_NORMAL_F32) {
+      for (let j = 0; j < QK / 2; j++) {
+        const s0 = Math.fround(Math.fround(lut[h[b + j]!]! * id) + 8.5);
+        const s1 = Math.fround(Math.fround(lut[h[b + j + 16]!]! * id) + 8.5);
+        out[o + 2 + j] = dllama ? dllamaNibble(s0) | (dllamaNibble(s1) << 4) : ggmlNibble(s0) | (ggmlNibble(s1) << 4);
+      }
+      continue;
+    }
+    // Fast path, as in quantizeQ40, reading values two at a time: pair k of the first half
+    // holds elements 2k and 2k+1, which share bytes with elements 2k+16 and 2k+17.
+    for (let k = 0, p = b >>> 1, q = o + 2; k < QK / 4; k++, p++, q += 2) {
+      const lo = pairs[p]!;
+      const hi = pairs[p + QK / 4]!;
+      let a0 = Math.fround(Math.fround(lut[lo & 0xffff]! * id) + 8.5) | 0;
+      let a1 = Math.fround(Math.fround(lut[lo >>> 16]! * id) + 8.5) | 0;
+      let b0 = Math.fround(Math.fround(lut[hi & 0xffff]! * id) + 8.5) | 0;
+      let b1 = Math.fround(Math.fround(lut[hi >>> 16]! * id) + 8.5) | 0;
+      if (a0 > 15) a0 = 15;
+      if (a1 > 15) a1 = 15;
+      if (b0 > 15) b0 = 15;
+      if (b1 > 15) b1 = 15;
+      out[q] = a0 | (b0 << 4);
+      out[q + 1] = a1 | (b1 << 4);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q8_0 / q80
+
+/** Q8_0 (ggml) or q80 (dllama) of float32 values into `out` (34 bytes per 32 values). */
+export function quantizeQ80(x: Float32Array, out: Uint8Array, opts?: EncodeOptions): void {
+  const n = x.length;
+  checkBlocks(n, opts?.label);
+  const dllama = opts?.flavor === 'dllama';
+  let o = opts?.outOffset ?? 0;
+  checkOut(out, o, (n / QK) * Q80_BLOCK_BYTES);
+  const bits = u32Of(x);
+  for (let b = 0; b < n; b += QK, o += Q80_BLOCK_BYTES) {
+    let amax = 0;
+    let at = 0;
+    for (let j = 0; j < QK; j++) {
+      const a = bits[b + j]! & 0x7fffffff;
+      if (a > amax) {
+        amax = a;
+        at = j;
+      }
+    }
+    if (amax >= 0x7f800000) throw nonFinite(x[b + at]!, b + at, opts);
+    // |x| as a value: clear the sign. amax = 0 means an all-zero block (dllama keeps the last sign).
+    const absMax = amax === 0 ? (dllama ? x[b + QK - 1]! : 0) : Math.abs(x[b + at]!);
+    const d = Math.fround(absMax / 127);
+    const id = d !== 0 ? Math.fround(1 / d) : 0;
+    writeScale(out, o, d);
+    const q = o + 2;
+    if (d !== 0 && d < MIN_NORMAL_F32 && d > -MIN_NORMAL_F32) {
+      for (let j = 0; j < QK; j++) {
+        const v = Math.fround(x[b + j]! * id);
+        out[q + j] = toInt8Byte(dllama ? roundHalfEven(v) : roundHalfAway(v));
+      }
+      continue;
+    }
+    // Fast path: |x·id| ≤ 127·(1+2^-23), so the rounded value is a valid int8. Adding and
+    // subtracting 1.5·2^52 rounds a float64 of magnitude < 2^51 to an integer, ties to even
+    // (np.round); on an exact half v ± 0.5 is an integer, which gives roundf's away-from-zero.
+    if (dllama) {
+      for (let j = 0; j < QK; j++) {
+        const v = Math.fround(x[b + j]! * id);
+        out[q + j] = (v + RINT_MAGIC - RINT_MAGIC) | 0;
+      }
+    } else {
+      for (let j = 0; j < QK; j++) {
+        const v = Math.fround(x[b + j]! * id);
+        const r = v + RINT_MAGIC - RINT_MAGIC;
+        // rint and roundf differ only on exact halves; those are rare, so the branch predicts well.
+        out[q + j] = (r - v === 0.5 || v - r === 0.5 ? v + (v < 0 ? -0.5 : 0.5) : r) | 0;
+      }
+    }
+  }
+}
+
+/** Q8_0/q80 of fp16 or bf16 bit patterns, see {@link quantizeQ40Half}. */
+export function quantizeQ80Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, opts?: EncodeOptions): void {
+  const n = src.length;
+  checkBlocks(n, opts?.label);
+  const dllama = opts?.flavor === 'dllama';
+  const lut = dtype === 'F16' ? F16_TABLE : BF16_TABLE;
+  const infBits = dtype === 'F16' ? 0x7c00 : 0x7f80;
+  let o = opts?.outOffset ?? 0;
+  checkOut(out, o, (n / QK) * Q80_BLOCK_BYTES);
+  const h = src.byteOffset % 4 === 0 ? src : src.slice();
+  const pairs = new Uint32Array(h.buffer, h.byteOffset, n >>> 1);
+  for (let b = 0; b < n; b += QK, o += Q80_BLOCK_BYTES) {
+    let amax = 0;
+    for (let p = b >>> 1, end = p + QK / 2; p < end; p++) {
+      const w = pairs[p]!;
+      const lo = w & 0x7fff;
+      const hi = (w >>> 16) & 0x7fff;
+      if (lo > amax) amax = lo;
+      if (hi > amax) amax = hi;
+    }
+    if (amax >= infBits) {
+      let at = 0;
+      while ((h[b + at]! & 0x7fff) !== amax) at++;
+      throw nonFinite(lut[h[b + at]!]!, b + at, opts);
+    }
+    // amax = 0 means an all-zero block (dllama keeps the last element's sign, see file comment).
+    const absMax = amax === 0 ? (dllama ? lut[h[b + QK - 1]!]! : 0) : lut[amax]!;
+    const d = Math.fround(absMax / 127);
+    const id = d !== 0 ? Math.fround(1 / d) : 0;
+    writeScale(out, o, d);
+    const q = o + 2;
+    if (d !== 0 && d < MIN_NORMAL_F32 && d > -MIN_NORMAL_F32) {
+      for (let j = 0; j < QK; j++) {
+        const v = Math.fround(lut[h[b + j]!]! * id);
+        out[q + j] = toInt8Byte(dllama ? roundHalfEven(v) : roundHalfAway(v));
+      }
+      continue;
+    }
+    // Fast path, as in quantizeQ80, reading values two at a time.
+    if (dllama) {
+      for (let p = b >>> 1, end = p + QK / 2, k = q; p < end; p++, k += 2) {
+        const w = pairs[p]!;
+        out[k] = (Math.fround(lut[w & 0xffff]! * id) + RINT_MAGIC - RINT_MAGIC) | 0;
+        out[k + 1] = (Math.fround(lut[w >>> 16]! * id) + RINT_MAGIC - RINT_MAGIC) | 0;
+      }
+    } else {
+      for (let p = b >>> 1, end = p + QK / 2, k = q; p < end; p++, k += 2) {
+        const w = pairs[p]!;
+        const v0 = Math.fround(lut[w & 0xffff]! * id);
+        const v1 = Math.fround(lut[w >>> 16]! * id);
+        const r0 = v0 + RINT_MAGIC - RINT_MAGIC;
+        const r1 = v1 + RINT_MAGIC - RINT_MAGIC;
+        out[k] = (r0 - v0 === 0.5 || v0 - r0 === 0.5 ? v0 + (v0 < 0 ? -0.5 : 0.5) : r0) | 0;
+        out[k + 1] = (r1 - v1 === 0.5 || v1 - r1 === 0.5 ? v1 + (v1 < 0 ? -0.5 : 0.5) : r1) | 0;
+      }
+    }
+  }
+}
+
+function checkOut(out: Uint8Array, offset: number, bytes: number): void {
+  if (offset < 0 || offset + bytes > out.length) {
+    throw new RangeError(`output buffer of ${out.length} bytes cannot hold ${bytes} bytes at offset ${offset}`);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Generic entry points (used by the worker pool and the writers)
+
+/** Decodes raw F32/F16/BF16 bytes to float32, rejecting NaN/±Inf with `NonFinite` unless `allowNonFinite`. */
+export function decodeToF32(src: RawChunk, out?: Float32Array, opts?: EncodeOptions & { allowNonFinite?: boolean }): Float32Array {
+  const n = src.bytes.byteLength / dtypeSize(src.dtype);
+  const dst = out ?? new Float32Array(n);
+  if (dst.length < n) throw new RangeError(`output holds ${dst.length} values, need ${n}`);
+  const target = dst.length === n ? dst : dst.subarray(0, n);
+  if (src.dtype === 'F32') {
+    target.set(f32View(src.bytes));
+    if (!opts?.allowNonFinite) assertFinite(target, opts?.label ?? 'tensor', opts?.elementOffset);
+  } else if (src.dtype === 'F16') {
+    f16ToF32(u16View(src.bytes), target, opts);
+  } else {
+    bf16ToF32(u16View(src.bytes), target, opts);
+  }
+  return target;
+}
+
+/**
+ * Encodes raw source bytes as `format` into `out` at `opts.outOffset`; returns the bytes written
+ * (always {@link encodedSize}). NaN/±Inf inputs, and values that overflow an f16 output, throw
+ * `NonFinite`; q40/q80 need a multiple of 32 values (`BadBlockSize`).
+ */
+export function encodeChunk(src: RawChunk, format: WeightsFormat, out: Uint8Array, opts?: EncodeOptions): number {
+  const elements = src.bytes.byteLength / dtypeSize(src.dtype);
+  if (!Number.isInteger(elements)) {
+    throw new ConvertError('ShapeMismatch', `${opts?.label ?? 'tensor'}: ${src.bytes.byteLength} bytes is not a whole number of ${src.dtype} values`);
+  }
+  const size = encodedSize(format, elements, opts?.label);
+  const offset = opts?.outOffset ?? 0;
+  checkOut(out, offset, size);
+  switch (format) {
+    case 'q40':
+    case 'q80': {
+      const quantize = format === 'q40' ? quantizeQ40 : quantizeQ80;
+      const quantizeHalf = format === 'q40' ? quantizeQ40Half : quantizeQ80Half;
+      if (src.dtype === 'F32') quantize(f32View(src.bytes), out, opts);
+      else quantizeHalf(u16View(src.bytes), src.dtype, out, opts);
+      return size;
+    }
+    case 'f32': {
+      const aligned = (out.byteOffset + offset) % 4 === 0;
+      const dst = aligned ? new Float32Array(out.buffer, out.byteOffset + offset, elements) : new Float32Array(elements);
+      decodeToF32(src, dst, opts);
+      if (!aligned) out.set(new Uint8Array(dst.buffer), offset);
+      return size;
+    }
+    case 'f16': {
+      const aligned = (out.byteOffset + offset) % 2 === 0;
+      const dst = aligned ? new Uint16Array(out.buffer, out.byteOffset + offset, elements) : new Uint16Array(elements);
+      if (src.dtype === 'F32') {
+        f32ToF16(f32View(src.bytes), dst, opts);
+      } else if (src.dtype === 'F16') {
+        const h = u16View(src.bytes);
+        for (let i = 0; i < elements; i++) {
+          if ((h[i]! & 0x7c00) === 0x7c00) throw nonFinite(F16_TABLE[h[i]!]!, i, opts);
+        }
+        dst.set(h);
+      } else {
+        const h = u16View(src.bytes);
+        for (let i = 0; i < elements; i++) {
+          const u = h[i]! << 16;
+          if ((u & 0x7fffffff) >= 0x477ff000) {
+            throw nonFinite(BF16_TABLE[h[i]!]!, i, opts, (h[i]! & 0x7f80) === 0x7f80 ? 'is' : 'overflows f16:');
+          }
+          dst[i] = f16FromF32Bits(u);
+        }
+      }
+      if (!aligned) out.set(new Uint8Array(dst.buffer), offset);
+      return size;
+    }
+  }
+}
