@@ -275,13 +275,14 @@ export function permutedSourceRow(outRow: number, rows: number, heads: number): 
  * Both reference converters compute `w.reshape(heads, 2, rows/heads/2, cols).swapaxes(1, 2)`;
  * for K, `heads` is the number of KV heads. Qwen3 is not permuted (both runtimes use the
  * "neox"/"falcon" rope on the halves).
- * @param data row-major `rows x cols` matrix
- * @returns a new array; `data` is not modified
+ * @param data row-major `rows x cols` matrix (of values, or of raw bytes with `cols` = bytes per row)
+ * @returns a new array of the same type; `data` is not modified
  */
-export function permuteQK(data: Float32Array, rows: number, cols: number, heads: number): Float32Array {
+export function permuteQK<T extends Float32Array | Uint16Array | Uint8Array>(data: T, rows: number, cols: number, heads: number): T {
   if (data.length !== rows * cols) throw new RangeError(`permuteQK: ${data.length} values is not ${rows}x${cols}`);
   if (heads <= 0 || rows % (heads * 2) !== 0) throw new RangeError(`permuteQK: ${rows} rows cannot be split into ${heads} heads of pairs`);
-  const out = new Float32Array(data.length);
+  // Rows move whole, so any element type works, raw bytes included (cols = bytes per row).
+  const out = new (data.constructor as new (n: number) => T)(data.length);
   for (let r = 0; r < rows; r++) {
     const src = permutedSourceRow(r, rows, heads);
     out.set(data.subarray(src * cols, (src + 1) * cols), r * cols);

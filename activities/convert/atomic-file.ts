@@ -8,7 +8,11 @@ import { open, rename, rm } from 'node:fs/promises';
 
 /** Sequential writer handed to the fill callback. */
 export interface ByteSink {
-  write(chunk: Uint8Array): Promise<void>;
+  /**
+   * Appends `chunk`. By default it is copied (the caller may reuse it once this resolves); pass
+   * `owned: true` to hand over a buffer nobody will touch again, which saves the copy.
+   */
+  write(chunk: Uint8Array, opts?: { owned?: boolean }): Promise<void>;
   /** Bytes written so far. */
   readonly bytesWritten: number;
 }
@@ -30,20 +34,21 @@ export async function writeFileAtomically<T>(path: string, fill: (sink: ByteSink
     let written = 0;
     const flush = async (): Promise<void> => {
       if (pendingBytes === 0) return;
-      const chunk = pending.length === 1 ? (pending[0] as Uint8Array) : Buffer.concat(pending, pendingBytes);
+      let chunks = pending;
       pending = [];
       pendingBytes = 0;
-      let off = 0;
-      while (off < chunk.length) {
-        const { bytesWritten } = await handle.write(chunk, off, chunk.length - off);
-        off += bytesWritten;
+      // One writev per flush; a short write (rare on files) continues where it stopped.
+      while (chunks.length > 0) {
+        let { bytesWritten } = await handle.writev(chunks);
+        while (chunks.length > 0 && bytesWritten >= (chunks[0] as Uint8Array).length) bytesWritten -= (chunks.shift() as Uint8Array).length;
+        if (bytesWritten > 0) chunks = [(chunks[0] as Uint8Array).subarray(bytesWritten), ...chunks.slice(1)];
       }
     };
     const sink: ByteSink = {
-      async write(chunk: Uint8Array): Promise<void> {
+      async write(chunk: Uint8Array, opts?: { owned?: boolean }): Promise<void> {
         if (chunk.length === 0) return;
-        // Copy: callers may reuse their buffers once write() resolves.
-        pending.push(chunk.length >= FLUSH_BYTES ? chunk : new Uint8Array(chunk));
+        // Copy unless owned: callers may reuse their buffers once write() resolves.
+        pending.push(opts?.owned || chunk.length >= FLUSH_BYTES ? chunk : new Uint8Array(chunk));
         pendingBytes += chunk.length;
         written += chunk.length;
         if (pendingBytes >= FLUSH_BYTES) await flush();
@@ -69,7 +74,10 @@ export async function writeFileAtomically<T>(path: string, fill: (sink: ByteSink
 /** Tensor data: one buffer or a stream of chunks. */
 export type TensorData = Uint8Array | AsyncIterable<Uint8Array>;
 
-/** Writes `data` to the sink and returns how many bytes it held. */
+/**
+ * Writes `data` to the sink and returns how many bytes it held. Chunks of a stream are taken as
+ * owned (a producer yields fresh buffers); a single buffer is copied.
+ */
 export async function writeTensorData(sink: ByteSink, data: TensorData): Promise<number> {
   if (data instanceof Uint8Array) {
     await sink.write(data);
@@ -78,7 +86,7 @@ export async function writeTensorData(sink: ByteSink, data: TensorData): Promise
   let n = 0;
   for await (const chunk of data) {
     n += chunk.length;
-    await sink.write(chunk);
+    await sink.write(chunk, { owned: true });
   }
   return n;
 }

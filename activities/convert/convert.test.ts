@@ -60,6 +60,16 @@ describe('GGUF', () => {
     expect(readdirSync(root).filter((f) => f.includes('.tmp-'))).toEqual([]);
   });
 
+  test.each(['gguf', 'dllama'] as const)('%s: output bytes do not depend on chunking (permuted Q/K split across chunks)', async (format) => {
+    const a = join(root, `chunks-a-${format}`);
+    const b = join(root, `chunks-b-${format}`);
+    await convertModel({ modelDir: model, format, weights: 'q40', output: a, threads: 2, name: 'tiny' });
+    // 256 values: every 64x64 Q/K matrix becomes 16 chunks of 4 rows.
+    await convertModel({ modelDir: model, format, weights: 'q40', output: b, threads: 2, name: 'tiny', chunkElements: 256 });
+    if (format === 'gguf') expect(sha(b)).toBe(sha(a));
+    else expect(sha(join(b, 'model.m'))).toBe(sha(join(a, 'model.m')));
+  });
+
   test('output bytes do not depend on thread count or sharding', async () => {
     const sharded = join(root, 'tiny-f16-sharded');
     await writeTinyModel(sharded, { seed: 7, dtype: 'F16', ropeScaling: true, shards: 3 });

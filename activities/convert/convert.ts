@@ -14,7 +14,7 @@ import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
 import { ggufTensorInfos, planGgufModel, writeGgufFile } from './gguf';
 import { QuantPool } from './pool';
-import { openModelDir, readTensorChunks, readTensorF32All, chunkElementsFor, type ModelWeights } from './safetensors';
+import { chunkElementsFor, elementCount, openModelDir, readTensorChunks, type ModelWeights } from './safetensors';
 import { parseTokenizer, type ParsedTokenizer } from './tokenizer';
 import type { QuantFlavor, SourceDType, WeightsFormat } from './types';
 
@@ -35,6 +35,8 @@ export interface ConvertOptions {
   threads?: number;
   /** `general.name` for GGUF (default: the directory's name). */
   name?: string;
+  /** Values per chunk handed to a worker (default 4 Mi; rounded to whole rows). Output bytes do not depend on it. */
+  chunkElements?: number;
   onProgress?: (p: ConvertProgress) => void;
 }
 
@@ -98,7 +100,7 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
     if (opts.format === 'gguf') {
       const name = opts.name ?? basename(opts.modelDir);
       const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
-      const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', opts.onProgress);
+      const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', opts.chunkElements ?? CHUNK_ELEMENTS, opts.onProgress);
       await writeGgufFile(opts.output, plan.kvs, ggufTensorInfos(plan.tensors), (i) => stream(i));
       return { spec, files: [{ path: opts.output, bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
     }
@@ -108,7 +110,7 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
     const tokenizerPath = join(opts.output, 'tokenizer.t');
     // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
     await writeDllamaTokenizer(tokenizerPath, tokenizer);
-    const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', opts.onProgress);
+    const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', opts.chunkElements ?? CHUNK_ELEMENTS, opts.onProgress);
     await writeDllamaModel(modelPath, plan, (i) => stream(i));
     return {
       spec,
@@ -129,16 +131,24 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
 type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & { bytesTotal: number };
 type Chunk = { dtype: SourceDType; bytes: Uint8Array; elementOffset: number };
 
+/** Chunks in flight per worker thread, across tensor boundaries. */
+const IN_FLIGHT_PER_THREAD = 3;
+/** Values per chunk (8 MiB of F16): large enough that per-chunk overhead is noise. */
+const CHUNK_ELEMENTS = 4 << 20;
+
 /**
- * Returns `stream(i)`: the encoded bytes of planned tensor `i`, read and encoded chunk by chunk.
- * Shapes are checked for every tensor before the first byte is written, so a bad checkpoint
- * fails fast instead of after minutes of work.
+ * Returns `stream(i)`: the encoded bytes of planned tensor `i`, which the writers request in
+ * order. Behind it one producer reads every tensor's chunks in plan order and keeps the pool
+ * busy with a bounded window of chunks that spans tensor boundaries (so the pool never drains
+ * between tensors). Shapes are checked for every tensor before the first byte is read, so a
+ * bad checkpoint fails fast instead of after minutes of work.
  */
 function tensorStreamer(
   plan: readonly PlannedTensor[],
   weights: ModelWeights,
   pool: QuantPool,
   flavor: QuantFlavor,
+  chunkElements: number,
   onProgress?: (p: ConvertProgress) => void,
 ): Streamer {
   let bytesTotal = 0;
@@ -150,51 +160,74 @@ function tensorStreamer(
   }
   let bytesDone = 0;
   let tensorsDone = 0;
-  const report = (tensor: string) => onProgress?.({ tensorsDone, tensorsTotal: plan.length, bytesDone, bytesTotal, tensor });
+  let current = plan[0]?.name ?? '';
+  const report = () => onProgress?.({ tensorsDone, tensorsTotal: plan.length, bytesDone, bytesTotal, tensor: current });
+
+  /** Every chunk of every tensor, in plan order, tagged with its tensor's index. */
+  async function* chunks(): AsyncGenerator<Chunk & { index: number; sourceBytes: number }> {
+    for (const [index, t] of plan.entries()) {
+      if (t.source === null) {
+        const data = t.generated ?? new Float32Array(0);
+        yield { index, dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)), elementOffset: 0, sourceBytes: 0 };
+        continue;
+      }
+      const src = weights.get(t.source);
+      if (t.permute) {
+        // The rotary permutation moves whole rows across the tensor: read it whole and reorder the
+        // raw rows (no decoding), then chunk it like any other tensor.
+        const rows = t.sourceShape[0] ?? 0;
+        const rowBytes = src.byteLength / rows;
+        const read = await src.source.read(src.offset, src.byteLength);
+        const raw = new Uint8Array(read.buffer, read.byteOffset, read.byteLength); // not a Buffer: its slice() is a view
+        const permuted = permuteQK(raw, rows, rowBytes, t.permute.heads);
+        const step = chunkElementsFor(t.sourceShape, chunkElements) * (src.byteLength / elementCount(t.sourceShape));
+        for (let at = 0; at < permuted.length; at += step) {
+          const bytes = permuted.slice(at, Math.min(at + step, permuted.length));
+          yield { index, dtype: src.dtype, bytes, elementOffset: at / (src.byteLength / elementCount(t.sourceShape)), sourceBytes: bytes.length };
+        }
+      } else {
+        for await (const c of readTensorChunks(src, { chunkElements })) yield { index, dtype: c.dtype, bytes: c.bytes, elementOffset: c.elementOffset, sourceBytes: c.bytes.length };
+      }
+    }
+  }
+
+  /** Encoded chunks in plan order, with a bounded window submitted ahead. */
+  async function* encoded(): AsyncGenerator<{ index: number; bytes: Uint8Array }> {
+    const window: { index: number; out: Promise<Uint8Array> }[] = [];
+    const max = IN_FLIGHT_PER_THREAD * pool.size;
+    for await (const c of chunks()) {
+      const t = plan[c.index] as PlannedTensor;
+      // Read before submitting: the pool transfers (detaches) the chunk's buffer.
+      const sourceBytes = c.sourceBytes;
+      const out = pool.encode({ dtype: c.dtype, bytes: c.bytes, format: t.format, flavor, label: t.source ?? t.name, elementOffset: c.elementOffset });
+      out.catch(() => undefined); // observed in order below; avoids an "unhandled" report meanwhile
+      window.push({ index: c.index, out });
+      bytesDone += sourceBytes;
+      if (window.length >= max) {
+        const head = window.shift()!;
+        yield { index: head.index, bytes: await head.out };
+      }
+    }
+    for (const head of window.splice(0)) yield { index: head.index, bytes: await head.out };
+  }
+
+  const outputs = encoded();
 
   async function* stream(index: number): AsyncGenerator<Uint8Array> {
     const t = plan[index];
     if (!t) throw new RangeError(`no planned tensor ${index}`);
-    report(t.name);
-    const label = t.source ?? t.name;
-    if (t.source === null) {
-      const data = t.generated ?? new Float32Array(0);
-      yield* pool.encodeStream([{ dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)) }], { format: t.format, flavor, label });
-    } else {
-      const src = weights.get(t.source);
-      const cols = t.sourceShape[t.sourceShape.length - 1] ?? 1;
-      let chunks: AsyncIterable<Chunk> | Iterable<Chunk>;
-      // Progress counts source bytes; permuted chunks are float32, whatever the source dtype.
-      let sourceBytesPerChunkByte = 1;
-      if (t.permute) {
-        const rows = t.sourceShape[0] ?? 0;
-        const permuted = permuteQK(await readTensorF32All(src), rows, cols, t.permute.heads);
-        chunks = f32Chunks(permuted, chunkElementsFor(t.sourceShape));
-        sourceBytesPerChunkByte = src.byteLength / permuted.byteLength;
-      } else {
-        chunks = readTensorChunks(src);
-      }
-      const counted = async function* (): AsyncGenerator<Chunk> {
-        for await (const c of chunks) {
-          // Counted before the yield: the pool transfers (detaches) the chunk's buffer.
-          const n = c.bytes.byteLength * sourceBytesPerChunkByte;
-          yield c;
-          bytesDone += n;
-        }
-      };
-      yield* pool.encodeStream(counted(), { format: t.format, flavor, label: `${src.source.name}: tensor ${label}` });
+    current = t.name;
+    report();
+    // Writers ask for tensors in plan order, and chunks never straddle tensors.
+    for (let got = 0; got < t.byteLength; ) {
+      const next = await outputs.next();
+      if (next.done || next.value.index !== index) throw new Error(`internal: tensor ${t.name} ended after ${got} of ${t.byteLength} bytes`);
+      got += next.value.bytes.length;
+      yield next.value.bytes;
     }
     tensorsDone++;
-    report(t.name);
+    report();
   }
 
   return Object.assign(stream, { bytesTotal });
-}
-
-/** Splits a float32 array into row-aligned chunks of raw little-endian bytes. */
-function* f32Chunks(data: Float32Array, chunkElements: number): Generator<Chunk> {
-  for (let at = 0; at < data.length; at += chunkElements) {
-    const n = Math.min(chunkElements, data.length - at);
-    yield { dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset + at * 4, data.byteOffset + (at + n) * 4)), elementOffset: at };
-  }
 }

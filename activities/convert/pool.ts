@@ -88,7 +88,9 @@ export class QuantPool {
     if (this.closed) return Promise.reject(new Error('QuantPool is closed'));
     // util.types, not instanceof: buffers from Node's own allocators live in another realm under jest.
     const whole = task.bytes.byteOffset === 0 && task.bytes.byteLength === task.bytes.buffer.byteLength && types.isArrayBuffer(task.bytes.buffer);
-    const bytes = whole ? task.bytes : task.bytes.slice();
+    // A real copy: Buffer#slice (Node buffers from fs reads) returns a view, and transferring a
+    // view's buffer would detach memory it shares (a pooled slab, or the rest of a tensor).
+    const bytes = whole ? task.bytes : new Uint8Array(task.bytes);
     const request: EncodeRequest = {
       id: this.nextId++,
       dtype: task.dtype,
