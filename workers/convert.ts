@@ -60,7 +60,7 @@ export async function convertCommand(args: string[]): Promise<number> {
   const started = Date.now();
   try {
     const result = await convertModel({
-      modelDir: dir,
+      source: dir,
       format: parsed.format,
       weights: parsed.weights,
       output,

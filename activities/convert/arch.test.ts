@@ -1,9 +1,9 @@
+import { encodedSize } from './quant';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import {
   type ModelSpec,
   checkSourceShape,
-  encodedByteLength,
   llama3RopeFactors,
   parseModelSpec,
   permuteQK,
@@ -282,7 +282,7 @@ describe('planTensors', () => {
   });
 
   it('computes encoded sizes and checks source shapes', () => {
-    expect([encodedByteLength('f32', 64), encodedByteLength('f16', 64), encodedByteLength('q80', 64), encodedByteLength('q40', 64)]).toEqual([256, 128, 68, 36]);
+    expect([encodedSize('f32', 64), encodedSize('f16', 64), encodedSize('q80', 64), encodedSize('q40', 64)]).toEqual([256, 128, 68, 36]);
     const t = planTensors(llama(), 'dllama', 'f32', all)[1];
     if (!t) throw new Error('no tensor');
     expect(() => checkSourceShape(t, [64, 64])).not.toThrow();

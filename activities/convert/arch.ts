@@ -15,6 +15,7 @@
  * Pure code: no I/O.
  */
 import { ConvertError } from './errors';
+import { encodedSize, QK } from './quant';
 import type { WeightsFormat } from './types';
 
 /** Architectures we convert, named as in `config.json` `model_type` (and in GGUF). */
@@ -347,21 +348,6 @@ export interface PlannedTensor {
   byteLength: number;
 }
 
-const BLOCK = 32;
-
-/** Bytes needed to encode `elements` values (rows of whole 32-value blocks for q40/q80). */
-export function encodedByteLength(format: WeightsFormat, elements: number): number {
-  switch (format) {
-    case 'f32':
-      return elements * 4;
-    case 'f16':
-      return elements * 2;
-    case 'q80':
-      return (elements / BLOCK) * (2 + BLOCK);
-    case 'q40':
-      return (elements / BLOCK) * (2 + BLOCK / 2);
-  }
-}
 
 interface TensorDraft {
   name: string;
@@ -449,8 +435,8 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
     if (d.source !== null && !hasTensor(d.source)) throw new ConvertError('MissingTensor', `tensor ${d.source} is missing from the checkpoint`);
     const format: WeightsFormat = d.quantize ? weights : 'f32';
     const cols = d.shape[d.shape.length - 1] ?? 0;
-    if ((format === 'q40' || format === 'q80') && cols % BLOCK !== 0) {
-      throw new ConvertError('BadBlockSize', `tensor ${d.name}: rows of ${cols} values cannot be split into ${BLOCK}-value ${format} blocks`);
+    if ((format === 'q40' || format === 'q80') && cols % QK !== 0) {
+      throw new ConvertError('BadBlockSize', `tensor ${d.name}: rows of ${cols} values cannot be split into ${QK}-value ${format} blocks`);
     }
     const elements = d.shape.reduce((a, b) => a * b, 1);
     const planned: PlannedTensor = {
@@ -460,7 +446,7 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
       shape: out === 'gguf' ? [...d.shape].reverse() : d.shape,
       permute: d.permute,
       format,
-      byteLength: encodedByteLength(format, elements),
+      byteLength: encodedSize(format, elements, d.name),
     };
     if (d.generated) planned.generated = d.generated;
     return planned;

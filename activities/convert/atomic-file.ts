@@ -21,10 +21,33 @@ export interface ByteSink {
 const FLUSH_BYTES = 4 * 1024 * 1024;
 
 /**
- * Creates `path` atomically from what `fill` writes to the sink.
+ * An output that appears whole or not at all, other than a local file: e.g. an S3 object written
+ * by multipart upload, which exists only once the upload completes (activities/storage).
+ */
+export interface OutputTarget {
+  /** Human-readable name (e.g. `s3://bucket/key`). */
+  readonly name: string;
+  create(): Promise<{ sink: ByteSink; commit(): Promise<void>; abort(): Promise<void> }>;
+}
+
+/**
+ * Creates `target` atomically from what `fill` writes to the sink: a local path (temporary name,
+ * fsync, rename) or an {@link OutputTarget} (committed on success, aborted on failure).
  * @returns whatever `fill` returns
  */
-export async function writeFileAtomically<T>(path: string, fill: (sink: ByteSink) => Promise<T>): Promise<T> {
+export async function writeFileAtomically<T>(target: string | OutputTarget, fill: (sink: ByteSink) => Promise<T>): Promise<T> {
+  if (typeof target !== 'string') {
+    const out = await target.create();
+    try {
+      const result = await fill(out.sink);
+      await out.commit();
+      return result;
+    } catch (err) {
+      await out.abort().catch(() => undefined);
+      throw err;
+    }
+  }
+  const path = target;
   const tmp = `${path}.tmp-${randomBytes(6).toString('hex')}`;
   const handle = await open(tmp, 'wx');
   let closed = false;

@@ -34,7 +34,7 @@ describe('GGUF', () => {
   test.each(['f32', 'f16', 'q80', 'q40'] as const)('%s: every tensor and key parses back, with progress', async (weights) => {
     const out = join(root, `tiny-${weights}.gguf`);
     const progress: ConvertProgress[] = [];
-    const result = await convertModel({ modelDir: model, format: 'gguf', weights, output: out, threads: 2, onProgress: (p) => progress.push(p) });
+    const result = await convertModel({ source: model, format: 'gguf', weights, output: out, threads: 2, onProgress: (p) => progress.push(p) });
     const bytes = readFileSync(out);
     expect(bytes.length).toBe(result.files[0]?.bytes);
 
@@ -63,9 +63,9 @@ describe('GGUF', () => {
   test.each(['gguf', 'dllama'] as const)('%s: output bytes do not depend on chunking (permuted Q/K split across chunks)', async (format) => {
     const a = join(root, `chunks-a-${format}`);
     const b = join(root, `chunks-b-${format}`);
-    await convertModel({ modelDir: model, format, weights: 'q40', output: a, threads: 2, name: 'tiny' });
+    await convertModel({ source: model, format, weights: 'q40', output: a, threads: 2, name: 'tiny' });
     // 256 values: every 64x64 Q/K matrix becomes 16 chunks of 4 rows.
-    await convertModel({ modelDir: model, format, weights: 'q40', output: b, threads: 2, name: 'tiny', chunkElements: 256 });
+    await convertModel({ source: model, format, weights: 'q40', output: b, threads: 2, name: 'tiny', chunkElements: 256 });
     if (format === 'gguf') expect(sha(b)).toBe(sha(a));
     else expect(sha(join(b, 'model.m'))).toBe(sha(join(a, 'model.m')));
   });
@@ -75,8 +75,8 @@ describe('GGUF', () => {
     await writeTinyModel(sharded, { seed: 7, dtype: 'F16', ropeScaling: true, shards: 3 });
     const a = join(root, 'a.gguf');
     const b = join(root, 'b.gguf');
-    await convertModel({ modelDir: model, format: 'gguf', weights: 'q40', output: a, threads: 1, name: 'tiny' });
-    await convertModel({ modelDir: sharded, format: 'gguf', weights: 'q40', output: b, threads: 2, name: 'tiny' });
+    await convertModel({ source: model, format: 'gguf', weights: 'q40', output: a, threads: 1, name: 'tiny' });
+    await convertModel({ source: sharded, format: 'gguf', weights: 'q40', output: b, threads: 2, name: 'tiny' });
     expect(sha(a)).toBe(sha(b));
   });
 });
@@ -85,7 +85,7 @@ test('distributed-llama: model.m header as planned, sizes add up, tokenizer.t wr
   const model = join(root, 'tiny-bf16');
   await writeTinyModel(model, { seed: 3, dtype: 'BF16' });
   const out = join(root, 'dllama-q40');
-  const result = await convertModel({ modelDir: model, format: 'dllama', weights: 'q40', output: out, threads: 2 });
+  const result = await convertModel({ source: model, format: 'dllama', weights: 'q40', output: out, threads: 2 });
   const m = readFileSync(join(out, 'model.m'));
   const config = JSON.parse(readFileSync(join(model, 'config.json'), 'utf8')) as unknown;
   const plan = planDllama(parseModelSpec(config), 'q40', (n) => n !== 'nothing');
@@ -107,7 +107,7 @@ describe('bad input', () => {
     buf.writeFloatLE(Number.NaN, 8 + headerLen + header[target]!.data_offsets[0] + 4 * 100);
     writeFileSync(file, buf);
     const out = join(root, 'nan-out');
-    const err = await convertModel({ modelDir: model, format: 'gguf', weights: 'q40', output: `${out}.gguf`, threads: 2 }).catch((e: unknown) => e);
+    const err = await convertModel({ source: model, format: 'gguf', weights: 'q40', output: `${out}.gguf`, threads: 2 }).catch((e: unknown) => e);
     expect(err).toMatchObject({ name: 'ConvertError', code: 'NonFinite' });
     expect((err as Error).message).toContain(target);
     expect(readdirSync(root).filter((f) => f.startsWith('nan-out'))).toEqual([]);
@@ -119,7 +119,7 @@ describe('bad input', () => {
     const configPath = join(model, 'config.json');
     const config = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
     writeFileSync(configPath, JSON.stringify({ ...config, architectures: ['GPTNeoXForCausalLM'], model_type: 'gpt_neox' }));
-    const err = await convertModel({ modelDir: model, format: 'gguf', weights: 'f16', output: join(root, 'x.gguf') }).catch((e: unknown) => e);
+    const err = await convertModel({ source: model, format: 'gguf', weights: 'f16', output: join(root, 'x.gguf') }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'UnsupportedArchitecture' });
     expect((err as Error).message).toMatch(/gpt_neox|GPTNeoX/);
   });
@@ -135,7 +135,7 @@ describe('bad input', () => {
     buf.write('model.layers.0.self_attn.w_proj.weight', at);
     writeFileSync(file, buf);
     const out = join(root, 'missing-out');
-    const err = await convertModel({ modelDir: model, format: 'dllama', weights: 'q80', output: out }).catch((e: unknown) => e);
+    const err = await convertModel({ source: model, format: 'dllama', weights: 'q80', output: out }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'MissingTensor' });
     expect((err as Error).message).toContain('model.layers.0.self_attn.v_proj.weight');
     expect(readdirSync(root).filter((f) => f.startsWith('missing-out'))).toEqual([]);

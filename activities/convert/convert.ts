@@ -7,16 +7,17 @@
  * Memory: `maxInFlight` chunks per tensor, except the Llama Q/K projections, which are read
  * whole because their rotary permutation reorders rows across the tensor.
  */
-import { mkdir, readFile, stat } from 'node:fs/promises';
+import { mkdir } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import { parseModelSpec, permuteQK, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
+import type { OutputTarget } from './atomic-file';
 import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
 import { ggufTensorInfos, planGgufModel, writeGgufFile } from './gguf';
 import { QuantPool } from './pool';
-import { chunkElementsFor, elementCount, openModelDir, readTensorChunks, type ModelWeights } from './safetensors';
+import { chunkElementsFor, elementCount, localCheckpoint, openModel, readTensorChunks, type ModelWeights } from './safetensors';
 import { parseTokenizer, type ParsedTokenizer } from './tokenizer';
-import type { QuantFlavor, SourceDType, WeightsFormat } from './types';
+import type { CheckpointFiles, QuantFlavor, SourceDType, WeightsFormat } from './types';
 
 /** Bumped whenever output bytes for the same input could change (S3 artifact keys include it). */
 export const CONVERTER_VERSION = 'c1';
@@ -24,13 +25,19 @@ export const CONVERTER_VERSION = 'c1';
 export const OUTPUT_FORMATS: readonly OutputFormat[] = ['gguf', 'dllama'];
 export const WEIGHTS_FORMATS: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
 
+/** A local path, or an output that appears whole on commit (e.g. an S3 object). */
+export type Output = string | OutputTarget;
+
 export interface ConvertOptions {
-  /** Hugging Face checkpoint directory (config.json, tokenizer.json, safetensors). */
-  modelDir: string;
+  /** Hugging Face checkpoint: a local directory, or its files from elsewhere (S3). */
+  source: string | CheckpointFiles;
   format: OutputFormat;
   weights: WeightsFormat;
-  /** GGUF: the output file. dllama: the output directory (gets `model.m` and `tokenizer.t`). */
-  output: string;
+  /**
+   * GGUF: the output file. dllama: a directory (gets `model.m` and `tokenizer.t`), or one output
+   * for each.
+   */
+  output: Output | { model: Output; tokenizer: Output };
   /** Worker threads (default: all cores). Output bytes do not depend on it. */
   threads?: number;
   /** `general.name` for GGUF (default: the directory's name). */
@@ -52,7 +59,7 @@ export interface ConvertProgress {
 
 export interface ConvertResult {
   spec: ModelSpec;
-  /** Files written, with their sizes. */
+  /** Outputs written (paths, or target names), with their sizes. */
   files: { path: string; bytes: number }[];
   tensors: number;
   inputBytes: number;
@@ -60,63 +67,71 @@ export interface ConvertResult {
 }
 
 /** Reads and validates the checkpoint's JSON files into a model spec and tokenizer. */
-export async function loadCheckpointMeta(dir: string): Promise<{ spec: ModelSpec; tokenizer: ParsedTokenizer }> {
+export async function loadCheckpointMeta(checkpoint: CheckpointFiles): Promise<{ spec: ModelSpec; tokenizer: ParsedTokenizer }> {
   const readJson = async (file: string, required: boolean): Promise<unknown> => {
-    let text: string;
-    try {
-      text = await readFile(join(dir, file), 'utf8');
-    } catch (err) {
-      if (!required && (err as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
-      throw new ConvertError('MissingFile', `${join(dir, file)}: ${(err as Error).message}`);
+    const text = await checkpoint.readText(file);
+    if (text === null) {
+      if (!required) return undefined;
+      throw new ConvertError('MissingFile', `${checkpoint.location}/${file} does not exist`);
     }
     try {
       return JSON.parse(text);
     } catch (err) {
-      throw new ConvertError('BadHeader', `${join(dir, file)} is not valid JSON: ${(err as Error).message}`);
+      throw new ConvertError('BadHeader', `${checkpoint.location}/${file} is not valid JSON: ${(err as Error).message}`);
     }
   };
   const config = await readJson('config.json', true);
   const spec = parseModelSpec(config);
-  const chatTemplateFile = await readFile(join(dir, 'chat_template.jinja'), 'utf8').catch(() => null);
   const tokenizer = parseTokenizer({
     tokenizerJson: await readJson('tokenizer.json', true),
     tokenizerConfig: await readJson('tokenizer_config.json', false),
-    chatTemplateFile,
+    chatTemplateFile: await checkpoint.readText('chat_template.jinja'),
     bosTokenId: spec.bosTokenId,
     eosTokenIds: spec.eosTokenIds,
   });
   return { spec, tokenizer };
 }
 
+const nameOf = (o: Output): string => (typeof o === 'string' ? o : o.name);
+
 /** Converts a checkpoint; see the module comment. */
 export async function convertModel(opts: ConvertOptions): Promise<ConvertResult> {
   if (!OUTPUT_FORMATS.includes(opts.format)) throw new ConvertError('UnsupportedConfig', `unknown output format '${String(opts.format)}' (gguf or dllama)`);
   if (!WEIGHTS_FORMATS.includes(opts.weights)) throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
-  const { spec, tokenizer } = await loadCheckpointMeta(opts.modelDir);
-  const weights = await openModelDir(opts.modelDir);
+  const checkpoint = typeof opts.source === 'string' ? localCheckpoint(opts.source) : opts.source;
+  const { spec, tokenizer } = await loadCheckpointMeta(checkpoint);
+  const weights = await openModel(checkpoint);
   const pool = new QuantPool(opts.threads !== undefined ? { size: opts.threads } : {});
+  const chunkElements = opts.chunkElements ?? CHUNK_ELEMENTS;
   try {
     const has = (name: string) => weights.has(name);
     if (opts.format === 'gguf') {
-      const name = opts.name ?? basename(opts.modelDir);
+      if (typeof opts.output === 'object' && 'model' in opts.output) throw new ConvertError('UnsupportedConfig', 'a GGUF output is one file');
+      const name = opts.name ?? basename(checkpoint.location);
       const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
-      const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', opts.chunkElements ?? CHUNK_ELEMENTS, opts.onProgress);
+      const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
       await writeGgufFile(opts.output, plan.kvs, ggufTensorInfos(plan.tensors), (i) => stream(i));
-      return { spec, files: [{ path: opts.output, bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
+      return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
     }
     const plan = planDllama(spec, opts.weights, has);
-    await mkdir(opts.output, { recursive: true });
-    const modelPath = join(opts.output, 'model.m');
-    const tokenizerPath = join(opts.output, 'tokenizer.t');
+    let outputs: { model: Output; tokenizer: Output };
+    if (typeof opts.output === 'string') {
+      await mkdir(opts.output, { recursive: true });
+      outputs = { model: join(opts.output, 'model.m'), tokenizer: join(opts.output, 'tokenizer.t') };
+    } else if ('model' in opts.output) {
+      outputs = opts.output;
+    } else {
+      throw new ConvertError('UnsupportedConfig', 'distributed-llama output needs a directory or a model and a tokenizer output');
+    }
     // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
-    await writeDllamaTokenizer(tokenizerPath, tokenizer);
-    const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', opts.chunkElements ?? CHUNK_ELEMENTS, opts.onProgress);
-    await writeDllamaModel(modelPath, plan, (i) => stream(i));
+    const tokenizerBytes = await writeDllamaTokenizer(outputs.tokenizer, tokenizer);
+    const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
+    await writeDllamaModel(outputs.model, plan, (i) => stream(i));
     return {
       spec,
       files: [
-        { path: modelPath, bytes: plan.totalSize },
-        { path: tokenizerPath, bytes: (await stat(tokenizerPath)).size },
+        { path: nameOf(outputs.model), bytes: plan.totalSize },
+        { path: nameOf(outputs.tokenizer), bytes: tokenizerBytes },
       ],
       tensors: plan.tensors.length,
       inputBytes: stream.bytesTotal,

@@ -9,7 +9,7 @@
  * `.t`: magic 0x567124 | header size | (key, value) pairs | chat template bytes | eos ids |
  *   per token: score f32, byte length u32, bytes.
  */
-import { type TensorData, writeFileAtomically, writeTensorData } from './atomic-file';
+import { type OutputTarget, type TensorData, writeFileAtomically, writeTensorData } from './atomic-file';
 import { type ModelSpec, type PlannedTensor, planTensors } from './arch';
 import { ConvertError } from './errors';
 import type { ParsedTokenizer } from './tokenizer';
@@ -163,7 +163,7 @@ export function planDllama(spec: ModelSpec, weights: WeightsFormat, hasTensor: (
  * Each tensor's bytes must be exactly its planned `byteLength`.
  */
 export async function writeDllamaModel(
-  path: string,
+  path: string | OutputTarget,
   plan: DllamaModelPlan,
   getData: (index: number, tensor: PlannedTensor) => TensorData | Promise<TensorData>,
 ): Promise<void> {
@@ -232,8 +232,9 @@ export function encodeDllamaTokenizer(tok: ParsedTokenizer): Uint8Array {
   return out;
 }
 
-/** Writes the `.t` file atomically. */
-export async function writeDllamaTokenizer(path: string, tok: ParsedTokenizer): Promise<void> {
+/** Writes the `.t` file atomically; returns its size. */
+export async function writeDllamaTokenizer(path: string | OutputTarget, tok: ParsedTokenizer): Promise<number> {
   const bytes = encodeDllamaTokenizer(tok);
   await writeFileAtomically(path, (sink) => sink.write(bytes));
+  return bytes.length;
 }

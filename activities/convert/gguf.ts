@@ -14,7 +14,7 @@
  * Everything before the tensor data depends only on names, types and shapes, so {@link planGguf}
  * computes it up front and a converter streams the tensors in one pass.
  */
-import { type TensorData, writeFileAtomically, writeTensorData } from './atomic-file';
+import { type OutputTarget, type TensorData, writeFileAtomically, writeTensorData } from './atomic-file';
 import { type ModelSpec, type PlannedTensor, planTensors } from './arch';
 import { ConvertError } from './errors';
 import { type ParsedTokenizer, TokenType } from './tokenizer';
@@ -360,7 +360,7 @@ export function planGguf(kvs: readonly GgufKv[], tensors: readonly GgufTensorInf
  * @returns the file's plan (sizes and offsets)
  */
 export async function writeGgufFile(
-  path: string,
+  path: string | OutputTarget,
   kvs: readonly GgufKv[],
   tensors: readonly GgufTensorInfo[],
   getData: (index: number, tensor: GgufTensorInfo) => TensorData | Promise<TensorData>,

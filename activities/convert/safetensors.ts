@@ -12,7 +12,7 @@ import { open, readFile, type FileHandle } from 'node:fs/promises';
 import * as path from 'node:path';
 import { ConvertError } from './errors';
 import { QK, decodeToF32, dtypeSize } from './quant';
-import type { ByteSource, SourceDType, SourceTensor } from './types';
+import type { ByteSource, CheckpointFiles, SourceDType, SourceTensor } from './types';
 
 /** Headers larger than this are rejected (the reference library's limit is 100 MB too). */
 export const MAX_HEADER_BYTES = 100_000_000;
@@ -216,8 +216,9 @@ export async function openSafetensors(source: ByteSource): Promise<SafetensorsFi
 // ---------------------------------------------------------------------------------------------
 // Model directories
 
-/** All tensors of a checkpoint directory, over one or more shards. */
+/** All tensors of a checkpoint, over one or more shards. */
 export interface ModelWeights {
+  /** The checkpoint's location (a directory or `s3://…`), for messages. */
   dir: string;
   /** One entry per shard, in index order (or the single file). */
   files: SafetensorsFile[];
@@ -234,19 +235,47 @@ export interface ModelWeights {
 export const SINGLE_FILE = 'model.safetensors';
 export const INDEX_FILE = 'model.safetensors.index.json';
 
+/** A checkpoint in a local directory. */
+export function localCheckpoint(dir: string): CheckpointFiles {
+  return {
+    location: dir,
+    async readText(name) {
+      try {
+        return await readFile(path.join(dir, name), 'utf8');
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code === 'ENOENT') return null;
+        throw err;
+      }
+    },
+    async open(name) {
+      const file = path.join(dir, name);
+      const source = fileSource(file);
+      try {
+        await source.size();
+      } catch (err) {
+        await source.close().catch(() => undefined);
+        if ((err as NodeJS.ErrnoException).code === 'ENOENT') throw new ConvertError('MissingFile', `${file} does not exist`, { cause: err });
+        throw err;
+      }
+      return source;
+    },
+  };
+}
+
+/** {@link openModel} over a local directory. */
+export function openModelDir(dir: string): Promise<ModelWeights> {
+  return openModel(localCheckpoint(dir));
+}
+
 /**
- * Opens `dir/model.safetensors`, or every shard named by `dir/model.safetensors.index.json`
- * (each shard opened once). Every tensor the index's `weight_map` names must be in its shard.
+ * Opens `model.safetensors`, or every shard named by `model.safetensors.index.json` (each shard
+ * opened once). Every tensor the index's `weight_map` names must be in its shard.
  * @throws ConvertError `MissingFile`, `BadIndex`, `MissingTensor`, or any {@link openSafetensors} error.
  */
-export async function openModelDir(dir: string): Promise<ModelWeights> {
-  const indexPath = path.join(dir, INDEX_FILE);
-  let indexText: string | undefined;
-  try {
-    indexText = await readFile(indexPath, 'utf8');
-  } catch (err) {
-    if ((err as NodeJS.ErrnoException).code !== 'ENOENT') throw err;
-  }
+export async function openModel(checkpoint: CheckpointFiles): Promise<ModelWeights> {
+  const dir = checkpoint.location;
+  const indexPath = `${dir}/${INDEX_FILE}`;
+  const indexText = (await checkpoint.readText(INDEX_FILE)) ?? undefined;
 
   let shardNames: string[];
   let weightMap: Map<string, string> | undefined;
@@ -264,18 +293,18 @@ export async function openModelDir(dir: string): Promise<ModelWeights> {
   };
   try {
     for (const shard of shardNames) {
-      const shardPath = path.join(dir, shard);
-      const source = fileSource(shardPath);
-      sources.push(source);
+      let source: ByteSource & { close(): Promise<void> };
       try {
-        files.push(await openSafetensors(source));
+        source = await checkpoint.open(shard);
       } catch (err) {
-        if ((err as NodeJS.ErrnoException).code === 'ENOENT') {
+        if (err instanceof ConvertError && err.code === 'MissingFile') {
           const why = weightMap ? `named by ${INDEX_FILE}` : `(and no ${INDEX_FILE})`;
-          throw new ConvertError('MissingFile', `${shardPath} does not exist ${why}`, { cause: err });
+          throw new ConvertError('MissingFile', `${dir}/${shard} does not exist ${why}`, { cause: err });
         }
         throw err;
       }
+      sources.push(source);
+      files.push(await openSafetensors(source));
     }
 
     const tensors = new Map<string, SourceTensor>();

@@ -6,11 +6,11 @@
 /** Element types found in safetensors inputs. */
 export type SourceDType = 'F32' | 'F16' | 'BF16';
 
-/** Output weight encodings. `q40`/`q80` are block formats (32 elements per block). */
-export type WeightsFormat = 'f32' | 'f16' | 'q80' | 'q40';
+/** Output weight encodings (defined with the pipeline's vocabulary in shared/model.ts). */
+export type { WeightsFormat } from '../../shared/model';
 
 /**
- * Anything we can read byte ranges from: a local file, or (later) an S3 object via ranged GETs.
+ * Anything we can read byte ranges from: a local file, or an S3 object via ranged GETs.
  * `read` must return exactly `length` bytes or throw.
  */
 export interface ByteSource {
@@ -39,3 +39,17 @@ export interface SourceTensor {
  * The block layouts are identical; the rounding rules differ (see quant.ts).
  */
 export type QuantFlavor = 'ggml' | 'dllama';
+
+/**
+ * Where a checkpoint's files come from: a local directory ({@link localCheckpoint} in
+ * safetensors.ts) or S3 objects (activities/storage). Names are relative (`config.json`,
+ * `model-00001-of-00002.safetensors`).
+ */
+export interface CheckpointFiles {
+  /** Human-readable location for messages (a directory, or `s3://bucket/prefix`). */
+  readonly location: string;
+  /** A file's text, or null when the checkpoint has no such file. */
+  readText(name: string): Promise<string | null>;
+  /** A byte source for a file; throws ConvertError `MissingFile` when it does not exist. */
+  open(name: string): Promise<ByteSource & { close(): Promise<void> }>;
+}
