@@ -1,0 +1,610 @@
+/**
+ * A small Hugging Face Hub client: resolve a revision to a commit and its file list, and stream
+ * one file (optionally from an offset) at a pinned commit. Pure I/O over `fetch`; no Temporal.
+ *
+ * Security invariant: the token is sent only to the configured hub origin. Redirects are
+ * followed by hand so that a hop to another origin (the LFS CDN, a mirror's object store) never
+ * carries the `Authorization` header, and no error message ever contains the token.
+ *
+ * Errors are {@link HubError}s with a stable `code` and a `permanent` flag; callers (activities)
+ * turn permanent ones into non-retryable failures (see {@link hubErrorType}).
+ */
+import type { ResolvedSource, SourceFile } from '../../shared/model';
+import { ErrorType } from '../../shared/errors';
+
+/** The public hub. */
+export const DEFAULT_HUB_URL = 'https://huggingface.co';
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/** Stable reasons. Append new codes; never rename (they appear in workflow histories). */
+export type HubErrorCode =
+  /** The repository does not exist, or is private and the token (if any) has no access. */
+  | 'RepoNotFound'
+  /** The branch, tag or commit does not exist in the repository. */
+  | 'RevisionNotFound'
+  /** The file does not exist at that revision. */
+  | 'EntryNotFound'
+  /** 401/403: missing or invalid token, or no access to a gated repository. */
+  | 'Unauthorized'
+  /** A bad repo id, revision, sha, path or offset (rejected before any request), or a repository listing unsafe paths. */
+  | 'InvalidInput'
+  /** Retrying may help: 5xx, 408, 429, network errors, timeouts, mid-stream disconnects, protocol hiccups. */
+  | 'Transient';
+
+/** The `name` of every {@link HubError}. */
+export const HUB_ERROR_NAME = 'HubError';
+
+export class HubError extends Error {
+  override readonly name = HUB_ERROR_NAME;
+  /** True when no retry can fix it. */
+  readonly permanent: boolean;
+  /** HTTP status, when the error comes from a response. */
+  readonly status?: number;
+  /** From `Retry-After` on 429/503, in milliseconds. */
+  readonly retryAfterMs?: number;
+
+  constructor(
+    readonly code: HubErrorCode,
+    message: string,
+    options: { status?: number; retryAfterMs?: number; cause?: unknown } = {},
+  ) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.permanent = code !== 'Transient';
+    if (options.status !== undefined) this.status = options.status;
+    if (options.retryAfterMs !== undefined) this.retryAfterMs = options.retryAfterMs;
+  }
+}
+
+/** True when `err` is a {@link HubError} (by name, so it works across realms), optionally with `code`. */
+export function isHubError(err: unknown, code?: HubErrorCode): err is HubError {
+  if (typeof err !== 'object' || err === null) return false;
+  const e = err as { name?: unknown; code?: unknown };
+  return e.name === HUB_ERROR_NAME && typeof e.code === 'string' && (code === undefined || e.code === code);
+}
+
+/** The Temporal failure type for a hub error code; null for transient errors (retry them). */
+export function hubErrorType(code: HubErrorCode): ErrorType | null {
+  switch (code) {
+    case 'RepoNotFound':
+    case 'RevisionNotFound':
+    case 'EntryNotFound':
+      return ErrorType.RepoNotFound;
+    case 'Unauthorized':
+      return ErrorType.Unauthorized;
+    case 'InvalidInput':
+      return ErrorType.InvalidSpec;
+    case 'Transient':
+      return null;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Input validation (before any request: bad input must never reach the network)
+
+const REPO_PART = /^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$/;
+const COMMIT_SHA = /^[0-9a-f]{40}$/;
+const SHA256_HEX = /^[0-9a-f]{64}$/;
+// eslint-disable-next-line no-control-regex
+const CONTROL_CHARS = /[\u0000-\u001f\u007f]/;
+
+/** Validates `org/name` as the hub does (letters, digits, `_.-`, no `--`/`..`, ≤ 96 chars per part). */
+export function assertRepoId(repo: string): void {
+  const parts = typeof repo === 'string' ? repo.split('/') : [];
+  const ok =
+    parts.length === 2 &&
+    parts.every((p) => p.length <= 96 && REPO_PART.test(p)) &&
+    !repo.includes('--') &&
+    !repo.includes('..') &&
+    !repo.endsWith('.git');
+  if (!ok) throw new HubError('InvalidInput', `invalid repository id ${JSON.stringify(repo)}: expected "org/name"`);
+}
+
+/** Validates a branch, tag or commit name (git ref rules, loosely). */
+export function assertRevision(revision: string): void {
+  const ok =
+    typeof revision === 'string' &&
+    revision.length > 0 &&
+    revision.length <= 255 &&
+    !CONTROL_CHARS.test(revision) &&
+    !/[\s~^:?*[\\]/.test(revision) &&
+    !revision.includes('..') &&
+    !revision.startsWith('/') &&
+    !revision.endsWith('/') &&
+    !revision.includes('//');
+  if (!ok) throw new HubError('InvalidInput', `invalid revision ${JSON.stringify(revision)}`);
+}
+
+/** Validates a relative file path: no empty, `.` or `..` segments, no absolute or Windows paths, no control characters. */
+export function assertFilePath(filePath: string): void {
+  const ok =
+    typeof filePath === 'string' &&
+    filePath.length > 0 &&
+    filePath.length <= 1024 &&
+    !CONTROL_CHARS.test(filePath) &&
+    !filePath.includes('\\') &&
+    !/^[A-Za-z]:/.test(filePath) &&
+    filePath.split('/').every((s) => s !== '' && s !== '.' && s !== '..');
+  if (!ok) throw new HubError('InvalidInput', `invalid file path ${JSON.stringify(filePath)}: must be relative, without "." or ".." segments`);
+}
+
+function assertCommitSha(sha: string): void {
+  if (typeof sha !== 'string' || !COMMIT_SHA.test(sha)) {
+    throw new HubError('InvalidInput', `invalid commit ${JSON.stringify(sha)}: downloads are pinned to a 40-hex commit sha`);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The client
+
+export interface HubClientOptions {
+  /** Hub base URL (default {@link DEFAULT_HUB_URL}); self-hosted mirrors speak the same protocol. */
+  baseUrl?: string;
+  /** Bearer token; sent only to `baseUrl`'s origin. */
+  token?: string;
+  /** `fetch` implementation (default the global one). */
+  fetch?: typeof fetch;
+  userAgent?: string;
+  /** Redirect hops followed per request (default 5). */
+  maxRedirects?: number;
+  /**
+   * Longest wait for a response's headers, and for each next chunk of a download body (default
+   * 60 s): a stalled connection fails as `Transient` instead of hanging. Time the consumer spends
+   * on a chunk does not count.
+   */
+  timeoutMs?: number;
+}
+
+export interface DownloadOptions {
+  /** First byte to send (default 0): resumes an interrupted transfer. */
+  offset?: number;
+  /** Aborts the request and the body stream; the abort reason is thrown as is. */
+  signal?: AbortSignal;
+}
+
+/** A file being downloaded. Iterate `body` once; breaking out of the loop closes the connection. */
+export interface HubDownload {
+  /** The bytes from `offset` to the end of the file. Errors are {@link HubError}s (`Transient` for disconnects). */
+  body: AsyncIterable<Uint8Array>;
+  /** Size of the whole file. */
+  size: number;
+  /** Position of the body's first byte in the file (the requested offset). */
+  offset: number;
+  /** The commit the hub served (`X-Repo-Commit`), or null when not reported. */
+  commit: string | null;
+  /** The content's ETag (`X-Linked-Etag` for LFS files: their sha256), unquoted, or null. */
+  etag: string | null;
+  /**
+   * True when the server ignored `Range` and sent the whole file: the client then discarded the
+   * first `offset` bytes itself (correct, since content at a commit is immutable, but not cheap).
+   */
+  rangeIgnored: boolean;
+}
+
+type RequestKind = 'revision' | 'tree' | 'file';
+
+interface Hop {
+  response: Response;
+  url: URL;
+  /** Headers of the last response from the hub's origin (its LFS metadata lives on the redirect to the CDN). */
+  hubHeaders: Headers;
+  /** Aborts the final response (its body), e.g. when it stalls. */
+  abort: (reason: Error) => void;
+}
+
+const REDIRECTS = new Set([301, 302, 303, 307, 308]);
+
+export class HubClient {
+  readonly baseUrl: string;
+  private readonly origin: string;
+  private readonly token: string | undefined;
+  private readonly fetchImpl: typeof fetch;
+  private readonly userAgent: string;
+  private readonly maxRedirects: number;
+  private readonly timeoutMs: number;
+
+  constructor(opts: HubClientOptions = {}) {
+    const base = new URL(opts.baseUrl ?? DEFAULT_HUB_URL);
+    if (base.protocol !== 'https:' && base.protocol !== 'http:') throw new HubError('InvalidInput', `hub URL must be http(s): ${base.origin}`);
+    this.baseUrl = base.toString().replace(/\/+$/, '');
+    this.origin = base.origin;
+    this.token = opts.token || undefined;
+    this.fetchImpl = opts.fetch ?? fetch;
+    this.userAgent = opts.userAgent ?? 'magus-hub-client/0.1';
+    this.maxRedirects = opts.maxRedirects ?? 5;
+    this.timeoutMs = opts.timeoutMs ?? 60_000;
+  }
+
+  /**
+   * Resolves `revision` to a commit sha, then lists every file at that sha (following the tree
+   * API's pagination), sorted by path. LFS files carry their sha256; small git files carry null.
+   */
+  async resolve(repo: string, revision = 'main', opts: { signal?: AbortSignal } = {}): Promise<ResolvedSource> {
+    assertRepoId(repo);
+    assertRevision(revision);
+    const info = await this.getJson<{ sha?: unknown }>(
+      new URL(`${this.baseUrl}/api/models/${repo}/revision/${encodeURIComponent(revision)}`),
+      'revision',
+      opts.signal,
+    );
+    const sha = info.sha;
+    if (typeof sha !== 'string' || !COMMIT_SHA.test(sha)) {
+      throw new HubError('Transient', `hub answered revision ${revision} of ${repo} without a commit sha`);
+    }
+
+    const files: SourceFile[] = [];
+    const seen = new Set<string>();
+    let next: URL | null = new URL(`${this.baseUrl}/api/models/${repo}/tree/${sha}?recursive=true`);
+    for (let page = 0; next; page++) {
+      if (page >= 10_000 || seen.has(next.href)) throw new HubError('Transient', `tree listing of ${repo}@${sha} does not end`);
+      seen.add(next.href);
+      const { body, link } = await this.getJsonWithLink(next, opts.signal);
+      if (!Array.isArray(body)) throw new HubError('Transient', `tree listing of ${repo}@${sha} is not a list`);
+      for (const entry of body as unknown[]) {
+        const file = toSourceFile(entry, repo);
+        if (file) files.push(file);
+      }
+      next = link;
+    }
+    files.sort((a, b) => (a.path < b.path ? -1 : a.path > b.path ? 1 : 0));
+    return { repo, revision, sha, files };
+  }
+
+  /**
+   * Streams `path` at commit `sha` from `offset` on. Asks for `Range: bytes=<offset>-` and checks
+   * the 206's `Content-Range`; a server that ignores Range (200) gets its first `offset` bytes
+   * skipped (see {@link HubDownload.rangeIgnored}). An offset equal to the size yields an empty body.
+   */
+  async download(repo: string, sha: string, filePath: string, opts: DownloadOptions = {}): Promise<HubDownload> {
+    assertRepoId(repo);
+    assertCommitSha(sha);
+    assertFilePath(filePath);
+    const offset = opts.offset ?? 0;
+    if (!Number.isSafeInteger(offset) || offset < 0) throw new HubError('InvalidInput', `invalid offset ${offset} for ${filePath}`);
+    const where = `${repo}@${sha.slice(0, 12)}:${filePath}`;
+    const url = new URL(`${this.baseUrl}/${repo}/resolve/${sha}/${filePath.split('/').map(encodeURIComponent).join('/')}`);
+    const headers: Record<string, string> = { 'Accept-Encoding': 'identity' };
+    if (offset > 0) headers.Range = `bytes=${offset}-`;
+    const { response, hubHeaders: first, url: finalUrl, abort } = await this.request(url, 'file', headers, 'GET', opts.signal);
+
+    const commit = first.get('x-repo-commit') ?? response.headers.get('x-repo-commit');
+    const etag = normalizeEtag(first.get('x-linked-etag') ?? response.headers.get('etag'));
+    const linkedSize = parseSize(first.get('x-linked-size'));
+    const encoding = response.headers.get('content-encoding');
+    if (encoding && encoding !== 'identity') {
+      await discard(response);
+      throw new HubError('Transient', `download of ${where} came with Content-Encoding ${encoding}; byte offsets would be wrong`);
+    }
+
+    if (response.status === 416) {
+      await discard(response);
+      const total = /^bytes \*\/(\d+)$/.exec(response.headers.get('content-range') ?? '');
+      if (total && Number(total[1]) === offset) {
+        return { body: emptyBody(), size: offset, offset, commit, etag, rangeIgnored: false };
+      }
+      throw new HubError('InvalidInput', `offset ${offset} is beyond the end of ${where}${total ? ` (${total[1]} bytes)` : ''}`, { status: 416 });
+    }
+
+    let size: number;
+    let skip = 0;
+    let rangeIgnored = false;
+    if (response.status === 206) {
+      const cr = /^bytes (\d+)-(\d+)\/(\d+)$/.exec(response.headers.get('content-range') ?? '');
+      if (!cr || Number(cr[1]) !== offset || Number(cr[2]) !== Number(cr[3]) - 1) {
+        await discard(response);
+        throw new HubError('Transient', `download of ${where}: asked for bytes ${offset}-, got Content-Range ${JSON.stringify(response.headers.get('content-range'))}`);
+      }
+      size = Number(cr[3]);
+    } else if (response.status === 200) {
+      const length = parseSize(response.headers.get('content-length')) ?? linkedSize;
+      if (length === null) {
+        await discard(response);
+        throw new HubError('Transient', `download of ${where}: the server did not announce the size`);
+      }
+      size = length;
+      if (offset > 0) {
+        if (offset > size) {
+          await discard(response);
+          throw new HubError('InvalidInput', `offset ${offset} is beyond the end of ${where} (${size} bytes)`);
+        }
+        rangeIgnored = true;
+        skip = offset;
+      }
+    } else {
+      throw await this.errorFrom(response, 'file', finalUrl, where);
+    }
+    if (linkedSize !== null && linkedSize !== size) {
+      await discard(response);
+      throw new HubError('Transient', `download of ${where}: the hub announced ${linkedSize} bytes, the server sends ${size}`);
+    }
+    if (!response.body) throw new HubError('Transient', `download of ${where}: response without a body`);
+    return {
+      body: streamBody(response.body, {
+        skip,
+        expected: size - offset,
+        offset,
+        size,
+        where,
+        signal: opts.signal,
+        idleMs: this.timeoutMs,
+        abort,
+        scrub: this.scrub,
+      }),
+      size,
+      offset,
+      commit,
+      etag,
+      rangeIgnored,
+    };
+  }
+
+  // -- plumbing -------------------------------------------------------------------------------
+
+  /** Replaces the token wherever it might appear in text that leaves this module. */
+  private readonly scrub = (text: string): string => (this.token ? text.split(this.token).join('***') : text);
+
+  private async getJson<T>(url: URL, kind: RequestKind, signal: AbortSignal | undefined): Promise<T> {
+    const { response, url: finalUrl } = await this.request(url, kind, { Accept: 'application/json' }, 'GET', signal);
+    if (response.status !== 200) throw await this.errorFrom(response, kind, finalUrl);
+    return this.readJson<T>(response, url, signal);
+  }
+
+  private async getJsonWithLink(url: URL, signal: AbortSignal | undefined): Promise<{ body: unknown; link: URL | null }> {
+    const { response, url: finalUrl } = await this.request(url, 'tree', { Accept: 'application/json' }, 'GET', signal);
+    if (response.status !== 200) throw await this.errorFrom(response, 'tree', finalUrl);
+    const link = nextLink(response.headers.get('link'), finalUrl);
+    return { body: await this.readJson<unknown>(response, url, signal), link };
+  }
+
+  private async readJson<T>(response: Response, url: URL, signal: AbortSignal | undefined): Promise<T> {
+    let text: string;
+    try {
+      text = await response.text();
+    } catch (err) {
+      if (signal?.aborted) throw signal.reason;
+      throw new HubError('Transient', this.scrub(`reading ${describe(url)} failed: ${errorText(err)}`), { cause: err });
+    }
+    try {
+      return JSON.parse(text) as T;
+    } catch {
+      throw new HubError('Transient', `${describe(url)} answered with invalid JSON`);
+    }
+  }
+
+  /**
+   * One request with redirects followed by hand: the token goes only to the hub's origin, a hop
+   * elsewhere is made without it. Network failures and timeouts become `Transient` errors; an
+   * abort through `signal` rethrows its reason.
+   */
+  private async request(url: URL, kind: RequestKind, extra: Record<string, string>, method: 'GET' | 'HEAD', signal: AbortSignal | undefined): Promise<Hop> {
+    let hubHeaders: Headers | null = null;
+    for (let hop = 0; ; hop++) {
+      if (url.protocol !== 'https:' && url.protocol !== 'http:') {
+        throw new HubError('Transient', `redirected to an unsupported URL scheme ${url.protocol}`);
+      }
+      const headers: Record<string, string> = { 'User-Agent': this.userAgent, ...extra };
+      if (this.token && url.origin === this.origin) headers.Authorization = `Bearer ${this.token}`;
+      const { response, abort } = await this.fetchWithTimeout(url, { method, headers, redirect: 'manual' }, signal);
+      if (url.origin === this.origin || hubHeaders === null) hubHeaders = response.headers;
+      const location = response.headers.get('location');
+      if (!REDIRECTS.has(response.status) || location === null) return { response, url, hubHeaders, abort };
+      await discard(response);
+      if (hop >= this.maxRedirects) throw new HubError('Transient', `too many redirects for ${describe(url)} (${kind})`);
+      url = new URL(location, url);
+    }
+  }
+
+  private async fetchWithTimeout(url: URL, init: RequestInit, signal: AbortSignal | undefined): Promise<{ response: Response; abort: (reason: Error) => void }> {
+    signal?.throwIfAborted();
+    // The caller's signal governs headers and body; our own controller adds the header timeout
+    // here and the body's idle timeout in streamBody.
+    const own = new AbortController();
+    const timer = setTimeout(() => own.abort(new Error('timeout')), this.timeoutMs);
+    try {
+      const response = await this.fetchImpl(url, { ...init, signal: signal ? AbortSignal.any([signal, own.signal]) : own.signal });
+      return { response, abort: (reason) => own.abort(reason) };
+    } catch (err) {
+      if (signal?.aborted) throw signal.reason;
+      const timedOut = own.signal.aborted;
+      const what = timedOut ? `no response within ${this.timeoutMs} ms` : errorText(err);
+      throw new HubError('Transient', this.scrub(`request to ${describe(url)} failed: ${what}`), timedOut ? {} : { cause: err });
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  /** Maps an error response: the hub's `X-Error-Code` first, then the status. Reads (a little of) the body for the message. */
+  private async errorFrom(response: Response, kind: RequestKind, url: URL, where = describe(url)): Promise<HubError> {
+    const status = response.status;
+    const hubCode = response.headers.get('x-error-code');
+    let message = response.headers.get('x-error-message') ?? '';
+    const body = await readSome(response, 2048);
+    if (!message) {
+      try {
+        const parsed = JSON.parse(body) as { error?: unknown };
+        if (typeof parsed.error === 'string') message = parsed.error;
+      } catch {
+        message = body.replace(/\s+/g, ' ').trim().slice(0, 200);
+      }
+    }
+    const detail = this.scrub(`${where}: HTTP ${status}${hubCode ? ` ${hubCode}` : ''}${message ? `: ${message}` : ''}`);
+    const retryAfterMs = parseRetryAfter(response.headers.get('retry-after'));
+    const fromHub = url.origin === this.origin;
+    const err = (code: HubErrorCode): HubError => new HubError(code, detail, { status, ...(retryAfterMs === undefined ? {} : { retryAfterMs }) });
+
+    switch (hubCode) {
+      case 'RepoNotFound':
+        return err('RepoNotFound');
+      case 'RevisionNotFound':
+        return err('RevisionNotFound');
+      case 'EntryNotFound':
+        return err('EntryNotFound');
+      case 'GatedRepo':
+        return err('Unauthorized');
+    }
+    if (status === 408 || status === 425 || status === 429 || status >= 500) return err('Transient');
+    // A signed CDN URL that expired or was refused is the hub's to renew: asking again helps.
+    if (!fromHub) return err('Transient');
+    if (status === 401 || status === 403) return err('Unauthorized');
+    if (status === 404) return err(kind === 'file' ? 'EntryNotFound' : 'RepoNotFound');
+    return err('InvalidInput');
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+function toSourceFile(entry: unknown, repo: string): SourceFile | null {
+  if (typeof entry !== 'object' || entry === null) throw new HubError('Transient', `tree listing of ${repo} has a malformed entry`);
+  const e = entry as { type?: unknown; path?: unknown; size?: unknown; lfs?: { oid?: unknown; size?: unknown } | null };
+  if (e.type !== 'file') return null;
+  if (typeof e.path !== 'string') throw new HubError('Transient', `tree listing of ${repo} has an entry without a path`);
+  try {
+    assertFilePath(e.path);
+  } catch {
+    throw new HubError('InvalidInput', `repository ${repo} lists an unsafe file path ${JSON.stringify(e.path)}`);
+  }
+  const lfs = e.lfs ?? null;
+  const size = lfs ? lfs.size : e.size;
+  if (typeof size !== 'number' || !Number.isSafeInteger(size) || size < 0) {
+    throw new HubError('Transient', `tree listing of ${repo} has no valid size for ${e.path}`);
+  }
+  let sha256: string | null = null;
+  if (lfs) {
+    if (typeof lfs.oid !== 'string' || !SHA256_HEX.test(lfs.oid)) throw new HubError('InvalidInput', `repository ${repo} lists ${e.path} with an invalid LFS sha256`);
+    sha256 = lfs.oid;
+  }
+  return { path: e.path, size, sha256 };
+}
+
+/** The `rel="next"` target of a `Link` header, resolved against the current URL. */
+function nextLink(header: string | null, base: URL): URL | null {
+  if (!header) return null;
+  for (const part of header.split(',')) {
+    const m = /<([^>]*)>\s*;(.*)$/.exec(part.trim());
+    if (m && /\brel="?next"?/.test(m[2]!)) return new URL(m[1]!, base);
+  }
+  return null;
+}
+
+/** A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there). */
+function describe(url: URL | string): string {
+  const u = typeof url === 'string' ? new URL(url) : url;
+  return `${u.origin}${u.pathname}`;
+}
+
+function errorText(err: unknown): string {
+  if (!(err instanceof Error)) return String(err);
+  const cause = err.cause as { code?: unknown; message?: unknown } | undefined;
+  const causeText = cause && typeof cause === 'object' ? (typeof cause.code === 'string' ? cause.code : typeof cause.message === 'string' ? cause.message : '') : '';
+  return causeText && causeText !== err.message ? `${err.message} (${causeText})` : err.message;
+}
+
+function normalizeEtag(etag: string | null): string | null {
+  if (!etag) return null;
+  return etag.replace(/^W\//, '').replace(/^"(.*)"$/, '$1');
+}
+
+function parseSize(value: string | null): number | null {
+  if (value === null || !/^\d+$/.test(value.trim())) return null;
+  const n = Number(value);
+  return Number.isSafeInteger(n) ? n : null;
+}
+
+function parseRetryAfter(value: string | null): number | undefined {
+  if (!value) return undefined;
+  if (/^\d+$/.test(value.trim())) return Number(value) * 1000;
+  const at = Date.parse(value);
+  return Number.isNaN(at) ? undefined : Math.max(0, at - Date.now());
+}
+
+async function discard(response: Response): Promise<void> {
+  try {
+    await response.body?.cancel();
+  } catch {
+    // the connection is gone already; nothing to release
+  }
+}
+
+async function readSome(response: Response, limit: number): Promise<string> {
+  if (!response.body) return '';
+  const chunks: Uint8Array[] = [];
+  let n = 0;
+  try {
+    for await (const chunk of response.body as ReadableStream<Uint8Array>) {
+      chunks.push(chunk);
+      n += chunk.length;
+      if (n >= limit) break;
+    }
+  } catch {
+    // an error body that fails to arrive still leaves the status to go by
+  }
+  return Buffer.concat(chunks).subarray(0, limit).toString('utf8');
+}
+
+async function* emptyBody(): AsyncGenerator<Uint8Array> {}
+
+/**
+ * The response body as an async iterable that skips `skip` leading bytes, checks that exactly
+ * `expected` bytes arrive, fails when no chunk arrives for `idleMs`, and turns stream failures
+ * into `Transient` errors that say where the transfer stopped (so the caller can resume there).
+ */
+async function* streamBody(
+  stream: ReadableStream<Uint8Array>,
+  ctx: {
+    skip: number;
+    expected: number;
+    offset: number;
+    size: number;
+    where: string;
+    signal: AbortSignal | undefined;
+    idleMs: number;
+    abort: (reason: Error) => void;
+    scrub: (s: string) => string;
+  },
+): AsyncGenerator<Uint8Array> {
+  let toSkip = ctx.skip;
+  let received = 0;
+  let stalled = false;
+  let finished = false;
+  const stopped = (why: string, cause?: unknown): HubError =>
+    new HubError('Transient', ctx.scrub(`download of ${ctx.where} stopped at byte ${ctx.offset + received} of ${ctx.size}: ${why}`), { cause });
+  const reader = stream.getReader();
+  try {
+    for (;;) {
+      // The idle timer runs only while waiting for the network, not while the consumer works.
+      const timer = setTimeout(() => {
+        stalled = true;
+        ctx.abort(new Error('stalled'));
+      }, ctx.idleMs);
+      let next: Awaited<ReturnType<typeof reader.read>>;
+      try {
+        next = await reader.read();
+      } finally {
+        clearTimeout(timer);
+      }
+      if (next.done) break;
+      let chunk = next.value;
+      if (toSkip > 0) {
+        const n = Math.min(toSkip, chunk.length);
+        toSkip -= n;
+        chunk = chunk.subarray(n);
+        if (chunk.length === 0) continue;
+      }
+      received += chunk.length;
+      if (received > ctx.expected) throw stopped(`the server sent more than the ${ctx.size} bytes it announced`);
+      yield chunk;
+    }
+    finished = true;
+  } catch (err) {
+    if (isHubError(err)) throw err;
+    if (ctx.signal?.aborted) throw ctx.signal.reason;
+    if (stalled) throw stopped(`no data for ${ctx.idleMs} ms`);
+    throw stopped(errorText(err), err);
+  } finally {
+    // Early exit (break, error): release the connection instead of leaving it half-read.
+    if (!finished) await reader.cancel().catch(() => undefined);
+  }
+  if (received !== ctx.expected || toSkip > 0) throw stopped('the connection ended early');
+}
