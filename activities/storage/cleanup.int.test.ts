@@ -1,0 +1,30 @@
+/** abortStaleUploads / listIncompleteUploads against the real MinIO of the test harness. */
+import { CreateBucketCommand, CreateMultipartUploadCommand } from '@aws-sdk/client-s3';
+import { isolation, s3Client } from '../../test/harness';
+import { abortStaleUploads, listIncompleteUploads } from './cleanup';
+
+const { bucket } = isolation();
+const s3 = s3Client();
+
+beforeAll(async () => {
+  await s3.send(new CreateBucketCommand({ Bucket: bucket }));
+});
+afterAll(() => s3.destroy());
+
+test('lists incomplete uploads under a prefix and aborts only those older than the cutoff', async () => {
+  const keys = ['sources/a/1/x.bin', 'sources/a/1/y.bin', 'sources/a/1/y.bin', 'artifacts/a/1/z.gguf'];
+  for (const Key of keys) await s3.send(new CreateMultipartUploadCommand({ Bucket: bucket, Key }));
+
+  const sources = await listIncompleteUploads(s3, bucket, 'sources/');
+  expect(sources.map((u) => u.key).sort()).toEqual(['sources/a/1/x.bin', 'sources/a/1/y.bin', 'sources/a/1/y.bin']);
+  for (const u of sources) expect(u.initiated).toBeInstanceOf(Date);
+  expect(await listIncompleteUploads(s3, bucket)).toHaveLength(4);
+  expect(await listIncompleteUploads(s3, bucket, 'sources/a/1/y.bin')).toHaveLength(2);
+
+  // Nothing is an hour old yet.
+  expect(await abortStaleUploads(s3, bucket, { prefix: 'sources/', olderThanMs: 3_600_000 })).toBe(0);
+  // An hour later, the ones under the prefix are.
+  expect(await abortStaleUploads(s3, bucket, { prefix: 'sources/', olderThanMs: 3_600_000, now: Date.now() + 3_600_000 + 60_000 })).toBe(3);
+  expect(await listIncompleteUploads(s3, bucket, 'sources/')).toEqual([]);
+  expect((await listIncompleteUploads(s3, bucket)).map((u) => u.key)).toEqual(['artifacts/a/1/z.gguf']);
+});
