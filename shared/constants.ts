@@ -8,6 +8,17 @@ export const TaskQueue = {
   pipeline: 'magus-pipeline',
 } as const;
 
+/**
+ * The heavy-work queue paired with a control queue: `magus-control` → `magus-pipeline`, and
+ * `<prefix>-control` → `<prefix>-pipeline` (tests run isolated pairs of queues).
+ */
+export function pipelineQueueFor(controlQueue: string): string {
+  return controlQueue.endsWith('-control') ? `${controlQueue.slice(0, -'-control'.length)}-pipeline` : `${controlQueue}-pipeline`;
+}
+
+/** Search attributes magus sets on its workflows (registered by the worker at start). */
+export const SearchAttribute = { kind: 'MagusKind', model: 'MagusModel' } as const;
+
 /** Custom resources: group and version of Model, Dllama and Session. */
 export const CRD_GROUP = 'magus.dev';
 export const CRD_VERSION = 'v1alpha1';
@@ -23,5 +34,5 @@ export const Nats = {
 } as const;
 
 /** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */
-export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert'] as const;
+export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model'] as const;
 export type Mode = (typeof MODES)[number];

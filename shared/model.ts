@@ -116,3 +116,58 @@ export function sourceKey(repo: string, sha: string, path: string): string {
 export function artifactPrefix(repo: string, sha: string, a: ArtifactRequest, converterVersion: string): string {
   return `artifacts/${repo}/${sha}/${a.format}-${a.weights}/${converterVersion}/`;
 }
+
+const REPO_ID = /^[A-Za-z0-9][A-Za-z0-9._-]{0,95}\/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$/;
+const REVISION = /^[A-Za-z0-9][A-Za-z0-9._/-]{0,254}$/;
+
+/** Everything wrong with a spec, as `field: problem` strings (empty when valid). */
+export function validateModelSpec(spec: unknown): string[] {
+  const errors: string[] = [];
+  const s = spec as Partial<ModelSpec> | null;
+  if (typeof s !== 'object' || s === null) return ['spec: must be an object'];
+  const src = s.source;
+  if (typeof src !== 'object' || src === null) {
+    errors.push('source: required');
+  } else {
+    if (typeof src.repo !== 'string' || !REPO_ID.test(src.repo) || src.repo.includes('..')) errors.push(`source.repo: ${JSON.stringify(src.repo)} is not an org/name repository id`);
+    if (src.revision !== undefined && (typeof src.revision !== 'string' || !REVISION.test(src.revision) || src.revision.includes('..'))) {
+      errors.push(`source.revision: ${JSON.stringify(src.revision)} is not a branch, tag or commit`);
+    }
+    if (src.hubUrl !== undefined && (typeof src.hubUrl !== 'string' || !/^https?:\/\/[^\s/]+(\/[^\s]*)?$/.test(src.hubUrl))) errors.push(`source.hubUrl: ${JSON.stringify(src.hubUrl)} is not an http(s) URL`);
+    const ref = src.tokenRef as Record<string, unknown> | undefined;
+    if (ref !== undefined) {
+      const keys = typeof ref === 'object' && ref !== null ? Object.keys(ref) : [];
+      const ok =
+        keys.length === 1 &&
+        ((keys[0] === 'env' && typeof ref.env === 'string' && ref.env !== '') ||
+          (keys[0] === 'file' && typeof ref.file === 'string' && ref.file !== '') ||
+          (keys[0] === 'secret' && typeof ref.secret === 'object' && ref.secret !== null && typeof (ref.secret as Record<string, unknown>).name === 'string' && typeof (ref.secret as Record<string, unknown>).key === 'string'));
+      if (!ok) errors.push('source.tokenRef: must be one of {env}, {file} or {secret: {name, key}} (a reference, never the token itself)');
+    }
+  }
+  if (!Array.isArray(s.artifacts) || s.artifacts.length === 0) {
+    errors.push('artifacts: at least one {format, weights} is required');
+  } else {
+    const seen = new Set<string>();
+    s.artifacts.forEach((a: Partial<ArtifactRequest>, i) => {
+      if (!ARTIFACT_FORMATS.includes(a?.format as ArtifactFormat)) errors.push(`artifacts[${i}].format: ${JSON.stringify(a?.format)} is not one of ${ARTIFACT_FORMATS.join(', ')}`);
+      if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}`);
+      const id = `${a?.format}:${a?.weights}`;
+      if (seen.has(id)) errors.push(`artifacts[${i}]: ${id} is listed twice`);
+      seen.add(id);
+    });
+  }
+  if (s.contextLength !== undefined && (!Number.isInteger(s.contextLength) || s.contextLength < 16 || s.contextLength > 10_000_000)) {
+    errors.push(`contextLength: ${JSON.stringify(s.contextLength)} must be a whole number from 16 to 10000000`);
+  }
+  return errors;
+}
+
+/** The repository files a conversion needs: configs, tokenizer files and safetensors weights. */
+export function isNeededSourceFile(path: string): boolean {
+  if (path.includes('/')) return false; // sub-folders hold other variants (onnx/, original/ …)
+  return (
+    path.endsWith('.safetensors') ||
+    ['config.json', 'model.safetensors.index.json', 'tokenizer.json', 'tokenizer_config.json', 'generation_config.json', 'special_tokens_map.json', 'chat_template.jinja'].includes(path)
+  );
+}

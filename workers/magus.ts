@@ -5,7 +5,10 @@
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
+import { ConfigError, loadConfig } from './config';
 import { convertCommand } from './convert';
+import { modelPullCommand, PULL_USAGE } from './model-pull';
+import { startWorkers } from './worker';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
 
 const DESCRIPTIONS: Record<Mode, string> = {
@@ -16,6 +19,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   bridge: 'NATS ↔ engine sidecar',
   engine: 'llama.cpp engine with the dllama-api HTTP surface',
   convert: 'convert safetensors to GGUF or distributed-llama',
+  model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -30,6 +34,10 @@ function usage(): string {
     '',
     'magus dev [--services temporal,nats,s3,kubernetes] [--json]',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
+    'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
+    '',
+    'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
+    '(and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) from the environment.',
   ].join('\n');
 }
 
@@ -81,6 +89,31 @@ async function dev(args: string[]): Promise<number> {
   return 0;
 }
 
+/** Runs `fn`, turning a configuration error into a clear message and exit code 1. */
+async function configErrors(fn: () => Promise<number>): Promise<number> {
+  try {
+    return await fn();
+  } catch (err) {
+    if (!(err instanceof ConfigError)) throw err;
+    process.stderr.write(`magus: ${err.message}\n`);
+    return 1;
+  }
+}
+
+/** `magus worker`: runs until SIGINT/SIGTERM, then stops gracefully. */
+function workerCommand(): Promise<number> {
+  return configErrors(async () => {
+    const cfg = loadConfig();
+    const workers = await startWorkers(cfg);
+    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}\n`);
+    const stop = () => void workers.shutdown();
+    process.once('SIGINT', stop);
+    process.once('SIGTERM', stop);
+    await workers.done;
+    return 0;
+  });
+}
+
 export async function main(argv: string[]): Promise<number> {
   const [mode, ...rest] = argv;
   if (!mode || mode === '--help' || mode === '-h' || mode === 'help') {
@@ -96,6 +129,12 @@ export async function main(argv: string[]): Promise<number> {
       return dev(rest);
     case 'convert':
       return convertCommand(rest);
+    case 'worker':
+      return workerCommand();
+    case 'model':
+      if (rest[0] === 'pull') return configErrors(() => modelPullCommand(rest.slice(1)));
+      process.stderr.write(`${PULL_USAGE}\n`);
+      return 1;
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
       return EXIT_NOT_AVAILABLE;

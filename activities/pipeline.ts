@@ -1,0 +1,245 @@
+/**
+ * The activities of the `modelPipeline` workflow, created from injected clients (workers inject
+ * real ones; tests inject real ones pointed at test servers). Each takes one serializable input
+ * and is idempotent: S3 keys derive from the commit and content, so re-running finds its work
+ * done. Permanent errors become non-retryable failures with a type from shared/errors.ts;
+ * everything else is retried by the workflow's policy. Secrets are resolved here from
+ * references and never appear in inputs, results, heartbeats or errors.
+ */
+import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
+import { basename } from 'node:path';
+import { parseModelSpec } from './convert/arch';
+import { convertModel, CONVERTER_VERSION } from './convert/convert';
+import { ConvertError, isConvertError } from './convert/errors';
+import type { CheckpointFiles } from './convert/types';
+import { HubClient, hubErrorType, isHubError } from './huggingface/client';
+import type { ModelRegistry } from './nats/registry';
+import { planMemory } from './size/memory';
+import { abortStaleUploads } from './storage/cleanup';
+import { headObject } from './storage/multipart';
+import { s3Source } from './storage/s3-source';
+import { s3OutputTarget } from './storage/s3-writer';
+import { transferToS3, type TransferCheckpoint } from './storage/transfer';
+import { ErrorType } from '../shared/errors';
+import {
+  artifactPrefix,
+  sourceKey,
+  type Artifact,
+  type ArtifactRequest,
+  type MemoryPlan,
+  type ModelSource,
+  type ReadyModel,
+  type ResolvedSource,
+  type SecretRef,
+  type SourceFile,
+  type StoredObject,
+} from '../shared/model';
+import type { ActivityProgress } from '../workflows/model/definitions';
+
+export interface PipelineDeps {
+  s3: S3Client;
+  bucket: string;
+  registry: ModelRegistry;
+  resolveSecret: (ref: SecretRef) => Promise<string>;
+  /** Sends throttled progress to the running workflow (a Temporal client's signal). */
+  reportProgress?: (workflowId: string, progress: ActivityProgress) => Promise<void>;
+  /** `fetch` for the hub client (tests may pass one with a custom dispatcher). */
+  fetch?: typeof fetch;
+  transfer?: { partSize?: number; concurrency?: number };
+  convertThreads?: number;
+}
+
+/** A source file in S3, as the workflow passes it to conversion and sizing. */
+export interface StoredSource {
+  path: string;
+  object: StoredObject;
+}
+
+/** Heartbeat details of `transferFile`; the next attempt resumes from them. */
+export interface TransferHeartbeat {
+  checkpoint: TransferCheckpoint | null;
+  bytesDone: number;
+  bytesTotal: number;
+}
+
+const PROGRESS_EVERY_MS = 3000;
+
+/** Re-throws `err` as a non-retryable failure when no retry can fix it. */
+function classify(err: unknown): never {
+  if (isHubError(err)) {
+    const type = hubErrorType(err.code);
+    if (type) throw ApplicationFailure.nonRetryable(err.message, type);
+  } else if (isConvertError(err)) {
+    // The input is pinned by commit and verified by sha256: a conversion error is permanent.
+    throw ApplicationFailure.nonRetryable(`${err.code}: ${err.message}`, ErrorType.UnsupportedModel);
+  } else if (err instanceof Error && err.name === 'SecretUnavailableError') {
+    throw ApplicationFailure.nonRetryable(err.message, ErrorType.SecretUnavailable);
+  }
+  throw err;
+}
+
+export function createPipelineActivities(deps: PipelineDeps) {
+  const { s3, bucket } = deps;
+
+  async function hubFor(source: ModelSource): Promise<HubClient> {
+    const token = source.tokenRef ? await deps.resolveSecret(source.tokenRef) : undefined;
+    return new HubClient({ baseUrl: source.hubUrl, token, fetch: deps.fetch });
+  }
+
+  /** Calls `send` at most every few seconds (and always for the final value). */
+  function throttledProgress(kind: ActivityProgress['kind'], key: string): (done: number, total: number, final?: boolean) => void {
+    let last = 0;
+    const workflowId = activityInfo().workflowExecution?.workflowId;
+    return (done, total, final = false) => {
+      const now = Date.now();
+      if (!deps.reportProgress || !workflowId || (!final && now - last < PROGRESS_EVERY_MS)) return;
+      last = now;
+      deps.reportProgress(workflowId, { key, kind, done, total }).catch(() => undefined); // progress is best effort
+    };
+  }
+
+  async function getText(key: string, signal?: AbortSignal): Promise<string> {
+    const r = await s3.send(new GetObjectCommand({ Bucket: bucket, Key: key }), { abortSignal: signal });
+    return r.Body!.transformToString('utf8');
+  }
+
+  /** The checkpoint's files as S3 objects. */
+  function s3Checkpoint(sources: StoredSource[], signal: AbortSignal): CheckpointFiles {
+    const byPath = new Map(sources.map((s) => [s.path, s.object]));
+    return {
+      location: `s3://${bucket}/${sources[0]?.object.key.replace(/[^/]*$/, '') ?? ''}`,
+      async readText(name) {
+        const o = byPath.get(name);
+        return o ? getText(o.key, signal) : null;
+      },
+      open(name) {
+        const o = byPath.get(name);
+        if (!o) return Promise.reject(new ConvertError('MissingFile', `${name} is not among the model's files`));
+        return Promise.resolve(s3Source(s3, bucket, o.key, { size: o.bytes }));
+      },
+    };
+  }
+
+  return {
+    /** Pins `revision` to a commit and lists the repository's files with sizes and sha256. */
+    async resolveSource(input: { source: ModelSource }): Promise<ResolvedSource> {
+      try {
+        const hub = await hubFor(input.source);
+        return await hub.resolve(input.source.repo, input.source.revision ?? 'main', { signal: Context.current().cancellationSignal });
+      } catch (err) {
+        classify(err);
+      }
+    },
+
+    /**
+     * Streams one file from the hub into S3 (multipart), verifying its sha256; resumes from the
+     * last heartbeat's checkpoint without re-sending parts already in S3. A checksum mismatch is
+     * retried once from scratch (a fresh download) before it is reported as permanent.
+     */
+    async transferFile(input: { source: ModelSource; sha: string; file: SourceFile }): Promise<StoredObject> {
+      const ctx = Context.current();
+      const { file } = input;
+      const key = sourceKey(input.source.repo, input.sha, file.path);
+      const previous = activityInfo().heartbeatDetails as TransferHeartbeat | undefined;
+      let checkpoint = previous?.checkpoint ?? null;
+      const progress = throttledProgress('transfer', file.path);
+      try {
+        const hub = await hubFor(input.source);
+        for (let attempt = 1; ; attempt++) {
+          try {
+            const result = await transferToS3({
+              s3,
+              bucket,
+              key,
+              size: file.size,
+              sha256: file.sha256,
+              partSize: deps.transfer?.partSize,
+              concurrency: deps.transfer?.concurrency,
+              resume: checkpoint,
+              signal: ctx.cancellationSignal,
+              open: async (offset, signal) => (await hub.download(input.source.repo, input.sha, file.path, { offset, signal })).body,
+              onCheckpoint: (cp) => {
+                checkpoint = cp;
+              },
+              onProgress: (bytesDone) => {
+                heartbeat({ checkpoint, bytesDone, bytesTotal: file.size } satisfies TransferHeartbeat);
+                progress(bytesDone, file.size);
+              },
+            });
+            progress(file.size, file.size, true);
+            return { key: result.key, bytes: result.bytes, sha256: result.sha256 };
+          } catch (err) {
+            if ((err as { code?: string }).code === 'ChecksumMismatch') {
+              if (attempt >= 2) throw ApplicationFailure.nonRetryable(`${file.path}: content does not match the hub's sha256 after a fresh download`, ErrorType.ChecksumMismatch);
+              checkpoint = null; // the upload was aborted; download everything again
+              continue;
+            }
+            throw err;
+          }
+        }
+      } catch (err) {
+        classify(err);
+      }
+    },
+
+    /** Converts the source files into one artifact; a no-op when it already exists in S3. */
+    async convertArtifact(input: { repo: string; sha: string; name: string; sources: StoredSource[]; request: ArtifactRequest }): Promise<Artifact> {
+      const ctx = Context.current();
+      const prefix = artifactPrefix(input.repo, input.sha, input.request, CONVERTER_VERSION);
+      const names = input.request.format === 'gguf' ? ['model.gguf'] : ['model.m', 'tokenizer.t'];
+      const existing = await Promise.all(names.map((n) => headObject({ s3, bucket, key: prefix + n }, ctx.cancellationSignal)));
+      if (existing.every((o) => o?.sha256)) {
+        return { ...input.request, converterVersion: CONVERTER_VERSION, files: existing.map((o, i) => ({ key: prefix + names[i]!, bytes: o!.size, sha256: o!.sha256! })) };
+      }
+      const stored: StoredObject[] = [];
+      const outputs = names.map((n, i) => s3OutputTarget(s3, bucket, prefix + n, { onStored: (o) => (stored[i] = o) }));
+      const progress = throttledProgress('convert', `${input.request.format}:${input.request.weights}`);
+      try {
+        await convertModel({
+          source: s3Checkpoint(input.sources, ctx.cancellationSignal),
+          format: input.request.format,
+          weights: input.request.weights,
+          output: input.request.format === 'gguf' ? outputs[0]! : { model: outputs[0]!, tokenizer: outputs[1]! },
+          name: basename(input.repo),
+          threads: deps.convertThreads,
+          onProgress: (p) => {
+            if (ctx.cancellationSignal.aborted) throw ctx.cancellationSignal.reason;
+            heartbeat({ tensorsDone: p.tensorsDone, tensorsTotal: p.tensorsTotal, bytesDone: p.bytesDone, bytesTotal: p.bytesTotal });
+            progress(p.tensorsDone, p.tensorsTotal, p.tensorsDone === p.tensorsTotal);
+          },
+        });
+      } catch (err) {
+        classify(err);
+      }
+      return { ...input.request, converterVersion: CONVERTER_VERSION, files: stored };
+    },
+
+    /** The memory table of every artifact (see activities/size/memory.ts). */
+    async sizeArtifacts(input: { sources: StoredSource[]; artifacts: Artifact[]; contextLength?: number }): Promise<MemoryPlan[]> {
+      const config = input.sources.find((s) => s.path === 'config.json');
+      if (!config) throw ApplicationFailure.nonRetryable('no config.json among the sources', ErrorType.UnsupportedModel);
+      let spec;
+      try {
+        spec = parseModelSpec(JSON.parse(await getText(config.object.key)));
+      } catch (err) {
+        classify(err);
+      }
+      return input.artifacts.map((a) => planMemory(spec, a.format, a.weights, input.contextLength, a.files.reduce((n, f) => n + f.bytes, 0)));
+    },
+
+    /** Writes the ready model to the registry (`magus_models`). */
+    async publishModel(model: ReadyModel): Promise<void> {
+      await deps.registry.put(model);
+    },
+
+    /** Aborts incomplete multipart uploads under the given prefixes (cleanup after a cancel). */
+    async abortUploads(input: { prefixes: string[] }): Promise<number> {
+      let n = 0;
+      for (const prefix of input.prefixes) n += await abortStaleUploads(s3, bucket, { prefix, olderThanMs: 0 });
+      return n;
+    },
+  };
+}
+
+export type PipelineActivities = ReturnType<typeof createPipelineActivities>;

@@ -1,0 +1,150 @@
+/**
+ * The pipeline worker process is SIGKILLed three times during a multi-part transfer: the model
+ * still becomes ready, every object is byte-identical to the source, no part is uploaded twice
+ * except parts in flight at a kill, and no incomplete multipart upload remains.
+ */
+import { CreateBucketCommand, GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import type { Client, Connection } from '@temporalio/client';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { listIncompleteUploads } from '../activities/storage/cleanup';
+import { modelWorkflowId, progressQuery, type PipelineProgress } from '../workflows/model/definitions';
+import { modelPipeline } from '../workflows/model/pipeline';
+import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
+import { writeTinyModel } from './fixtures/tiny-model';
+import { endpoint, isolation, s3Client, temporalClient } from './harness';
+
+const iso = isolation();
+const REPO = 'magus-test/crash-llama';
+const PART = 5 * 1024 * 1024;
+/** Parts a transfer uploads at once (the transfer's default concurrency). */
+const CONCURRENCY = 4;
+const KILLS = 3;
+
+let hub: FixtureHub;
+let commit: FixtureCommit;
+let client: Client;
+let connection: Connection;
+let s3: S3Client;
+let dir: string;
+let worker: ChildProcess | undefined;
+const traceFile = () => join(dir, 's3-writes.log');
+
+/** A `magus worker` process run from the TypeScript sources. */
+function spawnWorker(): ChildProcess {
+  const s3e = endpoint('s3');
+  const child = spawn(process.execPath, ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"], {
+    cwd: join(__dirname, '..'),
+    stdio: ['ignore', 'ignore', 'pipe'],
+    env: {
+      ...process.env,
+      MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
+      MAGUS_NATS_URL: endpoint('nats').servers,
+      MAGUS_S3_ENDPOINT: s3e.endpoint,
+      MAGUS_S3_BUCKET: iso.bucket,
+      AWS_ACCESS_KEY_ID: s3e.accessKeyId,
+      AWS_SECRET_ACCESS_KEY: s3e.secretAccessKey,
+      MAGUS_TASK_QUEUE: `${iso.id}-control`,
+      MAGUS_MODELS_BUCKET: `${iso.natsPrefix}_models`,
+      MAGUS_TRANSFER_PART_SIZE: String(PART),
+      MAGUS_S3_TRACE_FILE: traceFile(),
+      MAGUS_CONVERT_THREADS: '1',
+    },
+  });
+  child.stderr?.resume();
+  return child;
+}
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-crash-'));
+  // ~37 MB of F32 weights: 8 parts of 5 MiB for model.safetensors.
+  await writeTinyModel(join(dir, 'model'), { seed: 41, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
+  hub = await startFixtureHub();
+  commit = await hub.addRepo({ id: REPO, dir: join(dir, 'model') });
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  ({ client, connection } = await temporalClient());
+}, 60_000);
+
+afterAll(async () => {
+  worker?.kill('SIGKILL');
+  await hub?.stop();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async () => {
+  const weights = commit.files.find((f) => f.path === 'model.safetensors')!;
+  const parts = Math.ceil(weights.size / PART);
+  expect(parts).toBeGreaterThanOrEqual(6);
+  // Throttled so that the transfer takes long enough to be killed in the middle, three times.
+  hub.setFaults({ bytesPerSecond: 2_500_000 });
+
+  worker = spawnWorker();
+  const handle = await client.workflow.start(modelPipeline, {
+    workflowId: modelWorkflowId('default', `${iso.id}-crash`),
+    taskQueue: `${iso.id}-control`,
+    args: [{ namespace: 'default', name: 'crash', spec: { source: { repo: REPO, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
+  });
+  // While a new worker is starting nobody can answer a query: retry until one does.
+  const progress = async (): Promise<PipelineProgress> => {
+    for (let i = 0; ; i++) {
+      try {
+        return await handle.query(progressQuery);
+      } catch (err) {
+        if (i >= 20) throw err;
+        await new Promise((r) => setTimeout(r, 500));
+      }
+    }
+  };
+
+  let killedAt = 0;
+  for (let kill = 1; kill <= KILLS; kill++) {
+    // Kill once another part or so has been committed since the last kill.
+    const target = killedAt + PART * 1.2;
+    const deadline = Date.now() + 120_000;
+    let p: PipelineProgress;
+    do {
+      await new Promise((r) => setTimeout(r, 250));
+      p = await progress();
+      if (Date.now() > deadline) throw new Error(`no transfer progress before kill ${kill}: ${JSON.stringify(p)}`);
+    } while (p.phase === 'resolving' || (p.phase === 'transferring' && p.bytes.done < target));
+    expect(p.phase).toBe('transferring'); // still in the middle of the transfer
+    const exited = new Promise((r) => worker!.once('exit', r));
+    worker.kill('SIGKILL');
+    await exited;
+    killedAt = p.bytes.done;
+    worker = spawnWorker();
+  }
+
+  hub.setFaults({});
+  const deadline = Date.now() + 180_000;
+  let p = await progress();
+  while (p.phase !== 'ready' && p.phase !== 'failed' && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 500));
+    p = await progress();
+  }
+  expect(p.phase).toBe('ready');
+  worker.kill('SIGTERM');
+
+  // Byte-identical objects.
+  for (const f of commit.files) {
+    const r = await s3.send(new GetObjectCommand({ Bucket: iso.bucket, Key: `sources/${REPO}/${commit.sha}/${f.path}` }));
+    expect([f.path, Buffer.from(await r.Body!.transformToByteArray()).equals(f.content)]).toEqual([f.path, true]);
+  }
+  // Each part uploaded once, except parts that were in flight when a worker died.
+  expect(existsSync(traceFile())).toBe(true);
+  const uploads = readFileSync(traceFile(), 'utf8')
+    .split('\n')
+    .filter((l) => l.startsWith(`UploadPartCommand sources/${REPO}/${commit.sha}/model.safetensors `));
+  const perPart = new Map<string, number>();
+  for (const l of uploads) perPart.set(l, (perPart.get(l) ?? 0) + 1);
+  expect(perPart.size).toBe(parts);
+  const repeats = uploads.length - parts;
+  expect(repeats).toBeLessThanOrEqual(KILLS * CONCURRENCY);
+  // No incomplete multipart upload is left behind.
+  expect(await listIncompleteUploads(s3, iso.bucket)).toEqual([]);
+}, 400_000);

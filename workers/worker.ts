@@ -1,0 +1,116 @@
+/**
+ * `magus worker`: Temporal workers for the control queue (workflows, registry writes) and the
+ * pipeline queue (download, convert, size), wired to real Temporal, NATS and S3 clients.
+ */
+import { appendFileSync } from 'node:fs';
+import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
+import { Client, Connection } from '@temporalio/client';
+import { NativeConnection, Worker } from '@temporalio/worker';
+import { temporal } from '@temporalio/proto';
+import { connect, type NatsConnection } from 'nats';
+import { createPipelineActivities } from '../activities/pipeline';
+import { createSecretResolver } from '../activities/huggingface/secrets';
+import { openModelRegistry } from '../activities/nats/registry';
+import { pipelineQueueFor, SearchAttribute } from '../shared/constants';
+import { activityProgressSignal } from '../workflows/model/definitions';
+import type { MagusConfig } from './config';
+
+export interface RunningWorkers {
+  /** Resolves when both workers have stopped. */
+  done: Promise<void>;
+  /** Graceful stop: in-flight activity attempts are cancelled and resumed by the next worker. */
+  shutdown(): Promise<void>;
+}
+
+/** Registers magus's search attributes on the namespace (idempotent). */
+export async function ensureSearchAttributes(connection: Connection, namespace: string): Promise<void> {
+  const Keyword = temporal.api.enums.v1.IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD;
+  try {
+    await connection.operatorService.addSearchAttributes({
+      namespace,
+      searchAttributes: { [SearchAttribute.kind]: Keyword, [SearchAttribute.model]: Keyword },
+    });
+  } catch (err) {
+    if (!/already exists/i.test((err as Error).message)) throw err;
+  }
+}
+
+async function ensureBucket(s3: S3Client, bucket: string): Promise<void> {
+  try {
+    await s3.send(new HeadBucketCommand({ Bucket: bucket }));
+  } catch {
+    await s3.send(new CreateBucketCommand({ Bucket: bucket })).catch((err: Error) => {
+      if (!/BucketAlreadyOwnedByYou|BucketAlreadyExists/.test(err.name)) throw err;
+    });
+  }
+}
+
+const WRITE_COMMANDS = new Set(['PutObjectCommand', 'UploadPartCommand', 'CreateMultipartUploadCommand', 'CompleteMultipartUploadCommand', 'AbortMultipartUploadCommand']);
+
+/** Appends `<command> <key> <part>` for every S3 write request that succeeded (MAGUS_S3_TRACE_FILE). */
+function traceS3Writes(s3: S3Client, file: string): void {
+  s3.middlewareStack.add(
+    (next, context) => async (args) => {
+      const result = await next(args);
+      if (WRITE_COMMANDS.has(context.commandName ?? '')) {
+        const input = args.input as { Key?: string; PartNumber?: number };
+        appendFileSync(file, `${context.commandName} ${input.Key ?? ''} ${input.PartNumber ?? ''}\n`);
+      }
+      return result;
+    },
+    { step: 'initialize', name: 'magusWriteTrace' },
+  );
+}
+
+export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
+  const connection = await Connection.connect({ address: cfg.temporal.address });
+  const client = new Client({ connection, namespace: cfg.temporal.namespace });
+  await ensureSearchAttributes(connection, cfg.temporal.namespace);
+  const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
+  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker' });
+  const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
+  if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
+  await ensureBucket(s3, cfg.s3.bucket);
+  const registry = await openModelRegistry(nc, cfg.modelsBucket);
+
+  const activities = createPipelineActivities({
+    s3,
+    bucket: cfg.s3.bucket,
+    registry,
+    resolveSecret: createSecretResolver(),
+    reportProgress: (workflowId, progress) => client.workflow.getHandle(workflowId).signal(activityProgressSignal, progress),
+    convertThreads: cfg.convertThreads,
+    transfer: { partSize: cfg.transferPartSize },
+  });
+
+  const control = await Worker.create({
+    connection: workerConnection,
+    namespace: cfg.temporal.namespace,
+    taskQueue: cfg.taskQueue,
+    workflowsPath: require.resolve('../workflows'),
+    activities: { publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model) },
+  });
+  const pipeline = await Worker.create({
+    connection: workerConnection,
+    namespace: cfg.temporal.namespace,
+    taskQueue: pipelineQueueFor(cfg.taskQueue),
+    activities,
+    // Conversions use every core through their own thread pool: one at a time per worker.
+    maxConcurrentActivityTaskExecutions: 8,
+  });
+
+  const done = Promise.all([control.run(), pipeline.run()]).then(async () => {
+    await workerConnection.close();
+    await connection.close();
+    await nc.drain();
+    s3.destroy();
+  });
+  return {
+    done,
+    async shutdown() {
+      control.shutdown();
+      pipeline.shutdown();
+      await done;
+    },
+  };
+}

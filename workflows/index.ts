@@ -1,0 +1,2 @@
+/** Every workflow a magus worker registers (the worker bundles this module). */
+export { modelPipeline } from './model/pipeline';

@@ -1,0 +1,42 @@
+/** Messages of the `modelPipeline` workflow (workflow id `model/<namespace>/<name>`). */
+import { defineQuery, defineSignal } from '@temporalio/workflow';
+import type { ModelSpec } from '../../shared/model';
+
+export type PipelinePhase = 'resolving' | 'transferring' | 'converting' | 'sizing' | 'publishing' | 'ready' | 'failed' | 'cancelled';
+
+/** What the `progress` query returns (and `magus model pull` draws). */
+export interface PipelineProgress {
+  phase: PipelinePhase;
+  /** Bumped by every accepted spec change; the CR's `observedGeneration` maps onto it. */
+  generation: number;
+  repo: string;
+  /** Commit the revision resolved to, once known. */
+  sha: string | null;
+  files: { done: number; total: number };
+  /** Source bytes transferred (including bytes found already in S3). */
+  bytes: { done: number; total: number };
+  /** Tensors converted over all requested artifacts. */
+  tensors: { done: number; total: number };
+  /** Seconds to the end of the current phase at the recent rate, when it can be estimated. */
+  etaSeconds: number | null;
+  /** Set in phase `failed`: the typed reason (an ErrorType) and message. */
+  failure: { type: string; message: string } | null;
+}
+
+/** Sent by long activities, throttled, so the `progress` query can show bytes and tensors. */
+export interface ActivityProgress {
+  /** Distinguishes concurrent activities (e.g. the file path or artifact). */
+  key: string;
+  kind: 'transfer' | 'convert';
+  done: number;
+  total: number;
+}
+
+export const progressQuery = defineQuery<PipelineProgress>('progress');
+/** A new spec: the pipeline re-plans from what already exists (content-addressed, so nothing is redone). */
+export const specChangedSignal = defineSignal<[ModelSpec]>('specChanged');
+/** Stop: in-flight work is cancelled and partial uploads are cleaned up. */
+export const cancelSignal = defineSignal('cancel');
+export const activityProgressSignal = defineSignal<[ActivityProgress]>('activityProgress');
+
+export const modelWorkflowId = (namespace: string, name: string): string => `model/${namespace}/${name}`;

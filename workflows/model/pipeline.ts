@@ -1,0 +1,156 @@
+/**
+ * `modelPipeline`: a model reference → artifacts in S3 → an entry in the model registry.
+ * resolve (pin the revision to a commit) → transfer every needed file (parallel, resumable) →
+ * convert to each requested format → size → publish. Then it waits for a spec change or a
+ * cancel; it never re-runs by itself. A permanent failure (repo not found, unauthorized,
+ * unsupported model, checksum mismatch after a re-download, invalid spec) is recorded with its
+ * typed reason and the workflow waits for a new spec instead of retrying.
+ */
+import {
+  ActivityFailure,
+  ApplicationFailure,
+  CancellationScope,
+  condition,
+  continueAsNew,
+  isCancellation,
+  proxyActivities,
+  setHandler,
+  upsertSearchAttributes,
+  workflowInfo,
+  allHandlersFinished,
+  type ActivityOptions,
+  type RetryPolicy,
+} from '@temporalio/workflow';
+import type { PipelineActivities } from '../../activities/pipeline';
+import { pipelineQueueFor } from '../../shared/constants';
+import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
+import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
+import { activityProgressSignal, cancelSignal, progressQuery, specChangedSignal } from './definitions';
+import { PipelineState } from './state';
+
+/** Transient failures retry with capped exponential backoff, forever; permanent ones never. */
+const retry: RetryPolicy = { initialInterval: '1s', backoffCoefficient: 2, maximumInterval: '1m', nonRetryableErrorTypes: [...PERMANENT_ERROR_TYPES] };
+
+const shortCall: ActivityOptions = { startToCloseTimeout: '2m', retry };
+/** Transfers and conversions heartbeat; a dead worker is noticed within the heartbeat timeout. */
+const longWork: ActivityOptions = { startToCloseTimeout: '24h', heartbeatTimeout: '10s', retry };
+
+// Heavy I/O and CPU run on the pipeline queue paired with this workflow's (control) queue;
+// publishing to the registry is a control-plane call. (Activity proxies are Proxies: pick
+// functions from them, never spread them.)
+function activities() {
+  const taskQueue = pipelineQueueFor(workflowInfo().taskQueue);
+  const short = proxyActivities<PipelineActivities>({ ...shortCall, taskQueue });
+  const long = proxyActivities<PipelineActivities>({ ...longWork, taskQueue });
+  const control = proxyActivities<PipelineActivities>(shortCall);
+  return {
+    resolveSource: short.resolveSource,
+    sizeArtifacts: short.sizeArtifacts,
+    abortUploads: short.abortUploads,
+    transferFile: long.transferFile,
+    convertArtifact: long.convertArtifact,
+    publishModel: control.publishModel,
+  };
+}
+
+/** Files transferred at once. */
+const TRANSFER_CONCURRENCY = 4;
+
+export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
+  const { abortUploads } = activities();
+  const state = new PipelineState(input);
+  setHandler(progressQuery, () => state.progress());
+  setHandler(specChangedSignal, (spec: ModelSpec) => state.changeSpec(spec));
+  setHandler(cancelSignal, () => state.cancel());
+  setHandler(activityProgressSignal, (p) => state.onActivityProgress(p));
+  upsertSearchAttributes({ MagusKind: ['model'], MagusModel: [`${input.namespace}/${input.name}`] });
+
+  for (;;) {
+    const generation = state.generation;
+    // One run of the plan, cancelled as soon as the spec changes or a cancel arrives.
+    const run = new CancellationScope();
+    void condition(() => state.generation !== generation || state.cancelled).then(() => run.cancel());
+    try {
+      await run.run(() => runPlan(state));
+    } catch (err) {
+      if (!isCancellation(err)) {
+        const failure = permanentFailure(err);
+        if (!failure) throw err;
+        state.fail(failure.type, failure.message);
+      }
+    }
+
+    await condition(() => state.generation !== generation || state.cancelled);
+    if (state.cancelled) {
+      // Partial multipart uploads of this model are removed even though the workflow is stopping.
+      await CancellationScope.nonCancellable(async () => {
+        if (state.sha) await abortUploads({ prefixes: [`sources/${state.spec.source.repo}/${state.sha}/`, `artifacts/${state.spec.source.repo}/${state.sha}/`] });
+      });
+      state.markCancelled();
+      await condition(allHandlersFinished);
+      return;
+    }
+    if (workflowInfo().continueAsNewSuggested) {
+      await condition(allHandlersFinished);
+      await continueAsNew<typeof modelPipeline>({ ...input, spec: state.spec });
+    }
+  }
+}
+
+async function runPlan(state: PipelineState): Promise<void> {
+  const { resolveSource, transferFile, convertArtifact, sizeArtifacts, publishModel } = activities();
+  const spec = state.spec;
+  const errors = validateModelSpec(spec);
+  if (errors.length > 0) throw ApplicationFailure.nonRetryable(`invalid spec: ${errors.join('; ')}`, ErrorType.InvalidSpec);
+
+  state.enter('resolving');
+  const resolved = await resolveSource({ source: spec.source });
+  const files = resolved.files.filter((f) => isNeededSourceFile(f.path));
+  if (!files.some((f) => f.path === 'config.json')) {
+    throw ApplicationFailure.nonRetryable(`${resolved.repo}@${resolved.sha} has no config.json`, ErrorType.UnsupportedModel);
+  }
+  state.planned(resolved.sha, files);
+
+  state.enter('transferring');
+  const stored: StoredObject[] = new Array<StoredObject>(files.length);
+  let next = 0;
+  const lane = async (): Promise<void> => {
+    while (next < files.length) {
+      const i = next++;
+      const file = files[i]!;
+      stored[i] = await transferFile({ source: spec.source, sha: resolved.sha, file });
+      state.fileDone(file);
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(TRANSFER_CONCURRENCY, files.length) }, lane));
+
+  state.enter('converting');
+  const sources = files.map((f, i) => ({ path: f.path, object: stored[i]! }));
+  const artifacts = [];
+  for (const request of spec.artifacts) {
+    artifacts.push(await convertArtifact({ repo: resolved.repo, sha: resolved.sha, name: state.name, sources, request }));
+  }
+
+  state.enter('sizing');
+  const memory = await sizeArtifacts({ sources, artifacts, contextLength: spec.contextLength });
+
+  state.enter('publishing');
+  const ready: ReadyModel = {
+    namespace: state.namespace,
+    name: state.name,
+    source: { repo: resolved.repo, revision: resolved.revision, sha: resolved.sha },
+    artifacts,
+    memory,
+    readyAt: new Date().toISOString(), // workflow-safe: the SDK makes Date deterministic
+  };
+  await publishModel(ready);
+  state.enter('ready');
+}
+
+/** The typed permanent failure behind `err`, if it is one. */
+function permanentFailure(err: unknown): { type: string; message: string } | null {
+  let e: unknown = err;
+  if (e instanceof ActivityFailure) e = e.cause;
+  if (e instanceof ApplicationFailure && e.type && PERMANENT_ERROR_TYPES.includes(e.type)) return { type: e.type, message: e.message };
+  return null;
+}

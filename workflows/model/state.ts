@@ -1,0 +1,128 @@
+/**
+ * The `modelPipeline` workflow's state: what the handlers change and the `progress` query reads.
+ * Deterministic: time comes from the workflow SDK's `Date`.
+ */
+import type { ModelPipelineInput, ModelSpec, SourceFile } from '../../shared/model';
+import type { ActivityProgress, PipelinePhase, PipelineProgress } from './definitions';
+
+export class PipelineState {
+  readonly namespace: string;
+  readonly name: string;
+  spec: ModelSpec;
+  generation = 1;
+  cancelled = false;
+  sha: string | null = null;
+  private phase: PipelinePhase = 'resolving';
+  private failure: { type: string; message: string } | null = null;
+  private files: SourceFile[] = [];
+  private filesDone = 0;
+  /** Bytes of finished files, and in-flight progress per activity key. */
+  private bytesFinished = 0;
+  private readonly inFlight = new Map<string, ActivityProgress>();
+  private readonly converted = new Map<string, ActivityProgress>();
+  /** Rate samples for the ETA: [time ms, bytes or tensors done] at phase start and now. */
+  private phaseStart: { at: number; done: number } = { at: Date.now(), done: 0 };
+  private cancelledDone = false;
+
+  constructor(input: ModelPipelineInput) {
+    this.namespace = input.namespace;
+    this.name = input.name;
+    this.spec = input.spec;
+  }
+
+  /**
+   * Takes a new spec (validated when the plan re-runs). The same spec again is ignored unless the
+   * last run failed: re-sending it is how a user retries, e.g. after being granted access.
+   */
+  changeSpec(spec: ModelSpec): void {
+    if (JSON.stringify(spec) === JSON.stringify(this.spec) && this.phase !== 'failed') return;
+    this.spec = spec;
+    this.generation++;
+  }
+
+  cancel(): void {
+    this.cancelled = true;
+  }
+
+  markCancelled(): void {
+    this.cancelledDone = true;
+    this.phase = 'cancelled';
+  }
+
+  enter(phase: PipelinePhase): void {
+    this.phase = phase;
+    this.failure = null;
+    this.phaseStart = { at: Date.now(), done: this.phaseDone() };
+    if (phase === 'resolving') {
+      this.files = [];
+      this.filesDone = 0;
+      this.bytesFinished = 0;
+      this.inFlight.clear();
+      this.converted.clear();
+    }
+  }
+
+  planned(sha: string, files: SourceFile[]): void {
+    this.sha = sha;
+    this.files = files;
+  }
+
+  fileDone(file: SourceFile): void {
+    this.filesDone++;
+    this.bytesFinished += file.size;
+    this.inFlight.delete(`transfer:${file.path}`);
+  }
+
+  fail(type: string, message: string): void {
+    this.phase = 'failed';
+    this.failure = { type, message };
+  }
+
+  onActivityProgress(p: ActivityProgress): void {
+    if (p.kind === 'transfer') this.inFlight.set(`transfer:${p.key}`, p);
+    else this.converted.set(p.key, p);
+  }
+
+  private phaseDone(): number {
+    return this.phase === 'converting' ? this.tensors().done : this.bytes().done;
+  }
+
+  private bytes(): { done: number; total: number } {
+    let done = this.bytesFinished;
+    for (const p of this.inFlight.values()) done += p.done;
+    return { done, total: this.files.reduce((n, f) => n + f.size, 0) };
+  }
+
+  private tensors(): { done: number; total: number } {
+    let done = 0;
+    let total = 0;
+    for (const p of this.converted.values()) {
+      done += p.done;
+      total += p.total;
+    }
+    return { done, total };
+  }
+
+  progress(): PipelineProgress {
+    const bytes = this.bytes();
+    const tensors = this.tensors();
+    let etaSeconds: number | null = null;
+    const active = this.phase === 'transferring' ? bytes : this.phase === 'converting' ? tensors : null;
+    if (active && active.total > 0) {
+      const elapsed = (Date.now() - this.phaseStart.at) / 1000;
+      const rate = elapsed > 0 ? (active.done - this.phaseStart.done) / elapsed : 0;
+      if (rate > 0) etaSeconds = Math.round((active.total - active.done) / rate);
+    }
+    return {
+      phase: this.cancelledDone ? 'cancelled' : this.phase,
+      generation: this.generation,
+      repo: this.spec.source.repo,
+      sha: this.sha,
+      files: { done: this.filesDone, total: this.files.length },
+      bytes,
+      tensors,
+      etaSeconds,
+      failure: this.failure,
+    };
+  }
+}
