@@ -1,0 +1,74 @@
+/**
+ * The serving data plane's wire contracts (DESIGN.md, "Data plane"): what the gateway publishes
+ * to an instance's bridge over NATS JetStream, what the bridge streams back, and the KV entries
+ * the gateway reads on the hot path. Workflow-safe: no imports, no I/O.
+ */
+
+/** OpenAI chat message (the subset engines accept). */
+export interface ChatMessage {
+  role: 'system' | 'user' | 'assistant';
+  content: string;
+}
+
+/** The OpenAI chat-completion request fields magus forwards to an engine. */
+export interface ChatCompletionRequest {
+  model: string;
+  messages: ChatMessage[];
+  stream?: boolean;
+  max_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  seed?: number;
+  stop?: string | string[];
+}
+
+/**
+ * A request on `magus.req.<pool>.<instance>` (stream `MAGUS_REQUESTS`, work-queue retention),
+ * published with header `Nats-Msg-Id: <id>` so a retried publish is de-duplicated.
+ */
+export interface InferenceRequest {
+  /** Unique request id (also the response subject's last token). */
+  id: string;
+  /** Where the bridge streams chunks: `magus.res.<id>`. */
+  replyTo: string;
+  /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
+  deadline: number;
+  body: ChatCompletionRequest;
+}
+
+/**
+ * One message on `magus.res.<id>`, numbered from 0 so the gateway can detect gaps and
+ * duplicates. Streaming: `chunk`* then `done`; non-streaming: a single `done` carrying the whole
+ * completion; failure at any point: `error` (terminal).
+ */
+export type ResponseFrame =
+  | { seq: number; type: 'chunk'; data: unknown } // an OpenAI `chat.completion.chunk`
+  | { seq: number; type: 'done'; data?: unknown } // the `chat.completion` when not streaming
+  | { seq: number; type: 'error'; error: { status: number; message: string; type: string; code: string | null } };
+
+/** `magus_sessions` KV: conversation key → the instance serving it (with expiry). */
+export interface SessionEntry {
+  /** The subject requests for this conversation go to: `magus.req.<pool>.<instance>`. */
+  subject: string;
+  pool: string;
+  instance: string;
+  /** Epoch ms when the session's lease ends unless extended. */
+  expiresAt: number;
+}
+
+/**
+ * `magus_tokens` KV: token id → digest. Tokens look like `mgs_<id>_<secret>`; the gateway looks
+ * up the entry by id and compares `sha256(token)` with `digest` in constant time. The token
+ * itself is never stored.
+ */
+export interface TokenEntry {
+  /** hex sha256 of the whole token string. */
+  digest: string;
+  /** Who it belongs to (for logs and metrics; never the token). */
+  name: string;
+  /** Models it may use; empty or absent = all. */
+  models?: string[];
+}
+
+export const requestSubject = (pool: string, instance: string): string => `magus.req.${pool}.${instance}`;
+export const responseSubject = (requestId: string): string => `magus.res.${requestId}`;
