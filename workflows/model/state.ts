@@ -15,7 +15,8 @@ export class PipelineState {
   private phase: PipelinePhase = 'resolving';
   private failure: { type: string; message: string } | null = null;
   private files: SourceFile[] = [];
-  private filesDone = 0;
+  /** Paths of transferred files (a late progress signal for one of them is ignored). */
+  private readonly doneFiles = new Set<string>();
   /** Bytes of finished files, and in-flight progress per activity key. */
   private bytesFinished = 0;
   private readonly inFlight = new Map<string, ActivityProgress>();
@@ -55,7 +56,7 @@ export class PipelineState {
     this.phaseStart = { at: Date.now(), done: this.phaseDone() };
     if (phase === 'resolving') {
       this.files = [];
-      this.filesDone = 0;
+      this.doneFiles.clear();
       this.bytesFinished = 0;
       this.inFlight.clear();
       this.converted.clear();
@@ -68,7 +69,8 @@ export class PipelineState {
   }
 
   fileDone(file: SourceFile): void {
-    this.filesDone++;
+    if (this.doneFiles.has(file.path)) return;
+    this.doneFiles.add(file.path);
     this.bytesFinished += file.size;
     this.inFlight.delete(`transfer:${file.path}`);
   }
@@ -79,7 +81,8 @@ export class PipelineState {
   }
 
   onActivityProgress(p: ActivityProgress): void {
-    if (p.kind === 'transfer') this.inFlight.set(`transfer:${p.key}`, p);
+    // Signals are sent asynchronously: one may arrive after its file's activity completed.
+    if (p.kind === 'transfer' && !this.doneFiles.has(p.key)) this.inFlight.set(`transfer:${p.key}`, p);
     else this.converted.set(p.key, p);
   }
 
@@ -118,7 +121,7 @@ export class PipelineState {
       generation: this.generation,
       repo: this.spec.source.repo,
       sha: this.sha,
-      files: { done: this.filesDone, total: this.files.length },
+      files: { done: this.doneFiles.size, total: this.files.length },
       bytes,
       tensors,
       etaSeconds,
