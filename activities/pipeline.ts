@@ -10,7 +10,7 @@ import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
 import { basename } from 'node:path';
 import { parseModelSpec } from './convert/arch';
-import { convertModel, CONVERTER_VERSION } from './convert/convert';
+import { convertModel, CONVERTER_VERSION, type ConvertProgress } from './convert/convert';
 import { ConvertError, isConvertError } from './convert/errors';
 import type { CheckpointFiles } from './convert/types';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
@@ -64,6 +64,17 @@ export interface TransferHeartbeat {
 }
 
 const PROGRESS_EVERY_MS = 3000;
+/** Heartbeats go out at least this often, whatever the part size or link speed (timeout: 10 s). */
+const HEARTBEAT_EVERY_MS = 2000;
+
+/**
+ * Heartbeats `details()` every {@link HEARTBEAT_EVERY_MS} until stopped: progress callbacks
+ * come per part or per tensor, which on a slow link can be rarer than the heartbeat timeout.
+ */
+function keepHeartbeating(details: () => unknown): () => void {
+  const timer = setInterval(() => heartbeat(details()), HEARTBEAT_EVERY_MS);
+  return () => clearInterval(timer);
+}
 
 /** Re-throws `err` as a non-retryable failure when no retry can fix it. */
 function classify(err: unknown): never {
@@ -144,6 +155,8 @@ export function createPipelineActivities(deps: PipelineDeps) {
       const previous = activityInfo().heartbeatDetails as TransferHeartbeat | undefined;
       let checkpoint = previous?.checkpoint ?? null;
       const progress = throttledProgress('transfer', file.path);
+      let bytesDone = previous?.bytesDone ?? 0;
+      const stopHeartbeats = keepHeartbeating(() => ({ checkpoint, bytesDone, bytesTotal: file.size }) satisfies TransferHeartbeat);
       try {
         const hub = await hubFor(input.source);
         for (let attempt = 1; ; attempt++) {
@@ -158,14 +171,23 @@ export function createPipelineActivities(deps: PipelineDeps) {
               concurrency: deps.transfer?.concurrency,
               resume: checkpoint,
               signal: ctx.cancellationSignal,
-              open: async (offset, signal) => (await hub.download(input.source.repo, input.sha, file.path, { offset, signal })).body,
+              // Progress counts bytes as they arrive from the source (parts commit much more rarely).
+              open: async (offset, signal) => {
+                const { body } = await hub.download(input.source.repo, input.sha, file.path, { offset, signal });
+                bytesDone = offset;
+                return (async function* counted() {
+                  for await (const chunk of body) {
+                    bytesDone += chunk.length;
+                    progress(bytesDone, file.size);
+                    yield chunk;
+                  }
+                })();
+              },
               onCheckpoint: (cp) => {
                 checkpoint = cp;
               },
-              onProgress: (bytesDone) => {
-                heartbeat({ checkpoint, bytesDone, bytesTotal: file.size } satisfies TransferHeartbeat);
-                progress(bytesDone, file.size);
-              },
+              // Called when parts commit: heartbeat the new checkpoint right away.
+              onProgress: () => heartbeat({ checkpoint, bytesDone, bytesTotal: file.size } satisfies TransferHeartbeat),
             });
             progress(file.size, file.size, true);
             return { key: result.key, bytes: result.bytes, sha256: result.sha256 };
@@ -180,6 +202,8 @@ export function createPipelineActivities(deps: PipelineDeps) {
         }
       } catch (err) {
         classify(err);
+      } finally {
+        stopHeartbeats();
       }
     },
 
@@ -195,6 +219,8 @@ export function createPipelineActivities(deps: PipelineDeps) {
       const stored: StoredObject[] = [];
       const outputs = names.map((n, i) => s3OutputTarget(s3, bucket, prefix + n, { onStored: (o) => (stored[i] = o) }));
       const progress = throttledProgress('convert', `${input.request.format}:${input.request.weights}`);
+      let latest: ConvertProgress | null = null;
+      const stopHeartbeats = keepHeartbeating(() => latest);
       try {
         await convertModel({
           source: s3Checkpoint(input.sources, ctx.cancellationSignal),
@@ -205,12 +231,15 @@ export function createPipelineActivities(deps: PipelineDeps) {
           threads: deps.convertThreads,
           onProgress: (p) => {
             if (ctx.cancellationSignal.aborted) throw ctx.cancellationSignal.reason;
-            heartbeat({ tensorsDone: p.tensorsDone, tensorsTotal: p.tensorsTotal, bytesDone: p.bytesDone, bytesTotal: p.bytesTotal });
+            latest = p;
+            heartbeat(p);
             progress(p.tensorsDone, p.tensorsTotal, p.tensorsDone === p.tensorsTotal);
           },
         });
       } catch (err) {
         classify(err);
+      } finally {
+        stopHeartbeats();
       }
       return { ...input.request, converterVersion: CONVERTER_VERSION, files: stored };
     },

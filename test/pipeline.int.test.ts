@@ -5,6 +5,7 @@
 import { GetObjectCommand, CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
+import { spawn } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -12,7 +13,7 @@ import type { NatsConnection } from 'nats';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';
-import { modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
+import { cancelSignal, modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
 import { modelPipeline } from '../workflows/model/pipeline';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
@@ -202,3 +203,44 @@ test('a byte corrupted by the source is caught by the checksum, after one fresh 
   }
   expect(await listIncompleteUploads(s3, iso.bucket)).toEqual([]);
 });
+
+test('cancel stops a transfer in flight and removes its partial uploads', async () => {
+  await hub.addRepo({ id: 'magus-test/cancel-llama', dir: join(dir, 'other'), files: { 'padding.safetensors': new Uint8Array(12 * 1024 * 1024) } });
+  hub.setFaults({ bytesPerSecond: 1_000_000 });
+  try {
+    const handle = await start('cancel', spec('magus-test/cancel-llama'));
+    let p = await handle.query(progressQuery);
+    for (let i = 0; (p.phase !== 'transferring' || p.bytes.done < 6 * 1024 * 1024) && i < 200; i++) {
+      await new Promise((r) => setTimeout(r, 100));
+      p = await handle.query(progressQuery);
+    }
+    expect(p.phase).toBe('transferring');
+    await handle.signal(cancelSignal);
+    await handle.result(); // the workflow ends after its cleanup
+    expect((await handle.query(progressQuery)).phase).toBe('cancelled');
+  } finally {
+    hub.setFaults({});
+  }
+  expect(await listIncompleteUploads(s3, iso.bucket, 'sources/magus-test/cancel-llama/')).toEqual([]);
+}, 60_000);
+
+test('magus model pull starts the pipeline and returns when the model is ready', async () => {
+  const s3e = endpoint('s3');
+  const child = spawn(
+    process.execPath,
+    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))", 'model', 'pull', REPO, '--format', 'gguf:q80', '--hub', hub.url, '--name', 'pulled'],
+    {
+      cwd: join(__dirname, '..'),
+      env: { ...process.env, MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address, MAGUS_TASK_QUEUE: cfg.taskQueue, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_S3_ENDPOINT: s3e.endpoint },
+    },
+  );
+  let stdout = '';
+  let stderr = '';
+  child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+  const code = await new Promise<number | null>((r) => child.once('exit', r));
+  expect([code, stderr]).toEqual([0, expect.stringContaining('pipeline model/default/pulled')]);
+  expect(stdout).toContain(`default/pulled is ready (${REPO}@${commit.sha})`);
+  expect(stderr).toMatch(/^ready$/m);
+  expect((await registry.get('default', 'pulled'))?.artifacts.map((a) => a.weights)).toEqual(['q80']);
+}, 120_000);

@@ -7,6 +7,7 @@
  * typed reason and the workflow waits for a new spec instead of retrying.
  */
 import {
+  ActivityCancellationType,
   ActivityFailure,
   ApplicationFailure,
   CancellationScope,
@@ -32,8 +33,11 @@ import { PipelineState } from './state';
 const retry: RetryPolicy = { initialInterval: '1s', backoffCoefficient: 2, maximumInterval: '1m', nonRetryableErrorTypes: [...PERMANENT_ERROR_TYPES] };
 
 const shortCall: ActivityOptions = { startToCloseTimeout: '2m', retry };
-/** Transfers and conversions heartbeat; a dead worker is noticed within the heartbeat timeout. */
-const longWork: ActivityOptions = { startToCloseTimeout: '24h', heartbeatTimeout: '10s', retry };
+/**
+ * Transfers and conversions heartbeat; a dead worker is noticed within the heartbeat timeout.
+ * On cancel the workflow waits until they have stopped, so the cleanup after them is final.
+ */
+const longWork: ActivityOptions = { startToCloseTimeout: '24h', heartbeatTimeout: '10s', retry, cancellationType: ActivityCancellationType.WAIT_CANCELLATION_COMPLETED };
 
 // Heavy I/O and CPU run on the pipeline queue paired with this workflow's (control) queue;
 // publishing to the registry is a control-plane call. (Activity proxies are Proxies: pick
