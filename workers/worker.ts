@@ -4,6 +4,7 @@
  */
 import { appendFileSync } from 'node:fs';
 import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
+import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
 import { NativeConnection, Worker } from '@temporalio/worker';
 import { temporal } from '@temporalio/proto';
@@ -62,6 +63,18 @@ function traceS3Writes(s3: S3Client, file: string): void {
   );
 }
 
+/**
+ * A Kubernetes client for `{secret}` token references, when the worker runs in a cluster or a
+ * kubeconfig is given; otherwise those references fail with SecretUnavailable.
+ */
+function kubeForSecrets(): { coreApi: CoreV1Api; defaultNamespace: string } | undefined {
+  if (!process.env.KUBERNETES_SERVICE_HOST && !process.env.KUBECONFIG) return undefined;
+  const kc = new KubeConfig();
+  kc.loadFromDefault();
+  const ns = process.env.MAGUS_NAMESPACE ?? kc.getContextObject(kc.getCurrentContext())?.namespace ?? 'default';
+  return { coreApi: kc.makeApiClient(CoreV1Api), defaultNamespace: ns };
+}
+
 export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const connection = await Connection.connect({ address: cfg.temporal.address });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
@@ -77,7 +90,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     s3,
     bucket: cfg.s3.bucket,
     registry,
-    resolveSecret: createSecretResolver(),
+    resolveSecret: createSecretResolver({ kube: kubeForSecrets() }),
     reportProgress: (workflowId, progress) => client.workflow.getHandle(workflowId).signal(activityProgressSignal, progress),
     convertThreads: cfg.convertThreads,
     transfer: { partSize: cfg.transferPartSize },
