@@ -7,6 +7,7 @@ import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
 import { ConfigError, loadConfig } from './config';
 import { convertCommand } from './convert';
+import { engineCommand } from './engine';
 import { modelPullCommand, PULL_USAGE } from './model-pull';
 import { startWorkers } from './worker';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
@@ -35,6 +36,7 @@ function usage(): string {
     'magus dev [--services temporal,nats,s3,kubernetes] [--json]',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
+    'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
     '(and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) from the environment.',
@@ -131,6 +133,8 @@ export async function main(argv: string[]): Promise<number> {
       return convertCommand(rest);
     case 'worker':
       return workerCommand();
+    case 'engine':
+      return engineCommand(rest);
     case 'model':
       if (rest[0] === 'pull') return configErrors(() => modelPullCommand(rest.slice(1)));
       process.stderr.write(`${PULL_USAGE}\n`);

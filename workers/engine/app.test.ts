@@ -1,0 +1,173 @@
+/**
+ * The engine's HTTP layer and options with a scripted backend (no model): states, shutdown, errors.
+ * Over a real loopback port: `app.inject` needs light-my-request, whose ESM-only `cookie`
+ * dependency jest's CommonJS runtime cannot load.
+ */
+import type { FastifyInstance } from 'fastify';
+import { invalidRequest, normalizeRequest, paramPath, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult } from './api';
+import { createEngineHttp } from './app';
+import { EngineCore } from './core';
+import { ENGINE_USAGE_ERROR, parseEngineArgs } from './options';
+
+/** A backend whose generations finish when the test says so. */
+class ScriptedBackend implements CompletionBackend {
+  readonly pending: { io: GenerationIO; finish(r: GenerationResult): void; fail(e: unknown): void }[] = [];
+  prepare(req: ChatRequest) {
+    if (req.messages[0]!.content === 'too long') throw invalidRequest('too long', 'messages', 'context_length_exceeded');
+    return {
+      promptTokens: 3,
+      generate: (_slot: number, io: GenerationIO) =>
+        new Promise<GenerationResult>((resolve, reject) => {
+          io.signal.addEventListener('abort', () => reject(new Error('aborted')), { once: true });
+          this.pending.push({ io, finish: resolve, fail: reject });
+        }),
+    };
+  }
+}
+
+const body = (content = 'hi', extra: Record<string, unknown> = {}) => ({ messages: [{ role: 'user', content }], ...extra });
+const until = async (cond: () => boolean): Promise<void> => {
+  for (let i = 0; i < 200 && !cond(); i++) await new Promise((r) => setTimeout(r, 5));
+  expect(cond()).toBe(true);
+};
+
+describe('engine HTTP layer', () => {
+  let core: EngineCore;
+  let app: FastifyInstance;
+  let base: string;
+  let backend: ScriptedBackend;
+  const logged: string[] = [];
+  beforeEach(async () => {
+    core = new EngineCore({ modelId: 'm', slots: 1, queue: 1 });
+    app = createEngineHttp(core, { logError: (m) => logged.push(m) });
+    base = await app.listen({ host: '127.0.0.1', port: 0 });
+    backend = new ScriptedBackend();
+  });
+  afterEach(() => app.close());
+
+  interface Answer {
+    statusCode: number;
+    body: string;
+    json(): unknown;
+  }
+  const answer = async (res: Response): Promise<Answer> => {
+    const text = await res.text();
+    return { statusCode: res.status, body: text, json: () => JSON.parse(text) as unknown };
+  };
+  const get = async (path: string): Promise<Answer> => answer(await fetch(`${base}${path}`));
+  const complete = async (payload: unknown): Promise<Answer> =>
+    answer(await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(payload) }));
+
+  test('answers 503 while the model loads, then serves', async () => {
+    const health = await get('/health');
+    expect(health.statusCode).toBe(503);
+    expect(health.json()).toMatchObject({ status: 'loading', model: 'm' });
+    const early = await complete(body());
+    expect(early.statusCode).toBe(503);
+    expect(early.json()).toEqual({ error: { message: 'The model is still loading.', type: 'server_error', param: null, code: 'engine_unavailable' } });
+    expect((await get('/metrics')).body).toContain('magus_engine_model_loaded 0');
+
+    core.ready(backend);
+    expect((await get('/health')).statusCode).toBe(200);
+    const answer = complete(body());
+    await until(() => backend.pending.length === 1);
+    backend.pending[0]!.io.onText('hel');
+    backend.pending[0]!.finish({ text: 'hello', finishReason: 'stop', completionTokens: 2 });
+    const res = await answer;
+    expect(res.statusCode).toBe(200);
+    expect(res.json()).toMatchObject({ model: 'm', choices: [{ message: { content: 'hello' }, finish_reason: 'stop' }], usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 } });
+  });
+
+  test('drain turns queued requests away with 503, lets the running one finish; abortInFlight ends it with 503', async () => {
+    core.ready(backend);
+    const running = complete(body('one'));
+    await until(() => backend.pending.length === 1);
+    const queued = complete(body('two'));
+    await until(() => core.slots.queued === 1);
+    core.drain();
+    expect((await queued).statusCode).toBe(503);
+    expect((await get('/health')).json()).toMatchObject({ status: 'stopping' });
+    expect((await complete(body('three'))).json()).toMatchObject({ error: { message: 'The engine is shutting down.' } });
+    core.abortInFlight();
+    const res = await running;
+    expect(res.statusCode).toBe(503);
+    expect(res.json()).toMatchObject({ error: { code: 'engine_unavailable' } });
+    expect(core.slots.busy).toBe(0);
+  });
+
+  test('backend errors: 400s pass through; unexpected ones are a 500 without details, logged', async () => {
+    core.ready(backend);
+    const long = await complete(body('too long'));
+    expect(long.statusCode).toBe(400);
+    expect(long.json()).toMatchObject({ error: { param: 'messages', code: 'context_length_exceeded' } });
+
+    const failing = complete(body());
+    await until(() => backend.pending.length === 1);
+    backend.pending[0]!.fail(new Error('secret internals'));
+    const res = await failing;
+    expect(res.statusCode).toBe(500);
+    expect(res.json()).toEqual({ error: { message: 'The engine had an internal error.', type: 'server_error', param: null, code: null } });
+    expect(logged.join('\n')).toContain('secret internals');
+  });
+
+  test('a failure mid-stream ends the stream with an error event and no [DONE]', async () => {
+    core.ready(backend);
+    const stream = complete(body('x', { stream: true }));
+    await until(() => backend.pending.length === 1);
+    backend.pending[0]!.io.onText('partial');
+    backend.pending[0]!.fail(new Error('boom'));
+    const res = await stream;
+    expect(res.statusCode).toBe(200);
+    const events = res.body.split('\n\n').filter(Boolean);
+    expect(events).toHaveLength(3);
+    expect(events[1]).toContain('"content":"partial"');
+    expect(JSON.parse(events[2]!.slice('data: '.length))).toEqual({ error: { message: 'The engine had an internal error.', type: 'server_error', param: null, code: null } });
+    expect((await get('/metrics')).body).toContain('magus_engine_errors_total{type="server_error"} 1');
+  });
+});
+
+describe('request normalisation', () => {
+  test('applies OpenAI defaults and maps fields', () => {
+    expect(normalizeRequest({ messages: [{ role: 'developer', content: 'd' }] })).toEqual({
+      messages: [{ role: 'system', content: 'd' }],
+      stream: false,
+      includeUsage: false,
+      maxTokens: undefined,
+      temperature: 1,
+      topP: 1,
+      seed: undefined,
+      stop: [],
+      frequencyPenalty: 0,
+      presencePenalty: 0,
+    });
+    const r = normalizeRequest({ messages: [], max_tokens: 5, max_completion_tokens: 7, seed: -1, stop: 'x', stream: true, stream_options: { include_usage: true } });
+    expect(r).toMatchObject({ maxTokens: 7, seed: 0xffffffff, stop: ['x'], stream: true, includeUsage: true });
+  });
+
+  test('param paths use OpenAI spelling', () => {
+    expect(paramPath('/messages/0/role')).toBe('messages[0].role');
+    expect(paramPath('', 'messages')).toBe('messages');
+    expect(paramPath('/stop/1')).toBe('stop[1]');
+    expect(paramPath('')).toBeNull();
+  });
+});
+
+describe('magus engine options', () => {
+  test('defaults and both flag spellings', () => {
+    const o = parseEngineArgs(['--model', '/m/tiny.gguf', '--port=8080', '--slots', '2', '--json']);
+    expect(o).toMatchObject({ model: '/m/tiny.gguf', host: '127.0.0.1', port: 8080, slots: 2, queue: 16, ctx: 4096, modelId: 'tiny.gguf', json: true, graceMs: 30_000 });
+    expect(o.threads).toBeGreaterThanOrEqual(1);
+  });
+
+  test.each([
+    [[], /--model/],
+    [['--model'], /needs a value/],
+    [['--model', 'x', '--slots', '0'], /--slots must be a whole number from 1/],
+    [['--model', 'x', '--port', 'http'], /--port/],
+    [['--model', 'x', '--gpu'], /unknown option --gpu/],
+    [['--model', 'x', 'extra'], /unexpected argument extra/],
+  ])('%j is refused', (args, message) => {
+    expect(() => parseEngineArgs(args)).toThrow(message);
+    expect(() => parseEngineArgs(args)).toThrow(expect.objectContaining({ name: ENGINE_USAGE_ERROR }) as Error);
+  });
+});

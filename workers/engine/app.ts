@@ -1,0 +1,355 @@
+/**
+ * The engine's HTTP API as a fastify plugin: the routes `dllama-api` serves
+ * (`POST /v1/chat/completions`, `GET /v1/models`, CORS preflight) plus `GET /health` and
+ * `GET /metrics`. Every error is answered in OpenAI's shape; 5xx details stay in the log.
+ *
+ * A completion request is validated, measured by the backend (400 if it cannot fit), then waits
+ * for a slot (429 when the queue is full). Streaming answers are written straight to the socket as
+ * server-sent events; a client that disconnects aborts its generation, which frees the slot.
+ */
+import { performance } from 'node:perf_hooks';
+import fastify, {
+  type FastifyError,
+  type FastifyInstance,
+  type FastifyPluginAsync,
+  type FastifyReply,
+  type FastifyRequest,
+  type preValidationAsyncHookHandler,
+} from 'fastify';
+import type { ServerResponse } from 'node:http';
+import {
+  chatCompletionBodySchema,
+  chatCompletionResponseSchemas,
+  ENGINE_HTTP_ERROR,
+  EngineHttpError,
+  healthResponseSchema,
+  modelListResponseSchema,
+  normalizeRequest,
+  unavailable,
+  validationFailure,
+  type ChatCompletion,
+  type ChatCompletionBody,
+  type FinishReason,
+} from './api';
+import type { EngineCore } from './core';
+import { QUEUE_FULL_ERROR } from './slots';
+
+export const COMPLETIONS_URL = '/v1/chat/completions';
+
+export interface EngineApiOptions {
+  core: EngineCore;
+  /**
+   * Runs on every completion request before validation (the stub engine records requests and
+   * injects failures here). Answering the reply ends the request.
+   */
+  preValidation?: preValidationAsyncHookHandler;
+  /** Where 5xx details go (default: stderr). */
+  logError?: (message: string) => void;
+}
+
+/** Abort reason of a generation whose client went away. */
+const CLIENT_CLOSED = Symbol('client closed');
+
+const ID_PREFIX = `chatcmpl-${Math.random().toString(36).slice(2, 10)}`;
+let idCounter = 0;
+const nextId = (): string => `${ID_PREFIX}${(++idCounter).toString(36)}`;
+
+const SSE_HEADERS = {
+  'content-type': 'text/event-stream; charset=utf-8',
+  'cache-control': 'no-cache',
+  'x-accel-buffering': 'no',
+  'access-control-allow-origin': '*',
+} as const;
+
+/**
+ * Server-sent `chat.completion.chunk` events. Only the text is serialised per chunk; the rest of
+ * each event is a prebuilt prefix (hot path: one event per token).
+ */
+class ChunkWriter {
+  private readonly prefix: string;
+  private corked = false;
+  private readonly uncork = (): void => {
+    this.corked = false;
+    this.res.uncork();
+  };
+
+  constructor(
+    private readonly res: ServerResponse,
+    id: string,
+    created: number,
+    model: string,
+  ) {
+    this.prefix = `data: {"id":${JSON.stringify(id)},"object":"chat.completion.chunk","created":${created},"model":${JSON.stringify(model)},"choices":[`;
+  }
+
+  /** Events written in the same tick leave in one packet (a stub writes a whole answer at once). */
+  private write(event: string): void {
+    if (!this.corked) {
+      this.corked = true;
+      this.res.cork();
+      process.nextTick(this.uncork);
+    }
+    this.res.write(event);
+  }
+
+  role(): void {
+    this.write(`${this.prefix}{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n`);
+  }
+
+  text(text: string): void {
+    this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":null,"finish_reason":null}]}\n\n`);
+  }
+
+  finish(reason: FinishReason): void {
+    this.write(`${this.prefix}{"index":0,"delta":{},"logprobs":null,"finish_reason":"${reason}"}]}\n\n`);
+  }
+
+  usage(prompt: number, completion: number): void {
+    this.write(`${this.prefix}],"usage":{"prompt_tokens":${prompt},"completion_tokens":${completion},"total_tokens":${prompt + completion}}}\n\n`);
+  }
+
+  done(): void {
+    this.write('data: [DONE]\n\n');
+    this.res.end();
+  }
+
+  /** A failure after the stream started: one `{"error":…}` event, then the stream ends without `[DONE]`. */
+  fail(err: EngineHttpError): void {
+    this.write(`data: ${JSON.stringify(err.body())}\n\n`);
+    this.res.end();
+  }
+}
+
+/** Any error as the OpenAI error to answer with; internals of unexpected errors are hidden. */
+export function toEngineError(err: unknown): EngineHttpError {
+  if (err instanceof Error && err.name === ENGINE_HTTP_ERROR) return err as EngineHttpError;
+  const fe = err as Partial<FastifyError> | undefined;
+  if (fe?.validation) return validationFailure(fe.validation);
+  if (typeof fe?.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
+    const message = fe.statusCode === 400 && /JSON/i.test(fe.message ?? '') ? 'We could not parse the JSON body of your request.' : (fe.message ?? 'Bad request.');
+    return new EngineHttpError(fe.statusCode, message, 'invalid_request_error');
+  }
+  return new EngineHttpError(500, 'The engine had an internal error.', 'server_error');
+}
+
+async function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
+  const arrived = performance.now();
+  const backend = core.backend;
+  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  const req = normalizeRequest(request.body as ChatCompletionBody);
+  const prepared = backend.prepare(req);
+  const { metrics } = core;
+
+  const res = reply.raw;
+  const abort = new AbortController();
+  const onClose = (): void => {
+    if (!res.writableEnded) abort.abort(CLIENT_CLOSED);
+  };
+  res.on('close', onClose);
+  const clientGone = (): FastifyReply => {
+    metrics.countRequest(499);
+    metrics.countError('client_closed');
+    return reply.hijack();
+  };
+
+  let slot: number;
+  try {
+    const affinity = backend.affinity?.bind(backend);
+    slot = await core.slots.acquire({ signal: abort.signal, score: affinity && ((s) => affinity(s, req)) });
+  } catch (err) {
+    res.off('close', onClose);
+    if (abort.signal.aborted) return clientGone();
+    if (err instanceof Error && err.name === QUEUE_FULL_ERROR) {
+      throw new EngineHttpError(429, `The engine is busy (${err.message}); retry later.`, 'rate_limit_error', null, 'queue_full', {
+        'retry-after': String(core.retryAfterSeconds()),
+      });
+    }
+    throw err;
+  }
+
+  const acquired = performance.now();
+  metrics.queueWait.observe((acquired - arrived) / 1000);
+  metrics.promptTokens += prepared.promptTokens;
+  core.track(abort);
+  let firstText = 0;
+  const observeText = (): void => {
+    if (firstText === 0) {
+      firstText = performance.now();
+      metrics.timeToFirstToken.observe((firstText - arrived) / 1000);
+    }
+  };
+  const observeEnd = (completionTokens: number): void => {
+    const end = performance.now();
+    metrics.generatedTokens += completionTokens;
+    metrics.requestDuration.observe((end - arrived) / 1000);
+    if (firstText > 0 && completionTokens > 1) metrics.timePerOutputToken.observe((end - firstText) / 1000 / (completionTokens - 1));
+  };
+  const abortReason = (): EngineHttpError | typeof CLIENT_CLOSED => {
+    const reason: unknown = abort.signal.reason;
+    return reason === CLIENT_CLOSED ? CLIENT_CLOSED : toEngineError(reason);
+  };
+
+  const id = nextId();
+  const created = Math.floor(Date.now() / 1000);
+  try {
+    if (!req.stream) {
+      let result;
+      try {
+        result = await prepared.generate(slot, { signal: abort.signal, onText: observeText });
+      } catch (err) {
+        if (!abort.signal.aborted) throw err;
+        const reason = abortReason();
+        if (reason === CLIENT_CLOSED) return clientGone();
+        throw reason;
+      }
+      observeEnd(result.completionTokens);
+      metrics.countRequest(200);
+      const body: ChatCompletion = {
+        id,
+        object: 'chat.completion',
+        created,
+        model: core.modelId,
+        choices: [{ index: 0, message: { role: 'assistant', content: result.text }, logprobs: null, finish_reason: result.finishReason }],
+        usage: { prompt_tokens: prepared.promptTokens, completion_tokens: result.completionTokens, total_tokens: prepared.promptTokens + result.completionTokens },
+      };
+      return body;
+    }
+
+    reply.hijack();
+    res.writeHead(200, SSE_HEADERS);
+    const out = new ChunkWriter(res, id, created, core.modelId);
+    out.role();
+    try {
+      const result = await prepared.generate(slot, {
+        signal: abort.signal,
+        onText: (text) => {
+          if (text.length === 0) return;
+          observeText();
+          out.text(text);
+        },
+      });
+      out.finish(result.finishReason);
+      if (req.includeUsage) out.usage(prepared.promptTokens, result.completionTokens);
+      out.done();
+      observeEnd(result.completionTokens);
+      metrics.countRequest(200);
+    } catch (err) {
+      const failure = abort.signal.aborted ? abortReason() : toEngineError(err);
+      if (failure === CLIENT_CLOSED) {
+        clientGone();
+        return reply;
+      }
+      if (failure.status >= 500 && !abort.signal.aborted) (opts.logError ?? defaultLog)(`stream failed: ${describe(err)}`);
+      metrics.countRequest(failure.status);
+      metrics.countError(failure.type);
+      out.fail(failure);
+    }
+    return reply;
+  } finally {
+    core.untrack(abort);
+    core.slots.release(slot);
+    res.off('close', onClose);
+  }
+}
+
+const defaultLog = (message: string): void => {
+  process.stderr.write(`magus engine: ${message}\n`);
+};
+
+const describe = (err: unknown): string => (err instanceof Error ? (err.stack ?? err.message) : String(err));
+
+/** The engine API: register it on an instance made by {@link createEngineHttp} (or with the same ajv options). */
+export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
+  const { core } = opts;
+  const logError = opts.logError ?? defaultLog;
+
+  // dllama-api parses every body as JSON whatever its content type; so does the engine.
+  app.removeContentTypeParser('text/plain');
+  app.addContentTypeParser('*', { parseAs: 'string' }, (_req, body, done) => {
+    try {
+      done(null, JSON.parse(body as string));
+    } catch {
+      done(Object.assign(new Error('We could not parse the JSON body of your request.'), { statusCode: 400 }), undefined);
+    }
+  });
+
+  app.setErrorHandler((err: FastifyError, request, reply) => {
+    const e = toEngineError(err);
+    if (e.status >= 500 && err.name !== ENGINE_HTTP_ERROR) logError(`${request.method} ${request.url}: ${describe(err)}`);
+    if (request.routeOptions.url === COMPLETIONS_URL) {
+      core.metrics.countRequest(e.status);
+      core.metrics.countError(e.type);
+    }
+    return reply.code(e.status).headers(e.headers).send(e.body());
+  });
+
+  app.setNotFoundHandler((request, reply) =>
+    reply.code(404).send(new EngineHttpError(404, `Unknown request URL: ${request.method} ${request.url}.`, 'invalid_request_error', null, 'unknown_url').body()),
+  );
+
+  app.addHook('onSend', async (_request, reply, payload) => {
+    reply.header('access-control-allow-origin', '*');
+    return payload;
+  });
+
+  // CORS preflight, answered like dllama-api.
+  app.options('*', (_request, reply) =>
+    reply
+      .code(204)
+      .headers({ 'access-control-allow-methods': 'GET, POST, PUT, DELETE', 'access-control-allow-headers': 'Content-Type, Authorization' })
+      .send(),
+  );
+
+  app.post(COMPLETIONS_URL, {
+    schema: { body: chatCompletionBodySchema, response: chatCompletionResponseSchemas },
+    ...(opts.preValidation ? { preValidation: opts.preValidation } : {}),
+    handler: (request, reply) => complete(core, opts, request, reply),
+  });
+
+  app.get('/v1/models', { schema: { response: modelListResponseSchema } }, () => ({
+    object: 'list',
+    data: [{ id: core.modelId, object: 'model', created: core.created, owned_by: 'magus' }],
+  }));
+
+  app.get('/health', { schema: { response: healthResponseSchema } }, (_request, reply) => {
+    const size = core.slots.size;
+    return reply.code(core.status === 'ready' ? 200 : 503).send({
+      status: core.status === 'ready' ? 'ok' : core.status,
+      model: core.modelId,
+      slots: Number.isFinite(size) ? size : -1,
+      busy: core.slots.busy,
+      queued: core.slots.queued,
+    });
+  });
+
+  app.get('/metrics', (_request, reply) =>
+    reply
+      .type('text/plain; version=0.0.4; charset=utf-8')
+      .send(core.metrics.render({ loaded: core.status === 'ready', slots: core.slots.size, busy: core.slots.busy, queued: core.slots.queued })),
+  );
+
+  return Promise.resolve();
+};
+
+export interface EngineHttpOptions extends Omit<EngineApiOptions, 'core'> {
+  /** Destroy open connections on close instead of letting them finish (stubs). Default false. */
+  forceCloseConnections?: boolean;
+}
+
+/**
+ * A fastify instance serving the engine API. Validation does not coerce types (`"0.5"` is not a
+ * temperature) and keeps unknown fields; generations may stream for minutes, so no request timeout.
+ */
+export function createEngineHttp(core: EngineCore, opts: EngineHttpOptions = {}): FastifyInstance {
+  const { forceCloseConnections = false, ...api } = opts;
+  const app = fastify({
+    logger: false,
+    bodyLimit: 16 * 1024 * 1024,
+    keepAliveTimeout: 65_000,
+    requestTimeout: 0,
+    forceCloseConnections: forceCloseConnections ? true : 'idle',
+    ajv: { customOptions: { coerceTypes: false, removeAdditional: false, useDefaults: false, allowUnionTypes: true } },
+  });
+  void app.register(engineApi, { core, ...api });
+  return app;
+}

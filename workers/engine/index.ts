@@ -1,0 +1,97 @@
+/**
+ * `magus engine`: a llama.cpp engine (node-llama-cpp) with the HTTP API of distributed-llama's
+ * `dllama-api`, so a bridge serves either the same way. See README.md for the contract.
+ */
+import { access, constants } from 'node:fs/promises';
+import { ENGINE_USAGE, ENGINE_USAGE_ERROR, parseEngineArgs, type EngineOptions } from './options';
+import { startEngine, type RunningEngine } from './server';
+
+export { ENGINE_USAGE, parseEngineArgs, type EngineOptions } from './options';
+export { startEngine, type LoadedEngine, type RunningEngine } from './server';
+export { createEngineHttp, engineApi, COMPLETIONS_URL, type EngineApiOptions } from './app';
+export { EngineCore, type EngineStatus } from './core';
+export * from './api';
+
+const message = (err: unknown): string => (err instanceof Error ? err.message : String(err));
+
+/**
+ * Runs the engine until SIGTERM or SIGINT (a second signal aborts generations in flight at once).
+ * Human-readable progress goes to stderr; with `--json`, `listening`, `ready` and `stopped` events
+ * go to stdout as JSON lines.
+ * @returns exit status: 0 after a clean stop, 1 on bad options or when the model cannot be loaded
+ */
+export async function engineCommand(args: string[]): Promise<number> {
+  let opts: EngineOptions;
+  try {
+    opts = parseEngineArgs(args);
+  } catch (err) {
+    if (!(err instanceof Error) || err.name !== ENGINE_USAGE_ERROR) throw err;
+    process.stderr.write(`magus engine: ${err.message}\n${ENGINE_USAGE}\n`);
+    return 1;
+  }
+  const log = (line: string): void => {
+    process.stderr.write(`magus engine: ${line}\n`);
+  };
+  try {
+    await access(opts.model, constants.R_OK);
+  } catch (err) {
+    log(`cannot read the model: ${message(err)}`);
+    return 1;
+  }
+  const emit = (event: Record<string, unknown>): void => {
+    if (opts.json) process.stdout.write(`${JSON.stringify(event)}\n`);
+  };
+
+  let engine: RunningEngine;
+  try {
+    engine = await startEngine(opts, log);
+  } catch (err) {
+    log(`cannot listen on ${opts.host}:${opts.port}: ${message(err)}`);
+    return 1;
+  }
+  log(`listening on ${engine.url}; loading ${opts.model} …`);
+  emit({ event: 'listening', url: engine.url });
+
+  let signals = 0;
+  let onSignal: (signal: NodeJS.Signals) => void = () => undefined;
+  const signalled = new Promise<void>((resolve) => {
+    onSignal = (signal) => {
+      if (++signals === 1) {
+        log(`${signal}: stopping; generations in flight have ${opts.graceMs} ms to finish`);
+        resolve();
+      } else {
+        log(`${signal} again: aborting generations in flight`);
+        engine.core.abortInFlight();
+      }
+    };
+  });
+  process.on('SIGINT', onSignal);
+  process.on('SIGTERM', onSignal);
+  try {
+    const outcome = await Promise.race([
+      engine.loaded.then(
+        (info) => ({ info }),
+        (err: unknown) => ({ err }),
+      ),
+      signalled.then(() => ({})),
+    ]);
+    if ('err' in outcome) {
+      log(`cannot load ${opts.model}: ${message(outcome.err)}`);
+      await engine.stop();
+      return 1;
+    }
+    if ('info' in outcome) {
+      const { info } = outcome;
+      log(`ready: ${info.model}, ${info.slots} slot(s) of ${info.contextSize} tokens, chat template: ${info.chatTemplate.note} (loaded in ${info.loadMs} ms)`);
+      emit({ event: 'ready', ...info });
+      await signalled;
+    }
+    await engine.stop();
+    log('stopped');
+    emit({ event: 'stopped' });
+    return 0;
+  } finally {
+    process.off('SIGINT', onSignal);
+    process.off('SIGTERM', onSignal);
+  }
+}

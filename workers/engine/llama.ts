@@ -1,0 +1,192 @@
+/**
+ * The llama.cpp backend: node-llama-cpp's prebuilt CPU binary, one context with one sequence per
+ * slot, and a `LlamaChat` per sequence. A sequence keeps its KV cache between requests and
+ * node-llama-cpp re-evaluates only what differs from it, so the next turn of a conversation served
+ * by the same slot costs only its new tokens (what dllama-api's "naive cache" does for its one
+ * sequence); {@link LlamaBackend.affinity} steers a conversation back to the slot that holds it.
+ *
+ * The prompt is built by the chat wrapper node-llama-cpp resolves from the GGUF's
+ * `tokenizer.chat_template`: a built-in wrapper when it renders the template identically,
+ * otherwise the Jinja template itself; only when the template is missing or cannot be used does
+ * it guess one from the model's name (logged at start).
+ */
+import type {
+  ChatHistoryItem,
+  ChatWrapper,
+  LLamaContextualRepeatPenalty,
+  Llama,
+  LlamaChat,
+  LlamaContextSequence,
+  LlamaModel,
+} from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import type { ChatMessage } from '../../shared/serving';
+import { invalidRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+
+type NodeLlamaCpp = typeof NodeLlamaCppModule;
+
+/**
+ * node-llama-cpp is ESM-only (with top-level await, so `require` cannot load it even where Node
+ * supports require(esm)). tsc keeps `import()` in CommonJS output, but swc (jest, swc-node) turns
+ * it into `require`; a function built at run time hides the `import()` from every compiler.
+ */
+// eslint-disable-next-line @typescript-eslint/no-implied-eval -- a constant string, see above
+const importEsm = new Function('specifier', 'return import(specifier)') as (specifier: string) => Promise<unknown>;
+
+export interface LlamaBackendOptions {
+  modelPath: string;
+  slots: number;
+  /** CPU threads for evaluation. */
+  threads: number;
+  /** Tokens per slot; capped at the model's training context. */
+  contextSize: number;
+  log?: (message: string) => void;
+}
+
+/** How the prompt format was chosen (for logs and `/health`). */
+export interface ChatTemplateInfo {
+  /** node-llama-cpp's wrapper name, e.g. `Llama 3`, `JinjaTemplate`. */
+  wrapper: string;
+  /** `gguf`: renders the GGUF's template; `fallback`: the template was unusable; `guessed`: there was none. */
+  source: 'gguf' | 'fallback' | 'guessed';
+  note: string;
+}
+
+function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
+  const history: ChatHistoryItem[] = messages.map((m): ChatHistoryItem => {
+    if (m.role === 'system') return { type: 'system', text: m.content };
+    if (m.role === 'user') return { type: 'user', text: m.content };
+    return { type: 'model', response: [m.content] };
+  });
+  // The answer to generate. After a trailing assistant message this continues that message
+  // (node-llama-cpp merges consecutive model turns), i.e. it acts as a prefill.
+  if (messages[messages.length - 1]?.role !== 'assistant') history.push({ type: 'model', response: [] });
+  return history;
+}
+
+function samePrefix(a: readonly ChatMessage[], b: readonly ChatMessage[]): number {
+  const n = Math.min(a.length, b.length);
+  let i = 0;
+  while (i < n && a[i]!.role === b[i]!.role && a[i]!.content === b[i]!.content) i++;
+  return i;
+}
+
+export class LlamaBackend implements CompletionBackend {
+  /** Per slot: the conversation its KV cache holds (the last request plus its answer). */
+  private readonly cached: (ChatMessage[] | undefined)[];
+
+  private constructor(
+    private readonly llama: Llama,
+    private readonly model: LlamaModel,
+    private readonly chats: LlamaChat[],
+    readonly chatWrapper: ChatWrapper,
+    readonly template: ChatTemplateInfo,
+    /** Tokens per slot. */
+    readonly contextSize: number,
+  ) {
+    this.cached = chats.map(() => undefined);
+  }
+
+  /** Loads the model and creates one sequence per slot. Nothing is downloaded or built. */
+  static async load(opts: LlamaBackendOptions): Promise<LlamaBackend> {
+    const lib = (await importEsm('node-llama-cpp')) as NodeLlamaCpp;
+    const log = opts.log ?? (() => undefined);
+    const llama = await lib.getLlama({
+      gpu: false,
+      build: 'never',
+      usePrebuiltBinaries: true,
+      skipDownload: true,
+      progressLogs: false,
+      maxThreads: opts.threads,
+      logLevel: lib.LlamaLogLevel.error,
+      logger: (level, message) => log(`llama.cpp [${level}]: ${message.trimEnd()}`),
+    });
+    try {
+      const model = await llama.loadModel({ modelPath: opts.modelPath, gpuLayers: 0 });
+      const contextSize = Math.min(opts.contextSize, model.trainContextSize);
+      if (contextSize < opts.contextSize) log(`context capped at the model's training context: ${contextSize} tokens`);
+      const context = await model.createContext({ contextSize, sequences: opts.slots, threads: opts.threads });
+      const sequences: LlamaContextSequence[] = [];
+      for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
+      const { wrapper, info } = resolveWrapper(lib, model, log);
+      const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
+      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize);
+    } catch (err) {
+      await llama.dispose();
+      throw err;
+    }
+  }
+
+  prepare(req: ChatRequest): PreparedCompletion {
+    const history = toHistory(req.messages);
+    // The same rendering LlamaChat evaluates (it calls the wrapper with the same history).
+    const promptTokens = this.chatWrapper.generateContextState({ chatHistory: history }).contextText.tokenize(this.model.tokenizer).length;
+    if (promptTokens >= this.contextSize) {
+      throw invalidRequest(
+        `This model's maximum context length is ${this.contextSize} tokens. However, your messages resulted in ${promptTokens} tokens.`,
+        'messages',
+        'context_length_exceeded',
+      );
+    }
+    // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
+    const room = this.contextSize - promptTokens;
+    const maxTokens = Math.min(req.maxTokens ?? room, room);
+    return { promptTokens, generate: (slot, io) => this.generate(slot, req, history, maxTokens, io) };
+  }
+
+  affinity(slot: number, req: ChatRequest): number {
+    const cached = this.cached[slot];
+    return cached ? samePrefix(cached, req.messages) : 0;
+  }
+
+  private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+    const chat = this.chats[slot];
+    if (!chat) throw new Error(`no slot ${slot}`);
+    const meter = chat.sequence.tokenMeter;
+    const before = meter.getState();
+    const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
+    const repeatPenalty: false | LLamaContextualRepeatPenalty = penalties
+      ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
+      : false;
+    this.cached[slot] = undefined; // until we know what the sequence holds
+    const result = await chat.generateResponse(history, {
+      maxTokens,
+      temperature: req.temperature,
+      topP: req.topP,
+      ...(req.seed !== undefined ? { seed: req.seed } : {}),
+      ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
+      repeatPenalty,
+      signal: io.signal,
+      onTextChunk: (text) => io.onText(text),
+    });
+    this.cached[slot] = [...req.messages, { role: 'assistant', content: result.response }];
+    return {
+      text: result.response,
+      finishReason: result.metadata.stopReason === 'maxTokens' ? 'length' : 'stop',
+      // Every sampled token needed one row of logits: "output" tokens in node-llama-cpp's meter.
+      completionTokens: meter.diff(before).usedOutputTokens,
+    };
+  }
+
+  async dispose(): Promise<void> {
+    await this.llama.dispose();
+  }
+}
+
+function resolveWrapper(lib: NodeLlamaCpp, model: LlamaModel, log: (m: string) => void): { wrapper: ChatWrapper; info: ChatTemplateInfo } {
+  const template = model.fileInfo.metadata.tokenizer?.chat_template;
+  if (typeof template !== 'string' || template.trim() === '') {
+    const wrapper = lib.resolveChatWrapper(model, { warningLogs: false });
+    return { wrapper, info: { wrapper: wrapper.wrapperName, source: 'guessed', note: `the GGUF has no chat template; using ${wrapper.wrapperName}, chosen from the model's name` } };
+  }
+  try {
+    const wrapper = lib.resolveChatWrapper(model, { fallbackToOtherWrappersOnJinjaError: false, warningLogs: false });
+    const how = wrapper instanceof lib.JinjaTemplateChatWrapper ? 'rendered with Jinja' : `as ${wrapper.wrapperName}, which renders it identically`;
+    return { wrapper, info: { wrapper: wrapper.wrapperName, source: 'gguf', note: `the GGUF's chat template, ${how}` } };
+  } catch (err) {
+    const wrapper = lib.resolveChatWrapper(model, { noJinja: true, warningLogs: false });
+    const note = `the GGUF's chat template cannot be used (${err instanceof Error ? err.message : String(err)}); falling back to ${wrapper.wrapperName}, chosen from the model's name`;
+    log(note);
+    return { wrapper, info: { wrapper: wrapper.wrapperName, source: 'fallback', note } };
+  }
+}

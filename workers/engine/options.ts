@@ -1,0 +1,87 @@
+/**
+ * `magus engine` command-line options, validated up front so a bad value fails with a clear
+ * message before anything loads.
+ */
+import { availableParallelism } from 'node:os';
+import { basename } from 'node:path';
+
+export const ENGINE_USAGE = [
+  'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--queue 16]',
+  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json]',
+].join('\n');
+
+export interface EngineOptions {
+  /** Path of the GGUF file. */
+  model: string;
+  host: string;
+  /** 0 = any free port. */
+  port: number;
+  /** Concurrent generations (llama.cpp sequences). distributed-llama serves one. */
+  slots: number;
+  /** Requests that may wait for a slot; more are refused with 429. */
+  queue: number;
+  /** llama.cpp CPU threads (default: cores − 1). Set it to the pod's CPU limit: Node sees the host's cores. */
+  threads: number;
+  /** Context tokens per slot (capped at the model's training context). */
+  ctx: number;
+  /** Name in `/v1/models` and answers; default: the model file's name. */
+  modelId: string;
+  /** On SIGTERM/SIGINT, how long generations in flight may run on before they are aborted. */
+  graceMs: number;
+  /** Print lifecycle events as JSON lines on stdout. */
+  json: boolean;
+}
+
+export const ENGINE_USAGE_ERROR = 'EngineUsageError';
+
+export class EngineUsageError extends Error {
+  override readonly name = ENGINE_USAGE_ERROR;
+}
+
+const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
+type ValueFlag = (typeof VALUE_FLAGS)[number];
+
+function integer(flag: string, text: string | undefined, fallback: number, min: number, max: number): number {
+  if (text === undefined) return fallback;
+  const n = Number(text);
+  if (!/^\d+$/.test(text) || !Number.isSafeInteger(n) || n < min || n > max) throw new EngineUsageError(`${flag} must be a whole number from ${min} to ${max}, got '${text}'`);
+  return n;
+}
+
+/**
+ * Parses `magus engine` arguments (`--flag value` or `--flag=value`).
+ * @throws EngineUsageError with a message for the user
+ */
+export function parseEngineArgs(args: readonly string[]): EngineOptions {
+  const values: Partial<Record<ValueFlag, string>> = {};
+  let json = false;
+  for (let i = 0; i < args.length; i++) {
+    const arg = args[i]!;
+    if (arg === '--json') {
+      json = true;
+      continue;
+    }
+    const eq = arg.indexOf('=');
+    const flag = eq >= 0 ? arg.slice(0, eq) : arg;
+    if (!(VALUE_FLAGS as readonly string[]).includes(flag)) throw new EngineUsageError(arg.startsWith('-') ? `unknown option ${flag}` : `unexpected argument ${arg}`);
+    const value = eq >= 0 ? arg.slice(eq + 1) : args[++i];
+    if (value === undefined || value === '') throw new EngineUsageError(`${flag} needs a value`);
+    values[flag as ValueFlag] = value;
+  }
+  const model = values['--model'];
+  if (!model) throw new EngineUsageError('--model <file.gguf> is required');
+  return {
+    model,
+    host: values['--host'] ?? '127.0.0.1',
+    port: integer('--port', values['--port'], 0, 0, 65535),
+    slots: integer('--slots', values['--slots'], 1, 1, 256),
+    queue: integer('--queue', values['--queue'], 16, 0, 100_000),
+    // One core stays with the event loop (HTTP, SSE): llama.cpp's threads spin while they wait,
+    // and on a busy or small host every extra spinning thread costs far more than it gives.
+    threads: integer('--threads', values['--threads'], Math.max(1, availableParallelism() - 1), 1, 1024),
+    ctx: integer('--ctx', values['--ctx'], 4096, 16, 1 << 24),
+    modelId: values['--model-id'] ?? basename(model),
+    graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
+    json,
+  };
+}

@@ -1,0 +1,68 @@
+/**
+ * The engine process: listen first (so `/health` can answer 503 while the model loads), load the
+ * model, serve, and on stop drain: refuse new requests, turn queued ones away, let generations in
+ * flight finish for a grace period then abort them, close, and free the model.
+ */
+import type { AddressInfo } from 'node:net';
+import { performance } from 'node:perf_hooks';
+import { createEngineHttp } from './app';
+import { EngineCore } from './core';
+import { LlamaBackend, type ChatTemplateInfo } from './llama';
+import type { EngineOptions } from './options';
+
+/** What a loaded engine serves. */
+export interface LoadedEngine {
+  model: string;
+  slots: number;
+  /** Tokens per slot. */
+  contextSize: number;
+  chatTemplate: ChatTemplateInfo;
+  loadMs: number;
+}
+
+export interface RunningEngine {
+  /** Base URL, e.g. `http://127.0.0.1:41234` (the API is under `/v1`). */
+  url: string;
+  core: EngineCore;
+  /** Resolves once the model is loaded and served; rejects if it cannot be loaded. */
+  loaded: Promise<LoadedEngine>;
+  /** Drains and stops (idempotent): see the file comment. */
+  stop(): Promise<void>;
+}
+
+export async function startEngine(opts: EngineOptions, log: (message: string) => void): Promise<RunningEngine> {
+  const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue });
+  const app = createEngineHttp(core, { logError: log });
+  await app.listen({ host: opts.host, port: opts.port });
+  const { port } = app.server.address() as AddressInfo;
+  const url = `http://${opts.host.includes(':') ? `[${opts.host}]` : opts.host}:${port}`;
+
+  const started = performance.now();
+  let backend: LlamaBackend | undefined;
+  const loaded = LlamaBackend.load({ modelPath: opts.model, slots: opts.slots, threads: opts.threads, contextSize: opts.ctx, log }).then((b) => {
+    backend = b;
+    core.ready(b);
+    return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };
+  });
+  loaded.catch(() => undefined); // the caller awaits it; stop() must not raise an unhandled rejection
+
+  let stopping: Promise<void> | undefined;
+  const stop = (): Promise<void> =>
+    (stopping ??= (async () => {
+      core.drain();
+      const timer = setTimeout(() => core.abortInFlight(), opts.graceMs);
+      // close() ends the connections idle at that moment; a keep-alive connection whose answer
+      // finishes later would hold the server open until its keep-alive timeout.
+      const sweep = setInterval(() => app.server.closeIdleConnections(), 50);
+      try {
+        await app.close();
+      } finally {
+        clearTimeout(timer);
+        clearInterval(sweep);
+      }
+      await loaded.catch(() => undefined); // a load under way completes before its model is freed
+      await backend?.dispose();
+    })());
+
+  return { url, core, loaded, stop };
+}
