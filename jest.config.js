@@ -3,7 +3,7 @@
 // setup starts real Temporal, NATS, S3 and Kubernetes servers on loopback ports).
 // ESM-only dependencies (the Kubernetes client and its OIDC helpers) are compiled to CommonJS
 // by swc like our own TypeScript; everything else in node_modules is loaded as is.
-const esmDeps = ['@kubernetes/client-node', 'openid-client', 'oauth4webapi', 'jose'];
+const esmDeps = ['@kubernetes/client-node', 'openid-client', 'oauth4webapi', 'jose', 'cookie'];
 const common = {
   testEnvironment: 'node',
   rootDir: __dirname,

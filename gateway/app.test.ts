@@ -1,0 +1,476 @@
+/**
+ * The gateway app through `app.inject`, with fakes of its own interfaces (session broker,
+ * publish, response router): validation, size limit before auth, authentication, model lookup,
+ * conversation keys, error mapping, streaming, /v1/models, /metrics, health.
+ */
+// fastify's inject (light-my-request) requires `cookie`, which is ESM-only since v2 and not in
+// jest.config's transform list; it is only used to send cookies, which these tests never do.
+// (The lasting fix: add 'cookie' to `esmDeps` in jest.config.js.)
+jest.mock('cookie', () => ({
+  stringifySetCookie: () => {
+    throw new Error('cookies are not used in these tests');
+  },
+}));
+import type * as crypto from 'node:crypto';
+import { Readable } from 'node:stream';
+import type { InjectOptions, LightMyRequestResponse } from 'fastify';
+import { SessionError, SessionErrorType } from './plugins/errors';
+import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from './test-support';
+
+let t: TestApp;
+afterEach(async () => {
+  await t?.app.close();
+  jest.restoreAllMocks();
+});
+
+const userTurn = (content: string, extra: object = {}) => ({ model: 'tiny', messages: [{ role: 'user', content }], ...extra });
+
+function chat(body: unknown, opts: { token?: string | null; headers?: Record<string, string> } = {}): Promise<LightMyRequestResponse> {
+  const headers: Record<string, string> = { 'content-type': 'application/json', ...opts.headers };
+  const token = opts.token === undefined ? t.tokens.alice.token : opts.token;
+  if (token !== null) headers.authorization = `Bearer ${token}`;
+  const req: InjectOptions = { method: 'POST', url: '/v1/chat/completions', headers, payload: typeof body === 'string' ? body : JSON.stringify(body) };
+  return t.app.inject(req);
+}
+
+interface ErrorJson {
+  error: { message: string; type: string; param: string | null; code: string | null };
+}
+const errorOf = (res: LightMyRequestResponse): ErrorJson['error'] => {
+  const body = res.json<ErrorJson>();
+  expect(Object.keys(body.error).sort()).toEqual(['code', 'message', 'param', 'type']);
+  return body.error;
+};
+
+describe('request validation', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+
+  it.each([
+    ['missing model', 'model', { messages: [{ role: 'user', content: 'hi' }] }],
+    ['missing messages', 'messages', { model: 'tiny' }],
+    ['empty messages', 'messages', { model: 'tiny', messages: [] }],
+    ['bad role', 'messages[0].role', { model: 'tiny', messages: [{ role: 'wizard', content: 'hi' }] }],
+    ['missing content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'user', content: 'a' }, { role: 'user' }] }],
+    ['string max_tokens (no coercion)', 'max_tokens', userTurn('hi', { max_tokens: '12' })],
+    ['temperature out of range', 'temperature', userTurn('hi', { temperature: 3 })],
+    ['n > 1', 'n', userTurn('hi', { n: 2 })],
+    ['stream not boolean', 'stream', userTurn('hi', { stream: 'yes' })],
+  ])('%s → 400 naming %s', async (_name, param, body) => {
+    const res = await chat(body);
+    expect(res.statusCode).toBe(400);
+    const e = errorOf(res);
+    expect(e).toMatchObject({ type: 'invalid_request_error', param });
+    expect(e.message).toContain(param);
+    expect(t.broker.calls).toHaveLength(0);
+  });
+
+  it('rejects malformed JSON and a bad X-Session-Id with 400', async () => {
+    const bad = await chat('{"model": "tiny", ');
+    expect(bad.statusCode).toBe(400);
+    expect(errorOf(bad).type).toBe('invalid_request_error');
+    const sid = await chat(userTurn('hi'), { headers: { 'x-session-id': 'no spaces allowed' } });
+    expect(sid.statusCode).toBe(400);
+    expect(errorOf(sid).param).toBe('x-session-id');
+  });
+
+  it('accepts OpenAI text parts and fields it ignores, forwarding only what engines take', async () => {
+    const res = await chat({
+      model: 'tiny',
+      messages: [
+        { role: 'system', content: [{ type: 'text', text: 'be ' }, { type: 'text', text: 'brief' }] },
+        { role: 'user', content: 'hi', name: 'ann' },
+      ],
+      max_completion_tokens: 5,
+      temperature: 0,
+      seed: 3,
+      stop: ['\n'],
+      user: 'u1',
+      presence_penalty: 0.5,
+      logit_bias: { '1': 2 },
+    });
+    expect(res.statusCode).toBe(200);
+    const { req, subject } = t.plane.published[0]!;
+    expect(subject).toBe(t.broker.entry.subject);
+    expect(req.replyTo).toBe(`magus.res.${req.id}`);
+    expect(req.deadline).toBeGreaterThan(Date.now());
+    expect(req.body).toEqual({
+      model: 'tiny',
+      messages: [
+        { role: 'system', content: 'be brief' },
+        { role: 'user', content: 'hi' },
+      ],
+      stream: false,
+      max_tokens: 5,
+      temperature: 0,
+      seed: 3,
+      stop: ['\n'],
+    });
+  });
+});
+
+describe('body size is checked before authentication', () => {
+  beforeEach(async () => {
+    t = await buildTestApp({ settings: testSettings({ bodyLimit: 2048 }) });
+  });
+
+  it('answers 413 to an oversized body without a token', async () => {
+    const res = await chat(userTurn('x'.repeat(4096)), { token: null });
+    expect(res.statusCode).toBe(413);
+    expect(errorOf(res)).toMatchObject({ code: 'request_too_large', type: 'invalid_request_error' });
+  });
+
+  it('answers 413 to an oversized body with a wrong token', async () => {
+    const res = await chat(userTurn('x'.repeat(4096)), { token: 'mgs_alice_wrong' });
+    expect(res.statusCode).toBe(413);
+  });
+
+  it('answers 413 to a body without content-length once the parser passes the limit', async () => {
+    const res = await t.app.inject({
+      method: 'POST',
+      url: '/v1/chat/completions',
+      headers: { authorization: `Bearer ${t.tokens.alice.token}`, 'content-type': 'application/json' },
+      payload: Readable.from([Buffer.from(JSON.stringify(userTurn('x'.repeat(4096))))]), // a stream: sent chunked
+    });
+    expect(res.statusCode).toBe(413);
+    expect(errorOf(res).code).toBe('request_too_large');
+  });
+});
+
+describe('authentication', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+
+  it.each([
+    ['no header', null],
+    ['wrong secret', 'mgs_alice_notthesecret'],
+    ['unknown id', 'mgs_mallory_whatever'],
+    ['not a magus token', 'sk-abc'],
+  ])('%s → 401 invalid_api_key', async (_name, token) => {
+    const res = await chat(userTurn('hi'), { token });
+    expect(res.statusCode).toBe(401);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'invalid_api_key', param: null });
+    expect(t.broker.calls).toHaveLength(0);
+  });
+
+  it('compares a digest in constant time on every path that presents a token', async () => {
+    // The module object itself (a namespace import is a copy under swc's CommonJS interop).
+    const spy = jest.spyOn(jest.requireActual<typeof crypto>('node:crypto'), 'timingSafeEqual');
+    for (const token of ['mgs_alice_notthesecret', 'mgs_mallory_whatever', 'sk-abc', t.tokens.alice.token]) {
+      spy.mockClear();
+      await chat(userTurn('hi'), { token });
+      expect(spy).toHaveBeenCalledTimes(1);
+      const [a, b] = spy.mock.calls[0]!;
+      expect([(a as Buffer).length, (b as Buffer).length]).toEqual([32, 32]);
+    }
+  });
+
+  it('serves anonymous callers only when allowed, and still rejects a bad token then', async () => {
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ allowAnonymous: true }) });
+    expect((await chat(userTurn('hi'), { token: null })).statusCode).toBe(200);
+    expect(t.broker.calls[0]!.tokenId).toBe('anonymous');
+    expect((await chat(userTurn('hi'), { token: 'mgs_alice_wrong' })).statusCode).toBe(401);
+  });
+
+  it('never logs the token', async () => {
+    await chat(userTurn('hi'));
+    await chat(userTurn('hi'), { token: 'mgs_alice_notthesecret' });
+    const all = t.log.lines.join('\n');
+    expect(t.log.lines.length).toBeGreaterThan(0);
+    expect(all).not.toContain(t.tokens.alice.token);
+    expect(all).not.toContain('notthesecret');
+  });
+});
+
+describe('models', () => {
+  beforeEach(async () => {
+    t = await buildTestApp({ models: [readyModel('tiny'), readyModel('other-model'), readyModel('tiny', 'team-b')] });
+  });
+
+  it('unknown model → 404 model_not_found', async () => {
+    const res = await chat({ model: 'gpt-17', messages: [{ role: 'user', content: 'hi' }] });
+    expect(res.statusCode).toBe(404);
+    expect(errorOf(res)).toMatchObject({ code: 'model_not_found', param: 'model', type: 'invalid_request_error' });
+  });
+
+  it('a model outside the token’s list is not found either', async () => {
+    const res = await chat(userTurn('hi'), { token: t.tokens.narrow.token });
+    expect(res.statusCode).toBe(404);
+    expect(errorOf(res).code).toBe('model_not_found');
+  });
+
+  it('GET /v1/models lists names once, OpenAI-shaped, filtered by token', async () => {
+    const res = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(res.statusCode).toBe(200);
+    expect(res.json()).toEqual({
+      object: 'list',
+      data: [
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus' },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus' },
+      ],
+    });
+    const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
+    expect(narrow.json<{ data: { id: string }[] }>().data.map((m) => m.id)).toEqual(['other-model']);
+    expect((await t.app.inject({ method: 'GET', url: '/v1/models' })).statusCode).toBe(401);
+  });
+
+  it('GET /v1/models/:model retrieves one, or 404', async () => {
+    const auth = { authorization: `Bearer ${t.tokens.alice.token}` };
+    expect((await t.app.inject({ method: 'GET', url: '/v1/models/tiny', headers: auth })).json()).toMatchObject({ id: 'tiny', object: 'model' });
+    expect((await t.app.inject({ method: 'GET', url: '/v1/models/nope', headers: auth })).statusCode).toBe(404);
+  });
+
+  it('namespace/name reaches a model a bare name does not', async () => {
+    await chat({ model: 'team-b/tiny', messages: [{ role: 'user', content: 'hi' }] });
+    await chat(userTurn('hi'));
+    expect(t.broker.calls.map((c) => c.model.namespace)).toEqual(['team-b', 'default']);
+  });
+});
+
+describe('conversation keys', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+  const sys = { role: 'system', content: 'You are terse.' };
+  const keyOf = async (messages: object[], opts: { token?: string; headers?: Record<string, string> } = {}) => {
+    const res = await chat({ model: 'tiny', messages }, opts);
+    expect(res.statusCode).toBe(200);
+    return t.broker.calls[t.broker.calls.length - 1]!.conversationKey;
+  };
+
+  it('is the same for every turn of a conversation', async () => {
+    const k1 = await keyOf([sys, { role: 'user', content: 'first' }]);
+    const k2 = await keyOf([sys, { role: 'user', content: 'first' }, { role: 'assistant', content: 'ok' }, { role: 'user', content: 'second' }]);
+    expect(k1).toMatch(/^[0-9a-f]{64}$/);
+    expect(k2).toBe(k1);
+  });
+
+  it('differs when the system prompt, the first user message, the token or the model differ', async () => {
+    const base = await keyOf([sys, { role: 'user', content: 'first' }]);
+    const others = [
+      await keyOf([{ role: 'system', content: 'You are verbose.' }, { role: 'user', content: 'first' }]),
+      await keyOf([sys, { role: 'user', content: 'another' }]),
+      await keyOf([sys, { role: 'user', content: 'first' }], { token: t.tokens.bob.token }),
+      await keyOf([{ role: 'user', content: 'first' }]),
+    ];
+    const res = await chat({ model: 'other-model', messages: [sys, { role: 'user', content: 'first' }] });
+    expect(res.statusCode).toBe(200);
+    others.push(t.broker.calls[t.broker.calls.length - 1]!.conversationKey);
+    expect(new Set([base, ...others]).size).toBe(6);
+  });
+
+  it('X-Session-Id wins over the messages', async () => {
+    const headers = { 'x-session-id': 'conv-42' };
+    const a = await keyOf([sys, { role: 'user', content: 'first' }], { headers });
+    const b = await keyOf([{ role: 'user', content: 'something else' }], { headers });
+    const c = await keyOf([sys, { role: 'user', content: 'first' }]);
+    expect(b).toBe(a);
+    expect(c).not.toBe(a);
+    expect(await keyOf([{ role: 'user', content: 'x' }], { headers: { 'x-session-id': 'conv-43' } })).not.toBe(a);
+  });
+});
+
+describe('round trips over the (fake) data plane', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+
+  it('non-stream: the done frame’s completion is the body', async () => {
+    t.plane.script = (req) => [{ seq: 0, type: 'done', data: { id: 'chatcmpl-1', object: 'chat.completion', created: 5, model: 'tiny', choices: [{ index: 0, message: { role: 'assistant', content: 'hello' }, finish_reason: 'stop' }], usage: { total_tokens: 3 }, timings: { extra: true }, echo: req.id } }];
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(200);
+    const body = res.json<{ choices: { message: { content: string } }[]; timings: unknown; echo: string }>();
+    expect(body.choices[0]!.message.content).toBe('hello');
+    expect(body.timings).toEqual({ extra: true }); // engine fields pass through
+    expect(res.headers['x-request-id']).toBe(body.echo);
+    expect(t.plane.listening).toBe(0);
+  });
+
+  it('stream: SSE chunks in seq order, duplicates and a redelivered restart dropped, then [DONE]', async () => {
+    t.plane.script = () => [chunk(1, 'b'), chunk(0, 'a'), chunk(0, 'a'), chunk(2, 'c'), chunk(0, 'a'), chunk(1, 'b'), chunk(4, 'e'), chunk(3, 'd'), { seq: 5, type: 'done' }];
+    const res = await chat(userTurn('hi', { stream: true }));
+    expect(res.statusCode).toBe(200);
+    expect(res.headers['content-type']).toBe('text/event-stream; charset=utf-8');
+    expect(res.headers['x-request-id']).toBe(t.plane.published[0]!.req.id);
+    const events = sseEvents(res.body);
+    expect(events[events.length - 1]).toBe('[DONE]');
+    const text = events.slice(0, -1).map((e) => (e as { choices: { delta: { content: string } }[] }).choices[0]!.delta.content);
+    expect(text.join('')).toBe('abcde');
+    expect(res.body.endsWith('data: [DONE]\n\n')).toBe(true);
+    expect(t.plane.published[0]!.req.body.stream).toBe(true);
+  });
+
+  it('stream: keep-alive comments while the session is cold-starting', async () => {
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ keepAliveMs: 50 }) });
+    t.broker.impl = () => new Promise((resolve) => setTimeout(() => resolve(t.broker.entry), 230));
+    t.plane.script = () => [chunk(0, 'a'), { seq: 1, type: 'done' }];
+    const res = await chat(userTurn('hi', { stream: true }));
+    expect(res.statusCode).toBe(200);
+    const comments = res.body.split('\n\n').filter((e) => e === ': keep-alive');
+    expect(comments.length).toBeGreaterThanOrEqual(2); // ~4 expected; timers may run late on a busy machine
+    expect(res.body.indexOf(': keep-alive')).toBeLessThan(res.body.indexOf('data: '));
+    expect(sseEvents(res.body)).toHaveLength(2);
+  });
+});
+
+describe('error mapping', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+
+  it('an engine 4xx before the stream started passes through', async () => {
+    t.plane.script = () => [{ seq: 0, type: 'error', error: { status: 400, message: 'prompt is longer than the context (4096 tokens)', type: 'invalid_request_error', code: 'context_length_exceeded' } }];
+    for (const stream of [false, true]) {
+      const res = await chat(userTurn('hi', { stream }));
+      expect(res.statusCode).toBe(400);
+      expect(errorOf(res)).toEqual({ message: 'prompt is longer than the context (4096 tokens)', type: 'invalid_request_error', param: null, code: 'context_length_exceeded' });
+    }
+  });
+
+  it('an engine 5xx is answered without its internals', async () => {
+    t.plane.script = () => [{ seq: 0, type: 'error', error: { status: 500, message: 'CUDA error at /src/ggml.c:1234 secret-host', type: 'engine', code: null } }];
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(500);
+    const e = errorOf(res);
+    expect(e.type).toBe('server_error');
+    expect(e.message).not.toContain('CUDA');
+    expect(e.message).not.toContain('secret-host');
+    expect(e.message).toContain(String(res.headers['x-request-id']));
+    expect(t.log.lines.some((l) => l.includes('secret-host'))).toBe(true); // details stay in the log
+  });
+
+  it('an error after the stream started becomes an SSE error event, then the stream closes', async () => {
+    t.plane.script = () => [chunk(0, 'a'), { seq: 1, type: 'error', error: { status: 503, message: 'engine crashed: segfault', type: 'x', code: null } }];
+    const res = await chat(userTurn('hi', { stream: true }));
+    expect(res.statusCode).toBe(200);
+    const events = sseEvents(res.body);
+    expect(events).toHaveLength(2);
+    const last = events[1] as ErrorJson;
+    expect(last.error).toMatchObject({ type: 'server_error', code: 'engine_error' });
+    expect(last.error.message).not.toContain('segfault');
+    expect(res.body).not.toContain('[DONE]');
+  });
+
+  it('backlog full (check or broker error) → 429 with Retry-After', async () => {
+    await t.app.close();
+    let full = true;
+    t = await buildTestApp({ backlogFull: () => (full ? { retryAfterSec: 12 } : undefined) });
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(429);
+    expect(res.headers['retry-after']).toBe('12');
+    expect(errorOf(res).code).toBe('backlog_full');
+    expect(t.broker.calls).toHaveLength(0);
+    full = false;
+    t.broker.impl = () => Promise.reject(Object.assign(new Error('update failed'), { cause: new SessionError(SessionErrorType.BacklogFull, 'queue of tiny is full') }));
+    const viaBroker = await chat(userTurn('hi'));
+    expect(viaBroker.statusCode).toBe(429);
+    expect(viaBroker.headers['retry-after']).toBe('7');
+  });
+
+  it('no instance can start → 503 with Retry-After (broker error, or cold-start timeout)', async () => {
+    t.broker.impl = () => Promise.reject(new SessionError(SessionErrorType.NoCapacity, 'no node has 40 GiB free', 30));
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(503);
+    expect(res.headers['retry-after']).toBe('30');
+    expect(errorOf(res)).toMatchObject({ type: 'server_error', code: 'no_capacity' });
+    expect(errorOf(res).message).not.toContain('40 GiB');
+
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ coldStartTimeoutMs: 100 }) });
+    let aborted = false;
+    t.broker.impl = (req) =>
+      new Promise((_, reject) => {
+        req.signal.addEventListener('abort', () => {
+          aborted = true;
+          reject(new Error('AbortError'));
+        });
+      });
+    const slow = await chat(userTurn('hi'));
+    expect(slow.statusCode).toBe(503);
+    expect(errorOf(slow).code).toBe('no_capacity');
+    expect(aborted).toBe(true);
+  });
+
+  it('an unexpected broker failure → 500 with a generic message', async () => {
+    t.broker.impl = () => Promise.reject(new Error('temporal at 10.0.0.7:7233 refused: password=hunter2'));
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(500);
+    expect(res.body).not.toContain('hunter2');
+    expect(res.body).not.toContain('10.0.0.7');
+    expect(errorOf(res).type).toBe('server_error');
+  });
+
+  it('no frame within requestTimeoutMs → 504', async () => {
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ requestTimeoutMs: 150, gapTimeoutMs: 50 }) });
+    t.plane.script = () => 'silence';
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(504);
+    expect(errorOf(res)).toMatchObject({ type: 'server_error', code: 'timeout' });
+    expect(t.plane.listening).toBe(0);
+  });
+
+  it('a missing frame that never arrives → 502', async () => {
+    t.plane.script = () => [chunk(0, 'a'), chunk(2, 'c'), { seq: 3, type: 'done' }];
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(502);
+    expect(errorOf(res).code).toBe('frames_lost');
+  });
+
+  it('a failed publish → 503, details only in the log', async () => {
+    t.plane.publishError = new Error('503 no responders on magus.req.pool-a.inst-1');
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(503);
+    expect(res.body).not.toContain('no responders');
+    expect(t.plane.listening).toBe(0);
+  });
+
+  it('unknown URLs get an OpenAI-shaped 404', async () => {
+    const res = await t.app.inject({ method: 'GET', url: '/v1/nothing?x=1' });
+    expect(res.statusCode).toBe(404);
+    expect(errorOf(res)).toMatchObject({ code: 'unknown_url', message: 'Unknown request URL: GET /v1/nothing.' });
+  });
+});
+
+describe('/metrics, /healthz, /readyz', () => {
+  it('exposes request counts, latency histogram, in-flight and session counters in Prometheus text', async () => {
+    t = await buildTestApp();
+    await chat(userTurn('hi'));
+    await chat(userTurn('hi'), { token: null });
+    const res = await t.app.inject({ method: 'GET', url: '/metrics' });
+    expect(res.statusCode).toBe(200);
+    expect(res.headers['content-type']).toBe('text/plain; version=0.0.4; charset=utf-8');
+    const text = res.body;
+    expect(text).toContain('# TYPE magus_gateway_requests_total counter');
+    expect(text).toContain('magus_gateway_requests_total{route="/v1/chat/completions",status="200"} 1');
+    expect(text).toContain('magus_gateway_requests_total{route="/v1/chat/completions",status="401"} 1');
+    expect(text).toContain('# TYPE magus_gateway_request_duration_seconds histogram');
+    expect(text).toMatch(/magus_gateway_request_duration_seconds_bucket\{route="\/v1\/chat\/completions",le="\+Inf"\} 2/);
+    expect(text).toMatch(/magus_gateway_request_duration_seconds_count\{route="\/v1\/chat\/completions"\} 2/);
+    expect(text).toContain('magus_gateway_requests_in_flight 1'); // this scrape
+    expect(text).toContain('magus_gateway_session_warm_hits_total 1');
+    expect(text).toContain('magus_gateway_session_cold_starts_total 0');
+    // Every sample line is `name{labels} value` and every family has HELP and TYPE.
+    for (const line of text.trim().split('\n')) expect(line).toMatch(/^(# (HELP|TYPE) \w+ .+|\w+(\{[^}]*\})? [-+0-9.eE]+|\w+(\{[^}]*\})? \+Inf)$/);
+    // Buckets are cumulative.
+    const buckets = [...text.matchAll(/_bucket\{route="\/v1\/chat\/completions",le="[^"]+"\} (\d+)/g)].map((m) => Number(m[1]));
+    expect(buckets).toEqual([...buckets].sort((a, b) => a - b));
+  });
+
+  it('healthz is up; readyz reflects the checks', async () => {
+    let natsUp = true;
+    t = await buildTestApp({ readiness: [{ name: 'nats', check: () => natsUp }] });
+    expect((await t.app.inject({ method: 'GET', url: '/healthz' })).json()).toEqual({ status: 'ok' });
+    const ok = await t.app.inject({ method: 'GET', url: '/readyz' });
+    expect(ok.statusCode).toBe(200);
+    expect(ok.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true } });
+    natsUp = false;
+    const down = await t.app.inject({ method: 'GET', url: '/readyz' });
+    expect(down.statusCode).toBe(503);
+    expect(down.json()).toEqual({ status: 'unavailable', checks: { registry: true, nats: false } });
+  });
+});

@@ -1,0 +1,80 @@
+/**
+ * The gateway as a fastify plugin: OpenAI-compatible routes over injected services (server.ts
+ * wires the NATS-backed ones; tests wire fakes). `options` are the server options the app
+ * expects from whoever creates the fastify instance.
+ */
+import type { FastifyPluginAsync, FastifyServerOptions } from 'fastify';
+import { authPlugin, type TokenSource } from './plugins/auth';
+import { errors, errorsPlugin } from './plugins/errors';
+import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
+import type { ModelCatalog } from './plugins/models';
+import type { PublishRequest, ResponseRouter } from './plugins/responses';
+import { servicesPlugin, type BacklogCheck, type GatewaySettings, type ReadinessCheck } from './plugins/services';
+import type { SessionBroker } from './plugins/sessions';
+import { chatRoutes } from './routes/chat';
+import { healthRoutes } from './routes/health';
+import { metricsRoutes } from './routes/metrics';
+import { modelRoutes } from './routes/models';
+
+export interface GatewayAppOptions {
+  settings: GatewaySettings;
+  models: ModelCatalog;
+  tokens: TokenSource;
+  sessions: SessionBroker;
+  publish: PublishRequest;
+  responses: ResponseRouter;
+  backlogFull?: BacklogCheck;
+  /** Added to the app's own check (the registry answers). */
+  readiness?: ReadinessCheck[];
+  metrics?: GatewayMetrics;
+}
+
+/**
+ * Server options the app relies on: no type coercion (a string is not a number in a JSON body),
+ * and the `authorization` header never reaches a log line.
+ */
+export const options = {
+  ajv: { customOptions: { coerceTypes: false } },
+  logger: {
+    redact: {
+      paths: ['req.headers.authorization', 'request.headers.authorization', 'headers.authorization'],
+      censor: '[redacted]',
+    },
+  },
+} satisfies FastifyServerOptions;
+
+const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
+  const { settings } = opts;
+  await app.register(errorsPlugin, { retryAfterSec: settings.retryAfterSec });
+  await app.register(metricsPlugin, { metrics: opts.metrics });
+  app.metrics.setSessionStats(() => opts.sessions.stats?.());
+  await app.register(servicesPlugin, {
+    services: {
+      settings,
+      models: opts.models,
+      tokens: opts.tokens,
+      sessions: opts.sessions,
+      publish: opts.publish,
+      responses: opts.responses,
+      backlogFull: opts.backlogFull,
+      readiness: [{ name: 'registry', check: () => opts.models.refresh().then(() => true) }, ...(opts.readiness ?? [])],
+    },
+  });
+  await app.register(authPlugin, { tokens: opts.tokens, allowAnonymous: settings.allowAnonymous });
+
+  // Before any route's own onRequest hooks (authentication): an oversized body is refused
+  // without reading it or looking at the token. Bodies without content-length hit the route's
+  // `bodyLimit` while being parsed.
+  app.addHook('onRequest', (request, _reply, done) => {
+    const length = request.headers['content-length'];
+    if (length !== undefined && Number(length) > settings.bodyLimit) done(errors.tooLarge(settings.bodyLimit));
+    else done();
+  });
+
+  await app.register(healthRoutes);
+  await app.register(metricsRoutes);
+  await app.register(modelRoutes);
+  await app.register(chatRoutes);
+};
+
+export default gatewayApp;

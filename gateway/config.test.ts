@@ -1,0 +1,92 @@
+/** Gateway configuration: defaults, and a bad value fails fast naming the variable. */
+import { mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { loadGatewayConfig } from './config';
+import { gatewayCommand } from './server';
+import { makeToken } from './test-support';
+
+const SECRET = 'x'.repeat(32);
+
+it('has working defaults once a secret is given', () => {
+  const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET });
+  expect(c).toMatchObject({
+    host: '0.0.0.0',
+    port: 8080,
+    natsServers: 'nats://127.0.0.1:4222',
+    buckets: { models: 'magus_models', tokens: 'magus_tokens', sessions: 'magus_sessions' },
+    settings: { secret: SECRET, allowAnonymous: false, requestTimeoutMs: 300_000 },
+    responseRouting: 'shared',
+    staticTokens: [],
+  });
+});
+
+it('takes --host/--port over the environment', () => {
+  const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_PORT: '9000' }, { port: '0', host: '127.0.0.1' });
+  expect([c.host, c.port]).toEqual(['127.0.0.1', 0]);
+});
+
+it.each([
+  [{}, 'MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required'],
+  [{ MAGUS_GATEWAY_SECRET: 'short' }, 'MAGUS_GATEWAY_SECRET must be at least 32 characters'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_PORT: 'http' }, 'MAGUS_GATEWAY_PORT (--port)=http must be a whole number'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_ALLOW_ANONYMOUS: 'maybe' }, 'MAGUS_GATEWAY_ALLOW_ANONYMOUS=maybe must be true or false'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_NATS_URL: 'http://x:4222' }, 'MAGUS_NATS_URL=http://x:4222 is not a list of nats:// URLs'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSIONS_BUCKET: 'a.b' }, 'MAGUS_SESSIONS_BUCKET=a.b is not a KV bucket name'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_GAP_TIMEOUT_MS: '5000', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1000' }, 'MAGUS_GATEWAY_GAP_TIMEOUT_MS (5000) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (1000)'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS: '60000' }, 'MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (60000) must be 0 or above'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS: '{"a": {"digest": "abc", "name": "a"}}' }, 'MAGUS_GATEWAY_TOKENS.a.digest: must be the hex sha256'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS: '{oops' }, 'MAGUS_GATEWAY_TOKENS is not valid JSON'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS_FILE: '/nonexistent/tokens.json' }, 'MAGUS_GATEWAY_TOKENS_FILE=/nonexistent/tokens.json cannot be read (ENOENT)'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_LOG_LEVEL: 'loud' }, 'MAGUS_LOG_LEVEL=loud must be one of'],
+])('%j fails naming the variable', (env, message) => {
+  expect(() => loadGatewayConfig(env)).toThrow(expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error);
+});
+
+it('never echoes the secret', () => {
+  const secret = 'tiny-secret';
+  expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(expect.not.objectContaining({ message: expect.stringContaining(secret) as string }) as Error);
+});
+
+it('reads the secret and tokens from files', () => {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-gw-config-'));
+  const t = makeToken('local');
+  writeFileSync(join(dir, 'secret'), `${SECRET}\n`);
+  writeFileSync(join(dir, 'tokens.json'), JSON.stringify({ local: t.entry }));
+  const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET_FILE: join(dir, 'secret'), MAGUS_GATEWAY_TOKENS_FILE: join(dir, 'tokens.json') });
+  expect(c.settings.secret).toBe(SECRET);
+  expect(c.staticTokens).toEqual([{ origin: 'MAGUS_GATEWAY_TOKENS_FILE', entries: { local: t.entry } }]);
+});
+
+describe('gatewayCommand', () => {
+  let stderr: jest.SpyInstance;
+  let stdout: jest.SpyInstance;
+  const saved = { ...process.env };
+  beforeEach(() => {
+    stderr = jest.spyOn(process.stderr, 'write').mockImplementation(() => true);
+    stdout = jest.spyOn(process.stdout, 'write').mockImplementation(() => true);
+  });
+  afterEach(() => {
+    jest.restoreAllMocks();
+    process.env = { ...saved };
+  });
+  const written = (spy: jest.SpyInstance) => (spy.mock.calls as unknown[][]).map((c) => String(c[0])).join('');
+
+  it('--help prints the variables and exits 0', async () => {
+    expect(await gatewayCommand(['--help'])).toBe(0);
+    expect(written(stdout)).toContain('MAGUS_GATEWAY_SECRET');
+  });
+
+  it('exits 1 naming the problem: unknown flag, bad configuration, unreachable NATS', async () => {
+    expect(await gatewayCommand(['--colour'])).toBe(1);
+    expect(written(stderr)).toContain("unknown argument '--colour'");
+    delete process.env.MAGUS_GATEWAY_SECRET;
+    delete process.env.MAGUS_GATEWAY_SECRET_FILE;
+    expect(await gatewayCommand(['--port', '8080'])).toBe(1);
+    expect(written(stderr)).toContain('MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required');
+    process.env.MAGUS_GATEWAY_SECRET = SECRET;
+    process.env.MAGUS_NATS_URL = 'nats://127.0.0.1:1';
+    expect(await gatewayCommand(['--port=0'])).toBe(1);
+    expect(written(stderr)).toContain('magus gateway: cannot start:');
+  });
+});

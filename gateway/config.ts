@@ -1,0 +1,195 @@
+/**
+ * `magus gateway` configuration from the environment (and `--host`/`--port`), validated at start
+ * against one table of variables: a bad value fails fast with a message naming the variable.
+ * Secrets (the HMAC key, token digests) are read here but never printed.
+ */
+import { readFileSync } from 'node:fs';
+import { Nats } from '../shared/constants';
+import { staticTokenSource } from './plugins/auth';
+import type { GatewaySettings } from './plugins/services';
+
+export interface GatewayConfig {
+  host: string;
+  port: number;
+  natsServers: string;
+  /** Prepended to response subjects (`<scope>.magus.res.<id>`) of a scoped data plane; '' = none. */
+  subjectScope: string;
+  buckets: { models: string; tokens: string; sessions: string };
+  settings: GatewaySettings;
+  /** Local-mode tokens (token file and/or env value), validated: `{ "<id>": {digest, name, models?} }`. */
+  staticTokens: { origin: string; entries: Record<string, unknown> }[];
+  http: {
+    /** Socket idle timeout (fastify `connectionTimeout`); 0 = none. */
+    connectionTimeoutMs: number;
+    /** Time to receive a whole request (Node `requestTimeout`); not the response. */
+    requestTimeoutMs: number;
+    keepAliveTimeoutMs: number;
+    headersTimeoutMs: number;
+  };
+  /** How long a graceful close waits for in-flight requests (streams) before cutting them. */
+  shutdownGraceMs: number;
+  logLevel: 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
+  /** `shared`: one `magus.res.>` subscription per process; `per-request`: one per request. */
+  responseRouting: 'shared' | 'per-request';
+}
+
+export class GatewayConfigError extends Error {
+  override readonly name = 'GatewayConfigError';
+}
+
+/** Command-line overrides (`--host`, `--port`). */
+export interface GatewayArgs {
+  host?: string;
+  port?: string;
+}
+
+const BUCKET = /^[A-Za-z0-9_-]{1,64}$/;
+const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
+
+export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: GatewayArgs = {}): GatewayConfig {
+  const problems: string[] = [];
+  const raw = (name: string): string | undefined => {
+    const v = env[name]?.trim();
+    return v === '' ? undefined : v;
+  };
+  const int = (name: string, fallback: number, min: number, max: number, value = raw(name)): number => {
+    if (value === undefined) return fallback;
+    const n = Number(value);
+    if (!Number.isInteger(n) || n < min || n > max) {
+      problems.push(`${name}=${value} must be a whole number from ${min} to ${max}`);
+      return fallback;
+    }
+    return n;
+  };
+  const str = (name: string, fallback: string, pattern: RegExp, what: string, value = raw(name)): string => {
+    const v = value ?? fallback;
+    if (!pattern.test(v)) problems.push(`${name}=${v} ${what}`);
+    return v;
+  };
+  const bool = (name: string, fallback: boolean): boolean => {
+    const v = raw(name);
+    if (v === undefined) return fallback;
+    if (/^(1|true|yes|on)$/i.test(v)) return true;
+    if (/^(0|false|no|off)$/i.test(v)) return false;
+    problems.push(`${name}=${v} must be true or false`);
+    return fallback;
+  };
+  const oneOf = <T extends string>(name: string, fallback: T, allowed: readonly T[]): T => {
+    const v = raw(name) ?? fallback;
+    if (!(allowed as readonly string[]).includes(v)) problems.push(`${name}=${v} must be one of ${allowed.join(', ')}`);
+    return v as T;
+  };
+
+  const host = str('MAGUS_GATEWAY_HOST (--host)', '0.0.0.0', /^[A-Za-z0-9.:-]+$/, 'is not a host name or address', args.host ?? raw('MAGUS_GATEWAY_HOST'));
+  const port = int('MAGUS_GATEWAY_PORT (--port)', 8080, 0, 65535, args.port ?? raw('MAGUS_GATEWAY_PORT'));
+  const natsServers = raw('MAGUS_NATS_URL') ?? 'nats://127.0.0.1:4222';
+  if (!natsServers.split(',').every((u) => /^(nats|tls):\/\/[^\s/]+$/.test(u.trim()))) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
+  const subjectScope = str('MAGUS_NATS_SUBJECT_SCOPE', '', /^([a-z0-9_-]{1,64})?$/, 'is not a subject token (lowercase letters, digits, _ and -)');
+  const buckets = {
+    models: str('MAGUS_MODELS_BUCKET', Nats.modelsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    tokens: str('MAGUS_TOKENS_BUCKET', Nats.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    sessions: str('MAGUS_SESSIONS_BUCKET', Nats.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+  };
+
+  let secret = raw('MAGUS_GATEWAY_SECRET');
+  const secretFile = raw('MAGUS_GATEWAY_SECRET_FILE');
+  if (secret === undefined && secretFile !== undefined) {
+    try {
+      secret = readFileSync(secretFile, 'utf8').trim();
+    } catch (err) {
+      problems.push(`MAGUS_GATEWAY_SECRET_FILE=${secretFile} cannot be read (${(err as NodeJS.ErrnoException).code ?? 'error'})`);
+    }
+  }
+  if (secret === undefined) {
+    if (secretFile === undefined) problems.push('MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required: the key of conversation keys, the same on every replica (e.g. `openssl rand -hex 32`)');
+  } else if (secret.length < 32) {
+    problems.push('MAGUS_GATEWAY_SECRET must be at least 32 characters');
+  }
+
+  const staticTokens: GatewayConfig['staticTokens'] = [];
+  const addTokens = (origin: string, text: string) => {
+    try {
+      const entries = JSON.parse(text) as Record<string, unknown>;
+      staticTokenSource(entries, origin); // validates every entry
+      staticTokens.push({ origin, entries });
+    } catch (err) {
+      problems.push(err instanceof SyntaxError ? `${origin} is not valid JSON` : (err as Error).message);
+    }
+  };
+  const tokensFile = raw('MAGUS_GATEWAY_TOKENS_FILE');
+  if (tokensFile !== undefined) {
+    let text: string | undefined;
+    try {
+      text = readFileSync(tokensFile, 'utf8');
+    } catch (err) {
+      problems.push(`MAGUS_GATEWAY_TOKENS_FILE=${tokensFile} cannot be read (${(err as NodeJS.ErrnoException).code ?? 'error'})`);
+    }
+    if (text !== undefined) addTokens('MAGUS_GATEWAY_TOKENS_FILE', text);
+  }
+  const tokensEnv = raw('MAGUS_GATEWAY_TOKENS');
+  if (tokensEnv !== undefined) addTokens('MAGUS_GATEWAY_TOKENS', tokensEnv);
+
+  const settings: GatewaySettings = {
+    secret: secret ?? '',
+    allowAnonymous: bool('MAGUS_GATEWAY_ALLOW_ANONYMOUS', false),
+    bodyLimit: int('MAGUS_GATEWAY_BODY_LIMIT', 4 * 1024 * 1024, 1024, 1024 * 1024 * 1024),
+    requestTimeoutMs: int('MAGUS_GATEWAY_REQUEST_TIMEOUT_MS', 300_000, 100, 3_600_000),
+    gapTimeoutMs: int('MAGUS_GATEWAY_GAP_TIMEOUT_MS', 2_000, 10, 600_000),
+    keepAliveMs: int('MAGUS_GATEWAY_SSE_KEEPALIVE_MS', 5_000, 100, 600_000),
+    coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
+    retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
+  };
+  const http = {
+    connectionTimeoutMs: int('MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS', 0, 0, 24 * 3_600_000),
+    requestTimeoutMs: int('MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS', 60_000, 0, 3_600_000),
+    keepAliveTimeoutMs: int('MAGUS_GATEWAY_KEEP_ALIVE_TIMEOUT_MS', 72_000, 1, 3_600_000),
+    headersTimeoutMs: int('MAGUS_GATEWAY_HEADERS_TIMEOUT_MS', 20_000, 1, 3_600_000),
+  };
+  // Cross-field rules.
+  if (settings.gapTimeoutMs >= settings.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_GAP_TIMEOUT_MS (${settings.gapTimeoutMs}) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${settings.requestTimeoutMs})`);
+  if (http.requestTimeoutMs > 0 && http.headersTimeoutMs > http.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_HEADERS_TIMEOUT_MS (${http.headersTimeoutMs}) must not exceed MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS (${http.requestTimeoutMs})`);
+  // A non-streamed answer sends nothing until it is complete: an idle-socket timeout shorter than
+  // the longest wait would cut it.
+  const longestSilence = settings.coldStartTimeoutMs + settings.requestTimeoutMs;
+  if (http.connectionTimeoutMs > 0 && http.connectionTimeoutMs <= longestSilence) {
+    problems.push(`MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (${http.connectionTimeoutMs}) must be 0 or above MAGUS_GATEWAY_COLD_START_TIMEOUT_MS + MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${longestSilence})`);
+  }
+
+  const config: GatewayConfig = {
+    host,
+    port,
+    natsServers,
+    subjectScope,
+    buckets,
+    settings,
+    staticTokens,
+    http,
+    shutdownGraceMs: int('MAGUS_GATEWAY_SHUTDOWN_GRACE_MS', 30_000, 0, 3_600_000),
+    logLevel: oneOf('MAGUS_LOG_LEVEL', 'info', LOG_LEVELS),
+    responseRouting: oneOf('MAGUS_GATEWAY_RESPONSE_ROUTING', 'shared', ['shared', 'per-request'] as const),
+  };
+  if (problems.length > 0) throw new GatewayConfigError(`invalid gateway configuration:\n  ${problems.join('\n  ')}`);
+  return config;
+}
+
+/** The variables, for `magus gateway --help`. */
+export const GATEWAY_USAGE = `usage: magus gateway [--host H] [--port P]
+
+environment:
+  MAGUS_NATS_URL                       nats://127.0.0.1:4222
+  MAGUS_GATEWAY_SECRET[_FILE]          HMAC key of conversation keys (required, ≥ 32 chars, same on every replica)
+  MAGUS_GATEWAY_HOST, _PORT            0.0.0.0, 8080
+  MAGUS_GATEWAY_ALLOW_ANONYMOUS        false; true serves requests without Authorization
+  MAGUS_GATEWAY_TOKENS_FILE, _TOKENS   local tokens: {"<id>": {"digest": "<hex sha256 of mgs_<id>_<secret>>", "name": "…"}}
+  MAGUS_NATS_SUBJECT_SCOPE             '' (a scoped data plane: frames on <scope>.magus.res.<id>)
+  MAGUS_MODELS_BUCKET, MAGUS_TOKENS_BUCKET, MAGUS_SESSIONS_BUCKET   magus_models, magus_tokens, magus_sessions
+  MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
+  MAGUS_GATEWAY_REQUEST_TIMEOUT_MS     300000 (504 when the engine sends nothing for this long)
+  MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (502 when a missing response frame does not arrive)
+  MAGUS_GATEWAY_SSE_KEEPALIVE_MS       5000
+  MAGUS_GATEWAY_COLD_START_TIMEOUT_MS  300000 (503 when no session is ready by then)
+  MAGUS_GATEWAY_RETRY_AFTER_SEC        5
+  MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
+  MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
+  MAGUS_GATEWAY_RESPONSE_ROUTING       shared | per-request
+  MAGUS_LOG_LEVEL                      info`;

@@ -1,0 +1,376 @@
+/**
+ * The gateway process (startGateway: real port, real NATS connection, KV watches, JetStream
+ * publish, shared response subscription) against the real nats-server, with a fake *bridge*
+ * written here: it pulls requests from a JetStream work-queue stream through a durable consumer
+ * and answers with ResponseFrames on the reply subject — in order, shuffled, duplicated, failing
+ * or not at all, as each test's prompt asks.
+ */
+import OpenAI from 'openai';
+import { AckPolicy, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
+import { openModelRegistry } from '../activities/nats/registry';
+import type { InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
+import { endpoint, isolation, natsConnect } from '../test/harness';
+import { loadGatewayConfig } from './config';
+import { conversationKey } from './plugins/conversation';
+import type { AcquireRequest } from './plugins/sessions';
+import { startGateway, type RunningGateway } from './server';
+import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from './test-support';
+
+const iso = isolation();
+// A scoped data plane (`<scope>.magus.req.…`, `<scope>.magus.res.…`), as tests of the data-plane
+// module use, so nothing here overlaps another test file's streams on the shared server.
+const scope = iso.natsPrefix.toLowerCase();
+const pool = 'gw';
+const instance = 'inst-1';
+const subject = `${scope}.magus.req.${pool}.${instance}`;
+const streamName = `${iso.natsPrefix}_REQUESTS`;
+const buckets = { models: `${iso.natsPrefix}_models`, tokens: `${iso.natsPrefix}_tokens`, sessions: `${iso.natsPrefix}_sessions` };
+const alice = makeToken('alice');
+const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
+
+let nc: NatsConnection;
+let js: JetStreamClient;
+let tokensKv: KV;
+let sessionsKv: KV;
+let gw: RunningGateway;
+let bridge: ConsumerMessages;
+const log = new LogSink();
+const seen: { req: InferenceRequest; msgId: string | undefined }[] = [];
+const coldStarts: Omit<AcquireRequest, 'signal'>[] = [];
+let coldStartDelayMs = 0;
+
+const chunkData = (content: string) => ({ id: 'chatcmpl-b', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [{ index: 0, delta: { content }, finish_reason: null }] });
+
+/** What the fake bridge answers, keyed by the last user message. */
+function script(req: InferenceRequest): ResponseFrame[] {
+  const prompt = req.body.messages[req.body.messages.length - 1]!.content;
+  const c = (seq: number, text: string): ResponseFrame => ({ seq, type: 'chunk', data: chunkData(text) });
+  switch (prompt) {
+    case 'shuffle': // out of order, duplicated, and a redelivered restart from seq 0
+      return [c(1, 'b'), c(0, 'a'), c(0, 'a'), c(3, 'd'), c(2, 'c'), c(0, 'a'), c(1, 'b'), c(4, 'e'), { seq: 5, type: 'done' }];
+    case 'bad-request':
+      return [{ seq: 0, type: 'error', error: { status: 400, message: 'prompt exceeds the context window', type: 'invalid_request_error', code: 'context_length_exceeded' } }];
+    case 'fail-midway':
+      return [c(0, 'a'), { seq: 1, type: 'error', error: { status: 500, message: 'engine 10.1.2.3 crashed', type: 'server_error', code: null } }];
+    case 'silence':
+      return [];
+    default:
+      return req.body.stream
+        ? [c(0, 'Hel'), c(1, 'lo'), { seq: 2, type: 'done' }]
+        : [{ seq: 0, type: 'done', data: { id: `chatcmpl-${req.id}`, object: 'chat.completion', created: 1, model: req.body.model, choices: [{ index: 0, message: { role: 'assistant', content: `echo: ${prompt}` }, finish_reason: 'stop' }] } }];
+  }
+}
+
+async function startBridge(): Promise<void> {
+  const jsm = await nc.jetstreamManager();
+  await jsm.streams.add({ name: streamName, subjects: [`${scope}.magus.req.>`], retention: RetentionPolicy.Workqueue, storage: StorageType.Memory });
+  await jsm.consumers.add(streamName, { durable_name: 'bridge', ack_policy: AckPolicy.Explicit, filter_subject: subject });
+  bridge = await (await js.consumers.get(streamName, 'bridge')).consume({ max_messages: 16 });
+  void (async () => {
+    for await (const m of bridge) {
+      const req = m.json<InferenceRequest>();
+      if (!req.replyTo.startsWith(`${scope}.magus.res.`)) throw new Error(`unexpected replyTo ${req.replyTo}`);
+      seen.push({ req, msgId: m.headers?.get('Nats-Msg-Id') });
+      m.ack();
+      for (const frame of script(req)) {
+        nc.publish(req.replyTo, enc(frame));
+        await nc.flush();
+      }
+    }
+  })();
+}
+
+const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
+  coldStarts.push({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId });
+  await new Promise((r) => setTimeout(r, coldStartDelayMs));
+  // What the session workflow does: lease an instance and record it for warm turns.
+  const entry: SessionEntry = { subject, pool, instance, expiresAt: Date.now() + 600_000 };
+  await sessionsKv.put(req.conversationKey, enc(entry));
+  return entry;
+};
+
+beforeAll(async () => {
+  nc = await natsConnect();
+  js = nc.jetstream();
+  const registry = await openModelRegistry(nc, buckets.models);
+  await registry.put(readyModel('tiny'));
+  tokensKv = await js.views.kv(buckets.tokens);
+  sessionsKv = await js.views.kv(buckets.sessions);
+  await tokensKv.put('alice', enc(alice.entry));
+  await startBridge();
+  const config = loadGatewayConfig(
+    {
+      MAGUS_NATS_URL: endpoint('nats').servers,
+      MAGUS_NATS_SUBJECT_SCOPE: scope,
+      MAGUS_GATEWAY_SECRET: TEST_SECRET,
+      MAGUS_MODELS_BUCKET: buckets.models,
+      MAGUS_TOKENS_BUCKET: buckets.tokens,
+      MAGUS_SESSIONS_BUCKET: buckets.sessions,
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1500',
+      MAGUS_GATEWAY_GAP_TIMEOUT_MS: '300',
+      MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '100',
+      MAGUS_LOG_LEVEL: 'info',
+    },
+    { host: '127.0.0.1', port: '0' },
+  );
+  gw = await startGateway(config, { coldStart, logStream: log });
+}, 60_000);
+
+afterAll(async () => {
+  await gw?.close();
+  await bridge?.close();
+  const jsm = await nc?.jetstreamManager();
+  for (const b of Object.values(buckets)) await jsm?.streams.delete(`KV_${b}`).catch(() => undefined);
+  await jsm?.streams.delete(streamName).catch(() => undefined);
+  await nc?.drain();
+});
+
+beforeEach(() => {
+  coldStartDelayMs = 0;
+});
+
+function post(body: object, headers: Record<string, string> = {}, token: string | null = alice.token): Promise<Response> {
+  return fetch(`${gw.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}), ...headers },
+    body: JSON.stringify(body),
+  });
+}
+const turn = (content: string, stream = false, system = 'You are a test.') => ({ model: 'tiny', stream, messages: [{ role: 'system', content: system }, { role: 'user', content }] });
+
+describe('round trips through NATS', () => {
+  it('non-stream: publishes with Nats-Msg-Id = request id after subscribing, relays the completion', async () => {
+    const res = await post(turn('hi there', false, 'non-stream'));
+    expect(res.status).toBe(200);
+    const body = (await res.json()) as { id: string; choices: { message: { content: string } }[] };
+    const id = res.headers.get('x-request-id')!;
+    expect(body.choices[0]!.message.content).toBe('echo: hi there');
+    expect(body.id).toBe(`chatcmpl-${id}`);
+    const got = seen.find((s) => s.req.id === id)!;
+    expect(got.msgId).toBe(id);
+    expect(got.req.replyTo).toBe(`${scope}.magus.res.${id}`);
+  });
+
+  it('stream: SSE chunks then [DONE]', async () => {
+    const res = await post(turn('hello', true, 'stream'));
+    expect(res.status).toBe(200);
+    expect(res.headers.get('content-type')).toBe('text/event-stream; charset=utf-8');
+    const events = sseEvents(await res.text());
+    expect(events).toHaveLength(3);
+    expect(events.slice(0, 2).map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content).join('')).toBe('Hello');
+    expect(events[2]).toBe('[DONE]');
+  });
+
+  it('frames out of order and duplicated over NATS are assembled in order, once', async () => {
+    const res = await post(turn('shuffle', true, 'shuffle'));
+    const events = sseEvents(await res.text());
+    expect(events[events.length - 1]).toBe('[DONE]');
+    expect(events.slice(0, -1).map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content).join('')).toBe('abcde');
+  });
+
+  it('an error frame before the stream started is the HTTP answer', async () => {
+    const res = await post(turn('bad-request', true, 'err-before'));
+    expect(res.status).toBe(400);
+    expect(await res.json()).toEqual({ error: { message: 'prompt exceeds the context window', type: 'invalid_request_error', param: null, code: 'context_length_exceeded' } });
+  });
+
+  it('an error frame after the stream started is an SSE error event, then the stream ends', async () => {
+    const res = await post(turn('fail-midway', true, 'err-after'));
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    const events = sseEvents(text);
+    expect(events).toHaveLength(2);
+    expect(events[1]).toMatchObject({ error: { type: 'server_error', code: 'engine_error' } });
+    expect(text).not.toContain('10.1.2.3');
+    expect(text).not.toContain('[DONE]');
+  });
+
+  it('504 when the engine never answers', async () => {
+    const started = Date.now();
+    const res = await post(turn('silence', false, 'silent'));
+    expect(res.status).toBe(504);
+    expect(((await res.json()) as { error: { code: string } }).error.code).toBe('timeout');
+    expect(Date.now() - started).toBeGreaterThanOrEqual(1400);
+  });
+
+  it('503 (details hidden) when no stream takes the instance subject', async () => {
+    const sid = 'nowhere';
+    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    await sessionsKv.put(key, enc({ subject: `${scope}.magus.req-nowhere.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
+    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    const res = await post(turn('hi'), { 'x-session-id': sid });
+    expect(res.status).toBe(503);
+    expect(await res.text()).not.toContain('req-nowhere');
+  });
+});
+
+describe('the official openai client', () => {
+  const client = () => new OpenAI({ apiKey: alice.token, baseURL: `${gw.url}/v1`, maxRetries: 0 });
+
+  it('creates a completion, streams one, and lists models', async () => {
+    const completion = await client().chat.completions.create({ model: 'tiny', messages: [{ role: 'system', content: 'sdk' }, { role: 'user', content: 'from the sdk' }] });
+    expect(completion.choices[0]!.message.content).toBe('echo: from the sdk');
+    let text = '';
+    const stream = await client().chat.completions.create({ model: 'tiny', stream: true, messages: [{ role: 'system', content: 'sdk-stream' }, { role: 'user', content: 'shuffle' }] });
+    for await (const chunk of stream) text += chunk.choices[0]?.delta.content ?? '';
+    expect(text).toBe('abcde');
+    const models = [];
+    for await (const m of client().models.list()) models.push(m.id);
+    expect(models).toEqual(['tiny']);
+  });
+
+  it('raises typed errors with OpenAI’s fields', async () => {
+    const notFound = await client()
+      .chat.completions.create({ model: 'nope', messages: [{ role: 'user', content: 'x' }] })
+      .catch((e: unknown) => e);
+    // The SDK's error classes, by name (not instanceof across module boundaries).
+    const className = (e: unknown) => (e as object).constructor.name;
+    expect(className(notFound)).toBe('NotFoundError');
+    expect(notFound).toMatchObject({ status: 404, code: 'model_not_found', param: 'model', type: 'invalid_request_error' });
+    const unauthorized = await new OpenAI({ apiKey: 'mgs_alice_wrong', baseURL: `${gw.url}/v1`, maxRetries: 0 }).models.list().catch((e: unknown) => e);
+    expect(className(unauthorized)).toBe('AuthenticationError');
+    expect(unauthorized).toMatchObject({ status: 401, code: 'invalid_api_key' });
+    const midway = await (async () => {
+      const s = await client().chat.completions.create({ model: 'tiny', stream: true, messages: [{ role: 'system', content: 'sdk-err' }, { role: 'user', content: 'fail-midway' }] });
+      for await (const _ of s) {
+        // consume until the error event
+      }
+    })().catch((e: unknown) => e);
+    expect(className(midway)).toBe('APIError');
+    expect((midway as Error).message).not.toContain('10.1.2.3');
+  });
+});
+
+describe('clients that go away', () => {
+  it('a client closing a stream mid-wait ends the request at once (499, nothing left in flight)', async () => {
+    const metrics = async () => (await fetch(`${gw.url}/metrics`)).text();
+    const before = /status="499"\} (\d+)/.exec(await metrics())?.[1] ?? '0';
+    const ctl = new AbortController();
+    const res = await fetch(`${gw.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', authorization: `Bearer ${alice.token}` },
+      body: JSON.stringify(turn('silence', true, 'walk-away')),
+      signal: ctl.signal,
+    });
+    const reader = res.body!.getReader();
+    const first = new TextDecoder().decode((await reader.read()).value as Uint8Array);
+    expect(first).toBe(': keep-alive\n\n');
+    ctl.abort();
+    const started = Date.now();
+    let text = '';
+    for (;;) {
+      text = await metrics();
+      if (text.includes('magus_gateway_requests_in_flight 1\n')) break;
+      await new Promise((r) => setTimeout(r, 10));
+    }
+    expect(Date.now() - started).toBeLessThan(1000); // well before the 1.5 s request timeout
+    expect(Number(/route="\/v1\/chat\/completions",status="499"\} (\d+)/.exec(text)?.[1])).toBe(Number(before) + 1);
+  });
+});
+
+async function waitFor(cond: () => boolean, ms = 5000): Promise<void> {
+  const until = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > until) throw new Error('condition not met in time');
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+describe('sessions from the magus_sessions KV', () => {
+  it('the first turn cold-starts; later turns are served from the watch cache', async () => {
+    const before = coldStarts.length;
+    const first = await post(turn('turn one', false, 'warm-test'));
+    expect(first.status).toBe(200);
+    expect(coldStarts.length).toBe(before + 1);
+    const key = coldStarts[coldStarts.length - 1]!.conversationKey;
+    const second = await post({
+      model: 'tiny',
+      messages: [
+        { role: 'system', content: 'warm-test' },
+        { role: 'user', content: 'turn one' },
+        { role: 'assistant', content: 'echo: turn one' },
+        { role: 'user', content: 'turn two' },
+      ],
+    });
+    expect(second.status).toBe(200);
+    expect(coldStarts.length).toBe(before + 1);
+    expect(gw.sessionCache!.cache.get(key)?.subject).toBe(subject);
+  });
+
+  it('an entry written by the session workflow is used without any cold start', async () => {
+    const sid = 'prewarmed-1';
+    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));
+    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    const before = coldStarts.length;
+    for (let i = 0; i < 3; i++) expect((await post(turn(`q${i}`), { 'x-session-id': sid })).status).toBe(200);
+    expect(coldStarts.length).toBe(before);
+  });
+
+  it('expired or deleted entries go back to the cold path', async () => {
+    const sid = 'expiring-1';
+    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() - 1 }));
+    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    const before = coldStarts.length;
+    expect((await post(turn('a'), { 'x-session-id': sid })).status).toBe(200);
+    expect(coldStarts.length).toBe(before + 1); // expired → cold start (which writes a fresh entry)
+    await waitFor(() => (gw.sessionCache!.cache.get(key)?.expiresAt ?? 0) > Date.now());
+    expect((await post(turn('b'), { 'x-session-id': sid })).status).toBe(200);
+    expect(coldStarts.length).toBe(before + 1);
+    await sessionsKv.delete(key);
+    await waitFor(() => gw.sessionCache!.cache.get(key) === undefined);
+    expect((await post(turn('c'), { 'x-session-id': sid })).status).toBe(200);
+    expect(coldStarts.length).toBe(before + 2);
+  });
+
+  it('sends keep-alive comments while a streamed request waits for a slow cold start', async () => {
+    coldStartDelayMs = 450;
+    const res = await post(turn('hello', true, 'slow-cold-start'));
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    const keepAlives = text.split('\n\n').filter((e) => e === ': keep-alive').length;
+    expect(keepAlives).toBeGreaterThanOrEqual(3);
+    expect(text.indexOf(': keep-alive')).toBeLessThan(text.indexOf('data: '));
+    expect(sseEvents(text)[2]).toBe('[DONE]');
+  });
+});
+
+describe('tokens from the magus_tokens KV', () => {
+  it('a token added later works, a deleted one stops working, a wrong one never did', async () => {
+    const bob = makeToken('bob');
+    expect((await post(turn('x'), {}, bob.token)).status).toBe(401);
+    await tokensKv.put('bob', enc(bob.entry));
+    await waitFor(() => true, 0);
+    let status = 0;
+    for (let i = 0; i < 50 && status !== 200; i++) {
+      status = (await post(turn('x', false, 'bob'), {}, bob.token)).status;
+      if (status !== 200) await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(status).toBe(200);
+    expect((await post(turn('x'), {}, `${bob.token}x`)).status).toBe(401);
+    await tokensKv.delete('bob');
+    for (let i = 0; i < 50 && status !== 401; i++) {
+      status = (await post(turn('x', false, 'bob'), {}, bob.token)).status;
+      if (status !== 401) await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(status).toBe(401);
+    expect(log.lines.join('\n')).not.toContain(bob.token);
+  });
+});
+
+describe('models, health and metrics', () => {
+  it('lists the registry’s models; readyz is ready; metrics count warm hits and cold starts', async () => {
+    const models = await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${alice.token}` } });
+    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus' }] });
+    const ready = await fetch(`${gw.url}/readyz`);
+    expect(ready.status).toBe(200);
+    expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true } });
+    const metrics = await (await fetch(`${gw.url}/metrics`)).text();
+    const { warmHits, coldStarts: cold } = gw.sessionCache!.stats();
+    expect(warmHits).toBeGreaterThan(0);
+    expect(metrics).toContain(`magus_gateway_session_warm_hits_total ${warmHits}`);
+    expect(metrics).toContain(`magus_gateway_session_cold_starts_total ${cold}`);
+    expect(metrics).toMatch(/magus_gateway_upstream_errors_total\{reason="timeout"\} 1/);
+  });
+});

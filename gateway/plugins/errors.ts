@@ -1,0 +1,171 @@
+/**
+ * The one place errors become HTTP responses: every failure leaves the gateway in OpenAI's shape
+ * `{"error":{"message","type","param","code"}}`. 4xx messages say what to fix; 5xx messages are
+ * generic (with the request id to quote) and the details go to the log only.
+ */
+import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import { servicePlugin } from './plugin';
+
+/** The body of every error response. */
+export interface OpenAIErrorBody {
+  error: { message: string; type: string; param: string | null; code: string | null };
+}
+
+/** OpenAI's `error.type` values the gateway uses. */
+export const OpenAIErrorType = {
+  invalidRequest: 'invalid_request_error',
+  rateLimit: 'rate_limit_exceeded',
+  server: 'server_error',
+} as const;
+
+/**
+ * A failure with a deliberate HTTP answer. `expose` = the message is safe for the client (always
+ * for 4xx; for 5xx only messages the gateway wrote itself, never an upstream's text).
+ */
+export class GatewayError extends Error {
+  override readonly name = 'GatewayError';
+  constructor(
+    readonly status: number,
+    message: string,
+    readonly type: string,
+    readonly code: string | null,
+    readonly param: string | null = null,
+    readonly headers: Readonly<Record<string, string>> = {},
+    readonly expose: boolean = status < 500,
+  ) {
+    super(message);
+  }
+}
+
+/**
+ * Error types a {@link SessionBroker} (sessions.ts) raises, as `error.type` (or `error.cause.type`,
+ * so a Temporal `ApplicationFailure` wrapped in an update failure maps too). Matched by value,
+ * never by class, so the broker may live in another module or process.
+ */
+export const SessionErrorType = {
+  /** The model's request backlog is full: 429 with `Retry-After`. */
+  BacklogFull: 'BacklogFull',
+  /** No instance of the model can be started (capacity, placement): 503. */
+  NoCapacity: 'NoCapacity',
+} as const;
+export type SessionErrorType = (typeof SessionErrorType)[keyof typeof SessionErrorType];
+
+/** What a broker throws; `retryAfterSec` becomes the `Retry-After` header. */
+export class SessionError extends Error {
+  override readonly name = 'SessionError';
+  constructor(
+    readonly type: SessionErrorType,
+    message: string,
+    readonly retryAfterSec?: number,
+  ) {
+    super(message);
+  }
+}
+
+export const errors = {
+  invalid: (message: string, param: string | null = null, code: string | null = null) => new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
+  unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') => new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
+  modelNotFound: (model: string) => new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),
+  // `connection: close`: the unread body is not drained, the connection just ends.
+  tooLarge: (limit: number) => new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
+  backlogFull: (retryAfterSec: number) =>
+    new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }),
+  noCapacity: (retryAfterSec: number) =>
+    new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }, true),
+  timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
+  /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
+  upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),
+};
+
+const ERROR_TYPES = new Set<string>(Object.values(SessionErrorType));
+
+/** The {@link SessionErrorType} of an error (or of its cause), if it has one. */
+export function sessionErrorType(err: unknown): SessionErrorType | undefined {
+  for (let e = err, depth = 0; typeof e === 'object' && e !== null && depth < 3; e = (e as { cause?: unknown }).cause, depth++) {
+    const type = (e as { type?: unknown }).type;
+    if (typeof type === 'string' && ERROR_TYPES.has(type)) return type as SessionErrorType;
+  }
+  return undefined;
+}
+
+function retryAfterOf(err: unknown, fallback: number): number {
+  for (let e = err, depth = 0; typeof e === 'object' && e !== null && depth < 3; e = (e as { cause?: unknown }).cause, depth++) {
+    const r = (e as { retryAfterSec?: unknown }).retryAfterSec;
+    if (typeof r === 'number' && Number.isFinite(r) && r > 0) return r;
+  }
+  return fallback;
+}
+
+interface AjvError {
+  instancePath?: string;
+  keyword?: string;
+  message?: string;
+  params?: { missingProperty?: string; allowedValues?: unknown[] };
+}
+
+/** `/messages/0/role` → `messages[0].role` (OpenAI names params the way the client wrote them). */
+function paramOf(e: AjvError, context: string | undefined): string | null {
+  const segments = (e.instancePath ?? '').split('/').slice(1).map((s) => s.replace(/~1/g, '/').replace(/~0/g, '~'));
+  if (e.keyword === 'required' && e.params?.missingProperty) segments.push(e.params.missingProperty);
+  let out = '';
+  for (const s of segments) out += /^\d+$/.test(s) ? `[${s}]` : out === '' ? s : `.${s}`;
+  if (out === '') return context === 'body' || context === undefined ? null : context;
+  return out;
+}
+
+function validationError(err: FastifyError): GatewayError {
+  const first = (err.validation?.[0] ?? {}) as AjvError;
+  const param = paramOf(first, err.validationContext);
+  let what = first.keyword === 'required' ? 'is required' : (first.message ?? 'is invalid');
+  if (first.keyword === 'enum' && Array.isArray(first.params?.allowedValues)) what = `must be one of ${first.params.allowedValues.map((v) => JSON.stringify(v)).join(', ')}`;
+  const where = err.validationContext === 'headers' ? `header ${param ?? ''}` : (param ?? 'body');
+  return errors.invalid(`Invalid request: ${where} ${what}.`, param, 'invalid_value');
+}
+
+/** Maps anything thrown to the {@link GatewayError} that answers it. */
+export function toGatewayError(err: unknown, retryAfterSec: number): GatewayError {
+  if (err instanceof GatewayError) return err;
+  const type = sessionErrorType(err);
+  if (type === SessionErrorType.BacklogFull) return errors.backlogFull(retryAfterOf(err, retryAfterSec));
+  if (type === SessionErrorType.NoCapacity) return errors.noCapacity(retryAfterOf(err, retryAfterSec));
+  const fe = err as Partial<FastifyError>;
+  if (Array.isArray(fe.validation)) return validationError(fe as FastifyError);
+  const status = typeof fe.statusCode === 'number' ? fe.statusCode : 500;
+  if (status === 413) return new GatewayError(413, 'Request body is too large.', OpenAIErrorType.invalidRequest, 'request_too_large');
+  // fastify's own 4xx (bad JSON, empty body, unsupported media type …) say what is wrong.
+  if (status >= 400 && status < 500) return new GatewayError(status, fe.message ?? 'Bad request.', OpenAIErrorType.invalidRequest, null);
+  return new GatewayError(500, 'internal error', OpenAIErrorType.server, null, null, {}, false);
+}
+
+/** The response body for a {@link GatewayError}, hiding what must not leave the process. */
+export function errorBody(e: GatewayError, requestId: string): OpenAIErrorBody {
+  const message = e.status < 500 ? e.message : `${e.expose ? e.message : 'The server had an error while processing your request.'} (request id ${requestId})`;
+  return { error: { message, type: e.type, param: e.param, code: e.code } };
+}
+
+export interface ErrorHandlerOptions {
+  /** `Retry-After` (seconds) when a broker error does not say. */
+  retryAfterSec: number;
+}
+
+function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, retryAfterSec: number): FastifyReply {
+  const e = toGatewayError(err, retryAfterSec);
+  // The id the client sees (`x-request-id`, set by routes that publish a request) or fastify's own.
+  const header = reply.getHeader('x-request-id');
+  const requestId = typeof header === 'string' ? header : request.id;
+  if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
+  else if (e.status !== 404 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
+  return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
+}
+
+/** Installs the error and not-found handlers for the whole app. */
+export const errorsPlugin = servicePlugin<ErrorHandlerOptions>(
+  (app, opts, done) => {
+    app.setErrorHandler((err, request, reply) => sendError(err, request, reply, opts.retryAfterSec));
+    app.setNotFoundHandler((request, reply) =>
+      reply.code(404).send({ error: { message: `Unknown request URL: ${request.method} ${request.url.split('?')[0]}.`, type: OpenAIErrorType.invalidRequest, param: null, code: 'unknown_url' } }),
+    );
+    done();
+  },
+  { name: 'magus-errors' },
+);

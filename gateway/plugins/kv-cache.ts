@@ -1,0 +1,110 @@
+/**
+ * A JetStream KV bucket mirrored into memory through a watch, so the hot path reads a `Map`
+ * instead of asking the server. The watch delivers every key's last value, then live updates;
+ * if it ends (connection lost, consumer reset) it is re-opened and the map rebuilt from scratch,
+ * so keys deleted meanwhile do not linger.
+ */
+import type { KvEntry, KvWatchOptions, QueuedIterator } from 'nats';
+
+/** The part of a nats.js `KV` the cache needs. */
+export interface WatchableKv {
+  watch(opts?: KvWatchOptions): Promise<QueuedIterator<KvEntry>>;
+}
+
+export interface KvCache<T> {
+  get(key: string): T | undefined;
+  /** Puts a value ahead of the watch (e.g. a session just acquired); the next update for the key wins. */
+  set(key: string, value: T): void;
+  delete(key: string): void;
+  entries(): IterableIterator<[string, T]>;
+  readonly size: number;
+  /** True once the initial values are loaded and while the watch is running. */
+  readonly live: boolean;
+  /** Resolves when the initial values are loaded. */
+  readonly ready: Promise<void>;
+  close(): Promise<void>;
+}
+
+export interface KvCacheOptions<T> {
+  /** The value to keep for a `PUT`, or `undefined` to treat it as absent (e.g. malformed). */
+  decode: (entry: KvEntry) => T | undefined;
+  onError?: (err: unknown) => void;
+  /** Pause before re-opening a watch that ended. */
+  restartDelayMs?: number;
+}
+
+export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T> {
+  let current = new Map<string, T>();
+  let live = false;
+  let stopped = false;
+  let iter: QueuedIterator<KvEntry> | undefined;
+  let markReady!: () => void;
+  const ready = new Promise<void>((resolve) => (markReady = resolve));
+  let wake: (() => void) | undefined;
+
+  const apply = (target: Map<string, T>, e: KvEntry): void => {
+    if (e.operation !== 'PUT') {
+      target.delete(e.key);
+      return;
+    }
+    let v: T | undefined;
+    try {
+      v = opts.decode(e);
+    } catch (err) {
+      opts.onError?.(err);
+    }
+    if (v === undefined) target.delete(e.key);
+    else target.set(e.key, v);
+  };
+
+  const run = async (): Promise<void> => {
+    while (!stopped) {
+      const next = new Map<string, T>();
+      let initialized = false;
+      try {
+        iter = await kv.watch({
+          // Called in order after the last initial value; swap the rebuilt map in at once.
+          initializedFn: () => {
+            current = next;
+            initialized = true;
+            live = true;
+            markReady();
+          },
+        });
+        for await (const e of iter) apply(initialized ? current : next, e);
+      } catch (err) {
+        if (!stopped) opts.onError?.(err);
+      }
+      live = false;
+      iter = undefined;
+      if (!stopped) await new Promise<void>((resolve) => {
+        const t = setTimeout(resolve, opts.restartDelayMs ?? 1000);
+        wake = () => {
+          clearTimeout(t);
+          resolve();
+        };
+      });
+    }
+  };
+  const running = run();
+
+  return {
+    get: (key) => current.get(key),
+    set: (key, value) => void current.set(key, value),
+    delete: (key) => void current.delete(key),
+    entries: () => current.entries(),
+    get size() {
+      return current.size;
+    },
+    get live() {
+      return live;
+    },
+    ready,
+    async close() {
+      stopped = true;
+      iter?.stop();
+      wake?.();
+      await running;
+    },
+  };
+}

@@ -1,0 +1,162 @@
+/**
+ * Prometheus metrics in the text exposition format (version 0.0.4), without a client library:
+ * request counts by route and status, a latency histogram by route, requests in flight, and the
+ * session broker's warm hits and cold starts. Recording is a few map updates per request.
+ */
+import type { FastifyReply, FastifyRequest } from 'fastify';
+import { servicePlugin } from './plugin';
+
+const escapeLabel = (v: string): string => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"');
+const fmt = (n: number): string => (Number.isFinite(n) ? String(n) : n > 0 ? '+Inf' : n < 0 ? '-Inf' : 'NaN');
+
+function labelText(names: readonly string[], values: readonly string[], extra = ''): string {
+  const parts = names.map((n, i) => `${n}="${escapeLabel(values[i] ?? '')}"`);
+  if (extra) parts.push(extra);
+  return parts.length > 0 ? `{${parts.join(',')}}` : '';
+}
+
+interface Metric {
+  render(): string;
+}
+
+export class Counter implements Metric {
+  private readonly values = new Map<string, { labels: string[]; value: number }>();
+  constructor(
+    readonly name: string,
+    readonly help: string,
+    readonly labelNames: readonly string[] = [],
+  ) {}
+  inc(labels: readonly string[] = [], by = 1): void {
+    const key = labels.join('\u0000');
+    const v = this.values.get(key);
+    if (v) v.value += by;
+    else this.values.set(key, { labels: [...labels], value: by });
+  }
+  get(labels: readonly string[] = []): number {
+    return this.values.get(labels.join('\u0000'))?.value ?? 0;
+  }
+  render(): string {
+    const lines = [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} counter`];
+    for (const { labels, value } of this.values.values()) lines.push(`${this.name}${labelText(this.labelNames, labels)} ${fmt(value)}`);
+    return lines.join('\n');
+  }
+}
+
+export class Gauge implements Metric {
+  value = 0;
+  constructor(
+    readonly name: string,
+    readonly help: string,
+  ) {}
+  render(): string {
+    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} gauge`, `${this.name} ${fmt(this.value)}`].join('\n');
+  }
+}
+
+/** A counter whose value is read from elsewhere when scraped (e.g. the session broker's stats). */
+export class CounterFunc implements Metric {
+  constructor(
+    readonly name: string,
+    readonly help: string,
+    private readonly read: () => number | undefined,
+  ) {}
+  render(): string {
+    const v = this.read();
+    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} counter`, ...(v === undefined ? [] : [`${this.name} ${fmt(v)}`])].join('\n');
+  }
+}
+
+export class Histogram implements Metric {
+  private readonly series = new Map<string, { labels: string[]; counts: number[]; sum: number; count: number }>();
+  constructor(
+    readonly name: string,
+    readonly help: string,
+    readonly labelNames: readonly string[],
+    readonly buckets: readonly number[],
+  ) {}
+  observe(labels: readonly string[], value: number): void {
+    const key = labels.join('\u0000');
+    let s = this.series.get(key);
+    if (!s) {
+      s = { labels: [...labels], counts: new Array<number>(this.buckets.length).fill(0), sum: 0, count: 0 };
+      this.series.set(key, s);
+    }
+    // Counts are stored per bucket and accumulated when rendered.
+    let i = 0;
+    while (i < this.buckets.length && value > this.buckets[i]!) i++;
+    if (i < this.buckets.length) s.counts[i]!++;
+    s.sum += value;
+    s.count++;
+  }
+  render(): string {
+    const lines = [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} histogram`];
+    for (const s of this.series.values()) {
+      let cumulative = 0;
+      this.buckets.forEach((b, i) => {
+        cumulative += s.counts[i]!;
+        lines.push(`${this.name}_bucket${labelText(this.labelNames, s.labels, `le="${fmt(b)}"`)} ${cumulative}`);
+      });
+      lines.push(`${this.name}_bucket${labelText(this.labelNames, s.labels, 'le="+Inf"')} ${s.count}`);
+      lines.push(`${this.name}_sum${labelText(this.labelNames, s.labels)} ${fmt(s.sum)}`);
+      lines.push(`${this.name}_count${labelText(this.labelNames, s.labels)} ${s.count}`);
+    }
+    return lines.join('\n');
+  }
+}
+
+/** Seconds; LLM requests range from a cached 404 (µs) to a long generation (minutes). */
+export const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300] as const;
+
+/** The gateway's metrics. One instance per app; `render()` is the `/metrics` body. */
+export class GatewayMetrics {
+  readonly requests = new Counter('magus_gateway_requests_total', 'HTTP requests by route and status (499: the client went away first).', ['route', 'status']);
+  readonly latency = new Histogram('magus_gateway_request_duration_seconds', 'HTTP request duration by route, until the last byte (streams included).', ['route'], LATENCY_BUCKETS);
+  readonly inFlight = new Gauge('magus_gateway_requests_in_flight', 'HTTP requests being served.');
+  readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
+  private sessionStats: () => { warmHits: number; coldStarts: number } | undefined = () => undefined;
+  private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
+  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that had to start or re-acquire a session.', () => this.sessionStats()?.coldStarts);
+
+  /** Where warm-hit and cold-start counts come from (the session broker's `stats`). */
+  setSessionStats(read: () => { warmHits: number; coldStarts: number } | undefined): void {
+    this.sessionStats = read;
+  }
+
+  render(): string {
+    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.warmHits, this.coldStarts].map((m) => m.render()).join('\n')}\n`;
+  }
+}
+
+export const PROMETHEUS_CONTENT_TYPE = 'text/plain; version=0.0.4; charset=utf-8';
+
+declare module 'fastify' {
+  interface FastifyInstance {
+    metrics: GatewayMetrics;
+  }
+}
+
+export interface MetricsPluginOptions {
+  metrics?: GatewayMetrics;
+}
+
+/** Decorates `app.metrics` and records every request when its response closes (finished or aborted). */
+export const metricsPlugin = servicePlugin<MetricsPluginOptions>(
+  (app, opts, pluginDone) => {
+    const metrics = opts.metrics ?? new GatewayMetrics();
+    app.decorate('metrics', metrics);
+    app.addHook('onRequest', (request: FastifyRequest, reply: FastifyReply, done) => {
+      const started = performance.now();
+      metrics.inFlight.value++;
+      const res = reply.raw;
+      res.once('close', () => {
+        metrics.inFlight.value--;
+        const route = request.routeOptions.url ?? 'unmatched';
+        metrics.requests.inc([route, String(res.writableEnded ? res.statusCode : 499)]);
+        metrics.latency.observe([route], (performance.now() - started) / 1000);
+      });
+      done();
+    });
+    pluginDone();
+  },
+  { name: 'magus-metrics' },
+);

@@ -1,0 +1,263 @@
+/**
+ * The NATS side of one inference request: publish an {@link InferenceRequest} to the instance's
+ * subject and collect the {@link ResponseFrame}s the bridge streams back on `magus.res.<id>`.
+ *
+ * Ordering rule (kept simple on purpose, and the same as the data plane's: bridges that take
+ * over a redelivered request continue the numbering from what was already published):
+ * - frames are relayed strictly in `seq` order, each seq once: the first frame to arrive with a
+ *   seq wins; a later one with a seq already relayed or already held is a duplicate and is dropped
+ *   (this covers a redelivered request restarted from seq 0: what the client has is not repeated);
+ * - a frame ahead of the next expected seq is held; if the missing seq does not arrive within
+ *   `gapTimeoutMs`, the request fails (502);
+ * - the first terminal frame relayed (`done` or `error`) ends the response.
+ */
+import { type JetStreamClient, type Msg, type NatsConnection, type Subscription } from 'nats';
+import { Nats } from '../../shared/constants';
+import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import { errors, GatewayError, OpenAIErrorType } from './errors';
+
+/**
+ * Publishes one request to an instance subject (`session.subject`); resolves once the request
+ * stream has it. `session` is there for publishers that address instances by pool and instance.
+ */
+export type PublishRequest = (subject: string, req: InferenceRequest, session: SessionEntry) => Promise<void>;
+
+/** Hands the frames of `magus.res.<id>` to whoever waits for request `<id>`. */
+export interface ResponseRouter {
+  /** Where the bridge must publish the frames of request `requestId` (the request's `replyTo`). */
+  replySubject(requestId: string): string;
+  /** Starts listening; in effect before it returns, so the request may be published right after. */
+  listen(requestId: string, onFrame: (frame: ResponseFrame) => void): () => void;
+  close(): Promise<void>;
+}
+
+const encoder = new TextEncoder();
+const decoder = new TextDecoder();
+
+/** The default {@link PublishRequest}: JetStream publish with `Nats-Msg-Id` = request id (a retried publish is de-duplicated). */
+export function jetStreamPublisher(js: JetStreamClient, timeoutMs = 5_000): PublishRequest {
+  return async (subject, req) => {
+    await js.publish(subject, encoder.encode(JSON.stringify(req)), { msgID: req.id, timeout: timeoutMs });
+  };
+}
+
+/** A frame off the wire, checked; `undefined` when it is not a {@link ResponseFrame}. */
+export function decodeFrame(data: Uint8Array): ResponseFrame | undefined {
+  let f: Partial<ResponseFrame> & { error?: unknown };
+  try {
+    f = JSON.parse(decoder.decode(data)) as typeof f;
+  } catch {
+    return undefined;
+  }
+  if (typeof f !== 'object' || f === null || !Number.isSafeInteger(f.seq) || (f.seq as number) < 0) return undefined;
+  if (f.type === 'chunk' || f.type === 'done') return f as ResponseFrame;
+  if (f.type === 'error' && typeof f.error === 'object' && f.error !== null) return f as ResponseFrame;
+  return undefined;
+}
+
+export interface RouterOptions {
+  /**
+   * Prepended to response subjects (`<scope>.magus.res.<id>`) when the data plane is scoped,
+   * e.g. several installations or tests on one NATS account. Default none.
+   */
+  subjectScope?: string;
+  /** A message on a response subject that is not a frame. */
+  onBadFrame?: (subject: string) => void;
+}
+
+const responsePrefix = (scope: string | undefined): string => `${scope ? `${scope}.` : ''}${Nats.responseSubjectPrefix}.`;
+
+/**
+ * One wildcard subscription on `magus.res.>` for the whole process, dispatching by subject to a
+ * `Map` of waiting requests: listening costs a map insert (no SUB/UNSUB per request), and the
+ * subscription is in place long before any request is published, whichever connection publishes.
+ * Every replica receives every frame, so with many replicas prefer {@link perRequestResponseRouter}.
+ */
+export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): Promise<ResponseRouter> {
+  const prefix = responsePrefix(opts.subjectScope);
+  const waiting = new Map<string, (frame: ResponseFrame) => void>();
+  const sub: Subscription = nc.subscribe(`${prefix}>`, {
+    callback: (err, msg: Msg) => {
+      if (err) return;
+      const handler = waiting.get(msg.subject.slice(prefix.length));
+      if (!handler) return; // another replica's request, or a late frame of a finished one
+      const frame = decodeFrame(msg.data);
+      if (frame) handler(frame);
+      else opts.onBadFrame?.(msg.subject);
+    },
+  });
+  await nc.flush(); // the server has the subscription before the first request goes out
+  return {
+    replySubject: (requestId) => prefix + requestId,
+    listen(requestId, onFrame) {
+      waiting.set(requestId, onFrame);
+      return () => void waiting.delete(requestId);
+    },
+    async close() {
+      sub.unsubscribe();
+      await sub.closed;
+    },
+  };
+}
+
+/**
+ * One subscription per request. The server registers a SUB before it processes anything sent
+ * after it on the same connection, so publish the request through `nc` itself (JetStream on the
+ * same connection); on another connection, flush first.
+ */
+export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): ResponseRouter {
+  const prefix = responsePrefix(opts.subjectScope);
+  return {
+    replySubject: (requestId) => prefix + requestId,
+    listen(requestId, onFrame) {
+      const sub = nc.subscribe(prefix + requestId, {
+        callback: (err, msg) => {
+          if (err) return;
+          const frame = decodeFrame(msg.data);
+          if (frame) onFrame(frame);
+          else opts.onBadFrame?.(msg.subject);
+        },
+      });
+      return () => sub.unsubscribe();
+    },
+    close: () => Promise.resolve(),
+  };
+}
+
+/** At most this many frames are held waiting for a missing one. */
+const MAX_HELD = 4096;
+
+/** Puts frames in `seq` order (see the module comment for the rule). */
+export class FrameSequencer {
+  private next = 0;
+  private readonly held = new Map<number, ResponseFrame>();
+  private gapTimer: NodeJS.Timeout | undefined;
+  private stopped = false;
+
+  constructor(
+    private readonly deliver: (frame: ResponseFrame) => void,
+    private readonly onGap: (missingSeq: number) => void,
+    private readonly gapTimeoutMs: number,
+  ) {}
+
+  push(frame: ResponseFrame): void {
+    if (this.stopped) return;
+    if (frame.seq < this.next || this.held.has(frame.seq)) return;
+    if (frame.seq > this.next) {
+      if (this.held.size >= MAX_HELD) return this.gap();
+      this.held.set(frame.seq, frame);
+      this.gapTimer ??= setTimeout(() => this.gap(), this.gapTimeoutMs);
+      return;
+    }
+    this.relay(frame);
+    let h: ResponseFrame | undefined;
+    while (!this.stopped && (h = this.held.get(this.next)) !== undefined) {
+      this.held.delete(this.next);
+      this.relay(h);
+    }
+    if (this.gapTimer) {
+      clearTimeout(this.gapTimer);
+      // Still holding frames: a further seq is missing; give it its own full wait.
+      this.gapTimer = this.held.size > 0 && !this.stopped ? setTimeout(() => this.gap(), this.gapTimeoutMs) : undefined;
+    }
+  }
+
+  /** The next seq to deliver (everything below it has been delivered). */
+  get expected(): number {
+    return this.next;
+  }
+
+  stop(): void {
+    this.stopped = true;
+    if (this.gapTimer) clearTimeout(this.gapTimer);
+    this.gapTimer = undefined;
+    this.held.clear();
+  }
+
+  private relay(frame: ResponseFrame): void {
+    this.next++;
+    if (frame.type !== 'chunk') this.stop(); // terminal: nothing after it is relayed
+    this.deliver(frame);
+  }
+
+  private gap(): void {
+    const missing = this.next;
+    this.stop();
+    this.onGap(missing);
+  }
+}
+
+/** The HTTP answer for an `error` frame: 4xx pass through (the client can fix them); 5xx are hidden. */
+export function frameError(frame: Extract<ResponseFrame, { type: 'error' }>, retryAfterSec: number): GatewayError {
+  const { status, message, type, code } = frame.error;
+  if (Number.isInteger(status) && status >= 400 && status < 500) {
+    const headers: Record<string, string> = status === 429 ? { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) } : {};
+    return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, null, headers);
+  }
+  return errors.upstream(Number.isInteger(status) ? status : 502, 'engine_error');
+}
+
+export interface ExchangeOptions {
+  router: ResponseRouter;
+  publish: PublishRequest;
+  /** Fails with 504 when no frame arrives for this long (from publish, then between frames). */
+  requestTimeoutMs: number;
+  gapTimeoutMs: number;
+  retryAfterSec: number;
+  signal: AbortSignal;
+  /** Each `chunk` frame's data, in order (streaming). */
+  onChunk?: (data: unknown) => void;
+  /** An engine-side failure, for metrics (`timeout`, `frames_lost`, `engine_error`, `engine_rejected` (4xx), `publish_failed`). */
+  onUpstreamError?: (reason: string) => void;
+}
+
+/**
+ * Publishes `req` to the session's subject after listening for its frames, relays chunks, and
+ * resolves with the `done` frame's data (the whole completion when not streaming). Rejects with a
+ * {@link GatewayError} (error frame, timeout, lost frames, failed publish) or the signal's reason.
+ */
+export function exchange(session: SessionEntry, req: InferenceRequest, opts: ExchangeOptions): Promise<unknown> {
+  return new Promise<unknown>((resolve, reject) => {
+    let finished = false;
+    const fail = (reason: string, e: GatewayError, cause?: unknown) => {
+      if (finished) return;
+      opts.onUpstreamError?.(reason);
+      if (cause !== undefined) e.cause = cause;
+      finish(e);
+    };
+    const finish = (err: Error | undefined, value?: unknown) => {
+      if (finished) return;
+      finished = true;
+      clearTimeout(idle);
+      sequencer.stop();
+      unlisten();
+      opts.signal.removeEventListener('abort', onAbort);
+      if (err !== undefined) reject(err);
+      else resolve(value);
+    };
+    const onAbort = () => {
+      const reason: unknown = opts.signal.reason;
+      finish(reason instanceof Error ? reason : new Error('aborted'));
+    };
+    const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
+    const sequencer = new FrameSequencer(
+      (frame) => {
+        if (frame.type === 'chunk') opts.onChunk?.(frame.data);
+        else if (frame.type === 'done') finish(undefined, frame.data);
+        else {
+          const e = frameError(frame, opts.retryAfterSec);
+          fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, frame.error);
+        }
+      },
+      (missing) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`)),
+      opts.gapTimeoutMs,
+    );
+    const unlisten = opts.router.listen(req.id, (frame) => {
+      idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
+      sequencer.push(frame);
+    });
+    if (opts.signal.aborted) return onAbort();
+    opts.signal.addEventListener('abort', onAbort, { once: true });
+    opts.publish(session.subject, req, session).catch((err: unknown) => fail('publish_failed', errors.upstream(503, 'unavailable'), err));
+  });
+}

@@ -1,0 +1,65 @@
+/**
+ * What the routes use, injected from outside the app (server.ts wires NATS-backed ones; tests wire
+ * fakes of these interfaces): the model catalog, token source, session broker, request publisher
+ * and response router, plus the settings of the request path. Decorated as `app.gateway`.
+ */
+import type { ReadyModel } from '../../shared/model';
+import type { TokenSource } from './auth';
+import type { ModelCatalog } from './models';
+import { servicePlugin } from './plugin';
+import type { PublishRequest, ResponseRouter } from './responses';
+import type { SessionBroker } from './sessions';
+
+/** Synchronous backlog check before a request is queued: full → 429 with `Retry-After`. */
+export type BacklogCheck = (model: ReadyModel) => { retryAfterSec: number } | undefined;
+
+/** One `/readyz` check; false or a throw (or no answer within 2 s) = not ready. */
+export interface ReadinessCheck {
+  name: string;
+  check(): boolean | Promise<boolean>;
+}
+
+/** Request-path settings (server.ts fills them from configuration). */
+export interface GatewaySettings {
+  /** HMAC key of conversation keys; the same on every replica. */
+  secret: string;
+  /** Requests without `Authorization` are served as `anonymous` (never the default). */
+  allowAnonymous: boolean;
+  /** Largest request body, bytes; checked from `content-length` before authentication. */
+  bodyLimit: number;
+  /** 504 when no frame arrives for this long (since publish, then between frames). */
+  requestTimeoutMs: number;
+  /** A missing frame not filled within this long fails the request (502). */
+  gapTimeoutMs: number;
+  /** SSE keep-alive comment interval while nothing else is sent. */
+  keepAliveMs: number;
+  /** Longest wait for a session (a cold start); then 503 with `Retry-After`. */
+  coldStartTimeoutMs: number;
+  /** `Retry-After` seconds when the cause does not say. */
+  retryAfterSec: number;
+}
+
+export interface GatewayServices {
+  settings: GatewaySettings;
+  models: ModelCatalog;
+  tokens: TokenSource;
+  sessions: SessionBroker;
+  publish: PublishRequest;
+  responses: ResponseRouter;
+  backlogFull?: BacklogCheck;
+  readiness: ReadinessCheck[];
+}
+
+declare module 'fastify' {
+  interface FastifyInstance {
+    gateway: GatewayServices;
+  }
+}
+
+export const servicesPlugin = servicePlugin<{ services: GatewayServices }>(
+  (app, opts, done) => {
+    app.decorate('gateway', opts.services);
+    done();
+  },
+  { name: 'magus-services' },
+);

@@ -1,0 +1,80 @@
+/**
+ * A server-sent-events response for a streamed chat completion. Nothing is sent until the first
+ * write, so a failure before then still gets a proper HTTP error; after that, failures become a
+ * `data: {"error":…}` event and the stream closes (without `[DONE]`).
+ *
+ * Keep-alive: whenever a whole `keepAliveMs` passes without a write — a cold start, a queue, a
+ * slow prompt — a `: keep-alive` comment goes out, which also commits the response (200).
+ */
+import type { FastifyReply } from 'fastify';
+import { errorBody, type GatewayError } from './errors';
+
+export class SseResponse {
+  private committed = false;
+  private wrote = false;
+  private ended = false;
+  private readonly timer: NodeJS.Timeout;
+
+  constructor(
+    private readonly reply: FastifyReply,
+    keepAliveMs: number,
+    private readonly requestId: string,
+  ) {
+    this.timer = setInterval(() => {
+      if (!this.wrote) this.write(': keep-alive\n\n');
+      this.wrote = false;
+    }, keepAliveMs);
+  }
+
+  /** Whether the 200 and some bytes went out (errors must then be sent in-stream). */
+  get started(): boolean {
+    return this.committed;
+  }
+
+  /** One `data:` event with a JSON payload (a `chat.completion.chunk`). */
+  data(payload: unknown): void {
+    this.write(`data: ${JSON.stringify(payload)}\n\n`);
+  }
+
+  /** `data: [DONE]` and close. */
+  done(): void {
+    this.write('data: [DONE]\n\n');
+    this.end();
+  }
+
+  /** An error event (OpenAI shape, 5xx details hidden) and close. */
+  fail(err: GatewayError, requestId: string): void {
+    this.write(`data: ${JSON.stringify(errorBody(err, requestId))}\n\n`);
+    this.end();
+  }
+
+  /** Stops keep-alives; call in every outcome. */
+  stop(): void {
+    clearInterval(this.timer);
+  }
+
+  private end(): void {
+    this.stop();
+    if (this.ended) return;
+    this.ended = true;
+    this.reply.raw.end();
+  }
+
+  private write(text: string): void {
+    if (this.ended || this.reply.raw.destroyed) return;
+    if (!this.committed) {
+      this.committed = true;
+      // From here on fastify does not send anything for this request; we own the response.
+      this.reply.hijack();
+      this.reply.raw.writeHead(200, {
+        'content-type': 'text/event-stream; charset=utf-8',
+        'cache-control': 'no-cache',
+        connection: 'keep-alive',
+        'x-accel-buffering': 'no', // proxies (nginx) must not buffer the stream
+        'x-request-id': this.requestId,
+      });
+    }
+    this.wrote = true;
+    this.reply.raw.write(text);
+  }
+}

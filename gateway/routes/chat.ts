@@ -1,0 +1,110 @@
+/**
+ * `POST /v1/chat/completions`: authenticate → find the model → conversation key → session
+ * (warm: a map read; cold: the broker's slow path) → listen on `magus.res.<id>` → publish the
+ * request to the instance → relay frames (SSE when `stream`, one JSON body otherwise).
+ */
+import type { FastifyPluginCallback, FastifyReply } from 'fastify';
+import { nuid } from 'nats';
+import type { ChatCompletionRequest, ChatMessage, InferenceRequest } from '../../shared/serving';
+import { mayUse } from '../plugins/auth';
+import { conversationKey } from '../plugins/conversation';
+import { errors, toGatewayError } from '../plugins/errors';
+import { exchange } from '../plugins/responses';
+import { SseResponse } from '../plugins/sse';
+import { chatCompletionSchema, type ChatCompletionBody } from '../schemas/chat';
+
+/** Flattens OpenAI text parts; engines take one string per message. */
+function toMessages(body: ChatCompletionBody): ChatMessage[] {
+  return body.messages.map((m) => ({ role: m.role, content: typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') }));
+}
+
+/** Only the fields engines understand go over the wire. */
+function toEngineRequest(body: ChatCompletionBody, messages: ChatMessage[]): ChatCompletionRequest {
+  const out: ChatCompletionRequest = { model: body.model, messages, stream: body.stream === true };
+  const maxTokens = body.max_tokens ?? body.max_completion_tokens;
+  if (maxTokens !== undefined) out.max_tokens = maxTokens;
+  if (body.temperature !== undefined) out.temperature = body.temperature;
+  if (body.top_p !== undefined) out.top_p = body.top_p;
+  if (body.seed !== undefined) out.seed = body.seed;
+  if (body.stop !== undefined) out.stop = body.stop;
+  return out;
+}
+
+/** Why a request's controller was aborted: the client left, or the cold start took too long. */
+class ClientGone extends Error {
+  override readonly name = 'ClientGone';
+}
+
+export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
+  const g = app.gateway;
+  const s = g.settings;
+
+  app.post<{ Body: ChatCompletionBody; Headers: { 'x-session-id'?: string } }>(
+    '/v1/chat/completions',
+    { schema: chatCompletionSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
+    async (request, reply: FastifyReply) => {
+      const body = request.body;
+      const principal = request.principal!;
+      const model = await g.models.find(body.model);
+      if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(body.model);
+      const backlog = g.backlogFull?.(model);
+      if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
+
+      const messages = toMessages(body);
+      const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });
+      const id = nuid.next();
+      reply.header('x-request-id', id); // also on error responses; the error handler logs it
+      const ctl = new AbortController();
+      const onClose = () => {
+        if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
+      };
+      reply.raw.once('close', onClose);
+      const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      try {
+        const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
+        let entry;
+        try {
+          entry = await g.sessions.acquire({ conversationKey: key, model, tokenId: principal.tokenId, signal: ctl.signal });
+        } finally {
+          clearTimeout(coldStartTimer);
+        }
+        if (ctl.signal.aborted) throw ctl.signal.reason;
+        const req: InferenceRequest = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, body: toEngineRequest(body, messages) };
+        const done = await exchange(entry, req, {
+          router: g.responses,
+          publish: g.publish,
+          requestTimeoutMs: s.requestTimeoutMs,
+          gapTimeoutMs: s.gapTimeoutMs,
+          retryAfterSec: s.retryAfterSec,
+          signal: ctl.signal,
+          onChunk: sse ? (chunk) => sse.data(chunk) : undefined,
+          onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
+        });
+        if (sse) {
+          sse.done();
+          return reply;
+        }
+        if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
+        return reply.send(done);
+      } catch (thrown) {
+        // A cold-start timeout aborts the broker, which may reject with its own abort error.
+        const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
+        if (err instanceof ClientGone) {
+          request.log.info({ inferenceId: id }, 'client went away');
+          if (!sse?.started) reply.hijack();
+          reply.raw.destroy();
+          return reply;
+        }
+        if (!sse?.started) throw err; // the error handler answers (and logs 5xx with their cause)
+        const e = toGatewayError(err, s.retryAfterSec);
+        request.log[e.status >= 500 ? 'error' : 'info']({ err, inferenceId: id }, 'stream failed after it started');
+        sse.fail(e, id);
+        return reply;
+      } finally {
+        sse?.stop();
+        reply.raw.removeListener('close', onClose);
+      }
+    },
+  );
+  done();
+};

@@ -1,0 +1,38 @@
+/**
+ * `/healthz`: the process is up (liveness; touches nothing). `/readyz`: every readiness check
+ * (NATS connected, registry readable, KV mirrors live …) passes within 2 s (readiness).
+ */
+import type { FastifyPluginCallback } from 'fastify';
+import { healthSchema, readySchema } from '../schemas/health';
+
+const CHECK_TIMEOUT_MS = 2_000;
+
+async function passes(check: () => boolean | Promise<boolean>): Promise<boolean> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([
+      Promise.resolve().then(check),
+      new Promise<boolean>((resolve) => {
+        timer = setTimeout(() => resolve(false), CHECK_TIMEOUT_MS);
+      }),
+    ]);
+  } catch {
+    return false;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+export const healthRoutes: FastifyPluginCallback = (app, _opts, done) => {
+  app.get('/healthz', { schema: healthSchema }, (_request, reply) => reply.send({ status: 'ok' }));
+
+  app.get('/readyz', { schema: readySchema }, async (_request, reply) => {
+    const checks = app.gateway.readiness;
+    const results = await Promise.all(checks.map((c) => passes(() => c.check())));
+    const out: Record<string, boolean> = {};
+    checks.forEach((c, i) => (out[c.name] = results[i]!));
+    const ok = results.every(Boolean);
+    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : 'unavailable', checks: out });
+  });
+  done();
+};

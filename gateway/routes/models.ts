@@ -1,0 +1,32 @@
+/** `GET /v1/models` and `GET /v1/models/:model`: the ready models the caller may use, OpenAI-shaped. */
+import type { FastifyPluginCallback } from 'fastify';
+import type { ReadyModel } from '../../shared/model';
+import { mayUse } from '../plugins/auth';
+import { errors } from '../plugins/errors';
+import { getModelSchema, listModelsSchema, type ModelObject } from '../schemas/models';
+
+const toModelObject = (m: ReadyModel): ModelObject => ({ id: m.name, object: 'model', created: Math.floor(Date.parse(m.readyAt) / 1000) || 0, owned_by: 'magus' });
+
+export const modelRoutes: FastifyPluginCallback = (app, _opts, done) => {
+  const { models } = app.gateway;
+
+  app.get('/v1/models', { schema: listModelsSchema, onRequest: app.authenticate }, async (request) => {
+    const principal = request.principal!;
+    const seen = new Set<string>();
+    const data: ModelObject[] = [];
+    for (const m of await models.list()) {
+      // Ids are bare names; the first namespace holding a name is the one a request reaches.
+      if (seen.has(m.name) || !mayUse(principal, m.namespace, m.name)) continue;
+      seen.add(m.name);
+      data.push(toModelObject(m));
+    }
+    return { object: 'list', data };
+  });
+
+  app.get<{ Params: { model: string } }>('/v1/models/:model', { schema: getModelSchema, onRequest: app.authenticate }, async (request) => {
+    const m = await models.find(request.params.model);
+    if (!m || !mayUse(request.principal!, m.namespace, m.name)) throw errors.modelNotFound(request.params.model);
+    return toModelObject(m);
+  });
+  done();
+};

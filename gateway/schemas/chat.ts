@@ -1,0 +1,88 @@
+/**
+ * `POST /v1/chat/completions`: the request body magus accepts (compiled once at start-up by
+ * fastify's validator) and its response. Fields OpenAI defines that magus does not use are
+ * accepted and ignored, so stock clients work; only the fields below reach the engine.
+ */
+import { SESSION_ID_PATTERN } from '../plugins/conversation';
+import { errorResponses } from './errors';
+
+const textPart = {
+  type: 'object',
+  required: ['type', 'text'],
+  properties: { type: { type: 'string', enum: ['text'] }, text: { type: 'string' } },
+} as const;
+
+const message = {
+  type: 'object',
+  required: ['role', 'content'],
+  properties: {
+    role: { type: 'string', enum: ['system', 'user', 'assistant'] },
+    // A string, or OpenAI's list of text parts (joined before forwarding).
+    content: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 1024, items: textPart }] },
+    name: { type: 'string', maxLength: 256 },
+  },
+} as const;
+
+export const chatCompletionBody = {
+  type: 'object',
+  required: ['model', 'messages'],
+  properties: {
+    model: { type: 'string', minLength: 1, maxLength: 256 },
+    messages: { type: 'array', minItems: 1, maxItems: 10_000, items: message },
+    stream: { type: 'boolean' },
+    max_tokens: { type: 'integer', minimum: 1, maximum: 1_000_000 },
+    /** The newer name of `max_tokens` (OpenAI clients send either). */
+    max_completion_tokens: { type: 'integer', minimum: 1, maximum: 1_000_000 },
+    temperature: { type: 'number', minimum: 0, maximum: 2 },
+    top_p: { type: 'number', minimum: 0, maximum: 1 },
+    seed: { type: 'integer' },
+    stop: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 4, items: { type: 'string' } }] },
+    /** Only one choice per request. */
+    n: { type: 'integer', minimum: 1, maximum: 1 },
+    user: { type: 'string', maxLength: 256 },
+  },
+} as const;
+
+export const chatCompletionHeaders = {
+  type: 'object',
+  properties: { 'x-session-id': { type: 'string', pattern: SESSION_ID_PATTERN } },
+} as const;
+
+export interface TextPart {
+  type: 'text';
+  text: string;
+}
+
+/** The validated body (matches {@link chatCompletionBody}). */
+export interface ChatCompletionBody {
+  model: string;
+  messages: { role: 'system' | 'user' | 'assistant'; content: string | TextPart[]; name?: string }[];
+  stream?: boolean;
+  max_tokens?: number;
+  max_completion_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  seed?: number;
+  stop?: string | string[];
+  n?: number;
+  user?: string;
+}
+
+/** A `chat.completion` as the engine produced it: the known fields, anything else passed through. */
+const chatCompletion = {
+  type: 'object',
+  additionalProperties: true,
+  properties: {
+    id: { type: 'string' },
+    object: { type: 'string' },
+    created: { type: 'integer' },
+    model: { type: 'string' },
+  },
+} as const;
+
+export const chatCompletionSchema = {
+  body: chatCompletionBody,
+  headers: chatCompletionHeaders,
+  // 200 with `stream: true` is `text/event-stream`, written directly (plugins/sse.ts).
+  response: { 200: chatCompletion, ...errorResponses },
+} as const;

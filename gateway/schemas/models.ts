@@ -1,0 +1,32 @@
+/** `GET /v1/models` and `GET /v1/models/:model`: OpenAI's model objects. */
+import { errorResponses } from './errors';
+
+const model = {
+  type: 'object',
+  required: ['id', 'object', 'created', 'owned_by'],
+  properties: {
+    id: { type: 'string' },
+    object: { type: 'string' },
+    created: { type: 'integer' },
+    owned_by: { type: 'string' },
+  },
+} as const;
+
+export interface ModelObject {
+  id: string;
+  object: 'model';
+  created: number;
+  owned_by: string;
+}
+
+export const listModelsSchema = {
+  response: {
+    200: { type: 'object', required: ['object', 'data'], properties: { object: { type: 'string' }, data: { type: 'array', items: model } } },
+    ...errorResponses,
+  },
+} as const;
+
+export const getModelSchema = {
+  params: { type: 'object', required: ['model'], properties: { model: { type: 'string', minLength: 1, maxLength: 256 } } },
+  response: { 200: model, ...errorResponses },
+} as const;

@@ -1,0 +1,206 @@
+/**
+ * The `magus gateway` process: validated configuration → NATS connection → watch-backed caches
+ * (tokens, sessions) and the model catalog → fastify with timeouts → listen; SIGTERM/SIGINT close
+ * gracefully (stop accepting, let in-flight requests finish within the grace period, drain NATS).
+ */
+import Fastify, { type FastifyInstance } from 'fastify';
+import { connect, Events, type KV, type NatsConnection } from 'nats';
+import { openModelRegistry } from '../activities/nats/registry';
+import gatewayApp, { options } from './app';
+import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
+import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
+import { SessionError, SessionErrorType } from './plugins/errors';
+import { createModelCatalog } from './plugins/models';
+import { jetStreamPublisher, perRequestResponseRouter, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
+import type { BacklogCheck } from './plugins/services';
+import { createSessionCache, type ColdStart, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
+
+/** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
+export interface GatewayDeps {
+  /** An open connection (not closed by the gateway); default: connect to `natsServers`. */
+  nc?: NatsConnection;
+  /** The slow path of the KV-backed session broker (Temporal update-with-start). Default: 503 `NoCapacity`. */
+  coldStart?: ColdStart;
+  /** Debounced lease extension on warm turns (Temporal signal). Default: none. */
+  renew?: RenewSession;
+  /** Replaces the KV-backed session broker altogether. */
+  broker?: SessionBroker;
+  /** Default: JetStream publish with `Nats-Msg-Id` (responses.ts). */
+  publish?: PublishRequest;
+  backlogFull?: BacklogCheck;
+  /** Opens a KV bucket the gateway reads (tokens, sessions). Default: `js.views.kv(name)`, created if missing. */
+  openBucket?: (nc: NatsConnection, name: string) => Promise<KV>;
+  /** Where log lines go (default stdout). */
+  logStream?: NodeJS.WritableStream;
+}
+
+export interface RunningGateway {
+  app: FastifyInstance;
+  /** `http://host:port` it listens on. */
+  url: string;
+  /** The KV-backed session broker (absent when `deps.broker` replaced it). */
+  sessionCache: SessionCache | undefined;
+  close(): Promise<void>;
+}
+
+/** A fastify instance with the process-level settings: timeouts, body limit, logging. */
+export function createServer(config: GatewayConfig, logStream?: NodeJS.WritableStream): FastifyInstance {
+  const app = Fastify({
+    ...options,
+    logger: { ...options.logger, level: config.logLevel, ...(logStream ? { stream: logStream } : {}) },
+    connectionTimeout: config.http.connectionTimeoutMs,
+    requestTimeout: config.http.requestTimeoutMs,
+    keepAliveTimeout: config.http.keepAliveTimeoutMs,
+    bodyLimit: config.settings.bodyLimit,
+    return503OnClosing: true,
+    forceCloseConnections: 'idle',
+  });
+  app.server.headersTimeout = config.http.headersTimeoutMs;
+  return app;
+}
+
+const noColdStart: ColdStart = () => Promise.reject(new SessionError(SessionErrorType.NoCapacity, 'no session starter is configured'));
+
+async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} did not answer within ${ms / 1000}s`)), ms)))]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Starts the gateway and listens; the caller owns the returned handle's `close`. */
+export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
+  const app = createServer(config, deps.logStream);
+  const log = app.log;
+  const nc = deps.nc ?? (await connect({ servers: config.natsServers.split(',').map((s) => s.trim()), name: 'magus-gateway', maxReconnectAttempts: -1 }));
+  const closers: (() => Promise<void>)[] = [];
+  try {
+    let natsUp = true;
+    void (async () => {
+      for await (const s of nc.status()) {
+        if (s.type === Events.Disconnect) natsUp = false;
+        else if (s.type === Events.Reconnect) natsUp = true;
+      }
+    })().catch(() => undefined);
+
+    const openBucket = deps.openBucket ?? ((c: NatsConnection, name: string) => c.jetstream().views.kv(name));
+    const registry = await openModelRegistry(nc, config.buckets.models);
+    const models = createModelCatalog(registry, { onError: (err) => log.warn({ err }, 'model registry read failed') });
+
+    const kvTokens = kvTokenSource(await openBucket(nc, config.buckets.tokens), (err) => log.warn({ err }, `${config.buckets.tokens}: skipped an entry`));
+    closers.push(() => kvTokens.cache.close());
+    const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
+
+    let sessions: SessionBroker;
+    let sessionCache: SessionCache | undefined;
+    const ready: Promise<void>[] = [within(`the ${config.buckets.tokens} watch`, 15_000, kvTokens.cache.ready)];
+    const liveness = [{ name: 'tokens', check: () => kvTokens.cache.live }];
+    if (deps.broker) {
+      sessions = deps.broker;
+    } else {
+      const cache = createSessionCache({
+        kv: await openBucket(nc, config.buckets.sessions),
+        coldStart: deps.coldStart ?? noColdStart,
+        renew: deps.renew,
+        onError: (err) => log.warn({ err }, 'session cache'),
+      });
+      closers.push(() => cache.close());
+      ready.push(within(`the ${config.buckets.sessions} watch`, 15_000, cache.ready));
+      liveness.push({ name: 'sessions', check: () => cache.cache.live });
+      sessions = sessionCache = cache;
+    }
+    const routerOptions = { subjectScope: config.subjectScope, onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame') };
+    const responses: ResponseRouter = config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
+    closers.push(() => responses.close());
+    await Promise.all(ready);
+    await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
+
+    await app.register(gatewayApp, {
+      settings: config.settings,
+      models,
+      tokens,
+      sessions,
+      publish: deps.publish ?? jetStreamPublisher(nc.jetstream()),
+      responses,
+      backlogFull: deps.backlogFull,
+      readiness: [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness],
+    });
+    const address = await app.listen({ host: config.host, port: config.port });
+    let closing: Promise<void> | undefined;
+    return {
+      app,
+      url: address,
+      sessionCache,
+      close: () =>
+        (closing ??= (async () => {
+          // Streams may outlive the grace period: then their connections are cut.
+          const cut = setTimeout(() => app.server.closeAllConnections(), config.shutdownGraceMs);
+          try {
+            await app.close();
+          } finally {
+            clearTimeout(cut);
+          }
+          for (const c of closers.reverse()) await c().catch((err: unknown) => log.warn({ err }, 'close'));
+          if (!deps.nc) await nc.drain();
+        })()),
+    };
+  } catch (err) {
+    for (const c of closers.reverse()) await c().catch(() => undefined);
+    await app.close().catch(() => undefined);
+    if (!deps.nc) await nc.close().catch(() => undefined);
+    throw err;
+  }
+}
+
+/** The overrides, `'help'`, or a usage problem as `{ problem }`. */
+function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
+  const out: GatewayArgs = {};
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    if (a === '--help' || a === '-h') return 'help';
+    const [flag, inline] = a.includes('=') ? [a.slice(0, a.indexOf('=')), a.slice(a.indexOf('=') + 1)] : [a, undefined];
+    if (flag !== '--host' && flag !== '--port') return { problem: `unknown argument '${a}'` };
+    const value = inline ?? args[++i];
+    if (value === undefined) return { problem: `${flag} needs a value` };
+    out[flag === '--host' ? 'host' : 'port'] = value;
+  }
+  return out;
+}
+
+/** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
+export async function gatewayCommand(args: string[]): Promise<number> {
+  const parsed = parseArgs(args);
+  if (parsed === 'help') {
+    process.stdout.write(`${GATEWAY_USAGE}\n`);
+    return 0;
+  }
+  if ('problem' in parsed) {
+    process.stderr.write(`magus gateway: ${parsed.problem}\n${GATEWAY_USAGE}\n`);
+    return 1;
+  }
+  let config: GatewayConfig;
+  try {
+    config = loadGatewayConfig(process.env, parsed);
+  } catch (err) {
+    if (!(err instanceof GatewayConfigError)) throw err;
+    process.stderr.write(`magus gateway: ${err.message}\n`);
+    return 1;
+  }
+  let gateway: RunningGateway;
+  try {
+    gateway = await startGateway(config);
+  } catch (err) {
+    process.stderr.write(`magus gateway: cannot start: ${(err as Error).message}\n`);
+    return 1;
+  }
+  process.stderr.write(`magus gateway: listening on ${gateway.url}\n`);
+  await new Promise<void>((resolve) => {
+    process.once('SIGTERM', () => resolve());
+    process.once('SIGINT', () => resolve());
+  });
+  process.stderr.write('magus gateway: stopping …\n');
+  await gateway.close();
+  return 0;
+}
