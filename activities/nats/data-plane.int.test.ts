@@ -1,0 +1,159 @@
+/**
+ * The data plane against the real nats-server: what ensureDataPlane declares, per-instance
+ * consumers, de-duplicated request publishing, request claims and reading frames back.
+ */
+import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type NatsConnection } from 'nats';
+import { isolation, natsConnect } from '../../test/harness';
+import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import {
+  consumerNameOf,
+  deleteInstanceConsumer,
+  encodeJson,
+  ensureDataPlane,
+  ensureInstanceConsumer,
+  openRequestClaims,
+  publishRequest,
+  readStoredFrames,
+  requestSubjectOf,
+  responseSubjectOf,
+  type DataPlaneNames,
+} from './data-plane';
+
+let nc: NatsConnection;
+let jsm: JetStreamManager;
+let names: DataPlaneNames;
+
+beforeAll(async () => {
+  nc = await natsConnect();
+  jsm = await nc.jetstreamManager();
+  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
+});
+
+afterAll(async () => {
+  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+});
+
+const request = (id: string): InferenceRequest => ({
+  id,
+  replyTo: responseSubjectOf(names, id),
+  deadline: Date.now() + 60_000,
+  body: { model: 'm', messages: [{ role: 'user', content: 'hi' }] },
+});
+
+describe('ensureDataPlane', () => {
+  it('declares the request stream as a de-duplicating, age-bounded work queue', async () => {
+    const { config } = await jsm.streams.info(names.requestStream);
+    expect(config.subjects).toEqual([`${names.subjectScope}.magus.req.>`]);
+    expect(config.retention).toBe(RetentionPolicy.Workqueue);
+    expect(config.storage).toBe(StorageType.File);
+    expect(config.duplicate_window).toBe(nanos(5 * 60_000));
+    expect(config.max_age).toBe(nanos(60 * 60_000));
+  });
+
+  it('declares the response capture stream and the KV buckets', async () => {
+    const res = (await jsm.streams.info(names.responseStream)).config;
+    expect(res.subjects).toEqual([`${names.subjectScope}.magus.res.>`]);
+    expect(res.storage).toBe(StorageType.Memory);
+    expect(res.max_age).toBeGreaterThan(0);
+    const sessions = (await jsm.streams.info(`KV_${names.sessionsBucket}`)).config;
+    expect(sessions.max_age).toBe(nanos(24 * 60 * 60_000));
+    expect(sessions.max_msgs_per_subject).toBe(1);
+    expect((await jsm.streams.info(`KV_${names.tokensBucket}`)).config.max_age).toBe(0);
+    expect((await jsm.streams.info(`KV_${names.claimsBucket}`)).config.max_age).toBe(nanos(2 * 60 * 60_000));
+  });
+
+  it('is idempotent and brings limits of existing streams and buckets up to date', async () => {
+    const again = await ensureDataPlane(nc, { prefix: names.prefix, requestMaxAgeMs: 30 * 60_000, sessionMaxAgeMs: 60 * 60_000 });
+    expect(again).toEqual(names);
+    expect((await jsm.streams.info(names.requestStream)).config.max_age).toBe(nanos(30 * 60_000));
+    expect((await jsm.streams.info(`KV_${names.sessionsBucket}`)).config.max_age).toBe(nanos(60 * 60_000));
+    await ensureDataPlane(nc, { prefix: names.prefix });
+    expect((await jsm.streams.info(names.requestStream)).config.max_age).toBe(nanos(60 * 60_000));
+  });
+});
+
+describe('instance consumers', () => {
+  it('are durable pull consumers filtered to the instance, bounded by slots, and updatable', async () => {
+    const info = await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1', slots: 2, ackWaitMs: 5000, maxDeliver: 3 });
+    expect(info.name).toBe(consumerNameOf('pool', 'c1'));
+    expect(info.config).toMatchObject({
+      durable_name: 'pool_c1',
+      filter_subject: requestSubjectOf(names, 'pool', 'c1'),
+      ack_policy: AckPolicy.Explicit,
+      max_ack_pending: 2,
+      ack_wait: nanos(5000),
+      max_deliver: 3,
+    });
+    const again = await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1', slots: 2, ackWaitMs: 5000, maxDeliver: 3 });
+    expect(again.config.max_ack_pending).toBe(2);
+    const resized = await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1', slots: 4 });
+    expect(resized.config.max_ack_pending).toBe(4);
+    expect(resized.config.ack_wait).toBe(nanos(30_000));
+    expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1' })).toBe(true);
+    expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1' })).toBe(false);
+  });
+
+  it('reject a non-positive slot count', async () => {
+    await expect(ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c2', slots: 0 })).rejects.toThrow(/slots/);
+  });
+});
+
+describe('publishRequest', () => {
+  it('stores a request once however often it is published with the same id', async () => {
+    await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'dup', slots: 1 });
+    const req = request('dup-1');
+    const first = await publishRequest(nc.jetstream(), names, { pool: 'pool', instance: 'dup' }, req);
+    const second = await publishRequest(nc.jetstream(), names, { pool: 'pool', instance: 'dup' }, req);
+    expect(first.duplicate).toBe(false);
+    expect(second).toEqual({ duplicate: true, seq: first.seq });
+    const info = await jsm.consumers.info(names.requestStream, consumerNameOf('pool', 'dup'));
+    expect(info.num_pending).toBe(1);
+  });
+});
+
+describe('request claims', () => {
+  it('create, take over with a CAS, fence the superseded attempt, and remember the terminal frame', async () => {
+    const claims = await openRequestClaims(nc.jetstream(), names);
+    const first = await claims.acquire('claim-1', 'a');
+    expect(first.kind).toBe('fresh');
+    expect(first.claim).toMatchObject({ attempt: 1, owner: 'a', state: 'running' });
+    const second = await claims.acquire('claim-1', 'b');
+    expect(second.kind).toBe('takeover');
+    expect(second.claim).toMatchObject({ attempt: 2, owner: 'b', createdAt: first.claim.createdAt });
+    const done: ResponseFrame = { seq: 3, type: 'done' };
+    // The first attempt lost the request: its finish must fail.
+    expect(await claims.finish('claim-1', first.claim, first.revision, done)).toBe(false);
+    expect(await claims.finish('claim-1', second.claim, second.revision, done)).toBe(true);
+    const third = await claims.acquire('claim-1', 'c');
+    expect(third.kind).toBe('finished');
+    expect(third.claim.terminal).toEqual(done);
+    expect(await claims.revision('nobody')).toBeNull();
+  });
+});
+
+describe('readStoredFrames', () => {
+  it('returns what reached the server, in order and each seq once', async () => {
+    const subject = responseSubjectOf(names, 'stored-1');
+    const chunk = (seq: number, text: string): ResponseFrame => ({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: text } }] } });
+    for (const f of [chunk(0, 'a'), chunk(1, 'b'), chunk(1, 'b-late'), chunk(2, 'c')]) nc.publish(subject, encodeJson(f));
+    nc.publish(responseSubjectOf(names, 'stored-other'), encodeJson(chunk(0, 'x')));
+    await nc.flush();
+    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names, subject);
+    expect(complete).toBe(true);
+    expect(frames).toEqual([chunk(0, 'a'), chunk(1, 'b'), chunk(2, 'c')]);
+    expect(await readStoredFrames(nc.jetstream(), jsm, names, responseSubjectOf(names, 'never'))).toEqual({ frames: [], complete: true });
+  });
+
+  it('reports a gap as incomplete', async () => {
+    const subject = responseSubjectOf(names, 'stored-gap');
+    nc.publish(subject, encodeJson({ seq: 0, type: 'chunk', data: {} }));
+    nc.publish(subject, encodeJson({ seq: 2, type: 'chunk', data: {} }));
+    await nc.flush();
+    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names, subject);
+    expect(frames.map((f) => f.seq)).toEqual([0]);
+    expect(complete).toBe(false);
+  });
+});

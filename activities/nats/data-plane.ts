@@ -1,0 +1,453 @@
+/**
+ * The serving data plane on NATS JetStream (DESIGN.md, "Data plane"; wire contracts in
+ * shared/serving.ts). This one module declares the streams, KV buckets and per-instance
+ * consumers; the gateway and the bridges only *get* them, through one {@link DataPlaneNames}
+ * value, so a test (or a second installation) can rename everything with a prefix.
+ *
+ * - `MAGUS_REQUESTS` (`magus.req.<pool>.<instance>`, work queue, file): requests, published with
+ *   `Nats-Msg-Id` = request id; one durable pull consumer per instance.
+ * - `MAGUS_RESPONSES` (`magus.res.>`, memory, limits): captures the frames bridges publish with
+ *   core NATS to `magus.res.<id>`. Nobody consumes it on the hot path; a bridge that takes over a
+ *   redelivered request reads it to learn exactly what the client may already have received.
+ * - KV `magus_sessions`, `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
+ *   {@link RequestClaim} per request id: who owns the current attempt, and the outcome), and
+ *   `magus_models` (the registry, created by registry.ts).
+ *
+ * The exactly-one-answer protocol built on these is described in README.md next to this file.
+ */
+import {
+  AckPolicy,
+  DeliverPolicy,
+  DiscardPolicy,
+  type ConsumerConfig,
+  type ConsumerInfo,
+  type JetStreamClient,
+  type JetStreamManager,
+  type KV,
+  type NatsConnection,
+  RetentionPolicy,
+  StorageType,
+  type StreamConfig,
+  type StreamInfo,
+  nanos,
+} from 'nats';
+import { Nats } from '../../shared/constants';
+import { requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
+
+/** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
+export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
+export const CLAIMS_BUCKET = 'magus_claims';
+
+/**
+ * Every NATS name of one data plane. Plain data (it may cross a Temporal boundary); subjects are
+ * built with {@link requestSubjectOf} / {@link responseSubjectOf}.
+ */
+export interface DataPlaneNames {
+  /** `''` in production; e.g. `T_X` in a test. */
+  prefix: string;
+  requestStream: string;
+  /** Subject scope prepended to shared/serving subjects: `''` or e.g. `t_x`. */
+  subjectScope: string;
+  responseStream: string;
+  sessionsBucket: string;
+  tokensBucket: string;
+  modelsBucket: string;
+  claimsBucket: string;
+}
+
+const NAME = /^[A-Za-z0-9_-]+$/;
+/** Pool and instance names: DNS-label-like, and without `_` so `<pool>_<instance>` is unambiguous. */
+const TOKEN = /^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$/;
+/** Request ids: one subject token and one KV key. */
+export const REQUEST_ID = /^[A-Za-z0-9_-]{1,128}$/;
+
+/** The names of the data plane, optionally renamed by `prefix` for isolation. */
+export function dataPlaneNames(prefix = ''): DataPlaneNames {
+  if (prefix && !NAME.test(prefix)) throw new Error(`data-plane prefix '${prefix}' must match ${String(NAME)}`);
+  const p = prefix ? `${prefix}_` : '';
+  return {
+    prefix,
+    requestStream: `${p}${Nats.requestStream}`,
+    subjectScope: prefix.toLowerCase(),
+    responseStream: `${p}${RESPONSE_STREAM}`,
+    sessionsBucket: `${p}${Nats.sessionsBucket}`,
+    tokensBucket: `${p}${Nats.tokensBucket}`,
+    modelsBucket: `${p}${Nats.modelsBucket}`,
+    claimsBucket: `${p}${CLAIMS_BUCKET}`,
+  };
+}
+
+const scoped = (names: DataPlaneNames, subject: string) => (names.subjectScope ? `${names.subjectScope}.${subject}` : subject);
+
+function checkToken(what: string, value: string): void {
+  if (!TOKEN.test(value)) throw new Error(`${what} '${value}' is not a valid name (letters, digits and '-', at most 63)`);
+}
+
+/** `magus.req.<pool>.<instance>` in this data plane. */
+export function requestSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
+  checkToken('pool', pool);
+  checkToken('instance', instance);
+  return scoped(names, requestSubject(pool, instance));
+}
+
+/** `magus.res.<id>` in this data plane: the only `replyTo` a bridge accepts for request `id`. */
+export function responseSubjectOf(names: DataPlaneNames, requestId: string): string {
+  if (!REQUEST_ID.test(requestId)) throw new Error(`request id '${requestId}' must match ${String(REQUEST_ID)}`);
+  return scoped(names, responseSubject(requestId));
+}
+
+/** The durable consumer of one instance (consumers live in the stream, which is already prefixed). */
+export function consumerNameOf(pool: string, instance: string): string {
+  checkToken('pool', pool);
+  checkToken('instance', instance);
+  return `${pool}_${instance}`;
+}
+
+export interface DataPlaneOptions {
+  prefix?: string;
+  /** Stream and bucket replicas (1 on a single server). */
+  replicas?: number;
+  /** How long an unconsumed request may wait; every deadline is far shorter. Default 1 h. */
+  requestMaxAgeMs?: number;
+  /** `Nats-Msg-Id` de-duplication window of the request stream. Default 5 min. */
+  duplicateWindowMs?: number;
+  /** How long frames stay readable for a takeover; must exceed the longest request. Default 30 min. */
+  responseMaxAgeMs?: number;
+  responseMaxBytes?: number;
+  /** Bucket max age of `magus_sessions`: garbage collection of abandoned entries (their `expiresAt` rules). Default 24 h. */
+  sessionMaxAgeMs?: number;
+  /** Bucket max age of `magus_claims`: longer than any request can be delivered. Default 2 h. */
+  claimMaxAgeMs?: number;
+}
+
+const MINUTE = 60_000;
+const HOUR = 60 * MINUTE;
+
+/** The JetStream API error code of `err`, if it is one. */
+export function jsErrorCode(err: unknown): number | undefined {
+  return (err as { api_error?: { err_code?: number } } | null)?.api_error?.err_code;
+}
+const STREAM_NOT_FOUND = 10059;
+const CONSUMER_NOT_FOUND = 10014;
+const CONSUMER_EXISTS = 10148;
+const NO_MESSAGE = 10037;
+/** KV create/update: the key's last revision is not the expected one. */
+const WRONG_LAST_SEQUENCE = 10071;
+
+async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & { name: string }): Promise<StreamInfo> {
+  try {
+    await jsm.streams.info(cfg.name);
+  } catch (err) {
+    if (jsErrorCode(err) !== STREAM_NOT_FOUND) throw err;
+    try {
+      return await jsm.streams.add(cfg);
+    } catch (addErr) {
+      // Another process created it between our info and add: fall through to the update.
+      if (!/already in use|already exists/i.test((addErr as Error).message)) throw addErr;
+    }
+  }
+  const { name, ...rest } = cfg;
+  return jsm.streams.update(name, rest);
+}
+
+/** Creates a KV bucket, or brings an existing one's history and max age to the given values. */
+async function ensureBucket(js: JetStreamClient, jsm: JetStreamManager, bucket: string, opts: { history: number; maxAgeMs: number; replicas: number }): Promise<void> {
+  await js.views.kv(bucket, { history: opts.history, ttl: opts.maxAgeMs, replicas: opts.replicas, storage: StorageType.File });
+  const stream = `KV_${bucket}`;
+  const { config } = await jsm.streams.info(stream);
+  if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history) {
+    await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history });
+  }
+}
+
+/**
+ * Declares the data plane (idempotent: creates what is missing, updates limits of what exists)
+ * and returns its names. Run at start-up by whatever process owns the NATS account's layout
+ * (`magus bridge` and the worker's runtime do; tests do with a prefix).
+ */
+export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions = {}): Promise<DataPlaneNames> {
+  const names = dataPlaneNames(opts.prefix);
+  const js = nc.jetstream();
+  const jsm = await nc.jetstreamManager();
+  const replicas = opts.replicas ?? 1;
+  const requestMaxAge = opts.requestMaxAgeMs ?? HOUR;
+  const duplicateWindow = Math.min(opts.duplicateWindowMs ?? 5 * MINUTE, requestMaxAge);
+  await ensureStream(jsm, {
+    name: names.requestStream,
+    description: 'magus inference requests, one subject per topology instance',
+    subjects: [scoped(names, `${Nats.requestSubjectPrefix}.>`)],
+    retention: RetentionPolicy.Workqueue,
+    storage: StorageType.File,
+    discard: DiscardPolicy.Old,
+    max_age: nanos(requestMaxAge),
+    duplicate_window: nanos(duplicateWindow),
+    num_replicas: replicas,
+  });
+  await ensureStream(jsm, {
+    name: names.responseStream,
+    description: 'magus response frames (core-published), read back by a bridge that takes over a request',
+    subjects: [scoped(names, `${Nats.responseSubjectPrefix}.>`)],
+    retention: RetentionPolicy.Limits,
+    storage: StorageType.Memory,
+    discard: DiscardPolicy.Old,
+    max_age: nanos(opts.responseMaxAgeMs ?? 30 * MINUTE),
+    max_bytes: opts.responseMaxBytes ?? 256 * 1024 * 1024,
+    num_replicas: replicas,
+  });
+  await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
+  await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
+  await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
+  return names;
+}
+
+export interface InstanceConsumerOptions {
+  pool: string;
+  instance: string;
+  /** Requests the engine serves at once: the consumer's `max_ack_pending`. */
+  slots: number;
+  /**
+   * Redelivery after this long without `ack`/`working()`. Bridges call `working()` every third
+   * of it, so it need not cover a slow first token; it bounds how long a crashed bridge's request
+   * waits before another bridge takes it over. Default 30 s.
+   */
+  ackWaitMs?: number;
+  /** Deliveries before JetStream gives up; the bridge answers with an error on the last one. Default 5. */
+  maxDeliver?: number;
+}
+
+/** Declares (or updates) the durable pull consumer of one instance. */
+export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: InstanceConsumerOptions): Promise<ConsumerInfo> {
+  if (!Number.isInteger(opts.slots) || opts.slots < 1) throw new Error(`slots must be a positive integer, got ${opts.slots}`);
+  const name = consumerNameOf(opts.pool, opts.instance);
+  const changeable = {
+    description: `bridge of ${opts.pool}/${opts.instance}`,
+    filter_subject: requestSubjectOf(names, opts.pool, opts.instance),
+    max_ack_pending: opts.slots,
+    ack_wait: nanos(opts.ackWaitMs ?? 30_000),
+    max_deliver: opts.maxDeliver ?? 5,
+  } satisfies Partial<ConsumerConfig>;
+  const cfg: Partial<ConsumerConfig> = {
+    ...changeable,
+    durable_name: name,
+    ack_policy: AckPolicy.Explicit,
+    deliver_policy: DeliverPolicy.All,
+  };
+  try {
+    return await jsm.consumers.add(names.requestStream, cfg);
+  } catch (err) {
+    if (jsErrorCode(err) !== CONSUMER_EXISTS) throw err;
+    return jsm.consumers.update(names.requestStream, name, changeable);
+  }
+}
+
+/** Deletes an instance's consumer; false when there was none. Unconsumed requests stay until max age. */
+export async function deleteInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: { pool: string; instance: string }): Promise<boolean> {
+  try {
+    return await jsm.consumers.delete(names.requestStream, consumerNameOf(opts.pool, opts.instance));
+  } catch (err) {
+    if (jsErrorCode(err) === CONSUMER_NOT_FOUND) return false;
+    throw err;
+  }
+}
+
+const encoder = new TextEncoder();
+const decoder = new TextDecoder();
+export const encodeJson = (value: unknown): Uint8Array => encoder.encode(JSON.stringify(value));
+export const decodeJson = (bytes: Uint8Array): unknown => JSON.parse(decoder.decode(bytes));
+
+/**
+ * Publishes a request to its instance with `Nats-Msg-Id` = `req.id`, so a retried publish
+ * within the duplicate window is stored once.
+ */
+export async function publishRequest(
+  js: JetStreamClient,
+  names: DataPlaneNames,
+  to: { pool: string; instance: string },
+  req: InferenceRequest,
+): Promise<{ duplicate: boolean; seq: number }> {
+  if (!REQUEST_ID.test(req.id)) throw new Error(`request id '${req.id}' must match ${String(REQUEST_ID)}`);
+  const ack = await js.publish(requestSubjectOf(names, to.pool, to.instance), encodeJson(req), {
+    msgID: req.id,
+    expect: { streamName: names.requestStream },
+  });
+  return { duplicate: ack.duplicate, seq: ack.seq };
+}
+
+/** A response frame from bytes, or null when it is not one. */
+export function parseFrame(bytes: Uint8Array): ResponseFrame | null {
+  let v: unknown;
+  try {
+    v = decodeJson(bytes);
+  } catch {
+    return null;
+  }
+  if (typeof v !== 'object' || v === null) return null;
+  const f = v as { seq?: unknown; type?: unknown; error?: unknown };
+  if (typeof f.seq !== 'number' || !Number.isInteger(f.seq) || f.seq < 0) return null;
+  if (f.type === 'chunk' || f.type === 'done') return v as ResponseFrame;
+  if (f.type === 'error' && typeof f.error === 'object' && f.error !== null) return v as ResponseFrame;
+  return null;
+}
+
+/**
+ * The gateway's rule for one response subject (and the bridge's, when it reads frames back):
+ * relay frames strictly in `seq` order, each `seq` once — the first frame to arrive with a given
+ * seq wins, later ones are duplicates of the same content (a re-published terminal) and are
+ * dropped; a frame ahead of the next expected seq waits for the gap to fill; the first terminal
+ * (`done`/`error`) relayed ends the response.
+ */
+export class FrameSequencer {
+  private nextSeq = 0;
+  private ended = false;
+  private readonly held = new Map<number, ResponseFrame>();
+
+  /** Frames now ready to relay, in order (possibly none). */
+  push(frame: ResponseFrame): ResponseFrame[] {
+    if (this.ended || frame.seq < this.nextSeq || this.held.has(frame.seq)) return [];
+    this.held.set(frame.seq, frame);
+    const out: ResponseFrame[] = [];
+    for (let f = this.held.get(this.nextSeq); f && !this.ended; f = this.held.get(this.nextSeq)) {
+      this.held.delete(this.nextSeq);
+      this.nextSeq += 1;
+      out.push(f);
+      if (f.type !== 'chunk') this.ended = true;
+    }
+    if (this.ended) this.held.clear();
+    return out;
+  }
+
+  /** True once a terminal frame was relayed. */
+  get finished(): boolean {
+    return this.ended;
+  }
+
+  /** The seq the next relayed frame must have (= frames relayed so far). */
+  get expected(): number {
+    return this.nextSeq;
+  }
+
+  /** True while frames wait behind a missing seq. */
+  get hasGap(): boolean {
+    return this.held.size > 0;
+  }
+}
+
+/**
+ * The frames of `subject` that reached the server, in order and each seq once (what a
+ * {@link FrameSequencer} would have relayed), read from the response stream; `complete` is false
+ * when the stream lost some (aged out or evicted), i.e. the prefix cannot be trusted.
+ */
+export async function readStoredFrames(
+  js: JetStreamClient,
+  jsm: JetStreamManager,
+  names: DataPlaneNames,
+  subject: string,
+  timeoutMs = 10_000,
+): Promise<{ frames: ResponseFrame[]; complete: boolean }> {
+  let lastSeq: number;
+  try {
+    lastSeq = (await jsm.streams.getMessage(names.responseStream, { last_by_subj: subject })).seq;
+  } catch (err) {
+    if (jsErrorCode(err) === NO_MESSAGE) return { frames: [], complete: true };
+    throw err;
+  }
+  const sequencer = new FrameSequencer();
+  const frames: ResponseFrame[] = [];
+  let malformed = false;
+  const consumer = await js.consumers.get(names.responseStream, { filterSubjects: [subject] });
+  const messages = await consumer.consume({ max_messages: 256 });
+  const timer = setTimeout(() => void messages.close(), timeoutMs);
+  let reachedEnd = false;
+  try {
+    for await (const m of messages) {
+      const frame = parseFrame(m.data);
+      if (frame) frames.push(...sequencer.push(frame));
+      else malformed = true;
+      if (m.seq >= lastSeq) {
+        reachedEnd = true;
+        break;
+      }
+    }
+  } finally {
+    clearTimeout(timer);
+    await messages.close();
+  }
+  return { frames, complete: reachedEnd && !malformed && !sequencer.hasGap };
+}
+
+/**
+ * `magus_claims` entry: which delivery of a request owns it, and how it ended. Created by the
+ * first delivery (KV create = CAS), taken over by every later delivery (CAS on the revision), and
+ * finished (CAS) by the owner *before* it publishes the terminal frame, which it records here so
+ * a later delivery can re-publish exactly that frame.
+ */
+export interface RequestClaim {
+  attempt: number;
+  /** Bridge process that owns the current attempt (for logs). */
+  owner: string;
+  /** Epoch ms of the first claim: every attempt stamps chunks with it, so attempts look alike. */
+  createdAt: number;
+  state: 'running' | 'finished';
+  terminal?: ResponseFrame;
+}
+
+export type ClaimResult =
+  | { kind: 'fresh' | 'takeover'; claim: RequestClaim; revision: number }
+  | { kind: 'finished'; claim: RequestClaim; revision: number };
+
+export interface RequestClaims {
+  /** Claims request `id` for this delivery: fresh, taken over from an earlier delivery, or already finished. */
+  acquire(id: string, owner: string): Promise<ClaimResult>;
+  /**
+   * Marks the attempt holding `revision` finished with `terminal`; false when a later delivery
+   * has taken the request over (the caller must then publish nothing more). Safe to retry after
+   * an error (a lost reply): a retry recognises its own earlier write.
+   */
+  finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame): Promise<boolean>;
+  /** The claim's current revision (null when absent): an owner compares it with its own. */
+  revision(id: string): Promise<number | null>;
+}
+
+/** Binds the claims bucket (declared by {@link ensureDataPlane}). */
+export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames): Promise<RequestClaims> {
+  const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true });
+  const read = async (id: string) => {
+    const e = await kv.get(id);
+    return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
+  };
+  return {
+    async acquire(id, owner) {
+      const fresh: RequestClaim = { attempt: 1, owner, createdAt: Date.now(), state: 'running' };
+      // A few rounds: a conflict means another party moved the claim in between (e.g. the
+      // superseded owner finishing at the same moment); re-read and decide again.
+      for (let round = 0; round < 5; round += 1) {
+        const current = await read(id);
+        try {
+          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(id, encodeJson(fresh)) };
+          if (current.claim.state === 'finished') return { kind: 'finished', ...current };
+          const next: RequestClaim = { ...current.claim, attempt: current.claim.attempt + 1, owner };
+          return { kind: 'takeover', claim: next, revision: await kv.update(id, encodeJson(next), current.revision) };
+        } catch (err) {
+          if (jsErrorCode(err) !== WRONG_LAST_SEQUENCE) throw err;
+        }
+      }
+      throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
+    },
+    async finish(id, claim, revision, terminal) {
+      const finished: RequestClaim = { ...claim, state: 'finished', terminal };
+      try {
+        await kv.update(id, encodeJson(finished), revision);
+        return true;
+      } catch (err) {
+        if (jsErrorCode(err) !== WRONG_LAST_SEQUENCE) throw err;
+        // Either superseded, or this is a retry of a finish whose reply was lost: only the
+        // latter leaves exactly our value behind.
+        const current = await read(id);
+        return current !== null && JSON.stringify(current.claim) === JSON.stringify(finished);
+      }
+    },
+    async revision(id) {
+      return (await read(id))?.revision ?? null;
+    },
+  };
+}

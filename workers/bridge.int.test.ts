@@ -1,0 +1,558 @@
+/**
+ * The bridge against the real nats-server and a tiny OpenAI-like engine written here (streams N
+ * SSE chunks or one JSON completion, with controllable delays and failures). The subscriber in
+ * these tests applies the gateway's rule (FrameSequencer) to whatever arrives on the response
+ * subject, exactly as the gateway must.
+ */
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { randomBytes } from 'node:crypto';
+import { type AddressInfo } from 'node:net';
+import { type JetStreamManager, type NatsConnection } from 'nats';
+import { isolation, natsConnect } from '../test/harness';
+import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
+import {
+  FrameSequencer,
+  consumerNameOf,
+  encodeJson,
+  ensureDataPlane,
+  ensureInstanceConsumer,
+  openRequestClaims,
+  parseFrame,
+  publishRequest,
+  requestSubjectOf,
+  responseSubjectOf,
+  type DataPlaneNames,
+  type InstanceConsumerOptions,
+} from '../activities/nats/data-plane';
+import { BridgeErrorCode, seedFor, startBridge, type Bridge, type BridgeOptions } from './bridge';
+
+const POOL = 'pool';
+const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+
+// ---------------------------------------------------------------------------------------------
+// A minimal OpenAI-compatible engine
+
+interface Reply {
+  /** Non-2xx: answer with an OpenAI error body. */
+  status?: number;
+  /** Streamed chunks with content (a final `finish_reason` chunk follows). Default 4. */
+  chunks?: number;
+  delayMs?: number;
+  firstDelayMs?: number;
+  /** Ignore the seed (an engine that does not repeat itself). */
+  random?: boolean;
+}
+
+/** What a deterministic engine says for `seed`: the i-th content delta. */
+const token = (seed: number, i: number) => `w${(seed + i * 7919) % 997}.${i} `;
+const expectedText = (seed: number, n: number) => Array.from({ length: n }, (_, i) => token(seed, i)).join('');
+
+class StubEngine {
+  readonly calls: ChatCompletionRequest[] = [];
+  active = 0;
+  maxActive = 0;
+  private server!: Server;
+  url = '';
+  constructor(private readonly reply: (call: number, body: ChatCompletionRequest) => Reply) {}
+
+  async start(): Promise<this> {
+    this.server = createServer((req, res) => void this.handle(req, res));
+    await new Promise<void>((r) => this.server.listen(0, '127.0.0.1', r));
+    this.url = `http://127.0.0.1:${(this.server.address() as AddressInfo).port}`;
+    return this;
+  }
+
+  async close(): Promise<void> {
+    this.server.closeAllConnections();
+    await new Promise<void>((r) => this.server.close(() => r()));
+  }
+
+  private async handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    if (req.url === '/health') {
+      res.end('{"status":"ok"}');
+      return;
+    }
+    let raw = '';
+    for await (const c of req) raw += String(c);
+    const body = JSON.parse(raw) as ChatCompletionRequest;
+    const call = this.calls.push(body) - 1;
+    const r = this.reply(call, body);
+    this.active += 1;
+    this.maxActive = Math.max(this.maxActive, this.active);
+    let gone = false;
+    res.on('close', () => (gone = true));
+    try {
+      if (r.firstDelayMs) await sleep(r.firstDelayMs);
+      if (r.status && r.status >= 300) {
+        res.writeHead(r.status, { 'content-type': 'application/json' });
+        res.end(JSON.stringify({ error: { message: `stub says ${r.status}`, type: r.status < 500 ? 'invalid_request_error' : 'server_error', code: 'stub_error' } }));
+        return;
+      }
+      const seed = r.random ? Math.floor(Math.random() * 1e6) : (body.seed ?? 0);
+      const n = r.chunks ?? 4;
+      const base = { id: `chatcmpl-stub-${call}`, created: Math.floor(Date.now() / 1000), model: body.model };
+      if (!body.stream) {
+        if (r.delayMs) await sleep(r.delayMs * n);
+        res.writeHead(200, { 'content-type': 'application/json' });
+        res.end(JSON.stringify({ ...base, object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: expectedText(seed, n) }, finish_reason: 'stop' }] }));
+        return;
+      }
+      res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
+      const event = (choice: unknown, extra: Record<string, unknown> = {}) =>
+        res.write(`data: ${JSON.stringify({ ...base, object: 'chat.completion.chunk', choices: [choice], ...extra })}\n\n`);
+      for (let i = 0; i < n && !gone; i += 1) {
+        if (i > 0 && r.delayMs) await sleep(r.delayMs);
+        event({ index: 0, delta: { content: token(seed, i) }, finish_reason: null });
+      }
+      if (!gone) {
+        event({ index: 0, delta: {}, finish_reason: 'stop' }, { timings: { predicted_ms: Math.random() } });
+        res.end('data: [DONE]\n\n');
+      }
+    } finally {
+      this.active -= 1;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+let nc: NatsConnection;
+let jsm: JetStreamManager;
+let names: DataPlaneNames;
+const cleanups: (() => Promise<unknown>)[] = [];
+
+beforeAll(async () => {
+  nc = await natsConnect();
+  jsm = await nc.jetstreamManager();
+  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
+});
+
+afterEach(async () => {
+  for (const c of cleanups.splice(0).reverse()) await c().catch(() => undefined);
+});
+
+afterAll(async () => {
+  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+});
+
+let instanceCounter = 0;
+/** A fresh instance (its own consumer and subject) so tests never see each other's requests. */
+async function instanceWith(consumer: Partial<InstanceConsumerOptions> = {}): Promise<string> {
+  instanceCounter += 1;
+  const instance = `i${instanceCounter}`;
+  await ensureInstanceConsumer(jsm, names, { pool: POOL, instance, slots: 1, ...consumer });
+  return instance;
+}
+
+async function engine(reply: (call: number, body: ChatCompletionRequest) => Reply): Promise<StubEngine> {
+  const e = await new StubEngine(reply).start();
+  cleanups.push(() => e.close());
+  return e;
+}
+
+const logs: string[] = [];
+async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeOptions> = {}, conn: NatsConnection = nc): Promise<Bridge> {
+  const b = await startBridge({ nc: conn, names, pool: POOL, instance, engineUrl, slots: 1, retryDelayMs: 100, log: (l) => logs.push(l), ...opts });
+  cleanups.push(() => b.stop());
+  return b;
+}
+
+const newId = () => `req-${randomBytes(6).toString('hex')}`;
+
+function requestFor(body: Partial<ChatCompletionRequest> = {}, over: Partial<InferenceRequest> = {}): InferenceRequest {
+  const id = over.id ?? newId();
+  return {
+    id,
+    replyTo: responseSubjectOf(names, id),
+    deadline: Date.now() + 60_000,
+    body: { model: 'stub', messages: [{ role: 'user', content: 'Say something.' }], stream: true, ...body },
+    ...over,
+  };
+}
+
+interface Answer {
+  /** Every frame that arrived, in arrival order. */
+  raw: ResponseFrame[];
+  /** What the gateway relays (FrameSequencer). */
+  relayed: ResponseFrame[];
+  /** Resolves with the relayed frames once a terminal frame was relayed. */
+  finished: Promise<ResponseFrame[]>;
+  text(): string;
+}
+
+/** Subscribes to a request's response subject (before publishing, like the gateway). */
+async function listen(id: string, timeoutMs = 30_000): Promise<Answer> {
+  const raw: ResponseFrame[] = [];
+  const relayed: ResponseFrame[] = [];
+  const sequencer = new FrameSequencer();
+  const sub = nc.subscribe(responseSubjectOf(names, id));
+  const finished = (async () => {
+    const timer = setTimeout(() => sub.unsubscribe(), timeoutMs);
+    for await (const m of sub) {
+      const f = parseFrame(m.data);
+      if (!f) continue;
+      raw.push(f);
+      relayed.push(...sequencer.push(f));
+      if (sequencer.finished) break;
+    }
+    clearTimeout(timer);
+    sub.unsubscribe();
+    if (!sequencer.finished) throw new Error(`no complete answer for ${id} within ${timeoutMs} ms; got seqs ${raw.map((f) => f.seq).join(',')}`);
+    return relayed;
+  })();
+  finished.catch(() => undefined); // awaited by the test; avoid an unhandled rejection before that
+  await nc.flush();
+  return {
+    raw,
+    relayed,
+    finished,
+    text: () =>
+      relayed
+        .map((f) => {
+          const d = (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data;
+          return d?.choices?.map((c) => c.delta?.content ?? c.message?.content ?? '').join('') ?? '';
+        })
+        .join(''),
+  };
+}
+
+async function send(instance: string, req: InferenceRequest): Promise<void> {
+  await publishRequest(nc.jetstream(), names, { pool: POOL, instance }, req);
+}
+
+const consumerState = (instance: string) => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, instance));
+
+async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 15_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await sleep(25);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+describe('bridge round trips', () => {
+  it('streams a completion as frames 0..n with done last, carrying the engine content', async () => {
+    const stub = await engine(() => ({ chunks: 5 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    const frames = await answer.finished;
+
+    expect(answer.raw.map((f) => f.seq)).toEqual([0, 1, 2, 3, 4, 5, 6]);
+    expect(frames.map((f) => f.type)).toEqual(['chunk', 'chunk', 'chunk', 'chunk', 'chunk', 'chunk', 'done']);
+    const seed = seedFor(req.id);
+    expect(stub.calls[0]?.seed).toBe(seed); // pinned, so a retry regenerates the same text
+    expect(answer.text()).toBe(expectedText(seed, 5));
+    // Chunks carry the request's id, whichever attempt produced them.
+    expect((frames[0] as { data: { id: string } }).data.id).toBe(`chatcmpl-${req.id}`);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ pulled: 1, acked: 1, termed: 0, nakked: 0, redelivered: 0, errors: 0 });
+    expect(b.health()).toMatchObject({ ok: true, problems: [] });
+    expect(await b.checkEngine()).toMatchObject({ ok: true, status: 200 });
+  });
+
+  it('answers a non-streaming request with a single done frame holding the completion', async () => {
+    const stub = await engine(() => ({ chunks: 3 }));
+    const instance = await instanceWith();
+    await bridge(instance, stub.url);
+    const req = requestFor({ stream: false, seed: 42 });
+    const answer = await listen(req.id);
+    await send(instance, req);
+    const frames = await answer.finished;
+    expect(frames).toHaveLength(1);
+    expect(frames[0]).toMatchObject({ seq: 0, type: 'done', data: { object: 'chat.completion', id: `chatcmpl-${req.id}` } });
+    expect(answer.text()).toBe(expectedText(42, 3));
+    expect(stub.calls[0]).toMatchObject({ stream: false, seed: 42 });
+  });
+});
+
+describe('concurrency', () => {
+  it.each([1, 2])('serves at most slots=%i requests at once', async (slots) => {
+    const stub = await engine(() => ({ chunks: 3, delayMs: 150 }));
+    const instance = await instanceWith({ slots });
+    const b = await bridge(instance, stub.url, { slots });
+    const reqs = Array.from({ length: slots * 2 + 1 }, () => requestFor());
+    const answers = await Promise.all(reqs.map((r) => listen(r.id)));
+    for (const r of reqs) await send(instance, r);
+    await Promise.all(answers.map((a) => a.finished));
+    expect(stub.calls).toHaveLength(reqs.length);
+    expect(stub.maxActive).toBe(slots);
+    await until('all acked', () => b.stats.acked === reqs.length);
+  });
+});
+
+describe('redelivery', () => {
+  it('working() keeps a slow request from being redelivered', async () => {
+    // ack_wait 1 s, first token after 3.5 s: without working() JetStream would redeliver it three times.
+    const stub = await engine(() => ({ chunks: 3, firstDelayMs: 3500 }));
+    const instance = await instanceWith({ ackWaitMs: 1000 });
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await answer.finished;
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 3));
+    await sleep(1500);
+    expect(stub.calls).toHaveLength(1);
+    expect(b.stats).toMatchObject({ pulled: 1, redelivered: 0, acked: 1 });
+  });
+
+  it('a bridge killed mid-answer is taken over by another, and the client assembles exactly one complete answer', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomedConnection = await natsConnect();
+    const doomed = await bridge(instance, stub.url, {}, doomedConnection);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
+    // Killed after it pulled and streamed part of the answer, before it acked: no ack, no nak.
+    await doomedConnection.close();
+    expect(doomed.stats.acked).toBe(0);
+
+    const heir = await bridge(instance, stub.url);
+    const frames = await answer.finished;
+
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 12));
+    expect(frames.filter((f) => f.type !== 'chunk')).toEqual([{ seq: 13, type: 'done' }]);
+    // The heir published only what the client had not received: every seq arrived exactly once.
+    expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 14 }, (_, i) => i));
+    expect(stub.calls).toHaveLength(2);
+    expect(stub.calls[1]?.seed).toBe(stub.calls[0]?.seed);
+    await until('ack', () => heir.stats.acked === 1);
+    expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
+    const state = await consumerState(instance);
+    expect(state.num_ack_pending + state.num_pending).toBe(0);
+  });
+
+  it('a take-over whose engine does not repeat itself ends the answer with an error instead of mixing two', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120, random: true }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomedConnection = await natsConnect();
+    await bridge(instance, stub.url, {}, doomedConnection);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    await doomedConnection.close();
+    const heir = await bridge(instance, stub.url);
+    const frames = await answer.finished;
+
+    const last = frames.at(-1);
+    expect(last).toMatchObject({ type: 'error', error: { code: BridgeErrorCode.generationDiverged, status: 502 } });
+    expect(frames.filter((f) => f.type !== 'chunk')).toHaveLength(1);
+    // Everything before the error came from the first attempt.
+    expect(answer.raw.map((f) => f.seq)).toEqual(frames.map((f) => f.seq));
+    await until('term', () => heir.stats.termed === 1);
+  });
+
+  it('an attempt that lost its claim to a later delivery stops publishing, and that delivery finishes the answer', async () => {
+    const stub = await engine(() => ({ chunks: 15, delayMs: 100 }));
+    const instance = await instanceWith({ ackWaitMs: 1200 });
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    // A zombie scenario: someone else now owns the request (as after an ack_wait expiry the
+    // bridge did not notice). The running attempt must notice at its next check and go quiet.
+    const claims = await openRequestClaims(nc.jetstream(), names);
+    expect((await claims.acquire(req.id, 'intruder')).kind).toBe('takeover');
+    await until('the attempt gives up', () => b.stats.superseded === 1);
+    const frames = await answer.finished;
+    // The intruder never answers, so JetStream redelivers after ack_wait; this bridge takes over
+    // (attempt 3), checks the frames already out and completes the same text.
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 15));
+    expect(frames.filter((f) => f.type !== 'chunk')).toHaveLength(1);
+    expect(new Set(answer.raw.map((f) => f.seq)).size).toBe(answer.raw.length);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ pulled: 2, redelivered: 1, resumed: 1, acked: 1 });
+  });
+
+  it('frames produced while NATS reconnects are held and released in order once the claim is confirmed', async () => {
+    const stub = await engine(() => ({ chunks: 15, delayMs: 60 }));
+    const instance = await instanceWith();
+    const conn = await natsConnect();
+    cleanups.push(() => conn.close());
+    const b = await bridge(instance, stub.url, {}, conn);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    await conn.reconnect();
+    await answer.finished;
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 15));
+    expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 17 }, (_, i) => i));
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ errors: 0, superseded: 0 });
+    expect(logs.some((l) => l.includes('NATS disconnected'))).toBe(true);
+  });
+
+  it('a redelivery of an answered request re-publishes its recorded terminal frame without calling the engine', async () => {
+    // As if a bridge finished the claim, published `done` and died before its ack reached the server.
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const req = requestFor({ stream: false });
+    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claimed = await claims.acquire(req.id, 'dead-bridge');
+    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'earlier answer' } }] } };
+    expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
+
+    const b = await bridge(instance, stub.url);
+    const answer = await listen(req.id);
+    await send(instance, req);
+    expect(await answer.finished).toEqual([terminal]);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats.replayed).toBe(1);
+    expect(stub.calls).toHaveLength(0);
+  });
+});
+
+describe('failures', () => {
+  it('engine 400: error frame with the engine message, then term (never redelivered)', async () => {
+    const stub = await engine(() => ({ status: 400 }));
+    const instance = await instanceWith({ ackWaitMs: 1000 });
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'stub_error', message: 'stub says 400' } }]);
+    await sleep(1500);
+    expect(stub.calls).toHaveLength(1);
+    expect(b.stats).toMatchObject({ pulled: 1, termed: 1, nakked: 0, acked: 0 });
+    const state = await consumerState(instance);
+    expect(state.num_ack_pending + state.num_pending).toBe(0);
+  });
+
+  it('engine 503: nak, redelivered, answered on the retry', async () => {
+    const stub = await engine((call) => (call === 0 ? { status: 503 } : { chunks: 2 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    const frames = await answer.finished;
+    expect(frames.at(-1)).toMatchObject({ type: 'done' });
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 2));
+    expect(stub.calls).toHaveLength(2);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ pulled: 2, nakked: 1, redelivered: 1, acked: 1, termed: 0 });
+  });
+
+  it('unreachable engine: nak until the last allowed delivery, then an error frame and term', async () => {
+    const gone = await engine(() => ({}));
+    await gone.close(); // nothing listens on its port any more: connection refused
+    const instance = await instanceWith({ maxDeliver: 3 });
+    const b = await bridge(instance, gone.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    const frames = await answer.finished;
+    expect(frames).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 503, code: BridgeErrorCode.engineUnavailable }) as unknown }]);
+    expect(b.stats).toMatchObject({ pulled: 3, nakked: 2, termed: 1 });
+  });
+
+  it('a request whose deadline passed: error frame and term, the engine is never called', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor({}, { deadline: Date.now() - 1 });
+    const answer = await listen(req.id);
+    await send(instance, req);
+    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown }]);
+    expect(stub.calls).toHaveLength(0);
+    await until('term', () => b.stats.termed === 1);
+  });
+
+  it('a deadline passing mid-answer ends it with an error after the frames already sent', async () => {
+    const stub = await engine(() => ({ chunks: 50, delayMs: 100 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor({}, { deadline: Date.now() + 1200 });
+    const answer = await listen(req.id);
+    await send(instance, req);
+    const frames = await answer.finished;
+    expect(frames.length).toBeGreaterThan(1);
+    expect(frames.at(-1)).toMatchObject({ seq: frames.length - 1, type: 'error', error: { code: BridgeErrorCode.deadlineExceeded } });
+    await until('term', () => b.stats.termed === 1);
+  });
+
+  it('malformed and invalid requests are terminated, with an error frame when there is a replyTo', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const js = nc.jetstream();
+    const subject = requestSubjectOf(names, POOL, instance);
+    await js.publish(subject, new TextEncoder().encode('{not json'));
+    const invalid = requestFor({ messages: [] });
+    const answer = await listen(invalid.id);
+    await js.publish(subject, encodeJson(invalid));
+    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 400, code: BridgeErrorCode.invalidRequest }) as unknown }]);
+    await until('both termed', () => b.stats.termed === 2);
+    expect(stub.calls).toHaveLength(0);
+  });
+
+  it('duplicate publishes of one request id are answered once', async () => {
+    const stub = await engine(() => ({ chunks: 2 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    const js = nc.jetstream();
+    const acks = [];
+    for (let i = 0; i < 3; i += 1) acks.push(await publishRequest(js, names, { pool: POOL, instance }, req));
+    expect(acks.map((a) => a.duplicate)).toEqual([false, true, true]);
+    await answer.finished;
+    await sleep(300);
+    expect(stub.calls).toHaveLength(1);
+    expect(b.stats.pulled).toBe(1);
+  });
+});
+
+describe('shutdown', () => {
+  it('stop() stops pulling and lets the request in flight finish', async () => {
+    const stub = await engine(() => ({ chunks: 5, delayMs: 150 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const later = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('the first chunk', () => answer.raw.length >= 1);
+    await send(instance, later);
+    await b.stop();
+    expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    expect(b.stats.acked).toBe(1);
+    expect(b.health().problems).toContain('not consuming');
+    // The second request is still waiting for a bridge.
+    const state = await consumerState(instance);
+    expect(state.num_pending + state.num_ack_pending + state.num_redelivered).toBeGreaterThanOrEqual(1);
+    expect(stub.calls).toHaveLength(1);
+  });
+
+  it('stop() hands requests that outlast the drain timeout back for another bridge to finish', async () => {
+    const stub = await engine(() => ({ chunks: 20, delayMs: 100 }));
+    const instance = await instanceWith();
+    const first = await bridge(instance, stub.url, { drainTimeoutMs: 300 });
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('some chunks', () => answer.raw.length >= 3);
+    await first.stop();
+    expect(first.stats).toMatchObject({ nakked: 1, acked: 0 });
+    const second = await bridge(instance, stub.url);
+    await answer.finished;
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 20));
+    expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 22 }, (_, i) => i));
+    await until('ack', () => second.stats.acked === 1);
+    expect(second.stats.resumed).toBe(1);
+  });
+});

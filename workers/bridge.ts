@@ -1,0 +1,788 @@
+/**
+ * `magus bridge`: the sidecar next to an engine. It pulls requests for one topology instance
+ * from JetStream (at most `slots` at a time), calls the engine's OpenAI API and streams numbered
+ * {@link ResponseFrame}s back to the request's `replyTo` with core NATS.
+ *
+ * Exactly one answer per request id, although JetStream delivers at least once (README of
+ * activities/nats has the whole protocol):
+ * - every delivery claims the request in `magus_claims` (create, or CAS take-over of an earlier
+ *   delivery); a superseded attempt notices (periodic check, reconnect check, failed finish CAS)
+ *   and publishes nothing more;
+ * - a terminal frame (`done`/`error`) is published only after the claim was CAS-ed to `finished`
+ *   with that frame recorded; a later delivery of a finished request re-publishes exactly it;
+ * - a take-over reads the frames that already reached the server (response stream), regenerates
+ *   with the same pinned seed, checks its first frames match them and publishes only the rest;
+ *   if they differ it ends the answer with a `generation_diverged` error instead of mixing two.
+ */
+import { createHash, randomBytes } from 'node:crypto';
+import { createServer, type Server } from 'node:http';
+import { hostname } from 'node:os';
+import { ConsumerEvents, Events, connect, millis, type ConsumerMessages, type JsMsg, type NatsConnection } from 'nats';
+import {
+  REQUEST_ID,
+  consumerNameOf,
+  decodeJson,
+  encodeJson,
+  ensureDataPlane,
+  ensureInstanceConsumer,
+  openRequestClaims,
+  readStoredFrames,
+  responseSubjectOf,
+  type DataPlaneNames,
+  type RequestClaim,
+} from '../activities/nats/data-plane';
+import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
+
+export interface BridgeOptions {
+  nc: NatsConnection;
+  names: DataPlaneNames;
+  pool: string;
+  instance: string;
+  /** The engine's base URL, e.g. `http://127.0.0.1:9990` (the bridge calls `/v1/chat/completions`). */
+  engineUrl: string;
+  /** Requests served at once; the consumer's `max_ack_pending` should equal it. */
+  slots: number;
+  /** Upper bound of one engine call; the request's deadline bounds it too. Default 10 min. */
+  requestTimeoutMs?: number;
+  /** First `nak` delay after a transient engine failure; doubles per delivery, at most 30 s. Default 1 s. */
+  retryDelayMs?: number;
+  /** How long {@link Bridge.stop} lets requests in flight finish before handing them back. Default 30 s. */
+  drainTimeoutMs?: number;
+  log?: (line: string) => void;
+}
+
+/** Counters since start (a delivery is counted once under pulled and once under its resolution). */
+export interface BridgeStats {
+  pulled: number;
+  acked: number;
+  termed: number;
+  nakked: number;
+  /** Deliveries JetStream marked as redelivered. */
+  redelivered: number;
+  /** Unexpected failures (NATS/KV errors, bugs); each is logged. */
+  errors: number;
+  /** Take-overs that continued after frames an earlier attempt had published. */
+  resumed: number;
+  /** Deliveries of an already finished request: its terminal frame re-published, nothing generated. */
+  replayed: number;
+  /** Attempts that found a later delivery owned their request and stopped without resolving it. */
+  superseded: number;
+  heartbeatsMissed: number;
+  inFlight: number;
+}
+
+export interface BridgeHealth {
+  ok: boolean;
+  problems: string[];
+  inFlight: number;
+  slots: number;
+}
+
+export interface Bridge {
+  readonly stats: Readonly<BridgeStats>;
+  /** The bridge's own health (NATS connection, consumer, heartbeats); cheap and synchronous. */
+  health(): BridgeHealth;
+  /** Probes the engine's `/health`; a slow or loading engine is reported, never awaited long. */
+  checkEngine(timeoutMs?: number): Promise<{ ok: boolean; status?: number; error?: string }>;
+  /** Stops pulling, lets requests in flight finish (up to the drain timeout), hands the rest back. */
+  stop(): Promise<void>;
+}
+
+/** `code` of the error frames the bridge itself produces (engine errors carry the engine's code). */
+export const BridgeErrorCode = {
+  invalidRequest: 'invalid_request',
+  deadlineExceeded: 'deadline_exceeded',
+  engineUnavailable: 'engine_unavailable',
+  engineProtocol: 'engine_protocol_error',
+  generationDiverged: 'generation_diverged',
+  resumeFailed: 'resume_failed',
+} as const;
+
+const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string): ResponseFrame => ({
+  seq,
+  type: 'error',
+  error: { status, type, code, message },
+});
+
+// ---------------------------------------------------------------------------------------------
+// Request validation (the contract of shared/serving.ts, checked at the trust boundary)
+
+type Parsed = { ok: true; req: InferenceRequest } | { ok: false; problem: string; replyTo?: string };
+
+const LITERAL_SUBJECT = /^[^\s*>.]+(\.[^\s*>.]+)*$/;
+const ROLES = new Set(['system', 'user', 'assistant']);
+
+export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): Parsed {
+  let v: unknown;
+  try {
+    v = decodeJson(data);
+  } catch {
+    return { ok: false, problem: 'request is not JSON' };
+  }
+  if (typeof v !== 'object' || v === null || Array.isArray(v)) return { ok: false, problem: 'request is not an object' };
+  const r = v as Record<string, unknown>;
+  const replyTo = typeof r.replyTo === 'string' && LITERAL_SUBJECT.test(r.replyTo) ? r.replyTo : undefined;
+  const bad = (problem: string): Parsed => ({ ok: false, problem, replyTo });
+  if (typeof r.id !== 'string' || !REQUEST_ID.test(r.id)) return bad(`id must match ${String(REQUEST_ID)}`);
+  if (r.replyTo !== responseSubjectOf(names, r.id)) return bad(`replyTo must be ${responseSubjectOf(names, r.id)}`);
+  if (typeof r.deadline !== 'number' || !Number.isFinite(r.deadline)) return bad('deadline must be epoch milliseconds');
+  const b = r.body as Record<string, unknown> | null;
+  if (typeof b !== 'object' || b === null || Array.isArray(b)) return bad('body must be a chat completion request');
+  if (typeof b.model !== 'string' || b.model === '') return bad('body.model must be a non-empty string');
+  if (!Array.isArray(b.messages) || b.messages.length === 0) return bad('body.messages must be a non-empty array');
+  for (const m of b.messages as unknown[]) {
+    const msg = m as Record<string, unknown> | null;
+    if (typeof msg !== 'object' || msg === null || !ROLES.has(msg.role as string) || typeof msg.content !== 'string') {
+      return bad('every message needs a role (system, user, assistant) and string content');
+    }
+  }
+  const optional: [string, (x: unknown) => boolean][] = [
+    ['stream', (x) => typeof x === 'boolean'],
+    ['max_tokens', (x) => Number.isInteger(x) && (x as number) > 0],
+    ['temperature', (x) => typeof x === 'number' && x >= 0],
+    ['top_p', (x) => typeof x === 'number' && x >= 0 && x <= 1],
+    ['seed', (x) => Number.isInteger(x)],
+    ['stop', (x) => typeof x === 'string' || (Array.isArray(x) && x.every((s) => typeof s === 'string'))],
+  ];
+  for (const [field, ok] of optional) {
+    if (b[field] !== undefined && b[field] !== null && !ok(b[field])) return bad(`body.${field} has an invalid value`);
+  }
+  return { ok: true, req: v as InferenceRequest };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Engine I/O
+
+/** The seed every attempt of a request uses when the client gave none, so a retry regenerates the same text. */
+export function seedFor(requestId: string): number {
+  return createHash('sha256').update(requestId).digest().readUInt32BE(0) & 0x7fffffff;
+}
+
+/** Makes engine output attempt-independent: the response id is the request's, `created` the first claim's. */
+function stamp(data: unknown, requestId: string, createdAt: number): unknown {
+  if (typeof data !== 'object' || data === null || Array.isArray(data)) return data;
+  return { ...data, id: `chatcmpl-${requestId}`, created: Math.floor(createdAt / 1000) };
+}
+
+/** What must be equal for two attempts' chunks to be "the same": the choices' deltas (not timings, ids …). */
+function fingerprint(frame: ResponseFrame): string {
+  if (frame.type !== 'chunk') return frame.type;
+  const choices = (frame.data as { choices?: unknown } | null)?.choices;
+  if (!Array.isArray(choices)) return 'no-choices';
+  return JSON.stringify(
+    choices.map((c: { index?: unknown; delta?: unknown; finish_reason?: unknown }) => [c.index ?? 0, c.delta ?? null, c.finish_reason ?? null]),
+  );
+}
+
+/** Server-sent events' `data` payloads, one string per event. */
+async function* sseData(body: ReadableStream<Uint8Array>): AsyncGenerator<string> {
+  const decoder = new TextDecoder();
+  let buffer = '';
+  let data: string[] = [];
+  const lines = function* (final: boolean) {
+    let nl: number;
+    while ((nl = buffer.indexOf('\n')) >= 0) {
+      yield buffer.slice(0, nl).replace(/\r$/, '');
+      buffer = buffer.slice(nl + 1);
+    }
+    if (final && buffer) {
+      yield buffer;
+      buffer = '';
+    }
+    if (final) yield '';
+  };
+  const reader = body.getReader();
+  try {
+    for (;;) {
+      const { done, value } = await reader.read();
+      buffer += done ? decoder.decode() : decoder.decode(value, { stream: true });
+      for (const line of lines(done)) {
+        if (line === '') {
+          if (data.length > 0) yield data.join('\n');
+          data = [];
+        } else if (line.startsWith('data:')) {
+          data.push(line.slice(5).replace(/^ /, ''));
+        }
+      }
+      if (done) return;
+    }
+  } finally {
+    reader.releaseLock();
+  }
+}
+
+async function engineErrorBody(res: Response): Promise<{ message: string; type?: string; code?: string | null }> {
+  const text = await res.text().catch(() => '');
+  try {
+    const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown } | string }).error;
+    if (typeof e === 'string') return { message: e };
+    if (e && typeof e.message === 'string') {
+      return { message: e.message, type: typeof e.type === 'string' ? e.type : undefined, code: typeof e.code === 'string' ? e.code : null };
+    }
+  } catch {
+    // not JSON: use the text
+  }
+  return { message: text.slice(0, 500) || res.statusText };
+}
+
+/** Statuses worth a retry: the engine is busy, loading or broken, not the request. */
+const transientStatus = (s: number) => s === 408 || s === 429 || s >= 500;
+
+type Outcome =
+  | { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' }
+  | { kind: 'retry'; reason: string }
+  | { kind: 'aborted'; reason: AbortReason };
+
+type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged';
+
+// ---------------------------------------------------------------------------------------------
+// The bridge
+
+interface Attempt {
+  req: InferenceRequest;
+  msg: JsMsg;
+  claim: RequestClaim;
+  revision: number;
+  abort: AbortController;
+  /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
+  held: ResponseFrame[];
+  paused: boolean;
+  resuming: boolean;
+  concluding: boolean;
+  /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
+  nextSeq: number;
+}
+
+class Semaphore {
+  private free: number;
+  private readonly waiters: (() => void)[] = [];
+  constructor(n: number) {
+    this.free = n;
+  }
+  async acquire(): Promise<void> {
+    if (this.free > 0) {
+      this.free -= 1;
+      return;
+    }
+    await new Promise<void>((resolve) => this.waiters.push(resolve));
+  }
+  release(): void {
+    const next = this.waiters.shift();
+    if (next) next();
+    else this.free += 1;
+  }
+}
+
+/** Waits for `p` at most `ms`; true when it settled in time. Leaves no timer behind. */
+async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> {
+  let timer: NodeJS.Timeout | undefined;
+  const expired = new Promise<false>((resolve) => (timer = setTimeout(() => resolve(false), ms)));
+  try {
+    return await Promise.race([p.then(() => true, () => true), expired]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
+export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
+  const { nc, names, pool, instance, slots } = opts;
+  const engineUrl = opts.engineUrl.replace(/\/+$/, '');
+  const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
+  const retryDelayMs = opts.retryDelayMs ?? 1000;
+  const drainTimeoutMs = opts.drainTimeoutMs ?? 30_000;
+  const log = opts.log ?? ((line: string) => process.stderr.write(`magus bridge ${pool}/${instance}: ${line}\n`));
+  if (!Number.isInteger(slots) || slots < 1) throw new Error(`slots must be a positive integer, got ${slots}`);
+
+  const js = nc.jetstream();
+  const jsm = await nc.jetstreamManager();
+  const consumer = await js.consumers.get(names.requestStream, consumerNameOf(pool, instance));
+  const { config } = await consumer.info();
+  const ackWaitMs = millis(config.ack_wait ?? 30_000_000_000);
+  const maxDeliver = config.max_deliver !== undefined && config.max_deliver > 0 ? config.max_deliver : Infinity;
+  if ((config.max_ack_pending ?? 0) !== slots) log(`consumer max_ack_pending is ${config.max_ack_pending}, bridge slots ${slots}`);
+  const claims = await openRequestClaims(js, names);
+  const owner = `${instance}@${hostname()}:${process.pid}:${randomBytes(3).toString('hex')}`;
+  // working() well inside ack_wait, so neither a slow first token nor a long answer is redelivered.
+  const workingEveryMs = Math.max(100, Math.floor(ackWaitMs / 3));
+
+  const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, replayed: 0, superseded: 0, heartbeatsMissed: 0, inFlight: 0 };
+  const live = new Set<Attempt>();
+  const handlers = new Set<Promise<void>>();
+  let connected = true;
+  let consuming = true;
+  let stopping = false;
+  let consumerMissing = false;
+  let lastHeartbeatMissAt = 0;
+  let lastMessageAt = 0;
+
+  const failed = (what: string, err: unknown) => {
+    stats.errors += 1;
+    log(`${what}: ${(err as Error)?.message ?? String(err)}`);
+  };
+
+  const abortAttempt = (a: Attempt, reason: AbortReason) => {
+    if (a.abort.signal.aborted) return;
+    if (reason === 'superseded') stats.superseded += 1;
+    a.abort.abort(reason);
+  };
+
+  /** Publishes a frame of `a` (or holds it while disconnected); never throws. */
+  const send = (a: Attempt, frame: ResponseFrame) => {
+    if (a.abort.signal.aborted) return;
+    if (a.paused) {
+      a.held.push(frame);
+      return;
+    }
+    try {
+      nc.publish(a.req.replyTo, encodeJson(frame));
+    } catch {
+      abortAttempt(a, 'closed'); // the connection is closed: this process can no longer answer
+    }
+  };
+
+  /**
+   * After a reconnect: publish held frames only if no later delivery took the request over
+   * meanwhile. A failed check is retried by the next tick.
+   */
+  const resume = async (a: Attempt) => {
+    if (a.resuming || !a.paused) return;
+    a.resuming = true;
+    try {
+      const rev = await claims.revision(a.req.id);
+      if (a.concluding || !connected) return;
+      if (rev !== a.revision) return abortAttempt(a, 'superseded');
+      a.paused = false;
+      for (const f of a.held.splice(0)) send(a, f);
+    } catch (err) {
+      log(`request ${a.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames`);
+    } finally {
+      a.resuming = false;
+    }
+  };
+
+  void (async () => {
+    for await (const s of nc.status()) {
+      if (s.type === Events.Disconnect) {
+        connected = false;
+        for (const a of live) a.paused = true;
+        log('NATS disconnected: holding frames');
+      } else if (s.type === Events.Reconnect) {
+        connected = true;
+        log('NATS reconnected');
+        for (const a of live) void resume(a);
+      }
+    }
+  })();
+
+  /** Checks periodically that this attempt still owns its request; keeps JetStream from redelivering it. */
+  const tick = (m: JsMsg, a: () => Attempt | undefined) => {
+    try {
+      m.working();
+    } catch {
+      // closed connection: nc.closed() aborts the attempt
+    }
+    const attempt = a();
+    if (!attempt || attempt.concluding) return;
+    if (attempt.paused) {
+      if (connected) void resume(attempt);
+      return;
+    }
+    claims.revision(attempt.req.id).then(
+      (rev) => {
+        if (!attempt.concluding && rev !== null && rev !== attempt.revision) abortAttempt(attempt, 'superseded');
+      },
+      () => undefined, // a failed check proves nothing; the finish CAS is the last word
+    );
+  };
+
+  /** Finishes the claim with `frame`, then publishes it and resolves the message; nothing when superseded. */
+  const conclude = async (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
+    a.concluding = true;
+    // NATS may be reconnecting: retry a while (a retry recognises its own lost write). If we
+    // cannot finish before JetStream redelivers, the next delivery takes over and our CAS fails.
+    const giveUpAt = Date.now() + 2 * ackWaitMs;
+    let finished: boolean;
+    for (;;) {
+      while (!connected && !nc.isClosed() && Date.now() < giveUpAt) await new Promise((resolve) => setTimeout(resolve, 50));
+      try {
+        finished = await claims.finish(a.req.id, a.claim, a.revision, frame);
+        break;
+      } catch (err) {
+        if (Date.now() > giveUpAt || nc.isClosed()) throw err;
+        log(`request ${a.req.id}: finishing the claim failed (${(err as Error).message}); retrying`);
+        await new Promise((resolve) => setTimeout(resolve, 250));
+      }
+    }
+    if (!finished) {
+      abortAttempt(a, 'superseded');
+      log(`request ${a.req.id}: taken over by a later delivery; not answering`);
+      return;
+    }
+    // The CAS succeeded, so the frames before it reached the server (one connection, in order);
+    // publish the terminal unconditionally: a held frame must not delay the end.
+    a.paused = false;
+    for (const f of a.held.splice(0)) nc.publish(a.req.replyTo, encodeJson(f));
+    nc.publish(a.req.replyTo, encodeJson(frame));
+    await nc.flush();
+    if (resolve === 'ack') {
+      a.msg.ack();
+      stats.acked += 1;
+    } else {
+      a.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
+      stats.termed += 1;
+    }
+  };
+
+  /** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
+  const generate = async (a: Attempt, prior: ResponseFrame[]): Promise<Outcome> => {
+    const { req } = a;
+    const stream = req.body.stream === true;
+    const body: ChatCompletionRequest = { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
+    const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
+    // `local` cancels the engine call when we stop reading early (divergence, errors).
+    const local = new AbortController();
+    const signal = AbortSignal.any([a.abort.signal, AbortSignal.timeout(timeout), local.signal]);
+    const aborted = (): Outcome | null => {
+      if (a.abort.signal.aborted) return { kind: 'aborted', reason: a.abort.signal.reason as AbortReason };
+      if (Date.now() >= req.deadline) return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed while the engine was generating') };
+      if (signal.aborted) return { kind: 'retry', reason: `engine call exceeded ${requestTimeoutMs} ms` };
+      return null;
+    };
+    const diverged = (): Outcome => ({
+      kind: 'finish',
+      resolve: 'term',
+      frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
+    });
+    try {
+      const res = await fetch(`${engineUrl}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', accept: stream ? 'text/event-stream' : 'application/json' },
+        body: JSON.stringify(body),
+        signal,
+      });
+      if (!res.ok) {
+        const e = await engineErrorBody(res);
+        if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
+        return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message) };
+      }
+      if (!stream) {
+        const completion = (await res.json());
+        return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: stamp(completion, req.id, a.claim.createdAt) } };
+      }
+      if (!res.body || !(res.headers.get('content-type') ?? '').includes('text/event-stream')) {
+        await res.body?.cancel();
+        return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)') };
+      }
+      let seq = 0;
+      for await (const event of sseData(res.body)) {
+        if (event.trim() === '[DONE]') break;
+        let data: unknown;
+        try {
+          data = JSON.parse(event);
+        } catch {
+          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event') };
+        }
+        const engineError = (data as { error?: { message?: string } } | null)?.error;
+        if (engineError) {
+          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
+        }
+        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, req.id, a.claim.createdAt) };
+        const before = prior[seq];
+        if (before) {
+          if (fingerprint(before) !== fingerprint(frame)) return diverged();
+        } else {
+          send(a, frame);
+          a.nextSeq = seq + 1;
+        }
+        seq += 1;
+        if (a.abort.signal.aborted) break;
+      }
+      const stopped = aborted();
+      if (stopped) return stopped;
+      if (seq < prior.length) return diverged();
+      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done' } };
+    } catch (err) {
+      // Aborted (ours, deadline, timeout) or the engine is unreachable / died mid-answer: a later
+      // attempt resumes after the frames already sent, so a retry is safe.
+      return aborted() ?? { kind: 'retry', reason: `engine unreachable: ${(err as { cause?: Error }).cause?.message ?? (err as Error).message}` };
+    } finally {
+      local.abort();
+    }
+  };
+
+  /** Serves one delivery to its end: resolved (ack/term/nak) unless superseded or disconnected. */
+  const serve = async (m: JsMsg) => {
+    stats.pulled += 1;
+    if (m.redelivered) stats.redelivered += 1;
+    const parsed = parseInferenceRequest(m.data, names);
+    if (!parsed.ok) {
+      log(`terminating malformed request (stream seq ${m.seq}): ${parsed.problem}`);
+      if (parsed.replyTo) {
+        nc.publish(parsed.replyTo, encodeJson(errorFrame(0, 400, 'invalid_request_error', BridgeErrorCode.invalidRequest, parsed.problem)));
+        await nc.flush();
+      }
+      m.term(parsed.problem);
+      stats.termed += 1;
+      return;
+    }
+    const req = parsed.req;
+    let attempt: Attempt | undefined;
+    const ticker = setInterval(() => tick(m, () => attempt), workingEveryMs);
+    try {
+      let claimed: Awaited<ReturnType<typeof claims.acquire>>;
+      try {
+        claimed = await claims.acquire(req.id, owner);
+      } catch (err) {
+        failed(`request ${req.id}: claiming it failed; retrying later`, err);
+        m.nak(retryDelayMs);
+        stats.nakked += 1;
+        return;
+      }
+      if (claimed.kind === 'finished') {
+        // An earlier delivery answered but its ack was lost: say the same last word again.
+        if (claimed.claim.terminal) nc.publish(req.replyTo, encodeJson(claimed.claim.terminal));
+        await nc.flush();
+        m.ack();
+        stats.acked += 1;
+        stats.replayed += 1;
+        return;
+      }
+      const a: Attempt = {
+        req,
+        msg: m,
+        claim: claimed.claim,
+        revision: claimed.revision,
+        abort: new AbortController(),
+        held: [],
+        paused: !connected,
+        resuming: false,
+        concluding: false,
+        nextSeq: 0,
+      };
+      attempt = a;
+      live.add(a);
+      stats.inFlight = live.size;
+      try {
+        let prior: ResponseFrame[] = [];
+        if (claimed.kind === 'takeover') {
+          const stored = await readStoredFrames(js, jsm, names, req.replyTo);
+          prior = stored.frames;
+          a.nextSeq = prior.length;
+          if (prior.length > 0) {
+            stats.resumed += 1;
+            log(`request ${req.id}: attempt ${a.claim.attempt} resumes after ${prior.length} frames`);
+          }
+          const last = prior.at(-1);
+          if (last && last.type !== 'chunk') return await conclude(a, last, 'ack'); // answered, but never claimed finished
+          if (!stored.complete) {
+            return await conclude(a, errorFrame(prior.length, 502, 'server_error', BridgeErrorCode.resumeFailed, 'the interrupted answer could not be read back'), 'term');
+          }
+        }
+        if (Date.now() >= req.deadline) {
+          return await conclude(a, errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
+        }
+        const outcome = await generate(a, prior);
+        switch (outcome.kind) {
+          case 'finish':
+            return await conclude(a, outcome.frame, outcome.resolve);
+          case 'aborted':
+            if (outcome.reason === 'shutdown') {
+              m.nak(); // hand it to another bridge now; it resumes after our frames
+              stats.nakked += 1;
+            }
+            return;
+          case 'retry': {
+            const delivery = m.info.deliveryCount;
+            const delay = Math.min(retryDelayMs * 2 ** (delivery - 1), 30_000);
+            if (delivery >= maxDeliver) {
+              return await conclude(a, errorFrame(a.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`), 'term');
+            }
+            if (Date.now() + delay >= req.deadline) {
+              return await conclude(a, errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
+            }
+            log(`request ${req.id}: ${outcome.reason}; retrying in ${delay} ms`);
+            m.nak(delay);
+            stats.nakked += 1;
+            return;
+          }
+        }
+      } finally {
+        live.delete(a);
+        stats.inFlight = live.size;
+      }
+    } finally {
+      clearInterval(ticker);
+    }
+  };
+
+  const messages: ConsumerMessages = await consumer.consume({ max_messages: slots });
+  void (async () => {
+    for await (const s of await messages.status()) {
+      switch (s.type) {
+        case ConsumerEvents.HeartbeatsMissed:
+          stats.heartbeatsMissed += 1;
+          lastHeartbeatMissAt = Date.now();
+          log(`consumer heartbeats missed (${String(s.data)})`);
+          break;
+        case ConsumerEvents.ConsumerNotFound:
+        case ConsumerEvents.ConsumerDeleted:
+        case ConsumerEvents.StreamNotFound:
+        case ConsumerEvents.NoResponders:
+          consumerMissing = true;
+          log(`consumer unavailable: ${s.type}`);
+          break;
+        default:
+          break;
+      }
+    }
+  })().catch(() => undefined);
+
+  void nc.closed().then(() => {
+    // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
+    connected = false;
+    for (const a of live) abortAttempt(a, 'closed');
+    messages.stop();
+  });
+
+  const semaphore = new Semaphore(slots);
+  const loop = (async () => {
+    try {
+      for await (const m of messages) {
+        lastMessageAt = Date.now();
+        consumerMissing = false;
+        await semaphore.acquire();
+        if (stopping) {
+          m.nak();
+          stats.nakked += 1;
+          semaphore.release();
+          continue;
+        }
+        const h = serve(m)
+          .catch((err) => failed(`request at stream seq ${m.seq}`, err))
+          .finally(() => {
+            semaphore.release();
+            handlers.delete(h);
+          });
+        handlers.add(h);
+      }
+    } catch (err) {
+      if (!nc.isClosed()) failed('consume loop', err);
+    } finally {
+      consuming = false;
+    }
+  })();
+
+  return {
+    stats,
+    health() {
+      const problems: string[] = [];
+      if (nc.isClosed()) problems.push('NATS connection closed');
+      else if (!connected) problems.push('NATS disconnected');
+      if (!consuming) problems.push('not consuming');
+      if (consumerMissing) problems.push('request consumer missing');
+      if (lastHeartbeatMissAt > lastMessageAt && Date.now() - lastHeartbeatMissAt < 2 * 30_000) problems.push('consumer heartbeats missed');
+      return { ok: problems.length === 0, problems, inFlight: live.size, slots };
+    },
+    async checkEngine(timeoutMs = 2000) {
+      try {
+        const res = await fetch(`${engineUrl}/health`, { signal: AbortSignal.timeout(timeoutMs) });
+        await res.body?.cancel();
+        return { ok: res.ok, status: res.status };
+      } catch (err) {
+        return { ok: false, error: (err as { cause?: Error }).cause?.message ?? (err as Error).message };
+      }
+    },
+    async stop() {
+      if (stopping) return;
+      stopping = true;
+      if (!nc.isClosed()) await settlesWithin(messages.close(), 5000);
+      else messages.stop();
+      await settlesWithin(loop, 5000);
+      const drained = await settlesWithin(Promise.allSettled([...handlers]), drainTimeoutMs);
+      if (!drained) {
+        log(`stopping: handing ${live.size} request(s) in flight back`);
+        for (const a of live) abortAttempt(a, 'shutdown');
+        await Promise.allSettled([...handlers]);
+      }
+    },
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// CLI
+
+export const BRIDGE_USAGE =
+  'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
+  '                    [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]';
+
+/** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */
+export async function bridgeCommand(args: string[]): Promise<number> {
+  const flags = new Map<string, string>();
+  for (let i = 0; i < args.length; i += 1) {
+    const a = args[i] as string;
+    const value = args[i + 1];
+    if (!a.startsWith('--') || value === undefined || value.startsWith('--')) {
+      process.stderr.write(`magus bridge: unexpected argument '${a}'\n${BRIDGE_USAGE}\n`);
+      return 1;
+    }
+    flags.set(a.slice(2), value);
+    i += 1;
+  }
+  const problems: string[] = [];
+  const known = new Set(['nats', 'pool', 'instance', 'engine', 'slots', 'ack-wait-ms', 'health-port', 'prefix']);
+  for (const k of flags.keys()) if (!known.has(k)) problems.push(`unknown option --${k}`);
+  const natsUrl = flags.get('nats') ?? process.env.MAGUS_NATS_URL ?? 'nats://127.0.0.1:4222';
+  const pool = flags.get('pool') ?? '';
+  const instance = flags.get('instance') ?? '';
+  const engineUrl = flags.get('engine') ?? '';
+  const int = (name: string, fallback: number | undefined, min: number): number | undefined => {
+    const raw = flags.get(name);
+    if (raw === undefined) return fallback;
+    const n = Number(raw);
+    if (!Number.isInteger(n) || n < min) problems.push(`--${name} must be an integer ≥ ${min}`);
+    return n;
+  };
+  const slots = int('slots', 1, 1) ?? 1;
+  const ackWaitMs = int('ack-wait-ms', undefined, 1000);
+  const healthPort = int('health-port', undefined, 0);
+  if (!/^(nats|tls):\/\/[^\s/]+$/.test(natsUrl)) problems.push(`--nats ${natsUrl} is not a nats:// URL`);
+  if (!pool) problems.push('--pool is required');
+  if (!instance) problems.push('--instance is required');
+  if (!/^https?:\/\/[^\s]+$/.test(engineUrl)) problems.push('--engine must be an http(s) URL');
+  if (problems.length > 0) {
+    process.stderr.write(`magus bridge: ${problems.join('; ')}\n${BRIDGE_USAGE}\n`);
+    return 1;
+  }
+
+  const nc = await connect({ servers: natsUrl.split(','), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1 });
+  let health: Server | undefined;
+  try {
+    const names = await ensureDataPlane(nc, { prefix: flags.get('prefix') });
+    await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool, instance, slots, ackWaitMs });
+    const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots });
+    if (healthPort !== undefined) {
+      // /health: the bridge itself (liveness; a slow engine must not get the sidecar killed);
+      // /ready: the bridge and the engine (readiness).
+      health = createServer((req, res) => {
+        void (async () => {
+          const own = bridge.health();
+          const engine = req.url === '/ready' ? await bridge.checkEngine() : undefined;
+          const ok = own.ok && (engine?.ok ?? true);
+          res.writeHead(req.url === '/health' || req.url === '/ready' ? (ok ? 200 : 503) : 404, { 'content-type': 'application/json' });
+          res.end(JSON.stringify({ ...own, ok, engine, stats: bridge.stats }));
+        })();
+      }).listen(healthPort);
+    }
+    process.stderr.write(`magus bridge: serving ${pool}/${instance} (${slots} slot(s)) from ${natsUrl} to ${engineUrl}\n`);
+    await new Promise<void>((resolve) => {
+      for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
+    });
+    process.stderr.write('magus bridge: stopping …\n');
+    await bridge.stop();
+    return 0;
+  } finally {
+    health?.close();
+    await nc.drain().catch(() => undefined);
+  }
+}
