@@ -3,6 +3,9 @@
  * (tokens, sessions) and the model catalog → fastify with timeouts → listen; SIGTERM/SIGINT close
  * gracefully (stop accepting, let in-flight requests finish within the grace period, drain NATS).
  */
+import { Client, Connection } from '@temporalio/client';
+import { loadConfig } from '../workers/config';
+import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../activities/nats/registry';
@@ -170,6 +173,11 @@ function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
 }
 
 /** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
+/** Pool sizes for models without a `Dllama` resource (min 0: scale to zero when idle). */
+const POOL_DEFAULTS = { minInstances: 0, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 };
+/** A conversation keeps its instance for this long after its last turn. */
+const SESSION_TTL_MS = 30 * 60_000;
+
 export async function gatewayCommand(args: string[]): Promise<number> {
   const parsed = parseArgs(args);
   if (parsed === 'help') {
@@ -189,9 +197,15 @@ export async function gatewayCommand(args: string[]): Promise<number> {
     return 1;
   }
   let gateway: RunningGateway;
+  let temporalConnection: Connection | undefined;
   try {
-    gateway = await startGateway(config);
+    // Cold turns start (or join) the conversation's session workflow; warm turns never do.
+    const cfg = loadConfig();
+    temporalConnection = await Connection.connect({ address: cfg.temporal.address });
+    const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
+    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: SESSION_TTL_MS }) });
   } catch (err) {
+    await temporalConnection?.close();
     process.stderr.write(`magus gateway: cannot start: ${(err as Error).message}\n`);
     return 1;
   }
@@ -202,5 +216,6 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   });
   process.stderr.write('magus gateway: stopping …\n');
   await gateway.close();
+  await temporalConnection.close();
   return 0;
 }

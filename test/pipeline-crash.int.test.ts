@@ -47,7 +47,7 @@ function spawnWorker(): ChildProcess {
       AWS_ACCESS_KEY_ID: s3e.accessKeyId,
       AWS_SECRET_ACCESS_KEY: s3e.secretAccessKey,
       MAGUS_TASK_QUEUE: `${iso.id}-control`,
-      MAGUS_MODELS_BUCKET: `${iso.natsPrefix}_models`,
+      MAGUS_NATS_PREFIX: iso.natsPrefix,
       MAGUS_TRANSFER_PART_SIZE: String(PART),
       MAGUS_S3_TRACE_FILE: traceFile(),
       MAGUS_CONVERT_THREADS: '1',

@@ -10,6 +10,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';
@@ -60,7 +61,8 @@ beforeAll(async () => {
     taskQueue: `${iso.id}-control`,
     nats: { servers: endpoint('nats').servers },
     s3: { endpoint: s3e.endpoint, region: s3e.region, bucket: iso.bucket, forcePathStyle: true },
-    modelsBucket: `${iso.natsPrefix}_models`,
+    natsPrefix: iso.natsPrefix,
+    modelCacheDir: join(dir, 'models'),
     convertThreads: 2,
     transferPartSize: undefined,
     s3TraceFile: undefined,
@@ -68,7 +70,7 @@ beforeAll(async () => {
   workers = await startWorkers(cfg);
   ({ client, connection } = await temporalClient());
   nc = await natsConnect();
-  registry = await openModelRegistry(nc, cfg.modelsBucket);
+  registry = await openModelRegistry(nc, dataPlaneNames(iso.natsPrefix).modelsBucket);
 }, 120_000);
 
 afterAll(async () => {

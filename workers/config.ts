@@ -3,6 +3,8 @@
  * a message naming the variable. Credentials (S3 keys) are read by the AWS SDK's default chain
  * (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
+import { homedir } from 'node:os';
+import { join } from 'node:path';
 import { TaskQueue } from '../shared/constants';
 
 export interface MagusConfig {
@@ -11,8 +13,10 @@ export interface MagusConfig {
   taskQueue: string;
   nats: { servers: string };
   s3: { endpoint: string | undefined; region: string; bucket: string; forcePathStyle: boolean };
-  /** NATS KV bucket of the model registry. */
-  modelsBucket: string;
+  /** Prefix of every NATS stream, subject and bucket name ('' in production; tests isolate with it). */
+  natsPrefix: string;
+  /** Where the local runtime caches GGUF files. */
+  modelCacheDir: string;
   convertThreads: number | undefined;
   /** Multipart part size of source transfers (bytes, ≥ 5 MiB); default the transfer's own. */
   transferPartSize: number | undefined;
@@ -55,13 +59,15 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
       problems.push(`MAGUS_TRANSFER_PART_SIZE=${env.MAGUS_TRANSFER_PART_SIZE} must be a byte count from 5 MiB to 5 GiB`);
     }
   }
+  if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim())) problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
     temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
     taskQueue: get('MAGUS_TASK_QUEUE', TaskQueue.control),
     nats: { servers: natsServers },
     s3: { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined },
-    modelsBucket: get('MAGUS_MODELS_BUCKET', 'magus_models'),
+    natsPrefix: env.MAGUS_NATS_PREFIX?.trim() ?? '',
+    modelCacheDir: get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models')),
     convertThreads,
     transferPartSize,
     s3TraceFile: env.MAGUS_S3_TRACE_FILE?.trim() || undefined,

@@ -8,6 +8,8 @@ import { MODES, type Mode } from '../shared/constants';
 import { ConfigError, loadConfig } from './config';
 import { convertCommand } from './convert';
 import { engineCommand } from './engine';
+import { bridgeCommand } from './bridge';
+import { gatewayCommand } from '../gateway/server';
 import { modelPullCommand, PULL_USAGE } from './model-pull';
 import { startWorkers } from './worker';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
@@ -135,6 +137,10 @@ export async function main(argv: string[]): Promise<number> {
       return workerCommand();
     case 'engine':
       return engineCommand(rest);
+    case 'bridge':
+      return bridgeCommand(rest);
+    case 'gateway':
+      return configErrors(() => gatewayCommand(rest));
     case 'model':
       if (rest[0] === 'pull') return configErrors(() => modelPullCommand(rest.slice(1)));
       process.stderr.write(`${PULL_USAGE}\n`);

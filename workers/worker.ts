@@ -11,7 +11,10 @@ import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
+import { ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
+import { createLocalRuntime } from '../activities/runtime/local';
+import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, SearchAttribute } from '../shared/constants';
 import { activityProgressSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from './config';
@@ -84,7 +87,10 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
   await ensureBucket(s3, cfg.s3.bucket);
-  const registry = await openModelRegistry(nc, cfg.modelsBucket);
+  const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
+  const registry = await openModelRegistry(nc, names.modelsBucket);
+  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir });
+  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket) });
 
   const activities = createPipelineActivities({
     s3,
@@ -101,7 +107,8 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     namespace: cfg.temporal.namespace,
     taskQueue: cfg.taskQueue,
     workflowsPath: require.resolve('../workflows'),
-    activities: { publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model) },
+    // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
+    activities: { publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model), ...serving },
   });
   const pipeline = await Worker.create({
     connection: workerConnection,
@@ -113,6 +120,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   });
 
   const done = Promise.all([control.run(), pipeline.run()]).then(async () => {
+    await runtime.stopAll();
     await workerConnection.close();
     await connection.close();
     await nc.drain();

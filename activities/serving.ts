@@ -1,0 +1,64 @@
+/**
+ * Activities of the serving workflows (`dllamaPool`, `session`): instances through a
+ * {@link Runtime}, and the `magus_sessions` KV entries the gateway reads on warm turns.
+ */
+import { heartbeat, Context } from '@temporalio/activity';
+import type { KV } from 'nats';
+import type { SessionEntry } from '../shared/serving';
+
+export interface InstanceRequest {
+  namespace: string;
+  model: string;
+  /** Data-plane pool name (a DNS label: the model's name). */
+  pool: string;
+  instance: string;
+}
+
+export interface InstanceInfo {
+  instance: string;
+  /** NATS subject the instance's bridge consumes. */
+  subject: string;
+  healthy: boolean;
+}
+
+/**
+ * Where topology instances run (DESIGN.md, "Runtimes"): `local` processes, or Kubernetes.
+ * Every call is idempotent by instance id; `create` resolves once the instance serves.
+ */
+export interface Runtime {
+  create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo>;
+  destroy(pool: string, instance: string): Promise<void>;
+  describe(pool: string, instance: string): Promise<InstanceInfo | null>;
+}
+
+const HEARTBEAT_EVERY_MS = 5000;
+
+export function createServingActivities(deps: { runtime: Runtime; sessions: KV }) {
+  const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
+  return {
+    /** Starts an instance and waits until it serves (heartbeating: a cold start can take minutes). */
+    async createInstance(input: InstanceRequest): Promise<InstanceInfo> {
+      const ctx = Context.current();
+      const timer = setInterval(() => heartbeat({ instance: input.instance, phase: 'starting' }), HEARTBEAT_EVERY_MS);
+      try {
+        return await deps.runtime.create(input, ctx.cancellationSignal);
+      } finally {
+        clearInterval(timer);
+      }
+    },
+    async destroyInstance(input: { pool: string; instance: string }): Promise<void> {
+      await deps.runtime.destroy(input.pool, input.instance);
+    },
+    async describeInstance(input: { pool: string; instance: string }): Promise<InstanceInfo | null> {
+      return deps.runtime.describe(input.pool, input.instance);
+    },
+    async writeSession(input: { key: string; entry: SessionEntry }): Promise<void> {
+      await deps.sessions.put(input.key, encode(input.entry));
+    },
+    async deleteSession(input: { key: string }): Promise<void> {
+      await deps.sessions.delete(input.key);
+    },
+  };
+}
+
+export type ServingActivities = ReturnType<typeof createServingActivities>;

@@ -1,0 +1,67 @@
+/**
+ * The gateway's Temporal side — touched only on a conversation's first turn (or after its
+ * session expired) and, debounced, to extend a session's TTL; warm turns never call it.
+ * Cold path: make sure the model's pool exists (signal-with-start), then update-with-start the
+ * conversation's session, whose `acquire` update returns the instance once the pool has leased
+ * one (the caller's signal aborts the wait, e.g. when the client goes away).
+ */
+import { WithStartWorkflowOperation, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
+import { ApplicationFailure } from '@temporalio/common';
+import type { SessionEntry } from '../shared/serving';
+import { ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
+import type { dllamaPool } from '../workflows/pool/pool';
+import { acquireUpdate, sessionWorkflowId, touchSignal } from '../workflows/session/definitions';
+import type { session } from '../workflows/session/session';
+import type { AcquireRequest, ColdStart, RenewSession } from './plugins/sessions';
+
+export interface TemporalSessionOptions {
+  client: Client;
+  /** The control task queue the workers poll. */
+  taskQueue: string;
+  /** Sizes of pools started for a model (a `Dllama` resource overrides them later). */
+  pool: Omit<PoolInput, 'namespace' | 'model'>;
+  /** Session TTL after the last turn. */
+  sessionTtlMs: number;
+}
+
+/** The error types the gateway maps to HTTP statuses (plugins/errors.ts). */
+class BrokerError extends Error {
+  constructor(
+    readonly type: 'NoCapacity' | 'BacklogFull',
+    message: string,
+    readonly retryAfterSec = 5,
+  ) {
+    super(message);
+  }
+}
+
+export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession } {
+  const { client, taskQueue } = opts;
+  const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
+    const { namespace, name } = req.model;
+    await client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
+      workflowId: poolWorkflowId(namespace, name),
+      taskQueue,
+      args: [{ namespace, model: name, ...opts.pool }],
+      signal: ensurePoolSignal,
+      signalArgs: [],
+    });
+    const start = new WithStartWorkflowOperation<typeof session>('session', {
+      workflowId: sessionWorkflowId(req.conversationKey),
+      taskQueue,
+      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs }],
+      workflowIdConflictPolicy: 'USE_EXISTING',
+    });
+    try {
+      return await client.workflow.executeUpdateWithStart(acquireUpdate, { args: [{ model: name }], startWorkflowOperation: start });
+    } catch (err) {
+      const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
+      if (cause instanceof ApplicationFailure && cause.type === 'NoCapacity') throw new BrokerError('NoCapacity', cause.message);
+      throw err;
+    }
+  };
+  const renew: RenewSession = async (req) => {
+    await client.workflow.getHandle(sessionWorkflowId(req.conversationKey)).signal(touchSignal);
+  };
+  return { coldStart, renew };
+}

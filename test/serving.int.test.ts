@@ -1,0 +1,183 @@
+/**
+ * The serving path end to end with the official `openai` client: gateway → (first turn: Temporal
+ * session + pool → local runtime starts a real llama.cpp engine and a bridge) → NATS JetStream →
+ * bridge → engine, and back as a stream. Real Temporal, nats-server and MinIO; the model is the
+ * tiny synthetic Llama converted to GGUF, put in S3 and the registry by the test.
+ */
+import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import type { Client, Connection } from '@temporalio/client';
+import { temporal } from '@temporalio/proto';
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import OpenAI from 'openai';
+import { convertModel, CONVERTER_VERSION } from '../activities/convert/convert';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import { loadGatewayConfig } from '../gateway/config';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import { temporalSessions } from '../gateway/temporal';
+import type { SessionEntry } from '../shared/serving';
+import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import { sessionWorkflowId } from '../workflows/session/definitions';
+import type { MagusConfig } from '../workers/config';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { writeTinyModel } from './fixtures/tiny-model';
+import { endpoint, isolation, natsConnect, s3Client, temporalClient } from './harness';
+import { historyText } from './support/history';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
+const IDLE_MS = 4000;
+/** Longer than the gateway's freshness margin (5 s), so turns in quick succession are warm. */
+const SESSION_TTL_MS = 8000;
+
+let dir: string;
+let s3: S3Client;
+let nc: NatsConnection;
+let client: Client;
+let connection: Connection;
+let workers: RunningWorkers;
+let gateway: RunningGateway;
+let openai: OpenAI;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-serving-'));
+  await writeTinyModel(join(dir, 'tiny'), { seed: 51 });
+  const gguf = join(dir, 'tiny.gguf');
+  await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: gguf, threads: 1 });
+  const bytes = readFileSync(gguf);
+
+  const s3e = endpoint('s3');
+  process.env.AWS_ACCESS_KEY_ID = s3e.accessKeyId;
+  process.env.AWS_SECRET_ACCESS_KEY = s3e.secretAccessKey;
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const key = 'artifacts/test/tiny/gguf-q80/model.gguf';
+  await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: bytes }));
+
+  const cfg: MagusConfig = {
+    temporal: { address: endpoint('temporal').address, namespace: 'default' },
+    taskQueue: `${iso.id}-control`,
+    nats: { servers: endpoint('nats').servers },
+    s3: { endpoint: s3e.endpoint, region: s3e.region, bucket: iso.bucket, forcePathStyle: true },
+    natsPrefix: iso.natsPrefix,
+    modelCacheDir: join(dir, 'models'),
+    convertThreads: 1,
+    transferPartSize: undefined,
+    s3TraceFile: undefined,
+  };
+  workers = await startWorkers(cfg); // also declares the data plane (streams, buckets)
+  nc = await natsConnect();
+  const registry = await openModelRegistry(nc, names.modelsBucket);
+  await registry.put({
+    namespace: 'default',
+    name: 'tiny',
+    source: { repo: 'test/tiny', revision: 'main', sha: '0'.repeat(40) },
+    artifacts: [{ format: 'gguf', weights: 'q80', converterVersion: CONVERTER_VERSION, files: [{ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') }] }],
+    memory: [],
+    readyAt: new Date().toISOString(),
+  });
+
+  ({ client, connection } = await temporalClient());
+  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS }, sessionTtlMs: SESSION_TTL_MS });
+  const gatewayConfig = loadGatewayConfig({
+    MAGUS_GATEWAY_HOST: '127.0.0.1',
+    MAGUS_GATEWAY_PORT: '0',
+    MAGUS_NATS_URL: endpoint('nats').servers,
+    MAGUS_NATS_SUBJECT_SCOPE: names.subjectScope,
+    MAGUS_MODELS_BUCKET: names.modelsBucket,
+    MAGUS_TOKENS_BUCKET: names.tokensBucket,
+    MAGUS_SESSIONS_BUCKET: names.sessionsBucket,
+    MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
+    MAGUS_GATEWAY_TOKENS: JSON.stringify({ t1: { digest: createHash('sha256').update(TOKEN).digest('hex'), name: 'test' } }),
+    MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000',
+    MAGUS_LOG_LEVEL: 'warn',
+  });
+  gateway = await startGateway(gatewayConfig, { nc, ...sessions });
+  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+}, 180_000);
+
+afterAll(async () => {
+  await gateway?.close();
+  await workers?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+test('chat completions through the gateway, NATS, the bridge and llama.cpp: non-stream and stream', async () => {
+  const models = await openai.models.list();
+  expect(models.data.map((m) => m.id)).toContain('tiny');
+
+  const messages = [{ role: 'user' as const, content: 'hello there' }];
+  const done = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0 });
+  expect(done.choices[0]?.message.content?.length).toBeGreaterThan(0);
+  expect(done.usage?.completion_tokens).toBe(8);
+
+  const stream = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0, stream: true });
+  let text = '';
+  let chunks = 0;
+  for await (const c of stream) {
+    text += c.choices[0]?.delta?.content ?? '';
+    chunks++;
+  }
+  expect(chunks).toBeGreaterThan(1);
+  // Greedy decoding of the same conversation: the stream says what the non-stream said.
+  expect(text).toBe(done.choices[0]?.message.content);
+}, 180_000);
+
+test('turns of one conversation stay on one instance and need no Temporal call; the token never enters a history', async () => {
+  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const keys = async () => {
+    const out: string[] = [];
+    for await (const k of await kv.keys()) out.push(k);
+    return out;
+  };
+  const entryOf = async (k: string) => JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry;
+  const id = `conv-${randomBytes(4).toString('hex')}`;
+  const turn = (content: string) =>
+    openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4 }, { headers: { 'x-session-id': id } });
+
+  const before = new Set(await keys());
+  await turn('first turn');
+  const mine = (await keys()).filter((k) => !before.has(k));
+  expect(mine).toHaveLength(1);
+  const first = await entryOf(mine[0]!);
+  await turn('second turn');
+  await turn('third turn');
+  expect((await entryOf(mine[0]!)).instance).toBe(first.instance);
+
+  // The session workflow saw exactly one acquire: the later turns went gateway → NATS directly.
+  const history = await client.workflow.getHandle(sessionWorkflowId(mine[0]!)).fetchHistory();
+  const updates = (history.events ?? []).filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED);
+  expect(updates).toHaveLength(1);
+  for (const wf of [poolWorkflowId('default', 'tiny'), sessionWorkflowId(mine[0]!)]) {
+    expect(historyText(await client.workflow.getHandle(wf).fetchHistory()).includes(TOKEN)).toBe(false);
+  }
+}, 120_000);
+
+test('an idle pool goes to zero instances and comes back on the next request', async () => {
+  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const deadline = Date.now() + 60_000;
+  let status = await pool.query(poolStatusQuery);
+  while (status.instances.length > 0 && Date.now() < deadline) {
+    await new Promise((r) => setTimeout(r, 500));
+    status = await pool.query(poolStatusQuery);
+  }
+  expect(status.instances).toEqual([]);
+  const r = await openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'wake up' }], max_tokens: 4 });
+  expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+  expect((await pool.query(poolStatusQuery)).instances.filter((i) => i.phase === 'ready')).toHaveLength(1);
+}, 120_000);
+
+test('errors reach the client as the openai library expects them', async () => {
+  await expect(openai.chat.completions.create({ model: 'no-such-model', messages: [{ role: 'user', content: 'x' }] })).rejects.toBeInstanceOf(OpenAI.NotFoundError);
+  await expect(new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: 'mgs_t1_wrong', maxRetries: 0 }).models.list()).rejects.toBeInstanceOf(OpenAI.AuthenticationError);
+  await expect(openai.chat.completions.create({ model: 'tiny', messages: [] })).rejects.toBeInstanceOf(OpenAI.BadRequestError);
+});
+

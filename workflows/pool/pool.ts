@@ -1,0 +1,189 @@
+/**
+ * `dllamaPool`: keeps min..max topology instances of one model and leases them to sessions.
+ * Grants go to the ready instance with the fewest leases below `leasesPerInstance`; when every
+ * ready instance is full, or sessions are waiting, it asks the runtime for another (up to max;
+ * at max, leases are spread over the existing ones). Instances without leases for
+ * `idleTimeoutMs` are stopped, down to `minInstances` (zero included). The workflow never knows
+ * which runtime (local processes or Kubernetes) runs the instances.
+ */
+import {
+  ActivityFailure,
+  ApplicationFailure,
+  allHandlersFinished,
+  condition,
+  continueAsNew,
+  getExternalWorkflowHandle,
+  proxyActivities,
+  setHandler,
+  upsertSearchAttributes,
+  workflowInfo,
+  type ActivityOptions,
+} from '@temporalio/workflow';
+import type { ServingActivities } from '../../activities/serving';
+import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolStatus } from './definitions';
+
+/** Starting an instance waits for it to be healthy: a cold start may take minutes. */
+const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
+const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
+
+interface Instance {
+  id: string;
+  phase: InstanceView['phase'];
+  subject: string | null;
+  leases: Set<string>;
+  /** Workflow time the last lease was released (or the instance became ready). */
+  idleSince: number;
+}
+
+/** State carried over continue-as-new. */
+export interface PoolCarry {
+  instances: { id: string; subject: string; leases: string[]; idleSince: number }[];
+  nextId: number;
+  waiting: { sessionId: string; sessionWorkflowId: string }[];
+}
+
+export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<void> {
+  if (!(input.maxInstances >= 1 && input.minInstances >= 0 && input.minInstances <= input.maxInstances && input.leasesPerInstance >= 1)) {
+    throw ApplicationFailure.nonRetryable(`invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`, 'InvalidSpec');
+  }
+  const { createInstance, destroyInstance } = proxyActivities<ServingActivities>(startInstance);
+  const { describeInstance } = proxyActivities<ServingActivities>(quick);
+  const instances = new Map<string, Instance>();
+  const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
+  let nextId = carry?.nextId ?? 1;
+  let lastError: string | null = null;
+  let dirty = true;
+  const starting = new Set<Promise<void>>();
+
+  for (const c of carry?.instances ?? []) {
+    instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince });
+  }
+
+  setHandler(leaseRequestedSignal, (req) => {
+    // A session asking again (e.g. after a retry) keeps its lease.
+    for (const i of instances.values()) {
+      if (i.leases.has(req.sessionId) && i.subject) {
+        void grant(req.sessionWorkflowId, { instance: i.id, subject: i.subject });
+        return;
+      }
+    }
+    if (!waiting.some((w) => w.sessionId === req.sessionId)) waiting.push(req);
+    dirty = true;
+  });
+  setHandler(leaseReleasedSignal, ({ sessionId }) => {
+    for (const i of instances.values()) {
+      if (i.leases.delete(sessionId) && i.leases.size === 0) i.idleSince = Date.now();
+    }
+    dirty = true;
+  });
+  setHandler(ensurePoolSignal, () => {
+    dirty = true;
+  });
+  setHandler(poolStatusQuery, (): PoolStatus => ({
+    instances: [...instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases.size })),
+    waiting: waiting.length,
+    lastError,
+  }));
+  upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
+
+  async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }): Promise<void> {
+    try {
+      await getExternalWorkflowHandle(sessionWorkflowId).signal(leaseGrantedSignal, payload);
+    } catch {
+      // The session has ended meanwhile; its lease is released below if it was granted.
+    }
+  }
+
+  function start(): void {
+    const id = `${input.model}-${nextId++}`;
+    const inst: Instance = { id, phase: 'starting', subject: null, leases: new Set(), idleSince: Date.now() };
+    instances.set(id, inst);
+    const p = createInstance({ namespace: input.namespace, model: input.model, pool: input.model, instance: id })
+      .then((info) => {
+        inst.phase = 'ready';
+        inst.subject = info.subject;
+        inst.idleSince = Date.now();
+        lastError = null;
+      })
+      .catch((err: unknown) => {
+        instances.delete(id);
+        lastError = err instanceof ActivityFailure && err.cause ? err.cause.message : String(err);
+        // Nobody can be served by an instance that cannot start: tell the waiting sessions now
+        // rather than leaving them to time out (the gateway answers 503).
+        if ([...instances.values()].every((i) => i.phase !== 'starting' && i.phase !== 'ready')) {
+          for (const w of waiting.splice(0)) void grant(w.sessionWorkflowId, { error: lastError });
+        }
+      })
+      .finally(() => {
+        starting.delete(p);
+        dirty = true;
+      });
+    starting.add(p);
+  }
+
+  function reconcile(): void {
+    // 1. Grants: the least-loaded ready instance with room; at max, the least-loaded one.
+    const ready = () => [...instances.values()].filter((i) => i.phase === 'ready');
+    const live = () => [...instances.values()].filter((i) => i.phase !== 'stopping');
+    while (waiting.length > 0) {
+      const candidates = ready().sort((a, b) => a.leases.size - b.leases.size);
+      const roomy = candidates.find((i) => i.leases.size < input.leasesPerInstance);
+      const target = roomy ?? (live().length >= input.maxInstances ? candidates[0] : undefined);
+      if (!target?.subject) break;
+      const w = waiting.shift()!;
+      target.leases.add(w.sessionId);
+      void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject });
+    }
+    // 2. Scale up: enough instances for the leases and the waiting sessions, within min..max.
+    const leases = live().reduce((n, i) => n + i.leases.size, 0);
+    const wanted = Math.min(input.maxInstances, Math.max(input.minInstances, Math.ceil((leases + waiting.length) / input.leasesPerInstance)));
+    for (let n = live().length; n < wanted; n++) start();
+    // 3. Scale down: idle instances beyond the minimum, once their idle timeout has passed.
+    let surplus = live().length - Math.max(input.minInstances, wanted);
+    for (const i of ready().sort((a, b) => a.idleSince - b.idleSince)) {
+      if (surplus <= 0) break;
+      if (i.leases.size === 0 && Date.now() - i.idleSince >= input.idleTimeoutMs) {
+        i.phase = 'stopping';
+        surplus--;
+        const p = destroyInstance({ pool: input.model, instance: i.id }).finally(() => {
+          instances.delete(i.id);
+          starting.delete(p);
+          dirty = true;
+        });
+        starting.add(p);
+      }
+    }
+  }
+
+  /** Milliseconds until the next idle instance may be stopped, if any. */
+  function nextIdleDeadline(): number | undefined {
+    const idle = [...instances.values()].filter((i) => i.phase === 'ready' && i.leases.size === 0);
+    if (idle.length <= input.minInstances) return undefined;
+    return Math.max(0, Math.min(...idle.map((i) => i.idleSince + input.idleTimeoutMs - Date.now())));
+  }
+
+  // Instances carried over continue-as-new may have died with their worker: check them.
+  for (const i of [...instances.values()]) {
+    const info = await describeInstance({ pool: input.model, instance: i.id });
+    if (!info?.healthy) instances.delete(i.id);
+  }
+
+  for (;;) {
+    if (dirty) {
+      dirty = false;
+      reconcile();
+    }
+    const wait = nextIdleDeadline();
+    await condition(() => dirty, wait ?? '1 day');
+    if (!dirty) dirty = wait !== undefined; // the idle deadline passed
+    if (workflowInfo().continueAsNewSuggested && starting.size === 0) {
+      await condition(allHandlersFinished);
+      const carried: PoolCarry = {
+        instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince })),
+        nextId,
+        waiting,
+      };
+      await continueAsNew<typeof dllamaPool>(input, carried);
+    }
+  }
+}

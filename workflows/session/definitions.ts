@@ -1,0 +1,22 @@
+/** Messages of the `session` workflow (id `session/<conversation key>`), one per conversation. */
+import { defineSignal, defineUpdate } from '@temporalio/workflow';
+import type { SessionEntry } from '../../shared/serving';
+
+export interface SessionInput {
+  /** The conversation key (HMAC from the gateway, or the client's X-Session-Id). */
+  key: string;
+  namespace: string;
+  model: string;
+  /** The session ends this long after its last touch. */
+  ttlMs: number;
+}
+
+/**
+ * The gateway's update-with-start: resolves with the instance serving this conversation once
+ * the pool has granted a lease (a cold start can take minutes). Validated: the model must match.
+ */
+export const acquireUpdate = defineUpdate<SessionEntry, [{ model: string }]>('acquire');
+/** Extends the TTL (the gateway debounces it: at most one per conversation every few seconds). */
+export const touchSignal = defineSignal('touch');
+
+export const sessionWorkflowId = (key: string): string => `session/${key}`;

@@ -1,0 +1,96 @@
+/**
+ * `session`: one per conversation. The gateway starts it with update-with-start (`acquire`);
+ * the session asks its model's pool for a lease, and the update returns the instance's subject
+ * once the lease is granted (a cold start can take minutes). Every turn of the conversation then
+ * goes to that instance, so the engine's KV cache is reused. The entry in `magus_sessions` lets
+ * warm turns skip Temporal entirely. Touches extend the TTL; on expiry the lease is released and
+ * the KV entry removed. Continue-as-new keeps the history short for long conversations.
+ */
+import {
+  ApplicationFailure,
+  allHandlersFinished,
+  condition,
+  continueAsNew,
+  getExternalWorkflowHandle,
+  proxyActivities,
+  setHandler,
+  workflowInfo,
+} from '@temporalio/workflow';
+import type { ServingActivities } from '../../activities/serving';
+import type { SessionEntry } from '../../shared/serving';
+import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, poolWorkflowId } from '../pool/definitions';
+import { acquireUpdate, touchSignal, type SessionInput } from './definitions';
+
+/** The lease a session holds, carried over continue-as-new. */
+export interface SessionCarry {
+  instance: string;
+  subject: string;
+  expiresAt: number;
+}
+
+export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
+  const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
+  const sessionId = input.key;
+  const pool = getExternalWorkflowHandle(poolWorkflowId(input.namespace, input.model));
+  let lease: { instance: string; subject: string } | null = carry ? { instance: carry.instance, subject: carry.subject } : null;
+  let failure: string | null = null;
+  let requested = lease !== null;
+  let expiresAt = carry?.expiresAt ?? Date.now() + input.ttlMs;
+  let touched = false;
+
+  const entry = (): SessionEntry => ({ subject: lease!.subject, pool: input.model, instance: lease!.instance, expiresAt });
+
+  setHandler(leaseGrantedSignal, (g) => {
+    if ('error' in g) failure = g.error;
+    else {
+      lease = g;
+      failure = null;
+    }
+  });
+  setHandler(touchSignal, () => {
+    expiresAt = Date.now() + input.ttlMs;
+    touched = true;
+  });
+  setHandler(
+    acquireUpdate,
+    async (): Promise<SessionEntry> => {
+      if (!lease && !requested) {
+        requested = true;
+        await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId });
+      }
+      await condition(() => lease !== null || failure !== null);
+      if (!lease) {
+        requested = false; // the next acquire asks again
+        throw ApplicationFailure.nonRetryable(`no instance of ${input.model} can be started: ${failure}`, 'NoCapacity');
+      }
+      expiresAt = Date.now() + input.ttlMs;
+      const e = entry();
+      await writeSession({ key: input.key, entry: e });
+      return e;
+    },
+    {
+      validator: ({ model }) => {
+        if (model !== input.model) throw new Error(`session ${input.key} serves ${input.model}, not ${model}`);
+      },
+    },
+  );
+
+  // Expiry: a timer that every touch pushes back.
+  for (;;) {
+    const remaining = expiresAt - Date.now();
+    if (remaining <= 0) break;
+    await condition(() => touched, remaining);
+    if (touched && lease) {
+      touched = false;
+      await writeSession({ key: input.key, entry: entry() }); // the gateway's cache sees the new expiry
+    }
+    touched = false;
+    if (workflowInfo().continueAsNewSuggested) {
+      await condition(allHandlersFinished);
+      if (lease) await continueAsNew<typeof session>(input, { ...lease, expiresAt });
+    }
+  }
+  await condition(allHandlersFinished);
+  await deleteSession({ key: input.key });
+  if (lease) await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
+}
