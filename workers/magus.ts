@@ -12,10 +12,11 @@ import { bridgeCommand } from './bridge';
 import { gatewayCommand } from '../gateway/server';
 import { modelPullCommand, PULL_USAGE } from './model-pull';
 import { startWorkers } from './worker';
+import { runDev } from './dev/dev';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
 
 const DESCRIPTIONS: Record<Mode, string> = {
-  dev: 'start Temporal, NATS, S3 (and a Kubernetes API server with --services) locally and print their addresses',
+  dev: 'everything locally: Temporal, NATS, S3, a worker, the gateway and a demo model (or --model org/repo)',
   worker: 'Temporal workers for the magus-control and magus-pipeline task queues',
   controller: 'watch Model/Dllama/Session resources and drive their workflows',
   gateway: 'OpenAI-compatible HTTP API',
@@ -35,7 +36,8 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--services temporal,nats,s3,kubernetes] [--json]',
+    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN]',
+    'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
@@ -54,13 +56,19 @@ function parseServices(arg: string | undefined): ServiceName[] {
   return names as ServiceName[];
 }
 
-/** `magus dev`: for now, the local servers; later issues add the worker, gateway and demo model. */
+/** `magus dev`: the whole system; `--services a,b` starts only those servers (no worker, gateway or model). */
 async function dev(args: string[]): Promise<number> {
   const flag = (name: string) => {
     const i = args.indexOf(name);
     return i >= 0 ? args[i + 1] : undefined;
   };
   const json = args.includes('--json');
+  // Without --services: the whole system (servers, worker, gateway, demo model).
+  if (!args.includes('--services')) {
+    const port = flag('--port');
+    if (port !== undefined && !/^\d{1,5}$/.test(port)) throw new Error(`--port ${port} is not a port number`);
+    return runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env') });
+  }
   const services = parseServices(flag('--services'));
   if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
   const running = await startServices({ services });

@@ -129,8 +129,8 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   return {
     done,
     async shutdown() {
-      control.shutdown();
-      pipeline.shutdown();
+      // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
+      for (const w of [control, pipeline]) if (w.getState() === 'RUNNING') w.shutdown();
       await done;
     },
   };

@@ -88,8 +88,8 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): Runtime & { stopA
   }
 
   /** Starts an engine and resolves with its URL once it reports ready. */
-  function startEngine(model: string): Promise<{ child: ChildProcess; url: string }> {
-    const [cmd, ...args] = engineArgv(['--model', model, '--port', '0', '--json', '--slots', String(slots), '--threads', String(opts.threads ?? 1)]);
+  function startEngine(model: string, modelId: string): Promise<{ child: ChildProcess; url: string }> {
+    const [cmd, ...args] = engineArgv(['--model', model, '--model-id', modelId, '--port', '0', '--json', '--slots', String(slots), '--threads', String(opts.threads ?? 1)]);
     const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', cmd!, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
     child.stderr?.on('data', (d: Buffer) => log(`engine: ${d.toString().trimEnd()}`));
     return new Promise((ok, fail) => {
@@ -120,7 +120,8 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): Runtime & { stopA
 
   async function create(req: InstanceRequest): Promise<InstanceInfo> {
     const model = await modelFile(req.namespace, req.model);
-    const { child, url } = await startEngine(model);
+    // Responses name the model as clients know it, not by its cached file.
+    const { child, url } = await startEngine(model, req.model);
     try {
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
       const bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: url, slots, log });

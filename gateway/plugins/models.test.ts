@@ -45,3 +45,16 @@ it('a bare name means the first namespace in registry order', async () => {
   expect((await cat.find('m'))?.namespace).toBe('a');
   expect((await cat.find('b/m'))?.namespace).toBe('b');
 });
+
+it('a model published while the catalog was stale is found on the first request', async () => {
+  let now = 0;
+  // A registry read takes a moment, as the real one (NATS KV) does.
+  const state = { models: [] as ReadyModel[], calls: 0 };
+  const l = { state, list: () => (state.calls++, new Promise<ReadyModel[]>((r) => setTimeout(() => r(state.models), 10))) };
+  const cat = createModelCatalog(l, { maxAgeMs: 5000, missRefreshMs: 1000, now: () => now });
+  expect(await cat.find('demo')).toBeUndefined();
+  now = 60_000; // long after: the catalog is stale, and the model has been published meanwhile
+  l.state.models = [readyModel('demo')];
+  expect((await cat.find('demo'))?.name).toBe('demo');
+  expect(l.state.calls).toBe(2);
+});

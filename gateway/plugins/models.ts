@@ -73,7 +73,15 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
     async find(id) {
       await fresh();
       const m = byId.get(id);
-      if (m || now() - attemptedAt < missInterval) return m;
+      if (m) return m;
+      // A miss waits for a refresh already under way (fresh() may just have started one for a
+      // stale catalog): a model published a moment ago must not be reported as unknown.
+      if (inflight) {
+        await inflight;
+        const again = byId.get(id);
+        if (again) return again;
+      }
+      if (now() - attemptedAt < missInterval) return undefined;
       await refresh();
       return byId.get(id);
     },

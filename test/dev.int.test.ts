@@ -1,0 +1,44 @@
+/**
+ * The main job as a user runs it: `magus dev` (the compiled CLI) brings up the whole system and
+ * the demo model, the request it prints works, and Ctrl-C leaves nothing behind.
+ */
+import { spawn } from 'node:child_process';
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { freePort } from '../workers/dev/services';
+
+test('magus dev serves the demo model, and SIGINT stops everything it started', async () => {
+  const port = await freePort();
+  const child = spawn(process.execPath, [join(__dirname, '..', 'bin', 'magus.js'), 'dev', '--port', String(port)], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  let err = '';
+  child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (err += d.toString()));
+  const exited = new Promise<number | null>((r) => child.once('exit', r));
+  try {
+    const deadline = Date.now() + 120_000;
+    while (!out.includes('Ctrl-C stops everything')) {
+      if (child.exitCode !== null || Date.now() > deadline) throw new Error(`magus dev did not get ready:\n${err}`);
+      await new Promise((r) => setTimeout(r, 250));
+    }
+    expect(out).toContain(`served at http://127.0.0.1:${port}/v1`);
+    expect(out).toMatch(/Temporal UI: http:\/\/127\.0\.0\.1:\d+/);
+    const tokenFile = /API token: +in (\S+)/.exec(out)![1]!;
+    expect(out).not.toContain(readFileSync(tokenFile, 'utf8').trim()); // printed by reference only
+
+    // What the printed curl does.
+    const res = await fetch(`http://127.0.0.1:${port}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${readFileSync(tokenFile, 'utf8').trim()}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'demo', messages: [{ role: 'user', content: 'Hello!' }], stream: true, max_tokens: 8 }),
+    });
+    expect(res.status).toBe(200);
+    const body = await res.text();
+    expect(body).toContain('"object":"chat.completion.chunk"');
+    expect(body.trimEnd().endsWith('data: [DONE]')).toBe(true);
+  } finally {
+    child.kill('SIGINT');
+  }
+  expect(await exited).toBe(0);
+  expect(err).not.toMatch(/while stopping/);
+}, 180_000);
