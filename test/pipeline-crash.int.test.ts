@@ -51,6 +51,8 @@ function spawnWorker(): ChildProcess {
       MAGUS_TRANSFER_PART_SIZE: String(PART),
       MAGUS_S3_TRACE_FILE: traceFile(),
       MAGUS_CONVERT_THREADS: '1',
+      MAGUS_METRICS_ADDRESS: '127.0.0.1:0',
+      MAGUS_HEALTH_ADDRESS: '127.0.0.1:0',
     },
   });
   child.stderr?.resume();

@@ -3,6 +3,8 @@
  * not built yet say so and exit 2, so scripts can tell "not available" from "failed".
  */
 import { writeFileSync } from 'node:fs';
+import { createServer } from 'node:http';
+import { Runtime } from '@temporalio/worker';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
 import { ConfigError, loadConfig } from './config';
@@ -112,16 +114,34 @@ async function configErrors(fn: () => Promise<number>): Promise<number> {
   }
 }
 
-/** `magus worker`: runs until SIGINT/SIGTERM, then stops gracefully. */
+/**
+ * `magus worker`: runs until SIGINT/SIGTERM, then stops gracefully. The Temporal SDK's metrics
+ * are exported for Prometheus on MAGUS_METRICS_ADDRESS (default 127.0.0.1:9464, `/metrics`), and
+ * MAGUS_HEALTH_ADDRESS (default 127.0.0.1:9465) answers `/healthz` and `/readyz`.
+ */
 function workerCommand(): Promise<number> {
   return configErrors(async () => {
     const cfg = loadConfig();
+    const metrics = process.env.MAGUS_METRICS_ADDRESS ?? '127.0.0.1:9464';
+    Runtime.install({ telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
+    let ready = false;
+    const [host, port] = (process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9465').split(':');
+    const health = createServer((req, res) => {
+      const ok = req.url === '/healthz' || (req.url === '/readyz' && ready);
+      res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
+    });
+    await new Promise<void>((ok) => health.listen(Number(port), host, ok));
     const workers = await startWorkers(cfg);
-    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}\n`);
-    const stop = () => void workers.shutdown();
+    ready = true;
+    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
+    const stop = () => {
+      ready = false;
+      void workers.shutdown();
+    };
     process.once('SIGINT', stop);
     process.once('SIGTERM', stop);
     await workers.done;
+    health.close();
     return 0;
   });
 }
