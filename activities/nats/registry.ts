@@ -30,8 +30,12 @@ export async function openModelRegistry(nc: NatsConnection, bucket: string = Nat
       return e && e.operation === 'PUT' && e.value.length > 0 ? codec.decode(e.value) : null;
     },
     async list() {
+      // Keys first, then values: awaiting a get inside the keys() iterator makes nats.js drop
+      // the keys still queued, and the list would stop at the first model.
+      const keys: string[] = [];
+      for await (const key of await kv.keys()) keys.push(key);
       const out: ReadyModel[] = [];
-      for await (const key of await kv.keys()) {
+      for (const key of keys) {
         const e = await kv.get(key);
         if (e && e.operation === 'PUT' && e.value.length > 0) out.push(codec.decode(e.value));
       }
