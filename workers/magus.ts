@@ -4,18 +4,35 @@
  */
 import { writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
-import { Runtime } from '@temporalio/worker';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
 import { ConfigError, loadConfig } from './config';
-import { convertCommand } from './convert';
-import { engineCommand } from './engine';
-import { bridgeCommand } from './bridge';
-import { gatewayCommand } from '../gateway/server';
-import { modelPullCommand, PULL_USAGE } from './model-pull';
-import { startWorkers } from './worker';
-import { runDev } from './dev/dev';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
+import type * as ConvertModule from './convert';
+import type * as EngineModule from './engine';
+import type * as BridgeModule from './bridge';
+import type * as GatewayModule from '../gateway/server';
+import type * as ModelPullModule from './model-pull';
+import type * as WorkerModule from './worker';
+import type * as TemporalWorkerModule from '@temporalio/worker';
+import type * as DevModule from './dev/dev';
+
+/*
+ * Each mode loads its modules only when it runs: `magus convert` must not pay, in start-up time
+ * and memory, for Temporal's worker runtime, the Kubernetes client and fastify.
+ */
+/* eslint-disable @typescript-eslint/no-require-imports */
+const load = {
+  convert: () => require('./convert') as typeof ConvertModule,
+  engine: () => require('./engine') as typeof EngineModule,
+  bridge: () => require('./bridge') as typeof BridgeModule,
+  gateway: () => require('../gateway/server') as typeof GatewayModule,
+  modelPull: () => require('./model-pull') as typeof ModelPullModule,
+  worker: () => require('./worker') as typeof WorkerModule,
+  temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
+  dev: () => require('./dev/dev') as typeof DevModule,
+};
+/* eslint-enable @typescript-eslint/no-require-imports */
 
 const DESCRIPTIONS: Record<Mode, string> = {
   dev: 'everything locally: Temporal, NATS, S3, a worker, the gateway and a demo model (or --model org/repo)',
@@ -69,7 +86,7 @@ async function dev(args: string[]): Promise<number> {
   if (!args.includes('--services')) {
     const port = flag('--port');
     if (port !== undefined && !/^\d{1,5}$/.test(port)) throw new Error(`--port ${port} is not a port number`);
-    return runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env') });
+    return load.dev().runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env') });
   }
   const services = parseServices(flag('--services'));
   if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
@@ -123,7 +140,7 @@ function workerCommand(): Promise<number> {
   return configErrors(async () => {
     const cfg = loadConfig();
     const metrics = process.env.MAGUS_METRICS_ADDRESS ?? '127.0.0.1:9464';
-    Runtime.install({ telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
+    load.temporalWorker().Runtime.install({ telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
     let ready = false;
     const [host, port] = (process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9465').split(':');
     const health = createServer((req, res) => {
@@ -131,7 +148,7 @@ function workerCommand(): Promise<number> {
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
     });
     await new Promise<void>((ok) => health.listen(Number(port), host, ok));
-    const workers = await startWorkers(cfg);
+    const workers = await load.worker().startWorkers(cfg);
     ready = true;
     process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
     const stop = () => {
@@ -160,18 +177,18 @@ export async function main(argv: string[]): Promise<number> {
     case 'dev':
       return dev(rest);
     case 'convert':
-      return convertCommand(rest);
+      return load.convert().convertCommand(rest);
     case 'worker':
       return workerCommand();
     case 'engine':
-      return engineCommand(rest);
+      return load.engine().engineCommand(rest);
     case 'bridge':
-      return bridgeCommand(rest);
+      return load.bridge().bridgeCommand(rest);
     case 'gateway':
-      return configErrors(() => gatewayCommand(rest));
+      return configErrors(() => load.gateway().gatewayCommand(rest));
     case 'model':
-      if (rest[0] === 'pull') return configErrors(() => modelPullCommand(rest.slice(1)));
-      process.stderr.write(`${PULL_USAGE}\n`);
+      if (rest[0] === 'pull') return configErrors(() => load.modelPull().modelPullCommand(rest.slice(1)));
+      process.stderr.write(`${load.modelPull().PULL_USAGE}\n`);
       return 1;
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
