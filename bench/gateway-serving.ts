@@ -1,0 +1,127 @@
+/**
+ * The serving side of `npm run bench:gateway`, forked by bench/gateway.ts: what runs next to an
+ * engine, in a process of its own so that neither it nor the load shares the gateway's event
+ * loop. On request (IPC) it starts
+ * - a stub engine that answers at once and a real bridge consuming its instance's requests, and
+ * - the Temporal workers (workflows + local runtime: a real llama.cpp engine and its bridge).
+ *
+ * While tracing is on it records, with epoch-ms timestamps, what the bridge does on this NATS
+ * connection (`request`: claim reads and writes; `publish`: response frames) and its engine calls
+ * (`fetch`), so the parent can break a request's time down by hop; and it CPU-profiles itself on request.
+ */
+import { Runtime, DefaultLogger } from '@temporalio/worker';
+import { connect, type NatsConnection } from 'nats';
+import { ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { startBridge, type Bridge, type BridgeStats } from '../workers/bridge';
+import type { MagusConfig } from '../workers/config';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
+import { startCpuProfile, type CpuSummary } from './cpu-profile';
+
+/** Parent → child. */
+export type ServingCommand =
+  | { type: 'stub'; nats: string; prefix: string; pool: string; instance: string; slots: number; chunks: number }
+  | { type: 'workers'; cfg: MagusConfig; env: Record<string, string> }
+  | { type: 'trace'; on: boolean }
+  | { type: 'profile'; on: boolean }
+  | { type: 'stats' }
+  | { type: 'stop' };
+
+/** Child → parent (`re` names the command answered). */
+export type ServingReply =
+  | { re: 'stub'; url: string; subject: string }
+  | { re: 'workers' }
+  | { re: 'trace'; events: TraceEvent[] }
+  | { re: 'profile'; summary?: CpuSummary }
+  | { re: 'stats'; bridge: BridgeStats | undefined }
+  | { re: 'stop' }
+  | { re: string; error: string };
+
+/** `[what, subject (+ payload of small requests) or engine seed, start, end]` (epoch ms). */
+export type TraceEvent = [kind: 'request' | 'publish' | 'fetch', key: string, start: number, end: number];
+
+const now = (): number => performance.timeOrigin + performance.now();
+
+let nc: NatsConnection | undefined;
+let engine: StubEngine | undefined;
+let bridge: Bridge | undefined;
+let workers: RunningWorkers | undefined;
+let tracing = false;
+let trace: TraceEvent[] = [];
+let stopProfile: (() => Promise<CpuSummary>) | undefined;
+
+/** Wraps the bridge's connection and `fetch` so that, while tracing, every call leaves an event. */
+function instrument(conn: NatsConnection): void {
+  const request = conn.request.bind(conn);
+  conn.request = async (subject, data, opts) => {
+    if (!tracing) return request(subject, data, opts);
+    const t0 = now();
+    const m = await request(subject, data, opts);
+    // A KV read names its key in the payload (`last_by_subj`), not in the subject.
+    trace.push(['request', data && data.length < 512 ? `${subject} ${typeof data === 'string' ? data : new TextDecoder().decode(data)}` : subject, t0, now()]);
+    return m;
+  };
+  const publish = conn.publish.bind(conn);
+  conn.publish = (subject, data, opts) => {
+    if (tracing) trace.push(['publish', subject, now(), 0]);
+    publish(subject, data, opts);
+  };
+  const fetchBefore = globalThis.fetch;
+  globalThis.fetch = async (input, init) => {
+    if (!tracing) return fetchBefore(input, init);
+    const t0 = now();
+    const res = await fetchBefore(input, init);
+    const seed = typeof init?.body === 'string' ? String((JSON.parse(init.body) as { seed?: number }).seed) : '';
+    trace.push(['fetch', seed, t0, now()]);
+    return res;
+  };
+}
+
+async function handle(cmd: ServingCommand): Promise<ServingReply> {
+  switch (cmd.type) {
+    case 'stub': {
+      nc = await connect({ servers: cmd.nats, name: 'bench-bridge' });
+      instrument(nc);
+      const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
+      await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
+      engine = await startStubEngine({ modelId: cmd.pool, chunks: cmd.chunks });
+      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: engine.url, slots: cmd.slots });
+      return { re: 'stub', url: engine.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
+    }
+    case 'workers':
+      Object.assign(process.env, cmd.env);
+      Runtime.install({ logger: new DefaultLogger('WARN') });
+      workers = await startWorkers(cmd.cfg);
+      return { re: 'workers' };
+    case 'trace': {
+      tracing = cmd.on;
+      const events = cmd.on ? [] : trace;
+      trace = [];
+      return { re: 'trace', events };
+    }
+    case 'profile':
+      if (cmd.on) {
+        stopProfile = await startCpuProfile();
+        return { re: 'profile' };
+      }
+      return { re: 'profile', summary: await stopProfile?.() };
+    case 'stats':
+      return { re: 'stats', bridge: bridge ? { ...bridge.stats } : undefined };
+    case 'stop':
+      await bridge?.stop();
+      await engine?.stop();
+      await nc?.drain();
+      await workers?.shutdown();
+      return { re: 'stop' };
+  }
+}
+
+if (require.main === module) {
+  process.on('message', (cmd: ServingCommand) => {
+    handle(cmd).then(
+      (reply) => process.send!(reply),
+      (err: unknown) => process.send!({ re: cmd.type, error: (err as Error).stack ?? String(err) }),
+    );
+  });
+  process.on('disconnect', () => process.exit(0));
+}
