@@ -3,8 +3,8 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
+import { dataPlaneNames } from '../activities/nats/data-plane';
 import { readFileSync } from 'node:fs';
-import { Nats } from '../shared/constants';
 import { staticTokenSource } from './plugins/auth';
 import type { GatewaySettings } from './plugins/services';
 
@@ -84,11 +84,15 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   const port = int('MAGUS_GATEWAY_PORT (--port)', 8080, 0, 65535, args.port ?? raw('MAGUS_GATEWAY_PORT'));
   const natsServers = raw('MAGUS_NATS_URL') ?? 'nats://127.0.0.1:4222';
   if (!natsServers.split(',').every((u) => /^(nats|tls):\/\/[^\s/]+$/.test(u.trim()))) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
-  const subjectScope = str('MAGUS_NATS_SUBJECT_SCOPE', '', /^([a-z0-9_-]{1,64})?$/, 'is not a subject token (lowercase letters, digits, _ and -)');
+  // One prefix names the whole data plane, as for the worker (workers/config.ts); the
+  // per-bucket variables override single names.
+  const prefix = str('MAGUS_NATS_PREFIX', '', /^[A-Za-z0-9_-]*$/, "may hold only letters, digits, '_' and '-'");
+  const names = dataPlaneNames(/^[A-Za-z0-9_-]*$/.test(prefix) ? prefix : '');
+  const subjectScope = str('MAGUS_NATS_SUBJECT_SCOPE', names.subjectScope, /^([a-z0-9_-]{1,64})?$/, 'is not a subject token (lowercase letters, digits, _ and -)');
   const buckets = {
-    models: str('MAGUS_MODELS_BUCKET', Nats.modelsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
-    tokens: str('MAGUS_TOKENS_BUCKET', Nats.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
-    sessions: str('MAGUS_SESSIONS_BUCKET', Nats.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    models: str('MAGUS_MODELS_BUCKET', names.modelsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    tokens: str('MAGUS_TOKENS_BUCKET', names.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    sessions: str('MAGUS_SESSIONS_BUCKET', names.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
   };
 
   let secret = raw('MAGUS_GATEWAY_SECRET');

@@ -15,7 +15,6 @@ import { writeTinyModel } from '../../test/fixtures/tiny-model';
 import { loadGatewayConfig } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
 import { temporalSessions } from '../../gateway/temporal';
-import { dataPlaneNames } from '../../activities/nats/data-plane';
 import { validateModelSpec, type ModelSpec } from '../../shared/model';
 import { modelWorkflowId, progressQuery } from '../../workflows/model/definitions';
 import type { modelPipeline } from '../../workflows/model/pipeline';
@@ -91,15 +90,12 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const token = `mgs_dev_${randomBytes(24).toString('hex')}`;
     const tokenFile = join(services.dataDir, 'api-token');
     writeFileSync(tokenFile, `${token}\n`, { mode: 0o600 });
-    const names = dataPlaneNames(cfg.natsPrefix);
     const port = opts.port ?? (await portOr(8080));
     const gatewayConfig = loadGatewayConfig({
       MAGUS_GATEWAY_HOST: '127.0.0.1',
       MAGUS_GATEWAY_PORT: String(port),
       MAGUS_NATS_URL: cfg.nats.servers,
-      MAGUS_MODELS_BUCKET: names.modelsBucket,
-      MAGUS_TOKENS_BUCKET: names.tokensBucket,
-      MAGUS_SESSIONS_BUCKET: names.sessionsBucket,
+      MAGUS_NATS_PREFIX: cfg.natsPrefix,
       MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest: createHash('sha256').update(token).digest('hex'), name: 'magus dev' } }),
       MAGUS_LOG_LEVEL: 'warn',
