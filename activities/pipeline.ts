@@ -14,9 +14,11 @@ import { convertModel, CONVERTER_VERSION, type ConvertProgress } from './convert
 import { ConvertError, isConvertError } from './convert/errors';
 import type { CheckpointFiles } from './convert/types';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
+import { isSecretUnavailable } from './huggingface/secrets';
 import type { ModelRegistry } from './nats/registry';
 import { planMemory } from './size/memory';
 import { abortStaleUploads } from './storage/cleanup';
+import { isStorageError } from './storage/errors';
 import { headObject } from './storage/multipart';
 import { s3Source } from './storage/s3-source';
 import { s3OutputTarget } from './storage/s3-writer';
@@ -84,8 +86,12 @@ function classify(err: unknown): never {
   } else if (isConvertError(err)) {
     // The input is pinned by commit and verified by sha256: a conversion error is permanent.
     throw ApplicationFailure.nonRetryable(`${err.code}: ${err.message}`, ErrorType.UnsupportedModel);
-  } else if (err instanceof Error && err.name === 'SecretUnavailableError') {
+  } else if (isSecretUnavailable(err)) {
     throw ApplicationFailure.nonRetryable(err.message, ErrorType.SecretUnavailable);
+  } else if (isStorageError(err) && err.permanent) {
+    // E.g. a source longer than its listing: content at a pinned commit cannot change, so no
+    // retry helps (a source that ends early is transient and resumes).
+    throw ApplicationFailure.nonRetryable(`${err.code}: ${err.message}`, ErrorType.ChecksumMismatch);
   }
   throw err;
 }
@@ -192,7 +198,7 @@ export function createPipelineActivities(deps: PipelineDeps) {
             progress(file.size, file.size, true);
             return { key: result.key, bytes: result.bytes, sha256: result.sha256 };
           } catch (err) {
-            if ((err as { code?: string }).code === 'ChecksumMismatch') {
+            if (isStorageError(err, 'ChecksumMismatch')) {
               if (attempt >= 2) throw ApplicationFailure.nonRetryable(`${file.path}: content does not match the hub's sha256 after a fresh download`, ErrorType.ChecksumMismatch);
               checkpoint = null; // the upload was aborted; download everything again
               continue;
