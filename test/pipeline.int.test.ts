@@ -20,7 +20,7 @@ import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, natsConnect, s3Client, temporalClient } from './harness';
+import { endpoint, isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 import { runLlamaCpp } from './support/llama-cpp';
 
@@ -49,24 +49,11 @@ beforeAll(async () => {
   await hub.addRepo({ id: 'magus-test/gated-llama', dir: join(dir, 'tiny'), gated: true, access: [TOKEN] });
   await hub.addRepo({ id: 'magus-test/corrupt-llama', dir: join(dir, 'other') });
 
-  const s3e = endpoint('s3');
   // The worker's S3 client takes credentials from the standard environment, as in production.
-  process.env.AWS_ACCESS_KEY_ID = s3e.accessKeyId;
-  process.env.AWS_SECRET_ACCESS_KEY = s3e.secretAccessKey;
   process.env.MAGUS_TEST_HF_TOKEN = TOKEN;
   s3 = s3Client();
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  cfg = {
-    temporal: { address: endpoint('temporal').address, namespace: 'default' },
-    taskQueue: `${iso.id}-control`,
-    nats: { servers: endpoint('nats').servers },
-    s3: { endpoint: s3e.endpoint, region: s3e.region, bucket: iso.bucket, forcePathStyle: true },
-    natsPrefix: iso.natsPrefix,
-    modelCacheDir: join(dir, 'models'),
-    convertThreads: 2,
-    transferPartSize: undefined,
-    s3TraceFile: undefined,
-  };
+  cfg = workerConfig(iso, dir, { convertThreads: 2 });
   workers = await startWorkers(cfg);
   ({ client, connection } = await temporalClient());
   nc = await natsConnect();
@@ -227,13 +214,12 @@ test('cancel stops a transfer in flight and removes its partial uploads', async 
 }, 60_000);
 
 test('magus model pull starts the pipeline and returns when the model is ready', async () => {
-  const s3e = endpoint('s3');
   const child = spawn(
     process.execPath,
     ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))", 'model', 'pull', REPO, '--format', 'gguf:q80', '--hub', hub.url, '--name', 'pulled'],
     {
       cwd: join(__dirname, '..'),
-      env: { ...process.env, MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address, MAGUS_TASK_QUEUE: cfg.taskQueue, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_S3_ENDPOINT: s3e.endpoint },
+      env: { ...process.env, MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address, MAGUS_TASK_QUEUE: cfg.taskQueue, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_S3_ENDPOINT: cfg.s3.endpoint },
     },
   );
   let stdout = '';

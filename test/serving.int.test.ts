@@ -22,10 +22,9 @@ import { temporalSessions } from '../gateway/temporal';
 import type { SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
-import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, natsConnect, s3Client, temporalClient } from './harness';
+import { endpoint, isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 
 const iso = isolation();
@@ -51,25 +50,12 @@ beforeAll(async () => {
   await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: gguf, threads: 1 });
   const bytes = readFileSync(gguf);
 
-  const s3e = endpoint('s3');
-  process.env.AWS_ACCESS_KEY_ID = s3e.accessKeyId;
-  process.env.AWS_SECRET_ACCESS_KEY = s3e.secretAccessKey;
   s3 = s3Client();
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
   const key = 'artifacts/test/tiny/gguf-q80/model.gguf';
   await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: bytes }));
 
-  const cfg: MagusConfig = {
-    temporal: { address: endpoint('temporal').address, namespace: 'default' },
-    taskQueue: `${iso.id}-control`,
-    nats: { servers: endpoint('nats').servers },
-    s3: { endpoint: s3e.endpoint, region: s3e.region, bucket: iso.bucket, forcePathStyle: true },
-    natsPrefix: iso.natsPrefix,
-    modelCacheDir: join(dir, 'models'),
-    convertThreads: 1,
-    transferPartSize: undefined,
-    s3TraceFile: undefined,
-  };
+  const cfg = workerConfig(iso, dir);
   workers = await startWorkers(cfg); // also declares the data plane (streams, buckets)
   nc = await natsConnect();
   const registry = await openModelRegistry(nc, names.modelsBucket);

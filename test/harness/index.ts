@@ -4,12 +4,13 @@
  * and Kubernetes namespace from {@link isolation}.
  */
 import { readFileSync } from 'node:fs';
-import { basename } from 'node:path';
+import { basename, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { S3Client } from '@aws-sdk/client-s3';
 import { Connection, Client } from '@temporalio/client';
 import { NativeConnection } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
+import type { MagusConfig } from '../../workers/config';
 import type { ServiceEndpoints } from '../../workers/dev/services';
 
 export type { ServiceEndpoints };
@@ -66,4 +67,27 @@ export async function temporalClient(): Promise<{ client: Client; connection: Co
 
 export async function temporalWorkerConnection(): Promise<NativeConnection> {
   return NativeConnection.connect({ address: endpoint('temporal').address });
+}
+
+/**
+ * A worker configuration for the calling test file: the test servers, its own task queue,
+ * bucket and NATS prefix. Also puts the S3 credentials where the worker's S3 client looks for
+ * them (the standard AWS environment), as in production.
+ */
+export function workerConfig(iso: Isolation, dir: string, overrides: Partial<MagusConfig> = {}): MagusConfig {
+  const s3 = endpoint('s3');
+  process.env.AWS_ACCESS_KEY_ID = s3.accessKeyId;
+  process.env.AWS_SECRET_ACCESS_KEY = s3.secretAccessKey;
+  return {
+    temporal: { address: endpoint('temporal').address, namespace: 'default' },
+    taskQueue: `${iso.id}-control`,
+    nats: { servers: endpoint('nats').servers },
+    s3: { endpoint: s3.endpoint, region: s3.region, bucket: iso.bucket, forcePathStyle: true },
+    natsPrefix: iso.natsPrefix,
+    modelCacheDir: join(dir, 'models'),
+    convertThreads: 1,
+    transferPartSize: undefined,
+    s3TraceFile: undefined,
+    ...overrides,
+  };
 }
