@@ -11,7 +11,7 @@ function lister(initial: ReadyModel[]) {
 it('reads the registry once, then serves from memory until stale', async () => {
   let now = 0;
   const l = lister([readyModel('a')]);
-  const cat = createModelCatalog(l, { maxAgeMs: 1000, missRefreshMs: 100, now: () => now });
+  const cat = createModelCatalog(l, { maxAgeMs: 1000, now: () => now });
   expect((await cat.find('a'))?.name).toBe('a');
   expect(await cat.find('default/a')).toBeDefined();
   await cat.find('a');
@@ -24,20 +24,20 @@ it('reads the registry once, then serves from memory until stale', async () => {
   expect((await cat.list()).map((m) => m.name)).toEqual(['a', 'b']);
 });
 
-it('re-reads at once (rate-limited) for an unknown id, so a new model is found immediately', async () => {
+it('re-reads at once for an unknown id, so a new model is found immediately; concurrent misses share a read', async () => {
   let now = 0;
   const l = lister([readyModel('a')]);
-  const cat = createModelCatalog(l, { maxAgeMs: 60_000, missRefreshMs: 100, now: () => now });
+  const cat = createModelCatalog(l, { maxAgeMs: 60_000, now: () => now });
   await cat.find('a');
   now = 500;
   l.state.models = [readyModel('a'), readyModel('new')];
   expect((await cat.find('new'))?.name).toBe('new');
   expect(l.state.calls).toBe(2);
-  expect(await cat.find('nope')).toBeUndefined(); // within missRefreshMs of the last read
-  expect(l.state.calls).toBe(2);
-  now = 700;
+  // A miss is answered from a read made after it arrived, however recent the last one was.
   expect(await cat.find('nope')).toBeUndefined();
   expect(l.state.calls).toBe(3);
+  expect(await Promise.all([cat.find('x'), cat.find('y'), cat.find('z')])).toEqual([undefined, undefined, undefined]);
+  expect(l.state.calls).toBe(4);
 });
 
 it('a bare name means the first namespace in registry order', async () => {
@@ -51,10 +51,19 @@ it('a model published while the catalog was stale is found on the first request'
   // A registry read takes a moment, as the real one (NATS KV) does.
   const state = { models: [] as ReadyModel[], calls: 0 };
   const l = { state, list: () => (state.calls++, new Promise<ReadyModel[]>((r) => setTimeout(() => r(state.models), 10))) };
-  const cat = createModelCatalog(l, { maxAgeMs: 5000, missRefreshMs: 1000, now: () => now });
+  const cat = createModelCatalog(l, { maxAgeMs: 5000, now: () => now });
   expect(await cat.find('demo')).toBeUndefined();
   now = 60_000; // long after: the catalog is stale, and the model has been published meanwhile
   l.state.models = [readyModel('demo')];
   expect((await cat.find('demo'))?.name).toBe('demo');
   expect(l.state.calls).toBe(2);
+});
+
+it('a model published just after the last read (the demo in `magus dev`) is found on the first request', async () => {
+  const now = 0; // no time passes: the last read is as recent as can be
+  const l = lister([]);
+  const cat = createModelCatalog(l, { maxAgeMs: 5000, now: () => now });
+  await cat.refresh();
+  l.state.models = [readyModel('demo')];
+  expect((await cat.find('demo'))?.name).toBe('demo');
 });

@@ -23,8 +23,6 @@ export interface ModelCatalog {
 
 export interface ModelCatalogOptions {
   maxAgeMs?: number;
-  /** At most one extra registry read per this interval for unknown model ids. */
-  missRefreshMs?: number;
   now?: () => number;
   onError?: (err: unknown) => void;
 }
@@ -32,16 +30,16 @@ export interface ModelCatalogOptions {
 export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOptions = {}): ModelCatalog {
   const now = opts.now ?? Date.now;
   const maxAge = opts.maxAgeMs ?? 5_000;
-  const missInterval = opts.missRefreshMs ?? 1_000;
   let models: readonly ReadyModel[] = [];
   let byId = new Map<string, ReadyModel>();
   let loadedAt = Number.NEGATIVE_INFINITY;
-  let attemptedAt = Number.NEGATIVE_INFINITY;
+  /** Registry reads started so far: a miss is answered only from a read that began after it arrived. */
+  let readsStarted = 0;
   let inflight: Promise<void> | undefined;
 
   const refresh = (): Promise<void> => {
     inflight ??= (async () => {
-      attemptedAt = now();
+      readsStarted++;
       try {
         const list = await registry.list();
         const next = new Map<string, ReadyModel>();
@@ -71,18 +69,15 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
       return models;
     },
     async find(id) {
+      const readsBefore = readsStarted;
       await fresh();
       const m = byId.get(id);
       if (m) return m;
-      // A miss waits for a refresh already under way (fresh() may just have started one for a
-      // stale catalog): a model published a moment ago must not be reported as unknown.
-      if (inflight) {
-        await inflight;
-        const again = byId.get(id);
-        if (again) return again;
-      }
-      if (now() - attemptedAt < missInterval) return undefined;
-      await refresh();
+      // Unknown here: answer from a registry read that began after this request arrived (one
+      // fresh() may just have started), so a model published a moment ago is never reported as
+      // unknown. Concurrent misses share that read.
+      if (readsStarted > readsBefore && inflight) await inflight;
+      else if (readsStarted === readsBefore) await refresh();
       return byId.get(id);
     },
   };
