@@ -3,8 +3,9 @@
  * a message naming the variable. Credentials (S3 keys) are read by the AWS SDK's default chain
  * (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
+import { accessSync, constants, statSync } from 'node:fs';
 import { homedir } from 'node:os';
-import { join } from 'node:path';
+import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { TaskQueue } from '../shared/constants';
 
 export interface MagusConfig {
@@ -22,7 +23,28 @@ export interface MagusConfig {
   transferPartSize: number | undefined;
   /** Debugging aid: append one line per S3 write request (`<command> <key> <part>`) to this file. */
   s3TraceFile: string | undefined;
+  /** distributed-llama topologies in the local runtime; unset: llama.cpp only. */
+  dllama?: DllamaConfig | undefined;
 }
+
+/**
+ * `MAGUS_DLLAMA_API_BIN` + `MAGUS_DLLAMA_BIN` (both or neither): the local runtime serves models
+ * that have a distributed-llama artifact with a root `dllama-api` and `nodes − 1` `dllama worker`
+ * processes on loopback ports.
+ */
+export interface DllamaConfig {
+  /** Absolute path of `dllama-api`. */
+  apiBin: string;
+  /** Absolute path of `dllama` (run as `dllama worker`). */
+  workerBin: string;
+  /** Nodes per topology, root included: a power of two (distributed-llama splits by 2^n). */
+  nodes: number;
+  /** `--nthreads` of every process of a topology. */
+  threads: number;
+}
+
+/** Node counts a topology may have: 2^n up to the 16 that activities/size plans memory for. */
+export const DLLAMA_NODES = [1, 2, 4, 8, 16] as const;
 
 export class ConfigError extends Error {
   override readonly name = 'ConfigError';
@@ -60,6 +82,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     }
   }
   if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim())) problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
+  const dllama = dllamaConfig(env, problems);
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
     temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
@@ -71,5 +94,54 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     convertThreads,
     transferPartSize,
     s3TraceFile: env.MAGUS_S3_TRACE_FILE?.trim() || undefined,
+    dllama,
+  };
+}
+
+/** An executable file: a path (relative to the working directory) or a bare name looked up in PATH. */
+function executable(name: string, value: string, env: NodeJS.ProcessEnv, problems: string[]): string {
+  const isExecutableFile = (p: string): boolean => {
+    try {
+      accessSync(p, constants.X_OK);
+      return statSync(p).isFile();
+    } catch {
+      return false;
+    }
+  };
+  if (value.includes('/')) {
+    const path = isAbsolute(value) ? value : resolve(value);
+    if (!isExecutableFile(path)) problems.push(`${name}=${value} is not an executable file`);
+    return path;
+  }
+  const found = (env.PATH ?? '').split(delimiter).filter(Boolean).map((dir) => join(dir, value)).find(isExecutableFile);
+  if (!found) problems.push(`${name}=${value} is not an executable file in PATH`);
+  return found ?? value;
+}
+
+function dllamaConfig(env: NodeJS.ProcessEnv, problems: string[]): DllamaConfig | undefined {
+  const apiBin = env.MAGUS_DLLAMA_API_BIN?.trim();
+  const workerBin = env.MAGUS_DLLAMA_BIN?.trim();
+  const nodesText = env.MAGUS_DLLAMA_NODES?.trim();
+  const threadsText = env.MAGUS_DLLAMA_THREADS?.trim();
+  if (!apiBin && !workerBin) {
+    const stray = [nodesText && 'MAGUS_DLLAMA_NODES', threadsText && 'MAGUS_DLLAMA_THREADS'].filter(Boolean);
+    if (stray.length > 0) problems.push(`${stray.join(' and ')} ${stray.length > 1 ? 'are' : 'is'} set, but distributed-llama is off: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
+    return undefined;
+  }
+  if (!apiBin || !workerBin) {
+    problems.push(`distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only ${apiBin ? 'MAGUS_DLLAMA_API_BIN' : 'MAGUS_DLLAMA_BIN'} is set`);
+    return undefined;
+  }
+  const nodes = Number(nodesText ?? '2');
+  if (!(DLLAMA_NODES as readonly number[]).includes(nodes)) {
+    problems.push(`MAGUS_DLLAMA_NODES=${nodesText} must be a power of two from 1 to 16 (the root plus 2^n − 1 workers): one of ${DLLAMA_NODES.join(', ')}`);
+  }
+  const threads = Number(threadsText ?? '1');
+  if (!Number.isInteger(threads) || threads < 1 || threads > 256) problems.push(`MAGUS_DLLAMA_THREADS=${threadsText} must be 1..256`);
+  return {
+    apiBin: executable('MAGUS_DLLAMA_API_BIN', apiBin, env, problems),
+    workerBin: executable('MAGUS_DLLAMA_BIN', workerBin, env, problems),
+    nodes,
+    threads,
   };
 }
