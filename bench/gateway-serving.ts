@@ -13,6 +13,7 @@ import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
 import { ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
 import { startBridge, type Bridge, type BridgeStats } from '../workers/bridge';
+import { createEngineClient, sseEvents, type EngineClient } from '../workers/engine-client';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
@@ -66,14 +67,21 @@ function instrument(conn: NatsConnection): void {
     if (tracing) trace.push(['publish', subject, now(), 0]);
     publish(subject, data, opts);
   };
-  const fetchBefore = globalThis.fetch;
-  globalThis.fetch = async (input, init) => {
-    if (!tracing) return fetchBefore(input, init);
-    const t0 = now();
-    const res = await fetchBefore(input, init);
-    const seed = typeof init?.body === 'string' ? String((JSON.parse(init.body) as { seed?: number }).seed) : '';
-    trace.push(['fetch', seed, t0, now()]);
-    return res;
+}
+
+/** The bridge's engine client, leaving a `fetch` event per engine call while tracing. */
+function tracedEngineClient(url: string): EngineClient {
+  const inner = createEngineClient(url);
+  return {
+    ...inner,
+    async post(path, body, opts) {
+      if (!tracing) return inner.post(path, body, opts);
+      const t0 = now();
+      const res = await inner.post(path, body, opts);
+      const text = await res.text();
+      trace.push(['fetch', String((JSON.parse(body) as { seed?: number }).seed), t0, now()]);
+      return { ...res, text: () => Promise.resolve(text), events: () => sseEvents([text]) };
+    },
   };
 }
 
@@ -85,7 +93,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
       engine = await startStubEngine({ modelId: cmd.pool, chunks: cmd.chunks });
-      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: engine.url, slots: cmd.slots });
+      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: engine.url, engineClient: tracedEngineClient(engine.url), slots: cmd.slots });
       return { re: 'stub', url: engine.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
     }
     case 'workers':

@@ -399,20 +399,42 @@ describe('redelivery', () => {
   it('a redelivery of an answered request re-publishes its recorded terminal frame without calling the engine', async () => {
     // As if a bridge finished the claim, published `done` and died before its ack reached the server.
     const stub = await engine(() => ({}));
-    const instance = await instanceWith();
+    const instance = await instanceWith({ ackWaitMs: 1000 });
     const req = requestFor({ stream: false });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'dead-bridge');
     const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'earlier answer' } }] } };
     expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
-
-    const b = await bridge(instance, stub.url);
-    const answer = await listen(req.id);
+    // The dead bridge's delivery: pulled, never acked; JetStream redelivers it after ack_wait.
     await send(instance, req);
+    const first = await (await nc.jetstream().consumers.get(names.requestStream, consumerNameOf(POOL, instance))).next({ expires: 5000 });
+    expect(first?.info.deliveryCount).toBe(1);
+
+    const answer = await listen(req.id);
+    const b = await bridge(instance, stub.url);
     expect(await answer.finished).toEqual([terminal]);
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats.replayed).toBe(1);
     expect(stub.calls).toHaveLength(0);
+  });
+});
+
+describe('a request id seen again as a first delivery', () => {
+  it('published again after the de-duplication window: the claim it finds decides, no second answer', async () => {
+    const stub = await engine(() => ({ chunks: 3 }));
+    const instance = await instanceWith();
+    const req = requestFor({ stream: true }); // the engine's chunks must not leak out while the claim is unknown
+    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claimed = await claims.acquire(req.id, 'earlier-bridge');
+    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the first answer' } }] } };
+    expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
+
+    const b = await bridge(instance, stub.url);
+    const answer = await listen(req.id);
+    await send(instance, req); // deliveryCount 1, so the bridge starts the engine while it claims
+    expect(await answer.finished).toEqual([terminal]);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ replayed: 1, pulled: 1, nakked: 0, termed: 0 });
   });
 });
 

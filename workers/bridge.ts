@@ -1,6 +1,7 @@
 /**
  * `magus bridge`: the sidecar next to an engine. It pulls requests for one topology instance
- * from JetStream (at most `slots` at a time), calls the engine's OpenAI API and streams numbered
+ * from JetStream (at most `slots` at a time), calls the engine's OpenAI API (node:http,
+ * keep-alive: workers/engine-client.ts) and streams numbered
  * {@link ResponseFrame}s back to the request's `replyTo` with core NATS.
  *
  * Exactly one answer per request id, although JetStream delivers at least once (README of
@@ -8,8 +9,10 @@
  * - every delivery claims the request in `magus_claims` (create, or CAS take-over of an earlier
  *   delivery); a superseded attempt notices (periodic check, reconnect check, failed finish CAS)
  *   and publishes nothing more;
- * - a terminal frame (`done`/`error`) is published only after the claim was CAS-ed to `finished`
- *   with that frame recorded; a later delivery of a finished request re-publishes exactly it;
+ * - a first delivery creates its claim while the engine already runs (frames wait for the claim);
+ * - a terminal frame (`done`/`error`) is recorded in the claim (CAS to `finished`) right after it
+ *   is published (before, when the bridge was disconnected); a later delivery of a finished request
+ *   re-publishes exactly it;
  * - a take-over reads the frames that already reached the server (response stream), regenerates
  *   with the same pinned seed, checks its first frames match them and publishes only the rest;
  *   if they differ it ends the answer with a `generation_diverged` error instead of mixing two.
@@ -32,6 +35,7 @@ import {
   type RequestClaim,
 } from '../activities/nats/data-plane';
 import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
+import { createEngineClient, type EngineClient, type EngineResponse } from './engine-client';
 
 export interface BridgeOptions {
   nc: NatsConnection;
@@ -42,6 +46,8 @@ export interface BridgeOptions {
   engineUrl: string;
   /** Requests served at once; the consumer's `max_ack_pending` should equal it. */
   slots: number;
+  /** How to call the engine (default: {@link createEngineClient} on `engineUrl`); closed by stop(). */
+  engineClient?: EngineClient;
   /** Upper bound of one engine call; the request's deadline bounds it too. Default 10 min. */
   requestTimeoutMs?: number;
   /** First `nak` delay after a transient engine failure; doubles per delivery, at most 30 s. Default 1 s. */
@@ -174,44 +180,7 @@ function fingerprint(frame: ResponseFrame): string {
   );
 }
 
-/** Server-sent events' `data` payloads, one string per event. */
-async function* sseData(body: ReadableStream<Uint8Array>): AsyncGenerator<string> {
-  const decoder = new TextDecoder();
-  let buffer = '';
-  let data: string[] = [];
-  const lines = function* (final: boolean) {
-    let nl: number;
-    while ((nl = buffer.indexOf('\n')) >= 0) {
-      yield buffer.slice(0, nl).replace(/\r$/, '');
-      buffer = buffer.slice(nl + 1);
-    }
-    if (final && buffer) {
-      yield buffer;
-      buffer = '';
-    }
-    if (final) yield '';
-  };
-  const reader = body.getReader();
-  try {
-    for (;;) {
-      const { done, value } = await reader.read();
-      buffer += done ? decoder.decode() : decoder.decode(value, { stream: true });
-      for (const line of lines(done)) {
-        if (line === '') {
-          if (data.length > 0) yield data.join('\n');
-          data = [];
-        } else if (line.startsWith('data:')) {
-          data.push(line.slice(5).replace(/^ /, ''));
-        }
-      }
-      if (done) return;
-    }
-  } finally {
-    reader.releaseLock();
-  }
-}
-
-async function engineErrorBody(res: Response): Promise<{ message: string; type?: string; code?: string | null }> {
+async function engineErrorBody(res: EngineResponse): Promise<{ message: string; type?: string; code?: string | null }> {
   const text = await res.text().catch(() => '');
   try {
     const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown } | string }).error;
@@ -222,7 +191,7 @@ async function engineErrorBody(res: Response): Promise<{ message: string; type?:
   } catch {
     // not JSON: use the text
   }
-  return { message: text.slice(0, 500) || res.statusText };
+  return { message: text.slice(0, 500) || `HTTP ${res.status}` };
 }
 
 /** Statuses worth a retry: the engine is busy, loading or broken, not the request. */
@@ -233,7 +202,7 @@ type Outcome =
   | { kind: 'retry'; reason: string }
   | { kind: 'aborted'; reason: AbortReason };
 
-type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged';
+type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'unclaimed';
 
 // ---------------------------------------------------------------------------------------------
 // The bridge
@@ -244,9 +213,14 @@ interface Attempt {
   claim: RequestClaim;
   revision: number;
   abort: AbortController;
-  /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
+  /**
+   * Frames withheld while the claim is being created or NATS is disconnected: published once the
+   * claim exists, or after a reconnect proves we still own the request.
+   */
   held: ResponseFrame[];
   paused: boolean;
+  /** The claim's create is in flight (first deliveries call the engine meanwhile); `revision` is not known yet. */
+  claimPending: boolean;
   resuming: boolean;
   concluding: boolean;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
@@ -287,7 +261,7 @@ async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> 
 /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
 export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   const { nc, names, pool, instance, slots } = opts;
-  const engineUrl = opts.engineUrl.replace(/\/+$/, '');
+  const engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
   const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
   const retryDelayMs = opts.retryDelayMs ?? 1000;
   const drainTimeoutMs = opts.drainTimeoutMs ?? 30_000;
@@ -346,7 +320,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
    * meanwhile. A failed check is retried by the next tick.
    */
   const resume = async (a: Attempt) => {
-    if (a.resuming || !a.paused) return;
+    if (a.resuming || !a.paused || a.claimPending) return;
     a.resuming = true;
     try {
       const rev = await claims.revision(a.req.id);
@@ -383,7 +357,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       // closed connection: nc.closed() aborts the attempt
     }
     const attempt = a();
-    if (!attempt || attempt.concluding) return;
+    if (!attempt || attempt.concluding || attempt.claimPending) return;
     if (attempt.paused) {
       if (connected) void resume(attempt);
       return;
@@ -396,9 +370,23 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     );
   };
 
-  /** Finishes the claim with `frame`, then publishes it and resolves the message; nothing when superseded. */
+  /**
+   * Publishes the terminal `frame`, records it in the claim and resolves the message. Connected
+   * and holding nothing (the usual case), the frame goes out first and the claim's CAS follows,
+   * off the client's path; otherwise the CAS comes first and proves we still own the request.
+   * Superseded (the CAS fails): nothing more is published and the message is left to its owner.
+   */
   const conclude = async (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
     a.concluding = true;
+    const early = connected && !a.paused && !a.abort.signal.aborted;
+    if (early) {
+      try {
+        nc.publish(a.req.replyTo, encodeJson(frame));
+      } catch {
+        abortAttempt(a, 'closed');
+        return;
+      }
+    }
     // NATS may be reconnecting: retry a while (a retry recognises its own lost write). If we
     // cannot finish before JetStream redelivers, the next delivery takes over and our CAS fails.
     const giveUpAt = Date.now() + 2 * ackWaitMs;
@@ -416,21 +404,114 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     }
     if (!finished) {
       abortAttempt(a, 'superseded');
-      log(`request ${a.req.id}: taken over by a later delivery; not answering`);
+      log(`request ${a.req.id}: taken over by a later delivery; ${early ? 'its terminal frame was already sent (the gateway keeps the first)' : 'not answering'}`);
       return;
     }
-    // The CAS succeeded, so the frames before it reached the server (one connection, in order);
-    // publish the terminal unconditionally: a held frame must not delay the end.
-    a.paused = false;
-    for (const f of a.held.splice(0)) nc.publish(a.req.replyTo, encodeJson(f));
-    nc.publish(a.req.replyTo, encodeJson(frame));
-    await nc.flush();
+    if (!early) {
+      // The CAS succeeded, so the frames before it reached the server (one connection, in order);
+      // publish the terminal unconditionally: a held frame must not delay the end.
+      a.paused = false;
+      for (const f of a.held.splice(0)) nc.publish(a.req.replyTo, encodeJson(f));
+      nc.publish(a.req.replyTo, encodeJson(frame));
+      await nc.flush();
+    }
     if (resolve === 'ack') {
       a.msg.ack();
       stats.acked += 1;
     } else {
       a.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
       stats.termed += 1;
+    }
+  };
+
+  /** Resolves a delivery after its engine call (or a failure before it). */
+  const settle = async (a: Attempt, outcome: Outcome): Promise<void> => {
+    const m = a.msg;
+    switch (outcome.kind) {
+      case 'finish':
+        return conclude(a, outcome.frame, outcome.resolve);
+      case 'aborted':
+        if (outcome.reason === 'shutdown') {
+          m.nak(); // hand it to another bridge now; it resumes after our frames
+          stats.nakked += 1;
+        }
+        return;
+      case 'retry': {
+        const delivery = m.info.deliveryCount;
+        const delay = Math.min(retryDelayMs * 2 ** (delivery - 1), 30_000);
+        if (delivery >= maxDeliver) {
+          return conclude(a, errorFrame(a.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`), 'term');
+        }
+        if (Date.now() + delay >= a.req.deadline) {
+          return conclude(a, errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
+        }
+        log(`request ${a.req.id}: ${outcome.reason}; retrying in ${delay} ms`);
+        m.nak(delay);
+        stats.nakked += 1;
+        return;
+      }
+    }
+  };
+
+  const newAttempt = (req: InferenceRequest, m: JsMsg, claim: RequestClaim, revision: number, pending: boolean): Attempt => {
+    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: pending || !connected, claimPending: pending, resuming: false, concluding: false, nextSeq: 0 };
+    live.add(a);
+    stats.inFlight = live.size;
+    return a;
+  };
+  const retire = (a: Attempt) => {
+    live.delete(a);
+    stats.inFlight = live.size;
+  };
+
+  /**
+   * A first delivery: create the claim and call the engine at the same time (the engine's first
+   * frames wait for the claim), so the claim costs the client nothing. False when a claim existed
+   * already (a duplicate delivery): the caller then takes the general path.
+   */
+  const serveFirst = async (m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<boolean> => {
+    const createdAt = Date.now();
+    const a = newAttempt(req, m, { attempt: 1, owner, createdAt, state: 'running' }, 0, true);
+    track(a);
+    type ClaimState = 'created' | 'exists' | { error: unknown };
+    let claim = { error: new Error('claim not settled') } as ClaimState;
+    const claiming = claims.create(req.id, owner, createdAt).then(
+      (r) => {
+        if (!r) {
+          claim = 'exists';
+          return abortAttempt(a, 'unclaimed');
+        }
+        claim = 'created';
+        a.revision = r.revision;
+        a.claimPending = false;
+        if (connected) {
+          a.paused = false;
+          for (const f of a.held.splice(0)) send(a, f);
+        }
+      },
+      (err: unknown) => {
+        claim = { error: err };
+        abortAttempt(a, 'unclaimed');
+      },
+    );
+    try {
+      const outcome: Outcome =
+        Date.now() >= req.deadline
+          ? { kind: 'finish', resolve: 'term', frame: errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served') }
+          : await generate(a, []);
+      await claiming;
+      if (claim === 'exists') return false;
+      if (claim !== 'created') {
+        failed(`request ${req.id}: claiming it failed; retrying later`, claim.error);
+        m.nak(retryDelayMs);
+        stats.nakked += 1;
+        return true;
+      }
+      await settle(a, outcome);
+      return true;
+    } finally {
+      retire(a);
+      track(undefined);
     }
   };
 
@@ -455,27 +536,22 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
     });
     try {
-      const res = await fetch(`${engineUrl}/v1/chat/completions`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json', accept: stream ? 'text/event-stream' : 'application/json' },
-        body: JSON.stringify(body),
-        signal,
-      });
-      if (!res.ok) {
+      const res = await engine.post('/v1/chat/completions', JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
+      if (res.status < 200 || res.status > 299) {
         const e = await engineErrorBody(res);
         if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
         return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message) };
       }
       if (!stream) {
-        const completion = (await res.json());
+        const completion: unknown = JSON.parse(await res.text());
         return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: stamp(completion, req.id, a.claim.createdAt) } };
       }
-      if (!res.body || !(res.headers.get('content-type') ?? '').includes('text/event-stream')) {
-        await res.body?.cancel();
+      if (!res.contentType.includes('text/event-stream')) {
+        res.cancel();
         return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)') };
       }
       let seq = 0;
-      for await (const event of sseData(res.body)) {
+      for await (const event of res.events()) {
         if (event.trim() === '[DONE]') break;
         let data: unknown;
         try {
@@ -530,6 +606,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     let attempt: Attempt | undefined;
     const ticker = setInterval(() => tick(m, () => attempt), workingEveryMs);
     try {
+      if (!m.redelivered && (await serveFirst(m, req, (a) => (attempt = a)))) return;
       let claimed: Awaited<ReturnType<typeof claims.acquire>>;
       try {
         claimed = await claims.acquire(req.id, owner);
@@ -548,21 +625,8 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         stats.replayed += 1;
         return;
       }
-      const a: Attempt = {
-        req,
-        msg: m,
-        claim: claimed.claim,
-        revision: claimed.revision,
-        abort: new AbortController(),
-        held: [],
-        paused: !connected,
-        resuming: false,
-        concluding: false,
-        nextSeq: 0,
-      };
+      const a = newAttempt(req, m, claimed.claim, claimed.revision, false);
       attempt = a;
-      live.add(a);
-      stats.inFlight = live.size;
       try {
         let prior: ResponseFrame[] = [];
         if (claimed.kind === 'takeover') {
@@ -582,34 +646,9 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         if (Date.now() >= req.deadline) {
           return await conclude(a, errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
         }
-        const outcome = await generate(a, prior);
-        switch (outcome.kind) {
-          case 'finish':
-            return await conclude(a, outcome.frame, outcome.resolve);
-          case 'aborted':
-            if (outcome.reason === 'shutdown') {
-              m.nak(); // hand it to another bridge now; it resumes after our frames
-              stats.nakked += 1;
-            }
-            return;
-          case 'retry': {
-            const delivery = m.info.deliveryCount;
-            const delay = Math.min(retryDelayMs * 2 ** (delivery - 1), 30_000);
-            if (delivery >= maxDeliver) {
-              return await conclude(a, errorFrame(a.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`), 'term');
-            }
-            if (Date.now() + delay >= req.deadline) {
-              return await conclude(a, errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
-            }
-            log(`request ${req.id}: ${outcome.reason}; retrying in ${delay} ms`);
-            m.nak(delay);
-            stats.nakked += 1;
-            return;
-          }
-        }
+        await settle(a, await generate(a, prior));
       } finally {
-        live.delete(a);
-        stats.inFlight = live.size;
+        retire(a);
       }
     } finally {
       clearInterval(ticker);
@@ -686,9 +725,9 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     },
     async checkEngine(timeoutMs = 2000) {
       try {
-        const res = await fetch(`${engineUrl}/health`, { signal: AbortSignal.timeout(timeoutMs) });
-        await res.body?.cancel();
-        return { ok: res.ok, status: res.status };
+        const res = await engine.get('/health', { signal: AbortSignal.timeout(timeoutMs) });
+        res.cancel();
+        return { ok: res.status >= 200 && res.status < 300, status: res.status };
       } catch (err) {
         return { ok: false, error: (err as { cause?: Error }).cause?.message ?? (err as Error).message };
       }
@@ -705,6 +744,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         for (const a of live) abortAttempt(a, 'shutdown');
         await Promise.allSettled([...handlers]);
       }
+      engine.close();
     },
   };
 }

@@ -399,6 +399,12 @@ export interface RequestClaims {
   /** Claims request `id` for this delivery: fresh, taken over from an earlier delivery, or already finished. */
   acquire(id: string, owner: string): Promise<ClaimResult>;
   /**
+   * One round trip for a first delivery: creates the claim, or null when one exists already
+   * (then {@link acquire} decides). `createdAt` is the caller's, so it can start work before this
+   * resolves.
+   */
+  create(id: string, owner: string, createdAt: number): Promise<{ claim: RequestClaim; revision: number } | null>;
+  /**
    * Marks the attempt holding `revision` finished with `terminal`; false when a later delivery
    * has taken the request over (the caller must then publish nothing more). Safe to retry after
    * an error (a lost reply): a retry recognises its own earlier write.
@@ -432,6 +438,15 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
         }
       }
       throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
+    },
+    async create(id, owner, createdAt) {
+      const claim: RequestClaim = { attempt: 1, owner, createdAt, state: 'running' };
+      try {
+        return { claim, revision: await kv.create(id, encodeJson(claim)) };
+      } catch (err) {
+        if (jsErrorCode(err) === WRONG_LAST_SEQUENCE) return null;
+        throw err;
+      }
     },
     async finish(id, claim, revision, terminal) {
       const finished: RequestClaim = { ...claim, state: 'finished', terminal };
