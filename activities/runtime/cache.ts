@@ -1,0 +1,47 @@
+/**
+ * The local runtime's model cache: artifact files fetched once from S3 into a folder, named by
+ * their sha256 and verified against it, so a cached file is always the registry's content.
+ */
+import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { createHash, randomBytes } from 'node:crypto';
+import { createWriteStream, existsSync, mkdirSync } from 'node:fs';
+import { rename, rm } from 'node:fs/promises';
+import { join } from 'node:path';
+import { type Readable, Transform } from 'node:stream';
+import { pipeline } from 'node:stream/promises';
+import type { StoredObject } from '../../shared/model';
+
+export interface ModelCache {
+  s3: S3Client;
+  bucket: string;
+  /** Folder of the cached files (created on first use). */
+  dir: string;
+}
+
+/**
+ * The local path of `file` (`<dir>/<sha256><extension>`), downloading it first unless cached.
+ * The download goes to a temporary name and is renamed only once its sha256 matches, so
+ * concurrent fetches of one file and interrupted ones never leave a wrong file behind.
+ */
+export async function cachedFile(cache: ModelCache, file: StoredObject, extension: string): Promise<string> {
+  mkdirSync(cache.dir, { recursive: true });
+  const path = join(cache.dir, `${file.sha256}${extension}`);
+  if (existsSync(path)) return path;
+  const tmp = `${path}.tmp-${randomBytes(4).toString('hex')}`;
+  const hash = createHash('sha256');
+  try {
+    const r = await cache.s3.send(new GetObjectCommand({ Bucket: cache.bucket, Key: file.key }));
+    const hashing = new Transform({
+      transform(chunk: Buffer, _enc, cb) {
+        hash.update(chunk);
+        cb(null, chunk);
+      },
+    });
+    await pipeline(r.Body as Readable, hashing, createWriteStream(tmp));
+    if (hash.digest('hex') !== file.sha256) throw new Error(`${file.key}: downloaded content does not match its sha256`);
+    await rename(tmp, path);
+  } finally {
+    await rm(tmp, { force: true });
+  }
+  return path;
+}
