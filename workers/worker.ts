@@ -89,7 +89,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   await ensureBucket(s3, cfg.s3.bucket);
   const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
   const registry = await openModelRegistry(nc, names.modelsBucket);
-  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir });
+  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama });
   const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket) });
 
   const activities = createPipelineActivities({

@@ -1,9 +1,13 @@
 /**
  * The `local` runtime: a topology instance is a set of processes on this machine plus an
- * in-process bridge that pulls the instance's requests from NATS: `magus engine` (llama.cpp,
- * llama-cpp.ts) over the model's GGUF. Model files come from S3 into a local cache once
- * (cache.ts). Every process runs under `setpriv --pdeathsig KILL`, so it dies with the worker
- * that started it; the pool notices (describe) and starts new ones.
+ * in-process bridge that pulls the instance's requests from NATS. Which processes:
+ * - a distributed-llama topology (root `dllama-api` + `nodes − 1` `dllama worker`s, dllama.ts)
+ *   when the worker is configured with its binaries and the model has a distributed-llama
+ *   artifact that runs on that many nodes;
+ * - otherwise `magus engine` (llama.cpp, llama-cpp.ts) over the model's GGUF.
+ * Model files come from S3 into a local cache once (cache.ts). Every process runs under
+ * `setpriv --pdeathsig KILL`, so it dies with the worker that started it; the pool notices
+ * (describe) and starts new ones.
  */
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
@@ -13,6 +17,7 @@ import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type 
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
 import { cachedFile, type ModelCache } from './cache';
+import { chooseDllamaArtifact, startDllamaTopology, type DllamaOptions } from './dllama';
 import { startLlamaCppEngine } from './llama-cpp';
 import type { SupervisedProcess } from './process';
 
@@ -30,15 +35,19 @@ export interface LocalRuntimeOptions {
   threads?: number;
   /** Seconds an engine may take to load its model. */
   startTimeoutSec?: number;
+  /** distributed-llama binaries and topology size; unset: llama.cpp only. */
+  dllama?: DllamaOptions;
   log?: (line: string) => void;
 }
 
 /** One process of an instance, as {@link LocalRuntime.processes} reports it. */
 export interface LocalProcessInfo {
-  role: 'engine';
+  /** `engine` (llama.cpp), or the `root`/`worker`s of a distributed-llama topology. */
+  role: 'engine' | 'root' | 'worker';
+  /** 0 for an engine or root; workers 1..n-1 in the root's `--workers` order. */
   index: number;
   pid: number | undefined;
-  /** Loopback port of its HTTP API. */
+  /** Loopback port it serves on (HTTP for an engine or root, distributed-llama's protocol for a worker). */
   port: number;
   /** Program and arguments. */
   argv: readonly string[];
@@ -46,14 +55,14 @@ export interface LocalProcessInfo {
 }
 
 export interface LocalRuntime extends Runtime {
-  /** The processes of an instance, or null when the runtime does not know it. */
+  /** The processes of an instance (root first), or null when the runtime does not know it. */
   processes(pool: string, instance: string): LocalProcessInfo[] | null;
   stopAll(): Promise<void>;
 }
 
 /** What serves an instance's requests. */
 interface Serving {
-  kind: 'llama.cpp';
+  kind: 'llama.cpp' | 'dllama';
   url: string;
   processes: { role: LocalProcessInfo['role']; index: number; port: number; process: SupervisedProcess }[];
   healthy(): boolean;
@@ -77,10 +86,11 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const key = (pool: string, instance: string) => `${pool}/${instance}`;
   const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.healthy() });
 
-  async function startLlamaCpp(ready: ReadyModel, name: string): Promise<Serving> {
+  async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined): Promise<Serving> {
     const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
     const file: StoredObject | undefined = gguf?.files[0];
-    if (!file) throw Object.assign(new Error(`model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
+    if (!file) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
+    if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedFile(cache, file, '.gguf');
     // Responses name the model as clients know it, not by its cached file.
     const engine = await startLlamaCppEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log });
@@ -93,15 +103,31 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     };
   }
 
-  async function startServing(req: InstanceRequest): Promise<Serving> {
+  async function startServing(req: InstanceRequest, signal: AbortSignal | undefined): Promise<Serving> {
     const ready = await opts.registry.get(req.namespace, req.model);
     if (!ready) throw Object.assign(new Error(`model ${req.namespace}/${req.model} is not in the registry`), { name: 'ModelNotReady' });
-    return startLlamaCpp(ready, key(req.pool, req.instance));
+    const name = key(req.pool, req.instance);
+    const choice = opts.dllama ? chooseDllamaArtifact(ready, opts.dllama.nodes) : null;
+    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, choice && 'problem' in choice ? choice.problem : undefined);
+
+    const [model, tokenizer] = await Promise.all([cachedFile(cache, choice.model, '.m'), cachedFile(cache, choice.tokenizer, '.t')]);
+    const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
+    const memory = choice.memory ? `; planned memory: root ${mib(choice.memory.root)}${choice.memory.worker === null ? '' : `, each worker ${mib(choice.memory.worker)}`}` : '';
+    log(`${name}: distributed-llama on ${opts.dllama.nodes} node(s), ${choice.artifact.weights} weights, --max-seq-len ${choice.maxSeqLen}${memory}`);
+    const topology = await startDllamaTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, ...(signal ? { signal } : {}) });
+    return {
+      kind: 'dllama',
+      url: topology.url,
+      processes: topology.nodes.map((n) => ({ role: n.role, index: n.index, port: n.port, process: n.process })),
+      healthy: () => topology.healthy(),
+      stop: () => topology.stop(),
+    };
   }
 
-  async function create(req: InstanceRequest): Promise<InstanceInfo> {
-    const serving = await startServing(req);
-    const slots = opts.slots ?? 1;
+  async function create(req: InstanceRequest, signal: AbortSignal | undefined): Promise<InstanceInfo> {
+    const serving = await startServing(req, signal);
+    // distributed-llama answers one request at a time.
+    const slots = serving.kind === 'dllama' ? 1 : (opts.slots ?? 1);
     try {
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
       const bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log });
@@ -121,7 +147,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   }
 
   const runtime: LocalRuntime = {
-    create(req: InstanceRequest): Promise<InstanceInfo> {
+    create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo> {
       const k = key(req.pool, req.instance);
       let p = starting.get(k);
       if (!p) {
@@ -133,7 +159,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
             instances.delete(k);
             await teardown(existing);
           }
-          return create(req);
+          return create(req, signal);
         })().finally(() => starting.delete(k));
         starting.set(k, p);
       }

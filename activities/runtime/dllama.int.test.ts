@@ -1,0 +1,255 @@
+/**
+ * The local runtime with distributed-llama configured, against the real nats-server and S3
+ * store, with test/fixtures/fake-dllama.js standing in for `dllama` and `dllama-api` (they parse
+ * the real command lines strictly, workers listen, the root connects to every worker before it
+ * serves). Requests go the production way: published to the instance's subject, answered by the
+ * runtime's in-process bridge through the root's HTTP API.
+ */
+import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { createHash, randomBytes } from 'node:crypto';
+import { chmodSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+import type { ReadyModel } from '../../shared/model';
+import { isolation, natsConnect, s3Client } from '../../test/harness';
+import { ensureDataPlane, FrameSequencer, parseFrame, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import { createLocalRuntime, type LocalRuntime } from './local';
+
+const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
+const POOL = 'tiny';
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+let nc: NatsConnection;
+let s3: S3Client;
+let names: DataPlaneNames;
+let registry: ModelRegistry;
+let bucket: string;
+let dir: string;
+let bin: string;
+const runtimes: LocalRuntime[] = [];
+const logs: string[] = [];
+const files = { model: randomBytes(64 * 1024), tokenizer: randomBytes(2 * 1024) };
+const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
+
+async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 20_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await sleep(50);
+  }
+}
+
+/** Whether a process with this pid exists (a zombie counts as gone: the runtime reaps its children). */
+function alive(pid: number): boolean {
+  try {
+    return !/^\d+ \([^)]*\) Z/.test(readFileSync(`/proc/${pid}/stat`, 'utf8'));
+  } catch {
+    return false;
+  }
+}
+
+/** Pids of every process running a program from `folder` (the stand-ins, however they were started). */
+function processesFrom(folder: string): number[] {
+  return readdirSync('/proc')
+    .filter((p) => /^\d+$/.test(p))
+    .filter((p) => {
+      try {
+        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && alive(Number(p));
+      } catch {
+        return false;
+      }
+    })
+    .map(Number);
+}
+
+/** A model whose only artifact is distributed-llama q40, planned for 1, 2 and 4 nodes at context 256. */
+async function registerModel(name: string): Promise<ReadyModel> {
+  const prefix = `artifacts/org/${name}/abc/dllama-q40/1/`;
+  for (const [file, body] of [['model.m', files.model], ['tokenizer.t', files.tokenizer]] as const) {
+    await s3.send(new PutObjectCommand({ Bucket: bucket, Key: `${prefix}${file}`, Body: body }));
+  }
+  const node = (total: number) => ({ weights: total, kvCache: 0, buffers: 0, total });
+  const ready: ReadyModel = {
+    namespace: 'default',
+    name,
+    source: { repo: `org/${name}`, revision: 'main', sha: 'abc' },
+    artifacts: [
+      {
+        format: 'dllama',
+        weights: 'q40',
+        converterVersion: '1',
+        files: [
+          { key: `${prefix}model.m`, bytes: files.model.length, sha256: sha(files.model) },
+          { key: `${prefix}tokenizer.t`, bytes: files.tokenizer.length, sha256: sha(files.tokenizer) },
+        ],
+      },
+    ],
+    memory: [{ format: 'dllama', weights: 'q40', contextLength: 256, topologies: [1, 2, 4].map((n) => ({ nodes: n, root: node(2 ** 20 * n), worker: n > 1 ? node(2 ** 19) : null })) }],
+    readyAt: new Date().toISOString(),
+  };
+  await registry.put(ready);
+  return ready;
+}
+
+function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
+  const r = createLocalRuntime({
+    nc,
+    names,
+    registry,
+    s3,
+    bucket,
+    cacheDir: join(dir, 'cache'),
+    dllama: { apiBin: dllama.apiBin ?? join(bin, 'dllama-api'), workerBin: join(bin, 'dllama'), nodes: dllama.nodes, threads: 2, stopGraceMs: 2000, startTimeoutSec: 60 },
+    log: (l) => logs.push(l),
+  });
+  runtimes.push(r);
+  return r;
+}
+
+/** Publishes a chat request to the instance and collects the answer as the gateway would. */
+async function ask(instance: string, body: Partial<ChatCompletionRequest>): Promise<{ frames: ResponseFrame[]; text: string }> {
+  const id = `req-${randomBytes(6).toString('hex')}`;
+  const sequencer = new FrameSequencer();
+  const relayed: ResponseFrame[] = [];
+  const sub = nc.subscribe(responseSubjectOf(names, id));
+  const done = (async () => {
+    for await (const m of sub) {
+      const f = parseFrame(m.data);
+      if (f) relayed.push(...sequencer.push(f));
+      if (sequencer.finished) break;
+    }
+  })();
+  await nc.flush();
+  const timer = setTimeout(() => sub.unsubscribe(), 30_000);
+  await publishRequest(nc.jetstream(), names, { pool: POOL, instance }, {
+    id,
+    replyTo: responseSubjectOf(names, id),
+    deadline: Date.now() + 30_000,
+    body: { model: 'tiny', messages: [{ role: 'user', content: 'Hello' }], ...body },
+  });
+  await done;
+  clearTimeout(timer);
+  sub.unsubscribe();
+  if (!sequencer.finished) throw new Error(`no complete answer to ${id}`);
+  const text = relayed
+    .map((f) => (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices?.map((c) => c.delta?.content ?? c.message?.content ?? '').join('') ?? '')
+    .join('');
+  return { frames: relayed, text };
+}
+
+beforeAll(async () => {
+  const iso = isolation();
+  nc = await natsConnect();
+  s3 = s3Client();
+  bucket = iso.bucket;
+  await s3.send(new CreateBucketCommand({ Bucket: bucket }));
+  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  dir = mkdtempSync(join(tmpdir(), 'magus-dllama-'));
+  bin = join(dir, 'bin');
+  mkdirSync(bin);
+  for (const name of ['dllama', 'dllama-api']) symlinkSync(FAKE, join(bin, name));
+  await registerModel('tiny');
+});
+
+afterAll(async () => {
+  for (const r of runtimes) await r.stopAll();
+  const jsm = await nc.jetstreamManager();
+  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+  s3.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('a 4-node topology serves through NATS, turns unhealthy when a worker dies, and is replaced and destroyed without leftovers', async () => {
+  const rt = runtime({ nodes: 4 });
+  const info = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
+  expect(info).toEqual({ instance: 'tiny-1', subject: requestSubjectOf(names, POOL, 'tiny-1'), healthy: true });
+
+  // Shape: the root and three workers on distinct loopback ports, with the real programs' flags.
+  const procs = rt.processes(POOL, 'tiny-1')!;
+  expect(procs.map((p) => [p.role, p.index, p.running])).toEqual([['root', 0, true], ['worker', 1, true], ['worker', 2, true], ['worker', 3, true]]);
+  expect(new Set(procs.map((p) => p.port)).size).toBe(4);
+  const [root, ...workers] = procs;
+  const cached = (b: Buffer, ext: string) => join(dir, 'cache', `${sha(b)}${ext}`);
+  expect(root!.argv).toEqual([
+    join(bin, 'dllama-api'),
+    '--host', '127.0.0.1', '--port', String(root!.port),
+    '--model', cached(files.model, '.m'), '--tokenizer', cached(files.tokenizer, '.t'),
+    '--buffer-float-type', 'q80', '--nthreads', '2', '--max-seq-len', '256',
+    '--workers', ...workers.map((w) => `127.0.0.1:${w.port}`),
+  ]);
+  for (const w of workers) expect(w.argv).toEqual([join(bin, 'dllama'), 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '2']);
+  // What each process really runs (setpriv and stdbuf exec it): its command line ends with exactly that.
+  for (const p of procs) {
+    const cmdline = readFileSync(`/proc/${p.pid}/cmdline`, 'utf8').split('\0').slice(0, -1);
+    expect(cmdline.slice(-p.argv.length)).toEqual(p.argv);
+  }
+  // The files came from S3 through the cache, verified.
+  expect(readFileSync(cached(files.model, '.m')).equals(files.model)).toBe(true);
+  expect(readFileSync(cached(files.tokenizer, '.t')).equals(files.tokenizer)).toBe(true);
+  // The root connected to every worker before it served; output is logged per process.
+  for (const w of workers) {
+    expect(logs).toContain(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ NodeIndex: ${w.index}`);
+    expect(logs).toContain(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ nNodes: 4`);
+  }
+  expect(logs).toContain(`${POOL}/tiny-1 root :${root!.port}: ⭕ Network is initialized (4 nodes)`);
+  expect(logs.some((l) => l.startsWith('tiny/tiny-1: distributed-llama on 4 node(s), q40 weights, --max-seq-len 256; planned memory: root 4 MiB, each worker 1 MiB'))).toBe(true);
+
+  // Requests through NATS → bridge → root, streamed and not.
+  const streamed = await ask('tiny-1', { stream: true, messages: [{ role: 'user', content: 'Hello, topology' }] });
+  expect(streamed.text).toBe('Hello, topology [4 nodes]');
+  expect(streamed.frames.at(-1)?.type).toBe('done');
+  const whole = await ask('tiny-1', { stream: false, messages: [{ role: 'user', content: 'Once more' }] });
+  expect(whole.text).toBe('Once more [4 nodes]');
+  const models = (await (await fetch(`http://127.0.0.1:${root!.port}/v1/models`)).json()) as { data: { id: string }[] };
+  expect(models.data.map((m) => m.id)).toEqual([`${sha(files.model)}.m`]); // dllama-api names the model by its file
+
+  // A worker dies: the instance is unhealthy, and the rest of the topology is stopped.
+  process.kill(workers[1]!.pid!, 'SIGKILL');
+  await until('describe to report the instance unhealthy', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
+  await until('the rest of the topology to stop', () => procs.every((p) => !alive(p.pid!)));
+  expect(rt.processes(POOL, 'tiny-1')!.every((p) => !p.running)).toBe(true);
+  expect(logs).toContain(`${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL: stopping the rest of the topology`);
+
+  // create() for the same id replaces the broken instance with a new topology.
+  expect(await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal)).toMatchObject({ healthy: true });
+  const again = rt.processes(POOL, 'tiny-1')!;
+  expect(again).toHaveLength(4);
+  expect(again.every((p) => p.running && !procs.some((old) => old.pid === p.pid))).toBe(true);
+  expect((await ask('tiny-1', { stream: true })).text).toBe('Hello [4 nodes]');
+
+  // destroy(): every process is gone when it resolves, and the runtime forgets the instance.
+  await rt.destroy(POOL, 'tiny-1');
+  expect(again.filter((p) => alive(p.pid!))).toEqual([]);
+  expect(processesFrom(bin)).toEqual([]);
+  expect(await rt.describe(POOL, 'tiny-1')).toBeNull();
+  expect(rt.processes(POOL, 'tiny-1')).toBeNull();
+});
+
+test('a root that cannot start fails create() with its own words, and leaves no worker behind', async () => {
+  const broken = join(dir, 'broken-dllama-api');
+  writeFileSync(broken, '#!/bin/sh\necho "cannot load the model" >&2\nexit 3\n');
+  chmodSync(broken, 0o755);
+  const rt = runtime({ nodes: 2, apiBin: broken });
+  const err = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-2' }, new AbortController().signal).catch((e: Error) => e);
+  expect(err).toMatchObject({ name: 'TopologyStartFailed' });
+  expect((err as Error).message).toMatch(/^tiny\/tiny-2 root :\d+ exited with code 3 while waiting for the root to load the model, connect 1 worker\(s\)/);
+  expect((err as Error).message).toContain('cannot load the model');
+  expect(processesFrom(bin)).toEqual([]);
+  expect(await rt.describe(POOL, 'tiny-2')).toBeNull();
+});
+
+test('nodes the model cannot be split into: create() says so (no GGUF to fall back on)', async () => {
+  const rt = runtime({ nodes: 8 });
+  await expect(rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-3' }, new AbortController().signal)).rejects.toMatchObject({
+    name: 'NoArtifact',
+    message: 'model default/tiny has no distributed-llama artifact that runs on 8 nodes (q40: splits into 1, 2, 4 nodes)',
+  });
+  expect(processesFrom(bin)).toEqual([]);
+});

@@ -1,0 +1,266 @@
+/**
+ * distributed-llama topologies of the `local` runtime: a root `dllama-api` and `nodes − 1`
+ * `dllama worker` processes on loopback ports of this machine, sharing one model
+ * (b4rtaz/distributed-llama; flags as parsed by `src/app.cpp` `AppCliArgs::parse`).
+ *
+ * Start-up order follows distributed-llama's own: workers first (each only listens, and learns
+ * everything from the root), then the root, which connects to every worker, sends it its slice
+ * of the weights, and only then opens its HTTP port. So the topology serves once the root's
+ * `GET /v1/models` answers.
+ *
+ * A worker is never probed by connecting to it: it takes the first connection for its root, and
+ * one that closes during the handshake ends the process ("Socket closed", exit 1). Whether it
+ * listens is read from the kernel instead (/proc/net/tcp: a LISTEN socket on its port that is one
+ * of its own file descriptors).
+ *
+ * The pieces are useless alone (a root whose worker died fails every request; workers wait for a
+ * root forever), so when any process exits the others are stopped and the topology stays
+ * unhealthy until it is destroyed.
+ */
+import { readdir, readFile, readlink } from 'node:fs/promises';
+import { createServer, type AddressInfo, type Server } from 'node:net';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type { Artifact, ReadyModel, StoredObject, WeightsFormat } from '../../shared/model';
+import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
+
+/** Where and how topologies run (the worker's `MAGUS_DLLAMA_*` configuration). */
+export interface DllamaOptions {
+  /** `dllama-api` executable. */
+  apiBin: string;
+  /** `dllama` executable (run as `dllama worker`). */
+  workerBin: string;
+  /** Nodes, root included: a power of two. */
+  nodes: number;
+  /** `--nthreads` of every process. */
+  threads: number;
+  /** How long the root may take to load the model and connect its workers. Default 300 s. */
+  startTimeoutSec?: number;
+  /** SIGTERM → SIGKILL grace when stopping. Default 10 s. */
+  stopGraceMs?: number;
+}
+
+/** Loopback only: a topology on one machine is never reachable from another. */
+const HOST = '127.0.0.1';
+/** Sync buffers as q80: what distributed-llama recommends, what q40 weights require, and what activities/size plans for. */
+const BUFFER_FLOAT_TYPE = 'q80';
+/** `--max-seq-len` when the registry has no memory plan for the artifact (distributed-llama's 0 would mean the model's whole context). */
+export const DEFAULT_MAX_SEQ_LEN = 4096;
+const WEIGHTS_PREFERENCE: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
+
+/** `dllama worker …` arguments (after the program). */
+export function dllamaWorkerArgs(o: { port: number; threads: number }): string[] {
+  return ['worker', '--host', HOST, '--port', String(o.port), '--nthreads', String(o.threads)];
+}
+
+/** `dllama-api …` arguments (after the program); `--workers` last, as it takes every following address. */
+export function dllamaApiArgs(o: { port: number; model: string; tokenizer: string; threads: number; maxSeqLen: number; workerPorts: readonly number[] }): string[] {
+  return [
+    '--host', HOST,
+    '--port', String(o.port),
+    '--model', o.model,
+    '--tokenizer', o.tokenizer,
+    '--buffer-float-type', BUFFER_FLOAT_TYPE,
+    '--nthreads', String(o.threads),
+    '--max-seq-len', String(o.maxSeqLen),
+    ...(o.workerPorts.length > 0 ? ['--workers', ...o.workerPorts.map((p) => `${HOST}:${p}`)] : []),
+  ];
+}
+
+/** What a topology serves: the artifact's two files and the context it was sized for. */
+export interface DllamaChoice {
+  artifact: Artifact;
+  model: StoredObject;
+  tokenizer: StoredObject;
+  maxSeqLen: number;
+  /** Planned memory per node, when the registry has a plan. */
+  memory?: { root: number; worker: number | null };
+}
+
+/**
+ * The distributed-llama artifact of `ready` to serve on `nodes` nodes: the most compact weights
+ * whose memory plan lists that topology (activities/size plans only the splits the model's
+ * dimensions allow). `null` when the model has no distributed-llama artifact; `{ problem }` when
+ * it has some, but none can run on `nodes` nodes.
+ */
+export function chooseDllamaArtifact(ready: ReadyModel, nodes: number): DllamaChoice | { problem: string } | null {
+  const candidates = ready.artifacts.filter((a) => a.format === 'dllama').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights));
+  if (candidates.length === 0) return null;
+  const refused: string[] = [];
+  for (const artifact of candidates) {
+    const model = artifact.files.find((f) => f.key.endsWith('.m'));
+    const tokenizer = artifact.files.find((f) => f.key.endsWith('.t'));
+    if (!model || !tokenizer) {
+      refused.push(`${artifact.weights}: no .m and .t files`);
+      continue;
+    }
+    const plan = ready.memory.find((m) => m.format === 'dllama' && m.weights === artifact.weights);
+    const topology = plan?.topologies.find((t) => t.nodes === nodes);
+    if (plan && !topology) {
+      refused.push(`${artifact.weights}: splits into ${plan.topologies.map((t) => t.nodes).join(', ') || 'no'} nodes`);
+      continue;
+    }
+    return {
+      artifact,
+      model,
+      tokenizer,
+      maxSeqLen: plan?.contextLength ?? DEFAULT_MAX_SEQ_LEN,
+      ...(topology ? { memory: { root: topology.root.total, worker: topology.worker?.total ?? null } } : {}),
+    };
+  }
+  return { problem: `model ${ready.namespace}/${ready.name} has no distributed-llama artifact that runs on ${nodes} nodes (${refused.join('; ')})` };
+}
+
+export interface DllamaNode {
+  role: 'root' | 'worker';
+  /** 0 for the root; workers 1..nodes-1 in `--workers` order. */
+  index: number;
+  port: number;
+  process: SupervisedProcess;
+}
+
+export interface DllamaTopology {
+  /** The root's HTTP base URL. */
+  url: string;
+  /** Root first. */
+  nodes: readonly DllamaNode[];
+  /** Every process still runs. */
+  healthy(): boolean;
+  /** Stops the root, then the workers (SIGTERM, SIGKILL after the grace); resolves when all have exited. */
+  stop(): Promise<void>;
+}
+
+/** `n` distinct free loopback ports (held open together, so none is handed out twice). */
+async function freePorts(n: number): Promise<number[]> {
+  const servers: Server[] = [];
+  try {
+    for (let i = 0; i < n; i++) {
+      const s = createServer();
+      servers.push(s);
+      await new Promise<void>((ok, fail) => {
+        s.once('error', fail);
+        s.listen(0, HOST, ok);
+      });
+    }
+    return servers.map((s) => (s.address() as AddressInfo).port);
+  } finally {
+    await Promise.all(servers.map((s) => new Promise((r) => s.close(r))));
+  }
+}
+
+/** Inodes of the LISTEN sockets on `port` (/proc/net/tcp{,6}: `sl local rem st … inode`). */
+async function listeningInodes(port: number): Promise<Set<string>> {
+  const inodes = new Set<string>();
+  for (const table of ['/proc/net/tcp', '/proc/net/tcp6']) {
+    const text = await readFile(table, 'utf8').catch(() => '');
+    for (const line of text.split('\n').slice(1)) {
+      const f = line.trim().split(/\s+/);
+      if (f.length < 10 || f[3] !== '0A') continue;
+      if (parseInt(f[1]!.split(':').pop()!, 16) === port) inodes.add(f[9]!);
+    }
+  }
+  return inodes;
+}
+
+/** Whether process `pid` itself listens on TCP `port`. */
+export async function listensOn(pid: number, port: number): Promise<boolean> {
+  const inodes = await listeningInodes(port);
+  if (inodes.size === 0) return false;
+  const fds = await readdir(`/proc/${pid}/fd`).catch(() => [] as string[]);
+  for (const fd of fds) {
+    const target = await readlink(`/proc/${pid}/fd/${fd}`).catch(() => '');
+    const m = /^socket:\[(\d+)\]$/.exec(target);
+    if (m && inodes.has(m[1]!)) return true;
+  }
+  return false;
+}
+
+class StartError extends Error {
+  override readonly name = 'TopologyStartFailed';
+}
+
+/**
+ * Starts a topology over the model and tokenizer at `files` and resolves once its root serves.
+ * On any failure (a process exits, the deadline passes, `signal` aborts) every process started
+ * is stopped before the error is thrown.
+ */
+export async function startDllamaTopology(
+  files: { model: string; tokenizer: string; maxSeqLen: number },
+  opts: DllamaOptions & { name: string; log: (line: string) => void; signal?: AbortSignal },
+): Promise<DllamaTopology> {
+  const { name, log, signal } = opts;
+  const grace = opts.stopGraceMs ?? 10_000;
+  const deadline = Date.now() + (opts.startTimeoutSec ?? 300) * 1000;
+  const nodes: DllamaNode[] = [];
+  const spawnNode = (role: DllamaNode['role'], index: number, port: number, argv: string[]): DllamaNode => {
+    const label = role === 'root' ? `${name} root :${port}` : `${name} worker ${index} :${port}`;
+    const node = { role, index, port, process: spawnSupervised(label, argv, { log, lineBuffered: true }) };
+    nodes.push(node);
+    return node;
+  };
+  const stopAll = async (): Promise<void> => {
+    // Root first: workers then see their root leave instead of the root losing a worker mid-request.
+    const root = nodes.find((n) => n.role === 'root');
+    if (root) await root.process.stop(grace);
+    await Promise.all(nodes.filter((n) => n.role === 'worker').map((n) => n.process.stop(grace)));
+  };
+  /** Throws when something already went wrong. */
+  const check = (what: string): void => {
+    const dead = nodes.find((n) => n.process.exit);
+    if (dead) {
+      const tail = dead.process.tail().slice(-5);
+      throw new StartError(`${dead.process.name} ${describeExit(dead.process.exit!)} while ${what}${tail.length > 0 ? `; its last output:\n  ${tail.join('\n  ')}` : ''}`);
+    }
+    if (signal?.aborted) throw new StartError(`cancelled while ${what}`);
+    if (Date.now() > deadline) throw new StartError(`the topology did not start within ${opts.startTimeoutSec ?? 300}s (${what})`);
+  };
+
+  try {
+    const [rootPort, ...workerPorts] = await freePorts(opts.nodes);
+    const workers = workerPorts.map((port, i) => spawnNode('worker', i + 1, port, [opts.workerBin, ...dllamaWorkerArgs({ port, threads: opts.threads })]));
+    for (const w of workers) {
+      for (;;) {
+        check(`waiting for worker ${w.index} to listen on port ${w.port}`);
+        if (w.process.child.pid !== undefined && (await listensOn(w.process.child.pid, w.port))) break;
+        await sleep(100);
+      }
+    }
+    const root = spawnNode('root', 0, rootPort!, [
+      opts.apiBin,
+      ...dllamaApiArgs({ port: rootPort!, model: files.model, tokenizer: files.tokenizer, threads: opts.threads, maxSeqLen: files.maxSeqLen, workerPorts }),
+    ]);
+    const url = `http://${HOST}:${root.port}`;
+    for (;;) {
+      check(`waiting for the root to load the model, connect ${workers.length} worker(s) and answer ${url}/v1/models`);
+      try {
+        const res = await fetch(`${url}/v1/models`, { signal: AbortSignal.timeout(2000) });
+        await res.body?.cancel();
+        if (res.ok) break;
+      } catch {
+        // Not listening yet (it opens its HTTP port last), or busy.
+      }
+      await sleep(250);
+    }
+  } catch (err) {
+    await stopAll();
+    throw err;
+  }
+
+  let stopping = false;
+  for (const n of nodes) {
+    void n.process.exited.then((e) => {
+      if (stopping) return;
+      stopping = true;
+      log(`${n.process.name} ${describeExit(e)}: stopping the rest of the topology`);
+      void stopAll();
+    });
+  }
+  return {
+    url: `http://${HOST}:${nodes.find((n) => n.role === 'root')!.port}`,
+    nodes: [...nodes].sort((a, b) => a.index - b.index),
+    healthy: () => nodes.every((n) => !n.process.exit),
+    async stop() {
+      stopping = true;
+      await stopAll();
+    },
+  };
+}
