@@ -4,7 +4,7 @@
  */
 import { heartbeat, Context } from '@temporalio/activity';
 import type { KV } from 'nats';
-import type { SessionEntry } from '../shared/serving';
+import type { PoolEntry, SessionEntry } from '../shared/serving';
 
 export interface InstanceRequest {
   namespace: string;
@@ -33,8 +33,11 @@ export interface Runtime {
 
 const HEARTBEAT_EVERY_MS = 5000;
 
-export function createServingActivities(deps: { runtime: Runtime; sessions: KV }) {
-  const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
+/** The `magus_pools` key of a model's pool. */
+export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
+
+export function createServingActivities(deps: { runtime: Runtime; sessions: KV; pools: KV }) {
+  const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
   return {
     /** Starts an instance and waits until it serves (heartbeating: a cold start can take minutes). */
     async createInstance(input: InstanceRequest): Promise<InstanceInfo> {
@@ -57,6 +60,11 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV }
     },
     async deleteSession(input: { key: string }): Promise<void> {
       await deps.sessions.delete(input.key);
+    },
+    /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
+    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number }): Promise<void> {
+      const entry: PoolEntry = { instances: input.instances, leasesPerInstance: input.leasesPerInstance, updatedAt: Date.now() };
+      await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },
   };
 }

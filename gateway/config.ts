@@ -14,7 +14,7 @@ export interface GatewayConfig {
   natsServers: string;
   /** Prepended to response subjects (`<scope>.magus.res.<id>`) of a scoped data plane; '' = none. */
   subjectScope: string;
-  buckets: { models: string; tokens: string; sessions: string };
+  buckets: { models: string; tokens: string; sessions: string; pools: string };
   settings: GatewaySettings;
   /** Local-mode tokens (token file and/or env value), validated: `{ "<id>": {digest, name, models?} }`. */
   staticTokens: { origin: string; entries: Record<string, unknown> }[];
@@ -93,6 +93,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     models: str('MAGUS_MODELS_BUCKET', names.modelsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     tokens: str('MAGUS_TOKENS_BUCKET', names.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     sessions: str('MAGUS_SESSIONS_BUCKET', names.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    pools: str('MAGUS_POOLS_BUCKET', names.poolsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
   };
 
   let secret = raw('MAGUS_GATEWAY_SECRET');
@@ -187,6 +188,7 @@ environment:
   MAGUS_GATEWAY_TOKENS_FILE, _TOKENS   local tokens: {"<id>": {"digest": "<hex sha256 of mgs_<id>_<secret>>", "name": "…"}}
   MAGUS_NATS_SUBJECT_SCOPE             '' (a scoped data plane: frames on <scope>.magus.res.<id>)
   MAGUS_MODELS_BUCKET, MAGUS_TOKENS_BUCKET, MAGUS_SESSIONS_BUCKET   magus_models, magus_tokens, magus_sessions
+  MAGUS_POOLS_BUCKET                                           magus_pools
   MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
   MAGUS_GATEWAY_REQUEST_TIMEOUT_MS     300000 (504 when the engine sends nothing for this long)
   MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (502 when a missing response frame does not arrive)

@@ -16,7 +16,7 @@ import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './plugins/models';
 import { jetStreamPublisher, perRequestResponseRouter, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
 import type { BacklogCheck } from './plugins/services';
-import { createSessionCache, type ColdStart, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
+import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {
@@ -26,6 +26,8 @@ export interface GatewayDeps {
   coldStart?: ColdStart;
   /** Debounced lease extension on warm turns (Temporal signal). Default: none. */
   renew?: RenewSession;
+  /** First turns from pools' published instances: the session TTL and how the workflow adopts an entry. Default: none (every first turn is a cold start). */
+  firstTurns?: Pick<FirstTurns, 'ttlMs' | 'adopt'>;
   /** Replaces the KV-backed session broker altogether. */
   broker?: SessionBroker;
   /** Default: JetStream publish with `Nats-Msg-Id` (responses.ts). */
@@ -103,8 +105,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     if (deps.broker) {
       sessions = deps.broker;
     } else {
+      const sessionsKv = await openBucket(nc, config.buckets.sessions);
       const cache = createSessionCache({
-        kv: await openBucket(nc, config.buckets.sessions),
+        kv: sessionsKv,
+        firstTurns: deps.firstTurns && { ...deps.firstTurns, pools: await openBucket(nc, config.buckets.pools), sessions: sessionsKv },
         coldStart: deps.coldStart ?? noColdStart,
         renew: deps.renew,
         onError: (err) => log.warn({ err }, 'session cache'),
@@ -112,6 +116,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       closers.push(() => cache.close());
       ready.push(within(`the ${config.buckets.sessions} watch`, 15_000, cache.ready));
       liveness.push({ name: 'sessions', check: () => cache.cache.live });
+      if (cache.pools) liveness.push({ name: 'pools', check: () => cache.pools!.live });
       sessions = sessionCache = cache;
     }
     const routerOptions = { subjectScope: config.subjectScope, onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame') };

@@ -1,9 +1,11 @@
 /**
  * The gateway's Temporal side — touched only on a conversation's first turn (or after its
  * session expired) and, debounced, to extend a session's TTL; warm turns never call it.
- * Cold path: make sure the model's pool exists (signal-with-start), then update-with-start the
- * conversation's session, whose `acquire` update returns the instance once the pool has leased
- * one (the caller's signal aborts the wait, e.g. when the client goes away).
+ * First turn on a warm pool (plugins/sessions.ts picked an instance from `magus_pools` and created
+ * the session entry): start the session workflow with that instance as its preferred lease, after
+ * the answer is on its way. Cold path: make sure the model's pool exists (signal-with-start), then
+ * update-with-start the conversation's session, whose `acquire` update returns the instance once
+ * the pool has leased one (the caller's signal aborts the wait, e.g. when the client goes away).
  */
 import { WithStartWorkflowOperation, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
 import { ApplicationFailure } from '@temporalio/common';
@@ -12,7 +14,7 @@ import { ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/p
 import type { dllamaPool } from '../workflows/pool/pool';
 import { acquireUpdate, sessionWorkflowId, touchSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
-import type { AcquireRequest, ColdStart, RenewSession } from './plugins/sessions';
+import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
 
 export interface TemporalSessionOptions {
   client: Client;
@@ -35,7 +37,7 @@ class BrokerError extends Error {
   }
 }
 
-export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession } {
+export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt'> } {
   const { client, taskQueue } = opts;
   const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
     const { namespace, name } = req.model;
@@ -63,5 +65,14 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
   const renew: RenewSession = async (req) => {
     await client.workflow.getHandle(sessionWorkflowId(req.conversationKey)).signal(touchSignal);
   };
-  return { coldStart, renew };
+  const adopt: FirstTurns['adopt'] = async (req, entry) => {
+    const { namespace, name } = req.model;
+    await client.workflow.start<typeof session>('session', {
+      workflowId: sessionWorkflowId(req.conversationKey),
+      taskQueue,
+      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, preferred: { instance: entry.instance, subject: entry.subject } }],
+      workflowIdConflictPolicy: 'USE_EXISTING',
+    });
+  };
+  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt } };
 }

@@ -82,7 +82,7 @@ export class FakeBroker implements SessionBroker {
     return this.impl ? this.impl(req) : Promise.resolve(this.entry);
   }
   stats() {
-    return { warmHits: this.calls.length, coldStarts: 0 };
+    return { warmHits: this.calls.length, coldStarts: 0, firstTurns: 0 };
   }
 }
 

@@ -31,6 +31,8 @@ export const Nats = {
   modelsBucket: 'magus_models',
   tokensBucket: 'magus_tokens',
   sessionsBucket: 'magus_sessions',
+  /** Pool → its ready instances and their leases (written by the pool workflow, read by gateways). */
+  poolsBucket: 'magus_pools',
 } as const;
 
 /** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */

@@ -57,6 +57,21 @@ export interface SessionEntry {
 }
 
 /**
+ * `magus_pools` KV, key `<namespace>.<model>`: the instances a pool can lease right now, written
+ * by the pool workflow whenever they change. A gateway serves a conversation's first turn from it
+ * (it picks an instance with room, writes the session entry, and lets the session workflow
+ * confirm the lease afterwards), so a first turn on a warm pool waits on no workflow.
+ */
+export interface PoolEntry {
+  /** Ready instances only (not starting, draining or stopping). */
+  instances: { instance: string; subject: string; leases: number }[];
+  /** Leases an instance takes before the pool prefers another (a soft limit). */
+  leasesPerInstance: number;
+  /** Epoch ms of the write. */
+  updatedAt: number;
+}
+
+/**
  * `magus_tokens` KV: token id → digest. Tokens look like `mgs_<id>_<secret>`; the gateway looks
  * up the entry by id and compares `sha256(token)` with `digest` in constant time. The token
  * itself is never stored.

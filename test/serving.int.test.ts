@@ -19,7 +19,7 @@ import { openModelRegistry } from '../activities/nats/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
-import type { SessionEntry } from '../shared/serving';
+import type { PoolEntry, SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
@@ -69,7 +69,7 @@ beforeAll(async () => {
   });
 
   ({ client, connection } = await temporalClient());
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS }, sessionTtlMs: SESSION_TTL_MS });
+  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });
   const gatewayConfig = loadGatewayConfig({
     MAGUS_GATEWAY_HOST: '127.0.0.1',
     MAGUS_GATEWAY_PORT: '0',
@@ -127,6 +127,7 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
     openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4 }, { headers: { 'x-session-id': id } });
 
   const before = new Set(await keys());
+  const s0 = gateway.sessionCache!.stats();
   await turn('first turn');
   const mine = (await keys()).filter((k) => !before.has(k));
   expect(mine).toHaveLength(1);
@@ -135,13 +136,65 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   await turn('third turn');
   expect((await entryOf(mine[0]!)).instance).toBe(first.instance);
 
-  // The session workflow saw exactly one acquire: the later turns went gateway → NATS directly.
+  // One turn found the instance (a cold start through Temporal, or a pool's published instance);
+  // the later turns went gateway → NATS directly, and the session workflow saw at most that one acquire.
+  const s1 = gateway.sessionCache!.stats();
+  expect(s1.coldStarts - s0.coldStarts + (s1.firstTurns - s0.firstTurns)).toBe(1);
+  expect(s1.warmHits - s0.warmHits).toBe(2);
   const history = await client.workflow.getHandle(sessionWorkflowId(mine[0]!)).fetchHistory();
   const updates = (history.events ?? []).filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED);
-  expect(updates).toHaveLength(1);
+  expect(updates).toHaveLength(s1.coldStarts - s0.coldStarts);
   for (const wf of [poolWorkflowId('default', 'tiny'), sessionWorkflowId(mine[0]!)]) {
     expect(historyText(await client.workflow.getHandle(wf).fetchHistory()).includes(TOKEN)).toBe(false);
   }
+}, 120_000);
+
+test('a first turn on a warm pool is served from the pool’s published instances; the session confirms the lease afterwards', async () => {
+  const pools = await nc.jetstream().views.kv(names.poolsBucket);
+  const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const published = async () => {
+    const e = await pools.get('default.tiny');
+    return e ? (JSON.parse(new TextDecoder().decode(e.value)) as PoolEntry) : undefined;
+  };
+  // Wait until an instance has room (leasesPerInstance 1: the earlier sessions expire after their TTL).
+  const deadline = Date.now() + 60_000;
+  let room: PoolEntry['instances'][number] | undefined;
+  while (!(room = (await published())?.instances.find((i) => i.leases === 0)) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 200));
+  expect(room).toBeDefined();
+
+  const before = new Set<string>();
+  for await (const k of await sessionsKv.keys()) before.add(k);
+  const s0 = gateway.sessionCache!.stats();
+  const r = await openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'a new conversation' }], max_tokens: 4 }, { headers: { 'x-session-id': `fast-${randomBytes(4).toString('hex')}` } });
+  expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+  const s1 = gateway.sessionCache!.stats();
+  expect(s1.firstTurns - s0.firstTurns).toBe(1);
+  expect(s1.coldStarts - s0.coldStarts).toBe(0);
+
+  const mine: string[] = [];
+  for await (const k of await sessionsKv.keys()) if (!before.has(k)) mine.push(k);
+  expect(mine).toHaveLength(1);
+  const entry = JSON.parse(new TextDecoder().decode((await sessionsKv.get(mine[0]!))!.value)) as SessionEntry;
+  expect(entry.instance).toBe(room!.instance);
+  // The gateway started the session workflow after answering; it asks the pool for that instance
+  // and is granted it: the pool publishes the lease, no acquire update ran, the entry stands.
+  const session = client.workflow.getHandle(sessionWorkflowId(mine[0]!));
+  let granted = false;
+  for (let i = 0; i < 100 && !granted; i++) {
+    const events = (await session.fetchHistory().catch(() => undefined))?.events ?? [];
+    granted = events.some((e) => e.workflowExecutionSignaledEventAttributes?.signalName === 'leaseGranted');
+    if (!granted) await new Promise((res) => setTimeout(res, 100));
+  }
+  expect(granted).toBe(true);
+  const events = (await session.fetchHistory()).events ?? [];
+  expect(events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)).toHaveLength(0);
+  let leases = 0;
+  for (let i = 0; i < 100 && leases === 0; i++) {
+    leases = (await published())?.instances.find((x) => x.instance === room!.instance)?.leases ?? 0;
+    if (leases === 0) await new Promise((res) => setTimeout(res, 100));
+  }
+  expect(leases).toBe(1);
+  expect((JSON.parse(new TextDecoder().decode((await sessionsKv.get(mine[0]!))!.value)) as SessionEntry).instance).toBe(room!.instance);
 }, 120_000);
 
 test('an idle pool goes to zero instances and comes back on the next request', async () => {

@@ -90,7 +90,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
   const registry = await openModelRegistry(nc, names.modelsBucket);
   const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama });
-  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket) });
+  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket), pools: await nc.jetstream().views.kv(names.poolsBucket) });
 
   const activities = createPipelineActivities({
     s3,

@@ -53,6 +53,7 @@ export interface DataPlaneNames {
   tokensBucket: string;
   modelsBucket: string;
   claimsBucket: string;
+  poolsBucket: string;
 }
 
 const NAME = /^[A-Za-z0-9_-]+$/;
@@ -74,6 +75,7 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
     tokensBucket: `${p}${Nats.tokensBucket}`,
     modelsBucket: `${p}${Nats.modelsBucket}`,
     claimsBucket: `${p}${CLAIMS_BUCKET}`,
+    poolsBucket: `${p}${Nats.poolsBucket}`,
   };
 }
 
@@ -197,6 +199,7 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
   await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
   await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
+  await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
   return names;
 }
 

@@ -113,17 +113,18 @@ export class GatewayMetrics {
   readonly latency = new Histogram('magus_gateway_request_duration_seconds', 'HTTP request duration by route, until the last byte (streams included).', ['route'], LATENCY_BUCKETS);
   readonly inFlight = new Gauge('magus_gateway_requests_in_flight', 'HTTP requests being served.');
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
-  private sessionStats: () => { warmHits: number; coldStarts: number } | undefined = () => undefined;
+  private sessionStats: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
-  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that had to start or re-acquire a session.', () => this.sessionStats()?.coldStarts);
+  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
+  private readonly firstTurns = new CounterFunc('magus_gateway_session_first_turns_total', 'First turns served from a pool’s published instances (the session starts after the answer).', () => this.sessionStats()?.firstTurns);
 
   /** Where warm-hit and cold-start counts come from (the session broker's `stats`). */
-  setSessionStats(read: () => { warmHits: number; coldStarts: number } | undefined): void {
+  setSessionStats(read: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined): void {
     this.sessionStats = read;
   }
 
   render(): string {
-    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.warmHits, this.coldStarts].map((m) => m.render()).join('\n')}\n`;
+    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.warmHits, this.coldStarts, this.firstTurns].map((m) => m.render()).join('\n')}\n`;
   }
 }
 

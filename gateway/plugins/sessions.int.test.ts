@@ -1,33 +1,40 @@
 /**
  * The KV-backed session broker against a real `magus_sessions`-shaped bucket: warm hits from the
- * watch mirror, freshness margin, shared cold starts, abort accounting and debounced renewals.
+ * watch mirror, freshness margin, shared cold starts, abort accounting and debounced renewals,
+ * and first turns served from a `magus_pools`-shaped bucket.
  */
 import type { KV, NatsConnection } from 'nats';
-import type { SessionEntry } from '../../shared/serving';
+import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
 import { readyModel } from '../test-support';
-import { createSessionCache, type AcquireRequest, type SessionCache } from './sessions';
+import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_sessions`;
+const poolsBucket = `${iso.natsPrefix}_pools`;
 const model = readyModel('tiny');
 const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
 const entry = (instance: string, ttlMs = 600_000): SessionEntry => ({ subject: `magus.req.p.${instance}`, pool: 'p', instance, expiresAt: Date.now() + ttlMs });
 
 let nc: NatsConnection;
 let kv: KV;
+let pools: KV;
 let cache: SessionCache | undefined;
+let other: SessionCache | undefined;
 
 beforeAll(async () => {
   nc = await natsConnect();
   kv = await nc.jetstream().views.kv(bucket);
+  pools = await nc.jetstream().views.kv(poolsBucket);
 });
 afterEach(async () => {
   await cache?.close();
-  cache = undefined;
+  await other?.close();
+  cache = other = undefined;
 });
 afterAll(async () => {
   await (await nc.jetstreamManager()).streams.delete(`KV_${bucket}`);
+  await (await nc.jetstreamManager()).streams.delete(`KV_${poolsBucket}`);
   await nc.drain();
 });
 
@@ -51,7 +58,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until(() => cache!.cache.get('k-existing') === undefined);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1 });
+  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0 });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -116,4 +123,94 @@ it('renews a warm session at most once per interval, without waiting for it', as
   now += 1_001;
   await cache.acquire(req('k-renew'));
   expect(renewals).toEqual(['k-renew', 'k-renew']);
+});
+
+describe('first turns from the pool’s published instances', () => {
+  const poolKey = `${model.namespace}.${model.name}`;
+  const publishPool = (instances: [string, number][], leasesPerInstance: number) =>
+    pools.put(poolKey, enc({ instances: instances.map(([instance, leases]) => ({ instance, subject: `magus.req.tiny.${instance}`, leases })), leasesPerInstance, updatedAt: Date.now() } satisfies PoolEntry));
+  const adopted: { key: string; entry: SessionEntry }[] = [];
+  const firstTurns = (): FirstTurns => ({
+    pools,
+    sessions: kv,
+    ttlMs: 600_000,
+    adopt: (r, e) => {
+      adopted.push({ key: r.conversationKey, entry: e });
+      return Promise.resolve();
+    },
+  });
+  const noCold = () => Promise.reject(new Error('unexpected cold start'));
+  beforeEach(() => {
+    adopted.length = 0;
+  });
+  const stored = async (key: string) => JSON.parse(new TextDecoder().decode((await kv.get(key))!.value)) as SessionEntry;
+
+  it('picks the least-loaded instance with room, creates the entry and has the workflow adopt it; no cold start', async () => {
+    await publishPool([['i1', 2], ['i2', 0], ['i3', 1]], 4);
+    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
+    await cache.ready;
+    const got = await cache.acquire(req('k-first-1'));
+    expect(got).toMatchObject({ instance: 'i2', subject: 'magus.req.tiny.i2', pool: 'tiny' });
+    expect(got.expiresAt).toBeGreaterThan(Date.now() + 500_000);
+    expect(await stored('k-first-1')).toEqual(got);
+    expect(adopted).toEqual([{ key: 'k-first-1', entry: got }]);
+    expect(cache.stats()).toEqual({ warmHits: 0, coldStarts: 0, firstTurns: 1 });
+    // The next turn is warm (the entry is in the cache at once), and adopts nothing.
+    expect(await cache.acquire(req('k-first-1'))).toEqual(got);
+    expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 0, firstTurns: 1 });
+    expect(adopted).toHaveLength(1);
+  });
+
+  it('counts its own picks until the pool publishes again, and goes cold when every instance is full', async () => {
+    await publishPool([['i1', 0]], 2);
+    const cold: string[] = [];
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    await cache.ready;
+    expect((await cache.acquire(req('k-count-1'))).instance).toBe('i1');
+    expect((await cache.acquire(req('k-count-2'))).instance).toBe('i1');
+    expect((await cache.acquire(req('k-count-3'))).instance).toBe('from-temporal'); // i1 holds 2 of 2
+    expect(cold).toEqual(['k-count-3']);
+    // A new publication replaces the local counts: the pool has seen the two leases and added an instance.
+    await publishPool([['i1', 2], ['i2', 0]], 2);
+    await until(() => cache!.pools!.get(poolKey)?.instances.length === 2);
+    expect((await cache.acquire(req('k-count-4'))).instance).toBe('i2');
+  });
+
+  it('two gateways racing on one conversation agree on one instance (KV create decides)', async () => {
+    await publishPool([['i1', 0], ['i2', 0]], 10);
+    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
+    other = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
+    await Promise.all([cache.ready, other.ready]);
+    // Make the two gateways' picks differ: this one has already sent a conversation to i1.
+    expect((await cache.acquire(req('k-race-warmup'))).instance).toBe('i1');
+    const [a, b] = await Promise.all([cache.acquire(req('k-race')), other.acquire(req('k-race'))]);
+    expect(a).toEqual(b);
+    expect(await stored('k-race')).toEqual(a);
+    // Only the winner adopts it.
+    expect(adopted.filter((x) => x.key === 'k-race')).toHaveLength(1);
+  });
+
+  it('no published pool, or an existing entry that is about to expire: the cold path', async () => {
+    const cold: string[] = [];
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: { ...firstTurns(), pools } });
+    await cache.ready;
+    const unknown = { ...model, name: 'no-pool-yet' };
+    expect((await cache.acquire({ ...req('k-nopool'), model: unknown })).instance).toBe('from-temporal');
+    await publishPool([['i1', 0]], 5);
+    await kv.put('k-ending', enc(entry('old', 2_000)));
+    await until(() => cache!.cache.get('k-ending') !== undefined && cache!.pools!.get(poolKey) !== undefined);
+    expect((await cache.acquire(req('k-ending'))).instance).toBe('from-temporal');
+    expect(cold).toEqual(['k-nopool', 'k-ending']);
+    expect(adopted).toEqual([]);
+  });
+
+  it('a malformed pool entry is ignored (cold path), not trusted', async () => {
+    await pools.put(poolKey, enc({ instances: [{ instance: 'i1' }], leasesPerInstance: 0 }));
+    const cold: string[] = [];
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    await cache.ready;
+    expect(cache.pools!.get(poolKey)).toBeUndefined();
+    expect((await cache.acquire(req('k-malformed-pool'))).instance).toBe('from-temporal');
+    expect(cold).toEqual(['k-malformed-pool']);
+  });
 });

@@ -1,13 +1,16 @@
 /**
  * Sessions: which instance serves a conversation. The gateway asks a {@link SessionBroker}; the
  * broker here answers warm turns from a watch-backed mirror of the `magus_sessions` KV bucket
- * (no Temporal call, no KV read per request) and hands everything else — first turns, expired or
- * nearly expired leases — to an injected {@link ColdStart} (in production a Temporal
+ * (no Temporal call, no KV read per request). A first turn on a warm pool is served from the
+ * pool's published instances (`magus_pools`, see {@link FirstTurns}): the gateway picks one with
+ * room, creates the session entry itself and has the session workflow confirm the lease
+ * afterwards, off the client's path. Everything else — a pool without a ready instance, expired
+ * or nearly expired leases — goes to an injected {@link ColdStart} (in production a Temporal
  * update-with-start on the conversation's `session` workflow, which also writes the KV entry).
  */
 import type { KvEntry } from 'nats';
 import type { ReadyModel } from '../../shared/model';
-import type { SessionEntry } from '../../shared/serving';
+import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { watchKv, type KvCache, type WatchableKv } from './kv-cache';
 
 export interface AcquireRequest {
@@ -26,7 +29,16 @@ export interface AcquireRequest {
 export interface SessionBroker {
   acquire(req: AcquireRequest): Promise<SessionEntry>;
   /** Counters for /metrics, when the broker keeps them. */
-  stats?(): { warmHits: number; coldStarts: number };
+  stats?(): SessionStats;
+}
+
+export interface SessionStats {
+  /** Turns answered from the session cache. */
+  warmHits: number;
+  /** Turns that waited on the slow path (Temporal). */
+  coldStarts: number;
+  /** First turns served from a pool's published instances (the session workflow confirms later). */
+  firstTurns: number;
 }
 
 /** Starts or re-acquires a conversation's session (the slow path), resolving to its entry. */
@@ -35,10 +47,34 @@ export type ColdStart = (req: AcquireRequest) => Promise<SessionEntry>;
 /** Extends a session's lease (debounced, fire-and-forget): the caller may not wait for it. */
 export type RenewSession = (req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry) => Promise<void>;
 
+/** What the `magus_sessions` bucket must offer for first turns: an atomic create, and a read after losing it. */
+export interface SessionWriter {
+  create(key: string, value: Uint8Array): Promise<number>;
+  get(key: string): Promise<KvEntry | null>;
+}
+
+/**
+ * First turns without a workflow on the client's path. The session entry is created with KV
+ * `create`, so concurrent first turns of one conversation (on any replica) agree on the winner's
+ * instance; `adopt` then starts the conversation's session workflow with that instance as its
+ * preferred lease (the pool grants it, or another one and the workflow rewrites the entry).
+ */
+export interface FirstTurns {
+  /** The `magus_pools` bucket (key `<namespace>.<model>`). */
+  pools: WatchableKv;
+  sessions: SessionWriter;
+  /** Lifetime of the entry the gateway creates (the session workflow's TTL). */
+  ttlMs: number;
+  /** Starts the session workflow for an entry this gateway created; not awaited by the request. */
+  adopt(req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry): Promise<void>;
+}
+
 export interface SessionCacheOptions {
   /** The `magus_sessions` bucket (key = conversation key). */
   kv: WatchableKv;
   coldStart: ColdStart;
+  /** Serve first turns from pools' published instances; without it every first turn is a cold start. */
+  firstTurns?: FirstTurns;
   /** A lease ending sooner than this is not used: the turn goes through `coldStart`, which extends it. */
   freshnessMarginMs?: number;
   /** Called on a warm hit at most once per `renewIntervalMs` per conversation (not awaited). */
@@ -49,8 +85,10 @@ export interface SessionCacheOptions {
 }
 
 export interface SessionCache extends SessionBroker {
-  stats(): { warmHits: number; coldStarts: number };
+  stats(): SessionStats;
   readonly cache: KvCache<SessionEntry>;
+  /** The mirror of `magus_pools` (absent without first turns). */
+  readonly pools: KvCache<PoolEntry> | undefined;
   readonly ready: Promise<void>;
   close(): Promise<void>;
 }
@@ -62,6 +100,23 @@ export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined 
   if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string') return undefined;
   return { subject: e.subject, pool: e.pool, instance: e.instance, expiresAt: e.expiresAt };
 }
+
+/** A `magus_pools` value, checked; `undefined` (ignored) when malformed. */
+export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
+  const e = JSON.parse(new TextDecoder().decode(value)) as Partial<PoolEntry> | null;
+  if (typeof e !== 'object' || e === null || !Array.isArray(e.instances) || !Number.isInteger(e.leasesPerInstance) || (e.leasesPerInstance as number) < 1) return undefined;
+  const instances = e.instances.filter(
+    (i): i is PoolEntry['instances'][number] =>
+      typeof i === 'object' && i !== null && typeof i.instance === 'string' && i.instance !== '' && typeof i.subject === 'string' && i.subject !== '' && Number.isInteger(i.leases) && i.leases >= 0,
+  );
+  return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0 };
+}
+
+/** KV `create` lost: the key exists (nats.js reports JetStream's "wrong last sequence"). */
+const isKeyExists = (err: unknown): boolean => {
+  const e = err as { api_error?: { err_code?: number }; code?: string; message?: string } | null;
+  return e?.api_error?.err_code === 10071 || /wrong last sequence/i.test(e?.message ?? '');
+};
 
 interface PendingStart {
   promise: Promise<SessionEntry>;
@@ -82,6 +137,28 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const lastRenewed = new Map<string, number>();
   let warmHits = 0;
   let coldStarts = 0;
+  let firstTurnCount = 0;
+  const first = opts.firstTurns;
+  const pools = first ? watchKv<PoolEntry>(first.pools, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
+  /** Leases this gateway handed out since the pool last published (per entry object, so a new publication resets them). */
+  const localLeases = new WeakMap<PoolEntry, Map<string, number>>();
+
+  /** The pool's instance with the most room, counting this gateway's own recent picks; none when all are full. */
+  const pick = (model: ReadyModel): { entry: PoolEntry; instance: PoolEntry['instances'][number] } | undefined => {
+    const entry = pools?.get(`${model.namespace}.${model.name}`);
+    if (!entry) return undefined;
+    const local = localLeases.get(entry);
+    let best: PoolEntry['instances'][number] | undefined;
+    let bestLoad = Infinity;
+    for (const i of entry.instances) {
+      const load = i.leases + (local?.get(i.instance) ?? 0);
+      if (load < entry.leasesPerInstance && load < bestLoad) {
+        best = i;
+        bestLoad = load;
+      }
+    }
+    return best ? { entry, instance: best } : undefined;
+  };
 
   // Expired leases and renew marks would otherwise accumulate for every conversation ever seen.
   const sweep = setInterval(() => {
@@ -120,6 +197,52 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return p;
   };
 
+  /**
+   * A first turn on a pool with room: create the entry (or use the one a concurrent first turn
+   * created), then have the workflow adopt it without waiting. Falls back to the cold path when
+   * an existing entry is unusable.
+   */
+  const startFirst = (req: AcquireRequest, f: FirstTurns, choice: NonNullable<ReturnType<typeof pick>>): PendingStart => {
+    const abort = new AbortController();
+    const key = req.conversationKey;
+    const entry: SessionEntry = { subject: choice.instance.subject, pool: req.model.name, instance: choice.instance.instance, expiresAt: now() + f.ttlMs };
+    let local = localLeases.get(choice.entry);
+    if (!local) localLeases.set(choice.entry, (local = new Map<string, number>()));
+    local.set(entry.instance, (local.get(entry.instance) ?? 0) + 1);
+    const p: PendingStart = {
+      abort,
+      waiters: 0,
+      promise: (async () => {
+        try {
+          await f.sessions.create(key, new TextEncoder().encode(JSON.stringify(entry)));
+        } catch (err) {
+          if (!isKeyExists(err)) throw err;
+          const theirs = await f.sessions.get(key);
+          const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
+          if (e && e.expiresAt - margin > now()) {
+            cache.set(key, e);
+            return e;
+          }
+          coldStarts++;
+          const fromTemporal = await opts.coldStart({ ...req, signal: abort.signal });
+          cache.set(key, fromTemporal);
+          return fromTemporal;
+        }
+        firstTurnCount++;
+        cache.set(key, entry);
+        lastRenewed.set(key, now());
+        f.adopt({ conversationKey: key, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
+        return entry;
+      })(),
+    };
+    const forget = () => {
+      if (pending.get(key) === p) pending.delete(key);
+    };
+    p.promise.then(forget, forget);
+    pending.set(key, p);
+    return p;
+  };
+
   const join = (p: PendingStart, key: string, signal: AbortSignal): Promise<SessionEntry> =>
     new Promise<SessionEntry>((resolve, reject) => {
       p.waiters++;
@@ -146,8 +269,9 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
 
   return {
     cache,
-    ready: cache.ready,
-    stats: () => ({ warmHits, coldStarts }),
+    pools,
+    ready: pools ? Promise.all([cache.ready, pools.ready]).then(() => undefined) : cache.ready,
+    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount }),
     acquire(req) {
       const entry = cache.get(req.conversationKey);
       if (entry && entry.expiresAt - margin > now()) {
@@ -155,12 +279,18 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         renew(req, entry);
         return Promise.resolve(entry);
       }
-      return join(pending.get(req.conversationKey) ?? startCold(req), req.conversationKey, req.signal);
+      let p = pending.get(req.conversationKey);
+      if (!p) {
+        // An entry that exists but is (nearly) expired belongs to a session that must extend it: the cold path.
+        const choice = first && !entry ? pick(req.model) : undefined;
+        p = choice ? startFirst(req, first!, choice) : startCold(req);
+      }
+      return join(p, req.conversationKey, req.signal);
     },
     async close() {
       clearInterval(sweep);
       for (const p of pending.values()) p.abort.abort(new Error('gateway closing'));
-      await cache.close();
+      await Promise.all([cache.close(), pools?.close()]);
     },
   };
 }

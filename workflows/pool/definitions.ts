@@ -12,11 +12,17 @@ export interface PoolInput {
   leasesPerInstance: number;
   /** An instance without leases for this long is stopped (down to `minInstances`). */
   idleTimeoutMs: number;
+  /**
+   * How long an idle instance stays unpublished from `magus_pools` before it is stopped, so a
+   * gateway that picked it a moment earlier still finds it serving (default 5 s).
+   */
+  drainGraceMs?: number;
 }
 
 export interface InstanceView {
   id: string;
-  phase: 'starting' | 'ready' | 'stopping';
+  /** `draining`: idle, unpublished, stopped after the drain grace unless a session takes it again. */
+  phase: 'starting' | 'ready' | 'draining' | 'stopping';
   subject: string | null;
   leases: number;
 }
@@ -29,8 +35,12 @@ export interface PoolStatus {
   lastError: string | null;
 }
 
-/** From a session: it wants an instance; answered with {@link leaseGrantedSignal} to `sessionWorkflowId`. */
-export const leaseRequestedSignal = defineSignal<[{ sessionId: string; sessionWorkflowId: string }]>('leaseRequested');
+/**
+ * From a session: it wants an instance; answered with {@link leaseGrantedSignal} to
+ * `sessionWorkflowId`. `preferred`: the instance a gateway already sent the first turn to; granted
+ * when it is ready or draining, whatever its lease count (leasesPerInstance is a soft limit).
+ */
+export const leaseRequestedSignal = defineSignal<[{ sessionId: string; sessionWorkflowId: string; preferred?: string }]>('leaseRequested');
 export const leaseReleasedSignal = defineSignal<[{ sessionId: string }]>('leaseReleased');
 /** Sent with signal-with-start by whoever needs the pool to exist; carries no data. */
 export const ensurePoolSignal = defineSignal('ensurePool');

@@ -5,6 +5,13 @@
  * at max, leases are spread over the existing ones). Instances without leases for
  * `idleTimeoutMs` are stopped, down to `minInstances` (zero included). The workflow never knows
  * which runtime (local processes or Kubernetes) runs the instances.
+ *
+ * It publishes its ready instances and their lease counts to `magus_pools` whenever they change
+ * (one write in flight at a time, the latest state wins), so gateways serve first turns without
+ * waiting on a workflow; a session then asks for a lease on the instance its gateway picked
+ * (`preferred`). An idle instance is first unpublished (`draining`) and stopped only after
+ * `drainGraceMs`, once the write that removed it has completed; a session taking it meanwhile
+ * keeps it.
  */
 import {
   ActivityFailure,
@@ -25,6 +32,8 @@ import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePo
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
 const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
 const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
+const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
+const DEFAULT_DRAIN_GRACE_MS = 5000;
 
 interface Instance {
   id: string;
@@ -33,6 +42,8 @@ interface Instance {
   leases: Set<string>;
   /** Workflow time the last lease was released (or the instance became ready). */
   idleSince: number;
+  /** Workflow time it was unpublished for stopping (phase `draining`). */
+  drainSince: number;
 }
 
 /** State carried over continue-as-new. */
@@ -48,15 +59,22 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
   const { createInstance, destroyInstance } = proxyActivities<ServingActivities>(startInstance);
   const { describeInstance } = proxyActivities<ServingActivities>(quick);
+  const { writePool } = proxyActivities<ServingActivities>(publish);
+  const drainGraceMs = input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
   const instances = new Map<string, Instance>();
   const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
   let nextId = carry?.nextId ?? 1;
   let lastError: string | null = null;
   let dirty = true;
   const starting = new Set<Promise<void>>();
+  // What gateways see in `magus_pools`: the last completed write, and the ids of one in flight.
+  let publishedKey: string | null = null;
+  let published = new Set<string>();
+  const publishing = new Set<string>();
+  let writing = false;
 
   for (const c of carry?.instances ?? []) {
-    instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince });
+    instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince, drainSince: 0 });
   }
 
   setHandler(leaseRequestedSignal, (req) => {
@@ -66,6 +84,15 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         void grant(req.sessionWorkflowId, { instance: i.id, subject: i.subject });
         return;
       }
+    }
+    // Its gateway already sent the first turn there: keep the conversation where its KV cache is.
+    const preferred = req.preferred === undefined ? undefined : instances.get(req.preferred);
+    if (preferred?.subject && (preferred.phase === 'ready' || preferred.phase === 'draining')) {
+      preferred.phase = 'ready';
+      preferred.leases.add(req.sessionId);
+      void grant(req.sessionWorkflowId, { instance: preferred.id, subject: preferred.subject });
+      dirty = true;
+      return;
     }
     if (!waiting.some((w) => w.sessionId === req.sessionId)) waiting.push(req);
     dirty = true;
@@ -96,7 +123,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
 
   function start(): void {
     const id = `${input.model}-${nextId++}`;
-    const inst: Instance = { id, phase: 'starting', subject: null, leases: new Set(), idleSince: Date.now() };
+    const inst: Instance = { id, phase: 'starting', subject: null, leases: new Set(), idleSince: Date.now(), drainSince: 0 };
     instances.set(id, inst);
     const p = createInstance({ namespace: input.namespace, model: input.model, pool: input.model, instance: id })
       .then((info) => {
@@ -122,15 +149,17 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
 
   function reconcile(): void {
-    // 1. Grants: the least-loaded ready instance with room; at max, the least-loaded one.
-    const ready = () => [...instances.values()].filter((i) => i.phase === 'ready');
+    // 1. Grants: the least-loaded ready instance with room; at max, the least-loaded one. A
+    //    draining instance is as good as a ready one (it is taken back).
+    const leasable = () => [...instances.values()].filter((i) => i.phase === 'ready' || i.phase === 'draining');
     const live = () => [...instances.values()].filter((i) => i.phase !== 'stopping');
     while (waiting.length > 0) {
-      const candidates = ready().sort((a, b) => a.leases.size - b.leases.size);
+      const candidates = leasable().sort((a, b) => a.leases.size - b.leases.size);
       const roomy = candidates.find((i) => i.leases.size < input.leasesPerInstance);
       const target = roomy ?? (live().length >= input.maxInstances ? candidates[0] : undefined);
       if (!target?.subject) break;
       const w = waiting.shift()!;
+      target.phase = 'ready';
       target.leases.add(w.sessionId);
       void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject });
     }
@@ -138,13 +167,17 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const leases = live().reduce((n, i) => n + i.leases.size, 0);
     const wanted = Math.min(input.maxInstances, Math.max(input.minInstances, Math.ceil((leases + waiting.length) / input.leasesPerInstance)));
     for (let n = live().length; n < wanted; n++) start();
-    // 3. Scale down: idle instances beyond the minimum, once their idle timeout has passed.
+    // 3. Scale down: idle instances beyond the minimum, once their idle timeout has passed, are
+    //    unpublished (draining) and stopped after the grace, once no published view lists them.
     let surplus = live().length - Math.max(input.minInstances, wanted);
-    for (const i of ready().sort((a, b) => a.idleSince - b.idleSince)) {
-      if (surplus <= 0) break;
-      if (i.leases.size === 0 && Date.now() - i.idleSince >= input.idleTimeoutMs) {
+    for (const i of [...instances.values()].filter((x) => x.phase === 'draining')) {
+      if (i.leases.size > 0 || surplus <= 0) {
+        i.phase = 'ready'; // needed again
+        continue;
+      }
+      surplus--;
+      if (Date.now() - i.drainSince >= drainGraceMs && !published.has(i.id) && !publishing.has(i.id)) {
         i.phase = 'stopping';
-        surplus--;
         const p = destroyInstance({ pool: input.model, instance: i.id }).finally(() => {
           instances.delete(i.id);
           starting.delete(p);
@@ -153,13 +186,46 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         starting.add(p);
       }
     }
+    for (const i of [...instances.values()].filter((x) => x.phase === 'ready').sort((a, b) => a.idleSince - b.idleSince)) {
+      if (surplus <= 0) break;
+      if (i.leases.size === 0 && Date.now() - i.idleSince >= input.idleTimeoutMs) {
+        i.phase = 'draining';
+        i.drainSince = Date.now();
+        surplus--;
+      }
+    }
+    // 4. Publish what gateways may pick from, when it changed (one write at a time).
+    const view = [...instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases.size }));
+    const key = JSON.stringify(view);
+    if (key !== publishedKey && !writing) {
+      writing = true;
+      const ids = new Set(view.map((v) => v.instance));
+      for (const id of ids) publishing.add(id);
+      const p = writePool({ namespace: input.namespace, model: input.model, instances: view, leasesPerInstance: input.leasesPerInstance })
+        .then(
+          () => {
+            publishedKey = key;
+            published = ids;
+          },
+          () => undefined, // retried by the next reconcile
+        )
+        .finally(() => {
+          writing = false;
+          publishing.clear();
+          starting.delete(p);
+          dirty = true;
+        });
+      starting.add(p);
+    }
   }
 
-  /** Milliseconds until the next idle instance may be stopped, if any. */
+  /** Milliseconds until the next idle instance may be unpublished or a draining one stopped, if any. */
   function nextIdleDeadline(): number | undefined {
+    const deadlines: number[] = [];
     const idle = [...instances.values()].filter((i) => i.phase === 'ready' && i.leases.size === 0);
-    if (idle.length <= input.minInstances) return undefined;
-    return Math.max(0, Math.min(...idle.map((i) => i.idleSince + input.idleTimeoutMs - Date.now())));
+    if (idle.length > input.minInstances) deadlines.push(...idle.map((i) => i.idleSince + input.idleTimeoutMs - Date.now()));
+    for (const i of instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + drainGraceMs - Date.now());
+    return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
   // Instances carried over continue-as-new may have died with their worker: check them.

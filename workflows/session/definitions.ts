@@ -9,6 +9,12 @@ export interface SessionInput {
   model: string;
   /** The session ends this long after its last touch. */
   ttlMs: number;
+  /**
+   * The instance a gateway already sent the first turn to (from `magus_pools`; it wrote the
+   * session entry too): the session asks the pool for a lease on it at once, and rewrites the
+   * entry only if the pool grants another.
+   */
+  preferred?: { instance: string; subject: string };
 }
 
 /**

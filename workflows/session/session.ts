@@ -75,6 +75,28 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     },
   );
 
+  // A gateway served the first turn already (from `magus_pools`) and wrote the entry: confirm
+  // the lease with the pool; rewrite the entry only if the pool chose another instance.
+  if (!carry && input.preferred) {
+    const preferred = input.preferred;
+    requested = true;
+    let pooled = true;
+    try {
+      await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId, preferred: preferred.instance });
+    } catch {
+      pooled = false; // no pool (it ended): nothing can confirm the lease
+    }
+    if (pooled) await condition(() => lease !== null || failure !== null);
+    if (!lease) {
+      // The entry points at an instance nobody leased: remove it so the next turn takes the cold
+      // path (which starts the pool if needed).
+      await condition(allHandlersFinished);
+      await deleteSession({ key: input.key });
+      return;
+    }
+    if (lease.instance !== preferred.instance || lease.subject !== preferred.subject) await writeSession({ key: input.key, entry: entry() });
+  }
+
   // Expiry: a timer that every touch pushes back.
   for (;;) {
     const remaining = expiresAt - Date.now();
