@@ -104,9 +104,13 @@ function bufferSource(bytes: Uint8Array, name = 'mem'): ByteSource & { reads: nu
     name,
     reads: 0,
     size: () => Promise.resolve(bytes.length),
-    read(offset: number, length: number): Promise<Uint8Array> {
+    read(offset: number, length: number, into?: Uint8Array): Promise<Uint8Array> {
       src.reads++;
       if (offset + length > bytes.length) return Promise.reject(new RangeError('read past end'));
+      if (into) {
+        into.set(bytes.subarray(offset, offset + length));
+        return Promise.resolve(into.subarray(0, length));
+      }
       return Promise.resolve(bytes.subarray(offset, offset + length));
     },
   };

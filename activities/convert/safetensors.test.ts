@@ -192,6 +192,22 @@ describe('chunked reads', () => {
     expect(raw).toEqual([0, 960, 1920, 960, 960, 1920, 1920, 640, 1280]);
   });
 
+  test('reads each chunk into the buffer the caller gives for it', async () => {
+    const values = Float32Array.from({ length: 40 * 64 }, (_, i) => i / 100);
+    const data = encodeValues(values, 'F16');
+    const [t] = (await openSafetensors(bytesSource('m', encodeSafetensors([{ name: 'm', dtype: 'F16', shape: [40, 64], data }])))).tensors;
+    const buffer = new Uint8Array(4096);
+    const asked: number[] = [];
+    const seen: number[] = [];
+    for await (const c of readTensorChunks(t!, { chunkElements: 1000, buffer: (n) => (asked.push(n), buffer) })) {
+      expect(c.bytes.buffer).toBe(buffer.buffer);
+      expect(c.bytes.byteOffset).toBe(0);
+      seen.push(...c.bytes); // copied out before the next chunk overwrites it
+    }
+    expect(asked).toEqual([1920, 1920, 1280]);
+    expect(Buffer.from(seen).equals(Buffer.from(data))).toBe(true);
+  });
+
   test('NaN/Inf while reading names the file, tensor and element', async () => {
     const h = new Uint16Array(96).fill(0x3c00);
     h[70] = 0xfc00; // -Inf
@@ -335,6 +351,11 @@ describe('byte sources', () => {
       const src = fileSource(p);
       expect(await src.size()).toBe(100);
       expect([...(await src.read(10, 5))]).toEqual([10, 11, 12, 13, 14]);
+      const into = new Uint8Array(new SharedArrayBuffer(8));
+      const got = await src.read(20, 6, into);
+      expect(got.buffer).toBe(into.buffer);
+      expect([got.byteOffset, got.length, ...got]).toEqual([0, 6, 20, 21, 22, 23, 24, 25]);
+      await expect(src.read(0, 9, into)).rejects.toThrow(RangeError);
       const err = await errorOf(src.read(95, 10));
       expect(err.code).toBe('TruncatedFile');
       expect(err.message).toContain(p);
@@ -352,5 +373,10 @@ describe('byte sources', () => {
     r[0] = 99;
     expect([...bytes]).toEqual([1, 2, 3, 4]);
     expect(await codeOf(src.read(3, 2))).toBe('TruncatedFile');
+    const into = new Uint8Array(5).fill(7);
+    const got = await src.read(2, 2, into);
+    expect(got.buffer).toBe(into.buffer);
+    expect([...into]).toEqual([3, 4, 7, 7, 7]);
+    await expect(src.read(0, 4, new Uint8Array(3))).rejects.toThrow(RangeError);
   });
 });

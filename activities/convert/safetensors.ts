@@ -64,11 +64,11 @@ export function fileSource(filePath: string): ByteSource & { close(): Promise<vo
       size ??= (await (await get()).stat()).size;
       return size;
     },
-    async read(offset, length) {
+    async read(offset, length, into) {
+      // The caller's buffer, or a fresh, unpooled, uninitialised one: it is filled below, and
+      // owning its whole ArrayBuffer lets the worker pool transfer it instead of copying.
+      const buf = into ? target(filePath, into, length) : Buffer.allocUnsafeSlow(length);
       const fh = await get();
-      // A fresh, unpooled, uninitialised buffer: it is filled below, and owning its whole
-      // ArrayBuffer lets the worker pool transfer it instead of copying.
-      const buf = Buffer.allocUnsafeSlow(length);
       let done = 0;
       while (done < length) {
         const { bytesRead } = await fh.read(buf, done, length - done, offset + done);
@@ -87,16 +87,30 @@ export function fileSource(filePath: string): ByteSource & { close(): Promise<vo
   };
 }
 
+/**
+ * The first `length` bytes of `into`, the buffer a {@link ByteSource.read} was asked to fill.
+ * @throws RangeError if `into` is shorter than `length`
+ */
+export function target(name: string, into: Uint8Array, length: number): Uint8Array {
+  if (into.length < length) throw new RangeError(`${name}: a read of ${length} bytes does not fit the ${into.length}-byte buffer given`);
+  return into.subarray(0, length);
+}
+
 /** A {@link ByteSource} over bytes in memory (tests, small files). Reads return copies. */
 export function bytesSource(name: string, bytes: Uint8Array): ByteSource {
   return {
     name,
     size: () => Promise.resolve(bytes.length),
-    read(offset, length) {
+    read(offset, length, into) {
       if (offset < 0 || length < 0 || offset + length > bytes.length) {
         return Promise.reject(new ConvertError('TruncatedFile', `${name}: file ends at byte ${bytes.length}, wanted ${length} bytes at offset ${offset}`));
       }
-      return Promise.resolve(bytes.slice(offset, offset + length));
+      if (!into) return Promise.resolve(bytes.slice(offset, offset + length));
+      return Promise.resolve().then(() => {
+        const out = target(name, into, length);
+        out.set(bytes.subarray(offset, offset + length));
+        return out;
+      });
     },
   };
 }
@@ -401,6 +415,12 @@ export function chunkElementsFor(shape: readonly number[], requested = DEFAULT_C
 export interface ReadOptions {
   /** Upper bound on elements per chunk (default {@link DEFAULT_CHUNK_ELEMENTS}). */
   chunkElements?: number;
+  /**
+   * Where to read each chunk: called with the chunk's byte length, returns a buffer at least that
+   * long; the chunk's `bytes` is then a view of its start (so a caller can recycle its buffers).
+   * Default: a fresh buffer per chunk.
+   */
+  buffer?: (byteLength: number) => Uint8Array;
 }
 
 /** A chunk of raw tensor bytes. */
@@ -412,7 +432,10 @@ export interface RawTensorChunk {
   elements: number;
 }
 
-/** Streams a tensor's raw bytes, one chunk at a time (see {@link chunkElementsFor}). Each chunk is a fresh buffer. */
+/**
+ * Streams a tensor's raw bytes, one chunk at a time (see {@link chunkElementsFor}). Each chunk is
+ * a fresh buffer, or a view of the one `opts.buffer` gave for it.
+ */
 export async function* readTensorChunks(t: SourceTensor, opts?: ReadOptions): AsyncGenerator<RawTensorChunk> {
   const size = dtypeSize(t.dtype);
   const total = t.byteLength / size;
@@ -422,7 +445,7 @@ export async function* readTensorChunks(t: SourceTensor, opts?: ReadOptions): As
   const chunk = chunkElementsFor(t.shape, opts?.chunkElements);
   for (let at = 0; at < total; at += chunk) {
     const elements = Math.min(chunk, total - at);
-    const bytes = await t.source.read(t.offset + at * size, elements * size);
+    const bytes = await t.source.read(t.offset + at * size, elements * size, opts?.buffer?.(elements * size));
     yield { dtype: t.dtype, bytes, elementOffset: at, elements };
   }
 }

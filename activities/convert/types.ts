@@ -17,7 +17,12 @@ export interface ByteSource {
   /** Human-readable name used in error messages (file path or s3 key). */
   readonly name: string;
   size(): Promise<number>;
-  read(offset: number, length: number): Promise<Uint8Array>;
+  /**
+   * `length` bytes at `offset`: in a fresh buffer, or, given `into` (at least `length` bytes
+   * long), read into its first `length` bytes and returned as `into.subarray(0, length)` — so a
+   * caller can reuse its buffers. Implementations must honour `into`.
+   */
+  read(offset: number, length: number, into?: Uint8Array): Promise<Uint8Array>;
   close?(): Promise<void>;
 }
 

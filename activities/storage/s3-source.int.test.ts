@@ -1,4 +1,4 @@
-/** s3Source against the real MinIO of the test harness: exact ranges, few GETs, fresh buffers. */
+/** s3Source against the real MinIO of the test harness: exact ranges, few GETs, fresh buffers or the caller's. */
 import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { isolation, s3Client } from '../../test/harness';
 import { s3Source } from './s3-source';
@@ -83,6 +83,24 @@ describe('s3Source', () => {
     expect(reads).toBeGreaterThan(200);
     expect(calls(log, 'GetObject')).toBe(BLOCKS);
     expect(calls(log, 'HeadObject')).toBe(0);
+    await source.close();
+  });
+
+  test('reads into a buffer the caller gives, from the cache or with a direct GET', async () => {
+    const { s3 } = client();
+    const source = s3Source(s3, bucket, key, { blockSize: BLOCK });
+    const into = new Uint8Array(new SharedArrayBuffer(6 * MiB));
+    for (const [offset, length] of [
+      [BLOCK - 3, 7], // across two cached blocks
+      [123, 5 * MiB], // larger than a block
+      [SIZE - 10, 10],
+      [0, 0],
+    ] as const) {
+      const got = await source.read(offset, length, into);
+      expect([got.buffer === into.buffer, got.byteOffset, got.length]).toEqual([true, 0, length]);
+      expect(Buffer.from(got).equals(data.subarray(offset, offset + length))).toBe(true);
+    }
+    await expect(source.read(0, 6 * MiB + 1, into)).rejects.toThrow(RangeError);
     await source.close();
   });
 

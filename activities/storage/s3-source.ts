@@ -9,10 +9,12 @@
  * that is returned.
  *
  * Every read returns a fresh buffer that owns its whole ArrayBuffer (the converter's worker pool
- * transfers such buffers instead of copying them; a view into the cache would be detached).
+ * transfers such buffers instead of copying them; a view into the cache would be detached), or
+ * fills the caller's buffer when given one (`into`, which the converter recycles).
  */
 import { GetObjectCommand, HeadObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { ConvertError } from '../convert/errors';
+import { target } from '../convert/safetensors';
 import type { ByteSource } from '../convert/types';
 import { StorageError } from './errors';
 import { MIB } from './multipart';
@@ -44,7 +46,7 @@ class S3ByteSource implements ByteSource {
   private readonly attempts: number;
   private sizeP: Promise<number> | null;
   /** Cached blocks by index, least recently used first. */
-  private readonly blocks = new Map<number, Promise<Buffer>>();
+  private readonly blocks = new Map<number, Promise<Uint8Array>>();
   /** Last block a read touched, to recognise sequential reading. */
   private lastBlock = -1;
 
@@ -76,16 +78,17 @@ class S3ByteSource implements ByteSource {
     return this.sizeP;
   }
 
-  async read(offset: number, length: number): Promise<Uint8Array> {
+  async read(offset: number, length: number, into?: Uint8Array): Promise<Uint8Array> {
     if (!Number.isSafeInteger(offset) || !Number.isSafeInteger(length) || offset < 0 || length < 0) {
       throw new StorageError('InvalidArgument', `${this.name}: bad read of ${length} bytes at ${offset}`, { permanent: true });
     }
+    const dest = into ? target(this.name, into, length) : undefined;
     const size = await this.size();
     if (offset + length > size) {
       throw new ConvertError('TruncatedFile', `${this.name}: file ends at byte ${size}, wanted ${length} bytes at offset ${offset}`);
     }
-    if (length === 0) return Buffer.allocUnsafeSlow(0);
-    if (length > this.blockSize) return this.fetchRange(offset, length);
+    if (length === 0) return dest ?? Buffer.allocUnsafeSlow(0);
+    if (length > this.blockSize) return this.fetchRange(offset, length, dest);
 
     const bs = this.blockSize;
     const first = Math.floor(offset / bs);
@@ -96,12 +99,12 @@ class S3ByteSource implements ByteSource {
     const tail = last === first ? head : this.block(last, size);
     if (sequential && (last + 1) * bs < size) this.block(last + 1, size).catch(() => undefined);
 
-    const out = Buffer.allocUnsafeSlow(length);
+    const out = dest ?? Buffer.allocUnsafeSlow(length);
     const a = await head;
     const start = offset - first * bs;
     const fromHead = Math.min(length, a.length - start);
-    a.copy(out, 0, start, start + fromHead);
-    if (fromHead < length) (await tail).copy(out, fromHead, 0, length - fromHead);
+    out.set(a.subarray(start, start + fromHead), 0);
+    if (fromHead < length) out.set((await tail).subarray(0, length - fromHead), fromHead);
     return out;
   }
 
@@ -112,7 +115,7 @@ class S3ByteSource implements ByteSource {
   }
 
   /** Block `index`, from the cache or fetched now (and cached, evicting the least recently used). */
-  private block(index: number, size: number): Promise<Buffer> {
+  private block(index: number, size: number): Promise<Uint8Array> {
     let p = this.blocks.get(index);
     if (p) {
       this.blocks.delete(index);
@@ -130,11 +133,11 @@ class S3ByteSource implements ByteSource {
     return cached;
   }
 
-  /** Exactly `length` bytes at `offset`, in a fresh buffer. */
-  private async fetchRange(offset: number, length: number): Promise<Buffer> {
+  /** Exactly `length` bytes at `offset`, in `dest` (`length` bytes long) or a fresh buffer. */
+  private async fetchRange(offset: number, length: number, dest?: Uint8Array): Promise<Uint8Array> {
     for (let attempt = 1; ; attempt++) {
       try {
-        return await this.getRange(offset, length);
+        return await this.getRange(offset, length, dest);
       } catch (err) {
         // Retry a body that broke off; S3 answers (4xx/5xx) were already retried by the client.
         const answered = (err as { $metadata?: unknown } | null)?.$metadata !== undefined;
@@ -143,13 +146,13 @@ class S3ByteSource implements ByteSource {
     }
   }
 
-  private async getRange(offset: number, length: number): Promise<Buffer> {
+  private async getRange(offset: number, length: number, dest?: Uint8Array): Promise<Uint8Array> {
     const out = await this.s3.send(
       new GetObjectCommand({ Bucket: this.bucket, Key: this.key, Range: `bytes=${offset}-${offset + length - 1}` }),
       { abortSignal: this.opts.signal },
     );
     const body = out.Body as AsyncIterable<Uint8Array> | undefined;
-    const buf = Buffer.allocUnsafeSlow(length);
+    const buf = dest ?? Buffer.allocUnsafeSlow(length);
     let fill = 0;
     if (body) {
       for await (const chunk of body) {
