@@ -93,6 +93,27 @@ describe('QuantPool', () => {
     expect(Buffer.from(out).equals(Buffer.from(inline('F16', backing.slice(64), 'q80')))).toBe(true);
   });
 
+  test('shares SharedArrayBuffer views instead of copying or detaching them, and encodes into a shared output', async () => {
+    const p = pool(1);
+    const input = randomF16(96, 3);
+    const shared = new Uint8Array(new SharedArrayBuffer(input.length + 64));
+    shared.set(input, 64);
+    const view = shared.subarray(64);
+    const out = new Uint8Array(new SharedArrayBuffer(200)).fill(0xee);
+    for (const format of ['q40', 'q80'] as const) {
+      const got = await p.encode({ dtype: 'F16', bytes: view, format, out });
+      expect(got.buffer).toBe(out.buffer);
+      expect([got.byteOffset, got.length]).toEqual([0, encodedSize(format, 96)]);
+      expect(Buffer.from(got).equals(Buffer.from(inline('F16', input, format)))).toBe(true);
+      expect(view.length).toBe(input.length); // still attached
+    }
+    // Without `out`, a shared input still gets a fresh output.
+    expect(Buffer.from(await p.encode({ dtype: 'F16', bytes: view, format: 'q40' })).equals(Buffer.from(inline('F16', input, 'q40')))).toBe(true);
+    const small = new Uint8Array(new SharedArrayBuffer(10));
+    await expect(p.encode({ dtype: 'F16', bytes: view, format: 'q40', out: small })).rejects.toThrow(/do not fit/);
+    await expect(p.encode({ dtype: 'F16', bytes: view, format: 'q40', out: new Uint8Array(100) })).rejects.toThrow(TypeError);
+  });
+
   test('a worker error rejects its task with the ConvertError code, and the pool goes on', async () => {
     const p = pool(2);
     const h = new Uint16Array(64).fill(0x3c00);

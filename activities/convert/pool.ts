@@ -4,7 +4,11 @@
  * Contract: results come back in submission order ({@link QuantPool.encodeStream}), and every
  * chunk is encoded by the same pure function whatever thread runs it, so output bytes do not
  * depend on the pool size. Input buffers are transferred to the worker (the caller's view is
- * detached afterwards) unless they are views into a larger buffer, which are copied.
+ * detached afterwards) unless they are views into a larger buffer, which are copied. Views of a
+ * `SharedArrayBuffer` are neither: the worker reads (and, given `out`, writes) that memory in
+ * place, so a caller can recycle a few shared buffers with no allocation, copy or transfer per
+ * chunk. (Recycling transferred buffers is not enough: each arrives as a new ArrayBuffer, and
+ * V8's external-memory heuristics still ran ~20 full collections per GB converted.)
  *
  * Workers are started on demand, `unref`'d while idle (an unclosed pool does not keep the process
  * alive), and a worker that crashes rejects its task and is replaced on the next one.
@@ -22,7 +26,7 @@ import type { QuantFlavor, SourceDType, SourceTensor, WeightsFormat } from './ty
 /** One chunk to encode. */
 export interface EncodeTask {
   dtype: SourceDType;
-  /** Raw little-endian source bytes (transferred when they span their whole buffer). */
+  /** Raw little-endian source bytes (transferred when they span their whole buffer, shared when in a SharedArrayBuffer, else copied). */
   bytes: Uint8Array;
   format: WeightsFormat;
   /** For q40/q80 (default `ggml`). */
@@ -31,6 +35,11 @@ export interface EncodeTask {
   label?: string;
   /** Index of the chunk's first element within its tensor, for error messages. */
   elementOffset?: number;
+  /**
+   * A view of a `SharedArrayBuffer` to encode into (from its start; it must be large enough):
+   * the result is then its first bytes, and no output buffer is allocated.
+   */
+  out?: Uint8Array;
 }
 
 /** Options of the ordered stream encoders. */
@@ -83,14 +92,19 @@ export class QuantPool {
     this.size = size;
   }
 
-  /** Encodes one chunk on some worker. */
+  /**
+   * Encodes one chunk on some worker. A shared input or output buffer must not be touched until
+   * the returned promise settles.
+   */
   encode(task: EncodeTask): Promise<Uint8Array> {
     if (this.closed) return Promise.reject(new Error('QuantPool is closed'));
+    if (task.out && !types.isSharedArrayBuffer(task.out.buffer)) return Promise.reject(new TypeError('an output buffer must be a view of a SharedArrayBuffer'));
     // util.types, not instanceof: buffers from Node's own allocators live in another realm under jest.
+    const shared = types.isSharedArrayBuffer(task.bytes.buffer);
     const whole = task.bytes.byteOffset === 0 && task.bytes.byteLength === task.bytes.buffer.byteLength && types.isArrayBuffer(task.bytes.buffer);
     // A real copy: Buffer#slice (Node buffers from fs reads) returns a view, and transferring a
     // view's buffer would detach memory it shares (a pooled slab, or the rest of a tensor).
-    const bytes = whole ? task.bytes : new Uint8Array(task.bytes);
+    const bytes = shared || whole ? task.bytes : new Uint8Array(task.bytes);
     const request: EncodeRequest = {
       id: this.nextId++,
       dtype: task.dtype,
@@ -99,6 +113,7 @@ export class QuantPool {
       flavor: task.flavor ?? 'ggml',
       label: task.label,
       elementOffset: task.elementOffset,
+      ...(task.out ? { out: task.out } : {}),
     };
     return new Promise<Uint8Array>((resolve, reject) => {
       this.queue.push({ request, resolve, reject });
@@ -175,7 +190,7 @@ export class QuantPool {
       if (!task || task.request.id !== res.id) return;
       slot.task = null;
       worker.unref();
-      if (res.ok) task.resolve(res.out);
+      if (res.ok) task.resolve('out' in res ? res.out : (task.request.out as Uint8Array).subarray(0, res.written));
       else task.reject(revive(res.error));
       this.pump();
     });

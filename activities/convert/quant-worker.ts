@@ -1,6 +1,7 @@
 /**
  * Worker-thread entry of {@link QuantPool} (pool.ts): encodes one chunk per message. The input
- * buffer arrives transferred and the output goes back transferred, so no bytes are copied.
+ * buffer arrives transferred (or shared) and the output goes back transferred, or is written into
+ * the shared output buffer the request names, so no bytes are copied.
  * Errors are caught and returned with the request id; the worker stays usable.
  */
 import { parentPort } from 'node:worker_threads';
@@ -16,18 +17,28 @@ export interface EncodeRequest {
   flavor: QuantFlavor;
   label?: string;
   elementOffset?: number;
+  /** A view of shared memory to encode into (from its start), instead of a fresh buffer. */
+  out?: Uint8Array;
 }
 
-/** Worker → pool. */
+/** Worker → pool: the output (transferred), or how many bytes of the request's `out` it filled. */
 export type EncodeResponse =
   | { id: number; ok: true; out: Uint8Array }
+  | { id: number; ok: true; written: number }
   | { id: number; ok: false; error: { name: string; message: string; code?: string; stack?: string } };
 
 function handle(req: EncodeRequest): { response: EncodeResponse; transfer: ArrayBuffer[] } {
   try {
     const elements = req.bytes.byteLength / dtypeSize(req.dtype);
-    const out = new Uint8Array(encodedSize(req.format, Number.isInteger(elements) ? elements : 0, req.label));
-    encodeChunk({ dtype: req.dtype, bytes: req.bytes }, req.format, out, { flavor: req.flavor, label: req.label, elementOffset: req.elementOffset });
+    const size = encodedSize(req.format, Number.isInteger(elements) ? elements : 0, req.label);
+    const opts = { flavor: req.flavor, label: req.label, elementOffset: req.elementOffset };
+    if (req.out) {
+      if (req.out.length < size) throw new RangeError(`${req.label ?? 'chunk'}: ${size} encoded bytes do not fit the ${req.out.length}-byte output buffer`);
+      encodeChunk({ dtype: req.dtype, bytes: req.bytes }, req.format, req.out.subarray(0, size), opts);
+      return { response: { id: req.id, ok: true, written: size }, transfer: [] };
+    }
+    const out = new Uint8Array(size);
+    encodeChunk({ dtype: req.dtype, bytes: req.bytes }, req.format, out, opts);
     return { response: { id: req.id, ok: true, out }, transfer: [out.buffer] };
   } catch (err) {
     const e = err as Error & { code?: unknown };
