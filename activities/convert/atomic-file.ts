@@ -19,6 +19,8 @@ export interface ByteSink {
 
 /** Small chunks are gathered up to this size before each write system call. */
 const FLUSH_BYTES = 4 * 1024 * 1024;
+/** A chunk the caller keeps that is at least this large is written at once rather than copied. */
+const DIRECT_BYTES = 64 * 1024;
 
 /**
  * An output that appears whole or not at all, other than a local file: e.g. an S3 object written
@@ -70,11 +72,13 @@ export async function writeFileAtomically<T>(target: string | OutputTarget, fill
     const sink: ByteSink = {
       async write(chunk: Uint8Array, opts?: { owned?: boolean }): Promise<void> {
         if (chunk.length === 0) return;
-        // Copy unless owned: callers may reuse their buffers once write() resolves.
-        pending.push(opts?.owned || chunk.length >= FLUSH_BYTES ? chunk : new Uint8Array(chunk));
+        // Callers may reuse their buffers once write() resolves: unless owned, a chunk is copied,
+        // or, if large, written (with what is pending) before this resolves.
+        const direct = !opts?.owned && chunk.length >= DIRECT_BYTES;
+        pending.push(opts?.owned || direct ? chunk : new Uint8Array(chunk));
         pendingBytes += chunk.length;
         written += chunk.length;
-        if (pendingBytes >= FLUSH_BYTES) await flush();
+        if (direct || pendingBytes >= FLUSH_BYTES) await flush();
       },
       get bytesWritten() {
         return written;
@@ -98,8 +102,8 @@ export async function writeFileAtomically<T>(target: string | OutputTarget, fill
 export type TensorData = Uint8Array | AsyncIterable<Uint8Array>;
 
 /**
- * Writes `data` to the sink and returns how many bytes it held. Chunks of a stream are taken as
- * owned (a producer yields fresh buffers); a single buffer is copied.
+ * Writes `data` to the sink and returns how many bytes it held. Nothing is kept: a stream's
+ * producer may reuse each chunk's buffer once asked for the next one.
  */
 export async function writeTensorData(sink: ByteSink, data: TensorData): Promise<number> {
   if (data instanceof Uint8Array) {
@@ -109,7 +113,7 @@ export async function writeTensorData(sink: ByteSink, data: TensorData): Promise
   let n = 0;
   for await (const chunk of data) {
     n += chunk.length;
-    await sink.write(chunk, { owned: true });
+    await sink.write(chunk);
   }
   return n;
 }
