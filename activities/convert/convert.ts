@@ -4,17 +4,20 @@
  * tensor is read chunk by chunk, encoded on the worker pool in order, and appended to an output
  * written under a temporary name that is renamed only when complete.
  *
- * Memory: `maxInFlight` chunks per tensor, except the Llama Q/K projections, which are read
- * whole because their rotary permutation reorders rows across the tensor.
+ * Memory: a window of chunks in flight (read into a few recycled buffers), plus the Llama Q/K
+ * projections, which are read whole because their rotary permutation reorders rows across the
+ * tensor.
  */
 import { mkdir } from 'node:fs/promises';
 import { basename, join } from 'node:path';
-import { parseModelSpec, permuteQK, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
+import { parseModelSpec, permutedSourceRow, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
 import type { OutputTarget } from './atomic-file';
+import { ChunkBuffers } from './chunk-buffers';
 import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
 import { ggufTensorInfos, planGgufModel, writeGgufFile } from './gguf';
 import { QuantPool } from './pool';
+import { QK, dtypeSize, encodedSize } from './quant';
 import { chunkElementsFor, elementCount, localCheckpoint, openModel, readTensorChunks, type ModelWeights } from './safetensors';
 import { parseTokenizer, type ParsedTokenizer } from './tokenizer';
 import type { CheckpointFiles, QuantFlavor, SourceDType, WeightsFormat } from './types';
@@ -167,66 +170,100 @@ function tensorStreamer(
   onProgress?: (p: ConvertProgress) => void,
 ): Streamer {
   let bytesTotal = 0;
+  /** The largest chunk of any tensor, read and encoded: the sizes of the recycled buffers. */
+  let inBytes = 0;
+  let outBytes = 0;
   for (const t of plan) {
     if (t.source === null) continue;
     const src = weights.get(t.source);
     checkSourceShape(t, src.shape);
     bytesTotal += src.byteLength;
+    const elements = Math.min(elementCount(src.shape), chunkElementsFor(src.shape, chunkElements));
+    inBytes = Math.max(inBytes, elements * dtypeSize(src.dtype));
+    outBytes = Math.max(outBytes, encodedSize(t.format, Math.ceil(elements / QK) * QK));
   }
   let bytesDone = 0;
   let tensorsDone = 0;
   let current = plan[0]?.name ?? '';
   const report = () => onProgress?.({ tensorsDone, tensorsTotal: plan.length, bytesDone, bytesTotal, tensor: current });
 
+  const max = IN_FLIGHT_PER_THREAD * pool.size;
+  // Every chunk is read into one of a few recycled shared buffers and encoded into another,
+  // which the workers use in place: the window in flight, the chunk being read (or a permuted
+  // tensor's whole copy) and the chunk being written are all there ever are.
+  const inputs = new ChunkBuffers(inBytes, max + 2);
+  const outputs = new ChunkBuffers(outBytes, max + 2);
+
   /** Every chunk of every tensor, in plan order, tagged with its tensor's index. */
-  async function* chunks(): AsyncGenerator<Chunk & { index: number; sourceBytes: number }> {
+  async function* chunks(): AsyncGenerator<Chunk & { index: number; sourceBytes: number; pooled: boolean }> {
     for (const [index, t] of plan.entries()) {
       if (t.source === null) {
         const data = t.generated ?? new Float32Array(0);
-        yield { index, dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)), elementOffset: 0, sourceBytes: 0 };
+        yield { index, dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)), elementOffset: 0, sourceBytes: 0, pooled: false };
         continue;
       }
       const src = weights.get(t.source);
+      const elementBytes = dtypeSize(src.dtype);
       if (t.permute) {
-        // The rotary permutation moves whole rows across the tensor: read it whole and reorder the
-        // raw rows (no decoding), then chunk it like any other tensor.
+        // The rotary permutation moves whole rows across the tensor: read it whole and copy the
+        // raw rows (no decoding) in their new order into chunk buffers.
         const rows = t.sourceShape[0] ?? 0;
         const rowBytes = src.byteLength / rows;
-        const read = await src.source.read(src.offset, src.byteLength);
-        const raw = new Uint8Array(read.buffer, read.byteOffset, read.byteLength); // not a Buffer: its slice() is a view
-        const permuted = permuteQK(raw, rows, rowBytes, t.permute.heads);
-        const step = chunkElementsFor(t.sourceShape, chunkElements) * (src.byteLength / elementCount(t.sourceShape));
-        for (let at = 0; at < permuted.length; at += step) {
-          const bytes = permuted.slice(at, Math.min(at + step, permuted.length));
-          yield { index, dtype: src.dtype, bytes, elementOffset: at / (src.byteLength / elementCount(t.sourceShape)), sourceBytes: bytes.length };
+        if (!Number.isInteger(rowBytes) || rows % (t.permute.heads * 2) !== 0) {
+          throw new RangeError(`${t.source}: ${rows} rows cannot be split into ${t.permute.heads} heads of pairs`);
         }
+        const scratch = inputs.take(src.byteLength); // a pooled buffer if the tensor fits one
+        const whole = await src.source.read(src.offset, src.byteLength, scratch);
+        const step = chunkElementsFor(t.sourceShape, chunkElements) * elementBytes;
+        for (let at = 0; at < src.byteLength; at += step) {
+          const bytes = inputs.take(Math.min(step, src.byteLength - at));
+          // Chunks hold whole rows (chunkElementsFor), so a row never straddles two.
+          for (let r = at / rowBytes, o = 0; o < bytes.length; r++, o += rowBytes) {
+            const from = permutedSourceRow(r, rows, t.permute.heads) * rowBytes;
+            bytes.set(whole.subarray(from, from + rowBytes), o);
+          }
+          yield { index, dtype: src.dtype, bytes, elementOffset: at / elementBytes, sourceBytes: bytes.length, pooled: true };
+        }
+        inputs.give(scratch);
       } else {
-        for await (const c of readTensorChunks(src, { chunkElements })) yield { index, dtype: c.dtype, bytes: c.bytes, elementOffset: c.elementOffset, sourceBytes: c.bytes.length };
+        let given: Uint8Array | undefined;
+        for await (const c of readTensorChunks(src, { chunkElements, buffer: (n) => (given = inputs.take(n)) })) {
+          // A source must read into the buffer it is given; if one did not, its bytes are sent
+          // as they are and the buffer is not reused.
+          yield { index, dtype: c.dtype, bytes: c.bytes, elementOffset: c.elementOffset, sourceBytes: c.bytes.length, pooled: c.bytes.buffer === given?.buffer };
+        }
       }
     }
   }
 
-  /** Encoded chunks in plan order, with a bounded window submitted ahead. */
-  async function* encoded(): AsyncGenerator<{ index: number; bytes: Uint8Array }> {
-    const window: { index: number; out: Promise<Uint8Array> }[] = [];
-    const max = IN_FLIGHT_PER_THREAD * pool.size;
+  /** Encoded chunks in plan order, with a bounded window submitted ahead; pooled ones are `outputs` buffers. */
+  async function* encoded(): AsyncGenerator<{ index: number; bytes: Uint8Array; pooled: boolean }> {
+    const window: { index: number; out: Promise<Uint8Array>; pooled: boolean }[] = [];
     for await (const c of chunks()) {
       const t = plan[c.index] as PlannedTensor;
-      // Read before submitting: the pool transfers (detaches) the chunk's buffer.
-      const sourceBytes = c.sourceBytes;
-      const out = pool.encode({ dtype: c.dtype, bytes: c.bytes, format: t.format, flavor, label: t.source ?? t.name, elementOffset: c.elementOffset });
+      const out = pool.encode({
+        dtype: c.dtype,
+        bytes: c.bytes,
+        format: t.format,
+        flavor,
+        label: t.source ?? t.name,
+        elementOffset: c.elementOffset,
+        ...(c.pooled ? { out: outputs.take(outputs.byteLength) } : {}),
+      });
+      // Once encoded, the input buffer is free (a failed conversion just drops its buffers).
+      if (c.pooled) out.then(() => inputs.give(c.bytes), () => undefined);
       out.catch(() => undefined); // observed in order below; avoids an "unhandled" report meanwhile
-      window.push({ index: c.index, out });
-      bytesDone += sourceBytes;
+      window.push({ index: c.index, out, pooled: c.pooled });
+      bytesDone += c.sourceBytes;
       if (window.length >= max) {
         const head = window.shift()!;
-        yield { index: head.index, bytes: await head.out };
+        yield { index: head.index, bytes: await head.out, pooled: head.pooled };
       }
     }
-    for (const head of window.splice(0)) yield { index: head.index, bytes: await head.out };
+    for (const head of window.splice(0)) yield { index: head.index, bytes: await head.out, pooled: head.pooled };
   }
 
-  const outputs = encoded();
+  const encodedChunks = encoded();
 
   async function* stream(index: number): AsyncGenerator<Uint8Array> {
     const t = plan[index];
@@ -235,10 +272,12 @@ function tensorStreamer(
     report();
     // Writers ask for tensors in plan order, and chunks never straddle tensors.
     for (let got = 0; got < t.byteLength; ) {
-      const next = await outputs.next();
+      const next = await encodedChunks.next();
       if (next.done || next.value.index !== index) throw new Error(`internal: tensor ${t.name} ended after ${got} of ${t.byteLength} bytes`);
       got += next.value.bytes.length;
       yield next.value.bytes;
+      // The writer asks for more only once it is done with this chunk (see writeTensorData).
+      if (next.value.pooled) outputs.give(next.value.bytes);
     }
     tensorsDone++;
     report();
