@@ -31,7 +31,8 @@ class BrokerError extends Error {
   constructor(
     readonly type: 'NoCapacity' | 'BacklogFull',
     message: string,
-    readonly retryAfterSec = 5,
+    /** Unset: the gateway's configured Retry-After applies. */
+    readonly retryAfterSec?: number,
   ) {
     super(message);
   }

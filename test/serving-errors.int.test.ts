@@ -5,10 +5,10 @@
  * - 413 for a body over the limit, decided before the token is looked at (`APIError` 413);
  * - 400 naming the offending `param` (`BadRequestError`);
  * - 503 with `Retry-After` when no instance of the model can start (`InternalServerError`);
- * - 504 when the engine never answers (`InternalServerError`), streamed or not.
+ * - 504 when the engine never answers (`InternalServerError`), streamed or not;
+ * - 429 with `Retry-After` when the instance's backlog is full (`RateLimitError`).
  * 401 and 404 (`model_not_found`) are covered at client level by serving.int.test.ts and
- * gateway/gateway.int.test.ts. 429 is not tested: no configuration of the gateway produces it
- * from a full backlog (see the note at the end of this file).
+ * gateway/gateway.int.test.ts.
  */
 import type { Client, Connection } from '@temporalio/client';
 import { randomBytes } from 'node:crypto';
@@ -17,7 +17,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI, { type APIError } from 'openai';
-import { dataPlaneNames, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';
@@ -175,10 +175,8 @@ test('503 with Retry-After when no instance of the model can start', async () =>
   expect(status.instances).toEqual([]);
 }, 110_000);
 
-// Product bug: the Temporal broker's error always carries retryAfterSec = 5 (gateway/temporal.ts,
-// BrokerError's default), which wins over the configured MAGUS_GATEWAY_RETRY_AFTER_SEC
-// ("Retry-After seconds when the cause does not say"): the setting never reaches a 503.
-test.failing('the 503 Retry-After is the configured MAGUS_GATEWAY_RETRY_AFTER_SEC', () => {
+// The Temporal broker's error used to carry retryAfterSec = 5, which won over the setting.
+test('the 503 Retry-After is the configured MAGUS_GATEWAY_RETRY_AFTER_SEC', () => {
   expect(noCapacity).toBeDefined();
   expect(noCapacity?.headers?.get('retry-after')).toBe(String(RETRY_AFTER_SEC));
 });
@@ -204,10 +202,29 @@ test('504 when the engine never answers, streamed or not', async () => {
   expect(bridgeLog).toEqual([]);
 });
 
-/*
- * 429 `backlog_full` with `Retry-After` exists only behind an injected check: `startGateway`'s
- * `deps.backlogFull` (never set by `magus gateway`), or a broker error of type `BacklogFull`,
- * which nothing raises (gateway/temporal.ts declares it; the session workflow only raises
- * `NoCapacity`). The request stream has no size limit (DiscardPolicy.Old, no max_msgs), and the
- * bridge retries an engine's 429 (`queue_full`) as transient, ending with 503 after max_deliver.
- */
+test('429 with Retry-After when the instance’s backlog is full; a slot freed is usable again', async () => {
+  // An instance nobody consumes (its engine is gone), its backlog filled to the request stream's
+  // per-subject limit by requests already queued: the next one is refused at publish.
+  const instance = 'backlogged';
+  const subject = requestSubjectOf(names, SILENT, instance);
+  const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: `backlog-${iso.id}` });
+  const entry: SessionEntry = { subject, pool: SILENT, instance, expiresAt: Date.now() + 3_600_000 };
+  await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
+  const js = nc.jetstream();
+  const queued = await Promise.all(Array.from({ length: DEFAULT_INSTANCE_BACKLOG }, (_, i) => js.publish(subject, new TextEncoder().encode(`{"queued":${i}}`))));
+  const headers = { 'x-session-id': `backlog-${iso.id}` };
+  const messages = [{ role: 'user' as const, content: 'one more, please' }];
+  for (const stream of [false, true]) {
+    const err = await failure(openai.chat.completions.create({ model: SILENT, messages, stream }, { headers }));
+    expect(err).toBeInstanceOf(OpenAI.RateLimitError);
+    expect(err).toMatchObject({ status: 429, code: 'backlog_full', type: 'rate_limit_exceeded' });
+    expect((err as APIError).headers?.get('retry-after')).toBe(String(RETRY_AFTER_SEC));
+  }
+  // One queued request leaves (as when a bridge acks it): the next publish is accepted again,
+  // which the gateway shows by waiting for an answer (it times out: nobody serves the instance).
+  const jsm = await nc.jetstreamManager();
+  expect(await jsm.streams.deleteMessage(names.requestStream, queued[0]!.seq)).toBe(true);
+  const err = await failure(openai.chat.completions.create({ model: SILENT, messages }, { headers }));
+  expect(err).toMatchObject({ status: 504 });
+  await jsm.streams.purge(names.requestStream, { filter: subject });
+}, 60_000);

@@ -113,6 +113,12 @@ export interface DataPlaneOptions {
   requestMaxAgeMs?: number;
   /** `Nats-Msg-Id` de-duplication window of the request stream. Default 5 min. */
   duplicateWindowMs?: number;
+  /**
+   * Requests one instance may hold, queued and in flight (the stream's per-subject limit, with
+   * new messages refused): a publish beyond it fails with {@link isBacklogFull}, which the
+   * gateway answers with 429. Default 256.
+   */
+  instanceBacklog?: number;
   /** How long frames stay readable for a takeover; must exceed the longest request. Default 30 min. */
   responseMaxAgeMs?: number;
   responseMaxBytes?: number;
@@ -135,6 +141,14 @@ const CONSUMER_EXISTS = 10148;
 const NO_MESSAGE = 10037;
 /** KV create/update: the key's last revision is not the expected one. */
 const WRONG_LAST_SEQUENCE = 10071;
+export const DEFAULT_INSTANCE_BACKLOG = 256;
+
+/** A request publish refused because the instance's backlog (the per-subject limit) is full. */
+export function isBacklogFull(err: unknown): boolean {
+  // nats.js: message "503", api_error { err_code: 10077 (stream store failed), description }.
+  const api = (err as { api_error?: { err_code?: number; description?: string } } | null)?.api_error;
+  return /maximum messages per subject exceeded/i.test(api?.description ?? (err as Error | null)?.message ?? '');
+}
 
 async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & { name: string }): Promise<StreamInfo> {
   try {
@@ -180,7 +194,9 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
     subjects: [scoped(names, `${Nats.requestSubjectPrefix}.>`)],
     retention: RetentionPolicy.Workqueue,
     storage: StorageType.File,
-    discard: DiscardPolicy.Old,
+    discard: DiscardPolicy.New,
+    discard_new_per_subject: true,
+    max_msgs_per_subject: opts.instanceBacklog ?? DEFAULT_INSTANCE_BACKLOG,
     max_age: nanos(requestMaxAge),
     duplicate_window: nanos(duplicateWindow),
     num_replicas: replicas,

@@ -14,7 +14,8 @@
 import { type JetStreamClient, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { errors, GatewayError, OpenAIErrorType } from './errors';
+import { isBacklogFull } from '../../activities/nats/data-plane';
+import { errors, GatewayError, OpenAIErrorType, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
 /**
  * Publishes one request to an instance subject (`session.subject`); resolves once the request
@@ -34,10 +35,19 @@ export interface ResponseRouter {
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();
 
-/** The default {@link PublishRequest}: JetStream publish with `Nats-Msg-Id` = request id (a retried publish is de-duplicated). */
+/**
+ * The default {@link PublishRequest}: JetStream publish with `Nats-Msg-Id` = request id (a retried
+ * publish is de-duplicated). An instance whose backlog is full (the request stream's per-subject
+ * limit) refuses it: a `BacklogFull` error, answered 429.
+ */
 export function jetStreamPublisher(js: JetStreamClient, timeoutMs = 5_000): PublishRequest {
   return async (subject, req) => {
-    await js.publish(subject, encoder.encode(JSON.stringify(req)), { msgID: req.id, timeout: timeoutMs });
+    try {
+      await js.publish(subject, encoder.encode(JSON.stringify(req)), { msgID: req.id, timeout: timeoutMs });
+    } catch (err) {
+      if (isBacklogFull(err)) throw new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests');
+      throw err;
+    }
   };
 }
 
@@ -258,6 +268,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     });
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
-    opts.publish(session.subject, req, session).catch((err: unknown) => fail('publish_failed', errors.upstream(503, 'unavailable'), err));
+    opts.publish(session.subject, req, session).catch((err: unknown) =>
+      sessionErrorType(err) === SessionErrorType.BacklogFull ? fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err) : fail('publish_failed', errors.upstream(503, 'unavailable'), err),
+    );
   });
 }
