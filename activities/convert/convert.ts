@@ -15,7 +15,7 @@ import type { OutputTarget } from './atomic-file';
 import { ChunkBuffers } from './chunk-buffers';
 import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
-import { ggufTensorInfos, planGgufModel, writeGgufFile } from './gguf';
+import { ggufTensorInfos, planGgufModel, writeGgufPlanned } from './gguf';
 import { QuantPool } from './pool';
 import { QK, dtypeSize, encodedSize } from './quant';
 import { chunkElementsFor, elementCount, localCheckpoint, openModel, readTensorChunks, type ModelWeights } from './safetensors';
@@ -113,7 +113,7 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
       const name = opts.name ?? basename(checkpoint.location);
       const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
       const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
-      await writeGgufFile(opts.output, plan.kvs, ggufTensorInfos(plan.tensors), (i) => stream(i));
+      await writeGgufPlanned(opts.output, plan.layout, ggufTensorInfos(plan.tensors), (i) => stream(i));
       return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
     }
     const plan = planDllama(spec, opts.weights, has);

@@ -178,6 +178,17 @@ describe('GGUF writer + reader', () => {
     expect(view.getBigUint64(16, true)).toBe(BigInt(everyTypeKvs.length));
   });
 
+  it('writes strings as UTF-8 exactly as TextEncoder encodes them, lone surrogates included', async () => {
+    const value = ['', 'a', 'héllo', '日本語', '\u{1f600}', '\ud83d', 'x\udc00y', '\u0000', 'x'.repeat(70000)];
+    const plan = planGguf([{ key: 'test.strings', type: 'array', itemType: 'string', value }], []);
+    const encoded = value.map((v) => new TextEncoder().encode(v));
+    const header = await readGguf(plan.headerBytes, { fileSize: plan.totalSize });
+    const got = header.metadata.get('test.strings');
+    expect(got).toEqual({ type: 'array', itemType: 'string', value: encoded.map((b) => new TextDecoder().decode(b)) });
+    const body = Buffer.concat(encoded.flatMap((b) => [Buffer.from(new BigUint64Array([BigInt(b.length)]).buffer), Buffer.from(b)]));
+    expect(Buffer.from(plan.headerBytes).includes(body)).toBe(true);
+  });
+
   it('honours a custom alignment and records it as general.alignment', async () => {
     const plan = planGguf([{ key: 'general.architecture', type: 'string', value: 'llama' }], everyTypeTensors, { alignment: 64 });
     expect(plan.tensorOffsets).toEqual([0, 64, 128, 192]);

@@ -114,8 +114,6 @@ export function alignUp(n: number, alignment: number): number {
 // ---------------------------------------------------------------------------------------------
 // Encoding
 
-const encoder = new TextEncoder();
-
 const INT_RANGES: Record<'uint8' | 'int8' | 'uint16' | 'int16' | 'uint32' | 'int32', readonly [number, number]> = {
   uint8: [0, 0xff],
   int8: [-0x80, 0x7f],
@@ -137,18 +135,18 @@ const INT_WRITERS: Record<IntType, readonly [number, (view: DataView, at: number
 
 /** Growable little-endian byte buffer. */
 class ByteBuilder {
-  private buf = new Uint8Array(1 << 16);
-  private view = new DataView(this.buf.buffer);
+  private buf = Buffer.alloc(1 << 16);
+  private view = new DataView(this.buf.buffer, this.buf.byteOffset, this.buf.length);
   length = 0;
 
   private reserve(n: number): void {
     if (this.length + n <= this.buf.length) return;
     let size = this.buf.length * 2;
     while (size < this.length + n) size *= 2;
-    const next = new Uint8Array(size);
+    const next = Buffer.alloc(size);
     next.set(this.buf.subarray(0, this.length));
     this.buf = next;
-    this.view = new DataView(next.buffer);
+    this.view = new DataView(next.buffer, next.byteOffset, next.length);
   }
 
   u8(v: number): void {
@@ -172,9 +170,12 @@ class ByteBuilder {
     this.length += b.length;
   }
   string(s: string): void {
-    const b = encoder.encode(s);
-    this.u64(b.length);
-    this.bytes(b);
+    // UTF-8 straight into the buffer (as TextEncoder would: a lone surrogate becomes U+FFFD);
+    // a tokenizer's vocabulary and merges are ~10^5 strings, so no array per string.
+    this.reserve(8 + 3 * s.length);
+    const n = this.buf.write(s, this.length + 8, 'utf8');
+    this.view.setBigUint64(this.length, BigInt(n), true);
+    this.length += 8 + n;
   }
   zeros(n: number): void {
     this.reserve(n);
@@ -207,7 +208,7 @@ class ByteBuilder {
     this.length += 8;
   }
   result(): Uint8Array {
-    return this.buf.slice(0, this.length);
+    return new Uint8Array(this.buf.subarray(0, this.length)); // a copy (Buffer#slice would be a view)
   }
 }
 
@@ -367,6 +368,18 @@ export async function writeGgufFile(
   options: { alignment?: number } = {},
 ): Promise<GgufPlan> {
   const plan = planGguf(kvs, tensors, options);
+  await writeGgufPlanned(path, plan, tensors, getData);
+  return plan;
+}
+
+/** {@link writeGgufFile} with the layout already planned (by {@link planGguf} of the same `tensors`). */
+export async function writeGgufPlanned(
+  path: string | OutputTarget,
+  plan: GgufPlan,
+  tensors: readonly GgufTensorInfo[],
+  getData: (index: number, tensor: GgufTensorInfo) => TensorData | Promise<TensorData>,
+): Promise<void> {
+  if (plan.tensorByteLengths.length !== tensors.length) throw new RangeError(`the plan has ${plan.tensorByteLengths.length} tensors, not ${tensors.length}`);
   await writeFileAtomically(path, async (sink) => {
     await sink.write(plan.headerBytes);
     for (let i = 0; i < tensors.length; i++) {
@@ -377,7 +390,6 @@ export async function writeGgufFile(
     }
     if (sink.bytesWritten !== plan.totalSize) throw new RangeError(`wrote ${sink.bytesWritten} bytes, planned ${plan.totalSize}`);
   });
-  return plan;
 }
 
 // ---------------------------------------------------------------------------------------------
