@@ -102,48 +102,62 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
   if (!OUTPUT_FORMATS.includes(opts.format)) throw new ConvertError('UnsupportedConfig', `unknown output format '${String(opts.format)}' (gguf or dllama)`);
   if (!WEIGHTS_FORMATS.includes(opts.weights)) throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
   const checkpoint = typeof opts.source === 'string' ? localCheckpoint(opts.source) : opts.source;
-  const { spec, tokenizer } = await loadCheckpointMeta(checkpoint);
-  const weights = await openModel(checkpoint);
+  // The workers start now, so that their start-up overlaps reading the checkpoint's metadata.
   const pool = new QuantPool(opts.threads !== undefined ? { size: opts.threads } : {});
-  const chunkElements = opts.chunkElements ?? CHUNK_ELEMENTS;
+  pool.warm();
+  let weights: ModelWeights | undefined;
   try {
-    const has = (name: string) => weights.has(name);
-    if (opts.format === 'gguf') {
-      if (typeof opts.output === 'object' && 'model' in opts.output) throw new ConvertError('UnsupportedConfig', 'a GGUF output is one file');
-      const name = opts.name ?? basename(checkpoint.location);
-      const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
-      const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
-      await writeGgufPlanned(opts.output, plan.layout, ggufTensorInfos(plan.tensors), (i) => stream(i));
-      return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
-    }
-    const plan = planDllama(spec, opts.weights, has);
-    let outputs: { model: Output; tokenizer: Output };
-    if (typeof opts.output === 'string') {
-      await mkdir(opts.output, { recursive: true });
-      outputs = { model: join(opts.output, 'model.m'), tokenizer: join(opts.output, 'tokenizer.t') };
-    } else if ('model' in opts.output) {
-      outputs = opts.output;
-    } else {
-      throw new ConvertError('UnsupportedConfig', 'distributed-llama output needs a directory or a model and a tokenizer output');
-    }
-    // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
-    const tokenizerBytes = await writeDllamaTokenizer(outputs.tokenizer, tokenizer);
-    const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
-    await writeDllamaModel(outputs.model, plan, (i) => stream(i));
-    return {
-      spec,
-      files: [
-        { path: nameOf(outputs.model), bytes: plan.totalSize },
-        { path: nameOf(outputs.tokenizer), bytes: tokenizerBytes },
-      ],
-      tensors: plan.tensors.length,
-      inputBytes: stream.bytesTotal,
-      threads: pool.size,
-    };
+    const { spec, tokenizer } = await loadCheckpointMeta(checkpoint);
+    weights = await openModel(checkpoint);
+    return await convertOpened(opts, checkpoint, spec, tokenizer, weights, pool);
   } finally {
     await pool.close();
-    await weights.close();
+    await weights?.close();
   }
+}
+
+async function convertOpened(
+  opts: ConvertOptions,
+  checkpoint: CheckpointFiles,
+  spec: ModelSpec,
+  tokenizer: ParsedTokenizer,
+  weights: ModelWeights,
+  pool: QuantPool,
+): Promise<ConvertResult> {
+  const chunkElements = opts.chunkElements ?? CHUNK_ELEMENTS;
+  const has = (name: string) => weights.has(name);
+  if (opts.format === 'gguf') {
+    if (typeof opts.output === 'object' && 'model' in opts.output) throw new ConvertError('UnsupportedConfig', 'a GGUF output is one file');
+    const name = opts.name ?? basename(checkpoint.location);
+    const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
+    const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
+    await writeGgufPlanned(opts.output, plan.layout, ggufTensorInfos(plan.tensors), (i) => stream(i));
+    return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
+  }
+  const plan = planDllama(spec, opts.weights, has);
+  let outputs: { model: Output; tokenizer: Output };
+  if (typeof opts.output === 'string') {
+    await mkdir(opts.output, { recursive: true });
+    outputs = { model: join(opts.output, 'model.m'), tokenizer: join(opts.output, 'tokenizer.t') };
+  } else if ('model' in opts.output) {
+    outputs = opts.output;
+  } else {
+    throw new ConvertError('UnsupportedConfig', 'distributed-llama output needs a directory or a model and a tokenizer output');
+  }
+  // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
+  const tokenizerBytes = await writeDllamaTokenizer(outputs.tokenizer, tokenizer);
+  const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
+  await writeDllamaModel(outputs.model, plan, (i) => stream(i));
+  return {
+    spec,
+    files: [
+      { path: nameOf(outputs.model), bytes: plan.totalSize },
+      { path: nameOf(outputs.tokenizer), bytes: tokenizerBytes },
+    ],
+    tensors: plan.tensors.length,
+    inputBytes: stream.bytesTotal,
+    threads: pool.size,
+  };
 }
 
 type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & { bytesTotal: number };

@@ -147,6 +147,16 @@ describe('QuantPool', () => {
     expect(() => pool(1).encodeTensor(t!, { format: 'q40' })).toThrow(expect.objectContaining({ code: 'BadBlockSize' }) as Error);
   });
 
+  test('warm starts every worker up front, and they work as usual', async () => {
+    const p = pool(2);
+    p.warm();
+    p.warm(); // no more than `size`
+    const ok = randomF16(64, 9);
+    const outs = await Promise.all([1, 2, 3].map(() => p.encode({ dtype: 'F16', bytes: ok.slice(), format: 'q40' })));
+    for (const out of outs) expect(Buffer.from(out).equals(Buffer.from(inline('F16', ok, 'q40')))).toBe(true);
+    expect((p as unknown as { slots: unknown[] }).slots).toHaveLength(2);
+  });
+
   test('close rejects new and queued work and is idempotent', async () => {
     const p = new QuantPool({ size: 1 });
     const inFlight = [p.encode({ dtype: 'F16', bytes: randomF16(32 * 4096, 1), format: 'q40' }), p.encode({ dtype: 'F16', bytes: randomF16(64, 2), format: 'q40' })];

@@ -154,6 +154,15 @@ export class QuantPool {
     return this.encodeStream(readTensorChunks(t, { chunkElements: opts.chunkElements }), { ...opts, label });
   }
 
+  /**
+   * Starts every worker now rather than with the first tasks, so that their start-up (loading
+   * modules) overlaps the caller's own. Idle workers do not keep the process alive.
+   */
+  warm(): void {
+    if (this.closed) return;
+    while (this.slots.length < this.size) this.startWorker().worker.unref();
+  }
+
   /** Rejects queued tasks and terminates every worker. Idempotent. */
   async close(): Promise<void> {
     this.closed = true;
