@@ -1,4 +1,4 @@
-import { mkdtemp, readFile, readdir, rm } from 'node:fs/promises';
+import { mkdtemp, open, readFile, readdir, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { writeFileAtomically, writeTensorData } from './atomic-file';
@@ -46,6 +46,31 @@ describe('writeFileAtomically', () => {
     expect(n).toBe(got.length);
     const parts = [Buffer.alloc(buf.length, 1), Buffer.alloc(10, 2), Buffer.alloc(buf.length, 3), Buffer.alloc(10, 4)];
     expect(got.equals(Buffer.concat(parts))).toBe(true);
+  });
+
+  test('a large file is synced in the background as it is written, and a failed writeback fails the write', async () => {
+    const path = join(dir, 'big.bin');
+    const fill = async (sink: { write(c: Uint8Array): Promise<void> }) => {
+      const chunk = new Uint8Array(3 * 1024 * 1024);
+      for (let i = 0; i < 30; i++) await sink.write(chunk.fill(i));
+    };
+    const probe = await open(join(dir, 'probe'), 'w');
+    const proto = Object.getPrototypeOf(probe) as { datasync(): Promise<void> };
+    await probe.close();
+    const datasync = jest.spyOn(proto, 'datasync');
+    try {
+      await writeFileAtomically(path, fill);
+      expect(datasync.mock.calls.length).toBeGreaterThanOrEqual(1);
+      const got = await readFile(path);
+      expect(got.length).toBe(90 * 1024 * 1024);
+      expect([got[0], got[3 * 1024 * 1024], got[got.length - 1]]).toEqual([0, 1, 29]);
+
+      datasync.mockRejectedValueOnce(Object.assign(new Error('EIO: i/o error, fdatasync'), { code: 'EIO' }));
+      await expect(writeFileAtomically(join(dir, 'eio.bin'), fill)).rejects.toThrow(/EIO/);
+      expect((await readdir(dir)).filter((f) => f.startsWith('eio.bin'))).toEqual([]);
+    } finally {
+      datasync.mockRestore();
+    }
   });
 
   test('a failing fill leaves nothing behind', async () => {

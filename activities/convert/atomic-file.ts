@@ -2,6 +2,10 @@
  * Writing an output file so that its final name only ever holds a complete file: the bytes go to
  * `<path>.tmp-<random>` in the same directory, are fsynced, and the file is renamed into place.
  * On any failure the temporary file is removed and nothing appears at `path`.
+ *
+ * While writing, an `fdatasync` is started in the background every {@link WRITEBACK_BYTES}, so
+ * the disk takes the data as it comes rather than all of it in the final fsync (which otherwise
+ * took ~0.12 s of a ~2.3 s conversion with every core idle). Its failure fails the write.
  */
 import { randomBytes } from 'node:crypto';
 import { open, rename, rm } from 'node:fs/promises';
@@ -21,6 +25,8 @@ export interface ByteSink {
 const FLUSH_BYTES = 4 * 1024 * 1024;
 /** A chunk the caller keeps that is at least this large is written at once rather than copied. */
 const DIRECT_BYTES = 64 * 1024;
+/** Bytes written between background writebacks (see the module comment). */
+const WRITEBACK_BYTES = 32 * 1024 * 1024;
 
 /**
  * An output that appears whole or not at all, other than a local file: e.g. an S3 object written
@@ -53,13 +59,17 @@ export async function writeFileAtomically<T>(target: string | OutputTarget, fill
   const tmp = `${path}.tmp-${randomBytes(6).toString('hex')}`;
   const handle = await open(tmp, 'wx');
   let closed = false;
+  /** The background writeback in progress, and the first one's error (thrown at the end). */
+  const writeback: { running: Promise<void> | null; failed: { err: unknown } | null } = { running: null, failed: null };
   try {
     let pending: Uint8Array[] = [];
     let pendingBytes = 0;
     let written = 0;
+    let unsynced = 0;
     const flush = async (): Promise<void> => {
       if (pendingBytes === 0) return;
       let chunks = pending;
+      unsynced += pendingBytes;
       pending = [];
       pendingBytes = 0;
       // One writev per flush; a short write (rare on files) continues where it stopped.
@@ -67,6 +77,17 @@ export async function writeFileAtomically<T>(target: string | OutputTarget, fill
         let { bytesWritten } = await handle.writev(chunks);
         while (chunks.length > 0 && bytesWritten >= (chunks[0] as Uint8Array).length) bytesWritten -= (chunks.shift() as Uint8Array).length;
         if (bytesWritten > 0) chunks = [(chunks[0] as Uint8Array).subarray(bytesWritten), ...chunks.slice(1)];
+      }
+      if (unsynced >= WRITEBACK_BYTES && !writeback.running) {
+        unsynced = 0;
+        writeback.running = handle
+          .datasync()
+          .catch((err: unknown) => {
+            writeback.failed ??= { err };
+          })
+          .finally(() => {
+            writeback.running = null;
+          });
       }
     };
     const sink: ByteSink = {
@@ -86,12 +107,16 @@ export async function writeFileAtomically<T>(target: string | OutputTarget, fill
     };
     const result = await fill(sink);
     await flush();
+    await writeback.running;
+    // Linux reports a writeback error to one sync only: a later one may succeed without the data.
+    if (writeback.failed) throw writeback.failed.err;
     await handle.sync();
     await handle.close();
     closed = true;
     await rename(tmp, path);
     return result;
   } catch (err) {
+    await writeback.running;
     if (!closed) await handle.close().catch(() => undefined);
     await rm(tmp, { force: true });
     throw err;
