@@ -88,7 +88,7 @@ function tracedEngineClient(url: string): EngineClient {
 async function handle(cmd: ServingCommand): Promise<ServingReply> {
   switch (cmd.type) {
     case 'stub': {
-      nc = await connect({ servers: cmd.nats, name: 'bench-bridge' });
+      nc = await connect({ servers: cmd.nats, name: 'bench-bridge', noAsyncTraces: true });
       instrument(nc);
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });

@@ -79,7 +79,7 @@ async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
 export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
   const app = createServer(config, deps.logStream);
   const log = app.log;
-  const nc = deps.nc ?? (await connect({ servers: config.natsServers.split(',').map((s) => s.trim()), name: 'magus-gateway', maxReconnectAttempts: -1 }));
+  const nc = deps.nc ?? (await connect({ servers: config.natsServers.split(',').map((s) => s.trim()), name: 'magus-gateway', maxReconnectAttempts: -1, noAsyncTraces: true }));
   const closers: (() => Promise<void>)[] = [];
   try {
     let natsUp = true;

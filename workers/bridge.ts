@@ -204,6 +204,10 @@ type Outcome =
 
 type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'unclaimed';
 
+/** Why an engine call was cut (preallocated: see generate). */
+const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name: 'TimeoutError' });
+const READ_NO_FURTHER = Object.assign(new Error('the bridge reads no further'), { name: 'AbortError' });
+
 // ---------------------------------------------------------------------------------------------
 // The bridge
 
@@ -521,9 +525,14 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     const stream = req.body.stream === true;
     const body: ChatCompletionRequest = { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
     const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
-    // `local` cancels the engine call when we stop reading early (divergence, errors).
+    // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
+    // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
+    // costs more than the rest of this function.
     const local = new AbortController();
-    const signal = AbortSignal.any([a.abort.signal, AbortSignal.timeout(timeout), local.signal]);
+    const signal = local.signal;
+    const onAttemptAbort = () => local.abort(a.abort.signal.reason);
+    a.abort.signal.addEventListener('abort', onAttemptAbort, { once: true });
+    const timer = setTimeout(() => local.abort(ENGINE_TIMEOUT), timeout);
     const aborted = (): Outcome | null => {
       if (a.abort.signal.aborted) return { kind: 'aborted', reason: a.abort.signal.reason as AbortReason };
       if (Date.now() >= req.deadline) return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed while the engine was generating') };
@@ -583,7 +592,9 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       // attempt resumes after the frames already sent, so a retry is safe.
       return aborted() ?? { kind: 'retry', reason: `engine unreachable: ${(err as { cause?: Error }).cause?.message ?? (err as Error).message}` };
     } finally {
-      local.abort();
+      clearTimeout(timer);
+      a.abort.signal.removeEventListener('abort', onAttemptAbort);
+      local.abort(READ_NO_FURTHER);
     }
   };
 
@@ -795,7 +806,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     return 1;
   }
 
-  const nc = await connect({ servers: natsUrl.split(','), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1 });
+  const nc = await connect({ servers: natsUrl.split(','), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1, noAsyncTraces: true });
   let health: Server | undefined;
   try {
     const names = await ensureDataPlane(nc, { prefix: flags.get('prefix') });

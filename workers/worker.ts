@@ -83,7 +83,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   await ensureSearchAttributes(connection, cfg.temporal.namespace);
   const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
-  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker' });
+  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker', noAsyncTraces: true });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
   await ensureBucket(s3, cfg.s3.bucket);
