@@ -113,6 +113,17 @@ describe('bad input', () => {
     expect(readdirSync(root).filter((f) => f.startsWith('nan-out'))).toEqual([]);
   });
 
+  test.each(['gguf', 'dllama'] as const)('%s: a bad tokenizer fails cleanly while the first chunks are being encoded', async (format) => {
+    const model = join(root, `bad-tokenizer-${format}`);
+    await writeTinyModel(model, { seed: 4, dtype: 'F16' });
+    writeFileSync(join(model, 'tokenizer.json'), '{"model": ');
+    const out = join(root, `bad-tokenizer-out-${format}`);
+    const err = await convertModel({ source: model, format, weights: 'q40', output: format === 'gguf' ? `${out}.gguf` : out, threads: 2, chunkElements: 64 }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ name: 'ConvertError', code: 'BadHeader' });
+    expect((err as Error).message).toContain('tokenizer.json');
+    expect(readdirSync(root).filter((f) => f.startsWith(`bad-tokenizer-out-${format}`) && f !== `bad-tokenizer-out-${format}`)).toEqual([]);
+  });
+
   test('an unsupported architecture is a typed error naming it', async () => {
     const model = join(root, 'mistral');
     await writeTinyModel(model, { seed: 1 });

@@ -10,7 +10,7 @@
  */
 import { mkdir } from 'node:fs/promises';
 import { basename, join } from 'node:path';
-import { parseModelSpec, permutedSourceRow, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
+import { parseModelSpec, permutedSourceRow, planTensors, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
 import type { OutputTarget } from './atomic-file';
 import { ChunkBuffers } from './chunk-buffers';
 import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
@@ -69,30 +69,33 @@ export interface ConvertResult {
   threads: number;
 }
 
-/** Reads and validates the checkpoint's JSON files into a model spec and tokenizer. */
-export async function loadCheckpointMeta(checkpoint: CheckpointFiles): Promise<{ spec: ModelSpec; tokenizer: ParsedTokenizer }> {
-  const readJson = async (file: string, required: boolean): Promise<unknown> => {
-    const text = await checkpoint.readText(file);
-    if (text === null) {
-      if (!required) return undefined;
-      throw new ConvertError('MissingFile', `${checkpoint.location}/${file} does not exist`);
-    }
-    try {
-      return JSON.parse(text);
-    } catch (err) {
-      throw new ConvertError('BadHeader', `${checkpoint.location}/${file} is not valid JSON: ${(err as Error).message}`);
-    }
-  };
-  const config = await readJson('config.json', true);
-  const spec = parseModelSpec(config);
-  const tokenizer = parseTokenizer({
-    tokenizerJson: await readJson('tokenizer.json', true),
-    tokenizerConfig: await readJson('tokenizer_config.json', false),
+async function readJson(checkpoint: CheckpointFiles, file: string, required: boolean): Promise<unknown> {
+  const text = await checkpoint.readText(file);
+  if (text === null) {
+    if (!required) return undefined;
+    throw new ConvertError('MissingFile', `${checkpoint.location}/${file} does not exist`);
+  }
+  try {
+    return JSON.parse(text);
+  } catch (err) {
+    throw new ConvertError('BadHeader', `${checkpoint.location}/${file} is not valid JSON: ${(err as Error).message}`);
+  }
+}
+
+/** Reads and validates the checkpoint's config.json into a model spec. */
+export async function loadModelSpec(checkpoint: CheckpointFiles): Promise<ModelSpec> {
+  return parseModelSpec(await readJson(checkpoint, 'config.json', true));
+}
+
+/** Reads and validates the checkpoint's tokenizer files. */
+export async function loadTokenizer(checkpoint: CheckpointFiles, spec: ModelSpec): Promise<ParsedTokenizer> {
+  return parseTokenizer({
+    tokenizerJson: await readJson(checkpoint, 'tokenizer.json', true),
+    tokenizerConfig: await readJson(checkpoint, 'tokenizer_config.json', false),
     chatTemplateFile: await checkpoint.readText('chat_template.jinja'),
     bosTokenId: spec.bosTokenId,
     eosTokenIds: spec.eosTokenIds,
   });
-  return { spec, tokenizer };
 }
 
 const nameOf = (o: Output): string => (typeof o === 'string' ? o : o.name);
@@ -107,34 +110,38 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
   pool.warm();
   let weights: ModelWeights | undefined;
   try {
-    const { spec, tokenizer } = await loadCheckpointMeta(checkpoint);
+    const spec = await loadModelSpec(checkpoint);
     weights = await openModel(checkpoint);
-    return await convertOpened(opts, checkpoint, spec, tokenizer, weights, pool);
+    return await convertOpened(opts, checkpoint, spec, weights, pool);
   } finally {
     await pool.close();
     await weights?.close();
   }
 }
 
-async function convertOpened(
-  opts: ConvertOptions,
-  checkpoint: CheckpointFiles,
-  spec: ModelSpec,
-  tokenizer: ParsedTokenizer,
-  weights: ModelWeights,
-  pool: QuantPool,
-): Promise<ConvertResult> {
+/**
+ * The conversion proper. As soon as the tensors are planned (and checked against the
+ * checkpoint), the first chunks are read and sent to the workers, which encode them while this
+ * thread parses the tokenizer and lays out the header.
+ */
+async function convertOpened(opts: ConvertOptions, checkpoint: CheckpointFiles, spec: ModelSpec, weights: ModelWeights, pool: QuantPool): Promise<ConvertResult> {
   const chunkElements = opts.chunkElements ?? CHUNK_ELEMENTS;
   const has = (name: string) => weights.has(name);
   if (opts.format === 'gguf') {
     if (typeof opts.output === 'object' && 'model' in opts.output) throw new ConvertError('UnsupportedConfig', 'a GGUF output is one file');
     const name = opts.name ?? basename(checkpoint.location);
-    const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has });
-    const stream = tensorStreamer(plan.tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
+    const tensors = planTensors(spec, 'gguf', opts.weights, has);
+    const stream = tensorStreamer(tensors, weights, pool, 'ggml', chunkElements, opts.onProgress);
+    stream.start();
+    const tokenizer = await loadTokenizer(checkpoint, spec);
+    const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has, tensors });
     await writeGgufPlanned(opts.output, plan.layout, ggufTensorInfos(plan.tensors), (i) => stream(i));
     return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
   }
   const plan = planDllama(spec, opts.weights, has);
+  const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
+  stream.start();
+  const tokenizer = await loadTokenizer(checkpoint, spec);
   let outputs: { model: Output; tokenizer: Output };
   if (typeof opts.output === 'string') {
     await mkdir(opts.output, { recursive: true });
@@ -146,7 +153,6 @@ async function convertOpened(
   }
   // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
   const tokenizerBytes = await writeDllamaTokenizer(outputs.tokenizer, tokenizer);
-  const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
   await writeDllamaModel(outputs.model, plan, (i) => stream(i));
   return {
     spec,
@@ -160,7 +166,11 @@ async function convertOpened(
   };
 }
 
-type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & { bytesTotal: number };
+type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & {
+  bytesTotal: number;
+  /** Starts reading and encoding ahead (a window's worth) before the first tensor is asked for. */
+  start(): void;
+};
 type Chunk = { dtype: SourceDType; bytes: Uint8Array; elementOffset: number };
 
 /** Chunks in flight per worker thread, across tensor boundaries. */
@@ -278,6 +288,20 @@ function tensorStreamer(
   }
 
   const encodedChunks = encoded();
+  type Next = Promise<IteratorResult<{ index: number; bytes: Uint8Array; pooled: boolean }>>;
+  let primed: Next | null = null;
+  let pulled = false;
+  const start = (): void => {
+    if (pulled || primed) return;
+    primed = encodedChunks.next();
+    primed.catch(() => undefined); // observed by the first pull; a failure before that is reported there
+  };
+  const pull = (): Next => {
+    pulled = true;
+    const next = primed ?? encodedChunks.next();
+    primed = null;
+    return next;
+  };
 
   async function* stream(index: number): AsyncGenerator<Uint8Array> {
     const t = plan[index];
@@ -286,7 +310,7 @@ function tensorStreamer(
     report();
     // Writers ask for tensors in plan order, and chunks never straddle tensors.
     for (let got = 0; got < t.byteLength; ) {
-      const next = await encodedChunks.next();
+      const next = await pull();
       if (next.done || next.value.index !== index) throw new Error(`internal: tensor ${t.name} ended after ${got} of ${t.byteLength} bytes`);
       got += next.value.bytes.length;
       yield next.value.bytes;
@@ -297,5 +321,5 @@ function tensorStreamer(
     report();
   }
 
-  return Object.assign(stream, { bytesTotal });
+  return Object.assign(stream, { bytesTotal, start });
 }

@@ -504,8 +504,14 @@ export interface GgufModelPlan {
  * The caller writes `layout.headerBytes`, then each `tensors[i]` encoded as `tensors[i].format`
  * followed by `layout.paddingAfter(i)` zero bytes.
  */
-export function planGgufModel(options: GgufModelOptions & { hasTensor: (name: string) => boolean }): GgufModelPlan {
-  const tensors = planTensors(options.spec, 'gguf', options.weights, options.hasTensor);
+export function planGgufModel(
+  options: GgufModelOptions & {
+    hasTensor: (name: string) => boolean;
+    /** `planTensors(spec, 'gguf', weights, hasTensor)`, if the caller has it already. */
+    tensors?: PlannedTensor[];
+  },
+): GgufModelPlan {
+  const tensors = options.tensors ?? planTensors(options.spec, 'gguf', options.weights, options.hasTensor);
   const kvs = ggufModelMetadata(options);
   const layout = planGguf(kvs, ggufTensorInfos(tensors));
   layout.tensorByteLengths.forEach((n, i) => {
