@@ -333,6 +333,27 @@ describe('redelivery', () => {
     expect(state.num_ack_pending + state.num_pending).toBe(0);
   });
 
+  it('a redelivery resumes after published frames even when the first delivery’s claim never landed', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomedConnection = await natsConnect();
+    await bridge(instance, stub.url, {}, doomedConnection);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
+    // The first delivery publishes before its claim's create returns; as if that create was lost:
+    await (await nc.jetstream().views.kv(names.claimsBucket)).purge(req.id);
+    await doomedConnection.close();
+
+    const heir = await bridge(instance, stub.url);
+    await answer.finished;
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 12));
+    expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 14 }, (_, i) => i));
+    await until('ack', () => heir.stats.acked === 1);
+    expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
+  });
+
   it('a take-over whose engine does not repeat itself ends the answer with an error instead of mixing two', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120, random: true }));
     const instance = await instanceWith({ ackWaitMs: 1500 });
@@ -420,10 +441,10 @@ describe('redelivery', () => {
 });
 
 describe('a request id seen again as a first delivery', () => {
-  it('published again after the de-duplication window: the claim it finds decides, no second answer', async () => {
-    const stub = await engine(() => ({ chunks: 3 }));
+  it('published again after the de-duplication window: one answer, the finished claim stays, resolved once', async () => {
+    const stub = await engine(() => ({}));
     const instance = await instanceWith();
-    const req = requestFor({ stream: true }); // the engine's chunks must not leak out while the claim is unknown
+    const req = requestFor({ stream: false });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'earlier-bridge');
     const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the first answer' } }] } };
@@ -431,10 +452,16 @@ describe('a request id seen again as a first delivery', () => {
 
     const b = await bridge(instance, stub.url);
     const answer = await listen(req.id);
-    await send(instance, req); // deliveryCount 1, so the bridge starts the engine while it claims
-    expect(await answer.finished).toEqual([terminal]);
+    await send(instance, req); // deliveryCount 1: the bridge calls the engine while it tries to create the claim
+    // The gateway relays the first seq-0 frame: the recorded answer, or the engine's (published
+    // before the create came back) — one complete answer either way.
+    const frames = await answer.finished;
+    expect(frames).toHaveLength(1);
+    expect(frames[0]).toMatchObject({ seq: 0, type: 'done' });
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats).toMatchObject({ replayed: 1, pulled: 1, nakked: 0, termed: 0 });
+    // The claim still records the first answer: a later delivery repeats that one.
+    expect((await claims.acquire(req.id, 'later'))).toMatchObject({ kind: 'finished', claim: { terminal } });
   });
 });
 

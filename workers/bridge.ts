@@ -217,14 +217,13 @@ interface Attempt {
   claim: RequestClaim;
   revision: number;
   abort: AbortController;
-  /**
-   * Frames withheld while the claim is being created or NATS is disconnected: published once the
-   * claim exists, or after a reconnect proves we still own the request.
-   */
+  /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
   held: ResponseFrame[];
   paused: boolean;
   /** The claim's create is in flight (first deliveries call the engine meanwhile); `revision` is not known yet. */
   claimPending: boolean;
+  /** The terminal frame went out before the claim was settled (first deliveries). */
+  terminalSent: boolean;
   resuming: boolean;
   concluding: boolean;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
@@ -382,8 +381,8 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
    */
   const conclude = async (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
     a.concluding = true;
-    const early = connected && !a.paused && !a.abort.signal.aborted;
-    if (early) {
+    const early = a.terminalSent || (connected && !a.paused && !a.abort.signal.aborted);
+    if (early && !a.terminalSent) {
       try {
         nc.publish(a.req.replyTo, encodeJson(frame));
       } catch {
@@ -458,7 +457,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   };
 
   const newAttempt = (req: InferenceRequest, m: JsMsg, claim: RequestClaim, revision: number, pending: boolean): Attempt => {
-    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: pending || !connected, claimPending: pending, resuming: false, concluding: false, nextSeq: 0 };
+    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: !connected, claimPending: pending, resuming: false, concluding: false, terminalSent: false, nextSeq: 0 };
     live.add(a);
     stats.inFlight = live.size;
     return a;
@@ -469,9 +468,11 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   };
 
   /**
-   * A first delivery: create the claim and call the engine at the same time (the engine's first
-   * frames wait for the claim), so the claim costs the client nothing. False when a claim existed
-   * already (a duplicate delivery): the caller then takes the general path.
+   * A first delivery: create the claim and call the engine at the same time, and publish frames
+   * without waiting for it, so the claim costs the client nothing. No earlier delivery exists, so
+   * nobody else can own the request; a redelivery (our crash) reads back what we published. False
+   * when a claim existed after all (the same id published again after the de-duplication
+   * window): the caller then takes the general path, and the gateway keeps the first frames.
    */
   const serveFirst = async (m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<boolean> => {
     const createdAt = Date.now();
@@ -488,10 +489,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         claim = 'created';
         a.revision = r.revision;
         a.claimPending = false;
-        if (connected) {
-          a.paused = false;
-          for (const f of a.held.splice(0)) send(a, f);
-        }
+        if (a.paused && connected) void resume(a); // a reconnect happened while the claim was pending
       },
       (err: unknown) => {
         claim = { error: err };
@@ -503,6 +501,15 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         Date.now() >= req.deadline
           ? { kind: 'finish', resolve: 'term', frame: errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served') }
           : await generate(a, []);
+      // The answer goes out now; the claim (created meanwhile) is settled after it.
+      if (outcome.kind === 'finish' && connected && !a.paused && !a.abort.signal.aborted) {
+        try {
+          nc.publish(req.replyTo, encodeJson(outcome.frame));
+          a.terminalSent = true;
+        } catch {
+          abortAttempt(a, 'closed');
+        }
+      }
       await claiming;
       if (claim === 'exists') return false;
       if (claim !== 'created') {
@@ -640,7 +647,9 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       attempt = a;
       try {
         let prior: ResponseFrame[] = [];
-        if (claimed.kind === 'takeover') {
+        // A take-over, or a redelivery whose first delivery died before its claim landed: either
+        // may have published frames already.
+        if (claimed.kind === 'takeover' || m.redelivered) {
           const stored = await readStoredFrames(js, jsm, names, req.replyTo);
           prior = stored.frames;
           a.nextSeq = prior.length;

@@ -166,9 +166,17 @@ async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & 
   return jsm.streams.update(name, rest);
 }
 
-/** Creates a KV bucket, or brings an existing one's history and max age to the given values. */
-async function ensureBucket(js: JetStreamClient, jsm: JetStreamManager, bucket: string, opts: { history: number; maxAgeMs: number; replicas: number }): Promise<void> {
-  await js.views.kv(bucket, { history: opts.history, ttl: opts.maxAgeMs, replicas: opts.replicas, storage: StorageType.File });
+/**
+ * Creates a KV bucket, or brings an existing one's history and max age to the given values
+ * (storage is fixed at creation: an existing bucket keeps its own).
+ */
+async function ensureBucket(
+  js: JetStreamClient,
+  jsm: JetStreamManager,
+  bucket: string,
+  opts: { history: number; maxAgeMs: number; replicas: number; storage?: StorageType },
+): Promise<void> {
+  await js.views.kv(bucket, { history: opts.history, ttl: opts.maxAgeMs, replicas: opts.replicas, storage: opts.storage ?? StorageType.File });
   const stream = `KV_${bucket}`;
   const { config } = await jsm.streams.info(stream);
   if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history) {
@@ -214,7 +222,9 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   });
   await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
   await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
-  await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
+  // In memory, like the response frames it is read together with: a claim lives for one request,
+  // and the create on every first delivery is a round trip the bridge waits for.
+  await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas, storage: StorageType.Memory });
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
   return names;
 }
