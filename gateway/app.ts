@@ -9,7 +9,7 @@ import { errors, errorsPlugin } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
 import type { ModelCatalog } from './plugins/models';
 import type { PublishRequest, ResponseRouter } from './plugins/responses';
-import { servicesPlugin, type BacklogCheck, type GatewaySettings, type ReadinessCheck } from './plugins/services';
+import { servicesPlugin, type BacklogCheck, type CancelRequest, type GatewaySettings, type ReadinessCheck } from './plugins/services';
 import type { SessionBroker } from './plugins/sessions';
 import { chatRoutes } from './routes/chat';
 import { healthRoutes } from './routes/health';
@@ -24,6 +24,7 @@ export interface GatewayAppOptions {
   publish: PublishRequest;
   responses: ResponseRouter;
   backlogFull?: BacklogCheck;
+  cancel?: CancelRequest;
   /** Added to the app's own check (the registry answers). */
   readiness?: ReadinessCheck[];
   metrics?: GatewayMetrics;
@@ -57,6 +58,7 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
       publish: opts.publish,
       responses: opts.responses,
       backlogFull: opts.backlogFull,
+      cancel: opts.cancel,
       readiness: [{ name: 'registry', check: () => opts.models.refresh().then(() => true) }, ...(opts.readiness ?? [])],
     },
   });

@@ -242,7 +242,10 @@ describe('the official openai client', () => {
 });
 
 describe('clients that go away', () => {
-  it('a client closing a stream mid-wait ends the request at once (499, nothing left in flight)', async () => {
+  it('a client closing a stream mid-wait ends the request at once (499, nothing left in flight) and tells the bridge', async () => {
+    const cancels: { subject: string; id: unknown }[] = [];
+    const cancelSub = nc.subscribe(`${scope}.magus.cancel.>`, { callback: (_e, m) => cancels.push({ subject: m.subject, id: (m.json<{ id: unknown }>()).id }) });
+    await nc.flush();
     const metrics = async () => (await fetch(`${gw.url}/metrics`)).text();
     const before = /status="499"\} (\d+)/.exec(await metrics())?.[1] ?? '0';
     const ctl = new AbortController();
@@ -265,6 +268,10 @@ describe('clients that go away', () => {
     }
     expect(Date.now() - started).toBeLessThan(1000); // well before the 1.5 s request timeout
     expect(Number(/route="\/v1\/chat\/completions",status="499"\} (\d+)/.exec(text)?.[1])).toBe(Number(before) + 1);
+    // The bridge serving the instance learns that nobody waits for this request any more.
+    await waitFor(() => cancels.length > 0);
+    expect(cancels).toEqual([{ subject: `${scope}.magus.cancel.${pool}.${instance}`, id: res.headers.get('x-request-id') }]);
+    cancelSub.unsubscribe();
   });
 });
 

@@ -15,6 +15,7 @@ import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './plugins/models';
 import { jetStreamPublisher, perRequestResponseRouter, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
+import { cancelSubject } from '../shared/serving';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
 
@@ -133,6 +134,13 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       publish: deps.publish ?? jetStreamPublisher(nc.jetstream()),
       responses,
       backlogFull: deps.backlogFull,
+      cancel: (session, requestId) => {
+        try {
+          nc.publish(`${config.subjectScope ? `${config.subjectScope}.` : ''}${cancelSubject(session.pool, session.instance)}`, JSON.stringify({ id: requestId }));
+        } catch (err) {
+          log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
+        }
+      },
       readiness: [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness],
     });
     const address = await app.listen({ host: config.host, port: config.port });

@@ -28,6 +28,8 @@ export const Nats = {
   requestStream: 'MAGUS_REQUESTS',
   requestSubjectPrefix: 'magus.req',
   responseSubjectPrefix: 'magus.res',
+  /** `magus.cancel.<pool>.<instance>`: a request whose client went away (payload `{"id"}`). */
+  cancelSubjectPrefix: 'magus.cancel',
   modelsBucket: 'magus_models',
   tokensBucket: 'magus_tokens',
   sessionsBucket: 'magus_sessions',

@@ -87,3 +87,5 @@ export interface TokenEntry {
 
 export const requestSubject = (pool: string, instance: string): string => `magus.req.${pool}.${instance}`;
 export const responseSubject = (requestId: string): string => `magus.res.${requestId}`;
+/** Core NATS, gateway → the instance's bridge: `{"id": requestId}` of a request nobody waits for any more. */
+export const cancelSubject = (pool: string, instance: string): string => `magus.cancel.${pool}.${instance}`;

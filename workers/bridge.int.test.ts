@@ -12,6 +12,7 @@ import { isolation, natsConnect } from '../test/harness';
 import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
 import {
   FrameSequencer,
+  cancelSubjectOf,
   consumerNameOf,
   encodeJson,
   ensureDataPlane,
@@ -49,6 +50,8 @@ const expectedText = (seed: number, n: number) => Array.from({ length: n }, (_, 
 
 class StubEngine {
   readonly calls: ChatCompletionRequest[] = [];
+  /** Calls whose connection closed before the answer was complete (the bridge cut them). */
+  cut = 0;
   active = 0;
   maxActive = 0;
   private server!: Server;
@@ -80,7 +83,10 @@ class StubEngine {
     this.active += 1;
     this.maxActive = Math.max(this.maxActive, this.active);
     let gone = false;
-    res.on('close', () => (gone = true));
+    res.on('close', () => {
+      gone = true;
+      if (!res.writableEnded) this.cut += 1;
+    });
     try {
       if (r.firstDelayMs) await sleep(r.firstDelayMs);
       if (r.status && r.status >= 300) {
@@ -437,6 +443,47 @@ describe('redelivery', () => {
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats.replayed).toBe(1);
     expect(stub.calls).toHaveLength(0);
+  });
+});
+
+describe('cancels from the gateway (the client went away)', () => {
+  const cancel = (instance: string, id: string) => nc.publish(cancelSubjectOf(names, POOL, instance), encodeJson({ id }));
+
+  it('a cancel stops the engine call mid-answer and resolves the request once (term), never redelivered', async () => {
+    const stub = await engine(() => ({ chunks: 40, delayMs: 50 }));
+    const instance = await instanceWith({ ackWaitMs: 1000 });
+    const b = await bridge(instance, stub.url);
+    const req = requestFor();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    cancel(instance, req.id);
+    await until('term', () => b.stats.termed === 1);
+    expect(b.stats).toMatchObject({ cancelled: 1, acked: 0, nakked: 0, errors: 0 });
+    await until('the engine call cut', () => stub.cut === 1);
+    expect(answer.raw.length).toBeLessThan(40); // generation stopped early
+    await sleep(1500); // past ack_wait: nothing comes back
+    expect(stub.calls).toHaveLength(1);
+    const state = await consumerState(instance);
+    expect(state.num_ack_pending + state.num_pending).toBe(0);
+  });
+
+  it('a request cancelled while queued is dropped unserved when it is pulled', async () => {
+    // One slot, held by a slow first request while the second waits in the stream and is cancelled.
+    const stub = await engine((call) => (call === 0 ? { chunks: 2, firstDelayMs: 800 } : { chunks: 2 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const first = requestFor();
+    const second = requestFor();
+    const firstAnswer = await listen(first.id);
+    await send(instance, first);
+    await send(instance, second);
+    await until('the first reached the engine', () => stub.calls.length === 1);
+    cancel(instance, second.id);
+    await firstAnswer.finished;
+    await until('the cancelled one resolved', () => b.stats.termed === 1);
+    expect(b.stats).toMatchObject({ cancelled: 1, acked: 1, errors: 0 });
+    expect(stub.calls).toHaveLength(1); // only the first reached the engine
   });
 });
 

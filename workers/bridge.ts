@@ -23,6 +23,7 @@ import { hostname } from 'node:os';
 import { ConsumerEvents, Events, connect, millis, type ConsumerMessages, type JsMsg, type NatsConnection } from 'nats';
 import {
   REQUEST_ID,
+  cancelSubjectOf,
   consumerNameOf,
   decodeJson,
   encodeJson,
@@ -73,6 +74,8 @@ export interface BridgeStats {
   replayed: number;
   /** Attempts that found a later delivery owned their request and stopped without resolving it. */
   superseded: number;
+  /** Requests whose client went away (a gateway's cancel): the engine call stopped, or never made. */
+  cancelled: number;
   heartbeatsMissed: number;
   inFlight: number;
 }
@@ -202,7 +205,7 @@ type Outcome =
   | { kind: 'retry'; reason: string }
   | { kind: 'aborted'; reason: AbortReason };
 
-type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'unclaimed';
+type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'unclaimed' | 'cancelled';
 
 /** Why an engine call was cut (preallocated: see generate). */
 const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name: 'TimeoutError' });
@@ -283,8 +286,31 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   // working() well inside ack_wait, so neither a slow first token nor a long answer is redelivered.
   const workingEveryMs = Math.max(100, Math.floor(ackWaitMs / 3));
 
-  const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, replayed: 0, superseded: 0, heartbeatsMissed: 0, inFlight: 0 };
+  const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, replayed: 0, superseded: 0, cancelled: 0, heartbeatsMissed: 0, inFlight: 0 };
   const live = new Set<Attempt>();
+  // Cancels from gateways (their client went away): stop the attempt serving it, or drop the
+  // request when it is pulled later. Remembered for a while, at most a bounded number.
+  const cancelled = new Map<string, number>();
+  const CANCEL_MEMORY_MS = 10 * 60_000;
+  const CANCEL_MEMORY_MAX = 10_000;
+  const cancelSub = nc.subscribe(cancelSubjectOf(names, pool, instance), {
+    callback: (err, msg) => {
+      if (err) return;
+      let id: unknown;
+      try {
+        id = (decodeJson(msg.data) as { id?: unknown } | null)?.id;
+      } catch {
+        return;
+      }
+      if (typeof id !== 'string' || !REQUEST_ID.test(id)) return;
+      for (const a of live) if (a.req.id === id && !a.concluding) abortAttempt(a, 'cancelled');
+      const now = Date.now();
+      if (cancelled.size >= CANCEL_MEMORY_MAX) {
+        for (const [k, at] of cancelled) if (now - at > CANCEL_MEMORY_MS || cancelled.size >= CANCEL_MEMORY_MAX) cancelled.delete(k);
+      }
+      cancelled.set(id, now);
+    },
+  });
   const handlers = new Set<Promise<void>>();
   let connected = true;
   let consuming = true;
@@ -434,6 +460,11 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       case 'finish':
         return conclude(a, outcome.frame, outcome.resolve);
       case 'aborted':
+        if (outcome.reason === 'cancelled') {
+          // Recorded as finished so no later delivery regenerates it; nobody listens to the frame.
+          stats.cancelled += 1;
+          return conclude(a, errorFrame(a.nextSeq, 499, 'cancelled', 'client_closed', 'the client went away'), 'term');
+        }
         if (outcome.reason === 'shutdown') {
           m.nak(); // hand it to another bridge now; it resumes after our frames
           stats.nakked += 1;
@@ -621,10 +652,24 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       return;
     }
     const req = parsed.req;
+    const cancelledAt = cancelled.get(req.id);
+    if (cancelledAt !== undefined && Date.now() - cancelledAt < CANCEL_MEMORY_MS) {
+      // Its client went away while it was queued: nobody waits for an answer.
+      m.term('cancelled');
+      stats.termed += 1;
+      stats.cancelled += 1;
+      return;
+    }
     let attempt: Attempt | undefined;
     const ticker = setInterval(() => tick(m, () => attempt), workingEveryMs);
     try {
       if (!m.redelivered && (await serveFirst(m, req, (a) => (attempt = a)))) return;
+      if (cancelled.has(req.id)) {
+        m.term('cancelled');
+        stats.termed += 1;
+        stats.cancelled += 1;
+        return;
+      }
       let claimed: Awaited<ReturnType<typeof claims.acquire>>;
       try {
         claimed = await claims.acquire(req.id, owner);
@@ -765,6 +810,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         await Promise.allSettled([...handlers]);
       }
       engine.close();
+      cancelSub.unsubscribe();
     },
   };
 }

@@ -32,7 +32,7 @@ import {
   nanos,
 } from 'nats';
 import { Nats } from '../../shared/constants';
-import { requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
+import { cancelSubject, requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
 export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
@@ -90,6 +90,13 @@ export function requestSubjectOf(names: DataPlaneNames, pool: string, instance: 
   checkToken('pool', pool);
   checkToken('instance', instance);
   return scoped(names, requestSubject(pool, instance));
+}
+
+/** `magus.cancel.<pool>.<instance>` in this data plane: where a gateway says a request's client went away. */
+export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
+  checkToken('pool', pool);
+  checkToken('instance', instance);
+  return scoped(names, cancelSubject(pool, instance));
 }
 
 /** `magus.res.<id>` in this data plane: the only `replyTo` a bridge accepts for request `id`. */

@@ -4,11 +4,15 @@
  * and response router, plus the settings of the request path. Decorated as `app.gateway`.
  */
 import type { ReadyModel } from '../../shared/model';
+import type { SessionEntry } from '../../shared/serving';
 import type { TokenSource } from './auth';
 import type { ModelCatalog } from './models';
 import { servicePlugin } from './plugin';
 import type { PublishRequest, ResponseRouter } from './responses';
 import type { SessionBroker } from './sessions';
+
+/** Tells the instance's bridge that nobody waits for request `requestId` any more (fire and forget). */
+export type CancelRequest = (session: SessionEntry, requestId: string) => void;
 
 /** Synchronous backlog check before a request is queued: full → 429 with `Retry-After`. */
 export type BacklogCheck = (model: ReadyModel) => { retryAfterSec: number } | undefined;
@@ -47,6 +51,8 @@ export interface GatewayServices {
   publish: PublishRequest;
   responses: ResponseRouter;
   backlogFull?: BacklogCheck;
+  /** When a client goes away after its request was published: stop the engine's work on it. */
+  cancel?: CancelRequest;
   readiness: ReadinessCheck[];
 }
 

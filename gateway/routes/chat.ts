@@ -5,7 +5,7 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import type { ChatCompletionRequest, ChatMessage, InferenceRequest } from '../../shared/serving';
+import type { ChatCompletionRequest, ChatMessage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
@@ -60,9 +60,10 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       };
       reply.raw.once('close', onClose);
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      let entry: SessionEntry;
+      let published: SessionEntry | undefined;
       try {
         const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
-        let entry;
         try {
           entry = await g.sessions.acquire({ conversationKey: key, model, tokenId: principal.tokenId, signal: ctl.signal });
         } finally {
@@ -70,6 +71,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
         }
         if (ctl.signal.aborted) throw ctl.signal.reason;
         const req: InferenceRequest = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, body: toEngineRequest(body, messages) };
+        published = entry;
         const done = await exchange(entry, req, {
           router: g.responses,
           publish: g.publish,
@@ -91,6 +93,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
         const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
         if (err instanceof ClientGone) {
           request.log.info({ inferenceId: id }, 'client went away');
+          if (published) g.cancel?.(published, id); // the engine stops generating for nobody
           if (!sse?.started) reply.hijack();
           reply.raw.destroy();
           return reply;
