@@ -553,6 +553,7 @@ describe('failures', () => {
     await send(instance, req);
     const frames = await answer.finished;
     expect(frames).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 503, code: BridgeErrorCode.engineUnavailable }) as unknown }]);
+    await until('term', () => b.stats.termed === 1); // right after the frame: the claim records it first
     expect(b.stats).toMatchObject({ pulled: 3, nakked: 2, termed: 1 });
   });
 
