@@ -339,7 +339,7 @@ describe('redelivery', () => {
     expect(state.num_ack_pending + state.num_pending).toBe(0);
   });
 
-  it('a redelivery resumes after published frames even when the first delivery’s claim never landed', async () => {
+  it('a redelivery resumes after the frames a first delivery published, though it finds no claim', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
     const instance = await instanceWith({ ackWaitMs: 1500 });
     const doomedConnection = await natsConnect();
@@ -348,8 +348,8 @@ describe('redelivery', () => {
     const answer = await listen(req.id);
     await send(instance, req);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
-    // The first delivery publishes before its claim's create returns; as if that create was lost:
-    await (await nc.jetstream().views.kv(names.claimsBucket)).purge(req.id);
+    // A first delivery writes no claim until it has answered: the heir finds none.
+    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
     await doomedConnection.close();
 
     const heir = await bridge(instance, stub.url);
@@ -391,12 +391,13 @@ describe('redelivery', () => {
     await until('a few chunks', () => answer.raw.length >= 3);
     // A zombie scenario: someone else now owns the request (as after an ack_wait expiry the
     // bridge did not notice). The running attempt must notice at its next check and go quiet.
+    // (A first delivery writes no claim while it runs, so the intruder's is the first one.)
     const claims = await openRequestClaims(nc.jetstream(), names);
-    expect((await claims.acquire(req.id, 'intruder')).kind).toBe('takeover');
+    expect((await claims.acquire(req.id, 'intruder')).kind).toBe('fresh');
     await until('the attempt gives up', () => b.stats.superseded === 1);
     const frames = await answer.finished;
     // The intruder never answers, so JetStream redelivers after ack_wait; this bridge takes over
-    // (attempt 3), checks the frames already out and completes the same text.
+    // (attempt 2 of the claim), checks the frames already out and completes the same text.
     expect(answer.text()).toBe(expectedText(seedFor(req.id), 15));
     expect(frames.filter((f) => f.type !== 'chunk')).toHaveLength(1);
     expect(new Set(answer.raw.map((f) => f.seq)).size).toBe(answer.raw.length);
@@ -490,7 +491,7 @@ describe('cancels from the gateway (the client went away)', () => {
 describe('a request id seen again as a first delivery', () => {
   it('published again after the de-duplication window: one answer, the finished claim stays, resolved once', async () => {
     const stub = await engine(() => ({}));
-    const instance = await instanceWith();
+    const instance = await instanceWith({ ackWaitMs: 1000 });
     const req = requestFor({ stream: false });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'earlier-bridge');
@@ -499,14 +500,16 @@ describe('a request id seen again as a first delivery', () => {
 
     const b = await bridge(instance, stub.url);
     const answer = await listen(req.id);
-    await send(instance, req); // deliveryCount 1: the bridge calls the engine while it tries to create the claim
-    // The gateway relays the first seq-0 frame: the recorded answer, or the engine's (published
-    // before the create came back) — one complete answer either way.
+    await send(instance, req); // deliveryCount 1: answered without a claim, which is created only at the end
+    // The engine's answer goes out first (seq 0), and the gateway keeps it; the claim it then
+    // tries to create exists, so that attempt stops without acking; the redelivery finds the
+    // finished claim and repeats its frame (seq 0 again: dropped by the gateway) and acks.
     const frames = await answer.finished;
     expect(frames).toHaveLength(1);
     expect(frames[0]).toMatchObject({ seq: 0, type: 'done' });
     await until('ack', () => b.stats.acked === 1);
-    expect(b.stats).toMatchObject({ replayed: 1, pulled: 1, nakked: 0, termed: 0 });
+    expect(b.stats).toMatchObject({ replayed: 1, pulled: 2, superseded: 1, nakked: 0, termed: 0 });
+    expect(stub.calls).toHaveLength(1);
     // The claim still records the first answer: a later delivery repeats that one.
     expect((await claims.acquire(req.id, 'later'))).toMatchObject({ kind: 'finished', claim: { terminal } });
   });

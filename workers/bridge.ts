@@ -6,12 +6,12 @@
  *
  * Exactly one answer per request id, although JetStream delivers at least once (README of
  * activities/nats has the whole protocol):
- * - every delivery claims the request in `magus_claims` (create, or CAS take-over of an earlier
- *   delivery); a superseded attempt notices (periodic check, reconnect check, failed finish CAS)
+ * - a redelivery claims the request in `magus_claims` (create, or CAS take-over of an earlier
+ *   delivery); a first delivery writes its claim only when it has answered (nobody else can own
+ *   it before); a superseded attempt notices (periodic check, reconnect check, failed finish)
  *   and publishes nothing more;
- * - a first delivery creates its claim while the engine already runs (frames wait for the claim);
- * - a terminal frame (`done`/`error`) is recorded in the claim (CAS to `finished`) right after it
- *   is published (before, when the bridge was disconnected); a later delivery of a finished request
+ * - a terminal frame (`done`/`error`) is recorded in the claim (`finished`) right after it is
+ *   published (before, when the bridge was disconnected); a later delivery of a finished request
  *   re-publishes exactly it;
  * - a take-over reads the frames that already reached the server (response stream), regenerates
  *   with the same pinned seed, checks its first frames match them and publishes only the rest;
@@ -205,7 +205,7 @@ type Outcome =
   | { kind: 'retry'; reason: string }
   | { kind: 'aborted'; reason: AbortReason };
 
-type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'unclaimed' | 'cancelled';
+type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled';
 
 /** Why an engine call was cut (preallocated: see generate). */
 const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name: 'TimeoutError' });
@@ -223,10 +223,6 @@ interface Attempt {
   /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
   held: ResponseFrame[];
   paused: boolean;
-  /** The claim's create is in flight (first deliveries call the engine meanwhile); `revision` is not known yet. */
-  claimPending: boolean;
-  /** The terminal frame went out before the claim was settled (first deliveries). */
-  terminalSent: boolean;
   resuming: boolean;
   concluding: boolean;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
@@ -349,10 +345,10 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
    * meanwhile. A failed check is retried by the next tick.
    */
   const resume = async (a: Attempt) => {
-    if (a.resuming || !a.paused || a.claimPending) return;
+    if (a.resuming || !a.paused) return;
     a.resuming = true;
     try {
-      const rev = await claims.revision(a.req.id);
+      const rev = (await claims.revision(a.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
       if (a.concluding || !connected) return;
       if (rev !== a.revision) return abortAttempt(a, 'superseded');
       a.paused = false;
@@ -386,7 +382,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       // closed connection: nc.closed() aborts the attempt
     }
     const attempt = a();
-    if (!attempt || attempt.concluding || attempt.claimPending) return;
+    if (!attempt || attempt.concluding) return;
     if (attempt.paused) {
       if (connected) void resume(attempt);
       return;
@@ -407,8 +403,8 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
    */
   const conclude = async (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
     a.concluding = true;
-    const early = a.terminalSent || (connected && !a.paused && !a.abort.signal.aborted);
-    if (early && !a.terminalSent) {
+    const early = connected && !a.paused && !a.abort.signal.aborted;
+    if (early) {
       try {
         nc.publish(a.req.replyTo, encodeJson(frame));
       } catch {
@@ -487,8 +483,8 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     }
   };
 
-  const newAttempt = (req: InferenceRequest, m: JsMsg, claim: RequestClaim, revision: number, pending: boolean): Attempt => {
-    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: !connected, claimPending: pending, resuming: false, concluding: false, terminalSent: false, nextSeq: 0 };
+  const newAttempt = (req: InferenceRequest, m: JsMsg, claim: RequestClaim, revision: number): Attempt => {
+    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: !connected, resuming: false, concluding: false, nextSeq: 0 };
     live.add(a);
     stats.inFlight = live.size;
     return a;
@@ -499,58 +495,20 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   };
 
   /**
-   * A first delivery: create the claim and call the engine at the same time, and publish frames
-   * without waiting for it, so the claim costs the client nothing. No earlier delivery exists, so
-   * nobody else can own the request; a redelivery (our crash) reads back what we published. False
-   * when a claim existed after all (the same id published again after the de-duplication
-   * window): the caller then takes the general path, and the gateway keeps the first frames.
+   * A first delivery. No earlier delivery exists, so nobody else can own the request and no claim
+   * is written while it runs (revision 0 = none): the claim is created once, already finished,
+   * right after the answer went out — one KV write per request, none before the answer. A later
+   * delivery that takes over creates a claim, which this attempt notices (its periodic check sees
+   * a claim, its final create conflicts) and then publishes nothing more.
    */
-  const serveFirst = async (m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<boolean> => {
-    const createdAt = Date.now();
-    const a = newAttempt(req, m, { attempt: 1, owner, createdAt, state: 'running' }, 0, true);
+  const serveFirst = async (m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> => {
+    const a = newAttempt(req, m, { attempt: 1, owner, createdAt: Date.now(), state: 'running' }, 0);
     track(a);
-    type ClaimState = 'created' | 'exists' | { error: unknown };
-    let claim = { error: new Error('claim not settled') } as ClaimState;
-    const claiming = claims.create(req.id, owner, createdAt).then(
-      (r) => {
-        if (!r) {
-          claim = 'exists';
-          return abortAttempt(a, 'unclaimed');
-        }
-        claim = 'created';
-        a.revision = r.revision;
-        a.claimPending = false;
-        if (a.paused && connected) void resume(a); // a reconnect happened while the claim was pending
-      },
-      (err: unknown) => {
-        claim = { error: err };
-        abortAttempt(a, 'unclaimed');
-      },
-    );
     try {
-      const outcome: Outcome =
-        Date.now() >= req.deadline
-          ? { kind: 'finish', resolve: 'term', frame: errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served') }
-          : await generate(a, []);
-      // The answer goes out now; the claim (created meanwhile) is settled after it.
-      if (outcome.kind === 'finish' && connected && !a.paused && !a.abort.signal.aborted) {
-        try {
-          nc.publish(req.replyTo, encodeJson(outcome.frame));
-          a.terminalSent = true;
-        } catch {
-          abortAttempt(a, 'closed');
-        }
+      if (Date.now() >= req.deadline) {
+        return await conclude(a, errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
       }
-      await claiming;
-      if (claim === 'exists') return false;
-      if (claim !== 'created') {
-        failed(`request ${req.id}: claiming it failed; retrying later`, claim.error);
-        m.nak(retryDelayMs);
-        stats.nakked += 1;
-        return true;
-      }
-      await settle(a, outcome);
-      return true;
+      await settle(a, await generate(a, []));
     } finally {
       retire(a);
       track(undefined);
@@ -663,13 +621,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     let attempt: Attempt | undefined;
     const ticker = setInterval(() => tick(m, () => attempt), workingEveryMs);
     try {
-      if (!m.redelivered && (await serveFirst(m, req, (a) => (attempt = a)))) return;
-      if (cancelled.has(req.id)) {
-        m.term('cancelled');
-        stats.termed += 1;
-        stats.cancelled += 1;
-        return;
-      }
+      if (!m.redelivered) return await serveFirst(m, req, (a) => (attempt = a));
       let claimed: Awaited<ReturnType<typeof claims.acquire>>;
       try {
         claimed = await claims.acquire(req.id, owner);
@@ -688,7 +640,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         stats.replayed += 1;
         return;
       }
-      const a = newAttempt(req, m, claimed.claim, claimed.revision, false);
+      const a = newAttempt(req, m, claimed.claim, claimed.revision);
       attempt = a;
       try {
         let prior: ResponseFrame[] = [];

@@ -435,15 +435,11 @@ export interface RequestClaims {
   /** Claims request `id` for this delivery: fresh, taken over from an earlier delivery, or already finished. */
   acquire(id: string, owner: string): Promise<ClaimResult>;
   /**
-   * One round trip for a first delivery: creates the claim, or null when one exists already
-   * (then {@link acquire} decides). `createdAt` is the caller's, so it can start work before this
-   * resolves.
-   */
-  create(id: string, owner: string, createdAt: number): Promise<{ claim: RequestClaim; revision: number } | null>;
-  /**
    * Marks the attempt holding `revision` finished with `terminal`; false when a later delivery
-   * has taken the request over (the caller must then publish nothing more). Safe to retry after
-   * an error (a lost reply): a retry recognises its own earlier write.
+   * has taken the request over (the caller must then publish nothing more). Revision 0: a first
+   * delivery that wrote no claim while it ran — the claim is created, already finished, and any
+   * claim found instead means it was taken over. Safe to retry after an error (a lost reply): a
+   * retry recognises its own earlier write.
    */
   finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame): Promise<boolean>;
   /** The claim's current revision (null when absent): an owner compares it with its own. */
@@ -475,19 +471,11 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       }
       throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
     },
-    async create(id, owner, createdAt) {
-      const claim: RequestClaim = { attempt: 1, owner, createdAt, state: 'running' };
-      try {
-        return { claim, revision: await kv.create(id, encodeJson(claim)) };
-      } catch (err) {
-        if (jsErrorCode(err) === WRONG_LAST_SEQUENCE) return null;
-        throw err;
-      }
-    },
     async finish(id, claim, revision, terminal) {
       const finished: RequestClaim = { ...claim, state: 'finished', terminal };
       try {
-        await kv.update(id, encodeJson(finished), revision);
+        if (revision === 0) await kv.create(id, encodeJson(finished));
+        else await kv.update(id, encodeJson(finished), revision);
         return true;
       } catch (err) {
         if (jsErrorCode(err) !== WRONG_LAST_SEQUENCE) throw err;
