@@ -15,10 +15,9 @@ import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { consumerNameOf, dataPlaneNames, ensureDataPlane, requestSubjectOf } from '../activities/nats/data-plane';
+import { consumerNameOf, dataPlaneNames, ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import { loadGatewayConfig } from '../gateway/config';
-import { tokenDigest } from '../gateway/plugins/auth';
+import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
 import type { AcquireRequest } from '../gateway/plugins/sessions';
 import { startGateway, type RunningGateway } from '../gateway/server';
@@ -134,19 +133,16 @@ beforeAll(async () => {
   });
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
   const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: SESSION });
-  const entry: SessionEntry = { subject: requestSubjectOf(names, POOL, INSTANCE), pool: POOL, instance: INSTANCE, expiresAt: Date.now() + 3_600_000 };
-  await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
+  await pinConversation(nc, names, key, POOL, INSTANCE);
 
-  const config = loadGatewayConfig({
-    MAGUS_GATEWAY_HOST: '127.0.0.1',
-    MAGUS_GATEWAY_PORT: '0',
-    MAGUS_NATS_URL: endpoint('nats').servers,
-    MAGUS_NATS_PREFIX: iso.natsPrefix,
-    MAGUS_GATEWAY_SECRET: SECRET,
-    MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bridge kill test' } }),
-    // Far longer than a bridge takes to start: the client waits for the second bridge.
-    MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
-    MAGUS_LOG_LEVEL: 'silent',
+  const config = gatewayConfigFor(iso.natsPrefix, {
+    secret: SECRET,
+    tokens: { [TOKEN_ID]: TOKEN },
+    env: {
+      // Far longer than a bridge takes to start: the client waits for the second bridge.
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
+      MAGUS_LOG_LEVEL: 'silent',
+    },
   });
   const coldStart = (req: AcquireRequest): Promise<SessionEntry> => {
     coldStarts.push(req.conversationKey);

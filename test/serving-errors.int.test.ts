@@ -17,20 +17,18 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI, { type APIError } from 'openai';
-import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames, ensureInstanceConsumer } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import { loadGatewayConfig } from '../gateway/config';
-import { tokenDigest } from '../gateway/plugins/auth';
+import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import { readyModel } from '../gateway/test-support';
-import type { SessionEntry } from '../shared/serving';
 import { startBridge, type Bridge } from '../workers/bridge';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { endpoint, isolation, natsConnect, temporalClient, workerConfig } from './harness';
+import { isolation, natsConnect, temporalClient, workerConfig } from './harness';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -83,28 +81,25 @@ beforeAll(async () => {
   bridge = await startBridge({ nc, names, pool: SILENT, instance: SILENT_INSTANCE, engineUrl: engine.url, slots: 4, log: (line) => bridgeLog.push(line) });
   // The silent model's conversation is pinned to that instance, as the session workflow would do.
   const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: SILENT_SESSION });
-  const entry: SessionEntry = { subject: requestSubjectOf(names, SILENT, SILENT_INSTANCE), pool: SILENT, instance: SILENT_INSTANCE, expiresAt: Date.now() + 3_600_000 };
-  await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
+  await pinConversation(nc, names, key, SILENT, SILENT_INSTANCE);
 
   ({ client, connection } = await temporalClient());
   const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }, sessionTtlMs: 60_000 });
-  const config = loadGatewayConfig({
-    MAGUS_GATEWAY_HOST: '127.0.0.1',
-    MAGUS_GATEWAY_PORT: '0',
-    MAGUS_NATS_URL: endpoint('nats').servers,
-    MAGUS_NATS_PREFIX: iso.natsPrefix,
-    MAGUS_GATEWAY_SECRET: SECRET,
-    MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'errors test' } }),
-    MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
-    MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(REQUEST_TIMEOUT_MS),
-    MAGUS_GATEWAY_GAP_TIMEOUT_MS: '1000',
-    // Longer than any wait here: a streamed request is not committed (200) by a keep-alive
-    // before its error, so the error is the HTTP answer.
-    MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '60000',
-    // The 503 must come from the failed instance start, not from the gateway giving up.
-    MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '110000',
-    MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC),
-    MAGUS_LOG_LEVEL: 'silent',
+  const config = gatewayConfigFor(iso.natsPrefix, {
+    secret: SECRET,
+    tokens: { [TOKEN_ID]: TOKEN },
+    env: {
+      MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(REQUEST_TIMEOUT_MS),
+      MAGUS_GATEWAY_GAP_TIMEOUT_MS: '1000',
+      // Longer than any wait here: a streamed request is not committed (200) by a keep-alive
+      // before its error, so the error is the HTTP answer.
+      MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '60000',
+      // The 503 must come from the failed instance start, not from the gateway giving up.
+      MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '110000',
+      MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC),
+      MAGUS_LOG_LEVEL: 'silent',
+    },
   });
   gateway = await startGateway(config, { nc, ...sessions });
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
@@ -206,10 +201,8 @@ test('429 with Retry-After when the instance’s backlog is full; a slot freed i
   // An instance nobody consumes (its engine is gone), its backlog filled to the request stream's
   // per-subject limit by requests already queued: the next one is refused at publish.
   const instance = 'backlogged';
-  const subject = requestSubjectOf(names, SILENT, instance);
   const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: `backlog-${iso.id}` });
-  const entry: SessionEntry = { subject, pool: SILENT, instance, expiresAt: Date.now() + 3_600_000 };
-  await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
+  const { subject } = await pinConversation(nc, names, key, SILENT, instance);
   const js = nc.jetstream();
   const queued = await Promise.all(Array.from({ length: DEFAULT_INSTANCE_BACKLOG }, (_, i) => js.publish(subject, new TextEncoder().encode(`{"queued":${i}}`))));
   const headers = { 'x-session-id': `backlog-${iso.id}` };

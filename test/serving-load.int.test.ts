@@ -8,10 +8,9 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import { loadGatewayConfig } from '../gateway/config';
-import { tokenDigest } from '../gateway/plugins/auth';
+import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
 import type { AcquireRequest } from '../gateway/plugins/sessions';
 import { startGateway, type RunningGateway } from '../gateway/server';
@@ -19,7 +18,7 @@ import { LogSink, readyModel } from '../gateway/test-support';
 import type { ChatMessage, SessionEntry } from '../shared/serving';
 import { startBridge, type Bridge } from '../workers/bridge';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { endpoint, isolation, natsConnect } from './harness';
+import { isolation, natsConnect } from './harness';
 
 const iso = isolation();
 const POOL = 'stub-load';
@@ -58,25 +57,19 @@ beforeAll(async () => {
   await (await openModelRegistry(nc, names.modelsBucket)).put(MODEL);
 
   // Seed every conversation's session, as the session workflow's `writeSession` does.
-  const sessions = await nc.jetstream().views.kv(names.sessionsBucket);
-  const expiresAt = Date.now() + 3_600_000;
   for (let i = 0; i < CONVERSATIONS; i++) {
-    const instance = instanceOf(i);
     const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `${MODEL.namespace}/${MODEL.name}`, messages: [], sessionId: sessionId(i) });
-    const entry: SessionEntry = { subject: requestSubjectOf(names, POOL, instance), pool: POOL, instance, expiresAt };
-    await sessions.put(key, new TextEncoder().encode(JSON.stringify(entry)));
+    await pinConversation(nc, names, key, POOL, instanceOf(i));
   }
 
-  const config = loadGatewayConfig({
-    MAGUS_GATEWAY_HOST: '127.0.0.1',
-    MAGUS_GATEWAY_PORT: '0',
-    MAGUS_NATS_URL: endpoint('nats').servers,
-    MAGUS_NATS_PREFIX: names.prefix,
-    MAGUS_GATEWAY_SECRET: SECRET,
-    MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'load test' } }),
-    MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '30000',
-    // Everything the gateway says, so the token check below covers the most log lines.
-    MAGUS_LOG_LEVEL: 'trace',
+  const config = gatewayConfigFor(names.prefix, {
+    secret: SECRET,
+    tokens: { [TOKEN_ID]: TOKEN },
+    env: {
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '30000',
+      // Everything the gateway says, so the token check below covers the most log lines.
+      MAGUS_LOG_LEVEL: 'trace',
+    },
   });
   // The entries were written before the watch started, so `ready` means they are all loaded.
   const coldStart = (req: AcquireRequest): Promise<SessionEntry> => {

@@ -16,7 +16,7 @@ import OpenAI from 'openai';
 import { convertModel, CONVERTER_VERSION } from '../activities/convert/convert';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import { loadGatewayConfig } from '../gateway/config';
+import { gatewayConfigFor } from './harness/gateway';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { PoolEntry, SessionEntry } from '../shared/serving';
@@ -24,7 +24,7 @@ import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 
 const iso = isolation();
@@ -70,15 +70,10 @@ beforeAll(async () => {
 
   ({ client, connection } = await temporalClient());
   const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });
-  const gatewayConfig = loadGatewayConfig({
-    MAGUS_GATEWAY_HOST: '127.0.0.1',
-    MAGUS_GATEWAY_PORT: '0',
-    MAGUS_NATS_URL: endpoint('nats').servers,
-    MAGUS_NATS_PREFIX: iso.natsPrefix,
-    MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
-    MAGUS_GATEWAY_TOKENS: JSON.stringify({ t1: { digest: createHash('sha256').update(TOKEN).digest('hex'), name: 'test' } }),
-    MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000',
-    MAGUS_LOG_LEVEL: 'warn',
+  const gatewayConfig = gatewayConfigFor(iso.natsPrefix, {
+    secret: randomBytes(32).toString('hex'),
+    tokens: { t1: TOKEN },
+    env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
   });
   gateway = await startGateway(gatewayConfig, { nc, ...sessions });
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });

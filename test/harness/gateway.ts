@@ -1,0 +1,35 @@
+/**
+ * The gateway side of integration tests: a configuration on this test file's data plane, and a
+ * conversation pinned to an instance the way the session workflow pins it (its `magus_sessions`
+ * entry), so a test can route turns without Temporal.
+ */
+import type { NatsConnection } from 'nats';
+import { requestSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
+import { tokenDigest } from '../../gateway/plugins/auth';
+import type { SessionEntry } from '../../shared/serving';
+import { endpoint } from './index';
+
+/**
+ * A gateway on loopback (port chosen by the OS) against the test NATS server, data plane `prefix`,
+ * accepting `tokens` (token id → whole token); `env` adds or overrides variables.
+ */
+export function gatewayConfigFor(prefix: string, opts: { secret: string; tokens: Record<string, string>; env?: Record<string, string> }): GatewayConfig {
+  const entries = Object.fromEntries(Object.entries(opts.tokens).map(([id, token]) => [id, { digest: tokenDigest(token), name: `test token ${id}` }]));
+  return loadGatewayConfig({
+    MAGUS_GATEWAY_HOST: '127.0.0.1',
+    MAGUS_GATEWAY_PORT: '0',
+    MAGUS_NATS_URL: endpoint('nats').servers,
+    MAGUS_NATS_PREFIX: prefix,
+    MAGUS_GATEWAY_SECRET: opts.secret,
+    MAGUS_GATEWAY_TOKENS: JSON.stringify(entries),
+    ...opts.env,
+  });
+}
+
+/** Writes conversation `key`'s session entry: its turns go to `pool`/`instance` for `ttlMs`. */
+export async function pinConversation(nc: NatsConnection, names: DataPlaneNames, key: string, pool: string, instance: string, ttlMs = 3_600_000): Promise<SessionEntry> {
+  const entry: SessionEntry = { subject: requestSubjectOf(names, pool, instance), pool, instance, expiresAt: Date.now() + ttlMs };
+  await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
+  return entry;
+}
