@@ -11,10 +11,11 @@ import { chmodSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, s
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatCompletionRequest } from '../../shared/serving';
 import type { ReadyModel } from '../../shared/model';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
-import { ensureDataPlane, FrameSequencer, parseFrame, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../nats/data-plane';
+import { askInstance } from '../../test/harness/data-plane';
+import { ensureDataPlane, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../nats/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
 
@@ -109,36 +110,7 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
   return r;
 }
 
-/** Publishes a chat request to the instance and collects the answer as the gateway would. */
-async function ask(instance: string, body: Partial<ChatCompletionRequest>): Promise<{ frames: ResponseFrame[]; text: string }> {
-  const id = `req-${randomBytes(6).toString('hex')}`;
-  const sequencer = new FrameSequencer();
-  const relayed: ResponseFrame[] = [];
-  const sub = nc.subscribe(responseSubjectOf(names, id));
-  const done = (async () => {
-    for await (const m of sub) {
-      const f = parseFrame(m.data);
-      if (f) relayed.push(...sequencer.push(f));
-      if (sequencer.finished) break;
-    }
-  })();
-  await nc.flush();
-  const timer = setTimeout(() => sub.unsubscribe(), 30_000);
-  await publishRequest(nc.jetstream(), names, { pool: POOL, instance }, {
-    id,
-    replyTo: responseSubjectOf(names, id),
-    deadline: Date.now() + 30_000,
-    body: { model: 'tiny', messages: [{ role: 'user', content: 'Hello' }], ...body },
-  });
-  await done;
-  clearTimeout(timer);
-  sub.unsubscribe();
-  if (!sequencer.finished) throw new Error(`no complete answer to ${id}`);
-  const text = relayed
-    .map((f) => (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices?.map((c) => c.delta?.content ?? c.message?.content ?? '').join('') ?? '')
-    .join('');
-  return { frames: relayed, text };
-}
+const ask = (instance: string, body: Partial<ChatCompletionRequest>) => askInstance(nc, names, POOL, instance, body);
 
 beforeAll(async () => {
   const iso = isolation();

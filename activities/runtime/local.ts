@@ -5,7 +5,9 @@
  *   when the worker is configured with its binaries and the model has a distributed-llama
  *   artifact that runs on that many nodes;
  * - otherwise `magus engine` (llama.cpp, llama-cpp.ts) over the model's GGUF.
- * Model files come from S3 into a local cache once (cache.ts). Every process runs under
+ * Model files come from S3 into a local cache once (cache.ts). A llama.cpp engine that dies is
+ * restarted in place on its port (the bridge and the queued requests carry on); one in a crash
+ * loop is given up and `describe` reports the instance unhealthy. Every process runs under
  * `setpriv --pdeathsig KILL`, so it dies with the worker that started it; the pool notices
  * (describe) and starts new ones.
  */
@@ -18,7 +20,7 @@ import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
 import { cachedFile, type ModelCache } from './cache';
 import { chooseDllamaArtifact, startDllamaTopology, type DllamaOptions } from './dllama';
-import { startLlamaCppEngine } from './llama-cpp';
+import { startSupervisedEngine, type RestartPolicy } from './llama-cpp';
 import type { SupervisedProcess } from './process';
 
 export interface LocalRuntimeOptions {
@@ -35,6 +37,8 @@ export interface LocalRuntimeOptions {
   threads?: number;
   /** Seconds an engine may take to load its model. */
   startTimeoutSec?: number;
+  /** When a llama.cpp engine dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
+  restart?: Partial<RestartPolicy>;
   /** distributed-llama binaries and topology size; unset: llama.cpp only. */
   dllama?: DllamaOptions;
   log?: (line: string) => void;
@@ -93,13 +97,15 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedFile(cache, file, '.gguf');
     // Responses name the model as clients know it, not by its cached file.
-    const engine = await startLlamaCppEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log });
+    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, restart: opts.restart });
     return {
       kind: 'llama.cpp',
       url: engine.url,
-      processes: [{ role: 'engine', index: 0, port: engine.port, process: engine.process }],
-      healthy: () => !engine.process.exit,
-      stop: () => engine.process.stop(STOP_GRACE_MS),
+      get processes() {
+        return [{ role: 'engine' as const, index: 0, port: engine.port, process: engine.process }];
+      },
+      healthy: () => engine.healthy(),
+      stop: () => engine.stop(STOP_GRACE_MS),
     };
   }
 

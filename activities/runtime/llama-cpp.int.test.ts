@@ -1,0 +1,109 @@
+/**
+ * The local runtime's llama.cpp instances against the real nats-server and S3 store, with a real
+ * `magus engine` on the tiny synthetic model: an engine that dies is restarted in place (same
+ * port, so the in-process bridge and the requests queued for the instance carry on), and one that
+ * keeps dying is given up, which `describe` reports for the pool to replace it.
+ */
+import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { createHash } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { writeTinyModel } from '../../test/fixtures/tiny-model';
+import { isolation, natsConnect, s3Client } from '../../test/harness';
+import { askInstance } from '../../test/harness/data-plane';
+import { convertModel, CONVERTER_VERSION } from '../convert/convert';
+import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
+import { openModelRegistry } from '../nats/registry';
+import { createLocalRuntime, type LocalRuntime } from './local';
+
+const POOL = 'tiny';
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+let nc: NatsConnection;
+let s3: S3Client;
+let names: DataPlaneNames;
+let dir: string;
+let rt: LocalRuntime;
+const logs: string[] = [];
+
+async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 60_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}; runtime log:\n${logs.join('\n')}`);
+    await sleep(50);
+  }
+}
+
+beforeAll(async () => {
+  const iso = isolation();
+  nc = await natsConnect();
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  dir = mkdtempSync(join(tmpdir(), 'magus-llama-cpp-'));
+  await writeTinyModel(join(dir, 'tiny'), { seed: 7 });
+  await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: join(dir, 'tiny.gguf'), threads: 1 });
+  const bytes = readFileSync(join(dir, 'tiny.gguf'));
+  const key = 'artifacts/test/tiny/gguf-q80/model.gguf';
+  await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: bytes }));
+  await (await openModelRegistry(nc, names.modelsBucket)).put({
+    namespace: 'default',
+    name: POOL,
+    source: { repo: 'test/tiny', revision: 'main', sha: '0'.repeat(40) },
+    artifacts: [{ format: 'gguf', weights: 'q80', converterVersion: CONVERTER_VERSION, files: [{ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') }] }],
+    memory: [],
+    readyAt: new Date().toISOString(),
+  });
+  // One restart allowed per window: the second death is a crash loop.
+  rt = createLocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
+}, 120_000);
+
+afterAll(async () => {
+  await rt?.stopAll();
+  const jsm = await nc.jetstreamManager();
+  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`, `KV_${names.poolsBucket}`]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+  s3.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('a dead engine is restarted on its port and serves the instance again; a crash loop is given up and reported', async () => {
+  const info = await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
+  expect(info.healthy).toBe(true);
+  const before = rt.processes(POOL, 'tiny-1')![0]!;
+  expect(before).toMatchObject({ role: 'engine', running: true });
+  const greedy = { max_tokens: 4, temperature: 0, stream: false };
+  const first = await askInstance(nc, names, POOL, 'tiny-1', greedy);
+  expect(first.text.length).toBeGreaterThan(0);
+
+  // Killed from outside (OOM killer, crash): a new process on the same port, same instance.
+  process.kill(before.pid!, 'SIGKILL');
+  // A request sent while it is down waits in the instance's consumer or is retried by the bridge.
+  const during = askInstance(nc, names, POOL, 'tiny-1', greedy, 60_000);
+  await until('the engine restarted', () => {
+    const p = rt.processes(POOL, 'tiny-1')![0]!;
+    return p.pid !== before.pid && p.running;
+  });
+  const after = rt.processes(POOL, 'tiny-1')![0]!;
+  expect(after.port).toBe(before.port);
+  expect((await rt.describe(POOL, 'tiny-1'))?.healthy).toBe(true);
+  expect((await during).text).toBe(first.text); // greedy: the same answer from the new process
+  expect((await askInstance(nc, names, POOL, 'tiny-1', greedy)).text).toBe(first.text);
+  expect(logs.some((l) => /restarting it on port/.test(l))).toBe(true);
+
+  // It dies again within the window: no more restarts; the pool learns it from describe.
+  process.kill(after.pid!, 'SIGKILL');
+  await until('given up', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
+  await sleep(500);
+  expect(rt.processes(POOL, 'tiny-1')![0]!.running).toBe(false);
+  expect(logs.some((l) => /giving up/.test(l))).toBe(true);
+
+  // The pool replaces it: creating the same id again starts a healthy instance.
+  const again = await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
+  expect(again.healthy).toBe(true);
+  expect((await askInstance(nc, names, POOL, 'tiny-1', greedy)).text).toBe(first.text);
+}, 180_000);

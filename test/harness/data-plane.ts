@@ -1,0 +1,46 @@
+/** The data plane from a test's side: ask an instance the way the gateway does, without a gateway. */
+import { randomBytes } from 'node:crypto';
+import type { NatsConnection } from 'nats';
+import { FrameSequencer, parseFrame, publishRequest, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+
+/**
+ * Publishes a chat request to `pool`/`instance` and collects its frames in order, as the gateway
+ * would; resolves with them and the answer's text. Rejects when no complete answer comes within `timeoutMs`.
+ */
+export async function askInstance(
+  nc: NatsConnection,
+  names: DataPlaneNames,
+  pool: string,
+  instance: string,
+  body: Partial<ChatCompletionRequest>,
+  timeoutMs = 30_000,
+): Promise<{ frames: ResponseFrame[]; text: string }> {
+  const id = `req-${randomBytes(6).toString('hex')}`;
+  const sequencer = new FrameSequencer();
+  const relayed: ResponseFrame[] = [];
+  const sub = nc.subscribe(responseSubjectOf(names, id));
+  const done = (async () => {
+    for await (const m of sub) {
+      const f = parseFrame(m.data);
+      if (f) relayed.push(...sequencer.push(f));
+      if (sequencer.finished) break;
+    }
+  })();
+  await nc.flush();
+  const timer = setTimeout(() => sub.unsubscribe(), timeoutMs);
+  await publishRequest(nc.jetstream(), names, { pool, instance }, {
+    id,
+    replyTo: responseSubjectOf(names, id),
+    deadline: Date.now() + timeoutMs,
+    body: { model: pool, messages: [{ role: 'user', content: 'Hello' }], ...body },
+  });
+  await done;
+  clearTimeout(timer);
+  sub.unsubscribe();
+  if (!sequencer.finished) throw new Error(`no complete answer to ${id}`);
+  const text = relayed
+    .map((f) => (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices?.map((c) => c.delta?.content ?? c.message?.content ?? '').join('') ?? '')
+    .join('');
+  return { frames: relayed, text };
+}
