@@ -8,7 +8,7 @@ import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/c
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { createHash, randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
@@ -31,8 +31,11 @@ const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
 const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
 const IDLE_MS = 4000;
-/** Longer than the gateway's freshness margin (5 s), so turns in quick succession are warm. */
-const SESSION_TTL_MS = 8000;
+/**
+ * Longer than the gateway's freshness margin (5 s), so turns in quick succession are warm, and
+ * than an instance's replacement takes here (a conversation outlives it).
+ */
+const SESSION_TTL_MS = 15_000;
 
 let dir: string;
 let s3: S3Client;
@@ -69,7 +72,7 @@ beforeAll(async () => {
   });
 
   ({ client, connection } = await temporalClient());
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });
+  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });
   const gatewayConfig = gatewayConfigFor(iso.natsPrefix, {
     secret: randomBytes(32).toString('hex'),
     tokens: { t1: TOKEN },
@@ -190,6 +193,40 @@ test('a first turn on a warm pool is served from the pool’s published instance
   }
   expect(leases).toBe(1);
   expect((JSON.parse(new TextDecoder().decode((await sessionsKv.get(mine[0]!))!.value)) as SessionEntry).instance).toBe(room!.instance);
+}, 120_000);
+
+test('an instance that stops serving for good is replaced, and its conversation moves with it', async () => {
+  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const entryOf = async (k: string) => JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry;
+  const id = `moving-${randomBytes(4).toString('hex')}`;
+  const turn = (content: string) => openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4 }, { headers: { 'x-session-id': id } });
+  const before = new Set<string>();
+  for await (const k of await kv.keys()) before.add(k);
+  await turn('before');
+  const mine: string[] = [];
+  for await (const k of await kv.keys()) if (!before.has(k)) mine.push(k);
+  expect(mine).toHaveLength(1);
+  const doomed = (await entryOf(mine[0]!)).instance;
+
+  // Broken for good: its model file is gone from the cache and its engine dies, so every
+  // restart fails and the runtime gives the instance up.
+  for (const f of readdirSync(join(dir, 'models'))) rmSync(join(dir, 'models', f), { force: true });
+  process.kill(workers.runtime.processes('tiny', doomed)![0]!.pid!, 'SIGKILL');
+  const deadline = Date.now() + 60_000;
+  while ((await workers.runtime.describe('tiny', doomed))?.healthy !== false && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+  expect((await workers.runtime.describe('tiny', doomed))?.healthy).toBe(false);
+
+  // The pool's health check drops it and leases the session another instance, which it records.
+  let moved = doomed;
+  while ((moved = (await entryOf(mine[0]!)).instance) === doomed && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+  expect(moved).not.toBe(doomed);
+  const status = await client.workflow.getHandle(poolWorkflowId('default', 'tiny')).query(poolStatusQuery);
+  expect(status.instances.map((i) => i.id)).not.toContain(doomed);
+  expect(status.instances.find((i) => i.id === moved)?.phase).toBe('ready');
+  // The conversation's next turn is answered, by the new instance.
+  const r = await turn('after');
+  expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+  expect((await entryOf(mine[0]!)).instance).toBe(moved);
 }, 120_000);
 
 test('an idle pool goes to zero instances and comes back on the next request', async () => {

@@ -13,7 +13,7 @@ import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
 import { ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import { createLocalRuntime } from '../activities/runtime/local';
+import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, SearchAttribute } from '../shared/constants';
 import { activityProgressSignal } from '../workflows/model/definitions';
@@ -24,6 +24,8 @@ export interface RunningWorkers {
   done: Promise<void>;
   /** Graceful stop: in-flight activity attempts are cancelled and resumed by the next worker. */
   shutdown(): Promise<void>;
+  /** The runtime serving this worker's instances (processes, health). */
+  runtime: LocalRuntime;
 }
 
 /** Registers magus's search attributes on the namespace (idempotent). */
@@ -128,6 +130,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   });
   return {
     done,
+    runtime,
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
       for (const w of [control, pipeline]) if (w.getState() === 'RUNNING') w.shutdown();

@@ -17,6 +17,12 @@ export interface PoolInput {
    * gateway that picked it a moment earlier still finds it serving (default 5 s).
    */
   drainGraceMs?: number;
+  /**
+   * How often the pool asks the runtime whether its instances still serve (default 15 s). One
+   * that does not is dropped and its sessions are leased another instance (they rewrite their
+   * `magus_sessions` entries), so a dead instance stops receiving turns.
+   */
+  healthCheckMs?: number;
 }
 
 export interface InstanceView {

@@ -27,6 +27,7 @@ import {
   type ActivityOptions,
 } from '@temporalio/workflow';
 import type { ServingActivities } from '../../activities/serving';
+import { sessionWorkflowId } from '../session/definitions';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolStatus } from './definitions';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
@@ -34,6 +35,9 @@ const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTi
 const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
 const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
 const DEFAULT_DRAIN_GRACE_MS = 5000;
+const DEFAULT_HEALTH_CHECK_MS = 15_000;
+/** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
+const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
 interface Instance {
   id: string;
@@ -60,7 +64,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const { createInstance, destroyInstance } = proxyActivities<ServingActivities>(startInstance);
   const { describeInstance } = proxyActivities<ServingActivities>(quick);
   const { writePool } = proxyActivities<ServingActivities>(publish);
+  const { describeInstance: probeInstance } = proxyActivities<ServingActivities>(probe);
   const drainGraceMs = input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
+  const healthCheckMs = input.healthCheckMs ?? DEFAULT_HEALTH_CHECK_MS;
+  let nextHealthCheck = Date.now() + healthCheckMs;
   const instances = new Map<string, Instance>();
   const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
   let nextId = carry?.nextId ?? 1;
@@ -81,7 +88,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     // A session asking again (e.g. after a retry) keeps its lease.
     for (const i of instances.values()) {
       if (i.leases.has(req.sessionId) && i.subject) {
-        void grant(req.sessionWorkflowId, { instance: i.id, subject: i.subject });
+        void grant(req.sessionWorkflowId, { instance: i.id, subject: i.subject }, req.sessionId);
         return;
       }
     }
@@ -90,7 +97,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     if (preferred?.subject && (preferred.phase === 'ready' || preferred.phase === 'draining')) {
       preferred.phase = 'ready';
       preferred.leases.add(req.sessionId);
-      void grant(req.sessionWorkflowId, { instance: preferred.id, subject: preferred.subject });
+      void grant(req.sessionWorkflowId, { instance: preferred.id, subject: preferred.subject }, req.sessionId);
       dirty = true;
       return;
     }
@@ -113,12 +120,43 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }));
   upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
 
-  async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }): Promise<void> {
+  async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
     try {
       await getExternalWorkflowHandle(sessionWorkflowId).signal(leaseGrantedSignal, payload);
     } catch {
-      // The session has ended meanwhile; its lease is released below if it was granted.
+      // The session has ended meanwhile: nobody holds the lease granted to it.
+      if (sessionId !== undefined && 'instance' in payload) {
+        const i = instances.get(payload.instance);
+        if (i?.leases.delete(sessionId) && i.leases.size === 0) i.idleSince = Date.now();
+        dirty = true;
+      }
     }
+  }
+
+  /**
+   * Asks the runtime about every serving instance; one that no longer serves is dropped (and
+   * cleaned up) and its sessions wait for a new lease like any other (reconcile grants them).
+   */
+  async function checkHealth(): Promise<void> {
+    const serving = [...instances.values()].filter((i) => i.phase === 'ready' || i.phase === 'draining');
+    const infos = await Promise.all(serving.map((i) => probeInstance({ pool: input.model, instance: i.id }).catch(() => undefined)));
+    serving.forEach((i, k) => {
+      const info = infos[k];
+      if (info === undefined || info?.healthy || instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return; // unknown (the check failed), healthy, or changed meanwhile
+      lastError = `instance ${i.id} stopped serving`;
+      instances.delete(i.id);
+      for (const sessionId of i.leases) {
+        if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowId(sessionId) });
+      }
+      const p = destroyInstance({ pool: input.model, instance: i.id })
+        .catch(() => undefined)
+        .finally(() => {
+          starting.delete(p);
+          dirty = true;
+        });
+      starting.add(p);
+      dirty = true;
+    });
   }
 
   function start(): void {
@@ -161,7 +199,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       const w = waiting.shift()!;
       target.phase = 'ready';
       target.leases.add(w.sessionId);
-      void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject });
+      void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject }, w.sessionId);
     }
     // 2. Scale up: enough instances for the leases and the waiting sessions, within min..max.
     const leases = live().reduce((n, i) => n + i.leases.size, 0);
@@ -239,9 +277,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       dirty = false;
       reconcile();
     }
-    const wait = nextIdleDeadline();
+    const idle = nextIdleDeadline();
+    const checking = [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
+    const untilCheck = checking ? Math.max(0, nextHealthCheck - Date.now()) : undefined;
+    const wait = idle === undefined ? untilCheck : untilCheck === undefined ? idle : Math.min(idle, untilCheck);
     await condition(() => dirty, wait ?? '1 day');
-    if (!dirty) dirty = wait !== undefined; // the idle deadline passed
+    if (checking && Date.now() >= nextHealthCheck) {
+      nextHealthCheck = Date.now() + healthCheckMs;
+      await checkHealth();
+    } else if (!checking) {
+      nextHealthCheck = Date.now() + healthCheckMs;
+    }
+    if (!dirty) dirty = wait !== undefined; // a deadline passed (idle, or the health check): look again
     if (workflowInfo().continueAsNewSuggested && starting.size === 0) {
       await condition(allHandlersFinished);
       const carried: PoolCarry = {

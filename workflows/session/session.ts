@@ -37,6 +37,10 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   let requested = lease !== null;
   let expiresAt = carry?.expiresAt ?? Date.now() + input.ttlMs;
   let touched = false;
+  /** The instance the `magus_sessions` entry names (null before the first write). */
+  let written: string | null = carry?.instance ?? input.preferred?.instance ?? null;
+  /** The pool moved the lease (its instance stopped serving): the entry must follow. */
+  const moved = () => lease !== null && written !== null && lease.instance !== written;
 
   const entry = (): SessionEntry => ({ subject: lease!.subject, pool: input.model, instance: lease!.instance, expiresAt });
 
@@ -66,6 +70,7 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       expiresAt = Date.now() + input.ttlMs;
       const e = entry();
       await writeSession({ key: input.key, entry: e });
+      written = e.instance;
       return e;
     },
     {
@@ -94,17 +99,23 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       await deleteSession({ key: input.key });
       return;
     }
-    if (lease.instance !== preferred.instance || lease.subject !== preferred.subject) await writeSession({ key: input.key, entry: entry() });
+    if (lease.instance !== preferred.instance || lease.subject !== preferred.subject) {
+      await writeSession({ key: input.key, entry: entry() });
+      written = lease.instance;
+    }
   }
 
   // Expiry: a timer that every touch pushes back.
   for (;;) {
     const remaining = expiresAt - Date.now();
     if (remaining <= 0) break;
-    await condition(() => touched, remaining);
-    if (touched && lease) {
+    await condition(() => touched || moved(), remaining);
+    if ((touched || moved()) && lease) {
       touched = false;
-      await writeSession({ key: input.key, entry: entry() }); // the gateway's cache sees the new expiry
+      // The gateway's cache sees the new expiry, or the instance the pool moved the lease to.
+      const e = entry();
+      await writeSession({ key: input.key, entry: e });
+      written = e.instance;
     }
     touched = false;
     if (workflowInfo().continueAsNewSuggested) {
