@@ -91,7 +91,8 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   await ensureBucket(s3, cfg.s3.bucket);
   const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
   const registry = await openModelRegistry(nc, names.modelsBucket);
-  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama });
+  // The runtime's own events (instances, restarts) go to stderr; the engines' output does not (prompts).
+  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
   const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket), pools: await nc.jetstream().views.kv(names.poolsBucket) });
 
   const activities = createPipelineActivities({

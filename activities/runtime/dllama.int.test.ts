@@ -105,6 +105,7 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
     cacheDir: join(dir, 'cache'),
     dllama: { apiBin: dllama.apiBin ?? join(bin, 'dllama-api'), workerBin: join(bin, 'dllama'), nodes: dllama.nodes, threads: 2, stopGraceMs: 2000, startTimeoutSec: 60 },
     log: (l) => logs.push(l),
+    output: (l) => logs.push(l),
   });
   runtimes.push(r);
   return r;

@@ -185,15 +185,17 @@ class StartError extends Error {
  */
 export async function startDllamaTopology(
   files: { model: string; tokenizer: string; maxSeqLen: number },
-  opts: DllamaOptions & { name: string; log: (line: string) => void; signal?: AbortSignal },
+  opts: DllamaOptions & { name: string; log: (line: string) => void; output?: (line: string) => void; signal?: AbortSignal },
 ): Promise<DllamaTopology> {
   const { name, log, signal } = opts;
+  // The programs' own output (dllama-api prints prompts and answers): not logged unless asked.
+  const output = opts.output ?? (() => undefined);
   const grace = opts.stopGraceMs ?? 10_000;
   const deadline = Date.now() + (opts.startTimeoutSec ?? 300) * 1000;
   const nodes: DllamaNode[] = [];
   const spawnNode = (role: DllamaNode['role'], index: number, port: number, argv: string[]): DllamaNode => {
     const label = role === 'root' ? `${name} root :${port}` : `${name} worker ${index} :${port}`;
-    const node = { role, index, port, process: spawnSupervised(label, argv, { log, lineBuffered: true }) };
+    const node = { role, index, port, process: spawnSupervised(label, argv, { log: output, lineBuffered: true }) };
     nodes.push(node);
     return node;
   };

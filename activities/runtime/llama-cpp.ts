@@ -26,13 +26,13 @@ export interface LlamaCppEngine {
  */
 export function startLlamaCppEngine(
   model: string,
-  opts: { modelId: string; slots: number; threads: number; startTimeoutSec: number; name: string; log: (line: string) => void; port?: number },
+  opts: { modelId: string; slots: number; threads: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number },
 ): Promise<LlamaCppEngine> {
   const argv = engineArgv(['--model', model, '--model-id', opts.modelId, '--port', String(opts.port ?? 0), '--json', '--slots', String(opts.slots), '--threads', String(opts.threads)]);
   let url: string | null = null;
   let onReady: (() => void) | undefined;
   const proc = spawnSupervised(opts.name, argv, {
-    log: opts.log,
+    log: opts.output ?? (() => undefined),
     onStdoutLine: (line) => {
       let event: { event?: string; url?: string };
       try {

@@ -41,7 +41,13 @@ export interface LocalRuntimeOptions {
   restart?: Partial<RestartPolicy>;
   /** distributed-llama binaries and topology size; unset: llama.cpp only. */
   dllama?: DllamaOptions;
+  /** What the runtime does: instances started and stopped, engines restarted or given up. */
   log?: (line: string) => void;
+  /**
+   * The engines' own output lines (default: dropped; a failed start still quotes its last lines).
+   * distributed-llama's `dllama-api` prints prompts and answers: route them only where that is allowed.
+   */
+  output?: (line: string) => void;
 }
 
 /** One process of an instance, as {@link LocalRuntime.processes} reports it. */
@@ -97,7 +103,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedFile(cache, file, '.gguf');
     // Responses name the model as clients know it, not by its cached file.
-    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, restart: opts.restart });
+    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart });
     return {
       kind: 'llama.cpp',
       url: engine.url,
@@ -120,7 +126,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
     const memory = choice.memory ? `; planned memory: root ${mib(choice.memory.root)}${choice.memory.worker === null ? '' : `, each worker ${mib(choice.memory.worker)}`}` : '';
     log(`${name}: distributed-llama on ${opts.dllama.nodes} node(s), ${choice.artifact.weights} weights, --max-seq-len ${choice.maxSeqLen}${memory}`);
-    const topology = await startDllamaTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, ...(signal ? { signal } : {}) });
+    const topology = await startDllamaTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, ...(signal ? { signal } : {}) });
     return {
       kind: 'dllama',
       url: topology.url,
