@@ -67,9 +67,12 @@ export interface PoolEntry {
   instances: { instance: string; subject: string; leases: number }[];
   /** Leases an instance takes before the pool prefers another (a soft limit). */
   leasesPerInstance: number;
-  /** Epoch ms of the write. */
+  /** Epoch ms of the write; a pool with instances rewrites it at least every minute. */
   updatedAt: number;
 }
+
+/** A `magus_pools` entry older than this belongs to a pool that is gone: gateways do not pick from it. */
+export const POOL_ENTRY_MAX_AGE_MS = 3 * 60_000;
 
 /**
  * `magus_tokens` KV: token id → digest. Tokens look like `mgs_<id>_<secret>`; the gateway looks

@@ -204,6 +204,17 @@ describe('first turns from the pool’s published instances', () => {
     expect(adopted).toEqual([]);
   });
 
+  it('an entry its pool stopped refreshing (the pool is gone) is not picked from', async () => {
+    await pools.put(poolKey, enc({ instances: [{ instance: 'i1', subject: 'magus.req.tiny.i1', leases: 0 }], leasesPerInstance: 5, updatedAt: Date.now() - 4 * 60_000 } satisfies PoolEntry));
+    const cold: string[] = [];
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    await cache.ready;
+    expect(cache.pools!.get(poolKey)?.instances).toHaveLength(1);
+    expect((await cache.acquire(req('k-stale-pool'))).instance).toBe('from-temporal');
+    expect(cold).toEqual(['k-stale-pool']);
+    expect(adopted).toEqual([]);
+  });
+
   it('a malformed pool entry is ignored (cold path), not trusted', async () => {
     await pools.put(poolKey, enc({ instances: [{ instance: 'i1' }], leasesPerInstance: 0 }));
     const cold: string[] = [];

@@ -10,7 +10,7 @@
  */
 import type { KvEntry } from 'nats';
 import type { ReadyModel } from '../../shared/model';
-import type { PoolEntry, SessionEntry } from '../../shared/serving';
+import { POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 import { watchKv, type KvCache, type WatchableKv } from './kv-cache';
 
 export interface AcquireRequest {
@@ -146,7 +146,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   /** The pool's instance with the most room, counting this gateway's own recent picks; none when all are full. */
   const pick = (model: ReadyModel): { entry: PoolEntry; instance: PoolEntry['instances'][number] } | undefined => {
     const entry = pools?.get(`${model.namespace}.${model.name}`);
-    if (!entry) return undefined;
+    if (!entry || now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) return undefined; // none, or its pool is gone
     const local = localLeases.get(entry);
     let best: PoolEntry['instances'][number] | undefined;
     let bestLoad = Infinity;

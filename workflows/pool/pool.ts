@@ -36,6 +36,8 @@ const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInte
 const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
 const DEFAULT_DRAIN_GRACE_MS = 5000;
 const DEFAULT_HEALTH_CHECK_MS = 15_000;
+/** The published view is rewritten at least this often, so gateways can tell a live pool's entry from a dead one's. */
+const POOL_ENTRY_REFRESH_MS = 60_000;
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -76,6 +78,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const starting = new Set<Promise<void>>();
   // What gateways see in `magus_pools`: the last completed write, and the ids of one in flight.
   let publishedKey: string | null = null;
+  let publishedAt = 0;
   let published = new Set<string>();
   const publishing = new Set<string>();
   let writing = false;
@@ -235,7 +238,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     // 4. Publish what gateways may pick from, when it changed (one write at a time).
     const view = [...instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases.size }));
     const key = JSON.stringify(view);
-    if (key !== publishedKey && !writing) {
+    if ((key !== publishedKey || (view.length > 0 && Date.now() - publishedAt >= POOL_ENTRY_REFRESH_MS)) && !writing) {
       writing = true;
       const ids = new Set(view.map((v) => v.instance));
       for (const id of ids) publishing.add(id);
@@ -243,6 +246,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         .then(
           () => {
             publishedKey = key;
+            publishedAt = Date.now();
             published = ids;
           },
           () => undefined, // retried by the next reconcile
