@@ -643,10 +643,10 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       const a = newAttempt(req, m, claimed.claim, claimed.revision);
       attempt = a;
       try {
+        // A redelivery: an earlier delivery may have published frames already (a first delivery
+        // writes its claim only once it has answered, so finding no claim proves nothing).
         let prior: ResponseFrame[] = [];
-        // A take-over, or a redelivery whose first delivery died before its claim landed: either
-        // may have published frames already.
-        if (claimed.kind === 'takeover' || m.redelivered) {
+        {
           const stored = await readStoredFrames(js, jsm, names, req.replyTo);
           prior = stored.frames;
           a.nextSeq = prior.length;
