@@ -1,6 +1,6 @@
 /** The frame ordering rule (responses.ts) and the exchange's timeouts, with fake timers. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { decodeFrame, exchange, FrameSequencer, type ResponseRouter } from './responses';
+import { decodeFrame, exchange, frameError, FrameSequencer, type ResponseRouter } from './responses';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -144,5 +144,19 @@ describe('exchange', () => {
     ctl.abort(new Error('gone'));
     await expect(p).rejects.toThrow('gone');
     expect(listeners.size).toBe(0);
+  });
+});
+
+describe('frameError', () => {
+  const frame = (status: number, code: string | null = 'x'): Extract<ResponseFrame, { type: 'error' }> => ({ seq: 0, type: 'error', error: { status, message: 'engine 10.0.0.7 says no', type: 'server_error', code } });
+  it('passes 4xx through, with Retry-After on 429', () => {
+    expect(frameError(frame(400, 'context_length_exceeded'), 5)).toMatchObject({ status: 400, code: 'context_length_exceeded', message: 'engine 10.0.0.7 says no' });
+    expect(frameError(frame(429), 7).headers).toEqual({ 'retry-after': '7' });
+  });
+  it('hides 5xx, and a 504 (the bridge’s deadline) is the gateway’s own timeout answer', () => {
+    const e500 = frameError(frame(500), 5);
+    expect(e500).toMatchObject({ status: 500, code: 'engine_error' });
+    expect(e500.message).not.toContain('10.0.0.7');
+    expect(frameError(frame(504, 'deadline_exceeded'), 5)).toMatchObject({ status: 504, code: 'timeout' });
   });
 });

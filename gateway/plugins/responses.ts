@@ -204,6 +204,8 @@ export function frameError(frame: Extract<ResponseFrame, { type: 'error' }>, ret
     const headers: Record<string, string> = status === 429 ? { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) } : {};
     return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, null, headers);
   }
+  // The bridge's deadline frame and the gateway's own timer say the same thing: one answer.
+  if (status === 504) return errors.timeout();
   return errors.upstream(Number.isInteger(status) ? status : 502, 'engine_error');
 }
 
