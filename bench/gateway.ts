@@ -17,17 +17,16 @@
  *
  * Environment: BENCH_SCALE (default 1) multiplies every sample count.
  */
-import { CreateBucketCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
+import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { fork, type ChildProcess } from 'node:child_process';
-import { createHash, randomBytes } from 'node:crypto';
+import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Writable } from 'node:stream';
 import { connect, type KV, type NatsConnection } from 'nats';
-import { convertModel, CONVERTER_VERSION } from '../activities/convert/convert';
 import { ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { loadGatewayConfig } from '../gateway/config';
@@ -39,7 +38,7 @@ import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
 import type { SessionEntry } from '../shared/serving';
-import { writeTinyModel } from '../test/fixtures/tiny-model';
+import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { seedFor } from '../workers/bridge';
 import { startServices } from '../workers/dev/services';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
@@ -342,28 +341,11 @@ async function measureFirstTurn(ctx: {
 }): Promise<FirstTurnResult> {
   const { dir, e } = ctx;
   // The tiny synthetic Llama as GGUF, in S3 and the registry (as test/serving.int.test.ts does).
-  await writeTinyModel(join(dir, 'tiny'), { seed: 51 });
-  const gguf = join(dir, 'tiny.gguf');
-  await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: gguf, threads: 1 });
-  const bytes = readFileSync(gguf);
   const bucket = 'bench-gateway';
   const s3 = new S3Client({ endpoint: e.s3!.endpoint, region: e.s3!.region, forcePathStyle: true, credentials: { accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey } });
   await s3.send(new CreateBucketCommand({ Bucket: bucket }));
-  const key = 'artifacts/bench/tiny/gguf-q80/model.gguf';
-  await s3.send(new PutObjectCommand({ Bucket: bucket, Key: key, Body: bytes }));
+  await publishTinyGguf({ dir, s3, bucket, registry: ctx.registry, name: TINY });
   s3.destroy();
-  // ModelRegistry.list() sees only the first model while the registry holds several (it awaits a
-  // get inside its keys() loop, and nats.js drops the keys still queued when that iterator
-  // stops), so the stub model leaves the registry before `tiny` enters it.
-  await ctx.registry.remove('default', STUB);
-  await ctx.registry.put({
-    namespace: 'default',
-    name: TINY,
-    source: { repo: 'bench/tiny', revision: 'main', sha: '0'.repeat(40) },
-    artifacts: [{ format: 'gguf', weights: 'q80', converterVersion: CONVERTER_VERSION, files: [{ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') }] }],
-    memory: [],
-    readyAt: new Date().toISOString(),
-  });
   // The gateway's catalog re-reads the registry on a miss at most once a second: wait until it has the model.
   const models = ctx.viaGateway.url.replace(/chat\/completions$/, 'models');
   while (!(await (await fetch(models, { headers: { authorization: `Bearer ${TOKEN}` } })).text()).includes(`"${TINY}"`)) await new Promise((r) => setTimeout(r, 200));

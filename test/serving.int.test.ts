@@ -4,16 +4,15 @@
  * bridge → engine, and back as a stream. Real Temporal, nats-server and MinIO; the model is the
  * tiny synthetic Llama converted to GGUF, put in S3 and the registry by the test.
  */
-import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
-import { createHash, randomBytes } from 'node:crypto';
-import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { convertModel, CONVERTER_VERSION } from '../activities/convert/convert';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { gatewayConfigFor } from './harness/gateway';
@@ -23,7 +22,7 @@ import type { PoolEntry, SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { writeTinyModel } from './fixtures/tiny-model';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 
@@ -48,28 +47,12 @@ let openai: OpenAI;
 
 beforeAll(async () => {
   dir = mkdtempSync(join(tmpdir(), 'magus-serving-'));
-  await writeTinyModel(join(dir, 'tiny'), { seed: 51 });
-  const gguf = join(dir, 'tiny.gguf');
-  await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: gguf, threads: 1 });
-  const bytes = readFileSync(gguf);
-
   s3 = s3Client();
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const key = 'artifacts/test/tiny/gguf-q80/model.gguf';
-  await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: bytes }));
-
   const cfg = workerConfig(iso, dir);
   workers = await startWorkers(cfg); // also declares the data plane (streams, buckets)
   nc = await natsConnect();
-  const registry = await openModelRegistry(nc, names.modelsBucket);
-  await registry.put({
-    namespace: 'default',
-    name: 'tiny',
-    source: { repo: 'test/tiny', revision: 'main', sha: '0'.repeat(40) },
-    artifacts: [{ format: 'gguf', weights: 'q80', converterVersion: CONVERTER_VERSION, files: [{ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') }] }],
-    memory: [],
-    readyAt: new Date().toISOString(),
-  });
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
 
   ({ client, connection } = await temporalClient());
   const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });

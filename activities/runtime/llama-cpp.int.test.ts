@@ -4,16 +4,14 @@
  * port, so the in-process bridge and the requests queued for the instance carry on), and one that
  * keeps dying is given up, which `describe` reports for the pool to replace it.
  */
-import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
-import { createHash } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { writeTinyModel } from '../../test/fixtures/tiny-model';
+import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
-import { convertModel, CONVERTER_VERSION } from '../convert/convert';
 import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry } from '../nats/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
@@ -43,19 +41,7 @@ beforeAll(async () => {
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
   names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
   dir = mkdtempSync(join(tmpdir(), 'magus-llama-cpp-'));
-  await writeTinyModel(join(dir, 'tiny'), { seed: 7 });
-  await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights: 'q80', output: join(dir, 'tiny.gguf'), threads: 1 });
-  const bytes = readFileSync(join(dir, 'tiny.gguf'));
-  const key = 'artifacts/test/tiny/gguf-q80/model.gguf';
-  await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: bytes }));
-  await (await openModelRegistry(nc, names.modelsBucket)).put({
-    namespace: 'default',
-    name: POOL,
-    source: { repo: 'test/tiny', revision: 'main', sha: '0'.repeat(40) },
-    artifacts: [{ format: 'gguf', weights: 'q80', converterVersion: CONVERTER_VERSION, files: [{ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') }] }],
-    memory: [],
-    readyAt: new Date().toISOString(),
-  });
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: POOL, seed: 7 });
   // One restart allowed per window: the second death is a crash loop.
   rt = createLocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
 }, 120_000);
