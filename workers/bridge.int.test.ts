@@ -335,8 +335,11 @@ describe('redelivery', () => {
     expect(stub.calls[1]?.seed).toBe(stub.calls[0]?.seed);
     await until('ack', () => heir.stats.acked === 1);
     expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
-    const state = await consumerState(instance);
-    expect(state.num_ack_pending + state.num_pending).toBe(0);
+    // The server applies an ack asynchronously: the consumer empties shortly after.
+    await until('the consumer empty', async () => {
+      const state = await consumerState(instance);
+      return state.num_ack_pending + state.num_pending === 0;
+    });
   });
 
   it('a redelivery resumes after the frames a first delivery published, though it finds no claim', async () => {
