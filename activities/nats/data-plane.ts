@@ -148,6 +148,11 @@ const CONSUMER_EXISTS = 10148;
 const NO_MESSAGE = 10037;
 /** KV create/update: the key's last revision is not the expected one. */
 const WRONG_LAST_SEQUENCE = 10071;
+
+/** A KV `create` that found the key, or an `update` whose expected revision is not the last. */
+export function isRevisionConflict(err: unknown): boolean {
+  return jsErrorCode(err) === WRONG_LAST_SEQUENCE;
+}
 export const DEFAULT_INSTANCE_BACKLOG = 256;
 
 /** A request publish refused because the instance's backlog (the per-subject limit) is full. */
@@ -466,7 +471,7 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
           const next: RequestClaim = { ...current.claim, attempt: current.claim.attempt + 1, owner };
           return { kind: 'takeover', claim: next, revision: await kv.update(id, encodeJson(next), current.revision) };
         } catch (err) {
-          if (jsErrorCode(err) !== WRONG_LAST_SEQUENCE) throw err;
+          if (!isRevisionConflict(err)) throw err;
         }
       }
       throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
@@ -478,7 +483,7 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
         else await kv.update(id, encodeJson(finished), revision);
         return true;
       } catch (err) {
-        if (jsErrorCode(err) !== WRONG_LAST_SEQUENCE) throw err;
+        if (!isRevisionConflict(err)) throw err;
         // Either superseded, or this is a retry of a finish whose reply was lost: only the
         // latter leaves exactly our value behind.
         const current = await read(id);

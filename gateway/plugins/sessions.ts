@@ -9,6 +9,7 @@
  * update-with-start on the conversation's `session` workflow, which also writes the KV entry).
  */
 import type { KvEntry } from 'nats';
+import { isRevisionConflict } from '../../activities/nats/data-plane';
 import type { ReadyModel } from '../../shared/model';
 import { POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 import { watchKv, type KvCache, type WatchableKv } from './kv-cache';
@@ -112,12 +113,6 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
   return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0 };
 }
 
-/** KV `create` lost: the key exists (nats.js reports JetStream's "wrong last sequence"). */
-const isKeyExists = (err: unknown): boolean => {
-  const e = err as { api_error?: { err_code?: number }; code?: string; message?: string } | null;
-  return e?.api_error?.err_code === 10071 || /wrong last sequence/i.test(e?.message ?? '');
-};
-
 interface PendingStart {
   promise: Promise<SessionEntry>;
   waiters: number;
@@ -216,7 +211,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         try {
           await f.sessions.create(key, new TextEncoder().encode(JSON.stringify(entry)));
         } catch (err) {
-          if (!isKeyExists(err)) throw err;
+          if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
           const theirs = await f.sessions.get(key);
           const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
           if (e && e.expiresAt - margin > now()) {
