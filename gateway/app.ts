@@ -4,27 +4,17 @@
  * expects from whoever creates the fastify instance.
  */
 import type { FastifyPluginAsync, FastifyServerOptions } from 'fastify';
-import { authPlugin, type TokenSource } from './plugins/auth';
+import { authPlugin } from './plugins/auth';
 import { errors, errorsPlugin } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
-import type { ModelCatalog } from './plugins/models';
-import type { PublishRequest, ResponseRouter } from './plugins/responses';
-import { servicesPlugin, type BacklogCheck, type CancelRequest, type GatewaySettings, type ReadinessCheck } from './plugins/services';
-import type { SessionBroker } from './plugins/sessions';
+import { servicesPlugin, type GatewayServices, type ReadinessCheck } from './plugins/services';
 import { chatRoutes } from './routes/chat';
 import { healthRoutes } from './routes/health';
 import { metricsRoutes } from './routes/metrics';
 import { modelRoutes } from './routes/models';
 
-export interface GatewayAppOptions {
-  settings: GatewaySettings;
-  models: ModelCatalog;
-  tokens: TokenSource;
-  sessions: SessionBroker;
-  publish: PublishRequest;
-  responses: ResponseRouter;
-  backlogFull?: BacklogCheck;
-  cancel?: CancelRequest;
+/** The services the routes use (plugins/services.ts), plus the app's own extras. */
+export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
   /** Added to the app's own check (the registry answers). */
   readiness?: ReadinessCheck[];
   metrics?: GatewayMetrics;
@@ -49,18 +39,9 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   await app.register(errorsPlugin, { retryAfterSec: settings.retryAfterSec });
   await app.register(metricsPlugin, { metrics: opts.metrics });
   app.metrics.setSessionStats(() => opts.sessions.stats?.());
+  const { metrics: _metrics, readiness, ...services } = opts;
   await app.register(servicesPlugin, {
-    services: {
-      settings,
-      models: opts.models,
-      tokens: opts.tokens,
-      sessions: opts.sessions,
-      publish: opts.publish,
-      responses: opts.responses,
-      backlogFull: opts.backlogFull,
-      cancel: opts.cancel,
-      readiness: [{ name: 'registry', check: () => opts.models.refresh().then(() => true) }, ...(opts.readiness ?? [])],
-    },
+    services: { ...services, readiness: [{ name: 'registry', check: () => opts.models.refresh().then(() => true) }, ...(readiness ?? [])] },
   });
   await app.register(authPlugin, { tokens: opts.tokens, allowAnonymous: settings.allowAnonymous });
 
