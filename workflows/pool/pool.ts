@@ -76,12 +76,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let lastError: string | null = null;
   let dirty = true;
   const starting = new Set<Promise<void>>();
-  // What gateways see in `magus_pools`: the last completed write, and the ids of one in flight.
-  let publishedKey: string | null = null;
-  let publishedAt = 0;
-  let published = new Set<string>();
-  const publishing = new Set<string>();
-  let writing = false;
+  // What gateways see in `magus_pools`: the last completed write (`key` is its view as JSON,
+  // never ''), and the instance ids of the write in flight, if any.
+  let published = { key: '', at: 0, ids: new Set<string>() };
+  let inFlight: Set<string> | null = null;
 
   for (const c of carry?.instances ?? []) {
     instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince, drainSince: 0 });
@@ -217,7 +215,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         continue;
       }
       surplus--;
-      if (Date.now() - i.drainSince >= drainGraceMs && !published.has(i.id) && !publishing.has(i.id)) {
+      if (Date.now() - i.drainSince >= drainGraceMs && !published.ids.has(i.id) && !inFlight?.has(i.id)) {
         i.phase = 'stopping';
         const p = destroyInstance({ pool: input.model, instance: i.id }).finally(() => {
           instances.delete(i.id);
@@ -238,22 +236,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     // 4. Publish what gateways may pick from, when it changed (one write at a time).
     const view = [...instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases.size }));
     const key = JSON.stringify(view);
-    if ((key !== publishedKey || (view.length > 0 && Date.now() - publishedAt >= POOL_ENTRY_REFRESH_MS)) && !writing) {
-      writing = true;
+    if ((key !== published.key || (view.length > 0 && Date.now() - published.at >= POOL_ENTRY_REFRESH_MS)) && !inFlight) {
       const ids = new Set(view.map((v) => v.instance));
-      for (const id of ids) publishing.add(id);
+      inFlight = ids;
       const p = writePool({ namespace: input.namespace, model: input.model, instances: view, leasesPerInstance: input.leasesPerInstance })
         .then(
           () => {
-            publishedKey = key;
-            publishedAt = Date.now();
-            published = ids;
+            published = { key, at: Date.now(), ids };
           },
           () => undefined, // retried by the next reconcile
         )
         .finally(() => {
-          writing = false;
-          publishing.clear();
+          inFlight = null;
           starting.delete(p);
           dirty = true;
         });
