@@ -101,23 +101,29 @@ export async function startSupervisedEngine(
   let restarts = 0;
   const recent: number[] = [];
 
+  /** Counts a restart in the window and returns its backoff; null when that is one too many (a crash loop). */
+  const nextDelay = (): number | null => {
+    const now = Date.now();
+    while (recent.length > 0 && now - recent[0]! > policy.windowMs) recent.shift();
+    if (recent.length >= policy.maxRestarts) return null;
+    recent.push(now);
+    return policy.backoffMs * 2 ** (recent.length - 1);
+  };
+
   const watch = (engine: LlamaCppEngine): void => {
     void engine.process.exited.then(async (exit) => {
       if (stopping || engine !== current) return;
-      const now = Date.now();
-      while (recent.length > 0 && now - recent[0]! > policy.windowMs) recent.shift();
-      if (recent.length >= policy.maxRestarts) {
+      let delay = nextDelay();
+      if (delay === null) {
         givenUp = true;
         opts.log(`${opts.name} ${describeExit(exit)}; ${recent.length} restarts within ${policy.windowMs / 1000}s already: giving up`);
         return;
       }
-      recent.push(now);
-      const delay = policy.backoffMs * 2 ** (recent.length - 1);
       opts.log(`${opts.name} ${describeExit(exit)}; restarting it on port ${port} in ${delay} ms`);
       restarting = true;
       try {
-        for (;;) {
-          await new Promise((r) => setTimeout(r, delay));
+        while (delay !== null) {
+          await new Promise((r) => setTimeout(r, delay!));
           if (stopping) return;
           try {
             current = await startLlamaCppEngine(model, { ...opts, port });
@@ -125,14 +131,11 @@ export async function startSupervisedEngine(
             watch(current);
             return;
           } catch (err) {
-            const t = Date.now();
-            while (recent.length > 0 && t - recent[0]! > policy.windowMs) recent.shift();
-            if (recent.length >= policy.maxRestarts) {
+            delay = nextDelay();
+            if (delay === null) {
               givenUp = true;
               opts.log(`${opts.name} could not be restarted (${(err as Error).message}): giving up`);
-              return;
             }
-            recent.push(t);
           }
         }
       } finally {
