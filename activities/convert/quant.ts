@@ -357,14 +357,8 @@ function q40SlowBlock(x: Float32Array, b: number, id: number, out: Uint8Array, o
  */
 export function quantizeQ40Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, opts?: EncodeOptions): void {
   const n = src.length;
-  checkBlocks(n, opts?.label);
-  const dllama = opts?.flavor === 'dllama';
-  const lut = dtype === 'F16' ? F16_TABLE : BF16_TABLE;
-  const infBits = dtype === 'F16' ? 0x7c00 : 0x7f80;
+  const { dllama, lut, infBits, h, pairs } = halfInput(src, dtype, out, Q40_BLOCK_BYTES, opts);
   let o = opts?.outOffset ?? 0;
-  checkOut(out, o, (n / QK) * Q40_BLOCK_BYTES);
-  const h = src.byteOffset % 4 === 0 ? src : src.slice();
-  const pairs = new Uint32Array(h.buffer, h.byteOffset, n >>> 1);
   for (let b = 0; b < n; b += QK, o += Q40_BLOCK_BYTES) {
     // First element with the largest magnitude (ggml's strict `amax < |v|` keeps the first).
     let amax = 0;
@@ -482,14 +476,8 @@ export function quantizeQ80(x: Float32Array, out: Uint8Array, opts?: EncodeOptio
 /** Q8_0/q80 of fp16 or bf16 bit patterns, see {@link quantizeQ40Half}. */
 export function quantizeQ80Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, opts?: EncodeOptions): void {
   const n = src.length;
-  checkBlocks(n, opts?.label);
-  const dllama = opts?.flavor === 'dllama';
-  const lut = dtype === 'F16' ? F16_TABLE : BF16_TABLE;
-  const infBits = dtype === 'F16' ? 0x7c00 : 0x7f80;
+  const { dllama, lut, infBits, h, pairs } = halfInput(src, dtype, out, Q80_BLOCK_BYTES, opts);
   let o = opts?.outOffset ?? 0;
-  checkOut(out, o, (n / QK) * Q80_BLOCK_BYTES);
-  const h = src.byteOffset % 4 === 0 ? src : src.slice();
-  const pairs = new Uint32Array(h.buffer, h.byteOffset, n >>> 1);
   for (let b = 0; b < n; b += QK, o += Q80_BLOCK_BYTES) {
     let amax = 0;
     for (let p = b >>> 1, end = p + QK / 2; p < end; p++) {
@@ -536,6 +524,24 @@ export function quantizeQ80Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Ui
       }
     }
   }
+}
+
+/**
+ * What both half-precision quantizers start from: checked sizes, the flavour, the value table and
+ * infinity's bits for `dtype`, and the input (`h`, copied when it is not 4-aligned) also as 32-bit pairs.
+ */
+function halfInput(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, blockBytes: number, opts: EncodeOptions | undefined) {
+  const n = src.length;
+  checkBlocks(n, opts?.label);
+  checkOut(out, opts?.outOffset ?? 0, (n / QK) * blockBytes);
+  const h = src.byteOffset % 4 === 0 ? src : src.slice();
+  return {
+    dllama: opts?.flavor === 'dllama',
+    lut: dtype === 'F16' ? F16_TABLE : BF16_TABLE,
+    infBits: dtype === 'F16' ? 0x7c00 : 0x7f80,
+    h,
+    pairs: new Uint32Array(h.buffer, h.byteOffset, n >>> 1),
+  };
 }
 
 function checkOut(out: Uint8Array, offset: number, bytes: number): void {
