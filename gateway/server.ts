@@ -9,6 +9,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../activities/nats/registry';
+import { scopeSubject } from '../activities/nats/data-plane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -136,7 +137,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       backlogFull: deps.backlogFull,
       cancel: (session, requestId) => {
         try {
-          nc.publish(`${config.subjectScope ? `${config.subjectScope}.` : ''}${cancelSubject(session.pool, session.instance)}`, JSON.stringify({ id: requestId }));
+          nc.publish(scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance)), JSON.stringify({ id: requestId }));
         } catch (err) {
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }

@@ -79,7 +79,9 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
   };
 }
 
-const scoped = (names: DataPlaneNames, subject: string) => (names.subjectScope ? `${names.subjectScope}.${subject}` : subject);
+/** `subject` inside a data plane's subject scope (`''`: unscoped). */
+export const scopeSubject = (scope: string | undefined, subject: string): string => (scope ? `${scope}.${subject}` : subject);
+const scoped = (names: DataPlaneNames, subject: string) => scopeSubject(names.subjectScope, subject);
 
 function checkToken(what: string, value: string): void {
   if (!TOKEN.test(value)) throw new Error(`${what} '${value}' is not a valid name (letters, digits and '-', at most 63)`);

@@ -14,7 +14,7 @@
 import { type JetStreamClient, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull } from '../../activities/nats/data-plane';
+import { isBacklogFull, scopeSubject } from '../../activities/nats/data-plane';
 import { errors, GatewayError, OpenAIErrorType, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
 /**
@@ -75,7 +75,7 @@ export interface RouterOptions {
   onBadFrame?: (subject: string) => void;
 }
 
-const responsePrefix = (scope: string | undefined): string => `${scope ? `${scope}.` : ''}${Nats.responseSubjectPrefix}.`;
+const responsePrefix = (scope: string | undefined): string => `${scopeSubject(scope, Nats.responseSubjectPrefix)}.`;
 
 /**
  * One wildcard subscription on `magus.res.>` for the whole process, dispatching by subject to a
