@@ -450,6 +450,40 @@ describe('redelivery', () => {
   });
 });
 
+describe('a first delivery that answers writes no claim', () => {
+  it('answered and acked: nothing in the claims bucket', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const req = requestFor({ stream: false });
+    const answer = await listen(req.id);
+    await send(instance, req);
+    expect((await answer.finished).map((f) => f.type)).toEqual(['done']);
+    await until('ack', () => b.stats.acked === 1);
+    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
+  });
+
+  it('its ack lost: the redelivery finds the terminal frame it published and repeats it, without calling the engine', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith({ ackWaitMs: 1000 });
+    const req = requestFor({ stream: false });
+    // The dead bridge's delivery: pulled, answered (its `done` reached the server), never acked.
+    await send(instance, req);
+    const first = await (await nc.jetstream().consumers.get(names.requestStream, consumerNameOf(POOL, instance))).next({ expires: 5000 });
+    expect(first?.info.deliveryCount).toBe(1);
+    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the answer that went out' } }] } };
+    nc.publish(req.replyTo, encodeJson(terminal));
+    await nc.flush();
+
+    const answer = await listen(req.id);
+    const b = await bridge(instance, stub.url);
+    expect(await answer.finished).toEqual([terminal]);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, errors: 0 });
+    expect(stub.calls).toHaveLength(0);
+  });
+});
+
 describe('cancels from the gateway (the client went away)', () => {
   const cancel = (instance: string, id: string) => nc.publish(cancelSubjectOf(names, POOL, instance), encodeJson({ id }));
 
@@ -492,7 +526,7 @@ describe('cancels from the gateway (the client went away)', () => {
 });
 
 describe('a request id seen again as a first delivery', () => {
-  it('published again after the de-duplication window: one answer, the finished claim stays, resolved once', async () => {
+  it('published again after the de-duplication window: one answer, the earlier claim stays, resolved once', async () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const req = requestFor({ stream: false });
@@ -503,15 +537,14 @@ describe('a request id seen again as a first delivery', () => {
 
     const b = await bridge(instance, stub.url);
     const answer = await listen(req.id);
-    await send(instance, req); // deliveryCount 1: answered without a claim, which is created only at the end
-    // The engine's answer goes out first (seq 0), and the gateway keeps it; the claim it then
-    // tries to create exists, so that attempt stops without acking; the redelivery finds the
-    // finished claim and repeats its frame (seq 0 again: dropped by the gateway) and acks.
+    await send(instance, req); // deliveryCount 1: a first delivery, which neither reads nor writes a claim
+    // The engine's answer goes out (seq 0) and the message is acked: one answer, one delivery.
     const frames = await answer.finished;
     expect(frames).toHaveLength(1);
     expect(frames[0]).toMatchObject({ seq: 0, type: 'done' });
     await until('ack', () => b.stats.acked === 1);
-    expect(b.stats).toMatchObject({ replayed: 1, pulled: 2, superseded: 1, nakked: 0, termed: 0 });
+    await new Promise((r) => setTimeout(r, 1500)); // past ack_wait: nothing is redelivered
+    expect(b.stats).toMatchObject({ pulled: 1, replayed: 0, superseded: 0, nakked: 0, termed: 0 });
     expect(stub.calls).toHaveLength(1);
     // The claim still records the first answer: a later delivery repeats that one.
     expect((await claims.acquire(req.id, 'later'))).toMatchObject({ kind: 'finished', claim: { terminal } });

@@ -395,11 +395,24 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     );
   };
 
+  /** Acks or terms the delivery of `a` once its terminal frame is out. */
+  const resolveMessage = (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
+    if (resolve === 'ack') {
+      a.msg.ack();
+      stats.acked += 1;
+    } else {
+      a.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
+      stats.termed += 1;
+    }
+  };
+
   /**
    * Publishes the terminal `frame`, records it in the claim and resolves the message. Connected
    * and holding nothing (the usual case), the frame goes out first and the claim's CAS follows,
    * off the client's path; otherwise the CAS comes first and proves we still own the request.
    * Superseded (the CAS fails): nothing more is published and the message is left to its owner.
+   * A first delivery that wrote no claim and published its terminal frame writes none at all:
+   * `MAGUS_RESPONSES` holds the frame, and a redelivery (a lost ack) reads it back and replays it.
    */
   const conclude = async (a: Attempt, frame: ResponseFrame, resolve: 'ack' | 'term') => {
     a.concluding = true;
@@ -411,6 +424,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         abortAttempt(a, 'closed');
         return;
       }
+      if (a.revision === 0) return resolveMessage(a, frame, resolve);
     }
     // NATS may be reconnecting: retry a while (a retry recognises its own lost write). If we
     // cannot finish before JetStream redelivers, the next delivery takes over and our CAS fails.
@@ -440,14 +454,9 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       nc.publish(a.req.replyTo, encodeJson(frame));
       await nc.flush();
     }
-    if (resolve === 'ack') {
-      a.msg.ack();
-      stats.acked += 1;
-    } else {
-      a.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
-      stats.termed += 1;
-    }
+    resolveMessage(a, frame, resolve);
   };
+
 
   /** Resolves a delivery after its engine call (or a failure before it). */
   const settle = async (a: Attempt, outcome: Outcome): Promise<void> => {
@@ -496,10 +505,11 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
 
   /**
    * A first delivery. No earlier delivery exists, so nobody else can own the request and no claim
-   * is written while it runs (revision 0 = none): the claim is created once, already finished,
-   * right after the answer went out — one KV write per request, none before the answer. A later
-   * delivery that takes over creates a claim, which this attempt notices (its periodic check sees
-   * a claim, its final create conflicts) and then publishes nothing more.
+   * is written while it runs (revision 0 = none). Connected at the end, it publishes its terminal
+   * frame and acks: no KV write at all, the stored frame is the record a redelivery finds. Cut off
+   * from NATS at the end, it creates the claim, already finished, before publishing (the CAS
+   * proves nobody took over meanwhile). A later delivery that takes over creates a claim, which
+   * this attempt notices at its periodic check and then publishes nothing more.
    */
   const serveFirst = async (m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> => {
     const a = newAttempt(req, m, { attempt: 1, owner, createdAt: Date.now(), state: 'running' }, 0);
