@@ -15,7 +15,7 @@ import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs,
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './plugins/models';
-import { jetStreamPublisher, perRequestResponseRouter, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
+import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
 import { cancelSubject } from '../shared/serving';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
@@ -124,6 +124,12 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const routerOptions = { subjectScope: config.subjectScope, onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame') };
     const responses: ResponseRouter = config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
     closers.push(() => responses.close());
+    let publish = deps.publish;
+    if (!publish) {
+      const publisher = streamPublisher(nc);
+      closers.push(() => publisher.close());
+      publish = publisher.publish;
+    }
     await Promise.all(ready);
     await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
 
@@ -132,7 +138,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       models,
       tokens,
       sessions,
-      publish: deps.publish ?? jetStreamPublisher(nc.jetstream()),
+      publish,
       responses,
       backlogFull: deps.backlogFull,
       cancel: (session, requestId) => {
