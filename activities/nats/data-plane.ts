@@ -4,8 +4,12 @@
  * consumers; the gateway and the bridges only *get* them, through one {@link DataPlaneNames}
  * value, so a test (or a second installation) can rename everything with a prefix.
  *
- * - `MAGUS_REQUESTS` (`magus.req.<pool>.<instance>`, work queue, file): requests, published with
- *   `Nats-Msg-Id` = request id; one durable pull consumer per instance.
+ * - `MAGUS_REQUESTS` (`magus.req.<pool>.<instance>`, work queue, memory): requests, published with
+ *   `Nats-Msg-Id` = request id; one durable pull consumer per instance. In memory because a file
+ *   work queue that drains creates and deletes a block file for every request (nats-server
+ *   replaces an emptied last block), which cost ~0.2 ms of every request at concurrency 1; what
+ *   memory gives up is queued requests surviving a restart of a single (unreplicated) server —
+ *   their clients get a 504 instead, and with `replicas` > 1 they survive a server's loss.
  * - `MAGUS_RESPONSES` (`magus.res.>`, memory, limits): captures the frames bridges publish with
  *   core NATS to `magus.res.<id>`. Nobody consumes it on the hot path; a bridge that takes over a
  *   redelivered request reads it to learn exactly what the client may already have received.
@@ -128,6 +132,8 @@ export interface DataPlaneOptions {
    * gateway answers with 429. Default 256.
    */
   instanceBacklog?: number;
+  /** Bytes all queued requests may take (memory); a publish beyond it is refused like a full backlog. Default 512 MiB. */
+  requestMaxBytes?: number;
   /** How long frames stay readable for a takeover; must exceed the longest request. Default 30 min. */
   responseMaxAgeMs?: number;
   responseMaxBytes?: number;
@@ -157,11 +163,14 @@ export function isRevisionConflict(err: unknown): boolean {
 }
 export const DEFAULT_INSTANCE_BACKLOG = 256;
 
-/** A request publish refused because the instance's backlog (the per-subject limit) is full. */
+/**
+ * A request publish refused because the instance's backlog (the per-subject limit) is full, or
+ * all queued requests together reached the stream's byte limit.
+ */
 export function isBacklogFull(err: unknown): boolean {
   // nats.js: message "503", api_error { err_code: 10077 (stream store failed), description }.
   const api = (err as { api_error?: { err_code?: number; description?: string } } | null)?.api_error;
-  return /maximum messages per subject exceeded/i.test(api?.description ?? (err as Error | null)?.message ?? '');
+  return /maximum messages per subject exceeded|maximum bytes exceeded/i.test(api?.description ?? (err as Error | null)?.message ?? '');
 }
 
 async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & { name: string }): Promise<StreamInfo> {
@@ -176,7 +185,8 @@ async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & 
       if (!/already in use|already exists/i.test((addErr as Error).message)) throw addErr;
     }
   }
-  const { name, ...rest } = cfg;
+  // Storage is fixed at creation: an existing stream keeps its own.
+  const { name, storage: _storage, ...rest } = cfg;
   return jsm.streams.update(name, rest);
 }
 
@@ -215,10 +225,11 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
     description: 'magus inference requests, one subject per topology instance',
     subjects: [scoped(names, `${Nats.requestSubjectPrefix}.>`)],
     retention: RetentionPolicy.Workqueue,
-    storage: StorageType.File,
+    storage: StorageType.Memory,
     discard: DiscardPolicy.New,
     discard_new_per_subject: true,
     max_msgs_per_subject: opts.instanceBacklog ?? DEFAULT_INSTANCE_BACKLOG,
+    max_bytes: opts.requestMaxBytes ?? 512 * 1024 * 1024,
     max_age: nanos(requestMaxAge),
     duplicate_window: nanos(duplicateWindow),
     num_replicas: replicas,
