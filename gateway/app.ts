@@ -22,10 +22,12 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
 
 /**
  * Server options the app relies on: no type coercion (a string is not a number in a JSON body),
- * and the `authorization` header never reaches a log line.
+ * the `authorization` header never reaches a log line, and one access-log line per request (the
+ * app's onResponse hook) instead of fastify's two.
  */
 export const options = {
   ajv: { customOptions: { coerceTypes: false } },
+  disableRequestLogging: true,
   logger: {
     redact: {
       paths: ['req.headers.authorization', 'request.headers.authorization', 'headers.authorization'],
@@ -52,6 +54,12 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
     const length = request.headers['content-length'];
     if (length !== undefined && Number(length) > settings.bodyLimit) done(errors.tooLarge(settings.bodyLimit));
     else done();
+  });
+
+  // The access log: one line per request once answered, with what fastify's two lines had.
+  app.addHook('onResponse', (request, reply, done) => {
+    request.log.info({ req: request, res: reply, responseTime: reply.elapsedTime }, 'request completed');
+    done();
   });
 
   await app.register(healthRoutes);

@@ -96,13 +96,21 @@ export function createEngineClient(baseUrl: string, opts: { maxSockets?: number 
         resolve({
           status: r.statusCode ?? 0,
           contentType: String(r.headers['content-type'] ?? ''),
-          async text() {
-            r.setEncoding('utf8');
-            let s = '';
-            for await (const c of r) s += c as string;
-            done();
-            return s;
-          },
+          text: () =>
+            // Events, not `for await`: the async iterator costs a promise per chunk and more.
+            new Promise<string>((resolveText, rejectText) => {
+              r.setEncoding('utf8');
+              let s = '';
+              r.on('data', (c: string) => (s += c));
+              r.once('end', () => {
+                done();
+                resolveText(s);
+              });
+              r.once('error', rejectText);
+              r.once('close', () => {
+                if (!r.complete) rejectText(new Error('the engine closed the connection before the body was complete'));
+              });
+            }),
           events: () => sseEvents(r),
           cancel: () => {
             if (!r.complete) r.destroy();

@@ -6,7 +6,7 @@
  * whether the id exists or not, so response time does not reveal which ids exist.
  * Tokens are never stored, logged or echoed.
  */
-import { createHash, timingSafeEqual } from 'node:crypto';
+import { createHash, hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
 import type { TokenEntry } from '../../shared/serving';
 import { errors } from './errors';
@@ -98,7 +98,7 @@ export function authenticate(header: string | undefined, tokens: TokenSource, al
   const token = header.length > 7 && header.slice(0, 7).toLowerCase() === 'bearer ' ? header.slice(7).trim() : '';
   const m = TOKEN.exec(token);
   const record = m ? tokens.lookup(m[1]!) : undefined;
-  const digest = createHash('sha256').update(token).digest();
+  const digest = hash('sha256', token, 'buffer'); // one-shot: no Hash object per request
   const match = timingSafeEqual(digest, record?.digest ?? NO_DIGEST);
   if (!match || !record || !m) throw errors.unauthorized('Incorrect API key provided.');
   return record.models ? { tokenId: m[1]!, name: record.name, models: record.models } : { tokenId: m[1]!, name: record.name };
