@@ -3,8 +3,9 @@
  * stop it, and summarise where the samples fell — by function (self time) and by package or
  * source folder — without writing a `.cpuprofile` anyone has to open.
  */
+import { writeFileSync } from 'node:fs';
 import { Session } from 'node:inspector';
-import { relative, resolve } from 'node:path';
+import { join, relative, resolve } from 'node:path';
 
 /** Self time in ms: the top functions and the top places (a package, a file of this repo, or native). */
 export interface CpuSummary {
@@ -42,8 +43,12 @@ function place(url: string): string {
   return rel.startsWith('..') ? path : rel;
 }
 
-/** Starts sampling every `intervalUs`; the returned function stops and summarises. */
-export async function startCpuProfile(intervalUs = 200): Promise<() => Promise<CpuSummary>> {
+/**
+ * Starts sampling every `intervalUs`; the returned function stops and summarises. With
+ * `BENCH_PROFILE_DIR` set, the raw profile is also written there as `<name>.cpuprofile` (open it
+ * in Chrome DevTools or any flame-graph viewer to see callers).
+ */
+export async function startCpuProfile(name: string, intervalUs = 200): Promise<() => Promise<CpuSummary>> {
   const session = new Session();
   session.connect();
   const post = <T>(method: string, params?: object) =>
@@ -54,6 +59,8 @@ export async function startCpuProfile(intervalUs = 200): Promise<() => Promise<C
   return async () => {
     const { profile } = await post<{ profile: Profile }>('Profiler.stop');
     session.disconnect();
+    const dir = process.env.BENCH_PROFILE_DIR;
+    if (dir) writeFileSync(join(dir, `${name}.cpuprofile`), JSON.stringify(profile));
     // Time per sample from the sample deltas (µs); idle is left out of the total.
     const byNode = new Map<number, ProfileNode>(profile.nodes.map((n) => [n.id, n]));
     const self = new Map<number, number>();

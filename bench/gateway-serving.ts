@@ -109,7 +109,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
     }
     case 'profile':
       if (cmd.on) {
-        stopProfile = await startCpuProfile();
+        stopProfile = await startCpuProfile('bridge-and-stub');
         return { re: 'profile' };
       }
       return { re: 'profile', summary: await stopProfile?.() };

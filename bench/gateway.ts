@@ -32,7 +32,7 @@ import { openModelRegistry } from '../activities/nats/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { jetStreamPublisher, type PublishRequest } from '../gateway/plugins/responses';
+import { streamPublisher, type PublishRequest } from '../gateway/plugins/responses';
 import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gateway/plugins/sessions';
 import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
@@ -53,6 +53,8 @@ const PREFIX = 'BENCH';
 const STUB = 'stub';
 const TINY = 'tiny';
 const CHUNKS = 64;
+/** Requests per path at concurrency 8 before anything is measured (see the warm-up below). */
+const WARM_UP = 20_000;
 /** 128 characters: the stub splits its echo into {@link CHUNKS} pieces of 2. */
 const PROMPT = 'The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!!'.padEnd(128, '.');
 const TOKEN_ID = 'bench';
@@ -195,7 +197,7 @@ async function main(): Promise<void> {
     const frameTrace = new Map<string, number>();
     const httpTrace = new Map<string, [number, number]>();
     gwNc = await connect({ servers: e.nats!.servers, name: 'bench-gateway', noAsyncTraces: true });
-    const jsPublish = jetStreamPublisher(gwNc.jetstream());
+    const jsPublish = streamPublisher(gwNc).publish;
     const publish: PublishRequest = async (subject, req, session) => {
       if (!tracing) return jsPublish(subject, req, session);
       const t0 = now();
@@ -216,7 +218,7 @@ async function main(): Promise<void> {
       MAGUS_GATEWAY_SECRET: SECRET,
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' } }),
       MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '180000',
-      MAGUS_LOG_LEVEL: 'info', // the default: two request lines per request, as in production
+      MAGUS_LOG_LEVEL: 'info', // the default: one access-log line per request, as in production
     });
     const gateway = await startGateway(config, { nc: gwNc, coldStart, renew, firstTurns, publish, logStream: logs });
     // Keyed by the client's `x-bench-seq` (the sample's index): fastify's headers are not readable here.
@@ -252,12 +254,16 @@ async function main(): Promise<void> {
       return out;
     };
 
-    // --- Warm-up (JIT, connections, JetStream consumers), not measured.
+    // --- Warm-up, not measured: connections, JetStream consumers, and the JIT. A gateway serves
+    // millions of requests; V8 optimises the many small functions of a request's path only after
+    // thousands of calls, and with a few hundred the gateway and bridge processes still spent
+    // ~1 ms of CPU per request instead of ~0.6 (measured). So: steady state first.
+    await sideBySide(1, { requests: n(WARM_UP), concurrency: 8, sessionIds: c8Sessions });
     await sideBySide(2, { requests: n(300) });
-    await sideBySide(1, { requests: n(400), concurrency: 8, sessionIds: c8Sessions });
-    await sideBySide(1, { requests: n(50), stream: true });
+    await sideBySide(1, { requests: n(200), stream: true });
 
-    const c1 = await sideBySide(8, { requests: n(250) });
+    const cpu1 = { direct: [] as number[], gateway: [] as number[] };
+    const c1 = await sideBySide(8, { requests: n(250) }, cpu1);
     const cpu8 = { direct: [] as number[], gateway: [] as number[] };
     const c8 = await sideBySide(4, { requests: n(1000), concurrency: 8, sessionIds: c8Sessions }, cpu8);
     const st = await sideBySide(5, { requests: n(100), stream: true });
@@ -281,7 +287,7 @@ async function main(): Promise<void> {
 
     // --- A profiled block (gateway path, c=8): where the CPU goes in the gateway and the bridge.
     await serve(serving, { type: 'profile', on: true });
-    const stopGatewayProfile = await startCpuProfile();
+    const stopGatewayProfile = await startCpuProfile('gateway');
     await load(client, spec(viaGateway, { requests: n(2000), concurrency: 8, sessionIds: c8Sessions }));
     const gatewayProfile = await stopGatewayProfile();
     const bridgeProfile = (await serve<Extract<ServingReply, { re: 'profile' }>>(serving, { type: 'profile', on: false })).summary!;
@@ -294,7 +300,7 @@ async function main(): Promise<void> {
     const firstTurn = await measureFirstTurn({ dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, temporalColdStartMs, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
 
     const load1 = loadavg();
-    report({ c1, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs });
+    report({ c1, cpu1, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs });
     await gateway.close();
     await serve(serving, { type: 'stop' }).catch(() => undefined);
   } finally {
@@ -454,6 +460,7 @@ async function measureFirstTurn(ctx: {
 
 function report(r: {
   c1: { direct: LoadResult[]; gateway: LoadResult[] };
+  cpu1: { direct: number[]; gateway: number[] };
   c8: { direct: LoadResult[]; gateway: LoadResult[] };
   cpu8: { direct: number[]; gateway: number[] };
   st: { direct: LoadResult[]; gateway: LoadResult[] };
@@ -485,18 +492,19 @@ function report(r: {
   out.push(`non-stream, concurrency 1 (${count(r.c1.direct)} + ${count(r.c1.gateway)} requests)`);
   out.push(row('p50', p50(l1d), p50(l1g), 1));
   out.push(row('p99', p99(l1d), p99(l1g), 5));
+  const cpuPer = (xs: number[], k: number, reqs: number) => xs.filter((_, i) => i % 3 === k).reduce((a, b) => a + b, 0) / reqs;
+  const cpuRows = (cpu: { direct: number[]; gateway: number[] }, rd: number, rg: number) =>
+    (['CPU ms/request: gateway process', '  bridge + stub process', '  nats-server'] as const).map(
+      (label, k) => `  ${label.padEnd(34)}${fmt(cpuPer(cpu.direct, k, rd), 3).padStart(9)}${fmt(cpuPer(cpu.gateway, k, rg), 3).padStart(10)}`,
+    );
+  out.push(...cpuRows(r.cpu1, count(r.c1.direct), count(r.c1.gateway)));
   const l8d = latencies(r.c8.direct);
   const l8g = latencies(r.c8.gateway);
   out.push(`non-stream, concurrency 8 (${count(r.c8.direct)} + ${count(r.c8.gateway)} requests)`);
   out.push(row('p50', p50(l8d), p50(l8g)));
   out.push(row('p99', p99(l8d), p99(l8g)));
   out.push(`  ${'requests/s'.padEnd(34)}${fmt(rate(r.c8.direct), 0).padStart(9)}${fmt(rate(r.c8.gateway), 0).padStart(10)}`);
-  const cpuPer = (xs: number[], k: number, reqs: number) => xs.filter((_, i) => i % 3 === k).reduce((a, b) => a + b, 0) / reqs;
-  const rd = count(r.c8.direct);
-  const rg = count(r.c8.gateway);
-  out.push(`  ${'CPU ms/request: gateway process'.padEnd(34)}${fmt(cpuPer(r.cpu8.direct, 0, rd), 3).padStart(9)}${fmt(cpuPer(r.cpu8.gateway, 0, rg), 3).padStart(10)}`);
-  out.push(`  ${'  bridge + stub process'.padEnd(34)}${fmt(cpuPer(r.cpu8.direct, 1, rd), 3).padStart(9)}${fmt(cpuPer(r.cpu8.gateway, 1, rg), 3).padStart(10)}`);
-  out.push(`  ${'  nats-server'.padEnd(34)}${fmt(cpuPer(r.cpu8.direct, 2, rd), 3).padStart(9)}${fmt(cpuPer(r.cpu8.gateway, 2, rg), 3).padStart(10)}`);
+  out.push(...cpuRows(r.cpu8, count(r.c8.direct), count(r.c8.gateway)));
   out.push(`stream, ${CHUNKS} chunks, concurrency 1 (${count(r.st.direct)} + ${count(r.st.gateway)} requests)`);
   out.push(row('time to first chunk p50', p50(ttfc(r.st.direct)), p50(ttfc(r.st.gateway))));
   out.push(row('time to first chunk p99', p99(ttfc(r.st.direct)), p99(ttfc(r.st.gateway))));
@@ -564,7 +572,8 @@ function report(r: {
   for (const [label, v] of hops) out.push(`  ${label.padEnd(46)}${fmt(p50(v)).padStart(7)}`);
   out.push(`  ${'sum of hop p50s / total p50'.padEnd(46)}${fmt(hops.reduce((a, [, v]) => a + p50(v), 0)).padStart(7)} / ${fmt(p50(totals))}  (${totals.length} requests joined)`);
   const pubAck = r.traced.samples.map((s) => r.pubTrace.get(s.requestId!)).filter((x) => x !== undefined).map(([a, b]) => b - a);
-  out.push(`  round trips seen: JetStream publish → ack ${fmt(p50(pubAck))}, claim KV write (after the answer) ${fmt(p50(rtt.write))}, reads ${rtt.read.length ? fmt(p50(rtt.read)) : 'none'} (p50)`);
+  const kv = (v: number[]) => (v.length ? `${fmt(p50(v))} (${v.length})` : 'none');
+  out.push(`  round trips seen: JetStream publish → ack ${fmt(p50(pubAck))}; claims KV (a first delivery that answers writes none): writes ${kv(rtt.write)}, reads ${kv(rtt.read)} (p50)`);
   out.push(`  direct baseline in the same run (c=1 p50): ${fmt(p50(l1d))}`);
 
   out.push('');
