@@ -13,7 +13,7 @@ import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
 import { ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
 import { startBridge, type Bridge, type BridgeStats } from '../workers/bridge';
-import { createEngineClient, sseEvents, type EngineClient } from '../workers/engine-client';
+import { createEngineClient, sseEventBatches, type EngineClient } from '../workers/engine-client';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
@@ -80,7 +80,7 @@ function tracedEngineClient(url: string): EngineClient {
       const res = await inner.post(path, body, opts);
       const text = await res.text();
       trace.push(['fetch', String((JSON.parse(body) as { seed?: number }).seed), t0, now()]);
-      return { ...res, text: () => Promise.resolve(text), events: () => sseEvents([text]) };
+      return { ...res, text: () => Promise.resolve(text), eventBatches: () => sseEventBatches([text]) };
     },
   };
 }

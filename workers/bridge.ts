@@ -260,6 +260,12 @@ async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> 
   }
 }
 
+/** Whether a `chat.completion.chunk` carries text (the role-only first chunk does not). */
+function carriesText(chunk: unknown): boolean {
+  const content = (chunk as { choices?: { delta?: { content?: unknown } }[] } | null)?.choices?.[0]?.delta?.content;
+  return typeof content === 'string' && content.length > 0;
+}
+
 /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
 export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   const { nc, names, pool, instance, slots } = opts;
@@ -566,28 +572,38 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)') };
       }
       let seq = 0;
-      for await (const event of res.events()) {
-        if (event.trim() === '[DONE]') break;
-        let data: unknown;
-        try {
-          data = JSON.parse(event);
-        } catch {
-          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event') };
+      let firstToken = false;
+      // A batch is what one read of the engine's body completed: its frames are published in one
+      // go, so NATS gets them in one write instead of one per event — except that the frames up
+      // to the answer's first token go out ahead of the rest of their batch (time to first token).
+      read: for await (const batch of res.eventBatches()) {
+        for (const [i, event] of batch.entries()) {
+          if (event.trim() === '[DONE]') break read;
+          let data: unknown;
+          try {
+            data = JSON.parse(event);
+          } catch {
+            return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event') };
+          }
+          const engineError = (data as { error?: { message?: string } } | null)?.error;
+          if (engineError) {
+            return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
+          }
+          const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, req.id, a.claim.createdAt) };
+          const before = prior[seq];
+          if (before) {
+            if (fingerprint(before) !== fingerprint(frame)) return diverged();
+          } else {
+            send(a, frame);
+            a.nextSeq = seq + 1;
+          }
+          seq += 1;
+          if (!firstToken && carriesText(data)) {
+            firstToken = true;
+            if (i < batch.length - 1) await new Promise<void>((resolve) => setImmediate(resolve)); // NATS flushes it now
+          }
+          if (a.abort.signal.aborted) break read;
         }
-        const engineError = (data as { error?: { message?: string } } | null)?.error;
-        if (engineError) {
-          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
-        }
-        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, req.id, a.claim.createdAt) };
-        const before = prior[seq];
-        if (before) {
-          if (fingerprint(before) !== fingerprint(frame)) return diverged();
-        } else {
-          send(a, frame);
-          a.nextSeq = seq + 1;
-        }
-        seq += 1;
-        if (a.abort.signal.aborted) break;
       }
       const stopped = aborted();
       if (stopped) return stopped;

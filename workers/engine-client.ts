@@ -11,8 +11,11 @@ export interface EngineResponse {
   contentType: string;
   /** The whole body as text (for JSON answers and error bodies). */
   text(): Promise<string>;
-  /** The body's server-sent events' `data` payloads, one string per event. */
-  events(): AsyncGenerator<string>;
+  /**
+   * The body's server-sent events' `data` payloads, in batches: each batch holds the events one
+   * read of the body completed, so a caller handles a burst in one go (one NATS flush for all).
+   */
+  eventBatches(): AsyncGenerator<string[]>;
   /** Drops the rest of the body (and the connection when it is still streaming). */
   cancel(): void;
 }
@@ -23,37 +26,47 @@ export interface EngineClient {
   close(): void;
 }
 
-/** Splits a body into SSE `data` payloads (multi-line data joined with `\n`; comments and other fields skipped). */
-export async function* sseEvents(body: AsyncIterable<Buffer | string> | Iterable<Buffer | string>): AsyncGenerator<string> {
+/**
+ * Splits a body into SSE `data` payloads (multi-line data joined with `\n`; comments and other
+ * fields skipped), one batch per chunk of the body: the events that chunk completed (empty
+ * batches are skipped).
+ */
+export async function* sseEventBatches(body: AsyncIterable<Buffer | string> | Iterable<Buffer | string>): AsyncGenerator<string[]> {
   let buffer = '';
   let data: string[] = [];
-  const take = function* (final: boolean): Generator<string> {
-    let nl: number;
-    while ((nl = buffer.indexOf('\n')) >= 0) {
-      yield* line(buffer.slice(0, nl).replace(/\r$/, ''));
-      buffer = buffer.slice(nl + 1);
-    }
-    if (final) {
-      if (buffer) yield* line(buffer);
-      buffer = '';
-      yield* line('');
-    }
-  };
-  const line = function* (l: string): Generator<string> {
+  const line = (l: string, out: string[]) => {
     if (l === '') {
-      if (data.length > 0) yield data.join('\n');
+      if (data.length > 0) out.push(data.join('\n'));
       data = [];
     } else if (l.startsWith('data:')) {
       data.push(l.slice(5).replace(/^ /, ''));
     }
   };
+  const take = (final: boolean): string[] => {
+    const out: string[] = [];
+    let start = 0;
+    let nl: number;
+    while ((nl = buffer.indexOf('\n', start)) >= 0) {
+      line(buffer.slice(start, nl).replace(/\r$/, ''), out);
+      start = nl + 1;
+    }
+    buffer = buffer.slice(start);
+    if (final) {
+      if (buffer) line(buffer, out);
+      buffer = '';
+      line('', out);
+    }
+    return out;
+  };
   const decoder = new TextDecoder();
   for await (const chunk of body) {
     buffer += typeof chunk === 'string' ? chunk : decoder.decode(chunk, { stream: true });
-    yield* take(false);
+    const batch = take(false);
+    if (batch.length > 0) yield batch;
   }
   buffer += decoder.decode();
-  yield* take(true);
+  const last = take(true);
+  if (last.length > 0) yield last;
 }
 
 export function createEngineClient(baseUrl: string, opts: { maxSockets?: number } = {}): EngineClient {
@@ -111,7 +124,7 @@ export function createEngineClient(baseUrl: string, opts: { maxSockets?: number 
                 if (!r.complete) rejectText(new Error('the engine closed the connection before the body was complete'));
               });
             }),
-          events: () => sseEvents(r),
+          eventBatches: () => sseEventBatches(r),
           cancel: () => {
             if (!r.complete) r.destroy();
             else r.resume();
