@@ -5,6 +5,10 @@
  *
  * Keep-alive: whenever a whole `keepAliveMs` passes without a write — a cold start, a queue, a
  * slow prompt — a `: keep-alive` comment goes out, which also commits the response (200).
+ *
+ * The first write goes out at once (time to first chunk); later events written in one turn of
+ * the event loop (the frames of one NATS read: a burst from a fast engine) go out in one socket
+ * write at the end of that turn, not one write each.
  */
 import type { FastifyReply } from 'fastify';
 import { errorBody, type GatewayError } from './errors';
@@ -13,6 +17,8 @@ export class SseResponse {
   private committed = false;
   private wrote = false;
   private ended = false;
+  /** Events written this turn, not yet handed to the socket. */
+  private pending = '';
   private readonly timer: NodeJS.Timeout;
 
   constructor(
@@ -56,14 +62,23 @@ export class SseResponse {
   private end(): void {
     this.stop();
     if (this.ended) return;
+    this.flush();
     this.ended = true;
     this.reply.raw.end();
   }
 
+  private readonly flush = (): void => {
+    if (this.pending === '') return;
+    const text = this.pending;
+    this.pending = '';
+    if (!this.ended && !this.reply.raw.destroyed) this.reply.raw.write(text);
+  };
+
   private write(text: string): void {
     if (this.ended || this.reply.raw.destroyed) return;
+    let first = false;
     if (!this.committed) {
-      this.committed = true;
+      this.committed = first = true;
       // From here on fastify does not send anything for this request; we own the response.
       this.reply.hijack();
       this.reply.raw.writeHead(200, {
@@ -75,6 +90,11 @@ export class SseResponse {
       });
     }
     this.wrote = true;
-    this.reply.raw.write(text);
+    if (first) {
+      this.reply.raw.write(text);
+      return;
+    }
+    if (this.pending === '') process.nextTick(this.flush);
+    this.pending += text;
   }
 }
