@@ -19,6 +19,12 @@ export interface InstanceInfo {
   /** NATS subject the instance's bridge consumes. */
   subject: string;
   healthy: boolean;
+  /**
+   * The task queue of the worker that runs the instance, where its `describeInstance` and
+   * `destroyInstance` must go (a local runtime's processes belong to one worker); absent when
+   * any worker can answer for it.
+   */
+  runtimeQueue?: string;
 }
 
 /**
@@ -36,7 +42,7 @@ const HEARTBEAT_EVERY_MS = 5000;
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
 
-export function createServingActivities(deps: { runtime: Runtime; sessions: KV; pools: KV }) {
+export function createServingActivities(deps: { runtime: Runtime; sessions: KV; pools: KV; runtimeQueue?: string }) {
   const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
   return {
     /** Starts an instance and waits until it serves (heartbeating: a cold start can take minutes). */
@@ -44,7 +50,8 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV; 
       const ctx = Context.current();
       const timer = setInterval(() => heartbeat({ instance: input.instance, phase: 'starting' }), HEARTBEAT_EVERY_MS);
       try {
-        return await deps.runtime.create(input, ctx.cancellationSignal);
+        const info = await deps.runtime.create(input, ctx.cancellationSignal);
+        return deps.runtimeQueue ? { ...info, runtimeQueue: deps.runtimeQueue } : info;
       } finally {
         clearInterval(timer);
       }

@@ -16,6 +16,15 @@ export function pipelineQueueFor(controlQueue: string): string {
   return controlQueue.endsWith('-control') ? `${controlQueue.slice(0, -'-control'.length)}-pipeline` : `${controlQueue}-pipeline`;
 }
 
+/**
+ * The task queue of one worker's own runtime activities (`describeInstance`, `destroyInstance`):
+ * a local runtime's instances are processes of the worker that created them, so only that
+ * worker can answer for them.
+ */
+export function runtimeQueueFor(controlQueue: string, workerId: string): string {
+  return `${controlQueue}.runtime.${workerId}`;
+}
+
 /** Search attributes magus sets on its workflows (registered by the worker at start). */
 export const SearchAttribute = { kind: 'MagusKind', model: 'MagusModel' } as const;
 

@@ -1,8 +1,11 @@
 /**
- * `magus worker`: Temporal workers for the control queue (workflows, registry writes) and the
- * pipeline queue (download, convert, size), wired to real Temporal, NATS and S3 clients.
+ * `magus worker`: Temporal workers for the control queue (workflows, registry writes), the
+ * pipeline queue (download, convert, size) and this worker's own runtime queue (describe and
+ * destroy of the instances it runs), wired to real Temporal, NATS and S3 clients.
  */
+import { randomBytes } from 'node:crypto';
 import { appendFileSync } from 'node:fs';
+import { hostname } from 'node:os';
 import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
@@ -15,12 +18,12 @@ import { ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
-import { pipelineQueueFor, SearchAttribute } from '../shared/constants';
+import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
 import { activityProgressSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from './config';
 
 export interface RunningWorkers {
-  /** Resolves when both workers have stopped. */
+  /** Resolves when all three workers (control, pipeline, this worker's runtime queue) have stopped. */
   done: Promise<void>;
   /** Graceful stop: in-flight activity attempts are cancelled and resumed by the next worker. */
   shutdown(): Promise<void>;
@@ -93,7 +96,10 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const registry = await openModelRegistry(nc, names.modelsBucket);
   // The runtime's own events (instances, restarts) go to stderr; the engines' output does not (prompts).
   const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
-  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket), pools: await nc.jetstream().views.kv(names.poolsBucket) });
+  // The local runtime's instances are this worker's processes: their describe and destroy come
+  // to this worker's own queue (the pool learns it from createInstance).
+  const runtimeQueue = runtimeQueueFor(cfg.taskQueue, `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`);
+  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket), pools: await nc.jetstream().views.kv(names.poolsBucket), runtimeQueue });
 
   const activities = createPipelineActivities({
     s3,
@@ -122,7 +128,17 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     maxConcurrentActivityTaskExecutions: 8,
   });
 
-  const done = Promise.all([control.run(), pipeline.run()]).then(async () => {
+  const own = await Worker.create({
+    connection: workerConnection,
+    namespace: cfg.temporal.namespace,
+    taskQueue: runtimeQueue,
+    activities: {
+      describeInstance: (input: Parameters<typeof serving.describeInstance>[0]) => serving.describeInstance(input),
+      destroyInstance: (input: Parameters<typeof serving.destroyInstance>[0]) => serving.destroyInstance(input),
+    },
+  });
+
+  const done = Promise.all([control.run(), pipeline.run(), own.run()]).then(async () => {
     await runtime.stopAll();
     await workerConnection.close();
     await connection.close();
@@ -134,7 +150,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     runtime,
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
-      for (const w of [control, pipeline]) if (w.getState() === 'RUNNING') w.shutdown();
+      for (const w of [control, pipeline, own]) if (w.getState() === 'RUNNING') w.shutdown();
       await done;
     },
   };

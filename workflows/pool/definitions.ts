@@ -23,6 +23,11 @@ export interface PoolInput {
    * `magus_sessions` entries), so a dead instance stops receiving turns.
    */
   healthCheckMs?: number;
+  /**
+   * How long an instance's own activities may wait for the worker that runs it (a local
+   * runtime's processes) before that worker counts as gone, and the instance with it (default 10 s).
+   */
+  ownerTimeoutMs?: number;
 }
 
 export interface InstanceView {

@@ -20,13 +20,15 @@ import {
   condition,
   continueAsNew,
   getExternalWorkflowHandle,
+  patched,
   proxyActivities,
   setHandler,
+  TimeoutFailure,
   upsertSearchAttributes,
   workflowInfo,
   type ActivityOptions,
 } from '@temporalio/workflow';
-import type { ServingActivities } from '../../activities/serving';
+import type { InstanceInfo, ServingActivities } from '../../activities/serving';
 import { sessionWorkflowId } from '../session/definitions';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolStatus } from './definitions';
 
@@ -36,6 +38,13 @@ const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInte
 const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
 const DEFAULT_DRAIN_GRACE_MS = 5000;
 const DEFAULT_HEALTH_CHECK_MS = 15_000;
+const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
+/**
+ * Instances' own activities go to the task queue of the worker that runs them (a local
+ * runtime's processes), and an owner that no longer polls it means the instance is gone.
+ * Executions started before this was patched in keep sending them to the shared queue.
+ */
+const OWNER_QUEUE_PATCH = 'instance-owner-queue';
 /** The published view is rewritten at least this often, so gateways can tell a live pool's entry from a dead one's. */
 const POOL_ENTRY_REFRESH_MS = 60_000;
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
@@ -50,11 +59,13 @@ interface Instance {
   idleSince: number;
   /** Workflow time it was unpublished for stopping (phase `draining`). */
   drainSince: number;
+  /** The task queue of the worker that runs it, if only that worker can describe or destroy it. */
+  runtimeQueue?: string;
 }
 
 /** State carried over continue-as-new. */
 export interface PoolCarry {
-  instances: { id: string; subject: string; leases: string[]; idleSince: number }[];
+  instances: { id: string; subject: string; leases: string[]; idleSince: number; runtimeQueue?: string }[];
   nextId: number;
   waiting: { sessionId: string; sessionWorkflowId: string }[];
 }
@@ -67,6 +78,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const { describeInstance } = proxyActivities<ServingActivities>(quick);
   const { writePool } = proxyActivities<ServingActivities>(publish);
   const { describeInstance: probeInstance } = proxyActivities<ServingActivities>(probe);
+  const ownerQueues = patched(OWNER_QUEUE_PATCH);
+  const ownerTimeoutMs = input.ownerTimeoutMs ?? DEFAULT_OWNER_TIMEOUT_MS;
+  const owners = new Map<string, Pick<ServingActivities, 'describeInstance' | 'destroyInstance'> & { probe: ServingActivities['describeInstance'] }>();
   const drainGraceMs = input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
   const healthCheckMs = input.healthCheckMs ?? DEFAULT_HEALTH_CHECK_MS;
   let nextHealthCheck = Date.now() + healthCheckMs;
@@ -82,7 +96,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let inFlight: Set<string> | null = null;
 
   for (const c of carry?.instances ?? []) {
-    instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince, drainSince: 0 });
+    instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, leases: new Set(c.leases), idleSince: c.idleSince, drainSince: 0, runtimeQueue: c.runtimeQueue });
   }
 
   setHandler(leaseRequestedSignal, (req) => {
@@ -134,13 +148,59 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     }
   }
 
+  /** The activities answering for instance `i`: its worker's (by its runtime queue), or any worker's. */
+  function activitiesFor(i: Instance) {
+    const queue = ownerQueues ? i.runtimeQueue : undefined;
+    if (!queue) return { probe: probeInstance, describeInstance, destroyInstance };
+    let o = owners.get(queue);
+    if (!o) {
+      const bound = { taskQueue: queue, scheduleToStartTimeout: ownerTimeoutMs };
+      o = {
+        probe: proxyActivities<ServingActivities>({ ...probe, ...bound }).describeInstance,
+        describeInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).describeInstance,
+        destroyInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).destroyInstance,
+      };
+      owners.set(queue, o);
+    }
+    return o;
+  }
+
+  /** Nobody took the activity from the owner's queue in time: that worker, and its instances, are gone. */
+  const ownerGone = (err: unknown) => err instanceof ActivityFailure && err.cause instanceof TimeoutFailure && err.cause.timeoutType === 'SCHEDULE_TO_START';
+
+  /**
+   * Whether `i` serves: its description, `null` when it is gone (also when its worker is), or
+   * `undefined` when the check failed (which proves nothing). `probe`: one short attempt.
+   */
+  async function describe(i: Instance, how: 'probe' | 'describe'): Promise<InstanceInfo | null | undefined> {
+    const a = activitiesFor(i);
+    try {
+      return await (how === 'probe' ? a.probe : a.describeInstance)({ pool: input.model, instance: i.id });
+    } catch (err) {
+      if (ownerGone(err)) return null;
+      if (how === 'probe') return undefined;
+      throw err;
+    }
+  }
+
+  /**
+   * Stops `i`. Its worker gone (its processes died with it), or failing, the request consumer is
+   * still removed, by any worker.
+   */
+  function destroy(i: Instance): Promise<void> {
+    const a = activitiesFor(i);
+    const call = () => a.destroyInstance({ pool: input.model, instance: i.id });
+    if (a.destroyInstance === destroyInstance) return call();
+    return call().catch(() => destroyInstance({ pool: input.model, instance: i.id }));
+  }
+
   /**
    * Asks the runtime about every serving instance; one that no longer serves is dropped (and
    * cleaned up) and its sessions wait for a new lease like any other (reconcile grants them).
    */
   async function checkHealth(): Promise<void> {
     const serving = [...instances.values()].filter((i) => i.phase === 'ready' || i.phase === 'draining');
-    const infos = await Promise.all(serving.map((i) => probeInstance({ pool: input.model, instance: i.id }).catch(() => undefined)));
+    const infos = await Promise.all(serving.map((i) => describe(i, 'probe')));
     serving.forEach((i, k) => {
       const info = infos[k];
       if (info === undefined || info?.healthy || instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return; // unknown (the check failed), healthy, or changed meanwhile
@@ -149,7 +209,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       for (const sessionId of i.leases) {
         if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowId(sessionId) });
       }
-      const p = destroyInstance({ pool: input.model, instance: i.id })
+      const p = destroy(i)
         .catch(() => undefined)
         .finally(() => {
           starting.delete(p);
@@ -168,6 +228,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       .then((info) => {
         inst.phase = 'ready';
         inst.subject = info.subject;
+        inst.runtimeQueue = info.runtimeQueue;
         inst.idleSince = Date.now();
         lastError = null;
       })
@@ -217,7 +278,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       surplus--;
       if (Date.now() - i.drainSince >= drainGraceMs && !published.ids.has(i.id) && !inFlight?.has(i.id)) {
         i.phase = 'stopping';
-        const p = destroyInstance({ pool: input.model, instance: i.id }).finally(() => {
+        const p = destroy(i).finally(() => {
           instances.delete(i.id);
           starting.delete(p);
           dirty = true;
@@ -266,7 +327,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
 
   // Instances carried over continue-as-new may have died with their worker: check them.
   for (const i of [...instances.values()]) {
-    const info = await describeInstance({ pool: input.model, instance: i.id });
+    const info = await describe(i, 'describe');
     if (!info?.healthy) instances.delete(i.id);
   }
 
@@ -290,7 +351,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     if (workflowInfo().continueAsNewSuggested && starting.size === 0) {
       await condition(allHandlersFinished);
       const carried: PoolCarry = {
-        instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince })),
+        instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}) })),
         nextId,
         waiting,
       };

@@ -1,0 +1,91 @@
+/**
+ * Two `magus worker`s on one task queue, each with its own local runtime: an instance's health
+ * probes and its destroy go to the worker that runs it (its runtime queue), so the other worker
+ * never reports it dead; when its worker goes away, the pool counts it gone and starts another
+ * on the worker left.
+ */
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import type { Client, Connection } from '@temporalio/client';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+
+let dir: string;
+let s3: S3Client;
+let nc: NatsConnection;
+let client: Client;
+let connection: Connection;
+let a: RunningWorkers | undefined;
+let b: RunningWorkers | undefined;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-workers-'));
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const cfg = workerConfig(iso, dir);
+  a = await startWorkers(cfg);
+  b = await startWorkers(cfg);
+  nc = await natsConnect();
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
+  ({ client, connection } = await temporalClient());
+}, 180_000);
+
+afterAll(async () => {
+  await client?.workflow.getHandle(poolWorkflowId('default', 'tiny')).terminate().catch(() => undefined);
+  await a?.shutdown();
+  await b?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+const readyInstances = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
+
+async function until(what: string, check: () => Promise<boolean>, timeoutMs: number): Promise<void> {
+  const deadline = Date.now() + timeoutMs;
+  while (!(await check())) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 200));
+  }
+}
+
+test('probes reach the worker that runs the instance; when that worker goes, the pool replaces the instance on the other', async () => {
+  const input: PoolInput = { namespace: 'default', model: 'tiny', minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };
+  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', 'tiny'), taskQueue: workerConfig(iso, dir).taskQueue, args: [input] });
+  let status: PoolStatus = await pool.query(poolStatusQuery);
+  await until('a ready instance', async () => readyInstances((status = await pool.query(poolStatusQuery))).length === 1, 120_000);
+  const first = readyInstances(status)[0]!;
+  const owner = (await a!.runtime.describe('tiny', first)) ? a! : b!;
+  const other = owner === a ? b! : a!;
+  expect(await other.runtime.describe('tiny', first)).toBeNull(); // the other worker knows nothing of it
+
+  // Twenty health checks: were any probe answered by the other worker, the instance would be dropped.
+  await new Promise((r) => setTimeout(r, 5_000));
+  status = await pool.query(poolStatusQuery);
+  expect(status.instances.map((i) => [i.id, i.phase])).toEqual([[first, 'ready']]);
+  expect(status.lastError).toBeNull();
+
+  // Its worker goes away (its engine with it): the pool's probes find nobody on that worker's
+  // queue, and the instance is replaced on the worker left.
+  await owner.shutdown();
+  if (owner === a) a = undefined;
+  else b = undefined;
+  await until('a new instance on the other worker', async () => {
+    const ids = readyInstances((status = await pool.query(poolStatusQuery)));
+    return ids.length === 1 && ids[0] !== first;
+  }, 120_000);
+  const second = readyInstances(status)[0]!;
+  expect((await other.runtime.describe('tiny', second))?.healthy).toBe(true);
+  expect(status.instances.map((i) => i.id)).not.toContain(first);
+}, 300_000);
