@@ -1,7 +1,8 @@
 /**
- * Determinism guard: a recorded `modelPipeline` history (test/histories, refreshed with
- * MAGUS_RECORD_HISTORY, see test/pipeline.int.test.ts) replays against today's workflow code,
- * and the same history with one command altered is rejected as non-deterministic.
+ * Determinism guard: recorded histories (test/histories, refreshed with MAGUS_RECORD_HISTORY)
+ * replay against today's workflow code — a `modelPipeline` (test/pipeline.int.test.ts) and a
+ * `dllamaPool` whose instance's worker went away (test/serving-workers.int.test.ts) — and a
+ * history with one command altered is rejected as non-deterministic.
  */
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -30,4 +31,10 @@ test('an altered history is a determinism violation', async () => {
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(altered), 'model/default/replay-altered')).rejects.toMatchObject({
     name: 'DeterminismViolationError',
   });
+}, 60_000);
+
+test('the recorded pool history (probes on the owner’s queue, the owner gone, a replacement) replays', async () => {
+  const pool = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-owner-gone.json'), 'utf8')) as typeof raw;
+  expect(pool.events.some((e) => e.eventType === 'EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT')).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/default/replay')).resolves.toBeUndefined();
 }, 60_000);
