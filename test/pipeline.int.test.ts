@@ -20,7 +20,7 @@ import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { endpoint, isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 import { runLlamaCpp } from './support/llama-cpp';
 
@@ -102,8 +102,7 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
   const handle = await start('tiny', spec(REPO));
   const p = await settled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: commit.sha, failure: null });
-  // `MAGUS_RECORD_HISTORY=test/histories/model-pipeline-ready.json` refreshes the replay test's history.
-  if (process.env.MAGUS_RECORD_HISTORY) writeFileSync(process.env.MAGUS_RECORD_HISTORY, `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
+  await recordHistory('model-pipeline-ready', handle);
   expect(p.files.done).toBe(p.files.total);
   expect(p.bytes.done).toBe(p.bytes.total);
 

@@ -1,8 +1,9 @@
 /**
- * Determinism guard: recorded histories (test/histories, refreshed with MAGUS_RECORD_HISTORY)
- * replay against today's workflow code — a `modelPipeline` (test/pipeline.int.test.ts) and a
- * `dllamaPool` whose instance's worker went away (test/serving-workers.int.test.ts) — and a
- * history with one command altered is rejected as non-deterministic.
+ * Determinism guard: recorded histories (test/histories, refreshed with MAGUS_RECORD_HISTORIES,
+ * see test/README.md) replay against today's workflow code — a `modelPipeline`
+ * (test/pipeline.int.test.ts), a `dllamaPool` whose instance's worker went away
+ * (test/serving-workers.int.test.ts) and a `session` started cold (test/serving.int.test.ts) —
+ * and a history with one command altered is rejected as non-deterministic.
  */
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -37,4 +38,10 @@ test('the recorded pool history (probes on the owner’s queue, the owner gone, 
   const pool = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-owner-gone.json'), 'utf8')) as typeof raw;
   expect(pool.events.some((e) => e.eventType === 'EVENT_TYPE_ACTIVITY_TASK_TIMED_OUT')).toBe(true);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/default/replay')).resolves.toBeUndefined();
+}, 60_000);
+
+test('the recorded session history (update-with-start, a lease, touches) replays', async () => {
+  const session = JSON.parse(readFileSync(join(__dirname, 'histories', 'session-cold-start.json'), 'utf8')) as typeof raw;
+  expect(session.events.some((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(session), 'session/replay')).resolves.toBeUndefined();
 }, 60_000);

@@ -6,7 +6,7 @@
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
@@ -15,10 +15,12 @@ import { openModelRegistry } from '../activities/nats/registry';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
+/** Its own model (and so its own pool workflow id): other test files serve `tiny`. */
+const MODEL = 'wtiny';
 
 let dir: string;
 let s3: S3Client;
@@ -36,12 +38,12 @@ beforeAll(async () => {
   a = await startWorkers(cfg);
   b = await startWorkers(cfg);
   nc = await natsConnect();
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
   ({ client, connection } = await temporalClient());
 }, 180_000);
 
 afterAll(async () => {
-  await client?.workflow.getHandle(poolWorkflowId('default', 'tiny')).terminate().catch(() => undefined);
+  await client?.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined);
   await a?.shutdown();
   await b?.shutdown();
   await nc?.drain();
@@ -61,14 +63,14 @@ async function until(what: string, check: () => Promise<boolean>, timeoutMs: num
 }
 
 test('probes reach the worker that runs the instance; when that worker goes, the pool replaces the instance on the other', async () => {
-  const input: PoolInput = { namespace: 'default', model: 'tiny', minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };
-  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', 'tiny'), taskQueue: workerConfig(iso, dir).taskQueue, args: [input] });
+  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };
+  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: workerConfig(iso, dir).taskQueue, args: [input] });
   let status: PoolStatus = await pool.query(poolStatusQuery);
   await until('a ready instance', async () => readyInstances((status = await pool.query(poolStatusQuery))).length === 1, 120_000);
   const first = readyInstances(status)[0]!;
-  const owner = (await a!.runtime.describe('tiny', first)) ? a! : b!;
+  const owner = (await a!.runtime.describe(MODEL, first)) ? a! : b!;
   const other = owner === a ? b! : a!;
-  expect(await other.runtime.describe('tiny', first)).toBeNull(); // the other worker knows nothing of it
+  expect(await other.runtime.describe(MODEL, first)).toBeNull(); // the other worker knows nothing of it
 
   // Ten health checks: were any probe answered by the other worker, the instance would be dropped
   // (with the probes on the shared queue, as before, all ten reach the owner 1 time in ~1000).
@@ -88,8 +90,7 @@ test('probes reach the worker that runs the instance; when that worker goes, the
     return ids.length === 1 && ids[0] !== first;
   }, 120_000);
   const second = readyInstances(status)[0]!;
-  expect((await other.runtime.describe('tiny', second))?.healthy).toBe(true);
+  expect((await other.runtime.describe(MODEL, second))?.healthy).toBe(true);
   expect(status.instances.map((i) => i.id)).not.toContain(first);
-  // `MAGUS_RECORD_HISTORY=test/histories/pool-owner-gone.json` refreshes the replay test's history.
-  if (process.env.MAGUS_RECORD_HISTORY) writeFileSync(process.env.MAGUS_RECORD_HISTORY, `${JSON.stringify(await pool.fetchHistory(), null, 1)}\n`);
+  await recordHistory('pool-owner-gone', pool);
 }, 300_000);

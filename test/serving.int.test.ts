@@ -23,7 +23,7 @@ import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 
 const iso = isolation();
@@ -122,6 +122,7 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   const s1 = gateway.sessionCache!.stats();
   expect(s1.coldStarts - s0.coldStarts + (s1.firstTurns - s0.firstTurns)).toBe(1);
   expect(s1.warmHits - s0.warmHits).toBe(2);
+  await recordHistory('session-cold-start', client.workflow.getHandle(sessionWorkflowId(mine[0]!)));
   const history = await client.workflow.getHandle(sessionWorkflowId(mine[0]!)).fetchHistory();
   const updates = (history.events ?? []).filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED);
   expect(updates).toHaveLength(s1.coldStarts - s0.coldStarts);

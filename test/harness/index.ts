@@ -3,7 +3,7 @@
  * stay out of each other's way: every test file gets its own task queue, bucket, NATS names
  * and Kubernetes namespace from {@link isolation}.
  */
-import { readFileSync } from 'node:fs';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { basename, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { S3Client } from '@aws-sdk/client-s3';
@@ -90,4 +90,13 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
     s3TraceFile: undefined,
     ...overrides,
   };
+}
+
+/**
+ * With `MAGUS_RECORD_HISTORIES=<dir>` set, writes a workflow's history to `<dir>/<name>.json`
+ * for `test/replay.test.ts` (refresh them with `MAGUS_RECORD_HISTORIES=$PWD/test/histories`).
+ */
+export async function recordHistory(name: string, handle: { fetchHistory(): Promise<unknown> }): Promise<void> {
+  const dir = process.env.MAGUS_RECORD_HISTORIES;
+  if (dir) writeFileSync(join(dir, `${name}.json`), `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
 }
