@@ -40,7 +40,7 @@ test('the recorded pool history (probes on the owner’s queue, the owner gone, 
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/default/replay')).resolves.toBeUndefined();
 }, 60_000);
 
-test('the recorded session history (update-with-start, a lease, touches) replays', async () => {
+test('the recorded session history (update-with-start, a lease) replays', async () => {
   const session = JSON.parse(readFileSync(join(__dirname, 'histories', 'session-cold-start.json'), 'utf8')) as typeof raw;
   expect(session.events.some((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')).toBe(true);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(session), 'session/replay')).resolves.toBeUndefined();
