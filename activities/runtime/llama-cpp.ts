@@ -4,6 +4,9 @@
  */
 import { join, resolve } from 'node:path';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
+import { supervise, type RestartPolicy } from './supervise';
+
+export type { RestartPolicy } from './supervise';
 
 /** How to run `magus engine` from here: the compiled CLI, or the sources under a TS loader. */
 function engineArgv(args: string[]): string[] {
@@ -60,16 +63,6 @@ export function startLlamaCppEngine(
   });
 }
 
-export interface RestartPolicy {
-  /** Restarts allowed within `windowMs` before the engine is given up (unhealthy). Default 3. */
-  maxRestarts: number;
-  windowMs: number;
-  /** Pause before the first restart; doubles with each restart in the window. Default 500 ms. */
-  backoffMs: number;
-}
-
-export const DEFAULT_RESTART_POLICY: RestartPolicy = { maxRestarts: 3, windowMs: 10 * 60_000, backoffMs: 500 };
-
 /** An engine that is restarted in place (same port, so its bridge and queued requests carry on) when it dies. */
 export interface SupervisedEngine {
   url: string;
@@ -83,81 +76,41 @@ export interface SupervisedEngine {
 }
 
 /**
- * Starts an engine and keeps it running: when it exits unexpectedly it is started again on the
- * same port after a backoff; requests in flight fail over to the bridge's retry (nak, redelivery)
- * and queued ones wait in the instance's consumer. More than `maxRestarts` exits within
- * `windowMs` (a crash loop) and it stays down: `healthy()` turns false, for the pool to replace.
+ * Starts an engine and keeps it running (supervise.ts): when it exits unexpectedly it is started
+ * again on the same port after a backoff; requests in flight fail over to the bridge's retry
+ * (nak, redelivery) and queued ones wait in the instance's consumer. A crash loop and it stays
+ * down: `healthy()` turns false, for the pool to replace.
  */
 export async function startSupervisedEngine(
   model: string,
   opts: Parameters<typeof startLlamaCppEngine>[1] & { restart?: Partial<RestartPolicy> },
 ): Promise<SupervisedEngine> {
-  const policy = { ...DEFAULT_RESTART_POLICY, ...opts.restart };
-  let current = await startLlamaCppEngine(model, opts);
-  const port = current.port;
-  let stopping = false;
-  let givenUp = false;
-  let restarting = false;
-  let restarts = 0;
-  const recent: number[] = [];
-
-  /** Counts a restart in the window and returns its backoff; null when that is one too many (a crash loop). */
-  const nextDelay = (): number | null => {
-    const now = Date.now();
-    while (recent.length > 0 && now - recent[0]! > policy.windowMs) recent.shift();
-    if (recent.length >= policy.maxRestarts) return null;
-    recent.push(now);
-    return policy.backoffMs * 2 ** (recent.length - 1);
-  };
-
-  const watch = (engine: LlamaCppEngine): void => {
-    void engine.process.exited.then(async (exit) => {
-      if (stopping || engine !== current) return;
-      let delay = nextDelay();
-      if (delay === null) {
-        givenUp = true;
-        opts.log(`${opts.name} ${describeExit(exit)}; ${recent.length} restarts within ${policy.windowMs / 1000}s already: giving up`);
-        return;
-      }
-      opts.log(`${opts.name} ${describeExit(exit)}; restarting it on port ${port} in ${delay} ms`);
-      restarting = true;
-      try {
-        while (delay !== null) {
-          await new Promise((r) => setTimeout(r, delay!));
-          if (stopping) return;
-          try {
-            current = await startLlamaCppEngine(model, { ...opts, port });
-            restarts += 1;
-            watch(current);
-            return;
-          } catch (err) {
-            delay = nextDelay();
-            if (delay === null) {
-              givenUp = true;
-              opts.log(`${opts.name} could not be restarted (${(err as Error).message}): giving up`);
-            }
-          }
-        }
-      } finally {
-        restarting = false;
-      }
-    });
-  };
-  watch(current);
-
+  const first = await startLlamaCppEngine(model, opts);
+  const port = first.port;
+  let graceMs = 10_000;
+  const sup = supervise(first, {
+    name: opts.name,
+    log: opts.log,
+    policy: opts.restart,
+    where: `on port ${port}`,
+    ended: (e) => e.process.exited.then(describeExit),
+    running: (e) => !e.process.exit,
+    restart: () => startLlamaCppEngine(model, { ...opts, port }),
+    stop: (e) => e.process.stop(graceMs),
+  });
   return {
-    url: current.url,
+    url: first.url,
     port,
     get process() {
-      return current.process;
+      return sup.current.process;
     },
     get restarts() {
-      return restarts;
+      return sup.restarts;
     },
-    healthy: () => !givenUp && !stopping && (restarting || !current.process.exit),
-    async stop(graceMs: number) {
-      stopping = true;
-      await current.process.stop(graceMs);
+    healthy: () => sup.healthy(),
+    stop(grace: number) {
+      graceMs = grace;
+      return sup.stop();
     },
   };
 }

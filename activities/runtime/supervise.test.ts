@@ -1,0 +1,91 @@
+import { supervise, type SuperviseOptions } from './supervise';
+
+/** Something that serves until `die()`; each one has its own id. */
+class Fake {
+  static started = 0;
+  readonly id = ++Fake.started;
+  running = true;
+  die!: (how: string) => void;
+  readonly ended = new Promise<string>((resolve) => (this.die = (how) => ((this.running = false), resolve(how))));
+}
+
+const until = async (check: () => boolean) => {
+  for (let i = 0; i < 200 && !check(); i++) await new Promise((r) => setTimeout(r, 5));
+  expect(check()).toBe(true);
+};
+
+function supervised(over: Partial<SuperviseOptions<Fake>> = {}) {
+  const logs: string[] = [];
+  const stopped: number[] = [];
+  const first = new Fake();
+  const s = supervise(first, {
+    name: 'p/i1 engine',
+    log: (l) => logs.push(l),
+    policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 1 },
+    where: 'on port 1234',
+    ended: (f) => f.ended,
+    running: (f) => f.running,
+    restart: () => Promise.resolve(new Fake()),
+    stop: (f) => {
+      stopped.push(f.id);
+      f.running = false;
+      return Promise.resolve();
+    },
+    ...over,
+  });
+  return { s, first, logs, stopped };
+}
+
+it('restarts what stopped by itself, in place, and reports it healthy again', async () => {
+  const { s, first, logs } = supervised();
+  first.die('was killed by SIGKILL');
+  await until(() => s.current !== first && s.healthy());
+  expect(s.restarts).toBe(1);
+  expect(logs).toEqual(['p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 1 ms']);
+});
+
+it('more stops within the window than the policy allows: given up, unhealthy, and nothing is started again', async () => {
+  const { s, first, logs } = supervised();
+  first.die('exited with code 1');
+  await until(() => s.restarts === 1);
+  s.current.die('exited with code 1');
+  await until(() => s.restarts === 2);
+  expect(logs[1]).toBe('p/i1 engine exited with code 1; restarting it on port 1234 in 2 ms'); // the backoff doubles
+  const last = s.current;
+  last.die('exited with code 1');
+  await until(() => !s.healthy());
+  expect(s.current).toBe(last);
+  expect(logs.at(-1)).toBe('p/i1 engine exited with code 1; 2 restarts within 60s already: giving up');
+});
+
+it('a restart that fails is tried again after the next backoff, and gives up when the window is used up', async () => {
+  let attempts = 0;
+  const { s, first, logs } = supervised({ restart: () => (++attempts, Promise.reject(new Error('port in use'))) });
+  first.die('was killed by SIGKILL');
+  await until(() => !s.healthy() && logs.length === 2);
+  expect(attempts).toBe(2);
+  expect(logs[1]).toBe('p/i1 engine could not be restarted (port in use): giving up');
+});
+
+it('stop() stops what runs, and what stops after that is not restarted', async () => {
+  const { s, first, stopped } = supervised();
+  await s.stop();
+  expect(stopped).toEqual([first.id]);
+  first.die('exited with code 0');
+  await new Promise((r) => setTimeout(r, 30));
+  expect(s.current).toBe(first);
+  expect(s.healthy()).toBe(false);
+});
+
+it('a restart that completes after stop() is stopped at once', async () => {
+  let release!: () => void;
+  const gate = new Promise<void>((r) => (release = r));
+  const { s, first, stopped } = supervised({ restart: () => gate.then(() => new Fake()) });
+  first.die('was killed by SIGKILL');
+  await new Promise((r) => setTimeout(r, 20)); // the restart is under way
+  const stopping = s.stop();
+  release();
+  await stopping;
+  await until(() => stopped.length === 2);
+  expect(s.current).toBe(first);
+});

@@ -1,0 +1,116 @@
+/**
+ * Restart in place, for whatever serves an instance (a llama.cpp engine, a distributed-llama
+ * topology): when it stops by itself it is started again where it was (the same port, so the
+ * instance's bridge and its queued requests carry on) after a backoff. Too many stops within a
+ * window is a crash loop: it is given up and stays down, and `healthy()` turns false for the pool
+ * to replace the instance.
+ */
+
+export interface RestartPolicy {
+  /** Restarts allowed within `windowMs` before it is given up (unhealthy). Default 3. */
+  maxRestarts: number;
+  windowMs: number;
+  /** Pause before the first restart; doubles with each restart in the window. Default 500 ms. */
+  backoffMs: number;
+}
+
+export const DEFAULT_RESTART_POLICY: RestartPolicy = { maxRestarts: 3, windowMs: 10 * 60_000, backoffMs: 500 };
+
+export interface Supervised<T> {
+  /** What runs now (a new one after each restart). */
+  readonly current: T;
+  readonly restarts: number;
+  /** Running, or being restarted within the policy; false once given up or stopped. */
+  healthy(): boolean;
+  /** Stops it for good: no restart follows. */
+  stop(): Promise<void>;
+}
+
+export interface SuperviseOptions<T> {
+  /** Names it in log lines. */
+  name: string;
+  log: (line: string) => void;
+  policy?: Partial<RestartPolicy>;
+  /** Where it is restarted, for the log (`on port 8080`). */
+  where: string;
+  /** Resolves, saying how, when `t` stopped by itself (never after `stop`). */
+  ended: (t: T) => Promise<string>;
+  running: (t: T) => boolean;
+  /** Starts it again where it was. */
+  restart: () => Promise<T>;
+  stop: (t: T) => Promise<void>;
+}
+
+/** Watches `first` (already started) and restarts it in place by the policy. */
+export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
+  const policy = { ...DEFAULT_RESTART_POLICY, ...o.policy };
+  let current = first;
+  let stopping = false;
+  let givenUp = false;
+  let restarting = false;
+  let restarts = 0;
+  const recent: number[] = [];
+
+  /** Counts a restart in the window and returns its backoff; null when that is one too many (a crash loop). */
+  const nextDelay = (): number | null => {
+    const now = Date.now();
+    while (recent.length > 0 && now - recent[0]! > policy.windowMs) recent.shift();
+    if (recent.length >= policy.maxRestarts) return null;
+    recent.push(now);
+    return policy.backoffMs * 2 ** (recent.length - 1);
+  };
+
+  const watch = (t: T): void => {
+    void o.ended(t).then(async (how) => {
+      if (stopping || t !== current) return;
+      let delay = nextDelay();
+      if (delay === null) {
+        givenUp = true;
+        o.log(`${o.name} ${how}; ${recent.length} restarts within ${policy.windowMs / 1000}s already: giving up`);
+        return;
+      }
+      o.log(`${o.name} ${how}; restarting it ${o.where} in ${delay} ms`);
+      restarting = true;
+      try {
+        while (delay !== null) {
+          await new Promise((r) => setTimeout(r, delay!));
+          if (stopping) return;
+          try {
+            const next = await o.restart();
+            if (stopping) {
+              await o.stop(next);
+              return;
+            }
+            current = next;
+            restarts += 1;
+            watch(current);
+            return;
+          } catch (err) {
+            delay = nextDelay();
+            if (delay === null) {
+              givenUp = true;
+              o.log(`${o.name} could not be restarted (${(err as Error).message}): giving up`);
+            }
+          }
+        }
+      } finally {
+        restarting = false;
+      }
+    });
+  };
+  watch(current);
+
+  return {
+    get current() {
+      return current;
+    },
+    get restarts() {
+      return restarts;
+    },
+    healthy: () => !givenUp && !stopping && (restarting || o.running(current)),
+    async stop() {
+      stopping = true;
+      await o.stop(current);
+    },
+  };
+}
