@@ -104,6 +104,8 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
     bucket,
     cacheDir: join(dir, 'cache'),
     dllama: { apiBin: dllama.apiBin ?? join(bin, 'dllama-api'), workerBin: join(bin, 'dllama'), nodes: dllama.nodes, threads: 2, stopGraceMs: 2000, startTimeoutSec: 60 },
+    // One restart in place allowed per window: the second death is a crash loop.
+    restart: { maxRestarts: 1, backoffMs: 100 },
     log: (l) => logs.push(l),
     output: (l) => logs.push(l),
   });
@@ -139,7 +141,7 @@ afterAll(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-test('a 4-node topology serves through NATS, turns unhealthy when a worker dies, and is replaced and destroyed without leftovers', async () => {
+test('a 4-node topology serves through NATS, is restarted in place when a worker dies, given up in a crash loop, replaced and destroyed without leftovers', async () => {
   const rt = runtime({ nodes: 4 });
   const info = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
   expect(info).toEqual({ instance: 'tiny-1', subject: requestSubjectOf(names, POOL, 'tiny-1'), healthy: true });
@@ -183,18 +185,33 @@ test('a 4-node topology serves through NATS, turns unhealthy when a worker dies,
   const models = (await (await fetch(`http://127.0.0.1:${root!.port}/v1/models`)).json()) as { data: { id: string }[] };
   expect(models.data.map((m) => m.id)).toEqual([`${sha(files.model)}.m`]); // dllama-api names the model by its file
 
-  // A worker dies: the instance is unhealthy, and the rest of the topology is stopped.
+  // A worker dies: the rest of the topology is stopped, and all of it starts again on the same
+  // ports (the bridge calls the same root URL), serving the instance again.
   process.kill(workers[1]!.pid!, 'SIGKILL');
-  await until('describe to report the instance unhealthy', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
   await until('the rest of the topology to stop', () => procs.every((p) => !alive(p.pid!)));
-  expect(rt.processes(POOL, 'tiny-1')!.every((p) => !p.running)).toBe(true);
   expect(logs).toContain(`${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL: stopping the rest of the topology`);
+  await until('the topology restarted', async () => {
+    const now = rt.processes(POOL, 'tiny-1')!;
+    return now.every((p) => p.running && !procs.some((old) => old.pid === p.pid)) && (await rt.describe(POOL, 'tiny-1'))?.healthy === true;
+  });
+  const restarted = rt.processes(POOL, 'tiny-1')!;
+  expect(restarted.map((p) => [p.role, p.index, p.port])).toEqual(procs.map((p) => [p.role, p.index, p.port]));
+  expect(logs.some((l) => l.startsWith(`${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL; restarting it on ports ${procs.map((p) => p.port).join(', ')} in 100 ms`))).toBe(true);
+  expect((await ask('tiny-1', { stream: false, messages: [{ role: 'user', content: 'Still there?' }] })).text).toBe('Still there? [4 nodes]');
+
+  // The root dies too, within the window: a crash loop, no more restarts; describe says unhealthy.
+  process.kill(restarted[0]!.pid!, 'SIGKILL');
+  await until('describe to report the instance unhealthy', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
+  await until('the rest of the topology to stop', () => restarted.every((p) => !alive(p.pid!)));
+  await sleep(300);
+  expect(rt.processes(POOL, 'tiny-1')!.every((p) => !p.running)).toBe(true);
+  expect(logs.some((l) => /giving up/.test(l))).toBe(true);
 
   // create() for the same id replaces the broken instance with a new topology.
   expect(await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal)).toMatchObject({ healthy: true });
   const again = rt.processes(POOL, 'tiny-1')!;
   expect(again).toHaveLength(4);
-  expect(again.every((p) => p.running && !procs.some((old) => old.pid === p.pid))).toBe(true);
+  expect(again.every((p) => p.running && !procs.some((old) => old.pid === p.pid) && !restarted.some((old) => old.pid === p.pid))).toBe(true);
   expect((await ask('tiny-1', { stream: true })).text).toBe('Hello [4 nodes]');
 
   // destroy(): every process is gone when it resolves, and the runtime forgets the instance.

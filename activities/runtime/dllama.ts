@@ -22,6 +22,7 @@ import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Artifact, ReadyModel, StoredObject, WeightsFormat } from '../../shared/model';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
+import { supervise, type RestartPolicy } from './supervise';
 
 /** Where and how topologies run (the worker's `MAGUS_DLLAMA_*` configuration). */
 export interface DllamaOptions {
@@ -125,6 +126,11 @@ export interface DllamaTopology {
   nodes: readonly DllamaNode[];
   /** Every process still runs. */
   healthy(): boolean;
+  /**
+   * Resolves, saying which process ended how (`worker 2 :port was killed by SIGKILL`), once a
+   * process exited by itself and the rest of the topology was stopped; never after `stop()`.
+   */
+  failed: Promise<string>;
   /** Stops the root, then the workers (SIGTERM, SIGKILL after the grace); resolves when all have exited. */
   stop(): Promise<void>;
 }
@@ -185,7 +191,7 @@ class StartError extends Error {
  */
 export async function startDllamaTopology(
   files: { model: string; tokenizer: string; maxSeqLen: number },
-  opts: DllamaOptions & { name: string; log: (line: string) => void; output?: (line: string) => void; signal?: AbortSignal },
+  opts: DllamaOptions & { name: string; log: (line: string) => void; output?: (line: string) => void; signal?: AbortSignal; ports?: readonly number[] },
 ): Promise<DllamaTopology> {
   const { name, log, signal } = opts;
   // The programs' own output (dllama-api prints prompts and answers): not logged unless asked.
@@ -217,7 +223,8 @@ export async function startDllamaTopology(
   };
 
   try {
-    const [rootPort, ...workerPorts] = await freePorts(opts.nodes);
+    // Given ports: a restart in place (the root's URL is what the instance's bridge calls).
+    const [rootPort, ...workerPorts] = opts.ports ? [...opts.ports] : await freePorts(opts.nodes);
     const workers = workerPorts.map((port, i) => spawnNode('worker', i + 1, port, [opts.workerBin, ...dllamaWorkerArgs({ port, threads: opts.threads })]));
     for (const w of workers) {
       for (;;) {
@@ -248,21 +255,71 @@ export async function startDllamaTopology(
   }
 
   let stopping = false;
+  let fail: (how: string) => void = () => undefined;
+  const failed = new Promise<string>((resolve) => (fail = resolve));
   for (const n of nodes) {
     void n.process.exited.then((e) => {
       if (stopping) return;
       stopping = true;
       log(`${n.process.name} ${describeExit(e)}: stopping the rest of the topology`);
-      void stopAll();
+      void stopAll().then(() => fail(`${n.process.name.slice(name.length + 1)} ${describeExit(e)}`)); // `worker 2 :port was killed by SIGKILL`
     });
   }
   return {
     url: `http://${HOST}:${nodes.find((n) => n.role === 'root')!.port}`,
     nodes: [...nodes].sort((a, b) => a.index - b.index),
     healthy: () => nodes.every((n) => !n.process.exit),
+    failed,
     async stop() {
       stopping = true;
       await stopAll();
     },
+  };
+}
+
+/** A topology restarted in place (supervise.ts) when one of its processes dies. */
+export interface SupervisedTopology {
+  url: string;
+  /** The current topology's processes, root first. */
+  readonly nodes: readonly DllamaNode[];
+  readonly restarts: number;
+  /** Serving, or being restarted within the policy; false once given up. */
+  healthy(): boolean;
+  stop(): Promise<void>;
+}
+
+/**
+ * Starts a topology and keeps it serving: when any process dies, the rest is stopped (as
+ * {@link startDllamaTopology} does) and the whole topology is started again on the same ports
+ * after a backoff, so the instance's bridge and its queued requests carry on. A crash loop and it
+ * stays down: `healthy()` turns false, for the pool to replace the instance.
+ */
+export async function startSupervisedTopology(
+  files: Parameters<typeof startDllamaTopology>[0],
+  opts: Parameters<typeof startDllamaTopology>[1] & { restart?: Partial<RestartPolicy> },
+): Promise<SupervisedTopology> {
+  const first = await startDllamaTopology(files, opts);
+  const ports = first.nodes.map((n) => n.port); // root first
+  const { signal: _startOnly, ...again } = opts;
+  const sup = supervise(first, {
+    name: opts.name,
+    log: opts.log,
+    policy: opts.restart,
+    where: `on ports ${ports.join(', ')}`,
+    ended: (t) => t.failed,
+    running: (t) => t.healthy(),
+    restart: () => startDllamaTopology(files, { ...again, ports }),
+    stop: (t) => t.stop(),
+  });
+  return {
+    url: first.url,
+    get nodes() {
+      return sup.current.nodes;
+    },
+    get restarts() {
+      return sup.restarts;
+    },
+    healthy: () => sup.healthy(),
+    stop: () => sup.stop(),
   };
 }

@@ -5,9 +5,10 @@
  *   when the worker is configured with its binaries and the model has a distributed-llama
  *   artifact that runs on that many nodes;
  * - otherwise `magus engine` (llama.cpp, llama-cpp.ts) over the model's GGUF.
- * Model files come from S3 into a local cache once (cache.ts). A llama.cpp engine that dies is
- * restarted in place on its port (the bridge and the queued requests carry on); one in a crash
- * loop is given up and `describe` reports the instance unhealthy. Every process runs under
+ * Model files come from S3 into a local cache once (cache.ts). A llama.cpp engine that dies, or
+ * a topology one of whose processes dies, is restarted in place on its ports (supervise.ts: the
+ * bridge and the queued requests carry on); one in a crash loop is given up and `describe`
+ * reports the instance unhealthy. Every process runs under
  * `setpriv --pdeathsig KILL`, so it dies with the worker that started it; the pool notices
  * (describe) and starts new ones.
  */
@@ -19,7 +20,7 @@ import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type 
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
 import { cachedFile, type ModelCache } from './cache';
-import { chooseDllamaArtifact, startDllamaTopology, type DllamaOptions } from './dllama';
+import { chooseDllamaArtifact, startSupervisedTopology, type DllamaOptions } from './dllama';
 import { startSupervisedEngine, type RestartPolicy } from './llama-cpp';
 import type { SupervisedProcess } from './process';
 
@@ -37,7 +38,7 @@ export interface LocalRuntimeOptions {
   threads?: number;
   /** Seconds an engine may take to load its model. */
   startTimeoutSec?: number;
-  /** When a llama.cpp engine dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
+  /** When an engine or topology dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
   restart?: Partial<RestartPolicy>;
   /** distributed-llama binaries and topology size; unset: llama.cpp only. */
   dllama?: DllamaOptions;
@@ -126,11 +127,13 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
     const memory = choice.memory ? `; planned memory: root ${mib(choice.memory.root)}${choice.memory.worker === null ? '' : `, each worker ${mib(choice.memory.worker)}`}` : '';
     log(`${name}: distributed-llama on ${opts.dllama.nodes} node(s), ${choice.artifact.weights} weights, --max-seq-len ${choice.maxSeqLen}${memory}`);
-    const topology = await startDllamaTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, ...(signal ? { signal } : {}) });
+    const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, ...(signal ? { signal } : {}) });
     return {
       kind: 'dllama',
       url: topology.url,
-      processes: topology.nodes.map((n) => ({ role: n.role, index: n.index, port: n.port, process: n.process })),
+      get processes() {
+        return topology.nodes.map((n) => ({ role: n.role, index: n.index, port: n.port, process: n.process }));
+      },
       healthy: () => topology.healthy(),
       stop: () => topology.stop(),
     };
