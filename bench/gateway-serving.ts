@@ -2,7 +2,8 @@
  * The serving side of `npm run bench:gateway`, forked by bench/gateway.ts: what runs next to an
  * engine, in a process of its own so that neither it nor the load shares the gateway's event
  * loop. On request (IPC) it starts
- * - a stub engine that answers at once and a real bridge consuming its instance's requests, and
+ * - a stub engine that answers at once and a real bridge consuming its instance's requests,
+ * - a minimal bridge on a second instance of the same stub (the design's floor), and
  * - the Temporal workers (workflows + local runtime: a real llama.cpp engine and its bridge).
  *
  * While tracing is on it records, with epoch-ms timestamps, what the bridge does on this NATS
@@ -11,7 +12,8 @@
  */
 import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
-import { ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import type { InferenceRequest } from '../shared/serving';
 import { startBridge, type Bridge, type BridgeStats } from '../workers/bridge';
 import { createEngineClient, sseEventBatches, type EngineClient } from '../workers/engine-client';
 import type { MagusConfig } from '../workers/config';
@@ -22,6 +24,7 @@ import { startCpuProfile, type CpuSummary } from './cpu-profile';
 /** Parent → child. */
 export type ServingCommand =
   | { type: 'stub'; nats: string; prefix: string; pool: string; instance: string; slots: number; chunks: number }
+  | { type: 'floor'; prefix: string; pool: string; instance: string; slots: number }
   | { type: 'workers'; cfg: MagusConfig; env: Record<string, string> }
   | { type: 'trace'; on: boolean }
   | { type: 'profile'; on: boolean }
@@ -31,6 +34,7 @@ export type ServingCommand =
 /** Child → parent (`re` names the command answered). */
 export type ServingReply =
   | { re: 'stub'; url: string; subject: string }
+  | { re: 'floor'; subject: string }
   | { re: 'workers' }
   | { re: 'trace'; events: TraceEvent[] }
   | { re: 'profile'; summary?: CpuSummary }
@@ -42,6 +46,8 @@ export type ServingReply =
 export type TraceEvent = [kind: 'request' | 'publish' | 'fetch', key: string, start: number, end: number];
 
 const now = (): number => performance.timeOrigin + performance.now();
+/** A signal that never aborts. */
+const FOREVER = new AbortController().signal;
 
 let nc: NatsConnection | undefined;
 let engine: StubEngine | undefined;
@@ -95,6 +101,25 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       engine = await startStubEngine({ modelId: cmd.pool, chunks: cmd.chunks });
       bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: engine.url, engineClient: tracedEngineClient(engine.url), slots: cmd.slots });
       return { re: 'stub', url: engine.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
+    }
+    case 'floor': {
+      // The design's floor: the least a bridge can do — pull, call the engine, publish the answer,
+      // ack — with none of magus's exactly-once, cancel, retry, deadline or limits (after `stub`).
+      const names = await ensureDataPlane(nc!, { prefix: cmd.prefix });
+      await ensureInstanceConsumer(await nc!.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
+      const client = createEngineClient(engine!.url);
+      const messages = await (await nc!.jetstream().consumers.get(names.requestStream, consumerNameOf(cmd.pool, cmd.instance))).consume({ max_messages: cmd.slots });
+      void (async () => {
+        for await (const m of messages) {
+          void (async () => {
+            const req = JSON.parse(new TextDecoder().decode(m.data)) as InferenceRequest;
+            const res = await client.post('/v1/chat/completions', JSON.stringify(req.body), { accept: 'application/json', signal: FOREVER });
+            nc!.publish(req.replyTo, JSON.stringify({ seq: 0, type: 'done', data: JSON.parse(await res.text()) as unknown }));
+            m.ack();
+          })().catch(() => m.term());
+        }
+      })();
+      return { re: 'floor', subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
     }
     case 'workers':
       Object.assign(process.env, cmd.env);

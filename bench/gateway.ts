@@ -5,6 +5,8 @@
  *   (b) gateway: client → gateway → NATS JetStream → bridge → stub engine, and back, on a warm
  *       session (seeded by one cold turn each; the gateway may not take the cold path while
  *       measuring — asserted).
+ * Beside them, the design's floor at concurrency 1: the same NATS path through a bare node:http
+ * server and a minimal bridge (measureFloor), i.e. what is left once magus's features are gone.
  * Then the first turn of a new conversation on a warm pool: gateway → Temporal (pool + session
  * workflows, a lease from the one ready instance) → NATS → bridge → a real llama.cpp engine.
  *
@@ -21,23 +23,25 @@ import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { fork, type ChildProcess } from 'node:child_process';
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Writable } from 'node:stream';
-import { connect, type KV, type NatsConnection } from 'nats';
-import { ensureDataPlane } from '../activities/nats/data-plane';
+import { connect, nuid, type KV, type NatsConnection } from 'nats';
+import { ensureDataPlane, type DataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { streamPublisher, type PublishRequest } from '../gateway/plugins/responses';
+import { exchange, sharedResponseRouter, streamPublisher, type PublishRequest } from '../gateway/plugins/responses';
 import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gateway/plugins/sessions';
 import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
-import type { SessionEntry } from '../shared/serving';
+import type { InferenceRequest, SessionEntry } from '../shared/serving';
 import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { seedFor } from '../workers/bridge';
 import { startServices } from '../workers/dev/services';
@@ -264,6 +268,7 @@ async function main(): Promise<void> {
 
     const cpu1 = { direct: [] as number[], gateway: [] as number[] };
     const c1 = await sideBySide(8, { requests: n(250) }, cpu1);
+    const floor = await measureFloor({ serving, client, gwNc, names, stubUrl: stub.url, warmUp: n(WARM_UP / 4), blocks: 4, requests: n(250) });
     const cpu8 = { direct: [] as number[], gateway: [] as number[] };
     const c8 = await sideBySide(4, { requests: n(1000), concurrency: 8, sessionIds: c8Sessions }, cpu8);
     const st = await sideBySide(5, { requests: n(100), stream: true });
@@ -300,7 +305,7 @@ async function main(): Promise<void> {
     const firstTurn = await measureFirstTurn({ dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, temporalColdStartMs, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
 
     const load1 = loadavg();
-    report({ c1, cpu1, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs });
+    report({ c1, cpu1, floor, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs });
     await gateway.close();
     await serve(serving, { type: 'stop' }).catch(() => undefined);
   } finally {
@@ -458,9 +463,60 @@ async function measureFirstTurn(ctx: {
 // ---------------------------------------------------------------------------------------------
 // Report
 
+/**
+ * The same NATS path with nothing of magus around it: a bare `node:http` server in this process
+ * (no fastify, auth, conversation key, session cache, logging or metrics) that publishes each
+ * request to a second instance of the stub and answers with its frame, and a minimal bridge
+ * (pull, engine call, publish, ack: no exactly-once, cancel, retry or limits). Alternating
+ * blocks with the direct path, after a warm-up of its own. What magus adds on top of this floor
+ * is the cost of its features; what this floor adds over direct is the cost of the design here.
+ */
+async function measureFloor(o: { serving: ChildProcess; client: ChildProcess; gwNc: NatsConnection; names: DataPlaneNames; stubUrl: string; warmUp: number; blocks: number; requests: number }) {
+  const pool = 'floor';
+  const { subject } = await serve<Extract<ServingReply, { re: 'floor' }>>(o.serving, { type: 'floor', prefix: PREFIX, pool, instance: 'i1', slots: 16 });
+  const entry: SessionEntry = { subject, pool, instance: 'i1', expiresAt: Date.now() + 3_600_000 };
+  const router = await sharedResponseRouter(o.gwNc, { subjectScope: o.names.subjectScope });
+  const publisher = streamPublisher(o.gwNc);
+  const signal = new AbortController().signal;
+  const server = createServer((req, res) => {
+    const chunks: Buffer[] = [];
+    req.on('data', (c: Buffer) => chunks.push(c));
+    req.on('end', () => {
+      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as InferenceRequest['body'];
+      const id = nuid.next();
+      const request: InferenceRequest = { id, replyTo: router.replySubject(id), deadline: Date.now() + 60_000, body: { model: body.model, messages: body.messages, stream: false } };
+      exchange(entry, request, { router, publish: publisher.publish, requestTimeoutMs: 60_000, gapTimeoutMs: 5_000, retryAfterSec: 1, signal }).then(
+        (done) => {
+          const text = JSON.stringify(done);
+          res.writeHead(200, { 'content-type': 'application/json', 'content-length': Buffer.byteLength(text) });
+          res.end(text);
+        },
+        () => res.writeHead(502).end(),
+      );
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/v1/chat/completions`;
+  const spec = (target: string, requests: number, concurrency = 1): LoadSpec => ({ url: target, token: TOKEN, model: STUB, concurrency, requests, sessionIds: Array.from({ length: concurrency }, (_, i) => `floor-${i}`), stream: false, prompt: PROMPT, expectText: PROMPT });
+  try {
+    await load(o.client, spec(url, o.warmUp, 8));
+    const out = { direct: [] as LoadResult[], gateway: [] as LoadResult[] };
+    for (let b = 0; b < o.blocks; b++) {
+      out.direct.push(await load(o.client, spec(`${o.stubUrl}/v1/chat/completions`, o.requests)));
+      out.gateway.push(await load(o.client, spec(url, o.requests)));
+    }
+    return out;
+  } finally {
+    server.close();
+    await publisher.close();
+    await router.close();
+  }
+}
+
 function report(r: {
   c1: { direct: LoadResult[]; gateway: LoadResult[] };
   cpu1: { direct: number[]; gateway: number[] };
+  floor: { direct: LoadResult[]; gateway: LoadResult[] };
   c8: { direct: LoadResult[]; gateway: LoadResult[] };
   cpu8: { direct: number[]; gateway: number[] };
   st: { direct: LoadResult[]; gateway: LoadResult[] };
@@ -498,6 +554,11 @@ function report(r: {
       (label, k) => `  ${label.padEnd(34)}${fmt(cpuPer(cpu.direct, k, rd), 3).padStart(9)}${fmt(cpuPer(cpu.gateway, k, rg), 3).padStart(10)}`,
     );
   out.push(...cpuRows(r.cpu1, count(r.c1.direct), count(r.c1.gateway)));
+  const lfd = latencies(r.floor.direct);
+  const lfg = latencies(r.floor.gateway);
+  out.push(`the design's floor, concurrency 1 (${count(r.floor.direct)} + ${count(r.floor.gateway)}): a bare node:http server that only publishes and waits, a minimal bridge`);
+  out.push(row('  p50', p50(lfd), p50(lfg)));
+  out.push(row('  p99', p99(lfd), p99(lfg)));
   const l8d = latencies(r.c8.direct);
   const l8g = latencies(r.c8.gateway);
   out.push(`non-stream, concurrency 8 (${count(r.c8.direct)} + ${count(r.c8.gateway)} requests)`);
