@@ -598,11 +598,12 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
             a.nextSeq = seq + 1;
           }
           seq += 1;
+          if (a.abort.signal.aborted) break read;
           if (!firstToken && carriesText(data)) {
             firstToken = true;
             if (i < batch.length - 1) await new Promise<void>((resolve) => setImmediate(resolve)); // NATS flushes it now
+            if (a.abort.signal.aborted) break read;
           }
-          if (a.abort.signal.aborted) break read;
         }
       }
       const stopped = aborted();
