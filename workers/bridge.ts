@@ -17,7 +17,7 @@
  *   with the same pinned seed, checks its first frames match them and publishes only the rest;
  *   if they differ it ends the answer with a `generation_diverged` error instead of mixing two.
  */
-import { createHash, randomBytes } from 'node:crypto';
+import { hash, randomBytes } from 'node:crypto';
 import { createServer, type Server } from 'node:http';
 import { hostname } from 'node:os';
 import { ConsumerEvents, Events, connect, millis, type ConsumerMessages, type JsMsg, type NatsConnection } from 'nats';
@@ -164,7 +164,7 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
 
 /** The seed every attempt of a request uses when the client gave none, so a retry regenerates the same text. */
 export function seedFor(requestId: string): number {
-  return createHash('sha256').update(requestId).digest().readUInt32BE(0) & 0x7fffffff;
+  return hash('sha256', requestId, 'buffer').readUInt32BE(0) & 0x7fffffff; // one-shot: no Hash object per request
 }
 
 /** Makes engine output attempt-independent: the response id is the request's, `created` the first claim's. */
