@@ -44,11 +44,11 @@ const request = (id: string): InferenceRequest => ({
 });
 
 describe('ensureDataPlane', () => {
-  it('declares the request stream as a de-duplicating, age- and size-bounded work queue in memory', async () => {
+  it('declares the request stream as a de-duplicating, age- and size-bounded work queue on file', async () => {
     const { config } = await jsm.streams.info(names.requestStream);
     expect(config.subjects).toEqual([`${names.subjectScope}.magus.req.>`]);
     expect(config.retention).toBe(RetentionPolicy.Workqueue);
-    expect(config.storage).toBe(StorageType.Memory);
+    expect(config.storage).toBe(StorageType.File);
     expect(config.max_bytes).toBe(512 * 1024 * 1024);
     expect(config.duplicate_window).toBe(nanos(5 * 60_000));
     expect(config.max_age).toBe(nanos(60 * 60_000));

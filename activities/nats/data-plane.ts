@@ -4,15 +4,19 @@
  * consumers; the gateway and the bridges only *get* them, through one {@link DataPlaneNames}
  * value, so a test (or a second installation) can rename everything with a prefix.
  *
- * - `MAGUS_REQUESTS` (`magus.req.<pool>.<instance>`, work queue, memory): requests, published with
- *   `Nats-Msg-Id` = request id; one durable pull consumer per instance. In memory because a file
+ * - `MAGUS_REQUESTS` (`magus.req.<pool>.<instance>`, work queue, file): requests, published with
+ *   `Nats-Msg-Id` = request id; one durable pull consumer per instance. On file although a file
  *   work queue that drains creates and deletes a block file for every request (nats-server
- *   replaces an emptied last block), which cost ~0.2 ms of every request at concurrency 1; what
- *   memory gives up is queued requests surviving a restart of a single (unreplicated) server —
- *   their clients get a 504 instead, and with `replicas` > 1 they survive a server's loss.
+ *   replaces an emptied last block; ~0.2 ms of every request at concurrency 1, measured): a
+ *   single nats-server forgets a memory stream altogether when it restarts — not only the queued
+ *   requests but the stream and its consumers — and nothing would serve until they were declared
+ *   again.
  * - `MAGUS_RESPONSES` (`magus.res.>`, memory, limits): captures the frames bridges publish with
  *   core NATS to `magus.res.<id>`. Nobody consumes it on the hot path; a bridge that takes over a
  *   redelivered request reads it to learn exactly what the client may already have received.
+ *   In memory (every frame is stored): a single nats-server that restarts forgets it, and until a
+ *   process declares the data plane again take-overs cannot resume (they end the answer with an
+ *   error); answers themselves still flow, on core NATS.
  * - KV `magus_sessions`, `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
  *   {@link RequestClaim} per request id: who owns the current attempt, and the outcome), and
  *   `magus_models` (the registry, created by registry.ts).
@@ -132,7 +136,7 @@ export interface DataPlaneOptions {
    * gateway answers with 429. Default 256.
    */
   instanceBacklog?: number;
-  /** Bytes all queued requests may take (memory); a publish beyond it is refused like a full backlog. Default 512 MiB. */
+  /** Bytes all queued requests may take; a publish beyond it is refused like a full backlog. Default 512 MiB. */
   requestMaxBytes?: number;
   /** How long frames stay readable for a takeover; must exceed the longest request. Default 30 min. */
   responseMaxAgeMs?: number;
@@ -225,7 +229,7 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
     description: 'magus inference requests, one subject per topology instance',
     subjects: [scoped(names, `${Nats.requestSubjectPrefix}.>`)],
     retention: RetentionPolicy.Workqueue,
-    storage: StorageType.Memory,
+    storage: StorageType.File,
     discard: DiscardPolicy.New,
     discard_new_per_subject: true,
     max_msgs_per_subject: opts.instanceBacklog ?? DEFAULT_INSTANCE_BACKLOG,
@@ -247,9 +251,9 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   });
   await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
   await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
-  // In memory, like the response frames it is read together with: a claim lives for one request,
-  // and the create on every first delivery is a round trip the bridge waits for.
-  await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas, storage: StorageType.Memory });
+  // On file: only redeliveries write claims (a first delivery that answers writes none), and a
+  // single nats-server that restarts forgets memory buckets altogether.
+  await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
   return names;
 }
