@@ -22,7 +22,7 @@ import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { Artifact, ReadyModel, StoredObject, WeightsFormat } from '../../shared/model';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
-import { supervise, type RestartPolicy } from './supervise';
+import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
 /** Where and how topologies run (the worker's `MAGUS_DLLAMA_*` configuration). */
 export interface DllamaOptions {
@@ -199,9 +199,10 @@ export async function startDllamaTopology(
   const grace = opts.stopGraceMs ?? 10_000;
   const deadline = Date.now() + (opts.startTimeoutSec ?? 300) * 1000;
   const nodes: DllamaNode[] = [];
+  /** `root :port` / `worker i :port`: how a node is named, after the topology's name. */
+  const nodeName = (n: Pick<DllamaNode, 'role' | 'index' | 'port'>) => (n.role === 'root' ? `root :${n.port}` : `worker ${n.index} :${n.port}`);
   const spawnNode = (role: DllamaNode['role'], index: number, port: number, argv: string[]): DllamaNode => {
-    const label = role === 'root' ? `${name} root :${port}` : `${name} worker ${index} :${port}`;
-    const node = { role, index, port, process: spawnSupervised(label, argv, { log: output, lineBuffered: true }) };
+    const node = { role, index, port, process: spawnSupervised(`${name} ${nodeName({ role, index, port })}`, argv, { log: output, lineBuffered: true }) };
     nodes.push(node);
     return node;
   };
@@ -262,7 +263,7 @@ export async function startDllamaTopology(
       if (stopping) return;
       stopping = true;
       log(`${n.process.name} ${describeExit(e)}: stopping the rest of the topology`);
-      void stopAll().then(() => fail(`${n.process.name.slice(name.length + 1)} ${describeExit(e)}`)); // `worker 2 :port was killed by SIGKILL`
+      void stopAll().then(() => fail(`${nodeName(n)} ${describeExit(e)}`));
     });
   }
   return {
@@ -277,31 +278,20 @@ export async function startDllamaTopology(
   };
 }
 
-/** A topology restarted in place (supervise.ts) when one of its processes dies. */
-export interface SupervisedTopology {
-  url: string;
-  /** The current topology's processes, root first. */
-  readonly nodes: readonly DllamaNode[];
-  readonly restarts: number;
-  /** Serving, or being restarted within the policy; false once given up. */
-  healthy(): boolean;
-  stop(): Promise<void>;
-}
-
 /**
- * Starts a topology and keeps it serving: when any process dies, the rest is stopped (as
- * {@link startDllamaTopology} does) and the whole topology is started again on the same ports
- * after a backoff, so the instance's bridge and its queued requests carry on. A crash loop and it
- * stays down: `healthy()` turns false, for the pool to replace the instance.
+ * Starts a topology and keeps it serving (supervise.ts): when any process dies, the rest is
+ * stopped (as {@link startDllamaTopology} does) and the whole topology is started again on the
+ * same ports after a backoff, so the instance's bridge and its queued requests carry on. A crash
+ * loop and it stays down: `healthy()` turns false, for the pool to replace the instance.
  */
 export async function startSupervisedTopology(
   files: Parameters<typeof startDllamaTopology>[0],
   opts: Parameters<typeof startDllamaTopology>[1] & { restart?: Partial<RestartPolicy> },
-): Promise<SupervisedTopology> {
+): Promise<Supervised<DllamaTopology>> {
   const first = await startDllamaTopology(files, opts);
   const ports = first.nodes.map((n) => n.port); // root first
   const { signal: _startOnly, ...again } = opts;
-  const sup = supervise(first, {
+  return supervise(first, {
     name: opts.name,
     log: opts.log,
     policy: opts.restart,
@@ -311,15 +301,4 @@ export async function startSupervisedTopology(
     restart: () => startDllamaTopology(files, { ...again, ports }),
     stop: (t) => t.stop(),
   });
-  return {
-    url: first.url,
-    get nodes() {
-      return sup.current.nodes;
-    },
-    get restarts() {
-      return sup.restarts;
-    },
-    healthy: () => sup.healthy(),
-    stop: () => sup.stop(),
-  };
 }

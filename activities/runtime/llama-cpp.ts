@@ -4,7 +4,7 @@
  */
 import { join, resolve } from 'node:path';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
-import { supervise, type RestartPolicy } from './supervise';
+import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
 export type { RestartPolicy } from './supervise';
 
@@ -63,32 +63,19 @@ export function startLlamaCppEngine(
   });
 }
 
-/** An engine that is restarted in place (same port, so its bridge and queued requests carry on) when it dies. */
-export interface SupervisedEngine {
-  url: string;
-  port: number;
-  /** The current process (a new one after each restart). */
-  readonly process: SupervisedProcess;
-  readonly restarts: number;
-  /** Running, or being restarted within the policy; false once given up. */
-  healthy(): boolean;
-  stop(graceMs: number): Promise<void>;
-}
-
 /**
  * Starts an engine and keeps it running (supervise.ts): when it exits unexpectedly it is started
- * again on the same port after a backoff; requests in flight fail over to the bridge's retry
- * (nak, redelivery) and queued ones wait in the instance's consumer. A crash loop and it stays
- * down: `healthy()` turns false, for the pool to replace.
+ * again on the same port (its URL, which the bridge calls, stays) after a backoff; requests in
+ * flight fail over to the bridge's retry (nak, redelivery) and queued ones wait in the instance's
+ * consumer. A crash loop and it stays down: `healthy()` turns false, for the pool to replace.
  */
 export async function startSupervisedEngine(
   model: string,
-  opts: Parameters<typeof startLlamaCppEngine>[1] & { restart?: Partial<RestartPolicy> },
-): Promise<SupervisedEngine> {
+  opts: Parameters<typeof startLlamaCppEngine>[1] & { restart?: Partial<RestartPolicy>; stopGraceMs: number },
+): Promise<Supervised<LlamaCppEngine>> {
   const first = await startLlamaCppEngine(model, opts);
   const port = first.port;
-  let graceMs = 10_000;
-  const sup = supervise(first, {
+  return supervise(first, {
     name: opts.name,
     log: opts.log,
     policy: opts.restart,
@@ -96,21 +83,6 @@ export async function startSupervisedEngine(
     ended: (e) => e.process.exited.then(describeExit),
     running: (e) => !e.process.exit,
     restart: () => startLlamaCppEngine(model, { ...opts, port }),
-    stop: (e) => e.process.stop(graceMs),
+    stop: (e) => e.process.stop(opts.stopGraceMs),
   });
-  return {
-    url: first.url,
-    port,
-    get process() {
-      return sup.current.process;
-    },
-    get restarts() {
-      return sup.restarts;
-    },
-    healthy: () => sup.healthy(),
-    stop(grace: number) {
-      graceMs = grace;
-      return sup.stop();
-    },
-  };
 }

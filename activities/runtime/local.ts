@@ -75,7 +75,7 @@ export interface LocalRuntime extends Runtime {
 interface Serving {
   kind: 'llama.cpp' | 'dllama';
   url: string;
-  processes: { role: LocalProcessInfo['role']; index: number; port: number; process: SupervisedProcess }[];
+  readonly processes: readonly { role: LocalProcessInfo['role']; index: number; port: number; process: SupervisedProcess }[];
   healthy(): boolean;
   stop(): Promise<void>;
 }
@@ -104,15 +104,15 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedFile(cache, file, '.gguf');
     // Responses name the model as clients know it, not by its cached file.
-    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart });
+    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart, stopGraceMs: STOP_GRACE_MS });
     return {
       kind: 'llama.cpp',
-      url: engine.url,
+      url: engine.current.url, // restarts keep the port
       get processes() {
-        return [{ role: 'engine' as const, index: 0, port: engine.port, process: engine.process }];
+        return [{ role: 'engine' as const, index: 0, port: engine.current.port, process: engine.current.process }];
       },
       healthy: () => engine.healthy(),
-      stop: () => engine.stop(STOP_GRACE_MS),
+      stop: () => engine.stop(),
     };
   }
 
@@ -130,9 +130,9 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, ...(signal ? { signal } : {}) });
     return {
       kind: 'dllama',
-      url: topology.url,
+      url: topology.current.url, // restarts keep the ports
       get processes() {
-        return topology.nodes.map((n) => ({ role: n.role, index: n.index, port: n.port, process: n.process }));
+        return topology.current.nodes;
       },
       healthy: () => topology.healthy(),
       stop: () => topology.stop(),
