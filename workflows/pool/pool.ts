@@ -148,10 +148,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     }
   }
 
-  /** The activities answering for instance `i`: its worker's (by its runtime queue), or any worker's. */
-  function activitiesFor(i: Instance) {
+  /** The activities of the worker that runs `i` (by its runtime queue); none when any worker answers for it. */
+  function ownerOf(i: Instance) {
     const queue = ownerQueues ? i.runtimeQueue : undefined;
-    if (!queue) return { probe: probeInstance, describeInstance, destroyInstance };
+    if (!queue) return undefined;
     let o = owners.get(queue);
     if (!o) {
       const bound = { taskQueue: queue, scheduleToStartTimeout: ownerTimeoutMs };
@@ -173,9 +173,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
    * `undefined` when the check failed (which proves nothing). `probe`: one short attempt.
    */
   async function describe(i: Instance, how: 'probe' | 'describe'): Promise<InstanceInfo | null | undefined> {
-    const a = activitiesFor(i);
+    const o = ownerOf(i);
+    const ask = how === 'probe' ? (o?.probe ?? probeInstance) : (o?.describeInstance ?? describeInstance);
     try {
-      return await (how === 'probe' ? a.probe : a.describeInstance)({ pool: input.model, instance: i.id });
+      return await ask({ pool: input.model, instance: i.id });
     } catch (err) {
       if (ownerGone(err)) return null;
       if (how === 'probe') return undefined;
@@ -184,14 +185,13 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
 
   /**
-   * Stops `i`. Its worker gone (its processes died with it), or failing, the request consumer is
-   * still removed, by any worker.
+   * Stops `i` through its worker. That worker gone (its processes died with it), or failing, any
+   * worker still removes the request consumer.
    */
   function destroy(i: Instance): Promise<void> {
-    const a = activitiesFor(i);
-    const call = () => a.destroyInstance({ pool: input.model, instance: i.id });
-    if (a.destroyInstance === destroyInstance) return call();
-    return call().catch(() => destroyInstance({ pool: input.model, instance: i.id }));
+    const anyWorker = () => destroyInstance({ pool: input.model, instance: i.id });
+    const o = ownerOf(i);
+    return o ? o.destroyInstance({ pool: input.model, instance: i.id }).catch(anyWorker) : anyWorker();
   }
 
   /**
