@@ -75,8 +75,8 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
       if (!w) return; // timed out already
       waiting.delete(token);
       const problem = streamAckProblem(msg);
-      if (problem) w.reject(problem);
-      else w.resolve();
+      if (!problem) w.resolve();
+      else w.reject(isBacklogFull(problem) ? new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests') : problem);
     },
   });
   const sweep = setInterval(() => {
@@ -101,9 +101,6 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
           waiting.delete(token);
           reject(err instanceof Error ? err : new Error(String(err)));
         }
-      }).catch((err: unknown) => {
-        if (isBacklogFull(err)) throw new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests');
-        throw err;
       });
     },
     async close() {
