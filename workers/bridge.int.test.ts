@@ -230,6 +230,14 @@ async function send(instance: string, req: InferenceRequest): Promise<void> {
   await publishRequest(nc.jetstream(), names, { pool: POOL, instance }, req);
 }
 
+/** A new request to `instance`, published once its answer is listened for. */
+async function sent(instance: string, ...request: Parameters<typeof requestFor>): Promise<{ req: InferenceRequest; answer: Answer }> {
+  const req = requestFor(...request);
+  const answer = await listen(req.id);
+  await send(instance, req);
+  return { req, answer };
+}
+
 const consumerState = (instance: string) => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, instance));
 
 async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 15_000): Promise<void> {
@@ -247,9 +255,7 @@ describe('bridge round trips', () => {
     const stub = await engine(() => ({ chunks: 5 }));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     const frames = await answer.finished;
 
     expect(answer.raw.map((f) => f.seq)).toEqual([0, 1, 2, 3, 4, 5, 6]);
@@ -269,9 +275,7 @@ describe('bridge round trips', () => {
     const stub = await engine(() => ({ chunks: 3 }));
     const instance = await instanceWith();
     await bridge(instance, stub.url);
-    const req = requestFor({ stream: false, seed: 42 });
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance, { stream: false, seed: 42 });
     const frames = await answer.finished;
     expect(frames).toHaveLength(1);
     expect(frames[0]).toMatchObject({ seq: 0, type: 'done', data: { object: 'chat.completion', id: `chatcmpl-${req.id}` } });
@@ -301,9 +305,7 @@ describe('redelivery', () => {
     const stub = await engine(() => ({ chunks: 3, firstDelayMs: 3500 }));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await answer.finished;
     expect(answer.text()).toBe(expectedText(seedFor(req.id), 3));
     await sleep(1500);
@@ -316,9 +318,7 @@ describe('redelivery', () => {
     const instance = await instanceWith({ ackWaitMs: 1500 });
     const doomedConnection = await natsConnect();
     const doomed = await bridge(instance, stub.url, {}, doomedConnection);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
     // Killed after it pulled and streamed part of the answer, before it acked: no ack, no nak.
     await doomedConnection.close();
@@ -347,9 +347,7 @@ describe('redelivery', () => {
     const instance = await instanceWith({ ackWaitMs: 1500 });
     const doomedConnection = await natsConnect();
     await bridge(instance, stub.url, {}, doomedConnection);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
     // A first delivery writes no claim until it has answered: the heir finds none.
     expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
@@ -368,9 +366,7 @@ describe('redelivery', () => {
     const instance = await instanceWith({ ackWaitMs: 1500 });
     const doomedConnection = await natsConnect();
     await bridge(instance, stub.url, {}, doomedConnection);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
     await doomedConnection.close();
     const heir = await bridge(instance, stub.url);
@@ -388,9 +384,7 @@ describe('redelivery', () => {
     const stub = await engine(() => ({ chunks: 15, delayMs: 100 }));
     const instance = await instanceWith({ ackWaitMs: 1200 });
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
     // A zombie scenario: someone else now owns the request (as after an ack_wait expiry the
     // bridge did not notice). The running attempt must notice at its next check and go quiet.
@@ -414,9 +408,7 @@ describe('redelivery', () => {
     const conn = await natsConnect();
     cleanups.push(() => conn.close());
     const b = await bridge(instance, stub.url, {}, conn);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
     await conn.reconnect();
     await answer.finished;
@@ -455,9 +447,7 @@ describe('a first delivery that answers writes no claim', () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const req = requestFor({ stream: false });
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance, { stream: false });
     expect((await answer.finished).map((f) => f.type)).toEqual(['done']);
     await until('ack', () => b.stats.acked === 1);
     expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
@@ -491,9 +481,7 @@ describe('cancels from the gateway (the client went away)', () => {
     const stub = await engine(() => ({ chunks: 40, delayMs: 50 }));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
     cancel(instance, req.id);
     await until('term', () => b.stats.termed === 1);
@@ -556,9 +544,7 @@ describe('failures', () => {
     const stub = await engine(() => ({ status: 400 }));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { answer } = await sent(instance);
     expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'stub_error', message: 'stub says 400' } }]);
     await sleep(1500);
     expect(stub.calls).toHaveLength(1);
@@ -571,9 +557,7 @@ describe('failures', () => {
     const stub = await engine((call) => (call === 0 ? { status: 503 } : { chunks: 2 }));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     const frames = await answer.finished;
     expect(frames.at(-1)).toMatchObject({ type: 'done' });
     expect(answer.text()).toBe(expectedText(seedFor(req.id), 2));
@@ -587,9 +571,7 @@ describe('failures', () => {
     await gone.close(); // nothing listens on its port any more: connection refused
     const instance = await instanceWith({ maxDeliver: 3 });
     const b = await bridge(instance, gone.url);
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { answer } = await sent(instance);
     const frames = await answer.finished;
     expect(frames).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 503, code: BridgeErrorCode.engineUnavailable }) as unknown }]);
     await until('term', () => b.stats.termed === 1); // right after the frame: the claim records it first
@@ -600,9 +582,7 @@ describe('failures', () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const req = requestFor({}, { deadline: Date.now() - 1 });
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { answer } = await sent(instance, {}, { deadline: Date.now() - 1 });
     expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown }]);
     expect(stub.calls).toHaveLength(0);
     await until('term', () => b.stats.termed === 1);
@@ -612,9 +592,7 @@ describe('failures', () => {
     const stub = await engine(() => ({ chunks: 50, delayMs: 100 }));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const req = requestFor({}, { deadline: Date.now() + 1200 });
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { answer } = await sent(instance, {}, { deadline: Date.now() + 1200 });
     const frames = await answer.finished;
     expect(frames.length).toBeGreaterThan(1);
     expect(frames.at(-1)).toMatchObject({ seq: frames.length - 1, type: 'error', error: { code: BridgeErrorCode.deadlineExceeded } });
@@ -678,9 +656,7 @@ describe('shutdown', () => {
     const stub = await engine(() => ({ chunks: 20, delayMs: 100 }));
     const instance = await instanceWith();
     const first = await bridge(instance, stub.url, { drainTimeoutMs: 300 });
-    const req = requestFor();
-    const answer = await listen(req.id);
-    await send(instance, req);
+    const { req, answer } = await sent(instance);
     await until('some chunks', () => answer.raw.length >= 3);
     await first.stop();
     expect(first.stats).toMatchObject({ nakked: 1, acked: 0 });
