@@ -7,6 +7,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../test/harness';
 import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
@@ -28,7 +29,6 @@ import {
 import { BridgeErrorCode, seedFor, startBridge, type Bridge, type BridgeOptions } from './bridge';
 
 const POOL = 'pool';
-const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 
 // ---------------------------------------------------------------------------------------------
 // A minimal OpenAI-compatible engine

@@ -10,6 +10,7 @@ import { createHash, randomBytes } from 'node:crypto';
 import { chmodSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/serving';
 import type { ReadyModel } from '../../shared/model';
@@ -21,7 +22,6 @@ import { createLocalRuntime, type LocalRuntime } from './local';
 
 const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
 const POOL = 'tiny';
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 let nc: NatsConnection;
 let s3: S3Client;

@@ -8,6 +8,7 @@ import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
@@ -17,7 +18,6 @@ import { openModelRegistry } from '../nats/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
 
 const POOL = 'tiny';
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 let nc: NatsConnection;
 let s3: S3Client;
