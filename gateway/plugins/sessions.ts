@@ -172,24 +172,27 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     opts.renew({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
   };
 
-  const startCold = (req: AcquireRequest): PendingStart => {
+  /** Registers the one start of `key`'s session that concurrent turns share; `run` gets its abort signal. */
+  const track = (key: string, run: (signal: AbortSignal) => Promise<SessionEntry>): PendingStart => {
     const abort = new AbortController();
+    const p: PendingStart = { abort, waiters: 0, promise: run(abort.signal) };
+    const forget = () => {
+      if (pending.get(key) === p) pending.delete(key);
+    };
+    p.promise.then(forget, forget);
+    pending.set(key, p);
+    return p;
+  };
+
+  const startCold = (req: AcquireRequest): PendingStart => {
     coldStarts++;
-    const p: PendingStart = {
-      abort,
-      waiters: 0,
-      promise: opts.coldStart({ ...req, signal: abort.signal }).then((entry) => {
+    return track(req.conversationKey, (signal) =>
+      opts.coldStart({ ...req, signal }).then((entry) => {
         cache.set(req.conversationKey, entry);
         lastRenewed.set(req.conversationKey, now());
         return entry;
       }),
-    };
-    const forget = () => {
-      if (pending.get(req.conversationKey) === p) pending.delete(req.conversationKey);
-    };
-    p.promise.then(forget, forget);
-    pending.set(req.conversationKey, p);
-    return p;
+    );
   };
 
   /**
@@ -198,44 +201,33 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    * an existing entry is unusable.
    */
   const startFirst = (req: AcquireRequest, f: FirstTurns, choice: NonNullable<ReturnType<typeof pick>>): PendingStart => {
-    const abort = new AbortController();
     const key = req.conversationKey;
     const entry: SessionEntry = { subject: choice.instance.subject, pool: req.model.name, instance: choice.instance.instance, expiresAt: now() + f.ttlMs };
     let local = localLeases.get(choice.entry);
     if (!local) localLeases.set(choice.entry, (local = new Map<string, number>()));
     local.set(entry.instance, (local.get(entry.instance) ?? 0) + 1);
-    const p: PendingStart = {
-      abort,
-      waiters: 0,
-      promise: (async () => {
-        try {
-          await f.sessions.create(key, new TextEncoder().encode(JSON.stringify(entry)));
-        } catch (err) {
-          if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
-          const theirs = await f.sessions.get(key);
-          const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
-          if (e && e.expiresAt - margin > now()) {
-            cache.set(key, e);
-            return e;
-          }
-          coldStarts++;
-          const fromTemporal = await opts.coldStart({ ...req, signal: abort.signal });
-          cache.set(key, fromTemporal);
-          return fromTemporal;
+    return track(key, async (signal) => {
+      try {
+        await f.sessions.create(key, new TextEncoder().encode(JSON.stringify(entry)));
+      } catch (err) {
+        if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
+        const theirs = await f.sessions.get(key);
+        const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
+        if (e && e.expiresAt - margin > now()) {
+          cache.set(key, e);
+          return e;
         }
-        firstTurnCount++;
-        cache.set(key, entry);
-        lastRenewed.set(key, now());
-        f.adopt({ conversationKey: key, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
-        return entry;
-      })(),
-    };
-    const forget = () => {
-      if (pending.get(key) === p) pending.delete(key);
-    };
-    p.promise.then(forget, forget);
-    pending.set(key, p);
-    return p;
+        coldStarts++;
+        const fromTemporal = await opts.coldStart({ ...req, signal });
+        cache.set(key, fromTemporal);
+        return fromTemporal;
+      }
+      firstTurnCount++;
+      cache.set(key, entry);
+      lastRenewed.set(key, now());
+      f.adopt({ conversationKey: key, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
+      return entry;
+    });
   };
 
   const join = (p: PendingStart, key: string, signal: AbortSignal): Promise<SessionEntry> =>
