@@ -85,19 +85,26 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
   const closers: (() => Promise<void>)[] = [];
   try {
     let natsUp = true;
+    // After a reconnect: reopen the KV watches and forget a registry read sent to the old server.
+    const onReconnect: (() => void)[] = [];
     void (async () => {
       for await (const s of nc.status()) {
         if (s.type === Events.Disconnect) natsUp = false;
-        else if (s.type === Events.Reconnect) natsUp = true;
+        else if (s.type === Events.Reconnect) {
+          natsUp = true;
+          for (const f of onReconnect) f();
+        }
       }
     })().catch(() => undefined);
 
     const openBucket = deps.openBucket ?? ((c: NatsConnection, name: string) => c.jetstream().views.kv(name));
     const registry = await openModelRegistry(nc, config.buckets.models);
     const models = createModelCatalog(registry, { onError: (err) => log.warn({ err }, 'model registry read failed') });
+    onReconnect.push(() => models.forgetInflight());
 
     const kvTokens = kvTokenSource(await openBucket(nc, config.buckets.tokens), (err) => log.warn({ err }, `${config.buckets.tokens}: skipped an entry`));
     closers.push(() => kvTokens.cache.close());
+    onReconnect.push(() => kvTokens.cache.reopen());
     const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
 
     let sessions: SessionBroker;
@@ -116,6 +123,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());
+      onReconnect.push(() => cache.cache.reopen(), () => cache.pools?.reopen());
       ready.push(within(`the ${config.buckets.sessions} watch`, 15_000, cache.ready));
       liveness.push({ name: 'sessions', check: () => cache.cache.live });
       if (cache.pools) liveness.push({ name: 'pools', check: () => cache.pools!.live });

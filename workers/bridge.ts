@@ -31,6 +31,8 @@ import {
   ensureInstanceConsumer,
   openRequestClaims,
   readStoredFrames,
+  declareOnReconnect,
+  restoreConsumer,
   responseSubjectOf,
   type DataPlaneNames,
   type RequestClaim,
@@ -368,6 +370,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
 
   void (async () => {
     for await (const s of nc.status()) {
+      if (stopping) break;
       if (s.type === Events.Disconnect) {
         connected = false;
         for (const a of live) a.paused = true;
@@ -699,27 +702,47 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     }
   };
 
-  const messages: ConsumerMessages = await consumer.consume({ max_messages: slots });
-  void (async () => {
-    for await (const s of await messages.status()) {
-      switch (s.type) {
-        case ConsumerEvents.HeartbeatsMissed:
-          stats.heartbeatsMissed += 1;
-          lastHeartbeatMissAt = Date.now();
-          log(`consumer heartbeats missed (${String(s.data)})`);
-          break;
-        case ConsumerEvents.ConsumerNotFound:
-        case ConsumerEvents.ConsumerDeleted:
-        case ConsumerEvents.StreamNotFound:
-        case ConsumerEvents.NoResponders:
-          consumerMissing = true;
-          log(`consumer unavailable: ${s.type}`);
-          break;
-        default:
-          break;
+  // Pulls through one `consume()` at a time; a new one replaces it when the consumer had to be
+  // created again (the old one would only notice after its heartbeats went missing, ~30 s).
+  let messages: ConsumerMessages = await consumer.consume({ max_messages: slots });
+  const watch = (current: ConsumerMessages) =>
+    void (async () => {
+      for await (const s of await current.status()) {
+        switch (s.type) {
+          case ConsumerEvents.HeartbeatsMissed:
+            stats.heartbeatsMissed += 1;
+            lastHeartbeatMissAt = Date.now();
+            log(`consumer heartbeats missed (${String(s.data)})`);
+            break;
+          case ConsumerEvents.ConsumerNotFound:
+          case ConsumerEvents.ConsumerDeleted:
+          case ConsumerEvents.StreamNotFound:
+          case ConsumerEvents.NoResponders:
+            consumerMissing = true;
+            log(`consumer unavailable: ${s.type}`);
+            break;
+          default:
+            break;
+        }
       }
-    }
-  })().catch(() => undefined);
+    })().catch(() => undefined);
+  watch(messages);
+
+  // A server that restarted without its store (or lost the consumer some other way) would leave
+  // this bridge pulling from nothing: after every reconnect it creates its consumer again, as it
+  // was, unless it is stopping (a destroyed instance's consumer is deleted after its bridge stops).
+  await declareOnReconnect(
+    nc,
+    async () => {
+      if (!(await restoreConsumer(jsm, names.requestStream, config)) || stopping) return;
+      log('request consumer was missing: created again');
+      const old = messages;
+      messages = await consumer.consume({ max_messages: slots });
+      watch(messages);
+      old.stop();
+    },
+    { what: 'request consumer', log, isDone: () => stopping },
+  );
 
   void nc.closed().then(() => {
     // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
@@ -731,23 +754,27 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   const semaphore = new Semaphore(slots);
   const loop = (async () => {
     try {
-      for await (const m of messages) {
-        lastMessageAt = Date.now();
-        consumerMissing = false;
-        await semaphore.acquire();
-        if (stopping) {
-          m.nak();
-          stats.nakked += 1;
-          semaphore.release();
-          continue;
-        }
-        const h = serve(m)
-          .catch((err) => failed(`request at stream seq ${m.seq}`, err))
-          .finally(() => {
+      for (let current = messages; ; current = messages) {
+        for await (const m of current) {
+          lastMessageAt = Date.now();
+          consumerMissing = false;
+          await semaphore.acquire();
+          if (stopping) {
+            m.nak();
+            stats.nakked += 1;
             semaphore.release();
-            handlers.delete(h);
-          });
-        handlers.add(h);
+            continue;
+          }
+          const h = serve(m)
+            .catch((err) => failed(`request at stream seq ${m.seq}`, err))
+            .finally(() => {
+              semaphore.release();
+              handlers.delete(h);
+            });
+          handlers.add(h);
+        }
+        // Ended: replaced (go on with the new one), or stopped or closed (done).
+        if (current === messages || stopping || nc.isClosed()) break;
       }
     } catch (err) {
       if (!nc.isClosed()) failed('consume loop', err);
@@ -843,7 +870,10 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   const nc = await connect({ servers: natsUrl.split(','), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1, noAsyncTraces: true });
   let health: Server | undefined;
   try {
-    const names = await ensureDataPlane(nc, { prefix: flags.get('prefix') });
+    const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix') }), {
+      what: 'data plane',
+      log: (line) => process.stderr.write(`magus bridge: ${line}\n`),
+    });
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool, instance, slots, ackWaitMs });
     const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots });
     if (healthPort !== undefined) {

@@ -14,7 +14,7 @@ import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { ensureDataPlane } from '../activities/nats/data-plane';
+import { declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
@@ -88,12 +88,20 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   await ensureSearchAttributes(connection, cfg.temporal.namespace);
   const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
-  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker', noAsyncTraces: true });
+  // Reconnects for ever: the local runtime's bridges and the serving activities live on this connection.
+  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker', maxReconnectAttempts: -1, noAsyncTraces: true });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
   await ensureBucket(s3, cfg.s3.bucket);
-  const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
-  const registry = await openModelRegistry(nc, names.modelsBucket);
+  // The data plane and the registry's bucket, now and after every reconnect (a restarted server may have lost them).
+  const { names, registry } = await declareOnReconnect(
+    nc,
+    async () => {
+      const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
+      return { names, registry: await openModelRegistry(nc, names.modelsBucket) };
+    },
+    { what: 'data plane', log: (line) => process.stderr.write(`magus worker: ${line}\n`) },
+  );
   // The runtime's own events (instances, restarts) go to stderr; the engines' output does not (prompts).
   const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
   // The local runtime's instances are this worker's processes: their describe and destroy come

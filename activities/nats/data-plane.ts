@@ -14,9 +14,9 @@
  * - `MAGUS_RESPONSES` (`magus.res.>`, memory, limits): captures the frames bridges publish with
  *   core NATS to `magus.res.<id>`. Nobody consumes it on the hot path; a bridge that takes over a
  *   redelivered request reads it to learn exactly what the client may already have received.
- *   In memory (every frame is stored): a single nats-server that restarts forgets it, and until a
- *   process declares the data plane again take-overs cannot resume (they end the answer with an
- *   error); answers themselves still flow, on core NATS.
+ *   In memory (every frame is stored): a single nats-server that restarts forgets it; the
+ *   processes that declare the data plane do so again after they reconnect
+ *   ({@link declareOnReconnect}), and meanwhile answers still flow, on core NATS.
  * - KV `magus_sessions`, `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
  *   {@link RequestClaim} per request id: who owns the current attempt, and the outcome), and
  *   `magus_models` (the registry, created by registry.ts).
@@ -27,6 +27,7 @@ import {
   AckPolicy,
   DeliverPolicy,
   DiscardPolicy,
+  Events,
   type ConsumerConfig,
   type ConsumerInfo,
   type JetStreamClient,
@@ -256,6 +257,58 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
   return names;
+}
+
+/**
+ * Runs `declare` now and again after every reconnect, until the connection closes. A single
+ * nats-server that restarts forgets every memory stream (`MAGUS_RESPONSES`), and one on
+ * ephemeral storage forgets everything; declaring is idempotent, so the processes that declare
+ * the data plane do it again whenever they reconnect. The first run's error is thrown; a failed
+ * re-declaration is logged and retried with backoff (1 s doubling to 30 s) until it succeeds,
+ * the next reconnect supersedes it, or `isDone()` says the caller is stopping.
+ */
+export async function declareOnReconnect<T>(
+  nc: NatsConnection,
+  declare: () => Promise<T>,
+  opts: { what: string; log: (line: string) => void; isDone?: () => boolean },
+): Promise<T> {
+  const first = await declare();
+  let generation = 0;
+  const again = async (mine: number) => {
+    for (let delayMs = 1000; !nc.isClosed() && !opts.isDone?.() && mine === generation; delayMs = Math.min(delayMs * 2, 30_000)) {
+      try {
+        await declare();
+        opts.log(`${opts.what}: in place after a reconnect`);
+        return;
+      } catch (err) {
+        opts.log(`${opts.what}: declaring again failed (${(err as Error).message}); retrying in ${delayMs / 1000} s`);
+        await new Promise((resolve) => setTimeout(resolve, delayMs).unref());
+      }
+    }
+  };
+  void (async () => {
+    for await (const s of nc.status()) if (s.type === Events.Reconnect) void again(++generation);
+  })().catch(() => undefined);
+  return first;
+}
+
+/**
+ * Creates an instance's consumer again with the configuration it had (`config`, as read from
+ * its info) when the server no longer has it; true when it was missing. The stream must exist.
+ */
+export async function restoreConsumer(jsm: JetStreamManager, stream: string, config: ConsumerConfig): Promise<boolean> {
+  try {
+    await jsm.consumers.info(stream, config.durable_name ?? '');
+    return false;
+  } catch (err) {
+    if (jsErrorCode(err) !== CONSUMER_NOT_FOUND) throw err;
+  }
+  try {
+    await jsm.consumers.add(stream, config);
+  } catch (err) {
+    if (jsErrorCode(err) !== CONSUMER_EXISTS) throw err;
+  }
+  return true;
 }
 
 export interface InstanceConsumerOptions {

@@ -22,6 +22,12 @@ export interface KvCache<T> {
   readonly live: boolean;
   /** Resolves when the initial values are loaded. */
   readonly ready: Promise<void>;
+  /**
+   * Opens a new watch at once, rebuilding the map (reads keep the old one until it is rebuilt):
+   * after a reconnect, since a restarted server has forgotten the watch's consumer, and the old
+   * watch would only notice when its heartbeats went missing, seconds later.
+   */
+  reopen(): void;
   close(): Promise<void>;
 }
 
@@ -41,6 +47,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   let markReady!: () => void;
   const ready = new Promise<void>((resolve) => (markReady = resolve));
   let wake: (() => void) | undefined;
+  let reopening = false;
 
   const apply = (target: Map<string, T>, e: KvEntry): void => {
     if (e.operation !== 'PUT') {
@@ -77,7 +84,8 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       }
       live = false;
       iter = undefined;
-      if (!stopped) await new Promise<void>((resolve) => {
+      if (reopening) reopening = false;
+      else if (!stopped) await new Promise<void>((resolve) => {
         const t = setTimeout(resolve, opts.restartDelayMs ?? 1000);
         wake = () => {
           clearTimeout(t);
@@ -100,6 +108,14 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       return live;
     },
     ready,
+    reopen() {
+      if (stopped) return;
+      live = false;
+      if (iter) {
+        reopening = true;
+        iter.stop();
+      } else wake?.();
+    },
     async close() {
       stopped = true;
       iter?.stop();

@@ -67,3 +67,19 @@ it('a model published just after the last read (the demo in `magus dev`) is foun
   l.state.models = [readyModel('demo')];
   expect((await cat.find('demo'))?.name).toBe('demo');
 });
+
+it('forgetInflight: the next refresh reads anew, and the forgotten read, ending later, does not overwrite it', async () => {
+  const reads: { resolve: (models: ReadyModel[]) => void }[] = [];
+  const cat = createModelCatalog({ list: () => new Promise<ReadyModel[]>((resolve) => reads.push({ resolve })) });
+  const stuck = cat.refresh();
+  expect(cat.refresh()).toBe(stuck); // joined while in flight
+  cat.forgetInflight();
+  const fresh = cat.refresh();
+  expect(fresh).not.toBe(stuck);
+  expect(reads).toHaveLength(2);
+  reads[1]!.resolve([readyModel('new')]);
+  await fresh;
+  reads[0]!.resolve([readyModel('old')]);
+  await stuck;
+  expect((await cat.list()).map((m) => m.name)).toEqual(['new']);
+});

@@ -19,6 +19,12 @@ export interface ModelCatalog {
   list(): Promise<readonly ReadyModel[]>;
   /** Re-reads the registry now (readiness checks use it). */
   refresh(): Promise<void>;
+  /**
+   * Stops waiting for the read in flight: the next caller starts a new one. After a reconnect,
+   * since a read sent while the connection was down waits out its whole timeout (5 s) for an
+   * answer the new server will never send. Callers of the old read still get its outcome.
+   */
+  forgetInflight(): void;
 }
 
 export interface ModelCatalogOptions {
@@ -36,25 +42,31 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
   /** Registry reads started so far: a miss is answered only from a read that began after it arrived. */
   let readsStarted = 0;
   let inflight: Promise<void> | undefined;
+  /** The read whose list is in `models`. */
+  let appliedRead = 0;
 
   const refresh = (): Promise<void> => {
-    inflight ??= (async () => {
-      readsStarted++;
-      try {
-        const list = await registry.list();
-        const next = new Map<string, ReadyModel>();
-        for (const m of list) {
-          next.set(`${m.namespace}/${m.name}`, m);
-          if (!next.has(m.name)) next.set(m.name, m);
-        }
-        models = list;
-        byId = next;
-        loadedAt = now();
-      } finally {
-        inflight = undefined;
+    if (inflight) return inflight;
+    const seq = ++readsStarted;
+    const read = (async () => {
+      const list = await registry.list();
+      if (seq < appliedRead) return; // a forgotten read that ended after a newer one
+      appliedRead = seq;
+      const next = new Map<string, ReadyModel>();
+      for (const m of list) {
+        next.set(`${m.namespace}/${m.name}`, m);
+        if (!next.has(m.name)) next.set(m.name, m);
       }
+      models = list;
+      byId = next;
+      loadedAt = now();
     })();
-    return inflight;
+    inflight = read;
+    const settled = () => {
+      if (inflight === read) inflight = undefined;
+    };
+    read.then(settled, settled);
+    return read;
   };
 
   const fresh = async (): Promise<void> => {
@@ -64,6 +76,7 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
 
   return {
     refresh,
+    forgetInflight: () => void (inflight = undefined),
     async list() {
       await fresh();
       return models;

@@ -28,9 +28,15 @@ export interface ServiceEndpoints {
 
 export interface RunningServices {
   endpoints: ServiceEndpoints;
-  /** Pids of every server process (for tests that prove nothing is left behind). */
-  pids: number[];
+  /** Pids of every server process now (for tests that prove nothing is left behind). */
+  readonly pids: number[];
   dataDir: string;
+  /**
+   * Stops nats-server and starts it again on the same ports, as an upgrade or a rescheduled pod
+   * would; `wipe` also deletes its JetStream store first (a server on ephemeral storage). Only
+   * when `nats` was started.
+   */
+  restartNats(opts?: { wipe?: boolean }): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -245,16 +251,30 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
     );
   }
 
+  let restartNats: RunningServices['restartNats'] = () => Promise.reject(new Error('nats-server was not started'));
   if (wanted.has('nats')) {
     starters.push(
       (async () => {
         const [port, monitor] = [await freePort(), await freePort()];
-        const p = launch('nats', bins('nats-server'), [
-          '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor),
-          '-js', '-sd', join(dataDir, 'jetstream'), '--server_name', 'magus-dev',
-        ], logDir, { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) });
-        procs.push(p);
-        await waitReady(p, logDir, timeout, () => httpOk(`http://127.0.0.1:${monitor}/healthz?js-enabled-only=true`));
+        const store = join(dataDir, 'jetstream');
+        const start = async () => {
+          const p = launch('nats', bins('nats-server'), [
+            '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor),
+            '-js', '-sd', store, '--server_name', 'magus-dev',
+          ], logDir, { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) });
+          procs.push(p);
+          await waitReady(p, logDir, timeout, () => httpOk(`http://127.0.0.1:${monitor}/healthz?js-enabled-only=true`));
+          return p;
+        };
+        let current = await start();
+        restartNats = async ({ wipe = false } = {}) => {
+          if (stopped) throw new Error('the services were stopped');
+          current.child.kill('SIGTERM');
+          await current.exited;
+          procs.splice(procs.indexOf(current), 1);
+          if (wipe) rmSync(store, { recursive: true, force: true });
+          current = await start();
+        };
         endpoints.nats = { servers: `nats://127.0.0.1:${port}`, monitorUrl: `http://127.0.0.1:${monitor}` };
       })(),
     );
@@ -329,8 +349,11 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   }
   return {
     endpoints,
-    pids: procs.map((p) => p.child.pid).filter((pid): pid is number => pid !== undefined),
+    get pids() {
+      return procs.map((p) => p.child.pid).filter((pid): pid is number => pid !== undefined);
+    },
     dataDir,
+    restartNats: (opts) => restartNats(opts),
     stop,
   };
 }

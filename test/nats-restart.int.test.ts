@@ -1,0 +1,228 @@
+/**
+ * A nats-server that restarts under a serving data plane (its own server, not the shared one):
+ * with its store, as an upgrade does, and without it, as a pod on ephemeral storage does. The
+ * processes that declare the data plane declare it again after they reconnect
+ * (declareOnReconnect), and each bridge puts back its own consumer, so requests are served again
+ * without restarting anything; a request in flight across the restart is answered once.
+ */
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { PassThrough } from 'node:stream';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { connect, Events, type NatsConnection } from 'nats';
+import {
+  consumerNameOf,
+  dataPlaneNames,
+  declareOnReconnect,
+  ensureDataPlane,
+  ensureInstanceConsumer,
+  jsErrorCode,
+  parseFrame,
+  responseSubjectOf,
+  type DataPlaneNames,
+} from '../activities/nats/data-plane';
+import type { ResponseFrame } from '../shared/serving';
+import { startServices, type RunningServices } from '../workers/dev/services';
+import { startBridge, type Bridge } from '../workers/bridge';
+import { startWorkers } from '../workers/worker';
+import { openModelRegistry } from '../activities/nats/registry';
+import { startGateway } from '../gateway/server';
+import { makeToken, readyModel, TEST_SECRET } from '../gateway/test-support';
+import { isolation, workerConfig } from './harness';
+import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { askInstance } from './harness/data-plane';
+import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
+
+const POOL = 'restarts';
+
+/** Resolves on the connection's next reconnect, then makes sure the server has its subscriptions. */
+async function reconnected(nc: NatsConnection): Promise<void> {
+  for await (const s of nc.status()) if (s.type === Events.Reconnect) break;
+  await nc.flush();
+}
+
+/** Polls `check` until it resolves without throwing; rethrows its last error after `ms`. */
+async function eventually<T>(check: () => Promise<T>, ms = 20_000): Promise<T> {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    try {
+      return await check();
+    } catch (err) {
+      if (Date.now() > deadline) throw err;
+      await sleep(200);
+    }
+  }
+}
+
+describe('a NATS server that restarts', () => {
+  let services: RunningServices;
+  /** The worker's connection: it declares the data plane and runs the bridges. */
+  let worker: NatsConnection;
+  /** The gateway's. */
+  let gateway: NatsConnection;
+  let names: DataPlaneNames;
+  let engine: StubEngine;
+  const bridges: Bridge[] = [];
+  const logs: string[] = [];
+  /** Every frame seen on any response subject, by request id. */
+  const seen = new Map<string, ResponseFrame[]>();
+  let release: () => void = () => undefined;
+  let reached: Promise<void> = Promise.resolve();
+
+  const connectTo = (name: string) =>
+    connect({ servers: services.endpoints.nats!.servers, name, maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
+
+  const bridge = async (instance: string) => {
+    await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: 2 });
+    const b = await startBridge({ nc: worker, names, pool: POOL, instance, engineUrl: engine.url, slots: 2, log: (line) => logs.push(`${instance}: ${line}`) });
+    bridges.push(b);
+    return b;
+  };
+
+  /** A request whose answer the stub holds until `release()`; `reached` resolves once it is held. */
+  const holdNext = () => {
+    const gate = new Promise<void>((resolve) => (release = resolve));
+    reached = new Promise<void>((resolve) => (holding = { until: gate, reached: resolve }));
+  };
+  let holding: { until: Promise<void>; reached: () => void } | undefined;
+
+  beforeAll(async () => {
+    services = await startServices({ services: ['nats'] });
+    worker = await connectTo('worker');
+    gateway = await connectTo('gateway');
+    const prefix = `R${randomBytes(3).toString('hex').toUpperCase()}`;
+    names = await declareOnReconnect(worker, () => ensureDataPlane(worker, { prefix }), { what: 'data plane', log: (line) => logs.push(line) });
+    engine = await startStubEngine({
+      modelId: POOL,
+      pause: () => {
+        const h = holding;
+        holding = undefined;
+        return h && { afterChunks: 0, until: h.until, reached: h.reached };
+      },
+    });
+    const all = gateway.subscribe(responseSubjectOf(names, 'x').replace(/x$/, '*'));
+    void (async () => {
+      for await (const m of all) {
+        const id = m.subject.slice(m.subject.lastIndexOf('.') + 1);
+        const f = parseFrame(m.data);
+        if (f) seen.set(id, [...(seen.get(id) ?? []), f]);
+      }
+    })();
+    await bridge('i1');
+  });
+
+  afterAll(async () => {
+    for (const b of bridges) await b.stop();
+    await engine?.stop();
+    await worker?.close();
+    await gateway?.close();
+    await services?.stop();
+  });
+
+  it('with its store: the response stream is declared again and an answer in flight arrives once', async () => {
+    expect((await askInstance(gateway, names, POOL, 'i1', { messages: [{ role: 'user', content: 'before' }] })).text).toBe('before');
+
+    holdNext();
+    const asked = askInstance(gateway, names, POOL, 'i1', { messages: [{ role: 'user', content: 'across' }] }, 60_000);
+    await reached;
+    const back = Promise.all([reconnected(worker), reconnected(gateway)]);
+    await services.restartNats();
+    await back;
+    const jsm = await gateway.jetstreamManager();
+    // MAGUS_RESPONSES is in memory: gone with the old process, then declared again by the worker.
+    await eventually(() => jsm.streams.info(names.responseStream));
+    release();
+    const answer = await asked;
+    expect(answer.text).toBe('across');
+
+    // Everything the bridge published for that request: one generation, one terminal frame.
+    await sleep(300);
+    const id = [...seen.entries()].find(([, frames]) => frames.some((f) => f.type === 'done' && JSON.stringify(f).includes('across')))![0];
+    const terminal = seen.get(id)!.filter((f) => f.type !== 'chunk');
+    expect(new Set(terminal.map((f) => JSON.stringify(f))).size).toBe(1);
+    expect(terminal[0]!.type).toBe('done');
+
+    expect((await askInstance(gateway, names, POOL, 'i1', { messages: [{ role: 'user', content: 'after' }] })).text).toBe('after');
+    expect(logs).toContain('data plane: in place after a reconnect');
+  }, 90_000);
+
+  it('the gateway carries on across a restart with its store: warm turns, and KV updates seen at once', async () => {
+    await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
+    const token = makeToken('alice');
+    const gw = await startGateway(gatewayConfigFor(names.prefix, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: token.entry }) } }), {
+      nc: gateway,
+      coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'),
+      logStream: new PassThrough().resume(),
+    });
+    const turn = async (content: string, bearer = token.token) => {
+      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { authorization: `Bearer ${bearer}`, 'content-type': 'application/json', 'x-session-id': 'across-restarts' },
+        body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content }] }),
+      });
+      return { status: res.status, text: ((await res.json()) as { choices?: { message: { content: string } }[] }).choices?.[0]?.message.content };
+    };
+    try {
+      expect(await turn('first')).toEqual({ status: 200, text: 'first' });
+      const back = Promise.all([reconnected(worker), reconnected(gateway)]);
+      await services.restartNats();
+      await back;
+      expect((await fetch(`${gw.url}/readyz`)).status).toBe(200);
+      expect(await turn('second')).toEqual({ status: 200, text: 'second' });
+      // A token added now works within moments: the gateway's KV watches reopened on the reconnect.
+      // (Their old consumers died with the server; they would notice only when heartbeats went missing.)
+      const bob = makeToken('bob');
+      await (await worker.jetstream().views.kv(names.tokensBucket)).put('bob', new TextEncoder().encode(JSON.stringify(bob.entry)));
+      await eventually(async () => expect(await turn('bob here', bob.token)).toEqual({ status: 200, text: 'bob here' }), 3_000);
+      expect(gw.sessionCache?.stats().coldStarts).toBe(2); // alice's conversation, then bob's
+    } finally {
+      await gw.close();
+    }
+  }, 90_000);
+
+  it('without its store: streams, buckets and running bridges\' consumers come back; a stopped bridge\'s does not', async () => {
+    const gone = await bridge('i2');
+    await gone.stop();
+    const back = Promise.all([reconnected(worker), reconnected(gateway)]);
+    await services.restartNats({ wipe: true });
+    await back;
+    const jsm = await gateway.jetstreamManager();
+    await eventually(async () => {
+      for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.poolsBucket}`]) {
+        await jsm.streams.info(s);
+      }
+    });
+    await eventually(() => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, 'i1')));
+    // Within seconds: the bridge pulls through a new consume() (the old one would wait ~30 s for missed heartbeats).
+    expect((await askInstance(gateway, names, POOL, 'i1', { messages: [{ role: 'user', content: 'from scratch' }] }, 10_000)).text).toBe('from scratch');
+    expect(logs).toContain('i1: request consumer was missing: created again');
+
+    const missing = await jsm.consumers.info(names.requestStream, consumerNameOf(POOL, 'i2')).then(
+      () => undefined,
+      (err: unknown) => jsErrorCode(err),
+    );
+    expect(missing).toBe(10014); // consumer not found
+    expect(bridges[0]!.health()).toEqual(expect.objectContaining({ ok: true }));
+  }, 90_000);
+
+  it('a worker declares the data plane and the model registry again after it reconnects', async () => {
+    const iso = isolation();
+    const dir = mkdtempSync(join(tmpdir(), 'magus-restart-'));
+    const workers = await startWorkers(workerConfig(iso, dir, { nats: { servers: services.endpoints.nats!.servers } }));
+    try {
+      const mine = dataPlaneNames(iso.natsPrefix);
+      const jsm = await gateway.jetstreamManager();
+      const back = reconnected(gateway);
+      await services.restartNats({ wipe: true });
+      await back;
+      await eventually(async () => {
+        for (const s of [mine.requestStream, mine.responseStream, `KV_${mine.sessionsBucket}`, `KV_${mine.modelsBucket}`]) await jsm.streams.info(s);
+      });
+    } finally {
+      await workers.shutdown();
+      rmSync(dir, { recursive: true, force: true });
+    }
+  }, 90_000);
+});
