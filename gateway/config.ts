@@ -15,6 +15,8 @@ export interface GatewayConfig {
   /** Prepended to response subjects (`<scope>.magus.res.<id>`) of a scoped data plane; '' = none. */
   subjectScope: string;
   buckets: { models: string; tokens: string; sessions: string; pools: string };
+  /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
+  responseStream: string;
   settings: GatewaySettings;
   /** Local-mode tokens (token file and/or env value), validated: `{ "<id>": {digest, name, models?} }`. */
   staticTokens: { origin: string; entries: Record<string, unknown> }[];
@@ -165,6 +167,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     port,
     natsServers,
     subjectScope,
+    responseStream: names.responseStream,
     buckets,
     settings,
     staticTokens,

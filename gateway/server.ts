@@ -9,7 +9,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../activities/nats/registry';
-import { scopeSubject } from '../activities/nats/data-plane';
+import { readStoredFrames, scopeSubject } from '../activities/nats/data-plane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -132,6 +132,17 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const routerOptions = { subjectScope: config.subjectScope, onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame') };
     const responses: ResponseRouter = config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
     closers.push(() => responses.close());
+    // Frames published while this process was cut off are in the response stream: read them back.
+    const js = nc.jetstream();
+    const jsm = await nc.jetstreamManager();
+    onReconnect.push(() => {
+      void responses
+        .recover(
+          async (subject) => (await readStoredFrames(js, jsm, config.responseStream, subject)).frames,
+          (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'),
+        )
+        .then((frames) => frames > 0 && log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests'));
+    });
     let publish = deps.publish;
     if (!publish) {
       const publisher = streamPublisher(nc);

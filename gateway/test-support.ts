@@ -62,6 +62,7 @@ export class FakeDataPlane {
       this.listeners.set(id, onFrame);
       return () => void this.listeners.delete(id);
     },
+    recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
   };
 

@@ -677,7 +677,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         // writes its claim only once it has answered, so finding no claim proves nothing).
         let prior: ResponseFrame[] = [];
         {
-          const stored = await readStoredFrames(js, jsm, names, req.replyTo);
+          const stored = await readStoredFrames(js, jsm, names.responseStream, req.replyTo);
           prior = stored.frames;
           a.nextSeq = prior.length;
           if (prior.length > 0) {

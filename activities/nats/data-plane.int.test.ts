@@ -142,10 +142,10 @@ describe('readStoredFrames', () => {
     for (const f of [chunk(0, 'a'), chunk(1, 'b'), chunk(1, 'b-late'), chunk(2, 'c')]) nc.publish(subject, encodeJson(f));
     nc.publish(responseSubjectOf(names, 'stored-other'), encodeJson(chunk(0, 'x')));
     await nc.flush();
-    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names, subject);
+    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject);
     expect(complete).toBe(true);
     expect(frames).toEqual([chunk(0, 'a'), chunk(1, 'b'), chunk(2, 'c')]);
-    expect(await readStoredFrames(nc.jetstream(), jsm, names, responseSubjectOf(names, 'never'))).toEqual({ frames: [], complete: true });
+    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, responseSubjectOf(names, 'never'))).toEqual({ frames: [], complete: true });
   });
 
   it('reports a gap as incomplete', async () => {
@@ -153,7 +153,7 @@ describe('readStoredFrames', () => {
     nc.publish(subject, encodeJson({ seq: 0, type: 'chunk', data: {} }));
     nc.publish(subject, encodeJson({ seq: 2, type: 'chunk', data: {} }));
     await nc.flush();
-    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names, subject);
+    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject);
     expect(frames.map((f) => f.seq)).toEqual([0]);
     expect(complete).toBe(false);
   });

@@ -445,19 +445,19 @@ export class FrameSequencer {
 
 /**
  * The frames of `subject` that reached the server, in order and each seq once (what a
- * {@link FrameSequencer} would have relayed), read from the response stream; `complete` is false
+ * {@link FrameSequencer} would have relayed), read from the response stream (`names.responseStream`); `complete` is false
  * when the stream lost some (aged out or evicted), i.e. the prefix cannot be trusted.
  */
 export async function readStoredFrames(
   js: JetStreamClient,
   jsm: JetStreamManager,
-  names: DataPlaneNames,
+  stream: string,
   subject: string,
   timeoutMs = 10_000,
 ): Promise<{ frames: ResponseFrame[]; complete: boolean }> {
   let lastSeq: number;
   try {
-    lastSeq = (await jsm.streams.getMessage(names.responseStream, { last_by_subj: subject })).seq;
+    lastSeq = (await jsm.streams.getMessage(stream, { last_by_subj: subject })).seq;
   } catch (err) {
     if (jsErrorCode(err) === NO_MESSAGE) return { frames: [], complete: true };
     throw err;
@@ -465,7 +465,7 @@ export async function readStoredFrames(
   const sequencer = new FrameSequencer();
   const frames: ResponseFrame[] = [];
   let malformed = false;
-  const consumer = await js.consumers.get(names.responseStream, { filterSubjects: [subject] });
+  const consumer = await js.consumers.get(stream, { filterSubjects: [subject] });
   const messages = await consumer.consume({ max_messages: 256 });
   const timer = setTimeout(() => void messages.close(), timeoutMs);
   let reachedEnd = false;

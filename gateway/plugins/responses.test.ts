@@ -96,7 +96,7 @@ describe('decodeFrame', () => {
 describe('exchange', () => {
   function fakeRouter() {
     const listeners = new Map<string, (f: ResponseFrame) => void>();
-    const router: ResponseRouter = { replySubject: (id) => `magus.res.${id}`, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)), close: () => Promise.resolve() };
+    const router: ResponseRouter = { replySubject: (id) => `magus.res.${id}`, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)), recover: () => Promise.resolve(0), close: () => Promise.resolve() };
     return { router, listeners };
   }
   const session: SessionEntry = { subject: 'magus.req.p.i', pool: 'p', instance: 'i', expiresAt: 0 };

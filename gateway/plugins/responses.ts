@@ -29,7 +29,44 @@ export interface ResponseRouter {
   replySubject(requestId: string): string;
   /** Starts listening; in effect before it returns, so the request may be published right after. */
   listen(requestId: string, onFrame: (frame: ResponseFrame) => void): () => void;
+  /**
+   * After a reconnect: hands every request still waiting what `read` finds stored for its reply
+   * subject (`MAGUS_RESPONSES` keeps every frame), since frames published while this process was
+   * cut off never reached its subscription. The exchange's sequencer drops frames it already has.
+   * A failed read goes to `onError`; that request then ends by its own timeouts, as before.
+   * Resolves with the frames handed over.
+   */
+  recover(read: (subject: string) => Promise<ResponseFrame[]>, onError: (err: unknown, requestId: string) => void): Promise<number>;
   close(): Promise<void>;
+}
+
+/** Stored-frame reads at once while recovering. */
+const RECOVER_CONCURRENCY = 8;
+
+async function recoverWaiting(
+  waiting: ReadonlyMap<string, (frame: ResponseFrame) => void>,
+  subjectOf: (requestId: string) => string,
+  read: (subject: string) => Promise<ResponseFrame[]>,
+  onError: (err: unknown, requestId: string) => void,
+): Promise<number> {
+  const ids = [...waiting.keys()];
+  let next = 0;
+  let handed = 0;
+  const worker = async () => {
+    for (let id = ids[next++]; id !== undefined; id = ids[next++]) {
+      try {
+        const frames = await read(subjectOf(id));
+        const onFrame = waiting.get(id); // it may have finished meanwhile
+        if (!onFrame) continue;
+        for (const f of frames) onFrame(f);
+        handed += frames.length;
+      } catch (err) {
+        onError(err, id);
+      }
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(RECOVER_CONCURRENCY, ids.length) }, worker));
+  return handed;
 }
 
 const encoder = new TextEncoder();
@@ -188,6 +225,7 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
       waiting.set(requestId, onFrame);
       return () => void waiting.delete(requestId);
     },
+    recover: (read, onError) => recoverWaiting(waiting, (id) => prefix + id, read, onError),
     async close() {
       sub.unsubscribe();
       await sub.closed;
@@ -202,6 +240,7 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
  */
 export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): ResponseRouter {
   const prefix = responsePrefix(opts.subjectScope);
+  const waiting = new Map<string, (frame: ResponseFrame) => void>();
   return {
     replySubject: (requestId) => prefix + requestId,
     listen(requestId, onFrame) {
@@ -213,8 +252,13 @@ export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions
           else opts.onBadFrame?.(msg.subject);
         },
       });
-      return () => sub.unsubscribe();
+      waiting.set(requestId, onFrame);
+      return () => {
+        waiting.delete(requestId);
+        sub.unsubscribe();
+      };
     },
+    recover: (read, onError) => recoverWaiting(waiting, (id) => prefix + id, read, onError),
     close: () => Promise.resolve(),
   };
 }

@@ -1,9 +1,13 @@
 /**
- * A nats-server that restarts under a serving data plane (its own server, not the shared one):
- * with its store, as an upgrade does, and without it, as a pod on ephemeral storage does. The
- * processes that declare the data plane declare it again after they reconnect
- * (declareOnReconnect), and each bridge puts back its own consumer, so requests are served again
- * without restarting anything; a request in flight across the restart is answered once.
+ * NATS outages under a serving data plane, on a nats-server of this file's own:
+ * - the server restarts, with its store (an upgrade) and without it (a pod on ephemeral
+ *   storage): the processes that declare the data plane declare it again after they reconnect
+ *   (declareOnReconnect), each bridge puts back its own consumer, the gateway reopens its
+ *   watches, so requests are served again without restarting anything; a request in flight
+ *   across the restart is answered once;
+ * - the gateway alone is cut off (a TCP proxy between it and the server) while a bridge answers:
+ *   once back, it reads what it missed from the response stream, and the client gets the whole
+ *   answer, each piece once.
  */
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -32,10 +36,16 @@ import { startGateway } from '../gateway/server';
 import { makeToken, readyModel, TEST_SECRET } from '../gateway/test-support';
 import { isolation, workerConfig } from './harness';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { startTcpProxy } from './harness/tcp-proxy';
 import { askInstance } from './harness/data-plane';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 
 const POOL = 'restarts';
+
+/** Resolves on the connection's next disconnect. */
+async function disconnected(nc: NatsConnection): Promise<void> {
+  for await (const s of nc.status()) if (s.type === Events.Disconnect) break;
+}
 
 /** Resolves on the connection's next reconnect, then makes sure the server has its subscriptions. */
 async function reconnected(nc: NatsConnection): Promise<void> {
@@ -56,7 +66,7 @@ async function eventually<T>(check: () => Promise<T>, ms = 20_000): Promise<T> {
   }
 }
 
-describe('a NATS server that restarts', () => {
+describe('NATS outages', () => {
   let services: RunningServices;
   /** The worker's connection: it declares the data plane and runs the bridges. */
   let worker: NatsConnection;
@@ -82,11 +92,11 @@ describe('a NATS server that restarts', () => {
   };
 
   /** A request whose answer the stub holds until `release()`; `reached` resolves once it is held. */
-  const holdNext = () => {
+  const holdNext = (afterChunks = 0) => {
     const gate = new Promise<void>((resolve) => (release = resolve));
-    reached = new Promise<void>((resolve) => (holding = { until: gate, reached: resolve }));
+    reached = new Promise<void>((resolve) => (holding = { afterChunks, until: gate, reached: resolve }));
   };
-  let holding: { until: Promise<void>; reached: () => void } | undefined;
+  let holding: { afterChunks: number; until: Promise<void>; reached: () => void } | undefined;
 
   beforeAll(async () => {
     services = await startServices({ services: ['nats'] });
@@ -99,7 +109,7 @@ describe('a NATS server that restarts', () => {
       pause: () => {
         const h = holding;
         holding = undefined;
-        return h && { afterChunks: 0, until: h.until, reached: h.reached };
+        return h;
       },
     });
     const all = gateway.subscribe(responseSubjectOf(names, 'x').replace(/x$/, '*'));
@@ -148,22 +158,39 @@ describe('a NATS server that restarts', () => {
     expect(logs).toContain('data plane: in place after a reconnect');
   }, 90_000);
 
-  it('the gateway carries on across a restart with its store: warm turns, and KV updates seen at once', async () => {
+  /** A gateway on `nc` (alice's token; conversations pinned to i1) and a client for it. */
+  const gatewayOn = async (nc: NatsConnection, env: Record<string, string> = {}) => {
     await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
-    const token = makeToken('alice');
-    const gw = await startGateway(gatewayConfigFor(names.prefix, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: token.entry }) } }), {
-      nc: gateway,
-      coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'),
-      logStream: new PassThrough().resume(),
-    });
-    const turn = async (content: string, bearer = token.token) => {
-      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+    const gw = await startGateway(
+      gatewayConfigFor(names.prefix, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }), ...env } }),
+      { nc, coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'), logStream: new PassThrough().resume() },
+    );
+    const post = (content: string, bearer: string, stream: boolean) =>
+      fetch(`${gw.url}/v1/chat/completions`, {
         method: 'POST',
-        headers: { authorization: `Bearer ${bearer}`, 'content-type': 'application/json', 'x-session-id': 'across-restarts' },
-        body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content }] }),
+        headers: { authorization: `Bearer ${bearer}`, 'content-type': 'application/json', 'x-session-id': 'across-outages' },
+        body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content }], stream }),
       });
+    const turn = async (content: string, bearer = alice.token) => {
+      const res = await post(content, bearer, false);
       return { status: res.status, text: ((await res.json()) as { choices?: { message: { content: string } }[] }).choices?.[0]?.message.content };
     };
+    /** A streamed turn: the text of its chunks, and whether it ended with `[DONE]`. */
+    const streamTurn = async (content: string) => {
+      const res = await post(content, alice.token, true);
+      const events = (await res.text()).split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
+      const text = events
+        .filter((e) => e !== '[DONE]')
+        .map((e) => (JSON.parse(e) as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? '')
+        .join('');
+      return { status: res.status, text, done: events.at(-1) === '[DONE]' };
+    };
+    return { gw, turn, streamTurn };
+  };
+  const alice = makeToken('alice');
+
+  it('the gateway carries on across a restart with its store: warm turns, and KV updates seen at once', async () => {
+    const { gw, turn } = await gatewayOn(gateway);
     try {
       expect(await turn('first')).toEqual({ status: 200, text: 'first' });
       const back = Promise.all([reconnected(worker), reconnected(gateway)]);
@@ -179,6 +206,37 @@ describe('a NATS server that restarts', () => {
       expect(gw.sessionCache?.stats().coldStarts).toBe(2); // alice's conversation, then bob's
     } finally {
       await gw.close();
+    }
+  }, 90_000);
+
+  it('a gateway cut off from NATS mid-answer reads what it missed from the response stream: the whole answer, each piece once', async () => {
+    const target = new URL(services.endpoints.nats!.servers);
+    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
+    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
+    // Without the read-back, the answer published while it was away would never come: a 504 after this.
+    const { gw, turn, streamTurn } = await gatewayOn(nc, { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '15000' });
+    const served = bridges[0]!;
+    try {
+      for (const stream of [false, true]) {
+        // Streamed: two pieces reach the client first; the other two and the end come while it is away.
+        holdNext(stream ? 2 : 0);
+        const acked = served.stats.acked;
+        const answer = stream ? streamTurn('one two three four') : turn('one two three four');
+        await reached;
+        const down = disconnected(nc);
+        proxy.cut();
+        await down;
+        release();
+        await eventually(() => Promise.resolve(expect(served.stats.acked).toBe(acked + 1))); // answered while the gateway was away
+        const back = reconnected(nc);
+        proxy.restore();
+        await back;
+        expect(await answer).toEqual(stream ? { status: 200, text: 'one two three four', done: true } : { status: 200, text: 'one two three four' });
+      }
+    } finally {
+      await gw.close();
+      await nc.close();
+      await proxy.close();
     }
   }, 90_000);
 

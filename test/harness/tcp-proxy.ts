@@ -1,0 +1,48 @@
+/**
+ * A TCP proxy on loopback that a test can cut: a network fault between one client and a real
+ * server (here: one process's NATS connection), while the server and every other client carry on.
+ */
+import { createConnection, createServer, type Socket } from 'node:net';
+import type { AddressInfo } from 'node:net';
+
+export interface TcpProxy {
+  /** `host:port` to connect to instead of the target. */
+  address: string;
+  /** Cuts every open connection and refuses new ones until {@link restore}. */
+  cut(): void;
+  restore(): void;
+  close(): Promise<void>;
+}
+
+export async function startTcpProxy(target: { host: string; port: number }): Promise<TcpProxy> {
+  const open = new Set<Socket>();
+  let refusing = false;
+  const server = createServer((client) => {
+    if (refusing) return void client.destroy();
+    const upstream = createConnection(target);
+    for (const s of [client, upstream]) {
+      open.add(s);
+      s.on('close', () => open.delete(s));
+      s.on('error', () => undefined);
+    }
+    client.on('close', () => upstream.destroy());
+    upstream.on('close', () => client.destroy());
+    client.pipe(upstream);
+    upstream.pipe(client);
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  return {
+    address: `127.0.0.1:${(server.address() as AddressInfo).port}`,
+    cut() {
+      refusing = true;
+      for (const s of open) s.destroy();
+    },
+    restore() {
+      refusing = false;
+    },
+    async close() {
+      for (const s of open) s.destroy();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
