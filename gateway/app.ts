@@ -3,7 +3,7 @@
  * wires the NATS-backed ones; tests wire fakes). `options` are the server options the app
  * expects from whoever creates the fastify instance.
  */
-import type { FastifyPluginAsync, FastifyServerOptions } from 'fastify';
+import { LogController, type FastifyPluginAsync, type FastifyServerOptions } from 'fastify';
 import { authPlugin } from './plugins/auth';
 import { errors, errorsPlugin } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
@@ -27,7 +27,7 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
  */
 export const options = {
   ajv: { customOptions: { coerceTypes: false } },
-  disableRequestLogging: true,
+  logController: new LogController({ disableRequestLogging: true }),
   logger: {
     redact: {
       paths: ['req.headers.authorization', 'request.headers.authorization', 'headers.authorization'],
