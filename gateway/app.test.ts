@@ -183,6 +183,14 @@ describe('authentication', () => {
     expect(all).not.toContain(t.tokens.alice.token);
     expect(all).not.toContain('notthesecret');
   });
+
+  it('one access-log line per request: fastify\'s own pair is off', async () => {
+    const before = t.log.lines.length;
+    await chat(userTurn('hi'));
+    const lines = t.log.lines.slice(before).map((l) => JSON.parse(l) as { msg: string; res?: { statusCode: number } });
+    expect(lines.filter((l) => l.msg === 'request completed')).toEqual([expect.objectContaining({ res: expect.objectContaining({ statusCode: 200 }) })]);
+    expect(lines.filter((l) => l.msg === 'incoming request')).toEqual([]);
+  });
 });
 
 describe('models', () => {
