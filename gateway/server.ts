@@ -14,6 +14,7 @@ import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionError, SessionErrorType } from './plugins/errors';
+import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './plugins/models';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
 import { cancelSubject } from '../shared/serving';
@@ -85,8 +86,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
   const closers: (() => Promise<void>)[] = [];
   try {
     let natsUp = true;
-    // After a reconnect: reopen the KV watches and forget a registry read sent to the old server.
-    const onReconnect: (() => void)[] = [];
+    // After a reconnect: reopen the KV watches, forget a registry read sent to the old server,
+    // read back the frames waiting requests missed.
+    const metrics = new GatewayMetrics();
+    const onReconnect: (() => void)[] = [() => metrics.natsReconnects.inc()];
     void (async () => {
       for await (const s of nc.status()) {
         if (s.type === Events.Disconnect) natsUp = false;
@@ -141,7 +144,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           async (subject) => (await readStoredFrames(js, jsm, config.responseStream, subject)).frames,
           (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'),
         )
-        .then((frames) => frames > 0 && log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests'));
+        .then((frames) => {
+          metrics.framesRecovered.inc([], frames);
+          if (frames > 0) log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests');
+        });
     });
     let publish = deps.publish;
     if (!publish) {
@@ -153,6 +159,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
 
     await app.register(gatewayApp, {
+      metrics,
       settings: config.settings,
       models,
       tokens,

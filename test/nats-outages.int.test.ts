@@ -233,6 +233,9 @@ describe('NATS outages', () => {
         await back;
         expect(await answer).toEqual(stream ? { status: 200, text: 'one two three four', done: true } : { status: 200, text: 'one two three four' });
       }
+      const metrics = await (await fetch(`${gw.url}/metrics`)).text();
+      expect(metrics).toMatch(/^magus_gateway_nats_reconnects_total 2$/m);
+      expect(Number(/^magus_gateway_frames_recovered_total (\d+)$/m.exec(metrics)?.[1])).toBeGreaterThanOrEqual(2); // at least each answer's end
     } finally {
       await gw.close();
       await nc.close();

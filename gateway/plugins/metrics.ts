@@ -113,6 +113,8 @@ export class GatewayMetrics {
   readonly latency = new Histogram('magus_gateway_request_duration_seconds', 'HTTP request duration by route, until the last byte (streams included).', ['route'], LATENCY_BUCKETS);
   readonly inFlight = new Gauge('magus_gateway_requests_in_flight', 'HTTP requests being served.');
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
+  readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
+  readonly framesRecovered = new Counter('magus_gateway_frames_recovered_total', 'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).');
   private sessionStats: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
   private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
@@ -124,7 +126,7 @@ export class GatewayMetrics {
   }
 
   render(): string {
-    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.warmHits, this.coldStarts, this.firstTurns].map((m) => m.render()).join('\n')}\n`;
+    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.warmHits, this.coldStarts, this.firstTurns].map((m) => m.render()).join('\n')}\n`;
   }
 }
 
