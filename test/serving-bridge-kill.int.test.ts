@@ -25,6 +25,7 @@ import { readyModel } from '../gateway/test-support';
 import type { SessionEntry } from '../shared/serving';
 import { splitText, startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { endpoint, isolation, natsConnect } from './harness';
+import { freePort } from '../workers/dev/services';
 
 const iso = isolation();
 const POOL = 'stub-kill';
@@ -54,9 +55,10 @@ interface BridgeProcess {
 }
 
 /** `magus bridge` for the test's instance, from the TS sources; resolves once it serves. */
-async function startBridgeProcess(): Promise<BridgeProcess> {
+async function startBridgeProcess(healthPort?: number): Promise<BridgeProcess> {
   const code = `require(${JSON.stringify(join(ROOT, 'workers', 'bridge'))}).bridgeCommand(process.argv.slice(1)).then((c) => process.exit(c))`;
   const args = ['--nats', endpoint('nats').servers, '--prefix', iso.natsPrefix, '--pool', POOL, '--instance', INSTANCE, '--engine', engine.url, '--slots', '1', '--ack-wait-ms', String(ACK_WAIT_MS)];
+  if (healthPort !== undefined) args.push('--health-port', String(healthPort));
   // pdeathsig: the bridge dies with this test process, whatever happens to it.
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, '-r', require.resolve('@swc-node/register'), '-e', code, '--', ...args], {
     cwd: ROOT,
@@ -191,7 +193,8 @@ test('non-stream: the bridge dies holding the request; the next bridge answers i
   await held;
   await kill(first);
 
-  const second = await startBridgeProcess();
+  const healthPort = await freePort();
+  const second = await startBridgeProcess(healthPort);
   const completion = await answer;
   expect(completion.choices).toHaveLength(1);
   expect(completion.choices[0]).toMatchObject({ message: { role: 'assistant', content }, finish_reason: 'stop' });
@@ -201,6 +204,15 @@ test('non-stream: the bridge dies holding the request; the next bridge answers i
   // The second bridge acked it: nothing is redelivered again, the engine is not called a third time.
   await until('the request acked', consumerIdle);
   expect(engine.requests.length - before).toBe(2);
+  // The second bridge's /metrics tells the story: one redelivery, answered and acked.
+  const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
+  const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
+  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
+    pulled: '1',
+    redelivered: '1',
+    acked: '1',
+    healthy: '1',
+  });
   await stop(second);
 }, 180_000);
 
@@ -248,7 +260,8 @@ test.each([
   expect(got.deltas).toEqual(splitText(content, CHUNKS).slice(0, afterChunks));
   await kill(first);
 
-  const second = await startBridgeProcess();
+  const healthPort = await freePort();
+  const second = await startBridgeProcess(healthPort);
   for (let r = await reading.next(); !r.done; r = await reading.next());
   expect(got.role).toBe('assistant');
   expect(got.deltas).toEqual(splitText(content, CHUNKS));
@@ -258,5 +271,14 @@ test.each([
 
   await until('the request acked', consumerIdle);
   expect(engine.requests.length - before).toBe(2);
+  // The second bridge's /metrics tells the story: one redelivery, answered and acked.
+  const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
+  const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
+  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
+    pulled: '1',
+    redelivered: '1',
+    acked: '1',
+    healthy: '1',
+  });
   await stop(second);
 }, 180_000);

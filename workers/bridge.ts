@@ -821,6 +821,38 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   };
 }
 
+/** What each {@link BridgeStats} counter means, as Prometheus help text. */
+const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
+  pulled: 'Deliveries pulled from the request consumer.',
+  acked: 'Deliveries acknowledged (answered).',
+  termed: 'Deliveries terminated: requests that can never succeed, or cancelled.',
+  nakked: 'Deliveries handed back for a later retry.',
+  redelivered: 'Deliveries JetStream marked as redelivered.',
+  errors: 'Unexpected failures (NATS or KV errors); each is logged.',
+  resumed: 'Take-overs that continued after frames an earlier attempt had published.',
+  replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
+  superseded: 'Attempts that found a later delivery owned their request.',
+  cancelled: 'Requests whose client went away.',
+  heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
+};
+
+/** The bridge's counters and state in the Prometheus text format (`magus bridge`'s `/metrics`). */
+export function bridgeMetricsText(stats: Readonly<BridgeStats>, health: BridgeHealth, labels: { pool: string; instance: string }): string {
+  const l = `{pool="${labels.pool}",instance="${labels.instance}"}`;
+  const out: string[] = [];
+  for (const [key, help] of Object.entries(STAT_HELP) as [keyof typeof STAT_HELP, string][]) {
+    const name = `magus_bridge_${key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)}_total`;
+    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} counter`, `${name}${l} ${stats[key]}`);
+  }
+  const gauges: [string, string, number][] = [
+    ['magus_bridge_in_flight', 'Requests being served.', health.inFlight],
+    ['magus_bridge_slots', 'Requests the engine serves at once.', health.slots],
+    ['magus_bridge_healthy', '1 when connected and consuming, else 0.', health.ok ? 1 : 0],
+  ];
+  for (const [name, help, value] of gauges) out.push(`# HELP ${name} ${help}`, `# TYPE ${name} gauge`, `${name}${l} ${value}`);
+  return `${out.join('\n')}\n`;
+}
+
 // ---------------------------------------------------------------------------------------------
 // CLI
 
@@ -878,8 +910,12 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots });
     if (healthPort !== undefined) {
       // /health: the bridge itself (liveness; a slow engine must not get the sidecar killed);
-      // /ready: the bridge and the engine (readiness).
+      // /ready: the bridge and the engine (readiness); /metrics: Prometheus.
       health = createServer((req, res) => {
+        if (req.url === '/metrics') {
+          res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
+          return void res.end(bridgeMetricsText(bridge.stats, bridge.health(), { pool, instance }));
+        }
         void (async () => {
           const own = bridge.health();
           const engine = req.url === '/ready' ? await bridge.checkEngine() : undefined;
