@@ -184,16 +184,16 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return p;
   };
 
-  const startCold = (req: AcquireRequest): PendingStart => {
+  /** The session from Temporal (the workflow leases an instance), remembered as just renewed. */
+  const fromTemporal = async (req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> => {
     coldStarts++;
-    return track(req.conversationKey, (signal) =>
-      opts.coldStart({ ...req, signal }).then((entry) => {
-        cache.set(req.conversationKey, entry);
-        lastRenewed.set(req.conversationKey, now());
-        return entry;
-      }),
-    );
+    const entry = await opts.coldStart({ ...req, signal });
+    cache.set(req.conversationKey, entry);
+    lastRenewed.set(req.conversationKey, now());
+    return entry;
   };
+
+  const startCold = (req: AcquireRequest): PendingStart => track(req.conversationKey, (signal) => fromTemporal(req, signal));
 
   /**
    * A first turn on a pool with room: create the entry (or use the one a concurrent first turn
@@ -217,10 +217,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
           cache.set(key, e);
           return e;
         }
-        coldStarts++;
-        const fromTemporal = await opts.coldStart({ ...req, signal });
-        cache.set(key, fromTemporal);
-        return fromTemporal;
+        return fromTemporal(req, signal);
       }
       firstTurnCount++;
       cache.set(key, entry);
