@@ -66,6 +66,24 @@ describe('request validation', () => {
     expect(t.broker.calls).toHaveLength(0);
   });
 
+  it.each([
+    ['tools', { tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }],
+    ['functions', { functions: [{ name: 'f', parameters: {} }] }],
+    ['response_format', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: {} } } }],
+    ['response_format', { response_format: { type: 'json_object' } }],
+    ['logprobs', { logprobs: true, top_logprobs: 2 }],
+  ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
+    const res = await chat(userTurn('hi', extra));
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param, code: 'unsupported_feature' });
+    expect(t.broker.calls).toHaveLength(0);
+  });
+
+  it('their empty or plain forms are fine: no tools, text format, no logprobs', async () => {
+    const res = await chat(userTurn('hi', { tools: [], functions: [], response_format: { type: 'text' }, logprobs: false, tool_choice: 'none' }));
+    expect(res.statusCode).toBe(200);
+  });
+
   it('rejects malformed JSON and a bad X-Session-Id with 400', async () => {
     const bad = await chat('{"model": "tiny", ');
     expect(bad.statusCode).toBe(400);

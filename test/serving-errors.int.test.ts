@@ -150,6 +150,12 @@ test('400 names the offending param', async () => {
     expect(err).toMatchObject({ status: 400, param, type: 'invalid_request_error', code: 'invalid_value' });
     expect((err as Error).message).toContain(param);
   }
+  // A kind of answer the engines do not give: refused, not answered with plain text.
+  const tools = await failure(
+    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object' } } }] }),
+  );
+  expect(tools).toBeInstanceOf(OpenAI.BadRequestError);
+  expect(tools).toMatchObject({ status: 400, param: 'tools', type: 'invalid_request_error', code: 'unsupported_feature' });
   expect(engine.requests).toHaveLength(0);
 });
 

@@ -11,7 +11,7 @@ import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
-import { chatCompletionSchema, type ChatCompletionBody } from '../schemas/chat';
+import { chatCompletionSchema, unsupportedFeature, type ChatCompletionBody } from '../schemas/chat';
 
 /** Flattens OpenAI text parts; engines take one string per message. */
 function toMessages(body: ChatCompletionBody): ChatMessage[] {
@@ -44,6 +44,8 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
     { schema: chatCompletionSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
     async (request, reply: FastifyReply) => {
       const body = request.body;
+      const unsupported = unsupportedFeature(body as unknown as Record<string, unknown>);
+      if (unsupported) throw errors.invalid(unsupported.message, unsupported.param, 'unsupported_feature');
       const principal = request.principal!;
       const model = await g.models.find(body.model);
       if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(body.model);

@@ -1,7 +1,10 @@
 /**
  * `POST /v1/chat/completions`: the request body magus accepts (compiled once at start-up by
- * fastify's validator) and its response. Fields OpenAI defines that magus does not use are
- * accepted and ignored, so stock clients work; only the fields below reach the engine.
+ * fastify's validator) and its response. Fields OpenAI defines that only tune sampling
+ * (penalties, `logit_bias`, `user` …) are accepted and ignored, so stock clients work; fields
+ * that ask for a different kind of answer — tool calls, structured output, log-probabilities,
+ * several choices — are refused with a 400 naming the field ({@link unsupportedFeature}), since
+ * answering them with plain text would be a silent failure. Only the fields below reach the engine.
  */
 import { SESSION_ID_PATTERN } from '../plugins/conversation';
 import { errorResponses } from './errors';
@@ -42,6 +45,19 @@ export const chatCompletionBody = {
     user: { type: 'string', maxLength: 256 },
   },
 } as const;
+
+/** A feature the request asks for that magus's engines do not offer: the field and why. */
+export function unsupportedFeature(body: Readonly<Record<string, unknown>>): { param: string; message: string } | undefined {
+  const nonEmpty = (v: unknown) => Array.isArray(v) && v.length > 0;
+  if (nonEmpty(body.tools)) return { param: 'tools', message: 'Tool calls are not supported by this server; send the request without `tools`.' };
+  if (nonEmpty(body.functions)) return { param: 'functions', message: 'Function calls are not supported by this server; send the request without `functions`.' };
+  const format = body.response_format as { type?: unknown } | null | undefined;
+  if (format !== undefined && format !== null && format.type !== 'text') {
+    return { param: 'response_format', message: 'Structured output is not supported by this server; only `{"type": "text"}` is.' };
+  }
+  if (body.logprobs === true) return { param: 'logprobs', message: 'Log-probabilities are not supported by this server.' };
+  return undefined;
+}
 
 export const chatCompletionHeaders = {
   type: 'object',
