@@ -287,7 +287,10 @@ export async function declareOnReconnect<T>(
     }
   };
   void (async () => {
-    for await (const s of nc.status()) if (s.type === Events.Reconnect) void again(++generation);
+    for await (const s of nc.status()) {
+      if (opts.isDone?.()) break;
+      if (s.type === Events.Reconnect) void again(++generation);
+    }
   })().catch(() => undefined);
   return first;
 }
