@@ -84,6 +84,13 @@ describe('request validation', () => {
     expect(res.statusCode).toBe(200);
   });
 
+  it('forwards stream_options.include_usage on streams only', async () => {
+    expect((await chat(userTurn('hi', { stream: true, stream_options: { include_usage: true } }))).statusCode).toBe(200);
+    expect((await chat(userTurn('hi', { stream_options: { include_usage: true } }))).statusCode).toBe(200);
+    expect((await chat(userTurn('hi', { stream: true, stream_options: null }))).statusCode).toBe(200);
+    expect(t.plane.published.map((p) => p.req.body.stream_options)).toEqual([{ include_usage: true }, undefined, undefined]);
+  });
+
   it('rejects malformed JSON and a bad X-Session-Id with 400', async () => {
     const bad = await chat('{"model": "tiny", ');
     expect(bad.statusCode).toBe(400);

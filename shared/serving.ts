@@ -20,6 +20,8 @@ export interface ChatCompletionRequest {
   top_p?: number;
   seed?: number;
   stop?: string | string[];
+  /** Streams only: `include_usage` ends the stream with a chunk that carries `usage` (no choices). */
+  stream_options?: { include_usage?: boolean };
 }
 
 /**

@@ -93,6 +93,13 @@ test('chat completions through the gateway, NATS, the bridge and llama.cpp: non-
   expect(chunks).toBeGreaterThan(1);
   // Greedy decoding of the same conversation: the stream says what the non-stream said.
   expect(text).toBe(done.choices[0]?.message.content);
+
+  // stream_options.include_usage: the engine's usage chunk comes last, through the whole path.
+  const counted = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0, stream: true, stream_options: { include_usage: true } });
+  const all: OpenAI.ChatCompletionChunk[] = [];
+  for await (const c of counted) all.push(c);
+  expect(all.at(-1)).toMatchObject({ choices: [], usage: { completion_tokens: 8, prompt_tokens: done.usage?.prompt_tokens } });
+  expect(all.slice(0, -1).every((c) => !c.usage)).toBe(true);
 }, 180_000);
 
 test('turns of one conversation stay on one instance and need no Temporal call; the token never enters a history', async () => {

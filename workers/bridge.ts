@@ -154,6 +154,7 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
     ['top_p', (x) => typeof x === 'number' && x >= 0 && x <= 1],
     ['seed', (x) => Number.isInteger(x)],
     ['stop', (x) => typeof x === 'string' || (Array.isArray(x) && x.every((s) => typeof s === 'string'))],
+    ['stream_options', (x) => typeof x === 'object' && !Array.isArray(x) && ['boolean', 'undefined'].includes(typeof (x as { include_usage?: unknown }).include_usage)],
   ];
   for (const [field, ok] of optional) {
     if (b[field] !== undefined && b[field] !== null && !ok(b[field])) return bad(`body.${field} has an invalid value`);

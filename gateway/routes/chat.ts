@@ -27,6 +27,7 @@ function toEngineRequest(body: ChatCompletionBody, messages: ChatMessage[]): Cha
   if (body.top_p !== undefined) out.top_p = body.top_p;
   if (body.seed !== undefined) out.seed = body.seed;
   if (body.stop !== undefined) out.stop = body.stop;
+  if (out.stream && body.stream_options?.include_usage === true) out.stream_options = { include_usage: true };
   return out;
 }
 

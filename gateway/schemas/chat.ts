@@ -42,6 +42,8 @@ export const chatCompletionBody = {
     stop: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 4, items: { type: 'string' } }] },
     /** Only one choice per request. */
     n: { type: 'integer', minimum: 1, maximum: 1 },
+    /** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
+    stream_options: { anyOf: [{ type: 'null' }, { type: 'object', properties: { include_usage: { type: 'boolean' } } }] },
     user: { type: 'string', maxLength: 256 },
   },
 } as const;
@@ -81,6 +83,7 @@ export interface ChatCompletionBody {
   seed?: number;
   stop?: string | string[];
   n?: number;
+  stream_options?: { include_usage?: boolean } | null;
   user?: string;
 }
 
