@@ -454,10 +454,30 @@ describe('error mapping', () => {
     expect(errorOf(res).code).toBe('frames_lost');
   });
 
-  it('a failed publish → 503, details only in the log', async () => {
+  it('a request the gateway gives up on is cancelled at the bridge; one the bridge ended or the stream refused is not', async () => {
+    const scenarios: [string, (app: TestApp) => void, number, boolean][] = [
+      ['no frame in time', (a) => (a.plane.script = () => 'silence'), 504, true],
+      ['a frame lost', (a) => (a.plane.script = () => [chunk(0, 'a'), chunk(2, 'c'), { seq: 3, type: 'done' }]), 502, true],
+      ['a failed publish (it may still land)', (a) => (a.plane.publishError = new Error('no ack within 5 s')), 503, true],
+      ['an error frame: the bridge ended it', (a) => (a.plane.script = () => [{ seq: 0, type: 'error', error: { status: 500, message: 'boom', type: 'engine', code: null } }]), 500, false],
+      ['a full backlog: never queued', (a) => (a.plane.publishError = new SessionError(SessionErrorType.BacklogFull, 'full')), 429, false],
+    ];
+    for (const [what, arrange, status, cancels] of scenarios) {
+      await t.app.close();
+      const cancelled: string[] = [];
+      t = await buildTestApp({ settings: testSettings({ requestTimeoutMs: 150, gapTimeoutMs: 50 }), cancel: (session, id) => cancelled.push(`${session.subject} ${id}`) });
+      arrange(t);
+      const res = await chat(userTurn('hi'));
+      expect({ what, status: res.statusCode, cancelled }).toEqual({ what, status, cancelled: cancels ? [`${t.broker.entry.subject} ${String(res.headers['x-request-id'])}`] : [] });
+    }
+  });
+
+  it('a failed publish → 503 unavailable with Retry-After, details only in the log', async () => {
     t.plane.publishError = new Error('503 no responders on magus.req.pool-a.inst-1');
     const res = await chat(userTurn('hi'));
     expect(res.statusCode).toBe(503);
+    expect(errorOf(res)).toMatchObject({ type: 'server_error', code: 'unavailable' });
+    expect(res.headers['retry-after']).toMatch(/^[1-9][0-9]*$/);
     expect(res.body).not.toContain('no responders');
     expect(t.plane.listening).toBe(0);
   });

@@ -185,7 +185,7 @@ describe('NATS outages', () => {
         .join('');
       return { status: res.status, text, done: events.at(-1) === '[DONE]' };
     };
-    return { gw, turn, streamTurn };
+    return { gw, post, turn, streamTurn };
   };
   const alice = makeToken('alice');
 
@@ -236,6 +236,40 @@ describe('NATS outages', () => {
       const metrics = await (await fetch(`${gw.url}/metrics`)).text();
       expect(metrics).toMatch(/^magus_gateway_nats_reconnects_total 2$/m);
       expect(Number(/^magus_gateway_frames_recovered_total (\d+)$/m.exec(metrics)?.[1])).toBeGreaterThanOrEqual(2); // at least each answer's end
+    } finally {
+      await gw.close();
+      await nc.close();
+      await proxy.close();
+    }
+  }, 90_000);
+
+  it('a gateway cut off from NATS answers 503 with Retry-After at once and is not ready; nothing it tried is served later', async () => {
+    const target = new URL(services.endpoints.nats!.servers);
+    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
+    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
+    const { gw, post, turn } = await gatewayOn(nc);
+    const served = bridges[0]!;
+    const calls = engine.requests.length;
+    const pulled = served.stats.pulled;
+    try {
+      const down = disconnected(nc);
+      proxy.cut();
+      await down;
+      expect((await fetch(`${gw.url}/readyz`)).status).toBe(503);
+      // At once, not after the 5 s a stream acknowledgement may take: nothing can be queued now.
+      const started = Date.now();
+      const res = await post('while away', alice.token, false);
+      expect(Date.now() - started).toBeLessThan(2_000);
+      expect(res.status).toBe(503);
+      expect(res.headers.get('retry-after')).toMatch(/^[1-9][0-9]*$/);
+      expect(((await res.json()) as { error: { code: string } }).error.code).toBe('unavailable');
+      const back = reconnected(nc);
+      proxy.restore();
+      await back;
+      expect(await turn('back again')).toEqual({ status: 200, text: 'back again' });
+      // The request it gave up on never reached the stream (nats.js drops what it held when it dials again).
+      expect(served.stats.pulled).toBe(pulled + 1);
+      expect(engine.requests.slice(calls).map((r) => JSON.stringify(r.body)).filter((b) => b.includes('while away'))).toEqual([]);
     } finally {
       await gw.close();
       await nc.close();

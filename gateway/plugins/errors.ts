@@ -72,6 +72,9 @@ export const errors = {
     new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }),
   noCapacity: (retryAfterSec: number) =>
     new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }, true),
+  /** The request could not be queued (NATS unreachable, no stream acknowledgement). */
+  unavailable: (retryAfterSec: number) =>
+    new GatewayError(503, 'The request could not be queued; retry later.', OpenAIErrorType.server, 'unavailable', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }, true),
   timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
   /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
   upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),

@@ -11,7 +11,7 @@
  *   `gapTimeoutMs`, the request fails (502);
  * - the first terminal frame relayed (`done` or `error`) ends the response.
  */
-import { createInbox, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
+import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { isBacklogFull, scopeSubject } from '../../activities/nats/data-plane';
@@ -75,6 +75,9 @@ const decoder = new TextDecoder();
 /** A stream publish that stays unacknowledged this long fails. */
 const STREAM_ACK_TIMEOUT_MS = 5_000;
 
+/** Why a publish failed while the gateway's NATS connection was down. */
+export const NATS_UNREACHABLE = 'NATS is unreachable: the request was not queued';
+
 /** The {@link streamPublisher}'s publish function and its teardown. */
 export interface StreamPublisher {
   publish: PublishRequest;
@@ -93,6 +96,11 @@ export interface StreamPublisher {
  * built to cancel the finished request), which cost ~0.1 ms of every request's latency at
  * concurrency 1 (bench:gateway). Publish on `nc` only after this returns (the subscription is
  * then ahead of every request on the connection).
+ *
+ * While the connection is down a publish fails at once ({@link NATS_UNREACHABLE}), and one waiting
+ * for its acknowledgement fails when the connection drops: nats.js discards what it buffered
+ * when it dials again, and an acknowledgement sent to the old connection never arrives, so
+ * waiting out the timeout would only hold the client.
  */
 export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEOUT_MS): StreamPublisher {
   const prefix = `${createInbox()}.`;
@@ -104,6 +112,16 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
   // Insertion order is publish order, so the oldest entries are at the front.
   const waiting = new Map<string, Waiting>();
   let counter = 0;
+  let connected = true;
+  void (async () => {
+    for await (const s of nc.status()) {
+      if (s.type === Events.Disconnect) {
+        connected = false;
+        for (const w of waiting.values()) w.reject(new Error(NATS_UNREACHABLE));
+        waiting.clear();
+      } else if (s.type === Events.Reconnect) connected = true;
+    }
+  })().catch(() => undefined);
   const sub = nc.subscribe(`${prefix}*`, {
     callback: (err, msg) => {
       if (err) return;
@@ -127,6 +145,7 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
   sweep.unref();
   return {
     publish: (subject, req) => {
+      if (!connected) return Promise.reject(new Error(NATS_UNREACHABLE));
       const token = (counter++).toString(36);
       const h = headers();
       h.set('Nats-Msg-Id', req.id);
@@ -350,6 +369,14 @@ export interface ExchangeOptions {
   onChunk?: (data: unknown) => void;
   /** An engine-side failure, for metrics (`timeout`, `frames_lost`, `engine_error`, `engine_rejected` (4xx), `publish_failed`). */
   onUpstreamError?: (reason: string) => void;
+  /**
+   * The gateway gave up on a request that may still be queued or running — no frame in time,
+   * frames lost, or a publish that failed here but may still reach the stream (nats.js holds
+   * publishes while it reconnects): the caller cancels it at the bridge, so nobody's engine time
+   * goes to an answer nobody reads (and a client's retry is not served twice). Not called when
+   * the bridge ended it (an error frame) or the stream refused it (backlog full).
+   */
+  onAbandon?: () => void;
 }
 
 /**
@@ -363,6 +390,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
       if (finished) return;
       opts.onUpstreamError?.(reason);
+      if (reason === 'timeout' || reason === 'frames_lost' || reason === 'publish_failed') opts.onAbandon?.();
       if (cause !== undefined) e.cause = cause;
       finish(e);
     };
@@ -400,7 +428,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
     opts.publish(session.subject, req, session).catch((err: unknown) =>
-      sessionErrorType(err) === SessionErrorType.BacklogFull ? fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err) : fail('publish_failed', errors.upstream(503, 'unavailable'), err),
+      sessionErrorType(err) === SessionErrorType.BacklogFull ? fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err) : fail('publish_failed', errors.unavailable(opts.retryAfterSec), err),
     );
   });
 }

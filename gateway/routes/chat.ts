@@ -84,6 +84,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
           signal: ctl.signal,
           onChunk: sse ? (chunk) => sse.data(chunk) : undefined,
           onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
+          onAbandon: () => g.cancel?.(entry, id),
         });
         if (sse) {
           sse.done();
