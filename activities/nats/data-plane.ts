@@ -448,8 +448,9 @@ export class FrameSequencer {
 
 /**
  * The frames of `subject` that reached the server, in order and each seq once (what a
- * {@link FrameSequencer} would have relayed), read from the response stream (`names.responseStream`); `complete` is false
- * when the stream lost some (aged out or evicted), i.e. the prefix cannot be trusted.
+ * {@link FrameSequencer} would have relayed), read from the response stream `stream`
+ * (`names.responseStream`); `complete` is false when the stream lost some (aged out or evicted),
+ * i.e. the prefix cannot be trusted.
  */
 export async function readStoredFrames(
   js: JetStreamClient,
