@@ -837,20 +837,31 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
 };
 
-/** The bridge's counters and state in the Prometheus text format (`magus bridge`'s `/metrics`). */
-export function bridgeMetricsText(stats: Readonly<BridgeStats>, health: BridgeHealth, labels: { pool: string; instance: string }): string {
-  const l = `{pool="${labels.pool}",instance="${labels.instance}"}`;
+/** One bridge as {@link bridgeMetricsText} reports it. */
+export interface BridgeSample {
+  pool: string;
+  instance: string;
+  stats: Readonly<BridgeStats>;
+  health: BridgeHealth;
+}
+
+/**
+ * Bridges' counters and state in the Prometheus text format, one series per bridge (labels
+ * `pool`, `instance`): `magus bridge`'s `/metrics`, and the worker's for its local instances.
+ */
+export function bridgeMetricsText(bridges: readonly BridgeSample[]): string {
+  const labels = (b: BridgeSample) => `{pool="${b.pool}",instance="${b.instance}"}`;
   const out: string[] = [];
+  const family = (name: string, help: string, type: 'counter' | 'gauge', value: (b: BridgeSample) => number) => {
+    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`);
+    for (const b of bridges) out.push(`${name}${labels(b)} ${value(b)}`);
+  };
   for (const [key, help] of Object.entries(STAT_HELP) as [keyof typeof STAT_HELP, string][]) {
-    const name = `magus_bridge_${key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)}_total`;
-    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} counter`, `${name}${l} ${stats[key]}`);
+    family(`magus_bridge_${key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)}_total`, help, 'counter', (b) => b.stats[key]);
   }
-  const gauges: [string, string, number][] = [
-    ['magus_bridge_in_flight', 'Requests being served.', health.inFlight],
-    ['magus_bridge_slots', 'Requests the engine serves at once.', health.slots],
-    ['magus_bridge_healthy', '1 when connected and consuming, else 0.', health.ok ? 1 : 0],
-  ];
-  for (const [name, help, value] of gauges) out.push(`# HELP ${name} ${help}`, `# TYPE ${name} gauge`, `${name}${l} ${value}`);
+  family('magus_bridge_in_flight', 'Requests being served.', 'gauge', (b) => b.health.inFlight);
+  family('magus_bridge_slots', 'Requests the engine serves at once.', 'gauge', (b) => b.health.slots);
+  family('magus_bridge_healthy', '1 when connected and consuming, else 0.', 'gauge', (b) => (b.health.ok ? 1 : 0));
   return `${out.join('\n')}\n`;
 }
 
@@ -915,7 +926,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
       health = createServer((req, res) => {
         if (req.url === '/metrics') {
           res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-          return void res.end(bridgeMetricsText(bridge.stats, bridge.health(), { pool, instance }));
+          return void res.end(bridgeMetricsText([{ pool, instance, stats: bridge.stats, health: bridge.health() }]));
         }
         void (async () => {
           const own = bridge.health();

@@ -134,7 +134,8 @@ async function configErrors(fn: () => Promise<number>): Promise<number> {
 /**
  * `magus worker`: runs until SIGINT/SIGTERM, then stops gracefully. The Temporal SDK's metrics
  * are exported for Prometheus on MAGUS_METRICS_ADDRESS (default 127.0.0.1:9464, `/metrics`), and
- * MAGUS_HEALTH_ADDRESS (default 127.0.0.1:9465) answers `/healthz` and `/readyz`.
+ * MAGUS_HEALTH_ADDRESS (default 127.0.0.1:9465) answers `/healthz`, `/readyz` and `/metrics`
+ * (the bridges of the local runtime's instances).
  */
 function workerCommand(): Promise<number> {
   return configErrors(async () => {
@@ -142,13 +143,18 @@ function workerCommand(): Promise<number> {
     const metrics = process.env.MAGUS_METRICS_ADDRESS ?? '127.0.0.1:9464';
     load.temporalWorker().Runtime.install({ telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
     let ready = false;
+    let workers: WorkerModule.RunningWorkers | undefined = undefined; // set once they run; /metrics reads it
     const [host, port] = (process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9465').split(':');
     const health = createServer((req, res) => {
+      if (req.url === '/metrics') {
+        res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
+        return void res.end(load.bridge().bridgeMetricsText(workers?.runtime.bridges() ?? []));
+      }
       const ok = req.url === '/healthz' || (req.url === '/readyz' && ready);
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
     });
     await new Promise<void>((ok) => health.listen(Number(port), host, ok));
-    const workers = await load.worker().startWorkers(cfg);
+    workers = await load.worker().startWorkers(cfg);
     ready = true;
     process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
     const stop = () => {

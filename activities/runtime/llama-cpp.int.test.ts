@@ -13,6 +13,7 @@ import type { NatsConnection } from 'nats';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
+import { bridgeMetricsText } from '../../workers/bridge';
 import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry } from '../nats/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
@@ -65,6 +66,9 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   const greedy = { max_tokens: 4, temperature: 0, stream: false };
   const first = await askInstance(nc, names, POOL, 'tiny-1', greedy);
   expect(first.text.length).toBeGreaterThan(0);
+  // The worker's /metrics reports the instance's in-process bridge.
+  expect(rt.bridges().map((b) => ({ pool: b.pool, instance: b.instance, pulled: b.stats.pulled, acked: b.stats.acked }))).toEqual([{ pool: POOL, instance: 'tiny-1', pulled: 1, acked: 1 }]);
+  expect(bridgeMetricsText(rt.bridges())).toContain(`magus_bridge_acked_total{pool="${POOL}",instance="tiny-1"} 1`);
 
   // Killed from outside (OOM killer, crash): a new process on the same port, same instance.
   process.kill(before.pid!, 'SIGKILL');

@@ -14,7 +14,7 @@
  */
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
-import { startBridge, type Bridge } from '../../workers/bridge';
+import { startBridge, type Bridge, type BridgeSample } from '../../workers/bridge';
 import type { ReadyModel, StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -68,6 +68,8 @@ export interface LocalProcessInfo {
 export interface LocalRuntime extends Runtime {
   /** The processes of an instance (root first), or null when the runtime does not know it. */
   processes(pool: string, instance: string): LocalProcessInfo[] | null;
+  /** The in-process bridges of the running instances, for metrics. */
+  bridges(): BridgeSample[];
   stopAll(): Promise<void>;
 }
 
@@ -196,6 +198,12 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
       return i
         ? i.serving.processes.map((p) => ({ role: p.role, index: p.index, pid: p.process.child.pid, port: p.port, argv: p.process.argv, running: !p.process.exit }))
         : null;
+    },
+    bridges(): BridgeSample[] {
+      return [...instances.entries()].map(([k, i]) => {
+        const [pool = '', instance = ''] = k.split('/');
+        return { pool, instance, stats: i.bridge.stats, health: i.bridge.health() };
+      });
     },
     async stopAll(): Promise<void> {
       await Promise.all([...instances.keys()].map((k) => runtime.destroy(...(k.split('/') as [string, string]))));
