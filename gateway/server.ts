@@ -78,6 +78,9 @@ async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
   }
 }
 
+/** Cancels held while NATS is unreachable, at most (the oldest are kept: their engines run longest). */
+const MAX_HELD_CANCELS = 10_000;
+
 /** Starts the gateway and listens; the caller owns the returned handle's `close`. */
 export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
   const app = createServer(config, deps.logStream);
@@ -89,7 +92,14 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     // After a reconnect: reopen the KV watches, forget a registry read sent to the old server,
     // read back the frames waiting requests missed.
     const metrics = new GatewayMetrics();
-    const onReconnect: (() => void)[] = [() => metrics.natsReconnects.inc()];
+    /** Cancels of requests given up on while NATS was unreachable: sent once it is back. */
+    const heldCancels: [subject: string, payload: string][] = [];
+    const onReconnect: (() => void)[] = [
+      () => metrics.natsReconnects.inc(),
+      () => {
+        for (const [subject, payload] of heldCancels.splice(0)) nc.publish(subject, payload);
+      },
+    ];
     void (async () => {
       for await (const s of nc.status()) {
         if (s.type === Events.Disconnect) natsUp = false;
@@ -168,8 +178,15 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       responses,
       backlogFull: deps.backlogFull,
       cancel: (session, requestId) => {
+        const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));
+        const payload = JSON.stringify({ id: requestId });
+        // nats.js drops what it holds when it dials again: keep cancels until the connection is back.
+        if (!natsUp) {
+          if (heldCancels.length < MAX_HELD_CANCELS) heldCancels.push([subject, payload]);
+          return;
+        }
         try {
-          nc.publish(scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance)), JSON.stringify({ id: requestId }));
+          nc.publish(subject, payload);
         } catch (err) {
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }

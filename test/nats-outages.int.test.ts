@@ -277,6 +277,43 @@ describe('NATS outages', () => {
     }
   }, 90_000);
 
+  it('a client that leaves while its gateway is cut off: the cancel is held, sent once NATS is back, and the engine stops', async () => {
+    const target = new URL(services.endpoints.nats!.servers);
+    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
+    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
+    const { gw } = await gatewayOn(nc);
+    const served = bridges[0]!;
+    const cancelled = served.stats.cancelled;
+    try {
+      holdNext();
+      const client = new AbortController();
+      const asked = fetch(`${gw.url}/v1/chat/completions`, {
+        method: 'POST',
+        signal: client.signal,
+        headers: { authorization: `Bearer ${alice.token}`, 'content-type': 'application/json', 'x-session-id': 'across-outages' },
+        body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content: 'never mind' }] }),
+      }).catch((err: unknown) => err);
+      await reached;
+      const down = disconnected(nc);
+      proxy.cut();
+      await down;
+      client.abort();
+      expect(await asked).toMatchObject({ name: 'AbortError' });
+      await eventually(async () => expect(await (await fetch(`${gw.url}/metrics`)).text()).toMatch(/^magus_gateway_requests_total\{route="\/v1\/chat\/completions",status="499"\} 1$/m));
+      expect(served.stats.cancelled).toBe(cancelled); // not sent: the gateway is cut off
+      const back = reconnected(nc);
+      proxy.restore();
+      await back;
+      await eventually(() => Promise.resolve(expect(served.stats.cancelled).toBe(cancelled + 1)));
+      await eventually(() => Promise.resolve(expect(served.stats.inFlight).toBe(0)));
+    } finally {
+      release();
+      await gw.close();
+      await nc.close();
+      await proxy.close();
+    }
+  }, 90_000);
+
   it('without its store: streams, buckets and running bridges\' consumers come back; a stopped bridge\'s does not', async () => {
     const gone = await bridge('i2');
     await gone.stop();
