@@ -37,6 +37,7 @@ import { makeToken, readyModel, TEST_SECRET } from '../gateway/test-support';
 import { isolation, workerConfig } from './harness';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { startTcpProxy } from './harness/tcp-proxy';
+import { eventually } from './harness/wait';
 import { askInstance } from './harness/data-plane';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 
@@ -51,19 +52,6 @@ async function disconnected(nc: NatsConnection): Promise<void> {
 async function reconnected(nc: NatsConnection): Promise<void> {
   for await (const s of nc.status()) if (s.type === Events.Reconnect) break;
   await nc.flush();
-}
-
-/** Polls `check` until it resolves without throwing; rethrows its last error after `ms`. */
-async function eventually<T>(check: () => Promise<T>, ms = 20_000): Promise<T> {
-  const deadline = Date.now() + ms;
-  for (;;) {
-    try {
-      return await check();
-    } catch (err) {
-      if (Date.now() > deadline) throw err;
-      await sleep(200);
-    }
-  }
 }
 
 describe('NATS outages', () => {

@@ -26,6 +26,7 @@ import type { SessionEntry } from '../shared/serving';
 import { splitText, startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { endpoint, isolation, natsConnect } from './harness';
 import { freePort } from '../workers/dev/services';
+import { until } from './harness/wait';
 
 const iso = isolation();
 const POOL = 'stub-kill';
@@ -103,14 +104,6 @@ async function stop(p: BridgeProcess): Promise<void> {
 /** Holds the next generation after `afterChunks` pieces; resolves when the stub holds it. */
 function holdNextAnswer(afterChunks: number): Promise<void> {
   return new Promise<void>((resolve) => (holdNext = { afterChunks, reached: resolve }));
-}
-
-async function until(what: string, check: () => boolean | Promise<boolean>, timeoutMs = 30_000): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await check())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 50));
-  }
 }
 
 /** True once the instance's consumer has nothing pending or unacknowledged. */

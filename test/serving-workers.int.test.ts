@@ -16,6 +16,7 @@ import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -53,14 +54,6 @@ afterAll(async () => {
 }, 60_000);
 
 const readyInstances = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
-
-async function until(what: string, check: () => Promise<boolean>, timeoutMs: number): Promise<void> {
-  const deadline = Date.now() + timeoutMs;
-  while (!(await check())) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 200));
-  }
-}
 
 test('probes reach the worker that runs the instance; when that worker goes, the pool replaces the instance on the other', async () => {
   const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };

@@ -27,6 +27,7 @@ import {
   type InstanceConsumerOptions,
 } from '../activities/nats/data-plane';
 import { BridgeErrorCode, seedFor, startBridge, type Bridge, type BridgeOptions } from './bridge';
+import { until } from '../test/harness/wait';
 
 const POOL = 'pool';
 
@@ -239,14 +240,6 @@ async function sent(instance: string, ...request: Parameters<typeof requestFor>)
 }
 
 const consumerState = (instance: string) => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, instance));
-
-async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 15_000): Promise<void> {
-  const end = Date.now() + timeoutMs;
-  while (!(await cond())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
-    await sleep(25);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 

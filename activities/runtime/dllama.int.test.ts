@@ -19,6 +19,7 @@ import { askInstance } from '../../test/harness/data-plane';
 import { ensureDataPlane, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../nats/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
+import { until } from '../../test/harness/wait';
 
 const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
 const POOL = 'tiny';
@@ -34,14 +35,6 @@ const runtimes: LocalRuntime[] = [];
 const logs: string[] = [];
 const files = { model: randomBytes(64 * 1024), tokenizer: randomBytes(2 * 1024) };
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
-
-async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 20_000): Promise<void> {
-  const end = Date.now() + timeoutMs;
-  while (!(await cond())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
-    await sleep(50);
-  }
-}
 
 /** Whether a process with this pid exists (a zombie counts as gone: the runtime reaps its children). */
 function alive(pid: number): boolean {

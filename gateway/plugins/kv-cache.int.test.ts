@@ -1,6 +1,7 @@
 /** The KV mirror against a real bucket: what `reopen` (the gateway calls it after a reconnect) does. */
 import type { KV, NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
+import { until } from '../../test/harness/wait';
 import { watchKv } from './kv-cache';
 
 const iso = isolation();
@@ -18,11 +19,6 @@ afterAll(async () => {
   await nc.drain();
 });
 
-async function until(cond: () => boolean): Promise<void> {
-  for (let i = 0; i < 500 && !cond(); i++) await new Promise((r) => setTimeout(r, 10));
-  expect(cond()).toBe(true);
-}
-
 it('reopen: a new watch at once (no restart delay), the map rebuilt from the server, reads served meanwhile', async () => {
   await kv.put('a', enc('1'));
   const errors: unknown[] = [];
@@ -34,11 +30,11 @@ it('reopen: a new watch at once (no restart delay), the map rebuilt from the ser
     cache.reopen();
     expect(cache.live).toBe(false);
     expect(cache.get('a')).toBe('1'); // the old map serves until the new one is complete
-    await until(() => cache.live);
+    await until('the new watch live', () => cache.live);
     expect(cache.get('only-here')).toBeUndefined();
     expect(cache.get('a')).toBe('1');
     await kv.put('b', enc('2'));
-    await until(() => cache.get('b') === '2');
+    await until('b in the mirror', () => cache.get('b') === '2');
     expect(errors).toEqual([]);
   } finally {
     await cache.close();
