@@ -153,9 +153,10 @@ describe('NATS outages', () => {
       gatewayConfigFor(names.prefix, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }), ...env } }),
       { nc, coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'), logStream: new PassThrough().resume() },
     );
-    const post = (content: string, bearer: string, stream: boolean) =>
+    const post = (content: string, bearer: string, stream: boolean, signal?: AbortSignal) =>
       fetch(`${gw.url}/v1/chat/completions`, {
         method: 'POST',
+        signal,
         headers: { authorization: `Bearer ${bearer}`, 'content-type': 'application/json', 'x-session-id': 'across-outages' },
         body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content }], stream }),
       });
@@ -176,6 +177,34 @@ describe('NATS outages', () => {
     return { gw, post, turn, streamTurn };
   };
   const alice = makeToken('alice');
+
+  /** A gateway whose NATS connection runs through a TCP proxy the test can cut and restore. */
+  const cuttableGateway = async (env: Record<string, string> = {}) => {
+    const target = new URL(services.endpoints.nats!.servers);
+    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
+    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
+    const client = await gatewayOn(nc, env);
+    return {
+      ...client,
+      /** Cuts it off; resolves once its connection noticed. */
+      async cut() {
+        const down = disconnected(nc);
+        proxy.cut();
+        await down;
+      },
+      /** Lets it back; resolves once it reconnected. */
+      async restore() {
+        const back = reconnected(nc);
+        proxy.restore();
+        await back;
+      },
+      async close() {
+        await client.gw.close();
+        await nc.close();
+        await proxy.close();
+      },
+    };
+  };
 
   it('the gateway carries on across a restart with its store: warm turns, and KV updates seen at once', async () => {
     const { gw, turn } = await gatewayOn(gateway);
@@ -198,11 +227,9 @@ describe('NATS outages', () => {
   }, 90_000);
 
   it('a gateway cut off from NATS mid-answer reads what it missed from the response stream: the whole answer, each piece once', async () => {
-    const target = new URL(services.endpoints.nats!.servers);
-    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
-    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
     // Without the read-back, the answer published while it was away would never come: a 504 after this.
-    const { gw, turn, streamTurn } = await gatewayOn(nc, { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '15000' });
+    const cut = await cuttableGateway({ MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '15000' });
+    const { gw, turn, streamTurn } = cut;
     const served = bridges[0]!;
     try {
       for (const stream of [false, true]) {
@@ -211,38 +238,28 @@ describe('NATS outages', () => {
         const acked = served.stats.acked;
         const answer = stream ? streamTurn('one two three four') : turn('one two three four');
         await reached;
-        const down = disconnected(nc);
-        proxy.cut();
-        await down;
+        await cut.cut();
         release();
         await eventually(() => Promise.resolve(expect(served.stats.acked).toBe(acked + 1))); // answered while the gateway was away
-        const back = reconnected(nc);
-        proxy.restore();
-        await back;
+        await cut.restore();
         expect(await answer).toEqual(stream ? { status: 200, text: 'one two three four', done: true } : { status: 200, text: 'one two three four' });
       }
       const metrics = await (await fetch(`${gw.url}/metrics`)).text();
       expect(metrics).toMatch(/^magus_gateway_nats_reconnects_total 2$/m);
       expect(Number(/^magus_gateway_frames_recovered_total (\d+)$/m.exec(metrics)?.[1])).toBeGreaterThanOrEqual(2); // at least each answer's end
     } finally {
-      await gw.close();
-      await nc.close();
-      await proxy.close();
+      await cut.close();
     }
   }, 90_000);
 
   it('a gateway cut off from NATS answers 503 with Retry-After at once and is not ready; nothing it tried is served later', async () => {
-    const target = new URL(services.endpoints.nats!.servers);
-    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
-    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
-    const { gw, post, turn } = await gatewayOn(nc);
+    const cut = await cuttableGateway();
+    const { gw, post, turn } = cut;
     const served = bridges[0]!;
     const calls = engine.requests.length;
     const pulled = served.stats.pulled;
     try {
-      const down = disconnected(nc);
-      proxy.cut();
-      await down;
+      await cut.cut();
       expect((await fetch(`${gw.url}/readyz`)).status).toBe(503);
       // At once, not after the 5 s a stream acknowledgement may take: nothing can be queued now.
       const started = Date.now();
@@ -251,54 +268,37 @@ describe('NATS outages', () => {
       expect(res.status).toBe(503);
       expect(res.headers.get('retry-after')).toMatch(/^[1-9][0-9]*$/);
       expect(((await res.json()) as { error: { code: string } }).error.code).toBe('unavailable');
-      const back = reconnected(nc);
-      proxy.restore();
-      await back;
+      await cut.restore();
       expect(await turn('back again')).toEqual({ status: 200, text: 'back again' });
       // The request it gave up on never reached the stream (nats.js drops what it held when it dials again).
       expect(served.stats.pulled).toBe(pulled + 1);
       expect(engine.requests.slice(calls).map((r) => JSON.stringify(r.body)).filter((b) => b.includes('while away'))).toEqual([]);
     } finally {
-      await gw.close();
-      await nc.close();
-      await proxy.close();
+      await cut.close();
     }
   }, 90_000);
 
   it('a client that leaves while its gateway is cut off: the cancel is held, sent once NATS is back, and the engine stops', async () => {
-    const target = new URL(services.endpoints.nats!.servers);
-    const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) });
-    const nc = await connect({ servers: proxy.address, name: 'cut-off gateway', maxReconnectAttempts: -1, reconnectTimeWait: 100, noAsyncTraces: true });
-    const { gw } = await gatewayOn(nc);
+    const cut = await cuttableGateway();
+    const { gw, post } = cut;
     const served = bridges[0]!;
     const cancelled = served.stats.cancelled;
     try {
       holdNext();
       const client = new AbortController();
-      const asked = fetch(`${gw.url}/v1/chat/completions`, {
-        method: 'POST',
-        signal: client.signal,
-        headers: { authorization: `Bearer ${alice.token}`, 'content-type': 'application/json', 'x-session-id': 'across-outages' },
-        body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content: 'never mind' }] }),
-      }).catch((err: unknown) => err);
+      const asked = post('never mind', alice.token, false, client.signal).catch((err: unknown) => err);
       await reached;
-      const down = disconnected(nc);
-      proxy.cut();
-      await down;
+      await cut.cut();
       client.abort();
       expect(await asked).toMatchObject({ name: 'AbortError' });
       await eventually(async () => expect(await (await fetch(`${gw.url}/metrics`)).text()).toMatch(/^magus_gateway_requests_total\{route="\/v1\/chat\/completions",status="499"\} 1$/m));
       expect(served.stats.cancelled).toBe(cancelled); // not sent: the gateway is cut off
-      const back = reconnected(nc);
-      proxy.restore();
-      await back;
+      await cut.restore();
       await eventually(() => Promise.resolve(expect(served.stats.cancelled).toBe(cancelled + 1)));
       await eventually(() => Promise.resolve(expect(served.stats.inFlight).toBe(0)));
     } finally {
       release();
-      await gw.close();
-      await nc.close();
-      await proxy.close();
+      await cut.close();
     }
   }, 90_000);
 

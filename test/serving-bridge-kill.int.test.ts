@@ -177,6 +177,18 @@ function expectTwoAttempts(before: number): void {
   expect((calls[0]!.body as { seed?: unknown }).seed).toEqual(expect.any(Number));
 }
 
+/** The second bridge's /metrics tells the story: one redelivery, answered and acked. */
+async function expectOneTakeOverIn(healthPort: number): Promise<void> {
+  const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
+  const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
+  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
+    pulled: '1',
+    redelivered: '1',
+    acked: '1',
+    healthy: '1',
+  });
+}
+
 test('non-stream: the bridge dies holding the request; the next bridge answers it, once', async () => {
   const before = engine.requests.length;
   const held = holdNextAnswer(0);
@@ -197,15 +209,7 @@ test('non-stream: the bridge dies holding the request; the next bridge answers i
   // The second bridge acked it: nothing is redelivered again, the engine is not called a third time.
   await until('the request acked', consumerIdle);
   expect(engine.requests.length - before).toBe(2);
-  // The second bridge's /metrics tells the story: one redelivery, answered and acked.
-  const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
-  const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
-  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
-    pulled: '1',
-    redelivered: '1',
-    acked: '1',
-    healthy: '1',
-  });
+  await expectOneTakeOverIn(healthPort);
   await stop(second);
 }, 180_000);
 
@@ -264,14 +268,6 @@ test.each([
 
   await until('the request acked', consumerIdle);
   expect(engine.requests.length - before).toBe(2);
-  // The second bridge's /metrics tells the story: one redelivery, answered and acked.
-  const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
-  const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
-  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
-    pulled: '1',
-    redelivered: '1',
-    acked: '1',
-    healthy: '1',
-  });
+  await expectOneTakeOverIn(healthPort);
   await stop(second);
 }, 180_000);
