@@ -62,6 +62,9 @@ export class SessionError extends Error {
   }
 }
 
+/** The `Retry-After` header of an answer that asks the client to come back: whole seconds, at least 1. */
+export const retryAfter = (seconds: number): Record<string, string> => ({ 'retry-after': String(Math.max(1, Math.ceil(seconds))) });
+
 export const errors = {
   invalid: (message: string, param: string | null = null, code: string | null = null) => new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
   unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') => new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
@@ -69,12 +72,12 @@ export const errors = {
   // `connection: close`: the unread body is not drained, the connection just ends.
   tooLarge: (limit: number) => new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
   backlogFull: (retryAfterSec: number) =>
-    new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }),
+    new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, retryAfter(retryAfterSec)),
   noCapacity: (retryAfterSec: number) =>
-    new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }, true),
+    new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, retryAfter(retryAfterSec), true),
   /** The request could not be queued (NATS unreachable, no stream acknowledgement). */
   unavailable: (retryAfterSec: number) =>
-    new GatewayError(503, 'The request could not be queued; retry later.', OpenAIErrorType.server, 'unavailable', null, { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) }, true),
+    new GatewayError(503, 'The request could not be queued; retry later.', OpenAIErrorType.server, 'unavailable', null, retryAfter(retryAfterSec), true),
   timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
   /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
   upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),

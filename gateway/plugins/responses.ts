@@ -15,7 +15,7 @@ import { createInbox, Events, headers, type Msg, type NatsConnection, type Subsc
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { isBacklogFull, scopeSubject } from '../../activities/nats/data-plane';
-import { errors, GatewayError, OpenAIErrorType, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
+import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
 /**
  * Publishes one request to an instance subject (`session.subject`); resolves once the request
@@ -349,7 +349,7 @@ export class FrameSequencer {
 export function frameError(frame: Extract<ResponseFrame, { type: 'error' }>, retryAfterSec: number): GatewayError {
   const { status, message, type, code } = frame.error;
   if (Number.isInteger(status) && status >= 400 && status < 500) {
-    const headers: Record<string, string> = status === 429 ? { 'retry-after': String(Math.max(1, Math.ceil(retryAfterSec))) } : {};
+    const headers = status === 429 ? retryAfter(retryAfterSec) : {};
     return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, null, headers);
   }
   // The bridge's deadline frame and the gateway's own timer say the same thing: one answer.
@@ -371,13 +371,16 @@ export interface ExchangeOptions {
   onUpstreamError?: (reason: string) => void;
   /**
    * The gateway gave up on a request that may still be queued or running — no frame in time,
-   * frames lost, or a publish that failed here but may still reach the stream (nats.js holds
-   * publishes while it reconnects): the caller cancels it at the bridge, so nobody's engine time
-   * goes to an answer nobody reads (and a client's retry is not served twice). Not called when
-   * the bridge ended it (an error frame) or the stream refused it (backlog full).
+   * frames lost, or a publish whose acknowledgement never came (the stream may have stored it):
+   * the caller cancels it at the bridge, so nobody's engine time goes to an answer nobody reads
+   * (and a client's retry is not served twice). Not called when the bridge ended it (an error
+   * frame) or the stream refused it (backlog full).
    */
   onAbandon?: () => void;
 }
+
+/** Failure reasons after which the request may still be queued or running at the bridge. */
+const ABANDONED = new Set(['timeout', 'frames_lost', 'publish_failed']);
 
 /**
  * Publishes `req` to the session's subject after listening for its frames, relays chunks, and
@@ -390,7 +393,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
       if (finished) return;
       opts.onUpstreamError?.(reason);
-      if (reason === 'timeout' || reason === 'frames_lost' || reason === 'publish_failed') opts.onAbandon?.();
+      if (ABANDONED.has(reason)) opts.onAbandon?.();
       if (cause !== undefined) e.cause = cause;
       finish(e);
     };
