@@ -22,7 +22,7 @@
 import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
-import { fork, type ChildProcess } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { randomBytes } from 'node:crypto';
@@ -47,6 +47,7 @@ import { seedFor } from '../workers/bridge';
 import { startServices } from '../workers/dev/services';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
+import { ask, child, fmt, latencies, load, p50, p99, signed } from './common';
 import { startCpuProfile, type CpuSummary } from './cpu-profile';
 import type { LoadResult, LoadSpec } from './gateway-client';
 import type { ServingCommand, ServingReply, TraceEvent } from './gateway-serving';
@@ -71,17 +72,6 @@ const now = (): number => performance.timeOrigin + performance.now();
 // ---------------------------------------------------------------------------------------------
 // Statistics
 
-function quantile(values: readonly number[], q: number): number {
-  if (values.length === 0) return NaN;
-  const s = [...values].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.max(0, Math.ceil(q * s.length) - 1))]!;
-}
-const p50 = (v: readonly number[]) => quantile(v, 0.5);
-const p99 = (v: readonly number[]) => quantile(v, 0.99);
-const fmt = (v: number, digits = 2) => (Number.isFinite(v) ? v.toFixed(digits) : '—');
-const signed = (v: number, digits = 2) => `${v >= 0 ? '+' : ''}${fmt(v, digits)}`;
-
-const latencies = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.end - s.start));
 const ttfc = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.chunks![0]! - s.start));
 const gaps = (r: LoadResult[]) => r.flatMap((x) => x.samples.flatMap((s) => s.chunks!.slice(1).map((t, i) => t - s.chunks![i]!)));
 const rate = (r: LoadResult[]) => r.reduce((a, x) => a + x.samples.length, 0) / (r.reduce((a, x) => a + x.wallMs, 0) / 1000);
@@ -96,26 +86,7 @@ function cpuMsOf(pid: number): number {
 // ---------------------------------------------------------------------------------------------
 // Child processes
 
-/** Forks a bench child under the same TypeScript loader as this process. */
-function child(file: string): ChildProcess {
-  return fork(join(__dirname, file), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
-}
-
-function ask<T>(proc: ChildProcess, msg: object): Promise<T> {
-  return new Promise<T>((resolve, reject) => {
-    const onExit = (code: number | null) => reject(new Error(`bench child exited (${code}) while answering ${JSON.stringify(msg).slice(0, 80)}`));
-    proc.once('exit', onExit);
-    proc.once('message', (reply: T & { error?: string }) => {
-      proc.off('exit', onExit);
-      if (reply.error !== undefined) reject(new Error(reply.error));
-      else resolve(reply);
-    });
-    proc.send(msg);
-  });
-}
-
 const serve = <R extends ServingReply>(proc: ChildProcess, cmd: ServingCommand) => ask<R>(proc, cmd);
-const load = async (proc: ChildProcess, spec: LoadSpec) => (await ask<{ result: LoadResult }>(proc, { spec })).result;
 
 /** Counts log lines; keeps those at warn level or above, and any that contain `secret`. */
 class LogTally extends Writable {

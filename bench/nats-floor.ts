@@ -16,14 +16,13 @@
  * is the one `magus dev` starts. Environment: BENCH_ROUNDS (default 6) blocks per path,
  * BENCH_BLOCK (default 400) requests per block.
  */
-import { fork, type ChildProcess } from 'node:child_process';
 import { createServer, Agent, request } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { cpus, loadavg } from 'node:os';
-import { join } from 'node:path';
 import { connect, nuid } from 'nats';
 import { startServices } from '../workers/dev/services';
-import type { LoadResult, LoadSpec } from './gateway-client';
+import { ask, child, latencies, load, p50, p99, signed } from './common';
+import type { LoadSpec } from './gateway-client';
 import { CAPTURED_PREFIX, CORE_SUBJECT, queueSubject, type FloorCommand, type FloorReply, type FloorRequest, type QueueKind } from './nats-floor-bridge';
 
 interface Path {
@@ -43,26 +42,12 @@ const PATHS: Path[] = [
 const ROUNDS = Number(process.env.BENCH_ROUNDS ?? '6');
 const BLOCK = Number(process.env.BENCH_BLOCK ?? '400');
 
-function ask<R>(proc: ChildProcess, msg: object): Promise<R> {
-  return new Promise<R>((resolve, reject) => {
-    proc.once('message', (reply: R & { error?: string }) => (reply.error !== undefined ? reject(new Error(reply.error)) : resolve(reply)));
-    proc.send(msg);
-  });
-}
-
-const quantile = (xs: number[], q: number): number => {
-  const s = [...xs].sort((a, b) => a - b);
-  return s[Math.min(s.length - 1, Math.floor(q * s.length))] ?? NaN;
-};
-const median = (xs: number[]) => quantile(xs, 0.5);
-const latencies = (r: LoadResult) => r.samples.map((s) => s.end - s.start);
-
 async function main(): Promise<void> {
   const load0 = loadavg();
   const services = await startServices({ services: ['nats'] });
   const natsUrl = services.endpoints.nats!.servers;
-  const bridge = fork(join(__dirname, 'nats-floor-bridge.ts'), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
-  const client = fork(join(__dirname, 'gateway-client.ts'), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+  const bridge = child('nats-floor-bridge.ts');
+  const client = child('gateway-client.ts');
   const nc = await connect({ servers: natsUrl, name: 'bench-floor-server', noAsyncTraces: true });
   try {
     const { engineUrl } = await ask<Extract<FloorReply, { engineUrl: string }>>(bridge, { type: 'start', nats: natsUrl } satisfies FloorCommand);
@@ -111,29 +96,27 @@ async function main(): Promise<void> {
       url: target, token: 'none', model: 'stub', concurrency, requests, stream: false, prompt: 'the floor', expectText: 'the floor',
       sessionIds: Array.from({ length: concurrency }, (_, i) => `floor-${i}`),
     });
-    const load = async (s: LoadSpec) => (await ask<{ result: LoadResult }>(client, { spec: s })).result;
 
     process.stderr.write('warming up');
-    await load(spec(direct, 5000, 8));
+    await load(client, spec(direct, 5000, 8));
     for (const p of PATHS) {
       path = p;
-      await load(spec(url, 5000, 8));
+      await load(client, spec(url, 5000, 8));
       process.stderr.write('.');
     }
     const added = new Map<Path, { p50: number[]; p99: number[] }>(PATHS.map((p) => [p, { p50: [], p99: [] }]));
     for (let round = 0; round < ROUNDS; round++) {
       for (const p of PATHS) {
-        const d = latencies(await load(spec(direct, BLOCK)));
+        const d = latencies([await load(client, spec(direct, BLOCK))]);
         path = p;
-        const g = latencies(await load(spec(url, BLOCK)));
-        added.get(p)!.p50.push(median(g) - median(d));
-        added.get(p)!.p99.push(quantile(g, 0.99) - quantile(d, 0.99));
+        const g = latencies([await load(client, spec(url, BLOCK))]);
+        added.get(p)!.p50.push(p50(g) - p50(d));
+        added.get(p)!.p99.push(p99(g) - p99(d));
       }
       process.stderr.write('.');
     }
     process.stderr.write('\n');
     server.close();
-    const ms = (x: number) => `${x >= 0 ? '+' : ''}${x.toFixed(2)}`;
     const out = [
       `bench:nats-floor — ${cpus().length} CPUs, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg().map((l) => l.toFixed(2)).join(' ')}`,
       `added over calling the stub directly at concurrency 1, ms; ${ROUNDS} blocks of ${BLOCK} requests per path, median of the blocks`,
@@ -141,7 +124,7 @@ async function main(): Promise<void> {
       `${'path'.padEnd(24)}${'p50'.padStart(8)}${'p99'.padStart(8)}   p50 of each block`,
       ...PATHS.map((p) => {
         const a = added.get(p)!;
-        return `${p.name.padEnd(24)}${ms(median(a.p50)).padStart(8)}${ms(median(a.p99)).padStart(8)}   ${a.p50.map(ms).join(' ')}`;
+        return `${p.name.padEnd(24)}${signed(p50(a.p50)).padStart(8)}${signed(p50(a.p99)).padStart(8)}   ${a.p50.map((x) => signed(x)).join(' ')}`;
       }),
     ];
     console.log(out.join('\n'));

@@ -1,0 +1,42 @@
+/**
+ * What the benchmarks share: nearest-rank statistics over load results, and their child
+ * processes (forked under the same TypeScript loader, asked over IPC).
+ */
+import { fork, type ChildProcess } from 'node:child_process';
+import { join } from 'node:path';
+import type { LoadResult, LoadSpec } from './gateway-client';
+
+export function quantile(values: readonly number[], q: number): number {
+  if (values.length === 0) return NaN;
+  const s = [...values].sort((a, b) => a - b);
+  return s[Math.min(s.length - 1, Math.max(0, Math.ceil(q * s.length) - 1))]!;
+}
+export const p50 = (v: readonly number[]) => quantile(v, 0.5);
+export const p99 = (v: readonly number[]) => quantile(v, 0.99);
+export const fmt = (v: number, digits = 2) => (Number.isFinite(v) ? v.toFixed(digits) : '—');
+export const signed = (v: number, digits = 2) => `${v >= 0 ? '+' : ''}${fmt(v, digits)}`;
+
+/** Each request's latency (send → end), ms. */
+export const latencies = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.end - s.start));
+
+/** Forks a bench child (a file next to this one) under the same TypeScript loader as this process. */
+export function child(file: string): ChildProcess {
+  return fork(join(__dirname, file), [], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+}
+
+/** Sends `msg` to a child and resolves with its reply; rejects on an `error` reply or when the child exits first. */
+export function ask<T>(proc: ChildProcess, msg: object): Promise<T> {
+  return new Promise<T>((resolve, reject) => {
+    const onExit = (code: number | null) => reject(new Error(`bench child exited (${code}) while answering ${JSON.stringify(msg).slice(0, 80)}`));
+    proc.once('exit', onExit);
+    proc.once('message', (reply: T & { error?: string }) => {
+      proc.off('exit', onExit);
+      if (reply.error !== undefined) reject(new Error(reply.error));
+      else resolve(reply);
+    });
+    proc.send(msg);
+  });
+}
+
+/** Runs one load spec in the load client (bench/gateway-client.ts). */
+export const load = async (client: ChildProcess, spec: LoadSpec) => (await ask<{ result: LoadResult }>(client, { spec })).result;
