@@ -83,6 +83,7 @@ interface Serving {
 }
 
 interface LocalInstance {
+  pool: string;
   info: Omit<InstanceInfo, 'healthy'>;
   serving: Serving;
   bridge: Bridge;
@@ -148,7 +149,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     try {
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
       const bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log });
-      const instance: LocalInstance = { info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
+      const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
       instances.set(key(req.pool, req.instance), instance);
       log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${serving.kind} at ${serving.url}`);
       return infoOf(instance);
@@ -200,13 +201,10 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
         : null;
     },
     bridges(): BridgeSample[] {
-      return [...instances.entries()].map(([k, i]) => {
-        const [pool = '', instance = ''] = k.split('/');
-        return { pool, instance, stats: i.bridge.stats, health: i.bridge.health() };
-      });
+      return [...instances.values()].map((i) => ({ pool: i.pool, instance: i.info.instance, stats: i.bridge.stats, health: i.bridge.health() }));
     },
     async stopAll(): Promise<void> {
-      await Promise.all([...instances.keys()].map((k) => runtime.destroy(...(k.split('/') as [string, string]))));
+      await Promise.all([...instances.values()].map((i) => runtime.destroy(i.pool, i.info.instance)));
     },
   };
   return runtime;
