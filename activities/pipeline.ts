@@ -6,7 +6,7 @@
  * everything else is retried by the workflow's policy. Secrets are resolved here from
  * references and never appear in inputs, results, heartbeats or errors.
  */
-import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { DeleteObjectsCommand, GetObjectCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
 import { basename } from 'node:path';
 import { parseModelSpec } from './convert/arch';
@@ -266,6 +266,33 @@ export function createPipelineActivities(deps: PipelineDeps) {
     /** Writes the ready model to the registry (`magus_models`). */
     async publishModel(model: ReadyModel): Promise<void> {
       await deps.registry.put(model);
+    },
+
+    /**
+     * The model's resource is gone: it leaves the registry (gateways stop listing it) and, with
+     * `deleteObjects`, its sources and artifacts leave S3 — unless another ready model was made
+     * from the same commit (keys are content-addressed and shared).
+     */
+    async forgetModel(input: { namespace: string; name: string; repo: string; sha: string | null; deleteObjects: boolean }): Promise<{ deletedObjects: number; keptFor: string[] }> {
+      await deps.registry.remove(input.namespace, input.name);
+      if (!input.deleteObjects || !input.sha) return { deletedObjects: 0, keptFor: [] };
+      const keptFor = (await deps.registry.list())
+        .filter((m) => m.source.repo === input.repo && m.source.sha === input.sha && !(m.namespace === input.namespace && m.name === input.name))
+        .map((m) => `${m.namespace}/${m.name}`);
+      if (keptFor.length > 0) return { deletedObjects: 0, keptFor };
+      let deletedObjects = 0;
+      for (const prefix of [`sources/${input.repo}/${input.sha}/`, `artifacts/${input.repo}/${input.sha}/`]) {
+        await abortStaleUploads(s3, bucket, { prefix, olderThanMs: 0 });
+        for (;;) {
+          // Deleting what a page listed and listing again converges even while keys disappear.
+          const page = await s3.send(new ListObjectsV2Command({ Bucket: bucket, Prefix: prefix, MaxKeys: 1000 }));
+          const keys = (page.Contents ?? []).map((o) => o.Key).filter((k): k is string => typeof k === 'string');
+          if (keys.length === 0) break;
+          await s3.send(new DeleteObjectsCommand({ Bucket: bucket, Delete: { Objects: keys.map((Key) => ({ Key })), Quiet: true } }));
+          deletedObjects += keys.length;
+        }
+      }
+      return { deletedObjects, keptFor };
     },
 
     /** Aborts incomplete multipart uploads under the given prefixes (cleanup after a cancel). */

@@ -43,6 +43,8 @@ export interface ModelSpec {
   artifacts: ArtifactRequest[];
   /** Context length the memory table is computed for; default the model's own maximum. */
   contextLength?: number;
+  /** Changing it runs the plan again with an otherwise equal spec (the `Model` CR's `rerun`). */
+  rerun?: string;
 }
 
 /** Input of the `modelPipeline` workflow (id `model/<namespace>/<name>`). */
@@ -50,6 +52,11 @@ export interface ModelPipelineInput {
   namespace: string;
   name: string;
   spec: ModelSpec;
+  /**
+   * The `Model` resource it was started for (by the controller): its status is written back while
+   * the pipeline runs. Absent for pipelines started by `magus model pull` or `magus dev`.
+   */
+  resource?: { uid: string; generation: number };
 }
 
 /** One file of a source repository at a pinned commit. */
@@ -157,6 +164,7 @@ export function validateModelSpec(spec: unknown): string[] {
       seen.add(id);
     });
   }
+  if (s.rerun !== undefined && (typeof s.rerun !== 'string' || s.rerun.length > 63)) errors.push('rerun: must be a string of at most 63 characters');
   if (s.contextLength !== undefined && (!Number.isInteger(s.contextLength) || s.contextLength < 16 || s.contextLength > 10_000_000)) {
     errors.push(`contextLength: ${JSON.stringify(s.contextLength)} must be a whole number from 16 to 10000000`);
   }

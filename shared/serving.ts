@@ -88,6 +88,8 @@ export interface TokenEntry {
   name: string;
   /** Models it may use; empty or absent = all. */
   models?: string[];
+  /** Where it was mirrored from, e.g. `secret/<namespace>/<name>` (the controller prunes its own). */
+  origin?: string;
 }
 
 export const requestSubject = (pool: string, instance: string): string => `magus.req.${pool}.${instance}`;

@@ -45,3 +45,19 @@ test('the recorded session history (update-with-start, a lease) replays', async 
   expect(session.events.some((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')).toBe(true);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(session), 'session/replay')).resolves.toBeUndefined();
 }, 60_000);
+
+/**
+ * Histories of the `Model`/`Dllama` resource paths (test/controller.int.test.ts): a pipeline
+ * whose resource changed spec once (status written back, the `model-resource-status` patch), one
+ * whose resource was deleted (cancel with forget), and a pool sized by a Dllama that was scaled
+ * up, down and deleted (`pool-resource-status`).
+ */
+test.each([
+  ['model-pipeline-resource', 'writeModelStatus'],
+  ['model-pipeline-resource-deleted', 'forgetModel'],
+  ['pool-resource-scaled', 'writeDllamaStatus'],
+])('the recorded %s history replays', async (name, activity) => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as typeof raw;
+  expect(history.events.some((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === activity)).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);

@@ -16,6 +16,7 @@ import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
 import { declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
+import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
@@ -75,15 +76,28 @@ function traceS3Writes(s3: S3Client, file: string): void {
  * A Kubernetes client for `{secret}` token references, when the worker runs in a cluster or a
  * kubeconfig is given; otherwise those references fail with SecretUnavailable.
  */
-function kubeForSecrets(): { coreApi: CoreV1Api; defaultNamespace: string } | undefined {
+export function kubeConfigFromEnv(): KubeConfig | undefined {
   if (!process.env.KUBERNETES_SERVICE_HOST && !process.env.KUBECONFIG) return undefined;
   const kc = new KubeConfig();
   kc.loadFromDefault();
+  return kc;
+}
+
+function kubeForSecrets(kc: KubeConfig | undefined): { coreApi: CoreV1Api; defaultNamespace: string } | undefined {
+  if (!kc) return undefined;
   const ns = process.env.MAGUS_NAMESPACE ?? kc.getContextObject(kc.getCurrentContext())?.namespace ?? 'default';
   return { coreApi: kc.makeApiClient(CoreV1Api), defaultNamespace: ns };
 }
 
-export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
+export interface WorkerDeps {
+  /**
+   * The cluster, when there is one (in a pod, `KUBECONFIG`, or given by a test): token Secrets
+   * resolve through it and the control queue writes `Model`/`Dllama` status.
+   */
+  kube?: KubeConfig;
+}
+
+export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: kubeConfigFromEnv() }): Promise<RunningWorkers> {
   const connection = await Connection.connect({ address: cfg.temporal.address });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   await ensureSearchAttributes(connection, cfg.temporal.namespace);
@@ -113,7 +127,7 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     s3,
     bucket: cfg.s3.bucket,
     registry,
-    resolveSecret: createSecretResolver({ kube: kubeForSecrets() }),
+    resolveSecret: createSecretResolver({ kube: kubeForSecrets(deps.kube) }),
     reportProgress: (workflowId, progress) => client.workflow.getHandle(workflowId).signal(activityProgressSignal, progress),
     convertThreads: cfg.convertThreads,
     transfer: { partSize: cfg.transferPartSize },
@@ -125,7 +139,11 @@ export async function startWorkers(cfg: MagusConfig): Promise<RunningWorkers> {
     taskQueue: cfg.taskQueue,
     workflowsPath: require.resolve('../workflows'),
     // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
-    activities: { publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model), ...serving },
+    activities: {
+      publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model),
+      ...serving,
+      ...(deps.kube ? createKubernetesActivities({ kc: deps.kube, bucket: cfg.s3.bucket }) : {}),
+    },
   });
   const pipeline = await Worker.create({
     connection: workerConnection,

@@ -20,7 +20,9 @@ export interface PipelineProgress {
   /** Seconds to the end of the current phase at the recent rate, when it can be estimated. */
   etaSeconds: number | null;
   /** Set in phase `failed`: the typed reason (an ErrorType) and message. */
-  failure: { type: string; message: string } | null;
+  failure: { type: string; message: string; /** The phase it failed in. */ during?: PipelinePhase } | null;
+  /** The `Model` resource's generation the pipeline has taken in (absent without a resource). */
+  observedGeneration?: number;
 }
 
 /** Sent by long activities, throttled, so the `progress` query can show bytes and tensors. */
@@ -35,8 +37,28 @@ export interface ActivityProgress {
 export const progressQuery = defineQuery<PipelineProgress>('progress');
 /** A new spec: the pipeline re-plans from what already exists (content-addressed, so nothing is redone). */
 export const specChangedSignal = defineSignal<[ModelSpec]>('specChanged');
-/** Stop: in-flight work is cancelled and partial uploads are cleaned up. */
-export const cancelSignal = defineSignal('cancel');
+/**
+ * Stop: in-flight work is cancelled and partial uploads are cleaned up. From the controller (its
+ * `Model` is being deleted): `forget` also removes the model from the registry, and
+ * `deleteObjects` (deletion policy `Delete`) its S3 objects that no other model uses.
+ */
+export const cancelSignal = defineSignal<[CancelOptions?]>('cancel');
+export interface CancelOptions {
+  forget?: boolean;
+  deleteObjects?: boolean;
+}
+
+/**
+ * The `Model` custom resource this pipeline serves, as the controller sees it at one generation.
+ * Sent with signal-with-start once per generation; a generation already applied is ignored, and a
+ * new `uid` (the resource deleted and created again under the same name) starts over.
+ */
+export interface ResourceChange {
+  uid: string;
+  generation: number;
+  spec: ModelSpec;
+}
+export const resourceChangedSignal = defineSignal<[ResourceChange]>('resourceChanged');
 export const activityProgressSignal = defineSignal<[ActivityProgress]>('activityProgress');
 
 export const modelWorkflowId = (namespace: string, name: string): string => `model/${namespace}/${name}`;

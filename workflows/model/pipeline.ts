@@ -14,19 +14,23 @@ import {
   condition,
   continueAsNew,
   isCancellation,
+  patched,
   proxyActivities,
   setHandler,
+  sleep,
   upsertSearchAttributes,
   workflowInfo,
   allHandlersFinished,
   type ActivityOptions,
   type RetryPolicy,
 } from '@temporalio/workflow';
+import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { PipelineActivities } from '../../activities/pipeline';
+import type { Condition } from '../../shared/kube';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
 import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
-import { activityProgressSignal, cancelSignal, progressQuery, specChangedSignal } from './definitions';
+import { activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
 import { PipelineState } from './state';
 
 /** Transient failures retry with capped exponential backoff, forever; permanent ones never. */
@@ -51,6 +55,7 @@ function activities() {
     resolveSource: short.resolveSource,
     sizeArtifacts: short.sizeArtifacts,
     abortUploads: short.abortUploads,
+    forgetModel: short.forgetModel,
     transferFile: long.transferFile,
     convertArtifact: long.convertArtifact,
     publishModel: control.publishModel,
@@ -60,14 +65,27 @@ function activities() {
 /** Files transferred at once. */
 const TRANSFER_CONCURRENCY = 4;
 
+/**
+ * Status of the `Model` resource: written by an activity on the control queue (the worker has the
+ * Kubernetes client), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when what it
+ * shows changed. A write that keeps failing is retried with capped backoff; the pipeline never
+ * waits for it.
+ */
+const { writeModelStatus } = proxyActivities<KubernetesActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } });
+const STATUS_MIN_INTERVAL_MS = 1000;
+/** Executions started before the `Model` resource existed replay without the status mirror. */
+const RESOURCE_STATUS_PATCH = 'model-resource-status';
+
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
-  const { abortUploads } = activities();
+  const { abortUploads, forgetModel } = activities();
   const state = new PipelineState(input);
   setHandler(progressQuery, () => state.progress());
   setHandler(specChangedSignal, (spec: ModelSpec) => state.changeSpec(spec));
-  setHandler(cancelSignal, () => state.cancel());
+  setHandler(cancelSignal, (options) => state.cancel(options));
   setHandler(activityProgressSignal, (p) => state.onActivityProgress(p));
+  setHandler(resourceChangedSignal, (change) => state.applyResource(change));
   upsertSearchAttributes({ MagusKind: ['model'], MagusModel: [`${input.namespace}/${input.name}`] });
+  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(state);
 
   for (;;) {
     const generation = state.generation;
@@ -89,6 +107,8 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
       // Partial multipart uploads of this model are removed even though the workflow is stopping.
       await CancellationScope.nonCancellable(async () => {
         if (state.sha) await abortUploads({ prefixes: [`sources/${state.spec.source.repo}/${state.sha}/`, `artifacts/${state.spec.source.repo}/${state.sha}/`] });
+        const { forget, deleteObjects } = state.cancelOptions;
+        if (forget) await forgetModel({ namespace: state.namespace, name: state.name, repo: state.spec.source.repo, sha: state.sha, deleteObjects: deleteObjects === true });
       });
       state.markCancelled();
       await condition(allHandlersFinished);
@@ -96,7 +116,7 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
     }
     if (workflowInfo().continueAsNewSuggested) {
       await condition(allHandlersFinished);
-      await continueAsNew<typeof modelPipeline>({ ...input, spec: state.spec });
+      await continueAsNew<typeof modelPipeline>({ ...input, spec: state.spec, ...(state.resource ? { resource: state.resource } : {}) });
     }
   }
 }
@@ -148,7 +168,37 @@ async function runPlan(state: PipelineState): Promise<void> {
     readyAt: new Date().toISOString(), // workflow-safe: the SDK makes Date deterministic
   };
   await publishModel(ready);
+  state.ready = ready;
   state.enter('ready');
+}
+
+/**
+ * Mirrors the pipeline's state into its `Model` resource's status while it has one: the phase and
+ * conditions at once, progress at most once per {@link STATUS_MIN_INTERVAL_MS}. Runs beside the
+ * plan for the workflow's whole life; the ETA alone never triggers a write.
+ */
+async function mirrorStatus(state: PipelineState): Promise<void> {
+  const { workflowId } = workflowInfo();
+  const shown = () => {
+    const { etaSeconds: _eta, ...rest } = state.progress();
+    return JSON.stringify({ rest, ready: state.ready?.readyAt ?? null, resource: state.resource });
+  };
+  let written = '';
+  let previous: { phase: string | null; conditions: Condition[] } = { phase: null, conditions: [] };
+  for (;;) {
+    await condition(() => state.resource !== null && shown() !== written);
+    const resource = state.resource!;
+    written = shown();
+    const progress = state.progress();
+    try {
+      const result = await writeModelStatus({ namespace: state.namespace, name: state.name, uid: resource.uid, workflowId, progress, ready: state.ready, previous });
+      previous = { phase: progress.phase, conditions: result.conditions };
+    } catch {
+      // The resource is gone (deleted, or replaced under the same name: a new uid comes with
+      // its own signal); nothing to write to until then.
+    }
+    await sleep(STATUS_MIN_INTERVAL_MS);
+  }
 }
 
 /** The typed permanent failure behind `err`, if it is one. */

@@ -2,8 +2,8 @@
  * The `modelPipeline` workflow's state: what the handlers change and the `progress` query reads.
  * Deterministic: time comes from the workflow SDK's `Date`.
  */
-import type { ModelPipelineInput, ModelSpec, SourceFile } from '../../shared/model';
-import type { ActivityProgress, PipelinePhase, PipelineProgress } from './definitions';
+import type { ModelPipelineInput, ModelSpec, ReadyModel, SourceFile } from '../../shared/model';
+import type { ActivityProgress, CancelOptions, PipelinePhase, PipelineProgress, ResourceChange } from './definitions';
 
 export class PipelineState {
   readonly namespace: string;
@@ -11,9 +11,15 @@ export class PipelineState {
   spec: ModelSpec;
   generation = 1;
   cancelled = false;
+  /** What the cancel asked for beyond stopping (the controller, when its `Model` goes away). */
+  cancelOptions: CancelOptions = {};
   sha: string | null = null;
+  /** The `Model` resource this pipeline reports to, and the generation of it taken in. */
+  resource: { uid: string; generation: number } | null;
+  /** What the last completed plan published (its artifacts and memory plan go into the resource's status). */
+  ready: ReadyModel | null = null;
   private phase: PipelinePhase = 'resolving';
-  private failure: { type: string; message: string } | null = null;
+  private failure: PipelineProgress['failure'] = null;
   private files: SourceFile[] = [];
   /** Paths of transferred files (a late progress signal for one of them is ignored). */
   private readonly doneFiles = new Set<string>();
@@ -29,6 +35,25 @@ export class PipelineState {
     this.namespace = input.namespace;
     this.name = input.name;
     this.spec = input.spec;
+    this.resource = input.resource ? { ...input.resource } : null;
+  }
+
+  /**
+   * A generation of the `Model` resource. One already taken in is ignored (signal-with-start
+   * sends each one once, but a restarted controller may send it again); a new uid is a new
+   * resource under the same name, so the plan starts over even if the spec is the same.
+   */
+  applyResource(change: ResourceChange): void {
+    const known = this.resource;
+    if (known && known.uid === change.uid && change.generation <= known.generation) return;
+    this.resource = { uid: change.uid, generation: change.generation };
+    if (known && known.uid !== change.uid) {
+      this.spec = change.spec;
+      this.ready = null;
+      this.generation++;
+    } else {
+      this.changeSpec(change.spec);
+    }
   }
 
   /**
@@ -41,8 +66,9 @@ export class PipelineState {
     this.generation++;
   }
 
-  cancel(): void {
+  cancel(options: CancelOptions = {}): void {
     this.cancelled = true;
+    this.cancelOptions = { ...this.cancelOptions, ...options };
   }
 
   markCancelled(): void {
@@ -55,6 +81,7 @@ export class PipelineState {
     this.failure = null;
     this.phaseStart = { at: Date.now(), done: this.phaseDone() };
     if (phase === 'resolving') {
+      this.ready = null;
       this.files = [];
       this.doneFiles.clear();
       this.bytesFinished = 0;
@@ -76,8 +103,8 @@ export class PipelineState {
   }
 
   fail(type: string, message: string): void {
+    this.failure = { type, message, during: this.phase };
     this.phase = 'failed';
-    this.failure = { type, message };
   }
 
   onActivityProgress(p: ActivityProgress): void {
@@ -126,6 +153,7 @@ export class PipelineState {
       tensors,
       etaSeconds,
       failure: this.failure,
+      ...(this.resource ? { observedGeneration: this.resource.generation } : {}),
     };
   }
 }

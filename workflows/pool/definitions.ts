@@ -28,6 +28,27 @@ export interface PoolInput {
    * runtime's processes) before that worker counts as gone, and the instance with it (default 10 s).
    */
   ownerTimeoutMs?: number;
+  /** The `Dllama` resource that sizes this pool, if one does (its status is written back). */
+  resource?: PoolResource;
+}
+
+/**
+ * A `Dllama` resource at one generation, from the controller (signal-with-start, once per
+ * generation): the pool takes its sizes, ignores generations it has applied, and writes the
+ * resource's status while it has one. `deleted`: the resource is going away; the pool keeps
+ * serving whoever uses the model but may scale to zero.
+ */
+export interface PoolResource {
+  name: string;
+  uid: string;
+  generation: number;
+  /** Instances kept even when idle: the resource's `spec.replicas`. */
+  minInstances: number;
+  maxInstances: number;
+  leasesPerInstance: number;
+  idleTimeoutMs: number;
+  nodesPerInstance: number;
+  deleted?: boolean;
 }
 
 export interface InstanceView {
@@ -55,6 +76,7 @@ export const leaseRequestedSignal = defineSignal<[{ sessionId: string; sessionWo
 export const leaseReleasedSignal = defineSignal<[{ sessionId: string }]>('leaseReleased');
 /** Sent with signal-with-start by whoever needs the pool to exist; carries no data. */
 export const ensurePoolSignal = defineSignal('ensurePool');
+export const poolResourceSignal = defineSignal<[PoolResource]>('resourceChanged');
 export const poolStatusQuery = defineQuery<PoolStatus>('status');
 
 /** Pool → session. `error` when no instance can be started. */

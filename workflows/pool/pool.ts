@@ -23,14 +23,17 @@ import {
   patched,
   proxyActivities,
   setHandler,
+  sleep,
   TimeoutFailure,
   upsertSearchAttributes,
   workflowInfo,
   type ActivityOptions,
 } from '@temporalio/workflow';
+import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
+import type { Condition } from '../../shared/kube';
 import { sessionWorkflowId } from '../session/definitions';
-import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolStatus } from './definitions';
+import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolResource, type PoolStatus } from './definitions';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
 const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
@@ -47,6 +50,10 @@ const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
 const OWNER_QUEUE_PATCH = 'instance-owner-queue';
 /** The published view is rewritten at least this often, so gateways can tell a live pool's entry from a dead one's. */
 const POOL_ENTRY_REFRESH_MS = 60_000;
+/** Executions started before `Dllama` resources existed replay without the status mirror. */
+const RESOURCE_STATUS_PATCH = 'pool-resource-status';
+const STATUS_MIN_INTERVAL_MS = 1000;
+const statusWrite: ActivityOptions = { startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } };
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -128,11 +135,27 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   setHandler(ensurePoolSignal, () => {
     dirty = true;
   });
-  setHandler(poolStatusQuery, (): PoolStatus => ({
+  const status = (): PoolStatus => ({
     instances: [...instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases.size })),
     waiting: waiting.length,
     lastError,
-  }));
+  });
+  setHandler(poolStatusQuery, status);
+  // The `Dllama` resource sizing this pool: a generation already applied is ignored; the sizes
+  // are validated by the CRD (and again here: a pool never takes min > max).
+  setHandler(poolResourceSignal, (r: PoolResource) => {
+    const known = input.resource;
+    if (known && known.uid === r.uid && r.generation <= known.generation && !r.deleted) return;
+    if (r.deleted) {
+      if (known?.uid !== r.uid) return;
+      input.resource = undefined;
+      input.minInstances = 0;
+    } else if (r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0) {
+      input.resource = r;
+      Object.assign(input, { minInstances: r.minInstances, maxInstances: r.maxInstances, leasesPerInstance: r.leasesPerInstance, idleTimeoutMs: r.idleTimeoutMs });
+    }
+    dirty = true;
+  });
   upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
 
   async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
@@ -324,6 +347,30 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     for (const i of instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + drainGraceMs - Date.now());
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
+
+  /**
+   * Mirrors the pool into its `Dllama` resource's status while it has one: instances, readiness
+   * and the last error, at most once per {@link STATUS_MIN_INTERVAL_MS}, only when they changed.
+   */
+  async function mirrorStatus(): Promise<void> {
+    const { writeDllamaStatus } = proxyActivities<KubernetesActivities>(statusWrite);
+    const shown = () => JSON.stringify({ s: status(), r: input.resource ?? null });
+    let written = '';
+    let previous: { phase: string | null; conditions: Condition[] } = { phase: null, conditions: [] };
+    for (;;) {
+      await condition(() => input.resource !== undefined && shown() !== written);
+      const r = input.resource!;
+      written = shown();
+      try {
+        const result = await writeDllamaStatus({ namespace: input.namespace, name: r.name, uid: r.uid, workflowId: workflowInfo().workflowId, observedGeneration: r.generation, nodesPerInstance: r.nodesPerInstance, pool: status(), previous });
+        previous = result;
+      } catch {
+        // The resource is gone; a new one comes with its own signal.
+      }
+      await sleep(STATUS_MIN_INTERVAL_MS);
+    }
+  }
+  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus();
 
   // Instances carried over continue-as-new may have died with their worker: check them.
   for (const i of [...instances.values()]) {

@@ -1,0 +1,165 @@
+/**
+ * The custom resources of magus (`magus.dev/v1alpha1`): one TypeScript definition per kind,
+ * shared by the controller, the activities that write status, and the tests. The CRD YAML in
+ * `crds/` is the schema the API server enforces; these types mirror it. Workflow-safe: no
+ * imports, no I/O.
+ */
+import type { ArtifactFormat, WeightsFormat } from './model';
+
+export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session' } as const;
+export const Plural = { model: 'models', dllama: 'dllamas', session: 'sessions' } as const;
+
+/** The finalizer the controller puts on Models and Dllamas: cleanup runs before they go. */
+export const FINALIZER = 'magus.dev/cleanup';
+/** Secrets with this label (value `true`) are API tokens mirrored into `magus_tokens`. */
+export const TOKEN_SECRET_LABEL = 'magus.dev/api-token';
+/** Field managers: the controller's spec-side writes (finalizers) and status writes. */
+export const FieldManager = { controller: 'magus-controller', status: 'magus-status' } as const;
+
+/** A condition as Kubernetes API conventions define it. */
+export interface Condition {
+  type: string;
+  status: 'True' | 'False' | 'Unknown';
+  reason: string;
+  message: string;
+  observedGeneration: number;
+  lastTransitionTime: string;
+}
+
+export interface ObjectMeta {
+  name: string;
+  namespace: string;
+  uid: string;
+  generation: number;
+  resourceVersion?: string;
+  deletionTimestamp?: string;
+  finalizers?: string[];
+  labels?: Record<string, string>;
+  annotations?: Record<string, string>;
+  creationTimestamp?: string;
+}
+
+// ── Model ────────────────────────────────────────────────────────────────────────────────────
+
+export interface ModelResourceSpec {
+  source: {
+    repo: string;
+    revision?: string;
+    hubUrl?: string;
+    /** A Secret in the Model's namespace holding the hub token under `key` (default `token`). */
+    tokenSecretRef?: { name: string; key?: string };
+  };
+  artifacts: { format: ArtifactFormat; weights: WeightsFormat }[];
+  contextLength?: number;
+  /** Change it to run the pipeline again with the same spec (e.g. after access was granted). */
+  rerun?: string;
+  /** What happens to the model's S3 objects when the Model is deleted. */
+  deletionPolicy?: 'Retain' | 'Delete';
+}
+
+export const ModelCondition = { downloaded: 'Downloaded', converted: 'Converted', sized: 'Sized', ready: 'Ready' } as const;
+
+export interface ModelResourceStatus {
+  observedGeneration?: number;
+  phase?: string;
+  progress?: {
+    files: { done: number; total: number };
+    bytes: { done: number; total: number };
+    tensors: { done: number; total: number };
+    percent: number;
+    etaSeconds?: number;
+    /** Human text for the printer column, e.g. `42% 1.2 GB/2.9 GB`. */
+    summary: string;
+  };
+  /** The commit the revision resolved to. */
+  revision?: string;
+  artifacts?: { format: ArtifactFormat; weights: WeightsFormat; uri: string; bytes: number; sha256: string }[];
+  /** Human text for the printer column: the artifacts' total size. */
+  size?: string;
+  sizing?: { format: ArtifactFormat; weights: WeightsFormat; contextLength: number; nodes: number; rootBytes: number; workerBytes?: number }[];
+  workflowId?: string;
+  conditions?: Condition[];
+}
+
+export interface ModelResource {
+  apiVersion: 'magus.dev/v1alpha1';
+  kind: 'Model';
+  metadata: ObjectMeta;
+  spec: ModelResourceSpec;
+  status?: ModelResourceStatus;
+}
+
+// ── Dllama (a serving pool) ────────────────────────────────────────────────────────────────
+
+export interface DllamaResourceSpec {
+  /** Name of a Model in the same namespace. */
+  model: string;
+  engine: 'dllama' | 'llamacpp';
+  /** Nodes per instance = 2^nodesPower (the root plus 2^n − 1 workers); 0 for llama.cpp. */
+  nodesPower: number;
+  /** Desired instances (the scale subresource's `.spec.replicas`); the pool keeps min ≤ n ≤ max. */
+  replicas: number;
+  minReplicas: number;
+  maxReplicas: number;
+  leasesPerInstance: number;
+  /** An instance without leases for this long is stopped (down to minReplicas), e.g. `10m`. */
+  idleTimeout: string;
+  resources?: { requests?: Record<string, string>; limits?: Record<string, string> };
+  nodeSelector?: Record<string, string>;
+  tolerations?: Record<string, unknown>[];
+  images?: { magus?: string; dllama?: string };
+}
+
+export interface DllamaResourceStatus {
+  observedGeneration?: number;
+  phase?: string;
+  replicas?: number;
+  readyReplicas?: number;
+  nodesPerInstance?: number;
+  /** The label selector of this pool's pods, as a string (the scale subresource reads it). */
+  selector?: string;
+  instances?: { id: string; phase: string; leases: number }[];
+  lastError?: string;
+  workflowId?: string;
+  conditions?: Condition[];
+}
+
+export interface DllamaResource {
+  apiVersion: 'magus.dev/v1alpha1';
+  kind: 'Dllama';
+  metadata: ObjectMeta;
+  spec: DllamaResourceSpec;
+  status?: DllamaResourceStatus;
+}
+
+// ── Session (read-only mirror) ────────────────────────────────────────────────────────────
+
+export interface SessionResourceSpec {
+  /** The pool (Dllama / model name) serving it; immutable. */
+  pool: string;
+  model: string;
+}
+
+export interface SessionResourceStatus {
+  instance?: string;
+  turns?: number;
+  expiresAt?: string;
+}
+
+export interface SessionResource {
+  apiVersion: 'magus.dev/v1alpha1';
+  kind: 'Session';
+  metadata: ObjectMeta;
+  spec: SessionResourceSpec;
+  status?: SessionResourceStatus;
+}
+
+/** Label on everything magus creates for a pool (the Dllama's scale selector matches it). */
+export const POOL_LABEL = 'magus.dev/pool';
+
+/** Parses a duration like `90s`, `10m`, `1h30m` into ms; null when malformed. */
+export function parseDuration(text: string): number | null {
+  const m = /^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$/.exec(text);
+  if (!m || text === '') return null;
+  return (Number(m[1] ?? 0) * 3600 + Number(m[2] ?? 0) * 60 + Number(m[3] ?? 0)) * 1000;
+}
