@@ -55,10 +55,17 @@ describe('convert', () => {
   });
 });
 
-test('a mode that is not built yet says so and exits 2', () => {
-  const r = run('controller');
-  expect(r.status).toBe(2);
-  expect(r.stderr).toMatch(/magus controller: not yet available/);
+test('controller: --help prints usage and exits 0; without a cluster it says so and exits 1', () => {
+  const help = run('controller', '--help');
+  expect(help.status).toBe(0);
+  expect(help.stdout).toMatch(/^usage: magus controller/);
+  const env = { ...process.env, KUBECONFIG: '', KUBERNETES_SERVICE_HOST: '' };
+  const r = spawnSync(process.execPath, [bin, 'controller'], { encoding: 'utf8', env, timeout: 20_000 });
+  expect(r.status).toBe(1);
+  expect(r.stderr).toMatch(/magus controller: no cluster: run it in a pod or set KUBECONFIG/);
+  const bad = run('controller', '--cleanup-timeout', 'soon');
+  expect(bad.status).toBe(1);
+  expect(bad.stderr).toMatch(/--cleanup-timeout soon is not a duration/);
 });
 
 test('an unknown mode is a usage error', () => {

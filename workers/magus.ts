@@ -16,6 +16,7 @@ import type * as ModelPullModule from './model-pull';
 import type * as WorkerModule from './worker';
 import type * as TemporalWorkerModule from '@temporalio/worker';
 import type * as DevModule from './dev/dev';
+import type * as ControllerModule from './controller/main';
 
 /*
  * Each mode loads its modules only when it runs: `magus convert` must not pay, in start-up time
@@ -31,6 +32,7 @@ const load = {
   worker: () => require('./worker') as typeof WorkerModule,
   temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
   dev: () => require('./dev/dev') as typeof DevModule,
+  controller: () => require('./controller/main') as typeof ControllerModule,
 };
 /* eslint-enable @typescript-eslint/no-require-imports */
 
@@ -192,6 +194,8 @@ export async function main(argv: string[]): Promise<number> {
       return load.bridge().bridgeCommand(rest);
     case 'gateway':
       return configErrors(() => load.gateway().gatewayCommand(rest));
+    case 'controller':
+      return configErrors(() => load.controller().controllerCommand(rest));
     case 'model':
       if (rest[0] === 'pull') return configErrors(() => load.modelPull().modelPullCommand(rest.slice(1)));
       process.stderr.write(`${load.modelPull().PULL_USAGE}\n`);

@@ -1,0 +1,407 @@
+/**
+ * The kubectl door end to end: the real `kubectl` against the real kube-apiserver, `magus
+ * controller` (its core, in process), a worker with the Kubernetes status activities, Temporal,
+ * NATS and MinIO, and the fixture hub. A Model applied with kubectl becomes Ready through the
+ * pipeline; spec changes, failures, controller restarts, deletions, Dllama scaling and token
+ * Secrets behave as DESIGN.md's "Kubernetes" section promises.
+ */
+import { execFile } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import { CreateBucketCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
+import { readFileSync } from 'node:fs';
+import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
+import type { Client, Connection } from '@temporalio/client';
+import { temporal } from '@temporalio/proto';
+import type { KV, NatsConnection } from 'nats';
+import { installCrds } from '../activities/kubernetes/crds';
+import { watchResource } from '../activities/kubernetes/watch';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
+import { FINALIZER, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../shared/kube';
+import type { MagusConfig } from '../workers/config';
+import { startController, type Controller } from '../workers/controller/controller';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { startFixtureHub, type FixtureHub } from './fixtures/hf-hub';
+import { writeTinyModel } from './fixtures/tiny-model';
+import { endpoint, isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { gatewayConfigFor } from './harness/gateway';
+import { kubeConfig } from './harness/kube';
+import { eventually, until } from './harness/wait';
+
+const execFileP = promisify(execFile);
+const EventType = temporal.api.enums.v1.EventType;
+const iso = isolation();
+const ns = iso.namespace;
+const REPO = 'magus-test/tiny-llama';
+
+let dir: string;
+let kubeconfigFile: string;
+let kc: KubeConfig;
+let custom: CustomObjectsApi;
+let core: CoreV1Api;
+let hub: FixtureHub;
+let s3: S3Client;
+let cfg: MagusConfig;
+let workers: RunningWorkers;
+let client: Client;
+let connection: Connection;
+let nc: NatsConnection;
+let tokens: KV;
+let registry: ModelRegistry;
+let controller: Controller;
+const controllerLog: string[] = [];
+
+/** The controller and the worker run as ServiceAccounts bound to crds/rbac.yaml's roles, nothing more. */
+let controllerKc: KubeConfig;
+let workerKc: KubeConfig;
+
+/**
+ * A ServiceAccount in the test namespace bound to `clusterRoles` (cluster-wide) and
+ * `namespaceRoles` (in the test namespace only), and a KubeConfig that authenticates as it.
+ */
+async function serviceAccount(name: string, clusterRoles: string[], namespaceRoles: string[]): Promise<KubeConfig> {
+  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
+  await core.createNamespacedServiceAccount({ namespace: ns, body: { metadata: { name } } });
+  const subjects = [{ kind: 'ServiceAccount', name, namespace: ns }];
+  for (const role of clusterRoles) {
+    await rbac.createClusterRoleBinding({ body: { metadata: { name: `${ns}-${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+  }
+  for (const role of namespaceRoles) {
+    await rbac.createNamespacedRoleBinding({ namespace: ns, body: { metadata: { name: `${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+  }
+  const { status } = await core.createNamespacedServiceAccountToken({ namespace: ns, name, body: { spec: { audiences: [], expirationSeconds: 3600 } } });
+  const k = endpoint('kubernetes');
+  const sa = new KubeConfig();
+  sa.loadFromOptions({
+    clusters: [{ name: 't', server: k.server, skipTLSVerify: true }],
+    users: [{ name, token: status!.token }],
+    contexts: [{ name: 't', cluster: 't', user: name }],
+    currentContext: 't',
+  });
+  return sa;
+}
+
+/** crds/rbac.yaml's ClusterRoles, created (or replaced) with the admin token. */
+async function installRoles(): Promise<void> {
+  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
+  for (const role of loadAllYaml(readFileSync(join(__dirname, '..', 'crds', 'rbac.yaml'), 'utf8')) as V1ClusterRole[]) {
+    try {
+      await rbac.createClusterRole({ body: role });
+    } catch (err) {
+      if ((err as { code?: number }).code !== 409) throw err;
+      await rbac.replaceClusterRole({ name: role.metadata!.name!, body: role });
+    }
+  }
+}
+
+const start = () =>
+  startController({ kc: controllerKc, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, tokens, namespace: ns, cleanupTimeoutMs: 60_000, log: (l) => controllerLog.push(l) });
+
+/** The real kubectl with a kubeconfig for the test apiserver. */
+async function kubectl(...args: string[]): Promise<string> {
+  const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', ns, ...args], { timeout: 120_000 });
+  return stdout;
+}
+
+const getModel = async (name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name })) as ModelResource;
+const getDllama = async (name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'dllamas', name })) as DllamaResource;
+const condition = (m: ModelResource, type: string) => m.status?.conditions?.find((c) => c.type === type);
+
+function modelYaml(name: string, repo: string, extra: { artifacts?: string[]; deletionPolicy?: string; rerun?: string } = {}): string {
+  const artifacts = (extra.artifacts ?? ['gguf:q40']).map((a) => `    - {format: ${a.split(':')[0]}, weights: ${a.split(':')[1]}}`).join('\n');
+  return [
+    `apiVersion: ${CRD_GROUP}/${CRD_VERSION}`,
+    'kind: Model',
+    `metadata: {name: ${name}, namespace: ${ns}}`,
+    'spec:',
+    `  source: {repo: ${repo}, hubUrl: "${hub.url}"}`,
+    '  artifacts:',
+    artifacts,
+    '  contextLength: 128',
+    ...(extra.deletionPolicy ? [`  deletionPolicy: ${extra.deletionPolicy}`] : []),
+    ...(extra.rerun ? [`  rerun: "${extra.rerun}"`] : []),
+  ].join('\n');
+}
+
+async function apply(yaml: string): Promise<string> {
+  const file = join(dir, `apply-${Math.random().toString(36).slice(2)}.yaml`);
+  writeFileSync(file, yaml);
+  return kubectl('apply', '--server-side', '--field-manager', 'test-user', '-f', file);
+}
+
+/** Signals of one type in a workflow's history (every run). */
+async function signalsIn(workflowId: string, name: string): Promise<number> {
+  const history = await client.workflow.getHandle(workflowId).fetchHistory();
+  return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED && e.workflowExecutionSignaledEventAttributes?.signalName === name).length;
+}
+
+/** How many executions (runs) a workflow id has had. */
+async function runsOf(workflowId: string): Promise<number> {
+  let n = 0;
+  for await (const _ of client.workflow.list({ query: `WorkflowId = '${workflowId}'` })) n++;
+  return n;
+}
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-controller-'));
+  kc = kubeConfig();
+  custom = kc.makeApiClient(CustomObjectsApi);
+  core = kc.makeApiClient(CoreV1Api);
+  const k = endpoint('kubernetes');
+  kubeconfigFile = join(dir, 'kubeconfig');
+  writeFileSync(
+    kubeconfigFile,
+    `apiVersion: v1\nkind: Config\nclusters: [{name: t, cluster: {server: "${k.server}", insecure-skip-tls-verify: true}}]\nusers: [{name: t, user: {token: "${k.token}"}}]\ncontexts: [{name: t, context: {cluster: t, user: t}}]\ncurrent-context: t\n`,
+    { mode: 0o600 },
+  );
+  await installCrds(kc);
+  await core.createNamespace({ body: { metadata: { name: ns } } });
+  await installRoles();
+  controllerKc = await serviceAccount('magus-controller', ['magus-controller'], ['magus-controller-leader-election']);
+  workerKc = await serviceAccount('magus-worker', ['magus-worker'], []);
+
+  await writeTinyModel(join(dir, 'tiny'), { seed: 41 });
+  hub = await startFixtureHub();
+  await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
+  await hub.addRepo({ id: 'magus-test/other-llama', dir: join(dir, 'tiny') });
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  cfg = workerConfig(iso, dir, { convertThreads: 1 });
+  workers = await startWorkers(cfg, { kube: workerKc });
+  ({ client, connection } = await temporalClient());
+  nc = await natsConnect();
+  const names = dataPlaneNames(iso.natsPrefix);
+  tokens = await nc.jetstream().views.kv(names.tokensBucket);
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  controller = start();
+  await controller.synced;
+}, 180_000);
+
+afterAll(async () => {
+  await controller?.stop();
+  await workers?.shutdown();
+  await hub?.stop();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('kubectl apply → the pipeline runs → kubectl wait Ready; status tells the story, progress moves', async () => {
+  // Slow bodies so the transfer takes a few seconds and the progress column has time to move.
+  hub.setFaults({ bytesPerSecond: 120_000 });
+  const seen = new Set<string>();
+  const w = watchResource<ModelResource>(kc, {
+    path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`,
+    onEvent: (_t, m) => m.metadata.name === 'tiny' && m.status?.progress && m.status.phase === 'Transferring' && seen.add(m.status.progress.summary),
+  });
+  try {
+    expect(await apply(modelYaml('tiny', REPO, { artifacts: ['gguf:q40', 'dllama:q40'] }))).toMatch(/model.magus.dev\/tiny serverside-applied/);
+    await kubectl('wait', '--for=condition=Ready', 'model/tiny', '--timeout=120s');
+  } finally {
+    hub.setFaults({});
+    await w.stop();
+  }
+  const m = await getModel('tiny');
+  expect(m.metadata.finalizers).toContain(FINALIZER);
+  expect(m.status).toMatchObject({ observedGeneration: 1, phase: 'Ready', workflowId: `model/${ns}/tiny`, progress: { percent: 100 } });
+  expect(m.status?.revision).toMatch(/^[0-9a-f]{40}$/);
+  expect(m.status?.artifacts?.map((a) => `${a.format}:${a.weights}`).sort()).toEqual(['dllama:q40', 'gguf:q40']);
+  for (const a of m.status!.artifacts!) {
+    expect(a.uri).toMatch(new RegExp(`^s3://${iso.bucket}/artifacts/${REPO}/`));
+    expect(a.bytes).toBeGreaterThan(0);
+    expect(a.sha256).toMatch(/^[0-9a-f]{64}$/);
+  }
+  expect(m.status?.sizing?.length).toBeGreaterThan(0);
+  for (const type of ['Downloaded', 'Converted', 'Sized', 'Ready']) expect(condition(m, type)).toMatchObject({ status: 'True', observedGeneration: 1 });
+  // The progress column moved while bytes flowed (several distinct values seen by a watch).
+  expect(seen.size).toBeGreaterThanOrEqual(2);
+  // What a user reads first.
+  const row = await kubectl('get', 'models', 'tiny', '--no-headers');
+  expect(row).toMatch(new RegExp(`^tiny\\s+${REPO}\\s+Ready\\s+100%\\s+\\S+ \\S*B\\s+True\\s+`));
+  expect(await kubectl('get', 'magus', '-o', 'name')).toContain('model.magus.dev/tiny');
+  const events = await core.listNamespacedEvent({ namespace: ns, fieldSelector: `involvedObject.name=tiny` });
+  expect(events.items.map((e) => e.reason)).toEqual(expect.arrayContaining(['Transferring', 'Ready']));
+  expect(await registry.get(ns, 'tiny')).not.toBeNull();
+}, 180_000);
+
+test('a spec change is one signal and status follows it; the same spec applied again sends nothing', async () => {
+  const id = `model/${ns}/tiny`;
+  const before = await signalsIn(id, 'resourceChanged');
+  await apply(modelYaml('tiny', REPO, { artifacts: ['gguf:q40', 'dllama:q40', 'gguf:q80'] }));
+  await eventually(async () => {
+    const m = await getModel('tiny');
+    expect(m.metadata.generation).toBe(2);
+    expect(m.status).toMatchObject({ observedGeneration: 2, phase: 'Ready' });
+    expect(m.status?.artifacts).toHaveLength(3);
+    expect(condition(m, 'Ready')).toMatchObject({ status: 'True', observedGeneration: 2 });
+  }, 90_000);
+  expect(await signalsIn(id, 'resourceChanged')).toBe(before + 1);
+  // Applied again unchanged: no new generation, no signal.
+  await apply(modelYaml('tiny', REPO, { artifacts: ['gguf:q40', 'dllama:q40', 'gguf:q80'] }));
+  await controller.idle();
+  await new Promise((r) => setTimeout(r, 1500));
+  expect((await getModel('tiny')).metadata.generation).toBe(2);
+  expect(await signalsIn(id, 'resourceChanged')).toBe(before + 1);
+  expect(await runsOf(id)).toBe(1);
+  await recordHistory('model-pipeline-resource', client.workflow.getHandle(id));
+}, 150_000);
+
+test('a repo that does not exist: Ready=False with a typed reason, and no hot loop', async () => {
+  await apply(modelYaml('missing', 'magus-test/no-such-repo'));
+  await eventually(async () => {
+    const m = await getModel('missing');
+    expect(condition(m, 'Ready')).toMatchObject({ status: 'False', reason: 'RepoNotFound', observedGeneration: 1 });
+    expect(condition(m, 'Downloaded')).toMatchObject({ status: 'False', reason: 'RepoNotFound' });
+    expect(m.status?.phase).toBe('Failed');
+  }, 60_000);
+  // Count every write to the object for 20 s: a failed model sits still.
+  let writes = 0;
+  const w = watchResource<ModelResource>(kc, { path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`, fieldSelector: 'metadata.name=missing', onEvent: (t) => t === 'MODIFIED' && writes++ });
+  await w.synced;
+  await new Promise((r) => setTimeout(r, 20_000));
+  await w.stop();
+  expect(writes).toBe(0);
+  const warnings = await core.listNamespacedEvent({ namespace: ns, fieldSelector: 'involvedObject.name=missing,type=Warning' });
+  expect(warnings.items.map((e) => e.reason)).toEqual(['RepoNotFound']);
+}, 120_000);
+
+test('the controller killed mid-pipeline and started again starts no second workflow; status catches up', async () => {
+  hub.setFaults({ bytesPerSecond: 300_000 });
+  try {
+    await apply(modelYaml('restart', 'magus-test/other-llama'));
+    await eventually(async () => expect((await getModel('restart')).status?.phase).toBe('Transferring'), 60_000);
+    await controller.stop();
+    // A change made while no controller runs.
+    await apply(modelYaml('restart', 'magus-test/other-llama', { rerun: 'again' }));
+    controller = start();
+    await controller.synced;
+  } finally {
+    hub.setFaults({});
+  }
+  await kubectl('wait', '--for=condition=Ready', 'model/restart', '--timeout=120s');
+  await eventually(async () => expect((await getModel('restart')).status?.observedGeneration).toBe(2), 30_000);
+  expect(await runsOf(`model/${ns}/restart`)).toBe(1);
+  expect(await signalsIn(`model/${ns}/restart`, 'resourceChanged')).toBe(2);
+}, 180_000);
+
+async function objectsUnder(prefix: string): Promise<number> {
+  const page = await s3.send(new ListObjectsV2Command({ Bucket: iso.bucket, Prefix: prefix }));
+  return page.KeyCount ?? 0;
+}
+
+test('deleting Models: the finalizer stops the pipeline; Retain keeps the S3 objects, Delete removes them', async () => {
+  // `restart` (other-llama, Retain) and a Delete-policy model of the same repo: the shared
+  // objects stay while another ready model uses them.
+  const retained = await getModel('restart');
+  const prefix = `artifacts/magus-test/other-llama/${retained.status!.revision!}/`;
+  expect(await objectsUnder(prefix)).toBeGreaterThan(0);
+
+  await kubectl('delete', 'model/restart', '--timeout=60s');
+  await expect(getModel('restart')).rejects.toMatchObject({ code: 404 });
+  expect(await runsOf(`model/${ns}/restart`)).toBe(1);
+  const closed = await client.workflow.getHandle(`model/${ns}/restart`).describe();
+  expect(closed.status.name).toBe('COMPLETED');
+  await recordHistory('model-pipeline-resource-deleted', client.workflow.getHandle(`model/${ns}/restart`));
+  expect(await registry.get(ns, 'restart')).toBeNull();
+  expect(await objectsUnder(prefix)).toBeGreaterThan(0);
+
+  await apply(modelYaml('doomed', 'magus-test/other-llama', { deletionPolicy: 'Delete' }));
+  await kubectl('wait', '--for=condition=Ready', 'model/doomed', '--timeout=120s');
+  await kubectl('delete', 'model/doomed', '--timeout=60s');
+  expect(await registry.get(ns, 'doomed')).toBeNull();
+  expect(await objectsUnder(prefix)).toBe(0);
+  expect(await objectsUnder(`sources/magus-test/other-llama/${retained.status!.revision!}/`)).toBe(0);
+  // The other model's objects are untouched.
+  expect(await objectsUnder(`artifacts/${REPO}/`)).toBeGreaterThan(0);
+}, 240_000);
+
+test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; its status and scale subresource follow', async () => {
+  const yaml = [
+    `apiVersion: ${CRD_GROUP}/${CRD_VERSION}`,
+    'kind: Dllama',
+    `metadata: {name: tiny-pool, namespace: ${ns}}`,
+    'spec: {model: tiny, engine: llamacpp, nodesPower: 0, replicas: 0, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 4, idleTimeout: 10m}',
+  ].join('\n');
+  await apply(yaml);
+  const poolId = `pool/${ns}/tiny`;
+  await eventually(async () => {
+    const d = await getDllama('tiny-pool');
+    expect(d.status).toMatchObject({ observedGeneration: 1, replicas: 0, readyReplicas: 0, nodesPerInstance: 1, selector: 'magus.dev/pool=tiny-pool', workflowId: poolId });
+  }, 60_000);
+  const first = (await client.workflow.getHandle(poolId).fetchHistory()).events![0]!;
+  expect(first.workflowExecutionStartedEventAttributes?.workflowType?.name).toBe('dllamaPool');
+
+  await kubectl('scale', 'dllama/tiny-pool', '--replicas=1');
+  await eventually(async () => {
+    const d = await getDllama('tiny-pool');
+    expect(d.status).toMatchObject({ observedGeneration: 2, replicas: 1, readyReplicas: 1, phase: 'Serving' });
+    expect(d.status?.conditions?.find((c) => c.type === 'Ready')).toMatchObject({ status: 'True', observedGeneration: 2 });
+  }, 120_000);
+  const scale = (await custom.getNamespacedCustomObjectScale({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'dllamas', name: 'tiny-pool' })) as { spec: { replicas: number }; status: { replicas: number; selector: string } };
+  expect(scale).toMatchObject({ spec: { replicas: 1 }, status: { replicas: 1, selector: 'magus.dev/pool=tiny-pool' } });
+  // Beyond max: refused by the CRD's rule, nothing reaches the pool.
+  await expect(kubectl('scale', 'dllama/tiny-pool', '--replicas=3')).rejects.toThrow(/maxReplicas/);
+  expect(await signalsIn(poolId, 'resourceChanged')).toBe(2);
+
+  await kubectl('scale', 'dllama/tiny-pool', '--replicas=0');
+  await kubectl('delete', 'dllama/tiny-pool', '--timeout=60s');
+  await expect(getDllama('tiny-pool')).rejects.toMatchObject({ code: 404 });
+  await until('the pool has taken in the deletion', async () => (await signalsIn(poolId, 'resourceChanged')) === 4, 10_000);
+  await recordHistory('pool-resource-scaled', client.workflow.getHandle(poolId));
+}, 240_000);
+
+test('the roles are least privilege: what the controller and the worker may not do is refused', async () => {
+  const can = async (user: KubeConfig, verb: string, resource: string) => {
+    const [what, subresource] = resource.split('/');
+    const args = ['auth', 'can-i', verb, what!, ...(subresource ? ['--subresource', subresource] : []), '--token', user.getCurrentUser()!.token!];
+    return kubectl(...args).then(
+      (out) => out.trim(),
+      (err: { stdout?: string }) => (err.stdout ?? '').trim(),
+    );
+  };
+  expect(await can(controllerKc, 'patch', 'models.magus.dev')).toBe('yes');
+  expect(await can(controllerKc, 'patch', 'models.magus.dev/status')).toBe('no');
+  expect(await can(controllerKc, 'delete', 'models.magus.dev')).toBe('no');
+  expect(await can(controllerKc, 'create', 'secrets')).toBe('no');
+  expect(await can(controllerKc, 'update', 'leases.coordination.k8s.io')).toBe('yes');
+  expect(await can(workerKc, 'patch', 'models.magus.dev/status')).toBe('yes');
+  expect(await can(workerKc, 'patch', 'models.magus.dev')).toBe('no');
+  expect(await can(workerKc, 'list', 'secrets')).toBe('no');
+});
+
+test('a labelled token Secret is accepted by the gateway within seconds; deleted, the token gets 401', async () => {
+  const gw: RunningGateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {} }));
+  try {
+    const token = 'mgs_team-a_0123456789abcdefghijklmnop';
+    const ask = () => fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${token}` } }).then((r) => r.status);
+    expect(await ask()).toBe(401);
+    await core.createNamespacedSecret({
+      namespace: ns,
+      body: { metadata: { name: 'team-a', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token, name: 'team A' } },
+    });
+    const t0 = Date.now();
+    await until('the gateway accepts the token', async () => (await ask()) === 200, 10_000);
+    const acceptedAfterMs = Date.now() - t0;
+    expect(acceptedAfterMs).toBeLessThan(10_000);
+
+    // Unlabelled: revoked.
+    await core.patchNamespacedSecret({ namespace: ns, name: 'team-a', body: [{ op: 'remove', path: `/metadata/labels/${TOKEN_SECRET_LABEL.replace('/', '~1')}` }] });
+    await until('the token is revoked after unlabelling', async () => (await ask()) === 401, 10_000);
+    // Labelled again, then deleted: revoked.
+    await core.patchNamespacedSecret({ namespace: ns, name: 'team-a', body: [{ op: 'add', path: '/metadata/labels', value: { [TOKEN_SECRET_LABEL]: 'true' } }] });
+    await until('the token is accepted again', async () => (await ask()) === 200, 10_000);
+    await core.deleteNamespacedSecret({ namespace: ns, name: 'team-a' });
+    await until('the token is revoked after deletion', async () => (await ask()) === 401, 10_000);
+    // A Secret that is not a token is reported, not mirrored.
+    await core.createNamespacedSecret({ namespace: ns, body: { metadata: { name: 'bad', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: 'not-a-token' } } });
+    await until('the bad Secret is reported', () => controllerLog.some((l) => l.includes(`${ns}/bad`) && l.includes('mgs_<id>_<secret>')), 10_000);
+  } finally {
+    await gw.close();
+  }
+}, 60_000);

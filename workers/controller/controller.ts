@@ -1,0 +1,347 @@
+/**
+ * `magus controller`'s core: it watches `Model` and `Dllama` resources and API-token Secrets and
+ * turns what it sees into the entity workflows' inputs. It does no work itself: downloads,
+ * conversions, pools and status writes happen in workflows and their activities.
+ *
+ * - A spec change (`metadata.generation` above the status's `observedGeneration`) becomes one
+ *   signal-with-start of `model/<ns>/<name>` (or the model's pool) with the request id
+ *   `<uid>/<generation>`: Temporal de-duplicates a repeat of it, and the workflow ignores a
+ *   generation it has applied, so a restarted controller, or a second replica, starts nothing twice.
+ * - Deletion goes through the `magus.dev/cleanup` finalizer: the workflow is told to stop (and,
+ *   for a Model, to forget it and, with `deletionPolicy: Delete`, remove its S3 objects); once
+ *   it has closed the finalizer goes. A cleanup that does not finish within `cleanupTimeoutMs`
+ *   of the deletion is ended (the workflow terminated), reported by a Warning Event, and the
+ *   finalizer removed: deletion never hangs for ever.
+ * - Token Secrets (label `magus.dev/api-token=true`) are hashed into `magus_tokens`; deleting or
+ *   unlabelling one removes its token at every gateway.
+ */
+import { createHash } from 'node:crypto';
+import { setTimeout as sleep } from 'node:timers/promises';
+import { CoreV1Api, CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
+import { WorkflowNotFoundError, type Client } from '@temporalio/client';
+import { defaultPayloadConverter } from '@temporalio/common';
+import { temporal } from '@temporalio/proto';
+import type { KV } from 'nats';
+import { recordEvent } from '../../activities/kubernetes/activities';
+import { watchResource, type ResourceWatch, type WatchEventType } from '../../activities/kubernetes/watch';
+import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { FieldManager, FINALIZER, Kind, parseDuration, Plural, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../../shared/kube';
+import type { ModelPipelineInput, ModelSpec } from '../../shared/model';
+import type { TokenEntry } from '../../shared/serving';
+import { cancelSignal, modelWorkflowId, type ResourceChange } from '../../workflows/model/definitions';
+import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../../workflows/pool/definitions';
+import { WorkQueue, type Requeue } from './queue';
+
+export interface ControllerOptions {
+  kc: KubeConfig;
+  temporal: { client: Client; namespace: string; taskQueue: string };
+  /** The `magus_tokens` bucket; without it token Secrets are not watched. */
+  tokens?: KV;
+  /** Only this namespace (default: all namespaces). */
+  namespace?: string;
+  /** Reconciles at once (default 16). */
+  concurrency?: number;
+  /** How long after a deletion its cleanup may take before it is cut short (default 2 min). */
+  cleanupTimeoutMs?: number;
+  log?: (line: string) => void;
+}
+
+export interface ControllerMetrics {
+  signals: number;
+  reconciles: number;
+  failures: number;
+  finalizersRemoved: number;
+  cleanupsTimedOut: number;
+  tokensWritten: number;
+  tokensRemoved: number;
+  watches: Record<string, ResourceWatch<unknown>['stats']>;
+}
+
+export interface Controller {
+  /** Resolves once every watch has delivered its first list. */
+  readonly synced: Promise<void>;
+  metrics(): ControllerMetrics;
+  /** Nothing queued or running (tests and the bench wait on it). */
+  idle(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+const TOKEN = /^mgs_([A-Za-z0-9-]{1,64})_[A-Za-z0-9_-]{1,512}$/;
+const TOKEN_ORIGIN = 'secret/';
+const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
+const jsonPatchHeaders = setHeaderOptions('Content-Type', PatchStrategy.JsonPatch);
+const { WorkflowIdConflictPolicy, WorkflowIdReusePolicy, TaskQueueKind } = temporal.api.enums.v1;
+
+/** A `Model`'s spec as the pipeline takes it: the token becomes a reference to the Secret. */
+export function modelSpecOf(m: ModelResource): ModelSpec {
+  const { source, artifacts, contextLength, rerun } = m.spec;
+  const tokenRef = source.tokenSecretRef ? { secret: { name: source.tokenSecretRef.name, key: source.tokenSecretRef.key ?? 'token', namespace: m.metadata.namespace } } : undefined;
+  return {
+    source: { repo: source.repo, ...(source.revision ? { revision: source.revision } : {}), ...(source.hubUrl ? { hubUrl: source.hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}) },
+    artifacts: artifacts.map((a) => ({ format: a.format, weights: a.weights })),
+    ...(contextLength !== undefined ? { contextLength } : {}),
+    ...(rerun ? { rerun } : {}),
+  };
+}
+
+/** A `Dllama` as its pool takes it: `replicas` instances kept, up to `maxReplicas` on demand. */
+export function poolResourceOf(d: DllamaResource): PoolResource {
+  return {
+    name: d.metadata.name,
+    uid: d.metadata.uid,
+    generation: d.metadata.generation,
+    minInstances: d.spec.replicas,
+    maxInstances: d.spec.maxReplicas,
+    leasesPerInstance: d.spec.leasesPerInstance,
+    idleTimeoutMs: parseDuration(d.spec.idleTimeout) ?? 600_000,
+    nodesPerInstance: d.spec.engine === 'llamacpp' ? 1 : 2 ** d.spec.nodesPower,
+  };
+}
+
+/** The `magus_tokens` entry of a token Secret, or why it has none. */
+export function tokenEntryOf(secret: { metadata?: { name?: string; namespace?: string }; data?: Record<string, string> }): { id: string; entry: TokenEntry } | { error: string } {
+  const where = `${secret.metadata?.namespace}/${secret.metadata?.name}`;
+  const field = (k: string) => {
+    const v = secret.data?.[k];
+    return v !== undefined ? Buffer.from(v, 'base64').toString('utf8').trim() : undefined;
+  };
+  const token = field('token');
+  if (!token) return { error: `token Secret ${where} has no 'token' key` };
+  const m = TOKEN.exec(token);
+  if (!m) return { error: `token Secret ${where}: 'token' is not of the form mgs_<id>_<secret>` };
+  const models = field('models')?.split(',').map((s) => s.trim()).filter(Boolean);
+  return { id: m[1]!, entry: { digest: createHash('sha256').update(token).digest('hex'), name: field('name') || where, ...(models && models.length > 0 ? { models } : {}), origin: `${TOKEN_ORIGIN}${where}` } };
+}
+
+const errCode = (err: unknown): number | undefined => (err as { code?: number }).code;
+
+export function startController(opts: ControllerOptions): Controller {
+  const log = opts.log ?? (() => undefined);
+  const custom = opts.kc.makeApiClient(CustomObjectsApi);
+  const core = opts.kc.makeApiClient(CoreV1Api);
+  const { client, taskQueue } = opts.temporal;
+  const cleanupTimeoutMs = opts.cleanupTimeoutMs ?? 120_000;
+  const m = { signals: 0, reconciles: 0, failures: 0, finalizersRemoved: 0, cleanupsTimedOut: 0, tokensWritten: 0, tokensRemoved: 0 };
+  /** uid → the last generation signalled (a status that has not caught up yet does not re-signal). */
+  const signalled = new Map<string, number>();
+  /** uid of resources whose workflow was told to stop. */
+  const cancelled = new Set<string>();
+
+  const queue = new WorkQueue((key) => reconcile(key), {
+    concurrency: opts.concurrency ?? 16,
+    onError: (key, err, attempt) => {
+      m.failures++;
+      log(`${key}: ${(err as Error).message} (attempt ${attempt}; retrying with backoff)`);
+    },
+  });
+  const scope = opts.namespace ? `/namespaces/${opts.namespace}` : '';
+  const keyOf = (kind: string, o: { metadata?: { namespace?: string; name?: string } }) => `${kind}/${o.metadata?.namespace}/${o.metadata?.name}`;
+
+  const models = watchResource<ModelResource>(opts.kc, {
+    path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
+    onEvent: (type, o) => type !== 'DELETED' && queue.add(keyOf(Kind.model, o)),
+    log: (l) => log(`watch models: ${l}`),
+  });
+  const dllamas = watchResource<DllamaResource>(opts.kc, {
+    path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
+    onEvent: (type, o) => type !== 'DELETED' && queue.add(keyOf(Kind.dllama, o)),
+    log: (l) => log(`watch dllamas: ${l}`),
+  });
+  const watches: Record<string, ResourceWatch<unknown>> = { models, dllamas };
+
+  // Token Secrets: applied to the KV straight from the events (a put or delete per change).
+  const tokenIds = new Map<string, string>(); // `<ns>/<name>` → token id in the bucket
+  let tokenWrites: Promise<void> = Promise.resolve();
+  const stopping = new AbortController();
+  /**
+   * Token writes run one at a time, in event order, each retried with capped backoff until it
+   * succeeds (NATS may be away for a while): a revocation is never dropped.
+   */
+  const enqueueToken = (op: () => Promise<void>): void => {
+    tokenWrites = tokenWrites.then(async () => {
+      for (let attempt = 1; !stopping.signal.aborted; attempt++) {
+        try {
+          return await op();
+        } catch (err) {
+          log(`tokens: ${(err as Error).message} (attempt ${attempt}; retrying)`);
+          await sleep(Math.min(30_000, 250 * 2 ** attempt), undefined, { signal: stopping.signal }).catch(() => undefined);
+        }
+      }
+    });
+  };
+  if (opts.tokens) {
+    const kv = opts.tokens;
+    const secrets = watchResource<{ metadata?: { name?: string; namespace?: string; uid?: string; resourceVersion?: string }; data?: Record<string, string> }>(opts.kc, {
+      path: `/api/v1${scope}/secrets`,
+      labelSelector: `${TOKEN_SECRET_LABEL}=true`,
+      onEvent: (type, s) => enqueueToken(() => applyToken(kv, type, s)),
+      onSynced: () => enqueueToken(() => pruneTokens(kv)),
+      log: (l) => log(`watch secrets: ${l}`),
+    });
+    watches.secrets = secrets;
+  }
+
+  async function applyToken(kv: KV, type: WatchEventType, s: { metadata?: { name?: string; namespace?: string }; data?: Record<string, string> }): Promise<void> {
+    const where = `${s.metadata?.namespace}/${s.metadata?.name}`;
+    const before = tokenIds.get(where);
+    const parsed = type === 'DELETED' ? null : tokenEntryOf(s);
+    if (parsed && 'error' in parsed) log(parsed.error);
+    const next = parsed && 'id' in parsed ? parsed : null;
+    if (before !== undefined && before !== next?.id) {
+      await kv.delete(before);
+      tokenIds.delete(where);
+      m.tokensRemoved++;
+    }
+    if (next) {
+      await kv.put(next.id, JSON.stringify(next.entry));
+      tokenIds.set(where, next.id);
+      m.tokensWritten++;
+    }
+  }
+
+  /** After a (re)list: entries that came from Secrets no longer there are revoked. */
+  async function pruneTokens(kv: KV): Promise<void> {
+    const live = new Set(tokenIds.values());
+    const keys: string[] = [];
+    for await (const k of await kv.keys()) keys.push(k);
+    for (const k of keys) {
+      if (live.has(k)) continue;
+      const e = await kv.get(k);
+      if (!e || e.operation !== 'PUT') continue;
+      try {
+        const entry = JSON.parse(new TextDecoder().decode(e.value)) as TokenEntry;
+        if (entry.origin?.startsWith(TOKEN_ORIGIN)) {
+          await kv.delete(k);
+          m.tokensRemoved++;
+        }
+      } catch {
+        // not ours to judge
+      }
+    }
+  }
+
+  /** One signal-with-start with a request id of our own (the SDK's is random), so a repeat is de-duplicated. */
+  async function signalWithStart(workflowType: string, workflowId: string, input: unknown, signalName: string, signal: unknown, requestId: string): Promise<void> {
+    m.signals++;
+    await client.workflowService.signalWithStartWorkflowExecution({
+      namespace: opts.temporal.namespace,
+      identity: 'magus-controller',
+      requestId,
+      workflowId,
+      workflowType: { name: workflowType },
+      taskQueue: { name: taskQueue, kind: TaskQueueKind.TASK_QUEUE_KIND_NORMAL },
+      input: { payloads: [defaultPayloadConverter.toPayload(input)] },
+      signalName,
+      signalInput: { payloads: [defaultPayloadConverter.toPayload(signal)] },
+      workflowIdReusePolicy: WorkflowIdReusePolicy.WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE,
+      workflowIdConflictPolicy: WorkflowIdConflictPolicy.WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING,
+    });
+  }
+
+  async function addFinalizer(plural: string, kind: string, o: ModelResource | DllamaResource): Promise<void> {
+    const body = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind, metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid, finalizers: [FINALIZER] } };
+    await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: o.metadata.namespace, plural, name: o.metadata.name, body, fieldManager: FieldManager.controller, force: true }, applyHeaders);
+  }
+
+  async function removeFinalizer(plural: string, o: ModelResource | DllamaResource): Promise<void> {
+    const finalizers = o.metadata.finalizers ?? [];
+    // `test` makes the patch fail (and the key retry) if someone changed the list meanwhile.
+    const body = [
+      { op: 'test', path: '/metadata/finalizers', value: finalizers },
+      { op: 'replace', path: '/metadata/finalizers', value: finalizers.filter((f) => f !== FINALIZER) },
+    ];
+    try {
+      await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: o.metadata.namespace, plural, name: o.metadata.name, body }, jsonPatchHeaders);
+      m.finalizersRemoved++;
+    } catch (err) {
+      if (errCode(err) !== 404) throw err;
+    }
+  }
+
+  /** Whether the workflow still runs (false when it never existed or has closed). */
+  async function running(workflowId: string): Promise<boolean> {
+    try {
+      return (await client.workflow.getHandle(workflowId).describe()).status.name === 'RUNNING';
+    } catch (err) {
+      if (err instanceof WorkflowNotFoundError) return false;
+      throw err;
+    }
+  }
+
+  async function reconcile(key: string): Promise<Requeue | void> {
+    m.reconciles++;
+    const [kind, namespace, name] = key.split('/') as [string, string, string];
+    if (kind === Kind.model) {
+      const o = models.get(namespace, name);
+      return o ? reconcileModel(o) : undefined;
+    }
+    const o = dllamas.get(namespace, name);
+    return o ? reconcileDllama(o) : undefined;
+  }
+
+  async function reconcileModel(o: ModelResource): Promise<Requeue | void> {
+    const { namespace, name, uid, generation } = o.metadata;
+    const workflowId = modelWorkflowId(namespace, name);
+    if (o.metadata.deletionTimestamp) {
+      if (!o.metadata.finalizers?.includes(FINALIZER)) return;
+      if (await running(workflowId)) {
+        if (!cancelled.has(uid)) {
+          await client.workflow.getHandle(workflowId).signal(cancelSignal, { forget: true, deleteObjects: o.spec.deletionPolicy === 'Delete' });
+          cancelled.add(uid);
+        }
+        if (Date.now() - Date.parse(o.metadata.deletionTimestamp) < cleanupTimeoutMs) return { afterMs: 1000 };
+        await client.workflow.getHandle(workflowId).terminate(`cleanup of Model ${namespace}/${name} did not finish within ${cleanupTimeoutMs / 1000}s`);
+        m.cleanupsTimedOut++;
+        await recordEvent(core, Kind.model, o.metadata, 'Warning', 'CleanupTimedOut', `the pipeline did not stop within ${cleanupTimeoutMs / 1000}s of the deletion; it was terminated (partial uploads and S3 objects may remain)`);
+      }
+      await removeFinalizer(Plural.model, o);
+      cancelled.delete(uid);
+      signalled.delete(uid);
+      return;
+    }
+    if (!o.metadata.finalizers?.includes(FINALIZER)) await addFinalizer(Plural.model, Kind.model, o);
+    if (generation <= (o.status?.observedGeneration ?? 0) || generation <= (signalled.get(uid) ?? 0)) return;
+    const spec = modelSpecOf(o);
+    const input: ModelPipelineInput = { namespace, name, spec, resource: { uid, generation } };
+    const change: ResourceChange = { uid, generation, spec };
+    await signalWithStart('modelPipeline', workflowId, input, 'resourceChanged', change, `${uid}/${generation}`);
+    signalled.set(uid, generation);
+  }
+
+  async function reconcileDllama(o: ModelResource | DllamaResource): Promise<Requeue | void> {
+    const d = o as DllamaResource;
+    const { namespace, uid, generation } = d.metadata;
+    const workflowId = poolWorkflowId(namespace, d.spec.model);
+    const resource = poolResourceOf(d);
+    if (d.metadata.deletionTimestamp) {
+      if (!d.metadata.finalizers?.includes(FINALIZER)) return;
+      // The pool serves the model for whoever asks; without its resource it may scale to zero.
+      if (await running(workflowId)) await client.workflow.getHandle(workflowId).signal(poolResourceSignal, { ...resource, deleted: true });
+      await removeFinalizer(Plural.dllama, d);
+      signalled.delete(uid);
+      return;
+    }
+    if (!d.metadata.finalizers?.includes(FINALIZER)) await addFinalizer(Plural.dllama, Kind.dllama, d);
+    if (generation <= (d.status?.observedGeneration ?? 0) || generation <= (signalled.get(uid) ?? 0)) return;
+    const input: PoolInput = { namespace, model: d.spec.model, minInstances: resource.minInstances, maxInstances: resource.maxInstances, leasesPerInstance: resource.leasesPerInstance, idleTimeoutMs: resource.idleTimeoutMs, resource };
+    await signalWithStart('dllamaPool', workflowId, input, 'resourceChanged', resource, `${uid}/${generation}`);
+    signalled.set(uid, generation);
+  }
+
+  const synced = Promise.all(Object.values(watches).map((w) => w.synced)).then(() => undefined);
+  return {
+    synced,
+    metrics: () => ({ ...m, watches: Object.fromEntries(Object.entries(watches).map(([k, w]) => [k, w.stats])) }),
+    async idle() {
+      await synced;
+      await queue.drained();
+      await tokenWrites;
+    },
+    async stop() {
+      queue.stop();
+      stopping.abort();
+      await Promise.all(Object.values(watches).map((w) => w.stop()));
+      await tokenWrites;
+    },
+  };
+}

@@ -1,0 +1,156 @@
+/**
+ * `magus controller`: wires the controller core (controller.ts) to Temporal, NATS and the
+ * cluster, runs it while this replica holds the leader Lease, and serves `/healthz`, `/readyz`
+ * and `/metrics` (Prometheus text). Stops cleanly on SIGINT/SIGTERM.
+ */
+import { createServer } from 'node:http';
+import { hostname } from 'node:os';
+import { Client, Connection } from '@temporalio/client';
+import { connect } from 'nats';
+import { declareOnReconnect, ensureDataPlane } from '../../activities/nats/data-plane';
+import { parseDuration } from '../../shared/kube';
+import { loadConfig } from '../config';
+import { kubeConfigFromEnv } from '../worker';
+import { startController, type Controller, type ControllerMetrics } from './controller';
+import { startLeaderElection } from './leader';
+
+export const CONTROLLER_USAGE = [
+  'usage: magus controller [--namespace NS] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m]',
+  '',
+  'Watches Model and Dllama resources and API-token Secrets (label magus.dev/api-token=true) and',
+  'drives their workflows. Needs a cluster (in a pod, or KUBECONFIG) and reads MAGUS_TEMPORAL_ADDRESS,',
+  'MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE, MAGUS_NATS_URL and MAGUS_NATS_PREFIX like `magus worker`.',
+  '  --namespace NS         watch one namespace (default: all)',
+  '  --health-address A     /healthz, /readyz, /metrics (default MAGUS_HEALTH_ADDRESS or 127.0.0.1:9466)',
+  '  --no-leader-elect      do not take the Lease magus-controller (only for a single replica)',
+  '  --cleanup-timeout D    how long a deleted resource\'s cleanup may take before it is cut short',
+].join('\n');
+
+/** Prometheus text of the controller's counters. */
+export function controllerMetricsText(m: ControllerMetrics | undefined, leader: boolean): string {
+  const lines = ['# HELP magus_controller_leader 1 when this replica holds the Lease.', '# TYPE magus_controller_leader gauge', `magus_controller_leader ${leader ? 1 : 0}`];
+  if (!m) return `${lines.join('\n')}\n`;
+  const counters: [string, string, number][] = [
+    ['signals_total', 'Signal-with-starts sent to entity workflows.', m.signals],
+    ['reconciles_total', 'Reconciles run.', m.reconciles],
+    ['reconcile_failures_total', 'Reconciles that failed (retried with backoff).', m.failures],
+    ['finalizers_removed_total', 'Deletions completed.', m.finalizersRemoved],
+    ['cleanups_timed_out_total', 'Deletions whose cleanup was cut short.', m.cleanupsTimedOut],
+    ['tokens_written_total', 'Token Secrets mirrored into magus_tokens.', m.tokensWritten],
+    ['tokens_removed_total', 'Tokens revoked from magus_tokens.', m.tokensRemoved],
+  ];
+  for (const [name, help, v] of counters) lines.push(`# HELP magus_controller_${name} ${help}`, `# TYPE magus_controller_${name} counter`, `magus_controller_${name} ${v}`);
+  lines.push('# HELP magus_controller_watch_errors_total Failed list/watch requests, by resource.', '# TYPE magus_controller_watch_errors_total counter');
+  for (const [w, s] of Object.entries(m.watches)) lines.push(`magus_controller_watch_errors_total{resource="${w}"} ${s.errors}`);
+  lines.push('# HELP magus_controller_relists_total Lists made (the first and every relist), by resource.', '# TYPE magus_controller_relists_total counter');
+  for (const [w, s] of Object.entries(m.watches)) lines.push(`magus_controller_relists_total{resource="${w}"} ${s.lists}`);
+  return `${lines.join('\n')}\n`;
+}
+
+function parseArgs(args: string[]): { namespace?: string; health: string; leaderElect: boolean; cleanupTimeoutMs: number } {
+  let namespace: string | undefined;
+  let health = process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9466';
+  let leaderElect = true;
+  let cleanupTimeoutMs = 120_000;
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    const value = () => {
+      const v = args[++i];
+      if (v === undefined) throw new Error(`${a} needs a value`);
+      return v;
+    };
+    if (a === '--namespace') namespace = value();
+    else if (a === '--health-address') health = value();
+    else if (a === '--no-leader-elect') leaderElect = false;
+    else if (a === '--cleanup-timeout') {
+      const d = parseDuration(value());
+      if (d === null || d < 1000) throw new Error(`--cleanup-timeout ${args[i]} is not a duration like 90s or 2m (at least 1s)`);
+      cleanupTimeoutMs = d;
+    } else throw new Error(`unknown option ${a}`);
+  }
+  if (namespace !== undefined && !/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
+  if (!/^[A-Za-z0-9.-]+:\d{1,5}$/.test(health)) throw new Error(`health address ${health} is not host:port`);
+  return { namespace, health, leaderElect, cleanupTimeoutMs };
+}
+
+export async function controllerCommand(args: string[]): Promise<number> {
+  if (args.includes('--help') || args.includes('-h')) {
+    process.stdout.write(`${CONTROLLER_USAGE}\n`);
+    return 0;
+  }
+  let opts: ReturnType<typeof parseArgs>;
+  try {
+    opts = parseArgs(args);
+  } catch (err) {
+    process.stderr.write(`magus controller: ${(err as Error).message}\n${CONTROLLER_USAGE}\n`);
+    return 1;
+  }
+  const kc = kubeConfigFromEnv();
+  if (!kc) {
+    process.stderr.write('magus controller: no cluster: run it in a pod or set KUBECONFIG\n');
+    return 1;
+  }
+  const cfg = loadConfig();
+  const log = (line: string) => process.stderr.write(`magus controller: ${line}\n`);
+  const connection = await Connection.connect({ address: cfg.temporal.address });
+  const client = new Client({ connection, namespace: cfg.temporal.namespace });
+  const nc = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-controller', maxReconnectAttempts: -1 });
+  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix }), { what: 'data plane', log });
+  const tokens = await nc.jetstream().views.kv(names.tokensBucket);
+
+  let controller: Controller | undefined;
+  let synced = false;
+  const run = () => {
+    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
+    void controller.synced.then(() => (synced = true), () => undefined);
+  };
+  const halt = async () => {
+    synced = false;
+    const c = controller;
+    controller = undefined;
+    await c?.stop();
+  };
+
+  let stopping: () => void = () => undefined;
+  const stopped = new Promise<void>((r) => (stopping = r));
+  const leaseNamespace = process.env.MAGUS_NAMESPACE ?? opts.namespace ?? kc.getContextObject(kc.getCurrentContext())?.namespace ?? 'default';
+  const election = opts.leaderElect
+    ? startLeaderElection({
+        kc,
+        namespace: leaseNamespace,
+        name: 'magus-controller',
+        identity: `${hostname()}-${process.pid}`,
+        onStartedLeading: run,
+        // A replica that lost the Lease stops at once; another one takes over.
+        onStoppedLeading: () => void halt(),
+        log,
+      })
+    : undefined;
+  if (!election) run();
+
+  const [host, port] = opts.health.split(':') as [string, string];
+  const health = createServer((req, res) => {
+    const leader = election ? election.isLeader() : true;
+    if (req.url === '/metrics') {
+      res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
+      return void res.end(controllerMetricsText(controller?.metrics(), leader));
+    }
+    // Ready: leading with every watch synced, or standing by (a standby is healthy too).
+    const ok = req.url === '/healthz' || (req.url === '/readyz' && (leader ? synced : true));
+    res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
+  });
+  await new Promise<void>((ok, fail) => {
+    health.once('error', fail);
+    health.listen(Number(port), host, ok);
+  });
+  log(`watching ${opts.namespace ? `namespace ${opts.namespace}` : 'all namespaces'}; health and metrics on http://${opts.health}`);
+  for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => stopping());
+  await stopped;
+  log('stopping');
+  await halt();
+  await election?.stop();
+  health.close();
+  await nc.drain();
+  await connection.close();
+  return 0;
+}
