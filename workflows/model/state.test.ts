@@ -1,0 +1,35 @@
+import type { ModelSpec } from '../../shared/model';
+import { PipelineState } from './state';
+
+const spec = (repo = 'org/m'): ModelSpec => ({ source: { repo }, artifacts: [{ format: 'gguf', weights: 'q40' }] });
+
+test('a resource generation is taken in once; an equal spec does not re-plan, a new one does', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec(), resource: { uid: 'A', generation: 1 } });
+  s.applyResource({ uid: 'A', generation: 1, spec: spec('org/other') }); // a repeat of generation 1: ignored
+  expect([s.generation, s.spec.source.repo, s.progress().observedGeneration]).toEqual([1, 'org/m', 1]);
+  s.applyResource({ uid: 'A', generation: 2, spec: spec() }); // e.g. only the deletion policy changed
+  expect([s.generation, s.progress().observedGeneration]).toEqual([1, 2]);
+  s.applyResource({ uid: 'A', generation: 3, spec: spec('org/other') });
+  expect([s.generation, s.spec.source.repo, s.progress().observedGeneration]).toEqual([2, 'org/other', 3]);
+  s.applyResource({ uid: 'A', generation: 2, spec: spec('org/stale') }); // late and old: ignored
+  expect([s.generation, s.spec.source.repo]).toEqual([2, 'org/other']);
+});
+
+test('a new uid under the same name starts over, even with the same spec', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec(), resource: { uid: 'A', generation: 5 } });
+  s.applyResource({ uid: 'B', generation: 1, spec: spec() });
+  expect([s.generation, s.resource, s.progress().observedGeneration]).toEqual([2, { uid: 'B', generation: 1 }, 1]);
+});
+
+test('a pipeline started without a resource adopts one without re-planning an equal spec', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec() });
+  expect(s.progress().observedGeneration).toBeUndefined();
+  s.applyResource({ uid: 'A', generation: 1, spec: spec() });
+  expect([s.generation, s.progress().observedGeneration]).toEqual([1, 1]);
+});
+
+test('the rerun nonce re-plans an otherwise equal spec', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec(), resource: { uid: 'A', generation: 1 } });
+  s.applyResource({ uid: 'A', generation: 2, spec: { ...spec(), rerun: 'x' } });
+  expect(s.generation).toBe(2);
+});
