@@ -50,8 +50,8 @@ async function startReplica(): Promise<Replica> {
     stdio: ['ignore', 'pipe', 'pipe'],
   });
   const output: string[] = [];
-  child.stdout!.on('data', (d: Buffer) => output.push(d.toString()));
-  child.stderr!.on('data', (d: Buffer) => output.push(d.toString()));
+  child.stdout.on('data', (d: Buffer) => output.push(d.toString()));
+  child.stderr.on('data', (d: Buffer) => output.push(d.toString()));
   const exit = new Promise<number | null>((r) => child.once('exit', (code) => r(code)));
   const r = { child, health: `http://127.0.0.1:${port}`, output, exit };
   replicas.push(r);
