@@ -405,3 +405,35 @@ test('a labelled token Secret is accepted by the gateway within seconds; deleted
     await gw.close();
   }
 }, 60_000);
+
+test('200 Models applied at once all become Ready; writes per Model stay bounded', async () => {
+  const n = 200;
+  const writes = new Map<string, number>();
+  const ready = new Set<string>();
+  const w = watchResource<ModelResource>(kc, {
+    path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`,
+    labelSelector: 'bulk=yes',
+    onEvent: (t, m) => {
+      if (t === 'MODIFIED') writes.set(m.metadata.name, (writes.get(m.metadata.name) ?? 0) + 1);
+      if (condition(m, 'Ready')?.status === 'True') ready.add(m.metadata.name);
+    },
+  });
+  await w.synced;
+  const docs = Array.from({ length: n }, (_, i) => modelYaml(`bulk-${i}`, REPO).replace(`metadata: {name: bulk-${i}, namespace: ${ns}}`, `metadata: {name: bulk-${i}, namespace: ${ns}, labels: {bulk: "yes"}}`));
+  const t0 = Date.now();
+  await apply(docs.join('\n---\n'));
+  try {
+    await until(`${n} Models Ready (${ready.size} so far)`, () => ready.size === n, 480_000);
+  } finally {
+    await w.stop();
+  }
+  const elapsed = (Date.now() - t0) / 1000;
+  const perModel = [...writes.values()];
+  const events = (await core.listNamespacedEvent({ namespace: ns })).items.filter((e) => e.involvedObject.name?.startsWith('bulk-'));
+  const maxWrites = Math.max(...perModel);
+  process.stderr.write(`${n} Models Ready in ${elapsed.toFixed(1)} s; writes per Model: mean ${(perModel.reduce((a, b) => a + b, 0) / n).toFixed(1)}, max ${maxWrites}; Events per Model ${(events.length / n).toFixed(1)}\n`);
+  // One finalizer patch, then about one status write per phase change plus progress while it moves.
+  expect(maxWrites).toBeLessThanOrEqual(20);
+  expect(events.length / n).toBeLessThanOrEqual(7);
+  expect(await runsOf(`model/${ns}/bulk-0`)).toBe(1);
+}, 600_000);
