@@ -53,6 +53,8 @@ export interface SessionEntry {
   /** The subject requests for this conversation go to: `magus.req.<pool>.<instance>`. */
   subject: string;
   pool: string;
+  /** The model's namespace (entries written before it was added lack it: `default`). */
+  namespace?: string;
   instance: string;
   /** Epoch ms when the session's lease ends unless extended. */
   expiresAt: number;

@@ -52,6 +52,7 @@ let client: Client;
 let connection: Connection;
 let nc: NatsConnection;
 let tokens: KV;
+let sessions: KV;
 let registry: ModelRegistry;
 let controller: Controller;
 const controllerLog: string[] = [];
@@ -100,7 +101,7 @@ async function installRoles(): Promise<void> {
 }
 
 const start = () =>
-  startController({ kc: controllerKc, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, tokens, namespace: ns, cleanupTimeoutMs: 60_000, log: (l) => controllerLog.push(l) });
+  startController({ kc: controllerKc, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, tokens, sessions: { kv: sessions, cap: 5 }, namespace: ns, cleanupTimeoutMs: 60_000, log: (l) => controllerLog.push(l) });
 
 /** The real kubectl with a kubeconfig for the test apiserver. */
 async function kubectl(...args: string[]): Promise<string> {
@@ -177,6 +178,7 @@ beforeAll(async () => {
   nc = await natsConnect();
   const names = dataPlaneNames(iso.natsPrefix);
   tokens = await nc.jetstream().views.kv(names.tokensBucket);
+  sessions = await nc.jetstream().views.kv(names.sessionsBucket);
   registry = await openModelRegistry(nc, names.modelsBucket);
   controller = start();
   await controller.synced;
@@ -369,6 +371,7 @@ test('the roles are least privilege: what the controller and the worker may not 
   expect(await can(controllerKc, 'patch', 'models.magus.dev/status')).toBe('no');
   expect(await can(controllerKc, 'delete', 'models.magus.dev')).toBe('no');
   expect(await can(controllerKc, 'create', 'secrets')).toBe('no');
+  expect(await can(controllerKc, 'create', 'sessions.magus.dev')).toBe('yes');
   expect(await can(controllerKc, 'update', 'leases.coordination.k8s.io')).toBe('yes');
   expect(await can(workerKc, 'patch', 'models.magus.dev/status')).toBe('yes');
   expect(await can(workerKc, 'patch', 'models.magus.dev')).toBe('no');
@@ -405,6 +408,34 @@ test('a labelled token Secret is accepted by the gateway within seconds; deleted
     await gw.close();
   }
 }, 60_000);
+
+test('live conversations are mirrored as Sessions, at most the cap, and go when they end', async () => {
+  const put = (key: string, instance: string, inMs: number) =>
+    sessions.put(key, JSON.stringify({ subject: `magus.req.tiny.${instance}`, pool: 'tiny', namespace: ns, instance, expiresAt: Date.now() + inMs }));
+  const keys = Array.from({ length: 7 }, (_, i) => `${i}`.repeat(64).slice(0, 64).replace(/^./, String.fromCharCode(97 + i)));
+  // Seven live conversations, the cap is five: the five renewed last are shown.
+  for (const [i, key] of keys.entries()) await put(key, 'tiny-1', 600_000 + i * 1000);
+  await put('f'.repeat(64), 'tiny-1', -1000); // already expired: never shown
+  const listed = async () =>
+    ((await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'sessions' })) as { items: { metadata: { name: string }; spec: { pool: string }; status?: { instance?: string } }[] }).items;
+  await eventually(async () => {
+    const items = await listed();
+    expect(items.map((o) => o.metadata.name).sort()).toEqual(keys.slice(2).map((k) => `tiny-${k.slice(0, 10)}`).sort());
+    expect(items.every((o) => o.spec.pool === 'tiny' && o.status?.instance === 'tiny-1')).toBe(true);
+  }, 20_000);
+  expect(await kubectl('get', 'sessions', '--no-headers')).toMatch(/^tiny-\S+\s+tiny\s+tiny\s+tiny-1\s+/m);
+  // One ends: the next one in line takes its place; one moves to another instance: its status follows.
+  await sessions.delete(keys[6]!);
+  await put(keys[5]!, 'tiny-2', 700_000);
+  await eventually(async () => {
+    const items = await listed();
+    expect(items.map((o) => o.metadata.name).sort()).toEqual(keys.slice(1, 6).map((k) => `tiny-${k.slice(0, 10)}`).sort());
+    expect(items.find((o) => o.metadata.name === `tiny-${keys[5]!.slice(0, 10)}`)?.status?.instance).toBe('tiny-2');
+  }, 20_000);
+  for (const key of keys) await sessions.delete(key);
+  await eventually(async () => expect(await listed()).toEqual([]), 20_000);
+  expect(controller.metrics().sessions).toMatchObject({ mirrored: 0, overCap: 0 });
+}, 90_000);
 
 test('200 Models applied at once all become Ready; writes per Model stay bounded', async () => {
   const n = 200;

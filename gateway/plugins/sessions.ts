@@ -99,7 +99,7 @@ export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined 
   const e = JSON.parse(new TextDecoder().decode(value)) as Partial<SessionEntry> | null;
   if (typeof e !== 'object' || e === null) return undefined;
   if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string') return undefined;
-  return { subject: e.subject, pool: e.pool, instance: e.instance, expiresAt: e.expiresAt };
+  return { subject: e.subject, pool: e.pool, ...(typeof e.namespace === 'string' ? { namespace: e.namespace } : {}), instance: e.instance, expiresAt: e.expiresAt };
 }
 
 /** A `magus_pools` value, checked; `undefined` (ignored) when malformed. */
@@ -202,7 +202,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    */
   const startFirst = (req: AcquireRequest, f: FirstTurns, choice: NonNullable<ReturnType<typeof pick>>): PendingStart => {
     const key = req.conversationKey;
-    const entry: SessionEntry = { subject: choice.instance.subject, pool: req.model.name, instance: choice.instance.instance, expiresAt: now() + f.ttlMs };
+    const entry: SessionEntry = { subject: choice.instance.subject, pool: req.model.name, namespace: req.model.namespace, instance: choice.instance.instance, expiresAt: now() + f.ttlMs };
     let local = localLeases.get(choice.entry);
     if (!local) localLeases.set(choice.entry, (local = new Map<string, number>()));
     local.set(entry.instance, (local.get(entry.instance) ?? 0) + 1);

@@ -31,12 +31,15 @@ import type { TokenEntry } from '../../shared/serving';
 import { cancelSignal, modelWorkflowId, type ResourceChange } from '../../workflows/model/definitions';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../../workflows/pool/definitions';
 import { WorkQueue, type Requeue } from './queue';
+import { startSessionMirror, type SessionMirror } from './sessions';
 
 export interface ControllerOptions {
   kc: KubeConfig;
   temporal: { client: Client; namespace: string; taskQueue: string };
   /** The `magus_tokens` bucket; without it token Secrets are not watched. */
   tokens?: KV;
+  /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
+  sessions?: { kv: KV; cap: number };
   /** Only this namespace (default: all namespaces). */
   namespace?: string;
   /** Reconciles at once (default 16). */
@@ -55,6 +58,7 @@ export interface ControllerMetrics {
   tokensWritten: number;
   tokensRemoved: number;
   watches: Record<string, ResourceWatch<unknown>['stats']>;
+  sessions?: SessionMirror['stats'];
 }
 
 export interface Controller {
@@ -63,6 +67,8 @@ export interface Controller {
   metrics(): ControllerMetrics;
   /** Nothing queued or running (tests and the bench wait on it). */
   idle(): Promise<void>;
+  /** The Session mirror has made a complete pass after this call. */
+  sessionsSettled(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -328,10 +334,13 @@ export function startController(opts: ControllerOptions): Controller {
     signalled.set(uid, generation);
   }
 
+  const sessionMirror = opts.sessions && opts.sessions.cap > 0 ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespace: opts.namespace, log }) : undefined;
+
   const synced = Promise.all(Object.values(watches).map((w) => w.synced)).then(() => undefined);
   return {
     synced,
-    metrics: () => ({ ...m, watches: Object.fromEntries(Object.entries(watches).map(([k, w]) => [k, w.stats])) }),
+    metrics: () => ({ ...m, watches: Object.fromEntries(Object.entries(watches).map(([k, w]) => [k, w.stats])), ...(sessionMirror ? { sessions: { ...sessionMirror.stats } } : {}) }),
+    sessionsSettled: () => sessionMirror?.settled() ?? Promise.resolve(),
     async idle() {
       await synced;
       await queue.drained();
@@ -340,6 +349,7 @@ export function startController(opts: ControllerOptions): Controller {
     async stop() {
       queue.stop();
       stopping.abort();
+      await sessionMirror?.stop();
       await Promise.all(Object.values(watches).map((w) => w.stop()));
       await tokenWrites;
     },

@@ -15,7 +15,7 @@ import { startController, type Controller, type ControllerMetrics } from './cont
 import { startLeaderElection } from './leader';
 
 export const CONTROLLER_USAGE = [
-  'usage: magus controller [--namespace NS] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m]',
+  'usage: magus controller [--namespace NS] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',
   '',
   'Watches Model and Dllama resources and API-token Secrets (label magus.dev/api-token=true) and',
   'drives their workflows. Needs a cluster (in a pod, or KUBECONFIG) and reads MAGUS_TEMPORAL_ADDRESS,',
@@ -24,6 +24,7 @@ export const CONTROLLER_USAGE = [
   '  --health-address A     /healthz, /readyz, /metrics (default MAGUS_HEALTH_ADDRESS or 127.0.0.1:9466)',
   '  --no-leader-elect      do not take the Lease magus-controller (only for a single replica)',
   '  --cleanup-timeout D    how long a deleted resource\'s cleanup may take before it is cut short',
+  '  --session-mirror-cap N live conversations shown as Session resources, at most (default 200; 0: none)',
 ].join('\n');
 
 /** Prometheus text of the controller's counters. */
@@ -47,7 +48,8 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
   return `${lines.join('\n')}\n`;
 }
 
-function parseArgs(args: string[]): { namespace?: string; health: string; leaderElect: boolean; cleanupTimeoutMs: number } {
+function parseArgs(args: string[]): { namespace?: string; health: string; leaderElect: boolean; cleanupTimeoutMs: number; sessionCap: number } {
+  let sessionCap = 200;
   let namespace: string | undefined;
   let health = process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9466';
   let leaderElect = true;
@@ -66,11 +68,14 @@ function parseArgs(args: string[]): { namespace?: string; health: string; leader
       const d = parseDuration(value());
       if (d === null || d < 1000) throw new Error(`--cleanup-timeout ${args[i]} is not a duration like 90s or 2m (at least 1s)`);
       cleanupTimeoutMs = d;
+    } else if (a === '--session-mirror-cap') {
+      sessionCap = Number(value());
+      if (!Number.isInteger(sessionCap) || sessionCap < 0 || sessionCap > 100_000) throw new Error(`--session-mirror-cap ${args[i]} must be a whole number from 0 to 100000`);
     } else throw new Error(`unknown option ${a}`);
   }
   if (namespace !== undefined && !/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
   if (!/^[A-Za-z0-9.-]+:\d{1,5}$/.test(health)) throw new Error(`health address ${health} is not host:port`);
-  return { namespace, health, leaderElect, cleanupTimeoutMs };
+  return { namespace, health, leaderElect, cleanupTimeoutMs, sessionCap };
 }
 
 export async function controllerCommand(args: string[]): Promise<number> {
@@ -97,11 +102,12 @@ export async function controllerCommand(args: string[]): Promise<number> {
   const nc = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-controller', maxReconnectAttempts: -1 });
   const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix }), { what: 'data plane', log });
   const tokens = await nc.jetstream().views.kv(names.tokensBucket);
+  const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
 
   let controller: Controller | undefined;
   let synced = false;
   const run = () => {
-    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
+    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, sessions, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
     void controller.synced.then(() => (synced = true), () => undefined);
   };
   const halt = async () => {

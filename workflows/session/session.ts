@@ -42,7 +42,8 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   /** The pool moved the lease (its instance stopped serving): the entry must follow. */
   const moved = () => lease !== null && written !== null && lease.instance !== written;
 
-  const entry = (): SessionEntry => ({ subject: lease!.subject, pool: input.model, instance: lease!.instance, expiresAt });
+  // The namespace rides along in the activity's input only (no new command): replay-safe.
+  const entry = (): SessionEntry => ({ subject: lease!.subject, pool: input.model, namespace: input.namespace, instance: lease!.instance, expiresAt });
 
   setHandler(leaseGrantedSignal, (g) => {
     if ('error' in g) failure = g.error;
