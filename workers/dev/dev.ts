@@ -21,29 +21,20 @@ import type { modelPipeline } from '../../workflows/model/pipeline';
 import { loadConfig } from '../config';
 import { defaultModelName } from '../model-pull';
 import { startWorkers } from '../worker';
-import { freePort, startServices } from './services';
+import { listenOnPort, startServices } from './services';
 
 const DEMO_REPO = 'magus-demo/tiny-llama';
 
 export interface DevOptions {
   /** A Hugging Face repo to pull instead of the demo model (needs internet). */
   model?: string;
-  /** Gateway port (default 8080, or a free one when 8080 is taken). */
+  /** Gateway port; a taken one is an error. Default 8080, or one the kernel picks when 8080 is taken. */
   port?: number;
   /** Env var holding a Hugging Face token for gated models. */
   tokenEnv?: string;
 }
 
 const say = (line: string) => process.stderr.write(`magus dev: ${line}\n`);
-
-async function portOr(preferred: number): Promise<number> {
-  const { createServer } = await import('node:net');
-  return new Promise((ok) => {
-    const srv = createServer();
-    srv.once('error', () => void freePort().then(ok));
-    srv.listen(preferred, '127.0.0.1', () => srv.close(() => ok(preferred)));
-  });
-}
 
 export async function runDev(opts: DevOptions): Promise<number> {
   Runtime.install({ logger: new DefaultLogger('WARN') }); // the worker's INFO lines would bury the output
@@ -90,19 +81,27 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const token = `mgs_dev_${randomBytes(24).toString('hex')}`;
     const tokenFile = join(services.dataDir, 'api-token');
     writeFileSync(tokenFile, `${token}\n`, { mode: 0o600 });
-    const port = opts.port ?? (await portOr(8080));
-    const gatewayConfig = loadGatewayConfig({
-      MAGUS_GATEWAY_HOST: '127.0.0.1',
-      MAGUS_GATEWAY_PORT: String(port),
-      MAGUS_NATS_URL: cfg.nats.servers,
-      MAGUS_NATS_PREFIX: cfg.natsPrefix,
-      MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
-      MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest: createHash('sha256').update(token).digest('hex'), name: 'magus dev' } }),
-      MAGUS_LOG_LEVEL: 'warn',
-    });
-    const gateway = await startGateway(gatewayConfig, {
-      ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs: 30 * 60_000 }),
-    });
+    const secret = randomBytes(32).toString('hex');
+    const digest = createHash('sha256').update(token).digest('hex');
+    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs: 30 * 60_000 });
+    // Listening is what takes the port: no "is it free?" probe that another process could beat.
+    const gateway = await listenOnPort(
+      'the gateway',
+      (port) =>
+        startGateway(
+          loadGatewayConfig({
+            MAGUS_GATEWAY_HOST: '127.0.0.1',
+            MAGUS_GATEWAY_PORT: String(port),
+            MAGUS_NATS_URL: cfg.nats.servers,
+            MAGUS_NATS_PREFIX: cfg.natsPrefix,
+            MAGUS_GATEWAY_SECRET: secret,
+            MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
+            MAGUS_LOG_LEVEL: 'warn',
+          }),
+          { ...sessions },
+        ),
+      { port: opts.port, preferred: 8080, flag: '--port' },
+    );
     stops.push(() => gateway.close());
 
     const name = opts.model ? defaultModelName(repo) : 'demo';

@@ -5,6 +5,11 @@
  *
  * No orphans: every server is exec'd through `setpriv --pdeathsig KILL`, so the kernel kills it
  * when the process that started it dies, however it dies (SIGKILL included).
+ *
+ * Ports: a free port is chosen, released, and bound by the server a moment later, so another
+ * process can take it in between. A server that then fails with "address already in use" before
+ * it is ready is started again on newly chosen ports (at most `portAttempts` times, each from a
+ * clean data path); only then does the start fail, naming the server and the port.
  */
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes, generateKeyPairSync } from 'node:crypto';
@@ -26,28 +31,55 @@ export interface ServiceEndpoints {
   kubernetes?: { server: string; token: string; etcdUrl: string };
 }
 
+/** The server processes (and the names of their logs in `<dataDir>/logs/<name>.log`). */
+export type ServerName = 'temporal' | 'nats' | 'minio' | 'etcd' | 'kube-apiserver';
+
 export interface RunningServices {
   endpoints: ServiceEndpoints;
   /** Pids of every server process now (for tests that prove nothing is left behind). */
   readonly pids: number[];
   dataDir: string;
+  /** How many times each server was started again on new ports because one was taken. */
+  readonly retries: Readonly<Partial<Record<ServerName, number>>>;
   /**
    * Stops nats-server and starts it again on the same ports, as an upgrade or a rescheduled pod
    * would; `wipe` also deletes its JetStream store first (a server on ephemeral storage). Only
-   * when `nats` was started.
+   * when `nats` was started. Fails, naming the port, if another process took one meanwhile.
    */
   restartNats(opts?: { wipe?: boolean }): Promise<void>;
+  /**
+   * Stops kube-apiserver (SIGTERM, waits for it to exit) and starts it again on the same port with
+   * the same token, certificates and etcd (which keeps running), once `/readyz` answers. Only when
+   * `kubernetes` was started. Fails, naming the port, if another process took it meanwhile.
+   */
+  restartKubernetes(): Promise<void>;
   stop(): Promise<void>;
+}
+
+/** One port a server is about to be started on: what it is for, and the how-manyth start this is. */
+export interface PortRequest {
+  server: ServerName;
+  /** temporal: frontend, ui; nats: client, monitor; minio: api; etcd: client, peer; kube-apiserver: api. */
+  role: string;
+  /** 1 for the first start, 2 for the first retry after a port was taken, … */
+  attempt: number;
 }
 
 export interface StartOptions {
   services?: readonly ServiceName[];
   /** Parent of the throwaway data folder; defaults to the OS temp dir. */
   dataRoot?: string;
-  /** Where server logs go; defaults to `<dataDir>/logs`. */
+  /**
+   * Notes about the start (a server started again on new ports); defaults to stderr. Server
+   * output always goes to `<dataDir>/logs/<server>.log`.
+   */
   log?: (line: string) => void;
   /** Seconds to wait for each server to become ready. */
   readyTimeoutSec?: number;
+  /** Starts of one server on fresh ports before "address already in use" is final (default 5). */
+  portAttempts?: number;
+  /** Chooses each port a server is started on; defaults to {@link freePort}. A seam for tests. */
+  portPicker?: (request: PortRequest) => Promise<number>;
 }
 
 type BinaryName = 'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver';
@@ -118,11 +150,53 @@ function sweepStaleDataDirs(root: string): void {
   }
 }
 
+/**
+ * What each server prints when a port it was given is taken, found by starting each one on a port
+ * another process listens on (each then exits with status 1):
+ * - temporal: `can't set frontend port N: listen tcp 127.0.0.1:N: bind: address already in use`
+ *   (`can't set UI port N: …` for the UI port); it checks its ports before it binds them, and a
+ *   port lost after that check ends in the same `bind: address already in use`.
+ * - nats-server: `[FTL] Error listening on port: 127.0.0.1:N, "listen tcp 127.0.0.1:N: bind: address
+ *   already in use"`, and for the monitor port `[FTL] Can't start monitoring: can't listen to the
+ *   monitor port: listen tcp 127.0.0.1:N: bind: address already in use`.
+ * - minio: `FATAL Unable to start the server: Specified port is already in use` (no port named).
+ * - etcd: `"msg":"discovery failed","error":"listen tcp 127.0.0.1:N: bind: address already in use"`
+ *   (client and peer port alike).
+ * - kube-apiserver: `"command failed" err="failed to create listener: failed to listen on
+ *   127.0.0.1:N: listen tcp 127.0.0.1:N: bind: address already in use"`.
+ */
+const ADDRESS_IN_USE = /address already in use|port is already in use/i;
+
+/** The line of `output` saying a port was taken, if there is one. */
+function addressInUse(output: string): string | undefined {
+  const line = output.split('\n').find((l) => ADDRESS_IN_USE.test(l))?.trim();
+  return line && line.length > 400 ? `${line.slice(0, 400)}…` : line; // etcd's come with a stack trace
+}
+
+/**
+ * The port `line` says is taken: one of `ports` (`port 4222 (client)`), or one the server chose
+ * itself (Temporal picks ports for its internal services); MinIO names none: then it is `ports`.
+ */
+function takenPort(line: string, ports: Readonly<Record<string, number>>): string {
+  const all = Object.entries(ports).map(([role, port]) => `${port} (${role})`);
+  const named = Object.entries(ports).filter(([, port]) => new RegExp(`[: ]${port}(?!\\d)`).test(line));
+  if (named.length > 0) return `port ${named.map(([role, port]) => `${port} (${role})`).join(', ')}`;
+  const own = /(?:127\.0\.0\.1|\[::1\]|localhost):(\d+)/.exec(line)?.[1];
+  if (own) return `port ${own} (one it chose itself)`;
+  return all.length === 1 ? `port ${all[0]}` : `one of its ports ${all.join(', ')}`;
+}
+
 interface Proc {
-  name: string;
+  name: ServerName;
   child: ChildProcess;
   exited: Promise<void>;
+  /** Its stdout and stderr are read to the end (shortly after it exits). */
+  closed: Promise<void>;
+  /** The last 64 KiB this run of the server printed (its log file also holds earlier runs). */
+  output(): string;
 }
+
+const alive = (p: Proc) => p.child.exitCode === null && p.child.signalCode === null;
 
 /**
  * Go threads for nats-server: half the CPUs. It shares this machine with Temporal, MinIO and the
@@ -135,35 +209,72 @@ function natsProcs(): number {
   return Math.max(1, Math.floor(cpus().length / 2));
 }
 
-function launch(name: string, bin: string, args: string[], logDir: string, env: NodeJS.ProcessEnv = {}): Proc {
-  const out = createWriteStream(join(logDir, `${name}.log`));
+function launch(name: ServerName, bin: string, args: string[], logDir: string, env: NodeJS.ProcessEnv, note: string): Proc {
+  // Appended: the log keeps the output of a run that lost a port, for whoever wonders about a retry.
+  const out = createWriteStream(join(logDir, `${name}.log`), { flags: 'a' });
+  out.write(`--- magus: ${new Date().toISOString()} starting ${name}: ${note} ---\n`);
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', bin, ...args], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, ...env },
   });
-  child.stdout?.pipe(out);
-  child.stderr?.pipe(out);
+  let recent = '';
+  for (const stream of [child.stdout, child.stderr]) {
+    stream?.on('data', (chunk: Buffer) => {
+      recent = (recent + chunk.toString('utf8')).slice(-65_536);
+      out.write(chunk);
+    });
+  }
   const exited = new Promise<void>((r) => child.once('exit', () => r()));
-  return { name, child, exited };
+  const closed = new Promise<void>((r) =>
+    child.once('close', () => {
+      out.end();
+      r();
+    }),
+  );
+  return { name, child, exited, closed, output: () => recent };
 }
 
-/** Polls `probe` until it resolves true; fails early if the process exits. */
-async function waitReady(p: Proc, logDir: string, timeoutSec: number, probe: () => Promise<boolean>): Promise<void> {
+/** A server that did not become ready; `inUse` is its "address already in use" line, if it printed one. */
+class NotReady extends Error {
+  constructor(
+    message: string,
+    readonly inUse: string | undefined,
+  ) {
+    super(message);
+  }
+}
+
+/**
+ * Polls `probe` until it resolves true; fails early if the process exits or says a port of its is
+ * taken (Temporal's UI, for one, only logs that and runs on without it).
+ */
+async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boolean>): Promise<void> {
   const deadline = Date.now() + timeoutSec * 1000;
   let exited = false;
   void p.exited.then(() => (exited = true));
-  while (Date.now() < deadline) {
-    if (exited) break;
+  while (Date.now() < deadline && !exited && !addressInUse(p.output())) {
     try {
-      if (await probe()) return;
+      // Ready only if it still runs and is not on its way out over a lost port.
+      if ((await probe()) && alive(p) && !addressInUse(p.output())) return;
     } catch {
       // not up yet
     }
     await sleep(150);
   }
-  const logFile = join(logDir, `${p.name}.log`);
-  const tail = existsSync(logFile) ? readFileSync(logFile, 'utf8').split('\n').slice(-25).join('\n') : '';
-  throw new Error(`${p.name} did not become ready${exited ? ' (it exited)' : ` within ${timeoutSec}s`}; log tail:\n${tail}`);
+  if (exited) await Promise.race([p.closed, sleep(1000)]); // its last words
+  const output = p.output();
+  const inUse = addressInUse(output);
+  const tail = output.split('\n').slice(-25).join('\n');
+  const why = exited ? ' (it exited)' : inUse ? ' (a port of its is taken)' : ` within ${timeoutSec}s`;
+  throw new NotReady(`${p.name} did not become ready${why}; log tail:\n${tail}`, inUse);
+}
+
+/** SIGTERM, then SIGKILL after `graceMs` (at once for 0); resolves once it has exited. */
+async function end(p: Proc, graceMs: number): Promise<void> {
+  if (alive(p)) p.child.kill(graceMs > 0 ? 'SIGTERM' : 'SIGKILL');
+  if (graceMs > 0) await Promise.race([p.exited, sleep(graceMs)]);
+  if (alive(p)) p.child.kill('SIGKILL');
+  await p.exited;
 }
 
 async function httpOk(url: string): Promise<boolean> {
@@ -194,11 +305,56 @@ function tcpAccepts(port: number): Promise<boolean> {
   });
 }
 
+/** How to run one server on ports of given roles. */
+interface ServerSpec<R extends string> {
+  name: ServerName;
+  bin: string;
+  roles: readonly R[];
+  args: (ports: Record<R, number>) => string[];
+  env?: NodeJS.ProcessEnv;
+  /** What a run writes before it is ready (data dirs, generated certs): removed after a failed start. */
+  scratch: readonly string[];
+  ready: (ports: Record<R, number>) => () => Promise<boolean>;
+}
+
+/** A started server: its current process and the ports it keeps across restarts. */
+interface Started<R extends string> {
+  proc: Proc;
+  ports: Record<R, number>;
+}
+
+/**
+ * Starts something that listens on a port, with no check-then-listen gap: on `port` when the user
+ * gave one (if it is taken, the error names it and `flag`), else on `preferred`, or where the
+ * kernel puts it (port 0) when `preferred` is taken. `start` must fail with code EADDRINUSE when
+ * its port is taken, as `listen` does.
+ */
+export async function listenOnPort<T>(what: string, start: (port: number) => Promise<T>, opts: { port?: number; preferred: number; flag?: string }): Promise<T> {
+  const taken = (err: unknown) => (err as NodeJS.ErrnoException | undefined)?.code === 'EADDRINUSE';
+  if (opts.port !== undefined) {
+    try {
+      return await start(opts.port);
+    } catch (err) {
+      if (!taken(err)) throw err;
+      throw new Error(`${what} cannot listen on port ${opts.port}: another process already uses it; choose another port${opts.flag ? ` with ${opts.flag}` : ''}`);
+    }
+  }
+  try {
+    return await start(opts.preferred);
+  } catch (err) {
+    if (!taken(err)) throw err;
+  }
+  return start(0);
+}
+
 /** Starts the requested servers concurrently and resolves once every one of them is ready. */
 export async function startServices(opts: StartOptions = {}): Promise<RunningServices> {
   const wanted = new Set(opts.services ?? ALL_SERVICES);
   const root = opts.dataRoot ?? tmpdir();
   const timeout = opts.readyTimeoutSec ?? 120;
+  const attempts = Math.max(1, opts.portAttempts ?? 5);
+  const pick = opts.portPicker ?? (() => freePort());
+  const say = opts.log ?? ((line: string) => void process.stderr.write(`magus services: ${line}\n`));
   sweepStaleDataDirs(root);
   const dataDir = mkdtempSync(join(root, DATA_PREFIX));
   writeFileSync(join(dataDir, 'owner.pid'), String(process.pid));
@@ -213,105 +369,182 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   };
   const procs: Proc[] = [];
   const endpoints: ServiceEndpoints = {};
+  const retries: Partial<Record<ServerName, number>> = {};
   let stopped = false;
 
   const stop = async () => {
     if (stopped) return;
     stopped = true;
     // Reverse order: the API server goes before its etcd.
-    for (const p of [...procs].reverse()) {
-      if (p.child.exitCode === null && p.child.signalCode === null) p.child.kill('SIGTERM');
-    }
+    for (const p of [...procs].reverse()) if (alive(p)) p.child.kill('SIGTERM');
     await Promise.race([Promise.all(procs.map((p) => p.exited)), sleep(10_000)]);
-    for (const p of procs) if (p.child.exitCode === null && p.child.signalCode === null) p.child.kill('SIGKILL');
+    for (const p of procs) if (alive(p)) p.child.kill('SIGKILL');
     await Promise.all(procs.map((p) => p.exited));
     rmSync(dataDir, { recursive: true, force: true });
+  };
+
+  /** Ports handed out by this start: servers started side by side never get the same one. */
+  const handedOut = new Set<number>();
+  const pickPorts = async <R extends string>(server: ServerName, roles: readonly R[], attempt: number): Promise<Record<R, number>> => {
+    const ports = {} as Record<R, number>;
+    for (const role of roles) {
+      let port = await pick({ server, role, attempt });
+      for (let i = 0; handedOut.has(port) && i < 20; i++) port = await pick({ server, role, attempt });
+      handedOut.add(port);
+      ports[role] = port;
+    }
+    return ports;
+  };
+
+  /** One run of `spec` on `ports` until it is ready; if it is not, it is gone when this throws. */
+  const run = async <R extends string>(spec: ServerSpec<R>, ports: Record<R, number>, note: string): Promise<Proc> => {
+    if (stopped) throw new Error('the services were stopped');
+    const p = launch(spec.name, spec.bin, spec.args(ports), logDir, spec.env ?? {}, note);
+    procs.push(p);
+    try {
+      await waitReady(p, timeout, spec.ready(ports));
+      return p;
+    } catch (err) {
+      await end(p, 0);
+      procs.splice(procs.indexOf(p), 1);
+      throw err;
+    }
+  };
+
+  /** Starts `spec` on fresh ports, again on new ones while a port turns out to be taken. */
+  const start = async <R extends string>(spec: ServerSpec<R>): Promise<Started<R>> => {
+    for (let attempt = 1; ; attempt++) {
+      const ports = await pickPorts(spec.name, spec.roles, attempt);
+      const described = Object.entries(ports).map(([role, port]) => `${role} ${String(port)}`).join(', ');
+      try {
+        return { proc: await run(spec, ports, `attempt ${attempt} of ${attempts}, ports ${described}`), ports };
+      } catch (err) {
+        if (!(err instanceof NotReady) || err.inUse === undefined) throw err;
+        const which = takenPort(err.inUse, ports);
+        if (attempt >= attempts) {
+          throw new Error(
+            `${spec.name} could not start: on each of its ${attempts} starts another process took a port chosen for it before it could bind it ` +
+              `(last: ${which}); last error: ${err.inUse}\n${err.message}`,
+          );
+        }
+        retries[spec.name] = (retries[spec.name] ?? 0) + 1;
+        say(`${spec.name}: ${which} was taken by another process before ${spec.name} could bind it; starting it again on new ports (start ${attempt + 1} of ${attempts})`);
+        // A run that failed may have begun its data (etcd's member dir, Temporal's db): start clean.
+        for (const path of spec.scratch) rmSync(path, { recursive: true, force: true });
+      }
+    }
+  };
+
+  /** Stops a started server and starts it again on the same ports: clients know them. */
+  const restart = async <R extends string>(spec: ServerSpec<R>, started: Started<R>, before?: () => void): Promise<void> => {
+    if (stopped) throw new Error('the services were stopped');
+    const old = started.proc;
+    await end(old, 30_000);
+    if (procs.includes(old)) procs.splice(procs.indexOf(old), 1);
+    before?.();
+    try {
+      started.proc = await run(spec, started.ports, 'restart on the same ports');
+    } catch (err) {
+      if (!(err instanceof NotReady) || err.inUse === undefined) throw err;
+      throw new Error(
+        `${spec.name} could not start again: ${takenPort(err.inUse, started.ports)} was taken by another process while it was stopped, ` +
+          `and it must come back on the same port; last error: ${err.inUse}\n${err.message}`,
+      );
+    }
   };
 
   const starters: Promise<void>[] = [];
 
   if (wanted.has('temporal')) {
+    const db = join(dataDir, 'temporal.db');
     starters.push(
       (async () => {
-        const [port, uiPort] = [await freePort(), await freePort()];
-        const p = launch('temporal', bins('temporal'), [
-          'server', 'start-dev',
-          '--ip', '127.0.0.1', '--port', String(port), '--ui-port', String(uiPort),
-          '--db-filename', join(dataDir, 'temporal.db'),
-          '--log-level', 'warn', '--log-format', 'json',
-          '--dynamic-config-value', 'frontend.enableUpdateWorkflowExecution=true',
-          '--dynamic-config-value', 'frontend.enableExecuteMultiOperation=true',
-          '--search-attribute', 'MagusModel=Keyword',
-          '--search-attribute', 'MagusKind=Keyword',
-        ], logDir);
-        procs.push(p);
-        await waitReady(p, logDir, timeout, async () => (await tcpAccepts(port)) && (await httpOk(`http://127.0.0.1:${uiPort}/`)));
-        endpoints.temporal = { address: `127.0.0.1:${port}`, namespace: 'default', uiUrl: `http://127.0.0.1:${uiPort}` };
+        const { ports } = await start({
+          name: 'temporal',
+          bin: bins('temporal'),
+          roles: ['frontend', 'ui'],
+          args: ({ frontend, ui }) => [
+            'server', 'start-dev',
+            '--ip', '127.0.0.1', '--port', String(frontend), '--ui-port', String(ui),
+            '--db-filename', db,
+            '--log-level', 'warn', '--log-format', 'json',
+            '--dynamic-config-value', 'frontend.enableUpdateWorkflowExecution=true',
+            '--dynamic-config-value', 'frontend.enableExecuteMultiOperation=true',
+            '--search-attribute', 'MagusModel=Keyword',
+            '--search-attribute', 'MagusKind=Keyword',
+          ],
+          scratch: ['', '-wal', '-shm', '-journal'].map((suffix) => db + suffix),
+          ready: ({ frontend, ui }) => async () => (await tcpAccepts(frontend)) && (await httpOk(`http://127.0.0.1:${ui}/`)),
+        });
+        endpoints.temporal = { address: `127.0.0.1:${ports.frontend}`, namespace: 'default', uiUrl: `http://127.0.0.1:${ports.ui}` };
       })(),
     );
   }
 
   let restartNats: RunningServices['restartNats'] = () => Promise.reject(new Error('nats-server was not started'));
   if (wanted.has('nats')) {
+    const store = join(dataDir, 'jetstream');
+    const spec: ServerSpec<'client' | 'monitor'> = {
+      name: 'nats',
+      bin: bins('nats-server'),
+      roles: ['client', 'monitor'],
+      args: ({ client, monitor }) => ['-a', '127.0.0.1', '-p', String(client), '-m', String(monitor), '-js', '-sd', store, '--server_name', 'magus-dev'],
+      env: { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) },
+      scratch: [store],
+      ready: ({ monitor }) => () => httpOk(`http://127.0.0.1:${monitor}/healthz?js-enabled-only=true`),
+    };
     starters.push(
       (async () => {
-        const [port, monitor] = [await freePort(), await freePort()];
-        const store = join(dataDir, 'jetstream');
-        const start = async () => {
-          const p = launch('nats', bins('nats-server'), [
-            '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor),
-            '-js', '-sd', store, '--server_name', 'magus-dev',
-          ], logDir, { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) });
-          procs.push(p);
-          await waitReady(p, logDir, timeout, () => httpOk(`http://127.0.0.1:${monitor}/healthz?js-enabled-only=true`));
-          return p;
-        };
-        let current = await start();
-        restartNats = async ({ wipe = false } = {}) => {
-          if (stopped) throw new Error('the services were stopped');
-          current.child.kill('SIGTERM');
-          await current.exited;
-          procs.splice(procs.indexOf(current), 1);
-          if (wipe) rmSync(store, { recursive: true, force: true });
-          current = await start();
-        };
-        endpoints.nats = { servers: `nats://127.0.0.1:${port}`, monitorUrl: `http://127.0.0.1:${monitor}` };
+        const started = await start(spec);
+        restartNats = ({ wipe = false } = {}) => restart(spec, started, wipe ? () => rmSync(store, { recursive: true, force: true }) : undefined);
+        endpoints.nats = { servers: `nats://127.0.0.1:${started.ports.client}`, monitorUrl: `http://127.0.0.1:${started.ports.monitor}` };
       })(),
     );
   }
 
   if (wanted.has('s3')) {
+    const accessKeyId = `magus${randomBytes(6).toString('hex')}`;
+    const secretAccessKey = randomBytes(24).toString('base64url');
+    const data = join(dataDir, 's3');
     starters.push(
       (async () => {
-        const [port, consolePort] = [await freePort(), await freePort()];
-        const accessKeyId = `magus${randomBytes(6).toString('hex')}`;
-        const secretAccessKey = randomBytes(24).toString('base64url');
-        const p = launch('minio', bins('minio'), [
-          'server', join(dataDir, 's3'),
-          '--address', `127.0.0.1:${port}`, '--console-address', `127.0.0.1:${consolePort}`, '--quiet',
-        ], logDir, { MINIO_ROOT_USER: accessKeyId, MINIO_ROOT_PASSWORD: secretAccessKey, MINIO_BROWSER: 'off', MINIO_UPDATE: 'off' });
-        procs.push(p);
-        await waitReady(p, logDir, timeout, () => httpOk(`http://127.0.0.1:${port}/minio/health/ready`));
-        endpoints.s3 = { endpoint: `http://127.0.0.1:${port}`, region: 'us-east-1', accessKeyId, secretAccessKey };
+        // With MINIO_BROWSER=off MinIO binds no console port (it starts even when the one given with
+        // --console-address is taken), so it gets none: one port less to lose.
+        const { ports } = await start({
+          name: 'minio',
+          bin: bins('minio'),
+          roles: ['api'],
+          args: ({ api }) => ['server', data, '--address', `127.0.0.1:${api}`, '--quiet'],
+          env: { MINIO_ROOT_USER: accessKeyId, MINIO_ROOT_PASSWORD: secretAccessKey, MINIO_BROWSER: 'off', MINIO_UPDATE: 'off' },
+          scratch: [data],
+          ready: ({ api }) => () => httpOk(`http://127.0.0.1:${api}/minio/health/ready`),
+        });
+        endpoints.s3 = { endpoint: `http://127.0.0.1:${ports.api}`, region: 'us-east-1', accessKeyId, secretAccessKey };
       })(),
     );
   }
 
+  let restartKubernetes: RunningServices['restartKubernetes'] = () => Promise.reject(new Error('kube-apiserver was not started'));
   if (wanted.has('kubernetes')) {
     starters.push(
       (async () => {
-        const [clientPort, peerPort, apiPort] = [await freePort(), await freePort(), await freePort()];
-        const etcdUrl = `http://127.0.0.1:${clientPort}`;
-        const peerUrl = `http://127.0.0.1:${peerPort}`;
-        const etcd = launch('etcd', bins('etcd'), [
-          '--name', 'magus', '--data-dir', join(dataDir, 'etcd'),
-          '--listen-client-urls', etcdUrl, '--advertise-client-urls', etcdUrl,
-          '--listen-peer-urls', peerUrl, '--initial-advertise-peer-urls', peerUrl,
-          '--initial-cluster', `magus=${peerUrl}`, '--log-level', 'warn',
-          '--unsafe-no-fsync',
-        ], logDir);
-        procs.push(etcd);
-        await waitReady(etcd, logDir, timeout, () => httpOk(`${etcdUrl}/health`));
+        const etcdData = join(dataDir, 'etcd');
+        const etcd = await start({
+          name: 'etcd',
+          bin: bins('etcd'),
+          roles: ['client', 'peer'],
+          args: ({ client, peer }) => [
+            '--name', 'magus', '--data-dir', etcdData,
+            '--listen-client-urls', `http://127.0.0.1:${client}`, '--advertise-client-urls', `http://127.0.0.1:${client}`,
+            '--listen-peer-urls', `http://127.0.0.1:${peer}`, '--initial-advertise-peer-urls', `http://127.0.0.1:${peer}`,
+            '--initial-cluster', `magus=http://127.0.0.1:${peer}`, '--log-level', 'warn',
+            '--unsafe-no-fsync',
+          ],
+          // Its member dir records the peer URL: a retry on other ports must not find the old one.
+          scratch: [etcdData],
+          ready: ({ client }) => () => httpOk(`http://127.0.0.1:${client}/health`),
+        });
+        const etcdUrl = `http://127.0.0.1:${etcd.ports.client}`;
 
         const kubeDir = join(dataDir, 'kube');
         mkdirSync(kubeDir);
@@ -319,24 +552,32 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
         writeFileSync(join(kubeDir, 'tokens.csv'), `${token},magus-admin,magus-admin,"system:masters"\n`, { mode: 0o600 });
         const { privateKey } = generateKeyPairSync('rsa', { modulusLength: 2048 });
         writeFileSync(join(kubeDir, 'sa.key'), privateKey.export({ type: 'pkcs8', format: 'pem' }), { mode: 0o600 });
-        const api = launch('kube-apiserver', bins('kube-apiserver'), [
-          `--etcd-servers=${etcdUrl}`,
-          '--bind-address=127.0.0.1', '--advertise-address=127.0.0.1', `--secure-port=${apiPort}`,
-          `--cert-dir=${join(kubeDir, 'certs')}`,
-          `--token-auth-file=${join(kubeDir, 'tokens.csv')}`,
-          '--authorization-mode=RBAC',
-          '--service-account-issuer=https://kubernetes.default.svc.cluster.local',
-          `--service-account-key-file=${join(kubeDir, 'sa.key')}`,
-          `--service-account-signing-key-file=${join(kubeDir, 'sa.key')}`,
-          '--service-cluster-ip-range=10.96.0.0/24',
-          '--enable-priority-and-fairness=false',
-          '--watch-cache=false',
-          '-v=0',
-        ], logDir);
-        procs.push(api);
-        const server = `https://127.0.0.1:${apiPort}`;
-        await waitReady(api, logDir, timeout, () => httpsOkInsecure(`${server}/readyz`, token));
-        endpoints.kubernetes = { server, token, etcdUrl };
+        const certs = join(kubeDir, 'certs');
+        const apiSpec: ServerSpec<'api'> = {
+          name: 'kube-apiserver',
+          bin: bins('kube-apiserver'),
+          roles: ['api'],
+          args: ({ api }) => [
+            `--etcd-servers=${etcdUrl}`,
+            '--bind-address=127.0.0.1', '--advertise-address=127.0.0.1', `--secure-port=${api}`,
+            `--cert-dir=${certs}`,
+            `--token-auth-file=${join(kubeDir, 'tokens.csv')}`,
+            '--authorization-mode=RBAC',
+            '--service-account-issuer=https://kubernetes.default.svc.cluster.local',
+            `--service-account-key-file=${join(kubeDir, 'sa.key')}`,
+            `--service-account-signing-key-file=${join(kubeDir, 'sa.key')}`,
+            '--service-cluster-ip-range=10.96.0.0/24',
+            '--enable-priority-and-fairness=false',
+            '--watch-cache=false',
+            '-v=0',
+          ],
+          // Its self-signed serving cert, generated on first start and kept by restarts.
+          scratch: [certs],
+          ready: ({ api }) => () => httpsOkInsecure(`https://127.0.0.1:${api}/readyz`, token),
+        };
+        const api = await start(apiSpec);
+        restartKubernetes = () => restart(apiSpec, api);
+        endpoints.kubernetes = { server: `https://127.0.0.1:${api.ports.api}`, token, etcdUrl };
       })(),
     );
   }
@@ -353,7 +594,9 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
       return procs.map((p) => p.child.pid).filter((pid): pid is number => pid !== undefined);
     },
     dataDir,
+    retries,
     restartNats: (opts) => restartNats(opts),
+    restartKubernetes: () => restartKubernetes(),
     stop,
   };
 }
