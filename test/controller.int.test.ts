@@ -352,9 +352,23 @@ test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; i
   expect(await signalsIn(poolId, 'resourceChanged')).toBe(2);
 
   await kubectl('scale', 'dllama/tiny-pool', '--replicas=0');
+  await until('the pool has taken in replicas 0', async () => (await signalsIn(poolId, 'resourceChanged')) === 3, 30_000);
+
+  // A second Dllama for the same model is refused, visibly, until the first is gone.
+  await apply(yaml.replace('name: tiny-pool,', 'name: tiny-pool-2,'));
+  await eventually(async () => {
+    const events = await core.listNamespacedEvent({ namespace: ns, fieldSelector: 'involvedObject.name=tiny-pool-2,type=Warning' });
+    expect(events.items.map((e) => e.reason)).toEqual(['PoolConflict']);
+  }, 30_000);
+  expect(await signalsIn(poolId, 'resourceChanged')).toBe(3);
+
   await kubectl('delete', 'dllama/tiny-pool', '--timeout=60s');
   await expect(getDllama('tiny-pool')).rejects.toMatchObject({ code: 404 });
-  await until('the pool has taken in the deletion', async () => (await signalsIn(poolId, 'resourceChanged')) === 4, 10_000);
+  // The deletion, then tiny-pool-2 taking over the pool.
+  await until('the pool has taken in the deletion and the next Dllama', async () => (await signalsIn(poolId, 'resourceChanged')) === 5, 30_000);
+  await eventually(async () => expect((await getDllama('tiny-pool-2')).status).toMatchObject({ observedGeneration: 1, workflowId: poolId }), 30_000);
+  await kubectl('delete', 'dllama/tiny-pool-2', '--timeout=60s');
+  await until('the pool has taken in the second deletion', async () => (await signalsIn(poolId, 'resourceChanged')) === 6, 30_000);
   await recordHistory('pool-resource-scaled', client.workflow.getHandle(poolId));
 }, 240_000);
 

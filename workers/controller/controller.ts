@@ -132,6 +132,8 @@ export function startController(opts: ControllerOptions): Controller {
   const signalled = new Map<string, number>();
   /** uid of resources whose workflow was told to stop. */
   const cancelled = new Set<string>();
+  /** uid → generation of a Dllama refused because another one serves its model (reported once). */
+  const conflicts = new Map<string, number>();
 
   const queue = new WorkQueue((key) => reconcile(key), {
     concurrency: opts.concurrency ?? 16,
@@ -150,7 +152,13 @@ export function startController(opts: ControllerOptions): Controller {
   });
   const dllamas = watchResource<DllamaResource>(opts.kc, {
     path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
-    onEvent: (type, o) => type !== 'DELETED' && queue.add(keyOf(Kind.dllama, o)),
+    onEvent: (type, o) => {
+      if (type !== 'DELETED') queue.add(keyOf(Kind.dllama, o));
+      // A refused Dllama of the same model may take over once this one is going or gone.
+      if (type === 'DELETED' || o.metadata.deletionTimestamp) {
+        for (const x of dllamas.list()) if (x.metadata.namespace === o.metadata.namespace && x.spec.model === o.spec.model && x.metadata.uid !== o.metadata.uid) queue.add(keyOf(Kind.dllama, x));
+      }
+    },
     log: (l) => log(`watch dllamas: ${l}`),
   });
   const watches: Record<string, ResourceWatch<unknown>> = { models, dllamas };
@@ -328,6 +336,19 @@ export function startController(opts: ControllerOptions): Controller {
       return;
     }
     if (!d.metadata.finalizers?.includes(FINALIZER)) await addFinalizer(Plural.dllama, Kind.dllama, d);
+    // One pool per model: the oldest Dllama of a model sizes it; a later one is refused, visibly.
+    const owner = dllamas
+      .list()
+      .filter((x) => x.metadata.namespace === namespace && x.spec.model === d.spec.model && !x.metadata.deletionTimestamp)
+      .sort((a, b) => (a.metadata.creationTimestamp ?? '').localeCompare(b.metadata.creationTimestamp ?? '') || a.metadata.name.localeCompare(b.metadata.name))[0];
+    if (owner && owner.metadata.uid !== uid) {
+      if (conflicts.get(uid) !== generation) {
+        conflicts.set(uid, generation);
+        await recordEvent(core, Kind.dllama, d.metadata, 'Warning', 'PoolConflict', `Dllama ${owner.metadata.name} already serves model ${d.spec.model} in ${namespace}; this one is ignored until it is gone`);
+      }
+      return;
+    }
+    conflicts.delete(uid);
     if (generation <= (d.status?.observedGeneration ?? 0) || generation <= (signalled.get(uid) ?? 0)) return;
     const input: PoolInput = { namespace, model: d.spec.model, minInstances: resource.minInstances, maxInstances: resource.maxInstances, leasesPerInstance: resource.leasesPerInstance, idleTimeoutMs: resource.idleTimeoutMs, resource };
     await signalWithStart('dllamaPool', workflowId, input, 'resourceChanged', resource, `${uid}/${generation}`);

@@ -16,6 +16,7 @@ import {
   isCancellation,
   patched,
   proxyActivities,
+  proxyLocalActivities,
   setHandler,
   sleep,
   upsertSearchAttributes,
@@ -66,12 +67,12 @@ function activities() {
 const TRANSFER_CONCURRENCY = 4;
 
 /**
- * Status of the `Model` resource: written by an activity on the control queue (the worker has the
- * Kubernetes client), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when what it
- * shows changed. A write that keeps failing is retried with capped backoff; the pipeline never
- * waits for it.
+ * Status of the `Model` resource: written by a local activity (the control worker that runs the
+ * workflow has the Kubernetes client; no task-queue round trip, a marker in the history instead
+ * of three events), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when what it shows
+ * changed. A write that keeps failing is retried with capped backoff; the pipeline never waits for it.
  */
-const { writeModelStatus } = proxyActivities<KubernetesActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } });
+const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } });
 const STATUS_MIN_INTERVAL_MS = 1000;
 /** Executions started before the `Model` resource existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'model-resource-status';

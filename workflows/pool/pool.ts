@@ -22,12 +22,14 @@ import {
   getExternalWorkflowHandle,
   patched,
   proxyActivities,
+  proxyLocalActivities,
   setHandler,
   sleep,
   TimeoutFailure,
   upsertSearchAttributes,
   workflowInfo,
   type ActivityOptions,
+  type LocalActivityOptions,
 } from '@temporalio/workflow';
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
@@ -53,7 +55,7 @@ const POOL_ENTRY_REFRESH_MS = 60_000;
 /** Executions started before `Dllama` resources existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'pool-resource-status';
 const STATUS_MIN_INTERVAL_MS = 1000;
-const statusWrite: ActivityOptions = { startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } };
+const statusWrite: LocalActivityOptions = { startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } };
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -353,7 +355,8 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
    * and the last error, at most once per {@link STATUS_MIN_INTERVAL_MS}, only when they changed.
    */
   async function mirrorStatus(): Promise<void> {
-    const { writeDllamaStatus } = proxyActivities<KubernetesActivities>(statusWrite);
+    // A local activity: the control worker running the pool writes it (no task-queue round trip).
+    const { writeDllamaStatus } = proxyLocalActivities<KubernetesActivities>(statusWrite);
     const shown = () => JSON.stringify({ s: status(), r: input.resource ?? null });
     let written = '';
     let previous: { phase: string | null; conditions: Condition[] } = { phase: null, conditions: [] };
