@@ -2,12 +2,12 @@
  * The main job as a user runs it: `magus dev` (the compiled CLI) brings up the whole system and
  * the demo model, the request it prints works, and Ctrl-C leaves nothing behind.
  */
-import { spawn } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { freePort } from '../workers/dev/services';
 
-test('magus dev serves the demo model, and SIGINT stops everything it started', async () => {
+test('magus dev serves the demo model (curl and kubectl), and SIGINT stops everything it started', async () => {
   const port = await freePort();
   const child = spawn(process.execPath, [join(__dirname, '..', 'bin', 'magus.js'), 'dev', '--port', String(port)], { stdio: ['ignore', 'pipe', 'pipe'] });
   let out = '';
@@ -36,6 +36,12 @@ test('magus dev serves the demo model, and SIGINT stops everything it started', 
     expect([res.status, res.status === 200 ? '' : body]).toEqual([200, '']);
     expect(body).toContain('"object":"chat.completion.chunk"');
     expect(body.trimEnd().endsWith('data: [DONE]')).toBe(true);
+
+    // The kubectl door: the printed command shows the demo model as a Ready resource.
+    const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
+    expect(kubectlLine).not.toBeNull();
+    const models = execFileSync('kubectl', ['get', 'models', '--no-headers'], { env: { ...process.env, KUBECONFIG: kubectlLine![1] }, encoding: 'utf8' });
+    expect(models).toMatch(/^demo\s+magus-demo\/tiny-llama\s+Ready\s+100%\s+\S+ \S*B\s+True\s+/m);
   } finally {
     child.kill('SIGINT');
   }

@@ -57,7 +57,7 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN]',
+    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube]',
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
@@ -88,7 +88,7 @@ async function dev(args: string[]): Promise<number> {
   if (!args.includes('--services')) {
     const port = flag('--port');
     if (port !== undefined && !/^\d{1,5}$/.test(port)) throw new Error(`--port ${port} is not a port number`);
-    return load.dev().runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env') });
+    return load.dev().runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env'), kube: !args.includes('--no-kube') });
   }
   const services = parseServices(flag('--services'));
   if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
