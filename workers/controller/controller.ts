@@ -144,11 +144,14 @@ export function startController(opts: ControllerOptions): Controller {
   });
   const scope = opts.namespace ? `/namespaces/${opts.namespace}` : '';
   const keyOf = (kind: string, o: { metadata?: { namespace?: string; name?: string } }) => `${kind}/${o.metadata?.namespace}/${o.metadata?.name}`;
+  // An API server restart takes seconds: come back within a few seconds of it, not half a minute.
+  const backoff = { initialMs: 250, maxMs: 5000 };
 
   const models = watchResource<ModelResource>(opts.kc, {
     path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
     onEvent: (type, o) => type !== 'DELETED' && queue.add(keyOf(Kind.model, o)),
     log: (l) => log(`watch models: ${l}`),
+    backoff,
   });
   const dllamas = watchResource<DllamaResource>(opts.kc, {
     path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
@@ -160,6 +163,7 @@ export function startController(opts: ControllerOptions): Controller {
       }
     },
     log: (l) => log(`watch dllamas: ${l}`),
+    backoff,
   });
   const watches: Record<string, ResourceWatch<unknown>> = { models, dllamas };
 
@@ -191,6 +195,7 @@ export function startController(opts: ControllerOptions): Controller {
       onEvent: (type, s) => enqueueToken(() => applyToken(kv, type, s)),
       onSynced: () => enqueueToken(() => pruneTokens(kv)),
       log: (l) => log(`watch secrets: ${l}`),
+      backoff,
     });
     watches.secrets = secrets;
   }

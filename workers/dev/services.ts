@@ -375,7 +375,11 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   const stop = async () => {
     if (stopped) return;
     stopped = true;
-    // Reverse order: the API server goes before its etcd.
+    // The API server goes first, and alone: told to stop together with its etcd, it sometimes
+    // loses etcd mid-shutdown and hangs until killed (measured: > 10 s; alone: ~50 ms).
+    const api = procs.filter((p) => p.name === 'kube-apiserver' && alive(p));
+    for (const p of api) p.child.kill('SIGTERM');
+    await Promise.race([Promise.all(api.map((p) => p.exited)), sleep(5_000)]);
     for (const p of [...procs].reverse()) if (alive(p)) p.child.kill('SIGTERM');
     await Promise.race([Promise.all(procs.map((p) => p.exited)), sleep(10_000)]);
     for (const p of procs) if (alive(p)) p.child.kill('SIGKILL');
@@ -439,7 +443,9 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   const restart = async <R extends string>(spec: ServerSpec<R>, started: Started<R>, before?: () => void): Promise<void> => {
     if (stopped) throw new Error('the services were stopped');
     const old = started.proc;
-    await end(old, 30_000);
+    // kube-apiserver holds a SIGTERM for ~30 s while a client keeps a watch open (measured);
+    // a restart does not need to wait that out.
+    await end(old, 5_000);
     if (procs.includes(old)) procs.splice(procs.indexOf(old), 1);
     before?.();
     try {
