@@ -437,7 +437,7 @@ test('live conversations are mirrored as Sessions, at most the cap, and go when 
     expect(items.map((o) => o.metadata.name).sort()).toEqual(keys.slice(2).map((k) => `tiny-${k.slice(0, 10)}`).sort());
     expect(items.every((o) => o.spec.pool === 'tiny' && o.status?.instance === 'tiny-1')).toBe(true);
   }, 20_000);
-  expect(await kubectl('get', 'sessions', '--no-headers')).toMatch(/^tiny-\S+\s+tiny\s+tiny\s+tiny-1\s+/m);
+  expect(await kubectl('get', 'sessions', '--no-headers')).toMatch(/^tiny-\S+\s+tiny\s+tiny\s+tiny-1\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\s+/m);
   // One ends: the next one in line takes its place; one moves to another instance: its status follows.
   await sessions.delete(keys[6]!);
   await put(keys[5]!, 'tiny-2', 700_000);

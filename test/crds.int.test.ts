@@ -101,7 +101,7 @@ describe('installCrds', () => {
     });
     expect(byKind.get('Model')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Repo', 'Phase', 'Progress', 'Size', 'Ready', 'Age']);
     expect(byKind.get('Dllama')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Model', 'Engine', 'Nodes', 'Replicas', 'Ready', 'Phase', 'Age']);
-    expect(byKind.get('Session')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Pool', 'Model', 'Instance', 'Turns', 'Expires', 'Age']);
+    expect(byKind.get('Session')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Pool', 'Model', 'Instance', 'Expires', 'Age']);
   });
 
   test('loadCrdManifests gives typed models that serialize back to the YAML unchanged', () => {

@@ -200,6 +200,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Temporal UI: ${e.temporal!.uiUrl}`,
         `API token:   in ${tokenFile}`,
         ...(kubeconfigFile ? [`Kubernetes:  ${e.kubernetes!.server} (Model, Dllama and Session resources; kubeconfig ${kubeconfigFile})`] : []),
+        ...(hub ? [`Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${DEMO_REPO})`] : []),
         '',
         'Try a streamed chat completion (the first request starts an engine):',
         `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${tokenFile})" -H 'Content-Type: application/json' -d '${body}'`,
