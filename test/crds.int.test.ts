@@ -480,9 +480,9 @@ describe('kubectl', () => {
     const row = (prefix: string) => lines.find((l) => l.startsWith(prefix))?.split(/\s{2,}/);
     expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+REPO\s+PHASE\s+PROGRESS\s+SIZE\s+READY\s+AGE$/));
     expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+MODEL\s+ENGINE\s+NODES\s+REPLICAS\s+READY\s+PHASE\s+AGE$/));
-    expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+POOL\s+MODEL\s+INSTANCE\s+TURNS\s+EXPIRES\s+AGE$/));
+    expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+POOL\s+MODEL\s+INSTANCE\s+EXPIRES\s+AGE$/));
     expect(row('model.magus.dev/kubectl-model')?.slice(0, 6)).toEqual(['model.magus.dev/kubectl-model', 'magus-test/tiny-llama', 'Ready', '100% 1.5 MB', '1.5 MB', 'True']);
     expect(row(`dllama.magus.dev/${name} `)?.slice(0, 7)).toEqual([`dllama.magus.dev/${name}`, 'kubectl-model', 'llamacpp', '1', '2', '1', 'Serving']);
-    expect(row('session.magus.dev/kubectl-session')?.slice(0, 5)).toEqual(['session.magus.dev/kubectl-session', name, 'kubectl-model', `${name}-i-1`, '7']);
+    expect(row('session.magus.dev/kubectl-session')?.slice(0, 5)).toEqual(['session.magus.dev/kubectl-session', name, 'kubectl-model', `${name}-i-1`, '2099-01-01T00:00:00Z']);
   });
 });
