@@ -12,7 +12,7 @@
  *
  * Figures go to stdout as a table; nothing is asserted (the tests do that).
  */
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { spawn } from 'node:child_process';
 import { request as httpsRequest } from 'node:https';
 import { tmpdir } from 'node:os';
@@ -28,7 +28,7 @@ import type { ModelResource } from '../shared/kube';
 import { startFixtureHub } from '../test/fixtures/hf-hub';
 import { writeTinyModel } from '../test/fixtures/tiny-model';
 import type { MagusConfig } from '../workers/config';
-import { freePort, startServices } from '../workers/dev/services';
+import { freePort, startServices, writeKubeconfig } from '../workers/dev/services';
 import { startWorkers } from '../workers/worker';
 import { fmt, p50, p99 } from './common';
 
@@ -84,7 +84,7 @@ async function main(): Promise<void> {
   const kc = new KubeConfig();
   kc.loadFromOptions({ clusters: [{ name: 'b', server: k.server, skipTLSVerify: true }], users: [{ name: 'b', token: k.token }], contexts: [{ name: 'b', cluster: 'b', user: 'b' }], currentContext: 'b' });
   const kubeconfigFile = join(dir, 'kubeconfig');
-  writeFileSync(kubeconfigFile, `apiVersion: v1\nkind: Config\nclusters: [{name: b, cluster: {server: "${k.server}", insecure-skip-tls-verify: true}}]\nusers: [{name: b, user: {token: "${k.token}"}}]\ncontexts: [{name: b, context: {cluster: b, user: b}}]\ncurrent-context: b\n`, { mode: 0o600 });
+  writeKubeconfig(kubeconfigFile, k);
   await installCrds(kc);
   const custom = kc.makeApiClient(CustomObjectsApi);
   const core = kc.makeApiClient(CoreV1Api);

@@ -5,14 +5,14 @@
  * again after the hand-over, reaches its workflow as one signal.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { CoordinationV1Api, CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { installCrds } from '../activities/kubernetes/crds';
-import { freePort } from '../workers/dev/services';
+import { freePort, writeKubeconfig } from '../workers/dev/services';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { endpoint, isolation, temporalClient } from './harness';
 import { kubeConfig } from './harness/kube';
@@ -84,11 +84,7 @@ beforeAll(async () => {
   dir = mkdtempSync(join(tmpdir(), 'magus-controller-process-'));
   const k = endpoint('kubernetes');
   kubeconfigFile = join(dir, 'kubeconfig');
-  writeFileSync(
-    kubeconfigFile,
-    `apiVersion: v1\nkind: Config\nclusters: [{name: t, cluster: {server: "${k.server}", insecure-skip-tls-verify: true}}]\nusers: [{name: t, user: {token: "${k.token}"}}]\ncontexts: [{name: t, context: {cluster: t, user: t, namespace: ${ns}}}]\ncurrent-context: t\n`,
-    { mode: 0o600 },
-  );
+  writeKubeconfig(kubeconfigFile, k, ns);
   const kc = kubeConfig();
   await installCrds(kc);
   await kc.makeApiClient(CoreV1Api).createNamespace({ body: { metadata: { name: ns } } });

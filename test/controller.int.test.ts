@@ -25,6 +25,7 @@ import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { FINALIZER, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../shared/kube';
 import type { MagusConfig } from '../workers/config';
 import { startController, type Controller } from '../workers/controller/controller';
+import { writeKubeconfig } from '../workers/dev/services';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
@@ -155,11 +156,7 @@ beforeAll(async () => {
   core = kc.makeApiClient(CoreV1Api);
   const k = endpoint('kubernetes');
   kubeconfigFile = join(dir, 'kubeconfig');
-  writeFileSync(
-    kubeconfigFile,
-    `apiVersion: v1\nkind: Config\nclusters: [{name: t, cluster: {server: "${k.server}", insecure-skip-tls-verify: true}}]\nusers: [{name: t, user: {token: "${k.token}"}}]\ncontexts: [{name: t, context: {cluster: t, user: t}}]\ncurrent-context: t\n`,
-    { mode: 0o600 },
-  );
+  writeKubeconfig(kubeconfigFile, k);
   await installCrds(kc);
   await core.createNamespace({ body: { metadata: { name: ns } } });
   await installRoles();

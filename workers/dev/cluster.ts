@@ -37,12 +37,14 @@
  * sources already downloaded, load 4.5–8: kube-controller-manager 10.6 min, kube-scheduler
  * 5.4 min, kwok 4.2 min; after kube-apiserver's build has warmed the cache: 2.5 min, 15 s, 2.3 min.
  */
-import { execFile, spawn, type ChildProcess } from 'node:child_process';
-import { createWriteStream, mkdirSync, readdirSync, writeFileSync, type WriteStream } from 'node:fs';
+import { execFile } from 'node:child_process';
+import { mkdirSync, readdirSync, writeFileSync } from 'node:fs';
 import { request as httpsRequest } from 'node:https';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { freePort, REPO_ROOT } from './services';
+import { alive, end, freePort, launch, REPO_ROOT, type Proc as ServerProc } from './services';
+
+type Proc = ServerProc<ClusterComponent>;
 
 export type ClusterComponent = 'kube-controller-manager' | 'kube-scheduler' | 'kwok';
 
@@ -107,38 +109,7 @@ async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stag
   return { 'kube-controller-manager': need('kube-controller-manager'), 'kube-scheduler': need('kube-scheduler'), kwok: need('kwok'), 'kwok-stages': need('kwok-stages') };
 }
 
-interface Proc {
-  name: ClusterComponent;
-  child: ChildProcess;
-  exited: Promise<void>;
-  closed: Promise<void>;
-  /** The last 64 KiB it printed. */
-  output(): string;
-}
-
-const alive = (p: Proc) => p.child.exitCode === null && p.child.signalCode === null;
 const ADDRESS_IN_USE = /address already in use/i;
-
-function launch(name: ClusterComponent, bin: string, args: string[], logDir: string, note: string): Proc {
-  const out: WriteStream = createWriteStream(join(logDir, `${name}.log`), { flags: 'a' });
-  out.write(`--- magus: ${new Date().toISOString()} starting ${name}: ${note} ---\n`);
-  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', bin, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
-  let recent = '';
-  for (const stream of [child.stdout, child.stderr]) {
-    stream?.on('data', (chunk: Buffer) => {
-      recent = (recent + chunk.toString('utf8')).slice(-65_536);
-      out.write(chunk);
-    });
-  }
-  const exited = new Promise<void>((r) => child.once('exit', () => r()));
-  const closed = new Promise<void>((r) =>
-    child.once('close', () => {
-      out.end();
-      r();
-    }),
-  );
-  return { name, child, exited, closed, output: () => recent };
-}
 
 class NotReady extends Error {
   constructor(
@@ -165,13 +136,6 @@ async function waitReady(p: Proc, timeoutSec: number, what: string, probe: () =>
   const why = !alive(p) ? ' (it exited)' : taken ? ' (a port of its is taken)' : ` within ${timeoutSec}s`;
   const tail = p.output().split('\n').slice(-25).join('\n');
   throw new NotReady(`${p.name}: ${what} did not happen${why}; log tail:\n${tail}`, taken);
-}
-
-async function end(p: Proc, graceMs: number): Promise<void> {
-  if (alive(p)) p.child.kill(graceMs > 0 ? 'SIGTERM' : 'SIGKILL');
-  if (graceMs > 0) await Promise.race([p.exited, sleep(graceMs)]);
-  if (alive(p)) p.child.kill('SIGKILL');
-  await p.exited;
 }
 
 /** GET over HTTPS without verifying the (self-signed) certificate; the status code, 0 when unreachable. */
@@ -304,7 +268,7 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
     for (let attempt = 1; ; attempt++) {
       const port = await freePort();
       if (stopped) throw new Error('the cluster components were stopped');
-      const p = launch(name, bins[name], args(port), logDir, `attempt ${attempt}, port ${port}`);
+      const p = launch(name, bins[name], args(port), logDir, {}, `attempt ${attempt}, port ${port}`);
       procs.push(p);
       try {
         await waitReady(p, timeout, what, ready(port));

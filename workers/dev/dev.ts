@@ -32,7 +32,7 @@ import type { modelPipeline } from '../../workflows/model/pipeline';
 import { loadConfig } from '../config';
 import { defaultModelName } from '../model-pull';
 import { startWorkers } from '../worker';
-import { listenOnPort, REPO_ROOT, startServices, type ServiceName } from './services';
+import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
 
 const DEMO_REPO = 'magus-demo/tiny-llama';
 
@@ -102,11 +102,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     let kubeconfigFile: string | undefined;
     if (e.kubernetes) {
       kubeconfigFile = join(services.dataDir, 'kubeconfig');
-      writeFileSync(
-        kubeconfigFile,
-        `apiVersion: v1\nkind: Config\nclusters: [{name: magus-dev, cluster: {server: "${e.kubernetes.server}", insecure-skip-tls-verify: true}}]\nusers: [{name: magus-dev, user: {token: "${e.kubernetes.token}"}}]\ncontexts: [{name: magus-dev, context: {cluster: magus-dev, user: magus-dev, namespace: default}}]\ncurrent-context: magus-dev\n`,
-        { mode: 0o600 },
-      );
+      writeKubeconfig(kubeconfigFile, e.kubernetes);
       kc = new KubeConfig();
       kc.loadFromFile(kubeconfigFile);
       await installCrds(kc);

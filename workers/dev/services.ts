@@ -120,6 +120,22 @@ export async function resolveBinaries(names: BinaryName[]): Promise<Binaries> {
   }
 }
 
+/**
+ * Writes a kubeconfig (mode 0600) for the API server `startServices` ran: its admin token, its
+ * self-signed certificate not verified. For `magus dev`, the tests and the benches.
+ */
+export function writeKubeconfig(file: string, api: { server: string; token: string }, namespace = 'default'): void {
+  const yaml = [
+    'apiVersion: v1',
+    'kind: Config',
+    `clusters: [{name: magus, cluster: {server: "${api.server}", insecure-skip-tls-verify: true}}]`,
+    `users: [{name: magus-admin, user: {token: "${api.token}"}}]`,
+    `contexts: [{name: magus, context: {cluster: magus, user: magus-admin, namespace: ${namespace}}}]`,
+    'current-context: magus',
+  ];
+  writeFileSync(file, `${yaml.join('\n')}\n`, { mode: 0o600 });
+}
+
 /** Free loopback TCP port, chosen by the kernel. */
 export async function freePort(): Promise<number> {
   return new Promise((ok, fail) => {
@@ -186,8 +202,9 @@ function takenPort(line: string, ports: Readonly<Record<string, number>>): strin
   return all.length === 1 ? `port ${all[0]}` : `one of its ports ${all.join(', ')}`;
 }
 
-interface Proc {
-  name: ServerName;
+/** A server process started by {@link launch} (also used by `cluster.ts`). */
+export interface Proc<N extends string = ServerName> {
+  name: N;
   child: ChildProcess;
   exited: Promise<void>;
   /** Its stdout and stderr are read to the end (shortly after it exits). */
@@ -196,7 +213,7 @@ interface Proc {
   output(): string;
 }
 
-const alive = (p: Proc) => p.child.exitCode === null && p.child.signalCode === null;
+export const alive = (p: Proc<string>): boolean => p.child.exitCode === null && p.child.signalCode === null;
 
 /**
  * Go threads for nats-server: half the CPUs. It shares this machine with Temporal, MinIO and the
@@ -209,7 +226,11 @@ function natsProcs(): number {
   return Math.max(1, Math.floor(cpus().length / 2));
 }
 
-function launch(name: ServerName, bin: string, args: string[], logDir: string, env: NodeJS.ProcessEnv, note: string): Proc {
+/**
+ * Starts `bin` under `setpriv --pdeathsig KILL` (it dies with this process, however this process
+ * dies), appending its output to `<logDir>/<name>.log` after a line saying which start it is.
+ */
+export function launch<N extends string>(name: N, bin: string, args: string[], logDir: string, env: NodeJS.ProcessEnv, note: string): Proc<N> {
   // Appended: the log keeps the output of a run that lost a port, for whoever wonders about a retry.
   const out = createWriteStream(join(logDir, `${name}.log`), { flags: 'a' });
   out.write(`--- magus: ${new Date().toISOString()} starting ${name}: ${note} ---\n`);
@@ -270,7 +291,8 @@ async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boole
 }
 
 /** SIGTERM, then SIGKILL after `graceMs` (at once for 0); resolves once it has exited. */
-async function end(p: Proc, graceMs: number): Promise<void> {
+/** SIGTERM, then SIGKILL after `graceMs` (at once when 0); resolves when it has exited. */
+export async function end(p: Proc<string>, graceMs: number): Promise<void> {
   if (alive(p)) p.child.kill(graceMs > 0 ? 'SIGTERM' : 'SIGKILL');
   if (graceMs > 0) await Promise.race([p.exited, sleep(graceMs)]);
   if (alive(p)) p.child.kill('SIGKILL');
