@@ -259,16 +259,16 @@ test('a repo that does not exist: Ready=False with a typed reason, and no hot lo
     expect(condition(m, 'Downloaded')).toMatchObject({ status: 'False', reason: 'RepoNotFound' });
     expect(m.status?.phase).toBe('Failed');
   }, 60_000);
-  // Count every write to the object for 20 s: a failed model sits still.
+  // Count every write to the object for 60 s: a failed model sits still.
   let writes = 0;
   const w = watchResource<ModelResource>(kc, { path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`, fieldSelector: 'metadata.name=missing', onEvent: (t) => t === 'MODIFIED' && writes++ });
   await w.synced;
-  await new Promise((r) => setTimeout(r, 20_000));
+  await new Promise((r) => setTimeout(r, 60_000));
   await w.stop();
   expect(writes).toBe(0);
   const warnings = await core.listNamespacedEvent({ namespace: ns, fieldSelector: 'involvedObject.name=missing,type=Warning' });
   expect(warnings.items.map((e) => e.reason)).toEqual(['RepoNotFound']);
-}, 120_000);
+}, 180_000);
 
 test('the controller killed mid-pipeline and started again starts no second workflow; status catches up', async () => {
   hub.setFaults({ bytesPerSecond: 300_000 });
