@@ -136,7 +136,7 @@ export function startController(opts: ControllerOptions): Controller {
   const conflicts = new Map<string, number>();
 
   const queue = new WorkQueue((key) => reconcile(key), {
-    concurrency: opts.concurrency ?? 16,
+    concurrency: opts.concurrency ?? 64,
     onError: (key, err, attempt) => {
       m.failures++;
       log(`${key}: ${(err as Error).message} (attempt ${attempt}; retrying with backoff)`);
@@ -149,7 +149,19 @@ export function startController(opts: ControllerOptions): Controller {
 
   const models = watchResource<ModelResource>(opts.kc, {
     path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
-    onEvent: (type, o) => type !== 'DELETED' && queue.add(keyOf(Kind.model, o)),
+    onEvent: (type, o) => {
+      if (type !== 'DELETED') return queue.add(keyOf(Kind.model, o));
+      // Gone without our finalizer (deleted before it landed, or removed by hand): its pipeline
+      // is stopped and forgotten all the same, best effort.
+      if (!o.metadata.finalizers?.includes(FINALIZER) && !cancelled.has(o.metadata.uid)) {
+        void client.workflow
+          .getHandle(modelWorkflowId(o.metadata.namespace, o.metadata.name))
+          .signal(cancelSignal, { forget: true, deleteObjects: o.spec.deletionPolicy === 'Delete', uid: o.metadata.uid })
+          .catch(() => undefined);
+      }
+      signalled.delete(o.metadata.uid);
+      cancelled.delete(o.metadata.uid);
+    },
     log: (l) => log(`watch models: ${l}`),
     backoff,
   });
@@ -305,7 +317,7 @@ export function startController(opts: ControllerOptions): Controller {
       if (!o.metadata.finalizers?.includes(FINALIZER)) return;
       if (await running(workflowId)) {
         if (!cancelled.has(uid)) {
-          await client.workflow.getHandle(workflowId).signal(cancelSignal, { forget: true, deleteObjects: o.spec.deletionPolicy === 'Delete' });
+          await client.workflow.getHandle(workflowId).signal(cancelSignal, { forget: true, deleteObjects: o.spec.deletionPolicy === 'Delete', uid });
           cancelled.add(uid);
         }
         if (Date.now() - Date.parse(o.metadata.deletionTimestamp) < cleanupTimeoutMs) return { afterMs: 1000 };
@@ -314,17 +326,21 @@ export function startController(opts: ControllerOptions): Controller {
         await recordEvent(core, Kind.model, o.metadata, 'Warning', 'CleanupTimedOut', `the pipeline did not stop within ${cleanupTimeoutMs / 1000}s of the deletion; it was terminated (partial uploads and S3 objects may remain)`);
       }
       await removeFinalizer(Plural.model, o);
-      cancelled.delete(uid);
+      // Marked done for the DELETED event that follows, which then has nothing left to do.
+      cancelled.add(uid);
       signalled.delete(uid);
       return;
     }
-    if (!o.metadata.finalizers?.includes(FINALIZER)) await addFinalizer(Plural.model, Kind.model, o);
-    if (generation <= (o.status?.observedGeneration ?? 0) || generation <= (signalled.get(uid) ?? 0)) return;
-    const spec = modelSpecOf(o);
-    const input: ModelPipelineInput = { namespace, name, spec, resource: { uid, generation } };
-    const change: ResourceChange = { uid, generation, spec };
-    await signalWithStart('modelPipeline', workflowId, input, 'resourceChanged', change, `${uid}/${generation}`);
-    signalled.set(uid, generation);
+    const finalizer = o.metadata.finalizers?.includes(FINALIZER) ? undefined : addFinalizer(Plural.model, Kind.model, o);
+    if (generation > (o.status?.observedGeneration ?? 0) && generation > (signalled.get(uid) ?? 0)) {
+      const spec = modelSpecOf(o);
+      const input: ModelPipelineInput = { namespace, name, spec, resource: { uid, generation } };
+      const change: ResourceChange = { uid, generation, spec };
+      // The signal does not wait for the finalizer (both are needed; a failure of either retries
+      // the key). A Model deleted before its finalizer landed is cancelled from its DELETED event.
+      await Promise.all([signalWithStart('modelPipeline', workflowId, input, 'resourceChanged', change, `${uid}/${generation}`), finalizer]);
+      signalled.set(uid, generation);
+    } else await finalizer;
   }
 
   async function reconcileDllama(o: ModelResource | DllamaResource): Promise<Requeue | void> {

@@ -46,6 +46,8 @@ export const cancelSignal = defineSignal<[CancelOptions?]>('cancel');
 export interface CancelOptions {
   forget?: boolean;
   deleteObjects?: boolean;
+  /** Only if the pipeline serves this resource (a late cancel must not stop its successor). */
+  uid?: string;
 }
 
 /**

@@ -33,3 +33,11 @@ test('the rerun nonce re-plans an otherwise equal spec', () => {
   s.applyResource({ uid: 'A', generation: 2, spec: { ...spec(), rerun: 'x' } });
   expect(s.generation).toBe(2);
 });
+
+test('a cancel for another resource of the same name is ignored', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec(), resource: { uid: 'B', generation: 1 } });
+  s.cancel({ forget: true, uid: 'A' });
+  expect(s.cancelled).toBe(false);
+  s.cancel({ forget: true, uid: 'B' });
+  expect([s.cancelled, s.cancelOptions.forget]).toEqual([true, true]);
+});

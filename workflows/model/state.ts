@@ -67,6 +67,7 @@ export class PipelineState {
   }
 
   cancel(options: CancelOptions = {}): void {
+    if (options.uid !== undefined && this.resource !== null && this.resource.uid !== options.uid) return;
     this.cancelled = true;
     this.cancelOptions = { ...this.cancelOptions, ...options };
   }
