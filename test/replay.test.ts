@@ -68,3 +68,9 @@ test.each([
   expect(localActivities).toContain(activity);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
 }, 60_000);
+
+test('the recorded session history (a retry after NoCapacity, then a lease: `session-retry-clears-failure`) replays', async () => {
+  const session = JSON.parse(readFileSync(join(__dirname, 'histories', 'session-retry-after-no-capacity.json'), 'utf8')) as typeof raw;
+  expect(session.events.filter((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED')).toHaveLength(2);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(session), 'session/replay-retry')).resolves.toBeUndefined();
+}, 60_000);

@@ -28,7 +28,8 @@ import { startBridge, type Bridge } from '../workers/bridge';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { isolation, natsConnect, temporalClient, workerConfig } from './harness';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -181,6 +182,27 @@ test('the 503 Retry-After is the configured MAGUS_GATEWAY_RETRY_AFTER_SEC', () =
   expect(noCapacity).toBeDefined();
   expect(noCapacity?.headers?.get('retry-after')).toBe(String(RETRY_AFTER_SEC));
 });
+
+// Review finding 1 (issue "serving control loop"): a retry after `no_capacity` used to fail at
+// once from the session's stale failure, while the pool could by then have served it.
+test('a retry after no_capacity is served once an instance can start, not refused from the old reason', async () => {
+  expect(noCapacity).toBeDefined(); // the 503 above; its session is still alive
+  const s3 = s3Client();
+  try {
+    await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: UNSTARTABLE });
+  } finally {
+    s3.destroy();
+  }
+  // The same conversation as the 503's (same messages, no session id): the same session workflow.
+  const answer = await openai.chat.completions.create({ model: UNSTARTABLE, messages: [{ role: 'user', content: 'anyone there?' }], max_tokens: 4 });
+  expect(answer.choices[0]?.message.role).toBe('assistant');
+  // Its session: refused once, then granted (replayed by test/replay.test.ts).
+  for await (const w of client.workflow.list({ query: `WorkflowType = 'session' AND TaskQueue = '${iso.id}-control'` })) {
+    const history = await client.workflow.getHandle(w.workflowId).fetchHistory();
+    const updates = (history.events ?? []).filter((e) => e.workflowExecutionUpdateCompletedEventAttributes).length;
+    if (updates >= 2) await recordHistory('session-retry-after-no-capacity', client.workflow.getHandle(w.workflowId));
+  }
+}, 110_000);
 
 test('504 when the engine never answers, streamed or not', async () => {
   const headers = { 'x-session-id': SILENT_SESSION };

@@ -12,6 +12,7 @@ import {
   condition,
   continueAsNew,
   getExternalWorkflowHandle,
+  patched,
   proxyActivities,
   setHandler,
   workflowInfo,
@@ -27,6 +28,9 @@ export interface SessionCarry {
   subject: string;
   expiresAt: number;
 }
+
+/** A retried acquire forgets the failure of the request before it (issue: serving control loop, finding 1). */
+const RETRY_CLEARS_FAILURE_PATCH = 'session-retry-clears-failure';
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
   const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
@@ -61,6 +65,9 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     async (): Promise<SessionEntry> => {
       if (!lease && !requested) {
         requested = true;
+        // A new request waits for a new answer: the failure of the last one says nothing of it
+        // (before this patch a retry after NoCapacity was refused at once with the old reason).
+        if (patched(RETRY_CLEARS_FAILURE_PATCH)) failure = null;
         await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId });
       }
       await condition(() => lease !== null || failure !== null);
