@@ -55,6 +55,15 @@ describe('convert', () => {
   });
 });
 
+test('every mode answers --help with its usage and exit 0, starting nothing', () => {
+  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model']) {
+    const t0 = Date.now();
+    const r = run(mode, '--help');
+    expect([mode, r.status, r.stdout.startsWith(`usage: magus ${mode}`)]).toEqual([mode, 0, true]);
+    expect(Date.now() - t0).toBeLessThan(15_000); // a started stack would not exit at all
+  }
+});
+
 test('controller: --help prints usage and exits 0; without a cluster it says so and exits 1', () => {
   const help = run('controller', '--help');
   expect(help.status).toBe(0);

@@ -171,6 +171,39 @@ function workerCommand(): Promise<number> {
   });
 }
 
+/**
+ * `magus <mode> --help` prints the mode's usage and exits 0, before anything starts (a user's
+ * first move; `magus dev --help` used to start the whole stack). Gateway and controller parse
+ * their own flags and answer it themselves.
+ */
+const MODE_USAGE: Partial<Record<Mode, () => string>> = {
+  dev: () =>
+    [
+      'usage: magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube]',
+      '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
+      '',
+      DESCRIPTIONS.dev,
+      '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
+      '  --port P           the gateway\'s port (default 8080, or one the kernel picks when 8080 is taken)',
+      '  --token-env VAR    the environment variable holding a Hugging Face token (gated repos)',
+      '  --no-kube          do not start etcd + kube-apiserver and the controller (the kubectl door)',
+    ].join('\n'),
+  worker: () =>
+    [
+      'usage: magus worker',
+      '',
+      DESCRIPTIONS.worker,
+      'Reads MAGUS_TEMPORAL_ADDRESS, MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE, MAGUS_NATS_URL, MAGUS_NATS_PREFIX,',
+      'MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET, MAGUS_S3_REGION (and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), MAGUS_MODEL_CACHE,',
+      'MAGUS_DLLAMA_API_BIN / MAGUS_DLLAMA_BIN; with KUBECONFIG (or in a pod) it also writes Model/Dllama status.',
+      'Metrics on MAGUS_METRICS_ADDRESS (127.0.0.1:9464); /healthz, /readyz, /metrics on MAGUS_HEALTH_ADDRESS (127.0.0.1:9465).',
+    ].join('\n'),
+  convert: () => load.convert().CONVERT_USAGE,
+  engine: () => load.engine().ENGINE_USAGE,
+  bridge: () => load.bridge().BRIDGE_USAGE,
+  model: () => load.modelPull().PULL_USAGE,
+};
+
 export async function main(argv: string[]): Promise<number> {
   const [mode, ...rest] = argv;
   if (!mode || mode === '--help' || mode === '-h' || mode === 'help') {
@@ -180,6 +213,11 @@ export async function main(argv: string[]): Promise<number> {
   if (!(MODES as readonly string[]).includes(mode)) {
     process.stderr.write(`magus: unknown mode '${mode}'\n\n${usage()}\n`);
     return 1;
+  }
+  const modeUsage = MODE_USAGE[mode as Mode];
+  if (modeUsage && (rest.includes('--help') || rest.includes('-h'))) {
+    process.stdout.write(`${modeUsage()}\n`);
+    return 0;
   }
   switch (mode as Mode) {
     case 'dev':
