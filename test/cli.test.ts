@@ -57,10 +57,9 @@ describe('convert', () => {
 
 test('every mode answers --help with its usage and exit 0, starting nothing', () => {
   for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model']) {
-    const t0 = Date.now();
+    // A mode that started its servers would not exit: spawnSync's timeout kills it, status null.
     const r = run(mode, '--help');
     expect([mode, r.status, r.stdout.startsWith(`usage: magus ${mode}`)]).toEqual([mode, 0, true]);
-    expect(Date.now() - t0).toBeLessThan(15_000); // a started stack would not exit at all
   }
 });
 
