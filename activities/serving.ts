@@ -2,7 +2,7 @@
  * Activities of the serving workflows (`dllamaPool`, `session`): instances through a
  * {@link Runtime}, and the `magus_sessions` KV entries the gateway reads on warm turns.
  */
-import { heartbeat, Context } from '@temporalio/activity';
+import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV } from 'nats';
 import type { PoolEntry, SessionEntry } from '../shared/serving';
 
@@ -38,6 +38,8 @@ export interface Runtime {
 }
 
 const HEARTBEAT_EVERY_MS = 5000;
+/** Runtime errors (by `Error.name`) that no retry of the same start can fix. */
+export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact'];
 
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
@@ -52,6 +54,12 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV; 
       try {
         const info = await deps.runtime.create(input, ctx.cancellationSignal);
         return deps.runtimeQueue ? { ...info, runtimeQueue: deps.runtimeQueue } : info;
+      } catch (err) {
+        // No retry can fix these (the model is not published, or has nothing this runtime can
+        // serve): fail at once, typed, and let the pool decide when to try again.
+        const name = (err as Error).name;
+        if (PERMANENT_RUNTIME_ERRORS.includes(name)) throw ApplicationFailure.nonRetryable((err as Error).message, name);
+        throw err;
       } finally {
         clearInterval(timer);
       }

@@ -74,3 +74,9 @@ test('the recorded session history (a retry after NoCapacity, then a lease: `ses
   expect(session.events.filter((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_COMPLETED')).toHaveLength(2);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(session), 'session/replay-retry')).resolves.toBeUndefined();
 }, 60_000);
+
+test('the recorded pool history (failed starts backing off: `pool-start-backoff`) replays', async () => {
+  const pool = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-start-backoff.json'), 'utf8')) as typeof raw;
+  expect(pool.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length).toBeGreaterThanOrEqual(3);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/replay-backoff')).resolves.toBeUndefined();
+}, 60_000);

@@ -204,6 +204,31 @@ test('a retry after no_capacity is served once an instance can start, not refuse
   }
 }, 110_000);
 
+// Review finding 3: a pool whose instances can never start used to start another every few
+// seconds for ever (each one pulling and spawning). Now the error is typed and final, and
+// failed starts back off (5 s, 10 s, 20 s … capped at 5 min), visibly in the pool's state.
+test('a model whose instances can never start is tried a bounded number of times, with the backoff in the pool’s state', async () => {
+  const model = 'never-published';
+  const handle = await client.workflow.start('dllamaPool', {
+    workflowId: poolWorkflowId('default', model),
+    taskQueue: `${iso.id}-control`,
+    args: [{ namespace: 'default', model, minInstances: 1, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
+  });
+  await new Promise((r) => setTimeout(r, 60_000));
+  const history = await handle.fetchHistory();
+  const starts = (history.events ?? []).filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length;
+  const status = await handle.query(poolStatusQuery);
+  await recordHistory('pool-start-backoff', handle);
+  await handle.terminate('test over');
+  // 0, 5, 15, 35 s (+ the time each attempt takes): 4 in a minute; before, one every ~6 s.
+  expect(starts).toBeGreaterThanOrEqual(3);
+  expect(starts).toBeLessThanOrEqual(5);
+  expect(status.startFailures).toBe(starts);
+  expect(status.nextStartAt).toBeGreaterThan(Date.now() - 1000);
+  expect(status.lastError).toMatch(/ModelNotReady|not in the registry/);
+  expect(status.lastError).toMatch(/failed starts in a row; next attempt in \d+s/);
+}, 120_000);
+
 test('504 when the engine never answers, streamed or not', async () => {
   const headers = { 'x-session-id': SILENT_SESSION };
   const messages = [{ role: 'user' as const, content: 'say something' }];

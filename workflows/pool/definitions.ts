@@ -65,6 +65,9 @@ export interface PoolStatus {
   waiting: number;
   /** Set when the runtime cannot start an instance (e.g. no capacity); cleared on success. */
   lastError: string | null;
+  /** Instance starts that failed in a row, and when the next may be tried (epoch ms; 0: now). */
+  startFailures?: number;
+  nextStartAt?: number;
 }
 
 /**

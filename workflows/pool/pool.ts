@@ -52,6 +52,16 @@ const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
 const OWNER_QUEUE_PATCH = 'instance-owner-queue';
 /** The published view is rewritten at least this often, so gateways can tell a live pool's entry from a dead one's. */
 const POOL_ENTRY_REFRESH_MS = 60_000;
+/**
+ * Failed starts back off: the n-th failure in a row waits base × 2^(n−1), capped, before the
+ * next start (a model that can never start used to be retried every few seconds for ever).
+ * A spec change (its resource) clears it; executions started before this replay without it.
+ */
+const START_BACKOFF_PATCH = 'pool-start-backoff';
+const START_BACKOFF_BASE_MS = 5000;
+const START_BACKOFF_MAX_MS = 5 * 60_000;
+/** Sessions that would wait longer than this for the next start are refused at once (a prompt 503 with the reason). */
+const START_WAIT_MAX_MS = 30_000;
 /** Executions started before `Dllama` resources existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'pool-resource-status';
 const STATUS_MIN_INTERVAL_MS = 1000;
@@ -97,6 +107,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
   let nextId = carry?.nextId ?? 1;
   let lastError: string | null = null;
+  const startBackoff = patched(START_BACKOFF_PATCH);
+  let startFailures = 0;
+  let nextStartAt = 0;
   let dirty = true;
   const starting = new Set<Promise<void>>();
   // What gateways see in `magus_pools`: the last completed write (`key` is its view as JSON,
@@ -141,6 +154,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     instances: [...instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases.size })),
     waiting: waiting.length,
     lastError,
+    ...(startBackoff ? { startFailures, nextStartAt } : {}),
   });
   setHandler(poolStatusQuery, status);
   // The `Dllama` resource sizing this pool: a generation already applied is ignored; the sizes
@@ -155,6 +169,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     } else if (r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0) {
       input.resource = r;
       Object.assign(input, { minInstances: r.minInstances, maxInstances: r.maxInstances, leasesPerInstance: r.leasesPerInstance, idleTimeoutMs: r.idleTimeoutMs });
+      // A new spec is a new reason to try at once.
+      startFailures = 0;
+      nextStartAt = 0;
     }
     dirty = true;
   });
@@ -256,10 +273,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         inst.runtimeQueue = info.runtimeQueue;
         inst.idleSince = Date.now();
         lastError = null;
+        startFailures = 0;
+        nextStartAt = 0;
       })
       .catch((err: unknown) => {
         instances.delete(id);
         lastError = err instanceof ActivityFailure && err.cause ? err.cause.message : String(err);
+        if (startBackoff) {
+          startFailures++;
+          const delay = Math.min(START_BACKOFF_MAX_MS, START_BACKOFF_BASE_MS * 2 ** (startFailures - 1));
+          nextStartAt = Date.now() + delay;
+          lastError = `${lastError} (${startFailures} failed start${startFailures > 1 ? 's' : ''} in a row; next attempt in ${Math.round(delay / 1000)}s)`;
+        }
         // Nobody can be served by an instance that cannot start: tell the waiting sessions now
         // rather than leaving them to time out (the gateway answers 503).
         if ([...instances.values()].every((i) => i.phase !== 'starting' && i.phase !== 'ready')) {
@@ -291,7 +316,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     // 2. Scale up: enough instances for the leases and the waiting sessions, within min..max.
     const leases = live().reduce((n, i) => n + i.leases.size, 0);
     const wanted = Math.min(input.maxInstances, Math.max(input.minInstances, Math.ceil((leases + waiting.length) / input.leasesPerInstance)));
-    for (let n = live().length; n < wanted; n++) start();
+    const backingOff = startBackoff && Date.now() < nextStartAt;
+    if (!backingOff) for (let n = live().length; n < wanted; n++) start();
+    else if (waiting.length > 0 && nextStartAt - Date.now() > START_WAIT_MAX_MS && live().every((i) => i.phase !== 'starting' && i.phase !== 'ready')) {
+      // Nothing serves and the next start is far off: say so now rather than let them wait.
+      for (const w of waiting.splice(0)) void grant(w.sessionWorkflowId, { error: lastError ?? 'no instance can be started' });
+    }
     // 3. Scale down: idle instances beyond the minimum, once their idle timeout has passed, are
     //    unpublished (draining) and stopped after the grace, once no published view lists them.
     let surplus = live().length - Math.max(input.minInstances, wanted);
@@ -347,6 +377,8 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const idle = [...instances.values()].filter((i) => i.phase === 'ready' && i.leases.size === 0);
     if (idle.length > input.minInstances) deadlines.push(...idle.map((i) => i.idleSince + input.idleTimeoutMs - Date.now()));
     for (const i of instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + drainGraceMs - Date.now());
+    // A start held back by the backoff is due then (when one is wanted).
+    if (startBackoff && nextStartAt > Date.now() && (waiting.length > 0 || [...instances.values()].filter((i) => i.phase !== 'stopping').length < input.minInstances)) deadlines.push(nextStartAt - Date.now());
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
