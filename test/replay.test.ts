@@ -52,6 +52,13 @@ test('the recorded session history (update-with-start, a lease) replays', async 
  * whose resource was deleted (cancel with forget), and a pool sized by a Dllama that was scaled
  * up, down and deleted (`pool-resource-status`).
  */
+test('the recorded Model pipeline tells its pool when it publishes (`model-published-notifies-pool`)', () => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', 'model-pipeline-resource.json'), 'utf8')) as { events: { signalExternalWorkflowExecutionInitiatedEventAttributes?: { signalName?: string; workflowExecution?: { workflowId?: string } } }[] };
+  const notes = history.events.map((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes).filter((a) => a?.signalName === 'modelPublished');
+  expect(notes.length).toBeGreaterThanOrEqual(1);
+  expect(notes[0]?.workflowExecution?.workflowId).toMatch(/^pool\/test-controller-[0-9a-f]+\/tiny$/);
+});
+
 test.each([
   ['model-pipeline-resource', 'writeModelStatus'],
   ['model-pipeline-resource-deleted', 'writeModelStatus'],

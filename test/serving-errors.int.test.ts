@@ -26,10 +26,11 @@ import { temporalSessions } from '../gateway/temporal';
 import { readyModel } from '../gateway/test-support';
 import { startBridge, type Bridge } from '../workers/bridge';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { eventually } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -218,6 +219,12 @@ test('a model whose instances can never start is tried a bounded number of times
   const history = await handle.fetchHistory();
   const starts = (history.events ?? []).filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length;
   const status = await handle.query(poolStatusQuery);
+  // The model's pipeline tells the pool when it publishes the model: the next start is at once.
+  await handle.signal(modelPublishedSignal);
+  await eventually(async () => {
+    const again = await handle.fetchHistory();
+    expect((again.events ?? []).filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length).toBe(starts + 1);
+  }, 5_000);
   await recordHistory('pool-start-backoff', handle);
   await handle.terminate('test over');
   // 0, 5, 15, 35 s (+ the time each attempt takes): 4 in a minute; before, one every ~6 s.

@@ -13,6 +13,7 @@ import {
   CancellationScope,
   condition,
   continueAsNew,
+  getExternalWorkflowHandle,
   isCancellation,
   patched,
   proxyActivities,
@@ -31,6 +32,7 @@ import type { Condition } from '../../shared/kube';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
 import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
+import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
 import { activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
 import { PipelineState } from './state';
 
@@ -74,6 +76,8 @@ const TRANSFER_CONCURRENCY = 4;
  */
 const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } });
 const STATUS_MIN_INTERVAL_MS = 1000;
+/** Executions started before pools backed off failed starts do not tell their pool. */
+const NOTIFY_POOL_PATCH = 'model-published-notifies-pool';
 /** Executions started before the `Model` resource existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'model-resource-status';
 
@@ -169,6 +173,8 @@ async function runPlan(state: PipelineState): Promise<void> {
     readyAt: new Date().toISOString(), // workflow-safe: the SDK makes Date deterministic
   };
   await publishModel(ready);
+  // Its pool, if one runs, may be backing off failed starts that wanted this model: try now.
+  if (patched(NOTIFY_POOL_PATCH)) await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name)).signal(modelPublishedSignal).catch(() => undefined);
   state.ready = ready;
   state.enter('ready');
 }

@@ -80,6 +80,8 @@ export const leaseReleasedSignal = defineSignal<[{ sessionId: string }]>('leaseR
 /** Sent with signal-with-start by whoever needs the pool to exist; carries no data. */
 export const ensurePoolSignal = defineSignal('ensurePool');
 export const poolResourceSignal = defineSignal<[PoolResource]>('resourceChanged');
+/** From the model's pipeline: a new version of the model is published; failed starts may succeed now. */
+export const modelPublishedSignal = defineSignal('modelPublished');
 export const poolStatusQuery = defineQuery<PoolStatus>('status');
 
 /** Pool → session. `error` when no instance can be started. */

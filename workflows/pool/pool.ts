@@ -35,7 +35,7 @@ import type { KubernetesActivities } from '../../activities/kubernetes/activitie
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
 import type { Condition } from '../../shared/kube';
 import { sessionWorkflowId } from '../session/definitions';
-import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolResource, type PoolStatus } from './definitions';
+import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolResource, type PoolStatus } from './definitions';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
 const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
@@ -148,6 +148,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     dirty = true;
   });
   setHandler(ensurePoolSignal, () => {
+    dirty = true;
+  });
+  // The model was (re)published: a start that failed for want of it may work now.
+  setHandler(modelPublishedSignal, () => {
+    startFailures = 0;
+    nextStartAt = 0;
     dirty = true;
   });
   const status = (): PoolStatus => ({
