@@ -21,3 +21,9 @@ export type ErrorType = (typeof ErrorType)[keyof typeof ErrorType];
 
 /** Types that no retry can fix. */
 export const PERMANENT_ERROR_TYPES: readonly string[] = Object.values(ErrorType);
+
+/**
+ * A status write whose resource no longer exists, or is another object under the same name
+ * (its uid differs): never retried; the workflow writes again when a resource comes back.
+ */
+export const RESOURCE_GONE = 'ResourceGone';

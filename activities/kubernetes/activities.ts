@@ -8,14 +8,13 @@ import { randomBytes } from 'node:crypto';
 import { ApplicationFailure } from '@temporalio/activity';
 import { CoreV1Api, CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { RESOURCE_GONE } from '../../shared/errors';
 import { FieldManager, Kind, Plural, POOL_LABEL, type Condition } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
 import type { PipelineProgress } from '../../workflows/model/definitions';
 import type { PoolStatus } from '../../workflows/pool/definitions';
 import { dllamaStatus, modelStatus } from './status';
 
-/** Failure type of a write whose resource no longer exists (or is another one under the same name). */
-export const RESOURCE_GONE = 'ResourceGone';
 
 export interface KubernetesDeps {
   kc: KubeConfig;

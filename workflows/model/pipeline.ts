@@ -19,7 +19,6 @@ import {
   proxyActivities,
   proxyLocalActivities,
   setHandler,
-  sleep,
   upsertSearchAttributes,
   workflowInfo,
   allHandlersFinished,
@@ -28,11 +27,11 @@ import {
 } from '@temporalio/workflow';
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { PipelineActivities } from '../../activities/pipeline';
-import type { Condition } from '../../shared/kube';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
 import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
 import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
+import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
 import { PipelineState } from './state';
 
@@ -74,8 +73,7 @@ const TRANSFER_CONCURRENCY = 4;
  * of three events), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when what it shows
  * changed. A write that keeps failing is retried with capped backoff; the pipeline never waits for it.
  */
-const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } });
-const STATUS_MIN_INTERVAL_MS = 1000;
+const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
 /** Executions started before pools backed off failed starts do not tell their pool. */
 const NOTIFY_POOL_PATCH = 'model-published-notifies-pool';
 /** Executions started before the `Model` resource existed replay without the status mirror. */
@@ -90,7 +88,7 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   setHandler(activityProgressSignal, (p) => state.onActivityProgress(p));
   setHandler(resourceChangedSignal, (change) => state.applyResource(change));
   upsertSearchAttributes({ MagusKind: ['model'], MagusModel: [`${input.namespace}/${input.name}`] });
-  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(state);
+  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(modelStatusView(state));
 
   for (;;) {
     const generation = state.generation;
@@ -179,33 +177,22 @@ async function runPlan(state: PipelineState): Promise<void> {
   state.enter('ready');
 }
 
-/**
- * Mirrors the pipeline's state into its `Model` resource's status while it has one: the phase and
- * conditions at once, progress at most once per {@link STATUS_MIN_INTERVAL_MS}. Runs beside the
- * plan for the workflow's whole life; the ETA alone never triggers a write.
- */
-async function mirrorStatus(state: PipelineState): Promise<void> {
+/** The `Model`'s view of the pipeline for the status mirror (the ETA alone never triggers a write). */
+function modelStatusView(state: PipelineState): StatusView {
   const { workflowId } = workflowInfo();
-  const shown = () => {
-    const { etaSeconds: _eta, ...rest } = state.progress();
-    return JSON.stringify({ rest, ready: state.ready?.readyAt ?? null, resource: state.resource });
-  };
-  let written = '';
-  let previous: { phase: string | null; conditions: Condition[] } = { phase: null, conditions: [] };
-  for (;;) {
-    await condition(() => state.resource !== null && shown() !== written);
-    const resource = state.resource!;
-    written = shown();
-    const progress = state.progress();
-    try {
+  return {
+    attached: () => state.resource !== null,
+    shown: () => {
+      const { etaSeconds: _eta, ...rest } = state.progress();
+      return JSON.stringify({ rest, ready: state.ready?.readyAt ?? null, resource: state.resource });
+    },
+    async write(previous) {
+      const resource = state.resource!;
+      const progress = state.progress();
       const result = await writeModelStatus({ namespace: state.namespace, name: state.name, uid: resource.uid, workflowId, progress, ready: state.ready, previous });
-      previous = { phase: progress.phase, conditions: result.conditions };
-    } catch {
-      // The resource is gone (deleted, or replaced under the same name: a new uid comes with
-      // its own signal); nothing to write to until then.
-    }
-    await sleep(STATUS_MIN_INTERVAL_MS);
-  }
+      return { phase: progress.phase, conditions: result.conditions };
+    },
+  };
 }
 
 /** The typed permanent failure behind `err`, if it is one. */

@@ -24,16 +24,14 @@ import {
   proxyActivities,
   proxyLocalActivities,
   setHandler,
-  sleep,
   TimeoutFailure,
   upsertSearchAttributes,
   workflowInfo,
   type ActivityOptions,
-  type LocalActivityOptions,
 } from '@temporalio/workflow';
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
-import type { Condition } from '../../shared/kube';
+import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { sessionWorkflowId } from '../session/definitions';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolResource, type PoolStatus } from './definitions';
 
@@ -64,8 +62,6 @@ const START_BACKOFF_MAX_MS = 5 * 60_000;
 const START_WAIT_MAX_MS = 30_000;
 /** Executions started before `Dllama` resources existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'pool-resource-status';
-const STATUS_MIN_INTERVAL_MS = 1000;
-const statusWrite: LocalActivityOptions = { startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: ['ResourceGone'] } };
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -388,30 +384,17 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
-  /**
-   * Mirrors the pool into its `Dllama` resource's status while it has one: instances, readiness
-   * and the last error, at most once per {@link STATUS_MIN_INTERVAL_MS}, only when they changed.
-   */
-  async function mirrorStatus(): Promise<void> {
-    // A local activity: the control worker running the pool writes it (no task-queue round trip).
-    const { writeDllamaStatus } = proxyLocalActivities<KubernetesActivities>(statusWrite);
-    const shown = () => JSON.stringify({ s: status(), r: input.resource ?? null });
-    let written = '';
-    let previous: { phase: string | null; conditions: Condition[] } = { phase: null, conditions: [] };
-    for (;;) {
-      await condition(() => input.resource !== undefined && shown() !== written);
+  // The `Dllama`'s status mirrors the pool: instances, readiness and the last error.
+  const { writeDllamaStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
+  const statusView: StatusView = {
+    attached: () => input.resource !== undefined,
+    shown: () => JSON.stringify({ s: status(), r: input.resource ?? null }),
+    write: (previous) => {
       const r = input.resource!;
-      written = shown();
-      try {
-        const result = await writeDllamaStatus({ namespace: input.namespace, name: r.name, uid: r.uid, workflowId: workflowInfo().workflowId, observedGeneration: r.generation, nodesPerInstance: r.nodesPerInstance, pool: status(), previous });
-        previous = result;
-      } catch {
-        // The resource is gone; a new one comes with its own signal.
-      }
-      await sleep(STATUS_MIN_INTERVAL_MS);
-    }
-  }
-  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus();
+      return writeDllamaStatus({ namespace: input.namespace, name: r.name, uid: r.uid, workflowId: workflowInfo().workflowId, observedGeneration: r.generation, nodesPerInstance: r.nodesPerInstance, pool: status(), previous });
+    },
+  };
+  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(statusView);
 
   // Instances carried over continue-as-new may have died with their worker: check them.
   for (const i of [...instances.values()]) {
