@@ -1,8 +1,9 @@
 /**
- * What the benchmarks share: nearest-rank statistics over load results, and their child
- * processes (forked under the same TypeScript loader, asked over IPC).
+ * What the benchmarks share: nearest-rank statistics over load results, their child processes
+ * (forked under the same TypeScript loader, asked over IPC), and a process's CPU time.
  */
 import { fork, type ChildProcess } from 'node:child_process';
+import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { LoadResult, LoadSpec } from './gateway-client';
 
@@ -40,3 +41,10 @@ export function ask<T>(proc: ChildProcess, msg: object): Promise<T> {
 
 /** Runs one load spec in the load client (bench/gateway-client.ts). */
 export const load = async (client: ChildProcess, spec: LoadSpec) => (await ask<{ result: LoadResult }>(client, { spec })).result;
+
+/** CPU seconds (user + system) a process has used so far, from /proc. */
+export function cpuOf(pid: number): number {
+  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+  return (Number(f[11]) + Number(f[12])) / 100;
+}

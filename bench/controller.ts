@@ -30,15 +30,10 @@ import { writeTinyModel } from '../test/fixtures/tiny-model';
 import type { MagusConfig } from '../workers/config';
 import { freePort, startServices, writeKubeconfig } from '../workers/dev/services';
 import { startWorkers } from '../workers/worker';
-import { fmt, p50, p99 } from './common';
+import { cpuOf, fmt, p50, p99 } from './common';
 
 const REPO = 'bench/tiny-llama';
 
-function cpuOf(pid: number): number {
-  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
-  return (Number(f[11]) + Number(f[12])) / 100;
-}
 const peakRssMb = (pid: number) => Number(/VmHWM:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
 
 /** `apiserver_request_total` summed by `verb resource[/subresource]`, for our group and Events. */

@@ -11,13 +11,14 @@ import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
-import { createWriteStream, existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { createWriteStream, existsSync, mkdirSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
 import { resolveUrl, startFixtureHub } from '../test/fixtures/hf-hub';
 import { writeTinyModel, type TinyModelOptions } from '../test/fixtures/tiny-model';
+import { cpuOf } from './common';
 import { startServices } from '../workers/dev/services';
 import { startWorkers } from '../workers/worker';
 import { modelWorkflowId, progressQuery } from '../workflows/model/definitions';
@@ -27,12 +28,6 @@ const MODEL: TinyModelOptions = { seed: 7, dtype: 'F16', shards: 4, hiddenSize: 
 const REPO = 'bench/llama-1g';
 const EventType = temporal.api.enums.v1.EventType;
 
-/** CPU seconds (user + system) of a process, from /proc. */
-function cpuOf(pid: number): number {
-  const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
-  return (Number(f[11]) + Number(f[12])) / 100;
-}
 const selfCpu = () => {
   const u = process.cpuUsage();
   return (u.user + u.system) / 1e6;

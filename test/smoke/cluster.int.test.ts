@@ -7,17 +7,8 @@
 import { readFileSync } from 'node:fs';
 import { AppsV1Api, BatchV1Api, CoreV1Api, DiscoveryV1Api, type V1Pod } from '@kubernetes/client-node';
 import { startTestCluster, type TestCluster } from '../harness/cluster';
-import { eventually, until } from '../harness/wait';
+import { eventually, processRunning, until } from '../harness/wait';
 
-/** Alive and not a zombie. */
-function running(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
-  } catch {
-    return false;
-  }
-}
 
 function rssMiB(pid: number): number {
   const kb = /VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1];
@@ -189,12 +180,12 @@ test('a Pod that asks for more memory than any Node has stays Pending: Unschedul
 test('stop() leaves no process of the cluster running', async () => {
   const pids = cluster.pids;
   expect(pids).toHaveLength(5); // etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
-  for (const pid of pids) expect(running(pid)).toBe(true);
+  for (const pid of pids) expect(processRunning(pid)).toBe(true);
   const report = cluster.processes.map((p) => `${p.name} (pid ${p.pid}): ${rssMiB(p.pid)} MiB RSS`).join(', ');
   const starts = Object.entries(cluster.startMs).map(([name, ms]) => `${name} ${(ms / 1000).toFixed(1)} s`).join(', ');
   process.stderr.write(`cluster: ready in ${starts}; after the workloads: ${report}\n`);
 
   await cluster.stop();
-  await until('every process of the cluster to exit', () => !pids.some(running), 15_000);
-  expect(pids.filter(running)).toEqual([]);
+  await until('every process of the cluster to exit', () => !pids.some(processRunning), 15_000);
+  expect(pids.filter(processRunning)).toEqual([]);
 }, 60_000);

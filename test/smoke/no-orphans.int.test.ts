@@ -3,19 +3,11 @@
  * server behind: each one runs under `setpriv --pdeathsig KILL`.
  */
 import { spawn } from 'node:child_process';
-import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
+import { processRunning } from '../harness/wait';
 
-/** Alive and not a zombie (a zombie has already exited; it only waits to be reaped). */
-function running(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
-  } catch {
-    return false;
-  }
-}
 
 test('SIGKILL of the process that started the servers stops every server', async () => {
   const bin = join(__dirname, '..', '..', 'bin', 'magus.js');
@@ -26,12 +18,12 @@ test('SIGKILL of the process that started the servers stops every server', async
     child.once('exit', (code) => reject(new Error(`magus dev exited early with ${code}`)));
   });
   expect(ready.pids).toHaveLength(2);
-  for (const pid of ready.pids) expect(running(pid)).toBe(true);
+  for (const pid of ready.pids) expect(processRunning(pid)).toBe(true);
 
   child.kill('SIGKILL');
   const deadline = Date.now() + 15_000;
-  while (ready.pids.some(running) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
-  expect(ready.pids.filter(running)).toEqual([]);
+  while (ready.pids.some(processRunning) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+  expect(ready.pids.filter(processRunning)).toEqual([]);
   // The orphaned data folder is swept by the next start (its owner pid is dead).
   expect(existsSync(ready.dataDir)).toBe(true);
   rmSync(ready.dataDir, { recursive: true, force: true });

@@ -343,8 +343,7 @@ export function startController(opts: ControllerOptions): Controller {
     } else await finalizer;
   }
 
-  async function reconcileDllama(o: ModelResource | DllamaResource): Promise<Requeue | void> {
-    const d = o as DllamaResource;
+  async function reconcileDllama(d: DllamaResource): Promise<Requeue | void> {
     const { namespace, uid, generation } = d.metadata;
     const workflowId = poolWorkflowId(namespace, d.spec.model);
     const resource = poolResourceOf(d);

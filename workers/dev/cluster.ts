@@ -284,44 +284,33 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
 
   const api = (method: string, path: string, body?: unknown) => kubeApi(opts.server, opts.token, method, path, body);
   const certDir = (name: string) => join(opts.dataDir, `${name}-certs`);
+  /** What kube-controller-manager and kube-scheduler both take: the cluster, their secure port, no leader election. */
+  const controlPlaneFlags = (name: ClusterComponent, port: number): string[] => [
+    `--kubeconfig=${kubeconfigPath}`,
+    // Bearer tokens on its port are checked with the API server (/metrics with the admin
+    // token); /healthz, /readyz and /livez stay open (--authorization-always-allow-paths).
+    `--authentication-kubeconfig=${kubeconfigPath}`,
+    `--authorization-kubeconfig=${kubeconfigPath}`,
+    '--leader-elect=false',
+    '--bind-address=127.0.0.1',
+    `--secure-port=${port}`,
+    `--cert-dir=${certDir(name)}`,
+    '-v=1',
+  ];
   const nodeNames = Array.from({ length: nodeCount }, (_, i) => `kwok-node-${i}`);
 
   try {
     const started = await Promise.allSettled([
       start(
         'kube-controller-manager',
-        (port) => [
-          `--kubeconfig=${kubeconfigPath}`,
-          // Bearer tokens on its port are checked with the API server (/metrics with the admin
-          // token); /healthz, /readyz and /livez stay open (--authorization-always-allow-paths).
-          `--authentication-kubeconfig=${kubeconfigPath}`,
-          `--authorization-kubeconfig=${kubeconfigPath}`,
-          '--controllers=*,-serviceaccount-token',
-          '--use-service-account-credentials=false',
-          '--leader-elect=false',
-          '--bind-address=127.0.0.1',
-          `--secure-port=${port}`,
-          `--cert-dir=${certDir('kube-controller-manager')}`,
-          '-v=1',
-        ],
+        (port) => [...controlPlaneFlags('kube-controller-manager', port), '--controllers=*,-serviceaccount-token', '--use-service-account-credentials=false'],
         '/healthz answering ok and the ServiceAccount default/default existing',
         (port) => async () =>
           (await httpsStatus(`https://127.0.0.1:${port}/healthz`)) === 200 && (await api('GET', '/api/v1/namespaces/default/serviceaccounts/default')).status === 200,
       ),
       start(
         'kube-scheduler',
-        (port) => [
-          `--kubeconfig=${kubeconfigPath}`,
-          // Bearer tokens on its port are checked with the API server (/metrics with the admin
-          // token); /healthz, /readyz and /livez stay open (--authorization-always-allow-paths).
-          `--authentication-kubeconfig=${kubeconfigPath}`,
-          `--authorization-kubeconfig=${kubeconfigPath}`,
-          '--leader-elect=false',
-          '--bind-address=127.0.0.1',
-          `--secure-port=${port}`,
-          `--cert-dir=${certDir('kube-scheduler')}`,
-          '-v=1',
-        ],
+        (port) => controlPlaneFlags('kube-scheduler', port),
         '/healthz answering ok',
         (port) => async () => (await httpsStatus(`https://127.0.0.1:${port}/healthz`)) === 200,
       ),
