@@ -77,8 +77,8 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV; 
       await deps.sessions.delete(input.key);
     },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
-    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number }): Promise<void> {
-      const entry: PoolEntry = { instances: input.instances, leasesPerInstance: input.leasesPerInstance, updatedAt: Date.now() };
+    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean }): Promise<void> {
+      const entry: PoolEntry = { instances: input.instances, leasesPerInstance: input.leasesPerInstance, updatedAt: Date.now(), ...(input.growable === undefined ? {} : { growable: input.growable }) };
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },
   };

@@ -8,11 +8,12 @@
  * the pool has leased one (the caller's signal aborts the wait, e.g. when the client goes away).
  */
 import { WithStartWorkflowOperation, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
+import { randomUUID } from 'node:crypto';
 import { ApplicationFailure } from '@temporalio/common';
 import type { SessionEntry } from '../shared/serving';
 import { ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
-import { acquireUpdate, sessionWorkflowId, touchSignal } from '../workflows/session/definitions';
+import { acquireUpdate, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
 
@@ -40,24 +41,38 @@ class BrokerError extends Error {
 
 export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt'> } {
   const { client, taskQueue } = opts;
+  // Every call runs under the request's signal (the client left, or the gateway gave up
+  // waiting): the RPC, the update's long poll included, is cancelled at once.
   const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
     const { namespace, name } = req.model;
-    await client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
-      workflowId: poolWorkflowId(namespace, name),
-      taskQueue,
-      args: [{ namespace, model: name, ...opts.pool }],
-      signal: ensurePoolSignal,
-      signalArgs: [],
-    });
+    await client.withAbortSignal(req.signal, () =>
+      client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
+        workflowId: poolWorkflowId(namespace, name),
+        taskQueue,
+        args: [{ namespace, model: name, ...opts.pool }],
+        signal: ensurePoolSignal,
+        signalArgs: [],
+      }),
+    );
+    const workflowId = sessionWorkflowId(req.conversationKey);
     const start = new WithStartWorkflowOperation<typeof session>('session', {
-      workflowId: sessionWorkflowId(req.conversationKey),
+      workflowId,
       taskQueue,
       args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs }],
       workflowIdConflictPolicy: 'USE_EXISTING',
     });
+    const updateId = randomUUID();
     try {
-      return await client.workflow.executeUpdateWithStart(acquireUpdate, { args: [{ model: name }], startWorkflowOperation: start });
+      return await client.withAbortSignal(req.signal, () => client.workflow.executeUpdateWithStart(acquireUpdate, { args: [{ model: name }], updateId, startWorkflowOperation: start }));
     } catch (err) {
+      if (req.signal.aborted) {
+        // Nobody waits for this acquire any more: the session stops waiting for it and, when it
+        // was the last, withdraws its request from the pool (no phantom demand).
+        void client.workflow
+          .getHandle(workflowId)
+          .signal(withdrawSignal, { updateId })
+          .catch(() => undefined);
+      }
       const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
       if (cause instanceof ApplicationFailure && cause.type === 'NoCapacity') throw new BrokerError('NoCapacity', cause.message);
       throw err;

@@ -73,6 +73,12 @@ export interface PoolEntry {
   leasesPerInstance: number;
   /** Epoch ms of the write; a pool with instances rewrites it at least every minute. */
   updatedAt: number;
+  /**
+   * False when the pool runs its maximum of instances: a new lease can only share one of these,
+   * so a gateway gives a first turn the least-loaded one even when all are full, as the pool
+   * would. Absent (pools before this field): treated as growable.
+   */
+  growable?: boolean;
 }
 
 /** A `magus_pools` entry older than this belongs to a pool that is gone: gateways do not pick from it. */

@@ -87,3 +87,22 @@ test('the recorded pool history (failed starts backing off: `pool-start-backoff`
   expect(pool.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length).toBeGreaterThanOrEqual(3);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/replay-backoff')).resolves.toBeUndefined();
 }, 60_000);
+
+/** The patch ids a history recorded (`core_patch` markers). */
+function patchesOf(history: { events: { markerRecordedEventAttributes?: { markerName?: string; details?: Record<string, { payloads?: { data?: string }[] }> } }[] }): string[] {
+  return history.events
+    .filter((e) => e.markerRecordedEventAttributes?.markerName === 'core_patch')
+    .map((e) => (JSON.parse(Buffer.from(e.markerRecordedEventAttributes?.details?.['patch-data']?.payloads?.[0]?.data ?? '', 'base64').toString('utf8')) as { id: string }).id);
+}
+
+test.each([
+  // A session whose cold start was abandoned (`withdraw`), then served on a retry (`session-withdraw`).
+  ['session-withdrawn', 'session-withdraw', 'withdraw'],
+  // A pool whose waiting sessions withdrew (`pool-release-withdraws`), publishing whether it can grow (`pool-publish-growable`).
+  ['pool-withdrawn-requests', 'pool-release-withdraws', 'leaseReleased'],
+])('the recorded %s history replays (patch %s)', async (name, patch, signal) => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as Parameters<typeof patchesOf>[0] & { events: { workflowExecutionSignaledEventAttributes?: { signalName?: string } }[] };
+  expect(patchesOf(history)).toContain(patch);
+  expect(history.events.some((e) => e.workflowExecutionSignaledEventAttributes?.signalName === signal)).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);

@@ -127,8 +127,11 @@ it('renews a warm session at most once per interval, without waiting for it', as
 
 describe('first turns from the pool’s published instances', () => {
   const poolKey = `${model.namespace}.${model.name}`;
-  const publishPool = (instances: [string, number][], leasesPerInstance: number) =>
-    pools.put(poolKey, enc({ instances: instances.map(([instance, leases]) => ({ instance, subject: `magus.req.tiny.${instance}`, leases })), leasesPerInstance, updatedAt: Date.now() } satisfies PoolEntry));
+  const publishPool = (instances: [string, number][], leasesPerInstance: number, growable?: boolean) =>
+    pools.put(
+      poolKey,
+      enc({ instances: instances.map(([instance, leases]) => ({ instance, subject: `magus.req.tiny.${instance}`, leases })), leasesPerInstance, updatedAt: Date.now(), ...(growable === undefined ? {} : { growable }) } satisfies PoolEntry),
+    );
   const adopted: { key: string; entry: SessionEntry }[] = [];
   const firstTurns = (): FirstTurns => ({
     pools,
@@ -174,6 +177,27 @@ describe('first turns from the pool’s published instances', () => {
     await publishPool([['i1', 2], ['i2', 0]], 2);
     await until(() => cache!.pools!.get(poolKey)?.instances.length === 2);
     expect((await cache.acquire(req('k-count-4'))).instance).toBe('i2');
+  });
+
+  it('a pool at its maximum: every instance full still serves first turns, least-loaded first (no cold start)', async () => {
+    await publishPool([['i1', 3], ['i2', 2]], 2, false);
+    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
+    await cache.ready;
+    const got: string[] = [];
+    for (let k = 0; k < 4; k++) got.push((await cache.acquire(req(`k-atmax-${k}`))).instance);
+    // i2 (2) → i1 and i2 at 3 → i1 (the first of equals) → i2.
+    expect(got).toEqual(['i2', 'i1', 'i2', 'i1']);
+    expect(cache.stats()).toEqual({ warmHits: 0, coldStarts: 0, firstTurns: 4 });
+    expect(adopted.map((a) => a.key)).toEqual(['k-atmax-0', 'k-atmax-1', 'k-atmax-2', 'k-atmax-3']);
+    // The pool can grow again (an instance stopped): full instances send first turns to it.
+    const cold: string[] = [];
+    await cache.close();
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    await publishPool([['i1', 2], ['i2', 2]], 2, true);
+    await cache.ready;
+    await until(() => cache!.pools!.get(poolKey)?.growable === true);
+    expect((await cache.acquire(req('k-atmax-growable'))).instance).toBe('from-temporal');
+    expect(cold).toEqual(['k-atmax-growable']);
   });
 
   it('two gateways racing on one conversation agree on one instance (KV create decides)', async () => {

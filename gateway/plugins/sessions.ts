@@ -110,7 +110,7 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
     (i): i is PoolEntry['instances'][number] =>
       typeof i === 'object' && i !== null && typeof i.instance === 'string' && i.instance !== '' && typeof i.subject === 'string' && i.subject !== '' && Number.isInteger(i.leases) && i.leases >= 0,
   );
-  return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0 };
+  return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0, ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}) };
 }
 
 interface PendingStart {
@@ -138,16 +138,21 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   /** Leases this gateway handed out since the pool last published (per entry object, so a new publication resets them). */
   const localLeases = new WeakMap<PoolEntry, Map<string, number>>();
 
-  /** The pool's instance with the most room, counting this gateway's own recent picks; none when all are full. */
+  /**
+   * The pool's instance with the most room, counting this gateway's own recent picks. When all
+   * are full: none (the pool may start another: the cold path asks it), unless the pool cannot
+   * grow — then the least-loaded one, which is what the pool itself would grant.
+   */
   const pick = (model: ReadyModel): { entry: PoolEntry; instance: PoolEntry['instances'][number] } | undefined => {
     const entry = pools?.get(`${model.namespace}.${model.name}`);
     if (!entry || now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) return undefined; // none, or its pool is gone
     const local = localLeases.get(entry);
+    const limit = entry.growable === false ? Infinity : entry.leasesPerInstance;
     let best: PoolEntry['instances'][number] | undefined;
     let bestLoad = Infinity;
     for (const i of entry.instances) {
       const load = i.leases + (local?.get(i.instance) ?? 0);
-      if (load < entry.leasesPerInstance && load < bestLoad) {
+      if (load < limit && load < bestLoad) {
         best = i;
         bestLoad = load;
       }

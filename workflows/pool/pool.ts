@@ -62,6 +62,14 @@ const START_BACKOFF_MAX_MS = 5 * 60_000;
 const START_WAIT_MAX_MS = 30_000;
 /** Executions started before `Dllama` resources existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'pool-resource-status';
+/**
+ * The published view says whether the pool can still grow: when it cannot (at max), gateways
+ * spread first turns over the published instances themselves, as the pool would, instead of
+ * sending each through Temporal. Executions started before this replay without it.
+ */
+const PUBLISH_GROWABLE_PATCH = 'pool-publish-growable';
+/** A release from a session still waiting takes it off the waiting list (a withdrawn request). */
+const RELEASE_WITHDRAWS_PATCH = 'pool-release-withdraws';
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -107,6 +115,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let startFailures = 0;
   let nextStartAt = 0;
   let dirty = true;
+  const publishGrowable = patched(PUBLISH_GROWABLE_PATCH);
   const starting = new Set<Promise<void>>();
   // What gateways see in `magus_pools`: the last completed write (`key` is its view as JSON,
   // never ''), and the instance ids of the write in flight, if any.
@@ -140,6 +149,11 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   setHandler(leaseReleasedSignal, ({ sessionId }) => {
     for (const i of instances.values()) {
       if (i.leases.delete(sessionId) && i.leases.size === 0) i.idleSince = Date.now();
+    }
+    // A session whose caller went away withdraws its request: it is no demand any more.
+    if (patched(RELEASE_WITHDRAWS_PATCH)) {
+      const k = waiting.findIndex((w) => w.sessionId === sessionId);
+      if (k >= 0) waiting.splice(k, 1);
     }
     dirty = true;
   });
@@ -353,11 +367,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     }
     // 4. Publish what gateways may pick from, when it changed (one write at a time).
     const view = [...instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases.size }));
-    const key = JSON.stringify(view);
+    const growable = publishGrowable ? { growable: live().length < input.maxInstances } : {};
+    const key = JSON.stringify(publishGrowable ? { view, ...growable } : view);
     if ((key !== published.key || (view.length > 0 && Date.now() - published.at >= POOL_ENTRY_REFRESH_MS)) && !inFlight) {
       const ids = new Set(view.map((v) => v.instance));
       inFlight = ids;
-      const p = writePool({ namespace: input.namespace, model: input.model, instances: view, leasesPerInstance: input.leasesPerInstance })
+      const p = writePool({ namespace: input.namespace, model: input.model, instances: view, leasesPerInstance: input.leasesPerInstance, ...growable })
         .then(
           () => {
             published = { key, at: Date.now(), ids };

@@ -9,6 +9,8 @@ export interface SessionInput {
   model: string;
   /** The session ends this long after its last touch. */
   ttlMs: number;
+  /** How long an `acquire` waits for the pool's answer before it is refused (default 10 min). */
+  acquireTimeoutMs?: number;
   /**
    * The instance a gateway already sent the first turn to (from `magus_pools`; it wrote the
    * session entry too): the session asks the pool for a lease on it at once, and rewrites the
@@ -22,6 +24,12 @@ export interface SessionInput {
  * the pool has granted a lease (a cold start can take minutes). Validated: the model must match.
  */
 export const acquireUpdate = defineUpdate<SessionEntry, [{ model: string }]>('acquire');
+/**
+ * From the gateway: the caller of the `acquire` update with this update id has gone (its client
+ * left, or the gateway gave up waiting). When no acquire is left waiting and no lease was granted
+ * yet, the session withdraws its request from the pool, so an abandoned cold start is no demand.
+ */
+export const withdrawSignal = defineSignal<[{ updateId: string }]>('withdraw');
 /** Extends the TTL (the gateway debounces it: at most one per conversation every few seconds). */
 export const touchSignal = defineSignal('touch');
 

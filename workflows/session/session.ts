@@ -11,6 +11,7 @@ import {
   allHandlersFinished,
   condition,
   continueAsNew,
+  currentUpdateInfo,
   getExternalWorkflowHandle,
   patched,
   proxyActivities,
@@ -20,7 +21,7 @@ import {
 import type { ServingActivities } from '../../activities/serving';
 import type { SessionEntry } from '../../shared/serving';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, poolWorkflowId } from '../pool/definitions';
-import { acquireUpdate, touchSignal, type SessionInput } from './definitions';
+import { acquireUpdate, touchSignal, withdrawSignal, type SessionInput } from './definitions';
 
 /** The lease a session holds, carried over continue-as-new. */
 export interface SessionCarry {
@@ -31,6 +32,13 @@ export interface SessionCarry {
 
 /** A retried acquire forgets the failure of the request before it (issue: serving control loop, finding 1). */
 const RETRY_CLEARS_FAILURE_PATCH = 'session-retry-clears-failure';
+/**
+ * An acquire whose caller went away (`withdraw`) stops waiting; when none is left waiting the
+ * request is withdrawn from the pool (and a lease granted after that is handed back); and every
+ * acquire waits at most `acquireTimeoutMs`. Executions started before this replay without it.
+ */
+const WITHDRAW_PATCH = 'session-withdraw';
+const DEFAULT_ACQUIRE_TIMEOUT_MS = 10 * 60_000;
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
   const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
@@ -49,12 +57,34 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   // The namespace rides along in the activity's input only (no new command): replay-safe.
   const entry = (): SessionEntry => ({ subject: lease!.subject, pool: input.model, namespace: input.namespace, instance: lease!.instance, expiresAt });
 
+  /** Update ids of the acquires waiting for the pool's answer (with the withdraw patch). */
+  const waiters = new Set<string>();
+  /** A lease the pool granted after the request was withdrawn: handed back by the main loop. */
+  let unwanted: { instance: string; subject: string } | null = null;
+  let withdrawPending = false;
+  /** The request was withdrawn and nobody asked again since: a grant arriving now is nobody's. */
+  let withdrawnState = false;
+  const withdrawn = () => withdrawnState && !requested && lease === null;
   setHandler(leaseGrantedSignal, (g) => {
     if ('error' in g) failure = g.error;
+    else if (withdrawn()) unwanted = g;
     else {
       lease = g;
       failure = null;
     }
+  });
+  /** Withdrawals that arrived before their acquire (the two can cross): that acquire fails at once. */
+  const early = new Set<string>();
+  setHandler(withdrawSignal, ({ updateId }) => {
+    if (!waiters.delete(updateId)) {
+      early.add(updateId);
+      if (early.size > 64) early.delete(early.values().next().value!);
+      return;
+    }
+    if (waiters.size > 0 || lease !== null || !requested) return;
+    requested = false; // the next acquire asks again
+    withdrawnState = true;
+    withdrawPending = true;
   });
   setHandler(touchSignal, () => {
     expiresAt = Date.now() + input.ttlMs;
@@ -63,14 +93,42 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   setHandler(
     acquireUpdate,
     async (): Promise<SessionEntry> => {
-      if (!lease && !requested) {
+      const withdrawable = patched(WITHDRAW_PATCH);
+      const updateId = currentUpdateInfo()?.id ?? '';
+      if (withdrawable && early.delete(updateId)) throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', 'Withdrawn');
+      if (withdrawable) waiters.add(updateId);
+      // Asked again before the withdrawal reached the pool: nothing to give back after all.
+      withdrawPending = false;
+      if (unwanted) {
+        lease = unwanted;
+        unwanted = null;
         requested = true;
-        // A new request waits for a new answer: the failure of the last one says nothing of it
-        // (before this patch a retry after NoCapacity was refused at once with the old reason).
-        if (patched(RETRY_CLEARS_FAILURE_PATCH)) failure = null;
-        await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId });
+        failure = null;
       }
-      await condition(() => lease !== null || failure !== null);
+      try {
+        if (!lease && !requested) {
+          requested = true;
+          withdrawnState = false;
+          // A new request waits for a new answer: the failure of the last one says nothing of it
+          // (before this patch a retry after NoCapacity was refused at once with the old reason).
+          if (patched(RETRY_CLEARS_FAILURE_PATCH)) failure = null;
+          await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId });
+        }
+        if (!withdrawable) await condition(() => lease !== null || failure !== null);
+        else if (!(await condition(() => lease !== null || failure !== null || !waiters.has(updateId), input.acquireTimeoutMs ?? DEFAULT_ACQUIRE_TIMEOUT_MS))) {
+          // Nobody answered in time (e.g. a gateway that died without withdrawing): give up the request.
+          if (waiters.size === 1 && lease === null && requested) {
+            requested = false;
+            withdrawnState = true;
+            withdrawPending = true;
+          }
+          throw ApplicationFailure.nonRetryable(`no instance of ${input.model} was leased within ${Math.round((input.acquireTimeoutMs ?? DEFAULT_ACQUIRE_TIMEOUT_MS) / 1000)}s`, 'NoCapacity');
+        } else if (!waiters.has(updateId) && lease === null) {
+          throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', 'Withdrawn');
+        }
+      } finally {
+        waiters.delete(updateId);
+      }
       if (!lease) {
         requested = false; // the next acquire asks again
         throw ApplicationFailure.nonRetryable(`no instance of ${input.model} can be started: ${failure}`, 'NoCapacity');
@@ -113,11 +171,24 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     }
   }
 
+  /** Tells the pool that this session wants no lease now (the release also takes it off the waiting list). */
+  const giveBack = async (): Promise<void> => {
+    if (withdrawPending) {
+      withdrawPending = false;
+      await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
+    }
+    if (unwanted) {
+      unwanted = null;
+      await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
+    }
+  };
+
   // Expiry: a timer that every touch pushes back.
   for (;;) {
     const remaining = expiresAt - Date.now();
     if (remaining <= 0) break;
-    await condition(() => touched || moved(), remaining);
+    await condition(() => touched || moved() || withdrawPending || unwanted !== null, remaining);
+    await giveBack();
     if ((touched || moved()) && lease) {
       touched = false;
       // The gateway's cache sees the new expiry, or the instance the pool moved the lease to.

@@ -1,0 +1,135 @@
+/**
+ * A cold start whose caller leaves (the serving control-loop issue, finding 2): the gateway's
+ * Temporal call ends with the request's signal, the session withdraws its lease request, and the
+ * pool scales to what live sessions need — not to phantom demand. Every acquire also has a
+ * deadline. Real Temporal, nats-server and MinIO; real workers with the local runtime and a
+ * llama.cpp engine over the tiny GGUF.
+ */
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { WorkflowUpdateFailedError, type Client, type Connection } from '@temporalio/client';
+import { ApplicationFailure } from '@temporalio/common';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import type { AcquireRequest } from '../gateway/plugins/sessions';
+import { temporalSessions } from '../gateway/temporal';
+import type { ReadyModel } from '../shared/model';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import { acquireUpdate, sessionWorkflowId } from '../workflows/session/definitions';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { eventually } from './harness/wait';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const IDLE_MS = 2000;
+
+let dir: string;
+let s3: S3Client;
+let nc: NatsConnection;
+let client: Client;
+let connection: Connection;
+let workers: RunningWorkers;
+let model: ReadyModel;
+let taskQueue: string;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-withdraw-'));
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const cfg = workerConfig(iso, dir);
+  taskQueue = cfg.taskQueue;
+  workers = await startWorkers(cfg);
+  nc = await natsConnect();
+  const registry = await openModelRegistry(nc, names.modelsBucket);
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry });
+  model = (await registry.get('default', 'tiny'))!;
+  ({ client, connection } = await temporalClient());
+}, 120_000);
+
+afterAll(async () => {
+  await workers?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  if (dir) rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+test('clients that leave during a cold start: their calls end at once, their sessions withdraw, and the pool serves only who stayed', async () => {
+  const sessions = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
+  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, tokenId: 't', signal });
+
+  // One conversation stays; three leave while the pool is still starting instances for them.
+  const stay = sessions.coldStart(request(`stay-${iso.id}`, new AbortController().signal));
+  const leavers = [1, 2, 3].map((k) => {
+    const abort = new AbortController();
+    const key = `leave-${k}-${iso.id}`;
+    return { key, abort, call: sessions.coldStart(request(key, abort.signal)).then(() => 'answered', (err: unknown) => err) };
+  });
+  // Each leaver's acquire is in its session (waiting for the pool) before its client goes.
+  await eventually(async () => {
+    const s = await pool.query(poolStatusQuery);
+    expect(s.waiting + s.instances.reduce((n, i) => n + i.leases, 0)).toBe(4);
+  }, 30_000);
+  const before = await pool.query(poolStatusQuery);
+  expect(before.instances.some((i) => i.phase === 'starting')).toBe(true); // still cold
+  const abortedAt = Date.now();
+  for (const l of leavers) l.abort.abort(new Error('client went away'));
+  // No call is left polling: each ends with its signal, long before any instance could serve it.
+  for (const l of leavers) expect(await l.call).not.toBe('answered');
+  expect(Date.now() - abortedAt).toBeLessThan(5000);
+
+  // The one who stayed is served.
+  const entry = await stay;
+  expect(entry.pool).toBe('tiny');
+
+  // Nobody waits any more and only the live session holds a lease; idle instances go away, down
+  // to the one it needs (before the fix the three abandoned sessions kept waiting, were granted
+  // the instances started for them and held them for their whole TTL).
+  await eventually(async () => {
+    const s = await pool.query(poolStatusQuery);
+    expect(s.waiting).toBe(0);
+    expect(s.instances.filter((i) => i.phase !== 'stopping').map((i) => i.leases)).toEqual([1]);
+  }, 60_000);
+  // The leavers' sessions hold nothing and can come back: a retry is served.
+  const back = await sessions.coldStart(request(leavers[0]!.key, new AbortController().signal));
+  expect(back.pool).toBe('tiny');
+  await recordHistory('session-withdrawn', client.workflow.getHandle(sessionWorkflowId(leavers[0]!.key)));
+  await recordHistory('pool-withdrawn-requests', pool);
+}, 180_000);
+
+test('an acquire that the pool never answers is refused at its deadline, and withdrawn', async () => {
+  // A pool nobody runs (its task queue has no worker): the lease request is accepted and never answered.
+  const lonely = `lonely-${iso.id}`;
+  const deadPool = await client.workflow.start('dllamaPool', {
+    workflowId: poolWorkflowId('default', lonely),
+    taskQueue: `${taskQueue}-nobody`,
+    args: [{ namespace: 'default', model: lonely, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
+  });
+  const key = `deadline-${iso.id}`;
+  const session = await client.workflow.start('session', { workflowId: sessionWorkflowId(key), taskQueue, args: [{ key, namespace: 'default', model: lonely, ttlMs: 60_000, acquireTimeoutMs: 1500 }] });
+  const t0 = Date.now();
+  const err = await session.executeUpdate(acquireUpdate, { args: [{ model: lonely }] }).then(
+    () => undefined,
+    (e: unknown) => e,
+  );
+  expect(err).toBeInstanceOf(WorkflowUpdateFailedError);
+  const cause = (err as WorkflowUpdateFailedError).cause;
+  expect(cause).toBeInstanceOf(ApplicationFailure);
+  expect(cause).toMatchObject({ type: 'NoCapacity' });
+  expect(cause?.message).toMatch(/no instance of .* was leased within 2s/);
+  expect(Date.now() - t0).toBeLessThan(15_000);
+  // The request was taken back: the session told the pool (a release), which will drop it from its waiting list.
+  await eventually(async () => {
+    const history = await session.fetchHistory();
+    const released = history.events?.some((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'leaseReleased');
+    expect(released).toBe(true);
+  }, 15_000);
+  await session.terminate();
+  await deadPool.terminate();
+}, 60_000);
