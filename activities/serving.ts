@@ -35,11 +35,21 @@ export interface Runtime {
   create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo>;
   destroy(pool: string, instance: string): Promise<void>;
   describe(pool: string, instance: string): Promise<InstanceInfo | null>;
+  /**
+   * Resolves with the reason once the instance no longer serves (gone, or unhealthy); `alive` is
+   * called at least every few seconds while it does. Optional: without it `watchInstance` asks
+   * `describe` at an interval. A runtime that can be told of changes (Kubernetes: a pod watch)
+   * implements it so that a loss is seen at once.
+   */
+  watch?(pool: string, instance: string, signal: AbortSignal, alive: () => void): Promise<string>;
 }
 
 const HEARTBEAT_EVERY_MS = 5000;
-/** Runtime errors (by `Error.name`) that no retry of the same start can fix. */
-export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact'];
+/**
+ * Runtime errors (by `Error.name`) that no retry of the same start can fix, or that a retry must
+ * not undo (`InstanceDestroyed`: the instance was destroyed while it started).
+ */
+export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact', 'InstanceDestroyed'];
 
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
@@ -62,6 +72,25 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV; 
         throw err;
       } finally {
         clearInterval(timer);
+      }
+    },
+    /**
+     * Watches one instance for as long as it serves, heartbeating (the pool's liveness check of
+     * this worker), and completes with the reason once it does not: the pool then replaces it.
+     * Runs for the instance's whole life; the pool cancels it when it stops the instance. How
+     * the instance is watched is this activity's business: changing it changes no workflow
+     * history (it used to be a probe loop in the pool workflow).
+     */
+    async watchInstance(input: { pool: string; instance: string; intervalMs: number }): Promise<{ reason: string }> {
+      const ctx = Context.current();
+      const alive = () => heartbeat({ instance: input.instance, phase: 'serving' });
+      if (deps.runtime.watch) return { reason: await deps.runtime.watch(input.pool, input.instance, ctx.cancellationSignal, alive) };
+      for (;;) {
+        alive();
+        const info = await deps.runtime.describe(input.pool, input.instance);
+        if (!info) return { reason: `instance ${input.instance} is gone` };
+        if (!info.healthy) return { reason: `instance ${input.instance} stopped serving` };
+        await ctx.sleep(input.intervalMs); // a cancel (the pool stopped it) ends the sleep with CancelledFailure
       }
     },
     async destroyInstance(input: { pool: string; instance: string }): Promise<void> {

@@ -101,8 +101,19 @@ test.each([
   // A pool whose waiting sessions withdrew (`pool-release-withdraws`), publishing whether it can grow (`pool-publish-growable`).
   ['pool-withdrawn-requests', 'pool-release-withdraws', 'leaseReleased'],
 ])('the recorded %s history replays (patch %s)', async (name, patch, signal) => {
-  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as Parameters<typeof patchesOf>[0] & { events: { workflowExecutionSignaledEventAttributes?: { signalName?: string } }[] };
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as {
+    events: (Parameters<typeof patchesOf>[0]['events'][number] & { workflowExecutionSignaledEventAttributes?: { signalName?: string } })[];
+  };
   expect(patchesOf(history)).toContain(patch);
   expect(history.events.some((e) => e.workflowExecutionSignaledEventAttributes?.signalName === signal)).toBe(true);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);
+
+test('the recorded pool history (a watcher per instance on its worker’s queue, that worker gone: `pool-watch-instances`) replays', async () => {
+  const pool = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-watch-owner-gone.json'), 'utf8')) as { events: (Parameters<typeof patchesOf>[0]['events'][number] & (typeof raw)['events'][number])[] };
+  expect(patchesOf(pool)).toContain('pool-watch-instances');
+  const scheduled = (name: string) => pool.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name).length;
+  expect(scheduled('watchInstance')).toBeGreaterThanOrEqual(2); // the first instance's, then its replacement's
+  expect(scheduled('describeInstance')).toBe(0); // no probe loop in the workflow
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/replay-watch')).resolves.toBeUndefined();
 }, 60_000);

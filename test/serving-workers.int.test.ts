@@ -55,7 +55,7 @@ afterAll(async () => {
 
 const readyInstances = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
 
-test('probes reach the worker that runs the instance; when that worker goes, the pool replaces the instance on the other', async () => {
+test('an instance is watched on the worker that runs it; when that worker goes, the pool replaces the instance on the other', async () => {
   const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };
   const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: workerConfig(iso, dir).taskQueue, args: [input] });
   let status: PoolStatus = await pool.query(poolStatusQuery);
@@ -65,16 +65,24 @@ test('probes reach the worker that runs the instance; when that worker goes, the
   const other = owner === a ? b! : a!;
   expect(await other.runtime.describe(MODEL, first)).toBeNull(); // the other worker knows nothing of it
 
-  // Ten health checks: were any probe answered by the other worker, the instance would be dropped
-  // (with the probes on the shared queue, as before, all ten reach the owner 1 time in ~1000).
-  const probes = async () => (await pool.fetchHistory()).events!.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'describeInstance').length;
-  await until('ten health checks', async () => (await probes()) >= 10, 60_000);
+  // One long-running watcher, on the owner's queue, heartbeating: had it run on the other worker it
+  // would have found no such instance and the pool would have dropped it. No probe is recorded.
+  const scheduled = async (name: string) => (await pool.fetchHistory()).events!.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name);
+  await until('the watcher heartbeating', async () => {
+    const pending = (await pool.describe()).raw.pendingActivities ?? [];
+    return pending.some((p) => p.activityType?.name === 'watchInstance' && p.heartbeatDetails != null);
+  }, 30_000);
+  await new Promise((r) => setTimeout(r, 3000)); // twelve of the old probe intervals
+  const watchers = await scheduled('watchInstance');
+  expect(watchers).toHaveLength(1);
+  expect(watchers[0]!.activityTaskScheduledEventAttributes?.taskQueue?.name).toBe(owner.runtimeQueue);
+  expect(await scheduled('describeInstance')).toHaveLength(0);
   status = await pool.query(poolStatusQuery);
   expect(status.instances.map((i) => [i.id, i.phase])).toEqual([[first, 'ready']]);
   expect(status.lastError).toBeNull();
 
-  // Its worker goes away (its engine with it): the pool's probes find nobody on that worker's
-  // queue, and the instance is replaced on the worker left.
+  // Its worker goes away (its engine with it): the watcher's heartbeats stop, its retry finds
+  // nobody on that worker's queue, and the instance is replaced on the worker left.
   await owner.shutdown();
   if (owner === a) a = undefined;
   else b = undefined;
@@ -85,5 +93,5 @@ test('probes reach the worker that runs the instance; when that worker goes, the
   const second = readyInstances(status)[0]!;
   expect((await other.runtime.describe(MODEL, second))?.healthy).toBe(true);
   expect(status.instances.map((i) => i.id)).not.toContain(first);
-  await recordHistory('pool-owner-gone', pool);
+  await recordHistory('pool-watch-owner-gone', pool);
 }, 300_000);

@@ -30,6 +30,8 @@ export interface RunningWorkers {
   shutdown(): Promise<void>;
   /** The runtime serving this worker's instances (processes, health). */
   runtime: LocalRuntime;
+  /** This worker's own task queue: its instances' describe, destroy and watch activities. */
+  runtimeQueue: string;
 }
 
 /** Registers magus's search attributes on the namespace (idempotent). */
@@ -111,7 +113,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   const { names, registry } = await declareOnReconnect(
     nc,
     async () => {
-      const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix });
+      const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix, ...cfg.responses });
       return { names, registry: await openModelRegistry(nc, names.modelsBucket) };
     },
     { what: 'data plane', log: (line) => process.stderr.write(`magus worker: ${line}\n`) },
@@ -161,6 +163,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     activities: {
       describeInstance: (input: Parameters<typeof serving.describeInstance>[0]) => serving.describeInstance(input),
       destroyInstance: (input: Parameters<typeof serving.destroyInstance>[0]) => serving.destroyInstance(input),
+      watchInstance: (input: Parameters<typeof serving.watchInstance>[0]) => serving.watchInstance(input),
     },
   });
 
@@ -174,6 +177,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   return {
     done,
     runtime,
+    runtimeQueue,
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
       for (const w of [control, pipeline, own]) if (w.getState() === 'RUNNING') w.shutdown();

@@ -18,9 +18,12 @@ export interface PoolInput {
    */
   drainGraceMs?: number;
   /**
-   * How often the pool asks the runtime whether its instances still serve (default 15 s). One
-   * that does not is dropped and its sessions are leased another instance (they rewrite their
-   * `magus_sessions` entries), so a dead instance stops receiving turns.
+   * How often each instance's watcher (`watchInstance`, an activity on the worker that runs it)
+   * asks the runtime whether it still serves, when the runtime cannot report changes itself
+   * (default 15 s; its heartbeat timeout is 3× this, at least 10 s). One that does not is
+   * dropped and its sessions are leased another instance (they rewrite their `magus_sessions`
+   * entries), so a dead instance stops receiving turns. (Pools started before the watchers ran
+   * this as a probe loop in the workflow.)
    */
   healthCheckMs?: number;
   /**

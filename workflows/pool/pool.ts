@@ -16,7 +16,9 @@
 import {
   ActivityFailure,
   ApplicationFailure,
+  CancellationScope,
   allHandlersFinished,
+  isCancellation,
   condition,
   continueAsNew,
   getExternalWorkflowHandle,
@@ -70,6 +72,18 @@ const RESOURCE_STATUS_PATCH = 'pool-resource-status';
 const PUBLISH_GROWABLE_PATCH = 'pool-publish-growable';
 /** A release from a session still waiting takes it off the waiting list (a withdrawn request). */
 const RELEASE_WITHDRAWS_PATCH = 'pool-release-withdraws';
+/**
+ * Each ready instance is watched by a long-running heartbeating activity (`watchInstance`) that
+ * completes when the instance stops serving; the workflow awaits nothing inline and records no
+ * periodic probes. Executions started before this keep their probe loop.
+ */
+const WATCH_PATCH = 'pool-watch-instances';
+/** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
+const watchOptions = (intervalMs: number): ActivityOptions => ({
+  startToCloseTimeout: '1 day',
+  heartbeatTimeout: Math.max(10_000, 3 * intervalMs),
+  retry: { initialInterval: '1s', maximumInterval: '30s' },
+});
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -103,10 +117,14 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const { describeInstance: probeInstance } = proxyActivities<ServingActivities>(probe);
   const ownerQueues = patched(OWNER_QUEUE_PATCH);
   const ownerTimeoutMs = input.ownerTimeoutMs ?? DEFAULT_OWNER_TIMEOUT_MS;
-  const owners = new Map<string, Pick<ServingActivities, 'describeInstance' | 'destroyInstance'> & { probe: ServingActivities['describeInstance'] }>();
+  const owners = new Map<string, Pick<ServingActivities, 'describeInstance' | 'destroyInstance' | 'watchInstance'> & { probe: ServingActivities['describeInstance'] }>();
   const drainGraceMs = input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
   const healthCheckMs = input.healthCheckMs ?? DEFAULT_HEALTH_CHECK_MS;
   let nextHealthCheck = Date.now() + healthCheckMs;
+  const watching = patched(WATCH_PATCH);
+  const { watchInstance } = proxyActivities<ServingActivities>(watchOptions(healthCheckMs));
+  /** The running watcher of each ready instance, cancelled when the pool stops the instance. */
+  const watchers = new Map<string, CancellationScope>();
   const instances = new Map<string, Instance>();
   const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
   let nextId = carry?.nextId ?? 1;
@@ -217,6 +235,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         probe: proxyActivities<ServingActivities>({ ...probe, ...bound }).describeInstance,
         describeInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).describeInstance,
         destroyInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).destroyInstance,
+        watchInstance: proxyActivities<ServingActivities>({ ...watchOptions(healthCheckMs), ...bound }).watchInstance,
       };
       owners.set(queue, o);
     }
@@ -261,21 +280,48 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const infos = await Promise.all(serving.map((i) => describe(i, 'probe')));
     serving.forEach((i, k) => {
       const info = infos[k];
-      if (info === undefined || info?.healthy || instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return; // unknown (the check failed), healthy, or changed meanwhile
-      lastError = `instance ${i.id} stopped serving`;
-      instances.delete(i.id);
-      for (const sessionId of i.leases) {
-        if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowId(sessionId) });
-      }
-      const p = destroy(i)
-        .catch(() => undefined)
-        .finally(() => {
-          starting.delete(p);
-          dirty = true;
-        });
-      starting.add(p);
-      dirty = true;
+      if (info === undefined || info?.healthy) return; // unknown (the check failed), or healthy
+      lost(i, `instance ${i.id} stopped serving`);
     });
+  }
+
+  /** `i` no longer serves: drop it (and clean it up); its sessions wait for a new lease. */
+  function lost(i: Instance, reason: string): void {
+    if (instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return; // changed meanwhile
+    lastError = reason;
+    instances.delete(i.id);
+    for (const sessionId of i.leases) {
+      if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowId(sessionId) });
+    }
+    watchers.get(i.id)?.cancel();
+    const p = destroy(i)
+      .catch(() => undefined)
+      .finally(() => {
+        starting.delete(p);
+        dirty = true;
+      });
+    starting.add(p);
+    dirty = true;
+  }
+
+  /** Starts `i`'s watcher (with the watch patch): when it completes, or its worker is gone, `i` is lost. */
+  function watch(i: Instance): void {
+    if (!watching || watchers.has(i.id)) return;
+    const scope = new CancellationScope();
+    watchers.set(i.id, scope);
+    const run = ownerOf(i)?.watchInstance ?? watchInstance;
+    scope
+      .run(() => run({ pool: input.model, instance: i.id, intervalMs: healthCheckMs }))
+      .then(
+        ({ reason }) => lost(i, reason),
+        (err: unknown) => {
+          if (isCancellation(err)) return; // the pool stopped it
+          lost(i, ownerGone(err) ? `the worker running instance ${i.id} is gone` : `instance ${i.id} could not be watched: ${err instanceof ActivityFailure && err.cause ? err.cause.message : String(err)}`);
+        },
+      )
+      .finally(() => {
+        if (watchers.get(i.id) === scope) watchers.delete(i.id);
+      });
   }
 
   function start(): void {
@@ -288,6 +334,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         inst.subject = info.subject;
         inst.runtimeQueue = info.runtimeQueue;
         inst.idleSince = Date.now();
+        watch(inst);
         lastError = null;
         startFailures = 0;
         nextStartAt = 0;
@@ -349,6 +396,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       surplus--;
       if (Date.now() - i.drainSince >= drainGraceMs && !published.ids.has(i.id) && !inFlight?.has(i.id)) {
         i.phase = 'stopping';
+        watchers.get(i.id)?.cancel();
         const p = destroy(i).finally(() => {
           instances.delete(i.id);
           starting.delete(p);
@@ -415,6 +463,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   for (const i of [...instances.values()]) {
     const info = await describe(i, 'describe');
     if (!info?.healthy) instances.delete(i.id);
+    else watch(i);
   }
 
   for (;;) {
@@ -423,7 +472,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       reconcile();
     }
     const idle = nextIdleDeadline();
-    const checking = [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
+    const checking = !watching && [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
     const untilCheck = checking ? Math.max(0, nextHealthCheck - Date.now()) : undefined;
     const wait = idle === undefined ? untilCheck : untilCheck === undefined ? idle : Math.min(idle, untilCheck);
     await condition(() => dirty, wait ?? '1 day');
