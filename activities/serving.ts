@@ -47,9 +47,11 @@ export interface Runtime {
 const HEARTBEAT_EVERY_MS = 5000;
 /**
  * Runtime errors (by `Error.name`) that no retry of the same start can fix, or that a retry must
- * not undo (`InstanceDestroyed`: the instance was destroyed while it started).
+ * not undo (`InstanceDestroyed`: the instance was destroyed while it started). The Kubernetes
+ * runtime's `Unschedulable` (a pod the scheduler cannot place) and `NoFit` (no topology fits
+ * the cluster's nodes) wait for the pool's backoff instead.
  */
-export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact', 'InstanceDestroyed'];
+export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact', 'InstanceDestroyed', 'Unschedulable', 'NoFit'];
 
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
@@ -57,7 +59,13 @@ export const poolKey = (namespace: string, model: string): string => `${namespac
 export function createServingActivities(deps: { runtime: Runtime; sessions: KV; pools: KV; runtimeQueue?: string }) {
   const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
   return {
-    /** Starts an instance and waits until it serves (heartbeating: a cold start can take minutes). */
+    /**
+     * Starts an instance and waits until it serves (heartbeating: a cold start can take minutes).
+     * The SDK delivers a cancel only through heartbeats, so they also bring one in: the
+     * workflow's, or the server's answer that the activity timed out (`NOT_FOUND`, `TIMED_OUT`).
+     * The runtime then aborts the start (unless a retry of this activity has joined it), and this
+     * fails with the `CancelledFailure` once everything the start began has stopped.
+     */
     async createInstance(input: InstanceRequest): Promise<InstanceInfo> {
       const ctx = Context.current();
       const timer = setInterval(() => heartbeat({ instance: input.instance, phase: 'starting' }), HEARTBEAT_EVERY_MS);

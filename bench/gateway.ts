@@ -252,7 +252,7 @@ async function main(): Promise<void> {
     // does (same socket, same parse); it exists only now, as it doubles the frames delivered.
     const tap = gwNc.subscribe(`${resPrefix}>`, {
       callback: (_err, m) => {
-        const id = m.subject.slice(resPrefix.length);
+        const id = m.subject.slice(m.subject.lastIndexOf('.') + 1); // magus.res.<replica>.<id>
         if (!frameTrace.has(id)) frameTrace.set(id, now());
       },
     });

@@ -17,8 +17,12 @@ it('has working defaults once a secret is given', () => {
     buckets: { models: 'magus_models', tokens: 'magus_tokens', sessions: 'magus_sessions' },
     settings: { secret: SECRET, allowAnonymous: false, requestTimeoutMs: 300_000 },
     responseRouting: 'shared',
+    replicaId: expect.stringMatching(/^gw-[0-9a-f]{12}$/) as string,
     staticTokens: [],
   });
+  // Random at start: two replicas started alike do not share response subjects.
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).replicaId).not.toBe(c.replicaId);
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'magus-gateway-7d9f8-x2x7q' }).replicaId).toBe('magus-gateway-7d9f8-x2x7q');
 });
 
 it('takes --host/--port over the environment', () => {
@@ -39,6 +43,7 @@ it.each([
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS: '{oops' }, 'MAGUS_GATEWAY_TOKENS is not valid JSON'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS_FILE: '/nonexistent/tokens.json' }, 'MAGUS_GATEWAY_TOKENS_FILE=/nonexistent/tokens.json cannot be read (ENOENT)'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_LOG_LEVEL: 'loud' }, 'MAGUS_LOG_LEVEL=loud must be one of'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'gw.1' }, 'MAGUS_GATEWAY_REPLICA_ID=gw.1 is not a subject token'],
 ])('%j fails naming the variable', (env, message) => {
   expect(() => loadGatewayConfig(env)).toThrow(expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error);
 });

@@ -3,17 +3,20 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
-import { dataPlaneNames } from '../activities/nats/data-plane';
+import { dataPlaneNames, REPLICA_ID } from '../activities/nats/data-plane';
 import { readFileSync } from 'node:fs';
 import { staticTokenSource } from './plugins/auth';
+import { newReplicaId } from './plugins/responses';
 import type { GatewaySettings } from './plugins/services';
 
 export interface GatewayConfig {
   host: string;
   port: number;
   natsServers: string;
-  /** Prepended to response subjects (`<scope>.magus.res.<id>`) of a scoped data plane; '' = none. */
+  /** Prepended to response subjects (`<scope>.magus.res.<replica>.<id>`) of a scoped data plane; '' = none. */
   subjectScope: string;
+  /** This process's token in its response subjects (`magus.res.<replica>.<id>`): it receives only its own frames. */
+  replicaId: string;
   buckets: { models: string; tokens: string; sessions: string; pools: string };
   /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
   responseStream: string;
@@ -31,7 +34,7 @@ export interface GatewayConfig {
   /** How long a graceful close waits for in-flight requests (streams) before cutting them. */
   shutdownGraceMs: number;
   logLevel: 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
-  /** `shared`: one `magus.res.>` subscription per process; `per-request`: one per request. */
+  /** `shared`: one `magus.res.<replica>.*` subscription per process; `per-request`: one per request. */
   responseRouting: 'shared' | 'per-request';
 }
 
@@ -167,6 +170,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     port,
     natsServers,
     subjectScope,
+    replicaId: str('MAGUS_GATEWAY_REPLICA_ID', newReplicaId(), REPLICA_ID, "is not a subject token (letters, digits, '_' and '-', at most 64)"),
     responseStream: names.responseStream,
     buckets,
     settings,
@@ -189,7 +193,8 @@ environment:
   MAGUS_GATEWAY_HOST, _PORT            0.0.0.0, 8080
   MAGUS_GATEWAY_ALLOW_ANONYMOUS        false; true serves requests without Authorization
   MAGUS_GATEWAY_TOKENS_FILE, _TOKENS   local tokens: {"<id>": {"digest": "<hex sha256 of mgs_<id>_<secret>>", "name": "…"}}
-  MAGUS_NATS_SUBJECT_SCOPE             '' (a scoped data plane: frames on <scope>.magus.res.<id>)
+  MAGUS_NATS_SUBJECT_SCOPE             '' (a scoped data plane: frames on <scope>.magus.res.<replica>.<id>)
+  MAGUS_GATEWAY_REPLICA_ID             gw-<random> (this replica's frames come on magus.res.<replica>.*; unique per replica, e.g. the pod name)
   MAGUS_MODELS_BUCKET, MAGUS_TOKENS_BUCKET, MAGUS_SESSIONS_BUCKET   magus_models, magus_tokens, magus_sessions
   MAGUS_POOLS_BUCKET                                           magus_pools
   MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
@@ -200,5 +205,5 @@ environment:
   MAGUS_GATEWAY_RETRY_AFTER_SEC        5
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
-  MAGUS_GATEWAY_RESPONSE_ROUTING       shared | per-request
+  MAGUS_GATEWAY_RESPONSE_ROUTING       shared (one subscription per replica) | per-request
   MAGUS_LOG_LEVEL                      info`;

@@ -9,7 +9,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../activities/nats/registry';
-import { readStoredFrames, scopeSubject } from '../activities/nats/data-plane';
+import { readStoredFrames, responseStreamState, scopeSubject } from '../activities/nats/data-plane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -142,7 +142,11 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       if (cache.pools) liveness.push({ name: 'pools', check: () => cache.pools!.live });
       sessions = sessionCache = cache;
     }
-    const routerOptions = { subjectScope: config.subjectScope, onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame') };
+    const routerOptions = {
+      subjectScope: config.subjectScope,
+      replica: config.replicaId,
+      onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame'),
+    };
     const responses: ResponseRouter = config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
     closers.push(() => responses.close());
     // Frames published while this process was cut off are in the response stream: read them back.
@@ -151,7 +155,12 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     onReconnect.push(() => {
       void responses
         .recover(
-          async (subject) => (await readStoredFrames(js, jsm, config.responseStream, subject)).frames,
+          async (subject) => {
+            const stored = await readStoredFrames(js, jsm, config.responseStream, subject);
+            if (!stored.complete) metrics.framesGone.inc();
+            // Frames beyond a gap count too: the missing ones may be those this process already has.
+            return [...stored.frames, ...stored.beyondGap];
+          },
           (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'),
         )
         .then((frames) => {
@@ -159,6 +168,19 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           if (frames > 0) log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests');
         });
     });
+    // Whether MAGUS_RESPONSES keeps frames as long as take-overs need them: read at each scrape.
+    metrics.setResponseStream(() => responseStreamState(jsm, config.responseStream));
+    void responseStreamState(jsm, config.responseStream).then(
+      (state) => {
+        if (state.requiredRetentionMs !== undefined && config.settings.requestTimeoutMs > state.requiredRetentionMs) {
+          log.warn(
+            { stream: config.responseStream, requiredRetentionMs: state.requiredRetentionMs, requestTimeoutMs: config.settings.requestTimeoutMs },
+            'requests may run longer than the response stream is sized to keep their frames: a late take-over may fail (raise MAGUS_RESPONSES_RETENTION_MS where the data plane is declared)',
+          );
+        }
+      },
+      () => undefined, // not declared yet: the scrape reports it once it is
+    );
     let publish = deps.publish;
     if (!publish) {
       const publisher = streamPublisher(nc);
@@ -272,7 +294,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
     process.stderr.write(`magus gateway: cannot start: ${(err as Error).message}\n`);
     return 1;
   }
-  process.stderr.write(`magus gateway: listening on ${gateway.url}\n`);
+  process.stderr.write(`magus gateway: listening on ${gateway.url} (replica ${config.replicaId})\n`);
   await new Promise<void>((resolve) => {
     process.once('SIGTERM', () => resolve());
     process.once('SIGINT', () => resolve());

@@ -97,6 +97,8 @@ export interface DllamaResourceSpec {
   engine: 'dllama' | 'llamacpp';
   /** Nodes per instance = 2^nodesPower (the root plus 2^n − 1 workers); 0 for llama.cpp. */
   nodesPower: number;
+  /** Fit-first: the runtime picks the smallest 2^n whose per-node memory plan fits the cluster's nodes (nodesPower ignored). */
+  autoNodes?: boolean;
   /** Desired instances (the scale subresource's `.spec.replicas`); the pool keeps min ≤ n ≤ max. */
   replicas: number;
   minReplicas: number;

@@ -31,7 +31,11 @@ export interface ChatCompletionRequest {
 export interface InferenceRequest {
   /** Unique request id (also the response subject's last token). */
   id: string;
-  /** Where the bridge streams chunks: `magus.res.<id>`. */
+  /**
+   * Where the bridge streams the frames: `magus.res.<replica>.<id>`, a subject of the gateway
+   * replica that waits for them (a redelivery answers there too). `magus.res.<id>` is the form of
+   * gateways before replicas had subjects of their own; bridges still answer it.
+   */
   replyTo: string;
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
   deadline: number;
@@ -39,7 +43,7 @@ export interface InferenceRequest {
 }
 
 /**
- * One message on `magus.res.<id>`, numbered from 0 so the gateway can detect gaps and
+ * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and
  * duplicates. Streaming: `chunk`* then `done`; non-streaming: a single `done` carrying the whole
  * completion; failure at any point: `error` (terminal).
  */
@@ -101,6 +105,7 @@ export interface TokenEntry {
 }
 
 export const requestSubject = (pool: string, instance: string): string => `magus.req.${pool}.${instance}`;
-export const responseSubject = (requestId: string): string => `magus.res.${requestId}`;
+/** `magus.res.<replica>.<id>`, or without a replica the older `magus.res.<id>` (see {@link InferenceRequest.replyTo}). */
+export const responseSubject = (requestId: string, replica?: string): string => (replica ? `magus.res.${replica}.${requestId}` : `magus.res.${requestId}`);
 /** Core NATS, gateway → the instance's bridge: `{"id": requestId}` of a request nobody waits for any more. */
 export const cancelSubject = (pool: string, instance: string): string => `magus.cancel.${pool}.${instance}`;

@@ -23,13 +23,13 @@ import {
   ensureDataPlane,
   ensureInstanceConsumer,
   jsErrorCode,
-  parseFrame,
   responseSubjectOf,
   type DataPlaneNames,
 } from '../activities/nats/data-plane';
+import { decodeFrame } from '../activities/nats/frames';
 import type { ResponseFrame } from '../shared/serving';
 import { startServices, type RunningServices } from '../workers/dev/services';
-import { startBridge, type Bridge } from '../workers/bridge';
+import { startBridge, type Bridge } from '../activities/nats/bridge';
 import { startWorkers } from '../workers/worker';
 import { openModelRegistry } from '../activities/nats/registry';
 import { startGateway } from '../gateway/server';
@@ -100,11 +100,11 @@ describe('NATS outages', () => {
         return h;
       },
     });
-    const all = gateway.subscribe(responseSubjectOf(names, 'x').replace(/x$/, '*'));
+    const all = gateway.subscribe(responseSubjectOf(names, 'x').replace(/x$/, '>')); // both forms: magus.res.[<replica>.]<id>
     void (async () => {
       for await (const m of all) {
         const id = m.subject.slice(m.subject.lastIndexOf('.') + 1);
-        const f = parseFrame(m.data);
+        const f = decodeFrame(m.data);
         if (f) seen.set(id, [...(seen.get(id) ?? []), f]);
       }
     })();

@@ -24,7 +24,7 @@ import { conversationKey } from '../gateway/plugins/conversation';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import { readyModel } from '../gateway/test-support';
-import { startBridge, type Bridge } from '../workers/bridge';
+import { startBridge, type Bridge } from '../activities/nats/bridge';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';

@@ -16,7 +16,7 @@ import type { AcquireRequest } from '../gateway/plugins/sessions';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from '../gateway/test-support';
 import type { ChatMessage, SessionEntry } from '../shared/serving';
-import { startBridge, type Bridge } from '../workers/bridge';
+import { startBridge, type Bridge } from '../activities/nats/bridge';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { isolation, natsConnect } from './harness';
 

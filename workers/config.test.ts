@@ -1,7 +1,8 @@
-import { chmodSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { spawnSync } from 'node:child_process';
+import { chmodSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { homedir, tmpdir } from 'node:os';
 import { join, relative } from 'node:path';
-import { loadConfig } from './config';
+import { devDataDir, loadConfig, readDevConnection, useDevConnection } from './config';
 
 let dir: string;
 let api: string;
@@ -72,4 +73,76 @@ test.each([
 test('every problem is reported at once, each naming its variable', () => {
   const message = problem({ MAGUS_DLLAMA_API_BIN: '/nonexistent/a', MAGUS_DLLAMA_BIN: '/nonexistent/b', MAGUS_DLLAMA_NODES: '3', MAGUS_DLLAMA_THREADS: '0', MAGUS_S3_BUCKET: 'X' });
   for (const name of ['MAGUS_S3_BUCKET', 'MAGUS_DLLAMA_NODES', 'MAGUS_DLLAMA_THREADS', 'MAGUS_DLLAMA_API_BIN', 'MAGUS_DLLAMA_BIN']) expect(message).toContain(`${name}=`);
+});
+
+test('the response stream is sized from MAGUS_RESPONSES_PEAK_BYTES_PER_SEC and MAGUS_RESPONSES_RETENTION_MS', () => {
+  expect(loadConfig({}).responses).toEqual({});
+  expect(loadConfig({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '2097152', MAGUS_RESPONSES_RETENTION_MS: '900000' }).responses).toEqual({ responsePeakBytesPerSec: 2_097_152, responseRetentionMs: 900_000 });
+  expect(problem({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '1M' })).toMatch(/MAGUS_RESPONSES_PEAK_BYTES_PER_SEC=1M must be a byte rate/);
+  expect(problem({ MAGUS_RESPONSES_RETENTION_MS: '5' })).toMatch(/MAGUS_RESPONSES_RETENTION_MS=5 must be milliseconds/);
+});
+
+test('MAGUS_RUNTIME=kubernetes: the images are required, the rest has defaults; K8S variables without it are refused', () => {
+  const cfg = loadConfig({ MAGUS_RUNTIME: 'kubernetes', MAGUS_K8S_MAGUS_IMAGE: 'magus:1', MAGUS_K8S_DLLAMA_IMAGE: 'magus-dllama:1', MAGUS_NATS_URL: 'nats://nats:4222', MAGUS_K8S_S3_SECRET: 's3' });
+  expect(cfg.kubernetes).toEqual({ images: { magus: 'magus:1', dllama: 'magus-dllama:1' }, natsUrl: 'nats://nats:4222', s3Secret: 's3', defaultNodes: 1, unschedulableAfterMs: 30000 });
+  expect(() => loadConfig({ MAGUS_RUNTIME: 'kubernetes' })).toThrow(/MAGUS_K8S_MAGUS_IMAGE is required[\s\S]*MAGUS_K8S_DLLAMA_IMAGE is required/);
+  expect(() => loadConfig({ MAGUS_RUNTIME: 'pods' })).toThrow(/MAGUS_RUNTIME=pods must be local or kubernetes/);
+  expect(() => loadConfig({ MAGUS_K8S_NODES: '2' })).toThrow(/MAGUS_K8S_NODES set, but MAGUS_RUNTIME is not kubernetes/);
+  expect(loadConfig({}).kubernetes).toBeUndefined();
+});
+
+test('MAGUS_WORKER_QUEUES picks the queues a worker polls', () => {
+  expect(loadConfig({}).queues).toBeUndefined();
+  expect(loadConfig({ MAGUS_WORKER_QUEUES: 'pipeline' }).queues).toBe('pipeline');
+  expect(() => loadConfig({ MAGUS_WORKER_QUEUES: 'both' })).toThrow(/MAGUS_WORKER_QUEUES=both must be all, control or pipeline/);
+});
+
+describe("a running magus dev's connection settings", () => {
+  let home: string;
+  const connection = () => ({
+    pid: process.pid,
+    dataDir: join(home, 'magus', 'dev'),
+    temporal: { address: '127.0.0.1:17233', namespace: 'default', uiUrl: 'http://127.0.0.1:18233' },
+    taskQueue: 'magus-control',
+    nats: { servers: 'nats://127.0.0.1:14222' },
+    s3: { endpoint: 'http://127.0.0.1:19000', region: 'us-east-1', bucket: 'magus', accessKeyId: 'AK', secretAccessKey: 'SK' },
+    gateway: { url: 'http://127.0.0.1:8080', tokenFile: '/x/api-token' },
+  });
+  const write = (c: object) => {
+    mkdirSync(join(home, 'magus', 'dev'), { recursive: true });
+    writeFileSync(join(home, 'magus', 'dev', 'connection.json'), JSON.stringify(c));
+  };
+  beforeEach(() => {
+    home = mkdtempSync(join(tmpdir(), 'magus-xdg-'));
+  });
+  afterEach(() => rmSync(home, { recursive: true, force: true }));
+
+  test('the data folder: MAGUS_DEV_DATA_DIR, else $XDG_DATA_HOME/magus/dev, else ~/.local/share/magus/dev', () => {
+    expect(devDataDir({ MAGUS_DEV_DATA_DIR: '/a/b', XDG_DATA_HOME: '/x' })).toBe('/a/b');
+    expect(devDataDir({ XDG_DATA_HOME: '/x' })).toBe('/x/magus/dev');
+    expect(devDataDir({ XDG_DATA_HOME: 'relative' })).toBe(join(homedir(), '.local', 'share', 'magus', 'dev'));
+    expect(devDataDir({})).toBe(join(homedir(), '.local', 'share', 'magus', 'dev'));
+  });
+
+  test('fills in what the environment leaves unset, each server whole; names what it took, never a value', () => {
+    write(connection());
+    const env: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_NATS_URL: 'nats://elsewhere:4222' };
+    const used = useDevConnection(env);
+    expect(used?.taken).toEqual(['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_S3_ENDPOINT', 'MAGUS_S3_BUCKET', 'MAGUS_S3_REGION', 'AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY']);
+    expect(loadConfig(env)).toMatchObject({ temporal: { address: '127.0.0.1:17233' }, nats: { servers: 'nats://elsewhere:4222' }, s3: { endpoint: 'http://127.0.0.1:19000' } });
+    expect([env.AWS_ACCESS_KEY_ID, env.AWS_SECRET_ACCESS_KEY]).toEqual(['AK', 'SK']);
+    // An S3 endpoint of one's own keeps one's own keys (or none) with it.
+    const own: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_S3_ENDPOINT: 'http://s3.example:9000' };
+    expect(useDevConnection(own)?.taken).not.toContain('AWS_ACCESS_KEY_ID');
+  });
+
+  test('a file left by a dev that no longer runs is ignored, and said to be stale', () => {
+    const gone = spawnSync(process.execPath, ['-e', 'process.stdout.write(String(process.pid))'], { encoding: 'utf8' });
+    write({ ...connection(), pid: Number(gone.stdout) });
+    const env: NodeJS.ProcessEnv = { XDG_DATA_HOME: home };
+    expect(useDevConnection(env)).toBeUndefined();
+    expect(env.MAGUS_TEMPORAL_ADDRESS).toBeUndefined();
+    expect(readDevConnection(env)).toEqual({ file: join(home, 'magus', 'dev', 'connection.json'), stalePid: Number(gone.stdout) });
+    expect(readDevConnection({ XDG_DATA_HOME: join(home, 'none') })).toEqual({ file: join(home, 'none', 'magus', 'dev', 'connection.json') });
+  });
 });

@@ -3,7 +3,7 @@
  * a message naming the variable. Credentials (S3 keys) are read by the AWS SDK's default chain
  * (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
-import { accessSync, constants, statSync } from 'node:fs';
+import { accessSync, constants, readFileSync, statSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { TaskQueue } from '../shared/constants';
@@ -25,6 +25,43 @@ export interface MagusConfig {
   s3TraceFile: string | undefined;
   /** distributed-llama topologies in the local runtime; unset: llama.cpp only. */
   dllama?: DllamaConfig | undefined;
+  /** How `MAGUS_RESPONSES` is sized where this process declares the data plane (ensureDataPlane options); unset: its defaults. */
+  responses?: ResponseStreamSizing;
+  /** `MAGUS_RUNTIME=kubernetes`: instances are pods (activities/runtime/kubernetes.ts); unset: local processes. */
+  kubernetes?: KubernetesRuntimeConfig;
+  /**
+   * `MAGUS_WORKER_QUEUES`: which task queues this worker polls: `control` (workflows, serving
+   * activities, its own runtime queue), `pipeline` (downloads, conversions, sizing) or `all` (default).
+   */
+  queues?: 'all' | 'control' | 'pipeline';
+}
+
+/**
+ * The Kubernetes runtime's settings: `MAGUS_K8S_MAGUS_IMAGE` and `MAGUS_K8S_DLLAMA_IMAGE`
+ * (required: the images instance pods run), `MAGUS_K8S_NATS_URL` (NATS as instance
+ * pods reach it; default MAGUS_NATS_URL), `MAGUS_K8S_S3_SECRET` (a Secret in each model namespace
+ * with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the pods' `magus fetch`),
+ * `MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT`, `MAGUS_K8S_NODES` (distributed-llama nodes of a pool
+ * without a `Dllama`; default 1: llama.cpp), `MAGUS_K8S_UNSCHEDULABLE_AFTER_MS` (default 30000).
+ */
+export interface KubernetesRuntimeConfig {
+  images: { magus: string; dllama: string };
+  natsUrl: string;
+  s3Secret?: string;
+  serviceAccount?: string;
+  defaultNodes: number;
+  unschedulableAfterMs: number;
+}
+
+/**
+ * `MAGUS_RESPONSES_PEAK_BYTES_PER_SEC` × `MAGUS_RESPONSES_RETENTION_MS` sizes the response stream
+ * (activities/nats/data-plane.ts `responseStreamLimits`). Every process that declares the data
+ * plane (worker, controller, `magus bridge`) must be given the same values: each declaration
+ * brings the stream to its own.
+ */
+export interface ResponseStreamSizing {
+  responsePeakBytesPerSec?: number;
+  responseRetentionMs?: number;
 }
 
 /**
@@ -83,6 +120,10 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   }
   if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim())) problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
   const dllama = dllamaConfig(env, problems);
+  const responses = responseStreamSizing(env, problems);
+  const kubernetes = kubernetesRuntimeConfig(env, natsServers, problems);
+  const queues = env.MAGUS_WORKER_QUEUES?.trim() || 'all';
+  if (queues !== 'all' && queues !== 'control' && queues !== 'pipeline') problems.push(`MAGUS_WORKER_QUEUES=${queues} must be all, control or pipeline`);
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
     temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
@@ -95,7 +136,50 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     transferPartSize,
     s3TraceFile: env.MAGUS_S3_TRACE_FILE?.trim() || undefined,
     dllama,
+    responses,
+    ...(kubernetes ? { kubernetes } : {}),
+    ...(queues !== 'all' ? { queues: queues as 'control' | 'pipeline' } : {}),
   };
+}
+
+function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, problems: string[]): KubernetesRuntimeConfig | undefined {
+  const runtime = env.MAGUS_RUNTIME?.trim() || 'local';
+  if (runtime !== 'local' && runtime !== 'kubernetes') problems.push(`MAGUS_RUNTIME=${runtime} must be local or kubernetes`);
+  if (runtime !== 'kubernetes') {
+    const stray = Object.keys(env).filter((k) => k.startsWith('MAGUS_K8S_') && env[k]?.trim());
+    if (stray.length > 0) problems.push(`${stray.join(', ')} set, but MAGUS_RUNTIME is not kubernetes`);
+    return undefined;
+  }
+  const nodes = Number(env.MAGUS_K8S_NODES?.trim() || '1');
+  if (!(DLLAMA_NODES as readonly number[]).includes(nodes)) problems.push(`MAGUS_K8S_NODES=${env.MAGUS_K8S_NODES} must be one of ${DLLAMA_NODES.join(', ')}`);
+  const after = Number(env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS?.trim() || '30000');
+  if (!Number.isInteger(after) || after < 1000) problems.push(`MAGUS_K8S_UNSCHEDULABLE_AFTER_MS=${env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS} must be an integer ≥ 1000`);
+  for (const name of ['MAGUS_K8S_MAGUS_IMAGE', 'MAGUS_K8S_DLLAMA_IMAGE']) if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
+  const natsUrl = env.MAGUS_K8S_NATS_URL?.trim() || natsServers;
+  if (!/^(nats|tls):\/\/[^\s/]+(,(nats|tls):\/\/[^\s/]+)*$/.test(natsUrl)) problems.push(`MAGUS_K8S_NATS_URL=${natsUrl} is not a nats:// URL`);
+  return {
+    images: { magus: env.MAGUS_K8S_MAGUS_IMAGE?.trim() ?? '', dllama: env.MAGUS_K8S_DLLAMA_IMAGE?.trim() ?? '' },
+    natsUrl,
+    ...(env.MAGUS_K8S_S3_SECRET?.trim() ? { s3Secret: env.MAGUS_K8S_S3_SECRET.trim() } : {}),
+    ...(env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT?.trim() ? { serviceAccount: env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT.trim() } : {}),
+    defaultNodes: nodes,
+    unschedulableAfterMs: after,
+  };
+}
+
+/** {@link ResponseStreamSizing} from the environment; a bad value is added to `problems`. */
+export function responseStreamSizing(env: NodeJS.ProcessEnv, problems: string[]): ResponseStreamSizing {
+  const sizing: ResponseStreamSizing = {};
+  const read = (name: string, key: keyof ResponseStreamSizing, min: number, max: number, what: string) => {
+    const raw = env[name]?.trim();
+    if (!raw) return;
+    const n = Number(raw);
+    if (!Number.isInteger(n) || n < min || n > max) problems.push(`${name}=${raw} must be ${what}`);
+    else sizing[key] = n;
+  };
+  read('MAGUS_RESPONSES_PEAK_BYTES_PER_SEC', 'responsePeakBytesPerSec', 1024, 2 ** 30, 'a byte rate from 1024 to 1073741824 (peak response frames per second, all gateways)');
+  read('MAGUS_RESPONSES_RETENTION_MS', 'responseRetentionMs', 10_000, 24 * 3_600_000, 'milliseconds from 10000 to 86400000 (the longest a request may run)');
+  return sizing;
 }
 
 /** An executable file: a path (relative to the working directory) or a bare name looked up in PATH. */
@@ -144,4 +228,106 @@ function dllamaConfig(env: NodeJS.ProcessEnv, problems: string[]): DllamaConfig 
     nodes,
     threads,
   };
+}
+
+/**
+ * Where `magus dev` keeps its state (Temporal's database, the JetStream store, MinIO's data, the
+ * API token, the connection settings): `MAGUS_DEV_DATA_DIR`, else `$XDG_DATA_HOME/magus/dev`,
+ * else `~/.local/share/magus/dev`. `magus dev --data-dir` overrides it for that dev; other
+ * commands find that one through `MAGUS_DEV_DATA_DIR`.
+ */
+export function devDataDir(env: NodeJS.ProcessEnv = process.env): string {
+  const explicit = env.MAGUS_DEV_DATA_DIR?.trim();
+  if (explicit) return resolve(explicit);
+  const xdg = env.XDG_DATA_HOME?.trim();
+  return join(xdg && isAbsolute(xdg) ? xdg : join(homedir(), '.local', 'share'), 'magus', 'dev');
+}
+
+/** The file in a dev data folder with the running `magus dev`'s connection settings. */
+export const DEV_CONNECTION_FILE = 'connection.json';
+
+/**
+ * What a running `magus dev` writes to `<data dir>/connection.json` (mode 0600: it holds the S3
+ * keys) for every other `magus` command, and removes when it stops.
+ */
+export interface DevConnection {
+  /** The `magus dev` process; the file counts only while it runs. */
+  pid: number;
+  dataDir: string;
+  temporal: { address: string; namespace: string; uiUrl: string };
+  taskQueue: string;
+  nats: { servers: string };
+  s3: { endpoint: string; region: string; bucket: string; accessKeyId: string; secretAccessKey: string };
+  gateway: { url: string; tokenFile: string };
+  /** The bundled Hugging Face-compatible hub and the repos it serves (the demo model). */
+  hub?: { url: string; repos: string[] };
+  kubeconfig?: string;
+}
+
+const running = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === 'EPERM';
+  }
+};
+
+/**
+ * The connection settings of the `magus dev` whose data folder is {@link devDataDir}: `connection`
+ * while that dev runs; `stalePid` when the file is left from one that is gone (killed); neither
+ * when there is no file.
+ */
+export function readDevConnection(env: NodeJS.ProcessEnv = process.env): { file: string; connection?: DevConnection; stalePid?: number } {
+  const file = join(devDataDir(env), DEV_CONNECTION_FILE);
+  let connection: DevConnection;
+  try {
+    connection = JSON.parse(readFileSync(file, 'utf8')) as DevConnection;
+  } catch {
+    return { file };
+  }
+  if (!Number.isInteger(connection.pid) || !running(connection.pid)) return { file, stalePid: connection.pid };
+  return { file, connection };
+}
+
+/** What {@link useDevConnection} took from a running `magus dev`. */
+export interface DevConnectionUse {
+  file: string;
+  connection: DevConnection;
+  /** The variables it set (never their values: some are secrets). */
+  taken: string[];
+}
+
+/**
+ * Fills in, from a running `magus dev`'s connection file, the settings `env` leaves unset, so
+ * `magus model pull`, `worker`, `gateway` … find that dev without flags. Each server comes as a
+ * whole or not at all: Temporal when `MAGUS_TEMPORAL_ADDRESS` is unset, NATS when `MAGUS_NATS_URL`
+ * is, S3 (endpoint, bucket, region, and the keys unless `AWS_ACCESS_KEY_ID` is set) when
+ * `MAGUS_S3_ENDPOINT` is. Undefined when no dev runs there.
+ */
+export function useDevConnection(env: NodeJS.ProcessEnv = process.env): DevConnectionUse | undefined {
+  const { file, connection: c } = readDevConnection(env);
+  if (!c) return undefined;
+  const taken: string[] = [];
+  const set = (name: string, value: string) => {
+    env[name] = value;
+    taken.push(name);
+  };
+  const unset = (name: string) => !env[name]?.trim();
+  if (unset('MAGUS_TEMPORAL_ADDRESS')) {
+    set('MAGUS_TEMPORAL_ADDRESS', c.temporal.address);
+    if (unset('MAGUS_TEMPORAL_NAMESPACE')) set('MAGUS_TEMPORAL_NAMESPACE', c.temporal.namespace);
+    if (unset('MAGUS_TASK_QUEUE')) set('MAGUS_TASK_QUEUE', c.taskQueue);
+  }
+  if (unset('MAGUS_NATS_URL')) set('MAGUS_NATS_URL', c.nats.servers);
+  if (unset('MAGUS_S3_ENDPOINT')) {
+    set('MAGUS_S3_ENDPOINT', c.s3.endpoint);
+    if (unset('MAGUS_S3_BUCKET')) set('MAGUS_S3_BUCKET', c.s3.bucket);
+    if (unset('MAGUS_S3_REGION')) set('MAGUS_S3_REGION', c.s3.region);
+    if (unset('AWS_ACCESS_KEY_ID')) {
+      set('AWS_ACCESS_KEY_ID', c.s3.accessKeyId);
+      set('AWS_SECRET_ACCESS_KEY', c.s3.secretAccessKey);
+    }
+  }
+  return { file, connection: c, taken };
 }

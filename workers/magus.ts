@@ -6,11 +6,13 @@ import { writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
-import { ConfigError, loadConfig } from './config';
+import { ConfigError, loadConfig, useDevConnection } from './config';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
 import type * as ConvertModule from './convert';
 import type * as EngineModule from './engine';
 import type * as BridgeModule from './bridge';
+import type * as FetchModule from './fetch';
+import type * as BridgeMetricsModule from '../activities/nats/bridge/metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as ModelPullModule from './model-pull';
 import type * as WorkerModule from './worker';
@@ -27,6 +29,8 @@ const load = {
   convert: () => require('./convert') as typeof ConvertModule,
   engine: () => require('./engine') as typeof EngineModule,
   bridge: () => require('./bridge') as typeof BridgeModule,
+  fetch: () => require('./fetch') as typeof FetchModule,
+  bridgeMetrics: () => require('../activities/nats/bridge/metrics') as typeof BridgeMetricsModule,
   gateway: () => require('../gateway/server') as typeof GatewayModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
   worker: () => require('./worker') as typeof WorkerModule,
@@ -42,6 +46,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   controller: 'watch Model/Dllama/Session resources and drive their workflows',
   gateway: 'OpenAI-compatible HTTP API',
   bridge: 'NATS ↔ engine sidecar',
+  fetch: "a Kubernetes instance's init container: artifact files from S3, sha256-checked",
   engine: 'llama.cpp engine with the dllama-api HTTP surface',
   convert: 'convert safetensors to GGUF or distributed-llama',
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline',
@@ -57,14 +62,15 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube]',
+    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
-    '(and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) from the environment.',
+    '(and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) from the environment; what it leaves unset comes from',
+    "a running magus dev's connection.json (in MAGUS_DEV_DATA_DIR, default ~/.local/share/magus/dev).",
   ].join('\n');
 }
 
@@ -77,18 +83,105 @@ function parseServices(arg: string | undefined): ServiceName[] {
   return names as ServiceName[];
 }
 
+/**
+ * How a long-running mode learns it should stop, the same however it was started (a terminal,
+ * npm, npx, a supervisor):
+ * - SIGINT, SIGTERM and SIGHUP (a closed terminal) ask for a clean stop. SIGHUP is passed on as
+ *   SIGTERM, which every mode's own handler takes.
+ * - The same request often arrives twice: a terminal's Ctrl-C reaches every process of its
+ *   foreground group, `npm run` among them, and npm passes it on. Signals within
+ *   {@link REPEAT_WINDOW_MS} of the first are that one request. A later one, during the stop, is
+ *   the user insisting: the process exits at once (servers and engines die with it: they run
+ *   under `setpriv --pdeathsig KILL`), with 130 after SIGINT and 143 after SIGTERM/SIGHUP.
+ *   A listener stays on all three signals meanwhile, so none falls to Node's default (dying
+ *   mid-stop).
+ * - Started by npm or npx, it has a shell between itself and npm (`sh -c`), which swallows a SIGINT
+ *   npm forwards and dies of a SIGTERM without passing it on, leaving this process behind. So
+ *   when that parent goes away it stops as on SIGTERM. (`npm run dev` execs magus in place of
+ *   the shell; `kill -INT` on an npx process still ends in the shell: send it to the process group.)
+ */
+export function watchStopRequests(opts: {
+  name: string;
+  /** Whether a second request forces an exit (engine: no; its second signal aborts generations). */
+  forceOnRepeat: boolean;
+  proc?: Pick<NodeJS.Process, 'on' | 'off' | 'kill' | 'pid' | 'ppid' | 'exit' | 'env'>;
+  log?: (line: string) => void;
+  now?: () => number;
+  /** How often the parent is checked (ms). */
+  parentCheckMs?: number;
+}): { signal: AbortSignal; dispose(): void } {
+  const proc = opts.proc ?? process;
+  const log = opts.log ?? ((line: string) => void process.stderr.write(`magus ${opts.name}: ${line}\n`));
+  const now = opts.now ?? Date.now;
+  const controller = new AbortController();
+  let first: number | undefined;
+  const onSignal = (sig: NodeJS.Signals) => {
+    const at = now();
+    if (first === undefined) {
+      first = at;
+      controller.abort(sig);
+      if (sig === 'SIGHUP') proc.kill(proc.pid, 'SIGTERM');
+      return;
+    }
+    if (at - first < REPEAT_WINDOW_MS || !opts.forceOnRepeat) return;
+    log(`${sig} again: exiting now, without finishing the stop`);
+    proc.exit(sig === 'SIGINT' ? 130 : 143);
+  };
+  const signals = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+  for (const sig of signals) proc.on(sig, onSignal);
+  // npm_lifecycle_event: set by `npm run` and `npm exec`/npx for what they start.
+  const parent = proc.ppid;
+  const watchParent = proc.env.npm_lifecycle_event !== undefined && parent > 1;
+  const timer: NodeJS.Timeout | undefined = watchParent
+    ? setInterval(() => {
+        if (proc.ppid === parent) return;
+        clearInterval(timer);
+        if (first !== undefined) return;
+        log(`the npm that started it has gone (parent ${parent}): stopping`);
+        proc.kill(proc.pid, 'SIGTERM');
+      }, opts.parentCheckMs ?? 500).unref()
+    : undefined;
+  return {
+    signal: controller.signal,
+    dispose() {
+      clearInterval(timer);
+      for (const sig of signals) proc.off(sig, onSignal);
+    },
+  };
+}
+
+/** Signals this close after the first are the same request delivered twice (terminal and npm). */
+export const REPEAT_WINDOW_MS = 1000;
+
 /** `magus dev`: the whole system; `--services a,b` starts only those servers (no worker, gateway or model). */
-async function dev(args: string[]): Promise<number> {
+async function dev(args: string[], stop: AbortSignal): Promise<number> {
   const flag = (name: string) => {
     const i = args.indexOf(name);
     return i >= 0 ? args[i + 1] : undefined;
   };
   const json = args.includes('--json');
+  // A mistyped option (`--fresh-start`, `--datadir`) must not start a dev that ignores it.
+  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services']);
+  for (let i = 0; i < args.length; i++) {
+    const a = args[i]!;
+    if (valued.has(a)) i++;
+    else if (!['--no-kube', '--fresh', '--json'].includes(a)) throw new Error(`dev: unknown option ${a} (magus dev --help lists them)`);
+  }
   // Without --services: the whole system (servers, worker, gateway, demo model).
   if (!args.includes('--services')) {
     const port = flag('--port');
     if (port !== undefined && !/^\d{1,5}$/.test(port)) throw new Error(`--port ${port} is not a port number`);
-    return load.dev().runDev({ model: flag('--model'), port: port === undefined ? undefined : Number(port), tokenEnv: flag('--token-env'), kube: !args.includes('--no-kube') });
+    const dataDir = flag('--data-dir');
+    if (args.includes('--data-dir') && !dataDir) throw new Error('--data-dir needs a folder');
+    return load.dev().runDev({
+      model: flag('--model'),
+      port: port === undefined ? undefined : Number(port),
+      tokenEnv: flag('--token-env'),
+      kube: !args.includes('--no-kube'),
+      dataDir,
+      fresh: args.includes('--fresh'),
+      stop,
+    });
   }
   const services = parseServices(flag('--services'));
   if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
@@ -115,7 +208,8 @@ async function dev(args: string[]): Promise<number> {
   }
 
   await new Promise<void>((resolve) => {
-    for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => resolve());
+    if (stop.aborted) resolve();
+    else stop.addEventListener('abort', () => resolve(), { once: true });
   });
   if (!json) process.stderr.write('\nmagus dev: stopping …\n');
   await running.stop();
@@ -150,7 +244,7 @@ function workerCommand(): Promise<number> {
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridge().bridgeMetricsText(workers?.runtime.bridges() ?? []));
+        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []));
       }
       const ok = req.url === '/healthz' || (req.url === '/readyz' && ready);
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
@@ -179,14 +273,22 @@ function workerCommand(): Promise<number> {
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   dev: () =>
     [
-      'usage: magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube]',
-      '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
+      'usage: magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+      '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers, with throwaway data)',
       '',
       DESCRIPTIONS.dev,
       '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
-      '  --port P           the gateway\'s port (default 8080, or one the kernel picks when 8080 is taken)',
+      '  --port P           the gateway\'s port (default: the last run\'s, else 8080, else one the kernel picks)',
       '  --token-env VAR    the environment variable holding a Hugging Face token (gated repos)',
       '  --no-kube          do not start etcd + kube-apiserver and the controller (the kubectl door)',
+      '  --data-dir DIR     where the state is kept across restarts (default $MAGUS_DEV_DATA_DIR, else',
+      '                     $XDG_DATA_HOME/magus/dev or ~/.local/share/magus/dev); one magus dev per folder',
+      '  --fresh            start over: empty the data folder first (new API token, the model pulled again)',
+      '',
+      'State (Temporal\'s database, the JetStream store, MinIO\'s data, the API token, the ports) is kept in the',
+      'data folder: a restart comes back with it. While it runs, connection.json there (0600) tells every other',
+      'magus command (model pull, worker, gateway …) where it is. Ctrl-C or SIGTERM stops it; a second one, a',
+      'second or more later, exits at once.',
     ].join('\n'),
   worker: () =>
     [
@@ -201,6 +303,7 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   convert: () => load.convert().CONVERT_USAGE,
   engine: () => load.engine().ENGINE_USAGE,
   bridge: () => load.bridge().BRIDGE_USAGE,
+  fetch: () => load.fetch().FETCH_USAGE,
   model: () => load.modelPull().PULL_USAGE,
 };
 
@@ -219,11 +322,40 @@ export async function main(argv: string[]): Promise<number> {
     process.stdout.write(`${modeUsage()}\n`);
     return 0;
   }
+  if (LONG_RUNNING.has(mode as Mode)) {
+    const stop = watchStopRequests({ name: mode, forceOnRepeat: mode !== 'engine' });
+    try {
+      return await runLongRunning(mode as Mode, rest, stop.signal);
+    } finally {
+      stop.dispose();
+    }
+  }
   switch (mode as Mode) {
-    case 'dev':
-      return dev(rest);
     case 'convert':
       return load.convert().convertCommand(rest);
+    case 'fetch':
+      return load.fetch().fetchCommand(rest);
+    case 'model':
+      if (rest[0] === 'pull') return configErrors(() => load.modelPull().modelPullCommand(rest.slice(1)));
+      process.stderr.write(`${load.modelPull().PULL_USAGE}\n`);
+      return 1;
+    default:
+      process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
+      return EXIT_NOT_AVAILABLE;
+  }
+}
+
+/** Modes that run until they are told to stop. */
+const LONG_RUNNING: ReadonlySet<Mode> = new Set<Mode>(['dev', 'worker', 'engine', 'bridge', 'gateway', 'controller']);
+
+async function runLongRunning(mode: Mode, rest: string[], stop: AbortSignal): Promise<number> {
+  if (mode === 'dev') return dev(rest, stop);
+  // The servers a running `magus dev` has, for the settings the environment leaves unset.
+  if (mode !== 'engine') {
+    const devUse = useDevConnection(process.env);
+    if (devUse && devUse.taken.length > 0) process.stderr.write(`magus ${mode}: using the running magus dev (pid ${devUse.connection.pid}) for ${devUse.taken.filter((v) => !v.startsWith('AWS_')).join(', ')} (${devUse.file})\n`);
+  }
+  switch (mode) {
     case 'worker':
       return workerCommand();
     case 'engine':
@@ -234,12 +366,7 @@ export async function main(argv: string[]): Promise<number> {
       return configErrors(() => load.gateway().gatewayCommand(rest));
     case 'controller':
       return configErrors(() => load.controller().controllerCommand(rest));
-    case 'model':
-      if (rest[0] === 'pull') return configErrors(() => load.modelPull().modelPullCommand(rest.slice(1)));
-      process.stderr.write(`${load.modelPull().PULL_USAGE}\n`);
-      return 1;
     default:
-      process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
-      return EXIT_NOT_AVAILABLE;
+      throw new Error(`${mode} is not a long-running mode`);
   }
 }

@@ -1,4 +1,5 @@
-import { defaultModelName, parsePullArgs } from './model-pull';
+import { createServer, type AddressInfo } from 'node:net';
+import { connectTemporal, defaultHub, defaultModelName, parsePullArgs, RetryReport } from './model-pull';
 
 test('a repo, revision, formats and token reference become a spec', () => {
   const a = parsePullArgs(['TinyLlama/TinyLlama-1.1B-Chat@v1.0', '--format', 'gguf:q40,dllama:q80', '--hub', 'http://127.0.0.1:9000', '--token-env', 'HF_TOKEN', '--context', '4096']);
@@ -33,4 +34,38 @@ test.each([
 test('default names are DNS labels', () => {
   expect(defaultModelName('Qwen/Qwen3-0.6B')).toBe('qwen3-0-6b');
   expect(defaultModelName('org/___')).toBe('model');
+});
+
+test("without --hub, the running dev's demo hub serves its own repos, and only those", () => {
+  const dev = { connection: { hub: { url: 'http://127.0.0.1:35000', repos: ['magus-demo/tiny-llama'] } } } as Parameters<typeof parsePullArgs>[1];
+  expect(parsePullArgs(['magus-demo/tiny-llama', '--format', 'gguf:q40'], dev).spec.source.hubUrl).toBe('http://127.0.0.1:35000');
+  expect(parsePullArgs(['magus-demo/tiny-llama', '--format', 'gguf:q40', '--hub', 'http://h:1'], dev).spec.source.hubUrl).toBe('http://h:1');
+  expect(parsePullArgs(['Qwen/Qwen3-0.6B', '--format', 'gguf:q40'], dev).spec.source.hubUrl).toBeUndefined();
+  expect(defaultHub('magus-demo/tiny-llama', undefined)).toBeUndefined();
+});
+
+test('an unreachable Temporal fails at once, naming the address and where it came from', async () => {
+  const port = await new Promise<number>((ok) => {
+    const srv = createServer().listen(0, '127.0.0.1', () => {
+      const { port } = srv.address() as AddressInfo;
+      srv.close(() => ok(port));
+    });
+  });
+  const err = await connectTemporal(`127.0.0.1:${port}`, 'MAGUS_TEMPORAL_ADDRESS').catch((e: Error) => e);
+  expect((err as Error).name).toBe('TemporalUnreachable');
+  expect((err as Error).message).toBe(`cannot reach Temporal at 127.0.0.1:${port} (MAGUS_TEMPORAL_ADDRESS): ECONNREFUSED. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`);
+});
+
+test('a retried activity is one line per failed attempt, its first line only', async () => {
+  const lines: string[] = [];
+  const report = new RetryReport((l) => lines.push(l));
+  let pending = [{ activityId: '1', activityType: { name: 'resolveSource' }, attempt: 3, lastFailure: { message: 'fetch failed: getaddrinfo ENOTFOUND huggingface.co\n    at stack…' }, nextAttemptScheduleTime: { seconds: Math.round(Date.now() / 1000) + 4 } }];
+  const handle = { describe: () => Promise.resolve({ raw: { pendingActivities: pending } }) } as unknown as Parameters<RetryReport['check']>[0];
+  await report.check(handle);
+  await report.check(handle);
+  expect(lines).toHaveLength(1);
+  expect(lines[0]).toMatch(/^resolveSource failed \(attempt 2\): fetch failed: getaddrinfo ENOTFOUND huggingface\.co; attempt 3 in [3-5] s$/);
+  pending = [{ ...pending[0]!, attempt: 4 }];
+  await report.check(handle);
+  expect(lines).toHaveLength(2);
 });

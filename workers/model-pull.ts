@@ -4,18 +4,26 @@
  *
  * Starts (or re-specs) the model's pipeline workflow and draws its progress until it is ready.
  * The token is passed as a reference (an env var name or a file path the worker can read),
- * never as a value.
+ * never as a value. Where Temporal is: `MAGUS_TEMPORAL_ADDRESS`, else the running `magus dev`'s
+ * connection settings (which also name its demo hub, used for the repos it serves when `--hub`
+ * is not given), else 127.0.0.1:7233; an address it cannot reach fails at once, named.
  */
-import { Client, Connection, WorkflowExecutionAlreadyStartedError } from '@temporalio/client';
+import { connect as tcpConnect } from 'node:net';
+import { Client, Connection, WorkflowExecutionAlreadyStartedError, type WorkflowHandle } from '@temporalio/client';
 import { SearchAttribute } from '../shared/constants';
 import { validateModelSpec, type ArtifactRequest, type ModelSpec, type SecretRef } from '../shared/model';
 import { modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
 import type { modelPipeline } from '../workflows/model/pipeline';
-import { loadConfig } from './config';
+import { loadConfig, readDevConnection, useDevConnection, type DevConnectionUse } from './config';
 import { TerminalProgress } from './progress';
 
-export const PULL_USAGE =
-  'usage: magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40…] [--hub URL] [--name NAME] [--namespace NS] [--token-env VAR | --token-file PATH] [--context N] [--detach]';
+export const PULL_USAGE = [
+  'usage: magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40…] [--hub URL] [--name NAME] [--namespace NS] [--token-env VAR | --token-file PATH] [--context N] [--detach]',
+  '',
+  'Temporal: MAGUS_TEMPORAL_ADDRESS, else the running magus dev (its connection.json in MAGUS_DEV_DATA_DIR,',
+  'default ~/.local/share/magus/dev), else 127.0.0.1:7233. Without --hub, the repos of magus dev\'s demo hub come',
+  'from it; others from huggingface.co.',
+].join('\n');
 
 class UsageError extends Error {}
 
@@ -32,7 +40,13 @@ export function defaultModelName(repo: string): string {
   return base.slice(0, 63).replace(/-+$/, '') || 'model';
 }
 
-export function parsePullArgs(args: string[]): PullArgs {
+/** The hub a repo comes from when `--hub` is not given: the running dev's demo hub serves its own repos. */
+export function defaultHub(repo: string, dev: Pick<DevConnectionUse, 'connection'> | undefined): string | undefined {
+  const hub = dev?.connection.hub;
+  return hub && hub.repos.includes(repo) ? hub.url : undefined;
+}
+
+export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'connection'>): PullArgs {
   let ref: string | undefined;
   const opts: Record<string, string> = {};
   let detach = false;
@@ -50,6 +64,7 @@ export function parsePullArgs(args: string[]): PullArgs {
   }
   if (!ref) throw new UsageError('missing <org/repo>');
   const [repo, revision] = ref.split('@', 2) as [string, string | undefined];
+  const hubUrl = opts['--hub'] ?? defaultHub(repo, dev);
   if (!opts['--format']) throw new UsageError('--format is required, e.g. --format gguf:q40,dllama:q40');
   const artifacts = opts['--format'].split(',').map((f): ArtifactRequest => {
     const [format, weights] = f.trim().split(':');
@@ -58,7 +73,7 @@ export function parsePullArgs(args: string[]): PullArgs {
   if (opts['--token-env'] && opts['--token-file']) throw new UsageError('give --token-env or --token-file, not both');
   const tokenRef: SecretRef | undefined = opts['--token-env'] ? { env: opts['--token-env'] } : opts['--token-file'] ? { file: opts['--token-file'] } : undefined;
   const spec: ModelSpec = {
-    source: { repo, ...(revision ? { revision } : {}), ...(opts['--hub'] ? { hubUrl: opts['--hub'] } : {}), ...(tokenRef ? { tokenRef } : {}) },
+    source: { repo, ...(revision ? { revision } : {}), ...(hubUrl ? { hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}) },
     artifacts,
     ...(opts['--context'] ? { contextLength: Number(opts['--context']) } : {}),
   };
@@ -76,17 +91,100 @@ function describe(p: PipelineProgress): string {
   return p.failure ? `${p.phase}: ${p.failure.type}: ${p.failure.message}` : p.phase;
 }
 
-export async function modelPullCommand(args: string[]): Promise<number> {
+/**
+ * One line per failed attempt of the activity a pipeline is retrying (Temporal's pending
+ * activity: its attempt and last failure), for `magus model pull` and `magus dev`: a pull that
+ * cannot reach its hub says so on every retry instead of sitting at `resolving`.
+ */
+export class RetryReport {
+  private readonly told = new Set<string>();
+
+  constructor(private readonly write: (line: string) => void) {}
+
+  async check(handle: Pick<WorkflowHandle, 'describe'>): Promise<void> {
+    let pending;
+    try {
+      pending = (await handle.describe()).raw.pendingActivities ?? [];
+    } catch {
+      return; // a progress report, not worth failing the pull over
+    }
+    for (const a of pending) {
+      const attempt = a.attempt ?? 1;
+      const failure = a.lastFailure?.message;
+      const key = `${a.activityId ?? ''}/${attempt}`;
+      if (attempt < 2 || !failure || this.told.has(key)) continue;
+      this.told.add(key);
+      const next = a.nextAttemptScheduleTime?.seconds ? Math.max(0, Math.round(Number(a.nextAttemptScheduleTime.seconds) - Date.now() / 1000)) : undefined;
+      const first = failure.split('\n', 1)[0]!.slice(0, 300);
+      this.write(`${a.activityType?.name ?? 'activity'} failed (attempt ${attempt - 1}): ${first}; attempt ${attempt}${next === undefined ? '' : ` in ${next} s`}`);
+    }
+  }
+}
+
+/** Where the Temporal address came from, for messages. */
+function addressOrigin(dev: DevConnectionUse | undefined, env: NodeJS.ProcessEnv): string {
+  if (dev?.taken.includes('MAGUS_TEMPORAL_ADDRESS')) return `the running magus dev's, from ${dev.file}`;
+  if (env.MAGUS_TEMPORAL_ADDRESS?.trim()) return 'MAGUS_TEMPORAL_ADDRESS';
+  const { file, stalePid } = readDevConnection(env);
+  const stale = stalePid === undefined ? `no magus dev runs (no ${file})` : `${file} is left from a magus dev (pid ${stalePid}) that no longer runs`;
+  return `the default: MAGUS_TEMPORAL_ADDRESS is unset and ${stale}`;
+}
+
+/** Whether `host:port` accepts a TCP connection; the reason when it does not (ECONNREFUSED …). */
+function tcpReachable(address: string, timeoutMs: number): Promise<string | null> {
+  const i = address.lastIndexOf(':');
+  return new Promise((done) => {
+    const socket = tcpConnect({ host: address.slice(0, i), port: Number(address.slice(i + 1)), timeout: timeoutMs });
+    socket.once('connect', () => {
+      socket.destroy();
+      done(null);
+    });
+    socket.once('timeout', () => {
+      socket.destroy();
+      done(`no answer within ${timeoutMs / 1000} s`);
+    });
+    socket.once('error', (err: NodeJS.ErrnoException) => done(err.code ?? err.message));
+  });
+}
+
+/**
+ * Connects to Temporal, or fails within seconds naming the address and where it came from
+ * (the client alone retries until its deadline and then says only "Failed to connect before the
+ * deadline").
+ */
+export async function connectTemporal(address: string, origin: string): Promise<Connection> {
+  const cannot = (why: string) =>
+    Object.assign(new Error(`cannot reach Temporal at ${address} (${origin}): ${why}. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`), { name: 'TemporalUnreachable' });
+  const refused = await tcpReachable(address, 3000);
+  if (refused) throw cannot(refused);
+  try {
+    return await Connection.connect({ address, connectTimeout: '5s' });
+  } catch (err) {
+    throw cannot((err as Error).message);
+  }
+}
+
+export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = process.env): Promise<number> {
+  const dev = useDevConnection(env);
   let parsed: PullArgs;
   try {
-    parsed = parsePullArgs(args);
+    parsed = parsePullArgs(args, dev);
   } catch (err) {
     if (!(err instanceof UsageError)) throw err;
     process.stderr.write(`magus model pull: ${err.message}\n${PULL_USAGE}\n`);
     return 1;
   }
-  const cfg = loadConfig();
-  const connection = await Connection.connect({ address: cfg.temporal.address });
+  const cfg = loadConfig(env);
+  if (dev && dev.taken.length > 0) process.stderr.write(`magus model pull: using the running magus dev (pid ${dev.connection.pid}; ${dev.file})\n`);
+  if (parsed.spec.source.hubUrl && !args.includes('--hub')) process.stderr.write(`magus model pull: ${parsed.spec.source.repo} comes from magus dev's demo hub at ${parsed.spec.source.hubUrl}\n`);
+  let connection: Connection;
+  try {
+    connection = await connectTemporal(cfg.temporal.address, addressOrigin(dev, env));
+  } catch (err) {
+    if ((err as Error).name !== 'TemporalUnreachable') throw err;
+    process.stderr.write(`magus model pull: ${(err as Error).message}\n`);
+    return 1;
+  }
   try {
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
     const workflowId = modelWorkflowId(parsed.namespace, parsed.name);
@@ -109,12 +207,17 @@ export async function modelPullCommand(args: string[]): Promise<number> {
 
     const handle = client.workflow.getHandle(workflowId);
     const bar = new TerminalProgress();
+    const retries = new RetryReport((line) => {
+      bar.finish();
+      process.stderr.write(`${line}\n`);
+    });
     let stop = false;
     const onSignal = () => {
       stop = true;
     };
     process.once('SIGINT', onSignal);
     let last = '';
+    let polls = 0;
     try {
       for (;;) {
         const p = await handle.query(progressQuery);
@@ -139,6 +242,7 @@ export async function modelPullCommand(args: string[]): Promise<number> {
           process.stderr.write(`stopped watching; the pipeline goes on (workflow ${workflowId})\n`);
           return 130;
         }
+        if (++polls % 4 === 0) await retries.check(handle);
         await new Promise((r) => setTimeout(r, 500));
       }
     } finally {

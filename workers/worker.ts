@@ -17,6 +17,7 @@ import { createSecretResolver } from '../activities/huggingface/secrets';
 import { declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
+import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
@@ -28,8 +29,10 @@ export interface RunningWorkers {
   done: Promise<void>;
   /** Graceful stop: in-flight activity attempts are cancelled and resumed by the next worker. */
   shutdown(): Promise<void>;
-  /** The runtime serving this worker's instances (processes, health). */
+  /** The local runtime (processes, health); it runs nothing when the worker uses the Kubernetes one. */
   runtime: LocalRuntime;
+  /** The Kubernetes runtime, when the worker is configured for it (`MAGUS_RUNTIME=kubernetes`). */
+  kubernetes?: KubernetesRuntime;
   /** This worker's own task queue: its instances' describe, destroy and watch activities. */
   runtimeQueue: string;
 }
@@ -123,7 +126,28 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   // The local runtime's instances are this worker's processes: their describe and destroy come
   // to this worker's own queue (the pool learns it from createInstance).
   const runtimeQueue = runtimeQueueFor(cfg.taskQueue, `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`);
-  const serving = createServingActivities({ runtime, sessions: await nc.jetstream().views.kv(names.sessionsBucket), pools: await nc.jetstream().views.kv(names.poolsBucket), runtimeQueue });
+  // The Kubernetes runtime answers from the cluster: any worker can describe, watch or destroy
+  // its instances, so they name no runtime queue.
+  const kubeRuntime =
+    cfg.kubernetes && deps.kube
+      ? createKubernetesRuntime({
+          kc: deps.kube,
+          registry,
+          nc,
+          names,
+          images: cfg.kubernetes.images,
+          natsUrl: cfg.kubernetes.natsUrl,
+          s3: { endpoint: cfg.s3.endpoint, region: cfg.s3.region, bucket: cfg.s3.bucket, ...(cfg.kubernetes.s3Secret ? { secret: cfg.kubernetes.s3Secret } : {}) },
+          ...(cfg.kubernetes.serviceAccount ? { serviceAccount: cfg.kubernetes.serviceAccount } : {}),
+          defaultNodes: cfg.kubernetes.defaultNodes,
+          unschedulableAfterMs: cfg.kubernetes.unschedulableAfterMs,
+          log: (line) => process.stderr.write(`magus worker: kubernetes runtime: ${line}\n`),
+        })
+      : undefined;
+  if (cfg.kubernetes && !deps.kube) throw new Error('MAGUS_RUNTIME=kubernetes needs a cluster: run in a pod or set KUBECONFIG');
+  const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const poolsKv = await nc.jetstream().views.kv(names.poolsBucket);
+  const serving = kubeRuntime ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv }) : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue });
 
   const activities = createPipelineActivities({
     s3,
@@ -135,10 +159,15 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     transfer: { partSize: cfg.transferPartSize },
   });
 
-  const control = await Worker.create({
+  // MAGUS_WORKER_QUEUES: a Deployment per queue scales and sizes them apart (the chart does).
+  const polls = (q: 'control' | 'pipeline') => (cfg.queues ?? 'all') === 'all' || cfg.queues === q;
+  const control = !polls('control') ? undefined : await Worker.create({
     connection: workerConnection,
     namespace: cfg.temporal.namespace,
     taskQueue: cfg.taskQueue,
+    // Each serving instance's watcher holds a slot for the instance's life (mostly waiting on a
+    // timer or a pod watch), beside the starts and the short activities.
+    maxConcurrentActivityTaskExecutions: 1000,
     workflowsPath: require.resolve('../workflows'),
     // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
     activities: {
@@ -147,7 +176,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
       ...(deps.kube ? createKubernetesActivities({ kc: deps.kube, bucket: cfg.s3.bucket }) : {}),
     },
   });
-  const pipeline = await Worker.create({
+  const pipeline = !polls('pipeline') ? undefined : await Worker.create({
     connection: workerConnection,
     namespace: cfg.temporal.namespace,
     taskQueue: pipelineQueueFor(cfg.taskQueue),
@@ -156,7 +185,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     maxConcurrentActivityTaskExecutions: 8,
   });
 
-  const own = await Worker.create({
+  const own = !polls('control') ? undefined : await Worker.create({
     connection: workerConnection,
     namespace: cfg.temporal.namespace,
     taskQueue: runtimeQueue,
@@ -167,7 +196,8 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     },
   });
 
-  const done = Promise.all([control.run(), pipeline.run(), own.run()]).then(async () => {
+  const running = [control, pipeline, own].filter((w): w is Worker => w !== undefined);
+  const done = Promise.all(running.map((w) => w.run())).then(async () => {
     await runtime.stopAll();
     await workerConnection.close();
     await connection.close();
@@ -177,10 +207,11 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   return {
     done,
     runtime,
+    ...(kubeRuntime ? { kubernetes: kubeRuntime } : {}),
     runtimeQueue,
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
-      for (const w of [control, pipeline, own]) if (w.getState() === 'RUNNING') w.shutdown();
+      for (const w of running) if (w.getState() === 'RUNNING') w.shutdown();
       await done;
     },
   };

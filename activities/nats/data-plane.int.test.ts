@@ -1,7 +1,9 @@
 /**
- * The data plane against the real nats-server: what ensureDataPlane declares, per-instance
- * consumers, de-duplicated request publishing, request claims and reading frames back.
+ * The data plane against the real nats-server: what ensureDataPlane declares (the response
+ * stream sized from throughput × retention), per-instance consumers, de-duplicated request
+ * publishing, request claims, and reading frames back — also from a stream that evicted them.
  */
+import { setTimeout as sleep } from 'node:timers/promises';
 import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
@@ -15,6 +17,7 @@ import {
   publishRequest,
   readStoredFrames,
   requestSubjectOf,
+  responseStreamState,
   responseSubjectOf,
   type DataPlaneNames,
 } from './data-plane';
@@ -64,6 +67,30 @@ describe('ensureDataPlane', () => {
     expect(sessions.max_msgs_per_subject).toBe(1);
     expect((await jsm.streams.info(`KV_${names.tokensBucket}`)).config.max_age).toBe(0);
     expect((await jsm.streams.info(`KV_${names.claimsBucket}`)).config.max_age).toBe(nanos(2 * 60 * 60_000));
+  });
+
+  it('sizes the response stream from peak throughput × the longest request, records that retention, and follows a changed configuration', async () => {
+    const MiB = 1024 * 1024;
+    const info = async () => (await jsm.streams.info(names.responseStream)).config;
+    expect(await info()).toMatchObject({ max_bytes: 300 * MiB, max_age: nanos(30 * 60_000), metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '600000' }) as unknown });
+    await ensureDataPlane(nc, { prefix: names.prefix, responsePeakBytesPerSec: 16 * 1024, responseRetentionMs: 45 * 60_000 });
+    expect(await info()).toMatchObject({ max_bytes: 16 * 1024 * 45 * 60, max_age: nanos(45 * 60_000), metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '2700000', 'magus.dev/peak-bytes-per-sec': '16384' }) as unknown });
+    // A memory stream reserves its size from JetStream's max_memory: too big fails, naming the knobs, and changes nothing.
+    await expect(ensureDataPlane(nc, { prefix: names.prefix, responsePeakBytesPerSec: 2 ** 30, responseRetentionMs: 24 * 3_600_000 })).rejects.toThrow(/MAGUS_RESPONSES: JetStream has less memory left than .* \(peak 1073741824 B\/s × 86400 s\)/);
+    expect((await info()).max_bytes).toBe(16 * 1024 * 45 * 60);
+    await ensureDataPlane(nc, { prefix: names.prefix });
+    expect((await info()).max_bytes).toBe(300 * MiB);
+  });
+
+  it('captures frames of both reply subject forms', async () => {
+    const perReplica = responseSubjectOf(names, 'forms-1', 'gw-a');
+    const older = responseSubjectOf(names, 'forms-2');
+    nc.publish(perReplica, encodeJson({ seq: 0, type: 'done' }));
+    nc.publish(older, encodeJson({ seq: 0, type: 'done' }));
+    await nc.flush();
+    for (const subject of [perReplica, older]) {
+      expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject)).toMatchObject({ frames: [{ seq: 0, type: 'done' }], complete: true });
+    }
   });
 
   it('is idempotent and brings limits of existing streams and buckets up to date', async () => {
@@ -145,7 +172,10 @@ describe('readStoredFrames', () => {
     const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject);
     expect(complete).toBe(true);
     expect(frames).toEqual([chunk(0, 'a'), chunk(1, 'b'), chunk(2, 'c')]);
-    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, responseSubjectOf(names, 'never'))).toEqual({ frames: [], complete: true });
+    const never = responseSubjectOf(names, 'never');
+    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, never)).toEqual({ frames: [], beyondGap: [], highestSeq: -1, complete: true });
+    // A stream that dropped nothing: none stored means none sent.
+    expect((await readStoredFrames(nc.jetstream(), jsm, names.responseStream, never, { since: Date.now() - 60_000 })).complete).toBe(true);
   });
 
   it('reports a gap as incomplete', async () => {
@@ -153,8 +183,63 @@ describe('readStoredFrames', () => {
     nc.publish(subject, encodeJson({ seq: 0, type: 'chunk', data: {} }));
     nc.publish(subject, encodeJson({ seq: 2, type: 'chunk', data: {} }));
     await nc.flush();
-    const { frames, complete } = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject);
+    const { frames, beyondGap, highestSeq, complete } = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject);
     expect(frames.map((f) => f.seq)).toEqual([0]);
+    expect(beyondGap.map((f) => f.seq)).toEqual([2]);
+    expect(highestSeq).toBe(2);
     expect(complete).toBe(false);
+  });
+
+  describe('from a stream too small for its traffic (it evicts the oldest frames)', () => {
+    let small: DataPlaneNames;
+    const chunk = (seq: number) => encodeJson({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: `piece ${seq}` } }] } });
+    /** Other requests' frames, more than the stream holds: everything published before them is evicted. */
+    const traffic = async (tag: string) => {
+      for (let i = 0; i < 160; i += 1) nc.publish(responseSubjectOf(small, `${tag}-${i}`, 'gw-other'), encodeJson({ seq: 0, type: 'done', data: 'x'.repeat(400) }));
+      await nc.flush();
+    };
+
+    beforeAll(async () => {
+      small = await ensureDataPlane(nc, { prefix: `${names.prefix}S`, responseMaxBytes: 32 * 1024 });
+    });
+    afterAll(async () => {
+      for (const s of [small.requestStream, small.responseStream, ...[small.sessionsBucket, small.tokensBucket, small.claimsBucket, small.poolsBucket].map((b) => `KV_${b}`)]) {
+        await jsm.streams.delete(s).catch(() => false);
+      }
+    });
+
+    it('every frame of a request evicted: incomplete given when the request was stored, not "nothing was sent"', async () => {
+      const since = Date.now(); // the request was stored now; its frames follow
+      await sleep(5);
+      const subject = responseSubjectOf(small, 'all-gone', 'gw-a');
+      for (let seq = 0; seq < 3; seq += 1) nc.publish(subject, chunk(seq));
+      await nc.flush();
+      await traffic('all-gone');
+      // Without `since` nothing tells eviction from silence.
+      expect(await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject)).toMatchObject({ frames: [], complete: true });
+      expect(await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject, { since })).toMatchObject({ frames: [], highestSeq: -1, complete: false });
+    });
+
+    it('the start evicted: the frames after it come back apart, with the highest seq stored', async () => {
+      const subject = responseSubjectOf(small, 'start-gone', 'gw-a');
+      for (let seq = 0; seq < 3; seq += 1) nc.publish(subject, chunk(seq));
+      await nc.flush();
+      await traffic('start-gone');
+      for (let seq = 3; seq < 5; seq += 1) nc.publish(subject, chunk(seq));
+      await nc.flush();
+      const stored = await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject, { since: Date.now() - 60_000 });
+      expect({ frames: stored.frames, beyondGap: stored.beyondGap.map((f) => f.seq), highestSeq: stored.highestSeq, complete: stored.complete }).toEqual({ frames: [], beyondGap: [3, 4], highestSeq: 4, complete: false });
+    });
+
+    it('responseStreamState shows it: full, and its oldest frame far younger than the retention requests need', async () => {
+      await traffic('state');
+      const state = await responseStreamState(jsm, small.responseStream);
+      expect(state.maxBytes).toBe(32 * 1024);
+      expect(state.bytes).toBeGreaterThan(0.9 * state.maxBytes);
+      expect(state.requiredRetentionMs).toBe(10 * 60_000);
+      expect(state.oldestFrameAgeMs).toBeLessThan(state.requiredRetentionMs!);
+      const roomy = await responseStreamState(jsm, names.responseStream);
+      expect(roomy.bytes).toBeLessThan(0.01 * roomy.maxBytes);
+    });
   });
 });

@@ -1,7 +1,4 @@
-import type { ResponseFrame } from '../../shared/serving';
-import { FrameSequencer, consumerNameOf, dataPlaneNames, parseFrame, requestSubjectOf, responseSubjectOf } from './data-plane';
-
-const chunk = (seq: number, text = `t${seq}`): ResponseFrame => ({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: text } }] } });
+import { MIN_RESPONSE_MAX_BYTES, consumerNameOf, dataPlaneNames, isResponseSubjectOf, requestSubjectOf, responseStreamLimits, responseSubjectOf } from './data-plane';
 
 describe('data-plane names', () => {
   it('are the shared names without a prefix', () => {
@@ -16,6 +13,21 @@ describe('data-plane names', () => {
     expect(n).toMatchObject({ requestStream: 'T_X_MAGUS_REQUESTS', responseStream: 'T_X_MAGUS_RESPONSES', sessionsBucket: 'T_X_magus_sessions', claimsBucket: 'T_X_magus_claims' });
     expect(requestSubjectOf(n, 'p', 'i')).toBe('t_x.magus.req.p.i');
     expect(responseSubjectOf(n, 'r1')).toBe('t_x.magus.res.r1');
+    expect(responseSubjectOf(n, 'r1', 'gw-1')).toBe('t_x.magus.res.gw-1.r1');
+  });
+
+  it('put each gateway replica’s frames under a subject token of its own', () => {
+    const n = dataPlaneNames();
+    expect(responseSubjectOf(n, 'r1', 'gw-a')).toBe('magus.res.gw-a.r1');
+    expect(() => responseSubjectOf(n, 'r1', 'a.b')).toThrow(/replica/);
+    expect(() => responseSubjectOf(n, 'r1', '*')).toThrow(/replica/);
+    // What a bridge answers on: the request's own subject, in either form, and nothing else.
+    expect(isResponseSubjectOf(n, 'magus.res.gw-a.r1', 'r1')).toBe(true);
+    expect(isResponseSubjectOf(n, 'magus.res.r1', 'r1')).toBe(true);
+    for (const bad of ['magus.res.gw-a.r2', 'magus.res.xr1', 'magus.res.a.b.r1', 'magus.res.*.r1', 'magus.res..r1', 'other.gw-a.r1', 't_x.magus.res.gw-a.r1', 'magus.res.gw-a.>']) {
+      expect([bad, isResponseSubjectOf(n, bad, 'r1')]).toEqual([bad, false]);
+    }
+    expect(isResponseSubjectOf(dataPlaneNames('T_X'), 't_x.magus.res.gw-a.r1', 'r1')).toBe(true);
   });
 
   it('reject names that would break subjects or make consumer names ambiguous', () => {
@@ -27,44 +39,15 @@ describe('data-plane names', () => {
   });
 });
 
-describe('FrameSequencer (the gateway rule)', () => {
-  it('relays in order, each seq once, and ends at the first terminal', () => {
-    const s = new FrameSequencer();
-    expect(s.push(chunk(0))).toEqual([chunk(0)]);
-    expect(s.push(chunk(0, 'again'))).toEqual([]);
-    expect(s.push(chunk(2))).toEqual([]);
-    expect(s.hasGap).toBe(true);
-    expect(s.push(chunk(1))).toEqual([chunk(1), chunk(2)]);
-    expect(s.push({ seq: 3, type: 'done' })).toEqual([{ seq: 3, type: 'done' }]);
-    expect(s.finished).toBe(true);
-    expect(s.push(chunk(4))).toEqual([]);
-    expect(s.expected).toBe(4);
+describe('responseStreamLimits', () => {
+  const MiB = 1024 * 1024;
+  it('sizes MAGUS_RESPONSES as peak throughput × the longest request, and keeps frames at least that long', () => {
+    expect(responseStreamLimits()).toEqual({ maxBytes: 300 * MiB, maxAgeMs: 30 * 60_000, retentionMs: 10 * 60_000, peakBytesPerSec: 512 * 1024 });
+    expect(responseStreamLimits({ responsePeakBytesPerSec: 2 * MiB, responseRetentionMs: 60 * 60_000 })).toMatchObject({ maxBytes: 7200 * MiB, maxAgeMs: 60 * 60_000 });
   });
-
-  it('lets a restarted attempt fill a gap and ignores what it repeats', () => {
-    const s = new FrameSequencer();
-    const relayed = [chunk(0), chunk(1), chunk(3), /* attempt 2: */ chunk(0), chunk(1), chunk(2), chunk(3), { seq: 4, type: 'done' } as ResponseFrame].flatMap((f) => s.push(f));
-    expect(relayed.map((f) => f.seq)).toEqual([0, 1, 2, 3, 4]);
-  });
-
-  it('a terminal held behind a gap is relayed once the gap fills, not before', () => {
-    const s = new FrameSequencer();
-    expect(s.push({ seq: 1, type: 'error', error: { status: 502, type: 'server_error', code: null, message: 'x' } })).toEqual([]);
-    expect(s.finished).toBe(false);
-    expect(s.push(chunk(0)).map((f) => f.type)).toEqual(['chunk', 'error']);
-    expect(s.finished).toBe(true);
-  });
-});
-
-describe('parseFrame', () => {
-  const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
-  it('accepts the three frame types and rejects anything else', () => {
-    expect(parseFrame(enc(chunk(0)))).toEqual(chunk(0));
-    expect(parseFrame(enc({ seq: 1, type: 'done' }))).toEqual({ seq: 1, type: 'done' });
-    expect(parseFrame(enc({ seq: 1, type: 'error', error: { status: 500 } }))).not.toBeNull();
-    expect(parseFrame(enc({ seq: -1, type: 'done' }))).toBeNull();
-    expect(parseFrame(enc({ seq: 1.5, type: 'done' }))).toBeNull();
-    expect(parseFrame(enc({ seq: 1, type: 'restart' }))).toBeNull();
-    expect(parseFrame(new TextEncoder().encode('{'))).toBeNull();
+  it('never below the floor, unless an exact cap is given', () => {
+    expect(responseStreamLimits({ responsePeakBytesPerSec: 1024, responseRetentionMs: 60_000 }).maxBytes).toBe(MIN_RESPONSE_MAX_BYTES);
+    expect(responseStreamLimits({ responseMaxBytes: 64 * 1024 }).maxBytes).toBe(64 * 1024);
+    expect(() => responseStreamLimits({ responseRetentionMs: 0 })).toThrow(/responseRetentionMs/);
   });
 });

@@ -12,8 +12,11 @@
  *   requests but the stream and its consumers — and nothing would serve until they were declared
  *   again.
  * - `MAGUS_RESPONSES` (`magus.res.>`, memory, limits): captures the frames bridges publish with
- *   core NATS to `magus.res.<id>`. Nobody consumes it on the hot path; a bridge that takes over a
- *   redelivered request reads it to learn exactly what the client may already have received.
+ *   core NATS to a request's `replyTo`, `magus.res.<replica>.<id>` (each gateway replica
+ *   subscribes to its own `magus.res.<replica>.*` only). Nobody consumes it on the hot path; a
+ *   bridge that takes over a redelivered request reads it to learn exactly what the client may
+ *   already have received, so it must keep every frame for as long as a request may run: its
+ *   size is peak frame throughput × that time ({@link responseStreamLimits}), not a fixed cap.
  *   In memory (every frame is stored): a single nats-server that restarts forgets it; the
  *   processes that declare the data plane do so again after they reconnect
  *   ({@link declareOnReconnect}), and meanwhile answers still flow, on core NATS.
@@ -42,6 +45,7 @@ import {
 } from 'nats';
 import { Nats } from '../../shared/constants';
 import { cancelSubject, requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
+import { decodeFrame, FrameSequencer } from './frames';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
 export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
@@ -70,6 +74,8 @@ const NAME = /^[A-Za-z0-9_-]+$/;
 const TOKEN = /^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$/;
 /** Request ids: one subject token and one KV key. */
 export const REQUEST_ID = /^[A-Za-z0-9_-]{1,128}$/;
+/** Gateway replica ids: one subject token. */
+export const REPLICA_ID = /^[A-Za-z0-9_-]{1,64}$/;
 
 /** The names of the data plane, optionally renamed by `prefix` for isolation. */
 export function dataPlaneNames(prefix = ''): DataPlaneNames {
@@ -110,10 +116,23 @@ export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: s
   return scoped(names, cancelSubject(pool, instance));
 }
 
-/** `magus.res.<id>` in this data plane: the only `replyTo` a bridge accepts for request `id`. */
-export function responseSubjectOf(names: DataPlaneNames, requestId: string): string {
+/**
+ * Where the frames of request `requestId` go in this data plane: `magus.res.<replica>.<id>`, the
+ * subject of the gateway replica that waits for them; without a replica the older
+ * `magus.res.<id>` (requests queued by gateways from before per-replica subjects).
+ */
+export function responseSubjectOf(names: DataPlaneNames, requestId: string, replica?: string): string {
   if (!REQUEST_ID.test(requestId)) throw new Error(`request id '${requestId}' must match ${String(REQUEST_ID)}`);
-  return scoped(names, responseSubject(requestId));
+  if (replica !== undefined && !REPLICA_ID.test(replica)) throw new Error(`replica '${replica}' must match ${String(REPLICA_ID)}`);
+  return scoped(names, responseSubject(requestId, replica));
+}
+
+/** Whether `subject` is a `replyTo` a bridge may answer request `requestId` on: one of {@link responseSubjectOf}'s two forms. */
+export function isResponseSubjectOf(names: DataPlaneNames, subject: string, requestId: string): boolean {
+  const prefix = `${scoped(names, Nats.responseSubjectPrefix)}.`;
+  if (!subject.startsWith(prefix) || !subject.endsWith(requestId)) return false;
+  const rest = subject.slice(prefix.length, subject.length - requestId.length);
+  return rest === '' || (rest.endsWith('.') && REPLICA_ID.test(rest.slice(0, -1)));
 }
 
 /** The durable consumer of one instance (consumers live in the stream, which is already prefixed). */
@@ -139,8 +158,21 @@ export interface DataPlaneOptions {
   instanceBacklog?: number;
   /** Bytes all queued requests may take; a publish beyond it is refused like a full backlog. Default 512 MiB. */
   requestMaxBytes?: number;
-  /** How long frames stay readable for a takeover; must exceed the longest request. Default 30 min. */
+  /**
+   * Peak bytes per second of response frames, all gateways and bridges together, counted as the
+   * stream stores them (payload + subject + 16 B each; a streamed token's frame is ~300 B). Sizes
+   * `MAGUS_RESPONSES` with {@link responseRetentionMs}. Default 512 KiB/s.
+   */
+  responsePeakBytesPerSec?: number;
+  /**
+   * How long a request's frames must stay readable: the longest a request may run, from its
+   * publish to its deadline (at least the gateway's request timeout), since a take-over reads back
+   * everything its request published. Default 10 min.
+   */
+  responseRetentionMs?: number;
+  /** Frames older than this are dropped; at least {@link responseRetentionMs}. Default 30 min. */
   responseMaxAgeMs?: number;
+  /** An exact byte cap for `MAGUS_RESPONSES` instead of the computed one (no floor; tests). */
   responseMaxBytes?: number;
   /** Bucket max age of `magus_sessions`: garbage collection of abandoned entries (their `expiresAt` rules). Default 24 h. */
   sessionMaxAgeMs?: number;
@@ -167,6 +199,40 @@ export function isRevisionConflict(err: unknown): boolean {
   return jsErrorCode(err) === WRONG_LAST_SEQUENCE;
 }
 export const DEFAULT_INSTANCE_BACKLOG = 256;
+/** nats-server: the stream's `max_bytes` does not fit in the memory (or storage) JetStream has left. */
+const INSUFFICIENT_MEMORY = 10028;
+
+export const DEFAULT_RESPONSE_PEAK_BYTES_PER_SEC = 512 * 1024;
+export const DEFAULT_RESPONSE_RETENTION_MS = 10 * MINUTE;
+/** The computed size never goes below this: a stream too small for a burst would evict at once. */
+export const MIN_RESPONSE_MAX_BYTES = 16 * 1024 * 1024;
+/** Stream metadata keys recording what the size was computed from, for whoever reports on it. */
+export const ResponseStreamMetadata = {
+  retentionMs: 'magus.dev/required-retention-ms',
+  peakBytesPerSec: 'magus.dev/peak-bytes-per-sec',
+} as const;
+
+/**
+ * `MAGUS_RESPONSES`'s limits. It discards the oldest frames when full, and a take-over needs all
+ * of its request's frames for as long as the request may run, so it must hold peak throughput ×
+ * that time: `maxBytes = max(MIN_RESPONSE_MAX_BYTES, peak × retention)` (defaults: 512 KiB/s × 10
+ * min = 300 MiB). A memory stream reserves its `max_bytes` from JetStream's `max_memory` when it
+ * is declared, so a size beyond what the server has left fails the declaration, by name.
+ */
+export function responseStreamLimits(opts: Pick<DataPlaneOptions, 'responsePeakBytesPerSec' | 'responseRetentionMs' | 'responseMaxAgeMs' | 'responseMaxBytes'> = {}): {
+  maxBytes: number;
+  maxAgeMs: number;
+  retentionMs: number;
+  peakBytesPerSec: number;
+} {
+  const peakBytesPerSec = opts.responsePeakBytesPerSec ?? DEFAULT_RESPONSE_PEAK_BYTES_PER_SEC;
+  const retentionMs = opts.responseRetentionMs ?? DEFAULT_RESPONSE_RETENTION_MS;
+  for (const [what, v] of [['responsePeakBytesPerSec', peakBytesPerSec], ['responseRetentionMs', retentionMs]] as const) {
+    if (!Number.isFinite(v) || v <= 0) throw new Error(`${what} must be a positive number, got ${v}`);
+  }
+  const maxBytes = opts.responseMaxBytes ?? Math.max(MIN_RESPONSE_MAX_BYTES, Math.ceil((peakBytesPerSec * retentionMs) / 1000));
+  return { maxBytes, maxAgeMs: Math.max(opts.responseMaxAgeMs ?? 30 * MINUTE, retentionMs), retentionMs, peakBytesPerSec };
+}
 
 /**
  * A request publish refused because the instance's backlog (the per-subject limit) is full, or
@@ -239,17 +305,29 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
     duplicate_window: nanos(duplicateWindow),
     num_replicas: replicas,
   });
-  await ensureStream(jsm, {
-    name: names.responseStream,
-    description: 'magus response frames (core-published), read back by a bridge that takes over a request',
-    subjects: [scoped(names, `${Nats.responseSubjectPrefix}.>`)],
-    retention: RetentionPolicy.Limits,
-    storage: StorageType.Memory,
-    discard: DiscardPolicy.Old,
-    max_age: nanos(opts.responseMaxAgeMs ?? 30 * MINUTE),
-    max_bytes: opts.responseMaxBytes ?? 256 * 1024 * 1024,
-    num_replicas: replicas,
-  });
+  const responses = responseStreamLimits(opts);
+  try {
+    await ensureStream(jsm, {
+      name: names.responseStream,
+      description: 'magus response frames (core-published), read back by a bridge that takes over a request',
+      // Both forms: magus.res.<replica>.<id> and the older magus.res.<id>.
+      subjects: [scoped(names, `${Nats.responseSubjectPrefix}.>`)],
+      retention: RetentionPolicy.Limits,
+      storage: StorageType.Memory,
+      discard: DiscardPolicy.Old,
+      max_age: nanos(responses.maxAgeMs),
+      max_bytes: responses.maxBytes,
+      num_replicas: replicas,
+      metadata: { [ResponseStreamMetadata.retentionMs]: String(responses.retentionMs), [ResponseStreamMetadata.peakBytesPerSec]: String(responses.peakBytesPerSec) },
+    });
+  } catch (err) {
+    if (jsErrorCode(err) !== INSUFFICIENT_MEMORY) throw err;
+    const mib = (responses.maxBytes / 2 ** 20).toFixed(0);
+    throw new Error(
+      `${names.responseStream}: JetStream has less memory left than the ${mib} MiB it must hold (peak ${responses.peakBytesPerSec} B/s × ${responses.retentionMs / 1000} s): lower the peak or retention, or raise the server's max_memory`,
+      { cause: err },
+    );
+  }
   await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
   await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
   // On file: only redeliveries write claims (a first delivery that answers writes none), and a
@@ -387,97 +465,61 @@ export async function publishRequest(
   return { duplicate: ack.duplicate, seq: ack.seq };
 }
 
-/** A response frame from bytes, or null when it is not one. */
-export function parseFrame(bytes: Uint8Array): ResponseFrame | null {
-  let v: unknown;
-  try {
-    v = decodeJson(bytes);
-  } catch {
-    return null;
-  }
-  if (typeof v !== 'object' || v === null) return null;
-  const f = v as { seq?: unknown; type?: unknown; error?: unknown };
-  if (typeof f.seq !== 'number' || !Number.isInteger(f.seq) || f.seq < 0) return null;
-  if (f.type === 'chunk' || f.type === 'done') return v as ResponseFrame;
-  if (f.type === 'error' && typeof f.error === 'object' && f.error !== null) return v as ResponseFrame;
-  return null;
+/** What {@link readStoredFrames} found of one response subject. */
+export interface StoredFrames {
+  /** Frames 0..k in order, each seq once: what a {@link FrameSequencer} would have relayed. */
+  frames: ResponseFrame[];
+  /** Frames stored beyond a missing seq, in seq order: a reader that has the missing ones (a gateway back from an outage) can still use them. */
+  beyondGap: ResponseFrame[];
+  /** The highest seq stored (−1: none). */
+  highestSeq: number;
+  /**
+   * False when frames of the subject are gone (aged out, or evicted by a full stream: a missing
+   * seq, or with `since`, nothing left although the stream dropped frames published after it)
+   * or unreadable: then what was sent cannot be known, and the prefix cannot be trusted.
+   */
+  complete: boolean;
 }
 
 /**
- * The gateway's rule for one response subject (and the bridge's, when it reads frames back):
- * relay frames strictly in `seq` order, each `seq` once — the first frame to arrive with a given
- * seq wins, later ones are duplicates of the same content (a re-published terminal) and are
- * dropped; a frame ahead of the next expected seq waits for the gap to fill; the first terminal
- * (`done`/`error`) relayed ends the response.
- */
-export class FrameSequencer {
-  private nextSeq = 0;
-  private ended = false;
-  private readonly held = new Map<number, ResponseFrame>();
-
-  /** Frames now ready to relay, in order (possibly none). */
-  push(frame: ResponseFrame): ResponseFrame[] {
-    if (this.ended || frame.seq < this.nextSeq || this.held.has(frame.seq)) return [];
-    this.held.set(frame.seq, frame);
-    const out: ResponseFrame[] = [];
-    for (let f = this.held.get(this.nextSeq); f && !this.ended; f = this.held.get(this.nextSeq)) {
-      this.held.delete(this.nextSeq);
-      this.nextSeq += 1;
-      out.push(f);
-      if (f.type !== 'chunk') this.ended = true;
-    }
-    if (this.ended) this.held.clear();
-    return out;
-  }
-
-  /** True once a terminal frame was relayed. */
-  get finished(): boolean {
-    return this.ended;
-  }
-
-  /** The seq the next relayed frame must have (= frames relayed so far). */
-  get expected(): number {
-    return this.nextSeq;
-  }
-
-  /** True while frames wait behind a missing seq. */
-  get hasGap(): boolean {
-    return this.held.size > 0;
-  }
-}
-
-/**
- * The frames of `subject` that reached the server, in order and each seq once (what a
- * {@link FrameSequencer} would have relayed), read from the response stream `stream`
- * (`names.responseStream`); `complete` is false when the stream lost some (aged out or evicted),
- * i.e. the prefix cannot be trusted.
+ * The frames of `subject` that reached the server, read from the response stream `stream`
+ * (`names.responseStream`). `since` (epoch ms, server time: e.g. when the request was stored)
+ * says no frame of the subject is older: finding none then proves nothing was sent only if the
+ * stream has dropped nothing younger since — a stream that evicts under pressure can have lost
+ * every frame of a request, and a take-over that took that for "nothing sent" would restart an
+ * answer the client already has part of. (A stream declared again after it was lost, e.g. a
+ * restarted server, has dropped nothing: what it holds is what there is.)
  */
 export async function readStoredFrames(
   js: JetStreamClient,
   jsm: JetStreamManager,
   stream: string,
   subject: string,
-  timeoutMs = 10_000,
-): Promise<{ frames: ResponseFrame[]; complete: boolean }> {
+  opts: { since?: number; timeoutMs?: number } = {},
+): Promise<StoredFrames> {
   let lastSeq: number;
   try {
     lastSeq = (await jsm.streams.getMessage(stream, { last_by_subj: subject })).seq;
   } catch (err) {
-    if (jsErrorCode(err) === NO_MESSAGE) return { frames: [], complete: true };
-    throw err;
+    if (jsErrorCode(err) !== NO_MESSAGE) throw err;
+    const dropped = opts.since !== undefined && (await droppedSince(jsm, stream, opts.since));
+    return { frames: [], beyondGap: [], highestSeq: -1, complete: !dropped };
   }
   const sequencer = new FrameSequencer();
   const frames: ResponseFrame[] = [];
+  let highestSeq = -1;
   let malformed = false;
   const consumer = await js.consumers.get(stream, { filterSubjects: [subject] });
   const messages = await consumer.consume({ max_messages: 256 });
-  const timer = setTimeout(() => void messages.close(), timeoutMs);
+  const timer = setTimeout(() => void messages.close(), opts.timeoutMs ?? 10_000);
   let reachedEnd = false;
   try {
     for await (const m of messages) {
-      const frame = parseFrame(m.data);
-      if (frame) frames.push(...sequencer.push(frame));
-      else malformed = true;
+      const frame = decodeFrame(m.data);
+      if (frame) {
+        frames.push(...sequencer.push(frame));
+        highestSeq = Math.max(highestSeq, frame.seq);
+      } else malformed = true;
       if (m.seq >= lastSeq) {
         reachedEnd = true;
         break;
@@ -487,7 +529,39 @@ export async function readStoredFrames(
     clearTimeout(timer);
     await messages.close();
   }
-  return { frames, complete: reachedEnd && !malformed && !sequencer.hasGap };
+  return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: reachedEnd && !malformed && !sequencer.hasGap };
+}
+
+/** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger). */
+async function droppedSince(jsm: JetStreamManager, stream: string, since: number): Promise<boolean> {
+  const { created, state } = await jsm.streams.info(stream);
+  return Date.parse(created) <= since && state.messages > 0 && Date.parse(state.first_ts) > since;
+}
+
+/** What {@link responseStreamState} reports of `MAGUS_RESPONSES`: whether it keeps frames as long as take-overs need them. */
+export interface ResponseStreamState {
+  /** Age of the oldest stored frame (undefined: none stored). */
+  oldestFrameAgeMs: number | undefined;
+  /** How long frames must stay (`responseRetentionMs` as declared; undefined for a stream declared without it). */
+  requiredRetentionMs: number | undefined;
+  bytes: number;
+  maxBytes: number;
+}
+
+/**
+ * The response stream's retention as it is now. A full stream (`bytes` near `maxBytes`) whose
+ * oldest frame is younger than the required retention is evicting frames a take-over may still
+ * need: the stream is too small for the traffic.
+ */
+export async function responseStreamState(jsm: JetStreamManager, stream: string): Promise<ResponseStreamState> {
+  const { config, state } = await jsm.streams.info(stream);
+  const required = Number(config.metadata?.[ResponseStreamMetadata.retentionMs]);
+  return {
+    oldestFrameAgeMs: state.messages > 0 ? Math.max(0, Date.now() - Date.parse(state.first_ts)) : undefined,
+    requiredRetentionMs: Number.isFinite(required) && required > 0 ? required : undefined,
+    bytes: state.bytes,
+    maxBytes: config.max_bytes,
+  };
 }
 
 /**

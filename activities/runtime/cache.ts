@@ -4,7 +4,7 @@
  */
 import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
-import { createWriteStream, existsSync, mkdirSync } from 'node:fs';
+import { createWriteStream, existsSync, mkdirSync, type WriteStream } from 'node:fs';
 import { rename, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { type Readable, Transform } from 'node:stream';
@@ -21,26 +21,37 @@ export interface ModelCache {
 /**
  * The local path of `file` (`<dir>/<sha256><extension>`), downloading it first unless cached.
  * The download goes to a temporary name and is renamed only once its sha256 matches, so
- * concurrent fetches of one file and interrupted ones never leave a wrong file behind.
+ * concurrent fetches of one file and interrupted ones never leave a wrong file behind. `signal`
+ * aborts the download (it then rejects with `signal.reason`, the temporary file removed).
  */
-export async function cachedFile(cache: ModelCache, file: StoredObject, extension: string): Promise<string> {
+export async function cachedFile(cache: ModelCache, file: StoredObject, extension: string, signal?: AbortSignal): Promise<string> {
+  signal?.throwIfAborted();
   mkdirSync(cache.dir, { recursive: true });
   const path = join(cache.dir, `${file.sha256}${extension}`);
   if (existsSync(path)) return path;
   const tmp = `${path}.tmp-${randomBytes(4).toString('hex')}`;
   const hash = createHash('sha256');
+  let out: WriteStream | undefined;
   try {
-    const r = await cache.s3.send(new GetObjectCommand({ Bucket: cache.bucket, Key: file.key }));
+    const r = await cache.s3.send(new GetObjectCommand({ Bucket: cache.bucket, Key: file.key }), signal ? { abortSignal: signal } : {});
     const hashing = new Transform({
       transform(chunk: Buffer, _enc, cb) {
         hash.update(chunk);
         cb(null, chunk);
       },
     });
-    await pipeline(r.Body as Readable, hashing, createWriteStream(tmp));
+    out = createWriteStream(tmp);
+    await pipeline(r.Body as Readable, hashing, out, signal ? { signal } : {});
     if (hash.digest('hex') !== file.sha256) throw new Error(`${file.key}: downloaded content does not match its sha256`);
+    signal?.throwIfAborted();
     await rename(tmp, path);
+  } catch (err) {
+    if (signal?.aborted) throw signal.reason as Error;
+    throw err;
   } finally {
+    // An aborted pipeline settles before the file is closed (or even opened): removing it
+    // earlier could leave it behind.
+    if (out && !out.closed) await new Promise<void>((r) => out!.once('close', () => r()));
     await rm(tmp, { force: true });
   }
   return path;

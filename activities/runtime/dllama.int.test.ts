@@ -236,3 +236,23 @@ test('nodes the model cannot be split into: create() says so (no GGUF to fall ba
   });
   expect(processesFrom(bin)).toEqual([]);
 });
+
+test('destroy() while the topology starts: the start is aborted, and no process is left when destroy resolves', async () => {
+  const rt = runtime({ nodes: 2 });
+  let settled = false;
+  const outcome = rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-4' }, new AbortController().signal).then(
+    (info) => ((settled = true), info),
+    (err: Error) => ((settled = true), err),
+  );
+  // The root is held before it serves, as if it were still loading the model.
+  const rootPid = () => processesFrom(bin).find((pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').includes(join(bin, 'dllama-api')));
+  await until('the root to start', () => rootPid() !== undefined || settled);
+  process.kill(rootPid()!, 'SIGSTOP');
+  expect(settled).toBe(false);
+
+  await rt.destroy(POOL, 'tiny-4');
+  expect(processesFrom(bin)).toEqual([]);
+  expect(await outcome).toMatchObject({ name: 'InstanceDestroyed' });
+  expect(await rt.describe(POOL, 'tiny-4')).toBeNull();
+  expect(rt.processes(POOL, 'tiny-4')).toBeNull();
+});

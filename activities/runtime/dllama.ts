@@ -48,22 +48,31 @@ const BUFFER_FLOAT_TYPE = 'q80';
 export const DEFAULT_MAX_SEQ_LEN = 4096;
 const WEIGHTS_PREFERENCE: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
 
-/** `dllama worker …` arguments (after the program). */
-export function dllamaWorkerArgs(o: { port: number; threads: number }): string[] {
-  return ['worker', '--host', HOST, '--port', String(o.port), '--nthreads', String(o.threads)];
+/**
+ * `dllama worker …` arguments (after the program). The one builder of a worker's command line,
+ * for the local runtime (loopback) and the Kubernetes one (`host` 0.0.0.0 in its pod):
+ * distributed-llama binds with `inet_addr()`, so `host` is an IPv4 address, never a name.
+ */
+export function dllamaWorkerArgs(o: { port: number; threads: number; host?: string }): string[] {
+  return ['worker', '--host', o.host ?? HOST, '--port', String(o.port), '--nthreads', String(o.threads)];
 }
 
-/** `dllama-api …` arguments (after the program); `--workers` last, as it takes every following address. */
-export function dllamaApiArgs(o: { port: number; model: string; tokenizer: string; threads: number; maxSeqLen: number; workerPorts: readonly number[] }): string[] {
+/**
+ * `dllama-api …` arguments (after the program); `--workers` last, as it takes every following
+ * address. `workers`: `host:port` each (the root resolves names with `getaddrinfo()`, so a
+ * StatefulSet's stable DNS names work); default the loopback `workerPorts`.
+ */
+export function dllamaApiArgs(o: { port: number; model: string; tokenizer: string; threads: number; maxSeqLen: number; workerPorts?: readonly number[]; workers?: readonly string[]; host?: string }): string[] {
+  const workers = o.workers ?? (o.workerPorts ?? []).map((p) => `${HOST}:${p}`);
   return [
-    '--host', HOST,
+    '--host', o.host ?? HOST,
     '--port', String(o.port),
     '--model', o.model,
     '--tokenizer', o.tokenizer,
     '--buffer-float-type', BUFFER_FLOAT_TYPE,
     '--nthreads', String(o.threads),
     '--max-seq-len', String(o.maxSeqLen),
-    ...(o.workerPorts.length > 0 ? ['--workers', ...o.workerPorts.map((p) => `${HOST}:${p}`)] : []),
+    ...(workers.length > 0 ? ['--workers', ...workers] : []),
   ];
 }
 
@@ -186,8 +195,8 @@ class StartError extends Error {
 
 /**
  * Starts a topology over the model and tokenizer at `files` and resolves once its root serves.
- * On any failure (a process exits, the deadline passes, `signal` aborts) every process started
- * is stopped before the error is thrown.
+ * On any failure (a process exits, the deadline passes, `signal` aborts: then with
+ * `signal.reason`) every process started is stopped before the error is thrown.
  */
 export async function startDllamaTopology(
   files: { model: string; tokenizer: string; maxSeqLen: number },
@@ -212,6 +221,8 @@ export async function startDllamaTopology(
     if (root) await root.process.stop(grace);
     await Promise.all(nodes.filter((n) => n.role === 'worker').map((n) => n.process.stop(grace)));
   };
+  /** Waits, but not past an abort (the next check() throws it). */
+  const pause = (ms: number) => sleep(ms, undefined, signal ? { signal } : {}).catch(() => undefined);
   /** Throws when something already went wrong. */
   const check = (what: string): void => {
     const dead = nodes.find((n) => n.process.exit);
@@ -219,7 +230,7 @@ export async function startDllamaTopology(
       const tail = dead.process.tail().slice(-5);
       throw new StartError(`${dead.process.name} ${describeExit(dead.process.exit!)} while ${what}${tail.length > 0 ? `; its last output:\n  ${tail.join('\n  ')}` : ''}`);
     }
-    if (signal?.aborted) throw new StartError(`cancelled while ${what}`);
+    if (signal?.aborted) throw signal.reason as Error;
     if (Date.now() > deadline) throw new StartError(`the topology did not start within ${opts.startTimeoutSec ?? 300}s (${what})`);
   };
 
@@ -231,7 +242,7 @@ export async function startDllamaTopology(
       for (;;) {
         check(`waiting for worker ${w.index} to listen on port ${w.port}`);
         if (w.process.child.pid !== undefined && (await listensOn(w.process.child.pid, w.port))) break;
-        await sleep(100);
+        await pause(100);
       }
     }
     const root = spawnNode('root', 0, rootPort!, [
@@ -242,13 +253,13 @@ export async function startDllamaTopology(
     for (;;) {
       check(`waiting for the root to load the model, connect ${workers.length} worker(s) and answer ${url}/v1/models`);
       try {
-        const res = await fetch(`${url}/v1/models`, { signal: AbortSignal.timeout(2000) });
+        const res = await fetch(`${url}/v1/models`, { signal: signal ? AbortSignal.any([signal, AbortSignal.timeout(2000)]) : AbortSignal.timeout(2000) });
         await res.body?.cancel();
         if (res.ok) break;
       } catch {
         // Not listening yet (it opens its HTTP port last), or busy.
       }
-      await sleep(250);
+      await pause(250);
     }
   } catch (err) {
     await stopAll();
@@ -290,6 +301,7 @@ export async function startSupervisedTopology(
 ): Promise<Supervised<DllamaTopology>> {
   const first = await startDllamaTopology(files, opts);
   const ports = first.nodes.map((n) => n.port); // root first
+  // `signal` is the first start's; a restart is aborted by stop() instead.
   const { signal: _startOnly, ...again } = opts;
   return supervise(first, {
     name: opts.name,
@@ -298,7 +310,7 @@ export async function startSupervisedTopology(
     where: `on ports ${ports.join(', ')}`,
     ended: (t) => t.failed,
     running: (t) => t.healthy(),
-    restart: () => startDllamaTopology(files, { ...again, ports }),
+    restart: (signal) => startDllamaTopology(files, { ...again, ports, signal }),
     stop: (t) => t.stop(),
   });
 }

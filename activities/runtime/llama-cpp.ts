@@ -17,6 +17,15 @@ function engineArgv(args: string[]): string[] {
   return [process.execPath, resolve(__dirname, '..', '..', '..', 'bin', 'magus.js'), 'engine', ...args];
 }
 
+/**
+ * `magus engine …` arguments (after the mode): the one builder of an engine's command line, for
+ * the local runtime (loopback, any port) and the Kubernetes one (0.0.0.0 in its pod, so the
+ * kubelet's probes reach it).
+ */
+export function engineArgs(o: { model: string; modelId: string; port: number; slots: number; threads: number; host?: string }): string[] {
+  return ['--model', o.model, '--model-id', o.modelId, ...(o.host ? ['--host', o.host] : []), '--port', String(o.port), '--json', '--slots', String(o.slots), '--threads', String(o.threads)];
+}
+
 export interface LlamaCppEngine {
   url: string;
   port: number;
@@ -24,14 +33,18 @@ export interface LlamaCppEngine {
 }
 
 /**
- * Starts an engine and resolves with its URL once it reports ready (a failed start leaves no
- * process behind). `port`: a fixed one (a restart keeps the URL its bridge calls); default any.
+ * Starts an engine and resolves with its URL once it reports ready. A failed start (it exits,
+ * the deadline passes, `signal` aborts) rejects only once the process has exited, so it leaves
+ * none behind; aborted, it rejects with `signal.reason`. `port`: a fixed one (a restart keeps
+ * the URL its bridge calls); default any.
  */
 export function startLlamaCppEngine(
   model: string,
-  opts: { modelId: string; slots: number; threads: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number },
+  opts: { modelId: string; slots: number; threads: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number; signal?: AbortSignal },
 ): Promise<LlamaCppEngine> {
-  const argv = engineArgv(['--model', model, '--model-id', opts.modelId, '--port', String(opts.port ?? 0), '--json', '--slots', String(opts.slots), '--threads', String(opts.threads)]);
+  const { signal } = opts;
+  if (signal?.aborted) return Promise.reject(signal.reason as Error);
+  const argv = engineArgv(engineArgs({ model, modelId: opts.modelId, port: opts.port ?? 0, slots: opts.slots, threads: opts.threads }));
   let url: string | null = null;
   let onReady: (() => void) | undefined;
   const proc = spawnSupervised(opts.name, argv, {
@@ -48,16 +61,25 @@ export function startLlamaCppEngine(
     },
   });
   return new Promise((ok, fail) => {
-    const timer = setTimeout(() => {
-      fail(new Error(`engine did not become ready within ${opts.startTimeoutSec}s`));
+    /** Why the start is being given up; it fails with this once the process has exited. */
+    let giveUp: Error | null = null;
+    const abandon = (why: Error) => {
+      giveUp ??= why;
+      // Nothing is served yet: no grace to give.
       void proc.stop(0);
-    }, opts.startTimeoutSec * 1000);
+    };
+    const timer = setTimeout(() => abandon(new Error(`engine did not become ready within ${opts.startTimeoutSec}s`)), opts.startTimeoutSec * 1000);
+    const onAbort = () => abandon(signal!.reason as Error);
+    signal?.addEventListener('abort', onAbort, { once: true });
     void proc.exited.then((e) => {
       clearTimeout(timer);
-      fail(new Error(`engine ${describeExit(e)} before it was ready`));
+      signal?.removeEventListener('abort', onAbort);
+      fail(giveUp ?? new Error(`engine ${describeExit(e)} before it was ready`));
     });
     onReady = () => {
+      if (giveUp) return;
       clearTimeout(timer);
+      signal?.removeEventListener('abort', onAbort);
       ok({ url: url!, port: Number(new URL(url!).port), process: proc });
     };
   });
@@ -75,6 +97,8 @@ export async function startSupervisedEngine(
 ): Promise<Supervised<LlamaCppEngine>> {
   const first = await startLlamaCppEngine(model, opts);
   const port = first.port;
+  // `signal` is the first start's; a restart is aborted by stop() instead.
+  const { signal: _startOnly, ...again } = opts;
   return supervise(first, {
     name: opts.name,
     log: opts.log,
@@ -82,7 +106,7 @@ export async function startSupervisedEngine(
     where: `on port ${port}`,
     ended: (e) => e.process.exited.then(describeExit),
     running: (e) => !e.process.exit,
-    restart: () => startLlamaCppEngine(model, { ...opts, port }),
+    restart: (signal) => startLlamaCppEngine(model, { ...again, port, signal }),
     stop: (e) => e.process.stop(opts.stopGraceMs),
   });
 }

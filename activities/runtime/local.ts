@@ -11,10 +11,14 @@
  * reports the instance unhealthy. Every process runs under
  * `setpriv --pdeathsig KILL`, so it dies with the worker that started it; the pool notices
  * (describe) and starts new ones.
+ *
+ * Nothing is left running that nobody can destroy: a start can be aborted at every step (the
+ * download, the engine or topology coming up, the consumer, the bridge), `destroy` aborts and
+ * awaits a start of its id before it tears down, and an aborted start registers nothing.
  */
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
-import { startBridge, type Bridge, type BridgeSample } from '../../workers/bridge';
+import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
 import type { ReadyModel, StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -66,10 +70,28 @@ export interface LocalProcessInfo {
 }
 
 export interface LocalRuntime extends Runtime {
+  /**
+   * Starts the instance and resolves once it serves; resolves at once when it already does.
+   * Concurrent calls for one id share one start. A caller whose `signal` aborts is rejected
+   * with its reason at once while others still wait; when the last waiting caller's signal
+   * aborts (an activity cancelled or timed out, with no retry of it waiting), the start itself is
+   * aborted, and that caller is rejected once everything the start began has stopped. A call
+   * without a signal keeps the start going: only `destroy` or `stopAll` ends it then.
+   */
+  create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo>;
+  /**
+   * Aborts a start of the id under way (its callers are rejected with `InstanceDestroyed`) and
+   * waits for it to end, then stops the instance's bridge and processes and deletes its request
+   * consumer. Once it resolves, no process of the instance runs, none is started again, and
+   * `describe` and `processes` answer null. A `create` of the id made meanwhile waits for it and
+   * then starts anew.
+   */
+  destroy(pool: string, instance: string): Promise<void>;
   /** The processes of an instance (root first), or null when the runtime does not know it. */
   processes(pool: string, instance: string): LocalProcessInfo[] | null;
   /** The in-process bridges of the running instances, for metrics. */
   bridges(): BridgeSample[];
+  /** Destroys every instance, and aborts every start under way (its callers are rejected with `RuntimeStopped`). */
   stopAll(): Promise<void>;
 }
 
@@ -89,25 +111,56 @@ interface LocalInstance {
   bridge: Bridge;
 }
 
+/** A start under way, shared by every `create` of its id. */
+interface PendingStart {
+  pool: string;
+  instance: string;
+  /** Aborts the start: `destroy`, `stopAll`, or the last waiting caller's signal. */
+  abort: AbortController;
+  /** Callers still waiting whose signal has not aborted (Infinity once one came without a signal). */
+  waiting: number;
+  result: Promise<InstanceInfo>;
+  /** Resolves when the start has ended either way, an aborted one after stopping what it began. */
+  settled: Promise<void>;
+}
+
 const STOP_GRACE_MS = 10_000;
 const WEIGHTS_PREFERENCE = ['q40', 'q80', 'f16', 'f32'];
 
+const named = (name: string, message: string): Error => Object.assign(new Error(message), { name });
+
+/** `p`, or `signal`'s reason as soon as it aborts. */
+function unlessAborted<T>(p: Promise<T>, signal: AbortSignal | undefined): Promise<T> {
+  if (!signal) return p;
+  return new Promise((ok, fail) => {
+    const onAbort = () => fail(signal.reason as Error);
+    if (signal.aborted) return onAbort();
+    signal.addEventListener('abort', onAbort, { once: true });
+    const done = () => signal.removeEventListener('abort', onAbort);
+    p.then(
+      (v) => (done(), ok(v)),
+      (e: unknown) => (done(), fail(e as Error)),
+    );
+  });
+}
+
 export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const instances = new Map<string, LocalInstance>();
-  const starting = new Map<string, Promise<InstanceInfo>>();
+  const starting = new Map<string, PendingStart>();
+  const destroying = new Map<string, Promise<void>>();
   const log = opts.log ?? (() => undefined);
   const cache: ModelCache = { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir };
   const key = (pool: string, instance: string) => `${pool}/${instance}`;
   const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.healthy() });
 
-  async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined): Promise<Serving> {
+  async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined, signal: AbortSignal): Promise<Serving> {
     const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
     const file: StoredObject | undefined = gguf?.files[0];
     if (!file) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
-    const model = await cachedFile(cache, file, '.gguf');
+    const model = await cachedFile(cache, file, '.gguf', signal);
     // Responses name the model as clients know it, not by its cached file.
-    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart, stopGraceMs: STOP_GRACE_MS });
+    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart, stopGraceMs: STOP_GRACE_MS, signal });
     return {
       kind: 'llama.cpp',
       url: engine.current.url, // restarts keep the port
@@ -119,18 +172,23 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     };
   }
 
-  async function startServing(req: InstanceRequest, signal: AbortSignal | undefined): Promise<Serving> {
+  async function startServing(req: InstanceRequest, signal: AbortSignal): Promise<Serving> {
     const ready = await opts.registry.get(req.namespace, req.model);
+    signal.throwIfAborted();
     if (!ready) throw Object.assign(new Error(`model ${req.namespace}/${req.model} is not in the registry`), { name: 'ModelNotReady' });
     const name = key(req.pool, req.instance);
     const choice = opts.dllama ? chooseDllamaArtifact(ready, opts.dllama.nodes) : null;
-    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, choice && 'problem' in choice ? choice.problem : undefined);
+    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, choice && 'problem' in choice ? choice.problem : undefined, signal);
 
-    const [model, tokenizer] = await Promise.all([cachedFile(cache, choice.model, '.m'), cachedFile(cache, choice.tokenizer, '.t')]);
+    // Both downloads end before this fails: an aborted one is still removing its temporary file.
+    const downloads = await Promise.allSettled([cachedFile(cache, choice.model, '.m', signal), cachedFile(cache, choice.tokenizer, '.t', signal)]);
+    const failed = downloads.find((d) => d.status === 'rejected');
+    if (failed) throw failed.reason;
+    const [model, tokenizer] = downloads.map((d) => (d as PromiseFulfilledResult<string>).value) as [string, string];
     const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
     const memory = choice.memory ? `; planned memory: root ${mib(choice.memory.root)}${choice.memory.worker === null ? '' : `, each worker ${mib(choice.memory.worker)}`}` : '';
     log(`${name}: distributed-llama on ${opts.dllama.nodes} node(s), ${choice.artifact.weights} weights, --max-seq-len ${choice.maxSeqLen}${memory}`);
-    const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, ...(signal ? { signal } : {}) });
+    const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, signal });
     return {
       kind: 'dllama',
       url: topology.current.url, // restarts keep the ports
@@ -142,21 +200,113 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     };
   }
 
-  async function create(req: InstanceRequest, signal: AbortSignal | undefined): Promise<InstanceInfo> {
-    const serving = await startServing(req, signal);
-    // distributed-llama answers one request at a time.
-    const slots = serving.kind === 'dllama' ? 1 : (opts.slots ?? 1);
+  /**
+   * Starts an instance; registers it only if `signal` has not aborted by then. Aborted, it stops
+   * whatever it started (the request consumer included) and rejects with `signal.reason`.
+   */
+  async function start(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo> {
+    let serving: Serving | undefined;
+    let bridge: Bridge | undefined;
+    let consumer = false;
     try {
+      serving = await startServing(req, signal);
+      signal.throwIfAborted();
+      // distributed-llama answers one request at a time.
+      const slots = serving.kind === 'dllama' ? 1 : (opts.slots ?? 1);
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
-      const bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log });
+      consumer = true;
+      signal.throwIfAborted();
+      // A few NATS requests, not worth a signal: an abort meanwhile is seen right after.
+      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log });
+      signal.throwIfAborted();
       const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
       instances.set(key(req.pool, req.instance), instance);
       log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${serving.kind} at ${serving.url}`);
       return infoOf(instance);
     } catch (err) {
-      await serving.stop();
-      throw err;
+      await bridge?.stop();
+      await serving?.stop();
+      if (!signal.aborted) throw err;
+      if (consumer)
+        await opts.nc
+          .jetstreamManager()
+          .then((jsm) => deleteInstanceConsumer(jsm, opts.names, { pool: req.pool, instance: req.instance }))
+          .catch(() => false);
+      log(`instance ${req.pool}/${req.instance}: start aborted (${(signal.reason as Error)?.message ?? String(signal.reason)})`);
+      throw signal.reason as Error;
     }
+  }
+
+  /** A new start of `req`'s id, replacing `broken` (an instance of the same id that no longer serves). */
+  function begin(req: InstanceRequest, broken: LocalInstance | undefined): PendingStart {
+    const k = key(req.pool, req.instance);
+    const abort = new AbortController();
+    const result = (async () => {
+      // A broken instance of the same id is replaced, not left running beside the new one.
+      if (broken) {
+        instances.delete(k);
+        await teardown(broken);
+      }
+      return start(req, abort.signal);
+    })();
+    const pending: PendingStart = { pool: req.pool, instance: req.instance, abort, waiting: 0, result, settled: result.then(() => undefined, () => undefined) };
+    starting.set(k, pending);
+    // Registered first, so whoever awaits `settled` finds the entry gone.
+    void pending.settled.then(() => {
+      if (starting.get(k) === pending) starting.delete(k);
+    });
+    return pending;
+  }
+
+  /** One more caller of `pending`, rejected with its own `signal`'s reason when that aborts (see {@link LocalRuntime.create}). */
+  function join(pending: PendingStart, signal: AbortSignal | undefined): Promise<InstanceInfo> {
+    if (!signal) {
+      pending.waiting = Infinity;
+      return pending.result;
+    }
+    pending.waiting += 1;
+    return new Promise((ok, fail) => {
+      const onAbort = () => {
+        pending.waiting -= 1;
+        if (pending.waiting > 0) return fail(signal.reason as Error);
+        // Nobody waits for this start any more: it would only leave an engine nobody destroys.
+        // Answered once it has ended: with what it began stopped, or with the instance if it
+        // was registered before the abort (an aborted start never registers one).
+        pending.abort.abort(signal.reason);
+        pending.result.then(ok, () => fail(signal.reason as Error));
+      };
+      if (signal.aborted) return onAbort();
+      signal.addEventListener('abort', onAbort, { once: true });
+      pending.result.then(
+        (info) => (signal.removeEventListener('abort', onAbort), ok(info)),
+        (err: unknown) => (signal.removeEventListener('abort', onAbort), fail(err as Error)),
+      );
+    });
+  }
+
+  /** Ends the instance `pool/instance` for good, aborting its start under way with `why`. */
+  function remove(pool: string, instance: string, why: () => Error): Promise<void> {
+    const k = key(pool, instance);
+    let done = destroying.get(k);
+    if (!done) {
+      done = (async () => {
+        const pending = starting.get(k);
+        if (pending) {
+          pending.abort.abort(why());
+          await pending.settled;
+        }
+        const i = instances.get(k);
+        instances.delete(k);
+        if (i) await teardown(i);
+        // NATS may be draining (the worker stopping): the consumer then outlives us, harmlessly.
+        await opts.nc
+          .jetstreamManager()
+          .then((jsm) => deleteInstanceConsumer(jsm, opts.names, { pool, instance }))
+          .catch(() => false);
+      })().finally(() => destroying.delete(k));
+      destroying.set(k, done);
+    }
+    return done;
   }
 
   async function teardown(i: LocalInstance): Promise<void> {
@@ -165,30 +315,24 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   }
 
   const runtime: LocalRuntime = {
-    create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo> {
+    async create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo> {
       const k = key(req.pool, req.instance);
-      let p = starting.get(k);
-      if (!p) {
-        const existing = instances.get(k);
-        if (existing?.serving.healthy()) return Promise.resolve(infoOf(existing));
-        p = (async () => {
-          // A broken instance of the same id is replaced, not left running beside the new one.
-          if (existing) {
-            instances.delete(k);
-            await teardown(existing);
-          }
-          return create(req, signal);
-        })().finally(() => starting.delete(k));
-        starting.set(k, p);
+      for (;;) {
+        signal?.throwIfAborted();
+        const destroyed = destroying.get(k);
+        const pending = starting.get(k);
+        // A destroy, or an aborted start, under way: start anew once it has ended.
+        if (destroyed) await unlessAborted(destroyed.catch(() => undefined), signal);
+        else if (pending?.abort.signal.aborted) await unlessAborted(pending.settled, signal);
+        else if (pending) return join(pending, signal);
+        else break;
       }
-      return p;
+      const existing = instances.get(k);
+      if (existing?.serving.healthy()) return infoOf(existing);
+      return join(begin(req, existing), signal);
     },
-    async destroy(pool: string, instance: string): Promise<void> {
-      const k = key(pool, instance);
-      const i = instances.get(k);
-      instances.delete(k);
-      if (i) await teardown(i);
-      await deleteInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool, instance }).catch(() => false);
+    destroy(pool: string, instance: string): Promise<void> {
+      return remove(pool, instance, () => named('InstanceDestroyed', `instance ${pool}/${instance} was destroyed while it started`));
     },
     describe(pool: string, instance: string): Promise<InstanceInfo | null> {
       const i = instances.get(key(pool, instance));
@@ -204,7 +348,11 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
       return [...instances.values()].map((i) => ({ pool: i.pool, instance: i.info.instance, stats: i.bridge.stats, health: i.bridge.health() }));
     },
     async stopAll(): Promise<void> {
-      await Promise.all([...instances.values()].map((i) => runtime.destroy(i.pool, i.info.instance)));
+      const all = new Map<string, { pool: string; instance: string }>();
+      for (const p of starting.values()) all.set(key(p.pool, p.instance), p);
+      for (const i of instances.values()) all.set(key(i.pool, i.info.instance), { pool: i.pool, instance: i.info.instance });
+      // Removals already under way are waited for too (a second stopAll must not return before them).
+      await Promise.all([...[...all.values()].map(({ pool, instance }) => remove(pool, instance, () => named('RuntimeStopped', `the runtime stopped while instance ${pool}/${instance} started`))), ...destroying.values()]);
     },
   };
   return runtime;

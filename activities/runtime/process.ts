@@ -69,7 +69,10 @@ export function spawnSupervised(name: string, argv: readonly string[], opts: Spa
   const [cmd, ...args] = argv;
   if (!cmd) throw new Error(`${name}: empty command`);
   const buffering = opts.lineBuffered && stdbuf() ? [stdbuf()!, '-oL', '-eL'] : [];
-  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', ...buffering, cmd, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+  // A process group of its own: a terminal's Ctrl-C goes to the worker (or `magus dev`), which
+  // stops its engines in order, not to the engines behind its back. pdeathsig still ends them
+  // with the process that started them.
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', ...buffering, cmd, ...args], { stdio: ['ignore', 'pipe', 'pipe'], detached: true });
   const lines: string[] = [];
   const remember = (line: string): void => {
     lines.push(line);

@@ -89,3 +89,37 @@ it('a restart that completes after stop() is stopped at once', async () => {
   await until(() => stopped.length === 2);
   expect(s.current).toBe(first);
 });
+
+it('stop() during a restart aborts the start and resolves only once it has ended; nothing is started after', async () => {
+  let seen: AbortSignal | undefined;
+  let attempts = 0;
+  let startEnded = false;
+  const { s, first, stopped } = supervised({
+    restart: (signal) => {
+      attempts += 1;
+      seen = signal;
+      // A start that takes its time to clean up after the abort (a process being killed).
+      return new Promise((_, fail) => signal.addEventListener('abort', () => setTimeout(() => ((startEnded = true), fail(new Error('aborted'))), 20)));
+    },
+  });
+  first.die('was killed by SIGKILL');
+  await until(() => seen !== undefined);
+  await s.stop();
+  expect(seen!.aborted).toBe(true);
+  expect(startEnded).toBe(true);
+  expect(stopped).toEqual([first.id]);
+  await new Promise((r) => setTimeout(r, 30));
+  expect(attempts).toBe(1);
+  expect(s.current).toBe(first);
+  expect(s.healthy()).toBe(false);
+});
+
+it('stop() during the backoff: no restart is attempted', async () => {
+  let attempts = 0;
+  const { s, first } = supervised({ policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 60_000 }, restart: () => (++attempts, Promise.resolve(new Fake())) });
+  first.die('was killed by SIGKILL');
+  await until(() => s.healthy()); // restarting, within the policy
+  await s.stop(); // resolves at once, not after the 60 s backoff
+  expect(attempts).toBe(0);
+  expect(s.healthy()).toBe(false);
+});

@@ -5,6 +5,7 @@
  * window is a crash loop: it is given up and stays down, and `healthy()` turns false for the pool
  * to replace the instance.
  */
+import { setTimeout as sleep } from 'node:timers/promises';
 
 export interface RestartPolicy {
   /** Restarts allowed within `windowMs` before it is given up (unhealthy). Default 3. */
@@ -22,7 +23,7 @@ export interface Supervised<T> {
   readonly restarts: number;
   /** Running, or being restarted within the policy; false once given up or stopped. */
   healthy(): boolean;
-  /** Stops it for good: no restart follows. */
+  /** Stops it for good: a restart under way is aborted and awaited, and none follows. */
   stop(): Promise<void>;
 }
 
@@ -36,8 +37,11 @@ export interface SuperviseOptions<T> {
   /** Resolves, saying how, when `t` stopped by itself (never after `stop`). */
   ended: (t: T) => Promise<string>;
   running: (t: T) => boolean;
-  /** Starts it again where it was. */
-  restart: () => Promise<T>;
+  /**
+   * Starts it again where it was. `signal` aborts when `stop()` is called meanwhile: the start
+   * must then stop whatever it started and reject.
+   */
+  restart: (signal: AbortSignal) => Promise<T>;
   stop: (t: T) => Promise<void>;
 }
 
@@ -45,11 +49,13 @@ export interface SuperviseOptions<T> {
 export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
   const policy = { ...DEFAULT_RESTART_POLICY, ...o.policy };
   let current = first;
-  let stopping = false;
   let givenUp = false;
-  let restarting = false;
   let restarts = 0;
   const recent: number[] = [];
+  // Aborted by stop(): the backoff and a start under way end at once.
+  const stopping = new AbortController();
+  /** The restart under way (backoff and start), so stop() can wait for it to end. */
+  let restarting: Promise<void> | null = null;
 
   /** Counts a restart in the window and returns its backoff; null when that is one too many (a crash loop). */
   const nextDelay = (): number | null => {
@@ -60,42 +66,47 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
     return policy.backoffMs * 2 ** (recent.length - 1);
   };
 
+  const restartLoop = async (delay: number): Promise<void> => {
+    for (let next: number | null = delay; next !== null; ) {
+      await sleep(next, undefined, { signal: stopping.signal }).catch(() => undefined);
+      if (stopping.signal.aborted) return;
+      let started: T;
+      try {
+        started = await o.restart(stopping.signal);
+      } catch (err) {
+        if (stopping.signal.aborted) return;
+        next = nextDelay();
+        if (next === null) {
+          givenUp = true;
+          o.log(`${o.name} could not be restarted (${(err as Error).message}): giving up`);
+        }
+        continue;
+      }
+      // A start that ignored the abort: it must not outlive stop().
+      if (stopping.signal.aborted) return o.stop(started);
+      current = started;
+      restarts += 1;
+      watch(current);
+      return;
+    }
+  };
+
   const watch = (t: T): void => {
-    void o.ended(t).then(async (how) => {
-      if (stopping || t !== current) return;
-      let delay = nextDelay();
+    void o.ended(t).then((how) => {
+      if (stopping.signal.aborted || t !== current) return;
+      const delay = nextDelay();
       if (delay === null) {
         givenUp = true;
         o.log(`${o.name} ${how}; ${recent.length} restarts within ${policy.windowMs / 1000}s already: giving up`);
         return;
       }
       o.log(`${o.name} ${how}; restarting it ${o.where} in ${delay} ms`);
-      restarting = true;
-      try {
-        while (delay !== null) {
-          await new Promise((r) => setTimeout(r, delay!));
-          if (stopping) return;
-          try {
-            const next = await o.restart();
-            if (stopping) {
-              await o.stop(next);
-              return;
-            }
-            current = next;
-            restarts += 1;
-            watch(current);
-            return;
-          } catch (err) {
-            delay = nextDelay();
-            if (delay === null) {
-              givenUp = true;
-              o.log(`${o.name} could not be restarted (${(err as Error).message}): giving up`);
-            }
-          }
-        }
-      } finally {
-        restarting = false;
-      }
+      const run: Promise<void> = restartLoop(delay)
+        .catch((err: unknown) => o.log(`${o.name} could not be stopped (${(err as Error).message})`))
+        .finally(() => {
+          if (restarting === run) restarting = null;
+        });
+      restarting = run;
     });
   };
   watch(current);
@@ -107,9 +118,10 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
     get restarts() {
       return restarts;
     },
-    healthy: () => !givenUp && !stopping && (restarting || o.running(current)),
+    healthy: () => !givenUp && !stopping.signal.aborted && (restarting !== null || o.running(current)),
     async stop() {
-      stopping = true;
+      stopping.abort();
+      await restarting;
       await o.stop(current);
     },
   };

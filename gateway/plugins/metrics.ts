@@ -1,9 +1,11 @@
 /**
  * Prometheus metrics in the text exposition format (version 0.0.4), without a client library:
- * request counts by route and status, a latency histogram by route, requests in flight, and the
- * session broker's warm hits and cold starts. Recording is a few map updates per request.
+ * request counts by route and status, a latency histogram by route, requests in flight, the
+ * session broker's warm hits and cold starts, and whether the response stream keeps frames as
+ * long as take-overs need them. Recording is a few map updates per request.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
+import type { ResponseStreamState } from '../../activities/nats/data-plane';
 import { servicePlugin } from './plugin';
 
 const escapeLabel = (v: string): string => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"');
@@ -50,6 +52,19 @@ export class Gauge implements Metric {
   ) {}
   render(): string {
     return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} gauge`, `${this.name} ${fmt(this.value)}`].join('\n');
+  }
+}
+
+/** A gauge whose value is read when scraped; no sample while `read` gives undefined. */
+export class GaugeFunc implements Metric {
+  constructor(
+    readonly name: string,
+    readonly help: string,
+    private readonly read: () => number | undefined,
+  ) {}
+  render(): string {
+    const v = this.read();
+    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} gauge`, ...(v === undefined ? [] : [`${this.name} ${fmt(v)}`])].join('\n');
   }
 }
 
@@ -115,10 +130,38 @@ export class GatewayMetrics {
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
   readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
   readonly framesRecovered = new Counter('magus_gateway_frames_recovered_total', 'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).');
+  readonly framesGone = new Counter('magus_gateway_recovered_frames_gone_total', 'Read-backs after a reconnect that found frames of their request already gone from the response stream (evicted or aged out).');
+  /** `MAGUS_RESPONSES` as last read (at the scrape); see {@link setResponseStream}. */
+  private responseStream: ResponseStreamState | undefined;
+  private readResponseStream: (() => Promise<ResponseStreamState>) | undefined;
+  private readonly responseStreamGauges = [
+    new GaugeFunc('magus_gateway_response_stream_oldest_frame_age_seconds', 'Age of the oldest frame in the response stream (MAGUS_RESPONSES). Below the required retention while the stream is full: frames a take-over may need are being evicted.', () => seconds(this.responseStream?.oldestFrameAgeMs)),
+    new GaugeFunc('magus_gateway_response_stream_required_retention_seconds', 'How long the response stream must keep frames: the longest a request may run, as declared.', () => seconds(this.responseStream?.requiredRetentionMs)),
+    new GaugeFunc('magus_gateway_response_stream_bytes', 'Bytes stored in the response stream.', () => this.responseStream?.bytes),
+    new GaugeFunc('magus_gateway_response_stream_max_bytes', 'Byte limit of the response stream: beyond it the oldest frames are discarded.', () => this.responseStream?.maxBytes),
+  ];
   private sessionStats: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
   private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
   private readonly firstTurns = new CounterFunc('magus_gateway_session_first_turns_total', 'First turns served from a pool’s published instances (the session starts after the answer).', () => this.sessionStats()?.firstTurns);
+
+  /** How to read the response stream's state; read at each scrape ({@link collect}). */
+  setResponseStream(read: () => Promise<ResponseStreamState>): void {
+    this.readResponseStream = read;
+  }
+
+  /** Reads what is read at a scrape (the response stream), at most ~1 s: a scrape must answer while NATS is away. */
+  async collect(): Promise<void> {
+    if (!this.readResponseStream) return;
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      this.responseStream = await Promise.race([this.readResponseStream(), new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), 1000)))]);
+    } catch {
+      this.responseStream = undefined; // no stream (yet), or NATS unreachable: no sample
+    } finally {
+      clearTimeout(timer);
+    }
+  }
 
   /** Where warm-hit and cold-start counts come from (the session broker's `stats`). */
   setSessionStats(read: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined): void {
@@ -126,9 +169,12 @@ export class GatewayMetrics {
   }
 
   render(): string {
-    return `${[this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.warmHits, this.coldStarts, this.firstTurns].map((m) => m.render()).join('\n')}\n`;
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns];
+    return `${all.map((m) => m.render()).join('\n')}\n`;
   }
 }
+
+const seconds = (ms: number | undefined): number | undefined => (ms === undefined ? undefined : ms / 1000);
 
 export const PROMETHEUS_CONTENT_TYPE = 'text/plain; version=0.0.4; charset=utf-8';
 

@@ -1,97 +1,13 @@
-/** The frame ordering rule (responses.ts) and the exchange's timeouts, with fake timers. */
+/** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with activities/nats/frames.ts. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { decodeFrame, exchange, frameError, FrameSequencer, type ResponseRouter } from './responses';
+import { exchange, frameError, type ResponseRouter } from './responses';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
 const err = (seq: number): ResponseFrame => ({ seq, type: 'error', error: { status: 500, message: 'x', type: 'server_error', code: null } });
 
-function sequencer(gapMs = 100) {
-  const out: (number | string)[] = [];
-  const gaps: number[] = [];
-  const s = new FrameSequencer((f) => out.push(f.type === 'chunk' ? (f.data as number) : `${f.type}@${f.seq}`), (m) => gaps.push(m), gapMs);
-  return { s, out, gaps };
-}
-
 beforeEach(() => jest.useFakeTimers());
 afterEach(() => jest.useRealTimers());
-
-describe('FrameSequencer', () => {
-  it('delivers in order, holding early frames until the gap fills', () => {
-    const { s, out, gaps } = sequencer();
-    [c(2), c(0), c(3), c(1), done(4)].forEach((f) => s.push(f));
-    expect(out).toEqual([0, 1, 2, 3, 'done@4']);
-    jest.advanceTimersByTime(1000);
-    expect(gaps).toEqual([]);
-  });
-
-  it('drops duplicates, including a restarted stream from seq 0', () => {
-    const { s, out } = sequencer();
-    [c(0), c(1), c(1), c(0), c(2), c(0), c(1), c(2), c(3), c(2), c(3)].forEach((f) => s.push(f));
-    expect(out).toEqual([0, 1, 2, 3]);
-    expect(s.expected).toBe(4);
-  });
-
-  it('drops a duplicate of a held frame', () => {
-    const { s, out } = sequencer();
-    [c(1), c(1), c(0)].forEach((f) => s.push(f));
-    expect(out).toEqual([0, 1]);
-  });
-
-  it('reports the missing seq when a gap is not filled in time', () => {
-    const { s, out, gaps } = sequencer(100);
-    [c(0), c(2), c(3)].forEach((f) => s.push(f));
-    jest.advanceTimersByTime(99);
-    expect(gaps).toEqual([]);
-    jest.advanceTimersByTime(1);
-    expect(gaps).toEqual([1]);
-    s.push(c(1)); // too late: stopped
-    expect(out).toEqual([0]);
-  });
-
-  it('gives a second gap its own full wait', () => {
-    const { s, out, gaps } = sequencer(100);
-    [c(1), c(3)].forEach((f) => s.push(f));
-    jest.advanceTimersByTime(80);
-    s.push(c(0)); // fills 0; 2 still missing
-    jest.advanceTimersByTime(80);
-    expect(gaps).toEqual([]);
-    s.push(c(2));
-    jest.advanceTimersByTime(500);
-    expect(gaps).toEqual([]);
-    expect(out).toEqual([0, 1, 2, 3]);
-  });
-
-  it('relays an error frame in seq order too, and nothing after the first terminal', () => {
-    const { s, out, gaps } = sequencer();
-    [c(0), err(2), c(3)].forEach((f) => s.push(f));
-    expect(out).toEqual([0]);
-    s.push(c(1));
-    expect(out).toEqual([0, 1, 'error@2']);
-    [c(3), done(3), err(2)].forEach((f) => s.push(f)); // a re-published terminal, late frames
-    jest.advanceTimersByTime(1000);
-    expect(out).toEqual([0, 1, 'error@2']);
-    expect(gaps).toEqual([]);
-  });
-
-  it('ends at done even with frames held beyond it', () => {
-    const { s, out, gaps } = sequencer();
-    [c(2), done(1), c(0)].forEach((f) => s.push(f));
-    expect(out).toEqual([0, 'done@1']);
-    jest.advanceTimersByTime(1000);
-    expect(gaps).toEqual([]);
-  });
-});
-
-describe('decodeFrame', () => {
-  const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
-  it('accepts frames and rejects anything else', () => {
-    expect(decodeFrame(enc({ seq: 0, type: 'chunk', data: {} }))).toEqual({ seq: 0, type: 'chunk', data: {} });
-    expect(decodeFrame(enc({ seq: 3, type: 'done' }))).toEqual({ seq: 3, type: 'done' });
-    for (const bad of [{ seq: -1, type: 'chunk' }, { seq: 1.5, type: 'done' }, { seq: 0, type: 'other' }, { seq: 0, type: 'error' }, null, 'x']) expect(decodeFrame(enc(bad))).toBeUndefined();
-    expect(decodeFrame(new TextEncoder().encode('{not json'))).toBeUndefined();
-  });
-});
 
 describe('exchange', () => {
   function fakeRouter() {
@@ -135,6 +51,43 @@ describe('exchange', () => {
     await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 504, code: 'timeout' });
     expect(chunks).toEqual([0, 1, 2, 3, 4]);
     expect(listeners.size).toBe(0);
+  });
+
+  it('relays chunks in seq order, each once, and resolves with the done frame', async () => {
+    const { router, listeners } = fakeRouter();
+    const chunks: unknown[] = [];
+    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: new AbortController().signal, onChunk: (d) => chunks.push(d) });
+    for (const f of [c(1), c(0), c(0), c(2), done(3), c(4)]) listeners.get('r1')?.(f);
+    await expect(p).resolves.toBe('end');
+    expect(chunks).toEqual([0, 1, 2]);
+  });
+
+  it('a gap not filled within gapTimeoutMs fails with 502 frames_lost and gives the request up', async () => {
+    const { router, listeners } = fakeRouter();
+    const reasons: string[] = [];
+    let abandoned = 0;
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onUpstreamError: (r) => reasons.push(r),
+      onAbandon: () => (abandoned += 1),
+    });
+    for (const f of [c(0), c(2)]) listeners.get('r1')!(f);
+    jest.advanceTimersByTime(100);
+    await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 502, code: 'frames_lost' });
+    expect(reasons).toEqual(['frames_lost']);
+    expect(abandoned).toBe(1);
+  });
+
+  it('an error frame in seq order ends it with that frame’s answer', async () => {
+    const { router, listeners } = fakeRouter();
+    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: new AbortController().signal });
+    for (const f of [err(1), c(0)]) listeners.get('r1')!(f);
+    await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 500, code: 'engine_error' });
   });
 
   it('rejects with the abort reason when the client goes away', async () => {

@@ -1,20 +1,22 @@
 /**
  * The NATS side of one inference request: publish an {@link InferenceRequest} to the instance's
- * subject and collect the {@link ResponseFrame}s the bridge streams back on `magus.res.<id>`.
+ * subject and collect the {@link ResponseFrame}s the bridge streams back on its `replyTo`,
+ * `magus.res.<replica>.<id>`: each gateway replica has subjects of its own and subscribes to
+ * them only, so a frame crosses the network to the one replica that waits for it (with one
+ * `magus.res.>` subscription per replica, N replicas cost N× the frame traffic).
  *
- * Ordering rule (kept simple on purpose, and the same as the data plane's: bridges that take
- * over a redelivered request continue the numbering from what was already published):
- * - frames are relayed strictly in `seq` order, each seq once: the first frame to arrive with a
- *   seq wins; a later one with a seq already relayed or already held is a duplicate and is dropped
- *   (this covers a redelivered request restarted from seq 0: what the client has is not repeated);
- * - a frame ahead of the next expected seq is held; if the missing seq does not arrive within
- *   `gapTimeoutMs`, the request fails (502);
- * - the first terminal frame relayed (`done` or `error`) ends the response.
+ * Frames are decoded and put in order by the data plane's one codec and {@link FrameSequencer}
+ * (activities/nats/frames.ts), the rule a bridge that takes over a request reads frames back
+ * with: strictly in `seq` order, each seq once (first arrival wins); a frame ahead of the next
+ * seq is held, and a missing seq that does not arrive within `gapTimeoutMs` fails the request
+ * (502); the first terminal frame relayed (`done` or `error`) ends the response.
  */
+import { randomBytes } from 'node:crypto';
 import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull, scopeSubject } from '../../activities/nats/data-plane';
+import { isBacklogFull, REPLICA_ID, scopeSubject } from '../../activities/nats/data-plane';
+import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
 /**
@@ -23,7 +25,7 @@ import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, Sessio
  */
 export type PublishRequest = (subject: string, req: InferenceRequest, session: SessionEntry) => Promise<void>;
 
-/** Hands the frames of `magus.res.<id>` to whoever waits for request `<id>`. */
+/** Hands the frames of `magus.res.<replica>.<id>` to whoever waits for request `<id>` on this replica. */
 export interface ResponseRouter {
   /** Where the bridge must publish the frames of request `requestId` (the request's `replyTo`). */
   replySubject(requestId: string): string;
@@ -192,46 +194,45 @@ export function streamAckProblem(msg: Pick<Msg, 'data' | 'headers'>): Error | un
   return undefined;
 }
 
-/** A frame off the wire, checked; `undefined` when it is not a {@link ResponseFrame}. */
-export function decodeFrame(data: Uint8Array): ResponseFrame | undefined {
-  let f: Partial<ResponseFrame> & { error?: unknown };
-  try {
-    f = JSON.parse(decoder.decode(data)) as typeof f;
-  } catch {
-    return undefined;
-  }
-  if (typeof f !== 'object' || f === null || !Number.isSafeInteger(f.seq) || (f.seq as number) < 0) return undefined;
-  if (f.type === 'chunk' || f.type === 'done') return f as ResponseFrame;
-  if (f.type === 'error' && typeof f.error === 'object' && f.error !== null) return f as ResponseFrame;
-  return undefined;
-}
-
 export interface RouterOptions {
   /**
-   * Prepended to response subjects (`<scope>.magus.res.<id>`) when the data plane is scoped,
-   * e.g. several installations or tests on one NATS account. Default none.
+   * Prepended to response subjects (`<scope>.magus.res.<replica>.<id>`) when the data plane is
+   * scoped, e.g. several installations or tests on one NATS account. Default none.
    */
   subjectScope?: string;
+  /**
+   * This replica's token in its response subjects ({@link REPLICA_ID}); unique per gateway
+   * process, or a replica receives another's frames (and drops them). Default {@link newReplicaId}.
+   */
+  replica?: string;
   /** A message on a response subject that is not a frame. */
   onBadFrame?: (subject: string) => void;
 }
 
-const responsePrefix = (scope: string | undefined): string => `${scopeSubject(scope, Nats.responseSubjectPrefix)}.`;
+/** A fresh replica id: `gw-` and 12 random hex digits. */
+export const newReplicaId = (): string => `gw-${randomBytes(6).toString('hex')}`;
+
+/** `[<scope>.]magus.res.<replica>.`: the replica's response subjects are this plus a request id. */
+function replicaPrefix(opts: RouterOptions): string {
+  const replica = opts.replica ?? newReplicaId();
+  if (!REPLICA_ID.test(replica)) throw new Error(`replica '${replica}' must match ${String(REPLICA_ID)}`);
+  return `${scopeSubject(opts.subjectScope, Nats.responseSubjectPrefix)}.${replica}.`;
+}
 
 /**
- * One wildcard subscription on `magus.res.>` for the whole process, dispatching by subject to a
- * `Map` of waiting requests: listening costs a map insert (no SUB/UNSUB per request), and the
- * subscription is in place long before any request is published, whichever connection publishes.
- * Every replica receives every frame, so with many replicas prefer {@link perRequestResponseRouter}.
+ * One wildcard subscription on this replica's `magus.res.<replica>.*` for the whole process,
+ * dispatching by subject to a `Map` of waiting requests: listening costs a map insert (no
+ * SUB/UNSUB per request), and the subscription is in place long before any request is published,
+ * whichever connection publishes.
  */
 export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): Promise<ResponseRouter> {
-  const prefix = responsePrefix(opts.subjectScope);
+  const prefix = replicaPrefix(opts);
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
-  const sub: Subscription = nc.subscribe(`${prefix}>`, {
+  const sub: Subscription = nc.subscribe(`${prefix}*`, {
     callback: (err, msg: Msg) => {
       if (err) return;
       const handler = waiting.get(msg.subject.slice(prefix.length));
-      if (!handler) return; // another replica's request, or a late frame of a finished one
+      if (!handler) return; // a late frame of a finished request (or of a replica before us with our id)
       const frame = decodeFrame(msg.data);
       if (frame) handler(frame);
       else opts.onBadFrame?.(msg.subject);
@@ -258,7 +259,7 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
  * same connection); on another connection, flush first.
  */
 export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): ResponseRouter {
-  const prefix = responsePrefix(opts.subjectScope);
+  const prefix = replicaPrefix(opts);
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
   return {
     replySubject: (requestId) => prefix + requestId,
@@ -280,69 +281,6 @@ export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions
     recover: (read, onError) => recoverWaiting(waiting, (id) => prefix + id, read, onError),
     close: () => Promise.resolve(),
   };
-}
-
-/** At most this many frames are held waiting for a missing one. */
-const MAX_HELD = 4096;
-
-/** Puts frames in `seq` order (see the module comment for the rule). */
-export class FrameSequencer {
-  private next = 0;
-  private readonly held = new Map<number, ResponseFrame>();
-  private gapTimer: NodeJS.Timeout | undefined;
-  private stopped = false;
-
-  constructor(
-    private readonly deliver: (frame: ResponseFrame) => void,
-    private readonly onGap: (missingSeq: number) => void,
-    private readonly gapTimeoutMs: number,
-  ) {}
-
-  push(frame: ResponseFrame): void {
-    if (this.stopped) return;
-    if (frame.seq < this.next || this.held.has(frame.seq)) return;
-    if (frame.seq > this.next) {
-      if (this.held.size >= MAX_HELD) return this.gap();
-      this.held.set(frame.seq, frame);
-      this.gapTimer ??= setTimeout(() => this.gap(), this.gapTimeoutMs);
-      return;
-    }
-    this.relay(frame);
-    let h: ResponseFrame | undefined;
-    while (!this.stopped && (h = this.held.get(this.next)) !== undefined) {
-      this.held.delete(this.next);
-      this.relay(h);
-    }
-    if (this.gapTimer) {
-      clearTimeout(this.gapTimer);
-      // Still holding frames: a further seq is missing; give it its own full wait.
-      this.gapTimer = this.held.size > 0 && !this.stopped ? setTimeout(() => this.gap(), this.gapTimeoutMs) : undefined;
-    }
-  }
-
-  /** The next seq to deliver (everything below it has been delivered). */
-  get expected(): number {
-    return this.next;
-  }
-
-  stop(): void {
-    this.stopped = true;
-    if (this.gapTimer) clearTimeout(this.gapTimer);
-    this.gapTimer = undefined;
-    this.held.clear();
-  }
-
-  private relay(frame: ResponseFrame): void {
-    this.next++;
-    if (frame.type !== 'chunk') this.stop(); // terminal: nothing after it is relayed
-    this.deliver(frame);
-  }
-
-  private gap(): void {
-    const missing = this.next;
-    this.stop();
-    this.onGap(missing);
-  }
 }
 
 /** The HTTP answer for an `error` frame: 4xx pass through (the client can fix them); 5xx are hidden. */
@@ -412,21 +350,21 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       finish(reason instanceof Error ? reason : new Error('aborted'));
     };
     const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
-    const sequencer = new FrameSequencer(
-      (frame) => {
-        if (frame.type === 'chunk') opts.onChunk?.(frame.data);
-        else if (frame.type === 'done') finish(undefined, frame.data);
-        else {
-          const e = frameError(frame, opts.retryAfterSec);
-          fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, frame.error);
-        }
-      },
-      (missing) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`)),
-      opts.gapTimeoutMs,
-    );
+    const sequencer = new FrameSequencer({
+      gapTimeoutMs: opts.gapTimeoutMs,
+      onGap: (missing) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`)),
+    });
     const unlisten = opts.router.listen(req.id, (frame) => {
       idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
-      sequencer.push(frame);
+      for (const f of sequencer.push(frame)) {
+        if (finished) return;
+        if (f.type === 'chunk') opts.onChunk?.(f.data);
+        else if (f.type === 'done') finish(undefined, f.data);
+        else {
+          const e = frameError(f, opts.retryAfterSec);
+          fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
+        }
+      }
     });
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });

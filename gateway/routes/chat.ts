@@ -1,6 +1,6 @@
 /**
  * `POST /v1/chat/completions`: authenticate → find the model → conversation key → session
- * (warm: a map read; cold: the broker's slow path) → listen on `magus.res.<id>` → publish the
+ * (warm: a map read; cold: the broker's slow path) → listen on `magus.res.<replica>.<id>` → publish the
  * request to the instance → relay frames (SSE when `stream`, one JSON body otherwise).
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';

@@ -1,7 +1,8 @@
 /** The data plane from a test's side: ask an instance the way the gateway does, without a gateway. */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { FrameSequencer, parseFrame, publishRequest, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
 import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
 
 /**
@@ -22,7 +23,7 @@ export async function askInstance(
   const sub = nc.subscribe(responseSubjectOf(names, id));
   const done = (async () => {
     for await (const m of sub) {
-      const f = parseFrame(m.data);
+      const f = decodeFrame(m.data);
       if (f) relayed.push(...sequencer.push(f));
       if (sequencer.finished) break;
     }

@@ -19,6 +19,9 @@ export default async function globalSetup(): Promise<void> {
   const file = join(running.dataDir, 'endpoints.json');
   writeFileSync(file, JSON.stringify(running.endpoints), { mode: 0o600 });
   process.env.MAGUS_TEST_ENDPOINTS = file;
+  // A `magus dev` a test starts without --data-dir keeps its state in this run's throwaway folder,
+  // never in the user's own (~/.local/share/magus/dev), which a running dev of theirs may hold.
+  process.env.MAGUS_DEV_DATA_DIR = join(running.dataDir, 'magus-dev');
   // Ctrl-C: servers get the terminal's SIGINT themselves, and die with us in any case
   // (pdeathsig); stopping here also removes the data folder.
   for (const sig of ['SIGINT', 'SIGTERM'] as const) {

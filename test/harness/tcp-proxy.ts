@@ -14,7 +14,8 @@ export interface TcpProxy {
   close(): Promise<void>;
 }
 
-export async function startTcpProxy(target: { host: string; port: number }): Promise<TcpProxy> {
+/** `listenHost`: where it listens (default loopback; a container network's gateway lets containers reach a loopback server). */
+export async function startTcpProxy(target: { host: string; port: number }, listenHost = '127.0.0.1'): Promise<TcpProxy> {
   const open = new Set<Socket>();
   let refusing = false;
   const server = createServer((client) => {
@@ -30,9 +31,12 @@ export async function startTcpProxy(target: { host: string; port: number }): Pro
     client.pipe(upstream);
     upstream.pipe(client);
   });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  await new Promise<void>((resolve, reject) => {
+    server.once('error', reject);
+    server.listen(0, listenHost, resolve);
+  });
   return {
-    address: `127.0.0.1:${(server.address() as AddressInfo).port}`,
+    address: `${listenHost}:${(server.address() as AddressInfo).port}`,
     cut() {
       refusing = true;
       for (const s of open) s.destroy();

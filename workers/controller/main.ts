@@ -100,7 +100,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
   const connection = await Connection.connect({ address: cfg.temporal.address });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   const nc = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-controller', maxReconnectAttempts: -1 });
-  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix }), { what: 'data plane', log });
+  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, ...cfg.responses }), { what: 'data plane', log });
   const tokens = await nc.jetstream().views.kv(names.tokensBucket);
   const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
 

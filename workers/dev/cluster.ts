@@ -95,7 +95,8 @@ async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stag
   const script = join(REPO_ROOT, 'scripts', 'dev-services');
   let out: Partial<Record<ClusterComponent | 'kwok-stages', string>>;
   try {
-    const { stdout } = await execFileP(script, ['--json', 'kube-controller-manager', 'kube-scheduler', 'kwok'], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
+    // Under setpriv, as the components: a build takes minutes and must not outlive its starter.
+    const { stdout } = await execFileP('setpriv', ['--pdeathsig', 'KILL', '--', script, '--json', 'kube-controller-manager', 'kube-scheduler', 'kwok'], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
     out = JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as typeof out;
   } catch (err) {
     const stderr = (err as { stderr?: string }).stderr ?? '';

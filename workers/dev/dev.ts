@@ -6,20 +6,25 @@
  * When the Kubernetes servers are built (`scripts/dev-services etcd kube-apiserver`) it also opens
  * the kubectl door: etcd + kube-apiserver, the CRDs, the controller, and the demo model declared
  * as a `Model` resource; `--no-kube` leaves it shut. Ctrl-C stops everything it started.
+ *
+ * State is kept in one folder (`--data-dir`, default `~/.local/share/magus/dev`): the servers'
+ * data, the API token, the ports; a restart comes back with all of it (the model ready, not
+ * pulled again) and `--fresh` starts over. While it runs, `connection.json` there tells every
+ * other `magus` command where it is.
  */
 import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
 import { execFile } from 'node:child_process';
-import { mkdirSync, writeFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
+import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../../activities/kubernetes/crds';
 import { dataPlaneNames } from '../../activities/nats/data-plane';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
-import type { ModelResource } from '../../shared/kube';
+import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../controller/controller';
 import { startFixtureHub, type FixtureHub } from '../../test/fixtures/hf-hub';
 import { writeTinyModel } from '../../test/fixtures/tiny-model';
@@ -27,24 +32,31 @@ import { loadGatewayConfig } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
 import { temporalSessions } from '../../gateway/temporal';
 import { validateModelSpec, type ModelSpec } from '../../shared/model';
-import { modelWorkflowId, progressQuery } from '../../workflows/model/definitions';
+import { modelWorkflowId, progressQuery, specChangedSignal } from '../../workflows/model/definitions';
 import type { modelPipeline } from '../../workflows/model/pipeline';
-import { loadConfig } from '../config';
-import { defaultModelName } from '../model-pull';
+import { devDataDir, loadConfig } from '../config';
+import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
+import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
 const DEMO_REPO = 'magus-demo/tiny-llama';
 
 export interface DevOptions {
   /** A Hugging Face repo to pull instead of the demo model (needs internet). */
   model?: string;
-  /** Gateway port; a taken one is an error. Default 8080, or one the kernel picks when 8080 is taken. */
+  /** Gateway port; a taken one is an error. Default: the port of the last run, else 8080, else one the kernel picks. */
   port?: number;
   /** Env var holding a Hugging Face token for gated models. */
   tokenEnv?: string;
   /** Open the kubectl door when the Kubernetes servers are built (default true). */
   kube?: boolean;
+  /** The folder the state is kept in across restarts (default {@link devDataDir}). */
+  dataDir?: string;
+  /** Start over: empty the data folder first (new token, new data, the model pulled again). */
+  fresh?: boolean;
+  /** Aborts (its reason: the signal's name) when the user asks it to stop; ends the start-up too. */
+  stop: AbortSignal;
 }
 
 /** Whether etcd and kube-apiserver are built (never starts a build: that takes minutes). */
@@ -59,19 +71,114 @@ async function kubeBinariesBuilt(): Promise<boolean> {
 
 const say = (line: string) => process.stderr.write(`magus dev: ${line}\n`);
 
-export async function runDev(opts: DevOptions): Promise<number> {
-  Runtime.install({ logger: new DefaultLogger('WARN') }); // the worker's INFO lines would bury the output
-  const kube = opts.kube !== false && (await kubeBinariesBuilt());
-  if (opts.kube !== false && !kube) say('the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)');
-  const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
-  say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
-  const services = await startServices({ services: wanted });
-  const e = services.endpoints;
-  const stops: (() => Promise<unknown>)[] = [() => services.stop()];
-  const stopAll = async () => {
-    for (const stop of stops.reverse()) await stop().catch((err: Error) => say(`while stopping: ${err.message}`));
-  };
+/** The first line of a message, at most 300 characters: a log line per event, not a stack trace. */
+const oneLine = (text: string): string => {
+  const first = text.split('\n', 1)[0]!.trim();
+  return first.length > 300 ? `${first.slice(0, 300)}…` : first;
+};
+
+/**
+ * The worker's log, one line per event: an activity that fails (and is retried by Temporal)
+ * says which, for which workflow, on which attempt and why — not the ~40 lines of stack trace
+ * the SDK's default logger prints each time.
+ */
+function devLogger(): DefaultLogger {
+  return new DefaultLogger('WARN', ({ level, message, meta }) => {
+    // The pipeline queue and the runtime queue have activities only: expected, not news.
+    if (message.startsWith('No workflows registered')) return;
+    const m = (meta ?? {}) as { error?: unknown; activityType?: string; attempt?: number; workflowId?: string };
+    const error = m.error instanceof Error ? `${m.error.name === 'Error' ? '' : `${m.error.name}: `}${m.error.message}` : typeof m.error === 'string' ? m.error : m.error === undefined ? '' : JSON.stringify(m.error);
+    if (message === 'Activity failed' && m.activityType) {
+      say(`worker: ${m.activityType}${m.workflowId ? ` of ${m.workflowId}` : ''} failed (attempt ${m.attempt ?? '?'}): ${oneLine(error)}`);
+      return;
+    }
+    say(`worker: ${level.toLowerCase()}: ${oneLine(message)}${error ? `: ${oneLine(error)}` : ''}`);
+  });
+}
+
+/** Thrown at a start-up step reached after the user asked to stop. */
+class Interrupted extends Error {
+  override readonly name = 'Interrupted';
+}
+
+/** `p`, or a rejection naming `what` after `ms`. */
+async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
   try {
+    return await Promise.race([p, new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${what} did not stop within ${ms / 1000} s`)), ms)))]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/** The demo's (or `--model`'s) pipeline, ready from an earlier run on this data folder: nothing to pull. */
+async function readyFromEarlierRun(client: Client, workflowId: string, repo: string): Promise<boolean> {
+  try {
+    const handle = client.workflow.getHandle<typeof modelPipeline>(workflowId);
+    if ((await handle.describe()).status.name !== 'RUNNING') return false;
+    const p = await handle.query(progressQuery);
+    return p.phase === 'ready' && p.repo === repo;
+  } catch {
+    return false; // none yet
+  }
+}
+
+export async function runDev(opts: DevOptions): Promise<number> {
+  const dataDir = resolve(opts.dataDir ?? devDataDir());
+  let unlock: () => void;
+  try {
+    unlock = lockDataDir(dataDir);
+  } catch (err) {
+    if ((err as Error).name !== 'DevDataDirLocked') throw err;
+    say((err as Error).message);
+    return 1;
+  }
+  // Also on a forced exit (a second Ctrl-C): no connection settings of a dev that is gone.
+  const forget = () => {
+    removeDevConnection(dataDir);
+    unlock();
+  };
+  process.once('exit', forget);
+  const interrupted = () => {
+    if (opts.stop.aborted) throw new Interrupted();
+  };
+
+  /** What runs, in start order; stopped in reverse, each within a bound. */
+  const running: { what: string; stop: () => Promise<unknown>; timeoutMs?: number }[] = [];
+  let workers: Awaited<ReturnType<typeof startWorkers>> | undefined;
+  // The engines first, the moment a stop is asked for: an engine that the same Ctrl-C reached
+  // stops by itself, and its supervisor must already know that it is being stopped.
+  let instancesStopping: Promise<void> | undefined;
+  const stopInstances = () => (instancesStopping ??= workers?.runtime.stopAll());
+  opts.stop.addEventListener('abort', () => void stopInstances()?.catch(() => undefined), { once: true });
+  const stopAll = async (): Promise<boolean> => {
+    let clean = true;
+    for (const { what, stop, timeoutMs } of running.reverse()) {
+      try {
+        await within(stop(), timeoutMs ?? 15_000, what);
+      } catch (err) {
+        clean = false;
+        say(`while stopping ${what}: ${(err as Error).message}`);
+      }
+    }
+    return clean;
+  };
+
+  let failed = true;
+  try {
+    if (opts.fresh) wipeDataDir(dataDir);
+    // The SDK would stop the workers on SIGINT/SIGTERM by itself; here the stop has an order.
+    Runtime.install({ logger: devLogger(), shutdownSignals: [] });
+    const kube = opts.kube !== false && (await kubeBinariesBuilt());
+    if (opts.kube !== false && !kube) say('the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)');
+    const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
+    say(`state: ${dataDir}${opts.fresh ? ' (started over: --fresh)' : ' (kept across restarts; --fresh starts over)'}`);
+    say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
+    const services = await startServices({ services: wanted, dataDir, log: (line) => say(line) });
+    running.push({ what: 'the servers', stop: () => services.stop(), timeoutMs: 30_000 });
+    interrupted();
+    const e = services.endpoints;
+
     // The worker and gateway read their configuration as they would in production.
     Object.assign(process.env, {
       MAGUS_TEMPORAL_ADDRESS: e.temporal!.address,
@@ -80,19 +187,23 @@ export async function runDev(opts: DevOptions): Promise<number> {
       MAGUS_S3_BUCKET: 'magus',
       AWS_ACCESS_KEY_ID: e.s3!.accessKeyId,
       AWS_SECRET_ACCESS_KEY: e.s3!.secretAccessKey,
-      MAGUS_MODEL_CACHE: join(services.dataDir, 'models'),
+      MAGUS_MODEL_CACHE: join(dataDir, 'models'),
     });
     const cfg = loadConfig();
 
     let hub: FixtureHub | undefined;
     let repo = opts.model;
     if (!repo) {
-      say('generating the demo model and serving it from a local Hugging Face-compatible hub …');
-      const dir = join(services.dataDir, 'demo-model');
-      mkdirSync(dir, { recursive: true });
-      await writeTinyModel(dir, { seed: 2026 });
+      // Seeded: the same files, so the same commit sha, every time.
+      const dir = join(dataDir, 'demo-model');
+      if (!existsSync(join(dir, '.complete'))) {
+        say('generating the demo model …');
+        mkdirSync(dir, { recursive: true });
+        await writeTinyModel(dir, { seed: 2026 });
+        writeFileSync(join(dir, '.complete'), '');
+      }
       hub = await startFixtureHub();
-      stops.push(() => hub!.stop());
+      running.push({ what: 'the demo hub', stop: () => hub!.stop() });
       await hub.addRepo({ id: DEMO_REPO, dir });
       repo = DEMO_REPO;
     }
@@ -101,23 +212,36 @@ export async function runDev(opts: DevOptions): Promise<number> {
     let kc: KubeConfig | undefined;
     let kubeconfigFile: string | undefined;
     if (e.kubernetes) {
-      kubeconfigFile = join(services.dataDir, 'kubeconfig');
+      kubeconfigFile = join(dataDir, 'kubeconfig');
       writeKubeconfig(kubeconfigFile, e.kubernetes);
       kc = new KubeConfig();
       kc.loadFromFile(kubeconfigFile);
       await installCrds(kc);
     }
+    await forgetEngines(cfg, kc);
+    interrupted();
 
-    const workers = await startWorkers(cfg, { kube: kc });
-    stops.push(() => workers.shutdown());
+    workers = await startWorkers(cfg, { kube: kc });
+    const started = workers;
+    // The engines (already stopping since the signal), then the Temporal workers: the worker's
+    // shutdown closes the NATS connection the engines' bridges and consumers still use.
+    running.push({
+      what: 'the worker and its engines',
+      stop: async () => {
+        await stopInstances();
+        await started.shutdown();
+      },
+      timeoutMs: 30_000,
+    });
+    interrupted();
 
     const connection = await Connection.connect({ address: cfg.temporal.address });
-    stops.push(() => connection.close());
+    running.push({ what: 'the Temporal client', stop: () => connection.close() });
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
 
     if (kc) {
       const nc = await connect({ servers: cfg.nats.servers, name: 'magus-dev-controller', maxReconnectAttempts: -1 });
-      stops.push(() => nc.drain());
+      running.push({ what: "the controller's NATS connection", stop: () => nc.drain() });
       const names = dataPlaneNames(cfg.natsPrefix);
       const controller = startController({
         kc,
@@ -126,15 +250,15 @@ export async function runDev(opts: DevOptions): Promise<number> {
         sessions: { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: 200 },
         log: (line) => say(`controller: ${line}`),
       });
-      stops.push(() => controller.stop());
+      running.push({ what: 'the controller', stop: () => controller.stop() });
       await controller.synced;
     }
+    interrupted();
 
-    const token = `mgs_dev_${randomBytes(24).toString('hex')}`;
-    const tokenFile = join(services.dataDir, 'api-token');
-    writeFileSync(tokenFile, `${token}\n`, { mode: 0o600 });
-    const secret = randomBytes(32).toString('hex');
-    const digest = createHash('sha256').update(token).digest('hex');
+    // Kept across restarts: a client's token, and the conversation keys derived with the secret.
+    const token = keptSecret(dataDir, 'api-token', newApiToken, isApiToken);
+    const secret = keptSecret(dataDir, 'gateway-secret', () => randomBytes(32).toString('hex'), (v) => /^[0-9a-f]{64}$/.test(v)).value;
+    const digest = createHash('sha256').update(token.value).digest('hex');
     const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs: 30 * 60_000 });
     // Listening is what takes the port: no "is it free?" probe that another process could beat.
     const gateway = await listenOnPort(
@@ -152,41 +276,71 @@ export async function runDev(opts: DevOptions): Promise<number> {
           }),
           { ...sessions },
         ),
-      { port: opts.port, preferred: 8080, flag: '--port' },
+      { port: opts.port, preferred: [readDevPorts(dataDir).gateway, 8080], flag: '--port' },
     );
-    stops.push(() => gateway.close());
+    running.push({ what: 'the gateway', stop: () => gateway.close() });
+    writeDevPorts(dataDir, { gateway: Number(new URL(gateway.url).port) });
+
+    const connectionFile = writeDevConnection(dataDir, {
+      pid: process.pid,
+      dataDir,
+      temporal: { address: e.temporal!.address, namespace: cfg.temporal.namespace, uiUrl: e.temporal!.uiUrl },
+      taskQueue: cfg.taskQueue,
+      nats: { servers: e.nats!.servers },
+      s3: { endpoint: e.s3!.endpoint, region: e.s3!.region, bucket: cfg.s3.bucket, accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
+      gateway: { url: gateway.url, tokenFile: token.file },
+      ...(hub ? { hub: { url: hub.url, repos: [DEMO_REPO] } } : {}),
+      ...(kubeconfigFile ? { kubeconfig: kubeconfigFile } : {}),
+    });
 
     const name = opts.model ? defaultModelName(repo) : 'demo';
+    const workflowId = modelWorkflowId('default', name);
     const spec: ModelSpec = {
       source: { repo, ...(hub ? { hubUrl: hub.url } : {}), ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}) },
       artifacts: [{ format: 'gguf', weights: 'q40' }],
     };
     const problems = validateModelSpec(spec);
     if (problems.length > 0) throw new Error(problems.join('; '));
-    say(`pulling ${repo} through the modelPipeline workflow (watch it at ${e.temporal!.uiUrl}) …`);
-    // With the kubectl door open the model is declared as a `Model` and the controller starts its
-    // pipeline; a token from an env var has no place in a resource, so that pull goes direct.
-    const declared = kc && !opts.tokenEnv;
-    if (declared) await declareModel(kc!, name, spec);
-    const handle = declared
-      ? await waitForWorkflow(client, modelWorkflowId('default', name))
-      : await client.workflow.start<typeof modelPipeline>('modelPipeline', {
-          workflowId: modelWorkflowId('default', name),
+    if (await readyFromEarlierRun(client, workflowId, repo)) {
+      say(`model "${name}" (${repo}) is ready from an earlier run: not pulled again (workflow ${workflowId})`);
+      // Declared by an earlier run without the kubectl door: declared now (the controller re-plans; nothing is fetched again).
+      if (kc && !opts.tokenEnv && !(await modelDeclared(kc, name))) await declareModel(kc, name, spec);
+    } else {
+      say(`pulling ${repo} through the modelPipeline workflow (watch it at ${e.temporal!.uiUrl}) …`);
+      // With the kubectl door open the model is declared as a `Model` and the controller starts its
+      // pipeline; a token from an env var has no place in a resource, so that pull goes direct.
+      const declared = kc && !opts.tokenEnv;
+      if (declared) await declareModel(kc!, name, spec);
+      else {
+        // Signal-with-start: a pipeline left failed or unfinished by an earlier run re-plans
+        // (content-addressed: what it already holds is not fetched again).
+        await client.workflow.signalWithStart<typeof modelPipeline, [ModelSpec]>('modelPipeline', {
+          workflowId,
           taskQueue: cfg.taskQueue,
           args: [{ namespace: 'default', name, spec }],
-          workflowIdConflictPolicy: 'USE_EXISTING',
+          signal: specChangedSignal,
+          signalArgs: [spec],
         });
-    let phase = '';
-    for (;;) {
-      const p = await handle.query(progressQuery);
-      if (p.phase !== phase) {
-        phase = p.phase;
-        say(`  ${phase}${p.failure ? `: ${p.failure.type}: ${p.failure.message}` : ''}`);
       }
-      if (p.phase === 'ready') break;
-      if (p.phase === 'failed') throw new Error(`the model could not be prepared (${p.failure?.type})`);
-      await new Promise((r) => setTimeout(r, 300));
+      const handle = declared ? await waitForWorkflow(client, workflowId, opts.stop) : client.workflow.getHandle<typeof modelPipeline>(workflowId);
+      const retries = new RetryReport((line) => say(`  ${line}`));
+      let phase = '';
+      for (let polls = 0; ; polls++) {
+        interrupted();
+        const p = await handle.query(progressQuery);
+        if (p.phase !== phase) {
+          phase = p.phase;
+          say(`  ${phase}${p.failure ? `: ${p.failure.type}: ${p.failure.message}` : ''}`);
+        }
+        if (p.phase === 'ready') break;
+        if (p.phase === 'failed') throw new Error(`the model could not be prepared (${p.failure?.type})`);
+        if (polls % 5 === 4) await retries.check(handle);
+        await new Promise((r) => setTimeout(r, 300));
+      }
     }
+    interrupted();
+    // "Ready" is what a client sees: the gateway's catalog (a watched registry) lists the model.
+    await listedByGateway(gateway.url, token.value, name, opts.stop);
 
     const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: 'Hello!' }], stream: true, max_tokens: 32 });
     process.stdout.write(
@@ -194,12 +348,20 @@ export async function runDev(opts: DevOptions): Promise<number> {
         '',
         `magus is ready. Model "${name}" (${repo}) is served at ${gateway.url}/v1`,
         `Temporal UI: ${e.temporal!.uiUrl}`,
-        `API token:   in ${tokenFile}`,
+        `API token:   in ${token.file}`,
         ...(kubeconfigFile ? [`Kubernetes:  ${e.kubernetes!.server} (Model, Dllama and Session resources; kubeconfig ${kubeconfigFile})`] : []),
         ...(hub ? [`Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${DEMO_REPO})`] : []),
+        `Temporal:    ${e.temporal!.address} (namespace ${cfg.temporal.namespace}, task queue ${cfg.taskQueue})`,
+        `NATS:        ${e.nats!.servers}`,
+        `S3 (MinIO):  ${e.s3!.endpoint} (bucket ${cfg.s3.bucket}; its keys are in the connection settings)`,
+        `State:       ${dataDir} (kept across restarts; magus dev --fresh starts over)`,
+        `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',
         'Try a streamed chat completion (the first request starts an engine):',
-        `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${tokenFile})" -H 'Content-Type: application/json' -d '${body}'`,
+        `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${token.file})" -H 'Content-Type: application/json' -d '${body}'`,
+        '',
+        'Pull another model through this dev (another terminal; no addresses needed):',
+        `  npx magus model pull ${hub ? `${DEMO_REPO} --format gguf:q80 --name demo-q80` : `${repo} --format gguf:q80 --name ${name}-q80`}`,
         '',
         ...(kubeconfigFile ? ['And the kubectl door (declare more models with kubectl apply -f crds/examples/…):', `  KUBECONFIG=${kubeconfigFile} kubectl get models`, ''] : []),
         'Ctrl-C stops everything.',
@@ -207,17 +369,24 @@ export async function runDev(opts: DevOptions): Promise<number> {
       ].join('\n'),
     );
     await new Promise<void>((resolve) => {
-      process.once('SIGINT', () => resolve());
-      process.once('SIGTERM', () => resolve());
+      if (opts.stop.aborted) resolve();
+      else opts.stop.addEventListener('abort', () => resolve(), { once: true });
     });
-    say('stopping …');
-    return 0;
+    failed = false;
   } catch (err) {
-    say((err as Error).message);
-    return 1;
+    if (err instanceof Interrupted) failed = false;
+    else say((err as Error).message);
   } finally {
-    await stopAll();
+    if (opts.stop.aborted) say(`${String(opts.stop.reason)}: stopping …`);
+    const clean = await stopAll();
+    removeDevConnection(dataDir);
+    unlock();
+    process.off('exit', forget);
+    say(clean ? 'stopped' : 'stopped, not cleanly (see above)');
+    if (!clean) failed = true;
   }
+  // 0 only for a clean stop of a dev that started (or was stopped while starting).
+  return failed ? 1 : 0;
 }
 
 /** The demo model as a `Model` resource in `default`, created or updated by server-side apply. */
@@ -235,10 +404,93 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
   );
 }
 
+/** Workflow types that hold engines of this machine's local runtime (workflows/index.ts). */
+const SERVING_WORKFLOWS = ['dllamaPool', 'session'] as const;
+
+/**
+ * An earlier run's engines died with it, but its pools and sessions still lease them, and
+ * `magus_pools` / `magus_sessions` still route conversations to them: a turn sent there would
+ * wait for the gateway's deadline until each pool noticed (its next health check). So before
+ * anything serves, those workflows are terminated (their histories stay; the next conversation
+ * starts them again, as on a first run) and the two buckets emptied. The models, their
+ * pipelines and the registry stay. Not while `Dllama` resources exist (see below).
+ */
+async function forgetEngines(cfg: ReturnType<typeof loadConfig>, kc: KubeConfig | undefined): Promise<void> {
+  // A pool a `Dllama` sizes is started again only on a new generation of it: those pools stay,
+  // and find their engines gone at their next health check.
+  if (kc) {
+    const dllamas = (await kc.makeApiClient(CustomObjectsApi).listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.dllama })) as { items?: unknown[] };
+    const count = (dllamas.items ?? []).length;
+    if (count > 0) {
+      say(`${count} Dllama resource(s): their pools stay, and notice at their next health check that the engines of the previous run are gone`);
+      return;
+    }
+  }
+  const connection = await Connection.connect({ address: cfg.temporal.address });
+  let terminated = 0;
+  try {
+    const client = new Client({ connection, namespace: cfg.temporal.namespace });
+    const query = `ExecutionStatus = 'Running' AND (${SERVING_WORKFLOWS.map((t) => `WorkflowType = '${t}'`).join(' OR ')})`;
+    for await (const w of client.workflow.list({ query })) {
+      await client.workflow
+        .getHandle(w.workflowId, w.runId)
+        .terminate('magus dev restarted: the engines of its previous run are gone')
+        .then(() => terminated++)
+        .catch(() => undefined); // ended meanwhile
+    }
+  } finally {
+    await connection.close();
+  }
+  const nc = await connect({ servers: cfg.nats.servers, name: 'magus-dev-restart' });
+  let purged = 0;
+  try {
+    const jsm = await nc.jetstreamManager();
+    const names = dataPlaneNames(cfg.natsPrefix);
+    for (const bucket of [names.poolsBucket, names.sessionsBucket]) {
+      // A KV bucket is the stream KV_<bucket>; none on a first run.
+      purged += await jsm.streams.purge(`KV_${bucket}`).then((r) => r.purged, () => 0);
+    }
+  } finally {
+    await nc.close();
+  }
+  if (terminated + purged > 0) say(`the engines of the previous run are gone: ${terminated} pool and session workflow(s) of theirs ended, ${purged} routing entr${purged === 1 ? 'y' : 'ies'} removed`);
+}
+
+/** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`. */
+async function listedByGateway(url: string, token: string, model: string, stop: AbortSignal): Promise<void> {
+  const deadline = Date.now() + 10_000;
+  while (!stop.aborted) {
+    try {
+      const res = await fetch(`${url}/v1/models`, { headers: { authorization: `Bearer ${token}` }, signal: AbortSignal.timeout(2000) });
+      const body = (await res.json()) as { data?: { id: string }[] };
+      if (body.data?.some((m) => m.id === model)) return;
+    } catch {
+      // not yet
+    }
+    if (Date.now() > deadline) {
+      say(`the gateway does not list "${model}" yet; it will once its registry watch catches up`);
+      return;
+    }
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+/** Whether the `Model` `name` exists in `default`. */
+async function modelDeclared(kc: KubeConfig, name: string): Promise<boolean> {
+  try {
+    await kc.makeApiClient(CustomObjectsApi).getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
+    return true;
+  } catch (err) {
+    if ((err as { code?: number }).code === 404) return false;
+    throw err;
+  }
+}
+
 /** The handle of a workflow someone else (the controller) starts, once it exists. */
-async function waitForWorkflow(client: Client, workflowId: string) {
+async function waitForWorkflow(client: Client, workflowId: string, stop: AbortSignal) {
   const deadline = Date.now() + 60_000;
   for (;;) {
+    if (stop.aborted) throw new Interrupted();
     const handle = client.workflow.getHandle<typeof modelPipeline>(workflowId);
     try {
       await handle.describe();

@@ -1,10 +1,15 @@
 /**
  * Starts the real servers magus runs against — Temporal dev server, nats-server (JetStream),
- * MinIO (S3) and etcd + kube-apiserver — on free loopback ports with throwaway data folders.
+ * MinIO (S3) and etcd + kube-apiserver — on free loopback ports, with throwaway data folders or
+ * (`dataDir`) one folder they keep their state in across starts.
  * Used by `magus dev` and by the jest global setup, so tests run against exactly what users run.
  *
  * No orphans: every server is exec'd through `setpriv --pdeathsig KILL`, so the kernel kills it
- * when the process that started it dies, however it dies (SIGKILL included).
+ * when the process that started it dies, however it dies (SIGKILL included). Each runs in a
+ * session of its own: a terminal's Ctrl-C (SIGINT to the whole foreground process group) or a
+ * signal to the starter's group reaches only the starter, which stops the servers in order —
+ * a server that stopped by itself meanwhile would pull the ground from under the clients still
+ * stopping (a NATS drain that ends in TIMEOUT, a Temporal worker that cannot finish).
  *
  * Ports: a free port is chosen, released, and bound by the server a moment later, so another
  * process can take it in between. A server that then fails with "address already in use" before
@@ -13,7 +18,7 @@
  */
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes, generateKeyPairSync } from 'node:crypto';
-import { createWriteStream, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { createWriteStream, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { connect, createServer } from 'node:net';
 import { cpus, tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
@@ -67,8 +72,17 @@ export interface PortRequest {
 
 export interface StartOptions {
   services?: readonly ServiceName[];
-  /** Parent of the throwaway data folder; defaults to the OS temp dir. */
+  /** Parent of the throwaway data folder; defaults to the OS temp dir. Unused with `dataDir`. */
   dataRoot?: string;
+  /**
+   * A folder the servers keep their state in across starts (created when missing; `stop` leaves
+   * it): Temporal's database, the JetStream store, MinIO's data, etcd and the API server's keys,
+   * and in `services.json` (0600) the S3 credentials, the API server's token and every port. A
+   * start on it comes back with all of that, on the same ports where they are free (new ones
+   * where another process holds one). Never two starts on one folder at once: the caller
+   * guarantees it (`magus dev` holds a lock). Without it: a throwaway folder under `dataRoot`.
+   */
+  dataDir?: string;
   /**
    * Notes about the start (a server started again on new ports); defaults to stderr. Server
    * output always goes to `<dataDir>/logs/<server>.log`.
@@ -78,8 +92,28 @@ export interface StartOptions {
   readyTimeoutSec?: number;
   /** Starts of one server on fresh ports before "address already in use" is final (default 5). */
   portAttempts?: number;
-  /** Chooses each port a server is started on; defaults to {@link freePort}. A seam for tests. */
+  /**
+   * Chooses each port a server is started on; defaults to the port it had last time (with
+   * `dataDir`, on the first start attempt, when it is free) or else {@link freePort}. A seam for tests.
+   */
   portPicker?: (request: PortRequest) => Promise<number>;
+}
+
+/** What `services.json` in a kept `dataDir` remembers between starts. */
+interface SavedServices {
+  /** server → role → port. */
+  ports?: Partial<Record<ServerName, Record<string, number>>>;
+  s3?: { accessKeyId: string; secretAccessKey: string };
+  kubernetes?: { token: string };
+}
+const SAVED_FILE = 'services.json';
+
+function readSaved(dir: string): SavedServices {
+  try {
+    return JSON.parse(readFileSync(join(dir, SAVED_FILE), 'utf8')) as SavedServices;
+  } catch {
+    return {};
+  }
 }
 
 type BinaryName = 'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver';
@@ -112,7 +146,8 @@ const DATA_PREFIX = 'magus-services-';
 export async function resolveBinaries(names: BinaryName[]): Promise<Binaries> {
   const script = join(REPO_ROOT, 'scripts', 'dev-services');
   try {
-    const { stdout } = await execFileP(script, ['--json', ...names], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
+    // Under setpriv too: a build takes minutes, and must not outlive a magus dev stopped meanwhile.
+    const { stdout } = await execFileP('setpriv', ['--pdeathsig', 'KILL', '--', script, '--json', ...names], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
     return JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as Binaries;
   } catch (err) {
     const stderr = (err as { stderr?: string }).stderr ?? '';
@@ -134,6 +169,16 @@ export function writeKubeconfig(file: string, api: { server: string; token: stri
     'current-context: magus',
   ];
   writeFileSync(file, `${yaml.join('\n')}\n`, { mode: 0o600 });
+}
+
+/** Whether nothing listens on loopback `port` now (a moment later another process may). */
+export function portFree(port: number): Promise<boolean> {
+  return new Promise((ok) => {
+    const srv = createServer();
+    srv.unref();
+    srv.once('error', () => ok(false));
+    srv.listen(port, '127.0.0.1', () => srv.close(() => ok(true)));
+  });
 }
 
 /** Free loopback TCP port, chosen by the kernel. */
@@ -228,7 +273,9 @@ function natsProcs(): number {
 
 /**
  * Starts `bin` under `setpriv --pdeathsig KILL` (it dies with this process, however this process
- * dies), appending its output to `<logDir>/<name>.log` after a line saying which start it is.
+ * dies) in a session of its own (signals meant for this process group do not reach it: it is
+ * stopped by whoever started it), appending its output to `<logDir>/<name>.log` after a line
+ * saying which start it is.
  */
 export function launch<N extends string>(name: N, bin: string, args: string[], logDir: string, env: NodeJS.ProcessEnv, note: string): Proc<N> {
   // Appended: the log keeps the output of a run that lost a port, for whoever wonders about a retry.
@@ -237,6 +284,7 @@ export function launch<N extends string>(name: N, bin: string, args: string[], l
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', bin, ...args], {
     stdio: ['ignore', 'pipe', 'pipe'],
     env: { ...process.env, ...env },
+    detached: true,
   });
   let recent = '';
   for (const stream of [child.stdout, child.stderr]) {
@@ -290,7 +338,6 @@ async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boole
   throw new NotReady(`${p.name} did not become ready${why}; log tail:\n${tail}`, inUse);
 }
 
-/** SIGTERM, then SIGKILL after `graceMs` (at once for 0); resolves once it has exited. */
 /** SIGTERM, then SIGKILL after `graceMs` (at once when 0); resolves when it has exited. */
 export async function end(p: Proc<string>, graceMs: number): Promise<void> {
   if (alive(p)) p.child.kill(graceMs > 0 ? 'SIGTERM' : 'SIGKILL');
@@ -347,11 +394,11 @@ interface Started<R extends string> {
 
 /**
  * Starts something that listens on a port, with no check-then-listen gap: on `port` when the user
- * gave one (if it is taken, the error names it and `flag`), else on `preferred`, or where the
- * kernel puts it (port 0) when `preferred` is taken. `start` must fail with code EADDRINUSE when
- * its port is taken, as `listen` does.
+ * gave one (if it is taken, the error names it and `flag`), else on the first of `preferred` that
+ * is free, or where the kernel puts it (port 0) when every one is taken. `start` must fail with
+ * code EADDRINUSE when its port is taken, as `listen` does.
  */
-export async function listenOnPort<T>(what: string, start: (port: number) => Promise<T>, opts: { port?: number; preferred: number; flag?: string }): Promise<T> {
+export async function listenOnPort<T>(what: string, start: (port: number) => Promise<T>, opts: { port?: number; preferred: number | readonly (number | undefined)[]; flag?: string }): Promise<T> {
   const taken = (err: unknown) => (err as NodeJS.ErrnoException | undefined)?.code === 'EADDRINUSE';
   if (opts.port !== undefined) {
     try {
@@ -361,10 +408,13 @@ export async function listenOnPort<T>(what: string, start: (port: number) => Pro
       throw new Error(`${what} cannot listen on port ${opts.port}: another process already uses it; choose another port${opts.flag ? ` with ${opts.flag}` : ''}`);
     }
   }
-  try {
-    return await start(opts.preferred);
-  } catch (err) {
-    if (!taken(err)) throw err;
+  const preferred = typeof opts.preferred === 'number' ? [opts.preferred] : opts.preferred;
+  for (const port of new Set(preferred.filter((p): p is number => p !== undefined && p > 0))) {
+    try {
+      return await start(port);
+    } catch (err) {
+      if (!taken(err)) throw err;
+    }
   }
   return start(0);
 }
@@ -375,13 +425,23 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   const root = opts.dataRoot ?? tmpdir();
   const timeout = opts.readyTimeoutSec ?? 120;
   const attempts = Math.max(1, opts.portAttempts ?? 5);
-  const pick = opts.portPicker ?? (() => freePort());
   const say = opts.log ?? ((line: string) => void process.stderr.write(`magus services: ${line}\n`));
-  sweepStaleDataDirs(root);
-  const dataDir = mkdtempSync(join(root, DATA_PREFIX));
-  writeFileSync(join(dataDir, 'owner.pid'), String(process.pid));
+  const kept = opts.dataDir !== undefined;
+  let dataDir: string;
+  if (opts.dataDir !== undefined) {
+    dataDir = opts.dataDir;
+    mkdirSync(dataDir, { recursive: true, mode: 0o700 });
+    // The logs of the run before stay beside this run's, one run deep.
+    rmSync(join(dataDir, 'logs.previous'), { recursive: true, force: true });
+    if (existsSync(join(dataDir, 'logs'))) renameSync(join(dataDir, 'logs'), join(dataDir, 'logs.previous'));
+  } else {
+    sweepStaleDataDirs(root);
+    dataDir = mkdtempSync(join(root, DATA_PREFIX));
+    writeFileSync(join(dataDir, 'owner.pid'), String(process.pid));
+  }
+  const saved: SavedServices = kept ? readSaved(dataDir) : {};
   const logDir = join(dataDir, 'logs');
-  mkdirSync(logDir);
+  mkdirSync(logDir, { recursive: true });
 
   const resolved = await resolveBinaries([...wanted].flatMap((s) => BINARIES_OF[s]));
   const bins = (name: BinaryName): string => {
@@ -406,11 +466,21 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
     await Promise.race([Promise.all(procs.map((p) => p.exited)), sleep(10_000)]);
     for (const p of procs) if (alive(p)) p.child.kill('SIGKILL');
     await Promise.all(procs.map((p) => p.exited));
-    rmSync(dataDir, { recursive: true, force: true });
+    if (!kept) rmSync(dataDir, { recursive: true, force: true });
   };
 
   /** Ports handed out by this start: servers started side by side never get the same one. */
   const handedOut = new Set<number>();
+  /** Last time's port on a first attempt when it is free (and not handed out already), else a fresh one. */
+  const pick =
+    opts.portPicker ??
+    (async ({ server, role, attempt }: PortRequest): Promise<number> => {
+      const before = attempt === 1 ? saved.ports?.[server]?.[role] : undefined;
+      if (before !== undefined && !handedOut.has(before) && (await portFree(before))) return before;
+      return freePort();
+    });
+  /** The ports each server runs on now, for `services.json`. */
+  const portsNow: Partial<Record<ServerName, Record<string, number>>> = {};
   const pickPorts = async <R extends string>(server: ServerName, roles: readonly R[], attempt: number): Promise<Record<R, number>> => {
     const ports = {} as Record<R, number>;
     for (const role of roles) {
@@ -439,11 +509,15 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
 
   /** Starts `spec` on fresh ports, again on new ones while a port turns out to be taken. */
   const start = async <R extends string>(spec: ServerSpec<R>): Promise<Started<R>> => {
+    // State from earlier runs is never what a failed start leaves behind: it stays.
+    const earlier = new Set(spec.scratch.filter((path) => existsSync(path)));
     for (let attempt = 1; ; attempt++) {
       const ports = await pickPorts(spec.name, spec.roles, attempt);
       const described = Object.entries(ports).map(([role, port]) => `${role} ${String(port)}`).join(', ');
       try {
-        return { proc: await run(spec, ports, `attempt ${attempt} of ${attempts}, ports ${described}`), ports };
+        const proc = await run(spec, ports, `attempt ${attempt} of ${attempts}, ports ${described}`);
+        portsNow[spec.name] = ports;
+        return { proc, ports };
       } catch (err) {
         if (!(err instanceof NotReady) || err.inUse === undefined) throw err;
         const which = takenPort(err.inUse, ports);
@@ -456,7 +530,7 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
         retries[spec.name] = (retries[spec.name] ?? 0) + 1;
         say(`${spec.name}: ${which} was taken by another process before ${spec.name} could bind it; starting it again on new ports (start ${attempt + 1} of ${attempts})`);
         // A run that failed may have begun its data (etcd's member dir, Temporal's db): start clean.
-        for (const path of spec.scratch) rmSync(path, { recursive: true, force: true });
+        for (const path of spec.scratch) if (!earlier.has(path)) rmSync(path, { recursive: true, force: true });
       }
     }
   };
@@ -531,8 +605,9 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   }
 
   if (wanted.has('s3')) {
-    const accessKeyId = `magus${randomBytes(6).toString('hex')}`;
-    const secretAccessKey = randomBytes(24).toString('base64url');
+    // MinIO's data is bound to its root credentials: a kept folder keeps them.
+    const accessKeyId = saved.s3?.accessKeyId ?? `magus${randomBytes(6).toString('hex')}`;
+    const secretAccessKey = saved.s3?.secretAccessKey ?? randomBytes(24).toString('base64url');
     const data = join(dataDir, 's3');
     starters.push(
       (async () => {
@@ -575,11 +650,14 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
         const etcdUrl = `http://127.0.0.1:${etcd.ports.client}`;
 
         const kubeDir = join(dataDir, 'kube');
-        mkdirSync(kubeDir);
-        const token = randomBytes(24).toString('hex');
+        mkdirSync(kubeDir, { recursive: true });
+        const token = saved.kubernetes?.token ?? randomBytes(24).toString('hex');
         writeFileSync(join(kubeDir, 'tokens.csv'), `${token},magus-admin,magus-admin,"system:masters"\n`, { mode: 0o600 });
-        const { privateKey } = generateKeyPairSync('rsa', { modulusLength: 2048 });
-        writeFileSync(join(kubeDir, 'sa.key'), privateKey.export({ type: 'pkcs8', format: 'pem' }), { mode: 0o600 });
+        // A kept signing key keeps the ServiceAccount tokens it signed valid.
+        if (!existsSync(join(kubeDir, 'sa.key'))) {
+          const { privateKey } = generateKeyPairSync('rsa', { modulusLength: 2048 });
+          writeFileSync(join(kubeDir, 'sa.key'), privateKey.export({ type: 'pkcs8', format: 'pem' }), { mode: 0o600 });
+        }
         const certs = join(kubeDir, 'certs');
         const apiSpec: ServerSpec<'api'> = {
           name: 'kube-apiserver',
@@ -615,6 +693,14 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   if (failures.length > 0) {
     await stop();
     throw new Error(failures.map((f) => (f.reason instanceof Error ? f.reason.message : String(f.reason))).join('\n\n'));
+  }
+  if (kept) {
+    const next: SavedServices = {
+      ports: { ...saved.ports, ...portsNow },
+      ...(endpoints.s3 ? { s3: { accessKeyId: endpoints.s3.accessKeyId, secretAccessKey: endpoints.s3.secretAccessKey } } : saved.s3 ? { s3: saved.s3 } : {}),
+      ...(endpoints.kubernetes ? { kubernetes: { token: endpoints.kubernetes.token } } : saved.kubernetes ? { kubernetes: saved.kubernetes } : {}),
+    };
+    writeFileSync(join(dataDir, SAVED_FILE), `${JSON.stringify(next, null, 2)}\n`, { mode: 0o600 });
   }
   return {
     endpoints,

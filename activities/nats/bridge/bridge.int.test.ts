@@ -9,25 +9,25 @@ import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { type JetStreamManager, type NatsConnection } from 'nats';
-import { isolation, natsConnect } from '../test/harness';
-import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../shared/serving';
+import { isolation, natsConnect } from '../../../test/harness';
+import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../../shared/serving';
 import {
-  FrameSequencer,
   cancelSubjectOf,
   consumerNameOf,
   encodeJson,
   ensureDataPlane,
   ensureInstanceConsumer,
   openRequestClaims,
-  parseFrame,
   publishRequest,
   requestSubjectOf,
   responseSubjectOf,
   type DataPlaneNames,
   type InstanceConsumerOptions,
-} from '../activities/nats/data-plane';
-import { BridgeErrorCode, seedFor, startBridge, type Bridge, type BridgeOptions } from './bridge';
-import { until } from '../test/harness/wait';
+} from '../data-plane';
+import { decodeFrame, FrameSequencer } from '../frames';
+import { BridgeErrorCode, startBridge, type Bridge, type BridgeOptions } from './bridge';
+import { seedFor } from './requests';
+import { until } from '../../../test/harness/wait';
 
 const POOL = 'pool';
 
@@ -200,7 +200,7 @@ async function listen(id: string, timeoutMs = 30_000): Promise<Answer> {
   const finished = (async () => {
     const timer = setTimeout(() => sub.unsubscribe(), timeoutMs);
     for await (const m of sub) {
-      const f = parseFrame(m.data);
+      const f = decodeFrame(m.data);
       if (!f) continue;
       raw.push(f);
       relayed.push(...sequencer.push(f));

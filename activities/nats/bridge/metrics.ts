@@ -1,0 +1,80 @@
+/**
+ * What a bridge counts and how it reports it: {@link BridgeStats} and {@link BridgeHealth}, and
+ * their Prometheus text, one series per bridge — `magus bridge`'s `/metrics`, and the worker's
+ * for the bridges of its local instances.
+ */
+
+/** Counters since start (a delivery is counted once under pulled and once under its resolution). */
+export interface BridgeStats {
+  pulled: number;
+  acked: number;
+  termed: number;
+  nakked: number;
+  /** Deliveries JetStream marked as redelivered. */
+  redelivered: number;
+  /** Unexpected failures (NATS/KV errors, bugs); each is logged. */
+  errors: number;
+  /** Take-overs that continued after frames an earlier attempt had published. */
+  resumed: number;
+  /**
+   * Take-overs that found frames of their request already gone from the response stream (aged
+   * out, or evicted by a full `MAGUS_RESPONSES`) and ended the answer with `resume_failed`.
+   */
+  resumeFailed: number;
+  /** Deliveries of an already finished request: its terminal frame re-published, nothing generated. */
+  replayed: number;
+  /** Attempts that found a later delivery owned their request and stopped without resolving it. */
+  superseded: number;
+  /** Requests whose client went away (a gateway's cancel): the engine call stopped, or never made. */
+  cancelled: number;
+  heartbeatsMissed: number;
+  inFlight: number;
+}
+
+export interface BridgeHealth {
+  ok: boolean;
+  problems: string[];
+  inFlight: number;
+  slots: number;
+}
+
+/** What each {@link BridgeStats} counter means, as Prometheus help text. */
+const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
+  pulled: 'Deliveries pulled from the request consumer.',
+  acked: 'Deliveries acknowledged (answered).',
+  termed: 'Deliveries terminated: requests that can never succeed, or cancelled.',
+  nakked: 'Deliveries handed back for a later retry.',
+  redelivered: 'Deliveries JetStream marked as redelivered.',
+  errors: 'Unexpected failures (NATS or KV errors); each is logged.',
+  resumed: 'Take-overs that continued after frames an earlier attempt had published.',
+  resumeFailed: 'Take-overs that found frames of their request already gone from the response stream (evicted or aged out): answer ended with resume_failed.',
+  replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
+  superseded: 'Attempts that found a later delivery owned their request.',
+  cancelled: 'Requests whose client went away.',
+  heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
+};
+
+/** One bridge as {@link bridgeMetricsText} reports it. */
+export interface BridgeSample {
+  pool: string;
+  instance: string;
+  stats: Readonly<BridgeStats>;
+  health: BridgeHealth;
+}
+
+/** Bridges' counters and state in the Prometheus text format, one series per bridge (labels `pool`, `instance`). */
+export function bridgeMetricsText(bridges: readonly BridgeSample[]): string {
+  const labels = (b: BridgeSample) => `{pool="${b.pool}",instance="${b.instance}"}`;
+  const out: string[] = [];
+  const family = (name: string, help: string, type: 'counter' | 'gauge', value: (b: BridgeSample) => number) => {
+    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`);
+    for (const b of bridges) out.push(`${name}${labels(b)} ${value(b)}`);
+  };
+  for (const [key, help] of Object.entries(STAT_HELP) as [keyof typeof STAT_HELP, string][]) {
+    family(`magus_bridge_${key.replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`)}_total`, help, 'counter', (b) => b.stats[key]);
+  }
+  family('magus_bridge_in_flight', 'Requests being served.', 'gauge', (b) => b.health.inFlight);
+  family('magus_bridge_slots', 'Requests the engine serves at once.', 'gauge', (b) => b.health.slots);
+  family('magus_bridge_healthy', '1 when connected and consuming, else 0.', 'gauge', (b) => (b.health.ok ? 1 : 0));
+  return `${out.join('\n')}\n`;
+}

@@ -1,0 +1,314 @@
+/**
+ * The objects of one instance of the `kubernetes` runtime, built as plain manifests (pure: no
+ * I/O, unit-tested; kubernetes.ts applies them). Per instance, all applied under one field
+ * manager and owned, through one ConfigMap, by the `Dllama` (or by the pool's own ConfigMap when
+ * no `Dllama` sizes the pool), so deleting either garbage-collects everything:
+ *
+ * - ConfigMap `<base>`: what the instance is (pool, model, engine, nodes); owner of the rest.
+ * - distributed-llama with n > 1 nodes: headless Service `<base>-w` (stable DNS names for the
+ *   root's `--workers`) and StatefulSet `<base>-w` of n − 1 `dllama worker` pods. Workers get no
+ *   probe: a distributed-llama worker takes the first connection for its root, so a TCP probe
+ *   would end it. They need no model file (the root sends each its slice of the weights).
+ * - StatefulSet `<base>` of one root pod: the init container `magus fetch` (S3 → emptyDir, sha256
+ *   verified), the engine (`dllama-api`, or `magus engine` for llama.cpp) on 0.0.0.0 so the
+ *   kubelet's probes reach it (startup probe for slow loads, readiness `GET /v1/models`), and the
+ *   `magus bridge` sidecar that pulls the instance's requests from NATS and calls the engine on
+ *   loopback.
+ *
+ * Every container runs non-root with a read-only root filesystem, no capabilities and the
+ * runtime's default seccomp profile; scratch space is an emptyDir. Pods request the memory plan's
+ * per-node figure plus headroom; workers of an instance prefer distinct nodes.
+ */
+import { createHash } from 'node:crypto';
+import type { DllamaResourceSpec } from '../../shared/kube';
+import { POOL_LABEL } from '../../shared/kube';
+import type { StoredObject } from '../../shared/model';
+import { dllamaApiArgs, dllamaWorkerArgs } from './dllama';
+import { engineArgs } from './llama-cpp';
+
+export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
+export const INSTANCE_LABEL = 'magus.dev/instance';
+export const ROLE_LABEL = 'magus.dev/role';
+/** The ports of an instance's containers (each pod has its own network; a test running the pods on one host network picks free ones). */
+export interface InstancePorts {
+  /** The engine's HTTP port in the root pod; the bridge calls it on loopback. */
+  engine: number;
+  worker: number;
+  bridgeHealth: number;
+}
+export const DEFAULT_PORTS: InstancePorts = { engine: 8080, worker: 9998, bridgeHealth: 9467 };
+const MODELS_DIR = '/models';
+/** Non-root uid/gid of every container (the images' user). */
+const UID = 65532;
+
+export interface KubeObject {
+  apiVersion: string;
+  kind: string;
+  metadata: { name: string; namespace: string; labels?: Record<string, string>; annotations?: Record<string, string>; ownerReferences?: OwnerReference[] };
+  [field: string]: unknown;
+}
+
+export interface OwnerReference {
+  apiVersion: string;
+  kind: string;
+  name: string;
+  uid: string;
+  controller?: boolean;
+  blockOwnerDeletion?: boolean;
+}
+
+/** What one instance runs, decided by kubernetes.ts from the registry, the Dllama and the cluster. */
+export interface InstancePlan {
+  namespace: string;
+  pool: string;
+  instance: string;
+  model: string;
+  /** Owner of the instance's ConfigMap: the Dllama, or the pool's ConfigMap. */
+  owner: OwnerReference;
+  engine: 'dllama' | 'llamacpp';
+  /** Nodes of the topology (1 for llama.cpp). */
+  nodes: number;
+  /** Files the root needs, with the name the engine is given (`model.gguf`, `model.m`, `tokenizer.t`). */
+  files: (StoredObject & { name: string })[];
+  /** distributed-llama's `--max-seq-len`. */
+  maxSeqLen: number;
+  threads: number;
+  /** llama.cpp slots (distributed-llama serves one request at a time). */
+  slots: number;
+  /** Bytes each pod requests: the memory plan's figure plus headroom. */
+  memory: { root: number; worker: number | null };
+  images: { magus: string; dllama: string };
+  nats: { url: string; prefix: string };
+  s3: { endpoint?: string; region: string; bucket: string; secret?: string };
+  serviceAccount?: string;
+  spec?: Pick<DllamaResourceSpec, 'resources' | 'nodeSelector' | 'tolerations'>;
+  /** Startup probe budget: how long the engine may take to load its model. */
+  startupSeconds: number;
+  ports?: InstancePorts;
+}
+
+/** Object names of an instance: `<base>`, `<base>-w`; a DNS label with room for pod suffixes. */
+export function instanceBase(instance: string): string {
+  const base = `mg-${instance}`.toLowerCase();
+  // A StatefulSet's pods add `-<ordinal>` and its revision label a hash: stay within 47.
+  if (base.length <= 40 && /^[a-z0-9]([-a-z0-9]*[a-z0-9])?$/.test(base)) return base;
+  const hash = createHash('sha256').update(instance).digest('hex').slice(0, 8);
+  return `${base.replace(/[^a-z0-9-]/g, '-').slice(0, 31).replace(/-+$/, '')}-${hash}`;
+}
+
+export function instanceLabels(plan: Pick<InstancePlan, 'pool' | 'instance'>): Record<string, string> {
+  return {
+    'app.kubernetes.io/part-of': 'magus',
+    'app.kubernetes.io/component': 'instance',
+    'app.kubernetes.io/managed-by': 'magus',
+    [POOL_LABEL]: plan.pool,
+    [INSTANCE_LABEL]: plan.instance,
+  };
+}
+
+/** The label selector of an instance's pods. */
+export const instanceSelector = (instance: string): string => `${INSTANCE_LABEL}=${instance}`;
+
+const mib = (bytes: number): string => `${Math.ceil(bytes / 2 ** 20)}Mi`;
+
+const hardened = {
+  runAsNonRoot: true,
+  runAsUser: UID,
+  runAsGroup: UID,
+  readOnlyRootFilesystem: true,
+  allowPrivilegeEscalation: false,
+  capabilities: { drop: ['ALL'] },
+  seccompProfile: { type: 'RuntimeDefault' },
+};
+
+function resources(plan: InstancePlan, bytes: number | null): Record<string, unknown> {
+  const requests: Record<string, string> = { ...(plan.spec?.resources?.requests ?? {}) };
+  if (bytes !== null && requests.memory === undefined) requests.memory = mib(bytes);
+  const limits = plan.spec?.resources?.limits;
+  return { requests, ...(limits && Object.keys(limits).length > 0 ? { limits } : {}) };
+}
+
+function podBasics(plan: InstancePlan, labels: Record<string, string>): Record<string, unknown> {
+  return {
+    automountServiceAccountToken: false,
+    ...(plan.serviceAccount ? { serviceAccountName: plan.serviceAccount } : {}),
+    securityContext: { runAsNonRoot: true, runAsUser: UID, runAsGroup: UID, fsGroup: UID, seccompProfile: { type: 'RuntimeDefault' } },
+    enableServiceLinks: false,
+    terminationGracePeriodSeconds: 15,
+    ...(plan.spec?.nodeSelector ? { nodeSelector: plan.spec.nodeSelector } : {}),
+    ...(plan.spec?.tolerations ? { tolerations: plan.spec.tolerations } : {}),
+    // The nodes of one instance on distinct machines where the cluster has them (the point of
+    // distributed-llama); preferred, so a small cluster still runs it.
+    affinity: {
+      podAntiAffinity: {
+        preferredDuringSchedulingIgnoredDuringExecution: [{ weight: 100, podAffinityTerm: { topologyKey: 'kubernetes.io/hostname', labelSelector: { matchLabels: { [INSTANCE_LABEL]: labels[INSTANCE_LABEL] } } } }],
+      },
+    },
+  };
+}
+
+const tmpVolume = { name: 'tmp', emptyDir: {} };
+const tmpMount = { name: 'tmp', mountPath: '/tmp' };
+
+/** Every object of the instance, the ConfigMap (their owner) first. */
+export function instanceManifests(plan: InstancePlan): KubeObject[] {
+  const { engine: ENGINE_PORT, worker: WORKER_PORT, bridgeHealth: BRIDGE_HEALTH_PORT } = plan.ports ?? DEFAULT_PORTS;
+  const base = instanceBase(plan.instance);
+  const labels = instanceLabels(plan);
+  const ns = plan.namespace;
+  const configMap: KubeObject = {
+    apiVersion: 'v1',
+    kind: 'ConfigMap',
+    metadata: { name: base, namespace: ns, labels, ownerReferences: [{ ...plan.owner, controller: true, blockOwnerDeletion: true }] },
+    data: { pool: plan.pool, instance: plan.instance, model: plan.model, engine: plan.engine, nodes: String(plan.nodes) },
+  };
+  // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.
+  const ownedBy = (uid: string): OwnerReference[] => [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid, controller: true, blockOwnerDeletion: true }];
+  const objects: KubeObject[] = [configMap];
+  const workers = plan.engine === 'dllama' ? plan.nodes - 1 : 0;
+  const workerNames = Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`);
+
+  if (workers > 0) {
+    const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };
+    objects.push({
+      apiVersion: 'v1',
+      kind: 'Service',
+      metadata: { name: `${base}-w`, namespace: ns, labels, ownerReferences: ownedBy('') },
+      spec: {
+        clusterIP: 'None',
+        // The root resolves its workers while they start: names must exist before readiness.
+        publishNotReadyAddresses: true,
+        selector: { [INSTANCE_LABEL]: plan.instance, [ROLE_LABEL]: 'worker' },
+        ports: [{ name: 'dllama', port: WORKER_PORT, targetPort: WORKER_PORT }],
+      },
+    });
+    objects.push({
+      apiVersion: 'apps/v1',
+      kind: 'StatefulSet',
+      metadata: { name: `${base}-w`, namespace: ns, labels, ownerReferences: ownedBy('') },
+      spec: {
+        serviceName: `${base}-w`,
+        replicas: workers,
+        podManagementPolicy: 'Parallel',
+        selector: { matchLabels: { [INSTANCE_LABEL]: plan.instance, [ROLE_LABEL]: 'worker' } },
+        template: {
+          metadata: { labels: workerLabels },
+          spec: {
+            ...podBasics(plan, workerLabels),
+            containers: [
+              {
+                name: 'dllama',
+                image: plan.images.dllama,
+                // The program as args: the image's entrypoint (tini) stays PID 1 and passes SIGTERM on (dllama handles none).
+                args: ['dllama', ...dllamaWorkerArgs({ host: '0.0.0.0', port: WORKER_PORT, threads: plan.threads })],
+                ports: [{ name: 'dllama', containerPort: WORKER_PORT }],
+                resources: resources(plan, plan.memory.worker),
+                securityContext: hardened,
+                volumeMounts: [tmpMount],
+              },
+            ],
+            volumes: [tmpVolume],
+          },
+        },
+      },
+    });
+  }
+
+  const rootLabels = { ...labels, [ROLE_LABEL]: 'root' };
+  const file = (name: string) => `${MODELS_DIR}/${name}`;
+  const engine =
+    plan.engine === 'dllama'
+      ? {
+          name: 'engine',
+          image: plan.images.dllama,
+          args: ['dllama-api', ...dllamaApiArgs({ host: '0.0.0.0', port: ENGINE_PORT, model: file('model.m'), tokenizer: file('tokenizer.t'), threads: plan.threads, maxSeqLen: plan.maxSeqLen, workers: workerNames })],
+        }
+      : {
+          name: 'engine',
+          image: plan.images.magus,
+          args: ['engine', ...engineArgs({ model: file('model.gguf'), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads })],
+          env: [{ name: 'HOME', value: '/tmp' }],
+        };
+  const probe = { httpGet: { path: '/v1/models', port: ENGINE_PORT }, periodSeconds: 5, timeoutSeconds: 3 };
+  const s3Env = [
+    ...(plan.s3.endpoint ? [{ name: 'MAGUS_S3_ENDPOINT', value: plan.s3.endpoint }] : []),
+    { name: 'MAGUS_S3_REGION', value: plan.s3.region },
+    { name: 'MAGUS_S3_BUCKET', value: plan.s3.bucket },
+    { name: 'HOME', value: '/tmp' },
+  ];
+  objects.push({
+    apiVersion: 'apps/v1',
+    kind: 'StatefulSet',
+    metadata: { name: base, namespace: ns, labels, ownerReferences: ownedBy('') },
+    spec: {
+      serviceName: base,
+      replicas: 1,
+      podManagementPolicy: 'Parallel',
+      selector: { matchLabels: { [INSTANCE_LABEL]: plan.instance, [ROLE_LABEL]: 'root' } },
+      template: {
+        metadata: { labels: rootLabels },
+        spec: {
+          ...podBasics(plan, rootLabels),
+          initContainers: [
+            {
+              name: 'fetch',
+              image: plan.images.magus,
+              args: ['fetch', '--dir', MODELS_DIR, ...plan.files.flatMap((f) => ['--file', `${f.key}=${f.sha256}=${f.name}`])],
+              env: s3Env,
+              ...(plan.s3.secret ? { envFrom: [{ secretRef: { name: plan.s3.secret } }] } : {}),
+              securityContext: hardened,
+              volumeMounts: [{ name: 'models', mountPath: MODELS_DIR }, tmpMount],
+              terminationMessagePolicy: 'FallbackToLogsOnError',
+            },
+          ],
+          containers: [
+            {
+              ...engine,
+              ports: [{ name: 'http', containerPort: ENGINE_PORT }],
+              resources: resources(plan, plan.memory.root),
+              securityContext: hardened,
+              volumeMounts: [{ name: 'models', mountPath: MODELS_DIR, readOnly: true }, tmpMount],
+              startupProbe: { ...probe, failureThreshold: Math.max(1, Math.ceil(plan.startupSeconds / 5)) },
+              readinessProbe: probe,
+              terminationMessagePolicy: 'FallbackToLogsOnError',
+            },
+            {
+              name: 'bridge',
+              image: plan.images.magus,
+              args: [
+                'bridge',
+                '--pool', plan.pool,
+                '--instance', plan.instance,
+                '--engine', `http://127.0.0.1:${ENGINE_PORT}`,
+                '--slots', String(plan.engine === 'dllama' ? 1 : plan.slots),
+                '--health-port', String(BRIDGE_HEALTH_PORT),
+                ...(plan.nats.prefix ? ['--prefix', plan.nats.prefix] : []),
+              ],
+              env: [
+                { name: 'MAGUS_NATS_URL', value: plan.nats.url },
+                { name: 'HOME', value: '/tmp' },
+              ],
+              ports: [{ name: 'bridge-health', containerPort: BRIDGE_HEALTH_PORT }],
+              resources: { requests: { memory: '96Mi', cpu: '50m' } },
+              securityContext: hardened,
+              volumeMounts: [tmpMount],
+              terminationMessagePolicy: 'FallbackToLogsOnError',
+            },
+          ],
+          volumes: [{ name: 'models', emptyDir: {} }, tmpVolume],
+        },
+      },
+    },
+  });
+  return objects;
+}
+
+/** The pool's own ConfigMap: owner of its instances when no `Dllama` sizes the pool. */
+export function poolOwnerManifest(namespace: string, pool: string): KubeObject {
+  return {
+    apiVersion: 'v1',
+    kind: 'ConfigMap',
+    metadata: { name: `mg-pool-${pool}`.slice(0, 63).replace(/-+$/, ''), namespace, labels: { 'app.kubernetes.io/part-of': 'magus', 'app.kubernetes.io/managed-by': 'magus', [POOL_LABEL]: pool } },
+    data: { pool },
+  };
+}

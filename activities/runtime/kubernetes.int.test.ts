@@ -1,0 +1,294 @@
+/**
+ * The `kubernetes` runtime against a real control plane (etcd + kube-apiserver +
+ * kube-controller-manager + kube-scheduler, kwok as the kubelet: Pods become Ready on fake Nodes
+ * without running containers) and a real nats-server for the registry: the objects and command
+ * lines of a distributed-llama topology for n = 0..3 and of a llama.cpp instance, readiness from
+ * a pod watch, garbage collection through the owner chain, an unschedulable pool, fit-first
+ * topologies, and a lost pod seen by `watch`.
+ */
+import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1StatefulSet } from '@kubernetes/client-node';
+import type { NatsConnection } from 'nats';
+import { installCrds } from '../kubernetes/crds';
+import { dataPlaneNames, ensureDataPlane } from '../nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import type { DllamaResourceSpec } from '../../shared/kube';
+import type { ReadyModel } from '../../shared/model';
+import { isolation, natsConnect, temporalClient, workerConfig } from '../../test/harness';
+import { startWorkers } from '../../workers/worker';
+import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { startTestCluster, type TestCluster } from '../../test/harness/cluster';
+import { eventually } from '../../test/harness/wait';
+import { createKubernetesRuntime, type KubernetesRuntime } from './kubernetes';
+import { instanceBase } from './kubernetes-manifests';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const NS = 'runtime';
+const GIB = 2 ** 30;
+const sha = (c: string) => c.repeat(64);
+
+let cluster: TestCluster;
+let nc: NatsConnection;
+let registry: ModelRegistry;
+let runtime: KubernetesRuntime;
+let core: CoreV1Api;
+let apps: AppsV1Api;
+let custom: CustomObjectsApi;
+
+/** A model with distributed-llama q40 artifacts for 1–8 nodes and a GGUF; `perNode(n)` bytes per node. */
+function model(name: string, perNode: (nodes: number) => number): ReadyModel {
+  return {
+    namespace: NS,
+    name,
+    source: { repo: `org/${name}`, revision: 'main', sha: 'b'.repeat(40) },
+    artifacts: [
+      { format: 'dllama', weights: 'q40', files: [{ key: `artifacts/${name}/model.m`, bytes: 1000, sha256: sha('1') }, { key: `artifacts/${name}/tokenizer.t`, bytes: 10, sha256: sha('2') }] },
+      { format: 'gguf', weights: 'q40', files: [{ key: `artifacts/${name}/model.gguf`, bytes: 1000, sha256: sha('3') }] },
+    ],
+    memory: [{ format: 'dllama', weights: 'q40', contextLength: 2048, topologies: [1, 2, 4, 8].map((nodes) => ({ nodes, root: { total: perNode(nodes) }, worker: nodes > 1 ? { total: perNode(nodes) } : null })) }],
+    readyAt: new Date().toISOString(),
+  } as ReadyModel;
+}
+
+async function applyDllama(name: string, spec: Partial<DllamaResourceSpec>): Promise<void> {
+  const body = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name, namespace: NS }, spec: { model: name, engine: 'dllama', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 2, idleTimeout: '10m', ...spec } };
+  await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', body });
+}
+
+const sts = (name: string): Promise<V1StatefulSet | undefined> => apps.readNamespacedStatefulSet({ name, namespace: NS }).catch(() => undefined);
+const podsOf = async (instance: string) => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/instance=${instance}` })).items;
+
+beforeAll(async () => {
+  cluster = await startTestCluster({ nodes: 4, nodeResources: { cpu: '8', memory: '8Gi' } });
+  core = cluster.kubeConfig.makeApiClient(CoreV1Api);
+  apps = cluster.kubeConfig.makeApiClient(AppsV1Api);
+  custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
+  await installCrds(cluster.kubeConfig);
+  await cluster.createNamespace(NS);
+  nc = await natsConnect();
+  await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  runtime = createKubernetesRuntime({
+    kc: cluster.kubeConfig,
+    registry,
+    nc,
+    names,
+    images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
+    natsUrl: 'nats://nats.magus.svc:4222',
+    s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
+    unschedulableAfterMs: 2000,
+    startTimeoutMs: 90_000,
+  });
+}, 600_000);
+
+afterAll(async () => {
+  await nc?.drain();
+  await cluster?.stop();
+}, 120_000);
+
+test.each([0, 1, 2, 3])('distributed-llama on 2^%i nodes: the objects, command lines and pods; Ready; deleting the Dllama collects everything', async (power) => {
+  const name = `topo${power}`;
+  const nodes = 2 ** power;
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { nodesPower: power });
+  const instance = `${name}-1`;
+  const base = instanceBase(instance);
+  const info = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+  expect(info).toEqual({ instance, subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`, healthy: true });
+  expect((await podsOf(instance)).filter((p) => p.status?.conditions?.some((c) => c.type === 'Ready' && c.status === 'True'))).toHaveLength(nodes);
+
+  const root = (await sts(base))!;
+  const pod = root.spec!.template.spec!;
+  const engine = pod.containers.find((c) => c.name === 'engine')!;
+  const workers = Array.from({ length: nodes - 1 }, (_, k) => `${base}-w-${k}.${base}-w.${NS}.svc:9998`);
+  expect(engine.command).toBeUndefined(); // the image's entrypoint (tini) stays
+  expect(engine.args).toEqual(['dllama-api', '--host', '0.0.0.0', '--port', '8080', '--model', '/models/model.m', '--tokenizer', '/models/tokenizer.t', '--buffer-float-type', 'q80', '--nthreads', '1', '--max-seq-len', '2048', ...(workers.length ? ['--workers', ...workers] : [])]);
+  expect(engine.image).toBe('magus-dllama:test');
+  expect(engine.readinessProbe?.httpGet?.path).toBe('/v1/models');
+  expect(engine.securityContext).toMatchObject({ runAsNonRoot: true, readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, capabilities: { drop: ['ALL'] }, seccompProfile: { type: 'RuntimeDefault' } });
+  // Requests: the plan's 1 GiB + 10 % + 256 MiB.
+  expect(engine.resources?.requests?.memory).toBe(`${Math.ceil((GIB * 1.1 + 256 * 2 ** 20) / 2 ** 20)}Mi`);
+  const fetch = pod.initContainers!.find((c) => c.name === 'fetch')!;
+  expect(fetch.args).toEqual(['fetch', '--dir', '/models', '--file', `artifacts/${name}/model.m=${sha('1')}=model.m`, '--file', `artifacts/${name}/tokenizer.t=${sha('2')}=tokenizer.t`]);
+  expect(fetch.envFrom).toEqual([{ secretRef: { name: 'magus-s3' } }]);
+  const bridge = pod.containers.find((c) => c.name === 'bridge')!;
+  expect(bridge.args).toEqual(['bridge', '--pool', name, '--instance', instance, '--engine', 'http://127.0.0.1:8080', '--slots', '1', '--health-port', '9467', '--prefix', iso.natsPrefix]);
+  expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
+  if (nodes > 1) {
+    const w = (await sts(`${base}-w`))!;
+    expect(w.spec!.replicas).toBe(nodes - 1);
+    expect(w.spec!.template.spec!.containers[0]!.args).toEqual(['dllama', 'worker', '--host', '0.0.0.0', '--port', '9998', '--nthreads', '1']);
+    const svc = await core.readNamespacedService({ name: `${base}-w`, namespace: NS });
+    expect(svc.spec?.clusterIP).toBe('None');
+  } else {
+    expect(await sts(`${base}-w`)).toBeUndefined();
+  }
+  expect(await runtime.describe(name, instance)).toMatchObject({ healthy: true });
+
+  await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name });
+  await eventually(async () => {
+    expect(await sts(base)).toBeUndefined();
+    expect(await sts(`${base}-w`)).toBeUndefined();
+    expect(await podsOf(instance)).toHaveLength(0);
+  }, 60_000);
+  expect(await runtime.describe(name, instance)).toBeNull();
+}, 180_000);
+
+test('llama.cpp: one pod with `magus engine` and the bridge; destroy is idempotent and takes everything', async () => {
+  const name = 'cpp';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { engine: 'llamacpp', nodesPower: 0 });
+  const instance = `${name}-1`;
+  await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+  const pod = (await sts(instanceBase(instance)))!.spec!.template.spec!;
+  const engine = pod.containers.find((c) => c.name === 'engine')!;
+  expect(engine.image).toBe('magus:test');
+  expect(engine.args).toEqual(['engine', '--model', '/models/model.gguf', '--model-id', name, '--host', '0.0.0.0', '--port', '8080', '--json', '--slots', '1', '--threads', '1']);
+  await runtime.destroy(name, instance);
+  await runtime.destroy(name, instance); // again: nothing to do
+  await eventually(async () => expect(await podsOf(instance)).toHaveLength(0), 60_000);
+  expect(await runtime.describe(name, instance)).toBeNull();
+}, 120_000);
+
+test('a pod that can never be scheduled fails the start, typed, and leaves nothing behind', async () => {
+  const name = 'huge';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { nodesPower: 1, resources: { requests: { memory: '100Gi' } } });
+  const instance = `${name}-1`;
+  const err = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal).then(
+    () => undefined,
+    (e: unknown) => e as Error,
+  );
+  expect(err?.name).toBe('Unschedulable');
+  expect(err?.message).toMatch(/cannot be scheduled: .*Insufficient memory/);
+  await eventually(async () => expect(await podsOf(instance)).toHaveLength(0), 60_000);
+}, 120_000);
+
+test('fit-first: the smallest topology whose nodes fit, said in the status; none fits → NoFit and no pods', async () => {
+  // 8 GiB nodes: 1 node needs 20 GiB, 2 need 10 each, 4 need 5 each → 4.
+  await registry.put(model('fits', (nodes) => (20 * GIB) / nodes));
+  await applyDllama('fits', { autoNodes: true });
+  await runtime.create({ namespace: NS, model: 'fits', pool: 'fits', instance: 'fits-1' }, new AbortController().signal);
+  expect(await podsOf('fits-1')).toHaveLength(4);
+  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name: 'fits' })) as { status?: { conditions?: { type: string; status: string; message: string }[] } };
+  const chosen = d.status?.conditions?.find((c) => c.type === 'TopologyChosen');
+  expect(chosen).toMatchObject({ status: 'True' });
+  expect(chosen?.message).toMatch(/^chose 4 nodes \(q40\)/);
+
+  await registry.put(model('nofit', () => 100 * GIB));
+  await applyDllama('nofit', { autoNodes: true });
+  const err = await runtime.create({ namespace: NS, model: 'nofit', pool: 'nofit', instance: 'nofit-1' }, new AbortController().signal).then(
+    () => undefined,
+    (e: unknown) => e as Error,
+  );
+  expect(err?.name).toBe('NoFit');
+  expect(err?.message).toMatch(/no topology fits the cluster's 4 schedulable nodes/);
+  expect(await podsOf('nofit-1')).toHaveLength(0);
+}, 180_000);
+
+test('watch: a pod of the instance that goes away ends the watch with the reason', async () => {
+  const name = 'watched';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { nodesPower: 1 });
+  const instance = `${name}-1`;
+  await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+  let beats = 0;
+  const watching = runtime.watch!(name, instance, new AbortController().signal, () => beats++);
+  await new Promise((r) => setTimeout(r, 500));
+  const worker = (await podsOf(instance)).find((p) => p.metadata?.labels?.['magus.dev/role'] === 'worker')!;
+  await core.deleteNamespacedPod({ name: worker.metadata!.name!, namespace: NS, gracePeriodSeconds: 0 });
+  await expect(watching).resolves.toMatch(new RegExp(`pod ${worker.metadata!.name}.* of instance ${instance}`));
+  expect(beats).toBeGreaterThanOrEqual(1);
+  await runtime.destroy(name, instance);
+}, 120_000);
+
+test('a pool whose pods can never be scheduled: one typed failure, backing off, and the reason in the Dllama status', async () => {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-unschedulable-'));
+  const name = 'toobig';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { engine: 'llamacpp', resources: { requests: { memory: '200Gi' } } });
+  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as { metadata: { uid: string; generation: number } };
+  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 2000 } });
+  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
+  const { client, connection } = await temporalClient();
+  try {
+    const resource = { name, uid: d.metadata.uid, generation: d.metadata.generation, minInstances: 1, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, nodesPerInstance: 1 };
+    const pool = await client.workflow.start('dllamaPool', {
+      workflowId: poolWorkflowId(NS, name),
+      taskQueue: cfg.taskQueue,
+      args: [{ namespace: NS, model: name, minInstances: 1, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, resource }],
+    });
+    await eventually(async () => {
+      const s = await pool.query(poolStatusQuery);
+      expect(s.startFailures).toBeGreaterThanOrEqual(1);
+      expect(s.lastError).toMatch(/cannot be scheduled: .*Insufficient memory/);
+    }, 60_000);
+    // One attempt per start (non-retryable), and the next one waits for the backoff.
+    const attempts = ((await pool.fetchHistory()).events ?? []).filter((e) => e.activityTaskStartedEventAttributes && e.activityTaskStartedEventAttributes.attempt === 2);
+    expect(attempts).toHaveLength(0);
+    await eventually(async () => {
+      const got = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as { status?: { lastError?: string; phase?: string } };
+      expect(got.status?.lastError).toMatch(/cannot be scheduled/);
+      expect(got.status?.phase).toBe('Degraded');
+    }, 30_000);
+    expect(await podsOf(`${name}-1`)).toHaveLength(0);
+    await pool.terminate();
+  } finally {
+    await workers.shutdown();
+    await connection.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}, 180_000);
+
+test('a pool on the Kubernetes runtime: its instance is pods, watched from the cluster; a lost pod gets the instance replaced', async () => {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-pool-'));
+  const name = 'pooled';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { nodesPower: 1 });
+  const cfg = workerConfig(iso, dir, {
+    kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 },
+  });
+  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
+  const { client, connection } = await temporalClient();
+  try {
+    const pool = await client.workflow.start('dllamaPool', {
+      workflowId: poolWorkflowId(NS, name),
+      taskQueue: cfg.taskQueue,
+      args: [{ namespace: NS, model: name, minInstances: 1, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, healthCheckMs: 1000 }],
+    });
+    const ready = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
+    let status = await pool.query(poolStatusQuery);
+    await eventually(async () => expect(ready((status = await pool.query(poolStatusQuery)))).toHaveLength(1), 60_000);
+    const first = ready(status)[0]!;
+    expect(await podsOf(first)).toHaveLength(2);
+    // Any worker answers for it: no runtime queue; its watcher runs on the shared control queue.
+    await eventually(async () => {
+      const pending = (await pool.describe()).raw.pendingActivities ?? [];
+      expect(pending.some((a) => a.activityType?.name === 'watchInstance' && a.heartbeatDetails != null)).toBe(true);
+    }, 30_000);
+
+    const worker = (await podsOf(first)).find((p) => p.metadata?.labels?.['magus.dev/role'] === 'worker')!;
+    await core.deleteNamespacedPod({ name: worker.metadata!.name!, namespace: NS, gracePeriodSeconds: 0 });
+    await eventually(async () => {
+      const ids = ready((status = await pool.query(poolStatusQuery)));
+      expect(ids).toHaveLength(1);
+      expect(ids[0]).not.toBe(first);
+    }, 60_000);
+    // The watcher completed with the reason (the new instance's start cleared lastError since).
+    const results = ((await pool.fetchHistory()).events ?? []).map((e) => e.activityTaskCompletedEventAttributes?.result?.payloads?.[0]?.data).filter((d): d is Uint8Array => d != null);
+    expect(results.map((d) => Buffer.from(d).toString('utf8')).some((r) => r.includes(`pod ${worker.metadata!.name!}`))).toBe(true);
+    const second = ready(status)[0]!;
+    expect(await podsOf(second)).toHaveLength(2);
+    // The lost instance's objects are gone (the pool destroyed it; the collector took its pods).
+    await eventually(async () => expect(await podsOf(first)).toHaveLength(0), 60_000);
+    await pool.terminate();
+  } finally {
+    await workers.shutdown();
+    await connection.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}, 240_000);

@@ -1,0 +1,34 @@
+/** The Kubernetes runtime's pure parts: quantities, object names, and `magus fetch`'s arguments. */
+import { parseFetchArgs } from '../../workers/fetch';
+import { parseMemory } from './kubernetes';
+import { instanceBase } from './kubernetes-manifests';
+
+test('memory quantities', () => {
+  expect(parseMemory('8Gi')).toBe(8 * 2 ** 30);
+  expect(parseMemory('512Mi')).toBe(512 * 2 ** 20);
+  expect(parseMemory('1G')).toBe(1e9);
+  expect(parseMemory('1048576')).toBe(1048576);
+  expect(parseMemory('1e9')).toBe(1e9);
+  expect(parseMemory('12345Ki')).toBe(12345 * 1024);
+  expect(parseMemory('lots')).toBeNaN();
+});
+
+test('object names stay DNS labels with room for pod suffixes, distinct for distinct instances', () => {
+  expect(instanceBase('tiny-3')).toBe('mg-tiny-3');
+  const long = instanceBase(`${'a'.repeat(60)}-1`);
+  const other = instanceBase(`${'a'.repeat(60)}-2`);
+  expect(long.length).toBeLessThanOrEqual(40);
+  expect(long).toMatch(/^[a-z0-9]([-a-z0-9]*[a-z0-9])?$/);
+  expect(long).not.toBe(other);
+});
+
+test('magus fetch arguments: each file with its sha256, a plain link name; problems named', () => {
+  const sha = 'a'.repeat(64);
+  expect(parseFetchArgs(['--dir', '/models', '--file', `k/m.gguf=${sha}=model.gguf`])).toEqual({ dir: '/models', files: [{ key: 'k/m.gguf', sha256: sha, name: 'model.gguf' }] });
+  expect(parseFetchArgs(['--dir', '/models', '--file', `k/m.t=${sha}`])).toEqual({ dir: '/models', files: [{ key: 'k/m.t', sha256: sha }] });
+  expect(parseFetchArgs(['--file', `k=${sha}`])).toBe('--dir is required');
+  expect(parseFetchArgs(['--dir', '/m'])).toBe('at least one --file is required');
+  expect(parseFetchArgs(['--dir', '/m', '--file', 'k=nothex'])).toMatch(/hex sha256/);
+  expect(parseFetchArgs(['--dir', '/m', '--file', `k=${sha}=../x`])).toMatch(/plain file name/);
+  expect(parseFetchArgs(['--dir', '/m', '--bogus', 'x'])).toBe('unknown option --bogus');
+});

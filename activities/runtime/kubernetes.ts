@@ -1,0 +1,376 @@
+/**
+ * The `kubernetes` runtime (DESIGN.md, "Runtimes"): an instance is a set of objects in the
+ * model's namespace (kubernetes-manifests.ts), applied with server-side apply under one field
+ * manager. It answers from the cluster, so any worker can describe, watch or destroy any
+ * instance (no per-worker runtime queue).
+ *
+ * - `create` decides the plan (the registry's artifacts and memory plan, the model's `Dllama`
+ *   if one sizes the pool, the cluster's Nodes for `autoNodes`), applies the objects and resolves
+ *   once every pod of the instance is Ready, from a pod watch. A pod that cannot be scheduled for
+ *   `unschedulableAfterMs` fails the start with the scheduler's reason (`Unschedulable`,
+ *   non-retryable: the pool backs off and its `Dllama` status says why); no topology that fits
+ *   fails with `NoFit` and creates nothing. Any failure or abort deletes what it applied.
+ * - `describe` reads the instance's ConfigMap and pods; `watch` follows its pods and resolves with
+ *   the reason once one is not Ready, is deleted, or its node goes away.
+ * - `destroy` deletes the instance's ConfigMap (the garbage collector takes the rest) and its
+ *   request consumer; idempotent.
+ */
+import { CoreV1Api, CustomObjectsApi, KubernetesObjectApi, PatchStrategy, setHeaderOptions, type KubeConfig, type KubernetesObject, type V1Node, type V1Pod } from '@kubernetes/client-node';
+import type { NatsConnection } from 'nats';
+import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { watchResource } from '../kubernetes/watch';
+import { Plural, type DllamaResource } from '../../shared/kube';
+import type { ReadyModel, StoredObject } from '../../shared/model';
+import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
+import type { ModelRegistry } from '../nats/registry';
+import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
+import { chooseDllamaArtifact } from './dllama';
+import { instanceBase, instanceManifests, instanceSelector, poolOwnerManifest, RUNTIME_FIELD_MANAGER, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
+
+export interface KubernetesRuntimeOptions {
+  kc: KubeConfig;
+  registry: ModelRegistry;
+  nc: NatsConnection;
+  names: DataPlaneNames;
+  images: { magus: string; dllama: string };
+  /** NATS as the instance pods reach it. */
+  natsUrl: string;
+  s3: { endpoint?: string; region: string; bucket: string; /** Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in each model namespace. */ secret?: string };
+  serviceAccount?: string;
+  /** Without a `Dllama`: llama.cpp, or distributed-llama on this many nodes when the model has an artifact for it. */
+  defaultNodes?: number;
+  threads?: number;
+  slots?: number;
+  /** Requests = plan × (1 + fraction) + bytes (default 10 % + 256 MiB). */
+  headroom?: { fraction: number; bytes: number };
+  /** A pod unschedulable this long fails the start (default 30 s). */
+  unschedulableAfterMs?: number;
+  /** How long a start may take in all (default 30 min). */
+  startTimeoutMs?: number;
+  /** Container ports (default 8080, 9998, 9467). */
+  ports?: InstancePorts;
+  log?: (line: string) => void;
+}
+
+/** What a start that cannot work is called (`Error.name`); the activity makes them non-retryable. */
+export const KubernetesErrors = { unschedulable: 'Unschedulable', noFit: 'NoFit', modelNotReady: 'ModelNotReady', noArtifact: 'NoArtifact' } as const;
+
+const named = (name: string, message: string): Error => Object.assign(new Error(message), { name });
+const code = (err: unknown): number | undefined => (err as { code?: number }).code;
+const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
+const GIB = 2 ** 30;
+const gib = (n: number) => `${(n / GIB).toFixed(1)} GiB`;
+
+/** Bytes of a Kubernetes memory quantity (`4Gi`, `512M`, `1e9`, `1048576`). */
+export function parseMemory(q: string): number {
+  const m = /^([0-9.]+(?:[eE][0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|m)?$/.exec(q.trim());
+  if (!m) return NaN;
+  const unit = { Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, Pi: 2 ** 50, k: 1e3, M: 1e6, G: 1e9, T: 1e12, P: 1e15, m: 1e-3 }[m[2] ?? ''] ?? 1;
+  return Number(m[1]) * unit;
+}
+
+/** Ready = the pod's Ready condition is True and it is not being deleted. */
+export function podReady(p: V1Pod): boolean {
+  return !p.metadata?.deletionTimestamp && (p.status?.conditions ?? []).some((c) => c.type === 'Ready' && c.status === 'True');
+}
+
+/** Why a pod cannot start, when that is final enough to stop waiting (a crash loop, a failed fetch); else undefined. */
+function podFailure(p: V1Pod): string | undefined {
+  if (p.status?.phase === 'Failed') return `pod ${p.metadata?.name} failed: ${p.status.message ?? p.status.reason ?? 'no reason given'}`;
+  for (const s of [...(p.status?.initContainerStatuses ?? []), ...(p.status?.containerStatuses ?? [])]) {
+    const last = s.lastState?.terminated ?? s.state?.terminated;
+    if (last && last.exitCode !== 0 && (s.restartCount ?? 0) >= 2) return `container ${s.name} of pod ${p.metadata?.name} keeps failing (exit ${last.exitCode}): ${(last.message ?? last.reason ?? '').trim().split('\n').slice(-3).join(' ')}`;
+  }
+  return undefined;
+}
+
+/** The scheduler's reason when the pod cannot be placed. */
+function unschedulable(p: V1Pod): string | undefined {
+  const c = (p.status?.conditions ?? []).find((x) => x.type === 'PodScheduled' && x.status === 'False' && x.reason === 'Unschedulable');
+  return c ? (c.message ?? 'unschedulable') : undefined;
+}
+
+export interface FitChoice {
+  nodes: number;
+  weights: string;
+  reason: string;
+}
+
+/**
+ * Fit-first: the smallest topology (over the model's distributed-llama artifacts, most compact
+ * weights first) whose root and workers each fit a distinct schedulable node's allocatable
+ * memory, with headroom. A string when none fits: what each size would need.
+ */
+export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (bytes: number) => number, placement: { nodeSelector?: Record<string, string>; tolerations?: Record<string, unknown>[] } = {}): FitChoice | string {
+  const tolerated = (t: { key?: string; value?: string; effect?: string }) =>
+    (placement.tolerations ?? []).some((o) => (o.key === undefined || o.key === t.key) && (o.operator === 'Exists' || o.value === t.value) && (o.effect === undefined || o.effect === t.effect));
+  const schedulable = nodes.filter(
+    (n) =>
+      !n.spec?.unschedulable &&
+      (n.status?.conditions ?? []).some((c) => c.type === 'Ready' && c.status === 'True') &&
+      !(n.spec?.taints ?? []).some((t) => (t.effect === 'NoSchedule' || t.effect === 'NoExecute') && !tolerated(t)) &&
+      Object.entries(placement.nodeSelector ?? {}).every(([k, v]) => n.metadata?.labels?.[k] === v),
+  );
+  const alloc = schedulable.map((n) => parseMemory(n.status?.allocatable?.memory ?? '0')).filter((b) => b > 0).sort((a, b) => b - a);
+  const tried: string[] = [];
+  const order = ['q40', 'q80', 'f16', 'f32'];
+  const plans = ready.memory.filter((m) => m.format === 'dllama' && ready.artifacts.some((a) => a.format === 'dllama' && a.weights === m.weights)).sort((a, b) => order.indexOf(a.weights) - order.indexOf(b.weights));
+  for (const plan of plans) {
+    for (const t of [...plan.topologies].sort((a, b) => a.nodes - b.nodes)) {
+      const root = need(t.root.total);
+      const worker = t.worker ? need(t.worker.total) : 0;
+      // The root takes the largest node; each worker another one.
+      const fits = alloc.length >= t.nodes && alloc[0]! >= root && alloc.slice(1).filter((b) => b >= worker).length >= t.nodes - 1;
+      const what = `${t.nodes} node${t.nodes > 1 ? 's' : ''} (${plan.weights}): root ${gib(root)}${t.nodes > 1 ? `, ${t.nodes - 1} × worker ${gib(worker)}` : ''}`;
+      if (fits) return { nodes: t.nodes, weights: plan.weights, reason: `chose ${what}: the smallest topology that fits ${alloc.length} schedulable node${alloc.length === 1 ? '' : 's'} (largest allocatable ${gib(alloc[0]!)})` };
+      tried.push(what);
+    }
+  }
+  if (tried.length === 0) return `model ${ready.namespace}/${ready.name} has no distributed-llama memory plan to fit`;
+  return `no topology fits the cluster's ${alloc.length} schedulable node${alloc.length === 1 ? '' : 's'} (allocatable ${alloc.map(gib).join(', ') || 'none'}); needed: ${tried.join('; ')}`;
+}
+
+export interface KubernetesRuntime extends Runtime {
+  /** Apiserver requests made, by verb (for the benchmark and /metrics). */
+  requests(): Record<string, number>;
+}
+
+export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): KubernetesRuntime {
+  const objects = KubernetesObjectApi.makeApiClient(opts.kc);
+  const core = opts.kc.makeApiClient(CoreV1Api);
+  const custom = opts.kc.makeApiClient(CustomObjectsApi);
+  const log = opts.log ?? (() => undefined);
+  const headroom = opts.headroom ?? { fraction: 0.1, bytes: 256 * 2 ** 20 };
+  const need = (bytes: number) => Math.ceil(bytes * (1 + headroom.fraction) + headroom.bytes);
+  const counts: Record<string, number> = {};
+  const count = (verb: string) => (counts[verb] = (counts[verb] ?? 0) + 1);
+
+  const apply = async <T extends KubeObject>(obj: T): Promise<KubernetesObject> => {
+    count('apply');
+    return objects.patch(obj, undefined, undefined, RUNTIME_FIELD_MANAGER, true, PatchStrategy.ServerSideApply);
+  };
+
+  /** The `Dllama` that sizes the pool of `model` in `namespace`, if any. */
+  async function dllamaOf(namespace: string, model: string): Promise<DllamaResource | undefined> {
+    count('list');
+    const list = (await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: Plural.dllama })) as { items: DllamaResource[] };
+    return list.items.find((d) => d.spec.model === model && !d.metadata.deletionTimestamp);
+  }
+
+  /** Says on the `Dllama` what the fit-first choice was (its own condition, beside the pool's). */
+  async function reportTopology(d: DllamaResource, status: 'True' | 'False', reason: string, message: string): Promise<void> {
+    count('status');
+    const body = {
+      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+      kind: 'Dllama',
+      metadata: { name: d.metadata.name, namespace: d.metadata.namespace, uid: d.metadata.uid },
+      status: { conditions: [{ type: 'TopologyChosen', status, reason, message, observedGeneration: d.metadata.generation, lastTransitionTime: new Date().toISOString() }] },
+    };
+    await custom
+      .patchNamespacedCustomObjectStatus({ group: CRD_GROUP, version: CRD_VERSION, namespace: d.metadata.namespace, plural: Plural.dllama, name: d.metadata.name, body, fieldManager: RUNTIME_FIELD_MANAGER, force: true }, applyHeaders)
+      .catch((err: unknown) => log(`could not record the topology on Dllama ${d.metadata.namespace}/${d.metadata.name}: ${(err as Error).message}`));
+  }
+
+  async function plan(req: InstanceRequest): Promise<InstancePlan> {
+    const ready = await opts.registry.get(req.namespace, req.model);
+    if (!ready) throw named(KubernetesErrors.modelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
+    const d = await dllamaOf(req.namespace, req.model);
+    let owner: OwnerReference;
+    if (d) owner = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', name: d.metadata.name, uid: d.metadata.uid };
+    else {
+      const cm = await apply(poolOwnerManifest(req.namespace, req.pool));
+      owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
+    }
+    const engine = d ? d.spec.engine : opts.defaultNodes && opts.defaultNodes > 1 && ready.artifacts.some((a) => a.format === 'dllama') ? 'dllama' : ready.artifacts.some((a) => a.format === 'gguf') ? 'llamacpp' : 'dllama';
+    let nodes = d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1);
+    if (d?.spec.autoNodes) {
+      count('list');
+      const fit = chooseFit(ready, (await core.listNode()).items, need, { nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations });
+      if (typeof fit === 'string') {
+        await reportTopology(d, 'False', 'NoFit', fit);
+        throw named(KubernetesErrors.noFit, fit);
+      }
+      await reportTopology(d, 'True', 'Fits', fit.reason);
+      nodes = fit.nodes;
+    }
+    const common = {
+      namespace: req.namespace,
+      pool: req.pool,
+      instance: req.instance,
+      model: req.model,
+      owner,
+      threads: opts.threads ?? 1,
+      slots: opts.slots ?? 1,
+      images: { magus: d?.spec.images?.magus ?? opts.images.magus, dllama: d?.spec.images?.dllama ?? opts.images.dllama },
+      nats: { url: opts.natsUrl, prefix: opts.names.prefix },
+      s3: opts.s3,
+      ...(opts.serviceAccount ? { serviceAccount: opts.serviceAccount } : {}),
+      ...(d ? { spec: { resources: d.spec.resources, nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations } } : {}),
+      startupSeconds: Math.ceil((opts.startTimeoutMs ?? 30 * 60_000) / 1000),
+      ...(opts.ports ? { ports: opts.ports } : {}),
+    };
+    if (engine === 'llamacpp') {
+      const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => ['q40', 'q80', 'f16', 'f32'].indexOf(a.weights) - ['q40', 'q80', 'f16', 'f32'].indexOf(b.weights))[0];
+      const file: StoredObject | undefined = gguf?.files[0];
+      if (!gguf || !file) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
+      const planned = ready.memory.find((m) => m.format === 'gguf' && m.weights === gguf.weights)?.topologies.find((t) => t.nodes === 1);
+      return { ...common, engine, nodes: 1, files: [{ ...file, name: 'model.gguf' }], maxSeqLen: 0, memory: { root: need(planned?.root.total ?? file.bytes), worker: null } };
+    }
+    const choice = chooseDllamaArtifact(ready, nodes);
+    if (!choice || 'problem' in choice) throw named(KubernetesErrors.noArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);
+    return {
+      ...common,
+      engine,
+      nodes,
+      files: [
+        { ...choice.model, name: 'model.m' },
+        { ...choice.tokenizer, name: 'tokenizer.t' },
+      ],
+      maxSeqLen: choice.maxSeqLen,
+      memory: { root: need(choice.memory?.root ?? choice.model.bytes), worker: nodes > 1 ? need(choice.memory?.worker ?? choice.model.bytes / nodes) : null },
+    };
+  }
+
+  /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */
+  async function applyInstance(p: InstancePlan): Promise<void> {
+    const [configMap, ...rest] = instanceManifests(p);
+    const cm = await apply(configMap!);
+    for (const o of rest) {
+      o.metadata.ownerReferences = o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! }));
+      await apply(o);
+    }
+  }
+
+  /**
+   * Resolves once `expected` pods of the instance are Ready; rejects with the reason when one
+   * fails for good, cannot be scheduled for long, the deadline passes, or `signal` aborts.
+   */
+  function podsReady(namespace: string, instance: string, expected: number, signal: AbortSignal): Promise<void> {
+    return new Promise((resolve, reject) => {
+      const unschedulableSince = new Map<string, number>();
+      const after = opts.unschedulableAfterMs ?? 30_000;
+      let settled = false;
+      count('watch');
+      const finish = (err?: Error) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(deadline);
+        clearInterval(tick);
+        signal.removeEventListener('abort', onAbort);
+        void w.stop().then(() => (err ? reject(err) : resolve()));
+      };
+      const check = () => {
+        const pods = w.list();
+        for (const p of pods) {
+          const failure = podFailure(p);
+          if (failure) return finish(named('InstanceFailed', failure));
+          const why = unschedulable(p);
+          const name = p.metadata!.name!;
+          if (!why) unschedulableSince.delete(name);
+          else {
+            const since = unschedulableSince.get(name) ?? Date.now();
+            unschedulableSince.set(name, since);
+            if (Date.now() - since >= after) return finish(named(KubernetesErrors.unschedulable, `pod ${name} cannot be scheduled: ${why}`));
+          }
+        }
+        if (pods.filter(podReady).length >= expected) finish();
+      };
+      const w = watchResource<V1Pod>(opts.kc, { path: `/api/v1/namespaces/${namespace}/pods`, labelSelector: instanceSelector(instance), onEvent: check, onSynced: check, log });
+      // Unschedulable for long is a matter of time passing, not of events.
+      const tick = setInterval(check, 1000);
+      const deadline = setTimeout(() => finish(named('StartTimedOut', `instance ${instance}: not every pod was Ready within ${Math.round((opts.startTimeoutMs ?? 30 * 60_000) / 1000)}s`)), opts.startTimeoutMs ?? 30 * 60_000);
+      const onAbort = () => finish(signal.reason instanceof Error ? signal.reason : new Error('aborted'));
+      if (signal.aborted) onAbort();
+      else signal.addEventListener('abort', onAbort, { once: true });
+    });
+  }
+
+  async function destroy(pool: string, instance: string, namespace?: string): Promise<void> {
+    const base = instanceBase(instance);
+    const namespaces = namespace ? [namespace] : await namespacesOf(instance);
+    for (const ns of namespaces) {
+      count('delete');
+      await core.deleteNamespacedConfigMap({ name: base, namespace: ns, propagationPolicy: 'Background' }).catch((err: unknown) => {
+        if (code(err) !== 404) throw err;
+      });
+    }
+    await deleteInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool, instance }).catch(() => false);
+  }
+
+  /** The namespaces holding an instance's ConfigMap (the Runtime interface names no namespace for destroy and describe). */
+  async function namespacesOf(instance: string): Promise<string[]> {
+    count('list');
+    const list = await core.listConfigMapForAllNamespaces({ labelSelector: instanceSelector(instance) });
+    return list.items.filter((c) => c.metadata?.name === instanceBase(instance)).map((c) => c.metadata!.namespace!);
+  }
+
+  async function describe(pool: string, instance: string): Promise<InstanceInfo | null> {
+    const [ns] = await namespacesOf(instance);
+    if (!ns) return null;
+    count('list');
+    const cm = await core.readNamespacedConfigMap({ name: instanceBase(instance), namespace: ns });
+    const expected = Number(cm.data?.nodes ?? '1');
+    const pods = (await core.listNamespacedPod({ namespace: ns, labelSelector: instanceSelector(instance) })).items;
+    return { instance, subject: requestSubjectOf(opts.names, pool, instance), healthy: pods.filter(podReady).length >= expected && pods.every(podReady) };
+  }
+
+  return {
+    async create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo> {
+      const p = await plan(req);
+      signal.throwIfAborted();
+      log(`instance ${req.pool}/${req.instance}: ${p.engine} on ${p.nodes} node(s) in ${p.namespace} (requests ${gib(p.memory.root)} root${p.memory.worker ? `, ${gib(p.memory.worker)} per worker` : ''})`);
+      try {
+        await applyInstance(p);
+        await podsReady(p.namespace, req.instance, p.nodes, signal);
+      } catch (err) {
+        await destroy(req.pool, req.instance, p.namespace).catch((e: unknown) => log(`instance ${req.pool}/${req.instance}: cleanup after a failed start: ${(e as Error).message}`));
+        throw err;
+      }
+      log(`instance ${req.pool}/${req.instance} is ready`);
+      return { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance), healthy: true };
+    },
+    destroy: (pool, instance) => destroy(pool, instance),
+    describe,
+    async watch(pool: string, instance: string, signal: AbortSignal, alive: () => void): Promise<string> {
+      const [ns] = await namespacesOf(instance);
+      if (!ns) return `instance ${instance} is gone`;
+      const cm = await core.readNamespacedConfigMap({ name: instanceBase(instance), namespace: ns });
+      const expected = Number(cm.data?.nodes ?? '1');
+      return new Promise<string>((resolve, reject) => {
+        let done = false;
+        let synced = false;
+        count('watch');
+        const finish = (reason: string | Error) => {
+          if (done) return;
+          done = true;
+          clearInterval(beat);
+          signal.removeEventListener('abort', onAbort);
+          void w.stop().then(() => (typeof reason === 'string' ? resolve(reason) : reject(reason)));
+        };
+        const check = () => {
+          if (!synced) return;
+          const pods = w.list();
+          const bad = pods.find((p) => !podReady(p));
+          if (bad) return finish(`pod ${bad.metadata?.name} of instance ${instance} is not ready${bad.metadata?.deletionTimestamp ? ' (being deleted)' : ''}`);
+          if (pods.length < expected) return finish(`instance ${instance} has ${pods.length} of ${expected} pods`);
+        };
+        const w = watchResource<V1Pod>(opts.kc, {
+          path: `/api/v1/namespaces/${ns}/pods`,
+          labelSelector: instanceSelector(instance),
+          onEvent: (type, p) => (type === 'DELETED' ? finish(`pod ${p.metadata?.name} of instance ${instance} was deleted`) : check()),
+          onSynced: () => {
+            synced = true;
+            check();
+          },
+          log,
+        });
+        const beat = setInterval(alive, 2000);
+        alive();
+        const onAbort = () => finish(signal.reason instanceof Error ? signal.reason : new Error('cancelled'));
+        if (signal.aborted) onAbort();
+        else signal.addEventListener('abort', onAbort, { once: true });
+      });
+    },
+    requests: () => ({ ...counts }),
+  };
+}

@@ -1,0 +1,217 @@
+/**
+ * The local runtime leaves nothing running that nobody can destroy, against the real
+ * nats-server and S3 store and a real `magus engine`: `destroy` during a start, the caller's
+ * cancellation during a start (one of two joined callers, then both), and a cancellation during
+ * the model's download from S3. An engine is held "still loading" by SIGSTOP, so the abort
+ * always lands before it is ready; a download is held midway by a proxy that stops passing S3's
+ * answer after its first bytes.
+ */
+import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
+import { CancelledFailure } from '@temporalio/common';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { createConnection, createServer, type AddressInfo, type Socket } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
+import { endpoint, isolation, natsConnect, s3Client } from '../../test/harness';
+import { processRunning, until } from '../../test/harness/wait';
+import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import type { InstanceInfo } from '../serving';
+import { createLocalRuntime, type LocalRuntime } from './local';
+
+const POOL = 'tiny';
+
+let nc: NatsConnection;
+let s3: S3Client;
+let names: DataPlaneNames;
+let registry: ModelRegistry;
+let bucket: string;
+let dir: string;
+let modelBytes: number;
+const runtimes: LocalRuntime[] = [];
+const logs: string[] = [];
+
+function runtime(cacheDir: string, s3Of: S3Client = s3): LocalRuntime {
+  const r = createLocalRuntime({ nc, names, registry, s3: s3Of, bucket, cacheDir, startTimeoutSec: 60, log: (l) => logs.push(l) });
+  runtimes.push(r);
+  return r;
+}
+
+const request = (instance: string) => ({ namespace: 'default', model: POOL, pool: POOL, instance });
+
+/** Pids of the live processes whose arguments name a file in `folder` (an engine over a cached model). */
+function processesUsing(folder: string): number[] {
+  return readdirSync('/proc')
+    .filter((p) => /^\d+$/.test(p) && Number(p) !== process.pid)
+    .filter((p) => {
+      try {
+        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && processRunning(Number(p));
+      } catch {
+        return false;
+      }
+    })
+    .map(Number);
+}
+
+/** The outcome of `p` once it settles, and whether it has; never rejects. */
+function watch(p: Promise<InstanceInfo>): { settled: () => boolean; outcome: Promise<InstanceInfo | Error> } {
+  let settled = false;
+  const outcome = p.then(
+    (info) => ((settled = true), info),
+    (err: Error) => ((settled = true), err),
+  );
+  return { settled: () => settled, outcome };
+}
+
+/** Starts `instance` and waits for its engine process, then freezes it before it can report ready. */
+async function startFrozen(rt: LocalRuntime, cacheDir: string, instance: string, signal: AbortSignal) {
+  const create = watch(rt.create(request(instance), signal));
+  await until('the engine process', () => processesUsing(cacheDir).length > 0 || create.settled(), 60_000);
+  const [pid] = processesUsing(cacheDir);
+  if (pid !== undefined) process.kill(pid, 'SIGSTOP');
+  // The premise of the test: the start is still under way.
+  if (create.settled()) {
+    const outcome = await create.outcome;
+    throw new Error(`create settled before its engine could be held: ${outcome instanceof Error ? outcome.message : JSON.stringify(outcome)}`);
+  }
+  return { create, pid: pid! };
+}
+
+/**
+ * A loopback proxy to `target` that passes the first `bytes` of each answer and then holds the
+ * rest: an S3 download stuck midway.
+ */
+async function stallingProxy(target: URL, bytes: number): Promise<{ url: string; close(): Promise<void> }> {
+  const open = new Set<Socket>();
+  const server = createServer((client) => {
+    const upstream = createConnection({ host: target.hostname, port: Number(target.port) });
+    for (const s of [client, upstream]) {
+      open.add(s);
+      s.on('close', () => open.delete(s));
+      s.on('error', () => undefined);
+    }
+    client.on('close', () => upstream.destroy());
+    upstream.on('close', () => client.destroy());
+    client.pipe(upstream);
+    let passed = 0;
+    upstream.on('data', (chunk: Buffer) => {
+      const room = bytes - passed;
+      if (room > 0) client.write(chunk.subarray(0, room));
+      passed += Math.min(room, chunk.length);
+      if (passed >= bytes) upstream.pause();
+    });
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  return {
+    url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
+    async close() {
+      for (const s of open) s.destroy();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
+
+beforeAll(async () => {
+  const iso = isolation();
+  nc = await natsConnect();
+  s3 = s3Client();
+  bucket = iso.bucket;
+  await s3.send(new CreateBucketCommand({ Bucket: bucket }));
+  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  dir = mkdtempSync(join(tmpdir(), 'magus-local-'));
+  const ready = await publishTinyGguf({ dir, s3, bucket, registry, name: POOL, seed: 7 });
+  modelBytes = ready.artifacts[0]!.files[0]!.bytes;
+}, 120_000);
+
+afterEach(async () => {
+  // Whatever a failing test left behind (a frozen engine would otherwise wait for its deadline).
+  for (const pid of processesUsing(dir)) process.kill(pid, 'SIGKILL');
+  for (const r of runtimes.splice(0)) await r.stopAll();
+});
+
+afterAll(async () => {
+  const jsm = await nc.jetstreamManager();
+  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`, `KV_${names.poolsBucket}`]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+  s3.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('destroy() while the engine is still loading: the start is aborted, its engine gone and nothing registered when destroy resolves', async () => {
+  const cacheDir = join(dir, 'cache-destroy');
+  const rt = runtime(cacheDir);
+  const { create, pid } = await startFrozen(rt, cacheDir, 'tiny-1', new AbortController().signal);
+
+  await rt.destroy(POOL, 'tiny-1');
+  expect(processRunning(pid)).toBe(false);
+  expect(processesUsing(cacheDir)).toEqual([]);
+  expect(await create.outcome).toMatchObject({ name: 'InstanceDestroyed' });
+  expect(await rt.describe(POOL, 'tiny-1')).toBeNull();
+  expect(rt.processes(POOL, 'tiny-1')).toBeNull();
+  expect(rt.bridges()).toEqual([]);
+
+  // The id is free again: a new create starts (and serves) from scratch.
+  expect(await rt.create(request('tiny-1'), new AbortController().signal)).toMatchObject({ instance: 'tiny-1', healthy: true });
+  await rt.destroy(POOL, 'tiny-1');
+  expect(processesUsing(cacheDir)).toEqual([]);
+}, 180_000);
+
+test("the callers' cancellation: one of two joined callers leaves and the start goes on; when the last one leaves, the start is aborted and leaves nothing", async () => {
+  const cacheDir = join(dir, 'cache-cancel');
+  const rt = runtime(cacheDir);
+  const first = new AbortController();
+  const { create, pid } = await startFrozen(rt, cacheDir, 'tiny-2', first.signal);
+  // A retry of the activity on this worker joins the start under way.
+  const second = new AbortController();
+  const joined = watch(rt.create(request('tiny-2'), second.signal));
+
+  // The first attempt timed out (the SDK aborts its signal with a CancelledFailure): it is
+  // answered at once, and the start carries on for the second.
+  first.abort(new CancelledFailure('TIMED_OUT'));
+  await until('the first caller to be answered', create.settled, 30_000);
+  expect(await create.outcome).toMatchObject({ name: 'CancelledFailure', message: 'TIMED_OUT' });
+  expect(processRunning(pid)).toBe(true);
+  expect(joined.settled()).toBe(false);
+
+  // The second goes too: nobody waits for the start any more, so it is aborted, and the caller
+  // is answered once the engine is gone.
+  second.abort(new CancelledFailure('CANCELLED'));
+  await until('the last caller to be answered', joined.settled, 30_000);
+  expect(processRunning(pid)).toBe(false);
+  expect(await joined.outcome).toMatchObject({ name: 'CancelledFailure', message: 'CANCELLED' });
+  expect(processesUsing(cacheDir)).toEqual([]);
+  expect(await rt.describe(POOL, 'tiny-2')).toBeNull();
+  expect(rt.processes(POOL, 'tiny-2')).toBeNull();
+  expect(rt.bridges()).toEqual([]);
+}, 180_000);
+
+test('cancelled during the model download: the download stops, its temporary file is removed and nothing is cached', async () => {
+  expect(modelBytes).toBeGreaterThan(64 * 1024); // so that it is held midway
+  const real = endpoint('s3');
+  const proxy = await stallingProxy(new URL(real.endpoint), 32 * 1024);
+  const slowS3 = new S3Client({ endpoint: proxy.url, region: real.region, forcePathStyle: true, credentials: { accessKeyId: real.accessKeyId, secretAccessKey: real.secretAccessKey } });
+  try {
+    const cacheDir = join(dir, 'cache-download');
+    const rt = runtime(cacheDir, slowS3);
+    const signal = new AbortController();
+    const create = watch(rt.create(request('tiny-3'), signal.signal));
+    const partial = () => readdirSync(cacheDir, { withFileTypes: true }).filter((f) => f.name.includes('.tmp-') && statSync(join(cacheDir, f.name)).size > 0);
+    await until('part of the model in a temporary file', () => (statSync(cacheDir, { throwIfNoEntry: false }) ? partial().length > 0 : false) || create.settled(), 30_000);
+    expect(create.settled()).toBe(false);
+
+    signal.abort(new CancelledFailure('CANCELLED'));
+    await until('create to be answered', create.settled, 30_000);
+    expect(await create.outcome).toMatchObject({ name: 'CancelledFailure' });
+    expect(readdirSync(cacheDir)).toEqual([]);
+    expect(processesUsing(cacheDir)).toEqual([]);
+    expect(await rt.describe(POOL, 'tiny-3')).toBeNull();
+  } finally {
+    slowS3.destroy();
+    await proxy.close();
+  }
+}, 120_000);

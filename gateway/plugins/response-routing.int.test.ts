@@ -1,0 +1,121 @@
+/**
+ * Per-replica reply subjects against the real nats-server, a real bridge and the stub engine:
+ * two gateway replicas (one `shared` router, one `per-request`, each on its own connection, as
+ * two processes would have) send requests through the gateway's `exchange`, and each connection
+ * is delivered the frames of its own requests and nothing else — counted by the connection's own
+ * message counter, not by what the routers pass on. A request with the older reply subject
+ * (queued by a gateway from before) is still answered, on that subject.
+ */
+import { randomBytes } from 'node:crypto';
+import type { NatsConnection } from 'nats';
+import { ensureDataPlane, ensureInstanceConsumer, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
+import { startBridge, type Bridge } from '../../activities/nats/bridge';
+import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import { startStubEngine, type StubEngine } from '../../test/fixtures/stub-engine';
+import { isolation, natsConnect } from '../../test/harness';
+import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './responses';
+
+const POOL = 'routing';
+const INSTANCE = 'i1';
+const REQUESTS = 6;
+
+let names: DataPlaneNames;
+let engine: StubEngine;
+let bridge: Bridge;
+/** The test's own connection: declares, publishes requests (as the gateways' publisher would), cleans up. */
+let nc: NatsConnection;
+let bridgeNc: NatsConnection;
+const replicas: { name: string; nc: NatsConnection; router: ResponseRouter }[] = [];
+
+beforeAll(async () => {
+  nc = await natsConnect();
+  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
+  engine = await startStubEngine({ modelId: POOL, chunks: 4 });
+  await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: POOL, instance: INSTANCE, slots: 4 });
+  bridgeNc = await natsConnect();
+  bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: INSTANCE, engineUrl: engine.url, slots: 4, log: () => undefined });
+  const a = await natsConnect();
+  const b = await natsConnect();
+  replicas.push(
+    { name: 'gw-a', nc: a, router: await sharedResponseRouter(a, { subjectScope: names.subjectScope, replica: 'gw-a' }) },
+    { name: 'gw-b', nc: b, router: perRequestResponseRouter(b, { subjectScope: names.subjectScope, replica: 'gw-b' }) },
+  );
+});
+
+afterAll(async () => {
+  for (const r of replicas) {
+    await r.router.close();
+    await r.nc.close();
+  }
+  await bridge?.stop();
+  await bridgeNc?.close();
+  await engine?.stop();
+  const jsm = await nc.jetstreamManager();
+  for (const s of [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`)]) {
+    await jsm.streams.delete(s).catch(() => false);
+  }
+  await nc.close();
+});
+
+const session: () => SessionEntry = () => ({ subject: requestSubjectOf(names, POOL, INSTANCE), pool: POOL, instance: INSTANCE, expiresAt: Date.now() + 60_000 });
+const body = (content: string) => ({ model: POOL, messages: [{ role: 'user' as const, content }], stream: true });
+
+/** One streamed request through a replica's router, as the gateway makes it; resolves with the frames relayed to the client. */
+async function ask({ nc: own, router }: (typeof replicas)[number], content: string): Promise<number> {
+  const id = `req-${randomBytes(6).toString('hex')}`;
+  const req: InferenceRequest = { id, replyTo: router.replySubject(id), deadline: Date.now() + 30_000, body: body(content) };
+  let relayed = 0;
+  await exchange(session(), req, {
+    router,
+    // Published on the test's connection, so the replica's is delivered frames only; a flush
+    // first puts a per-request subscription in place on the server, as publishing on its own
+    // connection would.
+    publish: async (_subject, r) => {
+      await own.flush();
+      await publishRequest(nc.jetstream(), names, { pool: POOL, instance: INSTANCE }, r);
+    },
+    requestTimeoutMs: 30_000,
+    gapTimeoutMs: 5_000,
+    retryAfterSec: 1,
+    signal: new AbortController().signal,
+    onChunk: () => (relayed += 1),
+  });
+  return relayed + 1; // and the done frame
+}
+
+test('each replica is delivered the frames of its own requests, and only those', async () => {
+  const before = replicas.map((r) => r.nc.stats().inMsgs);
+  // Both replicas at once, so their frames are on the wire together.
+  const relayed = await Promise.all(replicas.map((r) => Promise.all(Array.from({ length: REQUESTS }, (_, i) => ask(r, `${r.name} asks ${i}`)))));
+  for (const r of replicas) await r.nc.flush(); // anything the server still had for a connection has arrived
+  const delivered = replicas.map((r, i) => r.nc.stats().inMsgs - before[i]!);
+  const own = relayed.map((frames) => frames.reduce((a, b) => a + b, 0));
+  expect(own.every((n) => n >= REQUESTS * 2)).toBe(true); // streamed: several frames per request
+  // With one magus.res.> subscription per replica, each would be delivered both replicas' frames.
+  expect(delivered).toEqual(own);
+  expect(bridge.stats).toMatchObject({ acked: 2 * REQUESTS, errors: 0 });
+});
+
+test('a request with the older reply subject (queued by a gateway from before) is answered on it, and reaches no replica', async () => {
+  const before = replicas.map((r) => r.nc.stats().inMsgs);
+  const id = `req-${randomBytes(6).toString('hex')}`;
+  const replyTo = responseSubjectOf(names, id); // magus.res.<id>, no replica
+  const sequencer = new FrameSequencer();
+  const relayed: ResponseFrame[] = [];
+  const sub = nc.subscribe(replyTo);
+  const answered = (async () => {
+    for await (const m of sub) {
+      const f = decodeFrame(m.data);
+      if (f) relayed.push(...sequencer.push(f));
+      if (sequencer.finished) break;
+    }
+  })();
+  await nc.flush();
+  await publishRequest(nc.jetstream(), names, { pool: POOL, instance: INSTANCE }, { id, replyTo, deadline: Date.now() + 30_000, body: body('from an older gateway') });
+  await answered;
+  expect(relayed.at(-1)).toMatchObject({ type: 'done' });
+  expect(relayed.length).toBeGreaterThan(2);
+  for (const r of replicas) await r.nc.flush();
+  expect(replicas.map((r, i) => r.nc.stats().inMsgs - before[i]!)).toEqual([0, 0]);
+});

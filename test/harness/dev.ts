@@ -1,0 +1,127 @@
+/**
+ * `magus dev` as a user starts it — `node bin/magus.js dev` directly, `npm run dev`, or
+ * `npx magus dev` — in a process group of its own, as a terminal runs a command (so a test can
+ * send a "Ctrl-C" to the whole group), with its output collected and the process tree below it
+ * read from /proc. Uses the compiled CLI (`npm run build`), as users do.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { readdirSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { processRunning } from './wait';
+
+export const REPO_ROOT = join(__dirname, '..', '..');
+export const MAGUS_BIN = join(REPO_ROOT, 'bin', 'magus.js');
+
+export type DevLauncher = 'direct' | 'npm' | 'npx';
+
+export interface DevRun {
+  /** The process the launcher started: node itself, npm, or npx. */
+  child: ChildProcess;
+  /** Everything printed so far, stdout and stderr. */
+  stdout(): string;
+  stderr(): string;
+  exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+  /** Resolves once dev has printed its last ready line; rejects if it exits first or after `timeoutMs`. */
+  ready(timeoutMs?: number): Promise<void>;
+  /** The top process and every descendant of it now. */
+  tree(): number[];
+  /** SIGKILL to every process of the tree (cleanup after a failed test). */
+  killTree(): void;
+}
+
+/** Children of every process, from /proc (`ppid` is the 2nd field after the command). */
+function childrenByParent(): Map<number, number[]> {
+  const map = new Map<number, number[]>();
+  for (const entry of readdirSync('/proc')) {
+    if (!/^\d+$/.test(entry)) continue;
+    try {
+      const stat = readFileSync(`/proc/${entry}/stat`, 'utf8');
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+      const list = map.get(ppid) ?? [];
+      list.push(Number(entry));
+      map.set(ppid, list);
+    } catch {
+      // exited meanwhile
+    }
+  }
+  return map;
+}
+
+/** `pid` and all its descendants. */
+export function processTree(pid: number): number[] {
+  const children = childrenByParent();
+  const out: number[] = [];
+  const todo = [pid];
+  while (todo.length > 0) {
+    const p = todo.pop()!;
+    out.push(p);
+    todo.push(...(children.get(p) ?? []));
+  }
+  return out.filter(processRunning);
+}
+
+/** Starts `magus dev <args>` the way `launcher` says, in a new process group. */
+export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.ProcessEnv = process.env): DevRun {
+  const [cmd, argv] =
+    launcher === 'direct' ? [process.execPath, [MAGUS_BIN, 'dev', ...args]] : launcher === 'npm' ? ['npm', ['run', 'dev', '--', ...args]] : ['npx', ['magus', 'dev', ...args]];
+  const child = spawn(cmd, argv, { cwd: REPO_ROOT, env, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
+  let out = '';
+  let err = '';
+  child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (err += d.toString()));
+  const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((r) => child.once('exit', (code, signal) => r({ code, signal })));
+  let collected: number[] = [];
+  return {
+    child,
+    stdout: () => out,
+    stderr: () => err,
+    exited,
+    async ready(timeoutMs = 150_000) {
+      const deadline = Date.now() + timeoutMs;
+      while (!out.includes('Ctrl-C stops everything')) {
+        if (child.exitCode !== null || child.signalCode !== null) throw new Error(`magus dev (${launcher}) exited before it was ready:\n${err}`);
+        if (Date.now() > deadline) throw new Error(`magus dev (${launcher}) was not ready within ${timeoutMs / 1000} s:\n${err}`);
+        await new Promise((r) => setTimeout(r, 200));
+      }
+    },
+    tree() {
+      collected = [...new Set([...collected, ...processTree(child.pid!)])];
+      return processTree(child.pid!);
+    },
+    killTree() {
+      for (const pid of [...collected, ...processTree(child.pid!)]) {
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {
+          // gone
+        }
+      }
+    },
+  };
+}
+
+/** What the printed curl does (non-streamed, a few tokens): the status and body. */
+export async function chat(gatewayUrl: string, token: string, content = 'Hello!'): Promise<{ status: number; body: string }> {
+  const res = await fetch(`${gatewayUrl}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: 'demo', messages: [{ role: 'user', content }], max_tokens: 4 }),
+    signal: AbortSignal.timeout(90_000),
+  });
+  return { status: res.status, body: await res.text() };
+}
+
+/** The gateway URL, API token file, Temporal UI and connection file (if any) a ready dev printed. */
+export function printed(stdout: string): { gatewayUrl: string; tokenFile: string; temporalUi: string; connectionFile: string | undefined } {
+  const need = (re: RegExp, what: string) => {
+    const m = re.exec(stdout);
+    if (!m) throw new Error(`magus dev did not print ${what}:\n${stdout}`);
+    return m[1]!;
+  };
+  return {
+    gatewayUrl: need(/served at (http:\/\/\S+)\/v1/, 'the gateway URL'),
+    tokenFile: need(/API token: +in (\S+)/, 'the API token file'),
+    temporalUi: need(/Temporal UI: (\S+)/, 'the Temporal UI'),
+    connectionFile: /Connection: +(\S+)/.exec(stdout)?.[1],
+  };
+}
