@@ -3,6 +3,11 @@
 'use strict';
 const path = require('node:path');
 const fs = require('node:fs');
+// `magus --version` needs nothing built: the version is the package's.
+if (process.argv[2] === '--version' && process.argv.length === 3) {
+  console.log(require(path.join(__dirname, '..', 'package.json')).version);
+  process.exit(0);
+}
 const entry = path.join(__dirname, '..', 'dist', 'workers', 'magus.js');
 if (!fs.existsSync(entry)) {
   console.error('magus: dist/ is missing; run `npm ci` (or `npm run build`) in the checkout first.');

@@ -1,0 +1,218 @@
+/**
+ * The rendered pods really serve: the Kubernetes runtime creates an instance on the test control
+ * plane (kwok: its pods are Ready without running), then the pod specs it wrote — its
+ * containers, images, commands, env, init container and volumes — run under `podman kube play`
+ * from the images CI built (scripts/images), and a chat completion goes gateway → NATS → the
+ * `magus bridge` sidecar → the engine container and back. A llama.cpp instance (`magus engine`
+ * over the tiny GGUF, fetched from S3 by `magus fetch`) and a distributed-llama topology (root +
+ * 1 worker, the strict stand-in binaries of `localhost/magus-dllama:stand-in`).
+ *
+ * The pods run on podman's kube network (a bridge); this run's NATS and MinIO listen on loopback,
+ * so the runtime is given their addresses through TCP proxies on the bridge's gateway address.
+ * What the test changes in the specs, and why: `hostAliases` for the workers' Service names (no
+ * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys given
+ * as env values (podman 4.3's kube play reads Secrets only from its own secret store), and no
+ * `ports` (declarative in Kubernetes; podman would publish them on the host).
+ */
+import { CreateBucketCommand, PutObjectCommand } from '@aws-sdk/client-s3';
+import { AppsV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
+import { execFile } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import type { NatsConnection } from 'nats';
+import OpenAI from 'openai';
+import { installCrds } from '../activities/kubernetes/crds';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
+import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
+import { instanceBase } from '../activities/runtime/kubernetes-manifests';
+import { conversationKey } from '../gateway/plugins/conversation';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
+import type { ReadyModel } from '../shared/model';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { endpoint, isolation, natsConnect, s3Client } from './harness';
+import { startTestCluster, type TestCluster } from './harness/cluster';
+import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
+import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { ensureDataPlane } from '../activities/nats/data-plane';
+
+const run = promisify(execFile);
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const NS = 'pods';
+const IMAGES = { magus: 'localhost/magus:0.1.0', dllama: 'localhost/magus-dllama:stand-in' };
+const SECRET = randomBytes(32).toString('hex');
+const TOKEN_ID = 'pods';
+const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
+const podmanEnv = { ...process.env, CONTAINERS_CONF: join(__dirname, '..', 'images', 'containers.conf') };
+const podman = (...args: string[]) => run('podman', ['--storage-driver', 'overlay', ...args], { env: podmanEnv, maxBuffer: 16 * 2 ** 20 });
+
+let dir: string;
+let cluster: TestCluster;
+let nc: NatsConnection;
+let registry: ModelRegistry;
+let runtime: KubernetesRuntime;
+let gateway: RunningGateway;
+let openai: OpenAI;
+const proxies: TcpProxy[] = [];
+const KUBE_NETWORK = 'podman-default-kube-network';
+
+/** The address of a kube-played pod on the kube network (its infra container holds the network). */
+async function podAddress(pod: string): Promise<string> {
+  const infra = (await podman('pod', 'inspect', pod, '--format', '{{.InfraContainerID}}')).stdout.trim();
+  const ip = (await podman('inspect', infra, '--format', '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}')).stdout.trim();
+  if (!ip) throw new Error(`pod ${pod} has no address on ${KUBE_NETWORK}`);
+  return ip;
+}
+
+/** A pod that only holds the kube network's bridge up (it exists while a container uses it), so proxies can listen on its gateway. */
+const HOLDER = `magus-net-${iso.id}`;
+
+/** Proxies on the kube network's gateway to a loopback server. */
+async function proxyFromPods(target: string): Promise<string> {
+  const gateway = (await podman('network', 'inspect', KUBE_NETWORK, '--format', '{{range .Subnets}}{{.Gateway}}{{end}}')).stdout.trim();
+  const [host, port] = target.split(':');
+  const proxy = await startTcpProxy({ host: host!, port: Number(port) }, gateway);
+  proxies.push(proxy);
+  return proxy.address;
+}
+
+beforeAll(async () => {
+  for (const image of Object.values(IMAGES)) {
+    await podman('image', 'exists', image).catch(() => {
+      throw new Error(`image ${image} is missing: build it with scripts/images (npm test does)`);
+    });
+  }
+  dir = mkdtempSync(join(tmpdir(), 'magus-pods-'));
+  cluster = await startTestCluster({ nodes: 2 });
+  await installCrds(cluster.kubeConfig);
+  await cluster.createNamespace(NS);
+  nc = await natsConnect();
+  await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  const s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  // llama.cpp: the tiny synthetic Llama as GGUF, in S3 and the registry.
+  const tiny = await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: 'tiny' });
+  await registry.put({ ...tiny, namespace: NS });
+  // distributed-llama: files the stand-in only checks are readable, with their real sha256.
+  const put = async (key: string, body: Buffer) => {
+    await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: body }));
+    return { key, bytes: body.length, sha256: createHash('sha256').update(body).digest('hex') };
+  };
+  const m = await put('artifacts/tinyd/model.m', randomBytes(4096));
+  const t = await put('artifacts/tinyd/tokenizer.t', randomBytes(512));
+  await registry.put({ namespace: NS, name: 'tinyd', source: { repo: 'org/tinyd', revision: 'main', sha: 'd'.repeat(40) }, artifacts: [{ format: 'dllama', weights: 'q40', files: [m, t] }], memory: [], readyAt: new Date().toISOString() } as unknown as ReadyModel);
+  s3.destroy();
+
+  const s3e = endpoint('s3');
+  await podman('pod', 'create', '--name', HOLDER, '--network', KUBE_NETWORK);
+  await podman('pod', 'start', HOLDER);
+  const natsAddress = await proxyFromPods(endpoint('nats').servers.replace(/^nats:\/\//, '').split(',')[0]!);
+  const s3Address = await proxyFromPods(new URL(s3e.endpoint).host);
+  runtime = createKubernetesRuntime({
+    kc: cluster.kubeConfig,
+    registry,
+    nc,
+    names,
+    images: IMAGES,
+    natsUrl: `nats://${natsAddress}`,
+    s3: { endpoint: `http://${s3Address}`, region: s3e.region, bucket: iso.bucket, secret: 'magus-s3' },
+  });
+  gateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' } }), { nc });
+  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+}, 600_000);
+
+afterAll(async () => {
+  await gateway?.close();
+  await Promise.all(proxies.map((p) => p.close()));
+  await podman('pod', 'rm', '--force', HOLDER).catch(() => undefined);
+  await nc?.drain();
+  await cluster?.stop();
+  if (dir) rmSync(dir, { recursive: true, force: true });
+}, 120_000);
+
+/** The runtime's pod template of StatefulSet `name`, as a Pod podman can play. */
+async function podOf(name: string, workers: { names: string[]; ip?: string }): Promise<Record<string, unknown>> {
+  const sts = await cluster.kubeConfig.makeApiClient(AppsV1Api).readNamespacedStatefulSet({ name, namespace: NS });
+  const spec = structuredClone(sts.spec!.template.spec!) as V1PodSpec & Record<string, unknown>;
+  const s3e = endpoint('s3');
+  for (const c of [...(spec.initContainers ?? []), ...spec.containers]) {
+    delete c.ports; // declarative only; podman maps them to host ports, which host networking refuses
+    if (c.envFrom?.some((e) => e.secretRef?.name === 'magus-s3')) {
+      delete c.envFrom;
+      c.env = [...(c.env ?? []), { name: 'AWS_ACCESS_KEY_ID', value: s3e.accessKeyId }, { name: 'AWS_SECRET_ACCESS_KEY', value: s3e.secretAccessKey }];
+    }
+  }
+  spec.restartPolicy = 'Never';
+  if (workers.ip) spec.hostAliases = [{ ip: workers.ip, hostnames: workers.names }];
+  return { apiVersion: 'v1', kind: 'Pod', metadata: { name: `${name}-0`, labels: sts.spec!.template.metadata?.labels }, spec };
+}
+
+async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', nodesPower: number, expectText: RegExp): Promise<void> {
+  const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
+  await custom.createNamespacedCustomObject({
+    group: CRD_GROUP,
+    version: CRD_VERSION,
+    namespace: NS,
+    plural: 'dllamas',
+    body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name: model }, spec: { model, engine, nodesPower, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '10m' } },
+  });
+  const instance = `${model}-1`;
+  await runtime.create({ namespace: NS, model, pool: model, instance }, new AbortController().signal);
+  const base = instanceBase(instance);
+  const workers = 2 ** nodesPower - 1;
+  const workerNames = Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${NS}.svc`);
+  // The worker pod first: the root's hostAliases point its Service name at the worker's address.
+  const workerFile = join(dir, `${model}-workers.yaml`);
+  const rootFile = join(dir, `${model}.yaml`);
+  try {
+    let workerIp: string | undefined;
+    if (workers > 0) {
+      writeFileSync(workerFile, JSON.stringify(await podOf(`${base}-w`, { names: [] })));
+      await podman('kube', 'play', workerFile);
+      workerIp = await podAddress(`${base}-w-0`);
+    }
+    writeFileSync(rootFile, JSON.stringify(await podOf(base, { names: workerNames, ...(workerIp ? { ip: workerIp } : {}) })));
+    await podman('kube', 'play', rootFile);
+    const engineUrl = `http://${await podAddress(`${base}-0`)}:8080`;
+    // The engine container answers once the init container has fetched (and checked) the files.
+    const deadline = Date.now() + 120_000;
+    for (;;) {
+      const ok = await fetch(`${engineUrl}/v1/models`, { signal: AbortSignal.timeout(2000) }).then(
+        (r) => r.ok,
+        () => false,
+      );
+      if (ok) break;
+      if (Date.now() > deadline) {
+        const logs = await podman('pod', 'logs', `${base}-0`).then((r) => r.stdout + r.stderr, (e: Error) => e.message);
+        throw new Error(`the engine container never answered; pod logs:\n${logs.slice(-3000)}`);
+      }
+      await new Promise((r) => setTimeout(r, 500));
+    }
+    const sessionId = `pods-${model}`;
+    const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `${NS}/${model}`, messages: [], sessionId });
+    await pinConversation(nc, names, key, model, instance);
+    const r = await openai.chat.completions.create({ model: `${NS}/${model}`, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': sessionId } }).catch(async (err: Error) => {
+      const logs = await podman('pod', 'logs', `${base}-0`).then((x) => x.stdout + x.stderr, (e: Error) => e.message);
+      throw new Error(`${err.message}; pod logs:\n${logs.slice(-3000)}`);
+    });
+    expect(r.choices[0]?.message.content ?? '').toMatch(expectText);
+  } finally {
+    await podman('kube', 'down', rootFile).catch(() => undefined);
+    if (workers > 0) await podman('kube', 'down', workerFile).catch(() => undefined);
+    await runtime.destroy(model, instance);
+  }
+}
+
+test('a llama.cpp instance: fetch (init), magus engine and the bridge, as the runtime wrote them, answer a chat completion', async () => {
+  await serveThroughPods('tiny', 'llamacpp', 0, /./);
+}, 300_000);
+
+test('a distributed-llama topology (root + 1 worker, stand-in binaries) as the runtime wrote it answers', async () => {
+  await serveThroughPods('tinyd', 'dllama', 1, /\[2 nodes\]/);
+}, 300_000);
