@@ -16,6 +16,11 @@ import type { DllamaResourceSpec } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
 import { isolation, natsConnect, temporalClient, workerConfig } from '../../test/harness';
 import { startWorkers } from '../../workers/worker';
+import { startController } from '../../workers/controller/controller';
+import { execFile } from 'node:child_process';
+import { writeFileSync } from 'node:fs';
+import { promisify } from 'node:util';
+import { podReady } from './kubernetes';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -292,3 +297,37 @@ test('a pool on the Kubernetes runtime: its instance is pods, watched from the c
     rmSync(dir, { recursive: true, force: true });
   }
 }, 240_000);
+
+test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the pool, the runtime adds and removes instances as pods', async () => {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-scale-'));
+  const name = 'scaled';
+  await registry.put(model(name, () => GIB));
+  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 } });
+  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
+  const { client, connection } = await temporalClient();
+  const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespace: NS });
+  const kubeconfig = join(dir, 'kubeconfig');
+  writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
+  const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+  const roots = async () => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
+  try {
+    await controller.synced;
+    await applyDllama(name, { engine: 'llamacpp', replicas: 1, minReplicas: 0, maxReplicas: 3, idleTimeout: '30s' });
+    await eventually(async () => expect(await roots()).toBe(1), 60_000);
+    await kubectl('scale', `dllama/${name}`, '--replicas=3');
+    await eventually(async () => expect(await roots()).toBe(3), 60_000);
+    // To zero: nothing holds a lease, so each instance goes once idle for 30 s (and the drain grace).
+    await kubectl('scale', `dllama/${name}`, '--replicas=0');
+    await eventually(async () => expect(await roots()).toBe(0), 120_000);
+    await kubectl('scale', `dllama/${name}`, '--replicas=1');
+    await eventually(async () => expect(await roots()).toBe(1), 60_000);
+    await kubectl('delete', `dllama/${name}`, '--timeout=60s');
+    await eventually(async () => expect((await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name}` })).items).toHaveLength(0), 60_000);
+  } finally {
+    await controller.stop();
+    await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate().catch(() => undefined);
+    await workers.shutdown();
+    await connection.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}, 400_000);
