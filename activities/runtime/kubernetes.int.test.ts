@@ -21,6 +21,8 @@ import { execFile } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
+import { temporalSessions } from '../../gateway/temporal';
+import type { SessionEntry } from '../../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -331,3 +333,38 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
     rmSync(dir, { recursive: true, force: true });
   }
 }, 400_000);
+
+test('a node that goes away: the pool notices, replaces the instance, and the conversation moves to the new one', async () => {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-node-'));
+  const name = 'nodeloss';
+  await registry.put(model(name, () => GIB));
+  await applyDllama(name, { engine: 'llamacpp' });
+  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 } });
+  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
+  const { client, connection } = await temporalClient();
+  try {
+    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
+    const key = `conv-${iso.id}`;
+    const first = await sessions.coldStart({ conversationKey: key, model: (await registry.get(NS, name))!, tokenId: 't', signal: new AbortController().signal });
+    const [root] = await podsOf(first.instance);
+    const node = root!.spec!.nodeName!;
+    await core.deleteNode({ name: node });
+    // The pod on the gone node is removed (pod garbage collection), the watcher reports it, the
+    // pool starts another instance and moves the session's lease, which rewrites its entry.
+    const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+    let moved: SessionEntry | undefined;
+    await eventually(async () => {
+      const e = await kv.get(key);
+      moved = e && e.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as SessionEntry) : undefined;
+      expect(moved?.instance).toBeDefined();
+      expect(moved!.instance).not.toBe(first.instance);
+    }, 150_000);
+    const [newRoot] = await podsOf(moved!.instance);
+    expect(newRoot?.spec?.nodeName).not.toBe(node);
+    await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate();
+  } finally {
+    await workers.shutdown();
+    await connection.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}, 240_000);
