@@ -88,7 +88,8 @@ export interface ClusterComponents {
 }
 
 const execFileP = promisify(execFile);
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+/** A wait that never keeps the process alive by itself (stop() races it against exits). */
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms).unref());
 
 /** Binaries of the components and kwok's Stage folder, from `scripts/dev-services` (builds them if missing). */
 async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stages', string>> {
