@@ -12,6 +12,7 @@ jest.mock('cookie', () => ({
   },
 }));
 import type * as crypto from 'node:crypto';
+import { connect, type AddressInfo } from 'node:net';
 import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { SessionError, SessionErrorType } from './plugins/errors';
@@ -55,7 +56,9 @@ describe('request validation', () => {
     ['missing content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'user', content: 'a' }, { role: 'user' }] }],
     ['string max_tokens (no coercion)', 'max_tokens', userTurn('hi', { max_tokens: '12' })],
     ['temperature out of range', 'temperature', userTurn('hi', { temperature: 3 })],
-    ['n > 1', 'n', userTurn('hi', { n: 2 })],
+    ['n < 1', 'n', userTurn('hi', { n: 0 })],
+    ['null user content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'assistant', content: null }, { role: 'user', content: null }] }],
+    ['null system content', 'messages[0].content', { model: 'tiny', messages: [{ role: 'system', content: null }, { role: 'user', content: 'hi' }] }],
     ['stream not boolean', 'stream', userTurn('hi', { stream: 'yes' })],
   ])('%s → 400 naming %s', async (_name, param, body) => {
     const res = await chat(body);
@@ -72,6 +75,7 @@ describe('request validation', () => {
     ['response_format', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: {} } } }],
     ['response_format', { response_format: { type: 'json_object' } }],
     ['logprobs', { logprobs: true, top_logprobs: 2 }],
+    ['n', { n: 5 }],
   ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
     const res = await chat(userTurn('hi', extra));
     expect(res.statusCode).toBe(400);
@@ -82,6 +86,50 @@ describe('request validation', () => {
   it('their empty or plain forms are fine: no tools, text format, no logprobs', async () => {
     const res = await chat(userTurn('hi', { tools: [], functions: [], response_format: { type: 'text' }, logprobs: false, tool_choice: 'none' }));
     expect(res.statusCode).toBe(200);
+  });
+
+  it('accepts null content from the assistant (as OpenAI does, e.g. beside tool_calls) and forwards it empty', async () => {
+    const res = await chat({
+      model: 'tiny',
+      n: 1,
+      messages: [
+        { role: 'user', content: 'hi' },
+        { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] },
+        { role: 'assistant', content: null },
+        { role: 'user', content: 'again' },
+      ],
+    });
+    expect(res.statusCode).toBe(200);
+    expect(t.plane.published[0]!.req.body.messages).toEqual([
+      { role: 'user', content: 'hi' },
+      { role: 'assistant', content: '' },
+      { role: 'assistant', content: '' },
+      { role: 'user', content: 'again' },
+    ]);
+  });
+
+  it.each([
+    ['a bare CR', 'x-bad: a\rb'],
+    ['a bare LF', 'x-bad: a\nb: c'],
+    ['a NUL', 'x-bad: a\u0000b'],
+  ])("a header with %s (refused by Node's HTTP parser) → 400 in OpenAI's error shape", async (_what, header) => {
+    await t.app.listen({ host: '127.0.0.1', port: 0 });
+    const { port } = t.app.server.address() as AddressInfo;
+    const raw = await new Promise<string>((resolve, reject) => {
+      const socket = connect({ host: '127.0.0.1', port }, () => {
+        socket.write(`POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n${header}\r\nContent-Length: 2\r\n\r\n{}`);
+      });
+      let got = '';
+      socket.setEncoding('utf8');
+      socket.on('data', (d: string) => (got += d));
+      socket.on('end', () => resolve(got));
+      socket.on('error', reject);
+    });
+    const [head, body] = raw.split('\r\n\r\n', 2) as [string, string];
+    expect(head).toMatch(/^HTTP\/1\.1 400 Bad Request\r\n/);
+    expect(head.toLowerCase()).toContain('content-type: application/json');
+    expect(JSON.parse(body)).toEqual({ error: { message: expect.stringContaining('not valid HTTP') as string, type: 'invalid_request_error', param: null, code: 'invalid_http_request' } });
+    expect(t.broker.calls).toHaveLength(0);
   });
 
   it('forwards stream_options.include_usage on streams only', async () => {
@@ -241,8 +289,8 @@ describe('models', () => {
     expect(res.json()).toEqual({
       object: 'list',
       data: [
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus' },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus' },
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });

@@ -5,7 +5,7 @@
  */
 import { LogController, type FastifyPluginAsync, type FastifyServerOptions } from 'fastify';
 import { authPlugin } from './plugins/auth';
-import { errors, errorsPlugin } from './plugins/errors';
+import { clientErrorHandler, errors, errorsPlugin } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
 import { servicesPlugin, type GatewayServices, type ReadinessCheck } from './plugins/services';
 import { chatRoutes } from './routes/chat';
@@ -23,9 +23,11 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
 /**
  * Server options the app relies on: no type coercion (a string is not a number in a JSON body),
  * the `authorization` header never reaches a log line, and one access-log line per request (the
- * app's onResponse hook) instead of fastify's two.
+ * app's onResponse hook) instead of fastify's two; a request Node's HTTP parser refuses is answered
+ * in OpenAI's error shape too.
  */
 export const options = {
+  clientErrorHandler,
   ajv: { customOptions: { coerceTypes: false } },
   logController: new LogController({ disableRequestLogging: true }),
   logger: {

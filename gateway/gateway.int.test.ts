@@ -366,10 +366,35 @@ describe('tokens from the magus_tokens KV', () => {
   });
 });
 
+// Issue "new user" item 7: `/v1/models` served a copy up to 5 s old while `/v1/models/:model`
+// re-read the registry on a miss, so right after a publish the item answered 200 and the list
+// did not name it (3.4 s after `magus dev`'s ready banner).
+describe('the model list and the model item agree', () => {
+  it('right after a model is published, and right after it is removed', async () => {
+    const registry = await openModelRegistry(nc, buckets.models);
+    const headers = { authorization: `Bearer ${alice.token}` };
+    const both = async (id: string) => {
+      const [list, item] = await Promise.all([fetch(`${gw.url}/v1/models`, { headers }), fetch(`${gw.url}/v1/models/${id}`, { headers })]);
+      const listed = ((await list.json()) as { data: { id: string }[] }).data.find((m) => m.id === id);
+      return { listed, status: item.status, item: await item.json() };
+    };
+    for (let i = 0; i < 4; i++) {
+      const id = `fresh-${i}`;
+      await registry.put(readyModel(id));
+      const published = await both(id);
+      expect(published.status).toBe(200);
+      expect(published.listed).toEqual(published.item);
+      await registry.remove('default', id);
+      const removed = await both(id);
+      expect(removed).toMatchObject({ status: 404, listed: undefined });
+    }
+  });
+});
+
 describe('models, health and metrics', () => {
   it('lists the registry’s models; readyz is ready; metrics count warm hits and cold starts', async () => {
     const models = await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${alice.token}` } });
-    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus' }] });
+    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus', servable: true }] });
     const ready = await fetch(`${gw.url}/readyz`);
     expect(ready.status).toBe(200);
     expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true } });

@@ -47,6 +47,8 @@ const UNSTARTABLE = 'no-gguf';
 const SILENT = 'silent';
 const SILENT_INSTANCE = 'i1';
 const SILENT_SESSION = `silent-${iso.id}`;
+/** Pulled with only `dllama:q40`: the worker here has no distributed-llama binaries, so nothing can serve it. */
+const DLLAMA_ONLY = 'dllama-only';
 
 let dir: string;
 let nc: NatsConnection;
@@ -77,6 +79,8 @@ beforeAll(async () => {
   const registry = await openModelRegistry(nc, names.modelsBucket);
   await registry.put(readyModel(UNSTARTABLE));
   await registry.put(readyModel(SILENT));
+  const file = (key: string) => ({ key, bytes: 1, sha256: '0'.repeat(64) });
+  await registry.put({ ...readyModel(DLLAMA_ONLY), artifacts: [{ format: 'dllama', weights: 'q40', converterVersion: 'test', files: [file('m/model.m'), file('m/model.t')] }] });
 
   engine = await startStubEngine({ modelId: SILENT, stall: true });
   await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: SILENT, instance: SILENT_INSTANCE, slots: 4 });
@@ -177,6 +181,29 @@ test('503 with Retry-After when no instance of the model can start', async () =>
   expect(status.lastError).toMatch(/artifact/i);
   expect(status.instances).toEqual([]);
 }, 110_000);
+
+// Issue "new user" item 6: a model only distributed-llama could run, on workers without its
+// binaries, was listed as any other and answered 503 `no_capacity` after a failed cold start
+// (6.3 s); the reason (`no GGUF artifact for llama.cpp`) was only in the log.
+test('a model no live runtime can run is refused at once with the reason, and marked in /v1/models', async () => {
+  const started = Date.now();
+  const err = await failure(openai.chat.completions.create({ model: DLLAMA_ONLY, messages: [{ role: 'user', content: 'hello?' }] }));
+  const tookMs = Date.now() - started;
+  expect(err).toBeInstanceOf(OpenAI.BadRequestError);
+  expect(err).toMatchObject({ status: 400, code: 'model_not_servable', param: 'model', type: 'invalid_request_error' });
+  expect((err as Error).message).toMatch(/dllama:q40/);
+  expect((err as Error).message).toMatch(/gguf/i);
+  expect(tookMs).toBeLessThan(1000);
+  // No cold start was tried: no pool workflow for it.
+  await expect(client.workflow.getHandle(poolWorkflowId('default', DLLAMA_ONLY)).describe()).rejects.toMatchObject({ name: 'WorkflowNotFoundError' });
+  // The list and the item say so, and why; a servable model is marked servable.
+  const listed = [];
+  for await (const m of openai.models.list()) listed.push(m);
+  const entry = listed.find((m) => m.id === DLLAMA_ONLY);
+  expect(entry).toMatchObject({ servable: false, not_servable_reason: (err as Error).message.replace(/^400 /, '') });
+  expect(await openai.models.retrieve(DLLAMA_ONLY)).toEqual(entry);
+  expect(listed.find((m) => m.id === SILENT)).toMatchObject({ servable: true });
+});
 
 // The Temporal broker's error used to carry retryAfterSec = 5, which won over the setting.
 test('the 503 Retry-After is the configured MAGUS_GATEWAY_RETRY_AFTER_SEC', () => {

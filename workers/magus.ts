@@ -15,6 +15,7 @@ import type * as FetchModule from './fetch';
 import type * as BridgeMetricsModule from '../activities/nats/bridge/metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as ModelPullModule from './model-pull';
+import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
 import type * as TemporalWorkerModule from '@temporalio/worker';
 import type * as DevModule from './dev/dev';
@@ -33,6 +34,7 @@ const load = {
   bridgeMetrics: () => require('../activities/nats/bridge/metrics') as typeof BridgeMetricsModule,
   gateway: () => require('../gateway/server') as typeof GatewayModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
+  modelTiny: () => require('./model-tiny') as typeof ModelTinyModule,
   worker: () => require('./worker') as typeof WorkerModule,
   temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
   dev: () => require('./dev/dev') as typeof DevModule,
@@ -49,7 +51,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   fetch: "a Kubernetes instance's init container: artifact files from S3, sha256-checked",
   engine: 'llama.cpp engine with the dllama-api HTTP surface',
   convert: 'convert safetensors to GGUF or distributed-llama',
-  model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline',
+  model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -66,6 +68,7 @@ function usage(): string {
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
+    'magus model tiny <dir> [--seed N] [--arch llama|qwen3]   (a tiny random safetensors model to try things with)',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
@@ -237,7 +240,7 @@ function workerCommand(): Promise<number> {
   return configErrors(async () => {
     const cfg = loadConfig();
     const metrics = process.env.MAGUS_METRICS_ADDRESS ?? '127.0.0.1:9464';
-    load.temporalWorker().Runtime.install({ telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
+    load.temporalWorker().Runtime.install({ logger: load.worker().workerLogger(), telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
     let ready = false;
     let workers: WorkerModule.RunningWorkers | undefined = undefined; // set once they run; /metrics reads it
     const [host, port] = (process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9465').split(':');
@@ -304,11 +307,21 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   engine: () => load.engine().ENGINE_USAGE,
   bridge: () => load.bridge().BRIDGE_USAGE,
   fetch: () => load.fetch().FETCH_USAGE,
-  model: () => load.modelPull().PULL_USAGE,
+  model: () => `${load.modelPull().PULL_USAGE}\n\n${load.modelTiny().TINY_USAGE}`,
 };
+
+/**
+ * The AWS SDK's documented switch for its "NodeVersionSupportWarning" (a notice about its own
+ * future releases, printed by every mode that opens an S3 client); only that notice, and only
+ * unless the user set the variable.
+ */
+export function quietAwsNodeVersionNotice(env: NodeJS.ProcessEnv = process.env): void {
+  env.AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED ??= 'true';
+}
 
 export async function main(argv: string[]): Promise<number> {
   const [mode, ...rest] = argv;
+  quietAwsNodeVersionNotice();
   if (!mode || mode === '--help' || mode === '-h' || mode === 'help') {
     process.stdout.write(`${usage()}\n`);
     return mode ? 0 : 1;
@@ -337,7 +350,8 @@ export async function main(argv: string[]): Promise<number> {
       return load.fetch().fetchCommand(rest);
     case 'model':
       if (rest[0] === 'pull') return configErrors(() => load.modelPull().modelPullCommand(rest.slice(1)));
-      process.stderr.write(`${load.modelPull().PULL_USAGE}\n`);
+      if (rest[0] === 'tiny') return load.modelTiny().modelTinyCommand(rest.slice(1));
+      process.stderr.write(`${load.modelPull().PULL_USAGE}\n\n${load.modelTiny().TINY_USAGE}\n`);
       return 1;
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);

@@ -1,5 +1,6 @@
 import { createServer, type AddressInfo } from 'node:net';
-import { connectTemporal, defaultHub, defaultModelName, parsePullArgs, RetryReport } from './model-pull';
+import type { PipelineProgress } from '../workflows/model/definitions';
+import { connectTemporal, defaultHub, defaultModelName, parsePullArgs, pipelineBar, RetryReport } from './model-pull';
 
 test('a repo, revision, formats and token reference become a spec', () => {
   const a = parsePullArgs(['TinyLlama/TinyLlama-1.1B-Chat@v1.0', '--format', 'gguf:q40,dllama:q80', '--hub', 'http://127.0.0.1:9000', '--token-env', 'HF_TOKEN', '--context', '4096']);
@@ -68,4 +69,29 @@ test('a retried activity is one line per failed attempt, its first line only', a
   pending = [{ ...pending[0]!, attempt: 4 }];
   await report.check(handle);
   expect(lines).toHaveLength(2);
+});
+
+test('converting two artifacts: tensors of the current one, and an overall share that never falls back', () => {
+  const requested = parsePullArgs(['org/model', '--format', 'gguf:q40,gguf:q80']).spec.artifacts;
+  const at = (artifacts: PipelineProgress['artifacts']) => {
+    const tensors = (artifacts ?? []).reduce((t, a) => ({ done: t.done + a.done, total: t.total + a.total }), { done: 0, total: 0 });
+    return pipelineBar({ phase: 'converting', generation: 1, repo: 'org/model', sha: 'abc', files: { done: 2, total: 2 }, bytes: { done: 9, total: 9 }, tensors, etaSeconds: null, failure: null, artifacts }, requested)!;
+  };
+  const steps = [
+    at([{ key: 'gguf:q40', done: 45, total: 90 }]),
+    at([{ key: 'gguf:q40', done: 90, total: 90 }]),
+    at([
+      { key: 'gguf:q40', done: 90, total: 90 },
+      { key: 'gguf:q80', done: 1, total: 90 },
+    ]),
+    at([
+      { key: 'gguf:q40', done: 90, total: 90 },
+      { key: 'gguf:q80', done: 90, total: 90 },
+    ]),
+  ];
+  expect(steps.map((s) => s.fraction)).toEqual([0.25, 0.5, 0.5 + 1 / 180, 1]);
+  expect(steps[2]).toMatchObject({ itemsDone: 1, itemsTotal: 90, itemLabel: 'tensors', label: 'gguf:q80 (2/2)' });
+  expect(steps.every((s) => s.bytesTotal === undefined)).toBe(true);
+  // The first artifact was there already: it counts as done once the second starts.
+  expect(at([{ key: 'gguf:q80', done: 45, total: 90 }]).fraction).toBe(0.75);
 });

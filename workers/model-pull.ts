@@ -15,7 +15,7 @@ import { validateModelSpec, type ArtifactRequest, type ModelSpec, type SecretRef
 import { modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
 import type { modelPipeline } from '../workflows/model/pipeline';
 import { loadConfig, readDevConnection, useDevConnection, type DevConnectionUse } from './config';
-import { TerminalProgress } from './progress';
+import { TerminalProgress, type ProgressState } from './progress';
 
 export const PULL_USAGE = [
   'usage: magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40…] [--hub URL] [--name NAME] [--namespace NS] [--token-env VAR | --token-file PATH] [--context N] [--detach]',
@@ -85,6 +85,38 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
     if (!/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(v)) throw new UsageError(`${what} ${v} is not a DNS label`);
   }
   return { spec, namespace, name, detach };
+}
+
+/**
+ * What the bar shows for a pipeline's progress: a transfer in bytes and files; a conversion in
+ * tensors (counts, not bytes) of the artifact being converted, labelled `format:weights (i/n)`,
+ * with the bar at the share of all requested artifacts done, so it does not fall back when the
+ * next artifact starts. Artifacts convert in the order requested: one before a started one is
+ * done (or was there already). Undefined when there is nothing to draw.
+ */
+export function pipelineBar(p: PipelineProgress, requested: readonly ArtifactRequest[]): ProgressState | undefined {
+  if (p.phase === 'transferring') return { bytesDone: p.bytes.done, bytesTotal: p.bytes.total, itemsDone: p.files.done, itemsTotal: p.files.total, itemLabel: 'files' };
+  if (p.phase !== 'converting') return undefined;
+  const started = new Map((p.artifacts ?? []).map((a) => [a.key, a]));
+  const keys = requested.map((r) => `${r.format}:${r.weights}`);
+  const last = keys.reduce((at, k, i) => (started.has(k) ? i : at), -1);
+  if (last < 0) {
+    // A worker from before per-artifact progress: the sum, as it is.
+    return p.tensors.total > 0 ? { itemsDone: p.tensors.done, itemsTotal: p.tensors.total, itemLabel: 'tensors' } : undefined;
+  }
+  const shares = keys.map((k, i) => {
+    const a = started.get(k);
+    if (!a) return i < last ? 1 : 0;
+    return a.total > 0 ? Math.min(1, a.done / a.total) : 0;
+  });
+  const current = started.get(keys[last]!)!;
+  return {
+    itemsDone: current.done,
+    itemsTotal: current.total,
+    itemLabel: 'tensors',
+    label: `${keys[last]} (${last + 1}/${keys.length})`,
+    fraction: shares.reduce((a, b) => a + b, 0) / keys.length,
+  };
 }
 
 function describe(p: PipelineProgress): string {
@@ -226,8 +258,8 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
           process.stderr.write(`${describe(p)}\n`);
           last = p.phase;
         }
-        if (p.phase === 'transferring') bar.update({ bytesDone: p.bytes.done, bytesTotal: p.bytes.total, itemsDone: p.files.done, itemsTotal: p.files.total, itemLabel: 'files' });
-        if (p.phase === 'converting' && p.tensors.total > 0) bar.update({ bytesDone: p.tensors.done, bytesTotal: p.tensors.total, itemsDone: p.tensors.done, itemsTotal: p.tensors.total, itemLabel: 'tensors' });
+        const drawn = pipelineBar(p, parsed.spec.artifacts);
+        if (drawn) bar.update(drawn);
         if (p.phase === 'ready') {
           bar.finish();
           process.stdout.write(`${parsed.namespace}/${parsed.name} is ready (${p.repo}@${p.sha})\n`);

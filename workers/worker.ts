@@ -9,7 +9,7 @@ import { hostname } from 'node:os';
 import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
-import { NativeConnection, Worker } from '@temporalio/worker';
+import { DefaultLogger, NativeConnection, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
 import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
@@ -21,6 +21,7 @@ import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/r
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
+import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityProgressSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from './config';
 
@@ -94,6 +95,27 @@ function kubeForSecrets(kc: KubeConfig | undefined): { coreApi: CoreV1Api; defau
   return { coreApi: kc.makeApiClient(CoreV1Api), defaultNamespace: ns };
 }
 
+/**
+ * The Temporal SDK's log for the worker processes: `inner`, less the SDK's
+ * "No workflows registered, not polling for workflow tasks" warning, which the pipeline and
+ * runtime queues (activities only, by design) would print at every start. Every other message,
+ * warnings included, passes.
+ */
+export function workerLogger(inner: Logger = new DefaultLogger('INFO')): Logger {
+  const log = (level: LogLevel, message: string, meta?: LogMetadata): void => {
+    if (level === 'WARN' && message.startsWith('No workflows registered')) return;
+    inner.log(level, message, meta);
+  };
+  return {
+    log,
+    trace: (message, meta) => log('TRACE', message, meta),
+    debug: (message, meta) => log('DEBUG', message, meta),
+    info: (message, meta) => log('INFO', message, meta),
+    warn: (message, meta) => log('WARN', message, meta),
+    error: (message, meta) => log('ERROR', message, meta),
+  };
+}
+
 export interface WorkerDeps {
   /**
    * The cluster, when there is one (in a pod, `KUBECONFIG`, or given by a test): token Secrets
@@ -125,7 +147,8 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
   // The local runtime's instances are this worker's processes: their describe and destroy come
   // to this worker's own queue (the pool learns it from createInstance).
-  const runtimeQueue = runtimeQueueFor(cfg.taskQueue, `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`);
+  const workerId = `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`;
+  const runtimeQueue = runtimeQueueFor(cfg.taskQueue, workerId);
   // The Kubernetes runtime answers from the cluster: any worker can describe, watch or destroy
   // its instances, so they name no runtime queue.
   const kubeRuntime =
@@ -196,8 +219,31 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     },
   });
 
+  // What this worker's runtime can serve, refreshed while it runs (a gone worker's advert goes
+  // stale): gateways refuse at once a model no live runtime can run (shared/runtimes.ts).
+  const advertise = (): Promise<void> =>
+    registry
+      .advertiseRuntime({
+        worker: workerId,
+        ...(kubeRuntime
+          ? { runtime: 'kubernetes' as const, formats: ['gguf' as const, 'dllama' as const] }
+          : { runtime: 'local' as const, formats: cfg.dllama ? ['gguf' as const, 'dllama' as const] : ['gguf' as const], ...(cfg.dllama ? { dllamaNodes: cfg.dllama.nodes } : {}) }),
+        at: Date.now(),
+      })
+      .catch((err: unknown) => void process.stderr.write(`magus worker: runtime advert not written: ${(err as Error).message}\n`));
+  let advertTimer: NodeJS.Timeout | undefined;
+  if (control) {
+    await advertise();
+    advertTimer = setInterval(() => void advertise(), RUNTIME_ADVERT_INTERVAL_MS);
+    advertTimer.unref();
+  }
+
   const running = [control, pipeline, own].filter((w): w is Worker => w !== undefined);
   const done = Promise.all(running.map((w) => w.run())).then(async () => {
+    if (advertTimer) {
+      clearInterval(advertTimer);
+      await registry.withdrawRuntime(workerId).catch(() => undefined);
+    }
     await runtime.stopAll();
     await workerConnection.close();
     await connection.close();

@@ -3,7 +3,9 @@
  * `{"error":{"message","type","param","code"}}`. 4xx messages say what to fix; 5xx messages are
  * generic (with the request id to quote) and the details go to the log only.
  */
-import type { FastifyError, FastifyReply, FastifyRequest } from 'fastify';
+import { STATUS_CODES } from 'node:http';
+import type { Socket } from 'node:net';
+import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { servicePlugin } from './plugin';
 
 /** The body of every error response. */
@@ -162,6 +164,32 @@ function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, r
   if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
   else if (e.status !== 404 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
   return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
+}
+
+/** What a request Node's HTTP parser refused is answered with: status, code and message. */
+function clientErrorAnswer(code: string | undefined): { status: number; code: string; message: string } {
+  if (code === 'ERR_HTTP_REQUEST_TIMEOUT') return { status: 408, code: 'timeout', message: 'The request was not received in time.' };
+  if (code === 'HPE_HEADER_OVERFLOW') return { status: 431, code: 'request_headers_too_large', message: 'The request headers are too large.' };
+  return { status: 400, code: 'invalid_http_request', message: 'The request is not valid HTTP/1.1 (e.g. a bare CR, LF or NUL in a header).' };
+}
+
+/**
+ * fastify's `clientErrorHandler`: a request Node's HTTP parser refuses (a bare CR/LF/NUL in a
+ * header, headers too large, too slow) never reaches fastify's routes or error handler, and
+ * fastify's default answers it in its own shape; this answers in OpenAI's, like every other error.
+ */
+export function clientErrorHandler(this: FastifyInstance, err: NodeJS.ErrnoException, socket: Socket): void {
+  // A reset connection has nobody to answer (Node's own handler does the same).
+  if (err.code === 'ECONNRESET' || socket.destroyed) return;
+  const a = clientErrorAnswer(err.code);
+  const body = JSON.stringify({ error: { message: a.message, type: OpenAIErrorType.invalidRequest, param: null, code: a.code } } satisfies OpenAIErrorBody);
+  this.log.debug({ err: { code: err.code, message: err.message } }, 'client error');
+  if (!socket.writable) {
+    socket.destroy(err);
+    return;
+  }
+  // `end`, then destroy once flushed: a destroy right after a write may drop the answer.
+  socket.end(`HTTP/1.1 ${a.status} ${STATUS_CODES[a.status]}\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`, () => socket.destroy());
 }
 
 /** Installs the error and not-found handlers for the whole app. */

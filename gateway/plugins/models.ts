@@ -4,19 +4,35 @@
  * background when the copy is older than `maxAgeMs`, and at once (rate-limited) when a request
  * names a model the copy does not know, so a model that just became ready is found immediately.
  *
+ * `list()` and `lookup()` (`GET /v1/models[/:model]`) always answer from a registry read that began
+ * after they were called, so the list and the item agree at all times (a list served from the
+ * copy missed a model published within the last `maxAgeMs` that the item already found);
+ * `find()` (the chat path) answers from the copy.
+ *
+ * The same read brings the workers' runtime adverts (shared/runtimes.ts): `unservable(model)`
+ * says, from memory, why no live runtime can serve a model.
+ *
  * OpenAI model ids are the registry `name`; `namespace/name` also resolves. When two namespaces
  * hold the same name, the bare name means the first in registry order (`namespace.name`).
  */
 import type { ReadyModel } from '../../shared/model';
+import { unservableReason, type RuntimeAdvert } from '../../shared/runtimes';
 
-/** What the catalog needs from the registry (`ModelRegistry` has it). */
+/** What the catalog needs from the registry (`ModelRegistry` has it; `read` adds the runtime adverts). */
 export interface ModelLister {
   list(): Promise<ReadyModel[]>;
+  read?(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
 
 export interface ModelCatalog {
+  /** From the copy (the chat path): re-reads only when the id is unknown. */
   find(id: string): Promise<ReadyModel | undefined>;
+  /** From a registry read that began after the call. */
+  lookup(id: string): Promise<ReadyModel | undefined>;
+  /** From a registry read that began after the call. */
   list(): Promise<readonly ReadyModel[]>;
+  /** Why no live runtime can serve `model` (from the copy), or undefined when one can or nothing is known. */
+  unservable(model: ReadyModel): string | undefined;
   /** Re-reads the registry now (readiness checks use it). */
   refresh(): Promise<void>;
   /**
@@ -38,6 +54,7 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
   const maxAge = opts.maxAgeMs ?? 5_000;
   let models: readonly ReadyModel[] = [];
   let byId = new Map<string, ReadyModel>();
+  let runtimes: readonly RuntimeAdvert[] = [];
   let loadedAt = Number.NEGATIVE_INFINITY;
   /** Registry reads started so far: a miss is answered only from a read that began after it arrived. */
   let readsStarted = 0;
@@ -49,9 +66,10 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
     if (inflight) return inflight;
     const seq = ++readsStarted;
     const read = (async () => {
-      const list = await registry.list();
+      const { models: list, runtimes: adverts } = registry.read ? await registry.read() : { models: await registry.list(), runtimes: [] };
       if (seq < appliedRead) return; // a forgotten read that ended after a newer one
       appliedRead = seq;
+      runtimes = adverts;
       const next = new Map<string, ReadyModel>();
       for (const m of list) {
         next.set(`${m.namespace}/${m.name}`, m);
@@ -74,13 +92,28 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
     if (now() - loadedAt > maxAge && !inflight) refresh().catch((err: unknown) => opts.onError?.(err));
   };
 
+  /** Waits for a registry read that began after the call; concurrent callers share one. */
+  const current = async (): Promise<void> => {
+    const arrived = readsStarted;
+    for (;;) {
+      if (!inflight) return refresh();
+      if (readsStarted > arrived) return inflight;
+      await inflight.catch(() => undefined); // began before the call: wait it out, then read anew
+    }
+  };
+
   return {
     refresh,
     forgetInflight: () => void (inflight = undefined),
     async list() {
-      await fresh();
+      await current();
       return models;
     },
+    async lookup(id) {
+      await current();
+      return byId.get(id);
+    },
+    unservable: (model) => unservableReason(model, runtimes, now()) ?? undefined,
     async find(id) {
       const readsBefore = readsStarted;
       await fresh();

@@ -11,11 +11,11 @@ import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
-import { chatCompletionSchema, unsupportedFeature, type ChatCompletionBody } from '../schemas/chat';
+import { chatCompletionSchema, nullContent, unsupportedFeature, type ChatCompletionBody } from '../schemas/chat';
 
-/** Flattens OpenAI text parts; engines take one string per message. */
+/** Flattens OpenAI text parts; engines take one string per message (an assistant's `null` is empty). */
 function toMessages(body: ChatCompletionBody): ChatMessage[] {
-  return body.messages.map((m) => ({ role: m.role, content: typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') }));
+  return body.messages.map((m) => ({ role: m.role, content: m.content === null ? '' : typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') }));
 }
 
 /** Only the fields engines understand go over the wire. */
@@ -47,9 +47,15 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const body = request.body;
       const unsupported = unsupportedFeature(body as unknown as Record<string, unknown>);
       if (unsupported) throw errors.invalid(unsupported.message, unsupported.param, 'unsupported_feature');
+      const badNull = nullContent(body);
+      if (badNull) throw errors.invalid(badNull.message, badNull.param, 'invalid_value');
       const principal = request.principal!;
       const model = await g.models.find(body.model);
       if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(body.model);
+      // No live runtime can run any of its artifacts: a cold start could only fail (`NoArtifact`),
+      // so say why at once. 400, not 503: a 5xx hides its reason and invites retries that cannot help.
+      const unservable = g.models.unservable(model);
+      if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
       const backlog = g.backlogFull?.(model);
       if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 

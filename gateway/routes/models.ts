@@ -1,11 +1,20 @@
-/** `GET /v1/models` and `GET /v1/models/:model`: the ready models the caller may use, OpenAI-shaped. */
+/**
+ * `GET /v1/models` and `GET /v1/models/:model`: the ready models the caller may use, OpenAI-shaped,
+ * plus `servable` (and `not_servable_reason`): a model no live runtime can run is listed, marked,
+ * so a caller sees why its requests are refused. Both answer from a registry read that began after
+ * the request arrived, so they agree at all times.
+ */
 import type { FastifyPluginCallback } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
+import type { ModelCatalog } from '../plugins/models';
 import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import { getModelSchema, listModelsSchema, type ModelObject } from '../schemas/models';
 
-const toModelObject = (m: ReadyModel): ModelObject => ({ id: m.name, object: 'model', created: Math.floor(Date.parse(m.readyAt) / 1000) || 0, owned_by: 'magus' });
+function toModelObject(m: ReadyModel, models: ModelCatalog): ModelObject {
+  const why = models.unservable(m);
+  return { id: m.name, object: 'model', created: Math.floor(Date.parse(m.readyAt) / 1000) || 0, owned_by: 'magus', servable: why === undefined, ...(why === undefined ? {} : { not_servable_reason: why }) };
+}
 
 export const modelRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const { models } = app.gateway;
@@ -18,15 +27,15 @@ export const modelRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // Ids are bare names; the first namespace holding a name is the one a request reaches.
       if (seen.has(m.name) || !mayUse(principal, m.namespace, m.name)) continue;
       seen.add(m.name);
-      data.push(toModelObject(m));
+      data.push(toModelObject(m, models));
     }
     return { object: 'list', data };
   });
 
   app.get<{ Params: { model: string } }>('/v1/models/:model', { schema: getModelSchema, onRequest: app.authenticate }, async (request) => {
-    const m = await models.find(request.params.model);
+    const m = await models.lookup(request.params.model);
     if (!m || !mayUse(request.principal!, m.namespace, m.name)) throw errors.modelNotFound(request.params.model);
-    return toModelObject(m);
+    return toModelObject(m, models);
   });
   done();
 };

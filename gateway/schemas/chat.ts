@@ -20,8 +20,9 @@ const message = {
   required: ['role', 'content'],
   properties: {
     role: { type: 'string', enum: ['system', 'user', 'assistant'] },
-    // A string, or OpenAI's list of text parts (joined before forwarding).
-    content: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 1024, items: textPart }] },
+    // A string, or OpenAI's list of text parts (joined before forwarding); `null` only from the
+    // assistant (OpenAI clients send it with `tool_calls`), checked by {@link nullContent}.
+    content: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 1024, items: textPart }, { type: 'null' }] },
     name: { type: 'string', maxLength: 256 },
   },
 } as const;
@@ -40,8 +41,8 @@ export const chatCompletionBody = {
     top_p: { type: 'number', minimum: 0, maximum: 1 },
     seed: { type: 'integer' },
     stop: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 4, items: { type: 'string' } }] },
-    /** Only one choice per request. */
-    n: { type: 'integer', minimum: 1, maximum: 1 },
+    /** Only one choice per request: more is {@link unsupportedFeature}. */
+    n: { type: 'integer', minimum: 1 },
     /** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
     stream_options: { anyOf: [{ type: 'null' }, { type: 'object', properties: { include_usage: { type: 'boolean' } } }] },
     user: { type: 'string', maxLength: 256 },
@@ -58,7 +59,20 @@ export function unsupportedFeature(body: Readonly<Record<string, unknown>>): { p
     return { param: 'response_format', message: 'Structured output is not supported by this server; only `{"type": "text"}` is.' };
   }
   if (body.logprobs === true) return { param: 'logprobs', message: 'Log-probabilities are not supported by this server.' };
+  // A valid request for an answer magus cannot give (like `tools`), not a malformed value: OpenAI
+  // accepts any n ≥ 1, so clients read `unsupported_feature` as "this server", not "my request".
+  if (typeof body.n === 'number' && body.n > 1) return { param: 'n', message: 'Only one choice per request is supported by this server; send `n: 1` or leave it out.' };
   return undefined;
+}
+
+/**
+ * The first message whose `content` is `null` but whose role is not `assistant`: OpenAI accepts a
+ * null content only for the assistant's own turns (e.g. beside `tool_calls`).
+ */
+export function nullContent(body: Pick<ChatCompletionBody, 'messages'>): { param: string; message: string } | undefined {
+  const i = body.messages.findIndex((m) => m.content === null && m.role !== 'assistant');
+  if (i < 0) return undefined;
+  return { param: `messages[${i}].content`, message: `Invalid request: messages[${i}].content must be a string or a list of text parts (only assistant messages may have null content).` };
 }
 
 export const chatCompletionHeaders = {
@@ -74,7 +88,7 @@ export interface TextPart {
 /** The validated body (matches {@link chatCompletionBody}). */
 export interface ChatCompletionBody {
   model: string;
-  messages: { role: 'system' | 'user' | 'assistant'; content: string | TextPart[]; name?: string }[];
+  messages: { role: 'system' | 'user' | 'assistant'; content: string | TextPart[] | null; name?: string }[];
   stream?: boolean;
   max_tokens?: number;
   max_completion_tokens?: number;

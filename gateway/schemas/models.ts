@@ -9,6 +9,8 @@ const model = {
     object: { type: 'string' },
     created: { type: 'integer' },
     owned_by: { type: 'string' },
+    servable: { type: 'boolean' },
+    not_servable_reason: { type: 'string' },
   },
 } as const;
 
@@ -17,6 +19,10 @@ export interface ModelObject {
   object: 'model';
   created: number;
   owned_by: string;
+  /** magus: false when no live worker's runtime can run any of the model's artifacts (chat requests get 400 `model_not_servable`). */
+  servable: boolean;
+  /** magus: why, when `servable` is false. */
+  not_servable_reason?: string;
 }
 
 export const listModelsSchema = {

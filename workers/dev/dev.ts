@@ -358,6 +358,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',
         'Try a streamed chat completion (the first request starts an engine):',
+        ...(hub ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)'] : []),
         `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${token.file})" -H 'Content-Type: application/json' -d '${body}'`,
         '',
         'Pull another model through this dev (another terminal; no addresses needed):',

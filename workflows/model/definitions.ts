@@ -15,8 +15,10 @@ export interface PipelineProgress {
   files: { done: number; total: number };
   /** Source bytes transferred (including bytes found already in S3). */
   bytes: { done: number; total: number };
-  /** Tensors converted over all requested artifacts. */
+  /** Tensors converted over the artifacts whose conversion started. */
   tensors: { done: number; total: number };
+  /** The same per artifact (`format:weights`), in the order they started (the query only). */
+  artifacts?: { key: string; done: number; total: number }[];
   /** Seconds to the end of the current phase at the recent rate, when it can be estimated. */
   etaSeconds: number | null;
   /** Set in phase `failed`: the typed reason (an ErrorType) and message. */

@@ -82,7 +82,7 @@ const RESOURCE_STATUS_PATCH = 'model-resource-status';
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   const { abortUploads, forgetModel } = activities();
   const state = new PipelineState(input);
-  setHandler(progressQuery, () => state.progress());
+  setHandler(progressQuery, () => state.query());
   setHandler(specChangedSignal, (spec: ModelSpec) => state.changeSpec(spec));
   setHandler(cancelSignal, (options) => state.cancel(options));
   setHandler(activityProgressSignal, (p) => state.onActivityProgress(p));

@@ -134,6 +134,15 @@ export class PipelineState {
     return { done, total };
   }
 
+  /**
+   * What the `progress` query answers: {@link progress} plus each artifact's conversion, so a
+   * client can show per-artifact progress (the sum alone grows when the next artifact starts).
+   * Kept out of {@link progress}, which also feeds the `Model` status.
+   */
+  query(): PipelineProgress {
+    return { ...this.progress(), artifacts: [...this.converted.values()].map((p) => ({ key: p.key, done: p.done, total: p.total })) };
+  }
+
   progress(): PipelineProgress {
     const bytes = this.bytes();
     const tensors = this.tensors();
