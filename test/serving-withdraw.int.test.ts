@@ -27,6 +27,11 @@ import { eventually } from './harness/wait';
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
 const IDLE_MS = 2000;
+/**
+ * A model name of its own: pool workflow ids are `pool/<namespace>/<model>` on the one Temporal
+ * server all test files share, so a pool left by one file would take another file's signals.
+ */
+const MODEL = 'withdraw-tiny';
 
 let dir: string;
 let s3: S3Client;
@@ -46,8 +51,8 @@ beforeAll(async () => {
   workers = await startWorkers(cfg);
   nc = await natsConnect();
   const registry = await openModelRegistry(nc, names.modelsBucket);
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry });
-  model = (await registry.get('default', 'tiny'))!;
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: MODEL });
+  model = (await registry.get('default', MODEL))!;
   ({ client, connection } = await temporalClient());
 }, 120_000);
 
@@ -61,7 +66,7 @@ afterAll(async () => {
 
 test('clients that leave during a cold start: their calls end at once, their sessions withdraw, and the pool serves only who stayed', async () => {
   const sessions = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, tokenId: 't', signal });
 
   // One conversation stays; three leave while the pool is still starting instances for them.
@@ -86,7 +91,7 @@ test('clients that leave during a cold start: their calls end at once, their ses
 
   // The one who stayed is served.
   const entry = await stay;
-  expect(entry.pool).toBe('tiny');
+  expect(entry.pool).toBe(MODEL);
 
   // Nobody waits any more and only the live session holds a lease; idle instances go away, down
   // to the one it needs (before the fix the three abandoned sessions kept waiting, were granted
@@ -98,9 +103,10 @@ test('clients that leave during a cold start: their calls end at once, their ses
   }, 60_000);
   // The leavers' sessions hold nothing and can come back: a retry is served.
   const back = await sessions.coldStart(request(leavers[0]!.key, new AbortController().signal));
-  expect(back.pool).toBe('tiny');
+  expect(back.pool).toBe(MODEL);
   await recordHistory('session-withdrawn', client.workflow.getHandle(sessionWorkflowId(leavers[0]!.key)));
   await recordHistory('pool-withdrawn-requests', pool);
+  await pool.terminate('test over');
 }, 180_000);
 
 test('an acquire that the pool never answers is refused at its deadline, and withdrawn', async () => {
