@@ -55,8 +55,9 @@ export class Gauge implements Metric {
   }
 }
 
-/** A gauge whose value is read when scraped; no sample while `read` gives undefined. */
-export class GaugeFunc implements Metric {
+/** A value read when scraped, of one Prometheus type; no sample while `read` gives undefined. */
+abstract class ReadMetric implements Metric {
+  protected abstract readonly type: 'gauge' | 'counter';
   constructor(
     readonly name: string,
     readonly help: string,
@@ -64,21 +65,18 @@ export class GaugeFunc implements Metric {
   ) {}
   render(): string {
     const v = this.read();
-    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} gauge`, ...(v === undefined ? [] : [`${this.name} ${fmt(v)}`])].join('\n');
+    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} ${this.type}`, ...(v === undefined ? [] : [`${this.name} ${fmt(v)}`])].join('\n');
   }
 }
 
+/** A gauge whose value is read when scraped. */
+export class GaugeFunc extends ReadMetric {
+  protected readonly type = 'gauge';
+}
+
 /** A counter whose value is read from elsewhere when scraped (e.g. the session broker's stats). */
-export class CounterFunc implements Metric {
-  constructor(
-    readonly name: string,
-    readonly help: string,
-    private readonly read: () => number | undefined,
-  ) {}
-  render(): string {
-    const v = this.read();
-    return [`# HELP ${this.name} ${this.help}`, `# TYPE ${this.name} counter`, ...(v === undefined ? [] : [`${this.name} ${fmt(v)}`])].join('\n');
-  }
+export class CounterFunc extends ReadMetric {
+  protected readonly type = 'counter';
 }
 
 export class Histogram implements Metric {
