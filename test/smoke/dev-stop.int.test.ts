@@ -10,7 +10,6 @@
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { freePort } from '../../workers/dev/services';
 import { chat, printed, startDev, type DevLauncher, type DevRun } from '../harness/dev';
 import { processRunning, until } from '../harness/wait';
 
@@ -31,8 +30,8 @@ afterAll(() => {
  * until it serves with an engine running, then `tell`s it to stop and checks the whole tree goes.
  */
 async function startServeAndStop(launcher: DevLauncher, tell: (run: DevRun) => void): Promise<{ run: DevRun; exit: { code: number | null; signal: NodeJS.Signals | null } }> {
-  const port = await freePort();
-  const run = startDev(launcher, ['--no-kube', '--port', String(port), '--data-dir', join(root, launcher)]);
+  // No --port: dev binds the gateway's port itself (a port picked here first could be taken by another test meanwhile).
+  const run = startDev(launcher, ['--no-kube', '--data-dir', join(root, launcher)]);
   runs.push(run);
   await run.ready();
   const { gatewayUrl, tokenFile } = printed(run.stdout());
