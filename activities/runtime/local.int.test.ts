@@ -9,12 +9,12 @@
 import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { CancelledFailure } from '@temporalio/common';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
-import { createConnection, createServer, type AddressInfo, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { endpoint, isolation, natsConnect, s3Client } from '../../test/harness';
+import { startTcpProxy } from '../../test/harness/tcp-proxy';
 import { processRunning, until } from '../../test/harness/wait';
 import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../nats/registry';
@@ -77,40 +77,6 @@ async function startFrozen(rt: LocalRuntime, cacheDir: string, instance: string,
     throw new Error(`create settled before its engine could be held: ${outcome instanceof Error ? outcome.message : JSON.stringify(outcome)}`);
   }
   return { create, pid: pid! };
-}
-
-/**
- * A loopback proxy to `target` that passes the first `bytes` of each answer and then holds the
- * rest: an S3 download stuck midway.
- */
-async function stallingProxy(target: URL, bytes: number): Promise<{ url: string; close(): Promise<void> }> {
-  const open = new Set<Socket>();
-  const server = createServer((client) => {
-    const upstream = createConnection({ host: target.hostname, port: Number(target.port) });
-    for (const s of [client, upstream]) {
-      open.add(s);
-      s.on('close', () => open.delete(s));
-      s.on('error', () => undefined);
-    }
-    client.on('close', () => upstream.destroy());
-    upstream.on('close', () => client.destroy());
-    client.pipe(upstream);
-    let passed = 0;
-    upstream.on('data', (chunk: Buffer) => {
-      const room = bytes - passed;
-      if (room > 0) client.write(chunk.subarray(0, room));
-      passed += Math.min(room, chunk.length);
-      if (passed >= bytes) upstream.pause();
-    });
-  });
-  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
-  return {
-    url: `http://127.0.0.1:${(server.address() as AddressInfo).port}`,
-    async close() {
-      for (const s of open) s.destroy();
-      await new Promise<void>((resolve) => server.close(() => resolve()));
-    },
-  };
 }
 
 beforeAll(async () => {
@@ -193,8 +159,9 @@ test("the callers' cancellation: one of two joined callers leaves and the start 
 test('cancelled during the model download: the download stops, its temporary file is removed and nothing is cached', async () => {
   expect(modelBytes).toBeGreaterThan(64 * 1024); // so that it is held midway
   const real = endpoint('s3');
-  const proxy = await stallingProxy(new URL(real.endpoint), 32 * 1024);
-  const slowS3 = new S3Client({ endpoint: proxy.url, region: real.region, forcePathStyle: true, credentials: { accessKeyId: real.accessKeyId, secretAccessKey: real.secretAccessKey } });
+  const target = new URL(real.endpoint);
+  const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) }, '127.0.0.1', { holdAnswerAfter: 32 * 1024 });
+  const slowS3 = new S3Client({ endpoint: `http://${proxy.address}`, region: real.region, forcePathStyle: true, credentials: { accessKeyId: real.accessKeyId, secretAccessKey: real.secretAccessKey } });
   try {
     const cacheDir = join(dir, 'cache-download');
     const rt = runtime(cacheDir, slowS3);

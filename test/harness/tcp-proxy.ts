@@ -14,8 +14,12 @@ export interface TcpProxy {
   close(): Promise<void>;
 }
 
-/** `listenHost`: where it listens (default loopback; a container network's gateway lets containers reach a loopback server). */
-export async function startTcpProxy(target: { host: string; port: number }, listenHost = '127.0.0.1'): Promise<TcpProxy> {
+/**
+ * `listenHost`: where it listens (default loopback; a container network's gateway lets containers
+ * reach a loopback server). `holdAnswerAfter`: pass only that many bytes of each answer and hold
+ * the rest (a download stuck midway).
+ */
+export async function startTcpProxy(target: { host: string; port: number }, listenHost = '127.0.0.1', opts: { holdAnswerAfter?: number } = {}): Promise<TcpProxy> {
   const open = new Set<Socket>();
   let refusing = false;
   const server = createServer((client) => {
@@ -29,7 +33,15 @@ export async function startTcpProxy(target: { host: string; port: number }, list
     client.on('close', () => upstream.destroy());
     upstream.on('close', () => client.destroy());
     client.pipe(upstream);
-    upstream.pipe(client);
+    const limit = opts.holdAnswerAfter;
+    if (limit === undefined) return void upstream.pipe(client);
+    let passed = 0;
+    upstream.on('data', (chunk: Buffer) => {
+      const room = limit - passed;
+      if (room > 0) client.write(chunk.subarray(0, room));
+      passed += Math.min(room, chunk.length);
+      if (passed >= limit) upstream.pause();
+    });
   });
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
