@@ -15,6 +15,8 @@ import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import type { DllamaResourceSpec } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
 import { isolation, natsConnect, temporalClient, workerConfig } from '../../test/harness';
+import type { MagusConfig } from '../../workers/config';
+import type { Client } from '@temporalio/client';
 import { startWorkers } from '../../workers/worker';
 import { startController } from '../../workers/controller/controller';
 import { execFile } from 'node:child_process';
@@ -213,16 +215,27 @@ test('watch: a pod of the instance that goes away ends the watch with the reason
   await runtime.destroy(name, instance);
 }, 120_000);
 
+/** Real workers on the Kubernetes runtime and a Temporal client for `body`, all stopped afterwards. */
+async function withKubeWorkers(unschedulableAfterMs: number, body: (w: { cfg: MagusConfig; client: Client; dir: string }) => Promise<void>): Promise<void> {
+  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-'));
+  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs } });
+  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
+  const { client, connection } = await temporalClient();
+  try {
+    await body({ cfg, client, dir });
+  } finally {
+    await workers.shutdown();
+    await connection.close();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
 test('a pool whose pods can never be scheduled: one typed failure, backing off, and the reason in the Dllama status', async () => {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-unschedulable-'));
   const name = 'toobig';
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { engine: 'llamacpp', resources: { requests: { memory: '200Gi' } } });
   const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as { metadata: { uid: string; generation: number } };
-  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 2000 } });
-  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
-  const { client, connection } = await temporalClient();
-  try {
+  await withKubeWorkers(2000, async ({ cfg, client }) => {
     const resource = { name, uid: d.metadata.uid, generation: d.metadata.generation, minInstances: 1, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, nodesPerInstance: 1 };
     const pool = await client.workflow.start('dllamaPool', {
       workflowId: poolWorkflowId(NS, name),
@@ -244,24 +257,14 @@ test('a pool whose pods can never be scheduled: one typed failure, backing off, 
     }, 30_000);
     expect(await podsOf(`${name}-1`)).toHaveLength(0);
     await pool.terminate();
-  } finally {
-    await workers.shutdown();
-    await connection.close();
-    rmSync(dir, { recursive: true, force: true });
-  }
+  });
 }, 180_000);
 
 test('a pool on the Kubernetes runtime: its instance is pods, watched from the cluster; a lost pod gets the instance replaced', async () => {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-pool-'));
   const name = 'pooled';
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { nodesPower: 1 });
-  const cfg = workerConfig(iso, dir, {
-    kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 },
-  });
-  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
-  const { client, connection } = await temporalClient();
-  try {
+  await withKubeWorkers(5000, async ({ cfg, client }) => {
     const pool = await client.workflow.start('dllamaPool', {
       workflowId: poolWorkflowId(NS, name),
       taskQueue: cfg.taskQueue,
@@ -293,56 +296,43 @@ test('a pool on the Kubernetes runtime: its instance is pods, watched from the c
     // The lost instance's objects are gone (the pool destroyed it; the collector took its pods).
     await eventually(async () => expect(await podsOf(first)).toHaveLength(0), 60_000);
     await pool.terminate();
-  } finally {
-    await workers.shutdown();
-    await connection.close();
-    rmSync(dir, { recursive: true, force: true });
-  }
+  });
 }, 240_000);
 
 test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the pool, the runtime adds and removes instances as pods', async () => {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-scale-'));
   const name = 'scaled';
   await registry.put(model(name, () => GIB));
-  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 } });
-  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
-  const { client, connection } = await temporalClient();
-  const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespace: NS });
-  const kubeconfig = join(dir, 'kubeconfig');
-  writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
-  const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
-  const roots = async () => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
-  try {
-    await controller.synced;
-    await applyDllama(name, { engine: 'llamacpp', replicas: 1, minReplicas: 0, maxReplicas: 3, idleTimeout: '30s' });
-    await eventually(async () => expect(await roots()).toBe(1), 60_000);
-    await kubectl('scale', `dllama/${name}`, '--replicas=3');
-    await eventually(async () => expect(await roots()).toBe(3), 60_000);
-    // To zero: nothing holds a lease, so each instance goes once idle for 30 s (and the drain grace).
-    await kubectl('scale', `dllama/${name}`, '--replicas=0');
-    await eventually(async () => expect(await roots()).toBe(0), 120_000);
-    await kubectl('scale', `dllama/${name}`, '--replicas=1');
-    await eventually(async () => expect(await roots()).toBe(1), 60_000);
-    await kubectl('delete', `dllama/${name}`, '--timeout=60s');
-    await eventually(async () => expect((await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name}` })).items).toHaveLength(0), 60_000);
-  } finally {
-    await controller.stop();
-    await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate().catch(() => undefined);
-    await workers.shutdown();
-    await connection.close();
-    rmSync(dir, { recursive: true, force: true });
-  }
+  await withKubeWorkers(5000, async ({ cfg, client, dir }) => {
+    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespace: NS });
+    const kubeconfig = join(dir, 'kubeconfig');
+    writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
+    const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+    const roots = async () => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
+    try {
+      await controller.synced;
+      await applyDllama(name, { engine: 'llamacpp', replicas: 1, minReplicas: 0, maxReplicas: 3, idleTimeout: '30s' });
+      await eventually(async () => expect(await roots()).toBe(1), 60_000);
+      await kubectl('scale', `dllama/${name}`, '--replicas=3');
+      await eventually(async () => expect(await roots()).toBe(3), 60_000);
+      // To zero: nothing holds a lease, so each instance goes once idle for 30 s (and the drain grace).
+      await kubectl('scale', `dllama/${name}`, '--replicas=0');
+      await eventually(async () => expect(await roots()).toBe(0), 120_000);
+      await kubectl('scale', `dllama/${name}`, '--replicas=1');
+      await eventually(async () => expect(await roots()).toBe(1), 60_000);
+      await kubectl('delete', `dllama/${name}`, '--timeout=60s');
+      await eventually(async () => expect((await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name}` })).items).toHaveLength(0), 60_000);
+    } finally {
+      await controller.stop();
+      await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate().catch(() => undefined);
+    }
+  });
 }, 400_000);
 
 test('a node that goes away: the pool notices, replaces the instance, and the conversation moves to the new one', async () => {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-node-'));
   const name = 'nodeloss';
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { engine: 'llamacpp' });
-  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs: 5000 } });
-  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
-  const { client, connection } = await temporalClient();
-  try {
+  await withKubeWorkers(5000, async ({ cfg, client }) => {
     const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
     const key = `conv-${iso.id}`;
     const first = await sessions.coldStart({ conversationKey: key, model: (await registry.get(NS, name))!, tokenId: 't', signal: new AbortController().signal });
@@ -362,9 +352,5 @@ test('a node that goes away: the pool notices, replaces the instance, and the co
     const [newRoot] = await podsOf(moved!.instance);
     expect(newRoot?.spec?.nodeName).not.toBe(node);
     await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate();
-  } finally {
-    await workers.shutdown();
-    await connection.close();
-    rmSync(dir, { recursive: true, force: true });
-  }
+  });
 }, 240_000);
