@@ -23,7 +23,7 @@ import { headObject } from './storage/multipart';
 import { s3Source } from './storage/s3-source';
 import { s3OutputTarget } from './storage/s3-writer';
 import { transferToS3, type TransferCheckpoint } from './storage/transfer';
-import { ErrorType } from '../shared/errors';
+import { ErrorType, PERMANENT_ERROR_TYPES } from '../shared/errors';
 import {
   artifactPrefix,
   sourceKey,
@@ -37,7 +37,7 @@ import {
   type SourceFile,
   type StoredObject,
 } from '../shared/model';
-import type { ActivityProgress } from '../workflows/model/definitions';
+import type { ActivityProgress, ActivityRetry } from '../workflows/model/definitions';
 
 export interface PipelineDeps {
   s3: S3Client;
@@ -46,6 +46,8 @@ export interface PipelineDeps {
   resolveSecret: (ref: SecretRef) => Promise<string>;
   /** Sends throttled progress to the running workflow (a Temporal client's signal). */
   reportProgress?: (workflowId: string, progress: ActivityProgress) => Promise<void>;
+  /** Tells the running workflow that an attempt failed and will be retried (a Temporal client's signal). */
+  reportRetry?: (workflowId: string, retry: ActivityRetry) => Promise<void>;
   /** `fetch` for the hub client (tests may pass one with a custom dispatcher). */
   fetch?: typeof fetch;
   transfer?: { partSize?: number; concurrency?: number };
@@ -96,7 +98,48 @@ function classify(err: unknown): never {
   throw err;
 }
 
+/** Which one of its kind an activity's input names: a file's path, an artifact's `format:weights`. */
+function stepKey(input: unknown): string | undefined {
+  const i = input as { file?: { path?: unknown }; request?: { format?: unknown; weights?: unknown } } | null;
+  if (typeof i?.file?.path === 'string') return i.file.path;
+  if (typeof i?.request?.format === 'string') return `${i.request.format}:${String(i.request.weights)}`;
+  return undefined;
+}
+
+/**
+ * `activities` whose failed attempts, when they will be retried, are reported to the workflow
+ * (best effort, not awaited): its `progress` names the step, the attempt and the error instead of
+ * sitting at a phase with `failure: null` while the step retries for minutes.
+ */
+function reportingRetries<T extends Record<string, (input: never) => Promise<unknown>>>(activities: T, report: PipelineDeps['reportRetry']): T {
+  if (!report) return activities;
+  const wrapped: Record<string, (input: never) => Promise<unknown>> = {};
+  for (const [name, fn] of Object.entries(activities)) {
+    wrapped[name] = async (input) => {
+      try {
+        return await fn(input);
+      } catch (err) {
+        const permanent = err instanceof ApplicationFailure && (err.nonRetryable || (err.type != null && PERMANENT_ERROR_TYPES.includes(err.type)));
+        const info = activityInfo();
+        const workflowId = info.workflowExecution?.workflowId;
+        const cancelled = Context.current().cancellationSignal.aborted;
+        if (!permanent && !cancelled && workflowId) {
+          const key = stepKey(input);
+          const message = err instanceof Error ? `${err.name === 'Error' ? '' : `${err.name}: `}${err.message}` : String(err);
+          report(workflowId, { activity: name, ...(key === undefined ? {} : { key }), attempt: info.attempt, message, at: new Date().toISOString() }).catch(() => undefined);
+        }
+        throw err;
+      }
+    };
+  }
+  return wrapped as T;
+}
+
 export function createPipelineActivities(deps: PipelineDeps) {
+  return reportingRetries(pipelineActivities(deps), deps.reportRetry);
+}
+
+function pipelineActivities(deps: PipelineDeps) {
   const { s3, bucket } = deps;
 
   async function hubFor(source: ModelSource): Promise<HubClient> {
@@ -304,4 +347,4 @@ export function createPipelineActivities(deps: PipelineDeps) {
   };
 }
 
-export type PipelineActivities = ReturnType<typeof createPipelineActivities>;
+export type PipelineActivities = ReturnType<typeof pipelineActivities>;

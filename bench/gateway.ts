@@ -420,10 +420,10 @@ async function measureFirstTurn(ctx: {
     const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${TINY}`, messages: [], sessionId: `new-${run}-${i}` });
     // The workflow starts after the answer: wait until the pool has confirmed its lease.
     const granted = (evs: typeof events) => evs.some((ev) => ev.workflowExecutionSignaledEventAttributes?.signalName === 'leaseGranted');
-    let events = (await client.workflow.getHandle(sessionWorkflowId(key)).fetchHistory().catch(() => undefined))?.events ?? [];
+    let events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
     for (let tries = 0; !granted(events) && tries < 300; tries++) {
       await new Promise((r) => setTimeout(r, 100));
-      events = (await client.workflow.getHandle(sessionWorkflowId(key)).fetchHistory().catch(() => undefined))?.events ?? [];
+      events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
     }
     if (!granted(events)) throw new Error(`session ${i}: the pool never confirmed its lease`);
     const ms = (t?: { seconds?: unknown; nanos?: number | null } | null) => Number(t?.seconds ?? 0) * 1000 + (t?.nanos ?? 0) / 1e6;

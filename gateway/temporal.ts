@@ -7,13 +7,14 @@
  * update-with-start the conversation's session, whose `acquire` update returns the instance once
  * the pool has leased one (the caller's signal aborts the wait, e.g. when the client goes away).
  */
-import { WithStartWorkflowOperation, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
+import { WithStartWorkflowOperation, WorkflowNotFoundError, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
 import { randomUUID } from 'node:crypto';
 import { ApplicationFailure } from '@temporalio/common';
+import { WorkflowSummary } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
 import { ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
-import { acquireUpdate, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
+import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
 
@@ -52,14 +53,16 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
         args: [{ namespace, model: name, ...opts.pool }],
         signal: ensurePoolSignal,
         signalArgs: [],
+        staticSummary: WorkflowSummary.pool(namespace, name),
       }),
     );
-    const workflowId = sessionWorkflowId(req.conversationKey);
+    const workflowId = sessionWorkflowId(namespace, name, req.conversationKey);
     const start = new WithStartWorkflowOperation<typeof session>('session', {
       workflowId,
       taskQueue,
       args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs }],
       workflowIdConflictPolicy: 'USE_EXISTING',
+      staticSummary: WorkflowSummary.session(namespace, name),
     });
     const updateId = randomUUID();
     try {
@@ -79,16 +82,24 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     }
   };
   const renew: RenewSession = async (req) => {
-    await client.workflow.getHandle(sessionWorkflowId(req.conversationKey)).signal(touchSignal);
+    try {
+      await client.workflow.getHandle(sessionWorkflowId(req.model.namespace, req.model.name, req.conversationKey)).signal(touchSignal);
+    } catch (err) {
+      // A conversation whose session started before ids named their model: it keeps the old id until it expires.
+      if (!(err instanceof WorkflowNotFoundError)) throw err;
+      await client.workflow.getHandle(legacySessionWorkflowId(req.conversationKey)).signal(touchSignal);
+    }
   };
   const adopt: FirstTurns['adopt'] = async (req, entry) => {
     const { namespace, name } = req.model;
     await client.workflow.start<typeof session>('session', {
-      workflowId: sessionWorkflowId(req.conversationKey),
+      workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
       taskQueue,
       args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, preferred: { instance: entry.instance, subject: entry.subject } }],
       workflowIdConflictPolicy: 'USE_EXISTING',
+      staticSummary: WorkflowSummary.session(namespace, name),
     });
   };
   return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt } };
 }
+

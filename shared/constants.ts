@@ -25,8 +25,19 @@ export function runtimeQueueFor(controlQueue: string, workerId: string): string 
   return `${controlQueue}.runtime.${workerId}`;
 }
 
-/** Search attributes magus sets on its workflows (registered by the worker at start). */
-export const SearchAttribute = { kind: 'MagusKind', model: 'MagusModel' } as const;
+/**
+ * Search attributes magus sets on its workflows (Keyword; registered by the worker at start, or
+ * by an operator on a Temporal that refuses it): `MagusKind` (model, pool, session), `MagusModel`
+ * (`<namespace>/<name>`), `MagusPhase` (the workflow's phase, kept current).
+ */
+export const SearchAttribute = { kind: 'MagusKind', model: 'MagusModel', phase: 'MagusPhase' } as const;
+
+/** What the Temporal UI's list and each workflow's page say it is (its static summary, set at start). */
+export const WorkflowSummary = {
+  model: (namespace: string, name: string, repo: string): string => `Model ${namespace}/${name}: ${repo} to S3, converted and sized`,
+  pool: (namespace: string, model: string): string => `Instances serving model ${namespace}/${model}`,
+  session: (namespace: string, model: string): string => `A conversation on model ${namespace}/${model}`,
+} as const;
 
 /** Custom resources: group and version of Model, Dllama and Session. */
 export const CRD_GROUP = 'magus.dev';

@@ -20,7 +20,7 @@ import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { currentDetails, endpoint, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 import { runLlamaCpp } from './support/llama-cpp';
 
@@ -48,6 +48,7 @@ beforeAll(async () => {
   commit = await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
   await hub.addRepo({ id: 'magus-test/gated-llama', dir: join(dir, 'tiny'), gated: true, access: [TOKEN] });
   await hub.addRepo({ id: 'magus-test/corrupt-llama', dir: join(dir, 'other') });
+  await hub.addRepo({ id: 'magus-test/flaky-llama', dir: join(dir, 'tiny') });
 
   // The worker's S3 client takes credentials from the standard environment, as in production.
   process.env.MAGUS_TEST_HF_TOKEN = TOKEN;
@@ -130,6 +131,35 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
   expect(out.tokens).toHaveLength(16);
   expect(await listIncompleteUploads(s3, iso.bucket)).toEqual([]);
 });
+
+test('a step that keeps failing is named where a user looks (progress, search attributes, the UI’s current details) until it succeeds', async () => {
+  const repo = 'magus-test/flaky-llama';
+  hub.setFaults({ status: { path: `/api/models/${repo}`, code: 503 } });
+  const handle = await start('flaky', spec(repo));
+  try {
+    const deadline = Date.now() + 60_000;
+    let p = await handle.query(progressQuery);
+    while (!(p.retrying && p.retrying.attempt >= 2)) {
+      if (Date.now() > deadline) throw new Error(`no second failed attempt reported: ${JSON.stringify(p)}`);
+      await new Promise((r) => setTimeout(r, 200));
+      p = await handle.query(progressQuery);
+    }
+    expect([p.phase, p.failure, p.retrying.activity, p.retrying.message]).toEqual(['resolving', null, 'resolveSource', expect.stringContaining('HTTP 503')]);
+    expect(Date.parse(p.retrying.at)).toBeGreaterThan(Date.now() - 60_000);
+    // The list can be filtered by phase, and the workflow's page says what is going on.
+    const listed = await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/flaky" AND MagusPhase="resolving"`);
+    expect(listed).toContain(handle.workflowId);
+    expect(await currentDetails(handle)).toMatch(/^\*\*resolving\*\* · `magus-test\/flaky-llama`[^]*retrying resolveSource: attempt \d+ failed at [^:]+:[^:]+:[^:]+: .*503/);
+  } finally {
+    hub.setFaults({});
+  }
+  const p = await settled(handle);
+  expect(p.phase).toBe('ready');
+  expect(p.retrying).toBeUndefined();
+  expect(await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/flaky" AND MagusPhase="ready"`)).toContain(handle.workflowId);
+  expect(await currentDetails(handle)).toMatch(/^\*\*ready\*\* · `magus-test\/flaky-llama` @ `[0-9a-f]{12}` · generation 1 {2}\n5 of 5 files · [^]*gguf:q40: (\d+) of \1 tensors[^]*published: the model can be served$/);
+  await recordHistory('model-pipeline-retried', handle);
+}, 120_000);
 
 test('a second pipeline for the same repo and revision transfers and converts nothing', async () => {
   await settled(await start('tiny-first', spec(REPO)));

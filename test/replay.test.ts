@@ -100,6 +100,12 @@ test.each([
   ['session-withdrawn', 'session-withdraw', 'withdraw'],
   // A pool whose waiting sessions withdrew (`pool-release-withdraws`), publishing whether it can grow (`pool-publish-growable`).
   ['pool-withdrawn-requests', 'pool-release-withdraws', 'leaseReleased'],
+  // A pipeline whose resolve failed and was retried (`activityFailed` signals), its phase a search attribute.
+  ['model-pipeline-retried', 'model-phase-search-attribute', 'activityFailed'],
+  // A session whose id names its model, with its kind, model and phase as search attributes.
+  ['session-cold-start-named', 'session-search-attributes', 'leaseGranted'],
+  // A pool serving it, its phase a search attribute.
+  ['pool-serving', 'pool-phase-search-attribute', 'leaseRequested'],
 ])('the recorded %s history replays (patch %s)', async (name, patch, signal) => {
   const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as {
     events: (Parameters<typeof patchesOf>[0]['events'][number] & { workflowExecutionSignaledEventAttributes?: { signalName?: string } })[];

@@ -104,7 +104,7 @@ test('clients that leave during a cold start: their calls end at once, their ses
   // The leavers' sessions hold nothing and can come back: a retry is served.
   const back = await sessions.coldStart(request(leavers[0]!.key, new AbortController().signal));
   expect(back.pool).toBe(MODEL);
-  await recordHistory('session-withdrawn', client.workflow.getHandle(sessionWorkflowId(leavers[0]!.key)));
+  await recordHistory('session-withdrawn', client.workflow.getHandle(sessionWorkflowId('default', MODEL, leavers[0]!.key)));
   await recordHistory('pool-withdrawn-requests', pool);
   await pool.terminate('test over');
 }, 180_000);
@@ -118,7 +118,7 @@ test('an acquire that the pool never answers is refused at its deadline, and wit
     args: [{ namespace: 'default', model: lonely, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
   });
   const key = `deadline-${iso.id}`;
-  const session = await client.workflow.start('session', { workflowId: sessionWorkflowId(key), taskQueue, args: [{ key, namespace: 'default', model: lonely, ttlMs: 60_000, acquireTimeoutMs: 1500 }] });
+  const session = await client.workflow.start('session', { workflowId: sessionWorkflowId('default', lonely, key), taskQueue, args: [{ key, namespace: 'default', model: lonely, ttlMs: 60_000, acquireTimeoutMs: 1500 }] });
   const t0 = Date.now();
   const err = await session.executeUpdate(acquireUpdate, { args: [{ model: lonely }] }).then(
     () => undefined,

@@ -23,7 +23,7 @@ import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { currentDetails, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 import { historyText } from './support/history';
 
 const iso = isolation();
@@ -129,11 +129,23 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   const s1 = gateway.sessionCache!.stats();
   expect(s1.coldStarts - s0.coldStarts + (s1.firstTurns - s0.firstTurns)).toBe(1);
   expect(s1.warmHits - s0.warmHits).toBe(2);
-  await recordHistory('session-cold-start', client.workflow.getHandle(sessionWorkflowId(mine[0]!)));
-  const history = await client.workflow.getHandle(sessionWorkflowId(mine[0]!)).fetchHistory();
+  // The session is found by its model in the Temporal UI, and its page says where it is served.
+  const sessionHandle = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
+  expect(sessionHandle.workflowId).toBe(`session/default/tiny/${mine[0]!}`);
+  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/tiny" AND MagusPhase="serving"`)).toContain(sessionHandle.workflowId);
+  expect(await currentDetails(sessionHandle)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · a conversation on model \`default/tiny\` · instance \`${first.instance}\` {2}\\nexpires \\S+Z unless a turn comes first`));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  expect(await listWorkflowIds(client, `MagusKind="pool" AND MagusModel="default/tiny" AND MagusPhase="serving"`)).toEqual([pool.workflowId]);
+  expect(await currentDetails(pool)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · model \`default/tiny\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`));
+  if (s1.coldStarts > s0.coldStarts) expect(await (await sessionHandle.describe()).staticSummary()).toBe('A conversation on model default/tiny');
+  // Recorded from today's code (the `session-search-attributes` and `pool-phase-search-attribute` patches);
+  // `session-cold-start.json` is the same path recorded before them and stays as it is.
+  await recordHistory('session-cold-start-named', sessionHandle);
+  await recordHistory('pool-serving', pool);
+  const history = await client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!)).fetchHistory();
   const updates = (history.events ?? []).filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED);
   expect(updates).toHaveLength(s1.coldStarts - s0.coldStarts);
-  for (const wf of [poolWorkflowId('default', 'tiny'), sessionWorkflowId(mine[0]!)]) {
+  for (const wf of [poolWorkflowId('default', 'tiny'), sessionWorkflowId('default', 'tiny', mine[0]!)]) {
     expect(historyText(await client.workflow.getHandle(wf).fetchHistory()).includes(TOKEN)).toBe(false);
   }
 }, 120_000);
@@ -167,7 +179,7 @@ test('a first turn on a warm pool is served from the pool’s published instance
   expect(entry.instance).toBe(room!.instance);
   // The gateway started the session workflow after answering; it asks the pool for that instance
   // and is granted it: the pool publishes the lease, no acquire update ran, the entry stands.
-  const session = client.workflow.getHandle(sessionWorkflowId(mine[0]!));
+  const session = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
   let granted = false;
   for (let i = 0; i < 100 && !granted; i++) {
     const events = (await session.fetchHistory().catch(() => undefined))?.events ?? [];

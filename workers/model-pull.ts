@@ -10,7 +10,7 @@
  */
 import { connect as tcpConnect } from 'node:net';
 import { Client, Connection, WorkflowExecutionAlreadyStartedError, type WorkflowHandle } from '@temporalio/client';
-import { SearchAttribute } from '../shared/constants';
+import { SearchAttribute, WorkflowSummary } from '../shared/constants';
 import { validateModelSpec, type ArtifactRequest, type ModelSpec, type SecretRef } from '../shared/model';
 import { modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
 import type { modelPipeline } from '../workflows/model/pipeline';
@@ -230,6 +230,7 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
         signalArgs: [parsed.spec],
         memo: { repo: parsed.spec.source.repo, revision: parsed.spec.source.revision ?? 'main' },
         searchAttributes: { [SearchAttribute.kind]: ['model'], [SearchAttribute.model]: [`${parsed.namespace}/${parsed.name}`] },
+        staticSummary: WorkflowSummary.model(parsed.namespace, parsed.name, parsed.spec.source.repo),
       });
     } catch (err) {
       if (!(err instanceof WorkflowExecutionAlreadyStartedError)) throw err;

@@ -3,6 +3,8 @@
  * to the terminal's width by dropping whole fields (never cutting one); plain lines (at most one
  * every few seconds, plus the last) when output is a file or a pipe.
  */
+import { formatBytes } from '../shared/format';
+
 export interface ProgressState {
   /** Bytes, when the work is measured in bytes (a transfer, a conversion's input). */
   bytesDone?: number;
@@ -22,15 +24,7 @@ export interface ProgressState {
   current?: string;
 }
 
-const UNITS = ['B', 'KB', 'MB', 'GB', 'TB'];
-export function formatBytes(n: number): string {
-  let i = 0;
-  while (n >= 1000 && i < UNITS.length - 1) {
-    n /= 1000;
-    i++;
-  }
-  return `${n.toFixed(i === 0 ? 0 : 1)} ${UNITS[i]}`;
-}
+export { formatBytes };
 
 export function formatDuration(sec: number): string {
   if (!Number.isFinite(sec) || sec < 0) return '--:--';

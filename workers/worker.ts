@@ -22,7 +22,7 @@ import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/loc
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
-import { activityProgressSignal } from '../workflows/model/definitions';
+import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from './config';
 
 export interface RunningWorkers {
@@ -41,13 +41,14 @@ export interface RunningWorkers {
 /** Registers magus's search attributes on the namespace (idempotent). */
 export async function ensureSearchAttributes(connection: Connection, namespace: string): Promise<void> {
   const Keyword = temporal.api.enums.v1.IndexedValueType.INDEXED_VALUE_TYPE_KEYWORD;
-  try {
-    await connection.operatorService.addSearchAttributes({
-      namespace,
-      searchAttributes: { [SearchAttribute.kind]: Keyword, [SearchAttribute.model]: Keyword },
-    });
-  } catch (err) {
-    if (!/already exists/i.test((err as Error).message)) throw err;
+  // One at a time: a request naming one that exists already is refused as a whole (a namespace
+  // from an older magus has the first two).
+  for (const name of Object.values(SearchAttribute)) {
+    try {
+      await connection.operatorService.addSearchAttributes({ namespace, searchAttributes: { [name]: Keyword } });
+    } catch (err) {
+      if (!/already exists/i.test((err as Error).message)) throw err;
+    }
   }
 }
 
@@ -178,6 +179,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     registry,
     resolveSecret: createSecretResolver({ kube: kubeForSecrets(deps.kube) }),
     reportProgress: (workflowId, progress) => client.workflow.getHandle(workflowId).signal(activityProgressSignal, progress),
+    reportRetry: (workflowId, retry) => client.workflow.getHandle(workflowId).signal(activityFailedSignal, retry),
     convertThreads: cfg.convertThreads,
     transfer: { partSize: cfg.transferPartSize },
   });

@@ -73,3 +73,12 @@ test('a Dllama status counts ready instances and reports a failing pool as Degra
   expect(failing).toMatchObject({ phase: 'Degraded', replicas: 0, readyReplicas: 0, lastError: 'ModelNotReady: no GGUF' });
   expect(summary(failing.conditions!)).toEqual(['Ready=False/NoInstances', 'Degraded=True/InstanceFailed']);
 });
+
+test('a step retrying after failed attempts is named in its stage and in Ready; a failure replaces it', () => {
+  const retrying = { activity: 'resolveSource', attempt: 3, message: 'HubError: connect ECONNREFUSED 127.0.0.1:1', at: '2026-11-24T10:00:00.000Z' };
+  const cs = modelConditions(progress({ phase: 'resolving', retrying }), 3);
+  expect(summary(cs)).toEqual(['Downloaded=False/Resolving', 'Converted=False/Pending', 'Sized=False/Pending', 'Ready=False/Resolving']);
+  expect(cs[0]!.message).toBe('retrying: attempt 3 of resolveSource failed: HubError: connect ECONNREFUSED 127.0.0.1:1');
+  expect(cs[3]!.message).toBe('resolving org/m; retrying: attempt 3 of resolveSource failed: HubError: connect ECONNREFUSED 127.0.0.1:1');
+  expect(cs[1]!.message).toBe('');
+});

@@ -47,16 +47,20 @@ export function modelConditions(p: PipelineProgress, observedGeneration: number)
   // Failed or cancelled: the stage reached is the one it failed in (cancelled: nothing claimed).
   const at: PipelinePhase = failed ? (failed.during ?? 'resolving') : p.phase === 'cancelled' ? 'resolving' : p.phase;
   const reached = ORDER.indexOf(at);
+  // A step retrying after failed attempts says so where a user looks (`kubectl describe model`).
+  const r = p.phase === 'failed' ? undefined : p.retrying;
+  const retrying = r ? `retrying: attempt ${r.attempt} of ${r.activity}${r.key ? ` (${r.key})` : ''} failed: ${r.message}` : null;
   const c = (type: string, status: Condition['status'], reason: string, message = ''): Omit<Condition, 'lastTransitionTime'> => ({ type, status, reason, message, observedGeneration });
   const out = STAGES.map((s) => {
     if (reached > ORDER.indexOf(s.last)) return c(s.type, 'True', s.done);
     if (failed && s.active[at] !== undefined) return c(s.type, 'False', failed.type, failed.message);
+    if (retrying && s.active[at] !== undefined) return c(s.type, 'False', s.active[at], retrying);
     return c(s.type, 'False', s.active[at] ?? 'Pending');
   });
   if (p.phase === 'ready') out.push(c(ModelCondition.ready, 'True', 'Ready', `${p.repo}@${p.sha ?? ''} is ready to serve`));
   else if (failed) out.push(c(ModelCondition.ready, 'False', failed.type, failed.message));
   else if (p.phase === 'cancelled') out.push(c(ModelCondition.ready, 'False', 'Cancelled', 'the pipeline was cancelled'));
-  else out.push(c(ModelCondition.ready, 'False', capitalize(p.phase), `${p.phase} ${p.repo}`));
+  else out.push(c(ModelCondition.ready, 'False', capitalize(p.phase), retrying ? `${p.phase} ${p.repo}; ${retrying}` : `${p.phase} ${p.repo}`));
   return out;
 }
 

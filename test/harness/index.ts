@@ -100,3 +100,20 @@ export async function recordHistory(name: string, handle: { fetchHistory(): Prom
   const dir = process.env.MAGUS_RECORD_HISTORIES;
   if (dir) writeFileSync(join(dir, `${name}.json`), `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
 }
+
+/** Ids of the workflows a visibility query lists (the dev server's visibility lags: polled until something is listed, 10 s at most). */
+export async function listWorkflowIds(client: Client, query: string): Promise<string[]> {
+  const deadline = Date.now() + 10_000;
+  for (;;) {
+    const ids: string[] = [];
+    for await (const w of client.workflow.list({ query })) ids.push(w.workflowId);
+    if (ids.length > 0 || Date.now() > deadline) return ids;
+    await new Promise((r) => setTimeout(r, 250));
+  }
+}
+
+/** What the Temporal UI shows as a workflow's "Current Details" (the SDK's built-in metadata query). */
+export async function currentDetails(handle: { query(name: string): Promise<unknown> }): Promise<string> {
+  const meta = (await handle.query('__temporal_workflow_metadata')) as { currentDetails?: string };
+  return meta.currentDetails ?? '';
+}

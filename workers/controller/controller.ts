@@ -24,7 +24,7 @@ import { temporal } from '@temporalio/proto';
 import type { KV } from 'nats';
 import { recordEvent } from '../../activities/kubernetes/activities';
 import { watchResource, type ResourceWatch, type WatchEventType } from '../../activities/kubernetes/watch';
-import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
 import { FieldManager, FINALIZER, Kind, parseDuration, Plural, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../../shared/kube';
 import type { ModelPipelineInput, ModelSpec } from '../../shared/model';
 import type { TokenEntry } from '../../shared/serving';
@@ -252,7 +252,7 @@ export function startController(opts: ControllerOptions): Controller {
   }
 
   /** One signal-with-start with a request id of our own (the SDK's is random), so a repeat is de-duplicated. */
-  async function signalWithStart(workflowType: string, workflowId: string, input: unknown, signalName: string, signal: unknown, requestId: string): Promise<void> {
+  async function signalWithStart(workflowType: string, workflowId: string, input: unknown, signalName: string, signal: unknown, requestId: string, summary: string): Promise<void> {
     m.signals++;
     await client.workflowService.signalWithStartWorkflowExecution({
       namespace: opts.temporal.namespace,
@@ -266,6 +266,8 @@ export function startController(opts: ControllerOptions): Controller {
       signalInput: { payloads: [defaultPayloadConverter.toPayload(signal)] },
       workflowIdReusePolicy: WorkflowIdReusePolicy.WORKFLOW_ID_REUSE_POLICY_ALLOW_DUPLICATE,
       workflowIdConflictPolicy: WorkflowIdConflictPolicy.WORKFLOW_ID_CONFLICT_POLICY_USE_EXISTING,
+      // The Temporal UI's summary of the workflow (kept from its first start).
+      userMetadata: { summary: defaultPayloadConverter.toPayload(summary) },
     });
   }
 
@@ -338,7 +340,7 @@ export function startController(opts: ControllerOptions): Controller {
       const change: ResourceChange = { uid, generation, spec };
       // The signal does not wait for the finalizer (both are needed; a failure of either retries
       // the key). A Model deleted before its finalizer landed is cancelled from its DELETED event.
-      await Promise.all([signalWithStart('modelPipeline', workflowId, input, 'resourceChanged', change, `${uid}/${generation}`), finalizer]);
+      await Promise.all([signalWithStart('modelPipeline', workflowId, input, 'resourceChanged', change, `${uid}/${generation}`, WorkflowSummary.model(namespace, name, spec.source.repo)), finalizer]);
       signalled.set(uid, generation);
     } else await finalizer;
   }
@@ -371,7 +373,7 @@ export function startController(opts: ControllerOptions): Controller {
     conflicts.delete(uid);
     if (generation <= (d.status?.observedGeneration ?? 0) || generation <= (signalled.get(uid) ?? 0)) return;
     const input: PoolInput = { namespace, model: d.spec.model, minInstances: resource.minInstances, maxInstances: resource.maxInstances, leasesPerInstance: resource.leasesPerInstance, idleTimeoutMs: resource.idleTimeoutMs, resource };
-    await signalWithStart('dllamaPool', workflowId, input, 'resourceChanged', resource, `${uid}/${generation}`);
+    await signalWithStart('dllamaPool', workflowId, input, 'resourceChanged', resource, `${uid}/${generation}`, WorkflowSummary.pool(namespace, d.spec.model));
     signalled.set(uid, generation);
   }
 

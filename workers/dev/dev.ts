@@ -23,7 +23,7 @@ import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@
 import { connect } from 'nats';
 import { installCrds } from '../../activities/kubernetes/crds';
 import { dataPlaneNames } from '../../activities/nats/data-plane';
-import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
 import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../controller/controller';
 import { startFixtureHub, type FixtureHub } from '../../test/fixtures/hf-hub';
@@ -320,6 +320,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
           args: [{ namespace: 'default', name, spec }],
           signal: specChangedSignal,
           signalArgs: [spec],
+          staticSummary: WorkflowSummary.model('default', name, spec.source.repo),
         });
       }
       const handle = declared ? await waitForWorkflow(client, workflowId, opts.stop) : client.workflow.getHandle<typeof modelPipeline>(workflowId);

@@ -25,6 +25,26 @@ export interface PipelineProgress {
   failure: { type: string; message: string; /** The phase it failed in. */ during?: PipelinePhase } | null;
   /** The `Model` resource's generation the pipeline has taken in (absent without a resource). */
   observedGeneration?: number;
+  /**
+   * A step of the current phase whose last attempt failed and is being retried (transient errors
+   * retry forever, with backoff): which one, how many attempts failed, and the last error. Cleared
+   * when the step completes or the phase changes. Absent in answers of older workers.
+   */
+  retrying?: ActivityRetry;
+}
+
+/** Sent by a pipeline activity whose attempt failed with an error that will be retried. */
+export interface ActivityRetry {
+  /** The activity, e.g. `resolveSource`. */
+  activity: string;
+  /** Which one of its kind (a file's path, an artifact's `format:weights`), when several run. */
+  key?: string;
+  /** The attempt that failed (1 = the first). */
+  attempt: number;
+  /** Its error, as Temporal records it (never a secret: errors carry references only). */
+  message: string;
+  /** When it failed (ISO-8601, the worker's clock). */
+  at: string;
 }
 
 /** Sent by long activities, throttled, so the `progress` query can show bytes and tensors. */
@@ -64,5 +84,7 @@ export interface ResourceChange {
 }
 export const resourceChangedSignal = defineSignal<[ResourceChange]>('resourceChanged');
 export const activityProgressSignal = defineSignal<[ActivityProgress]>('activityProgress');
+/** An attempt failed and will be retried: the `progress` query (and the `Model`'s status, the UI) name the error. */
+export const activityFailedSignal = defineSignal<[ActivityRetry]>('activityFailed');
 
 export const modelWorkflowId = (namespace: string, name: string): string => `model/${namespace}/${name}`;

@@ -32,8 +32,11 @@ import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
 import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
 import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
-import { activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
+import { activityFailedSignal, activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
 import { PipelineState } from './state';
+import { visibility } from '../visibility';
+import { formatBytes } from '../../shared/format';
+import type { PipelineProgress } from './definitions';
 
 /** Transient failures retry with capped exponential backoff, forever; permanent ones never. */
 const retry: RetryPolicy = { initialInterval: '1s', backoffCoefficient: 2, maximumInterval: '1m', nonRetryableErrorTypes: [...PERMANENT_ERROR_TYPES] };
@@ -78,6 +81,8 @@ const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_W
 const NOTIFY_POOL_PATCH = 'model-published-notifies-pool';
 /** Executions started before the `Model` resource existed replay without the status mirror. */
 const RESOURCE_STATUS_PATCH = 'model-resource-status';
+/** The phase is a search attribute (`MagusPhase`), upserted as it changes; older executions replay without it. */
+const PHASE_ATTRIBUTE_PATCH = 'model-phase-search-attribute';
 
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   const { abortUploads, forgetModel } = activities();
@@ -87,7 +92,11 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   setHandler(cancelSignal, (options) => state.cancel(options));
   setHandler(activityProgressSignal, (p) => state.onActivityProgress(p));
   setHandler(resourceChangedSignal, (change) => state.applyResource(change));
+  setHandler(activityFailedSignal, (f) => state.onActivityFailed(f));
   upsertSearchAttributes({ MagusKind: ['model'], MagusModel: [`${input.namespace}/${input.name}`] });
+  const shown = visibility({ phase: () => state.progress().phase, details: () => pipelineDetails(state.query()), upsertPhase: patched(PHASE_ATTRIBUTE_PATCH) });
+  state.onChange = () => shown.refresh();
+  shown.refresh();
   if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(modelStatusView(state));
 
   for (;;) {
@@ -156,6 +165,7 @@ async function runPlan(state: PipelineState): Promise<void> {
   const artifacts = [];
   for (const request of spec.artifacts) {
     artifacts.push(await convertArtifact({ repo: resolved.repo, sha: resolved.sha, name: state.name, sources, request }));
+    state.stepDone(`${request.format}:${request.weights}`);
   }
 
   state.enter('sizing');
@@ -193,6 +203,21 @@ function modelStatusView(state: PipelineState): StatusView {
       return { phase: progress.phase, conditions: result.conditions };
     },
   };
+}
+
+/** The pipeline's state in words, for the Temporal UI's "Current Details" (Markdown). */
+export function pipelineDetails(p: PipelineProgress): string {
+  const source = `\`${p.repo}\`${p.sha ? ` @ \`${p.sha.slice(0, 12)}\`` : ''}`;
+  const lines = [`**${p.phase}** · ${source} · generation ${p.generation}`];
+  if (p.files.total > 0) lines.push(`${p.files.done} of ${p.files.total} files · ${formatBytes(p.bytes.done)} of ${formatBytes(p.bytes.total)}`);
+  for (const a of p.artifacts ?? []) lines.push(`${a.key}: ${a.done} of ${a.total} tensors`);
+  if (p.retrying) {
+    const r = p.retrying;
+    lines.push(`retrying ${r.activity}${r.key ? ` (${r.key})` : ''}: attempt ${r.attempt} failed at ${r.at}: ${r.message}`);
+  }
+  if (p.failure) lines.push(`failed during ${p.failure.during ?? 'an unknown phase'}: ${p.failure.type}: ${p.failure.message} — apply a new spec (or the same one) to retry`);
+  if (p.phase === 'ready') lines.push('published: the model can be served');
+  return lines.join('  \n');
 }
 
 /** The typed permanent failure behind `err`, if it is one. */

@@ -41,3 +41,34 @@ test('a cancel for another resource of the same name is ignored', () => {
   s.cancel({ forget: true, uid: 'B' });
   expect([s.cancelled, s.cancelOptions.forget]).toEqual([true, true]);
 });
+
+test('a failed attempt being retried is shown until its step completes or the phase changes; older reports never replace newer ones', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec() });
+  let changes = 0;
+  s.onChange = () => changes++;
+  s.enter('resolving');
+  const fail = (attempt: number, key?: string, activity = 'resolveSource') => ({ activity, ...(key ? { key } : {}), attempt, message: `HubError: cannot reach the hub (${attempt})`, at: '2026-11-24T10:00:00.000Z' });
+  s.onActivityFailed(fail(2));
+  s.onActivityFailed(fail(1)); // a late report of an earlier attempt
+  expect(s.progress().retrying).toEqual(fail(2));
+  expect(changes).toBe(2); // enter, the report; the stale one changed nothing
+  s.planned('a'.repeat(40), [{ path: 'config.json', size: 10, sha256: null }]);
+  s.enter('transferring');
+  expect(s.progress().retrying).toBeUndefined();
+  s.onActivityFailed(fail(1, 'config.json', 'transferFile'));
+  s.fileDone({ path: 'other.json', size: 1, sha256: null });
+  expect(s.progress().retrying?.key).toBe('config.json');
+  s.fileDone({ path: 'config.json', size: 10, sha256: null });
+  expect(s.progress().retrying).toBeUndefined();
+  s.enter('converting');
+  s.onActivityFailed(fail(3, 'gguf:q40', 'convertArtifact'));
+  s.stepDone('dllama:q40');
+  expect(s.progress().retrying?.attempt).toBe(3);
+  s.stepDone('gguf:q40');
+  expect(s.progress().retrying).toBeUndefined();
+  s.onActivityFailed(fail(4, 'gguf:q40', 'convertArtifact'));
+  s.fail('UnsupportedModel', 'no');
+  expect(s.progress().retrying).toBeUndefined();
+  s.onActivityFailed(fail(5, 'gguf:q40', 'convertArtifact')); // after the failure: nothing is retrying
+  expect(s.progress().retrying).toBeUndefined();
+});

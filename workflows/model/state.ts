@@ -3,7 +3,7 @@
  * Deterministic: time comes from the workflow SDK's `Date`.
  */
 import type { ModelPipelineInput, ModelSpec, ReadyModel, SourceFile } from '../../shared/model';
-import type { ActivityProgress, CancelOptions, PipelinePhase, PipelineProgress, ResourceChange } from './definitions';
+import type { ActivityProgress, ActivityRetry, CancelOptions, PipelinePhase, PipelineProgress, ResourceChange } from './definitions';
 
 export class PipelineState {
   readonly namespace: string;
@@ -30,6 +30,10 @@ export class PipelineState {
   /** Rate samples for the ETA: [time ms, bytes or tensors done] at phase start and now. */
   private phaseStart: { at: number; done: number } = { at: Date.now(), done: 0 };
   private cancelledDone = false;
+  /** The step being retried after a failed attempt, if any (see `PipelineProgress.retrying`). */
+  private retrying: ActivityRetry | null = null;
+  /** Called after every change of state (the workflow keeps the UI's view in step). */
+  onChange: () => void = () => undefined;
 
   constructor(input: ModelPipelineInput) {
     this.namespace = input.namespace;
@@ -54,6 +58,7 @@ export class PipelineState {
     } else {
       this.changeSpec(change.spec);
     }
+    this.onChange();
   }
 
   /**
@@ -64,22 +69,26 @@ export class PipelineState {
     if (JSON.stringify(spec) === JSON.stringify(this.spec) && this.phase !== 'failed') return;
     this.spec = spec;
     this.generation++;
+    this.onChange();
   }
 
   cancel(options: CancelOptions = {}): void {
     if (options.uid !== undefined && this.resource !== null && this.resource.uid !== options.uid) return;
     this.cancelled = true;
     this.cancelOptions = { ...this.cancelOptions, ...options };
+    this.onChange();
   }
 
   markCancelled(): void {
     this.cancelledDone = true;
     this.phase = 'cancelled';
+    this.onChange();
   }
 
   enter(phase: PipelinePhase): void {
     this.phase = phase;
     this.failure = null;
+    this.retrying = null;
     this.phaseStart = { at: Date.now(), done: this.phaseDone() };
     if (phase === 'resolving') {
       this.ready = null;
@@ -89,11 +98,13 @@ export class PipelineState {
       this.inFlight.clear();
       this.converted.clear();
     }
+    this.onChange();
   }
 
   planned(sha: string, files: SourceFile[]): void {
     this.sha = sha;
     this.files = files;
+    this.onChange();
   }
 
   fileDone(file: SourceFile): void {
@@ -101,17 +112,39 @@ export class PipelineState {
     this.doneFiles.add(file.path);
     this.bytesFinished += file.size;
     this.inFlight.delete(`transfer:${file.path}`);
+    if (this.retrying?.key === file.path) this.retrying = null;
+    this.onChange();
+  }
+
+  /** A step completed: a retry of it is over (a transfer's end is {@link fileDone}). */
+  stepDone(key: string): void {
+    if (this.retrying?.key !== key) return;
+    this.retrying = null;
+    this.onChange();
+  }
+
+  /** An attempt failed and will be retried (ignored once the pipeline has stopped working). */
+  onActivityFailed(f: ActivityRetry): void {
+    if (this.phase === 'ready' || this.phase === 'failed' || this.cancelledDone) return;
+    // Signals are asynchronous: an older attempt's report never replaces a newer one of the same step.
+    const r = this.retrying;
+    if (r && r.activity === f.activity && r.key === f.key && r.attempt > f.attempt) return;
+    this.retrying = { ...f };
+    this.onChange();
   }
 
   fail(type: string, message: string): void {
     this.failure = { type, message, during: this.phase };
+    this.retrying = null;
     this.phase = 'failed';
+    this.onChange();
   }
 
   onActivityProgress(p: ActivityProgress): void {
     // Signals are sent asynchronously: one may arrive after its file's activity completed.
     if (p.kind === 'transfer' && !this.doneFiles.has(p.key)) this.inFlight.set(`transfer:${p.key}`, p);
     else this.converted.set(p.key, p);
+    this.onChange();
   }
 
   private phaseDone(): number {
@@ -163,6 +196,7 @@ export class PipelineState {
       tensors,
       etaSeconds,
       failure: this.failure,
+      ...(this.retrying ? { retrying: this.retrying } : {}),
       ...(this.resource ? { observedGeneration: this.resource.generation } : {}),
     };
   }

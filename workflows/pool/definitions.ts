@@ -62,6 +62,9 @@ export interface InstanceView {
   leases: number;
 }
 
+/** The pool as a whole, as the `MagusPhase` search attribute shows it. */
+export type PoolPhase = 'idle' | 'starting' | 'serving' | 'failing';
+
 export interface PoolStatus {
   instances: InstanceView[];
   /** Sessions waiting for a lease (e.g. during a cold start). */

@@ -34,8 +34,9 @@ import {
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
-import { sessionWorkflowId } from '../session/definitions';
-import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolResource, type PoolStatus } from './definitions';
+import { legacySessionWorkflowId } from '../session/definitions';
+import { at, visibility } from '../visibility';
+import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolPhase, type PoolResource, type PoolStatus } from './definitions';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
 const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
@@ -78,6 +79,8 @@ const RELEASE_WITHDRAWS_PATCH = 'pool-release-withdraws';
  * periodic probes. Executions started before this keep their probe loop.
  */
 const WATCH_PATCH = 'pool-watch-instances';
+/** The pool's state is a search attribute (`MagusPhase`: idle, starting, serving, failing), upserted as it changes. */
+const PHASE_ATTRIBUTE_PATCH = 'pool-phase-search-attribute';
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
   startToCloseTimeout: '1 day',
@@ -105,6 +108,8 @@ export interface PoolCarry {
   instances: { id: string; subject: string; leases: string[]; idleSince: number; runtimeQueue?: string }[];
   nextId: number;
   waiting: { sessionId: string; sessionWorkflowId: string }[];
+  /** The workflow id of each session holding a lease (ids name their model since sessions did). */
+  sessionWorkflowIds?: Record<string, string>;
 }
 
 export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<void> {
@@ -128,6 +133,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const instances = new Map<string, Instance>();
   const waiting: { sessionId: string; sessionWorkflowId: string }[] = [...(carry?.waiting ?? [])];
   let nextId = carry?.nextId ?? 1;
+  /**
+   * The workflow id of each session that asked for a lease, to hand it a new one when its
+   * instance is lost (from its request: a session's id is not derived from its key alone).
+   */
+  const sessionIds = new Map<string, string>(Object.entries(carry?.sessionWorkflowIds ?? {}));
+  const sessionWorkflowOf = (sessionId: string): string => sessionIds.get(sessionId) ?? legacySessionWorkflowId(sessionId);
   let lastError: string | null = null;
   const startBackoff = patched(START_BACKOFF_PATCH);
   let startFailures = 0;
@@ -145,6 +156,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
 
   setHandler(leaseRequestedSignal, (req) => {
+    sessionIds.set(req.sessionId, req.sessionWorkflowId);
     // A session asking again (e.g. after a retry) keeps its lease.
     for (const i of instances.values()) {
       if (i.leases.has(req.sessionId) && i.subject) {
@@ -165,6 +177,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     dirty = true;
   });
   setHandler(leaseReleasedSignal, ({ sessionId }) => {
+    sessionIds.delete(sessionId);
     for (const i of instances.values()) {
       if (i.leases.delete(sessionId) && i.leases.size === 0) i.idleSince = Date.now();
     }
@@ -210,6 +223,13 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     dirty = true;
   });
   upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
+  const phase = (): PoolPhase => {
+    const all = [...instances.values()];
+    if (all.some((i) => i.phase === 'ready' || i.phase === 'draining')) return 'serving';
+    if (all.some((i) => i.phase === 'starting')) return 'starting';
+    return startFailures > 0 ? 'failing' : 'idle';
+  };
+  const shown = visibility({ phase, details: () => poolDetails(input, phase(), status()), upsertPhase: patched(PHASE_ATTRIBUTE_PATCH) });
 
   async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
     try {
@@ -291,7 +311,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     lastError = reason;
     instances.delete(i.id);
     for (const sessionId of i.leases) {
-      if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowId(sessionId) });
+      if (!waiting.some((w) => w.sessionId === sessionId)) waiting.push({ sessionId, sessionWorkflowId: sessionWorkflowOf(sessionId) });
     }
     watchers.get(i.id)?.cancel();
     const p = destroy(i)
@@ -471,6 +491,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       dirty = false;
       reconcile();
     }
+    shown.refresh();
     const idle = nextIdleDeadline();
     const checking = !watching && [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
     const untilCheck = checking ? Math.max(0, nextHealthCheck - Date.now()) : undefined;
@@ -489,8 +510,26 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}) })),
         nextId,
         waiting,
+        sessionWorkflowIds: Object.fromEntries([...sessionIds].filter(([id]) => [...instances.values()].some((i) => i.subject && i.leases.has(id)))),
       };
       await continueAsNew<typeof dllamaPool>(input, carried);
     }
   }
 }
+
+/** The pool's state in words, for the Temporal UI's "Current Details" (Markdown). */
+export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
+  const live = s.instances.filter((i) => i.phase !== 'stopping');
+  const leases = s.instances.reduce((n, i) => n + i.leases, 0);
+  const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : 'sized by the gateway\'s defaults';
+  const lines = [
+    `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
+    sizedBy,
+  ];
+  if (s.lastError) lines.push(`last error: ${s.lastError}`);
+  if (s.nextStartAt !== undefined && s.startFailures) lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
+  const list = s.instances.map((i) => `- \`${i.id}\` ${i.phase}, ${plural(i.leases, 'lease')}`);
+  return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
+}
+
+const plural = (n: number, what: string): string => `${n} ${what}${n === 1 ? '' : 's'}`;

@@ -1,4 +1,4 @@
-/** Messages of the `session` workflow (id `session/<conversation key>`), one per conversation. */
+/** Messages of the `session` workflow (id `session/<namespace>/<model>/<conversation key>`), one per conversation. */
 import { defineSignal, defineUpdate } from '@temporalio/workflow';
 import type { SessionEntry } from '../../shared/serving';
 
@@ -33,4 +33,13 @@ export const withdrawSignal = defineSignal<[{ updateId: string }]>('withdraw');
 /** Extends the TTL (the gateway debounces it: at most one per conversation every few seconds). */
 export const touchSignal = defineSignal('touch');
 
-export const sessionWorkflowId = (key: string): string => `session/${key}`;
+/**
+ * A session's workflow id names its model, so the Temporal UI's list says which model each
+ * conversation is on; the key is an HMAC, which reveals nothing of the conversation.
+ */
+export const sessionWorkflowId = (namespace: string, model: string, key: string): string => `session/${namespace}/${model}/${key}`;
+/** The id sessions had before they named their model: those still running keep it until they expire. */
+export const legacySessionWorkflowId = (key: string): string => `session/${key}`;
+
+/** A session as the `MagusPhase` search attribute shows it. */
+export type SessionPhase = 'waiting' | 'serving' | 'idle' | 'ended';

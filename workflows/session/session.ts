@@ -16,12 +16,14 @@ import {
   patched,
   proxyActivities,
   setHandler,
+  upsertSearchAttributes,
   workflowInfo,
 } from '@temporalio/workflow';
 import type { ServingActivities } from '../../activities/serving';
 import type { SessionEntry } from '../../shared/serving';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, poolWorkflowId } from '../pool/definitions';
-import { acquireUpdate, touchSignal, withdrawSignal, type SessionInput } from './definitions';
+import { at, visibility } from '../visibility';
+import { acquireUpdate, touchSignal, withdrawSignal, type SessionInput, type SessionPhase } from './definitions';
 
 /** The lease a session holds, carried over continue-as-new. */
 export interface SessionCarry {
@@ -39,6 +41,8 @@ const RETRY_CLEARS_FAILURE_PATCH = 'session-retry-clears-failure';
  */
 const WITHDRAW_PATCH = 'session-withdraw';
 const DEFAULT_ACQUIRE_TIMEOUT_MS = 10 * 60_000;
+/** The session's kind, model and phase are search attributes (`MagusPhase`: waiting, serving, idle, ended). */
+const SEARCH_ATTRIBUTES_PATCH = 'session-search-attributes';
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
   const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
@@ -65,6 +69,22 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   /** The request was withdrawn and nobody asked again since: a grant arriving now is nobody's. */
   let withdrawnState = false;
   const withdrawn = () => withdrawnState && !requested && lease === null;
+  let ended = false;
+  const searchable = patched(SEARCH_ATTRIBUTES_PATCH);
+  if (searchable) upsertSearchAttributes({ MagusKind: ['session'], MagusModel: [`${input.namespace}/${input.model}`] });
+  const phase = (): SessionPhase => (ended ? 'ended' : lease ? 'serving' : requested ? 'waiting' : 'idle');
+  const shown = visibility({
+    phase,
+    details: () => {
+      const p = phase();
+      const where = lease ? ` · instance \`${lease.instance}\`` : requested ? ` · waiting for a lease from \`pool/${input.namespace}/${input.model}\`` : '';
+      const lines = [`**${p}** · a conversation on model \`${input.namespace}/${input.model}\`${where}`];
+      if (!ended) lines.push(`expires ${at(expiresAt)} unless a turn comes first (TTL ${Math.round(input.ttlMs / 1000)} s)`);
+      if (failure && !lease) lines.push(`the pool answered: ${failure}`);
+      return lines.join('  \n');
+    },
+    upsertPhase: searchable,
+  });
   setHandler(leaseGrantedSignal, (g) => {
     if ('error' in g) failure = g.error;
     else if (withdrawn()) unwanted = g;
@@ -72,6 +92,7 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       lease = g;
       failure = null;
     }
+    shown.refresh();
   });
   /** Withdrawals that arrived before their acquire (the two can cross): that acquire fails at once. */
   const early = new Set<string>();
@@ -85,10 +106,12 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     requested = false; // the next acquire asks again
     withdrawnState = true;
     withdrawPending = true;
+    shown.refresh();
   });
   setHandler(touchSignal, () => {
     expiresAt = Date.now() + input.ttlMs;
     touched = true;
+    shown.refresh();
   });
   setHandler(
     acquireUpdate,
@@ -128,12 +151,14 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
         }
       } finally {
         waiters.delete(updateId);
+        shown.refresh();
       }
       if (!lease) {
         requested = false; // the next acquire asks again
         throw ApplicationFailure.nonRetryable(`no instance of ${input.model} can be started: ${failure}`, 'NoCapacity');
       }
       expiresAt = Date.now() + input.ttlMs;
+      shown.refresh();
       const e = entry();
       await writeSession({ key: input.key, entry: e });
       written = e.instance;
@@ -146,11 +171,13 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     },
   );
 
+  shown.refresh();
   // A gateway served the first turn already (from `magus_pools`) and wrote the entry: confirm
   // the lease with the pool; rewrite the entry only if the pool chose another instance.
   if (!carry && input.preferred) {
     const preferred = input.preferred;
     requested = true;
+    shown.refresh();
     let pooled = true;
     try {
       await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId, preferred: preferred.instance });
@@ -163,6 +190,8 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       // path (which starts the pool if needed).
       await condition(allHandlersFinished);
       await deleteSession({ key: input.key });
+      ended = true;
+      shown.refresh();
       return;
     }
     if (lease.instance !== preferred.instance || lease.subject !== preferred.subject) {
@@ -197,6 +226,7 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       written = e.instance;
     }
     touched = false;
+    shown.refresh();
     if (workflowInfo().continueAsNewSuggested) {
       await condition(allHandlersFinished);
       if (lease) await continueAsNew<typeof session>(input, { ...lease, expiresAt });
@@ -205,4 +235,6 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   await condition(allHandlersFinished);
   await deleteSession({ key: input.key });
   if (lease) await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
+  ended = true;
+  shown.refresh();
 }

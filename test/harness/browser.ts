@@ -1,0 +1,67 @@
+/**
+ * A real browser for tests of what users see: Debian's chromium, headless, driven by
+ * puppeteer-core (installed by `scripts/browser`; `MAGUS_CHROMIUM` names another binary).
+ * Pages are read as text over all their frames (the Temporal UI renders Markdown in iframes),
+ * and every page a test looks at is kept as a screenshot under `test-results/ui/`.
+ */
+import { execFileSync } from 'node:child_process';
+import { mkdirSync } from 'node:fs';
+import { join } from 'node:path';
+import puppeteer, { type Browser, type Page } from 'puppeteer-core';
+import { REPO_ROOT } from './dev';
+
+export const SCREENSHOTS = join(REPO_ROOT, 'test-results', 'ui');
+
+function chromium(): string {
+  if (process.env.MAGUS_CHROMIUM) return process.env.MAGUS_CHROMIUM;
+  try {
+    return execFileSync('sh', ['-c', 'command -v chromium || command -v chromium-browser'], { encoding: 'utf8' }).trim().split('\n')[0]!;
+  } catch {
+    throw new Error('no chromium on the PATH: run scripts/browser (it installs Debian’s chromium), or set MAGUS_CHROMIUM');
+  }
+}
+
+export interface UiBrowser {
+  /** Opens `url`, waits until every frame's text matches `expected` (or `timeoutMs`), screenshots it as `<name>.png`, returns the text. */
+  look(name: string, url: string, expected: RegExp, timeoutMs?: number): Promise<string>;
+  /** The same for a tab (e.g. `user-metadata`) of a workflow's page, found by its id as a user would (the UI picks the latest run). */
+  lookAtWorkflow(name: string, ui: string, workflowId: string, tab: string, expected: RegExp, timeoutMs?: number): Promise<string>;
+  close(): Promise<void>;
+}
+
+export async function openBrowser(): Promise<UiBrowser> {
+  mkdirSync(SCREENSHOTS, { recursive: true });
+  // --no-sandbox: CI runs as root, where chromium's sandbox refuses to start.
+  const browser: Browser = await puppeteer.launch({ executablePath: chromium(), headless: true, args: ['--no-sandbox', '--disable-dev-shm-usage'] });
+  const page: Page = await browser.newPage();
+  await page.setViewport({ width: 1600, height: 1000 });
+  const text = async (): Promise<string> => {
+    const parts = await Promise.all(page.frames().map((f) => (f.evaluate('document.body ? document.body.innerText : ""') as Promise<string>).catch(() => '')));
+    return parts.join('\n');
+  };
+  const ui: UiBrowser = {
+    async look(name, url, expected, timeoutMs = 30_000) {
+      // The UI keeps long polls open: wait for the DOM, then for the text.
+      await page.goto(url, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+      const deadline = Date.now() + timeoutMs;
+      let seen = await text();
+      while (!expected.test(seen)) {
+        if (Date.now() > deadline) {
+          await page.screenshot({ path: join(SCREENSHOTS, `${name}.failed.png`) });
+          throw new Error(`${url} never showed ${String(expected)}; it showed:\n${seen.slice(0, 3000)}`);
+        }
+        await new Promise((r) => setTimeout(r, 500));
+        seen = await text();
+      }
+      await page.screenshot({ path: join(SCREENSHOTS, `${name}.png`) });
+      return seen;
+    },
+    async lookAtWorkflow(name, base, workflowId, tab, expected, timeoutMs = 30_000) {
+      await page.goto(`${base}/namespaces/default/workflows/${encodeURIComponent(workflowId)}`, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+      await page.waitForFunction('/\\/[0-9a-f-]{36}\\/history$/.test(location.pathname)', { timeout: timeoutMs });
+      return ui.look(name, page.url().replace(/\/history$/, `/${tab}`), expected, timeoutMs);
+    },
+    close: () => browser.close(),
+  };
+  return ui;
+}
