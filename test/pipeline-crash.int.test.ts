@@ -14,7 +14,7 @@ import { modelWorkflowId, progressQuery, type PipelineProgress } from '../workfl
 import { modelPipeline } from '../workflows/model/pipeline';
 import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { endpoint, isolation, s3Client, temporalClient } from './harness';
+import { endpoint, isolation, recordHistory, s3Client, temporalClient } from './harness';
 
 const iso = isolation();
 const REPO = 'magus-test/crash-llama';
@@ -131,6 +131,8 @@ test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async 
   }
   expect(p.phase).toBe('ready');
   worker.kill('SIGTERM');
+  // A pipeline resumed by a new worker after each crash (activity timeouts and retries in its history).
+  await recordHistory('model-pipeline-resumed', handle);
 
   // Byte-identical objects.
   for (const f of commit.files) {

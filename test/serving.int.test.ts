@@ -35,6 +35,8 @@ const IDLE_MS = 4000;
  * than an instance's replacement takes here (a conversation outlives it).
  */
 const SESSION_TTL_MS = 15_000;
+/** The session of the conversation started cold (test 2), recorded again once it has expired. */
+let coldSession: string | undefined;
 
 let dir: string;
 let s3: S3Client;
@@ -131,6 +133,7 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   expect(s1.warmHits - s0.warmHits).toBe(2);
   // The session is found by its model in the Temporal UI, and its page says where it is served.
   const sessionHandle = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
+  coldSession = sessionHandle.workflowId;
   expect(sessionHandle.workflowId).toBe(`session/default/tiny/${mine[0]!}`);
   expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/tiny" AND MagusPhase="serving"`)).toContain(sessionHandle.workflowId);
   expect(await currentDetails(sessionHandle)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · a conversation on model \`default/tiny\` · instance \`${first.instance}\` {2}\\nexpires \\S+Z unless a turn comes first`));
@@ -242,9 +245,17 @@ test('an idle pool goes to zero instances and comes back on the next request', a
     status = await pool.query(poolStatusQuery);
   }
   expect(status.instances).toEqual([]);
+  // The sessions expired first: one renewed by its turns, then ended, releasing its lease.
+  if (coldSession) {
+    const ended = client.workflow.getHandle(coldSession);
+    expect((await ended.describe()).status.name).toBe('COMPLETED');
+    await recordHistory('session-renewed-expired', ended);
+  }
   const r = await openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'wake up' }], max_tokens: 4, temperature: 0 });
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   expect((await pool.query(poolStatusQuery)).instances.filter((i) => i.phase === 'ready')).toHaveLength(1);
+  // Scaled up, down to zero and up again.
+  await recordHistory('pool-scaled-to-zero-and-back', pool);
 }, 120_000);
 
 test('errors reach the client as the openai library expects them', async () => {

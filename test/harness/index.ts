@@ -3,7 +3,7 @@
  * stay out of each other's way: every test file gets its own task queue, bucket, NATS names
  * and Kubernetes namespace from {@link isolation}.
  */
-import { readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { basename, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { S3Client } from '@aws-sdk/client-s3';
@@ -94,11 +94,16 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
 
 /**
  * With `MAGUS_RECORD_HISTORIES=<dir>` set, writes a workflow's history to `<dir>/<name>.json`
- * for `test/replay.test.ts` (refresh them with `MAGUS_RECORD_HISTORIES=$PWD/test/histories`).
+ * for `test/replay.test.ts` (`scripts/record-histories`). An existing file is kept: it proves
+ * that executions started by the code of its day still replay, which a history recorded today
+ * cannot; `MAGUS_RECORD_HISTORIES_OVERWRITE=1` replaces it anyway.
  */
 export async function recordHistory(name: string, handle: { fetchHistory(): Promise<unknown> }): Promise<void> {
   const dir = process.env.MAGUS_RECORD_HISTORIES;
-  if (dir) writeFileSync(join(dir, `${name}.json`), `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
+  if (!dir) return;
+  const file = join(dir, `${name}.json`);
+  if (existsSync(file) && process.env.MAGUS_RECORD_HISTORIES_OVERWRITE !== '1') return;
+  writeFileSync(file, `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
 }
 
 /** Ids of the workflows a visibility query lists (the dev server's visibility lags: polled until something is listed, 10 s at most). */
