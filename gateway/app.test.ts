@@ -452,6 +452,16 @@ describe('error mapping', () => {
     expect(viaBroker.headers['retry-after']).toBe('7');
   });
 
+  it('what a new conversation needs is unreachable (Temporal) → 503 unavailable with Retry-After, details hidden', async () => {
+    t.broker.impl = () => Promise.reject(Object.assign(new Error('start failed'), { cause: new SessionError(SessionErrorType.Unavailable, 'Temporal at 10.0.0.7:7233 is unreachable', 4) }));
+    const res = await chat(userTurn('hi'));
+    expect(res.statusCode).toBe(503);
+    expect(res.headers['retry-after']).toBe('4');
+    expect(errorOf(res)).toMatchObject({ type: 'server_error', code: 'unavailable', param: null });
+    expect(errorOf(res).message).toMatch(/^A new conversation cannot be started right now; retry later\. \(request id /);
+    expect(errorOf(res).message).not.toContain('10.0.0.7');
+  });
+
   it('no instance can start → 503 with Retry-After (broker error, or cold-start timeout)', async () => {
     t.broker.impl = () => Promise.reject(new SessionError(SessionErrorType.NoCapacity, 'no node has 40 GiB free', 30));
     const res = await chat(userTurn('hi'));
@@ -573,5 +583,20 @@ describe('/metrics, /healthz, /readyz', () => {
     const down = await t.app.inject({ method: 'GET', url: '/readyz' });
     expect(down.statusCode).toBe(503);
     expect(down.json()).toEqual({ status: 'unavailable', checks: { registry: true, nats: false } });
+  });
+
+  it('readyz: a check that only degrades (Temporal) failing is 200 degraded; with a required one failing, 503', async () => {
+    let natsUp = true;
+    let temporalUp = false;
+    t = await buildTestApp({ readiness: [{ name: 'nats', check: () => natsUp }, { name: 'temporal', check: () => temporalUp, degrades: true }] });
+    const degraded = await t.app.inject({ method: 'GET', url: '/readyz' });
+    expect(degraded.statusCode).toBe(200);
+    expect(degraded.json()).toEqual({ status: 'degraded', checks: { registry: true, nats: true, temporal: false } });
+    natsUp = false;
+    const down = await t.app.inject({ method: 'GET', url: '/readyz' });
+    expect(down.statusCode).toBe(503);
+    expect(down.json()).toEqual({ status: 'unavailable', checks: { registry: true, nats: false, temporal: false } });
+    natsUp = temporalUp = true;
+    expect((await t.app.inject({ method: 'GET', url: '/readyz' })).json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, temporal: true } });
   });
 });

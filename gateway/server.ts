@@ -20,6 +20,7 @@ import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type P
 import { cancelSubject } from '../shared/serving';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../workers/temporal-health';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {
@@ -31,6 +32,12 @@ export interface GatewayDeps {
   renew?: RenewSession;
   /** First turns from pools' published instances: the session TTL and how the workflow adopts an entry. Default: none (every first turn is a cold start). */
   firstTurns?: Pick<FirstTurns, 'ttlMs' | 'adopt'>;
+  /**
+   * Temporal's reachability (temporal-health.ts), when the session functions above use Temporal:
+   * while it is away, a first turn that needs it is refused at once (503 `unavailable`), and
+   * `/readyz` and `/metrics` say so. Not closed by the gateway.
+   */
+  temporal?: TemporalHealth;
   /** Replaces the KV-backed session broker altogether. */
   broker?: SessionBroker;
   /** Default: JetStream publish with `Nats-Msg-Id` (responses.ts). */
@@ -78,6 +85,23 @@ async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
   }
 }
 
+/**
+ * A cold start only while Temporal answers: otherwise 503 `unavailable` at once (`Retry-After` =
+ * the next probe's chance, at least the configured seconds). A cold start that finds it unreachable
+ * tells the probe, which looks again at once.
+ */
+function guardColdStart(coldStart: ColdStart, temporal: TemporalHealth, retryAfterSec: number): ColdStart {
+  return async (req) => {
+    if (!temporal.reachable()) throw new SessionError(SessionErrorType.Unavailable, 'Temporal is unreachable', retryAfterSec);
+    try {
+      return await coldStart(req);
+    } catch (err) {
+      if ((err as { type?: unknown }).type === SessionErrorType.Unavailable) temporal.markUnreachable();
+      throw err;
+    }
+  };
+}
+
 /** Cancels held while NATS is unreachable, at most (the oldest are kept: their engines run longest). */
 const MAX_HELD_CANCELS = 10_000;
 
@@ -122,6 +146,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
 
     let sessions: SessionBroker;
     let sessionCache: SessionCache | undefined;
+    const temporal = deps.temporal;
+    if (temporal) metrics.setTemporal(() => ({ reachable: temporal.reachable(), probeFailures: temporal.stats().failures }));
     const ready: Promise<void>[] = [within(`the ${config.buckets.tokens} watch`, 15_000, kvTokens.cache.ready)];
     const liveness = [{ name: 'tokens', check: () => kvTokens.cache.live }];
     if (deps.broker) {
@@ -131,7 +157,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       const cache = createSessionCache({
         kv: sessionsKv,
         firstTurns: deps.firstTurns && { ...deps.firstTurns, pools: await openBucket(nc, config.buckets.pools), sessions: sessionsKv },
-        coldStart: deps.coldStart ?? noColdStart,
+        coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
         onError: (err) => log.warn({ err }, 'session cache'),
       });
@@ -213,7 +239,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }
       },
-      readiness: [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness],
+      readiness: [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness, ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : [])],
     });
     const address = await app.listen({ host: config.host, port: config.port });
     let closing: Promise<void> | undefined;
@@ -283,13 +309,20 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   }
   let gateway: RunningGateway;
   let temporalConnection: Connection | undefined;
+  let temporal: TemporalHealth | undefined;
   try {
-    // Cold turns start (or join) the conversation's session workflow; warm turns never do.
+    // Cold turns start (or join) the conversation's session workflow; warm turns never do. The
+    // connection is lazy: the gateway starts, and serves warm turns, with Temporal away.
     const cfg = loadConfig();
-    temporalConnection = await Connection.connect({ address: cfg.temporal.address });
+    temporalConnection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+    const address = cfg.temporal.address;
+    temporal = watchTemporal(temporalConnection, {
+      onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
+    });
     const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: SESSION_TTL_MS }) });
+    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: SESSION_TTL_MS }), temporal });
   } catch (err) {
+    await temporal?.close();
     await temporalConnection?.close();
     process.stderr.write(`magus gateway: cannot start: ${(err as Error).message}\n`);
     return 1;
@@ -301,6 +334,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   });
   process.stderr.write('magus gateway: stopping …\n');
   await gateway.close();
+  await temporal.close();
   await temporalConnection.close();
   return 0;
 }

@@ -17,6 +17,7 @@ import type { dllamaPool } from '../workflows/pool/pool';
 import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
+import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../workers/temporal-health';
 
 export interface TemporalSessionOptions {
   client: Client;
@@ -31,7 +32,7 @@ export interface TemporalSessionOptions {
 /** The error types the gateway maps to HTTP statuses (plugins/errors.ts). */
 class BrokerError extends Error {
   constructor(
-    readonly type: 'NoCapacity' | 'BacklogFull',
+    readonly type: 'NoCapacity' | 'BacklogFull' | 'Unavailable',
     message: string,
     /** Unset: the gateway's configured Retry-After applies. */
     readonly retryAfterSec?: number,
@@ -40,22 +41,37 @@ class BrokerError extends Error {
   }
 }
 
+/** `err` as the gateway's 503 `unavailable` when it says Temporal could not be reached (the original as `cause`, for the log). */
+function unreachable(err: unknown): BrokerError | undefined {
+  if (!isTemporalUnreachable(err)) return undefined;
+  const e = new BrokerError('Unavailable', 'Temporal is unreachable');
+  e.cause = err;
+  return e;
+}
+
 export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt'> } {
   const { client, taskQueue } = opts;
   // Every call runs under the request's signal (the client left, or the gateway gave up
   // waiting): the RPC, the update's long poll included, is cancelled at once.
   const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
     const { namespace, name } = req.model;
-    await client.withAbortSignal(req.signal, () =>
-      client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
-        workflowId: poolWorkflowId(namespace, name),
-        taskQueue,
-        args: [{ namespace, model: name, ...opts.pool }],
-        signal: ensurePoolSignal,
-        signalArgs: [],
-        staticSummary: WorkflowSummary.pool(namespace, name),
-      }),
-    );
+    // A short call under a deadline: Temporal unreachable is a prompt 503, not the client's ~20 s of retries.
+    await client
+      .withAbortSignal(req.signal, () =>
+        client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
+          client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
+            workflowId: poolWorkflowId(namespace, name),
+            taskQueue,
+            args: [{ namespace, model: name, ...opts.pool }],
+            signal: ensurePoolSignal,
+            signalArgs: [],
+            staticSummary: WorkflowSummary.pool(namespace, name),
+          }),
+        ),
+      )
+      .catch((err: unknown) => {
+        throw unreachable(err) ?? err;
+      });
     const workflowId = sessionWorkflowId(namespace, name, req.conversationKey);
     const start = new WithStartWorkflowOperation<typeof session>('session', {
       workflowId,
@@ -78,7 +94,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
       }
       const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
       if (cause instanceof ApplicationFailure && cause.type === 'NoCapacity') throw new BrokerError('NoCapacity', cause.message);
-      throw err;
+      throw (!req.signal.aborted && unreachable(err)) || err;
     }
   };
   const renew: RenewSession = async (req) => {

@@ -123,3 +123,25 @@ test('the recorded pool history (a watcher per instance on its worker’s queue,
   expect(scheduled('describeInstance')).toBe(0); // no probe loop in the workflow
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(pool), 'pool/replay-watch')).resolves.toBeUndefined();
 }, 60_000);
+
+/** Paths each workflow type takes over its life (issue: versioned workflows), recorded by scripts/record-histories. */
+test.each([
+  // Its worker SIGKILLed three times mid-transfer (test/pipeline-crash.int.test.ts): a workflow task timed out, transfers resumed on later attempts.
+  ['model-pipeline-resumed', (h: RecordedHistory) => h.events.some((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT') && h.events.some((e) => (e.activityTaskStartedEventAttributes?.attempt ?? 1) > 1)],
+  // Scaled up for a conversation, down to zero when idle (its instance destroyed), and up again.
+  ['pool-scaled-to-zero-and-back', (h: RecordedHistory) => h.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length >= 2 && h.events.some((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'destroyInstance')],
+  // Expired after its TTL: released its lease and completed.
+  ['session-expired', (h: RecordedHistory) => h.events.some((e) => e.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED')],
+])('the recorded %s history replays', async (name, tookThePath) => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as RecordedHistory;
+  expect(tookThePath(history)).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);
+
+interface RecordedHistory {
+  events: {
+    eventType: string;
+    activityTaskScheduledEventAttributes?: { activityType?: { name?: string } };
+    activityTaskStartedEventAttributes?: { attempt?: number };
+  }[];
+}

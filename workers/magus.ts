@@ -20,6 +20,7 @@ import type * as WorkerModule from './worker';
 import type * as TemporalWorkerModule from '@temporalio/worker';
 import type * as DevModule from './dev/dev';
 import type * as ControllerModule from './controller/main';
+import type * as TemporalHealthModule from './temporal-health';
 
 /*
  * Each mode loads its modules only when it runs: `magus convert` must not pay, in start-up time
@@ -39,6 +40,7 @@ const load = {
   temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
   dev: () => require('./dev/dev') as typeof DevModule,
   controller: () => require('./controller/main') as typeof ControllerModule,
+  temporalHealth: () => require('./temporal-health') as typeof TemporalHealthModule,
 };
 /* eslint-enable @typescript-eslint/no-require-imports */
 
@@ -247,9 +249,11 @@ function workerCommand(): Promise<number> {
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []));
+        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', workers?.temporal));
       }
-      const ok = req.url === '/healthz' || (req.url === '/readyz' && ready);
+      // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves; workers/temporal-health.ts).
+      if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(workers?.temporal));
+      const ok = req.url === '/healthz';
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
     });
     await new Promise<void>((ok) => health.listen(Number(port), host, ok));

@@ -24,6 +24,7 @@ import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/co
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from './config';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from './temporal-health';
 
 export interface RunningWorkers {
   /** Resolves when all three workers (control, pipeline, this worker's runtime queue) have stopped. */
@@ -36,6 +37,12 @@ export interface RunningWorkers {
   kubernetes?: KubernetesRuntime;
   /** This worker's own task queue: its instances' describe, destroy and watch activities. */
   runtimeQueue: string;
+  /**
+   * Whether Temporal answers (a probe on the client connection). While it does not, the SDK's
+   * pollers retry by themselves with capped backoff (~1 failed poll a second per worker process,
+   * measured) and take work again once it is back; nothing here needs restarting.
+   */
+  temporal: TemporalHealth;
 }
 
 /** Registers magus's search attributes on the namespace (idempotent). */
@@ -126,7 +133,7 @@ export interface WorkerDeps {
 }
 
 export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: kubeConfigFromEnv() }): Promise<RunningWorkers> {
-  const connection = await Connection.connect({ address: cfg.temporal.address });
+  const connection = await Connection.connect({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   await ensureSearchAttributes(connection, cfg.temporal.namespace);
   const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
@@ -241,7 +248,9 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   }
 
   const running = [control, pipeline, own].filter((w): w is Worker => w !== undefined);
+  const temporalHealth = watchTemporal(connection);
   const done = Promise.all(running.map((w) => w.run())).then(async () => {
+    await temporalHealth.close();
     if (advertTimer) {
       clearInterval(advertTimer);
       await registry.withdrawRuntime(workerId).catch(() => undefined);
@@ -257,6 +266,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     runtime,
     ...(kubeRuntime ? { kubernetes: kubeRuntime } : {}),
     runtimeQueue,
+    temporal: temporalHealth,
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
       for (const w of running) if (w.getState() === 'RUNNING') w.shutdown();

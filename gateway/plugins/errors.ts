@@ -49,6 +49,8 @@ export const SessionErrorType = {
   BacklogFull: 'BacklogFull',
   /** No instance of the model can be started (capacity, placement): 503. */
   NoCapacity: 'NoCapacity',
+  /** What the turn needs cannot be reached (Temporal, for a first turn the published view cannot serve): 503 `unavailable`. */
+  Unavailable: 'Unavailable',
 } as const;
 export type SessionErrorType = (typeof SessionErrorType)[keyof typeof SessionErrorType];
 
@@ -77,9 +79,9 @@ export const errors = {
     new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, retryAfter(retryAfterSec)),
   noCapacity: (retryAfterSec: number) =>
     new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, retryAfter(retryAfterSec), true),
-  /** The request could not be queued (NATS unreachable, no stream acknowledgement). */
-  unavailable: (retryAfterSec: number) =>
-    new GatewayError(503, 'The request could not be queued; retry later.', OpenAIErrorType.server, 'unavailable', null, retryAfter(retryAfterSec), true),
+  /** The request could not be queued (NATS unreachable, no stream acknowledgement), or its session could not be started (Temporal unreachable). */
+  unavailable: (retryAfterSec: number, message = 'The request could not be queued; retry later.') =>
+    new GatewayError(503, message, OpenAIErrorType.server, 'unavailable', null, retryAfter(retryAfterSec), true),
   timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
   /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
   upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),
@@ -136,6 +138,7 @@ export function toGatewayError(err: unknown, retryAfterSec: number): GatewayErro
   const type = sessionErrorType(err);
   if (type === SessionErrorType.BacklogFull) return errors.backlogFull(retryAfterOf(err, retryAfterSec));
   if (type === SessionErrorType.NoCapacity) return errors.noCapacity(retryAfterOf(err, retryAfterSec));
+  if (type === SessionErrorType.Unavailable) return errors.unavailable(retryAfterOf(err, retryAfterSec), 'A new conversation cannot be started right now; retry later.');
   const fe = err as Partial<FastifyError>;
   if (Array.isArray(fe.validation)) return validationError(fe as FastifyError);
   const status = typeof fe.statusCode === 'number' ? fe.statusCode : 500;

@@ -138,6 +138,13 @@ export class GatewayMetrics {
     new GaugeFunc('magus_gateway_response_stream_bytes', 'Bytes stored in the response stream.', () => this.responseStream?.bytes),
     new GaugeFunc('magus_gateway_response_stream_max_bytes', 'Byte limit of the response stream: beyond it the oldest frames are discarded.', () => this.responseStream?.maxBytes),
   ];
+  /** Whether Temporal answers (gateway/temporal-health.ts), read when scraped; no samples without it. */
+  private temporal: (() => { reachable: boolean; probeFailures: number }) | undefined;
+  private readonly temporalReachable = new GaugeFunc('magus_gateway_temporal_reachable', 'Whether Temporal answered the last probe (1) or not (0). While 0, warm turns and first turns from pools\' published instances are served; other first turns get 503 unavailable.', () => {
+    const t = this.temporal?.();
+    return t === undefined ? undefined : t.reachable ? 1 : 0;
+  });
+  private readonly temporalProbeFailures = new CounterFunc('magus_gateway_temporal_probe_failures_total', 'Temporal probes (and calls) that found it unreachable: one probe every 2 s at most while it is away.', () => this.temporal?.().probeFailures);
   private sessionStats: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
   private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
@@ -161,13 +168,18 @@ export class GatewayMetrics {
     }
   }
 
+  /** Where Temporal's reachability is read from at each scrape. */
+  setTemporal(read: () => { reachable: boolean; probeFailures: number }): void {
+    this.temporal = read;
+  }
+
   /** Where warm-hit and cold-start counts come from (the session broker's `stats`). */
   setSessionStats(read: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined): void {
     this.sessionStats = read;
   }
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns];
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.temporalReachable, this.temporalProbeFailures];
     return `${all.map((m) => m.render()).join('\n')}\n`;
   }
 }

@@ -17,10 +17,15 @@ export type CancelRequest = (session: SessionEntry, requestId: string) => void;
 /** Synchronous backlog check before a request is queued: full → 429 with `Retry-After`. */
 export type BacklogCheck = (model: ReadyModel) => { retryAfterSec: number } | undefined;
 
-/** One `/readyz` check; false or a throw (or no answer within 2 s) = not ready. */
+/**
+ * One `/readyz` check; false or a throw (or no answer within 2 s) = not ready — or, for a check that
+ * `degrades`, ready but degraded (routes/health.ts says why: some requests fail, the rest are served).
+ */
 export interface ReadinessCheck {
   name: string;
   check(): boolean | Promise<boolean>;
+  /** Failing leaves the replica ready (`/readyz` 200 `degraded`): for a dependency every replica shares, which no routing can avoid. */
+  degrades?: boolean;
 }
 
 /** Request-path settings (server.ts fills them from configuration). */

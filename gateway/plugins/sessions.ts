@@ -113,6 +113,10 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
   return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0, ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}) };
 }
 
+/** First wait before a failed adoption is tried again; it doubles up to {@link ADOPT_RETRY_MAX_MS}. */
+const ADOPT_RETRY_MS = 1_000;
+const ADOPT_RETRY_MAX_MS = 15_000;
+
 interface PendingStart {
   promise: Promise<SessionEntry>;
   waiters: number;
@@ -227,8 +231,30 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       firstTurnCount++;
       cache.set(key, entry);
       lastRenewed.set(key, now());
-      f.adopt({ conversationKey: key, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
+      adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, entry);
       return entry;
+    });
+  };
+
+  /** Adoptions waiting to be tried again (Temporal unreachable): their timers. */
+  const adoptRetries = new Set<NodeJS.Timeout>();
+  let closed = false;
+  /**
+   * Has the workflow adopt `entry`, again after a failure (Temporal away) with backoff
+   * ({@link ADOPT_RETRY_MS} doubling to {@link ADOPT_RETRY_MAX_MS}) until it works, the entry
+   * expires or the gateway closes: a first turn served while Temporal was down still gets its
+   * session workflow (its lease counted, its TTL kept) once Temporal is back.
+   */
+  const adoptUntilDone = (f: FirstTurns, req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry, delay = ADOPT_RETRY_MS): void => {
+    f.adopt(req, entry).catch((err: unknown) => {
+      opts.onError?.(err);
+      if (closed || entry.expiresAt <= now()) return;
+      const timer = setTimeout(() => {
+        adoptRetries.delete(timer);
+        adoptUntilDone(f, req, entry, Math.min(delay * 2, ADOPT_RETRY_MAX_MS));
+      }, delay);
+      timer.unref();
+      adoptRetries.add(timer);
     });
   };
 
@@ -277,7 +303,9 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       return join(p, req.conversationKey, req.signal);
     },
     async close() {
+      closed = true;
       clearInterval(sweep);
+      for (const t of adoptRetries) clearTimeout(t);
       for (const p of pending.values()) p.abort.abort(new Error('gateway closing'));
       await Promise.all([cache.close(), pools?.close()]);
     },

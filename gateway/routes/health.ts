@@ -1,6 +1,11 @@
 /**
  * `/healthz`: the process is up (liveness; touches nothing). `/readyz`: every readiness check
- * (NATS connected, registry readable, KV mirrors live …) passes within 2 s (readiness).
+ * (NATS connected, registry readable, KV mirrors live …) passes within 2 s (readiness): 200
+ * `{"status":"ok"}`; one fails: 503 `{"status":"unavailable"}`. A check that only `degrades`
+ * (Temporal reachable) failing: 200 `{"status":"degraded"}` — the replica still serves warm turns
+ * and first turns from the pools' published view, and every replica shares that dependency, so
+ * taking them out of a Service would refuse everything instead of some first turns.
+ * `checks` has every check's result either way.
  */
 import type { FastifyPluginCallback } from 'fastify';
 import { healthSchema, readySchema } from '../schemas/health';
@@ -31,8 +36,9 @@ export const healthRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const results = await Promise.all(checks.map((c) => passes(() => c.check())));
     const out: Record<string, boolean> = {};
     checks.forEach((c, i) => (out[c.name] = results[i]!));
-    const ok = results.every(Boolean);
-    return reply.code(ok ? 200 : 503).send({ status: ok ? 'ok' : 'unavailable', checks: out });
+    const ok = checks.every((c, i) => c.degrades === true || results[i]);
+    const status = !ok ? 'unavailable' : results.every(Boolean) ? 'ok' : 'degraded';
+    return reply.code(ok ? 200 : 503).send({ status, checks: out });
   });
   done();
 };

@@ -1,4 +1,4 @@
-/** `/healthz` (the process is up) and `/readyz` (its dependencies answer). */
+/** `/healthz` (the process is up) and `/readyz` (its dependencies answer: `ok`, `degraded` or `unavailable`, and each check). */
 const status = {
   type: 'object',
   required: ['status'],

@@ -10,6 +10,7 @@ import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane } from '../../activities/nats/data-plane';
 import { parseDuration } from '../../shared/kube';
 import { loadConfig } from '../config';
+import { TEMPORAL_CHANNEL_ARGS, temporalMetricsText, temporalReadyText, watchTemporal } from '../temporal-health';
 import { kubeConfigFromEnv } from '../worker';
 import { startController, type Controller, type ControllerMetrics } from './controller';
 import { startLeaderElection } from './leader';
@@ -97,7 +98,10 @@ export async function controllerCommand(args: string[]): Promise<number> {
   }
   const cfg = loadConfig();
   const log = (line: string) => process.stderr.write(`magus controller: ${line}\n`);
-  const connection = await Connection.connect({ address: cfg.temporal.address });
+  // Lazy: the controller starts, watches and mirrors tokens with Temporal away; reconciles that
+  // need it fail and come back with the queue's capped backoff until it answers.
+  const connection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  const temporal = watchTemporal(connection, { onChange: (up) => log(`Temporal at ${cfg.temporal.address} ${up ? 'answers' : 'is unreachable: reconciles retry with backoff until it is back'}`) });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   const nc = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-controller', maxReconnectAttempts: -1 });
   const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, ...cfg.responses }), { what: 'data plane', log });
@@ -139,10 +143,12 @@ export async function controllerCommand(args: string[]): Promise<number> {
     const leader = election ? election.isLeader() : true;
     if (req.url === '/metrics') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-      return void res.end(controllerMetricsText(controller?.metrics(), leader));
+      return void res.end(controllerMetricsText(controller?.metrics(), leader) + temporalMetricsText('magus_controller', temporal));
     }
-    // Ready: leading with every watch synced, or standing by (a standby is healthy too).
-    const ok = req.url === '/healthz' || (req.url === '/readyz' && (leader ? synced : true));
+    // Ready: leading with every watch synced, or standing by (a standby is healthy too); Temporal
+    // away only degrades it (200 `degraded: …`: it reconnects by itself).
+    if (req.url === '/readyz' && (leader ? synced : true)) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(temporalReadyText(temporal));
+    const ok = req.url === '/healthz';
     res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
   });
   await new Promise<void>((ok, fail) => {
@@ -157,6 +163,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
   await election?.stop();
   health.close();
   await nc.drain();
+  await temporal.close();
   await connection.close();
   return 0;
 }

@@ -31,6 +31,7 @@ import { writeTinyModel } from '../../test/fixtures/tiny-model';
 import { loadGatewayConfig } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
 import { temporalSessions } from '../../gateway/temporal';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../temporal-health';
 import { validateModelSpec, type ModelSpec } from '../../shared/model';
 import { modelWorkflowId, progressQuery, specChangedSignal } from '../../workflows/model/definitions';
 import type { modelPipeline } from '../../workflows/model/pipeline';
@@ -235,8 +236,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
     });
     interrupted();
 
-    const connection = await Connection.connect({ address: cfg.temporal.address });
+    const connection = await Connection.connect({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
     running.push({ what: 'the Temporal client', stop: () => connection.close() });
+    // Told to the gateway (503 `unavailable` at once for first turns that need Temporal, /readyz degraded) and the console.
+    const temporalHealth = watchTemporal(connection, { onChange: (up) => say(`Temporal ${up ? 'answers' : 'is unreachable: warm conversations carry on; first turns that need it get 503 until it is back'}`) });
+    running.push({ what: 'the Temporal probe', stop: () => temporalHealth.close() });
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
 
     if (kc) {
@@ -274,7 +278,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
             MAGUS_LOG_LEVEL: 'warn',
           }),
-          { ...sessions },
+          { ...sessions, temporal: temporalHealth },
         ),
       { port: opts.port, preferred: [readDevPorts(dataDir).gateway, 8080], flag: '--port' },
     );

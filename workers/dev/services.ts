@@ -58,6 +58,13 @@ export interface RunningServices {
    * `kubernetes` was started. Fails, naming the port, if another process took it meanwhile.
    */
   restartKubernetes(): Promise<void>;
+  /**
+   * SIGKILLs the Temporal dev server, as a crash would (its database file stays); resolves once it
+   * has exited. Only when `temporal` was started. {@link restartTemporal} brings it back.
+   */
+  killTemporal(): Promise<void>;
+  /** Stops Temporal (if it runs) and starts it again on the same ports and database, once it answers. */
+  restartTemporal(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -557,11 +564,13 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
 
   const starters: Promise<void>[] = [];
 
+  let killTemporal: RunningServices['killTemporal'] = () => Promise.reject(new Error('Temporal was not started'));
+  let restartTemporal: RunningServices['restartTemporal'] = killTemporal;
   if (wanted.has('temporal')) {
     const db = join(dataDir, 'temporal.db');
     starters.push(
       (async () => {
-        const { ports } = await start({
+        const spec: ServerSpec<'frontend' | 'ui'> = {
           name: 'temporal',
           bin: bins('temporal'),
           roles: ['frontend', 'ui'],
@@ -577,7 +586,11 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
           ],
           scratch: ['', '-wal', '-shm', '-journal'].map((suffix) => db + suffix),
           ready: ({ frontend, ui }) => async () => (await tcpAccepts(frontend)) && (await httpOk(`http://127.0.0.1:${ui}/`)),
-        });
+        };
+        const started = await start(spec);
+        const { ports } = started;
+        killTemporal = () => end(started.proc, 0);
+        restartTemporal = () => restart(spec, started);
         endpoints.temporal = { address: `127.0.0.1:${ports.frontend}`, namespace: 'default', uiUrl: `http://127.0.0.1:${ports.ui}` };
       })(),
     );
@@ -711,6 +724,8 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
     retries,
     restartNats: (opts) => restartNats(opts),
     restartKubernetes: () => restartKubernetes(),
+    killTemporal: () => killTemporal(),
+    restartTemporal: () => restartTemporal(),
     stop,
   };
 }

@@ -1,0 +1,244 @@
+/**
+ * A Temporal outage under serving traffic, on a Temporal dev server of this file's own (with its
+ * database file, so it comes back with every workflow): the shared one is never touched.
+ * A worker (local runtime, a real llama.cpp engine) and a gateway run against it; Temporal is
+ * SIGKILLed while warm conversations keep asking, then started again on the same port and database.
+ * - warm turns are answered throughout (their path is gateway → NATS → bridge → engine);
+ * - a new conversation is answered from the pool's published view while it has room; one the view
+ *   cannot serve gets 503 `unavailable` with `Retry-After` within seconds, not the client's ~20 s;
+ * - the gateway's `/readyz` says `degraded` (200), its metrics say unreachable, the worker's probe
+ *   too; a gateway *started* during the outage starts and serves warm turns;
+ * - once Temporal is back: readyz ok, a new conversation is served, the first turn served during
+ *   the outage gets its session workflow, and the pool runs no duplicate instance.
+ * The figures (longest warm-turn pause, turns answered, time to a 503) are printed for the README.
+ */
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { Client, Connection } from '@temporalio/client';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { setTimeout as sleep } from 'node:timers/promises';
+import type { NatsConnection } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import { temporalSessions } from '../gateway/temporal';
+import type { PoolEntry } from '../shared/serving';
+import { startServices, type RunningServices } from '../workers/dev/services';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../workers/temporal-health';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import { sessionWorkflowId } from '../workflows/session/definitions';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { isolation, natsConnect, s3Client, workerConfig } from './harness';
+import { gatewayConfigFor } from './harness/gateway';
+import { until } from './harness/wait';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
+const SECRET = randomBytes(32).toString('hex');
+/** How long Temporal stays down (the warm loops run throughout). */
+const OUTAGE_MS = 25_000;
+const POOL = { minInstances: 0, maxInstances: 2, leasesPerInstance: 3, idleTimeoutMs: 600_000, healthCheckMs: 1000 };
+
+let dir: string;
+let services: RunningServices;
+let s3: S3Client;
+let nc: NatsConnection;
+let workers: RunningWorkers;
+let connection: Connection;
+let client: Client;
+let temporalHealth: TemporalHealth;
+let gateway: RunningGateway;
+const extra: { gateway?: RunningGateway; health?: TemporalHealth; connection?: Connection } = {};
+
+interface Answer {
+  status: number;
+  ms: number;
+  retryAfter: string | null;
+  body: { error?: { code: string | null; type: string }; choices?: { message: { content: string } }[] };
+}
+
+async function chat(url: string, conversation: string, content: string): Promise<Answer> {
+  const t0 = performance.now();
+  const res = await fetch(`${url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': conversation },
+    body: JSON.stringify({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }),
+  });
+  const body = (await res.json()) as Answer['body'];
+  return { status: res.status, ms: performance.now() - t0, retryAfter: res.headers.get('retry-after'), body };
+}
+
+async function readyz(url: string): Promise<{ status: number; body: { status: string; checks: Record<string, boolean> } }> {
+  const res = await fetch(`${url}/readyz`);
+  return { status: res.status, body: (await res.json()) as { status: string; checks: Record<string, boolean> } };
+}
+
+async function metric(url: string, name: string): Promise<number | undefined> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  const line = text.split('\n').find((l) => l.startsWith(`${name} `));
+  return line === undefined ? undefined : Number(line.slice(name.length + 1));
+}
+
+/** A gateway on this file's Temporal (lazy connection: it starts with Temporal away too). */
+async function gatewayOn(address: string): Promise<{ gateway: RunningGateway; health: TemporalHealth; connection: Connection }> {
+  const conn = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  const health = watchTemporal(conn);
+  const sessions = temporalSessions({ client: new Client({ connection: conn }), taskQueue: `${iso.id}-control`, pool: POOL, sessionTtlMs: 600_000 });
+  const gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { t1: TOKEN }, env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' } }), {
+    nc,
+    ...sessions,
+    temporal: health,
+  });
+  return { gateway: gw, health, connection: conn };
+}
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-temporal-outage-'));
+  services = await startServices({ services: ['temporal'], dataDir: join(dir, 'services'), log: () => undefined });
+  const address = services.endpoints.temporal!.address;
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  workers = await startWorkers(workerConfig(iso, dir, { temporal: { address, namespace: 'default' } }));
+  nc = await natsConnect();
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
+  connection = await Connection.connect({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  client = new Client({ connection });
+  ({ gateway, health: temporalHealth } = await gatewayOn(address));
+}, 180_000);
+
+afterAll(async () => {
+  await extra.gateway?.close();
+  await extra.health?.close();
+  await extra.connection?.close();
+  await gateway?.close();
+  await temporalHealth?.close();
+  await workers?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  await services?.stop();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+}, 120_000);
+
+test('Temporal killed and restarted under traffic: warm turns carry on, new ones from the published view or a prompt 503, then everything resumes', async () => {
+  const url = gateway.url;
+  const pools = await nc.jetstream().views.kv(names.poolsBucket);
+  const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const published = async () => {
+    const e = await pools.get('default.tiny');
+    return e ? (JSON.parse(new TextDecoder().decode(e.value)) as PoolEntry) : undefined;
+  };
+  const sessionKeys = async () => {
+    const out = new Set<string>();
+    for await (const k of await sessionsKv.keys()) out.add(k);
+    return out;
+  };
+
+  // Two warm conversations, confirmed by the pool (its published view counts their leases).
+  const warm = [`warm-a-${iso.id}`, `warm-b-${iso.id}`];
+  for (const w of warm) expect((await chat(url, w, `hello ${w}`)).status).toBe(200);
+  await until('the pool publishes both leases', async () => (await published())?.instances.reduce((n, i) => n + i.leases, 0) === 2, 60_000);
+  expect((await readyz(url)).body).toMatchObject({ status: 'ok', checks: { temporal: true } });
+  expect(await metric(url, 'magus_gateway_temporal_reachable')).toBe(1);
+
+  // Warm traffic, one loop per conversation, from before the kill until after the restart.
+  const turns: Answer[] = [];
+  let traffic = true;
+  const loops = warm.map(async (w, n) => {
+    for (let i = 0; traffic; i++) turns.push(await chat(url, w, `turn ${i} of ${n}`));
+  });
+  await sleep(1000);
+
+  const failuresBefore = (await metric(url, 'magus_gateway_temporal_probe_failures_total')) ?? 0;
+  const killedAt = Date.now();
+  await services.killTemporal();
+  const turnsAtKill = turns.length;
+
+  // The gateway notices within a probe interval or two: degraded, still ready.
+  await until('the gateway sees Temporal unreachable', async () => (await readyz(url)).body.status === 'degraded', 20_000);
+  const degraded = await readyz(url);
+  expect(degraded.status).toBe(200);
+  expect(degraded.body.checks).toMatchObject({ temporal: false, nats: true });
+  expect(await metric(url, 'magus_gateway_temporal_reachable')).toBe(0);
+  await until('the worker sees Temporal unreachable', () => !workers.temporal.reachable(), 20_000);
+
+  // A new conversation while the published view has room (2 of 3 leases): answered, no Temporal.
+  const before = await sessionKeys();
+  const fromView = await chat(url, `new-1-${iso.id}`, 'a new conversation during the outage');
+  expect(fromView.status).toBe(200);
+  const [viewKey] = [...(await sessionKeys())].filter((k) => !before.has(k));
+  expect(viewKey).toBeDefined();
+
+  // The view is full now (3 of 3, counting this gateway's own pick): the next one needs Temporal.
+  const refused = await chat(url, `new-2-${iso.id}`, 'another new conversation during the outage');
+  expect(refused.status).toBe(503);
+  expect(refused.body.error).toMatchObject({ code: 'unavailable', type: 'server_error' });
+  expect(Number(refused.retryAfter)).toBeGreaterThanOrEqual(1);
+  expect(refused.ms).toBeLessThan(10_000); // prompt (measured: see the log line below), not the client's ~20 s of retries
+
+  // A gateway started while Temporal is away starts, says degraded, and serves warm turns.
+  Object.assign(extra, await gatewayOn(services.endpoints.temporal!.address));
+  await until('the new gateway sees Temporal unreachable', async () => (await readyz(extra.gateway!.url)).body.status === 'degraded', 20_000);
+  expect((await chat(extra.gateway!.url, warm[0]!, 'a warm turn through a gateway started during the outage')).status).toBe(200);
+
+  await sleep(Math.max(0, killedAt + OUTAGE_MS - Date.now()));
+  const downFor = Date.now() - killedAt;
+  const turnsDuringOutage = turns.slice(turnsAtKill);
+  const failuresDuring = ((await metric(url, 'magus_gateway_temporal_probe_failures_total')) ?? 0) - failuresBefore;
+  // Nothing hot-loops: one probe every 2 s while it is away (plus one per refused cold start).
+  expect(failuresDuring).toBeGreaterThan(0);
+  expect(failuresDuring).toBeLessThanOrEqual(downFor / 1000);
+
+  await services.restartTemporal();
+  const restartedAt = Date.now();
+  await until('the gateway sees Temporal back', async () => (await readyz(url)).body.status === 'ok', 30_000);
+  const readyAfterMs = Date.now() - restartedAt;
+  traffic = false;
+  await Promise.all(loops);
+  await until('the worker sees Temporal back', () => workers.temporal.reachable(), 30_000);
+
+  // Warm turns: every one answered, before, during and after the outage.
+  expect(turns.filter((t) => t.status !== 200)).toEqual([]);
+  expect(turnsDuringOutage.length).toBeGreaterThan(4);
+  const longestWarm = Math.max(...turns.map((t) => t.ms));
+
+  // The conversation refused during the outage is served now (through Temporal: the pool grows).
+  const t0 = Date.now();
+  const served = await chat(url, `new-2-${iso.id}`, 'another new conversation during the outage');
+  expect(served.status).toBe(200);
+  const coldAfterMs = Date.now() - t0;
+
+  // The first turn served from the view during the outage got its session workflow afterwards.
+  await until(
+    'the outage first turn is adopted by its session workflow',
+    async () => {
+      const events = (await client.workflow.getHandle(sessionWorkflowId('default', 'tiny', viewKey!)).fetchHistory().catch(() => undefined))?.events ?? [];
+      return events.some((e) => e.workflowExecutionSignaledEventAttributes?.signalName === 'leaseGranted');
+    },
+    60_000,
+  );
+
+  // The pool carries on: no duplicate instance, and what it knows is what runs.
+  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  await until(
+    'the pool and the runtime agree',
+    async () => {
+      const status = await pool.query(poolStatusQuery);
+      const ids = status.instances.map((i) => i.id);
+      const running = workers.runtime.bridges().map((b) => b.instance);
+      return new Set(ids).size === ids.length && ids.length <= POOL.maxInstances && running.length === ids.length && running.every((r) => ids.includes(r));
+    },
+    60_000,
+  );
+  expect((await chat(url, warm[1]!, 'a warm turn after the outage')).status).toBe(200);
+
+  process.stderr.write(
+    `temporal outage: down ${(downFor / 1000).toFixed(1)} s; warm turns answered during it ${turnsDuringOutage.length}/${turnsDuringOutage.length}, all ${turns.length}/${turns.length}; ` +
+      `longest warm turn ${longestWarm.toFixed(0)} ms; first turn from the view ${fromView.ms.toFixed(0)} ms; 503 unavailable in ${refused.ms.toFixed(0)} ms; ` +
+      `probe failures ${failuresDuring}; readyz ok ${readyAfterMs} ms after the restart; a new cold conversation ${coldAfterMs} ms\n`,
+  );
+}, 300_000);
