@@ -11,26 +11,34 @@
  * - once Temporal is back: readyz ok, a new conversation is served, the first turn served during
  *   the outage gets its session workflow, and the pool runs no duplicate instance.
  * The figures (longest warm-turn pause, turns answered, time to a 503) are printed for the README.
+ * And a pipeline through two outages, one in the middle of a multipart transfer and one during
+ * the conversion: it finishes with sources and artifacts byte-identical to a faultless run's.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { CreateBucketCommand, GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
+import { convertModel } from '../activities/convert/convert';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
+import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { PoolEntry } from '../shared/serving';
 import { startServices, type RunningServices } from '../workers/dev/services';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../workers/temporal-health';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { modelWorkflowId, progressQuery, type PipelinePhase, type PipelineProgress } from '../workflows/model/definitions';
+import { modelPipeline } from '../workflows/model/pipeline';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
+import { startFixtureHub } from './fixtures/hf-hub';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { writeTinyModel } from './fixtures/tiny-model';
 import { isolation, natsConnect, s3Client, workerConfig } from './harness';
 import { gatewayConfigFor } from './harness/gateway';
 import { until } from './harness/wait';
@@ -242,3 +250,50 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
       `probe failures ${failuresDuring}; readyz ok ${readyAfterMs} ms after the restart; a new cold conversation ${coldAfterMs} ms\n`,
   );
 }, 300_000);
+
+test('Temporal killed during a multipart transfer and again during a conversion: the pipeline finishes with the artifacts a faultless conversion makes', async () => {
+  // ~37 MB of F32 weights (model.safetensors in several multipart parts), its hub throttled so the transfer is under way when Temporal goes.
+  const model = join(dir, 'outage-model');
+  await writeTinyModel(model, { seed: 43, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
+  const hub = await startFixtureHub();
+  try {
+    const repo = 'magus-test/outage-llama';
+    const commit = await hub.addRepo({ id: repo, dir: model });
+    hub.setFaults({ bytesPerSecond: 3_000_000 });
+    const handle = await client.workflow.start(modelPipeline, {
+      workflowId: modelWorkflowId('default', `${iso.id}-outage`),
+      taskQueue: `${iso.id}-control`,
+      args: [{ namespace: 'default', name: 'outage', spec: { source: { repo, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
+    });
+    const progress = async (): Promise<PipelineProgress | undefined> => handle.query(progressQuery).catch(() => undefined);
+    const outage = async (during: PipelinePhase, downMs: number): Promise<PipelineProgress> => {
+      let p: PipelineProgress | undefined;
+      await until(`the pipeline ${during}`, async () => (p = await progress())?.phase === during && (during !== 'transferring' || p!.bytes.done > 0), 120_000);
+      await services.killTemporal();
+      await sleep(downMs);
+      await services.restartTemporal();
+      return p!;
+    };
+    const atTransfer = await outage('transferring', 10_000);
+    hub.setFaults({});
+    const atConversion = await outage('converting', 8_000);
+    let p: PipelineProgress | undefined;
+    await until('the pipeline ready', async () => (p = await progress())?.phase === 'ready' || p?.phase === 'failed', 180_000);
+    expect([p!.phase, p!.failure]).toEqual(['ready', null]);
+    expect(atTransfer.bytes.done).toBeLessThan(atTransfer.bytes.total); // it was in the middle of it
+
+    // Sources byte-identical to the hub's, artifacts byte-identical to a local conversion, nothing half-uploaded.
+    const get = async (key: string) => Buffer.from(await (await s3.send(new GetObjectCommand({ Bucket: iso.bucket, Key: key }))).Body!.transformToByteArray());
+    for (const f of commit.files) expect([f.path, (await get(`sources/${repo}/${commit.sha}/${f.path}`)).equals(f.content)]).toEqual([f.path, true]);
+    const ready = await openModelRegistry(nc, names.modelsBucket).then((r) => r.get('default', 'outage'));
+    const local = join(dir, 'outage.gguf');
+    await convertModel({ source: model, format: 'gguf', weights: 'q80', output: local, threads: 1, name: 'outage-llama' }); // general.name: the repo's name, as the pipeline sets it
+    const files = ready!.artifacts[0]!.files;
+    expect(files).toHaveLength(1);
+    expect((await get(files[0]!.key)).equals(readFileSync(local))).toBe(true);
+    expect(await listIncompleteUploads(s3, iso.bucket, `sources/${repo}/`)).toEqual([]);
+    process.stderr.write(`temporal outage during a pipeline: killed at ${atTransfer.bytes.done}/${atTransfer.bytes.total} bytes and at ${atConversion.tensors.done}/${atConversion.tensors.total} tensors; ready, artifacts identical\n`);
+  } finally {
+    await hub.stop();
+  }
+}, 420_000);

@@ -72,3 +72,14 @@ test('a failed attempt being retried is shown until its step completes or the ph
   s.onActivityFailed(fail(5, 'gguf:q40', 'convertArtifact')); // after the failure: nothing is retrying
   expect(s.progress().retrying).toBeUndefined();
 });
+
+test('a transfer report that arrives after its file is done counts nowhere (not as tensors)', () => {
+  const s = new PipelineState({ namespace: 'ns', name: 'm', spec: spec() });
+  s.planned('a'.repeat(40), [{ path: 'model.safetensors', size: 100, sha256: 'b'.repeat(64) }]);
+  s.enter('transferring');
+  s.fileDone({ path: 'model.safetensors', size: 100, sha256: 'b'.repeat(64) });
+  s.enter('converting');
+  s.onActivityProgress({ key: 'model.safetensors', kind: 'transfer', done: 90, total: 100 });
+  s.onActivityProgress({ key: 'gguf:q40', kind: 'convert', done: 3, total: 21 });
+  expect([s.progress().bytes, s.progress().tensors]).toEqual([{ done: 100, total: 100 }, { done: 3, total: 21 }]);
+});

@@ -142,8 +142,11 @@ export class PipelineState {
 
   onActivityProgress(p: ActivityProgress): void {
     // Signals are sent asynchronously: one may arrive after its file's activity completed.
-    if (p.kind === 'transfer' && !this.doneFiles.has(p.key)) this.inFlight.set(`transfer:${p.key}`, p);
-    else this.converted.set(p.key, p);
+    // (Such a late transfer report is dropped: it once fell through to the conversion's counts, so
+    // the `progress` query showed bytes as tensors after a delayed signal.)
+    if (p.kind === 'transfer') {
+      if (!this.doneFiles.has(p.key)) this.inFlight.set(`transfer:${p.key}`, p);
+    } else this.converted.set(p.key, p);
     this.onChange();
   }
 
