@@ -6,7 +6,7 @@
 #
 # The base is upstream's Node image; where no registry can be reached, scripts/images makes a
 # local one under the same name and builds with --pull=never.
-ARG NODE_IMAGE=docker.io/library/node:20-bookworm-slim
+ARG NODE_IMAGE=docker.io/library/node:24-bookworm-slim
 
 # Every dependency, as the lock file pins it, installed from the lock file alone: its root entry
 # is package.json as far as installing goes (name, version, dependencies, engines), so an edit

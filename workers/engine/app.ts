@@ -69,6 +69,7 @@ class ChunkWriter {
   private readonly prefix: string;
   private corked = false;
   private readonly uncork = (): void => {
+    if (!this.corked) return;
     this.corked = false;
     this.res.uncork();
   };
@@ -110,12 +111,21 @@ class ChunkWriter {
 
   done(): void {
     this.write('data: [DONE]\n\n');
-    this.res.end();
+    this.end();
   }
 
   /** A failure after the stream started: one `{"error":…}` event, then the stream ends without `[DONE]`. */
   fail(err: EngineHttpError): void {
     this.write(`data: ${JSON.stringify(err.body())}\n\n`);
+    this.end();
+  }
+
+  /**
+   * Uncorks before ending: Node 24's `end()` sends the last chunk of a corked chunked response
+   * ahead of the events still corked, so the client would see the stream end without them.
+   */
+  private end(): void {
+    this.uncork();
     this.res.end();
   }
 }
