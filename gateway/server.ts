@@ -87,17 +87,30 @@ async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
 
 /**
  * A cold start only while Temporal answers: otherwise 503 `unavailable` at once (`Retry-After` =
- * the next probe's chance, at least the configured seconds). A cold start that finds it unreachable
- * tells the probe, which looks again at once.
+ * the next probe's chance, at least the configured seconds). A cold start under way when the
+ * probe finds Temporal gone ends then with the same answer (its update's long poll would ride out
+ * the client's ~20 s of retries); one that finds it unreachable itself tells the probe, which
+ * looks again at once.
  */
 function guardColdStart(coldStart: ColdStart, temporal: TemporalHealth, retryAfterSec: number): ColdStart {
   return async (req) => {
     if (!temporal.reachable()) throw new SessionError(SessionErrorType.Unavailable, 'Temporal is unreachable', retryAfterSec);
+    const gone = temporal.whileReachable();
+    // Raced as well as passed down: a call retried inside the client does not always end at once on its signal.
+    let onGone: (() => void) | undefined;
+    const lost = new Promise<never>((_, reject) => {
+      onGone = () => reject(new Error('Temporal is unreachable'));
+      gone.addEventListener('abort', onGone, { once: true });
+    });
     try {
-      return await coldStart(req);
+      return await Promise.race([coldStart({ ...req, signal: AbortSignal.any([req.signal, gone]) }), lost]);
     } catch (err) {
+      if (gone.aborted && !req.signal.aborted) throw new SessionError(SessionErrorType.Unavailable, 'Temporal became unreachable while the conversation was being placed', retryAfterSec);
       if ((err as { type?: unknown }).type === SessionErrorType.Unavailable) temporal.markUnreachable();
       throw err;
+    } finally {
+      gone.removeEventListener('abort', onGone!);
+      lost.catch(() => undefined);
     }
   };
 }

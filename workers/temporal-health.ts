@@ -44,6 +44,11 @@ export interface TemporalHealth {
   reachable(): boolean;
   /** A call failed as unreachable: counts as a failed probe and probes again soon. */
   markUnreachable(): void;
+  /**
+   * A signal that aborts when Temporal is found unreachable (a new one once it is back): calls
+   * in flight under it end then, instead of riding out the client's own retries (~20 s).
+   */
+  whileReachable(): AbortSignal;
   /** Probes run so far, and how many failed. */
   stats(): { probes: number; failures: number; since: number | undefined };
   /** Stops probing; resolves once a probe under way has ended (close the connection only then: a call retried on a closed channel throws). */
@@ -64,12 +69,15 @@ export function watchTemporal(connection: Connection, opts: TemporalHealthOption
   let timer: NodeJS.Timeout | undefined;
   let inflight: Promise<void> | undefined;
   let known = false;
+  let up = new AbortController();
 
   const set = (ok: boolean) => {
     const changed = !known || ok !== reachable;
     known = true;
     reachable = ok;
     since = ok ? undefined : (since ?? Date.now());
+    if (!ok) up.abort(new Error('Temporal is unreachable'));
+    else if (up.signal.aborted) up = new AbortController();
     if (changed) opts.onChange?.(ok);
   };
   const schedule = (ms: number) => {
@@ -108,6 +116,7 @@ export function watchTemporal(connection: Connection, opts: TemporalHealthOption
       schedule(0);
     },
     stats: () => ({ probes, failures, since }),
+    whileReachable: () => up.signal,
     async close() {
       closed = true;
       clearTimeout(timer);
