@@ -26,6 +26,9 @@ import { activityFailedSignal, activityProgressSignal } from '../workflows/model
 import type { MagusConfig } from './config';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from './temporal-health';
 
+/** gRPC status codes (as @grpc/grpc-js numbers them). */
+const GrpcStatus = { PERMISSION_DENIED: 7, UNIMPLEMENTED: 12 } as const;
+
 export interface RunningWorkers {
   /** Resolves when all three workers (control, pipeline, this worker's runtime queue) have stopped. */
   done: Promise<void>;
@@ -54,7 +57,18 @@ export async function ensureSearchAttributes(connection: Connection, namespace: 
     try {
       await connection.operatorService.addSearchAttributes({ namespace, searchAttributes: { [name]: Keyword } });
     } catch (err) {
-      if (!/already exists/i.test((err as Error).message)) throw err;
+      if (/already exists/i.test((err as Error).message)) continue;
+      // A Temporal that keeps this to its operators (Temporal Cloud, a restricted role): fine if
+      // an operator added it; if not, the workflows' upserts would fail their tasks, so say so now.
+      const code = (err as { code?: number }).code;
+      if (code !== GrpcStatus.PERMISSION_DENIED && code !== GrpcStatus.UNIMPLEMENTED) throw err;
+      const known = await connection.operatorService.listSearchAttributes({ namespace }).then(
+        (r) => Object.keys(r.customAttributes ?? {}),
+        () => undefined,
+      );
+      const fix = `add it once: temporal operator search-attribute create --namespace ${namespace} --name ${name} --type Keyword`;
+      if (known && !known.includes(name)) throw new Error(`the search attribute ${name} is missing in Temporal namespace ${namespace} and this worker may not add it (${(err as Error).message}); ${fix}`);
+      if (!known) process.stderr.write(`magus worker: cannot register or list the search attribute ${name} in ${namespace} (${(err as Error).message}); if it is missing, ${fix}\n`);
     }
   }
 }
