@@ -16,6 +16,7 @@ import { connect, type AddressInfo } from 'node:net';
 import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { SessionError, SessionErrorType } from './plugins/errors';
+import { chatCompletionBody } from './schemas/chat';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from './test-support';
 
 let t: TestApp;
@@ -544,6 +545,47 @@ describe('error mapping', () => {
     const res = await t.app.inject({ method: 'GET', url: '/v1/nothing?x=1' });
     expect(res.statusCode).toBe(404);
     expect(errorOf(res)).toMatchObject({ code: 'unknown_url', message: 'Unknown request URL: GET /v1/nothing.' });
+  });
+});
+
+describe('/openapi.json', () => {
+  it('describes every route from the schemas fastify validates with, bearer auth where the route authenticates', async () => {
+    t = await buildTestApp();
+    const res = await t.app.inject({ method: 'GET', url: '/openapi.json' });
+    expect(res.statusCode).toBe(200);
+    type Operation = { requestBody?: { content: Record<string, { schema: unknown }> }; parameters: { name: string; in: string }[]; responses: Record<string, { content: Record<string, unknown> }>; security: unknown[] };
+    const doc = res.json<{ openapi: string; paths: Record<string, Record<string, Operation>> }>();
+    expect(doc.openapi).toBe('3.1.0');
+    expect(Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`)).sort()).toEqual(
+      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions'].sort(),
+    );
+    const chatOp = doc.paths['/v1/chat/completions']!.post!;
+    expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(chatCompletionBody)));
+    expect(Object.keys(chatOp.responses['200']!.content)).toEqual(['application/json', 'text/event-stream']);
+    expect(Object.keys(chatOp.responses)).toEqual(['200', '4XX', '5XX']);
+    expect(chatOp.parameters).toEqual([expect.objectContaining({ name: 'x-session-id', in: 'header' })]);
+    expect(doc.paths['/v1/models/{model}']!.get!.parameters).toEqual([expect.objectContaining({ name: 'model', in: 'path', required: true })]);
+    expect(chatOp.security).toEqual([{ bearer: [] }]);
+    expect(doc.paths['/healthz']!.get!.security).toEqual([]);
+  });
+
+  it("what fastify's router refuses is answered in OpenAI's shape too: a malformed or overlong path", async () => {
+    t = await buildTestApp();
+    const bad = await t.app.inject({ method: 'GET', url: '/v1/models/%E0%A4%A', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(bad.statusCode).toBe(400);
+    expect(errorOf(bad).code).toBe('invalid_url');
+    const long = await t.app.inject({ method: 'GET', url: `/v1/models/${'m'.repeat(600)}`, headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(long.statusCode).toBe(414);
+    expect(errorOf(long).code).toBe('uri_too_long');
+  });
+
+  it('a JSON body that is not UTF-8 → 400 invalid_encoding, nothing published', async () => {
+    t = await buildTestApp();
+    const payload = Buffer.concat([Buffer.from('{"model":"tiny","messages":[{"role":"user","content":"'), Buffer.from([0xc3, 0x28]), Buffer.from('"}]}')]);
+    const res = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res).code).toBe('invalid_encoding');
+    expect(t.plane.published).toHaveLength(0);
   });
 });
 

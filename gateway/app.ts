@@ -5,13 +5,14 @@
  */
 import { LogController, type FastifyPluginAsync, type FastifyServerOptions } from 'fastify';
 import { authPlugin } from './plugins/auth';
-import { clientErrorHandler, errors, errorsPlugin } from './plugins/errors';
+import { clientErrorHandler, errors, errorsPlugin, frameworkErrors } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
 import { servicesPlugin, type GatewayServices, type ReadinessCheck } from './plugins/services';
 import { chatRoutes } from './routes/chat';
 import { healthRoutes } from './routes/health';
 import { metricsRoutes } from './routes/metrics';
 import { modelRoutes } from './routes/models';
+import { describedRoute, openApiDocument, type DescribedRoute } from './openapi';
 
 /** The services the routes use (plugins/services.ts), plus the app's own extras. */
 export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
@@ -20,14 +21,21 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
   metrics?: GatewayMetrics;
 }
 
+const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
+
+/** The longest path parameter (a model id) the router takes: beyond the schema's 256, so those get a 400 naming `model`. */
+const MAX_PARAM_LENGTH = 512;
+
 /**
  * Server options the app relies on: no type coercion (a string is not a number in a JSON body),
  * the `authorization` header never reaches a log line, and one access-log line per request (the
- * app's onResponse hook) instead of fastify's two; a request Node's HTTP parser refuses is answered
- * in OpenAI's error shape too.
+ * app's onResponse hook) instead of fastify's two; a request Node's HTTP parser refuses, or
+ * fastify's router (a malformed or too long path), is answered in OpenAI's error shape too.
  */
 export const options = {
   clientErrorHandler,
+  frameworkErrors,
+  routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
   ajv: { customOptions: { coerceTypes: false } },
   logController: new LogController({ disableRequestLogging: true }),
   logger: {
@@ -58,16 +66,39 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
     else done();
   });
 
+  // JSON bodies must be UTF-8: fastify's own parser decodes leniently, so a body with invalid
+  // bytes reached the engine with U+FFFD in their place (a prompt silently changed; found by the
+  // fuzz test). Decoded strictly here, then parsed by fastify's parser (prototype poisoning refused).
+  const parseJson = app.getDefaultJsonParser('error', 'error');
+  app.removeContentTypeParser('application/json');
+  app.addContentTypeParser('application/json', { parseAs: 'buffer' }, (request, body, done) => {
+    let text: string;
+    try {
+      text = strictUtf8.decode(body as Buffer);
+    } catch {
+      done(errors.invalid('The request body is not valid UTF-8.', null, 'invalid_encoding'), undefined);
+      return;
+    }
+    void parseJson(request, text, done);
+  });
+
   // The access log: one line per request once answered, with what fastify's two lines had.
   app.addHook('onResponse', (request, reply, done) => {
     request.log.info({ req: request, res: reply, responseTime: reply.elapsedTime }, 'request completed');
     done();
   });
 
+  // The OpenAPI description is made of the routes as registered (their schemas and whether they
+  // authenticate), so it is what the server validates, not a copy kept beside it.
+  const described: DescribedRoute[] = [];
+  app.addHook('onRoute', (route) => void described.push(...describedRoute(route, (hook) => hook === app.authenticate)));
   await app.register(healthRoutes);
   await app.register(metricsRoutes);
   await app.register(modelRoutes);
   await app.register(chatRoutes);
+  let openApi: string | undefined;
+  // Unauthenticated like /healthz: it says nothing a client of the OpenAI API does not know.
+  app.get('/openapi.json', (_request, reply) => reply.type('application/json; charset=utf-8').send((openApi ??= JSON.stringify(openApiDocument(described)))));
 };
 
 export default gatewayApp;

@@ -157,6 +157,17 @@ describe('parseTokenizer: SentencePiece style', () => {
 });
 
 describe('parseTokenizer: rejections', () => {
+  it('ids far past the tokens defined (more holes than tokens + 1024) are refused before any hole is filled', () => {
+    const tj = spmBpe();
+    (tj.added_tokens as { id: number }[])[3]!.id = 2 ** 40;
+    expect(failure(() => parseTokenizer({ tokenizerJson: tj }))).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig', message: expect.stringContaining('too many holes') as unknown });
+    // 13 tokens defined (ids 0–11 and the moved one): ids up to 13 + 1024 − 1 are allowed, one more is not.
+    (tj.added_tokens as { id: number }[])[3]!.id = 13 + 1024 - 1;
+    expect(parseTokenizer({ tokenizerJson: tj }).tokens).toHaveLength(13 + 1024);
+    (tj.added_tokens as { id: number }[])[3]!.id = 13 + 1024;
+    expect(failure(() => parseTokenizer({ tokenizerJson: tj }))).toMatchObject({ code: 'UnsupportedConfig' });
+  });
+
   it.each([
     ['WordPiece', { model: { type: 'WordPiece', vocab: { a: 0 } } }, 'WordPiece'],
     ['plain BPE', { model: { type: 'BPE', vocab: { a: 0 }, merges: [] } }, 'neither byte-level nor byte_fallback'],

@@ -78,6 +78,10 @@ function bad(message: string): ConvertError {
   return new ConvertError('UnsupportedConfig', message);
 }
 
+/** Ids may leave holes up to this many per token defined, plus {@link MAX_HOLES} (real vocabularies have a few). */
+const MAX_HOLES_PER_TOKEN = 1;
+const MAX_HOLES = 1024;
+
 const SPIECE_SPACE = '\u2581';
 const BYTE_TOKEN = /^<0x([0-9A-Fa-f]{2})>$/;
 const utf8 = new TextEncoder();
@@ -259,6 +263,12 @@ export function parseTokenizer(input: TokenizerInput): ParsedTokenizer {
   for (const id of base.keys()) size = Math.max(size, id + 1);
   for (const t of added) size = Math.max(size, t.id + 1);
   if (size === 0) throw bad('tokenizer.json has an empty vocabulary');
+  // Holes in the ids become unused `[PADn]` tokens, one object each: ids running far past the
+  // tokens defined (a corrupt id like 2^40, found by fuzzing) would make billions of them.
+  const defined = new Set([...base.keys(), ...added.map((t) => t.id)]).size;
+  if (size > MAX_HOLES_PER_TOKEN * defined + MAX_HOLES) {
+    throw bad(`tokenizer.json ids reach ${size - 1}, but it defines only ${defined} tokens: too many holes to fill`);
+  }
 
   const idOf = new Map<string, number>();
   for (const [id, text] of base) if (!idOf.has(text)) idOf.set(text, id);

@@ -169,11 +169,20 @@ function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, r
   return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
 }
 
+/** What is wrong with a request llhttp refused, by its error code (the rest: a header's bytes). */
+const PARSE_ERRORS: Readonly<Record<string, string>> = {
+  HPE_INVALID_EOF_STATE: 'the connection ended before the request did, e.g. a body shorter than its Content-Length',
+  HPE_INVALID_CHUNK_SIZE: 'malformed chunked transfer encoding',
+  HPE_INVALID_METHOD: 'not an HTTP method',
+  HPE_INVALID_URL: 'an invalid character in the URL',
+};
+
 /** What a request Node's HTTP parser refused is answered with: status, code and message. */
 function clientErrorAnswer(code: string | undefined): { status: number; code: string; message: string } {
   if (code === 'ERR_HTTP_REQUEST_TIMEOUT') return { status: 408, code: 'timeout', message: 'The request was not received in time.' };
   if (code === 'HPE_HEADER_OVERFLOW') return { status: 431, code: 'request_headers_too_large', message: 'The request headers are too large.' };
-  return { status: 400, code: 'invalid_http_request', message: 'The request is not valid HTTP/1.1 (e.g. a bare CR, LF or NUL in a header).' };
+  const why = (code !== undefined && PARSE_ERRORS[code]) || 'e.g. a bare CR, LF or NUL in a header';
+  return { status: 400, code: 'invalid_http_request', message: `The request is not valid HTTP/1.1 (${why}).` };
 }
 
 /**
@@ -193,6 +202,20 @@ export function clientErrorHandler(this: FastifyInstance, err: NodeJS.ErrnoExcep
   }
   // `end`, then destroy once flushed: a destroy right after a write may drop the answer.
   socket.end(`HTTP/1.1 ${a.status} ${STATUS_CODES[a.status]}\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`, () => socket.destroy());
+}
+
+/**
+ * fastify's `frameworkErrors`: what its router refuses before any route or error handler sees
+ * the request — a path that is not valid percent-encoding (`FST_ERR_BAD_URL`) or a path parameter
+ * longer than `maxParamLength` (`FST_ERR_MAX_PARAM_LENGTH`) — which fastify would otherwise
+ * answer in its own shape (`{"error":"Bad Request","code":"FST_ERR_…"}`, found by the OpenAPI fuzz test).
+ */
+export function frameworkErrors(err: FastifyError, _request: FastifyRequest, reply: FastifyReply): void {
+  const e =
+    err.code === 'FST_ERR_MAX_PARAM_LENGTH'
+      ? new GatewayError(414, 'The URL path is too long.', OpenAIErrorType.invalidRequest, 'uri_too_long')
+      : new GatewayError(400, 'The URL path is not valid (malformed percent-encoding).', OpenAIErrorType.invalidRequest, 'invalid_url');
+  void reply.code(e.status).send(errorBody(e, reply.request.id));
 }
 
 /** Installs the error and not-found handlers for the whole app. */

@@ -30,6 +30,8 @@ const message = {
 export const chatCompletionBody = {
   type: 'object',
   required: ['model', 'messages'],
+  // For readers of the OpenAPI description (and its fuzzer's first case): `magus dev`'s model.
+  examples: [{ model: 'demo', messages: [{ role: 'user', content: 'Hello' }] }],
   properties: {
     model: { type: 'string', minLength: 1, maxLength: 256 },
     messages: { type: 'array', minItems: 1, maxItems: 10_000, items: message },
@@ -114,6 +116,9 @@ const chatCompletion = {
 } as const;
 
 export const chatCompletionSchema = {
+  // Descriptive only (gateway/openapi.ts): fastify ignores both.
+  summary: 'Creates a chat completion; `stream: true` answers server-sent events of chunks.',
+  produces: ['application/json', 'text/event-stream'],
   body: chatCompletionBody,
   headers: chatCompletionHeaders,
   // 200 with `stream: true` is `text/event-stream`, written directly (plugins/sse.ts).
