@@ -294,6 +294,7 @@ describe('the chart, rendered', () => {
       MAGUS_S3_ENDPOINT: value('MAGUS_S3_ENDPOINT'),
       MAGUS_CONVERT_THREADS: value('MAGUS_CONVERT_THREADS'),
       MAGUS_RESPONSES_RETENTION_MS: value('MAGUS_RESPONSES_RETENTION_MS'),
+      MAGUS_NATS_REPLICAS: value('MAGUS_NATS_REPLICAS'),
     }).toEqual({
       MAGUS_RUNTIME: 'kubernetes',
       MAGUS_K8S_MAGUS_IMAGE: 'registry.example.com/magus/magus:0.1.0',
@@ -308,6 +309,7 @@ describe('the chart, rendered', () => {
       MAGUS_S3_ENDPOINT: 'https://s3.example.com',
       MAGUS_CONVERT_THREADS: '4',
       MAGUS_RESPONSES_RETENTION_MS: '600000',
+      MAGUS_NATS_REPLICAS: '3',
     });
     expect(env(c, 'AWS_SECRET_ACCESS_KEY')?.valueFrom).toEqual({ secretKeyRef: { name: 'magus-s3', key: 'AWS_SECRET_ACCESS_KEY' } });
     const pdb = ofKind<Obj & { spec: { minAvailable?: number; maxUnavailable?: number } }>(objs, 'PodDisruptionBudget').find((p) => p.metadata.name === 'magus-worker-pipeline');

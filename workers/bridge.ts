@@ -7,7 +7,7 @@ import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../activities/nats/data-plane';
 import { bridgeMetricsText, startBridge } from '../activities/nats/bridge';
-import { responseStreamSizing } from './config';
+import { isNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from './config';
 
 /** For an importer not yet moved to activities/nats/bridge (activities/runtime/llama-cpp.int.test.ts). */
 export { bridgeMetricsText };
@@ -15,7 +15,7 @@ export { bridgeMetricsText };
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
   '                    [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n' +
-  'environment: MAGUS_NATS_URL; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
+  'environment: MAGUS_NATS_URL (comma-separated: every server of a cluster), MAGUS_NATS_REPLICAS; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
 
 /** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */
 export async function bridgeCommand(args: string[]): Promise<number> {
@@ -47,21 +47,22 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   const slots = int('slots', 1, 1) ?? 1;
   const ackWaitMs = int('ack-wait-ms', undefined, 1000);
   const healthPort = int('health-port', undefined, 0);
-  if (!/^(nats|tls):\/\/[^\s/]+$/.test(natsUrl)) problems.push(`--nats ${natsUrl} is not a nats:// URL`);
+  if (!isNatsServerList(natsUrl)) problems.push(`--nats ${natsUrl} is not a list of nats:// URLs`);
   if (!pool) problems.push('--pool is required');
   if (!instance) problems.push('--instance is required');
   if (!/^https?:\/\/[^\s]+$/.test(engineUrl)) problems.push('--engine must be an http(s) URL');
   // It declares the data plane like the worker does: with the same response stream size.
   const responses = responseStreamSizing(process.env, problems);
+  const replicas = natsReplicasFrom(process.env, problems);
   if (problems.length > 0) {
     process.stderr.write(`magus bridge: ${problems.join('; ')}\n${BRIDGE_USAGE}\n`);
     return 1;
   }
 
-  const nc = await connect({ servers: natsUrl.split(','), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1, noAsyncTraces: true });
+  const nc = await connect({ servers: natsServerList(natsUrl), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1, noAsyncTraces: true });
   let health: Server | undefined;
   try {
-    const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix'), ...responses }), {
+    const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix'), replicas, ...responses }), {
       what: 'data plane',
       log: (line) => process.stderr.write(`magus bridge: ${line}\n`),
     });

@@ -2,7 +2,7 @@ import { spawnSync } from 'node:child_process';
 import { chmodSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { homedir, tmpdir } from 'node:os';
 import { join, relative } from 'node:path';
-import { devDataDir, loadConfig, readDevConnection, useDevConnection } from './config';
+import { dataPlaneEnv, devDataDir, loadConfig, natsServerList, readDevConnection, useDevConnection } from './config';
 
 let dir: string;
 let api: string;
@@ -80,6 +80,16 @@ test('the response stream is sized from MAGUS_RESPONSES_PEAK_BYTES_PER_SEC and M
   expect(loadConfig({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '2097152', MAGUS_RESPONSES_RETENTION_MS: '900000' }).responses).toEqual({ responsePeakBytesPerSec: 2_097_152, responseRetentionMs: 900_000 });
   expect(problem({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '1M' })).toMatch(/MAGUS_RESPONSES_PEAK_BYTES_PER_SEC=1M must be a byte rate/);
   expect(problem({ MAGUS_RESPONSES_RETENTION_MS: '5' })).toMatch(/MAGUS_RESPONSES_RETENTION_MS=5 must be milliseconds/);
+});
+
+test('a NATS cluster: every URL of MAGUS_NATS_URL, MAGUS_NATS_REPLICAS, and both handed to instance bridges', () => {
+  const cfg = loadConfig({ MAGUS_NATS_URL: 'nats://a:4222, nats://b:4222,nats://c:4222', MAGUS_NATS_REPLICAS: '3', MAGUS_RESPONSES_RETENTION_MS: '600000' });
+  expect(natsServerList(cfg.nats.servers)).toEqual(['nats://a:4222', 'nats://b:4222', 'nats://c:4222']);
+  expect(cfg.natsReplicas).toBe(3);
+  expect(dataPlaneEnv(cfg)).toEqual({ MAGUS_NATS_REPLICAS: '3', MAGUS_RESPONSES_RETENTION_MS: '600000' });
+  expect(loadConfig({}).natsReplicas).toBeUndefined();
+  for (const bad of ['0', '6', '2.5', 'three']) expect(() => loadConfig({ MAGUS_NATS_REPLICAS: bad })).toThrow(`MAGUS_NATS_REPLICAS=${bad} must be an integer from 1 to 5`);
+  expect(() => loadConfig({ MAGUS_NATS_URL: 'nats://a:4222,,http://b' })).toThrow(/MAGUS_NATS_URL=.* is not a list of nats:\/\/ URLs/);
 });
 
 test('MAGUS_RUNTIME=kubernetes: the images are required, the rest has defaults; K8S variables without it are refused', () => {

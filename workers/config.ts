@@ -16,6 +16,8 @@ export interface MagusConfig {
   s3: { endpoint: string | undefined; region: string; bucket: string; forcePathStyle: boolean };
   /** Prefix of every NATS stream, subject and bucket name ('' in production; tests isolate with it). */
   natsPrefix: string;
+  /** `MAGUS_NATS_REPLICAS`: replicas of the data plane's streams and buckets (ensureDataPlane); unset: 1. */
+  natsReplicas?: number;
   /** Where the local runtime caches GGUF files. */
   modelCacheDir: string;
   convertThreads: number | undefined;
@@ -101,7 +103,8 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   const temporalAddress = get('MAGUS_TEMPORAL_ADDRESS', '127.0.0.1:7233');
   if (!HOST_PORT.test(temporalAddress)) problems.push(`MAGUS_TEMPORAL_ADDRESS=${temporalAddress} is not host:port`);
   const natsServers = get('MAGUS_NATS_URL', 'nats://127.0.0.1:4222');
-  if (!natsServers.split(',').every((u) => /^(nats|tls):\/\/[^\s/]+$/.test(u.trim()))) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
+  if (!isNatsServerList(natsServers)) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
+  const natsReplicas = natsReplicasFrom(env, problems);
   const endpoint = env.MAGUS_S3_ENDPOINT?.trim() || undefined;
   if (endpoint && !/^https?:\/\/[^\s/]+\/?$/.test(endpoint)) problems.push(`MAGUS_S3_ENDPOINT=${endpoint} is not an http(s) origin`);
   const bucket = get('MAGUS_S3_BUCKET', 'magus');
@@ -131,6 +134,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     nats: { servers: natsServers },
     s3: { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined },
     natsPrefix: env.MAGUS_NATS_PREFIX?.trim() ?? '',
+    ...(natsReplicas !== undefined ? { natsReplicas } : {}),
     modelCacheDir: get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models')),
     convertThreads,
     transferPartSize,
@@ -168,6 +172,53 @@ function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, pr
 }
 
 /** {@link ResponseStreamSizing} from the environment; a bad value is added to `problems`. */
+/**
+ * The variables with which this process declares the data plane (replicas, response stream
+ * size), for a process it starts that declares it too — a `magus bridge` sidecar in an instance
+ * pod: declared with other values, the streams would be brought back and forth between the two.
+ */
+export function dataPlaneEnv(cfg: Pick<MagusConfig, 'natsReplicas' | 'responses'>): Record<string, string> {
+  const env: Record<string, string> = {};
+  if (cfg.natsReplicas !== undefined) env.MAGUS_NATS_REPLICAS = String(cfg.natsReplicas);
+  if (cfg.responses?.responsePeakBytesPerSec !== undefined) env.MAGUS_RESPONSES_PEAK_BYTES_PER_SEC = String(cfg.responses.responsePeakBytesPerSec);
+  if (cfg.responses?.responseRetentionMs !== undefined) env.MAGUS_RESPONSES_RETENTION_MS = String(cfg.responses.responseRetentionMs);
+  return env;
+}
+
+/**
+ * The servers of a comma-separated list of NATS URLs (`MAGUS_NATS_URL`, `--nats`): every server
+ * of a cluster, so a process reaches the cluster while any of them is up (nats.js also learns
+ * the others from the one it reaches, but only once it reached one).
+ */
+export function natsServerList(value: string): string[] {
+  return value
+    .split(',')
+    .map((u) => u.trim())
+    .filter((u) => u !== '');
+}
+
+/** Whether `value` is a comma-separated list of `nats://` or `tls://` URLs. */
+export function isNatsServerList(value: string): boolean {
+  const list = natsServerList(value);
+  return list.length > 0 && list.every((u) => /^(nats|tls):\/\/[^\s/,]+$/.test(u));
+}
+
+/**
+ * `MAGUS_NATS_REPLICAS`: replicas of the data plane's streams and buckets (1–5; unset: 1). Every
+ * process that declares the data plane (worker, controller, `magus bridge`) must be given the
+ * same value: each declaration brings the streams to its own.
+ */
+export function natsReplicasFrom(env: NodeJS.ProcessEnv, problems: string[]): number | undefined {
+  const raw = env.MAGUS_NATS_REPLICAS?.trim();
+  if (!raw) return undefined;
+  const n = Number(raw);
+  if (!Number.isInteger(n) || n < 1 || n > 5) {
+    problems.push(`MAGUS_NATS_REPLICAS=${raw} must be an integer from 1 to 5 (3 on a cluster of three servers)`);
+    return undefined;
+  }
+  return n;
+}
+
 export function responseStreamSizing(env: NodeJS.ProcessEnv, problems: string[]): ResponseStreamSizing {
   const sizing: ResponseStreamSizing = {};
   const read = (name: string, key: keyof ResponseStreamSizing, min: number, max: number, what: string) => {

@@ -23,7 +23,7 @@ import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
-import type { MagusConfig } from './config';
+import { dataPlaneEnv, natsServerList, type MagusConfig } from './config';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from './temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
@@ -152,7 +152,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   await ensureSearchAttributes(connection, cfg.temporal.namespace);
   const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
   // Reconnects for ever: the local runtime's bridges and the serving activities live on this connection.
-  const nc: NatsConnection = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-worker', maxReconnectAttempts: -1, noAsyncTraces: true });
+  const nc: NatsConnection = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-worker', maxReconnectAttempts: -1, noAsyncTraces: true });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
   await ensureBucket(s3, cfg.s3.bucket);
@@ -160,7 +160,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   const { names, registry } = await declareOnReconnect(
     nc,
     async () => {
-      const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix, ...cfg.responses });
+      const names = await ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses });
       return { names, registry: await openModelRegistry(nc, names.modelsBucket) };
     },
     { what: 'data plane', log: (line) => process.stderr.write(`magus worker: ${line}\n`) },
@@ -182,6 +182,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
           names,
           images: cfg.kubernetes.images,
           natsUrl: cfg.kubernetes.natsUrl,
+          dataPlaneEnv: dataPlaneEnv(cfg),
           s3: { endpoint: cfg.s3.endpoint, region: cfg.s3.region, bucket: cfg.s3.bucket, ...(cfg.kubernetes.s3Secret ? { secret: cfg.kubernetes.s3Secret } : {}) },
           ...(cfg.kubernetes.serviceAccount ? { serviceAccount: cfg.kubernetes.serviceAccount } : {}),
           defaultNodes: cfg.kubernetes.defaultNodes,

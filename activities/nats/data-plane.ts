@@ -46,6 +46,7 @@ import {
 import { Nats } from '../../shared/constants';
 import { cancelSubject, requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
 import { decodeFrame, FrameSequencer } from './frames';
+import { REGISTRY_HISTORY } from './registry';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
 export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
@@ -144,7 +145,12 @@ export function consumerNameOf(pool: string, instance: string): string {
 
 export interface DataPlaneOptions {
   prefix?: string;
-  /** Stream and bucket replicas (1 on a single server). */
+  /**
+   * Replicas of every stream and bucket of the data plane (instance consumers inherit them):
+   * 1 on a single server, 3 on a cluster of three or more (survives the loss of one server).
+   * Declaring with another value than the existing streams have scales them to it, so every
+   * process that declares must use the same (`MAGUS_NATS_REPLICAS`). Default 1.
+   */
   replicas?: number;
   /** How long an unconsumed request may wait; every deadline is far shorter. Default 1 h. */
   requestMaxAgeMs?: number;
@@ -179,6 +185,9 @@ export interface DataPlaneOptions {
   /** Bucket max age of `magus_claims`: longer than any request can be delivered. Default 2 h. */
   claimMaxAgeMs?: number;
 }
+
+/** JetStream's most replicas per stream. */
+export const MAX_REPLICAS = 5;
 
 const MINUTE = 60_000;
 const HOUR = 60 * MINUTE;
@@ -262,8 +271,10 @@ async function ensureStream(jsm: JetStreamManager, cfg: Partial<StreamConfig> & 
 }
 
 /**
- * Creates a KV bucket, or brings an existing one's history and max age to the given values
- * (storage is fixed at creation: an existing bucket keeps its own).
+ * Creates a KV bucket, or brings an existing one's history, max age and replicas to the given
+ * values (storage is fixed at creation: an existing bucket keeps its own). nats.js only *binds*
+ * an existing bucket, whatever the options say, so a bucket a gateway or the registry created
+ * first (one replica) is scaled here.
  */
 async function ensureBucket(
   js: JetStreamClient,
@@ -274,8 +285,8 @@ async function ensureBucket(
   await js.views.kv(bucket, { history: opts.history, ttl: opts.maxAgeMs, replicas: opts.replicas, storage: opts.storage ?? StorageType.File });
   const stream = `KV_${bucket}`;
   const { config } = await jsm.streams.info(stream);
-  if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history) {
-    await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history });
+  if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history || config.num_replicas !== opts.replicas) {
+    await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history, num_replicas: opts.replicas });
   }
 }
 
@@ -289,6 +300,7 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   const js = nc.jetstream();
   const jsm = await nc.jetstreamManager();
   const replicas = opts.replicas ?? 1;
+  if (!Number.isInteger(replicas) || replicas < 1 || replicas > MAX_REPLICAS) throw new Error(`replicas must be an integer from 1 to ${MAX_REPLICAS}, got ${replicas}`);
   const requestMaxAge = opts.requestMaxAgeMs ?? HOUR;
   const duplicateWindow = Math.min(opts.duplicateWindowMs ?? 5 * MINUTE, requestMaxAge);
   await ensureStream(jsm, {
@@ -334,6 +346,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   // single nats-server that restarts forgets memory buckets altogether.
   await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
+  // The registry (registry.ts) opens it too, with one replica when it is the first.
+  await ensureBucket(js, jsm, names.modelsBucket, { history: REGISTRY_HISTORY, maxAgeMs: 0, replicas });
   return names;
 }
 

@@ -32,9 +32,16 @@ export interface ModelRegistry {
   read(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
 
-/** Opens (creating if needed) the registry bucket. `bucket` is overridable for test isolation. */
+/** Revisions the registry bucket keeps of each key (also how data-plane.ts declares it). */
+export const REGISTRY_HISTORY = 5;
+
+/**
+ * Opens (creating if needed, with one replica) the registry bucket. `bucket` is overridable for
+ * test isolation. `ensureDataPlane` declares it too, with the data plane's replicas: on a cluster
+ * it brings a bucket created here to them.
+ */
 export async function openModelRegistry(nc: NatsConnection, bucket: string = Nats.modelsBucket): Promise<ModelRegistry> {
-  const kv: KV = await nc.jetstream().views.kv(bucket, { history: 5 });
+  const kv: KV = await nc.jetstream().views.kv(bucket, { history: REGISTRY_HISTORY });
   const read = async (): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }> => {
     // Keys first, then values: awaiting a get inside the keys() iterator makes nats.js drop
     // the keys still queued, and the list would stop at the first model.

@@ -78,7 +78,8 @@ export interface InstancePlan {
   /** Bytes each pod requests: the memory plan's figure plus headroom. */
   memory: { root: number; worker: number | null };
   images: { magus: string; dllama: string };
-  nats: { url: string; prefix: string };
+  /** `env`: the bridge's data-plane declaration settings, the worker's own (replicas, response stream size). */
+  nats: { url: string; prefix: string; env?: Record<string, string> };
   s3: { endpoint?: string; region: string; bucket: string; secret?: string };
   serviceAccount?: string;
   spec?: Pick<DllamaResourceSpec, 'resources' | 'nodeSelector' | 'tolerations'>;
@@ -286,6 +287,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
               ],
               env: [
                 { name: 'MAGUS_NATS_URL', value: plan.nats.url },
+                ...Object.entries(plan.nats.env ?? {}).map(([name, value]) => ({ name, value })),
                 { name: 'HOME', value: '/tmp' },
               ],
               ports: [{ name: 'bridge-health', containerPort: BRIDGE_HEALTH_PORT }],

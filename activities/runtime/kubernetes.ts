@@ -35,6 +35,11 @@ export interface KubernetesRuntimeOptions {
   images: { magus: string; dllama: string };
   /** NATS as the instance pods reach it. */
   natsUrl: string;
+  /**
+   * Environment of each pod's bridge for declaring the data plane as this worker does
+   * (`MAGUS_NATS_REPLICAS`, `MAGUS_RESPONSES_*`; workers/config.ts `dataPlaneEnv`).
+   */
+  dataPlaneEnv?: Record<string, string>;
   s3: { endpoint?: string; region: string; bucket: string; /** Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in each model namespace. */ secret?: string };
   serviceAccount?: string;
   /** Without a `Dllama`: llama.cpp, or distributed-llama on this many nodes when the model has an artifact for it. */
@@ -202,7 +207,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       threads: opts.threads ?? 1,
       slots: opts.slots ?? 1,
       images: { magus: d?.spec.images?.magus ?? opts.images.magus, dllama: d?.spec.images?.dllama ?? opts.images.dllama },
-      nats: { url: opts.natsUrl, prefix: opts.names.prefix },
+      nats: { url: opts.natsUrl, prefix: opts.names.prefix, ...(opts.dataPlaneEnv ? { env: opts.dataPlaneEnv } : {}) },
       s3: opts.s3,
       ...(opts.serviceAccount ? { serviceAccount: opts.serviceAccount } : {}),
       ...(d ? { spec: { resources: d.spec.resources, nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations } } : {}),

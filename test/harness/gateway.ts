@@ -11,15 +11,16 @@ import type { SessionEntry } from '../../shared/serving';
 import { endpoint } from './index';
 
 /**
- * A gateway on loopback (port chosen by the OS) against the test NATS server, data plane `prefix`,
- * accepting `tokens` (token id → whole token); `env` adds or overrides variables.
+ * A gateway on loopback (port chosen by the OS) against the test NATS server (or `env`'s
+ * `MAGUS_NATS_URL`: a test's own), data plane `prefix`, accepting `tokens` (token id → whole
+ * token); `env` adds or overrides variables.
  */
 export function gatewayConfigFor(prefix: string, opts: { secret: string; tokens: Record<string, string>; env?: Record<string, string> }): GatewayConfig {
   const entries = Object.fromEntries(Object.entries(opts.tokens).map(([id, token]) => [id, { digest: tokenDigest(token), name: `test token ${id}` }]));
   return loadGatewayConfig({
     MAGUS_GATEWAY_HOST: '127.0.0.1',
     MAGUS_GATEWAY_PORT: '0',
-    MAGUS_NATS_URL: endpoint('nats').servers,
+    MAGUS_NATS_URL: opts.env?.MAGUS_NATS_URL ?? endpoint('nats').servers,
     MAGUS_NATS_PREFIX: prefix,
     MAGUS_GATEWAY_SECRET: opts.secret,
     MAGUS_GATEWAY_TOKENS: JSON.stringify(entries),

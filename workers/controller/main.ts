@@ -9,7 +9,7 @@ import { Client, Connection } from '@temporalio/client';
 import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane } from '../../activities/nats/data-plane';
 import { parseDuration } from '../../shared/kube';
-import { loadConfig } from '../config';
+import { loadConfig, natsServerList } from '../config';
 import { TEMPORAL_CHANNEL_ARGS, temporalMetricsText, temporalReadyText, watchTemporal } from '../temporal-health';
 import { kubeConfigFromEnv } from '../worker';
 import { startController, type Controller, type ControllerMetrics } from './controller';
@@ -103,8 +103,8 @@ export async function controllerCommand(args: string[]): Promise<number> {
   const connection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
   const temporal = watchTemporal(connection, { onChange: (up) => log(`Temporal at ${cfg.temporal.address} ${up ? 'answers' : 'is unreachable: reconciles retry with backoff until it is back'}`) });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
-  const nc = await connect({ servers: cfg.nats.servers.split(','), name: 'magus-controller', maxReconnectAttempts: -1 });
-  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, ...cfg.responses }), { what: 'data plane', log });
+  const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-controller', maxReconnectAttempts: -1 });
+  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), { what: 'data plane', log });
   const tokens = await nc.jetstream().views.kv(names.tokensBucket);
   const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
 

@@ -35,7 +35,7 @@ import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../temporal-health';
 import { validateModelSpec, type ModelSpec } from '../../shared/model';
 import { modelWorkflowId, progressQuery, specChangedSignal } from '../../workflows/model/definitions';
 import type { modelPipeline } from '../../workflows/model/pipeline';
-import { devDataDir, loadConfig } from '../config';
+import { devDataDir, loadConfig, natsServerList } from '../config';
 import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
@@ -244,7 +244,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
 
     if (kc) {
-      const nc = await connect({ servers: cfg.nats.servers, name: 'magus-dev-controller', maxReconnectAttempts: -1 });
+      const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-dev-controller', maxReconnectAttempts: -1 });
       running.push({ what: "the controller's NATS connection", stop: () => nc.drain() });
       const names = dataPlaneNames(cfg.natsPrefix);
       const controller = startController({
@@ -447,7 +447,7 @@ async function forgetEngines(cfg: ReturnType<typeof loadConfig>, kc: KubeConfig 
   } finally {
     await connection.close();
   }
-  const nc = await connect({ servers: cfg.nats.servers, name: 'magus-dev-restart' });
+  const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-dev-restart' });
   let purged = 0;
   try {
     const jsm = await nc.jetstreamManager();

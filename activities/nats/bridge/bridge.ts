@@ -651,6 +651,14 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     })().catch(() => undefined);
   watch(messages);
 
+  /** Pulls through a new `consume()` from now on; the loop below moves over to it. */
+  const pullAfresh = async () => {
+    const old = messages;
+    messages = await consumer.consume({ max_messages: slots });
+    watch(messages);
+    old.stop();
+  };
+
   // A server that restarted without its store (or lost the consumer some other way) would leave
   // this bridge pulling from nothing: after every reconnect it creates its consumer again, as it
   // was, unless it is stopping (a destroyed instance's consumer is deleted after its bridge stops).
@@ -659,13 +667,24 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     async () => {
       if (!(await restoreConsumer(jsm, names.requestStream, config)) || stopping) return;
       log('request consumer was missing: created again');
-      const old = messages;
-      messages = await consumer.consume({ max_messages: slots });
-      watch(messages);
-      old.stop();
+      await pullAfresh();
     },
     { what: 'request consumer', log, isDone: () => stopping },
   );
+
+  // On a cluster the consumer (replicated like its stream) has a leader, which holds this
+  // bridge's pull requests. A new leader (the old one's server died, or stepped down) knows
+  // nothing of them: the old consume() would wait for its heartbeats to go missing (2 × 15 s)
+  // before it pulled again, and until then no request is delivered. The server announces every
+  // election: pull afresh from the new leader at once (measured, test/nats-cluster.int.test.ts:
+  // a leader's SIGKILL paused clients ~30 s without this, ~7–10 s with it — the election).
+  const elected = nc.subscribe(`$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.${config.durable_name ?? consumerNameOf(pool, instance)}`, {
+    callback: (err) => {
+      if (err || stopping || nc.isClosed()) return;
+      log('request consumer has a new leader: pulling from it');
+      pullAfresh().catch((e: unknown) => failed('pulling from the new consumer leader', e));
+    },
+  });
 
   void nc.closed().then(() => {
     // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
@@ -740,6 +759,7 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       }
       engine.close();
       cancelSub.unsubscribe();
+      elected.unsubscribe();
     },
   };
 }

@@ -100,6 +100,10 @@ filesystem is read-only.
 - name: MAGUS_NATS_PREFIX
   value: {{ . | quote }}
 {{- end }}
+{{- with .Values.nats.replicas }}
+- name: MAGUS_NATS_REPLICAS
+  value: {{ . | int64 | quote }}
+{{- end }}
 {{- with .Values.nats.responses.peakBytesPerSec }}
 - name: MAGUS_RESPONSES_PEAK_BYTES_PER_SEC
   value: {{ . | int64 | quote }}
