@@ -4,9 +4,10 @@
  * handle growth, NATS consumers and KV keys left behind.
  *
  *   npm run soak                       # 10 minutes (the issue's full run)
- *   npm run soak -- --minutes 2 --concurrency 4
+ *   npm run soak -- --minutes 2 --concurrency 4 --new-per-sec 2
  *
- * Traffic, from `--concurrency` loops: new conversations (non-streamed), warm turns on live ones
+ * Traffic, from `--concurrency` loops: new conversations (non-streamed, at most `--new-per-sec`,
+ * default 2), warm turns on live ones
  * (streamed and not), and injected client disconnects (a streamed request aborted after its first
  * chunk); halfway, the demo model is re-pulled with a changed spec (a second artifact), so its
  * pipeline re-plans, converts and publishes while it is being served. Every `--sample-sec` it
@@ -18,8 +19,8 @@
  * minute), and whether consumers and keys stay within what live conversations explain. Exit 1 when
  * an error or a leak is found. `test/soak.int.test.ts` runs a short variant in CI.
  */
-import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { spawn } from 'node:child_process';
+import { cpSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { connect, type NatsConnection } from 'nats';
@@ -31,6 +32,8 @@ import { fmt, p50, p99 } from './common';
 export interface SoakOptions {
   durationMs: number;
   concurrency: number;
+  /** New conversations a second, at most (the rest of the mix becomes warm turns): each one is a session workflow and a lease from its model's one pool workflow. */
+  newPerSec: number;
   sampleMs: number;
   /** Samples before this share of the run are warm-up (left out of the slopes). */
   warmupShare: number;
@@ -65,16 +68,20 @@ interface Sample {
 export interface SoakReport {
   requests: Record<Kind, { ok: number; injected: number; errors: number }>;
   errors: string[];
-  perMinute: { minute: number; n: number; p50: number; p99: number }[];
+  perMinute: { minute: number; n: number; p50: number; p99: number; max: number }[];
   /** Per process name (pids can change: an engine restarted is a new process): MB/min and fds/min after warm-up. */
   slopes: { name: string; rssMbPerMin: number; fdsPerMin: number; rssMb: [number, number]; fds: [number, number] }[];
   consumers: { first: Record<string, number>; last: Record<string, number> };
   sessionKeys: { last: number; conversations: number };
   repull: { ok: boolean; detail: string };
   leaks: string[];
+  /** Where dev's logs were kept, when something went wrong. */
+  logs?: string;
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+/** Longer than any answer of the demo model should take, cold start included. */
+const REQUEST_TIMEOUT_MS = 60_000;
 
 /** `cmdline` as a short, stable name: the program and the magus mode, if any. */
 function processName(pid: number): string {
@@ -134,6 +141,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
   for (const name of Object.keys(env)) if (/^MAGUS_|^AWS_/.test(name)) delete env[name];
   let dev: DevRun | undefined;
   let nc: NatsConnection | undefined;
+  let keptLogs: string | undefined;
   try {
     dev = startDev('direct', ['--no-kube', '--data-dir', data], env);
     await dev.ready();
@@ -153,6 +161,8 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
     const request = async (kind: Kind, conversation: string): Promise<void> => {
       const stream = kind === 'warm-stream' || kind === 'disconnect';
       const ctl = new AbortController();
+      // A request that hangs is an error too (and must not stall its loop for the rest of the run).
+      const hung = setTimeout(() => ctl.abort(new Error(`no answer within ${REQUEST_TIMEOUT_MS / 1000} s`)), REQUEST_TIMEOUT_MS);
       const started = performance.now();
       const at = Date.now();
       let status = 0;
@@ -177,14 +187,22 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
         const complete = !stream || body.trimEnd().endsWith('data: [DONE]');
         outcomes.push({ at, kind, ms: performance.now() - started, status, ...(res.ok && complete ? {} : { error: `${status} ${body.slice(0, 200)}` }) });
       } catch (err) {
-        outcomes.push({ at, kind, ms: performance.now() - started, status, error: (err as Error).message });
+        const reason = ctl.signal.aborted && ctl.signal.reason instanceof Error ? ctl.signal.reason.message : (err as Error).message;
+        outcomes.push({ at, kind, ms: performance.now() - started, status, error: reason });
+      } finally {
+        clearTimeout(hung);
       }
     };
 
+    let nextNewAt = 0;
     const loop = async (n: number): Promise<void> => {
       for (let i = 0; Date.now() < until; i++) {
         const r = (i * 7 + n * 13) % 20; // a fixed mix: 4 new, 9 warm, 5 warm streamed, 2 disconnects in 20
-        const kind: Kind = r < 4 || conversations.length < opts.concurrency ? 'new' : r < 13 ? 'warm' : r < 18 ? 'warm-stream' : 'disconnect';
+        let kind: Kind = r < 4 || conversations.length < opts.concurrency ? 'new' : r < 13 ? 'warm' : r < 18 ? 'warm-stream' : 'disconnect';
+        if (kind === 'new' && conversations.length >= opts.concurrency) {
+          if (Date.now() < nextNewAt) kind = 'warm';
+          else nextNewAt = Date.now() + 1000 / opts.newPerSec;
+        }
         const conversation = kind === 'new' ? `soak-${n}-${i}-${Date.now().toString(36)}` : conversations[(i * 31 + n) % conversations.length]!;
         if (kind === 'new') conversations.push(conversation);
         await request(kind, conversation);
@@ -194,13 +212,19 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
     // Halfway: the demo model re-pulled with a second artifact, while it is served.
     const repull = (async (): Promise<SoakReport['repull']> => {
       await sleep(opts.durationMs / 2);
-      const r = spawnSync(process.execPath, [MAGUS_BIN, 'model', 'pull', 'magus-demo/tiny-llama', '--format', 'gguf:q40,gguf:q80', '--name', 'demo'], {
+      // Its own process, waited for without blocking this one (the traffic goes on meanwhile).
+      const pull = spawn(process.execPath, [MAGUS_BIN, 'model', 'pull', 'magus-demo/tiny-llama', '--format', 'gguf:q40,gguf:q80', '--name', 'demo'], {
         env: { ...env, MAGUS_DEV_DATA_DIR: data },
-        encoding: 'utf8',
-        timeout: Math.max(60_000, opts.durationMs / 2),
+        stdio: ['ignore', 'pipe', 'pipe'],
       });
-      const ok = r.status === 0 && r.stdout.includes('default/demo is ready');
-      return { ok, detail: ok ? 'demo re-pulled with gguf:q40,gguf:q80 under traffic: ready' : `exit ${r.status}: ${(r.stderr || r.stdout).slice(-400)}` };
+      let out = '';
+      pull.stdout.on('data', (d: Buffer) => (out += d.toString()));
+      pull.stderr.on('data', (d: Buffer) => (out += d.toString()));
+      const killer = setTimeout(() => pull.kill('SIGKILL'), Math.max(60_000, opts.durationMs / 2));
+      const code = await new Promise<number | null>((r) => pull.once('exit', r));
+      clearTimeout(killer);
+      const ok = code === 0 && out.includes('default/demo is ready');
+      return { ok, detail: ok ? 'demo re-pulled with gguf:q40,gguf:q80 under traffic: ready' : `exit ${code}: ${out.slice(-400)}` };
     })();
 
     const samples: Sample[] = [];
@@ -217,7 +241,16 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
     await Promise.all([...Array.from({ length: opts.concurrency }, (_, n) => loop(n)), sampler]);
     const repulled = await repull;
     const last = await natsSample(nc, names);
-    return report(outcomes, samples, { ...last, at: Date.now(), processes: [], conversations: conversations.length }, repulled, t0, opts);
+    const r = report(outcomes, samples, { ...last, at: Date.now(), processes: [], conversations: conversations.length }, repulled, t0, opts);
+    if (r.errors.length > 0 || r.leaks.length > 0 || !r.repull.ok) {
+      // What dev's processes logged, for whoever looks into it.
+      keptLogs = mkdtempSync(join(tmpdir(), 'magus-soak-logs-'));
+      cpSync(join(data, 'logs'), keptLogs, { recursive: true });
+      writeFileSync(join(keptLogs, 'magus-dev.out'), dev.stdout());
+      writeFileSync(join(keptLogs, 'magus-dev.err'), dev.stderr());
+      r.logs = keptLogs;
+    }
+    return r;
   } finally {
     await nc?.close().catch(() => undefined);
     if (dev) {
@@ -244,7 +277,7 @@ function report(outcomes: Outcome[], samples: Sample[], last: Sample, repull: So
   const answered = outcomes.filter((o) => o.error === undefined && o.kind !== 'disconnect');
   for (let m = 0; m * 60_000 < opts.durationMs; m++) {
     const ms = answered.filter((o) => o.at - t0 >= m * 60_000 && o.at - t0 < (m + 1) * 60_000).map((o) => o.ms);
-    if (ms.length > 0) perMinute.push({ minute: m + 1, n: ms.length, p50: p50(ms), p99: p99(ms) });
+    if (ms.length > 0) perMinute.push({ minute: m + 1, n: ms.length, p50: p50(ms), p99: p99(ms), max: Math.max(...ms) });
   }
   const steady = samples.filter((s) => s.at - t0 >= opts.durationMs * opts.warmupShare);
   const byName = new Map<string, { t: number[]; rss: number[]; fds: number[] }>();
@@ -286,13 +319,14 @@ function report(outcomes: Outcome[], samples: Sample[], last: Sample, repull: So
 export function printReport(r: SoakReport, log: (line: string) => void): void {
   log('requests: ' + Object.entries(r.requests).map(([k, v]) => `${k} ${v.ok} ok${v.injected ? ` / ${v.injected} disconnected (injected)` : ''}${v.errors ? ` / ${v.errors} ERRORS` : ''}`).join('; '));
   for (const e of r.errors) log(`  error: ${e}`);
-  log('latency per minute (answered requests, ms): ' + r.perMinute.map((m) => `${m.minute}: n ${m.n} p50 ${fmt(m.p50, 0)} p99 ${fmt(m.p99, 0)}`).join(' | '));
+  log('latency per minute (answered requests, ms): ' + r.perMinute.map((m) => `${m.minute}: n ${m.n} p50 ${fmt(m.p50, 0)} p99 ${fmt(m.p99, 0)} max ${fmt(m.max, 0)}`).join(' | '));
   log('after warm-up, per process (summed by name): RSS MB first→last (slope MB/min), open fds first→last (slope /min)');
   for (const s of r.slopes) log(`  ${s.name.padEnd(24)} ${fmt(s.rssMb[0], 1)} → ${fmt(s.rssMb[1], 1)} (${fmt(s.rssMbPerMin, 2)}/min)   ${s.fds[0]} → ${s.fds[1]} (${fmt(s.fdsPerMin, 2)}/min)`);
   log(`NATS consumers first → last: ${Object.keys(r.consumers.last).map((k) => `${k} ${r.consumers.first[k] ?? 0}→${r.consumers.last[k]}`).join(', ')}`);
   log(`magus_sessions keys: ${r.sessionKeys.last} for ${r.sessionKeys.conversations} conversations (live: TTL 30 min)`);
   log(`re-pull: ${r.repull.detail}`);
   log(r.leaks.length === 0 ? 'no leak found' : `LEAKS: ${r.leaks.join('; ')}`);
+  if (r.logs) log(`magus dev's logs: ${r.logs}`);
 }
 
 if (require.main === module) {
@@ -303,7 +337,7 @@ if (require.main === module) {
   };
   const minutes = arg('minutes', 10);
   const log = (line: string) => process.stdout.write(`${line}\n`);
-  runSoak({ durationMs: minutes * 60_000, concurrency: arg('concurrency', 6), sampleMs: arg('sample-sec', 10) * 1000, warmupShare: 0.2, log })
+  runSoak({ durationMs: minutes * 60_000, concurrency: arg('concurrency', 6), newPerSec: arg('new-per-sec', 2), sampleMs: arg('sample-sec', 10) * 1000, warmupShare: 0.2, log })
     .then((r) => {
       printReport(r, log);
       const errors = Object.values(r.requests).reduce((n, v) => n + v.errors, 0);

@@ -10,7 +10,7 @@ import { printReport, runSoak } from '../bench/soak';
 
 test('75 s of mixed traffic through magus dev: no error but the injected ones, nothing left behind', async () => {
   const lines: string[] = [];
-  const report = await runSoak({ durationMs: 75_000, concurrency: 3, sampleMs: 5000, warmupShare: 0.3, log: (l) => lines.push(l) });
+  const report = await runSoak({ durationMs: 75_000, concurrency: 3, newPerSec: 2, sampleMs: 5000, warmupShare: 0.3, log: (l) => lines.push(l) });
   printReport(report, (l) => lines.push(l));
   process.stderr.write(`${lines.join('\n')}\n`);
   expect(report.errors).toEqual([]);
