@@ -179,6 +179,9 @@ function tcpReachable(address: string, timeoutMs: number): Promise<string | null
   });
 }
 
+/** How long `model pull` keeps asking for progress while the query fails before it stops watching. */
+const QUERY_PATIENCE_MS = 5 * 60_000;
+
 /**
  * Connects to Temporal, or fails within seconds naming the address and where it came from
  * (the client alone retries until its deadline and then says only "Failed to connect before the
@@ -251,9 +254,33 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
     process.once('SIGINT', onSignal);
     let last = '';
     let polls = 0;
+    /** Since when the progress query has been failing (a busy or restarting Temporal): retried, said once. */
+    let failingSince: number | undefined;
     try {
       for (;;) {
-        const p = await handle.query(progressQuery);
+        let p: PipelineProgress;
+        try {
+          p = await handle.query(progressQuery);
+        } catch (err) {
+          // The pipeline goes on whatever happens to this watcher: a query that times out or finds
+          // Temporal away is asked again, for up to QUERY_PATIENCE_MS, before the command gives up.
+          const now = Date.now();
+          if (failingSince === undefined) {
+            failingSince = now;
+            bar.finish();
+            process.stderr.write(`magus model pull: cannot read the pipeline's progress (${(err as Error).message}); asking again…\n`);
+          } else if (now - failingSince > QUERY_PATIENCE_MS || stop) {
+            bar.finish();
+            process.stderr.write(`magus model pull: gave up watching after ${Math.round((now - failingSince) / 1000)} s of failed queries; the pipeline goes on (workflow ${workflowId})\n`);
+            return 1;
+          }
+          await new Promise((r) => setTimeout(r, 2000));
+          continue;
+        }
+        if (failingSince !== undefined) {
+          process.stderr.write(`magus model pull: progress readable again after ${Math.round((Date.now() - failingSince) / 1000)} s\n`);
+          failingSince = undefined;
+        }
         if (p.phase !== last) {
           bar.finish();
           process.stderr.write(`${describe(p)}\n`);
