@@ -136,7 +136,10 @@ describe('the data plane on a three-node NATS cluster', () => {
       o.status = res.status;
       o.retryAfter = res.headers.get('retry-after');
       if (res.status !== 200) {
-        await res.text();
+        // The error's code, for answers refused before their stream started (e.g. 502 `frames_lost`).
+        const body = await res.text();
+        const code = (JSON.parse(body || '{}') as { error?: { code?: string } }).error?.code;
+        if (code) o.errors.push(code);
         return o;
       }
       const decoder = new TextDecoder();
@@ -332,7 +335,8 @@ describe('the data plane on a three-node NATS cluster', () => {
       const outcomes = running.outcomes;
       const accepted = outcomes.filter((o) => o.status === 200);
       const refused = outcomes.filter((o) => o.status === 503);
-      const others = outcomes.filter((o) => o.status !== 200 && o.status !== 503);
+      // (A 502 `frames_lost` before the stream started is counted with the losses below.)
+      const others = outcomes.filter((o) => o.status !== 200 && o.status !== 503 && !(o.status === 502 && o.errors[0] === 'frames_lost'));
       for (const f of faults) {
         const inFault = outcomes.filter((o) => o.startedAt >= f.from && o.startedAt < f.to);
         const slowest = Math.max(...outcomes.filter((o) => o.status === 200 && o.endedAt >= f.from && o.startedAt < f.to).map((o) => o.endedAt - o.startedAt));
@@ -362,10 +366,10 @@ describe('the data plane on a three-node NATS cluster', () => {
       // Accepted: the whole answer, once — or, for an answer streaming through the killed node
       // whose frames died with it, a `frames_lost` error after a correct prefix (not yet met: see
       // the README's "A NATS cluster"; counted and bounded here, never a wrong or doubled answer).
-      const lost = accepted.filter((o) => o.dones === 0 && o.errors.length === 1 && o.errors[0] === 'frames_lost' && o.content.startsWith(o.text));
+      const lost = outcomes.filter((o) => (o.status === 200 || o.status === 502) && o.dones === 0 && o.errors.length === 1 && o.errors[0] === 'frames_lost' && o.content.startsWith(o.text));
       const wrong = accepted.filter((o) => !lost.includes(o) && (o.text !== o.content || o.dones !== 1 || o.errors.length > 0));
       expect(wrong.map((o) => ({ content: o.content, text: o.text, dones: o.dones, errors: o.errors }))).toEqual([]);
-      process.stdout.write(`nats cluster outages: ${lost.length} of ${accepted.length} accepted answers ended with frames_lost\n`);
+      process.stdout.write(`nats cluster outages: ${lost.length} answers ended with frames_lost (before or during their stream), ${accepted.length} accepted in all\n`);
       expect(lost.length).toBeLessThanOrEqual(Math.max(10, accepted.length * 0.05));
       // Refused: a 503 that says when to retry; nothing else.
       expect(others.map((o) => ({ content: o.content, status: o.status, errors: o.errors }))).toEqual([]);
