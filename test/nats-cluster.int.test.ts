@@ -385,8 +385,14 @@ describe('the data plane on a three-node NATS cluster', () => {
         return [...bySeq.entries()].filter(([, v]) => v.size > 1).map(([seq, v]) => ({ id, seq, frames: [...v] }));
       });
       const terminalOnly = conflicts.filter((c) => c.frames.every((f) => (JSON.parse(f) as ResponseFrame).type !== 'chunk'));
+      // A request whose ack died with the leader is delivered again after `ack_wait` and run again:
+      // the same chunks, only `created` differs (the engine worked twice; the gateway had relayed the
+      // first and drops the rest, so the client's answer above is single). Counted, not a failure.
+      const withoutCreated = (f: string) => JSON.stringify({ ...(JSON.parse(f) as { data?: object }), data: { ...(JSON.parse(f) as { data?: object }).data, created: 0 } });
+      const rerun = conflicts.filter((c) => !terminalOnly.includes(c) && new Set(c.frames.map(withoutCreated)).size === 1);
+      if (rerun.length > 0) process.stdout.write(`requests run twice after a lost ack (same chunks, another \`created\`): ${new Set(rerun.map((c) => c.id)).size}\n`);
       if (conflicts.length > 0) process.stdout.write(`frames differing at one seq: ${conflicts.length} (${terminalOnly.length} terminal); e.g. ${JSON.stringify(conflicts[0]).slice(0, 1500)}\n`);
-      expect(conflicts.filter((c) => !terminalOnly.includes(c))).toEqual([]);
+      expect(conflicts.filter((c) => !terminalOnly.includes(c) && !rerun.includes(c))).toEqual([]);
     } finally {
       await running.stop();
     }
