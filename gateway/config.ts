@@ -199,7 +199,7 @@ environment:
   MAGUS_POOLS_BUCKET                                           magus_pools
   MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
   MAGUS_GATEWAY_REQUEST_TIMEOUT_MS     300000 (504 when the engine sends nothing for this long)
-  MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (502 when a missing response frame does not arrive)
+  MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (a missing response frame is read back from the stream after this; 502 after 8 reads miss it)
   MAGUS_GATEWAY_SSE_KEEPALIVE_MS       5000
   MAGUS_GATEWAY_COLD_START_TIMEOUT_MS  300000 (503 when no session is ready by then)
   MAGUS_GATEWAY_RETRY_AFTER_SEC        5

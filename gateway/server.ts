@@ -202,15 +202,16 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     // Frames published while this process was cut off are in the response stream: read them back.
     const js = nc.jetstream();
     const jsm = await nc.jetstreamManager();
+    const readStored = async (subject: string) => {
+      const stored = await readStoredFrames(js, jsm, config.responseStream, subject);
+      if (!stored.complete) metrics.framesGone.inc();
+      // Frames beyond a gap count too: the missing ones may be those this process already has.
+      return [...stored.frames, ...stored.beyondGap];
+    };
     onReconnect.push(() => {
       void responses
         .recover(
-          async (subject) => {
-            const stored = await readStoredFrames(js, jsm, config.responseStream, subject);
-            if (!stored.complete) metrics.framesGone.inc();
-            // Frames beyond a gap count too: the missing ones may be those this process already has.
-            return [...stored.frames, ...stored.beyondGap];
-          },
+          readStored,
           (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'),
         )
         .then((frames) => {
@@ -248,6 +249,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       sessions,
       publish,
       responses,
+      readStored,
       backlogFull: deps.backlogFull,
       cancel: (session, requestId) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));

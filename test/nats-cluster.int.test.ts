@@ -335,8 +335,7 @@ describe('the data plane on a three-node NATS cluster', () => {
       const outcomes = running.outcomes;
       const accepted = outcomes.filter((o) => o.status === 200);
       const refused = outcomes.filter((o) => o.status === 503);
-      // (A 502 `frames_lost` before the stream started is counted with the losses below.)
-      const others = outcomes.filter((o) => o.status !== 200 && o.status !== 503 && !(o.status === 502 && o.errors[0] === 'frames_lost'));
+      const others = outcomes.filter((o) => o.status !== 200 && o.status !== 503);
       for (const f of faults) {
         const inFault = outcomes.filter((o) => o.startedAt >= f.from && o.startedAt < f.to);
         const slowest = Math.max(...outcomes.filter((o) => o.status === 200 && o.endedAt >= f.from && o.startedAt < f.to).map((o) => o.endedAt - o.startedAt));
@@ -363,15 +362,12 @@ describe('the data plane on a three-node NATS cluster', () => {
       process.stdout.write(`nats cluster outages:\n  ${report.join('\n  ')}\n  logs:\n    ${logs.slice(-60).join('\n    ')}\n`);
 
       expect(accepted.length).toBeGreaterThan(100);
-      // Accepted: the whole answer, once — or, for an answer streaming through the killed node
-      // whose frames died with it, a `frames_lost` error after a correct prefix (not yet met: see
-      // the README's "A NATS cluster"; counted and bounded here, never a wrong or doubled answer).
-      const lost = outcomes.filter((o) => (o.status === 200 || o.status === 502) && o.dones === 0 && o.errors.length === 1 && o.errors[0] === 'frames_lost' && o.content.startsWith(o.text));
-      const wrong = accepted.filter((o) => !lost.includes(o) && (o.text !== o.content || o.dones !== 1 || o.errors.length > 0));
+      // Accepted: the whole answer, once. (Before frames were published with the stream's
+      // acknowledgement, 0.1–0.4 % of the answers streaming through the killed node ended with
+      // `frames_lost`: README.md, "A NATS cluster".)
+      const wrong = accepted.filter((o) => o.text !== o.content || o.dones !== 1 || o.errors.length > 0);
       expect(wrong.map((o) => ({ content: o.content, text: o.text, dones: o.dones, errors: o.errors }))).toEqual([]);
-      process.stdout.write(`nats cluster outages: ${lost.length} answers ended with frames_lost (before or during their stream), ${accepted.length} accepted in all\n`);
-      expect(lost.length).toBeLessThanOrEqual(Math.max(10, accepted.length * 0.05));
-      // Refused: a 503 that says when to retry; nothing else.
+      // Refused: a 503 that says when to retry; nothing else (no 502 `frames_lost` either).
       expect(others.map((o) => ({ content: o.content, status: o.status, errors: o.errors }))).toEqual([]);
       expect(refused.filter((o) => !/^[1-9][0-9]*$/.test(o.retryAfter ?? ''))).toEqual([]);
       // On the wire: one generation per request. A chunk seq never carries two different
@@ -385,14 +381,15 @@ describe('the data plane on a three-node NATS cluster', () => {
         return [...bySeq.entries()].filter(([, v]) => v.size > 1).map(([seq, v]) => ({ id, seq, frames: [...v] }));
       });
       const terminalOnly = conflicts.filter((c) => c.frames.every((f) => (JSON.parse(f) as ResponseFrame).type !== 'chunk'));
-      // A request whose ack died with the leader is delivered again after `ack_wait` and run again:
-      // the same chunks, only `created` differs (the engine worked twice; the gateway had relayed the
-      // first and drops the rest, so the client's answer above is single). Counted, not a failure.
-      const withoutCreated = (f: string) => JSON.stringify({ ...(JSON.parse(f) as { data?: object }), data: { ...(JSON.parse(f) as { data?: object }).data, created: 0 } });
-      const rerun = conflicts.filter((c) => !terminalOnly.includes(c) && new Set(c.frames.map(withoutCreated)).size === 1);
-      if (rerun.length > 0) process.stdout.write(`requests run twice after a lost ack (same chunks, another \`created\`): ${new Set(rerun.map((c) => c.id)).size}\n`);
       if (conflicts.length > 0) process.stdout.write(`frames differing at one seq: ${conflicts.length} (${terminalOnly.length} terminal); e.g. ${JSON.stringify(conflicts[0]).slice(0, 1500)}\n`);
-      expect(conflicts.filter((c) => !terminalOnly.includes(c) && !rerun.includes(c))).toEqual([]);
+      expect(conflicts.filter((c) => !terminalOnly.includes(c))).toEqual([]);
+      // Every frame was stored before its request was resolved, so a request whose ack died with the
+      // leader, delivered again after `ack_wait`, replays its stored terminal frame and is not
+      // generated again (before, it was: the same chunks at the same seqs with another `created`,
+      // which the check above now refuses). (The engine may still be called twice for a request
+      // whose delivery a new consumer leader handed out again while the first was running: the
+      // take-over resumes after the stored frames — one answer on the wire.)
+      expect(bridge.stats.framesUnstored).toBe(0);
     } finally {
       await running.stop();
     }

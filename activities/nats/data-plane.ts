@@ -36,6 +36,7 @@ import {
   type JetStreamClient,
   type JetStreamManager,
   type KV,
+  type Msg,
   type NatsConnection,
   RetentionPolicy,
   StorageType,
@@ -656,4 +657,25 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       return (await read(id))?.revision ?? null;
     },
   };
+}
+
+/**
+ * What a stream's reply to a publish says went wrong, or `undefined` for an acknowledgement
+ * (`{"stream","seq"}`, also when it was a duplicate). Errors keep the server's `api_error`, as
+ * nats.js does, so {@link isBacklogFull} recognises them.
+ */
+export function streamAckProblem(msg: Pick<Msg, 'data' | 'headers'>): Error | undefined {
+  if (msg.data.length === 0) {
+    const code = msg.headers?.code ?? 0;
+    return new Error(code === 503 ? 'no stream stores this subject (no responders)' : `unexpected empty reply to a stream publish (status ${code})`);
+  }
+  let ack: { stream?: unknown; error?: { code?: number; err_code?: number; description?: string } };
+  try {
+    ack = JSON.parse(decoder.decode(msg.data)) as typeof ack;
+  } catch {
+    return new Error('malformed reply to a stream publish');
+  }
+  if (ack.error) return Object.assign(new Error(ack.error.description ?? `stream publish failed (${ack.error.code ?? '?'})`), { api_error: ack.error });
+  if (typeof ack.stream !== 'string') return new Error('malformed reply to a stream publish');
+  return undefined;
 }

@@ -114,6 +114,11 @@ export class FrameSequencer {
     return this.gaveUp || this.held.size > 0;
   }
 
+  /** True while frames wait behind a missing seq (not once given up). */
+  get holding(): boolean {
+    return this.held.size > 0;
+  }
+
   /** The frames waiting behind a missing seq, in seq order. */
   waiting(): ResponseFrame[] {
     return [...this.held.values()].sort((a, b) => a.seq - b.seq);

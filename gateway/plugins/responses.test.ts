@@ -1,6 +1,6 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with activities/nats/frames.ts. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { exchange, frameError, type ResponseRouter } from './responses';
+import { exchange, frameError, GAP_READ_BACKS, type ResponseRouter } from './responses';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -62,7 +62,7 @@ describe('exchange', () => {
     expect(chunks).toEqual([0, 1, 2]);
   });
 
-  it('a gap not filled within gapTimeoutMs fails with 502 frames_lost and gives the request up', async () => {
+  it('without a read-back, a gap not filled within gapTimeoutMs fails with 502 frames_lost and gives the request up', async () => {
     const { router, listeners } = fakeRouter();
     const reasons: string[] = [];
     let abandoned = 0;
@@ -81,6 +81,98 @@ describe('exchange', () => {
     await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 502, code: 'frames_lost' });
     expect(reasons).toEqual(['frames_lost']);
     expect(abandoned).toBe(1);
+  });
+
+  it('a gap is read back from the stream before it is given up: the stored frame fills it', async () => {
+    const { router, listeners } = fakeRouter();
+    const chunks: unknown[] = [];
+    const reads: number[] = [];
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      readBack: () => (reads.push(Date.now()), Promise.resolve([c(0), c(1), c(2)])),
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onChunk: (d) => chunks.push(d),
+    });
+    for (const f of [c(0), c(2), done(3)]) listeners.get('r1')!(f);
+    expect(chunks).toEqual([0]);
+    await jest.advanceTimersByTimeAsync(99);
+    expect(reads).toHaveLength(0); // a frame merely late is not read back
+    await jest.advanceTimersByTimeAsync(1);
+    await expect(p).resolves.toBe('end');
+    expect(reads).toHaveLength(1);
+    expect(chunks).toEqual([0, 1, 2]);
+  });
+
+  it('a gap that read-backs keep missing fails with frames_lost after GAP_READ_BACKS reads, gapTimeoutMs apart', async () => {
+    const { router, listeners } = fakeRouter();
+    const reasons: string[] = [];
+    let reads = 0;
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 10_000,
+      gapTimeoutMs: 100,
+      readBack: () => (reads++, Promise.resolve([c(0), c(2)])),
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onUpstreamError: (r) => reasons.push(r),
+    });
+    const outcome = p.then(() => 'resolved', (e: unknown) => e);
+    for (const f of [c(0), c(2)]) listeners.get('r1')!(f);
+    await jest.advanceTimersByTimeAsync(100 * GAP_READ_BACKS);
+    expect(reads).toBe(GAP_READ_BACKS);
+    expect(reasons).toEqual([]);
+    await jest.advanceTimersByTimeAsync(100);
+    await expect(outcome).resolves.toMatchObject({ name: 'GatewayError', status: 502, code: 'frames_lost' });
+    expect(reasons).toEqual(['frames_lost']);
+  });
+
+  it('failed read-backs (a stream without a leader) are tried again until one succeeds, and do not count as misses', async () => {
+    const { router, listeners } = fakeRouter();
+    const chunks: unknown[] = [];
+    let reads = 0;
+    const p = exchange(session, { ...req, deadline: Date.now() + 60_000 }, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 60_000,
+      gapTimeoutMs: 100,
+      readBack: () => (++reads <= 8 ? Promise.reject(new Error('no leader')) : Promise.resolve([c(1)])),
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onChunk: (d) => chunks.push(d),
+    });
+    for (const f of [c(0), c(2), done(3)]) listeners.get('r1')!(f);
+    await jest.advanceTimersByTimeAsync(100 + 8 * 100);
+    await expect(p).resolves.toBe('end');
+    expect(reads).toBe(9);
+    expect(chunks).toEqual([0, 1, 2]);
+  });
+
+  it('each missing seq gets its own reads: a gap filled live resets the count', async () => {
+    const { router, listeners } = fakeRouter();
+    let reads = 0;
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 60_000,
+      gapTimeoutMs: 100,
+      readBack: () => (reads++, Promise.resolve([])),
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+    });
+    for (const f of [c(0), c(2)]) listeners.get('r1')!(f);
+    await jest.advanceTimersByTimeAsync(250); // two reads missed seq 1
+    listeners.get('r1')!(c(1));
+    listeners.get('r1')!(c(4)); // now seq 3 is missing
+    await jest.advanceTimersByTimeAsync(250);
+    listeners.get('r1')!(c(3));
+    listeners.get('r1')!(done(5));
+    await expect(p).resolves.toBe('end');
+    expect(reads).toBe(4);
   });
 
   it('an error frame in seq order ends it with that frame’s answer', async () => {

@@ -8,14 +8,19 @@
  * Frames are decoded and put in order by the data plane's one codec and {@link FrameSequencer}
  * (activities/nats/frames.ts), the rule a bridge that takes over a request reads frames back
  * with: strictly in `seq` order, each seq once (first arrival wins); a frame ahead of the next
- * seq is held, and a missing seq that does not arrive within `gapTimeoutMs` fails the request
- * (502); the first terminal frame relayed (`done` or `error`) ends the response.
+ * seq is held, and a missing seq that does not arrive within `gapTimeoutMs` is read back from the
+ * response stream (bridges publish until their frames are stored); it fails the request (502
+ * `frames_lost`) only when {@link GAP_READ_BACKS} read-backs, `gapTimeoutMs` apart, did not find it
+ * (failed reads — a stream electing a leader — are retried until the request's deadline). The
+ * first terminal frame relayed (`done` or `error`) ends the response.
  */
 import { randomBytes } from 'node:crypto';
 import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull, REPLICA_ID, scopeSubject } from '../../activities/nats/data-plane';
+import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../activities/nats/data-plane';
+
+export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
@@ -45,6 +50,10 @@ export interface ResponseRouter {
 /** Stored-frame reads at once while recovering. */
 const RECOVER_CONCURRENCY = 8;
 
+/** A failed read-back is tried again after this (doubling per failure), at most {@link READ_RETRY_MAX_MS}. */
+const READ_RETRY_MS = 250;
+const READ_RETRY_MAX_MS = 2_000;
+
 async function recoverWaiting(
   waiting: ReadonlyMap<string, (frame: ResponseFrame) => void>,
   subjectOf: (requestId: string) => string,
@@ -56,14 +65,20 @@ async function recoverWaiting(
   let handed = 0;
   const worker = async () => {
     for (let id = ids[next++]; id !== undefined; id = ids[next++]) {
-      try {
-        const frames = await read(subjectOf(id));
-        const onFrame = waiting.get(id); // it may have finished meanwhile
-        if (!onFrame) continue;
-        for (const f of frames) onFrame(f);
-        handed += frames.length;
-      } catch (err) {
-        onError(err, id);
+      // A read fails while the stream has no leader (a cluster's election): try again for as long
+      // as the request waits (it ends by its own timeouts), or its frames are lost to it.
+      for (let failures = 0; waiting.has(id); failures++) {
+        try {
+          const frames = await read(subjectOf(id));
+          const onFrame = waiting.get(id); // it may have finished meanwhile
+          if (!onFrame) break;
+          for (const f of frames) onFrame(f);
+          handed += frames.length;
+          break;
+        } catch (err) {
+          if (failures === 0) onError(err, id);
+          await new Promise((resolve) => setTimeout(resolve, Math.min(READ_RETRY_MS * 2 ** failures, READ_RETRY_MAX_MS)));
+        }
       }
     }
   };
@@ -72,7 +87,6 @@ async function recoverWaiting(
 }
 
 const encoder = new TextEncoder();
-const decoder = new TextDecoder();
 
 /** A stream publish that stays unacknowledged this long fails. */
 const STREAM_ACK_TIMEOUT_MS = 5_000;
@@ -171,27 +185,6 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
       }
     },
   };
-}
-
-/**
- * What a stream's reply to a publish says went wrong, or `undefined` for an acknowledgement
- * (`{"stream","seq"}`, also when it was a duplicate). Errors keep the server's `api_error`, as
- * nats.js does, so {@link isBacklogFull} recognises them.
- */
-export function streamAckProblem(msg: Pick<Msg, 'data' | 'headers'>): Error | undefined {
-  if (msg.data.length === 0) {
-    const code = msg.headers?.code ?? 0;
-    return new Error(code === 503 ? 'no stream stores this subject (no responders)' : `unexpected empty reply to a stream publish (status ${code})`);
-  }
-  let ack: { stream?: unknown; error?: { code?: number; err_code?: number; description?: string } };
-  try {
-    ack = JSON.parse(decoder.decode(msg.data)) as typeof ack;
-  } catch {
-    return new Error('malformed reply to a stream publish');
-  }
-  if (ack.error) return Object.assign(new Error(ack.error.description ?? `stream publish failed (${ack.error.code ?? '?'})`), { api_error: ack.error });
-  if (typeof ack.stream !== 'string') return new Error('malformed reply to a stream publish');
-  return undefined;
 }
 
 export interface RouterOptions {
@@ -300,7 +293,10 @@ export interface ExchangeOptions {
   publish: PublishRequest;
   /** Fails with 504 when no frame arrives for this long (from publish, then between frames). */
   requestTimeoutMs: number;
+  /** How long a missing frame may be awaited before it is read back from the response stream. */
   gapTimeoutMs: number;
+  /** Reads the request's frames as the response stream stores them; without it a gap fails at once. */
+  readBack?: () => Promise<ResponseFrame[]>;
   retryAfterSec: number;
   signal: AbortSignal;
   /** Each `chunk` frame's data, in order (streaming). */
@@ -316,6 +312,14 @@ export interface ExchangeOptions {
    */
   onAbandon?: () => void;
 }
+
+/**
+ * Read-backs, `gapTimeoutMs` apart, that must all miss a frame before its request fails with
+ * `frames_lost` (16 s at the default 2 s): a bridge that lost its connection holds its frames
+ * until it proves it still owns the request, which waits for `magus_claims` to have a leader
+ * (a cluster's election takes 5–10 s).
+ */
+export const GAP_READ_BACKS = 8;
 
 /** Failure reasons after which the request may still be queued or running at the bridge. */
 const ABANDONED = new Set(['timeout', 'frames_lost', 'publish_failed']);
@@ -339,6 +343,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       if (finished) return;
       finished = true;
       clearTimeout(idle);
+      clearTimeout(gapTimer);
       sequencer.stop();
       unlisten();
       opts.signal.removeEventListener('abort', onAbort);
@@ -350,12 +355,11 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       finish(reason instanceof Error ? reason : new Error('aborted'));
     };
     const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
-    const sequencer = new FrameSequencer({
-      gapTimeoutMs: opts.gapTimeoutMs,
-      onGap: (missing) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`)),
-    });
-    const unlisten = opts.router.listen(req.id, (frame) => {
-      idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
+    const lost = (missing: number) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`));
+    // No timer of its own: a gap is read back before it is given up (below). `onGap` is its bound
+    // on held frames.
+    const sequencer = new FrameSequencer({ onGap: lost });
+    const deliver = (frame: ResponseFrame) => {
       for (const f of sequencer.push(frame)) {
         if (finished) return;
         if (f.type === 'chunk') opts.onChunk?.(f.data);
@@ -365,6 +369,54 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
         }
       }
+      watchGap();
+    };
+    // A gap: the seq awaited while frames after it are held. After gapTimeoutMs it is read back
+    // from the stream (the frame may have been published while this process or the stream's
+    // leader was away); each read that misses it waits gapTimeoutMs again, and the last fails.
+    let gapTimer: NodeJS.Timeout | undefined;
+    let gapSeq = -1;
+    let gapReads = 0;
+    let reading = false;
+    const watchGap = () => {
+      if (finished) return;
+      if (!sequencer.holding) {
+        clearTimeout(gapTimer);
+        gapTimer = undefined;
+        gapSeq = -1;
+        return;
+      }
+      if (gapSeq !== sequencer.expected) {
+        clearTimeout(gapTimer);
+        gapTimer = undefined;
+        gapSeq = sequencer.expected;
+        gapReads = 0;
+      }
+      if (!gapTimer && !reading) gapTimer = setTimeout(onGapTimeout, opts.gapTimeoutMs);
+    };
+    const onGapTimeout = () => {
+      gapTimer = undefined;
+      if (finished) return;
+      if (!opts.readBack || gapReads >= GAP_READ_BACKS) return lost(gapSeq);
+      reading = true;
+      opts.readBack().then(
+        (stored) => {
+          reading = false;
+          gapReads += 1;
+          for (const f of stored) deliver(f);
+          watchGap();
+        },
+        () => {
+          reading = false;
+          if (finished) return;
+          if (Date.now() >= req.deadline) return lost(gapSeq);
+          gapTimer = setTimeout(onGapTimeout, Math.min(READ_RETRY_MAX_MS, opts.gapTimeoutMs));
+        },
+      );
+    };
+    const unlisten = opts.router.listen(req.id, (frame) => {
+      idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
+      deliver(frame);
     });
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });

@@ -4,7 +4,7 @@
  * and response router, plus the settings of the request path. Decorated as `app.gateway`.
  */
 import type { ReadyModel } from '../../shared/model';
-import type { SessionEntry } from '../../shared/serving';
+import type { ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { TokenSource } from './auth';
 import type { ModelCatalog } from './models';
 import { servicePlugin } from './plugin';
@@ -38,7 +38,7 @@ export interface GatewaySettings {
   bodyLimit: number;
   /** 504 when no frame arrives for this long (since publish, then between frames). */
   requestTimeoutMs: number;
-  /** A missing frame not filled within this long fails the request (502). */
+  /** A missing frame not filled within this long is read back from the response stream; three reads that miss it fail the request (502). */
   gapTimeoutMs: number;
   /** SSE keep-alive comment interval while nothing else is sent. */
   keepAliveMs: number;
@@ -55,6 +55,8 @@ export interface GatewayServices {
   sessions: SessionBroker;
   publish: PublishRequest;
   responses: ResponseRouter;
+  /** A reply subject's frames as the response stream stores them (read back when a frame is missing). */
+  readStored?: (subject: string) => Promise<ResponseFrame[]>;
   backlogFull?: BacklogCheck;
   /** When a client goes away after its request was published: stop the engine's work on it. */
   cancel?: CancelRequest;

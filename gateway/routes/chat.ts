@@ -86,6 +86,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
           publish: g.publish,
           requestTimeoutMs: s.requestTimeoutMs,
           gapTimeoutMs: s.gapTimeoutMs,
+          readBack: g.readStored && (() => g.readStored!(req.replyTo)),
           retryAfterSec: s.retryAfterSec,
           signal: ctl.signal,
           onChunk: sse ? (chunk) => sse.data(chunk) : undefined,

@@ -19,6 +19,7 @@ import {
   ensureInstanceConsumer,
   openRequestClaims,
   publishRequest,
+  readStoredFrames,
   requestSubjectOf,
   responseSubjectOf,
   type DataPlaneNames,
@@ -242,6 +243,34 @@ async function sent(instance: string, ...request: Parameters<typeof requestFor>)
 const consumerState = (instance: string) => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, instance));
 
 // ---------------------------------------------------------------------------------------------
+
+describe('stored frames', () => {
+  it('frames the response stream cannot store yet reach the listener at once; the request is acked only once they are stored', async () => {
+    const stub = await engine(() => ({ chunks: 3 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    // No stream stores the frames (what a cluster's election looks like to a publisher).
+    await jsm.streams.delete(names.responseStream);
+    let req: InferenceRequest;
+    try {
+      const asked = await sent(instance);
+      req = asked.req;
+      expect((await asked.answer.finished).map((f) => f.seq)).toEqual([0, 1, 2, 3, 4]);
+      await sleep(2_500);
+      expect((await consumerState(instance)).num_ack_pending).toBe(1); // answered, not acked: not stored
+      expect(b.stats.acked).toBe(0);
+      expect(b.stats.framesResent).toBeGreaterThanOrEqual(5);
+    } finally {
+      await ensureDataPlane(nc, { prefix: names.prefix });
+    }
+    await until('the request acked', async () => b.stats.acked === 1 && (await consumerState(instance)).num_ack_pending === 0, 10_000);
+    const stored = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, req.replyTo);
+    expect(stored.frames.map((f) => f.seq)).toEqual([0, 1, 2, 3, 4]);
+    expect(stored.complete).toBe(true);
+    expect(b.stats.framesUnstored).toBe(0);
+    expect(stub.calls).toHaveLength(1);
+  }, 30_000);
+});
 
 describe('bridge round trips', () => {
   it('streams a completion as frames 0..n with done last, carrying the engine content', async () => {

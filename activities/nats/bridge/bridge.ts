@@ -2,7 +2,9 @@
  * The bridge: the sidecar next to an engine (`magus bridge`, workers/bridge.ts) and, in process,
  * the local runtime's. It pulls requests for one topology instance from JetStream (at most
  * `slots` at a time), calls the engine's OpenAI API (node:http, keep-alive: engine-client.ts)
- * and streams numbered {@link ResponseFrame}s back to the request's `replyTo` with core NATS.
+ * and streams numbered {@link ResponseFrame}s back to the request's `replyTo` with core NATS,
+ * each acknowledged by the response stream that stores it and published again until it is
+ * (stored-frames.ts); a request is acked only once all of its frames are stored.
  *
  * Exactly one answer per request id, although JetStream delivers at least once (README of
  * activities/nats has the whole protocol):
@@ -33,6 +35,7 @@ import {
   type RequestClaim,
 } from '../data-plane';
 import { encodeFrame } from '../frames';
+import { PendingFrames, storedFramePublisher } from './stored-frames';
 import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../../shared/serving';
 import { createEngineClient, type EngineClient, type EngineResponse } from './engine-client';
 import type { BridgeHealth, BridgeStats } from './metrics';
@@ -142,6 +145,10 @@ interface Attempt {
   abort: AbortController;
   /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
   held: ResponseFrame[];
+  /** Frames published but not yet acknowledged as stored by the response stream. */
+  pending: PendingFrames;
+  /** Its claim is finished with its terminal frame (by this attempt): no later check can find it superseded. */
+  recorded: boolean;
   paused: boolean;
   resuming: boolean;
   concluding: boolean;
@@ -208,7 +215,11 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   // working() well inside ack_wait, so neither a slow first token nor a long answer is redelivered.
   const workingEveryMs = Math.max(100, Math.floor(ackWaitMs / 3));
 
-  const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, resumeFailed: 0, replayed: 0, superseded: 0, cancelled: 0, heartbeatsMissed: 0, inFlight: 0 };
+  const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, resumeFailed: 0, replayed: 0, superseded: 0, cancelled: 0, heartbeatsMissed: 0, framesResent: 0, framesUnstored: 0, inFlight: 0 };
+  const frames = storedFramePublisher(nc, { onResend: () => (stats.framesResent += 1) });
+  // How long an answered request waits for its last frames to be stored before it is acked anyway
+  // (a stream without a leader for this long is an outage, not an election): well inside ack_wait.
+  const storeWaitMs = Math.max(1_000, Math.floor((ackWaitMs * 2) / 3));
   const live = new Set<Attempt>();
   // Cancels from gateways (their client went away): stop the attempt serving it, or drop the
   // request when it is pulled later. Remembered for a while, at most a bounded number.
@@ -260,24 +271,40 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       return;
     }
     try {
-      nc.publish(a.req.replyTo, encodeFrame(frame));
+      frames.publish(a.pending, a.req.replyTo, frame);
     } catch {
       abortAttempt(a, 'closed'); // the connection is closed: this process can no longer answer
     }
   };
 
   /**
-   * After a reconnect: publish held frames only if no later delivery took the request over
-   * meanwhile. A failed check is retried by the next tick.
+   * Before `a`'s delivery is resolved: until every frame it published is stored (a redelivery then
+   * finds the whole answer), at most {@link storeWaitMs}.
+   */
+  const whenStored = async (a: Attempt) => {
+    if (a.pending.size === 0) return;
+    if (await a.pending.allStored(storeWaitMs, a.abort.signal)) return;
+    if (a.abort.signal.aborted) return;
+    stats.framesUnstored += a.pending.size;
+    log(`request ${a.req.id}: ${a.pending.size} frame(s) not acknowledged by ${names.responseStream} within ${storeWaitMs} ms; resolving it anyway`);
+  };
+
+  /**
+   * After a reconnect: publish again the frames not known to be stored, and the held ones, only
+   * if no later delivery took the request over meanwhile. A failed check is retried by the sweep.
    */
   const resume = async (a: Attempt) => {
-    if (a.resuming || !a.paused) return;
+    if (a.resuming || !a.paused || a.abort.signal.aborted) return;
     a.resuming = true;
     try {
-      const rev = (await claims.revision(a.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
-      if (a.concluding || !connected) return;
-      if (rev !== a.revision) return abortAttempt(a, 'superseded');
+      if (!a.recorded) {
+        const rev = (await claims.revision(a.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
+        if (!connected || a.abort.signal.aborted) return;
+        if (rev !== a.revision) return abortAttempt(a, 'superseded');
+      }
+      if (!connected) return;
       a.paused = false;
+      frames.resend(a.pending, true);
       for (const f of a.held.splice(0)) send(a, f);
     } catch (err) {
       log(`request ${a.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames`);
@@ -285,6 +312,18 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
       a.resuming = false;
     }
   };
+
+  // Frames not acknowledged in time are published again; attempts still paused after a reconnect
+  // (their claim check failed: the KV may be electing a leader) try again.
+  const sweep = setInterval(() => {
+    if (!connected) return;
+    for (const a of live) {
+      if (a.abort.signal.aborted) continue;
+      if (a.paused) void resume(a);
+      else if (a.pending.size > 0) frames.resend(a.pending);
+    }
+  }, 500);
+  sweep.unref();
 
   void (async () => {
     for await (const s of nc.status()) {
@@ -346,12 +385,16 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
     const early = connected && !a.paused && !a.abort.signal.aborted;
     if (early) {
       try {
-        nc.publish(a.req.replyTo, encodeFrame(frame));
+        frames.publish(a.pending, a.req.replyTo, frame);
       } catch {
         abortAttempt(a, 'closed');
         return;
       }
-      if (a.revision === 0) return resolveMessage(a, frame, resolve);
+      if (a.revision === 0) {
+        await whenStored(a);
+        if (a.abort.signal.aborted) return; // superseded or closed while waiting: not ours to resolve
+        return resolveMessage(a, frame, resolve);
+      }
     }
     // NATS may be reconnecting: retry a while (a retry recognises its own lost write). If we
     // cannot finish before JetStream redelivers, the next delivery takes over and our CAS fails.
@@ -368,19 +411,20 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         await new Promise((resolve) => setTimeout(resolve, 250));
       }
     }
-    if (!finished) {
+    if (finished) a.recorded = true;
+    else {
       abortAttempt(a, 'superseded');
       log(`request ${a.req.id}: taken over by a later delivery; ${early ? 'its terminal frame was already sent (the gateway keeps the first)' : 'not answering'}`);
       return;
     }
     if (!early) {
-      // The CAS succeeded, so the frames before it reached the server (one connection, in order);
-      // publish the terminal unconditionally: a held frame must not delay the end.
+      // The CAS proved we own the request: publish what is held and the terminal frame.
       a.paused = false;
-      for (const f of a.held.splice(0)) nc.publish(a.req.replyTo, encodeFrame(f));
-      nc.publish(a.req.replyTo, encodeFrame(frame));
-      await nc.flush();
+      frames.resend(a.pending, true);
+      for (const f of a.held.splice(0)) frames.publish(a.pending, a.req.replyTo, f);
+      frames.publish(a.pending, a.req.replyTo, frame);
     }
+    await whenStored(a);
     resolveMessage(a, frame, resolve);
   };
 
@@ -419,12 +463,13 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
   };
 
   const newAttempt = (req: InferenceRequest, m: JsMsg, claim: RequestClaim, revision: number): Attempt => {
-    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], paused: !connected, resuming: false, concluding: false, nextSeq: 0 };
+    const a: Attempt = { req, msg: m, claim, revision, abort: new AbortController(), held: [], pending: new PendingFrames(), recorded: false, paused: !connected, resuming: false, concluding: false, nextSeq: 0 };
     live.add(a);
     stats.inFlight = live.size;
     return a;
   };
   const retire = (a: Attempt) => {
+    frames.forget(a.pending);
     live.delete(a);
     stats.inFlight = live.size;
   };
@@ -595,7 +640,18 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         let prior: ResponseFrame[] = [];
         {
           // No frame of the request is older than the request itself (stored at `since`).
-          const stored = await readStoredFrames(js, jsm, names.responseStream, req.replyTo, { since: m.info.timestampNanos / 1e6 });
+          let stored: Awaited<ReturnType<typeof readStoredFrames>>;
+          try {
+            stored = await readStoredFrames(js, jsm, names.responseStream, req.replyTo, { since: m.info.timestampNanos / 1e6 });
+          } catch (err) {
+            // The response stream has no leader (an election) or NATS is away: what was sent cannot
+            // be known yet. Hand it back for a retry soon rather than leave it to ack_wait; the
+            // next delivery takes over from our claim.
+            failed(`request ${req.id}: reading back its frames failed; retrying in ${retryDelayMs} ms`, err);
+            m.nak(retryDelayMs);
+            stats.nakked += 1;
+            return;
+          }
           prior = stored.frames;
           a.nextSeq = prior.length;
           if (prior.length > 0) {
@@ -757,6 +813,8 @@ export async function startBridge(opts: BridgeOptions): Promise<Bridge> {
         for (const a of live) abortAttempt(a, 'shutdown');
         await Promise.allSettled([...handlers]);
       }
+      clearInterval(sweep);
+      await frames.close();
       engine.close();
       cancelSub.unsubscribe();
       elected.unsubscribe();

@@ -28,6 +28,10 @@ export interface BridgeStats {
   /** Requests whose client went away (a gateway's cancel): the engine call stopped, or never made. */
   cancelled: number;
   heartbeatsMissed: number;
+  /** Frames published again: not acknowledged as stored in time, refused by the stream, or sent when the connection broke. */
+  framesResent: number;
+  /** Frames still not acknowledged as stored when their request was resolved (a response stream without a leader that long). */
+  framesUnstored: number;
   inFlight: number;
 }
 
@@ -52,6 +56,8 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   superseded: 'Attempts that found a later delivery owned their request.',
   cancelled: 'Requests whose client went away.',
   heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
+  framesResent: 'Response frames published again because the response stream had not acknowledged storing them.',
+  framesUnstored: 'Response frames never acknowledged as stored by the time their request was resolved.',
 };
 
 /** One bridge as {@link bridgeMetricsText} reports it. */
