@@ -1,7 +1,7 @@
 import { Connection } from '@temporalio/client';
 import { createServer, type Server } from 'node:net';
 import type { AddressInfo } from 'node:net';
-import { isTemporalUnreachable, temporalMetricsText, temporalReadyText, watchTemporal } from './temporal-health';
+import { isTemporalUnreachable, temporalMetricsText, temporalReadyText, temporalStartBackoffMs, unreachableHealth, untilTemporalAnswers, watchTemporal } from './temporal-health';
 
 /** A port that refuses connections: a listener opened and closed. */
 async function refusedPort(): Promise<number> {
@@ -45,5 +45,56 @@ describe('watchTemporal', () => {
     expect(isTemporalUnreachable(grpc(5))).toBe(false); // NOT_FOUND: it answered
     expect(isTemporalUnreachable(new Error('x'))).toBe(false);
     expect(temporalReadyText(undefined)).toBe('ok\n');
+  });
+});
+
+describe('untilTemporalAnswers (a worker starting while Temporal is away)', () => {
+  it('backs off 1 s, 2 s, then every 3 s', () => {
+    expect([1, 2, 3, 4, 10].map(temporalStartBackoffMs)).toEqual([1_000, 2_000, 3_000, 3_000, 3_000]);
+  });
+
+  it('a server that refuses: one attempt per backoff step, each failure told once with its reason, and a stop ends the wait at once', async () => {
+    const port = await refusedPort();
+    const stop = new AbortController();
+    const failures: { attempt: number; reason: string; retryInMs: number; at: number }[] = [];
+    const t0 = Date.now();
+    const waiting = untilTemporalAnswers(`127.0.0.1:${port}`, {
+      signal: stop.signal,
+      failures: 2, // carries on from an earlier wait's count
+      backoffMs: () => 200,
+      onFailure: (attempt, reason, retryInMs) => {
+        failures.push({ attempt, reason, retryInMs, at: Date.now() - t0 });
+        if (attempt === 6) setTimeout(() => stop.abort(new Error('stopped')), 50);
+      },
+    });
+    await expect(waiting).rejects.toThrow('stopped');
+    const stoppedIn = Date.now() - t0 - failures.at(-1)!.at;
+    expect(failures.map((f) => f.attempt)).toEqual([3, 4, 5, 6]);
+    expect(failures.every((f) => f.retryInMs === 200)).toBe(true);
+    // gRPC's own words, one line, no stack.
+    expect(failures[0]!.reason).toMatch(new RegExp(`ECONNREFUSED 127\\.0\\.0\\.1:${port}$`));
+    expect(failures[0]!.reason).not.toMatch(/\n|Resolution note|\s{4}at /);
+    // Never sooner than the backoff: no hot loop.
+    for (let i = 1; i < failures.length; i++) expect(failures[i]!.at - failures[i - 1]!.at).toBeGreaterThanOrEqual(195);
+    // The stop ends the sleep, not the next attempt.
+    expect(stoppedIn).toBeLessThan(150);
+  });
+
+  it('unreachableHealth: what /readyz and /metrics say while the start waits; a watch after it keeps counting', async () => {
+    const state = { since: Date.now() - 7_000, failures: 4 };
+    const health = unreachableHealth(state);
+    expect(health.reachable()).toBe(false);
+    expect(health.whileReachable().aborted).toBe(true);
+    expect(temporalReadyText(health)).toBe('degraded: Temporal unreachable for 7 s\n');
+    expect(temporalMetricsText('magus_worker', health)).toContain('magus_worker_temporal_reachable 0\n');
+    expect(temporalMetricsText('magus_worker', health)).toContain('magus_worker_temporal_probe_failures_total 4\n');
+    const connection = Connection.lazy({ address: `127.0.0.1:${await refusedPort()}` });
+    const watch = watchTemporal(connection, { failures: 4, timeoutMs: 300 });
+    try {
+      expect(watch.stats().failures).toBe(4);
+    } finally {
+      await watch.close();
+      await connection.close();
+    }
   });
 });

@@ -9,8 +9,10 @@
  *   of the server (with the channel's reconnect backoff capped below: grpc-js's default grows to
  *   2 minutes, and a call made while it waits fails without trying).
  * Nothing here retries a request: at most one probe RPC every {@link TemporalHealthOptions.downIntervalMs}.
+ * A worker that starts while Temporal is away waits for it with {@link untilTemporalAnswers} (one
+ * attempt, then 1 s, 2 s and every 3 s after it), showing {@link unreachableHealth} meanwhile.
  */
-import { isGrpcServiceError, type Connection, type ConnectionOptions } from '@temporalio/client';
+import { Connection, isGrpcServiceError, type ConnectionOptions } from '@temporalio/client';
 
 /** The gRPC status codes used here (grpc-js's `status` enum). */
 const GrpcStatus = { DEADLINE_EXCEEDED: 4, UNIMPLEMENTED: 12, UNAVAILABLE: 14 } as const;
@@ -37,6 +39,11 @@ export interface TemporalHealthOptions {
   timeoutMs?: number;
   /** Told when reachability changes (first probe included). */
   onChange?: (reachable: boolean) => void;
+  /**
+   * Probe failures counted before this watch (a worker's attempts at its start while it waited
+   * for Temporal: {@link untilTemporalAnswers}), so the failures counter never goes back.
+   */
+  failures?: number;
 }
 
 export interface TemporalHealth {
@@ -64,7 +71,7 @@ export function watchTemporal(connection: Connection, opts: TemporalHealthOption
   /** When it last became unreachable. */
   let since: number | undefined;
   let probes = 0;
-  let failures = 0;
+  let failures = opts.failures ?? 0;
   let closed = false;
   let timer: NodeJS.Timeout | undefined;
   let inflight: Promise<void> | undefined;
@@ -125,6 +132,111 @@ export function watchTemporal(connection: Connection, opts: TemporalHealthOption
   };
 }
 
+/** How long a start waits after its `failures`-th failed attempt to reach Temporal: 1 s, 2 s, then 3 s (the channel's reconnect cap above). */
+export function temporalStartBackoffMs(failures: number): number {
+  return Math.min(1_000 * 2 ** Math.max(0, failures - 1), 3_000);
+}
+
+export interface TemporalWaitOptions {
+  /** Ends the wait: it rejects with the signal's reason. */
+  signal?: AbortSignal;
+  /** Deadline of one attempt (default 2 s, as a probe's). */
+  timeoutMs?: number;
+  /** Failed attempts before this wait: the numbering and the backoff carry on from them. */
+  failures?: number;
+  /** Told after each failed attempt: its number (1, 2, …), why (one line), and the delay before the next. */
+  onFailure?: (attempt: number, reason: string, retryInMs: number) => void;
+  /** The delay after the n-th failed attempt (default {@link temporalStartBackoffMs}). */
+  backoffMs?: (failures: number) => number;
+}
+
+/**
+ * Waits until Temporal at `address` answers, for a process that has nothing to do without it (a
+ * worker at its start; see workers/worker.ts). Its own channel (without the client's retries,
+ * closed once Temporal answers) connects at once and, after a failure, again 1 s later, then at
+ * most every 3 s (gRPC's reconnect backoff: 1 s × 1.6 up to 3 s, jittered); an attempt — a
+ * `GetSystemInfo` under a short deadline — follows 1 s after the first failed one, 2 s after the
+ * second, then every 3 s, or as soon as the channel connects. So attempts are counted and bounded
+ * by the time waited, never a hot loop, and Temporal is seen back within ~3 s. Only "unreachable"
+ * (UNAVAILABLE, DEADLINE_EXCEEDED) is waited out: any other answer comes from a server, and what
+ * the caller asks next says what is wrong (a namespace that does not exist, say). Resolves with
+ * the number of failed attempts so far (`failures` included); rejects at once when the signal
+ * aborts, whatever the attempt is waiting on (with its reason, as an Error).
+ */
+export async function untilTemporalAnswers(address: string, opts: TemporalWaitOptions = {}): Promise<number> {
+  const timeoutMs = opts.timeoutMs ?? 2_000;
+  const backoff = opts.backoffMs ?? temporalStartBackoffMs;
+  const { signal } = opts;
+  let failures = opts.failures ?? 0;
+  if (signal?.aborted) throw stopped(signal);
+  // `lazy` builds `new this(…)`: a ProbeConnection.
+  const probe = ProbeConnection.lazy({ address, channelArgs: { ...TEMPORAL_CHANNEL_ARGS, 'grpc.initial_reconnect_backoff_ms': 1_000 }, interceptors: [] }) as ProbeConnection;
+  let onAbort: (() => void) | undefined;
+  const aborted = new Promise<never>((_, reject) => {
+    onAbort = () => reject(stopped(signal!));
+    signal?.addEventListener('abort', onAbort, { once: true });
+  });
+  aborted.catch(() => undefined); // raced below; nobody may be waiting on it when it rejects
+  try {
+    for (;;) {
+      let reason: string | undefined;
+      try {
+        await Promise.race([probe.withDeadline(Date.now() + timeoutMs, () => probe.workflowService.getSystemInfo({})), aborted]);
+      } catch (err) {
+        if (signal?.aborted) throw stopped(signal);
+        if (isTemporalUnreachable(err)) reason = unreachableReason(err, timeoutMs);
+      }
+      if (reason === undefined) return failures;
+      failures++;
+      const retryInMs = backoff(failures);
+      opts.onFailure?.(failures, reason, retryInMs);
+      // Until the next attempt, or until the channel, reconnecting by itself, is up.
+      await Promise.race([probe.connected(Date.now() + retryInMs).catch(() => undefined), aborted]);
+    }
+  } finally {
+    if (onAbort) signal?.removeEventListener('abort', onAbort);
+    await probe.close();
+  }
+}
+
+/** What a stopped wait rejects with: the signal's reason, made an Error if it is not one (a signal's name, say). */
+function stopped(signal: AbortSignal): Error {
+  const reason: unknown = signal.reason;
+  return reason instanceof Error ? reason : new Error(`stopped (${String(reason)})`);
+}
+
+/** A client connection that can wait for its channel to connect (the SDK keeps that to itself). */
+class ProbeConnection extends Connection {
+  /** Resolves once the channel is connected; rejects at `deadline` if it is not. */
+  connected(deadline: number): Promise<void> {
+    return this.untilReady(deadline);
+  }
+}
+
+/** One line saying why an attempt failed: gRPC's own words (`connect ECONNREFUSED …`, `Name resolution failed …`), or no answer in time. */
+function unreachableReason(err: unknown, timeoutMs: number): string {
+  const e = err as { code?: number; details?: string; message?: string };
+  if (e.code === GrpcStatus.DEADLINE_EXCEEDED) return `no answer within ${timeoutMs / 1000} s`;
+  const text = (e.details || e.message || String(err)).split('\n')[0]!;
+  return text.replace(/\.?\s*Resolution note:\s*$/, '').replace('Last error: Error: ', 'Last error: ');
+}
+
+/**
+ * The {@link TemporalHealth} of a process waiting for Temporal at its start: unreachable since
+ * `state.since`, with `state.failures` failed attempts (both kept by the caller); it probes nothing.
+ */
+export function unreachableHealth(state: { readonly since: number; readonly failures: number }): TemporalHealth {
+  const gone = new AbortController();
+  gone.abort(new Error('Temporal is unreachable'));
+  return {
+    reachable: () => false,
+    markUnreachable: () => undefined,
+    whileReachable: () => gone.signal,
+    stats: () => ({ probes: state.failures, failures: state.failures, since: state.since }),
+    close: () => Promise.resolve(),
+  };
+}
+
 /** gRPC codes of a server that cannot be reached or did not answer in time. */
 const UNREACHABLE = new Set<number>([GrpcStatus.UNAVAILABLE, GrpcStatus.DEADLINE_EXCEEDED]);
 
@@ -158,7 +270,7 @@ export function temporalMetricsText(prefix: string, health: TemporalHealth | und
     `# HELP ${prefix}_temporal_reachable Whether Temporal answered the last probe (1) or not (0).`,
     `# TYPE ${prefix}_temporal_reachable gauge`,
     `${prefix}_temporal_reachable ${health.reachable() ? 1 : 0}`,
-    `# HELP ${prefix}_temporal_probe_failures_total Temporal probes that found it unreachable (one every 2 s at most while it is away).`,
+    `# HELP ${prefix}_temporal_probe_failures_total Temporal probes that found it unreachable: one every 2 s at most while it is away (a starting worker's connection attempts: 1 s, 2 s, then 3 s apart).`,
     `# TYPE ${prefix}_temporal_probe_failures_total counter`,
     `${prefix}_temporal_probe_failures_total ${health.stats().failures}`,
     '',
