@@ -236,36 +236,53 @@ async function configErrors(fn: () => Promise<number>): Promise<number> {
  * `magus worker`: runs until SIGINT/SIGTERM, then stops gracefully. The Temporal SDK's metrics
  * are exported for Prometheus on MAGUS_METRICS_ADDRESS (default 127.0.0.1:9464, `/metrics`), and
  * MAGUS_HEALTH_ADDRESS (default 127.0.0.1:9465) answers `/healthz`, `/readyz` and `/metrics`
- * (the bridges of the local runtime's instances).
+ * (the bridges of the local runtime's instances). Started while Temporal is away, it waits for it
+ * (`/readyz` 200 `degraded: …` meanwhile, as when Temporal goes away later) and a stop ends the wait.
  */
-function workerCommand(): Promise<number> {
+function workerCommand(stop: AbortSignal): Promise<number> {
   return configErrors(async () => {
     const cfg = loadConfig();
     const metrics = process.env.MAGUS_METRICS_ADDRESS ?? '127.0.0.1:9464';
     load.temporalWorker().Runtime.install({ logger: load.worker().workerLogger(), telemetryOptions: { metrics: { prometheus: { bindAddress: metrics } } } });
     let ready = false;
     let workers: WorkerModule.RunningWorkers | undefined = undefined; // set once they run; /metrics reads it
+    let temporal: TemporalHealthModule.TemporalHealth | undefined = undefined; // the workers', or the start's while it waits for Temporal
     const [host, port] = (process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9465').split(':');
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', workers?.temporal));
+        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal));
       }
-      // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves; workers/temporal-health.ts).
-      if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(workers?.temporal));
+      // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; workers/temporal-health.ts).
+      if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));
       const ok = req.url === '/healthz';
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
     });
     await new Promise<void>((ok) => health.listen(Number(port), host, ok));
-    workers = await load.worker().startWorkers(cfg);
+    try {
+      workers = await load.worker().startWorkers(cfg, undefined, {
+        signal: stop,
+        onWaitingForTemporal: (waiting) => {
+          temporal = waiting;
+          ready = true;
+        },
+      });
+    } catch (err) {
+      health.close();
+      if (!stop.aborted) throw err;
+      process.stderr.write('magus worker: stopped before Temporal answered\n');
+      return 0;
+    }
+    temporal = workers.temporal;
     ready = true;
     process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
-    const stop = () => {
+    const running = workers;
+    const stopWorkers = () => {
       ready = false;
-      void workers.shutdown();
+      void running.shutdown();
     };
-    process.once('SIGINT', stop);
-    process.once('SIGTERM', stop);
+    if (stop.aborted) stopWorkers();
+    else stop.addEventListener('abort', stopWorkers, { once: true });
     await workers.done;
     health.close();
     return 0;
@@ -375,7 +392,7 @@ async function runLongRunning(mode: Mode, rest: string[], stop: AbortSignal): Pr
   }
   switch (mode) {
     case 'worker':
-      return workerCommand();
+      return workerCommand(stop);
     case 'engine':
       return load.engine().engineCommand(rest);
     case 'bridge':

@@ -9,7 +9,7 @@ import { hostname } from 'node:os';
 import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
-import { DefaultLogger, NativeConnection, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
+import { DefaultLogger, NativeConnection, TransportError, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
 import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
@@ -24,7 +24,7 @@ import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/co
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import { dataPlaneEnv, natsServerList, type MagusConfig } from './config';
-import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from './temporal-health';
+import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from './temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
 const GrpcStatus = { PERMISSION_DENIED: 7, UNIMPLEMENTED: 12 } as const;
@@ -146,11 +146,39 @@ export interface WorkerDeps {
   kube?: KubeConfig;
 }
 
-export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: kubeConfigFromEnv() }): Promise<RunningWorkers> {
-  const connection = await Connection.connect({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+export interface StartOptions {
+  /**
+   * Ends a start that waits for Temporal (a stop asked for meanwhile): startWorkers stops what it
+   * started (NATS, S3, the runtime) and rejects with the signal's reason.
+   */
+  signal?: AbortSignal;
+  /**
+   * Told when Temporal does not answer the start's first attempt (not at all when it does): the
+   * health to show while the start waits for it (unreachable, failed attempts counted). Until
+   * Temporal answers, the Temporal workers do not exist; everything else is up.
+   */
+  onWaitingForTemporal?: (health: TemporalHealth) => void;
+  /** The start's own lines (each failed attempt, Temporal answering); default stderr (`magus worker: …`). */
+  log?: (line: string) => void;
+  /**
+   * false: an unreachable Temporal fails the start at its first attempt instead (`magus dev`,
+   * which has just started its own and would only hide its crash by waiting). Default true.
+   */
+  waitForTemporal?: boolean;
+}
+
+/**
+ * Starts the worker: NATS, S3, the data plane and the runtime first, then — once Temporal
+ * answers — its search attributes and the Temporal workers. While Temporal is unreachable the
+ * start waits for it (untilTemporalAnswers: one attempt, then 1 s, 2 s and every 3 s after it,
+ * each failure logged), as a running worker's pollers do; anything else Temporal says (a
+ * namespace that does not exist, a search attribute it may not add) fails the start as before.
+ */
+export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: kubeConfigFromEnv() }, opts: StartOptions = {}): Promise<RunningWorkers> {
+  const log = opts.log ?? ((line: string) => void process.stderr.write(`magus worker: ${line}\n`));
+  // Lazy: nothing waits on Temporal before the Temporal workers need it (connectTemporal, below).
+  const connection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
-  await ensureSearchAttributes(connection, cfg.temporal.namespace);
-  const workerConnection = await NativeConnection.connect({ address: cfg.temporal.address });
   // Reconnects for ever: the local runtime's bridges and the serving activities live on this connection.
   const nc: NatsConnection = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-worker', maxReconnectAttempts: -1, noAsyncTraces: true });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
@@ -205,6 +233,19 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     convertThreads: cfg.convertThreads,
     transfer: { partSize: cfg.transferPartSize },
   });
+
+  // Everything above runs without Temporal; from here on the workers need it.
+  let temporalFailures: number;
+  let workerConnection: NativeConnection;
+  try {
+    ({ failures: temporalFailures, native: workerConnection } = await connectTemporal(cfg, connection, opts, log));
+  } catch (err) {
+    await runtime.stopAll().catch(() => undefined);
+    await connection.close();
+    await nc.drain().catch(() => undefined);
+    s3.destroy();
+    throw err;
+  }
 
   // MAGUS_WORKER_QUEUES: a Deployment per queue scales and sizes them apart (the chart does).
   const polls = (q: 'control' | 'pipeline') => (cfg.queues ?? 'all') === 'all' || cfg.queues === q;
@@ -263,7 +304,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   }
 
   const running = [control, pipeline, own].filter((w): w is Worker => w !== undefined);
-  const temporalHealth = watchTemporal(connection);
+  const temporalHealth = watchTemporal(connection, { failures: temporalFailures });
   const done = Promise.all(running.map((w) => w.run())).then(async () => {
     await temporalHealth.close();
     if (advertTimer) {
@@ -288,4 +329,37 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
       await done;
     },
   };
+}
+
+/**
+ * Waits until Temporal answers (untilTemporalAnswers), then registers the search attributes and
+ * opens the workers' connection; if Temporal goes away again in between, waits again. Only
+ * "unreachable" waits: any other error is thrown (the start fails, as it always did).
+ */
+async function connectTemporal(cfg: MagusConfig, connection: Connection, opts: StartOptions, log: (line: string) => void): Promise<{ failures: number; native: NativeConnection }> {
+  const { address, namespace } = cfg.temporal;
+  const waiting = { since: 0, failures: 0 };
+  const failed = (attempt: number, reason: string, retryInMs?: number) => {
+    if (opts.waitForTemporal === false) throw new Error(`Temporal at ${address} is unreachable: ${reason}`);
+    waiting.failures = attempt;
+    if (attempt === 1) {
+      waiting.since = Date.now();
+      opts.onWaitingForTemporal?.(unreachableHealth(waiting));
+    }
+    const next = retryInMs === undefined ? 'trying again' : `next attempt in ${retryInMs / 1000} s`;
+    log(`Temporal at ${address} is unreachable (attempt ${attempt}: ${reason}); ${next}${attempt === 1 ? ', the task queues are polled once it answers' : ''}`);
+  };
+  for (;;) {
+    waiting.failures = await untilTemporalAnswers(address, { signal: opts.signal, failures: waiting.failures, onFailure: failed });
+    try {
+      await ensureSearchAttributes(connection, namespace);
+      const native = await NativeConnection.connect({ address });
+      if (waiting.failures > 0) log(`Temporal at ${address} answers, after ${waiting.failures} failed attempt${waiting.failures === 1 ? '' : 's'} in ${Math.round((Date.now() - waiting.since) / 1000)} s`);
+      return { failures: waiting.failures, native };
+    } catch (err) {
+      // Gone again between the answer and these calls: wait again.
+      if (!isTemporalUnreachable(err) && !(err instanceof TransportError)) throw err;
+      failed(waiting.failures + 1, (err as Error).message.split('\n')[0]!);
+    }
+  }
 }

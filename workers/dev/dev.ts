@@ -222,7 +222,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
     await forgetEngines(cfg, kc);
     interrupted();
 
-    workers = await startWorkers(cfg, { kube: kc });
+    // Its own Temporal has just answered: if it is gone already, say so rather than wait for it.
+    workers = await startWorkers(cfg, { kube: kc }, { waitForTemporal: false });
     const started = workers;
     // The engines (already stopping since the signal), then the Temporal workers: the worker's
     // shutdown closes the NATS connection the engines' bridges and consumers still use.
