@@ -58,8 +58,13 @@ describe('request validation', () => {
     ['string max_tokens (no coercion)', 'max_tokens', userTurn('hi', { max_tokens: '12' })],
     ['temperature out of range', 'temperature', userTurn('hi', { temperature: 3 })],
     ['n < 1', 'n', userTurn('hi', { n: 0 })],
-    ['null user content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'assistant', content: null }, { role: 'user', content: null }] }],
+    ['an empty stop text (the engines refuse it)', 'stop', userTurn('hi', { stop: ['x', ''] })],
+    ['missing role', 'messages[0].role', { model: 'tiny', messages: [{ content: 'hi' }] }],
+    ['role not a string', 'messages[0].role', { model: 'tiny', messages: [{ role: 5, content: 'hi' }] }],
+    ['null user content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'assistant', content: 'hello' }, { role: 'user', content: null }] }],
     ['null system content', 'messages[0].content', { model: 'tiny', messages: [{ role: 'system', content: null }, { role: 'user', content: 'hi' }] }],
+    ['null assistant content without tool calls', 'messages[0].content', { model: 'tiny', messages: [{ role: 'assistant', content: null }, { role: 'user', content: 'hi' }] }],
+    ['null assistant content beside an empty tool_calls', 'messages[0].content', { model: 'tiny', messages: [{ role: 'assistant', content: null, tool_calls: [] }, { role: 'user', content: 'hi' }] }],
     ['stream not boolean', 'stream', userTurn('hi', { stream: 'yes' })],
   ])('%s → 400 naming %s', async (_name, param, body) => {
     const res = await chat(body);
@@ -73,8 +78,8 @@ describe('request validation', () => {
   it.each([
     ['tools', { tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }],
     ['functions', { functions: [{ name: 'f', parameters: {} }] }],
-    ['response_format', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: {} } } }],
-    ['response_format', { response_format: { type: 'json_object' } }],
+    ['response_format.type', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: {} } } }],
+    ['response_format.type', { response_format: { type: 'json_object' } }],
     ['logprobs', { logprobs: true, top_logprobs: 2 }],
     ['n', { n: 5 }],
   ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
@@ -84,19 +89,52 @@ describe('request validation', () => {
     expect(t.broker.calls).toHaveLength(0);
   });
 
-  it('their empty or plain forms are fine: no tools, text format, no logprobs', async () => {
-    const res = await chat(userTurn('hi', { tools: [], functions: [], response_format: { type: 'text' }, logprobs: false, tool_choice: 'none' }));
-    expect(res.statusCode).toBe(200);
+  it.each([
+    ['tools', { tools: 'f' }, 'must be null or an empty list'],
+    ['functions', { functions: {} }, 'must be null or an empty list'],
+    ['response_format', { response_format: {} }, 'must be null or {"type": "text"}'],
+    ['response_format', { response_format: { type: 5 } }, 'must be null or {"type": "text"}'],
+    ['logprobs', { logprobs: 'yes' }, 'must be null or false'],
+    ['n', { n: 0 }, 'must be >= 1'],
+  ])('those fields malformed (%s) → 400 invalid_value, saying what they must be', async (param, extra, what) => {
+    const res = await chat(userTurn('hi', extra));
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toEqual({ type: 'invalid_request_error', param, code: 'invalid_value', message: `Invalid request: ${param} ${what}.` });
   });
 
-  it('accepts null content from the assistant (as OpenAI does, e.g. beside tool_calls) and forwards it empty', async () => {
+  it('their empty, plain or null forms are fine: no tools, text format, no logprobs, one choice', async () => {
+    const res = await chat(userTurn('hi', { tools: [], functions: [], response_format: { type: 'text' }, logprobs: false, tool_choice: 'none', n: 1 }));
+    expect(res.statusCode).toBe(200);
+    const nulls = await chat(userTurn('hi', { tools: null, functions: null, response_format: null, logprobs: null }));
+    expect(nulls.statusCode).toBe(200);
+  });
+
+  it.each([
+    ['user', { role: 'user', content: null }, 'messages[0].content must be a string or a list of text parts'],
+    ['system', { role: 'system', content: null }, 'messages[0].content must be a string or a list of text parts'],
+    ['assistant, no tool calls', { role: 'assistant', content: null }, 'messages[0].content must be a string or a list of text parts (null only beside tool_calls or function_call)'],
+  ])('null content (%s) → 400 invalid_value naming the field and what it must be', async (_who, message, text) => {
+    const res = await chat({ model: 'tiny', messages: [message, { role: 'user', content: 'hi' }] });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toEqual({ type: 'invalid_request_error', code: 'invalid_value', param: 'messages[0].content', message: `Invalid request: ${text}.` });
+    expect(t.broker.calls).toHaveLength(0);
+  });
+
+  it('a role outside system, user, assistant → 400 listing them (`tool` too: magus runs no tools)', async () => {
+    const res = await chat({ model: 'tiny', messages: [{ role: 'tool', tool_call_id: 'c1', content: '42' }] });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ param: 'messages[0].role', message: 'Invalid request: messages[0].role must be one of "system", "user", "assistant".' });
+  });
+
+  it("accepts the assistant's null content beside its tool calls (as OpenAI does) and forwards the turn empty, without the calls", async () => {
     const res = await chat({
       model: 'tiny',
       n: 1,
       messages: [
         { role: 'user', content: 'hi' },
         { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] },
-        { role: 'assistant', content: null },
+        { role: 'assistant', content: null, function_call: { name: 'f', arguments: '{}' } },
+        { role: 'assistant', content: 'text beside calls', tool_calls: [] },
         { role: 'user', content: 'again' },
       ],
     });
@@ -105,6 +143,7 @@ describe('request validation', () => {
       { role: 'user', content: 'hi' },
       { role: 'assistant', content: '' },
       { role: 'assistant', content: '' },
+      { role: 'assistant', content: 'text beside calls' },
       { role: 'user', content: 'again' },
     ]);
   });

@@ -27,16 +27,19 @@ const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
 const MAX_PARAM_LENGTH = 512;
 
 /**
- * Server options the app relies on: no type coercion (a string is not a number in a JSON body),
- * the `authorization` header never reaches a log line, and one access-log line per request (the
- * app's onResponse hook) instead of fastify's two; a request Node's HTTP parser refuses, or
- * fastify's router (a malformed or too long path), is answered in OpenAI's error shape too.
+ * Server options the app relies on: no type coercion (a string is not a number in a JSON body);
+ * Ajv's `discriminator` (a chat message's schema is chosen by its `role`) and `verbose` (a failed
+ * check carries its schema, whose `description` or `x-unsupported` — an annotation Ajv is told
+ * of — words the 400: plugins/errors.ts); the `authorization` header never reaches a log line,
+ * and one access-log line per request (the app's onResponse hook) instead of fastify's two; a
+ * request Node's HTTP parser refuses, or fastify's router (a malformed or too long path), is
+ * answered in OpenAI's error shape too.
  */
 export const options = {
   clientErrorHandler,
   frameworkErrors,
   routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
-  ajv: { customOptions: { coerceTypes: false } },
+  ajv: { customOptions: { coerceTypes: false, discriminator: true, verbose: true, keywords: ['x-unsupported'] } },
   logController: new LogController({ disableRequestLogging: true }),
   logger: {
     redact: {

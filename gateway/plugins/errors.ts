@@ -108,28 +108,61 @@ function retryAfterOf(err: unknown, fallback: number): number {
 
 interface AjvError {
   instancePath?: string;
+  schemaPath?: string;
   keyword?: string;
   message?: string;
-  params?: { missingProperty?: string; allowedValues?: unknown[] };
+  params?: { missingProperty?: string; allowedValues?: unknown[]; tag?: string };
+  /** The schema holding the failed keyword (Ajv's `verbose`, app.ts). */
+  parentSchema?: { description?: unknown; oneOf?: unknown; 'x-unsupported'?: Record<string, unknown> };
 }
 
 /** `/messages/0/role` → `messages[0].role` (OpenAI names params the way the client wrote them). */
 function paramOf(e: AjvError, context: string | undefined): string | null {
   const segments = (e.instancePath ?? '').split('/').slice(1).map((s) => s.replace(/~1/g, '/').replace(/~0/g, '~'));
   if (e.keyword === 'required' && e.params?.missingProperty) segments.push(e.params.missingProperty);
+  // A `discriminator` (a message's `role`) that is missing a branch names the object; the param is its tag.
+  if (e.keyword === 'discriminator' && e.params?.tag) segments.push(e.params.tag);
   let out = '';
   for (const s of segments) out += /^\d+$/.test(s) ? `[${s}]` : out === '' ? s : `.${s}`;
   if (out === '') return context === 'body' || context === undefined ? null : context;
   return out;
 }
 
+/** The values a `discriminator`'s tag may take: each `oneOf` branch's `const` or `enum` for it. */
+function tagValues(e: AjvError): unknown[] {
+  const branches = Array.isArray(e.parentSchema?.oneOf) ? (e.parentSchema.oneOf as { properties?: Record<string, { const?: unknown; enum?: unknown[] }> }[]) : [];
+  return branches.flatMap((b) => {
+    const p = b.properties?.[e.params?.tag ?? ''];
+    return p?.enum ?? (p && 'const' in p ? [p.const] : []);
+  });
+}
+
+/** What is wrong with the value Ajv's first error points at, as the rest of "<param> …". */
+function problemOf(errs: readonly AjvError[]): string {
+  const first = errs[0] ?? {};
+  if (first.keyword === 'required') return 'is required';
+  if (first.keyword === 'enum' && Array.isArray(first.params?.allowedValues)) return `must be one of ${first.params.allowedValues.map((v) => JSON.stringify(v)).join(', ')}`;
+  if (first.keyword === 'discriminator') return `must be one of ${tagValues(first).map((v) => JSON.stringify(v)).join(', ')}`;
+  // A value whose schema describes it (a message's content: several shapes, so Ajv's own words
+  // would name one, "must be string"): what it must be, in the schema's words.
+  const described = errs.filter((e) => e.instancePath === first.instancePath && typeof e.parentSchema?.description === 'string').at(-1);
+  if (described) return `must be ${described.parentSchema!.description as string}`;
+  return first.message ?? 'is invalid';
+}
+
 function validationError(err: FastifyError): GatewayError {
-  const first = (err.validation?.[0] ?? {}) as AjvError;
-  const param = paramOf(first, err.validationContext);
-  let what = first.keyword === 'required' ? 'is required' : (first.message ?? 'is invalid');
-  if (first.keyword === 'enum' && Array.isArray(first.params?.allowedValues)) what = `must be one of ${first.params.allowedValues.map((v) => JSON.stringify(v)).join(', ')}`;
+  const errs = (err.validation ?? []) as AjvError[];
+  // A value that asks for an answer magus cannot give (schemas/chat.ts `unsupported`): its own 400,
+  // when that keyword is all its schema refused (not, say, a wrong type as well).
+  const schemaOf = (e: AjvError) => `${e.instancePath ?? ''} ${(e.schemaPath ?? '').replace(/\/[^/]*$/, '')}`;
+  for (const e of errs) {
+    const message = e.parentSchema?.['x-unsupported']?.[e.keyword ?? ''];
+    if (typeof message !== 'string' || errs.some((o) => o !== e && schemaOf(o) === schemaOf(e))) continue;
+    return errors.invalid(message, paramOf(e, err.validationContext), 'unsupported_feature');
+  }
+  const param = paramOf(errs[0] ?? {}, err.validationContext);
   const where = err.validationContext === 'headers' ? `header ${param ?? ''}` : (param ?? 'body');
-  return errors.invalid(`Invalid request: ${where} ${what}.`, param, 'invalid_value');
+  return errors.invalid(`Invalid request: ${where} ${problemOf(errs)}.`, param, 'invalid_value');
 }
 
 /** Maps anything thrown to the {@link GatewayError} that answers it. */

@@ -11,9 +11,9 @@ import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
-import { chatCompletionSchema, nullContent, unsupportedFeature, type ChatCompletionBody } from '../schemas/chat';
+import { chatCompletionSchema, type ChatCompletionBody } from '../schemas/chat';
 
-/** Flattens OpenAI text parts; engines take one string per message (an assistant's `null` is empty). */
+/** Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside its tool calls is empty). */
 function toMessages(body: ChatCompletionBody): ChatMessage[] {
   return body.messages.map((m) => ({ role: m.role, content: m.content === null ? '' : typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') }));
 }
@@ -45,10 +45,6 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
     { schema: chatCompletionSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
     async (request, reply: FastifyReply) => {
       const body = request.body;
-      const unsupported = unsupportedFeature(body as unknown as Record<string, unknown>);
-      if (unsupported) throw errors.invalid(unsupported.message, unsupported.param, 'unsupported_feature');
-      const badNull = nullContent(body);
-      if (badNull) throw errors.invalid(badNull.message, badNull.param, 'invalid_value');
       const principal = request.principal!;
       const model = await g.models.find(body.model);
       if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(body.model);

@@ -1,9 +1,10 @@
 /**
  * `POST /v1/chat/completions`: the request body magus accepts (compiled once at start-up by
- * fastify's validator) and its response. Fields OpenAI defines that only tune sampling
- * (penalties, `logit_bias`, `user` …) are accepted and ignored, so stock clients work; fields
- * that ask for a different kind of answer — tool calls, structured output, log-probabilities,
- * several choices — are refused with a 400 naming the field ({@link unsupportedFeature}), since
+ * fastify's validator, and published as is in the OpenAPI description) and its response. Fields
+ * OpenAI defines that only tune sampling (penalties, `logit_bias`, `user` …) are accepted and
+ * ignored, so stock clients work; fields that ask for a different kind of answer — tool calls,
+ * structured output, log-probabilities, several choices — accept only their empty or plain form
+ * ({@link unsupported}): anything else is a 400 `unsupported_feature` naming the field, since
  * answering them with plain text would be a silent failure. Only the fields below reach the engine.
  */
 import { SESSION_ID_PATTERN } from '../plugins/conversation';
@@ -15,17 +16,69 @@ const textPart = {
   properties: { type: { type: 'string', enum: ['text'] }, text: { type: 'string' } },
 } as const;
 
-const message = {
+// A `description` on a checked value completes the sentence "<param> must be …" of its 400
+// (plugins/errors.ts), and tells readers of the OpenAPI description the same.
+
+/** A message's text: a string, or OpenAI's list of text parts (joined before forwarding). */
+const text = [{ type: 'string' }, { type: 'array', maxItems: 1024, items: textPart }] as const;
+const name = { type: 'string', maxLength: 256 } as const;
+
+/** `system` and `user` messages: `content` is required and never null (OpenAI refuses null too). */
+const promptMessage = {
   type: 'object',
   required: ['role', 'content'],
   properties: {
-    role: { type: 'string', enum: ['system', 'user', 'assistant'] },
-    // A string, or OpenAI's list of text parts (joined before forwarding); `null` only from the
-    // assistant (OpenAI clients send it with `tool_calls`), checked by {@link nullContent}.
-    content: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 1024, items: textPart }, { type: 'null' }] },
-    name: { type: 'string', maxLength: 256 },
+    role: { type: 'string', enum: ['system', 'user'] },
+    content: { description: 'a string or a list of text parts', anyOf: text },
+    name,
   },
 } as const;
+
+/**
+ * The assistant's own earlier turns. OpenAI's rule: `content` may be null only beside `tool_calls`
+ * (or the older `function_call`), the shape OpenAI clients replay a tool-calling turn in. magus
+ * runs no tools (a request with `tools` is {@link unsupported}): those calls are accepted
+ * as history and not forwarded; the engine sees the turn's text, `""` for null.
+ */
+const assistantMessage = {
+  type: 'object',
+  required: ['role', 'content'],
+  properties: {
+    role: { type: 'string', enum: ['assistant'] },
+    content: { description: 'a string, a list of text parts, or null beside tool_calls', anyOf: [...text, { type: 'null' }] },
+    name,
+    tool_calls: { type: 'array', items: { type: 'object' } },
+    function_call: { type: 'object' },
+  },
+  // Text, or calls: a null content needs at least one tool call (or a function call) beside it.
+  anyOf: [
+    { properties: { content: { description: 'a string or a list of text parts (null only beside tool_calls or function_call)', not: { type: 'null' } } } },
+    { required: ['tool_calls'], properties: { tool_calls: { type: 'array', minItems: 1 } } },
+    { required: ['function_call'] },
+  ],
+} as const;
+
+/**
+ * One message, by its `role` (Ajv's `discriminator`: only the schema of the message's own role
+ * is checked, so a 400 names what is wrong in it, not a mismatch with every role).
+ */
+const message = {
+  type: 'object',
+  required: ['role'],
+  discriminator: { propertyName: 'role' },
+  oneOf: [promptMessage, assistantMessage],
+} as const;
+
+/**
+ * The schema of a field whose other values ask for an answer magus cannot give (a valid OpenAI
+ * request, not a malformed value: OpenAI accepts any n ≥ 1, so clients read `unsupported_feature`
+ * as "this server", not "my request"): failing `keyword` is a 400 `unsupported_feature` with
+ * `message` (plugins/errors.ts reads `x-unsupported`); failing another (a wrong type) is
+ * `invalid_value`, as anywhere else.
+ */
+function unsupported<S extends object, K extends keyof S & string>(schema: S, keyword: K, message: string): S & { 'x-unsupported': { readonly [k in K]: string } } {
+  return { ...schema, 'x-unsupported': { [keyword]: message } as { [k in K]: string } };
+}
 
 export const chatCompletionBody = {
   type: 'object',
@@ -42,40 +95,30 @@ export const chatCompletionBody = {
     temperature: { type: 'number', minimum: 0, maximum: 2 },
     top_p: { type: 'number', minimum: 0, maximum: 1 },
     seed: { type: 'integer' },
-    stop: { anyOf: [{ type: 'string' }, { type: 'array', maxItems: 4, items: { type: 'string' } }] },
-    /** Only one choice per request: more is {@link unsupportedFeature}. */
-    n: { type: 'integer', minimum: 1 },
+    // Not empty: the engines refuse an empty stop text (workers/engine/api.ts).
+    stop: { description: 'a non-empty string or a list of up to 4', anyOf: [{ type: 'string', minLength: 1 }, { type: 'array', maxItems: 4, items: { type: 'string', minLength: 1 } }] },
+    /** Only one choice per request: more is {@link unsupported}. */
+    n: unsupported({ type: 'integer', minimum: 1, maximum: 1 }, 'maximum', 'Only one choice per request is supported by this server; send `n: 1` or leave it out.'),
     /** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
     stream_options: { anyOf: [{ type: 'null' }, { type: 'object', properties: { include_usage: { type: 'boolean' } } }] },
     user: { type: 'string', maxLength: 256 },
+    // What magus's engines do not offer: accepted only empty, plain or null.
+    tools: { description: 'null or an empty list', anyOf: [{ type: 'null' }, unsupported({ type: 'array', maxItems: 0 }, 'maxItems', 'Tool calls are not supported by this server; send the request without `tools`.')] },
+    functions: { description: 'null or an empty list', anyOf: [{ type: 'null' }, unsupported({ type: 'array', maxItems: 0 }, 'maxItems', 'Function calls are not supported by this server; send the request without `functions`.')] },
+    response_format: {
+      description: 'null or {"type": "text"}',
+      anyOf: [
+        { type: 'null' },
+        {
+          type: 'object',
+          required: ['type'],
+          properties: { type: unsupported({ type: 'string', enum: ['text'] }, 'enum', 'Structured output is not supported by this server; only `{"type": "text"}` is.') },
+        },
+      ],
+    },
+    logprobs: { description: 'null or false', anyOf: [{ type: 'null' }, unsupported({ type: 'boolean', enum: [false] }, 'enum', 'Log-probabilities are not supported by this server.')] },
   },
 } as const;
-
-/** A feature the request asks for that magus's engines do not offer: the field and why. */
-export function unsupportedFeature(body: Readonly<Record<string, unknown>>): { param: string; message: string } | undefined {
-  const nonEmpty = (v: unknown) => Array.isArray(v) && v.length > 0;
-  if (nonEmpty(body.tools)) return { param: 'tools', message: 'Tool calls are not supported by this server; send the request without `tools`.' };
-  if (nonEmpty(body.functions)) return { param: 'functions', message: 'Function calls are not supported by this server; send the request without `functions`.' };
-  const format = body.response_format as { type?: unknown } | null | undefined;
-  if (format !== undefined && format !== null && format.type !== 'text') {
-    return { param: 'response_format', message: 'Structured output is not supported by this server; only `{"type": "text"}` is.' };
-  }
-  if (body.logprobs === true) return { param: 'logprobs', message: 'Log-probabilities are not supported by this server.' };
-  // A valid request for an answer magus cannot give (like `tools`), not a malformed value: OpenAI
-  // accepts any n ≥ 1, so clients read `unsupported_feature` as "this server", not "my request".
-  if (typeof body.n === 'number' && body.n > 1) return { param: 'n', message: 'Only one choice per request is supported by this server; send `n: 1` or leave it out.' };
-  return undefined;
-}
-
-/**
- * The first message whose `content` is `null` but whose role is not `assistant`: OpenAI accepts a
- * null content only for the assistant's own turns (e.g. beside `tool_calls`).
- */
-export function nullContent(body: Pick<ChatCompletionBody, 'messages'>): { param: string; message: string } | undefined {
-  const i = body.messages.findIndex((m) => m.content === null && m.role !== 'assistant');
-  if (i < 0) return undefined;
-  return { param: `messages[${i}].content`, message: `Invalid request: messages[${i}].content must be a string or a list of text parts (only assistant messages may have null content).` };
-}
 
 export const chatCompletionHeaders = {
   type: 'object',
@@ -87,10 +130,15 @@ export interface TextPart {
   text: string;
 }
 
+/** A validated message (matches {@link message}). */
+export type ChatCompletionMessage =
+  | { role: 'system' | 'user'; content: string | TextPart[]; name?: string }
+  | { role: 'assistant'; content: string | TextPart[] | null; name?: string; tool_calls?: object[]; function_call?: object };
+
 /** The validated body (matches {@link chatCompletionBody}). */
 export interface ChatCompletionBody {
   model: string;
-  messages: { role: 'system' | 'user' | 'assistant'; content: string | TextPart[] | null; name?: string }[];
+  messages: ChatCompletionMessage[];
   stream?: boolean;
   max_tokens?: number;
   max_completion_tokens?: number;
