@@ -580,10 +580,49 @@ describe('error mapping', () => {
     expect(t.plane.listening).toBe(0);
   });
 
-  it('unknown URLs get an OpenAI-shaped 404', async () => {
-    const res = await t.app.inject({ method: 'GET', url: '/v1/nothing?x=1' });
+  it.each([
+    ['GET', '/v1/nothing?x=1'],
+    ['DELETE', '/v1/nothing'],
+    ['POST', '/v1/chat'],
+    ['GET', '/v1/chat/completions/x'],
+  ])('unknown URLs get an OpenAI-shaped 404 (%s %s), whatever the method', async (method, url) => {
+    const res = await t.app.inject({ method: method as 'GET', url });
     expect(res.statusCode).toBe(404);
-    expect(errorOf(res)).toMatchObject({ code: 'unknown_url', message: 'Unknown request URL: GET /v1/nothing.' });
+    expect(res.headers.allow).toBeUndefined();
+    expect(errorOf(res)).toMatchObject({ code: 'unknown_url', message: `Unknown request URL: ${method} ${url.split('?')[0]}.` });
+  });
+
+  it.each([
+    ['DELETE', '/v1/chat/completions', 'POST'],
+    ['GET', '/v1/chat/completions', 'POST'],
+    ['PUT', '/v1/models', 'GET, HEAD'],
+    ['PUT', '/v1/models?x=1', 'GET, HEAD'],
+    ['DELETE', '/v1/models/tiny', 'GET, HEAD'],
+    ['POST', '/healthz', 'GET, HEAD'],
+    ['OPTIONS', '/openapi.json', 'GET, HEAD'],
+    ['PURGE', '/metrics', 'GET, HEAD'], // a method fastify routes nothing by
+  ])('%s %s (a known path, another method) → 405 with Allow: %s, in OpenAI’s shape', async (method, url, allow) => {
+    const res = await t.app.inject({ method: method as 'GET', url, headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(res.statusCode).toBe(405);
+    expect(res.headers.allow).toBe(allow);
+    expect(res.headers['content-type']).toMatch(/^application\/json/);
+    const path = url.split('?')[0]!;
+    expect(errorOf(res)).toEqual({ type: 'invalid_request_error', code: 'method_not_allowed', param: null, message: `Method ${method} is not allowed for ${path}; use ${allow.replace(', ', ' or ')}.` });
+  });
+
+  it('405 is decided before the token or the body is looked at', async () => {
+    // No token, a body that is not JSON, or none at all where fastify demands a content type (QUERY).
+    const bad = await t.app.inject({ method: 'PUT', url: '/v1/models', headers: { 'content-type': 'application/json' }, payload: '{' });
+    expect(bad.statusCode).toBe(405);
+    expect(bad.headers.allow).toBe('GET, HEAD');
+    const query = await t.app.inject({ method: 'QUERY' as 'GET', url: '/v1/models/tiny' });
+    expect(query.statusCode).toBe(405);
+    const head = await t.app.inject({ method: 'HEAD', url: '/v1/chat/completions' });
+    expect(head.statusCode).toBe(405);
+    expect(head.headers.allow).toBe('POST');
+    // The methods a path has still work.
+    const list = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(list.statusCode).toBe(200);
   });
 });
 

@@ -72,6 +72,9 @@ export const retryAfter = (seconds: number): Record<string, string> => ({ 'retry
 export const errors = {
   invalid: (message: string, param: string | null = null, code: string | null = null) => new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
   unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') => new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
+  /** A known path, another method: the methods it has go in `Allow` (RFC 9110 §15.5.6). */
+  methodNotAllowed: (method: string, path: string, allow: readonly string[]) =>
+    new GatewayError(405, `Method ${method} is not allowed for ${path}; use ${allow.join(' or ')}.`, OpenAIErrorType.invalidRequest, 'method_not_allowed', null, { allow: allow.join(', ') }),
   modelNotFound: (model: string) => new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),
   // `connection: close`: the unread body is not drained, the connection just ends.
   tooLarge: (limit: number) => new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
@@ -198,7 +201,7 @@ function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, r
   const header = reply.getHeader('x-request-id');
   const requestId = typeof header === 'string' ? header : request.id;
   if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
-  else if (e.status !== 404 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
+  else if (e.status !== 404 && e.status !== 405 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
   return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
 }
 
@@ -251,10 +254,26 @@ export function frameworkErrors(err: FastifyError, _request: FastifyRequest, rep
   void reply.code(e.status).send(errorBody(e, reply.request.id));
 }
 
+/**
+ * The methods `path` has routes for, other than `method` (its `HEAD` twins included), asking
+ * fastify's router itself, so a path matches here exactly when it would match for those methods.
+ */
+function allowedMethods(app: FastifyInstance, method: string, path: string): string[] {
+  return app.supportedMethods.filter((m) => m !== method && app.findRoute({ method: m, url: path }) !== null);
+}
+
 /** Installs the error and not-found handlers for the whole app. */
 export const errorsPlugin = servicePlugin<ErrorHandlerOptions>(
   (app, opts, done) => {
     app.setErrorHandler((err, request, reply) => sendError(err, request, reply, opts.retryAfterSec));
+    // A request no route takes: a path some route has under another method is a 405 with `Allow`,
+    // decided before its body is read (fastify reads a 404's body before its handler); any other, a 404.
+    app.addHook('onRequest', (request, _reply, hookDone) => {
+      if (!request.is404) return hookDone();
+      const path = request.url.split('?')[0]!;
+      const allow = allowedMethods(app, request.method, path);
+      hookDone(allow.length > 0 ? errors.methodNotAllowed(request.method, path, allow) : undefined);
+    });
     app.setNotFoundHandler((request, reply) =>
       reply.code(404).send({ error: { message: `Unknown request URL: ${request.method} ${request.url.split('?')[0]}.`, type: OpenAIErrorType.invalidRequest, param: null, code: 'unknown_url' } }),
     );
