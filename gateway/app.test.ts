@@ -665,6 +665,21 @@ describe('/openapi.json', () => {
     expect(errorOf(res).code).toBe('invalid_encoding');
     expect(t.plane.published).toHaveLength(0);
   });
+
+  it.each([
+    ['a `__proto__` key in an ignored field', '{"model":"tiny","messages":[{"role":"user","content":"hi"}],"logit_bias":{"a":[{"__proto__":{"x":1}}]}}'],
+    ['a `constructor` holding `prototype` in a message', '{"model":"tiny","messages":[{"role":"user","content":"hi","constructor":{"prototype":{}}}]}'],
+  ])('%s (prototype poisoning, at any depth; not in the OpenAPI description) → 400 forbidden_key, nothing published', async (_what, payload) => {
+    t = await buildTestApp();
+    const res = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'forbidden_key', message: expect.stringContaining('"__proto__"') as string });
+    expect(t.plane.published).toHaveLength(0);
+    // Invalid JSON is still called that.
+    const bad = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload: payload.slice(0, -1) });
+    expect(bad.statusCode).toBe(400);
+    expect(errorOf(bad).message).toContain('not valid JSON');
+  });
 });
 
 describe('/metrics, /healthz, /readyz', () => {

@@ -23,6 +23,15 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
 
+function isJson(text: string): boolean {
+  try {
+    JSON.parse(text);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
 /** The longest path parameter (a model id) the router takes: beyond the schema's 256, so those get a 400 naming `model`. */
 const MAX_PARAM_LENGTH = 512;
 
@@ -71,7 +80,8 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
 
   // JSON bodies must be UTF-8: fastify's own parser decodes leniently, so a body with invalid
   // bytes reached the engine with U+FFFD in their place (a prompt silently changed; found by the
-  // fuzz test). Decoded strictly here, then parsed by fastify's parser (prototype poisoning refused).
+  // fuzz test). Decoded strictly here, then parsed by fastify's parser (prototype poisoning
+  // refused: a `__proto__` key, or a `constructor` holding `prototype`, at any depth).
   const parseJson = app.getDefaultJsonParser('error', 'error');
   app.removeContentTypeParser('application/json');
   app.addContentTypeParser('application/json', { parseAs: 'buffer' }, (request, body, done) => {
@@ -82,7 +92,11 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
       done(errors.invalid('The request body is not valid UTF-8.', null, 'invalid_encoding'), undefined);
       return;
     }
-    void parseJson(request, text, done);
+    void parseJson(request, text, (err, parsed) => {
+      // fastify's parser calls a valid body it refuses for such a key "not valid JSON": say which.
+      if (err && isJson(text)) done(errors.invalid('The request body has a "__proto__" key, or a "constructor" holding "prototype", which this server refuses.', null, 'forbidden_key'), undefined);
+      else done(err, parsed);
+    });
   });
 
   // The access log: one line per request once answered, with what fastify's two lines had.
