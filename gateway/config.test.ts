@@ -2,7 +2,7 @@
 import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { loadGatewayConfig } from './config';
+import { loadGatewayConfig, loadSessionTtl, SESSION_TTL_MS } from './config';
 import { gatewayCommand } from './server';
 import { makeToken } from './test-support';
 
@@ -48,6 +48,29 @@ it.each([
   expect(() => loadGatewayConfig(env)).toThrow(expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error);
 });
 
+describe('MAGUS_SESSION_TTL_MS', () => {
+  it('is 30 min unset or empty, and read as whole milliseconds', () => {
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).sessionTtlMs).toBe(30 * 60_000);
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSION_TTL_MS: '  ' }).sessionTtlMs).toBe(30 * 60_000);
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSION_TTL_MS: '180000' }).sessionTtlMs).toBe(180_000);
+    expect(loadSessionTtl({})).toBe(SESSION_TTL_MS.default);
+    expect(loadSessionTtl({ MAGUS_SESSION_TTL_MS: ' 60000 ' })).toBe(60_000);
+    expect(loadSessionTtl({ MAGUS_SESSION_TTL_MS: '86400000' })).toBe(24 * 3_600_000);
+  });
+
+  it.each(['59999', '86400001', '0', '-60000', '90000.5', '1e6', '3m', '0x30000', 'thirty minutes'])('%j fails naming the variable and the range', (value) => {
+    const message = `MAGUS_SESSION_TTL_MS=${value} must be whole milliseconds from 60000 (1 min`;
+    const named = expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error;
+    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSION_TTL_MS: value })).toThrow(named);
+    // `magus dev` reads it alone, before it starts anything.
+    expect(() => loadSessionTtl({ MAGUS_SESSION_TTL_MS: value })).toThrow(named);
+  });
+
+  it('is reported with the other problems', () => {
+    expect(() => loadGatewayConfig({ MAGUS_SESSION_TTL_MS: '10' })).toThrow(/MAGUS_GATEWAY_SECRET .* is required.*\n.*MAGUS_SESSION_TTL_MS=10 must be/s);
+  });
+});
+
 it('never echoes the secret', () => {
   const secret = 'tiny-secret';
   expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(expect.not.objectContaining({ message: expect.stringContaining(secret) as string }) as Error);
@@ -80,6 +103,7 @@ describe('gatewayCommand', () => {
   it('--help prints the variables and exits 0', async () => {
     expect(await gatewayCommand(['--help'])).toBe(0);
     expect(written(stdout)).toContain('MAGUS_GATEWAY_SECRET');
+    expect(written(stdout)).toContain('MAGUS_SESSION_TTL_MS');
   });
 
   it('exits 1 naming the problem: unknown flag, bad configuration, unreachable NATS', async () => {
@@ -89,6 +113,11 @@ describe('gatewayCommand', () => {
     delete process.env.MAGUS_GATEWAY_SECRET_FILE;
     expect(await gatewayCommand(['--port', '8080'])).toBe(1);
     expect(written(stderr)).toContain('MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required');
+    process.env.MAGUS_GATEWAY_SECRET = SECRET;
+    process.env.MAGUS_SESSION_TTL_MS = '5000';
+    expect(await gatewayCommand([])).toBe(1);
+    expect(written(stderr)).toContain('magus gateway: invalid gateway configuration:\n  MAGUS_SESSION_TTL_MS=5000 must be whole milliseconds');
+    delete process.env.MAGUS_SESSION_TTL_MS;
     process.env.MAGUS_GATEWAY_SECRET = SECRET;
     process.env.MAGUS_NATS_URL = 'nats://127.0.0.1:1';
     expect(await gatewayCommand(['--port=0'])).toBe(1);

@@ -36,6 +36,8 @@ export interface GatewayConfig {
   logLevel: 'fatal' | 'error' | 'warn' | 'info' | 'debug' | 'trace' | 'silent';
   /** `shared`: one `magus.res.<replica>.*` subscription per process; `per-request`: one per request. */
   responseRouting: 'shared' | 'per-request';
+  /** `MAGUS_SESSION_TTL_MS`: a conversation keeps its session (its instance, its `magus_sessions` entry) this long after its last turn. */
+  sessionTtlMs: number;
 }
 
 export class GatewayConfigError extends Error {
@@ -50,6 +52,36 @@ export interface GatewayArgs {
 
 const BUCKET = /^[A-Za-z0-9_-]{1,64}$/;
 const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
+
+/**
+ * `MAGUS_SESSION_TTL_MS`, the session TTL: how long a conversation keeps its session after its
+ * last turn. At least 1 min: the gateway renews a session at most every 30 s and takes one within
+ * 5 s of its end for ended (plugins/sessions.ts), so a shorter TTL would send warm conversations
+ * down the cold path. At most 24 h: the `magus_sessions` bucket's max age
+ * (activities/nats/data-plane.ts), which would drop the entry of a session still running.
+ */
+export const SESSION_TTL_MS = { default: 30 * 60_000, min: 60_000, max: 24 * 3_600_000 } as const;
+
+/** `MAGUS_SESSION_TTL_MS` from `env` (default 30 min), or the problem with it. */
+export function sessionTtlFrom(env: NodeJS.ProcessEnv): { ttlMs: number; problem?: string } {
+  const value = env.MAGUS_SESSION_TTL_MS?.trim();
+  if (value === undefined || value === '') return { ttlMs: SESSION_TTL_MS.default };
+  const n = Number(value);
+  if (!/^\d+$/.test(value) || !Number.isSafeInteger(n) || n < SESSION_TTL_MS.min || n > SESSION_TTL_MS.max) {
+    return {
+      ttlMs: SESSION_TTL_MS.default,
+      problem: `MAGUS_SESSION_TTL_MS=${value} must be whole milliseconds from ${SESSION_TTL_MS.min} (1 min: sessions are renewed every 30 s) to ${SESSION_TTL_MS.max} (24 h: the magus_sessions bucket's max age)`,
+    };
+  }
+  return { ttlMs: n };
+}
+
+/** `MAGUS_SESSION_TTL_MS` from `env` (default 30 min); a bad value throws a {@link GatewayConfigError} naming it. */
+export function loadSessionTtl(env: NodeJS.ProcessEnv = process.env): number {
+  const { ttlMs, problem } = sessionTtlFrom(env);
+  if (problem !== undefined) throw new GatewayConfigError(problem);
+  return ttlMs;
+}
 
 export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: GatewayArgs = {}): GatewayConfig {
   const problems: string[] = [];
@@ -155,6 +187,8 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     keepAliveTimeoutMs: int('MAGUS_GATEWAY_KEEP_ALIVE_TIMEOUT_MS', 72_000, 1, 3_600_000),
     headersTimeoutMs: int('MAGUS_GATEWAY_HEADERS_TIMEOUT_MS', 20_000, 1, 3_600_000),
   };
+  const session = sessionTtlFrom(env);
+  if (session.problem !== undefined) problems.push(session.problem);
   // Cross-field rules.
   if (settings.gapTimeoutMs >= settings.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_GAP_TIMEOUT_MS (${settings.gapTimeoutMs}) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${settings.requestTimeoutMs})`);
   if (http.requestTimeoutMs > 0 && http.headersTimeoutMs > http.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_HEADERS_TIMEOUT_MS (${http.headersTimeoutMs}) must not exceed MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS (${http.requestTimeoutMs})`);
@@ -179,6 +213,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     shutdownGraceMs: int('MAGUS_GATEWAY_SHUTDOWN_GRACE_MS', 30_000, 0, 3_600_000),
     logLevel: oneOf('MAGUS_LOG_LEVEL', 'info', LOG_LEVELS),
     responseRouting: oneOf('MAGUS_GATEWAY_RESPONSE_ROUTING', 'shared', ['shared', 'per-request'] as const),
+    sessionTtlMs: session.ttlMs,
   };
   if (problems.length > 0) throw new GatewayConfigError(`invalid gateway configuration:\n  ${problems.join('\n  ')}`);
   return config;
@@ -206,4 +241,5 @@ environment:
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
   MAGUS_GATEWAY_RESPONSE_ROUTING       shared (one subscription per replica) | per-request
+  MAGUS_SESSION_TTL_MS                 1800000 (a conversation keeps its instance this long after its last turn; 60000 to 86400000)
   MAGUS_LOG_LEVEL                      info`;

@@ -309,12 +309,10 @@ function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
   return out;
 }
 
-/** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
 /** Pool sizes for models without a `Dllama` resource (min 0: scale to zero when idle). */
 const POOL_DEFAULTS = { minInstances: 0, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 };
-/** A conversation keeps its instance for this long after its last turn. */
-const SESSION_TTL_MS = 30 * 60_000;
 
+/** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
 export async function gatewayCommand(args: string[]): Promise<number> {
   const parsed = parseArgs(args);
   if (parsed === 'help') {
@@ -346,7 +344,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
       onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
     });
     const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: SESSION_TTL_MS }), temporal });
+    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs }), temporal });
   } catch (err) {
     await temporal?.close();
     await temporalConnection?.close();

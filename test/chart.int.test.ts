@@ -168,6 +168,7 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
   { why: 'a cleanup timeout that is no duration', values: 'controller: {cleanupTimeout: soon}', message: /at '\/controller\/cleanupTimeout': 'soon' does not match pattern/ },
   { why: 'a watched namespace that is no namespace name', values: 'controller: {watchNamespace: Team_A}', message: /at '\/controller\/watchNamespace'/ },
   { why: 'a privileged gateway port', values: 'gateway: {port: 80}', message: /at '\/gateway\/port': minimum: got 80, want 1,?024/ },
+  { why: 'a session TTL under a minute', values: 'gateway: {sessionTtlMs: 5000}', message: /at '\/gateway\/sessionTtlMs': minimum: got 5,?000, want 60,?000/ },
   // A cross-field rule JSON Schema cannot state: a `fail` in the template. helm lint reports it
   // (as [INFO] Fail: …) but passes: Helm's lint mode never fails on `fail`.
   { why: 'the worker’s two ports the same', values: 'worker: {healthPort: 9464}', message: /worker\.metricsPort and worker\.healthPort must differ \(both are 9464\)/, lintFails: false },
@@ -327,6 +328,7 @@ describe('the chart, rendered', () => {
     expect(pod.volumes?.find((v) => v.name === 'gateway-secret')?.secret?.secretName).toBe('magus-gateway');
     expect(env(c, 'MAGUS_GATEWAY_REPLICA_ID')?.valueFrom).toEqual({ fieldRef: { fieldPath: 'metadata.name' } });
     expect(env(c, 'MAGUS_GATEWAY_REQUEST_TIMEOUT_MS')?.value).toBe('600000');
+    expect(env(c, 'MAGUS_SESSION_TTL_MS')?.value).toBe('1800000');
     const ingress = ofKind<Obj & { spec: { rules: { host: string; http: { paths: { path: string }[] } }[] } }>(objs, 'Ingress');
     expect(ingress.flatMap((i) => i.spec.rules.flatMap((r) => r.http.paths.map((p) => `${r.host}${p.path}`)))).toEqual(['llm.example.com/v1']);
     // NetworkPolicies: the instance policy lives in the model namespace; ServiceMonitors for all three.

@@ -28,7 +28,7 @@ import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../controller/controller';
 import { startFixtureHub, type FixtureHub } from '../../test/fixtures/hf-hub';
 import { writeTinyModel } from '../../test/fixtures/tiny-model';
-import { loadGatewayConfig } from '../../gateway/config';
+import { loadGatewayConfig, loadSessionTtl } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
 import { temporalSessions } from '../../gateway/temporal';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../temporal-health';
@@ -167,6 +167,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
 
   let failed = true;
   try {
+    // Read as `magus gateway` reads it; a bad value stops here, before any server starts.
+    const sessionTtlMs = loadSessionTtl(process.env);
     if (opts.fresh) wipeDataDir(dataDir);
     // The SDK would stop the workers on SIGINT/SIGTERM by itself; here the stop has an order.
     Runtime.install({ logger: devLogger(), shutdownSignals: [] });
@@ -174,6 +176,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     if (opts.kube !== false && !kube) say('the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)');
     const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
     say(`state: ${dataDir}${opts.fresh ? ' (started over: --fresh)' : ' (kept across restarts; --fresh starts over)'}`);
+    if (process.env.MAGUS_SESSION_TTL_MS?.trim()) say(`a conversation keeps its session ${Math.round(sessionTtlMs / 1000)} s after its last turn (MAGUS_SESSION_TTL_MS)`);
     say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
     const services = await startServices({ services: wanted, dataDir, log: (line) => say(line) });
     running.push({ what: 'the servers', stop: () => services.stop(), timeoutMs: 30_000 });
@@ -264,7 +267,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const token = keptSecret(dataDir, 'api-token', newApiToken, isApiToken);
     const secret = keptSecret(dataDir, 'gateway-secret', () => randomBytes(32).toString('hex'), (v) => /^[0-9a-f]{64}$/.test(v)).value;
     const digest = createHash('sha256').update(token.value).digest('hex');
-    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs: 30 * 60_000 });
+    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
     // Listening is what takes the port: no "is it free?" probe that another process could beat.
     const gateway = await listenOnPort(
       'the gateway',
@@ -278,6 +281,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_GATEWAY_SECRET: secret,
             MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
             MAGUS_LOG_LEVEL: 'warn',
+            MAGUS_SESSION_TTL_MS: String(sessionTtlMs),
           }),
           { ...sessions, temporal: temporalHealth },
         ),
