@@ -167,6 +167,7 @@ test('sized from throughput × the longest request: the take-over finds every fr
     const run = await takeOverUnderPressure(p);
     expect(run.end).toBe('done');
     expect(run.deltas).toEqual(splitText(run.content, CHUNKS));
+    await until('the take-over acked', () => run.heir.stats.acked === 1); // once its frames are stored, just after the client has them
     expect(run.heir.stats).toMatchObject({ redelivered: 1, resumed: 1, resumeFailed: 0, acked: 1, errors: 0 });
     expect(bridgeMetricsText([{ pool: POOL, instance: INSTANCE, stats: run.heir.stats, health: run.heir.health() }])).toContain(`magus_bridge_resume_failed_total{pool="${POOL}",instance="${INSTANCE}"} 0`);
     const metrics = await (await fetch(`${p.gateway.url}/metrics`)).text();

@@ -66,7 +66,8 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   const greedy = { max_tokens: 4, temperature: 0, stream: false };
   const first = await askInstance(nc, names, POOL, 'tiny-1', greedy);
   expect(first.text.length).toBeGreaterThan(0);
-  // The worker's /metrics reports the instance's in-process bridge.
+  // The worker's /metrics reports the instance's in-process bridge (it acks once the answer's frames are stored, just after the client has them).
+  await until('the answer acked', () => rt.bridges()[0]?.stats.acked === 1);
   expect(rt.bridges().map((b) => ({ pool: b.pool, instance: b.instance, pulled: b.stats.pulled, acked: b.stats.acked }))).toEqual([{ pool: POOL, instance: 'tiny-1', pulled: 1, acked: 1 }]);
   expect(bridgeMetricsText(rt.bridges())).toContain(`magus_bridge_acked_total{pool="${POOL}",instance="tiny-1"} 1`);
 

@@ -15,6 +15,7 @@ import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared
 import { startStubEngine, type StubEngine } from '../../test/fixtures/stub-engine';
 import { isolation, natsConnect } from '../../test/harness';
 import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './responses';
+import { until } from '../../test/harness/wait';
 
 const POOL = 'routing';
 const INSTANCE = 'i1';
@@ -94,6 +95,8 @@ test('each replica is delivered the frames of its own requests, and only those',
   expect(own.every((n) => n >= REQUESTS * 2)).toBe(true); // streamed: several frames per request
   // With one magus.res.> subscription per replica, each would be delivered both replicas' frames.
   expect(delivered).toEqual(own);
+  // A request is acked once its frames are stored, just after its client has them.
+  await until('every request acked', () => bridge.stats.acked === 2 * REQUESTS);
   expect(bridge.stats).toMatchObject({ acked: 2 * REQUESTS, errors: 0 });
 });
 

@@ -529,7 +529,7 @@ describe('cancels from the gateway (the client went away)', () => {
     await until('the first reached the engine', () => stub.calls.length === 1);
     cancel(instance, second.id);
     await firstAnswer.finished;
-    await until('the cancelled one resolved', () => b.stats.termed === 1);
+    await until('the cancelled one resolved, the first acked', () => b.stats.termed === 1 && b.stats.acked === 1);
     expect(b.stats).toMatchObject({ cancelled: 1, acked: 1, errors: 0 });
     expect(stub.calls).toHaveLength(1); // only the first reached the engine
   });
