@@ -45,6 +45,12 @@ export interface FrameSequencerOptions {
   gapTimeoutMs?: number;
   /** A gap given up on (timed out, or more than `maxHeld` frames behind it); the sequencer has stopped. */
   onGap?: (missingSeq: number) => void;
+  /**
+   * Called instead of giving up when `gapTimeoutMs` passes: the owner looks for the missing frame
+   * elsewhere (the gateway reads the stream back) and then calls {@link FrameSequencer.waitAgain}
+   * or {@link FrameSequencer.giveUp}.
+   */
+  onGapTimeout?: (missingSeq: number) => void;
   /** Default {@link MAX_HELD_FRAMES}. */
   maxHeld?: number;
 }
@@ -78,7 +84,7 @@ export class FrameSequencer {
         return [];
       }
       this.held.set(frame.seq, frame);
-      if (this.opts.gapTimeoutMs !== undefined) this.gapTimer ??= setTimeout(() => this.gap(), this.opts.gapTimeoutMs);
+      if (this.opts.gapTimeoutMs !== undefined) this.gapTimer ??= setTimeout(() => this.timedOut(), this.opts.gapTimeoutMs);
       return [];
     }
     const out: ResponseFrame[] = [];
@@ -94,7 +100,7 @@ export class FrameSequencer {
     if (this.gapTimer) {
       clearTimeout(this.gapTimer);
       // Still holding frames: a further seq is missing; give it its own full wait.
-      this.gapTimer = this.held.size > 0 ? setTimeout(() => this.gap(), this.opts.gapTimeoutMs) : undefined;
+      this.gapTimer = this.held.size > 0 ? setTimeout(() => this.timedOut(), this.opts.gapTimeoutMs) : undefined;
     }
     return out;
   }
@@ -114,11 +120,6 @@ export class FrameSequencer {
     return this.gaveUp || this.held.size > 0;
   }
 
-  /** True while frames wait behind a missing seq (not once given up). */
-  get holding(): boolean {
-    return this.held.size > 0;
-  }
-
   /** The frames waiting behind a missing seq, in seq order. */
   waiting(): ResponseFrame[] {
     return [...this.held.values()].sort((a, b) => a.seq - b.seq);
@@ -130,6 +131,25 @@ export class FrameSequencer {
     if (this.gapTimer) clearTimeout(this.gapTimer);
     this.gapTimer = undefined;
     this.held.clear();
+  }
+
+  /** While frames still wait behind a missing seq: waits `ms` (default `gapTimeoutMs`) more before the gap times out again. */
+  waitAgain(ms = this.opts.gapTimeoutMs): void {
+    if (this.stopped || this.held.size === 0 || ms === undefined) return;
+    clearTimeout(this.gapTimer);
+    this.gapTimer = setTimeout(() => this.timedOut(), ms);
+  }
+
+  /** Gives the current gap up now: stops, and calls `onGap`. */
+  giveUp(): void {
+    this.gap();
+  }
+
+  private timedOut(): void {
+    this.gapTimer = undefined;
+    if (this.stopped) return;
+    if (this.opts.onGapTimeout) this.opts.onGapTimeout(this.next);
+    else this.gap();
   }
 
   private gap(): void {

@@ -343,7 +343,6 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       if (finished) return;
       finished = true;
       clearTimeout(idle);
-      clearTimeout(gapTimer);
       sequencer.stop();
       unlisten();
       opts.signal.removeEventListener('abort', onAbort);
@@ -356,9 +355,36 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     };
     const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
     const lost = (missing: number) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`));
-    // No timer of its own: a gap is read back before it is given up (below). `onGap` is its bound
-    // on held frames.
-    const sequencer = new FrameSequencer({ onGap: lost });
+    // A gap (a seq awaited while frames after it are held) that outlasts gapTimeoutMs is read back
+    // from the stream (the frame may have been published while this process or the stream's
+    // leader was away); each read that misses it waits gapTimeoutMs again, and the last fails.
+    let gapSeq = -1;
+    let gapReads = 0;
+    let reading = false;
+    const readBack = (missing: number) => {
+      if (finished || reading || !opts.readBack) return;
+      if (missing !== gapSeq) {
+        gapSeq = missing;
+        gapReads = 0;
+      }
+      if (gapReads >= GAP_READ_BACKS) return sequencer.giveUp();
+      reading = true;
+      opts.readBack().then(
+        (stored) => {
+          reading = false;
+          gapReads += 1;
+          for (const f of stored) deliver(f);
+          sequencer.waitAgain();
+        },
+        () => {
+          reading = false;
+          if (finished) return;
+          if (Date.now() >= req.deadline) return sequencer.giveUp();
+          sequencer.waitAgain(Math.min(READ_RETRY_MAX_MS, opts.gapTimeoutMs));
+        },
+      );
+    };
+    const sequencer = new FrameSequencer({ gapTimeoutMs: opts.gapTimeoutMs, onGap: lost, onGapTimeout: opts.readBack ? readBack : undefined });
     const deliver = (frame: ResponseFrame) => {
       for (const f of sequencer.push(frame)) {
         if (finished) return;
@@ -369,50 +395,6 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
         }
       }
-      watchGap();
-    };
-    // A gap: the seq awaited while frames after it are held. After gapTimeoutMs it is read back
-    // from the stream (the frame may have been published while this process or the stream's
-    // leader was away); each read that misses it waits gapTimeoutMs again, and the last fails.
-    let gapTimer: NodeJS.Timeout | undefined;
-    let gapSeq = -1;
-    let gapReads = 0;
-    let reading = false;
-    const watchGap = () => {
-      if (finished) return;
-      if (!sequencer.holding) {
-        clearTimeout(gapTimer);
-        gapTimer = undefined;
-        gapSeq = -1;
-        return;
-      }
-      if (gapSeq !== sequencer.expected) {
-        clearTimeout(gapTimer);
-        gapTimer = undefined;
-        gapSeq = sequencer.expected;
-        gapReads = 0;
-      }
-      if (!gapTimer && !reading) gapTimer = setTimeout(onGapTimeout, opts.gapTimeoutMs);
-    };
-    const onGapTimeout = () => {
-      gapTimer = undefined;
-      if (finished) return;
-      if (!opts.readBack || gapReads >= GAP_READ_BACKS) return lost(gapSeq);
-      reading = true;
-      opts.readBack().then(
-        (stored) => {
-          reading = false;
-          gapReads += 1;
-          for (const f of stored) deliver(f);
-          watchGap();
-        },
-        () => {
-          reading = false;
-          if (finished) return;
-          if (Date.now() >= req.deadline) return lost(gapSeq);
-          gapTimer = setTimeout(onGapTimeout, Math.min(READ_RETRY_MAX_MS, opts.gapTimeoutMs));
-        },
-      );
     };
     const unlisten = opts.router.listen(req.id, (frame) => {
       idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
