@@ -5,6 +5,7 @@
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV } from 'nats';
 import type { PoolEntry, SessionEntry } from '../shared/serving';
+import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 
 export interface InstanceRequest {
   namespace: string;
@@ -56,7 +57,20 @@ export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'No
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
 
-export function createServingActivities(deps: { runtime: Runtime; sessions: KV; pools: KV; runtimeQueue?: string }) {
+export interface ServingDeps {
+  runtime: Runtime;
+  sessions: KV;
+  pools: KV;
+  /** This worker's own queue, when its runtime's instances are its processes (named in each `InstanceInfo`). */
+  runtimeQueue?: string;
+  /**
+   * The runtime advert of the worker a runtime queue belongs to (null: none, or not a runtime
+   * queue of this deployment). Without it `workerGone` has no evidence and says gone.
+   */
+  advertOf?: (runtimeQueue: string) => Promise<RuntimeAdvert | null>;
+}
+
+export function createServingActivities(deps: ServingDeps) {
   const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
   return {
     /**
@@ -106,6 +120,19 @@ export function createServingActivities(deps: { runtime: Runtime; sessions: KV; 
     },
     async describeInstance(input: { pool: string; instance: string }): Promise<InstanceInfo | null> {
       return deps.runtime.describe(input.pool, input.instance);
+    },
+    /**
+     * Whether the worker owning `runtimeQueue` has stopped: its runtime advert withdrawn (a clean
+     * stop) or not refreshed for {@link RUNTIME_ADVERT_STALE_MS} (killed). The pool asks before
+     * dropping that worker's instances when nobody took an activity from its queue in time: under
+     * load Temporal can be slower than that timeout with the worker alive and serving.
+     */
+    async workerGone(input: { runtimeQueue: string }): Promise<{ gone: boolean; reason: string }> {
+      if (!deps.advertOf) return { gone: true, reason: 'no runtime adverts to check' };
+      const advert = await deps.advertOf(input.runtimeQueue);
+      if (!advert) return { gone: true, reason: 'its runtime advert is withdrawn' };
+      const age = Date.now() - advert.at;
+      return age > RUNTIME_ADVERT_STALE_MS ? { gone: true, reason: `its runtime advert is ${Math.round(age / 1000)} s old` } : { gone: false, reason: `its runtime advert is ${Math.round(age / 1000)} s old` };
     },
     async writeSession(input: { key: string; entry: SessionEntry }): Promise<void> {
       await deps.sessions.put(input.key, encode(input.entry));

@@ -25,6 +25,12 @@ export function runtimeQueueFor(controlQueue: string, workerId: string): string 
   return `${controlQueue}.runtime.${workerId}`;
 }
 
+/** The worker id a runtime queue of `controlQueue` names, or null when it is not one of its. */
+export function workerOfRuntimeQueue(controlQueue: string, runtimeQueue: string): string | null {
+  const prefix = runtimeQueueFor(controlQueue, '');
+  return runtimeQueue.startsWith(prefix) && runtimeQueue.length > prefix.length ? runtimeQueue.slice(prefix.length) : null;
+}
+
 /**
  * Search attributes magus sets on its workflows (Keyword; registered by the worker at start, or
  * by an operator on a Temporal that refuses it): `MagusKind` (model, pool, session), `MagusModel`

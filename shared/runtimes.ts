@@ -20,8 +20,12 @@ export interface RuntimeAdvert {
   at: number;
 }
 
-/** How often a worker writes its advert again. */
-export const RUNTIME_ADVERT_INTERVAL_MS = 30_000;
+/**
+ * How often a worker writes its advert again. The advert is also the pool's proof that a worker
+ * lives (its watchers can be late when Temporal lags), so a killed worker's advert must go stale
+ * about as fast as its watchers' heartbeats time out.
+ */
+export const RUNTIME_ADVERT_INTERVAL_MS = 10_000;
 /** An advert older than this belongs to a worker that is gone (one that stops deletes its own). */
 export const RUNTIME_ADVERT_STALE_MS = 3 * RUNTIME_ADVERT_INTERVAL_MS;
 

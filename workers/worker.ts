@@ -20,7 +20,7 @@ import { createKubernetesActivities } from '../activities/kubernetes/activities'
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
-import { pipelineQueueFor, runtimeQueueFor, SearchAttribute } from '../shared/constants';
+import { pipelineQueueFor, runtimeQueueFor, SearchAttribute, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import { dataPlaneEnv, natsServerList, type MagusConfig } from './config';
@@ -221,7 +221,12 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   if (cfg.kubernetes && !deps.kube) throw new Error('MAGUS_RUNTIME=kubernetes needs a cluster: run in a pod or set KUBECONFIG');
   const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
   const poolsKv = await nc.jetstream().views.kv(names.poolsBucket);
-  const serving = kubeRuntime ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv }) : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue });
+  // Whether another worker still lives, asked by a pool whose watcher on that worker's queue was not taken in time.
+  const advertOf = async (queue: string) => {
+    const worker = workerOfRuntimeQueue(cfg.taskQueue, queue);
+    return worker === null ? null : registry.runtimeAdvert(worker);
+  };
+  const serving = kubeRuntime ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv, advertOf }) : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue, advertOf });
 
   const activities = createPipelineActivities({
     s3,

@@ -28,6 +28,8 @@ export interface ModelRegistry {
   advertiseRuntime(advert: RuntimeAdvert): Promise<void>;
   /** Deletes a worker's runtime advert (a worker that stops). */
   withdrawRuntime(worker: string): Promise<void>;
+  /** One worker's runtime advert; null when it has none (never written, or withdrawn). */
+  runtimeAdvert(worker: string): Promise<RuntimeAdvert | null>;
   /** The ready models and the runtime adverts, in one pass over the bucket. */
   read(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
@@ -74,6 +76,10 @@ export async function openModelRegistry(nc: NatsConnection, bucket: string = Nat
     },
     async withdrawRuntime(worker) {
       await kv.delete(runtimeKey(worker));
+    },
+    async runtimeAdvert(worker) {
+      const e = await kv.get(runtimeKey(worker));
+      return e && e.operation === 'PUT' && e.value.length > 0 ? (JSON.parse(new TextDecoder().decode(e.value)) as RuntimeAdvert) : null;
     },
     async remove(namespace, name) {
       await kv.delete(registryKey(namespace, name));

@@ -31,6 +31,11 @@ export interface PoolInput {
    * runtime's processes) before that worker counts as gone, and the instance with it (default 10 s).
    */
   ownerTimeoutMs?: number;
+  /**
+   * Events after which a run continues as new (default 1,500; the server suggests it at 4,000
+   * anyway): a busy pool's run is replayed whole whenever a worker's cache loses it.
+   */
+  runMaxEvents?: number;
   /** The `Dllama` resource that sizes this pool, if one does (its status is written back). */
   resource?: PoolResource;
 }

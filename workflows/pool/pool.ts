@@ -81,6 +81,36 @@ const RELEASE_WITHDRAWS_PATCH = 'pool-release-withdraws';
 const WATCH_PATCH = 'pool-watch-instances';
 /** The pool's state is a search attribute (`MagusPhase`: idle, starting, serving, failing), upserted as it changes. */
 const PHASE_ATTRIBUTE_PATCH = 'pool-phase-search-attribute';
+/**
+ * Instances carried over continue-as-new are watched like any other (their watcher reports one
+ * that died meanwhile), instead of each being described inline before the pool answers anything:
+ * that inline check held every signal up while Temporal was slow, and read a slow Temporal as a
+ * dead worker, dropping the instance without stopping it or moving its sessions. Executions
+ * started before this replay the inline check.
+ */
+const CARRIED_WATCH_PATCH = 'pool-carried-watch';
+/**
+ * A watcher that nobody took from its owner's queue in time proves only that Temporal was slow
+ * or the worker is gone: the pool asks (`workerGone`, any worker: the owner's runtime advert in
+ * NATS) before dropping the instance, and watches it again when its worker lives. Executions
+ * started before this drop it on the timeout alone.
+ */
+const OWNER_CONFIRM_PATCH = 'pool-owner-confirm';
+/**
+ * A change of lease counts alone is published at most every {@link LEASE_VIEW_MIN_MS} (each
+ * write is an activity in this history: one per lease used to make the pool's history the
+ * busiest in the system); instances added or removed, an instance becoming full or not, and
+ * `growable` are published at once. Executions started before this publish every change.
+ */
+const VIEW_THROTTLE_PATCH = 'pool-view-throttle';
+const LEASE_VIEW_MIN_MS = 5000;
+/**
+ * Runs continue-as-new after {@link POOL_RUN_MAX_EVENTS} events rather than at the server's
+ * suggestion (4,000 by default): a busy pool's run is replayed whole whenever its worker's cache
+ * loses it, and a shorter one is replayed faster. Executions started before this run to the suggestion.
+ */
+const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
+const POOL_RUN_MAX_EVENTS = 1500;
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
   startToCloseTimeout: '1 day',
@@ -120,6 +150,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const { describeInstance } = proxyActivities<ServingActivities>(quick);
   const { writePool } = proxyActivities<ServingActivities>(publish);
   const { describeInstance: probeInstance } = proxyActivities<ServingActivities>(probe);
+  const { workerGone } = proxyActivities<ServingActivities>(quick);
   const ownerQueues = patched(OWNER_QUEUE_PATCH);
   const ownerTimeoutMs = input.ownerTimeoutMs ?? DEFAULT_OWNER_TIMEOUT_MS;
   const owners = new Map<string, Pick<ServingActivities, 'describeInstance' | 'destroyInstance' | 'watchInstance'> & { probe: ServingActivities['describeInstance'] }>();
@@ -145,10 +176,13 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let nextStartAt = 0;
   let dirty = true;
   const publishGrowable = patched(PUBLISH_GROWABLE_PATCH);
+  const viewThrottle = patched(VIEW_THROTTLE_PATCH);
+  /** A lease-count change held back by the throttle is due then (0: none held back). */
+  let viewDueAt = 0;
   const starting = new Set<Promise<void>>();
   // What gateways see in `magus_pools`: the last completed write (`key` is its view as JSON,
   // never ''), and the instance ids of the write in flight, if any.
-  let published = { key: '', at: 0, ids: new Set<string>() };
+  let published = { key: '', shape: '', at: 0, ids: new Set<string>() };
   let inFlight: Set<string> | null = null;
 
   for (const c of carry?.instances ?? []) {
@@ -336,12 +370,25 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         ({ reason }) => lost(i, reason),
         (err: unknown) => {
           if (isCancellation(err)) return; // the pool stopped it
+          if (ownerGone(err) && i.runtimeQueue && patched(OWNER_CONFIRM_PATCH)) return void confirmOwnerGone(i);
           lost(i, ownerGone(err) ? `the worker running instance ${i.id} is gone` : `instance ${i.id} could not be watched: ${err instanceof ActivityFailure && err.cause ? err.cause.message : String(err)}`);
         },
       )
       .finally(() => {
         if (watchers.get(i.id) === scope) watchers.delete(i.id);
       });
+  }
+
+  /**
+   * Nobody took `i`'s watcher from its worker's queue in time: drop `i` if that worker is gone
+   * (its runtime advert says so), else watch it again (Temporal was slow, the worker lives).
+   * A check that fails proves nothing either: watch again.
+   */
+  async function confirmOwnerGone(i: Instance): Promise<void> {
+    const answer = await workerGone({ runtimeQueue: i.runtimeQueue! }).catch(() => undefined);
+    if (instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return; // changed meanwhile
+    if (answer?.gone) lost(i, `the worker running instance ${i.id} is gone (${answer.reason})`);
+    else watch(i);
   }
 
   function start(): void {
@@ -437,13 +484,17 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const view = [...instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases.size }));
     const growable = publishGrowable ? { growable: live().length < input.maxInstances } : {};
     const key = JSON.stringify(publishGrowable ? { view, ...growable } : view);
-    if ((key !== published.key || (view.length > 0 && Date.now() - published.at >= POOL_ENTRY_REFRESH_MS)) && !inFlight) {
+    // What gateways must learn at once: which instances, which of them are full, whether the pool grows.
+    const shape = JSON.stringify({ s: view.map((v) => [v.instance, v.subject, v.leases >= input.leasesPerInstance]), ...growable });
+    const held = viewThrottle && key !== published.key && shape === published.shape && Date.now() - published.at < LEASE_VIEW_MIN_MS;
+    viewDueAt = held ? published.at + LEASE_VIEW_MIN_MS : 0;
+    if ((key !== published.key || (view.length > 0 && Date.now() - published.at >= POOL_ENTRY_REFRESH_MS)) && !inFlight && !held) {
       const ids = new Set(view.map((v) => v.instance));
       inFlight = ids;
       const p = writePool({ namespace: input.namespace, model: input.model, instances: view, leasesPerInstance: input.leasesPerInstance, ...growable })
         .then(
           () => {
-            published = { key, at: Date.now(), ids };
+            published = { key, shape, at: Date.now(), ids };
           },
           () => undefined, // retried by the next reconcile
         )
@@ -464,6 +515,8 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     for (const i of instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + drainGraceMs - Date.now());
     // A start held back by the backoff is due then (when one is wanted).
     if (startBackoff && nextStartAt > Date.now() && (waiting.length > 0 || [...instances.values()].filter((i) => i.phase !== 'stopping').length < input.minInstances)) deadlines.push(nextStartAt - Date.now());
+    // Lease counts held back by the view throttle are published then.
+    if (viewDueAt > 0) deadlines.push(viewDueAt - Date.now());
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
@@ -479,12 +532,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   };
   if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(statusView);
 
-  // Instances carried over continue-as-new may have died with their worker: check them.
-  for (const i of [...instances.values()]) {
-    const info = await describe(i, 'describe');
-    if (!info?.healthy) instances.delete(i.id);
-    else watch(i);
+  // Instances carried over continue-as-new may have died with their worker: their watchers tell
+  // (before the patch: each described inline, and dropped without a stop when it did not answer).
+  if (patched(CARRIED_WATCH_PATCH) && watching) {
+    for (const i of instances.values()) watch(i);
+  } else {
+    for (const i of [...instances.values()]) {
+      const info = await describe(i, 'describe');
+      if (!info?.healthy) instances.delete(i.id);
+      else watch(i);
+    }
   }
+  const shorterRuns = patched(SHORTER_RUNS_PATCH);
 
   for (;;) {
     if (dirty) {
@@ -504,7 +563,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       nextHealthCheck = Date.now() + healthCheckMs;
     }
     if (!dirty) dirty = wait !== undefined; // a deadline passed (idle, or the health check): look again
-    if (workflowInfo().continueAsNewSuggested && starting.size === 0) {
+    if ((workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS))) && starting.size === 0) {
       await condition(allHandlersFinished);
       const carried: PoolCarry = {
         instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}) })),
