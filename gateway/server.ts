@@ -183,6 +183,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         firstTurns: deps.firstTurns && { ...deps.firstTurns, pools: await openBucket(nc, config.buckets.pools), sessions: sessionsKv },
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
+        // A touch once an entry is half used: two per TTL per live conversation, not one per 30 s.
+        ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs / 2 } : {}),
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());

@@ -125,6 +125,25 @@ it('renews a warm session at most once per interval, without waiting for it', as
   expect(renewals).toEqual(['k-renew', 'k-renew']);
 });
 
+it('renews only once the entry is half used (renewWithinMs): a fresh entry needs no touch', async () => {
+  let now = Date.now();
+  await kv.put('k-half', enc({ ...entry('h'), expiresAt: now + 100_000 }));
+  const renewals: string[] = [];
+  cache = createSessionCache({ kv, renewIntervalMs: 1_000, renewWithinMs: 50_000, now: () => now, coldStart: () => Promise.reject(new Error('x')), renew: (r) => (renewals.push(r.conversationKey), Promise.resolve()) });
+  await cache.ready;
+  await cache.acquire(req('k-half'));
+  now += 49_000; // 51 s left
+  await cache.acquire(req('k-half'));
+  expect(renewals).toEqual([]);
+  now += 2_000; // 49 s left: renewed, then at most once per interval
+  await cache.acquire(req('k-half'));
+  await cache.acquire(req('k-half'));
+  expect(renewals).toEqual(['k-half']);
+  now += 1_001;
+  await cache.acquire(req('k-half'));
+  expect(renewals).toEqual(['k-half', 'k-half']);
+});
+
 describe('first turns from the pool’s published instances', () => {
   const poolKey = `${model.namespace}.${model.name}`;
   const publishPool = (instances: [string, number][], leasesPerInstance: number, growable?: boolean) =>

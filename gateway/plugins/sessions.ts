@@ -78,9 +78,16 @@ export interface SessionCacheOptions {
   firstTurns?: FirstTurns;
   /** A lease ending sooner than this is not used: the turn goes through `coldStart`, which extends it. */
   freshnessMarginMs?: number;
-  /** Called on a warm hit at most once per `renewIntervalMs` per conversation (not awaited). */
+  /**
+   * Called on a warm hit (not awaited) whose entry has less than `renewWithinMs` left, at most
+   * once per `renewIntervalMs` per conversation. Each call is a signal and a KV write by the
+   * session workflow, so renewing only past half the TTL keeps Temporal's load per live
+   * conversation at two touches per TTL instead of one per interval.
+   */
   renew?: RenewSession;
   renewIntervalMs?: number;
+  /** Default: every warm hit may renew (the gateway sets half the session TTL). */
+  renewWithinMs?: number;
   now?: () => number;
   onError?: (err: unknown) => void;
 }
@@ -131,6 +138,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const now = opts.now ?? Date.now;
   const margin = opts.freshnessMarginMs ?? 5_000;
   const renewInterval = opts.renewIntervalMs ?? 30_000;
+  const renewWithin = opts.renewWithinMs ?? Infinity;
   const cache = watchKv<SessionEntry>(opts.kv, { decode: (e: KvEntry) => decodeSessionEntry(e.value), onError: opts.onError });
   const pending = new Map<string, PendingStart>();
   const lastRenewed = new Map<string, number>();
@@ -175,6 +183,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const renew = (req: AcquireRequest, entry: SessionEntry): void => {
     if (!opts.renew) return;
     const t = now();
+    if (entry.expiresAt - t >= renewWithin) return;
     const last = lastRenewed.get(req.conversationKey);
     if (last !== undefined && t - last < renewInterval) return;
     lastRenewed.set(req.conversationKey, t);
