@@ -138,6 +138,23 @@ test.each([
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
 }, 60_000);
 
+/** The pool under load (test/pool-runs.int.test.ts): each history, the patches it took and the path it shows. */
+test.each([
+  // A busy run that continued as new at 250 events, once its grants were delivered, publishing lease counts at most every 5 s.
+  ['pool-continued', ['pool-shorter-runs', 'pool-grants-before-continue', 'pool-view-throttle'], (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW'],
+  // The next run: its carried instance watched on its worker's queue, nothing described inline.
+  ['pool-carried-watch', ['pool-carried-watch'], (h: RecordedHistory) => scheduledOf(h, 'watchInstance') >= 1 && scheduledOf(h, 'describeInstance') === 0],
+  // A watcher nobody took: its owner asked (alive, then gone), the instance destroyed and replaced.
+  ['pool-owner-confirmed', ['pool-owner-confirm'], (h: RecordedHistory) => scheduledOf(h, 'workerGone') >= 2 && scheduledOf(h, 'destroyInstance') >= 1 && scheduledOf(h, 'createInstance') >= 1],
+])('the recorded %s history replays (patches %j)', async (name, patches, tookThePath) => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as RecordedHistory & Parameters<typeof patchesOf>[0];
+  for (const patch of patches) expect(patchesOf(history)).toContain(patch);
+  expect(tookThePath(history)).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);
+
+const scheduledOf = (h: RecordedHistory, activity: string) => h.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === activity).length;
+
 interface RecordedHistory {
   events: {
     eventType: string;

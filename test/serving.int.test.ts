@@ -24,6 +24,7 @@ import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { currentDetails, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { until } from './harness/wait';
 import { historyText } from './support/history';
 
 const iso = isolation();
@@ -213,7 +214,16 @@ test('an instance that stops serving for good is replaced, and its conversation 
   const mine: string[] = [];
   for await (const k of await kv.keys()) if (!before.has(k)) mine.push(k);
   expect(mine).toHaveLength(1);
-  const doomed = (await entryOf(mine[0]!)).instance;
+  // The first turn may have gone to an instance the idle pool was already stopping (the
+  // gateway's view lagged): the session then takes a lease elsewhere and rewrites the entry.
+  // Break the instance the pool has confirmed.
+  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  let doomed = '';
+  await until('the lease confirmed', async () => {
+    doomed = (await entryOf(mine[0]!)).instance;
+    const leased = (await pool.query(poolStatusQuery)).instances.find((i) => i.id === doomed);
+    return leased?.phase === 'ready' && leased.leases >= 1;
+  }, 30_000);
 
   // Broken for good: its model file is gone from the cache and its engine dies, so every
   // restart fails and the runtime gives the instance up.
@@ -227,7 +237,7 @@ test('an instance that stops serving for good is replaced, and its conversation 
   let moved = doomed;
   while ((moved = (await entryOf(mine[0]!)).instance) === doomed && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
   expect(moved).not.toBe(doomed);
-  const status = await client.workflow.getHandle(poolWorkflowId('default', 'tiny')).query(poolStatusQuery);
+  const status = await pool.query(poolStatusQuery);
   expect(status.instances.map((i) => i.id)).not.toContain(doomed);
   expect(status.instances.find((i) => i.id === moved)?.phase).toBe('ready');
   // The conversation's next turn is answered, by the new instance.

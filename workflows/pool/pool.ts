@@ -110,6 +110,13 @@ const LEASE_VIEW_MIN_MS = 5000;
  * loses it, and a shorter one is replayed faster. Executions started before this run to the suggestion.
  */
 const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
+/**
+ * A run continues as new only once the lease grants it signalled have been delivered: a signal
+ * still in flight when the run closes is dropped by the server, and its session waited for a
+ * grant that never came (seen as soon as runs got short). Executions started before this
+ * continue with grants in flight.
+ */
+const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
 const POOL_RUN_MAX_EVENTS = 1500;
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
@@ -177,6 +184,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let dirty = true;
   const publishGrowable = patched(PUBLISH_GROWABLE_PATCH);
   const viewThrottle = patched(VIEW_THROTTLE_PATCH);
+  const settleGrants = patched(GRANTS_SETTLE_PATCH);
+  /** Grants signalled and not yet delivered (with {@link GRANTS_SETTLE_PATCH}). */
+  const granting = new Set<Promise<void>>();
   /** A lease-count change held back by the throttle is due then (0: none held back). */
   let viewDueAt = 0;
   const starting = new Set<Promise<void>>();
@@ -265,7 +275,16 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   };
   const shown = visibility({ phase, details: () => poolDetails(input, phase(), status()), upsertPhase: patched(PHASE_ATTRIBUTE_PATCH) });
 
-  async function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
+  function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
+    if (!settleGrants) return send(sessionWorkflowId, payload, sessionId);
+    const p = send(sessionWorkflowId, payload, sessionId).finally(() => {
+      granting.delete(p);
+      dirty = true;
+    });
+    granting.add(p);
+    return p;
+  }
+  async function send(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
     try {
       await getExternalWorkflowHandle(sessionWorkflowId).signal(leaseGrantedSignal, payload);
     } catch {
@@ -563,7 +582,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       nextHealthCheck = Date.now() + healthCheckMs;
     }
     if (!dirty) dirty = wait !== undefined; // a deadline passed (idle, or the health check): look again
-    if ((workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS))) && starting.size === 0) {
+    if ((workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS))) && starting.size === 0 && granting.size === 0) {
       await condition(allHandlersFinished);
       const carried: PoolCarry = {
         instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}) })),
