@@ -6,7 +6,7 @@
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection, WorkflowHandle } from '@temporalio/client';
-import { temporal } from '@temporalio/proto';
+import { type temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -67,7 +67,7 @@ const eventMs = (e: HistoryEvent) => Number(e.eventTime?.seconds ?? 0) * 1000 + 
 
 type WriteView = { instances: { instance: string; subject: string; leases: number }[]; growable?: boolean };
 /** What a scheduled `writePool` was asked to publish. */
-const writeInput = (e: HistoryEvent): WriteView => JSON.parse(new TextDecoder().decode(e.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!)) as WriteView;
+const writeInput = (e: HistoryEvent): WriteView => JSON.parse(new TextDecoder().decode(e.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data)) as WriteView;
 /** A view without its lease counts. */
 const shapeOf = (v: WriteView) => JSON.stringify([v.instances.map((i) => [i.instance, i.subject]), v.growable]);
 
