@@ -183,8 +183,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         firstTurns: deps.firstTurns && { ...deps.firstTurns, pools: await openBucket(nc, config.buckets.pools), sessions: sessionsKv },
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
-        // A touch once an entry is half used: two per TTL per live conversation, not one per 30 s.
-        ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs / 2 } : {}),
+        // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live
+        // conversation, not one per 30 s, and a session still ends at least 0.9 TTL after its last turn.
+        ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());

@@ -125,7 +125,7 @@ it('renews a warm session at most once per interval, without waiting for it', as
   expect(renewals).toEqual(['k-renew', 'k-renew']);
 });
 
-it('renews only once the entry is half used (renewWithinMs): a fresh entry needs no touch', async () => {
+it('renews only once the entry has less than renewWithinMs left: a fresh entry needs no touch', async () => {
   let now = Date.now();
   await kv.put('k-half', enc({ ...entry('h'), expiresAt: now + 100_000 }));
   const renewals: string[] = [];

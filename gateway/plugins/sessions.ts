@@ -81,12 +81,16 @@ export interface SessionCacheOptions {
   /**
    * Called on a warm hit (not awaited) whose entry has less than `renewWithinMs` left, at most
    * once per `renewIntervalMs` per conversation. Each call is a signal and a KV write by the
-   * session workflow, so renewing only past half the TTL keeps Temporal's load per live
-   * conversation at two touches per TTL instead of one per interval.
+   * session workflow, so renewing only once part of the entry is used spares Temporal a touch
+   * per interval for every live conversation.
    */
   renew?: RenewSession;
   renewIntervalMs?: number;
-  /** Default: every warm hit may renew (the gateway sets half the session TTL). */
+  /**
+   * Default: every warm hit may renew. The gateway sets TTL − max(30 s, TTL/10): a session ends
+   * between that much and TTL after its last turn, and a live conversation costs at most ten
+   * touches per TTL (one per 3 min at the default 30 min) instead of one per 30 s.
+   */
   renewWithinMs?: number;
   now?: () => number;
   onError?: (err: unknown) => void;
