@@ -1,0 +1,37 @@
+/**
+ * `workerGone`: the evidence the pool asks for before dropping a worker's instances when
+ * Temporal handed its watcher to nobody in time (the fresh and withdrawn cases run against real
+ * servers in test/pool-runs.int.test.ts; the stale one, which takes 30 s there, here).
+ */
+import type { KV } from 'nats';
+import { runtimeQueueFor, workerOfRuntimeQueue } from '../shared/constants';
+import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
+import { createServingActivities, type Runtime } from './serving';
+
+const queue = runtimeQueueFor('magus-control', 'vm-1-abc');
+const advert = (ageMs: number): RuntimeAdvert => ({ worker: 'vm-1-abc', runtime: 'local', formats: ['gguf'], at: Date.now() - ageMs });
+const activitiesWith = (advertOf?: (q: string) => Promise<RuntimeAdvert | null>) =>
+  createServingActivities({ runtime: {} as Runtime, sessions: {} as KV, pools: {} as KV, ...(advertOf ? { advertOf } : {}) });
+
+test('a worker whose advert is fresh lives; withdrawn or older than the stale limit, it is gone', async () => {
+  const asked: string[] = [];
+  let current: RuntimeAdvert | null = advert(1_000);
+  const serving = activitiesWith((q) => (asked.push(q), Promise.resolve(current)));
+  expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: false, reason: 'its runtime advert is 1 s old' });
+  current = advert(RUNTIME_ADVERT_STALE_MS + 5_000);
+  expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: true, reason: `its runtime advert is ${(RUNTIME_ADVERT_STALE_MS + 5_000) / 1000} s old` });
+  current = null;
+  expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: true, reason: 'its runtime advert is withdrawn' });
+  expect(asked).toEqual([queue, queue, queue]);
+});
+
+test('without adverts to read, a worker counts as gone (the timeout alone, as before)', async () => {
+  expect(await activitiesWith().workerGone({ runtimeQueue: queue })).toEqual({ gone: true, reason: 'no runtime adverts to check' });
+});
+
+test('a runtime queue names its worker; another queue names none', () => {
+  expect(workerOfRuntimeQueue('magus-control', queue)).toBe('vm-1-abc');
+  expect(workerOfRuntimeQueue('magus-control', 'magus-control')).toBeNull();
+  expect(workerOfRuntimeQueue('magus-control', runtimeQueueFor('magus-control', ''))).toBeNull();
+  expect(workerOfRuntimeQueue('other', queue)).toBeNull();
+});
