@@ -110,6 +110,7 @@ const LEASE_VIEW_MIN_MS = 5000;
  * loses it, and a shorter one is replayed faster. Executions started before this run to the suggestion.
  */
 const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
+const POOL_RUN_MAX_EVENTS = 1500;
 /**
  * A run continues as new only once the lease grants it signalled have been delivered: a signal
  * still in flight when the run closes is dropped by the server, and its session waited for a
@@ -117,7 +118,6 @@ const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
  * continue with grants in flight.
  */
 const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
-const POOL_RUN_MAX_EVENTS = 1500;
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
   startToCloseTimeout: '1 day',
