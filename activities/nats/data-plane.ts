@@ -490,8 +490,8 @@ export interface StoredFrames {
   highestSeq: number;
   /**
    * False when frames of the subject are gone (aged out, or evicted by a full stream: a missing
-   * seq, or with `since`, nothing left although the stream dropped frames published after it)
-   * or unreadable: then what was sent cannot be known, and the prefix cannot be trusted.
+   * seq, or with `since`, nothing left although the stream dropped frames published after it):
+   * then what was sent cannot be known, and the prefix cannot be trusted.
    */
   complete: boolean;
 }
@@ -503,7 +503,9 @@ export interface StoredFrames {
  * stream has dropped nothing younger since — a stream that evicts under pressure can have lost
  * every frame of a request, and a take-over that took that for "nothing sent" would restart an
  * answer the client already has part of. (A stream declared again after it was lost, e.g. a
- * restarted server, has dropped nothing: what it holds is what there is.)
+ * restarted server, has dropped nothing: what it holds is what there is.) A read that does not
+ * reach the subject's last stored frame within `timeoutMs` (a stream leader still catching up
+ * after an election) throws: frames it did not get are not frames that are gone.
  */
 export async function readStoredFrames(
   js: JetStreamClient,
@@ -544,7 +546,11 @@ export async function readStoredFrames(
     clearTimeout(timer);
     await messages.close();
   }
-  return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: reachedEnd && !malformed && !sequencer.hasGap };
+  // Not gone, unread (an election's new leader can take longer than the timeout to deliver):
+  // the caller retries rather than end an answer it cannot see (the cluster test saw a
+  // take-over end a live answer with resume_failed at seq 0 this way).
+  if (!reachedEnd) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
+  return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
 }
 
 /** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger). */
