@@ -84,17 +84,17 @@ async function runs(id: string, firstRunId: string): Promise<{ runId: string; ev
 
 test('a busy pool continues as new early, carries its instance to a watcher (no inline describe), and publishes lease counts at most every 5 s', async () => {
   const cfg = cfgOf(dir);
-  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 100, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 250 };
+  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 100, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 400 };
   const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: cfg.taskQueue, args: [input] });
   pools.push(pool);
   let status: PoolStatus = await pool.query(poolStatusQuery);
   await until('a ready instance', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.phase === 'ready'), 120_000);
   const instance = status.instances.find((i) => i.phase === 'ready')!;
 
-  // 40 conversations over 12 s, each leased the instance its gateway picked and expiring 3 s
-  // after: 80 lease changes, and well over 250 events (runs of several seconds).
+  // 60 conversations over 18 s, each leased the instance its gateway picked and expiring 3 s
+  // after: 120 lease changes, and well over 400 events (runs of several seconds each).
   const sessions: WorkflowHandle[] = [];
-  for (let n = 0; n < 40; n++) {
+  for (let n = 0; n < 60; n++) {
     const key = `conv-${randomBytes(4).toString('hex')}`;
     sessions.push(
       await client.workflow.start('session', {
@@ -112,7 +112,7 @@ test('a busy pool continues as new early, carries its instance to a watcher (no 
 
   const all = await runs(pool.workflowId, pool.firstExecutionRunId);
   expect(all.length).toBeGreaterThanOrEqual(2);
-  for (const run of all.slice(0, -1)) expect(run.events.length).toBeLessThan(400); // continued early, not at the server's 4,000
+  for (const run of all.slice(0, -1)) expect(run.events.length).toBeLessThan(550); // continued early, not at the server's 4,000
   // Every later run watches the carried instance on the worker that runs it and describes nothing inline.
   for (const run of all.slice(1)) {
     expect(scheduled(run.events, 'describeInstance')).toHaveLength(0);
@@ -134,8 +134,9 @@ test('a busy pool continues as new early, carries its instance to a watcher (no 
       expect(b.at - a.at).toBeGreaterThanOrEqual(4900);
     }
   }
-  expect(leaseOnly).toBeGreaterThanOrEqual(1);
-  expect(writes).toBeLessThan(80 / 4);
+  const runsSeen = all.map((r) => `${r.events.length} events in ${((eventMs(r.events.at(-1)!) - eventMs(r.events[0]!)) / 1000).toFixed(1)} s, ${scheduled(r.events, 'writePool').length} writes`).join('; ');
+  if (leaseOnly === 0) throw new Error(`no two writes of the same instances in one run, so the throttle went unseen: ${runsSeen}`);
+  expect(writes).toBeLessThan(120 / 4);
   // The counts held back were published in the end: the view says 0 leases.
   const poolsKv = await nc.jetstream().views.kv(names.poolsBucket);
   await until('the published view at 0 leases', async () => {
