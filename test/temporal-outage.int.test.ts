@@ -39,8 +39,9 @@ import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startFixtureHub } from './fixtures/hf-hub';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { writeTinyModel } from './fixtures/tiny-model';
-import { isolation, natsConnect, s3Client, workerConfig } from './harness';
+import { endpoint, isolation, natsConnect, s3Client, workerConfig } from './harness';
 import { gatewayConfigFor } from './harness/gateway';
+import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
 import { until } from './harness/wait';
 
 const iso = isolation();
@@ -56,6 +57,8 @@ let services: RunningServices;
 let s3: S3Client;
 let nc: NatsConnection;
 let workers: RunningWorkers;
+/** The workers' way to S3, so a test can slow their reads (the conversion's source). */
+let s3Proxy: TcpProxy;
 let connection: Connection;
 let client: Client;
 let temporalHealth: TemporalHealth;
@@ -110,7 +113,10 @@ beforeAll(async () => {
   const address = services.endpoints.temporal!.address;
   s3 = s3Client();
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  workers = await startWorkers(workerConfig(iso, dir, { temporal: { address, namespace: 'default' } }));
+  const s3Url = new URL(endpoint('s3').endpoint);
+  s3Proxy = await startTcpProxy({ host: s3Url.hostname, port: Number(s3Url.port) });
+  const cfg = workerConfig(iso, dir, { temporal: { address, namespace: 'default' } });
+  workers = await startWorkers({ ...cfg, s3: { ...cfg.s3, endpoint: `${s3Url.protocol}//${s3Proxy.address}` } });
   nc = await natsConnect();
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
   connection = await Connection.connect({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
@@ -125,6 +131,7 @@ afterAll(async () => {
   await gateway?.close();
   await temporalHealth?.close();
   await workers?.shutdown();
+  await s3Proxy?.close();
   await nc?.drain();
   await connection?.close();
   await services?.stop();
@@ -252,7 +259,7 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
 }, 300_000);
 
 test('Temporal killed during a multipart transfer and again during a conversion: the pipeline finishes with the artifacts a faultless conversion makes', async () => {
-  // ~37 MB of F32 weights (model.safetensors in several multipart parts), its hub throttled so the transfer is under way when Temporal goes.
+  // ~63 MB of F32 weights (model.safetensors in several multipart parts), its hub throttled so the transfer is under way when Temporal goes.
   const model = join(dir, 'outage-model');
   await writeTinyModel(model, { seed: 43, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
   const hub = await startFixtureHub();
@@ -268,19 +275,28 @@ test('Temporal killed during a multipart transfer and again during a conversion:
     const progress = async (): Promise<PipelineProgress | undefined> => handle.query(progressQuery).catch(() => undefined);
     const outage = async (during: PipelinePhase, downMs: number): Promise<PipelineProgress> => {
       let p: PipelineProgress | undefined;
-      await until(`the pipeline ${during}`, async () => (p = await progress())?.phase === during && (during !== 'transferring' || p!.bytes.done > 0), 120_000);
+      await until(`the pipeline ${during}`, async () => (p = await progress())?.phase === during && (during === 'transferring' ? p!.bytes.done > 0 : p!.tensors.total > 0), 120_000);
       await services.killTemporal();
       await sleep(downMs);
       await services.restartTemporal();
       return p!;
     };
     const atTransfer = await outage('transferring', 10_000);
+    // Until Temporal and the worker are back, progress cannot be asked; the conversion reads its
+    // source (~63 MB) from S3 slowly meanwhile (about a minute at 1 MB/s), so it is still under way when it can.
     hub.setFaults({});
-    const atConversion = await outage('converting', 8_000);
+    s3Proxy.throttleAnswers(1_000_000);
+    let atConversion: PipelineProgress;
+    try {
+      atConversion = await outage('converting', 8_000);
+    } finally {
+      s3Proxy.throttleAnswers(undefined);
+    }
     let p: PipelineProgress | undefined;
     await until('the pipeline ready', async () => (p = await progress())?.phase === 'ready' || p?.phase === 'failed', 180_000);
     expect([p!.phase, p!.failure]).toEqual(['ready', null]);
     expect(atTransfer.bytes.done).toBeLessThan(atTransfer.bytes.total); // it was in the middle of it
+    expect(atConversion.tensors.done).toBeLessThan(atConversion.tensors.total); // and of this
 
     // Sources byte-identical to the hub's, artifacts byte-identical to a local conversion, nothing half-uploaded.
     const get = async (key: string) => Buffer.from(await (await s3.send(new GetObjectCommand({ Bucket: iso.bucket, Key: key }))).Body!.transformToByteArray());
@@ -299,6 +315,8 @@ test('Temporal killed during a multipart transfer and again during a conversion:
 }, 420_000);
 
 test('Temporal killed while a cold pool scales up for a first turn: the turn gets a prompt 503, the pool finishes its start without a duplicate, the retry is served', async () => {
+  // The test before restarted Temporal too: start once the gateway has seen it back (it probes every 2 s while it is away).
+  await until('the gateway sees Temporal', async () => (await readyz(gateway.url)).body.status === 'ok', 30_000);
   const registry = await openModelRegistry(nc, names.modelsBucket);
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: 'cold', seed: 52 });
   const pool = client.workflow.getHandle(poolWorkflowId('default', 'cold'));

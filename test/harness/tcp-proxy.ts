@@ -11,17 +11,21 @@ export interface TcpProxy {
   /** Cuts every open connection and refuses new ones until {@link restore}. */
   cut(): void;
   restore(): void;
+  /** Passes answers (server → client) at most this fast from now on, on open connections too; `undefined` lifts it. */
+  throttleAnswers(bytesPerSecond: number | undefined): void;
   close(): Promise<void>;
 }
 
 /**
  * `listenHost`: where it listens (default loopback; a container network's gateway lets containers
  * reach a loopback server). `holdAnswerAfter`: pass only that many bytes of each answer and hold
- * the rest (a download stuck midway).
+ * the rest (a download stuck midway). {@link TcpProxy.throttleAnswers} slows answers instead (a
+ * slow read, so a test can be sure to act while one is under way).
  */
 export async function startTcpProxy(target: { host: string; port: number }, listenHost = '127.0.0.1', opts: { holdAnswerAfter?: number } = {}): Promise<TcpProxy> {
   const open = new Set<Socket>();
   let refusing = false;
+  let answerRate: number | undefined;
   const server = createServer((client) => {
     if (refusing) return void client.destroy();
     const upstream = createConnection(target);
@@ -34,13 +38,21 @@ export async function startTcpProxy(target: { host: string; port: number }, list
     upstream.on('close', () => client.destroy());
     client.pipe(upstream);
     const limit = opts.holdAnswerAfter;
-    if (limit === undefined) return void upstream.pipe(client);
     let passed = 0;
+    upstream.on('end', () => client.end());
     upstream.on('data', (chunk: Buffer) => {
-      const room = limit - passed;
-      if (room > 0) client.write(chunk.subarray(0, room));
-      passed += Math.min(room, chunk.length);
-      if (passed >= limit) upstream.pause();
+      if (limit !== undefined) {
+        const room = limit - passed;
+        if (room > 0) client.write(chunk.subarray(0, room));
+        passed += Math.min(room, chunk.length);
+        if (passed >= limit) upstream.pause();
+        return;
+      }
+      const drained = client.write(chunk);
+      if (answerRate === undefined && drained) return;
+      upstream.pause();
+      const delay = answerRate === undefined ? 0 : (chunk.length / answerRate) * 1000;
+      setTimeout(() => (client.writableNeedDrain ? client.once('drain', () => upstream.resume()) : upstream.resume()), delay);
     });
   });
   await new Promise<void>((resolve, reject) => {
@@ -55,6 +67,9 @@ export async function startTcpProxy(target: { host: string; port: number }, list
     },
     restore() {
       refusing = false;
+    },
+    throttleAnswers(bytesPerSecond) {
+      answerRate = bytesPerSecond;
     },
     async close() {
       for (const s of open) s.destroy();
