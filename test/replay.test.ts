@@ -106,6 +106,8 @@ test.each([
   ['session-cold-start-named', 'session-search-attributes', 'leaseGranted'],
   // A pool serving it, its phase a search attribute.
   ['pool-serving', 'pool-phase-search-attribute', 'leaseRequested'],
+  // A session whose first turn was served from the view, asking again while it waited for room, then granted.
+  ['session-preferred-reask', 'session-preferred-reask', 'leaseGranted'],
 ])('the recorded %s history replays (patch %s)', async (name, patch, signal) => {
   const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as {
     events: (Parameters<typeof patchesOf>[0]['events'][number] & { workflowExecutionSignaledEventAttributes?: { signalName?: string } })[];

@@ -18,7 +18,7 @@ import type { AcquireRequest } from '../gateway/plugins/sessions';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import { leaseGrantedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { acquireUpdate, sessionWorkflowId } from '../workflows/session/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
@@ -139,3 +139,77 @@ test('an acquire that the pool never answers is refused at its deadline, and wit
   await session.terminate();
   await deadPool.terminate();
 }, 60_000);
+
+/**
+ * The first turn of a conversation can be served from the pool's published view before its
+ * session exists; the session then asks the pool to confirm that lease (`preferred`). With
+ * `session-preferred-reask` it asks again while unanswered, so a grant lost on the way (or a pool
+ * that ended) no longer leaves it waiting for ever with its entry in `magus_sessions`.
+ */
+describe('a session confirming a lease its first turn already used', () => {
+  const startPreferred = async (model: string, key: string, ttlMs: number) => {
+    const sessions = await nc.jetstream().views.kv(names.sessionsBucket);
+    // The gateway wrote the entry when it served the first turn from the view.
+    await sessions.put(key, new TextEncoder().encode(JSON.stringify({ subject: 'nobody.listens', pool: model, namespace: 'default', instance: 'gone-1', expiresAt: Date.now() + ttlMs })));
+    const handle = await client.workflow.start('session', {
+      workflowId: sessionWorkflowId('default', model, key),
+      taskQueue,
+      args: [{ key, namespace: 'default', model, ttlMs, preferred: { instance: 'gone-1', subject: 'nobody.listens' }, reaskMs: 1000 }],
+    });
+    const requests = async () => ((await handle.fetchHistory()).events ?? []).filter((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'leaseRequested').length;
+    const entry = async () => {
+      const e = await sessions.get(key);
+      return e && e.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as { instance: string }) : null;
+    };
+    return { handle, requests, entry };
+  };
+  /** A pool nobody runs (no worker polls its queue): it accepts requests and never answers one, as if each grant were lost. */
+  const deafPool = (model: string) =>
+    client.workflow.start('dllamaPool', {
+      workflowId: poolWorkflowId('default', model),
+      taskQueue: `${taskQueue}-nobody`,
+      args: [{ namespace: 'default', model, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
+    });
+
+  test('unanswered, it asks again; when the pool is gone, it removes the entry and ends', async () => {
+    const model = `deaf-${iso.id}`;
+    const pool = await deafPool(model);
+    const s = await startPreferred(model, `reask-gone-${iso.id}`, 120_000);
+    await eventually(async () => expect(await s.requests()).toBeGreaterThanOrEqual(3), 20_000);
+    expect(await s.entry()).toMatchObject({ instance: 'gone-1' }); // still waiting, the entry still there
+    await pool.terminate('the pool ended while the session waited');
+    // Before the patch the session waited for ever here, and warm turns kept going to an instance nobody leased.
+    await expect(s.handle.result()).resolves.toBeUndefined();
+    expect(await s.entry()).toBeNull();
+  }, 60_000);
+
+  test('unanswered for a whole TTL without a turn, it hands its place back and ends', async () => {
+    const model = `deaf-ttl-${iso.id}`;
+    const pool = await deafPool(model);
+    const s = await startPreferred(model, `reask-ttl-${iso.id}`, 3000);
+    const t0 = Date.now();
+    await expect(s.handle.result()).resolves.toBeUndefined();
+    expect(Date.now() - t0).toBeGreaterThanOrEqual(2000);
+    expect(await s.entry()).toBeNull();
+    const signals = ((await s.handle.fetchHistory()).events ?? []).map((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName).filter(Boolean);
+    expect(signals.at(-1)).toBe('leaseReleased'); // off the pool's waiting list
+    await pool.terminate();
+  }, 60_000);
+
+  test('a grant lost on the way: it asks again, and the answer to a later request is taken as the pool’s confirmation', async () => {
+    const model = `deaf-late-${iso.id}`;
+    const pool = await deafPool(model);
+    const s = await startPreferred(model, `reask-late-${iso.id}`, 60_000);
+    await eventually(async () => expect(await s.requests()).toBeGreaterThanOrEqual(2), 20_000);
+    // The pool's answer (here sent by the test, as a pool that finally answers would): another
+    // instance than the one the first turn went to, so the session rewrites its entry.
+    await s.handle.signal(leaseGrantedSignal, { instance: 'late-1', subject: 'late.subject' });
+    await eventually(async () => expect(await s.entry()).toMatchObject({ instance: 'late-1', subject: 'late.subject' }), 20_000);
+    const asked = await s.requests();
+    await new Promise((r) => setTimeout(r, 2500));
+    expect(await s.requests()).toBe(asked); // confirmed: it asks no more
+    await recordHistory('session-preferred-reask', s.handle);
+    await s.handle.terminate();
+    await pool.terminate();
+  }, 60_000);
+});

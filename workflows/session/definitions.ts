@@ -17,6 +17,11 @@ export interface SessionInput {
    * entry only if the pool grants another.
    */
   preferred?: { instance: string; subject: string };
+  /**
+   * With `preferred`: how often the session asks the pool again while its lease is not confirmed
+   * (default 60 s; at least 1 s). The pool answers a repeated request once: it keeps one place per session.
+   */
+  reaskMs?: number;
 }
 
 /**

@@ -43,6 +43,15 @@ const WITHDRAW_PATCH = 'session-withdraw';
 const DEFAULT_ACQUIRE_TIMEOUT_MS = 10 * 60_000;
 /** The session's kind, model and phase are search attributes (`MagusPhase`: waiting, serving, idle, ended). */
 const SEARCH_ATTRIBUTES_PATCH = 'session-search-attributes';
+/**
+ * A session whose first turn a gateway served from the published view waits for the pool's
+ * confirmation; with this patch it asks again every `reaskMs` (a grant lost, or a pool that ended
+ * meanwhile, used to leave it waiting for ever, its entry never removed), ends once the pool is
+ * gone, and ends (handing its place back) once its TTL passes without a turn. Executions started
+ * before this replay without it.
+ */
+const PREFERRED_REASK_PATCH = 'session-preferred-reask';
+const DEFAULT_REASK_MS = 60_000;
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
   const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
@@ -184,7 +193,24 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     } catch {
       pooled = false; // no pool (it ended): nothing can confirm the lease
     }
-    if (pooled) await condition(() => lease !== null || failure !== null);
+    if (pooled && patched(PREFERRED_REASK_PATCH)) {
+      const every = Math.max(1000, input.reaskMs ?? DEFAULT_REASK_MS);
+      for (;;) {
+        const expiresIn = expiresAt - Date.now();
+        if (await condition(() => lease !== null || failure !== null, Math.max(1, Math.min(every, expiresIn)))) break;
+        if (expiresAt <= Date.now()) {
+          // No turn for a whole TTL and still no lease: nobody needs one. Leave the waiting list
+          // (a grant already under way is refused by the closed session, and the pool takes it back).
+          await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
+          break;
+        }
+        try {
+          await pool.signal(leaseRequestedSignal, { sessionId, sessionWorkflowId: workflowInfo().workflowId, preferred: preferred.instance });
+        } catch {
+          break; // the pool has ended: nothing will confirm the lease
+        }
+      }
+    } else if (pooled) await condition(() => lease !== null || failure !== null);
     if (!lease) {
       // The entry points at an instance nobody leased: remove it so the next turn takes the cold
       // path (which starts the pool if needed).
