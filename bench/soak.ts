@@ -98,6 +98,8 @@ interface Sample {
   sessionWorkflows?: number;
   /** Temporal's SQLite database with its WAL, MB. */
   temporalDbMb?: number;
+  /** `magus dev`'s V8 heap in use, MB (its gateway's `/metrics`: `nodejs_heap_size_used_bytes`). */
+  devHeapMb?: number;
   /** The demo model's pool workflow: its run (a new one after each continue-as-new), that run's history length, its instances with their leases, sessions waiting, its last error. */
   pool?: { runId: string; events: number; instances: string[]; leases: number; waiting: number; lastError: string | null };
 }
@@ -121,7 +123,7 @@ interface PoolHistory {
   activities: Record<string, number>;
 }
 
-type Slope = { name: string; rssMbPerMin: number; fdsPerMin: number; rssMb: [number, number]; fds: [number, number] };
+type Slope = { name: string; rssMbPerMin: number; fdsPerMin: number; rssMb: [number, number]; fds: [number, number]; heapMbPerMin?: number; heapMb?: [number, number] };
 
 export interface SoakReport {
   requests: Record<Kind, { ok: number; injected: number; errors: number }>;
@@ -137,7 +139,7 @@ export interface SoakReport {
   /** At the end: keys, conversations started, live ones (a turn within the TTL) and with the grace; the largest excess of keys over `liveWithGrace` at any sample. */
   sessionKeys: { last: number; conversations: number; live: number; liveWithGrace: number; worstExcess: number };
   /** One sample a minute (the first at or after each minute): what grows and what levels off. */
-  timeline: { minute: number; conversations: number; live: number; sessionKeys: number; sessionMessages: number; sessionWorkflows?: number; temporalDbMb?: number; poolEvents?: number; poolRuns: number; poolLeases?: number; poolInstances?: string[]; jetStreamMb: number; responsesMb: number; rssMb: Record<string, number> }[];
+  timeline: { minute: number; conversations: number; live: number; sessionKeys: number; sessionMessages: number; sessionWorkflows?: number; temporalDbMb?: number; poolEvents?: number; poolRuns: number; poolLeases?: number; poolInstances?: string[]; jetStreamMb: number; responsesMb: number; rssMb: Record<string, number>; devHeapMb?: number }[];
   repull: { ok: boolean; detail: string };
   /** The demo model's pool workflow over the run, from its histories: what a stalled or evicted pool shows. */
   pool?: PoolHistory;
@@ -389,6 +391,16 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
       return { ok, detail: ok ? 'demo re-pulled with gguf:q40,gguf:q80 under traffic: ready' : `exit ${code}: ${out.slice(-400)}` };
     })();
 
+    /** `magus dev` is one process (gateway, workers, bridges): its heap, from its gateway's gauges. */
+    const devHeapMb = async (): Promise<number | undefined> => {
+      try {
+        const text = await (await fetch(`${gatewayUrl}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
+        const bytes = Number(/^nodejs_heap_size_used_bytes (\S+)$/m.exec(text)?.[1]);
+        return Number.isFinite(bytes) ? bytes / 2 ** 20 : undefined;
+      } catch {
+        return undefined;
+      }
+    };
     const samples: Sample[] = [];
     const sampler = (async () => {
       while (Date.now() < until) {
@@ -398,7 +410,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
         const nats = await natsSample(nc, names);
         // Counted after the keys were: a key listed is never one of a conversation counted as gone.
         const at = Date.now();
-        samples.push({ at, processes, ...nats, conversations: conversations.length, live: turnedSince(at - ttlMs), liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS), sessionWorkflows: await sessionWorkflows(), temporalDbMb: temporalDbMb(data), pool: await pool() });
+        samples.push({ at, processes, ...nats, conversations: conversations.length, live: turnedSince(at - ttlMs), liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS), sessionWorkflows: await sessionWorkflows(), temporalDbMb: temporalDbMb(data), devHeapMb: await devHeapMb(), pool: await pool() });
         await sleep(opts.sampleMs);
       }
     })();
@@ -523,6 +535,7 @@ function report(outcomes: Outcome[], samples: Sample[], last: Sample, repull: So
       jetStreamMb: Object.values(s.streamsMb).reduce((a, b) => a + b, 0),
       responsesMb: s.streamsMb.MAGUS_RESPONSES ?? 0,
       rssMb,
+      ...(s.devHeapMb === undefined ? {} : { devHeapMb: s.devHeapMb }),
     });
   }
   return {
@@ -560,12 +573,19 @@ function slopesOf(samples: Sample[], t0: number): Slope[] {
       byName.set(name, e);
     }
   }
+  // `magus dev`'s heap in use (sampled at any point of V8's collection cycle: noisy, but a leak climbs through it).
+  const heap = samples.filter((s) => s.devHeapMb !== undefined);
+  const heapOf = (name: string) =>
+    name === 'magus dev' && heap.length >= 2
+      ? { heapMbPerMin: slope(heap.map((s) => (s.at - t0) / 60_000), heap.map((s) => s.devHeapMb!)), heapMb: [heap[0]!.devHeapMb!, heap[heap.length - 1]!.devHeapMb!] as [number, number] }
+      : {};
   return [...byName].map(([name, e]) => ({
     name,
     rssMbPerMin: slope(e.t, e.rss),
     fdsPerMin: slope(e.t, e.fds),
     rssMb: [e.rss[0]!, e.rss[e.rss.length - 1]!] as [number, number],
     fds: [e.fds[0]!, e.fds[e.fds.length - 1]!] as [number, number],
+    ...heapOf(name),
   }));
 }
 
@@ -576,7 +596,10 @@ export function printReport(r: SoakReport, log: (line: string) => void): void {
   for (const e of r.errors) log(`  error: ${e}`);
   log('latency per minute (answered requests, ms): ' + r.perMinute.map((m) => `${m.minute}: n ${m.n} p50 ${fmt(m.p50, 0)} p99 ${fmt(m.p99, 0)} max ${fmt(m.max, 0)}`).join(' | '));
   const slopeLines = (slopes: Slope[]) => {
-    for (const s of slopes) log(`  ${s.name.padEnd(24)} ${fmt(s.rssMb[0], 1)} → ${fmt(s.rssMb[1], 1)} (${fmt(s.rssMbPerMin, 2)}/min)   ${s.fds[0]} → ${s.fds[1]} (${fmt(s.fdsPerMin, 2)}/min)`);
+    for (const s of slopes) {
+      const heap = s.heapMb ? `   V8 heap in use ${fmt(s.heapMb[0], 1)} → ${fmt(s.heapMb[1], 1)} (${fmt(s.heapMbPerMin!, 2)}/min)` : '';
+      log(`  ${s.name.padEnd(24)} ${fmt(s.rssMb[0], 1)} → ${fmt(s.rssMb[1], 1)} (${fmt(s.rssMbPerMin, 2)}/min)   ${s.fds[0]} → ${s.fds[1]} (${fmt(s.fdsPerMin, 2)}/min)${heap}`);
+    }
   };
   log('after warm-up, per process (summed by name): RSS MB first→last (slope MB/min), open fds first→last (slope /min)');
   slopeLines(r.slopes);
@@ -584,11 +607,11 @@ export function printReport(r: SoakReport, log: (line: string) => void): void {
     log(`after the first sessions expired (minute ${fmt(r.afterExpiry.fromMin, 1)} on), the same:`);
     slopeLines(r.afterExpiry.slopes);
   } else log('no sample after the first sessions could expire (warm-up or a conversation, whichever is longer, + the TTL): no slope after expiry');
-  log('per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB');
+  log('per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB (magus dev: its V8 heap in use)');
   for (const t of r.timeline) {
     const rss = Object.entries(t.rssMb)
       .sort(([a], [b]) => a.localeCompare(b))
-      .map(([name, mb]) => `${name} ${fmt(mb, 0)}`)
+      .map(([name, mb]) => `${name} ${fmt(mb, 0)}${name === 'magus dev' && t.devHeapMb !== undefined ? ` (heap ${fmt(t.devHeapMb, 0)})` : ''}`)
       .join(', ');
     log(`  ${String(t.minute).padStart(3)}: ${t.conversations} / ${t.live} / ${t.sessionKeys} (${t.sessionMessages}) / ${t.sessionWorkflows ?? '—'} / ${t.poolLeases ?? '—'} / ${t.poolEvents ?? '—'} (${t.poolRuns}) / ${t.temporalDbMb === undefined ? '—' : fmt(t.temporalDbMb, 1)} / ${fmt(t.jetStreamMb, 1)} (${fmt(t.responsesMb, 1)}) / ${rss}`);
   }

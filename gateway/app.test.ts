@@ -700,6 +700,13 @@ describe('/metrics, /healthz, /readyz', () => {
     expect(text).toContain('magus_gateway_requests_in_flight 1'); // this scrape
     expect(text).toContain('magus_gateway_session_warm_hits_total 1');
     expect(text).toContain('magus_gateway_session_cold_starts_total 0');
+    // The process's own gauges (workers/process-metrics.ts): a live process has memory and open files.
+    const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1]);
+    expect(sample('process_resident_memory_bytes')).toBeGreaterThan(sample('nodejs_heap_size_used_bytes'));
+    expect(sample('nodejs_heap_size_total_bytes')).toBeGreaterThanOrEqual(sample('nodejs_heap_size_used_bytes'));
+    expect(sample('nodejs_heap_size_used_bytes')).toBeGreaterThan(1e6);
+    expect(sample('process_open_fds')).toBeGreaterThan(2);
+    expect(sample('process_start_time_seconds') * 1000).toBeLessThanOrEqual(Date.now());
     // Every sample line is `name{labels} value` and every family has HELP and TYPE.
     for (const line of text.trim().split('\n')) expect(line).toMatch(/^(# (HELP|TYPE) \w+ .+|\w+(\{[^}]*\})? [-+0-9.eE]+|\w+(\{[^}]*\})? \+Inf)$/);
     // Buckets are cumulative.

@@ -8,6 +8,7 @@ import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../activities/nats/data-plane';
 import { bridgeMetricsText, startBridge } from '../activities/nats/bridge';
 import { isNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from './config';
+import { processMetricsText } from './process-metrics';
 
 /** For an importer not yet moved to activities/nats/bridge (activities/runtime/llama-cpp.int.test.ts). */
 export { bridgeMetricsText };
@@ -74,7 +75,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
       health = createServer((req, res) => {
         if (req.url === '/metrics') {
           res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-          return void res.end(bridgeMetricsText([{ pool, instance, stats: bridge.stats, health: bridge.health() }]));
+          return void res.end(bridgeMetricsText([{ pool, instance, stats: bridge.stats, health: bridge.health() }]) + processMetricsText());
         }
         void (async () => {
           const own = bridge.health();

@@ -13,6 +13,7 @@ import type * as EngineModule from './engine';
 import type * as BridgeModule from './bridge';
 import type * as FetchModule from './fetch';
 import type * as BridgeMetricsModule from '../activities/nats/bridge/metrics';
+import type * as ProcessMetricsModule from './process-metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as ModelPullModule from './model-pull';
 import type * as ModelTinyModule from './model-tiny';
@@ -41,6 +42,7 @@ const load = {
   dev: () => require('./dev/dev') as typeof DevModule,
   controller: () => require('./controller/main') as typeof ControllerModule,
   temporalHealth: () => require('./temporal-health') as typeof TemporalHealthModule,
+  processMetrics: () => require('./process-metrics') as typeof ProcessMetricsModule,
 };
 /* eslint-enable @typescript-eslint/no-require-imports */
 
@@ -251,7 +253,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal));
+        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal) + load.processMetrics().processMetricsText());
       }
       // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; workers/temporal-health.ts).
       if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));

@@ -6,6 +6,7 @@
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { ResponseStreamState } from '../../activities/nats/data-plane';
+import { processMetricsText } from '../../workers/process-metrics';
 import { servicePlugin } from './plugin';
 
 const escapeLabel = (v: string): string => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"');
@@ -180,7 +181,7 @@ export class GatewayMetrics {
 
   render(): string {
     const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.temporalReachable, this.temporalProbeFailures];
-    return `${all.map((m) => m.render()).join('\n')}\n`;
+    return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}`;
   }
 }
 

@@ -10,6 +10,7 @@ import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane } from '../../activities/nats/data-plane';
 import { parseDuration } from '../../shared/kube';
 import { loadConfig, natsServerList } from '../config';
+import { processMetricsText } from '../process-metrics';
 import { TEMPORAL_CHANNEL_ARGS, temporalMetricsText, temporalReadyText, watchTemporal } from '../temporal-health';
 import { kubeConfigFromEnv } from '../worker';
 import { startController, type Controller, type ControllerMetrics } from './controller';
@@ -143,7 +144,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
     const leader = election ? election.isLeader() : true;
     if (req.url === '/metrics') {
       res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-      return void res.end(controllerMetricsText(controller?.metrics(), leader) + temporalMetricsText('magus_controller', temporal));
+      return void res.end(controllerMetricsText(controller?.metrics(), leader) + temporalMetricsText('magus_controller', temporal) + processMetricsText());
     }
     // Ready: leading with every watch synced, or standing by (a standby is healthy too); Temporal
     // away only degrades it (200 `degraded: …`: it reconnects by itself).
