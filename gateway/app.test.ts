@@ -500,6 +500,10 @@ describe('error mapping', () => {
     expect(errorOf(res)).toMatchObject({ type: 'server_error', code: 'unavailable', param: null });
     expect(errorOf(res).message).toMatch(/^A new conversation cannot be started right now; retry later\. \(request id /);
     expect(errorOf(res).message).not.toContain('10.0.0.7');
+    // Logged as what it is: a warning with the reason, no stack.
+    const line = t.log.lines.map((l) => JSON.parse(l) as { level: number; reason?: string; err?: unknown }).find((l) => l.reason !== undefined);
+    expect(line).toMatchObject({ level: 40, reason: 'start failed: Temporal at 10.0.0.7:7233 is unreachable' });
+    expect(line?.err).toBeUndefined();
   });
 
   it('no instance can start → 503 with Retry-After (broker error, or cold-start timeout)', async () => {

@@ -195,12 +195,24 @@ export interface ErrorHandlerOptions {
   retryAfterSec: number;
 }
 
+/** An error's message and its causes', `a: b: c` (no stack). */
+function reasonOf(err: unknown): string {
+  const parts: string[] = [];
+  for (let e: unknown = err; e !== undefined && e !== null && parts.length < 5; e = (e as { cause?: unknown }).cause) {
+    parts.push(e instanceof Error ? e.message : typeof e === 'string' ? e : `a thrown ${typeof e}`);
+  }
+  return parts.join(': ');
+}
+
 function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, retryAfterSec: number): FastifyReply {
   const e = toGatewayError(err, retryAfterSec);
   // The id the client sees (`x-request-id`, set by routes that publish a request) or fastify's own.
   const header = reply.getHeader('x-request-id');
   const requestId = typeof header === 'string' ? header : request.id;
-  if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
+  // A 503 with Retry-After is one the gateway means (Temporal or the data plane away, no capacity):
+  // a warning with its reason, not an error with a stack (an outage would fill the log with them).
+  if (e.status === 503 && e.headers['retry-after'] !== undefined) request.log.warn({ status: e.status, code: e.code, reason: reasonOf(err), requestId }, e.message);
+  else if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
   else if (e.status !== 404 && e.status !== 405 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
   return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
 }
