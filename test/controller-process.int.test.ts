@@ -112,7 +112,8 @@ test('two replicas: one leads, both are healthy; the leader’s SIGTERM hands ov
   const [leader, standby] = (await isLeader(a)) ? [a, b] : [b, a];
   const t0 = Date.now();
   leader.child.kill('SIGTERM');
-  expect(await leader.exit).toBe(0);
+  const code = await leader.exit;
+  expect([code, code === 0 ? '' : leader.output.join('')]).toEqual([0, '']); // its log says why, if not
   expect(Date.now() - t0).toBeLessThan(10_000);
   await until('the standby takes over', () => isLeader(standby), 20_000);
   const takeover = Date.now() - t0;

@@ -21,6 +21,11 @@ export interface DevRun {
   stdout(): string;
   stderr(): string;
   exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+  /**
+   * Resolves once every process holding the top process's stdout and stderr (dev itself, when npx
+   * is gone before it) has closed them: all it printed has been read.
+   */
+  outputClosed: Promise<void>;
   /** Resolves once dev has printed its last ready line; rejects if it exits first or after `timeoutMs`. */
   ready(timeoutMs?: number): Promise<void>;
   /** The top process and every descendant of it now. */
@@ -70,12 +75,14 @@ export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.Proc
   child.stdout.on('data', (d: Buffer) => (out += d.toString()));
   child.stderr.on('data', (d: Buffer) => (err += d.toString()));
   const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((r) => child.once('exit', (code, signal) => r({ code, signal })));
+  const outputClosed = new Promise<void>((r) => child.once('close', () => r()));
   let collected: number[] = [];
   return {
     child,
     stdout: () => out,
     stderr: () => err,
     exited,
+    outputClosed,
     async ready(timeoutMs = 150_000) {
       const deadline = Date.now() + timeoutMs;
       while (!out.includes('Ctrl-C stops everything')) {

@@ -46,6 +46,8 @@ async function startServeAndStop(launcher: DevLauncher, tell: (run: DevRun) => v
   const exit = await Promise.race([run.exited, new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${launcher}: the top process did not exit within 60 s`)), 60_000)))]);
   clearTimeout(timer);
   await until(`every process of the ${launcher} tree to exit (left: ${tree.filter(processRunning).join(', ')})`, () => !tree.some(processRunning), 30_000);
+  // What dev printed last can still be in the pipe when its process is seen gone (npx exits first: dev writes to npx's pipe).
+  await Promise.race([run.outputClosed, new Promise((r) => setTimeout(r, 10_000))]);
   const output = run.stdout() + run.stderr();
   expect(output).not.toMatch(/restarting|TIMEOUT|while stopping|not cleanly/);
   expect(output).toMatch(/^magus dev: stopped$/m);
