@@ -109,14 +109,17 @@ test('clients that leave during a cold start: their calls end at once, their ses
   await pool.terminate('test over');
 }, 180_000);
 
-test('an acquire that the pool never answers is refused at its deadline, and withdrawn', async () => {
-  // A pool nobody runs (its task queue has no worker): the lease request is accepted and never answered.
-  const lonely = `lonely-${iso.id}`;
-  const deadPool = await client.workflow.start('dllamaPool', {
-    workflowId: poolWorkflowId('default', lonely),
+/** A pool nobody runs (no worker polls its queue): it accepts lease requests and never answers one, as if each grant were lost. */
+const deafPool = (model: string) =>
+  client.workflow.start('dllamaPool', {
+    workflowId: poolWorkflowId('default', model),
     taskQueue: `${taskQueue}-nobody`,
-    args: [{ namespace: 'default', model: lonely, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
+    args: [{ namespace: 'default', model, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
   });
+
+test('an acquire that the pool never answers is refused at its deadline, and withdrawn', async () => {
+  const lonely = `lonely-${iso.id}`;
+  const deadPool = await deafPool(lonely);
   const key = `deadline-${iso.id}`;
   const session = await client.workflow.start('session', { workflowId: sessionWorkflowId('default', lonely, key), taskQueue, args: [{ key, namespace: 'default', model: lonely, ttlMs: 60_000, acquireTimeoutMs: 1500 }] });
   const t0 = Date.now();
@@ -163,13 +166,6 @@ describe('a session confirming a lease its first turn already used', () => {
     };
     return { handle, requests, entry };
   };
-  /** A pool nobody runs (no worker polls its queue): it accepts requests and never answers one, as if each grant were lost. */
-  const deafPool = (model: string) =>
-    client.workflow.start('dllamaPool', {
-      workflowId: poolWorkflowId('default', model),
-      taskQueue: `${taskQueue}-nobody`,
-      args: [{ namespace: 'default', model, minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
-    });
 
   test('unanswered, it asks again; when the pool is gone, it removes the entry and ends', async () => {
     const model = `deaf-${iso.id}`;

@@ -92,9 +92,14 @@ export const errors = {
 
 const ERROR_TYPES = new Set<string>(Object.values(SessionErrorType));
 
+/** An error and its causes, outermost first, at most `depth` of them. */
+function* causeChain(err: unknown, depth: number): Generator<unknown> {
+  for (let e = err, n = 0; e !== undefined && e !== null && n < depth; e = (e as { cause?: unknown }).cause, n++) yield e;
+}
+
 /** The {@link SessionErrorType} of an error (or of its cause), if it has one. */
 export function sessionErrorType(err: unknown): SessionErrorType | undefined {
-  for (let e = err, depth = 0; typeof e === 'object' && e !== null && depth < 3; e = (e as { cause?: unknown }).cause, depth++) {
+  for (const e of causeChain(err, 3)) {
     const type = (e as { type?: unknown }).type;
     if (typeof type === 'string' && ERROR_TYPES.has(type)) return type as SessionErrorType;
   }
@@ -102,7 +107,7 @@ export function sessionErrorType(err: unknown): SessionErrorType | undefined {
 }
 
 function retryAfterOf(err: unknown, fallback: number): number {
-  for (let e = err, depth = 0; typeof e === 'object' && e !== null && depth < 3; e = (e as { cause?: unknown }).cause, depth++) {
+  for (const e of causeChain(err, 3)) {
     const r = (e as { retryAfterSec?: unknown }).retryAfterSec;
     if (typeof r === 'number' && Number.isFinite(r) && r > 0) return r;
   }
@@ -197,11 +202,7 @@ export interface ErrorHandlerOptions {
 
 /** An error's message and its causes', `a: b: c` (no stack). */
 function reasonOf(err: unknown): string {
-  const parts: string[] = [];
-  for (let e: unknown = err; e !== undefined && e !== null && parts.length < 5; e = (e as { cause?: unknown }).cause) {
-    parts.push(e instanceof Error ? e.message : typeof e === 'string' ? e : `a thrown ${typeof e}`);
-  }
-  return parts.join(': ');
+  return [...causeChain(err, 5)].map((e) => (e instanceof Error ? e.message : typeof e === 'string' ? e : `a thrown ${typeof e}`)).join(': ');
 }
 
 function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, retryAfterSec: number): FastifyReply {

@@ -51,8 +51,9 @@ export async function startTcpProxy(target: { host: string; port: number }, list
       const drained = client.write(chunk);
       if (answerRate === undefined && drained) return;
       upstream.pause();
-      const delay = answerRate === undefined ? 0 : (chunk.length / answerRate) * 1000;
-      setTimeout(() => (client.writableNeedDrain ? client.once('drain', () => upstream.resume()) : upstream.resume()), delay);
+      const resume = () => (client.writableNeedDrain ? client.once('drain', () => upstream.resume()) : upstream.resume());
+      if (answerRate === undefined) resume();
+      else setTimeout(resume, (chunk.length / answerRate) * 1000);
     });
   });
   await new Promise<void>((resolve, reject) => {
