@@ -213,7 +213,9 @@ describe('NATS outages', () => {
       const back = Promise.all([reconnected(worker), reconnected(gateway)]);
       await services.restartNats();
       await back;
-      expect((await fetch(`${gw.url}/readyz`)).status).toBe(200);
+      // Ready again once its KV watches have reopened on the new server (a moment: JetStream
+      // restores its streams after the server accepts connections).
+      await eventually(async () => expect(await (await fetch(`${gw.url}/readyz`)).json()).toMatchObject({ status: 'ok' }), 10_000);
       expect(await turn('second')).toEqual({ status: 200, text: 'second' });
       // A token added now works within moments: the gateway's KV watches reopened on the reconnect.
       // (Their old consumers died with the server; they would notice only when heartbeats went missing.)
