@@ -100,6 +100,8 @@ interface Sample {
   temporalDbMb?: number;
   /** `magus dev`'s V8 heap in use, MB (its gateway's `/metrics`: `nodejs_heap_size_used_bytes`). */
   devHeapMb?: number;
+  /** Workflows its Temporal workers keep cached (`magus_worker_cached_workflows`): their state is in the workflow threads, which RSS counts and the heap gauge does not. */
+  devCachedWorkflows?: number;
   /** The demo model's pool workflow: its run (a new one after each continue-as-new), that run's history length, its instances with their leases, sessions waiting, its last error. */
   pool?: { runId: string; events: number; instances: string[]; leases: number; waiting: number; lastError: string | null };
 }
@@ -139,7 +141,7 @@ export interface SoakReport {
   /** At the end: keys, conversations started, live ones (a turn within the TTL) and with the grace; the largest excess of keys over `liveWithGrace` at any sample. */
   sessionKeys: { last: number; conversations: number; live: number; liveWithGrace: number; worstExcess: number };
   /** One sample a minute (the first at or after each minute): what grows and what levels off. */
-  timeline: { minute: number; conversations: number; live: number; sessionKeys: number; sessionMessages: number; sessionWorkflows?: number; temporalDbMb?: number; poolEvents?: number; poolRuns: number; poolLeases?: number; poolInstances?: string[]; jetStreamMb: number; responsesMb: number; rssMb: Record<string, number>; devHeapMb?: number }[];
+  timeline: { minute: number; conversations: number; live: number; sessionKeys: number; sessionMessages: number; sessionWorkflows?: number; temporalDbMb?: number; poolEvents?: number; poolRuns: number; poolLeases?: number; poolInstances?: string[]; jetStreamMb: number; responsesMb: number; rssMb: Record<string, number>; devHeapMb?: number; devCachedWorkflows?: number }[];
   repull: { ok: boolean; detail: string };
   /** The demo model's pool workflow over the run, from its histories: what a stalled or evicted pool shows. */
   pool?: PoolHistory;
@@ -391,14 +393,16 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
       return { ok, detail: ok ? 'demo re-pulled with gguf:q40,gguf:q80 under traffic: ready' : `exit ${code}: ${out.slice(-400)}` };
     })();
 
-    /** `magus dev` is one process (gateway, workers, bridges): its heap, from its gateway's gauges. */
-    const devHeapMb = async (): Promise<number | undefined> => {
+    /** `magus dev` is one process (gateway, workers, bridges): its heap and workflow cache, from its gateway's gauges. */
+    const devGauges = async (): Promise<{ devHeapMb?: number; devCachedWorkflows?: number }> => {
       try {
         const text = await (await fetch(`${gatewayUrl}/metrics`, { signal: AbortSignal.timeout(5000) })).text();
-        const bytes = Number(/^nodejs_heap_size_used_bytes (\S+)$/m.exec(text)?.[1]);
-        return Number.isFinite(bytes) ? bytes / 2 ** 20 : undefined;
+        const read = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1]);
+        const bytes = read('nodejs_heap_size_used_bytes');
+        const cached = read('magus_worker_cached_workflows');
+        return { ...(Number.isFinite(bytes) ? { devHeapMb: bytes / 2 ** 20 } : {}), ...(Number.isFinite(cached) ? { devCachedWorkflows: cached } : {}) };
       } catch {
-        return undefined;
+        return {};
       }
     };
     const samples: Sample[] = [];
@@ -410,7 +414,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
         const nats = await natsSample(nc, names);
         // Counted after the keys were: a key listed is never one of a conversation counted as gone.
         const at = Date.now();
-        samples.push({ at, processes, ...nats, conversations: conversations.length, live: turnedSince(at - ttlMs), liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS), sessionWorkflows: await sessionWorkflows(), temporalDbMb: temporalDbMb(data), devHeapMb: await devHeapMb(), pool: await pool() });
+        samples.push({ at, processes, ...nats, conversations: conversations.length, live: turnedSince(at - ttlMs), liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS), sessionWorkflows: await sessionWorkflows(), temporalDbMb: temporalDbMb(data), ...(await devGauges()), pool: await pool() });
         await sleep(opts.sampleMs);
       }
     })();
@@ -536,6 +540,7 @@ function report(outcomes: Outcome[], samples: Sample[], last: Sample, repull: So
       responsesMb: s.streamsMb.MAGUS_RESPONSES ?? 0,
       rssMb,
       ...(s.devHeapMb === undefined ? {} : { devHeapMb: s.devHeapMb }),
+      ...(s.devCachedWorkflows === undefined ? {} : { devCachedWorkflows: s.devCachedWorkflows }),
     });
   }
   return {
@@ -607,11 +612,11 @@ export function printReport(r: SoakReport, log: (line: string) => void): void {
     log(`after the first sessions expired (minute ${fmt(r.afterExpiry.fromMin, 1)} on), the same:`);
     slopeLines(r.afterExpiry.slopes);
   } else log('no sample after the first sessions could expire (warm-up or a conversation, whichever is longer, + the TTL): no slope after expiry');
-  log('per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB (magus dev: its V8 heap in use)');
+  log('per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB (magus dev: its V8 heap in use, workflows its Temporal workers cache)');
   for (const t of r.timeline) {
     const rss = Object.entries(t.rssMb)
       .sort(([a], [b]) => a.localeCompare(b))
-      .map(([name, mb]) => `${name} ${fmt(mb, 0)}${name === 'magus dev' && t.devHeapMb !== undefined ? ` (heap ${fmt(t.devHeapMb, 0)})` : ''}`)
+      .map(([name, mb]) => `${name} ${fmt(mb, 0)}${name === 'magus dev' && t.devHeapMb !== undefined ? ` (heap ${fmt(t.devHeapMb, 0)}${t.devCachedWorkflows === undefined ? '' : `, ${t.devCachedWorkflows} workflows cached`})` : ''}`)
       .join(', ');
     log(`  ${String(t.minute).padStart(3)}: ${t.conversations} / ${t.live} / ${t.sessionKeys} (${t.sessionMessages}) / ${t.sessionWorkflows ?? '—'} / ${t.poolLeases ?? '—'} / ${t.poolEvents ?? '—'} (${t.poolRuns}) / ${t.temporalDbMb === undefined ? '—' : fmt(t.temporalDbMb, 1)} / ${fmt(t.jetStreamMb, 1)} (${fmt(t.responsesMb, 1)}) / ${rss}`);
   }

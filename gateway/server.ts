@@ -47,6 +47,8 @@ export interface GatewayDeps {
   openBucket?: (nc: NatsConnection, name: string) => Promise<KV>;
   /** Where log lines go (default stdout). */
   logStream?: NodeJS.WritableStream;
+  /** More gauges of this process for `/metrics`, in Prometheus' text format (`magus dev`: its Temporal workers' cache). */
+  processMetrics?: () => string;
 }
 
 export interface RunningGateway {
@@ -171,6 +173,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     let sessions: SessionBroker;
     let sessionCache: SessionCache | undefined;
     const temporal = deps.temporal;
+    if (deps.processMetrics) metrics.setProcessExtras(deps.processMetrics);
     if (temporal) metrics.setTemporal(() => ({ reachable: temporal.reachable(), probeFailures: temporal.stats().failures }));
     const ready: Promise<void>[] = [within(`the ${config.buckets.tokens} watch`, 15_000, kvTokens.cache.ready)];
     const liveness = [{ name: 'tokens', check: () => kvTokens.cache.live }];

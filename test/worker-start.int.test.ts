@@ -139,6 +139,7 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
   const metrics = (await w.get('/metrics')).text;
   expect(metric(metrics, 'magus_worker_temporal_reachable')).toBe(0);
   expect(metric(metrics, 'magus_worker_temporal_probe_failures_total')).toBeGreaterThanOrEqual(1);
+  expect(metric(metrics, 'magus_worker_cached_workflows')).toBeUndefined(); // no Temporal worker yet
   const [first] = attemptLines(w.stderr());
   expect(first).toBe(`magus worker: Temporal at ${address} is unreachable (attempt 1: No connection established. Last error: connect ECONNREFUSED ${address}); next attempt in 1 s, the task queues are polled once it answers`);
   expect(w.stderr()).not.toMatch(/^\s+at /m);
@@ -211,6 +212,8 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
   await until('the pool publishes its view', async () => (await pools.get(`default.${model}`)) !== null, 30_000);
   const publishedAfter = Date.now() - startedAt;
   expect(await handle.query(poolStatusQuery)).toMatchObject({ instances: [], lastError: null });
+  // The pool, running, is in the SDK's cache: its state lives in the workflow threads.
+  expect(metric((await w.get('/metrics')).text, 'magus_worker_cached_workflows')).toBe(1);
   await handle.terminate('test over');
 
   process.stderr.write(

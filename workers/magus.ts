@@ -253,7 +253,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal) + load.processMetrics().processMetricsText());
+        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal) + load.processMetrics().processMetricsText() + load.processMetrics().cachedWorkflowsMetricsText(workers?.cachedWorkflows()));
       }
       // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; workers/temporal-health.ts).
       if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));

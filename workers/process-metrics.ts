@@ -21,6 +21,11 @@ function openFds(): number | undefined {
   }
 }
 
+/** `magus_worker_cached_workflows`, for a process that runs Temporal workers (magus worker, magus dev). */
+export function cachedWorkflowsMetricsText(count: number | undefined): string {
+  return gauge('magus_worker_cached_workflows', 'Workflows the Temporal SDK keeps cached in this process (their state is in the workflow threads, outside the heap gauges above).', count);
+}
+
 export function processMetricsText(): string {
   const m = process.memoryUsage();
   return (

@@ -46,6 +46,12 @@ export interface RunningWorkers {
    * measured) and take work again once it is back; nothing here needs restarting.
    */
   temporal: TemporalHealth;
+  /**
+   * Workflows the SDK keeps cached over this process's Temporal workers (each one's state lives
+   * in the workflow threads' V8 heaps, which the process's heap gauges do not see; the cache holds
+   * at most `maxCachedWorkflows` per worker, by default sized from the heap limit).
+   */
+  cachedWorkflows(): number;
 }
 
 /** Registers magus's search attributes on the namespace (idempotent). */
@@ -328,6 +334,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     ...(kubeRuntime ? { kubernetes: kubeRuntime } : {}),
     runtimeQueue,
     temporal: temporalHealth,
+    cachedWorkflows: () => running.reduce((n, w) => n + w.getStatus().numCachedWorkflows, 0),
     async shutdown() {
       // The SDK stops its workers by itself on SIGINT/SIGTERM; only stop those still running.
       for (const w of running) if (w.getState() === 'RUNNING') w.shutdown();

@@ -179,9 +179,16 @@ export class GatewayMetrics {
     this.sessionStats = read;
   }
 
+  /** More gauges of the process the gateway runs in, appended at each scrape (`magus dev`: its Temporal workers' cache). */
+  setProcessExtras(read: () => string): void {
+    this.processExtras = read;
+  }
+
+  private processExtras: () => string = () => '';
+
   render(): string {
     const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.temporalReachable, this.temporalProbeFailures];
-    return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}`;
+    return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }
 

@@ -38,6 +38,7 @@ import type { modelPipeline } from '../../workflows/model/pipeline';
 import { devDataDir, loadConfig, natsServerList } from '../config';
 import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
+import { cachedWorkflowsMetricsText } from '../process-metrics';
 import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
@@ -283,7 +284,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_LOG_LEVEL: 'warn',
             MAGUS_SESSION_TTL_MS: String(sessionTtlMs),
           }),
-          { ...sessions, temporal: temporalHealth },
+          { ...sessions, temporal: temporalHealth, processMetrics: () => cachedWorkflowsMetricsText(workers?.cachedWorkflows()) },
         ),
       { port: opts.port, preferred: [readDevPorts(dataDir).gateway, 8080], flag: '--port' },
     );
