@@ -149,6 +149,68 @@ test('a busy pool continues as new early, carries its instance to a watcher (no 
   await recordHistory('pool-carried-watch', client.workflow.getHandle(pool.workflowId, all[1]!.runId));
 }, 300_000);
 
+test('a pool asked for leases without pause still closes its runs: grants asked for once a run is due to close are sent by the next one', async () => {
+  // Found by a 25-minute soak: with new conversations every half second and tasks slowed by the
+  // load, every workflow task brought a lease request, so a grant was always in flight when the
+  // run looked whether it could close. It never did: 26,000 events in one run, tasks timing out.
+  const cfg = cfgOf(dir);
+  const model = `${MODEL}-busy`;
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: model });
+  const input: PoolInput = { namespace: 'default', model, minInstances: 1, maxInstances: 1, leasesPerInstance: 1000, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 150 };
+  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', model), taskQueue: cfg.taskQueue, args: [input] });
+  pools.push(pool);
+  let status: PoolStatus = await pool.query(poolStatusQuery);
+  await until('a ready instance', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.phase === 'ready'), 120_000);
+  const instance = status.instances.find((i) => i.phase === 'ready')!;
+
+  // Sessions confirming the instance their gateway picked, ten a second for 15 s (the soak's
+  // rate was 2 a second, on a machine busier than this test's): a request in nearly every task.
+  const sessions: WorkflowHandle[] = [];
+  for (const until15s = Date.now() + 15_000; Date.now() < until15s; ) {
+    const key = `busy-${randomBytes(4).toString('hex')}`;
+    sessions.push(
+      await client.workflow.start('session', {
+        workflowId: sessionWorkflowId('default', model, key),
+        taskQueue: cfg.taskQueue,
+        args: [{ key, namespace: 'default', model, ttlMs: 10_000, preferred: { instance: instance.id, subject: instance.subject! } }],
+      }),
+    );
+    await sleep(100);
+  }
+  // Every session got its grant (a lost one would leave it re-asking until its TTL), and ended.
+  for (const s of sessions) await s.result();
+  await until('every lease released', async () => (status = await pool.query(poolStatusQuery)).instances.every((i) => i.leases === 0), 60_000);
+  expect(status.waiting).toBe(0);
+  const all = await runs(pool.workflowId, pool.firstExecutionRunId);
+  const sizes = all.map((r) => r.events.length);
+  process.stderr.write(`busy pool: ${sessions.length} sessions in 15 s; runs of ${sizes.join(', ')} events\n`);
+  expect(all.length).toBeGreaterThanOrEqual(3);
+  // Closed soon after it was due: what was in flight settles within a few tasks (seen: 153–370
+  // events; before, the first run took every request until the load stopped: 897 events).
+  for (const run of all.slice(0, -1)) expect(run.events.length).toBeLessThan(4 * input.runMaxEvents!);
+  // Each session's lease was granted once: never twice, never lost across runs.
+  const granted = new Map<string, number>();
+  for (const run of all) {
+    for (const e of run.events) {
+      const id = e.signalExternalWorkflowExecutionInitiatedEventAttributes?.workflowExecution?.workflowId;
+      if (id) granted.set(id, (granted.get(id) ?? 0) + 1);
+    }
+  }
+  expect(sessions.map((s) => [s.workflowId, granted.get(s.workflowId) ?? 0]).filter(([, n]) => n !== 1)).toEqual([]);
+  // The runs that closed with leases given and their grants not yet sent: the next run sent them.
+  const carriedGrants = (run: { events: HistoryEvent[] }) => {
+    const carry = run.events.at(-1)?.workflowExecutionContinuedAsNewEventAttributes?.input?.payloads?.[1]?.data;
+    return carry ? ((JSON.parse(new TextDecoder().decode(carry)) as PoolCarry).grants?.length ?? 0) : 0;
+  };
+  process.stderr.write(`busy pool: grants carried to the next run: ${all.map(carriedGrants).join(', ')}\n`);
+  const k = all.findIndex((run) => carriedGrants(run) > 0);
+  if (k >= 0) {
+    await recordHistory('pool-quiesced', client.workflow.getHandle(pool.workflowId, all[k]!.runId));
+    await recordHistory('pool-carried-grants', client.workflow.getHandle(pool.workflowId, all[k + 1]!.runId));
+  }
+  await pool.terminate('test over');
+}, 300_000);
+
 test('a watcher its worker’s queue did not take in time: the instance stays while the worker’s advert is fresh, and is dropped (its sessions waiting) once it is withdrawn', async () => {
   const cfg = cfgOf(dir);
   const worker = `fake-${randomBytes(3).toString('hex')}`;

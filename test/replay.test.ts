@@ -146,6 +146,10 @@ test.each([
   ['pool-continued', ['pool-shorter-runs', 'pool-grants-before-continue', 'pool-view-throttle'], (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW'],
   // The next run: its carried instance watched on its worker's queue, nothing described inline.
   ['pool-carried-watch', ['pool-carried-watch'], (h: RecordedHistory) => scheduledOf(h, 'watchInstance') >= 1 && scheduledOf(h, 'describeInstance') === 0],
+  // A run asked for leases without pause: once due, it stopped granting and continued as new with the leases it gave carried.
+  ['pool-quiesced', ['pool-quiesce-before-continue'], (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW' && carriedGrants(h) > 0],
+  // The next run: it sent the grants it was handed before anything else.
+  ['pool-carried-grants', ['pool-quiesce-before-continue'], (h: RecordedHistory) => h.events.some((e) => e.eventType === 'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED')],
   // A watcher nobody took: its owner asked (alive, then gone), the instance destroyed and replaced.
   ['pool-owner-confirmed', ['pool-owner-confirm'], (h: RecordedHistory) => scheduledOf(h, 'workerGone') >= 2 && scheduledOf(h, 'destroyInstance') >= 1 && scheduledOf(h, 'createInstance') >= 1],
 ])('the recorded %s history replays (patches %j)', async (name, patches, tookThePath) => {
@@ -155,6 +159,11 @@ test.each([
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
 }, 60_000);
 
+/** How many grants a run that continued as new handed to the next one (its carry, the second argument). */
+const carriedGrants = (h: RecordedHistory) => {
+  const data = h.events.at(-1)?.workflowExecutionContinuedAsNewEventAttributes?.input?.payloads?.[1]?.data;
+  return data ? ((JSON.parse(Buffer.from(data, 'base64').toString('utf8')) as { grants?: unknown[] }).grants?.length ?? 0) : 0;
+};
 const scheduledOf = (h: RecordedHistory, activity: string) => h.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === activity).length;
 
 interface RecordedHistory {
@@ -162,5 +171,6 @@ interface RecordedHistory {
     eventType: string;
     activityTaskScheduledEventAttributes?: { activityType?: { name?: string } };
     activityTaskStartedEventAttributes?: { attempt?: number };
+    workflowExecutionContinuedAsNewEventAttributes?: { input?: { payloads?: { data?: string }[] } };
   }[];
 }

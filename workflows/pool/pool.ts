@@ -118,6 +118,15 @@ const POOL_RUN_MAX_EVENTS = 1500;
  * continue with grants in flight.
  */
 const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
+/**
+ * A run due to close starts nothing new (once no instance is starting): lease requests wait for
+ * the next run (grants for instances it holds are carried as {@link PoolCarry.grants}, the rest
+ * as `waiting`), and so do scaling and view writes, so what is in flight settles and the run
+ * closes. Before, a request in every workflow task kept a grant in flight at every look, and a
+ * busy pool never closed its run (26,000 events in a soak, tasks timing out). Executions started
+ * before this grant at once.
+ */
+const QUIESCE_PATCH = 'pool-quiesce-before-continue';
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
   startToCloseTimeout: '1 day',
@@ -147,6 +156,8 @@ export interface PoolCarry {
   waiting: { sessionId: string; sessionWorkflowId: string }[];
   /** The workflow id of each session holding a lease (ids name their model since sessions did). */
   sessionWorkflowIds?: Record<string, string>;
+  /** Leases given while the run closed, their grants not yet sent: the next run sends them ({@link QUIESCE_PATCH}). */
+  grants?: { sessionId: string; sessionWorkflowId: string; instance: string; subject: string }[];
 }
 
 export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<void> {
@@ -187,6 +198,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const settleGrants = patched(GRANTS_SETTLE_PATCH);
   /** Grants signalled and not yet delivered (with {@link GRANTS_SETTLE_PATCH}). */
   const granting = new Set<Promise<void>>();
+  const quiesce = patched(QUIESCE_PATCH);
+  let shorterRuns = false; // checked where it always was, before the main loop
+  /** The run is due to continue as new (the server suggests it, or it reached its event budget). */
+  const closing = () => workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS));
+  /**
+   * Closing with only grants in flight: leases given now are granted by the next run. While a
+   * start, a stop or a view write is still in flight (it is waited for anyway, and may take
+   * seconds) grants go out at once.
+   */
+  const quiescing = () => quiesce && closing() && starting.size === 0;
+  /** Leases given while the run closes ({@link QUIESCE_PATCH}): carried to the next run, which sends their grants. */
+  const deferred: NonNullable<PoolCarry['grants']> = [];
   /** A lease-count change held back by the throttle is due then (0: none held back). */
   let viewDueAt = 0;
   const starting = new Set<Promise<void>>();
@@ -204,7 +227,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     // A session asking again (e.g. after a retry) keeps its lease.
     for (const i of instances.values()) {
       if (i.leases.has(req.sessionId) && i.subject) {
-        void grant(req.sessionWorkflowId, { instance: i.id, subject: i.subject }, req.sessionId);
+        offer(req.sessionWorkflowId, { instance: i.id, subject: i.subject }, req.sessionId);
         return;
       }
     }
@@ -213,7 +236,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     if (preferred?.subject && (preferred.phase === 'ready' || preferred.phase === 'draining')) {
       preferred.phase = 'ready';
       preferred.leases.add(req.sessionId);
-      void grant(req.sessionWorkflowId, { instance: preferred.id, subject: preferred.subject }, req.sessionId);
+      offer(req.sessionWorkflowId, { instance: preferred.id, subject: preferred.subject }, req.sessionId);
       dirty = true;
       return;
     }
@@ -274,6 +297,15 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     return startFailures > 0 ? 'failing' : 'idle';
   };
   const shown = visibility({ phase, details: () => poolDetails(input, phase(), status()), upsertPhase: patched(PHASE_ATTRIBUTE_PATCH) });
+
+  /** A lease given now: granted at once, or — the run closing — by the next run. */
+  function offer(sessionWorkflowId: string, lease: { instance: string; subject: string }, sessionId: string): void {
+    if (!quiescing()) return void grant(sessionWorkflowId, lease, sessionId);
+    const k = deferred.findIndex((g) => g.sessionId === sessionId);
+    if (k >= 0) deferred.splice(k, 1);
+    deferred.push({ sessionId, sessionWorkflowId, ...lease });
+    dirty = true;
+  }
 
   function grant(sessionWorkflowId: string, payload: { instance: string; subject: string } | { error: string }, sessionId?: string): Promise<void> {
     if (!settleGrants) return send(sessionWorkflowId, payload, sessionId);
@@ -448,6 +480,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
 
   function reconcile(): void {
+    // Closing (QUIESCE_PATCH): no grant once only grants are in flight, and no scaling or view
+    // write at all; what is in flight settles, and the next run, a task away, picks it all up.
+    const closingNow = quiesce && closing();
+    if (closingNow && quiescing()) return;
     // 1. Grants: the least-loaded ready instance with room; at max, the least-loaded one. A
     //    draining instance is as good as a ready one (it is taken back).
     const leasable = () => [...instances.values()].filter((i) => i.phase === 'ready' || i.phase === 'draining');
@@ -462,6 +498,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       target.leases.add(w.sessionId);
       void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject }, w.sessionId);
     }
+    if (closingNow) return;
     // 2. Scale up: enough instances for the leases and the waiting sessions, within min..max.
     const leases = live().reduce((n, i) => n + i.leases.size, 0);
     const wanted = Math.min(input.maxInstances, Math.max(input.minInstances, Math.ceil((leases + waiting.length) / input.leasesPerInstance)));
@@ -562,7 +599,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       else watch(i);
     }
   }
-  const shorterRuns = patched(SHORTER_RUNS_PATCH);
+  shorterRuns = patched(SHORTER_RUNS_PATCH);
+  // Grants the run before this one gave and did not send: the lease is carried, the grant sent now.
+  for (const g of carry?.grants ?? []) {
+    const i = instances.get(g.instance);
+    if (i?.subject === g.subject && i.leases.has(g.sessionId)) void grant(g.sessionWorkflowId, { instance: g.instance, subject: g.subject }, g.sessionId);
+  }
 
   for (;;) {
     if (dirty) {
@@ -570,7 +612,8 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       reconcile();
     }
     shown.refresh();
-    const idle = nextIdleDeadline();
+    // Closing: no deadline matters (reconcile waits for the next run); only what settles wakes it.
+    const idle = quiesce && closing() ? undefined : nextIdleDeadline();
     const checking = !watching && [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
     const untilCheck = checking ? Math.max(0, nextHealthCheck - Date.now()) : undefined;
     const wait = idle === undefined ? untilCheck : untilCheck === undefined ? idle : Math.min(idle, untilCheck);
@@ -582,13 +625,14 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       nextHealthCheck = Date.now() + healthCheckMs;
     }
     if (!dirty) dirty = wait !== undefined; // a deadline passed (idle, or the health check): look again
-    if ((workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS))) && starting.size === 0 && granting.size === 0) {
+    if (closing() && starting.size === 0 && granting.size === 0) {
       await condition(allHandlersFinished);
       const carried: PoolCarry = {
         instances: [...instances.values()].filter((i) => i.subject).map((i) => ({ id: i.id, subject: i.subject!, leases: [...i.leases], idleSince: i.idleSince, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}) })),
         nextId,
         waiting,
         sessionWorkflowIds: Object.fromEntries([...sessionIds].filter(([id]) => [...instances.values()].some((i) => i.subject && i.leases.has(id)))),
+        ...(deferred.length > 0 ? { grants: deferred } : {}),
       };
       await continueAsNew<typeof dllamaPool>(input, carried);
     }
