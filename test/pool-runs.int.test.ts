@@ -5,7 +5,7 @@
  * worker's runtime advert says it is gone. One real worker, real sessions, real Temporal.
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection, WorkflowHandle } from '@temporalio/client';
+import type { Client, Connection, WorkflowHandle, WorkflowHandleWithFirstExecutionRunId } from '@temporalio/client';
 import { type temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -82,14 +82,20 @@ async function runs(id: string, firstRunId: string): Promise<{ runId: string; ev
   return out;
 }
 
-test('a busy pool continues as new early, carries its instance to a watcher (no inline describe), and publishes lease counts at most every 5 s', async () => {
-  const cfg = cfgOf(dir);
-  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 100, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 400 };
-  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: cfg.taskQueue, args: [input] });
+/** A pool of `input`'s model started on the test's worker, once it has a ready instance. */
+async function readyPool(input: PoolInput): Promise<{ pool: WorkflowHandleWithFirstExecutionRunId; instance: PoolStatus['instances'][number] }> {
+  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId(input.namespace, input.model), taskQueue: cfgOf(dir).taskQueue, args: [input] });
   pools.push(pool);
   let status: PoolStatus = await pool.query(poolStatusQuery);
   await until('a ready instance', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.phase === 'ready'), 120_000);
-  const instance = status.instances.find((i) => i.phase === 'ready')!;
+  return { pool, instance: status.instances.find((i) => i.phase === 'ready')! };
+}
+
+test('a busy pool continues as new early, carries its instance to a watcher (no inline describe), and publishes lease counts at most every 5 s', async () => {
+  const cfg = cfgOf(dir);
+  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 100, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 400 };
+  const { pool, instance } = await readyPool(input);
+  let status: PoolStatus = await pool.query(poolStatusQuery);
 
   // 60 conversations over 18 s, each leased the instance its gateway picked and expiring 3 s
   // after: 120 lease changes, and well over 400 events (runs of several seconds each).
@@ -157,11 +163,8 @@ test('a pool asked for leases without pause still closes its runs: grants asked 
   const model = `${MODEL}-busy`;
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: model });
   const input: PoolInput = { namespace: 'default', model, minInstances: 1, maxInstances: 1, leasesPerInstance: 1000, idleTimeoutMs: 600_000, healthCheckMs: 1000, runMaxEvents: 150 };
-  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', model), taskQueue: cfg.taskQueue, args: [input] });
-  pools.push(pool);
+  const { pool, instance } = await readyPool(input);
   let status: PoolStatus = await pool.query(poolStatusQuery);
-  await until('a ready instance', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.phase === 'ready'), 120_000);
-  const instance = status.instances.find((i) => i.phase === 'ready')!;
 
   // Sessions confirming the instance their gateway picked, ten a second for 15 s (the soak's
   // rate was 2 a second, on a machine busier than this test's): a request in nearly every task.
