@@ -175,12 +175,14 @@ test('a pool asked for leases without pause still closes its runs: grants asked 
       await client.workflow.start('session', {
         workflowId: sessionWorkflowId('default', model, key),
         taskQueue: cfg.taskQueue,
-        args: [{ key, namespace: 'default', model, ttlMs: 10_000, preferred: { instance: instance.id, subject: instance.subject! } }],
+        args: [{ key, namespace: 'default', model, ttlMs: 30_000, preferred: { instance: instance.id, subject: instance.subject! } }],
       }),
     );
     await sleep(100);
   }
   // Every session got its grant (a lost one would leave it re-asking until its TTL), and ended.
+  // (Their TTL is long enough that a pool held up by a busy CI machine still answers within it:
+  // a session whose TTL passed first withdraws its request, and is rightly never granted.)
   for (const s of sessions) await s.result();
   await until('every lease released', async () => (status = await pool.query(poolStatusQuery)).instances.every((i) => i.leases === 0), 60_000);
   expect(status.waiting).toBe(0);
