@@ -119,10 +119,10 @@ const POOL_RUN_MAX_EVENTS = 1500;
  */
 const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
 /**
- * A run due to close starts nothing new (once no instance is starting): lease requests wait for
- * the next run (grants for instances it holds are carried as {@link PoolCarry.grants}, the rest
- * as `waiting`), and so do scaling and view writes, so what is in flight settles and the run
- * closes. Before, a request in every workflow task kept a grant in flight at every look, and a
+ * A run due to close starts no scaling and no view write, and once only grants are in flight it
+ * grants nothing more: lease requests wait for the next run (grants for instances it holds are
+ * carried as {@link PoolCarry.grants}, the rest as `waiting`), so what is in flight settles and
+ * the run closes. Before, a request in every workflow task kept a grant in flight at every look, and a
  * busy pool never closed its run (26,000 events in a soak, tasks timing out). Executions started
  * before this grant at once.
  */
