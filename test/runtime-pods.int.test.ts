@@ -7,8 +7,10 @@
  * over the tiny GGUF, fetched from S3 by `magus fetch`) and a distributed-llama topology (root +
  * 1 worker, the strict stand-in binaries of `localhost/magus-dllama:stand-in`).
  *
- * The pods run on podman's kube network (a bridge); this run's NATS and MinIO listen on loopback,
- * so the runtime is given their addresses through TCP proxies on the bridge's gateway address.
+ * The pods run on a bridge network of this test's own (created here, removed after: a fresh
+ * machine has no podman network but the default, and `podman-default-kube-network` exists only
+ * once something ran `podman kube play`); this run's NATS and MinIO listen on loopback, so the
+ * runtime is given their addresses through TCP proxies on the bridge's gateway address.
  * What the test changes in the specs, and why: `hostAliases` for the workers' Service names (no
  * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys given
  * as env values (podman 4.3's kube play reads Secrets only from its own secret store), and no
@@ -59,7 +61,7 @@ let runtime: KubernetesRuntime;
 let gateway: RunningGateway;
 let openai: OpenAI;
 const proxies: TcpProxy[] = [];
-const KUBE_NETWORK = 'podman-default-kube-network';
+const KUBE_NETWORK = `magus-pods-${iso.id}`;
 
 /** The address of a kube-played pod on the kube network (its infra container holds the network). */
 async function podAddress(pod: string): Promise<string> {
@@ -110,6 +112,8 @@ beforeAll(async () => {
   s3.destroy();
 
   const s3e = endpoint('s3');
+  await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
+  await podman('network', 'create', KUBE_NETWORK);
   await podman('pod', 'create', '--name', HOLDER, '--network', KUBE_NETWORK);
   await podman('pod', 'start', HOLDER);
   const natsAddress = await proxyFromPods(endpoint('nats').servers.replace(/^nats:\/\//, '').split(',')[0]!);
@@ -131,6 +135,7 @@ afterAll(async () => {
   await gateway?.close();
   await Promise.all(proxies.map((p) => p.close()));
   await podman('pod', 'rm', '--force', HOLDER).catch(() => undefined);
+  await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
   await nc?.drain();
   await cluster?.stop();
   if (dir) rmSync(dir, { recursive: true, force: true });
@@ -174,11 +179,11 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
     let workerIp: string | undefined;
     if (workers > 0) {
       writeFileSync(workerFile, JSON.stringify(await podOf(`${base}-w`, { names: [] })));
-      await podman('kube', 'play', workerFile);
+      await podman('kube', 'play', '--network', KUBE_NETWORK, workerFile);
       workerIp = await podAddress(`${base}-w-0`);
     }
     writeFileSync(rootFile, JSON.stringify(await podOf(base, { names: workerNames, ...(workerIp ? { ip: workerIp } : {}) })));
-    await podman('kube', 'play', rootFile);
+    await podman('kube', 'play', '--network', KUBE_NETWORK, rootFile);
     const engineUrl = `http://${await podAddress(`${base}-0`)}:8080`;
     // The engine container answers once the init container has fetched (and checked) the files.
     const deadline = Date.now() + 120_000;
