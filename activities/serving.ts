@@ -3,8 +3,9 @@
  * {@link Runtime}, and the `magus_sessions` KV entries the gateway reads on warm turns.
  */
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
-import type { KV } from 'nats';
-import type { PoolEntry, SessionEntry } from '../shared/serving';
+import type { KV, KvEntry } from 'nats';
+import { isRevisionConflict } from './nats/data-plane';
+import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 
 export interface InstanceRequest {
@@ -68,6 +69,46 @@ export interface ServingDeps {
    * queue of this deployment). Without it `workerGone` has no evidence and says gone.
    */
   advertOf?: (runtimeQueue: string) => Promise<RuntimeAdvert | null>;
+  /** An instance's request backlog: its consumer's `num_pending` and `num_ack_pending` (null: no consumer). */
+  backlog?: (pool: string, instance: string) => Promise<{ pending: number; ackPending: number } | null>;
+}
+
+/** What `watchLoad` reports: per instance, live entries and backlog (see workflows/pool/state.ts `LoadReport`). */
+export interface LoadSummary {
+  instances: Record<string, { leases: number; pending: number; ackPending: number }>;
+}
+
+export interface WatchLoadInput {
+  namespace: string;
+  /** The model (and data-plane pool) whose conversations are counted. */
+  model: string;
+  /** The instances to report on (the pool's serving ones). */
+  instances: string[];
+  leasesPerInstance: number;
+  /** What the pool knows already: the activity completes once the load differs from it in a way that matters. */
+  known: LoadSummary | null;
+  /** The earliest the activity completes after it starts (default 2 s): at most one report per interval. */
+  minIntervalMs?: number;
+  /** How often the backlog is read and the counts looked at (default 1 s). */
+  pollMs?: number;
+  /** Requests queued on an instance at which it counts as pressed (the pool's scale-up by backlog). */
+  pressurePending: number;
+}
+
+/**
+ * What of a load summary the pool's decisions depend on: which instances are idle (no entry, no
+ * backlog) and which pressed (a queue), and how many instances the leases fill. A report is sent
+ * only when this changes, so the pool's history grows with changes of decision, never with the
+ * number of conversations.
+ */
+export function loadSignature(s: LoadSummary, instances: readonly string[], leasesPerInstance: number, pressurePending: number): string {
+  let leases = 0;
+  const per = instances.map((id) => {
+    const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
+    leases += i.leases;
+    return `${id}:${i.leases === 0 && i.pending === 0 && i.ackPending === 0 ? 'idle' : 'busy'}${i.pending >= pressurePending ? ':pressed' : ''}`;
+  });
+  return `${per.join(',')}|${Math.ceil(leases / leasesPerInstance)}`;
 }
 
 export function createServingActivities(deps: ServingDeps) {
@@ -140,12 +181,96 @@ export function createServingActivities(deps: ServingDeps) {
     async deleteSession(input: { key: string }): Promise<void> {
       await deps.sessions.delete(input.key);
     },
+    /**
+     * A session's look at its lease (`magus_sessions` entry) when its expiry has come: renewed
+     * (a later `expiresAt`: the session sleeps again), gone (someone else ended it), or expired —
+     * then deleted with compare-and-swap on the revision read, so a renewal landing meanwhile wins
+     * (the delete fails, the entry is read again). Run as a local activity: one marker event.
+     */
+    async expireSession(input: { key: string }): Promise<{ ended: 'expired' | 'gone' } | { expiresAt: number }> {
+      for (;;) {
+        const e = await deps.sessions.get(input.key);
+        const entry = e && e.operation === 'PUT' ? decodeEntry(e) : undefined;
+        if (!e || !entry) return { ended: 'gone' };
+        if (entry.expiresAt > Date.now()) return { expiresAt: entry.expiresAt };
+        try {
+          await deps.sessions.delete(input.key, { previousSeq: e.revision });
+          return { ended: 'expired' };
+        } catch (err) {
+          if (!isRevisionConflict(err)) throw err; // renewed (or moved) meanwhile: look again
+        }
+      }
+    },
+    /**
+     * The pool's reconciler: counts the live `magus_sessions` entries on each of the pool's
+     * instances (a watch of the bucket) and reads each instance's request backlog, and completes
+     * with the summary once what the pool decides on ({@link loadSignature}) differs from what it
+     * knows — at the earliest `minIntervalMs` after it started, so a pool gets at most one report
+     * per interval however many conversations come and go. Heartbeats while it watches; the pool
+     * starts it again with what it reported.
+     */
+    async watchLoad(input: WatchLoadInput): Promise<LoadSummary> {
+      const ctx = Context.current();
+      const started = Date.now();
+      const minInterval = input.minIntervalMs ?? 2000;
+      const poll = input.pollMs ?? 1000;
+      const ns = input.namespace;
+      const mine = new Map<string, SessionEntry>();
+      let initialized = false;
+      const watch = await deps.sessions.watch({ initializedFn: () => void (initialized = true) });
+      const watching = (async () => {
+        for await (const e of watch) {
+          const entry = e.operation === 'PUT' ? decodeEntry(e) : undefined;
+          if (entry && entry.pool === input.model && (entry.namespace ?? 'default') === ns) mine.set(e.key, entry);
+          else mine.delete(e.key);
+        }
+      })();
+      const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending) : null;
+      try {
+        for (;;) {
+          heartbeat({ instances: input.instances.length, entries: mine.size });
+          if (initialized && Date.now() - started >= minInterval) {
+            const summary: LoadSummary = { instances: {} };
+            for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
+            const now = Date.now();
+            for (const entry of mine.values()) {
+              const i = summary.instances[entry.instance];
+              if (i && entry.expiresAt > now) i.leases++;
+            }
+            if (deps.backlog) {
+              const backlogs = await Promise.all(input.instances.map((id) => deps.backlog!(input.model, id).catch(() => null)));
+              input.instances.forEach((id, k) => Object.assign(summary.instances[id]!, backlogs[k] ?? {}));
+            }
+            if (loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending) !== known) return summary;
+          }
+          await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
+        }
+      } finally {
+        watch.stop();
+        await watching.catch(() => undefined);
+      }
+    },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
-    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean }): Promise<void> {
-      const entry: PoolEntry = { instances: input.instances, leasesPerInstance: input.leasesPerInstance, updatedAt: Date.now(), ...(input.growable === undefined ? {} : { growable: input.growable }) };
+    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean; failing?: string; nextStartAt?: number }): Promise<void> {
+      const entry: PoolEntry = {
+        instances: input.instances,
+        leasesPerInstance: input.leasesPerInstance,
+        updatedAt: Date.now(),
+        ...(input.growable === undefined ? {} : { growable: input.growable }),
+        ...(input.failing === undefined ? {} : { failing: input.failing, ...(input.nextStartAt === undefined ? {} : { nextStartAt: input.nextStartAt }) }),
+      };
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },
   };
+}
+
+/** A `magus_sessions` entry, or undefined when malformed. */
+function decodeEntry(e: KvEntry): SessionEntry | undefined {
+  try {
+    return decodeSessionEntry(e.value);
+  } catch {
+    return undefined;
+  }
 }
 
 export type ServingActivities = ReturnType<typeof createServingActivities>;

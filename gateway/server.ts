@@ -31,7 +31,7 @@ export interface GatewayDeps {
   /** Debounced lease extension on warm turns (Temporal signal). Default: none. */
   renew?: RenewSession;
   /** First turns from pools' published instances: the session TTL and how the workflow adopts an entry. Default: none (every first turn is a cold start). */
-  firstTurns?: Pick<FirstTurns, 'ttlMs' | 'adopt'>;
+  firstTurns?: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'>;
   /**
    * Temporal's reachability (temporal-health.ts), when the session functions above use Temporal:
    * while it is away, a first turn that needs it is refused at once (503 `unavailable`), and
@@ -350,7 +350,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
       onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
     });
     const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs }), temporal });
+    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs, replica: config.replicaId }), temporal });
   } catch (err) {
     await temporal?.close();
     await temporalConnection?.close();

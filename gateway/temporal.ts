@@ -1,18 +1,19 @@
 /**
- * The gateway's Temporal side — touched only on a conversation's first turn (or after its
- * session expired) and, debounced, to extend a session's TTL; warm turns never call it.
- * First turn on a warm pool (plugins/sessions.ts picked an instance from `magus_pools` and created
- * the session entry): start the session workflow with that instance as its preferred lease, after
- * the answer is on its way. Cold path: make sure the model's pool exists (signal-with-start), then
- * update-with-start the conversation's session, whose `acquire` update returns the instance once
- * the pool has leased one (the caller's signal aborts the wait, e.g. when the client goes away).
+ * The gateway's Temporal side — never on a warm turn, and never on the client's path of a first
+ * turn that finds room. The entry-lease protocol (plugins/sessions.ts): after a first turn created
+ * its conversation's `magus_sessions` entry, `adopt` starts the conversation's session workflow
+ * (its search attributes and summary in the start request); a first turn that finds no instance
+ * with room has `demand` tell the model's pool (signal-with-start, which starts the pool too).
+ * Conversations of the old protocol (entries without `placedAt`, sessions started by older
+ * gateways) keep their path until they end: `renew` touches their session, and near expiry
+ * `coldStart` update-with-starts it, whose `acquire` returns the instance once the pool leased one.
  */
 import { WithStartWorkflowOperation, WorkflowNotFoundError, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
 import { randomUUID } from 'node:crypto';
 import { ApplicationFailure } from '@temporalio/common';
-import { WorkflowSummary } from '../shared/constants';
+import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
-import { ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
+import { demandSignal, ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
 import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
@@ -27,6 +28,8 @@ export interface TemporalSessionOptions {
   pool: Omit<PoolInput, 'namespace' | 'model'>;
   /** Session TTL after the last turn. */
   sessionTtlMs: number;
+  /** This gateway replica's id: its demand is counted apart from other replicas' (default: one of its own). */
+  replica?: string;
 }
 
 /** The error types the gateway maps to HTTP statuses (plugins/errors.ts). */
@@ -49,8 +52,11 @@ function unreachable(err: unknown): BrokerError | undefined {
   return e;
 }
 
-export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt'> } {
+export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'> } {
   const { client, taskQueue } = opts;
+  /** Pools run on a task queue of their own (new ones; a running pool keeps its queue until it continues as new). */
+  const poolQueue = poolQueueFor(taskQueue);
+  const replica = opts.replica ?? `gateway-${randomUUID().slice(0, 8)}`;
   // Every call runs under the request's signal (the client left, or the gateway gave up
   // waiting): the RPC, the update's long poll included, is cancelled at once.
   const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
@@ -61,7 +67,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
         client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
           client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
             workflowId: poolWorkflowId(namespace, name),
-            taskQueue,
+            taskQueue: poolQueue,
             args: [{ namespace, model: name, ...opts.pool }],
             signal: ensurePoolSignal,
             signalArgs: [],
@@ -111,11 +117,25 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     await client.workflow.start<typeof session>('session', {
       workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
       taskQueue,
-      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, preferred: { instance: entry.instance, subject: entry.subject } }],
+      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, entry: { expiresAt: entry.expiresAt } }],
+      // A session still running (the conversation's entry revived before it ended) keeps watching the entry.
       workflowIdConflictPolicy: 'USE_EXISTING',
+      searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`${namespace}/${name}`], [SearchAttribute.phase]: ['serving'] },
       staticSummary: WorkflowSummary.session(namespace, name),
     });
   };
-  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt } };
+  const demand: FirstTurns['demand'] = async (model, waiting) => {
+    const { namespace, name } = model;
+    await client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
+      client.workflow.signalWithStart<typeof dllamaPool, [{ replica: string; waiting: number }]>('dllamaPool', {
+        workflowId: poolWorkflowId(namespace, name),
+        taskQueue: poolQueue,
+        args: [{ namespace, model: name, ...opts.pool }],
+        signal: demandSignal,
+        signalArgs: [{ replica, waiting }],
+        staticSummary: WorkflowSummary.pool(namespace, name),
+      }),
+    );
+  };
+  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt, demand } };
 }
-

@@ -17,6 +17,14 @@ export function pipelineQueueFor(controlQueue: string): string {
 }
 
 /**
+ * The task queue of the pool workflows (and their activities): a queue of their own, so a pool's
+ * task never waits behind thousands of session tasks on the control queue.
+ */
+export function poolQueueFor(controlQueue: string): string {
+  return controlQueue.endsWith('-control') ? `${controlQueue.slice(0, -'-control'.length)}-pools` : `${controlQueue}-pools`;
+}
+
+/**
  * The task queue of one worker's own runtime activities (`describeInstance`, `destroyInstance`):
  * a local runtime's instances are processes of the worker that created them, so only that
  * worker can answer for them.

@@ -62,6 +62,13 @@ export interface SessionEntry {
   instance: string;
   /** Epoch ms when the session's lease ends unless extended. */
   expiresAt: number;
+  /**
+   * Epoch ms when the entry was put on its instance. Entries of the entry-lease protocol carry it
+   * (the gateways create, renew and move them; the session only deletes an expired one); entries
+   * without it belong to sessions of the old protocol, which the pool leased and which the
+   * gateway renews with a `touch` signal until they end.
+   */
+  placedAt?: number;
 }
 
 /**
@@ -83,6 +90,35 @@ export interface PoolEntry {
    * would. Absent (pools before this field): treated as growable.
    */
   growable?: boolean;
+  /** Why no instance serves or starts now (failed starts): a first turn waiting for room is refused with it. */
+  failing?: string;
+  /** With `failing`: when the pool may try to start again (epoch ms). */
+  nextStartAt?: number;
+}
+
+/** A `magus_sessions` value, checked; `undefined` (ignored) when malformed. */
+export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined {
+  const e = JSON.parse(new TextDecoder().decode(value)) as Partial<SessionEntry> | null;
+  if (typeof e !== 'object' || e === null) return undefined;
+  if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string') return undefined;
+  return { subject: e.subject, pool: e.pool, ...(typeof e.namespace === 'string' ? { namespace: e.namespace } : {}), instance: e.instance, expiresAt: e.expiresAt, ...(typeof e.placedAt === 'number' ? { placedAt: e.placedAt } : {}) };
+}
+
+/** A `magus_pools` value, checked; `undefined` (ignored) when malformed. */
+export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
+  const e = JSON.parse(new TextDecoder().decode(value)) as Partial<PoolEntry> | null;
+  if (typeof e !== 'object' || e === null || !Array.isArray(e.instances) || !Number.isInteger(e.leasesPerInstance) || (e.leasesPerInstance as number) < 1) return undefined;
+  const instances = e.instances.filter(
+    (i): i is PoolEntry['instances'][number] =>
+      typeof i === 'object' && i !== null && typeof i.instance === 'string' && i.instance !== '' && typeof i.subject === 'string' && i.subject !== '' && Number.isInteger(i.leases) && i.leases >= 0,
+  );
+  return {
+    instances,
+    leasesPerInstance: e.leasesPerInstance as number,
+    updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0,
+    ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}),
+    ...(typeof e.failing === 'string' ? { failing: e.failing, ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}) } : {}),
+  };
 }
 
 /** A `magus_pools` entry older than this belongs to a pool that is gone: gateways do not pick from it. */

@@ -9,18 +9,18 @@ import { hostname } from 'node:os';
 import { CreateBucketCommand, HeadBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
-import { DefaultLogger, NativeConnection, TransportError, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
+import { bundleWorkflowCode, DefaultLogger, NativeConnection, TransportError, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
 import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
+import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
 import { createServingActivities } from '../activities/serving';
-import { pipelineQueueFor, runtimeQueueFor, SearchAttribute, workerOfRuntimeQueue } from '../shared/constants';
+import { pipelineQueueFor, poolQueueFor, runtimeQueueFor, SearchAttribute, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import { dataPlaneEnv, natsServerList, type MagusConfig } from './config';
@@ -232,7 +232,15 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     const worker = workerOfRuntimeQueue(cfg.taskQueue, queue);
     return worker === null ? null : registry.runtimeAdvert(worker);
   };
-  const serving = kubeRuntime ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv, advertOf }) : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue, advertOf });
+  // An instance's backlog, for its pool's reconciler: its request consumer's pending and in-flight requests.
+  const jsm = await nc.jetstreamManager();
+  const backlog = async (pool: string, instance: string) => {
+    const info = await jsm.consumers.info(names.requestStream, consumerNameOf(pool, instance)).catch(() => null);
+    return info && { pending: info.num_pending, ackPending: info.num_ack_pending };
+  };
+  const serving = kubeRuntime
+    ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv, advertOf, backlog })
+    : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue, advertOf, backlog });
 
   const activities = createPipelineActivities({
     s3,
@@ -260,6 +268,13 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
 
   // MAGUS_WORKER_QUEUES: a Deployment per queue scales and sizes them apart (the chart does).
   const polls = (q: 'control' | 'pipeline') => (cfg.queues ?? 'all') === 'all' || cfg.queues === q;
+  const controlActivities = {
+    publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model),
+    ...serving,
+    ...(deps.kube ? createKubernetesActivities({ kc: deps.kube, bucket: cfg.s3.bucket }) : {}),
+  };
+  // One bundle of the workflow code for the control and the pools' queues.
+  const workflowBundle = polls('control') ? { code: (await bundleWorkflowCode({ workflowsPath: require.resolve('../workflows'), logger: new DefaultLogger('WARN') })).code } : undefined;
   const control = !polls('control') ? undefined : await Worker.create({
     connection: workerConnection,
     namespace: cfg.temporal.namespace,
@@ -267,13 +282,19 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     // Each serving instance's watcher holds a slot for the instance's life (mostly waiting on a
     // timer or a pod watch), beside the starts and the short activities.
     maxConcurrentActivityTaskExecutions: 1000,
-    workflowsPath: require.resolve('../workflows'),
+    workflowBundle,
     // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
-    activities: {
-      publishModel: (model: Parameters<typeof activities.publishModel>[0]) => activities.publishModel(model),
-      ...serving,
-      ...(deps.kube ? createKubernetesActivities({ kc: deps.kube, bucket: cfg.s3.bucket }) : {}),
-    },
+    activities: controlActivities,
+  });
+  // The pools' own queue (DESIGN.md: a pool's task never waits behind thousands of session tasks):
+  // the pool workflows and their activities (instances, watchers, the reconciler, the view).
+  const poolsWorker = !polls('control') ? undefined : await Worker.create({
+    connection: workerConnection,
+    namespace: cfg.temporal.namespace,
+    taskQueue: poolQueueFor(cfg.taskQueue),
+    maxConcurrentActivityTaskExecutions: 1000,
+    workflowBundle,
+    activities: controlActivities,
   });
   const pipeline = !polls('pipeline') ? undefined : await Worker.create({
     connection: workerConnection,
@@ -314,7 +335,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     advertTimer.unref();
   }
 
-  const running = [control, pipeline, own].filter((w): w is Worker => w !== undefined);
+  const running = [control, poolsWorker, pipeline, own].filter((w): w is Worker => w !== undefined);
   const temporalHealth = watchTemporal(connection, { failures: temporalFailures });
   const done = Promise.all(running.map((w) => w.run())).then(async () => {
     await temporalHealth.close();

@@ -37,6 +37,10 @@ export interface KvCacheOptions<T> {
   onError?: (err: unknown) => void;
   /** Pause before re-opening a watch that ended. */
   restartDelayMs?: number;
+  /** Told of every change of the map readers see: the watch's updates, `set` and `delete` (an index kept beside the map). */
+  onChange?: (key: string, before: T | undefined, after: T | undefined) => void;
+  /** Told when a rebuilt map replaces the one readers saw (an index is rebuilt from it). */
+  onReset?: (map: ReadonlyMap<string, T>) => void;
 }
 
 export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T> {
@@ -49,9 +53,15 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   let wake: (() => void) | undefined;
   let reopening = false;
 
+  const change = (target: Map<string, T>, key: string, after: T | undefined): void => {
+    const before = target.get(key);
+    if (after === undefined) target.delete(key);
+    else target.set(key, after);
+    if (target === current && (before !== undefined || after !== undefined)) opts.onChange?.(key, before, after);
+  };
   const apply = (target: Map<string, T>, e: KvEntry): void => {
     if (e.operation !== 'PUT') {
-      target.delete(e.key);
+      change(target, e.key, undefined);
       return;
     }
     let v: T | undefined;
@@ -60,8 +70,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
     } catch (err) {
       opts.onError?.(err);
     }
-    if (v === undefined) target.delete(e.key);
-    else target.set(e.key, v);
+    change(target, e.key, v);
   };
 
   const run = async (): Promise<void> => {
@@ -73,6 +82,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
           // Called in order after the last initial value; swap the rebuilt map in at once.
           initializedFn: () => {
             current = next;
+            opts.onReset?.(current);
             initialized = true;
             live = true;
             markReady();
@@ -98,8 +108,8 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
 
   return {
     get: (key) => current.get(key),
-    set: (key, value) => void current.set(key, value),
-    delete: (key) => void current.delete(key),
+    set: (key, value) => change(current, key, value),
+    delete: (key) => change(current, key, undefined),
     entries: () => current.entries(),
     get size() {
       return current.size;

@@ -1,17 +1,29 @@
 /**
  * Sessions: which instance serves a conversation. The gateway asks a {@link SessionBroker}; the
  * broker here answers warm turns from a watch-backed mirror of the `magus_sessions` KV bucket
- * (no Temporal call, no KV read per request). A first turn on a warm pool is served from the
- * pool's published instances (`magus_pools`, see {@link FirstTurns}): the gateway picks one with
- * room, creates the session entry itself and has the session workflow confirm the lease
- * afterwards, off the client's path. Everything else — a pool without a ready instance, expired
- * or nearly expired leases — goes to an injected {@link ColdStart} (in production a Temporal
- * update-with-start on the conversation's `session` workflow, which also writes the KV entry).
+ * (no Temporal call, no KV read per request).
+ *
+ * The entry-lease protocol (DESIGN.md, "Control plane"): a conversation's entry **is** its lease.
+ * A first turn picks an instance with room from the pool's published instances (`magus_pools`),
+ * counting the entries on each instance in this mirror (every replica's, as the watch delivers
+ * them) plus its own picks not yet written, and creates the entry (KV create: one per
+ * conversation across replicas); the conversation's session workflow is started afterwards, off
+ * the client's path. Warm turns renew the entry's expiry themselves (compare-and-swap, at most
+ * once per `renewIntervalMs` and only once part of the TTL is used): no Temporal call. An entry
+ * whose instance the pool no longer publishes is moved (compare-and-swap: one replica wins, the
+ * others use its choice). With no instance with room, the turn tells the pool there is demand
+ * (`demand`, at most once a second per model) and waits on the view, bounded by its signal.
+ *
+ * Entries of the old protocol (no `placedAt`) keep their old path until their sessions end:
+ * renewal by a `touch` signal and, near expiry, the injected {@link ColdStart}.
  */
 import type { KvEntry } from 'nats';
 import { isRevisionConflict } from '../../activities/nats/data-plane';
+import { SessionError } from './errors';
 import type { ReadyModel } from '../../shared/model';
-import { POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
+import { decodePoolEntry, decodeSessionEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
+
+export { decodePoolEntry, decodeSessionEntry };
 import { watchKv, type KvCache, type WatchableKv } from './kv-cache';
 
 export interface AcquireRequest {
@@ -36,6 +48,10 @@ export interface SessionBroker {
 export interface SessionStats {
   /** Turns answered from the session cache. */
   warmHits: number;
+  /** Conversations moved off an instance the pool no longer publishes. */
+  moves?: number;
+  /** Entries renewed by this gateway (compare-and-swap). */
+  renewals?: number;
   /** Turns that waited on the slow path (Temporal). */
   coldStarts: number;
   /** First turns served from a pool's published instances (the session workflow confirms later). */
@@ -48,26 +64,32 @@ export type ColdStart = (req: AcquireRequest) => Promise<SessionEntry>;
 /** Extends a session's lease (debounced, fire-and-forget): the caller may not wait for it. */
 export type RenewSession = (req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry) => Promise<void>;
 
-/** What the `magus_sessions` bucket must offer for first turns: an atomic create, and a read after losing it. */
+/** What the `magus_sessions` bucket must offer: an atomic create, a compare-and-swap update, and a read after losing either. */
 export interface SessionWriter {
   create(key: string, value: Uint8Array): Promise<number>;
+  update(key: string, value: Uint8Array, version: number): Promise<number>;
   get(key: string): Promise<KvEntry | null>;
 }
 
 /**
- * First turns without a workflow on the client's path. The session entry is created with KV
- * `create`, so concurrent first turns of one conversation (on any replica) agree on the winner's
- * instance; `adopt` then starts the conversation's session workflow with that instance as its
- * preferred lease (the pool grants it, or another one and the workflow rewrites the entry).
+ * First turns without a workflow on the client's path (the entry-lease protocol). The entry is
+ * created with KV `create`, so concurrent first turns of one conversation (on any replica) agree
+ * on the winner's instance; `adopt` then starts the conversation's session workflow.
  */
 export interface FirstTurns {
   /** The `magus_pools` bucket (key `<namespace>.<model>`). */
   pools: WatchableKv;
   sessions: SessionWriter;
-  /** Lifetime of the entry the gateway creates (the session workflow's TTL). */
+  /** Lifetime of an entry after its last renewal (the session's TTL). */
   ttlMs: number;
-  /** Starts the session workflow for an entry this gateway created; not awaited by the request. */
+  /** Starts the session workflow of an entry this gateway created (or revived); not awaited by the request. */
   adopt(req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry): Promise<void>;
+  /**
+   * Tells the model's pool that this replica holds `waiting` first turns for want of an instance
+   * with room (signal-with-start: it starts the pool too). Called at most once a second per model.
+   * Absent: first turns wait for room without telling anyone (a pool sized by its resource).
+   */
+  demand?(model: ReadyModel, waiting: number): Promise<void>;
 }
 
 export interface SessionCacheOptions {
@@ -98,31 +120,25 @@ export interface SessionCacheOptions {
 
 export interface SessionCache extends SessionBroker {
   stats(): SessionStats;
-  readonly cache: KvCache<SessionEntry>;
+  readonly cache: KvCache<CachedEntry>;
+  /** Live entries on an instance, as this gateway's mirror counts them. */
+  leasesOn(namespace: string, pool: string, instance: string): number;
   /** The mirror of `magus_pools` (absent without first turns). */
   readonly pools: KvCache<PoolEntry> | undefined;
   readonly ready: Promise<void>;
   close(): Promise<void>;
 }
 
-/** A `magus_sessions` value, checked; `undefined` (ignored) when malformed. */
-export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined {
-  const e = JSON.parse(new TextDecoder().decode(value)) as Partial<SessionEntry> | null;
-  if (typeof e !== 'object' || e === null) return undefined;
-  if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string') return undefined;
-  return { subject: e.subject, pool: e.pool, ...(typeof e.namespace === 'string' ? { namespace: e.namespace } : {}), instance: e.instance, expiresAt: e.expiresAt };
-}
+/** A mirrored entry with the revision it was read at (for compare-and-swap). */
+export type CachedEntry = SessionEntry & { revision: number };
 
-/** A `magus_pools` value, checked; `undefined` (ignored) when malformed. */
-export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
-  const e = JSON.parse(new TextDecoder().decode(value)) as Partial<PoolEntry> | null;
-  if (typeof e !== 'object' || e === null || !Array.isArray(e.instances) || !Number.isInteger(e.leasesPerInstance) || (e.leasesPerInstance as number) < 1) return undefined;
-  const instances = e.instances.filter(
-    (i): i is PoolEntry['instances'][number] =>
-      typeof i === 'object' && i !== null && typeof i.instance === 'string' && i.instance !== '' && typeof i.subject === 'string' && i.subject !== '' && Number.isInteger(i.leases) && i.leases >= 0,
-  );
-  return { instances, leasesPerInstance: e.leasesPerInstance as number, updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0, ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}) };
-}
+/** How often a first turn waiting for room looks again. */
+const ROOM_POLL_MS = 200;
+/** A first turn waits for room at most this long when the pool says the next start is further away. */
+const START_WAIT_MAX_MS = 30_000;
+/** Demand is told to a pool at most this often per model, and again at least this often while it lasts. */
+const DEMAND_MIN_MS = 1000;
+const DEMAND_REFRESH_MS = 10_000;
 
 /** First wait before a failed adoption is tried again; it doubles up to {@link ADOPT_RETRY_MAX_MS}. */
 const ADOPT_RETRY_MS = 1_000;
@@ -135,45 +151,85 @@ interface PendingStart {
 }
 
 /**
- * The KV-backed broker. Concurrent cold starts of one conversation share one `coldStart` call,
- * which is aborted only when every request waiting for it has gone away.
+ * The KV-backed broker. Concurrent cold starts of one conversation share one call, which is
+ * aborted only when every request waiting for it has gone away.
  */
 export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const now = opts.now ?? Date.now;
   const margin = opts.freshnessMarginMs ?? 5_000;
   const renewInterval = opts.renewIntervalMs ?? 30_000;
   const renewWithin = opts.renewWithinMs ?? Infinity;
-  const cache = watchKv<SessionEntry>(opts.kv, { decode: (e: KvEntry) => decodeSessionEntry(e.value), onError: opts.onError });
+  /** Live entries per instance (`<namespace>/<pool>/<instance>`), kept in step with the mirror. */
+  const load = new Map<string, number>();
+  const loadKey = (e: Pick<SessionEntry, 'namespace' | 'pool' | 'instance'>) => `${e.namespace ?? 'default'}/${e.pool}/${e.instance}`;
+  const count = (e: SessionEntry | undefined, by: number) => {
+    if (!e) return;
+    const k = loadKey(e);
+    const n = (load.get(k) ?? 0) + by;
+    if (n > 0) load.set(k, n);
+    else load.delete(k);
+  };
+  const cache = watchKv<CachedEntry>(opts.kv, {
+    decode: (e: KvEntry) => {
+      const entry = decodeSessionEntry(e.value);
+      return entry && { ...entry, revision: e.revision };
+    },
+    onError: opts.onError,
+    onChange: (_key, before, after) => {
+      count(before, -1);
+      count(after, 1);
+    },
+    onReset: (map) => {
+      load.clear();
+      for (const e of map.values()) count(e, 1);
+    },
+  });
   const pending = new Map<string, PendingStart>();
   const lastRenewed = new Map<string, number>();
   let warmHits = 0;
   let coldStarts = 0;
   let firstTurnCount = 0;
+  let moves = 0;
+  let renewals = 0;
   const first = opts.firstTurns;
   const pools = first ? watchKv<PoolEntry>(first.pools, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
-  /** Leases this gateway handed out since the pool last published (per entry object, so a new publication resets them). */
-  const localLeases = new WeakMap<PoolEntry, Map<string, number>>();
+  /** This gateway's picks whose entries are not written yet, per instance. */
+  const reserved = new Map<string, number>();
+  const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
+
+  /** The model's published view, when its pool is alive. */
+  const viewOf = (namespace: string, model: string): PoolEntry | undefined => {
+    const entry = pools?.get(`${namespace}.${model}`);
+    return entry && now() - entry.updatedAt <= POOL_ENTRY_MAX_AGE_MS ? entry : undefined;
+  };
 
   /**
-   * The pool's instance with the most room, counting this gateway's own recent picks. When all
-   * are full: none (the pool may start another: the cold path asks it), unless the pool cannot
-   * grow — then the least-loaded one, which is what the pool itself would grant.
+   * The pool's instance with the most room, counting every replica's entries and this one's
+   * picks in flight. When all are full: none (the pool may start another), unless the pool
+   * cannot grow — then the least-loaded one.
    */
-  const pick = (model: ReadyModel): { entry: PoolEntry; instance: PoolEntry['instances'][number] } | undefined => {
-    const entry = pools?.get(`${model.namespace}.${model.name}`);
-    if (!entry || now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) return undefined; // none, or its pool is gone
-    const local = localLeases.get(entry);
+  const pick = (model: ReadyModel): PoolEntry['instances'][number] | undefined => {
+    const entry = viewOf(model.namespace, model.name);
+    if (!entry) return undefined;
     const limit = entry.growable === false ? Infinity : entry.leasesPerInstance;
     let best: PoolEntry['instances'][number] | undefined;
     let bestLoad = Infinity;
     for (const i of entry.instances) {
-      const load = i.leases + (local?.get(i.instance) ?? 0);
-      if (load < limit && load < bestLoad) {
+      const k = loadKey({ namespace: model.namespace, pool: model.name, instance: i.instance });
+      const n = (load.get(k) ?? 0) + (reserved.get(k) ?? 0);
+      if (n < limit && n < bestLoad) {
         best = i;
-        bestLoad = load;
+        bestLoad = n;
       }
     }
-    return best ? { entry, instance: best } : undefined;
+    return best;
+  };
+
+  /** The pool no longer publishes the entry's instance (its view is newer than the entry's placement). */
+  const gone = (e: SessionEntry): boolean => {
+    if (e.placedAt === undefined) return false;
+    const view = viewOf(e.namespace ?? 'default', e.pool);
+    return view !== undefined && view.updatedAt > e.placedAt && !view.instances.some((i) => i.instance === e.instance);
   };
 
   // Expired leases and renew marks would otherwise accumulate for every conversation ever seen.
@@ -184,7 +240,8 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   }, 60_000);
   sweep.unref();
 
-  const renew = (req: AcquireRequest, entry: SessionEntry): void => {
+  /** An old-protocol entry: its session extends it when touched (debounced). */
+  const touch = (req: AcquireRequest, entry: SessionEntry): void => {
     if (!opts.renew) return;
     const t = now();
     if (entry.expiresAt - t >= renewWithin) return;
@@ -194,7 +251,40 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     opts.renew({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
   };
 
-  /** Registers the one start of `key`'s session that concurrent turns share; `run` gets its abort signal. */
+  /** Writes `next` over `entry` (compare-and-swap on its revision); the entry now in the bucket when another write won. */
+  const swap = async (f: FirstTurns, key: string, entry: CachedEntry, next: SessionEntry): Promise<{ won: true; entry: CachedEntry } | { won: false; entry: CachedEntry | undefined }> => {
+    try {
+      const revision = await f.sessions.update(key, encode(next), entry.revision);
+      const written = { ...next, revision };
+      cache.set(key, written);
+      return { won: true, entry: written };
+    } catch (err) {
+      if (!isRevisionConflict(err)) throw err;
+      return { won: false, entry: await read(f, key) };
+    }
+  };
+
+  const read = async (f: FirstTurns, key: string): Promise<CachedEntry | undefined> => {
+    const theirs = await f.sessions.get(key);
+    const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
+    const cached = e && { ...e, revision: theirs!.revision };
+    if (cached) cache.set(key, cached);
+    else cache.delete(key);
+    return cached;
+  };
+
+  /** A warm turn's renewal (not awaited): once part of the TTL is used, at most once per interval. */
+  const renewLater = (f: FirstTurns, key: string, entry: CachedEntry): void => {
+    const t = now();
+    if (entry.expiresAt - t >= renewWithin) return;
+    const last = lastRenewed.get(key);
+    if (last !== undefined && t - last < renewInterval) return;
+    lastRenewed.set(key, t);
+    renewals++;
+    swap(f, key, entry, { ...stripRevision(entry), expiresAt: t + f.ttlMs }).catch((err: unknown) => opts.onError?.(err));
+  };
+
+  /** Registers the one placement of `key` that concurrent turns share; `run` gets its abort signal. */
   const track = (key: string, run: (signal: AbortSignal) => Promise<SessionEntry>): PendingStart => {
     const abort = new AbortController();
     const p: PendingStart = { abort, waiters: 0, promise: run(abort.signal) };
@@ -206,57 +296,117 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return p;
   };
 
-  /** The session from Temporal (the workflow leases an instance), remembered as just renewed. */
+  /** The old protocol's slow path: the session workflow leases an instance. */
   const fromTemporal = async (req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> => {
     coldStarts++;
     const entry = await opts.coldStart({ ...req, signal });
-    cache.set(req.conversationKey, entry);
+    cache.set(req.conversationKey, { ...entry, revision: 0 });
     lastRenewed.set(req.conversationKey, now());
     return entry;
   };
 
-  const startCold = (req: AcquireRequest): PendingStart => track(req.conversationKey, (signal) => fromTemporal(req, signal));
+  /** First turns of each model waiting for room here (what `demand` tells the pool), and when it was last told. */
+  const waitingFor = new Map<string, { waiting: number; told: number; at: number }>();
+  const tellDemand = (f: FirstTurns, model: ReadyModel): void => {
+    const k = `${model.namespace}/${model.name}`;
+    const w = waitingFor.get(k);
+    if (!w || !f.demand) return;
+    const t = now();
+    if ((t - w.at < DEMAND_MIN_MS || (w.waiting <= w.told && t - w.at < DEMAND_REFRESH_MS))) return;
+    w.told = w.waiting;
+    w.at = t;
+    f.demand(model, w.waiting).catch((err: unknown) => opts.onError?.(err));
+  };
 
   /**
-   * A first turn on a pool with room: create the entry (or use the one a concurrent first turn
-   * created), then have the workflow adopt it without waiting. Falls back to the cold path when
-   * an existing entry is unusable.
+   * An instance with room for one more conversation of `model`, waiting (and telling the pool of
+   * the demand) until there is one, the pool says none can start soon, or `signal` aborts.
    */
-  const startFirst = (req: AcquireRequest, f: FirstTurns, choice: NonNullable<ReturnType<typeof pick>>): PendingStart => {
-    const key = req.conversationKey;
-    const entry: SessionEntry = { subject: choice.instance.subject, pool: req.model.name, namespace: req.model.namespace, instance: choice.instance.instance, expiresAt: now() + f.ttlMs };
-    let local = localLeases.get(choice.entry);
-    if (!local) localLeases.set(choice.entry, (local = new Map<string, number>()));
-    local.set(entry.instance, (local.get(entry.instance) ?? 0) + 1);
-    return track(key, async (signal) => {
-      try {
-        await f.sessions.create(key, new TextEncoder().encode(JSON.stringify(entry)));
-      } catch (err) {
-        if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
-        const theirs = await f.sessions.get(key);
-        const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
-        if (e && e.expiresAt - margin > now()) {
-          cache.set(key, e);
-          return e;
+  const room = async (f: FirstTurns, model: ReadyModel, signal: AbortSignal): Promise<PoolEntry['instances'][number]> => {
+    const found = pick(model);
+    if (found) return found;
+    const k = `${model.namespace}/${model.name}`;
+    let w = waitingFor.get(k);
+    if (!w) waitingFor.set(k, (w = { waiting: 0, told: 0, at: 0 }));
+    w.waiting++;
+    coldStarts++;
+    try {
+      for (;;) {
+        tellDemand(f, model);
+        await sleepFor(ROOM_POLL_MS, signal);
+        const i = pick(model);
+        if (i) return i;
+        const view = viewOf(model.namespace, model.name);
+        if (view?.failing && view.instances.length === 0 && (view.nextStartAt ?? Infinity) - now() > START_WAIT_MAX_MS) {
+          throw new SessionError('NoCapacity', `no instance of ${model.namespace}/${model.name} can be started: ${view.failing}`);
         }
-        return fromTemporal(req, signal);
       }
-      firstTurnCount++;
-      cache.set(key, entry);
-      lastRenewed.set(key, now());
-      adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, entry);
-      return entry;
-    });
+    } finally {
+      w.waiting--;
+      if (w.waiting === 0) waitingFor.delete(k);
+    }
+  };
+
+  /**
+   * Places a conversation: renews its entry (near expiry), moves it (its instance gone), or
+   * creates it (none); compare-and-swap throughout, so every replica ends up with one entry.
+   */
+  const place = async (f: FirstTurns, req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> => {
+    const key = req.conversationKey;
+    let entry = cache.get(key);
+    for (let attempt = 0; attempt < 8; attempt++) {
+      if (entry && entry.placedAt === undefined) return fromTemporal(req, signal); // old protocol
+      const t = now();
+      if (entry && entry.expiresAt - margin > t && !gone(entry)) return entry; // another turn placed it meanwhile
+      const target = entry && !gone(entry) ? { instance: entry.instance, subject: entry.subject } : await room(f, req.model, signal);
+      const rk = loadKey({ namespace: req.model.namespace, pool: req.model.name, instance: target.instance });
+      reserved.set(rk, (reserved.get(rk) ?? 0) + 1);
+      try {
+        const placedAt = entry && entry.instance === target.instance ? entry.placedAt! : now();
+        const next: SessionEntry = { subject: target.subject, pool: req.model.name, namespace: req.model.namespace, instance: target.instance, expiresAt: now() + f.ttlMs, placedAt };
+        if (!entry) {
+          try {
+            const revision = await f.sessions.create(key, encode(next));
+            cache.set(key, { ...next, revision });
+            firstTurnCount++;
+            lastRenewed.set(key, now());
+            adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
+            return next;
+          } catch (err) {
+            if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
+            entry = await read(f, key);
+            continue;
+          }
+        }
+        const expired = entry.expiresAt <= t;
+        const moved = entry.instance !== target.instance;
+        const r = await swap(f, key, entry, next);
+        if (!r.won) {
+          entry = r.entry;
+          continue;
+        }
+        if (moved) moves++;
+        lastRenewed.set(key, now());
+        // Its session may have ended with the expiry (or never started): one runs for it again.
+        if (expired) adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
+        return next;
+      } finally {
+        const n = (reserved.get(rk) ?? 1) - 1;
+        if (n > 0) reserved.set(rk, n);
+        else reserved.delete(rk);
+      }
+    }
+    throw new SessionError('Unavailable', `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
   };
 
   /** Adoptions waiting to be tried again (Temporal unreachable): their timers. */
   const adoptRetries = new Set<NodeJS.Timeout>();
   let closed = false;
   /**
-   * Has the workflow adopt `entry`, again after a failure (Temporal away) with backoff
+   * Has the session workflow adopt `entry`, again after a failure (Temporal away) with backoff
    * ({@link ADOPT_RETRY_MS} doubling to {@link ADOPT_RETRY_MAX_MS}) until it works, the entry
    * expires or the gateway closes: a first turn served while Temporal was down still gets its
-   * session workflow (its lease counted, its TTL kept) once Temporal is back.
+   * session workflow (its expiry enforced) once Temporal is back.
    */
   const adoptUntilDone = (f: FirstTurns, req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry, delay = ADOPT_RETRY_MS): void => {
     f.adopt(req, entry).catch((err: unknown) => {
@@ -299,21 +449,20 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     cache,
     pools,
     ready: pools ? Promise.all([cache.ready, pools.ready]).then(() => undefined) : cache.ready,
-    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount }),
+    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals }),
+    leasesOn: (namespace, pool, instance) => load.get(loadKey({ namespace, pool, instance })) ?? 0,
     acquire(req) {
-      const entry = cache.get(req.conversationKey);
-      if (entry && entry.expiresAt - margin > now()) {
+      const key = req.conversationKey;
+      const entry = cache.get(key);
+      if (entry && entry.expiresAt - margin > now() && !gone(entry)) {
         warmHits++;
-        renew(req, entry);
+        if (entry.placedAt === undefined) touch(req, entry);
+        else if (first) renewLater(first, key, entry);
         return Promise.resolve(entry);
       }
-      let p = pending.get(req.conversationKey);
-      if (!p) {
-        // An entry that exists but is (nearly) expired belongs to a session that must extend it: the cold path.
-        const choice = first && !entry ? pick(req.model) : undefined;
-        p = choice ? startFirst(req, first!, choice) : startCold(req);
-      }
-      return join(p, req.conversationKey, req.signal);
+      let p = pending.get(key);
+      if (!p) p = first ? track(key, (signal) => place(first, req, signal)) : track(key, (signal) => fromTemporal(req, signal));
+      return join(p, key, req.signal);
     },
     async close() {
       closed = true;
@@ -323,4 +472,26 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       await Promise.all([cache.close(), pools?.close()]);
     },
   };
+}
+
+/** An entry as written to the bucket (the revision is the bucket's, not part of the value). */
+function stripRevision(e: CachedEntry): SessionEntry {
+  const { revision: _revision, ...entry } = e;
+  return entry;
+}
+
+/** Resolves after `ms`, or rejects with the signal's reason once it aborts. */
+function sleepFor(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise<void>((resolve, reject) => {
+    if (signal.aborted) return reject(signal.reason instanceof Error ? signal.reason : new Error('aborted'));
+    const onAbort = () => {
+      clearTimeout(t);
+      reject(signal.reason instanceof Error ? signal.reason : new Error('aborted'));
+    };
+    const t = setTimeout(() => {
+      signal.removeEventListener('abort', onAbort);
+      resolve();
+    }, ms);
+    signal.addEventListener('abort', onAbort, { once: true });
+  });
 }

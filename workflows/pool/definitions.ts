@@ -88,6 +88,12 @@ export interface PoolStatus {
  */
 export const leaseRequestedSignal = defineSignal<[{ sessionId: string; sessionWorkflowId: string; preferred?: string }]>('leaseRequested');
 export const leaseReleasedSignal = defineSignal<[{ sessionId: string }]>('leaseReleased');
+/**
+ * From a gateway replica (signal-with-start), on its cold path: it holds `waiting` first turns of
+ * this model for want of an instance with room. Sent at most once a second per replica and model;
+ * the pool counts it for 30 s (`DEMAND_HOLD_MS`, state.ts) unless sent again (0 withdraws it).
+ */
+export const demandSignal = defineSignal<[{ replica: string; waiting: number }]>('demand');
 /** Sent with signal-with-start by whoever needs the pool to exist; carries no data. */
 export const ensurePoolSignal = defineSignal('ensurePool');
 export const poolResourceSignal = defineSignal<[PoolResource]>('resourceChanged');

@@ -21,6 +21,7 @@ import {
   isCancellation,
   condition,
   continueAsNew,
+  makeContinueAsNewFunc,
   getExternalWorkflowHandle,
   patched,
   proxyActivities,
@@ -35,7 +36,12 @@ import type { KubernetesActivities } from '../../activities/kubernetes/activitie
 import type { InstanceInfo, ServingActivities } from '../../activities/serving';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { legacySessionWorkflowId } from '../session/definitions';
-import { at, visibility } from '../visibility';
+import { visibility } from '../visibility';
+import { poolDetails } from './details';
+import { entryLeasePool, entryPoolQueue } from './entry-pool';
+import type { PoolCarryV2 } from './state';
+
+export { poolDetails };
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolPhase, type PoolResource, type PoolStatus } from './definitions';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */
@@ -127,6 +133,20 @@ const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
  * before this grant at once.
  */
 const QUIESCE_PATCH = 'pool-quiesce-before-continue';
+/**
+ * The entry-lease protocol (`entry-pool.ts`, DESIGN.md "Control plane"): a conversation's lease
+ * is its `magus_sessions` entry, the pool keeps instances only and records no event per
+ * conversation. A pool's new execution, or a new run of an old one, takes it; runs started
+ * before replay the old protocol below. (A pool of the old protocol carried every live lease
+ * into its next run: it stopped serving new conversations at 20/s and walls at ~7,000 live ones.)
+ */
+const ENTRY_LEASES_PATCH = 'pool-entry-leases';
+/**
+ * A run of the old protocol that new code picks up closes as soon as what it has in flight
+ * settles (the quiesce below), and continues as new under the entry-lease protocol on the pools'
+ * own task queue, carrying its instances, its waiting sessions and the grants it had not sent.
+ */
+const ENTRY_LEASES_SWITCH_PATCH = 'pool-entry-leases-switch';
 /** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
 const watchOptions = (intervalMs: number): ActivityOptions => ({
   startToCloseTimeout: '1 day',
@@ -160,10 +180,13 @@ export interface PoolCarry {
   grants?: { sessionId: string; sessionWorkflowId: string; instance: string; subject: string }[];
 }
 
-export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<void> {
+export async function dllamaPool(input: PoolInput, prior?: PoolCarry | PoolCarryV2): Promise<void> {
   if (!(input.maxInstances >= 1 && input.minInstances >= 0 && input.minInstances <= input.maxInstances && input.leasesPerInstance >= 1)) {
     throw ApplicationFailure.nonRetryable(`invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`, 'InvalidSpec');
   }
+  if (prior && 'protocol' in prior) return entryLeasePool(input, prior);
+  if (patched(ENTRY_LEASES_PATCH)) return entryLeasePool(input, prior && fromOldCarry(prior), prior?.grants ?? []);
+  const carry = prior;
   const { createInstance, destroyInstance } = proxyActivities<ServingActivities>(startInstance);
   const { describeInstance } = proxyActivities<ServingActivities>(quick);
   const { writePool } = proxyActivities<ServingActivities>(publish);
@@ -201,13 +224,16 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const quiesce = patched(QUIESCE_PATCH);
   let shorterRuns = false; // checked where it always was, before the main loop
   /** The run is due to continue as new (the server suggests it, or it reached its event budget). */
-  const closing = () => workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS));
+  let switching = false;
+  const closing = () => switching || workflowInfo().continueAsNewSuggested || (shorterRuns && workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS));
+  /** Closing, with {@link QUIESCE_PATCH}: no scaling, no view write, no deadline to wake for. */
+  const settling = () => quiesce && closing();
   /**
    * Closing with only grants in flight: leases given now are granted by the next run. While a
    * start, a stop or a view write is still in flight (it is waited for anyway, and may take
    * seconds) grants go out at once.
    */
-  const quiescing = () => quiesce && closing() && starting.size === 0;
+  const quiescing = () => settling() && starting.size === 0;
   /** Leases given while the run closes ({@link QUIESCE_PATCH}): carried to the next run, which sends their grants. */
   const deferred: NonNullable<PoolCarry['grants']> = [];
   /** A lease-count change held back by the throttle is due then (0: none held back). */
@@ -482,8 +508,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   function reconcile(): void {
     // Closing (QUIESCE_PATCH): no grant once only grants are in flight, and no scaling or view
     // write at all; what is in flight settles, and the next run, a task away, picks it all up.
-    const closingNow = quiesce && closing();
-    if (closingNow && quiescing()) return;
+    if (quiescing()) return;
     // 1. Grants: the least-loaded ready instance with room; at max, the least-loaded one. A
     //    draining instance is as good as a ready one (it is taken back).
     const leasable = () => [...instances.values()].filter((i) => i.phase === 'ready' || i.phase === 'draining');
@@ -498,7 +523,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       target.leases.add(w.sessionId);
       void grant(w.sessionWorkflowId, { instance: target.id, subject: target.subject }, w.sessionId);
     }
-    if (closingNow) return;
+    if (settling()) return;
     // 2. Scale up: enough instances for the leases and the waiting sessions, within min..max.
     const leases = live().reduce((n, i) => n + i.leases.size, 0);
     const wanted = Math.min(input.maxInstances, Math.max(input.minInstances, Math.ceil((leases + waiting.length) / input.leasesPerInstance)));
@@ -607,13 +632,17 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   }
 
   for (;;) {
+    if (!switching && patched(ENTRY_LEASES_SWITCH_PATCH)) {
+      switching = true;
+      dirty = true;
+    }
     if (dirty) {
       dirty = false;
       reconcile();
     }
     shown.refresh();
     // Closing: no deadline matters (reconcile waits for the next run); only what settles wakes it.
-    const idle = quiesce && closing() ? undefined : nextIdleDeadline();
+    const idle = settling() ? undefined : nextIdleDeadline();
     const checking = !watching && [...instances.values()].some((i) => i.phase === 'ready' || i.phase === 'draining');
     const untilCheck = checking ? Math.max(0, nextHealthCheck - Date.now()) : undefined;
     const wait = idle === undefined ? untilCheck : untilCheck === undefined ? idle : Math.min(idle, untilCheck);
@@ -634,24 +663,23 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
         sessionWorkflowIds: Object.fromEntries([...sessionIds].filter(([id]) => [...instances.values()].some((i) => i.subject && i.leases.has(id)))),
         ...(deferred.length > 0 ? { grants: deferred } : {}),
       };
+      if (switching) await makeContinueAsNewFunc<typeof dllamaPool>({ taskQueue: entryPoolQueue(workflowInfo().taskQueue) })(input, carried);
       await continueAsNew<typeof dllamaPool>(input, carried);
     }
   }
 }
 
-/** The pool's state in words, for the Temporal UI's "Current Details" (Markdown). */
-export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
-  const live = s.instances.filter((i) => i.phase !== 'stopping');
-  const leases = s.instances.reduce((n, i) => n + i.leases, 0);
-  const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : 'sized by the gateway\'s defaults';
-  const lines = [
-    `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
-    sizedBy,
-  ];
-  if (s.lastError) lines.push(`last error: ${s.lastError}`);
-  if (s.nextStartAt !== undefined && s.startFailures) lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
-  const list = s.instances.map((i) => `- \`${i.id}\` ${i.phase}, ${plural(i.leases, 'lease')}`);
-  return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
+/** An old-protocol run's carry as the entry-lease protocol's: its instances (lease counts until the reconciler reports), its waiting sessions. */
+function fromOldCarry(c: PoolCarry): PoolCarryV2 {
+  return {
+    protocol: 2,
+    instances: c.instances.map((i) => ({ id: i.id, subject: i.subject, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}), leases: i.leases.length, pending: 0, ackPending: 0, idleSince: i.idleSince })),
+    nextId: c.nextId,
+    startFailures: 0,
+    nextStartAt: 0,
+    lastError: null,
+    demand: {},
+    legacyWaiting: c.waiting.map((w) => ({ sessionId: w.sessionId, sessionWorkflowId: w.sessionWorkflowId })),
+  };
 }
 
-const plural = (n: number, what: string): string => `${n} ${what}${n === 1 ? '' : 's'}`;

@@ -22,6 +22,15 @@ export interface SessionInput {
    * (default 60 s; at least 1 s). The pool answers a repeated request once: it keeps one place per session.
    */
   reaskMs?: number;
+  /**
+   * Present: a session of the entry-lease protocol (DESIGN.md, "Control plane"). Its lease is the
+   * conversation's `magus_sessions` entry, which the gateway created before starting it and renews
+   * and moves itself; the session only sleeps until the entry's expiry (`expiresAt` when it was
+   * started, or carried over continue-as-new), looks at the entry, and deletes it once expired.
+   * It never signals the pool and takes no signal or update. Absent: the old protocol (acquire,
+   * touch, the pool's grants), kept for executions started by older gateways.
+   */
+  entry?: { expiresAt: number };
 }
 
 /**

@@ -15,7 +15,10 @@ import {
   getExternalWorkflowHandle,
   patched,
   proxyActivities,
+  proxyLocalActivities,
+  setCurrentDetails,
   setHandler,
+  sleep,
   upsertSearchAttributes,
   workflowInfo,
 } from '@temporalio/workflow';
@@ -54,6 +57,7 @@ const PREFERRED_REASK_PATCH = 'session-preferred-reask';
 const DEFAULT_REASK_MS = 60_000;
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
+  if (input.entry) return entrySession(input, input.entry.expiresAt);
   const { writeSession, deleteSession } = proxyActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { maximumInterval: '10s' } });
   const sessionId = input.key;
   const pool = getExternalWorkflowHandle(poolWorkflowId(input.namespace, input.model));
@@ -263,4 +267,37 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
   if (lease) await pool.signal(leaseReleasedSignal, { sessionId }).catch(() => undefined);
   ended = true;
   shown.refresh();
+}
+
+/**
+ * A session of the entry-lease protocol ({@link SessionInput.entry}): one per conversation, so the
+ * Temporal UI lists every conversation (its kind, model and phase come as search attributes in
+ * the gateway's start request: no upsert), and no work per turn. It sleeps until the entry's
+ * expiry and looks (a local activity): renewed, it sleeps again; expired, it is deleted with
+ * compare-and-swap (a renewal landing first wins) and the session ends; gone (moved away or
+ * removed by someone else), it ends. A conversation that lives one TTL costs 12 history events,
+ * each further TTL 6 (`test/session-entry.int.test.ts` counts them).
+ *
+ * Which protocol a session speaks is in its input, decided by the gateway that starts it: an
+ * execution's input never changes, so each replays its own protocol (a `patched` marker would
+ * cost every conversation one more event).
+ */
+async function entrySession(input: SessionInput, firstExpiry: number): Promise<void> {
+  const { expireSession } = proxyLocalActivities<ServingActivities>({ startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '10s' } });
+  const model = `${input.namespace}/${input.model}`;
+  let expiresAt = firstExpiry;
+  const show = (what: string) => setCurrentDetails(`**${what}** · a conversation on model \`${model}\`  \n${what === 'ended' ? '' : `looks at its lease at ${at(expiresAt)} (TTL ${Math.round(input.ttlMs / 1000)} s after the last renewal)`}`);
+  show('serving');
+  for (;;) {
+    const wait = expiresAt - Date.now();
+    if (wait > 0) await sleep(wait);
+    const r = await expireSession({ key: input.key });
+    if ('ended' in r) break;
+    expiresAt = r.expiresAt;
+    show('serving');
+    // A conversation alive for thousands of TTLs: a new run (6 events per TTL).
+    if (workflowInfo().continueAsNewSuggested) await continueAsNew<typeof session>({ ...input, entry: { expiresAt } });
+  }
+  upsertSearchAttributes({ MagusPhase: ['ended'] });
+  show('ended');
 }

@@ -1,0 +1,184 @@
+/**
+ * The entry-lease protocol's parts against real servers (DESIGN.md, "Control plane"): a session
+ * that only watches its conversation's `magus_sessions` entry (its history events per TTL), a
+ * renewal that races the expiry, and a pool whose reconciler counts 50,000 live conversations
+ * and whose runs carry O(instances) into the next. Real Temporal, nats-server and MinIO; the
+ * pool's instances are real llama.cpp engines of the tiny GGUF (local runtime).
+ */
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import type { Client, Connection } from '@temporalio/client';
+import { temporal } from '@temporalio/proto';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { KV, NatsConnection } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import { createServingActivities, type Runtime } from '../activities/serving';
+import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
+import type { SessionEntry } from '../shared/serving';
+import { demandSignal, poolStatusQuery, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
+import type { dllamaPool } from '../workflows/pool/pool';
+import { sessionWorkflowId } from '../workflows/session/definitions';
+import type { session } from '../workflows/session/session';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { isolation, listWorkflowIds, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { until } from './harness/wait';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const MODEL = 'etiny';
+const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
+const decode = (v: Uint8Array) => JSON.parse(new TextDecoder().decode(v)) as SessionEntry;
+
+let dir: string;
+let s3: S3Client;
+let nc: NatsConnection;
+let kv: KV;
+let client: Client;
+let connection: Connection;
+let workers: RunningWorkers;
+let taskQueue: string;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-entries-'));
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const cfg = workerConfig(iso, dir);
+  taskQueue = cfg.taskQueue;
+  workers = await startWorkers(cfg);
+  nc = await natsConnect();
+  kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
+  ({ client, connection } = await temporalClient());
+}, 180_000);
+
+afterAll(async () => {
+  await client?.workflow
+    .getHandle(poolWorkflowId('default', MODEL))
+    .terminate()
+    .catch(() => undefined);
+  await workers?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+/** Starts a session of the entry-lease protocol as the gateway does, for an entry written first. */
+async function startSession(key: string, expiresAt: number, ttlMs: number) {
+  return client.workflow.start<typeof session>('session', {
+    workflowId: sessionWorkflowId('default', MODEL, key),
+    taskQueue,
+    args: [{ key, namespace: 'default', model: MODEL, ttlMs, entry: { expiresAt } }],
+    workflowIdConflictPolicy: 'USE_EXISTING',
+    searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`default/${MODEL}`], [SearchAttribute.phase]: ['serving'] },
+    staticSummary: WorkflowSummary.session('default', MODEL),
+  });
+}
+
+const entry = (instance: string, expiresAt: number): SessionEntry => ({ subject: `magus.req.${MODEL}.${instance}`, pool: MODEL, namespace: 'default', instance, expiresAt, placedAt: Date.now() });
+
+test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, the entry deleted at the end', async () => {
+  const ttl = 1500;
+  // One TTL, no turn after the first.
+  const once = `once-${randomBytes(4).toString('hex')}`;
+  await kv.create(once, encode(entry('x-1', Date.now() + ttl)));
+  const h1 = await startSession(once, Date.now() + ttl, ttl);
+  // Renewed twice by "gateways" (compare-and-swap updates) before it expires.
+  const twice = `twice-${randomBytes(4).toString('hex')}`;
+  let rev = await kv.create(twice, encode(entry('x-1', Date.now() + ttl)));
+  const h2 = await startSession(twice, Date.now() + ttl, ttl);
+  for (let k = 0; k < 2; k++) {
+    await new Promise((r) => setTimeout(r, ttl - 500));
+    rev = await kv.update(twice, encode(entry('x-1', Date.now() + ttl)), rev);
+  }
+  await h1.result();
+  await h2.result();
+  expect(await kv.get(once).then((e) => e?.operation)).not.toBe('PUT');
+  expect(await kv.get(twice).then((e) => e?.operation)).not.toBe('PUT');
+  const events = async (h: typeof h1) => (await h.fetchHistory()).events ?? [];
+  const e1 = await events(h1);
+  const e2 = await events(h2);
+  expect(e1.length).toBeLessThanOrEqual(12);
+  // Each renewal the session notices costs a wake: a timer, a task and a look (≤ 6 events).
+  expect(e2.length - e1.length).toBeLessThanOrEqual(2 * 6);
+  // No signal, no update, no upsert but the final phase.
+  const kinds = new Set(e2.map((e) => temporal.api.enums.v1.EventType[e.eventType!]));
+  for (const none of ['EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED', 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED', 'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED']) expect(kinds.has(none)).toBe(false);
+  expect(e2.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES)).toHaveLength(1);
+  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="ended"`)).toEqual(expect.arrayContaining([h1.workflowId, h2.workflowId]));
+}, 60_000);
+
+test('a renewal landing between the expiry’s read and its delete wins; an entry already gone ends the session', async () => {
+  const key = `race-${randomBytes(4).toString('hex')}`;
+  await kv.create(key, encode(entry('x-1', Date.now() - 1)));
+  // The bucket as the activity sees it: the first read is followed at once by a gateway's renewal.
+  let renewed = false;
+  const racing = new Proxy(kv, {
+    get(target, prop, receiver) {
+      if (prop !== 'get') return Reflect.get(target, prop, receiver) as unknown;
+      return async (k: string) => {
+        const e = await target.get(k);
+        if (!renewed && e) {
+          renewed = true;
+          await target.update(k, encode(entry('x-1', Date.now() + 60_000)), e.revision);
+        }
+        return e;
+      };
+    },
+  });
+  const noRuntime = {} as Runtime;
+  const acts = createServingActivities({ runtime: noRuntime, sessions: racing, pools: kv });
+  const r = await acts.expireSession({ key });
+  expect(renewed).toBe(true);
+  expect(r).toEqual({ expiresAt: expect.any(Number) });
+  expect((r as { expiresAt: number }).expiresAt).toBeGreaterThan(Date.now());
+  expect(decode((await kv.get(key))!.value).expiresAt).toBe((r as { expiresAt: number }).expiresAt);
+  // Expired with nobody renewing: deleted. Gone already: nothing to do.
+  await kv.put(key, encode(entry('x-1', Date.now() - 1)));
+  expect(await acts.expireSession({ key })).toEqual({ ended: 'expired' });
+  expect(await acts.expireSession({ key })).toEqual({ ended: 'gone' });
+}, 30_000);
+
+test('a pool with 50,000 live conversations scales on them and continues as new with an input under 16 KB', async () => {
+  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 60 * 60_000, runMaxEvents: 60 };
+  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: poolQueueFor(taskQueue), args: [input] });
+  let first = '';
+  await until('the pool serves its first instance', async () => {
+    const s = await pool.query(poolStatusQuery);
+    first = s.instances.find((i) => i.phase === 'ready')?.id ?? '';
+    return first !== '';
+  }, 120_000);
+  // 50,000 conversations on it, written as gateways write them.
+  const expiresAt = Date.now() + 30 * 60_000;
+  for (let k = 0; k < 50_000; k += 1000) {
+    await Promise.all(Array.from({ length: 1000 }, (_, j) => kv.put(`load-${k + j}`, encode(entry(first, expiresAt)))));
+  }
+  // The reconciler counts them; the pool wants its maximum and starts the second instance.
+  await until('the pool counts 50,000 leases and runs two instances', async () => {
+    const s = await pool.query(poolStatusQuery);
+    return s.instances.find((i) => i.id === first)?.leases === 50_000 && s.instances.filter((i) => i.phase === 'ready').length === 2;
+  }, 120_000);
+  // Demand signals push it past its run budget (60 events): it continues as new carrying instances only.
+  for (let k = 0; k < 20; k++) await pool.signal(demandSignal, { replica: `gw-${k}`, waiting: 1 });
+  let carried = 0;
+  await until('a run continued as new', async () => {
+    const events = (await client.workflow.getHandle(pool.workflowId, pool.firstExecutionRunId).fetchHistory()).events ?? [];
+    const can = events.find((e) => e.workflowExecutionContinuedAsNewEventAttributes);
+    if (!can) return false;
+    carried = (can.workflowExecutionContinuedAsNewEventAttributes!.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
+    return true;
+  }, 60_000);
+  expect(carried).toBeGreaterThan(0);
+  expect(carried).toBeLessThan(16 * 1024);
+  // The next run still knows both instances and their load.
+  await until('the next run reports the load', async () => (await pool.query(poolStatusQuery)).instances.find((i) => i.id === first)?.leases === 50_000, 60_000);
+  const latest = (await pool.fetchHistory()).events ?? [];
+  expect(latest.some((e) => e.workflowExecutionSignaledEventAttributes?.signalName === 'leaseRequested')).toBe(false);
+  const keys: string[] = [];
+  for (let k = 0; k < 50_000; k += 1000) keys.push(...Array.from({ length: 1000 }, (_, j) => `load-${k + j}`));
+  for (let k = 0; k < keys.length; k += 1000) await Promise.all(keys.slice(k, k + 1000).map((key) => kv.delete(key)));
+}, 420_000);

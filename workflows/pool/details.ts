@@ -1,0 +1,20 @@
+/** The pool's status in words, for the Temporal UI (both protocols). */
+import { at } from '../visibility';
+import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
+
+/** The pool's state in words, for the Temporal UI's "Current Details" (Markdown). */
+export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
+  const live = s.instances.filter((i) => i.phase !== 'stopping');
+  const leases = s.instances.reduce((n, i) => n + i.leases, 0);
+  const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : 'sized by the gateway\'s defaults';
+  const lines = [
+    `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
+    sizedBy,
+  ];
+  if (s.lastError) lines.push(`last error: ${s.lastError}`);
+  if (s.nextStartAt !== undefined && s.startFailures) lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
+  const list = s.instances.map((i) => `- \`${i.id}\` ${i.phase}, ${plural(i.leases, 'lease')}`);
+  return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
+}
+
+const plural = (n: number, what: string): string => `${n} ${what}${n === 1 ? '' : 's'}`;

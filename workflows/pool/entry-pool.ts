@@ -1,0 +1,297 @@
+/**
+ * `dllamaPool` under the entry-lease protocol (DESIGN.md, "Control plane"): the pool owns
+ * instances only — starts them, watches them, stops them, scales them and publishes the view
+ * gateways pick from (`magus_pools`). It records **no event per conversation**: a conversation's
+ * lease is its `magus_sessions` entry (created, renewed and moved by gateways, deleted by its
+ * session), and the pool sees leases only counted, through its reconciler activity
+ * (`watchLoad`), which completes when the counts or backlogs change what the pool decides, at
+ * most once every {@link LOAD_REPORT_MIN_MS}. Gateways holding first turns for want of room say so
+ * with `demand` (at most one a second per gateway replica and model). What a run carries into the
+ * next is O(instances).
+ *
+ * Decisions live in {@link PoolState} (`state.ts`, tested without Temporal); this file wires them
+ * to signals, activities and timers. Sessions of the old protocol (started by older gateways)
+ * still ask with `leaseRequested`: they are granted an instance at once (their entry is counted
+ * like any other) and nothing is kept of them after.
+ */
+import {
+  ActivityFailure,
+  CancellationScope,
+  allHandlersFinished,
+  condition,
+  getExternalWorkflowHandle,
+  isCancellation,
+  makeContinueAsNewFunc,
+  proxyActivities,
+  proxyLocalActivities,
+  setHandler,
+  TimeoutFailure,
+  upsertSearchAttributes,
+  workflowInfo,
+  type ActivityOptions,
+} from '@temporalio/workflow';
+import type { KubernetesActivities } from '../../activities/kubernetes/activities';
+import type { LoadSummary, ServingActivities } from '../../activities/serving';
+import { poolQueueFor } from '../../shared/constants';
+import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
+import { visibility } from '../visibility';
+import {
+  demandSignal,
+  ensurePoolSignal,
+  leaseGrantedSignal,
+  leaseReleasedSignal,
+  leaseRequestedSignal,
+  modelPublishedSignal,
+  poolResourceSignal,
+  poolStatusQuery,
+  type PoolInput,
+  type PoolResource,
+} from './definitions';
+import { poolDetails } from './details';
+import { PoolState, PRESSURE_PENDING, VIEW_REFRESH_MS, type LegacyRequest, type PoolCarryV2, type PoolInstance } from './state';
+
+/** Starting an instance waits for it to be healthy: a cold start may take minutes. */
+const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
+const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
+const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
+/** The reconciler runs until the load changes; its heartbeats prove it alive. */
+const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s' } };
+const DEFAULT_HEALTH_CHECK_MS = 15_000;
+const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
+const POOL_RUN_MAX_EVENTS = 1500;
+/** The reconciler reports at most this often (a pool's events per minute are bounded by it, whatever the rate of conversations). */
+export const LOAD_REPORT_MIN_MS = 2000;
+/** Old-protocol sessions that would wait longer than this for the next start are refused at once. */
+const START_WAIT_MAX_MS = 30_000;
+const watchOptions = (intervalMs: number): ActivityOptions => ({
+  startToCloseTimeout: '1 day',
+  heartbeatTimeout: Math.max(10_000, 3 * intervalMs),
+  retry: { initialInterval: '1s', maximumInterval: '30s' },
+});
+
+export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | undefined, legacyGrants: (LegacyRequest & { instance: string; subject: string })[] = []): Promise<void> {
+  const state = new PoolState(input, carry);
+  const { createInstance } = proxyActivities<ServingActivities>(startInstance);
+  const { destroyInstance, workerGone } = proxyActivities<ServingActivities>(quick);
+  const { writePool } = proxyActivities<ServingActivities>(publish);
+  const { watchLoad } = proxyActivities<ServingActivities>(reconciler);
+  const healthCheckMs = input.healthCheckMs ?? DEFAULT_HEALTH_CHECK_MS;
+  const ownerTimeoutMs = input.ownerTimeoutMs ?? DEFAULT_OWNER_TIMEOUT_MS;
+  const { watchInstance } = proxyActivities<ServingActivities>(watchOptions(healthCheckMs));
+  const owners = new Map<string, Pick<ServingActivities, 'destroyInstance' | 'watchInstance'>>();
+  const watchers = new Map<string, CancellationScope>();
+  /** Starts, stops, view writes and old-protocol grants in flight: a run closes once none is. */
+  const busy = new Set<Promise<void>>();
+  let dirty = true;
+  const now = () => Date.now();
+  const track = (p: Promise<void>): void => {
+    const q = p.catch(() => undefined).finally(() => {
+      busy.delete(q);
+      dirty = true;
+    });
+    busy.add(q);
+  };
+  const closing = () => workflowInfo().continueAsNewSuggested || workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS);
+
+  setHandler(demandSignal, ({ replica, waiting }) => {
+    state.demanded(replica, waiting, now());
+    dirty = true;
+  });
+  setHandler(ensurePoolSignal, () => {
+    dirty = true;
+  });
+  setHandler(modelPublishedSignal, () => {
+    state.clearBackoff();
+    dirty = true;
+  });
+  setHandler(poolResourceSignal, (r: PoolResource) => {
+    if (state.resource(r)) dirty = true;
+  });
+  setHandler(poolStatusQuery, () => state.status(now()));
+  setHandler(leaseRequestedSignal, (req) => {
+    state.requestedLegacy(req);
+    dirty = true;
+  });
+  setHandler(leaseReleasedSignal, ({ sessionId }) => state.releasedLegacy(sessionId));
+
+  if (!carry) upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
+  const shown = visibility({ phase: () => state.phase(), details: () => poolDetails(input, state.phase(), state.status(now())), upsertPhase: true });
+
+  // The `Dllama`'s status mirrors the pool: instances, readiness and the last error.
+  const { writeDllamaStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
+  const statusView: StatusView = {
+    attached: () => input.resource !== undefined,
+    shown: () => JSON.stringify({ s: state.status(0), r: input.resource ?? null }),
+    write: (previous) => {
+      const r = input.resource!;
+      return writeDllamaStatus({ namespace: input.namespace, name: r.name, uid: r.uid, workflowId: workflowInfo().workflowId, observedGeneration: r.generation, nodesPerInstance: r.nodesPerInstance, pool: state.status(now()), previous });
+    },
+  };
+  void mirrorStatus(statusView);
+
+  /** The activities of the worker that runs `i` (a local runtime's processes), or none when any worker answers for it. */
+  function ownerOf(i: PoolInstance) {
+    if (!i.runtimeQueue) return undefined;
+    let o = owners.get(i.runtimeQueue);
+    if (!o) {
+      const bound = { taskQueue: i.runtimeQueue, scheduleToStartTimeout: ownerTimeoutMs };
+      o = { destroyInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).destroyInstance, watchInstance: proxyActivities<ServingActivities>({ ...watchOptions(healthCheckMs), ...bound }).watchInstance };
+      owners.set(i.runtimeQueue, o);
+    }
+    return o;
+  }
+  const ownerGone = (err: unknown) => err instanceof ActivityFailure && err.cause instanceof TimeoutFailure && err.cause.timeoutType === 'SCHEDULE_TO_START';
+
+  /** Stops `i` through its worker; that worker gone or failing, any worker still removes the request consumer. */
+  function destroy(i: PoolInstance): Promise<void> {
+    watchers.get(i.id)?.cancel();
+    const anyWorker = () => destroyInstance({ pool: input.model, instance: i.id });
+    const o = ownerOf(i);
+    return o ? o.destroyInstance({ pool: input.model, instance: i.id }).catch(anyWorker) : anyWorker();
+  }
+
+  /** `i` no longer serves: dropped and cleaned up; gateways move its conversations once the view no longer lists it. */
+  function lost(i: PoolInstance, reason: string): void {
+    if (!state.lost(i, reason)) return;
+    track(destroy(i));
+    dirty = true;
+  }
+
+  /** Watches `i` for its life: when the watcher completes (or its worker is confirmed gone) `i` is lost. */
+  function watch(i: PoolInstance): void {
+    if (watchers.has(i.id)) return;
+    const scope = new CancellationScope();
+    watchers.set(i.id, scope);
+    const run = ownerOf(i)?.watchInstance ?? watchInstance;
+    scope
+      .run(() => run({ pool: input.model, instance: i.id, intervalMs: healthCheckMs }))
+      .then(
+        ({ reason }) => lost(i, reason),
+        async (err: unknown) => {
+          if (isCancellation(err)) return; // the pool stopped it, or the run closes
+          if (ownerGone(err) && i.runtimeQueue) {
+            // Nobody took the watcher from its worker's queue in time: gone only if its runtime advert says so.
+            const answer = await workerGone({ runtimeQueue: i.runtimeQueue }).catch(() => undefined);
+            watchers.delete(i.id);
+            if (answer?.gone) lost(i, `the worker running instance ${i.id} is gone (${answer.reason})`);
+            else if (state.instances.get(i.id) === i) watch(i);
+            return;
+          }
+          lost(i, `instance ${i.id} could not be watched: ${err instanceof ActivityFailure && err.cause ? err.cause.message : String(err)}`);
+        },
+      )
+      .finally(() => {
+        if (watchers.get(i.id) === scope) watchers.delete(i.id);
+      });
+  }
+
+  function start(id: string): void {
+    track(
+      createInstance({ namespace: input.namespace, model: input.model, pool: input.model, instance: id }).then(
+        (info) => {
+          state.started(id, info, now());
+          const i = state.instances.get(id);
+          if (i) watch(i);
+        },
+        (err: unknown) => state.startFailed(id, err instanceof ActivityFailure && err.cause ? err.cause.message : String(err), now()),
+      ),
+    );
+  }
+
+  /** An old-protocol session's grant (its entry is counted like any other; nothing is kept of it). */
+  function grantLegacy(w: LegacyRequest, payload: { instance: string; subject: string } | { error: string }): void {
+    track(getExternalWorkflowHandle(w.sessionWorkflowId).signal(leaseGrantedSignal, payload));
+  }
+
+  // The reconciler: restarted with what it reported, and whenever the serving instances change.
+  let known: LoadSummary | null = carry ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) } : null;
+  let reconciling: { ids: string; scope: CancellationScope } | null = null;
+  const stopReconciler = (): void => {
+    reconciling?.scope.cancel();
+    reconciling = null;
+  };
+  function reconcileLoad(): void {
+    const ids = state.serving().map((i) => i.id);
+    const key = ids.join(',');
+    if (reconciling?.ids === key) return;
+    stopReconciler();
+    if (ids.length === 0) return;
+    const scope = new CancellationScope();
+    const mine = { ids: key, scope };
+    reconciling = mine;
+    scope
+      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, known, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
+      .then(
+        (report) => {
+          known = report;
+          state.loaded(report, now());
+        },
+        () => undefined, // cancelled (the instances changed, or the run closes); a failure is retried by the activity's policy
+      )
+      .finally(() => {
+        if (reconciling === mine) reconciling = null;
+        dirty = true;
+      });
+  }
+
+  let published = { shape: '', at: 0 };
+  function reconcile(): void {
+    // Old-protocol sessions: an instance now if one serves; refused when nothing can start soon.
+    for (const w of [...state.legacyWaiting]) {
+      const target = state.legacyGrant(w);
+      const failing = state.failing();
+      if (!target && !(failing && state.nextStartAt - now() > START_WAIT_MAX_MS)) continue;
+      state.legacyWaiting.splice(state.legacyWaiting.indexOf(w), 1);
+      grantLegacy(w, target ? { instance: target.id, subject: target.subject! } : { error: failing! });
+    }
+    if (closing()) return; // what is in flight settles; the next run, a task away, decides
+    const plan = state.plan(now());
+    for (const id of plan.start) start(id);
+    for (const i of plan.stop) track(destroy(i).then(() => state.stopped(i.id)));
+    reconcileLoad();
+    const view = state.view(now());
+    const shape = PoolState.shape(view);
+    const refresh = view.instances.length > 0 && now() - published.at >= VIEW_REFRESH_MS;
+    if ((shape !== published.shape || refresh) && !state.writeInFlight) {
+      state.writing(new Set(view.instances.map((v) => v.instance)));
+      track(
+        writePool({ namespace: input.namespace, model: input.model, ...view }).then(
+          () => {
+            published = { shape, at: now() };
+            state.written(true);
+          },
+          (err: unknown) => {
+            state.written(false); // retried by the next reconcile
+            throw err;
+          },
+        ),
+      );
+    }
+  }
+
+  // Instances carried over are watched like any other (their watcher reports one that died meanwhile).
+  for (const i of state.instances.values()) watch(i);
+  // Grants the old protocol's last run gave and did not send: sent now.
+  for (const g of legacyGrants) if (state.instances.get(g.instance)?.subject === g.subject) grantLegacy(g, { instance: g.instance, subject: g.subject });
+
+  for (;;) {
+    if (dirty) {
+      dirty = false;
+      reconcile();
+    }
+    shown.refresh();
+    const deadlines = [state.nextDeadline(now()), published.at > 0 && state.serving().length > 0 ? Math.max(0, published.at + VIEW_REFRESH_MS - now()) : undefined].filter((d): d is number => d !== undefined);
+    const wait = closing() || deadlines.length === 0 ? undefined : Math.min(...deadlines);
+    if (!(await condition(() => dirty, wait ?? '1 day'))) dirty = true; // a deadline passed: look again
+    if (closing() && busy.size === 0) {
+      stopReconciler();
+      await condition(allHandlersFinished);
+      const queue = workflowInfo().taskQueue;
+      const next = makeContinueAsNewFunc<(input: PoolInput, carry?: PoolCarryV2) => Promise<void>>({ workflowType: 'dllamaPool', taskQueue: queue });
+      await next(input, state.carry(now()));
+    }
+  }
+}
+
+/** The task queue a pool of the old protocol moves to when it continues as new under this one. */
+export const entryPoolQueue = (queue: string): string => (queue.endsWith('-pools') ? queue : poolQueueFor(queue));

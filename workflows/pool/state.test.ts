@@ -1,0 +1,163 @@
+import type { PoolInput } from './definitions';
+import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, type LoadReport } from './state';
+
+const input = (over: Partial<PoolInput> = {}): PoolInput => ({ namespace: 'default', model: 'm', minInstances: 0, maxInstances: 4, leasesPerInstance: 2, idleTimeoutMs: 60_000, drainGraceMs: 5000, ...over });
+const report = (r: Record<string, [number, number?, number?]>): LoadReport => ({ instances: Object.fromEntries(Object.entries(r).map(([id, [leases, pending = 0, ackPending = 0]]) => [id, { leases, pending, ackPending }])) });
+
+/** A pool with `n` ready instances m-1..m-n at time 0. */
+function ready(n: number, over: Partial<PoolInput> = {}): PoolState {
+  const s = new PoolState(input({ minInstances: n, ...over }));
+  for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}` }, 0);
+  s.input.minInstances = over.minInstances ?? 0;
+  return s;
+}
+
+describe('PoolState', () => {
+  it('starts nothing without load, min instances at once, and one per leasesPerInstance of leases and demand', () => {
+    expect(new PoolState(input()).plan(0).start).toEqual([]);
+    expect(new PoolState(input({ minInstances: 2 })).plan(0).start).toEqual(['m-1', 'm-2']);
+    const s = ready(1);
+    s.loaded(report({ 'm-1': [2] }), 1);
+    expect(s.plan(1).start).toEqual([]); // 2 leases fill one instance exactly
+    s.demanded('gw-a', 1, 1);
+    expect(s.plan(1).start).toEqual(['m-2']); // the third conversation needs a second
+    expect(s.plan(2).start).toEqual([]); // already starting
+  });
+
+  it('counts demand per replica until it lapses', () => {
+    const s = new PoolState(input());
+    s.demanded('gw-a', 3, 0);
+    s.demanded('gw-b', 2, 0);
+    s.demanded('gw-a', 1, 10); // replaces gw-a's
+    expect(s.waiting(10)).toBe(3);
+    expect(s.wanted(10)).toBe(2);
+    expect(s.waiting(DEMAND_HOLD_MS + 1)).toBe(1); // gw-b's lapsed, gw-a's (sent at 10) not yet
+    s.demanded('gw-a', 0, 20);
+    expect(s.waiting(20)).toBe(2);
+  });
+
+  it('never goes past max, and says so in the view (not growable)', () => {
+    const s = ready(2, { maxInstances: 2 });
+    s.loaded(report({ 'm-1': [5], 'm-2': [5] }), 1);
+    expect(s.plan(1).start).toEqual([]);
+    expect(s.view(1)).toMatchObject({ growable: false, leasesPerInstance: 2 });
+    expect(s.view(1).instances.map((i) => i.instance)).toEqual(['m-1', 'm-2']);
+  });
+
+  it('scales up on backlog pressure on every ready instance, one at a time', () => {
+    const s = ready(2);
+    s.loaded(report({ 'm-1': [1, PRESSURE_PENDING], 'm-2': [1, PRESSURE_PENDING - 1] }), 1);
+    expect(s.plan(1).start).toEqual([]); // m-2 still takes requests promptly
+    s.loaded(report({ 'm-1': [1, PRESSURE_PENDING], 'm-2': [1, PRESSURE_PENDING] }), 2);
+    expect(s.plan(2).start).toEqual(['m-3']);
+    expect(s.plan(3).start).toEqual([]);
+  });
+
+  it('drains an idle instance after its timeout, stops it after the grace once no view lists it, and takes it back if used', () => {
+    const s = ready(2);
+    s.loaded(report({ 'm-1': [1], 'm-2': [0] }), 1000);
+    expect(s.plan(1000).stop).toEqual([]);
+    expect(s.nextDeadline(1000)).toBe(59_000); // m-2 idle since 0
+    s.plan(60_000);
+    expect(s.instances.get('m-2')!.phase).toBe('draining');
+    expect(s.view(60_000).instances.map((i) => i.instance)).toEqual(['m-1']);
+    s.writing(new Set(['m-1', 'm-2']));
+    s.written(true); // a view that still listed it was the last one written
+    expect(s.plan(70_000).stop).toEqual([]);
+    s.writing(new Set(['m-1']));
+    s.written(true);
+    expect(s.plan(70_000).stop.map((i) => i.id)).toEqual(['m-2']);
+    // Taken back: a draining instance with a conversation again is ready.
+    const t = ready(2);
+    t.loaded(report({ 'm-1': [1], 'm-2': [0] }), 0);
+    t.plan(60_000);
+    expect(t.instances.get('m-2')!.phase).toBe('draining');
+    t.loaded(report({ 'm-1': [1], 'm-2': [1] }), 61_000);
+    expect(t.instances.get('m-2')!.phase).toBe('ready');
+  });
+
+  it('restarts the idle clock when an instance becomes idle again', () => {
+    const s = ready(1);
+    s.loaded(report({ 'm-1': [1] }), 10_000);
+    s.loaded(report({ 'm-1': [0] }), 50_000);
+    expect(s.instances.get('m-1')!.idleSince).toBe(50_000);
+    s.plan(100_000);
+    expect(s.instances.get('m-1')!.phase).toBe('ready'); // 50 s idle, timeout 60 s
+  });
+
+  it('backs off failed starts and says why nothing can serve', () => {
+    const s = new PoolState(input());
+    s.demanded('gw', 1, 0);
+    const [id] = s.plan(0).start;
+    s.startFailed(id!, 'no fit', 0);
+    expect(s.failing()).toMatch(/^no fit \(1 failed start in a row; next attempt in 5s\)$/);
+    expect(s.view(0)).toMatchObject({ failing: s.failing(), nextStartAt: START_BACKOFF_BASE_MS });
+    expect(s.plan(1000).start).toEqual([]);
+    const [again] = s.plan(START_BACKOFF_BASE_MS).start;
+    expect(s.failing()).toBeUndefined(); // one is starting
+    s.startFailed(again!, 'no fit', START_BACKOFF_BASE_MS);
+    expect(s.nextStartAt).toBe(3 * START_BACKOFF_BASE_MS);
+    s.clearBackoff();
+    expect(s.plan(START_BACKOFF_BASE_MS + 1).start).toHaveLength(1);
+  });
+
+  it('drops a lost instance from the view; a second loss report of it changes nothing', () => {
+    const s = ready(2);
+    const lost = s.instances.get('m-1')!;
+    expect(s.lost(lost, 'instance m-1 stopped serving')).toBe(true);
+    expect(s.lost(lost, 'again')).toBe(false);
+    expect(s.view(1).instances.map((i) => i.instance)).toEqual(['m-2']);
+    expect(s.lastError).toBe('instance m-1 stopped serving');
+  });
+
+  it('rewrites the view for instances, growth and failure, not for lease counts alone', () => {
+    const s = ready(2);
+    const before = PoolState.shape(s.view(0));
+    s.loaded(report({ 'm-1': [1], 'm-2': [2] }), 1);
+    expect(PoolState.shape(s.view(1))).toBe(before);
+    s.lost(s.instances.get('m-2')!, 'gone');
+    expect(PoolState.shape(s.view(2))).not.toBe(before);
+  });
+
+  it('carries O(instances) across runs: 50,000 live conversations fit in well under 16 KB', () => {
+    const s = ready(4, { maxInstances: 4 });
+    s.loaded(report({ 'm-1': [12_500], 'm-2': [12_500], 'm-3': [12_500], 'm-4': [12_500] }), 1);
+    for (let r = 0; r < 5; r++) s.demanded(`gw-${r}`, 3, 1);
+    const carry = s.carry(2);
+    expect(JSON.stringify(carry).length).toBeLessThan(16 * 1024);
+    const next = new PoolState(input({ maxInstances: 4 }), carry);
+    expect(next.status(2).instances.map((i) => [i.id, i.phase, i.leases])).toEqual([
+      ['m-1', 'ready', 12_500],
+      ['m-2', 'ready', 12_500],
+      ['m-3', 'ready', 12_500],
+      ['m-4', 'ready', 12_500],
+    ]);
+    expect(next.waiting(2)).toBe(15);
+    expect(next.plan(2).start).toEqual([]); // at max
+    expect(next.nextId).toBe(5);
+  });
+
+  it('grants an old-protocol session its preferred instance, else the least loaded, else none', () => {
+    const s = ready(2);
+    s.loaded(report({ 'm-1': [2], 'm-2': [1] }), 1);
+    expect(s.legacyGrant({ sessionId: 'a', sessionWorkflowId: 'session/a', preferred: 'm-1' })?.id).toBe('m-1');
+    expect(s.legacyGrant({ sessionId: 'b', sessionWorkflowId: 'session/b' })?.id).toBe('m-2');
+    expect(new PoolState(input()).legacyGrant({ sessionId: 'c', sessionWorkflowId: 'session/c' })).toBeUndefined();
+    s.requestedLegacy({ sessionId: 'c', sessionWorkflowId: 'session/c' });
+    s.requestedLegacy({ sessionId: 'c', sessionWorkflowId: 'session/c' });
+    expect(s.waiting(0)).toBe(1);
+    s.releasedLegacy('c');
+    expect(s.waiting(0)).toBe(0);
+  });
+
+  it('takes a Dllama generation once, lets a deleted one scale to zero, and refuses bad sizes', () => {
+    const s = new PoolState(input());
+    const r = { name: 'd', uid: 'u1', generation: 2, minInstances: 1, maxInstances: 3, leasesPerInstance: 5, idleTimeoutMs: 1000, nodesPerInstance: 1 };
+    expect(s.resource(r)).toBe(true);
+    expect(s.input).toMatchObject({ minInstances: 1, maxInstances: 3, leasesPerInstance: 5 });
+    expect(s.resource({ ...r })).toBe(false);
+    expect(s.resource({ ...r, generation: 3, minInstances: 4 })).toBe(false);
+    expect(s.resource({ ...r, generation: 3, deleted: true })).toBe(true);
+    expect(s.input.minInstances).toBe(0);
+  });
+});

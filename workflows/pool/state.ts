@@ -1,0 +1,371 @@
+/**
+ * The `dllamaPool` workflow's state under the entry-lease protocol (DESIGN.md, "Control plane"):
+ * its instances, the load its reconciler reports, the demand gateways signal on their cold path,
+ * failed starts and their backoff — and the decisions made from them: how many instances to
+ * start, which to drain and which to stop, and what gateways may pick from (`magus_pools`).
+ *
+ * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
+ * gateways create, renew and move and its session deletes; the pool sees them only counted, per
+ * instance, in the reconciler's {@link LoadReport}. What a run carries into the next is
+ * O(instances) ({@link PoolCarryV2}).
+ *
+ * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
+ * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
+ */
+import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
+
+/** Failed starts back off: the n-th failure in a row waits base × 2^(n−1), capped. */
+export const START_BACKOFF_BASE_MS = 5000;
+export const START_BACKOFF_MAX_MS = 5 * 60_000;
+/** A gateway's signalled demand counts this long unless signalled again. */
+export const DEMAND_HOLD_MS = 30_000;
+/** Requests queued on an instance (not yet delivered to its engine) at which it counts as pressed. */
+export const PRESSURE_PENDING = 4;
+/** The published view is rewritten at least this often while it lists instances, so gateways can tell a live pool's entry from a dead one's. */
+export const VIEW_REFRESH_MS = 60_000;
+export const DEFAULT_DRAIN_GRACE_MS = 5000;
+
+export interface PoolInstance {
+  id: string;
+  phase: InstanceView['phase'];
+  subject: string | null;
+  /** The task queue of the worker that runs it, if only that worker can describe or destroy it. */
+  runtimeQueue?: string;
+  /** Live `magus_sessions` entries on it, as last reported. */
+  leases: number;
+  /** Requests queued (not yet delivered) and in flight at its engine, as last reported. */
+  pending: number;
+  ackPending: number;
+  /** Time it last became idle (no leases, no backlog), or became ready. */
+  idleSince: number;
+  /** Time it was unpublished for stopping (phase `draining`). */
+  drainSince: number;
+}
+
+/** The reconciler's summary: per instance of the pool, its live entries and its consumer's backlog. */
+export interface LoadReport {
+  instances: Record<string, { leases: number; pending: number; ackPending: number }>;
+}
+
+/** What one run of the pool carries into the next: O(instances), never per conversation. */
+export interface PoolCarryV2 {
+  protocol: 2;
+  instances: { id: string; subject: string; runtimeQueue?: string; leases: number; pending: number; ackPending: number; idleSince: number }[];
+  nextId: number;
+  startFailures: number;
+  nextStartAt: number;
+  lastError: string | null;
+  /** Demand signalled by gateway replicas, each until its time. */
+  demand: Record<string, { waiting: number; until: number }>;
+  /** Sessions of the old protocol waiting for a grant (only while gateways of the old protocol run). */
+  legacyWaiting: LegacyRequest[];
+}
+
+/** A lease request of a session of the old protocol (`leaseRequested`). */
+export interface LegacyRequest {
+  sessionId: string;
+  sessionWorkflowId: string;
+  preferred?: string;
+}
+
+/** What gateways may pick from: the pool's `magus_pools` entry, less the time stamp the activity adds. */
+export interface PoolView {
+  instances: { instance: string; subject: string; leases: number }[];
+  leasesPerInstance: number;
+  growable: boolean;
+  /** Why nothing can serve now (no instance serves or starts, and starts fail). */
+  failing?: string;
+  /** With `failing`: when the next start may be tried (epoch ms). */
+  nextStartAt?: number;
+}
+
+/** The next things the workflow must do, decided at one moment. */
+export interface Plan {
+  /** New instances to start (their ids, already registered as `starting`). */
+  start: string[];
+  /** Instances to stop now (already marked `stopping`). */
+  stop: PoolInstance[];
+}
+
+export class PoolState {
+  readonly input: PoolInput;
+  readonly instances = new Map<string, PoolInstance>();
+  nextId: number;
+  startFailures: number;
+  nextStartAt: number;
+  lastError: string | null;
+  readonly demand = new Map<string, { waiting: number; until: number }>();
+  readonly legacyWaiting: LegacyRequest[];
+  /** Instance ids in the last view gateways have seen for sure, and in the write under way. */
+  private publishedIds = new Set<string>();
+  private writingIds: Set<string> | null = null;
+
+  constructor(input: PoolInput, carry?: PoolCarryV2) {
+    this.input = input;
+    this.nextId = carry?.nextId ?? 1;
+    this.startFailures = carry?.startFailures ?? 0;
+    this.nextStartAt = carry?.nextStartAt ?? 0;
+    this.lastError = carry?.lastError ?? null;
+    for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
+    this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
+    for (const c of carry?.instances ?? []) {
+      this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0 });
+    }
+  }
+
+  get drainGraceMs(): number {
+    return this.input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
+  }
+
+  /** Instances that serve (ready, or draining: unpublished but still answering). */
+  serving(): PoolInstance[] {
+    return [...this.instances.values()].filter((i) => (i.phase === 'ready' || i.phase === 'draining') && i.subject !== null);
+  }
+
+  /** Instances that count towards the pool's size (all but those being stopped). */
+  live(): PoolInstance[] {
+    return [...this.instances.values()].filter((i) => i.phase !== 'stopping');
+  }
+
+  /** First turns gateways are holding for want of room, and old-protocol sessions waiting. */
+  waiting(now: number): number {
+    let n = this.legacyWaiting.length;
+    for (const d of this.demand.values()) if (d.until > now) n += d.waiting;
+    return n;
+  }
+
+  /** A gateway replica holds `waiting` first turns for want of room (its cold path). */
+  demanded(replica: string, waiting: number, now: number): void {
+    if (waiting > 0) this.demand.set(replica, { waiting, until: now + DEMAND_HOLD_MS });
+    else this.demand.delete(replica);
+  }
+
+  /** The reconciler's counts: leases, backlog; an instance turning idle starts its idle clock. */
+  loaded(report: LoadReport, now: number): void {
+    for (const i of this.instances.values()) {
+      const r = report.instances[i.id] ?? { leases: 0, pending: 0, ackPending: 0 };
+      const wasIdle = isIdle(i);
+      i.leases = r.leases;
+      i.pending = r.pending;
+      i.ackPending = r.ackPending;
+      if (!wasIdle && isIdle(i)) i.idleSince = now;
+      if (i.phase === 'draining' && !isIdle(i)) i.phase = 'ready'; // someone uses it after all
+    }
+  }
+
+  /** `id` serves now. */
+  started(id: string, info: { subject: string; runtimeQueue?: string }, now: number): void {
+    const i = this.instances.get(id);
+    if (!i || i.phase !== 'starting') return;
+    i.phase = 'ready';
+    i.subject = info.subject;
+    if (info.runtimeQueue) i.runtimeQueue = info.runtimeQueue;
+    i.idleSince = now;
+    this.lastError = null;
+    this.startFailures = 0;
+    this.nextStartAt = 0;
+  }
+
+  /** `id` could not be started: it is forgotten, and the next start backs off. */
+  startFailed(id: string, reason: string, now: number): void {
+    this.instances.delete(id);
+    this.startFailures++;
+    const delay = Math.min(START_BACKOFF_MAX_MS, START_BACKOFF_BASE_MS * 2 ** (this.startFailures - 1));
+    this.nextStartAt = now + delay;
+    this.lastError = `${reason} (${this.startFailures} failed start${this.startFailures > 1 ? 's' : ''} in a row; next attempt in ${Math.round(delay / 1000)}s)`;
+  }
+
+  /** Nothing serves or starts, and the next start is not now: what waiting callers are told. */
+  failing(): string | undefined {
+    if (this.startFailures === 0 || this.lastError === null) return undefined;
+    if (this.live().length > 0) return undefined;
+    return this.lastError;
+  }
+
+  /**
+   * `i` no longer serves: it is dropped (the caller destroys it). Gateways move its conversations
+   * when the view they see no longer lists it. False when it changed meanwhile.
+   */
+  lost(i: PoolInstance, reason: string): boolean {
+    if (this.instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return false;
+    this.lastError = reason;
+    this.instances.delete(i.id);
+    return true;
+  }
+
+  /** A stopped instance is gone. */
+  stopped(id: string): void {
+    this.instances.delete(id);
+  }
+
+  /** The model was (re)published, or its resource changed: a start that failed may work now. */
+  clearBackoff(): void {
+    this.startFailures = 0;
+    this.nextStartAt = 0;
+  }
+
+  /**
+   * The `Dllama` resource sizing this pool: a generation already applied is ignored, a deleted
+   * resource lets the pool scale to zero; sizes the CRD let through are checked again. True when
+   * the sizes changed.
+   */
+  resource(r: PoolResource): boolean {
+    const known = this.input.resource;
+    if (known && known.uid === r.uid && r.generation <= known.generation && !r.deleted) return false;
+    if (r.deleted) {
+      if (known?.uid !== r.uid) return false;
+      this.input.resource = undefined;
+      this.input.minInstances = 0;
+      return true;
+    }
+    if (!(r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0)) return false;
+    this.input.resource = r;
+    Object.assign(this.input, { minInstances: r.minInstances, maxInstances: r.maxInstances, leasesPerInstance: r.leasesPerInstance, idleTimeoutMs: r.idleTimeoutMs });
+    this.clearBackoff();
+    return true;
+  }
+
+  /** How many instances the load asks for, within min..max. */
+  wanted(now: number): number {
+    const { minInstances, maxInstances, leasesPerInstance } = this.input;
+    const live = this.live();
+    const leases = live.reduce((n, i) => n + i.leases, 0);
+    let wanted = Math.ceil((leases + this.waiting(now)) / leasesPerInstance);
+    // Backlog pressure: every serving instance has requests queued and none is on its way.
+    const ready = live.filter((i) => i.phase === 'ready');
+    if (ready.length > 0 && !live.some((i) => i.phase === 'starting') && ready.every((i) => i.pending >= PRESSURE_PENDING)) wanted = Math.max(wanted, live.length + 1);
+    return Math.min(maxInstances, Math.max(minInstances, wanted));
+  }
+
+  /** Decides what to start and stop now; registers the starts and marks the stops. */
+  plan(now: number): Plan {
+    for (const [replica, d] of this.demand) if (d.until <= now) this.demand.delete(replica);
+    const plan: Plan = { start: [], stop: [] };
+    const wanted = this.wanted(now);
+    if (now >= this.nextStartAt) {
+      for (let n = this.live().length; n < wanted; n++) {
+        const id = `${this.input.model}-${this.nextId++}`;
+        this.instances.set(id, { id, phase: 'starting', subject: null, leases: 0, pending: 0, ackPending: 0, idleSince: now, drainSince: 0 });
+        plan.start.push(id);
+      }
+    }
+    // Scale down: idle instances beyond what is wanted, once idle for the timeout, are
+    // unpublished (draining), and stopped after the grace once no view gateways may hold lists them.
+    let surplus = this.live().length - Math.max(this.input.minInstances, wanted);
+    for (const i of [...this.instances.values()].filter((x) => x.phase === 'draining')) {
+      if (!isIdle(i) || surplus <= 0) {
+        i.phase = 'ready'; // needed again
+        continue;
+      }
+      surplus--;
+      if (now - i.drainSince >= this.drainGraceMs && !this.publishedIds.has(i.id) && !this.writingIds?.has(i.id)) {
+        i.phase = 'stopping';
+        plan.stop.push(i);
+      }
+    }
+    for (const i of [...this.instances.values()].filter((x) => x.phase === 'ready').sort((a, b) => a.idleSince - b.idleSince)) {
+      if (surplus <= 0) break;
+      if (isIdle(i) && now - i.idleSince >= this.input.idleTimeoutMs) {
+        i.phase = 'draining';
+        i.drainSince = now;
+        surplus--;
+      }
+    }
+    return plan;
+  }
+
+  /** Milliseconds until a decision may change with no new input (idle timeouts, drain graces, backoff, demand), if any. */
+  nextDeadline(now: number): number | undefined {
+    const deadlines: number[] = [];
+    const idle = this.live().filter((i) => i.phase === 'ready' && isIdle(i));
+    if (idle.length > this.input.minInstances) deadlines.push(...idle.map((i) => i.idleSince + this.input.idleTimeoutMs - now));
+    for (const i of this.instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + this.drainGraceMs - now);
+    if (this.nextStartAt > now && this.wanted(now) > this.live().length) deadlines.push(this.nextStartAt - now);
+    for (const d of this.demand.values()) deadlines.push(d.until - now);
+    return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
+  }
+
+  /** What gateways may pick from now. */
+  view(now: number): PoolView {
+    const failing = this.failing();
+    return {
+      instances: [...this.instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases })),
+      leasesPerInstance: this.input.leasesPerInstance,
+      growable: this.live().length < this.input.maxInstances,
+      ...(failing ? { failing, nextStartAt: this.nextStartAt } : {}),
+    };
+  }
+
+  /** What a view must be rewritten for: instances, growable, failing — not lease counts alone. */
+  static shape(v: PoolView): string {
+    return JSON.stringify([v.instances.map((i) => [i.instance, i.subject]), v.leasesPerInstance, v.growable, v.failing ?? null]);
+  }
+
+  /** A view with these instances is being written. */
+  writing(ids: Set<string>): void {
+    this.writingIds = ids;
+  }
+
+  /** The write under way completed (`ok`) or failed. */
+  written(ok: boolean): void {
+    if (ok && this.writingIds) this.publishedIds = this.writingIds;
+    this.writingIds = null;
+  }
+
+  get writeInFlight(): boolean {
+    return this.writingIds !== null;
+  }
+
+  /** An old-protocol session asks for a lease (once in the list however often it asks). */
+  requestedLegacy(req: LegacyRequest): void {
+    if (!this.legacyWaiting.some((w) => w.sessionId === req.sessionId)) this.legacyWaiting.push(req);
+  }
+
+  /** An old-protocol session ends or withdraws: it waits no more. */
+  releasedLegacy(sessionId: string): void {
+    const k = this.legacyWaiting.findIndex((w) => w.sessionId === sessionId);
+    if (k >= 0) this.legacyWaiting.splice(k, 1);
+  }
+
+  /** A legacy session's request: the instance to grant now, if one serves (its preferred one first, then the least loaded). */
+  legacyGrant(req: LegacyRequest): PoolInstance | undefined {
+    const serving = this.serving();
+    const preferred = serving.find((i) => i.id === req.preferred);
+    if (preferred) return preferred;
+    return serving.sort((a, b) => a.leases - b.leases)[0];
+  }
+
+  /** The status query's answer. */
+  status(now: number): PoolStatus {
+    return {
+      instances: [...this.instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases })),
+      waiting: this.waiting(now),
+      lastError: this.lastError,
+      startFailures: this.startFailures,
+      nextStartAt: this.nextStartAt,
+    };
+  }
+
+  phase(): PoolPhase {
+    const all = [...this.instances.values()];
+    if (all.some((i) => i.phase === 'ready' || i.phase === 'draining')) return 'serving';
+    if (all.some((i) => i.phase === 'starting')) return 'starting';
+    return this.startFailures > 0 ? 'failing' : 'idle';
+  }
+
+  carry(now: number): PoolCarryV2 {
+    return {
+      protocol: 2,
+      instances: this.serving().map((i) => ({ id: i.id, subject: i.subject!, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}), leases: i.leases, pending: i.pending, ackPending: i.ackPending, idleSince: i.idleSince })),
+      nextId: this.nextId,
+      startFailures: this.startFailures,
+      nextStartAt: this.nextStartAt,
+      lastError: this.lastError,
+      demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
+      legacyWaiting: this.legacyWaiting,
+    };
+  }
+}
+
+/** No conversation on it and nothing queued or in flight. */
+export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending'>): boolean => i.leases === 0 && i.pending === 0 && i.ackPending === 0;
