@@ -109,21 +109,44 @@ function guardColdStart(coldStart: ColdStart, temporal: TemporalHealth, retryAft
   return async (req) => {
     if (!temporal.reachable()) throw new SessionError(SessionErrorType.Unavailable, 'Temporal is unreachable', retryAfterSec);
     const gone = temporal.whileReachable();
-    // Raced as well as passed down: a call retried inside the client does not always end at once on its signal.
+    // Raced as well as passed down: a call retried inside the client does not always end at once
+    // on its signal. One listener on each signal, removed when the call ends (`AbortSignal.any`
+    // left one on the shared `gone` per call until collected: "MaxListenersExceededWarning").
+    const both = new AbortController();
     let onGone: (() => void) | undefined;
     const lost = new Promise<never>((_, reject) => {
-      onGone = () => reject(new Error('Temporal is unreachable'));
-      gone.addEventListener('abort', onGone, { once: true });
+      onGone = () => {
+        both.abort(new Error('Temporal is unreachable'));
+        reject(new Error('Temporal is unreachable'));
+      };
     });
+    const onLeft = () => both.abort(req.signal.reason);
+    gone.addEventListener('abort', onGone!, { once: true });
+    req.signal.addEventListener('abort', onLeft, { once: true });
+    if (gone.aborted) onGone!();
+    if (req.signal.aborted) onLeft();
     try {
-      return await Promise.race([coldStart({ ...req, signal: AbortSignal.any([req.signal, gone]) }), lost]);
+      return await Promise.race([coldStart({ ...req, signal: both.signal }), lost]);
     } catch (err) {
       if (gone.aborted && !req.signal.aborted) throw new SessionError(SessionErrorType.Unavailable, 'Temporal became unreachable while the conversation was being placed', retryAfterSec);
       if ((err as { type?: unknown }).type === SessionErrorType.Unavailable) temporal.markUnreachable();
       throw err;
     } finally {
       gone.removeEventListener('abort', onGone!);
+      req.signal.removeEventListener('abort', onLeft);
       lost.catch(() => undefined);
+    }
+  };
+}
+
+/** Demand told to a pool: a failure that says Temporal is unreachable has the probe look again at once. */
+function guardDemand(demand: NonNullable<FirstTurns['demand']>, temporal: TemporalHealth): NonNullable<FirstTurns['demand']> {
+  return async (model, waiting) => {
+    try {
+      await demand(model, waiting);
+    } catch (err) {
+      if ((err as { type?: unknown }).type === SessionErrorType.Unavailable) temporal.markUnreachable();
+      throw err;
     }
   };
 }
@@ -183,7 +206,12 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       const sessionsKv = await openBucket(nc, config.buckets.sessions);
       const cache = createSessionCache({
         kv: sessionsKv,
-        firstTurns: deps.firstTurns && { ...deps.firstTurns, pools: await openBucket(nc, config.buckets.pools), sessions: sessionsKv },
+        firstTurns: deps.firstTurns && {
+          ...deps.firstTurns,
+          ...(deps.firstTurns.demand && temporal ? { demand: guardDemand(deps.firstTurns.demand, temporal), reachable: () => temporal.reachable() } : {}),
+          pools: await openBucket(nc, config.buckets.pools),
+          sessions: sessionsKv,
+        },
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
         // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live
@@ -340,6 +368,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   let gateway: RunningGateway;
   let temporalConnection: Connection | undefined;
   let temporal: TemporalHealth | undefined;
+  let closeSessions: () => Promise<void> = () => Promise.resolve();
   try {
     // Cold turns start (or join) the conversation's session workflow; warm turns never do. The
     // connection is lazy: the gateway starts, and serves warm turns, with Temporal away.
@@ -350,7 +379,9 @@ export async function gatewayCommand(args: string[]): Promise<number> {
       onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
     });
     const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    gateway = await startGateway(config, { ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs, replica: config.replicaId }), temporal });
+    const { close, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
+    closeSessions = close;
+    gateway = await startGateway(config, { ...sessions, temporal });
   } catch (err) {
     await temporal?.close();
     await temporalConnection?.close();
@@ -364,6 +395,8 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   });
   process.stderr.write('magus gateway: stopping …\n');
   await gateway.close();
+  // The Temporal calls still in flight end before their connection closes (a retry on a closed channel throws out of a timer).
+  await closeSessions();
   await temporal.close();
   await temporalConnection.close();
   return 0;

@@ -52,14 +52,30 @@ function unreachable(err: unknown): BrokerError | undefined {
   return e;
 }
 
-export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'> } {
+export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'>; close: () => Promise<void> } {
   const { client, taskQueue } = opts;
+  /**
+   * Every call in flight, so that `close` can end them before the connection closes: a call whose
+   * retry timer fired on a closed channel threw "Channel has been shut down" out of a timer,
+   * uncaught, and a gateway stopped under load crashed instead of exiting.
+   */
+  const stopping = new AbortController();
+  const inflight = new Set<Promise<unknown>>();
+  const tracked = <A extends unknown[], T>(call: (...args: A) => Promise<T>) => (...args: A): Promise<T> => {
+    if (stopping.signal.aborted) return Promise.reject(new BrokerError('Unavailable', 'the gateway is stopping'));
+    const p = call(...args);
+    inflight.add(p);
+    const forget = () => void inflight.delete(p);
+    p.then(forget, forget);
+    return p;
+  };
+  const unlessStopping = <T>(call: () => Promise<T>): Promise<T> => client.withAbortSignal(stopping.signal, call);
   /** Pools run on a task queue of their own (new ones; a running pool keeps its queue until it continues as new). */
   const poolQueue = poolQueueFor(taskQueue);
   const replica = opts.replica ?? `gateway-${randomUUID().slice(0, 8)}`;
   // Every call runs under the request's signal (the client left, or the gateway gave up
   // waiting): the RPC, the update's long poll included, is cancelled at once.
-  const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
+  const coldStart = tracked(async (req: AcquireRequest): Promise<SessionEntry> => {
     const { namespace, name } = req.model;
     // A short call under a deadline: Temporal unreachable is a prompt 503, not the client's ~20 s of retries.
     await client
@@ -93,28 +109,25 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
       if (req.signal.aborted) {
         // Nobody waits for this acquire any more: the session stops waiting for it and, when it
         // was the last, withdraws its request from the pool (no phantom demand).
-        void client.workflow
-          .getHandle(workflowId)
-          .signal(withdrawSignal, { updateId })
-          .catch(() => undefined);
+        void tracked(() => unlessStopping(() => client.workflow.getHandle(workflowId).signal(withdrawSignal, { updateId })))().catch(() => undefined);
       }
       const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
       if (cause instanceof ApplicationFailure && cause.type === 'NoCapacity') throw new BrokerError('NoCapacity', cause.message);
       throw (!req.signal.aborted && unreachable(err)) || err;
     }
-  };
-  const renew: RenewSession = async (req) => {
+  });
+  const renew: RenewSession = tracked(async (req) => {
     try {
-      await client.workflow.getHandle(sessionWorkflowId(req.model.namespace, req.model.name, req.conversationKey)).signal(touchSignal);
+      await unlessStopping(() => client.workflow.getHandle(sessionWorkflowId(req.model.namespace, req.model.name, req.conversationKey)).signal(touchSignal));
     } catch (err) {
       // A conversation whose session started before ids named their model: it keeps the old id until it expires.
       if (!(err instanceof WorkflowNotFoundError)) throw err;
-      await client.workflow.getHandle(legacySessionWorkflowId(req.conversationKey)).signal(touchSignal);
+      await unlessStopping(() => client.workflow.getHandle(legacySessionWorkflowId(req.conversationKey)).signal(touchSignal));
     }
-  };
-  const adopt: FirstTurns['adopt'] = async (req, entry) => {
+  });
+  const adopt: FirstTurns['adopt'] = tracked(async (req, entry) => {
     const { namespace, name } = req.model;
-    await client.workflow.start<typeof session>('session', {
+    await unlessStopping(() => client.workflow.start<typeof session>('session', {
       workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
       taskQueue,
       args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, entry: { expiresAt: entry.expiresAt } }],
@@ -122,11 +135,11 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
       workflowIdConflictPolicy: 'USE_EXISTING',
       searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`${namespace}/${name}`], [SearchAttribute.phase]: ['serving'] },
       staticSummary: WorkflowSummary.session(namespace, name),
-    });
-  };
-  const demand: FirstTurns['demand'] = async (model, waiting) => {
+    }));
+  });
+  const demand: NonNullable<FirstTurns['demand']> = tracked(async (model, waiting) => {
     const { namespace, name } = model;
-    await client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
+    const told = unlessStopping(() => client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
       client.workflow.signalWithStart<typeof dllamaPool, [{ replica: string; waiting: number }]>('dllamaPool', {
         workflowId: poolWorkflowId(namespace, name),
         taskQueue: poolQueue,
@@ -135,7 +148,17 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
         signalArgs: [{ replica, waiting }],
         staticSummary: WorkflowSummary.pool(namespace, name),
       }),
-    );
+    ));
+    await told.catch((err: unknown) => {
+      throw unreachable(err) ?? err;
+    });
+  });
+  /** Ends the calls in flight (waiting at most 5 s for them): call before closing the client's connection. */
+  const close = async (): Promise<void> => {
+    stopping.abort(new Error('the gateway is stopping'));
+    let timer: NodeJS.Timeout | undefined;
+    await Promise.race([Promise.allSettled([...inflight]), new Promise((r) => (timer = setTimeout(r, 5000)))]);
+    clearTimeout(timer);
   };
-  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt, demand } };
+  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt, demand }, close };
 }

@@ -1,8 +1,9 @@
 /**
- * A cold start whose caller leaves (the serving control-loop issue, finding 2): the gateway's
- * Temporal call ends with the request's signal, the session withdraws its lease request, and the
- * pool scales to what live sessions need — not to phantom demand. Every acquire also has a
- * deadline. Real Temporal, nats-server and MinIO; real workers with the local runtime and a
+ * A first turn whose caller leaves while the pool starts an instance for it (the serving
+ * control-loop issue, finding 2): its wait ends with the request's signal, it leaves no entry and
+ * no session, the demand it told the pool falls, and the pool scales to what live conversations
+ * need — not to phantom demand. Sessions of the old protocol (started by older gateways) still
+ * withdraw their requests and have a deadline. Real Temporal, nats-server and MinIO; real workers with the local runtime and a
  * llama.cpp engine over the tiny GGUF.
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
@@ -14,7 +15,7 @@ import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry } from '../activities/nats/registry';
-import type { AcquireRequest } from '../gateway/plugins/sessions';
+import { createSessionCache, type AcquireRequest } from '../gateway/plugins/sessions';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
@@ -64,49 +65,59 @@ afterAll(async () => {
   if (dir) rmSync(dir, { recursive: true, force: true });
 }, 60_000);
 
-test('clients that leave during a cold start: their calls end at once, their sessions withdraw, and the pool serves only who stayed', async () => {
-  const sessions = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
+test('first turns that leave while the pool starts instances: their calls end at once, they leave no entry, session or demand, and the pool serves only who stayed', async () => {
+  const t = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
+  const js = nc.jetstream();
+  const kv = await js.views.kv(names.sessionsBucket);
+  const cache = createSessionCache({ kv, coldStart: t.coldStart, firstTurns: { ...t.firstTurns, pools: await js.views.kv(names.poolsBucket), sessions: kv } });
+  await cache.ready;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, tokenId: 't', signal });
+  try {
+    // One conversation stays; three leave while the pool is still starting instances for them.
+    const stayKey = `stay-${iso.id}`;
+    const stay = cache.acquire(request(stayKey, new AbortController().signal));
+    const leavers = [1, 2, 3].map((k) => {
+      const abort = new AbortController();
+      const key = `leave-${k}-${iso.id}`;
+      return { key, abort, call: cache.acquire(request(key, abort.signal)).then(() => 'answered', (err: unknown) => err) };
+    });
+    // The pool hears of the four (the gateway's demand) and starts instances for them.
+    await eventually(async () => {
+      const s = await pool.query(poolStatusQuery);
+      expect(s.waiting).toBe(4);
+      expect(s.instances.some((i) => i.phase === 'starting')).toBe(true); // still cold
+    }, 30_000);
+    const abortedAt = Date.now();
+    for (const l of leavers) l.abort.abort(new Error('client went away'));
+    // No call is left waiting: each ends with its signal, long before any instance could serve it.
+    for (const l of leavers) expect(await l.call).not.toBe('answered');
+    expect(Date.now() - abortedAt).toBeLessThan(1000);
 
-  // One conversation stays; three leave while the pool is still starting instances for them.
-  const stay = sessions.coldStart(request(`stay-${iso.id}`, new AbortController().signal));
-  const leavers = [1, 2, 3].map((k) => {
-    const abort = new AbortController();
-    const key = `leave-${k}-${iso.id}`;
-    return { key, abort, call: sessions.coldStart(request(key, abort.signal)).then(() => 'answered', (err: unknown) => err) };
-  });
-  // Each leaver's acquire is in its session (waiting for the pool) before its client goes.
-  await eventually(async () => {
-    const s = await pool.query(poolStatusQuery);
-    expect(s.waiting + s.instances.reduce((n, i) => n + i.leases, 0)).toBe(4);
-  }, 30_000);
-  const before = await pool.query(poolStatusQuery);
-  expect(before.instances.some((i) => i.phase === 'starting')).toBe(true); // still cold
-  const abortedAt = Date.now();
-  for (const l of leavers) l.abort.abort(new Error('client went away'));
-  // No call is left polling: each ends with its signal, long before any instance could serve it.
-  for (const l of leavers) expect(await l.call).not.toBe('answered');
-  expect(Date.now() - abortedAt).toBeLessThan(5000);
+    // The one who stayed is served.
+    const entry = await stay;
+    expect(entry.pool).toBe(MODEL);
 
-  // The one who stayed is served.
-  const entry = await stay;
-  expect(entry.pool).toBe(MODEL);
-
-  // Nobody waits any more and only the live session holds a lease; idle instances go away, down
-  // to the one it needs (before the fix the three abandoned sessions kept waiting, were granted
-  // the instances started for them and held them for their whole TTL).
-  await eventually(async () => {
-    const s = await pool.query(poolStatusQuery);
-    expect(s.waiting).toBe(0);
-    expect(s.instances.filter((i) => i.phase !== 'stopping').map((i) => i.leases)).toEqual([1]);
-  }, 60_000);
-  // The leavers' sessions hold nothing and can come back: a retry is served.
-  const back = await sessions.coldStart(request(leavers[0]!.key, new AbortController().signal));
-  expect(back.pool).toBe(MODEL);
-  await recordHistory('session-withdrawn', client.workflow.getHandle(sessionWorkflowId('default', MODEL, leavers[0]!.key)));
-  await recordHistory('pool-withdrawn-requests', pool);
-  await pool.terminate('test over');
+    // The leavers left nothing: no entry, no session; the pool hears the demand fall and stops the
+    // idle instances it started for them, down to the one the conversation that stayed is on.
+    for (const l of leavers) {
+      expect((await kv.get(l.key))?.operation === 'PUT').toBe(false);
+      await expect(client.workflow.getHandle(sessionWorkflowId('default', MODEL, l.key)).describe()).rejects.toMatchObject({ name: 'WorkflowNotFoundError' });
+    }
+    await eventually(async () => {
+      const s = await pool.query(poolStatusQuery);
+      expect(s.waiting).toBe(0);
+      expect(s.instances.filter((i) => i.phase !== 'stopping').map((i) => [i.id, i.leases])).toEqual([[entry.instance, 1]]);
+    }, 60_000);
+    // A leaver can come back: its retry is served.
+    const back = await cache.acquire(request(leavers[0]!.key, new AbortController().signal));
+    expect(back.pool).toBe(MODEL);
+    await recordHistory('pool-entry-demand-withdrawn', pool);
+  } finally {
+    await cache.close();
+    await t.close();
+    await pool.terminate('test over').catch(() => undefined);
+  }
 }, 180_000);
 
 /** A pool nobody runs (no worker polls its queue): it accepts lease requests and never answers one, as if each grant were lost. */

@@ -1,7 +1,8 @@
 /**
  * The KV-backed session broker against a real `magus_sessions`-shaped bucket: warm hits from the
- * watch mirror, freshness margin, shared cold starts, abort accounting and debounced renewals,
- * and first turns served from a `magus_pools`-shaped bucket.
+ * watch mirror, freshness margin, shared cold starts, abort accounting and debounced renewals
+ * (entries of the old protocol), and the entry-lease protocol's first turns, renewals and moves
+ * against a `magus_pools`-shaped bucket, with two gateway replicas where it matters.
  */
 import type { KV, NatsConnection } from 'nats';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
@@ -58,7 +59,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until(() => cache!.cache.get('k-existing') === undefined);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0 });
+  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0 });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -144,15 +145,15 @@ it('renews only once the entry has less than renewWithinMs left: a fresh entry n
   expect(renewals).toEqual(['k-half', 'k-half']);
 });
 
-describe('first turns from the pool’s published instances', () => {
+describe('the entry-lease protocol: first turns, renewals and moves', () => {
   const poolKey = `${model.namespace}.${model.name}`;
-  const publishPool = (instances: [string, number][], leasesPerInstance: number, growable?: boolean) =>
-    pools.put(
-      poolKey,
-      enc({ instances: instances.map(([instance, leases]) => ({ instance, subject: `magus.req.tiny.${instance}`, leases })), leasesPerInstance, updatedAt: Date.now(), ...(growable === undefined ? {} : { growable }) } satisfies PoolEntry),
-    );
+  const publishPool = (instances: string[], leasesPerInstance: number, extra: Partial<PoolEntry> = {}) =>
+    pools.put(poolKey, enc({ instances: instances.map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })), leasesPerInstance, updatedAt: Date.now(), ...extra } satisfies PoolEntry));
+  /** A conversation some gateway placed on `instance`. */
+  const placed = (instance: string, over: Partial<SessionEntry> = {}): SessionEntry => ({ subject: `magus.req.tiny.${instance}`, pool: 'tiny', namespace: 'default', instance, expiresAt: Date.now() + 600_000, placedAt: Date.now(), ...over });
   const adopted: { key: string; entry: SessionEntry }[] = [];
-  const firstTurns = (): FirstTurns => ({
+  const demands: number[] = [];
+  const firstTurns = (over: Partial<FirstTurns> = {}): FirstTurns => ({
     pools,
     sessions: kv,
     ttlMs: 600_000,
@@ -160,111 +161,182 @@ describe('first turns from the pool’s published instances', () => {
       adopted.push({ key: r.conversationKey, entry: e });
       return Promise.resolve();
     },
+    demand: (_m, waiting) => {
+      demands.push(waiting);
+      return Promise.resolve();
+    },
+    ...over,
   });
   const noCold = () => Promise.reject(new Error('unexpected cold start'));
-  beforeEach(() => {
+  let n = 0;
+  /** Keys unique to each case (the bucket is shared by the file). */
+  const key = (what: string) => `k-${what}-${++n}`;
+  beforeEach(async () => {
     adopted.length = 0;
+    demands.length = 0;
+    // Listed first, then purged: purging while the listing runs ends it early.
+    const keys: string[] = [];
+    for await (const k of await kv.keys()) keys.push(k);
+    for (const k of keys) await kv.purge(k);
   });
-  const stored = async (key: string) => JSON.parse(new TextDecoder().decode((await kv.get(key))!.value)) as SessionEntry;
+  const stored = async (k: string) => {
+    const e = await kv.get(k);
+    return e?.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as SessionEntry) : undefined;
+  };
+  const start = async (over: Partial<FirstTurns> = {}) => {
+    const c = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns(over), renewWithinMs: 300_000, renewIntervalMs: 1000 });
+    await c.ready;
+    return c;
+  };
 
-  it('picks the least-loaded instance with room, creates the entry and has the workflow adopt it; no cold start', async () => {
-    await publishPool([['i1', 2], ['i2', 0], ['i3', 1]], 4);
-    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
-    await cache.ready;
-    const got = await cache.acquire(req('k-first-1'));
-    expect(got).toMatchObject({ instance: 'i2', subject: 'magus.req.tiny.i2', pool: 'tiny' });
+  it('picks the instance with the fewest live entries (every replica’s), creates the entry and starts its session; the next turn is warm', async () => {
+    await publishPool(['i1', 'i2', 'i3'], 4);
+    for (const [k, i] of [['a', 'i1'], ['b', 'i1'], ['c', 'i3']] as const) await kv.put(`other-${k}`, enc(placed(i)));
+    cache = await start();
+    expect(cache.leasesOn('default', 'tiny', 'i1')).toBe(2);
+    const k = key('first');
+    const got = await cache.acquire(req(k));
+    expect(got).toMatchObject({ instance: 'i2', subject: 'magus.req.tiny.i2', pool: 'tiny', namespace: 'default' });
+    expect(got.placedAt).toBeGreaterThan(Date.now() - 5000);
     expect(got.expiresAt).toBeGreaterThan(Date.now() + 500_000);
-    expect(await stored('k-first-1')).toEqual(got);
-    expect(adopted).toEqual([{ key: 'k-first-1', entry: got }]);
-    expect(cache.stats()).toEqual({ warmHits: 0, coldStarts: 0, firstTurns: 1 });
-    // The next turn is warm (the entry is in the cache at once), and adopts nothing.
-    expect(await cache.acquire(req('k-first-1'))).toEqual(got);
-    expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 0, firstTurns: 1 });
+    const { revision: _r, ...written } = got as SessionEntry & { revision?: number };
+    expect(await stored(k)).toEqual(written);
+    expect(adopted.map((a) => a.key)).toEqual([k]);
+    expect(cache.stats()).toMatchObject({ warmHits: 0, coldStarts: 0, firstTurns: 1 });
+    expect((await cache.acquire(req(k))).instance).toBe('i2');
+    expect(cache.stats()).toMatchObject({ warmHits: 1, firstTurns: 1 });
     expect(adopted).toHaveLength(1);
   });
 
-  it('counts its own picks until the pool publishes again, and goes cold when every instance is full', async () => {
-    await publishPool([['i1', 0]], 2);
-    const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
-    await cache.ready;
-    expect((await cache.acquire(req('k-count-1'))).instance).toBe('i1');
-    expect((await cache.acquire(req('k-count-2'))).instance).toBe('i1');
-    expect((await cache.acquire(req('k-count-3'))).instance).toBe('from-temporal'); // i1 holds 2 of 2
-    expect(cold).toEqual(['k-count-3']);
-    // A new publication replaces the local counts: the pool has seen the two leases and added an instance.
-    await publishPool([['i1', 2], ['i2', 0]], 2);
-    await until(() => cache!.pools!.get(poolKey)?.instances.length === 2);
-    expect((await cache.acquire(req('k-count-4'))).instance).toBe('i2');
+  it('a replica sees the other’s entries: with every instance full it waits, tells the pool of the demand, and is served when an instance is added', async () => {
+    await publishPool(['i1'], 2);
+    cache = await start();
+    other = await start();
+    await cache.acquire(req(key('full')));
+    await cache.acquire(req(key('full')));
+    await until(() => other!.leasesOn('default', 'tiny', 'i1') === 2);
+    const waiting = other.acquire(req(key('waits')));
+    await until(() => demands.includes(1));
+    expect(other.stats().coldStarts).toBe(1);
+    await publishPool(['i1', 'i2'], 2);
+    expect((await waiting).instance).toBe('i2');
+    // Its waiter gone, the replica withdraws its demand.
+    await until(() => demands.at(-1) === 0);
   });
 
-  it('a pool at its maximum: every instance full still serves first turns, least-loaded first (no cold start)', async () => {
-    await publishPool([['i1', 3], ['i2', 2]], 2, false);
-    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
-    await cache.ready;
+  it('a pool at its maximum: every instance full still serves first turns, least-loaded first', async () => {
+    await publishPool(['i1', 'i2'], 1, { growable: false });
+    await kv.put('other-x', enc(placed('i1')));
+    cache = await start();
     const got: string[] = [];
-    for (let k = 0; k < 4; k++) got.push((await cache.acquire(req(`k-atmax-${k}`))).instance);
-    // i2 (2) → i1 and i2 at 3 → i1 (the first of equals) → i2.
-    expect(got).toEqual(['i2', 'i1', 'i2', 'i1']);
-    expect(cache.stats()).toEqual({ warmHits: 0, coldStarts: 0, firstTurns: 4 });
-    expect(adopted.map((a) => a.key)).toEqual(['k-atmax-0', 'k-atmax-1', 'k-atmax-2', 'k-atmax-3']);
-    // The pool can grow again (an instance stopped): full instances send first turns to it.
+    for (let k = 0; k < 3; k++) got.push((await cache.acquire(req(key('atmax')))).instance);
+    expect(got).toEqual(['i2', 'i1', 'i2']);
+    expect(demands).toEqual([]);
+  });
+
+  it('two gateways racing on one conversation: one entry, one session, one answer each', async () => {
+    await publishPool(['i1', 'i2'], 10);
+    cache = await start();
+    other = await start();
+    // Make the two replicas' picks differ: this one sent a conversation to i1 a moment ago.
+    expect((await cache.acquire(req(key('warmup')))).instance).toBe('i1');
+    const k = key('race');
+    const [a, b] = await Promise.all([cache.acquire(req(k)), other.acquire(req(k))]);
+    expect(a.instance).toBe(b.instance);
+    expect((await stored(k))?.instance).toBe(a.instance);
+    expect(adopted.filter((x) => x.key === k)).toHaveLength(1);
+  });
+
+  it('a conversation whose instance the pool no longer publishes moves once (compare-and-swap), whichever replica takes its next turn', async () => {
+    await publishPool(['i1', 'i2'], 10);
+    const k = key('move');
+    await kv.put(k, enc(placed('i1', { placedAt: Date.now() - 1000 })));
+    cache = await start();
+    other = await start();
+    await publishPool(['i2', 'i3'], 10); // i1 lost
+    await until(() => cache!.pools!.get(poolKey)?.instances[0]?.instance === 'i2' && other!.pools!.get(poolKey)?.instances[0]?.instance === 'i2');
+    const [a, b] = await Promise.all([cache.acquire(req(k)), other.acquire(req(k))]);
+    expect(a.instance).not.toBe('i1');
+    expect(b.instance).toBe(a.instance);
+    expect((await stored(k))?.instance).toBe(a.instance);
+    expect((cache.stats().moves ?? 0) + (other.stats().moves ?? 0)).toBe(1);
+    expect(adopted).toEqual([]); // its session lives on: a move starts none
+  });
+
+  it('an entry of a brand-new instance the replica’s view does not list yet is not moved', async () => {
+    await publishPool(['i1'], 10);
+    cache = await start();
+    const k = key('new-instance');
+    await kv.put(k, enc(placed('i9', { placedAt: Date.now() + 5000 }))); // placed after the view it has
+    await until(() => cache!.cache.get(k) !== undefined);
+    expect((await cache.acquire(req(k))).instance).toBe('i9');
+    expect(cache.stats().moves).toBe(0);
+  });
+
+  it('renews a warm entry itself (compare-and-swap) once part of its TTL is used, at most once per interval; one near expiry is renewed before it is used', async () => {
+    await publishPool(['i1'], 10);
+    cache = await start();
+    const k = key('renew');
+    await kv.put(k, enc(placed('i1', { expiresAt: Date.now() + 400_000 })));
+    await until(() => cache!.cache.get(k) !== undefined);
+    await cache.acquire(req(k)); // 400 s left of 600: not yet (renewWithin 300 s)
+    expect(cache.stats().renewals).toBe(0);
+    await kv.put(k, enc(placed('i1', { expiresAt: Date.now() + 200_000 })));
+    await until(() => (cache!.cache.get(k)?.expiresAt ?? 0) < Date.now() + 250_000);
+    await cache.acquire(req(k));
+    await cache.acquire(req(k));
+    expect(cache.stats().renewals).toBe(1);
+    await until(() => (cache!.cache.get(k)?.expiresAt ?? 0) > Date.now() + 500_000);
+    expect((await stored(k))!.expiresAt).toBeGreaterThan(Date.now() + 500_000);
+    // About to expire: renewed on the turn's path, same instance.
+    const ending = key('ending');
+    await kv.put(ending, enc(placed('i1', { expiresAt: Date.now() + 2000 })));
+    await until(() => cache!.cache.get(ending) !== undefined);
+    const got = await cache.acquire(req(ending));
+    expect(got.instance).toBe('i1');
+    expect(got.expiresAt).toBeGreaterThan(Date.now() + 500_000);
+    // Already expired (its session may have ended with it): renewed, and a session started for it again.
+    const expired = key('expired');
+    await kv.put(expired, enc(placed('i1', { expiresAt: Date.now() - 1000 })));
+    await until(() => cache!.cache.get(expired) !== undefined);
+    expect((await cache.acquire(req(expired))).instance).toBe('i1');
+    expect(adopted.map((a) => a.key)).toEqual([expired]);
+  });
+
+  it('a conversation of the old protocol (no placedAt) near its expiry takes the old cold path', async () => {
+    await publishPool(['i1'], 10);
     const cold: string[] = [];
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    await cache.ready;
+    const k = key('legacy');
+    await kv.put(k, enc(entry('old', 2_000)));
+    await until(() => cache!.cache.get(k) !== undefined);
+    expect((await cache.acquire(req(k))).instance).toBe('from-temporal');
+    expect(cold).toEqual([k]);
+  });
+
+  it('a pool that cannot start anything refuses at once with its reason; one that stopped refreshing, or a malformed entry, is not picked from', async () => {
+    await publishPool([], 4, { failing: 'no node fits 3 GiB', nextStartAt: Date.now() + 120_000 });
+    cache = await start();
+    await until(() => cache!.pools!.get(poolKey)?.failing !== undefined);
+    const refused = await cache.acquire(req(key('failing'))).then(
+      () => undefined,
+      (e: unknown) => e as { type?: string; message?: string },
+    );
+    expect(refused?.type).toBe('NoCapacity');
+    expect(refused?.message).toMatch(/no node fits 3 GiB/);
     await cache.close();
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
-    await publishPool([['i1', 2], ['i2', 2]], 2, true);
-    await cache.ready;
-    await until(() => cache!.pools!.get(poolKey)?.growable === true);
-    expect((await cache.acquire(req('k-atmax-growable'))).instance).toBe('from-temporal');
-    expect(cold).toEqual(['k-atmax-growable']);
-  });
-
-  it('two gateways racing on one conversation agree on one instance (KV create decides)', async () => {
-    await publishPool([['i1', 0], ['i2', 0]], 10);
-    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
-    other = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns() });
-    await Promise.all([cache.ready, other.ready]);
-    // Make the two gateways' picks differ: this one has already sent a conversation to i1.
-    expect((await cache.acquire(req('k-race-warmup'))).instance).toBe('i1');
-    const [a, b] = await Promise.all([cache.acquire(req('k-race')), other.acquire(req('k-race'))]);
-    expect(a).toEqual(b);
-    expect(await stored('k-race')).toEqual(a);
-    // Only the winner adopts it.
-    expect(adopted.filter((x) => x.key === 'k-race')).toHaveLength(1);
-  });
-
-  it('no published pool, or an existing entry that is about to expire: the cold path', async () => {
-    const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: { ...firstTurns(), pools } });
-    await cache.ready;
-    const unknown = { ...model, name: 'no-pool-yet' };
-    expect((await cache.acquire({ ...req('k-nopool'), model: unknown })).instance).toBe('from-temporal');
-    await publishPool([['i1', 0]], 5);
-    await kv.put('k-ending', enc(entry('old', 2_000)));
-    await until(() => cache!.cache.get('k-ending') !== undefined && cache!.pools!.get(poolKey) !== undefined);
-    expect((await cache.acquire(req('k-ending'))).instance).toBe('from-temporal');
-    expect(cold).toEqual(['k-nopool', 'k-ending']);
-    expect(adopted).toEqual([]);
-  });
-
-  it('an entry its pool stopped refreshing (the pool is gone) is not picked from', async () => {
     await pools.put(poolKey, enc({ instances: [{ instance: 'i1', subject: 'magus.req.tiny.i1', leases: 0 }], leasesPerInstance: 5, updatedAt: Date.now() - 4 * 60_000 } satisfies PoolEntry));
-    const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
-    await cache.ready;
-    expect(cache.pools!.get(poolKey)?.instances).toHaveLength(1);
-    expect((await cache.acquire(req('k-stale-pool'))).instance).toBe('from-temporal');
-    expect(cold).toEqual(['k-stale-pool']);
-    expect(adopted).toEqual([]);
-  });
-
-  it('a malformed pool entry is ignored (cold path), not trusted', async () => {
+    cache = await start();
+    const left = new AbortController();
+    const stale = cache.acquire(req(key('stale'), left.signal));
+    await until(() => demands.length > 0);
+    left.abort(new Error('client left'));
+    await expect(stale).rejects.toThrow('client left');
+    await cache.close();
     await pools.put(poolKey, enc({ instances: [{ instance: 'i1' }], leasesPerInstance: 0 }));
-    const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
-    await cache.ready;
+    cache = await start();
     expect(cache.pools!.get(poolKey)).toBeUndefined();
-    expect((await cache.acquire(req('k-malformed-pool'))).instance).toBe('from-temporal');
-    expect(cold).toEqual(['k-malformed-pool']);
+    expect(adopted).toEqual([]);
   });
 });

@@ -90,6 +90,8 @@ export interface FirstTurns {
    * Absent: first turns wait for room without telling anyone (a pool sized by its resource).
    */
   demand?(model: ReadyModel, waiting: number): Promise<void>;
+  /** Whether the pools can be told (Temporal answers): a first turn without room is refused at once (503) when not. */
+  reachable?(): boolean;
 }
 
 export interface SessionCacheOptions {
@@ -305,17 +307,33 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return entry;
   };
 
-  /** First turns of each model waiting for room here (what `demand` tells the pool), and when it was last told. */
-  const waitingFor = new Map<string, { waiting: number; told: number; at: number }>();
-  const tellDemand = (f: FirstTurns, model: ReadyModel): void => {
-    const k = `${model.namespace}/${model.name}`;
+  /**
+   * First turns of each model waiting for room here (what `demand` tells the pool), what the pool
+   * was last told and when. A change is told at most once per {@link DEMAND_MIN_MS} (a later one
+   * by a timer), an unchanged demand again every {@link DEMAND_REFRESH_MS}; when the last waiter
+   * leaves, 0 is told, so a client that leaves leaves no demand behind.
+   */
+  const waitingFor = new Map<string, { model: ReadyModel; waiting: number; told: number; at: number; timer?: NodeJS.Timeout }>();
+  const tellDemand = (f: FirstTurns, k: string): void => {
     const w = waitingFor.get(k);
-    if (!w || !f.demand) return;
+    if (!w || !f.demand || closed) return;
     const t = now();
-    if ((t - w.at < DEMAND_MIN_MS || (w.waiting <= w.told && t - w.at < DEMAND_REFRESH_MS))) return;
+    if (w.waiting === w.told && (w.waiting === 0 || t - w.at < DEMAND_REFRESH_MS)) {
+      if (w.waiting === 0 && !w.timer) waitingFor.delete(k);
+      return;
+    }
+    if (t - w.at < DEMAND_MIN_MS) {
+      w.timer ??= setTimeout(() => {
+        w.timer = undefined;
+        tellDemand(f, k);
+      }, w.at + DEMAND_MIN_MS - t);
+      w.timer.unref();
+      return;
+    }
     w.told = w.waiting;
     w.at = t;
-    f.demand(model, w.waiting).catch((err: unknown) => opts.onError?.(err));
+    if (w.waiting === 0 && !w.timer) waitingFor.delete(k);
+    f.demand(w.model, w.told).catch((err: unknown) => opts.onError?.(err));
   };
 
   /**
@@ -327,12 +345,13 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     if (found) return found;
     const k = `${model.namespace}/${model.name}`;
     let w = waitingFor.get(k);
-    if (!w) waitingFor.set(k, (w = { waiting: 0, told: 0, at: 0 }));
+    if (!w) waitingFor.set(k, (w = { model, waiting: 0, told: 0, at: 0 }));
     w.waiting++;
     coldStarts++;
     try {
       for (;;) {
-        tellDemand(f, model);
+        if (f.reachable && !f.reachable()) throw new SessionError('Unavailable', `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`);
+        tellDemand(f, k);
         await sleepFor(ROOM_POLL_MS, signal);
         const i = pick(model);
         if (i) return i;
@@ -343,7 +362,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       }
     } finally {
       w.waiting--;
-      if (w.waiting === 0) waitingFor.delete(k);
+      tellDemand(f, k);
     }
   };
 
@@ -468,6 +487,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       closed = true;
       clearInterval(sweep);
       for (const t of adoptRetries) clearTimeout(t);
+      for (const w of waitingFor.values()) clearTimeout(w.timer);
       for (const p of pending.values()) p.abort.abort(new Error('gateway closing'));
       await Promise.all([cache.close(), pools?.close()]);
     },

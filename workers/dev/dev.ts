@@ -268,7 +268,9 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const token = keptSecret(dataDir, 'api-token', newApiToken, isApiToken);
     const secret = keptSecret(dataDir, 'gateway-secret', () => randomBytes(32).toString('hex'), (v) => /^[0-9a-f]{64}$/.test(v)).value;
     const digest = createHash('sha256').update(token.value).digest('hex');
-    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
+    const { close: closeSessions, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
+    // After the gateway, before the client: the calls in flight end while their connection is open.
+    running.push({ what: "the gateway's Temporal calls", stop: () => closeSessions() });
     // Listening is what takes the port: no "is it free?" probe that another process could beat.
     const gateway = await listenOnPort(
       'the gateway',

@@ -249,7 +249,7 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
     for (const id of plan.start) start(id);
     for (const i of plan.stop) track(destroy(i).then(() => state.stopped(i.id)));
     reconcileLoad();
-    const view = state.view(now());
+    const view = state.view();
     const shape = PoolState.shape(view);
     const refresh = view.instances.length > 0 && now() - published.at >= VIEW_REFRESH_MS;
     if ((shape !== published.shape || refresh) && !state.writeInFlight) {

@@ -40,8 +40,8 @@ describe('PoolState', () => {
     const s = ready(2, { maxInstances: 2 });
     s.loaded(report({ 'm-1': [5], 'm-2': [5] }), 1);
     expect(s.plan(1).start).toEqual([]);
-    expect(s.view(1)).toMatchObject({ growable: false, leasesPerInstance: 2 });
-    expect(s.view(1).instances.map((i) => i.instance)).toEqual(['m-1', 'm-2']);
+    expect(s.view()).toMatchObject({ growable: false, leasesPerInstance: 2 });
+    expect(s.view().instances.map((i) => i.instance)).toEqual(['m-1', 'm-2']);
   });
 
   it('scales up on backlog pressure on every ready instance, one at a time', () => {
@@ -60,7 +60,7 @@ describe('PoolState', () => {
     expect(s.nextDeadline(1000)).toBe(59_000); // m-2 idle since 0
     s.plan(60_000);
     expect(s.instances.get('m-2')!.phase).toBe('draining');
-    expect(s.view(60_000).instances.map((i) => i.instance)).toEqual(['m-1']);
+    expect(s.view().instances.map((i) => i.instance)).toEqual(['m-1']);
     s.writing(new Set(['m-1', 'm-2']));
     s.written(true); // a view that still listed it was the last one written
     expect(s.plan(70_000).stop).toEqual([]);
@@ -91,7 +91,7 @@ describe('PoolState', () => {
     const [id] = s.plan(0).start;
     s.startFailed(id!, 'no fit', 0);
     expect(s.failing()).toMatch(/^no fit \(1 failed start in a row; next attempt in 5s\)$/);
-    expect(s.view(0)).toMatchObject({ failing: s.failing(), nextStartAt: START_BACKOFF_BASE_MS });
+    expect(s.view()).toMatchObject({ failing: s.failing(), nextStartAt: START_BACKOFF_BASE_MS });
     expect(s.plan(1000).start).toEqual([]);
     const [again] = s.plan(START_BACKOFF_BASE_MS).start;
     expect(s.failing()).toBeUndefined(); // one is starting
@@ -106,17 +106,17 @@ describe('PoolState', () => {
     const lost = s.instances.get('m-1')!;
     expect(s.lost(lost, 'instance m-1 stopped serving')).toBe(true);
     expect(s.lost(lost, 'again')).toBe(false);
-    expect(s.view(1).instances.map((i) => i.instance)).toEqual(['m-2']);
+    expect(s.view().instances.map((i) => i.instance)).toEqual(['m-2']);
     expect(s.lastError).toBe('instance m-1 stopped serving');
   });
 
   it('rewrites the view for instances, growth and failure, not for lease counts alone', () => {
     const s = ready(2);
-    const before = PoolState.shape(s.view(0));
+    const before = PoolState.shape(s.view());
     s.loaded(report({ 'm-1': [1], 'm-2': [2] }), 1);
-    expect(PoolState.shape(s.view(1))).toBe(before);
+    expect(PoolState.shape(s.view())).toBe(before);
     s.lost(s.instances.get('m-2')!, 'gone');
-    expect(PoolState.shape(s.view(2))).not.toBe(before);
+    expect(PoolState.shape(s.view())).not.toBe(before);
   });
 
   it('carries O(instances) across runs: 50,000 live conversations fit in well under 16 KB', () => {

@@ -286,7 +286,7 @@ export class PoolState {
   }
 
   /** What gateways may pick from now. */
-  view(now: number): PoolView {
+  view(): PoolView {
     const failing = this.failing();
     return {
       instances: [...this.instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases })),
