@@ -24,7 +24,7 @@ import { temporal } from '@temporalio/proto';
 import type { KV } from 'nats';
 import { recordEvent } from '../../activities/kubernetes/activities';
 import { watchResource, type ResourceWatch, type WatchEventType } from '../../activities/kubernetes/watch';
-import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
+import { CRD_GROUP, CRD_VERSION, poolQueueFor, WorkflowSummary } from '../../shared/constants';
 import { FieldManager, FINALIZER, Kind, parseDuration, Plural, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../../shared/kube';
 import type { ModelPipelineInput, ModelSpec } from '../../shared/model';
 import type { TokenEntry } from '../../shared/serving';
@@ -260,7 +260,8 @@ export function startController(opts: ControllerOptions): Controller {
       requestId,
       workflowId,
       workflowType: { name: workflowType },
-      taskQueue: { name: taskQueue, kind: TaskQueueKind.TASK_QUEUE_KIND_NORMAL },
+      // Pools run on a task queue of their own (a pool already running keeps its queue).
+      taskQueue: { name: workflowType === 'dllamaPool' ? poolQueueFor(taskQueue) : taskQueue, kind: TaskQueueKind.TASK_QUEUE_KIND_NORMAL },
       input: { payloads: [defaultPayloadConverter.toPayload(input)] },
       signalName,
       signalInput: { payloads: [defaultPayloadConverter.toPayload(signal)] },

@@ -42,7 +42,7 @@ import { mkdirSync, readdirSync, writeFileSync } from 'node:fs';
 import { request as httpsRequest } from 'node:https';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { alive, end, freePort, launch, REPO_ROOT, type Proc as ServerProc } from './services';
+import { alive, end, freePort, launch, REPO_ROOT, within, type Proc as ServerProc } from './services';
 
 type Proc = ServerProc<ClusterComponent>;
 
@@ -133,7 +133,7 @@ async function waitReady(p: Proc, timeoutSec: number, what: string, probe: () =>
     }
     await sleep(200);
   }
-  if (!alive(p)) await Promise.race([p.closed, sleep(1000)]);
+  if (!alive(p)) await within(p.closed, 1000);
   const taken = ADDRESS_IN_USE.test(p.output());
   const why = !alive(p) ? ' (it exited)' : taken ? ' (a port of its is taken)' : ` within ${timeoutSec}s`;
   const tail = p.output().split('\n').slice(-25).join('\n');
@@ -258,10 +258,10 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
     if (stopped) return;
     stopped = true;
     for (const p of [...procs].reverse()) if (alive(p)) p.child.kill('SIGTERM');
-    await Promise.race([Promise.all(procs.map((p) => p.exited)), sleep(10_000)]);
+    await within(Promise.all(procs.map((p) => p.exited)), 10_000);
     for (const p of procs) if (alive(p)) p.child.kill('SIGKILL');
     await Promise.all(procs.map((p) => p.exited));
-    await Promise.race([Promise.all(procs.map((p) => p.closed)), sleep(2000)]);
+    await within(Promise.all(procs.map((p) => p.closed)), 2000);
   };
 
   /** Starts a component on a fresh port until `ready` holds; on new ports again (3 starts) while its port turns out taken. */

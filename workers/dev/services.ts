@@ -202,6 +202,19 @@ export async function freePort(): Promise<number> {
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+/**
+ * `p`, or after `ms` whatever it is then. The timer is cleared when `p` settles first: a bound's
+ * timer left pending kept its process alive for the whole bound (jest waited 10 s after every
+ * run for stop()'s, "Jest did not exit one second after the test run has completed").
+ */
+export async function within(p: Promise<unknown>, ms: number): Promise<void> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    await Promise.race([p, new Promise((r) => (timer = setTimeout(r, ms)))]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
 
 /** Removes data folders of earlier runs whose owning process is gone (e.g. after a SIGKILL). */
 function sweepStaleDataDirs(root: string): void {
@@ -337,7 +350,7 @@ async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boole
     }
     await sleep(150);
   }
-  if (exited) await Promise.race([p.closed, sleep(1000)]); // its last words
+  if (exited) await within(p.closed, 1000); // its last words
   const output = p.output();
   const inUse = addressInUse(output);
   const tail = output.split('\n').slice(-25).join('\n');
@@ -348,7 +361,7 @@ async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boole
 /** SIGTERM, then SIGKILL after `graceMs` (at once when 0); resolves when it has exited. */
 export async function end(p: Proc<string>, graceMs: number): Promise<void> {
   if (alive(p)) p.child.kill(graceMs > 0 ? 'SIGTERM' : 'SIGKILL');
-  if (graceMs > 0) await Promise.race([p.exited, sleep(graceMs)]);
+  if (graceMs > 0) await within(p.exited, graceMs);
   if (alive(p)) p.child.kill('SIGKILL');
   await p.exited;
 }
@@ -468,9 +481,9 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
     // loses etcd mid-shutdown and hangs until killed (measured: > 10 s; alone: ~50 ms).
     const api = procs.filter((p) => p.name === 'kube-apiserver' && alive(p));
     for (const p of api) p.child.kill('SIGTERM');
-    await Promise.race([Promise.all(api.map((p) => p.exited)), sleep(5_000)]);
+    await within(Promise.all(api.map((p) => p.exited)), 5_000);
     for (const p of [...procs].reverse()) if (alive(p)) p.child.kill('SIGTERM');
-    await Promise.race([Promise.all(procs.map((p) => p.exited)), sleep(10_000)]);
+    await within(Promise.all(procs.map((p) => p.exited)), 10_000);
     for (const p of procs) if (alive(p)) p.child.kill('SIGKILL');
     await Promise.all(procs.map((p) => p.exited));
     if (!kept) rmSync(dataDir, { recursive: true, force: true });
