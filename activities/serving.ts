@@ -251,13 +251,13 @@ export function createServingActivities(deps: ServingDeps) {
       }
     },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
-    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean; failing?: string; nextStartAt?: number }): Promise<void> {
+    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean; failing?: string; nextStartAt?: number; failedAt?: number }): Promise<void> {
       const entry: PoolEntry = {
         instances: input.instances,
         leasesPerInstance: input.leasesPerInstance,
         updatedAt: Date.now(),
         ...(input.growable === undefined ? {} : { growable: input.growable }),
-        ...(input.failing === undefined ? {} : { failing: input.failing, ...(input.nextStartAt === undefined ? {} : { nextStartAt: input.nextStartAt }) }),
+        ...(input.failing === undefined ? {} : { failing: input.failing, nextStartAt: input.nextStartAt, failedAt: input.failedAt }),
       };
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },

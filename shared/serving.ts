@@ -92,8 +92,9 @@ export interface PoolEntry {
   growable?: boolean;
   /** Why no instance serves or starts now (failed starts): a first turn waiting for room is refused with it. */
   failing?: string;
-  /** With `failing`: when the pool may try to start again (epoch ms). */
+  /** With `failing`: when the pool may try to start again, and when its last start failed (epoch ms). */
   nextStartAt?: number;
+  failedAt?: number;
 }
 
 /** A `magus_sessions` value, checked; `undefined` (ignored) when malformed. */
@@ -117,7 +118,9 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
     leasesPerInstance: e.leasesPerInstance as number,
     updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0,
     ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}),
-    ...(typeof e.failing === 'string' ? { failing: e.failing, ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}) } : {}),
+    ...(typeof e.failing === 'string'
+      ? { failing: e.failing, ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}), ...(typeof e.failedAt === 'number' ? { failedAt: e.failedAt } : {}) }
+      : {}),
   };
 }
 

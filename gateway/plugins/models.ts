@@ -113,7 +113,9 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
       await current();
       return byId.get(id);
     },
-    unservable: (model) => unservableReason(model, runtimes, now()) ?? undefined,
+    // Adverts judged as of the read that brought them: a copy read a while ago (no request since)
+    // would otherwise hold only stale adverts, and a model nothing can run pass as servable.
+    unservable: (model) => unservableReason(model, runtimes, loadedAt) ?? undefined,
     async find(id) {
       const readsBefore = readsStarted;
       await fresh();

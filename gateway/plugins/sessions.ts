@@ -348,6 +348,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     if (!w) waitingFor.set(k, (w = { model, waiting: 0, told: 0, at: 0 }));
     w.waiting++;
     coldStarts++;
+    const since = now();
     try {
       for (;;) {
         if (f.reachable && !f.reachable()) throw new SessionError('Unavailable', `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`);
@@ -356,7 +357,10 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         const i = pick(model);
         if (i) return i;
         const view = viewOf(model.namespace, model.name);
-        if (view?.failing && view.instances.length === 0 && (view.nextStartAt ?? Infinity) - now() > START_WAIT_MAX_MS) {
+        // Nothing serves or starts and starts fail: refused once a start failed while this turn
+        // waited (its answer), or when the next start is far off; an older failure is no answer
+        // to this turn (its demand may be what the next start is for).
+        if (view?.failing && view.instances.length === 0 && ((view.failedAt ?? 0) >= since || (view.nextStartAt ?? Infinity) - now() > START_WAIT_MAX_MS)) {
           throw new SessionError('NoCapacity', `no instance of ${model.namespace}/${model.name} can be started: ${view.failing}`);
         }
       }

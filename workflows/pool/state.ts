@@ -55,6 +55,8 @@ export interface PoolCarryV2 {
   startFailures: number;
   nextStartAt: number;
   lastError: string | null;
+  /** When the last start failed (epoch ms; 0: none in a row). */
+  failedAt?: number;
   /** Demand signalled by gateway replicas, each until its time. */
   demand: Record<string, { waiting: number; until: number }>;
   /** Sessions of the old protocol waiting for a grant (only while gateways of the old protocol run). */
@@ -75,8 +77,9 @@ export interface PoolView {
   growable: boolean;
   /** Why nothing can serve now (no instance serves or starts, and starts fail). */
   failing?: string;
-  /** With `failing`: when the next start may be tried (epoch ms). */
+  /** With `failing`: when the next start may be tried, and when the last one failed (epoch ms). */
   nextStartAt?: number;
+  failedAt?: number;
 }
 
 /** The next things the workflow must do, decided at one moment. */
@@ -94,6 +97,7 @@ export class PoolState {
   startFailures: number;
   nextStartAt: number;
   lastError: string | null;
+  failedAt: number;
   readonly demand = new Map<string, { waiting: number; until: number }>();
   readonly legacyWaiting: LegacyRequest[];
   /** Instance ids in the last view gateways have seen for sure, and in the write under way. */
@@ -106,6 +110,7 @@ export class PoolState {
     this.startFailures = carry?.startFailures ?? 0;
     this.nextStartAt = carry?.nextStartAt ?? 0;
     this.lastError = carry?.lastError ?? null;
+    this.failedAt = carry?.failedAt ?? 0;
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
     for (const c of carry?.instances ?? []) {
@@ -170,6 +175,7 @@ export class PoolState {
   startFailed(id: string, reason: string, now: number): void {
     this.instances.delete(id);
     this.startFailures++;
+    this.failedAt = now;
     const delay = Math.min(START_BACKOFF_MAX_MS, START_BACKOFF_BASE_MS * 2 ** (this.startFailures - 1));
     this.nextStartAt = now + delay;
     this.lastError = `${reason} (${this.startFailures} failed start${this.startFailures > 1 ? 's' : ''} in a row; next attempt in ${Math.round(delay / 1000)}s)`;
@@ -292,7 +298,7 @@ export class PoolState {
       instances: [...this.instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases })),
       leasesPerInstance: this.input.leasesPerInstance,
       growable: this.live().length < this.input.maxInstances,
-      ...(failing ? { failing, nextStartAt: this.nextStartAt } : {}),
+      ...(failing ? { failing, nextStartAt: this.nextStartAt, failedAt: this.failedAt } : {}),
     };
   }
 
@@ -361,6 +367,7 @@ export class PoolState {
       startFailures: this.startFailures,
       nextStartAt: this.nextStartAt,
       lastError: this.lastError,
+      ...(this.failedAt ? { failedAt: this.failedAt } : {}),
       demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
       legacyWaiting: this.legacyWaiting,
     };

@@ -1,0 +1,172 @@
+/**
+ * New conversations at scale, against a fresh `magus dev` with its default session TTL (30 min):
+ * steps up the rate of new conversations (each a first turn, `max_tokens: 1`, a conversation id of
+ * its own) and, in the same run on the same machine, measures Temporal's bare workflow-start rate
+ * (the floor: workflows of a type no worker runs, started as fast as 32 callers can).
+ *
+ *   npm run bench:conversations                                # 10, 20, 40, 80, 160/s, 2 min each
+ *   npm run bench:conversations -- --rates 50 --minutes 10     # a 10-minute hold at one rate
+ *   npm run bench:conversations -- --rates 10,20 --step-sec 30 --seed-live 100000
+ *
+ * Per step: answered/s, p50/p99 first-turn latency, errors by kind (HTTP status or client
+ * timeout), the pool's history events per minute (all its runs), history events per session
+ * (sampled), each process's CPU share and RSS, and `temporal.db`'s size. `--seed-live N` writes N
+ * live conversations straight into `magus_sessions` on the demo model's instance afterwards and
+ * reports how the pool takes them: its lease count, its longest run and largest continue-as-new
+ * input.
+ */
+import { readdirSync, readFileSync, statSync, mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { Client, Connection } from '@temporalio/client';
+import { connect } from 'nats';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import type { SessionEntry } from '../shared/serving';
+import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import type { DevConnection } from '../workers/config';
+import { printed, processTree, startDev } from '../test/harness/dev';
+import { cpuOf, fmt, p50, p99 } from './common';
+
+const arg = (name: string, fallback: string) => {
+  const k = process.argv.indexOf(`--${name}`);
+  return k >= 0 ? process.argv[k + 1]! : fallback;
+};
+const rates = arg('rates', '10,20,40,80,160').split(',').map(Number);
+const minutes = process.argv.includes('--minutes') ? Number(arg('minutes', '10')) : undefined;
+const stepMs = (minutes ?? Number(arg('step-sec', '120')) / 60) * 60_000;
+const seedLive = Number(arg('seed-live', '0'));
+const REQUEST_TIMEOUT_MS = 60_000;
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+const rss = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
+const nameOf = (pid: number) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').slice(0, 3).join(' ').replace(/.*\//, '').slice(0, 40);
+
+async function main(): Promise<void> {
+  const data = mkdtempSync(join(tmpdir(), 'magus-bench-conv-'));
+  const dev = startDev('direct', ['--no-kube', '--data-dir', data]);
+  try {
+    await dev.ready(600_000);
+    const { gatewayUrl, tokenFile } = printed(dev.stdout());
+    const token = readFileSync(tokenFile, 'utf8').trim();
+    const conn = JSON.parse(readFileSync(join(data, 'connection.json'), 'utf8')) as DevConnection;
+    const temporal = await Connection.connect({ address: conn.temporal.address });
+    const client = new Client({ connection: temporal, namespace: conn.temporal.namespace });
+    const headers = { authorization: `Bearer ${token}`, 'content-type': 'application/json' };
+    const model = ((await (await fetch(`${gatewayUrl}/v1/models`, { headers })).json()) as { data: { id: string }[] }).data[0]!.id;
+    const [ns, name] = model.includes('/') ? model.split('/') : ['default', model];
+    const poolId = poolWorkflowId(ns!, name!);
+    const turn = async (id: string): Promise<{ status: number | 'timeout'; ms: number }> => {
+      const t0 = performance.now();
+      try {
+        const r = await fetch(`${gatewayUrl}/v1/chat/completions`, {
+          method: 'POST',
+          headers: { ...headers, 'x-session-id': id },
+          body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 1 }),
+          signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
+        });
+        await r.arrayBuffer();
+        return { status: r.status, ms: performance.now() - t0 };
+      } catch {
+        return { status: 'timeout', ms: performance.now() - t0 };
+      }
+    };
+    // Warm: the demo model's pool has its instance.
+    for (let k = 0; k < 120 && (await turn(`warmup-${k}`)).status !== 200; k++) await sleep(1000);
+
+    // The floor: Temporal's bare start rate (a type no worker runs, on a queue nobody polls).
+    const floorIds: string[] = [];
+    const floorEnd = Date.now() + 10_000;
+    await Promise.all(
+      Array.from({ length: 32 }, async (_, c) => {
+        for (let k = 0; Date.now() < floorEnd; k++) {
+          const id = `bench-floor-${c}-${k}`;
+          await client.workflow.start('benchFloor', { workflowId: id, taskQueue: 'bench-floor-nobody', args: [] });
+          floorIds.push(id);
+        }
+      }),
+    );
+    const floor = floorIds.length / 10;
+    for (let k = 0; k < floorIds.length; k += 32) await Promise.all(floorIds.slice(k, k + 32).map((id) => client.workflow.getHandle(id).terminate().catch(() => undefined)));
+    console.log(`floor: Temporal starts ${fmt(floor, 0)} bare workflows/s here (32 callers, 10 s)`);
+
+    const poolEvents = async () => {
+      let n = 0;
+      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) n += w.historyLength;
+      return n;
+    };
+    const dbBytes = () => readdirSync(data, { recursive: true }).map(String).filter((f) => f.endsWith('temporal.db')).reduce((n, f) => n + statSync(join(data, f)).size, 0);
+    const rows: string[] = [];
+    for (const rate of rates) {
+      const pids = processTree(dev.child.pid!);
+      const cpu0 = new Map(pids.map((p) => [p, cpuOf(p)]));
+      const events0 = await poolEvents();
+      const t0 = Date.now();
+      const results: { status: number | 'timeout'; ms: number }[] = [];
+      const inflight: Promise<void>[] = [];
+      const ids: string[] = [];
+      for (let k = 0; Date.now() - t0 < stepMs; k++) {
+        const due = t0 + (k * 1000) / rate;
+        if (due > Date.now()) await sleep(due - Date.now());
+        const id = `bench-${rate}-${k}-${Math.random().toString(36).slice(2, 8)}`;
+        ids.push(id);
+        inflight.push(turn(id).then((r) => void results.push(r)));
+      }
+      await Promise.all(inflight);
+      const secs = (Date.now() - t0) / 1000;
+      const events = (await poolEvents()) - events0;
+      const cpu = pids.filter((p) => { try { return cpuOf(p) >= 0; } catch { return false; } }).map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rss(p), 0)} MB`);
+      // History events per session: a sample of this step's sessions (running: started and asleep).
+      let sampled = 0;
+      let sessionEvents = 0;
+      for await (const w of client.workflow.list({ query: `MagusKind = "session" AND StartTime > "${new Date(t0).toISOString()}"`, pageSize: 20 })) {
+        sessionEvents += w.historyLength;
+        if (++sampled >= 20) break;
+      }
+      const ok = results.filter((r) => r.status === 200);
+      const errors = new Map<string, number>();
+      for (const r of results) if (r.status !== 200) errors.set(String(r.status), (errors.get(String(r.status)) ?? 0) + 1);
+      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB\n    ${cpu.join('; ')}`;
+      console.log(row);
+      rows.push(row);
+    }
+
+    if (seedLive > 0) {
+      const nc = await connect({ servers: conn.nats.servers });
+      const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
+      const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
+      const instance = status.instances.find((i) => i.phase === 'ready')!;
+      const before = instance.leases;
+      const entry: SessionEntry = { subject: instance.subject!, pool: name!, namespace: ns!, instance: instance.id, expiresAt: Date.now() + 30 * 60_000, placedAt: Date.now() };
+      const value = new TextEncoder().encode(JSON.stringify(entry));
+      const s0 = Date.now();
+      for (let k = 0; k < seedLive; k += 1000) await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
+      let counted = 0;
+      for (let k = 0; k < 120 && counted < before + seedLive; k++) {
+        await sleep(1000);
+        counted = (await client.workflow.getHandle(poolId).query(poolStatusQuery)).instances.find((i) => i.id === instance.id)?.leases ?? 0;
+      }
+      let longest = 0;
+      let largestInput = 0;
+      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) {
+        longest = Math.max(longest, w.historyLength);
+        const first = (await client.workflow.getHandle(poolId, w.runId).fetchHistory()).events?.[0];
+        const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
+        largestInput = Math.max(largestInput, bytes);
+      }
+      const row = `seeded ${seedLive} live conversations in ${fmt((Date.now() - s0) / 1000, 1)} s: the pool counts ${counted} leases on ${instance.id}; its longest run ${longest} events, its largest run input ${fmt(largestInput / 1024, 1)} KB`;
+      console.log(row);
+      rows.push(row);
+      await nc.drain();
+    }
+    console.log(`\nbench:conversations (floor ${fmt(floor, 0)} starts/s)\n${rows.join('\n')}`);
+    await temporal.close();
+  } finally {
+    dev.child.kill('SIGTERM');
+    await Promise.race([dev.exited, sleep(60_000)]);
+    rmSync(data, { recursive: true, force: true });
+  }
+}
+
+void main().catch((err: unknown) => {
+  console.error(err);
+  process.exit(1);
+});
