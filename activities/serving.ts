@@ -226,10 +226,12 @@ export function createServingActivities(deps: ServingDeps) {
         }
       })();
       const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending) : null;
+      // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
+      const news = input.instances.some((id) => !input.known?.instances[id]);
       try {
         for (;;) {
           heartbeat({ instances: input.instances.length, entries: mine.size });
-          if (initialized && Date.now() - started >= minInterval) {
+          if (initialized && (news || Date.now() - started >= minInterval)) {
             const summary: LoadSummary = { instances: {} };
             for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
             const now = Date.now();

@@ -10,6 +10,7 @@
  */
 import { WithStartWorkflowOperation, WorkflowNotFoundError, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
 import { randomUUID } from 'node:crypto';
+import { setMaxListeners } from 'node:events';
 import { ApplicationFailure } from '@temporalio/common';
 import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
@@ -60,6 +61,8 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
    * uncaught, and a gateway stopped under load crashed instead of exiting.
    */
   const stopping = new AbortController();
+  // Every call in flight listens on it until it ends: as many as there are calls, none left behind.
+  setMaxListeners(0, stopping.signal);
   const inflight = new Set<Promise<unknown>>();
   const tracked = <A extends unknown[], T>(call: (...args: A) => Promise<T>) => (...args: A): Promise<T> => {
     if (stopping.signal.aborted) return Promise.reject(new BrokerError('Unavailable', 'the gateway is stopping'));

@@ -174,3 +174,36 @@ interface RecordedHistory {
     workflowExecutionContinuedAsNewEventAttributes?: { input?: { payloads?: { data?: string }[] } };
   }[];
 }
+
+/**
+ * The entry-lease protocol (`pool-entry-leases`; sessions of it are marked by their input, DESIGN.md
+ * "Control plane"): each history, and the path it shows — never a signal or update for a
+ * conversation in a pool, never one in a session.
+ */
+const countOf = (h: RecordedHistory, type: string) => h.events.filter((e) => e.eventType === type).length;
+test.each([
+  // A pool serving conversations (test/serving.int.test.ts): instances, the reconciler, the view.
+  ['pool-entry-serving', (h: RecordedHistory) => scheduledOf(h, 'watchLoad') >= 1 && scheduledOf(h, 'writePool') >= 1],
+  // Scaled up for demand, down to zero when its entries were gone, and up again.
+  ['pool-entry-scaled-to-zero-and-back', (h: RecordedHistory) => scheduledOf(h, 'createInstance') >= 2 && scheduledOf(h, 'destroyInstance') >= 1],
+  // 50,000 live conversations counted, then a run continued as new (test/serving-entries.int.test.ts).
+  ['pool-entry-continued', (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW'],
+  // Demand that clients took back while instances started (test/serving-withdraw.int.test.ts).
+  ['pool-entry-demand-withdrawn', (h: RecordedHistory) => countOf(h, 'EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED') >= 2 && scheduledOf(h, 'destroyInstance') >= 1],
+  // A carried instance whose worker's queue nobody polls: its owner asked, then dropped and replaced (test/pool-runs.int.test.ts).
+  ['pool-entry-owner-confirmed', (h: RecordedHistory) => scheduledOf(h, 'workerGone') >= 2 && scheduledOf(h, 'destroyInstance') >= 1 && scheduledOf(h, 'createInstance') >= 1],
+  // A session that watched its entry, renewed twice by turns, then expired it (≤ 24 events).
+  ['session-entry-renewed', (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED' && h.events.length <= 24],
+  // A session that lived one TTL of a served conversation (test/serving.int.test.ts), and its end.
+  ['session-entry', (h: RecordedHistory) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],
+  ['session-entry-expired', (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED'],
+])('the recorded %s history (entry leases) replays', async (name, tookThePath) => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as RecordedHistory & Parameters<typeof patchesOf>[0];
+  // A pool started with a carry of the protocol takes it without a patch check (pool-runs starts one so).
+  if (name.startsWith('pool-') && name !== 'pool-entry-owner-confirmed') expect(patchesOf(history)).toContain('pool-entry-leases');
+  const signals = history.events.map((e) => (e as { workflowExecutionSignaledEventAttributes?: { signalName?: string } }).workflowExecutionSignaledEventAttributes?.signalName).filter(Boolean);
+  expect(signals.filter((s) => s === 'leaseRequested' || s === 'leaseReleased' || s === 'touch')).toEqual([]);
+  expect(countOf(history, 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')).toBe(0);
+  expect(tookThePath(history)).toBe(true);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+}, 60_000);

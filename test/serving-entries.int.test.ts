@@ -6,7 +6,7 @@
  * pool's instances are real llama.cpp engines of the tiny GGUF (local runtime).
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import { WithStartWorkflowOperation, type Client, type Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -19,12 +19,12 @@ import { createServingActivities, type Runtime } from '../activities/serving';
 import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
 import { demandSignal, poolStatusQuery, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
-import type { dllamaPool } from '../workflows/pool/pool';
-import { sessionWorkflowId } from '../workflows/session/definitions';
+import type { dllamaPool, PoolCarry } from '../workflows/pool/pool';
+import { acquireUpdate, sessionWorkflowId } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, listWorkflowIds, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
 import { until } from './harness/wait';
 
 const iso = isolation();
@@ -110,6 +110,7 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   for (const none of ['EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED', 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED', 'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED']) expect(kinds.has(none)).toBe(false);
   expect(e2.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES)).toHaveLength(1);
   expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="ended"`)).toEqual(expect.arrayContaining([h1.workflowId, h2.workflowId]));
+  await recordHistory('session-entry-renewed', h2);
 }, 60_000);
 
 test('a renewal landing between the expiry’s read and its delete wins; an entry already gone ends the session', async () => {
@@ -174,6 +175,8 @@ test('a pool with 50,000 live conversations scales on them and continues as new 
   }, 60_000);
   expect(carried).toBeGreaterThan(0);
   expect(carried).toBeLessThan(16 * 1024);
+  process.stderr.write(`serving-entries: 50,000 live conversations; the pool continued as new with a ${carried}-byte input\n`);
+  await recordHistory('pool-entry-continued', client.workflow.getHandle(pool.workflowId, pool.firstExecutionRunId));
   // The next run still knows both instances and their load.
   await until('the next run reports the load', async () => (await pool.query(poolStatusQuery)).instances.find((i) => i.id === first)?.leases === 50_000, 60_000);
   const latest = (await pool.fetchHistory()).events ?? [];
@@ -182,3 +185,43 @@ test('a pool with 50,000 live conversations scales on them and continues as new 
   for (let k = 0; k < 50_000; k += 1000) keys.push(...Array.from({ length: 1000 }, (_, j) => `load-${k + j}`));
   for (let k = 0; k < keys.length; k += 1000) await Promise.all(keys.slice(k, k + 1000).map((key) => kv.delete(key)));
 }, 420_000);
+
+test('sessions of the old protocol, asking a pool that took over an old run’s carry: each granted once, their entries counted', async () => {
+  const model = `${MODEL}-old`;
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: model });
+  const keys = [1, 2, 3].map((k) => `old-${k}-${randomBytes(3).toString('hex')}`);
+  // An old run's carry: no instance yet, the first session already waiting for a lease.
+  const carry: PoolCarry = { instances: [], nextId: 1, waiting: [{ sessionId: keys[0]!, sessionWorkflowId: sessionWorkflowId('default', model, keys[0]!) }] };
+  const input: PoolInput = { namespace: 'default', model, minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 60_000 };
+  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', { workflowId: poolWorkflowId('default', model), taskQueue: poolQueueFor(taskQueue), args: [input, carry] });
+  try {
+    // Sessions as older gateways started them (no `entry` in their input): update-with-start `acquire`.
+    const acquired = await Promise.all(
+      keys.map((key) =>
+        client.workflow.executeUpdateWithStart(acquireUpdate, {
+          args: [{ model }],
+          startWorkflowOperation: new WithStartWorkflowOperation<typeof session>('session', {
+            workflowId: sessionWorkflowId('default', model, key),
+            taskQueue,
+            args: [{ key, namespace: 'default', model, ttlMs: 120_000 }],
+            workflowIdConflictPolicy: 'USE_EXISTING',
+          }),
+        }),
+      ),
+    );
+    const instance = acquired[0]!.instance;
+    expect(acquired.map((e) => e.instance)).toEqual([instance, instance, instance]);
+    for (const key of keys) {
+      const events = (await client.workflow.getHandle(sessionWorkflowId('default', model, key)).fetchHistory()).events ?? [];
+      expect(events.filter((e) => e.workflowExecutionSignaledEventAttributes?.signalName === 'leaseGranted')).toHaveLength(1);
+      expect(decode((await kv.get(key))!.value)).toMatchObject({ instance, pool: model });
+    }
+    // Their entries (written by the old sessions) are counted like any other.
+    await until('the pool counts the three', async () => (await pool.query(poolStatusQuery)).instances.find((i) => i.id === instance)?.leases === 3, 30_000);
+    expect((await pool.query(poolStatusQuery)).waiting).toBe(0);
+  } finally {
+    for (const key of keys) await client.workflow.getHandle(sessionWorkflowId('default', model, key)).terminate().catch(() => undefined);
+    for (const key of keys) await kv.delete(key).catch(() => undefined);
+    await pool.terminate().catch(() => undefined);
+  }
+}, 240_000);

@@ -27,7 +27,7 @@ import { eventually } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-const IDLE_MS = 2000;
+const IDLE_MS = 6000;
 /**
  * A model name of its own: pool workflow ids are `pool/<namespace>/<model>` on the one Temporal
  * server all test files share, so a pool left by one file would take another file's signals.

@@ -189,9 +189,8 @@ test('a first turn on a warm pool is served from the pool’s published instance
   expect(entry.placedAt).toEqual(expect.any(Number));
   // The gateway started the session workflow after answering: it sleeps until the entry's expiry.
   const session = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
-  await until('the session runs', async () => (await session.describe().catch(() => undefined))?.status.name === 'RUNNING');
-  const events = (await session.fetchHistory()).events ?? [];
-  expect(events.some((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED)).toBe(true);
+  let events: temporal.api.history.v1.IHistoryEvent[] = [];
+  await until('the session asleep until the expiry', async () => (events = (await session.fetchHistory().catch(() => undefined))?.events ?? []).some((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED));
   expect(events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)).toHaveLength(0);
   // The pool learns of it only counted, from its reconciler.
   const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));

@@ -24,6 +24,7 @@ import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
 import { temporalSessions } from '../../gateway/temporal';
+import { createSessionCache } from '../../gateway/plugins/sessions';
 import type { SessionEntry } from '../../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -328,29 +329,42 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
   });
 }, 400_000);
 
-test('a node that goes away: the pool notices, replaces the instance, and the conversation moves to the new one', async () => {
+test('a node that goes away: the pool notices, replaces the instance, and the conversation moves to the new one on its next turn', async () => {
   const name = 'nodeloss';
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { engine: 'llamacpp' });
   await withKubeWorkers(5000, async ({ cfg, client }) => {
-    const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
-    const key = `conv-${iso.id}`;
-    const first = await sessions.coldStart({ conversationKey: key, model: (await registry.get(NS, name))!, tokenId: 't', signal: new AbortController().signal });
-    const [root] = await podsOf(first.instance);
-    const node = root!.spec!.nodeName!;
-    await core.deleteNode({ name: node });
-    // The pod on the gone node is removed (pod garbage collection), the watcher reports it, the
-    // pool starts another instance and moves the session's lease, which rewrites its entry.
-    const kv = await nc.jetstream().views.kv(names.sessionsBucket);
-    let moved: SessionEntry | undefined;
-    await eventually(async () => {
-      const e = await kv.get(key);
-      moved = e && e.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as SessionEntry) : undefined;
-      expect(moved?.instance).toBeDefined();
-      expect(moved!.instance).not.toBe(first.instance);
-    }, 150_000);
-    const [newRoot] = await podsOf(moved!.instance);
-    expect(newRoot?.spec?.nodeName).not.toBe(node);
-    await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate();
+    const t = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
+    const js = nc.jetstream();
+    const kv = await js.views.kv(names.sessionsBucket);
+    const cache = createSessionCache({ kv, coldStart: t.coldStart, firstTurns: { ...t.firstTurns, pools: await js.views.kv(names.poolsBucket), sessions: kv } });
+    await cache.ready;
+    try {
+      const key = `conv-${iso.id}`;
+      const turn = async () => cache.acquire({ conversationKey: key, model: (await registry.get(NS, name))!, tokenId: 't', signal: AbortSignal.timeout(150_000) });
+      const first = await turn();
+      const [root] = await podsOf(first.instance);
+      const node = root!.spec!.nodeName!;
+      await core.deleteNode({ name: node });
+      // The pod on the gone node is removed (pod garbage collection), the watcher reports it, and
+      // the pool drops the instance from its view and starts another (its minimum).
+      const pool = client.workflow.getHandle(poolWorkflowId(NS, name));
+      await eventually(async () => {
+        const s = await pool.query(poolStatusQuery);
+        expect(s.instances.map((i) => i.id)).not.toContain(first.instance);
+        expect(s.instances.some((i) => i.phase === 'ready')).toBe(true);
+        expect(cache.pools?.get(`${NS}.${name}`)?.instances.map((i) => i.instance)).not.toContain(first.instance);
+      }, 150_000);
+      // The conversation's next turn moves its entry (compare-and-swap) to the new instance.
+      const moved = await turn();
+      expect(moved.instance).not.toBe(first.instance);
+      expect((JSON.parse(new TextDecoder().decode((await kv.get(key))!.value)) as SessionEntry).instance).toBe(moved.instance);
+      const [newRoot] = await podsOf(moved.instance);
+      expect(newRoot?.spec?.nodeName).not.toBe(node);
+      await pool.terminate();
+    } finally {
+      await cache.close();
+      await t.close();
+    }
   });
 }, 240_000);

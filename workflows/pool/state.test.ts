@@ -57,8 +57,10 @@ describe('PoolState', () => {
     const s = ready(2);
     s.loaded(report({ 'm-1': [1], 'm-2': [0] }), 1000);
     expect(s.plan(1000).stop).toEqual([]);
-    expect(s.nextDeadline(1000)).toBe(59_000); // m-2 idle since 0
+    expect(s.nextDeadline(1000)).toBe(60_000); // m-2 idle since its first report (1 s), not since it started
     s.plan(60_000);
+    expect(s.instances.get('m-2')!.phase).toBe('ready');
+    s.plan(61_000);
     expect(s.instances.get('m-2')!.phase).toBe('draining');
     expect(s.view().instances.map((i) => i.instance)).toEqual(['m-1']);
     s.writing(new Set(['m-1', 'm-2']));
@@ -74,6 +76,13 @@ describe('PoolState', () => {
     expect(t.instances.get('m-2')!.phase).toBe('draining');
     t.loaded(report({ 'm-1': [1], 'm-2': [1] }), 61_000);
     expect(t.instances.get('m-2')!.phase).toBe('ready');
+  });
+
+  it('a new instance is not idle before the reconciler has reported on it', () => {
+    const s = ready(2);
+    s.plan(3_600_000);
+    expect([...s.instances.values()].map((i) => i.phase)).toEqual(['ready', 'ready']);
+    expect(s.nextDeadline(0)).toBeUndefined();
   });
 
   it('restarts the idle clock when an instance becomes idle again', () => {

@@ -36,8 +36,10 @@ export interface PoolInstance {
   /** Requests queued (not yet delivered) and in flight at its engine, as last reported. */
   pending: number;
   ackPending: number;
-  /** Time it last became idle (no leases, no backlog), or became ready. */
+  /** Time it last became idle (no leases, no backlog) as reported; an instance is idle only once reported on. */
   idleSince: number;
+  /** The reconciler has reported on it (a new instance is not idle before: its first conversations may be on their way). */
+  reported?: boolean;
   /** Time it was unpublished for stopping (phase `draining`). */
   drainSince: number;
 }
@@ -114,7 +116,7 @@ export class PoolState {
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
     for (const c of carry?.instances ?? []) {
-      this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0 });
+      this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0, reported: true });
     }
   }
 
@@ -148,11 +150,13 @@ export class PoolState {
   /** The reconciler's counts: leases, backlog; an instance turning idle starts its idle clock. */
   loaded(report: LoadReport, now: number): void {
     for (const i of this.instances.values()) {
-      const r = report.instances[i.id] ?? { leases: 0, pending: 0, ackPending: 0 };
+      const r = report.instances[i.id];
+      if (!r) continue; // not reported on (started since the reconciler began)
       const wasIdle = isIdle(i);
       i.leases = r.leases;
       i.pending = r.pending;
       i.ackPending = r.ackPending;
+      i.reported = true;
       if (!wasIdle && isIdle(i)) i.idleSince = now;
       if (i.phase === 'draining' && !isIdle(i)) i.phase = 'ready'; // someone uses it after all
     }
@@ -166,6 +170,7 @@ export class PoolState {
     i.subject = info.subject;
     if (info.runtimeQueue) i.runtimeQueue = info.runtimeQueue;
     i.idleSince = now;
+    i.reported = false;
     this.lastError = null;
     this.startFailures = 0;
     this.nextStartAt = 0;
@@ -375,4 +380,4 @@ export class PoolState {
 }
 
 /** No conversation on it and nothing queued or in flight. */
-export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending'>): boolean => i.leases === 0 && i.pending === 0 && i.ackPending === 0;
+export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending' | 'reported'>): boolean => i.reported !== false && i.leases === 0 && i.pending === 0 && i.ackPending === 0;
