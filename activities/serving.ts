@@ -243,7 +243,8 @@ export function createServingActivities(deps: ServingDeps) {
               const backlogs = await Promise.all(input.instances.map((id) => deps.backlog!(input.model, id).catch(() => null)));
               input.instances.forEach((id, k) => Object.assign(summary.instances[id]!, backlogs[k] ?? {}));
             }
-            if (loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending) !== known) return summary;
+            // A new instance is reported as it is, even idle (the pool holds it busy until it hears).
+            if (news || loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending) !== known) return summary;
           }
           await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
         }

@@ -157,6 +157,30 @@ async function main(): Promise<void> {
       rows.push(row);
       await nc.drain();
     }
+    // SIGTERM under load: new conversations at the top rate, dev told to stop 3 s in.
+    const top = Math.max(...rates);
+    const burst: Promise<unknown>[] = [];
+    const b0 = Date.now();
+    for (let k = 0; Date.now() - b0 < 5000; k++) {
+      const due = b0 + (k * 1000) / top;
+      if (due > Date.now()) await sleep(due - Date.now());
+      if (k === 3 * top) dev.child.kill('SIGTERM');
+      burst.push(turn(`sigterm-${k}-${Math.random().toString(36).slice(2, 8)}`));
+    }
+    await Promise.allSettled(burst);
+    const exit = await Promise.race([dev.exited, sleep(90_000).then(() => undefined)]);
+    // Processes of that dev still alive (its servers name its data folder on their command lines).
+    const left = readdirSync('/proc').filter((d) => /^\d+$/.test(d)).filter((d) => {
+      try {
+        return readFileSync(`/proc/${d}/cmdline`, 'utf8').includes(data);
+      } catch {
+        return false;
+      }
+    }).length;
+    const uncaught = /uncaught|Channel has been shut down|MaxListenersExceeded/i.test(dev.stderr());
+    const row = `SIGTERM at ${top}/s: dev exited ${exit ? `with ${exit.code ?? exit.signal}` : 'not within 90 s'}; ${uncaught ? 'an uncaught error or listener warning in its output' : 'no uncaught error or listener warning'}; ${left} process(es) left`;
+    console.log(row);
+    rows.push(row);
     console.log(`\nbench:conversations (floor ${fmt(floor, 0)} starts/s)\n${rows.join('\n')}`);
     await temporal.close();
   } finally {

@@ -65,6 +65,8 @@ export interface InstanceView {
   phase: 'starting' | 'ready' | 'draining' | 'stopping';
   subject: string | null;
   leases: number;
+  /** False while the pool's reconciler has not reported on it yet (a new instance is not idle before). */
+  reported?: boolean;
 }
 
 /** The pool as a whole, as the `MagusPhase` search attribute shows it. */

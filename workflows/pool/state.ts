@@ -349,7 +349,7 @@ export class PoolState {
   /** The status query's answer. */
   status(now: number): PoolStatus {
     return {
-      instances: [...this.instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases })),
+      instances: [...this.instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases, ...(i.reported === false ? { reported: false } : {}) })),
       waiting: this.waiting(now),
       lastError: this.lastError,
       startFailures: this.startFailures,
