@@ -88,10 +88,11 @@ async function main(): Promise<void> {
     for (let k = 0; k < floorIds.length; k += 32) await Promise.all(floorIds.slice(k, k + 32).map((id) => client.workflow.getHandle(id).terminate().catch(() => undefined)));
     console.log(`floor: Temporal starts ${fmt(floor, 0)} bare workflows/s here (32 callers, 10 s)`);
 
+    // Visibility counts a running execution's events only when it closes: the current run is described.
     const poolEvents = async () => {
       let n = 0;
-      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) n += w.historyLength;
-      return n;
+      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}" AND ExecutionStatus != "Running"` })) n += w.historyLength;
+      return n + (await client.workflow.getHandle(poolId).describe()).historyLength;
     };
     const dbBytes = () => readdirSync(data, { recursive: true }).map(String).filter((f) => f.endsWith('temporal.db')).reduce((n, f) => n + statSync(join(data, f)).size, 0);
     const rows: string[] = [];
@@ -102,12 +103,10 @@ async function main(): Promise<void> {
       const t0 = Date.now();
       const results: { status: number | 'timeout'; ms: number }[] = [];
       const inflight: Promise<void>[] = [];
-      const ids: string[] = [];
       for (let k = 0; Date.now() - t0 < stepMs; k++) {
         const due = t0 + (k * 1000) / rate;
         if (due > Date.now()) await sleep(due - Date.now());
         const id = `bench-${rate}-${k}-${Math.random().toString(36).slice(2, 8)}`;
-        ids.push(id);
         inflight.push(turn(id).then((r) => void results.push(r)));
       }
       await Promise.all(inflight);
@@ -117,9 +116,15 @@ async function main(): Promise<void> {
       // History events per session: a sample of this step's sessions (running: started and asleep).
       let sampled = 0;
       let sessionEvents = 0;
+      // (their ids are HMACs of the conversation ids: listed, then each history fetched).
+      const sampledIds: string[] = [];
       for await (const w of client.workflow.list({ query: `MagusKind = "session" AND StartTime > "${new Date(t0).toISOString()}"`, pageSize: 20 })) {
-        sessionEvents += w.historyLength;
-        if (++sampled >= 20) break;
+        sampledIds.push(w.workflowId);
+        if (sampledIds.length >= 20) break;
+      }
+      for (const id of sampledIds) {
+        sessionEvents += ((await client.workflow.getHandle(id).fetchHistory()).events ?? []).length;
+        sampled++;
       }
       const ok = results.filter((r) => r.status === 200);
       const errors = new Map<string, number>();
