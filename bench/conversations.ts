@@ -152,7 +152,8 @@ async function main(): Promise<void> {
       let longest = 0;
       let largestInput = 0;
       for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) {
-        longest = Math.max(longest, w.historyLength);
+        // Visibility has a running run's length only once it closes: that one is described.
+        longest = Math.max(longest, w.status.name === 'RUNNING' ? (await client.workflow.getHandle(poolId, w.runId).describe()).historyLength : w.historyLength);
         const first = (await client.workflow.getHandle(poolId, w.runId).fetchHistory()).events?.[0];
         const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
         largestInput = Math.max(largestInput, bytes);
@@ -186,6 +187,7 @@ async function main(): Promise<void> {
     const row = `SIGTERM at ${top}/s: dev exited ${exit ? `with ${exit.code ?? exit.signal}` : 'not within 90 s'}; ${uncaught ? 'an uncaught error or listener warning in its output' : 'no uncaught error or listener warning'}; ${left} process(es) left`;
     console.log(row);
     rows.push(row);
+    if (exit?.code !== 0) console.log(`magus dev's last words:\n${(dev.stdout() + dev.stderr()).split('\n').slice(-25).join('\n')}`);
     console.log(`\nbench:conversations (floor ${fmt(floor, 0)} starts/s)\n${rows.join('\n')}`);
     await temporal.close();
   } finally {
