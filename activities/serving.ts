@@ -85,12 +85,16 @@ export interface WatchLoadInput {
   /** The instances to report on (the pool's serving ones). */
   instances: string[];
   leasesPerInstance: number;
+  /** The pool's maximum: leases beyond what fills it change no decision, and are not reported. */
+  maxInstances?: number;
   /** What the pool knows already: the activity completes once the load differs from it in a way that matters. */
   known: LoadSummary | null;
   /** The earliest the activity completes after it starts (default 2 s): at most one report per interval. */
   minIntervalMs?: number;
   /** How often the backlog is read and the counts looked at (default 1 s). */
   pollMs?: number;
+  /** Counts that changed without changing a decision are reported after this long (default 60 s): the status the UI shows stays current. */
+  refreshMs?: number;
   /** Requests queued on an instance at which it counts as pressed (the pool's scale-up by backlog). */
   pressurePending: number;
 }
@@ -101,14 +105,14 @@ export interface WatchLoadInput {
  * only when this changes, so the pool's history grows with changes of decision, never with the
  * number of conversations.
  */
-export function loadSignature(s: LoadSummary, instances: readonly string[], leasesPerInstance: number, pressurePending: number): string {
+export function loadSignature(s: LoadSummary, instances: readonly string[], leasesPerInstance: number, pressurePending: number, maxInstances = Infinity): string {
   let leases = 0;
   const per = instances.map((id) => {
     const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
     leases += i.leases;
     return `${id}:${i.leases === 0 && i.pending === 0 && i.ackPending === 0 ? 'idle' : 'busy'}${i.pending >= pressurePending ? ':pressed' : ''}`;
   });
-  return `${per.join(',')}|${Math.ceil(leases / leasesPerInstance)}`;
+  return `${per.join(',')}|${Math.min(maxInstances, Math.ceil(leases / leasesPerInstance))}`;
 }
 
 export function createServingActivities(deps: ServingDeps) {
@@ -225,7 +229,7 @@ export function createServingActivities(deps: ServingDeps) {
           else mine.delete(e.key);
         }
       })();
-      const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending) : null;
+      const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) : null;
       // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
       const news = input.instances.some((id) => !input.known?.instances[id]);
       try {
@@ -244,7 +248,8 @@ export function createServingActivities(deps: ServingDeps) {
               input.instances.forEach((id, k) => Object.assign(summary.instances[id]!, backlogs[k] ?? {}));
             }
             // A new instance is reported as it is, even idle (the pool holds it busy until it hears).
-            if (news || loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending) !== known) return summary;
+            if (news || loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) !== known) return summary;
+            if (Date.now() - started >= (input.refreshMs ?? 60_000) && input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases)) return summary;
           }
           await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
         }

@@ -225,3 +225,48 @@ test('sessions of the old protocol, asking a pool that took over an old run’s 
     await pool.terminate().catch(() => undefined);
   }
 }, 240_000);
+
+test('the pool’s history grows with its decisions, not with conversations: 5 and 40 new conversations a second cost it the same', async () => {
+  const model = `${MODEL}-rate`;
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: model });
+  // Four conversations an instance, at most two instances: the lease count stops mattering at 8.
+  const input: PoolInput = { namespace: 'default', model, minInstances: 1, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 600_000 };
+  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', { workflowId: poolWorkflowId('default', model), taskQueue: poolQueueFor(taskQueue), args: [input] });
+  const written: string[] = [];
+  try {
+    let instances: string[] = [];
+    await until('two instances serve', async () => {
+      const s = await pool.query(poolStatusQuery);
+      if (s.instances.length < 2) await pool.signal(demandSignal, { replica: 'test', waiting: 8 });
+      instances = s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
+      return instances.length === 2;
+    }, 180_000);
+    const events = async () => (await pool.describe()).historyLength;
+    /** New conversations for `seconds` at `perSec`, as gateways write their entries; the pool's new events a minute. */
+    const load = async (perSec: number, seconds: number): Promise<number> => {
+      const e0 = await events();
+      const t0 = Date.now();
+      for (let k = 0; k < perSec * seconds; k++) {
+        const due = t0 + (k * 1000) / perSec;
+        if (due > Date.now()) await new Promise((r) => setTimeout(r, due - Date.now()));
+        const key = `rate-${perSec}-${k}-${randomBytes(3).toString('hex')}`;
+        written.push(key);
+        await kv.put(key, encode({ ...entry(instances[k % 2]!, Date.now() + 600_000), pool: model }));
+      }
+      return ((await events()) - e0) * (60 / ((Date.now() - t0) / 1000));
+    };
+    const slow = await load(5, 20);
+    const fast = await load(40, 20);
+    process.stderr.write(`serving-entries: the pool's history grew ${slow.toFixed(0)} events/min at 5 new conversations/s and ${fast.toFixed(0)} at 40/s\n`);
+    // Reports come at most every 2 s (~8 events each) and only when a decision may change — here
+    // how many of its two instances the leases fill, which stops changing at eight — whatever
+    // the rate: bounded, and no more at 8× the rate.
+    expect(slow).toBeLessThanOrEqual(250);
+    expect(fast).toBeLessThanOrEqual(Math.max(60, slow));
+    const history = (await pool.fetchHistory()).events ?? [];
+    expect(history.filter((e) => e.workflowExecutionSignaledEventAttributes?.signalName === 'leaseRequested')).toHaveLength(0);
+  } finally {
+    for (let k = 0; k < written.length; k += 500) await Promise.all(written.slice(k, k + 500).map((key) => kv.delete(key).catch(() => undefined)));
+    await pool.terminate().catch(() => undefined);
+  }
+}, 420_000);

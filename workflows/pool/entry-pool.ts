@@ -220,7 +220,7 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
     const mine = { ids: key, scope };
     reconciling = mine;
     scope
-      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, known, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
+      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, maxInstances: input.maxInstances, known, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
       .then(
         (report) => {
           known = report;
