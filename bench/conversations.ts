@@ -26,6 +26,7 @@ import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import type { DevConnection } from '../workers/config';
 import { printed, processTree, startDev } from '../test/harness/dev';
 import { cpuOf, fmt, p50, p99 } from './common';
+import { within } from '../workers/dev/services';
 
 const arg = (name: string, fallback: string) => {
   const k = process.argv.indexOf(`--${name}`);
@@ -174,7 +175,8 @@ async function main(): Promise<void> {
       burst.push(turn(`sigterm-${k}-${Math.random().toString(36).slice(2, 8)}`));
     }
     await Promise.allSettled(burst);
-    const exit = await Promise.race([dev.exited, sleep(90_000).then(() => undefined)]);
+    let exit: Awaited<typeof dev.exited> | undefined;
+    await within(dev.exited.then((e) => void (exit = e)), 90_000);
     // Processes of that dev still alive (its servers name its data folder on their command lines).
     const left = readdirSync('/proc').filter((d) => /^\d+$/.test(d)).filter((d) => {
       try {
@@ -192,7 +194,7 @@ async function main(): Promise<void> {
     await temporal.close();
   } finally {
     dev.child.kill('SIGTERM');
-    await Promise.race([dev.exited, sleep(60_000)]);
+    await within(dev.exited, 60_000);
     rmSync(data, { recursive: true, force: true });
   }
 }

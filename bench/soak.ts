@@ -43,6 +43,7 @@ import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import type { DevConnection } from '../workers/config';
 import { MAGUS_BIN, printed, processTree, startDev, type DevRun } from '../test/harness/dev';
 import { fmt, p50, p99 } from './common';
+import { within } from '../workers/dev/services';
 
 export interface SoakOptions {
   durationMs: number;
@@ -465,7 +466,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
     await temporal?.close().catch(() => undefined);
     if (dev) {
       dev.child.kill('SIGINT');
-      await Promise.race([dev.exited, sleep(60_000)]);
+      await within(dev.exited, 60_000);
       dev.killTree();
     }
     rmSync(data, { recursive: true, force: true });
