@@ -48,7 +48,7 @@ const load = {
 
 const DESCRIPTIONS: Record<Mode, string> = {
   dev: 'everything locally: Temporal, NATS, S3, a worker, the gateway and a demo model (or --model org/repo)',
-  worker: 'Temporal workers for the magus-control and magus-pipeline task queues',
+  worker: 'Temporal workers for the magus-control, magus-pools and magus-pipeline task queues',
   controller: 'watch Model/Dllama/Session resources and drive their workflows',
   gateway: 'OpenAI-compatible HTTP API',
   bridge: 'NATS ↔ engine sidecar',
@@ -277,7 +277,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
     }
     temporal = workers.temporal;
     ready = true;
-    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pipeline queue on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
+    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pools and pipeline queues on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
     const running = workers;
     const stopWorkers = () => {
       ready = false;
