@@ -263,6 +263,29 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(adopted).toEqual([]); // its session lives on: a move starts none
   });
 
+  it('an instance lost with 100 conversations on it: each moves once, none lost or doubled, across two replicas taking their turns at once', async () => {
+    await publishPool(['i1', 'i2', 'i3'], 1000);
+    const keys = Array.from({ length: 100 }, (_, k) => key(`lost-${k}`));
+    await Promise.all(keys.map((k) => kv.put(k, enc(placed('i1', { placedAt: Date.now() - 1000 })))));
+    cache = await start();
+    other = await start();
+    await until(() => cache!.leasesOn('default', 'tiny', 'i1') === 100 && other!.leasesOn('default', 'tiny', 'i1') === 100);
+    await publishPool(['i2', 'i3'], 1000); // i1 lost
+    await until(() => cache!.pools!.get(poolKey)?.instances.length === 2 && other!.pools!.get(poolKey)?.instances.length === 2);
+    // Every conversation's next turn, on both replicas at once (the same turn retried elsewhere, or two clients).
+    const [a, b] = await Promise.all([Promise.all(keys.map((k) => cache!.acquire(req(k)))), Promise.all(keys.map((k) => other!.acquire(req(k))))]);
+    for (let k = 0; k < keys.length; k++) {
+      expect([keys[k], a[k]!.instance]).toEqual([keys[k], b[k]!.instance]);
+      expect(['i2', 'i3']).toContain(a[k]!.instance);
+      expect((await stored(keys[k]!))?.instance).toBe(a[k]!.instance);
+    }
+    expect((cache.stats().moves ?? 0) + (other.stats().moves ?? 0)).toBe(100);
+    // Spread over what is left, and no conversation started anew (no session started for a move).
+    expect(cache.leasesOn('default', 'tiny', 'i2') + cache.leasesOn('default', 'tiny', 'i3')).toBe(100);
+    expect(Math.abs(cache.leasesOn('default', 'tiny', 'i2') - cache.leasesOn('default', 'tiny', 'i3'))).toBeLessThanOrEqual(20);
+    expect(adopted).toEqual([]);
+  });
+
   it('an entry of a brand-new instance the replica’s view does not list yet is not moved', async () => {
     await publishPool(['i1'], 10);
     cache = await start();

@@ -199,6 +199,13 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const reserved = new Map<string, number>();
   const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
 
+  /** Counts `i` as taken by a placement of this replica until it is written (the caller releases it). */
+  const reserve = (model: ReadyModel, i: PoolEntry['instances'][number]): PoolEntry['instances'][number] => {
+    const k = loadKey({ namespace: model.namespace, pool: model.name, instance: i.instance });
+    reserved.set(k, (reserved.get(k) ?? 0) + 1);
+    return i;
+  };
+
   /** The model's published view, when its pool is alive. */
   const viewOf = (namespace: string, model: string): PoolEntry | undefined => {
     const entry = pools?.get(`${namespace}.${model}`);
@@ -342,7 +349,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    */
   const room = async (f: FirstTurns, model: ReadyModel, signal: AbortSignal): Promise<PoolEntry['instances'][number]> => {
     const found = pick(model);
-    if (found) return found;
+    if (found) return reserve(model, found);
     const k = `${model.namespace}/${model.name}`;
     let w = waitingFor.get(k);
     if (!w) waitingFor.set(k, (w = { model, waiting: 0, told: 0, at: 0 }));
@@ -355,7 +362,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         tellDemand(f, k);
         await sleepFor(ROOM_POLL_MS, signal);
         const i = pick(model);
-        if (i) return i;
+        if (i) return reserve(model, i);
         const view = viewOf(model.namespace, model.name);
         // Nothing serves or starts and starts fail: refused once a start failed while this turn
         // waited (its answer), or when the next start is far off; an older failure is no answer
@@ -381,9 +388,10 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       if (entry && entry.placedAt === undefined) return fromTemporal(req, signal); // old protocol
       const t = now();
       if (entry && entry.expiresAt - margin > t && !gone(entry)) return entry; // another turn placed it meanwhile
-      const target = entry && !gone(entry) ? { instance: entry.instance, subject: entry.subject } : await room(f, req.model, signal);
+      // A pick is reserved at once (concurrent turns of this replica see it before its entry is written).
+      const picked = !(entry && !gone(entry));
+      const target = picked ? await room(f, req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
       const rk = loadKey({ namespace: req.model.namespace, pool: req.model.name, instance: target.instance });
-      reserved.set(rk, (reserved.get(rk) ?? 0) + 1);
       try {
         const placedAt = entry && entry.instance === target.instance ? entry.placedAt! : now();
         const next: SessionEntry = { subject: target.subject, pool: req.model.name, namespace: req.model.namespace, instance: target.instance, expiresAt: now() + f.ttlMs, placedAt };
@@ -414,9 +422,11 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         if (expired) adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
         return next;
       } finally {
-        const n = (reserved.get(rk) ?? 1) - 1;
-        if (n > 0) reserved.set(rk, n);
-        else reserved.delete(rk);
+        if (picked) {
+          const n = (reserved.get(rk) ?? 1) - 1;
+          if (n > 0) reserved.set(rk, n);
+          else reserved.delete(rk);
+        }
       }
     }
     throw new SessionError('Unavailable', `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
