@@ -48,26 +48,15 @@ import {
   type PoolResource,
 } from './definitions';
 import { poolDetails } from './details';
+import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
 import { PoolState, PRESSURE_PENDING, VIEW_REFRESH_MS, type LegacyRequest, type PoolCarryV2, type PoolInstance } from './state';
 
-/** Starting an instance waits for it to be healthy: a cold start may take minutes. */
-const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
-const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
-const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
 const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s' } };
-const DEFAULT_HEALTH_CHECK_MS = 15_000;
-const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
-const POOL_RUN_MAX_EVENTS = 1500;
 /** The reconciler reports at most this often (a pool's events per minute are bounded by it, whatever the rate of conversations). */
 export const LOAD_REPORT_MIN_MS = 2000;
 /** Old-protocol sessions that would wait longer than this for the next start are refused at once. */
 const START_WAIT_MAX_MS = 30_000;
-const watchOptions = (intervalMs: number): ActivityOptions => ({
-  startToCloseTimeout: '1 day',
-  heartbeatTimeout: Math.max(10_000, 3 * intervalMs),
-  retry: { initialInterval: '1s', maximumInterval: '30s' },
-});
 
 export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | undefined, legacyGrants: (LegacyRequest & { instance: string; subject: string })[] = []): Promise<void> {
   const state = new PoolState(input, carry);

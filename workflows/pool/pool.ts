@@ -38,19 +38,13 @@ import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status'
 import { legacySessionWorkflowId } from '../session/definitions';
 import { visibility } from '../visibility';
 import { poolDetails } from './details';
+import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
 import { entryLeasePool, entryPoolQueue } from './entry-pool';
-import type { PoolCarryV2 } from './state';
+import { DEFAULT_DRAIN_GRACE_MS, type PoolCarryV2 } from './state';
 
 export { poolDetails };
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolPhase, type PoolResource, type PoolStatus } from './definitions';
 
-/** Starting an instance waits for it to be healthy: a cold start may take minutes. */
-const startInstance: ActivityOptions = { startToCloseTimeout: '30m', heartbeatTimeout: '30s', retry: { maximumAttempts: 3, initialInterval: '2s' } };
-const quick: ActivityOptions = { startToCloseTimeout: '2m', retry: { initialInterval: '1s', maximumInterval: '30s' } };
-const publish: ActivityOptions = { startToCloseTimeout: '10s', retry: { initialInterval: '200ms', maximumInterval: '5s' } };
-const DEFAULT_DRAIN_GRACE_MS = 5000;
-const DEFAULT_HEALTH_CHECK_MS = 15_000;
-const DEFAULT_OWNER_TIMEOUT_MS = 10_000;
 /**
  * Instances' own activities go to the task queue of the worker that runs them (a local
  * runtime's processes), and an owner that no longer polls it means the instance is gone.
@@ -116,7 +110,6 @@ const LEASE_VIEW_MIN_MS = 5000;
  * loses it, and a shorter one is replayed faster. Executions started before this run to the suggestion.
  */
 const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
-const POOL_RUN_MAX_EVENTS = 1500;
 /**
  * A run continues as new only once the lease grants it signalled have been delivered: a signal
  * still in flight when the run closes is dropped by the server, and its session waited for a
@@ -147,12 +140,6 @@ const ENTRY_LEASES_PATCH = 'pool-entry-leases';
  * own task queue, carrying its instances, its waiting sessions and the grants it had not sent.
  */
 const ENTRY_LEASES_SWITCH_PATCH = 'pool-entry-leases-switch';
-/** How the pool's watchers run: for the instance's whole life (a new attempt a day), their heartbeats prove the worker alive. */
-const watchOptions = (intervalMs: number): ActivityOptions => ({
-  startToCloseTimeout: '1 day',
-  heartbeatTimeout: Math.max(10_000, 3 * intervalMs),
-  retry: { initialInterval: '1s', maximumInterval: '30s' },
-});
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
