@@ -55,7 +55,7 @@ async function main(): Promise<void> {
     const model = ((await (await fetch(`${gatewayUrl}/v1/models`, { headers })).json()) as { data: { id: string }[] }).data[0]!.id;
     const [ns, name] = model.includes('/') ? model.split('/') : ['default', model];
     const poolId = poolWorkflowId(ns!, name!);
-    const turn = async (id: string): Promise<{ status: number | 'timeout'; ms: number }> => {
+    const turn = async (id: string): Promise<{ status: number | 'timeout'; ms: number; code?: string; at: number }> => {
       const t0 = performance.now();
       try {
         const r = await fetch(`${gatewayUrl}/v1/chat/completions`, {
@@ -64,10 +64,11 @@ async function main(): Promise<void> {
           body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 1 }),
           signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
         });
-        await r.arrayBuffer();
-        return { status: r.status, ms: performance.now() - t0 };
+        const text = await r.text();
+        const code = r.status === 200 ? undefined : (() => { try { return (JSON.parse(text) as { error?: { code?: string } }).error?.code; } catch { return undefined; } })();
+        return { status: r.status, ms: performance.now() - t0, code, at: Date.now() };
       } catch {
-        return { status: 'timeout', ms: performance.now() - t0 };
+        return { status: 'timeout', ms: performance.now() - t0, at: Date.now() };
       }
     };
     // Warm: the demo model's pool has its instance.
@@ -102,7 +103,7 @@ async function main(): Promise<void> {
       const cpu0 = new Map(pids.map((p) => [p, cpuOf(p)]));
       const events0 = await poolEvents();
       const t0 = Date.now();
-      const results: { status: number | 'timeout'; ms: number }[] = [];
+      const results: { status: number | 'timeout'; ms: number; code?: string; at: number }[] = [];
       const inflight: Promise<void>[] = [];
       for (let k = 0; Date.now() - t0 < stepMs; k++) {
         const due = t0 + (k * 1000) / rate;
@@ -129,7 +130,16 @@ async function main(): Promise<void> {
       }
       const ok = results.filter((r) => r.status === 200);
       const errors = new Map<string, number>();
-      for (const r of results) if (r.status !== 200) errors.set(String(r.status), (errors.get(String(r.status)) ?? 0) + 1);
+      const kind = (r: (typeof results)[number]) => `${r.status}${r.code ? ` ${r.code}` : ''}`;
+      for (const r of results) if (r.status !== 200) errors.set(kind(r), (errors.get(kind(r)) ?? 0) + 1);
+      // Where in the step they came: 30-s windows (by answer time) with an error or a p99 over 1 s.
+      for (let w = 0; w * 30_000 < Date.now() - t0; w++) {
+        const inWindow = results.filter((r) => r.at - t0 >= w * 30_000 && r.at - t0 < (w + 1) * 30_000);
+        const bad = new Map<string, number>();
+        for (const r of inWindow) if (r.status !== 200) bad.set(kind(r), (bad.get(kind(r)) ?? 0) + 1);
+        const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
+        if (bad.size > 0 || wp99 > 1000) console.log(`    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}`);
+      }
       const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);

@@ -8,6 +8,7 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { ResponseStreamState } from '../../activities/nats/data-plane';
 import { processMetricsText } from '../../workers/process-metrics';
 import { servicePlugin } from './plugin';
+import type { SessionStats } from './sessions';
 
 const escapeLabel = (v: string): string => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"');
 const fmt = (n: number): string => (Number.isFinite(n) ? String(n) : n > 0 ? '+Inf' : n < 0 ? '-Inf' : 'NaN');
@@ -146,10 +147,13 @@ export class GatewayMetrics {
     return t === undefined ? undefined : t.reachable ? 1 : 0;
   });
   private readonly temporalProbeFailures = new CounterFunc('magus_gateway_temporal_probe_failures_total', 'Temporal probes (and calls) that found it unreachable: one probe every 2 s at most while it is away.', () => this.temporal?.().probeFailures);
-  private sessionStats: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined = () => undefined;
+  private sessionStats: () => SessionStats | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
   private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
   private readonly firstTurns = new CounterFunc('magus_gateway_session_first_turns_total', 'First turns served from a pool’s published instances (the session starts after the answer).', () => this.sessionStats()?.firstTurns);
+  private readonly moves = new CounterFunc('magus_gateway_session_moves_total', 'Conversations moved (compare-and-swap) off an instance their pool no longer publishes.', () => this.sessionStats()?.moves);
+  private readonly renewals = new CounterFunc('magus_gateway_session_renewals_total', 'Conversation entries renewed by this gateway (compare-and-swap; no Temporal call).', () => this.sessionStats()?.renewals);
+  private readonly givenBack = new CounterFunc('magus_gateway_session_given_back_total', 'Entries of first turns that were not answered (refused, failed, left by the client), deleted again.', () => this.sessionStats()?.givenBack);
 
   /** How to read the response stream's state; read at each scrape ({@link collect}). */
   setResponseStream(read: () => Promise<ResponseStreamState>): void {
@@ -175,7 +179,7 @@ export class GatewayMetrics {
   }
 
   /** Where warm-hit and cold-start counts come from (the session broker's `stats`). */
-  setSessionStats(read: () => { warmHits: number; coldStarts: number; firstTurns?: number } | undefined): void {
+  setSessionStats(read: () => SessionStats | undefined): void {
     this.sessionStats = read;
   }
 
@@ -187,7 +191,7 @@ export class GatewayMetrics {
   private processExtras: () => string = () => '';
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.temporalReachable, this.temporalProbeFailures];
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.temporalReachable, this.temporalProbeFailures];
     return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }

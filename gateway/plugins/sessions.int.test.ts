@@ -59,7 +59,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until(() => cache!.cache.get('k-existing') === undefined);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0 });
+  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0 });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -206,6 +206,42 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect((await cache.acquire(req(k))).instance).toBe('i2');
     expect(cache.stats()).toMatchObject({ warmHits: 1, firstTurns: 1 });
     expect(adopted).toHaveLength(1);
+  });
+
+  it('a first turn not answered (refused, failed, left) gives its entry back and starts no session; an answered one starts it only then', async () => {
+    await publishPool(['i1'], 10);
+    cache = await start();
+    const refusedKey = key('refused');
+    let settleRefused!: (ok: boolean) => void;
+    await cache.acquire({ ...req(refusedKey), answered: new Promise<boolean>((r) => (settleRefused = r)) });
+    expect(await stored(refusedKey)).toBeDefined();
+    expect(cache.leasesOn('default', 'tiny', 'i1')).toBe(1);
+    settleRefused(false);
+    for (let i = 0; i < 200 && (await stored(refusedKey)) !== undefined; i++) await new Promise((r) => setTimeout(r, 10));
+    expect(await stored(refusedKey)).toBeUndefined();
+    await until(() => cache!.leasesOn('default', 'tiny', 'i1') === 0);
+    expect(adopted).toEqual([]);
+    expect(cache.stats().givenBack).toBe(1);
+
+    const answeredKey = key('answered');
+    let settleAnswered!: (ok: boolean) => void;
+    await cache.acquire({ ...req(answeredKey), answered: new Promise<boolean>((r) => (settleAnswered = r)) });
+    await new Promise((r) => setTimeout(r, 100));
+    expect(adopted).toEqual([]); // not before the answer
+    settleAnswered(true);
+    await until(() => adopted.length === 1);
+    expect(adopted[0]!.key).toBe(answeredKey);
+    expect(await stored(answeredKey)).toBeDefined();
+
+    // Renewed meanwhile by another turn of the conversation: the entry lives on (compare-and-swap).
+    const renewedKey = key('renewed');
+    let settleRenewed!: (ok: boolean) => void;
+    await cache.acquire({ ...req(renewedKey), answered: new Promise<boolean>((r) => (settleRenewed = r)) });
+    const e = await kv.get(renewedKey);
+    await kv.update(renewedKey, e!.value, e!.revision);
+    settleRenewed(false);
+    await new Promise((r) => setTimeout(r, 300));
+    expect(await stored(renewedKey)).toBeDefined();
   });
 
   it('a replica sees the other’s entries: with every instance full it waits, tells the pool of the demand, and is served when an instance is added', async () => {

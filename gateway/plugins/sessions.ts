@@ -33,6 +33,13 @@ export interface AcquireRequest {
   tokenId: string;
   /** Aborted when the client goes away or the gateway gives up waiting. */
   signal: AbortSignal;
+  /**
+   * Settles once the turn that asked is over: true when it was answered. A conversation this turn
+   * created gets its session workflow only then; a first turn refused (a full backlog), failed or
+   * left by its client gives its entry back (deleted with compare-and-swap), so it leaves nothing
+   * behind: no lease counted, no workflow. Absent: the session starts at once.
+   */
+  answered?: Promise<boolean>;
 }
 
 /**
@@ -52,6 +59,8 @@ export interface SessionStats {
   moves?: number;
   /** Entries renewed by this gateway (compare-and-swap). */
   renewals?: number;
+  /** Entries of first turns that were not answered (refused, failed, left), deleted again. */
+  givenBack?: number;
   /** Turns that waited on the slow path (Temporal). */
   coldStarts: number;
   /** First turns served from a pool's published instances (the session workflow confirms later). */
@@ -69,6 +78,7 @@ export interface SessionWriter {
   create(key: string, value: Uint8Array): Promise<number>;
   update(key: string, value: Uint8Array, version: number): Promise<number>;
   get(key: string): Promise<KvEntry | null>;
+  delete(key: string, opts?: { previousSeq?: number }): Promise<void>;
 }
 
 /**
@@ -193,6 +203,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   let firstTurnCount = 0;
   let moves = 0;
   let renewals = 0;
+  let givenBack = 0;
   const first = opts.firstTurns;
   const pools = first ? watchKv<PoolEntry>(first.pools, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
   /** This gateway's picks whose entries are not written yet, per instance. */
@@ -401,7 +412,14 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
             cache.set(key, { ...next, revision });
             firstTurnCount++;
             lastRenewed.set(key, now());
-            adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
+            const adoption = { conversationKey: key, model: req.model, tokenId: req.tokenId };
+            if (!req.answered) adoptUntilDone(f, adoption, next);
+            else {
+              req.answered.then(
+                (ok) => (ok ? adoptUntilDone(f, adoption, next) : giveBack(f, key, revision)),
+                () => giveBack(f, key, revision),
+              );
+            }
             return next;
           } catch (err) {
             if (!isRevisionConflict(err)) throw err; // lost the create: the key exists
@@ -430,6 +448,18 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       }
     }
     throw new SessionError('Unavailable', `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
+  };
+
+  /**
+   * Deletes the entry a first turn created and was not answered on, unless it changed since (a
+   * later turn renewed or moved it: the conversation lives on). The watch removes it from the
+   * mirror, and with it its count.
+   */
+  const giveBack = (f: FirstTurns, key: string, revision: number): void => {
+    givenBack++;
+    f.sessions.delete(key, { previousSeq: revision }).catch((err: unknown) => {
+      if (!isRevisionConflict(err)) opts.onError?.(err);
+    });
   };
 
   /** Adoptions waiting to be tried again (Temporal unreachable): their timers. */
@@ -482,7 +512,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     cache,
     pools,
     ready: pools ? Promise.all([cache.ready, pools.ready]).then(() => undefined) : cache.ready,
-    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals }),
+    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals, givenBack }),
     leasesOn: (namespace, pool, instance) => load.get(loadKey({ namespace, pool, instance })) ?? 0,
     acquire(req) {
       const key = req.conversationKey;

@@ -67,10 +67,13 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       let entry: SessionEntry;
       let published: SessionEntry | undefined;
+      // Whether this turn was answered: a conversation it starts gets its session only then (sessions.ts).
+      let settle!: (answered: boolean) => void;
+      const answered = new Promise<boolean>((resolve) => (settle = resolve));
       try {
         const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
         try {
-          entry = await g.sessions.acquire({ conversationKey: key, model, tokenId: principal.tokenId, signal: ctl.signal });
+          entry = await g.sessions.acquire({ conversationKey: key, model, tokenId: principal.tokenId, signal: ctl.signal, answered });
         } finally {
           clearTimeout(coldStartTimer);
         }
@@ -90,12 +93,16 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
           onAbandon: () => g.cancel?.(entry, id),
         });
         if (sse) {
+          settle(true);
           sse.done();
           return reply;
         }
         if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
+        settle(true);
         return reply.send(done);
       } catch (thrown) {
+        // Part of a streamed answer reached the client: the conversation exists on its side.
+        settle(sse?.started === true);
         // A cold-start timeout aborts the broker, which may reject with its own abort error.
         const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
         if (err instanceof ClientGone) {
@@ -111,6 +118,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
         sse.fail(e, id);
         return reply;
       } finally {
+        settle(false);
         sse?.stop();
         reply.raw.removeListener('close', onClose);
       }

@@ -1,0 +1,175 @@
+/**
+ * Overload: a burst of new conversations far above what the pool can serve, through the real
+ * gateway, nats-server, Temporal with the real workers and the local runtime (a real llama.cpp
+ * engine of the tiny GGUF, one instance at most). The excess is refused at once with 429/503 and
+ * `Retry-After`, everything else is answered (the instance's whole queue is used before anyone is
+ * refused), nothing times out or fails otherwise, and once the burst is over a new conversation
+ * is answered within 10 s. (Before the entry-lease protocol, new conversations at 20/s made the
+ * one pool workflow fall behind until no first turn was answered at all.)
+ */
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { WorkflowNotFoundError, type Client, type Connection } from '@temporalio/client';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../activities/nats/registry';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import { temporalSessions } from '../gateway/temporal';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { poolWorkflowId } from '../workflows/pool/definitions';
+import { sessionWorkflowId } from '../workflows/session/definitions';
+import { conversationKey } from '../gateway/plugins/conversation';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { gatewayConfigFor } from './harness/gateway';
+import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { until } from './harness/wait';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const MODEL = 'otiny';
+const TOKEN = `mgs_ov_${randomBytes(16).toString('hex')}`;
+const SECRET = randomBytes(32).toString('hex');
+const RETRY_AFTER_SEC = 3;
+/** New conversations sent at once: about four times what the instance's queue holds. */
+const BURST = 4 * DEFAULT_INSTANCE_BACKLOG;
+/** A few tokens each: the one engine still falls behind a burst this size, and its queue drains in seconds. */
+const MAX_TOKENS = 4;
+
+let dir: string;
+let s3: S3Client;
+let nc: NatsConnection;
+let client: Client;
+let connection: Connection;
+let workers: RunningWorkers;
+let gateway: RunningGateway;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-overload-'));
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const cfg = workerConfig(iso, dir);
+  workers = await startWorkers(cfg);
+  nc = await natsConnect();
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
+  ({ client, connection } = await temporalClient());
+  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 }, sessionTtlMs: 10 * 60_000 });
+  const config = gatewayConfigFor(iso.natsPrefix, {
+    secret: SECRET,
+    tokens: { ov: TOKEN },
+    env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC), MAGUS_LOG_LEVEL: 'silent' },
+  });
+  gateway = await startGateway(config, { nc, ...sessions });
+}, 180_000);
+
+afterAll(async () => {
+  await client?.workflow
+    .getHandle(poolWorkflowId('default', MODEL))
+    .terminate()
+    .catch(() => undefined);
+  await gateway?.close();
+  await workers?.shutdown();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  if (dir) rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+interface Outcome {
+  id: string;
+  status: number | 'timeout' | 'network';
+  retryAfter: string | null;
+  code?: string;
+  text?: string;
+  ms: number;
+  /** When its answer (or refusal) came back (epoch ms). */
+  at: number;
+}
+
+/** A new conversation's first turn (a conversation id of its own). */
+async function firstTurn(id: string, maxTokens = MAX_TOKENS): Promise<Outcome> {
+  const t0 = performance.now();
+  try {
+    const res = await fetch(`${gateway.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': id },
+      body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: `hello ${id}` }], max_tokens: maxTokens }),
+      signal: AbortSignal.timeout(120_000),
+    });
+    const body = (await res.json()) as { choices?: { message?: { content?: string } }[]; error?: { code?: string } };
+    return { id, status: res.status, retryAfter: res.headers.get('retry-after'), code: body.error?.code, text: body.choices?.[0]?.message?.content, ms: performance.now() - t0, at: Date.now() };
+  } catch (err) {
+    return { id, status: (err as Error).name === 'TimeoutError' ? 'timeout' : 'network', retryAfter: null, ms: performance.now() - t0, at: Date.now() };
+  }
+}
+
+test(`a burst of ${BURST} new conversations on one instance: the excess refused with Retry-After, the rest answered, a new one answered within 10 s`, async () => {
+  // The pool warm first: one instance serving (its cold start is not what is measured).
+  const warm = await firstTurn(`warm-${iso.id}`, 1);
+  expect([warm.status, warm.code]).toEqual([200, undefined]);
+
+  const tag = randomBytes(4).toString('hex');
+  let firstRefusal!: () => void;
+  const refusedOnce = new Promise<void>((r) => (firstRefusal = r));
+  const burst = Promise.all(
+    Array.from({ length: BURST }, (_, k) =>
+      firstTurn(`burst-${tag}-${k}`).then((o) => {
+        if (o.status === 429 || o.status === 503) firstRefusal();
+        return o;
+      }),
+    ),
+  );
+
+  // The burst is being refused: new conversations (retrying as told) until one is answered.
+  await Promise.race([refusedOnce, burst]);
+  let next: Outcome;
+  let tries = 0;
+  const probing = Date.now();
+  for (;;) {
+    next = await firstTurn(`after-${tag}-${tries++}`, 4);
+    if (next.status === 200 || Date.now() - probing > 60_000) break;
+    await new Promise((r) => setTimeout(r, 250));
+  }
+  const outcomes = await burst;
+  const byStatus = new Map<string, number>();
+  for (const o of outcomes) byStatus.set(`${o.status}${o.code ? ` ${o.code}` : ''}`, (byStatus.get(`${o.status}${o.code ? ` ${o.code}` : ''}`) ?? 0) + 1);
+  const summary = Object.fromEntries(byStatus);
+  process.stderr.write(`serving-overload: ${BURST} at once: ${JSON.stringify(summary)}\n`);
+  const answered = outcomes.filter((o) => o.status === 200);
+  const refused = outcomes.filter((o) => o.status === 429 || o.status === 503);
+  // Nothing but answers and refusals: no 500, no timeout, no dropped connection.
+  expect(answered.length + refused.length).toBe(BURST);
+  // Every refusal says when to come back.
+  expect(refused.filter((o) => o.retryAfter !== String(RETRY_AFTER_SEC))).toEqual([]);
+  // The burst was far above capacity: some were refused …
+  expect(refused.length).toBeGreaterThan(0);
+  // … but only the excess: the instance's whole queue was used before anyone was refused.
+  expect(answered.length).toBeGreaterThanOrEqual(DEFAULT_INSTANCE_BACKLOG);
+  expect(answered.filter((o) => typeof o.text !== 'string')).toEqual([]);
+  // Refusals are prompt (the queue is full at publish), not a wait for a deadline.
+  expect(Math.max(...refused.map((o) => o.ms))).toBeLessThan(15_000);
+
+  // Once the burst stops (its last refusal), a new conversation is answered within 10 s: the
+  // time for what the instance's queue holds then to drain, not a collapse.
+  expect([next.status, next.code]).toEqual([200, undefined]);
+  const recoveredMs = next.at - Math.max(...refused.map((o) => o.at));
+  expect(recoveredMs).toBeLessThan(10_000);
+  process.stderr.write(`serving-overload: a new conversation answered ${recoveredMs} ms after the last refusal (${tries} tries)\n`);
+
+  // A refused first turn leaves nothing behind: its entry given back, no session started; every
+  // answered one has both.
+  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const keyOf = (id: string) => conversationKey(SECRET, { tokenId: 'ov', model: `default/${MODEL}`, messages: [], sessionId: id });
+  const live = async (o: Outcome) => (await kv.get(keyOf(o.id)))?.operation === 'PUT';
+  await until('the refused first turns’ entries are gone', async () => (await Promise.all(refused.map(live))).every((l) => !l), 30_000);
+  expect((await Promise.all(answered.map(live))).every((l) => l)).toBe(true);
+  const sessions = `MagusKind="session" AND MagusModel="default/${MODEL}"`;
+  const expected = answered.length + 2; // the warm-up and the one after
+  await until(`${expected} sessions, one per answered conversation`, async () => (await client.workflow.count(sessions)).count >= expected, 60_000);
+  expect((await client.workflow.count(sessions)).count).toBe(expected);
+  for (const o of refused.slice(0, 20)) {
+    await expect(client.workflow.getHandle(sessionWorkflowId('default', MODEL, keyOf(o.id))).describe()).rejects.toThrow(WorkflowNotFoundError);
+  }
+}, 300_000);
