@@ -207,3 +207,16 @@ test.each([
   expect(tookThePath(history)).toBe(true);
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
 }, 60_000);
+
+/**
+ * An old pool's run taken over by today's code (test/protocol-upgrade.int.test.ts: the old
+ * commit's worker and gateway, then today's): its instance lost with the old worker, the
+ * old-protocol sessions leasing it are granted another (`pool-legacy-regrant`).
+ */
+test('the recorded pool-entry-legacy-regrant history replays', async () => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-entry-legacy-regrant.json'), 'utf8')) as RecordedHistory & Parameters<typeof patchesOf>[0];
+  expect(patchesOf(history)).toEqual(expect.arrayContaining(['pool-entry-leases', 'pool-legacy-regrant']));
+  expect(countOf(history, 'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED')).toBeGreaterThanOrEqual(6);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), 'pool-entry-legacy-regrant/replay')).resolves.toBeUndefined();
+}, 60_000);
+

@@ -22,6 +22,7 @@ import {
   getExternalWorkflowHandle,
   isCancellation,
   makeContinueAsNewFunc,
+  patched,
   proxyActivities,
   proxyLocalActivities,
   setHandler,
@@ -57,6 +58,14 @@ const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTim
 export const LOAD_REPORT_MIN_MS = 2000;
 /** Old-protocol sessions that would wait longer than this for the next start are refused at once. */
 const START_WAIT_MAX_MS = 30_000;
+/**
+ * Old-protocol sessions hold their lease on an instance until the pool grants them another; the
+ * first version of this workflow kept no record of which instance each held, so when one was lost
+ * (e.g. with the worker of an upgrade) their conversations' turns went to it until their TTL ran
+ * out (found by test/protocol-upgrade.int.test.ts). With this patch those sessions are granted
+ * another instance, as the old pool did.
+ */
+const LEGACY_REGRANT_PATCH = 'pool-legacy-regrant';
 
 export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | undefined, legacyGrants: (LegacyRequest & { instance: string; subject: string })[] = []): Promise<void> {
   const state = new PoolState(input, carry);
@@ -187,8 +196,9 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
     );
   }
 
-  /** An old-protocol session's grant (its entry is counted like any other; nothing is kept of it). */
+  /** An old-protocol session's grant (its entry is counted like any other; which instance it holds is kept, to move it if the instance is lost). */
   function grantLegacy(w: LegacyRequest, payload: { instance: string; subject: string } | { error: string }): void {
+    if ('instance' in payload) state.grantedLegacy(w, payload.instance);
     track(getExternalWorkflowHandle(w.sessionWorkflowId).signal(leaseGrantedSignal, payload));
   }
 
@@ -225,6 +235,8 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
 
   let published = { shape: '', at: 0 };
   function reconcile(): void {
+    // Old-protocol sessions whose instance was lost ask again (the old pool moved them itself).
+    if (state.legacyLeases.size > 0 && patched(LEGACY_REGRANT_PATCH)) state.regrantLegacy();
     // Old-protocol sessions: an instance now if one serves; refused when nothing can start soon.
     for (const w of [...state.legacyWaiting]) {
       const target = state.legacyGrant(w);

@@ -667,6 +667,7 @@ function fromOldCarry(c: PoolCarry): PoolCarryV2 {
     lastError: null,
     demand: {},
     legacyWaiting: c.waiting.map((w) => ({ sessionId: w.sessionId, sessionWorkflowId: w.sessionWorkflowId })),
+    legacyLeases: c.instances.flatMap((i) => i.leases.map((sessionId) => ({ sessionId, sessionWorkflowId: c.sessionWorkflowIds?.[sessionId] ?? legacySessionWorkflowId(sessionId), instance: i.id }))),
   };
 }
 

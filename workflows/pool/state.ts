@@ -63,6 +63,12 @@ export interface PoolCarryV2 {
   demand: Record<string, { waiting: number; until: number }>;
   /** Sessions of the old protocol waiting for a grant (only while gateways of the old protocol run). */
   legacyWaiting: LegacyRequest[];
+  /**
+   * Sessions of the old protocol holding a lease, and on which instance: when it is lost they are
+   * granted another, as the old pool did (their gateways follow the entry the session rewrites).
+   * Only during a migration: it empties as they end (each releases its lease), within one TTL.
+   */
+  legacyLeases?: (LegacyRequest & { instance: string })[];
 }
 
 /** A lease request of a session of the old protocol (`leaseRequested`). */
@@ -102,6 +108,8 @@ export class PoolState {
   failedAt: number;
   readonly demand = new Map<string, { waiting: number; until: number }>();
   readonly legacyWaiting: LegacyRequest[];
+  /** Old-protocol sessions' leases, by session id ({@link PoolCarryV2.legacyLeases}). */
+  readonly legacyLeases = new Map<string, LegacyRequest & { instance: string }>();
   /** Instance ids in the last view gateways have seen for sure, and in the write under way. */
   private publishedIds = new Set<string>();
   private writingIds: Set<string> | null = null;
@@ -115,6 +123,7 @@ export class PoolState {
     this.failedAt = carry?.failedAt ?? 0;
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
+    for (const l of carry?.legacyLeases ?? []) this.legacyLeases.set(l.sessionId, l);
     for (const c of carry?.instances ?? []) {
       this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0, reported: true });
     }
@@ -332,10 +341,31 @@ export class PoolState {
     if (!this.legacyWaiting.some((w) => w.sessionId === req.sessionId)) this.legacyWaiting.push(req);
   }
 
-  /** An old-protocol session ends or withdraws: it waits no more. */
+  /** An old-protocol session ends or withdraws: it waits no more, and holds no lease. */
   releasedLegacy(sessionId: string): void {
     const k = this.legacyWaiting.findIndex((w) => w.sessionId === sessionId);
     if (k >= 0) this.legacyWaiting.splice(k, 1);
+    this.legacyLeases.delete(sessionId);
+  }
+
+  /** An old-protocol session was granted `instance`. */
+  grantedLegacy(req: LegacyRequest, instance: string): void {
+    this.legacyLeases.set(req.sessionId, { sessionId: req.sessionId, sessionWorkflowId: req.sessionWorkflowId, instance });
+  }
+
+  /**
+   * The old-protocol sessions whose leases were on instances no longer here wait for a grant again
+   * (another instance, as the old pool moved them). Returns how many.
+   */
+  regrantLegacy(): number {
+    let n = 0;
+    for (const [id, l] of this.legacyLeases) {
+      if (this.instances.has(l.instance)) continue;
+      this.legacyLeases.delete(id);
+      this.requestedLegacy({ sessionId: l.sessionId, sessionWorkflowId: l.sessionWorkflowId });
+      n++;
+    }
+    return n;
   }
 
   /** A legacy session's request: the instance to grant now, if one serves (its preferred one first, then the least loaded). */
@@ -375,6 +405,7 @@ export class PoolState {
       ...(this.failedAt ? { failedAt: this.failedAt } : {}),
       demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
       legacyWaiting: this.legacyWaiting,
+      ...(this.legacyLeases.size > 0 ? { legacyLeases: [...this.legacyLeases.values()] } : {}),
     };
   }
 }
