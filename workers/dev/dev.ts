@@ -43,6 +43,8 @@ import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceNa
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
 const DEMO_REPO = 'magus-demo/tiny-llama';
+/** How long dev's gateway lets requests in flight finish when it stops (the gateway's default is 30 s). */
+const GATEWAY_GRACE_MS = 10_000;
 
 export interface DevOptions {
   /** A Hugging Face repo to pull instead of the demo model (needs internet). */
@@ -285,12 +287,15 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
             MAGUS_LOG_LEVEL: 'warn',
             MAGUS_SESSION_TTL_MS: String(sessionTtlMs),
+            // Within the gateway's stop bound below: a stop under load (answers still queued) cut
+            // its connections after 10 s, instead of running past the bound and exiting 1.
+            MAGUS_GATEWAY_SHUTDOWN_GRACE_MS: String(GATEWAY_GRACE_MS),
           }),
           { ...sessions, temporal: temporalHealth, processMetrics: () => cachedWorkflowsMetricsText(workers?.cachedWorkflows()) },
         ),
       { port: opts.port, preferred: [readDevPorts(dataDir).gateway, 8080], flag: '--port' },
     );
-    running.push({ what: 'the gateway', stop: () => gateway.close() });
+    running.push({ what: 'the gateway', stop: () => gateway.close(), timeoutMs: GATEWAY_GRACE_MS + 10_000 });
     writeDevPorts(dataDir, { gateway: Number(new URL(gateway.url).port) });
 
     const connectionFile = writeDevConnection(dataDir, {
