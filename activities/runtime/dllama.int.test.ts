@@ -246,8 +246,11 @@ test('destroy() while the topology starts: the start is aborted, and no process 
   );
   // The root is held before it serves, as if it were still loading the model.
   const rootPid = () => processesFrom(bin).find((pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').includes(join(bin, 'dllama-api')));
-  await until('the root to start', () => rootPid() !== undefined || settled);
-  process.kill(rootPid()!, 'SIGSTOP');
+  // The pid the wait found is the one held (looking again could miss it: CI saw `undefined` once).
+  let root: number | undefined;
+  await until('the root to start', () => (root = rootPid()) !== undefined || settled);
+  if (root === undefined) throw new Error(`the start settled before its root was seen: ${JSON.stringify(await outcome)}`);
+  process.kill(root, 'SIGSTOP');
   expect(settled).toBe(false);
 
   await rt.destroy(POOL, 'tiny-4');
