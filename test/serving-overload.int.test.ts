@@ -134,7 +134,10 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   }
   const outcomes = await burst;
   const byStatus = new Map<string, number>();
-  for (const o of outcomes) byStatus.set(`${o.status}${o.code ? ` ${o.code}` : ''}`, (byStatus.get(`${o.status}${o.code ? ` ${o.code}` : ''}`) ?? 0) + 1);
+  for (const o of outcomes) {
+    const kind = `${o.status}${o.code ? ` ${o.code}` : ''}`;
+    byStatus.set(kind, (byStatus.get(kind) ?? 0) + 1);
+  }
   const summary = Object.fromEntries(byStatus);
   process.stderr.write(`serving-overload: ${BURST} at once: ${JSON.stringify(summary)}\n`);
   const answered = outcomes.filter((o) => o.status === 200);
