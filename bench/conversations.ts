@@ -104,6 +104,15 @@ async function main(): Promise<void> {
       const events0 = await poolEvents();
       const t0 = Date.now();
       const results: { status: number | 'timeout'; ms: number; code?: string; at: number }[] = [];
+      // dev's own gauges every 10 s (its gateway's /metrics): heap in use and the event loop's delay.
+      const gauges: { at: number; heap: number; loopMax: number }[] = [];
+      const sampler = setInterval(() => {
+        void fetch(`${gatewayUrl}/metrics`).then(async (r) => {
+          const text = await r.text();
+          const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1] ?? NaN);
+          gauges.push({ at: Date.now(), heap: sample('nodejs_heap_size_used_bytes'), loopMax: sample('nodejs_eventloop_delay_max_seconds') });
+        }, () => undefined);
+      }, 10_000);
       const inflight: Promise<void>[] = [];
       for (let k = 0; Date.now() - t0 < stepMs; k++) {
         const due = t0 + (k * 1000) / rate;
@@ -112,6 +121,7 @@ async function main(): Promise<void> {
         inflight.push(turn(id).then((r) => void results.push(r)));
       }
       await Promise.all(inflight);
+      clearInterval(sampler);
       const secs = (Date.now() - t0) / 1000;
       const events = (await poolEvents()) - events0;
       const cpu = pids.filter((p) => { try { return cpuOf(p) >= 0; } catch { return false; } }).map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rss(p), 0)} MB`);
@@ -138,9 +148,15 @@ async function main(): Promise<void> {
         const bad = new Map<string, number>();
         for (const r of inWindow) if (r.status !== 200) bad.set(kind(r), (bad.get(kind(r)) ?? 0) + 1);
         const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
-        if (bad.size > 0 || wp99 > 1000) console.log(`    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}`);
+        if (bad.size > 0 || wp99 > 1000) console.log(`    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}; dev ${devGauges(w)}`);
       }
-      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB\n    ${cpu.join('; ')}`;
+      function devGauges(w: number): string {
+        const g = gauges.filter((x) => x.at - t0 >= w * 30_000 && x.at - t0 < (w + 1) * 30_000);
+        return g.length === 0 ? 'not sampled' : `heap ${fmt(Math.max(...g.map((x) => x.heap)) / 2 ** 20, 0)} MB, event loop delayed up to ${fmt(Math.max(...g.map((x) => x.loopMax || 0)) * 1000, 0)} ms`;
+      }
+      const loopMax = Math.max(0, ...gauges.map((x) => x.loopMax || 0));
+      const heapMax = Math.max(0, ...gauges.map((x) => x.heap || 0));
+      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);
     }

@@ -107,6 +107,13 @@ test('MAGUS_WORKER_QUEUES picks the queues a worker polls', () => {
   expect(() => loadConfig({ MAGUS_WORKER_QUEUES: 'both' })).toThrow(/MAGUS_WORKER_QUEUES=both must be all, control or pipeline/);
 });
 
+test('MAGUS_WORKFLOW_CACHE sizes the control worker’s workflow cache', () => {
+  expect(loadConfig({}).workflowCache).toBe(256);
+  expect(loadConfig({ MAGUS_WORKFLOW_CACHE: '2000' }).workflowCache).toBe(2000);
+  expect(() => loadConfig({ MAGUS_WORKFLOW_CACHE: '1' })).toThrow(/MAGUS_WORKFLOW_CACHE=1 must be an integer from 2 to 100000/);
+  expect(() => loadConfig({ MAGUS_WORKFLOW_CACHE: 'lots' })).toThrow(/MAGUS_WORKFLOW_CACHE=lots must be/);
+});
+
 describe("a running magus dev's connection settings", () => {
   let home: string;
   const connection = () => ({

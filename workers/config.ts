@@ -36,6 +36,13 @@ export interface MagusConfig {
    * activities, its own runtime queue), `pipeline` (downloads, conversions, sizing) or `all` (default).
    */
   queues?: 'all' | 'control' | 'pipeline';
+  /**
+   * `MAGUS_WORKFLOW_CACHE`: how many workflows the control queue's worker keeps cached (default
+   * 256). Its workflows are mostly sessions asleep until their expiry, one per live conversation:
+   * a cached one saves only a replay of its few events when it wakes, and costs heap in the
+   * process that also serves requests. Pools run on their own queue with the SDK's default cache.
+   */
+  workflowCache?: number;
 }
 
 /**
@@ -90,6 +97,8 @@ export class ConfigError extends Error {
 }
 
 const HOST_PORT = /^[A-Za-z0-9.-]+:\d{1,5}$/;
+/** The control worker's workflow cache ({@link WorkerConfig.workflowCache}). */
+export const DEFAULT_WORKFLOW_CACHE = 256;
 
 export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   const problems: string[] = [];
@@ -127,6 +136,8 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   const kubernetes = kubernetesRuntimeConfig(env, natsServers, problems);
   const queues = env.MAGUS_WORKER_QUEUES?.trim() || 'all';
   if (queues !== 'all' && queues !== 'control' && queues !== 'pipeline') problems.push(`MAGUS_WORKER_QUEUES=${queues} must be all, control or pipeline`);
+  const workflowCache = Number(env.MAGUS_WORKFLOW_CACHE?.trim() || String(DEFAULT_WORKFLOW_CACHE));
+  if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000) problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
     temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
@@ -143,6 +154,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     responses,
     ...(kubernetes ? { kubernetes } : {}),
     ...(queues !== 'all' ? { queues: queues as 'control' | 'pipeline' } : {}),
+    workflowCache,
   };
 }
 

@@ -23,7 +23,7 @@ import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, poolQueueFor, runtimeQueueFor, SearchAttribute, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
-import { dataPlaneEnv, natsServerList, type MagusConfig } from './config';
+import { DEFAULT_WORKFLOW_CACHE, dataPlaneEnv, natsServerList, type MagusConfig } from './config';
 import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from './temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
@@ -283,6 +283,8 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     // timer or a pod watch), beside the starts and the short activities.
     maxConcurrentActivityTaskExecutions: 1000,
     workflowBundle,
+    // Sessions sleep until their expiry: caching thousands of them buys nothing but heap.
+    maxCachedWorkflows: cfg.workflowCache ?? DEFAULT_WORKFLOW_CACHE,
     // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
     activities: controlActivities,
   });
