@@ -5,6 +5,7 @@
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
 import { isRevisionConflict } from './nats/data-plane';
+import { watchKv, type KvCache, type WatchableKv } from './nats/kv-mirror';
 import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 
@@ -115,8 +116,85 @@ export function loadSignature(s: LoadSummary, instances: readonly string[], leas
   return `${per.join(',')}|${Math.min(maxInstances, Math.ceil(leases / leasesPerInstance))}`;
 }
 
+/** The live `magus_sessions` entries of each pool, as the reconcilers of one process read them. */
+export interface SessionIndex {
+  /** True once the bucket's entries are loaded and while its watch runs. */
+  readonly live: boolean;
+  entriesOf(namespace: string, model: string): Iterable<SessionEntry>;
+  countOf(namespace: string, model: string): number;
+  release(): void;
+}
+
+/** How long a session index outlives its last reader: a pool restarts its reconciler a task later. */
+const INDEX_LINGER_MS = 5_000;
+
+/**
+ * One watch of `magus_sessions` per process, shared by every `watchLoad` running in it and kept
+ * indexed by pool. A watch replays every entry of the bucket when it opens: opened per report,
+ * as it was, a pool with 27,000 live conversations replayed them all every few seconds in the
+ * worker's process. Opened on first use, closed {@link INDEX_LINGER_MS} after the last reader.
+ */
+function sessionIndexes(kv: WatchableKv): () => SessionIndex {
+  let mirror: KvCache<SessionEntry> | undefined;
+  let readers = 0;
+  let closing: NodeJS.Timeout | undefined;
+  const byPool = new Map<string, Map<string, SessionEntry>>();
+  const poolOf = (e: SessionEntry) => `${e.namespace ?? 'default'}/${e.pool}`;
+  const index = (key: string, e: SessionEntry | undefined, add: boolean) => {
+    if (!e) return;
+    const p = poolOf(e);
+    let m = byPool.get(p);
+    if (add) {
+      if (!m) byPool.set(p, (m = new Map<string, SessionEntry>()));
+      m.set(key, e);
+    } else if (m) {
+      m.delete(key);
+      if (m.size === 0) byPool.delete(p);
+    }
+  };
+  const open = (): KvCache<SessionEntry> =>
+    watchKv<SessionEntry>(kv, {
+      decode: decodeEntry,
+      onError: () => undefined, // the watch re-opens by itself; a reconciler waits while it is not live
+      onChange: (key, before, after) => {
+        index(key, before, false);
+        index(key, after, true);
+      },
+      onReset: (map) => {
+        byPool.clear();
+        for (const [key, e] of map) index(key, e, true);
+      },
+    });
+  return () => {
+    clearTimeout(closing);
+    readers++;
+    const m = (mirror ??= open());
+    let released = false;
+    return {
+      get live() {
+        return m.live;
+      },
+      entriesOf: (namespace, model) => byPool.get(`${namespace}/${model}`)?.values() ?? [],
+      countOf: (namespace, model) => byPool.get(`${namespace}/${model}`)?.size ?? 0,
+      release() {
+        if (released) return;
+        released = true;
+        if (--readers > 0) return;
+        closing = setTimeout(() => {
+          if (readers > 0 || mirror !== m) return;
+          mirror = undefined;
+          byPool.clear();
+          void m.close();
+        }, INDEX_LINGER_MS);
+        closing.unref();
+      },
+    };
+  };
+}
+
 export function createServingActivities(deps: ServingDeps) {
   const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
+  const sessionIndex = sessionIndexes(deps.sessions);
   return {
     /**
      * Starts an instance and waits until it serves (heartbeating: a cold start can take minutes).
@@ -218,28 +296,18 @@ export function createServingActivities(deps: ServingDeps) {
       const started = Date.now();
       const minInterval = input.minIntervalMs ?? 2000;
       const poll = input.pollMs ?? 1000;
-      const ns = input.namespace;
-      const mine = new Map<string, SessionEntry>();
-      let initialized = false;
-      const watch = await deps.sessions.watch({ initializedFn: () => void (initialized = true) });
-      const watching = (async () => {
-        for await (const e of watch) {
-          const entry = e.operation === 'PUT' ? decodeEntry(e) : undefined;
-          if (entry && entry.pool === input.model && (entry.namespace ?? 'default') === ns) mine.set(e.key, entry);
-          else mine.delete(e.key);
-        }
-      })();
+      const sessions = sessionIndex();
       const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) : null;
       // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
       const news = input.instances.some((id) => !input.known?.instances[id]);
       try {
         for (;;) {
-          heartbeat({ instances: input.instances.length, entries: mine.size });
-          if (initialized && (news || Date.now() - started >= minInterval)) {
+          heartbeat({ instances: input.instances.length, entries: sessions.countOf(input.namespace, input.model) });
+          if (sessions.live && (news || Date.now() - started >= minInterval)) {
             const summary: LoadSummary = { instances: {} };
             for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
             const now = Date.now();
-            for (const entry of mine.values()) {
+            for (const entry of sessions.entriesOf(input.namespace, input.model)) {
               const i = summary.instances[entry.instance];
               if (i && entry.expiresAt > now) i.leases++;
             }
@@ -254,8 +322,7 @@ export function createServingActivities(deps: ServingDeps) {
           await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
         }
       } finally {
-        watch.stop();
-        await watching.catch(() => undefined);
+        sessions.release();
       }
     },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */

@@ -24,7 +24,7 @@ import type { ReadyModel } from '../../shared/model';
 import { decodePoolEntry, decodeSessionEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 
 export { decodePoolEntry, decodeSessionEntry };
-import { watchKv, type KvCache, type WatchableKv } from './kv-cache';
+import { watchKv, type KvCache, type WatchableKv } from '../../activities/nats/kv-mirror';
 
 export interface AcquireRequest {
   /** The conversation key (conversation.ts): stable across the turns of one conversation. */

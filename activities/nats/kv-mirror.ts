@@ -97,6 +97,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       if (reopening) reopening = false;
       else if (!stopped) await new Promise<void>((resolve) => {
         const t = setTimeout(resolve, opts.restartDelayMs ?? 1000);
+        t.unref(); // a mirror nobody closed does not hold the process open
         wake = () => {
           clearTimeout(t);
           resolve();

@@ -2,7 +2,7 @@
 import type { KV, NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
 import { until } from '../../test/harness/wait';
-import { watchKv } from './kv-cache';
+import { watchKv } from './kv-mirror';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_mirror`;
