@@ -12,11 +12,12 @@ import { basename } from 'node:path';
 import { parseModelSpec } from './convert/arch';
 import { convertModel, CONVERTER_VERSION, type ConvertProgress } from './convert/convert';
 import { ConvertError, isConvertError } from './convert/errors';
+import { readGgufSource, type GgufSource } from './convert/gguf-source';
 import type { CheckpointFiles } from './convert/types';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
 import { isSecretUnavailable } from './huggingface/secrets';
 import type { ModelRegistry } from './nats/registry';
-import { planMemory } from './size/memory';
+import { planLlamaCppMemory, planMemory } from './size/memory';
 import { abortStaleUploads } from './storage/cleanup';
 import { isStorageError } from './storage/errors';
 import { headObject } from './storage/multipart';
@@ -36,6 +37,7 @@ import {
   type SecretRef,
   type SourceFile,
   type StoredObject,
+  type WeightsFormat,
 } from '../shared/model';
 import type { ActivityProgress, ActivityRetry } from '../workflows/model/definitions';
 
@@ -181,6 +183,16 @@ function pipelineActivities(deps: PipelineDeps) {
     };
   }
 
+  /** A GGUF source read (its parts in order, as byte sources over S3; small blocks: only headers are read). */
+  async function readGgufSourceIn(sources: StoredSource[], signal: AbortSignal): Promise<GgufSource> {
+    const parts = sources.filter((s) => /\.gguf$/i.test(s.path)).map((s) => s3Source(s3, bucket, s.object.key, { size: s.object.bytes, blockSize: 1 << 20, signal }));
+    try {
+      return await readGgufSource(parts);
+    } finally {
+      await Promise.all(parts.map((p) => p.close()));
+    }
+  }
+
   return {
     /** Pins `revision` to a commit and lists the repository's files with sizes and sha256. */
     async resolveSource(input: { source: ModelSource }): Promise<ResolvedSource> {
@@ -256,9 +268,21 @@ function pipelineActivities(deps: PipelineDeps) {
       }
     },
 
-    /** Converts the source files into one artifact; a no-op when it already exists in S3. */
+    /**
+     * Converts the source files into one artifact; a no-op when it already exists in S3. A GGUF
+     * source's `gguf:source` is its file itself, checked and published without a copy.
+     */
     async convertArtifact(input: { repo: string; sha: string; name: string; sources: StoredSource[]; request: ArtifactRequest }): Promise<Artifact> {
       const ctx = Context.current();
+      if (input.request.weights === 'source') {
+        try {
+          const { fileType } = await readGgufSourceIn(input.sources, ctx.cancellationSignal);
+          return { format: 'gguf', weights: 'source', converterVersion: CONVERTER_VERSION, files: input.sources.map((s) => s.object), ...(fileType ? { sourceType: fileType } : {}) };
+        } catch (err) {
+          classify(err);
+        }
+      }
+      const weights: WeightsFormat = input.request.weights;
       const prefix = artifactPrefix(input.repo, input.sha, input.request, CONVERTER_VERSION);
       const names = input.request.format === 'gguf' ? ['model.gguf'] : ['model.m', 'tokenizer.t'];
       const existing = await Promise.all(names.map((n) => headObject({ s3, bucket, key: prefix + n }, ctx.cancellationSignal)));
@@ -274,7 +298,7 @@ function pipelineActivities(deps: PipelineDeps) {
         await convertModel({
           source: s3Checkpoint(input.sources, ctx.cancellationSignal),
           format: input.request.format,
-          weights: input.request.weights,
+          weights,
           output: input.request.format === 'gguf' ? outputs[0]! : { model: outputs[0]!, tokenizer: outputs[1]! },
           name: basename(input.repo),
           threads: deps.convertThreads,
@@ -295,6 +319,16 @@ function pipelineActivities(deps: PipelineDeps) {
 
     /** The memory table of every artifact (see activities/size/memory.ts). */
     async sizeArtifacts(input: { sources: StoredSource[]; artifacts: Artifact[]; contextLength?: number }): Promise<MemoryPlan[]> {
+      const bytesOf = (a: Artifact) => a.files.reduce((n, f) => n + f.bytes, 0);
+      if (input.artifacts.every((a) => a.weights === 'source')) {
+        // A GGUF source: its own metadata says what llama.cpp needs.
+        try {
+          const { sizing } = await readGgufSourceIn(input.sources, Context.current().cancellationSignal);
+          return input.artifacts.map((a) => planLlamaCppMemory(sizing, a.weights, input.contextLength, bytesOf(a)));
+        } catch (err) {
+          classify(err);
+        }
+      }
       const config = input.sources.find((s) => s.path === 'config.json');
       if (!config) throw ApplicationFailure.nonRetryable('no config.json among the sources', ErrorType.UnsupportedModel);
       let spec;
@@ -303,7 +337,7 @@ function pipelineActivities(deps: PipelineDeps) {
       } catch (err) {
         classify(err);
       }
-      return input.artifacts.map((a) => planMemory(spec, a.format, a.weights, input.contextLength, a.files.reduce((n, f) => n + f.bytes, 0)));
+      return input.artifacts.map((a) => (a.weights === 'source' ? planLlamaCppMemory(spec, a.weights, input.contextLength, bytesOf(a)) : planMemory(spec, a.format, a.weights, input.contextLength, bytesOf(a))));
     },
 
     /** Writes the ready model to the registry (`magus_models`). */

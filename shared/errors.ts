@@ -16,6 +16,8 @@ export const ErrorType = {
   InvalidSpec: 'InvalidSpec',
   /** A referenced secret could not be resolved. */
   SecretUnavailable: 'SecretUnavailable',
+  /** The file the spec chooses (`source.gguf`) is not in the pinned revision, or not one file. */
+  NoSuchFile: 'NoSuchFile',
 } as const;
 export type ErrorType = (typeof ErrorType)[keyof typeof ErrorType];
 

@@ -4,7 +4,7 @@
  * `crds/` is the schema the API server enforces; these types mirror it. Workflow-safe: no
  * imports, no I/O.
  */
-import type { ArtifactFormat, WeightsFormat } from './model';
+import type { ArtifactFormat, ArtifactWeights, GgufChoice } from './model';
 
 export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session' } as const;
 export const Plural = { model: 'models', dllama: 'dllamas', session: 'sessions' } as const;
@@ -48,8 +48,10 @@ export interface ModelResourceSpec {
     hubUrl?: string;
     /** A Secret in the Model's namespace holding the hub token under `key` (default `token`). */
     tokenSecretRef?: { name: string; key?: string };
+    /** A GGUF repository's file to take (shared/model.ts `GgufChoice`). */
+    gguf?: GgufChoice;
   };
-  artifacts: { format: ArtifactFormat; weights: WeightsFormat }[];
+  artifacts: { format: ArtifactFormat; weights: ArtifactWeights }[];
   contextLength?: number;
   /** Change it to run the pipeline again with the same spec (e.g. after access was granted). */
   rerun?: string;
@@ -73,10 +75,10 @@ export interface ModelResourceStatus {
   };
   /** The commit the revision resolved to. */
   revision?: string;
-  artifacts?: { format: ArtifactFormat; weights: WeightsFormat; uri: string; bytes: number; sha256: string }[];
+  artifacts?: { format: ArtifactFormat; weights: ArtifactWeights; uri: string; bytes: number; sha256: string }[];
   /** Human text for the printer column: the artifacts' total size. */
   size?: string;
-  sizing?: { format: ArtifactFormat; weights: WeightsFormat; contextLength: number; nodes: number; rootBytes: number; workerBytes?: number }[];
+  sizing?: { format: ArtifactFormat; weights: ArtifactWeights; contextLength: number; nodes: number; rootBytes: number; workerBytes?: number }[];
   workflowId?: string;
   conditions?: Condition[];
 }

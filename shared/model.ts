@@ -8,6 +8,14 @@
 export type WeightsFormat = 'f32' | 'f16' | 'q80' | 'q40';
 export const WEIGHTS_FORMATS: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
 
+/**
+ * The weights of an artifact: one of {@link WeightsFormat}, or `source` — a GGUF source's file as
+ * published (its own quantization, e.g. Q4_K_M), served without conversion.
+ */
+export type ArtifactWeights = WeightsFormat | 'source';
+/** Which artifact of a format a runtime serves when there are several: a GGUF source's own file first, then the most compact. */
+export const WEIGHTS_PREFERENCE: readonly ArtifactWeights[] = ['source', 'q40', 'q80', 'f16', 'f32'];
+
 /** Artifact file formats: GGUF for llama.cpp, `.m` + `.t` for distributed-llama. */
 export type ArtifactFormat = 'gguf' | 'dllama';
 export const ARTIFACT_FORMATS: readonly ArtifactFormat[] = ['gguf', 'dllama'];
@@ -30,11 +38,27 @@ export interface ModelSource {
   hubUrl?: string;
   /** Token for gated/private repositories. */
   tokenRef?: SecretRef;
+  /**
+   * A GGUF repository: which file to take (exactly one of the two). Without it the repository
+   * must hold safetensors weights and a `config.json`.
+   */
+  gguf?: GgufChoice;
+}
+
+/**
+ * One GGUF of a repository that publishes several (one per quantization): `file`, a glob on the
+ * file's path (`*` and `?`; matched against the name alone when it has no `/`), or
+ * `quantization`, the type as file names spell it (`Q4_K_M`, case-insensitive). It must match
+ * exactly one file, or the parts of one split GGUF (`…-00001-of-00003.gguf`), which are taken whole.
+ */
+export interface GgufChoice {
+  file?: string;
+  quantization?: string;
 }
 
 export interface ArtifactRequest {
   format: ArtifactFormat;
-  weights: WeightsFormat;
+  weights: ArtifactWeights;
 }
 
 /** What a user asks for: the `Model` CR's spec. */
@@ -84,7 +108,10 @@ export interface StoredObject {
 
 export interface Artifact extends ArtifactRequest {
   converterVersion: string;
+  /** A split GGUF's parts in order (llama.cpp opens the first and finds the others beside it). */
   files: StoredObject[];
+  /** `gguf:source`: the file's own type as llama.cpp names it (`general.file_type`), e.g. `Q4_K_M`. */
+  sourceType?: string;
 }
 
 /** Memory one node needs, in bytes (see activities/size for how each term is derived). */
@@ -98,7 +125,7 @@ export interface NodeMemory {
 /** Memory plan for one artifact: llama.cpp on one node, or distributed-llama on 2^n nodes. */
 export interface MemoryPlan {
   format: ArtifactFormat;
-  weights: WeightsFormat;
+  weights: ArtifactWeights;
   contextLength: number;
   /** Per topology: `nodes` = 1, 2, 4, 8, 16 (dllama; only those the model can be split into). */
   topologies: { nodes: number; root: NodeMemory; worker: NodeMemory | null }[];
@@ -151,6 +178,7 @@ export function validateModelSpec(spec: unknown): string[] {
           (keys[0] === 'secret' && typeof ref.secret === 'object' && ref.secret !== null && typeof (ref.secret as Record<string, unknown>).name === 'string' && typeof (ref.secret as Record<string, unknown>).key === 'string'));
       if (!ok) errors.push('source.tokenRef: must be one of {env}, {file} or {secret: {name, key}} (a reference, never the token itself)');
     }
+    if (src.gguf !== undefined) errors.push(...ggufChoiceErrors(src.gguf));
   }
   if (!Array.isArray(s.artifacts) || s.artifacts.length === 0) {
     errors.push('artifacts: at least one {format, weights} is required');
@@ -158,7 +186,16 @@ export function validateModelSpec(spec: unknown): string[] {
     const seen = new Set<string>();
     s.artifacts.forEach((a: Partial<ArtifactRequest>, i) => {
       if (!ARTIFACT_FORMATS.includes(a?.format as ArtifactFormat)) errors.push(`artifacts[${i}].format: ${JSON.stringify(a?.format)} is not one of ${ARTIFACT_FORMATS.join(', ')}`);
-      if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}`);
+      if (a?.weights === 'source') {
+        if (a.format !== 'gguf') errors.push(`artifacts[${i}]: ${a.format}:source does not exist; a distributed-llama artifact is converted to one of ${WEIGHTS_FORMATS.join(', ')}`);
+        else if (src?.gguf === undefined) errors.push(`artifacts[${i}]: gguf:source takes a GGUF source's file as it is; this source has no source.gguf (ask for gguf:${WEIGHTS_FORMATS.join(', gguf:')})`);
+      } else if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) {
+        errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`);
+      } else if (a?.format === 'gguf' && src?.gguf !== undefined) {
+        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported)`);
+      } else if (a?.format === 'dllama' && src?.gguf !== undefined) {
+        errors.push(`artifacts[${i}]: distributed-llama artifacts are converted from safetensors repositories; for a GGUF source ask for gguf:source`);
+      }
       const id = `${a?.format}:${a?.weights}`;
       if (seen.has(id)) errors.push(`artifacts[${i}]: ${id} is listed twice`);
       seen.add(id);
@@ -178,4 +215,81 @@ export function isNeededSourceFile(path: string): boolean {
     path.endsWith('.safetensors') ||
     ['config.json', 'model.safetensors.index.json', 'tokenizer.json', 'tokenizer_config.json', 'generation_config.json', 'special_tokens_map.json', 'chat_template.jinja'].includes(path)
   );
+}
+
+/** The longest `source.gguf.file` glob accepted. */
+const GGUF_GLOB_MAX = 200;
+const GGUF_GLOB = /^[A-Za-z0-9._*?/-]+$/;
+const GGUF_QUANTIZATION = /^[A-Za-z0-9_]{1,32}$/;
+
+function ggufChoiceErrors(choice: unknown): string[] {
+  if (typeof choice !== 'object' || choice === null || Array.isArray(choice)) return ['source.gguf: must be {file} or {quantization}'];
+  const c = choice as Record<string, unknown>;
+  const set = (['file', 'quantization'] as const).filter((k) => c[k] !== undefined);
+  if (set.length !== 1) return [`source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not ${set.length === 0 ? 'neither' : 'both'}`];
+  const others = Object.keys(c).filter((k) => k !== 'file' && k !== 'quantization');
+  if (others.length > 0) return [`source.gguf: unknown field ${others.join(', ')}`];
+  if (set[0] === 'file') {
+    const f = c.file;
+    if (typeof f !== 'string' || f === '' || f.length > GGUF_GLOB_MAX || !GGUF_GLOB.test(f) || f.includes('..') || f.startsWith('/')) {
+      return [`source.gguf.file: ${JSON.stringify(f)} is not a file glob (letters, digits, . _ - / and the wildcards * ?; at most ${GGUF_GLOB_MAX} characters)`];
+    }
+    if (/^\**$/.test(f.replace(/\.gguf$/i, ''))) return [`source.gguf.file: ${JSON.stringify(f)} would match any GGUF; name the file (e.g. "*Q4_K_M.gguf")`];
+  } else if (typeof c.quantization !== 'string' || !GGUF_QUANTIZATION.test(c.quantization)) {
+    return [`source.gguf.quantization: ${JSON.stringify(c.quantization)} is not a quantization type such as Q4_K_M, Q8_0 or F16`];
+  }
+  return [];
+}
+
+/** A split GGUF's part: `<stem>-00001-of-00003.gguf`. */
+const GGUF_SPLIT = /^(.*)-(\d{5})-of-(\d{5})\.gguf$/i;
+
+/**
+ * The files of a GGUF repository that `choice` takes: one file, or every part of one split GGUF
+ * in order; or why none can be taken (nothing matches: the GGUF files that exist are named; more
+ * than one: the matches are named; a split GGUF with a part missing).
+ */
+export function selectGgufFiles(files: readonly SourceFile[], choice: GgufChoice): { files: SourceFile[] } | { error: string } {
+  const ggufs = files.filter((f) => /\.gguf$/i.test(f.path));
+  const name = (p: string) => p.slice(p.lastIndexOf('/') + 1);
+  let matches: SourceFile[];
+  let wanted: string;
+  if (choice.file !== undefined) {
+    const glob = choice.file;
+    const re = new RegExp(`^${glob.replace(/[.+^${}()|[\]\\]/g, '\\$&').replace(/\*/g, '[^/]*').replace(/\?/g, '[^/]')}$`, 'i');
+    matches = ggufs.filter((f) => re.test(glob.includes('/') ? f.path : name(f.path)));
+    wanted = `file ${JSON.stringify(glob)}`;
+  } else {
+    const q = (choice.quantization ?? '').toLowerCase();
+    matches = ggufs.filter((f) => boundaryMatch(name(f.path), q));
+    wanted = `quantization ${choice.quantization ?? ''}`;
+  }
+  const list = (fs: readonly SourceFile[], max = 20) => `${fs.slice(0, max).map((f) => f.path).join(', ')}${fs.length > max ? ` and ${fs.length - max} more` : ''}`;
+  if (matches.length === 0) {
+    return { error: ggufs.length === 0 ? `source.gguf: ${wanted} matches nothing: the repository has no .gguf file` : `source.gguf: ${wanted} matches none of the repository's GGUF files: ${list(ggufs)}` };
+  }
+  // Matches that are parts of one split GGUF stand for all of its parts.
+  const splits = new Set(matches.map((f) => {
+    const m = GGUF_SPLIT.exec(f.path);
+    return m ? `${m[1]!.toLowerCase()}|${m[3]}` : `file|${f.path}`;
+  }));
+  if (splits.size > 1) return { error: `source.gguf: ${wanted} matches ${matches.length} files, not one: ${list(matches)}; name one of them` };
+  const m = GGUF_SPLIT.exec(matches[0]!.path);
+  if (!m) return { files: [matches[0]!] };
+  const count = Number(m[3]);
+  const parts: SourceFile[] = [];
+  for (let k = 1; k <= count; k++) {
+    const path = `${m[1]}-${String(k).padStart(5, '0')}-of-${m[3]}.gguf`;
+    const part = ggufs.find((f) => f.path.toLowerCase() === path.toLowerCase());
+    if (!part) return { error: `source.gguf: ${matches[0]!.path} is part of a split GGUF of ${count} parts, but part ${k} (${path}) is not in the repository` };
+    parts.push(part);
+  }
+  return { files: parts };
+}
+
+/** Whether `q` appears in a file name as a whole word: after `-`, `.`, `_` or the start, before `-`, `.` or the end (`Q4_K` is not `Q4_K_M`). */
+function boundaryMatch(fileName: string, q: string): boolean {
+  const stem = fileName.toLowerCase().replace(/\.gguf$/, '');
+  const escaped = q.replace(/[.*+?^${}()|[\]\\]/g, '\\$&');
+  return new RegExp(`(^|[-._])${escaped}($|[-.])`).test(stem);
 }

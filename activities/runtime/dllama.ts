@@ -20,7 +20,7 @@
 import { readdir, readFile, readlink } from 'node:fs/promises';
 import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
-import type { Artifact, ReadyModel, StoredObject, WeightsFormat } from '../../shared/model';
+import { WEIGHTS_PREFERENCE, type Artifact, type ReadyModel, type StoredObject } from '../../shared/model';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
@@ -46,7 +46,6 @@ const HOST = '127.0.0.1';
 const BUFFER_FLOAT_TYPE = 'q80';
 /** `--max-seq-len` when the registry has no memory plan for the artifact (distributed-llama's 0 would mean the model's whole context). */
 export const DEFAULT_MAX_SEQ_LEN = 4096;
-const WEIGHTS_PREFERENCE: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
 
 /**
  * `dllama worker …` arguments (after the program). The one builder of a worker's command line,

@@ -20,7 +20,7 @@ import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { Plural, type DllamaResource } from '../../shared/kube';
-import type { ReadyModel, StoredObject } from '../../shared/model';
+import { WEIGHTS_PREFERENCE, type ReadyModel, type StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
@@ -215,7 +215,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...(opts.ports ? { ports: opts.ports } : {}),
     };
     if (engine === 'llamacpp') {
-      const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => ['q40', 'q80', 'f16', 'f32'].indexOf(a.weights) - ['q40', 'q80', 'f16', 'f32'].indexOf(b.weights))[0];
+      const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
       const file: StoredObject | undefined = gguf?.files[0];
       if (!gguf || !file) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
       const planned = ready.memory.find((m) => m.format === 'gguf' && m.weights === gguf.weights)?.topologies.find((t) => t.nodes === 1);

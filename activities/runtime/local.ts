@@ -19,7 +19,7 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
-import type { ReadyModel, StoredObject } from '../../shared/model';
+import { WEIGHTS_PREFERENCE, type ReadyModel, type StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
@@ -125,7 +125,6 @@ interface PendingStart {
 }
 
 const STOP_GRACE_MS = 10_000;
-const WEIGHTS_PREFERENCE = ['q40', 'q80', 'f16', 'f32'];
 
 const named = (name: string, message: string): Error => Object.assign(new Error(message), { name });
 

@@ -19,7 +19,10 @@
  * activations and one row of logits. It is an estimate, meant to choose a node size, not exact.
  */
 import { planTensors, type ModelSpec } from '../convert/arch';
-import type { ArtifactFormat, MemoryPlan, NodeMemory, WeightsFormat } from '../../shared/model';
+import type { ArtifactFormat, ArtifactWeights, MemoryPlan, NodeMemory, WeightsFormat } from '../../shared/model';
+
+/** What llama.cpp's memory depends on: a converter's spec has it, and a GGUF source's metadata (convert/gguf-source.ts). */
+export type LlamaCppShape = Pick<ModelSpec, 'layers' | 'hidden' | 'intermediate' | 'heads' | 'kvHeads' | 'headDim' | 'vocab' | 'ctx'>;
 
 /** distributed-llama's default number of batched tokens (`--nbatches`). */
 export const DLLAMA_BATCHES = 32;
@@ -101,12 +104,18 @@ export function dllamaNodeMemory(spec: ModelSpec, weights: WeightsFormat, seqLen
 }
 
 /** Memory of llama.cpp serving a GGUF of `fileBytes` on one node with context `ctx`. */
-export function llamaCppMemory(spec: ModelSpec, fileBytes: number, ctx: number): NodeMemory {
+export function llamaCppMemory(spec: LlamaCppShape, fileBytes: number, ctx: number): NodeMemory {
   const kvDim = spec.kvHeads * spec.headDim;
   const kvCache = spec.layers * 2 * ctx * kvDim * 2;
   const ub = Math.min(LLAMA_CPP_UBATCH, ctx);
   const buffers = ub * ctx * spec.heads * F32 + 3 * ub * spec.intermediate * F32 + 4 * ub * spec.hidden * F32 + spec.vocab * F32;
   return node(fileBytes, kvCache, buffers);
+}
+
+/** The memory table of a GGUF artifact: llama.cpp on one node. */
+export function planLlamaCppMemory(shape: LlamaCppShape, weights: ArtifactWeights, contextLength: number | undefined, artifactBytes: number): MemoryPlan {
+  const ctx = Math.min(contextLength ?? shape.ctx, shape.ctx);
+  return { format: 'gguf', weights, contextLength: ctx, topologies: [{ nodes: 1, root: llamaCppMemory(shape, artifactBytes, ctx), worker: null }] };
 }
 
 /**
@@ -115,10 +124,8 @@ export function llamaCppMemory(spec: ModelSpec, fileBytes: number, ctx: number):
  * @param artifactBytes the GGUF file's size (llama.cpp maps it whole)
  */
 export function planMemory(spec: ModelSpec, format: ArtifactFormat, weights: WeightsFormat, contextLength: number | undefined, artifactBytes: number): MemoryPlan {
+  if (format === 'gguf') return planLlamaCppMemory(spec, weights, contextLength, artifactBytes);
   const ctx = Math.min(contextLength ?? spec.ctx, spec.ctx);
-  if (format === 'gguf') {
-    return { format, weights, contextLength: ctx, topologies: [{ nodes: 1, root: llamaCppMemory(spec, artifactBytes, ctx), worker: null }] };
-  }
   const topologies = DLLAMA_NODE_COUNTS.filter((n) => dllamaSplits(spec, weights, n)).map((nodes) => ({ nodes, ...dllamaNodeMemory(spec, weights, ctx, nodes) }));
   return { format, weights, contextLength: ctx, topologies };
 }

@@ -29,7 +29,7 @@ import type { KubernetesActivities } from '../../activities/kubernetes/activitie
 import type { PipelineActivities } from '../../activities/pipeline';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
-import { isNeededSourceFile, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type StoredObject } from '../../shared/model';
+import { isNeededSourceFile, selectGgufFiles, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type SourceFile, type StoredObject } from '../../shared/model';
 import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { activityFailedSignal, activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
@@ -83,6 +83,8 @@ const NOTIFY_POOL_PATCH = 'model-published-notifies-pool';
 const RESOURCE_STATUS_PATCH = 'model-resource-status';
 /** The phase is a search attribute (`MagusPhase`), upserted as it changes; older executions replay without it. */
 const PHASE_ATTRIBUTE_PATCH = 'model-phase-search-attribute';
+/** A GGUF repository as a source (`source.gguf`): its chosen file is transferred and published as it is. */
+const GGUF_SOURCE_PATCH = 'model-gguf-source';
 
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   const { abortUploads, forgetModel } = activities();
@@ -141,9 +143,9 @@ async function runPlan(state: PipelineState): Promise<void> {
 
   state.enter('resolving');
   const resolved = await resolveSource({ source: spec.source });
-  const files = resolved.files.filter((f) => isNeededSourceFile(f.path));
-  if (!files.some((f) => f.path === 'config.json')) {
-    throw ApplicationFailure.nonRetryable(`${resolved.repo}@${resolved.sha} has no config.json`, ErrorType.UnsupportedModel);
+  const files = spec.source.gguf && patched(GGUF_SOURCE_PATCH) ? chosenGguf(resolved.files, spec.source.gguf) : resolved.files.filter((f) => isNeededSourceFile(f.path));
+  if (!spec.source.gguf && !files.some((f) => f.path === 'config.json')) {
+    throw ApplicationFailure.nonRetryable(`${resolved.repo}@${resolved.sha} has no config.json${resolved.files.some((f) => f.path.endsWith('.gguf')) ? ' (it holds GGUF files: choose one with source.gguf)' : ''}`, ErrorType.UnsupportedModel);
   }
   state.planned(resolved.sha, files);
 
@@ -185,6 +187,13 @@ async function runPlan(state: PipelineState): Promise<void> {
   if (patched(NOTIFY_POOL_PATCH)) await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name)).signal(modelPublishedSignal).catch(() => undefined);
   state.ready = ready;
   state.enter('ready');
+}
+
+/** The file(s) of a GGUF repository the spec chooses; a permanent failure naming what exists when it chooses none, or several. */
+function chosenGguf(files: SourceFile[], choice: NonNullable<ModelSpec['source']['gguf']>): SourceFile[] {
+  const chosen = selectGgufFiles(files, choice);
+  if ('error' in chosen) throw ApplicationFailure.nonRetryable(chosen.error, ErrorType.NoSuchFile);
+  return chosen.files;
 }
 
 /** The `Model`'s view of the pipeline for the status mirror (the ETA alone never triggers a write). */
