@@ -151,6 +151,8 @@ describe('Model', () => {
     ['all eight artifact pairs', modelSpec({ artifacts: ['gguf', 'dllama'].flatMap((format) => ['q40', 'q80', 'f16', 'f32'].map((weights) => ({ format, weights }))) })],
     ['a dotted repo and a commit revision', modelSpec({}, { repo: 'Qwen/Qwen3-0.6B.v2', revision: '0123456789abcdef0123456789abcdef01234567' })],
     ['an https hub', modelSpec({}, { hubUrl: 'https://hub.example.com' })],
+    ['a GGUF repository by file glob', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { file: '*Q4_K_M.gguf' } })],
+    ['a GGUF repository by quantization', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } })],
   ])('accepts %s', async (_what, spec) => {
     await expect(create(Plural.model, model(uniqueName('good'), spec))).resolves.toMatchObject({ kind: 'Model' });
   });
@@ -183,6 +185,13 @@ describe('Model', () => {
     ['a context length above 10M', 'x', modelSpec({ contextLength: 10_000_001 }), 'spec.contextLength in body should be less than or equal to 10000000'],
     ['a 64-character rerun', 'x', modelSpec({ rerun: 'r'.repeat(64) }), 'spec.rerun: Too long: may not be more than 63'],
     ['an unknown deletion policy', 'x', modelSpec({ deletionPolicy: 'Keep' }), 'spec.deletionPolicy: Unsupported value: "Keep"'],
+    ['a GGUF choice naming neither', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: {} }), 'source.gguf needs exactly one of file or quantization'],
+    ['a GGUF choice naming both', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '*Q8_0.gguf', quantization: 'Q8_0' } }), 'source.gguf needs exactly one of file or quantization'],
+    ['an empty GGUF glob', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '' } }), 'spec.source.gguf.file in body should be at least 1 chars long'],
+    ['a GGUF glob with ..', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '../*.gguf' } }), "source.gguf.file must not contain '..' or start with '/'"],
+    ['a quantization with a space', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { quantization: 'Q4 K' } }), 'spec.source.gguf.quantization in body should match'],
+    ['gguf:source without a GGUF source', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }), "gguf:source takes a GGUF source's file as it is: it needs source.gguf"],
+    ['a GGUF source re-quantized', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }] }, { gguf: { quantization: 'Q8_0' } }), 'a GGUF source is served as it is published: its artifact is gguf:source'],
   ])('refuses %s', async (_what, name, spec, message) => {
     await expectRefused(create(Plural.model, model(name === 'x' ? uniqueName('bad') : name, spec)), message);
   });

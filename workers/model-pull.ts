@@ -19,6 +19,10 @@ import { TerminalProgress, type ProgressState } from './progress';
 
 export const PULL_USAGE = [
   'usage: magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40…] [--hub URL] [--name NAME] [--namespace NS] [--token-env VAR | --token-file PATH] [--context N] [--detach]',
+  '       magus model pull <org/repo-GGUF>[@revision] (--gguf GLOB | --quantization TYPE) [--hub URL] [--name NAME] …',
+  '',
+  'A GGUF repository publishes one file per quantization: --gguf "*Q4_K_M.gguf" (a glob on the file name) or',
+  '--quantization Q4_K_M chooses one (a split GGUF is taken whole); it is served as it is (--format gguf:source, the default).',
   '',
   'Temporal: MAGUS_TEMPORAL_ADDRESS, else the running magus dev (its connection.json in MAGUS_DEV_DATA_DIR,',
   'default ~/.local/share/magus/dev), else 127.0.0.1:7233. Without --hub, the repos of magus dev\'s demo hub come',
@@ -50,7 +54,7 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
   let ref: string | undefined;
   const opts: Record<string, string> = {};
   let detach = false;
-  const valued = new Set(['--format', '--hub', '--name', '--namespace', '--token-env', '--token-file', '--context']);
+  const valued = new Set(['--format', '--hub', '--name', '--namespace', '--token-env', '--token-file', '--context', '--gguf', '--quantization']);
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
     if (a === '--detach') detach = true;
@@ -65,15 +69,18 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
   if (!ref) throw new UsageError('missing <org/repo>');
   const [repo, revision] = ref.split('@', 2) as [string, string | undefined];
   const hubUrl = opts['--hub'] ?? defaultHub(repo, dev);
-  if (!opts['--format']) throw new UsageError('--format is required, e.g. --format gguf:q40,dllama:q40');
-  const artifacts = opts['--format'].split(',').map((f): ArtifactRequest => {
+  if (opts['--gguf'] !== undefined && opts['--quantization'] !== undefined) throw new UsageError('give --gguf or --quantization, not both');
+  const gguf = opts['--gguf'] !== undefined ? { file: opts['--gguf'] } : opts['--quantization'] !== undefined ? { quantization: opts['--quantization'] } : undefined;
+  const format = opts['--format'] ?? (gguf ? 'gguf:source' : undefined);
+  if (!format) throw new UsageError('--format is required, e.g. --format gguf:q40,dllama:q40 (or --gguf / --quantization for a GGUF repository)');
+  const artifacts = format.split(',').map((f): ArtifactRequest => {
     const [format, weights] = f.trim().split(':');
     return { format: format as ArtifactRequest['format'], weights: weights as ArtifactRequest['weights'] };
   });
   if (opts['--token-env'] && opts['--token-file']) throw new UsageError('give --token-env or --token-file, not both');
   const tokenRef: SecretRef | undefined = opts['--token-env'] ? { env: opts['--token-env'] } : opts['--token-file'] ? { file: opts['--token-file'] } : undefined;
   const spec: ModelSpec = {
-    source: { repo, ...(revision ? { revision } : {}), ...(hubUrl ? { hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}) },
+    source: { repo, ...(revision ? { revision } : {}), ...(hubUrl ? { hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}), ...(gguf ? { gguf } : {}) },
     artifacts,
     ...(opts['--context'] ? { contextLength: Number(opts['--context']) } : {}),
   };

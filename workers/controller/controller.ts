@@ -83,7 +83,13 @@ export function modelSpecOf(m: ModelResource): ModelSpec {
   const { source, artifacts, contextLength, rerun } = m.spec;
   const tokenRef = source.tokenSecretRef ? { secret: { name: source.tokenSecretRef.name, key: source.tokenSecretRef.key ?? 'token', namespace: m.metadata.namespace } } : undefined;
   return {
-    source: { repo: source.repo, ...(source.revision ? { revision: source.revision } : {}), ...(source.hubUrl ? { hubUrl: source.hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}) },
+    source: {
+      repo: source.repo,
+      ...(source.revision ? { revision: source.revision } : {}),
+      ...(source.hubUrl ? { hubUrl: source.hubUrl } : {}),
+      ...(tokenRef ? { tokenRef } : {}),
+      ...(source.gguf ? { gguf: { ...(source.gguf.file !== undefined ? { file: source.gguf.file } : {}), ...(source.gguf.quantization !== undefined ? { quantization: source.gguf.quantization } : {}) } } : {}),
+    },
     artifacts: artifacts.map((a) => ({ format: a.format, weights: a.weights })),
     ...(contextLength !== undefined ? { contextLength } : {}),
     ...(rerun ? { rerun } : {}),
