@@ -28,8 +28,17 @@ test.each([
   [['org/model', '--format', 'gguf:q40', '--name', 'Bad_Name'], /DNS label/],
   [['org/model', '--format', 'gguf:q40', '--context', '7'], /contextLength/],
   [['org/model', '--format', 'gguf:q40,gguf:q40'], /listed twice/],
+  [['org/model-GGUF', '--gguf', '*Q8_0.gguf', '--quantization', 'Q8_0'], /give --gguf or --quantization, not both/],
+  [['org/model-GGUF', '--gguf', '*.gguf'], /would match any GGUF; name the file/],
+  [['org/model-GGUF', '--quantization', 'Q8_0', '--format', 'gguf:q40'], /a GGUF source is served as it is published: ask for gguf:source/],
+  [['org/model', '--format', 'gguf:source'], /this source has no source.gguf/],
 ])('rejects %j', (args, why) => {
   expect(() => parsePullArgs(args)).toThrow(why);
+});
+
+test('a GGUF repository: --gguf or --quantization chooses the file, served as it is', () => {
+  expect(parsePullArgs(['org/SmolLM2-GGUF', '--gguf', '*Q4_1.gguf']).spec).toEqual({ source: { repo: 'org/SmolLM2-GGUF', gguf: { file: '*Q4_1.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }] });
+  expect(parsePullArgs(['org/SmolLM2-GGUF', '--quantization', 'Q4_1']).spec.source.gguf).toEqual({ quantization: 'Q4_1' });
 });
 
 test('default names are DNS labels', () => {
