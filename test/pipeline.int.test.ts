@@ -6,10 +6,11 @@ import { GetObjectCommand, CreateBucketCommand, type S3Client } from '@aws-sdk/c
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
+import { convertModel } from '../activities/convert/convert';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
@@ -28,9 +29,11 @@ const EventType = temporal.api.enums.v1.EventType;
 const iso = isolation();
 const TOKEN = 'hf_fixture_token_7c1d9e2b0a4f';
 const REPO = 'magus-test/tiny-llama';
+const GGUF_REPO = 'magus-test/tiny-llama-GGUF';
 
 let hub: FixtureHub;
 let commit: FixtureCommit;
+let ggufCommit: FixtureCommit;
 let workers: RunningWorkers;
 let client: Client;
 let connection: Connection;
@@ -49,6 +52,13 @@ beforeAll(async () => {
   await hub.addRepo({ id: 'magus-test/gated-llama', dir: join(dir, 'tiny'), gated: true, access: [TOKEN] });
   await hub.addRepo({ id: 'magus-test/corrupt-llama', dir: join(dir, 'other') });
   await hub.addRepo({ id: 'magus-test/flaky-llama', dir: join(dir, 'tiny') });
+  // A GGUF repository as they are published: one file per quantization, a README, no config.json.
+  mkdirSync(join(dir, 'gguf'));
+  for (const [weights, file] of [['q80', 'Tiny-Llama.Q8_0.gguf'], ['f16', 'Tiny-Llama.F16.gguf']] as const) {
+    await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights, output: join(dir, 'gguf', file), threads: 2 });
+  }
+  writeFileSync(join(dir, 'gguf', 'README.md'), '# Tiny-Llama GGUF\n');
+  ggufCommit = await hub.addRepo({ id: GGUF_REPO, dir: join(dir, 'gguf') });
 
   // The worker's S3 client takes credentials from the standard environment, as in production.
   process.env.MAGUS_TEST_HF_TOKEN = TOKEN;
@@ -130,6 +140,37 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
   const out = await runLlamaCpp({ model: local, promptTokens: [379, 72, 101, 108], nTokens: 16 });
   expect(out.tokens).toHaveLength(16);
   expect(await listIncompleteUploads(s3, iso.bucket)).toEqual([]);
+});
+
+test('a GGUF repository: the chosen file is transferred, checked and published as it is (no conversion), sized from its metadata, and runs in llama.cpp', async () => {
+  const handle = await start('tiny-gguf', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { quantization: 'q8_0' } }, artifacts: [{ format: 'gguf', weights: 'source' }], contextLength: 128 });
+  const p = await settled(handle);
+  expect(p).toMatchObject({ phase: 'ready', sha: ggufCommit.sha, failure: null });
+  await recordHistory('model-pipeline-gguf-source', handle);
+  expect(p.files).toEqual({ done: 1, total: 1 }); // neither the other quantization nor the README
+  const ready = (await registry.get('default', 'tiny-gguf'))!;
+  const source = ggufCommit.files.find((f) => f.path === 'Tiny-Llama.Q8_0.gguf')!;
+  // The artifact is the source object itself: nothing was copied or converted.
+  expect(ready.artifacts).toEqual([
+    { format: 'gguf', weights: 'source', sourceType: 'Q8_0', converterVersion: expect.any(String) as string, files: [{ key: `sources/${GGUF_REPO}/${ggufCommit.sha}/Tiny-Llama.Q8_0.gguf`, bytes: source.content.length, sha256: source.sha256 }] },
+  ]);
+  expect(ready.memory).toHaveLength(1);
+  expect(ready.memory[0]).toMatchObject({ format: 'gguf', weights: 'source', contextLength: 128 });
+  expect(ready.memory[0]!.topologies.map((t) => [t.nodes, t.root.weights])).toEqual([[1, source.content.length]]);
+  expect(ready.memory[0]!.topologies[0]!.root.kvCache).toBeGreaterThan(0);
+  const local = join(dir, 'from-gguf-repo.gguf');
+  writeFileSync(local, await getObject(ready.artifacts[0]!.files[0]!.key));
+  const out = await runLlamaCpp({ model: local, promptTokens: [379, 72, 101, 108], nTokens: 8 });
+  expect(out.tokens).toHaveLength(8);
+});
+
+test('a GGUF choice that matches nothing fails at once, typed, naming the files there are', async () => {
+  const handle = await start('tiny-gguf-missing', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*Q4_K_M.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }] });
+  const p = await settled(handle);
+  expect(p.phase).toBe('failed');
+  expect(p.failure).toMatchObject({ type: 'NoSuchFile', during: 'resolving' });
+  expect(p.failure?.message).toBe('source.gguf: file "*Q4_K_M.gguf" matches none of the repository\'s GGUF files: Tiny-Llama.F16.gguf, Tiny-Llama.Q8_0.gguf');
+  expect(p.files.total).toBe(0);
 });
 
 test('a step that keeps failing is named where a user looks (progress, search attributes, the UI’s current details) until it succeeds', async () => {

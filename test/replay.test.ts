@@ -117,6 +117,14 @@ test.each([
   await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
 }, 60_000);
 
+test('the recorded pipeline of a GGUF repository (`model-gguf-source`: one file chosen, published as it is) replays', async () => {
+  const history = JSON.parse(readFileSync(join(__dirname, 'histories', 'model-pipeline-gguf-source.json'), 'utf8')) as { events: (Parameters<typeof patchesOf>[0]['events'][number] & (typeof raw)['events'][number])[] };
+  expect(patchesOf(history)).toContain('model-gguf-source');
+  const scheduled = (name: string) => history.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name).length;
+  expect([scheduled('transferFile'), scheduled('convertArtifact'), scheduled('publishModel')]).toEqual([1, 1, 1]);
+  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), 'model/replay-gguf-source')).resolves.toBeUndefined();
+}, 60_000);
+
 test('the recorded pool history (a watcher per instance on its worker’s queue, that worker gone: `pool-watch-instances`) replays', async () => {
   const pool = JSON.parse(readFileSync(join(__dirname, 'histories', 'pool-watch-owner-gone.json'), 'utf8')) as { events: (Parameters<typeof patchesOf>[0]['events'][number] & (typeof raw)['events'][number])[] };
   expect(patchesOf(pool)).toContain('pool-watch-instances');
