@@ -2,7 +2,7 @@
  * The model pipeline end to end on the real Temporal dev server, nats-server and MinIO, with the
  * Hugging Face-compatible fixture hub serving the tiny synthetic model.
  */
-import { GetObjectCommand, CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
+import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { spawn } from 'node:child_process';
@@ -15,13 +15,13 @@ import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';
-import { cancelSignal, modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgress } from '../workflows/model/definitions';
-import { modelPipeline } from '../workflows/model/pipeline';
+import { cancelSignal, progressQuery, specChangedSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
 import { writeTinyModel } from './fixtures/tiny-model';
 import { currentDetails, endpoint, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
 import { historyText } from './support/history';
 import { runLlamaCpp } from './support/llama-cpp';
 
@@ -89,29 +89,12 @@ const spec = (repo: string, extra: Partial<ModelSpec['source']> = {}): ModelSpec
   contextLength: 128,
 });
 
-async function start(name: string, s: ModelSpec) {
-  return client.workflow.start(modelPipeline, { workflowId: modelWorkflowId('default', `${iso.id}-${name}`), taskQueue: cfg.taskQueue, args: [{ namespace: 'default', name, spec: s }] });
-}
-
-/** Polls the progress query until the pipeline settles in `ready` or `failed`. */
-async function settled(handle: Awaited<ReturnType<typeof start>>, timeoutMs = 90_000): Promise<PipelineProgress> {
-  const deadline = Date.now() + timeoutMs;
-  for (;;) {
-    const p = await handle.query(progressQuery);
-    if (p.phase === 'ready' || p.phase === 'failed') return p;
-    if (Date.now() > deadline) throw new Error(`pipeline still ${p.phase} after ${timeoutMs} ms`);
-    await new Promise((r) => setTimeout(r, 200));
-  }
-}
-
-async function getObject(key: string): Promise<Buffer> {
-  const r = await s3.send(new GetObjectCommand({ Bucket: iso.bucket, Key: key }));
-  return Buffer.from(await r.Body!.transformToByteArray());
-}
+const start = (name: string, s: ModelSpec) => startPipeline(client, iso, cfg.taskQueue, name, s);
+const getObject = (key: string) => objectBytes(s3, iso.bucket, key);
 
 test('happy path: sources verified in S3, artifacts converted and sized, registry entry written, GGUF runs in llama.cpp', async () => {
   const handle = await start('tiny', spec(REPO));
-  const p = await settled(handle);
+  const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: commit.sha, failure: null });
   await recordHistory('model-pipeline-ready', handle);
   expect(p.files.done).toBe(p.files.total);
@@ -194,7 +177,7 @@ test('a step that keeps failing is named where a user looks (progress, search at
   } finally {
     hub.setFaults({});
   }
-  const p = await settled(handle);
+  const p = await pipelineSettled(handle);
   expect(p.phase).toBe('ready');
   expect(p.retrying).toBeUndefined();
   expect(await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/flaky" AND MagusPhase="ready"`)).toContain(handle.workflowId);
@@ -203,9 +186,9 @@ test('a step that keeps failing is named where a user looks (progress, search at
 }, 120_000);
 
 test('a second pipeline for the same repo and revision transfers and converts nothing', async () => {
-  await settled(await start('tiny-first', spec(REPO)));
+  await pipelineSettled(await start('tiny-first', spec(REPO)));
   hub.stats.reset();
-  const p = await settled(await start('tiny-again', spec(REPO)));
+  const p = await pipelineSettled(await start('tiny-again', spec(REPO)));
   expect(p.phase).toBe('ready');
   for (const f of commit.files) expect([f.path, hub.stats.served(REPO, f.path)]).toEqual([f.path, 0]);
   expect(hub.stats.requests.filter((r) => r.path.includes('/resolve/') || r.server === 'cdn')).toEqual([]);
@@ -225,7 +208,7 @@ test.each([
   const name = `fail-${type.toLowerCase()}-${Math.random().toString(36).slice(2, 6)}`;
   const started = Date.now();
   const handle = await start(name, spec(repo, extra));
-  const p = await settled(handle, 20_000);
+  const p = await pipelineSettled(handle, 20_000);
   expect(Date.now() - started).toBeLessThan(15_000);
   expect(p.phase).toBe('failed');
   expect(p.failure?.type).toBe(type);
@@ -239,11 +222,11 @@ test.each([
 
 test('a failed pipeline re-plans when its spec changes, and the token stays out of the history', async () => {
   const handle = await start('gated', spec('magus-test/gated-llama'));
-  expect((await settled(handle)).failure?.type).toBe('Unauthorized');
+  expect((await pipelineSettled(handle)).failure?.type).toBe('Unauthorized');
   await handle.signal(specChangedSignal, spec('magus-test/gated-llama', { tokenRef: { env: 'MAGUS_TEST_HF_TOKEN' } }));
   // The old `failed` state lingers until the new run starts; wait for the generation to move.
   for (let i = 0; (await handle.query(progressQuery)).generation < 2 && i < 50; i++) await new Promise((r) => setTimeout(r, 100));
-  const p = await settled(handle);
+  const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', generation: 2 });
   const history = historyText(await handle.fetchHistory());
   expect(history.includes('MAGUS_TEST_HF_TOKEN')).toBe(true); // the reference is there…
@@ -253,7 +236,7 @@ test('a failed pipeline re-plans when its spec changes, and the token stays out 
 test('a byte corrupted by the source is caught by the checksum, after one fresh download', async () => {
   hub.setFaults({ corrupt: { path: 'model.safetensors', offset: 4096, times: 2 } });
   try {
-    const p = await settled(await start('corrupt', spec('magus-test/corrupt-llama')));
+    const p = await pipelineSettled(await start('corrupt', spec('magus-test/corrupt-llama')));
     expect(p.phase).toBe('failed');
     expect(p.failure?.type).toBe('ChecksumMismatch');
     expect(p.failure?.message).toContain('model.safetensors');

@@ -436,7 +436,10 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
     const format: WeightsFormat = d.quantize ? weights : 'f32';
     const cols = d.shape[d.shape.length - 1] ?? 0;
     if ((format === 'q40' || format === 'q80') && cols % QK !== 0) {
-      throw new ConvertError('BadBlockSize', `tensor ${d.name}: rows of ${cols} values cannot be split into ${QK}-value ${format} blocks`);
+      // Checked from config.json before anything is read or written; the checkpoint's own name of
+      // the tensor is what a user finds in the repository.
+      const source = d.source !== null && d.source !== d.name ? ` (${d.source})` : '';
+      throw new ConvertError('BadBlockSize', `tensor ${d.name}${source}: rows of ${cols} values cannot be split into ${QK}-value ${format} blocks; convert this model to f16 or f32`);
     }
     const elements = d.shape.reduce((a, b) => a * b, 1);
     const planned: PlannedTensor = {

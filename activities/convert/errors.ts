@@ -1,8 +1,8 @@
 /**
  * Errors raised by the conversion library. Every failure caused by the input model (a malformed
  * file, an unsupported layout, a non-finite weight) is a {@link ConvertError}: retrying cannot fix
- * it, so activities report it as a non-retryable failure of type `ConvertError` and keep `code` in
- * the message and details.
+ * it, so activities report it as a non-retryable failure of type `UnsupportedModel` whose message
+ * starts with `code` (activities/pipeline.ts `classify`).
  *
  * Tests and callers match on `name` and `code`, never on `instanceof` (errors cross worker-thread
  * and activity boundaries, where class identity is lost).

@@ -1,0 +1,190 @@
+/**
+ * Trained weights through the converter: stories260K (test/fixtures/stories260k.ts) converted to
+ * GGUF F32 and F16 generates, greedily from BOS alone in llama.cpp, exactly the text llama2.c
+ * generates from the original checkpoint; its distributed-llama f32 `.m` holds exactly llama2.c's
+ * weights (q/k back in llama2.c's order) and its `.t` spells that text. A random model cannot
+ * tell a wrong rotary un-permute from a right one by its text; this one can (without the
+ * fixture's permute, F32 goes astray after "there was a little").
+ * Quantized formats cannot hold its 172-value FFN rows and are refused before any tensor data is
+ * read or any output written.
+ */
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseModelSpec, planTensors } from '../activities/convert/arch';
+import { convertModel, type ConvertProgress } from '../activities/convert/convert';
+import { DLLAMA_TOKENIZER_MAGIC, DllamaTokenizerKey, planDllama } from '../activities/convert/dllama';
+import { readGguf } from '../activities/convert/gguf-reader';
+import { localCheckpoint } from '../activities/convert/safetensors';
+import type { CheckpointFiles } from '../activities/convert/types';
+import { modelsDir, STORIES260K, STORIES260K_TEXT, writeStories260k, type Stories260k } from './fixtures/stories260k';
+import { runLlamaCpp } from './support/llama-cpp';
+
+let root: string;
+let model: Stories260k;
+/** The GGUF conversions, by weights format. */
+const gguf = { f32: '', f16: '' };
+beforeAll(async () => {
+  root = mkdtempSync(join(tmpdir(), 'magus-stories260k-'));
+  model = await writeStories260k(join(root, 'hf'));
+  for (const weights of ['f32', 'f16'] as const) {
+    gguf[weights] = join(root, `stories260k-${weights}.gguf`);
+    await convertModel({ source: model.dir, format: 'gguf', weights, output: gguf[weights], threads: 2 });
+  }
+});
+afterAll(() => rmSync(root, { recursive: true, force: true }));
+
+/** Generated tokens: enough to cover the README's text (about 45 pieces) with room to spare. */
+const N_TOKENS = 64;
+
+/** A tensor's values in llama2.c's order, as the runtimes store them. */
+const llama2cBytes = (hfName: string): Buffer => {
+  const t = model.tensors.find((x) => x.name === hfName);
+  if (!t) throw new Error(`no tensor ${hfName} in the fixture`);
+  return Buffer.from(t.llama2c.buffer, t.llama2c.byteOffset, t.llama2c.byteLength);
+};
+
+const spec = () => parseModelSpec(JSON.parse(readFileSync(join(model.dir, 'config.json'), 'utf8')));
+const has = (name: string) => model.tensors.some((t) => t.name === name);
+
+describe('GGUF in llama.cpp', () => {
+  test.each(['f32', 'f16'] as const)('%s: greedy decoding from BOS generates the text llama2.c does', async (weights) => {
+    const got = await runLlamaCpp({ model: gguf[weights], promptTokens: [STORIES260K.bos], nTokens: N_TOKENS });
+    // F16 rounds every weight, but moves the top-1/top-2 logit margins by ~0.003 while the smallest
+    // margin within the text is 0.13 (0.07 at token 62, past it): it generates the whole text too.
+    expect(got.text.slice(0, STORIES260K_TEXT.length)).toBe(STORIES260K_TEXT);
+  }, 60_000);
+
+  test('f32: every tensor holds exactly llama2.c’s values, and the tokenizer is SentencePiece with BOS 1 / EOS 2', async () => {
+    const bytes = readFileSync(gguf.f32);
+    const file = await readGguf(new Uint8Array(bytes));
+    const kv = (k: string) => file.metadata.get(k)?.value;
+    expect([kv('tokenizer.ggml.model'), kv('tokenizer.ggml.bos_token_id'), kv('tokenizer.ggml.eos_token_id'), (kv('tokenizer.ggml.tokens') as unknown[]).length]).toEqual(['llama', 1, 2, 512]);
+    const plan = planTensors(spec(), 'gguf', 'f32', has);
+    expect(file.tensors.map((t) => t.name)).toEqual(plan.map((t) => t.name));
+    for (const [i, t] of file.tensors.entries()) {
+      const data = bytes.subarray(t.absoluteOffset, t.absoluteOffset + (t.byteLength ?? 0));
+      expect([t.name, data.equals(llama2cBytes(plan[i]!.source!))]).toEqual([t.name, true]);
+    }
+  });
+});
+
+/** The `.t` file's header values, EOS ids and each token's bytes (distributed-llama's tokenizer.cpp layout). */
+function readDllamaTokenizer(t: Buffer): { header: Map<number, number>; eos: number[]; tokens: Buffer[] } {
+  expect(t.readInt32LE(0)).toBe(DLLAMA_TOKENIZER_MAGIC);
+  const headerSize = t.readInt32LE(4);
+  const header = new Map<number, number>();
+  for (let at = 8; at < headerSize; at += 8) header.set(t.readInt32LE(at), t.readInt32LE(at + 4));
+  let at = headerSize + (header.get(DllamaTokenizerKey.chat_template) ?? 0);
+  const eos: number[] = [];
+  for (let i = 0; i < (header.get(DllamaTokenizerKey.n_eos_tokens) ?? 0); i++, at += 4) eos.push(t.readInt32LE(at));
+  const tokens: Buffer[] = [];
+  for (let i = 0; i < (header.get(DllamaTokenizerKey.vocab_size) ?? 0); i++) {
+    const length = t.readUInt32LE(at + 4);
+    tokens.push(t.subarray(at + 8, at + 8 + length));
+    at += 8 + length;
+  }
+  expect(at).toBe(t.length);
+  return { header, eos, tokens };
+}
+
+// No distributed-llama engine runs in CI. By hand (distributed-llama 8d624a7, `dllama inference
+// --temperature 0 --prompt ""`, i.e. BOS alone) this `.m`/`.t` generates the text, but only from a
+// build without AVX2: its AVX2 f32 matmul asserts rows of a multiple of 8, and 172 is not.
+test('distributed-llama f32: the .m is its header and llama2.c’s weights, the .t spells the text from llama.cpp’s tokens', async () => {
+  const out = join(root, 'dllama-f32');
+  await convertModel({ source: model.dir, format: 'dllama', weights: 'f32', output: out, threads: 2 });
+  const plan = planDllama(spec(), 'f32', has);
+  expect(Object.fromEntries(plan.header)).toMatchObject({ dim: 64, hidden_dim: 172, n_layers: 5, n_heads: 8, n_kv_heads: 4, vocab_size: 512, max_seq_len: 512, weights_float_type: 0, rope_theta: 10000, norm_epsilon: 5 });
+  // The classifier is the (tied) embedding again, last.
+  expect(plan.tensors.at(-1)?.source).toBe('model.embed_tokens.weight');
+  const expected = Buffer.concat([plan.headerBytes, ...plan.tensors.map((t) => llama2cBytes(t.source!))]);
+  expect(readFileSync(join(out, 'model.m')).equals(expected)).toBe(true);
+
+  const tokenizer = readDllamaTokenizer(readFileSync(join(out, 'tokenizer.t')));
+  expect([tokenizer.header.get(DllamaTokenizerKey.bos_id), tokenizer.eos, tokenizer.header.get(DllamaTokenizerKey.add_bos)]).toEqual([1, [2], 1]);
+  const { tokens } = await runLlamaCpp({ model: gguf.f32, promptTokens: [STORIES260K.bos], nTokens: N_TOKENS });
+  // SentencePiece's leading space of the first piece is dropped after BOS, as run.c and llama.cpp do.
+  const text = Buffer.concat(tokens.map((id) => tokenizer.tokens[id]!)).toString('utf8').replace(/^ /, '');
+  expect(text.slice(0, STORIES260K_TEXT.length)).toBe(STORIES260K_TEXT);
+}, 60_000);
+
+/** The fixture folder, recording every byte range read from model.safetensors. */
+function recordingReads(dir: string): { checkpoint: CheckpointFiles; reads: { offset: number; length: number }[] } {
+  const local = localCheckpoint(dir);
+  const reads: { offset: number; length: number }[] = [];
+  const checkpoint: CheckpointFiles = {
+    location: local.location,
+    readText: (name) => local.readText(name),
+    async open(name) {
+      const source = await local.open(name);
+      return {
+        name: source.name,
+        size: () => source.size(),
+        close: () => source.close(),
+        read(offset, length, into) {
+          reads.push({ offset, length });
+          return source.read(offset, length, into);
+        },
+      };
+    },
+  };
+  return { checkpoint, reads };
+}
+
+describe('quantized formats cannot hold its 172-value FFN rows', () => {
+  test.each([
+    ['gguf', 'q40', 'blk.0.ffn_down.weight (model.layers.0.mlp.down_proj.weight)'],
+    ['gguf', 'q80', 'blk.0.ffn_down.weight (model.layers.0.mlp.down_proj.weight)'],
+    ['dllama', 'q40', 'model.layers.0.mlp.down_proj.weight'],
+    ['dllama', 'q80', 'model.layers.0.mlp.down_proj.weight'],
+  ] as const)('%s %s is refused naming the tensor, its row length and the block, before any tensor is read or output written', async (format, weights, tensor) => {
+    const { checkpoint, reads } = recordingReads(model.dir);
+    const progress: ConvertProgress[] = [];
+    const out = join(root, `refused-${format}-${weights}`);
+    const output = format === 'gguf' ? `${out}.gguf` : out;
+    const err = await convertModel({ source: checkpoint, format, weights, output, threads: 2, onProgress: (p) => progress.push(p) }).catch((e: unknown) => e);
+    expect(err).toMatchObject({
+      name: 'ConvertError',
+      code: 'BadBlockSize',
+      message: `tensor ${tensor}: rows of 172 values cannot be split into 32-value ${weights} blocks; convert this model to f16 or f32`,
+    });
+    // Only the safetensors header was read (its 8-byte length, then the JSON), no tensor data.
+    const headerEnd = 8 + Number(readFileSync(join(model.dir, 'model.safetensors')).readBigUInt64LE(0));
+    expect(reads.length).toBeGreaterThan(0);
+    expect(reads.filter((r) => r.offset + r.length > headerEnd)).toEqual([]);
+    expect(progress).toEqual([]);
+    expect(readdirSync(root).filter((f) => f.startsWith(`refused-${format}-${weights}`))).toEqual([]);
+  });
+});
+
+describe('the fixture refuses inputs it cannot vouch for', () => {
+  const withModelsDir = async (dir: string): Promise<unknown> => {
+    const before = process.env.MAGUS_MODELS_DIR;
+    process.env.MAGUS_MODELS_DIR = dir;
+    try {
+      return await writeStories260k(join(dir, 'out')).catch((e: unknown) => e);
+    } finally {
+      if (before === undefined) delete process.env.MAGUS_MODELS_DIR;
+      else process.env.MAGUS_MODELS_DIR = before;
+    }
+  };
+
+  test('a missing file is named with where the models are looked for', async () => {
+    const empty = mkdtempSync(join(root, 'no-models-'));
+    const err = (await withModelsDir(empty)) as Error;
+    expect(err.message).toContain(join(empty, 'stories260K'));
+    expect(err.message).toContain('MAGUS_MODELS_DIR');
+  });
+
+  test('a file that differs is named with its sha256 and the expected one', async () => {
+    const copy = mkdtempSync(join(root, 'bad-models-'));
+    mkdirSync(join(copy, 'stories260K'));
+    copyFileSync(join(modelsDir(), 'stories260K', 'tok512.bin'), join(copy, 'stories260K', 'tok512.bin'));
+    const bin = readFileSync(join(modelsDir(), 'stories260K', 'stories260K.bin'));
+    bin[1000] = bin[1000]! ^ 1;
+    writeFileSync(join(copy, 'stories260K', 'stories260K.bin'), bin);
+    const err = (await withModelsDir(copy)) as Error;
+    expect(err.message).toMatch(/stories260K\.bin is not the expected file \(1056540 bytes, sha256 [0-9a-f]{64}; expected 1056540 bytes, sha256 b0a507e7/);
+  });
+});

@@ -1,0 +1,134 @@
+/**
+ * Trained weights through the real pipeline: the fixture hub serves stories260K
+ * (test/fixtures/stories260k.ts) as a repository, `modelPipeline` on the real Temporal dev server,
+ * nats-server and MinIO pulls it to S3 and converts it, and the GGUFs read back from S3 generate
+ * llama2.c's text in llama.cpp. Quantized formats, which its 172-value FFN rows cannot fit, end
+ * the pipeline in `failed` with a typed permanent failure naming the tensor, shown in the
+ * `Model`'s conditions, and nothing published.
+ */
+import { CreateBucketCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
+import type { Client, Connection } from '@temporalio/client';
+import { temporal } from '@temporalio/proto';
+import { createHash } from 'node:crypto';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import { CONVERTER_VERSION } from '../activities/convert/convert';
+import { modelConditions } from '../activities/kubernetes/status';
+import { dataPlaneNames } from '../activities/nats/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
+import { listIncompleteUploads } from '../activities/storage/cleanup';
+import { artifactPrefix, type ArtifactRequest, type ModelSpec } from '../shared/model';
+import type { MagusConfig } from '../workers/config';
+import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
+import { STORIES260K, STORIES260K_TEXT, writeStories260k } from './fixtures/stories260k';
+import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
+import { runLlamaCpp } from './support/llama-cpp';
+
+const EventType = temporal.api.enums.v1.EventType;
+const iso = isolation();
+const REPO = 'karpathy/stories260K';
+
+let hub: FixtureHub;
+let commit: FixtureCommit;
+let workers: RunningWorkers;
+let client: Client;
+let connection: Connection;
+let nc: NatsConnection;
+let registry: ModelRegistry;
+let s3: S3Client;
+let dir: string;
+let cfg: MagusConfig;
+
+beforeAll(async () => {
+  dir = mkdtempSync(join(tmpdir(), 'magus-stories260k-pipeline-'));
+  await writeStories260k(join(dir, 'stories260K'));
+  hub = await startFixtureHub();
+  commit = await hub.addRepo({ id: REPO, dir: join(dir, 'stories260K') });
+  s3 = s3Client();
+  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  cfg = workerConfig(iso, dir, { convertThreads: 2 });
+  workers = await startWorkers(cfg);
+  ({ client, connection } = await temporalClient());
+  nc = await natsConnect();
+  registry = await openModelRegistry(nc, dataPlaneNames(iso.natsPrefix).modelsBucket);
+}, 120_000);
+
+afterAll(async () => {
+  await workers?.shutdown();
+  await hub?.stop();
+  await nc?.drain();
+  await connection?.close();
+  s3?.destroy();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+const spec = (artifacts: ArtifactRequest[]): ModelSpec => ({ source: { repo: REPO, hubUrl: hub.url }, artifacts, contextLength: 512 });
+const start = (name: string, s: ModelSpec) => startPipeline(client, iso, cfg.taskQueue, name, s);
+const sha256 = (bytes: Buffer) => createHash('sha256').update(bytes).digest('hex');
+
+test('pulled, converted to gguf:f32, gguf:f16 and dllama:f32, published; each GGUF from S3 generates llama2.c’s text in llama.cpp', async () => {
+  const handle = await start('stories', spec([
+    { format: 'gguf', weights: 'f32' },
+    { format: 'gguf', weights: 'f16' },
+    { format: 'dllama', weights: 'f32' },
+  ]));
+  const p = await pipelineSettled(handle);
+  expect(p).toMatchObject({ phase: 'ready', sha: commit.sha, failure: null });
+
+  const ready = await registry.get('default', 'stories');
+  expect(ready?.source).toEqual({ repo: REPO, revision: 'main', sha: commit.sha });
+  expect(ready?.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:f32', 'gguf:f16', 'dllama:f32']);
+  for (const artifact of ready!.artifacts) {
+    for (const f of artifact.files) {
+      const bytes = await objectBytes(s3, iso.bucket, f.key);
+      expect([f.key, bytes.length, sha256(bytes)]).toEqual([f.key, f.bytes, f.sha256]);
+      if (artifact.format !== 'gguf') continue;
+      const local = join(dir, `${artifact.weights}.gguf`);
+      writeFileSync(local, bytes);
+      const out = await runLlamaCpp({ model: local, promptTokens: [STORIES260K.bos], nTokens: 64 });
+      expect([artifact.weights, out.text.slice(0, STORIES260K_TEXT.length)]).toEqual([artifact.weights, STORIES260K_TEXT]);
+    }
+  }
+  expect(ready?.artifacts[2]?.files.map((f) => f.key.split('/').pop())).toEqual(['model.m', 'tokenizer.t']);
+  expect(await listIncompleteUploads(s3, iso.bucket)).toEqual([]);
+}, 120_000);
+
+/** How many times an activity type was scheduled, from the workflow's history. */
+async function scheduled(workflowId: string, activityType: string): Promise<number> {
+  const history = await client.workflow.getHandle(workflowId).fetchHistory();
+  return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED && e.activityTaskScheduledEventAttributes?.activityType?.name === activityType).length;
+}
+
+test.each([
+  ['gguf', 'q40', 'blk.0.ffn_down.weight (model.layers.0.mlp.down_proj.weight)'],
+  ['gguf', 'q80', 'blk.0.ffn_down.weight (model.layers.0.mlp.down_proj.weight)'],
+  ['dllama', 'q40', 'model.layers.0.mlp.down_proj.weight'],
+  ['dllama', 'q80', 'model.layers.0.mlp.down_proj.weight'],
+] as const)('%s:%s fails once, permanently, naming the tensor, its rows and the block; nothing is published', async (format, weights, tensor) => {
+  const name = `stories-${format}-${weights}`;
+  const handle = await start(name, spec([{ format, weights }]));
+  const p = await pipelineSettled(handle, 60_000);
+  const message = `BadBlockSize: tensor ${tensor}: rows of 172 values cannot be split into 32-value ${weights} blocks; convert this model to f16 or f32`;
+  expect(p).toMatchObject({ phase: 'failed', failure: { type: 'UnsupportedModel', message, during: 'converting' } });
+  expect(await scheduled(handle.workflowId, 'convertArtifact')).toBe(1);
+
+  // What `kubectl describe model` shows: downloaded, then conversion and readiness refused with the reason.
+  const conditions = modelConditions(p, 1).map(({ type, status, reason, message: m }) => ({ type, status, reason, message: m }));
+  expect(conditions).toEqual([
+    { type: 'Downloaded', status: 'True', reason: 'Downloaded', message: '' },
+    { type: 'Converted', status: 'False', reason: 'UnsupportedModel', message },
+    { type: 'Sized', status: 'False', reason: 'Pending', message: '' },
+    { type: 'Ready', status: 'False', reason: 'UnsupportedModel', message },
+  ]);
+
+  // Nothing in the registry, no artifact object and no upload left behind.
+  expect(await registry.get('default', name)).toBeFalsy();
+  const prefix = artifactPrefix(REPO, commit.sha, { format, weights }, CONVERTER_VERSION);
+  const listed = await s3.send(new ListObjectsV2Command({ Bucket: iso.bucket, Prefix: prefix }));
+  expect(listed.Contents ?? []).toEqual([]);
+  expect(await listIncompleteUploads(s3, iso.bucket, prefix)).toEqual([]);
+});
