@@ -127,7 +127,7 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
 
 test('a GGUF repository: the chosen file is transferred, checked and published as it is (no conversion), sized from its metadata, and runs in llama.cpp', async () => {
   const handle = await start('tiny-gguf', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { quantization: 'q8_0' } }, artifacts: [{ format: 'gguf', weights: 'source' }], contextLength: 128 });
-  const p = await settled(handle);
+  const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: ggufCommit.sha, failure: null });
   await recordHistory('model-pipeline-gguf-source', handle);
   expect(p.files).toEqual({ done: 1, total: 1 }); // neither the other quantization nor the README
@@ -149,7 +149,7 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
 
 test('a GGUF choice that matches nothing fails at once, typed, naming the files there are', async () => {
   const handle = await start('tiny-gguf-missing', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*Q4_K_M.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }] });
-  const p = await settled(handle);
+  const p = await pipelineSettled(handle);
   expect(p.phase).toBe('failed');
   expect(p.failure).toMatchObject({ type: 'NoSuchFile', during: 'resolving' });
   expect(p.failure?.message).toBe('source.gguf: file "*Q4_K_M.gguf" matches none of the repository\'s GGUF files: Tiny-Llama.F16.gguf, Tiny-Llama.Q8_0.gguf');
