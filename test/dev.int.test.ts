@@ -5,6 +5,7 @@
 import { execFileSync, spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import OpenAI from 'openai';
 
 test('magus dev serves the demo model (curl and kubectl), and SIGINT stops everything it started', async () => {
   // No --port: dev binds the gateway's port itself (a port picked here first could be taken by another test meanwhile).
@@ -37,11 +38,18 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(body).toContain('"object":"chat.completion.chunk"');
     expect(body.trimEnd().endsWith('data: [DONE]')).toBe(true);
 
+    // The demo is a real model (SmolLM2-135M-Instruct through the pipeline as a GGUF repository):
+    // asked with the official client, greedy, it answers right.
+    const openai = new OpenAI({ baseURL: `${base!}/v1`, apiKey: readFileSync(tokenFile, 'utf8').trim() });
+    const answer = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32 });
+    expect(answer.choices[0]?.message.content).toMatch(/\bParis\b/);
+    expect(answer.choices[0]?.finish_reason).toBe('stop');
+
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
     expect(kubectlLine).not.toBeNull();
     const models = execFileSync('kubectl', ['get', 'models', '--no-headers'], { env: { ...process.env, KUBECONFIG: kubectlLine![1] }, encoding: 'utf8' });
-    expect(models).toMatch(/^demo\s+magus-demo\/tiny-llama\s+Ready\s+100%\s+\S+ \S*B\s+True\s+/m);
+    expect(models).toMatch(/^demo\s+magus-demo\/SmolLM2-135M-Instruct-GGUF\s+Ready\s+100%\s+\S+ \S*B\s+True\s+/m);
   } finally {
     child.kill('SIGINT');
   }

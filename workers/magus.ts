@@ -68,7 +68,7 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+    'magus dev [--model org/repo | --demo smollm2|tiny] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
@@ -168,7 +168,7 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
   };
   const json = args.includes('--json');
   // A mistyped option (`--fresh-start`, `--datadir`) must not start a dev that ignores it.
-  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services']);
+  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services', '--demo']);
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
     if (valued.has(a)) i++;
@@ -180,8 +180,11 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
     if (port !== undefined && !/^\d{1,5}$/.test(port)) throw new Error(`--port ${port} is not a port number`);
     const dataDir = flag('--data-dir');
     if (args.includes('--data-dir') && !dataDir) throw new Error('--data-dir needs a folder');
+    const demo = flag('--demo');
+    if (args.includes('--demo') && demo !== 'smollm2' && demo !== 'tiny') throw new Error(`--demo ${demo ?? ''} must be smollm2 or tiny`);
     return load.dev().runDev({
       model: flag('--model'),
+      ...(demo === 'smollm2' || demo === 'tiny' ? { demo } : {}),
       port: port === undefined ? undefined : Number(port),
       tokenEnv: flag('--token-env'),
       kube: !args.includes('--no-kube'),

