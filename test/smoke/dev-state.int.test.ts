@@ -161,7 +161,7 @@ test('a restart on the same folder keeps the token, the ports, the models and th
   expect(readFileSync(tokenFile, 'utf8').trim()).toBe(first.token);
   // The same ports, as they were free again.
   expect([gatewayUrl, temporalUi]).toEqual([first.gatewayUrl, first.temporalUi]);
-  expect(run.stderr()).toContain('model "demo" (magus-demo/tiny-llama) is ready from an earlier run: not pulled again');
+  expect(run.stderr()).toContain('model "demo" (magus-demo/SmolLM2-135M-Instruct-GGUF) is ready from an earlier run: not pulled again');
   expect(run.stderr()).not.toMatch(/pulling magus-demo|transferring/);
 
   // The engines of the first run are gone: their pools and sessions were ended, so the same
@@ -187,6 +187,6 @@ test('--fresh starts over: a new token, and the old one is refused', async () =>
   expect(token).not.toBe(first.token);
   expect((await models(gatewayUrl, first.token)).status).toBe(401);
   expect(await models(gatewayUrl, token)).toEqual({ status: 200, ids: ['demo'] });
-  expect(run.stderr()).toContain('pulling magus-demo/tiny-llama');
+  expect(run.stderr()).toContain('pulling magus-demo/SmolLM2-135M-Instruct-GGUF');
   await stop(run, 'SIGINT');
 }, 240_000);

@@ -62,7 +62,7 @@ test('the Temporal UI of magus dev: workflows found by kind, model and phase; ea
   const failing = await browser.lookAtWorkflow('4-pipeline-retrying', temporalUi, 'model/default/model', 'user-metadata', /retrying resolveSource: attempt \d+ failed at \S+: HubError: .*127\.0\.0\.1:1\//);
   expect(failing).toContain('Model default/model: nowhere/model to S3, converted and sized');
   expect(failing).toMatch(/resolving · nowhere\/model · generation 1/);
-  const ready = await browser.lookAtWorkflow('5-pipeline-ready', temporalUi, 'model/default/demo', 'user-metadata', /ready · magus-demo\/tiny-llama @ [0-9a-f]{12}/);
+  const ready = await browser.lookAtWorkflow('5-pipeline-ready', temporalUi, 'model/default/demo', 'user-metadata', /ready · magus-demo\/SmolLM2-135M-Instruct-GGUF @ [0-9a-f]{12}/);
   expect(ready).toMatch(/published: the model can be served/);
   const pool = await browser.lookAtWorkflow('6-pool', temporalUi, 'pool/default/demo', 'user-metadata', /serving · model default\/demo · 1 of 0\.\.\d+ instances/);
   expect(pool).toContain('Instances serving model default/demo');
