@@ -16,14 +16,14 @@
  * it is ready is started again on newly chosen ports (at most `portAttempts` times, each from a
  * clean data path); only then does the start fail, naming the server and the port.
  */
-import { execFile, spawn, type ChildProcess } from 'node:child_process';
+import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes, generateKeyPairSync } from 'node:crypto';
 import { createWriteStream, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { connect, createServer } from 'node:net';
 import { cpus, tmpdir } from 'node:os';
 import { dirname, join } from 'node:path';
 import { request as httpsRequest } from 'node:https';
-import { promisify } from 'node:util';
+import { createInterface } from 'node:readline';
 
 export type ServiceName = 'temporal' | 'nats' | 's3' | 'kubernetes';
 export const ALL_SERVICES: readonly ServiceName[] = ['temporal', 'nats', 's3', 'kubernetes'];
@@ -133,7 +133,6 @@ const BINARIES_OF: Record<ServiceName, BinaryName[]> = {
   kubernetes: ['etcd', 'kube-apiserver'],
 };
 
-const execFileP = promisify(execFile);
 /** The checkout this module lives in, from sources (workers/dev) or from dist/workers/dev. */
 export const REPO_ROOT = (() => {
   let dir = __dirname;
@@ -146,19 +145,43 @@ export const REPO_ROOT = (() => {
 })();
 const DATA_PREFIX = 'magus-services-';
 
+/** How often a build that is still running says so (with how long it has taken). */
+const BUILD_NOTE_EVERY_MS = 30_000;
+
 /**
  * Resolves every server binary through `scripts/dev-services --json` (env var → PATH → cache →
- * build). The script is the one place that knows versions and how to build them.
+ * build). The script is the one place that knows versions and how to build them. With `log`, what
+ * it says (which server it builds, that it happens once) is passed on as it comes, and a build
+ * still running is noted every 30 s with its time so far: a first start builds for minutes.
  */
-export async function resolveBinaries(names: BinaryName[]): Promise<Binaries> {
+export async function resolveBinaries(names: BinaryName[], log?: (line: string) => void): Promise<Binaries> {
   const script = join(REPO_ROOT, 'scripts', 'dev-services');
+  // Under setpriv too: a build takes minutes, and must not outlive a magus dev stopped meanwhile.
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', script, '--json', ...names], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let stdout = '';
+  let stderr = '';
+  let building: { what: string; since: number } | undefined;
+  child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+  createInterface({ input: child.stderr }).on('line', (line) => {
+    stderr += `${line}\n`;
+    const b = /^dev-services: building (\S+)/.exec(line);
+    if (b) building = { what: b[1]!, since: Date.now() };
+    log?.(line.replace(/^dev-services: /, ''));
+  });
+  const note = log && setInterval(() => building && log(`still building ${building.what} (${Math.round((Date.now() - building.since) / 1000)} s so far)`), BUILD_NOTE_EVERY_MS);
+  const limit = setTimeout(() => child.kill('SIGKILL'), 60 * 60 * 1000);
   try {
-    // Under setpriv too: a build takes minutes, and must not outlive a magus dev stopped meanwhile.
-    const { stdout } = await execFileP('setpriv', ['--pdeathsig', 'KILL', '--', script, '--json', ...names], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
+    const code = await new Promise<number | null>((resolve, reject) => {
+      child.once('error', reject);
+      child.once('close', resolve);
+    });
+    if (code !== 0) throw new Error(`exit ${code}`);
     return JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as Binaries;
   } catch (err) {
-    const stderr = (err as { stderr?: string }).stderr ?? '';
-    throw new Error(`could not resolve the server binaries; run 'scripts/dev-services' to build them.\n${stderr}`);
+    throw new Error(`could not resolve the server binaries (${(err as Error).message}); run 'scripts/dev-services' to build them.\n${stderr}`);
+  } finally {
+    clearInterval(note);
+    clearTimeout(limit);
   }
 }
 
@@ -463,7 +486,7 @@ export async function startServices(opts: StartOptions = {}): Promise<RunningSer
   const logDir = join(dataDir, 'logs');
   mkdirSync(logDir, { recursive: true });
 
-  const resolved = await resolveBinaries([...wanted].flatMap((s) => BINARIES_OF[s]));
+  const resolved = await resolveBinaries([...wanted].flatMap((s) => BINARIES_OF[s]), say);
   const bins = (name: BinaryName): string => {
     const path = resolved[name];
     if (!path) throw new Error(`scripts/dev-services did not resolve ${name}`);
