@@ -7,7 +7,9 @@
  * are checked to leave no output behind.
  *
  * The layout (Q/K rows taken as the GGUF has them) was also checked once by hand with the real
- * distributed-llama on SmolLM2-135M-Instruct.Q4_1.gguf; see activities/README.md.
+ * distributed-llama (b4rtaz/distributed-llama 8d624a7) on SmolLM2-135M-Instruct.Q4_1.gguf: its f32
+ * `.m`, given llama.cpp's tokens for a ChatML "What is the capital of France?", generates the
+ * same 12 tokens as llama.cpp does on the GGUF ("The capital of France is Paris." and on).
  */
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -17,6 +19,7 @@ import { type ConvertProgress, convertModel, loadModelSpec, loadTokenizer } from
 import { encodeDllamaTokenizer, planDllama } from './dllama';
 import { dequantizeQ40, dequantizeQ41, dequantizeQ80 } from './gguf-dequant';
 import { convertGgufToDllama } from './gguf-dllama';
+import { readGguf } from './gguf-reader';
 import { F16_TABLE, f32ToF16Bits } from './quant';
 import { bytesSource, localCheckpoint } from './safetensors';
 import type { WeightsFormat } from './types';
@@ -91,6 +94,15 @@ function worstBlockError(expected: Float32Array, actual: Float32Array): number {
 
 const headerOf = (m: Buffer): Buffer => m.subarray(0, m.readInt32LE(4));
 
+/** Where tensor `name`'s ggml type id is in a GGUF's tensor infos: after its length-prefixed name, dim count and dims. */
+function typeIdOffset(file: Buffer, name: string): number {
+  const key = Buffer.alloc(8 + Buffer.byteLength(name));
+  key.writeBigUInt64LE(BigInt(key.length - 8));
+  key.write(name, 8);
+  const at = file.indexOf(key) + key.length;
+  return at + 4 + 8 * file.readUInt32LE(at);
+}
+
 describe('convertGgufToDllama: a GGUF holding the source values exactly', () => {
   const models: Record<string, TinyModelOptions> = {
     'llama (untied, Q/K permuted)': { dtype: 'F32' },
@@ -106,7 +118,9 @@ describe('convertGgufToDllama: a GGUF holding the source values exactly', () => 
     }
   });
 
-  const cases = Object.keys(models).flatMap((name) => (['f32', 'f16', 'q80', 'q40'] as const).map((w) => [name, w] as const));
+  // Every weights format for llama; qwen3 (no Q/K permutation, tied) for the exact and the 4-bit case.
+  const formats: Record<string, readonly WeightsFormat[]> = { 'llama (untied, Q/K permuted)': ['f32', 'f16', 'q80', 'q40'], 'qwen3 (tied embeddings)': ['f32', 'q40'] };
+  const cases = Object.entries(formats).flatMap(([name, ws]) => ws.map((w) => [name, w] as const));
   test.each(cases)('%s, F32 GGUF → %s: the same .m bytes as from the safetensors', async (name, weights) => {
     const expected = await direct(dirs[name]!, weights);
     const actual = await viaGguf(ggufs[name]!, weights);
@@ -180,7 +194,6 @@ describe('convertGgufToDllama: quantized and half-precision GGUFs', () => {
     ['q40', 'f32', 1 / 8 + scale],
     ['q40', 'q40', 1 / 8 + 2 * scale],
     ['q80', 'q40', 1 / 8 + 0.5 / 127 + 2 * scale],
-    ['q40', 'q80', 1 / 8 + 0.5 / 127 + 2 * scale],
   ];
   test.each(cases)('%s GGUF → %s: same header, every value within %f of its block\'s largest', async (ggufWeights, weights, bound) => {
     const actual = await viaGguf(await gguf(model, ggufWeights), weights);
@@ -201,6 +214,58 @@ describe('convertGgufToDllama: quantized and half-precision GGUFs', () => {
   });
 });
 
+describe('convertGgufToDllama: BF16 and Q4_1 tensors (types magus does not write: patched in)', () => {
+  let model: string;
+  beforeAll(async () => {
+    model = fresh('tiny-types');
+    await writeTinyModel(model, { seed: 13, dtype: 'F16' });
+  });
+
+  /** Tensor `name`'s data and the offset of its ggml type id, in a GGUF's bytes. */
+  async function locate(file: Buffer, name: string): Promise<{ data: Buffer; typeAt: number }> {
+    const entry = (await readGguf(new Uint8Array(file))).tensors.find((t) => t.name === name)!;
+    const at = typeIdOffset(file, name);
+    return { data: file.subarray(entry.absoluteOffset, entry.absoluteOffset + entry.byteLength!), typeAt: at };
+  }
+
+  async function tensorOf(file: Buffer, name: string): Promise<Float32Array> {
+    const path = `${fresh('patched')}.gguf`;
+    writeFileSync(path, file);
+    const decoded = await decodeModel(model, 'f32', (await viaGguf(path, 'f32')).m);
+    return decoded.find((t) => t.name === name)!.values;
+  }
+
+  it('BF16: each 16-bit value is the top half of a float32', async () => {
+    const file = readFileSync(await gguf(model, 'f16'));
+    const { data, typeAt } = await locate(file, 'blk.0.ffn_up.weight');
+    file.writeUInt32LE(30, typeAt);
+    const bits = new Uint16Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength));
+    const values = await tensorOf(file, 'model.layers.0.mlp.up_proj.weight');
+    expect(Array.from(values)).toEqual(Array.from(bits, (h) => new Float32Array(new Uint32Array([h << 16]).buffer)[0]));
+  });
+
+  it('Q4_1: 20-byte blocks expanded by the Q4_1 kernel (the last tensor, so its longer data fits)', async () => {
+    const q40 = readFileSync(await gguf(model, 'q40'));
+    const { data, typeAt } = await locate(q40, 'output.weight');
+    expect(data.byteOffset + data.length).toBe(q40.length); // the last tensor's data ends the file
+    const blocks = data.length / 18;
+    // Blocks of d = k/256, m = −k/64 (k = 1..7) and a nibble pattern, in place of the Q4_0 data.
+    const q41 = Buffer.alloc(blocks * 20);
+    for (let b = 0; b < blocks; b++) {
+      const k = (b % 7) + 1;
+      q41.writeUInt16LE(f32ToF16Bits(k / 256), b * 20);
+      q41.writeUInt16LE(f32ToF16Bits(-k / 64), b * 20 + 2);
+      for (let j = 0; j < 16; j++) q41[b * 20 + 4 + j] = (b * 3 + j * 5) & 0xff;
+    }
+    const file = Buffer.concat([q40.subarray(0, data.byteOffset), q41]);
+    file.writeUInt32LE(3, typeAt);
+    const expected = new Float32Array(blocks * 32);
+    dequantizeQ41(new Uint8Array(q41), expected);
+    expect(expected[1]).toBe(Math.fround(5 / 256 - 1 / 64)); // block 0: d = 1/256, m = −1/64, q = 5
+    expect(Array.from(await tensorOf(file, 'lm_head.weight'))).toEqual(Array.from(expected));
+  });
+});
+
 describe('convertGgufToDllama: refusals', () => {
   let file: Buffer;
   beforeAll(async () => {
@@ -212,9 +277,7 @@ describe('convertGgufToDllama: refusals', () => {
   /** The GGUF with one tensor's ggml type id replaced (its data then reads shorter: no overlap). */
   function withTensorType(name: string, ggmlType: number): Buffer {
     const copy = Buffer.from(file);
-    const at = copy.indexOf(Buffer.from(name, 'utf8'));
-    const nDims = copy.readUInt32LE(at + name.length);
-    copy.writeUInt32LE(ggmlType, at + name.length + 4 + 8 * nDims);
+    copy.writeUInt32LE(ggmlType, typeIdOffset(copy, name));
     return copy;
   }
 
