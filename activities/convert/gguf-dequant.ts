@@ -15,8 +15,8 @@
  * q·d is exact in float32 (at most 8 + 11 significant bits); Q4_1's `+ m` rounds once to float32.
  */
 import { ConvertError } from './errors';
-import type { GgufTensorEntry } from './gguf-reader';
-import { F16_TABLE, QK } from './quant';
+import type { GgufFile, GgufTensorEntry } from './gguf-reader';
+import { decodeToF32, F16_TABLE, QK } from './quant';
 import type { ByteSource, SourceDType, SourceTensor } from './types';
 
 /** ggml type names by id (ggml.h `ggml_type`), for messages. */
@@ -136,4 +136,16 @@ function dequantizedSource(file: ByteSource, t: GgufTensorEntry, block: BlockTyp
       return out;
     },
   };
+}
+
+/**
+ * The values of a GGUF's `rope_freqs.weight` (Llama 3 rope scaling factors, see gguf-spec.ts
+ * `specFromGguf`), or undefined when it has none.
+ * @throws ConvertError `UnsupportedDType`, `NonFinite`
+ */
+export async function ggufRopeFreqs(source: ByteSource, file: GgufFile): Promise<Float32Array | undefined> {
+  const entry = file.tensors.find((t) => t.name === 'rope_freqs.weight');
+  if (!entry) return undefined;
+  const t = ggufSourceTensor(source, entry);
+  return decodeToF32({ dtype: t.dtype, bytes: await t.source.read(t.offset, t.byteLength) }, undefined, { label: `${source.name}: tensor ${t.name}` });
 }

@@ -17,7 +17,7 @@ import { type ModelSpec, planTensors } from './arch';
 import { CHUNK_ELEMENTS, type ConvertProgress, type ConvertResult, type Output, tensorStreamer, WEIGHTS_FORMATS, writeDllama } from './convert';
 import { planDllama } from './dllama';
 import { ConvertError } from './errors';
-import { checkDequantizable, ggufSourceTensor } from './gguf-dequant';
+import { checkDequantizable, ggufRopeFreqs, ggufSourceTensor } from './gguf-dequant';
 import { type GgufFile, readGguf } from './gguf-reader';
 import { specFromGguf } from './gguf-spec';
 import { tokenizerFromGguf } from './gguf-tokenizer';
@@ -78,7 +78,8 @@ async function openLocal(path: string): Promise<ByteSource & { close(): Promise<
  * Converts a GGUF model to distributed-llama files (see the module comment); outputs are written
  * under temporary names and renamed when complete.
  * @throws ConvertError for every input-caused failure: `MissingFile`, `TruncatedFile`,
- *   `BadHeader`, `UnsupportedArchitecture`, `UnsupportedConfig`, `MissingTensor`, `ShapeMismatch`,
+ *   `BadHeader`, `UnsupportedArchitecture`, `UnsupportedConfig` (also for Llama 3 rope factors that
+ *   match no scaling), `MissingTensor`, `ShapeMismatch`,
  *   `UnsupportedDType` (a tensor type that cannot be dequantized, e.g. Q4_K: use the safetensors
  *   repository), `BadBlockSize`, `NonFinite`.
  */
@@ -89,10 +90,11 @@ export async function convertGgufToDllama(opts: GgufToDllamaOptions): Promise<Co
   let pool: QuantPool | undefined;
   try {
     const file = await readGgufHeader(source);
-    const spec = specFromGguf(file);
+    for (const t of file.tensors) checkDequantizable(t);
+    const ropeFreqs = await ggufRopeFreqs(source, file);
+    const spec = specFromGguf(file, ropeFreqs ? { ropeFreqs } : {});
     const tokenizer = tokenizerFromGguf(file);
     const entries = new Map(file.tensors.map((t) => [t.name, t]));
-    for (const t of file.tensors) checkDequantizable(t);
 
     const names = ggufTensorNames(spec);
     const entry = (hf: string) => entries.get(names.get(hf) ?? '');

@@ -11,7 +11,9 @@ import { parseModelSpec, type ModelSpec } from './arch';
 import { convertModel } from './convert';
 import type { GgufValue } from './gguf';
 import { type GgufFile, readGguf } from './gguf-reader';
+import { ggufRopeFreqs } from './gguf-dequant';
 import { decimalOfFloat32, specFromGguf } from './gguf-spec';
+import { bytesSource } from './safetensors';
 
 let root: string;
 beforeAll(() => {
@@ -20,12 +22,13 @@ beforeAll(() => {
 afterAll(() => rmSync(root, { recursive: true, force: true }));
 
 /** The tiny model `name` written with `opts`, converted to an F32 GGUF: its header and its config's spec. */
-async function tinyGguf(name: string, opts: TinyModelOptions): Promise<{ file: GgufFile; config: ModelSpec }> {
+async function tinyGguf(name: string, opts: TinyModelOptions): Promise<{ file: GgufFile; bytes: Uint8Array; config: ModelSpec }> {
   const dir = join(root, name);
   const model = await writeTinyModel(dir, { seed: 3, ...opts });
   const out = join(root, `${name}.gguf`);
   await convertModel({ source: dir, format: 'gguf', weights: 'f32', output: out, threads: 1 });
-  return { file: await readGguf(new Uint8Array(readFileSync(out))), config: parseModelSpec(model.config) };
+  const bytes = new Uint8Array(readFileSync(out));
+  return { file: await readGguf(bytes), bytes, config: parseModelSpec(model.config) };
 }
 
 /** `file` with metadata keys set (or removed, given undefined) and tensors filtered or added. */
@@ -38,9 +41,9 @@ function edited(file: GgufFile, kvs: Record<string, GgufValue | undefined>, tens
   return { ...file, metadata, tensors: tensors ? tensors(file.tensors) : file.tensors };
 }
 
-function refusal(file: GgufFile): { name: string; code: string; message: string } {
+function refusal(file: GgufFile, options?: { ropeFreqs: Float32Array }): { name: string; code: string; message: string } {
   try {
-    specFromGguf(file);
+    specFromGguf(file, options);
   } catch (err) {
     return err as { name: string; code: string; message: string };
   }
@@ -114,11 +117,28 @@ describe('specFromGguf', () => {
     expect(extra.message).toContain('blk.0.attn_q.bias');
   });
 
-  it('refuses Llama 3 rope scaling, which a GGUF keeps only as rope_freqs factors', async () => {
+  it('recovers Llama 3 rope scaling from the rope_freqs factors, and refuses it without them or when they match no scaling', async () => {
     const scaled = await tinyGguf('llama-rope', { dtype: 'F32', ropeScaling: true });
-    const err = refusal(scaled.file);
+    const ropeFreqs = await ggufRopeFreqs(bytesSource('llama-rope.gguf', scaled.bytes), scaled.file);
+    expect(ropeFreqs).toHaveLength(8);
+    const spec = specFromGguf(scaled.file, { ropeFreqs: ropeFreqs! });
+    expect(spec.ropeScaling).toEqual({ type: 'llama3', factor: 8, lowFreqFactor: 1, highFreqFactor: 4, originalMaxPositionEmbeddings: 64 });
+    expect(spec).toEqual({ ...scaled.config, eosTokenIds: [scaled.config.eosTokenIds[1]], explicit: { headDim: false, ropeTheta: true } });
+
+    const without = refusal(scaled.file);
+    expect(without).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig' });
+    expect(without.message).toContain('rope_freqs.weight');
+    const tampered = Float32Array.from(ropeFreqs!, (f, i) => (i === 4 ? f * 1.01 : f));
+    const unmatched = refusal(scaled.file, { ropeFreqs: tampered });
+    expect(unmatched).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig' });
+    expect(unmatched.message).toContain('match no Llama 3 scaling');
+  });
+
+  it('refuses rope factors on qwen3', () => {
+    const freqs = llama.file.tensors.find((t) => t.name === 'output_norm.weight')!;
+    const err = refusal(edited(qwen3.file, {}, (ts) => [...ts, { ...freqs, name: 'rope_freqs.weight', dims: [16] }]), { ropeFreqs: new Float32Array(16).fill(1) });
     expect(err).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig' });
-    expect(err.message).toContain('rope_freqs.weight');
+    expect(err.message).toContain('not supported for qwen3');
   });
 });
 

@@ -11,7 +11,7 @@
  *
  * Pure code: no I/O.
  */
-import { type ArchName, type ModelSpec, planTensors } from './arch';
+import { type ArchName, type Llama3RopeScaling, llama3RopeFactors, type ModelSpec, planTensors } from './arch';
 import { ConvertError } from './errors';
 import type { GgufValue } from './gguf';
 import type { GgufFile } from './gguf-reader';
@@ -118,12 +118,17 @@ export function ggufTokenId(file: GgufFile, key: string): number | null {
  * BOS/EOS come from `tokenizer.ggml.*` (EOS followed by EOT/EOM when the file names them, the
  * ids a chat turn may end with). `explicit` marks what distributed-llama must be told: a rope
  * theta other than its default (the GGUF always states one).
+ *
+ * Llama 3 rope scaling has no metadata in a GGUF: llama.cpp's converter keeps only its per-pair
+ * factors, as the tensor `rope_freqs.weight`. Given those values (`options.ropeFreqs`, read by
+ * gguf-dequant.ts `ggufRopeFreqs`), the scaling parameters are recovered
+ * ({@link llama3ScalingFromFactors}); without them such a file is refused.
  * @throws ConvertError `UnsupportedArchitecture` naming any architecture but llama and qwen3;
- *   `UnsupportedConfig` for missing or malformed hyper-parameters, rope scaling (llama.cpp keeps
- *   Llama 3's as a `rope_freqs.weight` tensor of factors, which the spec cannot hold), keys that
- *   change the math, and missing, misshapen or unexpected tensors.
+ *   `UnsupportedConfig` for missing or malformed hyper-parameters, rope factors that are absent
+ *   or match no Llama 3 scaling, keys that change the math, and unexpected tensors;
+ *   `MissingTensor`/`ShapeMismatch` for the tensors the architecture needs.
  */
-export function specFromGguf(file: GgufFile): ModelSpec {
+export function specFromGguf(file: GgufFile, options: { ropeFreqs?: Float32Array } = {}): ModelSpec {
   const archValue = file.metadata.get('general.architecture');
   if (archValue === undefined) throw unsupported('general.architecture', 'is missing');
   if (archValue.type !== 'string') throw unsupported('general.architecture', `=${show(archValue)} is not a string`);
@@ -136,9 +141,6 @@ export function specFromGguf(file: GgufFile): ModelSpec {
   for (const [key, implemented] of Object.entries(DANGEROUS_KEYS)) {
     const v = m.get(key);
     if (v !== undefined && !implemented(v)) throw unsupported(`${arch}.${key}`, `=${show(v)} is not supported`);
-  }
-  if (file.tensors.some((t) => t.name === 'rope_freqs.weight')) {
-    throw unsupported('tensor rope_freqs.weight', '(Llama 3 rope scaling) is not supported: convert the model from its safetensors repository instead');
   }
 
   const hidden = m.integer('embedding_length');
@@ -183,8 +185,40 @@ export function specFromGguf(file: GgufFile): ModelSpec {
     hiddenAct: 'silu',
     explicit: { headDim: false, ropeTheta: ropeTheta !== DEFAULT_ROPE_THETA },
   };
+  if (file.tensors.some((t) => t.name === ROPE_FREQS)) {
+    if (archName !== 'llama') throw unsupported(`tensor ${ROPE_FREQS}`, `(rope scaling) is not supported for ${archName}`);
+    if (!options.ropeFreqs) throw unsupported(`tensor ${ROPE_FREQS}`, '(Llama 3 rope scaling) is present: its values are needed to read the scaling');
+    spec.ropeScaling = llama3ScalingFromFactors(spec, options.ropeFreqs);
+  }
   checkTensorTable(file, spec);
   return spec;
+}
+
+const ROPE_FREQS = 'rope_freqs.weight';
+
+/**
+ * The Llama 3 rope scaling whose factors (computed as arch.ts `llama3RopeFactors`, in float32)
+ * are exactly `factors`. `factor` is the largest factor; the others are searched over integers
+ * (distributed-llama's header stores them as integers): low from 1, high above it, and the
+ * original context a power of two. Scaling all three by the same k gives the same factors, so
+ * the first match (the smallest low, 1 for every published Llama 3.x) stands for them all.
+ * @throws ConvertError `UnsupportedConfig` when no such scaling reproduces the factors
+ */
+export function llama3ScalingFromFactors(spec: ModelSpec, factors: Float32Array): Llama3RopeScaling {
+  if (factors.length !== spec.headDim / 2) throw unsupported(`tensor ${ROPE_FREQS}`, `has ${factors.length} values, not ${spec.headDim / 2}`);
+  const factor = factors.reduce((a, b) => Math.max(a, b), 0);
+  const matches = (s: Llama3RopeScaling): boolean => llama3RopeFactors({ ...spec, ropeScaling: s }).every((f, i) => f === factors[i]);
+  if (Number.isInteger(factor) && factor > 0) {
+    for (let lowFreqFactor = 1; lowFreqFactor <= 16; lowFreqFactor++) {
+      for (let highFreqFactor = lowFreqFactor + 1; highFreqFactor <= 64; highFreqFactor++) {
+        for (let bits = 0; bits <= 20; bits++) {
+          const candidate: Llama3RopeScaling = { type: 'llama3', factor, lowFreqFactor, highFreqFactor, originalMaxPositionEmbeddings: 2 ** bits };
+          if (matches(candidate)) return candidate;
+        }
+      }
+    }
+  }
+  throw unsupported(`tensor ${ROPE_FREQS}`, 'holds rope factors that match no Llama 3 scaling with integer parameters: convert the model from its safetensors repository instead');
 }
 
 /** Every tensor the architecture needs, with the planned shape, and no other. */
