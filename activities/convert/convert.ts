@@ -13,7 +13,7 @@ import { basename, join } from 'node:path';
 import { parseModelSpec, permutedSourceRow, planTensors, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
 import type { OutputTarget } from './atomic-file';
 import { ChunkBuffers } from './chunk-buffers';
-import { planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
+import { type DllamaModelPlan, planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
 import { ggufTensorInfos, planGgufModel, writeGgufPlanned } from './gguf';
 import { QuantPool } from './pool';
@@ -142,16 +142,33 @@ async function convertOpened(opts: ConvertOptions, checkpoint: CheckpointFiles, 
   const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
   stream.start();
   const tokenizer = await loadTokenizer(checkpoint, spec);
-  let outputs: { model: Output; tokenizer: Output };
-  if (typeof opts.output === 'string') {
-    await mkdir(opts.output, { recursive: true });
-    outputs = { model: join(opts.output, 'model.m'), tokenizer: join(opts.output, 'tokenizer.t') };
-  } else if ('model' in opts.output) {
-    outputs = opts.output;
-  } else {
-    throw new ConvertError('UnsupportedConfig', 'distributed-llama output needs a directory or a model and a tokenizer output');
+  return writeDllama(opts.output, spec, tokenizer, plan, stream, pool);
+}
+
+/** Where a distributed-llama conversion writes: `model.m` and `tokenizer.t` in a directory (created), or the two outputs given. */
+async function dllamaOutputs(output: ConvertOptions['output']): Promise<{ model: Output; tokenizer: Output }> {
+  if (typeof output === 'string') {
+    await mkdir(output, { recursive: true });
+    return { model: join(output, 'model.m'), tokenizer: join(output, 'tokenizer.t') };
   }
-  // The tokenizer first: it validates cheaply (BOS/EOS present) before the long model pass.
+  if ('model' in output) return output;
+  throw new ConvertError('UnsupportedConfig', 'distributed-llama output needs a directory or a model and a tokenizer output');
+}
+
+/**
+ * Writes a planned distributed-llama model whose tensors `stream` yields (already started), and
+ * its tokenizer: the tokenizer first, as it validates cheaply (BOS/EOS present) before the long
+ * model pass.
+ */
+export async function writeDllama(
+  output: ConvertOptions['output'],
+  spec: ModelSpec,
+  tokenizer: ParsedTokenizer,
+  plan: DllamaModelPlan,
+  stream: Streamer,
+  pool: QuantPool,
+): Promise<ConvertResult> {
+  const outputs = await dllamaOutputs(output);
   const tokenizerBytes = await writeDllamaTokenizer(outputs.tokenizer, tokenizer);
   await writeDllamaModel(outputs.model, plan, (i) => stream(i));
   return {
@@ -166,7 +183,8 @@ async function convertOpened(opts: ConvertOptions, checkpoint: CheckpointFiles, 
   };
 }
 
-type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & {
+/** The encoded bytes of each planned tensor, requested in plan order (see {@link tensorStreamer}). */
+export type Streamer = ((index: number) => AsyncIterable<Uint8Array>) & {
   bytesTotal: number;
   /** Starts reading and encoding ahead (a window's worth) before the first tensor is asked for. */
   start(): void;
@@ -176,7 +194,7 @@ type Chunk = { dtype: SourceDType; bytes: Uint8Array; elementOffset: number };
 /** Chunks in flight per worker thread, across tensor boundaries. */
 const IN_FLIGHT_PER_THREAD = 3;
 /** Values per chunk (8 MiB of F16): large enough that per-chunk overhead is noise. */
-const CHUNK_ELEMENTS = 4 << 20;
+export const CHUNK_ELEMENTS = 4 << 20;
 
 /**
  * Returns `stream(i)`: the encoded bytes of planned tensor `i`, which the writers request in
@@ -185,9 +203,9 @@ const CHUNK_ELEMENTS = 4 << 20;
  * between tensors). Shapes are checked for every tensor before the first byte is read, so a
  * bad checkpoint fails fast instead of after minutes of work.
  */
-function tensorStreamer(
+export function tensorStreamer(
   plan: readonly PlannedTensor[],
-  weights: ModelWeights,
+  weights: Pick<ModelWeights, 'get'>,
   pool: QuantPool,
   flavor: QuantFlavor,
   chunkElements: number,

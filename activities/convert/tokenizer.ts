@@ -128,7 +128,7 @@ export function byteLevelTokenBytes(token: string): Uint8Array {
 }
 
 /** Bytes of a SentencePiece piece: `<0xNN>` byte tokens are that byte, `▁` is a space. */
-function pieceBytes(piece: string, isByteToken: boolean): Uint8Array {
+export function pieceBytes(piece: string, isByteToken: boolean): Uint8Array {
   const m = isByteToken ? BYTE_TOKEN.exec(piece) : null;
   if (m?.[1]) return Uint8Array.of(parseInt(m[1], 16));
   return utf8.encode(piece.replaceAll(SPIECE_SPACE, ' '));
