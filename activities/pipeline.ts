@@ -9,10 +9,14 @@
 import { DeleteObjectsCommand, GetObjectCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
 import { basename } from 'node:path';
-import { parseModelSpec } from './convert/arch';
+import { parseModelSpec, type ModelSpec } from './convert/arch';
 import { convertModel, CONVERTER_VERSION, type ConvertProgress } from './convert/convert';
 import { ConvertError, isConvertError } from './convert/errors';
+import { convertGgufToDllama } from './convert/gguf-dllama';
+import { ggufRopeFreqs } from './convert/gguf-dequant';
+import { readGguf } from './convert/gguf-reader';
 import { readGgufSource, type GgufSource } from './convert/gguf-source';
+import { specFromGguf } from './convert/gguf-spec';
 import type { CheckpointFiles } from './convert/types';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
 import { isSecretUnavailable } from './huggingface/secrets';
@@ -183,6 +187,25 @@ function pipelineActivities(deps: PipelineDeps) {
     };
   }
 
+  /** A GGUF source's parts in order (no `config.json`: a GGUF repository), or null. */
+  function ggufSourceOf(sources: StoredSource[]): StoredSource[] | null {
+    if (sources.some((s) => s.path === 'config.json')) return null;
+    const parts = sources.filter((s) => /\.gguf$/i.test(s.path));
+    return parts.length > 0 ? parts : null;
+  }
+
+  /** The converter's spec of a (single-file) GGUF source, as its distributed-llama conversion reads it. */
+  async function ggufSpecIn(part: StoredSource, signal: AbortSignal): Promise<ModelSpec> {
+    const source = s3Source(s3, bucket, part.object.key, { size: part.object.bytes, blockSize: 1 << 20, signal });
+    try {
+      const file = await readGguf(source);
+      const ropeFreqs = await ggufRopeFreqs(source, file);
+      return specFromGguf(file, ropeFreqs ? { ropeFreqs } : {});
+    } finally {
+      await source.close();
+    }
+  }
+
   /** A GGUF source read (its parts in order, as byte sources over S3; small blocks: only headers are read). */
   async function readGgufSourceIn(sources: StoredSource[], signal: AbortSignal): Promise<GgufSource> {
     const parts = sources.filter((s) => /\.gguf$/i.test(s.path)).map((s) => s3Source(s3, bucket, s.object.key, { size: s.object.bytes, blockSize: 1 << 20, signal }));
@@ -294,21 +317,34 @@ function pipelineActivities(deps: PipelineDeps) {
       const progress = throttledProgress('convert', `${input.request.format}:${input.request.weights}`);
       let latest: ConvertProgress | null = null;
       const stopHeartbeats = keepHeartbeating(() => latest);
+      const onProgress = (p: ConvertProgress) => {
+        if (ctx.cancellationSignal.aborted) throw ctx.cancellationSignal.reason;
+        latest = p;
+        heartbeat(p);
+        progress(p.tensorsDone, p.tensorsTotal, p.tensorsDone === p.tensorsTotal);
+      };
+      const gguf = ggufSourceOf(input.sources);
       try {
-        await convertModel({
-          source: s3Checkpoint(input.sources, ctx.cancellationSignal),
-          format: input.request.format,
-          weights,
-          output: input.request.format === 'gguf' ? outputs[0]! : { model: outputs[0]!, tokenizer: outputs[1]! },
-          name: basename(input.repo),
-          threads: deps.convertThreads,
-          onProgress: (p) => {
-            if (ctx.cancellationSignal.aborted) throw ctx.cancellationSignal.reason;
-            latest = p;
-            heartbeat(p);
-            progress(p.tensorsDone, p.tensorsTotal, p.tensorsDone === p.tensorsTotal);
-          },
-        });
+        if (gguf) {
+          // A GGUF source to distributed-llama: dequantized and quantized again (gguf-dllama.ts).
+          if (gguf.length > 1) throw new ConvertError('UnsupportedConfig', `a split GGUF (${gguf.length} parts) cannot be converted to distributed-llama yet; serve it as gguf:source`);
+          const source = s3Source(s3, bucket, gguf[0]!.object.key, { size: gguf[0]!.object.bytes, signal: ctx.cancellationSignal });
+          try {
+            await convertGgufToDllama({ gguf: source, weights, output: { model: outputs[0]!, tokenizer: outputs[1]! }, threads: deps.convertThreads, onProgress });
+          } finally {
+            await source.close();
+          }
+        } else {
+          await convertModel({
+            source: s3Checkpoint(input.sources, ctx.cancellationSignal),
+            format: input.request.format,
+            weights,
+            output: input.request.format === 'gguf' ? outputs[0]! : { model: outputs[0]!, tokenizer: outputs[1]! },
+            name: basename(input.repo),
+            threads: deps.convertThreads,
+            onProgress,
+          });
+        }
       } catch (err) {
         classify(err);
       } finally {
@@ -320,11 +356,14 @@ function pipelineActivities(deps: PipelineDeps) {
     /** The memory table of every artifact (see activities/size/memory.ts). */
     async sizeArtifacts(input: { sources: StoredSource[]; artifacts: Artifact[]; contextLength?: number }): Promise<MemoryPlan[]> {
       const bytesOf = (a: Artifact) => a.files.reduce((n, f) => n + f.bytes, 0);
-      if (input.artifacts.every((a) => a.weights === 'source')) {
-        // A GGUF source: its own metadata says what llama.cpp needs.
+      const gguf = ggufSourceOf(input.sources);
+      if (gguf) {
+        // A GGUF source: its own metadata says what llama.cpp needs, and distributed-llama's spec.
+        const signal = Context.current().cancellationSignal;
         try {
-          const { sizing } = await readGgufSourceIn(input.sources, Context.current().cancellationSignal);
-          return input.artifacts.map((a) => planLlamaCppMemory(sizing, a.weights, input.contextLength, bytesOf(a)));
+          const { sizing } = await readGgufSourceIn(input.sources, signal);
+          const spec = input.artifacts.some((a) => a.format === 'dllama') ? await ggufSpecIn(gguf[0]!, signal) : undefined;
+          return input.artifacts.map((a) => (a.weights === 'source' ? planLlamaCppMemory(sizing, a.weights, input.contextLength, bytesOf(a)) : planMemory(spec!, a.format, a.weights, input.contextLength, bytesOf(a))));
         } catch (err) {
           classify(err);
         }

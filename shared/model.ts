@@ -192,9 +192,7 @@ export function validateModelSpec(spec: unknown): string[] {
       } else if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) {
         errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`);
       } else if (a?.format === 'gguf' && src?.gguf !== undefined) {
-        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported)`);
-      } else if (a?.format === 'dllama' && src?.gguf !== undefined) {
-        errors.push(`artifacts[${i}]: distributed-llama artifacts are converted from safetensors repositories; for a GGUF source ask for gguf:source`);
+        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:q40, q80, f16 and f32 are)`);
       }
       const id = `${a?.format}:${a?.weights}`;
       if (seen.has(id)) errors.push(`artifacts[${i}]: ${id} is listed twice`);

@@ -153,6 +153,7 @@ describe('Model', () => {
     ['an https hub', modelSpec({}, { hubUrl: 'https://hub.example.com' })],
     ['a GGUF repository by file glob', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { file: '*Q4_K_M.gguf' } })],
     ['a GGUF repository by quantization', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } })],
+    ['a GGUF repository converted for distributed-llama', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }, { format: 'dllama', weights: 'q40' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } })],
   ])('accepts %s', async (_what, spec) => {
     await expect(create(Plural.model, model(uniqueName('good'), spec))).resolves.toMatchObject({ kind: 'Model' });
   });
@@ -191,7 +192,7 @@ describe('Model', () => {
     ['a GGUF glob with ..', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '../*.gguf' } }), "source.gguf.file must not contain '..' or start with '/'"],
     ['a quantization with a space', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { quantization: 'Q4 K' } }), 'spec.source.gguf.quantization in body should match'],
     ['gguf:source without a GGUF source', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }), "gguf:source takes a GGUF source's file as it is: it needs source.gguf"],
-    ['a GGUF source re-quantized', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }] }, { gguf: { quantization: 'Q8_0' } }), 'a GGUF source is served as it is published: its artifact is gguf:source'],
+    ['a GGUF source re-quantized', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }] }, { gguf: { quantization: 'Q8_0' } }), 'a GGUF source is served as it is published (gguf:source) or converted for distributed-llama'],
   ])('refuses %s', async (_what, name, spec, message) => {
     await expectRefused(create(Plural.model, model(name === 'x' ? uniqueName('bad') : name, spec)), message);
   });

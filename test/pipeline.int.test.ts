@@ -6,7 +6,7 @@ import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
@@ -145,6 +145,21 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
   writeFileSync(local, await getObject(ready.artifacts[0]!.files[0]!.key));
   const out = await runLlamaCpp({ model: local, promptTokens: [379, 72, 101, 108], nTokens: 8 });
   expect(out.tokens).toHaveLength(8);
+});
+
+test('a GGUF repository converted for distributed-llama: the same .m and .t as from the safetensors repository', async () => {
+  const handle = await start('tiny-gguf-dllama', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*.F16.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }, { format: 'dllama', weights: 'f16' }], contextLength: 128 });
+  const p = await pipelineSettled(handle);
+  expect(p).toMatchObject({ phase: 'ready', failure: null });
+  const ready = (await registry.get('default', 'tiny-gguf-dllama'))!;
+  expect(ready.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source', 'dllama:f16']);
+  expect(ready.memory.map((m) => [`${m.format}:${m.weights}`, m.topologies.map((t) => t.nodes)])).toEqual([['gguf:source', [1]], ['dllama:f16', [1, 2]]]);
+  const direct = join(dir, 'direct-dllama-f16');
+  mkdirSync(direct);
+  await convertModel({ source: join(dir, 'tiny'), format: 'dllama', weights: 'f16', output: { model: join(direct, 'model.m'), tokenizer: join(direct, 'tokenizer.t') }, threads: 2 });
+  const [m, t] = ready.artifacts[1]!.files;
+  expect((await getObject(m!.key)).equals(readFileSync(join(direct, 'model.m')))).toBe(true);
+  expect((await getObject(t!.key)).length).toBeGreaterThan(0);
 });
 
 test('a GGUF choice that matches nothing fails at once, typed, naming the files there are', async () => {
