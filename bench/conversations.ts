@@ -1,5 +1,6 @@
 /**
- * New conversations at scale, against a fresh `magus dev` with its default session TTL (30 min):
+ * New conversations at scale, against a fresh `magus dev` with its default session TTL (30 min) and
+ * the tiny demo model (`--demo tiny`: what is measured is the control plane, not the engine):
  * steps up the rate of new conversations (each a first turn, `max_tokens: 1`, a conversation id of
  * its own) and, in the same run on the same machine, measures Temporal's bare workflow-start rate
  * (the floor: workflows of a type no worker runs, started as fast as 32 callers can).
@@ -43,7 +44,7 @@ const nameOf = (pid: number) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').spl
 
 async function main(): Promise<void> {
   const data = mkdtempSync(join(tmpdir(), 'magus-bench-conv-'));
-  const dev = startDev('direct', ['--no-kube', '--data-dir', data]);
+  const dev = startDev('direct', ['--no-kube', '--demo', 'tiny', '--data-dir', data]);
   try {
     await dev.ready(600_000);
     const { gatewayUrl, tokenFile } = printed(dev.stdout());

@@ -272,7 +272,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
   let temporal: Connection | undefined;
   let keptLogs: string | undefined;
   try {
-    dev = startDev('direct', ['--no-kube', '--data-dir', data], env);
+    dev = startDev('direct', ['--no-kube', '--demo', 'tiny', '--data-dir', data], env);
     await dev.ready();
     const { gatewayUrl, tokenFile } = printed(dev.stdout());
     const token = readFileSync(tokenFile, 'utf8').trim();
