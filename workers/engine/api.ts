@@ -5,7 +5,7 @@
  * (test/fixtures/stub-engine.ts), so both speak exactly the same HTTP.
  */
 import type { FastifySchemaValidationError } from 'fastify';
-import type { ChatMessage } from '../../shared/serving';
+import type { ChatMessage, CompletionUsage } from '../../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length';
@@ -299,13 +299,8 @@ export interface ChatCompletion {
   usage: Usage;
 }
 
-/** OpenAI's `usage`, with the prompt tokens served from the slot's KV cache. */
-export interface Usage {
-  prompt_tokens: number;
-  completion_tokens: number;
-  total_tokens: number;
-  prompt_tokens_details: { cached_tokens: number };
-}
+/** OpenAI's `usage`: the engine always says how much of the prompt its slot had cached. */
+export type Usage = Required<CompletionUsage>;
 
 /** The `usage` of an answer to a prompt of `promptTokens`. */
 export function usageOf(promptTokens: number, result: Pick<GenerationResult, 'completionTokens' | 'cachedPromptTokens'>): Usage {
