@@ -15,6 +15,7 @@ import type * as crypto from 'node:crypto';
 import { connect, type AddressInfo } from 'node:net';
 import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
+import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { chatCompletionBody } from './schemas/chat';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from './test-support';
@@ -172,11 +173,32 @@ describe('request validation', () => {
     expect(t.broker.calls).toHaveLength(0);
   });
 
-  it('forwards stream_options.include_usage on streams only', async () => {
+  it('asks engines for usage on every stream, never on a non-streamed answer', async () => {
     expect((await chat(userTurn('hi', { stream: true, stream_options: { include_usage: true } }))).statusCode).toBe(200);
     expect((await chat(userTurn('hi', { stream_options: { include_usage: true } }))).statusCode).toBe(200);
     expect((await chat(userTurn('hi', { stream: true, stream_options: null }))).statusCode).toBe(200);
-    expect(t.plane.published.map((p) => p.req.body.stream_options)).toEqual([{ include_usage: true }, undefined, undefined]);
+    expect(t.plane.published.map((p) => p.req.body.stream_options)).toEqual([{ include_usage: true }, undefined, { include_usage: true }]);
+  });
+
+  it("relays cached_tokens; a stream's usage chunk only to clients that asked; /metrics counts prompt and cached tokens of every answer", async () => {
+    const usage = (prompt: number, cached: number) => ({ prompt_tokens: prompt, completion_tokens: 1, total_tokens: prompt + 1, prompt_tokens_details: { cached_tokens: cached } });
+    const usageChunk = (seq: number, prompt: number, cached: number): ResponseFrame => ({ seq, type: 'chunk', data: { id: 'chatcmpl-x', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [], usage: usage(prompt, cached) } });
+    t.plane.script = (req) =>
+      req.body.stream
+        ? [chunk(0, 'a'), usageChunk(1, 40, 30), { seq: 2, type: 'done' }]
+        : [{ seq: 0, type: 'done', data: { id: 'chatcmpl-y', object: 'chat.completion', choices: [], usage: usage(50, 45) } }];
+
+    const whole = await chat(userTurn('hi'));
+    expect(whole.json()).toMatchObject({ usage: usage(50, 45) });
+    const asked = sseEvents((await chat(userTurn('hi', { stream: true, stream_options: { include_usage: true } }))).body);
+    expect(asked.at(-2)).toMatchObject({ choices: [], usage: usage(40, 30) });
+    const unasked = sseEvents((await chat(userTurn('hi', { stream: true }))).body);
+    expect(unasked).toHaveLength(2); // the text chunk and [DONE]
+    expect(JSON.stringify(unasked)).not.toContain('usage');
+
+    const metrics = (await t.app.inject({ method: 'GET', url: '/metrics' })).body;
+    expect(metrics).toContain('magus_gateway_prompt_tokens_total{model="default/tiny"} 130');
+    expect(metrics).toContain('magus_gateway_cached_prompt_tokens_total{model="default/tiny"} 105');
   });
 
   it('rejects malformed JSON and a bad X-Session-Id with 400', async () => {

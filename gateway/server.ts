@@ -18,6 +18,8 @@ import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './plugins/models';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
 import { cancelSubject } from '../shared/serving';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
+import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../workers/temporal-health';
@@ -343,8 +345,16 @@ function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
   return out;
 }
 
-/** Pool sizes for models without a `Dllama` resource (min 0: scale to zero when idle). */
-const POOL_DEFAULTS = { minInstances: 0, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 };
+/**
+ * Pool sizes for models without a `Dllama` resource (min 0: scale to zero when idle); an
+ * instance takes as many leases as its engine has slots within the instance memory budget.
+ */
+const poolDefaults = (instanceMemory: number) => ({
+  minInstances: 0,
+  maxInstances: 2,
+  leasesPerInstance: (model: ReadyModel) => leasesPerInstance(model, instanceMemory),
+  idleTimeoutMs: 10 * 60_000,
+});
 
 /** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
 export async function gatewayCommand(args: string[]): Promise<number> {
@@ -379,7 +389,7 @@ export async function gatewayCommand(args: string[]): Promise<number> {
       onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
     });
     const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    const { close, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL_DEFAULTS, sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
+    const { close, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: poolDefaults(cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
     closeSessions = close;
     gateway = await startGateway(config, { ...sessions, temporal });
   } catch (err) {

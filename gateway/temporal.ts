@@ -13,6 +13,7 @@ import { randomUUID } from 'node:crypto';
 import { setMaxListeners } from 'node:events';
 import { ApplicationFailure } from '@temporalio/common';
 import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
+import type { ReadyModel } from '../shared/model';
 import type { SessionEntry } from '../shared/serving';
 import { demandSignal, ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
@@ -25,8 +26,11 @@ export interface TemporalSessionOptions {
   client: Client;
   /** The control task queue the workers poll. */
   taskQueue: string;
-  /** Sizes of pools started for a model (a `Dllama` resource overrides them later). */
-  pool: Omit<PoolInput, 'namespace' | 'model'>;
+  /**
+   * Sizes of pools started for a model (a `Dllama` resource overrides them later); leases per
+   * instance may depend on the model (its engines' slots: shared/engine-slots.ts `leasesPerInstance`).
+   */
+  pool: Omit<PoolInput, 'namespace' | 'model' | 'leasesPerInstance'> & { leasesPerInstance: number | ((model: ReadyModel) => number) };
   /** Session TTL after the last turn. */
   sessionTtlMs: number;
   /** This gateway replica's id: its demand is counted apart from other replicas' (default: one of its own). */
@@ -76,6 +80,11 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
   /** Pools run on a task queue of their own (new ones; a running pool keeps its queue until it continues as new). */
   const poolQueue = poolQueueFor(taskQueue);
   const replica = opts.replica ?? `gateway-${randomUUID().slice(0, 8)}`;
+  /** The input of `model`'s pool, should this call start it. */
+  const poolInput = (model: ReadyModel): PoolInput => {
+    const { leasesPerInstance, ...sizes } = opts.pool;
+    return { namespace: model.namespace, model: model.name, ...sizes, leasesPerInstance: typeof leasesPerInstance === 'function' ? leasesPerInstance(model) : leasesPerInstance };
+  };
   // Every call runs under the request's signal (the client left, or the gateway gave up
   // waiting): the RPC, the update's long poll included, is cancelled at once.
   const coldStart = tracked(async (req: AcquireRequest): Promise<SessionEntry> => {
@@ -87,7 +96,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
           client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
             workflowId: poolWorkflowId(namespace, name),
             taskQueue: poolQueue,
-            args: [{ namespace, model: name, ...opts.pool }],
+            args: [poolInput(req.model)],
             signal: ensurePoolSignal,
             signalArgs: [],
             staticSummary: WorkflowSummary.pool(namespace, name),
@@ -146,7 +155,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
       client.workflow.signalWithStart<typeof dllamaPool, [{ replica: string; waiting: number }]>('dllamaPool', {
         workflowId: poolWorkflowId(namespace, name),
         taskQueue: poolQueue,
-        args: [{ namespace, model: name, ...opts.pool }],
+        args: [poolInput(model)],
         signal: demandSignal,
         signalArgs: [{ replica, waiting }],
         staticSummary: WorkflowSummary.pool(namespace, name),

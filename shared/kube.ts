@@ -167,3 +167,11 @@ export function parseDuration(text: string): number | null {
   if (!m || text === '') return null;
   return (Number(m[1] ?? 0) * 3600 + Number(m[2] ?? 0) * 60 + Number(m[3] ?? 0)) * 1000;
 }
+
+/** Bytes of a Kubernetes memory quantity (`4Gi`, `512M`, `1e9`, `1048576`). */
+export function parseMemory(q: string): number {
+  const m = /^([0-9.]+(?:[eE][0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|m)?$/.exec(q.trim());
+  if (!m) return NaN;
+  const unit = { Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, Pi: 2 ** 50, k: 1e3, M: 1e6, G: 1e9, T: 1e12, P: 1e15, m: 1e-3 }[m[2] ?? ''] ?? 1;
+  return Number(m[1]) * unit;
+}

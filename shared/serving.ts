@@ -25,6 +25,19 @@ export interface ChatCompletionRequest {
 }
 
 /**
+ * OpenAI's `usage` as magus's engines send it: in a `chat.completion`, and in a stream's last
+ * chunk (no choices) when `stream_options.include_usage` asks for it. `cached_tokens`: the prompt
+ * tokens the engine's slot already held in its KV cache (not evaluated again). dllama-api sends
+ * the first three fields only.
+ */
+export interface CompletionUsage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+  prompt_tokens_details?: { cached_tokens: number };
+}
+
+/**
  * A request on `magus.req.<pool>.<instance>` (stream `MAGUS_REQUESTS`, work-queue retention),
  * published with header `Nats-Msg-Id: <id>` so a retried publish is de-duplicated.
  */

@@ -163,3 +163,11 @@ describe("a running magus dev's connection settings", () => {
     expect(readDevConnection({ XDG_DATA_HOME: join(home, 'none') })).toEqual({ file: join(home, 'none', 'magus', 'dev', 'connection.json') });
   });
 });
+
+test('MAGUS_INSTANCE_MEMORY is the memory budget that sizes engine slots (bytes or a quantity)', () => {
+  expect(loadConfig({}).instanceMemory).toBeUndefined();
+  expect(loadConfig({ MAGUS_INSTANCE_MEMORY: '12Gi' }).instanceMemory).toBe(12 * 2 ** 30);
+  expect(loadConfig({ MAGUS_INSTANCE_MEMORY: '2000000000' }).instanceMemory).toBe(2e9);
+  expect(() => loadConfig({ MAGUS_INSTANCE_MEMORY: 'lots' })).toThrow(/MAGUS_INSTANCE_MEMORY=lots must be bytes or a quantity such as 8Gi/);
+  expect(() => loadConfig({ MAGUS_INSTANCE_MEMORY: '1Ki' })).toThrow(/MAGUS_INSTANCE_MEMORY=1Ki must be/);
+});

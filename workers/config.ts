@@ -7,6 +7,7 @@ import { accessSync, constants, readFileSync, statSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { TaskQueue } from '../shared/constants';
+import { parseMemory } from '../shared/kube';
 
 export interface MagusConfig {
   temporal: { address: string; namespace: string };
@@ -43,6 +44,13 @@ export interface MagusConfig {
    * process that also serves requests. Pools run on their own queue with the SDK's default cache.
    */
   workflowCache?: number;
+  /**
+   * `MAGUS_INSTANCE_MEMORY` (bytes or a Kubernetes quantity, e.g. `8Gi`): the memory budget of one
+   * llama.cpp instance, which decides its slots and so the leases per instance of pools no
+   * `Dllama` sizes (shared/engine-slots.ts). Workers (runtimes) and gateways (pool starts) must
+   * agree on it: set it for both. Unset: 8 GiB (shared/engine-slots.ts).
+   */
+  instanceMemory?: number;
 }
 
 /**
@@ -138,6 +146,8 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   if (queues !== 'all' && queues !== 'control' && queues !== 'pipeline') problems.push(`MAGUS_WORKER_QUEUES=${queues} must be all, control or pipeline`);
   const workflowCache = Number(env.MAGUS_WORKFLOW_CACHE?.trim() || String(DEFAULT_WORKFLOW_CACHE));
   if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000) problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
+  const instanceMemory = env.MAGUS_INSTANCE_MEMORY?.trim() ? parseMemory(env.MAGUS_INSTANCE_MEMORY) : undefined;
+  if (instanceMemory !== undefined && !(instanceMemory >= 2 ** 20)) problems.push(`MAGUS_INSTANCE_MEMORY=${env.MAGUS_INSTANCE_MEMORY} must be bytes or a quantity such as 8Gi, at least 1Mi`);
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
     temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
@@ -155,6 +165,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     ...(kubernetes ? { kubernetes } : {}),
     ...(queues !== 'all' ? { queues: queues as 'control' | 'pipeline' } : {}),
     workflowCache,
+    ...(instanceMemory !== undefined ? { instanceMemory } : {}),
   };
 }
 

@@ -200,7 +200,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     { what: 'data plane', log: (line) => process.stderr.write(`magus worker: ${line}\n`) },
   );
   // The runtime's own events (instances, restarts) go to stderr; the engines' output does not (prompts).
-  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
+  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, ...(cfg.instanceMemory ? { instanceMemory: cfg.instanceMemory } : {}), log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
   // The local runtime's instances are this worker's processes: their describe and destroy come
   // to this worker's own queue (the pool learns it from createInstance).
   const workerId = `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`;
@@ -221,6 +221,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
           ...(cfg.kubernetes.serviceAccount ? { serviceAccount: cfg.kubernetes.serviceAccount } : {}),
           defaultNodes: cfg.kubernetes.defaultNodes,
           unschedulableAfterMs: cfg.kubernetes.unschedulableAfterMs,
+          ...(cfg.instanceMemory ? { instanceMemory: cfg.instanceMemory } : {}),
           log: (line) => process.stderr.write(`magus worker: kubernetes runtime: ${line}\n`),
         })
       : undefined;

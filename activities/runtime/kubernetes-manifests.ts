@@ -75,6 +75,8 @@ export interface InstancePlan {
   threads: number;
   /** llama.cpp slots (distributed-llama serves one request at a time). */
   slots: number;
+  /** llama.cpp tokens per slot (default: the engine's). */
+  ctx?: number;
   /** Bytes each pod requests: the memory plan's figure plus headroom. */
   memory: { root: number; worker: number | null };
   images: { magus: string; dllama: string };
@@ -227,7 +229,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
       : {
           name: 'engine',
           image: plan.images.magus,
-          args: ['engine', ...engineArgs({ model: file('model.gguf'), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads })],
+          args: ['engine', ...engineArgs({ model: file('model.gguf'), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
           env: [{ name: 'HOME', value: '/tmp' }],
         };
   const probe = { httpGet: { path: '/v1/models', port: ENGINE_PORT }, periodSeconds: 5, timeoutSeconds: 3 };

@@ -1,7 +1,8 @@
 /** The Kubernetes runtime's pure parts: quantities, object names, and `magus fetch`'s arguments. */
 import { parseFetchArgs } from '../../workers/fetch';
-import { parseMemory } from './kubernetes';
+import { parseMemory } from '../../shared/kube';
 import { instanceBase } from './kubernetes-manifests';
+import { engineArgs } from './llama-cpp';
 
 test('memory quantities', () => {
   expect(parseMemory('8Gi')).toBe(8 * 2 ** 30);
@@ -31,4 +32,10 @@ test('magus fetch arguments: each file with its sha256, a plain link name; probl
   expect(parseFetchArgs(['--dir', '/m', '--file', 'k=nothex'])).toMatch(/hex sha256/);
   expect(parseFetchArgs(['--dir', '/m', '--file', `k=${sha}=../x`])).toMatch(/plain file name/);
   expect(parseFetchArgs(['--dir', '/m', '--bogus', 'x'])).toBe('unknown option --bogus');
+});
+
+test('the engine command line carries the sized context only when one was sized', () => {
+  const base = { model: '/m.gguf', modelId: 'm', port: 8080, slots: 6, threads: 2 };
+  expect(engineArgs(base)).toEqual(['--model', '/m.gguf', '--model-id', 'm', '--port', '8080', '--json', '--slots', '6', '--threads', '2']);
+  expect(engineArgs({ ...base, ctx: 2048 }).slice(-2)).toEqual(['--ctx', '2048']);
 });

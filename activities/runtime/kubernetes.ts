@@ -19,8 +19,9 @@ import { CoreV1Api, CustomObjectsApi, KubernetesObjectApi, PatchStrategy, setHea
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
-import { Plural, type DllamaResource } from '../../shared/kube';
-import { WEIGHTS_PREFERENCE, type ReadyModel, type StoredObject } from '../../shared/model';
+import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizing, servedGguf } from '../../shared/engine-slots';
+import type { ReadyModel, StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
@@ -45,7 +46,14 @@ export interface KubernetesRuntimeOptions {
   /** Without a `Dllama`: llama.cpp, or distributed-llama on this many nodes when the model has an artifact for it. */
   defaultNodes?: number;
   threads?: number;
+  /**
+   * llama.cpp engine slots, fixed; unset: a `Dllama`'s `leasesPerInstance`, or without one sized
+   * from the model's memory plan within `instanceMemory` (shared/engine-slots.ts), as the gateway
+   * sizes the pool's leases per instance.
+   */
   slots?: number;
+  /** Memory budget of one llama.cpp instance in bytes (default {@link DEFAULT_INSTANCE_MEMORY_BYTES}). */
+  instanceMemory?: number;
   /** Requests = plan × (1 + fraction) + bytes (default 10 % + 256 MiB). */
   headroom?: { fraction: number; bytes: number };
   /** A pod unschedulable this long fails the start (default 30 s). */
@@ -66,13 +74,6 @@ const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideAp
 const GIB = 2 ** 30;
 const gib = (n: number) => `${(n / GIB).toFixed(1)} GiB`;
 
-/** Bytes of a Kubernetes memory quantity (`4Gi`, `512M`, `1e9`, `1048576`). */
-export function parseMemory(q: string): number {
-  const m = /^([0-9.]+(?:[eE][0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|m)?$/.exec(q.trim());
-  if (!m) return NaN;
-  const unit = { Ki: 2 ** 10, Mi: 2 ** 20, Gi: 2 ** 30, Ti: 2 ** 40, Pi: 2 ** 50, k: 1e3, M: 1e6, G: 1e9, T: 1e12, P: 1e15, m: 1e-3 }[m[2] ?? ''] ?? 1;
-  return Number(m[1]) * unit;
-}
 
 /** Ready = the pod's Ready condition is True and it is not being deleted. */
 export function podReady(p: V1Pod): boolean {
@@ -215,11 +216,11 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...(opts.ports ? { ports: opts.ports } : {}),
     };
     if (engine === 'llamacpp') {
-      const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
-      const file: StoredObject | undefined = gguf?.files[0];
+      const gguf = servedGguf(ready);
+      const file: StoredObject | undefined = gguf?.artifact.files[0];
       if (!gguf || !file) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
-      const planned = ready.memory.find((m) => m.format === 'gguf' && m.weights === gguf.weights)?.topologies.find((t) => t.nodes === 1);
-      return { ...common, engine, nodes: 1, files: [{ ...file, name: 'model.gguf' }], maxSeqLen: 0, memory: { root: need(planned?.root.total ?? file.bytes), worker: null } };
+      const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? d?.spec.leasesPerInstance);
+      return { ...common, engine, nodes: 1, files: [{ ...file, name: 'model.gguf' }], maxSeqLen: 0, ...engineSize, memory: { root: need(memory ?? file.bytes), worker: null } };
     }
     const choice = chooseDllamaArtifact(ready, nodes);
     if (!choice || 'problem' in choice) throw named(KubernetesErrors.noArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);
@@ -234,6 +235,18 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       maxSeqLen: choice.maxSeqLen,
       memory: { root: need(choice.memory?.root ?? choice.model.bytes), worker: nodes > 1 ? need(choice.memory?.worker ?? choice.model.bytes / nodes) : null },
     };
+  }
+
+  /**
+   * A llama.cpp engine's slots, context and memory: `fixedSlots` (the runtime's, or the `Dllama`'s
+   * leases per instance) at the planned cost per slot, or as many as the memory budget holds.
+   */
+  function llamaCppSize(plan: Parameters<typeof engineSizing>[0] | undefined, fixedSlots: number | undefined): { slots: number; ctx?: number; memory?: number } {
+    if (!plan) return { slots: fixedSlots ?? 1 };
+    const sized = engineSizing(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
+    if (fixedSlots === undefined) return { slots: sized.slots, ctx: sized.contextLength, memory: sized.memory };
+    const slots = Math.min(fixedSlots, ENGINE_SLOTS_LIMIT);
+    return { slots, ctx: sized.contextLength, memory: sized.memory + (slots - sized.slots) * sized.kvCachePerSlot };
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */

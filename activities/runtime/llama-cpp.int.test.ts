@@ -14,8 +14,9 @@ import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
 import { bridgeMetricsText } from '../../workers/bridge';
-import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
+import { consumerNameOf, ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
 import { openModelRegistry } from '../nats/registry';
+import { engineSizing, servedGguf } from '../../shared/engine-slots';
 import { createLocalRuntime, type LocalRuntime } from './local';
 
 const POOL = 'tiny';
@@ -24,6 +25,7 @@ let nc: NatsConnection;
 let s3: S3Client;
 let names: DataPlaneNames;
 let dir: string;
+let bucket: string;
 let rt: LocalRuntime;
 const logs: string[] = [];
 
@@ -39,6 +41,7 @@ beforeAll(async () => {
   const iso = isolation();
   nc = await natsConnect();
   s3 = s3Client();
+  bucket = iso.bucket;
   await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
   names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
   dir = mkdtempSync(join(tmpdir(), 'magus-llama-cpp-'));
@@ -98,3 +101,24 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   expect(again.healthy).toBe(true);
   expect((await askInstance(nc, names, POOL, 'tiny-1', greedy)).text).toBe(first.text);
 }, 180_000);
+
+test('an engine gets the slots and context its memory plan gives within the instance budget, and so does its consumer', async () => {
+  const ready = await publishTinyGguf({ dir, s3, bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: 'planned', seed: 7, memoryPlan: { contextLength: 512 } });
+  const plan = servedGguf(ready)!.plan!;
+  // A budget for 3 slots: the plan's weights and buffers plus three slots' KV cache.
+  const kvPerSlot = engineSizing(plan, 2 ** 40).kvCachePerSlot;
+  const budget = plan.root.weights + plan.root.buffers + 3 * kvPerSlot + kvPerSlot / 2;
+  const sized = createLocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket, cacheDir: join(dir, 'cache'), instanceMemory: budget, log: (l) => logs.push(l) });
+  try {
+    await sized.create({ namespace: 'default', model: 'planned', pool: 'planned', instance: 'planned-1' }, new AbortController().signal);
+    const argv = sized.processes('planned', 'planned-1')![0]!.argv;
+    expect(argv.slice(argv.indexOf('--slots'), argv.indexOf('--slots') + 2)).toEqual(['--slots', '3']);
+    expect(argv.slice(argv.indexOf('--ctx'), argv.indexOf('--ctx') + 2)).toEqual(['--ctx', String(Math.min(512, plan.contextLength))]);
+    const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf('planned', 'planned-1'));
+    expect(consumer.config.max_ack_pending).toBe(3);
+    expect(sized.bridges()[0]?.health.slots).toBe(3);
+    expect((await askInstance(nc, names, 'planned', 'planned-1', { max_tokens: 2, temperature: 0, stream: false })).text.length).toBeGreaterThan(0);
+  } finally {
+    await sized.stopAll();
+  }
+}, 120_000);

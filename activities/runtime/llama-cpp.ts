@@ -22,8 +22,11 @@ function engineArgv(args: string[]): string[] {
  * the local runtime (loopback, any port) and the Kubernetes one (0.0.0.0 in its pod, so the
  * kubelet's probes reach it).
  */
-export function engineArgs(o: { model: string; modelId: string; port: number; slots: number; threads: number; host?: string }): string[] {
-  return ['--model', o.model, '--model-id', o.modelId, ...(o.host ? ['--host', o.host] : []), '--port', String(o.port), '--json', '--slots', String(o.slots), '--threads', String(o.threads)];
+export function engineArgs(o: { model: string; modelId: string; port: number; slots: number; threads: number; host?: string; /** Tokens per slot (default: the engine's). */ ctx?: number }): string[] {
+  return [
+    ...['--model', o.model, '--model-id', o.modelId, ...(o.host ? ['--host', o.host] : []), '--port', String(o.port), '--json', '--slots', String(o.slots), '--threads', String(o.threads)],
+    ...(o.ctx !== undefined ? ['--ctx', String(o.ctx)] : []),
+  ];
 }
 
 export interface LlamaCppEngine {
@@ -40,11 +43,11 @@ export interface LlamaCppEngine {
  */
 export function startLlamaCppEngine(
   model: string,
-  opts: { modelId: string; slots: number; threads: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number; signal?: AbortSignal },
+  opts: { modelId: string; slots: number; threads: number; ctx?: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number; signal?: AbortSignal },
 ): Promise<LlamaCppEngine> {
   const { signal } = opts;
   if (signal?.aborted) return Promise.reject(signal.reason as Error);
-  const argv = engineArgv(engineArgs({ model, modelId: opts.modelId, port: opts.port ?? 0, slots: opts.slots, threads: opts.threads }));
+  const argv = engineArgv(engineArgs({ model, modelId: opts.modelId, port: opts.port ?? 0, slots: opts.slots, threads: opts.threads, ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}) }));
   let url: string | null = null;
   let onReady: (() => void) | undefined;
   const proc = spawnSupervised(opts.name, argv, {

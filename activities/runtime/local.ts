@@ -19,7 +19,8 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
-import { WEIGHTS_PREFERENCE, type ReadyModel, type StoredObject } from '../../shared/model';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizing, servedGguf } from '../../shared/engine-slots';
+import type { ReadyModel, StoredObject } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
@@ -36,8 +37,13 @@ export interface LocalRuntimeOptions {
   bucket: string;
   /** Where model files are cached, by sha256. */
   cacheDir: string;
-  /** llama.cpp engine slots per instance (default 1, like distributed-llama). */
+  /**
+   * llama.cpp engine slots per instance, fixed; unset: sized from the model's memory plan within
+   * `instanceMemory` (shared/engine-slots.ts), as the pools' leases per instance are.
+   */
   slots?: number;
+  /** Memory budget of one instance in bytes (default {@link DEFAULT_INSTANCE_MEMORY_BYTES}). */
+  instanceMemory?: number;
   /** llama.cpp engine threads (default 1: on small machines llama.cpp's spinning threads cost more than they give). */
   threads?: number;
   /** Seconds an engine may take to load its model. */
@@ -99,6 +105,8 @@ export interface LocalRuntime extends Runtime {
 interface Serving {
   kind: 'llama.cpp' | 'dllama';
   url: string;
+  /** Requests it serves at once (the bridge's and the consumer's bound). */
+  slots: number;
   readonly processes: readonly { role: LocalProcessInfo['role']; index: number; port: number; process: SupervisedProcess }[];
   healthy(): boolean;
   stop(): Promise<void>;
@@ -153,15 +161,31 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.healthy() });
 
   async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined, signal: AbortSignal): Promise<Serving> {
-    const gguf = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
-    const file: StoredObject | undefined = gguf?.files[0];
+    const gguf = servedGguf(ready);
+    const file: StoredObject | undefined = gguf?.artifact.files[0];
     if (!file) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedFile(cache, file, '.gguf', signal);
+    const sizing = gguf?.plan && engineSizing(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
+    const slots = opts.slots ?? sizing?.slots ?? 1;
+    if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
     // Responses name the model as clients know it, not by its cached file.
-    const engine = await startSupervisedEngine(model, { modelId: ready.name, slots: opts.slots ?? 1, threads: opts.threads ?? 1, startTimeoutSec: opts.startTimeoutSec ?? 120, name: `${name} engine`, log, output: opts.output, restart: opts.restart, stopGraceMs: STOP_GRACE_MS, signal });
+    const engine = await startSupervisedEngine(model, {
+      modelId: ready.name,
+      slots,
+      ...(sizing ? { ctx: sizing.contextLength } : {}),
+      threads: opts.threads ?? 1,
+      startTimeoutSec: opts.startTimeoutSec ?? 120,
+      name: `${name} engine`,
+      log,
+      output: opts.output,
+      restart: opts.restart,
+      stopGraceMs: STOP_GRACE_MS,
+      signal,
+    });
     return {
       kind: 'llama.cpp',
+      slots,
       url: engine.current.url, // restarts keep the port
       get processes() {
         return [{ role: 'engine' as const, index: 0, port: engine.current.port, process: engine.current.process }];
@@ -190,6 +214,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, signal });
     return {
       kind: 'dllama',
+      slots: 1, // distributed-llama answers one request at a time
       url: topology.current.url, // restarts keep the ports
       get processes() {
         return topology.current.nodes;
@@ -210,8 +235,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     try {
       serving = await startServing(req, signal);
       signal.throwIfAborted();
-      // distributed-llama answers one request at a time.
-      const slots = serving.kind === 'dllama' ? 1 : (opts.slots ?? 1);
+      const { slots } = serving;
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
       consumer = true;
       signal.throwIfAborted();

@@ -127,6 +127,8 @@ export class GatewayMetrics {
   readonly requests = new Counter('magus_gateway_requests_total', 'HTTP requests by route and status (499: the client went away first).', ['route', 'status']);
   readonly latency = new Histogram('magus_gateway_request_duration_seconds', 'HTTP request duration by route, until the last byte (streams included).', ['route'], LATENCY_BUCKETS);
   readonly inFlight = new Gauge('magus_gateway_requests_in_flight', 'HTTP requests being served.');
+  readonly promptTokens = new Counter('magus_gateway_prompt_tokens_total', 'Prompt tokens of answered chat completions, by model (namespace/name), as the engines counted them.', ['model']);
+  readonly cachedPromptTokens = new Counter('magus_gateway_cached_prompt_tokens_total', 'Prompt tokens of answered chat completions that the engine found in its slot KV cache (usage.prompt_tokens_details.cached_tokens), by model: the prefix cache hit rate is its rate over that of magus_gateway_prompt_tokens_total.', ['model']);
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
   readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
   readonly framesRecovered = new Counter('magus_gateway_frames_recovered_total', 'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).');
@@ -191,7 +193,7 @@ export class GatewayMetrics {
   private processExtras: () => string = () => '';
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.temporalReachable, this.temporalProbeFailures];
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.temporalReachable, this.temporalProbeFailures];
     return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }

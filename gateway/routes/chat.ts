@@ -5,7 +5,7 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import type { ChatCompletionRequest, ChatMessage, InferenceRequest, SessionEntry } from '../../shared/serving';
+import type { ChatCompletionRequest, ChatMessage, CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
@@ -27,9 +27,22 @@ function toEngineRequest(body: ChatCompletionBody, messages: ChatMessage[]): Cha
   if (body.top_p !== undefined) out.top_p = body.top_p;
   if (body.seed !== undefined) out.seed = body.seed;
   if (body.stop !== undefined) out.stop = body.stop;
-  if (out.stream && body.stream_options?.include_usage === true) out.stream_options = { include_usage: true };
+  // Every stream asks for usage, so every answer is counted on /metrics; the usage chunk reaches
+  // only clients that asked for it.
+  if (out.stream) out.stream_options = { include_usage: true };
   return out;
 }
+
+/** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
+function usageIn(data: unknown): { prompt: number; cached: number } | undefined {
+  const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
+  if (typeof usage?.prompt_tokens !== 'number') return undefined;
+  const cached = usage.prompt_tokens_details?.cached_tokens;
+  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0 };
+}
+
+/** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
+const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
 /** Why a request's controller was aborted: the client left, or the cold start took too long. */
 class ClientGone extends Error {
@@ -65,6 +78,14 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       };
       reply.raw.once('close', onClose);
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      const clientWantsUsage = body.stream === true && body.stream_options?.include_usage === true;
+      const modelLabel = `${model.namespace}/${model.name}`;
+      const countUsage = (data: unknown): void => {
+        const usage = usageIn(data);
+        if (!usage) return;
+        app.metrics.promptTokens.inc([modelLabel], usage.prompt);
+        app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
+      };
       let entry: SessionEntry;
       let published: SessionEntry | undefined;
       // Whether this turn was answered: a conversation it starts gets its session only then (sessions.ts).
@@ -88,7 +109,15 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
           readBack: g.readStored && (() => g.readStored!(req.replyTo)),
           retryAfterSec: s.retryAfterSec,
           signal: ctl.signal,
-          onChunk: sse ? (chunk) => sse.data(chunk) : undefined,
+          onChunk: sse
+            ? (chunk) => {
+                if (isUsageChunk(chunk)) {
+                  countUsage(chunk);
+                  if (!clientWantsUsage) return;
+                }
+                sse.data(chunk);
+              }
+            : undefined,
           onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
           onAbandon: () => g.cancel?.(entry, id),
         });
@@ -98,6 +127,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
           return reply;
         }
         if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
+        countUsage(done);
         settle(true);
         return reply.send(done);
       } catch (thrown) {

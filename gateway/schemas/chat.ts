@@ -151,6 +151,18 @@ export interface ChatCompletionBody {
   user?: string;
 }
 
+/** `usage` (shared/serving.ts `CompletionUsage`): `prompt_tokens_details.cached_tokens` is the prompt the engine found in its slot's KV cache. */
+const usage = {
+  type: 'object',
+  additionalProperties: true,
+  properties: {
+    prompt_tokens: { type: 'integer' },
+    completion_tokens: { type: 'integer' },
+    total_tokens: { type: 'integer' },
+    prompt_tokens_details: { type: 'object', additionalProperties: true, properties: { cached_tokens: { type: 'integer' } } },
+  },
+} as const;
+
 /** A `chat.completion` as the engine produced it: the known fields, anything else passed through. */
 const chatCompletion = {
   type: 'object',
@@ -160,6 +172,7 @@ const chatCompletion = {
     object: { type: 'string' },
     created: { type: 'integer' },
     model: { type: 'string' },
+    usage,
   },
 } as const;
 

@@ -24,6 +24,7 @@ import { connect } from 'nats';
 import { installCrds } from '../../activities/kubernetes/crds';
 import { dataPlaneNames } from '../../activities/nats/data-plane';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/engine-slots';
 import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../controller/controller';
 import { startFixtureHub, type FixtureHub } from '../../test/fixtures/hf-hub';
@@ -295,7 +296,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const token = keptSecret(dataDir, 'api-token', newApiToken, isApiToken);
     const secret = keptSecret(dataDir, 'gateway-secret', () => randomBytes(32).toString('hex'), (v) => /^[0-9a-f]{64}$/.test(v)).value;
     const digest = createHash('sha256').update(token.value).digest('hex');
-    const { close: closeSessions, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
+    const { close: closeSessions, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: (model) => leasesPerInstance(model, cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
     // After the gateway, before the client: the calls in flight end while their connection is open.
     running.push({ what: "the gateway's Temporal calls", stop: () => closeSessions() });
     // Listening is what takes the port: no "is it free?" probe that another process could beat.

@@ -5,7 +5,7 @@
  * (test/fixtures/stub-engine.ts), so both speak exactly the same HTTP.
  */
 import type { FastifySchemaValidationError } from 'fastify';
-import type { ChatMessage } from '../../shared/serving';
+import type { ChatMessage, CompletionUsage } from '../../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length';
@@ -36,6 +36,11 @@ export interface GenerationResult {
   finishReason: FinishReason;
   /** Tokens sampled (including a stop token or stop text that is not returned). */
   completionTokens: number;
+  /**
+   * Prompt tokens the slot's KV cache already held, so they were not evaluated again (OpenAI's
+   * `usage.prompt_tokens_details.cached_tokens`); 0 for a backend without a cache.
+   */
+  cachedPromptTokens: number;
 }
 
 /** Callbacks and cancellation for one generation. */
@@ -228,7 +233,12 @@ const errorResponseSchema = {
 
 const usageSchema = {
   type: 'object',
-  properties: { prompt_tokens: { type: 'integer' }, completion_tokens: { type: 'integer' }, total_tokens: { type: 'integer' } },
+  properties: {
+    prompt_tokens: { type: 'integer' },
+    completion_tokens: { type: 'integer' },
+    total_tokens: { type: 'integer' },
+    prompt_tokens_details: { type: 'object', properties: { cached_tokens: { type: 'integer' } } },
+  },
 } as const;
 
 /** Response schemas by status for `POST /v1/chat/completions` (non-streaming). */
@@ -286,5 +296,18 @@ export interface ChatCompletion {
   created: number;
   model: string;
   choices: { index: 0; message: { role: 'assistant'; content: string }; logprobs: null; finish_reason: FinishReason }[];
-  usage: { prompt_tokens: number; completion_tokens: number; total_tokens: number };
+  usage: Usage;
+}
+
+/** OpenAI's `usage`: the engine always says how much of the prompt its slot had cached. */
+export type Usage = Required<CompletionUsage>;
+
+/** The `usage` of an answer to a prompt of `promptTokens`. */
+export function usageOf(promptTokens: number, result: Pick<GenerationResult, 'completionTokens' | 'cachedPromptTokens'>): Usage {
+  return {
+    prompt_tokens: promptTokens,
+    completion_tokens: result.completionTokens,
+    total_tokens: promptTokens + result.completionTokens,
+    prompt_tokens_details: { cached_tokens: result.cachedPromptTokens },
+  };
 }

@@ -72,10 +72,11 @@ describe('engine HTTP layer', () => {
     const answer = complete(body());
     await until(() => backend.pending.length === 1);
     backend.pending[0]!.io.onText('hel');
-    backend.pending[0]!.finish({ text: 'hello', finishReason: 'stop', completionTokens: 2 });
+    backend.pending[0]!.finish({ text: 'hello', finishReason: 'stop', completionTokens: 2, cachedPromptTokens: 1 });
     const res = await answer;
     expect(res.statusCode).toBe(200);
-    expect(res.json()).toMatchObject({ model: 'm', choices: [{ message: { content: 'hello' }, finish_reason: 'stop' }], usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5 } });
+    expect(res.json()).toMatchObject({ model: 'm', choices: [{ message: { content: 'hello' }, finish_reason: 'stop' }], usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: { cached_tokens: 1 } } });
+    expect((await get('/metrics')).body).toContain('magus_engine_cached_prompt_tokens_total 1');
   });
 
   test('drain turns queued requests away with 503, lets the running one finish; abortInFlight ends it with 503', async () => {

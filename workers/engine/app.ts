@@ -30,6 +30,9 @@ import {
   type ChatCompletion,
   type ChatCompletionBody,
   type FinishReason,
+  type GenerationResult,
+  type Usage,
+  usageOf,
 } from './api';
 import type { EngineCore } from './core';
 import { QUEUE_FULL_ERROR } from './slots';
@@ -105,8 +108,8 @@ class ChunkWriter {
     this.write(`${this.prefix}{"index":0,"delta":{},"logprobs":null,"finish_reason":"${reason}"}]}\n\n`);
   }
 
-  usage(prompt: number, completion: number): void {
-    this.write(`${this.prefix}],"usage":{"prompt_tokens":${prompt},"completion_tokens":${completion},"total_tokens":${prompt + completion}}}\n\n`);
+  usage(usage: Usage): void {
+    this.write(`${this.prefix}],"usage":${JSON.stringify(usage)}}\n\n`);
   }
 
   done(): void {
@@ -188,9 +191,10 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
       metrics.timeToFirstToken.observe((firstText - arrived) / 1000);
     }
   };
-  const observeEnd = (completionTokens: number): void => {
+  const observeEnd = ({ completionTokens, cachedPromptTokens }: GenerationResult): void => {
     const end = performance.now();
     metrics.generatedTokens += completionTokens;
+    metrics.cachedPromptTokens += cachedPromptTokens;
     metrics.requestDuration.observe((end - arrived) / 1000);
     if (firstText > 0 && completionTokens > 1) metrics.timePerOutputToken.observe((end - firstText) / 1000 / (completionTokens - 1));
   };
@@ -212,7 +216,7 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
         if (reason === CLIENT_CLOSED) return clientGone();
         throw reason;
       }
-      observeEnd(result.completionTokens);
+      observeEnd(result);
       metrics.countRequest(200);
       const body: ChatCompletion = {
         id,
@@ -220,7 +224,7 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
         created,
         model: core.modelId,
         choices: [{ index: 0, message: { role: 'assistant', content: result.text }, logprobs: null, finish_reason: result.finishReason }],
-        usage: { prompt_tokens: prepared.promptTokens, completion_tokens: result.completionTokens, total_tokens: prepared.promptTokens + result.completionTokens },
+        usage: usageOf(prepared.promptTokens, result),
       };
       return body;
     }
@@ -239,9 +243,9 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
         },
       });
       out.finish(result.finishReason);
-      if (req.includeUsage) out.usage(prepared.promptTokens, result.completionTokens);
+      if (req.includeUsage) out.usage(usageOf(prepared.promptTokens, result));
       out.done();
-      observeEnd(result.completionTokens);
+      observeEnd(result);
       metrics.countRequest(200);
     } catch (err) {
       const failure = abort.signal.aborted ? abortReason() : toEngineError(err);

@@ -21,7 +21,7 @@ interface Completion {
   object: string;
   model: string;
   choices: { index: number; message: { role: string; content: string }; finish_reason: string }[];
-  usage: { prompt_tokens: number; completion_tokens: number; total_tokens: number };
+  usage: { prompt_tokens: number; completion_tokens: number; total_tokens: number; prompt_tokens_details: { cached_tokens: number } };
 }
 interface Chunk {
   object: string;
@@ -130,6 +130,8 @@ test('a greedy completion is the model applied to its chat template, and max_tok
   expect(res.choices[0]!.message.content.length).toBeGreaterThan(0);
   expect(res.usage.completion_tokens).toBe(8);
   expect(res.usage.total_tokens).toBe(res.usage.prompt_tokens + 8);
+  // The first request of a fresh slot: nothing was cached.
+  expect(res.usage.prompt_tokens_details).toEqual({ cached_tokens: 0 });
 
   // llama.cpp on the prompt the GGUF's Jinja template renders (BOS comes from the GGUF's add_bos).
   const prompt = '<|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n';
@@ -157,6 +159,39 @@ test('streams the same text as chunks, then finish_reason, usage and [DONE]', as
   expect(text).toBe(whole.choices[0]!.message.content);
   expect(chunks.at(-2)!.choices[0]!.finish_reason).toBe('length');
   expect(chunks.at(-1)!.usage).toEqual(whole.usage);
+});
+
+test('the next turn of a conversation finds its prefix in the slot cache; another conversation only the template header', async () => {
+  const first = await complete({ messages: [{ role: 'user', content: 'Tell me about the sea and the ships on it.' }], max_tokens: 6, temperature: 0 });
+  const turn2 = [
+    { role: 'user', content: 'Tell me about the sea and the ships on it.' },
+    { role: 'assistant', content: first.choices[0]!.message.content },
+    { role: 'user', content: 'And the rivers?' },
+  ];
+  const second = await complete({ messages: turn2, max_tokens: 4, temperature: 0 });
+  // The whole first prompt was in the slot (its answer's tokens too, as far as they tokenize alike).
+  expect(second.usage.prompt_tokens_details.cached_tokens).toBeGreaterThanOrEqual(first.usage.prompt_tokens);
+  expect(second.usage.prompt_tokens_details.cached_tokens).toBeLessThan(second.usage.prompt_tokens);
+
+  // Streamed, with usage: the same figure (the cache now holds the whole second prompt and its answer).
+  const res = await post({ messages: turn2, max_tokens: 4, temperature: 0, stream: true, stream_options: { include_usage: true } });
+  const usage = (JSON.parse(sse(await res.text()).at(-2)!) as Chunk).usage!;
+  expect(usage.prompt_tokens).toBe(second.usage.prompt_tokens);
+  // Everything but the last prompt token, which is evaluated again for the first answer token's logits.
+  expect(usage.prompt_tokens_details.cached_tokens).toBe(second.usage.prompt_tokens - 1);
+
+  // Another conversation on the one slot shares only the tokens before its first difference (BOS,
+  // the user header): llama.cpp's own tokenization of both prompts says how many.
+  const other = await complete({ messages: [{ role: 'user', content: 'Quite unrelated words here.' }], max_tokens: 2, temperature: 0 });
+  const userTurn = (text: string) => `<|start_header_id|>user<|end_header_id|>\n\n${text}<|eot_id|>`;
+  const [held, asked] = await Promise.all([userTurn('Tell me about the sea and the ships on it.'), userTurn('Quite unrelated words here.')].map((prompt) => runLlamaCpp({ model: gguf, prompt, nTokens: 0 })));
+  let shared = 0;
+  while (held!.tokenizedPrompt![shared] === asked!.tokenizedPrompt![shared]) shared++;
+  expect(shared).toBeGreaterThan(0);
+  expect(other.usage.prompt_tokens_details.cached_tokens).toBe(shared);
+  const metrics = await (await fetch(`${url}/metrics`)).text();
+  expect(metrics).toMatch(/^magus_engine_cached_prompt_tokens_total \d+$/m);
+  expect(await metric('magus_engine_cached_prompt_tokens_total')).toBeGreaterThanOrEqual(first.usage.prompt_tokens * 2);
 });
 
 test('the same seed gives the same sample; temperature > 0 samples', async () => {

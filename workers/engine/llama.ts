@@ -64,6 +64,17 @@ function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
   return history;
 }
 
+/**
+ * Prompt tokens the sequence held before a generation and kept: what it holds after, less what the
+ * generation decoded (node-llama-cpp's token meter counts every token it decodes, the prompt's
+ * uncached part and each sampled token fed back). LlamaChat keeps the longest common prefix of
+ * the sequence and the new prompt and evaluates the rest, so this is exactly the prompt's cached
+ * part; clamped, because a context shift during a long answer drops tokens from the start.
+ */
+export function keptTokens(heldAfter: number, decoded: number, promptTokens: number): number {
+  return Math.max(0, Math.min(promptTokens, heldAfter - decoded));
+}
+
 function samePrefix(a: readonly ChatMessage[], b: readonly ChatMessage[]): number {
   const n = Math.min(a.length, b.length);
   let i = 0;
@@ -131,7 +142,7 @@ export class LlamaBackend implements CompletionBackend {
     // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
     const room = this.contextSize - promptTokens;
     const maxTokens = Math.min(req.maxTokens ?? room, room);
-    return { promptTokens, generate: (slot, io) => this.generate(slot, req, history, maxTokens, io) };
+    return { promptTokens, generate: (slot, io) => this.generate(slot, req, history, promptTokens, maxTokens, io) };
   }
 
   affinity(slot: number, req: ChatRequest): number {
@@ -139,7 +150,7 @@ export class LlamaBackend implements CompletionBackend {
     return cached ? samePrefix(cached, req.messages) : 0;
   }
 
-  private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+  private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     const meter = chat.sequence.tokenMeter;
@@ -160,11 +171,13 @@ export class LlamaBackend implements CompletionBackend {
       onTextChunk: (text) => io.onText(text),
     });
     this.cached[slot] = [...req.messages, { role: 'assistant', content: result.response }];
+    const used = meter.diff(before);
     return {
       text: result.response,
       finishReason: result.metadata.stopReason === 'maxTokens' ? 'length' : 'stop',
       // Every sampled token needed one row of logits: "output" tokens in node-llama-cpp's meter.
-      completionTokens: meter.diff(before).usedOutputTokens,
+      completionTokens: used.usedOutputTokens,
+      cachedPromptTokens: keptTokens(chat.sequence.contextTokens.length, used.usedInputTokens + used.usedOutputTokens, promptTokens),
     };
   }
 

@@ -62,6 +62,8 @@ export class EngineMetrics {
   /** Failed requests by OpenAI error type (plus `client_closed`). */
   readonly errorsByType = new Map<string, number>();
   promptTokens = 0;
+  /** Prompt tokens of answered requests that the slot's KV cache already held (not evaluated again). */
+  cachedPromptTokens = 0;
   generatedTokens = 0;
   readonly timeToFirstToken = new Histogram(LATENCY_BOUNDS);
   /** Per request: (end − first token) / (tokens − 1). */
@@ -89,6 +91,7 @@ export class EngineMetrics {
       labelled('magus_engine_requests_total', 'Chat completion requests answered, by HTTP status (499: client closed).', 'code', this.requestsByCode),
       labelled('magus_engine_errors_total', 'Failed chat completion requests, by error type.', 'type', this.errorsByType),
       single('magus_engine_prompt_tokens_total', 'counter', 'Prompt tokens of accepted requests.', this.promptTokens),
+      single('magus_engine_cached_prompt_tokens_total', 'counter', 'Prompt tokens of answered requests found in their slot KV cache, not evaluated again (hit rate: its rate over that of magus_engine_prompt_tokens_total).', this.cachedPromptTokens),
       single('magus_engine_generated_tokens_total', 'counter', 'Tokens generated.', this.generatedTokens),
       single('magus_engine_requests_in_flight', 'gauge', 'Requests generating in a slot.', g.busy),
       single('magus_engine_requests_queued', 'gauge', 'Requests waiting for a slot.', g.queued),

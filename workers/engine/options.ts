@@ -4,6 +4,7 @@
  */
 import { availableParallelism } from 'node:os';
 import { basename } from 'node:path';
+import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT } from '../../shared/engine-slots';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--queue 16]',
@@ -74,12 +75,12 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     model,
     host: values['--host'] ?? '127.0.0.1',
     port: integer('--port', values['--port'], 0, 0, 65535),
-    slots: integer('--slots', values['--slots'], 1, 1, 256),
+    slots: integer('--slots', values['--slots'], 1, 1, ENGINE_SLOTS_LIMIT),
     queue: integer('--queue', values['--queue'], 16, 0, 100_000),
     // One core stays with the event loop (HTTP, SSE): llama.cpp's threads spin while they wait,
     // and on a busy or small host every extra spinning thread costs far more than it gives.
     threads: integer('--threads', values['--threads'], Math.max(1, availableParallelism() - 1), 1, 1024),
-    ctx: integer('--ctx', values['--ctx'], 4096, 16, 1 << 24),
+    ctx: integer('--ctx', values['--ctx'], ENGINE_CONTEXT, 16, 1 << 24),
     modelId: values['--model-id'] ?? basename(model),
     graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
     json,

@@ -57,6 +57,75 @@ describe('SlotPool', () => {
     await expect(pool.acquire()).rejects.toMatchObject({ name: QUEUE_FULL_ERROR });
   });
 
+  test('a released slot goes to the waiter that owns its cache, else to the first in line', async () => {
+    const pool = new SlotPool(2, 5);
+    const owner = (slot: number) => (s: number) => (s === slot ? 10 : 0);
+    expect(await pool.acquire()).toBe(0);
+    expect(await pool.acquire()).toBe(1);
+    const first = pool.acquire({ score: owner(1) });
+    const ownsZero = pool.acquire({ score: owner(0) });
+    const nobody = pool.acquire();
+    pool.release(0);
+    expect(await ownsZero).toBe(0);
+    expect(await settled(first)).toBe('pending');
+    // No waiter owns slot 0's cache now: arrival order.
+    pool.release(0);
+    expect(await first).toBe(0);
+    expect(await settled(nobody)).toBe('pending');
+    pool.release(1);
+    expect(await nobody).toBe(1);
+    expect(pool.queued).toBe(0);
+  });
+
+  test('the best score wins among the waiters; a tie goes to the earliest', async () => {
+    const pool = new SlotPool(1, 5);
+    await pool.acquire();
+    const some = pool.acquire({ score: () => 2 });
+    const most = pool.acquire({ score: () => 7 });
+    const tied = pool.acquire({ score: () => 7 });
+    pool.release(0);
+    expect(await most).toBe(0);
+    pool.release(0);
+    expect(await tied).toBe(0);
+    pool.release(0);
+    expect(await some).toBe(0);
+  });
+
+  test('a waiter passed over maxSkips times is served next, whoever owns the slot', async () => {
+    const pool = new SlotPool(1, 10, 2);
+    await pool.acquire();
+    const starving = pool.acquire();
+    const owners = [pool.acquire({ score: () => 1 }), pool.acquire({ score: () => 1 }), pool.acquire({ score: () => 1 })];
+    pool.release(0);
+    expect(await owners[0]).toBe(0);
+    pool.release(0);
+    expect(await owners[1]).toBe(0);
+    // Passed over twice: its turn, although the last owner still waits.
+    pool.release(0);
+    expect(await starving).toBe(0);
+    expect(await settled(owners[2]!)).toBe('pending');
+    pool.release(0);
+    expect(await owners[2]).toBe(0);
+  });
+
+  test('a waiter that aborts after being passed over leaves; the bound holds for the next first waiter', async () => {
+    const pool = new SlotPool(1, 10, 1);
+    await pool.acquire();
+    const ac = new AbortController();
+    const leaving = pool.acquire({ signal: ac.signal });
+    const second = pool.acquire();
+    const owners = [pool.acquire({ score: () => 3 }), pool.acquire({ score: () => 3 })];
+    pool.release(0);
+    expect(await owners[0]).toBe(0);
+    ac.abort();
+    await expect(leaving).rejects.toMatchObject({ name: 'AbortError' });
+    // `second` was passed over once too: the bound of 1 makes it next.
+    pool.release(0);
+    expect(await second).toBe(0);
+    pool.release(0);
+    expect(await owners[1]).toBe(0);
+  });
+
   test('unlimited slots never queue', async () => {
     const pool = new SlotPool(Infinity, 0);
     const slots = await Promise.all(Array.from({ length: 1000 }, () => pool.acquire()));

@@ -1,8 +1,14 @@
 /**
- * Generation slots with a bounded FIFO queue in front of them. A slot is one llama.cpp sequence
- * (its own KV cache); distributed-llama has exactly one. Requests beyond the free slots wait in
- * arrival order; beyond the queue bound they are refused at once, so a burst turns into 429s the
- * caller can retry instead of unbounded latency.
+ * Generation slots with a bounded queue in front of them. A slot is one llama.cpp sequence (its
+ * own KV cache); distributed-llama has exactly one. Requests beyond the free slots wait; beyond
+ * the queue bound they are refused at once, so a burst turns into 429s the caller can retry
+ * instead of unbounded latency.
+ *
+ * A released slot goes to the waiter that scores it highest (the conversation whose prefix that
+ * slot's KV cache holds: it then evaluates only its new tokens instead of the whole prompt, and
+ * no other conversation's cache is evicted for it); without such a waiter, to the first in
+ * arrival order. Passing the first waiter over is bounded: once it has been passed over
+ * `maxSkips` times it is served next, so affinity never starves anyone.
  */
 
 export const QUEUE_FULL_ERROR = 'QueueFullError';
@@ -26,12 +32,21 @@ interface Waiter {
   reject(err: unknown): void;
   signal?: AbortSignal;
   onAbort?: () => void;
+  score?: (slot: number) => number;
+  /** Times a later waiter got a released slot before this one. */
+  skipped: number;
 }
+
+/** How often the first waiter may be passed over for a waiter that owns the released slot's cache. */
+export const DEFAULT_MAX_SKIPS = 4;
 
 export interface AcquireOptions {
   /** Aborting gives up the place in the queue (the promise rejects with an AbortError). */
   signal?: AbortSignal;
-  /** Preference among free slots (higher wins), e.g. how much of the conversation a slot has cached. */
+  /**
+   * Preference for a slot (higher wins, 0: none), e.g. how much of the conversation a slot has
+   * cached: among free slots now, and among waiters when a slot is released.
+   */
   score?: (slot: number) => number;
 }
 
@@ -46,13 +61,16 @@ export class SlotPool {
   /**
    * @param size number of slots (Infinity: never queue)
    * @param maxQueue how many requests may wait for a slot (0: none)
+   * @param maxSkips how often the first waiter may be passed over for one that owns a released slot's cache
    */
   constructor(
     readonly size: number,
     readonly maxQueue: number,
+    readonly maxSkips: number = DEFAULT_MAX_SKIPS,
   ) {
     if (!(size >= 1)) throw new RangeError(`slot count must be at least 1, got ${size}`);
     if (!(maxQueue >= 0)) throw new RangeError(`queue bound must be at least 0, got ${maxQueue}`);
+    if (!(maxSkips >= 0)) throw new RangeError(`skip bound must be at least 0, got ${maxSkips}`);
   }
 
   get busy(): number {
@@ -64,7 +82,7 @@ export class SlotPool {
   }
 
   /**
-   * A free slot now, or the next one released once the requests queued before this one got theirs.
+   * A free slot now, or a released one later: the one whose cache it owns, or its turn in arrival order.
    * @throws QueueFullError (rejected promise) when no slot is free and the queue is full
    */
   acquire(opts: AcquireOptions = {}): Promise<number> {
@@ -81,7 +99,7 @@ export class SlotPool {
       return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
     }
     return new Promise<number>((resolve, reject) => {
-      const waiter: Waiter = { resolve, reject, signal };
+      const waiter: Waiter = { resolve, reject, signal, score, skipped: 0 };
       if (signal) {
         waiter.onAbort = () => {
           const at = this.waiters.indexOf(waiter);
@@ -94,16 +112,38 @@ export class SlotPool {
     });
   }
 
-  /** Gives `slot` to the first waiter, or back to the free list. */
+  /** Gives `slot` to the waiter it suits best (see the class comment), or back to the free list. */
   release(slot: number): void {
-    const waiter = this.waiters.shift();
-    if (waiter) {
+    const at = this.waiterFor(slot);
+    if (at >= 0) {
+      const [waiter] = this.waiters.splice(at, 1) as [Waiter];
+      for (let i = 0; i < at; i++) this.waiters[i]!.skipped++;
       if (waiter.onAbort) waiter.signal?.removeEventListener('abort', waiter.onAbort);
       waiter.resolve(slot);
       return;
     }
     this.busyCount--;
     this.free.push(slot);
+  }
+
+  /**
+   * The index of the waiter to get `slot` (−1: none waits): the first one once it has been passed
+   * over `maxSkips` times (it has been passed over at least as often as anyone behind it), else the
+   * best positive score, the earliest on a tie, else the first.
+   */
+  private waiterFor(slot: number): number {
+    if (this.waiters.length === 0) return -1;
+    if (this.waiters[0]!.skipped >= this.maxSkips) return 0;
+    let best = 0;
+    let bestScore = 0;
+    for (let i = 0; i < this.waiters.length; i++) {
+      const s = this.waiters[i]!.score?.(slot) ?? 0;
+      if (s > bestScore) {
+        best = i;
+        bestScore = s;
+      }
+    }
+    return best;
   }
 
   /** Rejects every queued request with `err` (shutdown); slots in use are untouched. */
