@@ -36,9 +36,10 @@ async function startServeAndStop(
   launcher: DevLauncher,
   tell: (run: DevRun) => unknown,
   name: string = launcher,
+  extra: string[] = [],
 ): Promise<{ run: DevRun; exit: { code: number | null; signal: NodeJS.Signals | null } }> {
   // No --port: dev binds the gateway's port itself (a port picked here first could be taken by another test meanwhile).
-  const run = startDev(launcher, ['--no-kube', '--data-dir', join(root, name)]);
+  const run = startDev(launcher, ['--no-kube', '--data-dir', join(root, name), ...extra]);
   runs.push(run);
   await run.ready();
   const { gatewayUrl, tokenFile } = printed(run.stdout());
@@ -169,6 +170,8 @@ test('SIGTERM under load: a `magus gateway` beside dev and then dev itself exit 
       }
     },
     'load',
+    // The tiny demo model: the load is about stopping, and the real model answers fewer a second here.
+    ['--demo', 'tiny'],
   );
   expect(exit).toEqual({ code: 0, signal: null });
   await devLoad?.stop();
