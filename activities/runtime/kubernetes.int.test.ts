@@ -157,7 +157,8 @@ test('llama.cpp: one pod with `magus engine` and the bridge; destroy is idempote
   const pod = (await sts(instanceBase(instance)))!.spec!.template.spec!;
   const engine = pod.containers.find((c) => c.name === 'engine')!;
   expect(engine.image).toBe('magus:test');
-  expect(engine.args).toEqual(['engine', '--model', '/models/model.gguf', '--model-id', name, '--host', '0.0.0.0', '--port', '8080', '--json', '--slots', '1', '--threads', '1']);
+  // One slot per lease of the Dllama (2): a conversation keeps its prefix cached on its instance.
+  expect(engine.args).toEqual(['engine', '--model', '/models/model.gguf', '--model-id', name, '--host', '0.0.0.0', '--port', '8080', '--json', '--slots', '2', '--threads', '1']);
   await runtime.destroy(name, instance);
   await runtime.destroy(name, instance); // again: nothing to do
   await eventually(async () => expect(await podsOf(instance)).toHaveLength(0), 60_000);
