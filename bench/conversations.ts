@@ -16,7 +16,7 @@
  * reports how the pool takes them: its lease count, its longest run and largest continue-as-new
  * input.
  */
-import { readdirSync, readFileSync, statSync, mkdtempSync, rmSync } from 'node:fs';
+import { readdirSync, readFileSync, statSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Client, Connection } from '@temporalio/client';
@@ -160,6 +160,12 @@ async function main(): Promise<void> {
       const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);
+      if (errors.size > 0) {
+        // What dev said meanwhile, kept past the data folder's removal: the errors' cause is there.
+        const log = join(tmpdir(), `bench-conversations-dev-${Date.now()}.log`);
+        writeFileSync(log, dev.stdout() + dev.stderr());
+        console.log(`    dev's output: ${log}`);
+      }
     }
 
     if (seedLive > 0) {
