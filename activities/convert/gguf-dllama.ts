@@ -49,7 +49,7 @@ function ggufTensorNames(spec: ModelSpec): Map<string, string> {
 }
 
 /** The reader's format errors as conversion errors: a file cut short, or anything else malformed. */
-async function readGgufHeader(source: ByteSource): Promise<GgufFile> {
+export async function readGgufHeader(source: ByteSource): Promise<GgufFile> {
   try {
     return await readGguf(source);
   } catch (err) {

@@ -6,7 +6,8 @@
  * Only headers are read, never tensor data. Pure: I/O only through {@link ByteSource}.
  */
 import { ConvertError } from './errors';
-import { GgufFormatError, readGguf, type GgufFile } from './gguf-reader';
+import { readGgufHeader } from './gguf-dllama';
+import type { GgufFile } from './gguf-reader';
 import type { ByteSource } from './types';
 import type { GgufValue } from './gguf';
 
@@ -72,13 +73,7 @@ export async function readGgufSource(parts: readonly ByteSource[]): Promise<Gguf
   const headers: GgufFile[] = [];
   for (const part of parts) {
     const size = await part.size();
-    let file: GgufFile;
-    try {
-      file = await readGguf(part, { fileSize: size });
-    } catch (err) {
-      if (err instanceof GgufFormatError) throw new ConvertError('BadHeader', `${part.name}: not a readable GGUF file: ${err.message}`, { cause: err });
-      throw err;
-    }
+    const file = await readGgufHeader(part);
     if (file.dataEnd > size) throw new ConvertError('TruncatedFile', `${part.name}: its tensors end at byte ${file.dataEnd}, past the file's ${size} bytes`);
     headers.push(file);
   }
