@@ -20,6 +20,8 @@ export interface GatewayConfig {
   buckets: { models: string; tokens: string; sessions: string; pools: string };
   /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
   responseStream: string;
+  /** The stream of requests (`MAGUS_REQUESTS`), whose instance consumers show whether a bridge is consuming. */
+  requestStream: string;
   settings: GatewaySettings;
   /** Local-mode tokens (token file and/or env value), validated: `{ "<id>": {digest, name, models?} }`. */
   staticTokens: { origin: string; entries: Record<string, unknown> }[];
@@ -206,6 +208,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     subjectScope,
     replicaId: str('MAGUS_GATEWAY_REPLICA_ID', newReplicaId(), REPLICA_ID, "is not a subject token (letters, digits, '_' and '-', at most 64)"),
     responseStream: names.responseStream,
+    requestStream: names.requestStream,
     buckets,
     settings,
     staticTokens,

@@ -9,7 +9,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../activities/nats/registry';
-import { readStoredFrames, responseStreamState, scopeSubject } from '../activities/nats/data-plane';
+import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../activities/nats/data-plane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -213,6 +213,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           ...(deps.firstTurns.demand && temporal ? { demand: guardDemand(deps.firstTurns.demand, temporal), reachable: () => temporal.reachable() } : {}),
           pools: await openBucket(nc, config.buckets.pools),
           sessions: sessionsKv,
+          alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),
         },
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
@@ -411,3 +412,4 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   await temporalConnection.close();
   return 0;
 }
+

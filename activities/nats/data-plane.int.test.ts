@@ -4,7 +4,8 @@
  * publishing, request claims, and reading frames back — also from a stream that evicted them.
  */
 import { setTimeout as sleep } from 'node:timers/promises';
-import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type NatsConnection } from 'nats';
+import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type JsMsg, type NatsConnection } from 'nats';
+import { eventually } from '../../test/harness/wait';
 import { isolation, natsConnect } from '../../test/harness';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
 import {
@@ -13,6 +14,7 @@ import {
   encodeJson,
   ensureDataPlane,
   ensureInstanceConsumer,
+  instanceConsuming,
   openRequestClaims,
   publishRequest,
   readStoredFrames,
@@ -122,6 +124,30 @@ describe('instance consumers', () => {
     expect(resized.config.ack_wait).toBe(nanos(30_000));
     expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1' })).toBe(true);
     expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c1' })).toBe(false);
+  });
+
+  it('tell whether a bridge consumes them: a consumer pulling, idle or with every slot busy, is; one nobody pulls from, or none, is not', async () => {
+    await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c3', slots: 2 });
+    expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(false);
+    expect(await instanceConsuming(nc, names.requestStream, 'pool', 'nobody')).toBe(false);
+    // As the bridge consumes (activities/nats/bridge/bridge.ts): `max_messages` = slots.
+    const consumer = await nc.jetstream().consumers.get(names.requestStream, consumerNameOf('pool', 'c3'));
+    const messages = await consumer.consume({ max_messages: 2 });
+    const held: JsMsg[] = [];
+    const reading = (async () => {
+      for await (const m of messages) held.push(m);
+    })();
+    await eventually(async () => expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(true), 10_000);
+    // Every slot busy (two requests delivered, not acked): still consuming.
+    for (let i = 0; i < 3; i++) await nc.jetstream().publish(requestSubjectOf(names, 'pool', 'c3'), new TextEncoder().encode(`r${i}`));
+    await eventually(() => Promise.resolve(expect(held).toHaveLength(2)), 10_000);
+    expect((await jsm.consumers.info(names.requestStream, consumerNameOf('pool', 'c3'))).num_ack_pending).toBe(2);
+    expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(true);
+    for (const m of held) m.ack();
+    await messages.close();
+    await reading;
+    expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c3' })).toBe(true);
+    expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(false);
   });
 
   it('reject a non-positive slot count', async () => {

@@ -422,6 +422,21 @@ export interface InstanceConsumerOptions {
   maxDeliver?: number;
 }
 
+/**
+ * Whether an instance's bridge consumes its requests: its durable consumer has a pull request
+ * waiting (a bridge keeps one open, busy or not; a dead bridge's expire within the pull's 30 s).
+ * False when the consumer does not exist.
+ */
+export async function instanceConsuming(nc: NatsConnection, requestStream: string, pool: string, instance: string): Promise<boolean> {
+  try {
+    const info = await (await nc.jetstreamManager({ checkAPI: false })).consumers.info(requestStream, consumerNameOf(pool, instance));
+    return info.num_waiting > 0;
+  } catch (err) {
+    if (jsErrorCode(err) === CONSUMER_NOT_FOUND) return false;
+    throw err;
+  }
+}
+
 /** Declares (or updates) the durable pull consumer of one instance. */
 export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: InstanceConsumerOptions): Promise<ConsumerInfo> {
   if (!Number.isInteger(opts.slots) || opts.slots < 1) throw new Error(`slots must be a positive integer, got ${opts.slots}`);

@@ -59,7 +59,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until(() => cache!.cache.get('k-existing') === undefined);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0 });
+  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0 });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -372,6 +372,36 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await until(() => cache!.cache.get(k) !== undefined);
     expect((await cache.acquire(req(k))).instance).toBe('from-temporal');
     expect(cold).toEqual([k]);
+  });
+
+  it('a view its pool has not rewritten in time (an overloaded Temporal) still serves first turns, on the instances found consuming only, even while Temporal is unreachable', async () => {
+    await publishPool(['i1', 'i2'], 4, { updatedAt: Date.now() - 4 * 60_000, growable: false });
+    const asked: string[] = [];
+    let i1Alive = true;
+    cache = await start({
+      reachable: () => false,
+      alive: (_ns, _pool, instance) => {
+        asked.push(instance);
+        return Promise.resolve(instance === 'i1' && i1Alive);
+      },
+    });
+    await until(() => cache!.pools!.get(poolKey) !== undefined);
+    const placedOn = await Promise.all([1, 2, 3].map(async () => (await cache!.acquire(req(key('stale')))).instance));
+    expect(placedOn).toEqual(['i1', 'i1', 'i1']);
+    expect(cache.stats()).toMatchObject({ firstTurns: 3, staleViewPicks: 3, coldStarts: 0 });
+    // Looked at once for the three turns (then at most once per interval), each instance once.
+    expect(asked.sort()).toEqual(['i1', 'i2']);
+    // Nothing found consuming: the view is not used, and with Temporal away the turn is refused (503) at once.
+    await cache.close();
+    i1Alive = false;
+    cache = await start({ reachable: () => false, alive: () => Promise.resolve(false) });
+    await until(() => cache!.pools!.get(poolKey) !== undefined);
+    await expect(cache.acquire(req(key('dead')))).rejects.toMatchObject({ type: 'Unavailable' });
+    // Rewritten by its pool: used as written again.
+    await publishPool(['i2'], 4);
+    await until(() => Date.now() - (cache!.pools!.get(poolKey)?.updatedAt ?? 0) < 60_000);
+    expect((await cache.acquire(req(key('fresh')))).instance).toBe('i2');
+    expect(cache.stats().staleViewPicks).toBe(0);
   });
 
   it('a pool that cannot start anything refuses at once with its reason; one that stopped refreshing, or a malformed entry, is not picked from', async () => {

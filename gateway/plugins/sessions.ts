@@ -65,6 +65,8 @@ export interface SessionStats {
   coldStarts: number;
   /** First turns served from a pool's published instances (the session workflow confirms later). */
   firstTurns: number;
+  /** Of those, picks from a view its pool had not rewritten in time, among its instances found consuming. */
+  staleViewPicks?: number;
 }
 
 /** Starts or re-acquires a conversation's session (the slow path), resolving to its entry. */
@@ -102,6 +104,14 @@ export interface FirstTurns {
   demand?(model: ReadyModel, waiting: number): Promise<void>;
   /** Whether the pools can be told (Temporal answers): a first turn without room is refused at once (503) when not. */
   reachable?(): boolean;
+  /**
+   * Whether an instance's bridge is consuming its requests (its consumer has a pull waiting).
+   * Asked only about the instances of a view older than {@link POOL_ENTRY_MAX_AGE_MS}: a pool
+   * whose workflow is too slow to rewrite its view (an overloaded Temporal) still serves new
+   * conversations on the instances found alive, instead of sending every first turn to the pool
+   * that cannot answer. Absent: a view that old is not used.
+   */
+  alive?(namespace: string, pool: string, instance: string): Promise<boolean>;
 }
 
 export interface SessionCacheOptions {
@@ -151,6 +161,10 @@ const START_WAIT_MAX_MS = 30_000;
 /** Demand is told to a pool at most this often per model, and again at least this often while it lasts. */
 const DEMAND_MIN_MS = 1000;
 const DEMAND_REFRESH_MS = 10_000;
+
+/** A stale view's instances are looked at again at most this often, and what was found is used this long. */
+const PROBE_INTERVAL_MS = 5_000;
+const PROBE_TTL_MS = 15_000;
 
 /** First wait before a failed adoption is tried again; it doubles up to {@link ADOPT_RETRY_MAX_MS}. */
 const ADOPT_RETRY_MS = 1_000;
@@ -217,10 +231,46 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return i;
   };
 
-  /** The model's published view, when its pool is alive. */
+  /**
+   * Views their pools have not rewritten for {@link POOL_ENTRY_MAX_AGE_MS}: the instances found
+   * consuming (`alive`) when last looked at, per view key. A pool that is gone is not told apart
+   * from one its Temporal is too slow to run: the instances still consuming are what both can serve.
+   */
+  const probes = new Map<string, { at: number; updatedAt: number; alive: Set<string>; looking?: Promise<void> }>();
+  let staleViewPicks = 0;
+  const probe = (key: string, namespace: string, model: string, entry: PoolEntry): Promise<void> | undefined => {
+    const f = first;
+    if (!f?.alive) return undefined;
+    const known = probes.get(key);
+    if (known?.looking) return known.looking;
+    if (known && known.updatedAt === entry.updatedAt && now() - known.at < PROBE_INTERVAL_MS) return undefined;
+    const record = known ?? { at: 0, updatedAt: entry.updatedAt, alive: new Set<string>() };
+    record.looking = Promise.all(entry.instances.map(async (i) => ((await f.alive!(namespace, model, i.instance).catch(() => false)) ? i.instance : undefined))).then((ids) => {
+      probes.set(key, { at: now(), updatedAt: entry.updatedAt, alive: new Set(ids.filter((id): id is string => id !== undefined)) });
+    });
+    probes.set(key, record);
+    return record.looking;
+  };
+
+  /** The model's published view: as written while its pool rewrites it, else only its instances found consuming. */
   const viewOf = (namespace: string, model: string): PoolEntry | undefined => {
-    const entry = pools?.get(`${namespace}.${model}`);
-    return entry && now() - entry.updatedAt <= POOL_ENTRY_MAX_AGE_MS ? entry : undefined;
+    const key = `${namespace}.${model}`;
+    const entry = pools?.get(key);
+    if (!entry) return undefined;
+    if (now() - entry.updatedAt <= POOL_ENTRY_MAX_AGE_MS) {
+      probes.delete(key);
+      return entry;
+    }
+    void probe(key, namespace, model, entry);
+    const p = probes.get(key);
+    if (!p || p.updatedAt !== entry.updatedAt || now() - p.at > PROBE_TTL_MS || p.alive.size === 0) return undefined;
+    return { ...entry, instances: entry.instances.filter((i) => p.alive.has(i.instance)) };
+  };
+  /** Waits for a look at the model's stale view, if one is due or under way. */
+  const probed = async (model: ReadyModel): Promise<void> => {
+    const key = `${model.namespace}.${model.name}`;
+    const entry = pools?.get(key);
+    if (entry && now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) await probe(key, model.namespace, model.name, entry);
   };
 
   /**
@@ -242,6 +292,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         bestLoad = n;
       }
     }
+    if (best && now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) staleViewPicks++;
     return best;
   };
 
@@ -361,6 +412,10 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   const room = async (f: FirstTurns, model: ReadyModel, signal: AbortSignal): Promise<PoolEntry['instances'][number]> => {
     const found = pick(model);
     if (found) return reserve(model, found);
+    // A view too old to use as it is: its instances are looked at first (once per interval).
+    await probed(model);
+    const alive = pick(model);
+    if (alive) return reserve(model, alive);
     const k = `${model.namespace}/${model.name}`;
     let w = waitingFor.get(k);
     if (!w) waitingFor.set(k, (w = { model, waiting: 0, told: 0, at: 0 }));
@@ -512,7 +567,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     cache,
     pools,
     ready: pools ? Promise.all([cache.ready, pools.ready]).then(() => undefined) : cache.ready,
-    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals, givenBack }),
+    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals, givenBack, staleViewPicks }),
     leasesOn: (namespace, pool, instance) => load.get(loadKey({ namespace, pool, instance })) ?? 0,
     acquire(req) {
       const key = req.conversationKey;
