@@ -62,6 +62,17 @@ export function servedGguf(ready: Pick<ReadyModel, 'artifacts' | 'memory'>): { a
 }
 
 /**
+ * The names an engine's GGUF files get on disk: `model.gguf` for one file; for the parts of a split
+ * GGUF, llama.cpp's part names (`model-00001-of-00003.gguf` …), since llama.cpp opens the first part
+ * and finds the others beside it by those names. The engine is given the first.
+ */
+export function ggufFileNames(parts: number): string[] {
+  if (parts <= 1) return ['model.gguf'];
+  const of = String(parts).padStart(5, '0');
+  return Array.from({ length: parts }, (_, i) => `model-${String(i + 1).padStart(5, '0')}-of-${of}.gguf`);
+}
+
+/**
  * The leases per instance of a pool of `ready` that no `Dllama` sizes: the slots of the llama.cpp
  * engine the runtimes start for it, 1 without a GGUF artifact or a plan (distributed-llama, or an
  * entry made by hand).

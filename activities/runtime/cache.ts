@@ -5,10 +5,11 @@
 import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
 import { createWriteStream, existsSync, mkdirSync, type WriteStream } from 'node:fs';
-import { rename, rm } from 'node:fs/promises';
+import { mkdir, rename, rm, symlink } from 'node:fs/promises';
 import { join } from 'node:path';
 import { type Readable, Transform } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
+import { ggufFileNames } from '../../shared/engine-slots';
 import type { StoredObject } from '../../shared/model';
 
 export interface ModelCache {
@@ -55,4 +56,32 @@ export async function cachedFile(cache: ModelCache, file: StoredObject, extensio
     await rm(tmp, { force: true });
   }
   return path;
+}
+
+/**
+ * The path to give llama.cpp for a GGUF artifact's `files`: the cached file itself for one file;
+ * for a split GGUF, every part cached, then linked into `<dir>/split-<sha256 of part 1>/` under
+ * llama.cpp's part names ({@link ggufFileNames}), since llama.cpp opens the first part and finds the
+ * others beside it by name. The links are made in a temporary folder renamed into place.
+ */
+export async function cachedGguf(cache: ModelCache, files: readonly StoredObject[], signal?: AbortSignal): Promise<string> {
+  if (files.length === 1) return cachedFile(cache, files[0]!, '.gguf', signal);
+  const names = ggufFileNames(files.length);
+  const folder = join(cache.dir, `split-${files[0]!.sha256}`);
+  const first = join(folder, names[0]!);
+  const parts: string[] = [];
+  for (const f of files) parts.push(await cachedFile(cache, f, '.gguf', signal));
+  if (existsSync(first)) return first;
+  const tmp = `${folder}.tmp-${randomBytes(4).toString('hex')}`;
+  try {
+    await mkdir(tmp);
+    for (const [i, part] of parts.entries()) await symlink(part, join(tmp, names[i]!));
+    await rename(tmp, folder).catch((err: NodeJS.ErrnoException) => {
+      // Another start linked it first: theirs is the same.
+      if (!existsSync(first)) throw err;
+    });
+  } finally {
+    await rm(tmp, { recursive: true, force: true });
+  }
+  return first;
 }

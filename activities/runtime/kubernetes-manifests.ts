@@ -68,7 +68,7 @@ export interface InstancePlan {
   engine: 'dllama' | 'llamacpp';
   /** Nodes of the topology (1 for llama.cpp). */
   nodes: number;
-  /** Files the root needs, with the name the engine is given (`model.gguf`, `model.m`, `tokenizer.t`). */
+  /** Files the root needs, with the name the engine is given (`model.gguf` or a split GGUF's parts, the first first; `model.m`, `tokenizer.t`). */
   files: (StoredObject & { name: string })[];
   /** distributed-llama's `--max-seq-len`. */
   maxSeqLen: number;
@@ -229,7 +229,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
       : {
           name: 'engine',
           image: plan.images.magus,
-          args: ['engine', ...engineArgs({ model: file('model.gguf'), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
+          args: ['engine', ...engineArgs({ model: file(plan.files[0]!.name), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
           env: [{ name: 'HOME', value: '/tmp' }],
         };
   const probe = { httpGet: { path: '/v1/models', port: ENGINE_PORT }, periodSeconds: 5, timeoutSeconds: 3 };

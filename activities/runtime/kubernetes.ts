@@ -20,8 +20,8 @@ import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizing, servedGguf } from '../../shared/engine-slots';
-import type { ReadyModel, StoredObject } from '../../shared/model';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizing, ggufFileNames, servedGguf } from '../../shared/engine-slots';
+import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
@@ -217,10 +217,13 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     };
     if (engine === 'llamacpp') {
       const gguf = servedGguf(ready);
-      const file: StoredObject | undefined = gguf?.artifact.files[0];
-      if (!gguf || !file) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
+      if (!gguf || gguf.artifact.files.length === 0) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
       const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? d?.spec.leasesPerInstance);
-      return { ...common, engine, nodes: 1, files: [{ ...file, name: 'model.gguf' }], maxSeqLen: 0, ...engineSize, memory: { root: need(memory ?? file.bytes), worker: null } };
+      // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
+      const names = ggufFileNames(gguf.artifact.files.length);
+      const files = gguf.artifact.files.map((f, i) => ({ ...f, name: names[i]! }));
+      const bytes = files.reduce((a, f) => a + f.bytes, 0);
+      return { ...common, engine, nodes: 1, files, maxSeqLen: 0, ...engineSize, memory: { root: need(memory ?? bytes), worker: null } };
     }
     const choice = chooseDllamaArtifact(ready, nodes);
     if (!choice || 'problem' in choice) throw named(KubernetesErrors.noArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);

@@ -6,13 +6,16 @@
  * always lands before it is ready; a download is held midway by a proxy that stops passing S3's
  * answer after its first bytes.
  */
-import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
+import { CreateBucketCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
+import { createHash } from 'node:crypto';
 import { CancelledFailure } from '@temporalio/common';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
+import { splitGguf } from '../../test/fixtures/split-gguf';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
+import { askInstance } from '../../test/harness/data-plane';
 import { endpoint, isolation, natsConnect, s3Client } from '../../test/harness';
 import { startTcpProxy } from '../../test/harness/tcp-proxy';
 import { processRunning, until } from '../../test/harness/wait';
@@ -182,3 +185,30 @@ test('cancelled during the model download: the download stops, its temporary fil
     await proxy.close();
   }
 }, 120_000);
+
+test('a split GGUF: every part is fetched and checked, linked under llama.cpp\'s part names, and the engine serves the model as from the whole file', async () => {
+  // The tiny model's GGUF (written by publishTinyGguf) in two parts, published as a GGUF source's artifact is.
+  const parts = await splitGguf(join(dir, `${POOL}.gguf`), dir, 'Tiny.Q8_0', 2);
+  const files = [];
+  for (const part of parts) {
+    const bytes = readFileSync(join(dir, part));
+    const key = `sources/test/split/${part}`;
+    await s3.send(new PutObjectCommand({ Bucket: bucket, Key: key, Body: bytes }));
+    files.push({ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') });
+  }
+  const whole = (await registry.get('default', POOL))!;
+  await registry.put({ ...whole, name: 'split', artifacts: [{ format: 'gguf', weights: 'source', sourceType: 'Q8_0', converterVersion: whole.artifacts[0]!.converterVersion, files }] });
+  const cacheDir = join(dir, 'cache-split');
+  const rt = runtime(cacheDir);
+  await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'whole' }, new AbortController().signal);
+  await rt.create({ namespace: 'default', model: 'split', pool: 'split', instance: 'parts' }, new AbortController().signal);
+  // Both parts cached by their sha256, and linked beside each other under the names llama.cpp looks for.
+  const linked = join(cacheDir, `split-${files[0]!.sha256}`);
+  expect(readdirSync(linked).sort()).toEqual(['model-00001-of-00002.gguf', 'model-00002-of-00002.gguf']);
+  expect(readFileSync(join(linked, 'model-00002-of-00002.gguf')).equals(readFileSync(join(dir, parts[1]!)))).toBe(true);
+  expect(processesUsing(linked)).toHaveLength(1); // the engine was given the first part
+  const ask = (pool: string, instance: string) => askInstance(nc, names, pool, instance, { messages: [{ role: 'user', content: 'Once upon a time' }], max_tokens: 12, temperature: 0 }, 60_000);
+  const [a, b] = [await ask(POOL, 'whole'), await ask('split', 'parts')];
+  expect(a.text.length).toBeGreaterThan(0);
+  expect(b.text).toBe(a.text);
+}, 180_000);

@@ -20,11 +20,11 @@ import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizing, servedGguf } from '../../shared/engine-slots';
-import type { ReadyModel, StoredObject } from '../../shared/model';
+import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
-import { cachedFile, type ModelCache } from './cache';
+import { cachedFile, cachedGguf, type ModelCache } from './cache';
 import { chooseDllamaArtifact, startSupervisedTopology, type DllamaOptions } from './dllama';
 import { startSupervisedEngine, type RestartPolicy } from './llama-cpp';
 import type { SupervisedProcess } from './process';
@@ -162,10 +162,9 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
 
   async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined, signal: AbortSignal): Promise<Serving> {
     const gguf = servedGguf(ready);
-    const file: StoredObject | undefined = gguf?.artifact.files[0];
-    if (!file) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
+    if (!gguf || gguf.artifact.files.length === 0) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
-    const model = await cachedFile(cache, file, '.gguf', signal);
+    const model = await cachedGguf(cache, gguf.artifact.files, signal);
     const sizing = gguf?.plan && engineSizing(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
     const slots = opts.slots ?? sizing?.slots ?? 1;
     if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
