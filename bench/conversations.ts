@@ -105,13 +105,14 @@ async function main(): Promise<void> {
       const events0 = await poolEvents();
       const t0 = Date.now();
       const results: { status: number | 'timeout'; ms: number; code?: string; at: number }[] = [];
-      // dev's own gauges every 10 s (its gateway's /metrics): heap in use and the event loop's delay.
-      const gauges: { at: number; heap: number; loopMax: number }[] = [];
+      // dev's own gauges every 10 s (its gateway's /metrics): heap in use, the event loop's delay,
+      // and first turns placed from a pool view its pool had not rewritten in time.
+      const gauges: { at: number; heap: number; loopMax: number; stalePicks: number }[] = [];
       const sampler = setInterval(() => {
         void fetch(`${gatewayUrl}/metrics`).then(async (r) => {
           const text = await r.text();
           const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1] ?? NaN);
-          gauges.push({ at: Date.now(), heap: sample('nodejs_heap_size_used_bytes'), loopMax: sample('nodejs_eventloop_delay_max_seconds') });
+          gauges.push({ at: Date.now(), heap: sample('nodejs_heap_size_used_bytes'), loopMax: sample('nodejs_eventloop_delay_max_seconds'), stalePicks: sample('magus_gateway_stale_view_picks_total') });
         }, () => undefined);
       }, 10_000);
       const inflight: Promise<void>[] = [];
@@ -157,7 +158,7 @@ async function main(): Promise<void> {
       }
       const loopMax = Math.max(0, ...gauges.map((x) => x.loopMax || 0));
       const heapMax = Math.max(0, ...gauges.map((x) => x.heap || 0));
-      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms\n    ${cpu.join('; ')}`;
+      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);
       if (errors.size > 0) {
