@@ -26,6 +26,12 @@ export interface LoadSpec {
   /** The text the answer must carry (the stub's echo); absent: any answer with status 200. */
   expectText?: string;
   maxTokens?: number;
+  /** Sampling temperature (absent: the server's default). */
+  temperature?: number;
+  /** Appends ` (request <index>)` to the prompt: every request evaluates new tokens, the same ones on every path. */
+  varyPrompt?: boolean;
+  /** Streams ask for the final usage chunk (`stream_options.include_usage`); the sample keeps its completion tokens. */
+  usage?: boolean;
 }
 
 /** One request: epoch ms of send, response headers and end; streams also their content chunks' arrival. */
@@ -37,6 +43,8 @@ export interface Sample {
   requestId?: string;
   /** Arrival of each `data:` event that carries content (streams). */
   chunks?: number[];
+  /** `usage.completion_tokens` of the answer (with {@link LoadSpec.usage}). */
+  completionTokens?: number;
 }
 
 export interface LoadResult {
@@ -57,9 +65,11 @@ function agentFor(url: string): Agent {
 function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> {
   const body = JSON.stringify({
     model: spec.model,
-    messages: [{ role: 'user', content: spec.prompt }],
+    messages: [{ role: 'user', content: spec.varyPrompt ? `${spec.prompt} (request ${index})` : spec.prompt }],
     stream: spec.stream,
     ...(spec.maxTokens !== undefined ? { max_tokens: spec.maxTokens } : {}),
+    ...(spec.temperature !== undefined ? { temperature: spec.temperature } : {}),
+    ...(spec.usage && spec.stream ? { stream_options: { include_usage: true } } : {}),
   });
   return new Promise<Sample>((resolve, reject) => {
     const start = now();
@@ -75,6 +85,7 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
         const chunks: number[] = [];
         let raw = '';
         let text = '';
+        let completionTokens: number | undefined;
         res.setEncoding('utf8');
         res.on('data', (d: string) => {
           const t = now();
@@ -84,7 +95,9 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
             const event = raw.slice(0, at);
             raw = raw.slice(at + 2);
             if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
-            const content = (JSON.parse(event.slice(6)) as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content;
+            const data = JSON.parse(event.slice(6)) as { choices?: { delta?: { content?: string } }[]; usage?: { completion_tokens?: number } | null };
+            if (data.usage?.completion_tokens !== undefined) completionTokens = data.usage.completion_tokens;
+            const content = data.choices?.[0]?.delta?.content;
             if (content) {
               chunks.push(t);
               text += content;
@@ -95,10 +108,14 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
         res.on('end', () => {
           const end = now();
           if (res.statusCode !== 200) return reject(new Error(`${spec.url}: HTTP ${res.statusCode}: ${raw.slice(0, 300)}`));
-          if (!spec.stream) text = (JSON.parse(raw) as { choices: { message: { content: string } }[] }).choices[0]?.message.content ?? '';
+          if (!spec.stream) {
+            const body = JSON.parse(raw) as { choices: { message: { content: string } }[]; usage?: { completion_tokens?: number } };
+            text = body.choices[0]?.message.content ?? '';
+            completionTokens = body.usage?.completion_tokens;
+          }
           if (spec.expectText !== undefined && text !== spec.expectText) return reject(new Error(`${spec.url}: unexpected answer ${JSON.stringify(text.slice(0, 200))}`));
           const requestId = res.headers['x-request-id'];
-          resolve({ start, headers, end, ...(typeof requestId === 'string' ? { requestId } : {}), ...(spec.stream ? { chunks } : {}) });
+          resolve({ start, headers, end, ...(typeof requestId === 'string' ? { requestId } : {}), ...(spec.stream ? { chunks } : {}), ...(completionTokens !== undefined ? { completionTokens } : {}) });
         });
       },
     );

@@ -4,7 +4,8 @@
  * loop. On request (IPC) it starts
  * - a stub engine that answers at once and a real bridge consuming its instance's requests,
  * - a minimal bridge on a second instance of the same stub (the design's floor), and
- * - the Temporal workers (workflows + local runtime: a real llama.cpp engine and its bridge).
+ * - the Temporal workers (workflows + local runtime: a real llama.cpp engine and its bridge), or
+ * - for the real-model mode (bench/gateway-real.ts), a real model's engine and a real bridge.
  *
  * While tracing is on it records, with epoch-ms timestamps, what the bridge does on this NATS
  * connection (`request`: claim reads and writes; `publish`: response frames) and its engine calls
@@ -15,6 +16,7 @@ import { connect, type NatsConnection } from 'nats';
 import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
 import type { InferenceRequest } from '../shared/serving';
 import { startBridge, type Bridge, type BridgeStats } from '../activities/nats/bridge';
+import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import { createEngineClient, sseEventBatches, type EngineClient } from '../activities/nats/bridge/engine-client';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
@@ -26,6 +28,8 @@ export type ServingCommand =
   | { type: 'stub'; nats: string; prefix: string; pool: string; instance: string; slots: number; chunks: number }
   | { type: 'floor'; prefix: string; pool: string; instance: string; slots: number }
   | { type: 'workers'; cfg: MagusConfig; env: Record<string, string> }
+  /** A real llama.cpp engine (`magus engine`, as the local runtime starts it) and a real bridge consuming its instance's requests. */
+  | { type: 'engine'; nats: string; prefix: string; pool: string; instance: string; slots: number; model: string; threads: number; ctx: number }
   | { type: 'trace'; on: boolean }
   | { type: 'profile'; on: boolean }
   | { type: 'stats' }
@@ -36,6 +40,7 @@ export type ServingReply =
   | { re: 'stub'; url: string; subject: string }
   | { re: 'floor'; subject: string }
   | { re: 'workers' }
+  | { re: 'engine'; url: string; subject: string; pid: number }
   | { re: 'trace'; events: TraceEvent[] }
   | { re: 'profile'; summary?: CpuSummary }
   | { re: 'stats'; bridge: BridgeStats | undefined }
@@ -51,6 +56,7 @@ const FOREVER = new AbortController().signal;
 
 let nc: NatsConnection | undefined;
 let engine: StubEngine | undefined;
+let llamaCpp: LlamaCppEngine | undefined;
 let bridge: Bridge | undefined;
 let workers: RunningWorkers | undefined;
 let tracing = false;
@@ -121,6 +127,14 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       })();
       return { re: 'floor', subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
     }
+    case 'engine': {
+      nc ??= await connect({ servers: cmd.nats, name: 'bench-bridge', noAsyncTraces: true });
+      const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
+      await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
+      llamaCpp = await startLlamaCppEngine(cmd.model, { modelId: cmd.pool, slots: cmd.slots, threads: cmd.threads, ctx: cmd.ctx, startTimeoutSec: 300, name: 'bench-engine', log: () => undefined });
+      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: llamaCpp.url, slots: cmd.slots });
+      return { re: 'engine', url: llamaCpp.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: llamaCpp.process.child.pid ?? 0 };
+    }
     case 'workers':
       Object.assign(process.env, cmd.env);
       Runtime.install({ logger: new DefaultLogger('WARN') });
@@ -143,6 +157,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
     case 'stop':
       await bridge?.stop();
       await engine?.stop();
+      await llamaCpp?.process.stop(5_000);
       await nc?.drain();
       await workers?.shutdown();
       return { re: 'stop' };

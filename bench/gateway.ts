@@ -18,6 +18,9 @@
  * above it) then breaks the gateway path down by hop from timestamps taken in every process.
  *
  * Environment: BENCH_SCALE (default 1) multiplies every sample count.
+ *
+ * `--real`: a real model's tokens/s and time to first token through magus against its engine
+ * instead (bench/gateway-real.ts).
  */
 import { CreateBucketCommand, S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
@@ -47,6 +50,7 @@ import { seedFor } from '../activities/nats/bridge';
 import { startServices } from '../workers/dev/services';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
+import { benchGatewayReal } from './gateway-real';
 import { ask, child, fmt, latencies, load, p50, p99, signed } from './common';
 import { startCpuProfile, type CpuSummary } from './cpu-profile';
 import type { LoadResult, LoadSpec } from './gateway-client';
@@ -670,7 +674,7 @@ function report(r: {
   process.stdout.write(`${out.join('\n')}\n`);
 }
 
-main().then(
+(process.argv.includes('--real') ? benchGatewayReal() : main()).then(
   () => process.exit(0),
   (err) => {
     console.error(err);
