@@ -44,7 +44,7 @@ import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gatew
 import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
-import type { InferenceRequest, SessionEntry } from '../shared/serving';
+import type { InferenceRequest, PoolEntry, SessionEntry } from '../shared/serving';
 import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { seedFor } from '../activities/nats/bridge';
 import { startServices } from '../workers/dev/services';
@@ -129,22 +129,30 @@ async function main(): Promise<void> {
     nc = await connect({ servers: e.nats!.servers, name: 'bench' });
     const names = await ensureDataPlane(nc, { prefix: PREFIX });
     const registry = await openModelRegistry(nc, names.modelsBucket);
-    const sessionsKv: KV = await nc.jetstream().views.kv(names.sessionsBucket);
     const stubModel: ReadyModel = { namespace: 'default', name: STUB, source: { repo: 'bench/stub', revision: 'main', sha: '0'.repeat(40) }, artifacts: [], memory: [], readyAt: new Date().toISOString() };
     await registry.put(stubModel);
     const stub = await serve<Extract<ServingReply, { re: 'stub' }>>(serving, { type: 'stub', nats: e.nats!.servers, prefix: PREFIX, pool: STUB, instance: 'i1', slots: 16, chunks: CHUNKS });
-    const stubEntry: SessionEntry = { subject: stub.subject, pool: STUB, instance: 'i1', expiresAt: Date.now() + 24 * 3_600_000 };
+    // The stub's pool view, as a pool at its maximum publishes it (the pool workflow rewrites it every minute): first turns
+    // of the stub are placed on it by the gateway itself (the entry-lease protocol), no Temporal involved.
+    const poolsKv: KV = await nc.jetstream().views.kv(names.poolsBucket);
+    const publishStubView = () =>
+      poolsKv.put(`default.${STUB}`, new TextEncoder().encode(JSON.stringify({ instances: [{ instance: 'i1', subject: stub.subject, leases: 0 }], leasesPerInstance: 1000, updatedAt: Date.now(), growable: false } satisfies PoolEntry)));
+    await publishStubView();
+    const stubViewTimer = setInterval(() => void publishStubView().catch(() => undefined), 60_000);
+    stubViewTimer.unref();
 
-    // --- The gateway, with a cold path that seeds the stub's sessions and the Temporal one for `tiny`.
-    let seeding = true;
+    // --- The gateway: the stub's first turns placed from its view; `tiny`'s from its pool's, which demand starts.
     let coldStartsWhileWarm = 0;
     let temporalPath: ReturnType<typeof temporalSessions> | undefined;
     const adoptMs: number[] = [];
     const adoptFailures: unknown[] = [];
     // First turns of `tiny` from its pool's published instances: the session workflow starts after the answer.
-    const firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt'> = {
+    const firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'> = {
       ttlMs: 600_000,
+      // No room for `tiny` yet: its pool is told (signal-with-start starts it), as a gateway does.
+      demand: (model, waiting) => (temporalPath?.firstTurns.demand ? temporalPath.firstTurns.demand(model, waiting) : Promise.resolve()),
       adopt: async (req, entry) => {
+        if (req.model.name === STUB) return; // no session workflow for the stub's conversations
         const t0 = performance.now();
         try {
           await temporalPath!.firstTurns.adopt(req, entry);
@@ -163,13 +171,8 @@ async function main(): Promise<void> {
         temporalColdStartMs.push(performance.now() - t0);
         return entry;
       }
-      if (!seeding) {
-        coldStartsWhileWarm++;
-        throw new Error('cold start during a warm measurement');
-      }
-      // What the session workflow's writeSession does, without Temporal.
-      await sessionsKv.put(req.conversationKey, new TextEncoder().encode(JSON.stringify(stubEntry)));
-      return stubEntry;
+      coldStartsWhileWarm++;
+      throw new Error(`a cold start of ${req.model.name}: its first turns are placed from its pool view`);
     };
     const renew: RenewSession = (req, entry) => (req.model.name === TINY && temporalPath ? temporalPath.renew(req, entry) : Promise.resolve());
 
@@ -216,11 +219,11 @@ async function main(): Promise<void> {
     const c8Sessions = Array.from({ length: 8 }, (_, i) => `bench-c8-${i}`);
     const spec = (target: typeof direct, over: Partial<LoadSpec>): LoadSpec => ({ ...target, concurrency: 1, requests: 1, sessionIds: c1Session, stream: false, prompt: PROMPT, expectText: PROMPT, ...over });
 
-    // --- Seed the warm sessions (one cold turn each), then forbid the cold path.
+    // --- Seed the warm sessions (one first turn each, placed from the stub's view).
     for (const sid of [...c1Session, ...c8Sessions]) await load(client, spec(viaGateway, { sessionIds: [sid] }));
-    seeding = false;
-    const coldStartsSeeded = gateway.sessionCache!.stats().coldStarts;
-    if (coldStartsSeeded !== 1 + c8Sessions.length) throw new Error(`seeding took ${coldStartsSeeded} cold starts`);
+    const seeded = gateway.sessionCache!.stats();
+    if (seeded.firstTurns !== 1 + c8Sessions.length || seeded.coldStarts !== 0) throw new Error(`seeding took ${seeded.firstTurns} first turns and ${seeded.coldStarts} cold starts`);
+    const coldStartsSeeded = seeded.firstTurns;
 
     /** Runs both paths in alternating blocks; returns each path's block results. */
     const sideBySide = async (blocks: number, over: Partial<LoadSpec>, cpu?: { direct: number[]; gateway: number[] }) => {
@@ -277,7 +280,7 @@ async function main(): Promise<void> {
 
     const warmStats = gateway.sessionCache!.stats();
     const bridgeStats = (await serve<Extract<ServingReply, { re: 'stats' }>>(serving, { type: 'stats' })).bridge;
-    if (coldStartsWhileWarm !== 0 || warmStats.coldStarts !== coldStartsSeeded) throw new Error(`the gateway took the cold path ${coldStartsWhileWarm} times while measuring warm turns`);
+    if (coldStartsWhileWarm !== 0 || warmStats.coldStarts !== 0 || warmStats.firstTurns !== coldStartsSeeded) throw new Error(`the gateway placed or started ${warmStats.firstTurns - coldStartsSeeded + warmStats.coldStarts} conversations while measuring warm turns`);
 
     // --- First turn of a new conversation on a warm pool (Temporal).
     const firstTurn = await measureFirstTurn({ dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, temporalColdStartMs, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
@@ -313,7 +316,7 @@ interface FirstTurnResult {
   n: number;
   bursts: BurstResult[];
   /** The pool's current run: lease requests received, workflow tasks completed. */
-  poolTasks: { requests: number; tasks: number };
+  poolTasks: { requests: number; tasks: number; events: number };
 }
 
 /** N new conversations at once, then the same N conversations' next turn at once (warm sessions). */
@@ -422,14 +425,14 @@ async function measureFirstTurn(ctx: {
   const order: string[] = [];
   for (let i = 0; i < Math.min(measured, 30); i++) {
     const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${TINY}`, messages: [], sessionId: `new-${run}-${i}` });
-    // The workflow starts after the answer: wait until the pool has confirmed its lease.
-    const granted = (evs: typeof events) => evs.some((ev) => ev.workflowExecutionSignaledEventAttributes?.signalName === 'leaseGranted');
+    // The workflow starts after the answer: wait until it has run its first task (it then sleeps until the entry's expiry).
+    const granted = (evs: typeof events) => evs.some((ev) => ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED);
     let events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
     for (let tries = 0; !granted(events) && tries < 300; tries++) {
       await new Promise((r) => setTimeout(r, 100));
       events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
     }
-    if (!granted(events)) throw new Error(`session ${i}: the pool never confirmed its lease`);
+    if (!granted(events)) throw new Error(`session ${i}: its workflow never ran its first task`);
     const ms = (t?: { seconds?: unknown; nanos?: number | null } | null) => Number(t?.seconds ?? 0) * 1000 + (t?.nanos ?? 0) / 1e6;
     const t0 = ms(events[0]?.eventTime);
     const seen = new Set<string>();
@@ -445,10 +448,10 @@ async function measureFirstTurn(ctx: {
         order.push(label);
       }
       byType.get(label)!.push(ms(ev.eventTime) - t0);
-      if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED && seen.has('workflow_execution_signaled (leaseGranted)')) break;
+      if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) break;
     }
   }
-  if (!order.includes('workflow_execution_signaled (leaseGranted)')) throw new Error('no session had its lease confirmed by the pool');
+  if (!order.includes('workflow_task_completed')) throw new Error('no session ran its first task');
 
   // Bursts of new conversations, all at once, then the same conversations again (warm): the
   // first turns must not queue behind one another on Temporal. Fixed sizes (not scaled).
@@ -463,7 +466,8 @@ async function measureFirstTurn(ctx: {
   // How the pool took the sessions' lease confirmations: signals per workflow task.
   await new Promise((r) => setTimeout(r, 3000));
   const poolEvents = (await client.workflow.getHandle(poolWorkflowId('default', TINY)).fetchHistory()).events ?? [];
-  const poolTasks = { requests: 0, tasks: 0 };
+  // The entry-lease protocol: the pool takes no event per conversation (old pools took a leaseRequested signal each).
+  const poolTasks = { requests: 0, tasks: 0, events: poolEvents.length };
   for (const ev of poolEvents) {
     if (ev.workflowExecutionSignaledEventAttributes?.signalName === 'leaseRequested') poolTasks.requests++;
     if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) poolTasks.tasks++;
@@ -538,7 +542,7 @@ function report(r: {
   pubTrace: Map<string, [number, number]>;
   frameTrace: Map<string, number>;
   httpTrace: Map<string, [number, number]>;
-  warmStats: { warmHits: number; coldStarts: number };
+  warmStats: { warmHits: number; coldStarts: number; firstTurns: number };
   coldStartsSeeded: number;
   bridgeStats: unknown;
   firstTurn: FirstTurnResult;
@@ -597,7 +601,7 @@ function report(r: {
     out.push(`  ${'all answered in (new / warm)'.padEnd(34)}${`${fmt(b.first.wallMs, 0)} / ${fmt(b.warm.wallMs, 0)} ms`.padStart(19)}   ${ratio.toFixed(2)}×, ≤ ${BURST_TARGET}×: ${ratio <= BURST_TARGET ? 'met' : 'MISSED'}`);
     out.push(`  ${'per request p50 (new / warm)'.padEnd(34)}${`${fmt(p50(latencies([b.first])))} / ${fmt(p50(latencies([b.warm])))}`.padStart(19)}`);
   }
-  out.push(`  the pool took ${f.poolTasks.requests} lease requests in ${f.poolTasks.tasks} workflow tasks (its current run, warm-up included)`);
+  out.push(`  the pool's current run: ${f.poolTasks.events} events, ${f.poolTasks.tasks} workflow tasks, ${f.poolTasks.requests} lease requests, for the ${f.n + BURSTS.reduce((a, b) => a + b, 0)}+ new conversations above (warm-up included)`);
 
   // Hop breakdown of the traced block.
   out.push('');
@@ -665,11 +669,11 @@ function report(r: {
   }
 
   out.push('');
-  out.push('session workflow timeline of a first turn (p50 ms since the workflow started, after the answer; it confirms the lease with the pool):');
+  out.push('session workflow timeline of a first turn (p50 ms since the workflow started, after the answer; it adopts the conversation’s entry, then sleeps):');
   for (const [label, v] of f.sessionTimeline) out.push(`  ${label.padEnd(56)}${fmt(v, 1).padStart(7)}`);
 
   out.push('');
-  out.push(`checks: warm measurement took no cold path (session cache: ${r.warmStats.warmHits} warm hits, ${r.warmStats.coldStarts} cold starts = the ${r.coldStartsSeeded} seeding turns); bridge ${JSON.stringify(r.bridgeStats)}`);
+  out.push(`checks: warm measurement placed no conversation (session cache: ${r.warmStats.warmHits} warm hits, ${r.warmStats.firstTurns} first turns = the ${r.coldStartsSeeded} seeding turns, ${r.warmStats.coldStarts} cold starts); bridge ${JSON.stringify(r.bridgeStats)}`);
   out.push(`gateway log: ${r.logs.lines} lines at level info, ${r.logs.notable.length} at warn or above or containing the token${r.logs.notable.length ? `:\n    ${r.logs.notable.slice(0, 5).join('\n    ')}` : ''}`);
   process.stdout.write(`${out.join('\n')}\n`);
 }
