@@ -30,6 +30,8 @@ export interface LoadSpec {
   temperature?: number;
   /** Appends ` (request <index>)` to the prompt: every request evaluates new tokens, the same ones on every path. */
   varyPrompt?: boolean;
+  /** Each worker waits this long after an answer before its next request (a user reading it); default none. */
+  pauseMs?: number;
   /** Streams ask for the final usage chunk (`stream_options.include_usage`); the sample keeps its completion tokens. */
   usage?: boolean;
 }
@@ -45,6 +47,8 @@ export interface Sample {
   chunks?: number[];
   /** `usage.completion_tokens` of the answer (with {@link LoadSpec.usage}). */
   completionTokens?: number;
+  /** `usage.prompt_tokens_details.cached_tokens`: the prompt found in the engine's cache. */
+  cachedTokens?: number;
 }
 
 export interface LoadResult {
@@ -86,6 +90,7 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
         let raw = '';
         let text = '';
         let completionTokens: number | undefined;
+        let cachedTokens: number | undefined;
         res.setEncoding('utf8');
         res.on('data', (d: string) => {
           const t = now();
@@ -95,8 +100,9 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
             const event = raw.slice(0, at);
             raw = raw.slice(at + 2);
             if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
-            const data = JSON.parse(event.slice(6)) as { choices?: { delta?: { content?: string } }[]; usage?: { completion_tokens?: number } | null };
+            const data = JSON.parse(event.slice(6)) as { choices?: { delta?: { content?: string } }[]; usage?: { completion_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } } | null };
             if (data.usage?.completion_tokens !== undefined) completionTokens = data.usage.completion_tokens;
+            if (data.usage?.prompt_tokens_details?.cached_tokens !== undefined) cachedTokens = data.usage.prompt_tokens_details.cached_tokens;
             const content = data.choices?.[0]?.delta?.content;
             if (content) {
               chunks.push(t);
@@ -115,7 +121,7 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
           }
           if (spec.expectText !== undefined && text !== spec.expectText) return reject(new Error(`${spec.url}: unexpected answer ${JSON.stringify(text.slice(0, 200))}`));
           const requestId = res.headers['x-request-id'];
-          resolve({ start, headers, end, ...(typeof requestId === 'string' ? { requestId } : {}), ...(spec.stream ? { chunks } : {}), ...(completionTokens !== undefined ? { completionTokens } : {}) });
+          resolve({ start, headers, end, ...(typeof requestId === 'string' ? { requestId } : {}), ...(spec.stream ? { chunks } : {}), ...(completionTokens !== undefined ? { completionTokens } : {}), ...(cachedTokens !== undefined ? { cachedTokens } : {}) });
         });
       },
     );
@@ -135,6 +141,7 @@ export async function runLoad(spec: LoadSpec): Promise<LoadResult> {
         const sid = spec.sessionPrefix !== undefined ? `${spec.sessionPrefix}-${i}` : spec.sessionIds?.[w % spec.sessionIds.length];
         if (sid === undefined) throw new Error('a LoadSpec needs sessionIds or sessionPrefix');
         samples[i] = await one(spec, sid, i);
+        if (spec.pauseMs) await new Promise((r) => setTimeout(r, spec.pauseMs));
       }
     }),
   );

@@ -13,7 +13,7 @@
  * concurrency: tokens/s (completion tokens over wall time) and time to first token.
  * Targets (issue 26): ≥ 0.95× the engine's tokens/s, ≤ +2 ms time to first token.
  *
- * Environment: BENCH_ROUNDS (default 4: blocks per path and concurrency), BENCH_THREADS (engine
+ * Environment: BENCH_ROUNDS (default 4: blocks per path and concurrency), BENCH_MAX_TOKENS (default 64), BENCH_PAUSE_MS (after each answer, default 0), BENCH_THREADS (engine
  * threads, default 1 as the local runtime).
  */
 import { mkdtempSync, rmSync } from 'node:fs';
@@ -41,7 +41,9 @@ const PREFIX = 'BENCHREAL';
 const MODEL = 'smollm2';
 const SLOTS = 4;
 const CTX = 4096;
-const MAX_TOKENS = 64;
+const MAX_TOKENS = Number(process.env.BENCH_MAX_TOKENS ?? '64');
+/** A pause after each answer before the worker's next request (`BENCH_PAUSE_MS`, default none). */
+const PAUSE_MS = Number(process.env.BENCH_PAUSE_MS ?? '0');
 /** Requests per block at each concurrency. */
 const BLOCK = { 1: 6, 4: 16 } as const;
 const TOKENS_TARGET = 0.95;
@@ -116,6 +118,7 @@ export async function benchGatewayReal(): Promise<void> {
       temperature: 0,
       varyPrompt: true,
       usage: true,
+      pauseMs: PAUSE_MS,
     });
 
     // Seed: each conversation's first turn pins it (the gateway's cold path, above); a warm-up of both paths.
@@ -153,6 +156,8 @@ export async function benchGatewayReal(): Promise<void> {
       out.push(`| c=${c} tokens/s (${tokens(direct)} / ${tokens(magus)} tokens) | ${fmt(tokensPerSecond(direct), 1)} | ${fmt(tokensPerSecond(magus), 1)} | **${fmt(ratio, 3)}×** | ≥ ${TOKENS_TARGET}× — ${ratio >= TOKENS_TARGET ? 'met' : 'missed'} |`);
       const added = p50(ttft(magus)) - p50(ttft(direct));
       out.push(`| c=${c} time to first token p50 / p99 | ${fmt(p50(ttft(direct)))} / ${fmt(p99(ttft(direct)))} ms | ${fmt(p50(ttft(magus)))} / ${fmt(p99(ttft(magus)))} ms | **${signed(added)} ms** p50 | ≤ +${TTFT_TARGET_MS} ms — ${added <= TTFT_TARGET_MS ? 'met' : 'missed'} |`);
+      const cached = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.cachedTokens ?? NaN));
+      out.push(`| c=${c} prompt tokens found cached p50 | ${fmt(p50(cached(direct)), 0)} | ${fmt(p50(cached(magus)), 0)} | | |`);
       out.push(`| c=${c} one answer's decode rate p50 | ${fmt(p50(decodeRates(direct)), 1)} tokens/s | ${fmt(p50(decodeRates(magus)), 1)} tokens/s | | |`);
     }
     out.push('');
