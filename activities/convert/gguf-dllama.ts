@@ -18,7 +18,7 @@ import { CHUNK_ELEMENTS, type ConvertProgress, type ConvertResult, type Output, 
 import { planDllama } from './dllama';
 import { ConvertError } from './errors';
 import { checkDequantizable, ggufRopeFreqs, ggufSourceTensor } from './gguf-dequant';
-import { type GgufFile, readGguf } from './gguf-reader';
+import { readGgufHeader } from './gguf-source';
 import { specFromGguf } from './gguf-spec';
 import { tokenizerFromGguf } from './gguf-tokenizer';
 import { QuantPool } from './pool';
@@ -46,19 +46,6 @@ export interface GgufToDllamaOptions {
 function ggufTensorNames(spec: ModelSpec): Map<string, string> {
   const all = planTensors({ ...spec, tieWordEmbeddings: false, ropeScaling: null }, 'gguf', 'f32', () => true);
   return new Map(all.flatMap((t) => (t.source === null ? [] : [[t.source, t.name] as const])));
-}
-
-/** The reader's format errors as conversion errors: a file cut short, or anything else malformed. */
-export async function readGgufHeader(source: ByteSource): Promise<GgufFile> {
-  try {
-    return await readGguf(source);
-  } catch (err) {
-    if ((err as Error).name !== 'GgufFormatError') throw err;
-    const { message: what } = err as Error;
-    const message = what.startsWith(source.name) ? what : `${source.name}: ${what}`;
-    const truncated = /truncated|beyond the file size/.test(what);
-    throw new ConvertError(truncated ? 'TruncatedFile' : 'BadHeader', message, { cause: err });
-  }
 }
 
 /** A local path as a byte source, refusing a missing file with `MissingFile`. */

@@ -6,8 +6,7 @@
  * Only headers are read, never tensor data. Pure: I/O only through {@link ByteSource}.
  */
 import { ConvertError } from './errors';
-import { readGgufHeader } from './gguf-dllama';
-import type { GgufFile } from './gguf-reader';
+import { readGguf, type GgufFile } from './gguf-reader';
 import type { ByteSource } from './types';
 import type { GgufValue } from './gguf';
 
@@ -66,6 +65,19 @@ const numberOf = (v: GgufValue | undefined): number | undefined => {
   if (typeof v.value === 'number' || typeof v.value === 'bigint') return Number(v.value);
   return undefined;
 };
+
+/** The reader's format errors as conversion errors: a file cut short, or anything else malformed. */
+export async function readGgufHeader(source: ByteSource): Promise<GgufFile> {
+  try {
+    return await readGguf(source);
+  } catch (err) {
+    if ((err as Error).name !== 'GgufFormatError') throw err;
+    const { message: what } = err as Error;
+    const message = what.startsWith(source.name) ? what : `${source.name}: ${what}`;
+    const truncated = /truncated|beyond the file size/.test(what);
+    throw new ConvertError(truncated ? 'TruncatedFile' : 'BadHeader', message, { cause: err });
+  }
+}
 
 /** Reads every part's header and checks the file as described above; `ConvertError` when it is no servable GGUF. */
 export async function readGgufSource(parts: readonly ByteSource[]): Promise<GgufSource> {
