@@ -412,4 +412,3 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   await temporalConnection.close();
   return 0;
 }
-

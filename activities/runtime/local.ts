@@ -165,7 +165,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     if (!gguf || gguf.artifact.files.length === 0) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedGguf(cache, gguf.artifact.files, signal);
-    const sizing = gguf?.plan && engineSizing(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
+    const sizing = gguf.plan && engineSizing(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
     const slots = opts.slots ?? sizing?.slots ?? 1;
     if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
     // Responses name the model as clients know it, not by its cached file.

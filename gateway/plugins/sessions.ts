@@ -238,9 +238,13 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    */
   const probes = new Map<string, { at: number; updatedAt: number; alive: Set<string>; looking?: Promise<void> }>();
   let staleViewPicks = 0;
-  const probe = (key: string, namespace: string, model: string, entry: PoolEntry): Promise<void> | undefined => {
+  /** Not rewritten by its pool for {@link POOL_ENTRY_MAX_AGE_MS}: not used as written. */
+  const stale = (entry: PoolEntry): boolean => now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS;
+  /** Looks at a stale view's instances (at most once per interval); the look under way, if any. */
+  const probe = (namespace: string, model: string, entry: PoolEntry): Promise<void> | undefined => {
     const f = first;
     if (!f?.alive) return undefined;
+    const key = `${namespace}.${model}`;
     const known = probes.get(key);
     if (known?.looking) return known.looking;
     if (known && known.updatedAt === entry.updatedAt && now() - known.at < PROBE_INTERVAL_MS) return undefined;
@@ -257,20 +261,19 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     const key = `${namespace}.${model}`;
     const entry = pools?.get(key);
     if (!entry) return undefined;
-    if (now() - entry.updatedAt <= POOL_ENTRY_MAX_AGE_MS) {
+    if (!stale(entry)) {
       probes.delete(key);
       return entry;
     }
-    void probe(key, namespace, model, entry);
+    void probe(namespace, model, entry);
     const p = probes.get(key);
     if (!p || p.updatedAt !== entry.updatedAt || now() - p.at > PROBE_TTL_MS || p.alive.size === 0) return undefined;
     return { ...entry, instances: entry.instances.filter((i) => p.alive.has(i.instance)) };
   };
   /** Waits for a look at the model's stale view, if one is due or under way. */
   const probed = async (model: ReadyModel): Promise<void> => {
-    const key = `${model.namespace}.${model.name}`;
-    const entry = pools?.get(key);
-    if (entry && now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) await probe(key, model.namespace, model.name, entry);
+    const entry = pools?.get(`${model.namespace}.${model.name}`);
+    if (entry && stale(entry)) await probe(model.namespace, model.name, entry);
   };
 
   /**
@@ -292,7 +295,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         bestLoad = n;
       }
     }
-    if (best && now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS) staleViewPicks++;
+    if (best && stale(entry)) staleViewPicks++;
     return best;
   };
 
