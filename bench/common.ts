@@ -17,6 +17,9 @@ export const p99 = (v: readonly number[]) => quantile(v, 0.99);
 export const fmt = (v: number, digits = 2) => (Number.isFinite(v) ? v.toFixed(digits) : '—');
 export const signed = (v: number, digits = 2) => `${v >= 0 ? '+' : ''}${fmt(v, digits)}`;
 
+/** Each streamed request's time to its first content chunk, ms. */
+export const firstChunkMs = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.chunks![0]! - s.start));
+
 /** Each request's latency (send → end), ms. */
 export const latencies = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.end - s.start));
 

@@ -31,7 +31,7 @@ import type { ReadyModel } from '../shared/model';
 import type { SessionEntry } from '../shared/serving';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { startServices } from '../workers/dev/services';
-import { ask, child, cpuOf, fmt, load, p50, p99, signed } from './common';
+import { ask, child, cpuOf, firstChunkMs, fmt, load, p50, p99, signed } from './common';
 import type { LoadResult, LoadSpec } from './gateway-client';
 import type { ServingCommand, ServingReply } from './gateway-serving';
 
@@ -55,7 +55,7 @@ const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(24).toString('hex')}`;
 type Path = 'direct' | 'magus';
 type Concurrency = keyof typeof BLOCK;
 
-const ttft = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.chunks![0]! - s.start));
+const ttft = firstChunkMs;
 const tokens = (r: LoadResult[]) => r.reduce((a, x) => a + x.samples.reduce((b, s) => b + s.completionTokens!, 0), 0);
 const tokensPerSecond = (r: LoadResult[]) => tokens(r) / (r.reduce((a, x) => a + x.wallMs, 0) / 1000);
 /** Each answer's decode rate: tokens after the first over the time from first to last chunk. */
@@ -92,11 +92,7 @@ export async function benchGatewayReal(): Promise<void> {
       MAGUS_GATEWAY_HOST: '127.0.0.1',
       MAGUS_GATEWAY_PORT: '0',
       MAGUS_NATS_URL: nats,
-      MAGUS_NATS_SUBJECT_SCOPE: names.subjectScope,
-      MAGUS_MODELS_BUCKET: names.modelsBucket,
-      MAGUS_TOKENS_BUCKET: names.tokensBucket,
-      MAGUS_SESSIONS_BUCKET: names.sessionsBucket,
-      MAGUS_POOLS_BUCKET: names.poolsBucket,
+      MAGUS_NATS_PREFIX: PREFIX, // the data plane's names, as ensureDataPlane declared them
       MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' } }),
       MAGUS_LOG_LEVEL: 'warn',

@@ -51,7 +51,7 @@ import { startServices } from '../workers/dev/services';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { benchGatewayReal } from './gateway-real';
-import { ask, child, fmt, latencies, load, p50, p99, signed } from './common';
+import { ask, child, firstChunkMs, fmt, latencies, load, p50, p99, signed } from './common';
 import { startCpuProfile, type CpuSummary } from './cpu-profile';
 import type { LoadResult, LoadSpec } from './gateway-client';
 import type { ServingCommand, ServingReply, TraceEvent } from './gateway-serving';
@@ -79,7 +79,7 @@ const now = (): number => performance.timeOrigin + performance.now();
 // ---------------------------------------------------------------------------------------------
 // Statistics
 
-const ttfc = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.chunks![0]! - s.start));
+const ttfc = firstChunkMs;
 const gaps = (r: LoadResult[]) => r.flatMap((x) => x.samples.flatMap((s) => s.chunks!.slice(1).map((t, i) => t - s.chunks![i]!)));
 const rate = (r: LoadResult[]) => r.reduce((a, x) => a + x.samples.length, 0) / (r.reduce((a, x) => a + x.wallMs, 0) / 1000);
 
@@ -195,11 +195,7 @@ async function main(): Promise<void> {
       MAGUS_GATEWAY_HOST: '127.0.0.1',
       MAGUS_GATEWAY_PORT: '0',
       MAGUS_NATS_URL: e.nats!.servers,
-      MAGUS_NATS_SUBJECT_SCOPE: names.subjectScope,
-      MAGUS_MODELS_BUCKET: names.modelsBucket,
-      MAGUS_TOKENS_BUCKET: names.tokensBucket,
-      MAGUS_SESSIONS_BUCKET: names.sessionsBucket,
-      MAGUS_POOLS_BUCKET: names.poolsBucket,
+      MAGUS_NATS_PREFIX: PREFIX, // the data plane's names, as ensureDataPlane declared them
       MAGUS_GATEWAY_SECRET: SECRET,
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' } }),
       MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '180000',
