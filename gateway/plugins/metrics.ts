@@ -130,6 +130,7 @@ export class GatewayMetrics {
   readonly promptTokens = new Counter('magus_gateway_prompt_tokens_total', 'Prompt tokens of answered chat completions, by model (namespace/name), as the engines counted them.', ['model']);
   readonly cachedPromptTokens = new Counter('magus_gateway_cached_prompt_tokens_total', 'Prompt tokens of answered chat completions that the engine found in its slot KV cache (usage.prompt_tokens_details.cached_tokens), by model: the prefix cache hit rate is its rate over that of magus_gateway_prompt_tokens_total.', ['model']);
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
+  readonly publishRetries = new Counter('magus_gateway_publish_retries_total', 'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.');
   readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
   readonly framesRecovered = new Counter('magus_gateway_frames_recovered_total', 'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).');
   readonly framesGone = new Counter('magus_gateway_recovered_frames_gone_total', 'Read-backs after a reconnect that found frames of their request already gone from the response stream (evicted or aged out).');
@@ -194,7 +195,7 @@ export class GatewayMetrics {
   private processExtras: () => string = () => '';
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.staleViewPicks, this.temporalReachable, this.temporalProbeFailures];
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.publishRetries, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.staleViewPicks, this.temporalReachable, this.temporalProbeFailures];
     return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }

@@ -1,6 +1,7 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with activities/nats/frames.ts. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { exchange, frameError, GAP_READ_BACKS, type ResponseRouter } from './responses';
+import { SessionError, SessionErrorType } from './errors';
+import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './responses';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -189,6 +190,71 @@ describe('exchange', () => {
     ctl.abort(new Error('gone'));
     await expect(p).rejects.toThrow('gone');
     expect(listeners.size).toBe(0);
+  });
+});
+
+describe('exchange: a publish that fails', () => {
+  const session: SessionEntry = { subject: 'magus.req.p.i', pool: 'p', instance: 'i', expiresAt: 0 };
+  const noRouter: ResponseRouter = { replySubject: (id) => `magus.res.${id}`, listen: () => () => undefined, recover: () => Promise.resolve(0), close: () => Promise.resolve() };
+  function run(outcomes: (Error | undefined)[], committed: boolean) {
+    const listeners = new Map<string, (f: ResponseFrame) => void>();
+    const router: ResponseRouter = { ...noRouter, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)) };
+    const published: string[] = [];
+    let retries = 0;
+    let abandoned = 0;
+    const req: InferenceRequest = { id: 'r2', replyTo: 'magus.res.r2', deadline: Date.now() + 10 * 60_000, body: { model: 'm', messages: [] } };
+    const p = exchange(session, req, {
+      router,
+      publish: (_subject, r) => {
+        published.push(r.id);
+        const e = outcomes.length > 0 ? outcomes.shift() : new Error('no stream stores this subject (no responders)');
+        return e ? Promise.reject(e) : Promise.resolve();
+      },
+      requestTimeoutMs: 10 * 60_000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 3,
+      signal: new AbortController().signal,
+      retryPublish: () => committed,
+      onPublishRetry: () => (retries += 1),
+      onAbandon: () => (abandoned += 1),
+    });
+    p.catch(() => undefined);
+    return { p, listeners, published, retries: () => retries, abandoned: () => abandoned };
+  }
+  const noLeader = () => new Error('no stream stores this subject (no responders)');
+
+  it('is refused at once (503 with Retry-After) while the response is not committed', async () => {
+    const r = run([noLeader()], false);
+    await expect(r.p).rejects.toMatchObject({ name: 'GatewayError', status: 503, code: 'unavailable', headers: { 'retry-after': '3' } });
+    expect(r.published).toEqual(['r2']);
+    expect(r.abandoned()).toBe(1);
+  });
+
+  it('is tried again, same request id, once the response is committed; the answer then comes as usual', async () => {
+    const r = run([noLeader(), new Error('TIMEOUT'), noLeader(), undefined], true);
+    await jest.advanceTimersByTimeAsync(250 + 500 + 1_000);
+    expect(r.published).toEqual(['r2', 'r2', 'r2', 'r2']);
+    expect(r.retries()).toBe(3);
+    r.listeners.get('r2')!(done(0));
+    await expect(r.p).resolves.toBe('end');
+    expect(r.abandoned()).toBe(0);
+  });
+
+  it(`gives up after PUBLISH_RETRY_MS (${PUBLISH_RETRY_MS} ms) of failures, with 503 unavailable`, async () => {
+    const r = run([], true);
+    await jest.advanceTimersByTimeAsync(PUBLISH_RETRY_MS - 2_500);
+    expect(r.retries()).toBeGreaterThan(10);
+    await jest.advanceTimersByTimeAsync(2_500);
+    await expect(r.p).rejects.toMatchObject({ status: 503, code: 'unavailable' });
+    const n = r.published.length;
+    await jest.advanceTimersByTimeAsync(10_000);
+    expect(r.published.length).toBe(n);
+  });
+
+  it('a full backlog is answered at once (429), committed or not: trying again would only queue behind it', async () => {
+    const r = run([new SessionError(SessionErrorType.BacklogFull, 'full')], true);
+    await expect(r.p).rejects.toMatchObject({ status: 429 });
+    expect(r.published).toEqual(['r2']);
   });
 });
 

@@ -299,10 +299,19 @@ export interface ExchangeOptions {
   readBack?: () => Promise<ResponseFrame[]>;
   retryAfterSec: number;
   signal: AbortSignal;
+  /**
+   * Whether a publish that failed (no stream leader, no acknowledgement, NATS away) is tried
+   * again rather than refused: true once the response is committed (an SSE stream whose 200 went
+   * out with a keep-alive), when a refusal can no longer be a 503 the client retries. Tried with
+   * the same `Nats-Msg-Id`, so a publish that was stored after all is stored once.
+   */
+  retryPublish?: () => boolean;
   /** Each `chunk` frame's data, in order (streaming). */
   onChunk?: (data: unknown) => void;
   /** An engine-side failure, for metrics (`timeout`, `frames_lost`, `engine_error`, `engine_rejected` (4xx), `publish_failed`). */
   onUpstreamError?: (reason: string) => void;
+  /** A failed publish about to be tried again ({@link ExchangeOptions.retryPublish}). */
+  onPublishRetry?: () => void;
   /**
    * The gateway gave up on a request that may still be queued or running — no frame in time,
    * frames lost, or a publish whose acknowledgement never came (the stream may have stored it):
@@ -321,6 +330,14 @@ export interface ExchangeOptions {
  */
 export const GAP_READ_BACKS = 8;
 
+/**
+ * How long a committed response keeps trying to queue its request ({@link ExchangeOptions.retryPublish}),
+ * bounded also by the request's deadline: well inside the request stream's 5-minute duplicate
+ * window, and longer than a cluster's election (5–10 s).
+ */
+export const PUBLISH_RETRY_MS = 30_000;
+const PUBLISH_RETRY_DELAYS_MS = [250, 500, 1_000, 2_000];
+
 /** Failure reasons after which the request may still be queued or running at the bridge. */
 const ABANDONED = new Set(['timeout', 'frames_lost', 'publish_failed']);
 
@@ -332,6 +349,7 @@ const ABANDONED = new Set(['timeout', 'frames_lost', 'publish_failed']);
 export function exchange(session: SessionEntry, req: InferenceRequest, opts: ExchangeOptions): Promise<unknown> {
   return new Promise<unknown>((resolve, reject) => {
     let finished = false;
+    let republish: NodeJS.Timeout | undefined;
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
       if (finished) return;
       opts.onUpstreamError?.(reason);
@@ -343,6 +361,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       if (finished) return;
       finished = true;
       clearTimeout(idle);
+      clearTimeout(republish);
       sequencer.stop();
       unlisten();
       opts.signal.removeEventListener('abort', onAbort);
@@ -402,8 +421,19 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     });
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
-    opts.publish(session.subject, req, session).catch((err: unknown) =>
-      sessionErrorType(err) === SessionErrorType.BacklogFull ? fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err) : fail('publish_failed', errors.unavailable(opts.retryAfterSec), err),
-    );
+    const publishUntil = Math.min(req.deadline, Date.now() + PUBLISH_RETRY_MS);
+    let attempt = 0;
+    const publish = (): void => {
+      opts.publish(session.subject, req, session).catch((err: unknown) => {
+        if (finished) return;
+        if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
+        const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
+        if (opts.retryPublish?.() !== true || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
+        attempt += 1;
+        opts.onPublishRetry?.();
+        republish = setTimeout(publish, delay);
+      });
+    };
+    publish();
   });
 }

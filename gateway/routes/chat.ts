@@ -119,6 +119,8 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
               }
             : undefined,
           onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
+          retryPublish: sse && (() => sse.started),
+          onPublishRetry: () => app.metrics.publishRetries.inc(),
           onAbandon: () => g.cancel?.(entry, id),
         });
         if (sse) {
