@@ -49,6 +49,25 @@ class BrokerError extends Error {
   }
 }
 
+/**
+ * `call` under a signal of its own that `parent` aborts, its listener on `parent` removed when the
+ * call ends. Not under `parent` itself when that lives long: the client adds an abort listener to
+ * the signal of every call and never removes it, so one process-long signal kept every session
+ * start ever made, and its whole gRPC call, alive (11,570 of them, most of dev's heap, four minutes
+ * into a 45/s hold; the garbage collector's pauses grew with them).
+ */
+export async function underOwnSignal<T>(client: Pick<Client, 'withAbortSignal'>, parent: AbortSignal, call: () => Promise<T>): Promise<T> {
+  const own = new AbortController();
+  const stop = () => own.abort(parent.reason);
+  if (parent.aborted) stop();
+  else parent.addEventListener('abort', stop, { once: true });
+  try {
+    return await client.withAbortSignal(own.signal, call);
+  } finally {
+    parent.removeEventListener('abort', stop);
+  }
+}
+
 /** `err` as the gateway's 503 `unavailable` when it says Temporal could not be reached (the original as `cause`, for the log). */
 function unreachable(err: unknown): BrokerError | undefined {
   if (!isTemporalUnreachable(err)) return undefined;
@@ -65,7 +84,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
    * uncaught, and a gateway stopped under load crashed instead of exiting.
    */
   const stopping = new AbortController();
-  // Every call in flight listens on it until it ends: as many as there are calls, none left behind.
+  // One listener per call in flight, removed when it ends (unlessStopping).
   setMaxListeners(0, stopping.signal);
   const inflight = new Set<Promise<unknown>>();
   const tracked = <A extends unknown[], T>(call: (...args: A) => Promise<T>) => (...args: A): Promise<T> => {
@@ -76,7 +95,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     p.then(forget, forget);
     return p;
   };
-  const unlessStopping = <T>(call: () => Promise<T>): Promise<T> => client.withAbortSignal(stopping.signal, call);
+  const unlessStopping = <T>(call: () => Promise<T>): Promise<T> => underOwnSignal(client, stopping.signal, call);
   /** Pools run on a task queue of their own (new ones; a running pool keeps its queue until it continues as new). */
   const poolQueue = poolQueueFor(taskQueue);
   const replica = opts.replica ?? `gateway-${randomUUID().slice(0, 8)}`;
