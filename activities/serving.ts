@@ -15,6 +15,12 @@ export interface InstanceRequest {
   /** Data-plane pool name (a DNS label: the model's name). */
   pool: string;
   instance: string;
+  /**
+   * The leases its pool gives the instance: a llama.cpp engine gets one slot per lease, so each
+   * conversation keeps its prompt's prefix in a slot of its own. Absent from pools started before
+   * pools said it: the runtime then sizes the slots from memory, as the pools' defaults are.
+   */
+  leases?: number;
 }
 
 export interface InstanceInfo {

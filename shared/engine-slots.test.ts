@@ -1,7 +1,7 @@
 /** Engine slots from the memory plan: the rule, its bounds, and which artifact's plan it reads. */
 import { parseModelSpec } from '../activities/convert/arch';
 import { planMemory } from '../activities/size/memory';
-import { ENGINE_CONTEXT, engineSizing, leasesPerInstance, MAX_ENGINE_SLOTS, servedGguf } from './engine-slots';
+import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT, engineSizing, engineSizingWith, leasesPerInstance, MAX_ENGINE_SLOTS, servedGguf } from './engine-slots';
 import type { Artifact, MemoryPlan, ReadyModel } from './model';
 
 const MIB = 2 ** 20;
@@ -44,6 +44,15 @@ test('at least one slot when the weights alone exceed the budget; at most MAX_EN
   expect(engineSizing(plan(1 * MIB, 1 * MIB, 1 * MIB, 4096), 8 * GIB).slots).toBe(MAX_ENGINE_SLOTS);
   expect(engineSizing(plan(1 * MIB, 0, 1 * MIB, 4096), 8 * GIB).slots).toBe(MAX_ENGINE_SLOTS);
   expect(() => engineSizing(plan(1, 1, 1, 4096), 0)).toThrow(RangeError);
+});
+
+test('slots fixed by a pool (a slot per lease): the memory counts them, beyond the budget if need be; 1..ENGINE_SLOTS_LIMIT', () => {
+  const p = plan(100 * MIB, 64 * MIB, 20 * MIB, 8192);
+  expect(engineSizingWith(p, 300 * MIB, undefined)).toEqual(engineSizing(p, 300 * MIB));
+  expect(engineSizingWith(p, 300 * MIB, 2)).toEqual({ slots: 2, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 2 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 32)).toMatchObject({ slots: 32, memory: 120 * MIB + 32 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 10_000).slots).toBe(ENGINE_SLOTS_LIMIT);
+  expect(engineSizingWith(p, 300 * MIB, 0).slots).toBe(1);
 });
 
 test('SmolLM2-135M (Q4_1-sized GGUF, planned at its 8192 tokens): 23 KB of KV per token, 90 MiB per 4096-token slot', () => {

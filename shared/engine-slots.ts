@@ -52,6 +52,17 @@ export function engineSizing(plan: { contextLength: number; root: NodeMemory }, 
   return { slots, contextLength, kvCachePerSlot, memory: weights + buffers + slots * kvCachePerSlot };
 }
 
+/**
+ * {@link engineSizing}, with `slots` fixed when given (a pool's leases per instance: one slot per
+ * lease, whatever the budget; at most {@link ENGINE_SLOTS_LIMIT}) and `memory` counting them.
+ */
+export function engineSizingWith(plan: { contextLength: number; root: NodeMemory }, budgetBytes: number, slots: number | undefined): EngineSizing {
+  const sized = engineSizing(plan, budgetBytes);
+  if (slots === undefined) return sized;
+  const fixed = Math.min(Math.max(1, Math.floor(slots)), ENGINE_SLOTS_LIMIT);
+  return { ...sized, slots: fixed, memory: sized.memory + (fixed - sized.slots) * sized.kvCachePerSlot };
+}
+
 /** The GGUF artifact llama.cpp serves ({@link WEIGHTS_PREFERENCE}: a GGUF source's own file, else the most compact) and its one-node plan, if the model has one. */
 export function servedGguf(ready: Pick<ReadyModel, 'artifacts' | 'memory'>): { artifact: Artifact; plan: { contextLength: number; root: NodeMemory } | undefined } | undefined {
   const artifact = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];

@@ -14,7 +14,7 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../activities/nats/data-plane';
+import { consumerNameOf, dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { poolQueueFor, runtimeQueueFor } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
@@ -117,6 +117,13 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
     }, 30_000);
     expect(scheduled(history, 'destroyInstance')[0]!.activityTaskScheduledEventAttributes?.taskQueue?.name).toBe(queue);
     await until('the new instance ready', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.id === `${MODEL}-101` && i.phase === 'ready'), 120_000);
+    // Started with the pool's leases per instance, and its engine serves that many at once (a
+    // slot per lease), not the 16 slots the tiny model's memory plan fits in the default budget.
+    const [started] = scheduled(history, 'createInstance');
+    expect(JSON.parse(Buffer.from(started!.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!).toString())).toMatchObject({ instance: `${MODEL}-101`, leases: 4 });
+    const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(MODEL, `${MODEL}-101`));
+    expect(consumer.config.max_ack_pending).toBe(4);
+    await recordHistory('pool-entry-instance-leases', pool);
     await recordHistory('pool-entry-owner-confirmed', pool);
     await sessions.delete('conv-fake');
   } finally {

@@ -200,6 +200,8 @@ test.each([
   ['pool-entry-demand-withdrawn', (h: RecordedHistory) => countOf(h, 'EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED') >= 2 && scheduledOf(h, 'destroyInstance') >= 1],
   // A carried instance whose worker's queue nobody polls: its owner asked, then dropped and replaced (test/pool-runs.int.test.ts).
   ['pool-entry-owner-confirmed', (h: RecordedHistory) => scheduledOf(h, 'workerGone') >= 2 && scheduledOf(h, 'destroyInstance') >= 1 && scheduledOf(h, 'createInstance') >= 1],
+  // The same, with instances started with the pool's leases per instance (`pool-instance-leases`).
+  ['pool-entry-instance-leases', (h: RecordedHistory) => patchesOf(h as Parameters<typeof patchesOf>[0]).includes('pool-instance-leases') && scheduledOf(h, 'createInstance') >= 1],
   // A session that watched its entry, renewed twice by turns, then expired it (≤ 24 events).
   ['session-entry-renewed', (h: RecordedHistory) => h.events.at(-1)?.eventType === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED' && h.events.length <= 24],
   // A session that lived one TTL of a served conversation (test/serving.int.test.ts), and its end.
@@ -208,7 +210,7 @@ test.each([
 ])('the recorded %s history (entry leases) replays', async (name, tookThePath) => {
   const history = JSON.parse(readFileSync(join(__dirname, 'histories', `${name}.json`), 'utf8')) as RecordedHistory & Parameters<typeof patchesOf>[0];
   // A pool started with a carry of the protocol takes it without a patch check (pool-runs starts one so).
-  if (name.startsWith('pool-') && name !== 'pool-entry-owner-confirmed') expect(patchesOf(history)).toContain('pool-entry-leases');
+  if (name.startsWith('pool-') && name !== 'pool-entry-owner-confirmed' && name !== 'pool-entry-instance-leases') expect(patchesOf(history)).toContain('pool-entry-leases');
   const signals = history.events.map((e) => (e as { workflowExecutionSignaledEventAttributes?: { signalName?: string } }).workflowExecutionSignaledEventAttributes?.signalName).filter(Boolean);
   expect(signals.filter((s) => s === 'leaseRequested' || s === 'leaseReleased' || s === 'touch')).toEqual([]);
   expect(countOf(history, 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')).toBe(0);

@@ -20,7 +20,7 @@ import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizing, ggufFileNames, servedGguf } from '../../shared/engine-slots';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizingWith, ggufFileNames, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -47,9 +47,10 @@ export interface KubernetesRuntimeOptions {
   defaultNodes?: number;
   threads?: number;
   /**
-   * llama.cpp engine slots, fixed; unset: a `Dllama`'s `leasesPerInstance`, or without one sized
-   * from the model's memory plan within `instanceMemory` (shared/engine-slots.ts), as the gateway
-   * sizes the pool's leases per instance.
+   * llama.cpp engine slots, fixed; unset: the leases the instance's pool gives it
+   * (`InstanceRequest.leases`), else a `Dllama`'s `leasesPerInstance`, else sized from the model's
+   * memory plan within `instanceMemory` (shared/engine-slots.ts), as the gateway sizes a pool's
+   * leases per instance.
    */
   slots?: number;
   /** Memory budget of one llama.cpp instance in bytes (default {@link DEFAULT_INSTANCE_MEMORY_BYTES}). */
@@ -218,7 +219,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     if (engine === 'llamacpp') {
       const gguf = servedGguf(ready);
       if (!gguf || gguf.artifact.files.length === 0) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
-      const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? d?.spec.leasesPerInstance);
+      const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? req.leases ?? d?.spec.leasesPerInstance);
       // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
       const names = ggufFileNames(gguf.artifact.files.length);
       const files = gguf.artifact.files.map((f, i) => ({ ...f, name: names[i]! }));
@@ -244,12 +245,10 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
    * A llama.cpp engine's slots, context and memory: `fixedSlots` (the runtime's, or the `Dllama`'s
    * leases per instance) at the planned cost per slot, or as many as the memory budget holds.
    */
-  function llamaCppSize(plan: Parameters<typeof engineSizing>[0] | undefined, fixedSlots: number | undefined): { slots: number; ctx?: number; memory?: number } {
-    if (!plan) return { slots: fixedSlots ?? 1 };
-    const sized = engineSizing(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
-    if (fixedSlots === undefined) return { slots: sized.slots, ctx: sized.contextLength, memory: sized.memory };
-    const slots = Math.min(fixedSlots, ENGINE_SLOTS_LIMIT);
-    return { slots, ctx: sized.contextLength, memory: sized.memory + (slots - sized.slots) * sized.kvCachePerSlot };
+  function llamaCppSize(plan: Parameters<typeof engineSizingWith>[0] | undefined, fixedSlots: number | undefined): { slots: number; ctx?: number; memory?: number } {
+    if (!plan) return { slots: Math.min(fixedSlots ?? 1, ENGINE_SLOTS_LIMIT) };
+    const sized = engineSizingWith(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixedSlots);
+    return { slots: sized.slots, ctx: sized.contextLength, memory: sized.memory };
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */

@@ -19,7 +19,7 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizing, servedGguf } from '../../shared/engine-slots';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizingWith, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -38,8 +38,9 @@ export interface LocalRuntimeOptions {
   /** Where model files are cached, by sha256. */
   cacheDir: string;
   /**
-   * llama.cpp engine slots per instance, fixed; unset: sized from the model's memory plan within
-   * `instanceMemory` (shared/engine-slots.ts), as the pools' leases per instance are.
+   * llama.cpp engine slots per instance, fixed; unset: the leases the instance's pool gives it
+   * (`InstanceRequest.leases`), else sized from the model's memory plan within `instanceMemory`
+   * (shared/engine-slots.ts), as the pools' default leases per instance are.
    */
   slots?: number;
   /** Memory budget of one instance in bytes (default {@link DEFAULT_INSTANCE_MEMORY_BYTES}). */
@@ -160,13 +161,14 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const key = (pool: string, instance: string) => `${pool}/${instance}`;
   const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.healthy() });
 
-  async function startLlamaCpp(ready: ReadyModel, name: string, why: string | undefined, signal: AbortSignal): Promise<Serving> {
+  async function startLlamaCpp(ready: ReadyModel, name: string, leases: number | undefined, why: string | undefined, signal: AbortSignal): Promise<Serving> {
     const gguf = servedGguf(ready);
     if (!gguf || gguf.artifact.files.length === 0) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedGguf(cache, gguf.artifact.files, signal);
-    const sizing = gguf.plan && engineSizing(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES);
-    const slots = opts.slots ?? sizing?.slots ?? 1;
+    const fixed = opts.slots ?? leases;
+    const sizing = gguf.plan && engineSizingWith(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
+    const slots = sizing?.slots ?? Math.min(fixed ?? 1, ENGINE_SLOTS_LIMIT);
     if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
     // Responses name the model as clients know it, not by its cached file.
     const engine = await startSupervisedEngine(model, {
@@ -200,7 +202,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     if (!ready) throw Object.assign(new Error(`model ${req.namespace}/${req.model} is not in the registry`), { name: 'ModelNotReady' });
     const name = key(req.pool, req.instance);
     const choice = opts.dllama ? chooseDllamaArtifact(ready, opts.dllama.nodes) : null;
-    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, choice && 'problem' in choice ? choice.problem : undefined, signal);
+    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, req.leases, choice && 'problem' in choice ? choice.problem : undefined, signal);
 
     // Both downloads end before this fails: an aborted one is still removing its temporary file.
     const downloads = await Promise.allSettled([cachedFile(cache, choice.model, '.m', signal), cachedFile(cache, choice.tokenizer, '.t', signal)]);

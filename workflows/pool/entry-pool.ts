@@ -66,6 +66,12 @@ const START_WAIT_MAX_MS = 30_000;
  * another instance, as the old pool did.
  */
 const LEGACY_REGRANT_PATCH = 'pool-legacy-regrant';
+/**
+ * Instances are started with the pool's leases per instance (`InstanceRequest.leases`): the local
+ * runtime sized a llama.cpp engine's slots from memory (16) whatever a `Dllama` asked for, so a
+ * pool of 32 leases put two conversations on each slot, evicting each other's cached prefix.
+ */
+const INSTANCE_LEASES_PATCH = 'pool-instance-leases';
 
 export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | undefined, legacyGrants: (LegacyRequest & { instance: string; subject: string })[] = []): Promise<void> {
   const state = new PoolState(input, carry);
@@ -185,7 +191,7 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
 
   function start(id: string): void {
     track(
-      createInstance({ namespace: input.namespace, model: input.model, pool: input.model, instance: id }).then(
+      createInstance({ namespace: input.namespace, model: input.model, pool: input.model, instance: id, ...(patched(INSTANCE_LEASES_PATCH) ? { leases: input.leasesPerInstance } : {}) }).then(
         (info) => {
           state.started(id, info, now());
           const i = state.instances.get(id);
