@@ -7,6 +7,7 @@ import { dataPlaneNames, REPLICA_ID } from '../activities/nats/data-plane';
 import { readFileSync } from 'node:fs';
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './plugins/responses';
+import { MAX_PENDING_SESSION_STARTS } from './plugins/sessions';
 import type { GatewaySettings } from './plugins/services';
 
 export interface GatewayConfig {
@@ -182,6 +183,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     keepAliveMs: int('MAGUS_GATEWAY_SSE_KEEPALIVE_MS', 5_000, 100, 600_000),
     coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
+    maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),
   };
   const http = {
     connectionTimeoutMs: int('MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS', 0, 0, 24 * 3_600_000),
@@ -241,6 +243,7 @@ environment:
   MAGUS_GATEWAY_SSE_KEEPALIVE_MS       5000
   MAGUS_GATEWAY_COLD_START_TIMEOUT_MS  300000 (503 when no session is ready by then)
   MAGUS_GATEWAY_RETRY_AFTER_SEC        5
+  MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS  5000 (answered conversations whose session workflow has not started yet; beyond it new ones get 503)
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
   MAGUS_GATEWAY_RESPONSE_ROUTING       shared (one subscription per replica) | per-request

@@ -220,6 +220,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live
         // conversation, not one per 30 s, and a session still ends at least 0.9 TTL after its last turn.
         ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
+        maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());

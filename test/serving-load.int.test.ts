@@ -172,7 +172,7 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
 
   // Every turn was warm: answered from the sessions mirror, never the cold path.
   expect(coldStarts).toEqual([]);
-  expect(gateway.sessionCache!.stats()).toEqual({ warmHits: CONVERSATIONS * TURNS, coldStarts: 0, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0 });
+  expect(gateway.sessionCache!.stats()).toEqual({ warmHits: CONVERSATIONS * TURNS, coldStarts: 0, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0, pendingSessionStarts: 0, refusedForPendingStarts: 0 });
 
   // The gateway logged (at trace level) but never the token, nor its secret part.
   expect(gatewayLog.lines.length).toBeGreaterThan(results.length);

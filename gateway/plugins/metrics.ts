@@ -157,6 +157,8 @@ export class GatewayMetrics {
   private readonly moves = new CounterFunc('magus_gateway_session_moves_total', 'Conversations moved (compare-and-swap) off an instance their pool no longer publishes.', () => this.sessionStats()?.moves);
   private readonly renewals = new CounterFunc('magus_gateway_session_renewals_total', 'Conversation entries renewed by this gateway (compare-and-swap; no Temporal call).', () => this.sessionStats()?.renewals);
   private readonly givenBack = new CounterFunc('magus_gateway_session_given_back_total', 'Entries of first turns that were not answered (refused, failed, left by the client), deleted again.', () => this.sessionStats()?.givenBack);
+  private readonly pendingSessionStarts = new GaugeFunc('magus_gateway_session_starts_pending', 'Conversations answered whose session workflow has not started yet (bounded: MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS).', () => this.sessionStats()?.pendingSessionStarts);
+  private readonly refusedForPendingStarts = new CounterFunc('magus_gateway_refused_pending_session_starts_total', 'New conversations refused (503) because too many answered ones still wait for their session workflow to start.', () => this.sessionStats()?.refusedForPendingStarts);
   private readonly staleViewPicks = new CounterFunc('magus_gateway_stale_view_picks_total', "First turns placed from a view its pool had not rewritten in time (an overloaded Temporal), on an instance found consuming.", () => this.sessionStats()?.staleViewPicks);
 
   /** How to read the response stream's state; read at each scrape ({@link collect}). */
@@ -195,7 +197,7 @@ export class GatewayMetrics {
   private processExtras: () => string = () => '';
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.publishRetries, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.staleViewPicks, this.temporalReachable, this.temporalProbeFailures];
+    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.publishRetries, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.staleViewPicks, this.pendingSessionStarts, this.refusedForPendingStarts, this.temporalReachable, this.temporalProbeFailures];
     return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }

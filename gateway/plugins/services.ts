@@ -46,6 +46,8 @@ export interface GatewaySettings {
   coldStartTimeoutMs: number;
   /** `Retry-After` seconds when the cause does not say. */
   retryAfterSec: number;
+  /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (sessions.ts). */
+  maxPendingSessionStarts?: number;
 }
 
 export interface GatewayServices {

@@ -9,6 +9,7 @@ import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
 import { readyModel } from '../test-support';
 import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
+import type { SessionError } from './errors';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_sessions`;
@@ -59,7 +60,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until(() => cache!.cache.get('k-existing') === undefined);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0 });
+  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0, pendingSessionStarts: 0, refusedForPendingStarts: 0 });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -242,6 +243,32 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     settleRenewed(false);
     await new Promise((r) => setTimeout(r, 300));
     expect(await stored(renewedKey)).toBeDefined();
+  });
+
+  it('answered conversations waiting for their session to start are bounded: beyond maxPendingSessionStarts a new one is refused (503), warm turns go on, and new ones are served again once sessions start', async () => {
+    await publishPool(['i1'], 100);
+    const waiting: (() => void)[] = [];
+    const slowAdopt = (r: { conversationKey: string }, e: SessionEntry) =>
+      new Promise<void>((resolve) => waiting.push(() => (adopted.push({ key: r.conversationKey, entry: e }), resolve())));
+    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns({ adopt: slowAdopt }), maxPendingSessionStarts: 3 });
+    await cache.ready;
+    const keys = [key('p'), key('p'), key('p')];
+    for (const k of keys) await cache.acquire(req(k));
+    expect(cache.stats()).toMatchObject({ firstTurns: 3, pendingSessionStarts: 3, refusedForPendingStarts: 0 });
+    const refused = key('refused');
+    const err = (await cache.acquire(req(refused)).catch((e: unknown) => e)) as SessionError;
+    expect([err.name, err.type]).toEqual(['SessionError', 'Unavailable']);
+    expect(err.message).toContain('3 conversations answered by this gateway still wait for their session workflow to start');
+    expect(await stored(refused)).toBeUndefined(); // refused before its entry was written
+    expect((await cache.acquire(req(keys[0]!))).instance).toBe('i1'); // a warm turn is not a new conversation
+    expect(cache.stats()).toMatchObject({ pendingSessionStarts: 3, refusedForPendingStarts: 1, warmHits: 1 });
+    waiting.shift()!();
+    await until(() => cache!.stats().pendingSessionStarts === 2);
+    expect((await cache.acquire(req(refused))).instance).toBe('i1');
+    expect(cache.stats()).toMatchObject({ pendingSessionStarts: 3, firstTurns: 4 });
+    for (const w of waiting.splice(0)) w();
+    await until(() => cache!.stats().pendingSessionStarts === 0);
+    expect(adopted.map((a) => a.key).sort()).toEqual([...keys, refused].sort());
   });
 
   it('a replica sees the other’s entries: with every instance full it waits, tells the pool of the demand, and is served when an instance is added', async () => {

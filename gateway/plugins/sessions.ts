@@ -67,6 +67,10 @@ export interface SessionStats {
   firstTurns: number;
   /** Of those, picks from a view its pool had not rewritten in time, among its instances found consuming. */
   staleViewPicks?: number;
+  /** Conversations answered whose session workflow has not started yet (a gauge). */
+  pendingSessionStarts?: number;
+  /** New conversations refused because too many wait for their session to start. */
+  refusedForPendingStarts?: number;
 }
 
 /** Starts or re-acquires a conversation's session (the slow path), resolving to its entry. */
@@ -136,6 +140,13 @@ export interface SessionCacheOptions {
    * touches per TTL (one per 3 min at the default 30 min) instead of one per 30 s.
    */
   renewWithinMs?: number;
+  /**
+   * At most this many conversations answered by this gateway may wait for their session workflow
+   * to start (Temporal slower than new conversations arrive, or away); beyond it a new
+   * conversation is refused (503 with `Retry-After`) until they drain. Default
+   * {@link MAX_PENDING_SESSION_STARTS}.
+   */
+  maxPendingSessionStarts?: number;
   now?: () => number;
   onError?: (err: unknown) => void;
 }
@@ -165,6 +176,13 @@ const DEMAND_REFRESH_MS = 10_000;
 /** A stale view's instances are looked at again at most this often, and what was found is used this long. */
 const PROBE_INTERVAL_MS = 5_000;
 const PROBE_TTL_MS = 15_000;
+
+/**
+ * The default bound on sessions waiting to start ({@link SessionCacheOptions.maxPendingSessionStarts}):
+ * about a minute of new conversations above what a small Temporal starts (dev's ~50–90 starts/s
+ * on 2 cores), each a gRPC call in flight or a retry timer in this process.
+ */
+export const MAX_PENDING_SESSION_STARTS = 5_000;
 
 /** First wait before a failed adoption is tried again; it doubles up to {@link ADOPT_RETRY_MAX_MS}. */
 const ADOPT_RETRY_MS = 1_000;
@@ -238,6 +256,9 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    */
   const probes = new Map<string, { at: number; updatedAt: number; alive: Set<string>; looking?: Promise<void> }>();
   let staleViewPicks = 0;
+  let pendingSessionStarts = 0;
+  let refusedForPendingStarts = 0;
+  const maxPendingSessionStarts = opts.maxPendingSessionStarts ?? MAX_PENDING_SESSION_STARTS;
   /** Not rewritten by its pool for {@link POOL_ENTRY_MAX_AGE_MS}: not used as written. */
   const stale = (entry: PoolEntry): boolean => now() - entry.updatedAt > POOL_ENTRY_MAX_AGE_MS;
   /** Looks at a stale view's instances (at most once per interval); the look under way, if any. */
@@ -459,6 +480,10 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       if (entry && entry.expiresAt - margin > t && !gone(entry)) return entry; // another turn placed it meanwhile
       // A pick is reserved at once (concurrent turns of this replica see it before its entry is written).
       const picked = !(entry && !gone(entry));
+      if (!entry && pendingSessionStarts >= maxPendingSessionStarts) {
+        refusedForPendingStarts++;
+        throw new SessionError('Unavailable', `${pendingSessionStarts} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`);
+      }
       const target = picked ? await room(f, req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
       const rk = loadKey({ namespace: req.model.namespace, pool: req.model.name, instance: target.instance });
       try {
@@ -529,17 +554,24 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
    * expires or the gateway closes: a first turn served while Temporal was down still gets its
    * session workflow (its expiry enforced) once Temporal is back.
    */
-  const adoptUntilDone = (f: FirstTurns, req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry, delay = ADOPT_RETRY_MS): void => {
-    f.adopt(req, entry).catch((err: unknown) => {
-      opts.onError?.(err);
-      if (closed || entry.expiresAt <= now()) return;
-      const timer = setTimeout(() => {
-        adoptRetries.delete(timer);
-        adoptUntilDone(f, req, entry, Math.min(delay * 2, ADOPT_RETRY_MAX_MS));
-      }, delay);
-      timer.unref();
-      adoptRetries.add(timer);
-    });
+  const adoptUntilDone = (f: FirstTurns, req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry): void => {
+    pendingSessionStarts++;
+    const attempt = (delay: number): void => {
+      f.adopt(req, entry).then(
+        () => void pendingSessionStarts--,
+        (err: unknown) => {
+          opts.onError?.(err);
+          if (closed || entry.expiresAt <= now()) return void pendingSessionStarts--;
+          const timer = setTimeout(() => {
+            adoptRetries.delete(timer);
+            attempt(Math.min(delay * 2, ADOPT_RETRY_MAX_MS));
+          }, delay);
+          timer.unref();
+          adoptRetries.add(timer);
+        },
+      );
+    };
+    attempt(ADOPT_RETRY_MS);
   };
 
   const join = (p: PendingStart, key: string, signal: AbortSignal): Promise<SessionEntry> =>
@@ -570,7 +602,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     cache,
     pools,
     ready: pools ? Promise.all([cache.ready, pools.ready]).then(() => undefined) : cache.ready,
-    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals, givenBack, staleViewPicks }),
+    stats: () => ({ warmHits, coldStarts, firstTurns: firstTurnCount, moves, renewals, givenBack, staleViewPicks, pendingSessionStarts, refusedForPendingStarts }),
     leasesOn: (namespace, pool, instance) => load.get(loadKey({ namespace, pool, instance })) ?? 0,
     acquire(req) {
       const key = req.conversationKey;
