@@ -52,14 +52,17 @@ export function engineSizing(plan: { contextLength: number; root: NodeMemory }, 
   return { slots, contextLength, kvCachePerSlot, memory: weights + buffers + slots * kvCachePerSlot };
 }
 
+/** Slots fixed by a runtime's option or a pool's leases (1 when neither says), within 1..{@link ENGINE_SLOTS_LIMIT}. */
+export const fixedSlots = (slots: number | undefined): number => Math.min(Math.max(1, Math.floor(slots ?? 1)), ENGINE_SLOTS_LIMIT);
+
 /**
  * {@link engineSizing}, with `slots` fixed when given (a pool's leases per instance: one slot per
- * lease, whatever the budget; at most {@link ENGINE_SLOTS_LIMIT}) and `memory` counting them.
+ * lease, whatever the budget; {@link fixedSlots}) and `memory` counting them.
  */
 export function engineSizingWith(plan: { contextLength: number; root: NodeMemory }, budgetBytes: number, slots: number | undefined): EngineSizing {
   const sized = engineSizing(plan, budgetBytes);
   if (slots === undefined) return sized;
-  const fixed = Math.min(Math.max(1, Math.floor(slots)), ENGINE_SLOTS_LIMIT);
+  const fixed = fixedSlots(slots);
   return { ...sized, slots: fixed, memory: sized.memory + (fixed - sized.slots) * sized.kvCachePerSlot };
 }
 

@@ -20,7 +20,7 @@ import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizingWith, ggufFileNames, servedGguf } from '../../shared/engine-slots';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -242,12 +242,12 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   }
 
   /**
-   * A llama.cpp engine's slots, context and memory: `fixedSlots` (the runtime's, or the `Dllama`'s
+   * A llama.cpp engine's slots, context and memory: `fixed` slots (the runtime's, the pool's leases, or the `Dllama`'s
    * leases per instance) at the planned cost per slot, or as many as the memory budget holds.
    */
-  function llamaCppSize(plan: Parameters<typeof engineSizingWith>[0] | undefined, fixedSlots: number | undefined): { slots: number; ctx?: number; memory?: number } {
-    if (!plan) return { slots: Math.min(fixedSlots ?? 1, ENGINE_SLOTS_LIMIT) };
-    const sized = engineSizingWith(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixedSlots);
+  function llamaCppSize(plan: Parameters<typeof engineSizingWith>[0] | undefined, fixed: number | undefined): { slots: number; ctx?: number; memory?: number } {
+    if (!plan) return { slots: fixedSlots(fixed) };
+    const sized = engineSizingWith(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
     return { slots: sized.slots, ctx: sized.contextLength, memory: sized.memory };
   }
 

@@ -19,7 +19,7 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, ENGINE_SLOTS_LIMIT, engineSizingWith, servedGguf } from '../../shared/engine-slots';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
 import type { ModelRegistry } from '../nats/registry';
@@ -168,7 +168,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const model = await cachedGguf(cache, gguf.artifact.files, signal);
     const fixed = opts.slots ?? leases;
     const sizing = gguf.plan && engineSizingWith(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
-    const slots = sizing?.slots ?? Math.min(fixed ?? 1, ENGINE_SLOTS_LIMIT);
+    const slots = sizing?.slots ?? fixedSlots(fixed);
     if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
     // Responses name the model as clients know it, not by its cached file.
     const engine = await startSupervisedEngine(model, {

@@ -421,12 +421,13 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     });
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
-    const publishUntil = Math.min(req.deadline, Date.now() + PUBLISH_RETRY_MS);
+    let publishUntil: number | undefined; // set at the first failure
     let attempt = 0;
     const publish = (): void => {
       opts.publish(session.subject, req, session).catch((err: unknown) => {
         if (finished) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
+        publishUntil ??= Math.min(req.deadline, Date.now() + PUBLISH_RETRY_MS);
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
         if (opts.retryPublish?.() !== true || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
         attempt += 1;
