@@ -31,7 +31,6 @@ import { dataPlaneNames } from '../activities/nats/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../activities/nats/registry';
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { instanceBase } from '../activities/runtime/kubernetes-manifests';
-import { conversationKey } from '../gateway/plugins/conversation';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
@@ -58,6 +57,8 @@ let cluster: TestCluster;
 let nc: NatsConnection;
 let registry: ModelRegistry;
 let runtime: KubernetesRuntime;
+/** Where the gateway's cold start pins a conversation: the instance under test. */
+let pinTo: { pool: string; instance: string } | undefined;
 let gateway: RunningGateway;
 let openai: OpenAI;
 const proxies: TcpProxy[] = [];
@@ -127,7 +128,12 @@ beforeAll(async () => {
     natsUrl: `nats://${natsAddress}`,
     s3: { endpoint: `http://${s3Address}`, region: s3e.region, bucket: iso.bucket, secret: 'magus-s3' },
   });
-  gateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' } }), { nc });
+  // A conversation's session is its pin to the instance under test (no Temporal here), written
+  // when the gateway asks for it: a pin written beforehand races the gateway's watch of the bucket.
+  gateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' } }), {
+    nc,
+    coldStart: (req) => (pinTo ? pinConversation(nc, names, req.conversationKey, pinTo.pool, pinTo.instance) : Promise.reject(new Error('no instance under test'))),
+  });
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 600_000);
 
@@ -200,14 +206,14 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
       await new Promise((r) => setTimeout(r, 500));
     }
     const sessionId = `pods-${model}`;
-    const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `${NS}/${model}`, messages: [], sessionId });
-    await pinConversation(nc, names, key, model, instance);
+    pinTo = { pool: model, instance };
     const r = await openai.chat.completions.create({ model: `${NS}/${model}`, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': sessionId } }).catch(async (err: Error) => {
       const logs = await podman('pod', 'logs', `${base}-0`).then((x) => x.stdout + x.stderr, (e: Error) => e.message);
       throw new Error(`${err.message}; pod logs:\n${logs.slice(-3000)}`);
     });
     expect(r.choices[0]?.message.content ?? '').toMatch(expectText);
   } finally {
+    pinTo = undefined;
     await podman('kube', 'down', rootFile).catch(() => undefined);
     if (workers > 0) await podman('kube', 'down', workerFile).catch(() => undefined);
     await runtime.destroy(model, instance);
