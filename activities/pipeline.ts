@@ -20,7 +20,7 @@ import { specFromGguf } from './convert/gguf-spec';
 import type { CheckpointFiles } from './convert/types';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
 import { isSecretUnavailable } from './huggingface/secrets';
-import type { ModelRegistry } from './nats/registry';
+import type { ModelRegistry } from '../dataplane/registry';
 import { planLlamaCppMemory, planMemory } from './size/memory';
 import { abortStaleUploads } from './storage/cleanup';
 import { isStorageError } from './storage/errors';

@@ -4,8 +4,8 @@
  */
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
-import { isRevisionConflict } from './nats/data-plane';
-import { watchKv, type KvCache, type WatchableKv } from './nats/kv-mirror';
+import { isRevisionConflict } from '../dataplane/data-plane';
+import { watchKv, type KvCache, type WatchableKv } from '../dataplane/kv-mirror';
 import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 

@@ -10,7 +10,7 @@ import { spawnSync } from 'node:child_process';
 import { existsSync, mkdirSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { homedir, cpus } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel, type TinyModelOptions } from '../test/fixtures/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 
 const MODEL: TinyModelOptions = {
   seed: 42,

@@ -13,11 +13,11 @@
  */
 import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
-import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../activities/nats/data-plane';
+import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../dataplane/data-plane';
 import type { InferenceRequest } from '../shared/serving';
-import { startBridge, type Bridge, type BridgeStats } from '../activities/nats/bridge';
+import { startBridge, type Bridge, type BridgeStats } from '../dataplane/bridge';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
-import { createEngineClient, sseEventBatches, type EngineClient } from '../activities/nats/bridge/engine-client';
+import { createEngineClient, sseEventBatches, type EngineClient } from '../dataplane/bridge/engine-client';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';

@@ -5,7 +5,7 @@
  */
 import { AckPolicy, connect, RetentionPolicy, StorageType, type NatsConnection } from 'nats';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
-import { createEngineClient } from '../activities/nats/bridge/engine-client';
+import { createEngineClient } from '../dataplane/bridge/engine-client';
 
 /** The paths, by request subject; each JetStream one is a work-queue stream of its own. */
 export const CORE_SUBJECT = 'floor.core';

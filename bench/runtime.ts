@@ -12,8 +12,8 @@
 import { CustomObjectsApi } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../activities/kubernetes/crds';
-import { ensureDataPlane } from '../activities/nats/data-plane';
-import { openModelRegistry } from '../activities/nats/registry';
+import { ensureDataPlane } from '../dataplane/data-plane';
+import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime } from '../activities/runtime/kubernetes';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';

@@ -18,7 +18,7 @@ import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { chatCompletionBody } from './schemas/chat';
-import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from './test-support';
+import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 let t: TestApp;
 afterEach(async () => {
@@ -726,7 +726,7 @@ describe('/metrics, /healthz, /readyz', () => {
     expect(text).toContain('magus_gateway_requests_in_flight 1'); // this scrape
     expect(text).toContain('magus_gateway_session_warm_hits_total 1');
     expect(text).toContain('magus_gateway_session_cold_starts_total 0');
-    // The process's own gauges (workers/process-metrics.ts): a live process has memory and open files.
+    // The process's own gauges (platform/process-metrics.ts): a live process has memory and open files.
     const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1]);
     expect(sample('process_resident_memory_bytes')).toBeGreaterThan(sample('nodejs_heap_size_used_bytes'));
     expect(sample('nodejs_heap_size_total_bytes')).toBeGreaterThanOrEqual(sample('nodejs_heap_size_used_bytes'));

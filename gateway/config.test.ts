@@ -4,7 +4,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { loadGatewayConfig, loadSessionTtl, SESSION_TTL_MS } from './config';
 import { gatewayCommand } from './server';
-import { makeToken } from './test-support';
+import { makeToken } from '../test/harness/gateway-app';
 
 const SECRET = 'x'.repeat(32);
 

@@ -3,7 +3,7 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
-import { dataPlaneNames, REPLICA_ID } from '../activities/nats/data-plane';
+import { dataPlaneNames, REPLICA_ID } from '../dataplane/data-plane';
 import { readFileSync } from 'node:fs';
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './plugins/responses';
@@ -61,7 +61,7 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
  * last turn. At least 1 min: the gateway renews a session at most every 30 s and takes one within
  * 5 s of its end for ended (plugins/sessions.ts), so a shorter TTL would send warm conversations
  * down the cold path. At most 24 h: the `magus_sessions` bucket's max age
- * (activities/nats/data-plane.ts), which would drop the entry of a session still running.
+ * (dataplane/data-plane.ts), which would drop the entry of a session still running.
  */
 export const SESSION_TTL_MS = { default: 30 * 60_000, min: 60_000, max: 24 * 3_600_000 } as const;
 

@@ -7,14 +7,14 @@
  */
 import OpenAI from 'openai';
 import { AckPolicy, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
-import { openModelRegistry } from '../activities/nats/registry';
+import { openModelRegistry } from '../dataplane/registry';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
 import { endpoint, isolation, natsConnect } from '../test/harness';
 import { loadGatewayConfig } from './config';
 import { conversationKey } from './plugins/conversation';
 import type { AcquireRequest } from './plugins/sessions';
 import { startGateway, type RunningGateway } from './server';
-import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from './test-support';
+import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from '../test/harness/gateway-app';
 
 const iso = isolation();
 // A scoped data plane (`<scope>.magus.req.…`, `<scope>.magus.res.…`), as tests of the data-plane

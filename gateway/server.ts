@@ -8,8 +8,8 @@ import { loadConfig } from '../workers/config';
 import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
-import { openModelRegistry } from '../activities/nats/registry';
-import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../activities/nats/data-plane';
+import { openModelRegistry } from '../dataplane/registry';
+import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane/data-plane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -22,7 +22,7 @@ import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engi
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
-import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../workers/temporal-health';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {

@@ -20,7 +20,7 @@ import type { dllamaPool } from '../workflows/pool/pool';
 import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
-import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../workers/temporal-health';
+import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../platform/temporal-health';
 
 export interface TemporalSessionOptions {
   client: Client;

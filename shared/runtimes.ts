@@ -1,6 +1,6 @@
 /**
  * What the workers' runtimes can serve, as each worker advertises it in the model registry
- * (`magus_models`, key `_runtime.<worker>`: activities/nats/registry.ts), and the rule the
+ * (`magus_models`, key `_runtime.<worker>`: dataplane/registry.ts), and the rule the
  * gateway applies to it: a model none of whose artifacts any live runtime can run is refused at
  * once, with the reason, instead of after a cold start that can only fail (`NoArtifact`).
  * Workflow-safe: no I/O.

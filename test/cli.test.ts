@@ -3,7 +3,7 @@ import { spawnSync } from 'node:child_process';
 import { existsSync, mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel } from './fixtures/tiny-model';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 
 const bin = join(__dirname, '..', 'bin', 'magus.js');
 const run = (...args: string[]) => spawnSync(process.execPath, [bin, ...args], { encoding: 'utf8', timeout: 30_000 });

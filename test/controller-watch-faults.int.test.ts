@@ -10,7 +10,7 @@ import type { Client, Connection } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { installCrds } from '../activities/kubernetes/crds';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { startController, type Controller } from '../workers/controller/controller';
+import { startController, type Controller } from '../controller/controller';
 import { startServices, type RunningServices } from '../workers/dev/services';
 import { isolation, temporalClient } from './harness';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';

@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { convertModel } from '../activities/convert/convert';
 import type { WeightsFormat } from '../activities/convert/types';
-import { writeTinyModel, type TinyModelOptions } from './fixtures/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { runLlamaCpp } from './support/llama-cpp';
 import { generate, loadReference, logits, type ReferenceModel } from './support/reference-llama';
 

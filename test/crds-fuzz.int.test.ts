@@ -10,8 +10,8 @@
 import { randomInt } from 'node:crypto';
 import { CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
 import { installCrds } from '../activities/kubernetes/crds';
-import { mulberry32 } from '../activities/convert/tiny-model';
-import { modelSpecOf, poolResourceOf } from '../workers/controller/controller';
+import { mulberry32 } from '../workers/dev/tiny-model';
+import { modelSpecOf, poolResourceOf } from '../controller/controller';
 import { validateModelSpec } from '../shared/model';
 import { Plural, type DllamaResource, type ModelResource } from '../shared/kube';
 import { isolation } from './harness';

@@ -20,7 +20,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { convertModel } from '../activities/convert/convert';
 import { MODES } from '../shared/constants';
-import { writeTinyModel } from './fixtures/tiny-model';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation } from './harness';
 import { eventually, processRunning } from './harness/wait';
 

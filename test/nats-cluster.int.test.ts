@@ -14,12 +14,12 @@ import { randomBytes } from 'node:crypto';
 import { PassThrough } from 'node:stream';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, type JetStreamManager, type NatsConnection } from 'nats';
-import { startBridge, type Bridge } from '../activities/nats/bridge';
-import { consumerNameOf, dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames } from '../activities/nats/data-plane';
-import { decodeFrame } from '../activities/nats/frames';
-import { openModelRegistry } from '../activities/nats/registry';
+import { startBridge, type Bridge } from '../dataplane/bridge';
+import { consumerNameOf, dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames } from '../dataplane/data-plane';
+import { decodeFrame } from '../dataplane/frames';
+import { openModelRegistry } from '../dataplane/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';
-import { makeToken, readyModel, TEST_SECRET } from '../gateway/test-support';
+import { makeToken, readyModel, TEST_SECRET } from './harness/gateway-app';
 import type { ResponseFrame } from '../shared/serving';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
@@ -371,7 +371,7 @@ describe('the data plane on a three-node NATS cluster', () => {
       expect(others.map((o) => ({ content: o.content, status: o.status, errors: o.errors }))).toEqual([]);
       expect(refused.filter((o) => !/^[1-9][0-9]*$/.test(o.retryAfter ?? ''))).toEqual([]);
       // On the wire: one generation per request. A chunk seq never carries two different
-      // frames; a terminal seq may (activities/nats/README.md, rule 2: an attempt superseded
+      // frames; a terminal seq may (dataplane/README.md, rule 2: an attempt superseded
       // without noticing — here the first delivery, whose delivery the new consumer leader did not
       // know of and handed out again — publishes its terminal frame before its CAS fails; the
       // gateway relays the first to arrive, and the client's answer above is whole and single).

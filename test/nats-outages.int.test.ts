@@ -25,15 +25,15 @@ import {
   jsErrorCode,
   responseSubjectOf,
   type DataPlaneNames,
-} from '../activities/nats/data-plane';
-import { decodeFrame } from '../activities/nats/frames';
+} from '../dataplane/data-plane';
+import { decodeFrame } from '../dataplane/frames';
 import type { ResponseFrame } from '../shared/serving';
 import { startServices, type RunningServices } from '../workers/dev/services';
-import { startBridge, type Bridge } from '../activities/nats/bridge';
+import { startBridge, type Bridge } from '../dataplane/bridge';
 import { startWorkers } from '../workers/worker';
-import { openModelRegistry } from '../activities/nats/registry';
+import { openModelRegistry } from '../dataplane/registry';
 import { startGateway } from '../gateway/server';
-import { makeToken, readyModel, TEST_SECRET } from '../gateway/test-support';
+import { makeToken, readyModel, TEST_SECRET } from './harness/gateway-app';
 import { isolation, workerConfig } from './harness';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { startTcpProxy } from './harness/tcp-proxy';

@@ -12,8 +12,8 @@ import { join } from 'node:path';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { modelWorkflowId, progressQuery, type PipelineProgress } from '../workflows/model/definitions';
 import { modelPipeline } from '../workflows/model/pipeline';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from './fixtures/hf-hub';
-import { writeTinyModel } from './fixtures/tiny-model';
+import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../workers/dev/hub';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation, recordHistory, s3Client, temporalClient } from './harness';
 
 const iso = isolation();

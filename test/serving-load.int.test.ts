@@ -8,15 +8,15 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer } from '../activities/nats/data-plane';
-import { openModelRegistry } from '../activities/nats/registry';
+import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer } from '../dataplane/data-plane';
+import { openModelRegistry } from '../dataplane/registry';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
 import type { AcquireRequest } from '../gateway/plugins/sessions';
 import { startGateway, type RunningGateway } from '../gateway/server';
-import { LogSink, readyModel } from '../gateway/test-support';
+import { LogSink, readyModel } from './harness/gateway-app';
 import type { ChatMessage, SessionEntry } from '../shared/serving';
-import { startBridge, type Bridge } from '../activities/nats/bridge';
+import { startBridge, type Bridge } from '../dataplane/bridge';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { isolation, natsConnect } from './harness';
 

@@ -16,13 +16,13 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames, type DataPlaneOptions } from '../activities/nats/data-plane';
-import { encodeFrame } from '../activities/nats/frames';
-import { openModelRegistry } from '../activities/nats/registry';
-import { bridgeMetricsText, startBridge, type Bridge } from '../activities/nats/bridge';
+import { ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames, type DataPlaneOptions } from '../dataplane/data-plane';
+import { encodeFrame } from '../dataplane/frames';
+import { openModelRegistry } from '../dataplane/registry';
+import { bridgeMetricsText, startBridge, type Bridge } from '../dataplane/bridge';
 import { conversationKey } from '../gateway/plugins/conversation';
 import { startGateway, type RunningGateway } from '../gateway/server';
-import { readyModel } from '../gateway/test-support';
+import { readyModel } from './harness/gateway-app';
 import { splitText, startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { isolation, natsConnect } from './harness';

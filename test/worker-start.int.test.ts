@@ -18,7 +18,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../activities/nats/data-plane';
+import { dataPlaneNames } from '../dataplane/data-plane';
 import { freePort, startServices, type RunningServices } from '../workers/dev/services';
 import type { dllamaPool } from '../workflows/pool/pool';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';

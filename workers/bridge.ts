@@ -1,16 +1,16 @@
 /**
  * `magus bridge`: the sidecar next to an engine, as a process — flags, the NATS connection, the
  * data plane and this instance's consumer, `/health` `/ready` `/metrics`, SIGINT/SIGTERM. The
- * bridge itself is activities/nats/bridge (the local runtime runs the same one in process).
+ * bridge itself is dataplane/bridge (the local runtime runs the same one in process).
  */
 import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
-import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../activities/nats/data-plane';
-import { bridgeMetricsText, startBridge } from '../activities/nats/bridge';
+import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane/data-plane';
+import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
 import { isNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from './config';
-import { processMetricsText } from './process-metrics';
+import { processMetricsText } from '../platform/process-metrics';
 
-/** For an importer not yet moved to activities/nats/bridge (activities/runtime/llama-cpp.int.test.ts). */
+/** For an importer not yet moved to dataplane/bridge (activities/runtime/llama-cpp.int.test.ts). */
 export { bridgeMetricsText };
 
 export const BRIDGE_USAGE =

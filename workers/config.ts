@@ -72,7 +72,7 @@ export interface KubernetesRuntimeConfig {
 
 /**
  * `MAGUS_RESPONSES_PEAK_BYTES_PER_SEC` × `MAGUS_RESPONSES_RETENTION_MS` sizes the response stream
- * (activities/nats/data-plane.ts `responseStreamLimits`). Every process that declares the data
+ * (dataplane/data-plane.ts `responseStreamLimits`). Every process that declares the data
  * plane (worker, controller, `magus bridge`) must be given the same values: each declaration
  * brings the stream to its own.
  */

@@ -12,16 +12,16 @@ import type * as ConvertModule from './convert';
 import type * as EngineModule from './engine';
 import type * as BridgeModule from './bridge';
 import type * as FetchModule from './fetch';
-import type * as BridgeMetricsModule from '../activities/nats/bridge/metrics';
-import type * as ProcessMetricsModule from './process-metrics';
+import type * as BridgeMetricsModule from '../dataplane/bridge/metrics';
+import type * as ProcessMetricsModule from '../platform/process-metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as ModelPullModule from './model-pull';
 import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
 import type * as TemporalWorkerModule from '@temporalio/worker';
 import type * as DevModule from './dev/dev';
-import type * as ControllerModule from './controller/main';
-import type * as TemporalHealthModule from './temporal-health';
+import type * as ControllerModule from './controller';
+import type * as TemporalHealthModule from '../platform/temporal-health';
 
 /*
  * Each mode loads its modules only when it runs: `magus convert` must not pay, in start-up time
@@ -33,16 +33,16 @@ const load = {
   engine: () => require('./engine') as typeof EngineModule,
   bridge: () => require('./bridge') as typeof BridgeModule,
   fetch: () => require('./fetch') as typeof FetchModule,
-  bridgeMetrics: () => require('../activities/nats/bridge/metrics') as typeof BridgeMetricsModule,
+  bridgeMetrics: () => require('../dataplane/bridge/metrics') as typeof BridgeMetricsModule,
   gateway: () => require('../gateway/server') as typeof GatewayModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
   modelTiny: () => require('./model-tiny') as typeof ModelTinyModule,
   worker: () => require('./worker') as typeof WorkerModule,
   temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
   dev: () => require('./dev/dev') as typeof DevModule,
-  controller: () => require('./controller/main') as typeof ControllerModule,
-  temporalHealth: () => require('./temporal-health') as typeof TemporalHealthModule,
-  processMetrics: () => require('./process-metrics') as typeof ProcessMetricsModule,
+  controller: () => require('./controller') as typeof ControllerModule,
+  temporalHealth: () => require('../platform/temporal-health') as typeof TemporalHealthModule,
+  processMetrics: () => require('../platform/process-metrics') as typeof ProcessMetricsModule,
 };
 /* eslint-enable @typescript-eslint/no-require-imports */
 
@@ -258,7 +258,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
         return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal) + load.processMetrics().processMetricsText() + load.processMetrics().cachedWorkflowsMetricsText(workers?.cachedWorkflows()));
       }
-      // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; workers/temporal-health.ts).
+      // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; platform/temporal-health.ts).
       if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));
       const ok = req.url === '/healthz';
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');

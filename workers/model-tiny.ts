@@ -6,7 +6,7 @@
  */
 import { existsSync, readdirSync } from 'node:fs';
 import { resolve } from 'node:path';
-import { writeTinyModel, type TinyModelOptions } from '../activities/convert/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from './dev/tiny-model';
 
 export const TINY_USAGE = [
   'usage: magus model tiny <dir> [--seed N] [--arch llama|qwen3] [--dtype F16|F32|BF16]',

@@ -14,8 +14,8 @@ import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../activities/nats/data-plane';
-import { openModelRegistry } from '../activities/nats/registry';
+import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../dataplane/data-plane';
+import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
@@ -24,7 +24,7 @@ import { pipelineQueueFor, poolQueueFor, runtimeQueueFor, SearchAttribute, worke
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import { DEFAULT_WORKFLOW_CACHE, dataPlaneEnv, natsServerList, type MagusConfig } from './config';
-import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from './temporal-health';
+import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
 const GrpcStatus = { PERMISSION_DENIED: 7, UNIMPLEMENTED: 12 } as const;

@@ -8,8 +8,8 @@ import type { AddressInfo, Socket } from 'node:net';
 import { mkdtemp, readFile, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../../test/fixtures/hf-hub';
-import { writeTinyModel } from '../../test/fixtures/tiny-model';
+import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../../workers/dev/hub';
+import { writeTinyModel } from '../../workers/dev/tiny-model';
 import { HubClient, hubErrorType, isHubError, type HubDownload, type HubError, type HubErrorCode } from './client';
 
 const TOKEN = 'hf_clientTestSecretToken987';

@@ -16,8 +16,8 @@ import type { ChatCompletionRequest } from '../../shared/serving';
 import type { ReadyModel } from '../../shared/model';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
-import { ensureDataPlane, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
-import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import { ensureDataPlane, requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
 import { until } from '../../test/harness/wait';
 

@@ -9,8 +9,8 @@
 import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1StatefulSet } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { installCrds } from '../kubernetes/crds';
-import { dataPlaneNames, ensureDataPlane } from '../nats/data-plane';
-import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import { dataPlaneNames, ensureDataPlane } from '../../dataplane/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import type { DllamaResourceSpec } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
@@ -18,7 +18,7 @@ import { isolation, natsConnect, temporalClient, workerConfig } from '../../test
 import type { MagusConfig } from '../../workers/config';
 import type { Client } from '@temporalio/client';
 import { startWorkers } from '../../workers/worker';
-import { startController } from '../../workers/controller/controller';
+import { startController } from '../../controller/controller';
 import { execFile } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';

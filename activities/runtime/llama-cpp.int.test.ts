@@ -14,8 +14,8 @@ import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { isolation, natsConnect, s3Client } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
 import { bridgeMetricsText } from '../../workers/bridge';
-import { consumerNameOf, ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
-import { openModelRegistry } from '../nats/registry';
+import { consumerNameOf, ensureDataPlane, type DataPlaneNames } from '../../dataplane/data-plane';
+import { openModelRegistry } from '../../dataplane/registry';
 import { engineSizing, servedGguf } from '../../shared/engine-slots';
 import { createLocalRuntime, type LocalRuntime } from './local';
 

@@ -19,8 +19,8 @@ import { askInstance } from '../../test/harness/data-plane';
 import { endpoint, isolation, natsConnect, s3Client } from '../../test/harness';
 import { startTcpProxy } from '../../test/harness/tcp-proxy';
 import { processRunning, until } from '../../test/harness/wait';
-import { ensureDataPlane, type DataPlaneNames } from '../nats/data-plane';
-import { openModelRegistry, type ModelRegistry } from '../nats/registry';
+import { ensureDataPlane, type DataPlaneNames } from '../../dataplane/data-plane';
+import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo } from '../serving';
 import { createLocalRuntime, type LocalRuntime } from './local';
 

@@ -18,11 +18,11 @@
  */
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
-import { startBridge, type Bridge, type BridgeSample } from '../nats/bridge';
+import { startBridge, type Bridge, type BridgeSample } from '../../dataplane/bridge';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
-import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../nats/data-plane';
-import type { ModelRegistry } from '../nats/registry';
+import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
 import { cachedFile, cachedGguf, type ModelCache } from './cache';
 import { chooseDllamaArtifact, startSupervisedTopology, type DllamaOptions } from './dllama';

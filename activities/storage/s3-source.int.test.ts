@@ -2,7 +2,7 @@
 import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { isolation, s3Client } from '../../test/harness';
 import { s3Source } from './s3-source';
-import { calls, logCalls, pseudoRandomBytes } from './testing';
+import { calls, logCalls, pseudoRandomBytes } from '../../test/harness/storage';
 
 const MiB = 1024 * 1024;
 const BLOCK = 4 * MiB;

@@ -4,7 +4,7 @@ import { isolation, s3Client } from '../../test/harness';
 import { writeFileAtomically } from '../convert/atomic-file';
 import { listIncompleteUploads } from './cleanup';
 import { createS3ObjectWriter, s3OutputTarget } from './s3-writer';
-import { calls, getObjectBytes, logCalls, pseudoRandomBytes, sha256Hex } from './testing';
+import { calls, getObjectBytes, logCalls, pseudoRandomBytes, sha256Hex } from '../../test/harness/storage';
 import type { StoredObject } from '../../shared/model';
 
 const MiB = 1024 * 1024;

@@ -16,7 +16,7 @@ import {
 import { isolation, s3Client } from '../../test/harness';
 import { listIncompleteUploads } from './cleanup';
 import { isStorageError } from './errors';
-import { calls, getObjectBytes, logCalls, memorySource, pseudoRandomBytes, sha256Hex } from './testing';
+import { calls, getObjectBytes, logCalls, memorySource, pseudoRandomBytes, sha256Hex } from '../../test/harness/storage';
 import { transferToS3, type TransferCheckpoint, type TransferOptions } from './transfer';
 
 const MiB = 1024 * 1024;

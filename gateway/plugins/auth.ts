@@ -10,7 +10,7 @@ import { createHash, hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
 import type { TokenEntry } from '../../shared/serving';
 import { errors } from './errors';
-import { watchKv, type KvCache, type WatchableKv } from '../../activities/nats/kv-mirror';
+import { watchKv, type KvCache, type WatchableKv } from '../../dataplane/kv-mirror';
 import { servicePlugin } from './plugin';
 
 /** Who is calling. `tokenId` keys conversations and metrics; `models` restricts access (absent/empty = all). */

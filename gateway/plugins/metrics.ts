@@ -5,8 +5,8 @@
  * long as take-overs need them. Recording is a few map updates per request.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
-import type { ResponseStreamState } from '../../activities/nats/data-plane';
-import { processMetricsText } from '../../workers/process-metrics';
+import type { ResponseStreamState } from '../../dataplane/data-plane';
+import { processMetricsText } from '../../platform/process-metrics';
 import { servicePlugin } from './plugin';
 import type { SessionStats } from './sessions';
 

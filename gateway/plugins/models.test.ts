@@ -1,7 +1,7 @@
 /** The model catalog's caching over a registry lister. */
 import type { ReadyModel } from '../../shared/model';
 import type { RuntimeAdvert } from '../../shared/runtimes';
-import { readyModel } from '../test-support';
+import { readyModel } from '../../test/harness/gateway-app';
 import { createModelCatalog } from './models';
 
 function lister(initial: ReadyModel[]) {

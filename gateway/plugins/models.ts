@@ -1,5 +1,5 @@
 /**
- * The models the gateway serves, from the model registry (`magus_models`, activities/nats/registry)
+ * The models the gateway serves, from the model registry (`magus_models`, dataplane/registry)
  * cached in memory: a request looks a model up in a `Map`; the registry is re-read in the
  * background when the copy is older than `maxAgeMs`, and at once (rate-limited) when a request
  * names a model the copy does not know, so a model that just became ready is found immediately.

@@ -4,7 +4,7 @@
  * time), on one inbox subscription instead of a request per publish.
  */
 import type { NatsConnection } from 'nats';
-import { ensureDataPlane, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { ensureDataPlane, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
 import type { InferenceRequest } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
 import { SessionError, SessionErrorType } from './errors';

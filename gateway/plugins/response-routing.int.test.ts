@@ -8,9 +8,9 @@
  */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { ensureDataPlane, ensureInstanceConsumer, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
-import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
-import { startBridge, type Bridge } from '../../activities/nats/bridge';
+import { ensureDataPlane, ensureInstanceConsumer, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
+import { startBridge, type Bridge } from '../../dataplane/bridge';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { startStubEngine, type StubEngine } from '../../test/fixtures/stub-engine';
 import { isolation, natsConnect } from '../../test/harness';

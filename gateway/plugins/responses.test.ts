@@ -1,4 +1,4 @@
-/** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with activities/nats/frames.ts. */
+/** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with dataplane/frames.ts. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { SessionError, SessionErrorType } from './errors';
 import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './responses';

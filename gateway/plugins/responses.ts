@@ -6,7 +6,7 @@
  * `magus.res.>` subscription per replica, N replicas cost N× the frame traffic).
  *
  * Frames are decoded and put in order by the data plane's one codec and {@link FrameSequencer}
- * (activities/nats/frames.ts), the rule a bridge that takes over a request reads frames back
+ * (dataplane/frames.ts), the rule a bridge that takes over a request reads frames back
  * with: strictly in `seq` order, each seq once (first arrival wins); a frame ahead of the next
  * seq is held, and a missing seq that does not arrive within `gapTimeoutMs` is read back from the
  * response stream (bridges publish until their frames are stored); it fails the request (502
@@ -18,10 +18,10 @@ import { randomBytes } from 'node:crypto';
 import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../activities/nats/data-plane';
+import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane/data-plane';
 
 export { streamAckProblem };
-import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
+import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
 
 /**

@@ -7,7 +7,7 @@
 import type { KV, NatsConnection } from 'nats';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
-import { readyModel } from '../test-support';
+import { readyModel } from '../../test/harness/gateway-app';
 import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
 import type { SessionError } from './errors';
 

@@ -18,13 +18,13 @@
  * renewal by a `touch` signal and, near expiry, the injected {@link ColdStart}.
  */
 import type { KvEntry } from 'nats';
-import { isRevisionConflict } from '../../activities/nats/data-plane';
+import { isRevisionConflict } from '../../dataplane/data-plane';
 import { SessionError } from './errors';
 import type { ReadyModel } from '../../shared/model';
 import { decodePoolEntry, decodeSessionEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 
 export { decodePoolEntry, decodeSessionEntry };
-import { watchKv, type KvCache, type WatchableKv } from '../../activities/nats/kv-mirror';
+import { watchKv, type KvCache, type WatchableKv } from '../../dataplane/kv-mirror';
 
 export interface AcquireRequest {
   /** The conversation key (conversation.ts): stable across the turns of one conversation. */

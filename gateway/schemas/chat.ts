@@ -95,7 +95,7 @@ export const chatCompletionBody = {
     temperature: { type: 'number', minimum: 0, maximum: 2 },
     top_p: { type: 'number', minimum: 0, maximum: 1 },
     seed: { type: 'integer' },
-    // Not empty: the engines refuse an empty stop text (workers/engine/api.ts).
+    // Not empty: the engines refuse an empty stop text (engine/api.ts).
     stop: { description: 'a non-empty string or a list of up to 4', anyOf: [{ type: 'string', minLength: 1 }, { type: 'array', maxItems: 4, items: { type: 'string', minLength: 1 } }] },
     /** Only one choice per request: more is {@link unsupported}. */
     n: unsupported({ type: 'integer', minimum: 1, maximum: 1 }, 'maximum', 'Only one choice per request is supported by this server; send `n: 1` or leave it out.'),

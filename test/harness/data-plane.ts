@@ -1,8 +1,8 @@
 /** The data plane from a test's side: ask an instance the way the gateway does, without a gateway. */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
-import { decodeFrame, FrameSequencer } from '../../activities/nats/frames';
+import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
 
 /**

@@ -4,7 +4,7 @@
  * entry), so a test can route turns without Temporal.
  */
 import type { NatsConnection } from 'nats';
-import { requestSubjectOf, type DataPlaneNames } from '../../activities/nats/data-plane';
+import { requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
 import type { SessionEntry } from '../../shared/serving';

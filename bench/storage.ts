@@ -3,7 +3,7 @@
  * bytes: a plain streamed copy to a local file (`stream.pipeline`, fsynced), and a bare multipart
  * upload with the same part size and concurrency but no hashing, checkpoints or checks.
  *
- *   node -r @swc-node/register activities/storage/bench.ts
+ *   node -r @swc-node/register bench/storage.ts
  *
  * Environment: BENCH_MB (default 200), BENCH_RUNS (default 3), BENCH_PART_MB (16), BENCH_CONCURRENCY (4).
  */
@@ -13,10 +13,10 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pipeline } from 'node:stream/promises';
 import { CreateBucketCommand, DeleteObjectCommand, S3Client } from '@aws-sdk/client-s3';
-import { startServices } from '../../workers/dev/services';
-import { MIB, PartUploader, completeUpload, createUpload } from './multipart';
-import { pseudoRandomBytes, sha256Hex } from './testing';
-import { transferToS3 } from './transfer';
+import { startServices } from '../workers/dev/services';
+import { MIB, PartUploader, completeUpload, createUpload } from '../activities/storage/multipart';
+import { pseudoRandomBytes, sha256Hex } from '../test/harness/storage';
+import { transferToS3 } from '../activities/storage/transfer';
 
 const sizeMb = Number(process.env.BENCH_MB ?? 200);
 const runs = Number(process.env.BENCH_RUNS ?? 3);

@@ -1,16 +1,10 @@
 /**
- * `magus engine`: a llama.cpp engine (node-llama-cpp) with the HTTP API of distributed-llama's
- * `dllama-api`, so a bridge serves either the same way. See README.md for the contract.
+ * `magus engine`: runs the llama.cpp engine (engine/) until SIGTERM or SIGINT.
  */
 import { access, constants } from 'node:fs/promises';
-import { ENGINE_USAGE, ENGINE_USAGE_ERROR, parseEngineArgs, type EngineOptions } from './options';
-import { startEngine, type RunningEngine } from './server';
+import { ENGINE_USAGE, ENGINE_USAGE_ERROR, parseEngineArgs, startEngine, type EngineOptions, type RunningEngine } from '../engine';
 
-export { ENGINE_USAGE, parseEngineArgs, type EngineOptions } from './options';
-export { startEngine, type LoadedEngine, type RunningEngine } from './server';
-export { createEngineHttp, engineApi, COMPLETIONS_URL, type EngineApiOptions } from './app';
-export { EngineCore, type EngineStatus } from './core';
-export * from './api';
+export { ENGINE_USAGE } from '../engine';
 
 const message = (err: unknown): string => (err instanceof Error ? err.message : String(err));
 

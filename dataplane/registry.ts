@@ -6,9 +6,9 @@
  * same read.
  */
 import { type KV, type NatsConnection } from 'nats';
-import { Nats } from '../../shared/constants';
-import type { ReadyModel } from '../../shared/model';
-import type { RuntimeAdvert } from '../../shared/runtimes';
+import { Nats } from '../shared/constants';
+import type { ReadyModel } from '../shared/model';
+import type { RuntimeAdvert } from '../shared/runtimes';
 
 const codec = { encode: (m: ReadyModel) => new TextEncoder().encode(JSON.stringify(m)), decode: (b: Uint8Array) => JSON.parse(new TextDecoder().decode(b)) as ReadyModel };
 

@@ -1,5 +1,5 @@
 /** The frame codec and the ordering rule (frames.ts), as the gateway relays and a take-over reads back; gap timers with fake timers. */
-import type { ResponseFrame } from '../../shared/serving';
+import type { ResponseFrame } from '../shared/serving';
 import { decodeFrame, encodeFrame, FrameSequencer } from './frames';
 
 const c = (seq: number, text = `t${seq}`): ResponseFrame => ({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: text } }] } });

@@ -5,14 +5,14 @@
  */
 import Fastify, { type FastifyInstance } from 'fastify';
 import { Writable } from 'node:stream';
-import type { ReadyModel } from '../shared/model';
-import type { InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
-import gatewayApp, { options, type GatewayAppOptions } from './app';
-import { staticTokenSource, tokenDigest } from './plugins/auth';
-import { createModelCatalog } from './plugins/models';
-import type { PublishRequest, ResponseRouter } from './plugins/responses';
-import type { GatewaySettings } from './plugins/services';
-import type { AcquireRequest, SessionBroker } from './plugins/sessions';
+import type { ReadyModel } from '../../shared/model';
+import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import gatewayApp, { options, type GatewayAppOptions } from '../../gateway/app';
+import { staticTokenSource, tokenDigest } from '../../gateway/plugins/auth';
+import { createModelCatalog } from '../../gateway/plugins/models';
+import type { PublishRequest, ResponseRouter } from '../../gateway/plugins/responses';
+import type { GatewaySettings } from '../../gateway/plugins/services';
+import type { AcquireRequest, SessionBroker } from '../../gateway/plugins/sessions';
 
 export const TEST_SECRET = 'test-secret-0123456789abcdef0123456789';
 

@@ -5,7 +5,7 @@
  * (test/fixtures/stub-engine.ts), so both speak exactly the same HTTP.
  */
 import type { FastifySchemaValidationError } from 'fastify';
-import type { ChatMessage, CompletionUsage } from '../../shared/serving';
+import type { ChatMessage, CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length';

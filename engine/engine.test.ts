@@ -9,11 +9,11 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { convertModel } from '../../activities/convert/convert';
-import { writeTinyModel } from '../../test/fixtures/tiny-model';
-import { runLlamaCpp } from '../../test/support/llama-cpp';
+import { convertModel } from '../activities/convert/convert';
+import { writeTinyModel } from '../workers/dev/tiny-model';
+import { runLlamaCpp } from '../test/support/llama-cpp';
 
-const REPO = join(__dirname, '..', '..');
+const REPO = join(__dirname, '..');
 const CTX = 1024;
 
 interface Completion {

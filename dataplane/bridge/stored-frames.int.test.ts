@@ -7,9 +7,9 @@
 import { randomBytes } from 'node:crypto';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { RetentionPolicy, StorageType, type NatsConnection } from 'nats';
-import { natsConnect } from '../../../test/harness';
+import { natsConnect } from '../../test/harness';
 import { decodeFrame } from '../frames';
-import type { ResponseFrame } from '../../../shared/serving';
+import type { ResponseFrame } from '../../shared/serving';
 import { PendingFrames, storedFramePublisher, type StoredFramePublisher } from './stored-frames';
 
 describe('storedFramePublisher', () => {

@@ -4,7 +4,7 @@
  * stored frames back with them; a take-over is correct only because both read frames alike, so
  * neither has a copy of its own (README.md next to this file, "Exactly one answer per request id").
  */
-import type { ResponseFrame } from '../../shared/serving';
+import type { ResponseFrame } from '../shared/serving';
 
 const encoder = new TextEncoder();
 const decoder = new TextDecoder();

@@ -5,9 +5,9 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type JsMsg, type NatsConnection } from 'nats';
-import { eventually } from '../../test/harness/wait';
-import { isolation, natsConnect } from '../../test/harness';
-import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import { eventually } from '../test/harness/wait';
+import { isolation, natsConnect } from '../test/harness';
+import type { InferenceRequest, ResponseFrame } from '../shared/serving';
 import {
   consumerNameOf,
   deleteInstanceConsumer,
@@ -130,7 +130,7 @@ describe('instance consumers', () => {
     await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c3', slots: 2 });
     expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(false);
     expect(await instanceConsuming(nc, names.requestStream, 'pool', 'nobody')).toBe(false);
-    // As the bridge consumes (activities/nats/bridge/bridge.ts): `max_messages` = slots.
+    // As the bridge consumes (dataplane/bridge/bridge.ts): `max_messages` = slots.
     const consumer = await nc.jetstream().consumers.get(names.requestStream, consumerNameOf('pool', 'c3'));
     const messages = await consumer.consume({ max_messages: 2 });
     const held: JsMsg[] = [];

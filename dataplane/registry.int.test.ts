@@ -1,7 +1,7 @@
 /** The model registry on the real nats-server. */
 import type { NatsConnection } from 'nats';
-import type { ReadyModel } from '../../shared/model';
-import { isolation, natsConnect } from '../../test/harness';
+import type { ReadyModel } from '../shared/model';
+import { isolation, natsConnect } from '../test/harness';
 import { openModelRegistry } from './registry';
 
 const iso = isolation();

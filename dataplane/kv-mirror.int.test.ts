@@ -1,7 +1,7 @@
 /** The KV mirror against a real bucket: what `reopen` (the gateway calls it after a reconnect) does. */
 import type { KV, NatsConnection } from 'nats';
-import { isolation, natsConnect } from '../../test/harness';
-import { until } from '../../test/harness/wait';
+import { isolation, natsConnect } from '../test/harness';
+import { until } from '../test/harness/wait';
 import { watchKv } from './kv-mirror';
 
 const iso = isolation();

@@ -5,7 +5,7 @@
  */
 import { hash } from 'node:crypto';
 import { REQUEST_ID, decodeJson, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../data-plane';
-import type { InferenceRequest } from '../../../shared/serving';
+import type { InferenceRequest } from '../../shared/serving';
 
 /** A checked request, or why not — with the `replyTo` to send the error frame to when it is a usable subject. */
 export type ParsedRequest = { ok: true; req: InferenceRequest } | { ok: false; problem: string; replyTo?: string };

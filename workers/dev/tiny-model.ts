@@ -1,7 +1,7 @@
 /**
  * Deterministic synthetic Hugging Face checkpoints for tests, benchmarks and `magus model tiny`
  * (a small model to try magus with), plus a small safetensors writer (also used to craft
- * malformed files). Tests import it through `test/fixtures/tiny-model.ts`.
+ * malformed files).
  *
  * {@link writeTinyModel} writes what a real Llama 3 / Qwen3 repository holds: `config.json`,
  * `model.safetensors` (or shards + `model.safetensors.index.json`), a byte-level BPE
@@ -12,7 +12,7 @@
  */
 import { mkdir, open, writeFile } from 'node:fs/promises';
 import * as path from 'node:path';
-import { f32Bits, f32ToF16 } from './quant';
+import { f32Bits, f32ToF16 } from '../../activities/convert/quant';
 
 // ---------------------------------------------------------------------------------------------
 // Safetensors writer

@@ -7,7 +7,7 @@
  * (stored-frames.ts); a request is acked only once all of its frames are stored.
  *
  * Exactly one answer per request id, although JetStream delivers at least once (README of
- * activities/nats has the whole protocol):
+ * dataplane/ has the whole protocol):
  * - a redelivery claims the request in `magus_claims` (create, or CAS take-over of an earlier
  *   delivery); a first delivery writes its claim only when it has answered (nobody else can own
  *   it before); a superseded attempt notices (periodic check, reconnect check, failed finish)
@@ -36,7 +36,7 @@ import {
 } from '../data-plane';
 import { encodeFrame } from '../frames';
 import { PendingFrames, storedFramePublisher } from './stored-frames';
-import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../../shared/serving';
+import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import { createEngineClient, type EngineClient, type EngineResponse } from './engine-client';
 import type { BridgeHealth, BridgeStats } from './metrics';
 import { parseInferenceRequest, seedFor } from './requests';

@@ -7,14 +7,14 @@ import { createServer } from 'node:http';
 import { hostname } from 'node:os';
 import { Client, Connection } from '@temporalio/client';
 import { connect } from 'nats';
-import { declareOnReconnect, ensureDataPlane } from '../../activities/nats/data-plane';
-import { parseDuration } from '../../shared/kube';
-import { loadConfig, natsServerList } from '../config';
-import { processMetricsText } from '../process-metrics';
-import { TEMPORAL_CHANNEL_ARGS, temporalMetricsText, temporalReadyText, watchTemporal } from '../temporal-health';
-import { kubeConfigFromEnv } from '../worker';
-import { startController, type Controller, type ControllerMetrics } from './controller';
-import { startLeaderElection } from './leader';
+import { declareOnReconnect, ensureDataPlane } from '../dataplane/data-plane';
+import { parseDuration } from '../shared/kube';
+import { loadConfig, natsServerList } from './config';
+import { processMetricsText } from '../platform/process-metrics';
+import { TEMPORAL_CHANNEL_ARGS, temporalMetricsText, temporalReadyText, watchTemporal } from '../platform/temporal-health';
+import { kubeConfigFromEnv } from './worker';
+import { startController, type Controller, type ControllerMetrics } from '../controller/controller';
+import { startLeaderElection } from '../controller/leader';
 
 export const CONTROLLER_USAGE = [
   'usage: magus controller [--namespace NS] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',

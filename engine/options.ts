@@ -4,7 +4,7 @@
  */
 import { availableParallelism } from 'node:os';
 import { basename } from 'node:path';
-import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT } from '../../shared/engine-slots';
+import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT } from '../shared/engine-slots';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--queue 16]',

@@ -9,8 +9,8 @@ import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { type JetStreamManager, type NatsConnection } from 'nats';
-import { isolation, natsConnect } from '../../../test/harness';
-import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../../shared/serving';
+import { isolation, natsConnect } from '../../test/harness';
+import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import {
   cancelSubjectOf,
   consumerNameOf,
@@ -28,7 +28,7 @@ import {
 import { decodeFrame, FrameSequencer } from '../frames';
 import { BridgeErrorCode, startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { seedFor } from './requests';
-import { until } from '../../../test/harness/wait';
+import { until } from '../../test/harness/wait';
 
 const POOL = 'pool';
 

@@ -44,8 +44,8 @@ import {
   type StreamInfo,
   nanos,
 } from 'nats';
-import { Nats } from '../../shared/constants';
-import { cancelSubject, requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
+import { Nats } from '../shared/constants';
+import { cancelSubject, requestSubject, responseSubject, type InferenceRequest, type ResponseFrame } from '../shared/serving';
 import { decodeFrame, FrameSequencer } from './frames';
 import { REGISTRY_HISTORY } from './registry';
 

@@ -19,7 +19,7 @@
 import { createInbox, type NatsConnection, type Subscription } from 'nats';
 import { streamAckProblem } from '../data-plane';
 import { encodeFrame } from '../frames';
-import type { ResponseFrame } from '../../../shared/serving';
+import type { ResponseFrame } from '../../shared/serving';
 
 interface Entry {
   subject: string;

@@ -10,9 +10,9 @@
  */
 import { CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
 import type { KV, KvEntry } from 'nats';
-import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
-import { FieldManager, Kind, Plural } from '../../shared/kube';
-import type { SessionEntry } from '../../shared/serving';
+import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
+import { FieldManager, Kind, Plural } from '../shared/kube';
+import type { SessionEntry } from '../shared/serving';
 
 /** Label on every mirrored Session (the mirror lists and prunes by it). */
 export const MIRROR_LABEL = 'magus.dev/mirror';
