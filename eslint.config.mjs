@@ -8,6 +8,43 @@ import { builtinModules } from 'node:module';
  * sandbox, so it may not reach I/O. Activities may be imported for their types only.
  * Exported so that a test can prove the rule fires (test/lint.test.ts).
  */
+/**
+ * The rooms (top-level folders) from the bottom up, and the rooms each may not import: a room
+ * imports only rooms below it (README.md, "Layout"; DESIGN.md, "Layout"). Product code never
+ * imports tests or benchmarks; tests (`*.test.ts`) may import anything.
+ */
+export const ROOMS_ABOVE = {
+  shared: ['platform', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  platform: ['workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  workflows: ['platform', 'dataplane', 'engine', 'controller', 'gateway', 'workers'],
+  dataplane: ['workflows', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  engine: ['workflows', 'dataplane', 'activities', 'controller', 'gateway', 'workers'],
+  activities: ['controller', 'gateway', 'workers'],
+  controller: ['gateway', 'workers'],
+  gateway: ['engine', 'activities', 'controller', 'workers'],
+  workers: [],
+};
+
+/** The import patterns `room` may not use: the rooms above it, tests and benchmarks. */
+const roomPatterns = (room) =>
+  [...ROOMS_ABOVE[room], 'test', 'bench'].map((other) => ({
+    group: [`**/${other}`, `**/${other}/**`],
+    message: other === 'test' || other === 'bench' ? `Product code must not import ${other}/.` : `${room}/ must not import ${other}/: a room imports only the rooms below it (eslint.config.mjs ROOMS_ABOVE).`,
+  }));
+
+/**
+ * The room boundaries, one config per room but workflows (whose boundary below adds them).
+ * Lint fixtures under `test/lint-fixtures/rooms/<room>/` stand for files of that room
+ * (test/lint.test.ts proves the rule fires).
+ */
+export const roomBoundaries = Object.keys(ROOMS_ABOVE)
+  .filter((room) => room !== 'workflows')
+  .map((room) => ({
+    files: [`${room}/**/*.ts`, `test/lint-fixtures/rooms/${room}/**/*.ts`],
+    ignores: ['**/*.test.ts'],
+    rules: { '@typescript-eslint/no-restricted-imports': ['error', { patterns: roomPatterns(room) }] },
+  }));
+
 export const workflowBoundary = {
   files: ['workflows/**/*.ts', 'test/lint-fixtures/workflows/**/*.ts'],
   rules: {
@@ -28,6 +65,7 @@ export const workflowBoundary = {
             allowTypeImports: true,
             message: 'Workflows import activities as types only: `import type * as activities from ...`.',
           },
+          ...roomPatterns('workflows'),
         ],
       },
     ],
@@ -40,7 +78,7 @@ export default tseslint.config(
   ...tseslint.configs.recommendedTypeChecked,
   {
     languageOptions: {
-      parserOptions: { projectService: { allowDefaultProject: ['*.mjs', '*.js', 'bin/*.js', 'test/lint-fixtures/*.ts', 'test/lint-fixtures/workflows/*.ts'] }, tsconfigRootDir: import.meta.dirname },
+      parserOptions: { projectService: { allowDefaultProject: ['*.mjs', '*.js', 'bin/*.js'] }, tsconfigRootDir: import.meta.dirname },
     },
     rules: {
       '@typescript-eslint/no-floating-promises': 'error',
@@ -59,4 +97,5 @@ export default tseslint.config(
     rules: { '@typescript-eslint/no-require-imports': 'off' },
   },
   workflowBoundary,
+  ...roomBoundaries,
 );

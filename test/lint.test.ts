@@ -1,5 +1,5 @@
 /**
- * The workflow import boundary and no-floating-promises are lint errors: run the project's real
+ * The workflow import boundary, the room boundaries and no-floating-promises are lint errors: run the project's real
  * ESLint configuration over fixtures that break (and keep) the rules.
  */
 import { execFile } from 'node:child_process';
@@ -17,8 +17,14 @@ const fixtures = [
   'workflows/imports-activity-value.ts',
   'workflows/allowed.ts',
   'floating-promise.ts',
+  'rooms/gateway/imports-workers.ts',
+  'rooms/gateway/allowed.ts',
+  'rooms/shared/imports-platform.ts',
+  'rooms/dataplane/imports-gateway.ts',
+  'rooms/activities/imports-test.ts',
 ];
 let results: Map<string, LintMessage[]>;
+let rooms: Record<string, string[]>;
 
 // One ESLint run over every fixture (typed linting has a start-up cost of several seconds).
 beforeAll(async () => {
@@ -34,6 +40,7 @@ beforeAll(async () => {
   const parsed = JSON.parse(out) as { filePath: string; messages: LintMessage[] }[];
   results = new Map(parsed.map((r) => [r.filePath.slice(join(root, 'test', 'lint-fixtures').length + 1), r.messages]));
   expect([...results.keys()].sort()).toEqual([...fixtures].sort());
+  rooms = ((await import(join(root, 'eslint.config.mjs'))) as { ROOMS_ABOVE: Record<string, string[]> }).ROOMS_ABOVE;
 }, 120_000);
 
 const lint = (fixture: string): LintMessage[] => results.get(fixture) ?? [];
@@ -58,4 +65,31 @@ test('workflow code using the SDK and type-only activity imports passes lint', (
 
 test('a floating promise is a lint error', () => {
   expect(lint('floating-promise.ts').map((m) => m.ruleId)).toContain('@typescript-eslint/no-floating-promises');
+});
+
+test.each([
+  ['rooms/gateway/imports-workers.ts', /gateway\/ must not import workers\//],
+  ['rooms/shared/imports-platform.ts', /shared\/ must not import platform\//],
+  ['rooms/dataplane/imports-gateway.ts', /dataplane\/ must not import gateway\//],
+  ['rooms/activities/imports-test.ts', /Product code must not import test\//],
+])('a room importing a room above it (%s) fails lint', (fixture, why) => {
+  const hit = lint(fixture).find((m) => m.ruleId === boundary);
+  expect(hit).toBeDefined();
+  expect(hit?.message).toMatch(why);
+});
+
+test('a room importing the rooms below it passes lint', () => {
+  expect(lint('rooms/gateway/allowed.ts')).toEqual([]);
+});
+
+test('every top-level folder of product code is a room with its boundary', () => {
+  const { readdirSync, existsSync } = jest.requireActual<typeof import('node:fs')>('node:fs');
+  const notRooms = new Set(['test', 'bench', 'scripts', 'node_modules', 'dist', 'bin', 'crds', 'charts', 'images', 'coverage', 'test-results']);
+  const withTs = readdirSync(root, { withFileTypes: true })
+    .filter((d) => d.isDirectory() && !d.name.startsWith('.') && !notRooms.has(d.name))
+    .filter((d) => readdirSync(join(root, d.name), { recursive: true }).some((f) => String(f).endsWith('.ts')))
+    .map((d) => d.name)
+    .sort();
+  expect(existsSync(join(root, 'eslint.config.mjs'))).toBe(true);
+  expect(withTs).toEqual(Object.keys(rooms).sort());
 });
