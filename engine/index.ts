@@ -3,7 +3,7 @@
  * a bridge serves either the same way. See README.md for the contract; `magus engine` is
  * workers/engine.ts.
  */
-export { ENGINE_USAGE, ENGINE_USAGE_ERROR, parseEngineArgs, type EngineOptions } from './options';
+export { ENGINE_USAGE, parseEngineArgs, type EngineOptions } from './options';
 export { startEngine, type LoadedEngine, type RunningEngine } from './server';
 export { createEngineHttp, engineApi, COMPLETIONS_URL, type EngineApiOptions } from './app';
 export { EngineCore, type EngineStatus } from './core';

@@ -5,6 +5,7 @@
 import { availableParallelism } from 'node:os';
 import { basename } from 'node:path';
 import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT } from '../shared/engine-slots';
+import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--queue 16]',
@@ -33,25 +34,19 @@ export interface EngineOptions {
   json: boolean;
 }
 
-export const ENGINE_USAGE_ERROR = 'EngineUsageError';
-
-export class EngineUsageError extends Error {
-  override readonly name = ENGINE_USAGE_ERROR;
-}
-
 const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
 type ValueFlag = (typeof VALUE_FLAGS)[number];
 
 function integer(flag: string, text: string | undefined, fallback: number, min: number, max: number): number {
   if (text === undefined) return fallback;
   const n = Number(text);
-  if (!/^\d+$/.test(text) || !Number.isSafeInteger(n) || n < min || n > max) throw new EngineUsageError(`${flag} must be a whole number from ${min} to ${max}, got '${text}'`);
+  if (!/^\d+$/.test(text) || !Number.isSafeInteger(n) || n < min || n > max) throw new UsageError(`${flag} must be a whole number from ${min} to ${max}, got '${text}'`);
   return n;
 }
 
 /**
  * Parses `magus engine` arguments (`--flag value` or `--flag=value`).
- * @throws EngineUsageError with a message for the user
+ * @throws UsageError (platform/cli.ts) with a message for the user
  */
 export function parseEngineArgs(args: readonly string[]): EngineOptions {
   const values: Partial<Record<ValueFlag, string>> = {};
@@ -64,13 +59,13 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     }
     const eq = arg.indexOf('=');
     const flag = eq >= 0 ? arg.slice(0, eq) : arg;
-    if (!(VALUE_FLAGS as readonly string[]).includes(flag)) throw new EngineUsageError(arg.startsWith('-') ? `unknown option ${flag}` : `unexpected argument ${arg}`);
+    if (!(VALUE_FLAGS as readonly string[]).includes(flag)) throw new UsageError(arg.startsWith('-') ? `unknown option ${flag}` : `unexpected argument ${arg}`);
     const value = eq >= 0 ? arg.slice(eq + 1) : args[++i];
-    if (value === undefined || value === '') throw new EngineUsageError(`${flag} needs a value`);
+    if (value === undefined || value === '') throw new UsageError(`${flag} needs a value`);
     values[flag as ValueFlag] = value;
   }
   const model = values['--model'];
-  if (!model) throw new EngineUsageError('--model <file.gguf> is required');
+  if (!model) throw new UsageError('--model <file.gguf> is required');
   return {
     model,
     host: values['--host'] ?? '127.0.0.1',

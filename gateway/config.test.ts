@@ -25,6 +25,23 @@ it('has working defaults once a secret is given', () => {
   expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'magus-gateway-7d9f8-x2x7q' }).replicaId).toBe('magus-gateway-7d9f8-x2x7q');
 });
 
+it('reads the Temporal settings and the instance memory, and none of the worker’s own variables', () => {
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET })).toMatchObject({ temporal: { address: '127.0.0.1:7233', namespace: 'default', taskQueue: 'magus-control' } });
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).instanceMemory).toBeUndefined();
+  const c = loadGatewayConfig({
+    MAGUS_GATEWAY_SECRET: SECRET,
+    MAGUS_TEMPORAL_ADDRESS: 'temporal.magus:7233',
+    MAGUS_TEMPORAL_NAMESPACE: 'magus',
+    MAGUS_TASK_QUEUE: 'prod-control',
+    MAGUS_INSTANCE_MEMORY: '12Gi',
+    // The worker's S3 settings: a gateway never reads them.
+    MAGUS_S3_BUCKET: 'Not_A_Bucket',
+  });
+  expect(c).toMatchObject({ temporal: { address: 'temporal.magus:7233', namespace: 'magus', taskQueue: 'prod-control' }, instanceMemory: 12 * 2 ** 30 });
+  // A bad one is one more line of the one error.
+  expect(() => loadGatewayConfig({ MAGUS_TEMPORAL_ADDRESS: 'http://temporal:7233' })).toThrow(/^invalid gateway configuration:\n {2}MAGUS_TEMPORAL_ADDRESS=http:\/\/temporal:7233 is not host:port\n {2}MAGUS_GATEWAY_SECRET .* is required/);
+});
+
 it('takes --host/--port over the environment', () => {
   const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_PORT: '9000' }, { port: '0', host: '127.0.0.1' });
   expect([c.host, c.port]).toEqual(['127.0.0.1', 0]);
@@ -36,6 +53,8 @@ it.each([
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_PORT: 'http' }, 'MAGUS_GATEWAY_PORT (--port)=http must be a whole number'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_ALLOW_ANONYMOUS: 'maybe' }, 'MAGUS_GATEWAY_ALLOW_ANONYMOUS=maybe must be true or false'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_NATS_URL: 'http://x:4222' }, 'MAGUS_NATS_URL=http://x:4222 is not a list of nats:// URLs'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_TEMPORAL_ADDRESS: 'temporal' }, 'MAGUS_TEMPORAL_ADDRESS=temporal is not host:port'],
+  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_INSTANCE_MEMORY: 'lots' }, 'MAGUS_INSTANCE_MEMORY=lots must be bytes or a quantity'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSIONS_BUCKET: 'a.b' }, 'MAGUS_SESSIONS_BUCKET=a.b is not a KV bucket name'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_GAP_TIMEOUT_MS: '5000', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1000' }, 'MAGUS_GATEWAY_GAP_TIMEOUT_MS (5000) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (1000)'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS: '60000' }, 'MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (60000) must be 0 or above'],
@@ -104,6 +123,7 @@ describe('gatewayCommand', () => {
     expect(await gatewayCommand(['--help'])).toBe(0);
     expect(written(stdout)).toContain('MAGUS_GATEWAY_SECRET');
     expect(written(stdout)).toContain('MAGUS_SESSION_TTL_MS');
+    for (const name of ['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_INSTANCE_MEMORY']) expect(written(stdout)).toContain(name);
   });
 
   it('exits 1 naming the problem: unknown flag, bad configuration, unreachable NATS', async () => {

@@ -3,8 +3,9 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
-import { dataPlaneNames, REPLICA_ID } from '../dataplane/data-plane';
+import { dataPlaneNames, REPLICA_ID } from '../dataplane';
 import { readFileSync } from 'node:fs';
+import { checkNatsServerList, instanceMemoryFrom, temporalSettings, type TemporalSettings } from '../platform/config';
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './plugins/responses';
 import { MAX_PENDING_SESSION_STARTS } from './plugins/sessions';
@@ -14,6 +15,10 @@ export interface GatewayConfig {
   host: string;
   port: number;
   natsServers: string;
+  /** Where cold turns start (or join) session workflows: `MAGUS_TEMPORAL_ADDRESS`, `_NAMESPACE`, `MAGUS_TASK_QUEUE`, as for the worker. */
+  temporal: TemporalSettings;
+  /** `MAGUS_INSTANCE_MEMORY`: sizes the leases per instance of the pools it starts; must be the workers' (platform/config.ts). Unset: 8 GiB. */
+  instanceMemory?: number;
   /** Prepended to response subjects (`<scope>.magus.res.<replica>.<id>`) of a scoped data plane; '' = none. */
   subjectScope: string;
   /** This process's token in its response subjects (`magus.res.<replica>.<id>`): it receives only its own frames. */
@@ -61,7 +66,7 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
  * last turn. At least 1 min: the gateway renews a session at most every 30 s and takes one within
  * 5 s of its end for ended (plugins/sessions.ts), so a shorter TTL would send warm conversations
  * down the cold path. At most 24 h: the `magus_sessions` bucket's max age
- * (dataplane/data-plane.ts), which would drop the entry of a session still running.
+ * (dataplane/declare.ts), which would drop the entry of a session still running.
  */
 export const SESSION_TTL_MS = { default: 30 * 60_000, min: 60_000, max: 24 * 3_600_000 } as const;
 
@@ -123,7 +128,9 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   const host = str('MAGUS_GATEWAY_HOST (--host)', '0.0.0.0', /^[A-Za-z0-9.:-]+$/, 'is not a host name or address', args.host ?? raw('MAGUS_GATEWAY_HOST'));
   const port = int('MAGUS_GATEWAY_PORT (--port)', 8080, 0, 65535, args.port ?? raw('MAGUS_GATEWAY_PORT'));
   const natsServers = raw('MAGUS_NATS_URL') ?? 'nats://127.0.0.1:4222';
-  if (!natsServers.split(',').every((u) => /^(nats|tls):\/\/[^\s/]+$/.test(u.trim()))) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
+  checkNatsServerList('MAGUS_NATS_URL', natsServers, problems);
+  const temporal = temporalSettings(env, problems);
+  const instanceMemory = instanceMemoryFrom(env, problems);
   // One prefix names the whole data plane, as for the worker (workers/config.ts); the
   // per-bucket variables override single names.
   const prefix = str('MAGUS_NATS_PREFIX', '', /^[A-Za-z0-9_-]*$/, "may hold only letters, digits, '_' and '-'");
@@ -207,6 +214,8 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     host,
     port,
     natsServers,
+    temporal,
+    ...(instanceMemory !== undefined ? { instanceMemory } : {}),
     subjectScope,
     replicaId: str('MAGUS_GATEWAY_REPLICA_ID', newReplicaId(), REPLICA_ID, "is not a subject token (letters, digits, '_' and '-', at most 64)"),
     responseStream: names.responseStream,
@@ -229,6 +238,9 @@ export const GATEWAY_USAGE = `usage: magus gateway [--host H] [--port P]
 
 environment:
   MAGUS_NATS_URL                       nats://127.0.0.1:4222
+  MAGUS_TEMPORAL_ADDRESS               127.0.0.1:7233 (cold turns start session workflows there; warm turns never need it)
+  MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE   default, magus-control (as for the workers)
+  MAGUS_INSTANCE_MEMORY                8Gi (the memory of one instance, which sizes a pool's leases: the workers' value)
   MAGUS_GATEWAY_SECRET[_FILE]          HMAC key of conversation keys (required, ≥ 32 chars, same on every replica)
   MAGUS_GATEWAY_HOST, _PORT            0.0.0.0, 8080
   MAGUS_GATEWAY_ALLOW_ANONYMOUS        false; true serves requests without Authorization

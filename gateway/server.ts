@@ -4,12 +4,11 @@
  * gracefully (stop accepting, let in-flight requests finish within the grace period, drain NATS).
  */
 import { Client, Connection } from '@temporalio/client';
-import { loadConfig } from '../workers/config';
 import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../dataplane/registry';
-import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane/data-plane';
+import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
@@ -23,6 +22,7 @@ import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
 import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
+import { natsServerList } from '../platform/config';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {
@@ -160,7 +160,7 @@ const MAX_HELD_CANCELS = 10_000;
 export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
   const app = createServer(config, deps.logStream);
   const log = app.log;
-  const nc = deps.nc ?? (await connect({ servers: config.natsServers.split(',').map((s) => s.trim()), name: 'magus-gateway', maxReconnectAttempts: -1, noAsyncTraces: true }));
+  const nc = deps.nc ?? (await connect({ servers: natsServerList(config.natsServers), name: 'magus-gateway', maxReconnectAttempts: -1, noAsyncTraces: true }));
   const closers: (() => Promise<void>)[] = [];
   try {
     let natsUp = true;
@@ -384,14 +384,13 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   try {
     // Cold turns start (or join) the conversation's session workflow; warm turns never do. The
     // connection is lazy: the gateway starts, and serves warm turns, with Temporal away.
-    const cfg = loadConfig();
-    temporalConnection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
-    const address = cfg.temporal.address;
+    const { address, namespace, taskQueue } = config.temporal;
+    temporalConnection = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
     temporal = watchTemporal(temporalConnection, {
       onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
     });
-    const client = new Client({ connection: temporalConnection, namespace: cfg.temporal.namespace });
-    const { close, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: poolDefaults(cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
+    const client = new Client({ connection: temporalConnection, namespace });
+    const { close, ...sessions } = temporalSessions({ client, taskQueue, pool: poolDefaults(config.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
     closeSessions = close;
     gateway = await startGateway(config, { ...sessions, temporal });
   } catch (err) {

@@ -7,12 +7,11 @@ import { isConvertError } from '../activities/convert/errors';
 import type { OutputFormat } from '../activities/convert/arch';
 import type { WeightsFormat } from '../activities/convert/types';
 import { formatBytes, TerminalProgress } from './progress';
+import { usageFailure, UsageError } from '../platform/cli';
 
 export const CONVERT_USAGE = 'usage: magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]';
 
 const GGUF_TYPE_NAME: Record<WeightsFormat, string> = { q40: 'Q4_0', q80: 'Q8_0', f16: 'F16', f32: 'F32' };
-
-class UsageError extends Error {}
 
 function parseArgs(args: string[]): { dir: string; format: OutputFormat; weights: WeightsFormat; output?: string; threads?: number } {
   let dir: string | undefined;
@@ -49,9 +48,7 @@ export async function convertCommand(args: string[]): Promise<number> {
   try {
     parsed = parseArgs(args);
   } catch (err) {
-    if (!(err instanceof UsageError)) throw err;
-    process.stderr.write(`magus convert: ${err.message}\n${CONVERT_USAGE}\n`);
-    return 1;
+    return usageFailure('magus convert', CONVERT_USAGE, err);
   }
   const dir = resolve(parsed.dir);
   const name = basename(dir);

@@ -2,7 +2,8 @@
  * `magus engine`: runs the llama.cpp engine (engine/) until SIGTERM or SIGINT.
  */
 import { access, constants } from 'node:fs/promises';
-import { ENGINE_USAGE, ENGINE_USAGE_ERROR, parseEngineArgs, startEngine, type EngineOptions, type RunningEngine } from '../engine';
+import { ENGINE_USAGE, parseEngineArgs, startEngine, type EngineOptions, type RunningEngine } from '../engine';
+import { usageFailure } from '../platform/cli';
 
 export { ENGINE_USAGE } from '../engine';
 
@@ -19,9 +20,7 @@ export async function engineCommand(args: string[]): Promise<number> {
   try {
     opts = parseEngineArgs(args);
   } catch (err) {
-    if (!(err instanceof Error) || err.name !== ENGINE_USAGE_ERROR) throw err;
-    process.stderr.write(`magus engine: ${err.message}\n${ENGINE_USAGE}\n`);
-    return 1;
+    return usageFailure('magus engine', ENGINE_USAGE, err);
   }
   const log = (line: string): void => {
     process.stderr.write(`magus engine: ${line}\n`);

@@ -16,6 +16,7 @@ import { modelWorkflowId, progressQuery, specChangedSignal, type PipelineProgres
 import type { modelPipeline } from '../workflows/model/pipeline';
 import { loadConfig, readDevConnection, useDevConnection, type DevConnectionUse } from './config';
 import { TerminalProgress, type ProgressState } from './progress';
+import { usageFailure, UsageError } from '../platform/cli';
 
 export const PULL_USAGE = [
   'usage: magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40…] [--hub URL] [--name NAME] [--namespace NS] [--token-env VAR | --token-file PATH] [--context N] [--detach]',
@@ -28,8 +29,6 @@ export const PULL_USAGE = [
   'default ~/.local/share/magus/dev), else 127.0.0.1:7233. Without --hub, the repos of magus dev\'s demo hub come',
   'from it; others from huggingface.co.',
 ].join('\n');
-
-class UsageError extends Error {}
 
 export interface PullArgs {
   spec: ModelSpec;
@@ -212,9 +211,7 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
   try {
     parsed = parsePullArgs(args, dev);
   } catch (err) {
-    if (!(err instanceof UsageError)) throw err;
-    process.stderr.write(`magus model pull: ${err.message}\n${PULL_USAGE}\n`);
-    return 1;
+    return usageFailure('magus model pull', PULL_USAGE, err);
   }
   const cfg = loadConfig(env);
   if (dev && dev.taken.length > 0) process.stderr.write(`magus model pull: using the running magus dev (pid ${dev.connection.pid}; ${dev.file})\n`);

@@ -7,6 +7,7 @@
 import { existsSync, readdirSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { writeTinyModel, type TinyModelOptions } from './dev/tiny-model';
+import { usageFailure, UsageError } from '../platform/cli';
 
 export const TINY_USAGE = [
   'usage: magus model tiny <dir> [--seed N] [--arch llama|qwen3] [--dtype F16|F32|BF16]',
@@ -14,8 +15,6 @@ export const TINY_USAGE = [
   'Writes a tiny synthetic model (Hugging Face layout: config.json, model.safetensors, tokenizer.json …) into',
   '<dir>, a new or empty folder; the same seed gives the same bytes. Its weights are random: expect gibberish.',
 ].join('\n');
-
-class UsageError extends Error {}
 
 /** The folder and generator options of a `magus model tiny` command line. */
 export function parseTinyArgs(args: string[]): { dir: string; options: TinyModelOptions } {
@@ -55,9 +54,7 @@ export async function modelTinyCommand(args: string[]): Promise<number> {
     // Never mixes its files into someone's folder.
     if (existsSync(parsed.dir) && readdirSync(parsed.dir).length > 0) throw new UsageError(`${parsed.dir} is not empty`);
   } catch (err) {
-    if (!(err instanceof UsageError)) throw err;
-    process.stderr.write(`magus model tiny: ${err.message}\n${TINY_USAGE}\n`);
-    return 1;
+    return usageFailure('magus model tiny', TINY_USAGE, err);
   }
   const model = await writeTinyModel(parsed.dir, parsed.options);
   process.stdout.write(`${parsed.dir}  ${model.tensors.length} tensors, ${model.totalSize} bytes of weights\n`);

@@ -23,9 +23,8 @@
  * `<logDir>/<component>.log`, and runs under `setpriv --pdeathsig KILL`, so it dies with the process
  * that started it however that one dies. Every wait is bounded by `readyTimeoutSec`.
  *
- * The process helpers below (launch, bounded readiness, "address already in use" → start again on
- * new ports) are a small copy of services.ts's, which is being reworked; merge them once it settles.
- * kube-controller-manager and kube-scheduler print `"command failed" err="failed to create
+ * The process helpers (launch, bounded readiness, "address already in use" → start again on new
+ * ports) are services.ts's. kube-controller-manager and kube-scheduler print `"command failed" err="failed to create
  * listener: failed to listen on 127.0.0.1:N: … bind: address already in use"` and exit 1 when
  * their port is taken; kwok logs `Failed to run server … address already in use` and exits 1.
  *
@@ -42,7 +41,7 @@ import { mkdirSync, readdirSync, writeFileSync } from 'node:fs';
 import { request as httpsRequest } from 'node:https';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { alive, end, freePort, launch, REPO_ROOT, within, type Proc as ServerProc } from './services';
+import { alive, end, freePort, launch, NotReady, REPO_ROOT, waitReady, within, type Proc as ServerProc } from './services';
 
 type Proc = ServerProc<ClusterComponent>;
 
@@ -88,8 +87,6 @@ export interface ClusterComponents {
 }
 
 const execFileP = promisify(execFile);
-/** A wait that never keeps the process alive by itself (stop() races it against exits). */
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms).unref());
 
 /** Binaries of the components and kwok's Stage folder, from `scripts/dev-services` (builds them if missing). */
 async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stages', string>> {
@@ -109,35 +106,6 @@ async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stag
     return v;
   };
   return { 'kube-controller-manager': need('kube-controller-manager'), 'kube-scheduler': need('kube-scheduler'), kwok: need('kwok'), 'kwok-stages': need('kwok-stages') };
-}
-
-const ADDRESS_IN_USE = /address already in use/i;
-
-class NotReady extends Error {
-  constructor(
-    message: string,
-    readonly portTaken: boolean,
-  ) {
-    super(message);
-  }
-}
-
-/** Polls `probe` every 200 ms until it holds, the process exits or says a port is taken, or `timeoutSec` passes. */
-async function waitReady(p: Proc, timeoutSec: number, what: string, probe: () => Promise<boolean>): Promise<void> {
-  const deadline = Date.now() + timeoutSec * 1000;
-  while (Date.now() < deadline && alive(p) && !ADDRESS_IN_USE.test(p.output())) {
-    try {
-      if ((await probe()) && alive(p)) return;
-    } catch {
-      // not up yet
-    }
-    await sleep(200);
-  }
-  if (!alive(p)) await within(p.closed, 1000);
-  const taken = ADDRESS_IN_USE.test(p.output());
-  const why = !alive(p) ? ' (it exited)' : taken ? ' (a port of its is taken)' : ` within ${timeoutSec}s`;
-  const tail = p.output().split('\n').slice(-25).join('\n');
-  throw new NotReady(`${p.name}: ${what} did not happen${why}; log tail:\n${tail}`, taken);
 }
 
 /** GET over HTTPS without verifying the (self-signed) certificate; the status code, 0 when unreachable. */
@@ -273,12 +241,12 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
       const p = launch(name, bins[name], args(port), logDir, {}, `attempt ${attempt}, port ${port}`);
       procs.push(p);
       try {
-        await waitReady(p, timeout, what, ready(port));
+        await waitReady(p, timeout, ready(port), what);
         return { ms: Date.now() - begun, port };
       } catch (err) {
         await end(p, 0);
         procs.splice(procs.indexOf(p), 1);
-        if (!(err instanceof NotReady) || !err.portTaken || attempt >= 3) throw err;
+        if (!(err instanceof NotReady) || err.inUse === undefined || attempt >= 3) throw err;
         say(`${name}: port ${port} was taken by another process before it could bind it; starting it again on a new port`);
       }
     }
@@ -342,13 +310,14 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
     }
     const kwok = procs.find((p) => p.name === 'kwok');
     if (!kwok) throw new Error('kwok is not running');
-    await waitReady(kwok, timeout, `Nodes ${nodeNames.join(', ')} becoming Ready and untainted`, async () => {
+    const nodesReady = async () => {
       for (const name of nodeNames) {
         const res = await api('GET', `/api/v1/nodes/${name}`);
         if (res.status !== 200 || !schedulable(res.body as NodeLike)) return false;
       }
       return true;
-    });
+    };
+    await waitReady(kwok, timeout, nodesReady, `Nodes ${nodeNames.join(', ')} becoming Ready and untainted`);
     const startMs = { 'kube-controller-manager': kcm.ms, 'kube-scheduler': scheduler.ms, kwok: kwokStart.ms + (Date.now() - begun) };
     const ports = { 'kube-controller-manager': kcm.port, 'kube-scheduler': scheduler.port, kwok: kwokStart.port };
     say(`ready: kube-controller-manager in ${kcm.ms} ms, kube-scheduler in ${scheduler.ms} ms, kwok (with ${nodeCount} Ready Nodes) in ${startMs.kwok} ms`);

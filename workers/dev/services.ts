@@ -346,8 +346,8 @@ export function launch<N extends string>(name: N, bin: string, args: string[], l
   return { name, child, exited, closed, output: () => recent };
 }
 
-/** A server that did not become ready; `inUse` is its "address already in use" line, if it printed one. */
-class NotReady extends Error {
+/** A process that did not become ready; `inUse` is its "address already in use" line, if it printed one. */
+export class NotReady extends Error {
   constructor(
     message: string,
     readonly inUse: string | undefined,
@@ -358,9 +358,10 @@ class NotReady extends Error {
 
 /**
  * Polls `probe` until it resolves true; fails early if the process exits or says a port of its is
- * taken (Temporal's UI, for one, only logs that and runs on without it).
+ * taken (Temporal's UI, for one, only logs that and runs on without it). `what` names what is
+ * awaited in the error when it is more than the process becoming ready (kwok's Nodes, cluster.ts).
  */
-async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boolean>): Promise<void> {
+export async function waitReady(p: Proc<string>, timeoutSec: number, probe: () => Promise<boolean>, what?: string): Promise<void> {
   const deadline = Date.now() + timeoutSec * 1000;
   let exited = false;
   void p.exited.then(() => (exited = true));
@@ -378,7 +379,7 @@ async function waitReady(p: Proc, timeoutSec: number, probe: () => Promise<boole
   const inUse = addressInUse(output);
   const tail = output.split('\n').slice(-25).join('\n');
   const why = exited ? ' (it exited)' : inUse ? ' (a port of its is taken)' : ` within ${timeoutSec}s`;
-  throw new NotReady(`${p.name} did not become ready${why}; log tail:\n${tail}`, inUse);
+  throw new NotReady(`${p.name}${what === undefined ? ' did not become ready' : `: ${what} did not happen`}${why}; log tail:\n${tail}`, inUse);
 }
 
 /** SIGTERM, then SIGKILL after `graceMs` (at once when 0); resolves when it has exited. */
