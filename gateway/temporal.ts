@@ -19,6 +19,7 @@ import { demandSignal, ensurePoolSignal, poolWorkflowId, type PoolInput } from '
 import type { dllamaPool } from '../workflows/pool/pool';
 import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
+import { SessionError, SessionErrorType, sessionErrorOfFailure } from './plugins/errors';
 import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
 import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../platform/temporal-health';
 
@@ -35,18 +36,6 @@ export interface TemporalSessionOptions {
   sessionTtlMs: number;
   /** This gateway replica's id: its demand is counted apart from other replicas' (default: one of its own). */
   replica?: string;
-}
-
-/** The error types the gateway maps to HTTP statuses (plugins/errors.ts). */
-class BrokerError extends Error {
-  constructor(
-    readonly type: 'NoCapacity' | 'BacklogFull' | 'Unavailable',
-    message: string,
-    /** Unset: the gateway's configured Retry-After applies. */
-    readonly retryAfterSec?: number,
-  ) {
-    super(message);
-  }
 }
 
 /**
@@ -69,9 +58,9 @@ export async function underOwnSignal<T>(client: Pick<Client, 'withAbortSignal'>,
 }
 
 /** `err` as the gateway's 503 `unavailable` when it says Temporal could not be reached (the original as `cause`, for the log). */
-function unreachable(err: unknown): BrokerError | undefined {
+function unreachable(err: unknown): SessionError | undefined {
   if (!isTemporalUnreachable(err)) return undefined;
-  const e = new BrokerError('Unavailable', 'Temporal is unreachable');
+  const e = new SessionError(SessionErrorType.Unavailable, 'Temporal is unreachable');
   e.cause = err;
   return e;
 }
@@ -88,7 +77,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
   setMaxListeners(0, stopping.signal);
   const inflight = new Set<Promise<unknown>>();
   const tracked = <A extends unknown[], T>(call: (...args: A) => Promise<T>) => (...args: A): Promise<T> => {
-    if (stopping.signal.aborted) return Promise.reject(new BrokerError('Unavailable', 'the gateway is stopping'));
+    if (stopping.signal.aborted) return Promise.reject(new SessionError(SessionErrorType.Unavailable, 'the gateway is stopping'));
     const p = call(...args);
     inflight.add(p);
     const forget = () => void inflight.delete(p);
@@ -143,7 +132,8 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
         void tracked(() => unlessStopping(() => client.workflow.getHandle(workflowId).signal(withdrawSignal, { updateId })))().catch(() => undefined);
       }
       const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
-      if (cause instanceof ApplicationFailure && cause.type === 'NoCapacity') throw new BrokerError('NoCapacity', cause.message);
+      const refused = cause instanceof ApplicationFailure ? sessionErrorOfFailure(cause) : undefined;
+      if (refused) throw refused;
       throw (!req.signal.aborted && unreachable(err)) || err;
     }
   });

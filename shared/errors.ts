@@ -29,3 +29,65 @@ export const PERMANENT_ERROR_TYPES: readonly string[] = Object.values(ErrorType)
  * (its uid differs): never retried; the workflow writes again when a resource comes back.
  */
 export const RESOURCE_GONE = 'ResourceGone';
+
+/**
+ * Failure types of serving: the `ApplicationFailure.type` a session's `acquire` fails with, and
+ * the `type` of the gateway's session errors, which it answers by (gateway/plugins/errors.ts).
+ * Recorded in the serving workflows' histories: a value never changes. Kept apart from
+ * {@link ErrorType}, whose every value the pipeline's retry policy lists as non-retryable.
+ */
+export const ServingErrorType = {
+  /** No instance of the model was leased within the acquire's wait, or none can be started (the pool's reason follows): 503 `no_capacity`. */
+  NoCapacity: 'NoCapacity',
+  /** The acquire's caller went away (the gateway's `withdraw`) before a lease was granted: nobody waits for the answer. */
+  Withdrawn: 'Withdrawn',
+  /** The instance's request backlog is full: 429 with `Retry-After`. */
+  BacklogFull: 'BacklogFull',
+  /** What a first turn needs cannot be reached (Temporal, or a gateway that is stopping): 503 `unavailable`. */
+  Unavailable: 'Unavailable',
+} as const;
+export type ServingErrorType = (typeof ServingErrorType)[keyof typeof ServingErrorType];
+
+/**
+ * Why a runtime could not start an instance: the `Error.name` it throws ({@link runtimeError}),
+ * which `createInstance` keeps as the failure type of the permanent ones ({@link PERMANENT_RUNTIME_ERRORS}).
+ */
+export const RuntimeErrorType = {
+  /** The model is not in the registry (not published yet, or deleted). */
+  ModelNotReady: 'ModelNotReady',
+  /** The model has no artifact this runtime can run (no GGUF for llama.cpp, no distributed-llama one). */
+  NoArtifact: 'NoArtifact',
+  /** The instance was destroyed while it started: a retry must not bring it back. */
+  InstanceDestroyed: 'InstanceDestroyed',
+  /** A pod of the instance stayed unschedulable past the runtime's limit (Kubernetes; the scheduler's reason follows). */
+  Unschedulable: 'Unschedulable',
+  /** No topology of the model fits the cluster's nodes (Kubernetes): nothing was created. */
+  NoFit: 'NoFit',
+  /** A pod of the instance failed while it started (Kubernetes). */
+  InstanceFailed: 'InstanceFailed',
+  /** Not every pod was ready within the runtime's start timeout (Kubernetes). */
+  StartTimedOut: 'StartTimedOut',
+  /** The runtime (its worker) stopped while the instance started. */
+  RuntimeStopped: 'RuntimeStopped',
+} as const;
+export type RuntimeErrorType = (typeof RuntimeErrorType)[keyof typeof RuntimeErrorType];
+
+/**
+ * Runtime errors that no retry of the same start can fix, or that a retry must not undo
+ * (`InstanceDestroyed`): `createInstance` fails at once, non-retryable and typed by the name, and
+ * the pool backs off before its next start (for `Unschedulable` and `NoFit` as well).
+ */
+export const PERMANENT_RUNTIME_ERRORS: readonly string[] = [
+  RuntimeErrorType.ModelNotReady,
+  RuntimeErrorType.NoArtifact,
+  RuntimeErrorType.InstanceDestroyed,
+  RuntimeErrorType.Unschedulable,
+  RuntimeErrorType.NoFit,
+];
+
+/**
+ * The error a runtime's start fails with: a plain `Error` named by its type. Not a subclass:
+ * Temporal types a thrown error by its class name first, so a retryable one (`InstanceFailed`)
+ * keeps the failure type `Error` it is recorded with.
+ */
+export const runtimeError = (name: RuntimeErrorType, message: string): Error & { name: RuntimeErrorType } => Object.assign(new Error(message), { name });

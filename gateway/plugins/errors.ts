@@ -6,6 +6,7 @@
 import { STATUS_CODES } from 'node:http';
 import type { Socket } from 'node:net';
 import type { FastifyError, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { ServingErrorType } from '../../shared/errors';
 import { servicePlugin } from './plugin';
 
 /** The body of every error response. */
@@ -40,21 +41,24 @@ export class GatewayError extends Error {
 }
 
 /**
- * Error types a {@link SessionBroker} (sessions.ts) raises, as `error.type` (or `error.cause.type`,
- * so a Temporal `ApplicationFailure` wrapped in an update failure maps too). Matched by value,
- * never by class, so the broker may live in another module or process.
+ * The serving failures ({@link ServingErrorType}, shared/errors.ts) a {@link SessionBroker}
+ * (sessions.ts) raises, as `error.type` (or `error.cause.type`, so a Temporal `ApplicationFailure`
+ * wrapped in an update failure maps too), each answered as {@link sessionAnswers} says. Matched by
+ * value, never by class, so the broker may live in another module or process.
  */
 export const SessionErrorType = {
   /** The model's request backlog is full: 429 with `Retry-After`. */
-  BacklogFull: 'BacklogFull',
+  BacklogFull: ServingErrorType.BacklogFull,
   /** No instance of the model can be started (capacity, placement): 503. */
-  NoCapacity: 'NoCapacity',
+  NoCapacity: ServingErrorType.NoCapacity,
   /** What the turn needs cannot be reached (Temporal, for a first turn the published view cannot serve): 503 `unavailable`. */
-  Unavailable: 'Unavailable',
+  Unavailable: ServingErrorType.Unavailable,
 } as const;
 export type SessionErrorType = (typeof SessionErrorType)[keyof typeof SessionErrorType];
+const ERROR_TYPES = new Set<unknown>(Object.values(SessionErrorType));
+const isSessionErrorType = (type: unknown): type is SessionErrorType => ERROR_TYPES.has(type);
 
-/** What a broker throws; `retryAfterSec` becomes the `Retry-After` header. */
+/** What a broker throws; `retryAfterSec` becomes the `Retry-After` header (unset: the gateway's configured one). */
 export class SessionError extends Error {
   override readonly name = 'SessionError';
   constructor(
@@ -64,6 +68,15 @@ export class SessionError extends Error {
   ) {
     super(message);
   }
+}
+
+/**
+ * A serving workflow's failure (a session's `acquire` refused `NoCapacity`) as the
+ * {@link SessionError} the gateway answers it with; undefined for a failure of any other type
+ * (`Withdrawn`: nobody waits for its answer).
+ */
+export function sessionErrorOfFailure(failure: { type?: string | null; message: string }): SessionError | undefined {
+  return isSessionErrorType(failure.type) ? new SessionError(failure.type, failure.message) : undefined;
 }
 
 /** The `Retry-After` header of an answer that asks the client to come back: whole seconds, at least 1. */
@@ -90,7 +103,12 @@ export const errors = {
   upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),
 };
 
-const ERROR_TYPES = new Set<string>(Object.values(SessionErrorType));
+/** How each serving failure is answered, given the `Retry-After` seconds. */
+const sessionAnswers: Readonly<Record<SessionErrorType, (retryAfterSec: number) => GatewayError>> = {
+  [SessionErrorType.BacklogFull]: (s) => errors.backlogFull(s),
+  [SessionErrorType.NoCapacity]: (s) => errors.noCapacity(s),
+  [SessionErrorType.Unavailable]: (s) => errors.unavailable(s, 'A new conversation cannot be started right now; retry later.'),
+};
 
 /** An error and its causes, outermost first, at most `depth` of them. */
 function* causeChain(err: unknown, depth: number): Generator<unknown> {
@@ -101,7 +119,7 @@ function* causeChain(err: unknown, depth: number): Generator<unknown> {
 export function sessionErrorType(err: unknown): SessionErrorType | undefined {
   for (const e of causeChain(err, 3)) {
     const type = (e as { type?: unknown }).type;
-    if (typeof type === 'string' && ERROR_TYPES.has(type)) return type as SessionErrorType;
+    if (isSessionErrorType(type)) return type;
   }
   return undefined;
 }
@@ -160,7 +178,7 @@ function problemOf(errs: readonly AjvError[]): string {
 
 function validationError(err: FastifyError): GatewayError {
   const errs = (err.validation ?? []) as AjvError[];
-  // A value that asks for an answer magus cannot give (schemas/chat.ts `unsupported`): its own 400,
+  // A value that asks for an answer magus cannot give (shared/chat.ts `unsupported`): its own 400,
   // when that keyword is all its schema refused (not, say, a wrong type as well).
   const schemaOf = (e: AjvError) => `${e.instancePath ?? ''} ${(e.schemaPath ?? '').replace(/\/[^/]*$/, '')}`;
   for (const e of errs) {
@@ -177,9 +195,7 @@ function validationError(err: FastifyError): GatewayError {
 export function toGatewayError(err: unknown, retryAfterSec: number): GatewayError {
   if (err instanceof GatewayError) return err;
   const type = sessionErrorType(err);
-  if (type === SessionErrorType.BacklogFull) return errors.backlogFull(retryAfterOf(err, retryAfterSec));
-  if (type === SessionErrorType.NoCapacity) return errors.noCapacity(retryAfterOf(err, retryAfterSec));
-  if (type === SessionErrorType.Unavailable) return errors.unavailable(retryAfterOf(err, retryAfterSec), 'A new conversation cannot be started right now; retry later.');
+  if (type !== undefined) return sessionAnswers[type](retryAfterOf(err, retryAfterSec));
   const fe = err as Partial<FastifyError>;
   if (Array.isArray(fe.validation)) return validationError(fe as FastifyError);
   const status = typeof fe.statusCode === 'number' ? fe.statusCode : 500;

@@ -18,8 +18,8 @@
  * renewal by a `touch` signal and, near expiry, the injected {@link ColdStart}.
  */
 import type { KvEntry } from 'nats';
-import { isRevisionConflict } from '../../dataplane/data-plane';
-import { SessionError } from './errors';
+import { isRevisionConflict } from '../../dataplane';
+import { SessionError, SessionErrorType } from './errors';
 import type { ReadyModel } from '../../shared/model';
 import { decodePoolEntry, decodeSessionEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 
@@ -448,7 +448,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     const since = now();
     try {
       for (;;) {
-        if (f.reachable && !f.reachable()) throw new SessionError('Unavailable', `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`);
+        if (f.reachable && !f.reachable()) throw new SessionError(SessionErrorType.Unavailable, `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`);
         tellDemand(f, k);
         await sleepFor(ROOM_POLL_MS, signal);
         const i = pick(model);
@@ -458,7 +458,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         // waited (its answer), or when the next start is far off; an older failure is no answer
         // to this turn (its demand may be what the next start is for).
         if (view?.failing && view.instances.length === 0 && ((view.failedAt ?? 0) >= since || (view.nextStartAt ?? Infinity) - now() > START_WAIT_MAX_MS)) {
-          throw new SessionError('NoCapacity', `no instance of ${model.namespace}/${model.name} can be started: ${view.failing}`);
+          throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${model.namespace}/${model.name} can be started: ${view.failing}`);
         }
       }
     } finally {
@@ -482,7 +482,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       const picked = !(entry && !gone(entry));
       if (!entry && pendingSessionStarts >= maxPendingSessionStarts) {
         refusedForPendingStarts++;
-        throw new SessionError('Unavailable', `${pendingSessionStarts} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`);
+        throw new SessionError(SessionErrorType.Unavailable, `${pendingSessionStarts} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`);
       }
       const target = picked ? await room(f, req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
       const rk = loadKey({ namespace: req.model.namespace, pool: req.model.name, instance: target.instance });
@@ -530,7 +530,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         }
       }
     }
-    throw new SessionError('Unavailable', `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
+    throw new SessionError(SessionErrorType.Unavailable, `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
   };
 
   /**

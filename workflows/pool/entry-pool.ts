@@ -32,7 +32,7 @@ import {
   type ActivityOptions,
 } from '@temporalio/workflow';
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
-import type { LoadSummary, ServingActivities } from '../../activities/serving';
+import type { ServingActivities } from '../../activities/serving';
 import { poolQueueFor } from '../../shared/constants';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { visibility } from '../visibility';
@@ -50,7 +50,8 @@ import {
 } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
-import { PoolState, PRESSURE_PENDING, VIEW_REFRESH_MS, type LegacyRequest, type PoolCarryV2, type PoolInstance } from './state';
+import { INSTANCE_LEASES_PATCH, LEGACY_REGRANT_PATCH } from './patches';
+import { PoolState, PRESSURE_PENDING, type LegacyRequest, type PoolCarryV2, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
 const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s' } };
@@ -58,20 +59,6 @@ const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTim
 export const LOAD_REPORT_MIN_MS = 2000;
 /** Old-protocol sessions that would wait longer than this for the next start are refused at once. */
 const START_WAIT_MAX_MS = 30_000;
-/**
- * Old-protocol sessions hold their lease on an instance until the pool grants them another; the
- * first version of this workflow kept no record of which instance each held, so when one was lost
- * (e.g. with the worker of an upgrade) their conversations' turns went to it until their TTL ran
- * out (found by test/protocol-upgrade.int.test.ts). With this patch those sessions are granted
- * another instance, as the old pool did.
- */
-const LEGACY_REGRANT_PATCH = 'pool-legacy-regrant';
-/**
- * Instances are started with the pool's leases per instance (`InstanceRequest.leases`): the local
- * runtime sized a llama.cpp engine's slots from memory (16) whatever a `Dllama` asked for, so a
- * pool of 32 leases put two conversations on each slot, evicting each other's cached prefix.
- */
-const INSTANCE_LEASES_PATCH = 'pool-instance-leases';
 
 export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | undefined, legacyGrants: (LegacyRequest & { instance: string; subject: string })[] = []): Promise<void> {
   const state = new PoolState(input, carry);
@@ -209,7 +196,6 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
   }
 
   // The reconciler: restarted with what it reported, and whenever the serving instances change.
-  let known: LoadSummary | null = carry ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) } : null;
   let reconciling: { ids: string; scope: CancellationScope } | null = null;
   const stopReconciler = (): void => {
     reconciling?.scope.cancel();
@@ -225,12 +211,9 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
     const mine = { ids: key, scope };
     reconciling = mine;
     scope
-      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, maxInstances: input.maxInstances, known, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
+      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, maxInstances: input.maxInstances, known: state.lastLoad, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
       .then(
-        (report) => {
-          known = report;
-          state.loaded(report, now());
-        },
+        (report) => state.loaded(report, now()),
         () => undefined, // cancelled (the instances changed, or the run closes); a failure is retried by the activity's policy
       )
       .finally(() => {
@@ -239,7 +222,6 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
       });
   }
 
-  let published = { shape: '', at: 0 };
   function reconcile(): void {
     // Old-protocol sessions whose instance was lost ask again (the old pool moved them itself).
     if (state.legacyLeases.size > 0 && patched(LEGACY_REGRANT_PATCH)) state.regrantLegacy();
@@ -256,19 +238,13 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
     for (const id of plan.start) start(id);
     for (const i of plan.stop) track(destroy(i).then(() => state.stopped(i.id)));
     reconcileLoad();
-    const view = state.view();
-    const shape = PoolState.shape(view);
-    const refresh = view.instances.length > 0 && now() - published.at >= VIEW_REFRESH_MS;
-    if ((shape !== published.shape || refresh) && !state.writeInFlight) {
-      state.writing(new Set(view.instances.map((v) => v.instance)));
+    const view = state.viewToWrite(now());
+    if (view) {
       track(
         writePool({ namespace: input.namespace, model: input.model, ...view }).then(
-          () => {
-            published = { shape, at: now() };
-            state.written(true);
-          },
+          () => state.written(true, now()),
           (err: unknown) => {
-            state.written(false); // retried by the next reconcile
+            state.written(false, now()); // retried by the next reconcile
             throw err;
           },
         ),
@@ -287,8 +263,7 @@ export async function entryLeasePool(input: PoolInput, carry: PoolCarryV2 | unde
       reconcile();
     }
     shown.refresh();
-    const deadlines = [state.nextDeadline(now()), published.at > 0 && state.serving().length > 0 ? Math.max(0, published.at + VIEW_REFRESH_MS - now()) : undefined].filter((d): d is number => d !== undefined);
-    const wait = closing() || deadlines.length === 0 ? undefined : Math.min(...deadlines);
+    const wait = closing() ? undefined : state.nextDeadline(now());
     if (!(await condition(() => dirty, wait ?? '1 day'))) dirty = true; // a deadline passed: look again
     if (closing() && busy.size === 0) {
       stopReconciler();

@@ -33,113 +33,44 @@ import {
   type ActivityOptions,
 } from '@temporalio/workflow';
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
-import type { InstanceInfo, ServingActivities } from '../../activities/serving';
+import type { InstanceInfo } from '../../activities/runtime/runtime';
+import type { ServingActivities } from '../../activities/serving';
+import { ErrorType } from '../../shared/errors';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { legacySessionWorkflowId } from '../session/definitions';
 import { visibility } from '../visibility';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
 import { entryLeasePool, entryPoolQueue } from './entry-pool';
-import { DEFAULT_DRAIN_GRACE_MS, type PoolCarryV2 } from './state';
+import {
+  CARRIED_WATCH_PATCH,
+  ENTRY_LEASES_PATCH,
+  ENTRY_LEASES_SWITCH_PATCH,
+  GRANTS_SETTLE_PATCH,
+  OWNER_CONFIRM_PATCH,
+  OWNER_QUEUE_PATCH,
+  PHASE_ATTRIBUTE_PATCH,
+  PUBLISH_GROWABLE_PATCH,
+  QUIESCE_PATCH,
+  RELEASE_WITHDRAWS_PATCH,
+  RESOURCE_STATUS_PATCH,
+  SHORTER_RUNS_PATCH,
+  START_BACKOFF_PATCH,
+  VIEW_THROTTLE_PATCH,
+  WATCH_PATCH,
+} from './patches';
+// Failed starts back off ({@link START_BACKOFF_PATCH}): the n-th failure in a row waits base × 2^(n−1), capped.
+import { DEFAULT_DRAIN_GRACE_MS, START_BACKOFF_BASE_MS, START_BACKOFF_MAX_MS, type PoolCarryV2 } from './state';
 
 export { poolDetails };
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, ensurePoolSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type InstanceView, type PoolInput, type PoolPhase, type PoolResource, type PoolStatus } from './definitions';
 
-/**
- * Instances' own activities go to the task queue of the worker that runs them (a local
- * runtime's processes), and an owner that no longer polls it means the instance is gone.
- * Executions started before this was patched in keep sending them to the shared queue.
- */
-const OWNER_QUEUE_PATCH = 'instance-owner-queue';
 /** The published view is rewritten at least this often, so gateways can tell a live pool's entry from a dead one's. */
 const POOL_ENTRY_REFRESH_MS = 60_000;
-/**
- * Failed starts back off: the n-th failure in a row waits base × 2^(n−1), capped, before the
- * next start (a model that can never start used to be retried every few seconds for ever).
- * A spec change (its resource) clears it; executions started before this replay without it.
- */
-const START_BACKOFF_PATCH = 'pool-start-backoff';
-const START_BACKOFF_BASE_MS = 5000;
-const START_BACKOFF_MAX_MS = 5 * 60_000;
 /** Sessions that would wait longer than this for the next start are refused at once (a prompt 503 with the reason). */
 const START_WAIT_MAX_MS = 30_000;
-/** Executions started before `Dllama` resources existed replay without the status mirror. */
-const RESOURCE_STATUS_PATCH = 'pool-resource-status';
-/**
- * The published view says whether the pool can still grow: when it cannot (at max), gateways
- * spread first turns over the published instances themselves, as the pool would, instead of
- * sending each through Temporal. Executions started before this replay without it.
- */
-const PUBLISH_GROWABLE_PATCH = 'pool-publish-growable';
-/** A release from a session still waiting takes it off the waiting list (a withdrawn request). */
-const RELEASE_WITHDRAWS_PATCH = 'pool-release-withdraws';
-/**
- * Each ready instance is watched by a long-running heartbeating activity (`watchInstance`) that
- * completes when the instance stops serving; the workflow awaits nothing inline and records no
- * periodic probes. Executions started before this keep their probe loop.
- */
-const WATCH_PATCH = 'pool-watch-instances';
-/** The pool's state is a search attribute (`MagusPhase`: idle, starting, serving, failing), upserted as it changes. */
-const PHASE_ATTRIBUTE_PATCH = 'pool-phase-search-attribute';
-/**
- * Instances carried over continue-as-new are watched like any other (their watcher reports one
- * that died meanwhile), instead of each being described inline before the pool answers anything:
- * that inline check held every signal up while Temporal was slow, and read a slow Temporal as a
- * dead worker, dropping the instance without stopping it or moving its sessions. Executions
- * started before this replay the inline check.
- */
-const CARRIED_WATCH_PATCH = 'pool-carried-watch';
-/**
- * A watcher that nobody took from its owner's queue in time proves only that Temporal was slow
- * or the worker is gone: the pool asks (`workerGone`, any worker: the owner's runtime advert in
- * NATS) before dropping the instance, and watches it again when its worker lives. Executions
- * started before this drop it on the timeout alone.
- */
-const OWNER_CONFIRM_PATCH = 'pool-owner-confirm';
-/**
- * A change of lease counts alone is published at most every {@link LEASE_VIEW_MIN_MS} (each
- * write is an activity in this history: one per lease used to make the pool's history the
- * busiest in the system); instances added or removed, an instance becoming full or not, and
- * `growable` are published at once. Executions started before this publish every change.
- */
-const VIEW_THROTTLE_PATCH = 'pool-view-throttle';
+/** Lease counts alone are published at most this often ({@link VIEW_THROTTLE_PATCH}). */
 const LEASE_VIEW_MIN_MS = 5000;
-/**
- * Runs continue-as-new after {@link POOL_RUN_MAX_EVENTS} events rather than at the server's
- * suggestion (4,000 by default): a busy pool's run is replayed whole whenever its worker's cache
- * loses it, and a shorter one is replayed faster. Executions started before this run to the suggestion.
- */
-const SHORTER_RUNS_PATCH = 'pool-shorter-runs';
-/**
- * A run continues as new only once the lease grants it signalled have been delivered: a signal
- * still in flight when the run closes is dropped by the server, and its session waited for a
- * grant that never came (seen as soon as runs got short). Executions started before this
- * continue with grants in flight.
- */
-const GRANTS_SETTLE_PATCH = 'pool-grants-before-continue';
-/**
- * A run due to close starts no scaling and no view write, and once only grants are in flight it
- * grants nothing more: lease requests wait for the next run (grants for instances it holds are
- * carried as {@link PoolCarry.grants}, the rest as `waiting`), so what is in flight settles and
- * the run closes. Before, a request in every workflow task kept a grant in flight at every look, and a
- * busy pool never closed its run (26,000 events in a soak, tasks timing out). Executions started
- * before this grant at once.
- */
-const QUIESCE_PATCH = 'pool-quiesce-before-continue';
-/**
- * The entry-lease protocol (`entry-pool.ts`, DESIGN.md "Control plane"): a conversation's lease
- * is its `magus_sessions` entry, the pool keeps instances only and records no event per
- * conversation. A pool's new execution, or a new run of an old one, takes it; runs started
- * before replay the old protocol below. (A pool of the old protocol carried every live lease
- * into its next run: it stopped serving new conversations at 20/s and walls at ~7,000 live ones.)
- */
-const ENTRY_LEASES_PATCH = 'pool-entry-leases';
-/**
- * A run of the old protocol that new code picks up closes as soon as what it has in flight
- * settles (the quiesce below), and continues as new under the entry-lease protocol on the pools'
- * own task queue, carrying its instances, its waiting sessions and the grants it had not sent.
- */
-const ENTRY_LEASES_SWITCH_PATCH = 'pool-entry-leases-switch';
 /** A health probe never holds the pool up: one short attempt; a failed probe proves nothing. */
 const probe: ActivityOptions = { scheduleToCloseTimeout: '15s', retry: { maximumAttempts: 1 } };
 
@@ -169,7 +100,7 @@ export interface PoolCarry {
 
 export async function dllamaPool(input: PoolInput, prior?: PoolCarry | PoolCarryV2): Promise<void> {
   if (!(input.maxInstances >= 1 && input.minInstances >= 0 && input.minInstances <= input.maxInstances && input.leasesPerInstance >= 1)) {
-    throw ApplicationFailure.nonRetryable(`invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`, 'InvalidSpec');
+    throw ApplicationFailure.nonRetryable(`invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`, ErrorType.InvalidSpec);
   }
   if (prior && 'protocol' in prior) return entryLeasePool(input, prior);
   if (patched(ENTRY_LEASES_PATCH)) return entryLeasePool(input, prior && fromOldCarry(prior), prior?.grants ?? []);

@@ -1,8 +1,11 @@
 import type { PoolInput } from './definitions';
-import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, type LoadReport } from './state';
+import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, VIEW_REFRESH_MS, type LoadReport, type PoolView } from './state';
 
 const input = (over: Partial<PoolInput> = {}): PoolInput => ({ namespace: 'default', model: 'm', minInstances: 0, maxInstances: 4, leasesPerInstance: 2, idleTimeoutMs: 60_000, drainGraceMs: 5000, ...over });
 const report = (r: Record<string, [number, number?, number?]>): LoadReport => ({ instances: Object.fromEntries(Object.entries(r).map(([id, [leases, pending = 0, ackPending = 0]]) => [id, { leases, pending, ackPending }])) });
+
+/** A view listing these instances (of a pool of two leases per instance, able to grow). */
+const viewOf = (...ids: string[]): PoolView => ({ instances: ids.map((id) => ({ instance: id, subject: `magus.req.m.${id}`, leases: 0 })), leasesPerInstance: 2, growable: true });
 
 /** A pool with `n` ready instances m-1..m-n at time 0. */
 function ready(n: number, over: Partial<PoolInput> = {}): PoolState {
@@ -63,11 +66,11 @@ describe('PoolState', () => {
     s.plan(61_000);
     expect(s.instances.get('m-2')!.phase).toBe('draining');
     expect(s.view().instances.map((i) => i.instance)).toEqual(['m-1']);
-    s.writing(new Set(['m-1', 'm-2']));
-    s.written(true); // a view that still listed it was the last one written
+    s.writing(viewOf('m-1', 'm-2'));
+    s.written(true, 62_000); // a view that still listed it was the last one written
     expect(s.plan(70_000).stop).toEqual([]);
-    s.writing(new Set(['m-1']));
-    s.written(true);
+    s.writing(viewOf('m-1'));
+    s.written(true, 70_000);
     expect(s.plan(70_000).stop.map((i) => i.id)).toEqual(['m-2']);
     // Taken back: a draining instance with a conversation again is ready.
     const t = ready(2);
@@ -126,6 +129,43 @@ describe('PoolState', () => {
     expect(PoolState.shape(s.view())).toBe(before);
     s.lost(s.instances.get('m-2')!, 'gone');
     expect(PoolState.shape(s.view())).not.toBe(before);
+  });
+
+  it('writes the view when its shape changes, one write at a time, again after a failed write, and refreshes it while it lists instances', () => {
+    const s = ready(1);
+    const first = s.viewToWrite(0);
+    expect(first?.instances.map((i) => i.instance)).toEqual(['m-1']);
+    expect(s.writeInFlight).toBe(true);
+    s.demanded('gw', 5, 0);
+    s.plan(0); // m-2 and m-3 start: growable still, same shape
+    s.demanded('gw', 0, 0);
+    expect(s.viewToWrite(0)).toBeUndefined(); // one write at a time
+    s.written(false, 100);
+    expect(s.viewToWrite(100)).toEqual(first); // the failed write is retried
+    s.written(true, 200);
+    expect(s.viewToWrite(300)).toBeUndefined(); // nothing changed
+    s.loaded(report({ 'm-1': [1] }), 300);
+    expect(s.viewToWrite(300)).toBeUndefined(); // lease counts alone
+    s.started('m-2', { subject: 'magus.req.m.m-2' }, 400);
+    expect(s.viewToWrite(400)?.instances.map((i) => i.instance)).toEqual(['m-1', 'm-2']);
+    s.written(true, 500);
+    expect(s.nextDeadline(500)).toBe(VIEW_REFRESH_MS); // the refresh is a deadline while instances serve
+    expect(s.viewToWrite(500 + VIEW_REFRESH_MS - 1)).toBeUndefined();
+    expect(s.viewToWrite(500 + VIEW_REFRESH_MS)).toBeDefined();
+    // A view listing nothing is written when it changes, never refreshed.
+    const empty = new PoolState(input());
+    expect(empty.viewToWrite(0)?.instances).toEqual([]);
+    empty.written(true, 0);
+    expect(empty.viewToWrite(10 * VIEW_REFRESH_MS)).toBeUndefined();
+    expect(empty.nextDeadline(0)).toBeUndefined();
+  });
+
+  it('keeps the reconciler\'s last report, starting from the counts a run carried over', () => {
+    expect(new PoolState(input()).lastLoad).toBeNull();
+    const s = ready(2);
+    s.loaded(report({ 'm-1': [3, 1, 2], 'm-2': [0] }), 1);
+    expect(s.lastLoad).toEqual(report({ 'm-1': [3, 1, 2], 'm-2': [0] }));
+    expect(new PoolState(input(), s.carry(2)).lastLoad).toEqual(report({ 'm-1': [3, 1, 2], 'm-2': [0] }));
   });
 
   it('carries O(instances) across runs: 50,000 live conversations fit in well under 16 KB', () => {

@@ -2,7 +2,8 @@
  * The `dllamaPool` workflow's state under the entry-lease protocol (DESIGN.md, "Control plane"):
  * its instances, the load its reconciler reports, the demand gateways signal on their cold path,
  * failed starts and their backoff — and the decisions made from them: how many instances to
- * start, which to drain and which to stop, and what gateways may pick from (`magus_pools`).
+ * start, which to drain and which to stop, what gateways may pick from (`magus_pools`) and when
+ * to write it again.
  *
  * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
  * gateways create, renew and move and its session deletes; the pool sees them only counted, per
@@ -10,7 +11,7 @@
  * O(instances) ({@link PoolCarryV2}).
  *
  * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
- * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
+ * (`state.test.ts`); `entry-pool.ts` wires it to signals, activities and timers.
  */
 import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
 
@@ -110,9 +111,15 @@ export class PoolState {
   readonly legacyWaiting: LegacyRequest[];
   /** Old-protocol sessions' leases, by session id ({@link PoolCarryV2.legacyLeases}). */
   readonly legacyLeases = new Map<string, LegacyRequest & { instance: string }>();
-  /** Instance ids in the last view gateways have seen for sure, and in the write under way. */
-  private publishedIds = new Set<string>();
-  private writingIds: Set<string> | null = null;
+  /**
+   * The reconciler's last report (at the start of a run, the counts carried over): the activity
+   * reports only what differs from it.
+   */
+  lastLoad: LoadReport | null;
+  /** The last view gateways have seen for sure: its instances, its {@link PoolState.shape}, and when its write completed (0: none in this run). */
+  private published: { ids: ReadonlySet<string>; shape: string; at: number } = { ids: new Set(), shape: '', at: 0 };
+  /** The view being written, if a write is under way. */
+  private writingView: { ids: ReadonlySet<string>; shape: string } | null = null;
 
   constructor(input: PoolInput, carry?: PoolCarryV2) {
     this.input = input;
@@ -124,6 +131,7 @@ export class PoolState {
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
     for (const l of carry?.legacyLeases ?? []) this.legacyLeases.set(l.sessionId, l);
+    this.lastLoad = carry ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) } : null;
     for (const c of carry?.instances ?? []) {
       this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0, reported: true });
     }
@@ -158,6 +166,7 @@ export class PoolState {
 
   /** The reconciler's counts: leases, backlog; an instance turning idle starts its idle clock. */
   loaded(report: LoadReport, now: number): void {
+    this.lastLoad = report;
     for (const i of this.instances.values()) {
       const r = report.instances[i.id];
       if (!r) continue; // not reported on (started since the reconciler began)
@@ -278,7 +287,7 @@ export class PoolState {
         continue;
       }
       surplus--;
-      if (now - i.drainSince >= this.drainGraceMs && !this.publishedIds.has(i.id) && !this.writingIds?.has(i.id)) {
+      if (now - i.drainSince >= this.drainGraceMs && !this.published.ids.has(i.id) && !this.writingView?.ids.has(i.id)) {
         i.phase = 'stopping';
         plan.stop.push(i);
       }
@@ -294,7 +303,7 @@ export class PoolState {
     return plan;
   }
 
-  /** Milliseconds until a decision may change with no new input (idle timeouts, drain graces, backoff, demand), if any. */
+  /** Milliseconds until a decision may change with no new input (idle timeouts, drain graces, backoff, demand, the view's refresh), if any. */
   nextDeadline(now: number): number | undefined {
     const deadlines: number[] = [];
     const idle = this.live().filter((i) => i.phase === 'ready' && isIdle(i));
@@ -302,6 +311,7 @@ export class PoolState {
     for (const i of this.instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + this.drainGraceMs - now);
     if (this.nextStartAt > now && this.wanted(now) > this.live().length) deadlines.push(this.nextStartAt - now);
     for (const d of this.demand.values()) deadlines.push(d.until - now);
+    if (this.published.at > 0 && this.serving().length > 0) deadlines.push(this.published.at + VIEW_REFRESH_MS - now);
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
@@ -321,19 +331,33 @@ export class PoolState {
     return JSON.stringify([v.instances.map((i) => [i.instance, i.subject]), v.leasesPerInstance, v.growable, v.failing ?? null]);
   }
 
-  /** A view with these instances is being written. */
-  writing(ids: Set<string>): void {
-    this.writingIds = ids;
+  /**
+   * The view to write now, if one must be: no write is under way, and its shape changed since
+   * the last one written, or it lists instances and was last written {@link VIEW_REFRESH_MS} ago.
+   * Registered as being written.
+   */
+  viewToWrite(now: number): PoolView | undefined {
+    const view = this.view();
+    const shape = PoolState.shape(view);
+    const refresh = view.instances.length > 0 && now - this.published.at >= VIEW_REFRESH_MS;
+    if ((shape === this.published.shape && !refresh) || this.writeInFlight) return undefined;
+    this.writing(view);
+    return view;
   }
 
-  /** The write under way completed (`ok`) or failed. */
-  written(ok: boolean): void {
-    if (ok && this.writingIds) this.publishedIds = this.writingIds;
-    this.writingIds = null;
+  /** `view` is being written. */
+  writing(view: PoolView): void {
+    this.writingView = { ids: new Set(view.instances.map((v) => v.instance)), shape: PoolState.shape(view) };
+  }
+
+  /** The write under way completed (`ok`, at `now`) or failed. */
+  written(ok: boolean, now: number): void {
+    if (ok && this.writingView) this.published = { ...this.writingView, at: now };
+    this.writingView = null;
   }
 
   get writeInFlight(): boolean {
-    return this.writingIds !== null;
+    return this.writingView !== null;
   }
 
   /** An old-protocol session asks for a lease (once in the list however often it asks). */

@@ -23,10 +23,12 @@ import {
   workflowInfo,
 } from '@temporalio/workflow';
 import type { ServingActivities } from '../../activities/serving';
+import { ServingErrorType } from '../../shared/errors';
 import type { SessionEntry } from '../../shared/serving';
 import { leaseGrantedSignal, leaseReleasedSignal, leaseRequestedSignal, poolWorkflowId } from '../pool/definitions';
 import { at, visibility } from '../visibility';
 import { acquireUpdate, touchSignal, withdrawSignal, type SessionInput, type SessionPhase } from './definitions';
+import { PREFERRED_REASK_PATCH, RETRY_CLEARS_FAILURE_PATCH, SEARCH_ATTRIBUTES_PATCH, WITHDRAW_PATCH } from './patches';
 
 /** The lease a session holds, carried over continue-as-new. */
 export interface SessionCarry {
@@ -35,25 +37,9 @@ export interface SessionCarry {
   expiresAt: number;
 }
 
-/** A retried acquire forgets the failure of the request before it (issue: serving control loop, finding 1). */
-const RETRY_CLEARS_FAILURE_PATCH = 'session-retry-clears-failure';
-/**
- * An acquire whose caller went away (`withdraw`) stops waiting; when none is left waiting the
- * request is withdrawn from the pool (and a lease granted after that is handed back); and every
- * acquire waits at most `acquireTimeoutMs`. Executions started before this replay without it.
- */
-const WITHDRAW_PATCH = 'session-withdraw';
+/** How long an `acquire` waits for the pool's answer unless its input says ({@link WITHDRAW_PATCH}). */
 const DEFAULT_ACQUIRE_TIMEOUT_MS = 10 * 60_000;
-/** The session's kind, model and phase are search attributes (`MagusPhase`: waiting, serving, idle, ended). */
-const SEARCH_ATTRIBUTES_PATCH = 'session-search-attributes';
-/**
- * A session whose first turn a gateway served from the published view waits for the pool's
- * confirmation; with this patch it asks again every `reaskMs` (a grant lost, or a pool that ended
- * meanwhile, used to leave it waiting for ever, its entry never removed), ends once the pool is
- * gone, and ends (handing its place back) once its TTL passes without a turn. Executions started
- * before this replay without it.
- */
-const PREFERRED_REASK_PATCH = 'session-preferred-reask';
+/** How often a session with a `preferred` instance asks the pool again ({@link PREFERRED_REASK_PATCH}). */
 const DEFAULT_REASK_MS = 60_000;
 
 export async function session(input: SessionInput, carry?: SessionCarry): Promise<void> {
@@ -131,7 +117,7 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
     async (): Promise<SessionEntry> => {
       const withdrawable = patched(WITHDRAW_PATCH);
       const updateId = currentUpdateInfo()?.id ?? '';
-      if (withdrawable && early.delete(updateId)) throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', 'Withdrawn');
+      if (withdrawable && early.delete(updateId)) throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', ServingErrorType.Withdrawn);
       if (withdrawable) waiters.add(updateId);
       // Asked again before the withdrawal reached the pool: nothing to give back after all.
       withdrawPending = false;
@@ -158,9 +144,9 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
             withdrawnState = true;
             withdrawPending = true;
           }
-          throw ApplicationFailure.nonRetryable(`no instance of ${input.model} was leased within ${Math.round((input.acquireTimeoutMs ?? DEFAULT_ACQUIRE_TIMEOUT_MS) / 1000)}s`, 'NoCapacity');
+          throw ApplicationFailure.nonRetryable(`no instance of ${input.model} was leased within ${Math.round((input.acquireTimeoutMs ?? DEFAULT_ACQUIRE_TIMEOUT_MS) / 1000)}s`, ServingErrorType.NoCapacity);
         } else if (!waiters.has(updateId) && lease === null) {
-          throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', 'Withdrawn');
+          throw ApplicationFailure.nonRetryable('the request was withdrawn: its caller went away', ServingErrorType.Withdrawn);
         }
       } finally {
         waiters.delete(updateId);
@@ -168,7 +154,7 @@ export async function session(input: SessionInput, carry?: SessionCarry): Promis
       }
       if (!lease) {
         requested = false; // the next acquire asks again
-        throw ApplicationFailure.nonRetryable(`no instance of ${input.model} can be started: ${failure}`, 'NoCapacity');
+        throw ApplicationFailure.nonRetryable(`no instance of ${input.model} can be started: ${failure}`, ServingErrorType.NoCapacity);
       }
       expiresAt = Date.now() + input.ttlMs;
       shown.refresh();
