@@ -6,7 +6,8 @@
 import type { KV } from 'nats';
 import { runtimeQueueFor, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
-import { createServingActivities, type Runtime } from './serving';
+import type { Runtime } from './runtime/runtime';
+import { createServingActivities } from './serving';
 
 const queue = runtimeQueueFor('magus-control', 'vm-1-abc');
 const advert = (ageMs: number): RuntimeAdvert => ({ worker: 'vm-1-abc', runtime: 'local', formats: ['gguf'], at: Date.now() - ageMs });

@@ -4,63 +4,14 @@
  */
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
-import { isRevisionConflict } from '../dataplane/data-plane';
+import { isRevisionConflict } from '../dataplane';
 import { watchKv, type KvCache, type WatchableKv } from '../dataplane/kv-mirror';
 import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
-
-export interface InstanceRequest {
-  namespace: string;
-  model: string;
-  /** Data-plane pool name (a DNS label: the model's name). */
-  pool: string;
-  instance: string;
-  /**
-   * The leases its pool gives the instance: a llama.cpp engine gets one slot per lease, so each
-   * conversation keeps its prompt's prefix in a slot of its own. Absent from pools started before
-   * pools said it: the runtime then sizes the slots from memory, as the pools' defaults are.
-   */
-  leases?: number;
-}
-
-export interface InstanceInfo {
-  instance: string;
-  /** NATS subject the instance's bridge consumes. */
-  subject: string;
-  healthy: boolean;
-  /**
-   * The task queue of the worker that runs the instance, where its `describeInstance` and
-   * `destroyInstance` must go (a local runtime's processes belong to one worker); absent when
-   * any worker can answer for it.
-   */
-  runtimeQueue?: string;
-}
-
-/**
- * Where topology instances run (DESIGN.md, "Runtimes"): `local` processes, or Kubernetes.
- * Every call is idempotent by instance id; `create` resolves once the instance serves.
- */
-export interface Runtime {
-  create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo>;
-  destroy(pool: string, instance: string): Promise<void>;
-  describe(pool: string, instance: string): Promise<InstanceInfo | null>;
-  /**
-   * Resolves with the reason once the instance no longer serves (gone, or unhealthy); `alive` is
-   * called at least every few seconds while it does. Optional: without it `watchInstance` asks
-   * `describe` at an interval. A runtime that can be told of changes (Kubernetes: a pod watch)
-   * implements it so that a loss is seen at once.
-   */
-  watch?(pool: string, instance: string, signal: AbortSignal, alive: () => void): Promise<string>;
-}
+import { PERMANENT_RUNTIME_ERRORS } from '../shared/errors';
+import type { InstanceInfo, InstanceRequest, Runtime } from './runtime/runtime';
 
 const HEARTBEAT_EVERY_MS = 5000;
-/**
- * Runtime errors (by `Error.name`) that no retry of the same start can fix, or that a retry must
- * not undo (`InstanceDestroyed`: the instance was destroyed while it started). The Kubernetes
- * runtime's `Unschedulable` (a pod the scheduler cannot place) and `NoFit` (no topology fits
- * the cluster's nodes) wait for the pool's backoff instead.
- */
-export const PERMANENT_RUNTIME_ERRORS: readonly string[] = ['ModelNotReady', 'NoArtifact', 'InstanceDestroyed', 'Unschedulable', 'NoFit'];
 
 /** The `magus_pools` key of a model's pool. */
 export const poolKey = (namespace: string, model: string): string => `${namespace}.${model}`;
@@ -230,7 +181,7 @@ export function createServingActivities(deps: ServingDeps) {
      * this worker), and completes with the reason once it does not: the pool then replaces it.
      * Runs for the instance's whole life; the pool cancels it when it stops the instance. How
      * the instance is watched is this activity's business: changing it changes no workflow
-     * history (it used to be a probe loop in the pool workflow).
+     * history (a probe loop in the pool workflow would write events for every probe).
      */
     async watchInstance(input: { pool: string; instance: string; intervalMs: number }): Promise<{ reason: string }> {
       const ctx = Context.current();

@@ -11,7 +11,8 @@ import type { ArtifactFormat, ReadyModel } from './model';
 export interface RuntimeAdvert {
   /** The worker (its runtime queue's suffix). */
   worker: string;
-  runtime: 'local' | 'kubernetes';
+  /** Its runtime's kind (`MAGUS_RUNTIME`: `local`, `kubernetes`; activities/runtime/index.ts). */
+  runtime: string;
   /** Artifact formats it runs: `gguf` (llama.cpp) always; `dllama` with distributed-llama. */
   formats: ArtifactFormat[];
   /** Nodes of its distributed-llama topologies, when fixed (the local runtime's `MAGUS_DLLAMA_NODES`). */

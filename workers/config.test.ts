@@ -2,7 +2,11 @@ import { spawnSync } from 'node:child_process';
 import { chmodSync, mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { homedir, tmpdir } from 'node:os';
 import { join, relative } from 'node:path';
-import { dataPlaneEnv, devDataDir, loadConfig, natsServerList, readDevConnection, useDevConnection } from './config';
+import { dataPlaneEnv, devDataDir, loadConfig, readDevConnection, useDevConnection, type MagusConfig } from './config';
+import { natsServerList } from '../platform/config';
+import { settingsOf } from '../activities/runtime';
+import { kubernetes } from '../activities/runtime/kubernetes-entry';
+import { local } from '../activities/runtime/local-entry';
 
 let dir: string;
 let api: string;
@@ -21,6 +25,10 @@ beforeAll(() => {
 
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
+/** The settings the runtimes' entries read (activities/runtime/index.ts). */
+const dllamaOf = (cfg: MagusConfig) => settingsOf(cfg.runtime, local)?.dllama;
+const kubernetesOf = (cfg: MagusConfig) => settingsOf(cfg.runtime, kubernetes);
+
 /** The message of the ConfigError `env` raises. */
 function problem(env: NodeJS.ProcessEnv): string {
   try {
@@ -34,18 +42,18 @@ function problem(env: NodeJS.ProcessEnv): string {
 
 test('defaults: llama.cpp only', () => {
   const cfg = loadConfig({});
-  expect(cfg.dllama).toBeUndefined();
+  expect(dllamaOf(cfg)).toBeUndefined();
   expect(cfg.nats.servers).toBe('nats://127.0.0.1:4222');
 });
 
 test('both binaries enable distributed-llama with 2 nodes and 1 thread by default', () => {
-  expect(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker }).dllama).toEqual({ apiBin: api, workerBin: worker, nodes: 2, threads: 1 });
+  expect(dllamaOf(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker }))).toEqual({ apiBin: api, workerBin: worker, nodes: 2, threads: 1 });
 });
 
 test('nodes, threads, relative paths and names found in PATH', () => {
   const cfg = loadConfig({ MAGUS_DLLAMA_API_BIN: 'dllama-api', MAGUS_DLLAMA_BIN: `./${relative(process.cwd(), worker)}`, PATH: `/nonexistent:${dir}`, MAGUS_DLLAMA_NODES: '8', MAGUS_DLLAMA_THREADS: '3' });
-  expect(cfg.dllama).toEqual({ apiBin: api, workerBin: worker, nodes: 8, threads: 3 });
-  expect(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker, MAGUS_DLLAMA_NODES: '1' }).dllama?.nodes).toBe(1);
+  expect(dllamaOf(cfg)).toEqual({ apiBin: api, workerBin: worker, nodes: 8, threads: 3 });
+  expect(dllamaOf(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker, MAGUS_DLLAMA_NODES: '1' }))?.nodes).toBe(1);
 });
 
 test.each(['3', '6', '0', '32', '-2', '2.0x', 'two'])('MAGUS_DLLAMA_NODES=%s is not a power of two the runtime can start', (nodes) => {
@@ -94,11 +102,11 @@ test('a NATS cluster: every URL of MAGUS_NATS_URL, MAGUS_NATS_REPLICAS, and both
 
 test('MAGUS_RUNTIME=kubernetes: the images are required, the rest has defaults; K8S variables without it are refused', () => {
   const cfg = loadConfig({ MAGUS_RUNTIME: 'kubernetes', MAGUS_K8S_MAGUS_IMAGE: 'magus:1', MAGUS_K8S_DLLAMA_IMAGE: 'magus-dllama:1', MAGUS_NATS_URL: 'nats://nats:4222', MAGUS_K8S_S3_SECRET: 's3' });
-  expect(cfg.kubernetes).toEqual({ images: { magus: 'magus:1', dllama: 'magus-dllama:1' }, natsUrl: 'nats://nats:4222', s3Secret: 's3', defaultNodes: 1, unschedulableAfterMs: 30000 });
+  expect(kubernetesOf(cfg)).toEqual({ images: { magus: 'magus:1', dllama: 'magus-dllama:1' }, natsUrl: 'nats://nats:4222', s3Secret: 's3', defaultNodes: 1, unschedulableAfterMs: 30000 });
   expect(() => loadConfig({ MAGUS_RUNTIME: 'kubernetes' })).toThrow(/MAGUS_K8S_MAGUS_IMAGE is required[\s\S]*MAGUS_K8S_DLLAMA_IMAGE is required/);
   expect(() => loadConfig({ MAGUS_RUNTIME: 'pods' })).toThrow(/MAGUS_RUNTIME=pods must be local or kubernetes/);
   expect(() => loadConfig({ MAGUS_K8S_NODES: '2' })).toThrow(/MAGUS_K8S_NODES set, but MAGUS_RUNTIME is not kubernetes/);
-  expect(loadConfig({}).kubernetes).toBeUndefined();
+  expect(kubernetesOf(loadConfig({}))).toBeUndefined();
 });
 
 test('MAGUS_WORKER_QUEUES picks the queues a worker polls', () => {

@@ -1,13 +1,16 @@
 /**
  * Process configuration from the environment, validated at start: a bad value fails fast with
- * a message naming the variable. Credentials (S3 keys) are read by the AWS SDK's default chain
- * (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
+ * a message naming the variable. The settings every process reads alike (Temporal, NATS, the
+ * data plane's sizing, the instance memory) are read by platform/config.ts; the variables of the
+ * runtime `MAGUS_RUNTIME` selects by that runtime's entry in activities/runtime/index.ts, into the
+ * same error. Credentials (S3 keys) are read by the AWS SDK's default chain (AWS_ACCESS_KEY_ID /
+ * AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
-import { accessSync, constants, readFileSync, statSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { homedir } from 'node:os';
-import { delimiter, isAbsolute, join, resolve } from 'node:path';
-import { TaskQueue } from '../shared/constants';
-import { parseMemory } from '../shared/kube';
+import { isAbsolute, join, resolve } from 'node:path';
+import { checkNatsServerList, ConfigError, instanceMemoryFrom, natsReplicasFrom, responseStreamSizing, temporalSettings, type ResponseStreamSizing } from '../platform/config';
+import { DEFAULT_RUNTIME, RUNTIMES, runtimeConfigFrom, type RuntimeConfig } from '../activities/runtime';
 
 export interface MagusConfig {
   temporal: { address: string; namespace: string };
@@ -26,12 +29,14 @@ export interface MagusConfig {
   transferPartSize: number | undefined;
   /** Debugging aid: append one line per S3 write request (`<command> <key> <part>`) to this file. */
   s3TraceFile: string | undefined;
-  /** distributed-llama topologies in the local runtime; unset: llama.cpp only. */
-  dllama?: DllamaConfig | undefined;
   /** How `MAGUS_RESPONSES` is sized where this process declares the data plane (ensureDataPlane options); unset: its defaults. */
   responses?: ResponseStreamSizing;
-  /** `MAGUS_RUNTIME=kubernetes`: instances are pods (activities/runtime/kubernetes.ts); unset: local processes. */
-  kubernetes?: KubernetesRuntimeConfig;
+  /**
+   * `MAGUS_RUNTIME` and the variables of the runtime it selects, read by that runtime's entry in
+   * activities/runtime/index.ts and handed back to it by the worker (`configuredRuntime`); unset
+   * (a configuration built in code): the default runtime, `local`, without distributed-llama.
+   */
+  runtime?: RuntimeConfig;
   /**
    * `MAGUS_WORKER_QUEUES`: which task queues this worker polls: `control` (workflows, serving
    * activities, its own runtime queue), `pipeline` (downloads, conversions, sizing) or `all` (default).
@@ -44,68 +49,11 @@ export interface MagusConfig {
    * process that also serves requests. Pools run on their own queue with the SDK's default cache.
    */
   workflowCache?: number;
-  /**
-   * `MAGUS_INSTANCE_MEMORY` (bytes or a Kubernetes quantity, e.g. `8Gi`): the memory budget of one
-   * llama.cpp instance, which decides its slots and so the leases per instance of pools no
-   * `Dllama` sizes (shared/engine-slots.ts). Workers (runtimes) and gateways (pool starts) must
-   * agree on it: set it for both. Unset: 8 GiB (shared/engine-slots.ts).
-   */
+  /** `MAGUS_INSTANCE_MEMORY`: the memory budget of one llama.cpp instance (platform/config.ts `instanceMemoryFrom`); unset: 8 GiB. */
   instanceMemory?: number;
 }
 
-/**
- * The Kubernetes runtime's settings: `MAGUS_K8S_MAGUS_IMAGE` and `MAGUS_K8S_DLLAMA_IMAGE`
- * (required: the images instance pods run), `MAGUS_K8S_NATS_URL` (NATS as instance
- * pods reach it; default MAGUS_NATS_URL), `MAGUS_K8S_S3_SECRET` (a Secret in each model namespace
- * with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the pods' `magus fetch`),
- * `MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT`, `MAGUS_K8S_NODES` (distributed-llama nodes of a pool
- * without a `Dllama`; default 1: llama.cpp), `MAGUS_K8S_UNSCHEDULABLE_AFTER_MS` (default 30000).
- */
-export interface KubernetesRuntimeConfig {
-  images: { magus: string; dllama: string };
-  natsUrl: string;
-  s3Secret?: string;
-  serviceAccount?: string;
-  defaultNodes: number;
-  unschedulableAfterMs: number;
-}
-
-/**
- * `MAGUS_RESPONSES_PEAK_BYTES_PER_SEC` × `MAGUS_RESPONSES_RETENTION_MS` sizes the response stream
- * (dataplane/data-plane.ts `responseStreamLimits`). Every process that declares the data
- * plane (worker, controller, `magus bridge`) must be given the same values: each declaration
- * brings the stream to its own.
- */
-export interface ResponseStreamSizing {
-  responsePeakBytesPerSec?: number;
-  responseRetentionMs?: number;
-}
-
-/**
- * `MAGUS_DLLAMA_API_BIN` + `MAGUS_DLLAMA_BIN` (both or neither): the local runtime serves models
- * that have a distributed-llama artifact with a root `dllama-api` and `nodes − 1` `dllama worker`
- * processes on loopback ports.
- */
-export interface DllamaConfig {
-  /** Absolute path of `dllama-api`. */
-  apiBin: string;
-  /** Absolute path of `dllama` (run as `dllama worker`). */
-  workerBin: string;
-  /** Nodes per topology, root included: a power of two (distributed-llama splits by 2^n). */
-  nodes: number;
-  /** `--nthreads` of every process of a topology. */
-  threads: number;
-}
-
-/** Node counts a topology may have: 2^n up to the 16 that activities/size plans memory for. */
-export const DLLAMA_NODES = [1, 2, 4, 8, 16] as const;
-
-export class ConfigError extends Error {
-  override readonly name = 'ConfigError';
-}
-
-const HOST_PORT = /^[A-Za-z0-9.-]+:\d{1,5}$/;
-/** The control worker's workflow cache ({@link WorkerConfig.workflowCache}). */
+/** The control worker's workflow cache ({@link MagusConfig.workflowCache}). */
 export const DEFAULT_WORKFLOW_CACHE = 256;
 
 export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
@@ -117,10 +65,9 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     problems.push(`${name} is required`);
     return '';
   };
-  const temporalAddress = get('MAGUS_TEMPORAL_ADDRESS', '127.0.0.1:7233');
-  if (!HOST_PORT.test(temporalAddress)) problems.push(`MAGUS_TEMPORAL_ADDRESS=${temporalAddress} is not host:port`);
+  const temporal = temporalSettings(env, problems);
   const natsServers = get('MAGUS_NATS_URL', 'nats://127.0.0.1:4222');
-  if (!isNatsServerList(natsServers)) problems.push(`MAGUS_NATS_URL=${natsServers} is not a list of nats:// URLs`);
+  checkNatsServerList('MAGUS_NATS_URL', natsServers, problems);
   const natsReplicas = natsReplicasFrom(env, problems);
   const endpoint = env.MAGUS_S3_ENDPOINT?.trim() || undefined;
   if (endpoint && !/^https?:\/\/[^\s/]+\/?$/.test(endpoint)) problems.push(`MAGUS_S3_ENDPOINT=${endpoint} is not an http(s) origin`);
@@ -139,62 +86,39 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     }
   }
   if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim())) problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
-  const dllama = dllamaConfig(env, problems);
   const responses = responseStreamSizing(env, problems);
-  const kubernetes = kubernetesRuntimeConfig(env, natsServers, problems);
   const queues = env.MAGUS_WORKER_QUEUES?.trim() || 'all';
   if (queues !== 'all' && queues !== 'control' && queues !== 'pipeline') problems.push(`MAGUS_WORKER_QUEUES=${queues} must be all, control or pipeline`);
   const workflowCache = Number(env.MAGUS_WORKFLOW_CACHE?.trim() || String(DEFAULT_WORKFLOW_CACHE));
   if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000) problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
-  const instanceMemory = env.MAGUS_INSTANCE_MEMORY?.trim() ? parseMemory(env.MAGUS_INSTANCE_MEMORY) : undefined;
-  if (instanceMemory !== undefined && !(instanceMemory >= 2 ** 20)) problems.push(`MAGUS_INSTANCE_MEMORY=${env.MAGUS_INSTANCE_MEMORY} must be bytes or a quantity such as 8Gi, at least 1Mi`);
+  const instanceMemory = instanceMemoryFrom(env, problems);
+  const s3 = { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined };
+  const modelCacheDir = get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models'));
+  // The runtime's own variables are its registry entry's to read (activities/runtime/index.ts).
+  const runtimeKind = env.MAGUS_RUNTIME?.trim() || DEFAULT_RUNTIME;
+  const kinds = RUNTIMES.map((e) => e.kind);
+  if (!kinds.includes(runtimeKind)) problems.push(`MAGUS_RUNTIME=${runtimeKind} must be ${kinds.length > 1 ? `${kinds.slice(0, -1).join(', ')} or ${kinds.at(-1)}` : kinds.join('')}`);
+  const runtime = runtimeConfigFrom(runtimeKind, env, problems, { nats: { servers: natsServers }, s3, modelCacheDir, instanceMemory });
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {
-    temporal: { address: temporalAddress, namespace: get('MAGUS_TEMPORAL_NAMESPACE', 'default') },
-    taskQueue: get('MAGUS_TASK_QUEUE', TaskQueue.control),
+    temporal: { address: temporal.address, namespace: temporal.namespace },
+    taskQueue: temporal.taskQueue,
     nats: { servers: natsServers },
-    s3: { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined },
+    s3,
     natsPrefix: env.MAGUS_NATS_PREFIX?.trim() ?? '',
     ...(natsReplicas !== undefined ? { natsReplicas } : {}),
-    modelCacheDir: get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models')),
+    modelCacheDir,
     convertThreads,
     transferPartSize,
     s3TraceFile: env.MAGUS_S3_TRACE_FILE?.trim() || undefined,
-    dllama,
     responses,
-    ...(kubernetes ? { kubernetes } : {}),
+    ...(runtime ? { runtime } : {}),
     ...(queues !== 'all' ? { queues: queues as 'control' | 'pipeline' } : {}),
     workflowCache,
     ...(instanceMemory !== undefined ? { instanceMemory } : {}),
   };
 }
 
-function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, problems: string[]): KubernetesRuntimeConfig | undefined {
-  const runtime = env.MAGUS_RUNTIME?.trim() || 'local';
-  if (runtime !== 'local' && runtime !== 'kubernetes') problems.push(`MAGUS_RUNTIME=${runtime} must be local or kubernetes`);
-  if (runtime !== 'kubernetes') {
-    const stray = Object.keys(env).filter((k) => k.startsWith('MAGUS_K8S_') && env[k]?.trim());
-    if (stray.length > 0) problems.push(`${stray.join(', ')} set, but MAGUS_RUNTIME is not kubernetes`);
-    return undefined;
-  }
-  const nodes = Number(env.MAGUS_K8S_NODES?.trim() || '1');
-  if (!(DLLAMA_NODES as readonly number[]).includes(nodes)) problems.push(`MAGUS_K8S_NODES=${env.MAGUS_K8S_NODES} must be one of ${DLLAMA_NODES.join(', ')}`);
-  const after = Number(env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS?.trim() || '30000');
-  if (!Number.isInteger(after) || after < 1000) problems.push(`MAGUS_K8S_UNSCHEDULABLE_AFTER_MS=${env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS} must be an integer ≥ 1000`);
-  for (const name of ['MAGUS_K8S_MAGUS_IMAGE', 'MAGUS_K8S_DLLAMA_IMAGE']) if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
-  const natsUrl = env.MAGUS_K8S_NATS_URL?.trim() || natsServers;
-  if (!/^(nats|tls):\/\/[^\s/]+(,(nats|tls):\/\/[^\s/]+)*$/.test(natsUrl)) problems.push(`MAGUS_K8S_NATS_URL=${natsUrl} is not a nats:// URL`);
-  return {
-    images: { magus: env.MAGUS_K8S_MAGUS_IMAGE?.trim() ?? '', dllama: env.MAGUS_K8S_DLLAMA_IMAGE?.trim() ?? '' },
-    natsUrl,
-    ...(env.MAGUS_K8S_S3_SECRET?.trim() ? { s3Secret: env.MAGUS_K8S_S3_SECRET.trim() } : {}),
-    ...(env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT?.trim() ? { serviceAccount: env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT.trim() } : {}),
-    defaultNodes: nodes,
-    unschedulableAfterMs: after,
-  };
-}
-
-/** {@link ResponseStreamSizing} from the environment; a bad value is added to `problems`. */
 /**
  * The variables with which this process declares the data plane (replicas, response stream
  * size), for a process it starts that declares it too — a `magus bridge` sidecar in an instance
@@ -206,102 +130,6 @@ export function dataPlaneEnv(cfg: Pick<MagusConfig, 'natsReplicas' | 'responses'
   if (cfg.responses?.responsePeakBytesPerSec !== undefined) env.MAGUS_RESPONSES_PEAK_BYTES_PER_SEC = String(cfg.responses.responsePeakBytesPerSec);
   if (cfg.responses?.responseRetentionMs !== undefined) env.MAGUS_RESPONSES_RETENTION_MS = String(cfg.responses.responseRetentionMs);
   return env;
-}
-
-/**
- * The servers of a comma-separated list of NATS URLs (`MAGUS_NATS_URL`, `--nats`): every server
- * of a cluster, so a process reaches the cluster while any of them is up (nats.js also learns
- * the others from the one it reaches, but only once it reached one).
- */
-export function natsServerList(value: string): string[] {
-  return value
-    .split(',')
-    .map((u) => u.trim())
-    .filter((u) => u !== '');
-}
-
-/** Whether `value` is a comma-separated list of `nats://` or `tls://` URLs. */
-export function isNatsServerList(value: string): boolean {
-  const list = natsServerList(value);
-  return list.length > 0 && list.every((u) => /^(nats|tls):\/\/[^\s/,]+$/.test(u));
-}
-
-/**
- * `MAGUS_NATS_REPLICAS`: replicas of the data plane's streams and buckets (1–5; unset: 1). Every
- * process that declares the data plane (worker, controller, `magus bridge`) must be given the
- * same value: each declaration brings the streams to its own.
- */
-export function natsReplicasFrom(env: NodeJS.ProcessEnv, problems: string[]): number | undefined {
-  const raw = env.MAGUS_NATS_REPLICAS?.trim();
-  if (!raw) return undefined;
-  const n = Number(raw);
-  if (!Number.isInteger(n) || n < 1 || n > 5) {
-    problems.push(`MAGUS_NATS_REPLICAS=${raw} must be an integer from 1 to 5 (3 on a cluster of three servers)`);
-    return undefined;
-  }
-  return n;
-}
-
-export function responseStreamSizing(env: NodeJS.ProcessEnv, problems: string[]): ResponseStreamSizing {
-  const sizing: ResponseStreamSizing = {};
-  const read = (name: string, key: keyof ResponseStreamSizing, min: number, max: number, what: string) => {
-    const raw = env[name]?.trim();
-    if (!raw) return;
-    const n = Number(raw);
-    if (!Number.isInteger(n) || n < min || n > max) problems.push(`${name}=${raw} must be ${what}`);
-    else sizing[key] = n;
-  };
-  read('MAGUS_RESPONSES_PEAK_BYTES_PER_SEC', 'responsePeakBytesPerSec', 1024, 2 ** 30, 'a byte rate from 1024 to 1073741824 (peak response frames per second, all gateways)');
-  read('MAGUS_RESPONSES_RETENTION_MS', 'responseRetentionMs', 10_000, 24 * 3_600_000, 'milliseconds from 10000 to 86400000 (the longest a request may run)');
-  return sizing;
-}
-
-/** An executable file: a path (relative to the working directory) or a bare name looked up in PATH. */
-function executable(name: string, value: string, env: NodeJS.ProcessEnv, problems: string[]): string {
-  const isExecutableFile = (p: string): boolean => {
-    try {
-      accessSync(p, constants.X_OK);
-      return statSync(p).isFile();
-    } catch {
-      return false;
-    }
-  };
-  if (value.includes('/')) {
-    const path = isAbsolute(value) ? value : resolve(value);
-    if (!isExecutableFile(path)) problems.push(`${name}=${value} is not an executable file`);
-    return path;
-  }
-  const found = (env.PATH ?? '').split(delimiter).filter(Boolean).map((dir) => join(dir, value)).find(isExecutableFile);
-  if (!found) problems.push(`${name}=${value} is not an executable file in PATH`);
-  return found ?? value;
-}
-
-function dllamaConfig(env: NodeJS.ProcessEnv, problems: string[]): DllamaConfig | undefined {
-  const apiBin = env.MAGUS_DLLAMA_API_BIN?.trim();
-  const workerBin = env.MAGUS_DLLAMA_BIN?.trim();
-  const nodesText = env.MAGUS_DLLAMA_NODES?.trim();
-  const threadsText = env.MAGUS_DLLAMA_THREADS?.trim();
-  if (!apiBin && !workerBin) {
-    const stray = [nodesText && 'MAGUS_DLLAMA_NODES', threadsText && 'MAGUS_DLLAMA_THREADS'].filter(Boolean);
-    if (stray.length > 0) problems.push(`${stray.join(' and ')} ${stray.length > 1 ? 'are' : 'is'} set, but distributed-llama is off: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
-    return undefined;
-  }
-  if (!apiBin || !workerBin) {
-    problems.push(`distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only ${apiBin ? 'MAGUS_DLLAMA_API_BIN' : 'MAGUS_DLLAMA_BIN'} is set`);
-    return undefined;
-  }
-  const nodes = Number(nodesText ?? '2');
-  if (!(DLLAMA_NODES as readonly number[]).includes(nodes)) {
-    problems.push(`MAGUS_DLLAMA_NODES=${nodesText} must be a power of two from 1 to 16 (the root plus 2^n − 1 workers): one of ${DLLAMA_NODES.join(', ')}`);
-  }
-  const threads = Number(threadsText ?? '1');
-  if (!Number.isInteger(threads) || threads < 1 || threads > 256) problems.push(`MAGUS_DLLAMA_THREADS=${threadsText} must be 1..256`);
-  return {
-    apiBin: executable('MAGUS_DLLAMA_API_BIN', apiBin, env, problems),
-    workerBin: executable('MAGUS_DLLAMA_BIN', workerBin, env, problems),
-    nodes,
-    threads,
-  };
 }
 
 /**

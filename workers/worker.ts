@@ -14,16 +14,17 @@ import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../dataplane/data-plane';
+import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
-import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
-import { createLocalRuntime, type LocalRuntime } from '../activities/runtime/local';
+import { configuredRuntime } from '../activities/runtime';
+import type { WorkerRuntime } from '../activities/runtime/runtime';
 import { createServingActivities } from '../activities/serving';
 import { pipelineQueueFor, poolQueueFor, runtimeQueueFor, SearchAttribute, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
-import { DEFAULT_WORKFLOW_CACHE, dataPlaneEnv, natsServerList, type MagusConfig } from './config';
+import { DEFAULT_WORKFLOW_CACHE, dataPlaneEnv, type MagusConfig } from './config';
+import { natsServerList } from '../platform/config';
 import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
@@ -34,10 +35,11 @@ export interface RunningWorkers {
   done: Promise<void>;
   /** Graceful stop: in-flight activity attempts are cancelled and resumed by the next worker. */
   shutdown(): Promise<void>;
-  /** The local runtime (processes, health); it runs nothing when the worker uses the Kubernetes one. */
-  runtime: LocalRuntime;
-  /** The Kubernetes runtime, when the worker is configured for it (`MAGUS_RUNTIME=kubernetes`). */
-  kubernetes?: KubernetesRuntime;
+  /**
+   * The runtime the worker's configuration selects (`MAGUS_RUNTIME`, activities/runtime/index.ts):
+   * its instances, its in-process bridges, its stop.
+   */
+  runtime: WorkerRuntime;
   /** This worker's own task queue: its instances' describe, destroy and watch activities. */
   runtimeQueue: string;
   /**
@@ -199,33 +201,23 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     },
     { what: 'data plane', log: (line) => process.stderr.write(`magus worker: ${line}\n`) },
   );
-  // The runtime's own events (instances, restarts) go to stderr; the engines' output does not (prompts).
-  const runtime = createLocalRuntime({ nc, names, registry, s3, bucket: cfg.s3.bucket, cacheDir: cfg.modelCacheDir, dllama: cfg.dllama, ...(cfg.instanceMemory ? { instanceMemory: cfg.instanceMemory } : {}), log: (line) => process.stderr.write(`magus worker: runtime: ${line}\n`) });
-  // The local runtime's instances are this worker's processes: their describe and destroy come
-  // to this worker's own queue (the pool learns it from createInstance).
+  // The runtime the configuration selects. Its own events (instances, restarts) go to stderr; the
+  // engines' output does not (prompts).
+  const configured = configuredRuntime(cfg);
+  const runtime = configured.create({
+    nc,
+    names,
+    registry,
+    s3,
+    ...(deps.kube ? { kube: deps.kube } : {}),
+    dataPlaneEnv: dataPlaneEnv(cfg),
+    log: (line) => process.stderr.write(`magus worker: ${configured.kind} runtime: ${line}\n`),
+  });
+  // A runtime whose instances are this worker's processes (local) has their describe, destroy and
+  // watch come to this worker's own queue (the pool learns it from createInstance); one that
+  // answers from elsewhere (Kubernetes: the cluster) lets any worker answer, and names no queue.
   const workerId = `${hostname()}-${process.pid}-${randomBytes(3).toString('hex')}`;
   const runtimeQueue = runtimeQueueFor(cfg.taskQueue, workerId);
-  // The Kubernetes runtime answers from the cluster: any worker can describe, watch or destroy
-  // its instances, so they name no runtime queue.
-  const kubeRuntime =
-    cfg.kubernetes && deps.kube
-      ? createKubernetesRuntime({
-          kc: deps.kube,
-          registry,
-          nc,
-          names,
-          images: cfg.kubernetes.images,
-          natsUrl: cfg.kubernetes.natsUrl,
-          dataPlaneEnv: dataPlaneEnv(cfg),
-          s3: { endpoint: cfg.s3.endpoint, region: cfg.s3.region, bucket: cfg.s3.bucket, ...(cfg.kubernetes.s3Secret ? { secret: cfg.kubernetes.s3Secret } : {}) },
-          ...(cfg.kubernetes.serviceAccount ? { serviceAccount: cfg.kubernetes.serviceAccount } : {}),
-          defaultNodes: cfg.kubernetes.defaultNodes,
-          unschedulableAfterMs: cfg.kubernetes.unschedulableAfterMs,
-          ...(cfg.instanceMemory ? { instanceMemory: cfg.instanceMemory } : {}),
-          log: (line) => process.stderr.write(`magus worker: kubernetes runtime: ${line}\n`),
-        })
-      : undefined;
-  if (cfg.kubernetes && !deps.kube) throw new Error('MAGUS_RUNTIME=kubernetes needs a cluster: run in a pod or set KUBECONFIG');
   const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
   const poolsKv = await nc.jetstream().views.kv(names.poolsBucket);
   // Whether another worker still lives, asked by a pool whose watcher on that worker's queue was not taken in time.
@@ -239,9 +231,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     const info = await jsm.consumers.info(names.requestStream, consumerNameOf(pool, instance)).catch(() => null);
     return info && { pending: info.num_pending, ackPending: info.num_ack_pending };
   };
-  const serving = kubeRuntime
-    ? createServingActivities({ runtime: kubeRuntime, sessions: sessionsKv, pools: poolsKv, advertOf, backlog })
-    : createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, runtimeQueue, advertOf, backlog });
+  const serving = createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, ...(configured.ownsInstances ? { runtimeQueue } : {}), advertOf, backlog });
 
   const activities = createPipelineActivities({
     s3,
@@ -323,13 +313,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   // stale): gateways refuse at once a model no live runtime can run (shared/runtimes.ts).
   const advertise = (): Promise<void> =>
     registry
-      .advertiseRuntime({
-        worker: workerId,
-        ...(kubeRuntime
-          ? { runtime: 'kubernetes' as const, formats: ['gguf' as const, 'dllama' as const] }
-          : { runtime: 'local' as const, formats: cfg.dllama ? ['gguf' as const, 'dllama' as const] : ['gguf' as const], ...(cfg.dllama ? { dllamaNodes: cfg.dllama.nodes } : {}) }),
-        at: Date.now(),
-      })
+      .advertiseRuntime({ worker: workerId, runtime: configured.kind, ...configured.advert(), at: Date.now() })
       .catch((err: unknown) => void process.stderr.write(`magus worker: runtime advert not written: ${(err as Error).message}\n`));
   let advertTimer: NodeJS.Timeout | undefined;
   if (control) {
@@ -355,7 +339,6 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   return {
     done,
     runtime,
-    ...(kubeRuntime ? { kubernetes: kubeRuntime } : {}),
     runtimeQueue,
     temporal: temporalHealth,
     cachedWorkflows: () => running.reduce((n, w) => n + w.getStatus().numCachedWorkflows, 0),

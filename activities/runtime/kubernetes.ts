@@ -22,9 +22,10 @@ import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
-import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { RuntimeErrorType, runtimeError } from '../../shared/errors';
+import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
-import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
+import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
 import { chooseDllamaArtifact } from './dllama';
 import { instanceBase, instanceManifests, instanceSelector, poolOwnerManifest, RUNTIME_FIELD_MANAGER, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
 
@@ -66,10 +67,6 @@ export interface KubernetesRuntimeOptions {
   log?: (line: string) => void;
 }
 
-/** What a start that cannot work is called (`Error.name`); the activity makes them non-retryable. */
-export const KubernetesErrors = { unschedulable: 'Unschedulable', noFit: 'NoFit', modelNotReady: 'ModelNotReady', noArtifact: 'NoArtifact' } as const;
-
-const named = (name: string, message: string): Error => Object.assign(new Error(message), { name });
 const code = (err: unknown): number | undefined => (err as { code?: number }).code;
 const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
 const GIB = 2 ** 30;
@@ -137,7 +134,7 @@ export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (by
   return `no topology fits the cluster's ${alloc.length} schedulable node${alloc.length === 1 ? '' : 's'} (allocatable ${alloc.map(gib).join(', ') || 'none'}); needed: ${tried.join('; ')}`;
 }
 
-export interface KubernetesRuntime extends Runtime {
+export interface KubernetesRuntime extends WorkerRuntime {
   /** Apiserver requests made, by verb (for the benchmark and /metrics). */
   requests(): Record<string, number>;
 }
@@ -180,7 +177,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
 
   async function plan(req: InstanceRequest): Promise<InstancePlan> {
     const ready = await opts.registry.get(req.namespace, req.model);
-    if (!ready) throw named(KubernetesErrors.modelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
+    if (!ready) throw runtimeError(RuntimeErrorType.ModelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
     const d = await dllamaOf(req.namespace, req.model);
     let owner: OwnerReference;
     if (d) owner = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', name: d.metadata.name, uid: d.metadata.uid };
@@ -195,7 +192,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       const fit = chooseFit(ready, (await core.listNode()).items, need, { nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations });
       if (typeof fit === 'string') {
         await reportTopology(d, 'False', 'NoFit', fit);
-        throw named(KubernetesErrors.noFit, fit);
+        throw runtimeError(RuntimeErrorType.NoFit, fit);
       }
       await reportTopology(d, 'True', 'Fits', fit.reason);
       nodes = fit.nodes;
@@ -218,7 +215,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     };
     if (engine === 'llamacpp') {
       const gguf = servedGguf(ready);
-      if (!gguf || gguf.artifact.files.length === 0) throw named(KubernetesErrors.noArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
+      if (!gguf || gguf.artifact.files.length === 0) throw runtimeError(RuntimeErrorType.NoArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
       const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? req.leases ?? d?.spec.leasesPerInstance);
       // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
       const names = ggufFileNames(gguf.artifact.files.length);
@@ -227,7 +224,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       return { ...common, engine, nodes: 1, files, maxSeqLen: 0, ...engineSize, memory: { root: need(memory ?? bytes), worker: null } };
     }
     const choice = chooseDllamaArtifact(ready, nodes);
-    if (!choice || 'problem' in choice) throw named(KubernetesErrors.noArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);
+    if (!choice || 'problem' in choice) throw runtimeError(RuntimeErrorType.NoArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);
     return {
       ...common,
       engine,
@@ -283,14 +280,14 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         const pods = w.list();
         for (const p of pods) {
           const failure = podFailure(p);
-          if (failure) return finish(named('InstanceFailed', failure));
+          if (failure) return finish(runtimeError(RuntimeErrorType.InstanceFailed, failure));
           const why = unschedulable(p);
           const name = p.metadata!.name!;
           if (!why) unschedulableSince.delete(name);
           else {
             const since = unschedulableSince.get(name) ?? Date.now();
             unschedulableSince.set(name, since);
-            if (Date.now() - since >= after) return finish(named(KubernetesErrors.unschedulable, `pod ${name} cannot be scheduled: ${why}`));
+            if (Date.now() - since >= after) return finish(runtimeError(RuntimeErrorType.Unschedulable, `pod ${name} cannot be scheduled: ${why}`));
           }
         }
         if (pods.filter(podReady).length >= expected) finish();
@@ -298,7 +295,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       const w = watchResource<V1Pod>(opts.kc, { path: `/api/v1/namespaces/${namespace}/pods`, labelSelector: instanceSelector(instance), onEvent: check, onSynced: check, log });
       // Unschedulable for long is a matter of time passing, not of events.
       const tick = setInterval(check, 1000);
-      const deadline = setTimeout(() => finish(named('StartTimedOut', `instance ${instance}: not every pod was Ready within ${Math.round((opts.startTimeoutMs ?? 30 * 60_000) / 1000)}s`)), opts.startTimeoutMs ?? 30 * 60_000);
+      const deadline = setTimeout(() => finish(runtimeError(RuntimeErrorType.StartTimedOut, `instance ${instance}: not every pod was Ready within ${Math.round((opts.startTimeoutMs ?? 30 * 60_000) / 1000)}s`)), opts.startTimeoutMs ?? 30 * 60_000);
       const onAbort = () => finish(signal.reason instanceof Error ? signal.reason : new Error('aborted'));
       if (signal.aborted) onAbort();
       else signal.addEventListener('abort', onAbort, { once: true });
@@ -392,5 +389,8 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       });
     },
     requests: () => ({ ...counts }),
+    // The instances are the cluster's: their bridges run in their pods, and they outlive the worker.
+    bridges: () => [],
+    stopAll: () => Promise.resolve(),
   };
 }

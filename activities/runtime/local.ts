@@ -21,9 +21,10 @@ import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../../dataplane/bridge';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, servedGguf } from '../../shared/engine-slots';
 import type { ReadyModel } from '../../shared/model';
-import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { RuntimeErrorType, runtimeError } from '../../shared/errors';
+import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
-import type { InstanceInfo, InstanceRequest, Runtime } from '../serving';
+import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
 import { cachedFile, cachedGguf, type ModelCache } from './cache';
 import { chooseDllamaArtifact, startSupervisedTopology, type DllamaOptions } from './dllama';
 import { startSupervisedEngine, type RestartPolicy } from './llama-cpp';
@@ -76,7 +77,7 @@ export interface LocalProcessInfo {
   running: boolean;
 }
 
-export interface LocalRuntime extends Runtime {
+export interface LocalRuntime extends WorkerRuntime {
   /**
    * Starts the instance and resolves once it serves; resolves at once when it already does.
    * Concurrent calls for one id share one start. A caller whose `signal` aborts is rejected
@@ -135,8 +136,6 @@ interface PendingStart {
 
 const STOP_GRACE_MS = 10_000;
 
-const named = (name: string, message: string): Error => Object.assign(new Error(message), { name });
-
 /** `p`, or `signal`'s reason as soon as it aborts. */
 function unlessAborted<T>(p: Promise<T>, signal: AbortSignal | undefined): Promise<T> {
   if (!signal) return p;
@@ -163,7 +162,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
 
   async function startLlamaCpp(ready: ReadyModel, name: string, leases: number | undefined, why: string | undefined, signal: AbortSignal): Promise<Serving> {
     const gguf = servedGguf(ready);
-    if (!gguf || gguf.artifact.files.length === 0) throw Object.assign(new Error(why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`), { name: 'NoArtifact' });
+    if (!gguf || gguf.artifact.files.length === 0) throw runtimeError(RuntimeErrorType.NoArtifact, why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`);
     if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
     const model = await cachedGguf(cache, gguf.artifact.files, signal);
     const fixed = opts.slots ?? leases;
@@ -199,7 +198,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   async function startServing(req: InstanceRequest, signal: AbortSignal): Promise<Serving> {
     const ready = await opts.registry.get(req.namespace, req.model);
     signal.throwIfAborted();
-    if (!ready) throw Object.assign(new Error(`model ${req.namespace}/${req.model} is not in the registry`), { name: 'ModelNotReady' });
+    if (!ready) throw runtimeError(RuntimeErrorType.ModelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
     const name = key(req.pool, req.instance);
     const choice = opts.dllama ? chooseDllamaArtifact(ready, opts.dllama.nodes) : null;
     if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, req.leases, choice && 'problem' in choice ? choice.problem : undefined, signal);
@@ -356,7 +355,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
       return join(begin(req, existing), signal);
     },
     destroy(pool: string, instance: string): Promise<void> {
-      return remove(pool, instance, () => named('InstanceDestroyed', `instance ${pool}/${instance} was destroyed while it started`));
+      return remove(pool, instance, () => runtimeError(RuntimeErrorType.InstanceDestroyed, `instance ${pool}/${instance} was destroyed while it started`));
     },
     describe(pool: string, instance: string): Promise<InstanceInfo | null> {
       const i = instances.get(key(pool, instance));
@@ -376,7 +375,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
       for (const p of starting.values()) all.set(key(p.pool, p.instance), p);
       for (const i of instances.values()) all.set(key(i.pool, i.info.instance), { pool: i.pool, instance: i.info.instance });
       // Removals already under way are waited for too (a second stopAll must not return before them).
-      await Promise.all([...[...all.values()].map(({ pool, instance }) => remove(pool, instance, () => named('RuntimeStopped', `the runtime stopped while instance ${pool}/${instance} started`))), ...destroying.values()]);
+      await Promise.all([...[...all.values()].map(({ pool, instance }) => remove(pool, instance, () => runtimeError(RuntimeErrorType.RuntimeStopped, `the runtime stopped while instance ${pool}/${instance} started`))), ...destroying.values()]);
     },
   };
   return runtime;
