@@ -3,43 +3,30 @@
  * stream sized from throughput × retention), per-instance consumers, de-duplicated request
  * publishing, request claims, and reading frames back — also from a stream that evicted them.
  */
-import { setTimeout as sleep } from 'node:timers/promises';
 import { AckPolicy, RetentionPolicy, StorageType, nanos, type JetStreamManager, type JsMsg, type NatsConnection } from 'nats';
-import { eventually } from '../test/harness/wait';
-import { isolation, natsConnect } from '../test/harness';
+import { eventually, sleep } from '../test/harness/wait';
+import { isolation } from '../test/harness';
+import { natsStack, TestStack } from '../test/harness/stack';
 import type { InferenceRequest, ResponseFrame } from '../shared/serving';
-import {
-  consumerNameOf,
-  deleteInstanceConsumer,
-  encodeJson,
-  ensureDataPlane,
-  ensureInstanceConsumer,
-  instanceConsuming,
-  openRequestClaims,
-  publishRequest,
-  readStoredFrames,
-  requestSubjectOf,
-  responseStreamState,
-  responseSubjectOf,
-  type DataPlaneNames,
-} from './data-plane';
+import { openRequestClaims } from './claims';
+import { deleteInstanceConsumer, ensureInstanceConsumer, instanceConsuming } from './consumers';
+import { ensureDataPlane } from './declare';
+import { encodeJson } from './json';
+import { consumerNameOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from './names';
+import { publishRequest } from './publish';
+import { readStoredFrames, responseStreamState } from './response-stream';
 
 let nc: NatsConnection;
 let jsm: JetStreamManager;
 let names: DataPlaneNames;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  nc = await natsConnect();
+  ({ nc, names } = await stack.open(natsStack(isolation(), { declare: true })));
   jsm = await nc.jetstreamManager();
-  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
 });
 
-afterAll(async () => {
-  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-});
+afterAll(() => stack.close());
 
 const request = (id: string): InferenceRequest => ({
   id,
@@ -130,7 +117,7 @@ describe('instance consumers', () => {
     await ensureInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c3', slots: 2 });
     expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(false);
     expect(await instanceConsuming(nc, names.requestStream, 'pool', 'nobody')).toBe(false);
-    // As the bridge consumes (dataplane/bridge/bridge.ts): `max_messages` = slots.
+    // As the bridge consumes (dataplane/bridge/consumer.ts): `max_messages` = slots.
     const consumer = await nc.jetstream().consumers.get(names.requestStream, consumerNameOf('pool', 'c3'));
     const messages = await consumer.consume({ max_messages: 2 });
     const held: JsMsg[] = [];

@@ -34,7 +34,7 @@ export interface ModelRegistry {
   read(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
 
-/** Revisions the registry bucket keeps of each key (also how data-plane.ts declares it). */
+/** Revisions the registry bucket keeps of each key (also how declare.ts declares it). */
 export const REGISTRY_HISTORY = 5;
 
 /**

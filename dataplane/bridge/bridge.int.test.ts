@@ -7,28 +7,22 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
+import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest, InferenceRequest, ResponseFrame } from '../../shared/serving';
-import {
-  cancelSubjectOf,
-  consumerNameOf,
-  encodeJson,
-  ensureDataPlane,
-  ensureInstanceConsumer,
-  openRequestClaims,
-  publishRequest,
-  readStoredFrames,
-  requestSubjectOf,
-  responseSubjectOf,
-  type DataPlaneNames,
-  type InstanceConsumerOptions,
-} from '../data-plane';
+import { openRequestClaims } from '../claims';
+import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
+import { ensureDataPlane } from '../declare';
+import { encodeJson } from '../json';
+import { cancelSubjectOf, consumerNameOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
+import { publishRequest } from '../publish';
+import { readStoredFrames } from '../response-stream';
 import { decodeFrame, FrameSequencer } from '../frames';
-import { BridgeErrorCode, startBridge, type Bridge, type BridgeOptions } from './bridge';
+import { startBridge, type Bridge, type BridgeOptions } from './bridge';
+import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
-import { until } from '../../test/harness/wait';
+import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
 
@@ -129,23 +123,18 @@ let nc: NatsConnection;
 let jsm: JetStreamManager;
 let names: DataPlaneNames;
 const cleanups: (() => Promise<unknown>)[] = [];
+const stack = new TestStack();
 
 beforeAll(async () => {
-  nc = await natsConnect();
+  ({ nc, names } = await stack.open(natsStack(isolation(), { declare: true })));
   jsm = await nc.jetstreamManager();
-  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
 });
 
 afterEach(async () => {
   for (const c of cleanups.splice(0).reverse()) await c().catch(() => undefined);
 });
 
-afterAll(async () => {
-  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-});
+afterAll(() => stack.close());
 
 let instanceCounter = 0;
 /** A fresh instance (its own consumer and subject) so tests never see each other's requests. */
@@ -563,7 +552,7 @@ describe('a request id seen again as a first delivery', () => {
     expect(frames).toHaveLength(1);
     expect(frames[0]).toMatchObject({ seq: 0, type: 'done' });
     await until('ack', () => b.stats.acked === 1);
-    await new Promise((r) => setTimeout(r, 1500)); // past ack_wait: nothing is redelivered
+    await sleep(1500); // past ack_wait: nothing is redelivered
     expect(b.stats).toMatchObject({ pulled: 1, replayed: 0, superseded: 0, nakked: 0, termed: 0 });
     expect(stub.calls).toHaveLength(1);
     // The claim still records the first answer: a later delivery repeats that one.

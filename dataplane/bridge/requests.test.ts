@@ -1,4 +1,5 @@
-import { dataPlaneNames, encodeJson, responseSubjectOf } from '../data-plane';
+import { encodeJson } from '../json';
+import { dataPlaneNames, responseSubjectOf } from '../names';
 import { parseInferenceRequest, seedFor } from './requests';
 
 const names = dataPlaneNames('T_U');

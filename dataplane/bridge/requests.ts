@@ -4,14 +4,31 @@
  * can send anything), and the seed every attempt of a request generates with.
  */
 import { hash } from 'node:crypto';
-import { REQUEST_ID, decodeJson, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../data-plane';
-import type { InferenceRequest } from '../../shared/serving';
+import { TypeCompiler, type ValueError } from '@sinclair/typebox/compiler';
+import { decodeJson } from '../json';
+import { REQUEST_ID, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
+import { InferenceRequest } from '../../shared/serving';
 
 /** A checked request, or why not — with the `replyTo` to send the error frame to when it is a usable subject. */
 export type ParsedRequest = { ok: true; req: InferenceRequest } | { ok: false; problem: string; replyTo?: string };
 
 const LITERAL_SUBJECT = /^[^\s*>.]+(\.[^\s*>.]+)*$/;
-const ROLES = new Set(['system', 'user', 'assistant']);
+/** The shared schema, compiled once: every request is checked against exactly what the gateway validates and sends. */
+const contract = TypeCompiler.Compile(InferenceRequest);
+
+/** `/body/messages/0/role` → `body.messages[0].role`, and what is wrong with it. */
+function problemOf(e: ValueError | undefined): string {
+  if (!e) return 'request does not match the contract';
+  const param = e.path.split('/').slice(1).reduce((out, s) => (/^\d+$/.test(s) ? `${out}[${s}]` : out ? `${out}.${s}` : s), '');
+  // In the schema's words where it has them (a list of values, a description of a union), else TypeBox's.
+  const { enum: allowed, description } = e.schema as { enum?: unknown; description?: unknown };
+  const what = Array.isArray(allowed)
+    ? `must be one of ${allowed.map((v) => JSON.stringify(v)).join(', ')}`
+    : typeof description === 'string'
+      ? `must be ${description}`
+      : e.message.replace(/^./, (c) => c.toLowerCase());
+  return `${param || 'request'}: ${what}`;
+}
 
 /** Checks one request message; never throws. */
 export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): ParsedRequest {
@@ -30,30 +47,8 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
   if (typeof r.replyTo !== 'string' || !isResponseSubjectOf(names, r.replyTo, r.id)) {
     return bad(`replyTo must be the request's response subject: ${responseSubjectOf(names, r.id)}, or a replica token before the id`);
   }
-  if (typeof r.deadline !== 'number' || !Number.isFinite(r.deadline)) return bad('deadline must be epoch milliseconds');
-  const b = r.body as Record<string, unknown> | null;
-  if (typeof b !== 'object' || b === null || Array.isArray(b)) return bad('body must be a chat completion request');
-  if (typeof b.model !== 'string' || b.model === '') return bad('body.model must be a non-empty string');
-  if (!Array.isArray(b.messages) || b.messages.length === 0) return bad('body.messages must be a non-empty array');
-  for (const m of b.messages as unknown[]) {
-    const msg = m as Record<string, unknown> | null;
-    if (typeof msg !== 'object' || msg === null || !ROLES.has(msg.role as string) || typeof msg.content !== 'string') {
-      return bad('every message needs a role (system, user, assistant) and string content');
-    }
-  }
-  const optional: [string, (x: unknown) => boolean][] = [
-    ['stream', (x) => typeof x === 'boolean'],
-    ['max_tokens', (x) => Number.isInteger(x) && (x as number) > 0],
-    ['temperature', (x) => typeof x === 'number' && x >= 0],
-    ['top_p', (x) => typeof x === 'number' && x >= 0 && x <= 1],
-    ['seed', (x) => Number.isInteger(x)],
-    ['stop', (x) => typeof x === 'string' || (Array.isArray(x) && x.every((s) => typeof s === 'string'))],
-    ['stream_options', (x) => typeof x === 'object' && !Array.isArray(x) && ['boolean', 'undefined'].includes(typeof (x as { include_usage?: unknown }).include_usage)],
-  ];
-  for (const [field, ok] of optional) {
-    if (b[field] !== undefined && b[field] !== null && !ok(b[field])) return bad(`body.${field} has an invalid value`);
-  }
-  return { ok: true, req: v as InferenceRequest };
+  if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()));
+  return { ok: true, req: v };
 }
 
 /** The seed every attempt of a request uses when the client gave none, so a retry regenerates the same text. */

@@ -5,12 +5,12 @@
  * again until it is — then it is stored, and subscribers got every frame at least once.
  */
 import { randomBytes } from 'node:crypto';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { RetentionPolicy, StorageType, type NatsConnection } from 'nats';
 import { natsConnect } from '../../test/harness';
 import { decodeFrame } from '../frames';
 import type { ResponseFrame } from '../../shared/serving';
 import { PendingFrames, storedFramePublisher, type StoredFramePublisher } from './stored-frames';
+import { sleep } from '../../test/harness/wait';
 
 describe('storedFramePublisher', () => {
   let nc: NatsConnection;

@@ -17,7 +17,7 @@
  * subscriber, carry a seq already seen: the gateway's and the take-over's sequencers drop them.
  */
 import { createInbox, type NatsConnection, type Subscription } from 'nats';
-import { streamAckProblem } from '../data-plane';
+import { streamAckProblem } from '../errors';
 import { encodeFrame } from '../frames';
 import type { ResponseFrame } from '../../shared/serving';
 

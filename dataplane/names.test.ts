@@ -1,4 +1,4 @@
-import { MIN_RESPONSE_MAX_BYTES, consumerNameOf, dataPlaneNames, isResponseSubjectOf, requestSubjectOf, responseStreamLimits, responseSubjectOf } from './data-plane';
+import { consumerNameOf, dataPlaneNames, isResponseSubjectOf, requestSubjectOf, responseSubjectOf } from './names';
 
 describe('data-plane names', () => {
   it('are the shared names without a prefix', () => {
@@ -36,18 +36,5 @@ describe('data-plane names', () => {
     expect(() => consumerNameOf('a_b', 'c')).toThrow(/pool/);
     expect(() => responseSubjectOf(dataPlaneNames(), 'x.*')).toThrow(/request id/);
     expect(consumerNameOf('pool-a', 'inst-1')).toBe('pool-a_inst-1');
-  });
-});
-
-describe('responseStreamLimits', () => {
-  const MiB = 1024 * 1024;
-  it('sizes MAGUS_RESPONSES as peak throughput × the longest request, and keeps frames at least that long', () => {
-    expect(responseStreamLimits()).toEqual({ maxBytes: 300 * MiB, maxAgeMs: 30 * 60_000, retentionMs: 10 * 60_000, peakBytesPerSec: 512 * 1024 });
-    expect(responseStreamLimits({ responsePeakBytesPerSec: 2 * MiB, responseRetentionMs: 60 * 60_000 })).toMatchObject({ maxBytes: 7200 * MiB, maxAgeMs: 60 * 60_000 });
-  });
-  it('never below the floor, unless an exact cap is given', () => {
-    expect(responseStreamLimits({ responsePeakBytesPerSec: 1024, responseRetentionMs: 60_000 }).maxBytes).toBe(MIN_RESPONSE_MAX_BYTES);
-    expect(responseStreamLimits({ responseMaxBytes: 64 * 1024 }).maxBytes).toBe(64 * 1024);
-    expect(() => responseStreamLimits({ responseRetentionMs: 0 })).toThrow(/responseRetentionMs/);
   });
 });

@@ -1,0 +1,270 @@
+/**
+ * One delivery's attempt at a request (README.md one folder up, "Exactly one answer per request
+ * id"): the frames it publishes, held while NATS is away and published again once it proved it
+ * still owns the request; the checks that it does; and its end — the terminal frame, the claim's
+ * CAS, and the ack, term or nak of its message.
+ */
+import type { JsMsg, NatsConnection } from 'nats';
+import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { RequestClaim, RequestClaims } from '../claims';
+import { BridgeErrorCode, errorFrame } from './error-frames';
+import type { BridgeStats } from './metrics';
+import { PendingFrames, type StoredFramePublisher } from './stored-frames';
+
+/** Why an attempt was stopped before it concluded. */
+export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled';
+
+/** How an engine call (or a failure before it) ends an attempt: see {@link Attempt.settle}. */
+export type Outcome =
+  | { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' }
+  | { kind: 'retry'; reason: string }
+  | { kind: 'aborted'; reason: AbortReason };
+
+/** What every attempt of one bridge shares. */
+export interface AttemptContext {
+  nc: NatsConnection;
+  frames: StoredFramePublisher;
+  claims: RequestClaims;
+  stats: BridgeStats;
+  log: (line: string) => void;
+  /** `names.responseStream`, for logs. */
+  responseStream: string;
+  /** The consumer's `ack_wait`. */
+  ackWaitMs: number;
+  /** How long a delivery waits for its frames to be stored before it is resolved anyway. */
+  storeWaitMs: number;
+  /** First `nak` delay after a transient failure; doubles per delivery, at most 30 s. */
+  retryDelayMs: number;
+  /** The consumer's `max_deliver` (Infinity: unbounded). */
+  maxDeliver: number;
+  /** Whether NATS is connected now. */
+  isConnected(): boolean;
+}
+
+export class Attempt {
+  private readonly controller = new AbortController();
+  /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
+  private readonly held: ResponseFrame[] = [];
+  /** Frames published but not yet acknowledged as stored by the response stream. */
+  private readonly pending = new PendingFrames();
+  /** Its claim is finished with its terminal frame (by this attempt): no later check can find it superseded. */
+  private recorded = false;
+  private paused: boolean;
+  private resuming = false;
+  private concluding = false;
+  /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
+  nextSeq = 0;
+
+  constructor(
+    private readonly ctx: AttemptContext,
+    readonly req: InferenceRequest,
+    readonly msg: JsMsg,
+    readonly claim: RequestClaim,
+    /** The claim's revision this attempt holds (0: none written, a first delivery's). */
+    readonly revision: number,
+  ) {
+    this.paused = !ctx.isConnected();
+  }
+
+  /** Aborted when the attempt must stop; the reason is an {@link AbortReason}. */
+  get signal(): AbortSignal {
+    return this.controller.signal;
+  }
+
+  /** Whether it is ending (its terminal frame is decided): a cancel no longer stops it. */
+  get isConcluding(): boolean {
+    return this.concluding;
+  }
+
+  /** Stops the attempt (once; later reasons are ignored). */
+  abort(reason: AbortReason): void {
+    if (this.controller.signal.aborted) return;
+    if (reason === 'superseded') this.ctx.stats.superseded += 1;
+    this.controller.abort(reason);
+  }
+
+  /** Publishes a frame (or holds it while disconnected); never throws. */
+  send(frame: ResponseFrame): void {
+    if (this.signal.aborted) return;
+    if (this.paused) {
+      this.held.push(frame);
+      return;
+    }
+    try {
+      this.ctx.frames.publish(this.pending, this.req.replyTo, frame);
+    } catch {
+      this.abort('closed'); // the connection is closed: this process can no longer answer
+    }
+  }
+
+  /** NATS went away: hold frames from now on. */
+  pause(): void {
+    this.paused = true;
+  }
+
+  /**
+   * After a reconnect: publish again the frames not known to be stored, and the held ones, only
+   * if no later delivery took the request over meanwhile. A failed check is retried by the sweep.
+   */
+  async resume(): Promise<void> {
+    if (this.resuming || !this.paused || this.signal.aborted) return;
+    this.resuming = true;
+    try {
+      if (!this.recorded) {
+        const rev = (await this.ctx.claims.revision(this.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
+        if (!this.ctx.isConnected() || this.signal.aborted) return;
+        if (rev !== this.revision) return this.abort('superseded');
+      }
+      if (!this.ctx.isConnected()) return;
+      this.paused = false;
+      this.ctx.frames.resend(this.pending, true);
+      for (const f of this.held.splice(0)) this.send(f);
+    } catch (err) {
+      this.ctx.log(`request ${this.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames`);
+    } finally {
+      this.resuming = false;
+    }
+  }
+
+  /** The periodic sweep, while connected: a paused attempt tries to resume, unstored frames go out again. */
+  sweep(): void {
+    if (this.signal.aborted) return;
+    if (this.paused) void this.resume();
+    else if (this.pending.size > 0) this.ctx.frames.resend(this.pending);
+  }
+
+  /** Checks (every ⅓ ack_wait) that this attempt still owns its request. */
+  check(): void {
+    if (this.concluding) return;
+    if (this.paused) {
+      if (this.ctx.isConnected()) void this.resume();
+      return;
+    }
+    this.ctx.claims.revision(this.req.id).then(
+      (rev) => {
+        if (!this.concluding && rev !== null && rev !== this.revision) this.abort('superseded');
+      },
+      () => undefined, // a failed check proves nothing; the finish CAS is the last word
+    );
+  }
+
+  /** Resolves a delivery after its engine call (or a failure before it). */
+  async settle(outcome: Outcome): Promise<void> {
+    const m = this.msg;
+    switch (outcome.kind) {
+      case 'finish':
+        return this.conclude(outcome.frame, outcome.resolve);
+      case 'aborted':
+        if (outcome.reason === 'cancelled') {
+          // Recorded as finished so no later delivery regenerates it; nobody listens to the frame.
+          this.ctx.stats.cancelled += 1;
+          return this.conclude(errorFrame(this.nextSeq, 499, 'cancelled', 'client_closed', 'the client went away'), 'term');
+        }
+        if (outcome.reason === 'shutdown') {
+          m.nak(); // hand it to another bridge now; it resumes after our frames
+          this.ctx.stats.nakked += 1;
+        }
+        return;
+      case 'retry': {
+        const delivery = m.info.deliveryCount;
+        const delay = Math.min(this.ctx.retryDelayMs * 2 ** (delivery - 1), 30_000);
+        if (delivery >= this.ctx.maxDeliver) {
+          return this.conclude(errorFrame(this.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`), 'term');
+        }
+        if (Date.now() + delay >= this.req.deadline) {
+          return this.conclude(errorFrame(this.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
+        }
+        this.ctx.log(`request ${this.req.id}: ${outcome.reason}; retrying in ${delay} ms`);
+        m.nak(delay);
+        this.ctx.stats.nakked += 1;
+        return;
+      }
+    }
+  }
+
+  /**
+   * Publishes the terminal `frame`, records it in the claim and resolves the message. Connected
+   * and holding nothing (the usual case), the frame goes out first and the claim's CAS follows,
+   * off the client's path; otherwise the CAS comes first and proves we still own the request.
+   * Superseded (the CAS fails): nothing more is published and the message is left to its owner.
+   * A first delivery that wrote no claim and published its terminal frame writes none at all:
+   * `MAGUS_RESPONSES` holds the frame, and a redelivery (a lost ack) reads it back and replays it.
+   */
+  async conclude(frame: ResponseFrame, resolve: 'ack' | 'term'): Promise<void> {
+    const { ctx } = this;
+    this.concluding = true;
+    const early = ctx.isConnected() && !this.paused && !this.signal.aborted;
+    if (early) {
+      try {
+        ctx.frames.publish(this.pending, this.req.replyTo, frame);
+      } catch {
+        this.abort('closed');
+        return;
+      }
+      if (this.revision === 0) {
+        await this.whenStored();
+        if (this.signal.aborted) return; // superseded or closed while waiting: not ours to resolve
+        return this.resolveMessage(frame, resolve);
+      }
+    }
+    // NATS may be reconnecting: retry a while (a retry recognises its own lost write). If we
+    // cannot finish before JetStream redelivers, the next delivery takes over and our CAS fails.
+    const giveUpAt = Date.now() + 2 * ctx.ackWaitMs;
+    let finished: boolean;
+    for (;;) {
+      while (!ctx.isConnected() && !ctx.nc.isClosed() && Date.now() < giveUpAt) await new Promise((resolve) => setTimeout(resolve, 50));
+      try {
+        finished = await ctx.claims.finish(this.req.id, this.claim, this.revision, frame);
+        break;
+      } catch (err) {
+        if (Date.now() > giveUpAt || ctx.nc.isClosed()) throw err;
+        ctx.log(`request ${this.req.id}: finishing the claim failed (${(err as Error).message}); retrying`);
+        await new Promise((resolve) => setTimeout(resolve, 250));
+      }
+    }
+    if (finished) this.recorded = true;
+    else {
+      this.abort('superseded');
+      ctx.log(`request ${this.req.id}: taken over by a later delivery; ${early ? 'its terminal frame was already sent (the gateway keeps the first)' : 'not answering'}`);
+      return;
+    }
+    if (!early) {
+      // The CAS proved we own the request: publish what is held and the terminal frame.
+      this.paused = false;
+      ctx.frames.resend(this.pending, true);
+      for (const f of this.held.splice(0)) ctx.frames.publish(this.pending, this.req.replyTo, f);
+      ctx.frames.publish(this.pending, this.req.replyTo, frame);
+    }
+    await this.whenStored();
+    this.resolveMessage(frame, resolve);
+  }
+
+  /** Its delivery is done with: late acknowledgements of its frames are ignored. */
+  end(): void {
+    this.ctx.frames.forget(this.pending);
+  }
+
+  /**
+   * Before the delivery is resolved: until every frame it published is stored (a redelivery then
+   * finds the whole answer), at most `storeWaitMs`.
+   */
+  private async whenStored(): Promise<void> {
+    const { pending, ctx } = this;
+    if (pending.size === 0) return;
+    if (await pending.allStored(ctx.storeWaitMs, this.signal)) return;
+    if (this.signal.aborted) return;
+    ctx.stats.framesUnstored += pending.size;
+    ctx.log(`request ${this.req.id}: ${pending.size} frame(s) not acknowledged by ${ctx.responseStream} within ${ctx.storeWaitMs} ms; resolving it anyway`);
+  }
+
+  /** Acks or terms the delivery once its terminal frame is out. */
+  private resolveMessage(frame: ResponseFrame, resolve: 'ack' | 'term'): void {
+    if (resolve === 'ack') {
+      this.msg.ack();
+      this.ctx.stats.acked += 1;
+    } else {
+      this.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
+      this.ctx.stats.termed += 1;
+    }
+  }
+}

@@ -1,0 +1,173 @@
+/**
+ * A bridge's upkeep of its instance's request consumer (README.md one folder up, "After a NATS
+ * restart"): it pulls through one `consume()` at a time, pulls afresh from a new consumer leader,
+ * creates the consumer again after a reconnect when the server lost it, and watches its
+ * heartbeats and presence for the bridge's health.
+ */
+import { ConsumerEvents, millis, type Consumer, type ConsumerConfig, type ConsumerMessages, type JetStreamClient, type JetStreamManager, type NatsConnection, type Subscription } from 'nats';
+import { restoreConsumer } from '../consumers';
+import { declareOnReconnect } from '../declare';
+import { consumerNameOf, type DataPlaneNames } from '../names';
+import type { BridgeStats } from './metrics';
+
+export interface RequestConsumerOptions {
+  nc: NatsConnection;
+  js: JetStreamClient;
+  jsm: JetStreamManager;
+  names: DataPlaneNames;
+  pool: string;
+  instance: string;
+  /** Requests pulled at once (`max_messages` of each `consume()`). */
+  slots: number;
+  stats: BridgeStats;
+  log: (line: string) => void;
+  /** Logs and counts an unexpected failure. */
+  failed: (what: string, err: unknown) => void;
+}
+
+export class RequestConsumer {
+  private messages!: ConsumerMessages;
+  private missing = false;
+  private lastHeartbeatMissAt = 0;
+  private lastMessageAt = 0;
+  private elected?: Subscription;
+  /** Its bridge is stopping: it neither restores the consumer nor pulls afresh any more. */
+  private stopping = false;
+
+  private constructor(
+    private readonly opts: RequestConsumerOptions,
+    private readonly consumer: Consumer,
+    /** The consumer's configuration when the bridge started: what it is created again with. */
+    readonly config: ConsumerConfig,
+  ) {}
+
+  /** Gets the instance's consumer (it must exist: ensureInstanceConsumer); pulls nothing yet. */
+  static async open(opts: RequestConsumerOptions): Promise<RequestConsumer> {
+    const consumer = await opts.js.consumers.get(opts.names.requestStream, consumerNameOf(opts.pool, opts.instance));
+    const { config } = await consumer.info();
+    if ((config.max_ack_pending ?? 0) !== opts.slots) opts.log(`consumer max_ack_pending is ${config.max_ack_pending}, bridge slots ${opts.slots}`);
+    return new RequestConsumer(opts, consumer, config);
+  }
+
+  /** The consumer's `ack_wait`. */
+  get ackWaitMs(): number {
+    return millis(this.config.ack_wait ?? 30_000_000_000);
+  }
+
+  /** The consumer's `max_deliver` (Infinity: unbounded). */
+  get maxDeliver(): number {
+    return this.config.max_deliver !== undefined && this.config.max_deliver > 0 ? this.config.max_deliver : Infinity;
+  }
+
+  /** The `consume()` pulling now; a new one replaces it (a pull loop moves over to it when this one ends). */
+  get current(): ConsumerMessages {
+    return this.messages;
+  }
+
+  /** Starts pulling, and keeps the consumer and its pull up after reconnects and leader elections. */
+  async start(): Promise<void> {
+    const { nc, jsm, names, log, failed } = this.opts;
+    const isStopping = () => this.stopping;
+    // Pulls through one `consume()` at a time; a new one replaces it when the consumer had to be
+    // created again (the old one would only notice after its heartbeats went missing, ~30 s).
+    this.messages = await this.consumer.consume({ max_messages: this.opts.slots });
+    this.watch(this.messages);
+
+    // A server that restarted without its store (or lost the consumer some other way) would leave
+    // this bridge pulling from nothing: after every reconnect it creates its consumer again, as it
+    // was, unless it is stopping (a destroyed instance's consumer is deleted after its bridge stops).
+    await declareOnReconnect(
+      nc,
+      async () => {
+        if (!(await restoreConsumer(jsm, names.requestStream, this.config)) || isStopping()) return;
+        log('request consumer was missing: created again');
+        await this.pullAfresh();
+      },
+      { what: 'request consumer', log, isDone: isStopping },
+    );
+
+    // On a cluster the consumer (replicated like its stream) has a leader, which holds this
+    // bridge's pull requests. A new leader (the old one's server died, or stepped down) knows
+    // nothing of them: the old consume() would wait for its heartbeats to go missing (2 × 15 s)
+    // before it pulled again, and until then no request is delivered. The server announces every
+    // election: pull afresh from the new leader at once (measured, test/nats-cluster.int.test.ts:
+    // a leader's SIGKILL paused clients ~30 s without this, ~7–10 s with it — the election).
+    const durable = this.config.durable_name ?? consumerNameOf(this.opts.pool, this.opts.instance);
+    this.elected = nc.subscribe(`$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.${durable}`, {
+      callback: (err) => {
+        if (err || isStopping() || nc.isClosed()) return;
+        log('request consumer has a new leader: pulling from it');
+        this.pullAfresh().catch((e: unknown) => failed('pulling from the new consumer leader', e));
+      },
+    });
+  }
+
+  /** A message arrived: the consumer is there and its heartbeats are no longer news. */
+  delivered(): void {
+    this.lastMessageAt = Date.now();
+    this.missing = false;
+  }
+
+  /** What is wrong with the consumer, for the bridge's health. */
+  problems(): string[] {
+    const problems: string[] = [];
+    if (this.missing) problems.push('request consumer missing');
+    if (this.lastHeartbeatMissAt > this.lastMessageAt && Date.now() - this.lastHeartbeatMissAt < 2 * 30_000) problems.push('consumer heartbeats missed');
+    return problems;
+  }
+
+  /** The connection was closed from under us: stops pulling at once. */
+  connectionClosed(): void {
+    this.messages.stop();
+  }
+
+  /**
+   * The bridge stops: no more restoring or pulling afresh; stops pulling at once when the
+   * connection is closed, else by closing the `consume()` (which its pull loop awaits).
+   */
+  stopPulling(): Promise<unknown> {
+    this.stopping = true;
+    if (this.opts.nc.isClosed()) {
+      this.messages.stop();
+      return Promise.resolve();
+    }
+    return this.messages.close();
+  }
+
+  /** Stops watching for leader elections. */
+  close(): void {
+    this.elected?.unsubscribe();
+  }
+
+  /** Pulls through a new `consume()` from now on; the pull loop moves over to it. */
+  private async pullAfresh(): Promise<void> {
+    const old = this.messages;
+    this.messages = await this.consumer.consume({ max_messages: this.opts.slots });
+    this.watch(this.messages);
+    old.stop();
+  }
+
+  private watch(current: ConsumerMessages): void {
+    const { stats, log } = this.opts;
+    void (async () => {
+      for await (const s of await current.status()) {
+        switch (s.type) {
+          case ConsumerEvents.HeartbeatsMissed:
+            stats.heartbeatsMissed += 1;
+            this.lastHeartbeatMissAt = Date.now();
+            log(`consumer heartbeats missed (${String(s.data)})`);
+            break;
+          case ConsumerEvents.ConsumerNotFound:
+          case ConsumerEvents.ConsumerDeleted:
+          case ConsumerEvents.StreamNotFound:
+          case ConsumerEvents.NoResponders:
+            this.missing = true;
+            log(`consumer unavailable: ${s.type}`);
+            break;
+          default:
+            break;
+        }
+      }
+    })().catch(() => undefined);
+  }
+}

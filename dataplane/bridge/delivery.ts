@@ -1,0 +1,172 @@
+/**
+ * Serving one delivery of a request to its end (README.md one folder up, "Exactly one answer per
+ * request id", rules 1 and 3): checked at the trust boundary, dropped when its client went away,
+ * served by a first attempt that writes no claim, or — a redelivery — claimed, replayed when it
+ * was answered already, and resumed after the frames an earlier attempt published.
+ */
+import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
+import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { RequestClaims } from '../claims';
+import { encodeFrame } from '../frames';
+import type { DataPlaneNames } from '../names';
+import { readStoredFrames } from '../response-stream';
+import type { Attempt, Outcome } from './attempt';
+import type { LiveAttempts } from './attempts';
+import type { Cancels } from './cancels';
+import { BridgeErrorCode, errorFrame } from './error-frames';
+import type { BridgeStats } from './metrics';
+import { parseInferenceRequest } from './requests';
+
+/** What serving a delivery needs of its bridge. */
+export interface DeliveryContext {
+  nc: NatsConnection;
+  js: JetStreamClient;
+  jsm: JetStreamManager;
+  names: DataPlaneNames;
+  claims: RequestClaims;
+  /** This bridge process, as claims name it. */
+  owner: string;
+  attempts: LiveAttempts;
+  cancels: Cancels;
+  stats: BridgeStats;
+  log: (line: string) => void;
+  /** Logs and counts an unexpected failure. */
+  failed: (what: string, err: unknown) => void;
+  /** `nak` delay when a claim or a read-back failed. */
+  retryDelayMs: number;
+  /** How often a delivery calls `working()` and its attempt checks it still owns the request. */
+  workingEveryMs: number;
+  /** Calls the engine for an attempt (generate.ts, with the bridge's engine). */
+  generate(a: Attempt, prior: ResponseFrame[]): Promise<Outcome>;
+}
+
+/** Serves one delivery to its end: resolved (ack/term/nak) unless superseded or disconnected. */
+export async function serveDelivery(ctx: DeliveryContext, m: JsMsg): Promise<void> {
+  const { nc, stats } = ctx;
+  stats.pulled += 1;
+  if (m.redelivered) stats.redelivered += 1;
+  const parsed = parseInferenceRequest(m.data, ctx.names);
+  if (!parsed.ok) {
+    ctx.log(`terminating malformed request (stream seq ${m.seq}): ${parsed.problem}`);
+    if (parsed.replyTo) {
+      nc.publish(parsed.replyTo, encodeFrame(errorFrame(0, 400, 'invalid_request_error', BridgeErrorCode.invalidRequest, parsed.problem)));
+      await nc.flush();
+    }
+    m.term(parsed.problem);
+    stats.termed += 1;
+    return;
+  }
+  const req = parsed.req;
+  if (ctx.cancels.has(req.id)) {
+    // Its client went away while it was queued: nobody waits for an answer.
+    m.term('cancelled');
+    stats.termed += 1;
+    stats.cancelled += 1;
+    return;
+  }
+  let attempt: Attempt | undefined;
+  // Keeps JetStream from redelivering it, and checks periodically that the attempt still owns it.
+  const ticker = setInterval(() => {
+    try {
+      m.working();
+    } catch {
+      // closed connection: nc.closed() aborts the attempt
+    }
+    attempt?.check();
+  }, ctx.workingEveryMs);
+  try {
+    if (!m.redelivered) return await serveFirst(ctx, m, req, (a) => (attempt = a));
+    await serveRedelivery(ctx, m, req, (a) => (attempt = a));
+  } finally {
+    clearInterval(ticker);
+  }
+}
+
+/**
+ * A first delivery. No earlier delivery exists, so nobody else can own the request and no claim
+ * is written while it runs (revision 0 = none). Connected at the end, it publishes its terminal
+ * frame and acks: no KV write at all, the stored frame is the record a redelivery finds. Cut off
+ * from NATS at the end, it creates the claim, already finished, before publishing (the CAS
+ * proves nobody took over meanwhile). A later delivery that takes over creates a claim, which
+ * this attempt notices at its periodic check and then publishes nothing more.
+ */
+async function serveFirst(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> {
+  const a = ctx.attempts.open(req, m, { attempt: 1, owner: ctx.owner, createdAt: Date.now(), state: 'running' }, 0);
+  track(a);
+  try {
+    if (Date.now() >= req.deadline) {
+      return await a.conclude(errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
+    }
+    await a.settle(await ctx.generate(a, []));
+  } finally {
+    ctx.attempts.retire(a);
+    track(undefined);
+  }
+}
+
+/** A redelivery: claims the request, replays a finished one, or resumes after what reached the server. */
+async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> {
+  const { nc, stats, log, names } = ctx;
+  let claimed: Awaited<ReturnType<RequestClaims['acquire']>>;
+  try {
+    claimed = await ctx.claims.acquire(req.id, ctx.owner);
+  } catch (err) {
+    ctx.failed(`request ${req.id}: claiming it failed; retrying later`, err);
+    m.nak(ctx.retryDelayMs);
+    stats.nakked += 1;
+    return;
+  }
+  if (claimed.kind === 'finished') {
+    // An earlier delivery answered but its ack was lost: say the same last word again.
+    if (claimed.claim.terminal) nc.publish(req.replyTo, encodeFrame(claimed.claim.terminal));
+    await nc.flush();
+    m.ack();
+    stats.acked += 1;
+    stats.replayed += 1;
+    return;
+  }
+  const a = ctx.attempts.open(req, m, claimed.claim, claimed.revision);
+  track(a);
+  try {
+    // A redelivery: an earlier delivery may have published frames already (a first delivery
+    // writes its claim only once it has answered, so finding no claim proves nothing).
+    let prior: ResponseFrame[] = [];
+    {
+      // No frame of the request is older than the request itself (stored at `since`).
+      let stored: Awaited<ReturnType<typeof readStoredFrames>>;
+      try {
+        stored = await readStoredFrames(ctx.js, ctx.jsm, names.responseStream, req.replyTo, { since: m.info.timestampNanos / 1e6 });
+      } catch (err) {
+        // The response stream has no leader (an election) or NATS is away: what was sent cannot
+        // be known yet. Hand it back for a retry soon rather than leave it to ack_wait; the
+        // next delivery takes over from our claim.
+        ctx.failed(`request ${req.id}: reading back its frames failed; retrying in ${ctx.retryDelayMs} ms`, err);
+        m.nak(ctx.retryDelayMs);
+        stats.nakked += 1;
+        return;
+      }
+      prior = stored.frames;
+      a.nextSeq = prior.length;
+      if (prior.length > 0) {
+        stats.resumed += 1;
+        log(`request ${req.id}: attempt ${a.claim.attempt} resumes after ${prior.length} frames`);
+      }
+      const last = prior.at(-1);
+      if (last && last.type !== 'chunk') return await a.conclude(last, 'ack'); // answered, but never claimed finished
+      if (!stored.complete) {
+        // Frames of the request are gone (MAGUS_RESPONSES evicted or aged them out): what the
+        // client has cannot be known. End after the highest seq stored, which it may have.
+        stats.resumeFailed += 1;
+        log(`request ${req.id}: its earlier frames are no longer in ${names.responseStream}; ending it (resume_failed)`);
+        const seq = Math.max(prior.length, stored.highestSeq + 1);
+        return await a.conclude(errorFrame(seq, 502, 'server_error', BridgeErrorCode.resumeFailed, 'the interrupted answer could not be read back'), 'term');
+      }
+    }
+    if (Date.now() >= req.deadline) {
+      return await a.conclude(errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
+    }
+    await a.settle(await ctx.generate(a, prior));
+  } finally {
+    ctx.attempts.retire(a);
+  }
+}

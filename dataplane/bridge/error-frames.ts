@@ -1,0 +1,19 @@
+/** The error frames the bridge itself produces (engine errors carry the engine's code). */
+import type { ResponseFrame } from '../../shared/serving';
+
+/** `code` of the error frames the bridge itself produces (engine errors carry the engine's code). */
+export const BridgeErrorCode = {
+  invalidRequest: 'invalid_request',
+  deadlineExceeded: 'deadline_exceeded',
+  engineUnavailable: 'engine_unavailable',
+  engineProtocol: 'engine_protocol_error',
+  generationDiverged: 'generation_diverged',
+  resumeFailed: 'resume_failed',
+} as const;
+
+/** An `error` frame at `seq`, in the OpenAI error shape the gateway relays. */
+export const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string): ResponseFrame => ({
+  seq,
+  type: 'error',
+  error: { status, type, code, message },
+});

@@ -1,0 +1,144 @@
+/**
+ * The engine call of one attempt (engine-client.ts does the HTTP): the request with its pinned
+ * seed, the engine's chunks stamped so that attempts look alike and published as numbered frames
+ * after those an earlier attempt published — checked against them, never mixed with another
+ * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
+ */
+import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+import type { AbortReason, Attempt, Outcome } from './attempt';
+import type { EngineClient, EngineResponse } from './engine-client';
+import { BridgeErrorCode, errorFrame } from './error-frames';
+import { seedFor } from './requests';
+
+/** Makes engine output attempt-independent: the response id is the request's, `created` the first claim's. */
+function stamp(data: unknown, requestId: string, createdAt: number): unknown {
+  if (typeof data !== 'object' || data === null || Array.isArray(data)) return data;
+  return { ...data, id: `chatcmpl-${requestId}`, created: Math.floor(createdAt / 1000) };
+}
+
+/** What must be equal for two attempts' chunks to be "the same": the choices' deltas (not timings, ids …). */
+function fingerprint(frame: ResponseFrame): string {
+  if (frame.type !== 'chunk') return frame.type;
+  const choices = (frame.data as { choices?: unknown } | null)?.choices;
+  if (!Array.isArray(choices)) return 'no-choices';
+  return JSON.stringify(
+    choices.map((c: { index?: unknown; delta?: unknown; finish_reason?: unknown }) => [c.index ?? 0, c.delta ?? null, c.finish_reason ?? null]),
+  );
+}
+
+async function engineErrorBody(res: EngineResponse): Promise<{ message: string; type?: string; code?: string | null }> {
+  const text = await res.text().catch(() => '');
+  try {
+    const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown } | string }).error;
+    if (typeof e === 'string') return { message: e };
+    if (e && typeof e.message === 'string') {
+      return { message: e.message, type: typeof e.type === 'string' ? e.type : undefined, code: typeof e.code === 'string' ? e.code : null };
+    }
+  } catch {
+    // not JSON: use the text
+  }
+  return { message: text.slice(0, 500) || `HTTP ${res.status}` };
+}
+
+/** Statuses worth a retry: the engine is busy, loading or broken, not the request. */
+const transientStatus = (s: number) => s === 408 || s === 429 || s >= 500;
+
+/** Why an engine call was cut (preallocated: see generate). */
+const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name: 'TimeoutError' });
+const READ_NO_FURTHER = Object.assign(new Error('the bridge reads no further'), { name: 'AbortError' });
+
+/** Whether a `chat.completion.chunk` carries text (the role-only first chunk does not). */
+function carriesText(chunk: unknown): boolean {
+  const content = (chunk as { choices?: { delta?: { content?: unknown } }[] } | null)?.choices?.[0]?.delta?.content;
+  return typeof content === 'string' && content.length > 0;
+}
+
+/** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
+export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number): Promise<Outcome> {
+  const { req } = a;
+  const stream = req.body.stream === true;
+  const body: ChatCompletionRequest = { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
+  const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
+  // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
+  // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
+  // costs more than the rest of this function.
+  const local = new AbortController();
+  const signal = local.signal;
+  const onAttemptAbort = () => local.abort(a.signal.reason);
+  a.signal.addEventListener('abort', onAttemptAbort, { once: true });
+  const timer = setTimeout(() => local.abort(ENGINE_TIMEOUT), timeout);
+  const aborted = (): Outcome | null => {
+    if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
+    if (Date.now() >= req.deadline) return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed while the engine was generating') };
+    if (signal.aborted) return { kind: 'retry', reason: `engine call exceeded ${requestTimeoutMs} ms` };
+    return null;
+  };
+  const diverged = (): Outcome => ({
+    kind: 'finish',
+    resolve: 'term',
+    frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
+  });
+  try {
+    const res = await engine.post('/v1/chat/completions', JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
+    if (res.status < 200 || res.status > 299) {
+      const e = await engineErrorBody(res);
+      if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
+      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message) };
+    }
+    if (!stream) {
+      const completion: unknown = JSON.parse(await res.text());
+      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: stamp(completion, req.id, a.claim.createdAt) } };
+    }
+    if (!res.contentType.includes('text/event-stream')) {
+      res.cancel();
+      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)') };
+    }
+    let seq = 0;
+    let firstToken = false;
+    // A batch is what one read of the engine's body completed: its frames are published in one
+    // go, so NATS gets them in one write instead of one per event — except that the frames up
+    // to the answer's first token go out ahead of the rest of their batch (time to first token).
+    read: for await (const batch of res.eventBatches()) {
+      for (const [i, event] of batch.entries()) {
+        if (event.trim() === '[DONE]') break read;
+        let data: unknown;
+        try {
+          data = JSON.parse(event);
+        } catch {
+          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event') };
+        }
+        const engineError = (data as { error?: { message?: string } } | null)?.error;
+        if (engineError) {
+          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
+        }
+        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, req.id, a.claim.createdAt) };
+        const before = prior[seq];
+        if (before) {
+          if (fingerprint(before) !== fingerprint(frame)) return diverged();
+        } else {
+          a.send(frame);
+          a.nextSeq = seq + 1;
+        }
+        seq += 1;
+        if (a.signal.aborted) break read;
+        if (!firstToken && carriesText(data)) {
+          firstToken = true;
+          if (i < batch.length - 1) await new Promise<void>((resolve) => setImmediate(resolve)); // NATS flushes it now
+          if (a.signal.aborted) break read;
+        }
+      }
+    }
+    const stopped = aborted();
+    if (stopped) return stopped;
+    if (seq < prior.length) return diverged();
+    return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done' } };
+  } catch (err) {
+    // Aborted (ours, deadline, timeout) or the engine is unreachable / died mid-answer: a later
+    // attempt resumes after the frames already sent, so a retry is safe.
+    return aborted() ?? { kind: 'retry', reason: `engine unreachable: ${(err as { cause?: Error }).cause?.message ?? (err as Error).message}` };
+  } finally {
+    clearTimeout(timer);
+    a.signal.removeEventListener('abort', onAttemptAbort);
+    local.abort(READ_NO_FURTHER);
+  }
+}

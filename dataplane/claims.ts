@@ -1,0 +1,89 @@
+/**
+ * `magus_claims`: who owns the current attempt at a request, and how it ended (README.md,
+ * "Exactly one answer per request id"). The bucket is declared by declare.ts; bridges bind it.
+ */
+import type { JetStreamClient, KV } from 'nats';
+import type { ResponseFrame } from '../shared/serving';
+import { isRevisionConflict } from './errors';
+import { decodeJson, encodeJson } from './json';
+import type { DataPlaneNames } from './names';
+
+/**
+ * `magus_claims` entry: which delivery of a request owns it, and how it ended. Created by the
+ * first delivery (KV create = CAS), taken over by every later delivery (CAS on the revision), and
+ * finished (CAS) by the owner *before* it publishes the terminal frame, which it records here so
+ * a later delivery can re-publish exactly that frame.
+ */
+export interface RequestClaim {
+  attempt: number;
+  /** Bridge process that owns the current attempt (for logs). */
+  owner: string;
+  /** Epoch ms of the first claim: every attempt stamps chunks with it, so attempts look alike. */
+  createdAt: number;
+  state: 'running' | 'finished';
+  terminal?: ResponseFrame;
+}
+
+export type ClaimResult =
+  | { kind: 'fresh' | 'takeover'; claim: RequestClaim; revision: number }
+  | { kind: 'finished'; claim: RequestClaim; revision: number };
+
+export interface RequestClaims {
+  /** Claims request `id` for this delivery: fresh, taken over from an earlier delivery, or already finished. */
+  acquire(id: string, owner: string): Promise<ClaimResult>;
+  /**
+   * Marks the attempt holding `revision` finished with `terminal`; false when a later delivery
+   * has taken the request over (the caller must then publish nothing more). Revision 0: a first
+   * delivery that wrote no claim while it ran — the claim is created, already finished, and any
+   * claim found instead means it was taken over. Safe to retry after an error (a lost reply): a
+   * retry recognises its own earlier write.
+   */
+  finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame): Promise<boolean>;
+  /** The claim's current revision (null when absent): an owner compares it with its own. */
+  revision(id: string): Promise<number | null>;
+}
+
+/** Binds the claims bucket (declared by `ensureDataPlane`, declare.ts). */
+export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames): Promise<RequestClaims> {
+  const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true });
+  const read = async (id: string) => {
+    const e = await kv.get(id);
+    return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
+  };
+  return {
+    async acquire(id, owner) {
+      const fresh: RequestClaim = { attempt: 1, owner, createdAt: Date.now(), state: 'running' };
+      // A few rounds: a conflict means another party moved the claim in between (e.g. the
+      // superseded owner finishing at the same moment); re-read and decide again.
+      for (let round = 0; round < 5; round += 1) {
+        const current = await read(id);
+        try {
+          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(id, encodeJson(fresh)) };
+          if (current.claim.state === 'finished') return { kind: 'finished', ...current };
+          const next: RequestClaim = { ...current.claim, attempt: current.claim.attempt + 1, owner };
+          return { kind: 'takeover', claim: next, revision: await kv.update(id, encodeJson(next), current.revision) };
+        } catch (err) {
+          if (!isRevisionConflict(err)) throw err;
+        }
+      }
+      throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
+    },
+    async finish(id, claim, revision, terminal) {
+      const finished: RequestClaim = { ...claim, state: 'finished', terminal };
+      try {
+        if (revision === 0) await kv.create(id, encodeJson(finished));
+        else await kv.update(id, encodeJson(finished), revision);
+        return true;
+      } catch (err) {
+        if (!isRevisionConflict(err)) throw err;
+        // Either superseded, or this is a retry of a finish whose reply was lost: only the
+        // latter leaves exactly our value behind.
+        const current = await read(id);
+        return current !== null && JSON.stringify(current.claim) === JSON.stringify(finished);
+      }
+    },
+    async revision(id) {
+      return (await read(id))?.revision ?? null;
+    },
+  };
+}

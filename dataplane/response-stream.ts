@@ -1,0 +1,115 @@
+/**
+ * Reading `MAGUS_RESPONSES` back: the frames of one response subject as the stream stored them
+ * (a take-over learns what its client may already have; a gateway back from an outage fetches
+ * what it missed), and whether the stream keeps frames as long as take-overs need them.
+ */
+import type { JetStreamClient, JetStreamManager } from 'nats';
+import type { ResponseFrame } from '../shared/serving';
+import { ResponseStreamMetadata } from './declare';
+import { JsApiError, jsErrorCode } from './errors';
+import { decodeFrame, FrameSequencer } from './frames';
+
+/** What {@link readStoredFrames} found of one response subject. */
+export interface StoredFrames {
+  /** Frames 0..k in order, each seq once: what a {@link FrameSequencer} would have relayed. */
+  frames: ResponseFrame[];
+  /** Frames stored beyond a missing seq, in seq order: a reader that has the missing ones (a gateway back from an outage) can still use them. */
+  beyondGap: ResponseFrame[];
+  /** The highest seq stored (−1: none). */
+  highestSeq: number;
+  /**
+   * False when frames of the subject are gone (aged out, or evicted by a full stream: a missing
+   * seq, or with `since`, nothing left although the stream dropped frames published after it):
+   * then what was sent cannot be known, and the prefix cannot be trusted.
+   */
+  complete: boolean;
+}
+
+/**
+ * The frames of `subject` that reached the server, read from the response stream `stream`
+ * (`names.responseStream`). `since` (epoch ms, server time: e.g. when the request was stored)
+ * says no frame of the subject is older: finding none then proves nothing was sent only if the
+ * stream has dropped nothing younger since — a stream that evicts under pressure can have lost
+ * every frame of a request, and a take-over that took that for "nothing sent" would restart an
+ * answer the client already has part of. (A stream declared again after it was lost, e.g. a
+ * restarted server, has dropped nothing: what it holds is what there is.) A read that does not
+ * reach the subject's last stored frame within `timeoutMs` (a stream leader still catching up
+ * after an election) throws: frames it did not get are not frames that are gone.
+ */
+export async function readStoredFrames(
+  js: JetStreamClient,
+  jsm: JetStreamManager,
+  stream: string,
+  subject: string,
+  opts: { since?: number; timeoutMs?: number } = {},
+): Promise<StoredFrames> {
+  let lastSeq: number;
+  try {
+    lastSeq = (await jsm.streams.getMessage(stream, { last_by_subj: subject })).seq;
+  } catch (err) {
+    if (jsErrorCode(err) !== JsApiError.noMessage) throw err;
+    const dropped = opts.since !== undefined && (await droppedSince(jsm, stream, opts.since));
+    return { frames: [], beyondGap: [], highestSeq: -1, complete: !dropped };
+  }
+  const sequencer = new FrameSequencer();
+  const frames: ResponseFrame[] = [];
+  let highestSeq = -1;
+  let malformed = false;
+  const consumer = await js.consumers.get(stream, { filterSubjects: [subject] });
+  const messages = await consumer.consume({ max_messages: 256 });
+  const timer = setTimeout(() => void messages.close(), opts.timeoutMs ?? 10_000);
+  let reachedEnd = false;
+  try {
+    for await (const m of messages) {
+      const frame = decodeFrame(m.data);
+      if (frame) {
+        frames.push(...sequencer.push(frame));
+        highestSeq = Math.max(highestSeq, frame.seq);
+      } else malformed = true;
+      if (m.seq >= lastSeq) {
+        reachedEnd = true;
+        break;
+      }
+    }
+  } finally {
+    clearTimeout(timer);
+    await messages.close();
+  }
+  // Not gone, unread (an election's new leader can take longer than the timeout to deliver):
+  // the caller retries rather than end an answer it cannot see (the cluster test saw a
+  // take-over end a live answer with resume_failed at seq 0 this way).
+  if (!reachedEnd) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
+  return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
+}
+
+/** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger). */
+async function droppedSince(jsm: JetStreamManager, stream: string, since: number): Promise<boolean> {
+  const { created, state } = await jsm.streams.info(stream);
+  return Date.parse(created) <= since && state.messages > 0 && Date.parse(state.first_ts) > since;
+}
+
+/** What {@link responseStreamState} reports of `MAGUS_RESPONSES`: whether it keeps frames as long as take-overs need them. */
+export interface ResponseStreamState {
+  /** Age of the oldest stored frame (undefined: none stored). */
+  oldestFrameAgeMs: number | undefined;
+  /** How long frames must stay (`responseRetentionMs` as declared; undefined for a stream declared without it). */
+  requiredRetentionMs: number | undefined;
+  bytes: number;
+  maxBytes: number;
+}
+
+/**
+ * The response stream's retention as it is now. A full stream (`bytes` near `maxBytes`) whose
+ * oldest frame is younger than the required retention is evicting frames a take-over may still
+ * need: the stream is too small for the traffic.
+ */
+export async function responseStreamState(jsm: JetStreamManager, stream: string): Promise<ResponseStreamState> {
+  const { config, state } = await jsm.streams.info(stream);
+  const required = Number(config.metadata?.[ResponseStreamMetadata.retentionMs]);
+  return {
+    oldestFrameAgeMs: state.messages > 0 ? Math.max(0, Date.now() - Date.parse(state.first_ts)) : undefined,
+    requiredRetentionMs: Number.isFinite(required) && required > 0 ? required : undefined,
+    bytes: state.bytes,
+    maxBytes: config.max_bytes,
+  };
+}
