@@ -4,8 +4,10 @@
  * turns a request into text. Shared by the real engine (node-llama-cpp) and the stub engine
  * (test/fixtures/stub-engine.ts), so both speak exactly the same HTTP.
  */
+import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
-import type { ChatMessage, CompletionUsage } from '../shared/serving';
+import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, StringEnum, type ChatMessage } from '../shared/chat';
+import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length';
@@ -111,59 +113,32 @@ export const unavailable = (message: string): EngineHttpError => new EngineHttpE
 
 const nullable = <T extends string>(type: T): [T, 'null'] => [type, 'null'];
 
+/** Each of `properties`, optional and also `null` (OpenAI's clients send `null` for "not given"). */
+function orNull<P extends TProperties>(properties: P): { [K in keyof P]: TOptional<TUnion<[P[K], TNull]>> } {
+  const out: Record<string, TSchema> = {};
+  for (const [key, schema] of Object.entries(properties)) out[key] = Type.Optional(Type.Union([Type.Optional(schema, false), Type.Null()]));
+  return out as { [K in keyof P]: TOptional<TUnion<[P[K], TNull]>> };
+}
+
 /**
- * JSON schema of the request body. Unknown fields are ignored (as `dllama-api` does); fields the
- * engine cannot honour with another value (`n`) are rejected. Validated without type coercion.
+ * JSON schema of the request body: the request the bridge forwards (shared/chat.ts
+ * `ChatCompletionRequest`: same fields, same bounds), as leniently as `dllama-api`'s own clients
+ * need — `model` optional and unchecked, `developer` messages (OpenAI's newer `system`) with an
+ * ignored `name`, any optional field `null` — plus `max_completion_tokens` and `n` (only 1), which
+ * such clients send. Unknown fields are ignored (as `dllama-api` does); fields the engine cannot
+ * honour with another value (`n`) are rejected. Validated without type coercion.
  */
-export const chatCompletionBodySchema = {
-  type: 'object',
-  required: ['messages'],
-  properties: {
-    model: { type: 'string' },
-    messages: {
-      type: 'array',
-      minItems: 1,
-      items: {
-        type: 'object',
-        required: ['role', 'content'],
-        properties: {
-          role: { type: 'string', enum: ['system', 'developer', 'user', 'assistant'] },
-          content: { type: 'string' },
-          name: { type: 'string' },
-        },
-      },
-    },
-    stream: { type: nullable('boolean') },
-    stream_options: { type: nullable('object'), properties: { include_usage: { type: 'boolean' } } },
-    max_tokens: { type: nullable('integer'), minimum: 1 },
-    max_completion_tokens: { type: nullable('integer'), minimum: 1 },
-    temperature: { type: nullable('number'), minimum: 0, maximum: 2 },
-    top_p: { type: nullable('number'), minimum: 0, maximum: 1 },
-    seed: { type: nullable('integer') },
-    // `items`, `maxItems` apply to the array form only, `minLength` to the string form only.
-    stop: { type: ['string', 'array', 'null'], minLength: 1, maxItems: 4, items: { type: 'string', minLength: 1 } },
-    n: { type: nullable('integer'), minimum: 1, maximum: 1 },
-    frequency_penalty: { type: nullable('number'), minimum: -2, maximum: 2 },
-    presence_penalty: { type: nullable('number'), minimum: -2, maximum: 2 },
-  },
-} as const;
+export const chatCompletionBodySchema = Type.Object({
+  model: Type.Optional(Type.String()),
+  messages: Type.Array(
+    Type.Object({ role: StringEnum(['system', 'developer', 'user', 'assistant']), content: Type.String(), name: Type.Optional(Type.String()) }),
+    { minItems: 1 },
+  ),
+  ...orNull({ ...Type.Omit(ChatCompletionRequest, ['model', 'messages']).properties, max_completion_tokens: OpenAiChatBody.properties.max_completion_tokens, n: Type.Integer({ minimum: 1, maximum: 1 }) }),
+});
 
 /** The body as the schema admits it. */
-export interface ChatCompletionBody {
-  model?: string;
-  messages: { role: 'system' | 'developer' | 'user' | 'assistant'; content: string; name?: string }[];
-  stream?: boolean | null;
-  stream_options?: { include_usage?: boolean } | null;
-  max_tokens?: number | null;
-  max_completion_tokens?: number | null;
-  temperature?: number | null;
-  top_p?: number | null;
-  seed?: number | null;
-  stop?: string | string[] | null;
-  n?: number | null;
-  frequency_penalty?: number | null;
-  presence_penalty?: number | null;
-}
+export type ChatCompletionBody = Static<typeof chatCompletionBodySchema>;
 
 /** Applies defaults to a body that passed {@link chatCompletionBodySchema}. */
 export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
@@ -193,9 +168,16 @@ export function paramPath(instancePath: string, child?: string): string | null {
 
 const TYPE_NAMES: Record<string, string> = { integer: 'an integer', number: 'a number', string: 'a string', boolean: 'a boolean', object: 'an object', array: 'an array' };
 
-/** The first schema violation as a 400 in OpenAI's shape, naming the offending `param`. */
+/** How deep in the body an error points (a missing property counts as one level below its object). */
+const depth = (e: FastifySchemaValidationError): number => e.instancePath.split('/').length + (e.keyword === 'required' ? 1 : 0);
+
+/**
+ * The schema violation as a 400 in OpenAI's shape, naming the offending `param`. In an `anyOf` (a
+ * nullable field, `stop`) every branch reports: the error deepest in the body is the one that
+ * says what is wrong (`stop[1]`, not `stop`), and the types of all branches are what was expected.
+ */
 export function validationFailure(errors: readonly FastifySchemaValidationError[]): EngineHttpError {
-  const e = errors[0];
+  const e = errors.reduce<FastifySchemaValidationError | undefined>((best, o) => (best === undefined || depth(o) > depth(best) ? o : best), undefined);
   if (e === undefined) return invalidRequest('Invalid request body.');
   const params = e.params;
   if (e.keyword === 'required') {
@@ -205,11 +187,9 @@ export function validationFailure(errors: readonly FastifySchemaValidationError[
   const param = paramPath(e.instancePath);
   const name = param ?? 'body';
   if (e.keyword === 'type') {
-    const types = String(params.type)
-      .split(',')
-      .filter((t) => t !== 'null')
-      .map((t) => TYPE_NAMES[t] ?? t);
-    return invalidRequest(`Invalid type for '${name}': expected ${types.join(' or ')}.`, param, 'invalid_type');
+    const types = new Set(errors.filter((o) => o.keyword === 'type' && o.instancePath === e.instancePath).flatMap((o) => String(o.params.type).split(',')));
+    types.delete('null');
+    return invalidRequest(`Invalid type for '${name}': expected ${[...types].map((t) => TYPE_NAMES[t] ?? t).join(' or ')}.`, param, 'invalid_type');
   }
   if (e.keyword === 'enum') {
     const allowed = (params.allowedValues as unknown[]).map(String).join(', ');

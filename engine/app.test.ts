@@ -7,7 +7,9 @@ import type { FastifyInstance } from 'fastify';
 import { invalidRequest, normalizeRequest, paramPath, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult } from './api';
 import { createEngineHttp } from './app';
 import { EngineCore } from './core';
-import { ENGINE_USAGE_ERROR, parseEngineArgs } from './options';
+import { parseEngineArgs } from './options';
+import { USAGE_ERROR as ENGINE_USAGE_ERROR } from '../platform/cli';
+import { until } from '../test/harness/wait';
 
 /** A backend whose generations finish when the test says so. */
 class ScriptedBackend implements CompletionBackend {
@@ -26,10 +28,6 @@ class ScriptedBackend implements CompletionBackend {
 }
 
 const body = (content = 'hi', extra: Record<string, unknown> = {}) => ({ messages: [{ role: 'user', content }], ...extra });
-const until = async (cond: () => boolean): Promise<void> => {
-  for (let i = 0; i < 200 && !cond(); i++) await new Promise((r) => setTimeout(r, 5));
-  expect(cond()).toBe(true);
-};
 
 describe('engine HTTP layer', () => {
   let core: EngineCore;
@@ -70,7 +68,7 @@ describe('engine HTTP layer', () => {
     core.ready(backend);
     expect((await get('/health')).statusCode).toBe(200);
     const answer = complete(body());
-    await until(() => backend.pending.length === 1);
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     backend.pending[0]!.io.onText('hel');
     backend.pending[0]!.finish({ text: 'hello', finishReason: 'stop', completionTokens: 2, cachedPromptTokens: 1 });
     const res = await answer;
@@ -82,9 +80,9 @@ describe('engine HTTP layer', () => {
   test('drain turns queued requests away with 503, lets the running one finish; abortInFlight ends it with 503', async () => {
     core.ready(backend);
     const running = complete(body('one'));
-    await until(() => backend.pending.length === 1);
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     const queued = complete(body('two'));
-    await until(() => core.slots.queued === 1);
+    await until('a request queued for a slot', () => core.slots.queued === 1, 5_000);
     core.drain();
     expect((await queued).statusCode).toBe(503);
     expect((await get('/health')).json()).toMatchObject({ status: 'stopping' });
@@ -103,7 +101,7 @@ describe('engine HTTP layer', () => {
     expect(long.json()).toMatchObject({ error: { param: 'messages', code: 'context_length_exceeded' } });
 
     const failing = complete(body());
-    await until(() => backend.pending.length === 1);
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     backend.pending[0]!.fail(new Error('secret internals'));
     const res = await failing;
     expect(res.statusCode).toBe(500);
@@ -114,7 +112,7 @@ describe('engine HTTP layer', () => {
   test('a failure mid-stream ends the stream with an error event and no [DONE]', async () => {
     core.ready(backend);
     const stream = complete(body('x', { stream: true }));
-    await until(() => backend.pending.length === 1);
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     backend.pending[0]!.io.onText('partial');
     backend.pending[0]!.fail(new Error('boom'));
     const res = await stream;

@@ -15,9 +15,9 @@ import type * as crypto from 'node:crypto';
 import { connect, type AddressInfo } from 'node:net';
 import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
+import { ChatCompletionBody } from '../shared/chat';
 import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
-import { chatCompletionBody } from './schemas/chat';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 let t: TestApp;
@@ -241,6 +241,7 @@ describe('request validation', () => {
       temperature: 0,
       seed: 3,
       stop: ['\n'],
+      presence_penalty: 0.5,
     });
   });
 });
@@ -664,7 +665,7 @@ describe('/openapi.json', () => {
       ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions'].sort(),
     );
     const chatOp = doc.paths['/v1/chat/completions']!.post!;
-    expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(chatCompletionBody)));
+    expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(ChatCompletionBody)));
     expect(Object.keys(chatOp.responses['200']!.content)).toEqual(['application/json', 'text/event-stream']);
     expect(Object.keys(chatOp.responses)).toEqual(['200', '4XX', '5XX']);
     expect(chatOp.parameters).toEqual([expect.objectContaining({ name: 'x-session-id', in: 'header' })]);

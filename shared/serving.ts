@@ -1,28 +1,13 @@
 /**
  * The serving data plane's wire contracts (DESIGN.md, "Data plane"): what the gateway publishes
  * to an instance's bridge over NATS JetStream, what the bridge streams back, and the KV entries
- * the gateway reads on the hot path. Workflow-safe: no imports, no I/O.
+ * the gateway reads on the hot path. Workflow-safe: no I/O; the request is a TypeBox schema
+ * (shared/chat.ts) that the bridge checks, its type derived from it.
  */
+import { Type, type Static } from '@sinclair/typebox';
+import { ChatCompletionRequest } from './chat';
 
-/** OpenAI chat message (the subset engines accept). */
-export interface ChatMessage {
-  role: 'system' | 'user' | 'assistant';
-  content: string;
-}
-
-/** The OpenAI chat-completion request fields magus forwards to an engine. */
-export interface ChatCompletionRequest {
-  model: string;
-  messages: ChatMessage[];
-  stream?: boolean;
-  max_tokens?: number;
-  temperature?: number;
-  top_p?: number;
-  seed?: number;
-  stop?: string | string[];
-  /** Streams only: `include_usage` ends the stream with a chunk that carries `usage` (no choices). */
-  stream_options?: { include_usage?: boolean };
-}
+export type { ChatCompletionRequest, ChatMessage } from './chat';
 
 /**
  * OpenAI's `usage` as magus's engines send it: in a `chat.completion`, and in a stream's last
@@ -41,19 +26,20 @@ export interface CompletionUsage {
  * A request on `magus.req.<pool>.<instance>` (stream `MAGUS_REQUESTS`, work-queue retention),
  * published with header `Nats-Msg-Id: <id>` so a retried publish is de-duplicated.
  */
-export interface InferenceRequest {
+export const InferenceRequest = Type.Object({
   /** Unique request id (also the response subject's last token). */
-  id: string;
+  id: Type.String(),
   /**
    * Where the bridge streams the frames: `magus.res.<replica>.<id>`, a subject of the gateway
    * replica that waits for them (a redelivery answers there too). `magus.res.<id>` is the form of
    * gateways before replicas had subjects of their own; bridges still answer it.
    */
-  replyTo: string;
+  replyTo: Type.String(),
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
-  deadline: number;
-  body: ChatCompletionRequest;
-}
+  deadline: Type.Number(),
+  body: ChatCompletionRequest,
+});
+export type InferenceRequest = Static<typeof InferenceRequest>;
 
 /**
  * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and

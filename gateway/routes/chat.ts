@@ -5,28 +5,25 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import type { ChatCompletionRequest, ChatMessage, CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
+import { forwardedFields, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
-import { chatCompletionSchema, type ChatCompletionBody } from '../schemas/chat';
+import { chatCompletionSchema } from '../schemas/chat';
 
 /** Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside its tool calls is empty). */
 function toMessages(body: ChatCompletionBody): ChatMessage[] {
   return body.messages.map((m) => ({ role: m.role, content: m.content === null ? '' : typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') }));
 }
 
-/** Only the fields engines understand go over the wire. */
+/** Only the fields engines understand go over the wire (shared/chat.ts `FORWARDED_FIELDS`, and what the gateway sets). */
 function toEngineRequest(body: ChatCompletionBody, messages: ChatMessage[]): ChatCompletionRequest {
-  const out: ChatCompletionRequest = { model: body.model, messages, stream: body.stream === true };
+  const out: ChatCompletionRequest = { ...forwardedFields(body), messages, stream: body.stream === true };
   const maxTokens = body.max_tokens ?? body.max_completion_tokens;
   if (maxTokens !== undefined) out.max_tokens = maxTokens;
-  if (body.temperature !== undefined) out.temperature = body.temperature;
-  if (body.top_p !== undefined) out.top_p = body.top_p;
-  if (body.seed !== undefined) out.seed = body.seed;
-  if (body.stop !== undefined) out.stop = body.stop;
   // Every stream asks for usage, so every answer is counted on /metrics; the usage chunk reaches
   // only clients that asked for it.
   if (out.stream) out.stream_options = { include_usage: true };

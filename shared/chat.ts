@@ -1,0 +1,171 @@
+/**
+ * The chat-completion request, declared once as JSON Schema (TypeBox) with its TypeScript types
+ * derived from it, so a validator and a type cannot drift apart:
+ * - {@link ChatCompletionBody}: the OpenAI body the gateway accepts (its fastify route schema, and
+ *   the request body `/openapi.json` publishes as is);
+ * - {@link ChatCompletionRequest}: the part of it that crosses NATS to an engine
+ *   (`InferenceRequest.body`, shared/serving.ts) — the {@link FORWARDED_FIELDS} as the client sent
+ *   them, messages flattened to text, `max_tokens` and `stream_options` as the gateway sets them.
+ *   The bridge checks it at its trust boundary, and the engine's own body schema (engine/api.ts)
+ *   widens it.
+ *
+ * Fields OpenAI defines that only tune sampling and that no engine reads (`logit_bias`, `user` …)
+ * are accepted and ignored, so stock clients work; fields that ask for a different kind of answer
+ * — tool calls, structured output, log-probabilities, several choices — accept only their empty
+ * or plain form ({@link unsupported}).
+ *
+ * Two annotations are for the gateway's error handler (gateway/plugins/errors.ts) and readers of
+ * the OpenAPI description: a `description` on a checked value completes the sentence
+ * "<param> must be …" of its 400; `x-unsupported` names the message of a refused feature.
+ */
+import { Kind, Type, TypeRegistry, type Static, type TUnsafe } from '@sinclair/typebox';
+
+/** A string schema listing its values as JSON Schema `enum` (Ajv's `discriminator` and its errors need that; TypeBox's own unions are `anyOf` of `const`). */
+export function StringEnum<const T extends string[]>(values: [...T], options: Record<string, unknown> = {}): TUnsafe<T[number]> {
+  return Type.Unsafe<T[number]>({ ...options, [Kind]: 'StringEnum', type: 'string', enum: values });
+}
+// So TypeBox's own checker (the bridge's, dataplane/bridge/requests.ts) knows the kind too.
+if (!TypeRegistry.Has('StringEnum')) TypeRegistry.Set<{ enum: string[] }>('StringEnum', (schema, value) => typeof value === 'string' && schema.enum.includes(value));
+
+/**
+ * Options of a field whose other values ask for an answer magus cannot give (a valid OpenAI
+ * request, not a malformed value: OpenAI accepts any n ≥ 1, so clients read `unsupported_feature`
+ * as "this server", not "my request"): failing `keyword` is a 400 `unsupported_feature` with
+ * `message`; failing another (a wrong type) is `invalid_value`, as anywhere else.
+ */
+const unsupported = (keyword: string, message: string) => ({ 'x-unsupported': { [keyword]: message } });
+
+/** Most messages a request may carry. */
+const MAX_MESSAGES = 10_000;
+
+const textPart = Type.Object({ type: StringEnum(['text']), text: Type.String() });
+export type TextPart = Static<typeof textPart>;
+
+/** A message's text: a string, or OpenAI's list of text parts (joined before forwarding). */
+const text = [Type.String(), Type.Array(textPart, { maxItems: 1024 })] as const;
+const name = Type.Optional(Type.String({ maxLength: 256 }));
+
+/** `system` and `user` messages: `content` is required and never null (OpenAI refuses null too). */
+const promptMessage = Type.Object({
+  role: StringEnum(['system', 'user']),
+  content: Type.Union([...text], { description: 'a string or a list of text parts' }),
+  name,
+});
+
+/**
+ * The assistant's own earlier turns. OpenAI's rule: `content` may be null only beside `tool_calls`
+ * (or the older `function_call`), the shape OpenAI clients replay a tool-calling turn in. magus
+ * runs no tools (a request with `tools` is {@link unsupported}): those calls are accepted
+ * as history and not forwarded; the engine sees the turn's text, `""` for null.
+ */
+const assistantMessage = Type.Object(
+  {
+    role: StringEnum(['assistant']),
+    content: Type.Union([...text, Type.Null()], { description: 'a string, a list of text parts, or null beside tool_calls' }),
+    name,
+    tool_calls: Type.Optional(Type.Array(Type.Object({}))),
+    function_call: Type.Optional(Type.Object({})),
+  },
+  {
+    // Text, or calls: a null content needs at least one tool call (or a function call) beside it.
+    anyOf: [
+      { properties: { content: { description: 'a string or a list of text parts (null only beside tool_calls or function_call)', not: { type: 'null' } } } },
+      { required: ['tool_calls'], properties: { tool_calls: { type: 'array', minItems: 1 } } },
+      { required: ['function_call'] },
+    ],
+  },
+);
+
+/**
+ * One message, by its `role` (Ajv's `discriminator`: only the schema of the message's own role
+ * is checked, so a 400 names what is wrong in it, not a mismatch with every role). TypeBox has no
+ * `oneOf`, which `discriminator` needs: the schema is written out, its type derived from the two.
+ */
+const message = Type.Unsafe<Static<typeof promptMessage> | Static<typeof assistantMessage>>({
+  type: 'object',
+  required: ['role'],
+  discriminator: { propertyName: 'role' },
+  oneOf: [promptMessage, assistantMessage],
+});
+/** A validated message of {@link ChatCompletionBody}. */
+export type ChatCompletionMessage = Static<typeof message>;
+
+const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
+/** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
+const streamOptions = Type.Object({ include_usage: Type.Optional(Type.Boolean()) });
+
+/** `POST /v1/chat/completions`: the body the gateway accepts. */
+export const ChatCompletionBody = Type.Object(
+  {
+    model: Type.String({ minLength: 1, maxLength: 256 }),
+    messages: Type.Array(message, { minItems: 1, maxItems: MAX_MESSAGES }),
+    stream: Type.Optional(Type.Boolean()),
+    max_tokens: Type.Optional(maxTokens),
+    /** The newer name of `max_tokens` (OpenAI clients send either). */
+    max_completion_tokens: Type.Optional(maxTokens),
+    temperature: Type.Optional(Type.Number({ minimum: 0, maximum: 2 })),
+    top_p: Type.Optional(Type.Number({ minimum: 0, maximum: 1 })),
+    seed: Type.Optional(Type.Integer()),
+    // Not empty: the engines refuse an empty stop text (engine/api.ts).
+    stop: Type.Optional(Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { maxItems: 4 })], { description: 'a non-empty string or a list of up to 4' })),
+    frequency_penalty: Type.Optional(Type.Number({ minimum: -2, maximum: 2 })),
+    presence_penalty: Type.Optional(Type.Number({ minimum: -2, maximum: 2 })),
+    /** Only one choice per request: more is {@link unsupported}. */
+    n: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', 'Only one choice per request is supported by this server; send `n: 1` or leave it out.') })),
+    stream_options: Type.Optional(Type.Union([Type.Null(), streamOptions])),
+    user: Type.Optional(Type.String({ maxLength: 256 })),
+    // What magus's engines do not offer: accepted only empty, plain or null.
+    tools: Type.Optional(
+      Type.Union([Type.Null(), Type.Array(Type.Unknown(), { maxItems: 0, ...unsupported('maxItems', 'Tool calls are not supported by this server; send the request without `tools`.') })], {
+        description: 'null or an empty list',
+      }),
+    ),
+    functions: Type.Optional(
+      Type.Union([Type.Null(), Type.Array(Type.Unknown(), { maxItems: 0, ...unsupported('maxItems', 'Function calls are not supported by this server; send the request without `functions`.') })], {
+        description: 'null or an empty list',
+      }),
+    ),
+    response_format: Type.Optional(
+      Type.Union(
+        [Type.Null(), Type.Object({ type: StringEnum(['text'], unsupported('enum', 'Structured output is not supported by this server; only `{"type": "text"}` is.')) })],
+        { description: 'null or {"type": "text"}' },
+      ),
+    ),
+    logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Log-probabilities are not supported by this server.'))], { description: 'null or false' })),
+  },
+  // For readers of the OpenAPI description (and its fuzzer's first case): `magus dev`'s model.
+  { examples: [{ model: 'demo', messages: [{ role: 'user', content: 'Hello' }] }] },
+);
+/** The validated body. */
+export type ChatCompletionBody = Static<typeof ChatCompletionBody>;
+
+/**
+ * The fields of {@link ChatCompletionBody} the gateway forwards to the engine as the client sent
+ * them: a field the engine honours is added here (and to the engine's `normalizeRequest`), and
+ * the gateway, the bridge and the engine all take it from this list.
+ */
+export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty'] as const;
+export type ForwardedField = (typeof FORWARDED_FIELDS)[number];
+
+/** The {@link FORWARDED_FIELDS} `body` carries. */
+export function forwardedFields(body: ChatCompletionBody): Pick<ChatCompletionBody, ForwardedField> {
+  const out: Record<string, unknown> = {};
+  for (const field of FORWARDED_FIELDS) if (body[field] !== undefined) out[field] = body[field];
+  return out as Pick<ChatCompletionBody, ForwardedField>;
+}
+
+/** A message as engines take it: one string of content (the gateway joins text parts; an assistant's null is `""`). */
+export const ChatMessage = Type.Object({ role: StringEnum(['system', 'user', 'assistant']), content: Type.String() });
+export type ChatMessage = Static<typeof ChatMessage>;
+
+/** The chat-completion request an engine gets (`InferenceRequest.body`). */
+export const ChatCompletionRequest = Type.Object({
+  ...Type.Pick(ChatCompletionBody, FORWARDED_FIELDS).properties,
+  messages: Type.Array(ChatMessage, { minItems: 1, maxItems: MAX_MESSAGES }),
+  stream: Type.Optional(Type.Boolean()),
+  /** `max_tokens` ?? `max_completion_tokens` of the body. */
+  max_tokens: Type.Optional(maxTokens),
+  /** Streams only: `include_usage` ends the stream with a chunk that carries `usage` (no choices). */
+  stream_options: Type.Optional(streamOptions),
+});
+export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
