@@ -5,9 +5,9 @@
  */
 import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
-import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane/data-plane';
+import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
 import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
-import { isNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from './config';
+import { checkNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from '../platform/config';
 import { processMetricsText } from '../platform/process-metrics';
 
 /** For an importer not yet moved to dataplane/bridge (activities/runtime/llama-cpp.int.test.ts). */
@@ -48,7 +48,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   const slots = int('slots', 1, 1) ?? 1;
   const ackWaitMs = int('ack-wait-ms', undefined, 1000);
   const healthPort = int('health-port', undefined, 0);
-  if (!isNatsServerList(natsUrl)) problems.push(`--nats ${natsUrl} is not a list of nats:// URLs`);
+  checkNatsServerList('--nats', natsUrl, problems);
   if (!pool) problems.push('--pool is required');
   if (!instance) problems.push('--instance is required');
   if (!/^https?:\/\/[^\s]+$/.test(engineUrl)) problems.push('--engine must be an http(s) URL');

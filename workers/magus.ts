@@ -6,7 +6,8 @@ import { writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
-import { ConfigError, loadConfig, useDevConnection } from './config';
+import { loadConfig, useDevConnection } from './config';
+import { ConfigError } from '../platform/config';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
 import type * as ConvertModule from './convert';
 import type * as EngineModule from './engine';
@@ -296,7 +297,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
 
 /**
  * `magus <mode> --help` prints the mode's usage and exits 0, before anything starts (a user's
- * first move; `magus dev --help` used to start the whole stack). Gateway and controller parse
+ * first move: `magus dev --help` must not start the whole stack). Gateway and controller parse
  * their own flags and answer it themselves.
  */
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {

@@ -5,7 +5,7 @@
  * long as take-overs need them. Recording is a few map updates per request.
  */
 import type { FastifyReply, FastifyRequest } from 'fastify';
-import type { ResponseStreamState } from '../../dataplane/data-plane';
+import type { ResponseStreamState } from '../../dataplane';
 import { processMetricsText } from '../../platform/process-metrics';
 import { servicePlugin } from './plugin';
 import type { SessionStats } from './sessions';

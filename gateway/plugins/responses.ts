@@ -18,7 +18,7 @@ import { randomBytes } from 'node:crypto';
 import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane/data-plane';
+import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';

@@ -22,7 +22,7 @@ import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../../activities/kubernetes/crds';
-import { dataPlaneNames } from '../../dataplane/data-plane';
+import { dataPlaneNames } from '../../dataplane';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/engine-slots';
 import { Plural, type ModelResource } from '../../shared/kube';
@@ -36,7 +36,8 @@ import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../../platform/temporal-he
 import { validateModelSpec, type ModelSpec } from '../../shared/model';
 import { modelWorkflowId, progressQuery, specChangedSignal } from '../../workflows/model/definitions';
 import type { modelPipeline } from '../../workflows/model/pipeline';
-import { devDataDir, loadConfig, natsServerList } from '../config';
+import { devDataDir, loadConfig } from '../config';
+import { natsServerList } from '../../platform/config';
 import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
