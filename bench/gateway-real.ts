@@ -21,7 +21,7 @@ import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { connect, type KV, type NatsConnection } from 'nats';
-import { ensureDataPlane } from '../dataplane/data-plane';
+import { ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';

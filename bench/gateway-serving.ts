@@ -13,7 +13,7 @@
  */
 import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
-import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../dataplane/data-plane';
+import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../dataplane';
 import type { InferenceRequest } from '../shared/serving';
 import { startBridge, type Bridge, type BridgeStats } from '../dataplane/bridge';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';

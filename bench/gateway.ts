@@ -34,7 +34,7 @@ import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Writable } from 'node:stream';
 import { connect, nuid, type KV, type NatsConnection } from 'nats';
-import { ensureDataPlane, type DataPlaneNames } from '../dataplane/data-plane';
+import { ensureDataPlane, type DataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';

@@ -12,7 +12,7 @@
 import { CustomObjectsApi } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../activities/kubernetes/crds';
-import { ensureDataPlane } from '../dataplane/data-plane';
+import { ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime } from '../activities/runtime/kubernetes';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';

@@ -37,7 +37,7 @@ import { join } from 'node:path';
 import { Client, Connection, type WorkflowClient } from '@temporalio/client';
 import { temporal as proto } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { SESSION_TTL_MS, sessionTtlFrom } from '../gateway/config';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import type { DevConnection } from '../workers/config';

@@ -12,6 +12,7 @@ import { createInterface } from 'node:readline';
 import { convertModel } from '../activities/convert/convert';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import { runLlamaCpp } from '../test/support/llama-cpp';
+import { sleep } from '../test/harness/wait';
 
 const REPO = join(__dirname, '..');
 const CTX = 1024;
@@ -259,7 +260,7 @@ test('a client that disconnects mid-stream aborts its generation and frees the s
   let text = '';
   while (!text.includes('"content":"') || !/"content":"[^"]/.test(text)) text += new TextDecoder().decode((await reader.read()).value);
   ac.abort();
-  for (let i = 0; i < 200 && (await metric('magus_engine_requests_in_flight')) > 0; i++) await new Promise((r) => setTimeout(r, 10));
+  for (let i = 0; i < 200 && (await metric('magus_engine_requests_in_flight')) > 0; i++) await sleep(10);
   expect(await metric('magus_engine_requests_in_flight')).toBe(0);
   const metrics = await (await fetch(`${url}/metrics`)).text();
   expect(metrics).toContain('magus_engine_requests_total{code="499"} 1');

@@ -15,6 +15,7 @@ import { conversationKey } from './plugins/conversation';
 import type { AcquireRequest } from './plugins/sessions';
 import { startGateway, type RunningGateway } from './server';
 import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from '../test/harness/gateway-app';
+import { sleep, until } from '../test/harness/wait';
 
 const iso = isolation();
 // A scoped data plane (`<scope>.magus.req.…`, `<scope>.magus.res.…`), as tests of the data-plane
@@ -82,7 +83,7 @@ async function startBridge(): Promise<void> {
 
 const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
   coldStarts.push({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId });
-  await new Promise((r) => setTimeout(r, coldStartDelayMs));
+  await sleep(coldStartDelayMs);
   // What the session workflow does: lease an instance and record it for warm turns.
   const entry: SessionEntry = { subject, pool, instance, expiresAt: Date.now() + 600_000 };
   await sessionsKv.put(req.conversationKey, enc(entry));
@@ -197,7 +198,7 @@ describe('round trips through NATS', () => {
     const sid = 'nowhere';
     const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject: `${scope}.magus.req-nowhere.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
-    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const res = await post(turn('hi'), { 'x-session-id': sid });
     expect(res.status).toBe(503);
     expect(await res.text()).not.toContain('req-nowhere');
@@ -264,24 +265,16 @@ describe('clients that go away', () => {
     for (;;) {
       text = await metrics();
       if (text.includes('magus_gateway_requests_in_flight 1\n')) break;
-      await new Promise((r) => setTimeout(r, 10));
+      await sleep(10);
     }
     expect(Date.now() - started).toBeLessThan(1000); // well before the 1.5 s request timeout
     expect(Number(/route="\/v1\/chat\/completions",status="499"\} (\d+)/.exec(text)?.[1])).toBe(Number(before) + 1);
     // The bridge serving the instance learns that nobody waits for this request any more.
-    await waitFor(() => cancels.length > 0);
+    await until('the cancel sent to the bridge', () => cancels.length > 0, 5_000);
     expect(cancels).toEqual([{ subject: `${scope}.magus.cancel.${pool}.${instance}`, id: res.headers.get('x-request-id') }]);
     cancelSub.unsubscribe();
   });
 });
-
-async function waitFor(cond: () => boolean, ms = 5000): Promise<void> {
-  const until = Date.now() + ms;
-  while (!cond()) {
-    if (Date.now() > until) throw new Error('condition not met in time');
-    await new Promise((r) => setTimeout(r, 10));
-  }
-}
 
 describe('sessions from the magus_sessions KV', () => {
   it('the first turn cold-starts; later turns are served from the watch cache', async () => {
@@ -308,7 +301,7 @@ describe('sessions from the magus_sessions KV', () => {
     const sid = 'prewarmed-1';
     const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));
-    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;
     for (let i = 0; i < 3; i++) expect((await post(turn(`q${i}`), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before);
@@ -318,15 +311,15 @@ describe('sessions from the magus_sessions KV', () => {
     const sid = 'expiring-1';
     const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() - 1 }));
-    await waitFor(() => gw.sessionCache!.cache.get(key) !== undefined);
+    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;
     expect((await post(turn('a'), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before + 1); // expired → cold start (which writes a fresh entry)
-    await waitFor(() => (gw.sessionCache!.cache.get(key)?.expiresAt ?? 0) > Date.now());
+    await until('the renewal mirrored', () => (gw.sessionCache!.cache.get(key)?.expiresAt ?? 0) > Date.now(), 5_000);
     expect((await post(turn('b'), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before + 1);
     await sessionsKv.delete(key);
-    await waitFor(() => gw.sessionCache!.cache.get(key) === undefined);
+    await until('the session deletion mirrored', () => gw.sessionCache!.cache.get(key) === undefined, 5_000);
     expect((await post(turn('c'), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before + 2);
   });
@@ -348,18 +341,17 @@ describe('tokens from the magus_tokens KV', () => {
     const bob = makeToken('bob');
     expect((await post(turn('x'), {}, bob.token)).status).toBe(401);
     await tokensKv.put('bob', enc(bob.entry));
-    await waitFor(() => true, 0);
     let status = 0;
     for (let i = 0; i < 50 && status !== 200; i++) {
       status = (await post(turn('x', false, 'bob'), {}, bob.token)).status;
-      if (status !== 200) await new Promise((r) => setTimeout(r, 20));
+      if (status !== 200) await sleep(20);
     }
     expect(status).toBe(200);
     expect((await post(turn('x'), {}, `${bob.token}x`)).status).toBe(401);
     await tokensKv.delete('bob');
     for (let i = 0; i < 50 && status !== 401; i++) {
       status = (await post(turn('x', false, 'bob'), {}, bob.token)).status;
-      if (status !== 401) await new Promise((r) => setTimeout(r, 20));
+      if (status !== 401) await sleep(20);
     }
     expect(status).toBe(401);
     expect(log.lines.join('\n')).not.toContain(bob.token);

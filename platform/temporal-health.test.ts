@@ -2,6 +2,7 @@ import { Connection } from '@temporalio/client';
 import { createServer, type Server } from 'node:net';
 import type { AddressInfo } from 'node:net';
 import { isTemporalUnreachable, temporalMetricsText, temporalReadyText, temporalStartBackoffMs, unreachableHealth, untilTemporalAnswers, watchTemporal } from './temporal-health';
+import { sleep } from '../test/harness/wait';
 
 /** A port that refuses connections: a listener opened and closed. */
 async function refusedPort(): Promise<number> {
@@ -19,10 +20,12 @@ describe('watchTemporal', () => {
     const t0 = Date.now();
     const health = watchTemporal(connection, { timeoutMs: 500, downIntervalMs: 300, onChange: (up) => changes.push(up) });
     try {
-      while (health.reachable() && Date.now() - t0 < 5_000) await new Promise((r) => setTimeout(r, 20));
+      // Within the probe's 500 ms deadline and a first down interval; 15 s (5× the 3 s it may take on
+      // a quiet machine) leaves room for the integration suites that run alongside.
+      while (health.reachable() && Date.now() - t0 < 15_000) await sleep(20);
       expect(health.reachable()).toBe(false);
-      expect(Date.now() - t0).toBeLessThan(3_000);
-      await new Promise((r) => setTimeout(r, 1_500));
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      await sleep(1_500);
       const { probes, failures, since } = health.stats();
       // Every probe that ended failed (one may be under way).
       expect(failures).toBeGreaterThanOrEqual(Math.max(1, probes - 1));
@@ -54,6 +57,8 @@ describe('untilTemporalAnswers (a worker starting while Temporal is away)', () =
   });
 
   it('a server that refuses: one attempt per backoff step, each failure told once with its reason, and a stop ends the wait at once', async () => {
+    /** Longer than the stop's bound below, so that bound tells a stop that ends the sleep from one that waits for the next attempt. */
+    const BACKOFF_MS = 1_000;
     const port = await refusedPort();
     const stop = new AbortController();
     const failures: { attempt: number; reason: string; retryInMs: number; at: number }[] = [];
@@ -61,7 +66,7 @@ describe('untilTemporalAnswers (a worker starting while Temporal is away)', () =
     const waiting = untilTemporalAnswers(`127.0.0.1:${port}`, {
       signal: stop.signal,
       failures: 2, // carries on from an earlier wait's count
-      backoffMs: () => 200,
+      backoffMs: () => BACKOFF_MS,
       onFailure: (attempt, reason, retryInMs) => {
         failures.push({ attempt, reason, retryInMs, at: Date.now() - t0 });
         if (attempt === 6) setTimeout(() => stop.abort(new Error('stopped')), 50);
@@ -70,14 +75,15 @@ describe('untilTemporalAnswers (a worker starting while Temporal is away)', () =
     await expect(waiting).rejects.toThrow('stopped');
     const stoppedIn = Date.now() - t0 - failures.at(-1)!.at;
     expect(failures.map((f) => f.attempt)).toEqual([3, 4, 5, 6]);
-    expect(failures.every((f) => f.retryInMs === 200)).toBe(true);
+    expect(failures.every((f) => f.retryInMs === BACKOFF_MS)).toBe(true);
     // gRPC's own words, one line, no stack.
     expect(failures[0]!.reason).toMatch(new RegExp(`ECONNREFUSED 127\\.0\\.0\\.1:${port}$`));
     expect(failures[0]!.reason).not.toMatch(/\n|Resolution note|\s{4}at /);
     // Never sooner than the backoff: no hot loop.
-    for (let i = 1; i < failures.length; i++) expect(failures[i]!.at - failures[i - 1]!.at).toBeGreaterThanOrEqual(195);
-    // The stop ends the sleep, not the next attempt.
-    expect(stoppedIn).toBeLessThan(150);
+    for (let i = 1; i < failures.length; i++) expect(failures[i]!.at - failures[i - 1]!.at).toBeGreaterThanOrEqual(BACKOFF_MS - 5);
+    // The stop (50 ms after the last failure) ends the sleep, not the next attempt (BACKOFF_MS
+    // away): at once, with 5× room for the integration suites that run alongside.
+    expect(stoppedIn).toBeLessThan(750);
   });
 
   it('unreachableHealth: what /readyz and /metrics say while the start waits; a watch after it keeps counting', async () => {

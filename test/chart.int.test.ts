@@ -359,11 +359,16 @@ describe('the chart, rendered', () => {
         const env = resolve(c, files);
         if (c.args?.[0] === 'worker') {
           const cfg = loadConfig(env);
-          expect({ d: d.metadata.name, runtime: cfg.kubernetes ? 'kubernetes' : 'local' }).toEqual({ d: d.metadata.name, runtime: env.MAGUS_RUNTIME });
+          expect({ d: d.metadata.name, runtime: cfg.runtime?.kind }).toEqual({ d: d.metadata.name, runtime: env.MAGUS_RUNTIME });
           // Each worker Deployment polls its own queue only.
           expect(cfg.queues).toBe(d.metadata.name.endsWith('-pipeline') ? 'pipeline' : 'control');
         }
-        if (c.args?.[0] === 'gateway') expect(loadGatewayConfig(env).port).toBe(8080);
+        if (c.args?.[0] === 'gateway') {
+          const cfg = loadGatewayConfig(env);
+          expect(cfg.port).toBe(8080);
+          // First turns start session workflows: the gateway reaches the chart's Temporal, not its default.
+          expect(cfg.temporal).toEqual({ address: env.MAGUS_TEMPORAL_ADDRESS, namespace: env.MAGUS_TEMPORAL_NAMESPACE, taskQueue: env.MAGUS_TASK_QUEUE });
+        }
         if (c.args?.[0] === 'controller') expect(loadConfig(env).temporal.address).toBe(env.MAGUS_TEMPORAL_ADDRESS);
       }
     } finally {

@@ -5,17 +5,16 @@
  * again after the hand-over, reaches its workflow as one signal.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { CoordinationV1Api, CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
-import type { Client, Connection } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { installCrds } from '../activities/kubernetes/crds';
 import { freePort, writeKubeconfig } from '../workers/dev/services';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { endpoint, isolation, temporalClient } from './harness';
+import { endpoint, isolation } from './harness';
 import { kubeConfig } from './harness/kube';
+import { tempDir, temporalStack, TestStack } from './harness/stack';
 import { eventually, until } from './harness/wait';
 
 const EventType = temporal.api.enums.v1.EventType;
@@ -33,8 +32,8 @@ interface Replica {
 let dir: string;
 let kubeconfigFile: string;
 let client: Client;
-let connection: Connection;
 const replicas: Replica[] = [];
+const stack = new TestStack();
 
 async function startReplica(): Promise<Replica> {
   const port = await freePort();
@@ -81,20 +80,19 @@ async function applyModel(name: string): Promise<void> {
 }
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-controller-process-'));
+  ({ dir } = stack.open(tempDir('magus-controller-process-')));
   const k = endpoint('kubernetes');
   kubeconfigFile = join(dir, 'kubeconfig');
   writeKubeconfig(kubeconfigFile, k, ns);
   const kc = kubeConfig();
   await installCrds(kc);
   await kc.makeApiClient(CoreV1Api).createNamespace({ body: { metadata: { name: ns } } });
-  ({ client, connection } = await temporalClient());
+  ({ client } = await stack.open(temporalStack()));
 }, 120_000);
 
 afterAll(async () => {
   for (const r of replicas) if (r.child.exitCode === null) r.child.kill('SIGKILL');
-  await connection?.close();
-  rmSync(dir, { recursive: true, force: true });
+  await stack.close();
 });
 
 test('two replicas: one leads, both are healthy; the leader’s SIGTERM hands over; nothing is signalled twice', async () => {

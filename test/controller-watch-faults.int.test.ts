@@ -6,15 +6,16 @@
  * The API server here is this file's own (restarting the shared one would disturb other files).
  */
 import { CoreV1Api, CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
-import type { Client, Connection } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { installCrds } from '../activities/kubernetes/crds';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { startController, type Controller } from '../controller/controller';
 import { startServices, type RunningServices } from '../workers/dev/services';
-import { isolation, temporalClient } from './harness';
+import { isolation } from './harness';
+import { temporalStack, TestStack } from './harness/stack';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
-import { eventually } from './harness/wait';
+import { eventually, sleep } from './harness/wait';
 
 const EventType = temporal.api.enums.v1.EventType;
 const iso = isolation();
@@ -24,9 +25,9 @@ let services: RunningServices;
 let proxy: TcpProxy;
 let admin: KubeConfig;
 let client: Client;
-let connection: Connection;
 let controller: Controller;
 const log: string[] = [];
+const stack = new TestStack();
 
 const kubeConfigFor = (server: string, token: string): KubeConfig => {
   const kc = new KubeConfig();
@@ -55,14 +56,15 @@ async function signals(name: string): Promise<number> {
 
 beforeAll(async () => {
   services = await startServices({ services: ['kubernetes'], log: () => undefined });
+  stack.defer(() => services.stop());
   const k = services.endpoints.kubernetes!;
   admin = kubeConfigFor(k.server, k.token);
   await installCrds(admin);
   await admin.makeApiClient(CoreV1Api).createNamespace({ body: { metadata: { name: ns } } });
   // The controller reaches the API server through a proxy this test can cut.
   const url = new URL(k.server);
-  proxy = await startTcpProxy({ host: url.hostname, port: Number(url.port) });
-  ({ client, connection } = await temporalClient());
+  proxy = stack.open(await startTcpProxy({ host: url.hostname, port: Number(url.port) }));
+  ({ client } = await stack.open(temporalStack()));
   controller = startController({
     kc: kubeConfigFor(`https://${proxy.address}`, k.token),
     // No worker polls this queue: workflows start (server-side) but never run.
@@ -71,15 +73,11 @@ beforeAll(async () => {
     cleanupTimeoutMs: 3000,
     log: (l) => log.push(l),
   });
+  stack.defer(() => controller.stop());
   await controller.synced;
 }, 180_000);
 
-afterAll(async () => {
-  await controller?.stop();
-  await proxy?.close();
-  await services?.stop();
-  await connection?.close();
-});
+afterAll(() => stack.close());
 
 test('changes made across an API server restart are all seen', async () => {
   await create('a');
@@ -99,7 +97,7 @@ test('changes made while the controller is cut off are all seen once it is back'
   proxy.cut();
   await create('c');
   await setRevision('b', 'v2');
-  await new Promise((r) => setTimeout(r, 1500));
+  await sleep(1500);
   expect(await signals('c')).toBe(0);
   proxy.restore();
   await eventually(async () => {

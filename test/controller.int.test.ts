@@ -7,20 +7,19 @@
  */
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import OpenAI from 'openai';
-import { CreateBucketCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
+import { ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { readFileSync } from 'node:fs';
 import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
-import type { Client, Connection } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import type { KV, NatsConnection } from 'nats';
 import { installCrds } from '../activities/kubernetes/crds';
 import { watchResource } from '../activities/kubernetes/watch';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
@@ -30,13 +29,13 @@ import type { MagusConfig } from '../workers/config';
 import { startController, type Controller } from '../controller/controller';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from '../workers/dev/demo-model';
 import { writeKubeconfig } from '../workers/dev/services';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { startFixtureHub, type FixtureHub } from '../workers/dev/hub';
+import type { FixtureHub } from '../workers/dev/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { endpoint, isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { endpoint, isolation, recordHistory } from './harness';
 import { gatewayConfigFor } from './harness/gateway';
 import { kubeConfig } from './harness/kube';
-import { eventually, until } from './harness/wait';
+import { hubStack, magusStack, TestStack } from './harness/stack';
+import { eventually, sleep, until } from './harness/wait';
 
 const execFileP = promisify(execFile);
 const EventType = temporal.api.enums.v1.EventType;
@@ -52,15 +51,14 @@ let core: CoreV1Api;
 let hub: FixtureHub;
 let s3: S3Client;
 let cfg: MagusConfig;
-let workers: RunningWorkers;
 let client: Client;
-let connection: Connection;
 let nc: NatsConnection;
 let tokens: KV;
 let sessions: KV;
 let registry: ModelRegistry;
 let controller: Controller;
 const controllerLog: string[] = [];
+const stack = new TestStack();
 
 /** The controller and the worker run as ServiceAccounts bound to crds/rbac.yaml's roles, nothing more. */
 let controllerKc: KubeConfig;
@@ -154,46 +152,32 @@ async function runsOf(workflowId: string): Promise<number> {
 }
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-controller-'));
   kc = kubeConfig();
   custom = kc.makeApiClient(CustomObjectsApi);
   core = kc.makeApiClient(CoreV1Api);
-  const k = endpoint('kubernetes');
-  kubeconfigFile = join(dir, 'kubeconfig');
-  writeKubeconfig(kubeconfigFile, k);
   await installCrds(kc);
   await core.createNamespace({ body: { metadata: { name: ns } } });
   await installRoles();
   controllerKc = await serviceAccount('magus-controller', ['magus-controller'], ['magus-controller-leader-election']);
   workerKc = await serviceAccount('magus-worker', ['magus-worker'], []);
 
+  ({ dir, s3, cfg, client, nc } = await stack.open(magusStack(iso, { dirPrefix: 'magus-controller-', overrides: { convertThreads: 1 }, deps: { kube: workerKc } })));
+  kubeconfigFile = join(dir, 'kubeconfig');
+  writeKubeconfig(kubeconfigFile, endpoint('kubernetes'));
   await writeTinyModel(join(dir, 'tiny'), { seed: 41 });
-  hub = await startFixtureHub();
+  ({ hub } = await stack.open(hubStack()));
   await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
   await hub.addRepo({ id: 'magus-test/other-llama', dir: join(dir, 'tiny') });
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  cfg = workerConfig(iso, dir, { convertThreads: 1 });
-  workers = await startWorkers(cfg, { kube: workerKc });
-  ({ client, connection } = await temporalClient());
-  nc = await natsConnect();
   const names = dataPlaneNames(iso.natsPrefix);
   tokens = await nc.jetstream().views.kv(names.tokensBucket);
   sessions = await nc.jetstream().views.kv(names.sessionsBucket);
   registry = await openModelRegistry(nc, names.modelsBucket);
   controller = start();
+  stack.defer(() => controller.stop());
   await controller.synced;
 }, 180_000);
 
-afterAll(async () => {
-  await controller?.stop();
-  await workers?.shutdown();
-  await hub?.stop();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 test('kubectl apply → the pipeline runs → kubectl wait Ready; status tells the story, progress moves', async () => {
   // Slow bodies so the transfer takes a few seconds and the progress column has time to move.
@@ -248,7 +232,7 @@ test('a spec change is one signal and status follows it; the same spec applied a
   // Applied again unchanged: no new generation, no signal.
   await apply(modelYaml('tiny', REPO, { artifacts: ['gguf:q40', 'dllama:q40', 'gguf:q80'] }));
   await controller.idle();
-  await new Promise((r) => setTimeout(r, 1500));
+  await sleep(1500);
   expect((await getModel('tiny')).metadata.generation).toBe(2);
   expect(await signalsIn(id, 'resourceChanged')).toBe(before + 1);
   expect(await runsOf(id)).toBe(1);
@@ -267,7 +251,7 @@ test('a repo that does not exist: Ready=False with a typed reason, and no hot lo
   let writes = 0;
   const w = watchResource<ModelResource>(kc, { path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`, fieldSelector: 'metadata.name=missing', onEvent: (t) => t === 'MODIFIED' && writes++ });
   await w.synced;
-  await new Promise((r) => setTimeout(r, 60_000));
+  await sleep(60_000);
   await w.stop();
   expect(writes).toBe(0);
   const warnings = await core.listNamespacedEvent({ namespace: ns, fieldSelector: 'involvedObject.name=missing,type=Warning' });

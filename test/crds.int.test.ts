@@ -4,8 +4,8 @@
  * objects it must accept, and full specs and statuses typed by shared/kube.ts must survive a
  * round trip unpruned (what the schema leaves out, the apiserver silently drops).
  */
-import { execFile, spawnSync } from 'node:child_process';
-import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { execFile } from 'node:child_process';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
@@ -433,13 +433,13 @@ describe('crds/examples', () => {
   });
 });
 
-// The real kubectl, when this machine has a working one: proves short names, the category and
-// the printer columns as a user meets them. The client checks above stay the assertions of record.
-const KUBECTL = '/usr/bin/kubectl';
+// The real kubectl (from PATH, as every test that runs it; without one this fails): proves short
+// names, the category and the printer columns as a user meets them. The client checks above stay
+// the assertions of record.
 describe('kubectl', () => {
   let dir: string;
   let kubeconfig: string;
-  const kubectl = (...args: string[]) => execFileP(KUBECTL, ['--kubeconfig', kubeconfig, '-n', ns, ...args], { timeout: 60_000 });
+  const kubectl = (...args: string[]) => execFileP('kubectl', ['--kubeconfig', kubeconfig, '-n', ns, ...args], { timeout: 60_000 });
 
   beforeAll(() => {
     dir = mkdtempSync(join(tmpdir(), 'magus-crds-'));
@@ -461,9 +461,7 @@ describe('kubectl', () => {
   });
   afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
-  // /usr/bin/kubectl may be a cloud SDK's dispatcher that cannot run offline: use it only if it answers.
-  const usable = existsSync(KUBECTL) && spawnSync(KUBECTL, ['version', '--client'], { timeout: 30_000 }).status === 0;
-  (usable ? test : test.skip)('kubectl scale stops at maxReplicas and `kubectl get magus` shows the printer columns', async () => {
+  test('kubectl scale stops at maxReplicas and `kubectl get magus` shows the printer columns', async () => {
     const name = uniqueName('kubectl');
     await create(Plural.model, model('kubectl-model', modelSpec()));
     await patchStatus(Plural.model, 'kubectl-model', {

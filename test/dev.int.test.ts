@@ -6,6 +6,7 @@ import { execFileSync, spawn } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import OpenAI from 'openai';
+import { sleep } from './harness/wait';
 
 test('magus dev serves the demo model (curl and kubectl), and SIGINT stops everything it started', async () => {
   // No --port: dev binds the gateway's port itself (a port picked here first could be taken by another test meanwhile).
@@ -19,7 +20,7 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     const deadline = Date.now() + 120_000;
     while (!out.includes('Ctrl-C stops everything')) {
       if (child.exitCode !== null || Date.now() > deadline) throw new Error(`magus dev did not get ready:\n${err}`);
-      await new Promise((r) => setTimeout(r, 250));
+      await sleep(250);
     }
     const base = /served at (http:\/\/127\.0\.0\.1:\d+)\/v1/.exec(out)?.[1];
     expect(base).toBeDefined();

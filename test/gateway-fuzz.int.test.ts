@@ -22,14 +22,15 @@ import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { startBridge, type Bridge } from '../dataplane/bridge';
-import { ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane/data-plane';
+import type { DataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { startGateway, type RunningGateway } from '../gateway/server';
+import type { RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from './harness/gateway-app';
-import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { isolation, natsConnect } from './harness';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import type { StubEngine } from './fixtures/stub-engine';
+import { isolation } from './harness';
+import { pinConversation } from './harness/gateway';
+import { gatewayStack, natsStack, stubInstanceStack, TestStack } from './harness/stack';
+import { sleep } from './harness/wait';
 
 const iso = isolation();
 const MODEL = 'demo'; // the example of the chat body's schema: schemathesis's first case reaches the engine
@@ -47,19 +48,17 @@ const MAX_EXAMPLES = 40;
 let nc: NatsConnection;
 let names: DataPlaneNames;
 let engine: StubEngine;
-let bridge: Bridge;
 let gateway: RunningGateway;
 let port: number;
 const log = new LogSink();
+const stack = new TestStack();
 
 beforeAll(async () => {
-  nc = await natsConnect();
-  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(MODEL));
-  engine = await startStubEngine({ modelId: MODEL });
-  await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: MODEL, instance: INSTANCE, slots: 4 });
-  bridge = await startBridge({ nc, names, pool: MODEL, instance: INSTANCE, engineUrl: engine.url, slots: 4 });
-  const config = gatewayConfigFor(iso.natsPrefix, {
+  ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: MODEL, instance: INSTANCE, slots: 4 })));
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: randomBytes(32).toString('hex'),
     tokens: { [TOKEN_ID]: TOKEN },
     env: {
@@ -69,18 +68,13 @@ beforeAll(async () => {
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '10000',
       MAGUS_LOG_LEVEL: 'info',
     },
-  });
-  // What the session workflow does on a cold start: lease the instance and record it for warm turns.
-  gateway = await startGateway(config, { nc, logStream: log, coldStart: (req) => pinConversation(nc, names, req.conversationKey, MODEL, INSTANCE) });
+    // What the session workflow does on a cold start: lease the instance and record it for warm turns.
+    deps: { logStream: log, coldStart: (req) => pinConversation(nc, names, req.conversationKey, MODEL, INSTANCE) },
+  })));
   port = Number(new URL(gateway.url).port);
 }, 60_000);
 
-afterAll(async () => {
-  await gateway?.close();
-  await bridge?.stop();
-  await engine?.stop();
-  await nc?.drain();
-});
+afterAll(() => stack.close());
 
 /** What a client must never read: a stack frame or a path of this machine. */
 function expectNoLeak(text: string): void {
@@ -232,7 +226,7 @@ describe('requests fetch cannot send', () => {
     const trickle: Part[] = [chatHead({ length: body.length })];
     for (const ch of body.slice(0, 8)) trickle.push(ch, { waitMs: 1_000 });
     const slow = rawRequest(trickle);
-    await new Promise((r) => setTimeout(r, 500));
+    await sleep(500);
     const started = Date.now();
     await expectHealthy();
     expect(Date.now() - started).toBeLessThan(1_000);

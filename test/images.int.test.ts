@@ -21,7 +21,7 @@ import { join } from 'node:path';
 import { convertModel } from '../activities/convert/convert';
 import { MODES } from '../shared/constants';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { endpoint, isolation } from './harness';
+import { isolation, workerEnv } from './harness';
 import { eventually, processRunning } from './harness/wait';
 
 const REPO = join(__dirname, '..');
@@ -203,22 +203,9 @@ describe('the magus image', () => {
   });
 
   test('magus worker runs against the real Temporal, NATS and S3 from a read-only root, and stops on SIGTERM', async () => {
-    const s3 = endpoint('s3');
     // Host network: the test servers listen on this machine's loopback.
     const [health, metrics] = [await freePort(), await freePort()];
-    const env = {
-      MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
-      MAGUS_NATS_URL: endpoint('nats').servers,
-      MAGUS_NATS_PREFIX: iso.natsPrefix,
-      MAGUS_S3_ENDPOINT: s3.endpoint,
-      MAGUS_S3_REGION: s3.region,
-      MAGUS_S3_BUCKET: iso.bucket,
-      AWS_ACCESS_KEY_ID: s3.accessKeyId,
-      AWS_SECRET_ACCESS_KEY: s3.secretAccessKey,
-      MAGUS_TASK_QUEUE: iso.taskQueue,
-      MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`,
-      MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}`,
-    };
+    const env = { ...workerEnv(iso), MAGUS_TASK_QUEUE: iso.taskQueue, MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`, MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}` };
     const name = await runDetached('worker', [...READ_ONLY, '--network', 'host', ...Object.entries(env).flatMap(([k, v]) => ['-e', `${k}=${v}`]), images.magus!, 'worker']);
     await eventually(async () => {
       const res = await fetch(`http://127.0.0.1:${health}/readyz`, { signal: AbortSignal.timeout(5_000) });

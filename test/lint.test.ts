@@ -3,6 +3,7 @@
  * ESLint configuration over fixtures that break (and keep) the rules.
  */
 import { execFile } from 'node:child_process';
+import { existsSync, readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 
@@ -83,7 +84,6 @@ test('a room importing the rooms below it passes lint', () => {
 });
 
 test('every top-level folder of product code is a room with its boundary', () => {
-  const { readdirSync, existsSync } = jest.requireActual<typeof import('node:fs')>('node:fs');
   const notRooms = new Set(['test', 'bench', 'scripts', 'node_modules', 'dist', 'bin', 'crds', 'charts', 'images', 'coverage', 'test-results']);
   const withTs = readdirSync(root, { withFileTypes: true })
     .filter((d) => d.isDirectory() && !d.name.startsWith('.') && !notRooms.has(d.name))

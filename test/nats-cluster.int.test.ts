@@ -12,10 +12,9 @@
  */
 import { randomBytes } from 'node:crypto';
 import { PassThrough } from 'node:stream';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, type JetStreamManager, type NatsConnection } from 'nats';
 import { startBridge, type Bridge } from '../dataplane/bridge';
-import { consumerNameOf, dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames } from '../dataplane/data-plane';
+import { consumerNameOf, dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames } from '../dataplane';
 import { decodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';
@@ -24,7 +23,7 @@ import type { ResponseFrame } from '../shared/serving';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { startNatsCluster, type TestNatsCluster } from './harness/nats-cluster';
-import { until } from './harness/wait';
+import { sleep, until } from './harness/wait';
 
 const POOL = 'clustered';
 const CLIENTS = 8;

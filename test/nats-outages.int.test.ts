@@ -14,7 +14,6 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { PassThrough } from 'node:stream';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type NatsConnection } from 'nats';
 import {
   consumerNameOf,
@@ -25,7 +24,7 @@ import {
   jsErrorCode,
   responseSubjectOf,
   type DataPlaneNames,
-} from '../dataplane/data-plane';
+} from '../dataplane';
 import { decodeFrame } from '../dataplane/frames';
 import type { ResponseFrame } from '../shared/serving';
 import { startServices, type RunningServices } from '../workers/dev/services';
@@ -37,7 +36,7 @@ import { makeToken, readyModel, TEST_SECRET } from './harness/gateway-app';
 import { isolation, workerConfig } from './harness';
 import { gatewayConfigFor, pinConversation } from './harness/gateway';
 import { startTcpProxy } from './harness/tcp-proxy';
-import { eventually } from './harness/wait';
+import { eventually, sleep } from './harness/wait';
 import { askInstance } from './harness/data-plane';
 import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
 

@@ -3,21 +3,24 @@
  * still becomes ready, every object is byte-identical to the source, no part is uploaded twice
  * except parts in flight at a kill, and no incomplete multipart upload remains.
  */
-import { CreateBucketCommand, GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import type { Client } from '@temporalio/client';
 import { spawn, type ChildProcess } from 'node:child_process';
-import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { modelWorkflowId, progressQuery, type PipelineProgress } from '../workflows/model/definitions';
 import { modelPipeline } from '../workflows/model/pipeline';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../workers/dev/hub';
+import type { FixtureCommit, FixtureHub } from '../workers/dev/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { endpoint, isolation, recordHistory, s3Client, temporalClient } from './harness';
+import { isolation, recordHistory, workerEnv } from './harness';
+import { hubStack, s3Stack, tempDir, temporalStack, TestStack } from './harness/stack';
+import { sleep } from './harness/wait';
 
 const iso = isolation();
 const REPO = 'magus-test/crash-llama';
+/** The model's name, and so its pipeline's workflow id, carry the file's isolation id. */
+const MODEL = `crash-${iso.id}`;
 const PART = 5 * 1024 * 1024;
 /** Parts a transfer uploads at once (the transfer's default concurrency). */
 const CONCURRENCY = 4;
@@ -26,57 +29,35 @@ const KILLS = 3;
 let hub: FixtureHub;
 let commit: FixtureCommit;
 let client: Client;
-let connection: Connection;
 let s3: S3Client;
 let dir: string;
 let worker: ChildProcess | undefined;
+const stack = new TestStack();
 const traceFile = () => join(dir, 's3-writes.log');
 
 /** A `magus worker` process run from the TypeScript sources. */
 function spawnWorker(): ChildProcess {
-  const s3e = endpoint('s3');
   const child = spawn(process.execPath, ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"], {
     cwd: join(__dirname, '..'),
     stdio: ['ignore', 'ignore', 'pipe'],
-    env: {
-      ...process.env,
-      MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
-      MAGUS_NATS_URL: endpoint('nats').servers,
-      MAGUS_S3_ENDPOINT: s3e.endpoint,
-      MAGUS_S3_BUCKET: iso.bucket,
-      AWS_ACCESS_KEY_ID: s3e.accessKeyId,
-      AWS_SECRET_ACCESS_KEY: s3e.secretAccessKey,
-      MAGUS_TASK_QUEUE: `${iso.id}-control`,
-      MAGUS_NATS_PREFIX: iso.natsPrefix,
-      MAGUS_TRANSFER_PART_SIZE: String(PART),
-      MAGUS_S3_TRACE_FILE: traceFile(),
-      MAGUS_CONVERT_THREADS: '1',
-      MAGUS_METRICS_ADDRESS: '127.0.0.1:0',
-      MAGUS_HEALTH_ADDRESS: '127.0.0.1:0',
-    },
+    env: { ...process.env, ...workerEnv(iso), MAGUS_TRANSFER_PART_SIZE: String(PART), MAGUS_S3_TRACE_FILE: traceFile(), MAGUS_CONVERT_THREADS: '1' },
   });
   child.stderr?.resume();
   return child;
 }
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-crash-'));
+  ({ dir } = stack.open(tempDir('magus-crash-')));
   // ~37 MB of F32 weights: 8 parts of 5 MiB for model.safetensors.
   await writeTinyModel(join(dir, 'model'), { seed: 41, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
-  hub = await startFixtureHub();
+  ({ hub } = await stack.open(hubStack()));
   commit = await hub.addRepo({ id: REPO, dir: join(dir, 'model') });
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  ({ client, connection } = await temporalClient());
+  ({ s3 } = await stack.open(s3Stack(iso)));
+  ({ client } = await stack.open(temporalStack()));
+  stack.defer(() => worker?.kill('SIGKILL'));
 }, 60_000);
 
-afterAll(async () => {
-  worker?.kill('SIGKILL');
-  await hub?.stop();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async () => {
   const weights = commit.files.find((f) => f.path === 'model.safetensors')!;
@@ -87,9 +68,9 @@ test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async 
 
   worker = spawnWorker();
   const handle = await client.workflow.start(modelPipeline, {
-    workflowId: modelWorkflowId('default', `${iso.id}-crash`),
+    workflowId: modelWorkflowId('default', MODEL),
     taskQueue: `${iso.id}-control`,
-    args: [{ namespace: 'default', name: 'crash', spec: { source: { repo: REPO, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
+    args: [{ namespace: 'default', name: MODEL, spec: { source: { repo: REPO, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
   });
   // While a new worker is starting nobody can answer a query: retry until one does.
   const progress = async (): Promise<PipelineProgress> => {
@@ -98,7 +79,7 @@ test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async 
         return await handle.query(progressQuery);
       } catch (err) {
         if (i >= 20) throw err;
-        await new Promise((r) => setTimeout(r, 500));
+        await sleep(500);
       }
     }
   };
@@ -110,7 +91,7 @@ test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async 
     const deadline = Date.now() + 120_000;
     let p: PipelineProgress;
     do {
-      await new Promise((r) => setTimeout(r, 250));
+      await sleep(250);
       p = await progress();
       if (Date.now() > deadline) throw new Error(`no transfer progress before kill ${kill}: ${JSON.stringify(p)}`);
     } while (p.phase === 'resolving' || (p.phase === 'transferring' && p.bytes.done < target));
@@ -126,7 +107,7 @@ test(`SIGKILL of the worker ${KILLS} times during a multi-part transfer`, async 
   const deadline = Date.now() + 180_000;
   let p = await progress();
   while (p.phase !== 'ready' && p.phase !== 'failed' && Date.now() < deadline) {
-    await new Promise((r) => setTimeout(r, 500));
+    await sleep(500);
     p = await progress();
   }
   expect(p.phase).toBe('ready');

@@ -6,25 +6,22 @@
  * the pipeline in `failed` with a typed permanent failure naming the tensor, shown in the
  * `Model`'s conditions, and nothing published.
  */
-import { CreateBucketCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import { ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { createHash } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import type { NatsConnection } from 'nats';
 import { CONVERTER_VERSION } from '../activities/convert/convert';
 import { modelConditions } from '../activities/kubernetes/status';
-import { dataPlaneNames } from '../dataplane/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { artifactPrefix, type ArtifactRequest, type ModelSpec } from '../shared/model';
 import type { MagusConfig } from '../workers/config';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../workers/dev/hub';
+import type { FixtureCommit, FixtureHub } from '../workers/dev/hub';
 import { STORIES260K, STORIES260K_TEXT, writeStories260k } from './fixtures/stories260k';
-import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation } from './harness';
+import { hubStack, magusStack, TestStack } from './harness/stack';
 import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
 import { runLlamaCpp } from './support/llama-cpp';
 
@@ -34,40 +31,28 @@ const REPO = 'karpathy/stories260K';
 
 let hub: FixtureHub;
 let commit: FixtureCommit;
-let workers: RunningWorkers;
 let client: Client;
-let connection: Connection;
-let nc: NatsConnection;
 let registry: ModelRegistry;
 let s3: S3Client;
 let dir: string;
 let cfg: MagusConfig;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-stories260k-pipeline-'));
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-stories260k-pipeline-', overrides: { convertThreads: 2 } }));
+  ({ dir, s3, cfg, client } = magus);
+  registry = await openModelRegistry(magus.nc, magus.names.modelsBucket);
   await writeStories260k(join(dir, 'stories260K'));
-  hub = await startFixtureHub();
+  ({ hub } = await stack.open(hubStack()));
   commit = await hub.addRepo({ id: REPO, dir: join(dir, 'stories260K') });
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  cfg = workerConfig(iso, dir, { convertThreads: 2 });
-  workers = await startWorkers(cfg);
-  ({ client, connection } = await temporalClient());
-  nc = await natsConnect();
-  registry = await openModelRegistry(nc, dataPlaneNames(iso.natsPrefix).modelsBucket);
 }, 120_000);
 
-afterAll(async () => {
-  await workers?.shutdown();
-  await hub?.stop();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 const spec = (artifacts: ArtifactRequest[]): ModelSpec => ({ source: { repo: REPO, hubUrl: hub.url }, artifacts, contextLength: 512 });
-const start = (name: string, s: ModelSpec) => startPipeline(client, iso, cfg.taskQueue, name, s);
+/** A model name of this file's own (its isolation id): its pipeline's and pool's workflow ids are too. */
+const named = (base: string) => `${base}-${iso.id}`;
+const start = (name: string, s: ModelSpec) => startPipeline(client, cfg.taskQueue, named(name), s);
 const sha256 = (bytes: Buffer) => createHash('sha256').update(bytes).digest('hex');
 
 test('pulled, converted to gguf:f32, gguf:f16 and dllama:f32, published; each GGUF from S3 generates llama2.c’s text in llama.cpp', async () => {
@@ -79,7 +64,7 @@ test('pulled, converted to gguf:f32, gguf:f16 and dllama:f32, published; each GG
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: commit.sha, failure: null });
 
-  const ready = await registry.get('default', 'stories');
+  const ready = await registry.get('default', named('stories'));
   expect(ready?.source).toEqual({ repo: REPO, revision: 'main', sha: commit.sha });
   expect(ready?.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:f32', 'gguf:f16', 'dllama:f32']);
   for (const artifact of ready!.artifacts) {
@@ -126,7 +111,7 @@ test.each([
   ]);
 
   // Nothing in the registry, no artifact object and no upload left behind.
-  expect(await registry.get('default', name)).toBeFalsy();
+  expect(await registry.get('default', named(name))).toBeFalsy();
   const prefix = artifactPrefix(REPO, commit.sha, { format, weights }, CONVERTER_VERSION);
   const listed = await s3.send(new ListObjectsV2Command({ Bucket: iso.bucket, Prefix: prefix }));
   expect(listed.Contents ?? []).toEqual([]);

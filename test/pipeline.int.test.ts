@@ -2,28 +2,26 @@
  * The model pipeline end to end on the real Temporal dev server, nats-server and MinIO, with the
  * Hugging Face-compatible fixture hub serving the tiny synthetic model.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import type { S3Client } from '@aws-sdk/client-s3';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { spawn } from 'node:child_process';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import type { NatsConnection } from 'nats';
 import { convertModel } from '../activities/convert/convert';
-import { dataPlaneNames } from '../dataplane/data-plane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';
 import { cancelSignal, progressQuery, specChangedSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from '../workers/config';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../workers/dev/hub';
+import type { FixtureCommit, FixtureHub } from '../workers/dev/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { currentDetails, endpoint, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { currentDetails, endpoint, isolation, listWorkflowIds, recordHistory } from './harness';
+import { hubStack, magusStack, TestStack } from './harness/stack';
 import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
 import { historyText } from './support/history';
 import { runLlamaCpp } from './support/llama-cpp';
+import { sleep } from './harness/wait';
 
 const EventType = temporal.api.enums.v1.EventType;
 const iso = isolation();
@@ -31,23 +29,25 @@ const TOKEN = 'hf_fixture_token_7c1d9e2b0a4f';
 const REPO = 'magus-test/tiny-llama';
 const GGUF_REPO = 'magus-test/tiny-llama-GGUF';
 
+let dir: string;
+let cfg: MagusConfig;
+let s3: S3Client;
+let client: Client;
+let registry: ModelRegistry;
 let hub: FixtureHub;
 let commit: FixtureCommit;
 let ggufCommit: FixtureCommit;
-let workers: RunningWorkers;
-let client: Client;
-let connection: Connection;
-let nc: NatsConnection;
-let registry: ModelRegistry;
-let s3: S3Client;
-let dir: string;
-let cfg: MagusConfig;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-pipeline-'));
+  // The worker's S3 client takes credentials from the standard environment, as in production.
+  process.env.MAGUS_TEST_HF_TOKEN = TOKEN;
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-pipeline-', overrides: { convertThreads: 2 } }));
+  ({ dir, s3, cfg, client } = magus);
+  registry = await openModelRegistry(magus.nc, magus.names.modelsBucket);
   await writeTinyModel(join(dir, 'tiny'), { seed: 31 });
   await writeTinyModel(join(dir, 'other'), { seed: 32 });
-  hub = await startFixtureHub({ tokens: [TOKEN] });
+  ({ hub } = await stack.open(hubStack({ tokens: [TOKEN] })));
   commit = await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
   await hub.addRepo({ id: 'magus-test/gated-llama', dir: join(dir, 'tiny'), gated: true, access: [TOKEN] });
   await hub.addRepo({ id: 'magus-test/corrupt-llama', dir: join(dir, 'other') });
@@ -59,26 +59,9 @@ beforeAll(async () => {
   }
   writeFileSync(join(dir, 'gguf', 'README.md'), '# Tiny-Llama GGUF\n');
   ggufCommit = await hub.addRepo({ id: GGUF_REPO, dir: join(dir, 'gguf') });
-
-  // The worker's S3 client takes credentials from the standard environment, as in production.
-  process.env.MAGUS_TEST_HF_TOKEN = TOKEN;
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  cfg = workerConfig(iso, dir, { convertThreads: 2 });
-  workers = await startWorkers(cfg);
-  ({ client, connection } = await temporalClient());
-  nc = await natsConnect();
-  registry = await openModelRegistry(nc, dataPlaneNames(iso.natsPrefix).modelsBucket);
 }, 120_000);
 
-afterAll(async () => {
-  await workers?.shutdown();
-  await hub?.stop();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 const spec = (repo: string, extra: Partial<ModelSpec['source']> = {}): ModelSpec => ({
   source: { repo, hubUrl: hub.url, ...extra },
@@ -89,7 +72,9 @@ const spec = (repo: string, extra: Partial<ModelSpec['source']> = {}): ModelSpec
   contextLength: 128,
 });
 
-const start = (name: string, s: ModelSpec) => startPipeline(client, iso, cfg.taskQueue, name, s);
+/** A model name of this file's own (its isolation id): its pipeline's and pool's workflow ids are too. */
+const named = (base: string) => `${base}-${iso.id}`;
+const start = (name: string, s: ModelSpec) => startPipeline(client, cfg.taskQueue, named(name), s);
 const getObject = (key: string) => objectBytes(s3, iso.bucket, key);
 
 test('happy path: sources verified in S3, artifacts converted and sized, registry entry written, GGUF runs in llama.cpp', async () => {
@@ -100,7 +85,7 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
   expect(p.files.done).toBe(p.files.total);
   expect(p.bytes.done).toBe(p.bytes.total);
 
-  const ready = await registry.get('default', 'tiny');
+  const ready = await registry.get('default', named('tiny'));
   expect(ready?.source).toEqual({ repo: REPO, revision: 'main', sha: commit.sha });
   expect(ready?.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:q40', 'dllama:q40']);
   expect(ready?.artifacts[1]?.files.map((f) => f.key.split('/').pop())).toEqual(['model.m', 'tokenizer.t']);
@@ -131,7 +116,7 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
   expect(p).toMatchObject({ phase: 'ready', sha: ggufCommit.sha, failure: null });
   await recordHistory('model-pipeline-gguf-source', handle);
   expect(p.files).toEqual({ done: 1, total: 1 }); // neither the other quantization nor the README
-  const ready = (await registry.get('default', 'tiny-gguf'))!;
+  const ready = (await registry.get('default', named('tiny-gguf')))!;
   const source = ggufCommit.files.find((f) => f.path === 'Tiny-Llama.Q8_0.gguf')!;
   // The artifact is the source object itself: nothing was copied or converted.
   expect(ready.artifacts).toEqual([
@@ -151,7 +136,7 @@ test('a GGUF repository converted for distributed-llama: the same .m and .t as f
   const handle = await start('tiny-gguf-dllama', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*.F16.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }, { format: 'dllama', weights: 'f16' }], contextLength: 128 });
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', failure: null });
-  const ready = (await registry.get('default', 'tiny-gguf-dllama'))!;
+  const ready = (await registry.get('default', named('tiny-gguf-dllama')))!;
   expect(ready.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source', 'dllama:f16']);
   expect(ready.memory.map((m) => [`${m.format}:${m.weights}`, m.topologies.map((t) => t.nodes)])).toEqual([['gguf:source', [1]], ['dllama:f16', [1, 2]]]);
   const direct = join(dir, 'direct-dllama-f16');
@@ -180,13 +165,13 @@ test('a step that keeps failing is named where a user looks (progress, search at
     let p = await handle.query(progressQuery);
     while (!(p.retrying && p.retrying.attempt >= 2)) {
       if (Date.now() > deadline) throw new Error(`no second failed attempt reported: ${JSON.stringify(p)}`);
-      await new Promise((r) => setTimeout(r, 200));
+      await sleep(200);
       p = await handle.query(progressQuery);
     }
     expect([p.phase, p.failure, p.retrying.activity, p.retrying.message]).toEqual(['resolving', null, 'resolveSource', expect.stringContaining('HTTP 503')]);
     expect(Date.parse(p.retrying.at)).toBeGreaterThan(Date.now() - 60_000);
     // The list can be filtered by phase, and the workflow's page says what is going on.
-    const listed = await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/flaky" AND MagusPhase="resolving"`);
+    const listed = await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/${named('flaky')}" AND MagusPhase="resolving"`);
     expect(listed).toContain(handle.workflowId);
     expect(await currentDetails(handle)).toMatch(/^\*\*resolving\*\* · `magus-test\/flaky-llama`[^]*retrying resolveSource: attempt \d+ failed at [^:]+:[^:]+:[^:]+: .*503/);
   } finally {
@@ -195,7 +180,7 @@ test('a step that keeps failing is named where a user looks (progress, search at
   const p = await pipelineSettled(handle);
   expect(p.phase).toBe('ready');
   expect(p.retrying).toBeUndefined();
-  expect(await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/flaky" AND MagusPhase="ready"`)).toContain(handle.workflowId);
+  expect(await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/${named('flaky')}" AND MagusPhase="ready"`)).toContain(handle.workflowId);
   expect(await currentDetails(handle)).toMatch(/^\*\*ready\*\* · `magus-test\/flaky-llama` @ `[0-9a-f]{12}` · generation 1 {2}\n5 of 5 files · [^]*gguf:q40: (\d+) of \1 tensors[^]*published: the model can be served$/);
   await recordHistory('model-pipeline-retried', handle);
 }, 120_000);
@@ -228,7 +213,7 @@ test.each([
   expect(p.phase).toBe('failed');
   expect(p.failure?.type).toBe(type);
   const requests = hub.stats.requests.length;
-  await new Promise((r) => setTimeout(r, 3000));
+  await sleep(3000);
   // Still failed, one attempt in all, and nothing more asked of the hub: it waits for a new spec.
   expect((await handle.query(progressQuery)).phase).toBe('failed');
   expect(await attempts(handle.workflowId, 'resolveSource')).toBe(1);
@@ -240,7 +225,7 @@ test('a failed pipeline re-plans when its spec changes, and the token stays out 
   expect((await pipelineSettled(handle)).failure?.type).toBe('Unauthorized');
   await handle.signal(specChangedSignal, spec('magus-test/gated-llama', { tokenRef: { env: 'MAGUS_TEST_HF_TOKEN' } }));
   // The old `failed` state lingers until the new run starts; wait for the generation to move.
-  for (let i = 0; (await handle.query(progressQuery)).generation < 2 && i < 50; i++) await new Promise((r) => setTimeout(r, 100));
+  for (let i = 0; (await handle.query(progressQuery)).generation < 2 && i < 50; i++) await sleep(100);
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', generation: 2 });
   const history = historyText(await handle.fetchHistory());
@@ -268,7 +253,7 @@ test('cancel stops a transfer in flight and removes its partial uploads', async 
     const handle = await start('cancel', spec('magus-test/cancel-llama'));
     let p = await handle.query(progressQuery);
     for (let i = 0; (p.phase !== 'transferring' || p.bytes.done < 6 * 1024 * 1024) && i < 200; i++) {
-      await new Promise((r) => setTimeout(r, 100));
+      await sleep(100);
       p = await handle.query(progressQuery);
     }
     expect(p.phase).toBe('transferring');
@@ -284,7 +269,7 @@ test('cancel stops a transfer in flight and removes its partial uploads', async 
 test('magus model pull starts the pipeline and returns when the model is ready', async () => {
   const child = spawn(
     process.execPath,
-    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))", 'model', 'pull', REPO, '--format', 'gguf:q80', '--hub', hub.url, '--name', 'pulled'],
+    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))", 'model', 'pull', REPO, '--format', 'gguf:q80', '--hub', hub.url, '--name', named('pulled')],
     {
       cwd: join(__dirname, '..'),
       env: { ...process.env, MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address, MAGUS_TASK_QUEUE: cfg.taskQueue, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_S3_ENDPOINT: cfg.s3.endpoint },
@@ -295,8 +280,8 @@ test('magus model pull starts the pipeline and returns when the model is ready',
   child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
   child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
   const code = await new Promise<number | null>((r) => child.once('exit', r));
-  expect([code, stderr]).toEqual([0, expect.stringContaining('pipeline model/default/pulled')]);
-  expect(stdout).toContain(`default/pulled is ready (${REPO}@${commit.sha})`);
+  expect([code, stderr]).toEqual([0, expect.stringContaining(`pipeline model/default/${named('pulled')}`)]);
+  expect(stdout).toContain(`default/${named('pulled')} is ready (${REPO}@${commit.sha})`);
   expect(stderr).toMatch(/^ready$/m);
-  expect((await registry.get('default', 'pulled'))?.artifacts.map((a) => a.weights)).toEqual(['q80']);
+  expect((await registry.get('default', named('pulled')))?.artifacts.map((a) => a.weights)).toEqual(['q80']);
 }, 120_000);

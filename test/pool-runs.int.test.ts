@@ -6,60 +6,46 @@
  * recorded histories in test/replay.test.ts; the entry-lease protocol's carry is in
  * test/serving-entries.int.test.ts.)
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection, WorkflowHandle } from '@temporalio/client';
+import type { Client, WorkflowHandle } from '@temporalio/client';
 import { type temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { consumerNameOf, dataPlaneNames } from '../dataplane/data-plane';
+import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { poolQueueFor, runtimeQueueFor } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
 import type { PoolCarryV2 } from '../workflows/pool/state';
 import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
+import { isolation, recordHistory, workerConfig } from './harness';
+import { magusStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-/** Its own model (and so its own pool workflow ids): other test files serve `tiny` and `wtiny`. */
-const MODEL = 'rtiny';
+/** A model of its own (its isolation id), and so pool workflow ids no other test file uses. */
+const MODEL = `rtiny-${iso.id}`;
 const cfgOf = (dir: string) => workerConfig(iso, dir);
 
 let dir: string;
-let s3: S3Client;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers;
 let registry: ModelRegistry;
 const pools: WorkflowHandle[] = [];
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-pool-runs-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  workers = await startWorkers(cfgOf(dir));
-  nc = await natsConnect();
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-pool-runs-' }));
+  ({ dir, nc, client } = magus);
   registry = await openModelRegistry(nc, names.modelsBucket);
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: MODEL });
-  ({ client, connection } = await temporalClient());
+  await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry, name: MODEL });
+  stack.defer(async () => {
+    for (const p of pools) await p.terminate().catch(() => undefined);
+  });
 }, 180_000);
 
-afterAll(async () => {
-  for (const p of pools) await p.terminate().catch(() => undefined);
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 type HistoryEvent = temporal.api.history.v1.IHistoryEvent;
 const scheduled = (events: HistoryEvent[], name: string) => events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name);

@@ -8,36 +8,31 @@
  * are answered, each on its one session workflow (none dropped, none doubled), and a new
  * conversation takes the new protocol.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import type { S3Client } from '@aws-sdk/client-s3';
+import type { Client } from '@temporalio/client';
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { startGateway, type RunningGateway } from '../gateway/server';
-import { temporalSessions } from '../gateway/temporal';
 import { poolQueueFor } from '../shared/constants';
 import { decodeSessionEntry } from '../shared/serving';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { gatewayConfigFor } from './harness/gateway';
 import { oldMagusBin } from './harness/old-magus';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { until } from './harness/wait';
+import { isolation, recordHistory, workerConfig } from './harness';
+import { gatewayStack, natsStack, s3Stack, tempDir, temporalStack, TestStack, workersStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 import { tokenDigest } from '../gateway/plugins/auth';
 
 /** The last commit of the old protocol (pool-granted leases, touch signals). */
 const OLD_COMMIT = 'ccc5f71';
 const CONVERSATIONS = 6;
-const MODEL = 'utiny';
 const iso = isolation();
+const MODEL = `utiny-${iso.id}`;
 const names = dataPlaneNames(iso.natsPrefix);
 const TOKEN = `mgs_up_${randomBytes(16).toString('hex')}`;
 const SECRET = randomBytes(32).toString('hex');
@@ -48,32 +43,21 @@ let dir: string;
 let s3: S3Client;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers | undefined;
-let gateway: RunningGateway | undefined;
 const children: ChildProcess[] = [];
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-upgrade-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  nc = await natsConnect();
-  ({ client, connection } = await temporalClient());
+  ({ dir } = stack.open(tempDir('magus-upgrade-')));
+  ({ s3 } = await stack.open(s3Stack(iso)));
+  ({ nc } = await stack.open(natsStack(iso)));
+  ({ client } = await stack.open(temporalStack()));
+  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
+  stack.defer(() => {
+    for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
+  });
 }, 60_000);
 
-afterAll(async () => {
-  for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
-  await client?.workflow
-    .getHandle(poolWorkflowId('default', MODEL))
-    .terminate()
-    .catch(() => undefined);
-  await gateway?.close();
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  if (dir) rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 /** `magus <mode>` of the old build, its output kept; resolves once `ready` matches its stderr. */
 async function startOld(mode: 'worker' | 'gateway', env: Record<string, string>, ready: RegExp): Promise<{ child: ChildProcess; output: () => string; exited: Promise<number | null> }> {
@@ -86,7 +70,7 @@ async function startOld(mode: 'worker' | 'gateway', env: Record<string, string>,
   const deadline = Date.now() + 120_000;
   while (!ready.test(out)) {
     if (child.exitCode !== null || Date.now() > deadline) throw new Error(`old magus ${mode} did not start:\n${out}`);
-    await new Promise((r) => setTimeout(r, 200));
+    await sleep(200);
   }
   return { child, output: () => out, exited };
 }
@@ -149,9 +133,9 @@ test('old-protocol conversations live through the switch to today’s worker and
   oldWorker.child.kill('SIGTERM');
   expect(await oldGateway.exited).toBe(0);
   expect(await oldWorker.exited).toBe(0);
-  workers = await startWorkers(cfg);
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: POOL, sessionTtlMs: TTL_MS });
-  gateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { up: TOKEN }, env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' } }), { nc, ...sessions });
+  await stack.open(workersStack(iso, dir));
+  const sessions = { client, taskQueue: cfg.taskQueue, pool: POOL, sessionTtlMs: TTL_MS };
+  const { gateway } = await stack.open(gatewayStack(names, { nc, secret: SECRET, tokens: { up: TOKEN }, env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' }, sessions }));
   // The old worker's instance went with it: once the pool has noticed, it grants the old sessions
   // another and they rewrite their entries. (A turn sent to the lost instance before that waits for
   // its deadline, under either protocol: the gateway does not take back what it queued.)
@@ -161,7 +145,7 @@ test('old-protocol conversations live through the switch to today’s worker and
     return serving.size > 0 && on.every((i) => i !== undefined && serving.has(i));
   }, 180_000);
   for (let t = 2; t <= 3; t++) {
-    const answers = await Promise.all(conversations.map((c) => turn(gateway!.url, c.id, c.messages, `turn ${t} of ${c.id}`)));
+    const answers = await Promise.all(conversations.map((c) => turn(gateway.url, c.id, c.messages, `turn ${t} of ${c.id}`)));
     expect(answers).toEqual(conversations.map(() => ({ status: 200, body: '' })));
   }
   // A new conversation takes the new protocol: its entry carries `placedAt`.

@@ -16,30 +16,30 @@
  * as env values (podman 4.3's kube play reads Secrets only from its own secret store), and no
  * `ports` (declarative in Kubernetes; podman would publish them on the host).
  */
-import { CreateBucketCommand, PutObjectCommand } from '@aws-sdk/client-s3';
+import { PutObjectCommand } from '@aws-sdk/client-s3';
 import { AppsV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
 import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { installCrds } from '../activities/kubernetes/crds';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { instanceBase } from '../activities/runtime/kubernetes-manifests';
-import { startGateway, type RunningGateway } from '../gateway/server';
+import type { RunningGateway } from '../gateway/server';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { endpoint, isolation, natsConnect, s3Client } from './harness';
+import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
-import { ensureDataPlane } from '../dataplane/data-plane';
+import { pinConversation } from './harness/gateway';
+import { gatewayStack, natsStack, s3Stack, tempDir, TestStack } from './harness/stack';
+import { sleep } from './harness/wait';
 
 const run = promisify(execFile);
 const iso = isolation();
@@ -62,6 +62,7 @@ let pinTo: { pool: string; instance: string } | undefined;
 let gateway: RunningGateway;
 let openai: OpenAI;
 const proxies: TcpProxy[] = [];
+const stack = new TestStack();
 const KUBE_NETWORK = `magus-pods-${iso.id}`;
 
 /** The address of a kube-played pod on the kube network (its infra container holds the network). */
@@ -90,15 +91,14 @@ beforeAll(async () => {
       throw new Error(`image ${image} is missing: build it with scripts/images (npm test does)`);
     });
   }
-  dir = mkdtempSync(join(tmpdir(), 'magus-pods-'));
+  ({ dir } = stack.open(tempDir('magus-pods-')));
   cluster = await startTestCluster({ nodes: 2 });
+  stack.defer(() => cluster.stop());
   await installCrds(cluster.kubeConfig);
   await cluster.createNamespace(NS);
-  nc = await natsConnect();
-  await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  ({ nc } = await stack.open(natsStack(iso, { declare: true })));
   registry = await openModelRegistry(nc, names.modelsBucket);
-  const s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  const { s3 } = await stack.open(s3Stack(iso));
   // llama.cpp: the tiny synthetic Llama as GGUF, in S3 and the registry.
   const tiny = await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: 'tiny' });
   await registry.put({ ...tiny, namespace: NS });
@@ -110,13 +110,17 @@ beforeAll(async () => {
   const m = await put('artifacts/tinyd/model.m', randomBytes(4096));
   const t = await put('artifacts/tinyd/tokenizer.t', randomBytes(512));
   await registry.put({ namespace: NS, name: 'tinyd', source: { repo: 'org/tinyd', revision: 'main', sha: 'd'.repeat(40) }, artifacts: [{ format: 'dllama', weights: 'q40', files: [m, t] }], memory: [], readyAt: new Date().toISOString() } as unknown as ReadyModel);
-  s3.destroy();
 
   const s3e = endpoint('s3');
   await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
+  stack.defer(async () => {
+    await podman('pod', 'rm', '--force', HOLDER).catch(() => undefined);
+    await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
+  });
   await podman('network', 'create', KUBE_NETWORK);
   await podman('pod', 'create', '--name', HOLDER, '--network', KUBE_NETWORK);
   await podman('pod', 'start', HOLDER);
+  stack.defer(() => Promise.all(proxies.map((p) => p.close())));
   const natsAddress = await proxyFromPods(endpoint('nats').servers.replace(/^nats:\/\//, '').split(',')[0]!);
   const s3Address = await proxyFromPods(new URL(s3e.endpoint).host);
   runtime = createKubernetesRuntime({
@@ -130,22 +134,17 @@ beforeAll(async () => {
   });
   // A conversation's session is its pin to the instance under test (no Temporal here), written
   // when the gateway asks for it: a pin written beforehand races the gateway's watch of the bucket.
-  gateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' } }), {
+  ({ gateway } = await stack.open(gatewayStack(names, {
     nc,
-    coldStart: (req) => (pinTo ? pinConversation(nc, names, req.conversationKey, pinTo.pool, pinTo.instance) : Promise.reject(new Error('no instance under test'))),
-  });
+    secret: SECRET,
+    tokens: { [TOKEN_ID]: TOKEN },
+    env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' },
+    deps: { coldStart: (req) => (pinTo ? pinConversation(nc, names, req.conversationKey, pinTo.pool, pinTo.instance) : Promise.reject(new Error('no instance under test'))) },
+  })));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 600_000);
 
-afterAll(async () => {
-  await gateway?.close();
-  await Promise.all(proxies.map((p) => p.close()));
-  await podman('pod', 'rm', '--force', HOLDER).catch(() => undefined);
-  await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
-  await nc?.drain();
-  await cluster?.stop();
-  if (dir) rmSync(dir, { recursive: true, force: true });
-}, 120_000);
+afterAll(() => stack.close(), 120_000);
 
 /** The runtime's pod template of StatefulSet `name`, as a Pod podman can play. */
 async function podOf(name: string, workers: { names: string[]; ip?: string }): Promise<Record<string, unknown>> {
@@ -203,7 +202,7 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
         const logs = await podman('pod', 'logs', `${base}-0`).then((r) => r.stdout + r.stderr, (e: Error) => e.message);
         throw new Error(`the engine container never answered; pod logs:\n${logs.slice(-3000)}`);
       }
-      await new Promise((r) => setTimeout(r, 500));
+      await sleep(500);
     }
     const sessionId = `pods-${model}`;
     pinTo = { pool: model, instance };

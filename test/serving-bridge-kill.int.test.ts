@@ -15,16 +15,15 @@ import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { consumerNameOf, dataPlaneNames, ensureDataPlane } from '../dataplane/data-plane';
+import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import type { AcquireRequest } from '../gateway/plugins/sessions';
-import { startGateway, type RunningGateway } from '../gateway/server';
+import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
-import type { SessionEntry } from '../shared/serving';
-import { splitText, startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { endpoint, isolation, natsConnect } from './harness';
+import { splitText, type StubEngine } from './fixtures/stub-engine';
+import { endpoint, isolation } from './harness';
+import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
 import { freePort } from '../workers/dev/services';
 import { until } from './harness/wait';
 
@@ -45,6 +44,7 @@ let gateway: RunningGateway;
 let openai: OpenAI;
 const coldStarts: string[] = [];
 const processes = new Set<BridgeProcess>();
+const stack = new TestStack();
 
 /** The next generation the stub starts is held after this many pieces; the test learns when. */
 let holdNext: { afterChunks: number; reached: () => void } | undefined;
@@ -114,23 +114,28 @@ async function consumerIdle(): Promise<boolean> {
 }
 
 beforeAll(async () => {
-  nc = await natsConnect();
-  const names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
-  engine = await startStubEngine({
-    modelId: POOL,
-    chunks: CHUNKS,
-    pause: () => {
-      const h = holdNext;
-      holdNext = undefined;
-      // Never released: the held attempt ends when its bridge dies and the connection closes.
-      return h && { afterChunks: h.afterChunks, until: new Promise<never>(() => undefined), reached: h.reached };
-    },
-  });
+  const nats = await stack.open(natsStack(iso, { declare: true }));
+  const { names } = nats;
+  nc = nats.nc;
+  ({ engine } = await stack.open(
+    stubEngineStack({
+      modelId: POOL,
+      chunks: CHUNKS,
+      pause: () => {
+        const h = holdNext;
+        holdNext = undefined;
+        // Never released: the held attempt ends when its bridge dies and the connection closes.
+        return h && { afterChunks: h.afterChunks, until: new Promise<never>(() => undefined), reached: h.reached };
+      },
+    }),
+  ));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
   const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: SESSION });
   await pinConversation(nc, names, key, POOL, INSTANCE);
 
-  const config = gatewayConfigFor(iso.natsPrefix, {
+  // The entry was written before the watch started, so `ready` means it is loaded.
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: SECRET,
     tokens: { [TOKEN_ID]: TOKEN },
     env: {
@@ -138,28 +143,16 @@ beforeAll(async () => {
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
       MAGUS_LOG_LEVEL: 'silent',
     },
-  });
-  const coldStart = (req: AcquireRequest): Promise<SessionEntry> => {
-    coldStarts.push(req.conversationKey);
-    return Promise.reject(new Error('cold start in the bridge kill test'));
-  };
-  // The entry was written before the watch started, so `ready` means it is loaded.
-  gateway = await startGateway(config, { nc, coldStart });
+    deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the bridge kill test') },
+  })));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+  stack.defer(async () => {
+    for (const p of processes) p.child.kill('SIGKILL');
+    await Promise.all([...processes].map((p) => p.exited));
+  });
 }, 60_000);
 
-afterAll(async () => {
-  for (const p of processes) p.child.kill('SIGKILL');
-  await Promise.all([...processes].map((p) => p.exited));
-  await gateway?.close();
-  await engine?.stop();
-  const jsm = await nc?.jetstreamManager();
-  const names = dataPlaneNames(iso.natsPrefix);
-  for (const stream of [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.modelsBucket].map((b) => `KV_${b}`)]) {
-    await jsm?.streams.delete(stream).catch(() => undefined);
-  }
-  await nc?.drain();
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 afterEach(() => {
   expect(coldStarts).toEqual([]);

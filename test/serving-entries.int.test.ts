@@ -5,31 +5,29 @@
  * and whose runs carry O(instances) into the next. Real Temporal, nats-server and MinIO; the
  * pool's instances are real llama.cpp engines of the tiny GGUF (local runtime).
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import { WithStartWorkflowOperation, type Client, type Connection } from '@temporalio/client';
+import type { S3Client } from '@aws-sdk/client-s3';
+import { WithStartWorkflowOperation, type Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import type { KV, NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { createServingActivities, type Runtime } from '../activities/serving';
+import type { Runtime } from '../activities/runtime/runtime';
+import { createServingActivities } from '../activities/serving';
 import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
 import { demandSignal, poolStatusQuery, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool, PoolCarry } from '../workflows/pool/pool';
 import { acquireUpdate, sessionWorkflowId } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { until } from './harness/wait';
+import { isolation, listWorkflowIds, recordHistory } from './harness';
+import { magusStack, TestStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-const MODEL = 'etiny';
+const MODEL = `etiny-${iso.id}`;
 const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
 const decode = (v: Uint8Array) => JSON.parse(new TextDecoder().decode(v)) as SessionEntry;
 
@@ -38,34 +36,19 @@ let s3: S3Client;
 let nc: NatsConnection;
 let kv: KV;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers;
 let taskQueue: string;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-entries-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const cfg = workerConfig(iso, dir);
-  taskQueue = cfg.taskQueue;
-  workers = await startWorkers(cfg);
-  nc = await natsConnect();
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-entries-' }));
+  ({ dir, s3, nc, client } = magus);
+  taskQueue = magus.cfg.taskQueue;
   kv = await nc.jetstream().views.kv(names.sessionsBucket);
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  ({ client, connection } = await temporalClient());
+  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
 }, 180_000);
 
-afterAll(async () => {
-  await client?.workflow
-    .getHandle(poolWorkflowId('default', MODEL))
-    .terminate()
-    .catch(() => undefined);
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 /** Starts a session of the entry-lease protocol as the gateway does, for an entry written first. */
 async function startSession(key: string, expiresAt: number, ttlMs: number) {
@@ -92,7 +75,7 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   let rev = await kv.create(twice, encode(entry('x-1', Date.now() + ttl)));
   const h2 = await startSession(twice, Date.now() + ttl, ttl);
   for (let k = 0; k < 2; k++) {
-    await new Promise((r) => setTimeout(r, ttl - 500));
+    await sleep(ttl - 500);
     rev = await kv.update(twice, encode(entry('x-1', Date.now() + ttl)), rev);
   }
   await h1.result();
@@ -250,7 +233,7 @@ test('the pool’s history grows with its decisions, not with conversations: 5 a
       const t0 = Date.now();
       for (let k = 0; k < perSec * seconds; k++) {
         const due = t0 + (k * 1000) / perSec;
-        if (due > Date.now()) await new Promise((r) => setTimeout(r, due - Date.now()));
+        if (due > Date.now()) await sleep(due - Date.now());
         const key = `rate-${perSec}-${k}-${randomBytes(3).toString('hex')}`;
         written.push(key);
         await kv.put(key, encode({ ...entry(instances[k % 2]!, Date.now() + 600_000), pool: model }));

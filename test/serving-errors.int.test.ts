@@ -10,27 +10,22 @@
  * 401 and 404 (`model_not_found`) are covered at client level by serving.int.test.ts and
  * gateway/gateway.int.test.ts.
  */
-import type { Client, Connection } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI, { type APIError } from 'openai';
-import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames, ensureInstanceConsumer } from '../dataplane/data-plane';
+import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { startGateway, type RunningGateway } from '../gateway/server';
-import { temporalSessions } from '../gateway/temporal';
+import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
-import { startBridge, type Bridge } from '../dataplane/bridge';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
-import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
+import type { StubEngine } from './fixtures/stub-engine';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { eventually } from './harness/wait';
+import { isolation, recordHistory, s3Client } from './harness';
+import { gatewayStack, magusStack, stubInstanceStack, TestStack } from './harness/stack';
+import { eventually, sleep } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -42,24 +37,22 @@ const BODY_LIMIT = 1024;
 const REQUEST_TIMEOUT_MS = 3000;
 const RETRY_AFTER_SEC = 7;
 /** In the registry, but without a GGUF file: the local runtime cannot start an instance of it. */
-const UNSTARTABLE = 'no-gguf';
+const UNSTARTABLE = `no-gguf-${iso.id}`;
 /** Served by a warm-seeded session whose engine never answers. */
-const SILENT = 'silent';
+const SILENT = `silent-${iso.id}`;
 const SILENT_INSTANCE = 'i1';
 const SILENT_SESSION = `silent-${iso.id}`;
 /** Pulled with only `dllama:q40`: the worker here has no distributed-llama binaries, so nothing can serve it. */
-const DLLAMA_ONLY = 'dllama-only';
+const DLLAMA_ONLY = `dllama-only-${iso.id}`;
 
 let dir: string;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers;
 let engine: StubEngine;
-let bridge: Bridge;
 const bridgeLog: string[] = [];
 let gateway: RunningGateway;
 let openai: OpenAI;
+const stack = new TestStack();
 
 /** What a rejected call rejected with. */
 async function failure(call: Promise<unknown>): Promise<unknown> {
@@ -72,26 +65,21 @@ async function failure(call: Promise<unknown>): Promise<unknown> {
 }
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-serving-errors-'));
-  const cfg = workerConfig(iso, dir);
-  workers = await startWorkers(cfg); // also declares the data plane (streams, buckets)
-  nc = await natsConnect();
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-serving-errors-' })); // the workers declare the data plane (streams, buckets)
+  ({ dir, nc, client } = magus);
   const registry = await openModelRegistry(nc, names.modelsBucket);
   await registry.put(readyModel(UNSTARTABLE));
   await registry.put(readyModel(SILENT));
   const file = (key: string) => ({ key, bytes: 1, sha256: '0'.repeat(64) });
   await registry.put({ ...readyModel(DLLAMA_ONLY), artifacts: [{ format: 'dllama', weights: 'q40', converterVersion: 'test', files: [file('m/model.m'), file('m/model.t')] }] });
 
-  engine = await startStubEngine({ modelId: SILENT, stall: true });
-  await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: SILENT, instance: SILENT_INSTANCE, slots: 4 });
-  bridge = await startBridge({ nc, names, pool: SILENT, instance: SILENT_INSTANCE, engineUrl: engine.url, slots: 4, log: (line) => bridgeLog.push(line) });
+  ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: SILENT, instance: SILENT_INSTANCE, slots: 4, engine: { stall: true }, bridge: { log: (line) => bridgeLog.push(line) } })));
   // The silent model's conversation is pinned to that instance, as the session workflow would do.
   const key = conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: SILENT_SESSION });
   await pinConversation(nc, names, key, SILENT, SILENT_INSTANCE);
 
-  ({ client, connection } = await temporalClient());
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }, sessionTtlMs: 60_000 });
-  const config = gatewayConfigFor(iso.natsPrefix, {
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: SECRET,
     tokens: { [TOKEN_ID]: TOKEN },
     env: {
@@ -106,20 +94,12 @@ beforeAll(async () => {
       MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC),
       MAGUS_LOG_LEVEL: 'silent',
     },
-  });
-  gateway = await startGateway(config, { nc, ...sessions });
+    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }, sessionTtlMs: 60_000 },
+  })));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 120_000);
 
-afterAll(async () => {
-  await gateway?.close();
-  await bridge?.stop();
-  await engine?.stop();
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  if (dir) rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 test('413 for a body over the limit, before authentication: the wrong token is never looked at', async () => {
   const wrong = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: `mgs_${TOKEN_ID}_${'0'.repeat(32)}`, maxRetries: 0 });
@@ -236,13 +216,13 @@ test('a retry after no_capacity is served once an instance can start, not refuse
 // seconds for ever (each one pulling and spawning). Now the error is typed and final, and
 // failed starts back off (5 s, 10 s, 20 s … capped at 5 min), visibly in the pool's state.
 test('a model whose instances can never start is tried a bounded number of times, with the backoff in the pool’s state', async () => {
-  const model = 'never-published';
+  const model = `never-published-${iso.id}`;
   const handle = await client.workflow.start('dllamaPool', {
     workflowId: poolWorkflowId('default', model),
     taskQueue: `${iso.id}-control`,
     args: [{ namespace: 'default', model, minInstances: 1, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }],
   });
-  await new Promise((r) => setTimeout(r, 60_000));
+  await sleep(60_000);
   const history = await handle.fetchHistory();
   const starts = (history.events ?? []).filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === 'createInstance').length;
   const status = await handle.query(poolStatusQuery);

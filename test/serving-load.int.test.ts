@@ -8,17 +8,17 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer } from '../dataplane/data-plane';
 import { openModelRegistry } from '../dataplane/registry';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import type { AcquireRequest } from '../gateway/plugins/sessions';
-import { startGateway, type RunningGateway } from '../gateway/server';
+import type { RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from './harness/gateway-app';
-import type { ChatMessage, SessionEntry } from '../shared/serving';
-import { startBridge, type Bridge } from '../dataplane/bridge';
-import { startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { isolation, natsConnect } from './harness';
+import type { ChatMessage } from '../shared/serving';
+import type { Bridge } from '../dataplane/bridge';
+import type { StubEngine } from './fixtures/stub-engine';
+import { isolation } from './harness';
+import { gatewayStack, natsStack, stubInstanceStack, TestStack } from './harness/stack';
+import { sleep } from './harness/wait';
 
 const iso = isolation();
 const POOL = 'stub-load';
@@ -39,20 +39,22 @@ const bridges = new Map<string, Bridge>();
 const bridgeLog: string[] = [];
 const gatewayLog = new LogSink();
 const coldStarts: string[] = [];
+const stack = new TestStack();
 
 /** Conversation `i` runs on instance `instanceOf(i)`, as its seeded session says. */
 const instanceOf = (i: number) => INSTANCES[i % INSTANCES.length]!;
 const sessionId = (i: number) => `load-${iso.id}-${i}`;
 
 beforeAll(async () => {
-  nc = await natsConnect();
-  const names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
-  const jsm = await nc.jetstreamManager();
+  const nats = await stack.open(natsStack(iso, { declare: true }));
+  const { names } = nats;
+  nc = nats.nc;
   for (const instance of INSTANCES) {
-    const engine = await startStubEngine({ modelId: POOL, chunks: STREAM_CHUNKS });
+    const { engine, bridge } = await stack.open(
+      stubInstanceStack(nc, names, { pool: POOL, instance, slots: SLOTS, engine: { chunks: STREAM_CHUNKS }, bridge: { log: (line) => bridgeLog.push(`${instance}: ${line}`) } }),
+    );
     engines.set(instance, engine);
-    await ensureInstanceConsumer(jsm, names, { pool: POOL, instance, slots: SLOTS });
-    bridges.set(instance, await startBridge({ nc, names, pool: POOL, instance, engineUrl: engine.url, slots: SLOTS, log: (line) => bridgeLog.push(`${instance}: ${line}`) }));
+    bridges.set(instance, bridge);
   }
   await (await openModelRegistry(nc, names.modelsBucket)).put(MODEL);
 
@@ -62,7 +64,9 @@ beforeAll(async () => {
     await pinConversation(nc, names, key, POOL, instanceOf(i));
   }
 
-  const config = gatewayConfigFor(names.prefix, {
+  // The entries were written before the watch started, so `ready` means they are all loaded.
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: SECRET,
     tokens: { [TOKEN_ID]: TOKEN },
     env: {
@@ -70,26 +74,11 @@ beforeAll(async () => {
       // Everything the gateway says, so the token check below covers the most log lines.
       MAGUS_LOG_LEVEL: 'trace',
     },
-  });
-  // The entries were written before the watch started, so `ready` means they are all loaded.
-  const coldStart = (req: AcquireRequest): Promise<SessionEntry> => {
-    coldStarts.push(req.conversationKey);
-    return Promise.reject(new Error('cold start during the warm load test'));
-  };
-  gateway = await startGateway(config, { nc, coldStart, logStream: gatewayLog });
+    deps: { coldStart: refusedColdStart(coldStarts, 'cold start during the warm load test'), logStream: gatewayLog },
+  })));
 }, 60_000);
 
-afterAll(async () => {
-  await gateway?.close();
-  for (const b of bridges.values()) await b.stop();
-  for (const e of engines.values()) await e.stop();
-  const jsm = await nc?.jetstreamManager();
-  const names = dataPlaneNames(iso.natsPrefix);
-  for (const stream of [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.modelsBucket].map((b) => `KV_${b}`)]) {
-    await jsm?.streams.delete(stream).catch(() => undefined);
-  }
-  await nc?.drain();
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 interface TurnResult {
   conversation: number;
@@ -163,7 +152,7 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
     expect(engine.requests.map((q) => (q.body as { messages: ChatMessage[] }).messages.at(-1)!.content).sort()).toEqual(mine);
   }
   // A bridge records the answer in the claim and acks right after the client has it: let the last ones finish.
-  for (let i = 0; i < 200 && [...bridges.values()].some((b) => b.stats.inFlight > 0); i++) await new Promise((r) => setTimeout(r, 10));
+  for (let i = 0; i < 200 && [...bridges.values()].some((b) => b.stats.inFlight > 0); i++) await sleep(10);
   for (const b of bridges.values()) {
     expect(b.stats).toMatchObject({ redelivered: 0, replayed: 0, superseded: 0, nakked: 0, termed: 0, errors: 0, inFlight: 0 });
   }

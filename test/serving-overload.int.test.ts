@@ -7,29 +7,23 @@
  * is answered within 10 s. (Before the entry-lease protocol, new conversations at 20/s made the
  * one pool workflow fall behind until no first turn was answered at all.)
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import { WorkflowNotFoundError, type Client, type Connection } from '@temporalio/client';
+import { WorkflowNotFoundError, type Client } from '@temporalio/client';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../dataplane/data-plane';
+import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { startGateway, type RunningGateway } from '../gateway/server';
-import { temporalSessions } from '../gateway/temporal';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
+import type { RunningGateway } from '../gateway/server';
 import { poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { conversationKey } from '../gateway/plugins/conversation';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { gatewayConfigFor } from './harness/gateway';
-import { isolation, natsConnect, s3Client, temporalClient, workerConfig } from './harness';
-import { until } from './harness/wait';
+import { isolation } from './harness';
+import { gatewayStack, magusStack, TestStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-const MODEL = 'otiny';
+const MODEL = `otiny-${iso.id}`;
 const TOKEN = `mgs_ov_${randomBytes(16).toString('hex')}`;
 const SECRET = randomBytes(32).toString('hex');
 const RETRY_AFTER_SEC = 3;
@@ -38,44 +32,26 @@ const BURST = 4 * DEFAULT_INSTANCE_BACKLOG;
 /** A few tokens each: the one engine still falls behind a burst this size, and its queue drains in seconds. */
 const MAX_TOKENS = 4;
 
-let dir: string;
-let s3: S3Client;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers;
 let gateway: RunningGateway;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-overload-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const cfg = workerConfig(iso, dir);
-  workers = await startWorkers(cfg);
-  nc = await natsConnect();
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  ({ client, connection } = await temporalClient());
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 }, sessionTtlMs: 10 * 60_000 });
-  const config = gatewayConfigFor(iso.natsPrefix, {
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-overload-' }));
+  ({ nc, client } = magus);
+  await publishTinyGguf({ dir: magus.dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
+  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: SECRET,
     tokens: { ov: TOKEN },
     env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC), MAGUS_LOG_LEVEL: 'silent' },
-  });
-  gateway = await startGateway(config, { nc, ...sessions });
+    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 }, sessionTtlMs: 10 * 60_000 },
+  })));
 }, 180_000);
 
-afterAll(async () => {
-  await client?.workflow
-    .getHandle(poolWorkflowId('default', MODEL))
-    .terminate()
-    .catch(() => undefined);
-  await gateway?.close();
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  if (dir) rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 interface Outcome {
   id: string;
@@ -130,7 +106,7 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   for (;;) {
     next = await firstTurn(`after-${tag}-${tries++}`, 4);
     if (next.status === 200 || Date.now() - probing > 60_000) break;
-    await new Promise((r) => setTimeout(r, 250));
+    await sleep(250);
   }
   const outcomes = await burst;
   const byStatus = new Map<string, number>();

@@ -16,16 +16,17 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames, type DataPlaneOptions } from '../dataplane/data-plane';
+import { ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames, type DataPlaneOptions } from '../dataplane';
 import { encodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
 import { bridgeMetricsText, startBridge, type Bridge } from '../dataplane/bridge';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { startGateway, type RunningGateway } from '../gateway/server';
+import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
-import { splitText, startStubEngine, type StubEngine } from './fixtures/stub-engine';
-import { gatewayConfigFor, pinConversation } from './harness/gateway';
+import { splitText, type StubEngine } from './fixtures/stub-engine';
+import { pinConversation } from './harness/gateway';
 import { isolation, natsConnect } from './harness';
+import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
 const iso = isolation();
@@ -53,27 +54,28 @@ interface Plane {
 
 /** A data plane of its own (`responses` sizes MAGUS_RESPONSES), a stub engine, a gateway, one pinned conversation. */
 async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane> {
-  const nc = await natsConnect();
-  const names = await ensureDataPlane(nc, { prefix: `${iso.natsPrefix}${suffix}`, ...responses });
+  const pieces = new TestStack();
+  const { nc, names } = await pieces.open(natsStack(iso, { suffix, declare: responses }));
   await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: POOL, instance: INSTANCE, slots: 1, ackWaitMs: 1000 });
   let hold: { afterChunks: number; until: Promise<void>; reached: () => void } | undefined;
-  const engine = await startStubEngine({
-    modelId: POOL,
-    chunks: CHUNKS,
-    chunkDelayMs: 40,
-    pause: () => {
-      const h = hold;
-      hold = undefined;
-      return h;
-    },
-  });
+  const { engine } = await pieces.open(
+    stubEngineStack({
+      modelId: POOL,
+      chunks: CHUNKS,
+      chunkDelayMs: 40,
+      pause: () => {
+        const h = hold;
+        hold = undefined;
+        return h;
+      },
+    }),
+  );
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
   const session = `pressure-${suffix}`;
   await pinConversation(nc, names, conversationKey(SECRET, { tokenId: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session }), POOL, INSTANCE);
-  const config = gatewayConfigFor(names.prefix, { secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env: { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' } });
-  const gateway = await startGateway(config, { nc, coldStart: () => Promise.reject(new Error('no cold start in this test')) });
+  const env = { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' };
+  const { gateway } = await pieces.open(gatewayStack(names, { nc, secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env, deps: { coldStart: () => Promise.reject(new Error('no cold start in this test')) } }));
   const openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0, defaultHeaders: { 'x-session-id': session } });
-  const bridges: [Bridge, NatsConnection][] = [];
   return {
     names,
     nc,
@@ -88,22 +90,13 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
     },
     async bridge(conn) {
       const b = await startBridge({ nc: conn, names, pool: POOL, instance: INSTANCE, engineUrl: engine.url, slots: 1, retryDelayMs: 100, log: () => undefined });
-      bridges.push([b, conn]);
-      return b;
-    },
-    async close() {
-      for (const [b, conn] of bridges) {
+      pieces.defer(async () => {
         await b.stop();
         await conn.close();
-      }
-      await gateway.close();
-      await engine.stop();
-      const jsm = await nc.jetstreamManager();
-      for (const s of [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`)]) {
-        await jsm.streams.delete(s).catch(() => false);
-      }
-      await nc.close();
+      });
+      return b;
     },
+    close: () => pieces.close(),
   };
 }
 

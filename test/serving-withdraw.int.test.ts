@@ -6,24 +6,20 @@
  * withdraw their requests and have a deadline. Real Temporal, nats-server and MinIO; real workers with the local runtime and a
  * llama.cpp engine over the tiny GGUF.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import { WorkflowUpdateFailedError, type Client, type Connection } from '@temporalio/client';
+import { WorkflowUpdateFailedError, type Client } from '@temporalio/client';
 import { ApplicationFailure } from '@temporalio/common';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createSessionCache, type AcquireRequest } from '../gateway/plugins/sessions';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { leaseGrantedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { acquireUpdate, sessionWorkflowId } from '../workflows/session/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { eventually } from './harness/wait';
+import { isolation, recordHistory } from './harness';
+import { magusStack, TestStack } from './harness/stack';
+import { eventually, sleep } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -32,38 +28,24 @@ const IDLE_MS = 6000;
  * A model name of its own: pool workflow ids are `pool/<namespace>/<model>` on the one Temporal
  * server all test files share, so a pool left by one file would take another file's signals.
  */
-const MODEL = 'withdraw-tiny';
+const MODEL = `withdraw-tiny-${iso.id}`;
 
-let dir: string;
-let s3: S3Client;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
-let workers: RunningWorkers;
 let model: ReadyModel;
 let taskQueue: string;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-withdraw-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const cfg = workerConfig(iso, dir);
-  taskQueue = cfg.taskQueue;
-  workers = await startWorkers(cfg);
-  nc = await natsConnect();
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-withdraw-' }));
+  ({ nc, client } = magus);
+  taskQueue = magus.cfg.taskQueue;
   const registry = await openModelRegistry(nc, names.modelsBucket);
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: MODEL });
+  await publishTinyGguf({ dir: magus.dir, s3: magus.s3, bucket: iso.bucket, registry, name: MODEL });
   model = (await registry.get('default', MODEL))!;
-  ({ client, connection } = await temporalClient());
 }, 120_000);
 
-afterAll(async () => {
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  if (dir) rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 test('first turns that leave while the pool starts instances: their calls end at once, they leave no entry, session or demand, and the pool serves only who stayed', async () => {
   const t = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
@@ -213,7 +195,7 @@ describe('a session confirming a lease its first turn already used', () => {
     await s.handle.signal(leaseGrantedSignal, { instance: 'late-1', subject: 'late.subject' });
     await eventually(async () => expect(await s.entry()).toMatchObject({ instance: 'late-1', subject: 'late.subject' }), 20_000);
     const asked = await s.requests();
-    await new Promise((r) => setTimeout(r, 2500));
+    await sleep(2500);
     expect(await s.requests()).toBe(asked); // confirmed: it asks no more
     await recordHistory('session-preferred-reask', s.handle);
     await s.handle.terminate();

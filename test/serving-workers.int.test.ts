@@ -4,54 +4,36 @@
  * never reports it dead; when its worker goes away, the pool counts it gone and starts another
  * on the worker left.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
-import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import type { Client } from '@temporalio/client';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
+import type { RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { isolation, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { until } from './harness/wait';
+import { isolation, recordHistory, workerConfig } from './harness';
+import { magusStack, TestStack, workersStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-/** Its own model (and so its own pool workflow id): other test files serve `tiny`. */
-const MODEL = 'wtiny';
+/** A model of its own (its isolation id), and so a pool workflow id no other test file uses. */
+const MODEL = `wtiny-${iso.id}`;
 
 let dir: string;
-let s3: S3Client;
-let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
 let a: RunningWorkers | undefined;
 let b: RunningWorkers | undefined;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-workers-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const cfg = workerConfig(iso, dir);
-  a = await startWorkers(cfg);
-  b = await startWorkers(cfg);
-  nc = await natsConnect();
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  ({ client, connection } = await temporalClient());
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-workers-' }));
+  ({ dir, client, workers: a } = magus);
+  ({ workers: b } = await stack.open(workersStack(iso, dir)));
+  await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(magus.nc, names.modelsBucket), name: MODEL });
+  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
 }, 180_000);
 
-afterAll(async () => {
-  await client?.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined);
-  await a?.shutdown();
-  await b?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 const readyInstances = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
 
@@ -72,7 +54,7 @@ test('an instance is watched on the worker that runs it; when that worker goes, 
     const pending = (await pool.describe()).raw.pendingActivities ?? [];
     return pending.some((p) => p.activityType?.name === 'watchInstance' && p.heartbeatDetails != null);
   }, 30_000);
-  await new Promise((r) => setTimeout(r, 3000)); // twelve of the old probe intervals
+  await sleep(3000); // twelve of the old probe intervals
   const watchers = await scheduled('watchInstance');
   expect(watchers).toHaveLength(1);
   expect(watchers[0]!.activityTaskScheduledEventAttributes?.taskQueue?.name).toBe(owner.runtimeQueue);

@@ -5,31 +5,31 @@
  * bridge → engine, and back as a stream. Real Temporal, nats-server and MinIO; the model is the
  * tiny synthetic Llama converted to GGUF, put in S3 and the registry by the test.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { Client, Connection } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readdirSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import type { LocalRuntime } from '../activities/runtime/local';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { gatewayConfigFor } from './harness/gateway';
-import { startGateway, type RunningGateway } from '../gateway/server';
-import { temporalSessions } from '../gateway/temporal';
+import type { RunningGateway } from '../gateway/server';
 import type { PoolEntry, SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
+import type { RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
-import { currentDetails, isolation, listWorkflowIds, natsConnect, recordHistory, s3Client, temporalClient, workerConfig } from './harness';
-import { until } from './harness/wait';
+import { currentDetails, isolation, listWorkflowIds, recordHistory } from './harness';
+import { gatewayStack, magusStack, TestStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 import { historyText } from './support/history';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
+/** The model served here: its pool's and sessions' workflow ids are this file's own. */
+const MODEL = `tiny-${iso.id}`;
 const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
 const IDLE_MS = 4000;
 /**
@@ -41,53 +41,39 @@ const SESSION_TTL_MS = 15_000;
 let coldSession: string | undefined;
 
 let dir: string;
-let s3: S3Client;
 let nc: NatsConnection;
 let client: Client;
-let connection: Connection;
 let workers: RunningWorkers;
 let gateway: RunningGateway;
 let openai: OpenAI;
+const stack = new TestStack();
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-serving-'));
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  const cfg = workerConfig(iso, dir);
-  workers = await startWorkers(cfg); // also declares the data plane (streams, buckets)
-  nc = await natsConnect();
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
-
-  ({ client, connection } = await temporalClient());
-  const sessions = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: SESSION_TTL_MS });
-  const gatewayConfig = gatewayConfigFor(iso.natsPrefix, {
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-serving-' }));
+  ({ dir, nc, client, workers } = magus);
+  await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
+  ({ gateway } = await stack.open(gatewayStack(names, {
+    nc,
     secret: randomBytes(32).toString('hex'),
     tokens: { t1: TOKEN },
     env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
-  });
-  gateway = await startGateway(gatewayConfig, { nc, ...sessions });
+    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: SESSION_TTL_MS },
+  })));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 180_000);
 
-afterAll(async () => {
-  await gateway?.close();
-  await workers?.shutdown();
-  await nc?.drain();
-  await connection?.close();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-}, 60_000);
+afterAll(() => stack.close(), 60_000);
 
 test('chat completions through the gateway, NATS, the bridge and llama.cpp: non-stream and stream', async () => {
   const models = await openai.models.list();
-  expect(models.data.map((m) => m.id)).toContain('tiny');
+  expect(models.data.map((m) => m.id)).toContain(MODEL);
 
   const messages = [{ role: 'user' as const, content: 'hello there' }];
-  const done = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0 });
+  const done = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0 });
   expect(done.choices[0]?.message.content?.length).toBeGreaterThan(0);
   expect(done.usage?.completion_tokens).toBe(8);
 
-  const stream = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0, stream: true });
+  const stream = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0, stream: true });
   let text = '';
   let chunks = 0;
   for await (const c of stream) {
@@ -99,7 +85,7 @@ test('chat completions through the gateway, NATS, the bridge and llama.cpp: non-
   expect(text).toBe(done.choices[0]?.message.content);
 
   // stream_options.include_usage: the engine's usage chunk comes last, through the whole path.
-  const counted = await openai.chat.completions.create({ model: 'tiny', messages, max_tokens: 8, temperature: 0, stream: true, stream_options: { include_usage: true } });
+  const counted = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0, stream: true, stream_options: { include_usage: true } });
   const all: OpenAI.ChatCompletionChunk[] = [];
   for await (const c of counted) all.push(c);
   // The same prompt a third time on the instance's one slot: all of it but the last token was
@@ -119,7 +105,7 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   const entryOf = async (k: string) => JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry;
   const id = `conv-${randomBytes(4).toString('hex')}`;
   const turn = (content: string) =>
-    openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4 }, { headers: { 'x-session-id': id } });
+    openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content }], max_tokens: 4 }, { headers: { 'x-session-id': id } });
 
   const before = new Set(await keys());
   const s0 = gateway.sessionCache!.stats();
@@ -138,18 +124,18 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   expect(s1.coldStarts - s0.coldStarts).toBeLessThanOrEqual(1);
   expect(s1.warmHits - s0.warmHits).toBe(2);
   // The session is found by its model in the Temporal UI, and its page says when it looks at its lease.
-  const sessionHandle = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
+  const sessionHandle = client.workflow.getHandle(sessionWorkflowId('default', MODEL, mine[0]!));
   coldSession = sessionHandle.workflowId;
-  expect(sessionHandle.workflowId).toBe(`session/default/tiny/${mine[0]!}`);
+  expect(sessionHandle.workflowId).toBe(`session/default/${MODEL}/${mine[0]!}`);
   await until('the session is started', async () => (await sessionHandle.describe().catch(() => undefined)) !== undefined);
-  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/tiny" AND MagusPhase="serving"`)).toContain(sessionHandle.workflowId);
-  expect(await currentDetails(sessionHandle)).toMatch(/^\*\*serving\*\* · a conversation on model `default\/tiny` {2}\nlooks at its lease at \S+Z \(TTL 15 s after the last renewal\)$/);
-  expect(await (await sessionHandle.describe()).staticSummary()).toBe('A conversation on model default/tiny');
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
-  expect(await listWorkflowIds(client, `MagusKind="pool" AND MagusModel="default/tiny" AND MagusPhase="serving"`)).toEqual([pool.workflowId]);
+  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="serving"`)).toContain(sessionHandle.workflowId);
+  expect(await currentDetails(sessionHandle)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · a conversation on model \`default/${MODEL}\` {2}\nlooks at its lease at \\S+Z \\(TTL 15 s after the last renewal\\)$`));
+  expect(await (await sessionHandle.describe()).staticSummary()).toBe(`A conversation on model default/${MODEL}`);
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
+  expect(await listWorkflowIds(client, `MagusKind="pool" AND MagusModel="default/${MODEL}" AND MagusPhase="serving"`)).toEqual([pool.workflowId]);
   // The pool's page counts the conversation once its reconciler has reported it.
   await until('the pool counts the lease', async () => /\n- `[^`]+` ready, [1-9]\d* leases?/.test(await currentDetails(pool)));
-  expect(await currentDetails(pool)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · model \`default/tiny\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`));
+  expect(await currentDetails(pool)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · model \`default/${MODEL}\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`));
   await recordHistory('session-entry', sessionHandle);
   await recordHistory('pool-entry-serving', pool);
   // The session takes no update, no signal: the pool is never told of a conversation.
@@ -158,7 +144,7 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
     expect([name, events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED).length]).toEqual([name, 0]);
     expect([name, events.filter((e) => /^lease/.test(e.workflowExecutionSignaledEventAttributes?.signalName ?? '')).length]).toEqual([name, 0]);
   }
-  for (const wf of [poolWorkflowId('default', 'tiny'), sessionWorkflowId('default', 'tiny', mine[0]!)]) {
+  for (const wf of [poolWorkflowId('default', MODEL), sessionWorkflowId('default', MODEL, mine[0]!)]) {
     expect(historyText(await client.workflow.getHandle(wf).fetchHistory()).includes(TOKEN)).toBe(false);
   }
 }, 120_000);
@@ -167,18 +153,18 @@ test('a first turn on a warm pool is served from the pool’s published instance
   const pools = await nc.jetstream().views.kv(names.poolsBucket);
   const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
   const published = async () => {
-    const e = await pools.get('default.tiny');
+    const e = await pools.get(`default.${MODEL}`);
     return e ? (JSON.parse(new TextDecoder().decode(e.value)) as PoolEntry) : undefined;
   };
   // Wait until an instance has room (leasesPerInstance 1: the earlier conversations expire after their TTL).
   const cache = gateway.sessionCache!;
   let room: PoolEntry['instances'][number] | undefined;
-  await until('an instance has room', async () => !!(room = (await published())?.instances.find((i) => cache.leasesOn('default', 'tiny', i.instance) === 0)), 60_000);
+  await until('an instance has room', async () => !!(room = (await published())?.instances.find((i) => cache.leasesOn('default', MODEL, i.instance) === 0)), 60_000);
 
   const before = new Set<string>();
   for await (const k of await sessionsKv.keys()) before.add(k);
   const s0 = cache.stats();
-  const r = await openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'a new conversation' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': `fast-${randomBytes(4).toString('hex')}` } });
+  const r = await openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content: 'a new conversation' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': `fast-${randomBytes(4).toString('hex')}` } });
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   const s1 = cache.stats();
   expect(s1.firstTurns - s0.firstTurns).toBe(1);
@@ -191,12 +177,12 @@ test('a first turn on a warm pool is served from the pool’s published instance
   expect(entry.instance).toBe(room!.instance);
   expect(entry.placedAt).toEqual(expect.any(Number));
   // The gateway started the session workflow after answering: it sleeps until the entry's expiry.
-  const session = client.workflow.getHandle(sessionWorkflowId('default', 'tiny', mine[0]!));
+  const session = client.workflow.getHandle(sessionWorkflowId('default', MODEL, mine[0]!));
   let events: temporal.api.history.v1.IHistoryEvent[] = [];
   await until('the session asleep until the expiry', async () => (events = (await session.fetchHistory().catch(() => undefined))?.events ?? []).some((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED));
   expect(events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)).toHaveLength(0);
   // The pool learns of it only counted, from its reconciler.
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   await until('the pool counts it', async () => ((await pool.query(poolStatusQuery)).instances.find((i) => i.id === room!.instance)?.leases ?? 0) >= 1);
 }, 120_000);
 
@@ -208,7 +194,7 @@ test('an instance that stops serving for good is replaced, and its conversation 
   };
   const id = `moving-${randomBytes(4).toString('hex')}`;
   // Greedy: a sampled answer of the tiny model may be empty (an end token first).
-  const turn = (content: string) => openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': id } });
+  const turn = (content: string) => openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': id } });
   const before = new Set<string>();
   for await (const k of await kv.keys()) before.add(k);
   await turn('before');
@@ -216,16 +202,16 @@ test('an instance that stops serving for good is replaced, and its conversation 
   for await (const k of await kv.keys()) if (!before.has(k)) mine.push(k);
   expect(mine).toHaveLength(1);
   const doomed = (await entryOf(mine[0]!))!.instance;
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
 
   // Broken for good: its model file is gone from the cache and its engine dies, so every
   // restart fails and the runtime gives the instance up.
   for (const f of readdirSync(join(dir, 'models'))) rmSync(join(dir, 'models', f), { force: true });
-  process.kill(workers.runtime.processes('tiny', doomed)![0]!.pid!, 'SIGKILL');
+  process.kill((workers.runtime as LocalRuntime).processes(MODEL, doomed)![0]!.pid!, 'SIGKILL'); // the stack's worker runs the local runtime
   // The pool's watcher sees it and drops it from its view (another instance starts when the
   // conversation's next turn finds no room: its entry on the lost instance counts no more).
   await until('the pool drops the instance', async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === doomed), 60_000);
-  await until('the gateway sees the new view', () => !(gateway.sessionCache!.pools?.get('default.tiny')?.instances ?? []).some((i) => i.instance === doomed), 10_000);
+  await until('the gateway sees the new view', () => !(gateway.sessionCache!.pools?.get(`default.${MODEL}`)?.instances ?? []).some((i) => i.instance === doomed), 10_000);
   // The conversation's next turn moves it (compare-and-swap) and is answered by the new instance.
   const stillThere = (await entryOf(mine[0]!)) !== undefined;
   const m0 = gateway.sessionCache!.stats().moves ?? 0;
@@ -238,11 +224,11 @@ test('an instance that stops serving for good is replaced, and its conversation 
 }, 120_000);
 
 test('an idle pool goes to zero instances and comes back on the next request', async () => {
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const deadline = Date.now() + 60_000;
   let status = await pool.query(poolStatusQuery);
   while (status.instances.length > 0 && Date.now() < deadline) {
-    await new Promise((r) => setTimeout(r, 500));
+    await sleep(500);
     status = await pool.query(poolStatusQuery);
   }
   expect(status.instances).toEqual([]);
@@ -252,7 +238,7 @@ test('an idle pool goes to zero instances and comes back on the next request', a
     expect((await ended.describe()).status.name).toBe('COMPLETED');
     await recordHistory('session-entry-expired', ended);
   }
-  const r = await openai.chat.completions.create({ model: 'tiny', messages: [{ role: 'user', content: 'wake up' }], max_tokens: 4, temperature: 0 });
+  const r = await openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content: 'wake up' }], max_tokens: 4, temperature: 0 });
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   expect((await pool.query(poolStatusQuery)).instances.filter((i) => i.phase === 'ready')).toHaveLength(1);
   // Scaled up, down to zero and up again.
@@ -262,6 +248,6 @@ test('an idle pool goes to zero instances and comes back on the next request', a
 test('errors reach the client as the openai library expects them', async () => {
   await expect(openai.chat.completions.create({ model: 'no-such-model', messages: [{ role: 'user', content: 'x' }] })).rejects.toBeInstanceOf(OpenAI.NotFoundError);
   await expect(new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: 'mgs_t1_wrong', maxRetries: 0 }).models.list()).rejects.toBeInstanceOf(OpenAI.AuthenticationError);
-  await expect(openai.chat.completions.create({ model: 'tiny', messages: [] })).rejects.toBeInstanceOf(OpenAI.BadRequestError);
+  await expect(openai.chat.completions.create({ model: MODEL, messages: [] })).rejects.toBeInstanceOf(OpenAI.BadRequestError);
 });
 

@@ -14,24 +14,21 @@
  * And a pipeline through two outages, one in the middle of a multipart transfer and one during
  * the conversion: it finishes with sources and artifacts byte-identical to a faultless run's.
  */
-import { CreateBucketCommand, GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { GetObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
 import { convertModel } from '../activities/convert/convert';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
-import { startGateway, type RunningGateway } from '../gateway/server';
-import { temporalSessions } from '../gateway/temporal';
+import type { RunningGateway } from '../gateway/server';
 import type { PoolEntry } from '../shared/serving';
 import { startServices, type RunningServices } from '../workers/dev/services';
-import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
-import { startWorkers, type RunningWorkers } from '../workers/worker';
+import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../platform/temporal-health';
+import type { RunningWorkers } from '../workers/worker';
 import { modelWorkflowId, progressQuery, type PipelinePhase, type PipelineProgress } from '../workflows/model/definitions';
 import { modelPipeline } from '../workflows/model/pipeline';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
@@ -39,10 +36,10 @@ import { sessionWorkflowId } from '../workflows/session/definitions';
 import { startFixtureHub } from '../workers/dev/hub';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { endpoint, isolation, natsConnect, s3Client, workerConfig } from './harness';
-import { gatewayConfigFor } from './harness/gateway';
+import { endpoint, isolation, workerConfig } from './harness';
+import { gatewayStack, natsStack, s3Stack, tempDir, TestStack, workersStack } from './harness/stack';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
-import { until } from './harness/wait';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -50,6 +47,10 @@ const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
 const SECRET = randomBytes(32).toString('hex');
 /** How long Temporal stays down (the warm loops run throughout). */
 const OUTAGE_MS = 25_000;
+/** The models served here, named with the file's isolation id (as every test file's). */
+const MODEL = `tiny-${iso.id}`;
+const COLD = `cold-${iso.id}`;
+const OUTAGE = `outage-${iso.id}`;
 const POOL = { minInstances: 0, maxInstances: 2, leasesPerInstance: 3, idleTimeoutMs: 600_000, healthCheckMs: 1000 };
 
 let dir: string;
@@ -59,11 +60,10 @@ let nc: NatsConnection;
 let workers: RunningWorkers;
 /** The workers' way to S3, so a test can slow their reads (the conversion's source). */
 let s3Proxy: TcpProxy;
-let connection: Connection;
 let client: Client;
-let temporalHealth: TemporalHealth;
 let gateway: RunningGateway;
-const extra: { gateway?: RunningGateway; health?: TemporalHealth; connection?: Connection } = {};
+/** Everything above, and the gateway a test starts during the outage. */
+const stack = new TestStack();
 
 interface Answer {
   status: number;
@@ -72,7 +72,7 @@ interface Answer {
   body: { error?: { code: string | null; type: string }; choices?: { message: { content: string } }[] };
 }
 
-async function chat(url: string, conversation: string, content: string, model = 'tiny'): Promise<Answer> {
+async function chat(url: string, conversation: string, content: string, model = MODEL): Promise<Answer> {
   const t0 = performance.now();
   const res = await fetch(`${url}/v1/chat/completions`, {
     method: 'POST',
@@ -94,57 +94,48 @@ async function metric(url: string, name: string): Promise<number | undefined> {
   return line === undefined ? undefined : Number(line.slice(name.length + 1));
 }
 
-/** A gateway on this file's Temporal (lazy connection: it starts with Temporal away too). */
-async function gatewayOn(address: string): Promise<{ gateway: RunningGateway; health: TemporalHealth; connection: Connection }> {
-  const conn = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
-  const health = watchTemporal(conn);
-  const sessions = temporalSessions({ client: new Client({ connection: conn }), taskQueue: `${iso.id}-control`, pool: POOL, sessionTtlMs: 600_000 });
-  const gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: SECRET, tokens: { t1: TOKEN }, env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' } }), {
+/** A gateway on this file's Temporal (lazy connection: it starts with Temporal away too), on `stack`. */
+async function gatewayOn(address: string): Promise<RunningGateway> {
+  const connection = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  stack.defer(() => connection.close());
+  const health = watchTemporal(connection);
+  stack.defer(() => health.close());
+  const { gateway } = await stack.open(gatewayStack(names, {
     nc,
-    ...sessions,
-    temporal: health,
-  });
-  return { gateway: gw, health, connection: conn };
+    secret: SECRET,
+    tokens: { t1: TOKEN },
+    env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' },
+    sessions: { client: new Client({ connection }), taskQueue: `${iso.id}-control`, pool: POOL, sessionTtlMs: 600_000 },
+    deps: { temporal: health },
+  }));
+  return gateway;
 }
 
 beforeAll(async () => {
-  dir = mkdtempSync(join(tmpdir(), 'magus-temporal-outage-'));
+  ({ dir } = stack.open(tempDir('magus-temporal-outage-')));
   services = await startServices({ services: ['temporal'], dataDir: join(dir, 'services'), log: () => undefined });
+  stack.defer(() => services.stop());
   const address = services.endpoints.temporal!.address;
-  s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
+  ({ s3 } = await stack.open(s3Stack(iso)));
   const s3Url = new URL(endpoint('s3').endpoint);
-  s3Proxy = await startTcpProxy({ host: s3Url.hostname, port: Number(s3Url.port) });
-  const cfg = workerConfig(iso, dir, { temporal: { address, namespace: 'default' } });
-  workers = await startWorkers({ ...cfg, s3: { ...cfg.s3, endpoint: `${s3Url.protocol}//${s3Proxy.address}` } });
-  nc = await natsConnect();
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket) });
-  connection = await Connection.connect({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  s3Proxy = stack.open(await startTcpProxy({ host: s3Url.hostname, port: Number(s3Url.port) }));
+  ({ workers } = await stack.open(workersStack(iso, dir, { temporal: { address, namespace: 'default' }, s3: { ...workerConfig(iso, dir).s3, endpoint: `${s3Url.protocol}//${s3Proxy.address}` } })));
+  ({ nc } = await stack.open(natsStack(iso)));
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
+  const connection = await Connection.connect({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
+  stack.defer(() => connection.close());
   client = new Client({ connection });
-  ({ gateway, health: temporalHealth } = await gatewayOn(address));
+  gateway = await gatewayOn(address);
 }, 180_000);
 
-afterAll(async () => {
-  await extra.gateway?.close();
-  await extra.health?.close();
-  await extra.connection?.close();
-  await gateway?.close();
-  await temporalHealth?.close();
-  await workers?.shutdown();
-  await s3Proxy?.close();
-  await nc?.drain();
-  await connection?.close();
-  await services?.stop();
-  s3?.destroy();
-  rmSync(dir, { recursive: true, force: true });
-}, 120_000);
+afterAll(() => stack.close(), 120_000);
 
 test('Temporal killed and restarted under traffic: warm turns carry on, new ones from the published view or a prompt 503, then everything resumes', async () => {
   const url = gateway.url;
   const pools = await nc.jetstream().views.kv(names.poolsBucket);
   const sessionsKv = await nc.jetstream().views.kv(names.sessionsBucket);
   const published = async () => {
-    const e = await pools.get('default.tiny');
+    const e = await pools.get(`default.${MODEL}`);
     return e ? (JSON.parse(new TextDecoder().decode(e.value)) as PoolEntry) : undefined;
   };
   const sessionKeys = async () => {
@@ -156,7 +147,7 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
   // Two warm conversations, their entries counted by the gateway (the leases it picks by).
   const warm = [`warm-a-${iso.id}`, `warm-b-${iso.id}`];
   for (const w of warm) expect((await chat(url, w, `hello ${w}`)).status).toBe(200);
-  const counted = async () => ((await published())?.instances ?? []).reduce((n, i) => n + gateway.sessionCache!.leasesOn('default', 'tiny', i.instance), 0);
+  const counted = async () => ((await published())?.instances ?? []).reduce((n, i) => n + gateway.sessionCache!.leasesOn('default', MODEL, i.instance), 0);
   await until('the gateway counts both leases on the published instance', async () => (await counted()) === 2, 60_000);
   expect((await readyz(url)).body).toMatchObject({ status: 'ok', checks: { temporal: true } });
   expect(await metric(url, 'magus_gateway_temporal_reachable')).toBe(1);
@@ -197,9 +188,9 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
   expect(refused.ms).toBeLessThan(10_000); // prompt (measured: see the log line below), not the client's ~20 s of retries
 
   // A gateway started while Temporal is away starts, says degraded, and serves warm turns.
-  Object.assign(extra, await gatewayOn(services.endpoints.temporal!.address));
-  await until('the new gateway sees Temporal unreachable', async () => (await readyz(extra.gateway!.url)).body.status === 'degraded', 20_000);
-  expect((await chat(extra.gateway!.url, warm[0]!, 'a warm turn through a gateway started during the outage')).status).toBe(200);
+  const extra = await gatewayOn(services.endpoints.temporal!.address);
+  await until('the new gateway sees Temporal unreachable', async () => (await readyz(extra.url)).body.status === 'degraded', 20_000);
+  expect((await chat(extra.url, warm[0]!, 'a warm turn through a gateway started during the outage')).status).toBe(200);
 
   await sleep(Math.max(0, killedAt + OUTAGE_MS - Date.now()));
   const downFor = Date.now() - killedAt;
@@ -232,12 +223,12 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
   // (the gateway retried its start until Temporal was back).
   await until(
     'the outage first turn has its session workflow',
-    async () => (await client.workflow.getHandle(sessionWorkflowId('default', 'tiny', viewKey!)).describe().catch(() => undefined))?.status.name === 'RUNNING',
+    async () => (await client.workflow.getHandle(sessionWorkflowId('default', MODEL, viewKey!)).describe().catch(() => undefined))?.status.name === 'RUNNING',
     60_000,
   );
 
   // The pool carries on: no duplicate instance, and what it knows is what runs.
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'tiny'));
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   await until(
     'the pool and the runtime agree',
     async () => {
@@ -267,9 +258,9 @@ test('Temporal killed during a multipart transfer and again during a conversion:
     const commit = await hub.addRepo({ id: repo, dir: model });
     hub.setFaults({ bytesPerSecond: 3_000_000 });
     const handle = await client.workflow.start(modelPipeline, {
-      workflowId: modelWorkflowId('default', `${iso.id}-outage`),
+      workflowId: modelWorkflowId('default', OUTAGE),
       taskQueue: `${iso.id}-control`,
-      args: [{ namespace: 'default', name: 'outage', spec: { source: { repo, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
+      args: [{ namespace: 'default', name: OUTAGE, spec: { source: { repo, hubUrl: hub.url }, artifacts: [{ format: 'gguf', weights: 'q80' }] } }],
     });
     const progress = async (): Promise<PipelineProgress | undefined> => handle.query(progressQuery).catch(() => undefined);
     const outage = async (during: PipelinePhase, downMs: number): Promise<PipelineProgress> => {
@@ -300,7 +291,7 @@ test('Temporal killed during a multipart transfer and again during a conversion:
     // Sources byte-identical to the hub's, artifacts byte-identical to a local conversion, nothing half-uploaded.
     const get = async (key: string) => Buffer.from(await (await s3.send(new GetObjectCommand({ Bucket: iso.bucket, Key: key }))).Body!.transformToByteArray());
     for (const f of commit.files) expect([f.path, (await get(`sources/${repo}/${commit.sha}/${f.path}`)).equals(f.content)]).toEqual([f.path, true]);
-    const ready = await openModelRegistry(nc, names.modelsBucket).then((r) => r.get('default', 'outage'));
+    const ready = await openModelRegistry(nc, names.modelsBucket).then((r) => r.get('default', OUTAGE));
     const local = join(dir, 'outage.gguf');
     await convertModel({ source: model, format: 'gguf', weights: 'q80', output: local, threads: 1, name: 'outage-llama' }); // general.name: the repo's name, as the pipeline sets it
     const files = ready!.artifacts[0]!.files;
@@ -317,11 +308,11 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   // The test before restarted Temporal too: start once the gateway has seen it back (it probes every 2 s while it is away).
   await until('the gateway sees Temporal', async () => (await readyz(gateway.url)).body.status === 'ok', 30_000);
   const registry = await openModelRegistry(nc, names.modelsBucket);
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: 'cold', seed: 52 });
-  const pool = client.workflow.getHandle(poolWorkflowId('default', 'cold'));
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: COLD, seed: 52 });
+  const pool = client.workflow.getHandle(poolWorkflowId('default', COLD));
   const conversation = `cold-${iso.id}`;
   // The first turn: no pool yet, so it tells the pool of the demand (signal-with-start) and waits for room while the pool starts an instance.
-  const first = chat(gateway.url, conversation, 'a first turn on a cold model', 'cold');
+  const first = chat(gateway.url, conversation, 'a first turn on a cold model', COLD);
   let starting = false;
   await until('the pool starting an instance', async () => {
     const status = await pool.query(poolStatusQuery).catch(() => undefined);
@@ -345,14 +336,14 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   let retried: Answer | undefined;
   let retries = 0;
   await until('the retried turn served', async () => {
-    retried = await chat(gateway.url, conversation, 'the retry', 'cold');
+    retried = await chat(gateway.url, conversation, 'the retry', COLD);
     retries++;
     if (retried.status !== 200) await sleep(Math.max(1, Number(retried.retryAfter ?? 1)) * 1000);
     return retried.status === 200;
   }, 120_000);
   const status = await pool.query(poolStatusQuery);
   const ids = status.instances.filter((i) => i.phase !== 'stopping').map((i) => i.id);
-  const running = workers.runtime.bridges().filter((b) => b.instance.startsWith('cold-')).map((b) => b.instance);
+  const running = workers.runtime.bridges().filter((b) => b.instance.startsWith(`${COLD}-`)).map((b) => b.instance);
   expect(new Set(ids).size).toBe(ids.length);
   expect(ids.length).toBeLessThanOrEqual(POOL.maxInstances);
   expect(running.sort()).toEqual([...ids].sort());

@@ -9,35 +9,31 @@
  *   file's own starts on that port — polls its queues and runs a pool workflow and its activity;
  * - a SIGTERM while it waits for Temporal ends it at once, exit 0.
  */
-import { CreateBucketCommand } from '@aws-sdk/client-s3';
 import { Client, Connection } from '@temporalio/client';
 import { spawn, type ChildProcess } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { createServer } from 'node:net';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
-import { dataPlaneNames } from '../dataplane/data-plane';
+import { dataPlaneNames } from '../dataplane';
 import { freePort, startServices, type RunningServices } from '../workers/dev/services';
 import type { dllamaPool } from '../workflows/pool/pool';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
-import { endpoint, isolation, natsConnect, s3Client } from './harness';
-import { until } from './harness/wait';
+import { endpoint, isolation, natsConnect, workerEnv } from './harness';
+import { s3Stack, tempDir, TestStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const spawned: ChildProcess[] = [];
-const cleanup: (() => Promise<unknown>)[] = [];
+/** The bucket, and what the tests open (a folder, a Temporal server, clients). */
+const stack = new TestStack();
 
 beforeAll(async () => {
-  const s3 = s3Client();
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  s3.destroy();
+  await stack.open(s3Stack(iso));
 });
 
 afterAll(async () => {
   for (const w of spawned) if (w.exitCode === null && w.signalCode === null) w.kill('SIGKILL');
-  for (const c of cleanup.reverse()) await c().catch(() => undefined);
+  await stack.close();
 }, 60_000);
 
 interface WorkerProcess {
@@ -49,18 +45,10 @@ interface WorkerProcess {
 }
 
 function startWorker(temporalAddress: string, healthPort: number, extraEnv: NodeJS.ProcessEnv = {}): WorkerProcess {
-  const s3e = endpoint('s3');
   const env: NodeJS.ProcessEnv = {
     ...process.env,
+    ...workerEnv(iso),
     MAGUS_TEMPORAL_ADDRESS: temporalAddress,
-    MAGUS_NATS_URL: endpoint('nats').servers,
-    MAGUS_S3_ENDPOINT: s3e.endpoint,
-    MAGUS_S3_BUCKET: iso.bucket,
-    AWS_ACCESS_KEY_ID: s3e.accessKeyId,
-    AWS_SECRET_ACCESS_KEY: s3e.secretAccessKey,
-    MAGUS_TASK_QUEUE: `${iso.id}-control`,
-    MAGUS_NATS_PREFIX: iso.natsPrefix,
-    MAGUS_METRICS_ADDRESS: '127.0.0.1:0',
     MAGUS_HEALTH_ADDRESS: `127.0.0.1:${healthPort}`,
     // Not using any leftover dev's connection.
     MAGUS_DEV_DATA_DIR: join(__dirname, 'no-such-dev'),
@@ -124,8 +112,7 @@ test('a worker start prints neither "No workflows registered" nor the AWS SDK No
 }, 90_000);
 
 test('started while Temporal is unreachable: degraded at once, a bounded number of attempts, then it polls and runs a workflow once Temporal is up', async () => {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-worker-start-'));
-  cleanup.push(() => Promise.resolve(rmSync(dir, { recursive: true, force: true })));
+  const { dir } = stack.open(tempDir('magus-worker-start-'));
   // Temporal's port: nothing listens on it yet.
   const port = await freePort();
   const address = `127.0.0.1:${port}`;
@@ -176,7 +163,7 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
     log: () => undefined,
     portPicker: async ({ role }) => (role === 'frontend' ? port : freePort()),
   });
-  cleanup.push(() => services.stop());
+  stack.defer(() => services.stop());
   expect(services.endpoints.temporal!.address).toBe(address);
   const upAt = Date.now();
   const answers = new RegExp(`Temporal at ${address.replace(/\./g, '\\.')} answers, after \\d+ failed attempts in \\d+ s`);
@@ -197,9 +184,9 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
   // MagusPhase search attribute this worker registered on a server that had only the other two)
   // and its writePool activity, which publishes the pool's (empty) view to NATS.
   const connection = await Connection.connect({ address });
-  cleanup.push(() => connection.close());
+  stack.defer(() => connection.close());
   const client = new Client({ connection });
-  const model = 'worker-start';
+  const model = `worker-start-${iso.id}`;
   const handle = await client.workflow.start<typeof dllamaPool>('dllamaPool', {
     workflowId: poolWorkflowId('default', model),
     taskQueue: `${iso.id}-control`,
@@ -207,7 +194,7 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
   });
   const startedAt = Date.now();
   const nc: NatsConnection = await natsConnect();
-  cleanup.push(() => nc.drain());
+  stack.defer(() => nc.drain());
   const pools = await nc.jetstream().views.kv(dataPlaneNames(iso.natsPrefix).poolsBucket);
   await until('the pool publishes its view', async () => (await pools.get(`default.${model}`)) !== null, 30_000);
   const publishedAfter = Date.now() - startedAt;

@@ -7,12 +7,11 @@
  * and only the watch cache sends BOOKMARK events. watch.test.ts checks against a scripted
  * server that every watch asks for them and that their resourceVersion is used.
  */
-import { setTimeout as sleep } from 'node:timers/promises';
 import { CoreV1Api, KubeConfig, type V1ConfigMap } from '@kubernetes/client-node';
 import { endpoint, isolation } from '../../test/harness';
 import { kubeConfig } from '../../test/harness/kube';
 import { startTcpProxy, type TcpProxy } from '../../test/harness/tcp-proxy';
-import { until } from '../../test/harness/wait';
+import { sleep, until } from '../../test/harness/wait';
 import { watchResource, type ResourceWatch, type WatchEventType } from './watch';
 
 const iso = isolation();

@@ -5,34 +5,35 @@
  * serves). Requests go the production way: published to the instance's subject, answered by the
  * runtime's in-process bridge through the root's HTTP API.
  */
-import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
+import { PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
-import { chmodSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { chmodSync, mkdirSync, readdirSync, readFileSync, symlinkSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/serving';
 import type { ReadyModel } from '../../shared/model';
-import { isolation, natsConnect, s3Client } from '../../test/harness';
+import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
-import { ensureDataPlane, requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
-import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
+import { runtimeStack, TestStack } from '../../test/harness/stack';
+import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
+import type { ModelRegistry } from '../../dataplane/registry';
 import { createLocalRuntime, type LocalRuntime } from './local';
-import { until } from '../../test/harness/wait';
+import { sleep, until } from '../../test/harness/wait';
 
 const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
 const POOL = 'tiny';
 
+/** The fake binaries' folder, under `dir`. */
+let bin: string;
+let dir: string;
 let nc: NatsConnection;
-let s3: S3Client;
 let names: DataPlaneNames;
 let registry: ModelRegistry;
+let s3: S3Client;
 let bucket: string;
-let dir: string;
-let bin: string;
 const runtimes: LocalRuntime[] = [];
 const logs: string[] = [];
+const stack = new TestStack();
 const files = { model: randomBytes(64 * 1024), tokenizer: randomBytes(2 * 1024) };
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
 
@@ -110,29 +111,18 @@ const ask = (instance: string, body: Partial<ChatCompletionRequest>) => askInsta
 
 beforeAll(async () => {
   const iso = isolation();
-  nc = await natsConnect();
-  s3 = s3Client();
+  ({ nc, names, registry, s3, dir } = await stack.open(runtimeStack(iso, { dirPrefix: 'magus-dllama-' })));
   bucket = iso.bucket;
-  await s3.send(new CreateBucketCommand({ Bucket: bucket }));
-  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
-  registry = await openModelRegistry(nc, names.modelsBucket);
-  dir = mkdtempSync(join(tmpdir(), 'magus-dllama-'));
+  stack.defer(async () => {
+    for (const r of runtimes) await r.stopAll();
+  });
   bin = join(dir, 'bin');
   mkdirSync(bin);
   for (const name of ['dllama', 'dllama-api']) symlinkSync(FAKE, join(bin, name));
   await registerModel('tiny');
 });
 
-afterAll(async () => {
-  for (const r of runtimes) await r.stopAll();
-  const jsm = await nc.jetstreamManager();
-  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-  s3.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 test('a 4-node topology serves through NATS, is restarted in place when a worker dies, given up in a crash loop, replaced and destroyed without leftovers', async () => {
   const rt = runtime({ nodes: 4 });

@@ -9,15 +9,15 @@
 import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1StatefulSet } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { installCrds } from '../kubernetes/crds';
-import { dataPlaneNames, ensureDataPlane } from '../../dataplane/data-plane';
+import { dataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import type { DllamaResourceSpec } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
-import { isolation, natsConnect, temporalClient, workerConfig } from '../../test/harness';
+import { isolation } from '../../test/harness';
+import { natsStack, tempDir, temporalStack, TestStack, workersStack } from '../../test/harness/stack';
 import type { MagusConfig } from '../../workers/config';
 import type { Client } from '@temporalio/client';
-import { startWorkers } from '../../workers/worker';
 import { startController } from '../../controller/controller';
 import { execFile } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
@@ -27,17 +27,18 @@ import { temporalSessions } from '../../gateway/temporal';
 import { createSessionCache } from '../../gateway/plugins/sessions';
 import type { SessionEntry } from '../../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { startTestCluster, type TestCluster } from '../../test/harness/cluster';
-import { eventually } from '../../test/harness/wait';
+import { eventually, sleep } from '../../test/harness/wait';
 import { createKubernetesRuntime, type KubernetesRuntime } from './kubernetes';
 import { instanceBase } from './kubernetes-manifests';
+import { runtimeConfig } from '.';
+import { kubernetes } from './kubernetes-entry';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
-const NS = 'runtime';
+/** The runtime's namespace in the cluster, and so in its pools' workflow ids (`pool/<namespace>/<model>`): the file's own. */
+const NS = iso.namespace;
 const GIB = 2 ** 30;
 const sha = (c: string) => c.repeat(64);
 
@@ -48,6 +49,7 @@ let runtime: KubernetesRuntime;
 let core: CoreV1Api;
 let apps: AppsV1Api;
 let custom: CustomObjectsApi;
+const stack = new TestStack();
 
 /** A model with distributed-llama q40 artifacts for 1–8 nodes and a GGUF; `perNode(n)` bytes per node. */
 function model(name: string, perNode: (nodes: number) => number): ReadyModel {
@@ -74,13 +76,13 @@ const podsOf = async (instance: string) => (await core.listNamespacedPod({ names
 
 beforeAll(async () => {
   cluster = await startTestCluster({ nodes: 4, nodeResources: { cpu: '8', memory: '8Gi' } });
+  stack.defer(() => cluster.stop());
   core = cluster.kubeConfig.makeApiClient(CoreV1Api);
   apps = cluster.kubeConfig.makeApiClient(AppsV1Api);
   custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
   await installCrds(cluster.kubeConfig);
   await cluster.createNamespace(NS);
-  nc = await natsConnect();
-  await ensureDataPlane(nc, { prefix: iso.natsPrefix });
+  ({ nc } = await stack.open(natsStack(iso, { declare: true })));
   registry = await openModelRegistry(nc, names.modelsBucket);
   runtime = createKubernetesRuntime({
     kc: cluster.kubeConfig,
@@ -95,10 +97,7 @@ beforeAll(async () => {
   });
 }, 600_000);
 
-afterAll(async () => {
-  await nc?.drain();
-  await cluster?.stop();
-}, 120_000);
+afterAll(() => stack.close(), 120_000);
 
 test.each([0, 1, 2, 3])('distributed-llama on 2^%i nodes: the objects, command lines and pods; Ready; deleting the Dllama collects everything', async (power) => {
   const name = `topo${power}`;
@@ -209,7 +208,7 @@ test('watch: a pod of the instance that goes away ends the watch with the reason
   await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
   let beats = 0;
   const watching = runtime.watch!(name, instance, new AbortController().signal, () => beats++);
-  await new Promise((r) => setTimeout(r, 500));
+  await sleep(500);
   const worker = (await podsOf(instance)).find((p) => p.metadata?.labels?.['magus.dev/role'] === 'worker')!;
   await core.deleteNamespacedPod({ name: worker.metadata!.name!, namespace: NS, gracePeriodSeconds: 0 });
   await expect(watching).resolves.toMatch(new RegExp(`pod ${worker.metadata!.name}.* of instance ${instance}`));
@@ -219,16 +218,15 @@ test('watch: a pod of the instance that goes away ends the watch with the reason
 
 /** Real workers on the Kubernetes runtime and a Temporal client for `body`, all stopped afterwards. */
 async function withKubeWorkers(unschedulableAfterMs: number, body: (w: { cfg: MagusConfig; client: Client; dir: string }) => Promise<void>): Promise<void> {
-  const dir = mkdtempSync(join(tmpdir(), 'magus-k8s-'));
-  const cfg = workerConfig(iso, dir, { kubernetes: { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs } });
-  const workers = await startWorkers(cfg, { kube: cluster.kubeConfig });
-  const { client, connection } = await temporalClient();
+  const pieces = new TestStack();
   try {
+    const { dir } = pieces.open(tempDir('magus-k8s-'));
+    const runtime = runtimeConfig(kubernetes, { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs });
+    const { cfg } = await pieces.open(workersStack(iso, dir, { runtime }, { kube: cluster.kubeConfig }));
+    const { client } = await pieces.open(temporalStack());
     await body({ cfg, client, dir });
   } finally {
-    await workers.shutdown();
-    await connection.close();
-    rmSync(dir, { recursive: true, force: true });
+    await pieces.close();
   }
 }
 

@@ -4,18 +4,17 @@
  * port, so the in-process bridge and the requests queued for the instance carry on), and one that
  * keeps dying is given up, which `describe` reports for the pool to replace it.
  */
-import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import type { S3Client } from '@aws-sdk/client-s3';
 import { join } from 'node:path';
-import { setTimeout as sleep } from 'node:timers/promises';
 import type { NatsConnection } from 'nats';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
-import { isolation, natsConnect, s3Client } from '../../test/harness';
+import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
+import { runtimeStack, TestStack } from '../../test/harness/stack';
+import { sleep, until } from '../../test/harness/wait';
 import { bridgeMetricsText } from '../../workers/bridge';
-import { consumerNameOf, ensureDataPlane, type DataPlaneNames } from '../../dataplane/data-plane';
-import { openModelRegistry } from '../../dataplane/registry';
+import { consumerNameOf, type DataPlaneNames } from '../../dataplane';
+import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { engineSizing, servedGguf } from '../../shared/engine-slots';
 import { createLocalRuntime, type LocalRuntime } from './local';
 
@@ -28,38 +27,26 @@ let dir: string;
 let bucket: string;
 let rt: LocalRuntime;
 const logs: string[] = [];
+const stack = new TestStack();
 
-async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 60_000): Promise<void> {
-  const end = Date.now() + timeoutMs;
-  while (!(await cond())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}; runtime log:\n${logs.join('\n')}`);
-    await sleep(50);
-  }
-}
+/** Waits like `until`, with the runtime's log in the error when it times out. */
+const untilLogged = (what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 60_000): Promise<void> =>
+  until(what, cond, timeoutMs).catch((err: Error) => {
+    throw new Error(`${err.message}; runtime log:\n${logs.join('\n')}`);
+  });
 
 beforeAll(async () => {
   const iso = isolation();
-  nc = await natsConnect();
-  s3 = s3Client();
+  let registry: ModelRegistry;
+  ({ nc, names, registry, s3, dir } = await stack.open(runtimeStack(iso, { dirPrefix: 'magus-llama-cpp-' })));
   bucket = iso.bucket;
-  await s3.send(new CreateBucketCommand({ Bucket: iso.bucket }));
-  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
-  dir = mkdtempSync(join(tmpdir(), 'magus-llama-cpp-'));
-  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: POOL, seed: 7 });
+  await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: POOL, seed: 7 });
   // One restart allowed per window: the second death is a crash loop.
-  rt = createLocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
+  rt = createLocalRuntime({ nc, names, registry, s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
+  stack.defer(() => rt.stopAll());
 }, 120_000);
 
-afterAll(async () => {
-  await rt?.stopAll();
-  const jsm = await nc.jetstreamManager();
-  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`, `KV_${names.poolsBucket}`]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-  s3.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 test('a dead engine is restarted on its port and serves the instance again; a crash loop is given up and reported', async () => {
   const info = await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
@@ -70,7 +57,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   const first = await askInstance(nc, names, POOL, 'tiny-1', greedy);
   expect(first.text.length).toBeGreaterThan(0);
   // The worker's /metrics reports the instance's in-process bridge (it acks once the answer's frames are stored, just after the client has them).
-  await until('the answer acked', () => rt.bridges()[0]?.stats.acked === 1);
+  await untilLogged('the answer acked', () => rt.bridges()[0]?.stats.acked === 1);
   expect(rt.bridges().map((b) => ({ pool: b.pool, instance: b.instance, pulled: b.stats.pulled, acked: b.stats.acked }))).toEqual([{ pool: POOL, instance: 'tiny-1', pulled: 1, acked: 1 }]);
   expect(bridgeMetricsText(rt.bridges())).toContain(`magus_bridge_acked_total{pool="${POOL}",instance="tiny-1"} 1`);
 
@@ -78,7 +65,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   process.kill(before.pid!, 'SIGKILL');
   // A request sent while it is down waits in the instance's consumer or is retried by the bridge.
   const during = askInstance(nc, names, POOL, 'tiny-1', greedy, 60_000);
-  await until('the engine restarted', () => {
+  await untilLogged('the engine restarted', () => {
     const p = rt.processes(POOL, 'tiny-1')![0]!;
     return p.pid !== before.pid && p.running;
   });
@@ -91,7 +78,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
 
   // It dies again within the window: no more restarts; the pool learns it from describe.
   process.kill(after.pid!, 'SIGKILL');
-  await until('given up', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
+  await untilLogged('given up', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
   await sleep(500);
   expect(rt.processes(POOL, 'tiny-1')![0]!.running).toBe(false);
   expect(logs.some((l) => /giving up/.test(l))).toBe(true);

@@ -6,22 +6,22 @@
  * always lands before it is ready; a download is held midway by a proxy that stops passing S3's
  * answer after its first bytes.
  */
-import { CreateBucketCommand, PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
+import { PutObjectCommand, S3Client } from '@aws-sdk/client-s3';
 import { createHash } from 'node:crypto';
 import { CancelledFailure } from '@temporalio/common';
-import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readdirSync, readFileSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import { splitGguf } from '../../test/fixtures/split-gguf';
 import { publishTinyGguf } from '../../test/fixtures/tiny-gguf';
 import { askInstance } from '../../test/harness/data-plane';
-import { endpoint, isolation, natsConnect, s3Client } from '../../test/harness';
+import { endpoint, isolation } from '../../test/harness';
+import { runtimeStack, TestStack } from '../../test/harness/stack';
 import { startTcpProxy } from '../../test/harness/tcp-proxy';
 import { processRunning, until } from '../../test/harness/wait';
-import { ensureDataPlane, type DataPlaneNames } from '../../dataplane/data-plane';
-import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
-import type { InstanceInfo } from '../serving';
+import type { DataPlaneNames } from '../../dataplane';
+import type { ModelRegistry } from '../../dataplane/registry';
+import type { InstanceInfo } from './runtime';
 import { createLocalRuntime, type LocalRuntime } from './local';
 
 const POOL = 'tiny';
@@ -35,6 +35,7 @@ let dir: string;
 let modelBytes: number;
 const runtimes: LocalRuntime[] = [];
 const logs: string[] = [];
+const stack = new TestStack();
 
 function runtime(cacheDir: string, s3Of: S3Client = s3): LocalRuntime {
   const r = createLocalRuntime({ nc, names, registry, s3: s3Of, bucket, cacheDir, startTimeoutSec: 60, log: (l) => logs.push(l) });
@@ -84,13 +85,8 @@ async function startFrozen(rt: LocalRuntime, cacheDir: string, instance: string,
 
 beforeAll(async () => {
   const iso = isolation();
-  nc = await natsConnect();
-  s3 = s3Client();
+  ({ nc, names, registry, s3, dir } = await stack.open(runtimeStack(iso, { dirPrefix: 'magus-local-' })));
   bucket = iso.bucket;
-  await s3.send(new CreateBucketCommand({ Bucket: bucket }));
-  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix });
-  registry = await openModelRegistry(nc, names.modelsBucket);
-  dir = mkdtempSync(join(tmpdir(), 'magus-local-'));
   const ready = await publishTinyGguf({ dir, s3, bucket, registry, name: POOL, seed: 7 });
   modelBytes = ready.artifacts[0]!.files[0]!.bytes;
 }, 120_000);
@@ -101,15 +97,7 @@ afterEach(async () => {
   for (const r of runtimes.splice(0)) await r.stopAll();
 });
 
-afterAll(async () => {
-  const jsm = await nc.jetstreamManager();
-  for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.modelsBucket}`, `KV_${names.poolsBucket}`]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-  s3.destroy();
-  rmSync(dir, { recursive: true, force: true });
-});
+afterAll(() => stack.close());
 
 test('destroy() while the engine is still loading: the start is aborted, its engine gone and nothing registered when destroy resolves', async () => {
   const cacheDir = join(dir, 'cache-destroy');

@@ -1,4 +1,5 @@
 import { supervise, type SuperviseOptions } from './supervise';
+import { sleep, until } from '../../test/harness/wait';
 
 /** Something that serves until `die()`; each one has its own id. */
 class Fake {
@@ -8,11 +9,6 @@ class Fake {
   die!: (how: string) => void;
   readonly ended = new Promise<string>((resolve) => (this.die = (how) => ((this.running = false), resolve(how))));
 }
-
-const until = async (check: () => boolean) => {
-  for (let i = 0; i < 200 && !check(); i++) await new Promise((r) => setTimeout(r, 5));
-  expect(check()).toBe(true);
-};
 
 function supervised(over: Partial<SuperviseOptions<Fake>> = {}) {
   const logs: string[] = [];
@@ -39,7 +35,7 @@ function supervised(over: Partial<SuperviseOptions<Fake>> = {}) {
 it('restarts what stopped by itself, in place, and reports it healthy again', async () => {
   const { s, first, logs } = supervised();
   first.die('was killed by SIGKILL');
-  await until(() => s.current !== first && s.healthy());
+  await until('a healthy replacement', () => s.current !== first && s.healthy(), 5_000);
   expect(s.restarts).toBe(1);
   expect(logs).toEqual(['p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 1 ms']);
 });
@@ -47,13 +43,13 @@ it('restarts what stopped by itself, in place, and reports it healthy again', as
 it('more stops within the window than the policy allows: given up, unhealthy, and nothing is started again', async () => {
   const { s, first, logs } = supervised();
   first.die('exited with code 1');
-  await until(() => s.restarts === 1);
+  await until('the first restart', () => s.restarts === 1, 5_000);
   s.current.die('exited with code 1');
-  await until(() => s.restarts === 2);
+  await until('the second restart', () => s.restarts === 2, 5_000);
   expect(logs[1]).toBe('p/i1 engine exited with code 1; restarting it on port 1234 in 2 ms'); // the backoff doubles
   const last = s.current;
   last.die('exited with code 1');
-  await until(() => !s.healthy());
+  await until('given up', () => !s.healthy(), 5_000);
   expect(s.current).toBe(last);
   expect(logs.at(-1)).toBe('p/i1 engine exited with code 1; 2 restarts within 60s already: giving up');
 });
@@ -62,7 +58,7 @@ it('a restart that fails is tried again after the next backoff, and gives up whe
   let attempts = 0;
   const { s, first, logs } = supervised({ restart: () => (++attempts, Promise.reject(new Error('port in use'))) });
   first.die('was killed by SIGKILL');
-  await until(() => !s.healthy() && logs.length === 2);
+  await until('given up, with its two lines logged', () => !s.healthy() && logs.length === 2, 5_000);
   expect(attempts).toBe(2);
   expect(logs[1]).toBe('p/i1 engine could not be restarted (port in use): giving up');
 });
@@ -72,7 +68,7 @@ it('stop() stops what runs, and what stops after that is not restarted', async (
   await s.stop();
   expect(stopped).toEqual([first.id]);
   first.die('exited with code 0');
-  await new Promise((r) => setTimeout(r, 30));
+  await sleep(30);
   expect(s.current).toBe(first);
   expect(s.healthy()).toBe(false);
 });
@@ -82,11 +78,11 @@ it('a restart that completes after stop() is stopped at once', async () => {
   const gate = new Promise<void>((r) => (release = r));
   const { s, first, stopped } = supervised({ restart: () => gate.then(() => new Fake()) });
   first.die('was killed by SIGKILL');
-  await new Promise((r) => setTimeout(r, 20)); // the restart is under way
+  await sleep(20); // the restart is under way
   const stopping = s.stop();
   release();
   await stopping;
-  await until(() => stopped.length === 2);
+  await until('both stopped', () => stopped.length === 2, 5_000);
   expect(s.current).toBe(first);
 });
 
@@ -103,12 +99,12 @@ it('stop() during a restart aborts the start and resolves only once it has ended
     },
   });
   first.die('was killed by SIGKILL');
-  await until(() => seen !== undefined);
+  await until('the restart started', () => seen !== undefined, 5_000);
   await s.stop();
   expect(seen!.aborted).toBe(true);
   expect(startEnded).toBe(true);
   expect(stopped).toEqual([first.id]);
-  await new Promise((r) => setTimeout(r, 30));
+  await sleep(30);
   expect(attempts).toBe(1);
   expect(s.current).toBe(first);
   expect(s.healthy()).toBe(false);
@@ -118,7 +114,7 @@ it('stop() during the backoff: no restart is attempted', async () => {
   let attempts = 0;
   const { s, first } = supervised({ policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 60_000 }, restart: () => (++attempts, Promise.resolve(new Fake())) });
   first.die('was killed by SIGKILL');
-  await until(() => s.healthy()); // restarting, within the policy
+  await until('healthy again', () => s.healthy(), 5_000); // restarting, within the policy
   await s.stop(); // resolves at once, not after the 60 s backoff
   expect(attempts).toBe(0);
   expect(s.healthy()).toBe(false);

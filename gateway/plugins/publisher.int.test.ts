@@ -4,9 +4,10 @@
  * time), on one inbox subscription instead of a request per publish.
  */
 import type { NatsConnection } from 'nats';
-import { ensureDataPlane, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { InferenceRequest } from '../../shared/serving';
-import { isolation, natsConnect } from '../../test/harness';
+import { isolation } from '../../test/harness';
+import { natsStack, TestStack } from '../../test/harness/stack';
 import { SessionError, SessionErrorType } from './errors';
 import { streamAckProblem, streamPublisher, type StreamPublisher } from './responses';
 
@@ -15,6 +16,7 @@ let nc: NatsConnection;
 let names: DataPlaneNames;
 let publisher: StreamPublisher | undefined;
 let counter = 0;
+const stack = new TestStack();
 
 const entry = (subject: string) => ({ subject, pool: 'p', instance: 'i1', expiresAt: Date.now() + 60_000 });
 const request = (id = `r${Date.now().toString(36)}x${counter++}`): InferenceRequest => ({
@@ -26,18 +28,13 @@ const request = (id = `r${Date.now().toString(36)}x${counter++}`): InferenceRequ
 const storedOn = async (subject: string) => (await (await nc.jetstreamManager()).streams.info(names.requestStream, { subjects_filter: subject })).state.subjects?.[subject] ?? 0;
 
 beforeAll(async () => {
-  nc = await natsConnect();
-  names = await ensureDataPlane(nc, { prefix: iso.natsPrefix, instanceBacklog: 2 });
+  ({ nc, names } = await stack.open(natsStack(iso, { declare: { instanceBacklog: 2 } })));
 });
 afterEach(async () => {
   await publisher?.close();
   publisher = undefined;
 });
-afterAll(async () => {
-  const jsm = await nc.jetstreamManager();
-  for (const s of await jsm.streams.names().next()) if (s.startsWith(iso.natsPrefix) || s.startsWith(`KV_${iso.natsPrefix}`)) await jsm.streams.delete(s);
-  await nc.drain();
-});
+afterAll(() => stack.close());
 
 it('resolves once the stream stored the request; a second publish of the same id is de-duplicated', async () => {
   publisher = streamPublisher(nc);

@@ -8,12 +8,12 @@
  */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { ensureDataPlane, ensureInstanceConsumer, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
-import { startBridge, type Bridge } from '../../dataplane/bridge';
+import type { Bridge } from '../../dataplane/bridge';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { startStubEngine, type StubEngine } from '../../test/fixtures/stub-engine';
 import { isolation, natsConnect } from '../../test/harness';
+import { natsStack, stubInstanceStack, TestStack } from '../../test/harness/stack';
 import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './responses';
 import { until } from '../../test/harness/wait';
 
@@ -22,42 +22,33 @@ const INSTANCE = 'i1';
 const REQUESTS = 6;
 
 let names: DataPlaneNames;
-let engine: StubEngine;
 let bridge: Bridge;
 /** The test's own connection: declares, publishes requests (as the gateways' publisher would), cleans up. */
 let nc: NatsConnection;
 let bridgeNc: NatsConnection;
 const replicas: { name: string; nc: NatsConnection; router: ResponseRouter }[] = [];
+const stack = new TestStack();
 
 beforeAll(async () => {
-  nc = await natsConnect();
-  names = await ensureDataPlane(nc, { prefix: isolation().natsPrefix });
-  engine = await startStubEngine({ modelId: POOL, chunks: 4 });
-  await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: POOL, instance: INSTANCE, slots: 4 });
-  bridgeNc = await natsConnect();
-  bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: INSTANCE, engineUrl: engine.url, slots: 4, log: () => undefined });
+  const iso = isolation();
+  ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
+  ({ nc: bridgeNc } = await stack.open(natsStack(iso)));
+  ({ bridge } = await stack.open(stubInstanceStack(bridgeNc, names, { pool: POOL, instance: INSTANCE, slots: 4, engine: { chunks: 4 }, bridge: { log: () => undefined } })));
   const a = await natsConnect();
   const b = await natsConnect();
   replicas.push(
     { name: 'gw-a', nc: a, router: await sharedResponseRouter(a, { subjectScope: names.subjectScope, replica: 'gw-a' }) },
     { name: 'gw-b', nc: b, router: perRequestResponseRouter(b, { subjectScope: names.subjectScope, replica: 'gw-b' }) },
   );
+  stack.defer(async () => {
+    for (const r of replicas) {
+      await r.router.close();
+      await r.nc.close();
+    }
+  });
 });
 
-afterAll(async () => {
-  for (const r of replicas) {
-    await r.router.close();
-    await r.nc.close();
-  }
-  await bridge?.stop();
-  await bridgeNc?.close();
-  await engine?.stop();
-  const jsm = await nc.jetstreamManager();
-  for (const s of [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`)]) {
-    await jsm.streams.delete(s).catch(() => false);
-  }
-  await nc.close();
-});
+afterAll(() => stack.close());
 
 const session: () => SessionEntry = () => ({ subject: requestSubjectOf(names, POOL, INSTANCE), pool: POOL, instance: INSTANCE, expiresAt: Date.now() + 60_000 });
 const body = (content: string) => ({ model: POOL, messages: [{ role: 'user' as const, content }], stream: true });

@@ -10,6 +10,7 @@ import { isolation, natsConnect } from '../../test/harness';
 import { readyModel } from '../../test/harness/gateway-app';
 import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
 import type { SessionError } from './errors';
+import { sleep, until } from '../../test/harness/wait';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_sessions`;
@@ -42,11 +43,6 @@ afterAll(async () => {
 
 const req = (conversationKey: string, signal = new AbortController().signal): AcquireRequest => ({ conversationKey, model, tokenId: 't', signal });
 
-async function until(cond: () => boolean): Promise<void> {
-  for (let i = 0; i < 500 && !cond(); i++) await new Promise((r) => setTimeout(r, 10));
-  expect(cond()).toBe(true);
-}
-
 it('loads existing entries before ready, follows updates and deletes, skips malformed ones', async () => {
   await kv.put('k-existing', enc(entry('a')));
   await kv.put('k-malformed', enc({ nope: true }));
@@ -56,9 +52,9 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   expect((await cache.acquire(req('k-existing'))).instance).toBe('a');
   expect(cache.cache.get('k-malformed')).toBeUndefined();
   await kv.put('k-existing', enc(entry('b')));
-  await until(() => cache!.cache.get('k-existing')?.instance === 'b');
+  await until('the update mirrored', () => cache!.cache.get('k-existing')?.instance === 'b', 10_000);
   await kv.delete('k-existing');
-  await until(() => cache!.cache.get('k-existing') === undefined);
+  await until('the delete mirrored', () => cache!.cache.get('k-existing') === undefined, 10_000);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
   expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0, pendingSessionStarts: 0, refusedForPendingStarts: 0 });
 });
@@ -80,7 +76,7 @@ it('concurrent first turns share one cold start', async () => {
     kv,
     coldStart: async () => {
       calls++;
-      await new Promise((r) => setTimeout(r, 100));
+      await sleep(100);
       return entry('shared');
     },
   });
@@ -218,19 +214,19 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(await stored(refusedKey)).toBeDefined();
     expect(cache.leasesOn('default', 'tiny', 'i1')).toBe(1);
     settleRefused(false);
-    for (let i = 0; i < 200 && (await stored(refusedKey)) !== undefined; i++) await new Promise((r) => setTimeout(r, 10));
+    for (let i = 0; i < 200 && (await stored(refusedKey)) !== undefined; i++) await sleep(10);
     expect(await stored(refusedKey)).toBeUndefined();
-    await until(() => cache!.leasesOn('default', 'tiny', 'i1') === 0);
+    await until('the refused lease released', () => cache!.leasesOn('default', 'tiny', 'i1') === 0, 10_000);
     expect(adopted).toEqual([]);
     expect(cache.stats().givenBack).toBe(1);
 
     const answeredKey = key('answered');
     let settleAnswered!: (ok: boolean) => void;
     await cache.acquire({ ...req(answeredKey), answered: new Promise<boolean>((r) => (settleAnswered = r)) });
-    await new Promise((r) => setTimeout(r, 100));
+    await sleep(100);
     expect(adopted).toEqual([]); // not before the answer
     settleAnswered(true);
-    await until(() => adopted.length === 1);
+    await until('the entry adopted', () => adopted.length === 1, 10_000);
     expect(adopted[0]!.key).toBe(answeredKey);
     expect(await stored(answeredKey)).toBeDefined();
 
@@ -241,7 +237,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     const e = await kv.get(renewedKey);
     await kv.update(renewedKey, e!.value, e!.revision);
     settleRenewed(false);
-    await new Promise((r) => setTimeout(r, 300));
+    await sleep(300);
     expect(await stored(renewedKey)).toBeDefined();
   });
 
@@ -263,11 +259,11 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect((await cache.acquire(req(keys[0]!))).instance).toBe('i1'); // a warm turn is not a new conversation
     expect(cache.stats()).toMatchObject({ pendingSessionStarts: 3, refusedForPendingStarts: 1, warmHits: 1 });
     waiting.shift()!();
-    await until(() => cache!.stats().pendingSessionStarts === 2);
+    await until('two session starts pending', () => cache!.stats().pendingSessionStarts === 2, 10_000);
     expect((await cache.acquire(req(refused))).instance).toBe('i1');
     expect(cache.stats()).toMatchObject({ pendingSessionStarts: 3, firstTurns: 4 });
     for (const w of waiting.splice(0)) w();
-    await until(() => cache!.stats().pendingSessionStarts === 0);
+    await until('no session start pending', () => cache!.stats().pendingSessionStarts === 0, 10_000);
     expect(adopted.map((a) => a.key).sort()).toEqual([...keys, refused].sort());
   });
 
@@ -277,14 +273,14 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     other = await start();
     await cache.acquire(req(key('full')));
     await cache.acquire(req(key('full')));
-    await until(() => other!.leasesOn('default', 'tiny', 'i1') === 2);
+    await until('the other replica counting both leases', () => other!.leasesOn('default', 'tiny', 'i1') === 2, 10_000);
     const waiting = other.acquire(req(key('waits')));
-    await until(() => demands.includes(1));
+    await until('a demand of one', () => demands.includes(1), 10_000);
     expect(other.stats().coldStarts).toBe(1);
     await publishPool(['i1', 'i2'], 2);
     expect((await waiting).instance).toBe('i2');
     // Its waiter gone, the replica withdraws its demand.
-    await until(() => demands.at(-1) === 0);
+    await until('the demand back to zero', () => demands.at(-1) === 0, 10_000);
   });
 
   it('a pool at its maximum: every instance full still serves first turns, least-loaded first', async () => {
@@ -317,7 +313,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     other = await start();
     await publishPool(['i2', 'i3'], 10); // i1 lost
-    await until(() => cache!.pools!.get(poolKey)?.instances[0]?.instance === 'i2' && other!.pools!.get(poolKey)?.instances[0]?.instance === 'i2');
+    await until('both replicas seeing the moved instance', () => cache!.pools!.get(poolKey)?.instances[0]?.instance === 'i2' && other!.pools!.get(poolKey)?.instances[0]?.instance === 'i2', 10_000);
     const [a, b] = await Promise.all([cache.acquire(req(k)), other.acquire(req(k))]);
     expect(a.instance).not.toBe('i1');
     expect(b.instance).toBe(a.instance);
@@ -332,9 +328,9 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await Promise.all(keys.map((k) => kv.put(k, enc(placed('i1', { placedAt: Date.now() - 1000 })))));
     cache = await start();
     other = await start();
-    await until(() => cache!.leasesOn('default', 'tiny', 'i1') === 100 && other!.leasesOn('default', 'tiny', 'i1') === 100);
+    await until('both replicas counting 100 leases', () => cache!.leasesOn('default', 'tiny', 'i1') === 100 && other!.leasesOn('default', 'tiny', 'i1') === 100, 10_000);
     await publishPool(['i2', 'i3'], 1000); // i1 lost
-    await until(() => cache!.pools!.get(poolKey)?.instances.length === 2 && other!.pools!.get(poolKey)?.instances.length === 2);
+    await until('both replicas seeing two instances', () => cache!.pools!.get(poolKey)?.instances.length === 2 && other!.pools!.get(poolKey)?.instances.length === 2, 10_000);
     // Every conversation's next turn, on both replicas at once (the same turn retried elsewhere, or two clients).
     const [a, b] = await Promise.all([Promise.all(keys.map((k) => cache!.acquire(req(k)))), Promise.all(keys.map((k) => other!.acquire(req(k))))]);
     for (let k = 0; k < keys.length; k++) {
@@ -354,7 +350,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     const k = key('new-instance');
     await kv.put(k, enc(placed('i9', { placedAt: Date.now() + 5000 }))); // placed after the view it has
-    await until(() => cache!.cache.get(k) !== undefined);
+    await until('the entry mirrored', () => cache!.cache.get(k) !== undefined, 10_000);
     expect((await cache.acquire(req(k))).instance).toBe('i9');
     expect(cache.stats().moves).toBe(0);
   });
@@ -364,27 +360,27 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     const k = key('renew');
     await kv.put(k, enc(placed('i1', { expiresAt: Date.now() + 400_000 })));
-    await until(() => cache!.cache.get(k) !== undefined);
+    await until('the entry mirrored', () => cache!.cache.get(k) !== undefined, 10_000);
     await cache.acquire(req(k)); // 400 s left of 600: not yet (renewWithin 300 s)
     expect(cache.stats().renewals).toBe(0);
     await kv.put(k, enc(placed('i1', { expiresAt: Date.now() + 200_000 })));
-    await until(() => (cache!.cache.get(k)?.expiresAt ?? 0) < Date.now() + 250_000);
+    await until('the shortened expiry mirrored', () => (cache!.cache.get(k)?.expiresAt ?? 0) < Date.now() + 250_000, 10_000);
     await cache.acquire(req(k));
     await cache.acquire(req(k));
     expect(cache.stats().renewals).toBe(1);
-    await until(() => (cache!.cache.get(k)?.expiresAt ?? 0) > Date.now() + 500_000);
+    await until('the renewal mirrored', () => (cache!.cache.get(k)?.expiresAt ?? 0) > Date.now() + 500_000, 10_000);
     expect((await stored(k))!.expiresAt).toBeGreaterThan(Date.now() + 500_000);
     // About to expire: renewed on the turn's path, same instance.
     const ending = key('ending');
     await kv.put(ending, enc(placed('i1', { expiresAt: Date.now() + 2000 })));
-    await until(() => cache!.cache.get(ending) !== undefined);
+    await until('the ending entry mirrored', () => cache!.cache.get(ending) !== undefined, 10_000);
     const got = await cache.acquire(req(ending));
     expect(got.instance).toBe('i1');
     expect(got.expiresAt).toBeGreaterThan(Date.now() + 500_000);
     // Already expired (its session may have ended with it): renewed, and a session started for it again.
     const expired = key('expired');
     await kv.put(expired, enc(placed('i1', { expiresAt: Date.now() - 1000 })));
-    await until(() => cache!.cache.get(expired) !== undefined);
+    await until('the expired entry mirrored', () => cache!.cache.get(expired) !== undefined, 10_000);
     expect((await cache.acquire(req(expired))).instance).toBe('i1');
     expect(adopted.map((a) => a.key)).toEqual([expired]);
   });
@@ -396,7 +392,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await cache.ready;
     const k = key('legacy');
     await kv.put(k, enc(entry('old', 2_000)));
-    await until(() => cache!.cache.get(k) !== undefined);
+    await until('the entry mirrored', () => cache!.cache.get(k) !== undefined, 10_000);
     expect((await cache.acquire(req(k))).instance).toBe('from-temporal');
     expect(cold).toEqual([k]);
   });
@@ -412,7 +408,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
         return Promise.resolve(instance === 'i1' && i1Alive);
       },
     });
-    await until(() => cache!.pools!.get(poolKey) !== undefined);
+    await until('the pool view mirrored', () => cache!.pools!.get(poolKey) !== undefined, 10_000);
     const placedOn = await Promise.all([1, 2, 3].map(async () => (await cache!.acquire(req(key('stale')))).instance));
     expect(placedOn).toEqual(['i1', 'i1', 'i1']);
     expect(cache.stats()).toMatchObject({ firstTurns: 3, staleViewPicks: 3, coldStarts: 0 });
@@ -422,11 +418,11 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await cache.close();
     i1Alive = false;
     cache = await start({ reachable: () => false, alive: () => Promise.resolve(false) });
-    await until(() => cache!.pools!.get(poolKey) !== undefined);
+    await until('the pool view mirrored', () => cache!.pools!.get(poolKey) !== undefined, 10_000);
     await expect(cache.acquire(req(key('dead')))).rejects.toMatchObject({ type: 'Unavailable' });
     // Rewritten by its pool: used as written again.
     await publishPool(['i2'], 4);
-    await until(() => Date.now() - (cache!.pools!.get(poolKey)?.updatedAt ?? 0) < 60_000);
+    await until('a fresh pool view', () => Date.now() - (cache!.pools!.get(poolKey)?.updatedAt ?? 0) < 60_000, 10_000);
     expect((await cache.acquire(req(key('fresh')))).instance).toBe('i2');
     expect(cache.stats().staleViewPicks).toBe(0);
   });
@@ -434,7 +430,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
   it('a pool that cannot start anything refuses at once with its reason; one that stopped refreshing, or a malformed entry, is not picked from', async () => {
     await publishPool([], 4, { failing: 'no node fits 3 GiB', nextStartAt: Date.now() + 120_000 });
     cache = await start();
-    await until(() => cache!.pools!.get(poolKey)?.failing !== undefined);
+    await until('the pool failure mirrored', () => cache!.pools!.get(poolKey)?.failing !== undefined, 10_000);
     const refused = await cache.acquire(req(key('failing'))).then(
       () => undefined,
       (e: unknown) => e as { type?: string; message?: string },
@@ -446,7 +442,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     const left = new AbortController();
     const stale = cache.acquire(req(key('stale'), left.signal));
-    await until(() => demands.length > 0);
+    await until('a demand sent', () => demands.length > 0, 10_000);
     left.abort(new Error('client left'));
     await expect(stale).rejects.toThrow('client left');
     await cache.close();

@@ -9,6 +9,7 @@ import { mkdirSync } from 'node:fs';
 import { join } from 'node:path';
 import puppeteer, { type Browser, type Page } from 'puppeteer-core';
 import { REPO_ROOT } from './dev';
+import { sleep } from './wait';
 
 export const SCREENSHOTS = join(REPO_ROOT, 'test-results', 'ui');
 
@@ -50,7 +51,7 @@ export async function openBrowser(): Promise<UiBrowser> {
           await page.screenshot({ path: join(SCREENSHOTS, `${name}.failed.png`) });
           throw new Error(`${url} never showed ${String(expected)}; it showed:\n${seen.slice(0, 3000)}`);
         }
-        await new Promise((r) => setTimeout(r, 500));
+        await sleep(500);
         seen = await text();
       }
       await page.screenshot({ path: join(SCREENSHOTS, `${name}.png`) });

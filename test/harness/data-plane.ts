@@ -1,7 +1,7 @@
 /** The data plane from a test's side: ask an instance the way the gateway does, without a gateway. */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
 

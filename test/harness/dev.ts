@@ -7,7 +7,7 @@
 import { spawn, type ChildProcess } from 'node:child_process';
 import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { processRunning } from './wait';
+import { processRunning, sleep } from './wait';
 
 export const REPO_ROOT = join(__dirname, '..', '..');
 export const MAGUS_BIN = join(REPO_ROOT, 'bin', 'magus.js');
@@ -91,7 +91,7 @@ export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.Proc
       while (!out.includes('Ctrl-C stops everything')) {
         if (child.exitCode !== null || child.signalCode !== null) throw new Error(`magus dev (${launcher}) exited before it was ready:\n${err}`);
         if (Date.now() > deadline) throw new Error(`magus dev (${launcher}) was not ready within ${timeoutMs / 1000} s:\n${err}`);
-        await new Promise((r) => setTimeout(r, 200));
+        await sleep(200);
       }
     },
     tree() {

@@ -4,9 +4,10 @@
  * entry), so a test can route turns without Temporal.
  */
 import type { NatsConnection } from 'nats';
-import { requestSubjectOf, type DataPlaneNames } from '../../dataplane/data-plane';
+import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
+import type { AcquireRequest, ColdStart } from '../../gateway/plugins/sessions';
 import type { SessionEntry } from '../../shared/serving';
 import { endpoint } from './index';
 
@@ -33,4 +34,12 @@ export async function pinConversation(nc: NatsConnection, names: DataPlaneNames,
   const entry: SessionEntry = { subject: requestSubjectOf(names, pool, instance), pool, instance, expiresAt: Date.now() + ttlMs };
   await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
   return entry;
+}
+
+/** A cold start for a test where none may happen: records the conversation's key in `seen`, and refuses (`why`). */
+export function refusedColdStart(seen: string[], why: string): ColdStart {
+  return (req: AcquireRequest) => {
+    seen.push(req.conversationKey);
+    return Promise.reject(new Error(why));
+  };
 }

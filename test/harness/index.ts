@@ -12,6 +12,7 @@ import { NativeConnection } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
 import type { MagusConfig } from '../../workers/config';
 import type { ServiceEndpoints } from '../../workers/dev/services';
+import { sleep } from './wait';
 
 export type { ServiceEndpoints };
 
@@ -93,6 +94,28 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
 }
 
 /**
+ * The environment of a `magus worker` process for the calling test file, configured as
+ * {@link workerConfig} configures one in process: the test servers, its task queue, bucket and
+ * NATS prefix, the S3 credentials, metrics and health on ports the OS picks.
+ */
+export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
+  const s3 = endpoint('s3');
+  return {
+    MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
+    MAGUS_NATS_URL: endpoint('nats').servers,
+    MAGUS_S3_ENDPOINT: s3.endpoint,
+    MAGUS_S3_REGION: s3.region,
+    MAGUS_S3_BUCKET: iso.bucket,
+    AWS_ACCESS_KEY_ID: s3.accessKeyId,
+    AWS_SECRET_ACCESS_KEY: s3.secretAccessKey,
+    MAGUS_TASK_QUEUE: `${iso.id}-control`,
+    MAGUS_NATS_PREFIX: iso.natsPrefix,
+    MAGUS_METRICS_ADDRESS: '127.0.0.1:0',
+    MAGUS_HEALTH_ADDRESS: '127.0.0.1:0',
+  };
+}
+
+/**
  * With `MAGUS_RECORD_HISTORIES=<dir>` set, writes a workflow's history to `<dir>/<name>.json`
  * for `test/replay.test.ts` (`scripts/record-histories`). An existing file is kept: it proves
  * that executions started by the code of its day still replay, which a history recorded today
@@ -113,7 +136,7 @@ export async function listWorkflowIds(client: Client, query: string): Promise<st
     const ids: string[] = [];
     for await (const w of client.workflow.list({ query })) ids.push(w.workflowId);
     if (ids.length > 0 || Date.now() > deadline) return ids;
-    await new Promise((r) => setTimeout(r, 250));
+    await sleep(250);
   }
 }
 

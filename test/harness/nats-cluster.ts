@@ -19,6 +19,7 @@ import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { alive, end, freePort, launch, resolveBinaries, type Proc } from '../../workers/dev/services';
+import { sleep } from './wait';
 
 /** What nats-server prints when a port it was given is taken (services.ts lists the forms). */
 const ADDRESS_IN_USE = /address already in use/i;
@@ -91,8 +92,6 @@ function configFor(name: string, ports: NodePorts, all: NodePorts[], store: stri
     '',
   ].join('\n');
 }
-
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 async function healthy(monitorUrl: string): Promise<boolean> {
   try {

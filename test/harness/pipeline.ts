@@ -4,14 +4,15 @@ import type { Client, WorkflowHandle } from '@temporalio/client';
 import type { ModelSpec } from '../../shared/model';
 import { modelWorkflowId, progressQuery, type PipelineProgress } from '../../workflows/model/definitions';
 import { modelPipeline } from '../../workflows/model/pipeline';
-import type { Isolation } from './index';
+import { sleep } from './wait';
 
 /**
- * Starts the pipeline of model `default/<name>` on `taskQueue` (the worker's control queue); its
- * workflow id carries the test file's isolation id, so files sharing the server never collide.
+ * Starts the pipeline of model `default/<name>` on `taskQueue` (the worker's control queue). Its
+ * workflow id, `model/default/<name>`, and the pool it tells of the model derive from the name:
+ * give a name that carries the test file's isolation id, so files sharing the server never collide.
  */
-export function startPipeline(client: Client, iso: Isolation, taskQueue: string, name: string, spec: ModelSpec): Promise<WorkflowHandle<typeof modelPipeline>> {
-  return client.workflow.start(modelPipeline, { workflowId: modelWorkflowId('default', `${iso.id}-${name}`), taskQueue, args: [{ namespace: 'default', name, spec }] });
+export function startPipeline(client: Client, taskQueue: string, name: string, spec: ModelSpec): Promise<WorkflowHandle<typeof modelPipeline>> {
+  return client.workflow.start(modelPipeline, { workflowId: modelWorkflowId('default', name), taskQueue, args: [{ namespace: 'default', name, spec }] });
 }
 
 /** Polls the progress query until the pipeline settles in `ready` or `failed`. */
@@ -21,7 +22,7 @@ export async function pipelineSettled(handle: { query: WorkflowHandle<typeof mod
     const p = await handle.query(progressQuery);
     if (p.phase === 'ready' || p.phase === 'failed') return p;
     if (Date.now() > deadline) throw new Error(`pipeline still ${p.phase} after ${timeoutMs} ms`);
-    await new Promise((r) => setTimeout(r, 200));
+    await sleep(200);
   }
 }
 

@@ -1,13 +1,24 @@
-/** Waiting in tests for something that happens elsewhere (another process, a server, a timer), and whether a process still runs. */
+/**
+ * Waiting in tests for something that happens elsewhere (another process, a server, a timer), and
+ * whether a process still runs. Every test waits with these: one `sleep`, one poll (`until`), and
+ * `eventually` for an assertion that has to come true.
+ */
 import { readFileSync } from 'node:fs';
-import { setTimeout as sleep } from 'node:timers/promises';
+import { setTimeout as timer } from 'node:timers/promises';
 
-/** Polls `cond` until it holds; throws `timed out waiting for <what>` after `timeoutMs`. */
+/** Resolves after `ms` milliseconds. */
+export const sleep = (ms: number): Promise<void> => timer(ms);
+
+/**
+ * Polls `cond` until it holds; throws `timed out waiting for <what>` after `timeoutMs`. The
+ * first polls come quickly (5 ms, doubling to 50 ms), so a condition about to hold costs a unit
+ * test little and a long wait costs the machine little.
+ */
 export async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 30_000): Promise<void> {
   const deadline = Date.now() + timeoutMs;
-  while (!(await cond())) {
+  for (let pause = 5; !(await cond()); pause = Math.min(2 * pause, 50)) {
     if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
-    await sleep(25);
+    await sleep(pause);
   }
 }
 

@@ -14,7 +14,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { chat, MAGUS_BIN, printed, processTree, REPO_ROOT, startDev, type DevLauncher, type DevRun } from '../harness/dev';
 import { within } from '../../workers/dev/services';
-import { processRunning, until } from '../harness/wait';
+import { processRunning, sleep, until } from '../harness/wait';
 
 let root: string;
 const runs: DevRun[] = [];
@@ -144,7 +144,7 @@ test('SIGTERM under load: a `magus gateway` beside dev and then dev itself exit 
         const onDev = (devLoad = startLoad(gatewayUrl, token, 10, 2));
         const onGw = startLoad(gwUrl!, token, 10, 2);
         // Steady load on both first: every answer so far a 200.
-        await new Promise((r) => setTimeout(r, 6000));
+        await sleep(6000);
         const before = (o: Outcomes) => Object.fromEntries(o);
         const steadyDev = before(onDev.outcomes);
         const steadyGw = before(onGw.outcomes);
@@ -161,7 +161,7 @@ test('SIGTERM under load: a `magus gateway` beside dev and then dev itself exit 
         expect(gwTree.filter(processRunning)).toEqual([]);
         await onGw.stop();
         // Dev still answers under its own load; then it is told to stop, the load still running.
-        await new Promise((r) => setTimeout(r, 2000));
+        await sleep(2000);
         expect(onDev.outcomes.get('200')!).toBeGreaterThan(steadyDev['200']!);
         expect([...onDev.outcomes.keys()]).toEqual(['200']);
         run.child.kill('SIGTERM');

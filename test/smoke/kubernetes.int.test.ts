@@ -1,6 +1,7 @@
 import { ApiextensionsV1Api, CoreV1Api, CustomObjectsApi, type V1CustomResourceDefinition } from '@kubernetes/client-node';
 import { isolation } from '../harness';
 import { kubeConfig } from '../harness/kube';
+import { sleep } from '../harness/wait';
 
 const iso = isolation();
 const group = 'smoke.magus.dev';
@@ -53,7 +54,7 @@ test('a CRD is applied and a custom object is created and validated on kube-apis
     const got = await ext.readCustomResourceDefinition({ name: crd.metadata!.name! });
     if (got.status?.conditions?.some((c) => c.type === 'Established' && c.status === 'True')) break;
     if (Date.now() > deadline) throw new Error('CRD never became Established');
-    await new Promise((r) => setTimeout(r, 200));
+    await sleep(200);
   }
 
   const kind = crd.spec.names.kind;
@@ -65,7 +66,7 @@ test('a CRD is applied and a custom object is created and validated on kube-apis
       created = (await custom.createNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, body: obj })) as typeof created;
     } catch (err) {
       if (i > 50 || (err as { code?: number }).code !== 404) throw err;
-      await new Promise((r) => setTimeout(r, 200));
+      await sleep(200);
     }
   }
   expect(created?.metadata?.uid).toMatch(/^[0-9a-f-]{36}$/);

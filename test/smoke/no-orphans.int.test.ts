@@ -6,7 +6,7 @@ import { spawn } from 'node:child_process';
 import { existsSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { createInterface } from 'node:readline';
-import { processRunning } from '../harness/wait';
+import { processRunning, sleep } from '../harness/wait';
 
 
 test('SIGKILL of the process that started the servers stops every server', async () => {
@@ -22,7 +22,7 @@ test('SIGKILL of the process that started the servers stops every server', async
 
   child.kill('SIGKILL');
   const deadline = Date.now() + 15_000;
-  while (ready.pids.some(processRunning) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 100));
+  while (ready.pids.some(processRunning) && Date.now() < deadline) await sleep(100);
   expect(ready.pids.filter(processRunning)).toEqual([]);
   // The orphaned data folder is swept by the next start (its owner pid is dead).
   expect(existsSync(ready.dataDir)).toBe(true);
