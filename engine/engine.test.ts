@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { convertModel } from '../activities/convert/convert';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { runLlamaCpp } from '../test/support/llama-cpp';
+import { runLlamaCpp } from '../test/reference/llama-cpp';
 import { sleep } from '../test/harness/wait';
 
 const REPO = join(__dirname, '..');

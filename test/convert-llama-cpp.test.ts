@@ -1,7 +1,7 @@
 /**
  * Converted models run in llama.cpp (node-llama-cpp's prebuilt CPU build, in a child process)
  * and agree with an independent float64 forward pass over the original safetensors
- * (test/support/reference-llama.ts). For F32 the greedy tokens must be identical and the logits
+ * (test/reference/reference-llama.ts). For F32 the greedy tokens must be identical and the logits
  * equal to float32 rounding; for F16/Q8_0/Q4_0 the logits must stay within the error their
  * encoding allows. The logit check matters: with small random weights a broken rotary
  * permutation can still produce the same argmax tokens.
@@ -12,8 +12,8 @@ import { join } from 'node:path';
 import { convertModel } from '../activities/convert/convert';
 import type { WeightsFormat } from '../activities/convert/types';
 import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
-import { runLlamaCpp } from './support/llama-cpp';
-import { generate, loadReference, logits, type ReferenceModel } from './support/reference-llama';
+import { runLlamaCpp } from './reference/llama-cpp';
+import { generate, loadReference, logits, type ReferenceModel } from './reference/reference-llama';
 
 let root: string;
 beforeAll(() => {

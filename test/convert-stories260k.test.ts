@@ -18,7 +18,7 @@ import { readGguf } from '../activities/convert/gguf-reader';
 import { localCheckpoint } from '../activities/convert/safetensors';
 import type { CheckpointFiles } from '../activities/convert/types';
 import { modelsDir, STORIES260K, STORIES260K_TEXT, writeStories260k, type Stories260k } from './fixtures/stories260k';
-import { runLlamaCpp } from './support/llama-cpp';
+import { runLlamaCpp } from './reference/llama-cpp';
 
 let root: string;
 let model: Stories260k;

@@ -23,7 +23,7 @@ import { STORIES260K, STORIES260K_TEXT, writeStories260k } from './fixtures/stor
 import { isolation } from './harness';
 import { hubStack, magusStack, TestStack } from './harness/stack';
 import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
-import { runLlamaCpp } from './support/llama-cpp';
+import { runLlamaCpp } from './reference/llama-cpp';
 
 const EventType = temporal.api.enums.v1.EventType;
 const iso = isolation();

@@ -19,8 +19,8 @@ import { writeTinyModel } from '../workers/dev/tiny-model';
 import { currentDetails, endpoint, isolation, listWorkflowIds, recordHistory } from './harness';
 import { hubStack, magusStack, TestStack } from './harness/stack';
 import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
-import { historyText } from './support/history';
-import { runLlamaCpp } from './support/llama-cpp';
+import { historyText } from './harness/history';
+import { runLlamaCpp } from './reference/llama-cpp';
 import { sleep } from './harness/wait';
 
 const EventType = temporal.api.enums.v1.EventType;

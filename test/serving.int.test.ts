@@ -24,7 +24,7 @@ import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { currentDetails, isolation, listWorkflowIds, recordHistory } from './harness';
 import { gatewayStack, magusStack, TestStack } from './harness/stack';
 import { sleep, until } from './harness/wait';
-import { historyText } from './support/history';
+import { historyText } from './harness/history';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
