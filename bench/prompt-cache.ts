@@ -20,7 +20,8 @@
  */
 import { cpus, loadavg } from 'node:os';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
-import type { ChatMessage, CompletionUsage } from '../shared/serving';
+import type { ChatMessage } from '../shared/chat';
+import type { CompletionUsage } from '../shared/serving';
 import { demoModelFile, SMOLLM2_FILE } from '../workers/dev/demo-model';
 import { fmt, p50 } from './common';
 

@@ -20,7 +20,7 @@ import type {
   LlamaModel,
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
-import type { ChatMessage } from '../shared/serving';
+import type { ChatMessage } from '../shared/chat';
 import { invalidRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;

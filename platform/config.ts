@@ -25,7 +25,7 @@ export function natsServerList(value: string): string[] {
 }
 
 /** Whether `value` is a comma-separated list of `nats://` or `tls://` URLs. */
-export function isNatsServerList(value: string): boolean {
+function isNatsServerList(value: string): boolean {
   const list = natsServerList(value);
   return list.length > 0 && list.every((u) => /^(nats|tls):\/\/[^\s/,]+$/.test(u));
 }

@@ -7,7 +7,6 @@
 import { Type, type Static } from '@sinclair/typebox';
 import { ChatCompletionRequest } from './chat';
 
-export type { ChatCompletionRequest, ChatMessage } from './chat';
 
 /**
  * OpenAI's `usage` as magus's engines send it: in a `chat.completion`, and in a stream's last

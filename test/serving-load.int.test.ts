@@ -13,7 +13,7 @@ import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from './harness/gateway-app';
-import type { ChatMessage } from '../shared/serving';
+import type { ChatMessage } from '../shared/chat';
 import type { Bridge } from '../dataplane/bridge';
 import type { StubEngine } from './fixtures/stub-engine';
 import { isolation } from './harness';

@@ -10,8 +10,6 @@ import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
 import { checkNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from '../platform/config';
 import { processMetricsText } from '../platform/process-metrics';
 
-/** For an importer not yet moved to dataplane/bridge (activities/runtime/llama-cpp.int.test.ts). */
-export { bridgeMetricsText };
 
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +

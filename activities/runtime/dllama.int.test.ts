@@ -10,7 +10,7 @@ import { createHash, randomBytes } from 'node:crypto';
 import { chmodSync, mkdirSync, readdirSync, readFileSync, symlinkSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import type { ChatCompletionRequest } from '../../shared/serving';
+import type { ChatCompletionRequest } from '../../shared/chat';
 import type { ReadyModel } from '../../shared/model';
 import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';

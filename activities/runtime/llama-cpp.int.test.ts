@@ -12,7 +12,7 @@ import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
 import { runtimeStack, TestStack } from '../../test/harness/stack';
 import { sleep, until } from '../../test/harness/wait';
-import { bridgeMetricsText } from '../../workers/bridge';
+import { bridgeMetricsText } from '../../dataplane/bridge';
 import { consumerNameOf, type DataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { engineSizing, servedGguf } from '../../shared/engine-slots';

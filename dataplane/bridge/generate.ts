@@ -4,7 +4,8 @@
  * after those an earlier attempt published — checked against them, never mixed with another
  * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
  */
-import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatCompletionRequest } from '../../shared/chat';
+import type { ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
 import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';

@@ -11,7 +11,7 @@
  * All gateway replicas must share the secret, or their keys (and affinity) diverge.
  */
 import { createHmac } from 'node:crypto';
-import type { ChatMessage } from '../../shared/serving';
+import type { ChatMessage } from '../../shared/chat';
 
 /** What a client may send as `X-Session-Id`. */
 export const SESSION_ID_PATTERN = '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$';

@@ -3,7 +3,8 @@ import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
-import type { ChatCompletionRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatCompletionRequest } from '../../shared/chat';
+import type { ResponseFrame } from '../../shared/serving';
 
 /**
  * Publishes a chat request to `pool`/`instance` and collects its frames in order, as the gateway
