@@ -3,7 +3,7 @@
  * ESLint configuration over fixtures that break (and keep) the rules.
  */
 import { execFile } from 'node:child_process';
-import { existsSync, readdirSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 
@@ -83,13 +83,17 @@ test('a room importing the rooms below it passes lint', () => {
   expect(lint('rooms/gateway/allowed.ts')).toEqual([]);
 });
 
-test('every top-level folder of product code is a room with its boundary', () => {
+test('every top-level folder of product code is a room with its boundary, and jest and tsc see every room', () => {
   const notRooms = new Set(['test', 'bench', 'scripts', 'node_modules', 'dist', 'bin', 'crds', 'charts', 'images', 'coverage', 'test-results']);
   const withTs = readdirSync(root, { withFileTypes: true })
     .filter((d) => d.isDirectory() && !d.name.startsWith('.') && !notRooms.has(d.name))
     .filter((d) => readdirSync(join(root, d.name), { recursive: true }).some((f) => String(f).endsWith('.ts')))
     .map((d) => d.name)
     .sort();
-  expect(existsSync(join(root, 'eslint.config.mjs'))).toBe(true);
   expect(withTs).toEqual(Object.keys(rooms).sort());
+  // A room jest does not search has its tests dropped without a word; one tsc leaves out, its tests unchecked.
+  const jestConfig = jest.requireActual<{ projects: { roots: string[] }[] }>(join(root, 'jest.config.js'));
+  for (const project of jestConfig.projects) expect(project.roots).toEqual(expect.arrayContaining(withTs.map((r) => `<rootDir>/${r}`)));
+  const tsconfig = JSON.parse(readFileSync(join(root, 'tsconfig.json'), 'utf8')) as { include: string[] };
+  expect(tsconfig.include).toEqual(expect.arrayContaining(withTs));
 });
