@@ -211,8 +211,34 @@ export function portFree(port: number): Promise<boolean> {
   });
 }
 
-/** Free loopback TCP port, chosen by the kernel. */
-export async function freePort(): Promise<number> {
+/** The kernel's range of ephemeral ports (`ip_local_port_range`); Linux's default when unreadable. */
+export function ephemeralRange(read: () => string = () => readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8')): [number, number] {
+  try {
+    const [low, high] = read().trim().split(/\s+/).map(Number);
+    if (Number.isInteger(low) && Number.isInteger(high) && low! >= 1 && low! <= high! && high! <= 65_535) return [low!, high!];
+  } catch {
+    // not Linux, or no /proc: the default below
+  }
+  return [32_768, 60_999];
+}
+
+/**
+ * The band servers' ports are drawn from: the larger stretch of 10000–65535 outside the ephemeral
+ * range. A port from the ephemeral range (what the kernel gives for port 0) can be taken as the
+ * source port of any outgoing connection while its server is stopped for a restart, and the
+ * server must come back on the same port (seen in CI: Temporal's UI port, taken between its kill
+ * and its restart). Ports outside it are only ever taken by a process binding them on purpose.
+ */
+export function serverPortBand([low, high]: [number, number] = ephemeralRange()): [number, number] {
+  const below: [number, number] = [10_000, low - 1];
+  const above: [number, number] = [high + 1, 65_535];
+  const size = ([a, b]: [number, number]) => b - a + 1;
+  const band = size(below) >= size(above) ? below : above;
+  return size(band) >= 1_000 ? band : [0, 0];
+}
+
+/** The kernel's choice of a free loopback port (from its ephemeral range). */
+function kernelPort(): Promise<number> {
   return new Promise((ok, fail) => {
     const srv = createServer();
     srv.unref();
@@ -222,6 +248,22 @@ export async function freePort(): Promise<number> {
       srv.close(() => (addr && typeof addr === 'object' ? ok(addr.port) : fail(new Error('no port'))));
     });
   });
+}
+
+/**
+ * A free loopback TCP port for a server: a random one from {@link serverPortBand}, free when
+ * asked; the kernel's choice only where no such band exists (an ephemeral range over nearly all
+ * ports).
+ */
+export async function freePort(): Promise<number> {
+  const [low, high] = serverPortBand();
+  if (low > 0) {
+    for (let i = 0; i < 50; i++) {
+      const port = low + Math.floor(Math.random() * (high - low + 1));
+      if (await portFree(port)) return port;
+    }
+  }
+  return kernelPort();
 }
 
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
