@@ -47,8 +47,12 @@ export type ServingReply =
   | { re: 'stop' }
   | { re: string; error: string };
 
-/** `[what, subject (+ payload of small requests) or engine seed, start, end]` (epoch ms). */
-export type TraceEvent = [kind: 'request' | 'publish' | 'fetch', key: string, start: number, end: number];
+/**
+ * `[what, subject (+ payload of small requests) or engine seed, start, end]` (epoch ms); for
+ * `engine` (a real engine's streamed call): the prompt's `(request N)` mark, the POST, and the
+ * arrival of the first chunk carrying text — the engine's time to first token as the bridge sees it.
+ */
+export type TraceEvent = [kind: 'request' | 'publish' | 'fetch' | 'engine', key: string, start: number, end: number];
 
 const now = (): number => performance.timeOrigin + performance.now();
 /** A signal that never aborts. */
@@ -97,6 +101,34 @@ function tracedEngineClient(url: string): EngineClient {
   };
 }
 
+/** The bridge's engine client for a real engine: an `engine` event per streamed call while tracing, the answer untouched. */
+function firstTokenTracingClient(url: string): EngineClient {
+  const inner = createEngineClient(url);
+  return {
+    ...inner,
+    async post(path, body, opts) {
+      if (!tracing) return inner.post(path, body, opts);
+      const t0 = now();
+      const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
+      const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
+      const res = await inner.post(path, body, opts);
+      return {
+        ...res,
+        async *eventBatches() {
+          let seen = false;
+          for await (const batch of res.eventBatches()) {
+            if (!seen && batch.some((e) => /"content":"[^"]/.test(e))) {
+              seen = true;
+              trace.push(['engine', mark, t0, now()]);
+            }
+            yield batch;
+          }
+        },
+      };
+    },
+  };
+}
+
 async function handle(cmd: ServingCommand): Promise<ServingReply> {
   switch (cmd.type) {
     case 'stub': {
@@ -132,7 +164,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
       llamaCpp = await startLlamaCppEngine(cmd.model, { modelId: cmd.pool, slots: cmd.slots, threads: cmd.threads, ctx: cmd.ctx, startTimeoutSec: 300, name: 'bench-engine', log: () => undefined });
-      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: llamaCpp.url, slots: cmd.slots });
+      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: llamaCpp.url, engineClient: firstTokenTracingClient(llamaCpp.url), slots: cmd.slots });
       return { re: 'engine', url: llamaCpp.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: llamaCpp.process.child.pid ?? 0 };
     }
     case 'workers':
