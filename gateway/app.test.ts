@@ -79,8 +79,6 @@ describe('request validation', () => {
   it.each([
     ['tools', { tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }],
     ['functions', { functions: [{ name: 'f', parameters: {} }] }],
-    ['response_format.type', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: {} } } }],
-    ['response_format.type', { response_format: { type: 'json_object' } }],
     ['logprobs', { logprobs: true, top_logprobs: 2 }],
     ['n', { n: 5 }],
   ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
@@ -93,8 +91,9 @@ describe('request validation', () => {
   it.each([
     ['tools', { tools: 'f' }, 'must be null or an empty list'],
     ['functions', { functions: {} }, 'must be null or an empty list'],
-    ['response_format', { response_format: {} }, 'must be null or {"type": "text"}'],
-    ['response_format', { response_format: { type: 5 } }, 'must be null or {"type": "text"}'],
+    ['response_format.type', { response_format: {} }, 'is required'],
+    ['response_format.type', { response_format: { type: 5 } }, 'must be one of "text", "json_object", "json_schema"'],
+    ['response_format', { response_format: 'json' }, 'must be null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}'],
     ['logprobs', { logprobs: 'yes' }, 'must be null or false'],
     ['n', { n: 0 }, 'must be >= 1'],
   ])('those fields malformed (%s) → 400 invalid_value, saying what they must be', async (param, extra, what) => {
@@ -243,6 +242,40 @@ describe('request validation', () => {
       stop: ['\n'],
       presence_penalty: 0.5,
     });
+  });
+
+  it('structured output: json_object and json_schema are forwarded as sent', async () => {
+    const schema = { type: 'object', properties: { city: { type: 'string' } }, required: ['city'], title: 'Answer' };
+    const format = { type: 'json_schema', json_schema: { name: 'answer', schema, strict: true } };
+    expect((await chat(userTurn('hi', { response_format: format }))).statusCode).toBe(200);
+    expect(t.plane.published[0]!.req.body.response_format).toEqual(format);
+    expect((await chat(userTurn('hi', { response_format: { type: 'json_object' } }))).statusCode).toBe(200);
+    expect(t.plane.published[1]!.req.body.response_format).toEqual({ type: 'json_object' });
+  });
+
+  it.each([
+    ['a keyword the grammar cannot enforce', { type: 'object', properties: { n: { type: 'integer', minimum: 1 } } }, 'response_format.json_schema.schema.properties.n.minimum', "The keyword 'minimum'"],
+    ['a required key that is no property', { type: 'object', properties: {}, required: ['x'] }, 'response_format.json_schema.schema.required', "names 'x'"],
+    ['a schema allowing anything', {}, 'response_format.json_schema.schema', 'any value'],
+  ])('structured output with %s → 400 unsupported_schema naming where, nothing queued', async (_what, schema, param, says) => {
+    const res = await chat(userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 's', schema } } }));
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'unsupported_schema', param });
+    expect(errorOf(res).message).toContain(says);
+    expect(t.broker.calls).toHaveLength(0);
+    expect(t.plane.published).toHaveLength(0);
+  });
+
+  it('structured output: a bad name or an oversized schema → 400 naming the field', async () => {
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ bodyLimit: 1024 * 1024 }) });
+    const badName = await chat(userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 'no spaces', schema: { type: 'string' } } } }));
+    expect(badName.statusCode).toBe(400);
+    expect(errorOf(badName).param).toBe('response_format.json_schema.name');
+    const props = Object.fromEntries(Array.from({ length: 200 }, (_, i) => [`p${i}`, { type: 'string', description: 'x'.repeat(400) }]));
+    const big = await chat(userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: { type: 'object', properties: props } } } }));
+    expect(big.statusCode).toBe(400);
+    expect(errorOf(big)).toMatchObject({ param: 'response_format.json_schema.schema', code: 'invalid_value' });
   });
 });
 

@@ -11,8 +11,9 @@
  *
  * Fields OpenAI defines that only tune sampling and that no engine reads (`logit_bias`, `user` …)
  * are accepted and ignored, so stock clients work; fields that ask for a different kind of answer
- * — tool calls, structured output, log-probabilities, several choices — accept only their empty
- * or plain form ({@link unsupported}).
+ * that magus does not give yet — tool calls, log-probabilities, several choices — accept only
+ * their empty or plain form ({@link unsupported}). Structured output (`response_format`) is served
+ * by engines that have it ({@link ENGINE_CAPABILITIES}).
  *
  * Two annotations are for the gateway's error handler (gateway/plugins/errors.ts) and readers of
  * the OpenAPI description: a `description` on a checked value completes the sentence
@@ -91,6 +92,30 @@ const message = Type.Unsafe<Static<typeof promptMessage> | Static<typeof assista
 export type ChatCompletionMessage = Static<typeof message>;
 
 const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
+
+/** Largest JSON schema of structured output, serialized (it becomes a grammar per request). */
+export const MAX_SCHEMA_BYTES = 64 * 1024;
+const textFormat = Type.Object({ type: StringEnum(['text']) });
+const jsonObjectFormat = Type.Object({ type: StringEnum(['json_object']) });
+const jsonSchemaFormat = Type.Object({
+  type: StringEnum(['json_schema']),
+  json_schema: Type.Object({
+    name: Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' }),
+    description: Type.Optional(Type.String({ maxLength: 4096 })),
+    /** Checked further by shared/json-schema.ts (which keywords a grammar enforces) at the gateway and the engine. */
+    schema: Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' })),
+    /** Answers always follow the schema exactly (a grammar): `strict` changes nothing. */
+    strict: Type.Optional(Type.Union([Type.Boolean(), Type.Null()])),
+  }),
+});
+/**
+ * `response_format`: `text`, `json_object` (any JSON object) or `json_schema` (JSON that validates
+ * against the schema: grammar-constrained decoding, shared/json-schema.ts).
+ */
+const responseFormat = Type.Union([textFormat, jsonObjectFormat, jsonSchemaFormat]);
+/** The same for the gateway's validator, by `type` (Ajv's `discriminator`: a 400 names what is wrong inside the chosen format). */
+const responseFormatByType = Type.Unsafe<Static<typeof responseFormat>>({ type: 'object', required: ['type'], discriminator: { propertyName: 'type' }, oneOf: responseFormat.anyOf });
+export type ResponseFormat = Static<typeof responseFormat>;
 /** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
 const streamOptions = Type.Object({ include_usage: Type.Optional(Type.Boolean()) });
 
@@ -125,12 +150,7 @@ export const ChatCompletionBody = Type.Object(
         description: 'null or an empty list',
       }),
     ),
-    response_format: Type.Optional(
-      Type.Union(
-        [Type.Null(), Type.Object({ type: StringEnum(['text'], unsupported('enum', 'Structured output is not supported by this server; only `{"type": "text"}` is.')) })],
-        { description: 'null or {"type": "text"}' },
-      ),
-    ),
+    response_format: Type.Optional(Type.Union([Type.Null(), responseFormatByType], { description: 'null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}' })),
     logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Log-probabilities are not supported by this server.'))], { description: 'null or false' })),
   },
   // For readers of the OpenAPI description (and its fuzzer's first case): `magus dev`'s model.
@@ -144,7 +164,7 @@ export type ChatCompletionBody = Static<typeof ChatCompletionBody>;
  * them: a field the engine honours is added here (and to the engine's `normalizeRequest`), and
  * the gateway, the bridge and the engine all take it from this list.
  */
-export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty'] as const;
+export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format'] as const;
 export type ForwardedField = (typeof FORWARDED_FIELDS)[number];
 
 /** The {@link FORWARDED_FIELDS} `body` carries. */
@@ -167,5 +187,29 @@ export const ChatCompletionRequest = Type.Object({
   max_tokens: Type.Optional(maxTokens),
   /** Streams only: `include_usage` ends the stream with a chunk that carries `usage` (no choices). */
   stream_options: Type.Optional(streamOptions),
+  /** As the client sent it (checked by the gateway); without the gateway's `discriminator`, which engines' validators do not know. */
+  response_format: Type.Optional(Type.Union([Type.Null(), responseFormat])),
 });
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
+
+/** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
+export type Capability = 'json_schema';
+/** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
+export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema'], dllama: [] };
+export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
+export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
+
+/** What a request needs beyond plain chat, each with the field that asks for it. */
+export function neededCapabilities(body: { response_format?: ResponseFormat | null }): { capability: Capability; field: string }[] {
+  const out: { capability: Capability; field: string }[] = [];
+  const format = body.response_format?.type;
+  if (format === 'json_object' || format === 'json_schema') out.push({ capability: 'json_schema', field: 'response_format' });
+  return out;
+}
+
+/** The first need `engine` cannot serve, as the sentence of a 400 `unsupported_feature`, or undefined. */
+export function unsupportedBy(engine: EngineKind, body: { response_format?: ResponseFormat | null }): { field: string; message: string } | undefined {
+  const missing = neededCapabilities(body).find((n) => !ENGINE_CAPABILITIES[engine].includes(n.capability));
+  if (!missing) return undefined;
+  return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };
+}

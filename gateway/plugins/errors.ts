@@ -137,7 +137,7 @@ interface AjvError {
   schemaPath?: string;
   keyword?: string;
   message?: string;
-  params?: { missingProperty?: string; allowedValues?: unknown[]; tag?: string };
+  params?: { missingProperty?: string; allowedValues?: unknown[]; tag?: string; type?: unknown };
   /** The schema holding the failed keyword (Ajv's `verbose`, app.ts). */
   parentSchema?: { description?: unknown; oneOf?: unknown; 'x-unsupported'?: Record<string, unknown> };
 }
@@ -186,9 +186,15 @@ function validationError(err: FastifyError): GatewayError {
     if (typeof message !== 'string' || errs.some((o) => o !== e && schemaOf(o) === schemaOf(e))) continue;
     return errors.invalid(message, paramOf(e, err.validationContext), 'unsupported_feature');
   }
-  const param = paramOf(errs[0] ?? {}, err.validationContext);
+  // A nullable object (`null` or a format): Ajv reports "must be null" first; what is wrong inside
+  // the object, when something deeper is, says more ("response_format.json_schema.name …").
+  const depthOf = (e: AjvError) => (e.instancePath ?? '').split('/').length + (e.keyword === 'required' || e.keyword === 'discriminator' ? 1 : 0);
+  const first = errs[0];
+  const deeper = first?.keyword === 'type' && first.params?.type === 'null' ? errs.filter((e) => depthOf(e) > depthOf(first)) : [];
+  const shown = deeper.length > 0 ? deeper : errs;
+  const param = paramOf(shown[0] ?? {}, err.validationContext);
   const where = err.validationContext === 'headers' ? `header ${param ?? ''}` : (param ?? 'body');
-  return errors.invalid(`Invalid request: ${where} ${problemOf(errs)}.`, param, 'invalid_value');
+  return errors.invalid(`Invalid request: ${where} ${problemOf(shown)}.`, param, 'invalid_value');
 }
 
 /** Maps anything thrown to the {@link GatewayError} that answers it. */

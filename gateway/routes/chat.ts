@@ -5,7 +5,8 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import { forwardedFields, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import { MAX_SCHEMA_BYTES, forwardedFields, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import { toGrammarSchema } from '../../shared/json-schema';
 import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
@@ -62,6 +63,13 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // so say why at once. 400, not 503: a 5xx hides its reason and invites retries that cannot help.
       const unservable = g.models.unservable(model);
       if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
+      const format = body.response_format;
+      if (format?.type === 'json_schema' && format.json_schema.schema !== undefined) {
+        const param = 'response_format.json_schema.schema';
+        if (JSON.stringify(format.json_schema.schema).length > MAX_SCHEMA_BYTES) throw errors.invalid(`The schema is larger than ${MAX_SCHEMA_BYTES} bytes.`, param, 'invalid_value');
+        const converted = toGrammarSchema(format.json_schema.schema, param);
+        if (!converted.ok) throw errors.invalid(converted.message, converted.at, 'unsupported_schema');
+      }
       const backlog = g.backlogFull?.(model);
       if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
