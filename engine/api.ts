@@ -7,6 +7,7 @@
 import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
 import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, StringEnum, type ChatMessage } from '../shared/chat';
+import { toGrammarSchema, type GrammarSchema } from '../shared/json-schema';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
@@ -30,6 +31,8 @@ export interface ChatRequest {
   stop: string[];
   frequencyPenalty: number;
   presencePenalty: number;
+  /** Structured output: any JSON object, or JSON valid against a schema (converted for the grammar); absent = text. */
+  responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
 }
 
 /** What generating a completion produced. */
@@ -143,7 +146,16 @@ export type ChatCompletionBody = Static<typeof chatCompletionBodySchema>;
 /** Applies defaults to a body that passed {@link chatCompletionBodySchema}. */
 export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
   const stop = body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop;
+  const format = body.response_format;
+  let responseFormat: ChatRequest['responseFormat'];
+  if (format?.type === 'json_object' || (format?.type === 'json_schema' && format.json_schema.schema === undefined)) responseFormat = { type: 'json_object' };
+  else if (format?.type === 'json_schema') {
+    const converted = toGrammarSchema(format.json_schema.schema, 'response_format.json_schema.schema');
+    if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
+    responseFormat = { type: 'json_schema', schema: converted.schema };
+  }
   return {
+    ...(responseFormat ? { responseFormat } : {}),
     messages: body.messages.map((m) => ({ role: m.role === 'developer' ? 'system' : m.role, content: m.content })),
     stream: body.stream === true,
     includeUsage: body.stream === true && body.stream_options?.include_usage === true,

@@ -16,6 +16,7 @@ import type {
   LLamaContextualRepeatPenalty,
   Llama,
   LlamaChat,
+  LlamaGrammar,
   LlamaContextSequence,
   LlamaModel,
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
@@ -82,9 +83,14 @@ function samePrefix(a: readonly ChatMessage[], b: readonly ChatMessage[]): numbe
   return i;
 }
 
+/** Grammars kept compiled, by their schema: a client sends the same schema again and again. */
+const GRAMMAR_CACHE = 64;
+
 export class LlamaBackend implements CompletionBackend {
   /** Per slot: the conversation its KV cache holds (the last request plus its answer). */
   private readonly cached: (ChatMessage[] | undefined)[];
+  /** Structured output's grammars, least recently used first (`json` for json_object). */
+  private readonly grammars = new Map<string, Promise<LlamaGrammar>>();
 
   private constructor(
     private readonly llama: Llama,
@@ -150,9 +156,25 @@ export class LlamaBackend implements CompletionBackend {
     return cached ? samePrefix(cached, req.messages) : 0;
   }
 
+  /** The grammar of a structured-output request (compiled once per schema), or undefined for text. */
+  private grammarFor(format: ChatRequest['responseFormat']): Promise<LlamaGrammar> | undefined {
+    if (!format) return undefined;
+    const key = format.type === 'json_object' ? 'json' : JSON.stringify(format.schema);
+    let grammar = this.grammars.get(key);
+    if (grammar) this.grammars.delete(key);
+    else {
+      grammar = format.type === 'json_object' ? this.llama.getGrammarFor('json') : this.llama.createGrammarForJsonSchema(format.schema as Parameters<Llama['createGrammarForJsonSchema']>[0]);
+      grammar.catch(() => this.grammars.delete(key));
+    }
+    this.grammars.set(key, grammar);
+    if (this.grammars.size > GRAMMAR_CACHE) this.grammars.delete(this.grammars.keys().next().value!);
+    return grammar;
+  }
+
   private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
+    const grammar = await this.grammarFor(req.responseFormat);
     const meter = chat.sequence.tokenMeter;
     const before = meter.getState();
     const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
@@ -167,6 +189,7 @@ export class LlamaBackend implements CompletionBackend {
       ...(req.seed !== undefined ? { seed: req.seed } : {}),
       ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
       repeatPenalty,
+      ...(grammar ? { grammar } : {}),
       signal: io.signal,
       onTextChunk: (text) => io.onText(text),
     });

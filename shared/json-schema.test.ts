@@ -49,8 +49,9 @@ describe('toGrammarSchema', () => {
     });
   });
 
-  test('strings keep their lengths and known formats; arrays their bounds and prefix items', () => {
-    expect(ok({ type: 'string', minLength: 1, maxLength: 5 })).toEqual({ type: 'string', minLength: 1, maxLength: 5 });
+  test('strings keep their known formats (lengths are refused); arrays their bounds and prefix items', () => {
+    expect(refused({ type: 'string', minLength: 1 }).keyword).toBe('minLength');
+    expect(refused({ type: 'string', maxLength: 5 }).message).toMatch(/'maxLength'.*do not decode/);
     expect(ok({ type: 'string', format: 'date' })).toEqual({ type: 'string', format: 'date' });
     expect(ok({ type: 'array', prefixItems: [{ type: 'integer' }], items: false })).toEqual({ type: 'array', prefixItems: [{ type: 'integer' }], maxItems: 0 });
   });

@@ -14,6 +14,8 @@
  *   too, so overlapping `oneOf` branches could yield a value that matches two — the usual
  *   `oneOf` (pydantic's unions, `X | null`) has disjoint branches.
  * - `type: [..., "object"]` becomes a choice of one branch per type.
+ * - String lengths (`minLength`, `maxLength`) are refused: node-llama-cpp's grammar let the tiny
+ *   random model write a 9-character string under `maxLength: 6` (bytes that decode as U+FFFD).
  * - Annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`,
  *   `readOnly`, `writeOnly`, `deprecated`) are dropped; `$defs` and `#/$defs/…` references are kept.
  * Workflow-safe: no I/O.
@@ -27,7 +29,7 @@ const ALL_TYPES = new Set([...SCALAR_TYPES, 'object', 'array']);
 const FORMATS = new Set(['date-time', 'date', 'time']);
 /** The keywords the grammar enforces, by type. */
 const KEYWORDS_OF: Readonly<Record<string, readonly string[]>> = {
-  string: ['minLength', 'maxLength', 'format'],
+  string: ['format'],
   number: [],
   integer: [],
   boolean: [],
@@ -131,17 +133,13 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
     const allowed = KEYWORDS_OF;
     for (const k of keys) {
       if (k === 'type') continue;
-      if (!allowed[t]!.includes(k)) refuse(k, t === 'number' || t === 'integer' ? `(numbers are generated without bounds)` : `on a value of type ${t}`);
+      if (allowed[t]!.includes(k)) continue;
+      if (k === 'minLength' || k === 'maxLength') refuse(k, '(measured: a model that emits bytes of characters that do not decode gets past it)');
+      refuse(k, t === 'number' || t === 'integer' ? `(numbers are generated without bounds)` : `on a value of type ${t}`);
     }
     if (t === 'string') {
-      for (const k of ['minLength', 'maxLength'] as const) {
-        if (!has(k)) continue;
-        if (!nonNegativeInt(s[k])) refuse(k, '(it must be a non-negative integer)');
-        out[k] = s[k];
-      }
       if (has('format')) {
         if (typeof s.format !== 'string' || !FORMATS.has(s.format)) refuse('format', `(the grammar knows ${[...FORMATS].join(', ')})`);
-        if (has('minLength') || has('maxLength')) refuse('format', 'beside minLength/maxLength');
         out.format = s.format;
       }
     } else if (t === 'object') {
