@@ -7,13 +7,16 @@ import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
 import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
+import { ENGINE_CAPABILITIES, type EngineKind } from '../shared/chat';
+
+const isEngineKind = (k: string): k is EngineKind => Object.hasOwn(ENGINE_CAPABILITIES, k);
 import { checkNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from '../platform/config';
 import { processMetricsText } from '../platform/process-metrics';
 
 
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
-  '                    [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n' +
+  '                    [--engine-kind llamacpp|dllama] [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n' +
   'environment: MAGUS_NATS_URL (comma-separated: every server of a cluster), MAGUS_NATS_REPLICAS; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
 
 /** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */
@@ -30,12 +33,14 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     i += 1;
   }
   const problems: string[] = [];
-  const known = new Set(['nats', 'pool', 'instance', 'engine', 'slots', 'ack-wait-ms', 'health-port', 'prefix']);
+  const known = new Set(['nats', 'pool', 'instance', 'engine', 'engine-kind', 'slots', 'ack-wait-ms', 'health-port', 'prefix']);
   for (const k of flags.keys()) if (!known.has(k)) problems.push(`unknown option --${k}`);
   const natsUrl = flags.get('nats') ?? process.env.MAGUS_NATS_URL ?? 'nats://127.0.0.1:4222';
   const pool = flags.get('pool') ?? '';
   const instance = flags.get('instance') ?? '';
   const engineUrl = flags.get('engine') ?? '';
+  const engineKind = flags.get('engine-kind') ?? 'llamacpp';
+  if (!isEngineKind(engineKind)) problems.push(`--engine-kind must be one of ${Object.keys(ENGINE_CAPABILITIES).join(', ')}`);
   const int = (name: string, fallback: number | undefined, min: number): number | undefined => {
     const raw = flags.get(name);
     if (raw === undefined) return fallback;
@@ -66,7 +71,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
       log: (line) => process.stderr.write(`magus bridge: ${line}\n`),
     });
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool, instance, slots, ackWaitMs });
-    const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots });
+    const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots, engineKind: engineKind as EngineKind });
     if (healthPort !== undefined) {
       // /health: the bridge itself (liveness; a slow engine must not get the sidecar killed);
       // /ready: the bridge and the engine (readiness); /metrics: Prometheus.

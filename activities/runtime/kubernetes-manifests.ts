@@ -283,6 +283,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
                 '--pool', plan.pool,
                 '--instance', plan.instance,
                 '--engine', `http://127.0.0.1:${ENGINE_PORT}`,
+                '--engine-kind', plan.engine,
                 '--slots', String(plan.engine === 'dllama' ? 1 : plan.slots),
                 '--health-port', String(BRIDGE_HEALTH_PORT),
                 ...(plan.nats.prefix ? ['--prefix', plan.nats.prefix] : []),

@@ -240,7 +240,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
       consumer = true;
       signal.throwIfAborted();
       // A few NATS requests, not worth a signal: an abort meanwhile is seen right after.
-      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log });
+      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log, engineKind: serving.kind === 'dllama' ? 'dllama' : 'llamacpp' });
       signal.throwIfAborted();
       const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
       instances.set(key(req.pool, req.instance), instance);

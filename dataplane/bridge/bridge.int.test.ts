@@ -610,6 +610,21 @@ describe('failures', () => {
     await until('term', () => b.stats.termed === 1);
   });
 
+  it("structured output for distributed-llama's engine: 400 unsupported_feature naming it, the engine never called; plain chat is served", async () => {
+    const stub = await engine(() => ({ chunks: 2 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url, { engineKind: 'dllama' });
+    const { answer } = await sent(instance, { response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'boolean' } } } });
+    const frames = await answer.finished;
+    expect(frames).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(JSON.stringify(frames)).toContain('`response_format`');
+    expect(stub.calls).toHaveLength(0);
+    await until('term', () => b.stats.termed === 1);
+    const plain = await sent(instance, { response_format: { type: 'text' } });
+    expect((await plain.answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    expect(stub.calls).toHaveLength(1);
+  });
+
   it('a deadline passing mid-answer ends it with an error after the frames already sent', async () => {
     const stub = await engine(() => ({ chunks: 50, delayMs: 100 }));
     const instance = await instanceWith();

@@ -22,6 +22,7 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
+import { unsupportedBy, type EngineKind } from '../../shared/chat';
 import type { ResponseFrame } from '../../shared/serving';
 import { openRequestClaims, type RequestClaims } from '../claims';
 import { cancelSubjectOf, type DataPlaneNames } from '../names';
@@ -31,6 +32,7 @@ import { Cancels } from './cancels';
 import { RequestConsumer } from './consumer';
 import { serveDelivery, type DeliveryContext } from './delivery';
 import { createEngineClient, type EngineClient } from './engine-client';
+import { errorFrame } from './error-frames';
 import { generate } from './generate';
 import type { BridgeHealth, BridgeStats } from './metrics';
 import { storedFramePublisher, type StoredFramePublisher } from './stored-frames';
@@ -44,6 +46,12 @@ export interface BridgeOptions {
   engineUrl: string;
   /** Requests served at once; the consumer's `max_ack_pending` should equal it. */
   slots: number;
+  /**
+   * What the engine is (default `llamacpp`, magus's own): a request needing what it cannot do
+   * (shared/chat.ts `unsupportedBy`: structured output from `dllama-api`) is answered 400
+   * `unsupported_feature` without calling it — never served with the field silently ignored.
+   */
+  engineKind?: EngineKind;
   /** How to call the engine (default: {@link createEngineClient} on `engineUrl`); closed by stop(). */
   engineClient?: EngineClient;
   /** Upper bound of one engine call; the request's deadline bounds it too. Default 10 min. */
@@ -153,6 +161,7 @@ export class Bridge {
     this.consumer = consumer;
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
+    const engineKind = opts.engineKind ?? 'llamacpp';
     const retryDelayMs = opts.retryDelayMs ?? 1000;
     const ackWaitMs = consumer.ackWaitMs;
     const owner = `${instance}@${hostname()}:${process.pid}:${randomBytes(3).toString('hex')}`;
@@ -190,7 +199,11 @@ export class Bridge {
       retryDelayMs,
       // working() well inside ack_wait, so neither a slow first token nor a long answer is redelivered.
       workingEveryMs: Math.max(100, Math.floor(ackWaitMs / 3)),
-      generate: (a: Attempt, prior: ResponseFrame[]) => generate(this.engine, a, prior, requestTimeoutMs),
+      generate: (a: Attempt, prior: ResponseFrame[]) => {
+        const refused = unsupportedBy(engineKind, a.req.body);
+        if (refused) return Promise.resolve({ kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message) });
+        return generate(this.engine, a, prior, requestTimeoutMs);
+      },
     };
   }
 
