@@ -18,6 +18,10 @@ import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { ChatCompletionBody } from '../shared/chat';
 import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
+import { createModelCatalog } from './plugins/models';
+import type { ModelObject } from './schemas/models';
+import type { RuntimeAdvert } from '../shared/runtimes';
+import type { ReadyModel } from '../shared/model';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 let t: TestApp;
@@ -385,13 +389,41 @@ describe('models', () => {
     expect(res.json()).toEqual({
       object: 'list',
       data: [
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true },
+        // No artifacts, no runtime adverts (a hand-made entry): nothing rules llama.cpp out.
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema'] },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema'] },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
     expect(narrow.json<{ data: { id: string }[] }>().data.map((m) => m.id)).toEqual(['other-model']);
     expect((await t.app.inject({ method: 'GET', url: '/v1/models' })).statusCode).toBe(401);
+  });
+
+  it("capabilities follow the engines the live runtimes would run a model on; structured output for distributed-llama only is refused before anything is queued", async () => {
+    const base = readyModel('big');
+    const dllamaArtifact = { format: 'dllama', weights: 'q40', files: [] } as unknown as ReadyModel['artifacts'][number];
+    const ggufArtifact = { format: 'gguf', weights: 'q80', files: [] } as unknown as ReadyModel['artifacts'][number];
+    const plan = { format: 'dllama', weights: 'q40', topologies: [{ nodes: 2 }] } as unknown as ReadyModel['memory'][number];
+    const big: ReadyModel = { ...base, artifacts: [dllamaArtifact], memory: [plan] };
+    const both: ReadyModel = { ...readyModel('both'), artifacts: [dllamaArtifact, ggufArtifact], memory: [plan] };
+    const now = Date.now();
+    const runtimes: RuntimeAdvert[] = [{ worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: now }];
+    await t.app.close();
+    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big, both]), read: () => Promise.resolve({ models: [big, both], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }) }) });
+    const auth = { authorization: `Bearer ${t.tokens.alice.token}` };
+    const listed = (await t.app.inject({ method: 'GET', url: '/v1/models', headers: auth })).json<{ data: ModelObject[] }>().data;
+    // The local runtime with distributed-llama on 2 nodes runs both models' q40 split on dllama-api.
+    expect(listed.map((m) => [m.id, m.engines, m.capabilities])).toEqual([
+      ['big', ['dllama'], []],
+      ['both', ['dllama'], []],
+    ]);
+    const res = await chat({ model: 'big', messages: [{ role: 'user', content: 'hi' }], response_format: { type: 'json_object' } });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param: 'response_format', code: 'unsupported_feature' });
+    expect(errorOf(res).message).toContain("distributed-llama's dllama-api");
+    expect(t.broker.calls).toHaveLength(0);
+    expect(t.plane.published).toHaveLength(0);
+    expect((await chat({ model: 'big', messages: [{ role: 'user', content: 'hi' }] })).statusCode).toBe(200);
   });
 
   it('GET /v1/models/:model retrieves one, or 404', async () => {

@@ -5,6 +5,7 @@
  * once, with the reason, instead of after a cold start that can only fail (`NoArtifact`).
  * Workflow-safe: no I/O.
  */
+import { ENGINE_CAPABILITIES, type Capability, type EngineKind } from './chat';
 import type { ArtifactFormat, ReadyModel } from './model';
 
 /** One worker's runtime, refreshed every {@link RUNTIME_ADVERT_INTERVAL_MS}. */
@@ -64,4 +65,40 @@ export function unservableReason(model: ReadyModel, adverts: readonly RuntimeAdv
   const runs = [...new Set(live.map((r) => r.formats.map((f) => (f === 'gguf' ? 'gguf (llama.cpp)' : `dllama (distributed-llama${r.dllamaNodes ? ` on ${r.dllamaNodes} nodes` : ''})`)).join(' and ')))].join('; or ');
   const hint = model.artifacts.some((a) => a.format === 'gguf') ? '' : ' Pull it with a GGUF artifact too (e.g. --format gguf:q80), or run a worker with distributed-llama (MAGUS_DLLAMA_API_BIN, MAGUS_DLLAMA_BIN).';
   return `The model '${model.name}' cannot be served here: it has ${has}, and the live workers' runtimes run ${runs}${reasons.size ? ` (${[...reasons].join('; ')})` : ''}.${hint}`;
+}
+
+/**
+ * The engines `runtime` may run `model` on, as its start would choose (activities/runtime):
+ * the local runtime with distributed-llama runs a dllama artifact split for its node count, else
+ * llama.cpp; the Kubernetes runtime follows the model's `Dllama` resource, which the gateway does
+ * not see, so a model with both kinds of artifact may get either there.
+ */
+function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
+  const gguf = model.artifacts.some((a) => a.format === 'gguf' && runtime.formats.includes('gguf'));
+  const dllama = runtime.formats.includes('dllama') && model.artifacts.some((a) => a.format === 'dllama');
+  if (runtime.dllamaNodes !== undefined) {
+    const fits = model.artifacts.some((a) => a.format === 'dllama' && model.memory.some((m) => m.format === 'dllama' && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)));
+    return fits ? ['dllama'] : gguf ? ['llamacpp'] : [];
+  }
+  return [...(gguf ? (['llamacpp'] as const) : []), ...(dllama ? (['dllama'] as const) : [])];
+}
+
+/**
+ * The engines `model`'s instances may run on: those the live runtimes that can serve it would
+ * choose; with no live advert, those its artifacts allow.
+ */
+export function modelEngines(model: ReadyModel, adverts: readonly RuntimeAdvert[], now: number): EngineKind[] {
+  const live = adverts.filter((a) => now - a.at <= RUNTIME_ADVERT_STALE_MS && whyNot(model, a) === null);
+  const engines = new Set<EngineKind>(live.flatMap((a) => enginesOf(model, a)));
+  if (engines.size === 0) {
+    if (model.artifacts.some((a) => a.format === 'gguf')) engines.add('llamacpp');
+    if (model.artifacts.some((a) => a.format === 'dllama')) engines.add('dllama');
+  }
+  return [...engines].sort();
+}
+
+/** What every engine `model` may run on can do (`/v1/models` `capabilities`); none known: llama.cpp's (a hand-made entry). */
+export function modelCapabilities(engines: readonly EngineKind[]): Capability[] {
+  if (engines.length === 0) return [...ENGINE_CAPABILITIES.llamacpp];
+  return ENGINE_CAPABILITIES[engines[0]!].filter((c) => engines.every((e) => ENGINE_CAPABILITIES[e].includes(c)));
 }

@@ -16,7 +16,8 @@
  * hold the same name, the bare name means the first in registry order (`namespace.name`).
  */
 import type { ReadyModel } from '../../shared/model';
-import { unservableReason, type RuntimeAdvert } from '../../shared/runtimes';
+import type { EngineKind } from '../../shared/chat';
+import { modelEngines, unservableReason, type RuntimeAdvert } from '../../shared/runtimes';
 
 /** What the catalog needs from the registry (`ModelRegistry` has it; `read` adds the runtime adverts). */
 export interface ModelLister {
@@ -33,6 +34,8 @@ export interface ModelCatalog {
   list(): Promise<readonly ReadyModel[]>;
   /** Why no live runtime can serve `model` (from the copy), or undefined when one can or nothing is known. */
   unservable(model: ReadyModel): string | undefined;
+  /** The engines `model`'s instances may run on (from the copy; shared/runtimes.ts `modelEngines`). */
+  engines(model: ReadyModel): EngineKind[];
   /** Re-reads the registry now (readiness checks use it). */
   refresh(): Promise<void>;
   /**
@@ -116,6 +119,7 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
     // Adverts judged as of the read that brought them: a copy read a while ago (no request since)
     // would otherwise hold only stale adverts, and a model nothing can run pass as servable.
     unservable: (model) => unservableReason(model, runtimes, loadedAt) ?? undefined,
+    engines: (model) => modelEngines(model, runtimes, loadedAt),
     async find(id) {
       const readsBefore = readsStarted;
       await fresh();

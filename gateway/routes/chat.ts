@@ -5,7 +5,7 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import { MAX_SCHEMA_BYTES, forwardedFields, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import { MAX_SCHEMA_BYTES, forwardedFields, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
 import { toGrammarSchema } from '../../shared/json-schema';
 import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
@@ -63,6 +63,11 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // so say why at once. 400, not 503: a 5xx hides its reason and invites retries that cannot help.
       const unservable = g.models.unservable(model);
       if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
+      // What no engine the model may run on can do: refused before anything is queued (and a
+      // bridge refuses it too, should an instance run on such an engine after all).
+      const engines = g.models.engines(model);
+      const refused = engines.length > 0 ? engines.map((e) => unsupportedBy(e, body)).find((r, i, all) => r !== undefined && all.every(Boolean)) : undefined;
+      if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
       const format = body.response_format;
       if (format?.type === 'json_schema' && format.json_schema.schema !== undefined) {
         const param = 'response_format.json_schema.schema';

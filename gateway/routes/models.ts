@@ -1,11 +1,13 @@
 /**
  * `GET /v1/models` and `GET /v1/models/:model`: the ready models the caller may use, OpenAI-shaped,
  * plus `servable` (and `not_servable_reason`): a model no live runtime can run is listed, marked,
- * so a caller sees why its requests are refused. Both answer from a registry read that began after
+ * so a caller sees why its requests are refused; `engines` and `capabilities` (what a request may
+ * ask beyond plain chat: `json_schema`). Both answer from a registry read that began after
  * the request arrived, so they agree at all times.
  */
 import type { FastifyPluginCallback } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
+import { modelCapabilities } from '../../shared/runtimes';
 import type { ModelCatalog } from '../plugins/models';
 import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
@@ -13,7 +15,17 @@ import { getModelSchema, listModelsSchema, type ModelObject } from '../schemas/m
 
 function toModelObject(m: ReadyModel, models: ModelCatalog): ModelObject {
   const why = models.unservable(m);
-  return { id: m.name, object: 'model', created: Math.floor(Date.parse(m.readyAt) / 1000) || 0, owned_by: 'magus', servable: why === undefined, ...(why === undefined ? {} : { not_servable_reason: why }) };
+  const engines = models.engines(m);
+  return {
+    id: m.name,
+    object: 'model',
+    created: Math.floor(Date.parse(m.readyAt) / 1000) || 0,
+    owned_by: 'magus',
+    servable: why === undefined,
+    ...(why === undefined ? {} : { not_servable_reason: why }),
+    engines,
+    capabilities: modelCapabilities(engines),
+  };
 }
 
 export const modelRoutes: FastifyPluginCallback = (app, _opts, done) => {

@@ -1,4 +1,5 @@
 /** `GET /v1/models` and `GET /v1/models/:model`: OpenAI's model objects. */
+import type { Capability, EngineKind } from '../../shared/chat';
 import { errorResponses } from './errors';
 
 const model = {
@@ -11,6 +12,8 @@ const model = {
     owned_by: { type: 'string' },
     servable: { type: 'boolean' },
     not_servable_reason: { type: 'string' },
+    engines: { type: 'array', items: { type: 'string', enum: ['llamacpp', 'dllama'] } },
+    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema'] } },
   },
 } as const;
 
@@ -23,6 +26,10 @@ export interface ModelObject {
   servable: boolean;
   /** magus: why, when `servable` is false. */
   not_servable_reason?: string;
+  /** magus: the engines its instances may run on (llama.cpp: `llamacpp`, distributed-llama: `dllama`). */
+  engines: EngineKind[];
+  /** magus: what a request may ask of it beyond plain chat, on every engine it may run on (`json_schema`: `response_format`). */
+  capabilities: Capability[];
 }
 
 export const listModelsSchema = {
