@@ -303,6 +303,7 @@ describe('structured output: the grammar makes even a random model answer valid 
       tag: { type: 'string', format: 'date' },
       items: { type: 'array', items: { type: 'boolean' }, maxItems: 3 },
       maybe: { anyOf: [{ type: 'null' }, { const: 'yes' }] },
+      free: { description: 'any JSON value' },
     },
     required: ['ok', 'color'],
   };

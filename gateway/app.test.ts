@@ -260,7 +260,7 @@ describe('request validation', () => {
   it.each([
     ['a keyword the grammar cannot enforce', { type: 'object', properties: { n: { type: 'integer', minimum: 1 } } }, 'response_format.json_schema.schema.properties.n.minimum', "The keyword 'minimum'"],
     ['a required key that is no property', { type: 'object', properties: {}, required: ['x'] }, 'response_format.json_schema.schema.required', "names 'x'"],
-    ['a schema allowing anything', {}, 'response_format.json_schema.schema', 'any value'],
+    ['a string format the grammar does not know', { type: 'string', format: 'uri' }, 'response_format.json_schema.schema.format', "The keyword 'format'"],
   ])('structured output with %s → 400 unsupported_schema naming where, nothing queued', async (_what, schema, param, says) => {
     const res = await chat(userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 's', schema } } }));
     expect(res.statusCode).toBe(400);

@@ -70,12 +70,22 @@ describe('toGrammarSchema', () => {
     [{ not: { type: 'string' } }, 'not', 'schema.not'],
     [{ enum: [{ a: 1 }] }, 'enum', 'schema.enum'],
     [{ type: 'date' }, 'type', 'schema.type'],
-    [{ description: 'anything' }, 'schema', 'schema'],
   ])('%j is refused, naming %s at %s', (schema, keyword, at) => {
     const r = refused(schema);
     expect(r.keyword).toBe(keyword);
     expect(r.at).toBe(at);
-    expect(r.message).toContain(keyword === 'schema' ? 'any value' : `'${keyword}'`);
+    expect(r.message).toContain(`'${keyword}'`);
+  });
+
+  test('a schema that allows anything becomes a recursive definition of JSON', () => {
+    const any = ok({ description: 'anything' });
+    expect(any.$ref).toBe('#/$defs/magus_any_json');
+    expect(JSON.stringify((any.$defs as Record<string, unknown>).magus_any_json)).toContain('#/$defs/magus_any_json');
+    expect(ok({ type: 'object', properties: { x: {}, list: { type: 'array' } } })).toMatchObject({
+      properties: { x: { $ref: '#/$defs/magus_any_json' }, list: { type: 'array', items: { $ref: '#/$defs/magus_any_json' } } },
+      $defs: { magus_any_json: expect.any(Object) as unknown },
+    });
+    expect(refused({ type: 'object', properties: { a: { type: 'null' }, b: { type: 'null' } }, additionalProperties: true, maxProperties: 1 }).keyword).toBe('maxProperties');
   });
 
   test('bounds: depth and size', () => {

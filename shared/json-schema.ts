@@ -16,6 +16,8 @@
  * - `type: [..., "object"]` becomes a choice of one branch per type.
  * - String lengths (`minLength`, `maxLength`) are refused: node-llama-cpp's grammar let the tiny
  *   random model write a 9-character string under `maxLength: 6` (bytes that decode as U+FFFD).
+ * - A schema that allows any value (`{}`, `true`, annotations only; an array's missing `items`)
+ *   becomes a recursive definition of JSON (`$defs.magus_any_json`).
  * - Annotations (`title`, `description`, `default`, `examples`, `$schema`, `$id`, `$comment`,
  *   `readOnly`, `writeOnly`, `deprecated`) are dropped; `$defs` and `#/$defs/…` references are kept.
  * Workflow-safe: no I/O.
@@ -36,6 +38,15 @@ const KEYWORDS_OF: Readonly<Record<string, readonly string[]>> = {
   null: [],
   object: ['properties', 'required', 'additionalProperties', 'minProperties', 'maxProperties'],
   array: ['items', 'prefixItems', 'minItems', 'maxItems'],
+};
+/** The definition of "any JSON value" (a schema that allows anything: `{}`, `true`, an array without `items`). */
+const ANY_DEF = 'magus_any_json';
+const ANY_JSON: GrammarSchema = {
+  oneOf: [
+    { type: ['string', 'number', 'boolean', 'null'] },
+    { type: 'array', items: { $ref: `#/$defs/${ANY_DEF}` } },
+    { type: 'object', additionalProperties: { $ref: `#/$defs/${ANY_DEF}` } },
+  ],
 };
 /** Bounds on a schema: it is compiled into a grammar per request. */
 export const SCHEMA_LIMITS = { depth: 32, nodes: 2_000, enumValues: 512, properties: 256 } as const;
@@ -65,13 +76,16 @@ const nonNegativeInt = (v: unknown): v is number => typeof v === 'number' && Num
  */
 export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversion {
   let nodes = 0;
+  let usesAny = false;
   const defs = isObject(schema) && isObject(schema.$defs) ? schema.$defs : {};
 
   const convert = (s: unknown, path: string, depth: number): GrammarSchema => {
     if (++nodes > SCHEMA_LIMITS.nodes) throw new Refused('schema', at, `The schema has more than ${SCHEMA_LIMITS.nodes} subschemas.`);
     if (depth > SCHEMA_LIMITS.depth) throw new Refused('schema', path, `The schema nests deeper than ${SCHEMA_LIMITS.depth} levels.`);
+    // Any JSON value: a recursive definition of JSON, added to the root's $defs.
     if (s === true || (isObject(s) && Object.keys(s).every((k) => ANNOTATIONS.has(k)))) {
-      throw new Refused('schema', path, 'A schema that allows any value cannot be enforced as a grammar here; give it a `type`.');
+      usesAny = true;
+      return { $ref: `#/$defs/${ANY_DEF}` };
     }
     if (!isObject(s)) throw new Refused('schema', path, 'Each schema must be a JSON object.');
     const out: GrammarSchema = {};
@@ -164,13 +178,15 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
           // All properties are generated, always: the count is fixed.
           const n = Object.keys(properties).length;
           if ((k === 'minProperties' && n < (s[k] as number)) || (k === 'maxProperties' && n > (s[k] as number))) refuse(k, `(the object always has its ${n} properties)`);
+        } else if (k === 'maxProperties' && (s[k] as number) < Object.keys(properties).length) {
+          refuse(k, `(the object always has its ${Object.keys(properties).length} properties)`);
         } else out[k] = s[k];
       }
     } else if (t === 'array') {
       if (has('items')) {
         if (s.items === false) out.maxItems = 0;
         else out.items = convert(s.items, `${path}.items`, depth + 1);
-      }
+      } else if (!has('prefixItems')) out.items = convert(true, `${path}.items`, depth + 1);
       if (has('prefixItems')) {
         if (!Array.isArray(s.prefixItems)) refuse('prefixItems', '(it must be a list of schemas)');
         out.prefixItems = (s.prefixItems as unknown[]).map((p, i) => convert(p, `${path}.prefixItems[${i}]`, depth + 1));
@@ -187,11 +203,13 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
   try {
     if (!isObject(schema)) throw new Refused('schema', at, 'The schema must be a JSON object.');
     const root = convert(schema, at, 0);
+    const converted: Record<string, GrammarSchema> = {};
     if (isObject(schema.$defs)) {
-      const converted: Record<string, GrammarSchema> = {};
+      if (ANY_DEF in schema.$defs) throw new Refused('$defs', `${at}.$defs.${ANY_DEF}`, `The definition name '${ANY_DEF}' is magus's own.`);
       for (const [name, sub] of Object.entries(schema.$defs)) converted[name] = convert(sub, `${at}.$defs.${name}`, 1);
-      root.$defs = converted;
     } else if (schema.$defs !== undefined) throw new Refused('$defs', `${at}.$defs`, 'The keyword \'$defs\' must be an object of schemas.');
+    if (usesAny) converted[ANY_DEF] = ANY_JSON;
+    if (Object.keys(converted).length > 0) root.$defs = converted;
     if ('definitions' in schema) throw new Refused('definitions', `${at}.definitions`, "The keyword 'definitions' is not followed; use '$defs' and '#/$defs/<name>' references.");
     return { ok: true, schema: root };
   } catch (err) {
