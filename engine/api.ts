@@ -6,12 +6,27 @@
  */
 import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
-import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, StringEnum, type ChatMessage } from '../shared/chat';
+import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum } from '../shared/chat';
 import { toGrammarSchema, type GrammarSchema } from '../shared/json-schema';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
-export type FinishReason = 'stop' | 'length';
+export type FinishReason = 'stop' | 'length' | 'tool_calls';
+
+/** A function the model may call, its parameters converted for the grammar (shared/json-schema.ts). */
+export interface ToolSpec {
+  name: string;
+  description?: string;
+  /** Absent: a call without arguments. */
+  params?: GrammarSchema;
+}
+
+/** A call the model made: `arguments` is JSON text, as OpenAI sends it. */
+export interface ToolCallOut {
+  id: string;
+  name: string;
+  arguments: string;
+}
 
 /** A validated chat-completion request with defaults applied. */
 export interface ChatRequest {
@@ -31,6 +46,11 @@ export interface ChatRequest {
   stop: string[];
   frequencyPenalty: number;
   presencePenalty: number;
+  /** Functions the model may call (`tools`), and how: `auto` (text or calls), `required` (a call), a name (a call of it). */
+  tools: ToolSpec[];
+  toolChoice: 'auto' | 'required' | { name: string };
+  /** Whether one answer may hold several calls (`parallel_tool_calls`, default true). */
+  parallelToolCalls: boolean;
   /** Structured output: any JSON object, or JSON valid against a schema (converted for the grammar); absent = text. */
   responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
 }
@@ -39,6 +59,8 @@ export interface ChatRequest {
 export interface GenerationResult {
   text: string;
   finishReason: FinishReason;
+  /** The calls the model made (`finishReason` is then `tool_calls`). */
+  toolCalls?: ToolCallOut[];
   /** Tokens sampled (including a stop token or stop text that is not returned). */
   completionTokens: number;
   /**
@@ -134,7 +156,13 @@ function orNull<P extends TProperties>(properties: P): { [K in keyof P]: TOption
 export const chatCompletionBodySchema = Type.Object({
   model: Type.Optional(Type.String()),
   messages: Type.Array(
-    Type.Object({ role: StringEnum(['system', 'developer', 'user', 'assistant']), content: Type.String(), name: Type.Optional(Type.String()) }),
+    Type.Object({
+      role: StringEnum(['system', 'developer', 'user', 'assistant', 'tool']),
+      content: Type.Union([Type.String(), Type.Null()]),
+      name: Type.Optional(Type.String()),
+      tool_calls: Type.Optional(Type.Union([ChatMessage.properties.tool_calls, Type.Null()])),
+      tool_call_id: Type.Optional(Type.Union([ChatMessage.properties.tool_call_id, Type.Null()])),
+    }),
     { minItems: 1 },
   ),
   ...orNull({ ...Type.Omit(ChatCompletionRequest, ['model', 'messages']).properties, max_completion_tokens: OpenAiChatBody.properties.max_completion_tokens, n: Type.Integer({ minimum: 1, maximum: 1 }) }),
@@ -154,9 +182,31 @@ export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
     if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
     responseFormat = { type: 'json_schema', schema: converted.schema };
   }
+  // Tools: none offered, or `tool_choice: "none"`, is plain chat.
+  const choice = body.tool_choice ?? 'auto';
+  const offered = choice === 'none' ? [] : (body.tools ?? []);
+  const tools = offered.map((t, i): ToolSpec => {
+    const params = t.function.parameters;
+    if (params === undefined) return { name: t.function.name, ...(t.function.description ? { description: t.function.description } : {}) };
+    const converted = toGrammarSchema(params, `tools[${i}].function.parameters`);
+    if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
+    return { name: t.function.name, ...(t.function.description ? { description: t.function.description } : {}), params: converted.schema };
+  });
+  if (typeof choice === 'object' && !tools.some((t) => t.name === choice.function.name)) {
+    throw invalidRequest(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name', 'invalid_value');
+  }
+  if (choice === 'required' && tools.length === 0) throw invalidRequest("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice', 'invalid_value');
   return {
     ...(responseFormat ? { responseFormat } : {}),
-    messages: body.messages.map((m) => ({ role: m.role === 'developer' ? 'system' : m.role, content: m.content })),
+    tools,
+    toolChoice: typeof choice === 'object' ? { name: choice.function.name } : choice === 'required' ? 'required' : 'auto',
+    parallelToolCalls: body.parallel_tool_calls !== false,
+    messages: body.messages.map((m): ChatMessage => {
+      const out: ChatMessage = { role: m.role === 'developer' ? 'system' : m.role, content: m.content ?? '' };
+      if (m.tool_calls?.length) out.tool_calls = m.tool_calls;
+      if (m.tool_call_id) out.tool_call_id = m.tool_call_id;
+      return out;
+    }),
     stream: body.stream === true,
     includeUsage: body.stream === true && body.stream_options?.include_usage === true,
     maxTokens: body.max_completion_tokens ?? body.max_tokens ?? undefined,
@@ -248,7 +298,17 @@ export const chatCompletionResponseSchemas = {
           type: 'object',
           properties: {
             index: { type: 'integer' },
-            message: { type: 'object', properties: { role: { type: 'string' }, content: { type: 'string' } } },
+            message: {
+              type: 'object',
+              properties: {
+                role: { type: 'string' },
+                content: { type: nullable('string') },
+                tool_calls: {
+                  type: 'array',
+                  items: { type: 'object', properties: { id: { type: 'string' }, type: { type: 'string' }, function: { type: 'object', properties: { name: { type: 'string' }, arguments: { type: 'string' } } } } },
+                },
+              },
+            },
             logprobs: { type: 'null' },
             finish_reason: { type: 'string' },
           },
@@ -287,9 +347,17 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string }; logprobs: null; finish_reason: FinishReason }[];
+  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: OpenAiToolCall[] }; logprobs: null; finish_reason: FinishReason }[];
   usage: Usage;
 }
+
+/** A tool call in OpenAI's shape. */
+export interface OpenAiToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: string };
+}
+export const toOpenAiToolCall = (c: ToolCallOut): OpenAiToolCall => ({ id: c.id, type: 'function', function: { name: c.name, arguments: c.arguments } });
 
 /** OpenAI's `usage`: the engine always says how much of the prompt its slot had cached. */
 export type Usage = Required<CompletionUsage>;

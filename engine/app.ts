@@ -33,6 +33,8 @@ import {
   type GenerationResult,
   type Usage,
   usageOf,
+  toOpenAiToolCall,
+  type ToolCallOut,
 } from './api';
 import type { EngineCore } from './core';
 import { QUEUE_FULL_ERROR } from './slots';
@@ -102,6 +104,14 @@ class ChunkWriter {
 
   text(text: string): void {
     this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":null,"finish_reason":null}]}\n\n`);
+  }
+
+  /** The calls of an answer, one delta each with its whole arguments (OpenAI's clients join fragments; one is a fragment too). */
+  toolCalls(calls: readonly ToolCallOut[]): void {
+    calls.forEach((c, index) => {
+      const delta = { tool_calls: [{ index, id: c.id, type: 'function', function: { name: c.name, arguments: c.arguments } }] };
+      this.write(`${this.prefix}{"index":0,"delta":${JSON.stringify(delta)},"logprobs":null,"finish_reason":null}]}\n\n`);
+    });
   }
 
   finish(reason: FinishReason): void {
@@ -223,7 +233,16 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
         object: 'chat.completion',
         created,
         model: core.modelId,
-        choices: [{ index: 0, message: { role: 'assistant', content: result.text }, logprobs: null, finish_reason: result.finishReason }],
+        choices: [
+          {
+            index: 0,
+            message: result.toolCalls?.length
+              ? { role: 'assistant', content: result.text === '' ? null : result.text, tool_calls: result.toolCalls.map(toOpenAiToolCall) }
+              : { role: 'assistant', content: result.text },
+            logprobs: null,
+            finish_reason: result.finishReason,
+          },
+        ],
         usage: usageOf(prepared.promptTokens, result),
       };
       return body;
@@ -242,6 +261,7 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
           out.text(text);
         },
       });
+      if (result.toolCalls?.length) out.toolCalls(result.toolCalls);
       out.finish(result.finishReason);
       if (req.includeUsage) out.usage(usageOf(prepared.promptTokens, result));
       out.done();

@@ -344,6 +344,79 @@ describe('structured output: the grammar makes even a random model answer valid 
   });
 });
 
+describe('tools: a forced call is a grammar, so even a random model calls with valid arguments', () => {
+  const weather = {
+    type: 'function',
+    function: {
+      name: 'get_weather',
+      description: 'The weather in a city',
+      parameters: { type: 'object', properties: { city: { enum: ['Paris', 'Oslo'] }, unit: { enum: ['c', 'f'] }, days: { type: 'array', items: { type: 'boolean' }, maxItems: 2 } }, required: ['city'] },
+    },
+  };
+  const clock = { type: 'function', function: { name: 'get_time', description: 'The time now' } };
+  interface ToolCompletion {
+    choices: { message: { content: string | null; tool_calls?: { id: string; type: string; function: { name: string; arguments: string } }[] }; finish_reason: string }[];
+  }
+
+  test.each([
+    ['required', 'required'],
+    ['a named function', { type: 'function', function: { name: 'get_weather' } }],
+  ])('tool_choice %s: one call, arguments that parse and validate, finish_reason tool_calls', async (_what, tool_choice) => {
+    const res = await post({ messages: hello, tools: [weather, clock], tool_choice, max_tokens: 200, temperature: 1, seed: 7 });
+    const body = (await res.json()) as ToolCompletion;
+    expect(res.status).toBe(200);
+    const choice = body.choices[0]!;
+    expect(choice.finish_reason).toBe('tool_calls');
+    expect(choice.message.content).toBeNull();
+    const call = choice.message.tool_calls![0]!;
+    expect(call).toMatchObject({ id: expect.stringMatching(/^call_[0-9a-f]{24}$/) as unknown, type: 'function' });
+    if (typeof tool_choice === 'object') expect(call.function.name).toBe('get_weather');
+    if (call.function.name === 'get_weather') expect(new Ajv({ strict: false }).validate(weather.function.parameters, JSON.parse(call.function.arguments))).toBe(true);
+    else expect(JSON.parse(call.function.arguments)).toEqual({});
+  });
+
+  test('streamed: the call arrives as a tool_calls delta, the same call as unstreamed', async () => {
+    const req = { messages: hello, tools: [weather], tool_choice: 'required', max_tokens: 200, temperature: 0 };
+    const whole = ((await (await post(req)).json()) as ToolCompletion).choices[0]!.message.tool_calls![0]!;
+    const events = sse(await (await post({ ...req, stream: true })).text()).filter((d) => d !== '[DONE]').map((d) => JSON.parse(d) as { choices: { delta: Record<string, unknown>; finish_reason: string | null }[] });
+    const deltas = events.flatMap((e) => e.choices.map((c) => c.delta.tool_calls as { index: number; id: string; function: { name: string; arguments: string } }[] | undefined)).filter(Boolean).flat();
+    expect(deltas).toEqual([{ index: 0, id: whole.id, type: 'function', function: whole.function }]);
+    expect(events.at(-1)!.choices[0]!.finish_reason).toBe('tool_calls');
+  });
+
+  test('tool history is forwarded: a call and its result, then the answer; tool_choice none answers in text', async () => {
+    const messages = [
+      ...hello,
+      { role: 'assistant', content: null, tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }] },
+      { role: 'tool', tool_call_id: 'call_1', content: '{"celsius": 21}' },
+    ];
+    const answer = await complete({ messages, tools: [weather], tool_choice: 'none', max_tokens: 8, temperature: 0 });
+    expect(answer.choices[0]!.message.content.length).toBeGreaterThan(0);
+    expect(answer.choices[0]).not.toHaveProperty('message.tool_calls');
+    // The result is in the prompt: it costs tokens a history without it does not.
+    const without = await complete({ messages: hello, max_tokens: 1, temperature: 0 });
+    expect(answer.usage.prompt_tokens).toBeGreaterThan(without.usage.prompt_tokens + 5);
+  });
+
+  test('auto: the model may answer in text or call; either way the answer is well formed', async () => {
+    const res = await post({ messages: hello, tools: [weather], max_tokens: 32, temperature: 0 });
+    const body = (await res.json()) as ToolCompletion;
+    expect(res.status).toBe(200);
+    const choice = body.choices[0]!;
+    if (choice.finish_reason === 'tool_calls') expect(new Ajv({ strict: false }).validate(weather.function.parameters, JSON.parse(choice.message.tool_calls![0]!.function.arguments))).toBe(true);
+    else expect(typeof choice.message.content).toBe('string');
+  });
+
+  test('a tool_choice naming no tool, or parameters the grammar cannot enforce: 400 naming the field', async () => {
+    const named = await post({ messages: hello, tools: [clock], tool_choice: { type: 'function', function: { name: 'nope' } } });
+    expect(named.status).toBe(400);
+    expect(((await named.json()) as ErrorBody).error.param).toBe('tool_choice.function.name');
+    const bad = await post({ messages: hello, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } } } }] });
+    expect(bad.status).toBe(400);
+    expect(((await bad.json()) as ErrorBody).error).toMatchObject({ code: 'unsupported_schema', param: 'tools[0].function.parameters.properties.n.maximum' });
+  });
+});
+
 test('SIGTERM lets the generation in flight finish, then the engine exits cleanly', async () => {
   const res = await post({ messages: hello, max_tokens: 600, temperature: 0, stream: true });
   const reader = res.body!.getReader() as ReadableStreamDefaultReader<Uint8Array>;

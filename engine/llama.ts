@@ -12,6 +12,7 @@
  */
 import type {
   ChatHistoryItem,
+  ChatModelFunctions,
   ChatWrapper,
   LLamaContextualRepeatPenalty,
   Llama,
@@ -21,8 +22,9 @@ import type {
   LlamaModel,
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import { createHash } from 'node:crypto';
 import type { ChatMessage } from '../shared/chat';
-import { invalidRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import { invalidRequest, type ChatRequest, type ToolCallOut, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -53,16 +55,74 @@ export interface ChatTemplateInfo {
   note: string;
 }
 
+/** A call's arguments as the model's history holds them: parsed JSON, or the text when it is not JSON. */
+function parsedArguments(text: string): unknown {
+  try {
+    return JSON.parse(text);
+  } catch {
+    return text;
+  }
+}
+
+/**
+ * OpenAI messages as node-llama-cpp's history: an assistant turn's tool calls become function
+ * calls of its response, each with the result the `tool` message answering it gave (the chat
+ * wrapper renders calls and results in the model's format); the tool messages are consumed so.
+ */
 function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
-  const history: ChatHistoryItem[] = messages.map((m): ChatHistoryItem => {
-    if (m.role === 'system') return { type: 'system', text: m.content };
-    if (m.role === 'user') return { type: 'user', text: m.content };
-    return { type: 'model', response: [m.content] };
-  });
+  const results = new Map<string, string>();
+  for (const m of messages) if (m.role === 'tool' && m.tool_call_id) results.set(m.tool_call_id, m.content);
+  const history: ChatHistoryItem[] = [];
+  for (const m of messages) {
+    if (m.role === 'system') history.push({ type: 'system', text: m.content });
+    else if (m.role === 'user') history.push({ type: 'user', text: m.content });
+    else if (m.role === 'assistant') {
+      const calls = (m.tool_calls ?? []).map((c) => ({ type: 'functionCall' as const, name: c.function.name, params: parsedArguments(c.function.arguments), result: results.get(c.id) ?? '' }));
+      history.push({ type: 'model', response: [...(m.content ? [m.content] : []), ...calls] });
+    }
+  }
   // The answer to generate. After a trailing assistant message this continues that message
-  // (node-llama-cpp merges consecutive model turns), i.e. it acts as a prefill.
-  if (messages[messages.length - 1]?.role !== 'assistant') history.push({ type: 'model', response: [] });
+  // (node-llama-cpp merges consecutive model turns), i.e. it acts as a prefill; after tool
+  // results, the model answers with them in view.
+  const last = messages[messages.length - 1];
+  if (last?.role !== 'assistant' || (last.tool_calls?.length ?? 0) > 0) history.push({ type: 'model', response: [] });
   return history;
+}
+
+/** A call id that is the same on every attempt at the request (the bridge pins its seed): the bridge's resume compares them. */
+function toolCallId(seed: number | undefined, index: number, name: string): string {
+  return `call_${createHash('sha256').update(`${seed ?? 'none'}:${index}:${name}`).digest('hex').slice(0, 24)}`;
+}
+
+/**
+ * `tool_choice` `required` or a named function: the answer is one call, generated as JSON under
+ * a grammar (`{"name": …, "arguments": …}`, the arguments by the function's schema), with the
+ * tools described to the model in a system message. node-llama-cpp's own function calling
+ * (`auto`) lets the model choose whether to call at all.
+ */
+function forcedCallGrammarSchema(tools: readonly ToolSpec[]): Record<string, unknown> {
+  const branch = (t: ToolSpec) => ({ type: 'object', properties: { name: { const: t.name }, arguments: t.params ?? { type: 'object', properties: {} } } });
+  const defs: Record<string, unknown> = {};
+  for (const t of tools) Object.assign(defs, (t.params?.$defs as Record<string, unknown> | undefined) ?? {});
+  const schema: Record<string, unknown> = tools.length === 1 ? branch(tools[0]!) : { oneOf: tools.map(branch) };
+  if (Object.keys(defs).length > 0) schema.$defs = defs;
+  return schema;
+}
+
+/** The tools a forced call may use: the named one, or all. */
+function offeredTools(req: ChatRequest): ToolSpec[] {
+  const choice = req.toolChoice;
+  return typeof choice === 'object' ? req.tools.filter((t) => t.name === choice.name) : req.tools;
+}
+
+/** The tools as node-llama-cpp's functions (the chat wrapper documents them to the model; their params become grammar). */
+function functionsOf(tools: readonly ToolSpec[]): ChatModelFunctions {
+  return Object.fromEntries(tools.map((t) => [t.name, { ...(t.description ? { description: t.description } : {}), ...(t.params ? { params: t.params as ChatModelFunctions[string]['params'] } : {}) }]));
+}
+
+function describeTools(tools: readonly ToolSpec[]): string {
+  const lines = tools.map((t) => `- ${t.name}${t.description ? `: ${t.description}` : ''}${t.params ? `\n  arguments (JSON Schema): ${JSON.stringify(t.params)}` : ''}`);
+  return `You call a function to answer. Reply with JSON only: {"name": <function name>, "arguments": <its arguments>}.\nFunctions:\n${lines.join('\n')}`;
 }
 
 /**
@@ -136,8 +196,14 @@ export class LlamaBackend implements CompletionBackend {
 
   prepare(req: ChatRequest): PreparedCompletion {
     const history = toHistory(req.messages);
-    // The same rendering LlamaChat evaluates (it calls the wrapper with the same history).
-    const promptTokens = this.chatWrapper.generateContextState({ chatHistory: history }).contextText.tokenize(this.model.tokenizer).length;
+    // The same rendering LlamaChat evaluates (it calls the wrapper with the same history, and the
+    // functions it may call; a forced call adds its system message).
+    const forced = req.tools.length > 0 && req.toolChoice !== 'auto';
+    const rendered = forced ? [{ type: 'system' as const, text: describeTools(offeredTools(req)) }, ...history] : history;
+    const availableFunctions = !forced && req.tools.length > 0 ? functionsOf(req.tools) : undefined;
+    const promptTokens = this.chatWrapper
+      .generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) })
+      .contextText.tokenize(this.model.tokenizer).length;
     if (promptTokens >= this.contextSize) {
       throw invalidRequest(
         `This model's maximum context length is ${this.contextSize} tokens. However, your messages resulted in ${promptTokens} tokens.`,
@@ -174,7 +240,6 @@ export class LlamaBackend implements CompletionBackend {
   private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
-    const grammar = await this.grammarFor(req.responseFormat);
     const meter = chat.sequence.tokenMeter;
     const before = meter.getState();
     const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
@@ -182,22 +247,58 @@ export class LlamaBackend implements CompletionBackend {
       ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
-    const result = await chat.generateResponse(history, {
+    const forced = req.tools.length > 0 && req.toolChoice !== 'auto';
+    const offered = offeredTools(req);
+    const grammar = forced
+      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(offered) })
+      : await this.grammarFor(req.responseFormat);
+    const common = {
       maxTokens,
       temperature: req.temperature,
       topP: req.topP,
       ...(req.seed !== undefined ? { seed: req.seed } : {}),
-      ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
+      ...(req.stop.length > 0 && !forced ? { customStopTriggers: req.stop } : {}),
       repeatPenalty,
-      ...(grammar ? { grammar } : {}),
       signal: io.signal,
-      onTextChunk: (text) => io.onText(text),
-    });
-    this.cached[slot] = [...req.messages, { role: 'assistant', content: result.response }];
+    };
+    let text: string;
+    let stopReason: string;
+    let toolCalls: ToolCallOut[] | undefined;
+    if (forced) {
+      // The call is returned whole, as `tool_calls`: no text streams.
+      const withTools: ChatHistoryItem[] = [{ type: 'system', text: describeTools(offered) }, ...history];
+      const result = await chat.generateResponse(withTools, { ...common, grammar });
+      const call = parsedArguments(result.response) as { name?: string; arguments?: unknown } | string;
+      if (typeof call === 'object' && call !== null && typeof call.name === 'string') {
+        toolCalls = [{ id: toolCallId(req.seed, 0, call.name), name: call.name, arguments: JSON.stringify(call.arguments ?? {}) }];
+      }
+      text = toolCalls ? '' : result.response; // cut short (max_tokens): the partial JSON, finish_reason length
+      stopReason = result.metadata.stopReason;
+    } else if (req.tools.length > 0) {
+      const result = await chat.generateResponse(history, {
+        ...common,
+        functions: functionsOf(req.tools),
+        documentFunctionParams: true,
+        ...(req.parallelToolCalls ? {} : { maxParallelFunctionCalls: 1 }),
+        onTextChunk: (chunk) => io.onText(chunk),
+      });
+      text = result.response;
+      stopReason = result.metadata.stopReason;
+      const calls = (result as { functionCalls?: { functionName: string; params: unknown }[] }).functionCalls;
+      if (calls?.length) {
+        toolCalls = calls.map((c, i) => ({ id: toolCallId(req.seed, i, c.functionName), name: c.functionName, arguments: JSON.stringify(c.params ?? {}) }));
+      }
+    } else {
+      const result = await chat.generateResponse(history, { ...common, ...(grammar ? { grammar } : {}), onTextChunk: (chunk) => io.onText(chunk) });
+      text = result.response;
+      stopReason = result.metadata.stopReason;
+    }
+    this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls.map((c) => ({ id: c.id, type: 'function' as const, function: { name: c.name, arguments: c.arguments } })) } : {}) }];
     const used = meter.diff(before);
     return {
-      text: result.response,
-      finishReason: result.metadata.stopReason === 'maxTokens' ? 'length' : 'stop',
+      text,
+      finishReason: toolCalls ? 'tool_calls' : stopReason === 'maxTokens' ? 'length' : 'stop',
+      ...(toolCalls ? { toolCalls } : {}),
       // Every sampled token needed one row of logits: "output" tokens in node-llama-cpp's meter.
       completionTokens: used.usedOutputTokens,
       cachedPromptTokens: keptTokens(chat.sequence.contextTokens.length, used.usedInputTokens + used.usedOutputTokens, promptTokens),

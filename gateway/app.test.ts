@@ -81,7 +81,6 @@ describe('request validation', () => {
   });
 
   it.each([
-    ['tools', { tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }],
     ['functions', { functions: [{ name: 'f', parameters: {} }] }],
     ['logprobs', { logprobs: true, top_logprobs: 2 }],
     ['n', { n: 5 }],
@@ -93,7 +92,7 @@ describe('request validation', () => {
   });
 
   it.each([
-    ['tools', { tools: 'f' }, 'must be null or an empty list'],
+    ['tools', { tools: 'f' }, 'must be null or a list of up to 128 function tools'],
     ['functions', { functions: {} }, 'must be null or an empty list'],
     ['response_format.type', { response_format: {} }, 'is required'],
     ['response_format.type', { response_format: { type: 5 } }, 'must be one of "text", "json_object", "json_schema"'],
@@ -124,19 +123,21 @@ describe('request validation', () => {
     expect(t.broker.calls).toHaveLength(0);
   });
 
-  it('a role outside system, user, assistant → 400 listing them (`tool` too: magus runs no tools)', async () => {
-    const res = await chat({ model: 'tiny', messages: [{ role: 'tool', tool_call_id: 'c1', content: '42' }] });
+  it('a role outside system, user, assistant, tool → 400 listing them', async () => {
+    const res = await chat({ model: 'tiny', messages: [{ role: 'function', name: 'f', content: '42' }] });
     expect(res.statusCode).toBe(400);
-    expect(errorOf(res)).toMatchObject({ param: 'messages[0].role', message: 'Invalid request: messages[0].role must be one of "system", "user", "assistant".' });
+    expect(errorOf(res)).toMatchObject({ param: 'messages[0].role', message: 'Invalid request: messages[0].role must be one of "system", "user", "assistant", "tool".' });
   });
 
-  it("accepts the assistant's null content beside its tool calls (as OpenAI does) and forwards the turn empty, without the calls", async () => {
+  it("forwards an assistant's tool calls (its null content empty) and the tool results answering them; function_call is history only", async () => {
+    const call = { id: 'c1', type: 'function', function: { name: 'f', arguments: '{"x":1}' } };
     const res = await chat({
       model: 'tiny',
       n: 1,
       messages: [
         { role: 'user', content: 'hi' },
-        { role: 'assistant', content: null, tool_calls: [{ id: 'c1', type: 'function', function: { name: 'f', arguments: '{}' } }] },
+        { role: 'assistant', content: null, tool_calls: [call] },
+        { role: 'tool', tool_call_id: 'c1', content: [{ type: 'text', text: '4' }, { type: 'text', text: '2' }] },
         { role: 'assistant', content: null, function_call: { name: 'f', arguments: '{}' } },
         { role: 'assistant', content: 'text beside calls', tool_calls: [] },
         { role: 'user', content: 'again' },
@@ -145,11 +146,33 @@ describe('request validation', () => {
     expect(res.statusCode).toBe(200);
     expect(t.plane.published[0]!.req.body.messages).toEqual([
       { role: 'user', content: 'hi' },
-      { role: 'assistant', content: '' },
+      { role: 'assistant', content: '', tool_calls: [call] },
+      { role: 'tool', content: '42', tool_call_id: 'c1' },
       { role: 'assistant', content: '' },
       { role: 'assistant', content: 'text beside calls' },
       { role: 'user', content: 'again' },
     ]);
+  });
+
+  it('tools, tool_choice and parallel_tool_calls are forwarded as sent', async () => {
+    const tools = [{ type: 'function', function: { name: 'get_weather', description: 'd', parameters: { type: 'object', properties: { city: { type: 'string' } } } } }];
+    const res = await chat(userTurn('hi', { tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false }));
+    expect(res.statusCode).toBe(200);
+    expect(t.plane.published[0]!.req.body).toMatchObject({ tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false });
+  });
+
+  it.each([
+    ['a tool result answering no earlier call', { messages: [{ role: 'user', content: 'hi' }, { role: 'tool', tool_call_id: 'nope', content: 'x' }] }, 'messages[1].tool_call_id', 'invalid_value'],
+    ['tool_choice naming no tool', { tools: [{ type: 'function', function: { name: 'f' } }], tool_choice: { type: 'function', function: { name: 'g' } } }, 'tool_choice.function.name', 'invalid_value'],
+    ['tool_choice required without tools', { tool_choice: 'required' }, 'tool_choice', 'invalid_value'],
+    ['two tools of one name', { tools: [{ type: 'function', function: { name: 'f' } }, { type: 'function', function: { name: 'f' } }] }, 'tools[1].function.name', 'invalid_value'],
+    ['parameters the grammar cannot enforce', { tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'string', pattern: 'x' } } }] }, 'tools[0].function.parameters.pattern', 'unsupported_schema'],
+    ['a bad tool name', { tools: [{ type: 'function', function: { name: 'has space' } }] }, 'tools[0].function.name', 'invalid_value'],
+  ])('tools: %s → 400 naming %s, nothing queued', async (_what, extra, param, code) => {
+    const res = await chat({ ...userTurn('hi'), ...extra });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param, code });
+    expect(t.plane.published).toHaveLength(0);
   });
 
   it.each([
@@ -390,8 +413,8 @@ describe('models', () => {
       object: 'list',
       data: [
         // No artifacts, no runtime adverts (a hand-made entry): nothing rules llama.cpp out.
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema'] },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema'] },
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools'] },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools'] },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });

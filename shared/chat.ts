@@ -46,6 +46,23 @@ export type TextPart = Static<typeof textPart>;
 const text = [Type.String(), Type.Array(textPart, { maxItems: 1024 })] as const;
 const name = Type.Optional(Type.String({ maxLength: 256 }));
 
+/** Most tools a request may offer (and tool calls an assistant turn may carry). */
+export const MAX_TOOLS = 128;
+const toolName = Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' });
+/** A tool call as an assistant turn carries it: `arguments` is the JSON text of the call's arguments. */
+const toolCall = Type.Object({
+  id: Type.String({ minLength: 1, maxLength: 256 }),
+  type: StringEnum(['function']),
+  function: Type.Object({ name: toolName, arguments: Type.String({ maxLength: 1_000_000 }) }),
+});
+
+/** A tool's result, answering the call `tool_call_id` of an earlier assistant turn. */
+const toolMessage = Type.Object({
+  role: StringEnum(['tool']),
+  content: Type.Union([...text], { description: 'a string or a list of text parts' }),
+  tool_call_id: Type.String({ minLength: 1, maxLength: 256 }),
+});
+
 /** `system` and `user` messages: `content` is required and never null (OpenAI refuses null too). */
 const promptMessage = Type.Object({
   role: StringEnum(['system', 'user']),
@@ -55,16 +72,16 @@ const promptMessage = Type.Object({
 
 /**
  * The assistant's own earlier turns. OpenAI's rule: `content` may be null only beside `tool_calls`
- * (or the older `function_call`), the shape OpenAI clients replay a tool-calling turn in. magus
- * runs no tools (a request with `tools` is {@link unsupported}): those calls are accepted
- * as history and not forwarded; the engine sees the turn's text, `""` for null.
+ * (or the older `function_call`), the shape OpenAI clients replay a tool-calling turn in. The
+ * tool calls are forwarded with the turn (its text `""` for null); `function_call` (functions are
+ * {@link unsupported}) is accepted as history and not forwarded.
  */
 const assistantMessage = Type.Object(
   {
     role: StringEnum(['assistant']),
     content: Type.Union([...text, Type.Null()], { description: 'a string, a list of text parts, or null beside tool_calls' }),
     name,
-    tool_calls: Type.Optional(Type.Array(Type.Object({}))),
+    tool_calls: Type.Optional(Type.Array(toolCall, { maxItems: MAX_TOOLS })),
     function_call: Type.Optional(Type.Object({})),
   },
   {
@@ -82,16 +99,35 @@ const assistantMessage = Type.Object(
  * is checked, so a 400 names what is wrong in it, not a mismatch with every role). TypeBox has no
  * `oneOf`, which `discriminator` needs: the schema is written out, its type derived from the two.
  */
-const message = Type.Unsafe<Static<typeof promptMessage> | Static<typeof assistantMessage>>({
+const message = Type.Unsafe<Static<typeof promptMessage> | Static<typeof assistantMessage> | Static<typeof toolMessage>>({
   type: 'object',
   required: ['role'],
   discriminator: { propertyName: 'role' },
-  oneOf: [promptMessage, assistantMessage],
+  oneOf: [promptMessage, assistantMessage, toolMessage],
 });
 /** A validated message of {@link ChatCompletionBody}. */
 export type ChatCompletionMessage = Static<typeof message>;
 
 const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
+
+/**
+ * A function the model may call: `parameters` is a JSON Schema its arguments are generated
+ * against (grammar-constrained; shared/json-schema.ts decides which schemas, at the gateway and
+ * the engine). No `parameters`: a call without arguments.
+ */
+const tool = Type.Object({
+  type: StringEnum(['function']),
+  function: Type.Object({
+    name: toolName,
+    description: Type.Optional(Type.String({ maxLength: 4096 })),
+    parameters: Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' })),
+    strict: Type.Optional(Type.Union([Type.Boolean(), Type.Null()])),
+  }),
+});
+export type Tool = Static<typeof tool>;
+/** `none`: answer in text; `auto`: text or calls; `required`: at least one call; a named function: a call of it. */
+const toolChoice = Type.Union([StringEnum(['none', 'auto', 'required']), Type.Object({ type: StringEnum(['function']), function: Type.Object({ name: toolName }) })]);
+export type ToolChoice = Static<typeof toolChoice>;
 
 /** Largest JSON schema of structured output, serialized (it becomes a grammar per request). */
 export const MAX_SCHEMA_BYTES = 64 * 1024;
@@ -140,11 +176,9 @@ export const ChatCompletionBody = Type.Object(
     stream_options: Type.Optional(Type.Union([Type.Null(), streamOptions])),
     user: Type.Optional(Type.String({ maxLength: 256 })),
     // What magus's engines do not offer: accepted only empty, plain or null.
-    tools: Type.Optional(
-      Type.Union([Type.Null(), Type.Array(Type.Unknown(), { maxItems: 0, ...unsupported('maxItems', 'Tool calls are not supported by this server; send the request without `tools`.') })], {
-        description: 'null or an empty list',
-      }),
-    ),
+    tools: Type.Optional(Type.Union([Type.Null(), Type.Array(tool, { maxItems: MAX_TOOLS })], { description: `null or a list of up to ${MAX_TOOLS} function tools` })),
+    tool_choice: Type.Optional(Type.Union([Type.Null(), toolChoice], { description: '"none", "auto", "required" or {"type": "function", "function": {"name"}}' })),
+    parallel_tool_calls: Type.Optional(Type.Union([Type.Null(), Type.Boolean()])),
     functions: Type.Optional(
       Type.Union([Type.Null(), Type.Array(Type.Unknown(), { maxItems: 0, ...unsupported('maxItems', 'Function calls are not supported by this server; send the request without `functions`.') })], {
         description: 'null or an empty list',
@@ -164,7 +198,7 @@ export type ChatCompletionBody = Static<typeof ChatCompletionBody>;
  * them: a field the engine honours is added here (and to the engine's `normalizeRequest`), and
  * the gateway, the bridge and the engine all take it from this list.
  */
-export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format'] as const;
+export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format', 'tools', 'tool_choice', 'parallel_tool_calls'] as const;
 export type ForwardedField = (typeof FORWARDED_FIELDS)[number];
 
 /** The {@link FORWARDED_FIELDS} `body` carries. */
@@ -175,7 +209,14 @@ export function forwardedFields(body: ChatCompletionBody): Pick<ChatCompletionBo
 }
 
 /** A message as engines take it: one string of content (the gateway joins text parts; an assistant's null is `""`). */
-export const ChatMessage = Type.Object({ role: StringEnum(['system', 'user', 'assistant']), content: Type.String() });
+export const ChatMessage = Type.Object({
+  role: StringEnum(['system', 'user', 'assistant', 'tool']),
+  content: Type.String(),
+  /** An assistant turn's calls. */
+  tool_calls: Type.Optional(Type.Array(toolCall, { maxItems: MAX_TOOLS })),
+  /** A tool result: the call it answers. */
+  tool_call_id: Type.Optional(Type.String({ minLength: 1, maxLength: 256 })),
+});
 export type ChatMessage = Static<typeof ChatMessage>;
 
 /** The chat-completion request an engine gets (`InferenceRequest.body`). */
@@ -193,22 +234,32 @@ export const ChatCompletionRequest = Type.Object({
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
 /** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
-export type Capability = 'json_schema';
+export type Capability = 'json_schema' | 'tools';
 /** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
-export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema'], dllama: [] };
+export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools'], dllama: [] };
 export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
 export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
 
+/** The fields of a request (the client's body or the engine's) that ask for more than plain chat. */
+interface NeedsOf {
+  response_format?: ResponseFormat | null;
+  tools?: readonly unknown[] | null;
+  messages?: readonly { role: string; tool_calls?: readonly unknown[] | null }[];
+}
+
 /** What a request needs beyond plain chat, each with the field that asks for it. */
-export function neededCapabilities(body: { response_format?: ResponseFormat | null }): { capability: Capability; field: string }[] {
+export function neededCapabilities(body: NeedsOf): { capability: Capability; field: string }[] {
   const out: { capability: Capability; field: string }[] = [];
+  if ((body.tools?.length ?? 0) > 0) out.push({ capability: 'tools', field: 'tools' });
+  const toolTurn = body.messages?.findIndex((m) => m.role === 'tool' || ('tool_calls' in m && (m.tool_calls?.length ?? 0) > 0)) ?? -1;
+  if (toolTurn >= 0) out.push({ capability: 'tools', field: `messages[${toolTurn}]` });
   const format = body.response_format?.type;
   if (format === 'json_object' || format === 'json_schema') out.push({ capability: 'json_schema', field: 'response_format' });
   return out;
 }
 
 /** The first need `engine` cannot serve, as the sentence of a 400 `unsupported_feature`, or undefined. */
-export function unsupportedBy(engine: EngineKind, body: { response_format?: ResponseFormat | null }): { field: string; message: string } | undefined {
+export function unsupportedBy(engine: EngineKind, body: NeedsOf): { field: string; message: string } | undefined {
   const missing = neededCapabilities(body).find((n) => !ENGINE_CAPABILITIES[engine].includes(n.capability));
   if (!missing) return undefined;
   return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };

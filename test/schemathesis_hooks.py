@@ -29,20 +29,62 @@ def filter_body(context, body):
     return not _poisoned(body)
 
 
-# Structured output's `response_format.json_schema.schema` is any JSON object to the OpenAPI
-# description, but the gateway serves only schemas whose every constraining keyword its grammar
-# enforces (shared/json-schema.ts; the rest are a 400 `unsupported_schema` naming the keyword:
-# shared/json-schema.test.ts and gateway/app.test.ts check that). A description of which schemas
-# those are would be a schema of JSON Schema itself. So a generated schema object is replaced by
-# one the grammar enforces, and every other field of the case is still fuzzed; a `schema` that is
-# not an object (a negative case) is left as generated.
+# What the OpenAPI description cannot say, being rules across fields or about schemas themselves,
+# each checked by the gateway with a 400 naming the field (gateway/app.test.ts checks those):
+# - structured output's `response_format.json_schema.schema` and a tool's `parameters` are any
+#   JSON object to the description, but only schemas whose every constraining keyword the
+#   grammar enforces are served (shared/json-schema.ts); a generated schema object is replaced by
+#   one the grammar enforces;
+# - tool names are unique, a named `tool_choice` names one of them, `required` needs a tool, and a
+#   `tool` message answers a call an earlier assistant message made: generated cases are made to
+#   agree (a tool result answering nothing becomes a user message).
+# Every other field of a case is still fuzzed; values of the wrong type (negative cases) are left
+# as generated.
 ENFORCEABLE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
 
 
-@schemathesis.hook
-def map_body(context, body):
-    fmt = body.get("response_format") if isinstance(body, dict) else None
+def _agree(body):
+    fmt = body.get("response_format")
     spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
     if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
         spec["schema"] = dict(ENFORCEABLE_SCHEMA)
+    tools = body.get("tools")
+    names = []
+    if isinstance(tools, list):
+        for i, tool in enumerate(tools):
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            if not isinstance(fn, dict):
+                continue
+            if isinstance(fn.get("parameters"), dict):
+                fn["parameters"] = dict(ENFORCEABLE_SCHEMA)
+            if isinstance(fn.get("name"), str):
+                if fn["name"] in names:
+                    fn["name"] = f"tool{i}"
+                names.append(fn["name"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+        if names:
+            choice["function"]["name"] = names[0]
+        else:
+            body["tool_choice"] = "auto"
+    if choice == "required" and not names:
+        body["tool_choice"] = "auto"
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        calls = set()
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                continue
+            if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+                calls.update(c["id"] for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("id"), str))
+            if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str) and m["tool_call_id"] not in calls:
+                messages[i] = {"role": "user", "content": "x"}
     return body
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    # Every phase's cases pass here (the coverage phase's bypass map_body); positive and negative
+    # alike: what is changed is only what the description cannot say.
+    if isinstance(case.body, dict):
+        _agree(case.body)

@@ -93,7 +93,7 @@ interface TurnResult {
 
 /** One conversation as a chat client runs it: every turn resends the history so far. */
 async function converse(openai: OpenAI, i: number): Promise<TurnResult[]> {
-  const messages: ChatMessage[] = [{ role: 'system', content: 'You echo.' }];
+  const messages: { role: 'system' | 'user' | 'assistant'; content: string }[] = [{ role: 'system', content: 'You echo.' }];
   const out: TurnResult[] = [];
   const headers = { 'x-session-id': sessionId(i) };
   for (let t = 0; t < TURNS; t++) {

@@ -33,7 +33,7 @@ describe('parseInferenceRequest', () => {
     ['a replyTo outside the data plane\'s scope', { replyTo: 'magus.res.gw-a1.r-1' }, /replyTo/],
     ['no deadline', { deadline: 'soon' }, /deadline/],
     ['no messages', { body: { ...valid.body, messages: [] } }, /messages/],
-    ['an unknown role', { body: { ...valid.body, messages: [{ role: 'tool', content: 'x' }] } }, /role/],
+    ['an unknown role', { body: { ...valid.body, messages: [{ role: 'function', content: 'x' }] } }, /role/],
     ['a bad max_tokens', { body: { ...valid.body, max_tokens: 0 } }, /max_tokens/],
   ])('rejects %s, keeping a usable replyTo for the error frame', (_what, change, problem) => {
     const parsed = parseInferenceRequest(encodeJson({ ...valid, ...change }), names);

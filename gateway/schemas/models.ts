@@ -13,7 +13,7 @@ const model = {
     servable: { type: 'boolean' },
     not_servable_reason: { type: 'string' },
     engines: { type: 'array', items: { type: 'string', enum: ['llamacpp', 'dllama'] } },
-    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema'] } },
+    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema', 'tools'] } },
   },
 } as const;
 
@@ -28,7 +28,7 @@ export interface ModelObject {
   not_servable_reason?: string;
   /** magus: the engines its instances may run on (llama.cpp: `llamacpp`, distributed-llama: `dllama`). */
   engines: EngineKind[];
-  /** magus: what a request may ask of it beyond plain chat, on every engine it may run on (`json_schema`: `response_format`). */
+  /** magus: what a request may ask of it beyond plain chat, on every engine it may run on (`json_schema`: `response_format`; `tools`). */
   capabilities: Capability[];
 }
 
