@@ -63,6 +63,30 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     const json = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'Describe Paris in JSON.' }], response_format: { type: 'json_object' }, temperature: 0, max_tokens: 128 });
     if (json.choices[0]?.finish_reason === 'stop') expect(typeof JSON.parse(json.choices[0].message.content!)).toBe('object');
 
+    // Tools: a named function is called with arguments that parse (the grammar) and are right
+    // (the model), streamed as the client assembles them; the result sent back is answered.
+    const weather = {
+      type: 'function' as const,
+      function: { name: 'get_weather', description: 'Get the current weather in a city', parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } },
+    };
+    const ask = { role: 'user' as const, content: 'What is the weather in Paris?' };
+    const called = await openai.chat.completions.create({ model: 'demo', messages: [ask], tools: [weather], tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 0, max_tokens: 64 });
+    expect(called.choices[0]?.finish_reason).toBe('tool_calls');
+    const call = called.choices[0]!.message.tool_calls![0]!;
+    expect(call.type === 'function' && JSON.parse(call.function.arguments)).toEqual({ city: 'Paris' });
+    const stream = await openai.chat.completions.create({ model: 'demo', messages: [ask], tools: [weather], tool_choice: 'required', temperature: 0, max_tokens: 64, stream: true });
+    let streamedArgs = '';
+    for await (const chunk of stream) for (const d of chunk.choices[0]?.delta.tool_calls ?? []) streamedArgs += d.function?.arguments ?? '';
+    expect(JSON.parse(streamedArgs)).toEqual({ city: 'Paris' });
+    const answered = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [ask, called.choices[0]!.message, { role: 'tool', tool_call_id: call.id, content: 'Sunny, 21 degrees Celsius' }],
+      tools: [weather],
+      temperature: 0,
+      max_tokens: 48,
+    });
+    expect(answered.choices[0]?.message.content).toMatch(/21/);
+
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
     expect(kubectlLine).not.toBeNull();
