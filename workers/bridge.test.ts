@@ -10,6 +10,8 @@ describe('bridgeCommand', () => {
       expect(String(err.mock.calls.at(-1)?.[0])).toMatch(/--slots must be an integer ≥ 1/);
       expect(await bridgeCommand(['--pool', 'p', '--instance', 'i', '--engine', 'http://e:1', '--colour', 'red'])).toBe(1);
       expect(String(err.mock.calls.at(-1)?.[0])).toMatch(/unknown option --colour/);
+      expect(await bridgeCommand(['--pool', 'p', '--instance', 'i', '--engine', 'http://e:1', '--engine-kind', 'vllm'])).toBe(1);
+      expect(String(err.mock.calls.at(-1)?.[0])).toMatch(/--engine-kind must be one of llamacpp, dllama/);
     } finally {
       err.mockRestore();
     }

@@ -125,7 +125,7 @@ test.each([0, 1, 2, 3])('distributed-llama on 2^%i nodes: the objects, command l
   expect(fetch.args).toEqual(['fetch', '--dir', '/models', '--file', `artifacts/${name}/model.m=${sha('1')}=model.m`, '--file', `artifacts/${name}/tokenizer.t=${sha('2')}=tokenizer.t`]);
   expect(fetch.envFrom).toEqual([{ secretRef: { name: 'magus-s3' } }]);
   const bridge = pod.containers.find((c) => c.name === 'bridge')!;
-  expect(bridge.args).toEqual(['bridge', '--pool', name, '--instance', instance, '--engine', 'http://127.0.0.1:8080', '--slots', '1', '--health-port', '9467', '--prefix', iso.natsPrefix]);
+  expect(bridge.args).toEqual(['bridge', '--pool', name, '--instance', instance, '--engine', 'http://127.0.0.1:8080', '--engine-kind', 'dllama', '--slots', '1', '--health-port', '9467', '--prefix', iso.natsPrefix]);
   expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
   if (nodes > 1) {
     const w = (await sts(`${base}-w`))!;
