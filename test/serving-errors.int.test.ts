@@ -136,12 +136,15 @@ test('400 names the offending param', async () => {
     expect(err).toMatchObject({ status: 400, param, type: 'invalid_request_error', code: 'invalid_value' });
     expect((err as Error).message).toContain(param);
   }
-  // A kind of answer the engines do not give: refused, not answered with plain text.
+  // A kind of answer the engines do not give (yet): refused, not answered with plain text.
+  const logprobs = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, top_logprobs: 2 }));
+  expect(logprobs).toBeInstanceOf(OpenAI.BadRequestError);
+  expect(logprobs).toMatchObject({ status: 400, param: 'logprobs', type: 'invalid_request_error', code: 'unsupported_feature' });
+  // Parameters the grammar cannot enforce: refused before anything is queued, naming the keyword.
   const tools = await failure(
-    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object' } } }] }),
+    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object', properties: { n: { type: 'integer', minimum: 0 } } } } }] }),
   );
-  expect(tools).toBeInstanceOf(OpenAI.BadRequestError);
-  expect(tools).toMatchObject({ status: 400, param: 'tools', type: 'invalid_request_error', code: 'unsupported_feature' });
+  expect(tools).toMatchObject({ status: 400, param: 'tools[0].function.parameters.properties.n.minimum', type: 'invalid_request_error', code: 'unsupported_schema' });
   expect(engine.requests).toHaveLength(0);
 });
 
