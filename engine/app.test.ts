@@ -138,9 +138,20 @@ describe('request normalisation', () => {
       stop: [],
       frequencyPenalty: 0,
       presencePenalty: 0,
+      tools: [],
+      toolChoice: 'auto',
+      parallelToolCalls: true,
     });
     const r = normalizeRequest({ messages: [], max_tokens: 5, max_completion_tokens: 7, seed: -1, stop: 'x', stream: true, stream_options: { include_usage: true } });
     expect(r).toMatchObject({ maxTokens: 7, seed: 0xffffffff, stop: ['x'], stream: true, includeUsage: true });
+    // tool_choice none offers no tools; a named one is kept by name; parameters converted for the grammar.
+    const tool = { type: 'function' as const, function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string' } }, required: ['a'], title: 'F' } } };
+    expect(normalizeRequest({ messages: [], tools: [tool], tool_choice: 'none' })).toMatchObject({ tools: [] });
+    expect(normalizeRequest({ messages: [], tools: [tool], tool_choice: { type: 'function', function: { name: 'f' } }, parallel_tool_calls: false })).toMatchObject({
+      tools: [{ name: 'f', params: { type: 'object', properties: { a: { type: 'string' } }, additionalProperties: false } }],
+      toolChoice: { name: 'f' },
+      parallelToolCalls: false,
+    });
   });
 
   test('param paths use OpenAI spelling', () => {
