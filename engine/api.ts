@@ -6,7 +6,7 @@
  */
 import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
-import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum } from '../shared/chat';
+import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum, type ToolCall } from '../shared/chat';
 import { toGrammarSchema, type GrammarSchema } from '../shared/json-schema';
 import type { CompletionUsage } from '../shared/serving';
 
@@ -21,12 +21,7 @@ export interface ToolSpec {
   params?: GrammarSchema;
 }
 
-/** A call the model made: `arguments` is JSON text, as OpenAI sends it. */
-export interface ToolCallOut {
-  id: string;
-  name: string;
-  arguments: string;
-}
+
 
 /** A validated chat-completion request with defaults applied. */
 export interface ChatRequest {
@@ -59,8 +54,8 @@ export interface ChatRequest {
 export interface GenerationResult {
   text: string;
   finishReason: FinishReason;
-  /** The calls the model made (`finishReason` is then `tool_calls`). */
-  toolCalls?: ToolCallOut[];
+  /** The calls the model made, in OpenAI's shape (`finishReason` is then `tool_calls`). */
+  toolCalls?: ToolCall[];
   /** Tokens sampled (including a stop token or stop text that is not returned). */
   completionTokens: number;
   /**
@@ -347,17 +342,9 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: OpenAiToolCall[] }; logprobs: null; finish_reason: FinishReason }[];
+  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: ToolCall[] }; logprobs: null; finish_reason: FinishReason }[];
   usage: Usage;
 }
-
-/** A tool call in OpenAI's shape. */
-export interface OpenAiToolCall {
-  id: string;
-  type: 'function';
-  function: { name: string; arguments: string };
-}
-export const toOpenAiToolCall = (c: ToolCallOut): OpenAiToolCall => ({ id: c.id, type: 'function', function: { name: c.name, arguments: c.arguments } });
 
 /** OpenAI's `usage`: the engine always says how much of the prompt its slot had cached. */
 export type Usage = Required<CompletionUsage>;

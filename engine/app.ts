@@ -33,9 +33,8 @@ import {
   type GenerationResult,
   type Usage,
   usageOf,
-  toOpenAiToolCall,
-  type ToolCallOut,
 } from './api';
+import type { ToolCall } from '../shared/chat';
 import type { EngineCore } from './core';
 import { QUEUE_FULL_ERROR } from './slots';
 
@@ -107,9 +106,9 @@ class ChunkWriter {
   }
 
   /** The calls of an answer, one delta each with its whole arguments (OpenAI's clients join fragments; one is a fragment too). */
-  toolCalls(calls: readonly ToolCallOut[]): void {
+  toolCalls(calls: readonly ToolCall[]): void {
     calls.forEach((c, index) => {
-      const delta = { tool_calls: [{ index, id: c.id, type: 'function', function: { name: c.name, arguments: c.arguments } }] };
+      const delta = { tool_calls: [{ index, ...c }] };
       this.write(`${this.prefix}{"index":0,"delta":${JSON.stringify(delta)},"logprobs":null,"finish_reason":null}]}\n\n`);
     });
   }
@@ -237,7 +236,7 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
           {
             index: 0,
             message: result.toolCalls?.length
-              ? { role: 'assistant', content: result.text === '' ? null : result.text, tool_calls: result.toolCalls.map(toOpenAiToolCall) }
+              ? { role: 'assistant', content: result.text === '' ? null : result.text, tool_calls: result.toolCalls }
               : { role: 'assistant', content: result.text },
             logprobs: null,
             finish_reason: result.finishReason,

@@ -23,8 +23,8 @@ import type {
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { createHash } from 'node:crypto';
-import type { ChatMessage } from '../shared/chat';
-import { invalidRequest, type ChatRequest, type ToolCallOut, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import type { ChatMessage, ToolCall } from '../shared/chat';
+import { invalidRequest, type ChatRequest, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -89,9 +89,13 @@ function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
   return history;
 }
 
-/** A call id that is the same on every attempt at the request (the bridge pins its seed): the bridge's resume compares them. */
-function toolCallId(seed: number | undefined, index: number, name: string): string {
-  return `call_${createHash('sha256').update(`${seed ?? 'none'}:${index}:${name}`).digest('hex').slice(0, 24)}`;
+/**
+ * A call the model made, in OpenAI's shape, with an id that is the same on every attempt at the
+ * request (the bridge pins its seed): the bridge's resume compares them.
+ */
+function toolCall(seed: number | undefined, index: number, name: string, args: unknown): ToolCall {
+  const id = `call_${createHash('sha256').update(`${seed ?? 'none'}:${index}:${name}`).digest('hex').slice(0, 24)}`;
+  return { id, type: 'function', function: { name, arguments: JSON.stringify(args ?? {}) } };
 }
 
 /**
@@ -108,6 +112,9 @@ function forcedCallGrammarSchema(tools: readonly ToolSpec[]): Record<string, unk
   if (Object.keys(defs).length > 0) schema.$defs = defs;
   return schema;
 }
+
+/** `tool_choice` `required` or a named function, with tools offered. */
+const isForced = (req: ChatRequest): boolean => req.tools.length > 0 && req.toolChoice !== 'auto';
 
 /** The tools a forced call may use: the named one, or all. */
 function offeredTools(req: ChatRequest): ToolSpec[] {
@@ -198,7 +205,7 @@ export class LlamaBackend implements CompletionBackend {
     const history = toHistory(req.messages);
     // The same rendering LlamaChat evaluates (it calls the wrapper with the same history, and the
     // functions it may call; a forced call adds its system message).
-    const forced = req.tools.length > 0 && req.toolChoice !== 'auto';
+    const forced = isForced(req);
     const rendered = forced ? [{ type: 'system' as const, text: describeTools(offeredTools(req)) }, ...history] : history;
     const availableFunctions = !forced && req.tools.length > 0 ? functionsOf(req.tools) : undefined;
     const promptTokens = this.chatWrapper
@@ -214,7 +221,7 @@ export class LlamaBackend implements CompletionBackend {
     // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
     const room = this.contextSize - promptTokens;
     const maxTokens = Math.min(req.maxTokens ?? room, room);
-    return { promptTokens, generate: (slot, io) => this.generate(slot, req, history, promptTokens, maxTokens, io) };
+    return { promptTokens, generate: (slot, io) => this.generate(slot, req, rendered, promptTokens, maxTokens, io) };
   }
 
   affinity(slot: number, req: ChatRequest): number {
@@ -247,10 +254,9 @@ export class LlamaBackend implements CompletionBackend {
       ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
-    const forced = req.tools.length > 0 && req.toolChoice !== 'auto';
-    const offered = offeredTools(req);
+    const forced = isForced(req);
     const grammar = forced
-      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(offered) })
+      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(offeredTools(req)) })
       : await this.grammarFor(req.responseFormat);
     const common = {
       maxTokens,
@@ -263,14 +269,14 @@ export class LlamaBackend implements CompletionBackend {
     };
     let text: string;
     let stopReason: string;
-    let toolCalls: ToolCallOut[] | undefined;
+    let toolCalls: ToolCall[] | undefined;
     if (forced) {
-      // The call is returned whole, as `tool_calls`: no text streams.
-      const withTools: ChatHistoryItem[] = [{ type: 'system', text: describeTools(offered) }, ...history];
-      const result = await chat.generateResponse(withTools, { ...common, grammar });
+      // The call is returned whole, as `tool_calls`: no text streams. (`history` starts with the
+      // system message describing the tools: prepare.)
+      const result = await chat.generateResponse(history, { ...common, grammar });
       const call = parsedArguments(result.response) as { name?: string; arguments?: unknown } | string;
       if (typeof call === 'object' && call !== null && typeof call.name === 'string') {
-        toolCalls = [{ id: toolCallId(req.seed, 0, call.name), name: call.name, arguments: JSON.stringify(call.arguments ?? {}) }];
+        toolCalls = [toolCall(req.seed, 0, call.name, call.arguments)];
       }
       text = toolCalls ? '' : result.response; // cut short (max_tokens): the partial JSON, finish_reason length
       stopReason = result.metadata.stopReason;
@@ -286,14 +292,14 @@ export class LlamaBackend implements CompletionBackend {
       stopReason = result.metadata.stopReason;
       const calls = (result as { functionCalls?: { functionName: string; params: unknown }[] }).functionCalls;
       if (calls?.length) {
-        toolCalls = calls.map((c, i) => ({ id: toolCallId(req.seed, i, c.functionName), name: c.functionName, arguments: JSON.stringify(c.params ?? {}) }));
+        toolCalls = calls.map((c, i) => toolCall(req.seed, i, c.functionName, c.params));
       }
     } else {
       const result = await chat.generateResponse(history, { ...common, ...(grammar ? { grammar } : {}), onTextChunk: (chunk) => io.onText(chunk) });
       text = result.response;
       stopReason = result.metadata.stopReason;
     }
-    this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls.map((c) => ({ id: c.id, type: 'function' as const, function: { name: c.name, arguments: c.arguments } })) } : {}) }];
+    this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls } : {}) }];
     const used = meter.diff(before);
     return {
       text,

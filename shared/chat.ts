@@ -55,6 +55,7 @@ const toolCall = Type.Object({
   type: StringEnum(['function']),
   function: Type.Object({ name: toolName, arguments: Type.String({ maxLength: 1_000_000 }) }),
 });
+export type ToolCall = Static<typeof toolCall>;
 
 /** A tool's result, answering the call `tool_call_id` of an earlier assistant turn. */
 const toolMessage = Type.Object({
