@@ -142,13 +142,13 @@ export async function benchGatewayReal(): Promise<void> {
     /** Per request through magus: its time to first token less the engine's own as the bridge saw it. */
     const outside: Record<Concurrency, number[]> = { 1: [], 4: [] };
     const engineSeen: Record<Concurrency, number[]> = { 1: [], 4: [] };
-    const outsideEngine = (r: LoadResult, events: TraceEvent[]): number[] => {
+    const outsideEngine = (c: Concurrency, r: LoadResult, events: TraceEvent[]): number[] => {
       const byMark = new Map(events.filter((e) => e[0] === 'engine').map((e) => [e[1], e[3] - e[2]]));
       if (byMark.size !== r.samples.length) throw new Error(`the bridge saw ${byMark.size} first tokens for ${r.samples.length} requests`);
       return r.samples.map((s, i) => {
         const engineMs = byMark.get(`(request ${i})`);
         if (engineMs === undefined) throw new Error(`no first token of request ${i} at the bridge`);
-        engineSeen[r.samples.length === BLOCK[1] ? 1 : 4].push(engineMs);
+        engineSeen[c].push(engineMs);
         return s.chunks![0]! - s.start - engineMs;
       });
     };
@@ -162,7 +162,7 @@ export async function benchGatewayReal(): Promise<void> {
           results[c][path].push(r);
           if (path === 'magus') {
             const { events } = await ask<Extract<ServingReply, { re: 'trace' }>>(serving, { type: 'trace', on: false } satisfies ServingCommand);
-            outside[c].push(...outsideEngine(r, events));
+            outside[c].push(...outsideEngine(c, r, events));
           }
         }
       }

@@ -17,7 +17,7 @@ import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubject
 import type { InferenceRequest } from '../shared/serving';
 import { startBridge, type Bridge, type BridgeStats } from '../dataplane/bridge';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
-import { createEngineClient, sseEventBatches, type EngineClient } from '../dataplane/bridge/engine-client';
+import { createEngineClient, sseEventBatches, type EngineClient, type EngineResponse } from '../dataplane/bridge/engine-client';
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
@@ -85,49 +85,41 @@ function instrument(conn: NatsConnection): void {
   };
 }
 
-/** The bridge's engine client, leaving a `fetch` event per engine call while tracing. */
-function tracedEngineClient(url: string): EngineClient {
+/** The bridge's engine client whose calls, while tracing, go through `traced` (given the call's start). */
+function tracingEngineClient(url: string, traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>): EngineClient {
   const inner = createEngineClient(url);
-  return {
-    ...inner,
-    async post(path, body, opts) {
-      if (!tracing) return inner.post(path, body, opts);
-      const t0 = now();
-      const res = await inner.post(path, body, opts);
-      const text = await res.text();
-      trace.push(['fetch', String((JSON.parse(body) as { seed?: number }).seed), t0, now()]);
-      return { ...res, text: () => Promise.resolve(text), eventBatches: () => sseEventBatches([text]) };
-    },
-  };
+  return { ...inner, post: (path, body, opts) => (tracing ? traced(inner, now(), path, body, opts) : inner.post(path, body, opts)) };
 }
 
-/** The bridge's engine client for a real engine: an `engine` event per streamed call while tracing, the answer untouched. */
-function firstTokenTracingClient(url: string): EngineClient {
-  const inner = createEngineClient(url);
-  return {
-    ...inner,
-    async post(path, body, opts) {
-      if (!tracing) return inner.post(path, body, opts);
-      const t0 = now();
-      const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
-      const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
-      const res = await inner.post(path, body, opts);
-      return {
-        ...res,
-        async *eventBatches() {
-          let seen = false;
-          for await (const batch of res.eventBatches()) {
-            if (!seen && batch.some((e) => /"content":"[^"]/.test(e))) {
-              seen = true;
-              trace.push(['engine', mark, t0, now()]);
-            }
-            yield batch;
+/** For a stub engine: a `fetch` event per engine call (the answer read whole). */
+const tracedEngineClient = (url: string): EngineClient =>
+  tracingEngineClient(url, async (inner, t0, path, body, opts) => {
+    const res = await inner.post(path, body, opts);
+    const text = await res.text();
+    trace.push(['fetch', String((JSON.parse(body) as { seed?: number }).seed), t0, now()]);
+    return { ...res, text: () => Promise.resolve(text), eventBatches: () => sseEventBatches([text]) };
+  });
+
+/** For a real engine: an `engine` event per streamed call (its first token's arrival), the answer untouched. */
+const firstTokenTracingClient = (url: string): EngineClient =>
+  tracingEngineClient(url, async (inner, t0, path, body, opts) => {
+    const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
+    const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
+    const res = await inner.post(path, body, opts);
+    return {
+      ...res,
+      async *eventBatches() {
+        let seen = false;
+        for await (const batch of res.eventBatches()) {
+          if (!seen && batch.some((e) => /"content":"[^"]/.test(e))) {
+            seen = true;
+            trace.push(['engine', mark, t0, now()]);
           }
-        },
-      };
-    },
-  };
-}
+          yield batch;
+        }
+      },
+    };
+  });
 
 async function handle(cmd: ServingCommand): Promise<ServingReply> {
   switch (cmd.type) {

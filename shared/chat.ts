@@ -48,6 +48,7 @@ const name = Type.Optional(Type.String({ maxLength: 256 }));
 
 /** Most tools a request may offer (and tool calls an assistant turn may carry). */
 export const MAX_TOOLS = 128;
+/** OpenAI's rule for a function's and a response format's name. */
 const toolName = Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' });
 /** A tool call as an assistant turn carries it: `arguments` is the JSON text of the call's arguments. */
 const toolCall = Type.Object({
@@ -137,7 +138,7 @@ const jsonObjectFormat = Type.Object({ type: StringEnum(['json_object']) });
 const jsonSchemaFormat = Type.Object({
   type: StringEnum(['json_schema']),
   json_schema: Type.Object({
-    name: Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' }),
+    name: toolName,
     description: Type.Optional(Type.String({ maxLength: 4096 })),
     /** Checked further by shared/json-schema.ts (which keywords a grammar enforces) at the gateway and the engine. */
     schema: Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' })),

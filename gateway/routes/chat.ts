@@ -105,7 +105,8 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // What no engine the model may run on can do: refused before anything is queued (and a
       // bridge refuses it too, should an instance run on such an engine after all).
       const engines = g.models.engines(model);
-      const refused = engines.length > 0 ? engines.map((e) => unsupportedBy(e, body)).find((r, i, all) => r !== undefined && all.every(Boolean)) : undefined;
+      const refusals = engines.map((e) => unsupportedBy(e, body));
+      const refused = refusals.length > 0 && refusals.every(Boolean) ? refusals[0] : undefined;
       if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
       const format = body.response_format;
       if (format?.type === 'json_schema' && format.json_schema.schema !== undefined) checkSchema(format.json_schema.schema, 'response_format.json_schema.schema');
