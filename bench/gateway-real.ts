@@ -20,7 +20,10 @@
  * calls to the same engine, so the direct path's own HTTP cost is in both and cancels).
  *
  * Environment: BENCH_ROUNDS (default 4: blocks per path and concurrency), BENCH_WARM_UP (default 300), BENCH_MAX_TOKENS (default 64), BENCH_PAUSE_MS (after each answer, default 0), BENCH_THREADS (engine
- * threads, default 1 as the local runtime).
+ * threads, default 1 as the local runtime). Experiments with the data plane's shape (not what the
+ * runtimes run): BENCH_IN_PROCESS=1 runs the engine inside the bridge's process (one process
+ * hand-off fewer; the bridge still calls it over loopback HTTP), and with BENCH_INJECT=1 too the
+ * bridge calls it without a socket (fastify's `inject`, streamed).
  */
 import { mkdtempSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';

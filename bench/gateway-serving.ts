@@ -21,6 +21,8 @@ import { createEngineClient, sseEventBatches, type EngineClient, type EngineResp
 import type { MagusConfig } from '../workers/config';
 import { startWorkers, type RunningWorkers } from '../workers/worker';
 import { startStubEngine, type StubEngine } from '../test/fixtures/stub-engine';
+import type { FastifyInstance } from 'fastify';
+import { startEngine, type RunningEngine } from '../engine/server';
 import { startCpuProfile, type CpuSummary } from './cpu-profile';
 
 /** Parent → child. */
@@ -61,6 +63,7 @@ const FOREVER = new AbortController().signal;
 let nc: NatsConnection | undefined;
 let engine: StubEngine | undefined;
 let llamaCpp: LlamaCppEngine | undefined;
+let inProcess: RunningEngine | undefined;
 let bridge: Bridge | undefined;
 let workers: RunningWorkers | undefined;
 let tracing = false;
@@ -86,8 +89,27 @@ function instrument(conn: NatsConnection): void {
 }
 
 /** The bridge's engine client whose calls, while tracing, go through `traced` (given the call's start). */
-function tracingEngineClient(url: string, traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>): EngineClient {
-  const inner = createEngineClient(url);
+function injectClient(app: FastifyInstance): EngineClient {
+  const call = async (method: 'GET' | 'POST', url: string, body: string | undefined, headers: Record<string, string>, signal: AbortSignal): Promise<EngineResponse> => {
+    const res = await app.inject({ method, url, payload: body, headers, payloadAsStream: true, signal });
+    const stream = res.stream();
+    return {
+      status: res.statusCode,
+      contentType: String(res.headers['content-type'] ?? ''),
+      text: async () => { let s = ''; for await (const c of stream) s += String(c); return s; },
+      eventBatches: () => sseEventBatches(stream as AsyncIterable<Buffer>),
+      cancel: () => { (res.raw.res as unknown as { destroy(): void }).destroy(); },
+    };
+  };
+  return {
+    post: (path, body, o) => call('POST', path, body, { 'content-type': 'application/json', accept: o.accept }, o.signal),
+    get: (path, o) => call('GET', path, undefined, {}, o.signal),
+    close: () => undefined,
+  };
+}
+
+function tracingEngineClient(url: string, traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>, given?: EngineClient): EngineClient {
+  const inner = given ?? createEngineClient(url);
   return { ...inner, post: (path, body, opts) => (tracing ? traced(inner, now(), path, body, opts) : inner.post(path, body, opts)) };
 }
 
@@ -101,7 +123,7 @@ const tracedEngineClient = (url: string): EngineClient =>
   });
 
 /** For a real engine: an `engine` event per streamed call (its first token's arrival), the answer untouched. */
-const firstTokenTracingClient = (url: string): EngineClient =>
+const firstTokenTracingClient = (url: string, given?: EngineClient): EngineClient =>
   tracingEngineClient(url, async (inner, t0, path, body, opts) => {
     const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
     const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
@@ -119,7 +141,7 @@ const firstTokenTracingClient = (url: string): EngineClient =>
         }
       },
     };
-  });
+  }, given);
 
 async function handle(cmd: ServingCommand): Promise<ServingReply> {
   switch (cmd.type) {
@@ -155,6 +177,13 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       nc ??= await connect({ servers: cmd.nats, name: 'bench-bridge', noAsyncTraces: true });
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
+      if (process.env.BENCH_IN_PROCESS === '1') {
+        const e = await startEngine({ model: cmd.model, host: '127.0.0.1', port: 0, slots: cmd.slots, queue: 16, threads: cmd.threads, ctx: cmd.ctx, modelId: cmd.pool, graceMs: 1000, json: false }, () => undefined);
+        await e.loaded;
+        inProcess = e;
+        bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: e.url, engineClient: firstTokenTracingClient(e.url, process.env.BENCH_INJECT === '1' ? injectClient(e.app) : undefined), slots: cmd.slots });
+        return { re: 'engine', url: e.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: process.pid };
+      }
       llamaCpp = await startLlamaCppEngine(cmd.model, { modelId: cmd.pool, slots: cmd.slots, threads: cmd.threads, ctx: cmd.ctx, startTimeoutSec: 300, name: 'bench-engine', log: () => undefined });
       bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: llamaCpp.url, engineClient: firstTokenTracingClient(llamaCpp.url), slots: cmd.slots });
       return { re: 'engine', url: llamaCpp.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: llamaCpp.process.child.pid ?? 0 };
@@ -182,6 +211,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       await bridge?.stop();
       await engine?.stop();
       await llamaCpp?.process.stop(5_000);
+      await inProcess?.stop();
       await nc?.drain();
       await workers?.shutdown();
       return { re: 'stop' };

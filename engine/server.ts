@@ -5,6 +5,7 @@
  */
 import type { AddressInfo } from 'node:net';
 import { performance } from 'node:perf_hooks';
+import type { FastifyInstance } from 'fastify';
 import { createEngineHttp } from './app';
 import { EngineCore } from './core';
 import { LlamaBackend, type ChatTemplateInfo } from './llama';
@@ -24,6 +25,8 @@ export interface RunningEngine {
   /** Base URL, e.g. `http://127.0.0.1:41234` (the API is under `/v1`). */
   url: string;
   core: EngineCore;
+  /** The engine's HTTP app (for in-process calls: `inject`). */
+  app: FastifyInstance;
   /** Resolves once the model is loaded and served; rejects if it cannot be loaded. */
   loaded: Promise<LoadedEngine>;
   /** Drains and stops (idempotent): see the file comment. */
@@ -64,5 +67,5 @@ export async function startEngine(opts: EngineOptions, log: (message: string) =>
       await backend?.dispose();
     })());
 
-  return { url, core, loaded, stop };
+  return { url, core, app, loaded, stop };
 }
