@@ -44,7 +44,7 @@ import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gatew
 import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
-import type { InferenceRequest, PoolEntry, SessionEntry } from '../shared/serving';
+import type { ChatInference, PoolEntry, SessionEntry } from '../shared/serving';
 import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { seedFor } from '../dataplane/bridge';
 import { startServices } from '../workers/dev/services';
@@ -493,9 +493,9 @@ async function measureFloor(o: { serving: ChildProcess; client: ChildProcess; gw
     const chunks: Buffer[] = [];
     req.on('data', (c: Buffer) => chunks.push(c));
     req.on('end', () => {
-      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as InferenceRequest['body'];
+      const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as ChatInference['body'];
       const id = nuid.next();
-      const request: InferenceRequest = { id, replyTo: router.replySubject(id), deadline: Date.now() + 60_000, body: { model: body.model, messages: body.messages, stream: false } };
+      const request: ChatInference = { id, replyTo: router.replySubject(id), deadline: Date.now() + 60_000, body: { model: body.model, messages: body.messages, stream: false } };
       exchange(entry, request, { router, publish: publisher.publish, requestTimeoutMs: 60_000, gapTimeoutMs: 5_000, retryAfterSec: 1, signal }).then(
         (done) => {
           const text = JSON.stringify(done);

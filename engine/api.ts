@@ -88,6 +88,19 @@ export interface CompletionBackend {
   prepare(req: ChatRequest): PreparedCompletion;
   /** How well `slot`'s cached state serves `req` (higher is better; slots are otherwise equal). */
   affinity?(slot: number, req: ChatRequest): number;
+  /** Backends that compute embeddings: their vectors' length and the computation. */
+  embeddings?: EmbeddingBackend;
+}
+
+/** Embeddings of a model: one vector per input, in order. */
+export interface EmbeddingBackend {
+  /** The length of every vector (the model's embedding size). */
+  readonly dimensions: number;
+  /**
+   * Embeds each input (a text, or token ids) on its own, one request at a time.
+   * @throws EngineHttpError (400 `context_length_exceeded`, naming the input) when one is longer than the embedding context
+   */
+  embed(inputs: readonly (string | readonly number[])[], signal: AbortSignal): Promise<{ vectors: number[][]; promptTokens: number }>;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import {
   EngineHttpError,
   healthResponseSchema,
   modelListResponseSchema,
+  invalidRequest,
   normalizeRequest,
   unavailable,
   validationFailure,
@@ -35,10 +36,12 @@ import {
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
+import { EmbeddingsRequest, embeddingInputs, type EmbeddingsResponse } from '../shared/embeddings';
 import type { EngineCore } from './core';
 import { QUEUE_FULL_ERROR } from './slots';
 
 export const COMPLETIONS_URL = '/v1/chat/completions';
+export const EMBEDDINGS_URL = '/v1/embeddings';
 
 export interface EngineApiOptions {
   core: EngineCore;
@@ -152,6 +155,50 @@ export function toEngineError(err: unknown): EngineHttpError {
     return new EngineHttpError(fe.statusCode, message, 'invalid_request_error');
   }
   return new EngineHttpError(500, 'The engine had an internal error.', 'server_error');
+}
+
+/** `POST /v1/embeddings`: every input's vector, in order (no slot: the backend embeds one request at a time). */
+async function embed(core: EngineCore, request: FastifyRequest, reply: FastifyReply): Promise<EmbeddingsResponse | FastifyReply> {
+  const backend = core.backend;
+  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  const embedder = backend.embeddings;
+  if (!embedder) throw invalidRequest('This engine does not compute embeddings.', 'model', 'unsupported_feature');
+  const body = request.body as EmbeddingsRequest;
+  if (body.dimensions !== undefined && body.dimensions !== embedder.dimensions) {
+    throw invalidRequest(`This model's embeddings have ${embedder.dimensions} dimensions and cannot be shortened; send \`dimensions: ${embedder.dimensions}\` or leave it out.`, 'dimensions', 'unsupported_value');
+  }
+  const abort = new AbortController();
+  const onClose = (): void => {
+    if (!reply.raw.writableEnded) abort.abort(CLIENT_CLOSED);
+  };
+  reply.raw.on('close', onClose);
+  core.track(abort);
+  try {
+    const inputs = embeddingInputs(body);
+    const { vectors, promptTokens } = await embedder.embed(inputs, abort.signal);
+    core.metrics.embeddedInputs += inputs.length;
+    core.metrics.embeddedTokens += promptTokens;
+    return {
+      object: 'list',
+      data: vectors.map((v, index) => ({ object: 'embedding', index, embedding: encodeEmbedding(v, body.encoding_format) })),
+      model: core.modelId,
+      usage: { prompt_tokens: promptTokens, total_tokens: promptTokens },
+    };
+  } catch (err) {
+    if (abort.signal.reason === CLIENT_CLOSED) return reply.hijack();
+    throw err;
+  } finally {
+    core.untrack(abort);
+    reply.raw.off('close', onClose);
+  }
+}
+
+/** One vector as OpenAI sends it: numbers, or base64 of its little-endian float32s. */
+export function encodeEmbedding(vector: readonly number[], format: 'float' | 'base64' | undefined): number[] | string {
+  if (format !== 'base64') return [...vector];
+  const out = Buffer.alloc(vector.length * 4);
+  vector.forEach((v, i) => out.writeFloatLE(v, i * 4));
+  return out.toString('base64');
 }
 
 async function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
@@ -338,6 +385,8 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
     ...(opts.preValidation ? { preValidation: opts.preValidation } : {}),
     handler: (request, reply) => complete(core, opts, request, reply),
   });
+
+  app.post(EMBEDDINGS_URL, { schema: { body: EmbeddingsRequest } }, (request, reply) => embed(core, request, reply));
 
   app.get('/v1/models', { schema: { response: modelListResponseSchema } }, () => ({
     object: 'list',

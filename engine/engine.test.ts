@@ -417,6 +417,62 @@ describe('tools: a forced call is a grammar, so even a random model calls with v
   });
 });
 
+describe('embeddings', () => {
+  interface Embeddings {
+    object: string;
+    data: { object: string; index: number; embedding: number[] | string }[];
+    model: string;
+    usage: { prompt_tokens: number; total_tokens: number };
+  }
+  const embed = (body: Record<string, unknown>): Promise<Response> =>
+    fetch(`${url}/v1/embeddings`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'tiny', ...body }) });
+
+  it('answers one vector per input, in order: equal inputs equal, different ones different, of the model size (64)', async () => {
+    const res = await embed({ input: ['the same text', 'another text', 'the same text'] });
+    const json = (await res.json()) as Embeddings;
+    expect(res.status).toBe(200);
+    expect(json).toMatchObject({ object: 'list', model: 'tiny' });
+    expect(json.data.map((d) => [d.object, d.index])).toEqual([['embedding', 0], ['embedding', 1], ['embedding', 2]]);
+    const [a, b, c] = json.data.map((d) => d.embedding as number[]);
+    for (const v of [a!, b!, c!]) {
+      expect(v).toHaveLength(64);
+      expect(v.every(Number.isFinite)).toBe(true);
+    }
+    expect(c).toEqual(a);
+    expect(b).not.toEqual(a);
+    expect(json.usage.prompt_tokens).toBeGreaterThan(3);
+    expect(json.usage.total_tokens).toBe(json.usage.prompt_tokens);
+    // The same text alone (a string input) is the same vector: no state carries between inputs.
+    const alone = (await (await embed({ input: 'the same text' })).json()) as Embeddings;
+    expect(alone.data).toHaveLength(1);
+    expect(alone.data[0]!.embedding).toEqual(a);
+  });
+
+  it('takes token ids, answers base64 of little-endian float32s, and accepts the model size as dimensions', async () => {
+    const floats = (await (await embed({ input: [[5, 6, 7]] })).json()) as Embeddings;
+    const res = await embed({ input: [5, 6, 7], encoding_format: 'base64', dimensions: 64 });
+    expect(res.status).toBe(200);
+    const b64 = (await res.json()) as Embeddings;
+    const bytes = Buffer.from(b64.data[0]!.embedding as string, 'base64');
+    expect(bytes.length).toBe(64 * 4);
+    const decoded = Array.from({ length: 64 }, (_, i) => bytes.readFloatLE(i * 4));
+    expect(decoded).toEqual((floats.data[0]!.embedding as number[]).map((v) => Math.fround(v)));
+  });
+
+  it.each([
+    ['dimensions other than the model size', { input: 'x', dimensions: 32 }, 'dimensions', /64 dimensions/],
+    ['a token id outside the vocabulary', { input: [1, 384] }, 'input', /token id 384.*384 tokens/],
+    ['an input longer than the context', { input: [[5, 6], Array.from({ length: CTX + 10 }, () => 5)] }, 'input', /input\[1\] has \d+ tokens/],
+    ['an empty list', { input: [] }, 'input', /input/],
+    ['no model', { model: undefined, input: 'x' }, 'model', /model/],
+  ])('refuses %s with a 400 naming the field', async (_what, body, param, message) => {
+    const res = await embed(body);
+    const json = (await res.json()) as ErrorBody;
+    expect({ status: res.status, param: json.error.param }).toEqual({ status: 400, param });
+    expect(json.error.message).toMatch(message);
+  });
+});
+
 test('SIGTERM lets the generation in flight finish, then the engine exits cleanly', async () => {
   const res = await post({ messages: hello, max_tokens: 600, temperature: 0, stream: true });
   const reader = res.body!.getReader() as ReadableStreamDefaultReader<Uint8Array>;

@@ -19,12 +19,14 @@ import type {
   LlamaChat,
   LlamaGrammar,
   LlamaContextSequence,
+  LlamaEmbeddingContext,
   LlamaModel,
+  Token,
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { createHash } from 'node:crypto';
 import type { ChatMessage, ToolCall } from '../shared/chat';
-import { invalidRequest, type ChatRequest, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import { invalidRequest, type EmbeddingBackend, type ChatRequest, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -158,6 +160,7 @@ export class LlamaBackend implements CompletionBackend {
   private readonly cached: (ChatMessage[] | undefined)[];
   /** Structured output's grammars, least recently used first (`json` for json_object). */
   private readonly grammars = new Map<string, Promise<LlamaGrammar>>();
+  private embedder: LlamaEmbedder | undefined;
 
   private constructor(
     private readonly llama: Llama,
@@ -167,6 +170,7 @@ export class LlamaBackend implements CompletionBackend {
     readonly template: ChatTemplateInfo,
     /** Tokens per slot. */
     readonly contextSize: number,
+    private readonly threads: number,
   ) {
     this.cached = chats.map(() => undefined);
   }
@@ -194,7 +198,7 @@ export class LlamaBackend implements CompletionBackend {
       for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
       const { wrapper, info } = resolveWrapper(lib, model, log);
       const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize);
+      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize, opts.threads);
     } catch (err) {
       await llama.dispose();
       throw err;
@@ -311,8 +315,62 @@ export class LlamaBackend implements CompletionBackend {
     };
   }
 
+  /** Embeddings by an embedding context of the model, made at the first request (pooling as the GGUF says). */
+  get embeddings(): EmbeddingBackend {
+    return (this.embedder ??= new LlamaEmbedder(this.model, this.contextSize, this.threads));
+  }
+
   async dispose(): Promise<void> {
     await this.llama.dispose();
+  }
+}
+
+/** {@link EmbeddingBackend} of a loaded model: one embedding context (one sequence), inputs in turn. */
+class LlamaEmbedder implements EmbeddingBackend {
+  private context: Promise<LlamaEmbeddingContext> | undefined;
+  /** Requests in turn: each embeds its inputs with nothing else between them. */
+  private turn: Promise<unknown> = Promise.resolve();
+  readonly dimensions: number;
+  /** Token ids the model has (ids at or above it are refused, as llama.cpp would abort on them). */
+  private readonly vocabulary: number | undefined;
+
+  constructor(
+    private readonly model: LlamaModel,
+    private readonly contextSize: number,
+    private readonly threads: number,
+  ) {
+    this.dimensions = model.embeddingVectorSize;
+    const tokens = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
+    this.vocabulary = Array.isArray(tokens) ? tokens.length : undefined;
+  }
+
+  embed(inputs: readonly (string | readonly number[])[], signal: AbortSignal): Promise<{ vectors: number[][]; promptTokens: number }> {
+    const run = this.turn.then(() => this.embedAll(inputs, signal));
+    this.turn = run.catch(() => undefined);
+    return run;
+  }
+
+  private async embedAll(inputs: readonly (string | readonly number[])[], signal: AbortSignal): Promise<{ vectors: number[][]; promptTokens: number }> {
+    const context = await (this.context ??= this.model.createEmbeddingContext({ contextSize: this.contextSize, threads: this.threads }));
+    // Every input is checked before any is computed: a bad one costs nothing.
+    const tokenized = inputs.map((input, i) => {
+      if (typeof input !== 'string' && this.vocabulary !== undefined) {
+        const bad = input.find((t) => t >= this.vocabulary!);
+        if (bad !== undefined) throw invalidRequest(`input[${i}] holds token id ${bad}; the model's vocabulary has ${this.vocabulary} tokens.`, 'input', 'invalid_value');
+      }
+      const tokens = typeof input === 'string' ? this.model.tokenize(input) : (input as Token[]);
+      const length = context.calculateInputLength(tokens);
+      if (length >= this.contextSize) throw invalidRequest(`input[${i}] has ${length} tokens; this model embeds at most ${this.contextSize - 1}.`, 'input', 'context_length_exceeded');
+      return { tokens, length };
+    });
+    const vectors: number[][] = [];
+    let promptTokens = 0;
+    for (const { tokens, length } of tokenized) {
+      signal.throwIfAborted();
+      vectors.push([...(await context.getEmbeddingFor(tokens)).vector]);
+      promptTokens += length;
+    }
+    return { vectors, promptTokens };
   }
 }
 

@@ -65,6 +65,9 @@ export class EngineMetrics {
   /** Prompt tokens of answered requests that the slot's KV cache already held (not evaluated again). */
   cachedPromptTokens = 0;
   generatedTokens = 0;
+  /** Embedding inputs answered, and their tokens. */
+  embeddedInputs = 0;
+  embeddedTokens = 0;
   readonly timeToFirstToken = new Histogram(LATENCY_BOUNDS);
   /** Per request: (end − first token) / (tokens − 1). */
   readonly timePerOutputToken = new Histogram(TOKEN_BOUNDS);
@@ -93,6 +96,8 @@ export class EngineMetrics {
       single('magus_engine_prompt_tokens_total', 'counter', 'Prompt tokens of accepted requests.', this.promptTokens),
       single('magus_engine_cached_prompt_tokens_total', 'counter', 'Prompt tokens of answered requests found in their slot KV cache, not evaluated again (hit rate: its rate over that of magus_engine_prompt_tokens_total).', this.cachedPromptTokens),
       single('magus_engine_generated_tokens_total', 'counter', 'Tokens generated.', this.generatedTokens),
+      single('magus_engine_embedded_inputs_total', 'counter', 'Inputs of answered embeddings requests (each one vector).', this.embeddedInputs),
+      single('magus_engine_embedded_tokens_total', 'counter', 'Tokens of answered embeddings requests.', this.embeddedTokens),
       single('magus_engine_requests_in_flight', 'gauge', 'Requests generating in a slot.', g.busy),
       single('magus_engine_requests_queued', 'gauge', 'Requests waiting for a slot.', g.queued),
       single('magus_engine_slots', 'gauge', 'Generation slots.', Number.isFinite(g.slots) ? g.slots : -1),

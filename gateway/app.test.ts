@@ -144,7 +144,7 @@ describe('request validation', () => {
       ],
     });
     expect(res.statusCode).toBe(200);
-    expect(t.plane.published[0]!.req.body.messages).toEqual([
+    expect(t.plane.chat(0).body.messages).toEqual([
       { role: 'user', content: 'hi' },
       { role: 'assistant', content: '', tool_calls: [call] },
       { role: 'tool', content: '42', tool_call_id: 'c1' },
@@ -158,7 +158,7 @@ describe('request validation', () => {
     const tools = [{ type: 'function', function: { name: 'get_weather', description: 'd', parameters: { type: 'object', properties: { city: { type: 'string' } } } } }];
     const res = await chat(userTurn('hi', { tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false }));
     expect(res.statusCode).toBe(200);
-    expect(t.plane.published[0]!.req.body).toMatchObject({ tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false });
+    expect(t.plane.chat(0).body).toMatchObject({ tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false });
   });
 
   it.each([
@@ -203,14 +203,14 @@ describe('request validation', () => {
     expect((await chat(userTurn('hi', { stream: true, stream_options: { include_usage: true } }))).statusCode).toBe(200);
     expect((await chat(userTurn('hi', { stream_options: { include_usage: true } }))).statusCode).toBe(200);
     expect((await chat(userTurn('hi', { stream: true, stream_options: null }))).statusCode).toBe(200);
-    expect(t.plane.published.map((p) => p.req.body.stream_options)).toEqual([{ include_usage: true }, undefined, { include_usage: true }]);
+    expect(t.plane.published.map((_, i) => t.plane.chat(i).body.stream_options)).toEqual([{ include_usage: true }, undefined, { include_usage: true }]);
   });
 
   it("relays cached_tokens; a stream's usage chunk only to clients that asked; /metrics counts prompt and cached tokens of every answer", async () => {
     const usage = (prompt: number, cached: number) => ({ prompt_tokens: prompt, completion_tokens: 1, total_tokens: prompt + 1, prompt_tokens_details: { cached_tokens: cached } });
     const usageChunk = (seq: number, prompt: number, cached: number): ResponseFrame => ({ seq, type: 'chunk', data: { id: 'chatcmpl-x', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [], usage: usage(prompt, cached) } });
     t.plane.script = (req) =>
-      req.body.stream
+      req.kind !== 'embeddings' && req.body.stream
         ? [chunk(0, 'a'), usageChunk(1, 40, 30), { seq: 2, type: 'done' }]
         : [{ seq: 0, type: 'done', data: { id: 'chatcmpl-y', object: 'chat.completion', choices: [], usage: usage(50, 45) } }];
 
@@ -275,9 +275,9 @@ describe('request validation', () => {
     const schema = { type: 'object', properties: { city: { type: 'string' } }, required: ['city'], title: 'Answer' };
     const format = { type: 'json_schema', json_schema: { name: 'answer', schema, strict: true } };
     expect((await chat(userTurn('hi', { response_format: format }))).statusCode).toBe(200);
-    expect(t.plane.published[0]!.req.body.response_format).toEqual(format);
+    expect(t.plane.chat(0).body.response_format).toEqual(format);
     expect((await chat(userTurn('hi', { response_format: { type: 'json_object' } }))).statusCode).toBe(200);
-    expect(t.plane.published[1]!.req.body.response_format).toEqual({ type: 'json_object' });
+    expect(t.plane.chat(1).body.response_format).toEqual({ type: 'json_object' });
   });
 
   it.each([
@@ -532,7 +532,7 @@ describe('round trips over the (fake) data plane', () => {
     const text = events.slice(0, -1).map((e) => (e as { choices: { delta: { content: string } }[] }).choices[0]!.delta.content);
     expect(text.join('')).toBe('abcde');
     expect(res.body.endsWith('data: [DONE]\n\n')).toBe(true);
-    expect(t.plane.published[0]!.req.body.stream).toBe(true);
+    expect(t.plane.chat(0).body.stream).toBe(true);
   });
 
   it('stream: keep-alive comments while the session is cold-starting', async () => {

@@ -8,7 +8,7 @@
 import OpenAI from 'openai';
 import { AckPolicy, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../dataplane/registry';
-import type { InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
+import type { ChatInference as InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
 import { endpoint, isolation, natsConnect } from '../test/harness';
 import { loadGatewayConfig } from './config';
 import { conversationKey } from './plugins/conversation';

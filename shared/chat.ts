@@ -236,9 +236,9 @@ export const ChatCompletionRequest = Type.Object({
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
 /** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
-export type Capability = 'json_schema' | 'tools';
+export type Capability = 'json_schema' | 'tools' | 'embeddings';
 /** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
-export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools'], dllama: [] };
+export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools', 'embeddings'], dllama: [] };
 export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
 export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
 

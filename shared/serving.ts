@@ -6,6 +6,7 @@
  */
 import { Type, type Static } from '@sinclair/typebox';
 import { ChatCompletionRequest } from './chat';
+import { EmbeddingsRequest } from './embeddings';
 
 
 /**
@@ -25,7 +26,7 @@ export interface CompletionUsage {
  * A request on `magus.req.<pool>.<instance>` (stream `MAGUS_REQUESTS`, work-queue retention),
  * published with header `Nats-Msg-Id: <id>` so a retried publish is de-duplicated.
  */
-export const InferenceRequest = Type.Object({
+const envelope = {
   /** Unique request id (also the response subject's last token). */
   id: Type.String(),
   /**
@@ -36,9 +37,15 @@ export const InferenceRequest = Type.Object({
   replyTo: Type.String(),
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
   deadline: Type.Number(),
-  body: ChatCompletionRequest,
-});
-export type InferenceRequest = Static<typeof InferenceRequest>;
+};
+/** A chat completion (`kind` absent: what every gateway sent before there were other kinds). */
+export const ChatInference = Type.Object({ ...envelope, kind: Type.Optional(Type.Literal('chat')), body: ChatCompletionRequest });
+/** Embeddings (`POST /v1/embeddings`): answered with one `done` frame, never streamed. */
+export const EmbeddingsInference = Type.Object({ ...envelope, kind: Type.Literal('embeddings'), body: EmbeddingsRequest });
+export const InferenceRequest = Type.Union([ChatInference, EmbeddingsInference]);
+export type ChatInference = Static<typeof ChatInference>;
+export type EmbeddingsInference = Static<typeof EmbeddingsInference>;
+export type InferenceRequest = ChatInference | EmbeddingsInference;
 
 /**
  * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and

@@ -11,7 +11,7 @@ import { type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import { openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
@@ -161,7 +161,7 @@ async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeO
 
 const newId = () => `req-${randomBytes(6).toString('hex')}`;
 
-function requestFor(body: Partial<ChatCompletionRequest> = {}, over: Partial<InferenceRequest> = {}): InferenceRequest {
+function requestFor(body: Partial<ChatCompletionRequest> = {}, over: Partial<ChatInference> = {}): ChatInference {
   const id = over.id ?? newId();
   return {
     id,

@@ -5,6 +5,7 @@
  * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
  */
 import type { ChatCompletionRequest } from '../../shared/chat';
+import type { EmbeddingsRequest } from '../../shared/embeddings';
 import type { ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
 import type { EngineClient, EngineResponse } from './engine-client';
@@ -57,8 +58,11 @@ function carriesText(chunk: unknown): boolean {
 /** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
 export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number): Promise<Outcome> {
   const { req } = a;
-  const stream = req.body.stream === true;
-  const body: ChatCompletionRequest = { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
+  // Embeddings: one JSON answer, as the engine gives it (no seed, no chat stamp).
+  const chat = req.kind !== 'embeddings';
+  const stream = chat && req.body.stream === true;
+  const path = chat ? '/v1/chat/completions' : '/v1/embeddings';
+  const body: ChatCompletionRequest | EmbeddingsRequest = chat ? { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) } : req.body;
   const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
@@ -80,7 +84,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
   });
   try {
-    const res = await engine.post('/v1/chat/completions', JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
+    const res = await engine.post(path, JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
       if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
@@ -88,7 +92,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     }
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());
-      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: stamp(completion, req.id, a.claim.createdAt) } };
+      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: chat ? stamp(completion, req.id, a.claim.createdAt) : completion } };
     }
     if (!res.contentType.includes('text/event-stream')) {
       res.cancel();

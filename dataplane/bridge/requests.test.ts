@@ -21,6 +21,16 @@ describe('parseInferenceRequest', () => {
     expect(parseInferenceRequest(encodeJson(old), names)).toEqual({ ok: true, req: old });
   });
 
+  it('accepts an embeddings request, checked against its own contract', () => {
+    const embeddings = { ...valid, kind: 'embeddings', body: { model: 'm', input: ['a', 'b'], encoding_format: 'base64' } };
+    expect(parseInferenceRequest(encodeJson(embeddings), names)).toEqual({ ok: true, req: embeddings });
+    const bad = parseInferenceRequest(encodeJson({ ...embeddings, body: { model: 'm', input: [] } }), names);
+    expect(bad).toMatchObject({ ok: false, problem: expect.stringMatching(/^body\.input: must be a string, a list of up to 256 strings/) as unknown });
+    // A chat body under the embeddings kind is no embeddings request.
+    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'embeddings' }), names)).toMatchObject({ ok: false, problem: expect.stringMatching(/^body\.input/) as unknown });
+    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'poems' }), names)).toMatchObject({ ok: false, problem: expect.stringMatching(/^kind/) as unknown });
+  });
+
   it('rejects what is not JSON, without a replyTo to answer on', () => {
     expect(parseInferenceRequest(new TextEncoder().encode('{'), names)).toEqual({ ok: false, problem: 'request is not JSON' });
   });

@@ -6,7 +6,7 @@
 import Fastify, { type FastifyInstance } from 'fastify';
 import { Writable } from 'node:stream';
 import type { ReadyModel } from '../../shared/model';
-import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import type { ChatInference, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import gatewayApp, { options, type GatewayAppOptions } from '../../gateway/app';
 import { staticTokenSource, tokenDigest } from '../../gateway/plugins/auth';
 import { createModelCatalog } from '../../gateway/plugins/models';
@@ -39,6 +39,13 @@ export type Script = (req: InferenceRequest, subject: string) => ResponseFrame[]
 /** In-memory publish + router: a published request is answered by `script`. */
 export class FakeDataPlane {
   readonly published: { subject: string; req: InferenceRequest }[] = [];
+
+  /** The `i`th published request, which the test expects to be a chat completion. */
+  chat(i: number): ChatInference {
+    const req = this.published[i]?.req;
+    if (!req || req.kind === 'embeddings') throw new Error(`published request ${i} is not a chat completion`);
+    return req;
+  }
   private readonly listeners = new Map<string, (frame: ResponseFrame) => void>();
   script: Script = (req) => [{ seq: 0, type: 'done', data: { id: `chatcmpl-${req.id}`, object: 'chat.completion', choices: [] } }];
   publishError: Error | undefined;
