@@ -413,8 +413,8 @@ describe('models', () => {
       object: 'list',
       data: [
         // No artifacts, no runtime adverts (a hand-made entry): nothing rules llama.cpp out.
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools'] },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools'] },
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
@@ -855,5 +855,75 @@ describe('/metrics, /healthz, /readyz', () => {
     expect(down.json()).toEqual({ status: 'unavailable', checks: { registry: true, nats: false, temporal: false } });
     natsUp = temporalUp = true;
     expect((await t.app.inject({ method: 'GET', url: '/readyz' })).json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, temporal: true } });
+  });
+});
+
+describe('embeddings', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+  const embed = (body: unknown, token: string | null = t.tokens.alice.token): Promise<LightMyRequestResponse> =>
+    t.app.inject({ method: 'POST', url: '/v1/embeddings', headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) }, payload: JSON.stringify(body) });
+  const answer = { object: 'list', data: [{ object: 'embedding', index: 0, embedding: [0.5, -1] }, { object: 'embedding', index: 1, embedding: 'AAAAPwAAgL8=' }], model: 'tiny', usage: { prompt_tokens: 7, total_tokens: 7 } };
+
+  it("forwards the body (without `user`) as an embeddings request to an instance of the model's pool, with no conversation, and answers the engine's list", async () => {
+    t.plane.script = (req) => [{ seq: 0, type: 'done', data: req.kind === 'embeddings' ? answer : null }];
+    const res = await embed({ model: 'tiny', input: ['a', 'b'], encoding_format: 'base64', user: 'u-1' });
+    expect(res.statusCode).toBe(200);
+    expect(res.json()).toEqual(answer);
+    expect(t.plane.published).toHaveLength(1);
+    const { req, subject } = t.plane.published[0]!;
+    expect(subject).toBe(t.broker.entry.subject);
+    expect(req).toMatchObject({ kind: 'embeddings', body: { model: 'tiny', input: ['a', 'b'], encoding_format: 'base64' } });
+    expect(req.body).not.toHaveProperty('user');
+    expect(res.headers['x-request-id']).toBe(req.id);
+    expect(t.broker.routed).toEqual(['default/tiny']);
+    expect(t.broker.calls).toHaveLength(0); // no conversation, no entry
+    expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toMatch(/magus_gateway_prompt_tokens_total\{model="default\/tiny"\} 7/);
+  });
+
+  it.each([
+    ['no input', { model: 'tiny' }, 'input'],
+    ['an empty list', { model: 'tiny', input: [] }, 'input'],
+    ['too many inputs', { model: 'tiny', input: Array.from({ length: 257 }, () => 'x') }, 'input'],
+    ['a negative token id', { model: 'tiny', input: [1, -2] }, 'input'],
+    ['strings and token lists mixed', { model: 'tiny', input: ['a', [1, 2]] }, 'input'],
+    ['an unknown encoding', { model: 'tiny', input: 'a', encoding_format: 'utf8' }, 'encoding_format'],
+    ['dimensions of 0', { model: 'tiny', input: 'a', dimensions: 0 }, 'dimensions'],
+  ])('refuses %s with a 400 naming the field, before anything is published', async (_what, body, param) => {
+    const res = await embed(body);
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param });
+    expect(t.plane.published).toHaveLength(0);
+  });
+
+  it('needs a token, and a model the token may use', async () => {
+    expect((await embed({ model: 'tiny', input: 'a' }, null)).statusCode).toBe(401);
+    const res = await embed({ model: 'tiny', input: 'a' }, t.tokens.narrow.token);
+    expect(res.statusCode).toBe(404);
+    expect(errorOf(res).code).toBe('model_not_found');
+  });
+
+  it('a model whose engines are all distributed-llama: 400 unsupported_feature naming the engine, nothing queued', async () => {
+    const dllamaArtifact = { format: 'dllama', weights: 'q40', files: [] } as unknown as ReadyModel['artifacts'][number];
+    const plan = { format: 'dllama', weights: 'q40', topologies: [{ nodes: 2 }] } as unknown as ReadyModel['memory'][number];
+    const big: ReadyModel = { ...readyModel('big'), artifacts: [dllamaArtifact], memory: [plan] };
+    await t.app.close();
+    const runtimes: RuntimeAdvert[] = [{ worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: Date.now() }];
+    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big]), read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }) }) });
+    const res = await embed({ model: 'big', input: 'a' });
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ param: 'model', code: 'unsupported_feature' });
+    expect(errorOf(res).message).toContain("distributed-llama's dllama-api");
+    expect(t.broker.routed).toHaveLength(0);
+    expect(t.plane.published).toHaveLength(0);
+  });
+
+  it('no instance can be found: the broker says why (503 with Retry-After)', async () => {
+    t.broker.impl = () => Promise.reject(new SessionError(SessionErrorType.NoCapacity, 'nothing serves'));
+    const res = await embed({ model: 'tiny', input: 'a' });
+    expect(res.statusCode).toBe(503);
+    expect(res.headers['retry-after']).toBeDefined();
+    expect(t.plane.published).toHaveLength(0);
   });
 });

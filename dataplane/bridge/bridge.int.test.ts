@@ -11,7 +11,7 @@ import { type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import type { ChatInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import { openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
@@ -62,6 +62,9 @@ class StubEngine {
     return this;
   }
 
+  /** Bodies posted to `/v1/embeddings`. */
+  readonly embeddingCalls: unknown[] = [];
+
   async close(): Promise<void> {
     this.server.closeAllConnections();
     await new Promise<void>((r) => this.server.close(() => r()));
@@ -74,6 +77,12 @@ class StubEngine {
     }
     let raw = '';
     for await (const c of req) raw += String(c);
+    if (req.url === '/v1/embeddings') {
+      this.embeddingCalls.push(JSON.parse(raw) as unknown);
+      res.writeHead(200, { 'content-type': 'application/json' });
+      res.end(JSON.stringify(EMBEDDINGS));
+      return;
+    }
     const body = JSON.parse(raw) as ChatCompletionRequest;
     const call = this.calls.push(body) - 1;
     const r = this.reply(call, body);
@@ -158,6 +167,8 @@ async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeO
   cleanups.push(() => b.stop());
   return b;
 }
+
+const EMBEDDINGS = { object: 'list', data: [{ object: 'embedding', index: 0, embedding: [0.25] }, { object: 'embedding', index: 1, embedding: [-0.5] }], model: 'stub', usage: { prompt_tokens: 2, total_tokens: 2 } };
 
 const newId = () => `req-${randomBytes(6).toString('hex')}`;
 
@@ -623,6 +634,32 @@ describe('failures', () => {
     const plain = await sent(instance, { response_format: { type: 'text' } });
     expect((await plain.answer.finished).at(-1)).toMatchObject({ type: 'done' });
     expect(stub.calls).toHaveLength(1);
+  });
+
+  it('an embeddings request goes to /v1/embeddings and its answer comes back as it is, in one done frame; to distributed-llama it is refused', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const embeddingsReq = (): EmbeddingsInference => {
+      const id = newId();
+      return { id, replyTo: responseSubjectOf(names, id), deadline: Date.now() + 60_000, kind: 'embeddings', body: { model: 'stub', input: ['a', 'b'] } };
+    };
+    const req = embeddingsReq();
+    const answer = await listen(req.id);
+    await send(instance, req);
+    expect(await answer.finished).toEqual([{ seq: 0, type: 'done', data: EMBEDDINGS }]);
+    expect(stub.embeddingCalls).toEqual([{ model: 'stub', input: ['a', 'b'] }]);
+    expect(stub.calls).toHaveLength(0);
+    await until('ack', () => b.stats.acked === 1);
+
+    const other = await instanceWith();
+    const dllama = await bridge(other, stub.url, { engineKind: 'dllama' });
+    const refused = embeddingsReq();
+    const refusal = await listen(refused.id);
+    await send(other, refused);
+    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(stub.embeddingCalls).toHaveLength(1);
+    await until('term', () => dllama.stats.termed === 1);
   });
 
   it('a deadline passing mid-answer ends it with an error after the frames already sent', async () => {

@@ -48,6 +48,13 @@ export interface AcquireRequest {
  */
 export interface SessionBroker {
   acquire(req: AcquireRequest): Promise<SessionEntry>;
+  /**
+   * An instance for a request that belongs to no conversation (embeddings): the least loaded
+   * one the pool publishes, whether or not it has room for another conversation (such a request
+   * takes no lease; the instance's queue bounds it); none serving — the cold path, as a first
+   * turn waits. Nothing is written and no session starts. The entry answered expires at once.
+   */
+  route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
   /** Counters for /metrics, when the broker keeps them. */
   stats?(): SessionStats;
 }
@@ -616,6 +623,25 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       let p = pending.get(key);
       if (!p) p = first ? track(key, (signal) => place(first, req, signal)) : track(key, (signal) => fromTemporal(req, signal));
       return join(p, key, req.signal);
+    },
+    async route({ model, signal }) {
+      const view = viewOf(model.namespace, model.name);
+      let target: { instance: string; subject: string } | undefined;
+      let bestLoad = Infinity;
+      for (const i of view?.instances ?? []) {
+        const n = load.get(loadKey({ namespace: model.namespace, pool: model.name, instance: i.instance })) ?? 0;
+        if (n < bestLoad) [target, bestLoad] = [i, n];
+      }
+      if (!target) {
+        if (!first) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${model.namespace}/${model.name} serves, and this gateway cannot ask its pool for one`);
+        const picked = await room(first, model, signal);
+        const rk = loadKey({ namespace: model.namespace, pool: model.name, instance: picked.instance });
+        const n = (reserved.get(rk) ?? 1) - 1;
+        if (n > 0) reserved.set(rk, n);
+        else reserved.delete(rk);
+        target = picked;
+      }
+      return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now() };
     },
     async close() {
       closed = true;

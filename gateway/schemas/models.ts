@@ -13,7 +13,7 @@ const model = {
     servable: { type: 'boolean' },
     not_servable_reason: { type: 'string' },
     engines: { type: 'array', items: { type: 'string', enum: ['llamacpp', 'dllama'] } },
-    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema', 'tools'] } },
+    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema', 'tools', 'embeddings'] } },
   },
 } as const;
 
