@@ -20,6 +20,7 @@ import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './plugins/models';
 import type { ModelObject } from './schemas/models';
+import { EmbeddingsBody } from '../shared/embeddings';
 import type { RuntimeAdvert } from '../shared/runtimes';
 import type { ReadyModel } from '../shared/model';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from '../test/harness/gateway-app';
@@ -750,7 +751,7 @@ describe('/openapi.json', () => {
     const doc = res.json<{ openapi: string; paths: Record<string, Record<string, Operation>> }>();
     expect(doc.openapi).toBe('3.1.0');
     expect(Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`)).sort()).toEqual(
-      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions'].sort(),
+      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions', 'post /v1/embeddings'].sort(),
     );
     const chatOp = doc.paths['/v1/chat/completions']!.post!;
     expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(ChatCompletionBody)));
@@ -759,6 +760,9 @@ describe('/openapi.json', () => {
     expect(chatOp.parameters).toEqual([expect.objectContaining({ name: 'x-session-id', in: 'header' })]);
     expect(doc.paths['/v1/models/{model}']!.get!.parameters).toEqual([expect.objectContaining({ name: 'model', in: 'path', required: true })]);
     expect(chatOp.security).toEqual([{ bearer: [] }]);
+    const embeddingsOp = doc.paths['/v1/embeddings']!.post!;
+    expect(embeddingsOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(EmbeddingsBody)));
+    expect(embeddingsOp.security).toEqual([{ bearer: [] }]);
     expect(doc.paths['/healthz']!.get!.security).toEqual([]);
   });
 

@@ -55,7 +55,7 @@ export type InferenceRequest = ChatInference | EmbeddingsInference;
 export type ResponseFrame =
   | { seq: number; type: 'chunk'; data: unknown } // an OpenAI `chat.completion.chunk`
   | { seq: number; type: 'done'; data?: unknown } // the `chat.completion` when not streaming
-  | { seq: number; type: 'error'; error: { status: number; message: string; type: string; code: string | null } };
+  | { seq: number; type: 'error'; error: { status: number; message: string; type: string; code: string | null; /** The request field at fault (4xx; frames of older bridges lack it). */ param?: string | null } };
 
 /** `magus_sessions` KV: conversation key → the instance serving it (with expiry). */
 export interface SessionEntry {

@@ -87,6 +87,19 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     });
     expect(answered.choices[0]?.message.content).toMatch(/21/);
 
+    // Embeddings of the real model (SmolLM2-135M: 576 dimensions), as the SDK asks for them (base64 by default).
+    const embedded = await openai.embeddings.create({ model: 'demo', input: ['The capital of France is Paris.', 'Bananas are yellow.', 'The capital of France is Paris.'] });
+    expect(embedded.data.map((d) => d.index)).toEqual([0, 1, 2]);
+    const [paris, bananas, again] = embedded.data.map((d) => d.embedding);
+    expect(paris).toHaveLength(576);
+    expect(paris!.every(Number.isFinite)).toBe(true);
+    expect(again).toEqual(paris);
+    expect(bananas).not.toEqual(paris);
+    expect(embedded.usage.prompt_tokens).toBeGreaterThan(10);
+    const floats = await openai.embeddings.create({ model: 'demo', input: 'Bananas are yellow.', encoding_format: 'float', dimensions: 576 });
+    expect(floats.data[0]!.embedding.map((v) => Math.fround(v))).toEqual(bananas);
+    await expect(openai.embeddings.create({ model: 'demo', input: 'x', dimensions: 64 })).rejects.toMatchObject({ status: 400, param: 'dimensions' });
+
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
     expect(kubectlLine).not.toBeNull();

@@ -627,7 +627,7 @@ describe('failures', () => {
     const b = await bridge(instance, stub.url, { engineKind: 'dllama' });
     const { answer } = await sent(instance, { response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'boolean' } } } });
     const frames = await answer.finished;
-    expect(frames).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(frames).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'response_format', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
     expect(JSON.stringify(frames)).toContain('`response_format`');
     expect(stub.calls).toHaveLength(0);
     await until('term', () => b.stats.termed === 1);
@@ -657,7 +657,7 @@ describe('failures', () => {
     const refused = embeddingsReq();
     const refusal = await listen(refused.id);
     await send(other, refused);
-    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'model', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
     expect(stub.embeddingCalls).toHaveLength(1);
     await until('term', () => dllama.stats.termed === 1);
   });

@@ -202,7 +202,7 @@ export class Bridge {
       workingEveryMs: Math.max(100, Math.floor(ackWaitMs / 3)),
       generate: (a: Attempt, prior: ResponseFrame[]) => {
         const refused = a.req.kind === 'embeddings' ? embeddingsUnsupportedBy(engineKind) : unsupportedBy(engineKind, a.req.body);
-        if (refused) return Promise.resolve({ kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message) });
+        if (refused) return Promise.resolve({ kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field) });
         return generate(this.engine, a, prior, requestTimeoutMs);
       },
     };

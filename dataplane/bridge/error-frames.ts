@@ -12,8 +12,8 @@ export const BridgeErrorCode = {
 } as const;
 
 /** An `error` frame at `seq`, in the OpenAI error shape the gateway relays. */
-export const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string): ResponseFrame => ({
+export const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string, param?: string | null): ResponseFrame => ({
   seq,
   type: 'error',
-  error: { status, type, code, message },
+  error: param ? { status, type, code, message, param } : { status, type, code, message },
 });

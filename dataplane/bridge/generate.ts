@@ -28,13 +28,13 @@ function fingerprint(frame: ResponseFrame): string {
   );
 }
 
-async function engineErrorBody(res: EngineResponse): Promise<{ message: string; type?: string; code?: string | null }> {
+async function engineErrorBody(res: EngineResponse): Promise<{ message: string; type?: string; code?: string | null; param?: string | null }> {
   const text = await res.text().catch(() => '');
   try {
-    const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown } | string }).error;
+    const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown; param?: unknown } | string }).error;
     if (typeof e === 'string') return { message: e };
     if (e && typeof e.message === 'string') {
-      return { message: e.message, type: typeof e.type === 'string' ? e.type : undefined, code: typeof e.code === 'string' ? e.code : null };
+      return { message: e.message, type: typeof e.type === 'string' ? e.type : undefined, code: typeof e.code === 'string' ? e.code : null, param: typeof e.param === 'string' ? e.param : null };
     }
   } catch {
     // not JSON: use the text
@@ -88,7 +88,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
       if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
-      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message) };
+      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param) };
     }
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());

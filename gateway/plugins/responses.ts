@@ -278,10 +278,10 @@ export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions
 
 /** The HTTP answer for an `error` frame: 4xx pass through (the client can fix them); 5xx are hidden. */
 export function frameError(frame: Extract<ResponseFrame, { type: 'error' }>, retryAfterSec: number): GatewayError {
-  const { status, message, type, code } = frame.error;
+  const { status, message, type, code, param } = frame.error;
   if (Number.isInteger(status) && status >= 400 && status < 500) {
     const headers = status === 429 ? retryAfter(retryAfterSec) : {};
-    return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, null, headers);
+    return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, typeof param === 'string' ? param : null, headers);
   }
   // The bridge's deadline frame and the gateway's own timer say the same thing: one answer.
   if (status === 504) return errors.timeout();
