@@ -215,6 +215,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           sessions: sessionsKv,
           alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),
         },
+        ...(deps.firstTurns ? {} : { pools: await openBucket(nc, config.buckets.pools) }),
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
         // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live

@@ -37,10 +37,14 @@ def filter_body(context, body):
 #   one the grammar enforces;
 # - tool names are unique, a named `tool_choice` names one of them, `required` needs a tool, and a
 #   `tool` message answers a call an earlier assistant message made: generated cases are made to
-#   agree (a tool result answering nothing becomes a user message).
+#   agree (a tool result answering nothing becomes a user message);
+# - embeddings' `dimensions`: the description allows any size, a model only its own (the stub
+#   engine's 8), so a whole number becomes 8.
 # Every other field of a case is still fuzzed; values of the wrong type (negative cases) are left
 # as generated.
 ENFORCEABLE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+# test/fixtures/stub-engine.ts STUB_EMBEDDING_DIMENSIONS.
+STUB_EMBEDDING_DIMENSIONS = 8
 
 
 def _agree(body):
@@ -69,6 +73,9 @@ def _agree(body):
             body["tool_choice"] = "auto"
     if choice == "required" and not names:
         body["tool_choice"] = "auto"
+    dims = body.get("dimensions")
+    if "input" in body and type(dims) in (int, float) and dims == int(dims) and dims >= 1:
+        body["dimensions"] = STUB_EMBEDDING_DIMENSIONS
     messages = body.get("messages")
     if isinstance(messages, list):
         calls = set()

@@ -131,6 +131,8 @@ export interface SessionCacheOptions {
   coldStart: ColdStart;
   /** Serve first turns from pools' published instances; without it every first turn is a cold start. */
   firstTurns?: FirstTurns;
+  /** Pools' published views without `firstTurns` (its own `pools` otherwise): where requests of no conversation go (`route`). */
+  pools?: WatchableKv;
   /** A lease ending sooner than this is not used: the turn goes through `coldStart`, which extends it. */
   freshnessMarginMs?: number;
   /**
@@ -244,7 +246,8 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   let renewals = 0;
   let givenBack = 0;
   const first = opts.firstTurns;
-  const pools = first ? watchKv<PoolEntry>(first.pools, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
+  const poolsKv = first?.pools ?? opts.pools;
+  const pools = poolsKv ? watchKv<PoolEntry>(poolsKv, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
   /** This gateway's picks whose entries are not written yet, per instance. */
   const reserved = new Map<string, number>();
   const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));

@@ -8,7 +8,7 @@ import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
 import type { AcquireRequest, ColdStart } from '../../gateway/plugins/sessions';
-import type { SessionEntry } from '../../shared/serving';
+import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { endpoint } from './index';
 
 /**
@@ -34,6 +34,16 @@ export async function pinConversation(nc: NatsConnection, names: DataPlaneNames,
   const entry: SessionEntry = { subject: requestSubjectOf(names, pool, instance), pool, instance, expiresAt: Date.now() + ttlMs };
   await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
   return entry;
+}
+
+/**
+ * Publishes a fresh pool view (`magus_pools`) with `instances` serving `pool` (namespace
+ * `default`), as the pool workflow writes it: what gateways route requests of no conversation
+ * (embeddings) by. Fresh for the gateway's staleness bound (minutes): enough for a test.
+ */
+export async function publishPoolView(nc: NatsConnection, names: DataPlaneNames, pool: string, instances: string[]): Promise<void> {
+  const view: PoolEntry = { instances: instances.map((instance) => ({ instance, subject: requestSubjectOf(names, pool, instance), leases: 0 })), leasesPerInstance: 4, updatedAt: Date.now() };
+  await (await nc.jetstream().views.kv(names.poolsBucket)).put(`default.${pool}`, new TextEncoder().encode(JSON.stringify(view)));
 }
 
 /** A cold start for a test where none may happen: records the conversation's key in `seen`, and refuses (`why`). */

@@ -1,0 +1,65 @@
+"""The official `openai` Python client against magus dev (test/dev.int.test.ts runs it with the
+venv of scripts/python-openai): structured output parsed into a pydantic model, a tool call whose
+arguments parse into the function's pydantic model, embeddings. Prints one JSON line of what it
+got; any failed check exits non-zero with the reason."""
+import json
+import os
+import sys
+
+import openai
+from pydantic import BaseModel
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
+
+
+class GetWeather(BaseModel):
+    """Get the current weather in a city"""
+
+    city: str
+
+
+def main() -> None:
+    client = openai.OpenAI(base_url=os.environ["MAGUS_URL"], api_key=os.environ["MAGUS_TOKEN"])
+
+    parsed = client.beta.chat.completions.parse(
+        model="demo",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format=Capital,
+        temperature=0,
+        max_tokens=64,
+    )
+    capital = parsed.choices[0].message.parsed
+    assert isinstance(capital, Capital), f"not parsed: {parsed.choices[0].message}"
+    assert capital.capital == "Paris", f"capital: {capital!r}"
+
+    called = client.beta.chat.completions.parse(
+        model="demo",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice={"type": "function", "function": {"name": "GetWeather"}},
+        temperature=0,
+        max_tokens=64,
+    )
+    choice = called.choices[0]
+    assert choice.finish_reason == "tool_calls", f"finish_reason: {choice.finish_reason}"
+    args = choice.message.tool_calls[0].function.parsed_arguments
+    assert isinstance(args, GetWeather), f"arguments not parsed: {choice.message.tool_calls[0]}"
+    assert args.city == "Paris", f"city: {args!r}"
+
+    embedded = client.embeddings.create(model="demo", input=["Paris is in France.", "Bananas are yellow."])
+    vectors = [d.embedding for d in embedded.data]
+    assert [len(v) for v in vectors] == [576, 576], f"sizes: {[len(v) for v in vectors]}"
+    assert vectors[0] != vectors[1], "different inputs, equal vectors"
+
+    print(json.dumps({"openai": openai.__version__, "capital": capital.model_dump(), "call": args.model_dump(), "dimensions": len(vectors[0])}))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as e:
+        print(f"check failed: {e}", file=sys.stderr)
+        sys.exit(1)
