@@ -2,7 +2,7 @@
  * The main job as a user runs it: `magus dev` (the compiled CLI) brings up the whole system and
  * the demo model, the request it prints works, and Ctrl-C leaves nothing behind.
  */
-import { execFileSync, spawn } from 'node:child_process';
+import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import OpenAI from 'openai';
@@ -99,6 +99,12 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     const floats = await openai.embeddings.create({ model: 'demo', input: 'Bananas are yellow.', encoding_format: 'float', dimensions: 576 });
     expect(floats.data[0]!.embedding.map((v) => Math.fround(v))).toEqual(bananas);
     await expect(openai.embeddings.create({ model: 'demo', input: 'x', dimensions: 64 })).rejects.toMatchObject({ status: 400, param: 'dimensions' });
+
+    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings.
+    const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
+    const py = spawnSync(python, [join(__dirname, 'openai_python.py')], { env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() }, encoding: 'utf8', timeout: 60_000 });
+    expect({ status: py.status, stderr: py.stderr }).toEqual({ status: 0, stderr: '' });
+    expect(JSON.parse(py.stdout)).toMatchObject({ capital: { capital: 'Paris' }, call: { city: 'Paris' }, dimensions: 576 });
 
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
