@@ -293,6 +293,32 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(demands).toEqual([]);
   });
 
+  it('a request of no conversation (route) goes to the least-loaded instance even when all are full, writes no entry and starts no session; with none serving it waits for one as a first turn does', async () => {
+    await publishPool(['i1', 'i2'], 1);
+    await kv.put('other-x', enc(placed('i1')));
+    await kv.put('other-y', enc(placed('i2')));
+    await kv.put('other-z', enc(placed('i2')));
+    cache = await start();
+    await until('both instances counted', () => cache!.leasesOn('default', 'tiny', 'i2') === 2, 10_000);
+    const signal = new AbortController().signal;
+    const routed = await cache.route({ model, signal });
+    expect(routed).toMatchObject({ instance: 'i1', subject: 'magus.req.tiny.i1', pool: 'tiny', namespace: 'default' });
+    expect(routed.expiresAt).toBeLessThanOrEqual(Date.now());
+    const keys: string[] = [];
+    for await (const k of await kv.keys()) keys.push(k);
+    expect(keys.sort()).toEqual(['other-x', 'other-y', 'other-z']);
+    expect(adopted).toEqual([]);
+    expect(demands).toEqual([]);
+
+    await publishPool([], 1);
+    await sleep(300); // the watch delivers the empty view
+    const waiting = cache.route({ model, signal });
+    await until('a demand of one', () => demands.includes(1), 10_000);
+    await publishPool(['i3'], 1);
+    expect((await waiting).instance).toBe('i3');
+    expect(adopted).toEqual([]);
+  });
+
   it('two gateways racing on one conversation: one entry, one session, one answer each', async () => {
     await publishPool(['i1', 'i2'], 10);
     cache = await start();
