@@ -6,22 +6,12 @@
  */
 import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
-import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum, type ToolCall } from '../shared/chat';
-import { toGrammarSchema, type GrammarSchema } from '../shared/json-schema';
+import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum, checkStructure, type ToolCall, type ToolSpec } from '../shared/chat';
+import type { GrammarSchema } from '../shared/json-schema';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length' | 'tool_calls';
-
-/** A function the model may call, its parameters converted for the grammar (shared/json-schema.ts). */
-export interface ToolSpec {
-  name: string;
-  description?: string;
-  /** Absent: a call without arguments. */
-  params?: GrammarSchema;
-}
-
-
 
 /** A validated chat-completion request with defaults applied. */
 export interface ChatRequest {
@@ -182,28 +172,12 @@ export type ChatCompletionBody = Static<typeof chatCompletionBodySchema>;
 /** Applies defaults to a body that passed {@link chatCompletionBodySchema}. */
 export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
   const stop = body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop;
-  const format = body.response_format;
-  let responseFormat: ChatRequest['responseFormat'];
-  if (format?.type === 'json_object' || (format?.type === 'json_schema' && format.json_schema.schema === undefined)) responseFormat = { type: 'json_object' };
-  else if (format?.type === 'json_schema') {
-    const converted = toGrammarSchema(format.json_schema.schema, 'response_format.json_schema.schema');
-    if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
-    responseFormat = { type: 'json_schema', schema: converted.schema };
-  }
+  const checked = checkStructure(body);
+  if (!checked.ok) throw invalidRequest(checked.problem.message, checked.problem.param, checked.problem.code);
+  const { responseFormat } = checked.structure;
   // Tools: none offered, or `tool_choice: "none"`, is plain chat.
   const choice = body.tool_choice ?? 'auto';
-  const offered = choice === 'none' ? [] : (body.tools ?? []);
-  const tools = offered.map((t, i): ToolSpec => {
-    const params = t.function.parameters;
-    if (params === undefined) return { name: t.function.name, ...(t.function.description ? { description: t.function.description } : {}) };
-    const converted = toGrammarSchema(params, `tools[${i}].function.parameters`);
-    if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
-    return { name: t.function.name, ...(t.function.description ? { description: t.function.description } : {}), params: converted.schema };
-  });
-  if (typeof choice === 'object' && !tools.some((t) => t.name === choice.function.name)) {
-    throw invalidRequest(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name', 'invalid_value');
-  }
-  if (choice === 'required' && tools.length === 0) throw invalidRequest("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice', 'invalid_value');
+  const tools = choice === 'none' ? [] : checked.structure.tools;
   return {
     ...(responseFormat ? { responseFormat } : {}),
     tools,

@@ -25,8 +25,8 @@ import type {
 } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { createHash } from 'node:crypto';
-import type { ChatMessage, ToolCall } from '../shared/chat';
-import { invalidRequest, type EmbeddingBackend, type ChatRequest, type ToolSpec, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import type { ChatMessage, ToolCall, ToolSpec } from '../shared/chat';
+import { invalidRequest, type EmbeddingBackend, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 

@@ -20,6 +20,7 @@
  * "<param> must be …" of its 400; `x-unsupported` names the message of a refused feature.
  */
 import { Kind, Type, TypeRegistry, type Static, type TUnsafe } from '@sinclair/typebox';
+import { toGrammarSchema, type GrammarSchema } from './json-schema';
 
 /** A string schema listing its values as JSON Schema `enum` (Ajv's `discriminator` and its errors need that; TypeBox's own unions are `anyOf` of `const`). */
 export function StringEnum<const T extends string[]>(values: [...T], options: Record<string, unknown> = {}): TUnsafe<T[number]> {
@@ -265,4 +266,87 @@ export function unsupportedBy(engine: EngineKind, body: NeedsOf): { field: strin
   const missing = neededCapabilities(body).find((n) => !ENGINE_CAPABILITIES[engine].includes(n.capability));
   if (!missing) return undefined;
   return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };
+}
+
+/** A function the model may call, its parameters converted for the grammar (shared/json-schema.ts). */
+export interface ToolSpec {
+  name: string;
+  description?: string;
+  /** Absent: a call without arguments. */
+  params?: GrammarSchema;
+}
+
+/** What a request's structure asks for, checked and converted: {@link checkStructure}. */
+export interface Structure {
+  /** Structured output: any JSON object, or JSON valid against a schema; absent = text. */
+  responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
+  /** Every tool offered, in order, whatever `tool_choice` says. */
+  tools: ToolSpec[];
+}
+
+/** A 400 a request's structure earns, naming its field (`param`) in OpenAI's spelling. */
+export interface StructureProblem {
+  message: string;
+  param: string;
+  code: 'unsupported_schema' | 'invalid_value';
+}
+
+/** The fields {@link checkStructure} reads, as the gateway's and the engine's bodies both have them. */
+interface StructureOf {
+  response_format?: ResponseFormat | null;
+  tools?: readonly Tool[] | null;
+  tool_choice?: ToolChoice | null;
+  messages: readonly { role: string; tool_calls?: readonly { id: string }[] | null; tool_call_id?: string | null }[];
+}
+
+/**
+ * The rules a request's structured output and tools must keep beyond what their schemas say,
+ * as OpenAI states them, and the grammar schemas they become: the one check the gateway makes
+ * before anything is queued and the engine makes at its own boundary, so both refuse the same
+ * requests with the same words. Every schema (the response format's, each tool's parameters,
+ * under `tool_choice: "none"` too) must be at most {@link MAX_SCHEMA_BYTES} and enforceable by
+ * the grammar; tool names are unique; a named `tool_choice` names a tool; `required` needs one;
+ * each `tool` message answers a call an earlier assistant message made.
+ */
+export function checkStructure(body: StructureOf): { ok: true; structure: Structure } | { ok: false; problem: StructureProblem } {
+  const fail = (message: string, param: string, code: StructureProblem['code'] = 'invalid_value') => ({ ok: false as const, problem: { message, param, code } });
+  const convert = (schema: Record<string, unknown>, param: string): { ok: true; schema: GrammarSchema } | { ok: false; problem: StructureProblem } => {
+    if (JSON.stringify(schema).length > MAX_SCHEMA_BYTES) return fail(`The schema is larger than ${MAX_SCHEMA_BYTES} bytes.`, param);
+    const converted = toGrammarSchema(schema, param);
+    return converted.ok ? converted : fail(converted.message, converted.at, 'unsupported_schema');
+  };
+  const structure: Structure = { tools: [] };
+  const format = body.response_format;
+  if (format?.type === 'json_object' || (format?.type === 'json_schema' && format.json_schema.schema === undefined)) structure.responseFormat = { type: 'json_object' };
+  else if (format?.type === 'json_schema') {
+    const converted = convert(format.json_schema.schema!, 'response_format.json_schema.schema');
+    if (!converted.ok) return converted;
+    structure.responseFormat = { type: 'json_schema', schema: converted.schema };
+  }
+  const names = new Set<string>();
+  for (const [i, t] of (body.tools ?? []).entries()) {
+    const { name, description, parameters } = t.function;
+    if (names.has(name)) return fail(`Tool names must be unique: '${name}' is given twice.`, `tools[${i}].function.name`);
+    names.add(name);
+    const spec: ToolSpec = { name, ...(description ? { description } : {}) };
+    if (parameters !== undefined) {
+      const converted = convert(parameters, `tools[${i}].function.parameters`);
+      if (!converted.ok) return converted;
+      spec.params = converted.schema;
+    }
+    structure.tools.push(spec);
+  }
+  const choice = body.tool_choice;
+  if (choice === 'required' && names.size === 0) return fail("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice');
+  if (typeof choice === 'object' && choice !== null && !names.has(choice.function.name)) {
+    return fail(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name');
+  }
+  const calls = new Set<string>();
+  for (const [i, m] of body.messages.entries()) {
+    if (m.role === 'assistant') for (const c of m.tool_calls ?? []) calls.add(c.id);
+    if (m.role === 'tool' && (!m.tool_call_id || !calls.has(m.tool_call_id))) {
+      return fail(`messages[${i}] answers tool call '${m.tool_call_id ?? ''}', which no earlier assistant message made.`, `messages[${i}].tool_call_id`);
+    }
+  }
+  return { ok: true, structure };
 }

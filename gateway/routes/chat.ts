@@ -5,8 +5,7 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import { MAX_SCHEMA_BYTES, forwardedFields, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
-import { toGrammarSchema } from '../../shared/json-schema';
+import { checkStructure, forwardedFields, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
 import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
@@ -25,37 +24,6 @@ function toMessages(body: ChatCompletionBody): ChatMessage[] {
     if (m.role === 'assistant' && m.tool_calls?.length) out.tool_calls = m.tool_calls;
     if (m.role === 'tool') out.tool_call_id = m.tool_call_id;
     return out;
-  });
-}
-
-/** A schema the grammar must enforce: 400 naming where it is too large or what it cannot enforce. */
-function checkSchema(schema: Record<string, unknown>, param: string): void {
-  if (JSON.stringify(schema).length > MAX_SCHEMA_BYTES) throw errors.invalid(`The schema is larger than ${MAX_SCHEMA_BYTES} bytes.`, param, 'invalid_value');
-  const converted = toGrammarSchema(schema, param);
-  if (!converted.ok) throw errors.invalid(converted.message, converted.at, 'unsupported_schema');
-}
-
-/** What a request's tools, tool choice and tool history must agree on (OpenAI's rules), as 400s naming the field. */
-function checkTools(body: ChatCompletionBody): void {
-  const tools = body.tools ?? [];
-  const names = new Set<string>();
-  tools.forEach((t, i) => {
-    if (names.has(t.function.name)) throw errors.invalid(`Tool names must be unique: '${t.function.name}' is given twice.`, `tools[${i}].function.name`, 'invalid_value');
-    names.add(t.function.name);
-    if (t.function.parameters !== undefined) checkSchema(t.function.parameters, `tools[${i}].function.parameters`);
-  });
-  const choice = body.tool_choice;
-  if (choice === 'required' && tools.length === 0) throw errors.invalid("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice', 'invalid_value');
-  if (typeof choice === 'object' && choice !== null && !names.has(choice.function.name)) {
-    throw errors.invalid(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name', 'invalid_value');
-  }
-  // Each tool result answers a call of an earlier assistant turn.
-  const calls = new Set<string>();
-  body.messages.forEach((m, i) => {
-    if (m.role === 'assistant') for (const c of m.tool_calls ?? []) calls.add(c.id);
-    if (m.role === 'tool' && !calls.has(m.tool_call_id)) {
-      throw errors.invalid(`messages[${i}] answers tool call '${m.tool_call_id}', which no earlier assistant message made.`, `messages[${i}].tool_call_id`, 'invalid_value');
-    }
   });
 }
 
@@ -108,9 +76,8 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const refusals = engines.map((e) => unsupportedBy(e, body));
       const refused = refusals.length > 0 && refusals.every(Boolean) ? refusals[0] : undefined;
       if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
-      const format = body.response_format;
-      if (format?.type === 'json_schema' && format.json_schema.schema !== undefined) checkSchema(format.json_schema.schema, 'response_format.json_schema.schema');
-      checkTools(body);
+      const checked = checkStructure(body);
+      if (!checked.ok) throw errors.invalid(checked.problem.message, checked.problem.param, checked.problem.code);
       const backlog = g.backlogFull?.(model);
       if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
