@@ -389,7 +389,7 @@ describe('models, health and metrics', () => {
     expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] }] });
     const ready = await fetch(`${gw.url}/readyz`);
     expect(ready.status).toBe(200);
-    expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true } });
+    expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } });
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
     const { warmHits, coldStarts: cold } = gw.sessionCache!.stats();
     expect(warmHits).toBeGreaterThan(0);
