@@ -88,7 +88,7 @@ function instrument(conn: NatsConnection): void {
   };
 }
 
-/** The bridge's engine client whose calls, while tracing, go through `traced` (given the call's start). */
+/** An engine in this process, called without a socket (fastify's `inject`, streamed): `BENCH_INJECT`. */
 function injectClient(app: FastifyInstance): EngineClient {
   const call = async (method: 'GET' | 'POST', url: string, body: string | undefined, headers: Record<string, string>, signal: AbortSignal): Promise<EngineResponse> => {
     const res = await app.inject({ method, url, payload: body, headers, payloadAsStream: true, signal });
@@ -108,6 +108,7 @@ function injectClient(app: FastifyInstance): EngineClient {
   };
 }
 
+/** The bridge's engine client (`given`, else HTTP to `url`) whose calls, while tracing, go through `traced` (given the call's start). */
 function tracingEngineClient(url: string, traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>, given?: EngineClient): EngineClient {
   const inner = given ?? createEngineClient(url);
   return { ...inner, post: (path, body, opts) => (tracing ? traced(inner, now(), path, body, opts) : inner.post(path, body, opts)) };

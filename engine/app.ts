@@ -30,6 +30,7 @@ import {
   validationFailure,
   type ChatCompletion,
   type ChatCompletionBody,
+  type CompletionBackend,
   type FinishReason,
   type GenerationResult,
   type Usage,
@@ -157,10 +158,16 @@ export function toEngineError(err: unknown): EngineHttpError {
   return new EngineHttpError(500, 'The engine had an internal error.', 'server_error');
 }
 
-/** `POST /v1/embeddings`: every input's vector, in order (no slot: the backend embeds one request at a time). */
-async function embed(core: EngineCore, request: FastifyRequest, reply: FastifyReply): Promise<EmbeddingsResponse | FastifyReply> {
+/** The backend, or 503 while the model loads or the engine stops. */
+function servingBackend(core: EngineCore): CompletionBackend {
   const backend = core.backend;
   if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  return backend;
+}
+
+/** `POST /v1/embeddings`: every input's vector, in order (no slot: the backend embeds one request at a time). */
+async function embed(core: EngineCore, request: FastifyRequest, reply: FastifyReply): Promise<EmbeddingsResponse | FastifyReply> {
+  const backend = servingBackend(core);
   const embedder = backend.embeddings;
   if (!embedder) throw invalidRequest('This engine does not compute embeddings.', 'model', 'unsupported_feature');
   const body = request.body as EmbeddingsRequest;
@@ -194,7 +201,7 @@ async function embed(core: EngineCore, request: FastifyRequest, reply: FastifyRe
 }
 
 /** One vector as OpenAI sends it: numbers, or base64 of its little-endian float32s. */
-export function encodeEmbedding(vector: readonly number[], format: 'float' | 'base64' | undefined): number[] | string {
+function encodeEmbedding(vector: readonly number[], format: 'float' | 'base64' | undefined): number[] | string {
   if (format !== 'base64') return [...vector];
   const out = Buffer.alloc(vector.length * 4);
   vector.forEach((v, i) => out.writeFloatLE(v, i * 4));
@@ -203,8 +210,7 @@ export function encodeEmbedding(vector: readonly number[], format: 'float' | 'ba
 
 async function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
   const arrived = performance.now();
-  const backend = core.backend;
-  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  const backend = servingBackend(core);
   const req = normalizeRequest(request.body as ChatCompletionBody);
   const prepared = backend.prepare(req);
   const { metrics } = core;

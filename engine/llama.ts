@@ -152,6 +152,15 @@ function samePrefix(a: readonly ChatMessage[], b: readonly ChatMessage[]): numbe
   return i;
 }
 
+/** How `prepare` rendered a request, for its generation: the history it measured, and the call forced or the functions offered. */
+interface Plan {
+  history: ChatHistoryItem[];
+  /** `tool_choice` `required` or a named function: the tools the one call may use. */
+  forced?: ToolSpec[];
+  /** `auto` with tools: node-llama-cpp's function calling over these. */
+  functions?: ChatModelFunctions;
+}
+
 /** Grammars kept compiled, by their schema: a client sends the same schema again and again. */
 const GRAMMAR_CACHE = 64;
 
@@ -209,8 +218,8 @@ export class LlamaBackend implements CompletionBackend {
     const history = toHistory(req.messages);
     // The same rendering LlamaChat evaluates (it calls the wrapper with the same history, and the
     // functions it may call; a forced call adds its system message).
-    const forced = isForced(req);
-    const rendered = forced ? [{ type: 'system' as const, text: describeTools(offeredTools(req)) }, ...history] : history;
+    const forced = isForced(req) ? offeredTools(req) : undefined;
+    const rendered = forced ? [{ type: 'system' as const, text: describeTools(forced) }, ...history] : history;
     const availableFunctions = !forced && req.tools.length > 0 ? functionsOf(req.tools) : undefined;
     const promptTokens = this.chatWrapper
       .generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) })
@@ -225,7 +234,8 @@ export class LlamaBackend implements CompletionBackend {
     // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
     const room = this.contextSize - promptTokens;
     const maxTokens = Math.min(req.maxTokens ?? room, room);
-    return { promptTokens, generate: (slot, io) => this.generate(slot, req, rendered, promptTokens, maxTokens, io) };
+    const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
+    return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
   }
 
   affinity(slot: number, req: ChatRequest): number {
@@ -248,7 +258,7 @@ export class LlamaBackend implements CompletionBackend {
     return grammar;
   }
 
-  private async generate(slot: number, req: ChatRequest, history: ChatHistoryItem[], promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+  private async generate(slot: number, req: ChatRequest, plan: Plan, promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     const meter = chat.sequence.tokenMeter;
@@ -258,9 +268,9 @@ export class LlamaBackend implements CompletionBackend {
       ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
-    const forced = isForced(req);
+    const { history, forced, functions } = plan;
     const grammar = forced
-      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(offeredTools(req)) })
+      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) })
       : await this.grammarFor(req.responseFormat);
     const common = {
       maxTokens,
@@ -284,10 +294,10 @@ export class LlamaBackend implements CompletionBackend {
       }
       text = toolCalls ? '' : result.response; // cut short (max_tokens): the partial JSON, finish_reason length
       stopReason = result.metadata.stopReason;
-    } else if (req.tools.length > 0) {
+    } else if (functions) {
       const result = await chat.generateResponse(history, {
         ...common,
-        functions: functionsOf(req.tools),
+        functions,
         documentFunctionParams: true,
         ...(req.parallelToolCalls ? {} : { maxParallelFunctionCalls: 1 }),
         onTextChunk: (chunk) => io.onText(chunk),

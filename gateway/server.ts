@@ -211,11 +211,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         firstTurns: deps.firstTurns && {
           ...deps.firstTurns,
           ...(deps.firstTurns.demand && temporal ? { demand: guardDemand(deps.firstTurns.demand, temporal), reachable: () => temporal.reachable() } : {}),
-          pools: await openBucket(nc, config.buckets.pools),
           sessions: sessionsKv,
           alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),
         },
-        ...(deps.firstTurns ? {} : { pools: await openBucket(nc, config.buckets.pools) }),
+        pools: await openBucket(nc, config.buckets.pools),
         coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
         renew: deps.renew,
         // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live

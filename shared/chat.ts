@@ -113,6 +113,13 @@ export type ChatCompletionMessage = Static<typeof message>;
 
 const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
 
+/** A function's or a response format's description (for the model). */
+const describedBy = Type.Optional(Type.String({ maxLength: 4096 }));
+/** A function's `parameters`, a response format's `schema`: checked further by shared/json-schema.ts (which keywords a grammar enforces) at the gateway and the engine. */
+const jsonSchemaObject = Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' }));
+/** Answers always follow the schema exactly (a grammar): `strict` changes nothing. */
+const strictFlag = Type.Optional(Type.Union([Type.Boolean(), Type.Null()]));
+
 /**
  * A function the model may call: `parameters` is a JSON Schema its arguments are generated
  * against (grammar-constrained; shared/json-schema.ts decides which schemas, at the gateway and
@@ -120,12 +127,7 @@ const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
  */
 const tool = Type.Object({
   type: StringEnum(['function']),
-  function: Type.Object({
-    name: toolName,
-    description: Type.Optional(Type.String({ maxLength: 4096 })),
-    parameters: Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' })),
-    strict: Type.Optional(Type.Union([Type.Boolean(), Type.Null()])),
-  }),
+  function: Type.Object({ name: toolName, description: describedBy, parameters: jsonSchemaObject, strict: strictFlag }),
 });
 export type Tool = Static<typeof tool>;
 /** `none`: answer in text; `auto`: text or calls; `required`: at least one call; a named function: a call of it. */
@@ -138,14 +140,7 @@ const textFormat = Type.Object({ type: StringEnum(['text']) });
 const jsonObjectFormat = Type.Object({ type: StringEnum(['json_object']) });
 const jsonSchemaFormat = Type.Object({
   type: StringEnum(['json_schema']),
-  json_schema: Type.Object({
-    name: toolName,
-    description: Type.Optional(Type.String({ maxLength: 4096 })),
-    /** Checked further by shared/json-schema.ts (which keywords a grammar enforces) at the gateway and the engine. */
-    schema: Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' })),
-    /** Answers always follow the schema exactly (a grammar): `strict` changes nothing. */
-    strict: Type.Optional(Type.Union([Type.Boolean(), Type.Null()])),
-  }),
+  json_schema: Type.Object({ name: toolName, description: describedBy, schema: jsonSchemaObject, strict: strictFlag }),
 });
 /**
  * `response_format`: `text`, `json_object` (any JSON object) or `json_schema` (JSON that validates
@@ -266,6 +261,16 @@ export function unsupportedBy(engine: EngineKind, body: NeedsOf): { field: strin
   const missing = neededCapabilities(body).find((n) => !ENGINE_CAPABILITIES[engine].includes(n.capability));
   if (!missing) return undefined;
   return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };
+}
+
+/**
+ * A request refused by every engine a model may run on (each engine's refusal from `refusal`),
+ * as the first engine's refusal; accepted when any engine serves it, or none is known (the
+ * instance's bridge then decides).
+ */
+export function refusedOnEvery<R>(engines: readonly EngineKind[], refusal: (engine: EngineKind) => R | undefined): R | undefined {
+  const refusals = engines.map(refusal);
+  return refusals.length > 0 && refusals.every((r) => r !== undefined) ? refusals[0] : undefined;
 }
 
 /** A function the model may call, its parameters converted for the grammar (shared/json-schema.ts). */

@@ -51,7 +51,7 @@ test('first turns that leave while the pool starts instances: their calls end at
   const t = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
   const js = nc.jetstream();
   const kv = await js.views.kv(names.sessionsBucket);
-  const cache = createSessionCache({ kv, coldStart: t.coldStart, firstTurns: { ...t.firstTurns, pools: await js.views.kv(names.poolsBucket), sessions: kv } });
+  const cache = createSessionCache({ kv, pools: await js.views.kv(names.poolsBucket), coldStart: t.coldStart, firstTurns: { ...t.firstTurns, sessions: kv } });
   await cache.ready;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, tokenId: 't', signal });

@@ -151,7 +151,6 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
   const adopted: { key: string; entry: SessionEntry }[] = [];
   const demands: number[] = [];
   const firstTurns = (over: Partial<FirstTurns> = {}): FirstTurns => ({
-    pools,
     sessions: kv,
     ttlMs: 600_000,
     adopt: (r, e) => {
@@ -181,7 +180,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     return e?.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as SessionEntry) : undefined;
   };
   const start = async (over: Partial<FirstTurns> = {}) => {
-    const c = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns(over), renewWithinMs: 300_000, renewIntervalMs: 1000 });
+    const c = createSessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(over), renewWithinMs: 300_000, renewIntervalMs: 1000 });
     await c.ready;
     return c;
   };
@@ -246,7 +245,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     const waiting: (() => void)[] = [];
     const slowAdopt = (r: { conversationKey: string }, e: SessionEntry) =>
       new Promise<void>((resolve) => waiting.push(() => (adopted.push({ key: r.conversationKey, entry: e }), resolve())));
-    cache = createSessionCache({ kv, coldStart: noCold, firstTurns: firstTurns({ adopt: slowAdopt }), maxPendingSessionStarts: 3 });
+    cache = createSessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns({ adopt: slowAdopt }), maxPendingSessionStarts: 3 });
     await cache.ready;
     const keys = [key('p'), key('p'), key('p')];
     for (const k of keys) await cache.acquire(req(k));
@@ -414,7 +413,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
   it('a conversation of the old protocol (no placedAt) near its expiry takes the old cold path', async () => {
     await publishPool(['i1'], 10);
     const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns() });
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns(), pools });
     await cache.ready;
     const k = key('legacy');
     await kv.put(k, enc(entry('old', 2_000)));

@@ -100,8 +100,6 @@ export interface SessionWriter {
  * on the winner's instance; `adopt` then starts the conversation's session workflow.
  */
 export interface FirstTurns {
-  /** The `magus_pools` bucket (key `<namespace>.<model>`). */
-  pools: WatchableKv;
   sessions: SessionWriter;
   /** Lifetime of an entry after its last renewal (the session's TTL). */
   ttlMs: number;
@@ -131,7 +129,10 @@ export interface SessionCacheOptions {
   coldStart: ColdStart;
   /** Serve first turns from pools' published instances; without it every first turn is a cold start. */
   firstTurns?: FirstTurns;
-  /** Pools' published views without `firstTurns` (its own `pools` otherwise): where requests of no conversation go (`route`). */
+  /**
+   * The `magus_pools` bucket (key `<namespace>.<model>`): the pools' published views, which first
+   * turns (`firstTurns`) and requests of no conversation (`route`) are placed by.
+   */
   pools?: WatchableKv;
   /** A lease ending sooner than this is not used: the turn goes through `coldStart`, which extends it. */
   freshnessMarginMs?: number;
@@ -246,17 +247,22 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   let renewals = 0;
   let givenBack = 0;
   const first = opts.firstTurns;
-  const poolsKv = first?.pools ?? opts.pools;
-  const pools = poolsKv ? watchKv<PoolEntry>(poolsKv, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
+  const pools = opts.pools ? watchKv<PoolEntry>(opts.pools, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError: opts.onError }) : undefined;
   /** This gateway's picks whose entries are not written yet, per instance. */
   const reserved = new Map<string, number>();
   const encode = (e: SessionEntry) => new TextEncoder().encode(JSON.stringify(e));
 
-  /** Counts `i` as taken by a placement of this replica until it is written (the caller releases it). */
+  /** Counts `i` as taken by a placement of this replica until it is written (the caller releases it: {@link unreserve}). */
   const reserve = (model: ReadyModel, i: PoolEntry['instances'][number]): PoolEntry['instances'][number] => {
     const k = loadKey({ namespace: model.namespace, pool: model.name, instance: i.instance });
     reserved.set(k, (reserved.get(k) ?? 0) + 1);
     return i;
+  };
+  const unreserve = (model: ReadyModel, instance: string): void => {
+    const k = loadKey({ namespace: model.namespace, pool: model.name, instance });
+    const n = (reserved.get(k) ?? 1) - 1;
+    if (n > 0) reserved.set(k, n);
+    else reserved.delete(k);
   };
 
   /**
@@ -310,12 +316,12 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
   /**
    * The pool's instance with the most room, counting every replica's entries and this one's
    * picks in flight. When all are full: none (the pool may start another), unless the pool
-   * cannot grow — then the least-loaded one.
+   * cannot grow or the request takes no lease (`anyLoad`: `route`) — then the least-loaded one.
    */
-  const pick = (model: ReadyModel): PoolEntry['instances'][number] | undefined => {
+  const pick = (model: ReadyModel, opts: { anyLoad?: boolean } = {}): PoolEntry['instances'][number] | undefined => {
     const entry = viewOf(model.namespace, model.name);
     if (!entry) return undefined;
-    const limit = entry.growable === false ? Infinity : entry.leasesPerInstance;
+    const limit = opts.anyLoad || entry.growable === false ? Infinity : entry.leasesPerInstance;
     let best: PoolEntry['instances'][number] | undefined;
     let bestLoad = Infinity;
     for (const i of entry.instances) {
@@ -495,7 +501,6 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         throw new SessionError(SessionErrorType.Unavailable, `${pendingSessionStarts} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`);
       }
       const target = picked ? await room(f, req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
-      const rk = loadKey({ namespace: req.model.namespace, pool: req.model.name, instance: target.instance });
       try {
         const placedAt = entry && entry.instance === target.instance ? entry.placedAt! : now();
         const next: SessionEntry = { subject: target.subject, pool: req.model.name, namespace: req.model.namespace, instance: target.instance, expiresAt: now() + f.ttlMs, placedAt };
@@ -533,11 +538,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         if (expired) adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
         return next;
       } finally {
-        if (picked) {
-          const n = (reserved.get(rk) ?? 1) - 1;
-          if (n > 0) reserved.set(rk, n);
-          else reserved.delete(rk);
-        }
+        if (picked) unreserve(req.model, target.instance);
       }
     }
     throw new SessionError(SessionErrorType.Unavailable, `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
@@ -628,21 +629,11 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       return join(p, key, req.signal);
     },
     async route({ model, signal }) {
-      const view = viewOf(model.namespace, model.name);
-      let target: { instance: string; subject: string } | undefined;
-      let bestLoad = Infinity;
-      for (const i of view?.instances ?? []) {
-        const n = load.get(loadKey({ namespace: model.namespace, pool: model.name, instance: i.instance })) ?? 0;
-        if (n < bestLoad) [target, bestLoad] = [i, n];
-      }
+      let target = pick(model, { anyLoad: true });
       if (!target) {
         if (!first) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${model.namespace}/${model.name} serves, and this gateway cannot ask its pool for one`);
-        const picked = await room(first, model, signal);
-        const rk = loadKey({ namespace: model.namespace, pool: model.name, instance: picked.instance });
-        const n = (reserved.get(rk) ?? 1) - 1;
-        if (n > 0) reserved.set(rk, n);
-        else reserved.delete(rk);
-        target = picked;
+        target = await room(first, model, signal);
+        unreserve(model, target.instance);
       }
       return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now() };
     },

@@ -5,7 +5,7 @@
  */
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
-import { checkStructure, forwardedFields, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import { checkStructure, forwardedFields, refusedOnEvery, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
 import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
@@ -13,6 +13,7 @@ import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
 import { chatCompletionSchema } from '../schemas/chat';
+import { ClientGone, exchangeOptions } from './inference';
 
 /**
  * Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside
@@ -49,11 +50,6 @@ function usageIn(data: unknown): { prompt: number; cached: number } | undefined 
 /** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
 const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
-/** Why a request's controller was aborted: the client left, or the cold start took too long. */
-class ClientGone extends Error {
-  override readonly name = 'ClientGone';
-}
-
 export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
   const s = g.settings;
@@ -72,9 +68,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
       // What no engine the model may run on can do: refused before anything is queued (and a
       // bridge refuses it too, should an instance run on such an engine after all).
-      const engines = g.models.engines(model);
-      const refusals = engines.map((e) => unsupportedBy(e, body));
-      const refused = refusals.length > 0 && refusals.every(Boolean) ? refusals[0] : undefined;
+      const refused = refusedOnEvery(g.models.engines(model), (e) => unsupportedBy(e, body));
       if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
       const checked = checkStructure(body);
       if (!checked.ok) throw errors.invalid(checked.problem.message, checked.problem.param, checked.problem.code);
@@ -115,13 +109,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
         const req: InferenceRequest = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, body: toEngineRequest(body, messages) };
         published = entry;
         const done = await exchange(entry, req, {
-          router: g.responses,
-          publish: g.publish,
-          requestTimeoutMs: s.requestTimeoutMs,
-          gapTimeoutMs: s.gapTimeoutMs,
-          readBack: g.readStored && (() => g.readStored!(req.replyTo)),
-          retryAfterSec: s.retryAfterSec,
-          signal: ctl.signal,
+          ...exchangeOptions(app, entry, req, ctl.signal),
           onChunk: sse
             ? (chunk) => {
                 if (isUsageChunk(chunk)) {
@@ -131,10 +119,8 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
                 sse.data(chunk);
               }
             : undefined,
-          onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
           retryPublish: sse && (() => sse.started),
           onPublishRetry: () => app.metrics.publishRetries.inc(),
-          onAbandon: () => g.cancel?.(entry, id),
         });
         if (sse) {
           settle(true);

@@ -5,16 +5,14 @@
  */
 import type { FastifyPluginCallback } from 'fastify';
 import { nuid } from 'nats';
+import { refusedOnEvery } from '../../shared/chat';
 import { embeddingsUnsupportedBy, type EmbeddingsBody, type EmbeddingsResponse } from '../../shared/embeddings';
 import type { EmbeddingsInference } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { embeddingsSchema } from '../schemas/embeddings';
-
-class ClientGone extends Error {
-  override readonly name = 'ClientGone';
-}
+import { ClientGone, exchangeOptions } from './inference';
 
 export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
@@ -26,8 +24,8 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
     if (!model || !mayUse(request.principal!, model.namespace, model.name)) throw errors.modelNotFound(body.model);
     const unservable = g.models.unservable(model);
     if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
-    const refusals = g.models.engines(model).map(embeddingsUnsupportedBy);
-    if (refusals.length > 0 && refusals.every(Boolean)) throw errors.invalid(refusals[0]!.message, refusals[0]!.field, 'unsupported_feature');
+    const refused = refusedOnEvery(g.models.engines(model), embeddingsUnsupportedBy);
+    if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
     const backlog = g.backlogFull?.(model);
     if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
@@ -42,17 +40,7 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
     try {
       const entry = await g.sessions.route({ model, signal: ctl.signal }).finally(() => clearTimeout(coldStartTimer));
       const req: EmbeddingsInference = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, kind: 'embeddings', body };
-      const answer = (await exchange(entry, req, {
-        router: g.responses,
-        publish: g.publish,
-        requestTimeoutMs: s.requestTimeoutMs,
-        gapTimeoutMs: s.gapTimeoutMs,
-        readBack: g.readStored && (() => g.readStored!(req.replyTo)),
-        retryAfterSec: s.retryAfterSec,
-        signal: ctl.signal,
-        onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
-        onAbandon: () => g.cancel?.(entry, id),
-      })) as EmbeddingsResponse | null;
+      const answer = (await exchange(entry, req, exchangeOptions(app, entry, req, ctl.signal))) as EmbeddingsResponse | null;
       if (typeof answer !== 'object' || answer === null) throw errors.upstream(502, 'empty_response');
       app.metrics.promptTokens.inc([`${model.namespace}/${model.name}`], answer.usage?.prompt_tokens ?? 0);
       return reply.send(answer);
@@ -64,7 +52,6 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
       reply.raw.destroy();
       return reply;
     } finally {
-      clearTimeout(coldStartTimer);
       reply.raw.removeListener('close', onClose);
     }
   });
