@@ -8,10 +8,56 @@ import { Type, type Static, type TNull, type TOptional, type TProperties, type T
 import type { FastifySchemaValidationError } from 'fastify';
 import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum, checkStructure, type ToolCall, type ToolSpec } from '../shared/chat';
 import type { GrammarSchema } from '../shared/json-schema';
+import { COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionsRequest, promptsOf } from '../shared/completions';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length' | 'tool_calls';
+
+/** A validated text-completion request with defaults applied: the sampling of a {@link ChatRequest}, prompts in place of messages. */
+export interface TextRequest {
+  prompts: string[];
+  stream: boolean;
+  includeUsage: boolean;
+  /** Default 16 (OpenAI's for completions). */
+  maxTokens: number;
+  temperature: number;
+  topP: number;
+  seed?: number;
+  stop: string[];
+  frequencyPenalty: number;
+  presencePenalty: number;
+}
+
+/**
+ * JSON schema of a `/v1/completions` body: the request the bridge forwards (shared/completions.ts),
+ * plus the fields a client may send that ask for what the engine does not do — accepted only in
+ * their plain form, so they are refused rather than ignored.
+ */
+export const completionsBodySchema = Type.Object({
+  ...CompletionsRequest.properties,
+  n: Type.Optional(Type.Union([Type.Null(), Type.Integer({ minimum: 1, maximum: 1 })])),
+  best_of: Type.Optional(Type.Union([Type.Null(), Type.Integer({ minimum: 1, maximum: 1 })])),
+  echo: Type.Optional(Type.Union([Type.Null(), Type.Literal(false)])),
+  logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(0)])),
+  suffix: Type.Optional(Type.Union([Type.Null(), Type.Literal('')])),
+});
+
+/** Defaults of a body that passed {@link completionsBodySchema}. */
+export function normalizeTextRequest(body: CompletionsRequest): TextRequest {
+  return {
+    prompts: promptsOf(body),
+    stream: body.stream === true,
+    includeUsage: body.stream === true && body.stream_options?.include_usage === true,
+    maxTokens: body.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS,
+    temperature: body.temperature ?? 1,
+    topP: body.top_p ?? 1,
+    ...(body.seed == null ? {} : { seed: Number(BigInt.asUintN(32, BigInt(body.seed))) }),
+    stop: body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop,
+    frequencyPenalty: body.frequency_penalty ?? 0,
+    presencePenalty: body.presence_penalty ?? 0,
+  };
+}
 
 /** A validated chat-completion request with defaults applied. */
 export interface ChatRequest {
@@ -80,6 +126,12 @@ export interface CompletionBackend {
   affinity?(slot: number, req: ChatRequest): number;
   /** Backends that compute embeddings: their vectors' length and the computation. */
   embeddings?: EmbeddingBackend;
+  /**
+   * Backends that continue raw text (`/v1/completions`): measures one prompt before the request
+   * queues for a slot (`param` names it in a refusal).
+   * @throws EngineHttpError (400 `context_length_exceeded`) when the prompt cannot fit
+   */
+  prepareText?(prompt: string, req: TextRequest, param: string): PreparedCompletion;
 }
 
 /** Embeddings of a model: one vector per input, in order. */

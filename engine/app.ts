@@ -20,12 +20,14 @@ import type { ServerResponse } from 'node:http';
 import {
   chatCompletionBodySchema,
   chatCompletionResponseSchemas,
+  completionsBodySchema,
   ENGINE_HTTP_ERROR,
   EngineHttpError,
   healthResponseSchema,
   modelListResponseSchema,
   invalidRequest,
   normalizeRequest,
+  normalizeTextRequest,
   unavailable,
   validationFailure,
   type ChatCompletion,
@@ -33,16 +35,19 @@ import {
   type CompletionBackend,
   type FinishReason,
   type GenerationResult,
+  type PreparedCompletion,
   type Usage,
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
+import type { CompletionsRequest } from '../shared/completions';
 import { EmbeddingsRequest, embeddingInputs, type EmbeddingsResponse } from '../shared/embeddings';
 import type { EngineCore } from './core';
 import { QUEUE_FULL_ERROR } from './slots';
 
 export const COMPLETIONS_URL = '/v1/chat/completions';
 export const EMBEDDINGS_URL = '/v1/embeddings';
+export const TEXT_COMPLETIONS_URL = '/v1/completions';
 
 export interface EngineApiOptions {
   core: EngineCore;
@@ -70,8 +75,9 @@ const SSE_HEADERS = {
 } as const;
 
 /**
- * Server-sent `chat.completion.chunk` events. Only the text is serialised per chunk; the rest of
- * each event is a prebuilt prefix (hot path: one event per token).
+ * Server-sent `chat.completion.chunk` events, or `text_completion` ones for `/v1/completions`
+ * (a choice per prompt, `text` in place of `delta`). Only the text is serialised per chunk; the
+ * rest of each event is a prebuilt prefix (hot path: one event per token).
  */
 class ChunkWriter {
   private readonly prefix: string;
@@ -87,8 +93,10 @@ class ChunkWriter {
     id: string,
     created: number,
     model: string,
+    private readonly kind: 'chat' | 'text' = 'chat',
   ) {
-    this.prefix = `data: {"id":${JSON.stringify(id)},"object":"chat.completion.chunk","created":${created},"model":${JSON.stringify(model)},"choices":[`;
+    const object = kind === 'chat' ? 'chat.completion.chunk' : 'text_completion';
+    this.prefix = `data: {"id":${JSON.stringify(id)},"object":"${object}","created":${created},"model":${JSON.stringify(model)},"choices":[`;
   }
 
   /** Events written in the same tick leave in one packet (a stub writes a whole answer at once). */
@@ -101,12 +109,14 @@ class ChunkWriter {
     this.res.write(event);
   }
 
+  /** A chat stream's first chunk (text completions have none). */
   role(): void {
-    this.write(`${this.prefix}{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n`);
+    if (this.kind === 'chat') this.write(`${this.prefix}{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n`);
   }
 
-  text(text: string): void {
-    this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":null,"finish_reason":null}]}\n\n`);
+  text(text: string, index = 0): void {
+    if (this.kind === 'text') this.write(`${this.prefix}{"index":${index},"text":${JSON.stringify(text)},"logprobs":null,"finish_reason":null}]}\n\n`);
+    else this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":null,"finish_reason":null}]}\n\n`);
   }
 
   /** The calls of an answer, one delta each with its whole arguments (OpenAI's clients join fragments; one is a fragment too). */
@@ -117,8 +127,9 @@ class ChunkWriter {
     });
   }
 
-  finish(reason: FinishReason): void {
-    this.write(`${this.prefix}{"index":0,"delta":{},"logprobs":null,"finish_reason":"${reason}"}]}\n\n`);
+  finish(reason: FinishReason, index = 0): void {
+    if (this.kind === 'text') this.write(`${this.prefix}{"index":${index},"text":"","logprobs":null,"finish_reason":"${reason}"}]}\n\n`);
+    else this.write(`${this.prefix}{"index":0,"delta":{},"logprobs":null,"finish_reason":"${reason}"}]}\n\n`);
   }
 
   usage(usage: Usage): void {
@@ -208,13 +219,50 @@ function encodeEmbedding(vector: readonly number[], format: 'float' | 'base64' |
   return out.toString('base64');
 }
 
-async function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
+/** What one request generates, one prepared generation per choice (chat: one), and how it is answered. */
+interface Job {
+  kind: 'chat' | 'text';
+  stream: boolean;
+  includeUsage: boolean;
+  prepared: PreparedCompletion[];
+  /** How well a slot's KV cache serves the request (higher is better). */
+  score?: (slot: number) => number;
+}
+
+/** `POST /v1/chat/completions`. */
+function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
   const arrived = performance.now();
   const backend = servingBackend(core);
   const req = normalizeRequest(request.body as ChatCompletionBody);
   const prepared = backend.prepare(req);
-  const { metrics } = core;
+  const affinity = backend.affinity?.bind(backend);
+  return serve(core, opts, reply, arrived, { kind: 'chat', stream: req.stream, includeUsage: req.includeUsage, prepared: [prepared], ...(affinity ? { score: (slot) => affinity(slot, req) } : {}) });
+}
 
+/** `POST /v1/completions`: each prompt continued as raw text, one choice each, in one slot one after another. */
+function completeText(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
+  const arrived = performance.now();
+  const backend = core.backend;
+  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  const prepareText = backend.prepareText?.bind(backend);
+  if (!prepareText) throw invalidRequest('This engine does not serve text completions.', 'model', 'unsupported_feature');
+  const req = normalizeTextRequest(request.body as CompletionsRequest);
+  const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof (request.body as CompletionsRequest).prompt === 'string' ? 'prompt' : `prompt[${i}]`));
+  return serve(core, opts, reply, arrived, { kind: 'text', stream: req.stream, includeUsage: req.includeUsage, prepared });
+}
+
+/** Usage of several generations (a text completion's choices) as one. */
+function sumUsage(prepared: readonly PreparedCompletion[], results: readonly GenerationResult[]): Usage {
+  const promptTokens = prepared.reduce((n, p) => n + p.promptTokens, 0);
+  return usageOf(promptTokens, {
+    completionTokens: results.reduce((n, r) => n + r.completionTokens, 0),
+    cachedPromptTokens: results.reduce((n, r) => n + r.cachedPromptTokens, 0),
+  });
+}
+
+/** Takes a slot, generates the job's choices in it, and answers: JSON, or server-sent events. */
+async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyReply, arrived: number, job: Job): Promise<unknown> {
+  const { metrics } = core;
   const res = reply.raw;
   const abort = new AbortController();
   const onClose = (): void => {
@@ -229,8 +277,7 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
 
   let slot: number;
   try {
-    const affinity = backend.affinity?.bind(backend);
-    slot = await core.slots.acquire({ signal: abort.signal, score: affinity && ((s) => affinity(s, req)) });
+    slot = await core.slots.acquire({ signal: abort.signal, score: job.score });
   } catch (err) {
     res.off('close', onClose);
     if (abort.signal.aborted) return clientGone();
@@ -244,42 +291,57 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
 
   const acquired = performance.now();
   metrics.queueWait.observe((acquired - arrived) / 1000);
-  metrics.promptTokens += prepared.promptTokens;
+  for (const p of job.prepared) metrics.promptTokens += p.promptTokens;
   core.track(abort);
   let firstText = 0;
+  let generated = 0;
   const observeText = (): void => {
     if (firstText === 0) {
       firstText = performance.now();
       metrics.timeToFirstToken.observe((firstText - arrived) / 1000);
     }
   };
-  const observeEnd = ({ completionTokens, cachedPromptTokens }: GenerationResult): void => {
+  const observeEnd = (results: readonly GenerationResult[]): void => {
     const end = performance.now();
-    metrics.generatedTokens += completionTokens;
-    metrics.cachedPromptTokens += cachedPromptTokens;
+    for (const { completionTokens, cachedPromptTokens } of results) {
+      metrics.generatedTokens += completionTokens;
+      metrics.cachedPromptTokens += cachedPromptTokens;
+      generated += completionTokens;
+    }
     metrics.requestDuration.observe((end - arrived) / 1000);
-    if (firstText > 0 && completionTokens > 1) metrics.timePerOutputToken.observe((end - firstText) / 1000 / (completionTokens - 1));
+    if (firstText > 0 && generated > 1) metrics.timePerOutputToken.observe((end - firstText) / 1000 / (generated - 1));
   };
   const abortReason = (): EngineHttpError | typeof CLIENT_CLOSED => {
     const reason: unknown = abort.signal.reason;
     return reason === CLIENT_CLOSED ? CLIENT_CLOSED : toEngineError(reason);
   };
 
-  const id = nextId();
+  const id = job.kind === 'chat' ? nextId() : `cmpl-${nextId().slice('chatcmpl-'.length)}`;
   const created = Math.floor(Date.now() / 1000);
   try {
-    if (!req.stream) {
-      let result;
+    if (!job.stream) {
+      const results: GenerationResult[] = [];
       try {
-        result = await prepared.generate(slot, { signal: abort.signal, onText: observeText });
+        for (const p of job.prepared) results.push(await p.generate(slot, { signal: abort.signal, onText: observeText }));
       } catch (err) {
         if (!abort.signal.aborted) throw err;
         const reason = abortReason();
         if (reason === CLIENT_CLOSED) return clientGone();
         throw reason;
       }
-      observeEnd(result);
+      observeEnd(results);
       metrics.countRequest(200);
+      if (job.kind === 'text') {
+        return {
+          id,
+          object: 'text_completion',
+          created,
+          model: core.modelId,
+          choices: results.map((r, index) => ({ index, text: r.text, logprobs: null, finish_reason: r.finishReason })),
+          usage: sumUsage(job.prepared, results),
+        };
+      }
+      const result = results[0]!;
       const body: ChatCompletion = {
         id,
         object: 'chat.completion',
@@ -295,29 +357,33 @@ async function complete(core: EngineCore, opts: EngineApiOptions, request: Fasti
             finish_reason: result.finishReason,
           },
         ],
-        usage: usageOf(prepared.promptTokens, result),
+        usage: usageOf(job.prepared[0]!.promptTokens, result),
       };
       return body;
     }
 
     reply.hijack();
     res.writeHead(200, SSE_HEADERS);
-    const out = new ChunkWriter(res, id, created, core.modelId);
+    const out = new ChunkWriter(res, id, created, core.modelId, job.kind);
     out.role();
     try {
-      const result = await prepared.generate(slot, {
-        signal: abort.signal,
-        onText: (text) => {
-          if (text.length === 0) return;
-          observeText();
-          out.text(text);
-        },
-      });
-      if (result.toolCalls?.length) out.toolCalls(result.toolCalls);
-      out.finish(result.finishReason);
-      if (req.includeUsage) out.usage(usageOf(prepared.promptTokens, result));
+      const results: GenerationResult[] = [];
+      for (const [index, p] of job.prepared.entries()) {
+        const result = await p.generate(slot, {
+          signal: abort.signal,
+          onText: (text) => {
+            if (text.length === 0) return;
+            observeText();
+            out.text(text, index);
+          },
+        });
+        results.push(result);
+        if (result.toolCalls?.length) out.toolCalls(result.toolCalls);
+        out.finish(result.finishReason, index);
+      }
+      if (job.includeUsage) out.usage(sumUsage(job.prepared, results));
       out.done();
-      observeEnd(result);
+      observeEnd(results);
       metrics.countRequest(200);
     } catch (err) {
       const failure = abort.signal.aborted ? abortReason() : toEngineError(err);
@@ -362,7 +428,7 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
   app.setErrorHandler((err: FastifyError, request, reply) => {
     const e = toEngineError(err);
     if (e.status >= 500 && err.name !== ENGINE_HTTP_ERROR) logError(`${request.method} ${request.url}: ${describe(err)}`);
-    if (request.routeOptions.url === COMPLETIONS_URL) {
+    if (request.routeOptions.url === COMPLETIONS_URL || request.routeOptions.url === TEXT_COMPLETIONS_URL) {
       core.metrics.countRequest(e.status);
       core.metrics.countError(e.type);
     }
@@ -393,6 +459,13 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
   });
 
   app.post(EMBEDDINGS_URL, { schema: { body: EmbeddingsRequest } }, (request, reply) => embed(core, request, reply));
+
+  app.post(TEXT_COMPLETIONS_URL, {
+    // The client's body as the gateway takes it: what the engine cannot honour (`echo` …) is refused, not ignored.
+    schema: { body: completionsBodySchema },
+    ...(opts.preValidation ? { preValidation: opts.preValidation } : {}),
+    handler: (request, reply) => completeText(core, opts, request, reply),
+  });
 
   app.get('/v1/models', { schema: { response: modelListResponseSchema } }, () => ({
     object: 'list',

@@ -473,6 +473,58 @@ describe('embeddings', () => {
   });
 });
 
+describe('text completions', () => {
+  interface TextCompletion {
+    id: string;
+    object: string;
+    choices: { index: number; text: string; logprobs: null; finish_reason: string }[];
+    usage: Completion['usage'];
+  }
+  const completeText = (body: Record<string, unknown>): Promise<Response> =>
+    fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'tiny', temperature: 0, ...body }) });
+
+  it('continues each prompt as raw text, one choice each in order; greedy is repeatable; max_tokens ends it with length', async () => {
+    const res = await completeText({ prompt: ['Once upon a time', 'The capital of France'], max_tokens: 8 });
+    const json = (await res.json()) as TextCompletion;
+    expect(res.status).toBe(200);
+    expect(json.object).toBe('text_completion');
+    expect(json.id).toMatch(/^cmpl-/);
+    expect(json.choices.map((c) => [c.index, c.finish_reason, c.logprobs])).toEqual([[0, 'length', null], [1, 'length', null]]);
+    expect(json.usage.completion_tokens).toBe(16);
+    expect(json.usage.total_tokens).toBe(json.usage.prompt_tokens + 16);
+    const again = (await (await completeText({ prompt: 'Once upon a time', max_tokens: 8 })).json()) as TextCompletion;
+    expect(again.choices[0]!.text).toBe(json.choices[0]!.text);
+    // The slot that held a text completion serves chat again.
+    expect((await complete({ messages: hello, max_tokens: 4, temperature: 0 })).choices[0]!.finish_reason).toBe('length');
+  });
+
+  it('streams text_completion chunks (index, text), a finish chunk per choice, usage when asked, then [DONE]', async () => {
+    const res = await completeText({ prompt: ['Once upon a time', 'Hello'], max_tokens: 4, stream: true, stream_options: { include_usage: true } });
+    expect(res.headers.get('content-type')).toContain('text/event-stream');
+    const data = sse(await res.text());
+    expect(data.at(-1)).toBe('[DONE]');
+    const chunks = data.slice(0, -1).map((d) => JSON.parse(d) as { object: string; choices: { index: number; text: string; finish_reason: string | null }[]; usage?: Completion['usage'] });
+    expect(new Set(chunks.map((c) => c.object))).toEqual(new Set(['text_completion']));
+    const finishes = chunks.flatMap((c) => c.choices.filter((x) => x.finish_reason !== null).map((x) => [x.index, x.finish_reason]));
+    expect(finishes).toEqual([[0, 'length'], [1, 'length']]);
+    const streamed = (i: number) => chunks.flatMap((c) => c.choices.filter((x) => x.index === i).map((x) => x.text)).join('');
+    const whole = (await (await completeText({ prompt: ['Once upon a time', 'Hello'], max_tokens: 4 })).json()) as TextCompletion;
+    expect([streamed(0), streamed(1)]).toEqual(whole.choices.map((c) => c.text));
+    expect(chunks.at(-1)).toMatchObject({ choices: [], usage: { completion_tokens: 8 } });
+  });
+
+  it.each([
+    ['a prompt longer than the context', { prompt: ['short', 'word '.repeat(CTX * 2)] }, 'prompt[1]', /maximum context length/],
+    ['echo', { prompt: 'x', echo: true }, 'echo', /echo/i],
+    ['no prompt', { prompt: undefined }, 'prompt', /prompt/],
+  ])('refuses %s with a 400 naming the field', async (_what, body, param, message) => {
+    const res = await completeText(body);
+    const json = (await res.json()) as ErrorBody;
+    expect({ status: res.status, param: json.error.param }).toEqual({ status: 400, param });
+    expect(json.error.message).toMatch(message);
+  });
+});
+
 test('SIGTERM lets the generation in flight finish, then the engine exits cleanly', async () => {
   const res = await post({ messages: hello, max_tokens: 600, temperature: 0, stream: true });
   const reader = res.body!.getReader() as ReadableStreamDefaultReader<Uint8Array>;

@@ -26,7 +26,7 @@ import type {
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { createHash } from 'node:crypto';
 import type { ChatMessage, ToolCall, ToolSpec } from '../shared/chat';
-import { invalidRequest, type EmbeddingBackend, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import { invalidRequest, type EmbeddingBackend, type TextRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -172,6 +172,7 @@ export class LlamaBackend implements CompletionBackend {
   private embedder: LlamaEmbedder | undefined;
 
   private constructor(
+    private readonly lib: NodeLlamaCpp,
     private readonly llama: Llama,
     private readonly model: LlamaModel,
     private readonly chats: LlamaChat[],
@@ -207,7 +208,7 @@ export class LlamaBackend implements CompletionBackend {
       for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
       const { wrapper, info } = resolveWrapper(lib, model, log);
       const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize, opts.threads);
+      return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
     } catch (err) {
       await llama.dispose();
       throw err;
@@ -323,6 +324,51 @@ export class LlamaBackend implements CompletionBackend {
       completionTokens: used.usedOutputTokens,
       cachedPromptTokens: keptTokens(chat.sequence.contextTokens.length, used.usedInputTokens + used.usedOutputTokens, promptTokens),
     };
+  }
+
+  prepareText(prompt: string, req: TextRequest, param: string): PreparedCompletion {
+    // As node-llama-cpp's completion evaluates it: the prompt's tokens after the model's BOS.
+    const promptTokens = this.model.tokenize(prompt, false).length + 1;
+    if (promptTokens >= this.contextSize) {
+      throw invalidRequest(`This model's maximum context length is ${this.contextSize} tokens. However, your prompt resulted in ${promptTokens} tokens.`, param, 'context_length_exceeded');
+    }
+    const maxTokens = Math.min(req.maxTokens, this.contextSize - promptTokens);
+    return { promptTokens, generate: (slot, io) => this.generateText(slot, prompt, req, promptTokens, maxTokens, io) };
+  }
+
+  /** A raw-text continuation in `slot`'s sequence (its chat cache record is dropped: the sequence holds this prompt now). */
+  private async generateText(slot: number, prompt: string, req: TextRequest, promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+    const chat = this.chats[slot];
+    if (!chat) throw new Error(`no slot ${slot}`);
+    this.cached[slot] = undefined;
+    const meter = chat.sequence.tokenMeter;
+    const before = meter.getState();
+    const completion = new this.lib.LlamaCompletion({ contextSequence: chat.sequence, autoDisposeSequence: false });
+    // Tokens sampled, counted as they come (the meter also counts the prompt's last logits row).
+    let sampled = 0;
+    try {
+      const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
+      const result = await completion.generateCompletionWithMeta(prompt, {
+        maxTokens,
+        temperature: req.temperature,
+        topP: req.topP,
+        ...(req.seed !== undefined ? { seed: req.seed } : {}),
+        ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
+        repeatPenalty: penalties ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty } : false,
+        signal: io.signal,
+        onToken: (tokens) => (sampled += tokens.length),
+        onTextChunk: (chunk) => io.onText(chunk),
+      });
+      const used = meter.diff(before);
+      return {
+        text: result.response,
+        finishReason: result.metadata.stopReason === 'maxTokens' ? 'length' : 'stop',
+        completionTokens: sampled,
+        cachedPromptTokens: keptTokens(chat.sequence.contextTokens.length, used.usedInputTokens + used.usedOutputTokens, promptTokens),
+      };
+    } finally {
+      completion.dispose();
+    }
   }
 
   /** Embeddings by an embedding context of the model, made at the first request (pooling as the GGUF says). */

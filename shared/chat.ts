@@ -35,7 +35,7 @@ if (!TypeRegistry.Has('StringEnum')) TypeRegistry.Set<{ enum: string[] }>('Strin
  * as "this server", not "my request"): failing `keyword` is a 400 `unsupported_feature` with
  * `message`; failing another (a wrong type) is `invalid_value`, as anywhere else.
  */
-const unsupported = (keyword: string, message: string) => ({ 'x-unsupported': { [keyword]: message } });
+export const unsupported = (keyword: string, message: string) => ({ 'x-unsupported': { [keyword]: message } });
 
 /** Most messages a request may carry. */
 const MAX_MESSAGES = 10_000;
@@ -232,9 +232,9 @@ export const ChatCompletionRequest = Type.Object({
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
 /** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
-export type Capability = 'json_schema' | 'tools' | 'embeddings';
+export type Capability = 'json_schema' | 'tools' | 'embeddings' | 'completions';
 /** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
-export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools', 'embeddings'], dllama: [] };
+export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools', 'embeddings', 'completions'], dllama: [] };
 export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
 export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
 

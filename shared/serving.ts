@@ -6,6 +6,7 @@
  */
 import { Type, type Static } from '@sinclair/typebox';
 import { ChatCompletionRequest } from './chat';
+import { CompletionsRequest } from './completions';
 import { EmbeddingsRequest } from './embeddings';
 
 
@@ -42,10 +43,13 @@ const envelope = {
 export const ChatInference = Type.Object({ ...envelope, kind: Type.Optional(Type.Literal('chat')), body: ChatCompletionRequest });
 /** Embeddings (`POST /v1/embeddings`): answered with one `done` frame, never streamed. */
 export const EmbeddingsInference = Type.Object({ ...envelope, kind: Type.Literal('embeddings'), body: EmbeddingsRequest });
-export const InferenceRequest = Type.Union([ChatInference, EmbeddingsInference]);
+/** Text completions (`POST /v1/completions`): streamed as chat is, in `text_completion` chunks. */
+export const CompletionsInference = Type.Object({ ...envelope, kind: Type.Literal('completions'), body: CompletionsRequest });
+export const InferenceRequest = Type.Union([ChatInference, EmbeddingsInference, CompletionsInference]);
 export type ChatInference = Static<typeof ChatInference>;
 export type EmbeddingsInference = Static<typeof EmbeddingsInference>;
-export type InferenceRequest = ChatInference | EmbeddingsInference;
+export type CompletionsInference = Static<typeof CompletionsInference>;
+export type InferenceRequest = ChatInference | EmbeddingsInference | CompletionsInference;
 
 /**
  * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and

@@ -5,6 +5,7 @@
  * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
  */
 import type { ChatCompletionRequest } from '../../shared/chat';
+import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import type { ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
@@ -12,11 +13,18 @@ import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';
 import { seedFor } from './requests';
 
-/** Makes engine output attempt-independent: the response id is the request's, `created` the first claim's. */
-function stamp(data: unknown, requestId: string, createdAt: number): unknown {
+/** Makes engine output attempt-independent: the response id is the request's (`prefix` as OpenAI's ids of its kind), `created` the first claim's. */
+function stamp(data: unknown, prefix: string, requestId: string, createdAt: number): unknown {
   if (typeof data !== 'object' || data === null || Array.isArray(data)) return data;
-  return { ...data, id: `chatcmpl-${requestId}`, created: Math.floor(createdAt / 1000) };
+  return { ...data, id: `${prefix}${requestId}`, created: Math.floor(createdAt / 1000) };
 }
+
+/** Per kind of request: the engine's path and the prefix of its answers' ids (none: the answer is relayed unstamped). */
+const ROUTES = {
+  chat: { path: '/v1/chat/completions', idPrefix: 'chatcmpl-' },
+  completions: { path: '/v1/completions', idPrefix: 'cmpl-' },
+  embeddings: { path: '/v1/embeddings', idPrefix: undefined },
+} as const;
 
 /** What must be equal for two attempts' chunks to be "the same": the choices' deltas (not timings, ids …). */
 function fingerprint(frame: ResponseFrame): string {
@@ -24,7 +32,8 @@ function fingerprint(frame: ResponseFrame): string {
   const choices = (frame.data as { choices?: unknown } | null)?.choices;
   if (!Array.isArray(choices)) return 'no-choices';
   return JSON.stringify(
-    choices.map((c: { index?: unknown; delta?: unknown; finish_reason?: unknown }) => [c.index ?? 0, c.delta ?? null, c.finish_reason ?? null]),
+    // A chat chunk's choice has a `delta`, a text completion's its `text`.
+    choices.map((c: { index?: unknown; delta?: unknown; text?: unknown; finish_reason?: unknown }) => [c.index ?? 0, c.delta ?? c.text ?? null, c.finish_reason ?? null]),
   );
 }
 
@@ -49,20 +58,21 @@ const transientStatus = (s: number) => s === 408 || s === 429 || s >= 500;
 const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name: 'TimeoutError' });
 const READ_NO_FURTHER = Object.assign(new Error('the bridge reads no further'), { name: 'AbortError' });
 
-/** Whether a `chat.completion.chunk` carries text (the role-only first chunk does not). */
+/** Whether a `chat.completion.chunk` (or a `text_completion` chunk) carries text (the role-only first chunk does not). */
 function carriesText(chunk: unknown): boolean {
-  const content = (chunk as { choices?: { delta?: { content?: unknown } }[] } | null)?.choices?.[0]?.delta?.content;
+  const choice = (chunk as { choices?: { delta?: { content?: unknown }; text?: unknown }[] } | null)?.choices?.[0];
+  const content = choice?.delta?.content ?? choice?.text;
   return typeof content === 'string' && content.length > 0;
 }
 
 /** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
 export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number): Promise<Outcome> {
   const { req } = a;
-  // Embeddings: one JSON answer, as the engine gives it (no seed, no chat stamp).
-  const chat = req.kind !== 'embeddings';
-  const stream = chat && req.body.stream === true;
-  const path = chat ? '/v1/chat/completions' : '/v1/embeddings';
-  const body: ChatCompletionRequest | EmbeddingsRequest = chat ? { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) } : req.body;
+  // Embeddings: one JSON answer, as the engine gives it (no seed, no stamp). Chat and text
+  // completions generate: a pinned seed, so a retry regenerates the same text.
+  const { path, idPrefix } = ROUTES[req.kind ?? 'chat'];
+  const stream = req.kind !== 'embeddings' && req.body.stream === true;
+  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = req.kind === 'embeddings' ? req.body : { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
   const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
@@ -92,7 +102,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     }
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());
-      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: chat ? stamp(completion, req.id, a.claim.createdAt) : completion } };
+      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt) : completion } };
     }
     if (!res.contentType.includes('text/event-stream')) {
       res.cancel();
@@ -116,7 +126,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
         if (engineError) {
           return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
         }
-        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, req.id, a.claim.createdAt) };
+        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, idPrefix ?? '', req.id, a.claim.createdAt) };
         const before = prior[seq];
         if (before) {
           if (fingerprint(before) !== fingerprint(frame)) return diverged();

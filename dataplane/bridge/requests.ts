@@ -7,14 +7,14 @@ import { hash } from 'node:crypto';
 import { TypeCompiler, type ValueError } from '@sinclair/typebox/compiler';
 import { decodeJson } from '../json';
 import { REQUEST_ID, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
-import { ChatInference, EmbeddingsInference, type InferenceRequest } from '../../shared/serving';
+import { ChatInference, CompletionsInference, EmbeddingsInference, type InferenceRequest } from '../../shared/serving';
 
 /** A checked request, or why not — with the `replyTo` to send the error frame to when it is a usable subject. */
 export type ParsedRequest = { ok: true; req: InferenceRequest } | { ok: false; problem: string; replyTo?: string };
 
 const LITERAL_SUBJECT = /^[^\s*>.]+(\.[^\s*>.]+)*$/;
 /** The shared schemas, compiled once: every request is checked against exactly what the gateway validates and sends (by its kind, so a problem is named in its kind's terms). */
-const contracts = { chat: TypeCompiler.Compile(ChatInference), embeddings: TypeCompiler.Compile(EmbeddingsInference) };
+const contracts = { chat: TypeCompiler.Compile(ChatInference), embeddings: TypeCompiler.Compile(EmbeddingsInference), completions: TypeCompiler.Compile(CompletionsInference) };
 
 /** `/body/messages/0/role` → `body.messages[0].role`, and what is wrong with it. */
 function problemOf(e: ValueError | undefined): string {
@@ -47,7 +47,7 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
   if (typeof r.replyTo !== 'string' || !isResponseSubjectOf(names, r.replyTo, r.id)) {
     return bad(`replyTo must be the request's response subject: ${responseSubjectOf(names, r.id)}, or a replica token before the id`);
   }
-  const contract = r.kind === 'embeddings' ? contracts.embeddings : contracts.chat;
+  const contract = r.kind === 'embeddings' ? contracts.embeddings : r.kind === 'completions' ? contracts.completions : contracts.chat;
   if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()));
   return { ok: true, req: v };
 }

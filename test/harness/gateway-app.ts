@@ -43,7 +43,7 @@ export class FakeDataPlane {
   /** The `i`th published request, which the test expects to be a chat completion. */
   chat(i: number): ChatInference {
     const req = this.published[i]?.req;
-    if (!req || req.kind === 'embeddings') throw new Error(`published request ${i} is not a chat completion`);
+    if (!req || (req.kind !== undefined && req.kind !== 'chat')) throw new Error(`published request ${i} is not a chat completion`);
     return req;
   }
   private readonly listeners = new Map<string, (frame: ResponseFrame) => void>();
