@@ -17,6 +17,8 @@ export type FinishReason = 'stop' | 'length' | 'tool_calls';
 /** A validated text-completion request with defaults applied: the sampling of a {@link ChatRequest}, prompts in place of messages. */
 export interface TextRequest {
   prompts: string[];
+  /** `logprobs`: each token's log-probability with this many alternatives; absent = none. */
+  logprobs?: number;
   stream: boolean;
   includeUsage: boolean;
   /** Default 16 (OpenAI's for completions). */
@@ -36,10 +38,10 @@ export interface TextRequest {
  */
 export const completionsBodySchema = Type.Object({
   ...CompletionsRequest.properties,
+  model: Type.Optional(Type.String()),
   n: Type.Optional(Type.Union([Type.Null(), Type.Integer({ minimum: 1, maximum: 1 })])),
   best_of: Type.Optional(Type.Union([Type.Null(), Type.Integer({ minimum: 1, maximum: 1 })])),
   echo: Type.Optional(Type.Union([Type.Null(), Type.Literal(false)])),
-  logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(0)])),
   suffix: Type.Optional(Type.Union([Type.Null(), Type.Literal('')])),
 });
 
@@ -47,6 +49,7 @@ export const completionsBodySchema = Type.Object({
 export function normalizeTextRequest(body: CompletionsRequest): TextRequest {
   return {
     prompts: promptsOf(body),
+    ...(body.logprobs == null ? {} : { logprobs: body.logprobs }),
     stream: body.stream === true,
     includeUsage: body.stream === true && body.stream_options?.include_usage === true,
     maxTokens: body.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -84,6 +87,22 @@ export interface ChatRequest {
   parallelToolCalls: boolean;
   /** Structured output: any JSON object, or JSON valid against a schema (converted for the grammar); absent = text. */
   responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
+  /** `logprobs: true`: each token's log-probability with `top_logprobs` alternatives; absent = none. */
+  logprobs?: number;
+}
+
+/** One candidate for a position of the answer: its text, UTF-8 bytes and natural-log probability. */
+export interface TokenChoice {
+  token: string;
+  logprob: number;
+  bytes: number[];
+}
+
+/** A returned token's log-probability, its most likely alternatives (most likely first), and where its text starts in the answer. */
+export interface TokenLogprob extends TokenChoice {
+  top: TokenChoice[];
+  /** Characters of the answer before this token's text. */
+  offset: number;
 }
 
 /** What generating a completion produced. */
@@ -99,14 +118,16 @@ export interface GenerationResult {
    * `usage.prompt_tokens_details.cached_tokens`); 0 for a backend without a cache.
    */
   cachedPromptTokens: number;
+  /** The returned tokens' log-probabilities, when the request asked for them. */
+  logprobs?: TokenLogprob[];
 }
 
 /** Callbacks and cancellation for one generation. */
 export interface GenerationIO {
   /** Aborted when the client goes away or the engine stops; the generation then rejects. */
   signal: AbortSignal;
-  /** Called with each new piece of the returned text, in order. */
-  onText(text: string): void;
+  /** Called with each new piece of the returned text, in order, and the log-probabilities (when asked for) of the tokens it completes. */
+  onText(text: string, logprobs?: TokenLogprob[]): void;
 }
 
 /** A request the backend has measured and accepted; generating it needs a slot. */
@@ -250,6 +271,7 @@ export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
     stop,
     frequencyPenalty: body.frequency_penalty ?? 0,
     presencePenalty: body.presence_penalty ?? 0,
+    ...(body.logprobs === true ? { logprobs: body.top_logprobs ?? 0 } : {}),
   };
 }
 
@@ -273,7 +295,11 @@ const depth = (e: FastifySchemaValidationError): number => e.instancePath.split(
  * says what is wrong (`stop[1]`, not `stop`), and the types of all branches are what was expected.
  */
 export function validationFailure(errors: readonly FastifySchemaValidationError[]): EngineHttpError {
-  const e = errors.reduce<FastifySchemaValidationError | undefined>((best, o) => (best === undefined || depth(o) > depth(best) ? o : best), undefined);
+  // At equal depth a bound beats a type: `21` for an integer-or-null is too large, not of the wrong type.
+  const e = errors.reduce<FastifySchemaValidationError | undefined>(
+    (best, o) => (best === undefined || depth(o) > depth(best) || (depth(o) === depth(best) && best.keyword === 'type' && o.keyword !== 'type') ? o : best),
+    undefined,
+  );
   if (e === undefined) return invalidRequest('Invalid request body.');
   const params = e.params;
   if (e.keyword === 'required') {
@@ -317,6 +343,13 @@ const usageSchema = {
   },
 } as const;
 
+const tokenChoiceProperties = { token: { type: 'string' }, logprob: { type: 'number' }, bytes: { type: 'array', items: { type: 'integer' } } } as const;
+/** A chat answer's token in `logprobs.content`. */
+const tokenLogprobSchema = {
+  type: 'object',
+  properties: { ...tokenChoiceProperties, top_logprobs: { type: 'array', items: { type: 'object', properties: tokenChoiceProperties } } },
+} as const;
+
 /** Response schemas by status for `POST /v1/chat/completions` (non-streaming). */
 export const chatCompletionResponseSchemas = {
   200: {
@@ -343,7 +376,10 @@ export const chatCompletionResponseSchemas = {
                 },
               },
             },
-            logprobs: { type: 'null' },
+            logprobs: {
+              type: nullable('object'),
+              properties: { content: { type: 'array', items: tokenLogprobSchema }, refusal: { type: 'null' } },
+            },
             finish_reason: { type: 'string' },
           },
         },
@@ -381,9 +417,37 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: ToolCall[] }; logprobs: null; finish_reason: FinishReason }[];
+  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: ToolCall[] }; logprobs: ChatLogprobs | null; finish_reason: FinishReason }[];
   usage: Usage;
 }
+
+/** A chat choice's `logprobs`, in OpenAI's shape. */
+export interface ChatLogprobs {
+  content: (TokenChoice & { top_logprobs: TokenChoice[] })[];
+  refusal: null;
+}
+
+/** Log-probabilities as a chat choice carries them. */
+export const chatLogprobs = (logprobs: readonly TokenLogprob[]): ChatLogprobs => ({
+  content: logprobs.map(({ token, logprob, bytes, top }) => ({ token, logprob, bytes, top_logprobs: top })),
+  refusal: null,
+});
+
+/** A text completion choice's `logprobs`, in OpenAI's legacy shape (`text_offset` counts from the prompt's start, as if it were echoed). */
+export interface TextLogprobs {
+  tokens: string[];
+  token_logprobs: number[];
+  top_logprobs: Record<string, number>[];
+  text_offset: number[];
+}
+
+/** Log-probabilities as a text completion choice carries them, for a prompt of `promptChars` characters. */
+export const textLogprobs = (logprobs: readonly TokenLogprob[], promptChars: number): TextLogprobs => ({
+  tokens: logprobs.map((l) => l.token),
+  token_logprobs: logprobs.map((l) => l.logprob),
+  top_logprobs: logprobs.map((l) => Object.fromEntries(l.top.map((t) => [t.token, t.logprob]))),
+  text_offset: logprobs.map((l) => promptChars + l.offset),
+});
 
 /** OpenAI's `usage`: the engine always says how much of the prompt its slot had cached. */
 export type Usage = Required<CompletionUsage>;

@@ -36,7 +36,10 @@ import {
   type FinishReason,
   type GenerationResult,
   type PreparedCompletion,
+  type TokenLogprob,
   type Usage,
+  chatLogprobs,
+  textLogprobs,
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
@@ -114,9 +117,15 @@ class ChunkWriter {
     if (this.kind === 'chat') this.write(`${this.prefix}{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n`);
   }
 
-  text(text: string, index = 0): void {
-    if (this.kind === 'text') this.write(`${this.prefix}{"index":${index},"text":${JSON.stringify(text)},"logprobs":null,"finish_reason":null}]}\n\n`);
-    else this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":null,"finish_reason":null}]}\n\n`);
+  /** A piece of choice `index`'s text, with its tokens' log-probabilities when asked for (a text completion's offsets count from `promptChars`). */
+  text(text: string, index = 0, logprobs?: readonly TokenLogprob[], promptChars = 0): void {
+    if (this.kind === 'text') {
+      const lp = logprobs ? JSON.stringify(textLogprobs(logprobs, promptChars)) : 'null';
+      this.write(`${this.prefix}{"index":${index},"text":${JSON.stringify(text)},"logprobs":${lp},"finish_reason":null}]}\n\n`);
+    } else {
+      const lp = logprobs ? JSON.stringify(chatLogprobs(logprobs)) : 'null';
+      this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":${lp},"finish_reason":null}]}\n\n`);
+    }
   }
 
   /** The calls of an answer, one delta each with its whole arguments (OpenAI's clients join fragments; one is a fragment too). */
@@ -225,6 +234,8 @@ interface Job {
   stream: boolean;
   includeUsage: boolean;
   prepared: PreparedCompletion[];
+  /** Text completions: each prompt's length in characters (log-probabilities' `text_offset` counts from the prompt's start). */
+  promptChars?: number[];
   /** How well a slot's KV cache serves the request (higher is better). */
   score?: (slot: number) => number;
 }
@@ -248,7 +259,7 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
   if (!prepareText) throw invalidRequest('This engine does not serve text completions.', 'model', 'unsupported_feature');
   const req = normalizeTextRequest(request.body as CompletionsRequest);
   const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof (request.body as CompletionsRequest).prompt === 'string' ? 'prompt' : `prompt[${i}]`));
-  return serve(core, opts, reply, arrived, { kind: 'text', stream: req.stream, includeUsage: req.includeUsage, prepared });
+  return serve(core, opts, reply, arrived, { kind: 'text', stream: req.stream, includeUsage: req.includeUsage, prepared, promptChars: req.prompts.map((p) => p.length) });
 }
 
 /** Usage of several generations (a text completion's choices) as one. */
@@ -337,7 +348,7 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
           object: 'text_completion',
           created,
           model: core.modelId,
-          choices: results.map((r, index) => ({ index, text: r.text, logprobs: null, finish_reason: r.finishReason })),
+          choices: results.map((r, index) => ({ index, text: r.text, logprobs: r.logprobs ? textLogprobs(r.logprobs, job.promptChars?.[index] ?? 0) : null, finish_reason: r.finishReason })),
           usage: sumUsage(job.prepared, results),
         };
       }
@@ -353,7 +364,7 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
             message: result.toolCalls?.length
               ? { role: 'assistant', content: result.text === '' ? null : result.text, tool_calls: result.toolCalls }
               : { role: 'assistant', content: result.text },
-            logprobs: null,
+            logprobs: result.logprobs ? chatLogprobs(result.logprobs) : null,
             finish_reason: result.finishReason,
           },
         ],
@@ -371,10 +382,10 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
       for (const [index, p] of job.prepared.entries()) {
         const result = await p.generate(slot, {
           signal: abort.signal,
-          onText: (text) => {
+          onText: (text, logprobs) => {
             if (text.length === 0) return;
             observeText();
-            out.text(text, index);
+            out.text(text, index, logprobs, job.promptChars?.[index]);
           },
         });
         results.push(result);

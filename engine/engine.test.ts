@@ -525,6 +525,92 @@ describe('text completions', () => {
   });
 });
 
+describe('log-probabilities', () => {
+  interface Choice {
+    token: string;
+    logprob: number;
+    bytes: number[];
+  }
+  type ChatLogprobs = { content: (Choice & { top_logprobs: Choice[] })[]; refusal: null };
+  interface TextLogprobs {
+    tokens: string[];
+    token_logprobs: number[];
+    top_logprobs: Record<string, number>[];
+    text_offset: number[];
+  }
+
+  /** Greedy: each chosen token is the most likely, so its log-probability is at least each alternative's. */
+  function expectGreedyConsistent(content: ChatLogprobs['content'], text: string, top: number): void {
+    expect(content.length).toBeGreaterThan(0);
+    expect(content.map((c) => c.token).join('')).toBe(text);
+    for (const c of content) {
+      expect(c.logprob).toBeLessThanOrEqual(0);
+      expect(c.bytes).toEqual([...Buffer.from(c.token, 'utf8')]);
+      expect(c.top_logprobs).toHaveLength(top);
+      for (const alt of c.top_logprobs) expect(c.logprob).toBeGreaterThanOrEqual(alt.logprob - 1e-6);
+      if (top > 0) expect(c.top_logprobs[0]!.logprob).toBeCloseTo(c.logprob, 6);
+    }
+  }
+
+  it('chat: logprobs with top_logprobs, in OpenAI shape, consistent when greedy; streamed the same', async () => {
+    const body = { messages: hello, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 3 };
+    const res = (await complete(body)) as Completion & { choices: { logprobs: ChatLogprobs }[] };
+    const text = res.choices[0]!.message.content;
+    expectGreedyConsistent(res.choices[0]!.logprobs.content, text, 3);
+    expect(res.choices[0]!.logprobs.refusal).toBeNull();
+    expect(res.usage.completion_tokens).toBe(6);
+
+    const streamed = sse(await (await post({ ...body, stream: true })).text());
+    const chunks = streamed.slice(0, -1).map((d) => JSON.parse(d) as { choices: { delta: { content?: string }; logprobs: ChatLogprobs | null }[] });
+    const content = chunks.flatMap((c) => c.choices[0]?.logprobs?.content ?? []);
+    expect(chunks.map((c) => c.choices[0]?.delta.content ?? '').join('')).toBe(text);
+    expect(content).toEqual(res.choices[0]!.logprobs.content);
+  });
+
+  it('chat without logprobs answers as before: logprobs null, the same greedy text', async () => {
+    const withLp = (await complete({ messages: hello, max_tokens: 6, temperature: 0, logprobs: true })) as Completion & { choices: { logprobs: ChatLogprobs }[] };
+    const without = (await complete({ messages: hello, max_tokens: 6, temperature: 0 })) as Completion & { choices: { logprobs: unknown }[] };
+    expect(without.choices[0]!.logprobs).toBeNull();
+    expect(without.choices[0]!.message.content).toBe(withLp.choices[0]!.message.content);
+    expect(withLp.choices[0]!.logprobs.content.every((c) => c.top_logprobs.length === 0)).toBe(true);
+  });
+
+  it('text completions: logprobs N gives tokens, token_logprobs, N alternatives and text offsets from the prompt', async () => {
+    const prompt = 'Once upon a time';
+    const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'tiny', prompt, max_tokens: 5, temperature: 0, logprobs: 2 }) });
+    const json = (await res.json()) as { choices: { text: string; logprobs: TextLogprobs }[]; usage: Completion['usage'] };
+    expect(res.status).toBe(200);
+    const { text, logprobs } = json.choices[0]!;
+    expect(logprobs.tokens.join('')).toBe(text);
+    expect(logprobs.token_logprobs).toHaveLength(logprobs.tokens.length);
+    expect(logprobs.text_offset[0]).toBe(prompt.length);
+    logprobs.tokens.forEach((t, i) => {
+      expect(logprobs.text_offset[i]).toBe(prompt.length + logprobs.tokens.slice(0, i).join('').length);
+      const alternatives = Object.values(logprobs.top_logprobs[i]!);
+      expect(alternatives.length).toBeGreaterThanOrEqual(1);
+      expect(alternatives.length).toBeLessThanOrEqual(2);
+      for (const a of alternatives) expect(logprobs.token_logprobs[i]!).toBeGreaterThanOrEqual(a - 1e-6);
+    });
+    expect(json.usage.completion_tokens).toBe(5);
+  });
+
+  it.each([
+    ['top_logprobs without logprobs', { messages: hello, top_logprobs: 2 }, 'top_logprobs', 'invalid_value'],
+    ['top_logprobs above 20', { messages: hello, logprobs: true, top_logprobs: 21 }, 'top_logprobs', 'invalid_value'],
+    ['logprobs with a JSON response format', { messages: hello, logprobs: true, response_format: { type: 'json_object' } }, 'logprobs', 'unsupported_feature'],
+    [
+      'logprobs with tools',
+      { messages: hello, logprobs: true, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: {} } } }] },
+      'logprobs',
+      'unsupported_feature',
+    ],
+  ])('refuses %s with a 400 naming the field', async (_what, body, param, code) => {
+    const res = await post(body);
+    const json = (await res.json()) as ErrorBody;
+    expect({ status: res.status, param: json.error.param, code: json.error.code }).toEqual({ status: 400, param, code });
+  });
+});
+
 test('SIGTERM lets the generation in flight finish, then the engine exits cleanly', async () => {
   const res = await post({ messages: hello, max_tokens: 600, temperature: 0, stream: true });
   const reader = res.body!.getReader() as ReadableStreamDefaultReader<Uint8Array>;

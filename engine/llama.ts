@@ -27,6 +27,7 @@ import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mod
 import { createHash } from 'node:crypto';
 import type { ChatMessage, ToolCall, ToolSpec } from '../shared/chat';
 import { invalidRequest, type EmbeddingBackend, type TextRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import { decode, type DecodeOptions } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -172,7 +173,6 @@ export class LlamaBackend implements CompletionBackend {
   private embedder: LlamaEmbedder | undefined;
 
   private constructor(
-    private readonly lib: NodeLlamaCpp,
     private readonly llama: Llama,
     private readonly model: LlamaModel,
     private readonly chats: LlamaChat[],
@@ -208,7 +208,7 @@ export class LlamaBackend implements CompletionBackend {
       for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
       const { wrapper, info } = resolveWrapper(lib, model, log);
       const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-      return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
+      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize, opts.threads);
     } catch (err) {
       await llama.dispose();
       throw err;
@@ -222,9 +222,9 @@ export class LlamaBackend implements CompletionBackend {
     const forced = isForced(req) ? offeredTools(req) : undefined;
     const rendered = forced ? [{ type: 'system' as const, text: describeTools(forced) }, ...history] : history;
     const availableFunctions = !forced && req.tools.length > 0 ? functionsOf(req.tools) : undefined;
-    const promptTokens = this.chatWrapper
-      .generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) })
-      .contextText.tokenize(this.model.tokenizer).length;
+    const state = this.chatWrapper.generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) });
+    const tokens = state.contextText.tokenize(this.model.tokenizer);
+    const promptTokens = tokens.length;
     if (promptTokens >= this.contextSize) {
       throw invalidRequest(
         `This model's maximum context length is ${this.contextSize} tokens. However, your messages resulted in ${promptTokens} tokens.`,
@@ -235,6 +235,12 @@ export class LlamaBackend implements CompletionBackend {
     // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
     const room = this.contextSize - promptTokens;
     const maxTokens = Math.min(req.maxTokens ?? room, room);
+    if (req.logprobs !== undefined) {
+      // Plain chat (checkStructure refuses log-probabilities with tools or a format), in magus's
+      // own loop: the rendered prompt, ended by the template's end-of-turn texts as LlamaChat would.
+      const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
+      return { promptTokens, generate: (slot, io) => this.chatWithLogprobs(slot, req, tokens, { ...req, maxTokens, stopTokens, topLogprobs: req.logprobs }, io) };
+    }
     const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
     return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
   }
@@ -326,49 +332,38 @@ export class LlamaBackend implements CompletionBackend {
     };
   }
 
+  private async chatWithLogprobs(slot: number, req: ChatRequest, prompt: readonly Token[], o: Parameters<LlamaBackend['decodeIn']>[2], io: GenerationIO): Promise<GenerationResult> {
+    const result = await this.decodeIn(slot, prompt, o, io);
+    this.cached[slot] = [...req.messages, { role: 'assistant', content: result.text }];
+    return result;
+  }
+
   prepareText(prompt: string, req: TextRequest, param: string): PreparedCompletion {
-    // As node-llama-cpp's completion evaluates it: the prompt's tokens after the model's BOS.
-    const promptTokens = this.model.tokenize(prompt, false).length + 1;
+    const tokens = this.model.tokenize(prompt, false);
+    const { bos, shouldPrependBosToken } = this.model.tokens;
+    if (shouldPrependBosToken && bos != null) tokens.unshift(bos);
+    const promptTokens = tokens.length;
     if (promptTokens >= this.contextSize) {
       throw invalidRequest(`This model's maximum context length is ${this.contextSize} tokens. However, your prompt resulted in ${promptTokens} tokens.`, param, 'context_length_exceeded');
     }
     const maxTokens = Math.min(req.maxTokens, this.contextSize - promptTokens);
-    return { promptTokens, generate: (slot, io) => this.generateText(slot, prompt, req, promptTokens, maxTokens, io) };
+    return { promptTokens, generate: (slot, io) => this.decodeIn(slot, tokens, { ...req, maxTokens, topLogprobs: req.logprobs }, io) };
   }
 
-  /** A raw-text continuation in `slot`'s sequence (its chat cache record is dropped: the sequence holds this prompt now). */
-  private async generateText(slot: number, prompt: string, req: TextRequest, promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+  /**
+   * magus's own token loop (decode.ts) in `slot`'s sequence: raw text, and chat with
+   * log-probabilities. The slot's chat cache record is dropped: the caller records what it holds.
+   */
+  private decodeIn(
+    slot: number,
+    prompt: readonly Token[],
+    o: Pick<DecodeOptions, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'frequencyPenalty' | 'presencePenalty' | 'stop' | 'stopTokens' | 'topLogprobs'>,
+    io: GenerationIO,
+  ): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     this.cached[slot] = undefined;
-    const meter = chat.sequence.tokenMeter;
-    const before = meter.getState();
-    const completion = new this.lib.LlamaCompletion({ contextSequence: chat.sequence, autoDisposeSequence: false });
-    // Tokens sampled, counted as they come (the meter also counts the prompt's last logits row).
-    let sampled = 0;
-    try {
-      const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
-      const result = await completion.generateCompletionWithMeta(prompt, {
-        maxTokens,
-        temperature: req.temperature,
-        topP: req.topP,
-        ...(req.seed !== undefined ? { seed: req.seed } : {}),
-        ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
-        repeatPenalty: penalties ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty } : false,
-        signal: io.signal,
-        onToken: (tokens) => (sampled += tokens.length),
-        onTextChunk: (chunk) => io.onText(chunk),
-      });
-      const used = meter.diff(before);
-      return {
-        text: result.response,
-        finishReason: result.metadata.stopReason === 'maxTokens' ? 'length' : 'stop',
-        completionTokens: sampled,
-        cachedPromptTokens: keptTokens(chat.sequence.contextTokens.length, used.usedInputTokens + used.usedOutputTokens, promptTokens),
-      };
-    } finally {
-      completion.dispose();
-    }
+    return decode(this.model, chat.sequence, prompt, { ...o, signal: io.signal, onText: (text, logprobs) => io.onText(text, logprobs) });
   }
 
   /** Embeddings by an embedding context of the model, made at the first request (pooling as the GGUF says). */

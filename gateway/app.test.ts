@@ -83,8 +83,8 @@ describe('request validation', () => {
 
   it.each([
     ['functions', { functions: [{ name: 'f', parameters: {} }] }],
-    ['logprobs', { logprobs: true, top_logprobs: 2 }],
     ['n', { n: 5 }],
+    ['logprobs', { logprobs: true, response_format: { type: 'json_object' } }],
   ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
     const res = await chat(userTurn('hi', extra));
     expect(res.statusCode).toBe(400);
@@ -98,7 +98,8 @@ describe('request validation', () => {
     ['response_format.type', { response_format: {} }, 'is required'],
     ['response_format.type', { response_format: { type: 5 } }, 'must be one of "text", "json_object", "json_schema"'],
     ['response_format', { response_format: 'json' }, 'must be null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}'],
-    ['logprobs', { logprobs: 'yes' }, 'must be null or false'],
+    ['logprobs', { logprobs: 'yes' }, 'must be a boolean or null'],
+    ['top_logprobs', { logprobs: true, top_logprobs: 21 }, 'must be an integer from 0 to 20 or null'],
     ['n', { n: 0 }, 'must be >= 1'],
   ])('those fields malformed (%s) → 400 invalid_value, saying what they must be', async (param, extra, what) => {
     const res = await chat(userTurn('hi', extra));
@@ -272,6 +273,15 @@ describe('request validation', () => {
     });
   });
 
+  it('log-probabilities: logprobs and top_logprobs are forwarded; top_logprobs alone is a 400', async () => {
+    expect((await chat(userTurn('hi', { logprobs: true, top_logprobs: 3 }))).statusCode).toBe(200);
+    expect(t.plane.published[0]!.req.body).toMatchObject({ logprobs: true, top_logprobs: 3 });
+    const res = await chat(userTurn('hi', { top_logprobs: 3 }));
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ param: 'top_logprobs', code: 'invalid_value' });
+    expect(t.plane.published).toHaveLength(1);
+  });
+
   it('structured output: json_object and json_schema are forwarded as sent', async () => {
     const schema = { type: 'object', properties: { city: { type: 'string' } }, required: ['city'], title: 'Answer' };
     const format = { type: 'json_schema', json_schema: { name: 'answer', schema, strict: true } };
@@ -414,8 +424,8 @@ describe('models', () => {
       object: 'list',
       data: [
         // No artifacts, no runtime adverts (a hand-made entry): nothing rules llama.cpp out.
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] },
+        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] },
+        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
@@ -446,6 +456,9 @@ describe('models', () => {
     expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param: 'response_format', code: 'unsupported_feature' });
     expect(errorOf(res).message).toContain("distributed-llama's dllama-api");
     expect(t.broker.calls).toHaveLength(0);
+    expect(t.plane.published).toHaveLength(0);
+    const lp = await chat({ model: 'big', messages: [{ role: 'user', content: 'hi' }], logprobs: true });
+    expect(errorOf(lp)).toMatchObject({ param: 'logprobs', code: 'unsupported_feature' });
     expect(t.plane.published).toHaveLength(0);
     expect((await chat({ model: 'big', messages: [{ role: 'user', content: 'hi' }] })).statusCode).toBe(200);
   });

@@ -386,7 +386,7 @@ describe('the model list and the model item agree', () => {
 describe('models, health and metrics', () => {
   it('lists the registry’s models; readyz is ready; metrics count warm hits and cold starts', async () => {
     const models = await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${alice.token}` } });
-    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'embeddings'] }] });
+    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] }] });
     const ready = await fetch(`${gw.url}/readyz`);
     expect(ready.status).toBe(200);
     expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } });

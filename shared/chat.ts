@@ -150,6 +150,9 @@ const responseFormat = Type.Union([textFormat, jsonObjectFormat, jsonSchemaForma
 /** The same for the gateway's validator, by `type` (Ajv's `discriminator`: a 400 names what is wrong inside the chosen format). */
 const responseFormatByType = Type.Unsafe<Static<typeof responseFormat>>({ type: 'object', required: ['type'], discriminator: { propertyName: 'type' }, oneOf: responseFormat.anyOf });
 export type ResponseFormat = Static<typeof responseFormat>;
+/** Most alternatives per token in log-probabilities (OpenAI's bound). */
+export const MAX_TOP_LOGPROBS = 20;
+export const topLogprobs = Type.Integer({ minimum: 0, maximum: MAX_TOP_LOGPROBS });
 /** Streams: `include_usage` adds a last chunk with `usage` before `[DONE]`. */
 const streamOptions = Type.Object({ include_usage: Type.Optional(Type.Boolean()) });
 
@@ -183,7 +186,9 @@ export const ChatCompletionBody = Type.Object(
       }),
     ),
     response_format: Type.Optional(Type.Union([Type.Null(), responseFormatByType], { description: 'null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}' })),
-    logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Log-probabilities are not supported by this server.'))], { description: 'null or false' })),
+    logprobs: Type.Optional(Type.Union([Type.Null(), Type.Boolean()], { description: 'a boolean or null' })),
+    /** Alternatives per token, with `logprobs: true`. */
+    top_logprobs: Type.Optional(Type.Union([Type.Null(), topLogprobs], { description: `an integer from 0 to ${MAX_TOP_LOGPROBS} or null` })),
   },
   // For readers of the OpenAPI description (and its fuzzer's first case): `magus dev`'s model.
   { examples: [{ model: 'demo', messages: [{ role: 'user', content: 'Hello' }] }] },
@@ -196,7 +201,7 @@ export type ChatCompletionBody = Static<typeof ChatCompletionBody>;
  * them: a field the engine honours is added here (and to the engine's `normalizeRequest`), and
  * the gateway, the bridge and the engine all take it from this list.
  */
-export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format', 'tools', 'tool_choice', 'parallel_tool_calls'] as const;
+export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format', 'tools', 'tool_choice', 'parallel_tool_calls', 'logprobs', 'top_logprobs'] as const;
 export type ForwardedField = (typeof FORWARDED_FIELDS)[number];
 
 /** The {@link FORWARDED_FIELDS} `body` carries. */
@@ -232,14 +237,16 @@ export const ChatCompletionRequest = Type.Object({
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
 /** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
-export type Capability = 'json_schema' | 'tools' | 'embeddings' | 'completions';
+export const CAPABILITIES = ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] as const;
+export type Capability = (typeof CAPABILITIES)[number];
 /** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
-export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: ['json_schema', 'tools', 'embeddings', 'completions'], dllama: [] };
+export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: CAPABILITIES, dllama: [] };
 export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
 export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
 
 /** The fields of a request (the client's body or the engine's) that ask for more than plain chat. */
 interface NeedsOf {
+  logprobs?: boolean | null;
   response_format?: ResponseFormat | null;
   tools?: readonly unknown[] | null;
   messages?: readonly { role: string; tool_calls?: readonly unknown[] | null }[];
@@ -253,6 +260,7 @@ export function neededCapabilities(body: NeedsOf): { capability: Capability; fie
   if (toolTurn >= 0) out.push({ capability: 'tools', field: `messages[${toolTurn}]` });
   const format = body.response_format?.type;
   if (format === 'json_object' || format === 'json_schema') out.push({ capability: 'json_schema', field: 'response_format' });
+  if (body.logprobs === true) out.push({ capability: 'logprobs', field: 'logprobs' });
   return out;
 }
 
@@ -293,11 +301,13 @@ export interface Structure {
 export interface StructureProblem {
   message: string;
   param: string;
-  code: 'unsupported_schema' | 'invalid_value';
+  code: 'unsupported_schema' | 'invalid_value' | 'unsupported_feature';
 }
 
 /** The fields {@link checkStructure} reads, as the gateway's and the engine's bodies both have them. */
 interface StructureOf {
+  logprobs?: boolean | null;
+  top_logprobs?: number | null;
   response_format?: ResponseFormat | null;
   tools?: readonly Tool[] | null;
   tool_choice?: ToolChoice | null;
@@ -311,7 +321,8 @@ interface StructureOf {
  * requests with the same words. Every schema (the response format's, each tool's parameters,
  * under `tool_choice: "none"` too) must be at most {@link MAX_SCHEMA_BYTES} and enforceable by
  * the grammar; tool names are unique; a named `tool_choice` names a tool; `required` needs one;
- * each `tool` message answers a call an earlier assistant message made.
+ * each `tool` message answers a call an earlier assistant message made; `top_logprobs` needs
+ * `logprobs`, which neither tools nor a JSON response format may come with.
  */
 export function checkStructure(body: StructureOf): { ok: true; structure: Structure } | { ok: false; problem: StructureProblem } {
   const fail = (message: string, param: string, code: StructureProblem['code'] = 'invalid_value') => ({ ok: false as const, problem: { message, param, code } });
@@ -345,6 +356,11 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
   if (choice === 'required' && names.size === 0) return fail("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice');
   if (typeof choice === 'object' && choice !== null && !names.has(choice.function.name)) {
     return fail(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name');
+  }
+  if (body.top_logprobs != null && body.logprobs !== true) return fail('`top_logprobs` needs `logprobs: true`.', 'top_logprobs');
+  // Log-probabilities come from magus's own token loop (engine/decode.ts), which has no grammar.
+  if (body.logprobs === true && (structure.responseFormat || (structure.tools.length > 0 && body.tool_choice !== 'none'))) {
+    return fail('Log-probabilities with tools or a JSON response format are not supported by this server; send one or the other.', 'logprobs', 'unsupported_feature');
   }
   const calls = new Set<string>();
   for (const [i, m] of body.messages.entries()) {

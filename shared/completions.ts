@@ -8,11 +8,12 @@
  *
  * `prompt` is a string or a list of strings (one choice each, in order; at most
  * {@link MAX_PROMPTS}), continued as raw text: no chat template. Sampling fields are the chat
- * request's, with the same bounds. What asks for another kind of answer — `echo`, `logprobs`,
- * `suffix`, `n` or `best_of` above 1 — accepts only its plain form.
+ * request's, with the same bounds; `logprobs` (0–20) asks for each token's log-probability and
+ * that many alternatives. What asks for another kind of answer — `echo`, `suffix`, `n` or
+ * `best_of` above 1 — accepts only its plain form.
  */
 import { Type, type Static } from '@sinclair/typebox';
-import { ChatCompletionBody, ENGINE_CAPABILITIES, ENGINE_NAMES, unsupported, type EngineKind } from './chat';
+import { ChatCompletionBody, ENGINE_CAPABILITIES, ENGINE_NAMES, MAX_TOP_LOGPROBS, topLogprobs, unsupported, type EngineKind } from './chat';
 
 /** Most prompts one request may carry (each is a choice, generated one after another). */
 export const MAX_PROMPTS = 16;
@@ -21,10 +22,14 @@ export const MAX_PROMPT_CHARS = 512 * 1024;
 
 const text = Type.String({ maxLength: MAX_PROMPT_CHARS });
 
-/** The fields the gateway forwards as the client sent them. */
+/** The fields the gateway forwards as the client sent them (and `logprobs`). */
 export const COMPLETIONS_FORWARDED = ['model', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'stream'] as const;
 
-const sampling = Type.Pick(ChatCompletionBody, COMPLETIONS_FORWARDED).properties;
+const sampling = {
+  ...Type.Pick(ChatCompletionBody, COMPLETIONS_FORWARDED).properties,
+  /** The log-probabilities of each token and of this many most likely alternatives (completions' spelling of chat's `top_logprobs`). */
+  logprobs: Type.Optional(Type.Union([Type.Null(), topLogprobs], { description: `an integer from 0 to ${MAX_TOP_LOGPROBS} or null` })),
+};
 
 /** `POST /v1/completions`: the body the gateway accepts. */
 export const CompletionsBody = Type.Object(
@@ -36,7 +41,6 @@ export const CompletionsBody = Type.Object(
     n: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', 'Only one choice per prompt is supported by this server; send `n: 1` or leave it out.') })),
     best_of: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', '`best_of` above 1 is not supported by this server.') })),
     echo: Type.Optional(Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Echoing the prompt is not supported by this server.'))], { description: 'null or false' })),
-    logprobs: Type.Optional(Type.Union([Type.Null(), Type.Literal(0, unsupported('const', 'Log-probabilities are not supported by this server.'))], { description: 'null or 0' })),
     suffix: Type.Optional(Type.Union([Type.Null(), Type.Literal('', unsupported('const', 'Insertion (`suffix`) is not supported by this server.'))], { description: 'null or ""' })),
   },
   { examples: [{ model: 'demo', prompt: 'Once upon a time', max_tokens: 16 }] },

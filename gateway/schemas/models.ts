@@ -1,5 +1,5 @@
 /** `GET /v1/models` and `GET /v1/models/:model`: OpenAI's model objects. */
-import type { Capability, EngineKind } from '../../shared/chat';
+import { CAPABILITIES, ENGINE_CAPABILITIES, type Capability, type EngineKind } from '../../shared/chat';
 import { errorResponses } from './errors';
 
 const model = {
@@ -12,8 +12,8 @@ const model = {
     owned_by: { type: 'string' },
     servable: { type: 'boolean' },
     not_servable_reason: { type: 'string' },
-    engines: { type: 'array', items: { type: 'string', enum: ['llamacpp', 'dllama'] } },
-    capabilities: { type: 'array', items: { type: 'string', enum: ['json_schema', 'tools', 'embeddings'] } },
+    engines: { type: 'array', items: { type: 'string', enum: Object.keys(ENGINE_CAPABILITIES) } },
+    capabilities: { type: 'array', items: { type: 'string', enum: CAPABILITIES } },
   },
 } as const;
 

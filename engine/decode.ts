@@ -1,0 +1,220 @@
+/**
+ * magus's own token loop, for what node-llama-cpp's `LlamaChat` and `LlamaCompletion` keep to
+ * themselves: each sampled token, its log-probability and its most likely alternatives. It serves
+ * raw-text completions (always: their usage then counts exactly the tokens sampled) and chat
+ * requests that ask for `logprobs` (plain chat; tools and response formats with log-probabilities
+ * are refused at the boundary, shared/chat.ts `checkStructure`).
+ *
+ * Each step evaluates the last token (`controlledEvaluate`) and samples the next one natively.
+ * With log-probabilities it asks instead for the model's own logits — before temperature, which
+ * node-llama-cpp would apply to them — of the {@link SAMPLE_TOP_K} most likely tokens and the
+ * softmax's normaliser, reports them as OpenAI does (whatever the sampling settings), and draws
+ * the token itself from those candidates with the request's temperature and top-p, as llama.cpp's
+ * default top-k sampling would.
+ */
+import { randomInt } from 'node:crypto';
+import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import type { TokenChoice, TokenLogprob } from './api';
+
+/** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
+export const SAMPLE_TOP_K = 40;
+
+export interface DecodeOptions {
+  maxTokens: number;
+  /** 0 = greedy. */
+  temperature: number;
+  topP: number;
+  /** Each step samples with a seed derived from this one: a request with a seed is repeatable. */
+  seed?: number;
+  frequencyPenalty: number;
+  presencePenalty: number;
+  /** Texts that end the answer; the first one found and what follows it are not returned. */
+  stop: readonly string[];
+  /** Token sequences that end it too (a chat template's end of turn), not returned. */
+  stopTokens?: readonly (readonly Token[])[];
+  /** Alternatives per token (0–20); absent = no log-probabilities. */
+  topLogprobs?: number;
+  signal: AbortSignal;
+  /** Each new piece of the answer, with the log-probabilities of the tokens it completes. */
+  onText(text: string, logprobs: TokenLogprob[] | undefined): void;
+}
+
+export interface Decoded {
+  text: string;
+  finishReason: 'stop' | 'length';
+  /** Tokens sampled, an end-of-generation token and stop texts included. */
+  completionTokens: number;
+  /** Prompt tokens the sequence already held (not evaluated again). */
+  cachedPromptTokens: number;
+  logprobs?: TokenLogprob[];
+}
+
+/** The index of the first stop text in `text` at or after `from`, or -1. */
+function findStop(text: string, stops: readonly string[], from: number): number {
+  let at = -1;
+  for (const s of stops) {
+    const i = text.indexOf(s, from);
+    if (i >= 0 && (at < 0 || i < at)) at = i;
+  }
+  return at;
+}
+
+/** How many characters at the end of `text` could begin a stop text (held back until known). */
+function stopPrefixAtEnd(text: string, stops: readonly string[]): number {
+  let held = 0;
+  for (const s of stops) {
+    for (let n = Math.min(s.length - 1, text.length); n > held; n--) {
+      if (text.endsWith(s.slice(0, n))) {
+        held = n;
+        break;
+      }
+    }
+  }
+  return held;
+}
+
+const endsWithTokens = (tokens: readonly Token[], tail: readonly Token[]): boolean =>
+  tail.length > 0 && tail.length <= tokens.length && tail.every((t, i) => tokens[tokens.length - tail.length + i] === t);
+
+/** Per-step seeds: one request's steps draw independently, and the same request draws the same. */
+const stepSeed = (seed: number, step: number): number => (Math.imul(seed ^ 0x5bd1e995, 0x9e3779b1) + Math.imul(step + 1, 0x85ebca6b)) >>> 0;
+
+/** A uniform draw in [0, 1) from a 32-bit seed (mulberry32's mixing). */
+function uniform(seed: number): number {
+  let t = (seed + 0x6d2b79f5) >>> 0;
+  t = Math.imul(t ^ (t >>> 15), t | 1);
+  t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+  return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+}
+
+/**
+ * Draws a token from `logits` (most likely first): greedy at temperature 0; otherwise softmax at
+ * `temperature`, cut to the smallest set whose probability reaches `topP`, and one draw `u`.
+ */
+export function drawToken(logits: ReadonlyMap<Token, number>, temperature: number, topP: number, u: number): Token {
+  const entries = [...logits];
+  if (entries.length === 0) throw new Error('no candidate tokens');
+  if (temperature <= 0) return entries[0]![0];
+  const max = entries[0]![1];
+  const weights = entries.map(([, l]) => Math.exp((l - max) / temperature));
+  const total = weights.reduce((a, b) => a + b, 0);
+  let kept = 0;
+  let mass = 0;
+  while (kept < weights.length && (kept === 0 || mass < topP * total)) mass += weights[kept++]!;
+  let r = u * mass;
+  for (let i = 0; i < kept; i++) {
+    r -= weights[i]!;
+    if (r < 0) return entries[i]![0];
+  }
+  return entries[kept - 1]![0];
+}
+
+/**
+ * Continues `prompt` (tokens, the model's BOS included when it takes one) in `sequence`: keeps
+ * the longest prefix the sequence already holds, evaluates the rest, and samples until an
+ * end-of-generation token, a stop, or `maxTokens`.
+ */
+export async function decode(model: LlamaModel, sequence: LlamaContextSequence, prompt: readonly Token[], o: DecodeOptions): Promise<Decoded> {
+  // At least the prompt's last token is evaluated again: its logits choose the first token.
+  const held = sequence.contextTokens;
+  let keep = 0;
+  const reusable = Math.min(held.length, prompt.length - 1);
+  while (keep < reusable && held[keep] === prompt[keep]) keep++;
+  if (keep < sequence.nextTokenIndex) await sequence.eraseContextTokenRanges([{ start: keep, end: sequence.nextTokenIndex }]);
+
+  const wantLogprobs = o.topLogprobs !== undefined;
+  const describe = (token: Token, logprob: number): TokenChoice => {
+    const text = model.detokenize([token], true);
+    return { token: text, logprob, bytes: [...Buffer.from(text, 'utf8')] };
+  };
+  const penalties = o.frequencyPenalty !== 0 || o.presencePenalty !== 0;
+  // Without a seed, a random one: the steps still draw independently.
+  const requestSeed = o.seed ?? randomInt(2 ** 32);
+  const sampled: Token[] = [];
+  const answer: Token[] = [];
+  /** Log-probabilities of tokens whose text is not sent yet, and of those sent. */
+  let pending: TokenLogprob[] = [];
+  const returned: TokenLogprob[] = [];
+  let text = '';
+  let sent = 0;
+  let input: Token[] = prompt.slice(keep);
+  let finishReason: Decoded['finishReason'] = 'length';
+  // Sends the text up to `upTo`. The tokens that begin before it share the piece: each token's
+  // text is what it added to the answer (a character split over byte tokens goes to the token
+  // that completes it), so the tokens' texts joined are the answer.
+  const send = (upTo: number): void => {
+    if (upTo <= sent) return;
+    const piece = text.slice(sent, upTo);
+    let done: TokenLogprob[] | undefined;
+    if (wantLogprobs) {
+      done = pending.filter((l) => l.offset < upTo);
+      pending = pending.slice(done.length);
+      done.forEach((l, i) => {
+        const start = i === 0 ? sent : l.offset;
+        const token = text.slice(start, done![i + 1]?.offset ?? upTo);
+        Object.assign(l, { token, bytes: [...Buffer.from(token, 'utf8')], offset: start });
+      });
+      returned.push(...done);
+    }
+    sent = upTo;
+    o.onText(piece, done);
+  };
+
+  while (sampled.length < o.maxTokens) {
+    if (o.signal.aborted) throw o.signal.reason;
+    const repeatPenalty = penalties ? { repeatPenalty: { punishTokens: sampled, penalty: 1, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } } : {};
+    const seed = stepSeed(requestSeed, sampled.length);
+    const next: ControlledEvaluateInputItem = [
+      input.at(-1)!,
+      {
+        generateNext: wantLogprobs
+          ? { logits: { filter: { tokens: [], includeTop: Math.max(SAMPLE_TOP_K, o.topLogprobs!) } }, totalLogitWeight: true, options: { temperature: 0, ...repeatPenalty } }
+          : { token: true, options: { temperature: o.temperature, topP: o.topP, seed, ...repeatPenalty } },
+      },
+    ];
+    const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
+    const out = evaluated.at(-1)?.next;
+    const token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed)) : out?.token;
+    if (token == null) throw new Error('the model sampled no token');
+    sampled.push(token);
+    if (model.isEogToken(token)) {
+      finishReason = 'stop';
+      break;
+    }
+    input = [token];
+    answer.push(token);
+    const stopTokens = o.stopTokens?.find((t) => endsWithTokens(answer, t));
+    if (stopTokens) {
+      answer.length -= stopTokens.length;
+      text = model.detokenize(answer);
+      finishReason = 'stop';
+      break;
+    }
+    const before = text.length;
+    text = model.detokenize(answer);
+    if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
+      // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
+      const norm = out.logits.values().next().value! + Math.log(out.totalLogitWeight);
+      const lp = (t: Token): number => (out.logits!.get(t) ?? -Infinity) - norm;
+      const top = [...out.logits.keys()].slice(0, o.topLogprobs).map((t) => describe(t, lp(t)));
+      const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
+      pending.push({ ...describe(token, lp(token)), top, offset });
+    }
+    const stopAt = findStop(text, o.stop, Math.max(0, sent - Math.max(0, ...o.stop.map((s) => s.length))));
+    if (stopAt >= 0) {
+      text = text.slice(0, stopAt);
+      finishReason = 'stop';
+      break;
+    }
+    // Hold back an unfinished UTF-8 character and what could begin a stop text.
+    let safe = text.length;
+    while (safe > sent && text.charCodeAt(safe - 1) === 0xfffd) safe--;
+    safe -= stopPrefixAtEnd(text.slice(0, safe), o.stop);
+    send(safe);
+  }
+  // An unfinished character at the end is not part of the answer (as LlamaChat returns it), nor
+  // are the tokens of a stop text.
+  text = text.replace(/\uFFFD+$/, '');
+  send(text.length);
+  return { text, finishReason, completionTokens: sampled.length, cachedPromptTokens: keep, ...(wantLogprobs ? { logprobs: returned } : {}) };
+}
