@@ -764,7 +764,7 @@ describe('/openapi.json', () => {
     const doc = res.json<{ openapi: string; paths: Record<string, Record<string, Operation>> }>();
     expect(doc.openapi).toBe('3.1.0');
     expect(Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`)).sort()).toEqual(
-      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions', 'post /v1/embeddings'].sort(),
+      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions', 'post /v1/completions', 'post /v1/embeddings'].sort(),
     );
     const chatOp = doc.paths['/v1/chat/completions']!.post!;
     expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(ChatCompletionBody)));
@@ -941,6 +941,80 @@ describe('embeddings', () => {
     const res = await embed({ model: 'tiny', input: 'a' });
     expect(res.statusCode).toBe(503);
     expect(res.headers['retry-after']).toBeDefined();
+    expect(t.plane.published).toHaveLength(0);
+  });
+});
+
+describe('text completions', () => {
+  beforeEach(async () => {
+    t = await buildTestApp();
+  });
+  const complete = (body: unknown, token: string | null = t.tokens.alice.token): Promise<LightMyRequestResponse> =>
+    t.app.inject({ method: 'POST', url: '/v1/completions', headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) }, payload: JSON.stringify(body) });
+  const usage = { prompt_tokens: 4, completion_tokens: 2, total_tokens: 6, prompt_tokens_details: { cached_tokens: 1 } };
+  const answer = { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [{ index: 0, text: ' there', logprobs: null, finish_reason: 'length' }], usage };
+  const textChunk = (seq: number, index: number, text: string): ResponseFrame => ({
+    seq,
+    type: 'chunk',
+    data: { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [{ index, text, logprobs: null, finish_reason: null }] },
+  });
+
+  it("forwards the sampling fields (not `user`, `echo`, `n`) as a completions request to an instance of the model's pool, with no conversation, and answers the engine's completion", async () => {
+    t.plane.script = (req) => [{ seq: 0, type: 'done', data: req.kind === 'completions' ? answer : null }];
+    const res = await complete({ model: 'tiny', prompt: ['hi', 'ho'], max_tokens: 2, temperature: 0, seed: 4, stop: '\n', logprobs: 2, user: 'u', echo: false, n: 1 });
+    expect(res.statusCode).toBe(200);
+    expect(res.json()).toEqual(answer);
+    const { req, subject } = t.plane.published[0]!;
+    expect(subject).toBe(t.broker.entry.subject);
+    expect(req).toMatchObject({ kind: 'completions' });
+    expect(req.body).toEqual({ model: 'tiny', prompt: ['hi', 'ho'], max_tokens: 2, temperature: 0, seed: 4, stop: '\n', logprobs: 2 });
+    expect(res.headers['x-request-id']).toBe(req.id);
+    expect(t.broker.routed).toEqual(['default/tiny']);
+    expect(t.broker.calls).toHaveLength(0); // no conversation, no entry
+    expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toMatch(/magus_gateway_prompt_tokens_total\{model="default\/tiny"\} 4/);
+  });
+
+  it('streams the engine\'s text_completion chunks in order, usage only when asked, then [DONE]', async () => {
+    const usageChunk: ResponseFrame = { seq: 3, type: 'chunk', data: { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [], usage } };
+    t.plane.script = () => [textChunk(1, 0, 'b'), textChunk(0, 0, 'a'), textChunk(2, 1, 'c'), usageChunk, { seq: 4, type: 'done' }];
+    const res = await complete({ model: 'tiny', prompt: ['x', 'y'], stream: true });
+    expect(res.statusCode).toBe(200);
+    expect(res.headers['content-type']).toBe('text/event-stream; charset=utf-8');
+    expect(t.plane.published[0]!.req.body).toMatchObject({ stream: true, stream_options: { include_usage: true } });
+    const events = sseEvents(res.body) as ({ choices: { index: number; text: string }[] } | string)[];
+    expect(events.at(-1)).toBe('[DONE]');
+    expect(events.slice(0, -1).map((e) => (e as { choices: { index: number; text: string }[] }).choices.map((c) => `${c.index}:${c.text}`).join())).toEqual(['0:a', '0:b', '1:c']);
+    const asked = sseEvents((await complete({ model: 'tiny', prompt: 'x', stream: true, stream_options: { include_usage: true } })).body);
+    expect(asked.at(-2)).toMatchObject({ choices: [], usage });
+  });
+
+  it.each([
+    ['no prompt', { model: 'tiny' }, 'prompt', 'invalid_value'],
+    ['an empty list of prompts', { model: 'tiny', prompt: [] }, 'prompt', 'invalid_value'],
+    ['more than 16 prompts', { model: 'tiny', prompt: Array.from({ length: 17 }, () => 'x') }, 'prompt', 'invalid_value'],
+    ['logprobs above 20', { model: 'tiny', prompt: 'x', logprobs: 21 }, 'logprobs', 'invalid_value'],
+    ['echo', { model: 'tiny', prompt: 'x', echo: true }, 'echo', 'unsupported_feature'],
+    ['best_of 2', { model: 'tiny', prompt: 'x', best_of: 2 }, 'best_of', 'unsupported_feature'],
+    ['a suffix', { model: 'tiny', prompt: 'x', suffix: 'end' }, 'suffix', 'unsupported_feature'],
+  ])('refuses %s with a 400 naming the field, before anything is published', async (_what, body, param, code) => {
+    const res = await complete(body);
+    expect(res.statusCode).toBe(400);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', param, code });
+    expect(t.plane.published).toHaveLength(0);
+  });
+
+  it('needs a token and a model it may use; a distributed-llama-only model is a 400 naming the engine', async () => {
+    expect((await complete({ model: 'tiny', prompt: 'a' }, null)).statusCode).toBe(401);
+    expect(errorOf(await complete({ model: 'tiny', prompt: 'a' }, t.tokens.narrow.token)).code).toBe('model_not_found');
+    const dllamaArtifact = { format: 'dllama', weights: 'q40', files: [] } as unknown as ReadyModel['artifacts'][number];
+    const plan = { format: 'dllama', weights: 'q40', topologies: [{ nodes: 2 }] } as unknown as ReadyModel['memory'][number];
+    const big: ReadyModel = { ...readyModel('big'), artifacts: [dllamaArtifact], memory: [plan] };
+    await t.app.close();
+    const runtime: RuntimeAdvert = { worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: Date.now() };
+    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big]), read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtime, at: Date.now() }] }) }) });
+    const res = await complete({ model: 'big', prompt: 'a' });
+    expect(errorOf(res)).toMatchObject({ param: 'model', code: 'unsupported_feature' });
+    expect(errorOf(res).message).toContain("distributed-llama's dllama-api");
     expect(t.plane.published).toHaveLength(0);
   });
 });

@@ -9,6 +9,7 @@ import { clientErrorHandler, errors, errorsPlugin, frameworkErrors } from './plu
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
 import { servicesPlugin, type GatewayServices, type ReadinessCheck } from './plugins/services';
 import { chatRoutes } from './routes/chat';
+import { completionsRoutes } from './routes/completions';
 import { embeddingsRoutes } from './routes/embeddings';
 import { healthRoutes } from './routes/health';
 import { metricsRoutes } from './routes/metrics';
@@ -114,6 +115,7 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   await app.register(metricsRoutes);
   await app.register(modelRoutes);
   await app.register(chatRoutes);
+  await app.register(completionsRoutes);
   await app.register(embeddingsRoutes);
   let openApi: string | undefined;
   // Unauthenticated like /healthz: it says nothing a client of the OpenAI API does not know.

@@ -100,7 +100,29 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(floats.data[0]!.embedding.map((v) => Math.fround(v))).toEqual(bananas);
     await expect(openai.embeddings.create({ model: 'demo', input: 'x', dimensions: 64 })).rejects.toMatchObject({ status: 400, param: 'dimensions' });
 
-    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings.
+    // Log-probabilities (magus's own token loop): greedy, the same answer as without them, each
+    // token the most likely of its alternatives; the tokens' texts are the answer.
+    const lp = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32, logprobs: true, top_logprobs: 3 });
+    expect(lp.choices[0]?.message.content).toBe(answer.choices[0]?.message.content);
+    const tokens = lp.choices[0]!.logprobs!.content!;
+    expect(tokens.map((c) => c.token).join('')).toBe(lp.choices[0]?.message.content);
+    for (const c of tokens) {
+      expect(c.top_logprobs).toHaveLength(3);
+      for (const alt of c.top_logprobs) expect(c.logprob).toBeGreaterThanOrEqual(alt.logprob - 1e-6);
+    }
+
+    // Text completions: raw text, no chat template; prompts answered in order, streamed the same.
+    const completion = await openai.completions.create({ model: 'demo', prompt: ['The capital of France is', 'The capital of Germany is'], max_tokens: 8, temperature: 0, logprobs: 2 });
+    expect(completion.choices.map((c) => c.index)).toEqual([0, 1]);
+    expect(completion.choices[0]?.text).toMatch(/Paris/);
+    expect(completion.choices[1]?.text).toMatch(/Berlin/);
+    expect(completion.choices[0]?.logprobs?.tokens?.join('')).toBe(completion.choices[0]?.text);
+    expect(completion.usage?.completion_tokens).toBeGreaterThan(0);
+    let streamedText = '';
+    for await (const c of await openai.completions.create({ model: 'demo', prompt: 'The capital of France is', max_tokens: 8, temperature: 0, stream: true })) streamedText += c.choices[0]?.text ?? '';
+    expect(streamedText).toBe(completion.choices[0]?.text);
+
+    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs.
     const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
     const py = spawnSync(python, [join(__dirname, 'openai_python.py')], { env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() }, encoding: 'utf8', timeout: 60_000 });
     expect({ status: py.status, stderr: py.stderr }).toEqual({ status: 0, stderr: '' });

@@ -1,6 +1,7 @@
 """The official `openai` Python client against magus dev (test/dev.int.test.ts runs it with the
 venv of scripts/python-openai): structured output parsed into a pydantic model, a tool call whose
-arguments parse into the function's pydantic model, embeddings. Prints one JSON line of what it
+arguments parse into the function's pydantic model, embeddings, a text completion and chat with
+log-probabilities. Prints one JSON line of what it
 got; any failed check exits non-zero with the reason."""
 import json
 import os
@@ -54,7 +55,30 @@ def main() -> None:
     assert [len(v) for v in vectors] == [576, 576], f"sizes: {[len(v) for v in vectors]}"
     assert vectors[0] != vectors[1], "different inputs, equal vectors"
 
-    print(json.dumps({"openai": openai.__version__, "capital": capital.model_dump(), "call": args.model_dump(), "dimensions": len(vectors[0])}))
+    completion = client.completions.create(model="demo", prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2)
+    text = completion.choices[0].text
+    lp = completion.choices[0].logprobs
+    assert "".join(lp.tokens) == text, f"tokens {lp.tokens!r} are not the text {text!r}"
+    assert all(len(top) <= 2 for top in lp.top_logprobs), f"top_logprobs: {lp.top_logprobs!r}"
+
+    greedy = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "What is the capital of France?"}], temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    content = greedy.choices[0].logprobs.content
+    assert all(c.logprob >= max(t.logprob for t in c.top_logprobs) - 1e-6 for c in content), "a greedy token less likely than an alternative"
+
+    print(
+        json.dumps(
+            {
+                "openai": openai.__version__,
+                "capital": capital.model_dump(),
+                "call": args.model_dump(),
+                "dimensions": len(vectors[0]),
+                "completion": text,
+                "logprobs": len(content),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

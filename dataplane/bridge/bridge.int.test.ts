@@ -11,7 +11,7 @@ import { type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnect } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import type { ChatInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import { openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
@@ -64,6 +64,8 @@ class StubEngine {
 
   /** Bodies posted to `/v1/embeddings`. */
   readonly embeddingCalls: unknown[] = [];
+  /** Bodies posted to `/v1/completions` (answered with the text `a`, `b` streamed, or `ab`). */
+  readonly textCalls: { stream?: boolean; seed?: number }[] = [];
 
   async close(): Promise<void> {
     this.server.closeAllConnections();
@@ -77,6 +79,20 @@ class StubEngine {
     }
     let raw = '';
     for await (const c of req) raw += String(c);
+    if (req.url === '/v1/completions') {
+      const body = JSON.parse(raw) as { stream?: boolean; seed?: number };
+      this.textCalls.push(body);
+      const base = { id: 'cmpl-engine', object: 'text_completion', created: 1, model: 'stub' };
+      if (!body.stream) {
+        res.writeHead(200, { 'content-type': 'application/json' });
+        res.end(JSON.stringify({ ...base, choices: [{ index: 0, text: 'ab', logprobs: null, finish_reason: 'stop' }] }));
+        return;
+      }
+      res.writeHead(200, { 'content-type': 'text/event-stream' });
+      for (const [text, finish] of [['a', null], ['b', null], ['', 'stop']]) res.write(`data: ${JSON.stringify({ ...base, choices: [{ index: 0, text, logprobs: null, finish_reason: finish }] })}\n\n`);
+      res.end('data: [DONE]\n\n');
+      return;
+    }
     if (req.url === '/v1/embeddings') {
       this.embeddingCalls.push(JSON.parse(raw) as unknown);
       res.writeHead(200, { 'content-type': 'application/json' });
@@ -659,6 +675,43 @@ describe('failures', () => {
     await send(other, refused);
     expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'model', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
     expect(stub.embeddingCalls).toHaveLength(1);
+    await until('term', () => dllama.stats.termed === 1);
+  });
+
+  it('a text completion goes to /v1/completions with a pinned seed; its chunks and answer carry the request\'s cmpl- id; to distributed-llama it is refused', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    const textReq = (stream: boolean): CompletionsInference => {
+      const id = newId();
+      return { id, replyTo: responseSubjectOf(names, id), deadline: Date.now() + 60_000, kind: 'completions', body: { model: 'stub', prompt: 'x', stream } };
+    };
+    const streamed = textReq(true);
+    const frames = await listen(streamed.id);
+    await send(instance, streamed);
+    const got = await frames.finished;
+    expect(got.map((f) => f.type)).toEqual(['chunk', 'chunk', 'chunk', 'done']);
+    const chunks = got.flatMap((f) => (f.type === 'chunk' ? [f.data as { id: string; object: string; choices: { text: string }[] }] : []));
+    expect(chunks.map((c) => c.choices[0]!.text)).toEqual(['a', 'b', '']);
+    for (const c of chunks) expect(c).toMatchObject({ id: `cmpl-${streamed.id}`, object: 'text_completion' });
+    const whole = textReq(false);
+    const answer = await listen(whole.id);
+    await send(instance, whole);
+    expect(await answer.finished).toEqual([{ seq: 0, type: 'done', data: expect.objectContaining({ id: `cmpl-${whole.id}`, choices: [expect.objectContaining({ text: 'ab' })] }) as unknown }]);
+    expect(stub.textCalls.map((c) => [c.stream, typeof c.seed])).toEqual([
+      [true, 'number'],
+      [false, 'number'],
+    ]);
+    expect(stub.calls).toHaveLength(0);
+    await until('acks', () => b.stats.acked === 2);
+
+    const other = await instanceWith();
+    const dllama = await bridge(other, stub.url, { engineKind: 'dllama' });
+    const refused = textReq(false);
+    const refusal = await listen(refused.id);
+    await send(other, refused);
+    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'model', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(stub.textCalls).toHaveLength(2);
     await until('term', () => dllama.stats.termed === 1);
   });
 

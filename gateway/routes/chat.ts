@@ -6,14 +6,14 @@
 import type { FastifyPluginCallback, FastifyReply } from 'fastify';
 import { nuid } from 'nats';
 import { checkStructure, forwardedFields, refusedOnEvery, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
-import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
+import type { InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { SseResponse } from '../plugins/sse';
 import { chatCompletionSchema } from '../schemas/chat';
-import { ClientGone, exchangeOptions } from './inference';
+import { ClientGone, exchangeOptions, isUsageChunk, usageCounter } from './inference';
 
 /**
  * Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside
@@ -38,17 +38,6 @@ function toEngineRequest(body: ChatCompletionBody, messages: ChatMessage[]): Cha
   if (out.stream) out.stream_options = { include_usage: true };
   return out;
 }
-
-/** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
-function usageIn(data: unknown): { prompt: number; cached: number } | undefined {
-  const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
-  if (typeof usage?.prompt_tokens !== 'number') return undefined;
-  const cached = usage.prompt_tokens_details?.cached_tokens;
-  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0 };
-}
-
-/** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
-const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
 export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
@@ -86,13 +75,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       reply.raw.once('close', onClose);
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       const clientWantsUsage = body.stream === true && body.stream_options?.include_usage === true;
-      const modelLabel = `${model.namespace}/${model.name}`;
-      const countUsage = (data: unknown): void => {
-        const usage = usageIn(data);
-        if (!usage) return;
-        app.metrics.promptTokens.inc([modelLabel], usage.prompt);
-        app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
-      };
+      const countUsage = usageCounter(app, `${model.namespace}/${model.name}`);
       let entry: SessionEntry;
       let published: SessionEntry | undefined;
       // Whether this turn was answered: a conversation it starts gets its session only then (sessions.ts).
