@@ -38,6 +38,9 @@ def filter_body(context, body):
 # - tool names are unique, a named `tool_choice` names one of them, `required` needs a tool, and a
 #   `tool` message answers a call an earlier assistant message made: generated cases are made to
 #   agree (a tool result answering nothing becomes a user message);
+# - chat's `top_logprobs` needs `logprobs: true`, and log-probabilities come neither with tools
+#   nor with a JSON response format: a case asking for both loses its log-probabilities, one with
+#   `top_logprobs` alone gets `logprobs: true`;
 # - embeddings' `dimensions`: the description allows any size, a model only its own (the stub
 #   engine's 8), so a whole number becomes 8.
 # Every other field of a case is still fuzzed; values of the wrong type (negative cases) are left
@@ -73,6 +76,15 @@ def _agree(body):
             body["tool_choice"] = "auto"
     if choice == "required" and not names:
         body["tool_choice"] = "auto"
+    if "messages" in body:
+        top = body.get("top_logprobs")
+        wants = body.get("logprobs") is True or (type(top) is int and top >= 0)
+        structured = (names and body.get("tool_choice") != "none") or (isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema"))
+        if wants and structured:
+            body["logprobs"] = False
+            body.pop("top_logprobs", None)
+        elif type(top) is int and body.get("logprobs") is not True:
+            body["logprobs"] = True
     dims = body.get("dimensions")
     if "input" in body and type(dims) in (int, float) and dims == int(dims) and dims >= 1:
         body["dimensions"] = STUB_EMBEDDING_DIMENSIONS
