@@ -1,6 +1,7 @@
 /**
  * `npm run bench:structured`: what grammar-constrained decoding costs (issue 27): tokens/s of
- * answers under a `json_schema` (and of forced tool calls) against free answers of the same
+ * answers under a `json_schema` (and of forced tool calls, and of answers with log-probabilities,
+ * which take magus's own token loop) against free answers of the same
  * length cap, on magus dev's demo model (SmolLM2-135M-Instruct, Q4_1 GGUF) in `magus engine`
  * started as the local runtime starts it, 1 slot, called directly. Blocks of requests alternate
  * between the kinds so that drift in the machine's load hits them alike; each request's prompt
@@ -34,15 +35,17 @@ const WEATHER = {
 };
 const PROMPT = 'Write a short story about a lighthouse keeper who finds a message in a bottle.';
 
-type Kind = 'free' | 'json_schema' | 'tool call';
+type Kind = 'free' | 'json_schema' | 'tool call' | 'logprobs';
 const extra: Record<Kind, Record<string, unknown>> = {
   free: {},
+  // magus's own token loop (engine/decode.ts), with the top 5 alternatives per token.
+  logprobs: { logprobs: true, top_logprobs: 5 },
   json_schema: { response_format: { type: 'json_schema', json_schema: { name: 'story', schema: STORY } } },
   'tool call': { tools: [WEATHER], tool_choice: 'required' },
 };
 
 interface Answer {
-  choices: { message: { content: string | null; tool_calls?: unknown[] }; finish_reason: string }[];
+  choices: { message: { content: string | null; tool_calls?: unknown[] }; finish_reason: string; logprobs: { content: unknown[] } | null }[];
   usage: { completion_tokens: number };
 }
 
@@ -62,12 +65,14 @@ async function main(): Promise<void> {
     let valid = true;
     if (kind === 'json_schema' && choice.finish_reason === 'stop') valid = typeof JSON.parse(choice.message.content!) === 'object';
     if (kind === 'tool call') valid = choice.finish_reason === 'tool_calls' || choice.finish_reason === 'length';
+    // One entry per returned token (the end-of-generation token, when sampled, returns no text).
+    if (kind === 'logprobs') valid = (choice.logprobs?.content.length ?? 0) >= answer.usage.completion_tokens - 1 && answer.usage.completion_tokens > 0;
     return { tokens: answer.usage.completion_tokens, ms, valid };
   };
   try {
-    const kinds: Kind[] = ['free', 'json_schema', 'tool call'];
+    const kinds: Kind[] = ['free', 'json_schema', 'tool call', 'logprobs'];
     for (const k of kinds) await ask(k); // warm-up: grammars compiled, the prompt's prefix in the slot
-    const results: Record<Kind, { tokens: number; ms: number; valid: boolean }[]> = { free: [], json_schema: [], 'tool call': [] };
+    const results: Record<Kind, { tokens: number; ms: number; valid: boolean }[]> = { free: [], json_schema: [], 'tool call': [], logprobs: [] };
     for (let round = 0; round < ROUNDS; round++) {
       const order = round % 2 === 0 ? kinds : [...kinds].reverse();
       for (const k of order) for (let i = 0; i < BLOCK; i++) results[k].push(await ask(k));

@@ -128,6 +128,8 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     return { token: text, logprob, bytes: [...Buffer.from(text, 'utf8')] };
   };
   const penalties = o.frequencyPenalty !== 0 || o.presencePenalty !== 0;
+  // Greedy needs only the most likely token.
+  const candidates = o.temperature > 0 ? SAMPLE_TOP_K : 1;
   // Without a seed, a random one: the steps still draw independently.
   const requestSeed = o.seed ?? randomInt(2 ** 32);
   const sampled: Token[] = [];
@@ -168,7 +170,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
       input.at(-1)!,
       {
         generateNext: wantLogprobs
-          ? { logits: { filter: { tokens: [], includeTop: Math.max(SAMPLE_TOP_K, o.topLogprobs!) } }, totalLogitWeight: true, options: { temperature: 0, ...repeatPenalty } }
+          ? { logits: { filter: { tokens: [], includeTop: Math.max(candidates, o.topLogprobs!) } }, totalLogitWeight: true, options: { temperature: 0, ...repeatPenalty } }
           : { token: true, options: { temperature: o.temperature, topP: o.topP, seed, ...repeatPenalty } },
       },
     ];
