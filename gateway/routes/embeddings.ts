@@ -8,11 +8,10 @@ import { nuid } from 'nats';
 import { refusedOnEvery } from '../../shared/chat';
 import { embeddingsUnsupportedBy, type EmbeddingsBody, type EmbeddingsResponse } from '../../shared/embeddings';
 import type { EmbeddingsInference } from '../../shared/serving';
-import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import { exchange } from '../plugins/responses';
 import { embeddingsSchema } from '../schemas/embeddings';
-import { ClientGone, exchangeOptions } from './inference';
+import { ClientGone, exchangeOptions, servableModel } from './inference';
 
 export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
@@ -20,10 +19,7 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
 
   app.post<{ Body: EmbeddingsBody }>('/v1/embeddings', { schema: embeddingsSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate }, async (request, reply) => {
     const { user: _user, ...body } = request.body;
-    const model = await g.models.find(body.model);
-    if (!model || !mayUse(request.principal!, model.namespace, model.name)) throw errors.modelNotFound(body.model);
-    const unservable = g.models.unservable(model);
-    if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
+    const model = await servableModel(app, request.principal!, body.model);
     const refused = refusedOnEvery(g.models.engines(model), embeddingsUnsupportedBy);
     if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
     const backlog = g.backlogFull?.(model);
