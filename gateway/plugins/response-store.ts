@@ -82,7 +82,7 @@ export function kvResponseStore(kv: KV): ResponseStore {
       if (!RESPONSE_ID.test(id)) return false;
       const entry = await kv.get(id);
       if (!entry || entry.operation !== 'PUT') return false;
-      // Purge, not delete: nothing of it (not even a marker) stays until the bucket's max age.
+      // Purged: its value leaves the stream at once (only a marker stays, until the bucket's max age).
       await kv.purge(id);
       return true;
     },
