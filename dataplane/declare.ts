@@ -32,6 +32,7 @@ import {
   Events,
   type JetStreamClient,
   type JetStreamManager,
+  type KV,
   type NatsConnection,
   RetentionPolicy,
   StorageType,
@@ -162,6 +163,21 @@ async function ensureBucket(
   if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history || config.num_replicas !== opts.replicas) {
     await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history, num_replicas: opts.replicas });
   }
+}
+
+/** Default max age of `magus_responses`: a stored response (and so a chain whose first response it is) lives 30 days. */
+export const DEFAULT_RESPONSES_MAX_AGE_MS = 30 * 24 * HOUR;
+
+/**
+ * The bucket of stored responses (`magus_responses`), created or brought to `maxAgeMs` and
+ * `replicas`: declared by the gateways, its only writers and readers, whose configuration holds
+ * the TTL (every replica must be given the same values). On file: a stored response outlives a
+ * restart of NATS.
+ */
+export async function ensureResponsesBucket(nc: NatsConnection, bucket: string, opts: { maxAgeMs: number; replicas?: number }): Promise<KV> {
+  const js = nc.jetstream();
+  await ensureBucket(js, await nc.jetstreamManager(), bucket, { history: 1, maxAgeMs: opts.maxAgeMs, replicas: opts.replicas ?? 1 });
+  return js.views.kv(bucket);
 }
 
 /**

@@ -11,6 +11,7 @@ export { type ClaimResult, type RequestClaim, type RequestClaims, openRequestCla
 export { deleteInstanceConsumer, ensureInstanceConsumer, instanceConsuming, restoreConsumer, type InstanceConsumerOptions } from './consumers';
 export {
   DEFAULT_INSTANCE_BACKLOG,
+  DEFAULT_RESPONSES_MAX_AGE_MS,
   DEFAULT_RESPONSE_PEAK_BYTES_PER_SEC,
   DEFAULT_RESPONSE_RETENTION_MS,
   MAX_REPLICAS,
@@ -18,6 +19,7 @@ export {
   ResponseStreamMetadata,
   declareOnReconnect,
   ensureDataPlane,
+  ensureResponsesBucket,
   responseStreamLimits,
   type DataPlaneOptions,
 } from './declare';

@@ -27,6 +27,7 @@ export interface DataPlaneNames {
   modelsBucket: string;
   claimsBucket: string;
   poolsBucket: string;
+  responsesBucket: string;
 }
 
 const NAME = /^[A-Za-z0-9_-]+$/;
@@ -51,6 +52,7 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
     modelsBucket: `${p}${Nats.modelsBucket}`,
     claimsBucket: `${p}${CLAIMS_BUCKET}`,
     poolsBucket: `${p}${Nats.poolsBucket}`,
+    responsesBucket: `${p}${Nats.responsesBucket}`,
   };
 }
 

@@ -21,6 +21,7 @@ import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './plugins/models';
 import type { ModelObject } from './schemas/models';
 import { EmbeddingsBody } from '../shared/embeddings';
+import { ResponsesBody } from '../shared/responses';
 import type { RuntimeAdvert } from '../shared/runtimes';
 import type { ReadyModel } from '../shared/model';
 import { buildTestApp, chunk, readyModel, sseEvents, testSettings, type TestApp } from '../test/harness/gateway-app';
@@ -764,7 +765,19 @@ describe('/openapi.json', () => {
     const doc = res.json<{ openapi: string; paths: Record<string, Record<string, Operation>> }>();
     expect(doc.openapi).toBe('3.1.0');
     expect(Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`)).sort()).toEqual(
-      ['get /healthz', 'get /metrics', 'get /readyz', 'get /v1/models', 'get /v1/models/{model}', 'post /v1/chat/completions', 'post /v1/completions', 'post /v1/embeddings'].sort(),
+      [
+        'get /healthz',
+        'get /metrics',
+        'get /readyz',
+        'get /v1/models',
+        'get /v1/models/{model}',
+        'post /v1/chat/completions',
+        'post /v1/completions',
+        'post /v1/embeddings',
+        'post /v1/responses',
+        'get /v1/responses/{response_id}',
+        'delete /v1/responses/{response_id}',
+      ].sort(),
     );
     const chatOp = doc.paths['/v1/chat/completions']!.post!;
     expect(chatOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(ChatCompletionBody)));
@@ -776,6 +789,14 @@ describe('/openapi.json', () => {
     const embeddingsOp = doc.paths['/v1/embeddings']!.post!;
     expect(embeddingsOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(EmbeddingsBody)));
     expect(embeddingsOp.security).toEqual([{ bearer: [] }]);
+    const responsesOp = doc.paths['/v1/responses']!.post!;
+    expect(responsesOp.requestBody!.content['application/json']!.schema).toEqual(JSON.parse(JSON.stringify(ResponsesBody)));
+    expect(Object.keys(responsesOp.responses['200']!.content)).toEqual(['application/json', 'text/event-stream']);
+    for (const method of ['get', 'delete']) {
+      const op = doc.paths['/v1/responses/{response_id}']![method]!;
+      expect(op.parameters).toEqual([expect.objectContaining({ name: 'response_id', in: 'path', required: true })]);
+      expect(op.security).toEqual([{ bearer: [] }]);
+    }
     expect(doc.paths['/healthz']!.get!.security).toEqual([]);
   });
 

@@ -14,6 +14,7 @@ import { embeddingsRoutes } from './routes/embeddings';
 import { healthRoutes } from './routes/health';
 import { metricsRoutes } from './routes/metrics';
 import { modelRoutes } from './routes/models';
+import { responsesRoutes } from './routes/responses';
 import { describedRoute, openApiDocument, type DescribedRoute } from './openapi';
 
 /** The services the routes use (plugins/services.ts), plus the app's own extras. */
@@ -117,6 +118,7 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   await app.register(chatRoutes);
   await app.register(completionsRoutes);
   await app.register(embeddingsRoutes);
+  await app.register(responsesRoutes);
   let openApi: string | undefined;
   // Unauthenticated like /healthz: it says nothing a client of the OpenAI API does not know.
   app.get('/openapi.json', (_request, reply) => reply.type('application/json; charset=utf-8').send((openApi ??= JSON.stringify(openApiDocument(described)))));

@@ -90,6 +90,24 @@ describe('MAGUS_SESSION_TTL_MS', () => {
   });
 });
 
+describe('stored responses: MAGUS_RESPONSES_BUCKET, MAGUS_RESPONSES_TTL', () => {
+  it('magus_responses (named by the prefix) for 30 days unset; a duration with a unit or whole milliseconds', () => {
+    const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET });
+    expect(c.buckets.responses).toBe('magus_responses');
+    expect(c.responsesTtlMs).toBe(30 * 24 * 3_600_000);
+    expect(c.natsReplicas).toBeUndefined();
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_NATS_PREFIX: 'T_X' }).buckets.responses).toBe('T_X_magus_responses');
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_BUCKET: 'mine', MAGUS_NATS_REPLICAS: '3' })).toMatchObject({ buckets: { responses: 'mine' }, natsReplicas: 3 });
+    for (const [value, ms] of [['7d', 7 * 24 * 3_600_000], ['12h', 12 * 3_600_000], ['90m', 90 * 60_000], ['60s', 60_000], ['120000', 120_000]] as const) {
+      expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_TTL: value }).responsesTtlMs).toBe(ms);
+    }
+  });
+
+  it.each(['30', '59s', '366d', '1.5d', 'a week', '-1h'])('refuses %j naming the variable', (value) => {
+    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_TTL: value })).toThrow(`MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d`);
+  });
+});
+
 it('never echoes the secret', () => {
   const secret = 'tiny-secret';
   expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(expect.not.objectContaining({ message: expect.stringContaining(secret) as string }) as Error);

@@ -3,9 +3,9 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
-import { dataPlaneNames, REPLICA_ID } from '../dataplane';
+import { dataPlaneNames, DEFAULT_RESPONSES_MAX_AGE_MS, REPLICA_ID } from '../dataplane';
 import { readFileSync } from 'node:fs';
-import { checkNatsServerList, instanceMemoryFrom, temporalSettings, type TemporalSettings } from '../platform/config';
+import { checkNatsServerList, instanceMemoryFrom, natsReplicasFrom, temporalSettings, type TemporalSettings } from '../platform/config';
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './plugins/responses';
 import { MAX_PENDING_SESSION_STARTS } from './plugins/sessions';
@@ -23,7 +23,7 @@ export interface GatewayConfig {
   subjectScope: string;
   /** This process's token in its response subjects (`magus.res.<replica>.<id>`): it receives only its own frames. */
   replicaId: string;
-  buckets: { models: string; tokens: string; sessions: string; pools: string };
+  buckets: { models: string; tokens: string; sessions: string; pools: string; responses: string };
   /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
   responseStream: string;
   /** The stream of requests (`MAGUS_REQUESTS`), whose instance consumers show whether a bridge is consuming. */
@@ -46,6 +46,10 @@ export interface GatewayConfig {
   responseRouting: 'shared' | 'per-request';
   /** `MAGUS_SESSION_TTL_MS`: a conversation keeps its session (its instance, its `magus_sessions` entry) this long after its last turn. */
   sessionTtlMs: number;
+  /** `MAGUS_RESPONSES_TTL`: how long a stored response (the max age of `magus_responses`) is kept after it was created. */
+  responsesTtlMs: number;
+  /** `MAGUS_NATS_REPLICAS`: replicas of the bucket the gateway declares (`magus_responses`), as the other processes' of theirs. */
+  natsReplicas?: number;
 }
 
 export class GatewayConfigError extends Error {
@@ -69,6 +73,22 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
  * (dataplane/declare.ts), which would drop the entry of a session still running.
  */
 export const SESSION_TTL_MS = { default: 30 * 60_000, min: 60_000, max: 24 * 3_600_000 } as const;
+
+/** `MAGUS_RESPONSES_TTL`: at least a minute, at most a year; default 30 days. */
+export const RESPONSES_TTL_MS = { default: DEFAULT_RESPONSES_MAX_AGE_MS, min: 60_000, max: 365 * 24 * 3_600_000 } as const;
+const DURATION_UNITS_MS: Readonly<Record<string, number>> = { '': 1, ms: 1, s: 1_000, m: 60_000, h: 3_600_000, d: 24 * 3_600_000 };
+
+/** `MAGUS_RESPONSES_TTL` from `env`: whole milliseconds or a number with a unit (`90s`, `12h`, `30d`); default 30 days. */
+export function responsesTtlFrom(env: NodeJS.ProcessEnv): { ttlMs: number; problem?: string } {
+  const value = env.MAGUS_RESPONSES_TTL?.trim();
+  if (value === undefined || value === '') return { ttlMs: RESPONSES_TTL_MS.default };
+  const m = /^(\d+)(ms|s|m|h|d)?$/.exec(value);
+  const ms = m ? Number(m[1]) * DURATION_UNITS_MS[m[2] ?? '']! : NaN;
+  if (!Number.isSafeInteger(ms) || ms < RESPONSES_TTL_MS.min || ms > RESPONSES_TTL_MS.max) {
+    return { ttlMs: RESPONSES_TTL_MS.default, problem: `MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d (whole milliseconds, or a number with s, m, h or d)` };
+  }
+  return { ttlMs: ms };
+}
 
 /** `MAGUS_SESSION_TTL_MS` from `env` (default 30 min), or the problem with it. */
 export function sessionTtlFrom(env: NodeJS.ProcessEnv): { ttlMs: number; problem?: string } {
@@ -141,6 +161,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     tokens: str('MAGUS_TOKENS_BUCKET', names.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     sessions: str('MAGUS_SESSIONS_BUCKET', names.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     pools: str('MAGUS_POOLS_BUCKET', names.poolsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    responses: str('MAGUS_RESPONSES_BUCKET', names.responsesBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
   };
 
   let secret = raw('MAGUS_GATEWAY_SECRET');
@@ -200,6 +221,9 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   };
   const session = sessionTtlFrom(env);
   if (session.problem !== undefined) problems.push(session.problem);
+  const responsesTtl = responsesTtlFrom(env);
+  if (responsesTtl.problem !== undefined) problems.push(responsesTtl.problem);
+  const natsReplicas = natsReplicasFrom(env, problems);
   // Cross-field rules.
   if (settings.gapTimeoutMs >= settings.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_GAP_TIMEOUT_MS (${settings.gapTimeoutMs}) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${settings.requestTimeoutMs})`);
   if (http.requestTimeoutMs > 0 && http.headersTimeoutMs > http.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_HEADERS_TIMEOUT_MS (${http.headersTimeoutMs}) must not exceed MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS (${http.requestTimeoutMs})`);
@@ -228,6 +252,8 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     logLevel: oneOf('MAGUS_LOG_LEVEL', 'info', LOG_LEVELS),
     responseRouting: oneOf('MAGUS_GATEWAY_RESPONSE_ROUTING', 'shared', ['shared', 'per-request'] as const),
     sessionTtlMs: session.ttlMs,
+    responsesTtlMs: responsesTtl.ttlMs,
+    ...(natsReplicas !== undefined ? { natsReplicas } : {}),
   };
   if (problems.length > 0) throw new GatewayConfigError(`invalid gateway configuration:\n  ${problems.join('\n  ')}`);
   return config;
@@ -249,6 +275,9 @@ environment:
   MAGUS_GATEWAY_REPLICA_ID             gw-<random> (this replica's frames come on magus.res.<replica>.*; unique per replica, e.g. the pod name)
   MAGUS_MODELS_BUCKET, MAGUS_TOKENS_BUCKET, MAGUS_SESSIONS_BUCKET   magus_models, magus_tokens, magus_sessions
   MAGUS_POOLS_BUCKET                                           magus_pools
+  MAGUS_RESPONSES_BUCKET               magus_responses (stored responses of /v1/responses; the gateway declares it)
+  MAGUS_RESPONSES_TTL                  30d (a stored response is kept this long after it was created: 1m to 365d, or whole ms)
+  MAGUS_NATS_REPLICAS                  1 (replicas of magus_responses, as the other processes' of theirs)
   MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
   MAGUS_GATEWAY_REQUEST_TIMEOUT_MS     300000 (504 when the engine sends nothing for this long)
   MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (a missing response frame is read back from the stream after this; 502 after 8 reads miss it)

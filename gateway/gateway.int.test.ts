@@ -6,7 +6,8 @@
  * or not at all, as each test's prompt asks.
  */
 import OpenAI from 'openai';
-import { AckPolicy, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
+import { AckPolicy, nanos, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
+import { ensureResponsesBucket } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import type { ChatInference as InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
 import { endpoint, isolation, natsConnect } from '../test/harness';
@@ -25,7 +26,7 @@ const pool = 'gw';
 const instance = 'inst-1';
 const subject = `${scope}.magus.req.${pool}.${instance}`;
 const streamName = `${iso.natsPrefix}_REQUESTS`;
-const buckets = { models: `${iso.natsPrefix}_models`, tokens: `${iso.natsPrefix}_tokens`, sessions: `${iso.natsPrefix}_sessions` };
+const buckets = { models: `${iso.natsPrefix}_models`, tokens: `${iso.natsPrefix}_tokens`, sessions: `${iso.natsPrefix}_sessions`, responses: `${iso.natsPrefix}_responses` };
 const alice = makeToken('alice');
 const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
 
@@ -107,6 +108,8 @@ beforeAll(async () => {
       MAGUS_MODELS_BUCKET: buckets.models,
       MAGUS_TOKENS_BUCKET: buckets.tokens,
       MAGUS_SESSIONS_BUCKET: buckets.sessions,
+      MAGUS_RESPONSES_BUCKET: buckets.responses,
+      MAGUS_RESPONSES_TTL: '2h',
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1500',
       MAGUS_GATEWAY_GAP_TIMEOUT_MS: '300',
       MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '100',
@@ -239,6 +242,55 @@ describe('the official openai client', () => {
     })().catch((e: unknown) => e);
     expect(className(midway)).toBe('APIError');
     expect((midway as Error).message).not.toContain('10.1.2.3');
+  });
+});
+
+describe('the Responses API over NATS, its chain in the magus_responses KV', () => {
+  const client = () => new OpenAI({ apiKey: alice.token, baseURL: `${gw.url}/v1`, maxRetries: 0 });
+
+  it('the gateway declares the bucket with the configured max age, and brings an existing one to its own', async () => {
+    const jsm = await nc.jetstreamManager();
+    expect((await jsm.streams.info(`KV_${buckets.responses}`)).config).toMatchObject({ max_age: nanos(2 * 3_600_000), max_msgs_per_subject: 1, storage: StorageType.File });
+    await ensureResponsesBucket(nc, buckets.responses, { maxAgeMs: 3 * 3_600_000 });
+    expect((await jsm.streams.info(`KV_${buckets.responses}`)).config.max_age).toBe(nanos(3 * 3_600_000));
+    await ensureResponsesBucket(nc, buckets.responses, { maxAgeMs: 2 * 3_600_000 });
+    expect((await jsm.streams.info(`KV_${buckets.responses}`)).config.max_age).toBe(nanos(2 * 3_600_000));
+  });
+
+  it('stored, read back, continued on the same session, streamed, and deleted, with the official client', async () => {
+    const kv = await js.views.kv(buckets.responses);
+    const first = await client().responses.create({ model: 'tiny', input: 'first turn', instructions: 'sdk-responses' });
+    expect(first).toMatchObject({ object: 'response', status: 'completed', output_text: 'echo: first turn' });
+    // The record as the KV holds it: the chain's root, the turn's messages, the response.
+    const stored = JSON.parse(new TextDecoder().decode((await kv.get(first.id))!.value)) as Record<string, unknown>;
+    expect(stored).toMatchObject({ tokenId: 'alice', model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
+    expect(await client().responses.retrieve(first.id)).toMatchObject({ id: first.id, output_text: 'echo: first turn' });
+
+    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
+    expect(coldStarts.filter((c) => c.conversationKey === key)).toHaveLength(1);
+    const second = await client().responses.create({ model: 'tiny', input: 'second turn', previous_response_id: first.id });
+    expect(second.output_text).toBe('echo: second turn');
+    expect(seen.at(-1)!.req.body.messages).toEqual([
+      { role: 'user', content: 'first turn' },
+      { role: 'assistant', content: 'echo: first turn' },
+      { role: 'user', content: 'second turn' },
+    ]);
+    // The second turn found the chain's session: no cold start of its own.
+    expect(coldStarts.filter((c) => c.conversationKey === key)).toHaveLength(1);
+
+    const stream = client().responses.stream({ model: 'tiny', input: 'third turn', previous_response_id: second.id });
+    const types: string[] = [];
+    for await (const event of stream) types.push(event.type);
+    const third = await stream.finalResponse();
+    expect(third).toMatchObject({ status: 'completed', output_text: 'Hello', previous_response_id: second.id });
+    expect(types[0]).toBe('response.created');
+    expect(types.at(-1)).toBe('response.completed');
+    expect(JSON.parse(new TextDecoder().decode((await kv.get(third.id))!.value))).toMatchObject({ root: first.id, previous: second.id, depth: 2 });
+
+    await client().responses.delete(first.id);
+    expect((await kv.get(first.id))?.operation).toBe('PURGE');
+    await expect(client().responses.retrieve(first.id)).rejects.toMatchObject({ status: 404, code: 'response_not_found' });
+    await expect(client().responses.create({ model: 'tiny', input: 'fourth', previous_response_id: third.id })).rejects.toMatchObject({ status: 404, code: 'previous_response_not_found', param: 'previous_response_id' });
   });
 });
 

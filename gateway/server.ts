@@ -8,13 +8,14 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../dataplane/registry';
-import { instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
+import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './plugins/models';
+import { kvResponseStore } from './plugins/response-store';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
 import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
@@ -193,6 +194,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const kvTokens = kvTokenSource(await openBucket(nc, config.buckets.tokens), (err) => log.warn({ err }, `${config.buckets.tokens}: skipped an entry`));
     closers.push(() => kvTokens.cache.close());
     onReconnect.push(() => kvTokens.cache.reopen());
+    // Declared here: gateways are the only writers and readers of stored responses, and hold their TTL.
+    const storedResponses = kvResponseStore(await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }));
     const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
 
     let sessions: SessionBroker;
@@ -287,6 +290,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       sessions,
       publish,
       responses,
+      storedResponses,
       readStored,
       backlogFull: deps.backlogFull,
       cancel: (session, requestId) => {

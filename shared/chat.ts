@@ -38,7 +38,7 @@ if (!TypeRegistry.Has('StringEnum')) TypeRegistry.Set<{ enum: string[] }>('Strin
 export const unsupported = (keyword: string, message: string) => ({ 'x-unsupported': { [keyword]: message } });
 
 /** Most messages a request may carry. */
-const MAX_MESSAGES = 10_000;
+export const MAX_MESSAGES = 10_000;
 
 const textPart = Type.Object({ type: StringEnum(['text']), text: Type.String() });
 export type TextPart = Static<typeof textPart>;
@@ -50,7 +50,7 @@ const name = Type.Optional(Type.String({ maxLength: 256 }));
 /** Most tools a request may offer (and tool calls an assistant turn may carry). */
 export const MAX_TOOLS = 128;
 /** OpenAI's rule for a function's and a response format's name. */
-const toolName = Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' });
+export const toolName = Type.String({ pattern: '^[a-zA-Z0-9_-]{1,64}$', description: 'letters, digits, _ and -, at most 64' });
 /** A tool call as an assistant turn carries it: `arguments` is the JSON text of the call's arguments. */
 const toolCall = Type.Object({
   id: Type.String({ minLength: 1, maxLength: 256 }),
@@ -111,14 +111,14 @@ const message = Type.Unsafe<Static<typeof promptMessage> | Static<typeof assista
 /** A validated message of {@link ChatCompletionBody}. */
 export type ChatCompletionMessage = Static<typeof message>;
 
-const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
+export const maxTokens = Type.Integer({ minimum: 1, maximum: 1_000_000 });
 
 /** A function's or a response format's description (for the model). */
-const describedBy = Type.Optional(Type.String({ maxLength: 4096 }));
+export const describedBy = Type.Optional(Type.String({ maxLength: 4096 }));
 /** A function's `parameters`, a response format's `schema`: checked further by shared/json-schema.ts (which keywords a grammar enforces) at the gateway and the engine. */
-const jsonSchemaObject = Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' }));
+export const jsonSchemaObject = Type.Optional(Type.Record(Type.String(), Type.Unknown(), { description: 'a JSON Schema object' }));
 /** Answers always follow the schema exactly (a grammar): `strict` changes nothing. */
-const strictFlag = Type.Optional(Type.Union([Type.Boolean(), Type.Null()]));
+export const strictFlag = Type.Optional(Type.Union([Type.Boolean(), Type.Null()]));
 
 /**
  * A function the model may call: `parameters` is a JSON Schema its arguments are generated

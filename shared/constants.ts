@@ -69,6 +69,8 @@ export const Nats = {
   sessionsBucket: 'magus_sessions',
   /** Pool → its ready instances and their leases (written by the pool workflow, read by gateways). */
   poolsBucket: 'magus_pools',
+  /** Stored responses of the Responses API (`resp_<id>` → its record), written and read by gateways only. */
+  responsesBucket: 'magus_responses',
 } as const;
 
 /** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */

@@ -6,7 +6,7 @@ import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import OpenAI from 'openai';
-import { zodResponseFormat } from 'openai/helpers/zod';
+import { zodResponseFormat, zodTextFormat } from 'openai/helpers/zod';
 import { z } from 'zod';
 import { sleep } from './harness/wait';
 
@@ -122,11 +122,37 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     for await (const c of await openai.completions.create({ model: 'demo', prompt: 'The capital of France is', max_tokens: 8, temperature: 0, stream: true })) streamedText += c.choices[0]?.text ?? '';
     expect(streamedText).toBe(completion.choices[0]?.text);
 
-    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs.
+
+    // The Responses API: a chain of two turns is one conversation, so the second reaches the
+    // first's session and instance, whose engine finds the first turn's prompt in its cache.
+    const first = await openai.responses.create({ model: 'demo', input: 'What is the capital of France?', temperature: 0, max_output_tokens: 32 });
+    expect(first).toMatchObject({ object: 'response', status: 'completed' });
+    expect(first.output_text).toMatch(/\bParis\b/);
+    const second = await openai.responses.create({ model: 'demo', input: 'And what is the capital of Germany?', previous_response_id: first.id, temperature: 0, max_output_tokens: 32 });
+    expect(second).toMatchObject({ status: 'completed', previous_response_id: first.id });
+    expect(second.output_text.trim()).not.toBe('');
+    expect(second.usage!.input_tokens).toBeGreaterThan(first.usage!.input_tokens);
+    expect(second.usage!.input_tokens_details.cached_tokens).toBeGreaterThan(0);
+    expect((await openai.responses.retrieve(second.id)).output_text).toBe(second.output_text);
+    // Streamed: the deltas are the completed response's text.
+    const events = await openai.responses.create({ model: 'demo', input: 'Name three colors.', temperature: 0, max_output_tokens: 32, stream: true });
+    let deltas = '';
+    let completed: OpenAI.Responses.Response | undefined;
+    for await (const event of events) {
+      if (event.type === 'response.output_text.delta') deltas += event.delta;
+      if (event.type === 'response.completed') completed = event.response;
+    }
+    expect(deltas.trim()).not.toBe('');
+    expect(completed?.output[0]).toMatchObject({ type: 'message', content: [{ type: 'output_text', text: deltas }] });
+    // Structured output by text.format, with the client's helper.
+    const capital = await openai.responses.parse({ model: 'demo', input: 'What is the capital of France? Answer in JSON.', text: { format: zodTextFormat(Capital, 'capital') }, temperature: 0, max_output_tokens: 64 });
+    expect(capital.output_parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });
+
+    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs, a chain of responses.
     const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
     const py = spawnSync(python, [join(__dirname, 'openai_python.py')], { env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() }, encoding: 'utf8', timeout: 60_000 });
     expect({ status: py.status, stderr: py.stderr }).toEqual({ status: 0, stderr: '' });
-    expect(JSON.parse(py.stdout)).toMatchObject({ capital: { capital: 'Paris' }, call: { city: 'Paris' }, dimensions: 576 });
+    expect(JSON.parse(py.stdout)).toMatchObject({ capital: { capital: 'Paris' }, call: { city: 'Paris' }, dimensions: 576, responses: { previous: expect.stringMatching(/^resp_/) as unknown } });
 
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);
@@ -138,4 +164,4 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
   }
   expect(await exited).toBe(0);
   expect(err).not.toMatch(/while stopping/);
-}, 180_000);
+}, 240_000);

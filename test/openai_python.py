@@ -1,7 +1,7 @@
 """The official `openai` Python client against magus dev (test/dev.int.test.ts runs it with the
 venv of scripts/python-openai): structured output parsed into a pydantic model, a tool call whose
-arguments parse into the function's pydantic model, embeddings, a text completion and chat with
-log-probabilities. Prints one JSON line of what it
+arguments parse into the function's pydantic model, embeddings, a text completion, chat with
+log-probabilities, and a Responses API chain of two turns. Prints one JSON line of what it
 got; any failed check exits non-zero with the reason."""
 import json
 import os
@@ -67,6 +67,14 @@ def main() -> None:
     content = greedy.choices[0].logprobs.content
     assert all(c.logprob >= max(t.logprob for t in c.top_logprobs) - 1e-6 for c in content), "a greedy token less likely than an alternative"
 
+    first = client.responses.create(model="demo", input="What is the capital of France?", temperature=0, max_output_tokens=32)
+    assert first.status == "completed", f"status: {first.status}"
+    assert "Paris" in first.output_text, f"first turn: {first.output_text!r}"
+    second = client.responses.create(model="demo", input="And of Germany?", previous_response_id=first.id, temperature=0, max_output_tokens=32)
+    assert second.previous_response_id == first.id, f"previous_response_id: {second.previous_response_id}"
+    assert second.output_text.strip(), "second turn: empty"
+    assert second.usage.input_tokens > first.usage.input_tokens, f"second turn without the first: {second.usage}"
+
     print(
         json.dumps(
             {
@@ -76,6 +84,7 @@ def main() -> None:
                 "dimensions": len(vectors[0]),
                 "completion": text,
                 "logprobs": len(content),
+                "responses": {"previous": second.previous_response_id, "cached": second.usage.input_tokens_details.cached_tokens},
             }
         )
     )

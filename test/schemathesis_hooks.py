@@ -42,7 +42,14 @@ def filter_body(context, body):
 #   nor with a JSON response format: a case asking for both loses its log-probabilities, one with
 #   `top_logprobs` alone gets `logprobs: true`;
 # - embeddings' `dimensions`: the description allows any size, a model only its own (the stub
-#   engine's 8), so a whole number becomes 8.
+#   engine's 8), so a whole number becomes 8;
+# - the Responses API (`/v1/responses`) has the same rules in its own
+#   spelling: a function tool's `name` and `parameters` sit on the tool itself, a named
+#   `tool_choice` is `{"type": "function", "name"}`, structured output's schema is
+#   `text.format.schema`, and a `function_call_output` item must answer a `function_call` item
+#   before it (or it becomes a user message). `previous_response_id` must name a stored response
+#   of the caller, which a generated id never does (a 404 `previous_response_not_found`, which
+#   gateway/responses.test.ts checks), so it is left out.
 # Every other field of a case is still fuzzed; values of the wrong type (negative cases) are left
 # as generated.
 ENFORCEABLE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
@@ -50,16 +57,43 @@ ENFORCEABLE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}
 STUB_EMBEDDING_DIMENSIONS = 8
 
 
-def _agree(body):
+def _function(tool, responses):
+    """What holds a tool's name and parameters: chat's `function` object, or a Responses tool itself."""
+    if not isinstance(tool, dict):
+        return None
+    return tool if responses else tool.get("function")
+
+
+def _answered(items, kind, call_of, answer_of):
+    """Items of `kind` answering a call no earlier item made become a user message."""
+    calls = set()
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue
+        call = call_of(item)
+        if call is not None:
+            calls.update(call)
+        answered = answer_of(item)
+        if isinstance(answered, str) and answered not in calls:
+            items[i] = {"role": "user", "content": "x"}
+
+
+def _agree(body, path):
+    responses = path == "/v1/responses"
     fmt = body.get("response_format")
     spec = fmt.get("json_schema") if isinstance(fmt, dict) and fmt.get("type") == "json_schema" else None
+    text = body.get("text")
+    if responses and isinstance(text, dict) and isinstance(text.get("format"), dict) and text["format"].get("type") == "json_schema":
+        spec = text["format"]
     if isinstance(spec, dict) and isinstance(spec.get("schema"), dict):
         spec["schema"] = dict(ENFORCEABLE_SCHEMA)
+    if responses and isinstance(body.get("previous_response_id"), str):
+        del body["previous_response_id"]
     tools = body.get("tools")
     names = []
     if isinstance(tools, list):
         for i, tool in enumerate(tools):
-            fn = tool.get("function") if isinstance(tool, dict) else None
+            fn = _function(tool, responses)
             if not isinstance(fn, dict):
                 continue
             if isinstance(fn.get("parameters"), dict):
@@ -69,9 +103,10 @@ def _agree(body):
                     fn["name"] = f"tool{i}"
                 names.append(fn["name"])
     choice = body.get("tool_choice")
-    if isinstance(choice, dict) and isinstance(choice.get("function"), dict) and isinstance(choice["function"].get("name"), str):
+    named = _function(choice, responses) if isinstance(choice, dict) else None
+    if isinstance(named, dict) and isinstance(named.get("name"), str):
         if names:
-            choice["function"]["name"] = names[0]
+            named["name"] = names[0]
         else:
             body["tool_choice"] = "auto"
     if choice == "required" and not names:
@@ -86,18 +121,24 @@ def _agree(body):
         elif type(top) is int and body.get("logprobs") is not True:
             body["logprobs"] = True
     dims = body.get("dimensions")
-    if "input" in body and type(dims) in (int, float) and dims == int(dims) and dims >= 1:
+    if path == "/v1/embeddings" and type(dims) in (int, float) and dims == int(dims) and dims >= 1:
         body["dimensions"] = STUB_EMBEDDING_DIMENSIONS
     messages = body.get("messages")
     if isinstance(messages, list):
-        calls = set()
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                continue
-            if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-                calls.update(c["id"] for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("id"), str))
-            if m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str) and m["tool_call_id"] not in calls:
-                messages[i] = {"role": "user", "content": "x"}
+        _answered(
+            messages,
+            "tool",
+            lambda m: [c["id"] for c in m["tool_calls"] if isinstance(c, dict) and isinstance(c.get("id"), str)] if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list) else None,
+            lambda m: m.get("tool_call_id") if m.get("role") == "tool" else None,
+        )
+    items = body.get("input")
+    if responses and isinstance(items, list):
+        _answered(
+            items,
+            "function_call_output",
+            lambda item: [item["call_id"]] if item.get("type") == "function_call" and isinstance(item.get("call_id"), str) else None,
+            lambda item: item.get("call_id") if item.get("type") == "function_call_output" else None,
+        )
     return body
 
 
@@ -106,4 +147,4 @@ def before_call(context, case, kwargs):
     # Every phase's cases pass here (the coverage phase's bypass map_body); positive and negative
     # alike: what is changed is only what the description cannot say.
     if isinstance(case.body, dict):
-        _agree(case.body)
+        _agree(case.body, case.path)

@@ -89,6 +89,9 @@ export const errors = {
   methodNotAllowed: (method: string, path: string, allow: readonly string[]) =>
     new GatewayError(405, `Method ${method} is not allowed for ${path}; use ${allow.join(' or ')}.`, OpenAIErrorType.invalidRequest, 'method_not_allowed', null, { allow: allow.join(', ') }),
   modelNotFound: (model: string) => new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),
+  /** A stored response that is not there for this caller: never stored, expired, deleted, or another token's (which is not told apart). */
+  responseNotFound: (id: string, param: string, code = 'response_not_found', message = `No response found with id '${id}'.`) =>
+    new GatewayError(404, message, OpenAIErrorType.invalidRequest, code, param),
   // `connection: close`: the unread body is not drained, the connection just ends.
   tooLarge: (limit: number) => new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
   backlogFull: (retryAfterSec: number) =>

@@ -1,13 +1,14 @@
 /**
  * What the routes use, injected from outside the app (server.ts wires NATS-backed ones; tests wire
- * fakes of these interfaces): the model catalog, token source, session broker, request publisher
- * and response router, plus the settings of the request path. Decorated as `app.gateway`.
+ * fakes of these interfaces): the model catalog, token source, session broker, request publisher,
+ * response router and stored responses, plus the settings of the request path. Decorated as `app.gateway`.
  */
 import type { ReadyModel } from '../../shared/model';
 import type { ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { TokenSource } from './auth';
 import type { ModelCatalog } from './models';
 import { servicePlugin } from './plugin';
+import type { ResponseStore } from './response-store';
 import type { PublishRequest, ResponseRouter } from './responses';
 import type { SessionBroker } from './sessions';
 
@@ -57,6 +58,8 @@ export interface GatewayServices {
   sessions: SessionBroker;
   publish: PublishRequest;
   responses: ResponseRouter;
+  /** Stored responses of the Responses API (`magus_responses`; in memory in tests). */
+  storedResponses: ResponseStore;
   /** A reply subject's frames as the response stream stores them (read back when a frame is missing). */
   readStored?: (subject: string) => Promise<ResponseFrame[]>;
   backlogFull?: BacklogCheck;

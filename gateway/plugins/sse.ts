@@ -1,5 +1,7 @@
 /**
- * A server-sent-events response for a streamed chat completion. Nothing is sent until the first
+ * A server-sent-events response for a streamed answer: a chat completion's `data:` chunks ending
+ * with `[DONE]`, or the Responses API's named events (`event: <type>`), which end with the
+ * connection. Nothing is sent until the first
  * write, so a failure before then still gets a proper HTTP error; after that, failures become a
  * `data: {"error":…}` event and the stream closes (without `[DONE]`).
  *
@@ -42,6 +44,11 @@ export class SseResponse {
     this.write(`data: ${JSON.stringify(payload)}\n\n`);
   }
 
+  /** One named event (`event: <type>`) with a JSON payload: the Responses API's stream. */
+  event(type: string, payload: unknown): void {
+    this.write(`event: ${type}\ndata: ${JSON.stringify(payload)}\n\n`);
+  }
+
   /** `data: [DONE]` and close. */
   done(): void {
     this.write('data: [DONE]\n\n');
@@ -59,7 +66,8 @@ export class SseResponse {
     clearInterval(this.timer);
   }
 
-  private end(): void {
+  /** Closes the stream (after its last event). */
+  end(): void {
     this.stop();
     if (this.ended) return;
     this.flush();

@@ -1,15 +1,36 @@
 /**
- * What the routes that publish an inference request share (chat, completions, embeddings): why a
- * request's controller was aborted by its client, the {@link ExchangeOptions} every exchange takes
- * from the gateway's services and settings, and how an answer's `usage` is read.
+ * What the routes that publish an inference request share (chat, responses, completions,
+ * embeddings): the model a request may use, why a request's controller was aborted by its client,
+ * the {@link ExchangeOptions} every exchange takes from the gateway's services and settings, and
+ * {@link serveTurn}, one request from its instance (a conversation's session, or any of the
+ * pool's) to its answer.
  */
-import type { FastifyInstance } from 'fastify';
-import type { CompletionUsage, InferenceRequest, SessionEntry } from '../../shared/serving';
-import type { ExchangeOptions } from '../plugins/responses';
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import type { ReadyModel } from '../../shared/model';
+import type { ChatInference, CompletionsInference, CompletionUsage, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
+import { mayUse, type Principal } from '../plugins/auth';
+import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
+import { exchange, type ExchangeOptions } from '../plugins/responses';
+import type { SseResponse } from '../plugins/sse';
 
 /** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
 export class ClientGone extends Error {
   override readonly name = 'ClientGone';
+}
+
+/**
+ * The model `name` as `principal` may use it: 404 when it does not exist or is not the
+ * principal's; 400 `model_not_servable` when no live runtime can run any of its artifacts (a cold
+ * start could only fail, so say why at once; not a 503, whose reason is hidden and which invites
+ * retries that cannot help).
+ */
+export async function servableModel(app: FastifyInstance, principal: Principal, name: string): Promise<ReadyModel> {
+  const g = app.gateway;
+  const model = await g.models.find(name);
+  if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(name);
+  const unservable = g.models.unservable(model);
+  if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
+  return model;
 }
 
 /** The options of an exchange of `req` on `entry`'s instance, aborted by `signal`; a route adds its own (chunks, publish retries). */
@@ -30,7 +51,7 @@ export function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: 
 }
 
 /** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
-export function usageIn(data: unknown): { prompt: number; cached: number } | undefined {
+function usageIn(data: unknown): { prompt: number; cached: number } | undefined {
   const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
   if (typeof usage?.prompt_tokens !== 'number') return undefined;
   const cached = usage.prompt_tokens_details?.cached_tokens;
@@ -40,12 +61,112 @@ export function usageIn(data: unknown): { prompt: number; cached: number } | und
 /** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
 export const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
-/** Counts the prompt tokens (and cached ones) of an answer or usage chunk on the gateway's metrics, under `model` (`namespace/name`). */
-export function usageCounter(app: FastifyInstance, model: string): (data: unknown) => void {
-  return (data) => {
+/** What an inference request carries beyond its envelope: its kind and the engine's body. */
+export type InferencePayload = { kind?: 'chat'; body: ChatInference['body'] } | Pick<CompletionsInference, 'kind' | 'body'> | Pick<EmbeddingsInference, 'kind' | 'body'>;
+
+/** One inference request — a turn of a conversation, or a request of none — as a route hands it to {@link serveTurn}. */
+export interface Turn {
+  /** The inference request's id (`x-request-id`). */
+  id: string;
+  model: ReadyModel;
+  /**
+   * Which session, and so which instance, serves it (plugins/conversation.ts). Absent: the
+   * request belongs to no conversation (text completions, embeddings) and goes to the least
+   * loaded instance of the model's pool, with no entry and no session (sessions.ts `route`).
+   */
+  conversationKey?: string;
+  /** What the engine gets. */
+  payload: InferencePayload;
+  /** A streamed answer's response, when the client asked for a stream. */
+  sse?: SseResponse;
+  /** Each chunk of a streamed answer, usage chunks included (counted on /metrics first). */
+  onChunk?: (chunk: unknown) => void;
+  /** The answer's end: returns the JSON body of an answer not streamed, or writes a stream's last events. */
+  onDone: (done: unknown) => unknown;
+  /** A failure after the stream started: its last events. */
+  onStreamError?: (e: GatewayError) => void;
+}
+
+/**
+ * Serves `turn`: its session (warm: a map read; cold: the broker's slow path, bounded by the
+ * cold-start timeout) → listen on `magus.res.<replica>.<id>` → publish to the instance → relay
+ * frames to the route's handlers. A client that goes away cancels the engine's work; an error
+ * before a stream started is thrown for the error handler, after it the route's last events.
+ */
+export async function serveTurn(app: FastifyInstance, request: FastifyRequest, reply: FastifyReply, turn: Turn): Promise<FastifyReply> {
+  const g = app.gateway;
+  const s = g.settings;
+  const { id, sse, model } = turn;
+  reply.header('x-request-id', id); // also on error responses; the error handler logs it
+  const ctl = new AbortController();
+  const onClose = () => {
+    if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
+  };
+  reply.raw.once('close', onClose);
+  const modelLabel = `${model.namespace}/${model.name}`;
+  const countUsage = (data: unknown): void => {
     const usage = usageIn(data);
     if (!usage) return;
-    app.metrics.promptTokens.inc([model], usage.prompt);
-    app.metrics.cachedPromptTokens.inc([model], usage.cached);
+    app.metrics.promptTokens.inc([modelLabel], usage.prompt);
+    app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
   };
+  let published: SessionEntry | undefined;
+  // Whether this turn was answered: a conversation it starts gets its session only then (sessions.ts).
+  let settle!: (answered: boolean) => void;
+  const answered = new Promise<boolean>((resolve) => (settle = resolve));
+  try {
+    const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
+    let entry: SessionEntry;
+    try {
+      entry =
+        turn.conversationKey === undefined
+          ? await g.sessions.route({ model, signal: ctl.signal })
+          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, tokenId: request.principal!.tokenId, signal: ctl.signal, answered });
+    } finally {
+      clearTimeout(coldStartTimer);
+    }
+    if (ctl.signal.aborted) throw ctl.signal.reason;
+    const req: InferenceRequest = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, ...turn.payload };
+    published = entry;
+    const done = await exchange(entry, req, {
+      ...exchangeOptions(app, entry, req, ctl.signal),
+      onChunk: sse
+        ? (chunk) => {
+            if (isUsageChunk(chunk)) countUsage(chunk);
+            turn.onChunk?.(chunk);
+          }
+        : undefined,
+      retryPublish: sse && (() => sse.started),
+      onPublishRetry: () => app.metrics.publishRetries.inc(),
+    });
+    if (!sse) {
+      if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
+      countUsage(done);
+    }
+    const body = await turn.onDone(done);
+    settle(true);
+    return sse ? reply : reply.send(body);
+  } catch (thrown) {
+    // Part of a streamed answer reached the client: the conversation exists on its side.
+    settle(sse?.started === true);
+    // A cold-start timeout aborts the broker, which may reject with its own abort error.
+    const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
+    if (err instanceof ClientGone) {
+      request.log.info({ inferenceId: id }, 'client went away');
+      if (published) g.cancel?.(published, id); // the engine stops generating for nobody
+      if (!sse?.started) reply.hijack();
+      reply.raw.destroy();
+      return reply;
+    }
+    if (!sse?.started) throw err; // the error handler answers (and logs 5xx with their cause)
+    const e = toGatewayError(err, s.retryAfterSec);
+    request.log[e.status >= 500 ? 'error' : 'info']({ err, inferenceId: id }, 'stream failed after it started');
+    if (turn.onStreamError) turn.onStreamError(e);
+    else sse.fail(e, id);
+    return reply;
+  } finally {
+    settle(false);
+    sse?.stop();
+    reply.raw.removeListener('close', onClose);
+  }
 }

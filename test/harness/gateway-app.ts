@@ -10,6 +10,7 @@ import type { ChatInference, InferenceRequest, ResponseFrame, SessionEntry } fro
 import gatewayApp, { options, type GatewayAppOptions } from '../../gateway/app';
 import { staticTokenSource, tokenDigest } from '../../gateway/plugins/auth';
 import { createModelCatalog } from '../../gateway/plugins/models';
+import { memoryResponseStore } from '../../gateway/plugins/response-store';
 import type { PublishRequest, ResponseRouter } from '../../gateway/plugins/responses';
 import type { GatewaySettings } from '../../gateway/plugins/services';
 import type { AcquireRequest, SessionBroker } from '../../gateway/plugins/sessions';
@@ -146,6 +147,7 @@ export async function buildTestApp(over: Partial<Omit<GatewayAppOptions, 'models
     sessions: broker,
     publish: plane.publish,
     responses: plane.router,
+    storedResponses: memoryResponseStore(),
     ...rest,
     models: list ? createModelCatalog({ list: () => Promise.resolve(list) }) : (models as GatewayAppOptions['models']),
   });

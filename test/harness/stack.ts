@@ -132,7 +132,7 @@ export async function natsStack(iso: Isolation, opts: { declare?: true | Omit<Da
 /** Deletes a data plane's streams and buckets (those missing are skipped). */
 async function deleteDataPlane(nc: NatsConnection, names: DataPlaneNames): Promise<void> {
   const jsm = await nc.jetstreamManager();
-  const buckets = [names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.modelsBucket, names.poolsBucket];
+  const buckets = [names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.modelsBucket, names.poolsBucket, names.responsesBucket];
   for (const stream of [names.requestStream, names.responseStream, ...buckets.map((b) => `KV_${b}`)]) {
     await jsm.streams.delete(stream).catch(() => false);
   }

@@ -1,0 +1,119 @@
+/**
+ * Stored responses (`POST /v1/responses` with `store` not false): each is one entry of a KV
+ * bucket (`magus_responses`, keyed by the response id, its max age the store's TTL), and a chain
+ * of them linked by `previous_response_id` is a conversation: a turn walks its chain back to the
+ * first response to rebuild the history it sends the engine, and every turn of the chain uses the
+ * first response's id as its session id, so all reach the same session and instance (whose KV
+ * cache holds the conversation's prefix).
+ *
+ * A store is one of the gateway's injected services: the KV one (server.ts) and an in-memory one
+ * (app tests).
+ */
+import type { KV } from 'nats';
+import type { ChatMessage } from '../../shared/chat';
+import type { ResponseObject } from '../../shared/responses';
+
+/** What a response id looks like (`resp_` and a nuid): a KV key, checked before any KV read. */
+export const RESPONSE_ID = /^resp_[A-Za-z0-9]{1,64}$/;
+
+/** Most responses one chain may hold: a turn walks it all, one read per response. */
+export const MAX_CHAIN_DEPTH = 1_000;
+
+/** One stored response: its answer and what of the conversation it adds. */
+export interface StoredResponse {
+  /** The token that created it: no other may read, continue or delete it. */
+  tokenId: string;
+  /** The model it was served by, `namespace/name`. */
+  model: string;
+  /** The id of its chain's first response: the chain's session id. */
+  root: string;
+  previous: string | null;
+  /** Responses before it in its chain (0 for a first one). */
+  depth: number;
+  /** This turn's input as chat messages (its instructions not among them: they are not inherited). */
+  input: ChatMessage[];
+  /** The assistant's answer as chat messages. */
+  output: ChatMessage[];
+  /** What `GET /v1/responses/{id}` answers. */
+  response: ResponseObject;
+}
+
+export interface ResponseStore {
+  get(id: string): Promise<StoredResponse | undefined>;
+  put(id: string, record: StoredResponse): Promise<void>;
+  /** False when there was nothing to delete. */
+  delete(id: string): Promise<boolean>;
+}
+
+/** For tests and a gateway without NATS: kept in this process only, never expiring. */
+export function memoryResponseStore(): ResponseStore & { records: Map<string, StoredResponse> } {
+  const records = new Map<string, StoredResponse>();
+  return {
+    records,
+    get: (id) => Promise.resolve(records.get(id)),
+    put: (id, record) => Promise.resolve(void records.set(id, structuredClone(record))),
+    delete: (id) => Promise.resolve(records.delete(id)),
+  };
+}
+
+/** A record as read back, or undefined when it is not one (a store never holds such, but KV is shared). */
+function decodeRecord(bytes: Uint8Array): StoredResponse | undefined {
+  try {
+    const r = JSON.parse(new TextDecoder().decode(bytes)) as Partial<StoredResponse>;
+    const ok = typeof r.tokenId === 'string' && typeof r.root === 'string' && typeof r.depth === 'number' && Array.isArray(r.input) && Array.isArray(r.output) && typeof r.response === 'object';
+    return ok ? (r as StoredResponse) : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/** The store on a KV bucket (dataplane/declare.ts `ensureResponsesBucket` gives it its max age). */
+export function kvResponseStore(kv: KV): ResponseStore {
+  return {
+    async get(id) {
+      if (!RESPONSE_ID.test(id)) return undefined;
+      const entry = await kv.get(id);
+      return entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
+    },
+    async put(id, record) {
+      await kv.put(id, JSON.stringify(record));
+    },
+    async delete(id) {
+      if (!RESPONSE_ID.test(id)) return false;
+      const entry = await kv.get(id);
+      if (!entry || entry.operation !== 'PUT') return false;
+      // Purged: its value leaves the stream at once (only a marker stays, until the bucket's max age).
+      await kv.purge(id);
+      return true;
+    },
+  };
+}
+
+/** Why a chain cannot be continued: its `id` (or an earlier response of it) is gone or not the caller's, or it is too long. */
+export type ChainProblem = { problem: 'not_found'; id: string } | { problem: 'too_long' };
+
+/** A chain's conversation: its first response's id, its length, and its messages, oldest first. */
+export interface Chain {
+  root: string;
+  depth: number;
+  messages: ChatMessage[];
+}
+
+/**
+ * The conversation that ends with response `id`, as token `tokenId` may read it: every response
+ * of the chain, from the first, must still be stored and be the token's (one read each, at most
+ * {@link MAX_CHAIN_DEPTH}).
+ */
+export async function chainOf(store: ResponseStore, id: string, tokenId: string): Promise<Chain | ChainProblem> {
+  const records: StoredResponse[] = [];
+  for (let at: string | null = id; at !== null; ) {
+    if (records.length >= MAX_CHAIN_DEPTH) return { problem: 'too_long' };
+    const record = await store.get(at);
+    if (record === undefined || record.tokenId !== tokenId) return { problem: 'not_found', id: at };
+    if (records.length === 0 && record.depth + 1 >= MAX_CHAIN_DEPTH) return { problem: 'too_long' };
+    records.push(record);
+    at = record.previous;
+  }
+  const last = records[0]!;
+  return { root: last.root, depth: last.depth + 1, messages: records.reverse().flatMap((r) => [...r.input, ...r.output]) };
+}

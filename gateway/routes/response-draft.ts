@@ -1,0 +1,197 @@
+/**
+ * A response taking shape from a chat answer: the engine's streamed chunks (or its whole
+ * completion, fed as one) become the response's output items and the Responses API's stream
+ * events, in OpenAI's order — `response.created`, `response.in_progress`, then per item
+ * `output_item.added`, its content (`content_part.added`, `output_text.delta`…, or
+ * `function_call_arguments.delta`), its `….done` events and `output_item.done`, and last
+ * `response.completed` (`response.incomplete` when cut by `max_output_tokens`). Events carry no
+ * `sequence_number`: the stream numbers what it writes.
+ */
+import { nuid } from 'nats';
+import type { ChatMessage } from '../../shared/chat';
+import type { CompletionUsage } from '../../shared/serving';
+import type { OutputItem, OutputText, ResponseObject, ResponseUsage } from '../../shared/responses';
+
+/** One event of the Responses API's stream, without its sequence number. */
+export interface ResponseEvent {
+  type: string;
+  [field: string]: unknown;
+}
+
+/** A tool call as a chat chunk's delta carries it (a first delta names it; later ones may add arguments). */
+interface ToolCallDelta {
+  index?: number;
+  id?: string;
+  function?: { name?: string; arguments?: string };
+}
+
+interface ChatChoice {
+  delta?: { content?: string | null; tool_calls?: ToolCallDelta[] | null };
+  message?: { content?: string | null; tool_calls?: { id: string; function: { name: string; arguments: string } }[] | null };
+  finish_reason?: string | null;
+}
+
+interface ChatAnswer {
+  choices?: ChatChoice[];
+  usage?: Partial<CompletionUsage> | null;
+}
+
+/** Chat's `usage` under the Responses API's names. */
+export function responseUsage(usage: Partial<CompletionUsage> | null | undefined): ResponseUsage | null {
+  if (typeof usage?.prompt_tokens !== 'number') return null;
+  const output = typeof usage.completion_tokens === 'number' ? usage.completion_tokens : 0;
+  return {
+    input_tokens: usage.prompt_tokens,
+    input_tokens_details: { cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0 },
+    output_tokens: output,
+    output_tokens_details: { reasoning_tokens: 0 },
+    total_tokens: typeof usage.total_tokens === 'number' ? usage.total_tokens : usage.prompt_tokens + output,
+  };
+}
+
+export class ResponseDraft {
+  private readonly response: ResponseObject;
+  private started = false;
+  /** The message item text is streamed into, while it is open. */
+  private message: { index: number; item: Extract<OutputItem, { type: 'message' }>; part: OutputText } | undefined;
+  /** Function-call items by the chat tool call's index. */
+  private readonly calls = new Map<number, { index: number; item: Extract<OutputItem, { type: 'function_call' }> }>();
+  private finishReason: string | null | undefined;
+  private usage: ResponseUsage | null = null;
+
+  constructor(pending: ResponseObject) {
+    this.response = structuredClone(pending);
+  }
+
+  /** The events of one streamed chat chunk. */
+  chunk(chunk: unknown): ResponseEvent[] {
+    const answer = chunk as ChatAnswer | null;
+    const events = this.start();
+    if (answer?.usage) this.usage = responseUsage(answer.usage) ?? this.usage;
+    const choice = answer?.choices?.[0];
+    if (!choice) return events;
+    if (typeof choice.delta?.content === 'string' && choice.delta.content !== '') events.push(...this.text(choice.delta.content));
+    for (const [i, call] of (choice.delta?.tool_calls ?? []).entries()) events.push(...this.toolCall(call.index ?? i, call));
+    if (choice.finish_reason) this.finishReason = choice.finish_reason;
+    return events;
+  }
+
+  /** A whole (not streamed) chat completion, as if it had been streamed: then {@link finish}. */
+  completion(completion: unknown): void {
+    const answer = completion as ChatAnswer | null;
+    const choice = answer?.choices?.[0];
+    const message = choice?.message;
+    if (typeof message?.content === 'string' && message.content !== '') this.text(message.content);
+    for (const [i, call] of (message?.tool_calls ?? []).entries()) this.toolCall(i, call);
+    this.finishReason = choice?.finish_reason ?? null;
+    this.usage = responseUsage(answer?.usage);
+  }
+
+  /** The answer's last events, ending with `response.completed` (or `response.incomplete`), and the finished response. */
+  finish(): { events: ResponseEvent[]; response: ResponseObject } {
+    const events = this.start();
+    // An answer of no text and no call is an empty message, as OpenAI answers it.
+    if (this.response.output.length === 0) events.push(...this.openMessage());
+    const incomplete = this.finishReason === 'length';
+    events.push(...this.closeMessage(incomplete), ...this.closeCalls(incomplete));
+    this.response.status = incomplete ? 'incomplete' : 'completed';
+    this.response.incomplete_details = incomplete ? { reason: 'max_output_tokens' } : null;
+    this.response.usage = this.usage;
+    const response = structuredClone(this.response);
+    events.push({ type: incomplete ? 'response.incomplete' : 'response.completed', response });
+    return { events, response };
+  }
+
+  /** The response failed after its stream started: `response.failed` with what it had (after `response.created`, which clients need first). */
+  failed(code: string, message: string): ResponseEvent[] {
+    const events = this.start();
+    this.response.status = 'failed';
+    this.response.error = { code, message };
+    events.push({ type: 'response.failed', response: structuredClone(this.response) });
+    return events;
+  }
+
+  /** The answer as the assistant's chat message, as a later turn of the chain sends it back. */
+  assistantMessages(): ChatMessage[] {
+    let content = '';
+    const toolCalls: NonNullable<ChatMessage['tool_calls']> = [];
+    for (const item of this.response.output) {
+      if (item.type === 'message') content += item.content.map((p) => p.text).join('');
+      else toolCalls.push({ id: item.call_id, type: 'function', function: { name: item.name, arguments: item.arguments } });
+    }
+    return [{ role: 'assistant', content, ...(toolCalls.length > 0 ? { tool_calls: toolCalls } : {}) }];
+  }
+
+  private start(): ResponseEvent[] {
+    if (this.started) return [];
+    this.started = true;
+    const response = structuredClone(this.response);
+    return [
+      { type: 'response.created', response },
+      { type: 'response.in_progress', response },
+    ];
+  }
+
+  private text(delta: string): ResponseEvent[] {
+    const events = this.message ? [] : this.openMessage();
+    const m = this.message!;
+    m.part.text += delta;
+    events.push({ type: 'response.output_text.delta', item_id: m.item.id, output_index: m.index, content_index: 0, delta, logprobs: [] });
+    return events;
+  }
+
+  private openMessage(): ResponseEvent[] {
+    const part: OutputText = { type: 'output_text', text: '', annotations: [] };
+    const item: Extract<OutputItem, { type: 'message' }> = { type: 'message', id: `msg_${nuid.next()}`, status: 'in_progress', role: 'assistant', content: [] };
+    const index = this.response.output.push(item) - 1;
+    this.message = { index, item, part };
+    const added = { type: 'response.output_item.added', output_index: index, item: structuredClone(item) };
+    item.content.push(part);
+    return [added, { type: 'response.content_part.added', item_id: item.id, output_index: index, content_index: 0, part: { ...part } }];
+  }
+
+  private closeMessage(incomplete: boolean): ResponseEvent[] {
+    const m = this.message;
+    if (!m) return [];
+    this.message = undefined;
+    m.item.status = incomplete ? 'incomplete' : 'completed';
+    const at = { item_id: m.item.id, output_index: m.index, content_index: 0 };
+    return [
+      { type: 'response.output_text.done', ...at, text: m.part.text, logprobs: [] },
+      { type: 'response.content_part.done', ...at, part: { ...m.part } },
+      { type: 'response.output_item.done', output_index: m.index, item: structuredClone(m.item) },
+    ];
+  }
+
+  private toolCall(key: number, call: ToolCallDelta): ResponseEvent[] {
+    const events: ResponseEvent[] = [];
+    let open = this.calls.get(key);
+    if (!open) {
+      // Text comes before calls: a call ends the message.
+      events.push(...this.closeMessage(false));
+      const item: Extract<OutputItem, { type: 'function_call' }> = { type: 'function_call', id: `fc_${nuid.next()}`, call_id: call.id ?? `call_${nuid.next()}`, name: call.function?.name ?? '', arguments: '', status: 'in_progress' };
+      open = { index: this.response.output.push(item) - 1, item };
+      this.calls.set(key, open);
+      events.push({ type: 'response.output_item.added', output_index: open.index, item: structuredClone(item) });
+    }
+    const delta = call.function?.arguments ?? '';
+    if (delta !== '') {
+      open.item.arguments += delta;
+      events.push({ type: 'response.function_call_arguments.delta', item_id: open.item.id, output_index: open.index, delta });
+    }
+    return events;
+  }
+
+  private closeCalls(incomplete: boolean): ResponseEvent[] {
+    const events: ResponseEvent[] = [];
+    for (const { index, item } of this.calls.values()) {
+      item.status = incomplete ? 'incomplete' : 'completed';
+      events.push(
+        { type: 'response.function_call_arguments.done', item_id: item.id, output_index: index, name: item.name, arguments: item.arguments },
+        { type: 'response.output_item.done', output_index: index, item: structuredClone(item) },
+      );
+    }
+    this.calls.clear();
+    return events;
+  }
+}

@@ -1,0 +1,124 @@
+/**
+ * OpenAI's Responses API over the chat path: `POST /v1/responses` rebuilds the conversation from
+ * `previous_response_id`'s stored chain, translates it and the request into a chat completion
+ * (shared/responses.ts), refuses what the model's engines cannot do as chat does, and serves it as
+ * one turn (inference.ts `serveTurn`) whose session is the chain's (its first response's id is the
+ * session id); the answer becomes a response object (response-draft.ts), streamed as the Responses
+ * API's events when asked, and is stored (plugins/response-store.ts) once complete unless `store`
+ * is false. `GET` and `DELETE /v1/responses/{response_id}` read and remove a stored one of the
+ * caller's token.
+ */
+import type { FastifyPluginCallback } from 'fastify';
+import { nuid } from 'nats';
+import { checkStructure, refusedOnEvery, unsupportedBy } from '../../shared/chat';
+import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, type ResponsesBody } from '../../shared/responses';
+import { conversationKey } from '../plugins/conversation';
+import { errorBody, errors, type GatewayError } from '../plugins/errors';
+import { chainOf, MAX_CHAIN_DEPTH, type Chain, type StoredResponse } from '../plugins/response-store';
+import { SseResponse } from '../plugins/sse';
+import { createResponseSchema, deleteResponseSchema, getResponseSchema } from '../schemas/responses';
+import { servableModel, serveTurn } from './inference';
+import { ResponseDraft, type ResponseEvent } from './response-draft';
+
+export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
+  const g = app.gateway;
+  const s = g.settings;
+
+  /** A call of the store: failing, it is a 503 (NATS away), which the client may retry. */
+  const stored = <T>(call: Promise<T>): Promise<T> =>
+    call.catch((err: unknown) => {
+      const e = errors.unavailable(s.retryAfterSec, 'Stored responses cannot be reached right now; retry later.');
+      e.cause = err;
+      throw e;
+    });
+
+  /** The caller's stored response `id`, or a 404 that does not say whether another token has one. */
+  const ownRecord = async (id: string, tokenId: string): Promise<StoredResponse> => {
+    const record = await stored(g.storedResponses.get(id));
+    if (record === undefined || record.tokenId !== tokenId) throw errors.responseNotFound(id, 'response_id');
+    return record;
+  };
+
+  /** The chain `previous_response_id` ends, as the caller may continue it. */
+  const previousChain = async (id: string, tokenId: string): Promise<Chain> => {
+    const chain = await stored(chainOf(g.storedResponses, id, tokenId));
+    if (!('problem' in chain)) return chain;
+    if (chain.problem === 'too_long') throw errors.invalid(`The conversation of '${id}' holds ${MAX_CHAIN_DEPTH} responses, the most one chain may; start a new one.`, 'previous_response_id', 'invalid_value');
+    const message = chain.id === id ? undefined : `Response '${chain.id}', an earlier turn of '${id}', is no longer stored.`;
+    throw errors.responseNotFound(chain.id, 'previous_response_id', 'previous_response_not_found', message);
+  };
+
+  app.post<{ Body: ResponsesBody }>('/v1/responses', { schema: createResponseSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate }, async (request, reply) => {
+    const body = request.body;
+    const principal = request.principal!;
+    const model = await servableModel(app, principal, body.model);
+    const chain = body.previous_response_id != null ? await previousChain(body.previous_response_id, principal.tokenId) : undefined;
+    const stream = body.stream === true;
+    const turn = toChatTurn(body, chain?.messages ?? [], stream);
+    // Every stream asks for usage: the response's `usage`, and /metrics.
+    if (stream) turn.request.stream_options = { include_usage: true };
+    // Chat's refusals and checks, on the chat request the response becomes, naming the Responses field.
+    const refusal = (message: string, param: string, code: string) => errors.invalid(chatTextToResponses(message, turn.origins), chatParamToResponses(param, turn.origins), code);
+    const refused = refusedOnEvery(g.models.engines(model), (e) => unsupportedBy(e, turn.request));
+    if (refused) throw refusal(refused.message, refused.field, 'unsupported_feature');
+    const checked = checkStructure(turn.request);
+    if (!checked.ok) throw refusal(checked.problem.message, checked.problem.param, checked.problem.code);
+    const backlog = g.backlogFull?.(model);
+    if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
+
+    const id = nuid.next();
+    const responseId = `resp_${id}`;
+    const modelLabel = `${model.namespace}/${model.name}`;
+    const root = chain?.root ?? responseId;
+    // Every turn of a chain is one conversation: its first response's id is the session id.
+    const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: modelLabel, messages: [], sessionId: root });
+    const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)));
+    const keep = async (response: StoredResponse['response']): Promise<void> => {
+      if (!response.store) return;
+      const record: StoredResponse = { tokenId: principal.tokenId, model: modelLabel, root, previous: body.previous_response_id ?? null, depth: chain?.depth ?? 0, input: turn.input, output: draft.assistantMessages(), response };
+      await stored(g.storedResponses.put(responseId, record));
+    };
+    const sse = stream ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+    let sequence = 0;
+    const emit = (events: ResponseEvent[]) => {
+      for (const e of events) sse!.event(e.type, { ...e, sequence_number: sequence++ });
+    };
+    return serveTurn(app, request, reply, {
+      id,
+      model,
+      conversationKey: key,
+      payload: { body: turn.request },
+      sse,
+      onChunk: (chunk) => emit(draft.chunk(chunk)),
+      onDone: async (answer) => {
+        if (!sse) draft.completion(answer);
+        const { events, response } = draft.finish();
+        // Stored before the client hears it is complete: a next turn may name it at once.
+        await keep(response);
+        if (!sse) return response;
+        emit(events);
+        sse.end();
+        return undefined;
+      },
+      // `response.failed`, then the `error` event (with an `error` object, on which OpenAI's clients throw).
+      onStreamError: (e: GatewayError) => {
+        const error = errorBody(e, id).error;
+        emit([...draft.failed(error.code ?? 'server_error', error.message), { type: 'error', code: error.code, message: error.message, param: error.param, error }]);
+        sse!.end();
+      },
+    });
+  });
+
+  app.get<{ Params: { response_id: string } }>('/v1/responses/:response_id', { schema: getResponseSchema, onRequest: app.authenticate }, async (request) => {
+    const record = await ownRecord(request.params.response_id, request.principal!.tokenId);
+    return record.response;
+  });
+
+  app.delete<{ Params: { response_id: string } }>('/v1/responses/:response_id', { schema: deleteResponseSchema, onRequest: app.authenticate }, async (request) => {
+    const id = request.params.response_id;
+    await ownRecord(id, request.principal!.tokenId);
+    await stored(g.storedResponses.delete(id));
+    return { id, object: 'response', deleted: true };
+  });
+  done();
+};
