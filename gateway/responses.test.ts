@@ -18,8 +18,8 @@ import type { ResponseObject } from '../shared/responses';
 import type { RuntimeAdvert } from '../shared/runtimes';
 import { conversationKey } from './plugins/conversation';
 import { createModelCatalog } from './plugins/models';
-import { memoryResponseStore } from './plugins/response-store';
-import { buildTestApp, chunk, readyModel, TEST_SECRET, type TestApp } from '../test/harness/gateway-app';
+import { MAX_STORED_REQUEST_BYTES, memoryResponseStore } from './plugins/response-store';
+import { buildTestApp, chunk, readyModel, TEST_SECRET, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 let t: TestApp;
 let store: ReturnType<typeof memoryResponseStore>;
@@ -139,6 +139,20 @@ describe('POST /v1/responses', () => {
     expect(r.store).toBe(false);
     expect(store.records.size).toBe(0);
     expect((await create({ input: 'Again', previous_response_id: r.id })).statusCode).toBe(404);
+  });
+
+  it('an input too large to store → 400 input_too_large before anything is queued; with store: false it is served', async () => {
+    await t.app.close();
+    t = await buildTestApp({ storedResponses: store, settings: testSettings({ bodyLimit: 4 * 1024 * 1024 }) });
+    answers('Long.');
+    const input = 'x'.repeat(MAX_STORED_REQUEST_BYTES + 1);
+    const refused = await create({ input });
+    expect(refused.statusCode).toBe(400);
+    expect(errorOf(refused)).toMatchObject({ param: 'input', code: 'input_too_large' });
+    expect(t.plane.published).toHaveLength(0);
+    const served = await create({ input, store: false });
+    expect(served.statusCode).toBe(200);
+    expect(store.records.size).toBe(0);
   });
 });
 

@@ -169,6 +169,7 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
   { why: 'a watched namespace that is no namespace name', values: 'controller: {watchNamespace: Team_A}', message: /at '\/controller\/watchNamespace'/ },
   { why: 'a privileged gateway port', values: 'gateway: {port: 80}', message: /at '\/gateway\/port': minimum: got 80, want 1,?024/ },
   { why: 'a session TTL under a minute', values: 'gateway: {sessionTtlMs: 5000}', message: /at '\/gateway\/sessionTtlMs': minimum: got 5,?000, want 60,?000/ },
+  { why: 'a responses TTL that is no duration', values: 'gateway: {responsesTtl: a month}', message: /at '\/gateway\/responsesTtl': 'a month' does not match pattern/ },
   // A cross-field rule JSON Schema cannot state: a `fail` in the template. helm lint reports it
   // (as [INFO] Fail: …) but passes: Helm's lint mode never fails on `fail`.
   { why: 'the worker’s two ports the same', values: 'worker: {healthPort: 9464}', message: /worker\.metricsPort and worker\.healthPort must differ \(both are 9464\)/, lintFails: false },

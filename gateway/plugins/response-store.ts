@@ -16,6 +16,12 @@ import type { ResponseObject } from '../../shared/responses';
 /** What a response id looks like (`resp_` and a nuid): a KV key, checked before any KV read. */
 export const RESPONSE_ID = /^resp_[A-Za-z0-9]{1,64}$/;
 
+/**
+ * Most bytes a stored response may keep of its request (input, instructions, tools, metadata,
+ * format): a record is one NATS message (1 MiB by default), and the answer needs room too.
+ * Checked before the request is served, so an answer is never generated and then lost.
+ */
+export const MAX_STORED_REQUEST_BYTES = 512 * 1024;
 /** Most responses one chain may hold: a turn walks it all, one read per response. */
 export const MAX_CHAIN_DEPTH = 1_000;
 

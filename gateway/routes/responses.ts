@@ -14,7 +14,7 @@ import { checkStructure, refusedOnEvery, unsupportedBy } from '../../shared/chat
 import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, type ResponsesBody } from '../../shared/responses';
 import { conversationKey } from '../plugins/conversation';
 import { errorBody, errors, type GatewayError } from '../plugins/errors';
-import { chainOf, MAX_CHAIN_DEPTH, type Chain, type StoredResponse } from '../plugins/response-store';
+import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../plugins/response-store';
 import { SseResponse } from '../plugins/sse';
 import { createResponseSchema, deleteResponseSchema, getResponseSchema } from '../schemas/responses';
 import { servableModel, serveTurn } from './inference';
@@ -63,6 +63,16 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     if (refused) throw refusal(refused.message, refused.field, 'unsupported_feature');
     const checked = checkStructure(turn.request);
     if (!checked.ok) throw refusal(checked.problem.message, checked.problem.param, checked.problem.code);
+    if (body.store !== false) {
+      const bytes = Buffer.byteLength(JSON.stringify([turn.input, body.instructions, body.tools, body.metadata, body.text]));
+      if (bytes > MAX_STORED_REQUEST_BYTES) {
+        throw errors.invalid(
+          `A stored response keeps its input, instructions and tools: these are ${bytes} bytes, more than the ${MAX_STORED_REQUEST_BYTES} a stored response may keep. Send less, or \`store: false\`.`,
+          'input',
+          'input_too_large',
+        );
+      }
+    }
     const backlog = g.backlogFull?.(model);
     if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
