@@ -127,9 +127,10 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     // first's session and instance, whose engine finds the first turn's prompt in its cache.
     // The second turn sees a word only the first gave (asked alone, the model makes a name up).
     const first = await openai.responses.create({ model: 'demo', input: 'My name is Zorblat.', temperature: 0, max_output_tokens: 32 });
-    expect(first).toMatchObject({ object: 'response', status: 'completed' });
+    // (The small model rambles: an answer may be cut by max_output_tokens, `incomplete`.)
+    expect(first).toMatchObject({ object: 'response', status: expect.stringMatching(/^(completed|incomplete)$/) as unknown });
     const second = await openai.responses.create({ model: 'demo', input: 'What is my name?', previous_response_id: first.id, temperature: 0, max_output_tokens: 32 });
-    expect(second).toMatchObject({ status: 'completed', previous_response_id: first.id });
+    expect(second).toMatchObject({ object: 'response', previous_response_id: first.id });
     expect(second.output_text).toMatch(/Zorblat/);
     const alone = await openai.responses.create({ model: 'demo', input: 'What is my name?', temperature: 0, max_output_tokens: 32, store: false });
     expect(alone.output_text).not.toMatch(/Zorblat/);
