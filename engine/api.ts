@@ -14,21 +14,55 @@ import type { CompletionUsage } from '../shared/serving';
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length' | 'tool_calls';
 
-/** A validated text-completion request with defaults applied: the sampling of a {@link ChatRequest}, prompts in place of messages. */
-export interface TextRequest {
-  prompts: string[];
-  /** `logprobs`: each token's log-probability with this many alternatives; absent = none. */
-  logprobs?: number;
+/** How a request samples and answers, with defaults applied: what chat and text completions share. */
+export interface Sampling {
   stream: boolean;
+  /** `stream_options.include_usage`: end the stream with a usage chunk. */
   includeUsage: boolean;
-  /** Default 16 (OpenAI's for completions). */
-  maxTokens: number;
+  /** 0 = greedy. Default 1 (OpenAI's). */
   temperature: number;
   topP: number;
+  /** uint32 (OpenAI seeds are int64; reduced modulo 2^32). */
   seed?: number;
+  /** Stop texts: generation ends before the first one and it is not returned. */
   stop: string[];
   frequencyPenalty: number;
   presencePenalty: number;
+  /** Each token's log-probability with this many alternatives; absent = none. */
+  logprobs?: number;
+}
+
+/** The sampling fields as a chat or text-completion body has them (any optional one may be `null`). */
+interface SamplingFields {
+  stream?: boolean | null;
+  stream_options?: { include_usage?: boolean } | null;
+  temperature?: number | null;
+  top_p?: number | null;
+  seed?: number | null;
+  stop?: string | string[] | null;
+  frequency_penalty?: number | null;
+  presence_penalty?: number | null;
+}
+
+/** {@link Sampling} of a body, defaults applied (`logprobs`, spelt differently by chat and text completions, aside). */
+function samplingOf(body: SamplingFields): Omit<Sampling, 'logprobs'> {
+  return {
+    stream: body.stream === true,
+    includeUsage: body.stream === true && body.stream_options?.include_usage === true,
+    temperature: body.temperature ?? 1,
+    topP: body.top_p ?? 1,
+    ...(body.seed == null ? {} : { seed: Number(BigInt.asUintN(32, BigInt(body.seed))) }),
+    stop: body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop,
+    frequencyPenalty: body.frequency_penalty ?? 0,
+    presencePenalty: body.presence_penalty ?? 0,
+  };
+}
+
+/** A validated text-completion request with defaults applied: prompts in place of messages. */
+export interface TextRequest extends Sampling {
+  prompts: string[];
+  /** Default 16 (OpenAI's for completions). */
+  maxTokens: number;
 }
 
 /**
@@ -48,38 +82,19 @@ export const completionsBodySchema = Type.Object({
 /** Defaults of a body that passed {@link completionsBodySchema}. */
 export function normalizeTextRequest(body: CompletionsRequest): TextRequest {
   return {
+    ...samplingOf(body),
     prompts: promptsOf(body),
-    ...(body.logprobs == null ? {} : { logprobs: body.logprobs }),
-    stream: body.stream === true,
-    includeUsage: body.stream === true && body.stream_options?.include_usage === true,
     maxTokens: body.max_tokens ?? COMPLETIONS_DEFAULT_MAX_TOKENS,
-    temperature: body.temperature ?? 1,
-    topP: body.top_p ?? 1,
-    ...(body.seed == null ? {} : { seed: Number(BigInt.asUintN(32, BigInt(body.seed))) }),
-    stop: body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop,
-    frequencyPenalty: body.frequency_penalty ?? 0,
-    presencePenalty: body.presence_penalty ?? 0,
+    ...(body.logprobs == null ? {} : { logprobs: body.logprobs }),
   };
 }
 
 /** A validated chat-completion request with defaults applied. */
-export interface ChatRequest {
+export interface ChatRequest extends Sampling {
   /** `developer` messages arrive as `system`. */
   messages: ChatMessage[];
-  stream: boolean;
-  /** `stream_options.include_usage`: end the stream with a usage chunk. */
-  includeUsage: boolean;
   /** `max_completion_tokens` ?? `max_tokens`; absent = until the context is full. */
   maxTokens?: number;
-  /** 0 = greedy. Default 1 (OpenAI's). */
-  temperature: number;
-  topP: number;
-  /** uint32 (OpenAI seeds are int64; reduced modulo 2^32). */
-  seed?: number;
-  /** Stop texts: generation ends before the first one and it is not returned. */
-  stop: string[];
-  frequencyPenalty: number;
-  presencePenalty: number;
   /** Functions the model may call (`tools`), and how: `auto` (text or calls), `required` (a call), a name (a call of it). */
   tools: ToolSpec[];
   toolChoice: 'auto' | 'required' | { name: string };
@@ -87,8 +102,6 @@ export interface ChatRequest {
   parallelToolCalls: boolean;
   /** Structured output: any JSON object, or JSON valid against a schema (converted for the grammar); absent = text. */
   responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
-  /** `logprobs: true`: each token's log-probability with `top_logprobs` alternatives; absent = none. */
-  logprobs?: number;
 }
 
 /** One candidate for a position of the answer: its text, UTF-8 bytes and natural-log probability. */
@@ -244,7 +257,6 @@ export type ChatCompletionBody = Static<typeof chatCompletionBodySchema>;
 
 /** Applies defaults to a body that passed {@link chatCompletionBodySchema}. */
 export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
-  const stop = body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop;
   const checked = checkStructure(body);
   if (!checked.ok) throw invalidRequest(checked.problem.message, checked.problem.param, checked.problem.code);
   const { responseFormat } = checked.structure;
@@ -262,15 +274,9 @@ export function normalizeRequest(body: ChatCompletionBody): ChatRequest {
       if (m.tool_call_id) out.tool_call_id = m.tool_call_id;
       return out;
     }),
-    stream: body.stream === true,
-    includeUsage: body.stream === true && body.stream_options?.include_usage === true,
+    ...samplingOf(body),
     maxTokens: body.max_completion_tokens ?? body.max_tokens ?? undefined,
-    temperature: body.temperature ?? 1,
-    topP: body.top_p ?? 1,
-    seed: body.seed == null ? undefined : Number(BigInt.asUintN(32, BigInt(body.seed))),
-    stop,
-    frequencyPenalty: body.frequency_penalty ?? 0,
-    presencePenalty: body.presence_penalty ?? 0,
+    // `logprobs: true` with `top_logprobs` alternatives.
     ...(body.logprobs === true ? { logprobs: body.top_logprobs ?? 0 } : {}),
   };
 }

@@ -10,7 +10,7 @@ import { conversationKey } from '../plugins/conversation';
 import { errors } from '../plugins/errors';
 import { SseResponse } from '../plugins/sse';
 import { chatCompletionSchema } from '../schemas/chat';
-import { isUsageChunk, servableModel, serveTurn } from './inference';
+import { relayed, servableModel, serveTurn } from './inference';
 
 /**
  * Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside
@@ -60,21 +60,12 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });
       const id = nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
-      const clientWantsUsage = body.stream_options?.include_usage === true;
       return serveTurn(app, request, reply, {
         id,
         model,
         conversationKey: key,
         payload: { body: toEngineRequest(body, messages) },
-        sse,
-        onChunk: (chunk) => {
-          if (!isUsageChunk(chunk) || clientWantsUsage) sse!.data(chunk);
-        },
-        onDone: (answer) => {
-          if (!sse) return answer;
-          sse.done();
-          return undefined;
-        },
+        ...relayed(sse, body.stream_options?.include_usage === true),
       });
     },
   );

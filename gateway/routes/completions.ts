@@ -11,7 +11,7 @@ import { COMPLETIONS_FORWARDED, completionsUnsupportedBy, type CompletionsBody, 
 import { errors } from '../plugins/errors';
 import { SseResponse } from '../plugins/sse';
 import { completionsSchema } from '../schemas/completions';
-import { isUsageChunk, servableModel, serveTurn } from './inference';
+import { relayed, servableModel, serveTurn } from './inference';
 
 /** What the engine gets: the forwarded fields as sent; every stream asks for usage (counted on /metrics; relayed only when the client asked). */
 function toEngineRequest(body: CompletionsBody): CompletionsRequest {
@@ -36,20 +36,11 @@ export const completionsRoutes: FastifyPluginCallback = (app, _opts, done) => {
 
     const id = nuid.next();
     const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
-    const clientWantsUsage = body.stream_options?.include_usage === true;
     return serveTurn(app, request, reply, {
       id,
       model,
       payload: { kind: 'completions', body: toEngineRequest(body) },
-      sse,
-      onChunk: (chunk) => {
-        if (!isUsageChunk(chunk) || clientWantsUsage) sse!.data(chunk);
-      },
-      onDone: (answer) => {
-        if (!sse) return answer;
-        sse.done();
-        return undefined;
-      },
+      ...relayed(sse, body.stream_options?.include_usage === true),
     });
   });
   done();

@@ -88,6 +88,25 @@ export interface Turn {
 }
 
 /**
+ * How chat and text completions answer: a stream's chunks relayed as they come (its usage chunk,
+ * which every stream asks the engine for, only when the client asked for it), then `[DONE]`; an
+ * answer not streamed, as the engine gave it.
+ */
+export function relayed(sse: SseResponse | undefined, clientWantsUsage: boolean): Pick<Turn, 'sse' | 'onChunk' | 'onDone'> {
+  return {
+    sse,
+    onChunk: (chunk) => {
+      if (!isUsageChunk(chunk) || clientWantsUsage) sse!.data(chunk);
+    },
+    onDone: (answer) => {
+      if (!sse) return answer;
+      sse.done();
+      return undefined;
+    },
+  };
+}
+
+/**
  * Serves `turn`: its session (warm: a map read; cold: the broker's slow path, bounded by the
  * cold-start timeout) → listen on `magus.res.<replica>.<id>` → publish to the instance → relay
  * frames to the route's handlers. A client that goes away cancels the engine's work; an error

@@ -24,18 +24,17 @@ const usage = {
   },
 } as const;
 
-/** A `chat.completion` as the engine produced it: the known fields, anything else passed through. */
-const chatCompletion = {
-  type: 'object',
-  additionalProperties: true,
-  properties: {
-    id: { type: 'string' },
-    object: { type: 'string' },
-    created: { type: 'integer' },
-    model: { type: 'string' },
-    usage,
-  },
+/** What every completion the engine produces has (a `chat.completion`, a `text_completion`). */
+export const completionProperties = {
+  id: { type: 'string' },
+  object: { type: 'string' },
+  created: { type: 'integer' },
+  model: { type: 'string' },
+  usage,
 } as const;
+
+/** A `chat.completion` as the engine produced it: the known fields, anything else passed through. */
+const chatCompletion = { type: 'object', additionalProperties: true, properties: completionProperties } as const;
 
 export const chatCompletionSchema = {
   // Descriptive only (gateway/openapi.ts): fastify ignores both.

@@ -4,6 +4,7 @@
  * OpenAPI description) and the response.
  */
 import { CompletionsBody } from '../../shared/completions';
+import { completionProperties } from './chat';
 import { errorResponses } from './errors';
 
 /** A `text_completion` as the engine produced it: one choice per prompt, in order; other fields passed through. */
@@ -11,10 +12,7 @@ const textCompletion = {
   type: 'object',
   additionalProperties: true,
   properties: {
-    id: { type: 'string' },
-    object: { type: 'string' },
-    created: { type: 'integer' },
-    model: { type: 'string' },
+    ...completionProperties,
     choices: {
       type: 'array',
       items: {
