@@ -1,4 +1,4 @@
-import { MAX_SCHEMA_BYTES, checkStructure } from './chat';
+import { MAX_SCHEMA_BYTES, checkStructure, unsupportedBy } from './chat';
 
 const user = { role: 'user', content: 'hi' };
 const fn = (name: string, parameters?: Record<string, unknown>) => ({ type: 'function' as const, function: { name, ...(parameters ? { parameters } : {}) } });
@@ -22,6 +22,9 @@ describe('checkStructure: the one check of structured output and tools, at the g
     ['a tool name given twice', { tools: [fn('a'), fn('a')] }, 'tools[1].function.name', 'invalid_value'],
     ['tool_choice naming no tool', { tools: [fn('a')], tool_choice: { type: 'function' as const, function: { name: 'b' } } }, 'tool_choice.function.name', 'invalid_value'],
     ['tool_choice required without tools', { tool_choice: 'required' as const }, 'tool_choice', 'invalid_value'],
+    ['top_logprobs without logprobs', { top_logprobs: 2 }, 'top_logprobs', 'invalid_value'],
+    ['logprobs with a JSON response format', { logprobs: true, response_format: { type: 'json_object' as const } }, 'logprobs', 'unsupported_feature'],
+    ['logprobs with tools offered', { logprobs: true, tools: [fn('a')] }, 'logprobs', 'unsupported_feature'],
   ])('refuses %s, naming the field', (_what, fields, param, code) => {
     const r = checkStructure({ messages: [user], ...fields });
     expect(r).toMatchObject({ ok: false, problem: { param, code } });
@@ -33,5 +36,22 @@ describe('checkStructure: the one check of structured output and tools, at the g
     expect(checkStructure({ messages: answered, tools: [fn('a')] }).ok).toBe(true);
     expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: 'c1' }, { role: 'assistant', tool_calls: [call] }] })).toMatchObject({ ok: false, problem: { param: 'messages[1].tool_call_id' } });
     expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: null }] })).toMatchObject({ ok: false, problem: { param: 'messages[1].tool_call_id' } });
+  });
+});
+
+describe('unsupportedBy: what an engine cannot serve, named by the field that asks for it', () => {
+  it.each([
+    ['response_format', { response_format: { type: 'json_object' as const } }],
+    ['tools', { tools: [fn('a')] }],
+    ['messages[1]', { messages: [user, { role: 'tool', tool_calls: null }] }],
+    ['logprobs', { logprobs: true }],
+  ])('distributed-llama refuses %s; llama.cpp serves it', (field, body) => {
+    expect(unsupportedBy('dllama', body)).toMatchObject({ field, message: expect.stringContaining("distributed-llama's dllama-api") as unknown });
+    expect(unsupportedBy('llamacpp', body)).toBeUndefined();
+  });
+
+  it('plain chat, logprobs false and tools under tool_choice none are plain for every engine', () => {
+    expect(unsupportedBy('dllama', { messages: [user], logprobs: false })).toBeUndefined();
+    expect(checkStructure({ messages: [user], logprobs: true, tools: [fn('a')], tool_choice: 'none' }).ok).toBe(true);
   });
 });
