@@ -168,7 +168,7 @@ export const ResponsesBody = Type.Object(
     reasoning: Type.Optional(nullable(Type.Object({}, { maxProperties: 0, ...unsupported('maxProperties', 'Reasoning options are not supported by this server.') }))),
     conversation: Type.Optional(Type.Null(unsupported('type', 'Conversation objects are not supported by this server; chain responses with `previous_response_id`.'))),
     prompt: Type.Optional(Type.Null(unsupported('type', 'Prompt templates are not supported by this server.'))),
-    top_logprobs: Type.Optional(nullable(Type.Integer({ minimum: 0, maximum: 0, ...unsupported('maximum', 'Log-probabilities are not supported by this server.') }))),
+    top_logprobs: Type.Optional(nullable(Type.Integer({ minimum: 0, maximum: 0, ...unsupported('maximum', 'Log-probabilities are served on /v1/chat/completions and /v1/completions, not on /v1/responses by this server.') }))),
     truncation: Type.Optional(nullable(StringEnum(['disabled'], unsupported('enum', 'Truncation of the conversation (`auto`) is not supported by this server.')))),
   },
   { examples: [{ model: 'demo', input: 'Hello' }] },
