@@ -136,9 +136,12 @@ test('400 names the offending param', async () => {
     expect(err).toMatchObject({ status: 400, param, type: 'invalid_request_error', code: 'invalid_value' });
     expect((err as Error).message).toContain(param);
   }
-  // A kind of answer the engines do not give (yet): refused, not answered with plain text.
-  const logprobs = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, top_logprobs: 2 }));
-  expect(logprobs).toBeInstanceOf(OpenAI.BadRequestError);
+  // A kind of answer the engines do not give: refused, not answered with plain text.
+  const choices = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], n: 2 }));
+  expect(choices).toBeInstanceOf(OpenAI.BadRequestError);
+  expect(choices).toMatchObject({ status: 400, param: 'n', type: 'invalid_request_error', code: 'unsupported_feature' });
+  // Log-probabilities with a JSON format: each is served, together they are not.
+  const logprobs = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, response_format: { type: 'json_object' } }));
   expect(logprobs).toMatchObject({ status: 400, param: 'logprobs', type: 'invalid_request_error', code: 'unsupported_feature' });
   // Parameters the grammar cannot enforce: refused before anything is queued, naming the keyword.
   const tools = await failure(
