@@ -15,11 +15,11 @@
  */
 import { execFile } from 'node:child_process';
 import { chmodSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { convertModel } from '../activities/convert/convert';
 import { MODES } from '../shared/constants';
+import { freePort } from '../workers/dev/services';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import { isolation, workerEnv } from './harness';
 import { eventually, processRunning } from './harness/wait';
@@ -68,18 +68,6 @@ interface ImageConfig {
 
 async function inspectImage(image: string): Promise<ImageConfig> {
   return (JSON.parse(await podmanOk(['image', 'inspect', image])) as ImageConfig[])[0]!;
-}
-
-/** A loopback port free a moment ago. */
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
 }
 
 /** The host address podman published a container's port on. */
@@ -203,7 +191,9 @@ describe('the magus image', () => {
   });
 
   test('magus worker runs against the real Temporal, NATS and S3 from a read-only root, and stops on SIGTERM', async () => {
-    // Host network: the test servers listen on this machine's loopback.
+    // Host network: the test servers listen on this machine's loopback. The worker's ports come
+    // from outside the ephemeral range: between this pick and the container's listen, an
+    // outgoing connection could take an ephemeral one as its source port (seen in CI).
     const [health, metrics] = [await freePort(), await freePort()];
     const env = { ...workerEnv(iso), MAGUS_TASK_QUEUE: iso.taskQueue, MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`, MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}` };
     const name = await runDetached('worker', [...READ_ONLY, '--network', 'host', ...Object.entries(env).flatMap(([k, v]) => ['-e', `${k}=${v}`]), images.magus!, 'worker']);
