@@ -16,6 +16,8 @@ import { randomInt } from 'node:crypto';
 import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type { TokenChoice, TokenLogprob } from './api';
 
+/** Tokens of a prompt evaluated between two looks at the request's abort signal (node-llama-cpp's default batch). */
+const PROMPT_PIECE = 512;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;
 
@@ -161,6 +163,13 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     sent = upTo;
     o.onText(piece, done);
   };
+
+  // A long prompt in pieces, so a request whose client left stops between them.
+  while (input.length > PROMPT_PIECE + 1) {
+    if (o.signal.aborted) throw o.signal.reason;
+    await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, PROMPT_PIECE));
+    input = input.slice(PROMPT_PIECE);
+  }
 
   while (sampled.length < o.maxTokens) {
     if (o.signal.aborted) throw o.signal.reason;
