@@ -325,12 +325,59 @@ describe('GET and DELETE /v1/responses/{response_id}', () => {
   });
 });
 
+describe('log-probabilities', () => {
+  const lp = (token: string, logprob: number) => ({ token, logprob, bytes: [...Buffer.from(token)], top_logprobs: [{ token, logprob, bytes: [...Buffer.from(token)] }] });
+
+  it('include message.output_text.logprobs asks the engine for them (top_logprobs alternatives) and the text part carries them', async () => {
+    t.plane.script = () => [
+      {
+        seq: 0,
+        type: 'done',
+        data: { id: 'c', object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'Hi!' }, logprobs: { content: [lp('Hi', -0.1), lp('!', -0.5)] }, finish_reason: 'stop' }] },
+      },
+    ];
+    const r = (await create({ input: 'Hello', include: ['message.output_text.logprobs'], top_logprobs: 1 })).json<ResponseObject>();
+    expect(t.plane.chat(0).body).toMatchObject({ logprobs: true, top_logprobs: 1 });
+    expect(r.top_logprobs).toBe(1);
+    expect(r.output[0]).toMatchObject({ type: 'message', content: [{ type: 'output_text', text: 'Hi!', logprobs: [lp('Hi', -0.1), lp('!', -0.5)] }] });
+    // Without them: the engine is not asked, and the part has none.
+    answers('Hi!');
+    const plain = (await create({ input: 'Hello' })).json<ResponseObject>();
+    expect(t.plane.chat(1).body).not.toHaveProperty('logprobs');
+    expect(plain.output[0]).not.toHaveProperty('content.0.logprobs');
+  });
+
+  it('streamed: each output_text.delta carries its tokens, output_text.done all of them', async () => {
+    const piece = (seq: number, content: string, tokens: object[]) => ({
+      seq,
+      type: 'chunk' as const,
+      data: { id: 'c', object: 'chat.completion.chunk', choices: [{ index: 0, delta: { content }, logprobs: { content: tokens }, finish_reason: null }] },
+    });
+    t.plane.script = () => [piece(0, 'Hi', [lp('Hi', -0.1)]), piece(1, '!', [lp('!', -0.5)]), { seq: 2, type: 'done' }];
+    const res = await create({ input: 'Hello', stream: true, include: ['message.output_text.logprobs'] });
+    const events = res.body
+      .split('\n\n')
+      .filter((e) => e.includes('data: '))
+      .map((e) => JSON.parse(e.slice(e.indexOf('data: ') + 6)) as { type: string; logprobs?: unknown[] });
+    expect(events.filter((e) => e.type === 'response.output_text.delta').map((e) => e.logprobs)).toEqual([[lp('Hi', -0.1)], [lp('!', -0.5)]]);
+    expect(events.find((e) => e.type === 'response.output_text.done')?.logprobs).toEqual([lp('Hi', -0.1), lp('!', -0.5)]);
+  });
+
+  it('with tools or a JSON format: 400 unsupported_feature naming include; top_logprobs above 20: 400', async () => {
+    const tools = await create({ input: 'Hello', include: ['message.output_text.logprobs'], tools: [{ type: 'function', name: 'f' }] });
+    expect(errorOf(tools)).toMatchObject({ param: 'include', code: 'unsupported_feature' });
+    const many = await create({ input: 'Hello', top_logprobs: 21 });
+    expect(errorOf(many)).toMatchObject({ param: 'top_logprobs' });
+    expect(t.plane.published).toHaveLength(0);
+  });
+});
+
 describe('refusals', () => {
   it.each([
     ['tools[0].type', { tools: [{ type: 'web_search' }] }],
     ['tool_choice.type', { tool_choice: { type: 'web_search' } }],
     ['background', { background: true }],
-    ['include', { include: ['file_search_call.results'] }],
+    ['include[0]', { include: ['file_search_call.results'] }],
     ['reasoning', { reasoning: { effort: 'high' } }],
     ['conversation', { conversation: 'conv_1' }],
     ['truncation', { truncation: 'auto' }],

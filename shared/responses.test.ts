@@ -141,6 +141,7 @@ describe('pendingResponse', () => {
       max_output_tokens: null,
       temperature: null,
       top_p: null,
+      top_logprobs: null,
       tools: [],
       tool_choice: 'auto',
       parallel_tool_calls: true,

@@ -26,6 +26,7 @@ import {
   strictFlag,
   StringEnum,
   toolName,
+  topLogprobs,
   unsupported,
   type ChatCompletionRequest,
   type ChatMessage,
@@ -34,6 +35,9 @@ import {
   type ToolCall,
   type ToolChoice,
 } from './chat';
+
+/** What `include` asks for log-probabilities with (each output text's `logprobs`); `top_logprobs` alternatives per token. */
+export const LOGPROBS_INCLUDE = 'message.output_text.logprobs';
 
 /** Longest text of one message, part, instruction or tool output, in characters. */
 export const MAX_TEXT_CHARS = 4 * 1024 * 1024;
@@ -164,11 +168,15 @@ export const ResponsesBody = Type.Object(
     user: Type.Optional(user),
     // What magus does not do: accepted only empty, plain or null.
     background: Type.Optional(nullable(Type.Literal(false, unsupported('const', 'Background responses are not supported by this server.')))),
-    include: Type.Optional(nullable(Type.Array(Type.String({ maxLength: 256 }), { maxItems: 0, ...unsupported('maxItems', 'Included extras (`include`) are not supported by this server.') }))),
+    include: Type.Optional(
+      nullable(
+        Type.Array(StringEnum([LOGPROBS_INCLUDE], unsupported('enum', `Of the included extras (\`include\`), only ${LOGPROBS_INCLUDE} is supported by this server.`)), { maxItems: 8 }),
+      ),
+    ),
     reasoning: Type.Optional(nullable(Type.Object({}, { maxProperties: 0, ...unsupported('maxProperties', 'Reasoning options are not supported by this server.') }))),
     conversation: Type.Optional(Type.Null(unsupported('type', 'Conversation objects are not supported by this server; chain responses with `previous_response_id`.'))),
     prompt: Type.Optional(Type.Null(unsupported('type', 'Prompt templates are not supported by this server.'))),
-    top_logprobs: Type.Optional(nullable(Type.Integer({ minimum: 0, maximum: 0, ...unsupported('maximum', 'Log-probabilities are served on /v1/chat/completions and /v1/completions, not on /v1/responses by this server.') }))),
+    top_logprobs: Type.Optional(nullable(topLogprobs)),
     truncation: Type.Optional(nullable(StringEnum(['disabled'], unsupported('enum', 'Truncation of the conversation (`auto`) is not supported by this server.')))),
   },
   { examples: [{ model: 'demo', input: 'Hello' }] },
@@ -251,9 +259,16 @@ export function toChatTurn(body: ResponsesBody, history: readonly ChatMessage[],
   if (body.tools !== undefined && body.tools.length > 0) request.tools = chatTools(body.tools);
   if (body.tool_choice !== undefined) request.tool_choice = chatToolChoice(body.tool_choice);
   if (body.parallel_tool_calls != null) request.parallel_tool_calls = body.parallel_tool_calls;
+  if (wantsLogprobs(body)) {
+    request.logprobs = true;
+    request.top_logprobs = body.top_logprobs ?? 0;
+  }
   const origins = [...lead.map(() => 'instructions'), ...history.map(() => 'previous_response_id'), ...own.origins];
   return { request, input: own.messages, origins };
 }
+
+/** Whether a request asks for log-probabilities: `include` names them, or it says how many alternatives (`top_logprobs`). */
+export const wantsLogprobs = (body: Pick<ResponsesBody, 'include' | 'top_logprobs'>): boolean => (body.include ?? []).includes(LOGPROBS_INCLUDE) || body.top_logprobs != null;
 
 /** Every field chat's checks name in `text` (a 400's message) as {@link chatParamToResponses} spells it. */
 export function chatTextToResponses(text: string, origins: readonly string[]): string {
@@ -263,10 +278,11 @@ export function chatTextToResponses(text: string, origins: readonly string[]): s
 /**
  * A field chat's checks name (shared/chat.ts `unsupportedBy`, `checkStructure`) as the Responses
  * request spells it: `response_format.json_schema.schema.x` → `text.format.schema.x`,
- * `tools[0].function.parameters` → `tools[0].parameters`, `messages[3]…` → the input item (or
+ * `tools[0].function.parameters` → `tools[0].parameters`, `logprobs` → `include`, `messages[3]…` → the input item (or
  * `previous_response_id`, `instructions`) the message came from.
  */
 export function chatParamToResponses(param: string, origins: readonly string[]): string {
+  if (param === 'logprobs') return 'include';
   if (param.startsWith('response_format')) return param.replace(/^response_format(\.json_schema)?/, 'text.format');
   if (param.startsWith('tool_choice.function')) return param.replace('tool_choice.function', 'tool_choice');
   const tool = /^tools\[(\d+)\]\.function/.exec(param);
@@ -285,6 +301,8 @@ export interface OutputText {
   type: 'output_text';
   text: string;
   annotations: never[];
+  /** With `include: ["message.output_text.logprobs"]`: each token of `text`, as chat's `logprobs.content`. */
+  logprobs?: { token: string; logprob: number; bytes: number[]; top_logprobs: { token: string; logprob: number; bytes: number[] }[] }[];
 }
 
 /** An item of a response's `output`: the assistant's text, or a call of one of the request's functions. */
@@ -314,6 +332,7 @@ export interface ResponseObject {
   max_output_tokens: number | null;
   temperature: number | null;
   top_p: number | null;
+  top_logprobs: number | null;
   tools: ResponsesTool[];
   tool_choice: NonNullable<ResponsesBody['tool_choice']>;
   parallel_tool_calls: boolean;
@@ -340,6 +359,7 @@ export function pendingResponse(id: string, body: ResponsesBody, createdAt: numb
     max_output_tokens: body.max_output_tokens ?? null,
     temperature: body.temperature ?? null,
     top_p: body.top_p ?? null,
+    top_logprobs: body.top_logprobs ?? null,
     tools: body.tools ?? [],
     tool_choice: body.tool_choice ?? 'auto',
     parallel_tool_calls: body.parallel_tool_calls ?? true,

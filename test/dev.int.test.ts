@@ -147,6 +147,11 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     }
     expect(deltas.trim()).not.toBe('');
     expect(completed?.output[0]).toMatchObject({ type: 'message', content: [{ type: 'output_text', text: deltas }] });
+    // Log-probabilities in a response: each token of the text, greedy-consistent.
+    const withLogprobs = await openai.responses.create({ model: 'demo', input: 'What is the capital of France?', temperature: 0, max_output_tokens: 16, include: ['message.output_text.logprobs'], top_logprobs: 2, store: false });
+    const part = withLogprobs.output[0]!.type === 'message' ? withLogprobs.output[0]!.content[0]! : undefined;
+    expect(part?.type === 'output_text' && part.logprobs?.map((l) => l.token).join('')).toBe(withLogprobs.output_text);
+    for (const l of part?.type === 'output_text' ? (part.logprobs ?? []) : []) for (const alt of l.top_logprobs) expect(l.logprob).toBeGreaterThanOrEqual(alt.logprob - 1e-6);
     // Structured output by text.format, with the client's helper.
     const capital = await openai.responses.parse({ model: 'demo', input: 'What is the capital of France? Answer in JSON.', text: { format: zodTextFormat(Capital, 'capital') }, temperature: 0, max_output_tokens: 64 });
     expect(capital.output_parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });

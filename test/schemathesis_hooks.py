@@ -47,7 +47,8 @@ def filter_body(context, body):
 #   spelling: a function tool's `name` and `parameters` sit on the tool itself, a named
 #   `tool_choice` is `{"type": "function", "name"}`, structured output's schema is
 #   `text.format.schema`, and a `function_call_output` item must answer a `function_call` item
-#   before it (or it becomes a user message). `previous_response_id` must name a stored response
+#   before it (or it becomes a user message); log-probabilities (`include`, `top_logprobs`)
+#   come neither with tools nor with a JSON format. `previous_response_id` must name a stored response
 #   of the caller, which a generated id never does (a 404 `previous_response_not_found`, which
 #   gateway/responses.test.ts checks), so it is left out.
 # Every other field of a case is still fuzzed; values of the wrong type (negative cases) are left
@@ -120,6 +121,13 @@ def _agree(body, path):
             body.pop("top_logprobs", None)
         elif type(top) is int and body.get("logprobs") is not True:
             body["logprobs"] = True
+    if responses:
+        fmt_type = text["format"].get("type") if isinstance(text, dict) and isinstance(text.get("format"), dict) else None
+        include = body.get("include")
+        wants = (isinstance(include, list) and "message.output_text.logprobs" in include) or type(body.get("top_logprobs")) is int
+        if wants and ((names and body.get("tool_choice") != "none") or fmt_type in ("json_object", "json_schema")):
+            body.pop("include", None)
+            body.pop("top_logprobs", None)
     dims = body.get("dimensions")
     if path == "/v1/embeddings" and type(dims) in (int, float) and dims == int(dims) and dims >= 1:
         body["dimensions"] = STUB_EMBEDDING_DIMENSIONS

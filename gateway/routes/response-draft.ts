@@ -25,7 +25,16 @@ interface ToolCallDelta {
   function?: { name?: string; arguments?: string };
 }
 
+/** A token's log-probability as a chat answer carries it (`logprobs.content[]`), which is the Responses API's shape too. */
+interface TokenLogprob {
+  token: string;
+  logprob: number;
+  bytes: number[];
+  top_logprobs: { token: string; logprob: number; bytes: number[] }[];
+}
+
 interface ChatChoice {
+  logprobs?: { content?: TokenLogprob[] | null } | null;
   delta?: { content?: string | null; tool_calls?: ToolCallDelta[] | null };
   message?: { content?: string | null; tool_calls?: { id: string; function: { name: string; arguments: string } }[] | null };
   finish_reason?: string | null;
@@ -59,7 +68,11 @@ export class ResponseDraft {
   private finishReason: string | null | undefined;
   private usage: ResponseUsage | null = null;
 
-  constructor(pending: ResponseObject) {
+  /** `withLogprobs`: the request asked for log-probabilities (`include: ["message.output_text.logprobs"]`), so text parts carry them. */
+  constructor(
+    pending: ResponseObject,
+    private readonly withLogprobs = false,
+  ) {
     this.response = structuredClone(pending);
   }
 
@@ -70,7 +83,7 @@ export class ResponseDraft {
     if (answer?.usage) this.usage = responseUsage(answer.usage) ?? this.usage;
     const choice = answer?.choices?.[0];
     if (!choice) return events;
-    if (typeof choice.delta?.content === 'string' && choice.delta.content !== '') events.push(...this.text(choice.delta.content));
+    if (typeof choice.delta?.content === 'string' && choice.delta.content !== '') events.push(...this.text(choice.delta.content, choice.logprobs?.content ?? []));
     for (const [i, call] of (choice.delta?.tool_calls ?? []).entries()) events.push(...this.toolCall(call.index ?? i, call));
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
     return events;
@@ -81,7 +94,7 @@ export class ResponseDraft {
     const answer = completion as ChatAnswer | null;
     const choice = answer?.choices?.[0];
     const message = choice?.message;
-    if (typeof message?.content === 'string' && message.content !== '') this.text(message.content);
+    if (typeof message?.content === 'string' && message.content !== '') this.text(message.content, choice?.logprobs?.content ?? []);
     for (const [i, call] of (message?.tool_calls ?? []).entries()) this.toolCall(i, call);
     this.finishReason = choice?.finish_reason ?? null;
     this.usage = responseUsage(answer?.usage);
@@ -132,16 +145,18 @@ export class ResponseDraft {
     ];
   }
 
-  private text(delta: string): ResponseEvent[] {
+  /** A piece of the answer's text, with its tokens' log-probabilities (none unless the request asked for them). */
+  private text(delta: string, logprobs: readonly TokenLogprob[]): ResponseEvent[] {
     const events = this.message ? [] : this.openMessage();
     const m = this.message!;
     m.part.text += delta;
-    events.push({ type: 'response.output_text.delta', item_id: m.item.id, output_index: m.index, content_index: 0, delta, logprobs: [] });
+    if (this.withLogprobs) m.part.logprobs!.push(...logprobs);
+    events.push({ type: 'response.output_text.delta', item_id: m.item.id, output_index: m.index, content_index: 0, delta, logprobs: [...logprobs] });
     return events;
   }
 
   private openMessage(): ResponseEvent[] {
-    const part: OutputText = { type: 'output_text', text: '', annotations: [] };
+    const part: OutputText = { type: 'output_text', text: '', annotations: [], ...(this.withLogprobs ? { logprobs: [] } : {}) };
     const item: Extract<OutputItem, { type: 'message' }> = { type: 'message', id: `msg_${nuid.next()}`, status: 'in_progress', role: 'assistant', content: [] };
     const index = this.response.output.push(item) - 1;
     this.message = { index, item, part };
@@ -157,8 +172,8 @@ export class ResponseDraft {
     m.item.status = incomplete ? 'incomplete' : 'completed';
     const at = { item_id: m.item.id, output_index: m.index, content_index: 0 };
     return [
-      { type: 'response.output_text.done', ...at, text: m.part.text, logprobs: [] },
-      { type: 'response.content_part.done', ...at, part: { ...m.part } },
+      { type: 'response.output_text.done', ...at, text: m.part.text, logprobs: [...(m.part.logprobs ?? [])] },
+      { type: 'response.content_part.done', ...at, part: structuredClone(m.part) },
       { type: 'response.output_item.done', output_index: m.index, item: structuredClone(m.item) },
     ];
   }

@@ -11,7 +11,7 @@
 import type { FastifyPluginCallback } from 'fastify';
 import { nuid } from 'nats';
 import { checkStructure, refusedOnEvery, unsupportedBy } from '../../shared/chat';
-import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, type ResponsesBody } from '../../shared/responses';
+import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, wantsLogprobs, type ResponsesBody } from '../../shared/responses';
 import { conversationKey } from '../plugins/conversation';
 import { errorBody, errors, type GatewayError } from '../plugins/errors';
 import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../plugins/response-store';
@@ -82,7 +82,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const root = chain?.root ?? responseId;
     // Every turn of a chain is one conversation: its first response's id is the session id.
     const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: modelLabel, messages: [], sessionId: root });
-    const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)));
+    const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)), wantsLogprobs(body));
     const keep = async (response: StoredResponse['response']): Promise<void> => {
       if (!response.store) return;
       const record: StoredResponse = { tokenId: principal.tokenId, model: modelLabel, root, previous: body.previous_response_id ?? null, depth: chain?.depth ?? 0, input: turn.input, output: draft.assistantMessages(), response };
