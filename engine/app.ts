@@ -253,12 +253,12 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
 /** `POST /v1/completions`: each prompt continued as raw text, one choice each, in one slot one after another. */
 function completeText(core: EngineCore, opts: EngineApiOptions, request: FastifyRequest, reply: FastifyReply): Promise<unknown> {
   const arrived = performance.now();
-  const backend = core.backend;
-  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
+  const backend = servingBackend(core);
   const prepareText = backend.prepareText?.bind(backend);
   if (!prepareText) throw invalidRequest('This engine does not serve text completions.', 'model', 'unsupported_feature');
-  const req = normalizeTextRequest(request.body as CompletionsRequest);
-  const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof (request.body as CompletionsRequest).prompt === 'string' ? 'prompt' : `prompt[${i}]`));
+  const body = request.body as CompletionsRequest;
+  const req = normalizeTextRequest(body);
+  const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof body.prompt === 'string' ? 'prompt' : `prompt[${i}]`));
   return serve(core, opts, reply, arrived, { kind: 'text', stream: req.stream, includeUsage: req.includeUsage, prepared, promptChars: req.prompts.map((p) => p.length) });
 }
 

@@ -130,6 +130,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     return { token: text, logprob, bytes: [...Buffer.from(text, 'utf8')] };
   };
   const penalties = o.frequencyPenalty !== 0 || o.presencePenalty !== 0;
+  const longestStop = Math.max(0, ...o.stop.map((s) => s.length));
   // Greedy needs only the most likely token.
   const candidates = o.temperature > 0 ? SAMPLE_TOP_K : 1;
   // Without a seed, a random one: the steps still draw independently.
@@ -209,9 +210,10 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
       const lp = (t: Token): number => (out.logits!.get(t) ?? -Infinity) - norm;
       const top = [...out.logits.keys()].slice(0, o.topLogprobs).map((t) => describe(t, lp(t)));
       const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
-      pending.push({ ...describe(token, lp(token)), top, offset });
+      // Its text and bytes are what it adds to the answer, known when it is sent.
+      pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });
     }
-    const stopAt = findStop(text, o.stop, Math.max(0, sent - Math.max(0, ...o.stop.map((s) => s.length))));
+    const stopAt = findStop(text, o.stop, Math.max(0, sent - longestStop));
     if (stopAt >= 0) {
       text = text.slice(0, stopAt);
       finishReason = 'stop';

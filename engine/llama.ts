@@ -162,6 +162,9 @@ interface Plan {
   functions?: ChatModelFunctions;
 }
 
+/** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
+type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText'>;
+
 /** Grammars kept compiled, by their schema: a client sends the same schema again and again. */
 const GRAMMAR_CACHE = 64;
 
@@ -225,15 +228,7 @@ export class LlamaBackend implements CompletionBackend {
     const state = this.chatWrapper.generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) });
     const tokens = state.contextText.tokenize(this.model.tokenizer);
     const promptTokens = tokens.length;
-    if (promptTokens >= this.contextSize) {
-      throw invalidRequest(
-        `This model's maximum context length is ${this.contextSize} tokens. However, your messages resulted in ${promptTokens} tokens.`,
-        'messages',
-        'context_length_exceeded',
-      );
-    }
-    // Like dllama-api, a max_tokens beyond the context is cut to what fits (finish_reason: length).
-    const room = this.contextSize - promptTokens;
+    const room = this.roomAfter(promptTokens, 'messages', 'messages');
     const maxTokens = Math.min(req.maxTokens ?? room, room);
     if (req.logprobs !== undefined) {
       // Plain chat (checkStructure refuses log-probabilities with tools or a format), in magus's
@@ -243,6 +238,18 @@ export class LlamaBackend implements CompletionBackend {
     }
     const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
     return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
+  }
+
+  /**
+   * The tokens a slot has left for the answer to a prompt of `promptTokens`: like dllama-api, a
+   * `max_tokens` beyond it is cut to what fits (finish_reason: length).
+   * @throws EngineHttpError (400 `context_length_exceeded` naming `param`) when the prompt fills the context
+   */
+  private roomAfter(promptTokens: number, what: 'messages' | 'prompt', param: string): number {
+    if (promptTokens >= this.contextSize) {
+      throw invalidRequest(`This model's maximum context length is ${this.contextSize} tokens. However, your ${what} resulted in ${promptTokens} tokens.`, param, 'context_length_exceeded');
+    }
+    return this.contextSize - promptTokens;
   }
 
   affinity(slot: number, req: ChatRequest): number {
@@ -332,7 +339,7 @@ export class LlamaBackend implements CompletionBackend {
     };
   }
 
-  private async chatWithLogprobs(slot: number, req: ChatRequest, prompt: readonly Token[], o: Parameters<LlamaBackend['decodeIn']>[2], io: GenerationIO): Promise<GenerationResult> {
+  private async chatWithLogprobs(slot: number, req: ChatRequest, prompt: readonly Token[], o: DecodeSettings, io: GenerationIO): Promise<GenerationResult> {
     const result = await this.decodeIn(slot, prompt, o, io);
     this.cached[slot] = [...req.messages, { role: 'assistant', content: result.text }];
     return result;
@@ -343,10 +350,7 @@ export class LlamaBackend implements CompletionBackend {
     const { bos, shouldPrependBosToken } = this.model.tokens;
     if (shouldPrependBosToken && bos != null) tokens.unshift(bos);
     const promptTokens = tokens.length;
-    if (promptTokens >= this.contextSize) {
-      throw invalidRequest(`This model's maximum context length is ${this.contextSize} tokens. However, your prompt resulted in ${promptTokens} tokens.`, param, 'context_length_exceeded');
-    }
-    const maxTokens = Math.min(req.maxTokens, this.contextSize - promptTokens);
+    const maxTokens = Math.min(req.maxTokens, this.roomAfter(promptTokens, 'prompt', param));
     return { promptTokens, generate: (slot, io) => this.decodeIn(slot, tokens, { ...req, maxTokens, topLogprobs: req.logprobs }, io) };
   }
 
@@ -357,7 +361,7 @@ export class LlamaBackend implements CompletionBackend {
   private decodeIn(
     slot: number,
     prompt: readonly Token[],
-    o: Pick<DecodeOptions, 'maxTokens' | 'temperature' | 'topP' | 'seed' | 'frequencyPenalty' | 'presencePenalty' | 'stop' | 'stopTokens' | 'topLogprobs'>,
+    o: DecodeSettings,
     io: GenerationIO,
   ): Promise<GenerationResult> {
     const chat = this.chats[slot];

@@ -53,8 +53,6 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
       const checked = checkStructure(body);
       if (!checked.ok) throw errors.invalid(checked.problem.message, checked.problem.param, checked.problem.code);
-      const backlog = g.backlogFull?.(model);
-      if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
       const messages = toMessages(body);
       const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });

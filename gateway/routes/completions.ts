@@ -31,8 +31,6 @@ export const completionsRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const model = await servableModel(app, request.principal!, body.model);
     const refused = refusedOnEvery(g.models.engines(model), completionsUnsupportedBy);
     if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
-    const backlog = g.backlogFull?.(model);
-    if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
     const id = nuid.next();
     const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;

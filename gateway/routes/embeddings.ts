@@ -20,8 +20,6 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const model = await servableModel(app, request.principal!, body.model);
     const refused = refusedOnEvery(g.models.engines(model), embeddingsUnsupportedBy);
     if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
-    const backlog = g.backlogFull?.(model);
-    if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
     const id = nuid.next();
     return serveTurn(app, request, reply, { id, model, payload: { kind: 'embeddings', body }, onDone: (answer) => answer });

@@ -14,7 +14,7 @@ import { exchange, type ExchangeOptions } from '../plugins/responses';
 import type { SseResponse } from '../plugins/sse';
 
 /** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
-export class ClientGone extends Error {
+class ClientGone extends Error {
   override readonly name = 'ClientGone';
 }
 
@@ -34,7 +34,7 @@ export async function servableModel(app: FastifyInstance, principal: Principal, 
 }
 
 /** The options of an exchange of `req` on `entry`'s instance, aborted by `signal`; a route adds its own (chunks, publish retries). */
-export function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: InferenceRequest, signal: AbortSignal): ExchangeOptions {
+function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: InferenceRequest, signal: AbortSignal): ExchangeOptions {
   const g = app.gateway;
   const s = g.settings;
   return {
@@ -59,7 +59,7 @@ function usageIn(data: unknown): { prompt: number; cached: number } | undefined 
 }
 
 /** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
-export const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
+const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
 /** What an inference request carries beyond its envelope: its kind and the engine's body. */
 export type InferencePayload = { kind?: 'chat'; body: ChatInference['body'] } | Pick<CompletionsInference, 'kind' | 'body'> | Pick<EmbeddingsInference, 'kind' | 'body'>;
@@ -107,15 +107,21 @@ export function relayed(sse: SseResponse | undefined, clientWantsUsage: boolean)
 }
 
 /**
- * Serves `turn`: its session (warm: a map read; cold: the broker's slow path, bounded by the
- * cold-start timeout) → listen on `magus.res.<replica>.<id>` → publish to the instance → relay
- * frames to the route's handlers. A client that goes away cancels the engine's work; an error
+ * Serves `turn`, unless the model's backlog is full (429): its session (warm: a map read; cold:
+ * the broker's slow path, bounded by the cold-start timeout) → listen on
+ * `magus.res.<replica>.<id>` → publish to the instance → relay frames to the route's handlers. A client that goes away cancels the engine's work; an error
  * before a stream started is thrown for the error handler, after it the route's last events.
  */
 export async function serveTurn(app: FastifyInstance, request: FastifyRequest, reply: FastifyReply, turn: Turn): Promise<FastifyReply> {
   const g = app.gateway;
   const s = g.settings;
   const { id, sse, model } = turn;
+  // The model's backlog: a 429 before anything is queued (and, as before, without an x-request-id).
+  const backlog = g.backlogFull?.(model);
+  if (backlog) {
+    sse?.stop();
+    throw errors.backlogFull(backlog.retryAfterSec);
+  }
   reply.header('x-request-id', id); // also on error responses; the error handler logs it
   const ctl = new AbortController();
   const onClose = () => {

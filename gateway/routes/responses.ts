@@ -73,8 +73,6 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
         );
       }
     }
-    const backlog = g.backlogFull?.(model);
-    if (backlog) throw errors.backlogFull(backlog.retryAfterSec);
 
     const id = nuid.next();
     const responseId = `resp_${id}`;
