@@ -12,32 +12,32 @@
  *   it has closed the finalizer goes. A cleanup that does not finish within `cleanupTimeoutMs`
  *   of the deletion is ended (the workflow terminated), reported by a Warning Event, and the
  *   finalizer removed: deletion never hangs for ever.
- * - Token Secrets (label `magus.dev/api-token=true`) are hashed into `magus_tokens`; deleting or
- *   unlabelling one removes its token at every gateway.
+ * - API keys (`ApiKey` resources, and Secrets labelled `magus.dev/api-token=true` until the next
+ *   release) become `magus_tokens` entries, each token id registered once (keys.ts).
  */
-import { createHash } from 'node:crypto';
-import { setTimeout as sleep } from 'node:timers/promises';
 import { CoreV1Api, CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
 import { WorkflowNotFoundError, type Client } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import { temporal } from '@temporalio/proto';
 import type { KV } from 'nats';
 import { recordEvent } from '../activities/kubernetes/activities';
-import { watchResource, type ResourceWatch, type WatchEventType } from '../activities/kubernetes/watch';
+import { watchResource, type ResourceWatch } from '../activities/kubernetes/watch';
 import { CRD_GROUP, CRD_VERSION, poolQueueFor, WorkflowSummary } from '../shared/constants';
-import { FieldManager, FINALIZER, Kind, parseDuration, Plural, TOKEN_SECRET_LABEL, type DllamaResource, type ModelResource } from '../shared/kube';
+import { FieldManager, FINALIZER, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
 import type { ModelPipelineInput, ModelSpec } from '../shared/model';
-import type { TokenEntry } from '../shared/serving';
 import { cancelSignal, modelWorkflowId, type ResourceChange } from '../workflows/model/definitions';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../workflows/pool/definitions';
+import { startKeys, type Keys } from './keys';
 import { WorkQueue, type Requeue } from './queue';
 import { startSessionMirror, type SessionMirror } from './sessions';
 
 export interface ControllerOptions {
   kc: KubeConfig;
   temporal: { client: Client; namespace: string; taskQueue: string };
-  /** The `magus_tokens` bucket; without it token Secrets are not watched. */
+  /** The `magus_tokens` bucket; without it ApiKeys and token Secrets are not watched. */
   tokens?: KV;
+  /** Namespaces whose models an ApiKey of any namespace may name (default: none). */
+  sharedModelNamespaces?: readonly string[];
   /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
   sessions?: { kv: KV; cap: number };
   /** Only this namespace (default: all namespaces). */
@@ -57,6 +57,8 @@ export interface ControllerMetrics {
   cleanupsTimedOut: number;
   tokensWritten: number;
   tokensRemoved: number;
+  /** Keys refused because another key holds their token id. */
+  tokenConflicts: number;
   watches: Record<string, ResourceWatch<unknown>['stats']>;
   sessions?: SessionMirror['stats'];
 }
@@ -72,8 +74,6 @@ export interface Controller {
   stop(): Promise<void>;
 }
 
-const TOKEN = /^mgs_([A-Za-z0-9-]{1,64})_[A-Za-z0-9_-]{1,512}$/;
-const TOKEN_ORIGIN = 'secret/';
 const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
 const jsonPatchHeaders = setHeaderOptions('Content-Type', PatchStrategy.JsonPatch);
 const { WorkflowIdConflictPolicy, WorkflowIdReusePolicy, TaskQueueKind } = temporal.api.enums.v1;
@@ -110,21 +110,6 @@ export function poolResourceOf(d: DllamaResource): PoolResource {
   };
 }
 
-/** The `magus_tokens` entry of a token Secret, or why it has none. */
-export function tokenEntryOf(secret: { metadata?: { name?: string; namespace?: string }; data?: Record<string, string> }): { id: string; entry: TokenEntry } | { error: string } {
-  const where = `${secret.metadata?.namespace}/${secret.metadata?.name}`;
-  const field = (k: string) => {
-    const v = secret.data?.[k];
-    return v !== undefined ? Buffer.from(v, 'base64').toString('utf8').trim() : undefined;
-  };
-  const token = field('token');
-  if (!token) return { error: `token Secret ${where} has no 'token' key` };
-  const m = TOKEN.exec(token);
-  if (!m) return { error: `token Secret ${where}: 'token' is not of the form mgs_<id>_<secret>` };
-  const models = field('models')?.split(',').map((s) => s.trim()).filter(Boolean);
-  return { id: m[1]!, entry: { digest: createHash('sha256').update(token).digest('hex'), name: field('name') || where, ...(models && models.length > 0 ? { models } : {}), origin: `${TOKEN_ORIGIN}${where}` } };
-}
-
 const errCode = (err: unknown): number | undefined => (err as { code?: number }).code;
 
 export function startController(opts: ControllerOptions): Controller {
@@ -133,7 +118,7 @@ export function startController(opts: ControllerOptions): Controller {
   const core = opts.kc.makeApiClient(CoreV1Api);
   const { client, taskQueue } = opts.temporal;
   const cleanupTimeoutMs = opts.cleanupTimeoutMs ?? 120_000;
-  const m = { signals: 0, reconciles: 0, failures: 0, finalizersRemoved: 0, cleanupsTimedOut: 0, tokensWritten: 0, tokensRemoved: 0 };
+  const m = { signals: 0, reconciles: 0, failures: 0, finalizersRemoved: 0, cleanupsTimedOut: 0 };
   /** uid → the last generation signalled (a status that has not caught up yet does not re-signal). */
   const signalled = new Map<string, number>();
   /** uid of resources whose workflow was told to stop. */
@@ -185,77 +170,10 @@ export function startController(opts: ControllerOptions): Controller {
   });
   const watches: Record<string, ResourceWatch<unknown>> = { models, dllamas };
 
-  // Token Secrets: applied to the KV straight from the events (a put or delete per change).
-  const tokenIds = new Map<string, string>(); // `<ns>/<name>` → token id in the bucket
-  let tokenWrites: Promise<void> = Promise.resolve();
-  const stopping = new AbortController();
-  /**
-   * Token writes run one at a time, in event order, each retried with capped backoff until it
-   * succeeds (NATS may be away for a while): a revocation is never dropped.
-   */
-  const enqueueToken = (op: () => Promise<void>): void => {
-    tokenWrites = tokenWrites.then(async () => {
-      for (let attempt = 1; !stopping.signal.aborted; attempt++) {
-        try {
-          return await op();
-        } catch (err) {
-          log(`tokens: ${(err as Error).message} (attempt ${attempt}; retrying)`);
-          await sleep(Math.min(30_000, 250 * 2 ** attempt), undefined, { signal: stopping.signal }).catch(() => undefined);
-        }
-      }
-    });
-  };
-  if (opts.tokens) {
-    const kv = opts.tokens;
-    const secrets = watchResource<{ metadata?: { name?: string; namespace?: string; uid?: string; resourceVersion?: string }; data?: Record<string, string> }>(opts.kc, {
-      path: `/api/v1${scope}/secrets`,
-      labelSelector: `${TOKEN_SECRET_LABEL}=true`,
-      onEvent: (type, s) => enqueueToken(() => applyToken(kv, type, s)),
-      onSynced: () => enqueueToken(() => pruneTokens(kv)),
-      log: (l) => log(`watch secrets: ${l}`),
-      backoff,
-    });
-    watches.secrets = secrets;
-  }
-
-  async function applyToken(kv: KV, type: WatchEventType, s: { metadata?: { name?: string; namespace?: string }; data?: Record<string, string> }): Promise<void> {
-    const where = `${s.metadata?.namespace}/${s.metadata?.name}`;
-    const before = tokenIds.get(where);
-    const parsed = type === 'DELETED' ? null : tokenEntryOf(s);
-    if (parsed && 'error' in parsed) log(parsed.error);
-    const next = parsed && 'id' in parsed ? parsed : null;
-    if (before !== undefined && before !== next?.id) {
-      await kv.delete(before);
-      tokenIds.delete(where);
-      m.tokensRemoved++;
-    }
-    if (next) {
-      await kv.put(next.id, JSON.stringify(next.entry));
-      tokenIds.set(where, next.id);
-      m.tokensWritten++;
-    }
-  }
-
-  /** After a (re)list: entries that came from Secrets no longer there are revoked. */
-  async function pruneTokens(kv: KV): Promise<void> {
-    const live = new Set(tokenIds.values());
-    const keys: string[] = [];
-    for await (const k of await kv.keys()) keys.push(k);
-    for (const k of keys) {
-      if (live.has(k)) continue;
-      const e = await kv.get(k);
-      if (!e || e.operation !== 'PUT') continue;
-      try {
-        const entry = JSON.parse(new TextDecoder().decode(e.value)) as TokenEntry;
-        if (entry.origin?.startsWith(TOKEN_ORIGIN)) {
-          await kv.delete(k);
-          m.tokensRemoved++;
-        }
-      } catch {
-        // not ours to judge
-      }
-    }
-  }
+  const keys: Keys | undefined = opts.tokens
+    ? startKeys({ kc: opts.kc, core, custom, kv: opts.tokens, namespace: opts.namespace, sharedModelNamespaces: opts.sharedModelNamespaces, backoff, log })
+    : undefined;
+  if (keys) Object.assign(watches, keys.watches);
 
   /** One signal-with-start with a request id of our own (the SDK's is random), so a repeat is de-duplicated. */
   async function signalWithStart(workflowType: string, workflowId: string, input: unknown, signalName: string, signal: unknown, requestId: string, summary: string): Promise<void> {
@@ -389,19 +307,18 @@ export function startController(opts: ControllerOptions): Controller {
   const synced = Promise.all(Object.values(watches).map((w) => w.synced)).then(() => undefined);
   return {
     synced,
-    metrics: () => ({ ...m, watches: Object.fromEntries(Object.entries(watches).map(([k, w]) => [k, w.stats])), ...(sessionMirror ? { sessions: { ...sessionMirror.stats } } : {}) }),
+    metrics: () => ({ ...m, tokensWritten: keys?.metrics.tokensWritten ?? 0, tokensRemoved: keys?.metrics.tokensRemoved ?? 0, tokenConflicts: keys?.metrics.tokenConflicts ?? 0, watches: Object.fromEntries(Object.entries(watches).map(([k, w]) => [k, w.stats])), ...(sessionMirror ? { sessions: { ...sessionMirror.stats } } : {}) }),
     sessionsSettled: () => sessionMirror?.settled() ?? Promise.resolve(),
     async idle() {
       await synced;
       await queue.drained();
-      await tokenWrites;
+      await keys?.drained();
     },
     async stop() {
       queue.stop();
-      stopping.abort();
       await sessionMirror?.stop();
+      await keys?.stop();
       await Promise.all(Object.values(watches).map((w) => w.stop()));
-      await tokenWrites;
     },
   };
 }

@@ -379,7 +379,7 @@ describe('authentication', () => {
     await t.app.close();
     t = await buildTestApp({ settings: testSettings({ allowAnonymous: true }) });
     expect((await chat(userTurn('hi'), { token: null })).statusCode).toBe(200);
-    expect(t.broker.calls[0]!.tokenId).toBe('anonymous');
+    expect(t.broker.calls[0]!.owner).toBe('anonymous');
     expect((await chat(userTurn('hi'), { token: 'mgs_alice_wrong' })).statusCode).toBe(401);
   });
 

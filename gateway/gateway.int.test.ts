@@ -13,6 +13,7 @@ import type { ChatInference as InferenceRequest, ResponseFrame, SessionEntry } f
 import { endpoint, isolation, natsConnect } from '../test/harness';
 import { loadGatewayConfig } from './config';
 import { conversationKey } from './plugins/conversation';
+import { configOwner } from './plugins/auth';
 import type { AcquireRequest } from './plugins/sessions';
 import { startGateway, type RunningGateway } from './server';
 import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from '../test/harness/gateway-app';
@@ -83,7 +84,7 @@ async function startBridge(): Promise<void> {
 }
 
 const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
-  coldStarts.push({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId });
+  coldStarts.push({ conversationKey: req.conversationKey, model: req.model, owner: req.owner });
   await sleep(coldStartDelayMs);
   // What the session workflow does: lease an instance and record it for warm turns.
   const entry: SessionEntry = { subject, pool, instance, expiresAt: Date.now() + 600_000 };
@@ -199,7 +200,7 @@ describe('round trips through NATS', () => {
 
   it('503 (details hidden) when no stream takes the instance subject', async () => {
     const sid = 'nowhere';
-    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject: `${scope}.magus.req-nowhere.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const res = await post(turn('hi'), { 'x-session-id': sid });
@@ -263,10 +264,10 @@ describe('the Responses API over NATS, its chain in the magus_responses KV', () 
     expect(first).toMatchObject({ object: 'response', status: 'completed', output_text: 'echo: first turn' });
     // The record as the KV holds it: the chain's root, the turn's messages, the response.
     const stored = JSON.parse(new TextDecoder().decode((await kv.get(first.id))!.value)) as Record<string, unknown>;
-    expect(stored).toMatchObject({ tokenId: 'alice', model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
+    expect(stored).toMatchObject({ owner: configOwner('alice'), model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
     expect(await client().responses.retrieve(first.id)).toMatchObject({ id: first.id, output_text: 'echo: first turn' });
 
-    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
+    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: first.id });
     expect(coldStarts.filter((c) => c.conversationKey === key)).toHaveLength(1);
     const second = await client().responses.create({ model: 'tiny', input: 'second turn', previous_response_id: first.id });
     expect(second.output_text).toBe('echo: second turn');
@@ -351,7 +352,7 @@ describe('sessions from the magus_sessions KV', () => {
 
   it('an entry written by the session workflow is used without any cold start', async () => {
     const sid = 'prewarmed-1';
-    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;
@@ -361,7 +362,7 @@ describe('sessions from the magus_sessions KV', () => {
 
   it('expired or deleted entries go back to the cold path', async () => {
     const sid = 'expiring-1';
-    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() - 1 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;

@@ -17,6 +17,7 @@ import type { ReadyModel } from '../shared/model';
 import type { ResponseObject } from '../shared/responses';
 import type { RuntimeAdvert } from '../shared/runtimes';
 import { conversationKey } from './plugins/conversation';
+import { configOwner } from './plugins/auth';
 import { createModelCatalog } from './plugins/models';
 import { MAX_STORED_REQUEST_BYTES, memoryResponseStore } from './plugins/response-store';
 import { buildTestApp, chunk, readyModel, TEST_SECRET, testSettings, type TestApp } from '../test/harness/gateway-app';
@@ -105,7 +106,7 @@ describe('POST /v1/responses', () => {
       temperature: 0,
       max_tokens: 32,
     });
-    expect(store.records.get(r.id)).toMatchObject({ tokenId: 'alice', model: 'default/tiny', root: r.id, previous: null, depth: 0, input: [{ role: 'user', content: 'Capital of France?' }], output: [{ role: 'assistant', content: 'Paris.' }], response: r });
+    expect(store.records.get(r.id)).toMatchObject({ owner: configOwner('alice'), model: 'default/tiny', root: r.id, previous: null, depth: 0, input: [{ role: 'user', content: 'Capital of France?' }], output: [{ role: 'assistant', content: 'Paris.' }], response: r });
     expect(t.plane.listening).toBe(0);
     expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toMatch(/magus_gateway_requests_total\{route="\/v1\/responses",status="200"\} 1/);
   });
@@ -242,7 +243,7 @@ describe('previous_response_id', () => {
       { role: 'assistant', content: 'Berlin.' },
       { role: 'user', content: 'And Italy?' },
     ]);
-    const key = conversationKey(TEST_SECRET, { tokenId: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
+    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: first.id });
     expect(t.broker.calls.map((c) => c.conversationKey)).toEqual([key, key, key]);
     expect(store.records.get(third.json<ResponseObject>().id)).toMatchObject({ root: first.id, previous: second.id, depth: 2 });
     // A new chain is another conversation.

@@ -74,5 +74,5 @@ export const Nats = {
 } as const;
 
 /** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */
-export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model'] as const;
+export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys'] as const;
 export type Mode = (typeof MODES)[number];

@@ -6,13 +6,22 @@
  */
 import type { ArtifactFormat, ArtifactWeights, GgufChoice } from './model';
 
-export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session' } as const;
-export const Plural = { model: 'models', dllama: 'dllamas', session: 'sessions' } as const;
+export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session', apiKey: 'ApiKey' } as const;
+export const Plural = { model: 'models', dllama: 'dllamas', session: 'sessions', apiKey: 'apikeys' } as const;
 
 /** The finalizer the controller puts on Models and Dllamas: cleanup runs before they go. */
 export const FINALIZER = 'magus.dev/cleanup';
-/** Secrets with this label (value `true`) are API tokens mirrored into `magus_tokens`. */
+/**
+ * Secrets with this label (value `true`) are API tokens mirrored into `magus_tokens`, each a key
+ * of identity `<namespace>/<secret name>` confined to its namespace's models — the way keys were
+ * declared before `ApiKey`, kept until the next release.
+ */
 export const TOKEN_SECRET_LABEL = 'magus.dev/api-token';
+/**
+ * A Secret an `ApiKey` names carries this label (value: the ApiKey's name) to have a change of
+ * its token applied at once; without it the change is seen at the next resync (5 minutes).
+ */
+export const API_KEY_SECRET_LABEL = 'magus.dev/api-key';
 /** Field managers: the controller's spec-side writes (finalizers) and status writes. */
 export const FieldManager = { controller: 'magus-controller', status: 'magus-status' } as const;
 
@@ -156,6 +165,45 @@ export interface SessionResource {
   metadata: ObjectMeta;
   spec: SessionResourceSpec;
   status?: SessionResourceStatus;
+}
+
+// ── ApiKey ───────────────────────────────────────────────────────────────────────────────
+
+export interface ApiKeyResourceSpec {
+  /** The Secret of the key's namespace holding the token under `key` (default `token`). */
+  secretRef: { name: string; key?: string };
+  /** `name`, `*`, `namespace/name`, `namespace/*` (crds/apikey.yaml); absent: the namespace's models. */
+  models?: string[];
+  suspended?: boolean;
+}
+
+export const ApiKeyCondition = { ready: 'Ready' } as const;
+/** Why a key is not Ready (its condition's reason), or that it is. */
+export const ApiKeyReason = {
+  registered: 'Registered',
+  suspended: 'Suspended',
+  idConflict: 'IdConflict',
+  secretMissing: 'SecretMissing',
+  secretInvalid: 'SecretInvalid',
+  modelNotShared: 'ModelNotShared',
+} as const;
+
+export interface ApiKeyResourceStatus {
+  observedGeneration?: number;
+  /** The token id registered for it (the `<id>` of `mgs_<id>_<secret>`; not a secret). */
+  tokenId?: string;
+  /** The models it may use as the gateway applies them (`namespace/name`, `namespace/*`). */
+  models?: string[];
+  modelsSummary?: string;
+  conditions?: Condition[];
+}
+
+export interface ApiKeyResource {
+  apiVersion: 'magus.dev/v1alpha1';
+  kind: 'ApiKey';
+  metadata: ObjectMeta;
+  spec: ApiKeyResourceSpec;
+  status?: ApiKeyResourceStatus;
 }
 
 /** Label on everything magus creates for a pool (the Dllama's scale selector matches it). */

@@ -137,20 +137,44 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
 export const POOL_ENTRY_MAX_AGE_MS = 3 * 60_000;
 
 /**
- * `magus_tokens` KV: token id → digest. Tokens look like `mgs_<id>_<secret>`; the gateway looks
- * up the entry by id and compares `sha256(token)` with `digest` in constant time. The token
- * itself is never stored.
+ * `magus_tokens` KV: token id → the key it belongs to. Tokens look like `mgs_<id>_<secret>`; the
+ * gateway looks up the entry by id and compares `sha256(token)` with `digest` in constant time.
+ * The token itself is never stored. An id is registered once (dataplane/keys.ts `registerKey`:
+ * KV `create`, then compare-and-swap by its owner only): a second key presenting an id that is
+ * taken is refused, never written over.
  */
 export interface TokenEntry {
   /** hex sha256 of the whole token string. */
   digest: string;
-  /** Who it belongs to (for logs and metrics; never the token). */
+  /** A display name (for logs and `magus keys list`; never the token). */
   name: string;
-  /** Models it may use; empty or absent = all. */
+  /**
+   * The key's identity, where it was declared: `<namespace>/<name>` of its `ApiKey` (or of a
+   * labelled Secret, until the next release), `local/<name>` of a `magus keys` key. Absent only
+   * in entries an older magus wrote.
+   */
+  key?: string;
+  /**
+   * The declaring object's uid: a key deleted and declared again under the same identity is a new
+   * owner, which never reads what the old one stored.
+   */
+  uid?: string;
+  /**
+   * Models it may use: `*` (every model), `<namespace>/*`, `<namespace>/<name>`, or a bare
+   * `<name>` (that name in any namespace). Empty or absent = all.
+   */
   models?: string[];
-  /** Where it was mirrored from, e.g. `secret/<namespace>/<name>` (the controller prunes its own). */
+  /** Suspended: the token is known and refused (403 `key_suspended`). */
+  suspended?: boolean;
+  /**
+   * Where it came from: `apikey/<namespace>/<name>`, `secret/<namespace>/<name>` (the controller
+   * prunes these two), `local` (`magus keys`).
+   */
   origin?: string;
 }
+
+/** Who owns what a key stores (responses, conversations): its identity and its declaring object. */
+export const keyOwner = (key: string, uid: string): string => `${key}#${uid}`;
 
 export const requestSubject = (pool: string, instance: string): string => `magus.req.${pool}.${instance}`;
 /** `magus.res.<replica>.<id>`, or without a replica the older `magus.res.<id>` (see {@link InferenceRequest.replyTo}). */

@@ -186,7 +186,7 @@ afterAll(() => rmSync(helmHome, { recursive: true, force: true }));
 
 describe('the chart, rendered', () => {
   test('its CRDs are byte-identical copies of crds/*.yaml and files/rbac.yaml of crds/rbac.yaml', () => {
-    const sync = 'refresh the copies: cp crds/{model,dllama,session}.yaml charts/magus/files/crds/ && cp crds/rbac.yaml charts/magus/files/ (adjust to the CRD files crds/ holds)';
+    const sync = 'refresh the copies: cp crds/{model,dllama,session,apikey}.yaml charts/magus/files/crds/ && cp crds/rbac.yaml charts/magus/files/ (adjust to the CRD files crds/ holds)';
     const repo = repoCrdFiles();
     expect({ files: readdirSync(join(CHART, 'files', 'crds')).sort(), sync }).toEqual({ files: repo, sync });
     for (const f of repo) {

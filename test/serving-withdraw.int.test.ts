@@ -54,7 +54,7 @@ test('first turns that leave while the pool starts instances: their calls end at
   const cache = createSessionCache({ kv, pools: await js.views.kv(names.poolsBucket), coldStart: t.coldStart, firstTurns: { ...t.firstTurns, sessions: kv } });
   await cache.ready;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
-  const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, tokenId: 't', signal });
+  const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, owner: 't', signal });
   try {
     // One conversation stays; three leave while the pool is still starting instances for them.
     const stayKey = `stay-${iso.id}`;

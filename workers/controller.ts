@@ -18,12 +18,14 @@ import { startController, type Controller, type ControllerMetrics } from '../con
 import { startLeaderElection } from '../controller/leader';
 
 export const CONTROLLER_USAGE = [
-  'usage: magus controller [--namespace NS] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',
+  'usage: magus controller [--namespace NS] [--shared-model-namespaces NS,…] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',
   '',
-  'Watches Model and Dllama resources and API-token Secrets (label magus.dev/api-token=true) and',
-  'drives their workflows. Needs a cluster (in a pod, or KUBECONFIG) and reads MAGUS_TEMPORAL_ADDRESS,',
+  'Watches Model and Dllama resources and drives their workflows; registers ApiKeys (and Secrets labelled',
+  'magus.dev/api-token=true, until the next release) as API keys. Needs a cluster (in a pod, or KUBECONFIG) and reads MAGUS_TEMPORAL_ADDRESS,',
   'MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE, MAGUS_NATS_URL and MAGUS_NATS_PREFIX like `magus worker`.',
   '  --namespace NS         watch one namespace (default: all)',
+  '  --shared-model-namespaces NS,…  namespaces whose models an ApiKey of any namespace may name',
+  '                         (ns/name, ns/*); default MAGUS_SHARED_MODEL_NAMESPACES, else none',
   '  --health-address A     /healthz, /readyz, /metrics (default MAGUS_HEALTH_ADDRESS or 127.0.0.1:9466)',
   '  --no-leader-elect      do not take the Lease magus-controller (only for a single replica)',
   '  --cleanup-timeout D    how long a deleted resource\'s cleanup may take before it is cut short',
@@ -40,8 +42,9 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
     ['reconcile_failures_total', 'Reconciles that failed (retried with backoff).', m.failures],
     ['finalizers_removed_total', 'Deletions completed.', m.finalizersRemoved],
     ['cleanups_timed_out_total', 'Deletions whose cleanup was cut short.', m.cleanupsTimedOut],
-    ['tokens_written_total', 'Token Secrets mirrored into magus_tokens.', m.tokensWritten],
+    ['tokens_written_total', 'API keys registered (or changed) in magus_tokens.', m.tokensWritten],
     ['tokens_removed_total', 'Tokens revoked from magus_tokens.', m.tokensRemoved],
+    ['token_conflicts_total', 'Keys refused because another key holds their token id.', m.tokenConflicts],
   ];
   for (const [name, help, v] of counters) lines.push(`# HELP magus_controller_${name} ${help}`, `# TYPE magus_controller_${name} counter`, `magus_controller_${name} ${v}`);
   lines.push('# HELP magus_controller_watch_errors_total Failed list/watch requests, by resource.', '# TYPE magus_controller_watch_errors_total counter');
@@ -51,8 +54,11 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
   return `${lines.join('\n')}\n`;
 }
 
-function parseArgs(args: string[]): { namespace?: string; health: string; leaderElect: boolean; cleanupTimeoutMs: number; sessionCap: number } {
+const NAMESPACE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
+
+function parseArgs(args: string[]): { namespace?: string; sharedModelNamespaces: string[]; health: string; leaderElect: boolean; cleanupTimeoutMs: number; sessionCap: number } {
   let sessionCap = 200;
+  let shared = process.env.MAGUS_SHARED_MODEL_NAMESPACES ?? '';
   let namespace: string | undefined;
   let health = process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9466';
   let leaderElect = true;
@@ -65,6 +71,7 @@ function parseArgs(args: string[]): { namespace?: string; health: string; leader
       return v;
     };
     if (a === '--namespace') namespace = value();
+    else if (a === '--shared-model-namespaces') shared = value();
     else if (a === '--health-address') health = value();
     else if (a === '--no-leader-elect') leaderElect = false;
     else if (a === '--cleanup-timeout') {
@@ -76,9 +83,11 @@ function parseArgs(args: string[]): { namespace?: string; health: string; leader
       if (!Number.isInteger(sessionCap) || sessionCap < 0 || sessionCap > 100_000) throw new Error(`--session-mirror-cap ${args[i]} must be a whole number from 0 to 100000`);
     } else throw new Error(`unknown option ${a}`);
   }
-  if (namespace !== undefined && !/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
+  if (namespace !== undefined && !NAMESPACE.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
+  const sharedModelNamespaces = shared.split(',').map((n) => n.trim()).filter(Boolean);
+  for (const n of sharedModelNamespaces) if (!NAMESPACE.test(n)) throw new Error(`shared model namespace ${JSON.stringify(n)} is not a namespace name`);
   if (!/^[A-Za-z0-9.-]+:\d{1,5}$/.test(health)) throw new Error(`health address ${health} is not host:port`);
-  return { namespace, health, leaderElect, cleanupTimeoutMs, sessionCap };
+  return { namespace, sharedModelNamespaces, health, leaderElect, cleanupTimeoutMs, sessionCap };
 }
 
 export async function controllerCommand(args: string[]): Promise<number> {
@@ -113,7 +122,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
   let controller: Controller | undefined;
   let synced = false;
   const run = () => {
-    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, sessions, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
+    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, sharedModelNamespaces: opts.sharedModelNamespaces, sessions, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
     void controller.synced.then(() => (synced = true), () => undefined);
   };
   const halt = async () => {

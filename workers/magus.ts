@@ -16,6 +16,7 @@ import type * as FetchModule from './fetch';
 import type * as BridgeMetricsModule from '../dataplane/bridge/metrics';
 import type * as ProcessMetricsModule from '../platform/process-metrics';
 import type * as GatewayModule from '../gateway/server';
+import type * as KeysModule from './keys';
 import type * as ModelPullModule from './model-pull';
 import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
@@ -36,6 +37,7 @@ const load = {
   fetch: () => require('./fetch') as typeof FetchModule,
   bridgeMetrics: () => require('../dataplane/bridge/metrics') as typeof BridgeMetricsModule,
   gateway: () => require('../gateway/server') as typeof GatewayModule,
+  keys: () => require('./keys') as typeof KeysModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
   modelTiny: () => require('./model-tiny') as typeof ModelTinyModule,
   worker: () => require('./worker') as typeof WorkerModule,
@@ -57,6 +59,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   engine: 'llama.cpp engine with the dllama-api HTTP surface',
   convert: 'convert safetensors to GGUF or distributed-llama',
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
+  keys: 'keys create NAME | list | revoke NAME: API keys without Kubernetes (on a cluster: ApiKey resources)',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -74,6 +77,7 @@ function usage(): string {
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus model tiny <dir> [--seed N] [--arch llama|qwen3]   (a tiny random safetensors model to try things with)',
+    'magus keys create NAME [--models m1,m2] | keys list [--json] | keys revoke NAME',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
@@ -383,6 +387,8 @@ export async function main(argv: string[]): Promise<number> {
       if (rest[0] === 'tiny') return load.modelTiny().modelTinyCommand(rest.slice(1));
       process.stderr.write(`${load.modelPull().PULL_USAGE}\n\n${load.modelTiny().TINY_USAGE}\n`);
       return 1;
+    case 'keys':
+      return configErrors(() => load.keys().keysCommand(rest));
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
       return EXIT_NOT_AVAILABLE;

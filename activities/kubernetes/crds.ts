@@ -20,7 +20,7 @@ import { ObjectSerializer } from '@kubernetes/client-node/dist/serializer.js';
 
 /** The field manager that owns the CRDs; a second manager applying them would conflict. */
 export const CRD_FIELD_MANAGER = 'magus-crds';
-export const CRD_FILES = ['model.yaml', 'dllama.yaml', 'session.yaml'] as const;
+export const CRD_FILES = ['model.yaml', 'dllama.yaml', 'session.yaml', 'apikey.yaml'] as const;
 
 /**
  * `crds/` of the checkout this module lives in, from sources or from `dist/activities/kubernetes`.

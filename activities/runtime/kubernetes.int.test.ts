@@ -340,7 +340,7 @@ test('a node that goes away: the pool notices, replaces the instance, and the co
     await cache.ready;
     try {
       const key = `conv-${iso.id}`;
-      const turn = async () => cache.acquire({ conversationKey: key, model: (await registry.get(NS, name))!, tokenId: 't', signal: AbortSignal.timeout(150_000) });
+      const turn = async () => cache.acquire({ conversationKey: key, model: (await registry.get(NS, name))!, owner: 't', signal: AbortSignal.timeout(150_000) });
       const first = await turn();
       const [root] = await podsOf(first.instance);
       const node = root!.spec!.nodeName!;

@@ -2,38 +2,56 @@
  * API-token authentication. Tokens look like `mgs_<id>_<secret>` (`<id>`: letters, digits, `-`);
  * the gateway looks the id up (a watch-backed `magus_tokens` KV mirror, or a token file / env
  * value in local mode) and compares `sha256(token)` with the stored digest in constant time.
+ * The caller is then the *key* the entry names — its identity (`<namespace>/<name>` of an
+ * ApiKey, `local/<name>` of a `magus keys` key) and owner (identity and uid), never the token
+ * id: what a key stores belongs to its owner, and an id is registered to one key only
+ * (dataplane/keys.ts).
  * Every request that presents a bearer token costs exactly one sha256 and one `timingSafeEqual`,
  * whether the id exists or not, so response time does not reveal which ids exist.
  * Tokens are never stored, logged or echoed.
  */
 import { createHash, hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
-import type { TokenEntry } from '../../shared/serving';
+import { keyOwner, type TokenEntry } from '../../shared/serving';
+import { TOKEN_PATTERN } from '../../dataplane/keys';
 import { errors } from './errors';
 import { watchKv, type KvCache, type WatchableKv } from '../../dataplane/kv-mirror';
 import { servicePlugin } from './plugin';
 
-/** Who is calling. `tokenId` keys conversations and metrics; `models` restricts access (absent/empty = all). */
+/** Who is calling. */
 export interface Principal {
-  tokenId: string;
+  /** The key's identity: `<namespace>/<name>`, `local/<name>`, `config/<token id>`, or `anonymous`. */
+  key: string;
+  /**
+   * What owns the conversations and stored responses of its requests: the identity and the
+   * declaring object's uid (keyOwner, shared/serving.ts), so a key declared again under the same
+   * name never reads the old one's. Anonymous callers own nothing ({@link Principal.anonymous}).
+   */
+  owner: string;
   name: string;
+  /** Models it may use (see {@link mayUse}); absent = all, empty = none. */
   models?: readonly string[];
+  /** No key at all (`allowAnonymous`): nothing stored is shared between such callers. */
+  anonymous?: true;
 }
 
 /** A {@link TokenEntry} ready for comparison. */
 export interface TokenRecord {
   digest: Buffer;
   name: string;
+  key: string;
+  owner: string;
   models?: readonly string[];
+  suspended?: boolean;
 }
 
 export interface TokenSource {
   lookup(id: string): TokenRecord | undefined;
 }
 
-export const ANONYMOUS: Principal = Object.freeze({ tokenId: 'anonymous', name: 'anonymous' });
+export const ANONYMOUS: Principal = Object.freeze({ key: 'anonymous', owner: 'anonymous', name: 'anonymous', anonymous: true });
 
-const TOKEN = /^mgs_([A-Za-z0-9-]{1,64})_([A-Za-z0-9_-]{1,512})$/;
+const TOKEN = TOKEN_PATTERN;
 const TOKEN_ID = /^[A-Za-z0-9-]{1,64}$/;
 const HEX_DIGEST = /^[0-9a-f]{64}$/i;
 /** Compared against when the id is unknown, so that path costs the same as a wrong secret. */
@@ -42,14 +60,26 @@ const NO_DIGEST = Buffer.alloc(32);
 /** hex sha256 of a whole token: the {@link TokenEntry} digest format. */
 export const tokenDigest = (token: string): string => createHash('sha256').update(token).digest('hex');
 
-/** A {@link TokenEntry} as stored, checked; throws naming what is wrong. */
-export function toTokenRecord(entry: unknown, where: string): TokenRecord {
+/**
+ * A {@link TokenEntry} of token id `id` as stored, checked; throws naming what is wrong. An entry
+ * that names no key (configured tokens, or one an older magus wrote) is the key `<fallback>/<id>`.
+ */
+export function toTokenRecord(entry: unknown, where: string, id: string, fallback: string): TokenRecord {
   const e = entry as Partial<TokenEntry> | null;
   if (typeof e !== 'object' || e === null) throw new Error(`${where}: must be an object {digest, name, models?}`);
   if (typeof e.digest !== 'string' || !HEX_DIGEST.test(e.digest)) throw new Error(`${where}.digest: must be the hex sha256 of the token (64 hex digits)`);
   if (typeof e.name !== 'string' || e.name === '') throw new Error(`${where}.name: must be a non-empty string`);
   if (e.models !== undefined && (!Array.isArray(e.models) || !e.models.every((m) => typeof m === 'string'))) throw new Error(`${where}.models: must be a list of model names`);
-  return { digest: Buffer.from(e.digest, 'hex'), name: e.name, ...(e.models && e.models.length > 0 ? { models: [...e.models] } : {}) };
+  if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === '')) throw new Error(`${where}: key and uid must be non-empty strings, given together`);
+  const key = e.key ?? `${fallback}/${id}`;
+  return {
+    digest: Buffer.from(e.digest, 'hex'),
+    name: e.name,
+    key,
+    owner: keyOwner(key, e.uid ?? id),
+    ...(e.models ? { models: [...e.models] } : {}),
+    ...(e.suspended === true ? { suspended: true } : {}),
+  };
 }
 
 /** Tokens given in configuration (local mode): `{ "<id>": {digest, name, models?}, … }`. Throws on a bad entry. */
@@ -58,7 +88,7 @@ export function staticTokenSource(entries: Record<string, unknown>, origin: stri
   if (typeof entries !== 'object' || entries === null || Array.isArray(entries)) throw new Error(`${origin}: must be a JSON object {"<token id>": {"digest": "<hex sha256>", "name": "…"}}`);
   for (const [id, entry] of Object.entries(entries)) {
     if (!TOKEN_ID.test(id)) throw new Error(`${origin}: token id ${JSON.stringify(id)} must be 1-64 letters, digits or '-'`);
-    map.set(id, toTokenRecord(entry, `${origin}.${id}`));
+    map.set(id, toTokenRecord(entry, `${origin}.${id}`, id, 'config'));
   }
   return { lookup: (id) => map.get(id) };
 }
@@ -66,7 +96,7 @@ export function staticTokenSource(entries: Record<string, unknown>, origin: stri
 /** The `magus_tokens` KV bucket (key = token id), mirrored by a watch. Malformed entries are skipped and reported. */
 export function kvTokenSource(kv: WatchableKv, onError?: (err: unknown) => void): TokenSource & { cache: KvCache<TokenRecord> } {
   const cache = watchKv<TokenRecord>(kv, {
-    decode: (e) => toTokenRecord(JSON.parse(new TextDecoder().decode(e.value)), `token ${e.key}`),
+    decode: (e) => toTokenRecord(JSON.parse(new TextDecoder().decode(e.value)), `token ${e.key}`, e.key, 'token'),
     onError,
   });
   return { cache, lookup: (id) => cache.get(id) };
@@ -101,12 +131,19 @@ export function authenticate(header: string | undefined, tokens: TokenSource, al
   const digest = hash('sha256', token, 'buffer'); // one-shot: no Hash object per request
   const match = timingSafeEqual(digest, record?.digest ?? NO_DIGEST);
   if (!match || !record || !m) throw errors.unauthorized('Incorrect API key provided.');
-  return record.models ? { tokenId: m[1]!, name: record.name, models: record.models } : { tokenId: m[1]!, name: record.name };
+  if (record.suspended) throw errors.keySuspended(record.key);
+  return { key: record.key, owner: record.owner, name: record.name, ...(record.models ? { models: record.models } : {}) };
 }
 
-/** Whether a principal may use a model (by name, or `namespace/name`). */
+/**
+ * Whether a principal may use a model. Its `models` hold `*` (any), `<namespace>/*`,
+ * `<namespace>/<name>`, or a bare `<name>` (that name in any namespace: configured and local keys
+ * only; the controller writes every ApiKey's as `namespace/…`). Absent: any model; empty: none.
+ */
 export function mayUse(p: Principal, namespace: string, name: string): boolean {
-  return !p.models || p.models.length === 0 || p.models.includes(name) || p.models.includes(`${namespace}/${name}`);
+  if (!p.models) return true;
+  for (const m of p.models) if (m === '*' || m === name || m === `${namespace}/${name}` || m === `${namespace}/*`) return true;
+  return false;
 }
 
 declare module 'fastify' {
@@ -140,3 +177,6 @@ export const authPlugin = servicePlugin<AuthPluginOptions>(
   },
   { name: 'magus-auth', dependencies: ['magus-errors'] },
 );
+
+/** The owner of a configured token's requests (`MAGUS_GATEWAY_TOKENS`): key `config/<id>`. */
+export const configOwner = (id: string): string => keyOwner(`config/${id}`, id);

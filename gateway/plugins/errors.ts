@@ -17,6 +17,7 @@ export interface OpenAIErrorBody {
 /** OpenAI's `error.type` values the gateway uses. */
 export const OpenAIErrorType = {
   invalidRequest: 'invalid_request_error',
+  permission: 'permission_error',
   rateLimit: 'rate_limit_exceeded',
   server: 'server_error',
 } as const;
@@ -86,6 +87,8 @@ export const errors = {
   invalid: (message: string, param: string | null = null, code: string | null = null) => new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
   unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') => new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
   /** A known path, another method: the methods it has go in `Allow` (RFC 9110 §15.5.6). */
+  /** A known key that its owner suspended (ApiKey `spec.suspended`): not a wrong key, so not a 401. */
+  keySuspended: (key: string) => new GatewayError(403, `The API key ${key} is suspended.`, OpenAIErrorType.permission, 'key_suspended'),
   methodNotAllowed: (method: string, path: string, allow: readonly string[]) =>
     new GatewayError(405, `Method ${method} is not allowed for ${path}; use ${allow.join(' or ')}.`, OpenAIErrorType.invalidRequest, 'method_not_allowed', null, { allow: allow.join(', ') }),
   modelNotFound: (model: string) => new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),

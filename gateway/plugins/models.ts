@@ -13,7 +13,9 @@
  * says, from memory, why no live runtime can serve a model.
  *
  * OpenAI model ids are the registry `name`; `namespace/name` also resolves. When two namespaces
- * hold the same name, the bare name means the first in registry order (`namespace.name`).
+ * hold the same name, the bare name means the first in registry order (`namespace.name`) that the
+ * caller may use (`find` and `lookup` take the caller's check), so a key confined to its own
+ * namespace reaches its namespace's model, never a 404 for another namespace's.
  */
 import type { ReadyModel } from '../../shared/model';
 import type { EngineKind } from '../../shared/chat';
@@ -25,11 +27,14 @@ export interface ModelLister {
   read?(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
 
+/** Whether the caller may use a model (auth.ts `mayUse` for one principal). */
+export type ModelAccess = (namespace: string, name: string) => boolean;
+
 export interface ModelCatalog {
-  /** From the copy (the chat path): re-reads only when the id is unknown. */
-  find(id: string): Promise<ReadyModel | undefined>;
+  /** From the copy (the chat path): re-reads only when the id is unknown (to `may`). */
+  find(id: string, may?: ModelAccess): Promise<ReadyModel | undefined>;
   /** From a registry read that began after the call. */
-  lookup(id: string): Promise<ReadyModel | undefined>;
+  lookup(id: string, may?: ModelAccess): Promise<ReadyModel | undefined>;
   /** From a registry read that began after the call. */
   list(): Promise<readonly ReadyModel[]>;
   /** Why no live runtime can serve `model` (from the copy), or undefined when one can or nothing is known. */
@@ -56,7 +61,8 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
   const now = opts.now ?? Date.now;
   const maxAge = opts.maxAgeMs ?? 5_000;
   let models: readonly ReadyModel[] = [];
-  let byId = new Map<string, ReadyModel>();
+  /** `namespace/name` → the model, and a bare `name` → every namespace's, in registry order. */
+  let byId = new Map<string, ReadyModel[]>();
   let runtimes: readonly RuntimeAdvert[] = [];
   let loadedAt = Number.NEGATIVE_INFINITY;
   /** Registry reads started so far: a miss is answered only from a read that began after it arrived. */
@@ -73,10 +79,12 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
       if (seq < appliedRead) return; // a forgotten read that ended after a newer one
       appliedRead = seq;
       runtimes = adverts;
-      const next = new Map<string, ReadyModel>();
+      const next = new Map<string, ReadyModel[]>();
       for (const m of list) {
-        next.set(`${m.namespace}/${m.name}`, m);
-        if (!next.has(m.name)) next.set(m.name, m);
+        next.set(`${m.namespace}/${m.name}`, [m]);
+        const same = next.get(m.name);
+        if (same) same.push(m);
+        else next.set(m.name, [m]);
       }
       models = list;
       byId = next;
@@ -105,6 +113,11 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
     }
   };
 
+  const pick = (id: string, may: ModelAccess | undefined): ReadyModel | undefined => {
+    const candidates = byId.get(id);
+    return may ? candidates?.find((m) => may(m.namespace, m.name)) : candidates?.[0];
+  };
+
   return {
     refresh,
     forgetInflight: () => void (inflight = undefined),
@@ -112,25 +125,25 @@ export function createModelCatalog(registry: ModelLister, opts: ModelCatalogOpti
       await current();
       return models;
     },
-    async lookup(id) {
+    async lookup(id, may) {
       await current();
-      return byId.get(id);
+      return pick(id, may);
     },
     // Adverts judged as of the read that brought them: a copy read a while ago (no request since)
     // would otherwise hold only stale adverts, and a model nothing can run pass as servable.
     unservable: (model) => unservableReason(model, runtimes, loadedAt) ?? undefined,
     engines: (model) => modelEngines(model, runtimes, loadedAt),
-    async find(id) {
+    async find(id, may) {
       const readsBefore = readsStarted;
       await fresh();
-      const m = byId.get(id);
+      const m = pick(id, may);
       if (m) return m;
       // Unknown here: answer from a registry read that began after this request arrived (one
       // fresh() may just have started), so a model published a moment ago is never reported as
       // unknown. Concurrent misses share that read.
       if (readsStarted > readsBefore && inflight) await inflight;
       else if (readsStarted === readsBefore) await refresh();
-      return byId.get(id);
+      return pick(id, may);
     },
   };
 }

@@ -27,8 +27,8 @@ export const MAX_CHAIN_DEPTH = 1_000;
 
 /** One stored response: its answer and what of the conversation it adds. */
 export interface StoredResponse {
-  /** The token that created it: no other may read, continue or delete it. */
-  tokenId: string;
+  /** The owner of the key that created it (auth.ts `Principal.owner`): no other may read, continue or delete it. A record of an older magus (a `tokenId`, no `owner`) is nobody's. */
+  owner: string;
   /** The model it was served by, `namespace/name`. */
   model: string;
   /** The id of its chain's first response: the chain's session id. */
@@ -66,7 +66,7 @@ export function memoryResponseStore(): ResponseStore & { records: Map<string, St
 function decodeRecord(bytes: Uint8Array): StoredResponse | undefined {
   try {
     const r = JSON.parse(new TextDecoder().decode(bytes)) as Partial<StoredResponse>;
-    const ok = typeof r.tokenId === 'string' && typeof r.root === 'string' && typeof r.depth === 'number' && Array.isArray(r.input) && Array.isArray(r.output) && typeof r.response === 'object';
+    const ok = typeof r.owner === 'string' && typeof r.root === 'string' && typeof r.depth === 'number' && Array.isArray(r.input) && Array.isArray(r.output) && typeof r.response === 'object';
     return ok ? (r as StoredResponse) : undefined;
   } catch {
     return undefined;
@@ -106,16 +106,16 @@ export interface Chain {
 }
 
 /**
- * The conversation that ends with response `id`, as token `tokenId` may read it: every response
+ * The conversation that ends with response `id`, as the key of `owner` may read it: every response
  * of the chain, from the first, must still be stored and be the token's (one read each, at most
  * {@link MAX_CHAIN_DEPTH}).
  */
-export async function chainOf(store: ResponseStore, id: string, tokenId: string): Promise<Chain | ChainProblem> {
+export async function chainOf(store: ResponseStore, id: string, owner: string): Promise<Chain | ChainProblem> {
   const records: StoredResponse[] = [];
   for (let at: string | null = id; at !== null; ) {
     if (records.length >= MAX_CHAIN_DEPTH) return { problem: 'too_long' };
     const record = await store.get(at);
-    if (record === undefined || record.tokenId !== tokenId) return { problem: 'not_found', id: at };
+    if (record === undefined || record.owner !== owner) return { problem: 'not_found', id: at };
     if (records.length === 0 && record.depth + 1 >= MAX_CHAIN_DEPTH) return { problem: 'too_long' };
     records.push(record);
     at = record.previous;

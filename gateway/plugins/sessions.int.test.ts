@@ -41,7 +41,7 @@ afterAll(async () => {
   await nc.drain();
 });
 
-const req = (conversationKey: string, signal = new AbortController().signal): AcquireRequest => ({ conversationKey, model, tokenId: 't', signal });
+const req = (conversationKey: string, signal = new AbortController().signal): AcquireRequest => ({ conversationKey, model, owner: 't', signal });
 
 it('loads existing entries before ready, follows updates and deletes, skips malformed ones', async () => {
   await kv.put('k-existing', enc(entry('a')));

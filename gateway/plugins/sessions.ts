@@ -30,7 +30,8 @@ export interface AcquireRequest {
   /** The conversation key (conversation.ts): stable across the turns of one conversation. */
   conversationKey: string;
   model: ReadyModel;
-  tokenId: string;
+  /** The calling key's owner (auth.ts `Principal.owner`). */
+  owner: string;
   /** Aborted when the client goes away or the gateway gives up waiting. */
   signal: AbortSignal;
   /**
@@ -359,7 +360,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     const last = lastRenewed.get(req.conversationKey);
     if (last !== undefined && t - last < renewInterval) return;
     lastRenewed.set(req.conversationKey, t);
-    opts.renew({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId }, entry).catch((err: unknown) => opts.onError?.(err));
+    opts.renew({ conversationKey: req.conversationKey, model: req.model, owner: req.owner }, entry).catch((err: unknown) => opts.onError?.(err));
   };
 
   /** Writes `next` over `entry` (compare-and-swap on its revision); the entry now in the bucket when another write won. */
@@ -510,7 +511,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
             cache.set(key, { ...next, revision });
             firstTurnCount++;
             lastRenewed.set(key, now());
-            const adoption = { conversationKey: key, model: req.model, tokenId: req.tokenId };
+            const adoption = { conversationKey: key, model: req.model, owner: req.owner };
             if (!req.answered) adoptUntilDone(f, adoption, next);
             else {
               req.answered.then(
@@ -535,7 +536,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
         if (moved) moves++;
         lastRenewed.set(key, now());
         // Its session may have ended with the expiry (or never started): one runs for it again.
-        if (expired) adoptUntilDone(f, { conversationKey: key, model: req.model, tokenId: req.tokenId }, next);
+        if (expired) adoptUntilDone(f, { conversationKey: key, model: req.model, owner: req.owner }, next);
         return next;
       } finally {
         if (picked) unreserve(req.model, target.instance);

@@ -26,8 +26,8 @@ class ClientGone extends Error {
  */
 export async function servableModel(app: FastifyInstance, principal: Principal, name: string): Promise<ReadyModel> {
   const g = app.gateway;
-  const model = await g.models.find(name);
-  if (!model || !mayUse(principal, model.namespace, model.name)) throw errors.modelNotFound(name);
+  const model = await g.models.find(name, (ns, n) => mayUse(principal, ns, n));
+  if (!model) throw errors.modelNotFound(name);
   const unservable = g.models.unservable(model);
   if (unservable) throw errors.invalid(unservable, 'model', 'model_not_servable');
   return model;
@@ -146,7 +146,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       entry =
         turn.conversationKey === undefined
           ? await g.sessions.route({ model, signal: ctl.signal })
-          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, tokenId: request.principal!.tokenId, signal: ctl.signal, answered });
+          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, owner: request.principal!.owner, signal: ctl.signal, answered });
     } finally {
       clearTimeout(coldStartTimer);
     }

@@ -45,8 +45,9 @@ export const modelRoutes: FastifyPluginCallback = (app, _opts, done) => {
   });
 
   app.get<{ Params: { model: string } }>('/v1/models/:model', { schema: getModelSchema, onRequest: app.authenticate }, async (request) => {
-    const m = await models.lookup(request.params.model);
-    if (!m || !mayUse(request.principal!, m.namespace, m.name)) throw errors.modelNotFound(request.params.model);
+    const principal = request.principal!;
+    const m = await models.lookup(request.params.model, (ns, n) => mayUse(principal, ns, n));
+    if (!m) throw errors.modelNotFound(request.params.model);
     return toModelObject(m, models);
   });
   done();

@@ -6,12 +6,15 @@
  * session id); the answer becomes a response object (response-draft.ts), streamed as the Responses
  * API's events when asked, and is stored (plugins/response-store.ts) once complete unless `store`
  * is false. `GET` and `DELETE /v1/responses/{response_id}` read and remove a stored one of the
- * caller's token.
+ * caller's key. A response belongs to its key's owner (identity and uid: auth.ts `Principal`), so
+ * another key — of another namespace, or a new key under an old one's name — never reads it;
+ * anonymous callers (`allowAnonymous`) share nothing: their responses are not stored.
  */
 import type { FastifyPluginCallback } from 'fastify';
 import { nuid } from 'nats';
 import { checkStructure, refusedOnEvery, unsupportedBy } from '../../shared/chat';
 import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, wantsLogprobs, type ResponsesBody } from '../../shared/responses';
+import type { Principal } from '../plugins/auth';
 import { conversationKey } from '../plugins/conversation';
 import { errorBody, errors, type GatewayError } from '../plugins/errors';
 import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../plugins/response-store';
@@ -32,16 +35,18 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       throw e;
     });
 
-  /** The caller's stored response `id`, or a 404 that does not say whether another token has one. */
-  const ownRecord = async (id: string, tokenId: string): Promise<StoredResponse> => {
+  /** The caller's stored response `id`, or a 404 that does not say whether another key has one. */
+  const ownRecord = async (id: string, principal: Principal): Promise<StoredResponse> => {
+    if (principal.anonymous) throw errors.responseNotFound(id, 'response_id');
     const record = await stored(g.storedResponses.get(id));
-    if (record === undefined || record.tokenId !== tokenId) throw errors.responseNotFound(id, 'response_id');
+    if (record === undefined || record.owner !== principal.owner) throw errors.responseNotFound(id, 'response_id');
     return record;
   };
 
   /** The chain `previous_response_id` ends, as the caller may continue it. */
-  const previousChain = async (id: string, tokenId: string): Promise<Chain> => {
-    const chain = await stored(chainOf(g.storedResponses, id, tokenId));
+  const previousChain = async (id: string, principal: Principal): Promise<Chain> => {
+    if (principal.anonymous) throw errors.responseNotFound(id, 'previous_response_id', 'previous_response_not_found');
+    const chain = await stored(chainOf(g.storedResponses, id, principal.owner));
     if (!('problem' in chain)) return chain;
     if (chain.problem === 'too_long') throw errors.invalid(`The conversation of '${id}' holds ${MAX_CHAIN_DEPTH} responses, the most one chain may; start a new one.`, 'previous_response_id', 'invalid_value');
     const message = chain.id === id ? undefined : `Response '${chain.id}', an earlier turn of '${id}', is no longer stored.`;
@@ -49,10 +54,11 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
   };
 
   app.post<{ Body: ResponsesBody }>('/v1/responses', { schema: createResponseSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate }, async (request, reply) => {
-    const body = request.body;
     const principal = request.principal!;
+    // An anonymous caller's response is not stored: no other anonymous caller could be kept from it.
+    const body = principal.anonymous ? { ...request.body, store: false } : request.body;
     const model = await servableModel(app, principal, body.model);
-    const chain = body.previous_response_id != null ? await previousChain(body.previous_response_id, principal.tokenId) : undefined;
+    const chain = body.previous_response_id != null ? await previousChain(body.previous_response_id, principal) : undefined;
     const stream = body.stream === true;
     const turn = toChatTurn(body, chain?.messages ?? [], stream);
     // Every stream asks for usage: the response's `usage`, and /metrics.
@@ -79,11 +85,11 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const modelLabel = `${model.namespace}/${model.name}`;
     const root = chain?.root ?? responseId;
     // Every turn of a chain is one conversation: its first response's id is the session id.
-    const key = conversationKey(s.secret, { tokenId: principal.tokenId, model: modelLabel, messages: [], sessionId: root });
+    const key = conversationKey(s.secret, { owner: principal.owner, model: modelLabel, messages: [], sessionId: root });
     const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)), wantsLogprobs(body));
     const keep = async (response: StoredResponse['response']): Promise<void> => {
       if (!response.store) return;
-      const record: StoredResponse = { tokenId: principal.tokenId, model: modelLabel, root, previous: body.previous_response_id ?? null, depth: chain?.depth ?? 0, input: turn.input, output: draft.assistantMessages(), response };
+      const record: StoredResponse = { owner: principal.owner, model: modelLabel, root, previous: body.previous_response_id ?? null, depth: chain?.depth ?? 0, input: turn.input, output: draft.assistantMessages(), response };
       await stored(g.storedResponses.put(responseId, record));
     };
     const sse = stream ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
@@ -118,13 +124,13 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
   });
 
   app.get<{ Params: { response_id: string } }>('/v1/responses/:response_id', { schema: getResponseSchema, onRequest: app.authenticate }, async (request) => {
-    const record = await ownRecord(request.params.response_id, request.principal!.tokenId);
+    const record = await ownRecord(request.params.response_id, request.principal!);
     return record.response;
   });
 
   app.delete<{ Params: { response_id: string } }>('/v1/responses/:response_id', { schema: deleteResponseSchema, onRequest: app.authenticate }, async (request) => {
     const id = request.params.response_id;
-    await ownRecord(id, request.principal!.tokenId);
+    await ownRecord(id, request.principal!);
     await stored(g.storedResponses.delete(id));
     return { id, object: 'response', deleted: true };
   });

@@ -87,14 +87,14 @@ export class FakeBroker implements SessionBroker {
   /** Replaces the answer (delay, throw …). */
   impl: ((req: AcquireRequest) => Promise<SessionEntry>) | undefined;
   acquire(req: AcquireRequest): Promise<SessionEntry> {
-    this.calls.push({ conversationKey: req.conversationKey, model: req.model, tokenId: req.tokenId });
+    this.calls.push({ conversationKey: req.conversationKey, model: req.model, owner: req.owner });
     return this.impl ? this.impl(req) : Promise.resolve(this.entry);
   }
   /** Models asked for by requests of no conversation. */
   readonly routed: string[] = [];
   route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry> {
     this.routed.push(`${req.model.namespace}/${req.model.name}`);
-    return this.impl ? this.impl({ conversationKey: '', model: req.model, tokenId: '', signal: req.signal }) : Promise.resolve(this.entry);
+    return this.impl ? this.impl({ conversationKey: '', model: req.model, owner: '', signal: req.signal }) : Promise.resolve(this.entry);
   }
   stats() {
     return { warmHits: this.calls.length, coldStarts: 0, firstTurns: 0 };

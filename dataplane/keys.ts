@@ -1,0 +1,99 @@
+/**
+ * API keys in `magus_tokens` (key = the token's embedded id; value a `TokenEntry`,
+ * shared/serving.ts). One rule for every writer — the controller (ApiKeys, labelled Secrets) and
+ * `magus keys` (local keys): **an id is registered once.** A key takes a free id with KV `create`;
+ * afterwards only the same owner (identity and uid) may change or delete it, each time by
+ * compare-and-swap on the revision it read. A second key presenting a taken id is told who holds
+ * it and writes nothing, on any number of controller replicas or CLIs at once.
+ */
+import type { KV } from 'nats';
+import type { TokenEntry } from '../shared/serving';
+import { isRevisionConflict } from './errors';
+
+/** Who a `TokenEntry` belongs to. */
+export interface KeyOwnerRef {
+  key: string;
+  uid: string;
+}
+
+export type Registration =
+  /** The entry is the one asked for (`written`: false when it already was). */
+  | { ok: true; written: boolean }
+  /** The id belongs to another key; nothing was written. `holder` may be absent for an entry an older magus wrote. */
+  | { ok: false; holder: { key?: string; origin?: string } };
+
+/** The token id of `mgs_<id>_<secret>` (the gateway's and the controller's one pattern). */
+export const TOKEN_PATTERN = /^mgs_([A-Za-z0-9-]{1,64})_([A-Za-z0-9_-]{1,512})$/;
+
+const decoder = new TextDecoder();
+
+/** A stored entry, or undefined when there is none (never written, deleted, or not JSON). */
+async function read(kv: KV, id: string): Promise<{ entry: TokenEntry | null; revision: number } | undefined> {
+  const e = await kv.get(id);
+  if (!e || e.operation !== 'PUT') return undefined;
+  try {
+    return { entry: JSON.parse(decoder.decode(e.value)) as TokenEntry, revision: e.revision };
+  } catch {
+    return { entry: null, revision: e.revision };
+  }
+}
+
+const owns = (entry: TokenEntry | null, owner: KeyOwnerRef): boolean => entry?.key === owner.key && entry?.uid === owner.uid;
+
+/**
+ * Registers `entry` (which names its owner: `key` and `uid`) under token id `id`. `adopts`
+ * decides whether an existing entry with no owner — written by an older magus — is this key's
+ * own (e.g. the same origin); anything else held by another owner is a conflict.
+ */
+export async function registerKey(kv: KV, id: string, entry: TokenEntry & KeyOwnerRef, adopts: (existing: TokenEntry) => boolean = () => false): Promise<Registration> {
+  const data = JSON.stringify(entry);
+  for (;;) {
+    const current = await read(kv, id);
+    try {
+      if (!current) {
+        await kv.create(id, data);
+        return { ok: true, written: true };
+      }
+      const mine = owns(current.entry, entry) || (current.entry !== null && current.entry.uid === undefined && adopts(current.entry));
+      if (!mine) return { ok: false, holder: { ...(current.entry?.key ? { key: current.entry.key } : {}), ...(current.entry?.origin ? { origin: current.entry.origin } : {}) } };
+      if (JSON.stringify(current.entry) === data) return { ok: true, written: false };
+      await kv.update(id, data, current.revision);
+      return { ok: true, written: true };
+    } catch (err) {
+      // Another writer got there between the read and the write: read again and decide again.
+      if (!isRevisionConflict(err)) throw err;
+    }
+  }
+}
+
+/** Deletes the entry of `id` if `owner` holds it; true when it did. Another owner's entry is left alone. */
+export async function unregisterKey(kv: KV, id: string, owner: KeyOwnerRef): Promise<boolean> {
+  for (;;) {
+    const current = await read(kv, id);
+    if (!current || !owns(current.entry, owner)) return false;
+    try {
+      await kv.delete(id, { previousSeq: current.revision });
+      return true;
+    } catch (err) {
+      if (!isRevisionConflict(err)) throw err;
+    }
+  }
+}
+
+/** Every entry of the bucket with its id (entries that are not JSON are skipped). */
+export async function listKeys(kv: KV): Promise<{ id: string; entry: TokenEntry; revision: number }[]> {
+  const ids: string[] = [];
+  for await (const k of await kv.keys()) ids.push(k);
+  const out: { id: string; entry: TokenEntry; revision: number }[] = [];
+  for (const id of ids.sort()) {
+    const current = await read(kv, id);
+    if (current?.entry) out.push({ id, entry: current.entry, revision: current.revision });
+  }
+  return out;
+}
+
+/** How a conflict reads to the one refused, naming the holder only when `visible` says the reader may know of it. */
+export function conflictMessage(id: string, holder: { key?: string; origin?: string }, visible: (key: string) => boolean): string {
+  const who = holder.key === undefined ? 'a key an older magus registered' : visible(holder.key) ? `key ${holder.key}` : 'a key in another namespace';
+  return `token id '${id}' is already registered to ${who}; an id is registered once — give this key a token with a new random id`;
+}

@@ -1,0 +1,279 @@
+/**
+ * ApiKeys end to end: the real kube-apiserver, `magus controller` (its core, in process, as the
+ * ServiceAccount crds/rbac.yaml's role allows and nothing more), real NATS and a real gateway. A
+ * key's identity is `<namespace>/<name>`, and its token id is registered once:
+ * - two namespaces declaring keys of the same name are two keys, and neither reads the other's
+ *   stored responses;
+ * - a key presenting a token id another namespace's key holds is refused with a condition, writes
+ *   nothing, and deleting it leaves the holder's key working (the take-over the old
+ *   Secret-per-token scheme allowed);
+ * - rotation, suspension, a missing Secret, models of an unshared namespace, a labelled Secret
+ *   that an ApiKey names, and a key deleted while no controller ran.
+ */
+import { execFile } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
+import type { KV, NatsConnection } from 'nats';
+import { readFileSync } from 'node:fs';
+import { installCrds } from '../activities/kubernetes/crds';
+import { dataPlaneNames } from '../dataplane';
+import { startKeys, type Keys } from '../controller/keys';
+import { startGateway, type RunningGateway } from '../gateway/server';
+import type { StoredResponse } from '../gateway/plugins/response-store';
+import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
+import { ApiKeyReason, TOKEN_SECRET_LABEL, type ApiKeyResource } from '../shared/kube';
+import { pendingResponse } from '../shared/responses';
+import { keyOwner, type TokenEntry } from '../shared/serving';
+import { writeKubeconfig } from '../workers/dev/services';
+import { endpoint, isolation } from './harness';
+import { gatewayConfigFor } from './harness/gateway';
+import { kubeConfig } from './harness/kube';
+import { natsStack, TestStack } from './harness/stack';
+import { until } from './harness/wait';
+
+const execFileP = promisify(execFile);
+const iso = isolation();
+const nsA = `${iso.namespace}-a`;
+const nsB = `${iso.namespace}-b`;
+const stack = new TestStack();
+
+let kc: KubeConfig;
+let controllerKc: KubeConfig;
+let core: CoreV1Api;
+let custom: CustomObjectsApi;
+let nc: NatsConnection;
+let tokens: KV;
+let controller: Keys & { synced: Promise<void>; idle(): Promise<void> };
+let gw: RunningGateway;
+let kubeconfigFile: string;
+const controllerLog: string[] = [];
+
+const token = (id: string) => `mgs_${id}_${randomBytes(24).toString('hex')}`;
+/**
+ * The controller's keys part (what `startController` runs with a tokens bucket), cluster-wide: the
+ * test is about two namespaces. Only the keys part: a whole controller cluster-wide would take
+ * other test files' Models.
+ */
+const start = () => {
+  const keys = startKeys({ kc: controllerKc, core: controllerKc.makeApiClient(CoreV1Api), custom: controllerKc.makeApiClient(CustomObjectsApi), kv: tokens, sharedModelNamespaces: ['platform'], log: (l) => controllerLog.push(l) });
+  return { ...keys, synced: Promise.all(Object.values(keys.watches).map((w) => w.synced)).then(() => undefined), idle: () => keys.drained() };
+};
+
+async function secret(namespace: string, name: string, value: string, labels: Record<string, string> = {}): Promise<void> {
+  await core.createNamespacedSecret({ namespace, body: { metadata: { name, labels }, stringData: { token: value } } });
+}
+async function apiKey(namespace: string, name: string, spec: Partial<ApiKeyResource['spec']> & { secretRef: { name: string } }): Promise<void> {
+  await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'ApiKey', metadata: { name, namespace }, spec } });
+}
+const getKey = async (namespace: string, name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', name })) as ApiKeyResource;
+const ready = (k: ApiKeyResource) => k.status?.conditions?.find((c) => c.type === 'Ready');
+async function readyAs(namespace: string, name: string, reason: string): Promise<ApiKeyResource> {
+  let last: ApiKeyResource | undefined;
+  await until(`ApiKey ${namespace}/${name} is ${reason}`, async () => ready((last = await getKey(namespace, name)))?.reason === reason, 15_000);
+  return last!;
+}
+const status = (t: string, path = '/v1/models') => fetch(`${gw.url}${path}`, { headers: { authorization: `Bearer ${t}` } }).then((r) => r.status);
+const answers = (t: string, code: number, path?: string) => until(`the gateway answers ${code}`, async () => (await status(t, path)) === code, 10_000);
+const entryOf = async (id: string): Promise<TokenEntry | undefined> => {
+  const e = await tokens.get(id);
+  return e?.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as TokenEntry) : undefined;
+};
+
+beforeAll(async () => {
+  kc = kubeConfig();
+  core = kc.makeApiClient(CoreV1Api);
+  custom = kc.makeApiClient(CustomObjectsApi);
+  await installCrds(kc);
+  for (const ns of [iso.namespace, nsA, nsB]) await core.createNamespace({ body: { metadata: { name: ns } } });
+  // The controller runs as a ServiceAccount bound to crds/rbac.yaml's role, cluster-wide.
+  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
+  for (const role of loadAllYaml(readFileSync(join(__dirname, '..', 'crds', 'rbac.yaml'), 'utf8')) as V1ClusterRole[]) {
+    try {
+      await rbac.createClusterRole({ body: role });
+    } catch (err) {
+      if ((err as { code?: number }).code !== 409) throw err;
+      await rbac.replaceClusterRole({ name: role.metadata!.name!, body: role });
+    }
+  }
+  await core.createNamespacedServiceAccount({ namespace: iso.namespace, body: { metadata: { name: 'ctl' } } });
+  await rbac.createClusterRoleBinding({
+    body: { metadata: { name: `${iso.namespace}-ctl` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: 'magus-controller' }, subjects: [{ kind: 'ServiceAccount', name: 'ctl', namespace: iso.namespace }] },
+  });
+  const { status: sa } = await core.createNamespacedServiceAccountToken({ namespace: iso.namespace, name: 'ctl', body: { spec: { audiences: [], expirationSeconds: 3600 } } });
+  controllerKc = new KubeConfig();
+  controllerKc.loadFromOptions({
+    clusters: [{ name: 't', server: endpoint('kubernetes').server, skipTLSVerify: true }],
+    users: [{ name: 'ctl', token: sa!.token }],
+    contexts: [{ name: 't', cluster: 't', user: 'ctl' }],
+    currentContext: 't',
+  });
+  const dir = mkdtempSync(join(tmpdir(), 'magus-apikeys-'));
+  kubeconfigFile = join(dir, 'kubeconfig');
+  writeKubeconfig(kubeconfigFile, endpoint('kubernetes'));
+
+  ({ nc } = await stack.open(natsStack(iso, { declare: true })));
+  gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {}, env: { MAGUS_LOG_LEVEL: 'warn' } }));
+  stack.defer(() => gw.close());
+  tokens = await nc.jetstream().views.kv(dataPlaneNames(iso.natsPrefix).tokensBucket);
+  controller = start();
+  stack.defer(() => controller.stop());
+  await controller.synced;
+}, 120_000);
+
+afterAll(() => stack.close());
+
+test('two namespaces declare keys of the same name: two keys, each reads only its own stored responses', async () => {
+  const tA = token(`same-name-${randomBytes(4).toString('hex')}`);
+  const tB = token(`same-name-${randomBytes(4).toString('hex')}`);
+  await secret(nsA, 'team-token', tA);
+  await secret(nsB, 'team-token', tB);
+  await apiKey(nsA, 'team', { secretRef: { name: 'team-token' } });
+  await apiKey(nsB, 'team', { secretRef: { name: 'team-token' } });
+  const a = await readyAs(nsA, 'team', ApiKeyReason.registered);
+  const b = await readyAs(nsB, 'team', ApiKeyReason.registered);
+  expect(a.status?.models).toEqual([`${nsA}/*`]);
+  expect(b.status?.models).toEqual([`${nsB}/*`]);
+  await answers(tA, 200);
+  await answers(tB, 200);
+
+  // A response A stored (as the gateway stores it: owned by A's identity and uid).
+  const responses = await nc.jetstream().views.kv(dataPlaneNames(iso.natsPrefix).responsesBucket);
+  const id = `resp_${randomBytes(8).toString('hex')}`;
+  const record: StoredResponse = { owner: keyOwner(`${nsA}/team`, a.metadata.uid), model: `${nsA}/m`, root: id, previous: null, depth: 0, input: [], output: [], response: pendingResponse(id, { model: 'm', input: 'hi' }, 1) };
+  await responses.put(id, JSON.stringify(record));
+  expect(await status(tA, `/v1/responses/${id}`)).toBe(200);
+  expect(await status(tB, `/v1/responses/${id}`)).toBe(404);
+  const del = await fetch(`${gw.url}/v1/responses/${id}`, { method: 'DELETE', headers: { authorization: `Bearer ${tB}` } });
+  expect(del.status).toBe(404);
+  expect(await status(tA, `/v1/responses/${id}`)).toBe(200);
+
+  // A deleted and declared again under the same name is a new owner: the old key's response is not its.
+  await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'team' });
+  await answers(tA, 401);
+  await apiKey(nsA, 'team', { secretRef: { name: 'team-token' } });
+  await readyAs(nsA, 'team', ApiKeyReason.registered);
+  await answers(tA, 200);
+  expect(await status(tA, `/v1/responses/${id}`)).toBe(404);
+}, 90_000);
+
+test('a token id another namespace holds is refused, never written over; deleting the refused key leaves the holder working', async () => {
+  const id = `victim-${randomBytes(4).toString('hex')}`;
+  const victim = token(id);
+  const attacker = token(id); // the same id, another secret
+  await secret(nsA, 'victim-token', victim);
+  await apiKey(nsA, 'victim', { secretRef: { name: 'victim-token' } });
+  await readyAs(nsA, 'victim', ApiKeyReason.registered);
+  const before = await tokens.get(id);
+
+  await secret(nsB, 'attacker-token', attacker);
+  await apiKey(nsB, 'attacker', { secretRef: { name: 'attacker-token' }, models: ['*'] });
+  const refused = await readyAs(nsB, 'attacker', ApiKeyReason.idConflict);
+  expect(ready(refused)).toMatchObject({ status: 'False' });
+  expect(ready(refused)!.message).toContain(`token id '${id}' is already registered to a key in another namespace`);
+  expect(ready(refused)!.message).not.toContain(nsA); // another namespace's key is not named
+  expect(refused.status?.tokenId).toBeUndefined();
+  // Nothing was written: the same revision, the victim's digest.
+  expect((await tokens.get(id))!.revision).toBe(before!.revision);
+  await answers(victim, 200);
+  expect(await status(attacker)).toBe(401);
+
+  // The same conflict within one namespace names the holder.
+  await secret(nsA, 'copy-token', token(id));
+  await apiKey(nsA, 'copy', { secretRef: { name: 'copy-token' } });
+  expect(ready(await readyAs(nsA, 'copy', ApiKeyReason.idConflict))!.message).toContain(`key ${nsA}/victim`);
+
+  // `kubectl get apikeys` shows why.
+  const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsB, 'get', 'apikeys'], { timeout: 30_000 });
+  expect(stdout).toMatch(/NAME\s+SECRET\s+MODELS\s+SUSPENDED\s+READY\s+REASON\s+AGE/);
+  expect(stdout).toMatch(/attacker\s+attacker-token\s+\S+\s+false\s+False\s+IdConflict/);
+
+  // Deleting the refused keys leaves the victim's entry alone.
+  for (const [ns, name] of [[nsB, 'attacker'], [nsA, 'copy']] as const) await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'apikeys', name });
+  await controller.idle();
+  await new Promise((r) => setTimeout(r, 500));
+  await controller.idle();
+  expect((await tokens.get(id))!.revision).toBe(before!.revision);
+  expect(await status(victim)).toBe(200);
+
+  // Once the holder is gone, the id is free: a key refused for it then takes it.
+  await apiKey(nsB, 'attacker', { secretRef: { name: 'attacker-token' } });
+  await readyAs(nsB, 'attacker', ApiKeyReason.idConflict);
+  await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'victim' });
+  await answers(victim, 401);
+  await readyAs(nsB, 'attacker', ApiKeyReason.registered);
+  await answers(attacker, 200);
+  expect((await entryOf(id))?.key).toBe(`${nsB}/attacker`);
+}, 90_000);
+
+test('rotation, suspension, a missing Secret and models of a namespace that does not share them', async () => {
+  // Declared before its Secret: SecretMissing, then Ready once the Secret exists (labelled: seen at once).
+  await apiKey(nsA, 'rotating', { secretRef: { name: 'rotating-token' }, models: ['tiny', 'platform/*'] });
+  const missing = await readyAs(nsA, 'rotating', ApiKeyReason.secretMissing);
+  expect(ready(missing)!.message).toContain('rotating-token');
+  const first = token(`rot-${randomBytes(4).toString('hex')}`);
+  await secret(nsA, 'rotating-token', first, { 'magus.dev/api-key': 'rotating' });
+  const k = await readyAs(nsA, 'rotating', ApiKeyReason.registered);
+  expect(k.status?.models).toEqual([`${nsA}/tiny`, 'platform/*']);
+  await answers(first, 200);
+
+  // Rotated: the new token works, the old one is revoked and its entry gone.
+  const second = token(`rot-${randomBytes(4).toString('hex')}`);
+  await core.patchNamespacedSecret({ namespace: nsA, name: 'rotating-token', body: [{ op: 'replace', path: '/data/token', value: Buffer.from(second).toString('base64') }] });
+  await answers(second, 200);
+  await answers(first, 401);
+  expect(await entryOf(first.split('_')[1]!)).toBeUndefined();
+  await until('the status names the new id', async () => (await getKey(nsA, 'rotating')).status?.tokenId === second.split('_')[1], 10_000);
+
+  // Suspended: 403 key_suspended; resumed: 200.
+  await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'rotating', body: [{ op: 'replace', path: '/spec/suspended', value: true }] }, { headers: { 'Content-Type': 'application/json-patch+json' } } as never);
+  await readyAs(nsA, 'rotating', ApiKeyReason.suspended);
+  await answers(second, 403);
+  const body = (await (await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${second}` } })).json()) as { error: { code: string; type: string } };
+  expect(body.error).toMatchObject({ code: 'key_suspended', type: 'permission_error' });
+  await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'rotating', body: [{ op: 'replace', path: '/spec/suspended', value: false }] }, { headers: { 'Content-Type': 'application/json-patch+json' } } as never);
+  await answers(second, 200);
+
+  // Another namespace's models, not shared: refused, and no token registered.
+  const t = token(`grab-${randomBytes(4).toString('hex')}`);
+  await secret(nsB, 'grab-token', t);
+  await apiKey(nsB, 'grab', { secretRef: { name: 'grab-token' }, models: [`${nsA}/*`] });
+  const grab = await readyAs(nsB, 'grab', ApiKeyReason.modelNotShared);
+  expect(ready(grab)!.message).toContain(`${nsA}/*`);
+  expect(ready(grab)!.message).toContain('platform');
+  expect(await status(t)).toBe(401);
+
+  // A Secret that is not a token: SecretInvalid, naming the form.
+  await core.createNamespacedSecret({ namespace: nsB, body: { metadata: { name: 'bad-token' }, stringData: { token: 'sk-not-ours' } } });
+  await apiKey(nsB, 'bad', { secretRef: { name: 'bad-token' } });
+  expect(ready(await readyAs(nsB, 'bad', ApiKeyReason.secretInvalid))!.message).toContain('mgs_<id>_<secret>');
+}, 90_000);
+
+test('a labelled token Secret is a key of its own namespace until an ApiKey names it; a key deleted while no controller ran is revoked at start', async () => {
+  const id = `legacy-${randomBytes(4).toString('hex')}`;
+  const t = token(id);
+  await core.createNamespacedSecret({ namespace: nsA, body: { metadata: { name: 'legacy', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: t, models: `tiny,${nsB}/other` } } });
+  await answers(t, 200);
+  // Confined to its namespace: the other namespace's model is dropped, a bare name is its own.
+  expect(await entryOf(id)).toMatchObject({ key: `${nsA}/legacy`, origin: `secret/${nsA}/legacy` });
+  expect(controllerLog.some((l) => l.includes(`${nsA}/legacy`) && l.includes(`${nsB}/other`))).toBe(true);
+
+  // An ApiKey naming that Secret takes its token over.
+  await apiKey(nsA, 'adopter', { secretRef: { name: 'legacy' } });
+  await readyAs(nsA, 'adopter', ApiKeyReason.registered);
+  expect(await entryOf(id)).toMatchObject({ key: `${nsA}/adopter`, origin: `apikey/${nsA}/adopter` });
+  await answers(t, 200);
+
+  // Deleted while the controller is stopped: the token works until a controller starts, then not.
+  await controller.stop();
+  await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'adopter' });
+  await core.deleteNamespacedSecret({ namespace: nsA, name: 'legacy' });
+  expect(await status(t)).toBe(200);
+  controller = start();
+  await controller.synced;
+  await answers(t, 401);
+  expect(await entryOf(id)).toBeUndefined();
+}, 90_000);
