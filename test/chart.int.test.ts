@@ -467,7 +467,8 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     const out = await helm('install', 'magus', CHART, '--namespace', NS, '--values', examplePath('values-minimal.yaml'), '--wait', '--timeout', '3m');
     expect(out).toContain('STATUS: deployed');
     expect(out).toContain(`kubectl -n ${NS} get deployments -l app.kubernetes.io/instance=magus`);
-    expect(out).toContain('kubectl label secret my-token magus.dev/api-token=true');
+    expect(out).toContain('kubectl label secret my-key-token magus.dev/api-key=my-key');
+    expect(out).toContain('kind: ApiKey');
     expect(out).toContain(`kubectl -n ${NS} port-forward service/magus-gateway 8080:80`);
     expect(out).toContain('curl -N http://127.0.0.1:8080/v1/chat/completions');
     await expectAllAvailable({ 'magus-controller': 2, 'magus-gateway': 2, 'magus-worker-control': 1, 'magus-worker-pipeline': 1 });
