@@ -37,7 +37,7 @@ import { connect, nuid, type KV, type NatsConnection } from 'nats';
 import { ensureDataPlane, type DataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { loadGatewayConfig } from '../gateway/config';
-import { configOwner, tokenDigest } from '../gateway/plugins/auth';
+import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/plugins/conversation';
 import { exchange, sharedResponseRouter, streamPublisher, type PublishRequest } from '../gateway/plugins/responses';
 import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gateway/plugins/sessions';
@@ -420,7 +420,7 @@ async function measureFirstTurn(ctx: {
   const byType = new Map<string, number[]>();
   const order: string[] = [];
   for (let i = 0; i < Math.min(measured, 30); i++) {
-    const key = conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `default/${TINY}`, messages: [], sessionId: `new-${run}-${i}` });
+    const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${TINY}`, messages: [], sessionId: `new-${run}-${i}` });
     // The workflow starts after the answer: wait until it has run its first task (it then sleeps until the entry's expiry).
     const granted = (evs: typeof events) => evs.some((ev) => ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED);
     let events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];

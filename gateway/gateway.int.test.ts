@@ -13,7 +13,7 @@ import type { ChatInference as InferenceRequest, ResponseFrame, SessionEntry } f
 import { endpoint, isolation, natsConnect } from '../test/harness';
 import { loadGatewayConfig } from './config';
 import { conversationKey } from './plugins/conversation';
-import { configOwner } from './plugins/auth';
+import { keyOwner } from '../shared/serving';
 import type { AcquireRequest } from './plugins/sessions';
 import { startGateway, type RunningGateway } from './server';
 import { LogSink, makeToken, readyModel, sseEvents, TEST_SECRET } from '../test/harness/gateway-app';
@@ -29,6 +29,8 @@ const subject = `${scope}.magus.req.${pool}.${instance}`;
 const streamName = `${iso.natsPrefix}_REQUESTS`;
 const buckets = { models: `${iso.natsPrefix}_models`, tokens: `${iso.natsPrefix}_tokens`, sessions: `${iso.natsPrefix}_sessions`, responses: `${iso.natsPrefix}_responses` };
 const alice = makeToken('alice');
+/** Its `magus_tokens` entry names no key (as an older magus wrote them): the key `token/alice`. */
+const ALICE_OWNER = keyOwner('token/alice', 'alice');
 const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
 
 let nc: NatsConnection;
@@ -200,7 +202,7 @@ describe('round trips through NATS', () => {
 
   it('503 (details hidden) when no stream takes the instance subject', async () => {
     const sid = 'nowhere';
-    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject: `${scope}.magus.req-nowhere.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const res = await post(turn('hi'), { 'x-session-id': sid });
@@ -264,10 +266,10 @@ describe('the Responses API over NATS, its chain in the magus_responses KV', () 
     expect(first).toMatchObject({ object: 'response', status: 'completed', output_text: 'echo: first turn' });
     // The record as the KV holds it: the chain's root, the turn's messages, the response.
     const stored = JSON.parse(new TextDecoder().decode((await kv.get(first.id))!.value)) as Record<string, unknown>;
-    expect(stored).toMatchObject({ owner: configOwner('alice'), model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
+    expect(stored).toMatchObject({ owner: ALICE_OWNER, model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
     expect(await client().responses.retrieve(first.id)).toMatchObject({ id: first.id, output_text: 'echo: first turn' });
 
-    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: first.id });
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
     expect(coldStarts.filter((c) => c.conversationKey === key)).toHaveLength(1);
     const second = await client().responses.create({ model: 'tiny', input: 'second turn', previous_response_id: first.id });
     expect(second.output_text).toBe('echo: second turn');
@@ -352,7 +354,7 @@ describe('sessions from the magus_sessions KV', () => {
 
   it('an entry written by the session workflow is used without any cold start', async () => {
     const sid = 'prewarmed-1';
-    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;
@@ -362,7 +364,7 @@ describe('sessions from the magus_sessions KV', () => {
 
   it('expired or deleted entries go back to the cold path', async () => {
     const sid = 'expiring-1';
-    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: sid });
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() - 1 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;

@@ -86,7 +86,7 @@ test("a bare model name reaches the namespace the key may use; another namespace
 });
 
 test('mayUse: *, ns/*, ns/name, a bare name; absent = all, empty = none', () => {
-  const p = (models?: string[]): Principal => ({ key: 'k', owner: 'k#1', name: 'k', ...(models ? { models } : {}) });
+  const p = (models?: string[]): Principal => ({ key: 'k', owner: 'k#1', conversationScope: 'k#1', name: 'k', ...(models ? { models } : {}) });
   expect(mayUse(p(), 'x', 'm')).toBe(true);
   expect(mayUse(p([]), 'x', 'm')).toBe(false);
   expect(mayUse(p(['*']), 'x', 'm')).toBe(true);

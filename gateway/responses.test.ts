@@ -243,7 +243,7 @@ describe('previous_response_id', () => {
       { role: 'assistant', content: 'Berlin.' },
       { role: 'user', content: 'And Italy?' },
     ]);
-    const key = conversationKey(TEST_SECRET, { owner: configOwner('alice'), model: 'default/tiny', messages: [], sessionId: first.id });
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
     expect(t.broker.calls.map((c) => c.conversationKey)).toEqual([key, key, key]);
     expect(store.records.get(third.json<ResponseObject>().id)).toMatchObject({ root: first.id, previous: second.id, depth: 2 });
     // A new chain is another conversation.

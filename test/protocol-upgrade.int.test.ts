@@ -26,7 +26,7 @@ import { oldMagusBin } from './harness/old-magus';
 import { isolation, recordHistory, workerConfig } from './harness';
 import { gatewayStack, natsStack, s3Stack, tempDir, temporalStack, TestStack, workersStack } from './harness/stack';
 import { sleep, until } from './harness/wait';
-import { configOwner, tokenDigest } from '../gateway/plugins/auth';
+import { tokenDigest } from '../gateway/plugins/auth';
 
 /** The last commit of the old protocol (pool-granted leases, touch signals). */
 const OLD_COMMIT = 'ccc5f71';
@@ -117,7 +117,7 @@ test('old-protocol conversations live through the switch to today’s worker and
   const tag = randomBytes(3).toString('hex');
   const conversations = Array.from({ length: CONVERSATIONS }, (_, k) => ({ id: `up-${tag}-${k}`, messages: [] as Message[] }));
   for (const c of conversations) expect(await turn(oldUrl, c.id, c.messages, `hello number ${c.id}`)).toEqual({ status: 200, body: '' });
-  const keyOf = (id: string) => conversationKey(SECRET, { owner: configOwner('up'), model: `default/${MODEL}`, messages: [], sessionId: id });
+  const keyOf = (id: string) => conversationKey(SECRET, { scope: 'up', model: `default/${MODEL}`, messages: [], sessionId: id });
   const kv = await nc.jetstream().views.kv(names.sessionsBucket);
   const entryOf = async (id: string) => {
     const e = await kv.get(keyOf(id));

@@ -19,7 +19,6 @@ import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { configOwner } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
@@ -131,7 +130,7 @@ beforeAll(async () => {
     }),
   ));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
-  const key = conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `default/${POOL}`, messages: [], sessionId: SESSION });
+  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: SESSION });
   await pinConversation(nc, names, key, POOL, INSTANCE);
 
   // The entry was written before the watch started, so `ready` means it is loaded.

@@ -18,7 +18,6 @@ import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { configOwner } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
@@ -76,7 +75,7 @@ beforeAll(async () => {
 
   ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: SILENT, instance: SILENT_INSTANCE, slots: 4, engine: { stall: true }, bridge: { log: (line) => bridgeLog.push(line) } })));
   // The silent model's conversation is pinned to that instance, as the session workflow would do.
-  const key = conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `default/${SILENT}`, messages: [], sessionId: SILENT_SESSION });
+  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: SILENT_SESSION });
   await pinConversation(nc, names, key, SILENT, SILENT_INSTANCE);
 
   ({ gateway } = await stack.open(gatewayStack(names, {
@@ -275,7 +274,7 @@ test('429 with Retry-After when the instance’s backlog is full; a slot freed i
   // An instance nobody consumes (its engine is gone), its backlog filled to the request stream's
   // per-subject limit by requests already queued: the next one is refused at publish.
   const instance = 'backlogged';
-  const key = conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `default/${SILENT}`, messages: [], sessionId: `backlog-${iso.id}` });
+  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: `backlog-${iso.id}` });
   const { subject } = await pinConversation(nc, names, key, SILENT, instance);
   const js = nc.jetstream();
   const queued = await Promise.all(Array.from({ length: DEFAULT_INSTANCE_BACKLOG }, (_, i) => js.publish(subject, new TextEncoder().encode(`{"queued":${i}}`))));

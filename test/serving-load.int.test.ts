@@ -11,7 +11,6 @@ import OpenAI from 'openai';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { configOwner } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from './harness/gateway-app';
 import type { ChatMessage } from '../shared/chat';
@@ -61,7 +60,7 @@ beforeAll(async () => {
 
   // Seed every conversation's session, as the session workflow's `writeSession` does.
   for (let i = 0; i < CONVERSATIONS; i++) {
-    const key = conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `${MODEL.namespace}/${MODEL.name}`, messages: [], sessionId: sessionId(i) });
+    const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `${MODEL.namespace}/${MODEL.name}`, messages: [], sessionId: sessionId(i) });
     await pinConversation(nc, names, key, POOL, instanceOf(i));
   }
 

@@ -16,7 +16,6 @@ import type { RunningGateway } from '../gateway/server';
 import { poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { configOwner } from '../gateway/plugins/auth';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation } from './harness';
 import { gatewayStack, magusStack, TestStack } from './harness/stack';
@@ -141,7 +140,7 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   // A refused first turn leaves nothing behind: its entry given back, no session started; every
   // answered one has both.
   const kv = await nc.jetstream().views.kv(names.sessionsBucket);
-  const keyOf = (id: string) => conversationKey(SECRET, { owner: configOwner('ov'), model: `default/${MODEL}`, messages: [], sessionId: id });
+  const keyOf = (id: string) => conversationKey(SECRET, { scope: 'ov', model: `default/${MODEL}`, messages: [], sessionId: id });
   const live = async (o: Outcome) => (await kv.get(keyOf(o.id)))?.operation === 'PUT';
   await until('the refused first turns’ entries are gone', async () => (await Promise.all(refused.map(live))).every((l) => !l), 30_000);
   expect((await Promise.all(answered.map(live))).every((l) => l)).toBe(true);

@@ -21,7 +21,6 @@ import { encodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
 import { bridgeMetricsText, startBridge, type Bridge } from '../dataplane/bridge';
 import { conversationKey } from '../gateway/plugins/conversation';
-import { configOwner } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
@@ -73,7 +72,7 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
   );
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
   const session = `pressure-${suffix}`;
-  await pinConversation(nc, names, conversationKey(SECRET, { owner: configOwner(TOKEN_ID), model: `default/${POOL}`, messages: [], sessionId: session }), POOL, INSTANCE);
+  await pinConversation(nc, names, conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session }), POOL, INSTANCE);
   const env = { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' };
   const { gateway } = await pieces.open(gatewayStack(names, { nc, secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env, deps: { coldStart: () => Promise.reject(new Error('no cold start in this test')) } }));
   const openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0, defaultHeaders: { 'x-session-id': session } });

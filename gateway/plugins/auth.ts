@@ -28,6 +28,14 @@ export interface Principal {
    * name never reads the old one's. Anonymous callers own nothing ({@link Principal.anonymous}).
    */
   owner: string;
+  /**
+   * What its conversation keys are scoped by (plugins/conversation.ts): its owner, or — for a
+   * token whose entry names no key (a configured token, or an entry an older magus wrote) — the
+   * token id, as conversation keys were made before keys had identities, so the conversations
+   * such a token holds keep their sessions across the upgrade. Token ids are registered once,
+   * so no two keys share one.
+   */
+  conversationScope: string;
   name: string;
   /** Models it may use (see {@link mayUse}); absent = all, empty = none. */
   models?: readonly string[];
@@ -41,6 +49,7 @@ export interface TokenRecord {
   name: string;
   key: string;
   owner: string;
+  conversationScope: string;
   models?: readonly string[];
   suspended?: boolean;
 }
@@ -49,7 +58,7 @@ export interface TokenSource {
   lookup(id: string): TokenRecord | undefined;
 }
 
-export const ANONYMOUS: Principal = Object.freeze({ key: 'anonymous', owner: 'anonymous', name: 'anonymous', anonymous: true });
+export const ANONYMOUS: Principal = Object.freeze({ key: 'anonymous', owner: 'anonymous', conversationScope: 'anonymous', name: 'anonymous', anonymous: true });
 
 const TOKEN = TOKEN_PATTERN;
 const TOKEN_ID = /^[A-Za-z0-9-]{1,64}$/;
@@ -77,6 +86,7 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
     name: e.name,
     key,
     owner: keyOwner(key, e.uid ?? id),
+    conversationScope: e.key === undefined ? id : keyOwner(key, e.uid!),
     ...(e.models ? { models: [...e.models] } : {}),
     ...(e.suspended === true ? { suspended: true } : {}),
   };
@@ -132,7 +142,7 @@ export function authenticate(header: string | undefined, tokens: TokenSource, al
   const match = timingSafeEqual(digest, record?.digest ?? NO_DIGEST);
   if (!match || !record || !m) throw errors.unauthorized('Incorrect API key provided.');
   if (record.suspended) throw errors.keySuspended(record.key);
-  return { key: record.key, owner: record.owner, name: record.name, ...(record.models ? { models: record.models } : {}) };
+  return { key: record.key, owner: record.owner, conversationScope: record.conversationScope, name: record.name, ...(record.models ? { models: record.models } : {}) };
 }
 
 /**

@@ -2,11 +2,11 @@
  * The conversation key: every turn of one conversation must map to the same key, so it reaches the
  * same session (and instance, whose KV cache already holds the conversation's prefix).
  *
- * - With an `X-Session-Id` header: HMAC(secret, key owner, model, session id) — the client decides.
- * - Otherwise: HMAC(secret, key owner, model, system prompt, first user message). A chat client
+ * - With an `X-Session-Id` header: HMAC(secret, key scope, model, session id) — the client decides.
+ * - Otherwise: HMAC(secret, key scope, model, system prompt, first user message). A chat client
  *   resends the whole history each turn, and those two never change within a conversation.
  *
- * The key's owner (identity and uid) is always part of the key, so two keys never share a session by choosing the
+ * The key's scope (its owner: identity and uid) is always part of the key, so two keys never share a session by choosing the
  * same id or prompt; the secret keeps keys unguessable (they name Temporal workflows and KV keys).
  * All gateway replicas must share the secret, or their keys (and affinity) diverge.
  */
@@ -17,8 +17,8 @@ import type { ChatMessage } from '../../shared/chat';
 export const SESSION_ID_PATTERN = '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$';
 
 export interface ConversationKeyInput {
-  /** The calling key's owner (auth.ts `Principal.owner`): keys never share a conversation. */
-  owner: string;
+  /** The calling key's scope (auth.ts `Principal.conversationScope`): keys never share a conversation. */
+  scope: string;
   /** The model's registry identity, `namespace/name`. */
   model: string;
   messages: readonly ChatMessage[];
@@ -39,7 +39,7 @@ function systemPrompt(messages: readonly ChatMessage[]): string {
 export function conversationKey(secret: string | Buffer, input: ConversationKeyInput): string {
   const h = createHmac('sha256', secret);
   // JSON arrays keep the fields unambiguous (no separator a prompt could contain).
-  if (input.sessionId !== undefined) h.update(JSON.stringify(['sid', input.owner, input.model, input.sessionId]));
-  else h.update(JSON.stringify(['conv', input.owner, input.model, systemPrompt(input.messages), input.messages.find((m) => m.role === 'user')?.content ?? '']));
+  if (input.sessionId !== undefined) h.update(JSON.stringify(['sid', input.scope, input.model, input.sessionId]));
+  else h.update(JSON.stringify(['conv', input.scope, input.model, systemPrompt(input.messages), input.messages.find((m) => m.role === 'user')?.content ?? '']));
   return h.digest('hex');
 }

@@ -55,7 +55,7 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       if (!checked.ok) throw errors.invalid(checked.problem.message, checked.problem.param, checked.problem.code);
 
       const messages = toMessages(body);
-      const key = conversationKey(s.secret, { owner: principal.owner, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });
+      const key = conversationKey(s.secret, { scope: principal.conversationScope, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });
       const id = nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       return serveTurn(app, request, reply, {

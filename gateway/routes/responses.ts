@@ -85,7 +85,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     const modelLabel = `${model.namespace}/${model.name}`;
     const root = chain?.root ?? responseId;
     // Every turn of a chain is one conversation: its first response's id is the session id.
-    const key = conversationKey(s.secret, { owner: principal.owner, model: modelLabel, messages: [], sessionId: root });
+    const key = conversationKey(s.secret, { scope: principal.conversationScope, model: modelLabel, messages: [], sessionId: root });
     const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)), wantsLogprobs(body));
     const keep = async (response: StoredResponse['response']): Promise<void> => {
       if (!response.store) return;
