@@ -297,11 +297,14 @@ export function startKeys(opts: KeysOptions): Keys {
       log(token.error);
       return drop();
     }
+    // Confined to its namespace: models of a namespace that does not share them are dropped, said once per change.
     const wanted = decodeField(s, 'models')?.split(',').map((m) => m.trim()).filter(Boolean);
-    const resolved = resolveKeyModels(ns, wanted, shared);
-    if ('error' in resolved) {
-      log(`Secret ${where}: ${resolved.error}; its token is refused (declare an ApiKey)`);
-      return drop();
+    const kept = wanted?.filter((m) => !('error' in resolveKeyModels(ns, [m], shared)));
+    const resolved = resolveKeyModels(ns, kept, shared) as { models: string[] };
+    if (wanted && kept && kept.length < wanted.length) {
+      const dropped = wanted.filter((m) => !kept.includes(m));
+      if (before?.id !== token.id) log(`Secret ${where}: models ${dropped.join(', ')} are another namespace's, which does not share them: dropped (declare an ApiKey)`);
+      if (kept.length === 0) resolved.models = [];
     }
     if (before && (before.id !== token.id || before.owner.uid !== uid)) await drop();
     const owner = { key: where, uid };

@@ -258,7 +258,7 @@ test('a labelled token Secret is a key of its own namespace until an ApiKey name
   await core.createNamespacedSecret({ namespace: nsA, body: { metadata: { name: 'legacy', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: t, models: `tiny,${nsB}/other` } } });
   await answers(t, 200);
   // Confined to its namespace: the other namespace's model is dropped, a bare name is its own.
-  expect(await entryOf(id)).toMatchObject({ key: `${nsA}/legacy`, origin: `secret/${nsA}/legacy` });
+  expect(await entryOf(id)).toMatchObject({ key: `${nsA}/legacy`, origin: `secret/${nsA}/legacy`, models: [`${nsA}/tiny`] });
   expect(controllerLog.some((l) => l.includes(`${nsA}/legacy`) && l.includes(`${nsB}/other`))).toBe(true);
 
   // An ApiKey naming that Secret takes its token over.
