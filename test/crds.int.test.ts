@@ -12,7 +12,7 @@ import { promisify } from 'node:util';
 import { ApiextensionsV1Api, CoreV1Api, CustomObjectsApi, loadAllYaml, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { ObjectSerializer } from '@kubernetes/client-node/dist/serializer.js';
 import { CRD_FIELD_MANAGER, CRD_FILES, crdsDir, installCrds, loadCrdManifests, loadRawCrdManifests } from '../activities/kubernetes/crds';
-import { Kind, Plural, type DllamaResourceSpec, type DllamaResourceStatus, type ModelResourceSpec, type ModelResourceStatus, type SessionResourceStatus } from '../shared/kube';
+import { Kind, Plural, type ApiKeyResourceSpec, type ApiKeyResourceStatus, type DllamaResourceSpec, type DllamaResourceStatus, type ModelResourceSpec, type ModelResourceStatus, type SessionResourceStatus } from '../shared/kube';
 import { endpoint, isolation } from './harness';
 import { kubeConfig } from './harness/kube';
 
@@ -83,11 +83,11 @@ beforeAll(async () => {
 });
 
 describe('installCrds', () => {
-  test('applies the three CRDs under its own field manager, with the names and columns users see', async () => {
+  test('applies the four CRDs under its own field manager, with the names and columns users see', async () => {
     const ext = kc.makeApiClient(ApiextensionsV1Api);
     const byKind = new Map((await ext.listCustomResourceDefinition({})).items.filter((c) => c.spec.group === group).map((c) => [c.spec.names.kind, c]));
-    expect([...byKind.keys()].sort()).toEqual(['Dllama', 'Model', 'Session']);
-    for (const [kind, short] of [['Model', ['mgmodel', 'mgm']], ['Dllama', ['mgdllama', 'mgd']], ['Session', ['mgsession', 'mgs']]] as const) {
+    expect([...byKind.keys()].sort()).toEqual(['ApiKey', 'Dllama', 'Model', 'Session']);
+    for (const [kind, short] of [['Model', ['mgmodel', 'mgm']], ['Dllama', ['mgdllama', 'mgd']], ['Session', ['mgsession', 'mgs']], ['ApiKey', ['mgkey', 'mgk']]] as const) {
       const crd = byKind.get(kind)!;
       expect(crd.spec.names).toMatchObject({ shortNames: short, categories: ['magus'] });
       expect(crd.spec.scope).toBe('Namespaced');
@@ -102,11 +102,12 @@ describe('installCrds', () => {
     expect(byKind.get('Model')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Repo', 'Phase', 'Progress', 'Size', 'Ready', 'Age']);
     expect(byKind.get('Dllama')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Model', 'Engine', 'Nodes', 'Replicas', 'Ready', 'Phase', 'Age']);
     expect(byKind.get('Session')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Pool', 'Model', 'Instance', 'Expires', 'Age']);
+    expect(byKind.get('ApiKey')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Secret', 'Models', 'Suspended', 'Ready', 'Reason', 'Age']);
   });
 
   test('loadCrdManifests gives typed models that serialize back to the YAML unchanged', () => {
     const typed = loadCrdManifests();
-    expect(typed.map((c) => c.metadata?.name)).toEqual(['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev']);
+    expect(typed.map((c) => c.metadata?.name)).toEqual(['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev', 'apikeys.magus.dev']);
     // The typed models rename wire keys; the rules must be reachable under the typed names.
     const dllamaSpecSchema = typed[1]!.spec.versions[0]!.schema!.openAPIV3Schema!.properties!.spec!;
     expect(dllamaSpecSchema.x_kubernetes_validations?.map((v) => v.message)).toContain('replicas must not exceed maxReplicas');
@@ -408,6 +409,37 @@ describe('Session', () => {
     ['an empty model', { pool: 'p', model: '' }, 'spec.model in body should be at least 1 chars long'],
   ])('refuses %s', async (_what, spec, message) => {
     await expectRefused(create(Plural.session, session(uniqueName('bad'), spec)), message);
+  });
+});
+
+describe('ApiKey', () => {
+  const apiKey = (name: string, spec: Record<string, unknown>): Obj => ({ apiVersion, kind: Kind.apiKey, metadata: { name }, spec });
+  test('a full spec and status typed by ApiKeyResource survive unpruned, and defaults apply', async () => {
+    const name = uniqueName('k');
+    const spec: ApiKeyResourceSpec = { secretRef: { name: 'team.token', key: 'api-token' }, models: ['tiny', '*', 'platform/llama', 'platform/*'], suspended: true };
+    await create(Plural.apiKey, apiKey(name, spec as unknown as Record<string, unknown>));
+    const status: ApiKeyResourceStatus = {
+      observedGeneration: 1,
+      tokenId: 'a1b2c3d4e5f60718',
+      models: ['ns/tiny', 'platform/*'],
+      modelsSummary: 'ns/tiny,platform/*',
+      conditions: [{ type: 'Ready', status: 'False', reason: 'IdConflict', message: 'taken', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' }],
+    };
+    await patchStatus(Plural.apiKey, name, status);
+    expect(await get(Plural.apiKey, name)).toMatchObject({ spec, status });
+    const plain = uniqueName('k');
+    await create(Plural.apiKey, apiKey(plain, { secretRef: { name: 's' } }));
+    expect(await get(Plural.apiKey, plain)).toMatchObject({ spec: { secretRef: { name: 's', key: 'token' }, suspended: false } });
+  });
+
+  test.each<[string, string, Record<string, unknown>, string]>([
+    ['no secretRef', 'k', {}, 'spec.secretRef: Required value'],
+    ['a secretRef that is not a Secret name', 'k', { secretRef: { name: 'Team_Token' } }, 'spec.secretRef.name in body should match'],
+    ['a model that is neither name, *, ns/name nor ns/*', 'k', { secretRef: { name: 's' }, models: ['a/b/c'] }, 'spec.models[0] in body should match'],
+    ['a model given twice', 'k', { secretRef: { name: 's' }, models: ['tiny', 'tiny'] }, 'Duplicate value'],
+    ['a name that is not a DNS label', 'k.dotted', { secretRef: { name: 's' } }, "an ApiKey's name must be a DNS label"],
+  ])('refuses %s', async (_what, prefix, spec, message) => {
+    await expectRefused(create(Plural.apiKey, apiKey(prefix === 'k' ? uniqueName('bad') : `${prefix}-${Math.random().toString(36).slice(2, 8)}`, spec)), message);
   });
 });
 
