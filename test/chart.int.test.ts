@@ -474,7 +474,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     await expectAllAvailable({ 'magus-controller': 2, 'magus-gateway': 2, 'magus-worker-control': 1, 'magus-worker-pipeline': 1 });
 
     const extensions = cluster.kubeConfig.makeApiClient(ApiextensionsV1Api);
-    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev']) {
+    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev', 'apikeys.magus.dev']) {
       const crd = await extensions.readCustomResourceDefinition({ name });
       expect({ name, established: crd.status?.conditions?.find((c) => c.type === 'Established')?.status }).toEqual({ name, established: 'True' });
     }
@@ -575,7 +575,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     const out = await run(helmBin, ['uninstall', 'magus', '--namespace', NS, '--wait', '--timeout', '2m']);
     expect(out.code).toBe(0);
     expect(out.stdout).toContain('These resources were kept due to the resource policy:');
-    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev']) expect(out.stdout).toContain(`[CustomResourceDefinition] ${name}`);
+    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev', 'apikeys.magus.dev']) expect(out.stdout).toContain(`[CustomResourceDefinition] ${name}`);
 
     const rbac = cluster.kubeConfig.makeApiClient(RbacAuthorizationV1Api);
     await eventually(async () => {
@@ -586,7 +586,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     }, 60_000);
     const extensions = cluster.kubeConfig.makeApiClient(ApiextensionsV1Api);
     const left = (await extensions.listCustomResourceDefinition({})).items.map((c) => c.metadata?.name).filter((n) => n?.endsWith('.magus.dev'));
-    expect(left.sort()).toEqual(['dllamas.magus.dev', 'models.magus.dev', 'sessions.magus.dev']);
+    expect(left.sort()).toEqual(['apikeys.magus.dev', 'dllamas.magus.dev', 'models.magus.dev', 'sessions.magus.dev']);
     const kept = (await custom.getNamespacedCustomObject({ group: 'magus.dev', version: 'v1alpha1', namespace: 'models', plural: 'models', name: 'kept' })) as Obj;
     expect(kept.metadata.name).toBe('kept');
 
