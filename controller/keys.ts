@@ -21,10 +21,10 @@
  */
 import type { CoreV1Api, CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
 import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
-import { createHash } from 'node:crypto';
 import type { KV } from 'nats';
+import { mergeConditions } from '../activities/kubernetes/status';
 import { watchResource, type ResourceWatch } from '../activities/kubernetes/watch';
-import { conflictMessage, listKeys, registerKey, TOKEN_PATTERN, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
+import { conflictMessage, listKeys, registerKey, TOKEN_PATTERN, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { API_KEY_SECRET_LABEL, ApiKeyCondition, ApiKeyReason, FieldManager, Kind, Plural, TOKEN_SECRET_LABEL, type ApiKeyResource, type ApiKeyResourceStatus, type Condition } from '../shared/kube';
 import type { TokenEntry } from '../shared/serving';
@@ -69,25 +69,27 @@ export interface Keys {
 }
 
 /**
- * The models a key of namespace `ns` may use, as the gateway applies them (`ns/name`, `ns/*`), or
- * why it may not have them. Absent or empty: every model of `ns`.
+ * The models a key of namespace `ns` may use, as the gateway applies them (`ns/name`, `ns/*`),
+ * and those it named in another namespace that does not share them (`refused`). Absent or empty:
+ * every model of `ns`.
  */
-export function resolveKeyModels(ns: string, models: readonly string[] | undefined, shared: readonly string[]): { models: string[] } | { error: string } {
-  if (!models || models.length === 0) return { models: [`${ns}/*`] };
+export function resolveKeyModels(ns: string, models: readonly string[] | undefined, shared: readonly string[]): { models: string[]; refused: string[] } {
+  if (!models || models.length === 0) return { models: [`${ns}/*`], refused: [] };
   const out: string[] = [];
   const refused: string[] = [];
   for (const m of models) {
-    const slash = m.indexOf('/');
-    const full = slash < 0 ? `${ns}/${m}` : m;
+    const full = m.includes('/') ? m : `${ns}/${m}`;
     const where = full.slice(0, full.indexOf('/'));
     if (where !== ns && !shared.includes(where)) refused.push(m);
     else if (!out.includes(full)) out.push(full);
   }
-  if (refused.length > 0) {
-    const sharing = shared.length > 0 ? `the namespaces that share their models are ${shared.join(', ')}` : 'no namespace shares its models (magus controller --shared-model-namespaces)';
-    return { error: `models ${refused.join(', ')} are in another namespace, and ${sharing}` };
-  }
-  return { models: out };
+  return { models: out, refused };
+}
+
+/** Why `refused` models cannot be a key's. */
+function notShared(refused: readonly string[], shared: readonly string[]): string {
+  const sharing = shared.length > 0 ? `the namespaces that share their models are ${shared.join(', ')}` : 'no namespace shares its models (magus controller --shared-model-namespaces)';
+  return `models ${refused.join(', ')} are in another namespace, and ${sharing}`;
 }
 
 const decodeField = (s: SecretObject, k: string): string | undefined => {
@@ -102,7 +104,7 @@ export function tokenOf(s: SecretObject, key: string): { id: string; digest: str
   if (!token) return { error: `Secret ${where} has no '${key}' key` };
   const m = TOKEN_PATTERN.exec(token);
   if (!m) return { error: `Secret ${where}: '${key}' is not of the form mgs_<id>_<secret> (<id>: 1-64 letters, digits or '-'; <secret>: letters, digits, '_' or '-')` };
-  return { id: m[1]!, digest: createHash('sha256').update(token).digest('hex') };
+  return { id: m[1]!, digest: tokenDigest(token) };
 }
 
 const inNamespace = (ns: string) => (key: string) => key.startsWith(`${ns}/`);
@@ -203,7 +205,7 @@ export function startKeys(opts: KeysOptions): Keys {
     };
 
     const resolved = resolveKeyModels(ns, o.spec.models, shared);
-    if ('error' in resolved) return refuse(ApiKeyReason.modelNotShared, resolved.error);
+    if (resolved.refused.length > 0) return refuse(ApiKeyReason.modelNotShared, notShared(resolved.refused, shared));
     const ref = { name: o.spec.secretRef.name, key: o.spec.secretRef.key ?? 'token' };
     let secret: SecretObject;
     try {
@@ -250,13 +252,12 @@ export function startKeys(opts: KeysOptions): Keys {
   }
 
   async function writeStatus(o: ApiKeyResource, s: { tokenId?: string; models?: string[]; ready: Pick<Condition, 'status' | 'reason' | 'message'> }): Promise<void> {
-    const before = o.status?.conditions?.find((c) => c.type === ApiKeyCondition.ready);
-    const same = before && before.status === s.ready.status && before.reason === s.ready.reason && before.message === s.ready.message;
+    const ready = { type: ApiKeyCondition.ready, ...s.ready, observedGeneration: o.metadata.generation };
     const status: ApiKeyResourceStatus = {
       observedGeneration: o.metadata.generation,
       ...(s.tokenId ? { tokenId: s.tokenId } : {}),
       ...(s.models ? { models: s.models, modelsSummary: s.models.join(',').slice(0, 1024) } : {}),
-      conditions: [{ type: ApiKeyCondition.ready, ...s.ready, observedGeneration: o.metadata.generation, lastTransitionTime: same ? before.lastTransitionTime : new Date().toISOString().replace(/\.\d{3}Z$/, 'Z') }],
+      conditions: mergeConditions([ready], o.status?.conditions ?? [], new Date().toISOString().replace(/\.\d{3}Z$/, 'Z')),
     };
     const { observedGeneration: _a, ...was } = o.status ?? {};
     const { observedGeneration: _b, ...now } = status;
@@ -299,13 +300,8 @@ export function startKeys(opts: KeysOptions): Keys {
     }
     // Confined to its namespace: models of a namespace that does not share them are dropped, said once per change.
     const wanted = decodeField(s, 'models')?.split(',').map((m) => m.trim()).filter(Boolean);
-    const kept = wanted?.filter((m) => !('error' in resolveKeyModels(ns, [m], shared)));
-    const resolved = resolveKeyModels(ns, kept, shared) as { models: string[] };
-    if (wanted && kept && kept.length < wanted.length) {
-      const dropped = wanted.filter((m) => !kept.includes(m));
-      if (before?.id !== token.id) log(`Secret ${where}: models ${dropped.join(', ')} are another namespace's, which does not share them: dropped (declare an ApiKey)`);
-      if (kept.length === 0) resolved.models = [];
-    }
+    const resolved = resolveKeyModels(ns, wanted, shared);
+    if (resolved.refused.length > 0 && before?.id !== token.id) log(`Secret ${where}: ${notShared(resolved.refused, shared)}: dropped (declare an ApiKey)`);
     if (before && (before.id !== token.id || before.owner.uid !== uid)) await drop();
     const owner = { key: where, uid };
     const entry: TokenEntry & KeyOwnerRef = { digest: token.digest, name: decodeField(s, 'name') || where, key: where, uid, models: resolved.models, origin: `${SECRET_ORIGIN}${where}` };
@@ -338,14 +334,7 @@ export function startKeys(opts: KeysOptions): Keys {
         live = t !== undefined && 'id' in t && t.id === id; // a token changed while no controller ran
       }
       if (live) continue;
-      if (entry.uid === undefined) {
-        // Not ours to compare-and-swap by owner: delete it only if it is still the entry we read.
-        const e = await kv.get(id);
-        if (e?.operation === 'PUT' && (JSON.parse(new TextDecoder().decode(e.value)) as TokenEntry).uid === undefined) {
-          await kv.delete(id, { previousSeq: e.revision });
-          metrics.tokensRemoved++;
-        }
-      } else if (await unregisterKey(kv, id, { key: entry.key ?? '', uid: entry.uid })) metrics.tokensRemoved++;
+      if (await unregisterKey(kv, id, entry.uid === undefined ? null : { key: entry.key ?? '', uid: entry.uid })) metrics.tokensRemoved++;
     }
     // Labelled Secrets whose entry was an older magus's are registered again now.
     for (const s of legacy.list()) queue.add(`secret/${s.metadata?.namespace}/${s.metadata?.name}`);

@@ -6,6 +6,7 @@
  * compare-and-swap on the revision it read. A second key presenting a taken id is told who holds
  * it and writes nothing, on any number of controller replicas or CLIs at once.
  */
+import { createHash } from 'node:crypto';
 import type { KV } from 'nats';
 import type { TokenEntry } from '../shared/serving';
 import { isRevisionConflict } from './errors';
@@ -25,6 +26,9 @@ export type Registration =
 /** The token id of `mgs_<id>_<secret>` (the gateway's and the controller's one pattern). */
 export const TOKEN_PATTERN = /^mgs_([A-Za-z0-9-]{1,64})_([A-Za-z0-9_-]{1,512})$/;
 
+/** hex sha256 of a whole token: the `TokenEntry` digest. */
+export const tokenDigest = (token: string): string => createHash('sha256').update(token).digest('hex');
+
 const decoder = new TextDecoder();
 
 /** A stored entry, or undefined when there is none (never written, deleted, or not JSON). */
@@ -38,7 +42,8 @@ async function read(kv: KV, id: string): Promise<{ entry: TokenEntry | null; rev
   }
 }
 
-const owns = (entry: TokenEntry | null, owner: KeyOwnerRef): boolean => entry?.key === owner.key && entry?.uid === owner.uid;
+/** Whether `entry` is `owner`'s; `null` stands for no owner: an entry an older magus wrote (no uid). */
+const owns = (entry: TokenEntry | null, owner: KeyOwnerRef | null): boolean => (owner === null ? entry !== null && entry.uid === undefined : entry?.key === owner.key && entry?.uid === owner.uid);
 
 /**
  * Registers `entry` (which names its owner: `key` and `uid`) under token id `id`. `adopts`
@@ -54,7 +59,7 @@ export async function registerKey(kv: KV, id: string, entry: TokenEntry & KeyOwn
         await kv.create(id, data);
         return { ok: true, written: true };
       }
-      const mine = owns(current.entry, entry) || (current.entry !== null && current.entry.uid === undefined && adopts(current.entry));
+      const mine = owns(current.entry, entry) || (owns(current.entry, null) && adopts(current.entry!));
       if (!mine) return { ok: false, holder: { ...(current.entry?.key ? { key: current.entry.key } : {}), ...(current.entry?.origin ? { origin: current.entry.origin } : {}) } };
       if (JSON.stringify(current.entry) === data) return { ok: true, written: false };
       await kv.update(id, data, current.revision);
@@ -66,8 +71,11 @@ export async function registerKey(kv: KV, id: string, entry: TokenEntry & KeyOwn
   }
 }
 
-/** Deletes the entry of `id` if `owner` holds it; true when it did. Another owner's entry is left alone. */
-export async function unregisterKey(kv: KV, id: string, owner: KeyOwnerRef): Promise<boolean> {
+/**
+ * Deletes the entry of `id` if `owner` holds it (`null`: if it names no owner, as an older magus
+ * wrote it); true when it did. Another owner's entry is left alone.
+ */
+export async function unregisterKey(kv: KV, id: string, owner: KeyOwnerRef | null): Promise<boolean> {
   for (;;) {
     const current = await read(kv, id);
     if (!current || !owns(current.entry, owner)) return false;

@@ -16,9 +16,8 @@ import { mkdtempSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
+import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
 import type { KV, NatsConnection } from 'nats';
-import { readFileSync } from 'node:fs';
 import { installCrds } from '../activities/kubernetes/crds';
 import { dataPlaneNames } from '../dataplane';
 import { startKeys, type Keys } from '../controller/keys';
@@ -31,7 +30,7 @@ import { keyOwner, type TokenEntry } from '../shared/serving';
 import { writeKubeconfig } from '../workers/dev/services';
 import { endpoint, isolation } from './harness';
 import { gatewayConfigFor } from './harness/gateway';
-import { kubeConfig } from './harness/kube';
+import { installRbacRoles, kubeConfig, serviceAccountKubeConfig } from './harness/kube';
 import { natsStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
@@ -90,27 +89,8 @@ beforeAll(async () => {
   await installCrds(kc);
   for (const ns of [iso.namespace, nsA, nsB]) await core.createNamespace({ body: { metadata: { name: ns } } });
   // The controller runs as a ServiceAccount bound to crds/rbac.yaml's role, cluster-wide.
-  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
-  for (const role of loadAllYaml(readFileSync(join(__dirname, '..', 'crds', 'rbac.yaml'), 'utf8')) as V1ClusterRole[]) {
-    try {
-      await rbac.createClusterRole({ body: role });
-    } catch (err) {
-      if ((err as { code?: number }).code !== 409) throw err;
-      await rbac.replaceClusterRole({ name: role.metadata!.name!, body: role });
-    }
-  }
-  await core.createNamespacedServiceAccount({ namespace: iso.namespace, body: { metadata: { name: 'ctl' } } });
-  await rbac.createClusterRoleBinding({
-    body: { metadata: { name: `${iso.namespace}-ctl` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: 'magus-controller' }, subjects: [{ kind: 'ServiceAccount', name: 'ctl', namespace: iso.namespace }] },
-  });
-  const { status: sa } = await core.createNamespacedServiceAccountToken({ namespace: iso.namespace, name: 'ctl', body: { spec: { audiences: [], expirationSeconds: 3600 } } });
-  controllerKc = new KubeConfig();
-  controllerKc.loadFromOptions({
-    clusters: [{ name: 't', server: endpoint('kubernetes').server, skipTLSVerify: true }],
-    users: [{ name: 'ctl', token: sa!.token }],
-    contexts: [{ name: 't', cluster: 't', user: 'ctl' }],
-    currentContext: 't',
-  });
+  await installRbacRoles(kc);
+  controllerKc = await serviceAccountKubeConfig(kc, iso.namespace, 'ctl', ['magus-controller']);
   const dir = mkdtempSync(join(tmpdir(), 'magus-apikeys-'));
   kubeconfigFile = join(dir, 'kubeconfig');
   writeKubeconfig(kubeconfigFile, endpoint('kubernetes'));

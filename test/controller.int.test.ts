@@ -13,7 +13,7 @@ import { promisify } from 'node:util';
 import OpenAI from 'openai';
 import { ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { readFileSync } from 'node:fs';
-import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
+import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import type { KV, NatsConnection } from 'nats';
@@ -33,7 +33,7 @@ import type { FixtureHub } from '../workers/dev/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation, recordHistory } from './harness';
 import { gatewayConfigFor } from './harness/gateway';
-import { kubeConfig } from './harness/kube';
+import { installRbacRoles, kubeConfig, serviceAccountKubeConfig } from './harness/kube';
 import { hubStack, magusStack, TestStack } from './harness/stack';
 import { eventually, sleep, until } from './harness/wait';
 
@@ -64,44 +64,8 @@ const stack = new TestStack();
 let controllerKc: KubeConfig;
 let workerKc: KubeConfig;
 
-/**
- * A ServiceAccount in the test namespace bound to `clusterRoles` (cluster-wide) and
- * `namespaceRoles` (in the test namespace only), and a KubeConfig that authenticates as it.
- */
-async function serviceAccount(name: string, clusterRoles: string[], namespaceRoles: string[]): Promise<KubeConfig> {
-  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
-  await core.createNamespacedServiceAccount({ namespace: ns, body: { metadata: { name } } });
-  const subjects = [{ kind: 'ServiceAccount', name, namespace: ns }];
-  for (const role of clusterRoles) {
-    await rbac.createClusterRoleBinding({ body: { metadata: { name: `${ns}-${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
-  }
-  for (const role of namespaceRoles) {
-    await rbac.createNamespacedRoleBinding({ namespace: ns, body: { metadata: { name: `${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
-  }
-  const { status } = await core.createNamespacedServiceAccountToken({ namespace: ns, name, body: { spec: { audiences: [], expirationSeconds: 3600 } } });
-  const k = endpoint('kubernetes');
-  const sa = new KubeConfig();
-  sa.loadFromOptions({
-    clusters: [{ name: 't', server: k.server, skipTLSVerify: true }],
-    users: [{ name, token: status!.token }],
-    contexts: [{ name: 't', cluster: 't', user: name }],
-    currentContext: 't',
-  });
-  return sa;
-}
-
-/** crds/rbac.yaml's ClusterRoles, created (or replaced) with the admin token. */
-async function installRoles(): Promise<void> {
-  const rbac = kc.makeApiClient(RbacAuthorizationV1Api);
-  for (const role of loadAllYaml(readFileSync(join(__dirname, '..', 'crds', 'rbac.yaml'), 'utf8')) as V1ClusterRole[]) {
-    try {
-      await rbac.createClusterRole({ body: role });
-    } catch (err) {
-      if ((err as { code?: number }).code !== 409) throw err;
-      await rbac.replaceClusterRole({ name: role.metadata!.name!, body: role });
-    }
-  }
-}
+/** A ServiceAccount in the test namespace bound to roles, and a KubeConfig that authenticates as it. */
+const serviceAccount = (name: string, clusterRoles: string[], namespaceRoles: string[]) => serviceAccountKubeConfig(kc, ns, name, clusterRoles, namespaceRoles);
 
 const start = () =>
   startController({ kc: controllerKc, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, tokens, sessions: { kv: sessions, cap: 5 }, namespace: ns, cleanupTimeoutMs: 60_000, log: (l) => controllerLog.push(l) });
@@ -157,7 +121,7 @@ beforeAll(async () => {
   core = kc.makeApiClient(CoreV1Api);
   await installCrds(kc);
   await core.createNamespace({ body: { metadata: { name: ns } } });
-  await installRoles();
+  await installRbacRoles(kc);
   controllerKc = await serviceAccount('magus-controller', ['magus-controller'], ['magus-controller-leader-election']);
   workerKc = await serviceAccount('magus-worker', ['magus-worker'], []);
 

@@ -11,11 +11,10 @@
 import { randomBytes, randomUUID } from 'node:crypto';
 import { connect, type KV, type NatsConnection } from 'nats';
 import { dataPlaneNames, JsApiError, jsErrorCode } from '../dataplane';
-import { listKeys, registerKey, unregisterKey } from '../dataplane/keys';
+import { listKeys, registerKey, tokenDigest, unregisterKey } from '../dataplane/keys';
 import { natsServerList } from '../platform/config';
 import { UsageError, usageFailure } from '../platform/cli';
 import { keyOwner, type TokenEntry } from '../shared/serving';
-import { tokenDigest } from '../gateway/plugins/auth';
 import { loadConfig, useDevConnection } from './config';
 
 export const KEYS_USAGE = [

@@ -10,10 +10,10 @@
  * whether the id exists or not, so response time does not reveal which ids exist.
  * Tokens are never stored, logged or echoed.
  */
-import { createHash, hash, timingSafeEqual } from 'node:crypto';
+import { hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
 import { keyOwner, type TokenEntry } from '../../shared/serving';
-import { TOKEN_PATTERN } from '../../dataplane/keys';
+import { TOKEN_PATTERN, tokenDigest } from '../../dataplane/keys';
 import { errors } from './errors';
 import { watchKv, type KvCache, type WatchableKv } from '../../dataplane/kv-mirror';
 import { servicePlugin } from './plugin';
@@ -43,14 +43,10 @@ export interface Principal {
   anonymous?: true;
 }
 
-/** A {@link TokenEntry} ready for comparison. */
+/** A {@link TokenEntry} ready for comparison, and the caller it makes (built once, not per request). */
 export interface TokenRecord {
   digest: Buffer;
-  name: string;
-  key: string;
-  owner: string;
-  conversationScope: string;
-  models?: readonly string[];
+  principal: Principal;
   suspended?: boolean;
 }
 
@@ -60,14 +56,12 @@ export interface TokenSource {
 
 export const ANONYMOUS: Principal = Object.freeze({ key: 'anonymous', owner: 'anonymous', conversationScope: 'anonymous', name: 'anonymous', anonymous: true });
 
-const TOKEN = TOKEN_PATTERN;
 const TOKEN_ID = /^[A-Za-z0-9-]{1,64}$/;
 const HEX_DIGEST = /^[0-9a-f]{64}$/i;
 /** Compared against when the id is unknown, so that path costs the same as a wrong secret. */
 const NO_DIGEST = Buffer.alloc(32);
 
-/** hex sha256 of a whole token: the {@link TokenEntry} digest format. */
-export const tokenDigest = (token: string): string => createHash('sha256').update(token).digest('hex');
+export { tokenDigest };
 
 /**
  * A {@link TokenEntry} of token id `id` as stored, checked; throws naming what is wrong. An entry
@@ -81,15 +75,9 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
   if (e.models !== undefined && (!Array.isArray(e.models) || !e.models.every((m) => typeof m === 'string'))) throw new Error(`${where}.models: must be a list of model names`);
   if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === '')) throw new Error(`${where}: key and uid must be non-empty strings, given together`);
   const key = e.key ?? `${fallback}/${id}`;
-  return {
-    digest: Buffer.from(e.digest, 'hex'),
-    name: e.name,
-    key,
-    owner: keyOwner(key, e.uid ?? id),
-    conversationScope: e.key === undefined ? id : keyOwner(key, e.uid!),
-    ...(e.models ? { models: [...e.models] } : {}),
-    ...(e.suspended === true ? { suspended: true } : {}),
-  };
+  const owner = keyOwner(key, e.uid ?? id);
+  const principal: Principal = Object.freeze({ key, owner, conversationScope: e.key === undefined ? id : owner, name: e.name, ...(e.models ? { models: Object.freeze([...e.models]) } : {}) });
+  return { digest: Buffer.from(e.digest, 'hex'), principal, ...(e.suspended === true ? { suspended: true } : {}) };
 }
 
 /** Tokens given in configuration (local mode): `{ "<id>": {digest, name, models?}, … }`. Throws on a bad entry. */
@@ -136,13 +124,13 @@ export function authenticate(header: string | undefined, tokens: TokenSource, al
     throw errors.unauthorized('Missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.');
   }
   const token = header.length > 7 && header.slice(0, 7).toLowerCase() === 'bearer ' ? header.slice(7).trim() : '';
-  const m = TOKEN.exec(token);
+  const m = TOKEN_PATTERN.exec(token);
   const record = m ? tokens.lookup(m[1]!) : undefined;
   const digest = hash('sha256', token, 'buffer'); // one-shot: no Hash object per request
   const match = timingSafeEqual(digest, record?.digest ?? NO_DIGEST);
   if (!match || !record || !m) throw errors.unauthorized('Incorrect API key provided.');
-  if (record.suspended) throw errors.keySuspended(record.key);
-  return { key: record.key, owner: record.owner, conversationScope: record.conversationScope, name: record.name, ...(record.models ? { models: record.models } : {}) };
+  if (record.suspended) throw errors.keySuspended(record.principal.key);
+  return record.principal;
 }
 
 /**

@@ -1,5 +1,7 @@
-/** A Kubernetes client configuration for the test kube-apiserver (bearer token, self-signed TLS). */
-import { KubeConfig } from '@kubernetes/client-node';
+/** Kubernetes client configurations for the test kube-apiserver (bearer token, self-signed TLS): the admin's, a ServiceAccount's, and crds/rbac.yaml's roles. */
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { CoreV1Api, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
 import { endpoint } from '.';
 
 export function kubeConfig(): KubeConfig {
@@ -12,4 +14,43 @@ export function kubeConfig(): KubeConfig {
     currentContext: 'magus-test',
   });
   return kc;
+}
+
+/** crds/rbac.yaml's ClusterRoles, created (or replaced) with `admin`. */
+export async function installRbacRoles(admin: KubeConfig): Promise<void> {
+  const rbac = admin.makeApiClient(RbacAuthorizationV1Api);
+  for (const role of loadAllYaml(readFileSync(join(__dirname, '..', '..', 'crds', 'rbac.yaml'), 'utf8')) as V1ClusterRole[]) {
+    try {
+      await rbac.createClusterRole({ body: role });
+    } catch (err) {
+      if ((err as { code?: number }).code !== 409) throw err;
+      await rbac.replaceClusterRole({ name: role.metadata!.name!, body: role });
+    }
+  }
+}
+
+/**
+ * A ServiceAccount `name` in `namespace` bound to `clusterRoles` (cluster-wide) and
+ * `namespaceRoles` (in `namespace` only), and a KubeConfig that authenticates as it.
+ */
+export async function serviceAccountKubeConfig(admin: KubeConfig, namespace: string, name: string, clusterRoles: string[], namespaceRoles: string[] = []): Promise<KubeConfig> {
+  const core = admin.makeApiClient(CoreV1Api);
+  const rbac = admin.makeApiClient(RbacAuthorizationV1Api);
+  await core.createNamespacedServiceAccount({ namespace, body: { metadata: { name } } });
+  const subjects = [{ kind: 'ServiceAccount', name, namespace }];
+  for (const role of clusterRoles) {
+    await rbac.createClusterRoleBinding({ body: { metadata: { name: `${namespace}-${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+  }
+  for (const role of namespaceRoles) {
+    await rbac.createNamespacedRoleBinding({ namespace, body: { metadata: { name: `${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+  }
+  const { status } = await core.createNamespacedServiceAccountToken({ namespace, name, body: { spec: { audiences: [], expirationSeconds: 3600 } } });
+  const sa = new KubeConfig();
+  sa.loadFromOptions({
+    clusters: [{ name: 't', server: endpoint('kubernetes').server, skipTLSVerify: true }],
+    users: [{ name, token: status!.token }],
+    contexts: [{ name: 't', cluster: 't', user: name }],
+    currentContext: 't',
+  });
+  return sa;
 }
