@@ -23,7 +23,7 @@ class GetWeather(BaseModel):
 
 
 def main() -> None:
-    client = openai.OpenAI(base_url=os.environ["MAGUS_URL"], api_key=os.environ["MAGUS_TOKEN"])
+    client = openai.OpenAI(base_url=os.environ["MAGUS_URL"], api_key=os.environ["MAGUS_TOKEN"], max_retries=0)  # a 429 or 5xx fails, not hidden by a retry
 
     parsed = client.beta.chat.completions.parse(
         model="demo",

@@ -4,7 +4,9 @@
  * engine of the tiny GGUF, one instance at most). The excess is refused at once with 429/503 and
  * `Retry-After`, everything else is answered (the instance's whole queue is used before anyone is
  * refused), nothing times out or fails otherwise, and once the burst is over a new conversation
- * is answered within 10 s. (Before the entry-lease protocol, new conversations at 20/s made the
+ * is answered within 10 s. The engine is frozen (SIGSTOP) while the burst arrives, so the queue
+ * fills whatever this machine's speed: a fast engine that drained it as fast as the gateway
+ * published would leave nothing to refuse, and the test would prove nothing. (Before the entry-lease protocol, new conversations at 20/s made the
  * one pool workflow fall behind until no first turn was answered at all.)
  */
 import { WorkflowNotFoundError, type Client } from '@temporalio/client';
@@ -19,7 +21,7 @@ import { conversationKey } from '../gateway/plugins/conversation';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation } from './harness';
 import { gatewayStack, magusStack, TestStack } from './harness/stack';
-import { sleep, until } from './harness/wait';
+import { processesUsing, sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -35,11 +37,14 @@ const MAX_TOKENS = 4;
 let nc: NatsConnection;
 let client: Client;
 let gateway: RunningGateway;
+/** The worker's state folder: the engine's command line names its model there. */
+let stateDir: string;
 const stack = new TestStack();
 
 beforeAll(async () => {
   const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-overload-' }));
   ({ nc, client } = magus);
+  stateDir = magus.dir;
   await publishTinyGguf({ dir: magus.dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
   stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
   ({ gateway } = await stack.open(gatewayStack(names, {
@@ -86,20 +91,30 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   const warm = await firstTurn(`warm-${iso.id}`, 1);
   expect([warm.status, warm.code]).toEqual([200, undefined]);
 
+  const engines = processesUsing(stateDir);
+  expect(engines).toHaveLength(1);
   const tag = randomBytes(4).toString('hex');
-  let firstRefusal!: () => void;
-  const refusedOnce = new Promise<void>((r) => (firstRefusal = r));
-  const burst = Promise.all(
-    Array.from({ length: BURST }, (_, k) =>
-      firstTurn(`burst-${tag}-${k}`).then((o) => {
-        if (o.status === 429 || o.status === 503) firstRefusal();
-        return o;
-      }),
-    ),
-  );
+  let settled = 0;
+  let lastSettled = Date.now();
+  process.kill(engines[0]!, 'SIGSTOP');
+  let burst: Promise<Outcome[]>;
+  try {
+    burst = Promise.all(
+      Array.from({ length: BURST }, (_, k) =>
+        firstTurn(`burst-${tag}-${k}`).then((o) => {
+          settled++;
+          lastSettled = Date.now();
+          return o;
+        }),
+      ),
+    );
+    // The engine answers nothing meanwhile: what settles is refused. Thawed once refusals stop coming.
+    await until('the burst refused beyond the queue', () => settled > 0 && Date.now() - lastSettled > 1000, 60_000);
+  } finally {
+    process.kill(engines[0]!, 'SIGCONT');
+  }
 
-  // The burst is being refused: new conversations (retrying as told) until one is answered.
-  await Promise.race([refusedOnce, burst]);
+  // The burst has been refused: new conversations (retrying as told) until one is answered.
   let next: Outcome;
   let tries = 0;
   const probing = Date.now();

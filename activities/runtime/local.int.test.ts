@@ -18,7 +18,7 @@ import { askInstance } from '../../test/harness/data-plane';
 import { endpoint, isolation } from '../../test/harness';
 import { runtimeStack, TestStack } from '../../test/harness/stack';
 import { startTcpProxy } from '../../test/harness/tcp-proxy';
-import { processRunning, until } from '../../test/harness/wait';
+import { processesUsing, processRunning, until } from '../../test/harness/wait';
 import type { DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo } from './runtime';
@@ -44,20 +44,6 @@ function runtime(cacheDir: string, s3Of: S3Client = s3): LocalRuntime {
 }
 
 const request = (instance: string) => ({ namespace: 'default', model: POOL, pool: POOL, instance });
-
-/** Pids of the live processes whose arguments name a file in `folder` (an engine over a cached model). */
-function processesUsing(folder: string): number[] {
-  return readdirSync('/proc')
-    .filter((p) => /^\d+$/.test(p) && Number(p) !== process.pid)
-    .filter((p) => {
-      try {
-        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && processRunning(Number(p));
-      } catch {
-        return false;
-      }
-    })
-    .map(Number);
-}
 
 /** The outcome of `p` once it settles, and whether it has; never rejects. */
 function watch(p: Promise<InstanceInfo>): { settled: () => boolean; outcome: Promise<InstanceInfo | Error> } {

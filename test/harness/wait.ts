@@ -3,7 +3,7 @@
  * whether a process still runs. Every test waits with these: one `sleep`, one poll (`until`), and
  * `eventually` for an assertion that has to come true.
  */
-import { readFileSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { setTimeout as timer } from 'node:timers/promises';
 
 /** Resolves after `ms` milliseconds. */
@@ -43,4 +43,18 @@ export function processRunning(pid: number): boolean {
   } catch {
     return false;
   }
+}
+
+/** Pids of the live processes whose arguments name a file in `folder` (an engine over a cached model). */
+export function processesUsing(folder: string): number[] {
+  return readdirSync('/proc')
+    .filter((p) => /^\d+$/.test(p) && Number(p) !== process.pid)
+    .filter((p) => {
+      try {
+        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && processRunning(Number(p));
+      } catch {
+        return false;
+      }
+    })
+    .map(Number);
 }
