@@ -10,7 +10,7 @@ import { builtinModules } from 'node:module';
  */
 /**
  * The rooms (top-level folders) from the bottom up, and the rooms each may not import: a room
- * imports only rooms below it (README.md, "Layout"; DESIGN.md, "Layout"). Product code never
+ * imports only rooms below it (ARCHITECTURE.md, "Rooms"). Product code never
  * imports tests or benchmarks; tests (`*.test.ts`) may import anything.
  */
 export const ROOMS_ABOVE = {

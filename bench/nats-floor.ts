@@ -9,7 +9,8 @@
  *   core, answers stored      the same, the answer captured by a memory stream (MAGUS_RESPONSES)
  *   queue in memory           the request through a JetStream work queue in memory, PubAck awaited
  *   queue on file             the same on file (MAGUS_REQUESTS)
- *   queue on file, stored     DESIGN.md's path: both (bench:gateway's "design floor")
+ *   queue on file, stored     both: the data plane's path (ARCHITECTURE.md, "Data plane"),
+ *                             bench:gateway's "design floor"
  *
  * Concurrency 1, the paths in alternating blocks with the direct path, after a warm-up at
  * concurrency 8. The bridge (bench/nats-floor-bridge.ts) and stub run in a child; nats-server

@@ -1,6 +1,6 @@
 /**
- * Declaring the serving data plane on NATS JetStream (DESIGN.md, "Data plane"; wire contracts in
- * shared/serving.ts). This module declares the streams and KV buckets, consumers.ts the
+ * Declaring the serving data plane on NATS JetStream (ARCHITECTURE.md, "Data plane"; wire
+ * contracts in shared/serving.ts). This module declares the streams and KV buckets, consumers.ts the
  * per-instance consumers; the gateway and the bridges only *get* them, through one
  * {@link DataPlaneNames} value (names.ts), so a test (or a second installation) can rename
  * everything with a prefix.

@@ -1,5 +1,5 @@
 /**
- * Every NATS name of the serving data plane (DESIGN.md, "Data plane"; the shared names in
+ * Every NATS name of the serving data plane (ARCHITECTURE.md, "Data plane"; the shared names in
  * shared/constants `Nats`, the subjects in shared/serving.ts): streams, buckets, subjects,
  * consumer names and the ids that become subject tokens. One {@link DataPlaneNames} value carries
  * them, so a test (or a second installation) can rename everything with a prefix.

@@ -2,7 +2,7 @@
  * Names shared by workflows, activities, workers and the gateway. Workflow-safe: no imports.
  */
 
-/** Temporal task queues (DESIGN.md: control work vs. heavy download/convert work). */
+/** Temporal task queues (ARCHITECTURE.md, "Processes": control work vs. heavy download/convert work). */
 export const TaskQueue = {
   control: 'magus-control',
   pipeline: 'magus-pipeline',
@@ -57,7 +57,7 @@ export const WorkflowSummary = {
 export const CRD_GROUP = 'magus.dev';
 export const CRD_VERSION = 'v1alpha1';
 
-/** NATS names (DESIGN.md, data plane). */
+/** NATS names (ARCHITECTURE.md, "Storage" and "Data plane"). */
 export const Nats = {
   requestStream: 'MAGUS_REQUESTS',
   requestSubjectPrefix: 'magus.req',
@@ -73,6 +73,6 @@ export const Nats = {
   responsesBucket: 'magus_responses',
 } as const;
 
-/** Processes the `magus` CLI can run (DESIGN.md, "Processes"). */
+/** Processes the `magus` CLI can run (ARCHITECTURE.md, "Processes"). */
 export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys'] as const;
 export type Mode = (typeof MODES)[number];

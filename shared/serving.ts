@@ -1,7 +1,7 @@
 /**
- * The serving data plane's wire contracts (DESIGN.md, "Data plane"): what the gateway publishes
- * to an instance's bridge over NATS JetStream, what the bridge streams back, and the KV entries
- * the gateway reads on the hot path. Workflow-safe: no I/O; the request is a TypeBox schema
+ * The serving data plane's wire contracts (ARCHITECTURE.md, "Data plane"): what the gateway
+ * publishes to an instance's bridge over NATS JetStream, what the bridge streams back, and the KV
+ * entries the gateway reads on the hot path. Workflow-safe: no I/O; the request is a TypeBox schema
  * (shared/chat.ts) that the bridge checks, its type derived from it.
  */
 import { Type, type Static } from '@sinclair/typebox';

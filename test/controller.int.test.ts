@@ -3,7 +3,7 @@
  * controller` (its core, in process), a worker with the Kubernetes status activities, Temporal,
  * NATS and MinIO, and the fixture hub. A Model applied with kubectl becomes Ready through the
  * pipeline; spec changes, failures, controller restarts, deletions, Dllama scaling and token
- * Secrets behave as DESIGN.md's "Kubernetes" section promises.
+ * Secrets behave as ARCHITECTURE.md's "Kubernetes" section says.
  */
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';

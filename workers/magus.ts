@@ -1,6 +1,7 @@
 /**
- * The single `magus <mode>` entry point. Each mode is one process kind from DESIGN.md; modes
- * not built yet say so and exit 2, so scripts can tell "not available" from "failed".
+ * The single `magus <mode>` entry point. Each mode is one process kind (ARCHITECTURE.md,
+ * "Processes"); modes not built yet say so and exit 2, so scripts can tell "not available" from
+ * "failed".
  */
 import { writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';

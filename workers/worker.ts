@@ -279,8 +279,9 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
     activities: controlActivities,
   });
-  // The pools' own queue (DESIGN.md: a pool's task never waits behind thousands of session tasks):
-  // the pool workflows and their activities (instances, watchers, the reconciler, the view).
+  // The pools' own queue (ARCHITECTURE.md, "Processes": a pool's task never waits behind
+  // thousands of session tasks): the pool workflows and their activities (instances, watchers,
+  // the reconciler, the view).
   const poolsWorker = !polls('control') ? undefined : await Worker.create({
     connection: workerConnection,
     namespace: cfg.temporal.namespace,

@@ -1,7 +1,7 @@
 /**
- * The `kubernetes` runtime (DESIGN.md, "Runtimes"): an instance is a set of objects in the
- * model's namespace (kubernetes-manifests.ts), applied with server-side apply under one field
- * manager. It answers from the cluster, so any worker can describe, watch or destroy any
+ * The `kubernetes` runtime (ARCHITECTURE.md, "Runtimes and engines"): an instance is a set of
+ * objects in the model's namespace (kubernetes-manifests.ts), applied with server-side apply under
+ * one field manager. It answers from the cluster, so any worker can describe, watch or destroy any
  * instance (no per-worker runtime queue).
  *
  * - `create` decides the plan (the registry's artifacts and memory plan, the model's `Dllama`

@@ -1,6 +1,7 @@
 /**
- * The runtime contract (DESIGN.md, "Runtimes"): what every runtime implements, what the serving
- * activities (../serving.ts) call, and what the worker process that built a runtime holds of it.
+ * The runtime contract (ARCHITECTURE.md, "Runtimes and engines"): what every runtime implements,
+ * what the serving activities (../serving.ts) call, and what the worker process that built a
+ * runtime holds of it.
  * Which runtimes there are and how a worker builds one: ./index.ts.
  */
 import type { BridgeSample } from '../../dataplane/bridge';
@@ -33,8 +34,8 @@ export interface InstanceInfo {
 }
 
 /**
- * Where topology instances run (DESIGN.md, "Runtimes"): `local` processes, or Kubernetes.
- * Every call is idempotent by instance id; `create` resolves once the instance serves.
+ * Where topology instances run (ARCHITECTURE.md, "Runtimes and engines"): `local` processes, or
+ * Kubernetes. Every call is idempotent by instance id; `create` resolves once the instance serves.
  */
 export interface Runtime {
   create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo>;
