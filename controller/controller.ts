@@ -23,6 +23,7 @@ import type { KV } from 'nats';
 import { recordEvent } from '../activities/kubernetes/activities';
 import { watchResource, type ResourceWatch } from '../activities/kubernetes/watch';
 import { CRD_GROUP, CRD_VERSION, poolQueueFor, WorkflowSummary } from '../shared/constants';
+import { engineOf } from '../shared/engines';
 import { FieldManager, FINALIZER, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
 import type { ModelPipelineInput, ModelSpec } from '../shared/model';
 import { cancelSignal, modelWorkflowId, type ResourceChange } from '../workflows/model/definitions';
@@ -106,7 +107,7 @@ export function poolResourceOf(d: DllamaResource): PoolResource {
     maxInstances: d.spec.maxReplicas,
     leasesPerInstance: d.spec.leasesPerInstance,
     idleTimeoutMs: parseDuration(d.spec.idleTimeout) ?? 600_000,
-    nodesPerInstance: d.spec.engine === 'llamacpp' ? 1 : 2 ** d.spec.nodesPower,
+    nodesPerInstance: engineOf(d.spec.engine).topology === 'single' ? 1 : 2 ** d.spec.nodesPower,
   };
 }
 

@@ -13,13 +13,14 @@
  * are accepted and ignored, so stock clients work; fields that ask for a different kind of answer
  * that magus does not give yet — tool calls, log-probabilities, several choices — accept only
  * their empty or plain form ({@link unsupported}). Structured output (`response_format`) is served
- * by engines that have it ({@link ENGINE_CAPABILITIES}).
+ * by engines that have it (shared/engines.ts).
  *
  * Two annotations are for the gateway's error handler (gateway/plugins/errors.ts) and readers of
  * the OpenAPI description: a `description` on a checked value completes the sentence
  * "<param> must be …" of its 400; `x-unsupported` names the message of a refused feature.
  */
 import { Kind, Type, TypeRegistry, type Static, type TUnsafe } from '@sinclair/typebox';
+import { engineCan, engineOf, type Capability, type EngineKind } from './engines';
 import { toGrammarSchema, type GrammarSchema } from './json-schema';
 
 /** A string schema listing its values as JSON Schema `enum` (Ajv's `discriminator` and its errors need that; TypeBox's own unions are `anyOf` of `const`). */
@@ -236,13 +237,6 @@ export const ChatCompletionRequest = Type.Object({
 });
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
-/** What an engine can do beyond plain chat (`/v1/models` `capabilities`). */
-export const CAPABILITIES = ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] as const;
-export type Capability = (typeof CAPABILITIES)[number];
-/** Engines by what they serve: magus's llama.cpp engine, and distributed-llama's `dllama-api` (plain chat). */
-export const ENGINE_CAPABILITIES: Readonly<Record<'llamacpp' | 'dllama', readonly Capability[]>> = { llamacpp: CAPABILITIES, dllama: [] };
-export type EngineKind = keyof typeof ENGINE_CAPABILITIES;
-export const ENGINE_NAMES: Readonly<Record<EngineKind, string>> = { llamacpp: 'llama.cpp (magus engine)', dllama: "distributed-llama's dllama-api" };
 
 /** The fields of a request (the client's body or the engine's) that ask for more than plain chat. */
 interface NeedsOf {
@@ -266,9 +260,9 @@ export function neededCapabilities(body: NeedsOf): { capability: Capability; fie
 
 /** The first need `engine` cannot serve, as the sentence of a 400 `unsupported_feature`, or undefined. */
 export function unsupportedBy(engine: EngineKind, body: NeedsOf): { field: string; message: string } | undefined {
-  const missing = neededCapabilities(body).find((n) => !ENGINE_CAPABILITIES[engine].includes(n.capability));
+  const missing = neededCapabilities(body).find((n) => !engineCan(engine, n.capability));
   if (!missing) return undefined;
-  return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };
+  return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${engineOf(engine).name}; it serves plain chat.` };
 }
 
 /**

@@ -13,7 +13,8 @@
  * `best_of` above 1 — accepts only its plain form.
  */
 import { Type, type Static } from '@sinclair/typebox';
-import { ChatCompletionBody, ENGINE_CAPABILITIES, ENGINE_NAMES, MAX_TOP_LOGPROBS, topLogprobs, unsupported, type EngineKind } from './chat';
+import { ChatCompletionBody, MAX_TOP_LOGPROBS, topLogprobs, unsupported } from './chat';
+import { engineCan, engineOf, type EngineKind } from './engines';
 
 /** Most prompts one request may carry (each is a choice, generated one after another). */
 export const MAX_PROMPTS = 16;
@@ -64,6 +65,6 @@ export const promptsOf = (body: Pick<CompletionsRequest, 'prompt'>): string[] =>
 
 /** Why `engine` cannot answer a text-completion request, if it cannot. */
 export function completionsUnsupportedBy(engine: EngineKind): { field: string; message: string } | undefined {
-  if (ENGINE_CAPABILITIES[engine].includes('completions')) return undefined;
-  return { field: 'model', message: `Text completions are not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves chat completions.` };
+  if (engineCan(engine, 'completions')) return undefined;
+  return { field: 'model', message: `Text completions are not supported by this model's engine, ${engineOf(engine).name}; it serves chat completions.` };
 }

@@ -12,7 +12,8 @@
  * trained for that).
  */
 import { Type, type Static } from '@sinclair/typebox';
-import { ENGINE_CAPABILITIES, ENGINE_NAMES, StringEnum, type EngineKind } from './chat';
+import { StringEnum } from './chat';
+import { engineCan, engineOf, type EngineKind } from './engines';
 
 /** Most inputs one request may embed (OpenAI's limit is 2,048; an engine embeds them one by one). */
 export const MAX_EMBEDDING_INPUTS = 256;
@@ -64,6 +65,6 @@ export interface EmbeddingsResponse {
 
 /** Why `engine` cannot answer an embeddings request, if it cannot. */
 export function embeddingsUnsupportedBy(engine: EngineKind): { field: string; message: string } | undefined {
-  if (ENGINE_CAPABILITIES[engine].includes('embeddings')) return undefined;
-  return { field: 'model', message: `Embeddings are not supported by this model's engine, ${ENGINE_NAMES[engine]}; it serves plain chat.` };
+  if (engineCan(engine, 'embeddings')) return undefined;
+  return { field: 'model', message: `Embeddings are not supported by this model's engine, ${engineOf(engine).name}; it serves plain chat.` };
 }

@@ -4,6 +4,7 @@
  * `crds/` is the schema the API server enforces; these types mirror it. Workflow-safe: no
  * imports, no I/O.
  */
+import type { EngineKind } from './engines';
 import type { ArtifactFormat, ArtifactWeights, GgufChoice } from './model';
 
 export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session', apiKey: 'ApiKey' } as const;
@@ -105,8 +106,9 @@ export interface ModelResource {
 export interface DllamaResourceSpec {
   /** Name of a Model in the same namespace. */
   model: string;
-  engine: 'dllama' | 'llamacpp';
-  /** Nodes per instance = 2^nodesPower (the root plus 2^n − 1 workers); 0 for llama.cpp. */
+  /** shared/engines.ts; the CRD's enum lists the same kinds (a test holds them equal). */
+  engine: EngineKind;
+  /** Nodes per instance = 2^nodesPower (the root plus 2^n − 1 workers); 0 for a single-process engine. */
   nodesPower: number;
   /** Fit-first: the runtime picks the smallest 2^n whose per-node memory plan fits the cluster's nodes (nodesPower ignored). */
   autoNodes?: boolean;

@@ -5,7 +5,7 @@
  * once, with the reason, instead of after a cold start that can only fail (`NoArtifact`).
  * Workflow-safe: no I/O.
  */
-import { ENGINE_CAPABILITIES, type Capability, type EngineKind } from './chat';
+import { engineOf, enginesLoading, type Capability, type EngineKind } from './engines';
 import type { ArtifactFormat, ReadyModel } from './model';
 
 /** One worker's runtime, refreshed every {@link RUNTIME_ADVERT_INTERVAL_MS}. */
@@ -14,9 +14,9 @@ export interface RuntimeAdvert {
   worker: string;
   /** Its runtime's kind (`MAGUS_RUNTIME`: `local`, `kubernetes`; activities/runtime/index.ts). */
   runtime: string;
-  /** Artifact formats it runs: `gguf` (llama.cpp) always; `dllama` with distributed-llama. */
+  /** Artifact formats it runs (each loaded by an engine of shared/engines.ts): `gguf` always; `dllama` with distributed-llama. */
   formats: ArtifactFormat[];
-  /** Nodes of its distributed-llama topologies, when fixed (the local runtime's `MAGUS_DLLAMA_NODES`). */
+  /** Nodes of its distributed topologies, when fixed (the local runtime's `MAGUS_DLLAMA_NODES`). */
   dllamaNodes?: number;
   /** When it was last written (epoch ms). */
   at: number;
@@ -36,11 +36,11 @@ function whyNot(model: ReadyModel, runtime: RuntimeAdvert): string | null {
   const refused: string[] = [];
   for (const a of model.artifacts) {
     if (!runtime.formats.includes(a.format)) continue;
-    if (a.format === 'gguf') return null;
-    // The local runtime runs a dllama artifact only on its configured node count (dllama.ts, chooseDllamaArtifact).
-    const plan = model.memory.find((m) => m.format === 'dllama' && m.weights === a.weights);
+    if (!enginesLoading(a.format).some((e) => engineOf(e).topology === 'distributed')) return null;
+    // The local runtime runs a distributed artifact only on its configured node count (dllama.ts, chooseDllamaArtifact).
+    const plan = model.memory.find((m) => m.format === a.format && m.weights === a.weights);
     if (runtime.dllamaNodes === undefined || !plan || plan.topologies.some((t) => t.nodes === runtime.dllamaNodes)) return null;
-    refused.push(`dllama:${a.weights} splits into ${plan.topologies.map((t) => t.nodes).join(', ') || 'no'} nodes, not ${runtime.dllamaNodes}`);
+    refused.push(`${a.format}:${a.weights} splits into ${plan.topologies.map((t) => t.nodes).join(', ') || 'no'} nodes, not ${runtime.dllamaNodes}`);
   }
   return refused.join('; ');
 }
@@ -62,25 +62,33 @@ export function unservableReason(model: ReadyModel, adverts: readonly RuntimeAdv
     if (why) reasons.add(why);
   }
   const has = model.artifacts.map((a) => `${a.format}:${a.weights}`).join(', ');
-  const runs = [...new Set(live.map((r) => r.formats.map((f) => (f === 'gguf' ? 'gguf (llama.cpp)' : `dllama (distributed-llama${r.dllamaNodes ? ` on ${r.dllamaNodes} nodes` : ''})`)).join(' and ')))].join('; or ');
+  const runs = [...new Set(live.map((r) => r.formats.map((f) => `${f} (${runsOn(f, r.dllamaNodes)})`).join(' and ')))].join('; or ');
   const hint = model.artifacts.some((a) => a.format === 'gguf') ? '' : ' Pull it with a GGUF artifact too (e.g. --format gguf:q80), or run a worker with distributed-llama (MAGUS_DLLAMA_API_BIN, MAGUS_DLLAMA_BIN).';
   return `The model '${model.name}' cannot be served here: it has ${has}, and the live workers' runtimes run ${runs}${reasons.size ? ` (${[...reasons].join('; ')})` : ''}.${hint}`;
 }
 
+/** The engines that run `format`, as a sentence's parenthesis (`llama.cpp`, `distributed-llama on 2 nodes`). */
+function runsOn(format: ArtifactFormat, nodes: number | undefined): string {
+  return enginesLoading(format)
+    .map((e) => `${engineOf(e).short}${engineOf(e).topology === 'distributed' && nodes ? ` on ${nodes} nodes` : ''}`)
+    .join(', ');
+}
+
 /**
  * The engines `runtime` may run `model` on, as its start would choose (activities/runtime):
- * the local runtime with distributed-llama runs a dllama artifact split for its node count, else
- * llama.cpp; the Kubernetes runtime follows the model's `Dllama` resource, which the gateway does
- * not see, so a model with both kinds of artifact may get either there.
+ * the local runtime with a fixed node count runs a distributed artifact split for that count
+ * first, else a single-process engine; the Kubernetes runtime follows the model's `Dllama`
+ * resource, which the gateway does not see, so a model with artifacts for several engines may
+ * get any of them there.
  */
 function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
-  const gguf = model.artifacts.some((a) => a.format === 'gguf' && runtime.formats.includes('gguf'));
-  const dllama = runtime.formats.includes('dllama') && model.artifacts.some((a) => a.format === 'dllama');
-  if (runtime.dllamaNodes !== undefined) {
-    const fits = model.artifacts.some((a) => a.format === 'dllama' && model.memory.some((m) => m.format === 'dllama' && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)));
-    return fits ? ['dllama'] : gguf ? ['llamacpp'] : [];
-  }
-  return [...(gguf ? (['llamacpp'] as const) : []), ...(dllama ? (['dllama'] as const) : [])];
+  const loadable = (f: ArtifactFormat) => runtime.formats.includes(f) && model.artifacts.some((a) => a.format === f);
+  const engines = [...new Set(model.artifacts.map((a) => a.format))].filter(loadable).flatMap(enginesLoading);
+  if (runtime.dllamaNodes === undefined) return engines;
+  const fits = (e: EngineKind) =>
+    model.artifacts.some((a) => a.format === engineOf(e).format && model.memory.some((m) => m.format === a.format && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)));
+  const distributed = engines.filter((e) => engineOf(e).topology === 'distributed' && fits(e));
+  return distributed.length > 0 ? distributed : engines.filter((e) => engineOf(e).topology === 'single');
 }
 
 /**
@@ -90,15 +98,12 @@ function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
 export function modelEngines(model: ReadyModel, adverts: readonly RuntimeAdvert[], now: number): EngineKind[] {
   const live = adverts.filter((a) => now - a.at <= RUNTIME_ADVERT_STALE_MS && whyNot(model, a) === null);
   const engines = new Set<EngineKind>(live.flatMap((a) => enginesOf(model, a)));
-  if (engines.size === 0) {
-    if (model.artifacts.some((a) => a.format === 'gguf')) engines.add('llamacpp');
-    if (model.artifacts.some((a) => a.format === 'dllama')) engines.add('dllama');
-  }
+  if (engines.size === 0) for (const a of model.artifacts) for (const e of enginesLoading(a.format)) engines.add(e);
   return [...engines].sort();
 }
 
 /** What every engine `model` may run on can do (`/v1/models` `capabilities`); none known: llama.cpp's (a hand-made entry). */
 export function modelCapabilities(engines: readonly EngineKind[]): Capability[] {
-  if (engines.length === 0) return [...ENGINE_CAPABILITIES.llamacpp];
-  return ENGINE_CAPABILITIES[engines[0]!].filter((c) => engines.every((e) => ENGINE_CAPABILITIES[e].includes(c)));
+  if (engines.length === 0) return [...engineOf('llamacpp').capabilities];
+  return engineOf(engines[0]!).capabilities.filter((c) => engines.every((e) => engineOf(e).capabilities.includes(c)));
 }

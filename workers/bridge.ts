@@ -7,16 +7,14 @@ import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
 import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
-import { ENGINE_CAPABILITIES, type EngineKind } from '../shared/chat';
+import { ENGINE_KINDS, isEngineKind, type EngineKind } from '../shared/engines';
 
-const isEngineKind = (k: string): k is EngineKind => Object.hasOwn(ENGINE_CAPABILITIES, k);
 import { checkNatsServerList, natsReplicasFrom, natsServerList, responseStreamSizing } from '../platform/config';
 import { processMetricsText } from '../platform/process-metrics';
 
-
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
-  '                    [--engine-kind llamacpp|dllama] [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n' +
+  `                    [--engine-kind ${ENGINE_KINDS.join('|')}] [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n` +
   'environment: MAGUS_NATS_URL (comma-separated: every server of a cluster), MAGUS_NATS_REPLICAS; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
 
 /** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */
@@ -40,7 +38,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   const instance = flags.get('instance') ?? '';
   const engineUrl = flags.get('engine') ?? '';
   const engineKind = flags.get('engine-kind') ?? 'llamacpp';
-  if (!isEngineKind(engineKind)) problems.push(`--engine-kind must be one of ${Object.keys(ENGINE_CAPABILITIES).join(', ')}`);
+  if (!isEngineKind(engineKind)) problems.push(`--engine-kind must be one of ${ENGINE_KINDS.join(', ')}`);
   const int = (name: string, fallback: number | undefined, min: number): number | undefined => {
     const raw = flags.get(name);
     if (raw === undefined) return fallback;

@@ -1,6 +1,7 @@
 /**
- * distributed-llama topologies of the `local` runtime: a root `dllama-api` and `nodes − 1`
- * `dllama worker` processes on loopback ports of this machine, sharing one model
+ * distributed-llama's launcher (engines.ts). On this machine: a root `dllama-api` and `nodes − 1`
+ * `dllama worker` processes on loopback ports, sharing one model; in a cluster, the root pod's
+ * `dllama-api` and a StatefulSet of `dllama worker` pods
  * (b4rtaz/distributed-llama; flags as parsed by `src/app.cpp` `AppCliArgs::parse`).
  *
  * Start-up order follows distributed-llama's own: workers first (each only listens, and learns
@@ -20,7 +21,10 @@
 import { readdir, readFile, readlink } from 'node:fs/promises';
 import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
+import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { WEIGHTS_PREFERENCE, type Artifact, type ReadyModel, type StoredObject } from '../../shared/model';
+import { cachedFile } from './cache';
+import type { EngineLauncher, LocalLaunch, LocalServing } from './engines';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
@@ -313,3 +317,79 @@ export async function startSupervisedTopology(
     stop: (t) => t.stop(),
   });
 }
+
+/** The artifact of `ready` a topology of `nodes` nodes serves, or why there is none. */
+function choice(ready: ReadyModel, nodes: number): DllamaChoice | string {
+  const chosen = chooseDllamaArtifact(ready, nodes);
+  if (chosen === null) return `model ${ready.namespace}/${ready.name} has no distributed-llama artifact`;
+  return 'problem' in chosen ? chosen.problem : chosen;
+}
+
+async function startLocal(l: LocalLaunch): Promise<LocalServing> {
+  const dllama = l.settings.dllama;
+  if (!dllama) throw runtimeError(RuntimeErrorType.NoArtifact, 'distributed-llama is not configured on this worker (MAGUS_DLLAMA_API_BIN, MAGUS_DLLAMA_BIN)');
+  const chosen = choice(l.ready, dllama.nodes);
+  if (typeof chosen === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, chosen);
+  // Both downloads end before this fails: an aborted one is still removing its temporary file.
+  const downloads = await Promise.allSettled([cachedFile(l.cache, chosen.model, '.m', l.signal), cachedFile(l.cache, chosen.tokenizer, '.t', l.signal)]);
+  const failed = downloads.find((d) => d.status === 'rejected');
+  if (failed) throw failed.reason;
+  const [model, tokenizer] = downloads.map((d) => (d as PromiseFulfilledResult<string>).value) as [string, string];
+  const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
+  const memory = chosen.memory ? `; planned memory: root ${mib(chosen.memory.root)}${chosen.memory.worker === null ? '' : `, each worker ${mib(chosen.memory.worker)}`}` : '';
+  l.log(`${l.name}: distributed-llama on ${dllama.nodes} node(s), ${chosen.artifact.weights} weights, --max-seq-len ${chosen.maxSeqLen}${memory}`);
+  const topology = await startSupervisedTopology(
+    { model, tokenizer, maxSeqLen: chosen.maxSeqLen },
+    { ...dllama, name: l.name, log: l.log, output: l.settings.output, restart: l.settings.restart, signal: l.signal },
+  );
+  return {
+    slots: 1, // distributed-llama answers one request at a time
+    url: topology.current.url, // restarts keep the ports
+    get processes() {
+      return topology.current.nodes;
+    },
+    healthy: () => topology.healthy(),
+    stop: () => topology.stop(),
+  };
+}
+
+export const dllamaLauncher: EngineLauncher = {
+  local: {
+    available: (settings) => settings.dllama !== undefined,
+    refusal: (ready, settings) => {
+      if (!settings.dllama) return 'distributed-llama is not configured on this worker';
+      const chosen = choice(ready, settings.dllama.nodes);
+      return typeof chosen === 'string' ? chosen : null;
+    },
+    start: startLocal,
+  },
+  kubernetes: {
+    plan({ ready, nodes }) {
+      const chosen = choice(ready, nodes);
+      if (typeof chosen === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, chosen);
+      return {
+        nodes,
+        files: [
+          { ...chosen.model, name: 'model.m' },
+          { ...chosen.tokenizer, name: 'tokenizer.t' },
+        ],
+        maxSeqLen: chosen.maxSeqLen,
+        slots: 1,
+        memory: { root: chosen.memory?.root ?? chosen.model.bytes, worker: nodes > 1 ? (chosen.memory?.worker ?? chosen.model.bytes / nodes) : null },
+      };
+    },
+    containers: (plan, ports, file, workers) => ({
+      engine: {
+        name: 'engine',
+        image: plan.images.dllama,
+        args: ['dllama-api', ...dllamaApiArgs({ host: '0.0.0.0', port: ports.engine, model: file('model.m'), tokenizer: file('tokenizer.t'), threads: plan.threads, maxSeqLen: plan.maxSeqLen, workers })],
+      },
+      worker: {
+        name: 'dllama',
+        image: plan.images.dllama,
+        // The program as args: the image's entrypoint (tini) stays PID 1 and passes SIGTERM on (dllama handles none).
+        args: ['dllama', ...dllamaWorkerArgs({ host: '0.0.0.0', port: ports.worker, threads: plan.threads })],
+      },
+    }),
+  },
+};

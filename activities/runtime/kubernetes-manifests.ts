@@ -10,7 +10,8 @@
  *   probe: a distributed-llama worker takes the first connection for its root, so a TCP probe
  *   would end it. They need no model file (the root sends each its slice of the weights).
  * - StatefulSet `<base>` of one root pod: the init container `magus fetch` (S3 → emptyDir, sha256
- *   verified), the engine (`dllama-api`, or `magus engine` for llama.cpp) on 0.0.0.0 so the
+ *   verified), the engine (its launcher's container, engines.ts: `dllama-api`, or `magus engine`
+ *   for llama.cpp) on 0.0.0.0 so the
  *   kubelet's probes reach it (startup probe for slow loads, readiness `GET /v1/models`), and the
  *   `magus bridge` sidecar that pulls the instance's requests from NATS and calls the engine on
  *   loopback.
@@ -23,8 +24,8 @@ import { createHash } from 'node:crypto';
 import type { DllamaResourceSpec } from '../../shared/kube';
 import { POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
-import { dllamaApiArgs, dllamaWorkerArgs } from './dllama';
-import { engineArgs } from './llama-cpp';
+import { concurrentRequests, engineOf, type EngineKind } from '../../shared/engines';
+import { launcherOf } from './engines';
 
 export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
 export const INSTANCE_LABEL = 'magus.dev/instance';
@@ -65,15 +66,15 @@ export interface InstancePlan {
   model: string;
   /** Owner of the instance's ConfigMap: the Dllama, or the pool's ConfigMap. */
   owner: OwnerReference;
-  engine: 'dllama' | 'llamacpp';
-  /** Nodes of the topology (1 for llama.cpp). */
+  engine: EngineKind;
+  /** Nodes of the topology (1 for a single-process engine). */
   nodes: number;
   /** Files the root needs, with the name the engine is given (`model.gguf` or a split GGUF's parts, the first first; `model.m`, `tokenizer.t`). */
   files: (StoredObject & { name: string })[];
   /** distributed-llama's `--max-seq-len`. */
   maxSeqLen: number;
   threads: number;
-  /** llama.cpp slots (distributed-llama serves one request at a time). */
+  /** Slots the engine was sized for (shared/engines.ts `concurrentRequests`: distributed-llama serves one request at a time). */
   slots: number;
   /** llama.cpp tokens per slot (default: the engine's). */
   ctx?: number;
@@ -168,10 +169,10 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.
   const ownedBy = (uid: string): OwnerReference[] => [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid, controller: true, blockOwnerDeletion: true }];
   const objects: KubeObject[] = [configMap];
-  const workers = plan.engine === 'dllama' ? plan.nodes - 1 : 0;
-  const workerNames = Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`);
-
-  if (workers > 0) {
+  const workers = engineOf(plan.engine).topology === 'distributed' ? plan.nodes - 1 : 0;
+  const file = (name: string) => `${MODELS_DIR}/${name}`;
+  const containers = launcherOf(plan.engine).kubernetes.containers(plan, plan.ports ?? DEFAULT_PORTS, file, Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`));
+  if (workers > 0 && containers.worker) {
     const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };
     objects.push({
       apiVersion: 'v1',
@@ -200,10 +201,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
             ...podBasics(plan, workerLabels),
             containers: [
               {
-                name: 'dllama',
-                image: plan.images.dllama,
-                // The program as args: the image's entrypoint (tini) stays PID 1 and passes SIGTERM on (dllama handles none).
-                args: ['dllama', ...dllamaWorkerArgs({ host: '0.0.0.0', port: WORKER_PORT, threads: plan.threads })],
+                ...containers.worker,
                 ports: [{ name: 'dllama', containerPort: WORKER_PORT }],
                 resources: resources(plan, plan.memory.worker),
                 securityContext: hardened,
@@ -218,20 +216,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   }
 
   const rootLabels = { ...labels, [ROLE_LABEL]: 'root' };
-  const file = (name: string) => `${MODELS_DIR}/${name}`;
-  const engine =
-    plan.engine === 'dllama'
-      ? {
-          name: 'engine',
-          image: plan.images.dllama,
-          args: ['dllama-api', ...dllamaApiArgs({ host: '0.0.0.0', port: ENGINE_PORT, model: file('model.m'), tokenizer: file('tokenizer.t'), threads: plan.threads, maxSeqLen: plan.maxSeqLen, workers: workerNames })],
-        }
-      : {
-          name: 'engine',
-          image: plan.images.magus,
-          args: ['engine', ...engineArgs({ model: file(plan.files[0]!.name), modelId: plan.model, host: '0.0.0.0', port: ENGINE_PORT, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
-          env: [{ name: 'HOME', value: '/tmp' }],
-        };
+  const engine = containers.engine;
   const probe = { httpGet: { path: '/v1/models', port: ENGINE_PORT }, periodSeconds: 5, timeoutSeconds: 3 };
   const s3Env = [
     ...(plan.s3.endpoint ? [{ name: 'MAGUS_S3_ENDPOINT', value: plan.s3.endpoint }] : []),
@@ -284,7 +269,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
                 '--instance', plan.instance,
                 '--engine', `http://127.0.0.1:${ENGINE_PORT}`,
                 '--engine-kind', plan.engine,
-                '--slots', String(plan.engine === 'dllama' ? 1 : plan.slots),
+                '--slots', String(concurrentRequests(plan.engine, plan.slots)),
                 '--health-port', String(BRIDGE_HEALTH_PORT),
                 ...(plan.nats.prefix ? ['--prefix', plan.nats.prefix] : []),
               ],

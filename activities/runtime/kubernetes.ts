@@ -20,13 +20,14 @@ import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
+import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
+import { ENGINE_KINDS, engineOf, type EngineKind } from '../../shared/engines';
 import type { ReadyModel } from '../../shared/model';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
-import { chooseDllamaArtifact } from './dllama';
+import { launcherOf } from './engines';
 import { instanceBase, instanceManifests, instanceSelector, poolOwnerManifest, RUNTIME_FIELD_MANAGER, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
 
 export interface KubernetesRuntimeOptions {
@@ -185,9 +186,10 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       const cm = await apply(poolOwnerManifest(req.namespace, req.pool));
       owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
     }
-    const engine = d ? d.spec.engine : opts.defaultNodes && opts.defaultNodes > 1 && ready.artifacts.some((a) => a.format === 'dllama') ? 'dllama' : ready.artifacts.some((a) => a.format === 'gguf') ? 'llamacpp' : 'dllama';
-    let nodes = d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1);
-    if (d?.spec.autoNodes) {
+    const engine = d ? d.spec.engine : defaultEngine(ready);
+    const distributed = engineOf(engine).topology === 'distributed';
+    let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
+    if (distributed && d?.spec.autoNodes) {
       count('list');
       const fit = chooseFit(ready, (await core.listNode()).items, need, { nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations });
       if (typeof fit === 'string') {
@@ -197,14 +199,15 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       await reportTopology(d, 'True', 'Fits', fit.reason);
       nodes = fit.nodes;
     }
-    const common = {
+    const planned = launcherOf(engine).kubernetes.plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
+    return {
       namespace: req.namespace,
       pool: req.pool,
       instance: req.instance,
       model: req.model,
       owner,
+      engine,
       threads: opts.threads ?? 1,
-      slots: opts.slots ?? 1,
       images: { magus: d?.spec.images?.magus ?? opts.images.magus, dllama: d?.spec.images?.dllama ?? opts.images.dllama },
       nats: { url: opts.natsUrl, prefix: opts.names.prefix, ...(opts.dataPlaneEnv ? { env: opts.dataPlaneEnv } : {}) },
       s3: opts.s3,
@@ -212,40 +215,20 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...(d ? { spec: { resources: d.spec.resources, nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations } } : {}),
       startupSeconds: Math.ceil((opts.startTimeoutMs ?? 30 * 60_000) / 1000),
       ...(opts.ports ? { ports: opts.ports } : {}),
-    };
-    if (engine === 'llamacpp') {
-      const gguf = servedGguf(ready);
-      if (!gguf || gguf.artifact.files.length === 0) throw runtimeError(RuntimeErrorType.NoArtifact, `model ${req.namespace}/${req.model} has no GGUF artifact for llama.cpp`);
-      const { memory, ...engineSize } = llamaCppSize(gguf.plan, opts.slots ?? req.leases ?? d?.spec.leasesPerInstance);
-      // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
-      const names = ggufFileNames(gguf.artifact.files.length);
-      const files = gguf.artifact.files.map((f, i) => ({ ...f, name: names[i]! }));
-      const bytes = files.reduce((a, f) => a + f.bytes, 0);
-      return { ...common, engine, nodes: 1, files, maxSeqLen: 0, ...engineSize, memory: { root: need(memory ?? bytes), worker: null } };
-    }
-    const choice = chooseDllamaArtifact(ready, nodes);
-    if (!choice || 'problem' in choice) throw runtimeError(RuntimeErrorType.NoArtifact, choice?.problem ?? `model ${req.namespace}/${req.model} has no distributed-llama artifact`);
-    return {
-      ...common,
-      engine,
-      nodes,
-      files: [
-        { ...choice.model, name: 'model.m' },
-        { ...choice.tokenizer, name: 'tokenizer.t' },
-      ],
-      maxSeqLen: choice.maxSeqLen,
-      memory: { root: need(choice.memory?.root ?? choice.model.bytes), worker: nodes > 1 ? need(choice.memory?.worker ?? choice.model.bytes / nodes) : null },
+      ...planned,
+      memory: { root: need(planned.memory.root), worker: planned.memory.worker === null ? null : need(planned.memory.worker) },
     };
   }
 
   /**
-   * A llama.cpp engine's slots, context and memory: `fixed` slots (the runtime's, the pool's leases, or the `Dllama`'s
-   * leases per instance) at the planned cost per slot, or as many as the memory budget holds.
+   * The engine of a pool no `Dllama` sizes: a distributed one when the runtime's default
+   * topology has several nodes and the model has its artifact, else the first whose artifact the
+   * model has.
    */
-  function llamaCppSize(plan: Parameters<typeof engineSizingWith>[0] | undefined, fixed: number | undefined): { slots: number; ctx?: number; memory?: number } {
-    if (!plan) return { slots: fixedSlots(fixed) };
-    const sized = engineSizingWith(plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
-    return { slots: sized.slots, ctx: sized.contextLength, memory: sized.memory };
+  function defaultEngine(ready: ReadyModel): EngineKind {
+    const has = (e: EngineKind) => ready.artifacts.some((a) => a.format === engineOf(e).format);
+    const wanted = (opts.defaultNodes ?? 1) > 1 ? ENGINE_KINDS.find((e) => engineOf(e).topology === 'distributed' && has(e)) : undefined;
+    return wanted ?? ENGINE_KINDS.find((e) => engineOf(e).topology === 'single' && has(e)) ?? ENGINE_KINDS.find(has) ?? 'llamacpp';
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */

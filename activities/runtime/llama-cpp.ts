@@ -1,8 +1,15 @@
 /**
- * The llama.cpp engine of the `local` runtime: one `magus engine` process over a GGUF, with
+ * The llama.cpp engine's launcher (engines.ts): one `magus engine` process over a GGUF, with
  * distributed-llama's HTTP surface. It reports `listening` and `ready` as JSON lines on stdout.
+ * On this machine it runs under supervision (restarted in place when it dies); in a pod it is the
+ * magus image's `engine` mode, probed at `/v1/models`.
  */
 import { join, resolve } from 'node:path';
+import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
+import { RuntimeErrorType, runtimeError } from '../../shared/errors';
+import type { ReadyModel } from '../../shared/model';
+import { cachedGguf } from './cache';
+import type { EngineLauncher, LocalLaunch, LocalServing } from './engines';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
@@ -113,3 +120,85 @@ export async function startSupervisedEngine(
     stop: (e) => e.process.stop(opts.stopGraceMs),
   });
 }
+
+/** SIGTERM → SIGKILL grace when the local runtime stops an engine. */
+const STOP_GRACE_MS = 10_000;
+
+/** The GGUF of `ready` llama.cpp serves, or why there is none. */
+function gguf(ready: ReadyModel): NonNullable<ReturnType<typeof servedGguf>> | string {
+  const served = servedGguf(ready);
+  if (!served || served.artifact.files.length === 0) return `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`;
+  return served;
+}
+
+async function startLocal(l: LocalLaunch): Promise<LocalServing> {
+  const served = gguf(l.ready);
+  if (typeof served === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, served);
+  const model = await cachedGguf(l.cache, served.artifact.files, l.signal);
+  const fixed = l.settings.slots ?? l.leases;
+  const sizing = served.plan && engineSizingWith(served.plan, l.settings.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
+  const slots = sizing?.slots ?? fixedSlots(fixed);
+  if (sizing) l.log(`${l.name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
+  // Responses name the model as clients know it, not by its cached file.
+  const engine = await startSupervisedEngine(model, {
+    modelId: l.ready.name,
+    slots,
+    ...(sizing ? { ctx: sizing.contextLength } : {}),
+    threads: l.settings.threads ?? 1,
+    startTimeoutSec: l.settings.startTimeoutSec ?? 120,
+    name: `${l.name} engine`,
+    log: l.log,
+    output: l.settings.output,
+    restart: l.settings.restart,
+    stopGraceMs: STOP_GRACE_MS,
+    signal: l.signal,
+  });
+  return {
+    slots,
+    url: engine.current.url, // restarts keep the port
+    get processes() {
+      return [{ role: 'engine' as const, index: 0, port: engine.current.port, process: engine.current.process }];
+    },
+    healthy: () => engine.healthy(),
+    stop: () => engine.stop(),
+  };
+}
+
+export const llamaCppLauncher: EngineLauncher = {
+  local: {
+    available: () => true,
+    refusal: (ready) => {
+      const served = gguf(ready);
+      return typeof served === 'string' ? served : null;
+    },
+    start: startLocal,
+  },
+  kubernetes: {
+    plan({ ready, fixedSlots: fixed, instanceMemory }) {
+      const served = gguf(ready);
+      if (typeof served === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, served);
+      // `fixed` slots at the planned cost per slot, or as many as the memory budget holds.
+      const sized = served.plan ? engineSizingWith(served.plan, instanceMemory, fixed) : undefined;
+      // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
+      const names = ggufFileNames(served.artifact.files.length);
+      const files = served.artifact.files.map((f, i) => ({ ...f, name: names[i]! }));
+      const bytes = files.reduce((a, f) => a + f.bytes, 0);
+      return {
+        nodes: 1,
+        files,
+        maxSeqLen: 0,
+        slots: sized?.slots ?? fixedSlots(fixed),
+        ...(sized ? { ctx: sized.contextLength } : {}),
+        memory: { root: sized?.memory ?? bytes, worker: null },
+      };
+    },
+    containers: (plan, ports, file) => ({
+      engine: {
+        name: 'engine',
+        image: plan.images.magus,
+        args: ['engine', ...engineArgs({ model: file(plan.files[0]!.name), modelId: plan.model, host: '0.0.0.0', port: ports.engine, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
+        env: [{ name: 'HOME', value: '/tmp' }],
+      },
+    }),
+  },
+};

@@ -1,6 +1,8 @@
 /**
  * The `local` runtime: a topology instance is a set of processes on this machine plus an
- * in-process bridge that pulls the instance's requests from NATS. Which processes:
+ * in-process bridge that pulls the instance's requests from NATS. Which processes is the engine
+ * launcher's (engines.ts): the first engine, distributed ones first, that is available here and
+ * can serve the model —
  * - a distributed-llama topology (root `dllama-api` + `nodes − 1` `dllama worker`s, dllama.ts)
  *   when the worker is configured with its binaries and the model has a distributed-llama
  *   artifact that runs on that many nodes;
@@ -19,16 +21,15 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../../dataplane/bridge';
-import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, servedGguf } from '../../shared/engine-slots';
-import type { ReadyModel } from '../../shared/model';
+import { ENGINE_KINDS, engineOf, type EngineKind } from '../../shared/engines';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
-import { cachedFile, cachedGguf, type ModelCache } from './cache';
-import { chooseDllamaArtifact, startSupervisedTopology, type DllamaOptions } from './dllama';
-import { startSupervisedEngine, type RestartPolicy } from './llama-cpp';
-import type { SupervisedProcess } from './process';
+import type { ModelCache } from './cache';
+import type { DllamaOptions } from './dllama';
+import { launcherOf, type LocalServing } from './engines';
+import type { RestartPolicy } from './llama-cpp';
 
 export interface LocalRuntimeOptions {
   nc: NatsConnection;
@@ -103,16 +104,14 @@ export interface LocalRuntime extends WorkerRuntime {
   stopAll(): Promise<void>;
 }
 
-/** What serves an instance's requests. */
+/** What serves an instance's requests, and which engine it is. */
 interface Serving {
-  kind: 'llama.cpp' | 'dllama';
-  url: string;
-  /** Requests it serves at once (the bridge's and the consumer's bound). */
-  slots: number;
-  readonly processes: readonly { role: LocalProcessInfo['role']; index: number; port: number; process: SupervisedProcess }[];
-  healthy(): boolean;
-  stop(): Promise<void>;
+  kind: EngineKind;
+  engine: LocalServing;
 }
+
+/** The engines this runtime tries, in order: distributed ones first (a worker configured for them wants them used). */
+const ENGINE_PREFERENCE: readonly EngineKind[] = [...ENGINE_KINDS].sort((a, b) => Number(engineOf(b).topology === 'distributed') - Number(engineOf(a).topology === 'distributed'));
 
 interface LocalInstance {
   pool: string;
@@ -133,8 +132,6 @@ interface PendingStart {
   /** Resolves when the start has ended either way, an aborted one after stopping what it began. */
   settled: Promise<void>;
 }
-
-const STOP_GRACE_MS = 10_000;
 
 /** `p`, or `signal`'s reason as soon as it aborts. */
 function unlessAborted<T>(p: Promise<T>, signal: AbortSignal | undefined): Promise<T> {
@@ -158,70 +155,31 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const log = opts.log ?? (() => undefined);
   const cache: ModelCache = { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir };
   const key = (pool: string, instance: string) => `${pool}/${instance}`;
-  const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.healthy() });
+  const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.engine.healthy() });
 
-  async function startLlamaCpp(ready: ReadyModel, name: string, leases: number | undefined, why: string | undefined, signal: AbortSignal): Promise<Serving> {
-    const gguf = servedGguf(ready);
-    if (!gguf || gguf.artifact.files.length === 0) throw runtimeError(RuntimeErrorType.NoArtifact, why ?? `model ${ready.namespace}/${ready.name} has no GGUF artifact for llama.cpp`);
-    if (why) log(`${name}: ${why}; serving its GGUF with llama.cpp instead`);
-    const model = await cachedGguf(cache, gguf.artifact.files, signal);
-    const fixed = opts.slots ?? leases;
-    const sizing = gguf.plan && engineSizingWith(gguf.plan, opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
-    const slots = sizing?.slots ?? fixedSlots(fixed);
-    if (sizing) log(`${name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
-    // Responses name the model as clients know it, not by its cached file.
-    const engine = await startSupervisedEngine(model, {
-      modelId: ready.name,
-      slots,
-      ...(sizing ? { ctx: sizing.contextLength } : {}),
-      threads: opts.threads ?? 1,
-      startTimeoutSec: opts.startTimeoutSec ?? 120,
-      name: `${name} engine`,
-      log,
-      output: opts.output,
-      restart: opts.restart,
-      stopGraceMs: STOP_GRACE_MS,
-      signal,
-    });
-    return {
-      kind: 'llama.cpp',
-      slots,
-      url: engine.current.url, // restarts keep the port
-      get processes() {
-        return [{ role: 'engine' as const, index: 0, port: engine.current.port, process: engine.current.process }];
-      },
-      healthy: () => engine.healthy(),
-      stop: () => engine.stop(),
-    };
-  }
-
+  /** The first engine of {@link ENGINE_PREFERENCE} available here that can serve the model, started. */
   async function startServing(req: InstanceRequest, signal: AbortSignal): Promise<Serving> {
     const ready = await opts.registry.get(req.namespace, req.model);
     signal.throwIfAborted();
     if (!ready) throw runtimeError(RuntimeErrorType.ModelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
     const name = key(req.pool, req.instance);
-    const choice = opts.dllama ? chooseDllamaArtifact(ready, opts.dllama.nodes) : null;
-    if (!opts.dllama || !choice || 'problem' in choice) return startLlamaCpp(ready, name, req.leases, choice && 'problem' in choice ? choice.problem : undefined, signal);
-
-    // Both downloads end before this fails: an aborted one is still removing its temporary file.
-    const downloads = await Promise.allSettled([cachedFile(cache, choice.model, '.m', signal), cachedFile(cache, choice.tokenizer, '.t', signal)]);
-    const failed = downloads.find((d) => d.status === 'rejected');
-    if (failed) throw failed.reason;
-    const [model, tokenizer] = downloads.map((d) => (d as PromiseFulfilledResult<string>).value) as [string, string];
-    const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
-    const memory = choice.memory ? `; planned memory: root ${mib(choice.memory.root)}${choice.memory.worker === null ? '' : `, each worker ${mib(choice.memory.worker)}`}` : '';
-    log(`${name}: distributed-llama on ${opts.dllama.nodes} node(s), ${choice.artifact.weights} weights, --max-seq-len ${choice.maxSeqLen}${memory}`);
-    const topology = await startSupervisedTopology({ model, tokenizer, maxSeqLen: choice.maxSeqLen }, { ...opts.dllama, name, log, output: opts.output, restart: opts.restart, signal });
-    return {
-      kind: 'dllama',
-      slots: 1, // distributed-llama answers one request at a time
-      url: topology.current.url, // restarts keep the ports
-      get processes() {
-        return topology.current.nodes;
-      },
-      healthy: () => topology.healthy(),
-      stop: () => topology.stop(),
-    };
+    /** Why engines that have an artifact of their format here cannot serve it; then why the others cannot. */
+    const refused: { why: string; hasArtifact: boolean }[] = [];
+    for (const kind of ENGINE_PREFERENCE) {
+      const launcher = launcherOf(kind).local;
+      if (!launcher.available(opts)) continue;
+      const why = launcher.refusal(ready, opts);
+      if (why !== null) {
+        refused.push({ why, hasArtifact: ready.artifacts.some((a) => a.format === engineOf(kind).format) });
+        continue;
+      }
+      const fellBack = refused.filter((r) => r.hasArtifact).map((r) => r.why);
+      if (fellBack.length > 0) log(`${name}: ${fellBack.join('; ')}; serving it with ${engineOf(kind).short} instead`);
+      const engine = await launcher.start({ ready, name, leases: req.leases, settings: opts, cache, log, signal });
+      return { kind, engine };
+    }
+    const why = (refused.find((r) => r.hasArtifact) ?? refused.at(-1))?.why ?? `no engine on this worker serves model ${req.namespace}/${req.model}`;
+    throw runtimeError(RuntimeErrorType.NoArtifact, why);
   }
 
   /**
@@ -235,20 +193,20 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     try {
       serving = await startServing(req, signal);
       signal.throwIfAborted();
-      const { slots } = serving;
+      const { slots } = serving.engine;
       await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
       consumer = true;
       signal.throwIfAborted();
       // A few NATS requests, not worth a signal: an abort meanwhile is seen right after.
-      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.url, slots, log, engineKind: serving.kind === 'dllama' ? 'dllama' : 'llamacpp' });
+      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.engine.url, slots, log, engineKind: serving.kind });
       signal.throwIfAborted();
       const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
       instances.set(key(req.pool, req.instance), instance);
-      log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${serving.kind} at ${serving.url}`);
+      log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url}`);
       return infoOf(instance);
     } catch (err) {
       await bridge?.stop();
-      await serving?.stop();
+      await serving?.engine.stop();
       if (!signal.aborted) throw err;
       if (consumer)
         await opts.nc
@@ -334,7 +292,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
 
   async function teardown(i: LocalInstance): Promise<void> {
     await i.bridge.stop();
-    await i.serving.stop();
+    await i.serving.engine.stop();
   }
 
   const runtime: LocalRuntime = {
@@ -351,7 +309,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
         else break;
       }
       const existing = instances.get(k);
-      if (existing?.serving.healthy()) return infoOf(existing);
+      if (existing?.serving.engine.healthy()) return infoOf(existing);
       return join(begin(req, existing), signal);
     },
     destroy(pool: string, instance: string): Promise<void> {
@@ -364,7 +322,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     processes(pool: string, instance: string): LocalProcessInfo[] | null {
       const i = instances.get(key(pool, instance));
       return i
-        ? i.serving.processes.map((p) => ({ role: p.role, index: p.index, pid: p.process.child.pid, port: p.port, argv: p.process.argv, running: !p.process.exit }))
+        ? i.serving.engine.processes.map((p) => ({ role: p.role, index: p.index, pid: p.process.child.pid, port: p.port, argv: p.process.argv, running: !p.process.exit }))
         : null;
     },
     bridges(): BridgeSample[] {

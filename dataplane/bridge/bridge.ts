@@ -22,7 +22,8 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
-import { unsupportedBy, type EngineKind } from '../../shared/chat';
+import { unsupportedBy } from '../../shared/chat';
+import type { EngineKind } from '../../shared/engines';
 import { completionsUnsupportedBy } from '../../shared/completions';
 import { embeddingsUnsupportedBy } from '../../shared/embeddings';
 import type { ResponseFrame } from '../../shared/serving';

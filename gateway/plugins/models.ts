@@ -18,7 +18,7 @@
  * namespace reaches its namespace's model, never a 404 for another namespace's.
  */
 import type { ReadyModel } from '../../shared/model';
-import type { EngineKind } from '../../shared/chat';
+import type { EngineKind } from '../../shared/engines';
 import { modelEngines, unservableReason, type RuntimeAdvert } from '../../shared/runtimes';
 
 /** What the catalog needs from the registry (`ModelRegistry` has it; `read` adds the runtime adverts). */

@@ -1,5 +1,5 @@
 /** `GET /v1/models` and `GET /v1/models/:model`: OpenAI's model objects. */
-import { CAPABILITIES, ENGINE_CAPABILITIES, type Capability, type EngineKind } from '../../shared/chat';
+import { CAPABILITIES, ENGINE_KINDS, type Capability, type EngineKind } from '../../shared/engines';
 import { errorResponses } from './errors';
 
 const model = {
@@ -12,7 +12,7 @@ const model = {
     owned_by: { type: 'string' },
     servable: { type: 'boolean' },
     not_servable_reason: { type: 'string' },
-    engines: { type: 'array', items: { type: 'string', enum: Object.keys(ENGINE_CAPABILITIES) } },
+    engines: { type: 'array', items: { type: 'string', enum: ENGINE_KINDS } },
     capabilities: { type: 'array', items: { type: 'string', enum: CAPABILITIES } },
   },
 } as const;
