@@ -22,10 +22,8 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
-import { unsupportedBy } from '../../shared/chat';
 import type { EngineKind } from '../../shared/engines';
-import { completionsUnsupportedBy } from '../../shared/completions';
-import { embeddingsUnsupportedBy } from '../../shared/embeddings';
+import { requestKindOf } from '../../shared/request-kinds';
 import type { ResponseFrame } from '../../shared/serving';
 import { openRequestClaims, type RequestClaims } from '../claims';
 import { cancelSubjectOf, type DataPlaneNames } from '../names';
@@ -203,7 +201,7 @@ export class Bridge {
       // working() well inside ack_wait, so neither a slow first token nor a long answer is redelivered.
       workingEveryMs: Math.max(100, Math.floor(ackWaitMs / 3)),
       generate: (a: Attempt, prior: ResponseFrame[]) => {
-        const refused = a.req.kind === 'embeddings' ? embeddingsUnsupportedBy(engineKind) : a.req.kind === 'completions' ? completionsUnsupportedBy(engineKind) : unsupportedBy(engineKind, a.req.body);
+        const refused = requestKindOf(a.req).unsupportedBy(engineKind, a.req);
         if (refused) return Promise.resolve({ kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field) });
         return generate(this.engine, a, prior, requestTimeoutMs);
       },

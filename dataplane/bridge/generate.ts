@@ -7,7 +7,8 @@
 import type { ChatCompletionRequest } from '../../shared/chat';
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
-import type { ResponseFrame } from '../../shared/serving';
+import { requestKindOf } from '../../shared/request-kinds';
+import type { EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
 import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';
@@ -18,13 +19,6 @@ function stamp(data: unknown, prefix: string, requestId: string, createdAt: numb
   if (typeof data !== 'object' || data === null || Array.isArray(data)) return data;
   return { ...data, id: `${prefix}${requestId}`, created: Math.floor(createdAt / 1000) };
 }
-
-/** Per kind of request: the engine's path and the prefix of its answers' ids (none: the answer is relayed unstamped). */
-const ROUTES = {
-  chat: { path: '/v1/chat/completions', idPrefix: 'chatcmpl-' },
-  completions: { path: '/v1/completions', idPrefix: 'cmpl-' },
-  embeddings: { path: '/v1/embeddings', idPrefix: undefined },
-} as const;
 
 /** What must be equal for two attempts' chunks to be "the same": the choices' deltas (not timings, ids …). */
 function fingerprint(frame: ResponseFrame): string {
@@ -68,11 +62,13 @@ function carriesText(chunk: unknown): boolean {
 /** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
 export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number): Promise<Outcome> {
   const { req } = a;
-  // Embeddings: one JSON answer, as the engine gives it (no seed, no stamp). Chat and text
-  // completions generate: a pinned seed, so a retry regenerates the same text.
-  const { path, idPrefix } = ROUTES[req.kind ?? 'chat'];
-  const stream = req.kind !== 'embeddings' && req.body.stream === true;
-  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = req.kind === 'embeddings' ? req.body : { ...req.body, stream, seed: req.body.seed ?? seedFor(req.id) };
+  // By kind (shared/request-kinds.ts): one that generates (chat, text completions) streams when
+  // asked, with a pinned seed so a retry regenerates the same text; another (embeddings) is one
+  // JSON answer, as the engine gives it (no seed; no stamp without an id prefix).
+  const { path, idPrefix, generates } = requestKindOf(req);
+  const generating = generates ? (req as Exclude<InferenceRequest, EmbeddingsInference>) : undefined;
+  const stream = generating?.body.stream === true;
+  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = generating ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id) } : req.body;
   const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call

@@ -4,17 +4,19 @@
  * can send anything), and the seed every attempt of a request generates with.
  */
 import { hash } from 'node:crypto';
-import { TypeCompiler, type ValueError } from '@sinclair/typebox/compiler';
+import type { TSchema } from '@sinclair/typebox';
+import { TypeCompiler, type TypeCheck, type ValueError } from '@sinclair/typebox/compiler';
 import { decodeJson } from '../json';
 import { REQUEST_ID, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
-import { ChatInference, CompletionsInference, EmbeddingsInference, type InferenceRequest } from '../../shared/serving';
+import { kindOf, REQUEST_KINDS, type RequestKind } from '../../shared/request-kinds';
+import type { InferenceRequest } from '../../shared/serving';
 
 /** A checked request, or why not — with the `replyTo` to send the error frame to when it is a usable subject. */
 export type ParsedRequest = { ok: true; req: InferenceRequest } | { ok: false; problem: string; replyTo?: string };
 
 const LITERAL_SUBJECT = /^[^\s*>.]+(\.[^\s*>.]+)*$/;
 /** The shared schemas, compiled once: every request is checked against exactly what the gateway validates and sends (by its kind, so a problem is named in its kind's terms). */
-const contracts = { chat: TypeCompiler.Compile(ChatInference), embeddings: TypeCompiler.Compile(EmbeddingsInference), completions: TypeCompiler.Compile(CompletionsInference) };
+const contracts = Object.fromEntries(Object.entries(REQUEST_KINDS).map(([kind, k]): [string, TypeCheck<TSchema>] => [kind, TypeCompiler.Compile<TSchema>(k.inference)])) as Record<RequestKind, TypeCheck<TSchema>>;
 
 /** `/body/messages/0/role` → `body.messages[0].role`, and what is wrong with it. */
 function problemOf(e: ValueError | undefined): string {
@@ -47,9 +49,10 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
   if (typeof r.replyTo !== 'string' || !isResponseSubjectOf(names, r.replyTo, r.id)) {
     return bad(`replyTo must be the request's response subject: ${responseSubjectOf(names, r.id)}, or a replica token before the id`);
   }
-  const contract = r.kind === 'embeddings' ? contracts.embeddings : r.kind === 'completions' ? contracts.completions : contracts.chat;
+  const contract = contracts[kindOf(r)];
   if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()));
-  return { ok: true, req: v };
+  // Checked against its kind's contract: it is that kind's request.
+  return { ok: true, req: v as InferenceRequest };
 }
 
 /** The seed every attempt of a request uses when the client gave none, so a retry regenerates the same text. */
