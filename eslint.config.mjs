@@ -14,14 +14,17 @@ import { builtinModules } from 'node:module';
  * imports tests or benchmarks; tests (`*.test.ts`) may import anything.
  */
 export const ROOMS_ABOVE = {
-  shared: ['platform', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  platform: ['workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  workflows: ['platform', 'dataplane', 'engine', 'controller', 'gateway', 'workers'],
-  dataplane: ['workflows', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  engine: ['workflows', 'dataplane', 'activities', 'controller', 'gateway', 'workers'],
+  shared: ['platform', 'convert', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  platform: ['convert', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  convert: ['workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  // The rooms above convert that have no use for conversion may not import it either: the serving
+  // path and the controller do not load the converter, and workflow code does no I/O.
+  workflows: ['platform', 'convert', 'dataplane', 'engine', 'controller', 'gateway', 'workers'],
+  dataplane: ['convert', 'workflows', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  engine: ['convert', 'workflows', 'dataplane', 'activities', 'controller', 'gateway', 'workers'],
   activities: ['controller', 'gateway', 'workers'],
-  controller: ['gateway', 'workers'],
-  gateway: ['engine', 'activities', 'controller', 'workers'],
+  controller: ['convert', 'gateway', 'workers'],
+  gateway: ['convert', 'engine', 'activities', 'controller', 'workers'],
   workers: [],
 };
 

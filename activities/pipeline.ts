@@ -9,15 +9,22 @@
 import { DeleteObjectsCommand, GetObjectCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
 import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
 import { basename } from 'node:path';
-import { parseModelSpec, type ModelSpec } from './convert/arch';
-import { convertModel, CONVERTER_VERSION, type ConvertProgress } from './convert/convert';
-import { ConvertError, isConvertError } from './convert/errors';
-import { convertGgufToDllama } from './convert/gguf-dllama';
-import { ggufRopeFreqs } from './convert/gguf-dequant';
-import { readGguf } from './convert/gguf-reader';
-import { readGgufSource, type GgufSource } from './convert/gguf-source';
-import { specFromGguf } from './convert/gguf-spec';
-import type { CheckpointFiles } from './convert/types';
+import {
+  type CheckpointFiles,
+  ConvertError,
+  type ConvertProgress,
+  CONVERTER_VERSION,
+  convertGgufToDllama,
+  convertModel,
+  type GgufSource,
+  ggufRopeFreqs,
+  isConvertError,
+  type ModelSpec,
+  parseModelSpec,
+  readGguf,
+  readGgufSource,
+  specFromGguf,
+} from '../convert';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
 import { isSecretUnavailable } from './huggingface/secrets';
 import type { ModelRegistry } from '../dataplane/registry';

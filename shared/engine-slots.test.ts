@@ -1,5 +1,5 @@
 /** Engine slots from the memory plan: the rule, its bounds, and which artifact's plan it reads. */
-import { parseModelSpec } from '../activities/convert/arch';
+import { parseModelSpec } from '../convert/arch';
 import { planMemory } from '../activities/size/memory';
 import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT, engineSizing, engineSizingWith, leasesPerInstance, MAX_ENGINE_SLOTS, servedGguf } from './engine-slots';
 import type { Artifact, MemoryPlan, ReadyModel } from './model';

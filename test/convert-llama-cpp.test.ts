@@ -9,8 +9,8 @@
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { convertModel } from '../activities/convert/convert';
-import type { WeightsFormat } from '../activities/convert/types';
+import { convertModel } from '../convert/convert';
+import type { WeightsFormat } from '../convert/types';
 import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { runLlamaCpp } from './reference/llama-cpp';
 import { generate, loadReference, logits, type ReferenceModel } from './reference/reference-llama';

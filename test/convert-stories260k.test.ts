@@ -11,12 +11,12 @@
 import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { parseModelSpec, planTensors } from '../activities/convert/arch';
-import { convertModel, type ConvertProgress } from '../activities/convert/convert';
-import { DLLAMA_TOKENIZER_MAGIC, DllamaTokenizerKey, planDllama } from '../activities/convert/dllama';
-import { readGguf } from '../activities/convert/gguf-reader';
-import { localCheckpoint } from '../activities/convert/safetensors';
-import type { CheckpointFiles } from '../activities/convert/types';
+import { parseModelSpec, planTensors } from '../convert/arch';
+import { convertModel, type ConvertProgress } from '../convert/convert';
+import { DLLAMA_TOKENIZER_MAGIC, DllamaTokenizerKey, planDllama } from '../convert/dllama';
+import { readGguf } from '../convert/gguf-reader';
+import { localCheckpoint } from '../convert/safetensors';
+import type { CheckpointFiles } from '../convert/types';
 import { modelsDir, STORIES260K, STORIES260K_TEXT, writeStories260k, type Stories260k } from './fixtures/stories260k';
 import { runLlamaCpp } from './reference/llama-cpp';
 

@@ -17,7 +17,7 @@ import { execFile } from 'node:child_process';
 import { chmodSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { convertModel } from '../activities/convert/convert';
+import { convertModel } from '../convert/convert';
 import { MODES } from '../shared/constants';
 import { freePort } from '../workers/dev/services';
 import { writeTinyModel } from '../workers/dev/tiny-model';

@@ -23,6 +23,9 @@ const fixtures = [
   'rooms/shared/imports-platform.ts',
   'rooms/dataplane/imports-gateway.ts',
   'rooms/activities/imports-test.ts',
+  'rooms/convert/imports-activities.ts',
+  'rooms/convert/allowed.ts',
+  'rooms/platform/imports-convert.ts',
 ];
 let results: Map<string, LintMessage[]>;
 let rooms: Record<string, string[]>;
@@ -73,14 +76,16 @@ test.each([
   ['rooms/shared/imports-platform.ts', /shared\/ must not import platform\//],
   ['rooms/dataplane/imports-gateway.ts', /dataplane\/ must not import gateway\//],
   ['rooms/activities/imports-test.ts', /Product code must not import test\//],
+  ['rooms/convert/imports-activities.ts', /convert\/ must not import activities\//],
+  ['rooms/platform/imports-convert.ts', /platform\/ must not import convert\//],
 ])('a room importing a room above it (%s) fails lint', (fixture, why) => {
   const hit = lint(fixture).find((m) => m.ruleId === boundary);
   expect(hit).toBeDefined();
   expect(hit?.message).toMatch(why);
 });
 
-test('a room importing the rooms below it passes lint', () => {
-  expect(lint('rooms/gateway/allowed.ts')).toEqual([]);
+test.each(['rooms/gateway/allowed.ts', 'rooms/convert/allowed.ts'])('a room importing the rooms below it (%s) passes lint', (fixture) => {
+  expect(lint(fixture)).toEqual([]);
 });
 
 test('every top-level folder of product code is a room with its boundary, and jest and tsc see every room', () => {

@@ -12,7 +12,7 @@ import { temporal } from '@temporalio/proto';
 import { createHash } from 'node:crypto';
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { CONVERTER_VERSION } from '../activities/convert/convert';
+import { CONVERTER_VERSION } from '../convert/convert';
 import { modelConditions } from '../activities/kubernetes/status';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';

@@ -8,7 +8,7 @@ import { temporal } from '@temporalio/proto';
 import { spawn } from 'node:child_process';
 import { mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { convertModel } from '../activities/convert/convert';
+import { convertModel } from '../convert/convert';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';

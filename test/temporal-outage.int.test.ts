@@ -20,7 +20,7 @@ import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import { convertModel } from '../activities/convert/convert';
+import { convertModel } from '../convert/convert';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';

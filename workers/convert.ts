@@ -2,10 +2,8 @@
  * `magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]`
  */
 import { basename, resolve } from 'node:path';
-import { convertModel, OUTPUT_FORMATS, WEIGHTS_FORMATS } from '../activities/convert/convert';
-import { isConvertError } from '../activities/convert/errors';
-import type { OutputFormat } from '../activities/convert/arch';
-import type { WeightsFormat } from '../activities/convert/types';
+import { convertModel, isConvertError, OUTPUT_FORMATS, type OutputFormat } from '../convert';
+import { WEIGHTS_FORMATS, type WeightsFormat } from '../shared/model';
 import { formatBytes, TerminalProgress } from './progress';
 import { usageFailure, UsageError } from '../platform/cli';
 

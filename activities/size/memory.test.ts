@@ -1,5 +1,5 @@
 /** The memory table for a Llama-3.2-1B-shaped model, term by term against hand arithmetic. */
-import { parseModelSpec } from '../convert/arch';
+import { parseModelSpec } from '../../convert/arch';
 import { dllamaNodeMemory, dllamaSplits, llamaCppMemory, planMemory } from './memory';
 
 const spec = parseModelSpec({

@@ -18,7 +18,7 @@
  * the attention scores (`ubatch × ctx × heads × 4`) dominate, plus FFN and embedding
  * activations and one row of logits. It is an estimate, meant to choose a node size, not exact.
  */
-import { planTensors, type ModelSpec } from '../convert/arch';
+import { planTensors, type ModelSpec } from '../../convert/arch';
 import type { ArtifactFormat, ArtifactWeights, MemoryPlan, NodeMemory, WeightsFormat } from '../../shared/model';
 
 /** What llama.cpp's memory depends on: a converter's spec has it, and a GGUF source's metadata (convert/gguf-source.ts). */

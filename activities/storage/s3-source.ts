@@ -13,9 +13,7 @@
  * fills the caller's buffer when given one (`into`, which the converter recycles).
  */
 import { GetObjectCommand, HeadObjectCommand, type S3Client } from '@aws-sdk/client-s3';
-import { ConvertError } from '../convert/errors';
-import { target } from '../convert/safetensors';
-import type { ByteSource } from '../convert/types';
+import { type ByteSource, ConvertError, target } from '../../convert';
 import { StorageError } from './errors';
 import { MIB } from './multipart';
 

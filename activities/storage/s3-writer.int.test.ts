@@ -1,7 +1,7 @@
 /** createS3ObjectWriter against the real MinIO of the test harness. */
 import { CreateBucketCommand, HeadObjectCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { isolation, s3Client } from '../../test/harness';
-import { writeFileAtomically } from '../convert/atomic-file';
+import { writeFileAtomically } from '../../convert/atomic-file';
 import { listIncompleteUploads } from './cleanup';
 import { createS3ObjectWriter, s3OutputTarget } from './s3-writer';
 import { calls, getObjectBytes, logCalls, pseudoRandomBytes, sha256Hex } from '../../test/harness/storage';

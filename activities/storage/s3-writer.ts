@@ -11,7 +11,7 @@
  */
 import { createHash, type Hash } from 'node:crypto';
 import { DeleteObjectCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
-import type { ByteSink, OutputTarget } from '../convert/atomic-file';
+import type { ByteSink, OutputTarget } from '../../convert';
 import type { StoredObject } from '../../shared/model';
 import { StorageError } from './errors';
 import {

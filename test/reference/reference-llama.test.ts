@@ -1,7 +1,7 @@
 import { mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { llama3RopeFactors } from '../../activities/convert/arch';
+import { llama3RopeFactors } from '../../convert/arch';
 import { tinyTensorData, writeTinyModel, type TinyModel, type TinyModelOptions } from '../../workers/dev/tiny-model';
 import { LLAMA_CPP_ERROR, runLlamaCpp } from './llama-cpp';
 import { argmax, generate, greedy, loadReference, logits, ropeInvFreq } from './reference-llama';

@@ -16,8 +16,8 @@
  */
 import { readFile } from 'node:fs/promises';
 import * as path from 'node:path';
-import { parseModelSpec, type ModelSpec } from '../../activities/convert/arch';
-import { openModelDir, readTensorF32All } from '../../activities/convert/safetensors';
+import { parseModelSpec, type ModelSpec } from '../../convert/arch';
+import { openModelDir, readTensorF32All } from '../../convert/safetensors';
 
 interface LayerWeights {
   inputNorm: Float32Array;

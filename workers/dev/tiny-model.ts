@@ -12,7 +12,7 @@
  */
 import { mkdir, open, writeFile } from 'node:fs/promises';
 import * as path from 'node:path';
-import { f32Bits, f32ToF16 } from '../../activities/convert/quant';
+import { f32Bits, f32ToF16 } from '../../convert/quant';
 
 // ---------------------------------------------------------------------------------------------
 // Safetensors writer

@@ -15,7 +15,7 @@ import { randomInt } from 'node:crypto';
 import { mkdtemp, readFile, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { mulberry32, writeTinyModel } from '../../workers/dev/tiny-model';
+import { mulberry32, writeTinyModel } from '../workers/dev/tiny-model';
 import { loadModelSpec, loadTokenizer } from './convert';
 import { isConvertError } from './errors';
 import { readGguf } from './gguf-reader';

@@ -6,7 +6,7 @@
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel, type TinyModelOptions } from '../../workers/dev/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { parseModelSpec, type ModelSpec } from './arch';
 import { convertModel } from './convert';
 import type { GgufValue } from './gguf';

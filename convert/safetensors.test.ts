@@ -9,7 +9,7 @@ import {
   tinyModelTensors,
   tinyTensorData,
   writeTinyModel,
-} from '../../workers/dev/tiny-model';
+} from '../workers/dev/tiny-model';
 import { isConvertError } from './errors';
 import { f16BitsToF32 } from './quant';
 import {

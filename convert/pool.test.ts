@@ -1,7 +1,7 @@
 import { mkdtemp, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { writeTinyModel } from '../../workers/dev/tiny-model';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 import { isConvertError } from './errors';
 import { QuantPool } from './pool';
 import { encodeChunk, encodedSize, f32ToF16Bits } from './quant';

@@ -6,8 +6,8 @@
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { splitGguf } from '../../test/fixtures/split-gguf';
-import { writeTinyModel } from '../../workers/dev/tiny-model';
+import { splitGguf } from '../test/fixtures/split-gguf';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 import { convertModel } from './convert';
 import { readGguf } from './gguf-reader';
 import { readGgufSource } from './gguf-source';

@@ -7,7 +7,7 @@ import { createHash } from 'node:crypto';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel } from '../../workers/dev/tiny-model';
+import { writeTinyModel } from '../workers/dev/tiny-model';
 import { convertModel, type ConvertProgress } from './convert';
 import { planDllama } from './dllama';
 import { readGguf } from './gguf-reader';

@@ -7,7 +7,7 @@
 export type SourceDType = 'F32' | 'F16' | 'BF16';
 
 /** Output weight encodings (defined with the pipeline's vocabulary in shared/model.ts). */
-export type { WeightsFormat } from '../../shared/model';
+export type { WeightsFormat } from '../shared/model';
 
 /**
  * Anything we can read byte ranges from: a local file, or an S3 object via ranged GETs.

@@ -14,7 +14,7 @@
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel, type TinyModelOptions } from '../../workers/dev/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { type ConvertProgress, convertModel, loadModelSpec, loadTokenizer } from './convert';
 import { encodeDllamaTokenizer, planDllama } from './dllama';
 import { dequantizeQ40, dequantizeQ41, dequantizeQ80 } from './gguf-dequant';

@@ -1,0 +1,4 @@
+// Lint fixture: platform/ (below convert) reaching up into the conversion room.
+import { convertModel } from '../../../../convert';
+
+export const convert = convertModel;
