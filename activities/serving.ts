@@ -1,6 +1,7 @@
 /**
  * Activities of the serving workflows (`dllamaPool`, `session`): instances through a
- * {@link Runtime}, and the `magus_sessions` KV entries the gateway reads on warm turns.
+ * {@link Runtime}, the pools' published views (`magus_pools`) and the expiry of the
+ * conversations' `magus_sessions` entries.
  */
 import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
@@ -198,9 +199,6 @@ export function createServingActivities(deps: ServingDeps) {
     async destroyInstance(input: { pool: string; instance: string }): Promise<void> {
       await deps.runtime.destroy(input.pool, input.instance);
     },
-    async describeInstance(input: { pool: string; instance: string }): Promise<InstanceInfo | null> {
-      return deps.runtime.describe(input.pool, input.instance);
-    },
     /**
      * Whether the worker owning `runtimeQueue` has stopped: its runtime advert withdrawn (a clean
      * stop) or not refreshed for {@link RUNTIME_ADVERT_STALE_MS} (killed). The pool asks before
@@ -213,12 +211,6 @@ export function createServingActivities(deps: ServingDeps) {
       if (!advert) return { gone: true, reason: 'its runtime advert is withdrawn' };
       const age = Date.now() - advert.at;
       return age > RUNTIME_ADVERT_STALE_MS ? { gone: true, reason: `its runtime advert is ${Math.round(age / 1000)} s old` } : { gone: false, reason: `its runtime advert is ${Math.round(age / 1000)} s old` };
-    },
-    async writeSession(input: { key: string; entry: SessionEntry }): Promise<void> {
-      await deps.sessions.put(input.key, encode(input.entry));
-    },
-    async deleteSession(input: { key: string }): Promise<void> {
-      await deps.sessions.delete(input.key);
     },
     /**
      * A session's look at its lease (`magus_sessions` entry) when its expiry has come: renewed

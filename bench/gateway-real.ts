@@ -97,7 +97,7 @@ export async function benchGatewayReal(): Promise<void> {
     const entry: SessionEntry = { subject: engine.subject, pool: MODEL, instance: 'i1', expiresAt: Date.now() + 24 * 3_600_000 };
     const sessionsKv: KV = await nc.jetstream().views.kv(names.sessionsBucket);
     let seeding = true;
-    // What the session workflow's writeSession does, without Temporal; only while seeding.
+    // Conversations pinned to the one instance (an entry without `placedAt`), without Temporal; only while seeding.
     const coldStart: ColdStart = async (req) => {
       if (!seeding) throw new Error('cold start during a warm measurement');
       await sessionsKv.put(req.conversationKey, new TextEncoder().encode(JSON.stringify(entry)));
@@ -112,7 +112,7 @@ export async function benchGatewayReal(): Promise<void> {
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' } }),
       MAGUS_LOG_LEVEL: 'warn',
     });
-    gateway = await startGateway(config, { nc, coldStart, renew: () => Promise.resolve() });
+    gateway = await startGateway(config, { nc, coldStart });
 
     const targets: Record<Path, { url: string }> = { direct: { url: `${engine.url}/v1/chat/completions` }, magus: { url: `${gateway.url}/v1/chat/completions` } };
     const sessions = (c: Concurrency) => Array.from({ length: c }, (_, i) => `real-c${c}-${i}`);

@@ -7,8 +7,8 @@
  *       measuring — asserted).
  * Beside them, the design's floor at concurrency 1: the same NATS path through a bare node:http
  * server and a minimal bridge (measureFloor), i.e. what is left once magus's features are gone.
- * Then the first turn of a new conversation on a warm pool: gateway → Temporal (pool + session
- * workflows, a lease from the one ready instance) → NATS → bridge → a real llama.cpp engine.
+ * Then the first turn of a new conversation on a warm pool: gateway → the pool's published instance
+ * (its session workflow started after the answer) → NATS → bridge → a real llama.cpp engine.
  *
  * Processes: this one runs the gateway (the one measured) and orchestrates; the load comes from
  * a child (bench/gateway-client.ts); the bridge, the stub engine and the Temporal workers (with
@@ -40,7 +40,7 @@ import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/plugins/conversation';
 import { exchange, sharedResponseRouter, streamPublisher, type PublishRequest } from '../gateway/plugins/responses';
-import type { ColdStart, FirstTurns, RenewSession, SessionStats } from '../gateway/plugins/sessions';
+import type { ColdStart, FirstTurns, SessionStats } from '../gateway/plugins/sessions';
 import { startGateway } from '../gateway/server';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
@@ -163,18 +163,11 @@ async function main(): Promise<void> {
         }
       },
     };
-    const temporalColdStartMs: number[] = [];
-    const coldStart: ColdStart = async (req) => {
-      if (req.model.name === TINY) {
-        const t0 = performance.now();
-        const entry = await temporalPath!.coldStart(req);
-        temporalColdStartMs.push(performance.now() - t0);
-        return entry;
-      }
+    // Never taken with first turns: the gateway places every conversation from its pool's view.
+    const coldStart: ColdStart = (req) => {
       coldStartsWhileWarm++;
-      throw new Error(`a cold start of ${req.model.name}: its first turns are placed from its pool view`);
+      return Promise.reject(new Error(`a cold start of ${req.model.name}: its first turns are placed from its pool view`));
     };
-    const renew: RenewSession = (req, entry) => (req.model.name === TINY && temporalPath ? temporalPath.renew(req, entry) : Promise.resolve());
 
     // Tracing hooks (off while measuring): publish → ack, HTTP in → out, and (below) the first response frame.
     let tracing = false;
@@ -201,7 +194,7 @@ async function main(): Promise<void> {
       MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '180000',
       MAGUS_LOG_LEVEL: 'info', // the default: one access-log line per request, as in production
     });
-    const gateway = await startGateway(config, { nc: gwNc, coldStart, renew, firstTurns, publish, logStream: logs });
+    const gateway = await startGateway(config, { nc: gwNc, coldStart, firstTurns, publish, logStream: logs });
     // Keyed by the client's `x-bench-seq` (the sample's index): fastify's headers are not readable here.
     gateway.app.server.prependListener('request', (req, res) => {
       if (!tracing) return;
@@ -279,7 +272,7 @@ async function main(): Promise<void> {
     if (coldStartsWhileWarm !== 0 || warmStats.coldStarts !== 0 || warmStats.firstTurns !== coldStartsSeeded) throw new Error(`the gateway placed or started ${warmStats.firstTurns - coldStartsSeeded + warmStats.coldStarts} conversations while measuring warm turns`);
 
     // --- First turn of a new conversation on a warm pool (Temporal).
-    const firstTurn = await measureFirstTurn({ dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, temporalColdStartMs, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
+    const firstTurn = await measureFirstTurn({ dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
 
     const load1 = loadavg();
     report({ c1, cpu1, floor, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs });
@@ -302,17 +295,15 @@ async function main(): Promise<void> {
 interface FirstTurnResult {
   first: LoadResult;
   warm: LoadResult;
-  coldStartMs: number[];
   /** The gateway's background `adopt` (start the session workflow) per first turn. */
   adoptMs: number[];
   signalWithStartMs: number[];
-  updateWithStartMs: number[];
   /** Median ms from a session workflow's start to the first event of each type, in history order. */
   sessionTimeline: [string, number][];
   n: number;
   bursts: BurstResult[];
-  /** The pool's current run: lease requests received, workflow tasks completed. */
-  poolTasks: { requests: number; tasks: number; events: number };
+  /** The pool's current run: its events and workflow tasks completed. */
+  poolTasks: { tasks: number; events: number };
 }
 
 /** N new conversations at once, then the same N conversations' next turn at once (warm sessions). */
@@ -334,7 +325,6 @@ async function measureFirstTurn(ctx: {
   names: Awaited<ReturnType<typeof ensureDataPlane>>;
   setTemporalPath: (p: ReturnType<typeof temporalSessions>) => void;
   viaGateway: { url: string; token: string; model: string };
-  temporalColdStartMs: number[];
   adoptMs: number[];
   adoptFailures: unknown[];
   stats: () => SessionStats;
@@ -370,9 +360,8 @@ async function measureFirstTurn(ctx: {
   const connection = await Connection.connect({ address: e.temporal!.address });
   ctx.onConnection(connection);
   const client = new Client({ connection, namespace: 'default' });
-  // The gateway's two Temporal calls on a cold turn, timed.
+  // The gateway's signal-with-start calls (demand, which starts the pool), timed.
   const signalWithStartMs: number[] = [];
-  const updateWithStartMs: number[] = [];
   const wf = client.workflow;
   const timed = <F extends (...args: never[]) => Promise<unknown>>(f: F, into: number[]): F =>
     (async (...args: Parameters<F>) => {
@@ -384,7 +373,6 @@ async function measureFirstTurn(ctx: {
       }
     }) as F;
   wf.signalWithStart = timed(wf.signalWithStart.bind(wf), signalWithStartMs);
-  wf.executeUpdateWithStart = timed(wf.executeUpdateWithStart.bind(wf), updateWithStartMs);
   // `magus dev`'s pool: one instance (it cannot grow) that prefers 8 leases; beyond them first
   // turns share it, as the pool itself would grant, without waiting on Temporal.
   ctx.setTemporalPath(temporalSessions({ client, taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 3_600_000 }, sessionTtlMs: 600_000 }));
@@ -395,23 +383,18 @@ async function measureFirstTurn(ctx: {
   await load(ctx.client, turn({ sessionPrefix: `warm-${run}` }));
   await load(ctx.client, turn({ sessionPrefix: `warm2-${run}`, requests: n(20) }));
   const measured = n(100);
-  ctx.temporalColdStartMs.length = 0;
   ctx.adoptMs.length = 0;
   const stats0 = ctx.stats();
   signalWithStartMs.length = 0;
-  updateWithStartMs.length = 0;
   const first = await load(ctx.client, turn({ sessionPrefix: `new-${run}`, requests: measured }));
   const stats1 = ctx.stats();
-  const coldStartMs = [...ctx.temporalColdStartMs];
   const swsMs = [...signalWithStartMs];
-  const uwsMs = [...updateWithStartMs];
   // The same conversations' next turn: warm, for reference (the same request, the same engine).
   const warm = await load(ctx.client, turn({ sessionPrefix: `new-${run}`, requests: measured }));
   // Every measured first turn came from the pool's published instance, none waited on Temporal.
   if (stats1.firstTurns - stats0.firstTurns !== measured || stats1.coldStarts !== stats0.coldStarts) {
     throw new Error(`first turns: ${stats1.firstTurns - stats0.firstTurns} from the pool, ${stats1.coldStarts - stats0.coldStarts} cold, of ${measured}`);
   }
-  if (ctx.temporalColdStartMs.length !== 0) throw new Error('a turn took the cold path');
   if (ctx.adoptFailures.length > 0) throw new Error(`a session workflow could not be started: ${String(ctx.adoptFailures[0])}`);
   const pool = await client.workflow.getHandle(poolWorkflowId('default', TINY)).query(poolStatusQuery);
   if (pool.instances.length !== 1) throw new Error(`the pool started more instances: ${JSON.stringify(pool.instances)}`);
@@ -459,16 +442,13 @@ async function measureFirstTurn(ctx: {
     const burstWarm = await load(ctx.client, turn({ sessionPrefix: `burst${size}-${run}`, requests: size, concurrency: size }));
     bursts.push({ n: size, first: burstFirst, warm: burstWarm, fromPool: s1.firstTurns - s0.firstTurns, cold: s1.coldStarts - s0.coldStarts });
   }
-  // How the pool took the sessions' lease confirmations: signals per workflow task.
+  // The pool's run while it served them: its events and workflow tasks.
   await new Promise((r) => setTimeout(r, 3000));
   const poolEvents = (await client.workflow.getHandle(poolWorkflowId('default', TINY)).fetchHistory()).events ?? [];
-  // The entry-lease protocol: the pool takes no event per conversation (old pools took a leaseRequested signal each).
-  const poolTasks = { requests: 0, tasks: 0, events: poolEvents.length };
-  for (const ev of poolEvents) {
-    if (ev.workflowExecutionSignaledEventAttributes?.signalName === 'leaseRequested') poolTasks.requests++;
-    if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) poolTasks.tasks++;
-  }
-  return { first, warm, coldStartMs, adoptMs: [...ctx.adoptMs], signalWithStartMs: swsMs, updateWithStartMs: uwsMs, sessionTimeline: order.map((l) => [l, p50(byType.get(l)!)]), n: measured, bursts, poolTasks };
+  // The entry-lease protocol: the pool takes no event per conversation.
+  const poolTasks = { tasks: 0, events: poolEvents.length };
+  for (const ev of poolEvents) if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) poolTasks.tasks++;
+  return { first, warm, adoptMs: [...ctx.adoptMs], signalWithStartMs: swsMs, sessionTimeline: order.map((l) => [l, p50(byType.get(l)!)]), n: measured, bursts, poolTasks };
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -597,7 +577,7 @@ function report(r: {
     out.push(`  ${'all answered in (new / warm)'.padEnd(34)}${`${fmt(b.first.wallMs, 0)} / ${fmt(b.warm.wallMs, 0)} ms`.padStart(19)}   ${ratio.toFixed(2)}×, ≤ ${BURST_TARGET}×: ${ratio <= BURST_TARGET ? 'met' : 'MISSED'}`);
     out.push(`  ${'per request p50 (new / warm)'.padEnd(34)}${`${fmt(p50(latencies([b.first])))} / ${fmt(p50(latencies([b.warm])))}`.padStart(19)}`);
   }
-  out.push(`  the pool's current run: ${f.poolTasks.events} events, ${f.poolTasks.tasks} workflow tasks, ${f.poolTasks.requests} lease requests, for the ${f.n + BURSTS.reduce((a, b) => a + b, 0)}+ new conversations above (warm-up included)`);
+  out.push(`  the pool's current run: ${f.poolTasks.events} events, ${f.poolTasks.tasks} workflow tasks, for the ${f.n + BURSTS.reduce((a, b) => a + b, 0)}+ new conversations above (warm-up included)`);
 
   // Hop breakdown of the traced block.
   out.push('');

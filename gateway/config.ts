@@ -15,7 +15,7 @@ export interface GatewayConfig {
   host: string;
   port: number;
   natsServers: string;
-  /** Where cold turns start (or join) session workflows: `MAGUS_TEMPORAL_ADDRESS`, `_NAMESPACE`, `MAGUS_TASK_QUEUE`, as for the worker. */
+  /** Where first turns start session workflows and tell pools of demand: `MAGUS_TEMPORAL_ADDRESS`, `_NAMESPACE`, `MAGUS_TASK_QUEUE`, as for the worker. */
   temporal: TemporalSettings;
   /** `MAGUS_INSTANCE_MEMORY`: sizes the leases per instance of the pools it starts; must be the workers' (platform/config.ts). Unset: 8 GiB. */
   instanceMemory?: number;

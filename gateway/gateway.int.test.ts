@@ -88,7 +88,7 @@ async function startBridge(): Promise<void> {
 const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
   coldStarts.push({ conversationKey: req.conversationKey, model: req.model, owner: req.owner });
   await sleep(coldStartDelayMs);
-  // What the session workflow does: lease an instance and record it for warm turns.
+  // Pin the conversation to the instance (an entry without `placedAt`): its warm turns go there.
   const entry: SessionEntry = { subject, pool, instance, expiresAt: Date.now() + 600_000 };
   await sessionsKv.put(req.conversationKey, enc(entry));
   return entry;
@@ -352,7 +352,7 @@ describe('sessions from the magus_sessions KV', () => {
     expect(gw.sessionCache!.cache.get(key)?.subject).toBe(subject);
   });
 
-  it('an entry written by the session workflow is used without any cold start', async () => {
+  it('an entry written beforehand is used without any cold start', async () => {
     const sid = 'prewarmed-1';
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));

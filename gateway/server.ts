@@ -12,7 +12,7 @@ import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStr
 import gatewayApp, { options } from './app';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
-import { SessionError, SessionErrorType } from './plugins/errors';
+import { SessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './plugins/models';
 import { kvResponseStore } from './plugins/response-store';
@@ -21,7 +21,7 @@ import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
-import { createSessionCache, type ColdStart, type FirstTurns, type RenewSession, type SessionBroker, type SessionCache } from './plugins/sessions';
+import { createSessionCache, type ColdStart, type FirstTurns, type SessionBroker, type SessionCache } from './plugins/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 import { natsServerList } from '../platform/config';
 
@@ -29,11 +29,9 @@ import { natsServerList } from '../platform/config';
 export interface GatewayDeps {
   /** An open connection (not closed by the gateway); default: connect to `natsServers`. */
   nc?: NatsConnection;
-  /** The slow path of the KV-backed session broker (Temporal update-with-start). Default: 503 `NoCapacity`. */
+  /** How the KV-backed session broker places a conversation without `firstTurns` (tests pin conversations). Default: 503 `NoCapacity`. */
   coldStart?: ColdStart;
-  /** Debounced lease extension on warm turns (Temporal signal). Default: none. */
-  renew?: RenewSession;
-  /** First turns from pools' published instances: the session TTL and how the workflow adopts an entry. Default: none (every first turn is a cold start). */
+  /** First turns from pools' published instances: the session TTL, how the workflow adopts an entry, how pools hear of demand. Default: none (every turn without a fresh entry takes `coldStart`). */
   firstTurns?: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'>;
   /**
    * Temporal's reachability (temporal-health.ts), when the session functions above use Temporal:
@@ -90,8 +88,6 @@ export function createServer(config: GatewayConfig, logStream?: NodeJS.WritableS
   return app;
 }
 
-const noColdStart: ColdStart = () => Promise.reject(new SessionError(SessionErrorType.NoCapacity, 'no session starter is configured'));
-
 async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
   try {
@@ -99,47 +95,6 @@ async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
   } finally {
     clearTimeout(timer);
   }
-}
-
-/**
- * A cold start only while Temporal answers: otherwise 503 `unavailable` at once (`Retry-After` =
- * the next probe's chance, at least the configured seconds). A cold start under way when the
- * probe finds Temporal gone ends then with the same answer (its update's long poll would ride out
- * the client's ~20 s of retries); one that finds it unreachable itself tells the probe, which
- * looks again at once.
- */
-function guardColdStart(coldStart: ColdStart, temporal: TemporalHealth, retryAfterSec: number): ColdStart {
-  return async (req) => {
-    if (!temporal.reachable()) throw new SessionError(SessionErrorType.Unavailable, 'Temporal is unreachable', retryAfterSec);
-    const gone = temporal.whileReachable();
-    // Raced as well as passed down: a call retried inside the client does not always end at once
-    // on its signal. One listener on each signal, removed when the call ends (`AbortSignal.any`
-    // left one on the shared `gone` per call until collected: "MaxListenersExceededWarning").
-    const both = new AbortController();
-    let onGone: (() => void) | undefined;
-    const lost = new Promise<never>((_, reject) => {
-      onGone = () => {
-        both.abort(new Error('Temporal is unreachable'));
-        reject(new Error('Temporal is unreachable'));
-      };
-    });
-    const onLeft = () => both.abort(req.signal.reason);
-    gone.addEventListener('abort', onGone!, { once: true });
-    req.signal.addEventListener('abort', onLeft, { once: true });
-    if (gone.aborted) onGone!();
-    if (req.signal.aborted) onLeft();
-    try {
-      return await Promise.race([coldStart({ ...req, signal: both.signal }), lost]);
-    } catch (err) {
-      if (gone.aborted && !req.signal.aborted) throw new SessionError(SessionErrorType.Unavailable, 'Temporal became unreachable while the conversation was being placed', retryAfterSec);
-      if ((err as { type?: unknown }).type === SessionErrorType.Unavailable) temporal.markUnreachable();
-      throw err;
-    } finally {
-      gone.removeEventListener('abort', onGone!);
-      req.signal.removeEventListener('abort', onLeft);
-      lost.catch(() => undefined);
-    }
-  };
 }
 
 /** Demand told to a pool: a failure that says Temporal is unreachable has the probe look again at once. */
@@ -218,9 +173,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),
         },
         pools: await openBucket(nc, config.buckets.pools),
-        coldStart: deps.coldStart && temporal ? guardColdStart(deps.coldStart, temporal, config.settings.retryAfterSec) : (deps.coldStart ?? noColdStart),
-        renew: deps.renew,
-        // A touch once a tenth of the entry is used (at least 30 s): ten per TTL per live
+        ...(deps.coldStart ? { coldStart: deps.coldStart } : {}),
+        // A renewal once a tenth of the entry is used (at least 30 s): ten per TTL per live
         // conversation, not one per 30 s, and a session still ends at least 0.9 TTL after its last turn.
         ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
         maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
@@ -386,8 +340,9 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   let temporal: TemporalHealth | undefined;
   let closeSessions: () => Promise<void> = () => Promise.resolve();
   try {
-    // Cold turns start (or join) the conversation's session workflow; warm turns never do. The
-    // connection is lazy: the gateway starts, and serves warm turns, with Temporal away.
+    // First turns start the conversation's session workflow (after their answer) and tell pools of
+    // demand; warm turns never use Temporal. The connection is lazy: the gateway starts, and serves
+    // warm turns, with Temporal away.
     const { address, namespace, taskQueue } = config.temporal;
     temporalConnection = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
     temporal = watchTemporal(temporalConnection, {

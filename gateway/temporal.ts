@@ -1,26 +1,22 @@
 /**
  * The gateway's Temporal side — never on a warm turn, and never on the client's path of a first
- * turn that finds room. The entry-lease protocol (plugins/sessions.ts): after a first turn created
- * its conversation's `magus_sessions` entry, `adopt` starts the conversation's session workflow
- * (its search attributes and summary in the start request); a first turn that finds no instance
- * with room has `demand` tell the model's pool (signal-with-start, which starts the pool too).
- * Conversations of the old protocol (entries without `placedAt`, sessions started by older
- * gateways) keep their path until they end: `renew` touches their session, and near expiry
- * `coldStart` update-with-starts it, whose `acquire` returns the instance once the pool leased one.
+ * turn that finds room (ARCHITECTURE.md, "Data plane", "The entry-lease protocol";
+ * plugins/sessions.ts): after a first turn created its conversation's `magus_sessions` entry,
+ * `adopt` starts the conversation's session workflow (its search attributes and summary in the
+ * start request); a first turn that finds no instance with room has `demand` tell the model's pool
+ * (signal-with-start, which starts the pool too).
  */
-import { WithStartWorkflowOperation, WorkflowNotFoundError, WorkflowUpdateFailedError, type Client } from '@temporalio/client';
+import type { Client } from '@temporalio/client';
 import { randomUUID } from 'node:crypto';
 import { setMaxListeners } from 'node:events';
-import { ApplicationFailure } from '@temporalio/common';
 import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
-import type { SessionEntry } from '../shared/serving';
-import { demandSignal, ensurePoolSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
+import { demandSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
-import { acquireUpdate, legacySessionWorkflowId, sessionWorkflowId, touchSignal, withdrawSignal } from '../workflows/session/definitions';
+import { sessionWorkflowId } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
-import { SessionError, SessionErrorType, sessionErrorOfFailure } from './plugins/errors';
-import type { AcquireRequest, ColdStart, FirstTurns, RenewSession } from './plugins/sessions';
+import { SessionError, SessionErrorType } from './plugins/errors';
+import type { FirstTurns } from './plugins/sessions';
 import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../platform/temporal-health';
 
 export interface TemporalSessionOptions {
@@ -65,7 +61,7 @@ function unreachable(err: unknown): SessionError | undefined {
   return e;
 }
 
-export function temporalSessions(opts: TemporalSessionOptions): { coldStart: ColdStart; renew: RenewSession; firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'>; close: () => Promise<void> } {
+export function temporalSessions(opts: TemporalSessionOptions): { firstTurns: Pick<FirstTurns, 'ttlMs' | 'adopt' | 'demand'>; close: () => Promise<void> } {
   const { client, taskQueue } = opts;
   /**
    * Every call in flight, so that `close` can end them before the connection closes: a call whose
@@ -85,7 +81,7 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     return p;
   };
   const unlessStopping = <T>(call: () => Promise<T>): Promise<T> => underOwnSignal(client, stopping.signal, call);
-  /** Pools run on a task queue of their own (new ones; a running pool keeps its queue until it continues as new). */
+  /** Pools run on a task queue of their own (constants.ts `poolQueueFor`). */
   const poolQueue = poolQueueFor(taskQueue);
   const replica = opts.replica ?? `gateway-${randomUUID().slice(0, 8)}`;
   /** The input of `model`'s pool, should this call start it. */
@@ -93,59 +89,6 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     const { leasesPerInstance, ...sizes } = opts.pool;
     return { namespace: model.namespace, model: model.name, ...sizes, leasesPerInstance: typeof leasesPerInstance === 'function' ? leasesPerInstance(model) : leasesPerInstance };
   };
-  // Every call runs under the request's signal (the client left, or the gateway gave up
-  // waiting): the RPC, the update's long poll included, is cancelled at once.
-  const coldStart = tracked(async (req: AcquireRequest): Promise<SessionEntry> => {
-    const { namespace, name } = req.model;
-    // A short call under a deadline: Temporal unreachable is a prompt 503, not the client's ~20 s of retries.
-    await client
-      .withAbortSignal(req.signal, () =>
-        client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
-          client.workflow.signalWithStart<typeof dllamaPool, []>('dllamaPool', {
-            workflowId: poolWorkflowId(namespace, name),
-            taskQueue: poolQueue,
-            args: [poolInput(req.model)],
-            signal: ensurePoolSignal,
-            signalArgs: [],
-            staticSummary: WorkflowSummary.pool(namespace, name),
-          }),
-        ),
-      )
-      .catch((err: unknown) => {
-        throw unreachable(err) ?? err;
-      });
-    const workflowId = sessionWorkflowId(namespace, name, req.conversationKey);
-    const start = new WithStartWorkflowOperation<typeof session>('session', {
-      workflowId,
-      taskQueue,
-      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs }],
-      workflowIdConflictPolicy: 'USE_EXISTING',
-      staticSummary: WorkflowSummary.session(namespace, name),
-    });
-    const updateId = randomUUID();
-    try {
-      return await client.withAbortSignal(req.signal, () => client.workflow.executeUpdateWithStart(acquireUpdate, { args: [{ model: name }], updateId, startWorkflowOperation: start }));
-    } catch (err) {
-      if (req.signal.aborted) {
-        // Nobody waits for this acquire any more: the session stops waiting for it and, when it
-        // was the last, withdraws its request from the pool (no phantom demand).
-        void tracked(() => unlessStopping(() => client.workflow.getHandle(workflowId).signal(withdrawSignal, { updateId })))().catch(() => undefined);
-      }
-      const cause = err instanceof WorkflowUpdateFailedError ? err.cause : undefined;
-      const refused = cause instanceof ApplicationFailure ? sessionErrorOfFailure(cause) : undefined;
-      if (refused) throw refused;
-      throw (!req.signal.aborted && unreachable(err)) || err;
-    }
-  });
-  const renew: RenewSession = tracked(async (req) => {
-    try {
-      await unlessStopping(() => client.workflow.getHandle(sessionWorkflowId(req.model.namespace, req.model.name, req.conversationKey)).signal(touchSignal));
-    } catch (err) {
-      // A conversation whose session started before ids named their model: it keeps the old id until it expires.
-      if (!(err instanceof WorkflowNotFoundError)) throw err;
-      await unlessStopping(() => client.workflow.getHandle(legacySessionWorkflowId(req.conversationKey)).signal(touchSignal));
-    }
-  });
   const adopt: FirstTurns['adopt'] = tracked(async (req, entry) => {
     const { namespace, name } = req.model;
     await unlessStopping(() => client.workflow.start<typeof session>('session', {
@@ -181,5 +124,5 @@ export function temporalSessions(opts: TemporalSessionOptions): { coldStart: Col
     await Promise.race([Promise.allSettled([...inflight]), new Promise((r) => (timer = setTimeout(r, 5000)))]);
     clearTimeout(timer);
   };
-  return { coldStart, renew, firstTurns: { ttlMs: opts.sessionTtlMs, adopt, demand }, close };
+  return { firstTurns: { ttlMs: opts.sessionTtlMs, adopt, demand }, close };
 }

@@ -25,7 +25,7 @@ export function poolQueueFor(controlQueue: string): string {
 }
 
 /**
- * The task queue of one worker's own runtime activities (`describeInstance`, `destroyInstance`):
+ * The task queue of one worker's own runtime activities (`watchInstance`, `destroyInstance`):
  * a local runtime's instances are processes of the worker that created them, so only that
  * worker can answer for them.
  */

@@ -31,16 +31,13 @@ export const PERMANENT_ERROR_TYPES: readonly string[] = Object.values(ErrorType)
 export const RESOURCE_GONE = 'ResourceGone';
 
 /**
- * Failure types of serving: the `ApplicationFailure.type` a session's `acquire` fails with, and
- * the `type` of the gateway's session errors, which it answers by (gateway/plugins/errors.ts).
- * Recorded in the serving workflows' histories: a value never changes. Kept apart from
- * {@link ErrorType}, whose every value the pipeline's retry policy lists as non-retryable.
+ * Failure types of serving: the `type` of the gateway's session errors, which it answers by
+ * (gateway/plugins/errors.ts). Kept apart from {@link ErrorType}, whose every value the
+ * pipeline's retry policy lists as non-retryable.
  */
 export const ServingErrorType = {
-  /** No instance of the model was leased within the acquire's wait, or none can be started (the pool's reason follows): 503 `no_capacity`. */
+  /** No instance of the model serves, and none can be started (the pool's reason follows): 503 `no_capacity`. */
   NoCapacity: 'NoCapacity',
-  /** The acquire's caller went away (the gateway's `withdraw`) before a lease was granted: nobody waits for the answer. */
-  Withdrawn: 'Withdrawn',
   /** The instance's request backlog is full: 429 with `Retry-After`. */
   BacklogFull: 'BacklogFull',
   /** What a first turn needs cannot be reached (Temporal, or a gateway that is stopping): 503 `unavailable`. */

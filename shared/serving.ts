@@ -72,10 +72,10 @@ export interface SessionEntry {
   /** Epoch ms when the session's lease ends unless extended. */
   expiresAt: number;
   /**
-   * Epoch ms when the entry was put on its instance. Entries of the entry-lease protocol carry it
-   * (the gateways create, renew and move them; the session only deletes an expired one); entries
-   * without it belong to sessions of the old protocol, which the pool leased and which the
-   * gateway renews with a `touch` signal until they end.
+   * Epoch ms when a gateway put the entry on its instance (gateways create, renew and move
+   * entries; the session only deletes an expired one): a pool view newer than this that no longer
+   * lists the instance moves the conversation. An entry without it is pinned (written by a test or
+   * a tool): never moved.
    */
   placedAt?: number;
 }
@@ -83,8 +83,8 @@ export interface SessionEntry {
 /**
  * `magus_pools` KV, key `<namespace>.<model>`: the instances a pool can lease right now, written
  * by the pool workflow whenever they change. A gateway serves a conversation's first turn from it
- * (it picks an instance with room, writes the session entry, and lets the session workflow
- * confirm the lease afterwards), so a first turn on a warm pool waits on no workflow.
+ * (it picks an instance with room, writes the session entry, and starts the session workflow
+ * afterwards), so a first turn on a warm pool waits on no workflow.
  */
 export interface PoolEntry {
   /** Ready instances only (not starting, draining or stopping). */

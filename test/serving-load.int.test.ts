@@ -58,7 +58,7 @@ beforeAll(async () => {
   }
   await (await openModelRegistry(nc, names.modelsBucket)).put(MODEL);
 
-  // Seed every conversation's session, as the session workflow's `writeSession` does.
+  // Pin every conversation to its instance (an entry without `placedAt`), as a gateway would place it.
   for (let i = 0; i < CONVERSATIONS; i++) {
     const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `${MODEL.namespace}/${MODEL.name}`, messages: [], sessionId: sessionId(i) });
     await pinConversation(nc, names, key, POOL, instanceOf(i));

@@ -136,8 +136,8 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   // The pool's page counts the conversation once its reconciler has reported it.
   await until('the pool counts the lease', async () => /\n- `[^`]+` ready, [1-9]\d* leases?/.test(await currentDetails(pool)));
   expect(await currentDetails(pool)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · model \`default/${MODEL}\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`));
-  await recordHistory('session-entry', sessionHandle);
-  await recordHistory('pool-entry-serving', pool);
+  await recordHistory('session-started', sessionHandle);
+  await recordHistory('pool-serving', pool);
   // The session takes no update, no signal: the pool is never told of a conversation.
   for (const [wf, name] of [[sessionHandle.workflowId, 'session'], [pool.workflowId, 'pool']] as const) {
     const events = (await client.workflow.getHandle(wf).fetchHistory()).events ?? [];
@@ -236,13 +236,13 @@ test('an idle pool goes to zero instances and comes back on the next request', a
   if (coldSession) {
     const ended = client.workflow.getHandle(coldSession);
     expect((await ended.describe()).status.name).toBe('COMPLETED');
-    await recordHistory('session-entry-expired', ended);
+    await recordHistory('session-expired', ended);
   }
   const r = await openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content: 'wake up' }], max_tokens: 4, temperature: 0 });
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   expect((await pool.query(poolStatusQuery)).instances.filter((i) => i.phase === 'ready')).toHaveLength(1);
   // Scaled up, down to zero and up again.
-  await recordHistory('pool-entry-scaled-to-zero-and-back', pool);
+  await recordHistory('pool-scaled-to-zero-and-back', pool);
 }, 120_000);
 
 test('errors reach the client as the openai library expects them', async () => {

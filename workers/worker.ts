@@ -304,7 +304,6 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     namespace: cfg.temporal.namespace,
     taskQueue: runtimeQueue,
     activities: {
-      describeInstance: (input: Parameters<typeof serving.describeInstance>[0]) => serving.describeInstance(input),
       destroyInstance: (input: Parameters<typeof serving.destroyInstance>[0]) => serving.destroyInstance(input),
       watchInstance: (input: Parameters<typeof serving.watchInstance>[0]) => serving.watchInstance(input),
     },

@@ -3,9 +3,10 @@
  * list can be filtered by it: `MagusKind="model" AND MagusPhase="failed"`) and its current
  * details (the workflow page's "Current Details", Markdown), kept in step with its state.
  *
- * Current details are served by the SDK's built-in metadata query and emit no command, so they
- * need no patch. Upserting the phase is a command: it runs only when `upsertPhase` (the caller's
- * `patched()` answer) says so, and only when the phase changed.
+ * Current details are served by the SDK's built-in metadata query and emit no command: what they
+ * say can change without a patch. Upserting the phase is a command, issued only when the phase
+ * changed: a change to when it is issued is a change to the workflow's commands (a patch,
+ * workflows/README.md).
  */
 import { setCurrentDetails, upsertSearchAttributes } from '@temporalio/workflow';
 
@@ -14,7 +15,7 @@ export interface Visibility {
   refresh(): void;
 }
 
-export function visibility(opts: { phase: () => string; details: () => string; upsertPhase: boolean }): Visibility {
+export function visibility(opts: { phase: () => string; details: () => string }): Visibility {
   let shownPhase = '';
   let shownDetails = '';
   return {
@@ -24,7 +25,6 @@ export function visibility(opts: { phase: () => string; details: () => string; u
         shownDetails = details;
         setCurrentDetails(details);
       }
-      if (!opts.upsertPhase) return;
       const phase = opts.phase();
       if (phase !== shownPhase) {
         shownPhase = phase;

@@ -26,7 +26,7 @@ export interface InstanceInfo {
   subject: string;
   healthy: boolean;
   /**
-   * The task queue of the worker that runs the instance, where its `describeInstance` and
+   * The task queue of the worker that runs the instance, where its `watchInstance` and
    * `destroyInstance` must go (a local runtime's processes belong to one worker); absent when
    * any worker can answer for it.
    */

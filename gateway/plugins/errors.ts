@@ -43,9 +43,9 @@ export class GatewayError extends Error {
 
 /**
  * The serving failures ({@link ServingErrorType}, shared/errors.ts) a {@link SessionBroker}
- * (sessions.ts) raises, as `error.type` (or `error.cause.type`, so a Temporal `ApplicationFailure`
- * wrapped in an update failure maps too), each answered as {@link sessionAnswers} says. Matched by
- * value, never by class, so the broker may live in another module or process.
+ * (sessions.ts) raises, as `error.type` (or a cause's, so an error wrapped on its way maps too),
+ * each answered as {@link sessionAnswers} says. Matched by value, never by class, so the broker
+ * may live in another module or process.
  */
 export const SessionErrorType = {
   /** The model's request backlog is full: 429 with `Retry-After`. */
@@ -69,15 +69,6 @@ export class SessionError extends Error {
   ) {
     super(message);
   }
-}
-
-/**
- * A serving workflow's failure (a session's `acquire` refused `NoCapacity`) as the
- * {@link SessionError} the gateway answers it with; undefined for a failure of any other type
- * (`Withdrawn`: nobody waits for its answer).
- */
-export function sessionErrorOfFailure(failure: { type?: string | null; message: string }): SessionError | undefined {
-  return isSessionErrorType(failure.type) ? new SessionError(failure.type, failure.message) : undefined;
 }
 
 /** The `Retry-After` header of an answer that asks the client to come back: whole seconds, at least 1. */

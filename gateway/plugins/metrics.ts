@@ -152,7 +152,7 @@ export class GatewayMetrics {
   private readonly temporalProbeFailures = new CounterFunc('magus_gateway_temporal_probe_failures_total', 'Temporal probes (and calls) that found it unreachable: one probe every 2 s at most while it is away.', () => this.temporal?.().probeFailures);
   private sessionStats: () => SessionStats | undefined = () => undefined;
   private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
-  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for a session to start or re-acquire its lease (Temporal).', () => this.sessionStats()?.coldStarts);
+  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for an instance with room (their pool told of the demand) or on a cold start.', () => this.sessionStats()?.coldStarts);
   private readonly firstTurns = new CounterFunc('magus_gateway_session_first_turns_total', 'First turns served from a pool’s published instances (the session starts after the answer).', () => this.sessionStats()?.firstTurns);
   private readonly moves = new CounterFunc('magus_gateway_session_moves_total', 'Conversations moved (compare-and-swap) off an instance their pool no longer publishes.', () => this.sessionStats()?.moves);
   private readonly renewals = new CounterFunc('magus_gateway_session_renewals_total', 'Conversation entries renewed by this gateway (compare-and-swap; no Temporal call).', () => this.sessionStats()?.renewals);

@@ -1,8 +1,8 @@
 /**
  * The KV-backed session broker against a real `magus_sessions`-shaped bucket: warm hits from the
- * watch mirror, freshness margin, shared cold starts, abort accounting and debounced renewals
- * (entries of the old protocol), and the entry-lease protocol's first turns, renewals and moves
- * against a `magus_pools`-shaped bucket, with two gateway replicas where it matters.
+ * watch mirror, freshness margin, shared cold starts and abort accounting (a broker without first
+ * turns), and the entry-lease protocol's first turns, renewals and moves against a
+ * `magus_pools`-shaped bucket, with two gateway replicas where it matters.
  */
 import type { KV, NatsConnection } from 'nats';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
@@ -108,38 +108,6 @@ it('aborts a shared cold start only when every waiter has gone', async () => {
   b.abort(new Error('client b left'));
   await expect(pb).rejects.toThrow('client b left');
   expect(coldSignal!.aborted).toBe(true);
-});
-
-it('renews a warm session at most once per interval, without waiting for it', async () => {
-  await kv.put('k-renew', enc(entry('r')));
-  const renewals: string[] = [];
-  let now = Date.now();
-  cache = createSessionCache({ kv, renewIntervalMs: 1_000, now: () => now, coldStart: () => Promise.reject(new Error('x')), renew: (r) => (renewals.push(r.conversationKey), new Promise(() => undefined)) });
-  await cache.ready;
-  for (let i = 0; i < 5; i++) await cache.acquire(req('k-renew'));
-  expect(renewals).toEqual(['k-renew']);
-  now += 1_001;
-  await cache.acquire(req('k-renew'));
-  expect(renewals).toEqual(['k-renew', 'k-renew']);
-});
-
-it('renews only once the entry has less than renewWithinMs left: a fresh entry needs no touch', async () => {
-  let now = Date.now();
-  await kv.put('k-half', enc({ ...entry('h'), expiresAt: now + 100_000 }));
-  const renewals: string[] = [];
-  cache = createSessionCache({ kv, renewIntervalMs: 1_000, renewWithinMs: 50_000, now: () => now, coldStart: () => Promise.reject(new Error('x')), renew: (r) => (renewals.push(r.conversationKey), Promise.resolve()) });
-  await cache.ready;
-  await cache.acquire(req('k-half'));
-  now += 49_000; // 51 s left
-  await cache.acquire(req('k-half'));
-  expect(renewals).toEqual([]);
-  now += 2_000; // 49 s left: renewed, then at most once per interval
-  await cache.acquire(req('k-half'));
-  await cache.acquire(req('k-half'));
-  expect(renewals).toEqual(['k-half']);
-  now += 1_001;
-  await cache.acquire(req('k-half'));
-  expect(renewals).toEqual(['k-half', 'k-half']);
 });
 
 describe('the entry-lease protocol: first turns, renewals and moves', () => {
@@ -410,16 +378,18 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(adopted.map((a) => a.key)).toEqual([expired]);
   });
 
-  it('a conversation of the old protocol (no placedAt) near its expiry takes the old cold path', async () => {
+  it('a pinned conversation (no placedAt) near its expiry is renewed on its instance, never moved, never a cold start', async () => {
     await publishPool(['i1'], 10);
     const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('from-temporal'))), firstTurns: firstTurns(), pools });
+    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('cold'))), firstTurns: firstTurns(), pools });
     await cache.ready;
-    const k = key('legacy');
-    await kv.put(k, enc(entry('old', 2_000)));
+    const k = key('pinned');
+    await kv.put(k, enc(entry('pinned-1', 2_000)));
     await until('the entry mirrored', () => cache!.cache.get(k) !== undefined, 10_000);
-    expect((await cache.acquire(req(k))).instance).toBe('from-temporal');
-    expect(cold).toEqual([k]);
+    const got = await cache.acquire(req(k));
+    expect(got.instance).toBe('pinned-1'); // the view does not list it: a pinned entry stays
+    expect(got.expiresAt).toBeGreaterThan(Date.now() + 60_000);
+    expect(cold).toEqual([]);
   });
 
   it('a view its pool has not rewritten in time (an overloaded Temporal) still serves first turns, on the instances found consuming only, even while Temporal is unreachable', async () => {

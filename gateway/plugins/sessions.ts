@@ -3,7 +3,8 @@
  * broker here answers warm turns from a watch-backed mirror of the `magus_sessions` KV bucket
  * (no Temporal call, no KV read per request).
  *
- * The entry-lease protocol (DESIGN.md, "Control plane"): a conversation's entry **is** its lease.
+ * The entry-lease protocol (ARCHITECTURE.md, "Data plane", "The entry-lease protocol"): a
+ * conversation's entry **is** its lease.
  * A first turn picks an instance with room from the pool's published instances (`magus_pools`),
  * counting the entries on each instance in this mirror (every replica's, as the watch delivers
  * them) plus its own picks not yet written, and creates the entry (KV create: one per
@@ -14,8 +15,9 @@
  * others use its choice). With no instance with room, the turn tells the pool there is demand
  * (`demand`, at most once a second per model) and waits on the view, bounded by its signal.
  *
- * Entries of the old protocol (no `placedAt`) keep their old path until their sessions end:
- * renewal by a `touch` signal and, near expiry, the injected {@link ColdStart}.
+ * A broker without {@link FirstTurns} places no conversation itself: a turn with no fresh entry
+ * takes the injected {@link ColdStart} (tests pin conversations so; the gateway process always
+ * has first turns).
  */
 import type { KvEntry } from 'nats';
 import { isRevisionConflict } from '../../dataplane';
@@ -69,7 +71,7 @@ export interface SessionStats {
   renewals?: number;
   /** Entries of first turns that were not answered (refused, failed, left), deleted again. */
   givenBack?: number;
-  /** Turns that waited on the slow path (Temporal). */
+  /** Turns that waited: for an instance with room (telling the pool of the demand), or on the {@link ColdStart}. */
   coldStarts: number;
   /** First turns served from a pool's published instances (the session workflow confirms later). */
   firstTurns: number;
@@ -81,11 +83,8 @@ export interface SessionStats {
   refusedForPendingStarts?: number;
 }
 
-/** Starts or re-acquires a conversation's session (the slow path), resolving to its entry. */
+/** How a broker without {@link FirstTurns} places a conversation with no fresh entry, resolving to its entry. */
 export type ColdStart = (req: AcquireRequest) => Promise<SessionEntry>;
-
-/** Extends a session's lease (debounced, fire-and-forget): the caller may not wait for it. */
-export type RenewSession = (req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry) => Promise<void>;
 
 /** What the `magus_sessions` bucket must offer: an atomic create, a compare-and-swap update, and a read after losing either. */
 export interface SessionWriter {
@@ -127,28 +126,28 @@ export interface FirstTurns {
 export interface SessionCacheOptions {
   /** The `magus_sessions` bucket (key = conversation key). */
   kv: WatchableKv;
-  coldStart: ColdStart;
-  /** Serve first turns from pools' published instances; without it every first turn is a cold start. */
+  /** Places conversations when there are no {@link SessionCacheOptions.firstTurns}. Default: 503 `NoCapacity`. */
+  coldStart?: ColdStart;
+  /** Serve first turns from pools' published instances; without it every turn with no fresh entry takes `coldStart`. */
   firstTurns?: FirstTurns;
   /**
    * The `magus_pools` bucket (key `<namespace>.<model>`): the pools' published views, which first
    * turns (`firstTurns`) and requests of no conversation (`route`) are placed by.
    */
   pools?: WatchableKv;
-  /** A lease ending sooner than this is not used: the turn goes through `coldStart`, which extends it. */
+  /** A lease ending sooner than this is not used as it is: the turn renews it (first turns) or takes `coldStart`. */
   freshnessMarginMs?: number;
   /**
-   * Called on a warm hit (not awaited) whose entry has less than `renewWithinMs` left, at most
-   * once per `renewIntervalMs` per conversation. Each call is a signal and a KV write by the
-   * session workflow, so renewing only once part of the entry is used spares Temporal a touch
-   * per interval for every live conversation.
+   * With first turns, a warm hit whose entry has less than `renewWithinMs` left renews it (a
+   * compare-and-swap, not awaited), at most once per `renewIntervalMs` per conversation: renewing
+   * only once part of the entry is used spares the bucket a write per interval for every live
+   * conversation.
    */
-  renew?: RenewSession;
   renewIntervalMs?: number;
   /**
    * Default: every warm hit may renew. The gateway sets TTL − max(30 s, TTL/10): a session ends
    * between that much and TTL after its last turn, and a live conversation costs at most ten
-   * touches per TTL (one per 3 min at the default 30 min) instead of one per 30 s.
+   * renewals per TTL (one per 3 min at the default 30 min) instead of one per 30 s.
    */
   renewWithinMs?: number;
   /**
@@ -337,7 +336,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return best;
   };
 
-  /** The pool no longer publishes the entry's instance (its view is newer than the entry's placement). */
+  /** The pool no longer publishes the entry's instance (its view is newer than the entry's placement; an entry without `placedAt` is pinned, never moved). */
   const gone = (e: SessionEntry): boolean => {
     if (e.placedAt === undefined) return false;
     const view = viewOf(e.namespace ?? 'default', e.pool);
@@ -351,17 +350,6 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     for (const [key, at] of lastRenewed) if (t - at > renewInterval) lastRenewed.delete(key);
   }, 60_000);
   sweep.unref();
-
-  /** An old-protocol entry: its session extends it when touched (debounced). */
-  const touch = (req: AcquireRequest, entry: SessionEntry): void => {
-    if (!opts.renew) return;
-    const t = now();
-    if (entry.expiresAt - t >= renewWithin) return;
-    const last = lastRenewed.get(req.conversationKey);
-    if (last !== undefined && t - last < renewInterval) return;
-    lastRenewed.set(req.conversationKey, t);
-    opts.renew({ conversationKey: req.conversationKey, model: req.model, owner: req.owner }, entry).catch((err: unknown) => opts.onError?.(err));
-  };
 
   /** Writes `next` over `entry` (compare-and-swap on its revision); the entry now in the bucket when another write won. */
   const swap = async (f: FirstTurns, key: string, entry: CachedEntry, next: SessionEntry): Promise<{ won: true; entry: CachedEntry } | { won: false; entry: CachedEntry | undefined }> => {
@@ -408,12 +396,12 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     return p;
   };
 
-  /** The old protocol's slow path: the session workflow leases an instance. */
-  const fromTemporal = async (req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> => {
+  /** Without first turns: the injected {@link ColdStart} places the conversation. */
+  const fromColdStart = async (req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> => {
     coldStarts++;
+    if (!opts.coldStart) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${req.model.namespace}/${req.model.name} is placed for this conversation, and this gateway cannot place one`);
     const entry = await opts.coldStart({ ...req, signal });
     cache.set(req.conversationKey, { ...entry, revision: 0 });
-    lastRenewed.set(req.conversationKey, now());
     return entry;
   };
 
@@ -492,7 +480,6 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
     const key = req.conversationKey;
     let entry = cache.get(key);
     for (let attempt = 0; attempt < 8; attempt++) {
-      if (entry && entry.placedAt === undefined) return fromTemporal(req, signal); // old protocol
       const t = now();
       if (entry && entry.expiresAt - margin > t && !gone(entry)) return entry; // another turn placed it meanwhile
       // A pick is reserved at once (concurrent turns of this replica see it before its entry is written).
@@ -503,7 +490,7 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       }
       const target = picked ? await room(f, req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
       try {
-        const placedAt = entry && entry.instance === target.instance ? entry.placedAt! : now();
+        const placedAt = entry && entry.instance === target.instance ? (entry.placedAt ?? now()) : now();
         const next: SessionEntry = { subject: target.subject, pool: req.model.name, namespace: req.model.namespace, instance: target.instance, expiresAt: now() + f.ttlMs, placedAt };
         if (!entry) {
           try {
@@ -621,12 +608,11 @@ export function createSessionCache(opts: SessionCacheOptions): SessionCache {
       const entry = cache.get(key);
       if (entry && entry.expiresAt - margin > now() && !gone(entry)) {
         warmHits++;
-        if (entry.placedAt === undefined) touch(req, entry);
-        else if (first) renewLater(first, key, entry);
+        if (first) renewLater(first, key, entry);
         return Promise.resolve(entry);
       }
       let p = pending.get(key);
-      if (!p) p = first ? track(key, (signal) => place(first, req, signal)) : track(key, (signal) => fromTemporal(req, signal));
+      if (!p) p = first ? track(key, (signal) => place(first, req, signal)) : track(key, (signal) => fromColdStart(req, signal));
       return join(p, key, req.signal);
     },
     async route({ model, signal }) {

@@ -65,13 +65,10 @@ export function processTree(pid: number): number[] {
   return out.filter(processRunning);
 }
 
-/**
- * Starts `magus dev <args>` the way `launcher` says, in a new process group; `bin` (direct only)
- * runs another build of magus (an older commit's, test/harness/old-magus.ts).
- */
-export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.ProcessEnv = process.env, bin = MAGUS_BIN): DevRun {
+/** Starts `magus dev <args>` the way `launcher` says, in a new process group. */
+export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.ProcessEnv = process.env): DevRun {
   const [cmd, argv] =
-    launcher === 'direct' ? [process.execPath, [bin, 'dev', ...args]] : launcher === 'npm' ? ['npm', ['run', 'dev', '--', ...args]] : ['npx', ['magus', 'dev', ...args]];
+    launcher === 'direct' ? [process.execPath, [MAGUS_BIN, 'dev', ...args]] : launcher === 'npm' ? ['npm', ['run', 'dev', '--', ...args]] : ['npx', ['magus', 'dev', ...args]];
   const child = spawn(cmd, argv, { cwd: REPO_ROOT, env, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
   let out = '';
   let err = '';

@@ -1,7 +1,7 @@
 /**
  * The gateway side of integration tests: a configuration on this test file's data plane, and a
- * conversation pinned to an instance the way the session workflow pins it (its `magus_sessions`
- * entry), so a test can route turns without Temporal.
+ * conversation pinned to an instance (its `magus_sessions` entry, without `placedAt`: never
+ * moved), so a test can route turns without Temporal.
  */
 import type { NatsConnection } from 'nats';
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';

@@ -15,7 +15,6 @@ import {
   continueAsNew,
   getExternalWorkflowHandle,
   isCancellation,
-  patched,
   proxyActivities,
   proxyLocalActivities,
   setHandler,
@@ -77,14 +76,6 @@ const TRANSFER_CONCURRENCY = 4;
  * changed. A write that keeps failing is retried with capped backoff; the pipeline never waits for it.
  */
 const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
-/** Executions started before pools backed off failed starts do not tell their pool. */
-const NOTIFY_POOL_PATCH = 'model-published-notifies-pool';
-/** Executions started before the `Model` resource existed replay without the status mirror. */
-const RESOURCE_STATUS_PATCH = 'model-resource-status';
-/** The phase is a search attribute (`MagusPhase`), upserted as it changes; older executions replay without it. */
-const PHASE_ATTRIBUTE_PATCH = 'model-phase-search-attribute';
-/** A GGUF repository as a source (`source.gguf`): its chosen file is transferred and published as it is. */
-const GGUF_SOURCE_PATCH = 'model-gguf-source';
 
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   const { abortUploads, forgetModel } = activities();
@@ -96,10 +87,10 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   setHandler(resourceChangedSignal, (change) => state.applyResource(change));
   setHandler(activityFailedSignal, (f) => state.onActivityFailed(f));
   upsertSearchAttributes({ MagusKind: ['model'], MagusModel: [`${input.namespace}/${input.name}`] });
-  const shown = visibility({ phase: () => state.progress().phase, details: () => pipelineDetails(state.query()), upsertPhase: patched(PHASE_ATTRIBUTE_PATCH) });
+  const shown = visibility({ phase: () => state.progress().phase, details: () => pipelineDetails(state.query()) });
   state.onChange = () => shown.refresh();
   shown.refresh();
-  if (patched(RESOURCE_STATUS_PATCH)) void mirrorStatus(modelStatusView(state));
+  void mirrorStatus(modelStatusView(state));
 
   for (;;) {
     const generation = state.generation;
@@ -143,7 +134,8 @@ async function runPlan(state: PipelineState): Promise<void> {
 
   state.enter('resolving');
   const resolved = await resolveSource({ source: spec.source });
-  const files = spec.source.gguf && patched(GGUF_SOURCE_PATCH) ? chosenGguf(resolved.files, spec.source.gguf) : resolved.files.filter((f) => isNeededSourceFile(f.path));
+  // A GGUF repository as a source (`source.gguf`): its chosen file is transferred and published as it is.
+  const files = spec.source.gguf ? chosenGguf(resolved.files, spec.source.gguf) : resolved.files.filter((f) => isNeededSourceFile(f.path));
   if (!spec.source.gguf && !files.some((f) => f.path === 'config.json')) {
     throw ApplicationFailure.nonRetryable(`${resolved.repo}@${resolved.sha} has no config.json${resolved.files.some((f) => f.path.endsWith('.gguf')) ? ' (it holds GGUF files: choose one with source.gguf)' : ''}`, ErrorType.UnsupportedModel);
   }
@@ -184,7 +176,7 @@ async function runPlan(state: PipelineState): Promise<void> {
   };
   await publishModel(ready);
   // Its pool, if one runs, may be backing off failed starts that wanted this model: try now.
-  if (patched(NOTIFY_POOL_PATCH)) await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name)).signal(modelPublishedSignal).catch(() => undefined);
+  await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name)).signal(modelPublishedSignal).catch(() => undefined);
   state.ready = ready;
   state.enter('ready');
 }

@@ -8,9 +8,9 @@ export interface PoolInput {
   /** Instances kept even when idle (0 = scale to zero). */
   minInstances: number;
   maxInstances: number;
-  /** Leases one instance takes before the pool adds another. */
+  /** Leases (live conversations) one instance takes before the pool adds another; also its engine's parallel slots. */
   leasesPerInstance: number;
-  /** An instance without leases for this long is stopped (down to `minInstances`). */
+  /** An instance without leases or backlog for this long is stopped (down to `minInstances`). */
   idleTimeoutMs: number;
   /**
    * How long an idle instance stays unpublished from `magus_pools` before it is stopped, so a
@@ -21,9 +21,8 @@ export interface PoolInput {
    * How often each instance's watcher (`watchInstance`, an activity on the worker that runs it)
    * asks the runtime whether it still serves, when the runtime cannot report changes itself
    * (default 15 s; its heartbeat timeout is 3× this, at least 10 s). One that does not is
-   * dropped and its sessions are leased another instance (they rewrite their `magus_sessions`
-   * entries), so a dead instance stops receiving turns. (Pools started before the watchers ran
-   * this as a probe loop in the workflow.)
+   * dropped from the published view and stopped; gateways move its conversations on their next
+   * turn, so a dead instance stops receiving turns.
    */
   healthCheckMs?: number;
   /**
@@ -61,7 +60,7 @@ export interface PoolResource {
 
 export interface InstanceView {
   id: string;
-  /** `draining`: idle, unpublished, stopped after the drain grace unless a session takes it again. */
+  /** `draining`: idle, unpublished, stopped after the drain grace unless conversations reach it again. */
   phase: 'starting' | 'ready' | 'draining' | 'stopping';
   subject: string | null;
   leases: number;
@@ -74,7 +73,7 @@ export type PoolPhase = 'idle' | 'starting' | 'serving' | 'failing';
 
 export interface PoolStatus {
   instances: InstanceView[];
-  /** Sessions waiting for a lease (e.g. during a cold start). */
+  /** First turns gateways hold for want of an instance with room (their `demand`, e.g. during a cold start). */
   waiting: number;
   /** Set when the runtime cannot start an instance (e.g. no capacity); cleared on success. */
   lastError: string | null;
@@ -84,26 +83,14 @@ export interface PoolStatus {
 }
 
 /**
- * From a session: it wants an instance; answered with {@link leaseGrantedSignal} to
- * `sessionWorkflowId`. `preferred`: the instance a gateway already sent the first turn to; granted
- * when it is ready or draining, whatever its lease count (leasesPerInstance is a soft limit).
- */
-export const leaseRequestedSignal = defineSignal<[{ sessionId: string; sessionWorkflowId: string; preferred?: string }]>('leaseRequested');
-export const leaseReleasedSignal = defineSignal<[{ sessionId: string }]>('leaseReleased');
-/**
  * From a gateway replica (signal-with-start), on its cold path: it holds `waiting` first turns of
  * this model for want of an instance with room. Sent at most once a second per replica and model;
  * the pool counts it for 30 s (`DEMAND_HOLD_MS`, state.ts) unless sent again (0 withdraws it).
  */
 export const demandSignal = defineSignal<[{ replica: string; waiting: number }]>('demand');
-/** Sent with signal-with-start by whoever needs the pool to exist; carries no data. */
-export const ensurePoolSignal = defineSignal('ensurePool');
 export const poolResourceSignal = defineSignal<[PoolResource]>('resourceChanged');
 /** From the model's pipeline: a new version of the model is published; failed starts may succeed now. */
 export const modelPublishedSignal = defineSignal('modelPublished');
 export const poolStatusQuery = defineQuery<PoolStatus>('status');
-
-/** Pool → session. `error` when no instance can be started. */
-export const leaseGrantedSignal = defineSignal<[{ instance: string; subject: string } | { error: string }]>('leaseGranted');
 
 export const poolWorkflowId = (namespace: string, model: string): string => `pool/${namespace}/${model}`;

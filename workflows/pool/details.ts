@@ -1,4 +1,4 @@
-/** The pool's status in words, for the Temporal UI (both protocols). */
+/** The pool's status in words, for the Temporal UI. */
 import { at } from '../visibility';
 import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
 

@@ -1,4 +1,4 @@
-/** Activity options and defaults both protocols of `dllamaPool` use (pool.ts, entry-pool.ts). */
+/** Activity options and defaults of `dllamaPool` (pool.ts). */
 import type { ActivityOptions } from '@temporalio/workflow';
 
 /** Starting an instance waits for it to be healthy: a cold start may take minutes. */

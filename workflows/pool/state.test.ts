@@ -186,34 +186,6 @@ describe('PoolState', () => {
     expect(next.nextId).toBe(5);
   });
 
-  it('old-protocol sessions on an instance that is lost ask again; those that released theirs do not; the carry keeps the rest', () => {
-    const s = ready(2);
-    s.grantedLegacy({ sessionId: 'a', sessionWorkflowId: 'session/a' }, 'm-1');
-    s.grantedLegacy({ sessionId: 'b', sessionWorkflowId: 'session/b' }, 'm-1');
-    s.grantedLegacy({ sessionId: 'c', sessionWorkflowId: 'session/c' }, 'm-2');
-    s.releasedLegacy('b');
-    expect(s.regrantLegacy()).toBe(0); // nothing lost yet
-    expect(s.lost(s.instances.get('m-1')!, 'gone')).toBe(true);
-    expect(s.regrantLegacy()).toBe(1);
-    expect(s.legacyWaiting).toEqual([{ sessionId: 'a', sessionWorkflowId: 'session/a' }]);
-    expect(s.legacyGrant(s.legacyWaiting[0]!)?.id).toBe('m-2');
-    expect(s.carry(0).legacyLeases).toEqual([{ sessionId: 'c', sessionWorkflowId: 'session/c', instance: 'm-2' }]);
-    expect(new PoolState(input(), s.carry(0)).legacyLeases.get('c')?.instance).toBe('m-2');
-  });
-
-  it('grants an old-protocol session its preferred instance, else the least loaded, else none', () => {
-    const s = ready(2);
-    s.loaded(report({ 'm-1': [2], 'm-2': [1] }), 1);
-    expect(s.legacyGrant({ sessionId: 'a', sessionWorkflowId: 'session/a', preferred: 'm-1' })?.id).toBe('m-1');
-    expect(s.legacyGrant({ sessionId: 'b', sessionWorkflowId: 'session/b' })?.id).toBe('m-2');
-    expect(new PoolState(input()).legacyGrant({ sessionId: 'c', sessionWorkflowId: 'session/c' })).toBeUndefined();
-    s.requestedLegacy({ sessionId: 'c', sessionWorkflowId: 'session/c' });
-    s.requestedLegacy({ sessionId: 'c', sessionWorkflowId: 'session/c' });
-    expect(s.waiting(0)).toBe(1);
-    s.releasedLegacy('c');
-    expect(s.waiting(0)).toBe(0);
-  });
-
   it('takes a Dllama generation once, lets a deleted one scale to zero, and refuses bad sizes', () => {
     const s = new PoolState(input());
     const r = { name: 'd', uid: 'u1', generation: 2, minInstances: 1, maxInstances: 3, leasesPerInstance: 5, idleTimeoutMs: 1000, nodesPerInstance: 1 };

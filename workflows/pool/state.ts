@@ -1,5 +1,5 @@
 /**
- * The `dllamaPool` workflow's state under the entry-lease protocol (DESIGN.md, "Control plane"):
+ * The `dllamaPool` workflow's state (ARCHITECTURE.md, "Data plane", "The entry-lease protocol"):
  * its instances, the load its reconciler reports, the demand gateways signal on their cold path,
  * failed starts and their backoff — and the decisions made from them: how many instances to
  * start, which to drain and which to stop, what gateways may pick from (`magus_pools`) and when
@@ -8,10 +8,10 @@
  * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
  * gateways create, renew and move and its session deletes; the pool sees them only counted, per
  * instance, in the reconciler's {@link LoadReport}. What a run carries into the next is
- * O(instances) ({@link PoolCarryV2}).
+ * O(instances) ({@link PoolCarry}).
  *
  * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
- * (`state.test.ts`); `entry-pool.ts` wires it to signals, activities and timers.
+ * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
  */
 import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
 
@@ -51,8 +51,7 @@ export interface LoadReport {
 }
 
 /** What one run of the pool carries into the next: O(instances), never per conversation. */
-export interface PoolCarryV2 {
-  protocol: 2;
+export interface PoolCarry {
   instances: { id: string; subject: string; runtimeQueue?: string; leases: number; pending: number; ackPending: number; idleSince: number }[];
   nextId: number;
   startFailures: number;
@@ -62,21 +61,6 @@ export interface PoolCarryV2 {
   failedAt?: number;
   /** Demand signalled by gateway replicas, each until its time. */
   demand: Record<string, { waiting: number; until: number }>;
-  /** Sessions of the old protocol waiting for a grant (only while gateways of the old protocol run). */
-  legacyWaiting: LegacyRequest[];
-  /**
-   * Sessions of the old protocol holding a lease, and on which instance: when it is lost they are
-   * granted another, as the old pool did (their gateways follow the entry the session rewrites).
-   * Only during a migration: it empties as they end (each releases its lease), within one TTL.
-   */
-  legacyLeases?: (LegacyRequest & { instance: string })[];
-}
-
-/** A lease request of a session of the old protocol (`leaseRequested`). */
-export interface LegacyRequest {
-  sessionId: string;
-  sessionWorkflowId: string;
-  preferred?: string;
 }
 
 /** What gateways may pick from: the pool's `magus_pools` entry, less the time stamp the activity adds. */
@@ -108,9 +92,6 @@ export class PoolState {
   lastError: string | null;
   failedAt: number;
   readonly demand = new Map<string, { waiting: number; until: number }>();
-  readonly legacyWaiting: LegacyRequest[];
-  /** Old-protocol sessions' leases, by session id ({@link PoolCarryV2.legacyLeases}). */
-  readonly legacyLeases = new Map<string, LegacyRequest & { instance: string }>();
   /**
    * The reconciler's last report (at the start of a run, the counts carried over): the activity
    * reports only what differs from it.
@@ -121,7 +102,7 @@ export class PoolState {
   /** The view being written, if a write is under way. */
   private writingView: { ids: ReadonlySet<string>; shape: string } | null = null;
 
-  constructor(input: PoolInput, carry?: PoolCarryV2) {
+  constructor(input: PoolInput, carry?: PoolCarry) {
     this.input = input;
     this.nextId = carry?.nextId ?? 1;
     this.startFailures = carry?.startFailures ?? 0;
@@ -129,8 +110,6 @@ export class PoolState {
     this.lastError = carry?.lastError ?? null;
     this.failedAt = carry?.failedAt ?? 0;
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
-    this.legacyWaiting = [...(carry?.legacyWaiting ?? [])];
-    for (const l of carry?.legacyLeases ?? []) this.legacyLeases.set(l.sessionId, l);
     this.lastLoad = carry ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) } : null;
     for (const c of carry?.instances ?? []) {
       this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0, reported: true });
@@ -151,9 +130,9 @@ export class PoolState {
     return [...this.instances.values()].filter((i) => i.phase !== 'stopping');
   }
 
-  /** First turns gateways are holding for want of room, and old-protocol sessions waiting. */
+  /** First turns gateways are holding for want of room. */
   waiting(now: number): number {
-    let n = this.legacyWaiting.length;
+    let n = 0;
     for (const d of this.demand.values()) if (d.until > now) n += d.waiting;
     return n;
   }
@@ -360,46 +339,6 @@ export class PoolState {
     return this.writingView !== null;
   }
 
-  /** An old-protocol session asks for a lease (once in the list however often it asks). */
-  requestedLegacy(req: LegacyRequest): void {
-    if (!this.legacyWaiting.some((w) => w.sessionId === req.sessionId)) this.legacyWaiting.push(req);
-  }
-
-  /** An old-protocol session ends or withdraws: it waits no more, and holds no lease. */
-  releasedLegacy(sessionId: string): void {
-    const k = this.legacyWaiting.findIndex((w) => w.sessionId === sessionId);
-    if (k >= 0) this.legacyWaiting.splice(k, 1);
-    this.legacyLeases.delete(sessionId);
-  }
-
-  /** An old-protocol session was granted `instance`. */
-  grantedLegacy(req: LegacyRequest, instance: string): void {
-    this.legacyLeases.set(req.sessionId, { sessionId: req.sessionId, sessionWorkflowId: req.sessionWorkflowId, instance });
-  }
-
-  /**
-   * The old-protocol sessions whose leases were on instances no longer here wait for a grant again
-   * (another instance, as the old pool moved them). Returns how many.
-   */
-  regrantLegacy(): number {
-    let n = 0;
-    for (const [id, l] of this.legacyLeases) {
-      if (this.instances.has(l.instance)) continue;
-      this.legacyLeases.delete(id);
-      this.requestedLegacy({ sessionId: l.sessionId, sessionWorkflowId: l.sessionWorkflowId });
-      n++;
-    }
-    return n;
-  }
-
-  /** A legacy session's request: the instance to grant now, if one serves (its preferred one first, then the least loaded). */
-  legacyGrant(req: LegacyRequest): PoolInstance | undefined {
-    const serving = this.serving();
-    const preferred = serving.find((i) => i.id === req.preferred);
-    if (preferred) return preferred;
-    return serving.sort((a, b) => a.leases - b.leases)[0];
-  }
-
   /** The status query's answer. */
   status(now: number): PoolStatus {
     return {
@@ -418,9 +357,8 @@ export class PoolState {
     return this.startFailures > 0 ? 'failing' : 'idle';
   }
 
-  carry(now: number): PoolCarryV2 {
+  carry(now: number): PoolCarry {
     return {
-      protocol: 2,
       instances: this.serving().map((i) => ({ id: i.id, subject: i.subject!, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}), leases: i.leases, pending: i.pending, ackPending: i.ackPending, idleSince: i.idleSince })),
       nextId: this.nextId,
       startFailures: this.startFailures,
@@ -428,8 +366,6 @@ export class PoolState {
       lastError: this.lastError,
       ...(this.failedAt ? { failedAt: this.failedAt } : {}),
       demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
-      legacyWaiting: this.legacyWaiting,
-      ...(this.legacyLeases.size > 0 ? { legacyLeases: [...this.legacyLeases.values()] } : {}),
     };
   }
 }
