@@ -48,8 +48,8 @@ import {
   type SecretRef,
   type SourceFile,
   type StoredObject,
-  type WeightsFormat,
 } from '../shared/model';
+import type { WeightsFormat } from '../shared/weights';
 import type { ActivityProgress, ActivityRetry } from '../workflows/model/definitions';
 
 export interface PipelineDeps {

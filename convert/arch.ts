@@ -15,8 +15,9 @@
  * Pure code: no I/O.
  */
 import { ConvertError } from './errors';
-import { encodedSize, QK } from './quant';
+import { encodedSize } from './quant';
 import type { WeightsFormat } from './types';
+import { isBlockQuantized, weightsFormat, WEIGHTS_FORMATS } from '../shared/weights';
 
 /** Architectures we convert, named as in `config.json` `model_type` (and in GGUF). */
 export type ArchName = 'llama' | 'qwen3';
@@ -435,11 +436,13 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
     if (d.source !== null && !hasTensor(d.source)) throw new ConvertError('MissingTensor', `tensor ${d.source} is missing from the checkpoint`);
     const format: WeightsFormat = d.quantize ? weights : 'f32';
     const cols = d.shape[d.shape.length - 1] ?? 0;
-    if ((format === 'q40' || format === 'q80') && cols % QK !== 0) {
+    const { blockQuantized, blockSize } = weightsFormat(format);
+    if (blockQuantized && cols % blockSize !== 0) {
       // Checked from config.json before anything is read or written; the checkpoint's own name of
       // the tensor is what a user finds in the repository.
       const source = d.source !== null && d.source !== d.name ? ` (${d.source})` : '';
-      throw new ConvertError('BadBlockSize', `tensor ${d.name}${source}: rows of ${cols} values cannot be split into ${QK}-value ${format} blocks; convert this model to f16 or f32`);
+      const plain = WEIGHTS_FORMATS.filter((f) => !isBlockQuantized(f)).join(' or ');
+      throw new ConvertError('BadBlockSize', `tensor ${d.name}${source}: rows of ${cols} values cannot be split into ${blockSize}-value ${format} blocks; convert this model to ${plain}`);
     }
     const elements = d.shape.reduce((a, b) => a * b, 1);
     const planned: PlannedTensor = {

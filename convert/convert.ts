@@ -21,12 +21,12 @@ import { QK, dtypeSize, encodedSize } from './quant';
 import { chunkElementsFor, elementCount, localCheckpoint, openModel, readTensorChunks, type ModelWeights } from './safetensors';
 import { parseTokenizer, type ParsedTokenizer } from './tokenizer';
 import type { CheckpointFiles, QuantFlavor, SourceDType, WeightsFormat } from './types';
+import { WEIGHTS_FORMATS } from '../shared/weights';
 
 /** Bumped whenever output bytes for the same input could change (S3 artifact keys include it). */
 export const CONVERTER_VERSION = 'c1';
 
 export const OUTPUT_FORMATS: readonly OutputFormat[] = ['gguf', 'dllama'];
-export const WEIGHTS_FORMATS: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
 
 /** A local path, or an output that appears whole on commit (e.g. an S3 object). */
 export type Output = string | OutputTarget;

@@ -14,6 +14,7 @@ import { type ModelSpec, type PlannedTensor, planTensors } from './arch';
 import { ConvertError } from './errors';
 import type { ParsedTokenizer } from './tokenizer';
 import type { WeightsFormat } from './types';
+import { WEIGHTS, WEIGHTS_FORMATS } from '../shared/weights';
 
 export const DLLAMA_MODEL_MAGIC = 0x0a00abcd;
 export const DLLAMA_TOKENIZER_MAGIC = 0x567124;
@@ -57,7 +58,8 @@ export const DllamaTokenizerKey = {
 } as const;
 
 export const DllamaArchType = { llama: 0xabcd00, qwen3: 0xabcd01 } as const;
-export const DllamaFloatType: Readonly<Record<WeightsFormat, number>> = { f32: 0, f16: 1, q40: 2, q80: 3 };
+/** distributed-llama's `FloatType` of each weights format (shared/weights.ts). */
+export const DllamaFloatType = Object.fromEntries(WEIGHTS_FORMATS.map((f) => [f, WEIGHTS[f].dllamaFloatType])) as Readonly<Record<WeightsFormat, number>>;
 const HIDDEN_ACT_SILU = 1;
 /** convert-hf.py `parseRopeType`: llama3 -> LLAMA3_1 */
 const ROPE_TYPE_LLAMA3_1 = 2;

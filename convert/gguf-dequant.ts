@@ -18,21 +18,14 @@ import { ConvertError } from './errors';
 import type { GgufFile, GgufTensorEntry } from './gguf-reader';
 import { decodeToF32, F16_TABLE, QK } from './quant';
 import type { ByteSource, SourceDType, SourceTensor } from './types';
+import { GGML_TYPES, ggmlTypeName } from '../shared/ggml';
 
-/** ggml type names by id (ggml.h `ggml_type`), for messages. */
-const GGML_TYPE_NAMES: readonly string[] = [
-  'F32', 'F16', 'Q4_0', 'Q4_1', 'Q4_2', 'Q4_3', 'Q5_0', 'Q5_1', 'Q8_0', 'Q8_1', 'Q2_K', 'Q3_K', 'Q4_K', 'Q5_K', 'Q6_K', 'Q8_K',
-  'IQ2_XXS', 'IQ2_XS', 'IQ3_XXS', 'IQ1_S', 'IQ4_NL', 'IQ3_S', 'IQ2_S', 'IQ4_XS', 'I8', 'I16', 'I32', 'I64', 'F64', 'IQ1_M', 'BF16',
-  'Q4_0_4_4', 'Q4_0_4_8', 'Q4_0_8_8', 'TQ1_0', 'TQ2_0', 'IQ4_NL_4_4', 'IQ4_NL_4_8', 'IQ4_NL_8_8', 'MXFP4',
-];
+/** The types read as they are: ggml id → the converter's element type (the same names). */
+const PLAIN_TYPES: ReadonlyMap<number, SourceDType> = new Map((['F32', 'F16', 'BF16'] as const).map((t) => [GGML_TYPES[t].id, t]));
 
-/** The name of ggml type `id` (`type 42` when unknown). */
-export function ggmlTypeName(id: number): string {
-  return GGML_TYPE_NAMES[id] ?? `type ${id}`;
-}
-
-/** The types read as they are: ggml id → the converter's element type. */
-const PLAIN_TYPES: ReadonlyMap<number, SourceDType> = new Map([[0, 'F32'], [1, 'F16'], [30, 'BF16']]);
+const Q8_0_BYTES = GGML_TYPES.Q8_0.typeSize;
+const Q4_0_BYTES = GGML_TYPES.Q4_0.typeSize;
+const Q4_1_BYTES = GGML_TYPES.Q4_1.typeSize;
 
 /** A block-quantized type this module expands: bytes per 32-value block, and its kernel. */
 interface BlockType {
@@ -43,7 +36,7 @@ interface BlockType {
 /** ggml Q8_0 blocks → float32 values (`out.length` = 32 × blocks). */
 export function dequantizeQ80(bytes: Uint8Array, out: Float32Array): void {
   const q = new Int8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-  for (let b = 0, o = 0; o < out.length; b += 34, o += QK) {
+  for (let b = 0, o = 0; o < out.length; b += Q8_0_BYTES, o += QK) {
     const d = F16_TABLE[bytes[b]! | (bytes[b + 1]! << 8)]!;
     for (let j = 0; j < QK; j++) out[o + j] = q[b + 2 + j]! * d;
   }
@@ -51,7 +44,7 @@ export function dequantizeQ80(bytes: Uint8Array, out: Float32Array): void {
 
 /** ggml Q4_0 blocks → float32 values. */
 export function dequantizeQ40(bytes: Uint8Array, out: Float32Array): void {
-  for (let b = 0, o = 0; o < out.length; b += 18, o += QK) {
+  for (let b = 0, o = 0; o < out.length; b += Q4_0_BYTES, o += QK) {
     const d = F16_TABLE[bytes[b]! | (bytes[b + 1]! << 8)]!;
     for (let j = 0; j < QK / 2; j++) {
       const v = bytes[b + 2 + j]!;
@@ -63,7 +56,7 @@ export function dequantizeQ40(bytes: Uint8Array, out: Float32Array): void {
 
 /** ggml Q4_1 blocks → float32 values. */
 export function dequantizeQ41(bytes: Uint8Array, out: Float32Array): void {
-  for (let b = 0, o = 0; o < out.length; b += 20, o += QK) {
+  for (let b = 0, o = 0; o < out.length; b += Q4_1_BYTES, o += QK) {
     const d = F16_TABLE[bytes[b]! | (bytes[b + 1]! << 8)]!;
     const m = F16_TABLE[bytes[b + 2]! | (bytes[b + 3]! << 8)]!;
     for (let j = 0; j < QK / 2; j++) {
@@ -76,9 +69,9 @@ export function dequantizeQ41(bytes: Uint8Array, out: Float32Array): void {
 }
 
 const BLOCK_TYPES: ReadonlyMap<number, BlockType> = new Map([
-  [8, { blockBytes: 34, dequantize: dequantizeQ80 }],
-  [2, { blockBytes: 18, dequantize: dequantizeQ40 }],
-  [3, { blockBytes: 20, dequantize: dequantizeQ41 }],
+  [GGML_TYPES.Q8_0.id, { blockBytes: Q8_0_BYTES, dequantize: dequantizeQ80 }],
+  [GGML_TYPES.Q4_0.id, { blockBytes: Q4_0_BYTES, dequantize: dequantizeQ40 }],
+  [GGML_TYPES.Q4_1.id, { blockBytes: Q4_1_BYTES, dequantize: dequantizeQ41 }],
 ]);
 
 /** The ggml types {@link ggufSourceTensor} reads, by name (for messages and docs). */

@@ -14,7 +14,7 @@
  * ({@link tokenizerFromGguf}) and every tensor's type ({@link checkDequantizable}).
  */
 import { type ModelSpec, planTensors } from './arch';
-import { CHUNK_ELEMENTS, type ConvertProgress, type ConvertResult, type Output, tensorStreamer, WEIGHTS_FORMATS, writeDllama } from './convert';
+import { CHUNK_ELEMENTS, type ConvertProgress, type ConvertResult, type Output, tensorStreamer, writeDllama } from './convert';
 import { planDllama } from './dllama';
 import { ConvertError } from './errors';
 import { checkDequantizable, ggufRopeFreqs, ggufSourceTensor } from './gguf-dequant';
@@ -24,6 +24,7 @@ import { tokenizerFromGguf } from './gguf-tokenizer';
 import { QuantPool } from './pool';
 import { fileSource } from './safetensors';
 import type { ByteSource, SourceTensor, WeightsFormat } from './types';
+import { WEIGHTS_FORMATS } from '../shared/weights';
 
 export interface GgufToDllamaOptions {
   /** The GGUF file: a local path, or a byte source (e.g. an S3 object). */

@@ -5,6 +5,7 @@
  */
 import { GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, type GgufArray, type GgufKv, type GgufValue, type GgufValueTypeName, alignUp } from './gguf';
 import type { ByteSource } from './types';
+import { ggmlLayout } from '../shared/ggml';
 
 /** A tensor info as stored, with derived absolute offset and (for known types) size. */
 export interface GgufTensorEntry {
@@ -49,15 +50,6 @@ export class GgufFormatError extends Error {
 const TYPE_NAMES: readonly GgufValueTypeName[] = [
   'uint8', 'int8', 'uint16', 'int16', 'uint32', 'int32', 'float32', 'bool', 'string', 'array', 'uint64', 'int64', 'float64',
 ];
-
-/** [elements per block, bytes per block] of the ggml types in gguf-py's GGML_QUANT_SIZES. */
-const BLOCK_SIZES: ReadonlyMap<number, readonly [number, number]> = new Map([
-  [0, [1, 4]], [1, [1, 2]], [2, [32, 18]], [3, [32, 20]], [6, [32, 22]], [7, [32, 24]], [8, [32, 34]], [9, [32, 40]],
-  [10, [256, 84]], [11, [256, 110]], [12, [256, 144]], [13, [256, 176]], [14, [256, 210]], [15, [256, 292]],
-  [16, [256, 66]], [17, [256, 74]], [18, [256, 98]], [19, [256, 50]], [20, [32, 18]], [21, [256, 110]], [22, [256, 82]], [23, [256, 136]],
-  [24, [1, 1]], [25, [1, 2]], [26, [1, 4]], [27, [1, 8]], [28, [1, 8]], [29, [256, 56]], [30, [1, 2]],
-  [34, [256, 54]], [35, [256, 66]], [39, [32, 17]],
-]);
 
 const decoder = new TextDecoder('utf-8', { fatal: true });
 
@@ -218,12 +210,12 @@ function parse(bytes: Uint8Array, fileSize: number): GgufFile {
     const ggmlType = c.u32();
     const offset = c.size(`tensor ${name} offset`);
     if (offset % alignment !== 0) throw new GgufFormatError(`tensor ${name}: offset ${offset} is not aligned to ${alignment}`);
-    const block = BLOCK_SIZES.get(ggmlType);
+    const layout = ggmlLayout(ggmlType);
     let byteLength: number | null = null;
-    if (block) {
-      const [size, bytesPerBlock] = block;
-      if ((dims[0] ?? 0) % size !== 0) throw new GgufFormatError(`tensor ${name}: ne[0]=${dims[0]} is not a multiple of ${size}`);
-      byteLength = (dims.reduce((a, b) => a * b, 1) / size) * bytesPerBlock;
+    if (layout) {
+      const { blockSize, typeSize } = layout;
+      if ((dims[0] ?? 0) % blockSize !== 0) throw new GgufFormatError(`tensor ${name}: ne[0]=${dims[0]} is not a multiple of ${blockSize}`);
+      byteLength = (dims.reduce((a, b) => a * b, 1) / blockSize) * typeSize;
     }
     raw.push({ name, ggmlType, dims, offset, byteLength });
   }

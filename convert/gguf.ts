@@ -19,6 +19,8 @@ import { type ModelSpec, type PlannedTensor, planTensors } from './arch';
 import { ConvertError } from './errors';
 import { type ParsedTokenizer, TokenType } from './tokenizer';
 import type { WeightsFormat } from './types';
+import { GGML_TYPES, ggmlLayout } from '../shared/ggml';
+import { WEIGHTS, WEIGHTS_FORMATS, weightsFormat } from '../shared/weights';
 
 export const GGUF_MAGIC = 0x46554747; // "GGUF" read as a little-endian u32
 export const GGUF_VERSION = 3;
@@ -66,26 +68,22 @@ export type GgufValue =
 /** A metadata key/value pair. */
 export type GgufKv = { key: string } & GgufValue;
 
-/** ggml tensor type ids of the encodings we write. */
-export const GgmlType = { F32: 0, F16: 1, Q4_0: 2, Q8_0: 8 } as const;
-export type GgmlTypeId = (typeof GgmlType)[keyof typeof GgmlType];
-
-/** [elements per block, bytes per block] */
-const GGML_BLOCK: Readonly<Record<GgmlTypeId, readonly [number, number]>> = {
-  [GgmlType.F32]: [1, 4],
-  [GgmlType.F16]: [1, 2],
-  [GgmlType.Q4_0]: [32, 18],
-  [GgmlType.Q8_0]: [32, 34],
+/** The ggml type names of the encodings we write: one per weights format (shared/weights.ts). */
+type WrittenGgmlName = (typeof WEIGHTS)[WeightsFormat]['ggml'];
+/** ggml tensor type ids of the encodings we write, by name (`GgmlType.Q4_0`). */
+export const GgmlType = Object.fromEntries(WEIGHTS_FORMATS.map((f) => [WEIGHTS[f].ggml, GGML_TYPES[WEIGHTS[f].ggml].id])) as {
+  readonly [N in WrittenGgmlName]: (typeof GGML_TYPES)[N]['id'];
 };
+export type GgmlTypeId = (typeof GgmlType)[keyof typeof GgmlType];
 
 /** The ggml type holding a weights format (ggml Q4_0/Q8_0 blocks are the same bytes as dllama q40/q80). */
 export function ggmlTypeOf(format: WeightsFormat): GgmlTypeId {
-  return { f32: GgmlType.F32, f16: GgmlType.F16, q40: GgmlType.Q4_0, q80: GgmlType.Q8_0 }[format];
+  return weightsFormat(format).ggmlType as GgmlTypeId;
 }
 
 /** `general.file_type` (llama.cpp `llama_ftype`) of a model whose matrices use `format`. */
 export function llamaFileType(format: WeightsFormat): number {
-  return { f32: 0, f16: 1, q40: 2, q80: 7 }[format];
+  return WEIGHTS[format].llamaFileType;
 }
 
 /** A tensor as described in the GGUF header. */
@@ -98,12 +96,12 @@ export interface GgufTensorInfo {
 
 /** Bytes of a tensor's data. @throws ConvertError `BadBlockSize` */
 export function ggmlByteLength(ggmlType: GgmlTypeId, dims: readonly number[]): number {
-  const block = GGML_BLOCK[ggmlType];
-  if (!block) throw new RangeError(`unsupported ggml type ${String(ggmlType)}`);
-  const [blockSize, blockBytes] = block;
+  const layout = ggmlLayout(ggmlType);
+  if (!layout) throw new RangeError(`unsupported ggml type ${String(ggmlType)}`);
+  const { blockSize, typeSize } = layout;
   const inner = dims[0] ?? 1;
   if (inner % blockSize !== 0) throw new ConvertError('BadBlockSize', `ne[0]=${inner} is not a multiple of the ${blockSize}-value block of ggml type ${ggmlType}`);
-  return (dims.reduce((a, b) => a * b, 1) / blockSize) * blockBytes;
+  return (dims.reduce((a, b) => a * b, 1) / blockSize) * typeSize;
 }
 
 /** Rounds `n` up to a multiple of `alignment`. */

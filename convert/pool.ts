@@ -19,9 +19,9 @@ import { types } from 'node:util';
 import { Worker } from 'node:worker_threads';
 import { ConvertError, type ConvertErrorCode } from './errors';
 import type { EncodeRequest, EncodeResponse } from './quant-worker';
-import { QK } from './quant';
 import { elementCount, readTensorChunks } from './safetensors';
 import type { QuantFlavor, SourceDType, SourceTensor, WeightsFormat } from './types';
+import { weightsFormat } from '../shared/weights';
 
 /** One chunk to encode. */
 export interface EncodeTask {
@@ -144,12 +144,13 @@ export class QuantPool {
   /**
    * Reads and encodes a whole tensor chunk by chunk, in order. Memory is bounded by
    * `maxInFlight` chunks of `chunkElements`.
-   * @throws ConvertError `BadBlockSize` before reading if q40/q80 and the size is not a multiple of 32.
+   * @throws ConvertError `BadBlockSize` before reading if a block format (q40/q80) and the size is not whole blocks.
    */
   encodeTensor(t: SourceTensor, opts: Omit<EncodeStreamOptions, 'label'> & { chunkElements?: number }): AsyncGenerator<Uint8Array> {
     const label = `${t.source.name}: tensor ${t.name}`;
-    if ((opts.format === 'q40' || opts.format === 'q80') && elementCount(t.shape) % QK !== 0) {
-      throw new ConvertError('BadBlockSize', `${label}: ${elementCount(t.shape)} values are not a whole number of ${QK}-value blocks`);
+    const { blockQuantized, blockSize } = weightsFormat(opts.format);
+    if (blockQuantized && elementCount(t.shape) % blockSize !== 0) {
+      throw new ConvertError('BadBlockSize', `${label}: ${elementCount(t.shape)} values are not a whole number of ${blockSize}-value blocks`);
     }
     return this.encodeStream(readTensorChunks(t, { chunkElements: opts.chunkElements }), { ...opts, label });
   }

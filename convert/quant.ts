@@ -40,13 +40,14 @@
  */
 import { ConvertError } from './errors';
 import type { QuantFlavor, SourceDType, WeightsFormat } from './types';
+import { weightsFormat } from '../shared/weights';
 
-/** Elements per quantization block (Q4_0, Q8_0, q40, q80). */
-export const QK = 32;
+/** Elements per quantization block (Q4_0, Q8_0, q40, q80: 32, the block the kernels below are written for). */
+export const QK = weightsFormat('q40').blockSize;
 /** Bytes per Q4_0/q40 block: fp16 scale + 16 bytes of nibbles. */
-export const Q40_BLOCK_BYTES = 18;
+export const Q40_BLOCK_BYTES = weightsFormat('q40').blockBytes;
 /** Bytes per Q8_0/q80 block: fp16 scale + 32 signed bytes. */
-export const Q80_BLOCK_BYTES = 34;
+export const Q80_BLOCK_BYTES = weightsFormat('q80').blockBytes;
 
 if (new Uint8Array(new Uint16Array([1]).buffer)[0] !== 1) {
   // Typed-array views over file bytes assume the host byte order is the file's (little-endian).
@@ -152,20 +153,11 @@ export function bf16BitsToF32(h: number): number {
 // ---------------------------------------------------------------------------------------------
 // Sizes and views
 
-/** Bytes needed to encode `elements` values as `format`. Throws `BadBlockSize` for q40/q80 when not a multiple of 32. */
+/** Bytes needed to encode `elements` values as `format`. Throws `BadBlockSize` for a block format (q40/q80) when not a whole number of blocks. */
 export function encodedSize(format: WeightsFormat, elements: number, label?: string): number {
-  switch (format) {
-    case 'f32':
-      return elements * 4;
-    case 'f16':
-      return elements * 2;
-    case 'q80':
-      checkBlocks(elements, label);
-      return (elements / QK) * Q80_BLOCK_BYTES;
-    case 'q40':
-      checkBlocks(elements, label);
-      return (elements / QK) * Q40_BLOCK_BYTES;
-  }
+  const { blockQuantized, blockSize, blockBytes } = weightsFormat(format);
+  if (blockQuantized) checkBlocks(elements, blockSize, label);
+  return (elements / blockSize) * blockBytes;
 }
 
 /** Bytes per element of a source dtype. */
@@ -173,9 +165,9 @@ export function dtypeSize(dtype: SourceDType): number {
   return dtype === 'F32' ? 4 : 2;
 }
 
-function checkBlocks(elements: number, label?: string): void {
-  if (!Number.isInteger(elements) || elements < 0 || elements % QK !== 0) {
-    throw new ConvertError('BadBlockSize', `${label ?? 'tensor'}: ${elements} values are not a whole number of ${QK}-value blocks`);
+function checkBlocks(elements: number, blockSize: number, label?: string): void {
+  if (!Number.isInteger(elements) || elements < 0 || elements % blockSize !== 0) {
+    throw new ConvertError('BadBlockSize', `${label ?? 'tensor'}: ${elements} values are not a whole number of ${blockSize}-value blocks`);
   }
 }
 
@@ -296,7 +288,7 @@ function writeScale(out: Uint8Array, o: number, d: number): void {
 /** Q4_0 (ggml) or q40 (dllama) of float32 values into `out` (18 bytes per 32 values). */
 export function quantizeQ40(x: Float32Array, out: Uint8Array, opts?: EncodeOptions): void {
   const n = x.length;
-  checkBlocks(n, opts?.label);
+  checkBlocks(n, QK, opts?.label);
   const dllama = opts?.flavor === 'dllama';
   let o = opts?.outOffset ?? 0;
   checkOut(out, o, (n / QK) * Q40_BLOCK_BYTES);
@@ -425,7 +417,7 @@ export function quantizeQ40Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Ui
 /** Q8_0 (ggml) or q80 (dllama) of float32 values into `out` (34 bytes per 32 values). */
 export function quantizeQ80(x: Float32Array, out: Uint8Array, opts?: EncodeOptions): void {
   const n = x.length;
-  checkBlocks(n, opts?.label);
+  checkBlocks(n, QK, opts?.label);
   const dllama = opts?.flavor === 'dllama';
   let o = opts?.outOffset ?? 0;
   checkOut(out, o, (n / QK) * Q80_BLOCK_BYTES);
@@ -532,7 +524,7 @@ export function quantizeQ80Half(src: Uint16Array, dtype: 'F16' | 'BF16', out: Ui
  */
 function halfInput(src: Uint16Array, dtype: 'F16' | 'BF16', out: Uint8Array, blockBytes: number, opts: EncodeOptions | undefined) {
   const n = src.length;
-  checkBlocks(n, opts?.label);
+  checkBlocks(n, QK, opts?.label);
   checkOut(out, opts?.outOffset ?? 0, (n / QK) * blockBytes);
   const h = src.byteOffset % 4 === 0 ? src : src.slice();
   return {
@@ -585,13 +577,13 @@ export function encodeChunk(src: RawChunk, format: WeightsFormat, out: Uint8Arra
   checkOut(out, offset, size);
   switch (format) {
     case 'q40':
-    case 'q80': {
-      const quantize = format === 'q40' ? quantizeQ40 : quantizeQ80;
-      const quantizeHalf = format === 'q40' ? quantizeQ40Half : quantizeQ80Half;
-      if (src.dtype === 'F32') quantize(f32View(src.bytes), out, opts);
-      else quantizeHalf(u16View(src.bytes), src.dtype, out, opts);
+      if (src.dtype === 'F32') quantizeQ40(f32View(src.bytes), out, opts);
+      else quantizeQ40Half(u16View(src.bytes), src.dtype, out, opts);
       return size;
-    }
+    case 'q80':
+      if (src.dtype === 'F32') quantizeQ80(f32View(src.bytes), out, opts);
+      else quantizeQ80Half(u16View(src.bytes), src.dtype, out, opts);
+      return size;
     case 'f32': {
       const aligned = (out.byteOffset + offset) % 4 === 0;
       const dst = aligned ? new Float32Array(out.buffer, out.byteOffset + offset, elements) : new Float32Array(elements);

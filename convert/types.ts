@@ -6,8 +6,8 @@
 /** Element types found in safetensors inputs. */
 export type SourceDType = 'F32' | 'F16' | 'BF16';
 
-/** Output weight encodings (defined with the pipeline's vocabulary in shared/model.ts). */
-export type { WeightsFormat } from '../shared/model';
+/** Output weight encodings (declared in shared/weights.ts). */
+export type { WeightsFormat } from '../shared/weights';
 
 /**
  * Anything we can read byte ranges from: a local file, or an S3 object via ranged GETs.

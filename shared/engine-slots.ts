@@ -16,7 +16,8 @@
  * distributed-llama serves one request at a time: one slot, whatever the memory.
  * Workflow-safe: no I/O.
  */
-import { WEIGHTS_PREFERENCE, type Artifact, type MemoryPlan, type NodeMemory, type ReadyModel } from './model';
+import type { Artifact, MemoryPlan, NodeMemory, ReadyModel } from './model';
+import { WEIGHTS_PREFERENCE } from './weights';
 
 /** Context tokens per slot (the engine's `--ctx` default), unless the model plans a shorter one. */
 export const ENGINE_CONTEXT = 4096;

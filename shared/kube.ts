@@ -5,7 +5,8 @@
  * imports, no I/O.
  */
 import type { EngineKind } from './engines';
-import type { ArtifactFormat, ArtifactWeights, GgufChoice } from './model';
+import type { ArtifactFormat, GgufChoice } from './model';
+import type { ArtifactWeights } from './weights';
 
 export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session', apiKey: 'ApiKey' } as const;
 export const Plural = { model: 'models', dllama: 'dllamas', session: 'sessions', apiKey: 'apikeys' } as const;

@@ -1,20 +1,10 @@
 /**
  * The model pipeline's vocabulary, shared by the `modelPipeline` workflow, its activities, the
  * `magus model pull` CLI and (later) the `Model` custom resource, whose spec maps onto
- * {@link ModelSpec} one to one. Workflow-safe: no imports, no I/O.
+ * {@link ModelSpec} one to one. The weights formats are declared in weights.ts. Workflow-safe: no
+ * I/O.
  */
-
-/** Output weight encodings. `q40`/`q80` are 32-value block formats (ggml Q4_0/Q8_0 layout). */
-export type WeightsFormat = 'f32' | 'f16' | 'q80' | 'q40';
-export const WEIGHTS_FORMATS: readonly WeightsFormat[] = ['q40', 'q80', 'f16', 'f32'];
-
-/**
- * The weights of an artifact: one of {@link WeightsFormat}, or `source` — a GGUF source's file as
- * published (its own quantization, e.g. Q4_K_M), served without conversion.
- */
-export type ArtifactWeights = WeightsFormat | 'source';
-/** Which artifact of a format a runtime serves when there are several: a GGUF source's own file first, then the most compact. */
-export const WEIGHTS_PREFERENCE: readonly ArtifactWeights[] = ['source', 'q40', 'q80', 'f16', 'f32'];
+import { WEIGHTS_FORMATS, type ArtifactWeights, type WeightsFormat } from './weights';
 
 /** Artifact file formats: GGUF for llama.cpp, `.m` + `.t` for distributed-llama. */
 export type ArtifactFormat = 'gguf' | 'dllama';
@@ -192,7 +182,7 @@ export function validateModelSpec(spec: unknown): string[] {
       } else if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) {
         errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`);
       } else if (a?.format === 'gguf' && src?.gguf !== undefined) {
-        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:q40, q80, f16 and f32 are)`);
+        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:${WEIGHTS_FORMATS.slice(0, -1).join(', ')} and ${WEIGHTS_FORMATS.at(-1)} are)`);
       }
       const id = `${a?.format}:${a?.weights}`;
       if (seen.has(id)) errors.push(`artifacts[${i}]: ${id} is listed twice`);

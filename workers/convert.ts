@@ -1,15 +1,14 @@
 /**
  * `magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]`
+ * (the weights formats are shared/weights.ts's).
  */
 import { basename, resolve } from 'node:path';
 import { convertModel, isConvertError, OUTPUT_FORMATS, type OutputFormat } from '../convert';
-import { WEIGHTS_FORMATS, type WeightsFormat } from '../shared/model';
+import { isWeightsFormat, weightsFormat, WEIGHTS_FORMATS, type WeightsFormat } from '../shared/weights';
 import { formatBytes, TerminalProgress } from './progress';
 import { usageFailure, UsageError } from '../platform/cli';
 
-export const CONVERT_USAGE = 'usage: magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]';
-
-const GGUF_TYPE_NAME: Record<WeightsFormat, string> = { q40: 'Q4_0', q80: 'Q8_0', f16: 'F16', f32: 'F32' };
+export const CONVERT_USAGE = `usage: magus convert <hf-dir> --format ${OUTPUT_FORMATS.join('|')} --weights ${WEIGHTS_FORMATS.join('|')} [-o out] [--threads N]`;
 
 function parseArgs(args: string[]): { dir: string; format: OutputFormat; weights: WeightsFormat; output?: string; threads?: number } {
   let dir: string | undefined;
@@ -32,13 +31,13 @@ function parseArgs(args: string[]): { dir: string; format: OutputFormat; weights
   const format = opts['--format'];
   const weights = opts['--weights'];
   if (!format || !(OUTPUT_FORMATS as readonly string[]).includes(format)) throw new UsageError(`--format must be one of ${OUTPUT_FORMATS.join(', ')}`);
-  if (!weights || !(WEIGHTS_FORMATS as readonly string[]).includes(weights)) throw new UsageError(`--weights must be one of ${WEIGHTS_FORMATS.join(', ')}`);
+  if (!weights || !isWeightsFormat(weights)) throw new UsageError(`--weights must be one of ${WEIGHTS_FORMATS.join(', ')}`);
   let threads: number | undefined;
   if (opts['--threads'] !== undefined) {
     threads = Number(opts['--threads']);
     if (!Number.isInteger(threads) || threads < 1 || threads > 256) throw new UsageError('--threads must be a whole number from 1 to 256');
   }
-  return { dir, format: format as OutputFormat, weights: weights as WeightsFormat, output: opts['--output'], threads };
+  return { dir, format: format as OutputFormat, weights, output: opts['--output'], threads };
 }
 
 export async function convertCommand(args: string[]): Promise<number> {
@@ -50,7 +49,7 @@ export async function convertCommand(args: string[]): Promise<number> {
   }
   const dir = resolve(parsed.dir);
   const name = basename(dir);
-  const output = resolve(parsed.output ?? (parsed.format === 'gguf' ? `${name}-${GGUF_TYPE_NAME[parsed.weights]}.gguf` : `${name}-dllama-${parsed.weights}`));
+  const output = resolve(parsed.output ?? (parsed.format === 'gguf' ? `${name}-${weightsFormat(parsed.weights).ggml}.gguf` : `${name}-dllama-${parsed.weights}`));
   const progress = new TerminalProgress();
   const started = Date.now();
   try {

@@ -22,7 +22,8 @@ import { readdir, readFile, readlink } from 'node:fs/promises';
 import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
-import { WEIGHTS_PREFERENCE, type Artifact, type ReadyModel, type StoredObject } from '../../shared/model';
+import type { Artifact, ReadyModel, StoredObject } from '../../shared/model';
+import { WEIGHTS_PREFERENCE, type WeightsFormat } from '../../shared/weights';
 import { cachedFile } from './cache';
 import type { EngineLauncher, LocalLaunch, LocalServing } from './engines';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
@@ -47,7 +48,7 @@ export interface DllamaOptions {
 /** Loopback only: a topology on one machine is never reachable from another. */
 const HOST = '127.0.0.1';
 /** Sync buffers as q80: what distributed-llama recommends, what q40 weights require, and what activities/size plans for. */
-const BUFFER_FLOAT_TYPE = 'q80';
+const BUFFER_FLOAT_TYPE: WeightsFormat = 'q80';
 /** `--max-seq-len` when the registry has no memory plan for the artifact (distributed-llama's 0 would mean the model's whole context). */
 export const DEFAULT_MAX_SEQ_LEN = 4096;
 

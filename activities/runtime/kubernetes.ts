@@ -23,6 +23,7 @@ import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { ENGINE_KINDS, engineOf, type EngineKind } from '../../shared/engines';
 import type { ReadyModel } from '../../shared/model';
+import { WEIGHTS_PREFERENCE } from '../../shared/weights';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
@@ -118,7 +119,7 @@ export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (by
   );
   const alloc = schedulable.map((n) => parseMemory(n.status?.allocatable?.memory ?? '0')).filter((b) => b > 0).sort((a, b) => b - a);
   const tried: string[] = [];
-  const order = ['q40', 'q80', 'f16', 'f32'];
+  const order = WEIGHTS_PREFERENCE;
   const plans = ready.memory.filter((m) => m.format === 'dllama' && ready.artifacts.some((a) => a.format === 'dllama' && a.weights === m.weights)).sort((a, b) => order.indexOf(a.weights) - order.indexOf(b.weights));
   for (const plan of plans) {
     for (const t of [...plan.topologies].sort((a, b) => a.nodes - b.nodes)) {

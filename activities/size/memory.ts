@@ -19,7 +19,8 @@
  * activations and one row of logits. It is an estimate, meant to choose a node size, not exact.
  */
 import { planTensors, type ModelSpec } from '../../convert/arch';
-import type { ArtifactFormat, ArtifactWeights, MemoryPlan, NodeMemory, WeightsFormat } from '../../shared/model';
+import type { ArtifactFormat, MemoryPlan, NodeMemory } from '../../shared/model';
+import { weightsFormat, type ArtifactWeights, type WeightsFormat } from '../../shared/weights';
 
 /** What llama.cpp's memory depends on: a converter's spec has it, and a GGUF source's metadata (convert/gguf-source.ts). */
 export type LlamaCppShape = Pick<ModelSpec, 'layers' | 'hidden' | 'intermediate' | 'heads' | 'kvHeads' | 'headDim' | 'vocab' | 'ctx'>;
@@ -33,7 +34,7 @@ export const DLLAMA_NODE_COUNTS = [1, 2, 4, 8, 16] as const;
 
 const F32 = 4;
 /** Bytes per value of a q80 buffer (34-byte blocks of 32). */
-const Q80 = 34 / 32;
+const Q80 = weightsFormat('q80').bytesPerValue;
 
 const node = (weights: number, kvCache: number, buffers: number): NodeMemory => ({
   weights: Math.ceil(weights),
@@ -44,14 +45,15 @@ const node = (weights: number, kvCache: number, buffers: number): NodeMemory => 
 
 /**
  * Whether distributed-llama can split this model across `nodes`: every sliced dimension must
- * divide evenly, and for block formats each slice must hold whole 32-value blocks.
+ * divide evenly, and for block formats each slice must hold whole blocks.
  */
 export function dllamaSplits(spec: ModelSpec, weights: WeightsFormat, nodes: number): boolean {
   const qDim = spec.heads * spec.headDim;
   const kvDim = spec.kvHeads * spec.headDim;
   const even = [spec.heads, spec.kvHeads, qDim, kvDim, spec.intermediate, spec.vocab].every((d) => d % nodes === 0);
   if (!even) return false;
-  if (weights === 'q40' || weights === 'q80') return (qDim / nodes) % 32 === 0 && (spec.intermediate / nodes) % 32 === 0;
+  const { blockQuantized, blockSize } = weightsFormat(weights);
+  if (blockQuantized) return (qDim / nodes) % blockSize === 0 && (spec.intermediate / nodes) % blockSize === 0;
   return true;
 }
 
