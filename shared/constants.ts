@@ -53,6 +53,13 @@ export const WorkflowSummary = {
   session: (namespace: string, model: string): string => `A conversation on model ${namespace}/${model}`,
 } as const;
 
+/**
+ * The oldest release whose workflow histories this code replays (ARCHITECTURE.md, "Versioning"):
+ * moved forward only when the patches that kept older executions replayable are removed. `magus
+ * dev` stamps its state with it and ends, at start, the executions of a state stamped otherwise.
+ */
+export const WORKFLOWS_REPLAY_FROM = 'v0.1.0';
+
 /** Custom resources: group and version of Model, Dllama and Session. */
 export const CRD_GROUP = 'magus.dev';
 export const CRD_VERSION = 'v1alpha1';

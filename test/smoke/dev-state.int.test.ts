@@ -10,13 +10,16 @@
  *    is not pulled again (its pipeline is the same workflow run, no file transferred since), the
  *    pulled one is listed too, and the conversation of the first run is served again (by a new
  *    engine: the old one's pool and session were ended); SIGTERM stops it, exit 0;
- * 4. `--fresh` starts over: a new token, the old one refused.
+ * 4. a state stamped by a magus whose workflow histories this one does not replay: its running
+ *    workflows are ended before any worker starts, and its models are served again;
+ * 5. `--fresh` starts over: a new token, the old one refused.
  */
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { Client, Connection } from '@temporalio/client';
+import { WORKFLOWS_REPLAY_FROM } from '../../shared/constants';
 import type { DevConnection } from '../../workers/config';
 import { portFree } from '../../workers/dev/services';
 import { chat, MAGUS_BIN, printed, startDev, type DevRun } from '../harness/dev';
@@ -176,6 +179,27 @@ test('a restart on the same folder keeps the token, the ports, the models and th
   const pipeline = await demoPipeline(connection.temporal.address);
   expect(pipeline).toEqual({ runId: first.pipeline.runId, status: 'RUNNING', transfers: first.pipeline.transfers });
   await stop(run, 'SIGTERM');
+}, 240_000);
+
+test('a state an older magus wrote (stamped with another baseline): its workflows are ended at start, its models served', async () => {
+  const stamp = join(dataDir(), 'workflows-replay-from');
+  expect(readFileSync(stamp, 'utf8').trim()).toBe(WORKFLOWS_REPLAY_FROM);
+  writeFileSync(stamp, 'v0.0.0\n');
+  const run = startDev('direct', ['--no-kube'], env);
+  runs.push(run);
+  await run.ready();
+  // Ended before any worker could fail a task on their histories (a nondeterminism error each).
+  expect(run.stderr()).toMatch(/magus dev: [1-9]\d* workflow\(s\) of an older magus ended: their histories do not replay on this version/);
+  expect(run.stderr()).not.toMatch(/[Nn]ondeterminism/);
+  expect(readFileSync(stamp, 'utf8').trim()).toBe(WORKFLOWS_REPLAY_FROM);
+  const { gatewayUrl } = printed(run.stdout());
+  expect(await models(gatewayUrl, first.token)).toEqual({ status: 200, ids: ['demo', 'demo-q80'] });
+  const answer = await chat(gatewayUrl, first.token);
+  expect([answer.status, answer.status === 200 ? '' : answer.body]).toEqual([200, '']);
+  const connection = JSON.parse(readFileSync(join(dataDir(), 'connection.json'), 'utf8')) as DevConnection;
+  const pipeline = await demoPipeline(connection.temporal.address);
+  expect(pipeline.runId).not.toBe(first.pipeline.runId);
+  await stop(run, 'SIGINT');
 }, 240_000);
 
 test('--fresh starts over: a new token, and the old one is refused', async () => {

@@ -16,14 +16,14 @@ import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
 import { execFile } from 'node:child_process';
-import { existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../../activities/kubernetes/crds';
 import { dataPlaneNames } from '../../dataplane';
-import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../../shared/constants';
+import { CRD_GROUP, CRD_VERSION, WorkflowSummary, WORKFLOWS_REPLAY_FROM } from '../../shared/constants';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/engine-slots';
 import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../../controller/controller';
@@ -252,6 +252,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
       kc.loadFromFile(kubeconfigFile);
       await installCrds(kc);
     }
+    await retireUnreplayable(cfg, dataDir);
+    interrupted();
     await forgetEngines(cfg, kc);
     interrupted();
 
@@ -448,6 +450,39 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
     { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name, body, fieldManager: 'magus-dev', force: true },
     setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply),
   );
+}
+
+/** The file in dev's state folder that says which workflow code wrote its histories. */
+const REPLAY_STAMP = 'workflows-replay-from';
+
+/**
+ * A state folder written by a magus whose workflow histories this code does not replay (before
+ * the {@link WORKFLOWS_REPLAY_FROM} baseline, or stamped with another): its running executions
+ * would fail every workflow task with a nondeterminism error. They are terminated before any
+ * worker starts (their histories stay for the UI); the models' files in S3 and the registry stay,
+ * so the pipeline dev starts again finds its work done. Then the state is stamped.
+ */
+async function retireUnreplayable(cfg: ReturnType<typeof loadConfig>, dataDir: string): Promise<void> {
+  const stamp = join(dataDir, REPLAY_STAMP);
+  const was = existsSync(stamp) ? readFileSync(stamp, 'utf8').trim() : undefined;
+  if (was === WORKFLOWS_REPLAY_FROM) return;
+  const connection = await Connection.connect({ address: cfg.temporal.address });
+  let terminated = 0;
+  try {
+    const client = new Client({ connection, namespace: cfg.temporal.namespace });
+    for await (const w of client.workflow.list({ query: `ExecutionStatus = 'Running'` })) {
+      await client.workflow
+        .getHandle(w.workflowId, w.runId)
+        .terminate(`written by a magus whose workflows this one does not replay (state ${was ? `from ${was}` : 'from before the first release'}; this code replays from ${WORKFLOWS_REPLAY_FROM})`)
+        .then(() => terminated++)
+        .catch(() => undefined); // ended meanwhile
+    }
+  } finally {
+    await connection.close();
+  }
+  if (terminated > 0) say(`${terminated} workflow(s) of an older magus ended: their histories do not replay on this version (models and their files stay)`);
+  writeFileSync(`${stamp}.tmp`, `${WORKFLOWS_REPLAY_FROM}\n`);
+  renameSync(`${stamp}.tmp`, stamp);
 }
 
 /** Workflow types that hold engines of this machine's local runtime (workflows/index.ts). */
