@@ -34,7 +34,7 @@ import { ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { loadGatewayConfig } from '../gateway/config';
 import { tokenDigest } from '../gateway/plugins/auth';
-import type { ColdStart } from '../gateway/plugins/sessions';
+import type { ColdStart } from '../gateway/serving/sessions';
 import { startGateway } from '../gateway/server';
 import type { ReadyModel } from '../shared/model';
 import type { SessionEntry } from '../shared/serving';

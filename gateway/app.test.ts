@@ -18,7 +18,7 @@ import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { ChatCompletionBody } from '../shared/chat';
 import type { ResponseFrame } from '../shared/serving';
 import { SessionError, SessionErrorType } from './plugins/errors';
-import { createModelCatalog } from './plugins/models';
+import { createModelCatalog } from './serving/model-catalog';
 import type { ModelObject } from './schemas/models';
 import { EmbeddingsBody } from '../shared/embeddings';
 import { ResponsesBody } from '../shared/responses';

@@ -7,8 +7,8 @@ import { dataPlaneNames, DEFAULT_RESPONSES_MAX_AGE_MS, REPLICA_ID } from '../dat
 import { readFileSync } from 'node:fs';
 import { checkNatsServerList, instanceMemoryFrom, natsReplicasFrom, temporalSettings, type TemporalSettings } from '../platform/config';
 import { staticTokenSource } from './plugins/auth';
-import { newReplicaId } from './plugins/responses';
-import { MAX_PENDING_SESSION_STARTS } from './plugins/sessions';
+import { newReplicaId } from './serving/exchange';
+import { MAX_PENDING_SESSION_STARTS } from './serving/sessions';
 import type { GatewaySettings } from './plugins/services';
 
 export interface GatewayConfig {
@@ -68,7 +68,7 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
 /**
  * `MAGUS_SESSION_TTL_MS`, the session TTL: how long a conversation keeps its session after its
  * last turn. At least 1 min: the gateway renews a session at most every 30 s and takes one within
- * 5 s of its end for ended (plugins/sessions.ts), so a shorter TTL would send warm conversations
+ * 5 s of its end for ended (serving/sessions.ts), so a shorter TTL would send warm conversations
  * down the cold path. At most 24 h: the `magus_sessions` bucket's max age
  * (dataplane/declare.ts), which would drop the entry of a session still running.
  */

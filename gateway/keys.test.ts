@@ -14,7 +14,7 @@ jest.mock('cookie', () => ({
 import type { LightMyRequestResponse } from 'fastify';
 import type { ResponseObject } from '../shared/responses';
 import { mayUse, staticTokenSource, tokenDigest, type Principal } from './plugins/auth';
-import { memoryResponseStore } from './plugins/response-store';
+import { memoryResponseStore } from './serving/response-store';
 import { buildTestApp, readyModel, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 const tokenOf = (id: string) => `mgs_${id}_${'k'.repeat(24)}`;

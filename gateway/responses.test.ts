@@ -16,10 +16,10 @@ import type { ChatMessage } from '../shared/chat';
 import type { ReadyModel } from '../shared/model';
 import type { ResponseObject } from '../shared/responses';
 import type { RuntimeAdvert } from '../shared/runtimes';
-import { conversationKey } from './plugins/conversation';
+import { conversationKey } from './serving/conversation';
 import { configOwner } from './plugins/auth';
-import { createModelCatalog } from './plugins/models';
-import { MAX_STORED_REQUEST_BYTES, memoryResponseStore } from './plugins/response-store';
+import { createModelCatalog } from './serving/model-catalog';
+import { MAX_STORED_REQUEST_BYTES, memoryResponseStore } from './serving/response-store';
 import { buildTestApp, chunk, readyModel, TEST_SECRET, testSettings, type TestApp } from '../test/harness/gateway-app';
 
 let t: TestApp;

@@ -14,14 +14,14 @@ import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs,
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
-import { createModelCatalog } from './plugins/models';
-import { kvResponseStore } from './plugins/response-store';
-import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './plugins/responses';
+import { createModelCatalog } from './serving/model-catalog';
+import { kvResponseStore } from './serving/response-store';
+import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
 import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
-import { createSessionCache, type ColdStart, type FirstTurns, type SessionBroker, type SessionCache } from './plugins/sessions';
+import { createSessionCache, type ColdStart, type FirstTurns, type SessionBroker, type SessionCache } from './serving/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 import { natsServerList } from '../platform/config';
 
@@ -41,7 +41,7 @@ export interface GatewayDeps {
   temporal?: TemporalHealth;
   /** Replaces the KV-backed session broker altogether. */
   broker?: SessionBroker;
-  /** Default: JetStream publish with `Nats-Msg-Id` (responses.ts). */
+  /** Default: JetStream publish with `Nats-Msg-Id` (serving/exchange.ts). */
   publish?: PublishRequest;
   backlogFull?: BacklogCheck;
   /** Opens a KV bucket the gateway reads (tokens, sessions). Default: `js.views.kv(name)`, created if missing. */

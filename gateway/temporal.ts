@@ -1,7 +1,7 @@
 /**
  * The gateway's Temporal side — never on a warm turn, and never on the client's path of a first
  * turn that finds room (ARCHITECTURE.md, "Data plane", "The entry-lease protocol";
- * plugins/sessions.ts): after a first turn created its conversation's `magus_sessions` entry,
+ * serving/sessions.ts): after a first turn created its conversation's `magus_sessions` entry,
  * `adopt` starts the conversation's session workflow (its search attributes and summary in the
  * start request); a first turn that finds no instance with room has `demand` tell the model's pool
  * (signal-with-start, which starts the pool too).
@@ -16,7 +16,7 @@ import type { dllamaPool } from '../workflows/pool/pool';
 import { sessionWorkflowId } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import { SessionError, SessionErrorType } from './plugins/errors';
-import type { FirstTurns } from './plugins/sessions';
+import type { FirstTurns } from './serving/sessions';
 import { isTemporalUnreachable, TEMPORAL_CALL_DEADLINE_MS } from '../platform/temporal-health';
 
 export interface TemporalSessionOptions {

@@ -22,7 +22,7 @@ import { installCrds } from '../activities/kubernetes/crds';
 import { dataPlaneNames } from '../dataplane';
 import { startKeys, type Keys } from '../controller/keys';
 import { startGateway, type RunningGateway } from '../gateway/server';
-import type { StoredResponse } from '../gateway/plugins/response-store';
+import type { StoredResponse } from '../gateway/serving/response-store';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { ApiKeyReason, TOKEN_SECRET_LABEL, type ApiKeyResource } from '../shared/kube';
 import { pendingResponse } from '../shared/responses';

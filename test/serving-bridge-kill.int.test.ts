@@ -18,7 +18,7 @@ import OpenAI from 'openai';
 import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation, refusedColdStart } from './harness/gateway';
-import { conversationKey } from '../gateway/plugins/conversation';
+import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';

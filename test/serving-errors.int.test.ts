@@ -17,7 +17,7 @@ import OpenAI, { type APIError } from 'openai';
 import { DEFAULT_INSTANCE_BACKLOG, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation } from './harness/gateway';
-import { conversationKey } from '../gateway/plugins/conversation';
+import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';

@@ -10,7 +10,7 @@ import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { openModelRegistry } from '../dataplane/registry';
 import { pinConversation, refusedColdStart } from './harness/gateway';
-import { conversationKey } from '../gateway/plugins/conversation';
+import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { LogSink, readyModel } from './harness/gateway-app';
 import type { ChatMessage } from '../shared/chat';

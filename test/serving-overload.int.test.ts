@@ -17,7 +17,7 @@ import { openModelRegistry } from '../dataplane/registry';
 import type { RunningGateway } from '../gateway/server';
 import { poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
-import { conversationKey } from '../gateway/plugins/conversation';
+import { conversationKey } from '../gateway/serving/conversation';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation } from './harness';
 import { gatewayStack, magusStack, TestStack } from './harness/stack';

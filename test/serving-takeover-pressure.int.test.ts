@@ -20,7 +20,7 @@ import { ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames, type Da
 import { encodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
 import { bridgeMetricsText, startBridge, type Bridge } from '../dataplane/bridge';
-import { conversationKey } from '../gateway/plugins/conversation';
+import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';

@@ -9,7 +9,7 @@ import type { Client } from '@temporalio/client';
 import type { NatsConnection } from 'nats';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { createSessionCache, type AcquireRequest } from '../gateway/plugins/sessions';
+import { createSessionCache, type AcquireRequest } from '../gateway/serving/sessions';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';

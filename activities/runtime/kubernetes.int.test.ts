@@ -24,7 +24,7 @@ import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
 import { temporalSessions } from '../../gateway/temporal';
-import { createSessionCache } from '../../gateway/plugins/sessions';
+import { createSessionCache } from '../../gateway/serving/sessions';
 import type { SessionEntry } from '../../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
 import { join } from 'node:path';

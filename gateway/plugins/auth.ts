@@ -29,7 +29,7 @@ export interface Principal {
    */
   owner: string;
   /**
-   * What its conversation keys are scoped by (plugins/conversation.ts): its owner, or — for a
+   * What its conversation keys are scoped by (serving/conversation.ts): its owner, or — for a
    * token whose entry names no key (a configured token, or an entry an older magus wrote) — the
    * token id, as conversation keys were made before keys had identities, so the conversations
    * such a token holds keep their sessions across the upgrade. Token ids are registered once,

@@ -8,7 +8,7 @@ import type { FastifyReply, FastifyRequest } from 'fastify';
 import type { ResponseStreamState } from '../../dataplane';
 import { processMetricsText } from '../../platform/process-metrics';
 import { servicePlugin } from './plugin';
-import type { SessionStats } from './sessions';
+import type { SessionStats } from '../serving/sessions';
 
 const escapeLabel = (v: string): string => v.replace(/\\/g, '\\\\').replace(/\n/g, '\\n').replace(/"/g, '\\"');
 const fmt = (n: number): string => (Number.isFinite(n) ? String(n) : n > 0 ? '+Inf' : n < 0 ? '-Inf' : 'NaN');

@@ -6,11 +6,11 @@
 import type { ReadyModel } from '../../shared/model';
 import type { ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { TokenSource } from './auth';
-import type { ModelCatalog } from './models';
+import type { ModelCatalog } from '../serving/model-catalog';
 import { servicePlugin } from './plugin';
-import type { ResponseStore } from './response-store';
-import type { PublishRequest, ResponseRouter } from './responses';
-import type { SessionBroker } from './sessions';
+import type { ResponseStore } from '../serving/response-store';
+import type { PublishRequest, ResponseRouter } from '../serving/exchange';
+import type { SessionBroker } from '../serving/sessions';
 
 /** Tells the instance's bridge that nobody waits for request `requestId` any more (fire and forget). */
 export type CancelRequest = (session: SessionEntry, requestId: string) => void;
@@ -47,7 +47,7 @@ export interface GatewaySettings {
   coldStartTimeoutMs: number;
   /** `Retry-After` seconds when the cause does not say. */
   retryAfterSec: number;
-  /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (sessions.ts). */
+  /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (serving/sessions.ts). */
   maxPendingSessionStarts?: number;
 }
 

@@ -6,9 +6,9 @@
 import type { FastifyPluginCallback } from 'fastify';
 import { nuid } from 'nats';
 import { checkStructure, forwardedFields, refusedOnEvery, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
-import { conversationKey } from '../plugins/conversation';
+import { conversationKey } from '../serving/conversation';
 import { errors } from '../plugins/errors';
-import { SseResponse } from '../plugins/sse';
+import { SseResponse } from './sse';
 import { chatCompletionSchema } from '../schemas/chat';
 import { relayed, servableModel, serveTurn } from './inference';
 

@@ -9,7 +9,7 @@ import { nuid } from 'nats';
 import { refusedOnEvery } from '../../shared/chat';
 import { COMPLETIONS_FORWARDED, completionsUnsupportedBy, type CompletionsBody, type CompletionsRequest } from '../../shared/completions';
 import { errors } from '../plugins/errors';
-import { SseResponse } from '../plugins/sse';
+import { SseResponse } from './sse';
 import { completionsSchema } from '../schemas/completions';
 import { relayed, servableModel, serveTurn } from './inference';
 

@@ -10,8 +10,8 @@ import type { ReadyModel } from '../../shared/model';
 import type { ChatInference, CompletionsInference, CompletionUsage, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
-import { exchange, type ExchangeOptions } from '../plugins/responses';
-import type { SseResponse } from '../plugins/sse';
+import { exchange, type ExchangeOptions } from '../serving/exchange';
+import type { SseResponse } from './sse';
 
 /** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
 class ClientGone extends Error {
@@ -70,9 +70,9 @@ export interface Turn {
   id: string;
   model: ReadyModel;
   /**
-   * Which session, and so which instance, serves it (plugins/conversation.ts). Absent: the
+   * Which session, and so which instance, serves it (serving/conversation.ts). Absent: the
    * request belongs to no conversation (text completions, embeddings) and goes to the least
-   * loaded instance of the model's pool, with no entry and no session (sessions.ts `route`).
+   * loaded instance of the model's pool, with no entry and no session (serving/sessions.ts `route`).
    */
   conversationKey?: string;
   /** What the engine gets. */
@@ -136,7 +136,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
   };
   let published: SessionEntry | undefined;
-  // Whether this turn was answered: a conversation it starts gets its session only then (sessions.ts).
+  // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions.ts).
   let settle!: (answered: boolean) => void;
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
   try {

@@ -8,7 +8,7 @@
 import type { FastifyPluginCallback } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelCapabilities } from '../../shared/runtimes';
-import type { ModelCatalog } from '../plugins/models';
+import type { ModelCatalog } from '../serving/model-catalog';
 import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import { getModelSchema, listModelsSchema, type ModelObject } from '../schemas/models';

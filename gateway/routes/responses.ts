@@ -4,7 +4,7 @@
  * (shared/responses.ts), refuses what the model's engines cannot do as chat does, and serves it as
  * one turn (inference.ts `serveTurn`) whose session is the chain's (its first response's id is the
  * session id); the answer becomes a response object (response-draft.ts), streamed as the Responses
- * API's events when asked, and is stored (plugins/response-store.ts) once complete unless `store`
+ * API's events when asked, and is stored (serving/response-store.ts) once complete unless `store`
  * is false. `GET` and `DELETE /v1/responses/{response_id}` read and remove a stored one of the
  * caller's key. A response belongs to its key's owner (identity and uid: auth.ts `Principal`), so
  * another key — of another namespace, or a new key under an old one's name — never reads it;
@@ -15,10 +15,10 @@ import { nuid } from 'nats';
 import { checkStructure, refusedOnEvery, unsupportedBy } from '../../shared/chat';
 import { chatParamToResponses, chatTextToResponses, pendingResponse, toChatTurn, wantsLogprobs, type ResponsesBody } from '../../shared/responses';
 import type { Principal } from '../plugins/auth';
-import { conversationKey } from '../plugins/conversation';
+import { conversationKey } from '../serving/conversation';
 import { errorBody, errors, type GatewayError } from '../plugins/errors';
-import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../plugins/response-store';
-import { SseResponse } from '../plugins/sse';
+import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../serving/response-store';
+import { SseResponse } from './sse';
 import { createResponseSchema, deleteResponseSchema, getResponseSchema } from '../schemas/responses';
 import { servableModel, serveTurn } from './inference';
 import { ResponseDraft, type ResponseEvent } from './response-draft';

@@ -4,7 +4,7 @@
  * in the OpenAPI description), the headers, and the response.
  */
 import { ChatCompletionBody } from '../../shared/chat';
-import { SESSION_ID_PATTERN } from '../plugins/conversation';
+import { SESSION_ID_PATTERN } from '../serving/conversation';
 import { errorResponses } from './errors';
 
 export const chatCompletionHeaders = {
@@ -42,6 +42,6 @@ export const chatCompletionSchema = {
   produces: ['application/json', 'text/event-stream'],
   body: ChatCompletionBody,
   headers: chatCompletionHeaders,
-  // 200 with `stream: true` is `text/event-stream`, written directly (plugins/sse.ts).
+  // 200 with `stream: true` is `text/event-stream`, written directly (routes/sse.ts).
   response: { 200: chatCompletion, ...errorResponses },
 } as const;

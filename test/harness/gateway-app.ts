@@ -9,11 +9,11 @@ import type { ReadyModel } from '../../shared/model';
 import type { ChatInference, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import gatewayApp, { options, type GatewayAppOptions } from '../../gateway/app';
 import { staticTokenSource, tokenDigest } from '../../gateway/plugins/auth';
-import { createModelCatalog } from '../../gateway/plugins/models';
-import { memoryResponseStore } from '../../gateway/plugins/response-store';
-import type { PublishRequest, ResponseRouter } from '../../gateway/plugins/responses';
+import { createModelCatalog } from '../../gateway/serving/model-catalog';
+import { memoryResponseStore } from '../../gateway/serving/response-store';
+import type { PublishRequest, ResponseRouter } from '../../gateway/serving/exchange';
 import type { GatewaySettings } from '../../gateway/plugins/services';
-import type { AcquireRequest, SessionBroker } from '../../gateway/plugins/sessions';
+import type { AcquireRequest, SessionBroker } from '../../gateway/serving/sessions';
 
 export const TEST_SECRET = 'test-secret-0123456789abcdef0123456789';
 

@@ -7,7 +7,7 @@ import type { NatsConnection } from 'nats';
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
-import type { AcquireRequest, ColdStart } from '../../gateway/plugins/sessions';
+import type { AcquireRequest, ColdStart } from '../../gateway/serving/sessions';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { endpoint } from './index';
 

@@ -2,7 +2,7 @@
 import type { ReadyModel } from '../../shared/model';
 import type { RuntimeAdvert } from '../../shared/runtimes';
 import { readyModel } from '../../test/harness/gateway-app';
-import { createModelCatalog } from './models';
+import { createModelCatalog } from './model-catalog';
 
 function lister(initial: ReadyModel[]) {
   const state = { models: initial, calls: 0 };

@@ -9,7 +9,7 @@ import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
 import { readyModel } from '../../test/harness/gateway-app';
 import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
-import type { SessionError } from './errors';
+import type { SessionError } from '../plugins/errors';
 import { sleep, until } from '../../test/harness/wait';
 
 const iso = isolation();

@@ -22,7 +22,7 @@ import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../..
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
-import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from './errors';
+import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
  * Publishes one request to an instance subject (`session.subject`); resolves once the request

@@ -1,7 +1,7 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with dataplane/frames.ts. */
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { SessionError, SessionErrorType } from './errors';
-import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './responses';
+import { SessionError, SessionErrorType } from '../plugins/errors';
+import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './exchange';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });

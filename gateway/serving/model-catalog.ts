@@ -27,7 +27,7 @@ export interface ModelLister {
   read?(): Promise<{ models: ReadyModel[]; runtimes: RuntimeAdvert[] }>;
 }
 
-/** Whether the caller may use a model (auth.ts `mayUse` for one principal). */
+/** Whether the caller may use a model (plugins/auth.ts `mayUse` for one principal). */
 export type ModelAccess = (namespace: string, name: string) => boolean;
 
 export interface ModelCatalog {

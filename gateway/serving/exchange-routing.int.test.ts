@@ -14,7 +14,7 @@ import type { Bridge } from '../../dataplane/bridge';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { isolation, natsConnect } from '../../test/harness';
 import { natsStack, stubInstanceStack, TestStack } from '../../test/harness/stack';
-import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './responses';
+import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './exchange';
 import { until } from '../../test/harness/wait';
 
 const POOL = 'routing';

@@ -21,7 +21,7 @@
  */
 import type { KvEntry } from 'nats';
 import { isRevisionConflict } from '../../dataplane';
-import { SessionError, SessionErrorType } from './errors';
+import { SessionError, SessionErrorType } from '../plugins/errors';
 import type { ReadyModel } from '../../shared/model';
 import { decodePoolEntry, decodeSessionEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../shared/serving';
 
@@ -32,7 +32,7 @@ export interface AcquireRequest {
   /** The conversation key (conversation.ts): stable across the turns of one conversation. */
   conversationKey: string;
   model: ReadyModel;
-  /** The calling key's owner (auth.ts `Principal.owner`). */
+  /** The calling key's owner (plugins/auth.ts `Principal.owner`). */
   owner: string;
   /** Aborted when the client goes away or the gateway gives up waiting. */
   signal: AbortSignal;
@@ -47,7 +47,7 @@ export interface AcquireRequest {
 
 /**
  * Finds (or starts) the instance for a conversation. Throws errors whose `type` is a
- * `SessionErrorType` (errors.ts: `BacklogFull` → 429, `NoCapacity` → 503) when it cannot.
+ * `SessionErrorType` (plugins/errors.ts: `BacklogFull` → 429, `NoCapacity` → 503) when it cannot.
  */
 export interface SessionBroker {
   acquire(req: AcquireRequest): Promise<SessionEntry>;

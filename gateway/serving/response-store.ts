@@ -27,7 +27,7 @@ export const MAX_CHAIN_DEPTH = 1_000;
 
 /** One stored response: its answer and what of the conversation it adds. */
 export interface StoredResponse {
-  /** The owner of the key that created it (auth.ts `Principal.owner`): no other may read, continue or delete it. A record of an older magus (a `tokenId`, no `owner`) is nobody's. */
+  /** The owner of the key that created it (plugins/auth.ts `Principal.owner`): no other may read, continue or delete it. A record of an older magus (a `tokenId`, no `owner`) is nobody's. */
   owner: string;
   /** The model it was served by, `namespace/name`. */
   model: string;

@@ -8,8 +8,8 @@ import { requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../
 import type { InferenceRequest } from '../../shared/serving';
 import { isolation } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
-import { SessionError, SessionErrorType } from './errors';
-import { streamAckProblem, streamPublisher, type StreamPublisher } from './responses';
+import { SessionError, SessionErrorType } from '../plugins/errors';
+import { streamAckProblem, streamPublisher, type StreamPublisher } from './exchange';
 
 const iso = isolation();
 let nc: NatsConnection;

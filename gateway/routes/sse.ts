@@ -13,7 +13,7 @@
  * write at the end of that turn, not one write each.
  */
 import type { FastifyReply } from 'fastify';
-import { errorBody, type GatewayError } from './errors';
+import { errorBody, type GatewayError } from '../plugins/errors';
 
 export class SseResponse {
   private committed = false;

@@ -17,7 +17,7 @@ import type { ChatMessage } from '../../shared/chat';
 export const SESSION_ID_PATTERN = '^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$';
 
 export interface ConversationKeyInput {
-  /** The calling key's scope (auth.ts `Principal.conversationScope`): keys never share a conversation. */
+  /** The calling key's scope (plugins/auth.ts `Principal.conversationScope`): keys never share a conversation. */
   scope: string;
   /** The model's registry identity, `namespace/name`. */
   model: string;
