@@ -16,6 +16,8 @@ export interface RuntimeAdvert {
   runtime: string;
   /** Artifact formats it runs (each loaded by an engine of shared/engines.ts): `gguf` always; `dllama` with distributed-llama. */
   formats: ArtifactFormat[];
+  /** The engines it runs (shared/engines.ts); absent in an older worker's advert: every engine loading its formats. */
+  engines?: EngineKind[];
   /** Nodes of its distributed topologies, when fixed (the local runtime's `MAGUS_DLLAMA_NODES`). */
   dllamaNodes?: number;
   /** When it was last written (epoch ms). */
@@ -83,7 +85,8 @@ function runsOn(format: ArtifactFormat, nodes: number | undefined): string {
  */
 function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
   const loadable = (f: ArtifactFormat) => runtime.formats.includes(f) && model.artifacts.some((a) => a.format === f);
-  const engines = [...new Set(model.artifacts.map((a) => a.format))].filter(loadable).flatMap(enginesLoading);
+  const runs = (e: EngineKind) => runtime.engines === undefined || runtime.engines.includes(e);
+  const engines = [...new Set(model.artifacts.map((a) => a.format))].filter(loadable).flatMap(enginesLoading).filter(runs);
   if (runtime.dllamaNodes === undefined) return engines;
   const fits = (e: EngineKind) =>
     model.artifacts.some((a) => a.format === engineOf(e).format && model.memory.some((m) => m.format === a.format && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)));

@@ -6,7 +6,7 @@ import { dataPlaneEnv, devDataDir, loadConfig, readDevConnection, useDevConnecti
 import { natsServerList } from '../platform/config';
 import { settingsOf } from '../activities/runtime';
 import { kubernetes } from '../activities/runtime/kubernetes-entry';
-import { local } from '../activities/runtime/local-entry';
+import { local, localEngines } from '../activities/runtime/local-entry';
 
 let dir: string;
 let api: string;
@@ -44,6 +44,29 @@ test('defaults: llama.cpp only', () => {
   const cfg = loadConfig({});
   expect(dllamaOf(cfg)).toBeUndefined();
   expect(cfg.nats.servers).toBe('nats://127.0.0.1:4222');
+});
+
+describe('MAGUS_ENGINES: the engines the local runtime runs, in the order it tries them', () => {
+  const localOf = (cfg: MagusConfig) => settingsOf(cfg.runtime, local)!;
+  const withDllama = () => ({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker });
+
+  test('unset: every engine it can run, distributed ones first; the advert says the same', () => {
+    expect(localEngines(localOf(loadConfig({})))).toEqual(['llamacpp']);
+    expect(localEngines(localOf(loadConfig(withDllama())))).toEqual(['dllama', 'llamacpp']);
+    expect(local.advert(localOf(loadConfig(withDllama())))).toEqual({ formats: ['dllama', 'gguf'], engines: ['dllama', 'llamacpp'], dllamaNodes: 2 });
+    expect(local.advert(localOf(loadConfig({})))).toEqual({ formats: ['gguf'], engines: ['llamacpp'] });
+  });
+
+  test('a list: only those, in that order', () => {
+    expect(localEngines(localOf(loadConfig({ ...withDllama(), MAGUS_ENGINES: 'llamacpp, dllama' })))).toEqual(['llamacpp', 'dllama']);
+    // distributed-llama configured but not chosen: not advertised either.
+    expect(local.advert(localOf(loadConfig({ ...withDllama(), MAGUS_ENGINES: 'llamacpp' })))).toEqual({ formats: ['gguf'], engines: ['llamacpp'] });
+  });
+
+  test('an unknown kind, or a distributed engine without its binaries, is refused naming it', () => {
+    expect(problem({ MAGUS_ENGINES: 'llamacpp,vllm' })).toContain('MAGUS_ENGINES=llamacpp,vllm: vllm is not an engine; the engines are llamacpp, dllama');
+    expect(problem({ MAGUS_ENGINES: 'dllama' })).toContain("MAGUS_ENGINES lists dllama, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN");
+  });
 });
 
 test('both binaries enable distributed-llama with 2 nodes and 1 thread by default', () => {

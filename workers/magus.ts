@@ -7,6 +7,7 @@ import { writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import { join } from 'node:path';
 import { MODES, type Mode } from '../shared/constants';
+import { ENGINE_KINDS, isEngineKind } from '../shared/engines';
 import { loadConfig, useDevConnection } from './config';
 import { ConfigError } from '../platform/config';
 import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
@@ -73,7 +74,7 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo | --demo smollm2|tiny] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+    'magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
@@ -174,7 +175,7 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
   };
   const json = args.includes('--json');
   // A mistyped option (`--fresh-start`, `--datadir`) must not start a dev that ignores it.
-  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services', '--demo']);
+  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services', '--demo', '--engine']);
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
     if (valued.has(a)) i++;
@@ -188,9 +189,12 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
     if (args.includes('--data-dir') && !dataDir) throw new Error('--data-dir needs a folder');
     const demo = flag('--demo');
     if (args.includes('--demo') && demo !== 'smollm2' && demo !== 'tiny') throw new Error(`--demo ${demo ?? ''} must be smollm2 or tiny`);
+    const engine = flag('--engine');
+    if (args.includes('--engine') && !(engine && isEngineKind(engine))) throw new Error(`--engine ${engine ?? ''} must be one of ${ENGINE_KINDS.join(', ')}`);
     return load.dev().runDev({
       model: flag('--model'),
       ...(demo === 'smollm2' || demo === 'tiny' ? { demo } : {}),
+      ...(engine && isEngineKind(engine) ? { engine } : {}),
       port: port === undefined ? undefined : Number(port),
       tokenEnv: flag('--token-env'),
       kube: !args.includes('--no-kube'),
@@ -308,11 +312,13 @@ function workerCommand(stop: AbortSignal): Promise<number> {
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   dev: () =>
     [
-      'usage: magus dev [--model org/repo] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+      'usage: magus dev [--model org/repo] [--engine KIND] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
       '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers, with throwaway data)',
       '',
       DESCRIPTIONS.dev,
       '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
+      `  --engine KIND      the engine instances run (one of ${ENGINE_KINDS.join(', ')}; as MAGUS_ENGINES; default: the first`,
+      '                     that can serve the model)',
       '  --port P           the gateway\'s port (default: the last run\'s, else 8080, else one the kernel picks)',
       '  --token-env VAR    the environment variable holding a Hugging Face token (gated repos)',
       '  --no-kube          do not start etcd + kube-apiserver and the controller (the kubectl door)',

@@ -9,6 +9,7 @@
  * {@link LAUNCHERS} (the type makes the line required).
  */
 import type { EngineKind } from '../../shared/engines';
+import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ReadyModel, StoredObject } from '../../shared/model';
 import type { ModelCache } from './cache';
 import { dllamaLauncher, type DllamaOptions } from './dllama';
@@ -93,8 +94,8 @@ export interface EngineLauncher {
     /** Starts it and resolves once it serves; aborted, it stops what it began and rejects. */
     start(launch: LocalLaunch): Promise<LocalServing>;
   };
-  /** Its containers in a pod (kubernetes.ts, kubernetes-manifests.ts). */
-  kubernetes: {
+  /** Its containers in a pod (kubernetes.ts, kubernetes-manifests.ts); absent: it does not run on Kubernetes. */
+  kubernetes?: {
     /** The artifact, files, slots and memory of an instance on `nodes` nodes; throws a `NoArtifact` runtime error when it has none. */
     plan(p: KubernetesPlanning): KubernetesEnginePlan;
     /** The root pod's engine container, serving HTTP on `ports.engine` at `/v1/models`; `workers`: the worker pods' container, if it has workers. */
@@ -110,4 +111,16 @@ export const LAUNCHERS: Readonly<Record<EngineKind, EngineLauncher>> = {
 
 export function launcherOf(kind: EngineKind): EngineLauncher {
   return LAUNCHERS[kind];
+}
+
+/** The engines that run in a pod. */
+export function kubernetesEngines(): EngineKind[] {
+  return (Object.keys(LAUNCHERS) as EngineKind[]).filter((k) => LAUNCHERS[k].kubernetes !== undefined);
+}
+
+/** The Kubernetes side of `kind`'s launcher, or a `NoArtifact` runtime error saying it has none. */
+export function kubernetesLauncherOf(kind: EngineKind): NonNullable<EngineLauncher['kubernetes']> {
+  const k = LAUNCHERS[kind].kubernetes;
+  if (!k) throw runtimeError(RuntimeErrorType.NoArtifact, `engine ${kind} does not run on Kubernetes`);
+  return k;
 }

@@ -49,7 +49,7 @@ export interface RuntimeDeps {
 }
 
 /** What a worker's runtime advert says it runs (shared/runtimes.ts `RuntimeAdvert`, less what the worker adds). */
-export type RuntimeCapabilities = Pick<RuntimeAdvert, 'formats' | 'dllamaNodes'>;
+export type RuntimeCapabilities = Pick<RuntimeAdvert, 'formats' | 'engines' | 'dllamaNodes'>;
 
 /** One kind of runtime; `S`, its settings, read from the environment at start. */
 export interface RuntimeEntry<S> {

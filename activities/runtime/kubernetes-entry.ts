@@ -4,6 +4,8 @@
  * the `MAGUS_K8S_*` variables. The runtime itself, and with it the Kubernetes client, is loaded
  * only when a worker builds it: every `magus` command reads its configuration through here.
  */
+import { engineOf } from '../../shared/engines';
+import type * as EnginesModule from './engines';
 import { checkNatsServerList } from '../../platform/config';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
 import type { RuntimeEntry } from '.';
@@ -75,5 +77,10 @@ export const kubernetes: RuntimeEntry<KubernetesRuntimeConfig> = {
       log: deps.log,
     });
   },
-  advert: () => ({ formats: ['gguf', 'dllama'] }),
+  // Every engine that runs in a pod: a model's `Dllama` says which runs.
+  advert: () => {
+    // eslint-disable-next-line @typescript-eslint/no-require-imports -- the launchers load the S3 client: a worker's, not every command's
+    const engines = (require('./engines') as typeof EnginesModule).kubernetesEngines();
+    return { formats: [...new Set(engines.map((k) => engineOf(k).format))], engines };
+  },
 };

@@ -25,7 +25,7 @@ import type { DllamaResourceSpec } from '../../shared/kube';
 import { POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
 import { concurrentRequests, engineOf, type EngineKind } from '../../shared/engines';
-import { launcherOf } from './engines';
+import { kubernetesLauncherOf } from './engines';
 
 export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
 export const INSTANCE_LABEL = 'magus.dev/instance';
@@ -171,7 +171,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   const objects: KubeObject[] = [configMap];
   const workers = engineOf(plan.engine).topology === 'distributed' ? plan.nodes - 1 : 0;
   const file = (name: string) => `${MODELS_DIR}/${name}`;
-  const containers = launcherOf(plan.engine).kubernetes.containers(plan, plan.ports ?? DEFAULT_PORTS, file, Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`));
+  const containers = kubernetesLauncherOf(plan.engine).containers(plan, plan.ports ?? DEFAULT_PORTS, file, Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`));
   if (workers > 0 && containers.worker) {
     const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };
     objects.push({

@@ -21,14 +21,14 @@ import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../kubernetes/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
-import { ENGINE_KINDS, engineOf, type EngineKind } from '../../shared/engines';
+import { engineOf, type EngineKind } from '../../shared/engines';
 import type { ReadyModel } from '../../shared/model';
 import { WEIGHTS_PREFERENCE } from '../../shared/weights';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
-import { launcherOf } from './engines';
+import { kubernetesEngines, kubernetesLauncherOf } from './engines';
 import { instanceBase, instanceManifests, instanceSelector, poolOwnerManifest, RUNTIME_FIELD_MANAGER, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
 
 export interface KubernetesRuntimeOptions {
@@ -200,7 +200,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       await reportTopology(d, 'True', 'Fits', fit.reason);
       nodes = fit.nodes;
     }
-    const planned = launcherOf(engine).kubernetes.plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
+    const planned = kubernetesLauncherOf(engine).plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
     return {
       namespace: req.namespace,
       pool: req.pool,
@@ -228,8 +228,9 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
    */
   function defaultEngine(ready: ReadyModel): EngineKind {
     const has = (e: EngineKind) => ready.artifacts.some((a) => a.format === engineOf(e).format);
-    const wanted = (opts.defaultNodes ?? 1) > 1 ? ENGINE_KINDS.find((e) => engineOf(e).topology === 'distributed' && has(e)) : undefined;
-    return wanted ?? ENGINE_KINDS.find((e) => engineOf(e).topology === 'single' && has(e)) ?? ENGINE_KINDS.find(has) ?? 'llamacpp';
+    const engines = kubernetesEngines();
+    const wanted = (opts.defaultNodes ?? 1) > 1 ? engines.find((e) => engineOf(e).topology === 'distributed' && has(e)) : undefined;
+    return wanted ?? engines.find((e) => engineOf(e).topology === 'single' && has(e)) ?? engines.find(has) ?? 'llamacpp';
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */

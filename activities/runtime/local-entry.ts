@@ -7,6 +7,7 @@
  */
 import { accessSync, constants, statSync } from 'node:fs';
 import { delimiter, isAbsolute, join, resolve } from 'node:path';
+import { ENGINE_KINDS, engineOf, isEngineKind, type EngineKind } from '../../shared/engines';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
 import type { RuntimeEntry } from '.';
 import type * as LocalModule from './local';
@@ -31,6 +32,35 @@ export interface DllamaConfig {
 export interface LocalRuntimeConfig {
   /** distributed-llama topologies; unset: llama.cpp only. */
   dllama?: DllamaConfig;
+  /** `MAGUS_ENGINES`: the engines it may run, in the order it tries them; unset: every engine it can run, distributed ones first. */
+  engines?: EngineKind[];
+}
+
+/**
+ * `MAGUS_ENGINES=kind[,kind…]` (shared/engines.ts): which engines instances here run, tried in
+ * that order. A distributed engine needs distributed-llama's binaries (`dllama`).
+ */
+function enginesConfig(env: NodeJS.ProcessEnv, dllama: DllamaConfig | undefined, problems: string[]): EngineKind[] | undefined {
+  const text = env.MAGUS_ENGINES?.trim();
+  if (!text) return undefined;
+  const kinds = text.split(',').map((k) => k.trim());
+  const unknown = kinds.filter((k) => !isEngineKind(k));
+  if (unknown.length > 0) {
+    problems.push(`MAGUS_ENGINES=${text}: ${unknown.join(', ')} ${unknown.length > 1 ? 'are not engines' : 'is not an engine'}; the engines are ${ENGINE_KINDS.join(', ')}`);
+    return undefined;
+  }
+  const engines = [...new Set(kinds as EngineKind[])];
+  const needsDllama = engines.filter((k) => engineOf(k).topology === 'distributed');
+  if (needsDllama.length > 0 && !dllama) problems.push(`MAGUS_ENGINES lists ${needsDllama.join(', ')}, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
+  return engines;
+}
+
+/** The engines a local runtime with `config` runs (its advert's), in the order it tries them. */
+export function localEngines(config: LocalRuntimeConfig): EngineKind[] {
+  const runnable = (k: EngineKind) => engineOf(k).topology !== 'distributed' || config.dllama !== undefined;
+  if (config.engines) return config.engines.filter(runnable);
+  const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
+  return ENGINE_KINDS.filter(runnable).sort((a, b) => distributedFirst(a) - distributedFirst(b));
 }
 
 /** An executable file: a path (relative to the working directory) or a bare name looked up in PATH. */
@@ -87,11 +117,13 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
   ownsInstances: true,
   settingsFrom: (env, problems) => {
     const dllama = dllamaConfig(env, problems);
-    return dllama ? { dllama } : {};
+    const engines = enginesConfig(env, dllama, problems);
+    return { ...(dllama ? { dllama } : {}), ...(engines ? { engines } : {}) };
   },
   // Checked on a worker of another runtime too: a bad MAGUS_DLLAMA_* value is reported, not ignored.
   unselected: (env, problems) => void dllamaConfig(env, problems),
-  create: ({ dllama }, { s3, modelCacheDir, instanceMemory }, deps) => {
+  create: (config, { s3, modelCacheDir, instanceMemory }, deps) => {
+    const { dllama } = config;
     // eslint-disable-next-line @typescript-eslint/no-require-imports -- loaded only by a worker that runs it (the file's comment)
     const { createLocalRuntime } = require('./local') as typeof LocalModule;
     return createLocalRuntime({
@@ -102,9 +134,14 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
       bucket: s3.bucket,
       cacheDir: modelCacheDir,
       dllama,
+      engines: localEngines(config),
       ...(instanceMemory ? { instanceMemory } : {}),
       log: deps.log,
     });
   },
-  advert: ({ dllama }) => (dllama ? { formats: ['gguf', 'dllama'], dllamaNodes: dllama.nodes } : { formats: ['gguf'] }),
+  advert: (config) => {
+    const engines = localEngines(config);
+    const distributed = engines.some((k) => engineOf(k).topology === 'distributed');
+    return { formats: [...new Set(engines.map((k) => engineOf(k).format))], engines, ...(distributed && config.dllama ? { dllamaNodes: config.dllama.nodes } : {}) };
+  },
 };

@@ -55,6 +55,8 @@ export interface LocalRuntimeOptions {
   restart?: Partial<RestartPolicy>;
   /** distributed-llama binaries and topology size; unset: llama.cpp only. */
   dllama?: DllamaOptions;
+  /** The engines it runs, in the order it tries them (local-entry.ts `localEngines`); default: every engine it can run, distributed ones first. */
+  engines?: readonly EngineKind[];
   /** What the runtime does: instances started and stopped, engines restarted or given up. */
   log?: (line: string) => void;
   /**
@@ -110,9 +112,6 @@ interface Serving {
   engine: LocalServing;
 }
 
-/** The engines this runtime tries, in order: distributed ones first (a worker configured for them wants them used). */
-const ENGINE_PREFERENCE: readonly EngineKind[] = [...ENGINE_KINDS].sort((a, b) => Number(engineOf(b).topology === 'distributed') - Number(engineOf(a).topology === 'distributed'));
-
 interface LocalInstance {
   pool: string;
   info: Omit<InstanceInfo, 'healthy'>;
@@ -154,10 +153,12 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
   const destroying = new Map<string, Promise<void>>();
   const log = opts.log ?? (() => undefined);
   const cache: ModelCache = { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir };
+  const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
+  const engines = opts.engines ?? [...ENGINE_KINDS].sort((a, b) => distributedFirst(a) - distributedFirst(b));
   const key = (pool: string, instance: string) => `${pool}/${instance}`;
   const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.engine.healthy() });
 
-  /** The first engine of {@link ENGINE_PREFERENCE} available here that can serve the model, started. */
+  /** The first engine of `opts.engines` available here that can serve the model, started. */
   async function startServing(req: InstanceRequest, signal: AbortSignal): Promise<Serving> {
     const ready = await opts.registry.get(req.namespace, req.model);
     signal.throwIfAborted();
@@ -165,7 +166,7 @@ export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
     const name = key(req.pool, req.instance);
     /** Why engines that have an artifact of their format here cannot serve it; then why the others cannot. */
     const refused: { why: string; hasArtifact: boolean }[] = [];
-    for (const kind of ENGINE_PREFERENCE) {
+    for (const kind of engines) {
       const launcher = launcherOf(kind).local;
       if (!launcher.available(opts)) continue;
       const why = launcher.refusal(ready, opts);

@@ -25,6 +25,7 @@ import { installCrds } from '../../activities/kubernetes/crds';
 import { dataPlaneNames } from '../../dataplane';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary, WORKFLOWS_REPLAY_FROM } from '../../shared/constants';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/engine-slots';
+import type { EngineKind } from '../../shared/engines';
 import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../../controller/controller';
 import { startFixtureHub, type FixtureHub } from './hub';
@@ -59,6 +60,8 @@ export interface DevOptions {
   port?: number;
   /** Env var holding a Hugging Face token for gated models. */
   tokenEnv?: string;
+  /** The engine its instances run (`MAGUS_ENGINES` for its worker); default: the first that can serve the model. */
+  engine?: EngineKind;
   /** Open the kubectl door when the Kubernetes servers are built (default true). */
   kube?: boolean;
   /** The folder the state is kept in across restarts (default {@link devDataDir}). */
@@ -209,6 +212,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       AWS_ACCESS_KEY_ID: e.s3!.accessKeyId,
       AWS_SECRET_ACCESS_KEY: e.s3!.secretAccessKey,
       MAGUS_MODEL_CACHE: join(dataDir, 'models'),
+      ...(opts.engine ? { MAGUS_ENGINES: opts.engine } : {}),
     });
     const cfg = loadConfig();
 
