@@ -50,7 +50,7 @@ import {
   type StoredObject,
 } from '../shared/model';
 import type { WeightsFormat } from '../shared/weights';
-import type { ActivityProgress, ActivityRetry } from '../workflows/model/definitions';
+import type { ActivityProgress, ActivityRetry } from '../shared/status';
 
 export interface PipelineDeps {
   s3: S3Client;

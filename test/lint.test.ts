@@ -23,6 +23,7 @@ const fixtures = [
   'rooms/shared/imports-platform.ts',
   'rooms/dataplane/imports-gateway.ts',
   'rooms/activities/imports-test.ts',
+  'rooms/activities/imports-workflows.ts',
   'rooms/convert/imports-activities.ts',
   'rooms/convert/allowed.ts',
   'rooms/platform/imports-convert.ts',
@@ -76,6 +77,7 @@ test.each([
   ['rooms/shared/imports-platform.ts', /shared\/ must not import platform\//],
   ['rooms/dataplane/imports-gateway.ts', /dataplane\/ must not import gateway\//],
   ['rooms/activities/imports-test.ts', /Product code must not import test\//],
+  ['rooms/activities/imports-workflows.ts', /activities\/ must not import workflows\//],
   ['rooms/convert/imports-activities.ts', /convert\/ must not import activities\//],
   ['rooms/platform/imports-convert.ts', /platform\/ must not import convert\//],
 ])('a room importing a room above it (%s) fails lint', (fixture, why) => {

@@ -11,8 +11,7 @@ import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { RESOURCE_GONE } from '../../shared/errors';
 import { FieldManager, Kind, Plural, POOL_LABEL, type Condition } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
-import type { PipelineProgress } from '../../workflows/model/definitions';
-import type { PoolStatus } from '../../workflows/pool/definitions';
+import type { PipelineProgress, PoolStatus } from '../../shared/status';
 import { dllamaStatus, modelStatus } from './status';
 
 

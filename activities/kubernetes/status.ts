@@ -4,8 +4,7 @@
  */
 import { ModelCondition, type Condition, type DllamaResourceStatus, type ModelResourceStatus } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
-import type { PipelinePhase, PipelineProgress } from '../../workflows/model/definitions';
-import type { PoolStatus } from '../../workflows/pool/definitions';
+import type { PipelinePhase, PipelineProgress, PoolStatus } from '../../shared/status';
 
 /** Bytes as people read them: `1.2 GB`, `830 MB`, `12 kB` (SI, as `kubectl` users expect of sizes). */
 export function humanBytes(n: number): string {

@@ -25,25 +25,11 @@ import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { Artifact, ReadyModel, StoredObject } from '../../shared/model';
 import { WEIGHTS_PREFERENCE, type WeightsFormat } from '../../shared/weights';
 import { cachedFile } from './cache';
-import type { EngineLauncher, LocalLaunch, LocalServing } from './engines';
+import type { DllamaOptions, EngineLauncher, LocalLaunch, LocalServing } from './launcher';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
-/** Where and how topologies run (the worker's `MAGUS_DLLAMA_*` configuration). */
-export interface DllamaOptions {
-  /** `dllama-api` executable. */
-  apiBin: string;
-  /** `dllama` executable (run as `dllama worker`). */
-  workerBin: string;
-  /** Nodes, root included: a power of two. */
-  nodes: number;
-  /** `--nthreads` of every process. */
-  threads: number;
-  /** How long the root may take to load the model and connect its workers. Default 300 s. */
-  startTimeoutSec?: number;
-  /** SIGTERM → SIGKILL grace when stopping. Default 10 s. */
-  stopGraceMs?: number;
-}
+export type { DllamaOptions } from './launcher';
 
 /** Loopback only: a topology on one machine is never reachable from another. */
 const HOST = '127.0.0.1';

@@ -8,7 +8,7 @@ import { engineOf } from '../../shared/engines';
 import type * as EnginesModule from './engines';
 import { checkNatsServerList } from '../../platform/config';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
-import type { RuntimeEntry } from '.';
+import type { RuntimeEntry } from './entry';
 import type * as KubernetesModule from './kubernetes';
 
 /**

@@ -25,7 +25,6 @@ import type { DllamaResourceSpec } from '../../shared/kube';
 import { POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
 import { concurrentRequests, engineOf, type EngineKind } from '../../shared/engines';
-import { kubernetesLauncherOf } from './engines';
 
 export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
 export const INSTANCE_LABEL = 'magus.dev/instance';
@@ -39,6 +38,15 @@ export interface InstancePorts {
 }
 export const DEFAULT_PORTS: InstancePorts = { engine: 8080, worker: 9998, bridgeHealth: 9467 };
 const MODELS_DIR = '/models';
+
+/** Where the root pod's engine finds the model file `name` (the fetch init container puts it there). */
+export const modelPath = (name: string): string => `${MODELS_DIR}/${name}`;
+
+/** The `host:port` of each of an instance's `workers` worker pods: their stable names under the headless Service `<base>-w`. */
+export function workerAddresses(instance: string, namespace: string, workers: number, port: number): string[] {
+  const base = instanceBase(instance);
+  return Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${namespace}.svc:${port}`);
+}
 /** Non-root uid/gid of every container (the images' user). */
 const UID = 65532;
 
@@ -58,6 +66,14 @@ export interface OwnerReference {
   blockOwnerDeletion?: boolean;
 }
 
+/** A container of an instance's pod, less what every container of it shares. */
+export interface EngineContainer {
+  name: string;
+  image: string;
+  args: string[];
+  env?: { name: string; value: string }[];
+}
+
 /** What one instance runs, decided by kubernetes.ts from the registry, the Dllama and the cluster. */
 export interface InstancePlan {
   namespace: string;
@@ -67,6 +83,8 @@ export interface InstancePlan {
   /** Owner of the instance's ConfigMap: the Dllama, or the pool's ConfigMap. */
   owner: OwnerReference;
   engine: EngineKind;
+  /** Its engine's containers (its launcher's, engines.ts): the root pod's engine, and the worker pods' if it has workers. */
+  containers: { engine: EngineContainer; worker?: EngineContainer };
   /** Nodes of the topology (1 for a single-process engine). */
   nodes: number;
   /** Files the root needs, with the name the engine is given (`model.gguf` or a split GGUF's parts, the first first; `model.m`, `tokenizer.t`). */
@@ -170,8 +188,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   const ownedBy = (uid: string): OwnerReference[] => [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid, controller: true, blockOwnerDeletion: true }];
   const objects: KubeObject[] = [configMap];
   const workers = engineOf(plan.engine).topology === 'distributed' ? plan.nodes - 1 : 0;
-  const file = (name: string) => `${MODELS_DIR}/${name}`;
-  const containers = kubernetesLauncherOf(plan.engine).containers(plan, plan.ports ?? DEFAULT_PORTS, file, Array.from({ length: workers }, (_, k) => `${base}-w-${k}.${base}-w.${ns}.svc:${WORKER_PORT}`));
+  const { containers } = plan;
   if (workers > 0 && containers.worker) {
     const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };
     objects.push({

@@ -29,7 +29,7 @@ import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '.
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
 import { kubernetesEngines, kubernetesLauncherOf } from './engines';
-import { instanceBase, instanceManifests, instanceSelector, poolOwnerManifest, RUNTIME_FIELD_MANAGER, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
+import { DEFAULT_PORTS, instanceBase, instanceManifests, instanceSelector, modelPath, poolOwnerManifest, RUNTIME_FIELD_MANAGER, workerAddresses, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
 
 export interface KubernetesRuntimeOptions {
   kc: KubeConfig;
@@ -200,8 +200,10 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       await reportTopology(d, 'True', 'Fits', fit.reason);
       nodes = fit.nodes;
     }
-    const planned = kubernetesLauncherOf(engine).plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
-    return {
+    const launcher = kubernetesLauncherOf(engine);
+    const planned = launcher.plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
+    const ports = opts.ports ?? DEFAULT_PORTS;
+    const plan = {
       namespace: req.namespace,
       pool: req.pool,
       instance: req.instance,
@@ -219,6 +221,8 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...planned,
       memory: { root: need(planned.memory.root), worker: planned.memory.worker === null ? null : need(planned.memory.worker) },
     };
+    const workers = distributed ? planned.nodes - 1 : 0;
+    return { ...plan, containers: launcher.containers(plan, ports, modelPath, workerAddresses(req.instance, req.namespace, workers, ports.worker)) };
   }
 
   /**

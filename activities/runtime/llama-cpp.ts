@@ -9,7 +9,7 @@ import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNa
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ReadyModel } from '../../shared/model';
 import { cachedGguf } from './cache';
-import type { EngineLauncher, LocalLaunch, LocalServing } from './engines';
+import type { EngineLauncher, LocalLaunch, LocalServing } from './launcher';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 

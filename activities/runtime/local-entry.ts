@@ -9,7 +9,7 @@ import { accessSync, constants, statSync } from 'node:fs';
 import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { ENGINE_KINDS, engineOf, isEngineKind, type EngineKind } from '../../shared/engines';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
-import type { RuntimeEntry } from '.';
+import type { RuntimeEntry } from './entry';
 import type * as LocalModule from './local';
 
 /**

@@ -1,60 +1,9 @@
 /** Messages of the `modelPipeline` workflow (workflow id `model/<namespace>/<name>`). */
 import { defineQuery, defineSignal } from '@temporalio/workflow';
 import type { ModelSpec } from '../../shared/model';
+import type { ActivityProgress, ActivityRetry, PipelineProgress } from '../../shared/status';
 
-export type PipelinePhase = 'resolving' | 'transferring' | 'converting' | 'sizing' | 'publishing' | 'ready' | 'failed' | 'cancelled';
-
-/** What the `progress` query returns (and `magus model pull` draws). */
-export interface PipelineProgress {
-  phase: PipelinePhase;
-  /** Bumped by every accepted spec change; the CR's `observedGeneration` maps onto it. */
-  generation: number;
-  repo: string;
-  /** Commit the revision resolved to, once known. */
-  sha: string | null;
-  files: { done: number; total: number };
-  /** Source bytes transferred (including bytes found already in S3). */
-  bytes: { done: number; total: number };
-  /** Tensors converted over the artifacts whose conversion started. */
-  tensors: { done: number; total: number };
-  /** The same per artifact (`format:weights`), in the order they started (the query only). */
-  artifacts?: { key: string; done: number; total: number }[];
-  /** Seconds to the end of the current phase at the recent rate, when it can be estimated. */
-  etaSeconds: number | null;
-  /** Set in phase `failed`: the typed reason (an ErrorType) and message. */
-  failure: { type: string; message: string; /** The phase it failed in. */ during?: PipelinePhase } | null;
-  /** The `Model` resource's generation the pipeline has taken in (absent without a resource). */
-  observedGeneration?: number;
-  /**
-   * A step of the current phase whose last attempt failed and is being retried (transient errors
-   * retry forever, with backoff): which one, how many attempts failed, and the last error. Cleared
-   * when the step completes or the phase changes. Absent in answers of older workers.
-   */
-  retrying?: ActivityRetry;
-}
-
-/** Sent by a pipeline activity whose attempt failed with an error that will be retried. */
-export interface ActivityRetry {
-  /** The activity, e.g. `resolveSource`. */
-  activity: string;
-  /** Which one of its kind (a file's path, an artifact's `format:weights`), when several run. */
-  key?: string;
-  /** The attempt that failed (1 = the first). */
-  attempt: number;
-  /** Its error, as Temporal records it (never a secret: errors carry references only). */
-  message: string;
-  /** When it failed (ISO-8601, the worker's clock). */
-  at: string;
-}
-
-/** Sent by long activities, throttled, so the `progress` query can show bytes and tensors. */
-export interface ActivityProgress {
-  /** Distinguishes concurrent activities (e.g. the file path or artifact). */
-  key: string;
-  kind: 'transfer' | 'convert';
-  done: number;
-  total: number;
-}
+export type { ActivityProgress, ActivityRetry, PipelinePhase, PipelineProgress } from '../../shared/status';
 
 export const progressQuery = defineQuery<PipelineProgress>('progress');
 /** A new spec: the pipeline re-plans from what already exists (content-addressed, so nothing is redone). */

@@ -1,5 +1,6 @@
 /** Messages of the `dllamaPool` workflow (id `pool/<namespace>/<model>`). */
 import { defineQuery, defineSignal } from '@temporalio/workflow';
+import type { PoolStatus } from '../../shared/status';
 
 export interface PoolInput {
   namespace: string;
@@ -58,29 +59,7 @@ export interface PoolResource {
   deleted?: boolean;
 }
 
-export interface InstanceView {
-  id: string;
-  /** `draining`: idle, unpublished, stopped after the drain grace unless conversations reach it again. */
-  phase: 'starting' | 'ready' | 'draining' | 'stopping';
-  subject: string | null;
-  leases: number;
-  /** False while the pool's reconciler has not reported on it yet (a new instance is not idle before). */
-  reported?: boolean;
-}
-
-/** The pool as a whole, as the `MagusPhase` search attribute shows it. */
-export type PoolPhase = 'idle' | 'starting' | 'serving' | 'failing';
-
-export interface PoolStatus {
-  instances: InstanceView[];
-  /** First turns gateways hold for want of an instance with room (their `demand`, e.g. during a cold start). */
-  waiting: number;
-  /** Set when the runtime cannot start an instance (e.g. no capacity); cleared on success. */
-  lastError: string | null;
-  /** Instance starts that failed in a row, and when the next may be tried (epoch ms; 0: now). */
-  startFailures?: number;
-  nextStartAt?: number;
-}
+export type { InstanceView, PoolPhase, PoolStatus } from '../../shared/status';
 
 /**
  * From a gateway replica (signal-with-start), on its cold path: it holds `waiting` first turns of

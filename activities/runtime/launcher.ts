@@ -1,0 +1,104 @@
+/**
+ * What an engine's launcher is (engines.ts `LAUNCHERS`; one file per engine implements it): its
+ * processes on this machine, its plan and containers in a pod. Types only, apart from the
+ * lookup, so that the launchers and the lookup do not import each other.
+ */
+import type { ReadyModel, StoredObject } from '../../shared/model';
+import type { ModelCache } from './cache';
+import type { InstancePlan, InstancePorts } from './kubernetes-manifests';
+import type { RestartPolicy } from './supervise';
+import type { SupervisedProcess } from './process';
+
+/** Where and how topologies run (the worker's `MAGUS_DLLAMA_*` configuration). */
+export interface DllamaOptions {
+  /** `dllama-api` executable. */
+  apiBin: string;
+  /** `dllama` executable (run as `dllama worker`). */
+  workerBin: string;
+  /** Nodes, root included: a power of two. */
+  nodes: number;
+  /** `--nthreads` of every process. */
+  threads: number;
+  /** How long the root may take to load the model and connect its workers. Default 300 s. */
+  startTimeoutSec?: number;
+  /** SIGTERM → SIGKILL grace when stopping. Default 10 s. */
+  stopGraceMs?: number;
+}
+
+/** What serves an instance's requests on this machine. */
+export interface LocalServing {
+  url: string;
+  /** Requests it serves at once (the bridge's and the consumer's bound). */
+  slots: number;
+  readonly processes: readonly { role: 'engine' | 'root' | 'worker'; index: number; port: number; process: SupervisedProcess }[];
+  healthy(): boolean;
+  stop(): Promise<void>;
+}
+
+/** The local runtime's settings a launcher may read (local.ts `LocalRuntimeOptions`). */
+export interface LocalEngineSettings {
+  /** Slots per instance, fixed; unset: the pool's leases, else sized from the memory plan. */
+  slots?: number;
+  instanceMemory?: number;
+  threads?: number;
+  startTimeoutSec?: number;
+  restart?: Partial<RestartPolicy>;
+  /** distributed-llama binaries and topology size; unset: distributed-llama cannot run here. */
+  dllama?: DllamaOptions;
+  /** The engines' own output lines. */
+  output?: (line: string) => void;
+}
+
+/** One start on this machine. */
+export interface LocalLaunch {
+  ready: ReadyModel;
+  /** `<pool>/<instance>`: names its processes and log lines. */
+  name: string;
+  /** The leases the instance's pool gives it. */
+  leases: number | undefined;
+  settings: LocalEngineSettings;
+  cache: ModelCache;
+  log: (line: string) => void;
+  signal: AbortSignal;
+}
+
+/** What of an instance's plan an engine decides on Kubernetes (kubernetes-manifests.ts `InstancePlan`). */
+export interface KubernetesEnginePlan {
+  nodes: number;
+  /** Files the root needs, with the names the engine is given. */
+  files: (StoredObject & { name: string })[];
+  maxSeqLen: number;
+  slots: number;
+  ctx?: number;
+  /** Bytes each pod needs, before headroom. */
+  memory: { root: number; worker: number | null };
+}
+
+/** What a launcher gets from the Kubernetes runtime to plan an instance. */
+export interface KubernetesPlanning {
+  ready: ReadyModel;
+  /** Nodes per instance (the `Dllama`'s, fit-first's or the runtime's default). */
+  nodes: number;
+  /** Slots fixed by the runtime, the pool or the `Dllama`; unset: sized. */
+  fixedSlots: number | undefined;
+  instanceMemory: number;
+}
+
+export interface EngineLauncher {
+  /** Its processes on this machine (local.ts). */
+  local: {
+    /** Whether the settings let it run here at all (distributed-llama needs its binaries). */
+    available(settings: LocalEngineSettings): boolean;
+    /** Why it cannot serve `ready` here (no artifact of its format, none for this topology), or null when it can. */
+    refusal(ready: ReadyModel, settings: LocalEngineSettings): string | null;
+    /** Starts it and resolves once it serves; aborted, it stops what it began and rejects. */
+    start(launch: LocalLaunch): Promise<LocalServing>;
+  };
+  /** Its containers in a pod (kubernetes.ts, kubernetes-manifests.ts); absent: it does not run on Kubernetes. */
+  kubernetes?: {
+    /** The artifact, files, slots and memory of an instance on `nodes` nodes; throws a `NoArtifact` runtime error when it has none. */
+    plan(p: KubernetesPlanning): KubernetesEnginePlan;
+    /** The root pod's engine container, serving HTTP on `ports.engine` at `/v1/models`; `workers`: the worker pods' container, if it has workers. */
+    containers(plan: Omit<InstancePlan, 'containers'>, ports: InstancePorts, file: (name: string) => string, workerAddresses: string[]): InstancePlan['containers'];
+  };
+}
