@@ -68,7 +68,7 @@ const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'
 /**
  * `MAGUS_SESSION_TTL_MS`, the session TTL: how long a conversation keeps its session after its
  * last turn. At least 1 min: the gateway renews a session at most every 30 s and takes one within
- * 5 s of its end for ended (serving/sessions.ts), so a shorter TTL would send warm conversations
+ * 5 s of its end for ended (serving/sessions/), so a shorter TTL would send warm conversations
  * down the cold path. At most 24 h: the `magus_sessions` bucket's max age
  * (dataplane/declare.ts), which would drop the entry of a session still running.
  */

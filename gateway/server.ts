@@ -21,7 +21,7 @@ import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
-import { createSessionCache, type ColdStart, type FirstTurns, type SessionBroker, type SessionCache } from './serving/sessions';
+import { SessionCache, type ColdStart, type FirstTurns, type SessionBroker } from './serving/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 import { natsServerList } from '../platform/config';
 
@@ -164,7 +164,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       sessions = deps.broker;
     } else {
       const sessionsKv = await openBucket(nc, config.buckets.sessions);
-      const cache = createSessionCache({
+      const cache = new SessionCache({
         kv: sessionsKv,
         firstTurns: deps.firstTurns && {
           ...deps.firstTurns,

@@ -1,7 +1,7 @@
 /**
  * The gateway's Temporal side — never on a warm turn, and never on the client's path of a first
  * turn that finds room (ARCHITECTURE.md, "Data plane", "The entry-lease protocol";
- * serving/sessions.ts): after a first turn created its conversation's `magus_sessions` entry,
+ * serving/sessions/): after a first turn created its conversation's `magus_sessions` entry,
  * `adopt` starts the conversation's session workflow (its search attributes and summary in the
  * start request); a first turn that finds no instance with room has `demand` tell the model's pool
  * (signal-with-start, which starts the pool too).

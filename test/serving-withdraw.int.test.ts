@@ -9,7 +9,7 @@ import type { Client } from '@temporalio/client';
 import type { NatsConnection } from 'nats';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
-import { createSessionCache, type AcquireRequest } from '../gateway/serving/sessions';
+import { SessionCache, type AcquireRequest } from '../gateway/serving/sessions';
 import { temporalSessions } from '../gateway/temporal';
 import type { ReadyModel } from '../shared/model';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
@@ -49,7 +49,7 @@ test('first turns that leave while the pool starts instances: their calls end at
   const t = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
   const js = nc.jetstream();
   const kv = await js.views.kv(names.sessionsBucket);
-  const cache = createSessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
+  const cache = new SessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
   await cache.ready;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const request = (key: string, signal: AbortSignal): AcquireRequest => ({ conversationKey: key, model, owner: 't', signal });

@@ -43,7 +43,7 @@ export class GatewayError extends Error {
 
 /**
  * The serving failures ({@link ServingErrorType}, shared/errors.ts) a {@link SessionBroker}
- * (serving/sessions.ts) raises, as `error.type` (or a cause's, so an error wrapped on its way maps too),
+ * (serving/sessions/) raises, as `error.type` (or a cause's, so an error wrapped on its way maps too),
  * each answered as {@link sessionAnswers} says. Matched by value, never by class, so the broker
  * may live in another module or process.
  */

@@ -47,7 +47,7 @@ export interface GatewaySettings {
   coldStartTimeoutMs: number;
   /** `Retry-After` seconds when the cause does not say. */
   retryAfterSec: number;
-  /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (serving/sessions.ts). */
+  /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (serving/sessions/starts.ts). */
   maxPendingSessionStarts?: number;
 }
 

@@ -72,7 +72,7 @@ export interface Turn {
   /**
    * Which session, and so which instance, serves it (serving/conversation.ts). Absent: the
    * request belongs to no conversation (text completions, embeddings) and goes to the least
-   * loaded instance of the model's pool, with no entry and no session (serving/sessions.ts `route`).
+   * loaded instance of the model's pool, with no entry and no session (`SessionCache.route`, serving/sessions/).
    */
   conversationKey?: string;
   /** What the engine gets. */
@@ -136,7 +136,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
   };
   let published: SessionEntry | undefined;
-  // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions.ts).
+  // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions/placement.ts).
   let settle!: (answered: boolean) => void;
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
   try {

@@ -5,12 +5,13 @@
  * `magus_pools`-shaped bucket, with two gateway replicas where it matters.
  */
 import type { KV, NatsConnection } from 'nats';
-import type { PoolEntry, SessionEntry } from '../../shared/serving';
-import { isolation, natsConnect } from '../../test/harness';
-import { readyModel } from '../../test/harness/gateway-app';
-import { createSessionCache, type AcquireRequest, type FirstTurns, type SessionCache } from './sessions';
-import type { SessionError } from '../plugins/errors';
-import { sleep, until } from '../../test/harness/wait';
+import type { PoolEntry, SessionEntry } from '../../../shared/serving';
+import { isolation, natsConnect } from '../../../test/harness';
+import { readyModel } from '../../../test/harness/gateway-app';
+import { SessionCache } from './cache';
+import type { AcquireRequest, FirstTurns } from './types';
+import type { SessionError } from '../../plugins/errors';
+import { sleep, until } from '../../../test/harness/wait';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_sessions`;
@@ -46,7 +47,7 @@ const req = (conversationKey: string, signal = new AbortController().signal): Ac
 it('loads existing entries before ready, follows updates and deletes, skips malformed ones', async () => {
   await kv.put('k-existing', enc(entry('a')));
   await kv.put('k-malformed', enc({ nope: true }));
-  cache = createSessionCache({ kv, coldStart: () => Promise.reject(new Error('no cold starts here')) });
+  cache = new SessionCache({ kv, coldStart: () => Promise.reject(new Error('no cold starts here')) });
   await cache.ready;
   expect(cache.cache.live).toBe(true);
   expect((await cache.acquire(req('k-existing'))).instance).toBe('a');
@@ -62,7 +63,7 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
 it('does not use a lease that ends within the freshness margin', async () => {
   await kv.put('k-ending', enc(entry('old', 2_000)));
   const cold: string[] = [];
-  cache = createSessionCache({ kv, freshnessMarginMs: 5_000, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('new'))) });
+  cache = new SessionCache({ kv, freshnessMarginMs: 5_000, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('new'))) });
   await cache.ready;
   expect((await cache.acquire(req('k-ending'))).instance).toBe('new');
   expect(cold).toEqual(['k-ending']);
@@ -72,7 +73,7 @@ it('does not use a lease that ends within the freshness margin', async () => {
 
 it('concurrent first turns share one cold start', async () => {
   let calls = 0;
-  cache = createSessionCache({
+  cache = new SessionCache({
     kv,
     coldStart: async () => {
       calls++;
@@ -89,7 +90,7 @@ it('concurrent first turns share one cold start', async () => {
 
 it('aborts a shared cold start only when every waiter has gone', async () => {
   let coldSignal: AbortSignal | undefined;
-  cache = createSessionCache({
+  cache = new SessionCache({
     kv,
     coldStart: (r) =>
       new Promise((_, reject) => {
@@ -148,7 +149,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     return e?.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as SessionEntry) : undefined;
   };
   const start = async (over: Partial<FirstTurns> = {}) => {
-    const c = createSessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(over), renewWithinMs: 300_000, renewIntervalMs: 1000 });
+    const c = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(over), renewWithinMs: 300_000, renewIntervalMs: 1000 });
     await c.ready;
     return c;
   };
@@ -213,7 +214,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     const waiting: (() => void)[] = [];
     const slowAdopt = (r: { conversationKey: string }, e: SessionEntry) =>
       new Promise<void>((resolve) => waiting.push(() => (adopted.push({ key: r.conversationKey, entry: e }), resolve())));
-    cache = createSessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns({ adopt: slowAdopt }), maxPendingSessionStarts: 3 });
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns({ adopt: slowAdopt }), maxPendingSessionStarts: 3 });
     await cache.ready;
     const keys = [key('p'), key('p'), key('p')];
     for (const k of keys) await cache.acquire(req(k));
@@ -381,7 +382,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
   it('a pinned conversation (no placedAt) near its expiry is renewed on its instance, never moved, never a cold start', async () => {
     await publishPool(['i1'], 10);
     const cold: string[] = [];
-    cache = createSessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('cold'))), firstTurns: firstTurns(), pools });
+    cache = new SessionCache({ kv, coldStart: (r) => (cold.push(r.conversationKey), Promise.resolve(entry('cold'))), firstTurns: firstTurns(), pools });
     await cache.ready;
     const k = key('pinned');
     await kv.put(k, enc(entry('pinned-1', 2_000)));

@@ -1,0 +1,137 @@
+/**
+ * The KV-backed session broker: which instance serves a conversation, answered for warm turns
+ * from a watch-backed mirror of `magus_sessions` (no Temporal call, no KV read per request).
+ *
+ * It composes its collaborators and owns their lifetimes: the mirror and its per-instance counts
+ * ({@link SessionMirror}), the pools' views ({@link PoolViews}), the pick of an instance with room
+ * ({@link InstancePicker}), the entry-lease protocol's writes ({@link SessionEntries}), placement
+ * of first turns, moves and renewals ({@link Placement}) with the demand told to pools
+ * ({@link Demand}) and the session workflows started afterwards ({@link SessionStarts}), one
+ * shared placement per conversation ({@link SharedCalls}) and the counters ({@link SessionCounters}).
+ *
+ * A broker without `FirstTurns` places no conversation itself: a turn with no fresh entry
+ * takes the injected {@link ColdStart} (tests pin conversations so; the gateway process always
+ * has first turns).
+ */
+import type { KvCache } from '../../../dataplane/kv-mirror';
+import { SessionError, SessionErrorType } from '../../plugins/errors';
+import type { ReadyModel } from '../../../shared/model';
+import type { PoolEntry, SessionEntry } from '../../../shared/serving';
+import { Demand } from './demand';
+import { SessionEntries } from './entries';
+import { SessionMirror } from './mirror';
+import { InstancePicker } from './picker';
+import { Placement, usable } from './placement';
+import { PoolViews } from './pool-views';
+import { SharedCalls } from './shared-calls';
+import { SessionStarts } from './starts';
+import { SessionCounters } from './stats';
+import type { AcquireRequest, CachedEntry, ColdStart, SessionBroker, SessionCacheOptions, SessionStats } from './types';
+
+/** Expired entries and renewal marks are swept this often. */
+const SWEEP_MS = 60_000;
+
+export class SessionCache implements SessionBroker {
+  /** The mirror of `magus_sessions` (the gateway reopens it after a reconnect, and reports whether it is live). */
+  readonly cache: KvCache<CachedEntry>;
+  /** The mirror of `magus_pools` (absent without a pools bucket). */
+  readonly pools: KvCache<PoolEntry> | undefined;
+  /** Both mirrors loaded. */
+  readonly ready: Promise<void>;
+
+  private readonly mirror: SessionMirror;
+  private readonly views: PoolViews;
+  private readonly picker: InstancePicker;
+  private readonly counters = new SessionCounters();
+  /** Concurrent turns of one conversation share one placement, aborted only when all of them have gone. */
+  private readonly placing = new SharedCalls<SessionEntry>();
+  /** Absent without first turns: such a broker places through its {@link ColdStart}. */
+  private readonly placement: Placement | undefined;
+  private readonly starts: SessionStarts | undefined;
+  private readonly coldStart: ColdStart | undefined;
+  private readonly now: () => number;
+  private readonly marginMs: number;
+  private readonly sweep: NodeJS.Timeout;
+
+  constructor(opts: SessionCacheOptions) {
+    this.now = opts.now ?? Date.now;
+    this.marginMs = opts.freshnessMarginMs ?? 5_000;
+    this.coldStart = opts.coldStart;
+    this.mirror = new SessionMirror(opts.kv, opts.onError);
+    this.views = new PoolViews(opts.pools, opts.firstTurns, this.now, opts.onError);
+    this.picker = new InstancePicker(this.mirror, this.views, this.counters);
+    const first = opts.firstTurns;
+    if (first) {
+      this.starts = new SessionStarts(first, this.now, opts.maxPendingSessionStarts, opts.onError);
+      this.placement = new Placement(
+        first,
+        {
+          mirror: this.mirror,
+          views: this.views,
+          picker: this.picker,
+          entries: new SessionEntries(first.sessions, this.mirror),
+          starts: this.starts,
+          demand: new Demand(first, this.now, opts.onError),
+          counters: this.counters,
+        },
+        { marginMs: this.marginMs, renewWithinMs: opts.renewWithinMs ?? Infinity, renewIntervalMs: opts.renewIntervalMs ?? 30_000, now: this.now, onError: opts.onError },
+      );
+    }
+    this.cache = this.mirror.cache;
+    this.pools = this.views.cache;
+    this.ready = this.pools ? Promise.all([this.cache.ready, this.pools.ready]).then(() => undefined) : this.cache.ready;
+    this.sweep = setInterval(() => {
+      const t = this.now();
+      this.mirror.sweep(t);
+      this.placement?.sweep(t);
+    }, SWEEP_MS);
+    this.sweep.unref();
+  }
+
+  stats(): SessionStats {
+    return this.counters.snapshot(this.starts?.pending ?? 0);
+  }
+
+  /** Live entries on an instance, as this gateway's mirror counts them. */
+  leasesOn(namespace: string, pool: string, instance: string): number {
+    return this.mirror.leasesOn(namespace, pool, instance);
+  }
+
+  acquire(req: AcquireRequest): Promise<SessionEntry> {
+    const key = req.conversationKey;
+    const entry = this.mirror.get(key);
+    if (entry && usable(entry, this.now(), this.marginMs, this.views)) {
+      this.counters.warmHits++;
+      this.placement?.renewLater(key, entry);
+      return Promise.resolve(entry);
+    }
+    const placement = this.placement;
+    return this.placing.join(key, (signal) => (placement ? placement.place(req, signal) : this.fromColdStart(req, signal)), req.signal);
+  }
+
+  async route({ model, signal }: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry> {
+    let target = this.picker.pick(model, { anyLoad: true });
+    if (!target) {
+      if (!this.placement) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${model.namespace}/${model.name} serves, and this gateway cannot ask its pool for one`);
+      target = await this.placement.room(model, signal);
+      this.picker.release(model, target.instance);
+    }
+    return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
+  }
+
+  async close(): Promise<void> {
+    clearInterval(this.sweep);
+    this.placement?.close();
+    this.placing.abortAll(new Error('gateway closing'));
+    await Promise.all([this.cache.close(), this.views.close()]);
+  }
+
+  /** Without first turns: the injected {@link ColdStart} places the conversation. */
+  private async fromColdStart(req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> {
+    this.counters.coldStarts++;
+    if (!this.coldStart) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${req.model.namespace}/${req.model.name} is placed for this conversation, and this gateway cannot place one`);
+    const entry = await this.coldStart({ ...req, signal });
+    this.mirror.set(req.conversationKey, { ...entry, revision: 0 });
+    return entry;
+  }
+}

@@ -1,0 +1,47 @@
+/** The instance a conversation goes to: the most room, counting every replica's entries and this one's picks in flight. */
+import type { PoolEntry } from '../../../shared/serving';
+import { readyModel } from '../../../test/harness/gateway-app';
+import type { SessionMirror } from './mirror';
+import { InstancePicker } from './picker';
+import type { PoolViews } from './pool-views';
+import { SessionCounters } from './stats';
+
+const model = readyModel('tiny');
+const view = (over: Partial<PoolEntry> = {}): PoolEntry => ({
+  instances: ['i1', 'i2'].map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })),
+  leasesPerInstance: 2,
+  growable: true,
+  updatedAt: 0,
+  ...over,
+});
+
+function pickerWith(leases: Record<string, number>, entry: PoolEntry | undefined, stale = false) {
+  const mirror = { leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as SessionMirror;
+  const views = { viewOf: () => entry, stale: () => stale } as unknown as PoolViews;
+  const counters = new SessionCounters();
+  return { picker: new InstancePicker(mirror, views, counters), counters };
+}
+
+it('picks the instance with the fewest entries, counting reservations until released', () => {
+  const { picker } = pickerWith({ i1: 0, i2: 1 }, view());
+  const a = picker.reserve(model, picker.pick(model)!);
+  expect(a.instance).toBe('i1');
+  const b = picker.reserve(model, picker.pick(model)!);
+  expect(b.instance).toBe('i1');
+  expect(picker.pick(model)?.instance).toBe('i2');
+  picker.release(model, 'i1');
+  expect(picker.pick(model)?.instance).toBe('i1');
+});
+
+it('with every instance full: none while the pool can grow; the least loaded when it cannot, or for a request that takes no lease', () => {
+  expect(pickerWith({ i1: 2, i2: 3 }, view()).picker.pick(model)).toBeUndefined();
+  expect(pickerWith({ i1: 3, i2: 2 }, view()).picker.pick(model, { anyLoad: true })?.instance).toBe('i2');
+  expect(pickerWith({ i1: 3, i2: 2 }, view({ growable: false })).picker.pick(model)?.instance).toBe('i2');
+  expect(pickerWith({}, undefined).picker.pick(model)).toBeUndefined();
+});
+
+it('counts picks from a stale view', () => {
+  const { picker, counters } = pickerWith({}, view(), true);
+  picker.pick(model);
+  expect(counters.staleViewPicks).toBe(1);
+});

@@ -1,0 +1,19 @@
+/** The session broker's counters for /metrics: each collaborator counts what it does here. */
+import type { SessionStats } from './types';
+
+export class SessionCounters {
+  warmHits = 0;
+  coldStarts = 0;
+  firstTurns = 0;
+  moves = 0;
+  renewals = 0;
+  givenBack = 0;
+  staleViewPicks = 0;
+  refusedForPendingStarts = 0;
+
+  /** The counters with the one gauge kept elsewhere (sessions waiting to start: starts.ts). */
+  snapshot(pendingSessionStarts: number): SessionStats {
+    const { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, refusedForPendingStarts } = this;
+    return { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, pendingSessionStarts, refusedForPendingStarts };
+  }
+}

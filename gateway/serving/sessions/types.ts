@@ -1,0 +1,148 @@
+/**
+ * The session broker's interfaces: what the routes ask ({@link SessionBroker}), what the gateway
+ * process injects into the KV-backed one ({@link SessionCacheOptions}, {@link FirstTurns}) and
+ * what it reports ({@link SessionStats}). Interfaces only; the classes are beside them (index.ts).
+ */
+import type { KvEntry } from 'nats';
+import type { WatchableKv } from '../../../dataplane/kv-mirror';
+import type { ReadyModel } from '../../../shared/model';
+import type { PoolEntry, SessionEntry } from '../../../shared/serving';
+
+export interface AcquireRequest {
+  /** The conversation key (serving/conversation.ts): stable across the turns of one conversation. */
+  conversationKey: string;
+  model: ReadyModel;
+  /** The calling key's owner (plugins/auth.ts `Principal.owner`). */
+  owner: string;
+  /** Aborted when the client goes away or the gateway gives up waiting. */
+  signal: AbortSignal;
+  /**
+   * Settles once the turn that asked is over: true when it was answered. A conversation this turn
+   * created gets its session workflow only then; a first turn refused (a full backlog), failed or
+   * left by its client gives its entry back (deleted with compare-and-swap), so it leaves nothing
+   * behind: no lease counted, no workflow. Absent: the session starts at once.
+   */
+  answered?: Promise<boolean>;
+}
+
+/**
+ * Finds (or starts) the instance for a conversation. Throws errors whose `type` is a
+ * `SessionErrorType` (plugins/errors.ts: `BacklogFull` → 429, `NoCapacity` → 503) when it cannot.
+ */
+export interface SessionBroker {
+  acquire(req: AcquireRequest): Promise<SessionEntry>;
+  /**
+   * An instance for a request that belongs to no conversation (embeddings): the least loaded
+   * one the pool publishes, whether or not it has room for another conversation (such a request
+   * takes no lease; the instance's queue bounds it); none serving — the cold path, as a first
+   * turn waits. Nothing is written and no session starts. The entry answered expires at once.
+   */
+  route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
+  /** Counters for /metrics, when the broker keeps them. */
+  stats?(): SessionStats;
+}
+
+export interface SessionStats {
+  /** Turns answered from the session cache. */
+  warmHits: number;
+  /** Conversations moved off an instance the pool no longer publishes. */
+  moves?: number;
+  /** Entries renewed by this gateway (compare-and-swap). */
+  renewals?: number;
+  /** Entries of first turns that were not answered (refused, failed, left), deleted again. */
+  givenBack?: number;
+  /** Turns that waited: for an instance with room (telling the pool of the demand), or on the {@link ColdStart}. */
+  coldStarts: number;
+  /** First turns served from a pool's published instances (the session workflow confirms later). */
+  firstTurns: number;
+  /** Of those, picks from a view its pool had not rewritten in time, among its instances found consuming. */
+  staleViewPicks?: number;
+  /** Conversations answered whose session workflow has not started yet (a gauge). */
+  pendingSessionStarts?: number;
+  /** New conversations refused because too many wait for their session to start. */
+  refusedForPendingStarts?: number;
+}
+
+/** How a broker without {@link FirstTurns} places a conversation with no fresh entry, resolving to its entry. */
+export type ColdStart = (req: AcquireRequest) => Promise<SessionEntry>;
+
+/** What the `magus_sessions` bucket must offer: an atomic create, a compare-and-swap update, and a read after losing either. */
+export interface SessionWriter {
+  create(key: string, value: Uint8Array): Promise<number>;
+  update(key: string, value: Uint8Array, version: number): Promise<number>;
+  get(key: string): Promise<KvEntry | null>;
+  delete(key: string, opts?: { previousSeq?: number }): Promise<void>;
+}
+
+/**
+ * First turns without a workflow on the client's path (the entry-lease protocol). The entry is
+ * created with KV `create`, so concurrent first turns of one conversation (on any replica) agree
+ * on the winner's instance; `adopt` then starts the conversation's session workflow.
+ */
+export interface FirstTurns {
+  sessions: SessionWriter;
+  /** Lifetime of an entry after its last renewal (the session's TTL). */
+  ttlMs: number;
+  /** Starts the session workflow of an entry this gateway created (or revived); not awaited by the request. */
+  adopt(req: Omit<AcquireRequest, 'signal'>, entry: SessionEntry): Promise<void>;
+  /**
+   * Tells the model's pool that this replica holds `waiting` first turns for want of an instance
+   * with room (signal-with-start: it starts the pool too). Called at most once a second per model.
+   * Absent: first turns wait for room without telling anyone (a pool sized by its resource).
+   */
+  demand?(model: ReadyModel, waiting: number): Promise<void>;
+  /** Whether the pools can be told (Temporal answers): a first turn without room is refused at once (503) when not. */
+  reachable?(): boolean;
+  /**
+   * Whether an instance's bridge is consuming its requests (its consumer has a pull waiting).
+   * Asked only about the instances of a view older than `POOL_ENTRY_MAX_AGE_MS` (shared/serving.ts): a pool
+   * whose workflow is too slow to rewrite its view (an overloaded Temporal) still serves new
+   * conversations on the instances found alive, instead of sending every first turn to the pool
+   * that cannot answer. Absent: a view that old is not used.
+   */
+  alive?(namespace: string, pool: string, instance: string): Promise<boolean>;
+}
+
+export interface SessionCacheOptions {
+  /** The `magus_sessions` bucket (key = conversation key). */
+  kv: WatchableKv;
+  /** Places conversations when there are no {@link SessionCacheOptions.firstTurns}. Default: 503 `NoCapacity`. */
+  coldStart?: ColdStart;
+  /** Serve first turns from pools' published instances; without it every turn with no fresh entry takes `coldStart`. */
+  firstTurns?: FirstTurns;
+  /**
+   * The `magus_pools` bucket (key `<namespace>.<model>`): the pools' published views, which first
+   * turns (`firstTurns`) and requests of no conversation (`route`) are placed by.
+   */
+  pools?: WatchableKv;
+  /** A lease ending sooner than this is not used as it is: the turn renews it (first turns) or takes `coldStart`. */
+  freshnessMarginMs?: number;
+  /**
+   * With first turns, a warm hit whose entry has less than `renewWithinMs` left renews it (a
+   * compare-and-swap, not awaited), at most once per `renewIntervalMs` per conversation: renewing
+   * only once part of the entry is used spares the bucket a write per interval for every live
+   * conversation.
+   */
+  renewIntervalMs?: number;
+  /**
+   * Default: every warm hit may renew. The gateway sets TTL − max(30 s, TTL/10): a session ends
+   * between that much and TTL after its last turn, and a live conversation costs at most ten
+   * renewals per TTL (one per 3 min at the default 30 min) instead of one per 30 s.
+   */
+  renewWithinMs?: number;
+  /**
+   * At most this many conversations answered by this gateway may wait for their session workflow
+   * to start (Temporal slower than new conversations arrive, or away); beyond it a new
+   * conversation is refused (503 with `Retry-After`) until they drain. Default
+   * `MAX_PENDING_SESSION_STARTS` (starts.ts).
+   */
+  maxPendingSessionStarts?: number;
+  now?: () => number;
+  onError?: (err: unknown) => void;
+}
+
+/** A mirrored entry with the revision it was read at (for compare-and-swap). */
+export type CachedEntry = SessionEntry & { revision: number };
+
+/** One instance of a pool's published view: what a conversation is placed on. */
+export type PublishedInstance = PoolEntry['instances'][number];
