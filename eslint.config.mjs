@@ -14,20 +14,23 @@ import { builtinModules } from 'node:module';
  * imports tests or benchmarks; tests (`*.test.ts`) may import anything.
  */
 export const ROOMS_ABOVE = {
-  shared: ['platform', 'convert', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  platform: ['convert', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  convert: ['workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  shared: ['platform', 'convert', 'kube', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  platform: ['convert', 'kube', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  convert: ['kube', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  // The Kubernetes API (kube/: watches, CRDs, resource status, Events) is for the activities, the
+  // controller and the workers that run them.
+  kube: ['convert', 'workflows', 'dataplane', 'engine', 'activities', 'controller', 'gateway', 'workers'],
   // The rooms above convert that have no use for conversion may not import it either: the serving
   // path and the controller do not load the converter, and workflow code does no I/O.
-  workflows: ['platform', 'convert', 'dataplane', 'engine', 'controller', 'gateway', 'workers'],
-  dataplane: ['convert', 'workflows', 'engine', 'activities', 'controller', 'gateway', 'workers'],
-  engine: ['convert', 'workflows', 'dataplane', 'activities', 'controller', 'gateway', 'workers'],
+  workflows: ['platform', 'convert', 'kube', 'dataplane', 'engine', 'controller', 'gateway', 'workers'],
+  dataplane: ['convert', 'kube', 'workflows', 'engine', 'activities', 'controller', 'gateway', 'workers'],
+  engine: ['convert', 'kube', 'workflows', 'dataplane', 'activities', 'controller', 'gateway', 'workers'],
   // Activities take nothing of workflows/ (what both need, e.g. the reports the workflows' queries
   // give, lives in shared/): the one tie between them is the workflows' type-only import of
   // activities, which Temporal's proxyActivities needs.
   activities: ['workflows', 'controller', 'gateway', 'workers'],
   controller: ['convert', 'gateway', 'workers'],
-  gateway: ['convert', 'engine', 'activities', 'controller', 'workers'],
+  gateway: ['convert', 'kube', 'engine', 'activities', 'controller', 'workers'],
   workers: [],
 };
 

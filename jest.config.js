@@ -7,7 +7,7 @@ const esmDeps = ['@kubernetes/client-node', 'openid-client', 'oauth4webapi', 'jo
 const common = {
   testEnvironment: 'node',
   rootDir: __dirname,
-  roots: ['<rootDir>/test', '<rootDir>/shared', '<rootDir>/platform', '<rootDir>/convert', '<rootDir>/workflows', '<rootDir>/dataplane', '<rootDir>/engine', '<rootDir>/activities', '<rootDir>/controller', '<rootDir>/gateway', '<rootDir>/workers'],
+  roots: ['<rootDir>/test', '<rootDir>/shared', '<rootDir>/platform', '<rootDir>/convert', '<rootDir>/kube', '<rootDir>/workflows', '<rootDir>/dataplane', '<rootDir>/engine', '<rootDir>/activities', '<rootDir>/controller', '<rootDir>/gateway', '<rootDir>/workers'],
   transform: { '^.+\\.(t|j|mj)s$': ['@swc/jest', { jsc: { target: 'es2022' }, module: { type: 'commonjs' } }] },
   transformIgnorePatterns: [`/node_modules/(?!(${esmDeps.join('|')})/)`],
   moduleFileExtensions: ['ts', 'js', 'mjs', 'json'],

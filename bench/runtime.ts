@@ -11,7 +11,7 @@
  */
 import { CustomObjectsApi } from '@kubernetes/client-node';
 import { connect } from 'nats';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime } from '../activities/runtime/kubernetes';

@@ -22,8 +22,8 @@
 import type { CoreV1Api, CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
 import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import type { KV } from 'nats';
-import { mergeConditions } from '../activities/kubernetes/status';
-import { watchResource, type ResourceWatch } from '../activities/kubernetes/watch';
+import { mergeConditions } from '../kube/status';
+import { watchResource, type ResourceWatch } from '../kube/watch';
 import { conflictMessage, listKeys, registerKey, TOKEN_PATTERN, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { API_KEY_SECRET_LABEL, ApiKeyCondition, ApiKeyReason, FieldManager, Kind, Plural, TOKEN_SECRET_LABEL, type ApiKeyResource, type ApiKeyResourceStatus, type Condition } from '../shared/kube';

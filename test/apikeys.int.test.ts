@@ -18,7 +18,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
 import type { KV, NatsConnection } from 'nats';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { dataPlaneNames } from '../dataplane';
 import { startKeys, type Keys } from '../controller/keys';
 import { startGateway, type RunningGateway } from '../gateway/server';

@@ -9,7 +9,7 @@ import { join } from 'node:path';
 import { CoordinationV1Api, CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { freePort, writeKubeconfig } from '../workers/dev/services';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { endpoint, isolation } from './harness';

@@ -8,7 +8,7 @@
 import { CoreV1Api, CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { startController, type Controller } from '../controller/controller';
 import { startServices, type RunningServices } from '../workers/dev/services';

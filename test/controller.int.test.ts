@@ -17,8 +17,8 @@ import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client
 import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
 import type { KV, NatsConnection } from 'nats';
-import { installCrds } from '../activities/kubernetes/crds';
-import { watchResource } from '../activities/kubernetes/watch';
+import { installCrds } from '../kube/crds';
+import { watchResource } from '../kube/watch';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';

@@ -9,7 +9,7 @@
  */
 import { randomInt } from 'node:crypto';
 import { CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { mulberry32 } from '../workers/dev/tiny-model';
 import { modelSpecOf, poolResourceOf } from '../controller/controller';
 import { validateModelSpec } from '../shared/model';

@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { ApiextensionsV1Api, CoreV1Api, CustomObjectsApi, loadAllYaml, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { ObjectSerializer } from '@kubernetes/client-node/dist/serializer.js';
-import { CRD_FIELD_MANAGER, CRD_FILES, crdsDir, installCrds, loadCrdManifests, loadRawCrdManifests } from '../activities/kubernetes/crds';
+import { CRD_FIELD_MANAGER, CRD_FILES, crdsDir, installCrds, loadCrdManifests, loadRawCrdManifests } from '../kube/crds';
 import { Kind, Plural, type ApiKeyResourceSpec, type ApiKeyResourceStatus, type DllamaResourceSpec, type DllamaResourceStatus, type ModelResourceSpec, type ModelResourceStatus, type SessionResourceStatus } from '../shared/kube';
 import { endpoint, isolation } from './harness';
 import { kubeConfig } from './harness/kube';

@@ -24,6 +24,7 @@ const fixtures = [
   'rooms/dataplane/imports-gateway.ts',
   'rooms/activities/imports-test.ts',
   'rooms/activities/imports-workflows.ts',
+  'rooms/kube/imports-activities.ts',
   'rooms/convert/imports-activities.ts',
   'rooms/convert/allowed.ts',
   'rooms/platform/imports-convert.ts',
@@ -78,6 +79,7 @@ test.each([
   ['rooms/dataplane/imports-gateway.ts', /dataplane\/ must not import gateway\//],
   ['rooms/activities/imports-test.ts', /Product code must not import test\//],
   ['rooms/activities/imports-workflows.ts', /activities\/ must not import workflows\//],
+  ['rooms/kube/imports-activities.ts', /kube\/ must not import activities\//],
   ['rooms/convert/imports-activities.ts', /convert\/ must not import activities\//],
   ['rooms/platform/imports-convert.ts', /platform\/ must not import convert\//],
 ])('a room importing a room above it (%s) fails lint', (fixture, why) => {

@@ -13,7 +13,7 @@ import { createHash } from 'node:crypto';
 import { writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { CONVERTER_VERSION } from '../convert/convert';
-import { modelConditions } from '../activities/kubernetes/status';
+import { modelConditions } from '../kube/status';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { artifactPrefix, type ArtifactRequest, type ModelSpec } from '../shared/model';

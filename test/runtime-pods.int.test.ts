@@ -25,7 +25,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { installCrds } from '../activities/kubernetes/crds';
+import { installCrds } from '../kube/crds';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';

@@ -4,7 +4,6 @@
  * with `observedGeneration`), and an Event on every phase change so `kubectl describe` tells
  * the story. Idempotent: applying the same status twice changes nothing.
  */
-import { randomBytes } from 'node:crypto';
 import { ApplicationFailure } from '@temporalio/activity';
 import { CoreV1Api, CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
@@ -12,7 +11,8 @@ import { RESOURCE_GONE } from '../../shared/errors';
 import { FieldManager, Kind, Plural, POOL_LABEL, type Condition } from '../../shared/kube';
 import type { ReadyModel } from '../../shared/model';
 import type { PipelineProgress, PoolStatus } from '../../shared/status';
-import { dllamaStatus, modelStatus } from './status';
+import { recordEvent, type EventTarget } from '../../kube/events';
+import { dllamaStatus, modelStatus } from '../../kube/status';
 
 
 export interface KubernetesDeps {
@@ -44,39 +44,6 @@ export interface WriteDllamaStatusInput {
   nodesPerInstance: number;
   pool: PoolStatus;
   previous: { phase: string | null; conditions: Condition[] };
-}
-
-export interface EventTarget {
-  namespace: string;
-  name: string;
-  uid: string;
-}
-
-/**
- * Records a Kubernetes Event about one of our resources (what `kubectl describe` lists). Best
- * effort: an Event that cannot be written never fails the work it reports.
- */
-export async function recordEvent(core: CoreV1Api, kind: string, ref: EventTarget, type: 'Normal' | 'Warning', reason: string, message: string): Promise<void> {
-  const now = new Date();
-  try {
-    await core.createNamespacedEvent({
-      namespace: ref.namespace,
-      body: {
-        metadata: { name: `${ref.name}.${randomBytes(8).toString('hex')}`, namespace: ref.namespace },
-        involvedObject: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind, name: ref.name, namespace: ref.namespace, uid: ref.uid },
-        reason,
-        message: message.slice(0, 1024),
-        type,
-        source: { component: 'magus' },
-        reportingComponent: 'magus.dev/magus',
-        firstTimestamp: now,
-        lastTimestamp: now,
-        count: 1,
-      },
-    });
-  } catch {
-    // Events are advisory.
-  }
 }
 
 const code = (err: unknown): number | undefined => (err as { code?: number }).code;

@@ -8,7 +8,7 @@
  */
 import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1StatefulSet } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
-import { installCrds } from '../kubernetes/crds';
+import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';

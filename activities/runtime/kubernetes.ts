@@ -18,7 +18,7 @@
 import { CoreV1Api, CustomObjectsApi, KubernetesObjectApi, PatchStrategy, setHeaderOptions, type KubeConfig, type KubernetesObject, type V1Node, type V1Pod } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
-import { watchResource } from '../kubernetes/watch';
+import { watchResource } from '../../kube/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { engineOf, type EngineKind } from '../../shared/engines';

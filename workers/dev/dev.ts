@@ -21,7 +21,7 @@ import { join, resolve } from 'node:path';
 import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { connect } from 'nats';
-import { installCrds } from '../../activities/kubernetes/crds';
+import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary, WORKFLOWS_REPLAY_FROM } from '../../shared/constants';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/engine-slots';

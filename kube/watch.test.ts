@@ -7,7 +7,7 @@
 import { createServer, type Server, type ServerResponse } from 'node:http';
 import type { AddressInfo, Socket } from 'node:net';
 import { KubeConfig } from '@kubernetes/client-node';
-import { sleep, until } from '../../test/harness/wait';
+import { sleep, until } from '../test/harness/wait';
 import { backoffDelay, watchResource, type ResourceWatch, type WatchEventType, type WatchedObject } from './watch';
 
 const PATH = '/api/v1/namespaces/ns/configmaps';

@@ -8,10 +8,10 @@
  * server that every watch asks for them and that their resourceVersion is used.
  */
 import { CoreV1Api, KubeConfig, type V1ConfigMap } from '@kubernetes/client-node';
-import { endpoint, isolation } from '../../test/harness';
-import { kubeConfig } from '../../test/harness/kube';
-import { startTcpProxy, type TcpProxy } from '../../test/harness/tcp-proxy';
-import { sleep, until } from '../../test/harness/wait';
+import { endpoint, isolation } from '../test/harness';
+import { kubeConfig } from '../test/harness/kube';
+import { startTcpProxy, type TcpProxy } from '../test/harness/tcp-proxy';
+import { sleep, until } from '../test/harness/wait';
 import { watchResource, type ResourceWatch, type WatchEventType } from './watch';
 
 const iso = isolation();

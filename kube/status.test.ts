@@ -1,4 +1,4 @@
-import type { PipelineProgress } from '../../workflows/model/definitions';
+import type { PipelineProgress } from '../shared/status';
 import { dllamaStatus, humanBytes, mergeConditions, modelConditions, modelStatus } from './status';
 
 const progress = (over: Partial<PipelineProgress>): PipelineProgress => ({

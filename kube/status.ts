@@ -2,9 +2,9 @@
  * Pure builders of the status magus writes to its custom resources: what `kubectl get`,
  * `kubectl wait --for=condition=Ready` and `kubectl describe` show. No I/O; unit-tested.
  */
-import { ModelCondition, type Condition, type DllamaResourceStatus, type ModelResourceStatus } from '../../shared/kube';
-import type { ReadyModel } from '../../shared/model';
-import type { PipelinePhase, PipelineProgress, PoolStatus } from '../../shared/status';
+import { ModelCondition, type Condition, type DllamaResourceStatus, type ModelResourceStatus } from '../shared/kube';
+import type { ReadyModel } from '../shared/model';
+import type { PipelinePhase, PipelineProgress, PoolStatus } from '../shared/status';
 
 /** Bytes as people read them: `1.2 GB`, `830 MB`, `12 kB` (SI, as `kubectl` users expect of sizes). */
 export function humanBytes(n: number): string {
