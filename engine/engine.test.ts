@@ -553,6 +553,25 @@ describe('log-probabilities', () => {
     }
   }
 
+  it("chat: the first token's log-probabilities are llama.cpp's logits, normalized over the whole vocabulary", async () => {
+    const TOP = 5;
+    const res = (await complete({ messages: hello, max_tokens: 1, temperature: 0, logprobs: true, top_logprobs: TOP })) as Completion & { choices: { logprobs: ChatLogprobs }[] };
+    const first = res.choices[0]!.logprobs.content[0]!;
+    // The reference: llama.cpp's logits after the same prompt (the GGUF's template, as above), every token of the vocabulary.
+    const prompt = '<|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n';
+    const ref = await runLlamaCpp({ model: gguf, prompt, nTokens: 1, logits: true });
+    const logits = ref.logits!;
+    expect(logits).toHaveLength(ref.vocabSize);
+    const max = Math.max(...logits);
+    const logSum = max + Math.log(logits.reduce((a, l) => a + Math.exp(l - max), 0));
+    const logprobs = logits.map((l) => l - logSum).sort((a, b) => b - a);
+    // The engine's KV cache is F16, the reference's F32: they differ by ~2e-4 here.
+    const TOLERANCE = 2e-3;
+    expect(Math.abs(first.logprob - logprobs[0]!)).toBeLessThan(TOLERANCE);
+    expect(first.top_logprobs.map((t) => t.logprob)).toHaveLength(TOP);
+    first.top_logprobs.forEach((t, i) => expect(Math.abs(t.logprob - logprobs[i]!)).toBeLessThan(TOLERANCE));
+  });
+
   it('chat: logprobs with top_logprobs, in OpenAI shape, consistent when greedy; streamed the same', async () => {
     const body = { messages: hello, max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 3 };
     const res = (await complete(body)) as Completion & { choices: { logprobs: ChatLogprobs }[] };
