@@ -24,7 +24,7 @@ import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
 import { temporalSessions } from '../../gateway/temporal';
-import { createSessionCache } from '../../gateway/serving/sessions';
+import { SessionCache } from '../../gateway/serving/sessions';
 import type { SessionEntry } from '../../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolStatus } from '../../workflows/pool/definitions';
 import { join } from 'node:path';
@@ -336,7 +336,7 @@ test('a node that goes away: the pool notices, replaces the instance, and the co
     const t = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
     const js = nc.jetstream();
     const kv = await js.views.kv(names.sessionsBucket);
-    const cache = createSessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
+    const cache = new SessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
     await cache.ready;
     try {
       const key = `conv-${iso.id}`;

@@ -19,11 +19,6 @@
  * `pool-views.ts`, `picker.ts`, `entries.ts` (every write to the bucket), `placement.ts`,
  * `demand.ts`, `starts.ts`, `shared-calls.ts`, `stats.ts`.
  */
-import { SessionCache } from './cache';
-import type { SessionCacheOptions } from './types';
-
-export { SessionCache };
-/** `new SessionCache(opts)`, for the callers that still use the factory. */
-export const createSessionCache = (opts: SessionCacheOptions): SessionCache => new SessionCache(opts);
+export { SessionCache } from './cache';
 export { MAX_PENDING_SESSION_STARTS } from './starts';
 export type { AcquireRequest, CachedEntry, ColdStart, FirstTurns, SessionBroker, SessionCacheOptions, SessionStats, SessionWriter } from './types';
