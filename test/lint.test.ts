@@ -106,3 +106,11 @@ test('every top-level folder of product code is a room with its boundary, and je
   const tsconfig = JSON.parse(readFileSync(join(root, 'tsconfig.json'), 'utf8')) as { include: string[] };
   expect(tsconfig.include).toEqual(expect.arrayContaining(withTs));
 });
+
+test("every suite under test/ is in test/README.md's map of where a file's tests are", () => {
+  const readme = readFileSync(join(root, 'test', 'README.md'), 'utf8');
+  const listed = new Set([...readme.matchAll(/^\| \[`([^`]+\.test\.ts)`\]/gm)].map((m) => m[1]));
+  const suites = ['', 'smoke/'].flatMap((dir) => readdirSync(join(root, 'test', dir)).filter((f) => f.endsWith('.test.ts')).map((f) => `${dir}${f}`));
+  expect(suites.filter((s) => !listed.has(s))).toEqual([]);
+  expect([...listed].filter((s) => !suites.includes(s))).toEqual([]);
+});
