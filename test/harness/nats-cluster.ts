@@ -8,12 +8,12 @@
  *     beforeAll(async () => { cluster = await startNatsCluster(); }, 120_000);
  *     afterAll(() => cluster?.stop(), 30_000);
  *
- * Ports are chosen free, released and bound a moment later (services.ts); when a node then finds
+ * Ports are chosen free, released and bound a moment later (workers/dev/services/ports.ts); when a node then finds
  * one taken ("address already in use"), the whole cluster starts again on new ports (each node's
  * routes name the others' cluster ports), at most `portAttempts` times. A node restarted after
  * {@link TestNatsCluster.kill} comes back on its own ports with its store, as a rescheduled pod
  * would; if another process took a port meanwhile the restart fails naming it. Every server runs
- * under `setpriv --pdeathsig KILL` (services.ts `launch`): it dies with the jest worker.
+ * under `setpriv --pdeathsig KILL` (workers/dev/services/supervision.ts `launch`): it dies with the jest worker.
  */
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -21,7 +21,7 @@ import { join } from 'node:path';
 import { alive, end, freePort, launch, resolveBinaries, type Proc } from '../../workers/dev/services';
 import { sleep } from './wait';
 
-/** What nats-server prints when a port it was given is taken (services.ts lists the forms). */
+/** What nats-server prints when a port it was given is taken (workers/dev/services/supervision.ts lists the forms). */
 const ADDRESS_IN_USE = /address already in use/i;
 
 export interface NatsClusterOptions {

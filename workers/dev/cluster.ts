@@ -24,7 +24,7 @@
  * that started it however that one dies. Every wait is bounded by `readyTimeoutSec`.
  *
  * The process helpers (launch, bounded readiness, "address already in use" → start again on new
- * ports) are services.ts's. kube-controller-manager and kube-scheduler print `"command failed" err="failed to create
+ * ports) are services/supervision.ts's. kube-controller-manager and kube-scheduler print `"command failed" err="failed to create
  * listener: failed to listen on 127.0.0.1:N: … bind: address already in use"` and exit 1 when
  * their port is taken; kwok logs `Failed to run server … address already in use` and exits 1.
  *
@@ -36,12 +36,12 @@
  * sources already downloaded, load 4.5–8: kube-controller-manager 10.6 min, kube-scheduler
  * 5.4 min, kwok 4.2 min; after kube-apiserver's build has warmed the cache: 2.5 min, 15 s, 2.3 min.
  */
-import { execFile } from 'node:child_process';
 import { mkdirSync, readdirSync, writeFileSync } from 'node:fs';
 import { request as httpsRequest } from 'node:https';
 import { join } from 'node:path';
-import { promisify } from 'node:util';
-import { alive, end, freePort, launch, NotReady, REPO_ROOT, waitReady, within, type Proc as ServerProc } from './services';
+import { binaryPath, resolveBinaries } from './services/binaries';
+import { freePort } from './services/ports';
+import { alive, end, launch, NotReady, waitReady, within, type Proc as ServerProc } from './services/supervision';
 
 type Proc = ServerProc<ClusterComponent>;
 
@@ -86,26 +86,15 @@ export interface ClusterComponents {
   stop(): Promise<void>;
 }
 
-const execFileP = promisify(execFile);
-
-/** Binaries of the components and kwok's Stage folder, from `scripts/dev-services` (builds them if missing). */
+/** Binaries of the components and kwok's Stage folder (binaries.ts: built if missing). */
 async function resolveComponents(): Promise<Record<ClusterComponent | 'kwok-stages', string>> {
-  const script = join(REPO_ROOT, 'scripts', 'dev-services');
-  let out: Partial<Record<ClusterComponent | 'kwok-stages', string>>;
-  try {
-    // Under setpriv, as the components: a build takes minutes and must not outlive its starter.
-    const { stdout } = await execFileP('setpriv', ['--pdeathsig', 'KILL', '--', script, '--json', 'kube-controller-manager', 'kube-scheduler', 'kwok'], { maxBuffer: 1 << 20, timeout: 60 * 60 * 1000 });
-    out = JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as typeof out;
-  } catch (err) {
-    const stderr = (err as { stderr?: string }).stderr ?? '';
-    throw new Error(`could not resolve kube-controller-manager, kube-scheduler and kwok; run 'scripts/dev-services' to build them.\n${stderr}`);
-  }
-  const need = (k: ClusterComponent | 'kwok-stages') => {
-    const v = out[k];
-    if (!v) throw new Error(`scripts/dev-services did not resolve ${k}`);
-    return v;
+  const out = await resolveBinaries(['kube-controller-manager', 'kube-scheduler', 'kwok']);
+  return {
+    'kube-controller-manager': binaryPath(out, 'kube-controller-manager'),
+    'kube-scheduler': binaryPath(out, 'kube-scheduler'),
+    kwok: binaryPath(out, 'kwok'),
+    'kwok-stages': binaryPath(out, 'kwok-stages'),
   };
-  return { 'kube-controller-manager': need('kube-controller-manager'), 'kube-scheduler': need('kube-scheduler'), kwok: need('kwok'), 'kwok-stages': need('kwok-stages') };
 }
 
 /** GET over HTTPS without verifying the (self-signed) certificate; the status code, 0 when unreachable. */

@@ -15,10 +15,8 @@
 import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
-import { execFile } from 'node:child_process';
 import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { promisify } from 'node:util';
 import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../../kube/crds';
@@ -42,7 +40,7 @@ import { natsServerList } from '../../platform/config';
 import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
-import { listenOnPort, REPO_ROOT, startServices, writeKubeconfig, type ServiceName } from './services';
+import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from './demo-model';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
@@ -70,16 +68,6 @@ export interface DevOptions {
   fresh?: boolean;
   /** Aborts (its reason: the signal's name) when the user asks it to stop; ends the start-up too. */
   stop: AbortSignal;
-}
-
-/** Whether etcd and kube-apiserver are built (never starts a build: that takes minutes). */
-async function kubeBinariesBuilt(): Promise<boolean> {
-  try {
-    await promisify(execFile)(join(REPO_ROOT, 'scripts', 'dev-services'), ['--check', 'etcd', 'kube-apiserver'], { timeout: 30_000 });
-    return true;
-  } catch {
-    return false;
-  }
 }
 
 const say = (line: string) => process.stderr.write(`magus dev: ${line}\n`);
@@ -192,7 +180,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     if (opts.fresh) wipeDataDir(dataDir);
     // The SDK would stop the workers on SIGINT/SIGTERM by itself; here the stop has an order.
     Runtime.install({ logger: devLogger(), shutdownSignals: [] });
-    const kube = opts.kube !== false && (await kubeBinariesBuilt());
+    const kube = opts.kube !== false && (await binariesBuilt(['etcd', 'kube-apiserver']));
     if (opts.kube !== false && !kube) say('the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)');
     const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
     say(`state: ${dataDir}${opts.fresh ? ' (started over: --fresh)' : ' (kept across restarts; --fresh starts over)'}`);

@@ -1,4 +1,4 @@
-import { ephemeralRange, freePort, serverPortBand } from './services';
+import { ephemeralRange, freePort, serverPortBand } from './ports';
 
 describe('ports for servers that restart on the same port', () => {
   test('the ephemeral range is read from the kernel, and a bad reading falls back to Linux default', () => {

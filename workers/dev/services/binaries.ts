@@ -1,0 +1,94 @@
+/**
+ * Where the server binaries come from: the one module that knows. Today every one is resolved by
+ * `scripts/dev-services` (env var `MAGUS_<NAME>_BIN` → PATH → cache → a pinned build), which
+ * knows the versions and how to build them; a change of where a binary comes from is made here
+ * and in that script, and nowhere else.
+ */
+import { execFile, spawn } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { createInterface } from 'node:readline';
+import { promisify } from 'node:util';
+import type { ServiceName } from './types';
+
+/** What `scripts/dev-services` resolves (`kwok-stages`, a folder of kwok's Stage YAMLs, comes with `kwok`). */
+export type BinaryName = 'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver' | 'kube-controller-manager' | 'kube-scheduler' | 'kwok';
+export type Binaries = Partial<Record<BinaryName | 'kwok-stages', string>>;
+
+/** The binaries each service runs. */
+export const BINARIES_OF: Readonly<Record<ServiceName, readonly BinaryName[]>> = {
+  temporal: ['temporal'],
+  nats: ['nats-server'],
+  s3: ['minio'],
+  kubernetes: ['etcd', 'kube-apiserver'],
+};
+
+/** The checkout this module lives in, from sources (workers/dev/services) or from dist/workers/dev/services. */
+export const REPO_ROOT = (() => {
+  let dir = __dirname;
+  while (!existsSync(join(dir, 'scripts', 'dev-services'))) {
+    const up = dirname(dir);
+    if (up === dir) throw new Error(`cannot find the magus checkout above ${__dirname}`);
+    dir = up;
+  }
+  return dir;
+})();
+
+const SCRIPT = join(REPO_ROOT, 'scripts', 'dev-services');
+
+/** How often a build that is still running says so (with how long it has taken). */
+const BUILD_NOTE_EVERY_MS = 30_000;
+
+/**
+ * Resolves `names` (building what is missing). With `log`, what the script says (which server it
+ * builds, that it happens once) is passed on as it comes, and a build still running is noted
+ * every 30 s with its time so far: a first start builds for minutes.
+ */
+export async function resolveBinaries(names: readonly BinaryName[], log?: (line: string) => void): Promise<Binaries> {
+  // Under setpriv too: a build takes minutes, and must not outlive a magus dev stopped meanwhile.
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', SCRIPT, '--json', ...names], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let stdout = '';
+  let stderr = '';
+  let building: { what: string; since: number } | undefined;
+  child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+  createInterface({ input: child.stderr }).on('line', (line) => {
+    stderr += `${line}\n`;
+    const b = /^dev-services: building (\S+)/.exec(line);
+    if (b) building = { what: b[1]!, since: Date.now() };
+    log?.(line.replace(/^dev-services: /, ''));
+  });
+  const note =
+    log &&
+    setInterval(() => building && log(`still building ${building.what} (${Math.round((Date.now() - building.since) / 1000)} s so far)`), BUILD_NOTE_EVERY_MS);
+  const limit = setTimeout(() => child.kill('SIGKILL'), 60 * 60 * 1000);
+  try {
+    const code = await new Promise<number | null>((resolve, reject) => {
+      child.once('error', reject);
+      child.once('close', resolve);
+    });
+    if (code !== 0) throw new Error(`exit ${code}`);
+    return JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as Binaries;
+  } catch (err) {
+    throw new Error(`could not resolve ${names.join(', ')} (${(err as Error).message}); run 'scripts/dev-services' to build them.\n${stderr}`);
+  } finally {
+    clearInterval(note);
+    clearTimeout(limit);
+  }
+}
+
+/** The path of `name` among `resolved`; throws when the script did not give one. */
+export function binaryPath(resolved: Binaries, name: BinaryName | 'kwok-stages'): string {
+  const path = resolved[name];
+  if (!path) throw new Error(`scripts/dev-services did not resolve ${name}`);
+  return path;
+}
+
+/** Whether `names` are at hand without a build (never starts one: a build takes minutes). */
+export async function binariesBuilt(names: readonly BinaryName[]): Promise<boolean> {
+  try {
+    await promisify(execFile)(SCRIPT, ['--check', ...names], { timeout: 30_000 });
+    return true;
+  } catch {
+    return false;
+  }
+}
