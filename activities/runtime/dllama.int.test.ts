@@ -17,7 +17,7 @@ import { askInstance } from '../../test/harness/data-plane';
 import { runtimeStack, TestStack } from '../../test/harness/stack';
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
-import { createLocalRuntime, type LocalRuntime } from './local';
+import { LocalRuntime } from './local';
 import { sleep, until } from '../../test/harness/wait';
 
 const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
@@ -90,7 +90,7 @@ async function registerModel(name: string): Promise<ReadyModel> {
 }
 
 function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
-  const r = createLocalRuntime({
+  const r = new LocalRuntime({
     nc,
     names,
     registry,

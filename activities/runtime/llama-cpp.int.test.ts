@@ -16,7 +16,7 @@ import { bridgeMetricsText } from '../../dataplane/bridge';
 import { consumerNameOf, type DataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { engineSizing, servedGguf } from '../../shared/engine-slots';
-import { createLocalRuntime, type LocalRuntime } from './local';
+import { LocalRuntime } from './local';
 
 const POOL = 'tiny';
 
@@ -42,7 +42,7 @@ beforeAll(async () => {
   bucket = iso.bucket;
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: POOL, seed: 7 });
   // One restart allowed per window: the second death is a crash loop.
-  rt = createLocalRuntime({ nc, names, registry, s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
+  rt = new LocalRuntime({ nc, names, registry, s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
   stack.defer(() => rt.stopAll());
 }, 120_000);
 
@@ -95,7 +95,7 @@ test('an engine gets the slots and context its memory plan gives within the inst
   // A budget for 3 slots: the plan's weights and buffers plus three slots' KV cache.
   const kvPerSlot = engineSizing(plan, 2 ** 40).kvCachePerSlot;
   const budget = plan.root.weights + plan.root.buffers + 3 * kvPerSlot + kvPerSlot / 2;
-  const sized = createLocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket, cacheDir: join(dir, 'cache'), instanceMemory: budget, log: (l) => logs.push(l) });
+  const sized = new LocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket, cacheDir: join(dir, 'cache'), instanceMemory: budget, log: (l) => logs.push(l) });
   try {
     await sized.create({ namespace: 'default', model: 'planned', pool: 'planned', instance: 'planned-1' }, new AbortController().signal);
     const argv = sized.processes('planned', 'planned-1')![0]!.argv;

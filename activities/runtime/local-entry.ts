@@ -125,8 +125,8 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
   create: (config, { s3, modelCacheDir, instanceMemory }, deps) => {
     const { dllama } = config;
     // eslint-disable-next-line @typescript-eslint/no-require-imports -- loaded only by a worker that runs it (the file's comment)
-    const { createLocalRuntime } = require('./local') as typeof LocalModule;
-    return createLocalRuntime({
+    const { LocalRuntime } = require('./local') as typeof LocalModule;
+    return new LocalRuntime({
       nc: deps.nc,
       names: deps.names,
       registry: deps.registry,

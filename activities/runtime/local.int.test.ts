@@ -22,7 +22,7 @@ import { processesUsing, processRunning, until } from '../../test/harness/wait';
 import type { DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo } from './runtime';
-import { createLocalRuntime, type LocalRuntime } from './local';
+import { LocalRuntime } from './local';
 
 const POOL = 'tiny';
 
@@ -38,7 +38,7 @@ const logs: string[] = [];
 const stack = new TestStack();
 
 function runtime(cacheDir: string, s3Of: S3Client = s3): LocalRuntime {
-  const r = createLocalRuntime({ nc, names, registry, s3: s3Of, bucket, cacheDir, startTimeoutSec: 60, log: (l) => logs.push(l) });
+  const r = new LocalRuntime({ nc, names, registry, s3: s3Of, bucket, cacheDir, startTimeoutSec: 60, log: (l) => logs.push(l) });
   runtimes.push(r);
   return r;
 }

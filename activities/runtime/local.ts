@@ -17,6 +17,11 @@
  * Nothing is left running that nobody can destroy: a start can be aborted at every step (the
  * download, the engine or topology coming up, the consumer, the bridge), `destroy` aborts and
  * awaits a start of its id before it tears down, and an aborted start registers nothing.
+ *
+ * {@link LocalRuntime} composes its collaborators: the engine chosen and started
+ * ({@link ServingStarter}, local-serving.ts), the starts under way that concurrent `create`s join
+ * and that are aborted when nobody waits any more ({@link StartRegistry}, local-starts.ts), and the
+ * instances that serve ({@link InstanceTable}, local-instances.ts); it owns the removals.
  */
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
@@ -26,10 +31,13 @@ import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
-import type { ModelCache } from './cache';
 import type { DllamaOptions } from './dllama';
-import { launcherOf, type LocalServing } from './engines';
+import { InstanceTable, instanceKey, type LocalInstance, type LocalProcessInfo, type Serving } from './local-instances';
+import { ServingStarter } from './local-serving';
+import { StartRegistry, unlessAborted } from './local-starts';
 import type { RestartPolicy } from './llama-cpp';
+
+export type { LocalProcessInfo } from './local-instances';
 
 export interface LocalRuntimeOptions {
   nc: NatsConnection;
@@ -66,21 +74,22 @@ export interface LocalRuntimeOptions {
   output?: (line: string) => void;
 }
 
-/** One process of an instance, as {@link LocalRuntime.processes} reports it. */
-export interface LocalProcessInfo {
-  /** `engine` (llama.cpp), or the `root`/`worker`s of a distributed-llama topology. */
-  role: 'engine' | 'root' | 'worker';
-  /** 0 for an engine or root; workers 1..n-1 in the root's `--workers` order. */
-  index: number;
-  pid: number | undefined;
-  /** Loopback port it serves on (HTTP for an engine or root, distributed-llama's protocol for a worker). */
-  port: number;
-  /** Program and arguments. */
-  argv: readonly string[];
-  running: boolean;
-}
+const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
 
-export interface LocalRuntime extends WorkerRuntime {
+export class LocalRuntime implements WorkerRuntime {
+  private readonly instances = new InstanceTable();
+  private readonly starts = new StartRegistry();
+  /** Removals under way, by instance id: a second `destroy` of an id joins the first. */
+  private readonly removals = new Map<string, Promise<void>>();
+  private readonly serving: ServingStarter;
+  private readonly log: (line: string) => void;
+
+  constructor(private readonly opts: LocalRuntimeOptions) {
+    this.log = opts.log ?? (() => undefined);
+    const engines = opts.engines ?? [...ENGINE_KINDS].sort((a, b) => distributedFirst(a) - distributedFirst(b));
+    this.serving = new ServingStarter(opts.registry, engines, opts, { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir }, this.log);
+  }
+
   /**
    * Starts the instance and resolves once it serves; resolves at once when it already does.
    * Concurrent calls for one id share one start. A caller whose `signal` aborts is rejected
@@ -89,7 +98,31 @@ export interface LocalRuntime extends WorkerRuntime {
    * aborted, and that caller is rejected once everything the start began has stopped. A call
    * without a signal keeps the start going: only `destroy` or `stopAll` ends it then.
    */
-  create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo>;
+  async create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo> {
+    const k = instanceKey(req.pool, req.instance);
+    for (;;) {
+      signal?.throwIfAborted();
+      const removal = this.removals.get(k);
+      const pending = this.starts.get(k);
+      // A destroy, or an aborted start, under way: start anew once it has ended.
+      if (removal) await unlessAborted(removal.catch(() => undefined), signal);
+      else if (pending?.abort.signal.aborted) await unlessAborted(pending.settled, signal);
+      else if (pending) return this.starts.join(pending, signal);
+      else break;
+    }
+    const existing = this.instances.get(k);
+    if (existing?.serving.engine.healthy()) return InstanceTable.info(existing);
+    const pending = this.starts.begin(k, req.pool, req.instance, async (abort) => {
+      // A broken instance of the same id is replaced, not left running beside the new one.
+      if (existing) {
+        this.instances.take(k);
+        await InstanceTable.teardown(existing);
+      }
+      return this.start(req, abort);
+    });
+    return this.starts.join(pending, signal);
+  }
+
   /**
    * Aborts a start of the id under way (its callers are rejected with `InstanceDestroyed`) and
    * waits for it to end, then stops the instance's bridge and processes and deletes its request
@@ -97,245 +130,92 @@ export interface LocalRuntime extends WorkerRuntime {
    * `describe` and `processes` answer null. A `create` of the id made meanwhile waits for it and
    * then starts anew.
    */
-  destroy(pool: string, instance: string): Promise<void>;
+  destroy(pool: string, instance: string): Promise<void> {
+    return this.remove(pool, instance, () => runtimeError(RuntimeErrorType.InstanceDestroyed, `instance ${pool}/${instance} was destroyed while it started`));
+  }
+
+  describe(pool: string, instance: string): Promise<InstanceInfo | null> {
+    const i = this.instances.get(instanceKey(pool, instance));
+    return Promise.resolve(i ? InstanceTable.info(i) : null);
+  }
+
   /** The processes of an instance (root first), or null when the runtime does not know it. */
-  processes(pool: string, instance: string): LocalProcessInfo[] | null;
+  processes(pool: string, instance: string): LocalProcessInfo[] | null {
+    const i = this.instances.get(instanceKey(pool, instance));
+    return i ? InstanceTable.processes(i) : null;
+  }
+
   /** The in-process bridges of the running instances, for metrics. */
-  bridges(): BridgeSample[];
+  bridges(): BridgeSample[] {
+    return this.instances.all().map((i) => InstanceTable.bridge(i));
+  }
+
   /** Destroys every instance, and aborts every start under way (its callers are rejected with `RuntimeStopped`). */
-  stopAll(): Promise<void>;
-}
-
-/** What serves an instance's requests, and which engine it is. */
-interface Serving {
-  kind: EngineKind;
-  engine: LocalServing;
-}
-
-interface LocalInstance {
-  pool: string;
-  info: Omit<InstanceInfo, 'healthy'>;
-  serving: Serving;
-  bridge: Bridge;
-}
-
-/** A start under way, shared by every `create` of its id. */
-interface PendingStart {
-  pool: string;
-  instance: string;
-  /** Aborts the start: `destroy`, `stopAll`, or the last waiting caller's signal. */
-  abort: AbortController;
-  /** Callers still waiting whose signal has not aborted (Infinity once one came without a signal). */
-  waiting: number;
-  result: Promise<InstanceInfo>;
-  /** Resolves when the start has ended either way, an aborted one after stopping what it began. */
-  settled: Promise<void>;
-}
-
-/** `p`, or `signal`'s reason as soon as it aborts. */
-function unlessAborted<T>(p: Promise<T>, signal: AbortSignal | undefined): Promise<T> {
-  if (!signal) return p;
-  return new Promise((ok, fail) => {
-    const onAbort = () => fail(signal.reason as Error);
-    if (signal.aborted) return onAbort();
-    signal.addEventListener('abort', onAbort, { once: true });
-    const done = () => signal.removeEventListener('abort', onAbort);
-    p.then(
-      (v) => (done(), ok(v)),
-      (e: unknown) => (done(), fail(e as Error)),
-    );
-  });
-}
-
-export function createLocalRuntime(opts: LocalRuntimeOptions): LocalRuntime {
-  const instances = new Map<string, LocalInstance>();
-  const starting = new Map<string, PendingStart>();
-  const destroying = new Map<string, Promise<void>>();
-  const log = opts.log ?? (() => undefined);
-  const cache: ModelCache = { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir };
-  const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
-  const engines = opts.engines ?? [...ENGINE_KINDS].sort((a, b) => distributedFirst(a) - distributedFirst(b));
-  const key = (pool: string, instance: string) => `${pool}/${instance}`;
-  const infoOf = (i: LocalInstance): InstanceInfo => ({ ...i.info, healthy: i.serving.engine.healthy() });
-
-  /** The first engine of `opts.engines` available here that can serve the model, started. */
-  async function startServing(req: InstanceRequest, signal: AbortSignal): Promise<Serving> {
-    const ready = await opts.registry.get(req.namespace, req.model);
-    signal.throwIfAborted();
-    if (!ready) throw runtimeError(RuntimeErrorType.ModelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
-    const name = key(req.pool, req.instance);
-    /** Why engines that have an artifact of their format here cannot serve it; then why the others cannot. */
-    const refused: { why: string; hasArtifact: boolean }[] = [];
-    for (const kind of engines) {
-      const launcher = launcherOf(kind).local;
-      if (!launcher.available(opts)) continue;
-      const why = launcher.refusal(ready, opts);
-      if (why !== null) {
-        refused.push({ why, hasArtifact: ready.artifacts.some((a) => a.format === engineOf(kind).format) });
-        continue;
-      }
-      const fellBack = refused.filter((r) => r.hasArtifact).map((r) => r.why);
-      if (fellBack.length > 0) log(`${name}: ${fellBack.join('; ')}; serving it with ${engineOf(kind).short} instead`);
-      const engine = await launcher.start({ ready, name, leases: req.leases, settings: opts, cache, log, signal });
-      return { kind, engine };
-    }
-    const why = (refused.find((r) => r.hasArtifact) ?? refused.at(-1))?.why ?? `no engine on this worker serves model ${req.namespace}/${req.model}`;
-    throw runtimeError(RuntimeErrorType.NoArtifact, why);
+  async stopAll(): Promise<void> {
+    const all = new Map<string, { pool: string; instance: string }>();
+    for (const p of this.starts.all()) all.set(instanceKey(p.pool, p.instance), p);
+    for (const i of this.instances.all()) all.set(instanceKey(i.pool, i.info.instance), { pool: i.pool, instance: i.info.instance });
+    // Removals already under way are waited for too (a second stopAll must not return before them).
+    await Promise.all([
+      ...[...all.values()].map(({ pool, instance }) => this.remove(pool, instance, () => runtimeError(RuntimeErrorType.RuntimeStopped, `the runtime stopped while instance ${pool}/${instance} started`))),
+      ...this.removals.values(),
+    ]);
   }
 
   /**
    * Starts an instance; registers it only if `signal` has not aborted by then. Aborted, it stops
    * whatever it started (the request consumer included) and rejects with `signal.reason`.
    */
-  async function start(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo> {
+  private async start(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo> {
+    const { nc, names } = this.opts;
     let serving: Serving | undefined;
     let bridge: Bridge | undefined;
     let consumer = false;
     try {
-      serving = await startServing(req, signal);
+      serving = await this.serving.start(req, signal);
       signal.throwIfAborted();
       const { slots } = serving.engine;
-      await ensureInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool: req.pool, instance: req.instance, slots });
+      await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: req.pool, instance: req.instance, slots });
       consumer = true;
       signal.throwIfAborted();
       // A few NATS requests, not worth a signal: an abort meanwhile is seen right after.
-      bridge = await startBridge({ nc: opts.nc, names: opts.names, pool: req.pool, instance: req.instance, engineUrl: serving.engine.url, slots, log, engineKind: serving.kind });
+      bridge = await startBridge({ nc, names, pool: req.pool, instance: req.instance, engineUrl: serving.engine.url, slots, log: this.log, engineKind: serving.kind });
       signal.throwIfAborted();
-      const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance) }, serving, bridge };
-      instances.set(key(req.pool, req.instance), instance);
-      log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url}`);
-      return infoOf(instance);
+      const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(names, req.pool, req.instance) }, serving, bridge };
+      this.instances.add(instance);
+      this.log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url}`);
+      return InstanceTable.info(instance);
     } catch (err) {
       await bridge?.stop();
       await serving?.engine.stop();
       if (!signal.aborted) throw err;
-      if (consumer)
-        await opts.nc
-          .jetstreamManager()
-          .then((jsm) => deleteInstanceConsumer(jsm, opts.names, { pool: req.pool, instance: req.instance }))
-          .catch(() => false);
-      log(`instance ${req.pool}/${req.instance}: start aborted (${(signal.reason as Error)?.message ?? String(signal.reason)})`);
+      if (consumer) await this.deleteConsumer(req.pool, req.instance);
+      this.log(`instance ${req.pool}/${req.instance}: start aborted (${(signal.reason as Error)?.message ?? String(signal.reason)})`);
       throw signal.reason as Error;
     }
   }
 
-  /** A new start of `req`'s id, replacing `broken` (an instance of the same id that no longer serves). */
-  function begin(req: InstanceRequest, broken: LocalInstance | undefined): PendingStart {
-    const k = key(req.pool, req.instance);
-    const abort = new AbortController();
-    const result = (async () => {
-      // A broken instance of the same id is replaced, not left running beside the new one.
-      if (broken) {
-        instances.delete(k);
-        await teardown(broken);
-      }
-      return start(req, abort.signal);
-    })();
-    const pending: PendingStart = { pool: req.pool, instance: req.instance, abort, waiting: 0, result, settled: result.then(() => undefined, () => undefined) };
-    starting.set(k, pending);
-    // Registered first, so whoever awaits `settled` finds the entry gone.
-    void pending.settled.then(() => {
-      if (starting.get(k) === pending) starting.delete(k);
-    });
-    return pending;
-  }
-
-  /** One more caller of `pending`, rejected with its own `signal`'s reason when that aborts (see {@link LocalRuntime.create}). */
-  function join(pending: PendingStart, signal: AbortSignal | undefined): Promise<InstanceInfo> {
-    if (!signal) {
-      pending.waiting = Infinity;
-      return pending.result;
-    }
-    pending.waiting += 1;
-    return new Promise((ok, fail) => {
-      const onAbort = () => {
-        pending.waiting -= 1;
-        if (pending.waiting > 0) return fail(signal.reason as Error);
-        // Nobody waits for this start any more: it would only leave an engine nobody destroys.
-        // Answered once it has ended: with what it began stopped, or with the instance if it
-        // was registered before the abort (an aborted start never registers one).
-        pending.abort.abort(signal.reason);
-        pending.result.then(ok, () => fail(signal.reason as Error));
-      };
-      if (signal.aborted) return onAbort();
-      signal.addEventListener('abort', onAbort, { once: true });
-      pending.result.then(
-        (info) => (signal.removeEventListener('abort', onAbort), ok(info)),
-        (err: unknown) => (signal.removeEventListener('abort', onAbort), fail(err as Error)),
-      );
-    });
-  }
-
   /** Ends the instance `pool/instance` for good, aborting its start under way with `why`. */
-  function remove(pool: string, instance: string, why: () => Error): Promise<void> {
-    const k = key(pool, instance);
-    let done = destroying.get(k);
+  private remove(pool: string, instance: string, why: () => Error): Promise<void> {
+    const k = instanceKey(pool, instance);
+    let done = this.removals.get(k);
     if (!done) {
       done = (async () => {
-        const pending = starting.get(k);
-        if (pending) {
-          pending.abort.abort(why());
-          await pending.settled;
-        }
-        const i = instances.get(k);
-        instances.delete(k);
-        if (i) await teardown(i);
-        // NATS may be draining (the worker stopping): the consumer then outlives us, harmlessly.
-        await opts.nc
-          .jetstreamManager()
-          .then((jsm) => deleteInstanceConsumer(jsm, opts.names, { pool, instance }))
-          .catch(() => false);
-      })().finally(() => destroying.delete(k));
-      destroying.set(k, done);
+        await this.starts.abort(k, why);
+        const i = this.instances.take(k);
+        if (i) await InstanceTable.teardown(i);
+        await this.deleteConsumer(pool, instance);
+      })().finally(() => this.removals.delete(k));
+      this.removals.set(k, done);
     }
     return done;
   }
 
-  async function teardown(i: LocalInstance): Promise<void> {
-    await i.bridge.stop();
-    await i.serving.engine.stop();
+  /** Deletes the instance's request consumer, best effort: NATS may be draining (the worker stopping), and the consumer then outlives us, harmlessly. */
+  private async deleteConsumer(pool: string, instance: string): Promise<void> {
+    await this.opts.nc
+      .jetstreamManager()
+      .then((jsm) => deleteInstanceConsumer(jsm, this.opts.names, { pool, instance }))
+      .catch(() => false);
   }
-
-  const runtime: LocalRuntime = {
-    async create(req: InstanceRequest, signal?: AbortSignal): Promise<InstanceInfo> {
-      const k = key(req.pool, req.instance);
-      for (;;) {
-        signal?.throwIfAborted();
-        const destroyed = destroying.get(k);
-        const pending = starting.get(k);
-        // A destroy, or an aborted start, under way: start anew once it has ended.
-        if (destroyed) await unlessAborted(destroyed.catch(() => undefined), signal);
-        else if (pending?.abort.signal.aborted) await unlessAborted(pending.settled, signal);
-        else if (pending) return join(pending, signal);
-        else break;
-      }
-      const existing = instances.get(k);
-      if (existing?.serving.engine.healthy()) return infoOf(existing);
-      return join(begin(req, existing), signal);
-    },
-    destroy(pool: string, instance: string): Promise<void> {
-      return remove(pool, instance, () => runtimeError(RuntimeErrorType.InstanceDestroyed, `instance ${pool}/${instance} was destroyed while it started`));
-    },
-    describe(pool: string, instance: string): Promise<InstanceInfo | null> {
-      const i = instances.get(key(pool, instance));
-      return Promise.resolve(i ? infoOf(i) : null);
-    },
-    processes(pool: string, instance: string): LocalProcessInfo[] | null {
-      const i = instances.get(key(pool, instance));
-      return i
-        ? i.serving.engine.processes.map((p) => ({ role: p.role, index: p.index, pid: p.process.child.pid, port: p.port, argv: p.process.argv, running: !p.process.exit }))
-        : null;
-    },
-    bridges(): BridgeSample[] {
-      return [...instances.values()].map((i) => ({ pool: i.pool, instance: i.info.instance, stats: i.bridge.stats, health: i.bridge.health() }));
-    },
-    async stopAll(): Promise<void> {
-      const all = new Map<string, { pool: string; instance: string }>();
-      for (const p of starting.values()) all.set(key(p.pool, p.instance), p);
-      for (const i of instances.values()) all.set(key(i.pool, i.info.instance), { pool: i.pool, instance: i.info.instance });
-      // Removals already under way are waited for too (a second stopAll must not return before them).
-      await Promise.all([...[...all.values()].map(({ pool, instance }) => remove(pool, instance, () => runtimeError(RuntimeErrorType.RuntimeStopped, `the runtime stopped while instance ${pool}/${instance} started`))), ...destroying.values()]);
-    },
-  };
-  return runtime;
 }
