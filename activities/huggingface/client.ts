@@ -10,133 +10,15 @@
  * turn permanent ones into non-retryable failures (see {@link hubErrorType}).
  */
 import type { ResolvedSource, SourceFile } from '../../shared/model';
-import { ErrorType } from '../../shared/errors';
+import { emptyBody, streamBody } from './body';
+import { HubError, type HubErrorCode } from './errors';
+import { describe, discard, errorText, nextLink, normalizeEtag, parseRetryAfter, parseSize, readSome } from './http';
+import { assertCommitSha, assertFilePath, assertRepoId, assertRevision, COMMIT_SHA, SHA256_HEX } from './validate';
+
+export { HUB_ERROR_NAME, HubError, hubErrorType, isHubError, type HubErrorCode } from './errors';
 
 /** The public hub. */
 export const DEFAULT_HUB_URL = 'https://huggingface.co';
-
-// ---------------------------------------------------------------------------------------------
-// Errors
-
-/** Stable reasons. Append new codes; never rename (they appear in workflow histories). */
-export type HubErrorCode =
-  /** The repository does not exist, or is private and the token (if any) has no access. */
-  | 'RepoNotFound'
-  /** The branch, tag or commit does not exist in the repository. */
-  | 'RevisionNotFound'
-  /** The file does not exist at that revision. */
-  | 'EntryNotFound'
-  /** 401/403: missing or invalid token, or no access to a gated repository. */
-  | 'Unauthorized'
-  /** A bad repo id, revision, sha, path or offset (rejected before any request), or a repository listing unsafe paths. */
-  | 'InvalidInput'
-  /** Retrying may help: 5xx, 408, 429, network errors, timeouts, mid-stream disconnects, protocol hiccups. */
-  | 'Transient';
-
-/** The `name` of every {@link HubError}. */
-export const HUB_ERROR_NAME = 'HubError';
-
-export class HubError extends Error {
-  override readonly name = HUB_ERROR_NAME;
-  /** True when no retry can fix it. */
-  readonly permanent: boolean;
-  /** HTTP status, when the error comes from a response. */
-  readonly status?: number;
-  /** From `Retry-After` on 429/503, in milliseconds. */
-  readonly retryAfterMs?: number;
-
-  constructor(
-    readonly code: HubErrorCode,
-    message: string,
-    options: { status?: number; retryAfterMs?: number; cause?: unknown } = {},
-  ) {
-    super(message, options.cause === undefined ? undefined : { cause: options.cause });
-    this.permanent = code !== 'Transient';
-    if (options.status !== undefined) this.status = options.status;
-    if (options.retryAfterMs !== undefined) this.retryAfterMs = options.retryAfterMs;
-  }
-}
-
-/** True when `err` is a {@link HubError} (by name, so it works across realms), optionally with `code`. */
-export function isHubError(err: unknown, code?: HubErrorCode): err is HubError {
-  if (typeof err !== 'object' || err === null) return false;
-  const e = err as { name?: unknown; code?: unknown };
-  return e.name === HUB_ERROR_NAME && typeof e.code === 'string' && (code === undefined || e.code === code);
-}
-
-/** The Temporal failure type for a hub error code; null for transient errors (retry them). */
-export function hubErrorType(code: HubErrorCode): ErrorType | null {
-  switch (code) {
-    case 'RepoNotFound':
-    case 'RevisionNotFound':
-    case 'EntryNotFound':
-      return ErrorType.RepoNotFound;
-    case 'Unauthorized':
-      return ErrorType.Unauthorized;
-    case 'InvalidInput':
-      return ErrorType.InvalidSpec;
-    case 'Transient':
-      return null;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Input validation (before any request: bad input must never reach the network)
-
-const REPO_PART = /^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$/;
-const COMMIT_SHA = /^[0-9a-f]{40}$/;
-const SHA256_HEX = /^[0-9a-f]{64}$/;
-// eslint-disable-next-line no-control-regex
-const CONTROL_CHARS = /[\u0000-\u001f\u007f]/;
-
-/** Validates `org/name` as the hub does (letters, digits, `_.-`, no `--`/`..`, ≤ 96 chars per part). */
-export function assertRepoId(repo: string): void {
-  const parts = typeof repo === 'string' ? repo.split('/') : [];
-  const ok =
-    parts.length === 2 &&
-    parts.every((p) => p.length <= 96 && REPO_PART.test(p)) &&
-    !repo.includes('--') &&
-    !repo.includes('..') &&
-    !repo.endsWith('.git');
-  if (!ok) throw new HubError('InvalidInput', `invalid repository id ${JSON.stringify(repo)}: expected "org/name"`);
-}
-
-/** Validates a branch, tag or commit name (git ref rules, loosely). */
-export function assertRevision(revision: string): void {
-  const ok =
-    typeof revision === 'string' &&
-    revision.length > 0 &&
-    revision.length <= 255 &&
-    !CONTROL_CHARS.test(revision) &&
-    !/[\s~^:?*[\\]/.test(revision) &&
-    !revision.includes('..') &&
-    !revision.startsWith('/') &&
-    !revision.endsWith('/') &&
-    !revision.includes('//');
-  if (!ok) throw new HubError('InvalidInput', `invalid revision ${JSON.stringify(revision)}`);
-}
-
-/** Validates a relative file path: no empty, `.` or `..` segments, no absolute or Windows paths, no control characters. */
-export function assertFilePath(filePath: string): void {
-  const ok =
-    typeof filePath === 'string' &&
-    filePath.length > 0 &&
-    filePath.length <= 1024 &&
-    !CONTROL_CHARS.test(filePath) &&
-    !filePath.includes('\\') &&
-    !/^[A-Za-z]:/.test(filePath) &&
-    filePath.split('/').every((s) => s !== '' && s !== '.' && s !== '..');
-  if (!ok) throw new HubError('InvalidInput', `invalid file path ${JSON.stringify(filePath)}: must be relative, without "." or ".." segments`);
-}
-
-function assertCommitSha(sha: string): void {
-  if (typeof sha !== 'string' || !COMMIT_SHA.test(sha)) {
-    throw new HubError('InvalidInput', `invalid commit ${JSON.stringify(sha)}: downloads are pinned to a 40-hex commit sha`);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The client
 
 export interface HubClientOptions {
   /** Hub base URL (default {@link DEFAULT_HUB_URL}); self-hosted mirrors speak the same protocol. */
@@ -452,9 +334,7 @@ export class HubClient {
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Helpers
-
+/** A tree listing's entry as a {@link SourceFile}; null for what is not a file. */
 function toSourceFile(entry: unknown, repo: string): SourceFile | null {
   if (typeof entry !== 'object' || entry === null) throw new HubError('Transient', `tree listing of ${repo} has a malformed entry`);
   const e = entry as { type?: unknown; path?: unknown; size?: unknown; lfs?: { oid?: unknown; size?: unknown } | null };
@@ -476,135 +356,4 @@ function toSourceFile(entry: unknown, repo: string): SourceFile | null {
     sha256 = lfs.oid;
   }
   return { path: e.path, size, sha256 };
-}
-
-/** The `rel="next"` target of a `Link` header, resolved against the current URL. */
-function nextLink(header: string | null, base: URL): URL | null {
-  if (!header) return null;
-  for (const part of header.split(',')) {
-    const m = /<([^>]*)>\s*;(.*)$/.exec(part.trim());
-    if (m && /\brel="?next"?/.test(m[2]!)) return new URL(m[1]!, base);
-  }
-  return null;
-}
-
-/** A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there). */
-function describe(url: URL | string): string {
-  const u = typeof url === 'string' ? new URL(url) : url;
-  return `${u.origin}${u.pathname}`;
-}
-
-function errorText(err: unknown): string {
-  if (!(err instanceof Error)) return String(err);
-  const cause = err.cause as { code?: unknown; message?: unknown } | undefined;
-  const causeText = cause && typeof cause === 'object' ? (typeof cause.code === 'string' ? cause.code : typeof cause.message === 'string' ? cause.message : '') : '';
-  return causeText && causeText !== err.message ? `${err.message} (${causeText})` : err.message;
-}
-
-function normalizeEtag(etag: string | null): string | null {
-  if (!etag) return null;
-  return etag.replace(/^W\//, '').replace(/^"(.*)"$/, '$1');
-}
-
-function parseSize(value: string | null): number | null {
-  if (value === null || !/^\d+$/.test(value.trim())) return null;
-  const n = Number(value);
-  return Number.isSafeInteger(n) ? n : null;
-}
-
-function parseRetryAfter(value: string | null): number | undefined {
-  if (!value) return undefined;
-  if (/^\d+$/.test(value.trim())) return Number(value) * 1000;
-  const at = Date.parse(value);
-  return Number.isNaN(at) ? undefined : Math.max(0, at - Date.now());
-}
-
-async function discard(response: Response): Promise<void> {
-  try {
-    await response.body?.cancel();
-  } catch {
-    // the connection is gone already; nothing to release
-  }
-}
-
-async function readSome(response: Response, limit: number): Promise<string> {
-  if (!response.body) return '';
-  const chunks: Uint8Array[] = [];
-  let n = 0;
-  try {
-    for await (const chunk of response.body as ReadableStream<Uint8Array>) {
-      chunks.push(chunk);
-      n += chunk.length;
-      if (n >= limit) break;
-    }
-  } catch {
-    // an error body that fails to arrive still leaves the status to go by
-  }
-  return Buffer.concat(chunks).subarray(0, limit).toString('utf8');
-}
-
-async function* emptyBody(): AsyncGenerator<Uint8Array> {}
-
-/**
- * The response body as an async iterable that skips `skip` leading bytes, checks that exactly
- * `expected` bytes arrive, fails when no chunk arrives for `idleMs`, and turns stream failures
- * into `Transient` errors that say where the transfer stopped (so the caller can resume there).
- */
-async function* streamBody(
-  stream: ReadableStream<Uint8Array>,
-  ctx: {
-    skip: number;
-    expected: number;
-    offset: number;
-    size: number;
-    where: string;
-    signal: AbortSignal | undefined;
-    idleMs: number;
-    abort: (reason: Error) => void;
-    scrub: (s: string) => string;
-  },
-): AsyncGenerator<Uint8Array> {
-  let toSkip = ctx.skip;
-  let received = 0;
-  let stalled = false;
-  let finished = false;
-  const stopped = (why: string, cause?: unknown): HubError =>
-    new HubError('Transient', ctx.scrub(`download of ${ctx.where} stopped at byte ${ctx.offset + received} of ${ctx.size}: ${why}`), { cause });
-  const reader = stream.getReader();
-  try {
-    for (;;) {
-      // The idle timer runs only while waiting for the network, not while the consumer works.
-      const timer = setTimeout(() => {
-        stalled = true;
-        ctx.abort(new Error('stalled'));
-      }, ctx.idleMs);
-      let next: Awaited<ReturnType<typeof reader.read>>;
-      try {
-        next = await reader.read();
-      } finally {
-        clearTimeout(timer);
-      }
-      if (next.done) break;
-      let chunk = next.value;
-      if (toSkip > 0) {
-        const n = Math.min(toSkip, chunk.length);
-        toSkip -= n;
-        chunk = chunk.subarray(n);
-        if (chunk.length === 0) continue;
-      }
-      received += chunk.length;
-      if (received > ctx.expected) throw stopped(`the server sent more than the ${ctx.size} bytes it announced`);
-      yield chunk;
-    }
-    finished = true;
-  } catch (err) {
-    if (isHubError(err)) throw err;
-    if (ctx.signal?.aborted) throw ctx.signal.reason;
-    if (stalled) throw stopped(`no data for ${ctx.idleMs} ms`);
-    throw stopped(errorText(err), err);
-  } finally {
-    // Early exit (break, error): release the connection instead of leaving it half-read.
-    if (!finished) await reader.cancel().catch(() => undefined);
-  }
-  if (received !== ctx.expected || toSkip > 0) throw stopped('the connection ended early');
 }

@@ -1,0 +1,76 @@
+/**
+ * What the hub client reads of HTTP responses: header values (`Link`, sizes, ETags,
+ * `Retry-After`), bodies it discards or reads a little of, and the text of URLs and errors in its
+ * messages (never a URL's query: signed CDN URLs carry signatures there).
+ */
+
+/** The `rel="next"` target of a `Link` header, resolved against the current URL. */
+export function nextLink(header: string | null, base: URL): URL | null {
+  if (!header) return null;
+  for (const part of header.split(',')) {
+    const m = /<([^>]*)>\s*;(.*)$/.exec(part.trim());
+    if (m && /\brel="?next"?/.test(m[2]!)) return new URL(m[1]!, base);
+  }
+  return null;
+}
+
+/** A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there). */
+export function describe(url: URL | string): string {
+  const u = typeof url === 'string' ? new URL(url) : url;
+  return `${u.origin}${u.pathname}`;
+}
+
+/** An error's message for a hub error's text, with its cause's code (`ECONNRESET`) or message when that says more. */
+export function errorText(err: unknown): string {
+  if (!(err instanceof Error)) return String(err);
+  const cause = err.cause as { code?: unknown; message?: unknown } | undefined;
+  const causeText = cause && typeof cause === 'object' ? (typeof cause.code === 'string' ? cause.code : typeof cause.message === 'string' ? cause.message : '') : '';
+  return causeText && causeText !== err.message ? `${err.message} (${causeText})` : err.message;
+}
+
+/** An ETag without its weak marker and quotes, or null. */
+export function normalizeEtag(etag: string | null): string | null {
+  if (!etag) return null;
+  return etag.replace(/^W\//, '').replace(/^"(.*)"$/, '$1');
+}
+
+/** A size header (`Content-Length`, `X-Linked-Size`) as a safe integer, or null when absent or malformed. */
+export function parseSize(value: string | null): number | null {
+  if (value === null || !/^\d+$/.test(value.trim())) return null;
+  const n = Number(value);
+  return Number.isSafeInteger(n) ? n : null;
+}
+
+/** `Retry-After` (seconds, or an HTTP date) in milliseconds from now, or undefined. */
+export function parseRetryAfter(value: string | null): number | undefined {
+  if (!value) return undefined;
+  if (/^\d+$/.test(value.trim())) return Number(value) * 1000;
+  const at = Date.parse(value);
+  return Number.isNaN(at) ? undefined : Math.max(0, at - Date.now());
+}
+
+/** Releases a response's connection without reading its body. */
+export async function discard(response: Response): Promise<void> {
+  try {
+    await response.body?.cancel();
+  } catch {
+    // the connection is gone already; nothing to release
+  }
+}
+
+/** Up to `limit` bytes of a response's body as text (an error body, for its message); what fails to arrive is left out. */
+export async function readSome(response: Response, limit: number): Promise<string> {
+  if (!response.body) return '';
+  const chunks: Uint8Array[] = [];
+  let n = 0;
+  try {
+    for await (const chunk of response.body as ReadableStream<Uint8Array>) {
+      chunks.push(chunk);
+      n += chunk.length;
+      if (n >= limit) break;
+    }
+  } catch {
+    // an error body that fails to arrive still leaves the status to go by
+  }
+  return Buffer.concat(chunks).subarray(0, limit).toString('utf8');
+}
