@@ -14,7 +14,7 @@ import { listIncompleteUploads } from '../activities/storage/cleanup';
 import type { ModelSpec } from '../shared/model';
 import { cancelSignal, progressQuery, specChangedSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from '../workers/config';
-import type { FixtureCommit, FixtureHub } from '../workers/dev/hub';
+import type { HubCommit, TestHub } from './fixtures/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import { currentDetails, endpoint, isolation, listWorkflowIds, recordHistory } from './harness';
 import { hubStack, magusStack, TestStack } from './harness/stack';
@@ -34,9 +34,9 @@ let cfg: MagusConfig;
 let s3: S3Client;
 let client: Client;
 let registry: ModelRegistry;
-let hub: FixtureHub;
-let commit: FixtureCommit;
-let ggufCommit: FixtureCommit;
+let hub: TestHub;
+let commit: HubCommit;
+let ggufCommit: HubCommit;
 const stack = new TestStack();
 
 beforeAll(async () => {

@@ -33,7 +33,7 @@ import { modelWorkflowId, progressQuery, type PipelinePhase, type PipelineProgre
 import { modelPipeline } from '../workflows/model/pipeline';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
-import { startFixtureHub } from '../workers/dev/hub';
+import { startTestHub } from './fixtures/hub';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation, workerConfig } from './harness';
@@ -252,7 +252,7 @@ test('Temporal killed during a multipart transfer and again during a conversion:
   // ~63 MB of F32 weights (model.safetensors in several multipart parts), its hub throttled so the transfer is under way when Temporal goes.
   const model = join(dir, 'outage-model');
   await writeTinyModel(model, { seed: 43, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
-  const hub = await startFixtureHub();
+  const hub = await startTestHub();
   try {
     const repo = 'magus-test/outage-llama';
     const commit = await hub.addRepo({ id: repo, dir: model });

@@ -8,7 +8,7 @@ import type { AddressInfo, Socket } from 'node:net';
 import { mkdtemp, readFile, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import { startFixtureHub, type FixtureCommit, type FixtureHub } from '../../workers/dev/hub';
+import { startTestHub, type HubCommit, type TestHub } from '../../test/fixtures/hub';
 import { writeTinyModel } from '../../workers/dev/tiny-model';
 import { HubClient, hubErrorType, isHubError, type HubDownload, type HubError, type HubErrorCode } from './client';
 
@@ -17,15 +17,15 @@ const sha256 = (b: Uint8Array): string => createHash('sha256').update(b).digest(
 
 let root: string;
 let modelDir: string;
-let hub: FixtureHub;
-let tiny: FixtureCommit;
-let gated: FixtureCommit;
+let hub: TestHub;
+let tiny: HubCommit;
+let gated: HubCommit;
 
 beforeAll(async () => {
   root = await mkdtemp(path.join(tmpdir(), 'magus-hubclient-'));
   modelDir = path.join(root, 'tiny');
   await writeTinyModel(modelDir, { shards: 2 });
-  hub = await startFixtureHub({ treePageSize: 2 });
+  hub = await startTestHub({ treePageSize: 2 });
   tiny = await hub.addRepo({ id: 'org/tiny', dir: modelDir, files: { 'docs/nested/README.md': '# tiny\n' }, tags: ['v1.0'] });
   gated = await hub.addRepo({ id: 'meta-llama/Gated-1B', dir: modelDir, gated: true, access: [TOKEN], formerIds: ['meta-llama/Old-1B'] });
 });
@@ -230,7 +230,7 @@ describe('errors', () => {
   });
 
   test('401 + RepoNotFound (the hub’s answer to anonymous requests) is RepoNotFound', async () => {
-    const strict = await startFixtureHub({ anonymousRepoNotFoundStatus: 401 });
+    const strict = await startTestHub({ anonymousRepoNotFoundStatus: 401 });
     try {
       const err = await expectCode(new HubClient({ baseUrl: strict.url }).resolve('org/secret'), 'RepoNotFound');
       expect(err.status).toBe(401);
@@ -240,7 +240,7 @@ describe('errors', () => {
   });
 
   test('gated without a token, with a token lacking access, and with a wrong token: Unauthorized', async () => {
-    const other = await startFixtureHub({ tokens: ['hf_valid_but_no_access'] });
+    const other = await startTestHub({ tokens: ['hf_valid_but_no_access'] });
     try {
       await other.addRepo({ id: 'org/gated', files: { 'w.safetensors': 'x' }, gated: true, access: [TOKEN] });
       const { sha } = await new HubClient({ baseUrl: other.url }).resolve('org/gated'); // listing is public
@@ -274,7 +274,7 @@ describe('errors', () => {
   });
 
   test('an expired or refused CDN URL is Transient (a fresh redirect renews it)', async () => {
-    const expired = await startFixtureHub({ cdnUrlTtlSeconds: -1, repos: [{ id: 'o/r', files: { 'w.safetensors': 'abc' } }] });
+    const expired = await startTestHub({ cdnUrlTtlSeconds: -1, repos: [{ id: 'o/r', files: { 'w.safetensors': 'abc' } }] });
     try {
       const client = new HubClient({ baseUrl: expired.url });
       const { sha } = await client.resolve('o/r');

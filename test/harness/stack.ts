@@ -30,7 +30,7 @@ import { startBridge, type Bridge, type BridgeOptions } from '../../dataplane/br
 import { startGateway, type GatewayDeps, type RunningGateway } from '../../gateway/server';
 import { temporalSessions, type TemporalSessionOptions } from '../../gateway/temporal';
 import type { MagusConfig } from '../../workers/config';
-import { startFixtureHub, type FixtureHub, type FixtureHubOptions } from '../../workers/dev/hub';
+import { startTestHub, type TestHub, type TestHubOptions } from '../fixtures/hub';
 import { startWorkers, type RunningWorkers, type WorkerDeps } from '../../workers/worker';
 import { startStubEngine, type StubEngine, type StubEngineOptions } from '../fixtures/stub-engine';
 import { gatewayConfigFor } from './gateway';
@@ -177,9 +177,9 @@ export function runtimeStack(iso: Isolation, opts: { dirPrefix: string }): Promi
   });
 }
 
-/** The Hugging Face-compatible fixture hub (the demo hub), stopped at close. */
-export async function hubStack(opts?: FixtureHubOptions): Promise<{ hub: FixtureHub } & Opened> {
-  const hub = await startFixtureHub(opts);
+/** The tests' Hugging Face-compatible hub (test/fixtures/hub.ts: the demo hub with access control, records and faults), stopped at close. */
+export async function hubStack(opts?: TestHubOptions): Promise<{ hub: TestHub } & Opened> {
+  const hub = await startTestHub(opts);
   return { hub, close: () => hub.stop() };
 }
 

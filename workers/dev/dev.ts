@@ -26,7 +26,7 @@ import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../../shared/e
 import type { EngineKind } from '../../shared/engines';
 import { Plural, type ModelResource } from '../../shared/kube';
 import { startController } from '../../controller/controller';
-import { startFixtureHub, type FixtureHub } from './hub';
+import { startDemoHub, type DemoHub } from './hub';
 import { writeTinyModel } from './tiny-model';
 import { loadGatewayConfig, loadSessionTtl } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
@@ -204,7 +204,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     });
     const cfg = loadConfig();
 
-    let hub: FixtureHub | undefined;
+    let hub: DemoHub | undefined;
     let repo = opts.model;
     /** The demo is SmolLM2 (a GGUF repository): the file to take. */
     let demoGguf = false;
@@ -217,7 +217,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         await writeTinyModel(dir, { seed: 2026 });
         writeFileSync(join(dir, '.complete'), '');
       }
-      hub = await startFixtureHub();
+      hub = await startDemoHub();
       running.push({ what: 'the demo hub', stop: () => hub!.stop() });
       await hub.addRepo({ id: TINY_REPO, dir });
       repo = TINY_REPO;
