@@ -6,7 +6,8 @@
  * re-pull ready under traffic, no consumer or key beyond what live conversations explain, no fd
  * growth after warm-up. The RSS slopes are printed (too short a run to judge memory by).
  */
-import { printReport, runSoak } from '../bench/soak';
+import { runSoak } from '../bench/soak';
+import { printReport } from '../bench/soak-report';
 
 test('75 s of mixed traffic through magus dev: no error but the injected ones, nothing left behind', async () => {
   const lines: string[] = [];
