@@ -75,7 +75,7 @@ COPY --from=prod-deps /app/node_modules node_modules
 COPY package.json ./
 COPY bin bin
 COPY crds crds
-# The CLI finds its installation by this file (workers/dev/services.ts REPO_ROOT) in every mode.
+# The CLI finds its installation by this file (workers/dev/services/binaries.ts REPO_ROOT) in every mode.
 COPY scripts/dev-services scripts/dev-services
 COPY --from=build /app/dist dist
 USER 65532:65532

@@ -25,7 +25,7 @@ import { installCrds } from '../kube/crds';
 import { watchResource } from '../kube/watch';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ModelResource } from '../shared/kube';
-import { startFixtureHub } from '../workers/dev/hub';
+import { startDemoHub } from '../workers/dev/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
 import type { MagusConfig } from '../workers/config';
 import { freePort, startServices, writeKubeconfig } from '../workers/dev/services';
@@ -85,7 +85,7 @@ async function main(): Promise<void> {
   const core = kc.makeApiClient(CoreV1Api);
   const connection = await Connection.connect({ address: e.temporal!.address });
   const client = new Client({ connection });
-  const hub = await startFixtureHub();
+  const hub = await startDemoHub();
   await writeTinyModel(join(dir, 'tiny'), { seed: 5 });
   await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
   const model = (ns: string, name: string) => ({

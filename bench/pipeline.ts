@@ -16,7 +16,7 @@ import { homedir } from 'node:os';
 import { join } from 'node:path';
 import { Readable } from 'node:stream';
 import { pipeline } from 'node:stream/promises';
-import { resolveUrl, startFixtureHub } from '../workers/dev/hub';
+import { resolveUrl, startDemoHub } from '../workers/dev/hub';
 import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { cpuOf } from './common';
 import { startServices } from '../workers/dev/services';
@@ -48,7 +48,7 @@ async function main(): Promise<void> {
   const bytes = files.reduce((n, f) => n + statSync(join(modelDir, f)).size, 0);
 
   const services = await startServices({ services: ['temporal', 'nats', 's3'] });
-  const hub = await startFixtureHub();
+  const hub = await startDemoHub();
   const commit = await hub.addRepo({ id: REPO, dir: modelDir });
   const e = services.endpoints;
   try {

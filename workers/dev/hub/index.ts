@@ -4,14 +4,6 @@
  * errors and ranges. The tests' hub, which adds access control, renames, request records and
  * faults, is test/fixtures/hub.ts.
  */
-import { startDemoHub } from './hub';
-
 export { DemoHub, startDemoHub, type DemoHubOptions, type HubServer, type ServedBytes } from './hub';
 export { resolveUrl } from './protocol';
 export type { AddRepoInput, HubCommit, HubFile } from './repos';
-
-/**
- * @deprecated {@link startDemoHub}'s former name, kept only for bench/pipeline.ts and
- * bench/controller.ts (another change holds bench/ open); remove once they call startDemoHub.
- */
-export const startFixtureHub = startDemoHub;
