@@ -139,7 +139,9 @@ function reportingRetries<T extends Record<string, (input: never) => Promise<unk
         if (!permanent && !cancelled && workflowId) {
           const key = stepKey(input);
           const message = err instanceof Error ? `${err.name === 'Error' ? '' : `${err.name}: `}${err.message}` : String(err);
-          report(workflowId, { activity: name, ...(key === undefined ? {} : { key }), attempt: info.attempt, message, at: new Date().toISOString() }).catch(() => undefined);
+          report(workflowId, { activity: name, ...(key === undefined ? {} : { key }), attempt: info.attempt, message, at: new Date().toISOString() }).catch(
+            () => undefined,
+          );
         }
         throw err;
       }
@@ -215,7 +217,9 @@ function pipelineActivities(deps: PipelineDeps) {
 
   /** A GGUF source read (its parts in order, as byte sources over S3; small blocks: only headers are read). */
   async function readGgufSourceIn(sources: StoredSource[], signal: AbortSignal): Promise<GgufSource> {
-    const parts = sources.filter((s) => /\.gguf$/i.test(s.path)).map((s) => s3Source(s3, bucket, s.object.key, { size: s.object.bytes, blockSize: 1 << 20, signal }));
+    const parts = sources
+      .filter((s) => /\.gguf$/i.test(s.path))
+      .map((s) => s3Source(s3, bucket, s.object.key, { size: s.object.bytes, blockSize: 1 << 20, signal }));
     try {
       return await readGgufSource(parts);
     } finally {
@@ -284,7 +288,11 @@ function pipelineActivities(deps: PipelineDeps) {
             return { key: result.key, bytes: result.bytes, sha256: result.sha256 };
           } catch (err) {
             if (isStorageError(err, 'ChecksumMismatch')) {
-              if (attempt >= 2) throw ApplicationFailure.nonRetryable(`${file.path}: content does not match the hub's sha256 after a fresh download`, ErrorType.ChecksumMismatch);
+              if (attempt >= 2)
+                throw ApplicationFailure.nonRetryable(
+                  `${file.path}: content does not match the hub's sha256 after a fresh download`,
+                  ErrorType.ChecksumMismatch,
+                );
               checkpoint = null; // the upload was aborted; download everything again
               continue;
             }
@@ -307,7 +315,13 @@ function pipelineActivities(deps: PipelineDeps) {
       if (input.request.weights === 'source') {
         try {
           const { fileType } = await readGgufSourceIn(input.sources, ctx.cancellationSignal);
-          return { format: 'gguf', weights: 'source', converterVersion: CONVERTER_VERSION, files: input.sources.map((s) => s.object), ...(fileType ? { sourceType: fileType } : {}) };
+          return {
+            format: 'gguf',
+            weights: 'source',
+            converterVersion: CONVERTER_VERSION,
+            files: input.sources.map((s) => s.object),
+            ...(fileType ? { sourceType: fileType } : {}),
+          };
         } catch (err) {
           classify(err);
         }
@@ -317,7 +331,11 @@ function pipelineActivities(deps: PipelineDeps) {
       const names = input.request.format === 'gguf' ? ['model.gguf'] : ['model.m', 'tokenizer.t'];
       const existing = await Promise.all(names.map((n) => headObject({ s3, bucket, key: prefix + n }, ctx.cancellationSignal)));
       if (existing.every((o) => o?.sha256)) {
-        return { ...input.request, converterVersion: CONVERTER_VERSION, files: existing.map((o, i) => ({ key: prefix + names[i]!, bytes: o!.size, sha256: o!.sha256! })) };
+        return {
+          ...input.request,
+          converterVersion: CONVERTER_VERSION,
+          files: existing.map((o, i) => ({ key: prefix + names[i]!, bytes: o!.size, sha256: o!.sha256! })),
+        };
       }
       const stored: StoredObject[] = [];
       const outputs = names.map((n, i) => s3OutputTarget(s3, bucket, prefix + n, { onStored: (o) => (stored[i] = o) }));
@@ -334,10 +352,20 @@ function pipelineActivities(deps: PipelineDeps) {
       try {
         if (gguf) {
           // A GGUF source to distributed-llama: dequantized and quantized again (gguf-dllama.ts).
-          if (gguf.length > 1) throw new ConvertError('UnsupportedConfig', `a split GGUF (${gguf.length} parts) cannot be converted to distributed-llama yet; serve it as gguf:source`);
+          if (gguf.length > 1)
+            throw new ConvertError(
+              'UnsupportedConfig',
+              `a split GGUF (${gguf.length} parts) cannot be converted to distributed-llama yet; serve it as gguf:source`,
+            );
           const source = s3Source(s3, bucket, gguf[0]!.object.key, { size: gguf[0]!.object.bytes, signal: ctx.cancellationSignal });
           try {
-            await convertGgufToDllama({ gguf: source, weights, output: { model: outputs[0]!, tokenizer: outputs[1]! }, threads: deps.convertThreads, onProgress });
+            await convertGgufToDllama({
+              gguf: source,
+              weights,
+              output: { model: outputs[0]!, tokenizer: outputs[1]! },
+              threads: deps.convertThreads,
+              onProgress,
+            });
           } finally {
             await source.close();
           }
@@ -370,7 +398,11 @@ function pipelineActivities(deps: PipelineDeps) {
         try {
           const { sizing } = await readGgufSourceIn(input.sources, signal);
           const spec = input.artifacts.some((a) => a.format === 'dllama') ? await ggufSpecIn(gguf[0]!, signal) : undefined;
-          return input.artifacts.map((a) => (a.weights === 'source' ? planLlamaCppMemory(sizing, a.weights, input.contextLength, bytesOf(a)) : planMemory(spec!, a.format, a.weights, input.contextLength, bytesOf(a))));
+          return input.artifacts.map((a) =>
+            a.weights === 'source'
+              ? planLlamaCppMemory(sizing, a.weights, input.contextLength, bytesOf(a))
+              : planMemory(spec!, a.format, a.weights, input.contextLength, bytesOf(a)),
+          );
         } catch (err) {
           classify(err);
         }
@@ -383,7 +415,11 @@ function pipelineActivities(deps: PipelineDeps) {
       } catch (err) {
         classify(err);
       }
-      return input.artifacts.map((a) => (a.weights === 'source' ? planLlamaCppMemory(spec, a.weights, input.contextLength, bytesOf(a)) : planMemory(spec, a.format, a.weights, input.contextLength, bytesOf(a))));
+      return input.artifacts.map((a) =>
+        a.weights === 'source'
+          ? planLlamaCppMemory(spec, a.weights, input.contextLength, bytesOf(a))
+          : planMemory(spec, a.format, a.weights, input.contextLength, bytesOf(a)),
+      );
     },
 
     /** Writes the ready model to the registry (`magus_models`). */
@@ -396,7 +432,13 @@ function pipelineActivities(deps: PipelineDeps) {
      * `deleteObjects`, its sources and artifacts leave S3 — unless another ready model was made
      * from the same commit (keys are content-addressed and shared).
      */
-    async forgetModel(input: { namespace: string; name: string; repo: string; sha: string | null; deleteObjects: boolean }): Promise<{ deletedObjects: number; keptFor: string[] }> {
+    async forgetModel(input: {
+      namespace: string;
+      name: string;
+      repo: string;
+      sha: string | null;
+      deleteObjects: boolean;
+    }): Promise<{ deletedObjects: number; keptFor: string[] }> {
       await deps.registry.remove(input.namespace, input.name);
       if (!input.deleteObjects || !input.sha) return { deletedObjects: 0, keptFor: [] };
       const keptFor = (await deps.registry.list())

@@ -20,7 +20,10 @@ test('a worker whose advert is fresh lives; withdrawn or older than the stale li
   const serving = activitiesWith((q) => (asked.push(q), Promise.resolve(current)));
   expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: false, reason: 'its runtime advert is 1 s old' });
   current = advert(RUNTIME_ADVERT_STALE_MS + 5_000);
-  expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: true, reason: `its runtime advert is ${(RUNTIME_ADVERT_STALE_MS + 5_000) / 1000} s old` });
+  expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({
+    gone: true,
+    reason: `its runtime advert is ${(RUNTIME_ADVERT_STALE_MS + 5_000) / 1000} s old`,
+  });
   current = null;
   expect(await serving.workerGone({ runtimeQueue: queue })).toEqual({ gone: true, reason: 'its runtime advert is withdrawn' });
   expect(asked).toEqual([queue, queue, queue]);

@@ -64,7 +64,13 @@ export interface WatchLoadInput {
  * only when this changes, so the pool's history grows with changes of decision, never with the
  * number of conversations.
  */
-export function loadSignature(s: LoadSummary, instances: readonly string[], leasesPerInstance: number, pressurePending: number, maxInstances = Infinity): string {
+export function loadSignature(
+  s: LoadSummary,
+  instances: readonly string[],
+  leasesPerInstance: number,
+  pressurePending: number,
+  maxInstances = Infinity,
+): string {
   let leases = 0;
   const per = instances.map((id) => {
     const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
@@ -210,7 +216,9 @@ export function createServingActivities(deps: ServingDeps) {
       const advert = await deps.advertOf(input.runtimeQueue);
       if (!advert) return { gone: true, reason: 'its runtime advert is withdrawn' };
       const age = Date.now() - advert.at;
-      return age > RUNTIME_ADVERT_STALE_MS ? { gone: true, reason: `its runtime advert is ${Math.round(age / 1000)} s old` } : { gone: false, reason: `its runtime advert is ${Math.round(age / 1000)} s old` };
+      return age > RUNTIME_ADVERT_STALE_MS
+        ? { gone: true, reason: `its runtime advert is ${Math.round(age / 1000)} s old` }
+        : { gone: false, reason: `its runtime advert is ${Math.round(age / 1000)} s old` };
     },
     /**
      * A session's look at its lease (`magus_sessions` entry) when its expiry has come: renewed
@@ -266,7 +274,11 @@ export function createServingActivities(deps: ServingDeps) {
             }
             // A new instance is reported as it is, even idle (the pool holds it busy until it hears).
             if (news || loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) !== known) return summary;
-            if (Date.now() - started >= (input.refreshMs ?? 60_000) && input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases)) return summary;
+            if (
+              Date.now() - started >= (input.refreshMs ?? 60_000) &&
+              input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases)
+            )
+              return summary;
           }
           await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
         }
@@ -275,7 +287,16 @@ export function createServingActivities(deps: ServingDeps) {
       }
     },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
-    async writePool(input: { namespace: string; model: string; instances: PoolEntry['instances']; leasesPerInstance: number; growable?: boolean; failing?: string; nextStartAt?: number; failedAt?: number }): Promise<void> {
+    async writePool(input: {
+      namespace: string;
+      model: string;
+      instances: PoolEntry['instances'];
+      leasesPerInstance: number;
+      growable?: boolean;
+      failing?: string;
+      nextStartAt?: number;
+      failedAt?: number;
+    }): Promise<void> {
       const entry: PoolEntry = {
         instances: input.instances,
         leasesPerInstance: input.leasesPerInstance,

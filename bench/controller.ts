@@ -59,25 +59,36 @@ function apiserverRequests(server: string, token: string): Promise<Map<string, n
       .end();
   });
 }
-const diff = (after: Map<string, number>, before: Map<string, number>) => new Map([...after].map(([k, v]) => [k, v - (before.get(k) ?? 0)] as const).filter(([, v]) => v > 0));
+const diff = (after: Map<string, number>, before: Map<string, number>) =>
+  new Map([...after].map(([k, v]) => [k, v - (before.get(k) ?? 0)] as const).filter(([, v]) => v > 0));
 
 async function inParallel<T>(items: T[], width: number, fn: (item: T) => Promise<void>): Promise<void> {
   let next = 0;
-  await Promise.all(Array.from({ length: width }, async () => {
-    while (next < items.length) await fn(items[next++]!);
-  }));
+  await Promise.all(
+    Array.from({ length: width }, async () => {
+      while (next < items.length) await fn(items[next++]!);
+    }),
+  );
 }
 
 async function main(): Promise<void> {
   Runtime.install({ logger: new DefaultLogger('WARN') });
-  const sizes = (process.env.BENCH_CONTROLLER_N ?? '100,500').split(',').map(Number).filter((n) => n > 0);
+  const sizes = (process.env.BENCH_CONTROLLER_N ?? '100,500')
+    .split(',')
+    .map(Number)
+    .filter((n) => n > 0);
   const full = Number(process.env.BENCH_CONTROLLER_FULL ?? '50');
   const dir = mkdtempSync(join(tmpdir(), 'magus-bench-controller-'));
   const services = await startServices({ services: ['temporal', 'nats', 's3', 'kubernetes'] });
   const e = services.endpoints;
   const k = e.kubernetes!;
   const kc = new KubeConfig();
-  kc.loadFromOptions({ clusters: [{ name: 'b', server: k.server, skipTLSVerify: true }], users: [{ name: 'b', token: k.token }], contexts: [{ name: 'b', cluster: 'b', user: 'b' }], currentContext: 'b' });
+  kc.loadFromOptions({
+    clusters: [{ name: 'b', server: k.server, skipTLSVerify: true }],
+    users: [{ name: 'b', token: k.token }],
+    contexts: [{ name: 'b', cluster: 'b', user: 'b' }],
+    currentContext: 'b',
+  });
   const kubeconfigFile = join(dir, 'kubeconfig');
   writeKubeconfig(kubeconfigFile, k);
   await installCrds(kc);
@@ -98,10 +109,21 @@ async function main(): Promise<void> {
   /** The controller process, watching `ns`, on task queue `queue`. */
   async function controller(ns: string, queue: string) {
     const port = await freePort();
-    const child = spawn(process.execPath, [join(__dirname, '..', 'bin', 'magus.js'), 'controller', '--namespace', ns, '--health-address', `127.0.0.1:${port}`, '--no-leader-elect'], {
-      env: { ...process.env, KUBECONFIG: kubeconfigFile, MAGUS_TEMPORAL_ADDRESS: e.temporal!.address, MAGUS_NATS_URL: e.nats!.servers, MAGUS_TASK_QUEUE: queue, MAGUS_NATS_PREFIX: ns.replace(/-/g, '_').toUpperCase() },
-      stdio: ['ignore', 'ignore', 'inherit'],
-    });
+    const child = spawn(
+      process.execPath,
+      [join(__dirname, '..', 'bin', 'magus.js'), 'controller', '--namespace', ns, '--health-address', `127.0.0.1:${port}`, '--no-leader-elect'],
+      {
+        env: {
+          ...process.env,
+          KUBECONFIG: kubeconfigFile,
+          MAGUS_TEMPORAL_ADDRESS: e.temporal!.address,
+          MAGUS_NATS_URL: e.nats!.servers,
+          MAGUS_TASK_QUEUE: queue,
+          MAGUS_NATS_PREFIX: ns.replace(/-/g, '_').toUpperCase(),
+        },
+        stdio: ['ignore', 'ignore', 'inherit'],
+      },
+    );
     const ready = async () => (await fetch(`http://127.0.0.1:${port}/readyz`).catch(() => null))?.status === 200;
     for (let i = 0; !(await ready()); i++) {
       if (i > 600) throw new Error('the controller did not become ready');
@@ -131,14 +153,18 @@ async function main(): Promise<void> {
       const createSeconds = (Date.now() - t0) / 1000;
       const started = new Map<string, number>();
       while (started.size < n) {
-        await inParallel(names.filter((x) => !started.has(x)), 20, async (name) => {
-          try {
-            const d = await client.workflow.getHandle(`model/${ns}/${name}`).describe();
-            started.set(name, d.startTime.getTime());
-          } catch {
-            // not started yet
-          }
-        });
+        await inParallel(
+          names.filter((x) => !started.has(x)),
+          20,
+          async (name) => {
+            try {
+              const d = await client.workflow.getHandle(`model/${ns}/${name}`).describe();
+              started.set(name, d.startTime.getTime());
+            } catch {
+              // not started yet
+            }
+          },
+        );
         if (Date.now() - t0 > 300_000) throw new Error(`only ${started.size} of ${n} workflows started in 5 min`);
       }
       // From the API server's answer to the create (the object exists) to the workflow's start.
@@ -148,17 +174,29 @@ async function main(): Promise<void> {
       await new Promise((r) => setTimeout(r, 2000));
       const requests = diff(await apiserverRequests(k.server, k.token), before);
       const byController = [...requests].filter(([key]) => !key.startsWith('POST models')).reduce((s, [, v]) => s + v, 0);
-      rows.push(`| ${n} Models created at once (50 creates in flight; all created in ${fmt(createSeconds, 1)} s) → workflow started | created → started p50 ${fmt(p50(latencies), 0)} ms, p99 ${fmt(p99(latencies), 0)} ms, max ${fmt(Math.max(...latencies), 0)} ms; create sent → started p50 ${fmt(p50(fromRequest), 0)}, p99 ${fmt(p99(fromRequest), 0)} ms | controller: ${fmt(byController / n, 2)} apiserver requests per Model (${[...requests].map(([kk, v]) => `${kk} ${v}`).join(', ')}); CPU ${fmt(cpuOf(c.pid) - cpu0, 2)} s; peak RSS ${fmt(peakRssMb(c.pid), 0)} MB |`);
+      rows.push(
+        `| ${n} Models created at once (50 creates in flight; all created in ${fmt(createSeconds, 1)} s) → workflow started | created → started p50 ${fmt(p50(latencies), 0)} ms, p99 ${fmt(p99(latencies), 0)} ms, max ${fmt(Math.max(...latencies), 0)} ms; create sent → started p50 ${fmt(p50(fromRequest), 0)}, p99 ${fmt(p99(fromRequest), 0)} ms | controller: ${fmt(byController / n, 2)} apiserver requests per Model (${[...requests].map(([kk, v]) => `${kk} ${v}`).join(', ')}); CPU ${fmt(cpuOf(c.pid) - cpu0, 2)} s; peak RSS ${fmt(peakRssMb(c.pid), 0)} MB |`,
+      );
       process.stderr.write(`${rows.at(-1)}\n`);
       await c.stop();
-      const terminate = names.map((x) => client.workflow.getHandle(`model/${ns}/${x}`).terminate('bench over').catch(() => undefined));
+      const terminate = names.map((x) =>
+        client.workflow
+          .getHandle(`model/${ns}/${x}`)
+          .terminate('bench over')
+          .catch(() => undefined),
+      );
       await Promise.all(terminate);
     }
 
     if (full > 0) {
       const ns = 'bench-full';
       await core.createNamespace({ body: { metadata: { name: ns } } });
-      const s3 = new S3Client({ endpoint: e.s3!.endpoint, region: e.s3!.region, forcePathStyle: true, credentials: { accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey } });
+      const s3 = new S3Client({
+        endpoint: e.s3!.endpoint,
+        region: e.s3!.region,
+        forcePathStyle: true,
+        credentials: { accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
+      });
       await s3.send(new CreateBucketCommand({ Bucket: 'bench-full' }));
       process.env.AWS_ACCESS_KEY_ID = e.s3!.accessKeyId;
       process.env.AWS_SECRET_ACCESS_KEY = e.s3!.secretAccessKey;
@@ -195,9 +233,13 @@ async function main(): Promise<void> {
       const before = await apiserverRequests(k.server, k.token);
       const cpu0 = cpuOf(c.pid);
       const t0 = Date.now();
-      await inParallel(Array.from({ length: full }, (_, i) => `m${i}`), 50, async (name) => {
-        await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', body: model(ns, name) });
-      });
+      await inParallel(
+        Array.from({ length: full }, (_, i) => `m${i}`),
+        50,
+        async (name) => {
+          await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', body: model(ns, name) });
+        },
+      );
       while (ready.size < full) {
         if (Date.now() - t0 > 600_000) throw new Error(`only ${ready.size} of ${full} Models Ready in 10 min`);
         await new Promise((r) => setTimeout(r, 250));
@@ -208,7 +250,9 @@ async function main(): Promise<void> {
       const statusWrites = requests.get('APPLY models/status') ?? 0;
       const perSecondMax = Math.max(...writesPerSecond.values());
       // resolving → transferring → converting → sizing → publishing → ready: 6 phases.
-      rows.push(`| ${full} Models through the whole pipeline (worker + controller) | all Ready in ${fmt(elapsed, 1)} s | ${fmt([...requests.values()].reduce((a, b) => a + b, 0) / full, 1)} apiserver requests per Model (${[...requests].map(([kk, v]) => `${kk} ${v}`).join(', ')}); ${fmt(statusWrites / full / 6, 2)} status writes per phase change; at most ${perSecondMax} status changes of one Model seen in one second; controller CPU ${fmt(cpuOf(c.pid) - cpu0, 2)} s |`);
+      rows.push(
+        `| ${full} Models through the whole pipeline (worker + controller) | all Ready in ${fmt(elapsed, 1)} s | ${fmt([...requests.values()].reduce((a, b) => a + b, 0) / full, 1)} apiserver requests per Model (${[...requests].map(([kk, v]) => `${kk} ${v}`).join(', ')}); ${fmt(statusWrites / full / 6, 2)} status writes per phase change; at most ${perSecondMax} status changes of one Model seen in one second; controller CPU ${fmt(cpuOf(c.pid) - cpu0, 2)} s |`,
+      );
       process.stderr.write(`${rows.at(-1)}\n`);
       await w.stop();
       await c.stop();

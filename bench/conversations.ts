@@ -66,7 +66,16 @@ async function main(): Promise<void> {
           signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
         });
         const text = await r.text();
-        const code = r.status === 200 ? undefined : (() => { try { return (JSON.parse(text) as { error?: { code?: string } }).error?.code; } catch { return undefined; } })();
+        const code =
+          r.status === 200
+            ? undefined
+            : (() => {
+                try {
+                  return (JSON.parse(text) as { error?: { code?: string } }).error?.code;
+                } catch {
+                  return undefined;
+                }
+              })();
         return { status: r.status, ms: performance.now() - t0, code, at: Date.now() };
       } catch {
         return { status: 'timeout', ms: performance.now() - t0, at: Date.now() };
@@ -88,7 +97,15 @@ async function main(): Promise<void> {
       }),
     );
     const floor = floorIds.length / 10;
-    for (let k = 0; k < floorIds.length; k += 32) await Promise.all(floorIds.slice(k, k + 32).map((id) => client.workflow.getHandle(id).terminate().catch(() => undefined)));
+    for (let k = 0; k < floorIds.length; k += 32)
+      await Promise.all(
+        floorIds.slice(k, k + 32).map((id) =>
+          client.workflow
+            .getHandle(id)
+            .terminate()
+            .catch(() => undefined),
+        ),
+      );
     console.log(`floor: Temporal starts ${fmt(floor, 0)} bare workflows/s here (32 callers, 10 s)`);
 
     // Visibility counts a running execution's events only when it closes: the current run is described.
@@ -97,7 +114,11 @@ async function main(): Promise<void> {
       for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}" AND ExecutionStatus != "Running"` })) n += w.historyLength;
       return n + (await client.workflow.getHandle(poolId).describe()).historyLength;
     };
-    const dbBytes = () => readdirSync(data, { recursive: true }).map(String).filter((f) => f.endsWith('temporal.db')).reduce((n, f) => n + statSync(join(data, f)).size, 0);
+    const dbBytes = () =>
+      readdirSync(data, { recursive: true })
+        .map(String)
+        .filter((f) => f.endsWith('temporal.db'))
+        .reduce((n, f) => n + statSync(join(data, f)).size, 0);
     const rows: string[] = [];
     for (const rate of rates) {
       const pids = processTree(dev.child.pid!);
@@ -109,11 +130,19 @@ async function main(): Promise<void> {
       // and first turns placed from a pool view its pool had not rewritten in time.
       const gauges: { at: number; heap: number; loopMax: number; stalePicks: number }[] = [];
       const sampler = setInterval(() => {
-        void fetch(`${gatewayUrl}/metrics`).then(async (r) => {
-          const text = await r.text();
-          const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1] ?? NaN);
-          gauges.push({ at: Date.now(), heap: sample('nodejs_heap_size_used_bytes'), loopMax: sample('nodejs_eventloop_delay_max_seconds'), stalePicks: sample('magus_gateway_stale_view_picks_total') });
-        }, () => undefined);
+        void fetch(`${gatewayUrl}/metrics`).then(
+          async (r) => {
+            const text = await r.text();
+            const sample = (name: string) => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(text)?.[1] ?? NaN);
+            gauges.push({
+              at: Date.now(),
+              heap: sample('nodejs_heap_size_used_bytes'),
+              loopMax: sample('nodejs_eventloop_delay_max_seconds'),
+              stalePicks: sample('magus_gateway_stale_view_picks_total'),
+            });
+          },
+          () => undefined,
+        );
       }, 10_000);
       const inflight: Promise<void>[] = [];
       for (let k = 0; Date.now() - t0 < stepMs; k++) {
@@ -126,7 +155,15 @@ async function main(): Promise<void> {
       clearInterval(sampler);
       const secs = (Date.now() - t0) / 1000;
       const events = (await poolEvents()) - events0;
-      const cpu = pids.filter((p) => { try { return cpuOf(p) >= 0; } catch { return false; } }).map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rss(p), 0)} MB`);
+      const cpu = pids
+        .filter((p) => {
+          try {
+            return cpuOf(p) >= 0;
+          } catch {
+            return false;
+          }
+        })
+        .map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rss(p), 0)} MB`);
       // History events per session: a sample of this step's sessions (running: started and asleep).
       let sampled = 0;
       let sessionEvents = 0;
@@ -150,11 +187,16 @@ async function main(): Promise<void> {
         const bad = new Map<string, number>();
         for (const r of inWindow) if (r.status !== 200) bad.set(kind(r), (bad.get(kind(r)) ?? 0) + 1);
         const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
-        if (bad.size > 0 || wp99 > 1000) console.log(`    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}; dev ${devGauges(w)}`);
+        if (bad.size > 0 || wp99 > 1000)
+          console.log(
+            `    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}; dev ${devGauges(w)}`,
+          );
       }
       function devGauges(w: number): string {
         const g = gauges.filter((x) => x.at - t0 >= w * 30_000 && x.at - t0 < (w + 1) * 30_000);
-        return g.length === 0 ? 'not sampled' : `heap ${fmt(Math.max(...g.map((x) => x.heap)) / 2 ** 20, 0)} MB, event loop delayed up to ${fmt(Math.max(...g.map((x) => x.loopMax || 0)) * 1000, 0)} ms`;
+        return g.length === 0
+          ? 'not sampled'
+          : `heap ${fmt(Math.max(...g.map((x) => x.heap)) / 2 ** 20, 0)} MB, event loop delayed up to ${fmt(Math.max(...g.map((x) => x.loopMax || 0)) * 1000, 0)} ms`;
       }
       const loopMax = Math.max(0, ...gauges.map((x) => x.loopMax || 0));
       const heapMax = Math.max(0, ...gauges.map((x) => x.heap || 0));
@@ -175,10 +217,18 @@ async function main(): Promise<void> {
       const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
       const instance = status.instances.find((i) => i.phase === 'ready')!;
       const before = instance.leases;
-      const entry: SessionEntry = { subject: instance.subject!, pool: name!, namespace: ns!, instance: instance.id, expiresAt: Date.now() + 30 * 60_000, placedAt: Date.now() };
+      const entry: SessionEntry = {
+        subject: instance.subject!,
+        pool: name!,
+        namespace: ns!,
+        instance: instance.id,
+        expiresAt: Date.now() + 30 * 60_000,
+        placedAt: Date.now(),
+      };
       const value = new TextEncoder().encode(JSON.stringify(entry));
       const s0 = Date.now();
-      for (let k = 0; k < seedLive; k += 1000) await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
+      for (let k = 0; k < seedLive; k += 1000)
+        await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
       let counted = 0;
       for (let k = 0; k < 120 && counted < before + seedLive; k++) {
         await sleep(1000);
@@ -188,7 +238,10 @@ async function main(): Promise<void> {
       let largestInput = 0;
       for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) {
         // Visibility has a running run's length only once it closes: that one is described.
-        longest = Math.max(longest, w.status.name === 'RUNNING' ? (await client.workflow.getHandle(poolId, w.runId).describe()).historyLength : w.historyLength);
+        longest = Math.max(
+          longest,
+          w.status.name === 'RUNNING' ? (await client.workflow.getHandle(poolId, w.runId).describe()).historyLength : w.historyLength,
+        );
         const first = (await client.workflow.getHandle(poolId, w.runId).fetchHistory()).events?.[0];
         const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
         largestInput = Math.max(largestInput, bytes);
@@ -210,15 +263,20 @@ async function main(): Promise<void> {
     }
     await Promise.allSettled(burst);
     let exit: Awaited<typeof dev.exited> | undefined;
-    await within(dev.exited.then((e) => void (exit = e)), 90_000);
+    await within(
+      dev.exited.then((e) => void (exit = e)),
+      90_000,
+    );
     // Processes of that dev still alive (its servers name its data folder on their command lines).
-    const left = readdirSync('/proc').filter((d) => /^\d+$/.test(d)).filter((d) => {
-      try {
-        return readFileSync(`/proc/${d}/cmdline`, 'utf8').includes(data);
-      } catch {
-        return false;
-      }
-    }).length;
+    const left = readdirSync('/proc')
+      .filter((d) => /^\d+$/.test(d))
+      .filter((d) => {
+        try {
+          return readFileSync(`/proc/${d}/cmdline`, 'utf8').includes(data);
+        } catch {
+          return false;
+        }
+      }).length;
     const uncaught = /uncaught|Channel has been shut down|MaxListenersExceeded/i.test(dev.stderr());
     const row = `SIGTERM at ${top}/s: dev exited ${exit ? `with ${exit.code ?? exit.signal}` : 'not within 90 s'}; ${uncaught ? 'an uncaught error or listener warning in its output' : 'no uncaught error or listener warning'}; ${left} process(es) left`;
     console.log(row);

@@ -29,7 +29,9 @@ const threads = (process.env.BENCH_THREADS ?? '2').split(',').map(Number);
 const bin = join(__dirname, '..', 'bin', 'magus.js');
 
 function dirBytes(dir: string): number {
-  return readdirSync(dir).filter((f) => f.endsWith('.safetensors')).reduce((n, f) => n + statSync(join(dir, f)).size, 0);
+  return readdirSync(dir)
+    .filter((f) => f.endsWith('.safetensors'))
+    .reduce((n, f) => n + statSync(join(dir, f)).size, 0);
 }
 
 async function main(): Promise<void> {
@@ -53,12 +55,16 @@ async function main(): Promise<void> {
     { label: 'GGUF Q4_0', format: 'gguf', weights: 'q40', out: join(outDir, 'model-Q4_0.gguf') },
     { label: 'GGUF Q8_0', format: 'gguf', weights: 'q80', out: join(outDir, 'model-Q8_0.gguf') },
   ];
-  console.log(`input: ${(inputBytes / 1e6).toFixed(0)} MB of F16 safetensors (largest tensor: embeddings, ${((MODEL.vocabSize! * MODEL.hiddenSize! * 2) / 1e6).toFixed(0)} MB F16); cpu: ${cpus()[0]?.model ?? '?'} × ${cpus().length}`);
+  console.log(
+    `input: ${(inputBytes / 1e6).toFixed(0)} MB of F16 safetensors (largest tensor: embeddings, ${((MODEL.vocabSize! * MODEL.hiddenSize! * 2) / 1e6).toFixed(0)} MB F16); cpu: ${cpus()[0]?.model ?? '?'} × ${cpus().length}`,
+  );
   for (const t of threads) {
     for (const r of runs) {
       rmSync(r.out, { recursive: true, force: true });
       const t0 = process.hrtime.bigint();
-      const p = spawnSync(process.execPath, [bin, 'convert', modelDir, '--format', r.format, '--weights', r.weights, '-o', r.out, '--threads', String(t)], { encoding: 'utf8' });
+      const p = spawnSync(process.execPath, [bin, 'convert', modelDir, '--format', r.format, '--weights', r.weights, '-o', r.out, '--threads', String(t)], {
+        encoding: 'utf8',
+      });
       const sec = Number(process.hrtime.bigint() - t0) / 1e9;
       if (p.status !== 0) throw new Error(`${r.label} failed:\n${p.stderr}`);
       const rss = /peak RSS ([\d.]+ [KMG]?B)/.exec(p.stderr)?.[1] ?? '?';

@@ -38,7 +38,11 @@ function place(url: string): string {
     const parts = path.slice(nm + 'node_modules/'.length).split('/');
     return parts[0]!.startsWith('@') ? `${parts[0]}/${parts[1]}` : parts[0]!;
   }
-  if (path.startsWith('node:')) return path.split('/').slice(0, path.startsWith('node:internal/deps/') ? 3 : 2).join('/');
+  if (path.startsWith('node:'))
+    return path
+      .split('/')
+      .slice(0, path.startsWith('node:internal/deps/') ? 3 : 2)
+      .join('/');
   const rel = relative(repoRoot, path);
   return rel.startsWith('..') ? path : rel;
 }
@@ -75,7 +79,9 @@ export async function startCpuProfile(name: string, intervalUs = 200): Promise<(
       if (functionName === '(idle)') continue;
       totalMs += ms;
       const where = place(url);
-      const fn = url ? `${functionName || '(anonymous)'} ${where.includes('/') || where.includes('.') ? `${where}:${lineNumber + 1}` : `(${where})`}` : functionName;
+      const fn = url
+        ? `${functionName || '(anonymous)'} ${where.includes('/') || where.includes('.') ? `${where}:${lineNumber + 1}` : `(${where})`}`
+        : functionName;
       functions.set(fn, (functions.get(fn) ?? 0) + ms);
       places.set(where, (places.get(where) ?? 0) + ms);
     }

@@ -82,7 +82,13 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
       {
         method: 'POST',
         agent: agentFor(spec.url),
-        headers: { 'content-type': 'application/json', 'content-length': Buffer.byteLength(body), authorization: `Bearer ${spec.token}`, 'x-session-id': sessionId, 'x-bench-seq': String(index) },
+        headers: {
+          'content-type': 'application/json',
+          'content-length': Buffer.byteLength(body),
+          authorization: `Bearer ${spec.token}`,
+          'x-session-id': sessionId,
+          'x-bench-seq': String(index),
+        },
       },
       (res) => {
         const headers = now();
@@ -100,7 +106,10 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
             const event = raw.slice(0, at);
             raw = raw.slice(at + 2);
             if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
-            const data = JSON.parse(event.slice(6)) as { choices?: { delta?: { content?: string } }[]; usage?: { completion_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } } | null };
+            const data = JSON.parse(event.slice(6)) as {
+              choices?: { delta?: { content?: string } }[];
+              usage?: { completion_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } } | null;
+            };
             if (data.usage?.completion_tokens !== undefined) completionTokens = data.usage.completion_tokens;
             if (data.usage?.prompt_tokens_details?.cached_tokens !== undefined) cachedTokens = data.usage.prompt_tokens_details.cached_tokens;
             const content = data.choices?.[0]?.delta?.content;
@@ -119,9 +128,18 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
             text = body.choices[0]?.message.content ?? '';
             completionTokens = body.usage?.completion_tokens;
           }
-          if (spec.expectText !== undefined && text !== spec.expectText) return reject(new Error(`${spec.url}: unexpected answer ${JSON.stringify(text.slice(0, 200))}`));
+          if (spec.expectText !== undefined && text !== spec.expectText)
+            return reject(new Error(`${spec.url}: unexpected answer ${JSON.stringify(text.slice(0, 200))}`));
           const requestId = res.headers['x-request-id'];
-          resolve({ start, headers, end, ...(typeof requestId === 'string' ? { requestId } : {}), ...(spec.stream ? { chunks } : {}), ...(completionTokens !== undefined ? { completionTokens } : {}), ...(cachedTokens !== undefined ? { cachedTokens } : {}) });
+          resolve({
+            start,
+            headers,
+            end,
+            ...(typeof requestId === 'string' ? { requestId } : {}),
+            ...(spec.stream ? { chunks } : {}),
+            ...(completionTokens !== undefined ? { completionTokens } : {}),
+            ...(cachedTokens !== undefined ? { cachedTokens } : {}),
+          });
         });
       },
     );

@@ -82,13 +82,19 @@ export async function measureFirstTurn(ctx: {
   const { dir, e } = ctx;
   // The tiny synthetic Llama as GGUF, in S3 and the registry (as test/serving.int.test.ts does).
   const bucket = 'bench-gateway';
-  const s3 = new S3Client({ endpoint: e.s3!.endpoint, region: e.s3!.region, forcePathStyle: true, credentials: { accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey } });
+  const s3 = new S3Client({
+    endpoint: e.s3!.endpoint,
+    region: e.s3!.region,
+    forcePathStyle: true,
+    credentials: { accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
+  });
   await s3.send(new CreateBucketCommand({ Bucket: bucket }));
   await publishTinyGguf({ dir, s3, bucket, registry: ctx.registry, name: TINY });
   s3.destroy();
   // The gateway's catalog re-reads the registry on a miss at most once a second: wait until it has the model.
   const models = ctx.viaGateway.url.replace(/chat\/completions$/, 'models');
-  while (!(await (await fetch(models, { headers: { authorization: `Bearer ${ctx.auth.token}` } })).text()).includes(`"${TINY}"`)) await new Promise((r) => setTimeout(r, 200));
+  while (!(await (await fetch(models, { headers: { authorization: `Bearer ${ctx.auth.token}` } })).text()).includes(`"${TINY}"`))
+    await new Promise((r) => setTimeout(r, 200));
 
   const taskQueue = 'bench-gateway-control';
   await ask(ctx.serving, {
@@ -124,10 +130,21 @@ export async function measureFirstTurn(ctx: {
   wf.signalWithStart = timed(wf.signalWithStart.bind(wf), signalWithStartMs);
   // `magus dev`'s pool: one instance (it cannot grow) that prefers 8 leases; beyond them first
   // turns share it, as the pool itself would grant, without waiting on Temporal.
-  ctx.setTemporalPath(temporalSessions({ client, taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 3_600_000 }, sessionTtlMs: 600_000 }));
+  ctx.setTemporalPath(
+    temporalSessions({ client, taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 8, idleTimeoutMs: 3_600_000 }, sessionTtlMs: 600_000 }),
+  );
 
   const run = randomBytes(3).toString('hex');
-  const turn = (over: Partial<LoadSpec>): LoadSpec => ({ ...ctx.viaGateway, model: TINY, concurrency: 1, requests: 1, stream: false, prompt: 'hello there', maxTokens: 2, ...over });
+  const turn = (over: Partial<LoadSpec>): LoadSpec => ({
+    ...ctx.viaGateway,
+    model: TINY,
+    concurrency: 1,
+    requests: 1,
+    stream: false,
+    prompt: 'hello there',
+    maxTokens: 2,
+    ...over,
+  });
   // Warm the pool (the engine starts here) and Temporal's caches, with conversations not measured.
   await load(ctx.client, turn({ sessionPrefix: `warm-${run}` }));
   await load(ctx.client, turn({ sessionPrefix: `warm2-${run}`, requests: ctx.scaled(20) }));
@@ -155,10 +172,22 @@ export async function measureFirstTurn(ctx: {
     const key = conversationKey(ctx.auth.secret, { scope: ctx.auth.tokenId, model: `default/${TINY}`, messages: [], sessionId: `new-${run}-${i}` });
     // The workflow starts after the answer: wait until it has run its first task (it then sleeps until the entry's expiry).
     const granted = (evs: typeof events) => evs.some((ev) => ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED);
-    let events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
+    let events =
+      (
+        await client.workflow
+          .getHandle(sessionWorkflowId('default', TINY, key))
+          .fetchHistory()
+          .catch(() => undefined)
+      )?.events ?? [];
     for (let tries = 0; !granted(events) && tries < 300; tries++) {
       await new Promise((r) => setTimeout(r, 100));
-      events = (await client.workflow.getHandle(sessionWorkflowId('default', TINY, key)).fetchHistory().catch(() => undefined))?.events ?? [];
+      events =
+        (
+          await client.workflow
+            .getHandle(sessionWorkflowId('default', TINY, key))
+            .fetchHistory()
+            .catch(() => undefined)
+        )?.events ?? [];
     }
     if (!granted(events)) throw new Error(`session ${i}: its workflow never ran its first task`);
     const ms = (t?: { seconds?: unknown; nanos?: number | null } | null) => Number(t?.seconds ?? 0) * 1000 + (t?.nanos ?? 0) / 1e6;
@@ -197,5 +226,14 @@ export async function measureFirstTurn(ctx: {
   // The entry-lease protocol: the pool takes no event per conversation.
   const poolTasks = { tasks: 0, events: poolEvents.length };
   for (const ev of poolEvents) if (ev.eventType === EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) poolTasks.tasks++;
-  return { first, warm, adoptMs: [...ctx.adoptMs], signalWithStartMs: swsMs, sessionTimeline: order.map((l) => [l, p50(byType.get(l)!)]), n: measured, bursts, poolTasks };
+  return {
+    first,
+    warm,
+    adoptMs: [...ctx.adoptMs],
+    signalWithStartMs: swsMs,
+    sessionTimeline: order.map((l) => [l, p50(byType.get(l)!)]),
+    n: measured,
+    bursts,
+    poolTasks,
+  };
 }

@@ -74,7 +74,8 @@ const ttft = firstChunkMs;
 const tokens = (r: LoadResult[]) => r.reduce((a, x) => a + x.samples.reduce((b, s) => b + s.completionTokens!, 0), 0);
 const tokensPerSecond = (r: LoadResult[]) => tokens(r) / (r.reduce((a, x) => a + x.wallMs, 0) / 1000);
 /** Each answer's decode rate: tokens after the first over the time from first to last chunk. */
-const decodeRates = (r: LoadResult[]) => r.flatMap((x) => x.samples.filter((s) => s.chunks!.length > 1).map((s) => (s.chunks!.length - 1) / ((s.chunks!.at(-1)! - s.chunks![0]!) / 1000)));
+const decodeRates = (r: LoadResult[]) =>
+  r.flatMap((x) => x.samples.filter((s) => s.chunks!.length > 1).map((s) => (s.chunks!.length - 1) / ((s.chunks!.at(-1)! - s.chunks![0]!) / 1000)));
 
 export async function benchGatewayReal(): Promise<void> {
   const load0 = loadavg();
@@ -90,10 +91,27 @@ export async function benchGatewayReal(): Promise<void> {
     nc = await connect({ servers: nats, name: 'bench', noAsyncTraces: true }); // as the gateway connects
     const names = await ensureDataPlane(nc, { prefix: PREFIX });
     const registry = await openModelRegistry(nc, names.modelsBucket);
-    const model: ReadyModel = { namespace: 'default', name: MODEL, source: { repo: 'bench/smollm2', revision: 'main', sha: '0'.repeat(40) }, artifacts: [], memory: [], readyAt: new Date().toISOString() };
+    const model: ReadyModel = {
+      namespace: 'default',
+      name: MODEL,
+      source: { repo: 'bench/smollm2', revision: 'main', sha: '0'.repeat(40) },
+      artifacts: [],
+      memory: [],
+      readyAt: new Date().toISOString(),
+    };
     await registry.put(model);
     console.log(`starting the engine (SmolLM2-135M-Instruct Q4_1, ${SLOTS} slots, ${THREADS} thread(s), ctx ${CTX}) and its bridge …`);
-    const engine = await ask<Extract<ServingReply, { re: 'engine' }>>(serving, { type: 'engine', nats, prefix: PREFIX, pool: MODEL, instance: 'i1', slots: SLOTS, model: modelFile, threads: THREADS, ctx: CTX } satisfies ServingCommand);
+    const engine = await ask<Extract<ServingReply, { re: 'engine' }>>(serving, {
+      type: 'engine',
+      nats,
+      prefix: PREFIX,
+      pool: MODEL,
+      instance: 'i1',
+      slots: SLOTS,
+      model: modelFile,
+      threads: THREADS,
+      ctx: CTX,
+    } satisfies ServingCommand);
     const entry: SessionEntry = { subject: engine.subject, pool: MODEL, instance: 'i1', expiresAt: Date.now() + 24 * 3_600_000 };
     const sessionsKv: KV = await nc.jetstream().views.kv(names.sessionsBucket);
     let seeding = true;
@@ -114,7 +132,10 @@ export async function benchGatewayReal(): Promise<void> {
     });
     gateway = await startGateway(config, { nc, coldStart });
 
-    const targets: Record<Path, { url: string }> = { direct: { url: `${engine.url}/v1/chat/completions` }, magus: { url: `${gateway.url}/v1/chat/completions` } };
+    const targets: Record<Path, { url: string }> = {
+      direct: { url: `${engine.url}/v1/chat/completions` },
+      magus: { url: `${gateway.url}/v1/chat/completions` },
+    };
     const sessions = (c: Concurrency) => Array.from({ length: c }, (_, i) => `real-c${c}-${i}`);
     const spec = (path: Path, c: Concurrency, requests: number): LoadSpec => ({
       url: targets[path].url,
@@ -182,24 +203,36 @@ export async function benchGatewayReal(): Promise<void> {
     }
 
     const out: string[] = [];
-    out.push(`bench:gateway --real: SmolLM2-135M-Instruct Q4_1 on magus engine (${SLOTS} slots, ${THREADS} thread(s)), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${load1.map((l) => l.toFixed(2)).join(' ')}`);
-    out.push(`${ROUNDS} alternating blocks per path: ${BLOCK[1]} requests at concurrency 1, ${BLOCK[4]} at 4; streamed, greedy, up to ${MAX_TOKENS} tokens each`);
+    out.push(
+      `bench:gateway --real: SmolLM2-135M-Instruct Q4_1 on magus engine (${SLOTS} slots, ${THREADS} thread(s)), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${load1.map((l) => l.toFixed(2)).join(' ')}`,
+    );
+    out.push(
+      `${ROUNDS} alternating blocks per path: ${BLOCK[1]} requests at concurrency 1, ${BLOCK[4]} at 4; streamed, greedy, up to ${MAX_TOKENS} tokens each`,
+    );
     out.push('');
     out.push('| | direct | through magus | ratio / added | target |');
     out.push('|---|---|---|---|---|');
     for (const c of [1, 4] as const) {
       const { direct, magus } = results[c];
       const ratio = tokensPerSecond(magus) / tokensPerSecond(direct);
-      out.push(`| c=${c} tokens/s (${tokens(direct)} / ${tokens(magus)} tokens) | ${fmt(tokensPerSecond(direct), 1)} | ${fmt(tokensPerSecond(magus), 1)} | **${fmt(ratio, 3)}×** | ≥ ${TOKENS_TARGET}× — ${ratio >= TOKENS_TARGET ? 'met' : 'missed'} |`);
+      out.push(
+        `| c=${c} tokens/s (${tokens(direct)} / ${tokens(magus)} tokens) | ${fmt(tokensPerSecond(direct), 1)} | ${fmt(tokensPerSecond(magus), 1)} | **${fmt(ratio, 3)}×** | ≥ ${TOKENS_TARGET}× — ${ratio >= TOKENS_TARGET ? 'met' : 'missed'} |`,
+      );
       const added = p50(ttft(magus)) - p50(ttft(direct));
-      out.push(`| c=${c} time to first token p50 / p99 | ${fmt(p50(ttft(direct)))} / ${fmt(p99(ttft(direct)))} ms | ${fmt(p50(ttft(magus)))} / ${fmt(p99(ttft(magus)))} ms | **${signed(added)} ms** p50 | ≤ +${TTFT_TARGET_MS} ms — ${added <= TTFT_TARGET_MS ? 'met' : 'missed'} |`);
-      out.push(`| c=${c} time to first token outside the engine, p50 / p99 (paired: each request's less the engine's own at the bridge; engine p50 ${fmt(p50(engineSeen[c]))} ms) | | ${fmt(p50(outside[c]))} / ${fmt(p99(outside[c]))} ms | **+${fmt(p50(outside[c]))} ms** p50 | ≤ +${TTFT_TARGET_MS} ms — ${p50(outside[c]) <= TTFT_TARGET_MS ? 'met' : 'missed'} |`);
+      out.push(
+        `| c=${c} time to first token p50 / p99 | ${fmt(p50(ttft(direct)))} / ${fmt(p99(ttft(direct)))} ms | ${fmt(p50(ttft(magus)))} / ${fmt(p99(ttft(magus)))} ms | **${signed(added)} ms** p50 | ≤ +${TTFT_TARGET_MS} ms — ${added <= TTFT_TARGET_MS ? 'met' : 'missed'} |`,
+      );
+      out.push(
+        `| c=${c} time to first token outside the engine, p50 / p99 (paired: each request's less the engine's own at the bridge; engine p50 ${fmt(p50(engineSeen[c]))} ms) | | ${fmt(p50(outside[c]))} / ${fmt(p99(outside[c]))} ms | **+${fmt(p50(outside[c]))} ms** p50 | ≤ +${TTFT_TARGET_MS} ms — ${p50(outside[c]) <= TTFT_TARGET_MS ? 'met' : 'missed'} |`,
+      );
       const cached = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.cachedTokens ?? NaN));
       out.push(`| c=${c} prompt tokens found cached p50 | ${fmt(p50(cached(direct)), 0)} | ${fmt(p50(cached(magus)), 0)} | | |`);
       out.push(`| c=${c} one answer's decode rate p50 | ${fmt(p50(decodeRates(direct)), 1)} tokens/s | ${fmt(p50(decodeRates(magus)), 1)} tokens/s | | |`);
     }
     out.push('');
-    out.push(`CPU while measuring: engine ${fmt(engineCpu, 1)} s, gateway (this process) ${fmt((gatewayCpu.user + gatewayCpu.system) / 1e6, 1)} s; checks: no cold path while measuring, every answer carried usage.completion_tokens`);
+    out.push(
+      `CPU while measuring: engine ${fmt(engineCpu, 1)} s, gateway (this process) ${fmt((gatewayCpu.user + gatewayCpu.system) / 1e6, 1)} s; checks: no cold path while measuring, every answer carried usage.completion_tokens`,
+    );
     console.log(out.join('\n'));
   } finally {
     await gateway?.close().catch(() => undefined);
@@ -211,4 +244,3 @@ export async function benchGatewayReal(): Promise<void> {
     rmSync(dir, { recursive: true, force: true });
   }
 }
-

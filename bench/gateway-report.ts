@@ -68,7 +68,9 @@ export function report(r: GatewayBenchResults): void {
   const row = (label: string, d: number, g: number, target?: number) =>
     `  ${label.padEnd(34)}${fmt(d).padStart(9)}${fmt(g).padStart(10)}${signed(g - d).padStart(10)}${target === undefined ? '' : `   ≤ ${target} ms: ${g - d <= target ? 'met' : 'MISSED'}`}`;
   const out: string[] = [];
-  out.push(`magus gateway benchmark — ${cpus().length} CPUs (${cpus()[0]?.model ?? '?'}), load average ${r.load0.map((x) => x.toFixed(2)).join(' ')} at start, ${r.load1.map((x) => x.toFixed(2)).join(' ')} at end`);
+  out.push(
+    `magus gateway benchmark — ${cpus().length} CPUs (${cpus()[0]?.model ?? '?'}), load average ${r.load0.map((x) => x.toFixed(2)).join(' ')} at start, ${r.load1.map((x) => x.toFixed(2)).join(' ')} at end`,
+  );
   out.push('processes: load generator | gateway (measured) | bridge + stub engine (+ Temporal workers, llama.cpp engine) | nats-server, Temporal, MinIO');
   out.push('');
   out.push(`  ${'latency in ms'.padEnd(34)}${'direct'.padStart(9)}${'gateway'.padStart(10)}${'added'.padStart(10)}`);
@@ -85,7 +87,9 @@ export function report(r: GatewayBenchResults): void {
   out.push(...cpuRows(r.cpu1, count(r.c1.direct), count(r.c1.gateway)));
   const lfd = latencies(r.floor.direct);
   const lfg = latencies(r.floor.gateway);
-  out.push(`the design's floor, concurrency 1 (${count(r.floor.direct)} + ${count(r.floor.gateway)}): a bare node:http server that only publishes and waits, a minimal bridge`);
+  out.push(
+    `the design's floor, concurrency 1 (${count(r.floor.direct)} + ${count(r.floor.gateway)}): a bare node:http server that only publishes and waits, a minimal bridge`,
+  );
   out.push(row('  p50', p50(lfd), p50(lfg)));
   out.push(row('  p99', p99(lfd), p99(lfg)));
   const l8d = latencies(r.c8.direct);
@@ -106,16 +110,26 @@ export function report(r: GatewayBenchResults): void {
   const firstMs = latencies([f.first]);
   const warmMs = latencies([f.warm]);
   out.push(`first turn of a new conversation, warm pool (${f.n} conversations, tiny llama.cpp model, max_tokens 2)`);
-  out.push(`  ${'first turn p50 / p99'.padEnd(34)}${`${fmt(p50(firstMs))} / ${fmt(p99(firstMs))}`.padStart(19)}   ≤ 30 ms p50: ${p50(firstMs) <= 30 ? 'met' : 'MISSED'}`);
+  out.push(
+    `  ${'first turn p50 / p99'.padEnd(34)}${`${fmt(p50(firstMs))} / ${fmt(p99(firstMs))}`.padStart(19)}   ≤ 30 ms p50: ${p50(firstMs) <= 30 ? 'met' : 'MISSED'}`,
+  );
   out.push(`  ${'same conversation, next turn p50'.padEnd(34)}${fmt(p50(warmMs)).padStart(19)}   (warm path, same engine)`);
-  out.push(`  ${'session workflow start (after the answer) p50'.padEnd(34)}${fmt(p50(f.adoptMs)).padStart(19)}   p99 ${fmt(p99(f.adoptMs))}   (no turn waited on the cold path)`);
+  out.push(
+    `  ${'session workflow start (after the answer) p50'.padEnd(34)}${fmt(p50(f.adoptMs)).padStart(19)}   p99 ${fmt(p99(f.adoptMs))}   (no turn waited on the cold path)`,
+  );
   for (const b of f.bursts) {
     const ratio = b.first.wallMs / b.warm.wallMs;
-    out.push(`burst of ${b.n} new conversations at once (one instance, 8 leases preferred; ${b.fromPool} first turns from the pool, ${b.cold} through Temporal)`);
-    out.push(`  ${'all answered in (new / warm)'.padEnd(34)}${`${fmt(b.first.wallMs, 0)} / ${fmt(b.warm.wallMs, 0)} ms`.padStart(19)}   ${ratio.toFixed(2)}×, ≤ ${BURST_TARGET}×: ${ratio <= BURST_TARGET ? 'met' : 'MISSED'}`);
+    out.push(
+      `burst of ${b.n} new conversations at once (one instance, 8 leases preferred; ${b.fromPool} first turns from the pool, ${b.cold} through Temporal)`,
+    );
+    out.push(
+      `  ${'all answered in (new / warm)'.padEnd(34)}${`${fmt(b.first.wallMs, 0)} / ${fmt(b.warm.wallMs, 0)} ms`.padStart(19)}   ${ratio.toFixed(2)}×, ≤ ${BURST_TARGET}×: ${ratio <= BURST_TARGET ? 'met' : 'MISSED'}`,
+    );
     out.push(`  ${'per request p50 (new / warm)'.padEnd(34)}${`${fmt(p50(latencies([b.first])))} / ${fmt(p50(latencies([b.warm])))}`.padStart(19)}`);
   }
-  out.push(`  the pool's current run: ${f.poolTasks.events} events, ${f.poolTasks.tasks} workflow tasks, for the ${f.n + BURSTS.reduce((a, b) => a + b, 0)}+ new conversations above (warm-up included)`);
+  out.push(
+    `  the pool's current run: ${f.poolTasks.events} events, ${f.poolTasks.tasks} workflow tasks, for the ${f.n + BURSTS.reduce((a, b) => a + b, 0)}+ new conversations above (warm-up included)`,
+  );
 
   // Hop breakdown of the traced block.
   out.push('');
@@ -167,19 +181,39 @@ export function report(r: GatewayBenchResults): void {
     totals.push(s.end - s.start);
   }
   for (const [label, v] of hops) out.push(`  ${label.padEnd(46)}${fmt(p50(v)).padStart(7)}`);
-  out.push(`  ${'sum of hop p50s / total p50'.padEnd(46)}${fmt(hops.reduce((a, [, v]) => a + p50(v), 0)).padStart(7)} / ${fmt(p50(totals))}  (${totals.length} requests joined)`);
-  const pubAck = r.traced.samples.map((s) => r.pubTrace.get(s.requestId!)).filter((x) => x !== undefined).map(([a, b]) => b - a);
+  out.push(
+    `  ${'sum of hop p50s / total p50'.padEnd(46)}${fmt(hops.reduce((a, [, v]) => a + p50(v), 0)).padStart(7)} / ${fmt(p50(totals))}  (${totals.length} requests joined)`,
+  );
+  const pubAck = r.traced.samples
+    .map((s) => r.pubTrace.get(s.requestId!))
+    .filter((x) => x !== undefined)
+    .map(([a, b]) => b - a);
   const kv = (v: number[]) => (v.length ? `${fmt(p50(v))} (${v.length})` : 'none');
-  out.push(`  round trips seen: JetStream publish → ack ${fmt(p50(pubAck))}; claims KV (a first delivery that answers writes none): writes ${kv(rtt.write)}, reads ${kv(rtt.read)} (p50)`);
+  out.push(
+    `  round trips seen: JetStream publish → ack ${fmt(p50(pubAck))}; claims KV (a first delivery that answers writes none): writes ${kv(rtt.write)}, reads ${kv(rtt.read)} (p50)`,
+  );
   out.push(`  direct baseline in the same run (c=1 p50): ${fmt(p50(l1d))}`);
 
   out.push('');
   out.push(`CPU profile of a gateway-path block at concurrency 8 (self time; ms of CPU per request):`);
-  for (const [label, p] of [['gateway process', r.gatewayProfile], ['bridge + stub engine process', r.bridgeProfile]] as const) {
+  for (const [label, p] of [
+    ['gateway process', r.gatewayProfile],
+    ['bridge + stub engine process', r.bridgeProfile],
+  ] as const) {
     const per = (ms: number) => fmt(ms / r.profiledRequests, 3);
     out.push(`  ${label}: ${per(p.totalMs)} ms/request`);
-    out.push(`    by place:    ${p.places.slice(0, 6).map(([k, v]) => `${k} ${per(v)}`).join(', ')}`);
-    out.push(`    by function: ${p.functions.slice(0, 8).map(([k, v]) => `${k} ${per(v)}`).join(', ')}`);
+    out.push(
+      `    by place:    ${p.places
+        .slice(0, 6)
+        .map(([k, v]) => `${k} ${per(v)}`)
+        .join(', ')}`,
+    );
+    out.push(
+      `    by function: ${p.functions
+        .slice(0, 8)
+        .map(([k, v]) => `${k} ${per(v)}`)
+        .join(', ')}`,
+    );
   }
 
   out.push('');
@@ -187,7 +221,11 @@ export function report(r: GatewayBenchResults): void {
   for (const [label, v] of f.sessionTimeline) out.push(`  ${label.padEnd(56)}${fmt(v, 1).padStart(7)}`);
 
   out.push('');
-  out.push(`checks: warm measurement placed no conversation (session cache: ${r.warmStats.warmHits} warm hits, ${r.warmStats.firstTurns} first turns = the ${r.coldStartsSeeded} seeding turns, ${r.warmStats.coldStarts} cold starts); bridge ${JSON.stringify(r.bridgeStats)}`);
-  out.push(`gateway log: ${r.logs.lines} lines at level info, ${r.logs.notable.length} at warn or above or containing the token${r.logs.notable.length ? `:\n    ${r.logs.notable.slice(0, 5).join('\n    ')}` : ''}`);
+  out.push(
+    `checks: warm measurement placed no conversation (session cache: ${r.warmStats.warmHits} warm hits, ${r.warmStats.firstTurns} first turns = the ${r.coldStartsSeeded} seeding turns, ${r.warmStats.coldStarts} cold starts); bridge ${JSON.stringify(r.bridgeStats)}`,
+  );
+  out.push(
+    `gateway log: ${r.logs.lines} lines at level info, ${r.logs.notable.length} at warn or above or containing the token${r.logs.notable.length ? `:\n    ${r.logs.notable.slice(0, 5).join('\n    ')}` : ''}`,
+  );
   process.stdout.write(`${out.join('\n')}\n`);
 }

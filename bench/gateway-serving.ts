@@ -90,15 +90,27 @@ function instrument(conn: NatsConnection): void {
 
 /** An engine in this process, called without a socket (fastify's `inject`, streamed): `BENCH_INJECT`. */
 function injectClient(app: FastifyInstance): EngineClient {
-  const call = async (method: 'GET' | 'POST', url: string, body: string | undefined, headers: Record<string, string>, signal: AbortSignal): Promise<EngineResponse> => {
+  const call = async (
+    method: 'GET' | 'POST',
+    url: string,
+    body: string | undefined,
+    headers: Record<string, string>,
+    signal: AbortSignal,
+  ): Promise<EngineResponse> => {
     const res = await app.inject({ method, url, payload: body, headers, payloadAsStream: true, signal });
     const stream = res.stream();
     return {
       status: res.statusCode,
       contentType: String(res.headers['content-type'] ?? ''),
-      text: async () => { let s = ''; for await (const c of stream) s += String(c); return s; },
+      text: async () => {
+        let s = '';
+        for await (const c of stream) s += String(c);
+        return s;
+      },
       eventBatches: () => sseEventBatches(stream as AsyncIterable<Buffer>),
-      cancel: () => { (res.raw.res as unknown as { destroy(): void }).destroy(); },
+      cancel: () => {
+        (res.raw.res as unknown as { destroy(): void }).destroy();
+      },
     };
   };
   return {
@@ -109,7 +121,11 @@ function injectClient(app: FastifyInstance): EngineClient {
 }
 
 /** The bridge's engine client (`given`, else HTTP to `url`) whose calls, while tracing, go through `traced` (given the call's start). */
-function tracingEngineClient(url: string, traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>, given?: EngineClient): EngineClient {
+function tracingEngineClient(
+  url: string,
+  traced: (inner: EngineClient, t0: number, ...call: Parameters<EngineClient['post']>) => Promise<EngineResponse>,
+  given?: EngineClient,
+): EngineClient {
   const inner = given ?? createEngineClient(url);
   return { ...inner, post: (path, body, opts) => (tracing ? traced(inner, now(), path, body, opts) : inner.post(path, body, opts)) };
 }
@@ -125,24 +141,28 @@ const tracedEngineClient = (url: string): EngineClient =>
 
 /** For a real engine: an `engine` event per streamed call (its first token's arrival), the answer untouched. */
 const firstTokenTracingClient = (url: string, given?: EngineClient): EngineClient =>
-  tracingEngineClient(url, async (inner, t0, path, body, opts) => {
-    const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
-    const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
-    const res = await inner.post(path, body, opts);
-    return {
-      ...res,
-      async *eventBatches() {
-        let seen = false;
-        for await (const batch of res.eventBatches()) {
-          if (!seen && batch.some((e) => /"content":"[^"]/.test(e))) {
-            seen = true;
-            trace.push(['engine', mark, t0, now()]);
+  tracingEngineClient(
+    url,
+    async (inner, t0, path, body, opts) => {
+      const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
+      const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
+      const res = await inner.post(path, body, opts);
+      return {
+        ...res,
+        async *eventBatches() {
+          let seen = false;
+          for await (const batch of res.eventBatches()) {
+            if (!seen && batch.some((e) => /"content":"[^"]/.test(e))) {
+              seen = true;
+              trace.push(['engine', mark, t0, now()]);
+            }
+            yield batch;
           }
-          yield batch;
-        }
-      },
-    };
-  }, given);
+        },
+      };
+    },
+    given,
+  );
 
 async function handle(cmd: ServingCommand): Promise<ServingReply> {
   switch (cmd.type) {
@@ -152,7 +172,15 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
       engine = await startStubEngine({ modelId: cmd.pool, chunks: cmd.chunks });
-      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: engine.url, engineClient: tracedEngineClient(engine.url), slots: cmd.slots });
+      bridge = await startBridge({
+        nc,
+        names,
+        pool: cmd.pool,
+        instance: cmd.instance,
+        engineUrl: engine.url,
+        engineClient: tracedEngineClient(engine.url),
+        slots: cmd.slots,
+      });
       return { re: 'stub', url: engine.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
     }
     case 'floor': {
@@ -161,7 +189,9 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       const names = await ensureDataPlane(nc!, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc!.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
       const client = createEngineClient(engine!.url);
-      const messages = await (await nc!.jetstream().consumers.get(names.requestStream, consumerNameOf(cmd.pool, cmd.instance))).consume({ max_messages: cmd.slots });
+      const messages = await (
+        await nc!.jetstream().consumers.get(names.requestStream, consumerNameOf(cmd.pool, cmd.instance))
+      ).consume({ max_messages: cmd.slots });
       void (async () => {
         for await (const m of messages) {
           void (async () => {
@@ -179,14 +209,52 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
       await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
       if (process.env.BENCH_IN_PROCESS === '1') {
-        const e = await startEngine({ model: cmd.model, host: '127.0.0.1', port: 0, slots: cmd.slots, queue: 16, threads: cmd.threads, ctx: cmd.ctx, modelId: cmd.pool, graceMs: 1000, json: false }, () => undefined);
+        const e = await startEngine(
+          {
+            model: cmd.model,
+            host: '127.0.0.1',
+            port: 0,
+            slots: cmd.slots,
+            queue: 16,
+            threads: cmd.threads,
+            ctx: cmd.ctx,
+            modelId: cmd.pool,
+            graceMs: 1000,
+            json: false,
+          },
+          () => undefined,
+        );
         await e.loaded;
         inProcess = e;
-        bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: e.url, engineClient: firstTokenTracingClient(e.url, process.env.BENCH_INJECT === '1' ? injectClient(e.app) : undefined), slots: cmd.slots });
+        bridge = await startBridge({
+          nc,
+          names,
+          pool: cmd.pool,
+          instance: cmd.instance,
+          engineUrl: e.url,
+          engineClient: firstTokenTracingClient(e.url, process.env.BENCH_INJECT === '1' ? injectClient(e.app) : undefined),
+          slots: cmd.slots,
+        });
         return { re: 'engine', url: e.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: process.pid };
       }
-      llamaCpp = await startLlamaCppEngine(cmd.model, { modelId: cmd.pool, slots: cmd.slots, threads: cmd.threads, ctx: cmd.ctx, startTimeoutSec: 300, name: 'bench-engine', log: () => undefined });
-      bridge = await startBridge({ nc, names, pool: cmd.pool, instance: cmd.instance, engineUrl: llamaCpp.url, engineClient: firstTokenTracingClient(llamaCpp.url), slots: cmd.slots });
+      llamaCpp = await startLlamaCppEngine(cmd.model, {
+        modelId: cmd.pool,
+        slots: cmd.slots,
+        threads: cmd.threads,
+        ctx: cmd.ctx,
+        startTimeoutSec: 300,
+        name: 'bench-engine',
+        log: () => undefined,
+      });
+      bridge = await startBridge({
+        nc,
+        names,
+        pool: cmd.pool,
+        instance: cmd.instance,
+        engineUrl: llamaCpp.url,
+        engineClient: firstTokenTracingClient(llamaCpp.url),
+        slots: cmd.slots,
+      });
       return { re: 'engine', url: llamaCpp.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: llamaCpp.process.child.pid ?? 0 };
     }
     case 'workers':

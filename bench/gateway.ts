@@ -91,14 +91,39 @@ async function main(): Promise<void> {
     nc = await connect({ servers: e.nats!.servers, name: 'bench' });
     const names = await ensureDataPlane(nc, { prefix: PREFIX });
     const registry = await openModelRegistry(nc, names.modelsBucket);
-    const stubModel: ReadyModel = { namespace: 'default', name: STUB, source: { repo: 'bench/stub', revision: 'main', sha: '0'.repeat(40) }, artifacts: [], memory: [], readyAt: new Date().toISOString() };
+    const stubModel: ReadyModel = {
+      namespace: 'default',
+      name: STUB,
+      source: { repo: 'bench/stub', revision: 'main', sha: '0'.repeat(40) },
+      artifacts: [],
+      memory: [],
+      readyAt: new Date().toISOString(),
+    };
     await registry.put(stubModel);
-    const stub = await serve<Extract<ServingReply, { re: 'stub' }>>(serving, { type: 'stub', nats: e.nats!.servers, prefix: PREFIX, pool: STUB, instance: 'i1', slots: 16, chunks: CHUNKS });
+    const stub = await serve<Extract<ServingReply, { re: 'stub' }>>(serving, {
+      type: 'stub',
+      nats: e.nats!.servers,
+      prefix: PREFIX,
+      pool: STUB,
+      instance: 'i1',
+      slots: 16,
+      chunks: CHUNKS,
+    });
     // The stub's pool view, as a pool at its maximum publishes it (the pool workflow rewrites it every minute): first turns
     // of the stub are placed on it by the gateway itself (the entry-lease protocol), no Temporal involved.
     const poolsKv: KV = await nc.jetstream().views.kv(names.poolsBucket);
     const publishStubView = () =>
-      poolsKv.put(`default.${STUB}`, new TextEncoder().encode(JSON.stringify({ instances: [{ instance: 'i1', subject: stub.subject, leases: 0 }], leasesPerInstance: 1000, updatedAt: Date.now(), growable: false } satisfies PoolEntry)));
+      poolsKv.put(
+        `default.${STUB}`,
+        new TextEncoder().encode(
+          JSON.stringify({
+            instances: [{ instance: 'i1', subject: stub.subject, leases: 0 }],
+            leasesPerInstance: 1000,
+            updatedAt: Date.now(),
+            growable: false,
+          } satisfies PoolEntry),
+        ),
+      );
     await publishStubView();
     const stubViewTimer = setInterval(() => void publishStubView().catch(() => undefined), 60_000);
     stubViewTimer.unref();
@@ -168,19 +193,32 @@ async function main(): Promise<void> {
     const viaGateway = { url: `${gateway.url}/v1/chat/completions`, token: TOKEN, model: STUB };
     const c1Session = ['bench-c1'];
     const c8Sessions = Array.from({ length: 8 }, (_, i) => `bench-c8-${i}`);
-    const spec = (target: typeof direct, over: Partial<LoadSpec>): LoadSpec => ({ ...target, concurrency: 1, requests: 1, sessionIds: c1Session, stream: false, prompt: PROMPT, expectText: PROMPT, ...over });
+    const spec = (target: typeof direct, over: Partial<LoadSpec>): LoadSpec => ({
+      ...target,
+      concurrency: 1,
+      requests: 1,
+      sessionIds: c1Session,
+      stream: false,
+      prompt: PROMPT,
+      expectText: PROMPT,
+      ...over,
+    });
 
     // --- Seed the warm sessions (one first turn each, placed from the stub's view).
     for (const sid of [...c1Session, ...c8Sessions]) await load(client, spec(viaGateway, { sessionIds: [sid] }));
     const seeded = gateway.sessionCache!.stats();
-    if (seeded.firstTurns !== 1 + c8Sessions.length || seeded.coldStarts !== 0) throw new Error(`seeding took ${seeded.firstTurns} first turns and ${seeded.coldStarts} cold starts`);
+    if (seeded.firstTurns !== 1 + c8Sessions.length || seeded.coldStarts !== 0)
+      throw new Error(`seeding took ${seeded.firstTurns} first turns and ${seeded.coldStarts} cold starts`);
     const coldStartsSeeded = seeded.firstTurns;
 
     /** Runs both paths in alternating blocks; returns each path's block results. */
     const sideBySide = async (blocks: number, over: Partial<LoadSpec>, cpu?: { direct: number[]; gateway: number[] }) => {
       const out = { direct: [] as LoadResult[], gateway: [] as LoadResult[] };
       for (let b = 0; b < blocks; b++) {
-        for (const [name, target] of [['direct', direct], ['gateway', viaGateway]] as const) {
+        for (const [name, target] of [
+          ['direct', direct],
+          ['gateway', viaGateway],
+        ] as const) {
           const pids = [process.pid, serving.pid!, natsPid ?? process.pid];
           const before = pids.map(cpuMsOf);
           out[name].push(await load(client, spec(target, over)));
@@ -231,13 +269,55 @@ async function main(): Promise<void> {
 
     const warmStats = gateway.sessionCache!.stats();
     const bridgeStats = (await serve<Extract<ServingReply, { re: 'stats' }>>(serving, { type: 'stats' })).bridge;
-    if (coldStartsWhileWarm !== 0 || warmStats.coldStarts !== 0 || warmStats.firstTurns !== coldStartsSeeded) throw new Error(`the gateway placed or started ${warmStats.firstTurns - coldStartsSeeded + warmStats.coldStarts} conversations while measuring warm turns`);
+    if (coldStartsWhileWarm !== 0 || warmStats.coldStarts !== 0 || warmStats.firstTurns !== coldStartsSeeded)
+      throw new Error(
+        `the gateway placed or started ${warmStats.firstTurns - coldStartsSeeded + warmStats.coldStarts} conversations while measuring warm turns`,
+      );
 
     // --- First turn of a new conversation on a warm pool (Temporal).
-    const firstTurn = await measureFirstTurn({ prefix: PREFIX, auth: { token: TOKEN, tokenId: TOKEN_ID, secret: SECRET }, scaled: n, dir, e, serving, client, registry, names, setTemporalPath: (p) => (temporalPath = p), viaGateway, adoptMs, adoptFailures, stats: () => gateway.sessionCache!.stats(), onConnection: (c) => (temporalConnection = c) });
+    const firstTurn = await measureFirstTurn({
+      prefix: PREFIX,
+      auth: { token: TOKEN, tokenId: TOKEN_ID, secret: SECRET },
+      scaled: n,
+      dir,
+      e,
+      serving,
+      client,
+      registry,
+      names,
+      setTemporalPath: (p) => (temporalPath = p),
+      viaGateway,
+      adoptMs,
+      adoptFailures,
+      stats: () => gateway.sessionCache!.stats(),
+      onConnection: (c) => (temporalConnection = c),
+    });
 
     const load1 = loadavg();
-    report({ c1, cpu1, floor, c8, cpu8, st, traced, servingTrace, gatewayProfile, bridgeProfile, pubTrace, frameTrace, httpTrace, warmStats, coldStartsSeeded, bridgeStats, firstTurn, load0, load1, logs, profiledRequests: n(2000), chunks: CHUNKS });
+    report({
+      c1,
+      cpu1,
+      floor,
+      c8,
+      cpu8,
+      st,
+      traced,
+      servingTrace,
+      gatewayProfile,
+      bridgeProfile,
+      pubTrace,
+      frameTrace,
+      httpTrace,
+      warmStats,
+      coldStartsSeeded,
+      bridgeStats,
+      firstTurn,
+      load0,
+      load1,
+      logs,
+      profiledRequests: n(2000),
+      chunks: CHUNKS,
+    });
     await gateway.close();
     await serve(serving, { type: 'stop' }).catch(() => undefined);
   } finally {
@@ -259,7 +339,16 @@ async function main(): Promise<void> {
  * blocks with the direct path, after a warm-up of its own. What magus adds on top of this floor
  * is the cost of its features; what this floor adds over direct is the cost of the design here.
  */
-async function measureFloor(o: { serving: ChildProcess; client: ChildProcess; gwNc: NatsConnection; names: DataPlaneNames; stubUrl: string; warmUp: number; blocks: number; requests: number }) {
+async function measureFloor(o: {
+  serving: ChildProcess;
+  client: ChildProcess;
+  gwNc: NatsConnection;
+  names: DataPlaneNames;
+  stubUrl: string;
+  warmUp: number;
+  blocks: number;
+  requests: number;
+}) {
   const pool = 'floor';
   const { subject } = await serve<Extract<ServingReply, { re: 'floor' }>>(o.serving, { type: 'floor', prefix: PREFIX, pool, instance: 'i1', slots: 16 });
   const entry: SessionEntry = { subject, pool, instance: 'i1', expiresAt: Date.now() + 3_600_000 };
@@ -272,7 +361,12 @@ async function measureFloor(o: { serving: ChildProcess; client: ChildProcess; gw
     req.on('end', () => {
       const body = JSON.parse(Buffer.concat(chunks).toString('utf8')) as ChatInference['body'];
       const id = nuid.next();
-      const request: ChatInference = { id, replyTo: router.replySubject(id), deadline: Date.now() + 60_000, body: { model: body.model, messages: body.messages, stream: false } };
+      const request: ChatInference = {
+        id,
+        replyTo: router.replySubject(id),
+        deadline: Date.now() + 60_000,
+        body: { model: body.model, messages: body.messages, stream: false },
+      };
       exchange(entry, request, { router, publish: publisher.publish, requestTimeoutMs: 60_000, gapTimeoutMs: 5_000, retryAfterSec: 1, signal }).then(
         (done) => {
           const text = JSON.stringify(done);
@@ -285,7 +379,17 @@ async function measureFloor(o: { serving: ChildProcess; client: ChildProcess; gw
   });
   await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
   const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/v1/chat/completions`;
-  const spec = (target: string, requests: number, concurrency = 1): LoadSpec => ({ url: target, token: TOKEN, model: STUB, concurrency, requests, sessionIds: Array.from({ length: concurrency }, (_, i) => `floor-${i}`), stream: false, prompt: PROMPT, expectText: PROMPT });
+  const spec = (target: string, requests: number, concurrency = 1): LoadSpec => ({
+    url: target,
+    token: TOKEN,
+    model: STUB,
+    concurrency,
+    requests,
+    sessionIds: Array.from({ length: concurrency }, (_, i) => `floor-${i}`),
+    stream: false,
+    prompt: PROMPT,
+    expectText: PROMPT,
+  });
   try {
     await load(o.client, spec(url, o.warmUp, 8));
     const out = { direct: [] as LoadResult[], gateway: [] as LoadResult[] };

@@ -47,11 +47,21 @@ async function start(servers: string): Promise<string> {
   const jsm = await conn.jetstreamManager();
   for (const [kind, q] of Object.entries(QUEUES) as [QueueKind, (typeof QUEUES)[QueueKind]][]) {
     await jsm.streams.delete(q.stream).catch(() => false);
-    await jsm.streams.add({ name: q.stream, subjects: [queueSubject(kind)], retention: RetentionPolicy.Workqueue, storage: q.storage, duplicate_window: 300e9 });
+    await jsm.streams.add({
+      name: q.stream,
+      subjects: [queueSubject(kind)],
+      retention: RetentionPolicy.Workqueue,
+      storage: q.storage,
+      duplicate_window: 300e9,
+    });
     await jsm.consumers.add(q.stream, { durable_name: 'bridge', ack_policy: AckPolicy.Explicit, max_ack_pending: 16, filter_subject: queueSubject(kind) });
     const messages = await (await conn.jetstream().consumers.get(q.stream, 'bridge')).consume({ max_messages: 16 });
     void (async () => {
-      for await (const m of messages) void answer(m.data).then(() => m.ack(), () => m.term());
+      for await (const m of messages)
+        void answer(m.data).then(
+          () => m.ack(),
+          () => m.term(),
+        );
     })();
   }
   await jsm.streams.delete(CAPTURE_STREAM).catch(() => false);

@@ -78,14 +78,19 @@ async function main(): Promise<void> {
         if (path.via === 'http') {
           const out = request(`${engineUrl}/v1/chat/completions`, { method: 'POST', agent, headers: { 'content-type': 'application/json' } }, (r) => {
             let text = '';
-            r.setEncoding('utf8').on('data', (d: string) => (text += d)).on('end', () => send(text));
+            r.setEncoding('utf8')
+              .on('data', (d: string) => (text += d))
+              .on('end', () => send(text));
           });
           out.on('error', fail).end(body);
           return;
         }
         const id = nuid.next();
         waiting.set(id, send);
-        const payload = JSON.stringify({ replyTo: `${path.stored ? inboxes.stored : inboxes.core}.${id}`, body: JSON.parse(body) as unknown } satisfies FloorRequest);
+        const payload = JSON.stringify({
+          replyTo: `${path.stored ? inboxes.stored : inboxes.core}.${id}`,
+          body: JSON.parse(body) as unknown,
+        } satisfies FloorRequest);
         if (path.via === 'core') nc.publish(CORE_SUBJECT, payload);
         else js.publish(queueSubject(path.via), payload, { msgID: id }).catch(fail);
       });
@@ -94,7 +99,14 @@ async function main(): Promise<void> {
     const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/v1/chat/completions`;
     const direct = `${engineUrl}/v1/chat/completions`;
     const spec = (target: string, requests: number, concurrency = 1): LoadSpec => ({
-      url: target, token: 'none', model: 'stub', concurrency, requests, stream: false, prompt: 'the floor', expectText: 'the floor',
+      url: target,
+      token: 'none',
+      model: 'stub',
+      concurrency,
+      requests,
+      stream: false,
+      prompt: 'the floor',
+      expectText: 'the floor',
       sessionIds: Array.from({ length: concurrency }, (_, i) => `floor-${i}`),
     });
 
@@ -119,7 +131,9 @@ async function main(): Promise<void> {
     process.stderr.write('\n');
     server.close();
     const out = [
-      `bench:nats-floor — ${cpus().length} CPUs, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg().map((l) => l.toFixed(2)).join(' ')}`,
+      `bench:nats-floor — ${cpus().length} CPUs, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg()
+        .map((l) => l.toFixed(2))
+        .join(' ')}`,
       `added over calling the stub directly at concurrency 1, ms; ${ROUNDS} blocks of ${BLOCK} requests per path, median of the blocks`,
       '',
       `${'path'.padEnd(24)}${'p50'.padStart(8)}${'p99'.padStart(8)}   p50 of each block`,

@@ -24,7 +24,17 @@ import { startWorkers } from '../workers/worker';
 import { modelWorkflowId, progressQuery } from '../workflows/model/definitions';
 import { modelPipeline } from '../workflows/model/pipeline';
 
-const MODEL: TinyModelOptions = { seed: 7, dtype: 'F16', shards: 4, hiddenSize: 2048, intermediateSize: 5632, numLayers: 8, numHeads: 16, numKvHeads: 4, vocabSize: 32000 };
+const MODEL: TinyModelOptions = {
+  seed: 7,
+  dtype: 'F16',
+  shards: 4,
+  hiddenSize: 2048,
+  intermediateSize: 5632,
+  numLayers: 8,
+  numHeads: 16,
+  numKvHeads: 4,
+  vocabSize: 32000,
+};
 const REPO = 'bench/llama-1g';
 const EventType = temporal.api.enums.v1.EventType;
 
@@ -112,7 +122,8 @@ async function main(): Promise<void> {
     const intervals: { type: string; start: number; end: number }[] = [];
     for (const ev of events) {
       const at = ms(ev.eventTime);
-      if (ev.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED) scheduled.set(String(ev.eventId), ev.activityTaskScheduledEventAttributes?.activityType?.name ?? '');
+      if (ev.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED)
+        scheduled.set(String(ev.eventId), ev.activityTaskScheduledEventAttributes?.activityType?.name ?? '');
       if (ev.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED) started.set(String(ev.activityTaskStartedEventAttributes?.scheduledEventId), at);
       if (ev.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_COMPLETED) {
         const id = String(ev.activityTaskCompletedEventAttributes?.scheduledEventId);
@@ -121,19 +132,27 @@ async function main(): Promise<void> {
     }
     const wfStart = ms(events[0]?.eventTime);
     const wfReady = Math.max(...intervals.map((i) => i.end));
-    const busy = [...intervals].sort((a, b) => a.start - b.start).reduce<{ end: number; sum: number }>(
-      (acc, i) => (i.end <= acc.end ? acc : { end: i.end, sum: acc.sum + i.end - Math.max(i.start, acc.end) }),
-      { end: 0, sum: 0 },
-    ).sum;
+    const busy = [...intervals]
+      .sort((a, b) => a.start - b.start)
+      .reduce<{ end: number; sum: number }>((acc, i) => (i.end <= acc.end ? acc : { end: i.end, sum: acc.sum + i.end - Math.max(i.start, acc.end) }), {
+        end: 0,
+        sum: 0,
+      }).sum;
     const transfers = intervals.filter((i) => i.type === 'transferFile');
     const transferSec = (Math.max(...transfers.map((i) => i.end)) - Math.min(...transfers.map((i) => i.start))) / 1000;
     const convert = intervals.find((i) => i.type === 'convertArtifact');
 
     const mb = bytes / 1e6;
     console.log(`model: ${mb.toFixed(0)} MB in ${files.length} files (${commit.files.filter((f) => f.path.endsWith('.safetensors')).length} shards)`);
-    console.log(`baseline  fixture hub → local file (streamed, sequential): ${(mb / baseSec).toFixed(0)} MB/s, ${baseSec.toFixed(2)} s, ${baseCpu.toFixed(2)} CPU s`);
-    console.log(`pipeline  fixture hub → S3 (transfer phase, 4 files at a time): ${(mb / transferSec).toFixed(0)} MB/s, ${transferSec.toFixed(2)} s = ${((baseSec / transferSec) * 100).toFixed(0)}% of the baseline's throughput`);
-    console.log(`          whole pipeline incl. GGUF Q4_0 conversion (${((convert!.end - convert!.start) / 1000).toFixed(2)} s): ${totalSec.toFixed(2)} s; CPU ${cpu.toFixed(2)} s in this process + ${srvCpu.toFixed(2)} s in the servers`);
+    console.log(
+      `baseline  fixture hub → local file (streamed, sequential): ${(mb / baseSec).toFixed(0)} MB/s, ${baseSec.toFixed(2)} s, ${baseCpu.toFixed(2)} CPU s`,
+    );
+    console.log(
+      `pipeline  fixture hub → S3 (transfer phase, 4 files at a time): ${(mb / transferSec).toFixed(0)} MB/s, ${transferSec.toFixed(2)} s = ${((baseSec / transferSec) * 100).toFixed(0)}% of the baseline's throughput`,
+    );
+    console.log(
+      `          whole pipeline incl. GGUF Q4_0 conversion (${((convert!.end - convert!.start) / 1000).toFixed(2)} s): ${totalSec.toFixed(2)} s; CPU ${cpu.toFixed(2)} s in this process + ${srvCpu.toFixed(2)} s in the servers`,
+    );
     console.log(`orchestration overhead (workflow start → ready with no activity running): ${(wfReady - wfStart - busy).toFixed(0)} ms`);
     await workers.shutdown();
     await connection.close();

@@ -113,7 +113,15 @@ const messagesOf = (conversation: number, answers: readonly string[], turn: numb
 };
 
 async function withEngine<T>(model: string, slots: number, run: (url: string) => Promise<T>): Promise<T> {
-  const engine: LlamaCppEngine = await startLlamaCppEngine(model, { modelId: 'smollm2', slots, threads: THREADS, ctx: CTX, startTimeoutSec: 120, name: `engine (${slots} slots)`, log: (line) => console.log(line) });
+  const engine: LlamaCppEngine = await startLlamaCppEngine(model, {
+    modelId: 'smollm2',
+    slots,
+    threads: THREADS,
+    ctx: CTX,
+    startTimeoutSec: 120,
+    name: `engine (${slots} slots)`,
+    log: (line) => console.log(line),
+  });
   try {
     return await run(engine.url);
   } finally {
@@ -195,7 +203,11 @@ async function interleaved(model: string, slots: number, turns: number): Promise
 
 async function main(): Promise<void> {
   const model = await demoModelFile((line) => console.log(line));
-  console.log(`model ${MODEL_FILE} (sha256 checked); ${cpus().length} cores, load ${loadavg().map((l) => l.toFixed(2)).join(' ')}; engine threads ${THREADS}, ctx ${CTX}`);
+  console.log(
+    `model ${MODEL_FILE} (sha256 checked); ${cpus().length} cores, load ${loadavg()
+      .map((l) => l.toFixed(2))
+      .join(' ')}; engine threads ${THREADS}, ctx ${CTX}`,
+  );
 
   const t = await ttftOfTurn12(model);
   const warm = p50(t.warm);
@@ -211,7 +223,9 @@ async function main(): Promise<void> {
   console.log(`\n2. ${CONVERSATIONS} conversations interleaved on one instance (each round's turns at once), from turn 2 on:`);
   const four = await interleaved(model, CONVERSATIONS, TURNS);
   console.log(`   ${CONVERSATIONS} slots, ${TURNS} turns: ${line(four)}`);
-  console.log(`   ${CONVERSATIONS} slots keep ${fmt(four.kept * 100, 1)} % of the prefix (target ≥ ${KEPT_TARGET * 100} %): ${four.kept >= KEPT_TARGET ? 'met' : 'MISSED'}`);
+  console.log(
+    `   ${CONVERSATIONS} slots keep ${fmt(four.kept * 100, 1)} % of the prefix (target ≥ ${KEPT_TARGET * 100} %): ${four.kept >= KEPT_TARGET ? 'met' : 'MISSED'}`,
+  );
   const one = await interleaved(model, 1, BASELINE_TURNS);
   console.log(`   1 slot, ${BASELINE_TURNS} turns: ${line(one)}`);
 }

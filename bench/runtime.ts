@@ -35,7 +35,15 @@ async function main(): Promise<void> {
     const names = await ensureDataPlane(nc, { prefix: 'BENCH_RT' });
     const registry = await openModelRegistry(nc, names.modelsBucket);
     const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
-    const runtime = createKubernetesRuntime({ kc: cluster.kubeConfig, registry, nc, names, images: { magus: 'magus:bench', dllama: 'magus-dllama:bench' }, natsUrl: 'nats://nats:4222', s3: { region: 'us-east-1', bucket: 'bench' } });
+    const runtime = createKubernetesRuntime({
+      kc: cluster.kubeConfig,
+      registry,
+      nc,
+      names,
+      images: { magus: 'magus:bench', dllama: 'magus-dllama:bench' },
+      natsUrl: 'nats://nats:4222',
+      s3: { region: 'us-east-1', bucket: 'bench' },
+    });
     const rows: string[] = [];
     let missed = false;
     for (const power of [0, 1, 2, 3]) {
@@ -44,12 +52,39 @@ async function main(): Promise<void> {
         namespace: NS,
         name,
         source: { repo: `org/${name}`, revision: 'main', sha: 'c'.repeat(40) },
-        artifacts: [{ format: 'dllama', weights: 'q40', files: [{ key: `a/${name}.m`, bytes: 1, sha256: '1'.repeat(64) }, { key: `a/${name}.t`, bytes: 1, sha256: '2'.repeat(64) }] }],
-        memory: [{ format: 'dllama', weights: 'q40', contextLength: 2048, topologies: [1, 2, 4, 8].map((nodes) => ({ nodes, root: { total: 2 ** 30 }, worker: nodes > 1 ? { total: 2 ** 30 } : null })) }],
+        artifacts: [
+          {
+            format: 'dllama',
+            weights: 'q40',
+            files: [
+              { key: `a/${name}.m`, bytes: 1, sha256: '1'.repeat(64) },
+              { key: `a/${name}.t`, bytes: 1, sha256: '2'.repeat(64) },
+            ],
+          },
+        ],
+        memory: [
+          {
+            format: 'dllama',
+            weights: 'q40',
+            contextLength: 2048,
+            topologies: [1, 2, 4, 8].map((nodes) => ({ nodes, root: { total: 2 ** 30 }, worker: nodes > 1 ? { total: 2 ** 30 } : null })),
+          },
+        ],
         readyAt: new Date().toISOString(),
       } as ReadyModel;
       await registry.put(m);
-      await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name }, spec: { model: name, engine: 'dllama', nodesPower: power, replicas: 1, minReplicas: 0, maxReplicas: 64, leasesPerInstance: 1, idleTimeout: '1h' } } });
+      await custom.createNamespacedCustomObject({
+        group: CRD_GROUP,
+        version: CRD_VERSION,
+        namespace: NS,
+        plural: 'dllamas',
+        body: {
+          apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+          kind: 'Dllama',
+          metadata: { name },
+          spec: { model: name, engine: 'dllama', nodesPower: power, replicas: 1, minReplicas: 0, maxReplicas: 64, leasesPerInstance: 1, idleTimeout: '1h' },
+        },
+      });
       const createMs: number[] = [];
       const destroyMs: number[] = [];
       const perCreate: Record<string, number>[] = [];
@@ -77,7 +112,9 @@ async function main(): Promise<void> {
         `  n=${power} (${String(2 ** power).padStart(2)} pods)  create → ready p50 ${fmt(med, 0).padStart(6)} ms  max ${fmt(Math.max(...createMs), 0).padStart(6)} ms   destroy p50 ${fmt(p50(destroyMs), 0).padStart(4)} ms   requests/create ${show(perCreate[0]!)}   requests/destroy ${show(perDestroy[0]!)}`,
       );
     }
-    process.stdout.write(`magus Kubernetes runtime benchmark — ${ROUNDS} instances per size, kwok (8 fake nodes), apiserver + controller-manager + scheduler v1.34\n`);
+    process.stdout.write(
+      `magus Kubernetes runtime benchmark — ${ROUNDS} instances per size, kwok (8 fake nodes), apiserver + controller-manager + scheduler v1.34\n`,
+    );
     process.stdout.write(`${rows.join('\n')}\n`);
     process.stdout.write(`target: create → ready ≤ ${TARGET_MS} ms at n=3: ${missed ? 'MISSED' : 'met'}\n`);
   } finally {
@@ -87,8 +124,16 @@ async function main(): Promise<void> {
   }
 }
 
-const diff = (a: Record<string, number>, b: Record<string, number>): Record<string, number> => Object.fromEntries(Object.keys(b).map((k): [string, number] => [k, (b[k] ?? 0) - (a[k] ?? 0)]).filter(([, v]) => v > 0));
-const show = (c: Record<string, number>): string => `${Object.values(c).reduce((a, b) => a + b, 0)} (${Object.entries(c).map(([k, v]) => `${k} ${v}`).join(', ')})`;
+const diff = (a: Record<string, number>, b: Record<string, number>): Record<string, number> =>
+  Object.fromEntries(
+    Object.keys(b)
+      .map((k): [string, number] => [k, (b[k] ?? 0) - (a[k] ?? 0)])
+      .filter(([, v]) => v > 0),
+  );
+const show = (c: Record<string, number>): string =>
+  `${Object.values(c).reduce((a, b) => a + b, 0)} (${Object.entries(c)
+    .map(([k, v]) => `${k} ${v}`)
+    .join(', ')})`;
 
 main().then(
   () => process.exit(0),

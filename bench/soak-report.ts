@@ -23,7 +23,15 @@ export interface Outcome {
   error?: string;
 }
 
-export type Slope = { name: string; rssMbPerMin: number; fdsPerMin: number; rssMb: [number, number]; fds: [number, number]; heapMbPerMin?: number; heapMb?: [number, number] };
+export type Slope = {
+  name: string;
+  rssMbPerMin: number;
+  fdsPerMin: number;
+  rssMb: [number, number];
+  fds: [number, number];
+  heapMbPerMin?: number;
+  heapMb?: [number, number];
+};
 
 export interface SoakReport {
   requests: Record<Kind, { ok: number; injected: number; errors: number }>;
@@ -39,7 +47,24 @@ export interface SoakReport {
   /** At the end: keys, conversations started, live ones (a turn within the TTL) and with the grace; the largest excess of keys over `liveWithGrace` at any sample. */
   sessionKeys: { last: number; conversations: number; live: number; liveWithGrace: number; worstExcess: number };
   /** One sample a minute (the first at or after each minute): what grows and what levels off. */
-  timeline: { minute: number; conversations: number; live: number; sessionKeys: number; sessionMessages: number; sessionWorkflows?: number; temporalDbMb?: number; poolEvents?: number; poolRuns: number; poolLeases?: number; poolInstances?: string[]; jetStreamMb: number; responsesMb: number; rssMb: Record<string, number>; devHeapMb?: number; devCachedWorkflows?: number }[];
+  timeline: {
+    minute: number;
+    conversations: number;
+    live: number;
+    sessionKeys: number;
+    sessionMessages: number;
+    sessionWorkflows?: number;
+    temporalDbMb?: number;
+    poolEvents?: number;
+    poolRuns: number;
+    poolLeases?: number;
+    poolInstances?: string[];
+    jetStreamMb: number;
+    responsesMb: number;
+    rssMb: Record<string, number>;
+    devHeapMb?: number;
+    devCachedWorkflows?: number;
+  }[];
   repull: { ok: boolean; detail: string };
   /** The demo model's pool workflow over the run, from its histories: what a stalled or evicted pool shows. */
   pool?: PoolHistory;
@@ -110,7 +135,9 @@ export function buildReport(
   for (const s of [...samples, last]) if (!worst || s.sessionKeys - s.liveWithGrace > worst.sessionKeys - worst.liveWithGrace) worst = s;
   const worstExcess = worst ? worst.sessionKeys - worst.liveWithGrace : 0;
   if (worst && worstExcess > 0) {
-    leaks.push(`magus_sessions had ${worst.sessionKeys} keys at minute ${fmt((worst.at - t0) / 60_000, 1)} for ${worst.liveWithGrace} conversations with a turn within the TTL (${Math.round(opts.sessionTtlMs / 1000)} s) + ${EXPIRY_GRACE_MS / 1000} s`);
+    leaks.push(
+      `magus_sessions had ${worst.sessionKeys} keys at minute ${fmt((worst.at - t0) / 60_000, 1)} for ${worst.liveWithGrace} conversations with a turn within the TTL (${Math.round(opts.sessionTtlMs / 1000)} s) + ${EXPIRY_GRACE_MS / 1000} s`,
+    );
   }
   for (const s of slopes) if (s.fds[1] - s.fds[0] > 50) leaks.push(`${s.name}: ${s.fds[0]} → ${s.fds[1]} open files after warm-up`);
   // The pool's leases: one per session workflow still running (a release may be on its way).
@@ -183,7 +210,13 @@ function slopesOf(samples: Sample[], t0: number): Slope[] {
   const heap = samples.filter((s) => s.devHeapMb !== undefined);
   const heapOf = (name: string) =>
     name === 'magus dev' && heap.length >= 2
-      ? { heapMbPerMin: slope(heap.map((s) => (s.at - t0) / 60_000), heap.map((s) => s.devHeapMb!)), heapMb: [heap[0]!.devHeapMb!, heap[heap.length - 1]!.devHeapMb!] as [number, number] }
+      ? {
+          heapMbPerMin: slope(
+            heap.map((s) => (s.at - t0) / 60_000),
+            heap.map((s) => s.devHeapMb!),
+          ),
+          heapMb: [heap[0]!.devHeapMb!, heap[heap.length - 1]!.devHeapMb!] as [number, number],
+        }
       : {};
   return [...byName].map(([name, e]) => ({
     name,
@@ -199,13 +232,23 @@ function slopesOf(samples: Sample[], t0: number): Slope[] {
 export function printReport(r: SoakReport, log: (line: string) => void): void {
   const sec = (ms: number) => `${Math.round(ms / 1000)} s`;
   log(`session TTL ${sec(r.sessionTtlMs)} (MAGUS_SESSION_TTL_MS); a conversation got turns for ${sec(r.conversationMs)}, then was left to expire`);
-  log('requests: ' + Object.entries(r.requests).map(([k, v]) => `${k} ${v.ok} ok${v.injected ? ` / ${v.injected} disconnected (injected)` : ''}${v.errors ? ` / ${v.errors} ERRORS` : ''}`).join('; '));
+  log(
+    'requests: ' +
+      Object.entries(r.requests)
+        .map(([k, v]) => `${k} ${v.ok} ok${v.injected ? ` / ${v.injected} disconnected (injected)` : ''}${v.errors ? ` / ${v.errors} ERRORS` : ''}`)
+        .join('; '),
+  );
   for (const e of r.errors) log(`  error: ${e}`);
-  log('latency per minute (answered requests, ms): ' + r.perMinute.map((m) => `${m.minute}: n ${m.n} p50 ${fmt(m.p50, 0)} p99 ${fmt(m.p99, 0)} max ${fmt(m.max, 0)}`).join(' | '));
+  log(
+    'latency per minute (answered requests, ms): ' +
+      r.perMinute.map((m) => `${m.minute}: n ${m.n} p50 ${fmt(m.p50, 0)} p99 ${fmt(m.p99, 0)} max ${fmt(m.max, 0)}`).join(' | '),
+  );
   const slopeLines = (slopes: Slope[]) => {
     for (const s of slopes) {
       const heap = s.heapMb ? `   V8 heap in use ${fmt(s.heapMb[0], 1)} → ${fmt(s.heapMb[1], 1)} (${fmt(s.heapMbPerMin!, 2)}/min)` : '';
-      log(`  ${s.name.padEnd(24)} ${fmt(s.rssMb[0], 1)} → ${fmt(s.rssMb[1], 1)} (${fmt(s.rssMbPerMin, 2)}/min)   ${s.fds[0]} → ${s.fds[1]} (${fmt(s.fdsPerMin, 2)}/min)${heap}`);
+      log(
+        `  ${s.name.padEnd(24)} ${fmt(s.rssMb[0], 1)} → ${fmt(s.rssMb[1], 1)} (${fmt(s.rssMbPerMin, 2)}/min)   ${s.fds[0]} → ${s.fds[1]} (${fmt(s.fdsPerMin, 2)}/min)${heap}`,
+      );
     }
   };
   log('after warm-up, per process (summed by name): RSS MB first→last (slope MB/min), open fds first→last (slope /min)');
@@ -214,23 +257,41 @@ export function printReport(r: SoakReport, log: (line: string) => void): void {
     log(`after the first sessions expired (minute ${fmt(r.afterExpiry.fromMin, 1)} on), the same:`);
     slopeLines(r.afterExpiry.slopes);
   } else log('no sample after the first sessions could expire (warm-up or a conversation, whichever is longer, + the TTL): no slope after expiry');
-  log('per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB (magus dev: its V8 heap in use, workflows its Temporal workers cache)');
+  log(
+    'per minute: conversations started / live (a turn within the TTL) / magus_sessions keys (stream messages, delete markers included) / session workflows running / leases in the pool / pool workflow: history events (runs so far) / Temporal DB MB / JetStream MB (MAGUS_RESPONSES) / RSS MB (magus dev: its V8 heap in use, workflows its Temporal workers cache)',
+  );
   for (const t of r.timeline) {
     const rss = Object.entries(t.rssMb)
       .sort(([a], [b]) => a.localeCompare(b))
-      .map(([name, mb]) => `${name} ${fmt(mb, 0)}${name === 'magus dev' && t.devHeapMb !== undefined ? ` (heap ${fmt(t.devHeapMb, 0)}${t.devCachedWorkflows === undefined ? '' : `, ${t.devCachedWorkflows} workflows cached`})` : ''}`)
+      .map(
+        ([name, mb]) =>
+          `${name} ${fmt(mb, 0)}${name === 'magus dev' && t.devHeapMb !== undefined ? ` (heap ${fmt(t.devHeapMb, 0)}${t.devCachedWorkflows === undefined ? '' : `, ${t.devCachedWorkflows} workflows cached`})` : ''}`,
+      )
       .join(', ');
-    log(`  ${String(t.minute).padStart(3)}: ${t.conversations} / ${t.live} / ${t.sessionKeys} (${t.sessionMessages}) / ${t.sessionWorkflows ?? '—'} / ${t.poolLeases ?? '—'} / ${t.poolEvents ?? '—'} (${t.poolRuns}) / ${t.temporalDbMb === undefined ? '—' : fmt(t.temporalDbMb, 1)} / ${fmt(t.jetStreamMb, 1)} (${fmt(t.responsesMb, 1)}) / ${rss}`);
+    log(
+      `  ${String(t.minute).padStart(3)}: ${t.conversations} / ${t.live} / ${t.sessionKeys} (${t.sessionMessages}) / ${t.sessionWorkflows ?? '—'} / ${t.poolLeases ?? '—'} / ${t.poolEvents ?? '—'} (${t.poolRuns}) / ${t.temporalDbMb === undefined ? '—' : fmt(t.temporalDbMb, 1)} / ${fmt(t.jetStreamMb, 1)} (${fmt(t.responsesMb, 1)}) / ${rss}`,
+    );
   }
-  log(`NATS consumers first → last: ${Object.keys(r.consumers.last).map((k) => `${k} ${r.consumers.first[k] ?? 0}→${r.consumers.last[k]}`).join(', ')}`);
+  log(
+    `NATS consumers first → last: ${Object.keys(r.consumers.last)
+      .map((k) => `${k} ${r.consumers.first[k] ?? 0}→${r.consumers.last[k]}`)
+      .join(', ')}`,
+  );
   const k = r.sessionKeys;
-  log(`magus_sessions keys at the end: ${k.last} for ${k.live} live conversations (a turn within the TTL of ${sec(r.sessionTtlMs)}; ${k.liveWithGrace} within it + ${EXPIRY_GRACE_MS / 1000} s) of ${k.conversations} started; most keys above that at any sample: ${Math.max(0, k.worstExcess)}`);
+  log(
+    `magus_sessions keys at the end: ${k.last} for ${k.live} live conversations (a turn within the TTL of ${sec(r.sessionTtlMs)}; ${k.liveWithGrace} within it + ${EXPIRY_GRACE_MS / 1000} s) of ${k.conversations} started; most keys above that at any sample: ${Math.max(0, k.worstExcess)}`,
+  );
   log(`re-pull: ${r.repull.detail}`);
   for (const c of r.poolChanges) log(`pool instances from ${c}`);
   if (r.pool) {
     const p = r.pool;
-    const list = (o: Record<string, number>) => Object.entries(o).map(([k, v]) => `${k} ${v}`).join(', ') || 'none';
-    log(`pool workflow: ${p.runs} runs, ${p.events} events; workflow tasks failed: ${list(p.taskFailures)}; timed out: ${p.taskTimeouts}; slowest task ${fmt(p.slowestTaskSec, 1)} s (scheduled → completed); activities: ${list(p.activities)}`);
+    const list = (o: Record<string, number>) =>
+      Object.entries(o)
+        .map(([k, v]) => `${k} ${v}`)
+        .join(', ') || 'none';
+    log(
+      `pool workflow: ${p.runs} runs, ${p.events} events; workflow tasks failed: ${list(p.taskFailures)}; timed out: ${p.taskTimeouts}; slowest task ${fmt(p.slowestTaskSec, 1)} s (scheduled → completed); activities: ${list(p.activities)}`,
+    );
   }
   log(r.leaks.length === 0 ? 'no leak found' : `LEAKS: ${r.leaks.join('; ')}`);
   if (r.logs) log(`magus dev's logs: ${r.logs}`);

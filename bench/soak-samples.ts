@@ -85,7 +85,10 @@ export function sampleProcess(pid: number): ProcessSample | undefined {
 }
 
 /** NATS: consumers and bytes per stream, the keys of the sessions and pools buckets, the sessions bucket's messages. */
-export async function natsSample(nc: NatsConnection, names: ReturnType<typeof dataPlaneNames>): Promise<Pick<Sample, 'consumers' | 'sessionKeys' | 'poolKeys' | 'sessionMessages' | 'streamsMb'>> {
+export async function natsSample(
+  nc: NatsConnection,
+  names: ReturnType<typeof dataPlaneNames>,
+): Promise<Pick<Sample, 'consumers' | 'sessionKeys' | 'poolKeys' | 'sessionMessages' | 'streamsMb'>> {
   const jsm = await nc.jetstreamManager();
   const consumers: Record<string, number> = {};
   const streamsMb: Record<string, number> = {};
@@ -120,7 +123,8 @@ export async function poolHistory(workflows: WorkflowClient, workflowId: string)
         if (e.workflowTaskScheduledEventAttributes) scheduled = ms(e);
         else if (e.workflowTaskCompletedEventAttributes) out.slowestTaskSec = Math.max(out.slowestTaskSec, (ms(e) - scheduled) / 1000);
         else if (e.workflowTaskFailedEventAttributes) {
-          const cause = proto.api.enums.v1.WorkflowTaskFailedCause[e.workflowTaskFailedEventAttributes.cause ?? 0]?.replace('WORKFLOW_TASK_FAILED_CAUSE_', '') ?? '?';
+          const cause =
+            proto.api.enums.v1.WorkflowTaskFailedCause[e.workflowTaskFailedEventAttributes.cause ?? 0]?.replace('WORKFLOW_TASK_FAILED_CAUSE_', '') ?? '?';
           out.taskFailures[cause] = (out.taskFailures[cause] ?? 0) + 1;
         } else if (e.workflowTaskTimedOutEventAttributes) out.taskTimeouts++;
         else if (e.activityTaskScheduledEventAttributes) {

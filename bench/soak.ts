@@ -190,7 +190,18 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
         const nats = await natsSample(nc, names);
         // Counted after the keys were: a key listed is never one of a conversation counted as gone.
         const at = Date.now();
-        samples.push({ at, processes, ...nats, conversations: conversations.length, live: turnedSince(at - ttlMs), liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS), sessionWorkflows: await sessionWorkflows(workflows), temporalDbMb: temporalDbMb(data), ...(await devGauges(gatewayUrl)), pool: await demoPool(workflows) });
+        samples.push({
+          at,
+          processes,
+          ...nats,
+          conversations: conversations.length,
+          live: turnedSince(at - ttlMs),
+          liveWithGrace: turnedSince(at - ttlMs - EXPIRY_GRACE_MS),
+          sessionWorkflows: await sessionWorkflows(workflows),
+          temporalDbMb: temporalDbMb(data),
+          ...(await devGauges(gatewayUrl)),
+          pool: await demoPool(workflows),
+        });
         await sleep(opts.sampleMs);
       }
     })();
@@ -209,14 +220,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
       sessionWorkflows: await sessionWorkflows(workflows),
       pool: await demoPool(workflows),
     };
-    const r = buildReport(
-      outcomes,
-      samples,
-      end,
-      repulled,
-      t0,
-      { ...opts, sessionTtlMs: ttlMs, conversationMs },
-    );
+    const r = buildReport(outcomes, samples, end, repulled, t0, { ...opts, sessionTtlMs: ttlMs, conversationMs });
     const history = await poolHistory(workflows, poolWorkflowId('default', 'demo'));
     if (history) r.pool = history;
     // When the pool's instances changed, and why (its last error), from the samples.

@@ -34,7 +34,12 @@ async function main(): Promise<void> {
   const dir = await mkdtemp(join(tmpdir(), 'magus-storage-bench-'));
   try {
     const e = services.endpoints.s3!;
-    const s3 = new S3Client({ endpoint: e.endpoint, region: e.region, forcePathStyle: true, credentials: { accessKeyId: e.accessKeyId, secretAccessKey: e.secretAccessKey } });
+    const s3 = new S3Client({
+      endpoint: e.endpoint,
+      region: e.region,
+      forcePathStyle: true,
+      credentials: { accessKeyId: e.accessKeyId, secretAccessKey: e.secretAccessKey },
+    });
     const bucket = 'bench';
     await s3.send(new CreateBucketCommand({ Bucket: bucket }));
     const size = sizeMb * 1e6;
@@ -67,7 +72,7 @@ async function main(): Promise<void> {
           let n = 0;
           let offset = 0;
           for await (const chunk of createReadStream(src, { highWaterMark: MIB }) as AsyncIterable<Buffer>) {
-            for (let pos = 0; pos < chunk.length; ) {
+            for (let pos = 0; pos < chunk.length;) {
               const take = Math.min(chunk.length - pos, part.length - fill);
               chunk.copy(part, fill, pos, pos + take);
               fill += take;

@@ -31,7 +31,14 @@ const STORY = {
 };
 const WEATHER = {
   type: 'function',
-  function: { name: 'plan_trip', description: 'Plan a trip', parameters: { type: 'object', properties: { city: { type: 'string' }, days: { type: 'integer' }, activities: { type: 'array', items: { type: 'string' } } } } },
+  function: {
+    name: 'plan_trip',
+    description: 'Plan a trip',
+    parameters: {
+      type: 'object',
+      properties: { city: { type: 'string' }, days: { type: 'integer' }, activities: { type: 'array', items: { type: 'string' } } },
+    },
+  },
 };
 const PROMPT = 'Write a short story about a lighthouse keeper who finds a message in a bottle.';
 
@@ -52,12 +59,30 @@ interface Answer {
 async function main(): Promise<void> {
   const load0 = loadavg();
   const model = await demoModelFile((line) => console.log(line));
-  const engine = await startLlamaCppEngine(model, { modelId: 'smollm2', slots: 1, threads: THREADS, ctx: 4096, startTimeoutSec: 120, name: 'engine', log: () => undefined });
+  const engine = await startLlamaCppEngine(model, {
+    modelId: 'smollm2',
+    slots: 1,
+    threads: THREADS,
+    ctx: 4096,
+    startTimeoutSec: 120,
+    name: 'engine',
+    log: () => undefined,
+  });
   let n = 0;
   const ask = async (kind: Kind): Promise<{ tokens: number; ms: number; valid: boolean }> => {
-    const body = { model: 'smollm2', messages: [{ role: 'user', content: `${PROMPT} (request ${n++})` }], max_tokens: MAX_TOKENS, temperature: 0, ...extra[kind] };
+    const body = {
+      model: 'smollm2',
+      messages: [{ role: 'user', content: `${PROMPT} (request ${n++})` }],
+      max_tokens: MAX_TOKENS,
+      temperature: 0,
+      ...extra[kind],
+    };
     const t0 = performance.now();
-    const res = await fetch(`${engine.url}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const res = await fetch(`${engine.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify(body),
+    });
     const answer = (await res.json()) as Answer;
     const ms = performance.now() - t0;
     if (res.status !== 200) throw new Error(`${kind}: HTTP ${res.status} ${JSON.stringify(answer)}`);
@@ -80,7 +105,9 @@ async function main(): Promise<void> {
     }
     const rate = (r: { tokens: number; ms: number }[]) => r.reduce((a, x) => a + x.tokens, 0) / (r.reduce((a, x) => a + x.ms, 0) / 1000);
     const out = [
-      `bench:structured: SmolLM2-135M-Instruct Q4_1 on magus engine (1 slot, ${THREADS} thread(s)), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg().map((l) => l.toFixed(2)).join(' ')}`,
+      `bench:structured: SmolLM2-135M-Instruct Q4_1 on magus engine (1 slot, ${THREADS} thread(s)), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg()
+        .map((l) => l.toFixed(2))
+        .join(' ')}`,
       `${ROUNDS} alternating blocks of ${BLOCK} requests per kind, greedy, max_tokens ${MAX_TOKENS}`,
       '',
       '| answer | tokens/s (whole request) | vs free | tokens per answer p50 | well formed |',
@@ -88,7 +115,9 @@ async function main(): Promise<void> {
     ];
     for (const k of kinds) {
       const r = results[k];
-      out.push(`| ${k} | ${fmt(rate(r), 1)} | ${fmt(rate(r) / rate(results.free), 3)}× | ${fmt(p50(r.map((x) => x.tokens)), 0)} | ${r.filter((x) => x.valid).length}/${r.length} |`);
+      out.push(
+        `| ${k} | ${fmt(rate(r), 1)} | ${fmt(rate(r) / rate(results.free), 3)}× | ${fmt(p50(r.map((x) => x.tokens)), 0)} | ${r.filter((x) => x.valid).length}/${r.length} |`,
+      );
     }
     console.log(out.join('\n'));
   } finally {

@@ -13,7 +13,12 @@ if (!fs.existsSync(entry)) {
   console.error('magus: dist/ is missing; run `npm ci` (or `npm run build`) in the checkout first.');
   process.exit(1);
 }
-require(entry).main(process.argv.slice(2)).then(
-  (code) => process.exit(code),
-  (err) => { console.error(`magus: ${err instanceof Error ? err.message : String(err)}`); process.exit(1); },
-);
+require(entry)
+  .main(process.argv.slice(2))
+  .then(
+    (code) => process.exit(code),
+    (err) => {
+      console.error(`magus: ${err instanceof Error ? err.message : String(err)}`);
+      process.exit(1);
+    },
+  );

@@ -104,7 +104,12 @@ export class ResourceController implements Controller {
     const core = opts.kc.makeApiClient(CoreV1Api);
     this.workflows = new WorkflowSignals(opts.temporal.client, opts.temporal.namespace, opts.temporal.taskQueue);
     this.finalizers = new Finalizers(custom);
-    this.modelReconciler = new ModelReconciler({ workflows: this.workflows, finalizers: this.finalizers, core, cleanupTimeoutMs: opts.cleanupTimeoutMs ?? 120_000 });
+    this.modelReconciler = new ModelReconciler({
+      workflows: this.workflows,
+      finalizers: this.finalizers,
+      core,
+      cleanupTimeoutMs: opts.cleanupTimeoutMs ?? 120_000,
+    });
     this.dllamaReconciler = new DllamaReconciler({ workflows: this.workflows, finalizers: this.finalizers, core, dllamas: () => this.dllamas.list() });
     this.queue = new WorkQueue((key) => this.reconcile(key), {
       concurrency: opts.concurrency ?? 64,
@@ -133,10 +138,22 @@ export class ResourceController implements Controller {
     this.watches = { models: this.models, dllamas: this.dllamas };
 
     this.keys = opts.tokens
-      ? startKeys({ kc: opts.kc, core, custom, kv: opts.tokens, namespace: opts.namespace, sharedModelNamespaces: opts.sharedModelNamespaces, backoff: WATCH_BACKOFF, log })
+      ? startKeys({
+          kc: opts.kc,
+          core,
+          custom,
+          kv: opts.tokens,
+          namespace: opts.namespace,
+          sharedModelNamespaces: opts.sharedModelNamespaces,
+          backoff: WATCH_BACKOFF,
+          log,
+        })
       : undefined;
     if (this.keys) Object.assign(this.watches, this.keys.watches);
-    this.sessionMirror = opts.sessions && opts.sessions.cap > 0 ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespace: opts.namespace, log }) : undefined;
+    this.sessionMirror =
+      opts.sessions && opts.sessions.cap > 0
+        ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespace: opts.namespace, log })
+        : undefined;
     this.synced = Promise.all(Object.values(this.watches).map((w) => w.synced)).then(() => undefined);
   }
 

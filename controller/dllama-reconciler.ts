@@ -53,7 +53,9 @@ export class DllamaReconciler {
   /** The other Dllamas of `d`'s model, which may take its pool over now that `d` is going or gone (none otherwise). */
   rivalsFreedBy(type: WatchEventType, d: DllamaResource): DllamaResource[] {
     if (type !== 'DELETED' && !d.metadata.deletionTimestamp) return [];
-    return this.deps.dllamas().filter((x) => x.metadata.namespace === d.metadata.namespace && x.spec.model === d.spec.model && x.metadata.uid !== d.metadata.uid);
+    return this.deps
+      .dllamas()
+      .filter((x) => x.metadata.namespace === d.metadata.namespace && x.spec.model === d.spec.model && x.metadata.uid !== d.metadata.uid);
   }
 
   async reconcile(d: DllamaResource): Promise<Requeue | void> {
@@ -74,13 +76,28 @@ export class DllamaReconciler {
     if (owner && owner.metadata.uid !== uid) {
       if (this.conflicts.get(uid) !== generation) {
         this.conflicts.set(uid, generation);
-        await recordEvent(core, Kind.dllama, d.metadata, 'Warning', 'PoolConflict', `Dllama ${owner.metadata.name} already serves model ${d.spec.model} in ${namespace}; this one is ignored until it is gone`);
+        await recordEvent(
+          core,
+          Kind.dllama,
+          d.metadata,
+          'Warning',
+          'PoolConflict',
+          `Dllama ${owner.metadata.name} already serves model ${d.spec.model} in ${namespace}; this one is ignored until it is gone`,
+        );
       }
       return;
     }
     this.conflicts.delete(uid);
     if (generation <= (d.status?.observedGeneration ?? 0) || generation <= (this.signalled.get(uid) ?? 0)) return;
-    const input: PoolInput = { namespace, model: d.spec.model, minInstances: resource.minInstances, maxInstances: resource.maxInstances, leasesPerInstance: resource.leasesPerInstance, idleTimeoutMs: resource.idleTimeoutMs, resource };
+    const input: PoolInput = {
+      namespace,
+      model: d.spec.model,
+      minInstances: resource.minInstances,
+      maxInstances: resource.maxInstances,
+      leasesPerInstance: resource.leasesPerInstance,
+      idleTimeoutMs: resource.idleTimeoutMs,
+      resource,
+    };
     await workflows.signalWithStart({
       workflowType: 'dllamaPool',
       workflowId,
@@ -98,6 +115,8 @@ export class DllamaReconciler {
     return this.deps
       .dllamas()
       .filter((x) => x.metadata.namespace === d.metadata.namespace && x.spec.model === d.spec.model && !x.metadata.deletionTimestamp)
-      .sort((a, b) => (a.metadata.creationTimestamp ?? '').localeCompare(b.metadata.creationTimestamp ?? '') || a.metadata.name.localeCompare(b.metadata.name))[0];
+      .sort(
+        (a, b) => (a.metadata.creationTimestamp ?? '').localeCompare(b.metadata.creationTimestamp ?? '') || a.metadata.name.localeCompare(b.metadata.name),
+      )[0];
   }
 }

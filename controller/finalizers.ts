@@ -26,8 +26,24 @@ export class Finalizers {
   }
 
   async add(plural: string, kind: string, o: Finalized): Promise<void> {
-    const body = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind, metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid, finalizers: [FINALIZER] } };
-    await this.custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: o.metadata.namespace, plural, name: o.metadata.name, body, fieldManager: FieldManager.controller, force: true }, applyHeaders);
+    const body = {
+      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+      kind,
+      metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid, finalizers: [FINALIZER] },
+    };
+    await this.custom.patchNamespacedCustomObject(
+      {
+        group: CRD_GROUP,
+        version: CRD_VERSION,
+        namespace: o.metadata.namespace,
+        plural,
+        name: o.metadata.name,
+        body,
+        fieldManager: FieldManager.controller,
+        force: true,
+      },
+      applyHeaders,
+    );
   }
 
   /** Removes the finalizer; `o` gone already is no failure. */
@@ -38,7 +54,10 @@ export class Finalizers {
       { op: 'replace', path: '/metadata/finalizers', value: finalizers.filter((f) => f !== FINALIZER) },
     ];
     try {
-      await this.custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: o.metadata.namespace, plural, name: o.metadata.name, body }, jsonPatchHeaders);
+      await this.custom.patchNamespacedCustomObject(
+        { group: CRD_GROUP, version: CRD_VERSION, namespace: o.metadata.namespace, plural, name: o.metadata.name, body },
+        jsonPatchHeaders,
+      );
       this.removed++;
     } catch (err) {
       if (errCode(err) !== 404) throw err;

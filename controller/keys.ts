@@ -26,7 +26,18 @@ import { mergeConditions } from '../kube/status';
 import { watchResource, type ResourceWatch } from '../kube/watch';
 import { conflictMessage, listKeys, registerKey, TOKEN_PATTERN, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { API_KEY_SECRET_LABEL, ApiKeyCondition, ApiKeyReason, FieldManager, Kind, Plural, TOKEN_SECRET_LABEL, type ApiKeyResource, type ApiKeyResourceStatus, type Condition } from '../shared/kube';
+import {
+  API_KEY_SECRET_LABEL,
+  ApiKeyCondition,
+  ApiKeyReason,
+  FieldManager,
+  Kind,
+  Plural,
+  TOKEN_SECRET_LABEL,
+  type ApiKeyResource,
+  type ApiKeyResourceStatus,
+  type Condition,
+} from '../shared/kube';
 import type { TokenEntry } from '../shared/serving';
 import { WorkQueue, type Requeue } from './queue';
 
@@ -88,7 +99,10 @@ export function resolveKeyModels(ns: string, models: readonly string[] | undefin
 
 /** Why `refused` models cannot be a key's. */
 function notShared(refused: readonly string[], shared: readonly string[]): string {
-  const sharing = shared.length > 0 ? `the namespaces that share their models are ${shared.join(', ')}` : 'no namespace shares its models (magus controller --shared-model-namespaces)';
+  const sharing =
+    shared.length > 0
+      ? `the namespaces that share their models are ${shared.join(', ')}`
+      : 'no namespace shares its models (magus controller --shared-model-namespaces)';
   return `models ${refused.join(', ')} are in another namespace, and ${sharing}`;
 }
 
@@ -103,7 +117,10 @@ export function tokenOf(s: SecretObject, key: string): { id: string; digest: str
   const token = decodeField(s, key);
   if (!token) return { error: `Secret ${where} has no '${key}' key` };
   const m = TOKEN_PATTERN.exec(token);
-  if (!m) return { error: `Secret ${where}: '${key}' is not of the form mgs_<id>_<secret> (<id>: 1-64 letters, digits or '-'; <secret>: letters, digits, '_' or '-')` };
+  if (!m)
+    return {
+      error: `Secret ${where}: '${key}' is not of the form mgs_<id>_<secret> (<id>: 1-64 letters, digits or '-'; <secret>: letters, digits, '_' or '-')`,
+    };
   return { id: m[1]!, digest: tokenDigest(token) };
 }
 
@@ -148,7 +165,8 @@ export function startKeys(opts: KeysOptions): Keys {
       remove(async () => {
         for (const id of ids) if (await unregisterKey(kv, id, owner)) metrics.tokensRemoved++;
         // An id it held is free now: a key refused for it may take it.
-        for (const k of apikeys.list()) if (k.status?.conditions?.some((c) => c.reason === ApiKeyReason.idConflict)) queue.add(`apikey/${k.metadata.namespace}/${k.metadata.name}`);
+        for (const k of apikeys.list())
+          if (k.status?.conditions?.some((c) => c.reason === ApiKeyReason.idConflict)) queue.add(`apikey/${k.metadata.namespace}/${k.metadata.name}`);
       });
     },
     onSynced: prune,
@@ -160,7 +178,9 @@ export function startKeys(opts: KeysOptions): Keys {
     path: `/api/v1${scope}/secrets`,
     labelSelector: API_KEY_SECRET_LABEL,
     onEvent: (_type, s) => {
-      for (const k of apikeys.list()) if (k.metadata.namespace === s.metadata?.namespace && k.spec.secretRef.name === s.metadata?.name) queue.add(`apikey/${k.metadata.namespace}/${k.metadata.name}`);
+      for (const k of apikeys.list())
+        if (k.metadata.namespace === s.metadata?.namespace && k.spec.secretRef.name === s.metadata?.name)
+          queue.add(`apikey/${k.metadata.namespace}/${k.metadata.name}`);
     },
     log: (l) => log(`watch apikey secrets: ${l}`),
     ...(opts.backoff ? { backoff: opts.backoff } : {}),
@@ -209,10 +229,14 @@ export function startKeys(opts: KeysOptions): Keys {
     const ref = { name: o.spec.secretRef.name, key: o.spec.secretRef.key ?? 'token' };
     let secret: SecretObject;
     try {
-      secret = (await core.readNamespacedSecret({ name: ref.name, namespace: ns }));
+      secret = await core.readNamespacedSecret({ name: ref.name, namespace: ns });
     } catch (err) {
       if (errCode(err) !== 404) throw err;
-      return refuse(ApiKeyReason.secretMissing, `Secret ${ref.name} does not exist in namespace ${ns}; create it with a token mgs_<random id>_<random secret> under '${ref.key}'`, resolved.models);
+      return refuse(
+        ApiKeyReason.secretMissing,
+        `Secret ${ref.name} does not exist in namespace ${ns}; create it with a token mgs_<random id>_<random secret> under '${ref.key}'`,
+        resolved.models,
+      );
     }
     const token = tokenOf(secret, ref.key);
     if ('error' in token) return refuse(ApiKeyReason.secretInvalid, token.error, resolved.models);
@@ -251,7 +275,10 @@ export function startKeys(opts: KeysOptions): Keys {
     return { afterMs: KEY_RESYNC_MS };
   }
 
-  async function writeStatus(o: ApiKeyResource, s: { tokenId?: string; models?: string[]; ready: Pick<Condition, 'status' | 'reason' | 'message'> }): Promise<void> {
+  async function writeStatus(
+    o: ApiKeyResource,
+    s: { tokenId?: string; models?: string[]; ready: Pick<Condition, 'status' | 'reason' | 'message'> },
+  ): Promise<void> {
     const ready = { type: ApiKeyCondition.ready, ...s.ready, observedGeneration: o.metadata.generation };
     const status: ApiKeyResourceStatus = {
       observedGeneration: o.metadata.generation,
@@ -272,7 +299,12 @@ export function startKeys(opts: KeysOptions): Keys {
           name: o.metadata.name,
           fieldManager: FieldManager.controller,
           force: true,
-          body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: Kind.apiKey, metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid }, status },
+          body: {
+            apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+            kind: Kind.apiKey,
+            metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid },
+            status,
+          },
         },
         applyHeaders,
       );
@@ -299,12 +331,22 @@ export function startKeys(opts: KeysOptions): Keys {
       return drop();
     }
     // Confined to its namespace: models of a namespace that does not share them are dropped, said once per change.
-    const wanted = decodeField(s, 'models')?.split(',').map((m) => m.trim()).filter(Boolean);
+    const wanted = decodeField(s, 'models')
+      ?.split(',')
+      .map((m) => m.trim())
+      .filter(Boolean);
     const resolved = resolveKeyModels(ns, wanted, shared);
     if (resolved.refused.length > 0 && before?.id !== token.id) log(`Secret ${where}: ${notShared(resolved.refused, shared)}: dropped (declare an ApiKey)`);
     if (before && (before.id !== token.id || before.owner.uid !== uid)) await drop();
     const owner = { key: where, uid };
-    const entry: TokenEntry & KeyOwnerRef = { digest: token.digest, name: decodeField(s, 'name') || where, key: where, uid, models: resolved.models, origin: `${SECRET_ORIGIN}${where}` };
+    const entry: TokenEntry & KeyOwnerRef = {
+      digest: token.digest,
+      name: decodeField(s, 'name') || where,
+      key: where,
+      uid,
+      models: resolved.models,
+      origin: `${SECRET_ORIGIN}${where}`,
+    };
     const result = await registerKey(kv, token.id, entry, (e) => e.origin === entry.origin);
     if (!result.ok) {
       metrics.tokenConflicts++;
@@ -326,7 +368,8 @@ export function startKeys(opts: KeysOptions): Keys {
       const where = origin.slice((fromKey ? APIKEY_ORIGIN : SECRET_ORIGIN).length);
       if (opts.namespace && !where.startsWith(`${opts.namespace}/`)) continue;
       let live: boolean;
-      if (entry.uid === undefined) live = false; // an older magus's entry: its Secret, if still there, registers again
+      if (entry.uid === undefined)
+        live = false; // an older magus's entry: its Secret, if still there, registers again
       else if (fromKey) live = liveKeys.has(entry.uid);
       else {
         const s = liveSecrets.get(entry.uid);

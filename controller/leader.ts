@@ -70,7 +70,11 @@ export function startLeaderElection(opts: LeaderElectionOptions): LeaderElection
     if (!mine && !expired) return false;
     const acquired = mine && s.acquireTime ? new Date(s.acquireTime) : undefined;
     try {
-      await api.replaceNamespacedLease({ namespace: opts.namespace, name: opts.name, body: { ...lease, spec: spec(now, (s.leaseTransitions ?? 0) + (mine ? 0 : 1), acquired) } });
+      await api.replaceNamespacedLease({
+        namespace: opts.namespace,
+        name: opts.name,
+        body: { ...lease, spec: spec(now, (s.leaseTransitions ?? 0) + (mine ? 0 : 1), acquired) },
+      });
       return true;
     } catch (err) {
       if (code(err) === 409) return false; // someone else wrote it first
@@ -99,9 +103,12 @@ export function startLeaderElection(opts: LeaderElectionOptions): LeaderElection
       opts.log?.(`leader election: ${opts.identity} lost the lease`);
       opts.onStoppedLeading();
     }
-    timer = setTimeout(() => {
-      running = tick();
-    }, leader ? renewEvery : Math.max(1000, renewEvery / 2));
+    timer = setTimeout(
+      () => {
+        running = tick();
+      },
+      leader ? renewEvery : Math.max(1000, renewEvery / 2),
+    );
   }
 
   running = tick();
@@ -116,7 +123,12 @@ export function startLeaderElection(opts: LeaderElectionOptions): LeaderElection
         // Hand over at once: a released lease (no holder) can be taken without waiting it out.
         try {
           const lease = await api.readNamespacedLease({ namespace: opts.namespace, name: opts.name });
-          if (lease.spec?.holderIdentity === opts.identity) await api.replaceNamespacedLease({ namespace: opts.namespace, name: opts.name, body: { ...lease, spec: { ...lease.spec, holderIdentity: undefined } } });
+          if (lease.spec?.holderIdentity === opts.identity)
+            await api.replaceNamespacedLease({
+              namespace: opts.namespace,
+              name: opts.name,
+              body: { ...lease, spec: { ...lease.spec, holderIdentity: undefined } },
+            });
         } catch {
           // it expires by itself
         }

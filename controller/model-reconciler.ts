@@ -25,14 +25,23 @@ import type { WorkflowSignals } from './signals';
 /** A `Model`'s spec as the pipeline takes it: the token becomes a reference to the Secret. */
 export function modelSpecOf(m: ModelResource): ModelSpec {
   const { source, artifacts, contextLength, rerun } = m.spec;
-  const tokenRef = source.tokenSecretRef ? { secret: { name: source.tokenSecretRef.name, key: source.tokenSecretRef.key ?? 'token', namespace: m.metadata.namespace } } : undefined;
+  const tokenRef = source.tokenSecretRef
+    ? { secret: { name: source.tokenSecretRef.name, key: source.tokenSecretRef.key ?? 'token', namespace: m.metadata.namespace } }
+    : undefined;
   return {
     source: {
       repo: source.repo,
       ...(source.revision ? { revision: source.revision } : {}),
       ...(source.hubUrl ? { hubUrl: source.hubUrl } : {}),
       ...(tokenRef ? { tokenRef } : {}),
-      ...(source.gguf ? { gguf: { ...(source.gguf.file !== undefined ? { file: source.gguf.file } : {}), ...(source.gguf.quantization !== undefined ? { quantization: source.gguf.quantization } : {}) } } : {}),
+      ...(source.gguf
+        ? {
+            gguf: {
+              ...(source.gguf.file !== undefined ? { file: source.gguf.file } : {}),
+              ...(source.gguf.quantization !== undefined ? { quantization: source.gguf.quantization } : {}),
+            },
+          }
+        : {}),
     },
     artifacts: artifacts.map((a) => ({ format: a.format, weights: a.weights })),
     ...(contextLength !== undefined ? { contextLength } : {}),
@@ -112,7 +121,14 @@ export class ModelReconciler {
       if (Date.now() - Date.parse(deletionTimestamp) < cleanupTimeoutMs) return { afterMs: 1000 };
       await workflows.handle(workflowId).terminate(`cleanup of Model ${namespace}/${name} did not finish within ${cleanupTimeoutMs / 1000}s`);
       this.cleanupsTimedOut++;
-      await recordEvent(core, Kind.model, o.metadata, 'Warning', 'CleanupTimedOut', `the pipeline did not stop within ${cleanupTimeoutMs / 1000}s of the deletion; it was terminated (partial uploads and S3 objects may remain)`);
+      await recordEvent(
+        core,
+        Kind.model,
+        o.metadata,
+        'Warning',
+        'CleanupTimedOut',
+        `the pipeline did not stop within ${cleanupTimeoutMs / 1000}s of the deletion; it was terminated (partial uploads and S3 objects may remain)`,
+      );
     }
     await finalizers.remove(Plural.model, o);
     // Marked done for the DELETED event that follows, which then has nothing left to do.

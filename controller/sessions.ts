@@ -82,10 +82,23 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
 
   async function listShown(): Promise<void> {
     const path = opts.namespace ? { namespace: opts.namespace } : undefined;
-    const list = (path
-      ? await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: path.namespace, plural: Plural.session, labelSelector: `${MIRROR_LABEL}=true` })
-      : await custom.listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.session, labelSelector: `${MIRROR_LABEL}=true` })) as { items: { metadata: { name: string; namespace: string }; status?: unknown }[] };
-    for (const o of list.items) shown.set(`${o.metadata.namespace}/${o.metadata.name}`, { namespace: o.metadata.namespace, name: o.metadata.name, status: JSON.stringify(o.status ?? {}) });
+    const list = (
+      path
+        ? await custom.listNamespacedCustomObject({
+            group: CRD_GROUP,
+            version: CRD_VERSION,
+            namespace: path.namespace,
+            plural: Plural.session,
+            labelSelector: `${MIRROR_LABEL}=true`,
+          })
+        : await custom.listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.session, labelSelector: `${MIRROR_LABEL}=true` })
+    ) as { items: { metadata: { name: string; namespace: string }; status?: unknown }[] };
+    for (const o of list.items)
+      shown.set(`${o.metadata.namespace}/${o.metadata.name}`, {
+        namespace: o.metadata.namespace,
+        name: o.metadata.name,
+        status: JSON.stringify(o.status ?? {}),
+      });
   }
 
   async function pass(): Promise<void> {
@@ -115,14 +128,30 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
       const text = JSON.stringify(status);
       const before = shown.get(id);
       if (before?.status === text) continue;
-      const ref = { group: CRD_GROUP, version: CRD_VERSION, namespace: w.ns, plural: Plural.session, name: w.name, fieldManager: FieldManager.controller, force: true };
+      const ref = {
+        group: CRD_GROUP,
+        version: CRD_VERSION,
+        namespace: w.ns,
+        plural: Plural.session,
+        name: w.name,
+        fieldManager: FieldManager.controller,
+        force: true,
+      };
       try {
         if (!before) {
-          const body = { apiVersion: api, kind: Kind.session, metadata: { name: w.name, namespace: w.ns, labels: { [MIRROR_LABEL]: 'true' } }, spec: { pool: w.entry.pool, model: w.entry.pool } };
+          const body = {
+            apiVersion: api,
+            kind: Kind.session,
+            metadata: { name: w.name, namespace: w.ns, labels: { [MIRROR_LABEL]: 'true' } },
+            spec: { pool: w.entry.pool, model: w.entry.pool },
+          };
           await custom.patchNamespacedCustomObject({ ...ref, body }, applyHeaders);
           stats.writes++;
         }
-        await custom.patchNamespacedCustomObjectStatus({ ...ref, body: { apiVersion: api, kind: Kind.session, metadata: { name: w.name, namespace: w.ns }, status } }, applyHeaders);
+        await custom.patchNamespacedCustomObjectStatus(
+          { ...ref, body: { apiVersion: api, kind: Kind.session, metadata: { name: w.name, namespace: w.ns }, status } },
+          applyHeaders,
+        );
         stats.writes++;
         shown.set(id, { namespace: w.ns, name: w.name, status: text });
       } catch (err) {

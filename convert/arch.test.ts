@@ -1,16 +1,7 @@
 import { encodedSize } from './quant';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import {
-  type ModelSpec,
-  checkSourceShape,
-  llama3RopeFactors,
-  parseModelSpec,
-  permuteQK,
-  permutedSourceRow,
-  planTensors,
-  unknownConfigKeys,
-} from './arch';
+import { type ModelSpec, checkSourceShape, llama3RopeFactors, parseModelSpec, permuteQK, permutedSourceRow, planTensors, unknownConfigKeys } from './arch';
 
 const testdata = join(__dirname, 'testdata');
 const tinyLlama = (): Record<string, unknown> => JSON.parse(readFileSync(join(testdata, 'tiny-llama', 'config.json'), 'utf8')) as Record<string, unknown>;
@@ -68,7 +59,18 @@ describe('parseModelSpec', () => {
 
   it('applies the transformers defaults for optional keys', () => {
     const llama = tinyLlama();
-    for (const k of ['num_key_value_heads', 'head_dim', 'rope_theta', 'rope_scaling', 'rms_norm_eps', 'hidden_act', 'tie_word_embeddings', 'bos_token_id', 'eos_token_id']) delete llama[k];
+    for (const k of [
+      'num_key_value_heads',
+      'head_dim',
+      'rope_theta',
+      'rope_scaling',
+      'rms_norm_eps',
+      'hidden_act',
+      'tie_word_embeddings',
+      'bos_token_id',
+      'eos_token_id',
+    ])
+      delete llama[k];
     expect(parseModelSpec(llama)).toMatchObject({
       kvHeads: 4,
       headDim: 16,
@@ -118,7 +120,11 @@ describe('parseModelSpec', () => {
     ['rope yarn', (c) => (c.rope_scaling = { rope_type: 'yarn', factor: 4, original_max_position_embeddings: 32768 }), 'rope_scaling.rope_type="yarn"'],
     ['rope linear (old "type" key)', (c) => (c.rope_scaling = { type: 'linear', factor: 2 }), 'rope_scaling.rope_type="linear"'],
     ['rope dynamic', (c) => (c.rope_scaling = { rope_type: 'dynamic', factor: 2 }), 'rope_scaling.rope_type="dynamic"'],
-    ['llama3 rope without factor', (c) => (c.rope_scaling = { rope_type: 'llama3', low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192 }), 'rope_scaling.factor=undefined'],
+    [
+      'llama3 rope without factor',
+      (c) => (c.rope_scaling = { rope_type: 'llama3', low_freq_factor: 1, high_freq_factor: 4, original_max_position_embeddings: 8192 }),
+      'rope_scaling.factor=undefined',
+    ],
     ['logit softcapping', (c) => (c.final_logit_softcapping = 30), 'final_logit_softcapping=30'],
     ['non-causal', (c) => (c.is_causal = false), 'is_causal=false'],
     ['multimodal wrapper', (c) => (c.text_config = {}), 'text_config={}'],
@@ -130,7 +136,11 @@ describe('parseModelSpec', () => {
   it.each(rejections)('rejects %s', (_, mutate, expected) => {
     const c = tinyLlama();
     mutate(c);
-    expect(failure(() => parseModelSpec(c))).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig', message: expect.stringContaining(expected) as unknown });
+    expect(failure(() => parseModelSpec(c))).toMatchObject({
+      name: 'ConvertError',
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining(expected) as unknown,
+    });
   });
 
   it('rejects Qwen sliding windows and llama3 rope on qwen3, accepts disabled windows', () => {
@@ -140,10 +150,16 @@ describe('parseModelSpec', () => {
     q.use_sliding_window = true;
     expect(failure(() => parseModelSpec(q))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('sliding_window=4096') as unknown });
     delete q.sliding_window;
-    expect(failure(() => parseModelSpec(q))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('use_sliding_window=true') as unknown });
+    expect(failure(() => parseModelSpec(q))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('use_sliding_window=true') as unknown,
+    });
     const r = tinyQwen3();
     r.rope_scaling = tinyLlama().rope_scaling;
-    expect(failure(() => parseModelSpec(r))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('only supported for llama') as unknown });
+    expect(failure(() => parseModelSpec(r))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('only supported for llama') as unknown,
+    });
     const s = tinyQwen3();
     s.layer_types = ['full_attention', 'full_attention'];
     expect(parseModelSpec(s).arch).toBe('qwen3');
@@ -164,8 +180,7 @@ function numpyPermute(w: Float32Array, rows: number, cols: number, heads: number
   // out[h, i, j, c] (shape heads x half x 2 x cols) = in[h, j, i, c] (shape heads x 2 x half x cols)
   for (let h = 0; h < heads; h++)
     for (let i = 0; i < half; i++)
-      for (let j = 0; j < 2; j++)
-        for (let c = 0; c < cols; c++) out[((h * half + i) * 2 + j) * cols + c] = w[((h * 2 + j) * half + i) * cols + c] as number;
+      for (let j = 0; j < 2; j++) for (let c = 0; c < cols; c++) out[((h * half + i) * 2 + j) * cols + c] = w[((h * 2 + j) * half + i) * cols + c] as number;
   return out;
 }
 
@@ -179,7 +194,12 @@ describe('permuteQK', () => {
   });
 
   it('matches the numpy reshape/swapaxes of both reference converters', () => {
-    for (const [rows, cols, heads] of [[64, 16, 4], [32, 16, 2], [48, 8, 3], [256, 3, 8]] as const) {
+    for (const [rows, cols, heads] of [
+      [64, 16, 4],
+      [32, 16, 2],
+      [48, 8, 3],
+      [256, 3, 8],
+    ] as const) {
       const w = Float32Array.from({ length: rows * cols }, (_, i) => Math.sin(i) * 100);
       const ours = permuteQK(w, rows, cols, heads);
       expect(Buffer.from(ours.buffer).equals(Buffer.from(numpyPermute(w, rows, cols, heads).buffer))).toBe(true);
@@ -217,8 +237,15 @@ describe('planTensors', () => {
   it('plans distributed-llama tensors in convert-hf.py order with its float types', () => {
     const plan = planTensors(llama(), 'dllama', 'q40', noHead);
     const layer0 = [
-      'self_attn.q_proj', 'self_attn.k_proj', 'self_attn.v_proj', 'self_attn.o_proj',
-      'mlp.gate_proj', 'mlp.down_proj', 'mlp.up_proj', 'input_layernorm', 'post_attention_layernorm',
+      'self_attn.q_proj',
+      'self_attn.k_proj',
+      'self_attn.v_proj',
+      'self_attn.o_proj',
+      'mlp.gate_proj',
+      'mlp.down_proj',
+      'mlp.up_proj',
+      'input_layernorm',
+      'post_attention_layernorm',
     ].map((n) => `model.layers.0.${n}.weight`);
     expect(plan.map((t) => t.name)).toEqual([
       'model.embed_tokens.weight',
@@ -243,9 +270,17 @@ describe('planTensors', () => {
     const spec = parseModelSpec(tinyQwen3());
     const plan = planTensors(spec, 'dllama', 'q80', noHead);
     expect(plan.slice(1, 12).map((t) => t.name.replace('model.layers.0.', ''))).toEqual([
-      'self_attn.q_proj.weight', 'self_attn.k_proj.weight', 'self_attn.v_proj.weight', 'self_attn.o_proj.weight',
-      'mlp.gate_proj.weight', 'mlp.down_proj.weight', 'mlp.up_proj.weight',
-      'self_attn.q_norm.weight', 'self_attn.k_norm.weight', 'input_layernorm.weight', 'post_attention_layernorm.weight',
+      'self_attn.q_proj.weight',
+      'self_attn.k_proj.weight',
+      'self_attn.v_proj.weight',
+      'self_attn.o_proj.weight',
+      'mlp.gate_proj.weight',
+      'mlp.down_proj.weight',
+      'mlp.up_proj.weight',
+      'self_attn.q_norm.weight',
+      'self_attn.k_norm.weight',
+      'input_layernorm.weight',
+      'post_attention_layernorm.weight',
     ]);
     expect(plan.every((t) => t.permute === null)).toBe(true);
     expect(plan[1]).toMatchObject({ shape: [128, 64] }); // heads * head_dim = 4 * 32
@@ -277,7 +312,10 @@ describe('planTensors', () => {
       message: expect.stringContaining('model.layers.1.mlp.up_proj.weight') as unknown,
     });
     const odd = { ...llama(), intermediate: 48 };
-    expect(failure(() => planTensors(odd, 'dllama', 'q40', all))).toMatchObject({ code: 'BadBlockSize', message: expect.stringContaining('mlp.down_proj') as unknown });
+    expect(failure(() => planTensors(odd, 'dllama', 'q40', all))).toMatchObject({
+      code: 'BadBlockSize',
+      message: expect.stringContaining('mlp.down_proj') as unknown,
+    });
     expect(planTensors(odd, 'dllama', 'f16', all)).toHaveLength(2 + 2 * 9 + 1);
   });
 

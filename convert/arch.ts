@@ -100,24 +100,86 @@ export const DANGEROUS_CONFIG_KEYS: Readonly<Record<string, (value: unknown, con
 /** Keys known to have no effect on inference math (or that we read and validate ourselves). */
 export const HARMLESS_CONFIG_KEYS: ReadonlySet<string> = new Set([
   // read by parseModelSpec
-  'model_type', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
-  'num_key_value_heads', 'head_dim', 'vocab_size', 'max_position_embeddings', 'rms_norm_eps',
-  'rope_theta', 'rope_scaling', 'rope_parameters', 'tie_word_embeddings', 'bos_token_id', 'eos_token_id',
+  'model_type',
+  'hidden_size',
+  'intermediate_size',
+  'num_hidden_layers',
+  'num_attention_heads',
+  'num_key_value_heads',
+  'head_dim',
+  'vocab_size',
+  'max_position_embeddings',
+  'rms_norm_eps',
+  'rope_theta',
+  'rope_scaling',
+  'rope_parameters',
+  'tie_word_embeddings',
+  'bos_token_id',
+  'eos_token_id',
   // bookkeeping
-  'architectures', 'transformers_version', 'torch_dtype', 'dtype', '_name_or_path', 'pad_token_id',
-  'sep_token_id', 'decoder_start_token_id', 'id2label', 'label2id', 'problem_type', 'tokenizer_class',
-  'prefix', 'task_specific_params', 'finetuning_task', 'model_max_length', 'unsloth_fixed', 'unsloth_version',
+  'architectures',
+  'transformers_version',
+  'torch_dtype',
+  'dtype',
+  '_name_or_path',
+  'pad_token_id',
+  'sep_token_id',
+  'decoder_start_token_id',
+  'id2label',
+  'label2id',
+  'problem_type',
+  'tokenizer_class',
+  'prefix',
+  'task_specific_params',
+  'finetuning_task',
+  'model_max_length',
+  'unsloth_fixed',
+  'unsloth_version',
   // training-only
-  'initializer_range', 'attention_dropout', 'pretraining_tp', 'use_cache', 'max_window_layers',
-  'tie_encoder_decoder', 'torchscript', 'use_bfloat16', 'tf_legacy_loss', 'pruned_heads',
-  'chunk_size_feed_forward', 'is_encoder_decoder', 'is_decoder', 'add_cross_attention',
-  'cross_attention_hidden_size', 'output_attentions', 'output_hidden_states', 'return_dict',
+  'initializer_range',
+  'attention_dropout',
+  'pretraining_tp',
+  'use_cache',
+  'max_window_layers',
+  'tie_encoder_decoder',
+  'torchscript',
+  'use_bfloat16',
+  'tf_legacy_loss',
+  'pruned_heads',
+  'chunk_size_feed_forward',
+  'is_encoder_decoder',
+  'is_decoder',
+  'add_cross_attention',
+  'cross_attention_hidden_size',
+  'output_attentions',
+  'output_hidden_states',
+  'return_dict',
   // generation defaults (they live in generation_config.json nowadays)
-  'max_length', 'min_length', 'do_sample', 'early_stopping', 'num_beams', 'num_beam_groups', 'diversity_penalty',
-  'temperature', 'top_k', 'top_p', 'typical_p', 'repetition_penalty', 'length_penalty', 'no_repeat_ngram_size',
-  'encoder_no_repeat_ngram_size', 'bad_words_ids', 'num_return_sequences', 'output_scores',
-  'return_dict_in_generate', 'forced_bos_token_id', 'forced_eos_token_id', 'remove_invalid_values',
-  'exponential_decay_length_penalty', 'suppress_tokens', 'begin_suppress_tokens',
+  'max_length',
+  'min_length',
+  'do_sample',
+  'early_stopping',
+  'num_beams',
+  'num_beam_groups',
+  'diversity_penalty',
+  'temperature',
+  'top_k',
+  'top_p',
+  'typical_p',
+  'repetition_penalty',
+  'length_penalty',
+  'no_repeat_ngram_size',
+  'encoder_no_repeat_ngram_size',
+  'bad_words_ids',
+  'num_return_sequences',
+  'output_scores',
+  'return_dict_in_generate',
+  'forced_bos_token_id',
+  'forced_eos_token_id',
+  'remove_invalid_values',
+  'exponential_decay_length_penalty',
+  'suppress_tokens',
+  'begin_suppress_tokens',
 ]);
 
 const ARCHS: readonly ArchName[] = ['llama', 'qwen3'];
@@ -349,7 +411,6 @@ export interface PlannedTensor {
   byteLength: number;
 }
 
-
 interface TensorDraft {
   name: string;
   source: string | null;
@@ -377,21 +438,36 @@ function layerDrafts(spec: ModelSpec, l: number, out: OutputFormat): TensorDraft
     quantize: true,
   });
   const norm = (name: string, source: string, n: number): TensorDraft => ({ name, source, shape: [n], permute: null, quantize: false });
-  const q = w(out === 'gguf' ? `blk.${l}.attn_q.weight` : `${p}.self_attn.q_proj.weight`, `${p}.self_attn.q_proj.weight`, [qRows, spec.hidden], llama ? { heads: spec.heads } : null);
-  const k = w(out === 'gguf' ? `blk.${l}.attn_k.weight` : `${p}.self_attn.k_proj.weight`, `${p}.self_attn.k_proj.weight`, [kvRows, spec.hidden], llama ? { heads: spec.kvHeads } : null);
+  const q = w(
+    out === 'gguf' ? `blk.${l}.attn_q.weight` : `${p}.self_attn.q_proj.weight`,
+    `${p}.self_attn.q_proj.weight`,
+    [qRows, spec.hidden],
+    llama ? { heads: spec.heads } : null,
+  );
+  const k = w(
+    out === 'gguf' ? `blk.${l}.attn_k.weight` : `${p}.self_attn.k_proj.weight`,
+    `${p}.self_attn.k_proj.weight`,
+    [kvRows, spec.hidden],
+    llama ? { heads: spec.kvHeads } : null,
+  );
   const v = w(out === 'gguf' ? `blk.${l}.attn_v.weight` : `${p}.self_attn.v_proj.weight`, `${p}.self_attn.v_proj.weight`, [kvRows, spec.hidden]);
   const o = w(out === 'gguf' ? `blk.${l}.attn_output.weight` : `${p}.self_attn.o_proj.weight`, `${p}.self_attn.o_proj.weight`, [spec.hidden, qRows]);
   const gate = w(out === 'gguf' ? `blk.${l}.ffn_gate.weight` : `${p}.mlp.gate_proj.weight`, `${p}.mlp.gate_proj.weight`, [spec.intermediate, spec.hidden]);
   const down = w(out === 'gguf' ? `blk.${l}.ffn_down.weight` : `${p}.mlp.down_proj.weight`, `${p}.mlp.down_proj.weight`, [spec.hidden, spec.intermediate]);
   const up = w(out === 'gguf' ? `blk.${l}.ffn_up.weight` : `${p}.mlp.up_proj.weight`, `${p}.mlp.up_proj.weight`, [spec.intermediate, spec.hidden]);
-  const qkNorms = spec.arch === 'qwen3'
-    ? [
-        norm(out === 'gguf' ? `blk.${l}.attn_q_norm.weight` : `${p}.self_attn.q_norm.weight`, `${p}.self_attn.q_norm.weight`, spec.headDim),
-        norm(out === 'gguf' ? `blk.${l}.attn_k_norm.weight` : `${p}.self_attn.k_norm.weight`, `${p}.self_attn.k_norm.weight`, spec.headDim),
-      ]
-    : [];
+  const qkNorms =
+    spec.arch === 'qwen3'
+      ? [
+          norm(out === 'gguf' ? `blk.${l}.attn_q_norm.weight` : `${p}.self_attn.q_norm.weight`, `${p}.self_attn.q_norm.weight`, spec.headDim),
+          norm(out === 'gguf' ? `blk.${l}.attn_k_norm.weight` : `${p}.self_attn.k_norm.weight`, `${p}.self_attn.k_norm.weight`, spec.headDim),
+        ]
+      : [];
   const attnNorm = norm(out === 'gguf' ? `blk.${l}.attn_norm.weight` : `${p}.input_layernorm.weight`, `${p}.input_layernorm.weight`, spec.hidden);
-  const ffnNorm = norm(out === 'gguf' ? `blk.${l}.ffn_norm.weight` : `${p}.post_attention_layernorm.weight`, `${p}.post_attention_layernorm.weight`, spec.hidden);
+  const ffnNorm = norm(
+    out === 'gguf' ? `blk.${l}.ffn_norm.weight` : `${p}.post_attention_layernorm.weight`,
+    `${p}.post_attention_layernorm.weight`,
+    spec.hidden,
+  );
   if (out === 'gguf') return [attnNorm, q, k, v, o, ...qkNorms, ffnNorm, gate, up, down];
   // distributed-llama's loader reads exactly this order (convert-hf.py __preparePlan, llm.cpp loadLlmNetWeight).
   return [q, k, v, o, gate, down, up, ...qkNorms, attnNorm, ffnNorm];
@@ -422,7 +498,13 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
     drafts.push({ name: EMBED, source: EMBED, shape: embedShape, permute: null, quantize: false });
   }
   for (let l = 0; l < spec.layers; l++) drafts.push(...layerDrafts(spec, l, out));
-  drafts.push({ name: out === 'gguf' ? 'output_norm.weight' : 'model.norm.weight', source: 'model.norm.weight', shape: [spec.hidden], permute: null, quantize: false });
+  drafts.push({
+    name: out === 'gguf' ? 'output_norm.weight' : 'model.norm.weight',
+    source: 'model.norm.weight',
+    shape: [spec.hidden],
+    permute: null,
+    quantize: false,
+  });
   const hasHead = hasTensor(LM_HEAD);
   if (out === 'gguf') {
     if (hasHead && !spec.tieWordEmbeddings) {
@@ -442,7 +524,10 @@ export function planTensors(spec: ModelSpec, out: OutputFormat, weights: Weights
       // the tensor is what a user finds in the repository.
       const source = d.source !== null && d.source !== d.name ? ` (${d.source})` : '';
       const plain = WEIGHTS_FORMATS.filter((f) => !isBlockQuantized(f)).join(' or ');
-      throw new ConvertError('BadBlockSize', `tensor ${d.name}${source}: rows of ${cols} values cannot be split into ${blockSize}-value ${format} blocks; convert this model to ${plain}`);
+      throw new ConvertError(
+        'BadBlockSize',
+        `tensor ${d.name}${source}: rows of ${cols} values cannot be split into ${blockSize}-value ${format} blocks; convert this model to ${plain}`,
+      );
     }
     const elements = d.shape.reduce((a, b) => a * b, 1);
     const planned: PlannedTensor = {

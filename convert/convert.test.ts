@@ -118,7 +118,14 @@ describe('bad input', () => {
     await writeTinyModel(model, { seed: 4, dtype: 'F16' });
     writeFileSync(join(model, 'tokenizer.json'), '{"model": ');
     const out = join(root, `bad-tokenizer-out-${format}`);
-    const err = await convertModel({ source: model, format, weights: 'q40', output: format === 'gguf' ? `${out}.gguf` : out, threads: 2, chunkElements: 64 }).catch((e: unknown) => e);
+    const err = await convertModel({
+      source: model,
+      format,
+      weights: 'q40',
+      output: format === 'gguf' ? `${out}.gguf` : out,
+      threads: 2,
+      chunkElements: 64,
+    }).catch((e: unknown) => e);
     expect(err).toMatchObject({ name: 'ConvertError', code: 'BadHeader' });
     expect((err as Error).message).toContain('tokenizer.json');
     expect(readdirSync(root).filter((f) => f.startsWith(`bad-tokenizer-out-${format}`) && f !== `bad-tokenizer-out-${format}`)).toEqual([]);

@@ -103,7 +103,8 @@ const nameOf = (o: Output): string => (typeof o === 'string' ? o : o.name);
 /** Converts a checkpoint; see the module comment. */
 export async function convertModel(opts: ConvertOptions): Promise<ConvertResult> {
   if (!OUTPUT_FORMATS.includes(opts.format)) throw new ConvertError('UnsupportedConfig', `unknown output format '${String(opts.format)}' (gguf or dllama)`);
-  if (!WEIGHTS_FORMATS.includes(opts.weights)) throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
+  if (!WEIGHTS_FORMATS.includes(opts.weights))
+    throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
   const checkpoint = typeof opts.source === 'string' ? localCheckpoint(opts.source) : opts.source;
   // The workers start now, so that their start-up overlaps reading the checkpoint's metadata.
   const pool = new QuantPool(opts.threads !== undefined ? { size: opts.threads } : {});
@@ -124,7 +125,13 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
  * checkpoint), the first chunks are read and sent to the workers, which encode them while this
  * thread parses the tokenizer and lays out the header.
  */
-async function convertOpened(opts: ConvertOptions, checkpoint: CheckpointFiles, spec: ModelSpec, weights: ModelWeights, pool: QuantPool): Promise<ConvertResult> {
+async function convertOpened(
+  opts: ConvertOptions,
+  checkpoint: CheckpointFiles,
+  spec: ModelSpec,
+  weights: ModelWeights,
+  pool: QuantPool,
+): Promise<ConvertResult> {
   const chunkElements = opts.chunkElements ?? CHUNK_ELEMENTS;
   const has = (name: string) => weights.has(name);
   if (opts.format === 'gguf') {
@@ -136,7 +143,13 @@ async function convertOpened(opts: ConvertOptions, checkpoint: CheckpointFiles, 
     const tokenizer = await loadTokenizer(checkpoint, spec);
     const plan = planGgufModel({ spec, tokenizer, weights: opts.weights, name, hasTensor: has, tensors });
     await writeGgufPlanned(opts.output, plan.layout, ggufTensorInfos(plan.tensors), (i) => stream(i));
-    return { spec, files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }], tensors: plan.tensors.length, inputBytes: stream.bytesTotal, threads: pool.size };
+    return {
+      spec,
+      files: [{ path: nameOf(opts.output), bytes: plan.layout.totalSize }],
+      tensors: plan.tensors.length,
+      inputBytes: stream.bytesTotal,
+      threads: pool.size,
+    };
   }
   const plan = planDllama(spec, opts.weights, has);
   const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
@@ -241,7 +254,14 @@ export function tensorStreamer(
     for (const [index, t] of plan.entries()) {
       if (t.source === null) {
         const data = t.generated ?? new Float32Array(0);
-        yield { index, dtype: 'F32', bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)), elementOffset: 0, sourceBytes: 0, pooled: false };
+        yield {
+          index,
+          dtype: 'F32',
+          bytes: new Uint8Array(data.buffer.slice(data.byteOffset, data.byteOffset + data.byteLength)),
+          elementOffset: 0,
+          sourceBytes: 0,
+          pooled: false,
+        };
         continue;
       }
       const src = weights.get(t.source);
@@ -272,7 +292,14 @@ export function tensorStreamer(
         for await (const c of readTensorChunks(src, { chunkElements, buffer: (n) => (given = inputs.take(n)) })) {
           // A source must read into the buffer it is given; if one did not, its bytes are sent
           // as they are and the buffer is not reused.
-          yield { index, dtype: c.dtype, bytes: c.bytes, elementOffset: c.elementOffset, sourceBytes: c.bytes.length, pooled: c.bytes.buffer === given?.buffer };
+          yield {
+            index,
+            dtype: c.dtype,
+            bytes: c.bytes,
+            elementOffset: c.elementOffset,
+            sourceBytes: c.bytes.length,
+            pooled: c.bytes.buffer === given?.buffer,
+          };
         }
       }
     }
@@ -293,7 +320,11 @@ export function tensorStreamer(
         ...(c.pooled ? { out: outputs.take(outputs.byteLength) } : {}),
       });
       // Once encoded, the input buffer is free (a failed conversion just drops its buffers).
-      if (c.pooled) out.then(() => inputs.give(c.bytes), () => undefined);
+      if (c.pooled)
+        out.then(
+          () => inputs.give(c.bytes),
+          () => undefined,
+        );
       out.catch(() => undefined); // observed in order below; avoids an "unhandled" report meanwhile
       window.push({ index: c.index, out, pooled: c.pooled });
       bytesDone += c.sourceBytes;
@@ -327,7 +358,7 @@ export function tensorStreamer(
     current = t.name;
     report();
     // Writers ask for tensors in plan order, and chunks never straddle tensors.
-    for (let got = 0; got < t.byteLength; ) {
+    for (let got = 0; got < t.byteLength;) {
       const next = await pull();
       if (next.done || next.value.index !== index) throw new Error(`internal: tensor ${t.name} ended after ${got} of ${t.byteLength} bytes`);
       got += next.value.bytes.length;

@@ -61,8 +61,27 @@ describe('distributed-llama model header', () => {
     const { spec } = await tinyLlama();
     const plan = planDllama(spec, 'q40', noLmHead);
     const expected = kvHeader(0x0a00abcd, [
-      [0, 0], [1, 0xabcd00], [11, 1], [2, 64], [3, 128], [4, 2], [5, 4], [6, 2], [13, 2], [10, 131072], [9, 32],
-      [7, 0], [8, 0], [12, 500000], [14, 32], [15, 1], [16, 4], [17, 8192], [18, 2], [19, 16], [20, 5],
+      [0, 0],
+      [1, 0xabcd00],
+      [11, 1],
+      [2, 64],
+      [3, 128],
+      [4, 2],
+      [5, 4],
+      [6, 2],
+      [13, 2],
+      [10, 131072],
+      [9, 32],
+      [7, 0],
+      [8, 0],
+      [12, 500000],
+      [14, 32],
+      [15, 1],
+      [16, 4],
+      [17, 8192],
+      [18, 2],
+      [19, 16],
+      [20, 5],
     ]);
     expect(Buffer.from(plan.headerBytes).equals(expected)).toBe(true);
     expect(Buffer.from(plan.headerBytes).equals(await golden('dllama-tiny-llama-q40.m-header.hex'))).toBe(true);
@@ -72,8 +91,22 @@ describe('distributed-llama model header', () => {
     const spec = parseModelSpec(await readJson('tiny-qwen3', 'config.json'));
     const plan = planDllama(spec, 'f16', noLmHead);
     const expected = kvHeader(0x0a00abcd, [
-      [0, 0], [1, 0xabcd01], [11, 1], [2, 64], [3, 96], [4, 2], [5, 4], [6, 2], [13, 1], [10, 40960], [9, 40],
-      [7, 0], [8, 0], [12, 1000000], [19, 32], [20, 6],
+      [0, 0],
+      [1, 0xabcd01],
+      [11, 1],
+      [2, 64],
+      [3, 96],
+      [4, 2],
+      [5, 4],
+      [6, 2],
+      [13, 1],
+      [10, 40960],
+      [9, 40],
+      [7, 0],
+      [8, 0],
+      [12, 1000000],
+      [19, 32],
+      [20, 6],
     ]);
     expect(Buffer.from(plan.headerBytes).equals(expected)).toBe(true);
     expect(Buffer.from(plan.headerBytes).equals(await golden('dllama-tiny-qwen3-f16.m-header.hex'))).toBe(true);
@@ -103,9 +136,15 @@ describe('distributed-llama model header', () => {
   it('refuses values the header would truncate', async () => {
     const { spec } = await tinyLlama();
     const scaling = spec.ropeScaling as NonNullable<ModelSpec['ropeScaling']>;
-    expect(failure(() => dllamaHeaderEntries({ ...spec, ropeScaling: { ...scaling, factor: 2.5 } }, 'q40'))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('2.5') as unknown });
+    expect(failure(() => dllamaHeaderEntries({ ...spec, ropeScaling: { ...scaling, factor: 2.5 } }, 'q40'))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('2.5') as unknown,
+    });
     expect(failure(() => dllamaHeaderEntries({ ...spec, ropeTheta: 10000.5 }, 'q40'))).toMatchObject({ code: 'UnsupportedConfig' });
-    expect(failure(() => dllamaHeaderEntries({ ...spec, rmsNormEps: 1e-4 }, 'q40'))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('0.0001') as unknown });
+    expect(failure(() => dllamaHeaderEntries({ ...spec, rmsNormEps: 1e-4 }, 'q40'))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('0.0001') as unknown,
+    });
   });
 });
 
@@ -146,7 +185,12 @@ describe('distributed-llama model file', () => {
 /** Independent `.t` encoder following tokenizer-writer.py. */
 function expectedTokenizer(o: { bos: number; tokens: Buffer[]; scores: number[]; template: string | null; eos: number[]; addBos: boolean }): Buffer {
   const template = o.template === null ? null : Buffer.from(o.template, 'utf8');
-  const pairs: [number, number][] = [[3, o.bos], [0, 1], [1, o.tokens.length], [2, Math.max(...o.tokens.map((t) => t.length))]];
+  const pairs: [number, number][] = [
+    [3, o.bos],
+    [0, 1],
+    [1, o.tokens.length],
+    [2, Math.max(...o.tokens.map((t) => t.length))],
+  ];
   if (template) pairs.push([7, template.length]);
   pairs.push([9, o.eos.length], [10, o.addBos ? 1 : 0]);
   const parts = [kvHeader(0x567124, pairs)];
@@ -170,8 +214,30 @@ describe('distributed-llama tokenizer', () => {
     const { tok } = await tinyLlama();
     const ours = Buffer.from(encodeDllamaTokenizer(tok));
     expect(ours.equals(await golden('dllama-tiny-llama.t.hex'))).toBe(true);
-    const tokens = ['h', 'e', 'l', 'o', ' ', 'w', 'r', 'd', '\n', Buffer.of(0xc3), Buffer.of(0xa9), 'he', 'll', 'hell', 'hello', ' w', '\u00e9', '<|begin_of_text|>', '<|end_of_text|>', '<|eot_id|>', '<think>', '<|reserved_0|>']
-      .map((t) => (typeof t === 'string' ? Buffer.from(t, 'utf8') : t));
+    const tokens = [
+      'h',
+      'e',
+      'l',
+      'o',
+      ' ',
+      'w',
+      'r',
+      'd',
+      '\n',
+      Buffer.of(0xc3),
+      Buffer.of(0xa9),
+      'he',
+      'll',
+      'hell',
+      'hello',
+      ' w',
+      '\u00e9',
+      '<|begin_of_text|>',
+      '<|end_of_text|>',
+      '<|eot_id|>',
+      '<think>',
+      '<|reserved_0|>',
+    ].map((t) => (typeof t === 'string' ? Buffer.from(t, 'utf8') : t));
     const template = (await readJson('tiny-llama', 'tokenizer_config.json')).chat_template as string;
     const scores = tokens.map((_, i) => -i);
     expect(ours.equals(expectedTokenizer({ bos: 17, tokens, scores, template, eos: [18, 19], addBos: true }))).toBe(true);
@@ -196,8 +262,14 @@ describe('distributed-llama tokenizer', () => {
 
   it('needs BOS and EOS ids', async () => {
     const { tok } = await tinyLlama();
-    expect(failure(() => encodeDllamaTokenizer({ ...tok, bosId: null }))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('BOS') as unknown });
-    expect(failure(() => encodeDllamaTokenizer({ ...tok, eosIds: [] }))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('EOS') as unknown });
+    expect(failure(() => encodeDllamaTokenizer({ ...tok, bosId: null }))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('BOS') as unknown,
+    });
+    expect(failure(() => encodeDllamaTokenizer({ ...tok, eosIds: [] }))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('EOS') as unknown,
+    });
   });
 
   it('writes the .t file atomically', async () => {

@@ -154,7 +154,10 @@ export interface DllamaModelPlan {
  */
 export function planDllama(spec: ModelSpec, weights: WeightsFormat, hasTensor: (name: string) => boolean): DllamaModelPlan {
   const header = dllamaHeaderEntries(spec, weights);
-  const headerBytes = encodeKeyValueHeader(DLLAMA_MODEL_MAGIC, header.map(([k, v]) => [DllamaHeaderKey[k], v] as const));
+  const headerBytes = encodeKeyValueHeader(
+    DLLAMA_MODEL_MAGIC,
+    header.map(([k, v]) => [DllamaHeaderKey[k], v] as const),
+  );
   const tensors = planTensors(spec, 'dllama', weights, hasTensor);
   const totalSize = tensors.reduce((n, t) => n + t.byteLength, headerBytes.length);
   return { headerBytes, header, tensors, totalSize };

@@ -121,7 +121,11 @@ describe('convertGgufToDllama: a GGUF holding the source values exactly', () => 
 
   // Every weights format for llama; qwen3 (no Q/K permutation, tied) for the exact and the 4-bit
   // case; rope scaling (recovered from rope_freqs.weight) for the header.
-  const formats: Record<string, readonly WeightsFormat[]> = { 'llama (untied, Q/K permuted)': ['f32', 'f16', 'q80', 'q40'], 'qwen3 (tied embeddings)': ['f32', 'q40'], 'llama with Llama 3 rope scaling': ['q40'] };
+  const formats: Record<string, readonly WeightsFormat[]> = {
+    'llama (untied, Q/K permuted)': ['f32', 'f16', 'q80', 'q40'],
+    'qwen3 (tied embeddings)': ['f32', 'q40'],
+    'llama with Llama 3 rope scaling': ['q40'],
+  };
   const cases = Object.entries(formats).flatMap(([name, ws]) => ws.map((w) => [name, w] as const));
   test.each(cases)('%s, F32 GGUF → %s: the same .m bytes as from the safetensors', async (name, weights) => {
     const expected = await direct(dirs[name]!, weights);
@@ -197,7 +201,7 @@ describe('convertGgufToDllama: quantized and half-precision GGUFs', () => {
     ['q40', 'q40', 1 / 8 + 2 * scale],
     ['q80', 'q40', 1 / 8 + 0.5 / 127 + 2 * scale],
   ];
-  test.each(cases)('%s GGUF → %s: same header, every value within %f of its block\'s largest', async (ggufWeights, weights, bound) => {
+  test.each(cases)("%s GGUF → %s: same header, every value within %f of its block's largest", async (ggufWeights, weights, bound) => {
     const actual = await viaGguf(await gguf(model, ggufWeights), weights);
     const expected = await direct(model, weights);
     expect(headerOf(actual.m).equals(headerOf(expected.m))).toBe(true);
@@ -283,7 +287,10 @@ describe('convertGgufToDllama: refusals', () => {
     return copy;
   }
 
-  async function refusal(bytes: Buffer | null, weights: WeightsFormat = 'q40'): Promise<{ error: { name: string; code: string; message: string }; left: string[] }> {
+  async function refusal(
+    bytes: Buffer | null,
+    weights: WeightsFormat = 'q40',
+  ): Promise<{ error: { name: string; code: string; message: string }; left: string[] }> {
     const dir = fresh('refused');
     mkdirSync(dir);
     const input = join(dir, 'input.gguf');

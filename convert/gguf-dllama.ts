@@ -72,7 +72,8 @@ async function openLocal(path: string): Promise<ByteSource & { close(): Promise<
  *   repository), `BadBlockSize`, `NonFinite`.
  */
 export async function convertGgufToDllama(opts: GgufToDllamaOptions): Promise<ConvertResult> {
-  if (!WEIGHTS_FORMATS.includes(opts.weights)) throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
+  if (!WEIGHTS_FORMATS.includes(opts.weights))
+    throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
   const opened = typeof opts.gguf === 'string' ? await openLocal(opts.gguf) : null;
   const source = opened ?? (opts.gguf as ByteSource);
   let pool: QuantPool | undefined;

@@ -48,7 +48,19 @@ export class GgufFormatError extends Error {
 }
 
 const TYPE_NAMES: readonly GgufValueTypeName[] = [
-  'uint8', 'int8', 'uint16', 'int16', 'uint32', 'int32', 'float32', 'bool', 'string', 'array', 'uint64', 'int64', 'float64',
+  'uint8',
+  'int8',
+  'uint16',
+  'int16',
+  'uint32',
+  'int32',
+  'float32',
+  'bool',
+  'string',
+  'array',
+  'uint64',
+  'int64',
+  'float64',
 ];
 
 const decoder = new TextDecoder('utf-8', { fatal: true });
@@ -65,16 +77,36 @@ class Cursor {
     this.pos += n;
     return at;
   }
-  u8(): number { return this.view.getUint8(this.need(1)); }
-  i8(): number { return this.view.getInt8(this.need(1)); }
-  u16(): number { return this.view.getUint16(this.need(2), true); }
-  i16(): number { return this.view.getInt16(this.need(2), true); }
-  u32(): number { return this.view.getUint32(this.need(4), true); }
-  i32(): number { return this.view.getInt32(this.need(4), true); }
-  f32(): number { return this.view.getFloat32(this.need(4), true); }
-  f64(): number { return this.view.getFloat64(this.need(8), true); }
-  u64(): bigint { return this.view.getBigUint64(this.need(8), true); }
-  i64(): bigint { return this.view.getBigInt64(this.need(8), true); }
+  u8(): number {
+    return this.view.getUint8(this.need(1));
+  }
+  i8(): number {
+    return this.view.getInt8(this.need(1));
+  }
+  u16(): number {
+    return this.view.getUint16(this.need(2), true);
+  }
+  i16(): number {
+    return this.view.getInt16(this.need(2), true);
+  }
+  u32(): number {
+    return this.view.getUint32(this.need(4), true);
+  }
+  i32(): number {
+    return this.view.getInt32(this.need(4), true);
+  }
+  f32(): number {
+    return this.view.getFloat32(this.need(4), true);
+  }
+  f64(): number {
+    return this.view.getFloat64(this.need(8), true);
+  }
+  u64(): bigint {
+    return this.view.getBigUint64(this.need(8), true);
+  }
+  i64(): bigint {
+    return this.view.getBigInt64(this.need(8), true);
+  }
   /** A u64 that must fit a JS number (counts, lengths, offsets). */
   size(what: string): number {
     const v = this.u64();

@@ -41,7 +41,16 @@ test('the parts of a split GGUF read as the whole file: architecture, file type,
 });
 
 test('a part missing, or the parts out of order, is refused naming the part', async () => {
-  await expect(readGgufSource([parts[0]!, parts[1]!].map(source))).rejects.toMatchObject({ code: 'MissingFile', message: 'Tiny.F16-00001-of-00003.gguf: a split GGUF of 3 parts, given 2' });
-  await expect(readGgufSource([parts[0]!, parts[2]!, parts[1]!].map(source))).rejects.toMatchObject({ code: 'BadIndex', message: 'Tiny.F16-00003-of-00003.gguf: is split part 2 (from 0), expected 1' });
-  await expect(readGgufSource([parts[1]!, parts[0]!, parts[2]!].map(source))).rejects.toMatchObject({ code: 'BadIndex', message: 'Tiny.F16-00002-of-00003.gguf: is split part 1 (from 0), expected 0' });
+  await expect(readGgufSource([parts[0]!, parts[1]!].map(source))).rejects.toMatchObject({
+    code: 'MissingFile',
+    message: 'Tiny.F16-00001-of-00003.gguf: a split GGUF of 3 parts, given 2',
+  });
+  await expect(readGgufSource([parts[0]!, parts[2]!, parts[1]!].map(source))).rejects.toMatchObject({
+    code: 'BadIndex',
+    message: 'Tiny.F16-00003-of-00003.gguf: is split part 2 (from 0), expected 1',
+  });
+  await expect(readGgufSource([parts[1]!, parts[0]!, parts[2]!].map(source))).rejects.toMatchObject({
+    code: 'BadIndex',
+    message: 'Tiny.F16-00002-of-00003.gguf: is split part 1 (from 0), expected 0',
+  });
 });

@@ -29,10 +29,39 @@ export const LLAMA_CPP_TEXT_ARCHITECTURES: ReadonlySet<string> = new Set(
 
 /** llama.cpp's `llama_ftype` (`general.file_type`): the names quantizations go by. */
 const FILE_TYPES: Readonly<Record<number, string>> = {
-  0: 'F32', 1: 'F16', 2: 'Q4_0', 3: 'Q4_1', 7: 'Q8_0', 8: 'Q5_0', 9: 'Q5_1', 10: 'Q2_K', 11: 'Q3_K_S', 12: 'Q3_K_M',
-  13: 'Q3_K_L', 14: 'Q4_K_S', 15: 'Q4_K_M', 16: 'Q5_K_S', 17: 'Q5_K_M', 18: 'Q6_K', 19: 'IQ2_XXS', 20: 'IQ2_XS', 21: 'Q2_K_S',
-  22: 'IQ3_XS', 23: 'IQ3_XXS', 24: 'IQ1_S', 25: 'IQ4_NL', 26: 'IQ3_S', 27: 'IQ3_M', 28: 'IQ2_S', 29: 'IQ2_M', 30: 'IQ4_XS',
-  31: 'IQ1_M', 32: 'BF16', 36: 'TQ1_0', 37: 'TQ2_0', 38: 'MXFP4_MOE',
+  0: 'F32',
+  1: 'F16',
+  2: 'Q4_0',
+  3: 'Q4_1',
+  7: 'Q8_0',
+  8: 'Q5_0',
+  9: 'Q5_1',
+  10: 'Q2_K',
+  11: 'Q3_K_S',
+  12: 'Q3_K_M',
+  13: 'Q3_K_L',
+  14: 'Q4_K_S',
+  15: 'Q4_K_M',
+  16: 'Q5_K_S',
+  17: 'Q5_K_M',
+  18: 'Q6_K',
+  19: 'IQ2_XXS',
+  20: 'IQ2_XS',
+  21: 'Q2_K_S',
+  22: 'IQ3_XS',
+  23: 'IQ3_XXS',
+  24: 'IQ1_S',
+  25: 'IQ4_NL',
+  26: 'IQ3_S',
+  27: 'IQ3_M',
+  28: 'IQ2_S',
+  29: 'IQ2_M',
+  30: 'IQ4_XS',
+  31: 'IQ1_M',
+  32: 'BF16',
+  36: 'TQ1_0',
+  37: 'TQ2_0',
+  38: 'MXFP4_MOE',
 };
 
 /** What llama.cpp's memory needs of a model (activities/size/memory.ts `llamaCppMemory`). */
@@ -108,7 +137,8 @@ export async function readGgufSource(parts: readonly ByteSource[]): Promise<Gguf
   const tensors = headers.reduce((n, h) => n + h.tensors.length, 0);
   if (tensors === 0) throw new ConvertError('MissingTensor', `${name}: no tensors`);
   const unknown = headers.flatMap((h) => h.tensors).find((t) => t.byteLength === null);
-  if (unknown) throw new ConvertError('UnsupportedDType', `${name}: tensor ${unknown.name} has ggml type ${unknown.ggmlType}, which this llama.cpp does not know`);
+  if (unknown)
+    throw new ConvertError('UnsupportedDType', `${name}: tensor ${unknown.name} has ggml type ${unknown.ggmlType}, which this llama.cpp does not know`);
   const ft = numberOf(first.metadata.get('general.file_type'));
   return { architecture, fileType: ft === undefined ? null : (FILE_TYPES[ft] ?? `type ${ft}`), sizing: ggufSizing(first, architecture, name), tensors };
 }

@@ -136,7 +136,10 @@ describe('specFromGguf', () => {
 
   it('refuses rope factors on qwen3', () => {
     const freqs = llama.file.tensors.find((t) => t.name === 'output_norm.weight')!;
-    const err = refusal(edited(qwen3.file, {}, (ts) => [...ts, { ...freqs, name: 'rope_freqs.weight', dims: [16] }]), { ropeFreqs: new Float32Array(16).fill(1) });
+    const err = refusal(
+      edited(qwen3.file, {}, (ts) => [...ts, { ...freqs, name: 'rope_freqs.weight', dims: [16] }]),
+      { ropeFreqs: new Float32Array(16).fill(1) },
+    );
     expect(err).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig' });
     expect(err.message).toContain('not supported for qwen3');
   });

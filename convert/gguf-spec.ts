@@ -218,7 +218,10 @@ export function llama3ScalingFromFactors(spec: ModelSpec, factors: Float32Array)
       }
     }
   }
-  throw unsupported(`tensor ${ROPE_FREQS}`, 'holds rope factors that match no Llama 3 scaling with integer parameters: convert the model from its safetensors repository instead');
+  throw unsupported(
+    `tensor ${ROPE_FREQS}`,
+    'holds rope factors that match no Llama 3 scaling with integer parameters: convert the model from its safetensors repository instead',
+  );
 }
 
 /** Every tensor the architecture needs, with the planned shape, and no other. */
@@ -236,6 +239,9 @@ function checkTensorTable(file: GgufFile, spec: ModelSpec): void {
   }
   const extra = [...present.keys()];
   if (extra.length > 0) {
-    throw new ConvertError('UnsupportedConfig', `GGUF tensor ${extra[0]} is not part of a plain ${spec.arch} model${extra.length > 1 ? ` (nor ${extra.length - 1} more)` : ''}; it is not supported`);
+    throw new ConvertError(
+      'UnsupportedConfig',
+      `GGUF tensor ${extra[0]} is not part of a plain ${spec.arch} model${extra.length > 1 ? ` (nor ${extra.length - 1} more)` : ''}; it is not supported`,
+    );
   }
 }

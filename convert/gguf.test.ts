@@ -13,16 +13,7 @@ import { mkdtemp, readFile, readdir, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseModelSpec, planTensors } from './arch';
-import {
-  GgmlType,
-  type GgufKv,
-  type GgufTensorInfo,
-  ggmlByteLength,
-  ggufModelMetadata,
-  planGguf,
-  planGgufModel,
-  writeGgufFile,
-} from './gguf';
+import { GgmlType, type GgufKv, type GgufTensorInfo, ggmlByteLength, ggufModelMetadata, planGguf, planGgufModel, writeGgufFile } from './gguf';
 import { readGguf } from './gguf-reader';
 import { parseTokenizer } from './tokenizer';
 import type { ByteSource } from './types';
@@ -252,7 +243,11 @@ describe('llama.cpp model metadata', () => {
   async function tiny(): Promise<{ config: Record<string, unknown>; tokenizerJson: unknown; tokenizerConfig: unknown }> {
     const dir = join(testdata, 'tiny-llama');
     const json = async (name: string): Promise<unknown> => JSON.parse(await readFile(join(dir, name), 'utf8'));
-    return { config: (await json('config.json')) as Record<string, unknown>, tokenizerJson: await json('tokenizer.json'), tokenizerConfig: await json('tokenizer_config.json') };
+    return {
+      config: (await json('config.json')) as Record<string, unknown>,
+      tokenizerJson: await json('tokenizer.json'),
+      tokenizerConfig: await json('tokenizer_config.json'),
+    };
   }
 
   it('writes the llama keys, tokenizer keys and tensors llama.cpp reads', async () => {

@@ -100,7 +100,8 @@ export function ggmlByteLength(ggmlType: GgmlTypeId, dims: readonly number[]): n
   if (!layout) throw new RangeError(`unsupported ggml type ${String(ggmlType)}`);
   const { blockSize, typeSize } = layout;
   const inner = dims[0] ?? 1;
-  if (inner % blockSize !== 0) throw new ConvertError('BadBlockSize', `ne[0]=${inner} is not a multiple of the ${blockSize}-value block of ggml type ${ggmlType}`);
+  if (inner % blockSize !== 0)
+    throw new ConvertError('BadBlockSize', `ne[0]=${inner} is not a multiple of the ${blockSize}-value block of ggml type ${ggmlType}`);
   return (dims.reduce((a, b) => a * b, 1) / blockSize) * typeSize;
 }
 

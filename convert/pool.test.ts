@@ -55,7 +55,12 @@ describe('QuantPool', () => {
     ] as const) {
       const expected = Buffer.concat(chunks.map((c) => inline('F16', c, format, flavor)));
       for (const p of sized) {
-        const got = await concat(p.encodeStream(chunks.map((c) => ({ dtype: 'F16' as const, bytes: c.slice() })), { format, flavor, maxInFlight: 5 }));
+        const got = await concat(
+          p.encodeStream(
+            chunks.map((c) => ({ dtype: 'F16' as const, bytes: c.slice() })),
+            { format, flavor, maxInFlight: 5 },
+          ),
+        );
         expect(got.equals(expected)).toBe(true);
       }
     }
@@ -159,7 +164,10 @@ describe('QuantPool', () => {
 
   test('close rejects new and queued work and is idempotent', async () => {
     const p = new QuantPool({ size: 1 });
-    const inFlight = [p.encode({ dtype: 'F16', bytes: randomF16(32 * 4096, 1), format: 'q40' }), p.encode({ dtype: 'F16', bytes: randomF16(64, 2), format: 'q40' })];
+    const inFlight = [
+      p.encode({ dtype: 'F16', bytes: randomF16(32 * 4096, 1), format: 'q40' }),
+      p.encode({ dtype: 'F16', bytes: randomF16(64, 2), format: 'q40' }),
+    ];
     const settled = Promise.allSettled(inFlight);
     await p.close();
     await p.close();

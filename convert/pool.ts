@@ -126,7 +126,9 @@ export class QuantPool {
    * chunks submitted ahead. The first failure is thrown when its turn comes.
    */
   async *encodeStream(
-    chunks: AsyncIterable<{ dtype: SourceDType; bytes: Uint8Array; elementOffset?: number }> | Iterable<{ dtype: SourceDType; bytes: Uint8Array; elementOffset?: number }>,
+    chunks:
+      | AsyncIterable<{ dtype: SourceDType; bytes: Uint8Array; elementOffset?: number }>
+      | Iterable<{ dtype: SourceDType; bytes: Uint8Array; elementOffset?: number }>,
     opts: EncodeStreamOptions,
   ): AsyncGenerator<Uint8Array> {
     const max = opts.maxInFlight ?? 2 * this.size;

@@ -44,7 +44,21 @@
 import { ConvertError } from './errors';
 import type { QuantFlavor, WeightsFormat } from './types';
 import { weightsFormat } from '../shared/weights';
-import { BF16_TABLE, decodeToF32, dtypeSize, F16_TABLE, f16FromF32Bits, f32ToF16, f32ToF16Bits, f32View, nonFinite, u16View, u32Of, type ElementOptions, type RawChunk } from './elements';
+import {
+  BF16_TABLE,
+  decodeToF32,
+  dtypeSize,
+  F16_TABLE,
+  f16FromF32Bits,
+  f32ToF16,
+  f32ToF16Bits,
+  f32View,
+  nonFinite,
+  u16View,
+  u32Of,
+  type ElementOptions,
+  type RawChunk,
+} from './elements';
 
 export {
   assertFinite,
@@ -167,7 +181,8 @@ export function quantizeQ40(x: Float32Array, out: Uint8Array, opts?: EncodeOptio
     }
     if (amax >= 0x7f800000) throw nonFinite(x[b + at]!, b + at, opts);
     let m: number;
-    if (at < 0) m = dllama ? x[b + QK - 1]! : 0; // all ±0 (see file comment)
+    if (at < 0)
+      m = dllama ? x[b + QK - 1]! : 0; // all ±0 (see file comment)
     else if (dllama) m = positive ? Math.abs(x[b + at]!) : -Math.abs(x[b + at]!);
     else m = x[b + at]!;
     // m / -8 is exact in float64; fround matters only if the quotient is a float32 subnormal.

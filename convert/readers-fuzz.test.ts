@@ -54,15 +54,24 @@ class Mutator {
   /** A JSON value of any kind, some of them large. */
   nastyValue(): unknown {
     switch (this.int(9)) {
-      case 0: return null;
-      case 1: return this.nastyNumber();
-      case 2: return 'x'.repeat(this.int(64));
-      case 3: return [];
-      case 4: return {};
-      case 5: return [this.nastyNumber(), this.nastyNumber()];
-      case 6: return this.int(2) === 0;
-      case 7: return Array.from({ length: this.int(8) }, () => this.nastyNumber());
-      default: return { type: this.pick(['BPE', 'Unigram', 'WordPiece', 'ByteLevel', 'Sequence']), vocab: { a: this.nastyNumber() } };
+      case 0:
+        return null;
+      case 1:
+        return this.nastyNumber();
+      case 2:
+        return 'x'.repeat(this.int(64));
+      case 3:
+        return [];
+      case 4:
+        return {};
+      case 5:
+        return [this.nastyNumber(), this.nastyNumber()];
+      case 6:
+        return this.int(2) === 0;
+      case 7:
+        return Array.from({ length: this.int(8) }, () => this.nastyNumber());
+      default:
+        return { type: this.pick(['BPE', 'Unigram', 'WordPiece', 'ByteLevel', 'Sequence']), vocab: { a: this.nastyNumber() } };
     }
   }
 
@@ -162,7 +171,11 @@ interface Outcome {
  * Runs `cases` mutated inputs through `run`; each must resolve or throw a typed error within the
  * budget. Returns what happened, for the counts the test also checks.
  */
-async function fuzz(reader: string, isTyped: (err: unknown) => string | undefined, makeCase: (m: Mutator, i: number) => () => Promise<unknown>): Promise<Outcome> {
+async function fuzz(
+  reader: string,
+  isTyped: (err: unknown) => string | undefined,
+  makeCase: (m: Mutator, i: number) => () => Promise<unknown>,
+): Promise<Outcome> {
   const outcome: Outcome = { ok: 0, codes: new Map() };
   for (let i = 0; i < CASES; i++) {
     // One PRNG per case, from the run's seed and the case number: a case replays on its own.

@@ -1,15 +1,7 @@
 import { mkdtemp, readFile, rm, unlink, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import * as path from 'node:path';
-import {
-  encodeRawHeader,
-  encodeSafetensors,
-  encodeValues,
-  tinyModelLayout,
-  tinyModelTensors,
-  tinyTensorData,
-  writeTinyModel,
-} from '../workers/dev/tiny-model';
+import { encodeRawHeader, encodeSafetensors, encodeValues, tinyModelLayout, tinyModelTensors, tinyTensorData, writeTinyModel } from '../workers/dev/tiny-model';
 import { isConvertError } from './errors';
 import { f16BitsToF32 } from './quant';
 import {
@@ -146,10 +138,22 @@ describe('openSafetensors', () => {
       ['unknown dtype', (h) => (h.b!.dtype = 'Q7_K'), null, 'UnsupportedDType', /tensor b: unknown dtype Q7_K/],
       ['shape × dtype ≠ bytes', (h) => (h.b!.shape = [3, 2]), null, 'ShapeMismatch', /tensor b: shape \[3, 2\] of F16 needs 12 bytes but data_offsets span 8/],
       ['overlapping tensors', (h) => (h.b!.data_offsets = [4, 12]), null, 'BadOffsets', /overlaps/],
-      ['a gap between tensors', (h) => {
-        h.b!.data_offsets = [12, 20];
-      }, new Uint8Array(20), 'BadOffsets', /bytes 8\.\.12 .* belong to no tensor/],
-      ['offsets past the data section', (h) => (h.b!.data_offsets = [8, 16]), new Uint8Array(12), 'TruncatedFile', /tensor b ends at data byte 16 but the file holds only 12/],
+      [
+        'a gap between tensors',
+        (h) => {
+          h.b!.data_offsets = [12, 20];
+        },
+        new Uint8Array(20),
+        'BadOffsets',
+        /bytes 8\.\.12 .* belong to no tensor/,
+      ],
+      [
+        'offsets past the data section',
+        (h) => (h.b!.data_offsets = [8, 16]),
+        new Uint8Array(12),
+        'TruncatedFile',
+        /tensor b ends at data byte 16 but the file holds only 12/,
+      ],
       ['trailing bytes', () => undefined, new Uint8Array(24), 'BadOffsets', /last 8 bytes/],
       ['reversed offsets', (h) => (h.b!.data_offsets = [16, 8]), null, 'BadOffsets', /end before they begin/],
       ['negative offset', (h) => (h.b!.data_offsets = [-8, 8]), null, 'BadHeader', /data_offsets/],
@@ -307,34 +311,53 @@ describe('model directories', () => {
 
   test.each([
     ['no weights at all', () => Promise.resolve(), 'MissingFile'],
-    ['a shard named by the index is missing', async (d: string) => {
-      await writeTinyModel(d, { shards: 2 });
-      await unlink(path.join(d, 'model-00002-of-00002.safetensors'));
-    }, 'MissingFile'],
-    ['the index names a tensor its shard lacks', async (d: string) => {
-      await writeTinyModel(d, { shards: 2 });
-      const p = path.join(d, 'model.safetensors.index.json');
-      const index = JSON.parse(await readFile(p, 'utf8')) as { weight_map: Record<string, string> };
-      index.weight_map['model.extra.weight'] = 'model-00001-of-00002.safetensors';
-      await writeFile(p, JSON.stringify(index));
-    }, 'MissingTensor'],
-    ['the index puts a tensor in the wrong shard', async (d: string) => {
-      await writeTinyModel(d, { shards: 2 });
-      const p = path.join(d, 'model.safetensors.index.json');
-      const index = JSON.parse(await readFile(p, 'utf8')) as { weight_map: Record<string, string> };
-      index.weight_map['model.embed_tokens.weight'] = 'model-00002-of-00002.safetensors';
-      await writeFile(p, JSON.stringify(index));
-    }, 'MissingTensor'],
+    [
+      'a shard named by the index is missing',
+      async (d: string) => {
+        await writeTinyModel(d, { shards: 2 });
+        await unlink(path.join(d, 'model-00002-of-00002.safetensors'));
+      },
+      'MissingFile',
+    ],
+    [
+      'the index names a tensor its shard lacks',
+      async (d: string) => {
+        await writeTinyModel(d, { shards: 2 });
+        const p = path.join(d, 'model.safetensors.index.json');
+        const index = JSON.parse(await readFile(p, 'utf8')) as { weight_map: Record<string, string> };
+        index.weight_map['model.extra.weight'] = 'model-00001-of-00002.safetensors';
+        await writeFile(p, JSON.stringify(index));
+      },
+      'MissingTensor',
+    ],
+    [
+      'the index puts a tensor in the wrong shard',
+      async (d: string) => {
+        await writeTinyModel(d, { shards: 2 });
+        const p = path.join(d, 'model.safetensors.index.json');
+        const index = JSON.parse(await readFile(p, 'utf8')) as { weight_map: Record<string, string> };
+        index.weight_map['model.embed_tokens.weight'] = 'model-00002-of-00002.safetensors';
+        await writeFile(p, JSON.stringify(index));
+      },
+      'MissingTensor',
+    ],
     ['the index is not JSON', async (d: string) => writeFile(path.join(d, 'model.safetensors.index.json'), '{oops'), 'BadIndex'],
     ['the index has no weight_map', async (d: string) => writeFile(path.join(d, 'model.safetensors.index.json'), '{"metadata": {}}'), 'BadIndex'],
-    ['the index points outside the directory', async (d: string) =>
-      writeFile(path.join(d, 'model.safetensors.index.json'), JSON.stringify({ weight_map: { w: '../../etc/passwd' } })), 'BadIndex'],
-    ['two shards hold the same tensor', async (d: string) => {
-      const one = encodeSafetensors([{ name: 'w', dtype: 'F32', shape: [1], data: f32([1]) }]);
-      await writeFile(path.join(d, 'a.safetensors'), one);
-      await writeFile(path.join(d, 'b.safetensors'), one);
-      await writeFile(path.join(d, 'model.safetensors.index.json'), JSON.stringify({ weight_map: { w: 'a.safetensors', x: 'b.safetensors' } }));
-    }, 'BadIndex'],
+    [
+      'the index points outside the directory',
+      async (d: string) => writeFile(path.join(d, 'model.safetensors.index.json'), JSON.stringify({ weight_map: { w: '../../etc/passwd' } })),
+      'BadIndex',
+    ],
+    [
+      'two shards hold the same tensor',
+      async (d: string) => {
+        const one = encodeSafetensors([{ name: 'w', dtype: 'F32', shape: [1], data: f32([1]) }]);
+        await writeFile(path.join(d, 'a.safetensors'), one);
+        await writeFile(path.join(d, 'b.safetensors'), one);
+        await writeFile(path.join(d, 'model.safetensors.index.json'), JSON.stringify({ weight_map: { w: 'a.safetensors', x: 'b.safetensors' } }));
+      },
+      'BadIndex',
+    ],
     ['a shard is malformed', async (d: string) => writeFile(path.join(d, 'model.safetensors'), new Uint8Array(3)), 'TruncatedFile'],
   ] as const)('%s', async (_what, setup, code) => {
     await setup(dir);
@@ -347,7 +370,10 @@ describe('byte sources', () => {
     const dir = await mkdtemp(path.join(tmpdir(), 'magus-src-'));
     try {
       const p = path.join(dir, 'f.bin');
-      await writeFile(p, Uint8Array.from({ length: 100 }, (_, i) => i));
+      await writeFile(
+        p,
+        Uint8Array.from({ length: 100 }, (_, i) => i),
+      );
       const src = fileSource(p);
       expect(await src.size()).toBe(100);
       expect([...(await src.read(10, 5))]).toEqual([10, 11, 12, 13, 14]);

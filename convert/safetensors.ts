@@ -22,8 +22,26 @@ export const DEFAULT_CHUNK_ELEMENTS = 1 << 20;
 
 /** Bits per element of every safetensors dtype; we read only F32/F16/BF16. */
 const DTYPE_BITS: Readonly<Record<string, number>> = {
-  BOOL: 8, U8: 8, I8: 8, F8_E5M2: 8, F8_E4M3: 8, F8_E8M0: 8, F4: 4, F6_E2M3: 6, F6_E3M2: 6,
-  I16: 16, U16: 16, F16: 16, BF16: 16, I32: 32, U32: 32, F32: 32, F64: 64, I64: 64, U64: 64, C64: 64,
+  BOOL: 8,
+  U8: 8,
+  I8: 8,
+  F8_E5M2: 8,
+  F8_E4M3: 8,
+  F8_E8M0: 8,
+  F4: 4,
+  F6_E2M3: 6,
+  F6_E3M2: 6,
+  I16: 16,
+  U16: 16,
+  F16: 16,
+  BF16: 16,
+  I32: 32,
+  U32: 32,
+  F32: 32,
+  F64: 64,
+  I64: 64,
+  U64: 64,
+  C64: 64,
 };
 
 const READABLE: ReadonlySet<string> = new Set<SourceDType>(['F32', 'F16', 'BF16']);
@@ -337,7 +355,10 @@ export async function openModel(checkpoint: CheckpointFiles): Promise<ModelWeigh
     if (weightMap) {
       for (const [name, shard] of weightMap) {
         if (owner.get(name) !== shard) {
-          throw new ConvertError('MissingTensor', `${indexPath}: tensor ${name} should be in ${shard} but is ${owner.has(name) ? `in ${owner.get(name)}` : 'in no shard'}`);
+          throw new ConvertError(
+            'MissingTensor',
+            `${indexPath}: tensor ${name} should be in ${shard} but is ${owner.has(name) ? `in ${owner.get(name)}` : 'in no shard'}`,
+          );
         }
       }
     }
@@ -440,7 +461,10 @@ export async function* readTensorChunks(t: SourceTensor, opts?: ReadOptions): As
   const size = dtypeSize(t.dtype);
   const total = t.byteLength / size;
   if (total !== elementCount(t.shape)) {
-    throw new ConvertError('ShapeMismatch', `${t.source.name}: tensor ${t.name}: shape [${t.shape.join(', ')}] does not match ${t.byteLength} bytes of ${t.dtype}`);
+    throw new ConvertError(
+      'ShapeMismatch',
+      `${t.source.name}: tensor ${t.name}: shape [${t.shape.join(', ')}] does not match ${t.byteLength} bytes of ${t.dtype}`,
+    );
   }
   const chunk = chunkElementsFor(t.shape, opts?.chunkElements);
   for (let at = 0; at < total; at += chunk) {
@@ -472,7 +496,10 @@ export async function readTensorF32All(t: SourceTensor, opts?: Omit<ReadF32Optio
   const check = opts?.checkFinite ?? true;
   const elements = elementCount(t.shape);
   if (elements * dtypeSize(t.dtype) !== t.byteLength) {
-    throw new ConvertError('ShapeMismatch', `${t.source.name}: tensor ${t.name}: shape [${t.shape.join(', ')}] does not match ${t.byteLength} bytes of ${t.dtype}`);
+    throw new ConvertError(
+      'ShapeMismatch',
+      `${t.source.name}: tensor ${t.name}: shape [${t.shape.join(', ')}] does not match ${t.byteLength} bytes of ${t.dtype}`,
+    );
   }
   const bytes = await t.source.read(t.offset, t.byteLength);
   return toF32(t, { dtype: t.dtype, bytes, elementOffset: 0, elements }, check);

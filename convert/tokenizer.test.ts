@@ -7,8 +7,7 @@ const json = (name: string): Record<string, unknown> => JSON.parse(readFileSync(
 const hex = (b: Uint8Array): string => Buffer.from(b).toString('hex');
 const text = (b: Uint8Array): string => Buffer.from(b).toString('utf8');
 
-const QWEN2_REGEX =
-  "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 function failure(fn: () => unknown): { name: string; code: string; message: string } {
   try {
@@ -33,7 +32,30 @@ describe('parseTokenizer: byte-level BPE (Llama 3 style)', () => {
 
   it('keeps the byte-level token text for GGUF and decodes bytes for dllama', () => {
     expect(tok).toMatchObject({ kind: 'byte-level-bpe', ggmlModel: 'gpt2', pre: 'llama-bpe' });
-    expect(tok.tokens).toEqual(['h', 'e', 'l', 'o', 'Ġ', 'w', 'r', 'd', 'Ċ', 'Ã', '©', 'he', 'll', 'hell', 'hello', 'Ġw', 'Ã©', '<|begin_of_text|>', '<|end_of_text|>', '<|eot_id|>', '<think>', '<|reserved_0|>']);
+    expect(tok.tokens).toEqual([
+      'h',
+      'e',
+      'l',
+      'o',
+      'Ġ',
+      'w',
+      'r',
+      'd',
+      'Ċ',
+      'Ã',
+      '©',
+      'he',
+      'll',
+      'hell',
+      'hello',
+      'Ġw',
+      'Ã©',
+      '<|begin_of_text|>',
+      '<|end_of_text|>',
+      '<|eot_id|>',
+      '<think>',
+      '<|reserved_0|>',
+    ]);
     expect(text(tok.tokenBytes[4] as Uint8Array)).toBe(' ');
     expect(text(tok.tokenBytes[8] as Uint8Array)).toBe('\n');
     expect(hex(tok.tokenBytes[9] as Uint8Array)).toBe('c3');
@@ -51,7 +73,17 @@ describe('parseTokenizer: byte-level BPE (Llama 3 style)', () => {
     expect(Array.from(tok.scores.subarray(0, 3))).toEqual([-0, -1, -2]);
     expect(Object.is(tok.scores[0], -0)).toBe(true); // struct.pack('f', -float(0)) in the reference
     expect(tok.merges).toEqual(['h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'Ã ©']);
-    expect(tok).toMatchObject({ bosId: 17, eosId: 19, eosIds: [18, 19], unkId: null, padId: null, eotId: null, addBos: true, addEos: false, addSpacePrefix: null });
+    expect(tok).toMatchObject({
+      bosId: 17,
+      eosId: 19,
+      eosIds: [18, 19],
+      unkId: null,
+      padId: null,
+      eotId: null,
+      addBos: true,
+      addEos: false,
+      addSpacePrefix: null,
+    });
     expect(tok.chatTemplate).toContain('{% for m in messages %}');
     expect(tok.namedChatTemplates).toEqual([]);
   });
@@ -73,7 +105,17 @@ describe('parseTokenizer: Qwen style', () => {
   (tj.pre_tokenizer as { pretokenizers: { pattern: { Regex: string } }[] }).pretokenizers[0]!.pattern.Regex = QWEN2_REGEX;
   tj.post_processor = { type: 'ByteLevel', add_prefix_space: false, trim_offsets: false, use_regex: false };
   (tj.model as { merges: unknown }).merges = ['h e', 'l l', 'he ll', 'hell o', 'Ġ w', 'Ã ©'];
-  const tc = { ...json('tokenizer_config.json'), bos_token: null, eos_token: '<|eot_id|>', pad_token: '<|end_of_text|>', add_bos_token: false, chat_template: [{ name: 'default', template: 'T' }, { name: 'tool use', template: 'U' }] };
+  const tc = {
+    ...json('tokenizer_config.json'),
+    bos_token: null,
+    eos_token: '<|eot_id|>',
+    pad_token: '<|end_of_text|>',
+    add_bos_token: false,
+    chat_template: [
+      { name: 'default', template: 'T' },
+      { name: 'tool use', template: 'U' },
+    ],
+  };
 
   it('detects the qwen2 pre-tokenizer, takes BOS from config.json and honours add_bos_token', () => {
     const tok = parseTokenizer({ tokenizerJson: tj, tokenizerConfig: tc, bosTokenId: 18, eosTokenIds: [19] });
@@ -85,7 +127,17 @@ describe('parseTokenizer: Qwen style', () => {
 
   it('names other pre-tokenizers', () => {
     expect(detectPreTokenizer({ pre_tokenizer: { type: 'ByteLevel', add_prefix_space: false, use_regex: true } })).toBe('gpt-2');
-    expect(detectPreTokenizer({ pre_tokenizer: { type: 'Sequence', pretokenizers: [{ type: 'Split', pattern: { Regex: '\\s+' } }, { type: 'ByteLevel', use_regex: false }] } })).toBe('default');
+    expect(
+      detectPreTokenizer({
+        pre_tokenizer: {
+          type: 'Sequence',
+          pretokenizers: [
+            { type: 'Split', pattern: { Regex: '\\s+' } },
+            { type: 'ByteLevel', use_regex: false },
+          ],
+        },
+      }),
+    ).toBe('default');
     expect(detectPreTokenizer(null)).toBe('default');
   });
 
@@ -107,11 +159,24 @@ function spmBpe(): Record<string, unknown> {
       { id: 2, content: '</s>', special: true, normalized: false },
       { id: 12, content: '▁<user>', special: false, normalized: false },
     ],
-    normalizer: { type: 'Sequence', normalizers: [{ type: 'Prepend', prepend: '▁' }, { type: 'Replace', pattern: { String: ' ' }, content: '▁' }] },
+    normalizer: {
+      type: 'Sequence',
+      normalizers: [
+        { type: 'Prepend', prepend: '▁' },
+        { type: 'Replace', pattern: { String: ' ' }, content: '▁' },
+      ],
+    },
     pre_tokenizer: null,
     post_processor: { type: 'TemplateProcessing', single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }] },
     decoder: { type: 'Sequence', decoders: [{ type: 'Replace', pattern: { String: '▁' }, content: ' ' }, { type: 'ByteFallback' }, { type: 'Fuse' }] },
-    model: { type: 'BPE', unk_token: '<unk>', fuse_unk: true, byte_fallback: true, vocab: Object.fromEntries(vocab.map((t, i) => [t, i])), merges: ['▁ h', '▁h i'] },
+    model: {
+      type: 'BPE',
+      unk_token: '<unk>',
+      fuse_unk: true,
+      byte_fallback: true,
+      vocab: Object.fromEntries(vocab.map((t, i) => [t, i])),
+      merges: ['▁ h', '▁h i'],
+    },
   };
 }
 
@@ -119,12 +184,44 @@ describe('parseTokenizer: SentencePiece style', () => {
   it('reads a byte_fallback BPE vocabulary: byte, unknown and control types, ▁ as space', () => {
     const tok = parseTokenizer({
       tokenizerJson: spmBpe(),
-      tokenizerConfig: { bos_token: '<s>', eos_token: '</s>', unk_token: '<unk>', add_bos_token: true, add_eos_token: false, tokenizer_class: 'LlamaTokenizer' },
+      tokenizerConfig: {
+        bos_token: '<s>',
+        eos_token: '</s>',
+        unk_token: '<unk>',
+        add_bos_token: true,
+        add_eos_token: false,
+        tokenizer_class: 'LlamaTokenizer',
+      },
     });
-    expect(tok).toMatchObject({ kind: 'sentencepiece-bpe', ggmlModel: 'llama', pre: 'default', merges: [], bosId: 1, eosId: 2, eosIds: [2], unkId: 0, addBos: true, addEos: false });
+    expect(tok).toMatchObject({
+      kind: 'sentencepiece-bpe',
+      ggmlModel: 'llama',
+      pre: 'default',
+      merges: [],
+      bosId: 1,
+      eosId: 2,
+      eosIds: [2],
+      unkId: 0,
+      addBos: true,
+      addEos: false,
+    });
     expect(tok.types).toEqual([TokenType.unknown, TokenType.control, TokenType.control, 6, 6, 6, 1, 1, 1, 1, 1, 1, TokenType.userDefined]);
     expect(tok.tokens.slice(3, 13)).toEqual(['<0x0A>', '<0xC3>', '<0xA9>', '▁', 'h', 'i', '▁h', '▁hi', 'é', ' <user>']);
-    expect(tok.tokenBytes.map(hex)).toEqual(['3c756e6b3e', '3c733e', '3c2f733e', '0a', 'c3', 'a9', '20', '68', '69', '2068', '206869', 'c3a9', '203c757365723e']);
+    expect(tok.tokenBytes.map(hex)).toEqual([
+      '3c756e6b3e',
+      '3c733e',
+      '3c2f733e',
+      '0a',
+      'c3',
+      'a9',
+      '20',
+      '68',
+      '69',
+      '2068',
+      '206869',
+      'c3a9',
+      '203c757365723e',
+    ]);
     expect(Array.from(tok.scores)).toEqual([-0, -1, -2, -3, -4, -5, -6, -7, -8, -9, -10, -11, -12]);
   });
 
@@ -137,7 +234,19 @@ describe('parseTokenizer: SentencePiece style', () => {
           { id: 6, content: '<extra>', special: false },
         ],
         decoder: { type: 'Metaspace', replacement: '▁' },
-        model: { type: 'Unigram', unk_id: 0, byte_fallback: true, vocab: [['<unk>', 0], ['<s>', 0], ['</s>', 0], ['<0x41>', 0], ['▁', -2.5], ['▁hi', -3.25]] },
+        model: {
+          type: 'Unigram',
+          unk_id: 0,
+          byte_fallback: true,
+          vocab: [
+            ['<unk>', 0],
+            ['<s>', 0],
+            ['</s>', 0],
+            ['<0x41>', 0],
+            ['▁', -2.5],
+            ['▁hi', -3.25],
+          ],
+        },
       },
       tokenizerConfig: { bos_token: { content: '<s>' }, eos_token: '</s>' },
     });
@@ -160,7 +269,11 @@ describe('parseTokenizer: rejections', () => {
   it('ids far past the tokens defined (more holes than tokens + 1024) are refused before any hole is filled', () => {
     const tj = spmBpe();
     (tj.added_tokens as { id: number }[])[3]!.id = 2 ** 40;
-    expect(failure(() => parseTokenizer({ tokenizerJson: tj }))).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig', message: expect.stringContaining('too many holes') as unknown });
+    expect(failure(() => parseTokenizer({ tokenizerJson: tj }))).toMatchObject({
+      name: 'ConvertError',
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('too many holes') as unknown,
+    });
     // 13 tokens defined (ids 0–11 and the moved one): ids up to 13 + 1024 − 1 are allowed, one more is not.
     (tj.added_tokens as { id: number }[])[3]!.id = 13 + 1024 - 1;
     expect(parseTokenizer({ tokenizerJson: tj }).tokens).toHaveLength(13 + 1024);
@@ -173,11 +286,21 @@ describe('parseTokenizer: rejections', () => {
     ['plain BPE', { model: { type: 'BPE', vocab: { a: 0 }, merges: [] } }, 'neither byte-level nor byte_fallback'],
     ['no model', {}, 'no model'],
   ])('rejects %s', (_, tokenizerJson, message) => {
-    expect(failure(() => parseTokenizer({ tokenizerJson }))).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig', message: expect.stringContaining(message) as unknown });
+    expect(failure(() => parseTokenizer({ tokenizerJson }))).toMatchObject({
+      name: 'ConvertError',
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining(message) as unknown,
+    });
   });
 
   it('rejects special tokens outside the vocabulary', () => {
-    expect(failure(() => parseTokenizer({ tokenizerJson: spmBpe(), tokenizerConfig: { bos_token: '<nope>' } }))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('<nope>') as unknown });
-    expect(failure(() => parseTokenizer({ tokenizerJson: spmBpe(), eosTokenIds: [99] }))).toMatchObject({ code: 'UnsupportedConfig', message: expect.stringContaining('99') as unknown });
+    expect(failure(() => parseTokenizer({ tokenizerJson: spmBpe(), tokenizerConfig: { bos_token: '<nope>' } }))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('<nope>') as unknown,
+    });
+    expect(failure(() => parseTokenizer({ tokenizerJson: spmBpe(), eosTokenIds: [99] }))).toMatchObject({
+      code: 'UnsupportedConfig',
+      message: expect.stringContaining('99') as unknown,
+    });
   });
 });

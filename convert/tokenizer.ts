@@ -135,10 +135,8 @@ export function pieceBytes(piece: string, isByteToken: boolean): Uint8Array {
 }
 
 // The Split regexes of the two byte-level families we serve (copied from their tokenizer.json).
-const LLAMA3_REGEX =
-  "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
-const QWEN2_REGEX =
-  "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const LLAMA3_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+const QWEN2_REGEX = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
 function flattenSteps(step: unknown, key: 'pretokenizers' | 'processors' | 'decoders'): Json[] {
   if (!isObject(step)) return [];
@@ -317,7 +315,7 @@ export function parseTokenizer(input: TokenizerInput): ParsedTokenizer {
     tokenBytes.push(bytes);
     // distributed-llama scores every token of a fast tokenizer by -id (lower ids merge first);
     // Unigram keeps its own log-probabilities, added pieces get llama.cpp's -1000.
-    scores[id] = kind === 'sentencepiece-unigram' ? baseScores.get(id) ?? -1000 : -id;
+    scores[id] = kind === 'sentencepiece-unigram' ? (baseScores.get(id) ?? -1000) : -id;
   }
 
   const lookup = (key: string): number | null => {
@@ -336,7 +334,7 @@ export function parseTokenizer(input: TokenizerInput): ParsedTokenizer {
     if (id !== null && id >= size) throw bad(`special token id ${id} is outside the vocabulary of ${size} tokens`);
   }
 
-  const { addBos, addEos } = addSpecialTokens(tj, tc, bosId === null ? null : tokens[bosId] ?? null, eosId === null ? null : tokens[eosId] ?? null);
+  const { addBos, addEos } = addSpecialTokens(tj, tc, bosId === null ? null : (tokens[bosId] ?? null), eosId === null ? null : (tokens[eosId] ?? null));
   const { chatTemplate, namedChatTemplates } = chatTemplates(tc.chat_template, input.chatTemplateFile ?? null);
 
   return {

@@ -24,9 +24,7 @@ export interface RequestClaim {
   terminal?: ResponseFrame;
 }
 
-export type ClaimResult =
-  | { kind: 'fresh' | 'takeover'; claim: RequestClaim; revision: number }
-  | { kind: 'finished'; claim: RequestClaim; revision: number };
+export type ClaimResult = { kind: 'fresh' | 'takeover'; claim: RequestClaim; revision: number } | { kind: 'finished'; claim: RequestClaim; revision: number };
 
 export interface RequestClaims {
   /** Claims request `id` for this delivery: fresh, taken over from an earlier delivery, or already finished. */

@@ -61,11 +61,21 @@ describe('ensureDataPlane', () => {
   it('sizes the response stream from peak throughput × the longest request, records that retention, and follows a changed configuration', async () => {
     const MiB = 1024 * 1024;
     const info = async () => (await jsm.streams.info(names.responseStream)).config;
-    expect(await info()).toMatchObject({ max_bytes: 300 * MiB, max_age: nanos(30 * 60_000), metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '600000' }) as unknown });
+    expect(await info()).toMatchObject({
+      max_bytes: 300 * MiB,
+      max_age: nanos(30 * 60_000),
+      metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '600000' }) as unknown,
+    });
     await ensureDataPlane(nc, { prefix: names.prefix, responsePeakBytesPerSec: 16 * 1024, responseRetentionMs: 45 * 60_000 });
-    expect(await info()).toMatchObject({ max_bytes: 16 * 1024 * 45 * 60, max_age: nanos(45 * 60_000), metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '2700000', 'magus.dev/peak-bytes-per-sec': '16384' }) as unknown });
+    expect(await info()).toMatchObject({
+      max_bytes: 16 * 1024 * 45 * 60,
+      max_age: nanos(45 * 60_000),
+      metadata: expect.objectContaining({ 'magus.dev/required-retention-ms': '2700000', 'magus.dev/peak-bytes-per-sec': '16384' }) as unknown,
+    });
     // A memory stream reserves its size from JetStream's max_memory: too big fails, naming the knobs, and changes nothing.
-    await expect(ensureDataPlane(nc, { prefix: names.prefix, responsePeakBytesPerSec: 2 ** 30, responseRetentionMs: 24 * 3_600_000 })).rejects.toThrow(/MAGUS_RESPONSES: JetStream has less memory left than .* \(peak 1073741824 B\/s × 86400 s\)/);
+    await expect(ensureDataPlane(nc, { prefix: names.prefix, responsePeakBytesPerSec: 2 ** 30, responseRetentionMs: 24 * 3_600_000 })).rejects.toThrow(
+      /MAGUS_RESPONSES: JetStream has less memory left than .* \(peak 1073741824 B\/s × 86400 s\)/,
+    );
     expect((await info()).max_bytes).toBe(16 * 1024 * 45 * 60);
     await ensureDataPlane(nc, { prefix: names.prefix });
     expect((await info()).max_bytes).toBe(300 * MiB);
@@ -208,7 +218,8 @@ describe('readStoredFrames', () => {
     const chunk = (seq: number) => encodeJson({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: `piece ${seq}` } }] } });
     /** Other requests' frames, more than the stream holds: everything published before them is evicted. */
     const traffic = async (tag: string) => {
-      for (let i = 0; i < 160; i += 1) nc.publish(responseSubjectOf(small, `${tag}-${i}`, 'gw-other'), encodeJson({ seq: 0, type: 'done', data: 'x'.repeat(400) }));
+      for (let i = 0; i < 160; i += 1)
+        nc.publish(responseSubjectOf(small, `${tag}-${i}`, 'gw-other'), encodeJson({ seq: 0, type: 'done', data: 'x'.repeat(400) }));
       await nc.flush();
     };
 
@@ -216,7 +227,11 @@ describe('readStoredFrames', () => {
       small = await ensureDataPlane(nc, { prefix: `${names.prefix}S`, responseMaxBytes: 32 * 1024 });
     });
     afterAll(async () => {
-      for (const s of [small.requestStream, small.responseStream, ...[small.sessionsBucket, small.tokensBucket, small.claimsBucket, small.poolsBucket].map((b) => `KV_${b}`)]) {
+      for (const s of [
+        small.requestStream,
+        small.responseStream,
+        ...[small.sessionsBucket, small.tokensBucket, small.claimsBucket, small.poolsBucket].map((b) => `KV_${b}`),
+      ]) {
         await jsm.streams.delete(s).catch(() => false);
       }
     });
@@ -230,7 +245,11 @@ describe('readStoredFrames', () => {
       await traffic('all-gone');
       // Without `since` nothing tells eviction from silence.
       expect(await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject)).toMatchObject({ frames: [], complete: true });
-      expect(await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject, { since })).toMatchObject({ frames: [], highestSeq: -1, complete: false });
+      expect(await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject, { since })).toMatchObject({
+        frames: [],
+        highestSeq: -1,
+        complete: false,
+      });
     });
 
     it('the start evicted: the frames after it come back apart, with the highest seq stored', async () => {
@@ -241,7 +260,12 @@ describe('readStoredFrames', () => {
       for (let seq = 3; seq < 5; seq += 1) nc.publish(subject, chunk(seq));
       await nc.flush();
       const stored = await readStoredFrames(nc.jetstream(), jsm, small.responseStream, subject, { since: Date.now() - 60_000 });
-      expect({ frames: stored.frames, beyondGap: stored.beyondGap.map((f) => f.seq), highestSeq: stored.highestSeq, complete: stored.complete }).toEqual({ frames: [], beyondGap: [3, 4], highestSeq: 4, complete: false });
+      expect({ frames: stored.frames, beyondGap: stored.beyondGap.map((f) => f.seq), highestSeq: stored.highestSeq, complete: stored.complete }).toEqual({
+        frames: [],
+        beyondGap: [3, 4],
+        highestSeq: 4,
+        complete: false,
+      });
     });
 
     it('responseStreamState shows it: full, and its oldest frame far younger than the retention requests need', async () => {

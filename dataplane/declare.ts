@@ -113,7 +113,9 @@ export const ResponseStreamMetadata = {
  * min = 300 MiB). A memory stream reserves its `max_bytes` from JetStream's `max_memory` when it
  * is declared, so a size beyond what the server has left fails the declaration, by name.
  */
-export function responseStreamLimits(opts: Pick<DataPlaneOptions, 'responsePeakBytesPerSec' | 'responseRetentionMs' | 'responseMaxAgeMs' | 'responseMaxBytes'> = {}): {
+export function responseStreamLimits(
+  opts: Pick<DataPlaneOptions, 'responsePeakBytesPerSec' | 'responseRetentionMs' | 'responseMaxAgeMs' | 'responseMaxBytes'> = {},
+): {
   maxBytes: number;
   maxAgeMs: number;
   retentionMs: number;
@@ -121,7 +123,10 @@ export function responseStreamLimits(opts: Pick<DataPlaneOptions, 'responsePeakB
 } {
   const peakBytesPerSec = opts.responsePeakBytesPerSec ?? DEFAULT_RESPONSE_PEAK_BYTES_PER_SEC;
   const retentionMs = opts.responseRetentionMs ?? DEFAULT_RESPONSE_RETENTION_MS;
-  for (const [what, v] of [['responsePeakBytesPerSec', peakBytesPerSec], ['responseRetentionMs', retentionMs]] as const) {
+  for (const [what, v] of [
+    ['responsePeakBytesPerSec', peakBytesPerSec],
+    ['responseRetentionMs', retentionMs],
+  ] as const) {
     if (!Number.isFinite(v) || v <= 0) throw new Error(`${what} must be a positive number, got ${v}`);
   }
   const maxBytes = opts.responseMaxBytes ?? Math.max(MIN_RESPONSE_MAX_BYTES, Math.ceil((peakBytesPerSec * retentionMs) / 1000));
@@ -190,7 +195,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   const js = nc.jetstream();
   const jsm = await nc.jetstreamManager();
   const replicas = opts.replicas ?? 1;
-  if (!Number.isInteger(replicas) || replicas < 1 || replicas > MAX_REPLICAS) throw new Error(`replicas must be an integer from 1 to ${MAX_REPLICAS}, got ${replicas}`);
+  if (!Number.isInteger(replicas) || replicas < 1 || replicas > MAX_REPLICAS)
+    throw new Error(`replicas must be an integer from 1 to ${MAX_REPLICAS}, got ${replicas}`);
   const requestMaxAge = opts.requestMaxAgeMs ?? HOUR;
   const duplicateWindow = Math.min(opts.duplicateWindowMs ?? 5 * MINUTE, requestMaxAge);
   await ensureStream(jsm, {
@@ -220,7 +226,10 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
       max_age: nanos(responses.maxAgeMs),
       max_bytes: responses.maxBytes,
       num_replicas: replicas,
-      metadata: { [ResponseStreamMetadata.retentionMs]: String(responses.retentionMs), [ResponseStreamMetadata.peakBytesPerSec]: String(responses.peakBytesPerSec) },
+      metadata: {
+        [ResponseStreamMetadata.retentionMs]: String(responses.retentionMs),
+        [ResponseStreamMetadata.peakBytesPerSec]: String(responses.peakBytesPerSec),
+      },
     });
   } catch (err) {
     if (jsErrorCode(err) !== JsApiError.insufficientMemory) throw err;
@@ -276,4 +285,3 @@ export async function declareOnReconnect<T>(
   })().catch(() => undefined);
   return first;
 }
-

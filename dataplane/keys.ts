@@ -43,14 +43,20 @@ async function read(kv: KV, id: string): Promise<{ entry: TokenEntry | null; rev
 }
 
 /** Whether `entry` is `owner`'s; `null` stands for no owner: an entry an older magus wrote (no uid). */
-const owns = (entry: TokenEntry | null, owner: KeyOwnerRef | null): boolean => (owner === null ? entry !== null && entry.uid === undefined : entry?.key === owner.key && entry?.uid === owner.uid);
+const owns = (entry: TokenEntry | null, owner: KeyOwnerRef | null): boolean =>
+  owner === null ? entry !== null && entry.uid === undefined : entry?.key === owner.key && entry?.uid === owner.uid;
 
 /**
  * Registers `entry` (which names its owner: `key` and `uid`) under token id `id`. `adopts`
  * decides whether an existing entry with no owner — written by an older magus — is this key's
  * own (e.g. the same origin); anything else held by another owner is a conflict.
  */
-export async function registerKey(kv: KV, id: string, entry: TokenEntry & KeyOwnerRef, adopts: (existing: TokenEntry) => boolean = () => false): Promise<Registration> {
+export async function registerKey(
+  kv: KV,
+  id: string,
+  entry: TokenEntry & KeyOwnerRef,
+  adopts: (existing: TokenEntry) => boolean = () => false,
+): Promise<Registration> {
   const data = JSON.stringify(entry);
   for (;;) {
     const current = await read(kv, id);
@@ -60,7 +66,11 @@ export async function registerKey(kv: KV, id: string, entry: TokenEntry & KeyOwn
         return { ok: true, written: true };
       }
       const mine = owns(current.entry, entry) || (owns(current.entry, null) && adopts(current.entry!));
-      if (!mine) return { ok: false, holder: { ...(current.entry?.key ? { key: current.entry.key } : {}), ...(current.entry?.origin ? { origin: current.entry.origin } : {}) } };
+      if (!mine)
+        return {
+          ok: false,
+          holder: { ...(current.entry?.key ? { key: current.entry.key } : {}), ...(current.entry?.origin ? { origin: current.entry.origin } : {}) },
+        };
       if (JSON.stringify(current.entry) === data) return { ok: true, written: false };
       await kv.update(id, data, current.revision);
       return { ok: true, written: true };

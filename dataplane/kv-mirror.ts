@@ -95,14 +95,15 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       live = false;
       iter = undefined;
       if (reopening) reopening = false;
-      else if (!stopped) await new Promise<void>((resolve) => {
-        const t = setTimeout(resolve, opts.restartDelayMs ?? 1000);
-        t.unref(); // a mirror nobody closed does not hold the process open
-        wake = () => {
-          clearTimeout(t);
-          resolve();
-        };
-      });
+      else if (!stopped)
+        await new Promise<void>((resolve) => {
+          const t = setTimeout(resolve, opts.restartDelayMs ?? 1000);
+          t.unref(); // a mirror nobody closed does not hold the process open
+          wake = () => {
+            clearTimeout(t);
+            resolve();
+          };
+        });
     }
   };
   const running = run();

@@ -3,14 +3,26 @@ import { consumerNameOf, dataPlaneNames, isResponseSubjectOf, requestSubjectOf, 
 describe('data-plane names', () => {
   it('are the shared names without a prefix', () => {
     const n = dataPlaneNames();
-    expect(n).toMatchObject({ requestStream: 'MAGUS_REQUESTS', responseStream: 'MAGUS_RESPONSES', sessionsBucket: 'magus_sessions', tokensBucket: 'magus_tokens', claimsBucket: 'magus_claims', modelsBucket: 'magus_models' });
+    expect(n).toMatchObject({
+      requestStream: 'MAGUS_REQUESTS',
+      responseStream: 'MAGUS_RESPONSES',
+      sessionsBucket: 'magus_sessions',
+      tokensBucket: 'magus_tokens',
+      claimsBucket: 'magus_claims',
+      modelsBucket: 'magus_models',
+    });
     expect(requestSubjectOf(n, 'llama', 'i-0')).toBe('magus.req.llama.i-0');
     expect(responseSubjectOf(n, 'r1')).toBe('magus.res.r1');
   });
 
   it('are all renamed by a prefix', () => {
     const n = dataPlaneNames('T_X');
-    expect(n).toMatchObject({ requestStream: 'T_X_MAGUS_REQUESTS', responseStream: 'T_X_MAGUS_RESPONSES', sessionsBucket: 'T_X_magus_sessions', claimsBucket: 'T_X_magus_claims' });
+    expect(n).toMatchObject({
+      requestStream: 'T_X_MAGUS_REQUESTS',
+      responseStream: 'T_X_MAGUS_RESPONSES',
+      sessionsBucket: 'T_X_magus_sessions',
+      claimsBucket: 'T_X_magus_claims',
+    });
     expect(requestSubjectOf(n, 'p', 'i')).toBe('t_x.magus.req.p.i');
     expect(responseSubjectOf(n, 'r1')).toBe('t_x.magus.res.r1');
     expect(responseSubjectOf(n, 'r1', 'gw-1')).toBe('t_x.magus.res.gw-1.r1');
@@ -24,7 +36,16 @@ describe('data-plane names', () => {
     // What a bridge answers on: the request's own subject, in either form, and nothing else.
     expect(isResponseSubjectOf(n, 'magus.res.gw-a.r1', 'r1')).toBe(true);
     expect(isResponseSubjectOf(n, 'magus.res.r1', 'r1')).toBe(true);
-    for (const bad of ['magus.res.gw-a.r2', 'magus.res.xr1', 'magus.res.a.b.r1', 'magus.res.*.r1', 'magus.res..r1', 'other.gw-a.r1', 't_x.magus.res.gw-a.r1', 'magus.res.gw-a.>']) {
+    for (const bad of [
+      'magus.res.gw-a.r2',
+      'magus.res.xr1',
+      'magus.res.a.b.r1',
+      'magus.res.*.r1',
+      'magus.res..r1',
+      'other.gw-a.r1',
+      't_x.magus.res.gw-a.r1',
+      'magus.res.gw-a.>',
+    ]) {
       expect([bad, isResponseSubjectOf(n, bad, 'r1')]).toEqual([bad, false]);
     }
     expect(isResponseSubjectOf(dataPlaneNames('T_X'), 't_x.magus.res.gw-a.r1', 'r1')).toBe(true);

@@ -10,7 +10,10 @@ import { Nats } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import type { RuntimeAdvert } from '../shared/runtimes';
 
-const codec = { encode: (m: ReadyModel) => new TextEncoder().encode(JSON.stringify(m)), decode: (b: Uint8Array) => JSON.parse(new TextDecoder().decode(b)) as ReadyModel };
+const codec = {
+  encode: (m: ReadyModel) => new TextEncoder().encode(JSON.stringify(m)),
+  decode: (b: Uint8Array) => JSON.parse(new TextDecoder().decode(b)) as ReadyModel,
+};
 
 /** KV keys allow `[-/_=.a-zA-Z0-9]`; namespaces and names are DNS labels, so `.` separates them. */
 export const registryKey = (namespace: string, name: string): string => `${namespace}.${name}`;

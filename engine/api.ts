@@ -6,7 +6,15 @@
  */
 import { Type, type Static, type TNull, type TOptional, type TProperties, type TSchema, type TUnion } from '@sinclair/typebox';
 import type { FastifySchemaValidationError } from 'fastify';
-import { ChatCompletionBody as OpenAiChatBody, ChatCompletionRequest, ChatMessage, StringEnum, checkStructure, type ToolCall, type ToolSpec } from '../shared/chat';
+import {
+  ChatCompletionBody as OpenAiChatBody,
+  ChatCompletionRequest,
+  ChatMessage,
+  StringEnum,
+  checkStructure,
+  type ToolCall,
+  type ToolSpec,
+} from '../shared/chat';
 import type { GrammarSchema } from '../shared/json-schema';
 import { COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionsRequest, promptsOf } from '../shared/completions';
 import type { CompletionUsage } from '../shared/serving';
@@ -249,7 +257,11 @@ export const chatCompletionBodySchema = Type.Object({
     }),
     { minItems: 1 },
   ),
-  ...orNull({ ...Type.Omit(ChatCompletionRequest, ['model', 'messages']).properties, max_completion_tokens: OpenAiChatBody.properties.max_completion_tokens, n: Type.Integer({ minimum: 1, maximum: 1 }) }),
+  ...orNull({
+    ...Type.Omit(ChatCompletionRequest, ['model', 'messages']).properties,
+    max_completion_tokens: OpenAiChatBody.properties.max_completion_tokens,
+    n: Type.Integer({ minimum: 1, maximum: 1 }),
+  }),
 });
 
 /** The body as the schema admits it. */
@@ -290,7 +302,14 @@ export function paramPath(instancePath: string, child?: string): string | null {
   return out || null;
 }
 
-const TYPE_NAMES: Record<string, string> = { integer: 'an integer', number: 'a number', string: 'a string', boolean: 'a boolean', object: 'an object', array: 'an array' };
+const TYPE_NAMES: Record<string, string> = {
+  integer: 'an integer',
+  number: 'a number',
+  string: 'a string',
+  boolean: 'a boolean',
+  object: 'an object',
+  array: 'an array',
+};
 
 /** How deep in the body an error points (a missing property counts as one level below its object). */
 const depth = (e: FastifySchemaValidationError): number => e.instancePath.split('/').length + (e.keyword === 'required' ? 1 : 0);
@@ -378,7 +397,14 @@ export const chatCompletionResponseSchemas = {
                 content: { type: nullable('string') },
                 tool_calls: {
                   type: 'array',
-                  items: { type: 'object', properties: { id: { type: 'string' }, type: { type: 'string' }, function: { type: 'object', properties: { name: { type: 'string' }, arguments: { type: 'string' } } } } },
+                  items: {
+                    type: 'object',
+                    properties: {
+                      id: { type: 'string' },
+                      type: { type: 'string' },
+                      function: { type: 'object', properties: { name: { type: 'string' }, arguments: { type: 'string' } } },
+                    },
+                  },
                 },
               },
             },
@@ -404,7 +430,10 @@ export const modelListResponseSchema = {
       object: { type: 'string' },
       data: {
         type: 'array',
-        items: { type: 'object', properties: { id: { type: 'string' }, object: { type: 'string' }, created: { type: 'integer' }, owned_by: { type: 'string' } } },
+        items: {
+          type: 'object',
+          properties: { id: { type: 'string' }, object: { type: 'string' }, created: { type: 'integer' }, owned_by: { type: 'string' } },
+        },
       },
     },
   },
@@ -423,7 +452,12 @@ export interface ChatCompletion {
   object: 'chat.completion';
   created: number;
   model: string;
-  choices: { index: 0; message: { role: 'assistant'; content: string | null; tool_calls?: ToolCall[] }; logprobs: ChatLogprobs | null; finish_reason: FinishReason }[];
+  choices: {
+    index: 0;
+    message: { role: 'assistant'; content: string | null; tool_calls?: ToolCall[] };
+    logprobs: ChatLogprobs | null;
+    finish_reason: FinishReason;
+  }[];
   usage: Usage;
 }
 

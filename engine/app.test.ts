@@ -73,7 +73,11 @@ describe('engine HTTP layer', () => {
     backend.pending[0]!.finish({ text: 'hello', finishReason: 'stop', completionTokens: 2, cachedPromptTokens: 1 });
     const res = await answer;
     expect(res.statusCode).toBe(200);
-    expect(res.json()).toMatchObject({ model: 'm', choices: [{ message: { content: 'hello' }, finish_reason: 'stop' }], usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: { cached_tokens: 1 } } });
+    expect(res.json()).toMatchObject({
+      model: 'm',
+      choices: [{ message: { content: 'hello' }, finish_reason: 'stop' }],
+      usage: { prompt_tokens: 3, completion_tokens: 2, total_tokens: 5, prompt_tokens_details: { cached_tokens: 1 } },
+    });
     expect((await get('/metrics')).body).toContain('magus_engine_cached_prompt_tokens_total 1');
   });
 
@@ -120,7 +124,9 @@ describe('engine HTTP layer', () => {
     const events = res.body.split('\n\n').filter(Boolean);
     expect(events).toHaveLength(3);
     expect(events[1]).toContain('"content":"partial"');
-    expect(JSON.parse(events[2]!.slice('data: '.length))).toEqual({ error: { message: 'The engine had an internal error.', type: 'server_error', param: null, code: null } });
+    expect(JSON.parse(events[2]!.slice('data: '.length))).toEqual({
+      error: { message: 'The engine had an internal error.', type: 'server_error', param: null, code: null },
+    });
     expect((await get('/metrics')).body).toContain('magus_engine_errors_total{type="server_error"} 1');
   });
 });
@@ -142,12 +148,25 @@ describe('request normalisation', () => {
       toolChoice: 'auto',
       parallelToolCalls: true,
     });
-    const r = normalizeRequest({ messages: [], max_tokens: 5, max_completion_tokens: 7, seed: -1, stop: 'x', stream: true, stream_options: { include_usage: true } });
+    const r = normalizeRequest({
+      messages: [],
+      max_tokens: 5,
+      max_completion_tokens: 7,
+      seed: -1,
+      stop: 'x',
+      stream: true,
+      stream_options: { include_usage: true },
+    });
     expect(r).toMatchObject({ maxTokens: 7, seed: 0xffffffff, stop: ['x'], stream: true, includeUsage: true });
     // tool_choice none offers no tools; a named one is kept by name; parameters converted for the grammar.
-    const tool = { type: 'function' as const, function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string' } }, required: ['a'], title: 'F' } } };
+    const tool = {
+      type: 'function' as const,
+      function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string' } }, required: ['a'], title: 'F' } },
+    };
     expect(normalizeRequest({ messages: [], tools: [tool], tool_choice: 'none' })).toMatchObject({ tools: [] });
-    expect(normalizeRequest({ messages: [], tools: [tool], tool_choice: { type: 'function', function: { name: 'f' } }, parallel_tool_calls: false })).toMatchObject({
+    expect(
+      normalizeRequest({ messages: [], tools: [tool], tool_choice: { type: 'function', function: { name: 'f' } }, parallel_tool_calls: false }),
+    ).toMatchObject({
       tools: [{ name: 'f', params: { type: 'object', properties: { a: { type: 'string' } }, additionalProperties: false } }],
       toolChoice: { name: 'f' },
       parallelToolCalls: false,
@@ -165,7 +184,17 @@ describe('request normalisation', () => {
 describe('magus engine options', () => {
   test('defaults and both flag spellings', () => {
     const o = parseEngineArgs(['--model', '/m/tiny.gguf', '--port=8080', '--slots', '2', '--json']);
-    expect(o).toMatchObject({ model: '/m/tiny.gguf', host: '127.0.0.1', port: 8080, slots: 2, queue: 16, ctx: 4096, modelId: 'tiny.gguf', json: true, graceMs: 30_000 });
+    expect(o).toMatchObject({
+      model: '/m/tiny.gguf',
+      host: '127.0.0.1',
+      port: 8080,
+      slots: 2,
+      queue: 16,
+      ctx: 4096,
+      modelId: 'tiny.gguf',
+      json: true,
+      graceMs: 30_000,
+    });
     expect(o.threads).toBeGreaterThanOrEqual(1);
   });
 

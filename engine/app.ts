@@ -172,7 +172,8 @@ export function toEngineError(err: unknown): EngineHttpError {
   const fe = err as Partial<FastifyError> | undefined;
   if (fe?.validation) return validationFailure(fe.validation);
   if (typeof fe?.statusCode === 'number' && fe.statusCode >= 400 && fe.statusCode < 500) {
-    const message = fe.statusCode === 400 && /JSON/i.test(fe.message ?? '') ? 'We could not parse the JSON body of your request.' : (fe.message ?? 'Bad request.');
+    const message =
+      fe.statusCode === 400 && /JSON/i.test(fe.message ?? '') ? 'We could not parse the JSON body of your request.' : (fe.message ?? 'Bad request.');
     return new EngineHttpError(fe.statusCode, message, 'invalid_request_error');
   }
   return new EngineHttpError(500, 'The engine had an internal error.', 'server_error');
@@ -192,7 +193,11 @@ async function embed(core: EngineCore, request: FastifyRequest, reply: FastifyRe
   if (!embedder) throw invalidRequest('This engine does not compute embeddings.', 'model', 'unsupported_feature');
   const body = request.body as EmbeddingsRequest;
   if (body.dimensions !== undefined && body.dimensions !== embedder.dimensions) {
-    throw invalidRequest(`This model's embeddings have ${embedder.dimensions} dimensions and cannot be shortened; send \`dimensions: ${embedder.dimensions}\` or leave it out.`, 'dimensions', 'unsupported_value');
+    throw invalidRequest(
+      `This model's embeddings have ${embedder.dimensions} dimensions and cannot be shortened; send \`dimensions: ${embedder.dimensions}\` or leave it out.`,
+      'dimensions',
+      'unsupported_value',
+    );
   }
   const abort = new AbortController();
   const onClose = (): void => {
@@ -247,7 +252,13 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
   const req = normalizeRequest(request.body as ChatCompletionBody);
   const prepared = backend.prepare(req);
   const affinity = backend.affinity?.bind(backend);
-  return serve(core, opts, reply, arrived, { kind: 'chat', stream: req.stream, includeUsage: req.includeUsage, prepared: [prepared], ...(affinity ? { score: (slot) => affinity(slot, req) } : {}) });
+  return serve(core, opts, reply, arrived, {
+    kind: 'chat',
+    stream: req.stream,
+    includeUsage: req.includeUsage,
+    prepared: [prepared],
+    ...(affinity ? { score: (slot) => affinity(slot, req) } : {}),
+  });
 }
 
 /** `POST /v1/completions`: each prompt continued as raw text, one choice each, in one slot one after another. */
@@ -259,7 +270,13 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
   const body = request.body as CompletionsRequest;
   const req = normalizeTextRequest(body);
   const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof body.prompt === 'string' ? 'prompt' : `prompt[${i}]`));
-  return serve(core, opts, reply, arrived, { kind: 'text', stream: req.stream, includeUsage: req.includeUsage, prepared, promptChars: req.prompts.map((p) => p.length) });
+  return serve(core, opts, reply, arrived, {
+    kind: 'text',
+    stream: req.stream,
+    includeUsage: req.includeUsage,
+    prepared,
+    promptChars: req.prompts.map((p) => p.length),
+  });
 }
 
 /** Usage of several generations (a text completion's choices) as one. */
@@ -348,7 +365,12 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
           object: 'text_completion',
           created,
           model: core.modelId,
-          choices: results.map((r, index) => ({ index, text: r.text, logprobs: r.logprobs ? textLogprobs(r.logprobs, job.promptChars?.[index] ?? 0) : null, finish_reason: r.finishReason })),
+          choices: results.map((r, index) => ({
+            index,
+            text: r.text,
+            logprobs: r.logprobs ? textLogprobs(r.logprobs, job.promptChars?.[index] ?? 0) : null,
+            finish_reason: r.finishReason,
+          })),
           usage: sumUsage(job.prepared, results),
         };
       }
@@ -447,7 +469,9 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
   });
 
   app.setNotFoundHandler((request, reply) =>
-    reply.code(404).send(new EngineHttpError(404, `Unknown request URL: ${request.method} ${request.url}.`, 'invalid_request_error', null, 'unknown_url').body()),
+    reply
+      .code(404)
+      .send(new EngineHttpError(404, `Unknown request URL: ${request.method} ${request.url}.`, 'invalid_request_error', null, 'unknown_url').body()),
   );
 
   app.addHook('onSend', async (_request, reply, payload) => {
@@ -457,10 +481,7 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
 
   // CORS preflight, answered like dllama-api.
   app.options('*', (_request, reply) =>
-    reply
-      .code(204)
-      .headers({ 'access-control-allow-methods': 'GET, POST, PUT, DELETE', 'access-control-allow-headers': 'Content-Type, Authorization' })
-      .send(),
+    reply.code(204).headers({ 'access-control-allow-methods': 'GET, POST, PUT, DELETE', 'access-control-allow-headers': 'Content-Type, Authorization' }).send(),
   );
 
   app.post(COMPLETIONS_URL, {

@@ -174,13 +174,19 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
 
   while (sampled.length < o.maxTokens) {
     if (o.signal.aborted) throw o.signal.reason;
-    const repeatPenalty = penalties ? { repeatPenalty: { punishTokens: sampled, penalty: 1, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } } : {};
+    const repeatPenalty = penalties
+      ? { repeatPenalty: { punishTokens: sampled, penalty: 1, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
+      : {};
     const seed = stepSeed(requestSeed, sampled.length);
     const next: ControlledEvaluateInputItem = [
       input.at(-1)!,
       {
         generateNext: wantLogprobs
-          ? { logits: { filter: { tokens: [], includeTop: Math.max(candidates, o.topLogprobs!) } }, totalLogitWeight: true, options: { temperature: 0, ...repeatPenalty } }
+          ? {
+              logits: { filter: { tokens: [], includeTop: Math.max(candidates, o.topLogprobs!) } },
+              totalLogitWeight: true,
+              options: { temperature: 0, ...repeatPenalty },
+            }
           : { token: true, options: { temperature: o.temperature, topP: o.topP, seed, ...repeatPenalty } },
       },
     ];

@@ -188,7 +188,11 @@ test('the next turn of a conversation finds its prefix in the slot cache; anothe
   // the user header): llama.cpp's own tokenization of both prompts says how many.
   const other = await complete({ messages: [{ role: 'user', content: 'Quite unrelated words here.' }], max_tokens: 2, temperature: 0 });
   const userTurn = (text: string) => `<|start_header_id|>user<|end_header_id|>\n\n${text}<|eot_id|>`;
-  const [held, asked] = await Promise.all([userTurn('Tell me about the sea and the ships on it.'), userTurn('Quite unrelated words here.')].map((prompt) => runLlamaCpp({ model: gguf, prompt, nTokens: 0 })));
+  const [held, asked] = await Promise.all(
+    [userTurn('Tell me about the sea and the ships on it.'), userTurn('Quite unrelated words here.')].map((prompt) =>
+      runLlamaCpp({ model: gguf, prompt, nTokens: 0 }),
+    ),
+  );
   let shared = 0;
   while (held!.tokenizedPrompt![shared] === asked!.tokenizedPrompt![shared]) shared++;
   expect(shared).toBeGreaterThan(0);
@@ -229,7 +233,8 @@ test('the chat template is applied: a system message adds its turn to the prompt
   expect(withSystem.usage.prompt_tokens - without.usage.prompt_tokens).toBeGreaterThan(5);
   const ref = await runLlamaCpp({
     model: gguf,
-    prompt: '<|start_header_id|>system<|end_header_id|>\n\nYou are a tiny model.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
+    prompt:
+      '<|start_header_id|>system<|end_header_id|>\n\nYou are a tiny model.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n',
     nTokens: 0,
   });
   expect(withSystem.usage.prompt_tokens).toBe(ref.tokenizedPrompt!.length);
@@ -339,9 +344,16 @@ describe('structured output: the grammar makes even a random model answer valid 
   });
 
   test('a schema keyword the grammar cannot enforce is a 400 naming it; the engine checks at its own boundary', async () => {
-    const res = await post({ messages: hello, response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: '^a+$' } } } });
+    const res = await post({
+      messages: hello,
+      response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: '^a+$' } } },
+    });
     expect(res.status).toBe(400);
-    expect(((await res.json()) as ErrorBody).error).toMatchObject({ type: 'invalid_request_error', code: 'unsupported_schema', param: 'response_format.json_schema.schema.pattern' });
+    expect(((await res.json()) as ErrorBody).error).toMatchObject({
+      type: 'invalid_request_error',
+      code: 'unsupported_schema',
+      param: 'response_format.json_schema.schema.pattern',
+    });
   });
 });
 
@@ -351,12 +363,19 @@ describe('tools: a forced call is a grammar, so even a random model calls with v
     function: {
       name: 'get_weather',
       description: 'The weather in a city',
-      parameters: { type: 'object', properties: { city: { enum: ['Paris', 'Oslo'] }, unit: { enum: ['c', 'f'] }, days: { type: 'array', items: { type: 'boolean' }, maxItems: 2 } }, required: ['city'] },
+      parameters: {
+        type: 'object',
+        properties: { city: { enum: ['Paris', 'Oslo'] }, unit: { enum: ['c', 'f'] }, days: { type: 'array', items: { type: 'boolean' }, maxItems: 2 } },
+        required: ['city'],
+      },
     },
   };
   const clock = { type: 'function', function: { name: 'get_time', description: 'The time now' } };
   interface ToolCompletion {
-    choices: { message: { content: string | null; tool_calls?: { id: string; type: string; function: { name: string; arguments: string } }[] }; finish_reason: string }[];
+    choices: {
+      message: { content: string | null; tool_calls?: { id: string; type: string; function: { name: string; arguments: string } }[] };
+      finish_reason: string;
+    }[];
   }
 
   test.each([
@@ -372,15 +391,23 @@ describe('tools: a forced call is a grammar, so even a random model calls with v
     const call = choice.message.tool_calls![0]!;
     expect(call).toMatchObject({ id: expect.stringMatching(/^call_[0-9a-f]{24}$/) as unknown, type: 'function' });
     if (typeof tool_choice === 'object') expect(call.function.name).toBe('get_weather');
-    if (call.function.name === 'get_weather') expect(new Ajv({ strict: false, formats: { date: /^\d{4}-\d{2}-\d{2}$/ } }).validate(weather.function.parameters, JSON.parse(call.function.arguments))).toBe(true);
+    if (call.function.name === 'get_weather')
+      expect(
+        new Ajv({ strict: false, formats: { date: /^\d{4}-\d{2}-\d{2}$/ } }).validate(weather.function.parameters, JSON.parse(call.function.arguments)),
+      ).toBe(true);
     else expect(JSON.parse(call.function.arguments)).toEqual({});
   });
 
   test('streamed: the call arrives as a tool_calls delta, the same call as unstreamed', async () => {
     const req = { messages: hello, tools: [weather], tool_choice: 'required', max_tokens: 200, temperature: 0 };
     const whole = ((await (await post(req)).json()) as ToolCompletion).choices[0]!.message.tool_calls![0]!;
-    const events = sse(await (await post({ ...req, stream: true })).text()).filter((d) => d !== '[DONE]').map((d) => JSON.parse(d) as { choices: { delta: Record<string, unknown>; finish_reason: string | null }[] });
-    const deltas = events.flatMap((e) => e.choices.map((c) => c.delta.tool_calls as { index: number; id: string; function: { name: string; arguments: string } }[] | undefined)).filter(Boolean).flat();
+    const events = sse(await (await post({ ...req, stream: true })).text())
+      .filter((d) => d !== '[DONE]')
+      .map((d) => JSON.parse(d) as { choices: { delta: Record<string, unknown>; finish_reason: string | null }[] });
+    const deltas = events
+      .flatMap((e) => e.choices.map((c) => c.delta.tool_calls as { index: number; id: string; function: { name: string; arguments: string } }[] | undefined))
+      .filter(Boolean)
+      .flat();
     expect(deltas).toEqual([{ index: 0, id: whole.id, type: 'function', function: whole.function }]);
     expect(events.at(-1)!.choices[0]!.finish_reason).toBe('tool_calls');
   });
@@ -404,7 +431,13 @@ describe('tools: a forced call is a grammar, so even a random model calls with v
     const body = (await res.json()) as ToolCompletion;
     expect(res.status).toBe(200);
     const choice = body.choices[0]!;
-    if (choice.finish_reason === 'tool_calls') expect(new Ajv({ strict: false, formats: { date: /^\d{4}-\d{2}-\d{2}$/ } }).validate(weather.function.parameters, JSON.parse(choice.message.tool_calls![0]!.function.arguments))).toBe(true);
+    if (choice.finish_reason === 'tool_calls')
+      expect(
+        new Ajv({ strict: false, formats: { date: /^\d{4}-\d{2}-\d{2}$/ } }).validate(
+          weather.function.parameters,
+          JSON.parse(choice.message.tool_calls![0]!.function.arguments),
+        ),
+      ).toBe(true);
     else expect(typeof choice.message.content).toBe('string');
   });
 
@@ -412,7 +445,10 @@ describe('tools: a forced call is a grammar, so even a random model calls with v
     const named = await post({ messages: hello, tools: [clock], tool_choice: { type: 'function', function: { name: 'nope' } } });
     expect(named.status).toBe(400);
     expect(((await named.json()) as ErrorBody).error.param).toBe('tool_choice.function.name');
-    const bad = await post({ messages: hello, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } } } }] });
+    const bad = await post({
+      messages: hello,
+      tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } } } }],
+    });
     expect(bad.status).toBe(400);
     expect(((await bad.json()) as ErrorBody).error).toMatchObject({ code: 'unsupported_schema', param: 'tools[0].function.parameters.properties.n.maximum' });
   });
@@ -433,7 +469,11 @@ describe('embeddings', () => {
     const json = (await res.json()) as Embeddings;
     expect(res.status).toBe(200);
     expect(json).toMatchObject({ object: 'list', model: 'tiny' });
-    expect(json.data.map((d) => [d.object, d.index])).toEqual([['embedding', 0], ['embedding', 1], ['embedding', 2]]);
+    expect(json.data.map((d) => [d.object, d.index])).toEqual([
+      ['embedding', 0],
+      ['embedding', 1],
+      ['embedding', 2],
+    ]);
     const [a, b, c] = json.data.map((d) => d.embedding as number[]);
     for (const v of [a!, b!, c!]) {
       expect(v).toHaveLength(64);
@@ -482,7 +522,11 @@ describe('text completions', () => {
     usage: Completion['usage'];
   }
   const completeText = (body: Record<string, unknown>): Promise<Response> =>
-    fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'tiny', temperature: 0, ...body }) });
+    fetch(`${url}/v1/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'tiny', temperature: 0, ...body }),
+    });
 
   it('continues each prompt as raw text, one choice each in order; greedy is repeatable; max_tokens ends it with length', async () => {
     const res = await completeText({ prompt: ['Once upon a time', 'The capital of France'], max_tokens: 8 });
@@ -490,7 +534,10 @@ describe('text completions', () => {
     expect(res.status).toBe(200);
     expect(json.object).toBe('text_completion');
     expect(json.id).toMatch(/^cmpl-/);
-    expect(json.choices.map((c) => [c.index, c.finish_reason, c.logprobs])).toEqual([[0, 'length', null], [1, 'length', null]]);
+    expect(json.choices.map((c) => [c.index, c.finish_reason, c.logprobs])).toEqual([
+      [0, 'length', null],
+      [1, 'length', null],
+    ]);
     expect(json.usage.completion_tokens).toBe(16);
     expect(json.usage.total_tokens).toBe(json.usage.prompt_tokens + 16);
     const again = (await (await completeText({ prompt: 'Once upon a time', max_tokens: 8 })).json()) as TextCompletion;
@@ -504,10 +551,15 @@ describe('text completions', () => {
     expect(res.headers.get('content-type')).toContain('text/event-stream');
     const data = sse(await res.text());
     expect(data.at(-1)).toBe('[DONE]');
-    const chunks = data.slice(0, -1).map((d) => JSON.parse(d) as { object: string; choices: { index: number; text: string; finish_reason: string | null }[]; usage?: Completion['usage'] });
+    const chunks = data
+      .slice(0, -1)
+      .map((d) => JSON.parse(d) as { object: string; choices: { index: number; text: string; finish_reason: string | null }[]; usage?: Completion['usage'] });
     expect(new Set(chunks.map((c) => c.object))).toEqual(new Set(['text_completion']));
     const finishes = chunks.flatMap((c) => c.choices.filter((x) => x.finish_reason !== null).map((x) => [x.index, x.finish_reason]));
-    expect(finishes).toEqual([[0, 'length'], [1, 'length']]);
+    expect(finishes).toEqual([
+      [0, 'length'],
+      [1, 'length'],
+    ]);
     const streamed = (i: number) => chunks.flatMap((c) => c.choices.filter((x) => x.index === i).map((x) => x.text)).join('');
     const whole = (await (await completeText({ prompt: ['Once upon a time', 'Hello'], max_tokens: 4 })).json()) as TextCompletion;
     expect([streamed(0), streamed(1)]).toEqual(whole.choices.map((c) => c.text));
@@ -555,7 +607,9 @@ describe('log-probabilities', () => {
 
   it("chat: the first token's log-probabilities are llama.cpp's logits, normalized over the whole vocabulary", async () => {
     const TOP = 5;
-    const res = (await complete({ messages: hello, max_tokens: 1, temperature: 0, logprobs: true, top_logprobs: TOP })) as Completion & { choices: { logprobs: ChatLogprobs }[] };
+    const res = (await complete({ messages: hello, max_tokens: 1, temperature: 0, logprobs: true, top_logprobs: TOP })) as Completion & {
+      choices: { logprobs: ChatLogprobs }[];
+    };
     const first = res.choices[0]!.logprobs.content[0]!;
     // The reference: llama.cpp's logits after the same prompt (the GGUF's template, as above), every token of the vocabulary.
     const prompt = '<|start_header_id|>user<|end_header_id|>\n\nHello, world!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n';
@@ -588,7 +642,9 @@ describe('log-probabilities', () => {
   });
 
   it('chat without logprobs answers as before: logprobs null, the same greedy text', async () => {
-    const withLp = (await complete({ messages: hello, max_tokens: 6, temperature: 0, logprobs: true })) as Completion & { choices: { logprobs: ChatLogprobs }[] };
+    const withLp = (await complete({ messages: hello, max_tokens: 6, temperature: 0, logprobs: true })) as Completion & {
+      choices: { logprobs: ChatLogprobs }[];
+    };
     const without = (await complete({ messages: hello, max_tokens: 6, temperature: 0 })) as Completion & { choices: { logprobs: unknown }[] };
     expect(without.choices[0]!.logprobs).toBeNull();
     expect(without.choices[0]!.message.content).toBe(withLp.choices[0]!.message.content);
@@ -597,7 +653,11 @@ describe('log-probabilities', () => {
 
   it('text completions: logprobs N gives tokens, token_logprobs, N alternatives and text offsets from the prompt', async () => {
     const prompt = 'Once upon a time';
-    const res = await fetch(`${url}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify({ model: 'tiny', prompt, max_tokens: 5, temperature: 0, logprobs: 2 }) });
+    const res = await fetch(`${url}/v1/completions`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json' },
+      body: JSON.stringify({ model: 'tiny', prompt, max_tokens: 5, temperature: 0, logprobs: 2 }),
+    });
     const json = (await res.json()) as { choices: { text: string; logprobs: TextLogprobs }[]; usage: Completion['usage'] };
     expect(res.status).toBe(200);
     const { text, logprobs } = json.choices[0]!;

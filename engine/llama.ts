@@ -26,7 +26,16 @@ import type {
 import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { createHash } from 'node:crypto';
 import type { ChatMessage, ToolCall, ToolSpec } from '../shared/chat';
-import { invalidRequest, type EmbeddingBackend, type TextRequest, type ChatRequest, type CompletionBackend, type GenerationIO, type GenerationResult, type PreparedCompletion } from './api';
+import {
+  invalidRequest,
+  type EmbeddingBackend,
+  type TextRequest,
+  type ChatRequest,
+  type CompletionBackend,
+  type GenerationIO,
+  type GenerationResult,
+  type PreparedCompletion,
+} from './api';
 import { decode, type DecodeOptions } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
@@ -80,7 +89,12 @@ function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
     if (m.role === 'system') history.push({ type: 'system', text: m.content });
     else if (m.role === 'user') history.push({ type: 'user', text: m.content });
     else if (m.role === 'assistant') {
-      const calls = (m.tool_calls ?? []).map((c) => ({ type: 'functionCall' as const, name: c.function.name, params: parsedArguments(c.function.arguments), result: results.get(c.id) ?? '' }));
+      const calls = (m.tool_calls ?? []).map((c) => ({
+        type: 'functionCall' as const,
+        name: c.function.name,
+        params: parsedArguments(c.function.arguments),
+        result: results.get(c.id) ?? '',
+      }));
       history.push({ type: 'model', response: [...(m.content ? [m.content] : []), ...calls] });
     }
   }
@@ -97,7 +111,10 @@ function toHistory(messages: readonly ChatMessage[]): ChatHistoryItem[] {
  * request (the bridge pins its seed): the bridge's resume compares them.
  */
 function toolCall(seed: number | undefined, index: number, name: string, args: unknown): ToolCall {
-  const id = `call_${createHash('sha256').update(`${seed ?? 'none'}:${index}:${name}`).digest('hex').slice(0, 24)}`;
+  const id = `call_${createHash('sha256')
+    .update(`${seed ?? 'none'}:${index}:${name}`)
+    .digest('hex')
+    .slice(0, 24)}`;
   return { id, type: 'function', function: { name, arguments: JSON.stringify(args ?? {}) } };
 }
 
@@ -127,11 +144,18 @@ function offeredTools(req: ChatRequest): ToolSpec[] {
 
 /** The tools as node-llama-cpp's functions (the chat wrapper documents them to the model; their params become grammar). */
 function functionsOf(tools: readonly ToolSpec[]): ChatModelFunctions {
-  return Object.fromEntries(tools.map((t) => [t.name, { ...(t.description ? { description: t.description } : {}), ...(t.params ? { params: t.params as ChatModelFunctions[string]['params'] } : {}) }]));
+  return Object.fromEntries(
+    tools.map((t) => [
+      t.name,
+      { ...(t.description ? { description: t.description } : {}), ...(t.params ? { params: t.params as ChatModelFunctions[string]['params'] } : {}) },
+    ]),
+  );
 }
 
 function describeTools(tools: readonly ToolSpec[]): string {
-  const lines = tools.map((t) => `- ${t.name}${t.description ? `: ${t.description}` : ''}${t.params ? `\n  arguments (JSON Schema): ${JSON.stringify(t.params)}` : ''}`);
+  const lines = tools.map(
+    (t) => `- ${t.name}${t.description ? `: ${t.description}` : ''}${t.params ? `\n  arguments (JSON Schema): ${JSON.stringify(t.params)}` : ''}`,
+  );
   return `You call a function to answer. Reply with JSON only: {"name": <function name>, "arguments": <its arguments>}.\nFunctions:\n${lines.join('\n')}`;
 }
 
@@ -225,7 +249,10 @@ export class LlamaBackend implements CompletionBackend {
     const forced = isForced(req) ? offeredTools(req) : undefined;
     const rendered = forced ? [{ type: 'system' as const, text: describeTools(forced) }, ...history] : history;
     const availableFunctions = !forced && req.tools.length > 0 ? functionsOf(req.tools) : undefined;
-    const state = this.chatWrapper.generateContextState({ chatHistory: rendered, ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}) });
+    const state = this.chatWrapper.generateContextState({
+      chatHistory: rendered,
+      ...(availableFunctions ? { availableFunctions, documentFunctionParams: true } : {}),
+    });
     const tokens = state.contextText.tokenize(this.model.tokenizer);
     const promptTokens = tokens.length;
     const room = this.roomAfter(promptTokens, 'messages', 'messages');
@@ -234,7 +261,10 @@ export class LlamaBackend implements CompletionBackend {
       // Plain chat (checkStructure refuses log-probabilities with tools or a format), in magus's
       // own loop: the rendered prompt, ended by the template's end-of-turn texts as LlamaChat would.
       const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
-      return { promptTokens, generate: (slot, io) => this.chatWithLogprobs(slot, req, tokens, { ...req, maxTokens, stopTokens, topLogprobs: req.logprobs }, io) };
+      return {
+        promptTokens,
+        generate: (slot, io) => this.chatWithLogprobs(slot, req, tokens, { ...req, maxTokens, stopTokens, topLogprobs: req.logprobs }, io),
+      };
     }
     const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
     return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
@@ -247,7 +277,11 @@ export class LlamaBackend implements CompletionBackend {
    */
   private roomAfter(promptTokens: number, what: 'messages' | 'prompt', param: string): number {
     if (promptTokens >= this.contextSize) {
-      throw invalidRequest(`This model's maximum context length is ${this.contextSize} tokens. However, your ${what} resulted in ${promptTokens} tokens.`, param, 'context_length_exceeded');
+      throw invalidRequest(
+        `This model's maximum context length is ${this.contextSize} tokens. However, your ${what} resulted in ${promptTokens} tokens.`,
+        param,
+        'context_length_exceeded',
+      );
     }
     return this.contextSize - promptTokens;
   }
@@ -264,7 +298,10 @@ export class LlamaBackend implements CompletionBackend {
     let grammar = this.grammars.get(key);
     if (grammar) this.grammars.delete(key);
     else {
-      grammar = format.type === 'json_object' ? this.llama.getGrammarFor('json') : this.llama.createGrammarForJsonSchema(format.schema as Parameters<Llama['createGrammarForJsonSchema']>[0]);
+      grammar =
+        format.type === 'json_object'
+          ? this.llama.getGrammarFor('json')
+          : this.llama.createGrammarForJsonSchema(format.schema as Parameters<Llama['createGrammarForJsonSchema']>[0]);
       grammar.catch(() => this.grammars.delete(key));
     }
     this.grammars.set(key, grammar);
@@ -358,12 +395,7 @@ export class LlamaBackend implements CompletionBackend {
    * magus's own token loop (decode.ts) in `slot`'s sequence: raw text, and chat with
    * log-probabilities. The slot's chat cache record is dropped: the caller records what it holds.
    */
-  private decodeIn(
-    slot: number,
-    prompt: readonly Token[],
-    o: DecodeSettings,
-    io: GenerationIO,
-  ): Promise<GenerationResult> {
+  private decodeIn(slot: number, prompt: readonly Token[], o: DecodeSettings, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     this.cached[slot] = undefined;
@@ -411,11 +443,13 @@ class LlamaEmbedder implements EmbeddingBackend {
     const tokenized = inputs.map((input, i) => {
       if (typeof input !== 'string' && this.vocabulary !== undefined) {
         const bad = input.find((t) => t >= this.vocabulary!);
-        if (bad !== undefined) throw invalidRequest(`input[${i}] holds token id ${bad}; the model's vocabulary has ${this.vocabulary} tokens.`, 'input', 'invalid_value');
+        if (bad !== undefined)
+          throw invalidRequest(`input[${i}] holds token id ${bad}; the model's vocabulary has ${this.vocabulary} tokens.`, 'input', 'invalid_value');
       }
       const tokens = typeof input === 'string' ? this.model.tokenize(input) : (input as Token[]);
       const length = context.calculateInputLength(tokens);
-      if (length >= this.contextSize) throw invalidRequest(`input[${i}] has ${length} tokens; this model embeds at most ${this.contextSize - 1}.`, 'input', 'context_length_exceeded');
+      if (length >= this.contextSize)
+        throw invalidRequest(`input[${i}] has ${length} tokens; this model embeds at most ${this.contextSize - 1}.`, 'input', 'context_length_exceeded');
       return { tokens, length };
     });
     const vectors: number[][] = [];
@@ -433,7 +467,14 @@ function resolveWrapper(lib: NodeLlamaCpp, model: LlamaModel, log: (m: string) =
   const template = model.fileInfo.metadata.tokenizer?.chat_template;
   if (typeof template !== 'string' || template.trim() === '') {
     const wrapper = lib.resolveChatWrapper(model, { warningLogs: false });
-    return { wrapper, info: { wrapper: wrapper.wrapperName, source: 'guessed', note: `the GGUF has no chat template; using ${wrapper.wrapperName}, chosen from the model's name` } };
+    return {
+      wrapper,
+      info: {
+        wrapper: wrapper.wrapperName,
+        source: 'guessed',
+        note: `the GGUF has no chat template; using ${wrapper.wrapperName}, chosen from the model's name`,
+      },
+    };
   }
   try {
     const wrapper = lib.resolveChatWrapper(model, { fallbackToOtherWrappersOnJinjaError: false, warningLogs: false });

@@ -94,7 +94,12 @@ export class EngineMetrics {
       labelled('magus_engine_requests_total', 'Chat completion requests answered, by HTTP status (499: client closed).', 'code', this.requestsByCode),
       labelled('magus_engine_errors_total', 'Failed chat completion requests, by error type.', 'type', this.errorsByType),
       single('magus_engine_prompt_tokens_total', 'counter', 'Prompt tokens of accepted requests.', this.promptTokens),
-      single('magus_engine_cached_prompt_tokens_total', 'counter', 'Prompt tokens of answered requests found in their slot KV cache, not evaluated again (hit rate: its rate over that of magus_engine_prompt_tokens_total).', this.cachedPromptTokens),
+      single(
+        'magus_engine_cached_prompt_tokens_total',
+        'counter',
+        'Prompt tokens of answered requests found in their slot KV cache, not evaluated again (hit rate: its rate over that of magus_engine_prompt_tokens_total).',
+        this.cachedPromptTokens,
+      ),
       single('magus_engine_generated_tokens_total', 'counter', 'Tokens generated.', this.generatedTokens),
       single('magus_engine_embedded_inputs_total', 'counter', 'Inputs of answered embeddings requests (each one vector).', this.embeddedInputs),
       single('magus_engine_embedded_tokens_total', 'counter', 'Tokens of answered embeddings requests.', this.embeddedTokens),

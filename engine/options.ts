@@ -40,7 +40,8 @@ type ValueFlag = (typeof VALUE_FLAGS)[number];
 function integer(flag: string, text: string | undefined, fallback: number, min: number, max: number): number {
   if (text === undefined) return fallback;
   const n = Number(text);
-  if (!/^\d+$/.test(text) || !Number.isSafeInteger(n) || n < min || n > max) throw new UsageError(`${flag} must be a whole number from ${min} to ${max}, got '${text}'`);
+  if (!/^\d+$/.test(text) || !Number.isSafeInteger(n) || n < min || n > max)
+    throw new UsageError(`${flag} must be a whole number from ${min} to ${max}, got '${text}'`);
   return n;
 }
 

@@ -2,7 +2,13 @@ import { QUEUE_FULL_ERROR, SlotPool } from './slots';
 
 const settled = async <T>(p: Promise<T>): Promise<{ value?: T; error?: unknown } | 'pending'> => {
   const tick = new Promise<'pending'>((r) => setImmediate(() => r('pending')));
-  return Promise.race([p.then((value) => ({ value }), (error: unknown) => ({ error })), tick]);
+  return Promise.race([
+    p.then(
+      (value) => ({ value }),
+      (error: unknown) => ({ error }),
+    ),
+    tick,
+  ]);
 };
 
 describe('SlotPool', () => {

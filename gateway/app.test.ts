@@ -68,10 +68,50 @@ describe('request validation', () => {
     ['an empty stop text (the engines refuse it)', 'stop', userTurn('hi', { stop: ['x', ''] })],
     ['missing role', 'messages[0].role', { model: 'tiny', messages: [{ content: 'hi' }] }],
     ['role not a string', 'messages[0].role', { model: 'tiny', messages: [{ role: 5, content: 'hi' }] }],
-    ['null user content', 'messages[1].content', { model: 'tiny', messages: [{ role: 'assistant', content: 'hello' }, { role: 'user', content: null }] }],
-    ['null system content', 'messages[0].content', { model: 'tiny', messages: [{ role: 'system', content: null }, { role: 'user', content: 'hi' }] }],
-    ['null assistant content without tool calls', 'messages[0].content', { model: 'tiny', messages: [{ role: 'assistant', content: null }, { role: 'user', content: 'hi' }] }],
-    ['null assistant content beside an empty tool_calls', 'messages[0].content', { model: 'tiny', messages: [{ role: 'assistant', content: null, tool_calls: [] }, { role: 'user', content: 'hi' }] }],
+    [
+      'null user content',
+      'messages[1].content',
+      {
+        model: 'tiny',
+        messages: [
+          { role: 'assistant', content: 'hello' },
+          { role: 'user', content: null },
+        ],
+      },
+    ],
+    [
+      'null system content',
+      'messages[0].content',
+      {
+        model: 'tiny',
+        messages: [
+          { role: 'system', content: null },
+          { role: 'user', content: 'hi' },
+        ],
+      },
+    ],
+    [
+      'null assistant content without tool calls',
+      'messages[0].content',
+      {
+        model: 'tiny',
+        messages: [
+          { role: 'assistant', content: null },
+          { role: 'user', content: 'hi' },
+        ],
+      },
+    ],
+    [
+      'null assistant content beside an empty tool_calls',
+      'messages[0].content',
+      {
+        model: 'tiny',
+        messages: [
+          { role: 'assistant', content: null, tool_calls: [] },
+          { role: 'user', content: 'hi' },
+        ],
+      },
+    ],
     ['stream not boolean', 'stream', userTurn('hi', { stream: 'yes' })],
   ])('%s → 400 naming %s', async (_name, param, body) => {
     const res = await chat(body);
@@ -98,7 +138,11 @@ describe('request validation', () => {
     ['functions', { functions: {} }, 'must be null or an empty list'],
     ['response_format.type', { response_format: {} }, 'is required'],
     ['response_format.type', { response_format: { type: 5 } }, 'must be one of "text", "json_object", "json_schema"'],
-    ['response_format', { response_format: 'json' }, 'must be null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}'],
+    [
+      'response_format',
+      { response_format: 'json' },
+      'must be null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}',
+    ],
     ['logprobs', { logprobs: 'yes' }, 'must be a boolean or null'],
     ['top_logprobs', { logprobs: true, top_logprobs: 21 }, 'must be an integer from 0 to 20 or null'],
     ['n', { n: 0 }, 'must be >= 1'],
@@ -118,7 +162,11 @@ describe('request validation', () => {
   it.each([
     ['user', { role: 'user', content: null }, 'messages[0].content must be a string or a list of text parts'],
     ['system', { role: 'system', content: null }, 'messages[0].content must be a string or a list of text parts'],
-    ['assistant, no tool calls', { role: 'assistant', content: null }, 'messages[0].content must be a string or a list of text parts (null only beside tool_calls or function_call)'],
+    [
+      'assistant, no tool calls',
+      { role: 'assistant', content: null },
+      'messages[0].content must be a string or a list of text parts (null only beside tool_calls or function_call)',
+    ],
   ])('null content (%s) → 400 invalid_value naming the field and what it must be', async (_who, message, text) => {
     const res = await chat({ model: 'tiny', messages: [message, { role: 'user', content: 'hi' }] });
     expect(res.statusCode).toBe(400);
@@ -129,7 +177,10 @@ describe('request validation', () => {
   it('a role outside system, user, assistant, tool → 400 listing them', async () => {
     const res = await chat({ model: 'tiny', messages: [{ role: 'function', name: 'f', content: '42' }] });
     expect(res.statusCode).toBe(400);
-    expect(errorOf(res)).toMatchObject({ param: 'messages[0].role', message: 'Invalid request: messages[0].role must be one of "system", "user", "assistant", "tool".' });
+    expect(errorOf(res)).toMatchObject({
+      param: 'messages[0].role',
+      message: 'Invalid request: messages[0].role must be one of "system", "user", "assistant", "tool".',
+    });
   });
 
   it("forwards an assistant's tool calls (its null content empty) and the tool results answering them; function_call is history only", async () => {
@@ -140,7 +191,14 @@ describe('request validation', () => {
       messages: [
         { role: 'user', content: 'hi' },
         { role: 'assistant', content: null, tool_calls: [call] },
-        { role: 'tool', tool_call_id: 'c1', content: [{ type: 'text', text: '4' }, { type: 'text', text: '2' }] },
+        {
+          role: 'tool',
+          tool_call_id: 'c1',
+          content: [
+            { type: 'text', text: '4' },
+            { type: 'text', text: '2' },
+          ],
+        },
         { role: 'assistant', content: null, function_call: { name: 'f', arguments: '{}' } },
         { role: 'assistant', content: 'text beside calls', tool_calls: [] },
         { role: 'user', content: 'again' },
@@ -158,18 +216,50 @@ describe('request validation', () => {
   });
 
   it('tools, tool_choice and parallel_tool_calls are forwarded as sent', async () => {
-    const tools = [{ type: 'function', function: { name: 'get_weather', description: 'd', parameters: { type: 'object', properties: { city: { type: 'string' } } } } }];
+    const tools = [
+      { type: 'function', function: { name: 'get_weather', description: 'd', parameters: { type: 'object', properties: { city: { type: 'string' } } } } },
+    ];
     const res = await chat(userTurn('hi', { tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false }));
     expect(res.statusCode).toBe(200);
     expect(t.plane.chat(0).body).toMatchObject({ tools, tool_choice: { type: 'function', function: { name: 'get_weather' } }, parallel_tool_calls: false });
   });
 
   it.each([
-    ['a tool result answering no earlier call', { messages: [{ role: 'user', content: 'hi' }, { role: 'tool', tool_call_id: 'nope', content: 'x' }] }, 'messages[1].tool_call_id', 'invalid_value'],
-    ['tool_choice naming no tool', { tools: [{ type: 'function', function: { name: 'f' } }], tool_choice: { type: 'function', function: { name: 'g' } } }, 'tool_choice.function.name', 'invalid_value'],
+    [
+      'a tool result answering no earlier call',
+      {
+        messages: [
+          { role: 'user', content: 'hi' },
+          { role: 'tool', tool_call_id: 'nope', content: 'x' },
+        ],
+      },
+      'messages[1].tool_call_id',
+      'invalid_value',
+    ],
+    [
+      'tool_choice naming no tool',
+      { tools: [{ type: 'function', function: { name: 'f' } }], tool_choice: { type: 'function', function: { name: 'g' } } },
+      'tool_choice.function.name',
+      'invalid_value',
+    ],
     ['tool_choice required without tools', { tool_choice: 'required' }, 'tool_choice', 'invalid_value'],
-    ['two tools of one name', { tools: [{ type: 'function', function: { name: 'f' } }, { type: 'function', function: { name: 'f' } }] }, 'tools[1].function.name', 'invalid_value'],
-    ['parameters the grammar cannot enforce', { tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'string', pattern: 'x' } } }] }, 'tools[0].function.parameters.pattern', 'unsupported_schema'],
+    [
+      'two tools of one name',
+      {
+        tools: [
+          { type: 'function', function: { name: 'f' } },
+          { type: 'function', function: { name: 'f' } },
+        ],
+      },
+      'tools[1].function.name',
+      'invalid_value',
+    ],
+    [
+      'parameters the grammar cannot enforce',
+      { tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'string', pattern: 'x' } } }] },
+      'tools[0].function.parameters.pattern',
+      'unsupported_schema',
+    ],
     ['a bad tool name', { tools: [{ type: 'function', function: { name: 'has space' } }] }, 'tools[0].function.name', 'invalid_value'],
   ])('tools: %s → 400 naming %s, nothing queued', async (_what, extra, param, code) => {
     const res = await chat({ ...userTurn('hi'), ...extra });
@@ -198,7 +288,9 @@ describe('request validation', () => {
     const [head, body] = raw.split('\r\n\r\n', 2) as [string, string];
     expect(head).toMatch(/^HTTP\/1\.1 400 Bad Request\r\n/);
     expect(head.toLowerCase()).toContain('content-type: application/json');
-    expect(JSON.parse(body)).toEqual({ error: { message: expect.stringContaining('not valid HTTP') as string, type: 'invalid_request_error', param: null, code: 'invalid_http_request' } });
+    expect(JSON.parse(body)).toEqual({
+      error: { message: expect.stringContaining('not valid HTTP') as string, type: 'invalid_request_error', param: null, code: 'invalid_http_request' },
+    });
     expect(t.broker.calls).toHaveLength(0);
   });
 
@@ -210,8 +302,17 @@ describe('request validation', () => {
   });
 
   it("relays cached_tokens; a stream's usage chunk only to clients that asked; /metrics counts prompt and cached tokens of every answer", async () => {
-    const usage = (prompt: number, cached: number) => ({ prompt_tokens: prompt, completion_tokens: 1, total_tokens: prompt + 1, prompt_tokens_details: { cached_tokens: cached } });
-    const usageChunk = (seq: number, prompt: number, cached: number): ResponseFrame => ({ seq, type: 'chunk', data: { id: 'chatcmpl-x', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [], usage: usage(prompt, cached) } });
+    const usage = (prompt: number, cached: number) => ({
+      prompt_tokens: prompt,
+      completion_tokens: 1,
+      total_tokens: prompt + 1,
+      prompt_tokens_details: { cached_tokens: cached },
+    });
+    const usageChunk = (seq: number, prompt: number, cached: number): ResponseFrame => ({
+      seq,
+      type: 'chunk',
+      data: { id: 'chatcmpl-x', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [], usage: usage(prompt, cached) },
+    });
     t.plane.script = (req) =>
       req.kind !== 'embeddings' && req.body.stream
         ? [chunk(0, 'a'), usageChunk(1, 40, 30), { seq: 2, type: 'done' }]
@@ -243,7 +344,13 @@ describe('request validation', () => {
     const res = await chat({
       model: 'tiny',
       messages: [
-        { role: 'system', content: [{ type: 'text', text: 'be ' }, { type: 'text', text: 'brief' }] },
+        {
+          role: 'system',
+          content: [
+            { type: 'text', text: 'be ' },
+            { type: 'text', text: 'brief' },
+          ],
+        },
         { role: 'user', content: 'hi', name: 'ann' },
       ],
       max_completion_tokens: 5,
@@ -293,7 +400,12 @@ describe('request validation', () => {
   });
 
   it.each([
-    ['a keyword the grammar cannot enforce', { type: 'object', properties: { n: { type: 'integer', minimum: 1 } } }, 'response_format.json_schema.schema.properties.n.minimum', "The keyword 'minimum'"],
+    [
+      'a keyword the grammar cannot enforce',
+      { type: 'object', properties: { n: { type: 'integer', minimum: 1 } } },
+      'response_format.json_schema.schema.properties.n.minimum',
+      "The keyword 'minimum'",
+    ],
     ['a required key that is no property', { type: 'object', properties: {}, required: ['x'] }, 'response_format.json_schema.schema.required', "names 'x'"],
     ['a string format the grammar does not know', { type: 'string', format: 'uri' }, 'response_format.json_schema.schema.format', "The keyword 'format'"],
   ])('structured output with %s → 400 unsupported_schema naming where, nothing queued', async (_what, schema, param, says) => {
@@ -312,7 +424,9 @@ describe('request validation', () => {
     expect(badName.statusCode).toBe(400);
     expect(errorOf(badName).param).toBe('response_format.json_schema.name');
     const props = Object.fromEntries(Array.from({ length: 200 }, (_, i) => [`p${i}`, { type: 'string', description: 'x'.repeat(400) }]));
-    const big = await chat(userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: { type: 'object', properties: props } } } }));
+    const big = await chat(
+      userTurn('hi', { response_format: { type: 'json_schema', json_schema: { name: 's', schema: { type: 'object', properties: props } } } }),
+    );
     expect(big.statusCode).toBe(400);
     expect(errorOf(big)).toMatchObject({ param: 'response_format.json_schema.schema', code: 'invalid_value' });
   });
@@ -392,7 +506,7 @@ describe('authentication', () => {
     expect(all).not.toContain('notthesecret');
   });
 
-  it('one access-log line per request: fastify\'s own pair is off', async () => {
+  it("one access-log line per request: fastify's own pair is off", async () => {
     const before = t.log.lines.length;
     await chat(userTurn('hi'));
     const lines = t.log.lines.slice(before).map((l) => JSON.parse(l) as { msg: string; res?: { statusCode: number } });
@@ -425,8 +539,24 @@ describe('models', () => {
       object: 'list',
       data: [
         // No artifacts, no runtime adverts (a hand-made entry): nothing rules llama.cpp out.
-        { id: 'tiny', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] },
-        { id: 'other-model', object: 'model', created: Date.parse('2025-01-02T03:04:05Z') / 1000, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] },
+        {
+          id: 'tiny',
+          object: 'model',
+          created: Date.parse('2025-01-02T03:04:05Z') / 1000,
+          owned_by: 'magus',
+          servable: true,
+          engines: [],
+          capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+        },
+        {
+          id: 'other-model',
+          object: 'model',
+          created: Date.parse('2025-01-02T03:04:05Z') / 1000,
+          owned_by: 'magus',
+          servable: true,
+          engines: [],
+          capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+        },
       ],
     });
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
@@ -434,7 +564,7 @@ describe('models', () => {
     expect((await t.app.inject({ method: 'GET', url: '/v1/models' })).statusCode).toBe(401);
   });
 
-  it("capabilities follow the engines the live runtimes would run a model on; structured output for distributed-llama only is refused before anything is queued", async () => {
+  it('capabilities follow the engines the live runtimes would run a model on; structured output for distributed-llama only is refused before anything is queued', async () => {
     const base = readyModel('big');
     const dllamaArtifact = { format: 'dllama', weights: 'q40', files: [] } as unknown as ReadyModel['artifacts'][number];
     const ggufArtifact = { format: 'gguf', weights: 'q80', files: [] } as unknown as ReadyModel['artifacts'][number];
@@ -444,7 +574,12 @@ describe('models', () => {
     const now = Date.now();
     const runtimes: RuntimeAdvert[] = [{ worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: now }];
     await t.app.close();
-    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big, both]), read: () => Promise.resolve({ models: [big, both], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }) }) });
+    t = await buildTestApp({
+      models: createModelCatalog({
+        list: () => Promise.resolve([big, both]),
+        read: () => Promise.resolve({ models: [big, both], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }),
+      }),
+    });
     const auth = { authorization: `Bearer ${t.tokens.alice.token}` };
     const listed = (await t.app.inject({ method: 'GET', url: '/v1/models', headers: auth })).json<{ data: ModelObject[] }>().data;
     // The local runtime with distributed-llama on 2 nodes runs both models' q40 split on dllama-api.
@@ -498,7 +633,10 @@ describe('conversation keys', () => {
   it('differs when the system prompt, the first user message, the token or the model differ', async () => {
     const base = await keyOf([sys, { role: 'user', content: 'first' }]);
     const others = [
-      await keyOf([{ role: 'system', content: 'You are verbose.' }, { role: 'user', content: 'first' }]),
+      await keyOf([
+        { role: 'system', content: 'You are verbose.' },
+        { role: 'user', content: 'first' },
+      ]),
       await keyOf([sys, { role: 'user', content: 'another' }]),
       await keyOf([sys, { role: 'user', content: 'first' }], { token: t.tokens.bob.token }),
       await keyOf([{ role: 'user', content: 'first' }]),
@@ -526,7 +664,22 @@ describe('round trips over the (fake) data plane', () => {
   });
 
   it('non-stream: the done frame’s completion is the body', async () => {
-    t.plane.script = (req) => [{ seq: 0, type: 'done', data: { id: 'chatcmpl-1', object: 'chat.completion', created: 5, model: 'tiny', choices: [{ index: 0, message: { role: 'assistant', content: 'hello' }, finish_reason: 'stop' }], usage: { total_tokens: 3 }, timings: { extra: true }, echo: req.id } }];
+    t.plane.script = (req) => [
+      {
+        seq: 0,
+        type: 'done',
+        data: {
+          id: 'chatcmpl-1',
+          object: 'chat.completion',
+          created: 5,
+          model: 'tiny',
+          choices: [{ index: 0, message: { role: 'assistant', content: 'hello' }, finish_reason: 'stop' }],
+          usage: { total_tokens: 3 },
+          timings: { extra: true },
+          echo: req.id,
+        },
+      },
+    ];
     const res = await chat(userTurn('hi'));
     expect(res.statusCode).toBe(200);
     const body = res.json<{ choices: { message: { content: string } }[]; timings: unknown; echo: string }>();
@@ -537,7 +690,17 @@ describe('round trips over the (fake) data plane', () => {
   });
 
   it('stream: SSE chunks in seq order, duplicates and a redelivered restart dropped, then [DONE]', async () => {
-    t.plane.script = () => [chunk(1, 'b'), chunk(0, 'a'), chunk(0, 'a'), chunk(2, 'c'), chunk(0, 'a'), chunk(1, 'b'), chunk(4, 'e'), chunk(3, 'd'), { seq: 5, type: 'done' }];
+    t.plane.script = () => [
+      chunk(1, 'b'),
+      chunk(0, 'a'),
+      chunk(0, 'a'),
+      chunk(2, 'c'),
+      chunk(0, 'a'),
+      chunk(1, 'b'),
+      chunk(4, 'e'),
+      chunk(3, 'd'),
+      { seq: 5, type: 'done' },
+    ];
     const res = await chat(userTurn('hi', { stream: true }));
     expect(res.statusCode).toBe(200);
     expect(res.headers['content-type']).toBe('text/event-stream; charset=utf-8');
@@ -570,16 +733,29 @@ describe('error mapping', () => {
   });
 
   it('an engine 4xx before the stream started passes through', async () => {
-    t.plane.script = () => [{ seq: 0, type: 'error', error: { status: 400, message: 'prompt is longer than the context (4096 tokens)', type: 'invalid_request_error', code: 'context_length_exceeded' } }];
+    t.plane.script = () => [
+      {
+        seq: 0,
+        type: 'error',
+        error: { status: 400, message: 'prompt is longer than the context (4096 tokens)', type: 'invalid_request_error', code: 'context_length_exceeded' },
+      },
+    ];
     for (const stream of [false, true]) {
       const res = await chat(userTurn('hi', { stream }));
       expect(res.statusCode).toBe(400);
-      expect(errorOf(res)).toEqual({ message: 'prompt is longer than the context (4096 tokens)', type: 'invalid_request_error', param: null, code: 'context_length_exceeded' });
+      expect(errorOf(res)).toEqual({
+        message: 'prompt is longer than the context (4096 tokens)',
+        type: 'invalid_request_error',
+        param: null,
+        code: 'context_length_exceeded',
+      });
     }
   });
 
   it('an engine 5xx is answered without its internals', async () => {
-    t.plane.script = () => [{ seq: 0, type: 'error', error: { status: 500, message: 'CUDA error at /src/ggml.c:1234 secret-host', type: 'engine', code: null } }];
+    t.plane.script = () => [
+      { seq: 0, type: 'error', error: { status: 500, message: 'CUDA error at /src/ggml.c:1234 secret-host', type: 'engine', code: null } },
+    ];
     const res = await chat(userTurn('hi'));
     expect(res.statusCode).toBe(500);
     const e = errorOf(res);
@@ -612,14 +788,18 @@ describe('error mapping', () => {
     expect(errorOf(res).code).toBe('backlog_full');
     expect(t.broker.calls).toHaveLength(0);
     full = false;
-    t.broker.impl = () => Promise.reject(Object.assign(new Error('update failed'), { cause: new SessionError(SessionErrorType.BacklogFull, 'queue of tiny is full') }));
+    t.broker.impl = () =>
+      Promise.reject(Object.assign(new Error('update failed'), { cause: new SessionError(SessionErrorType.BacklogFull, 'queue of tiny is full') }));
     const viaBroker = await chat(userTurn('hi'));
     expect(viaBroker.statusCode).toBe(429);
     expect(viaBroker.headers['retry-after']).toBe('7');
   });
 
   it('what a new conversation needs is unreachable (Temporal) → 503 unavailable with Retry-After, details hidden', async () => {
-    t.broker.impl = () => Promise.reject(Object.assign(new Error('start failed'), { cause: new SessionError(SessionErrorType.Unavailable, 'Temporal at 10.0.0.7:7233 is unreachable', 4) }));
+    t.broker.impl = () =>
+      Promise.reject(
+        Object.assign(new Error('start failed'), { cause: new SessionError(SessionErrorType.Unavailable, 'Temporal at 10.0.0.7:7233 is unreachable', 4) }),
+      );
     const res = await chat(userTurn('hi'));
     expect(res.statusCode).toBe(503);
     expect(res.headers['retry-after']).toBe('4');
@@ -687,16 +867,28 @@ describe('error mapping', () => {
       ['no frame in time', (a) => (a.plane.script = () => 'silence'), 504, true],
       ['a frame lost', (a) => (a.plane.script = () => [chunk(0, 'a'), chunk(2, 'c'), { seq: 3, type: 'done' }]), 502, true],
       ['a failed publish (it may still land)', (a) => (a.plane.publishError = new Error('no ack within 5 s')), 503, true],
-      ['an error frame: the bridge ended it', (a) => (a.plane.script = () => [{ seq: 0, type: 'error', error: { status: 500, message: 'boom', type: 'engine', code: null } }]), 500, false],
+      [
+        'an error frame: the bridge ended it',
+        (a) => (a.plane.script = () => [{ seq: 0, type: 'error', error: { status: 500, message: 'boom', type: 'engine', code: null } }]),
+        500,
+        false,
+      ],
       ['a full backlog: never queued', (a) => (a.plane.publishError = new SessionError(SessionErrorType.BacklogFull, 'full')), 429, false],
     ];
     for (const [what, arrange, status, cancels] of scenarios) {
       await t.app.close();
       const cancelled: string[] = [];
-      t = await buildTestApp({ settings: testSettings({ requestTimeoutMs: 150, gapTimeoutMs: 50 }), cancel: (session, id) => cancelled.push(`${session.subject} ${id}`) });
+      t = await buildTestApp({
+        settings: testSettings({ requestTimeoutMs: 150, gapTimeoutMs: 50 }),
+        cancel: (session, id) => cancelled.push(`${session.subject} ${id}`),
+      });
       arrange(t);
       const res = await chat(userTurn('hi'));
-      expect({ what, status: res.statusCode, cancelled }).toEqual({ what, status, cancelled: cancels ? [`${t.broker.entry.subject} ${String(res.headers['x-request-id'])}`] : [] });
+      expect({ what, status: res.statusCode, cancelled }).toEqual({
+        what,
+        status,
+        cancelled: cancels ? [`${t.broker.entry.subject} ${String(res.headers['x-request-id'])}`] : [],
+      });
     }
   });
 
@@ -737,7 +929,12 @@ describe('error mapping', () => {
     expect(res.headers.allow).toBe(allow);
     expect(res.headers['content-type']).toMatch(/^application\/json/);
     const path = url.split('?')[0]!;
-    expect(errorOf(res)).toEqual({ type: 'invalid_request_error', code: 'method_not_allowed', param: null, message: `Method ${method} is not allowed for ${path}; use ${allow.replace(', ', ' or ')}.` });
+    expect(errorOf(res)).toEqual({
+      type: 'invalid_request_error',
+      code: 'method_not_allowed',
+      param: null,
+      message: `Method ${method} is not allowed for ${path}; use ${allow.replace(', ', ' or ')}.`,
+    });
   });
 
   it('405 is decided before the token or the body is looked at', async () => {
@@ -761,10 +958,19 @@ describe('/openapi.json', () => {
     t = await buildTestApp();
     const res = await t.app.inject({ method: 'GET', url: '/openapi.json' });
     expect(res.statusCode).toBe(200);
-    type Operation = { requestBody?: { content: Record<string, { schema: unknown }> }; parameters: { name: string; in: string }[]; responses: Record<string, { content: Record<string, unknown> }>; security: unknown[] };
+    type Operation = {
+      requestBody?: { content: Record<string, { schema: unknown }> };
+      parameters: { name: string; in: string }[];
+      responses: Record<string, { content: Record<string, unknown> }>;
+      security: unknown[];
+    };
     const doc = res.json<{ openapi: string; paths: Record<string, Record<string, Operation>> }>();
     expect(doc.openapi).toBe('3.1.0');
-    expect(Object.entries(doc.paths).flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`)).sort()).toEqual(
+    expect(
+      Object.entries(doc.paths)
+        .flatMap(([path, ops]) => Object.keys(ops).map((m) => `${m} ${path}`))
+        .sort(),
+    ).toEqual(
       [
         'get /healthz',
         'get /metrics',
@@ -813,7 +1019,12 @@ describe('/openapi.json', () => {
   it('a JSON body that is not UTF-8 → 400 invalid_encoding, nothing published', async () => {
     t = await buildTestApp();
     const payload = Buffer.concat([Buffer.from('{"model":"tiny","messages":[{"role":"user","content":"'), Buffer.from([0xc3, 0x28]), Buffer.from('"}]}')]);
-    const res = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload });
+    const res = await t.app.inject({
+      method: 'POST',
+      url: '/v1/chat/completions',
+      headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` },
+      payload,
+    });
     expect(res.statusCode).toBe(400);
     expect(errorOf(res).code).toBe('invalid_encoding');
     expect(t.plane.published).toHaveLength(0);
@@ -824,12 +1035,22 @@ describe('/openapi.json', () => {
     ['a `constructor` holding `prototype` in a message', '{"model":"tiny","messages":[{"role":"user","content":"hi","constructor":{"prototype":{}}}]}'],
   ])('%s (prototype poisoning, at any depth; not in the OpenAPI description) → 400 forbidden_key, nothing published', async (_what, payload) => {
     t = await buildTestApp();
-    const res = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload });
+    const res = await t.app.inject({
+      method: 'POST',
+      url: '/v1/chat/completions',
+      headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` },
+      payload,
+    });
     expect(res.statusCode).toBe(400);
     expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'forbidden_key', message: expect.stringContaining('"__proto__"') as string });
     expect(t.plane.published).toHaveLength(0);
     // Invalid JSON is still called that.
-    const bad = await t.app.inject({ method: 'POST', url: '/v1/chat/completions', headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` }, payload: payload.slice(0, -1) });
+    const bad = await t.app.inject({
+      method: 'POST',
+      url: '/v1/chat/completions',
+      headers: { 'content-type': 'application/json', authorization: `Bearer ${t.tokens.alice.token}` },
+      payload: payload.slice(0, -1),
+    });
     expect(bad.statusCode).toBe(400);
     expect(errorOf(bad).message).toContain('not valid JSON');
   });
@@ -883,7 +1104,12 @@ describe('/metrics, /healthz, /readyz', () => {
   it('readyz: a check that only degrades (Temporal) failing is 200 degraded; with a required one failing, 503', async () => {
     let natsUp = true;
     let temporalUp = false;
-    t = await buildTestApp({ readiness: [{ name: 'nats', check: () => natsUp }, { name: 'temporal', check: () => temporalUp, degrades: true }] });
+    t = await buildTestApp({
+      readiness: [
+        { name: 'nats', check: () => natsUp },
+        { name: 'temporal', check: () => temporalUp, degrades: true },
+      ],
+    });
     const degraded = await t.app.inject({ method: 'GET', url: '/readyz' });
     expect(degraded.statusCode).toBe(200);
     expect(degraded.json()).toEqual({ status: 'degraded', checks: { registry: true, nats: true, temporal: false } });
@@ -901,8 +1127,21 @@ describe('embeddings', () => {
     t = await buildTestApp();
   });
   const embed = (body: unknown, token: string | null = t.tokens.alice.token): Promise<LightMyRequestResponse> =>
-    t.app.inject({ method: 'POST', url: '/v1/embeddings', headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) }, payload: JSON.stringify(body) });
-  const answer = { object: 'list', data: [{ object: 'embedding', index: 0, embedding: [0.5, -1] }, { object: 'embedding', index: 1, embedding: 'AAAAPwAAgL8=' }], model: 'tiny', usage: { prompt_tokens: 7, total_tokens: 7 } };
+    t.app.inject({
+      method: 'POST',
+      url: '/v1/embeddings',
+      headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) },
+      payload: JSON.stringify(body),
+    });
+  const answer = {
+    object: 'list',
+    data: [
+      { object: 'embedding', index: 0, embedding: [0.5, -1] },
+      { object: 'embedding', index: 1, embedding: 'AAAAPwAAgL8=' },
+    ],
+    model: 'tiny',
+    usage: { prompt_tokens: 7, total_tokens: 7 },
+  };
 
   it("forwards the body (without `user`) as an embeddings request to an instance of the model's pool, with no conversation, and answers the engine's list", async () => {
     t.plane.script = (req) => [{ seq: 0, type: 'done', data: req.kind === 'embeddings' ? answer : null }];
@@ -948,7 +1187,12 @@ describe('embeddings', () => {
     const big: ReadyModel = { ...readyModel('big'), artifacts: [dllamaArtifact], memory: [plan] };
     await t.app.close();
     const runtimes: RuntimeAdvert[] = [{ worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: Date.now() }];
-    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big]), read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }) }) });
+    t = await buildTestApp({
+      models: createModelCatalog({
+        list: () => Promise.resolve([big]),
+        read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtimes[0]!, at: Date.now() }] }),
+      }),
+    });
     const res = await embed({ model: 'big', input: 'a' });
     expect(res.statusCode).toBe(400);
     expect(errorOf(res)).toMatchObject({ param: 'model', code: 'unsupported_feature' });
@@ -971,9 +1215,21 @@ describe('text completions', () => {
     t = await buildTestApp();
   });
   const complete = (body: unknown, token: string | null = t.tokens.alice.token): Promise<LightMyRequestResponse> =>
-    t.app.inject({ method: 'POST', url: '/v1/completions', headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) }, payload: JSON.stringify(body) });
+    t.app.inject({
+      method: 'POST',
+      url: '/v1/completions',
+      headers: { 'content-type': 'application/json', ...(token ? { authorization: `Bearer ${token}` } : {}) },
+      payload: JSON.stringify(body),
+    });
   const usage = { prompt_tokens: 4, completion_tokens: 2, total_tokens: 6, prompt_tokens_details: { cached_tokens: 1 } };
-  const answer = { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [{ index: 0, text: ' there', logprobs: null, finish_reason: 'length' }], usage };
+  const answer = {
+    id: 'cmpl-x',
+    object: 'text_completion',
+    created: 1,
+    model: 'tiny',
+    choices: [{ index: 0, text: ' there', logprobs: null, finish_reason: 'length' }],
+    usage,
+  };
   const textChunk = (seq: number, index: number, text: string): ResponseFrame => ({
     seq,
     type: 'chunk',
@@ -982,7 +1238,18 @@ describe('text completions', () => {
 
   it("forwards the sampling fields (not `user`, `echo`, `n`) as a completions request to an instance of the model's pool, with no conversation, and answers the engine's completion", async () => {
     t.plane.script = (req) => [{ seq: 0, type: 'done', data: req.kind === 'completions' ? answer : null }];
-    const res = await complete({ model: 'tiny', prompt: ['hi', 'ho'], max_tokens: 2, temperature: 0, seed: 4, stop: '\n', logprobs: 2, user: 'u', echo: false, n: 1 });
+    const res = await complete({
+      model: 'tiny',
+      prompt: ['hi', 'ho'],
+      max_tokens: 2,
+      temperature: 0,
+      seed: 4,
+      stop: '\n',
+      logprobs: 2,
+      user: 'u',
+      echo: false,
+      n: 1,
+    });
     expect(res.statusCode).toBe(200);
     expect(res.json()).toEqual(answer);
     const { req, subject } = t.plane.published[0]!;
@@ -995,8 +1262,12 @@ describe('text completions', () => {
     expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toMatch(/magus_gateway_prompt_tokens_total\{model="default\/tiny"\} 4/);
   });
 
-  it('streams the engine\'s text_completion chunks in order, usage only when asked, then [DONE]', async () => {
-    const usageChunk: ResponseFrame = { seq: 3, type: 'chunk', data: { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [], usage } };
+  it("streams the engine's text_completion chunks in order, usage only when asked, then [DONE]", async () => {
+    const usageChunk: ResponseFrame = {
+      seq: 3,
+      type: 'chunk',
+      data: { id: 'cmpl-x', object: 'text_completion', created: 1, model: 'tiny', choices: [], usage },
+    };
     t.plane.script = () => [textChunk(1, 0, 'b'), textChunk(0, 0, 'a'), textChunk(2, 1, 'c'), usageChunk, { seq: 4, type: 'done' }];
     const res = await complete({ model: 'tiny', prompt: ['x', 'y'], stream: true });
     expect(res.statusCode).toBe(200);
@@ -1004,7 +1275,11 @@ describe('text completions', () => {
     expect(t.plane.published[0]!.req.body).toMatchObject({ stream: true, stream_options: { include_usage: true } });
     const events = sseEvents(res.body) as ({ choices: { index: number; text: string }[] } | string)[];
     expect(events.at(-1)).toBe('[DONE]');
-    expect(events.slice(0, -1).map((e) => (e as { choices: { index: number; text: string }[] }).choices.map((c) => `${c.index}:${c.text}`).join())).toEqual(['0:a', '0:b', '1:c']);
+    expect(events.slice(0, -1).map((e) => (e as { choices: { index: number; text: string }[] }).choices.map((c) => `${c.index}:${c.text}`).join())).toEqual([
+      '0:a',
+      '0:b',
+      '1:c',
+    ]);
     const asked = sseEvents((await complete({ model: 'tiny', prompt: 'x', stream: true, stream_options: { include_usage: true } })).body);
     expect(asked.at(-2)).toMatchObject({ choices: [], usage });
   });
@@ -1032,7 +1307,12 @@ describe('text completions', () => {
     const big: ReadyModel = { ...readyModel('big'), artifacts: [dllamaArtifact], memory: [plan] };
     await t.app.close();
     const runtime: RuntimeAdvert = { worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: Date.now() };
-    t = await buildTestApp({ models: createModelCatalog({ list: () => Promise.resolve([big]), read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtime, at: Date.now() }] }) }) });
+    t = await buildTestApp({
+      models: createModelCatalog({
+        list: () => Promise.resolve([big]),
+        read: () => Promise.resolve({ models: [big], runtimes: [{ ...runtime, at: Date.now() }] }),
+      }),
+    });
     const res = await complete({ model: 'big', prompt: 'a' });
     expect(errorOf(res)).toMatchObject({ param: 'model', code: 'unsupported_feature' });
     expect(errorOf(res).message).toContain("distributed-llama's dllama-api");

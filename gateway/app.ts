@@ -97,7 +97,11 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
     }
     void parseJson(request, text, (err, parsed) => {
       // fastify's parser calls a valid body it refuses for such a key "not valid JSON": say which.
-      if (err && isJson(text)) done(errors.invalid('The request body has a "__proto__" key, or a "constructor" holding "prototype", which this server refuses.', null, 'forbidden_key'), undefined);
+      if (err && isJson(text))
+        done(
+          errors.invalid('The request body has a "__proto__" key, or a "constructor" holding "prototype", which this server refuses.', null, 'forbidden_key'),
+          undefined,
+        );
       else done(err, parsed);
     });
   });

@@ -22,11 +22,15 @@ it('has working defaults once a secret is given', () => {
   });
   // Random at start: two replicas started alike do not share response subjects.
   expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).replicaId).not.toBe(c.replicaId);
-  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'magus-gateway-7d9f8-x2x7q' }).replicaId).toBe('magus-gateway-7d9f8-x2x7q');
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'magus-gateway-7d9f8-x2x7q' }).replicaId).toBe(
+    'magus-gateway-7d9f8-x2x7q',
+  );
 });
 
 it('reads the Temporal settings and the instance memory, and none of the workerâ€™s own variables', () => {
-  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET })).toMatchObject({ temporal: { address: '127.0.0.1:7233', namespace: 'default', taskQueue: 'magus-control' } });
+  expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET })).toMatchObject({
+    temporal: { address: '127.0.0.1:7233', namespace: 'default', taskQueue: 'magus-control' },
+  });
   expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).instanceMemory).toBeUndefined();
   const c = loadGatewayConfig({
     MAGUS_GATEWAY_SECRET: SECRET,
@@ -39,7 +43,9 @@ it('reads the Temporal settings and the instance memory, and none of the workerâ
   });
   expect(c).toMatchObject({ temporal: { address: 'temporal.magus:7233', namespace: 'magus', taskQueue: 'prod-control' }, instanceMemory: 12 * 2 ** 30 });
   // A bad one is one more line of the one error.
-  expect(() => loadGatewayConfig({ MAGUS_TEMPORAL_ADDRESS: 'http://temporal:7233' })).toThrow(/^invalid gateway configuration:\n {2}MAGUS_TEMPORAL_ADDRESS=http:\/\/temporal:7233 is not host:port\n {2}MAGUS_GATEWAY_SECRET .* is required/);
+  expect(() => loadGatewayConfig({ MAGUS_TEMPORAL_ADDRESS: 'http://temporal:7233' })).toThrow(
+    /^invalid gateway configuration:\n {2}MAGUS_TEMPORAL_ADDRESS=http:\/\/temporal:7233 is not host:port\n {2}MAGUS_GATEWAY_SECRET .* is required/,
+  );
 });
 
 it('takes --host/--port over the environment', () => {
@@ -56,15 +62,23 @@ it.each([
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_TEMPORAL_ADDRESS: 'temporal' }, 'MAGUS_TEMPORAL_ADDRESS=temporal is not host:port'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_INSTANCE_MEMORY: 'lots' }, 'MAGUS_INSTANCE_MEMORY=lots must be bytes or a quantity'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_SESSIONS_BUCKET: 'a.b' }, 'MAGUS_SESSIONS_BUCKET=a.b is not a KV bucket name'],
-  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_GAP_TIMEOUT_MS: '5000', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1000' }, 'MAGUS_GATEWAY_GAP_TIMEOUT_MS (5000) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (1000)'],
+  [
+    { MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_GAP_TIMEOUT_MS: '5000', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1000' },
+    'MAGUS_GATEWAY_GAP_TIMEOUT_MS (5000) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (1000)',
+  ],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS: '60000' }, 'MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (60000) must be 0 or above'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS: '{"a": {"digest": "abc", "name": "a"}}' }, 'MAGUS_GATEWAY_TOKENS.a.digest: must be the hex sha256'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS: '{oops' }, 'MAGUS_GATEWAY_TOKENS is not valid JSON'],
-  [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS_FILE: '/nonexistent/tokens.json' }, 'MAGUS_GATEWAY_TOKENS_FILE=/nonexistent/tokens.json cannot be read (ENOENT)'],
+  [
+    { MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_TOKENS_FILE: '/nonexistent/tokens.json' },
+    'MAGUS_GATEWAY_TOKENS_FILE=/nonexistent/tokens.json cannot be read (ENOENT)',
+  ],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_LOG_LEVEL: 'loud' }, 'MAGUS_LOG_LEVEL=loud must be one of'],
   [{ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_REPLICA_ID: 'gw.1' }, 'MAGUS_GATEWAY_REPLICA_ID=gw.1 is not a subject token'],
 ])('%j fails naming the variable', (env, message) => {
-  expect(() => loadGatewayConfig(env)).toThrow(expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error);
+  expect(() => loadGatewayConfig(env)).toThrow(
+    expect.objectContaining({ name: 'GatewayConfigError', message: expect.stringContaining(message) as string }) as Error,
+  );
 });
 
 describe('MAGUS_SESSION_TTL_MS', () => {
@@ -97,20 +111,33 @@ describe('stored responses: MAGUS_RESPONSES_BUCKET, MAGUS_RESPONSES_TTL', () => 
     expect(c.responsesTtlMs).toBe(30 * 24 * 3_600_000);
     expect(c.natsReplicas).toBeUndefined();
     expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_NATS_PREFIX: 'T_X' }).buckets.responses).toBe('T_X_magus_responses');
-    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_BUCKET: 'mine', MAGUS_NATS_REPLICAS: '3' })).toMatchObject({ buckets: { responses: 'mine' }, natsReplicas: 3 });
-    for (const [value, ms] of [['7d', 7 * 24 * 3_600_000], ['12h', 12 * 3_600_000], ['90m', 90 * 60_000], ['60s', 60_000], ['120000', 120_000]] as const) {
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_BUCKET: 'mine', MAGUS_NATS_REPLICAS: '3' })).toMatchObject({
+      buckets: { responses: 'mine' },
+      natsReplicas: 3,
+    });
+    for (const [value, ms] of [
+      ['7d', 7 * 24 * 3_600_000],
+      ['12h', 12 * 3_600_000],
+      ['90m', 90 * 60_000],
+      ['60s', 60_000],
+      ['120000', 120_000],
+    ] as const) {
       expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_TTL: value }).responsesTtlMs).toBe(ms);
     }
   });
 
   it.each(['30', '59s', '366d', '1.5d', 'a week', '-1h'])('refuses %j naming the variable', (value) => {
-    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_TTL: value })).toThrow(`MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d`);
+    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_RESPONSES_TTL: value })).toThrow(
+      `MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d`,
+    );
   });
 });
 
 it('never echoes the secret', () => {
   const secret = 'tiny-secret';
-  expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(expect.not.objectContaining({ message: expect.stringContaining(secret) as string }) as Error);
+  expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(
+    expect.not.objectContaining({ message: expect.stringContaining(secret) as string }) as Error,
+  );
 });
 
 it('reads the secret and tokens from files', () => {
@@ -141,7 +168,8 @@ describe('gatewayCommand', () => {
     expect(await gatewayCommand(['--help'])).toBe(0);
     expect(written(stdout)).toContain('MAGUS_GATEWAY_SECRET');
     expect(written(stdout)).toContain('MAGUS_SESSION_TTL_MS');
-    for (const name of ['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_INSTANCE_MEMORY']) expect(written(stdout)).toContain(name);
+    for (const name of ['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_INSTANCE_MEMORY'])
+      expect(written(stdout)).toContain(name);
   });
 
   it('exits 1 naming the problem: unknown flag, bad configuration, unreachable NATS', async () => {

@@ -85,7 +85,10 @@ export function responsesTtlFrom(env: NodeJS.ProcessEnv): { ttlMs: number; probl
   const m = /^(\d+)(ms|s|m|h|d)?$/.exec(value);
   const ms = m ? Number(m[1]) * DURATION_UNITS_MS[m[2] ?? '']! : NaN;
   if (!Number.isSafeInteger(ms) || ms < RESPONSES_TTL_MS.min || ms > RESPONSES_TTL_MS.max) {
-    return { ttlMs: RESPONSES_TTL_MS.default, problem: `MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d (whole milliseconds, or a number with s, m, h or d)` };
+    return {
+      ttlMs: RESPONSES_TTL_MS.default,
+      problem: `MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d (whole milliseconds, or a number with s, m, h or d)`,
+    };
   }
   return { ttlMs: ms };
 }
@@ -155,7 +158,12 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   // per-bucket variables override single names.
   const prefix = str('MAGUS_NATS_PREFIX', '', /^[A-Za-z0-9_-]*$/, "may hold only letters, digits, '_' and '-'");
   const names = dataPlaneNames(/^[A-Za-z0-9_-]*$/.test(prefix) ? prefix : '');
-  const subjectScope = str('MAGUS_NATS_SUBJECT_SCOPE', names.subjectScope, /^([a-z0-9_-]{1,64})?$/, 'is not a subject token (lowercase letters, digits, _ and -)');
+  const subjectScope = str(
+    'MAGUS_NATS_SUBJECT_SCOPE',
+    names.subjectScope,
+    /^([a-z0-9_-]{1,64})?$/,
+    'is not a subject token (lowercase letters, digits, _ and -)',
+  );
   const buckets = {
     models: str('MAGUS_MODELS_BUCKET', names.modelsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     tokens: str('MAGUS_TOKENS_BUCKET', names.tokensBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
@@ -174,7 +182,10 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     }
   }
   if (secret === undefined) {
-    if (secretFile === undefined) problems.push('MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required: the key of conversation keys, the same on every replica (e.g. `openssl rand -hex 32`)');
+    if (secretFile === undefined)
+      problems.push(
+        'MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required: the key of conversation keys, the same on every replica (e.g. `openssl rand -hex 32`)',
+      );
   } else if (secret.length < 32) {
     problems.push('MAGUS_GATEWAY_SECRET must be at least 32 characters');
   }
@@ -225,13 +236,19 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   if (responsesTtl.problem !== undefined) problems.push(responsesTtl.problem);
   const natsReplicas = natsReplicasFrom(env, problems);
   // Cross-field rules.
-  if (settings.gapTimeoutMs >= settings.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_GAP_TIMEOUT_MS (${settings.gapTimeoutMs}) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${settings.requestTimeoutMs})`);
-  if (http.requestTimeoutMs > 0 && http.headersTimeoutMs > http.requestTimeoutMs) problems.push(`MAGUS_GATEWAY_HEADERS_TIMEOUT_MS (${http.headersTimeoutMs}) must not exceed MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS (${http.requestTimeoutMs})`);
+  if (settings.gapTimeoutMs >= settings.requestTimeoutMs)
+    problems.push(`MAGUS_GATEWAY_GAP_TIMEOUT_MS (${settings.gapTimeoutMs}) must be below MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${settings.requestTimeoutMs})`);
+  if (http.requestTimeoutMs > 0 && http.headersTimeoutMs > http.requestTimeoutMs)
+    problems.push(
+      `MAGUS_GATEWAY_HEADERS_TIMEOUT_MS (${http.headersTimeoutMs}) must not exceed MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS (${http.requestTimeoutMs})`,
+    );
   // A non-streamed answer sends nothing until it is complete: an idle-socket timeout shorter than
   // the longest wait would cut it.
   const longestSilence = settings.coldStartTimeoutMs + settings.requestTimeoutMs;
   if (http.connectionTimeoutMs > 0 && http.connectionTimeoutMs <= longestSilence) {
-    problems.push(`MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (${http.connectionTimeoutMs}) must be 0 or above MAGUS_GATEWAY_COLD_START_TIMEOUT_MS + MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${longestSilence})`);
+    problems.push(
+      `MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS (${http.connectionTimeoutMs}) must be 0 or above MAGUS_GATEWAY_COLD_START_TIMEOUT_MS + MAGUS_GATEWAY_REQUEST_TIMEOUT_MS (${longestSilence})`,
+    );
   }
 
   const config: GatewayConfig = {

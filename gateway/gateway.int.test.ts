@@ -27,7 +27,12 @@ const pool = 'gw';
 const instance = 'inst-1';
 const subject = `${scope}.magus.req.${pool}.${instance}`;
 const streamName = `${iso.natsPrefix}_REQUESTS`;
-const buckets = { models: `${iso.natsPrefix}_models`, tokens: `${iso.natsPrefix}_tokens`, sessions: `${iso.natsPrefix}_sessions`, responses: `${iso.natsPrefix}_responses` };
+const buckets = {
+  models: `${iso.natsPrefix}_models`,
+  tokens: `${iso.natsPrefix}_tokens`,
+  sessions: `${iso.natsPrefix}_sessions`,
+  responses: `${iso.natsPrefix}_responses`,
+};
 const alice = makeToken('alice');
 /** Its `magus_tokens` entry names no key (as an older magus wrote them): the key `token/alice`. */
 const ALICE_OWNER = keyOwner('token/alice', 'alice');
@@ -44,7 +49,13 @@ const seen: { req: InferenceRequest; msgId: string | undefined }[] = [];
 const coldStarts: Omit<AcquireRequest, 'signal'>[] = [];
 let coldStartDelayMs = 0;
 
-const chunkData = (content: string) => ({ id: 'chatcmpl-b', object: 'chat.completion.chunk', created: 1, model: 'tiny', choices: [{ index: 0, delta: { content }, finish_reason: null }] });
+const chunkData = (content: string) => ({
+  id: 'chatcmpl-b',
+  object: 'chat.completion.chunk',
+  created: 1,
+  model: 'tiny',
+  choices: [{ index: 0, delta: { content }, finish_reason: null }],
+});
 
 /** What the fake bridge answers, keyed by the last user message. */
 function script(req: InferenceRequest): ResponseFrame[] {
@@ -54,7 +65,13 @@ function script(req: InferenceRequest): ResponseFrame[] {
     case 'shuffle': // out of order, duplicated, and a redelivered restart from seq 0
       return [c(1, 'b'), c(0, 'a'), c(0, 'a'), c(3, 'd'), c(2, 'c'), c(0, 'a'), c(1, 'b'), c(4, 'e'), { seq: 5, type: 'done' }];
     case 'bad-request':
-      return [{ seq: 0, type: 'error', error: { status: 400, message: 'prompt exceeds the context window', type: 'invalid_request_error', code: 'context_length_exceeded' } }];
+      return [
+        {
+          seq: 0,
+          type: 'error',
+          error: { status: 400, message: 'prompt exceeds the context window', type: 'invalid_request_error', code: 'context_length_exceeded' },
+        },
+      ];
     case 'fail-midway':
       return [c(0, 'a'), { seq: 1, type: 'error', error: { status: 500, message: 'engine 10.1.2.3 crashed', type: 'server_error', code: null } }];
     case 'silence':
@@ -62,7 +79,19 @@ function script(req: InferenceRequest): ResponseFrame[] {
     default:
       return req.body.stream
         ? [c(0, 'Hel'), c(1, 'lo'), { seq: 2, type: 'done' }]
-        : [{ seq: 0, type: 'done', data: { id: `chatcmpl-${req.id}`, object: 'chat.completion', created: 1, model: req.body.model, choices: [{ index: 0, message: { role: 'assistant', content: `echo: ${prompt}` }, finish_reason: 'stop' }] } }];
+        : [
+            {
+              seq: 0,
+              type: 'done',
+              data: {
+                id: `chatcmpl-${req.id}`,
+                object: 'chat.completion',
+                created: 1,
+                model: req.body.model,
+                choices: [{ index: 0, message: { role: 'assistant', content: `echo: ${prompt}` }, finish_reason: 'stop' }],
+              },
+            },
+          ];
   }
 }
 
@@ -143,7 +172,14 @@ function post(body: object, headers: Record<string, string> = {}, token: string 
     body: JSON.stringify(body),
   });
 }
-const turn = (content: string, stream = false, system = 'You are a test.') => ({ model: 'tiny', stream, messages: [{ role: 'system', content: system }, { role: 'user', content }] });
+const turn = (content: string, stream = false, system = 'You are a test.') => ({
+  model: 'tiny',
+  stream,
+  messages: [
+    { role: 'system', content: system },
+    { role: 'user', content },
+  ],
+});
 
 describe('round trips through NATS', () => {
   it('non-stream: publishes with Nats-Msg-Id = request id after subscribing, relays the completion', async () => {
@@ -164,7 +200,12 @@ describe('round trips through NATS', () => {
     expect(res.headers.get('content-type')).toBe('text/event-stream; charset=utf-8');
     const events = sseEvents(await res.text());
     expect(events).toHaveLength(3);
-    expect(events.slice(0, 2).map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content).join('')).toBe('Hello');
+    expect(
+      events
+        .slice(0, 2)
+        .map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content)
+        .join(''),
+    ).toBe('Hello');
     expect(events[2]).toBe('[DONE]');
   });
 
@@ -172,13 +213,20 @@ describe('round trips through NATS', () => {
     const res = await post(turn('shuffle', true, 'shuffle'));
     const events = sseEvents(await res.text());
     expect(events[events.length - 1]).toBe('[DONE]');
-    expect(events.slice(0, -1).map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content).join('')).toBe('abcde');
+    expect(
+      events
+        .slice(0, -1)
+        .map((e) => (e as ReturnType<typeof chunkData>).choices[0]!.delta.content)
+        .join(''),
+    ).toBe('abcde');
   });
 
   it('an error frame before the stream started is the HTTP answer', async () => {
     const res = await post(turn('bad-request', true, 'err-before'));
     expect(res.status).toBe(400);
-    expect(await res.json()).toEqual({ error: { message: 'prompt exceeds the context window', type: 'invalid_request_error', param: null, code: 'context_length_exceeded' } });
+    expect(await res.json()).toEqual({
+      error: { message: 'prompt exceeds the context window', type: 'invalid_request_error', param: null, code: 'context_length_exceeded' },
+    });
   });
 
   it('an error frame after the stream started is an SSE error event, then the stream ends', async () => {
@@ -215,10 +263,23 @@ describe('the official openai client', () => {
   const client = () => new OpenAI({ apiKey: alice.token, baseURL: `${gw.url}/v1`, maxRetries: 0 });
 
   it('creates a completion, streams one, and lists models', async () => {
-    const completion = await client().chat.completions.create({ model: 'tiny', messages: [{ role: 'system', content: 'sdk' }, { role: 'user', content: 'from the sdk' }] });
+    const completion = await client().chat.completions.create({
+      model: 'tiny',
+      messages: [
+        { role: 'system', content: 'sdk' },
+        { role: 'user', content: 'from the sdk' },
+      ],
+    });
     expect(completion.choices[0]!.message.content).toBe('echo: from the sdk');
     let text = '';
-    const stream = await client().chat.completions.create({ model: 'tiny', stream: true, messages: [{ role: 'system', content: 'sdk-stream' }, { role: 'user', content: 'shuffle' }] });
+    const stream = await client().chat.completions.create({
+      model: 'tiny',
+      stream: true,
+      messages: [
+        { role: 'system', content: 'sdk-stream' },
+        { role: 'user', content: 'shuffle' },
+      ],
+    });
     for await (const chunk of stream) text += chunk.choices[0]?.delta.content ?? '';
     expect(text).toBe('abcde');
     const models = [];
@@ -238,7 +299,14 @@ describe('the official openai client', () => {
     expect(className(unauthorized)).toBe('AuthenticationError');
     expect(unauthorized).toMatchObject({ status: 401, code: 'invalid_api_key' });
     const midway = await (async () => {
-      const s = await client().chat.completions.create({ model: 'tiny', stream: true, messages: [{ role: 'system', content: 'sdk-err' }, { role: 'user', content: 'fail-midway' }] });
+      const s = await client().chat.completions.create({
+        model: 'tiny',
+        stream: true,
+        messages: [
+          { role: 'system', content: 'sdk-err' },
+          { role: 'user', content: 'fail-midway' },
+        ],
+      });
       for await (const _ of s) {
         // consume until the error event
       }
@@ -253,7 +321,11 @@ describe('the Responses API over NATS, its chain in the magus_responses KV', () 
 
   it('the gateway declares the bucket with the configured max age, and brings an existing one to its own', async () => {
     const jsm = await nc.jetstreamManager();
-    expect((await jsm.streams.info(`KV_${buckets.responses}`)).config).toMatchObject({ max_age: nanos(2 * 3_600_000), max_msgs_per_subject: 1, storage: StorageType.File });
+    expect((await jsm.streams.info(`KV_${buckets.responses}`)).config).toMatchObject({
+      max_age: nanos(2 * 3_600_000),
+      max_msgs_per_subject: 1,
+      storage: StorageType.File,
+    });
     await ensureResponsesBucket(nc, buckets.responses, { maxAgeMs: 3 * 3_600_000 });
     expect((await jsm.streams.info(`KV_${buckets.responses}`)).config.max_age).toBe(nanos(3 * 3_600_000));
     await ensureResponsesBucket(nc, buckets.responses, { maxAgeMs: 2 * 3_600_000 });
@@ -266,7 +338,16 @@ describe('the Responses API over NATS, its chain in the magus_responses KV', () 
     expect(first).toMatchObject({ object: 'response', status: 'completed', output_text: 'echo: first turn' });
     // The record as the KV holds it: the chain's root, the turn's messages, the response.
     const stored = JSON.parse(new TextDecoder().decode((await kv.get(first.id))!.value)) as Record<string, unknown>;
-    expect(stored).toMatchObject({ owner: ALICE_OWNER, model: 'default/tiny', root: first.id, previous: null, depth: 0, input: [{ role: 'user', content: 'first turn' }], output: [{ role: 'assistant', content: 'echo: first turn' }], response: { id: first.id } });
+    expect(stored).toMatchObject({
+      owner: ALICE_OWNER,
+      model: 'default/tiny',
+      root: first.id,
+      previous: null,
+      depth: 0,
+      input: [{ role: 'user', content: 'first turn' }],
+      output: [{ role: 'assistant', content: 'echo: first turn' }],
+      response: { id: first.id },
+    });
     expect(await client().responses.retrieve(first.id)).toMatchObject({ id: first.id, output_text: 'echo: first turn' });
 
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: first.id });
@@ -293,14 +374,18 @@ describe('the Responses API over NATS, its chain in the magus_responses KV', () 
     await client().responses.delete(first.id);
     expect((await kv.get(first.id))?.operation).toBe('PURGE');
     await expect(client().responses.retrieve(first.id)).rejects.toMatchObject({ status: 404, code: 'response_not_found' });
-    await expect(client().responses.create({ model: 'tiny', input: 'fourth', previous_response_id: third.id })).rejects.toMatchObject({ status: 404, code: 'previous_response_not_found', param: 'previous_response_id' });
+    await expect(client().responses.create({ model: 'tiny', input: 'fourth', previous_response_id: third.id })).rejects.toMatchObject({
+      status: 404,
+      code: 'previous_response_not_found',
+      param: 'previous_response_id',
+    });
   });
 });
 
 describe('clients that go away', () => {
   it('a client closing a stream mid-wait ends the request at once (499, nothing left in flight) and tells the bridge', async () => {
     const cancels: { subject: string; id: unknown }[] = [];
-    const cancelSub = nc.subscribe(`${scope}.magus.cancel.>`, { callback: (_e, m) => cancels.push({ subject: m.subject, id: (m.json<{ id: unknown }>()).id }) });
+    const cancelSub = nc.subscribe(`${scope}.magus.cancel.>`, { callback: (_e, m) => cancels.push({ subject: m.subject, id: m.json<{ id: unknown }>().id }) });
     await nc.flush();
     const metrics = async () => (await fetch(`${gw.url}/metrics`)).text();
     const before = /status="499"\} (\d+)/.exec(await metrics())?.[1] ?? '0';
@@ -441,7 +526,20 @@ describe('the model list and the model item agree', () => {
 describe('models, health and metrics', () => {
   it('lists the registry’s models; readyz is ready; metrics count warm hits and cold starts', async () => {
     const models = await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${alice.token}` } });
-    expect(await models.json()).toEqual({ object: 'list', data: [{ id: 'tiny', object: 'model', created: expect.any(Number) as number, owned_by: 'magus', servable: true, engines: [], capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'] }] });
+    expect(await models.json()).toEqual({
+      object: 'list',
+      data: [
+        {
+          id: 'tiny',
+          object: 'model',
+          created: expect.any(Number) as number,
+          owned_by: 'magus',
+          servable: true,
+          engines: [],
+          capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+        },
+      ],
+    });
     const ready = await fetch(`${gw.url}/readyz`);
     expect(ready.status).toBe(200);
     expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } });

@@ -38,12 +38,28 @@ beforeEach(async () => {
     // `shared` in both namespaces, registry order a then b.
     models: [readyModel('shared', 'ns-a'), readyModel('shared', 'ns-b'), readyModel('only-b', 'ns-b')],
   });
-  t.plane.script = () => [{ seq: 0, type: 'done', data: { id: 'chatcmpl-1', object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'ok' }, finish_reason: 'stop' }], usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 } } }];
+  t.plane.script = () => [
+    {
+      seq: 0,
+      type: 'done',
+      data: {
+        id: 'chatcmpl-1',
+        object: 'chat.completion',
+        choices: [{ index: 0, message: { role: 'assistant', content: 'ok' }, finish_reason: 'stop' }],
+        usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
+      },
+    },
+  ];
 });
 afterEach(() => t.app.close());
 
 const call = (method: 'GET' | 'POST' | 'DELETE', url: string, id?: string, body?: object): Promise<LightMyRequestResponse> =>
-  t.app.inject({ method, url, headers: { ...(id ? { authorization: `Bearer ${tokenOf(id)}` } : {}), ...(body ? { 'content-type': 'application/json' } : {}) }, ...(body ? { payload: JSON.stringify(body) } : {}) });
+  t.app.inject({
+    method,
+    url,
+    headers: { ...(id ? { authorization: `Bearer ${tokenOf(id)}` } : {}), ...(body ? { 'content-type': 'application/json' } : {}) },
+    ...(body ? { payload: JSON.stringify(body) } : {}),
+  });
 
 test('same name, two namespaces: each key reads only its own stored responses; a rotated token keeps them, a key declared again does not', async () => {
   const made = await call('POST', '/v1/responses', 'a-team', { model: 'shared', input: 'hi' });
@@ -62,7 +78,10 @@ test('same name, two namespaces: each key reads only its own stored responses; a
 });
 
 test('a suspended key is a 403 key_suspended on every route; a wrong secret for it is still a 401', async () => {
-  for (const [method, url] of [['GET', '/v1/models'], ['POST', '/v1/chat/completions']] as const) {
+  for (const [method, url] of [
+    ['GET', '/v1/models'],
+    ['POST', '/v1/chat/completions'],
+  ] as const) {
     const res = await call(method, url, 'paused', { model: 'shared', messages: [{ role: 'user', content: 'x' }] });
     expect(res.statusCode).toBe(403);
     expect(res.json()).toMatchObject({ error: { code: 'key_suspended', type: 'permission_error' } });
@@ -72,7 +91,11 @@ test('a suspended key is a 403 key_suspended on every route; a wrong secret for 
 });
 
 test("a bare model name reaches the namespace the key may use; another namespace's models are not listed", async () => {
-  const list = async (id: string) => (await call('GET', '/v1/models', id)).json<{ data: { id: string }[] }>().data.map((m) => m.id).sort();
+  const list = async (id: string) =>
+    (await call('GET', '/v1/models', id))
+      .json<{ data: { id: string }[] }>()
+      .data.map((m) => m.id)
+      .sort();
   expect(await list('a-team')).toEqual(['shared']);
   expect(await list('b-team')).toEqual(['only-b', 'shared']);
   expect(await list('nothing')).toEqual([]);
@@ -101,14 +124,34 @@ test('mayUse: *, ns/*, ns/name, a bare name; absent = all, empty = none', () => 
 test('anonymous callers share nothing stored: their responses are not stored, and none can be read', async () => {
   await t.app.close();
   t = await buildTestApp({ storedResponses: store, settings: testSettings({ allowAnonymous: true }), models: [readyModel('shared', 'ns-a')] });
-  t.plane.script = () => [{ seq: 0, type: 'done', data: { id: 'chatcmpl-1', object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'ok' }, finish_reason: 'stop' }], usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 } } }];
+  t.plane.script = () => [
+    {
+      seq: 0,
+      type: 'done',
+      data: {
+        id: 'chatcmpl-1',
+        object: 'chat.completion',
+        choices: [{ index: 0, message: { role: 'assistant', content: 'ok' }, finish_reason: 'stop' }],
+        usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
+      },
+    },
+  ];
   const made = await call('POST', '/v1/responses', undefined, { model: 'shared', input: 'hi' });
   expect(made.statusCode).toBe(200);
   expect(made.json<ResponseObject>().store).toBe(false);
   expect(store.records.size).toBe(0);
   // Even a record someone stored as "anonymous" is not handed to an anonymous caller.
   const id = 'resp_planted';
-  store.records.set(id, { owner: 'anonymous', model: 'ns-a/shared', root: id, previous: null, depth: 0, input: [], output: [], response: made.json<ResponseObject>() });
+  store.records.set(id, {
+    owner: 'anonymous',
+    model: 'ns-a/shared',
+    root: id,
+    previous: null,
+    depth: 0,
+    input: [],
+    output: [],
+    response: made.json<ResponseObject>(),
+  });
   expect((await call('GET', `/v1/responses/${id}`)).statusCode).toBe(404);
   expect((await call('POST', '/v1/responses', undefined, { model: 'shared', input: 'more', previous_response_id: id })).statusCode).toBe(404);
 });

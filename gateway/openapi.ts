@@ -77,7 +77,10 @@ function responses(schema: RouteSchema): Record<string, unknown> {
     const text = s.type === 'string';
     const types = code === '200' && schema.produces ? schema.produces : [text ? 'text/plain' : 'application/json'];
     const content = Object.fromEntries(types.map((t) => [t, { schema: contentSchema(t, s) }]));
-    out[statusKey(code)] = { description: code.startsWith('2') ? 'OK' : s === errorResponse ? 'An error in OpenAI’s shape' : `Status ${statusKey(code)}`, content };
+    out[statusKey(code)] = {
+      description: code.startsWith('2') ? 'OK' : s === errorResponse ? 'An error in OpenAI’s shape' : `Status ${statusKey(code)}`,
+      content,
+    };
   }
   return out;
 }

@@ -49,7 +49,13 @@ function answers(content: string | null, extra: { tool_calls?: object[]; finish_
       data: {
         id: 'chatcmpl-1',
         object: 'chat.completion',
-        choices: [{ index: 0, message: { role: 'assistant', content, ...(extra.tool_calls ? { tool_calls: extra.tool_calls } : {}) }, finish_reason: extra.finish_reason ?? 'stop' }],
+        choices: [
+          {
+            index: 0,
+            message: { role: 'assistant', content, ...(extra.tool_calls ? { tool_calls: extra.tool_calls } : {}) },
+            finish_reason: extra.finish_reason ?? 'stop',
+          },
+        ],
         usage: extra.usage ?? { prompt_tokens: 10, completion_tokens: 3, total_tokens: 13, prompt_tokens_details: { cached_tokens: 4 } },
       },
     },
@@ -91,11 +97,25 @@ describe('POST /v1/responses', () => {
       store: true,
       metadata: { k: 'v' },
       error: null,
-      usage: { input_tokens: 10, input_tokens_details: { cached_tokens: 4 }, output_tokens: 3, output_tokens_details: { reasoning_tokens: 0 }, total_tokens: 13 },
+      usage: {
+        input_tokens: 10,
+        input_tokens_details: { cached_tokens: 4 },
+        output_tokens: 3,
+        output_tokens_details: { reasoning_tokens: 0 },
+        total_tokens: 13,
+      },
     });
     expect(r.id).toMatch(/^resp_[A-Za-z0-9]+$/);
     expect(r.id).toBe(`resp_${res.headers['x-request-id'] as string}`);
-    expect(r.output).toEqual([{ type: 'message', id: expect.stringMatching(/^msg_/) as unknown, status: 'completed', role: 'assistant', content: [{ type: 'output_text', text: 'Paris.', annotations: [] }] }]);
+    expect(r.output).toEqual([
+      {
+        type: 'message',
+        id: expect.stringMatching(/^msg_/) as unknown,
+        status: 'completed',
+        role: 'assistant',
+        content: [{ type: 'output_text', text: 'Paris.', annotations: [] }],
+      },
+    ]);
     expect(t.plane.chat(0).body).toEqual({
       model: 'tiny',
       messages: [
@@ -106,7 +126,16 @@ describe('POST /v1/responses', () => {
       temperature: 0,
       max_tokens: 32,
     });
-    expect(store.records.get(r.id)).toMatchObject({ owner: configOwner('alice'), model: 'default/tiny', root: r.id, previous: null, depth: 0, input: [{ role: 'user', content: 'Capital of France?' }], output: [{ role: 'assistant', content: 'Paris.' }], response: r });
+    expect(store.records.get(r.id)).toMatchObject({
+      owner: configOwner('alice'),
+      model: 'default/tiny',
+      root: r.id,
+      previous: null,
+      depth: 0,
+      input: [{ role: 'user', content: 'Capital of France?' }],
+      output: [{ role: 'assistant', content: 'Paris.' }],
+      response: r,
+    });
     expect(t.plane.listening).toBe(0);
     expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toMatch(/magus_gateway_requests_total\{route="\/v1\/responses",status="200"\} 1/);
   });
@@ -118,12 +147,36 @@ describe('POST /v1/responses', () => {
   });
 
   it("the engine's tool calls are function_call items; text.format and tools are chat's response_format and tools", async () => {
-    answers(null, { tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }], finish_reason: 'tool_calls' });
-    const tool = { type: 'function', name: 'get_weather', description: 'Weather', parameters: { type: 'object', properties: { city: { type: 'string' } } }, strict: true };
-    const res = await create({ input: 'Weather in Paris?', tools: [tool], tool_choice: { type: 'function', name: 'get_weather' }, parallel_tool_calls: false, text: { format: { type: 'json_schema', name: 'w', schema: { type: 'object' } } } });
+    answers(null, {
+      tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }],
+      finish_reason: 'tool_calls',
+    });
+    const tool = {
+      type: 'function',
+      name: 'get_weather',
+      description: 'Weather',
+      parameters: { type: 'object', properties: { city: { type: 'string' } } },
+      strict: true,
+    };
+    const res = await create({
+      input: 'Weather in Paris?',
+      tools: [tool],
+      tool_choice: { type: 'function', name: 'get_weather' },
+      parallel_tool_calls: false,
+      text: { format: { type: 'json_schema', name: 'w', schema: { type: 'object' } } },
+    });
     expect(res.statusCode).toBe(200);
     const r = res.json<ResponseObject>();
-    expect(r.output).toEqual([{ type: 'function_call', id: expect.stringMatching(/^fc_/) as unknown, call_id: 'call_1', name: 'get_weather', arguments: '{"city":"Paris"}', status: 'completed' }]);
+    expect(r.output).toEqual([
+      {
+        type: 'function_call',
+        id: expect.stringMatching(/^fc_/) as unknown,
+        call_id: 'call_1',
+        name: 'get_weather',
+        arguments: '{"city":"Paris"}',
+        status: 'completed',
+      },
+    ]);
     expect(r).toMatchObject({ tools: [tool], tool_choice: { type: 'function', name: 'get_weather' }, parallel_tool_calls: false });
     expect(t.plane.chat(0).body).toMatchObject({
       tools: [{ type: 'function', function: { name: 'get_weather', description: 'Weather', parameters: tool.parameters, strict: true } }],
@@ -131,7 +184,9 @@ describe('POST /v1/responses', () => {
       parallel_tool_calls: false,
       response_format: { type: 'json_schema', json_schema: { name: 'w', schema: { type: 'object' } } },
     });
-    expect(store.records.get(r.id)!.output).toEqual([{ role: 'assistant', content: '', tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }] }]);
+    expect(store.records.get(r.id)!.output).toEqual([
+      { role: 'assistant', content: '', tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Paris"}' } }] },
+    ]);
   });
 
   it('store: false answers without storing', async () => {
@@ -163,7 +218,15 @@ describe('streaming', () => {
       chunk(0, 'Hel'),
       chunk(1, 'lo'),
       { seq: 2, type: 'chunk', data: { object: 'chat.completion.chunk', choices: [{ index: 0, delta: {}, finish_reason: 'stop' }] } },
-      { seq: 3, type: 'chunk', data: { object: 'chat.completion.chunk', choices: [], usage: { prompt_tokens: 5, completion_tokens: 2, total_tokens: 7, prompt_tokens_details: { cached_tokens: 0 } } } },
+      {
+        seq: 3,
+        type: 'chunk',
+        data: {
+          object: 'chat.completion.chunk',
+          choices: [],
+          usage: { prompt_tokens: 5, completion_tokens: 2, total_tokens: 7, prompt_tokens_details: { cached_tokens: 0 } },
+        },
+      },
       { seq: 4, type: 'done' },
     ];
     const res = await create({ input: 'Say hello', stream: true });
@@ -187,7 +250,11 @@ describe('streaming', () => {
     expect(all.filter((e) => e.event === 'response.output_text.delta').map((e) => e.data.delta)).toEqual(['Hel', 'lo']);
     expect(all[0]!.data.response).toMatchObject({ status: 'in_progress', output: [] });
     const completed = all.at(-1)!.data.response as ResponseObject;
-    expect(completed).toMatchObject({ status: 'completed', output: [{ type: 'message', content: [{ type: 'output_text', text: 'Hello' }] }], usage: { input_tokens: 5, output_tokens: 2, total_tokens: 7 } });
+    expect(completed).toMatchObject({
+      status: 'completed',
+      output: [{ type: 'message', content: [{ type: 'output_text', text: 'Hello' }] }],
+      usage: { input_tokens: 5, output_tokens: 2, total_tokens: 7 },
+    });
     expect(all[6]!.data).toMatchObject({ text: 'Hello', output_index: 0, content_index: 0, item_id: completed.output[0]!.id });
     expect(store.records.get(completed.id)?.response).toEqual(completed);
     expect(t.plane.chat(0).body).toMatchObject({ stream: true, stream_options: { include_usage: true } });
@@ -196,16 +263,38 @@ describe('streaming', () => {
 
   it('a tool call: a function_call item, its arguments as a delta, then done', async () => {
     t.plane.script = () => [
-      { seq: 0, type: 'chunk', data: { choices: [{ index: 0, delta: { tool_calls: [{ index: 0, id: 'call_9', type: 'function', function: { name: 'f', arguments: '{"x":1}' } }] }, finish_reason: null }] } },
+      {
+        seq: 0,
+        type: 'chunk',
+        data: {
+          choices: [
+            {
+              index: 0,
+              delta: { tool_calls: [{ index: 0, id: 'call_9', type: 'function', function: { name: 'f', arguments: '{"x":1}' } }] },
+              finish_reason: null,
+            },
+          ],
+        },
+      },
       { seq: 1, type: 'chunk', data: { choices: [{ index: 0, delta: {}, finish_reason: 'tool_calls' }] } },
       { seq: 2, type: 'done' },
     ];
     const res = await create({ input: 'Call f', stream: true, tools: [{ type: 'function', name: 'f' }], tool_choice: 'required' });
     const all = events(res.body);
-    expect(all.map((e) => e.event)).toEqual(['response.created', 'response.in_progress', 'response.output_item.added', 'response.function_call_arguments.delta', 'response.function_call_arguments.done', 'response.output_item.done', 'response.completed']);
+    expect(all.map((e) => e.event)).toEqual([
+      'response.created',
+      'response.in_progress',
+      'response.output_item.added',
+      'response.function_call_arguments.delta',
+      'response.function_call_arguments.done',
+      'response.output_item.done',
+      'response.completed',
+    ]);
     expect(all[2]!.data.item).toMatchObject({ type: 'function_call', call_id: 'call_9', name: 'f', arguments: '', status: 'in_progress' });
     expect(all[4]!.data).toMatchObject({ name: 'f', arguments: '{"x":1}' });
-    expect((all.at(-1)!.data.response as ResponseObject).output).toEqual([expect.objectContaining({ type: 'function_call', call_id: 'call_9', arguments: '{"x":1}', status: 'completed' })]);
+    expect((all.at(-1)!.data.response as ResponseObject).output).toEqual([
+      expect.objectContaining({ type: 'function_call', call_id: 'call_9', arguments: '{"x":1}', status: 'completed' }),
+    ]);
   });
 
   it('an error after the stream started: response.failed, then an error event; nothing stored', async () => {
@@ -225,7 +314,13 @@ describe('previous_response_id', () => {
     answers('Paris.');
     const first = (await create({ input: 'Capital of France?', instructions: 'Be brief.' })).json<ResponseObject>();
     answers('Berlin.');
-    const second = (await create({ input: [{ role: 'user', content: [{ type: 'input_text', text: 'And Germany?' }] }], previous_response_id: first.id, instructions: 'Be kind.' })).json<ResponseObject>();
+    const second = (
+      await create({
+        input: [{ role: 'user', content: [{ type: 'input_text', text: 'And Germany?' }] }],
+        previous_response_id: first.id,
+        instructions: 'Be kind.',
+      })
+    ).json<ResponseObject>();
     expect(second.previous_response_id).toBe(first.id);
     answers('Rome.');
     const third = await create({ input: 'And Italy?', previous_response_id: second.id });
@@ -277,7 +372,12 @@ describe('previous_response_id', () => {
     ] as const) {
       const res = await create({ input: 'And Germany?', previous_response_id: id }, token);
       expect(res.statusCode).toBe(404);
-      expect(errorOf(res)).toEqual({ type: 'invalid_request_error', code: 'previous_response_not_found', param: 'previous_response_id', message: `No response found with id '${id}'.` });
+      expect(errorOf(res)).toEqual({
+        type: 'invalid_request_error',
+        code: 'previous_response_not_found',
+        param: 'previous_response_id',
+        message: `No response found with id '${id}'.`,
+      });
     }
     expect(t.plane.published).toHaveLength(published);
   });
@@ -289,13 +389,19 @@ describe('previous_response_id', () => {
     store.records.delete(first.id);
     const res = await create({ input: '3', previous_response_id: second.id });
     expect(res.statusCode).toBe(404);
-    expect(errorOf(res)).toMatchObject({ code: 'previous_response_not_found', param: 'previous_response_id', message: `Response '${first.id}', an earlier turn of '${second.id}', is no longer stored.` });
+    expect(errorOf(res)).toMatchObject({
+      code: 'previous_response_not_found',
+      param: 'previous_response_id',
+      message: `Response '${first.id}', an earlier turn of '${second.id}', is no longer stored.`,
+    });
   });
 });
 
 describe('GET and DELETE /v1/responses/{response_id}', () => {
-  const get = (id: string, token = t.tokens.alice.token) => t.app.inject({ method: 'GET', url: `/v1/responses/${id}`, headers: { authorization: `Bearer ${token}` } });
-  const del = (id: string, token = t.tokens.alice.token) => t.app.inject({ method: 'DELETE', url: `/v1/responses/${id}`, headers: { authorization: `Bearer ${token}` } });
+  const get = (id: string, token = t.tokens.alice.token) =>
+    t.app.inject({ method: 'GET', url: `/v1/responses/${id}`, headers: { authorization: `Bearer ${token}` } });
+  const del = (id: string, token = t.tokens.alice.token) =>
+    t.app.inject({ method: 'DELETE', url: `/v1/responses/${id}`, headers: { authorization: `Bearer ${token}` } });
 
   it('the stored response to its own token only; deleted, it is gone (and cannot be continued)', async () => {
     answers('Paris.');
@@ -327,14 +433,25 @@ describe('GET and DELETE /v1/responses/{response_id}', () => {
 });
 
 describe('log-probabilities', () => {
-  const lp = (token: string, logprob: number) => ({ token, logprob, bytes: [...Buffer.from(token)], top_logprobs: [{ token, logprob, bytes: [...Buffer.from(token)] }] });
+  const lp = (token: string, logprob: number) => ({
+    token,
+    logprob,
+    bytes: [...Buffer.from(token)],
+    top_logprobs: [{ token, logprob, bytes: [...Buffer.from(token)] }],
+  });
 
   it('include message.output_text.logprobs asks the engine for them (top_logprobs alternatives) and the text part carries them', async () => {
     t.plane.script = () => [
       {
         seq: 0,
         type: 'done',
-        data: { id: 'c', object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'Hi!' }, logprobs: { content: [lp('Hi', -0.1), lp('!', -0.5)] }, finish_reason: 'stop' }] },
+        data: {
+          id: 'c',
+          object: 'chat.completion',
+          choices: [
+            { index: 0, message: { role: 'assistant', content: 'Hi!' }, logprobs: { content: [lp('Hi', -0.1), lp('!', -0.5)] }, finish_reason: 'stop' },
+          ],
+        },
       },
     ];
     const r = (await create({ input: 'Hello', include: ['message.output_text.logprobs'], top_logprobs: 1 })).json<ResponseObject>();
@@ -395,19 +512,44 @@ describe('refusals', () => {
     ['input', {}, 'is required'],
     ['input[0].call_id', { input: [{ type: 'function_call', name: 'f', arguments: '{}' }] }, 'is required'],
     ['input[0].role', { input: [{ content: 'hi' }] }, 'is required'],
-    ['metadata', { input: 'x', metadata: Object.fromEntries(Array.from({ length: 17 }, (_v, i) => [`k${i}`, 'v'])) }, 'must be at most 16 string pairs (keys ≤ 64, values ≤ 512 characters)'],
+    [
+      'metadata',
+      { input: 'x', metadata: Object.fromEntries(Array.from({ length: 17 }, (_v, i) => [`k${i}`, 'v'])) },
+      'must be at most 16 string pairs (keys ≤ 64, values ≤ 512 characters)',
+    ],
   ])('malformed (%s) → 400 invalid_value naming the field', async (param, body, what) => {
-    const res = await t.app.inject({ method: 'POST', url: '/v1/responses', headers: auth(t.tokens.alice.token), payload: JSON.stringify({ model: 'tiny', ...body }) });
+    const res = await t.app.inject({
+      method: 'POST',
+      url: '/v1/responses',
+      headers: auth(t.tokens.alice.token),
+      payload: JSON.stringify({ model: 'tiny', ...body }),
+    });
     expect(res.statusCode).toBe(400);
     expect(errorOf(res)).toMatchObject({ param, code: 'invalid_value', message: `Invalid request: ${param} ${what}.` });
   });
 
   it("chat's structure checks, naming the Responses field", async () => {
     const cases: [object, string, string][] = [
-      [{ input: [{ type: 'function_call_output', call_id: 'nope', output: 'x' }] }, 'input[0].call_id', "input[0] answers tool call 'nope', which no earlier assistant message made."],
-      [{ tools: [{ type: 'function', name: 'f' }], tool_choice: { type: 'function', name: 'g' } }, 'tool_choice.name', "tool_choice names 'g', which is not among the tools."],
-      [{ tools: [{ type: 'function', name: 'f', parameters: { type: 'object', properties: { n: { type: 'number', minimum: 1 } } } }] }, 'tools[0].parameters.properties.n.minimum', 'tools[0].parameters.properties.n '],
-      [{ text: { format: { type: 'json_schema', name: 's', schema: { type: 'string', pattern: 'a+' } } } }, 'text.format.schema.pattern', 'at text.format.schema '],
+      [
+        { input: [{ type: 'function_call_output', call_id: 'nope', output: 'x' }] },
+        'input[0].call_id',
+        "input[0] answers tool call 'nope', which no earlier assistant message made.",
+      ],
+      [
+        { tools: [{ type: 'function', name: 'f' }], tool_choice: { type: 'function', name: 'g' } },
+        'tool_choice.name',
+        "tool_choice names 'g', which is not among the tools.",
+      ],
+      [
+        { tools: [{ type: 'function', name: 'f', parameters: { type: 'object', properties: { n: { type: 'number', minimum: 1 } } } }] },
+        'tools[0].parameters.properties.n.minimum',
+        'tools[0].parameters.properties.n ',
+      ],
+      [
+        { text: { format: { type: 'json_schema', name: 's', schema: { type: 'string', pattern: 'a+' } } } },
+        'text.format.schema.pattern',
+        'at text.format.schema ',
+      ],
     ];
     for (const [body, param, message] of cases) {
       const res = await create({ input: 'hi', ...body });
@@ -425,12 +567,26 @@ describe('refusals', () => {
     const big: ReadyModel = { ...readyModel('big'), artifacts: [dllamaArtifact], memory: [plan] };
     const advert: RuntimeAdvert = { worker: 'w1', runtime: 'local', formats: ['gguf', 'dllama'], dllamaNodes: 2, at: Date.now() };
     await t.app.close();
-    t = await buildTestApp({ storedResponses: store, models: createModelCatalog({ list: () => Promise.resolve([big, readyModel('tiny')]), read: () => Promise.resolve({ models: [big, readyModel('tiny')], runtimes: [{ ...advert, at: Date.now() }] }) }) });
+    t = await buildTestApp({
+      storedResponses: store,
+      models: createModelCatalog({
+        list: () => Promise.resolve([big, readyModel('tiny')]),
+        read: () => Promise.resolve({ models: [big, readyModel('tiny')], runtimes: [{ ...advert, at: Date.now() }] }),
+      }),
+    });
     for (const [body, param] of [
       [{ tools: [{ type: 'function', name: 'f' }] }, 'tools'],
       [{ text: { format: { type: 'json_schema', name: 's', schema: { type: 'object' } } } }, 'text.format'],
       [{ text: { format: { type: 'json_object' } } }, 'text.format'],
-      [{ input: [{ role: 'user', content: 'x' }, { type: 'function_call', call_id: 'c', name: 'f', arguments: '{}' }] }, 'input[1]'],
+      [
+        {
+          input: [
+            { role: 'user', content: 'x' },
+            { type: 'function_call', call_id: 'c', name: 'f', arguments: '{}' },
+          ],
+        },
+        'input[1]',
+      ],
     ] as const) {
       const res = await create({ model: 'big', input: 'hi', ...body });
       expect(res.statusCode).toBe(400);
@@ -443,7 +599,16 @@ describe('refusals', () => {
   });
 
   it('needs a token and a model it may use', async () => {
-    expect((await t.app.inject({ method: 'POST', url: '/v1/responses', headers: { 'content-type': 'application/json' }, payload: JSON.stringify({ model: 'tiny', input: 'x' }) })).statusCode).toBe(401);
+    expect(
+      (
+        await t.app.inject({
+          method: 'POST',
+          url: '/v1/responses',
+          headers: { 'content-type': 'application/json' },
+          payload: JSON.stringify({ model: 'tiny', input: 'x' }),
+        })
+      ).statusCode,
+    ).toBe(401);
     const res = await create({ input: 'x' }, t.tokens.narrow.token);
     expect(res.statusCode).toBe(404);
     expect(errorOf(res).code).toBe('model_not_found');

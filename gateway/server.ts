@@ -91,7 +91,10 @@ export function createServer(config: GatewayConfig, logStream?: NodeJS.WritableS
 async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
   try {
-    return await Promise.race([p, new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} did not answer within ${ms / 1000}s`)), ms)))]);
+    return await Promise.race([
+      p,
+      new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} did not answer within ${ms / 1000}s`)), ms))),
+    ]);
   } finally {
     clearTimeout(timer);
   }
@@ -150,7 +153,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     closers.push(() => kvTokens.cache.close());
     onReconnect.push(() => kvTokens.cache.reopen());
     // Declared here: gateways are the only writers and readers of stored responses, and hold their TTL.
-    const storedResponses = kvResponseStore(await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }));
+    const storedResponses = kvResponseStore(
+      await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }),
+    );
     const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
 
     let sessions: SessionBroker;
@@ -181,7 +186,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());
-      onReconnect.push(() => cache.cache.reopen(), () => cache.pools?.reopen());
+      onReconnect.push(
+        () => cache.cache.reopen(),
+        () => cache.pools?.reopen(),
+      );
       ready.push(within(`the ${config.buckets.sessions} watch`, 15_000, cache.ready));
       liveness.push({ name: 'sessions', check: () => cache.cache.live });
       if (cache.pools) liveness.push({ name: 'pools', check: () => cache.pools!.live });
@@ -192,7 +200,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       replica: config.replicaId,
       onBadFrame: (subject: string) => log.warn({ subject }, 'dropped a response message that is not a frame'),
     };
-    const responses: ResponseRouter = config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
+    const responses: ResponseRouter =
+      config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
     closers.push(() => responses.close());
     // Frames published while this process was cut off are in the response stream: read them back.
     const js = nc.jetstream();
@@ -205,10 +214,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     };
     onReconnect.push(() => {
       void responses
-        .recover(
-          readStored,
-          (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'),
-        )
+        .recover(readStored, (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'))
         .then((frames) => {
           metrics.framesRecovered.inc([], frames);
           if (frames > 0) log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests');
@@ -261,7 +267,11 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }
       },
-      readiness: [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness, ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : [])],
+      readiness: [
+        { name: 'nats', check: () => natsUp && !nc.isClosed() },
+        ...liveness,
+        ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : []),
+      ],
     });
     const address = await app.listen({ host: config.host, port: config.port });
     let closing: Promise<void> | undefined;
@@ -346,10 +356,19 @@ export async function gatewayCommand(args: string[]): Promise<number> {
     const { address, namespace, taskQueue } = config.temporal;
     temporalConnection = Connection.lazy({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
     temporal = watchTemporal(temporalConnection, {
-      onChange: (up) => process.stderr.write(`magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`),
+      onChange: (up) =>
+        process.stderr.write(
+          `magus gateway: Temporal at ${address} ${up ? 'answers' : 'is unreachable: first turns that need it get 503 unavailable until it is back'}\n`,
+        ),
     });
     const client = new Client({ connection: temporalConnection, namespace });
-    const { close, ...sessions } = temporalSessions({ client, taskQueue, pool: poolDefaults(config.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), sessionTtlMs: config.sessionTtlMs, replica: config.replicaId });
+    const { close, ...sessions } = temporalSessions({
+      client,
+      taskQueue,
+      pool: poolDefaults(config.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES),
+      sessionTtlMs: config.sessionTtlMs,
+      replica: config.replicaId,
+    });
     closeSessions = close;
     gateway = await startGateway(config, { ...sessions, temporal });
   } catch (err) {

@@ -28,7 +28,11 @@ it('a call runs under a signal of its own: nothing stays on the long-lived one a
 it('aborting the long-lived signal aborts the calls in flight, with its reason; a call made after runs already aborted', async () => {
   const client = leakyClient();
   const stopping = new AbortController();
-  const inFlight = underOwnSignal(client, stopping.signal, () => new Promise<never>((_, reject) => client.signals.at(-1)!.addEventListener('abort', () => reject(client.signals.at(-1)!.reason as Error))));
+  const inFlight = underOwnSignal(
+    client,
+    stopping.signal,
+    () => new Promise<never>((_, reject) => client.signals.at(-1)!.addEventListener('abort', () => reject(client.signals.at(-1)!.reason as Error))),
+  );
   stopping.abort(new Error('stopping'));
   await expect(inFlight).rejects.toThrow('stopping');
   let sawAborted: boolean | undefined;

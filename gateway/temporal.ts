@@ -72,14 +72,16 @@ export function temporalSessions(opts: TemporalSessionOptions): { firstTurns: Pi
   // One listener per call in flight, removed when it ends (unlessStopping).
   setMaxListeners(0, stopping.signal);
   const inflight = new Set<Promise<unknown>>();
-  const tracked = <A extends unknown[], T>(call: (...args: A) => Promise<T>) => (...args: A): Promise<T> => {
-    if (stopping.signal.aborted) return Promise.reject(new SessionError(SessionErrorType.Unavailable, 'the gateway is stopping'));
-    const p = call(...args);
-    inflight.add(p);
-    const forget = () => void inflight.delete(p);
-    p.then(forget, forget);
-    return p;
-  };
+  const tracked =
+    <A extends unknown[], T>(call: (...args: A) => Promise<T>) =>
+    (...args: A): Promise<T> => {
+      if (stopping.signal.aborted) return Promise.reject(new SessionError(SessionErrorType.Unavailable, 'the gateway is stopping'));
+      const p = call(...args);
+      inflight.add(p);
+      const forget = () => void inflight.delete(p);
+      p.then(forget, forget);
+      return p;
+    };
   const unlessStopping = <T>(call: () => Promise<T>): Promise<T> => underOwnSignal(client, stopping.signal, call);
   /** Pools run on a task queue of their own (constants.ts `poolQueueFor`). */
   const poolQueue = poolQueueFor(taskQueue);
@@ -87,32 +89,41 @@ export function temporalSessions(opts: TemporalSessionOptions): { firstTurns: Pi
   /** The input of `model`'s pool, should this call start it. */
   const poolInput = (model: ReadyModel): PoolInput => {
     const { leasesPerInstance, ...sizes } = opts.pool;
-    return { namespace: model.namespace, model: model.name, ...sizes, leasesPerInstance: typeof leasesPerInstance === 'function' ? leasesPerInstance(model) : leasesPerInstance };
+    return {
+      namespace: model.namespace,
+      model: model.name,
+      ...sizes,
+      leasesPerInstance: typeof leasesPerInstance === 'function' ? leasesPerInstance(model) : leasesPerInstance,
+    };
   };
   const adopt: FirstTurns['adopt'] = tracked(async (req, entry) => {
     const { namespace, name } = req.model;
-    await unlessStopping(() => client.workflow.start<typeof session>('session', {
-      workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
-      taskQueue,
-      args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, entry: { expiresAt: entry.expiresAt } }],
-      // A session still running (the conversation's entry revived before it ended) keeps watching the entry.
-      workflowIdConflictPolicy: 'USE_EXISTING',
-      searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`${namespace}/${name}`], [SearchAttribute.phase]: ['serving'] },
-      staticSummary: WorkflowSummary.session(namespace, name),
-    }));
+    await unlessStopping(() =>
+      client.workflow.start<typeof session>('session', {
+        workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
+        taskQueue,
+        args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, entry: { expiresAt: entry.expiresAt } }],
+        // A session still running (the conversation's entry revived before it ended) keeps watching the entry.
+        workflowIdConflictPolicy: 'USE_EXISTING',
+        searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`${namespace}/${name}`], [SearchAttribute.phase]: ['serving'] },
+        staticSummary: WorkflowSummary.session(namespace, name),
+      }),
+    );
   });
   const demand: NonNullable<FirstTurns['demand']> = tracked(async (model, waiting) => {
     const { namespace, name } = model;
-    const told = unlessStopping(() => client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
-      client.workflow.signalWithStart<typeof dllamaPool, [{ replica: string; waiting: number }]>('dllamaPool', {
-        workflowId: poolWorkflowId(namespace, name),
-        taskQueue: poolQueue,
-        args: [poolInput(model)],
-        signal: demandSignal,
-        signalArgs: [{ replica, waiting }],
-        staticSummary: WorkflowSummary.pool(namespace, name),
-      }),
-    ));
+    const told = unlessStopping(() =>
+      client.withDeadline(Date.now() + TEMPORAL_CALL_DEADLINE_MS, () =>
+        client.workflow.signalWithStart<typeof dllamaPool, [{ replica: string; waiting: number }]>('dllamaPool', {
+          workflowId: poolWorkflowId(namespace, name),
+          taskQueue: poolQueue,
+          args: [poolInput(model)],
+          signal: demandSignal,
+          signalArgs: [{ replica, waiting }],
+          staticSummary: WorkflowSummary.pool(namespace, name),
+        }),
+      ),
+    );
     await told.catch((err: unknown) => {
       throw unreachable(err) ?? err;
     });

@@ -22,17 +22,42 @@ test('sizes read like kubectl users expect', () => {
 });
 
 test('conditions follow the stages of the pipeline', () => {
-  expect(summary(modelConditions(progress({ phase: 'resolving' }), 3))).toEqual(['Downloaded=False/Resolving', 'Converted=False/Pending', 'Sized=False/Pending', 'Ready=False/Resolving']);
-  expect(summary(modelConditions(progress({ phase: 'converting' }), 3))).toEqual(['Downloaded=True/Downloaded', 'Converted=False/Converting', 'Sized=False/Pending', 'Ready=False/Converting']);
-  expect(summary(modelConditions(progress({ phase: 'ready' }), 3))).toEqual(['Downloaded=True/Downloaded', 'Converted=True/Converted', 'Sized=True/Sized', 'Ready=True/Ready']);
+  expect(summary(modelConditions(progress({ phase: 'resolving' }), 3))).toEqual([
+    'Downloaded=False/Resolving',
+    'Converted=False/Pending',
+    'Sized=False/Pending',
+    'Ready=False/Resolving',
+  ]);
+  expect(summary(modelConditions(progress({ phase: 'converting' }), 3))).toEqual([
+    'Downloaded=True/Downloaded',
+    'Converted=False/Converting',
+    'Sized=False/Pending',
+    'Ready=False/Converting',
+  ]);
+  expect(summary(modelConditions(progress({ phase: 'ready' }), 3))).toEqual([
+    'Downloaded=True/Downloaded',
+    'Converted=True/Converted',
+    'Sized=True/Sized',
+    'Ready=True/Ready',
+  ]);
   for (const c of modelConditions(progress({ phase: 'ready' }), 3)) expect(c.observedGeneration).toBe(3);
 });
 
 test('a failure marks the stage it happened in with its typed reason, and Ready the same', () => {
   const failed = progress({ phase: 'failed', failure: { type: 'UnsupportedModel', message: 'mixtral is not supported', during: 'converting' } });
-  expect(summary(modelConditions(failed, 3))).toEqual(['Downloaded=True/Downloaded', 'Converted=False/UnsupportedModel', 'Sized=False/Pending', 'Ready=False/UnsupportedModel']);
+  expect(summary(modelConditions(failed, 3))).toEqual([
+    'Downloaded=True/Downloaded',
+    'Converted=False/UnsupportedModel',
+    'Sized=False/Pending',
+    'Ready=False/UnsupportedModel',
+  ]);
   const early = progress({ phase: 'failed', failure: { type: 'RepoNotFound', message: '404', during: 'resolving' } });
-  expect(summary(modelConditions(early, 3))).toEqual(['Downloaded=False/RepoNotFound', 'Converted=False/Pending', 'Sized=False/Pending', 'Ready=False/RepoNotFound']);
+  expect(summary(modelConditions(early, 3))).toEqual([
+    'Downloaded=False/RepoNotFound',
+    'Converted=False/Pending',
+    'Sized=False/Pending',
+    'Ready=False/RepoNotFound',
+  ]);
 });
 
 test('lastTransitionTime moves only when a condition flips', () => {
@@ -44,7 +69,13 @@ test('lastTransitionTime moves only when a condition flips', () => {
 
 test('a Model status while transferring shows progress in words and numbers', () => {
   const s = modelStatus({ progress: progress({}), ready: null, workflowId: 'model/ns/m', bucket: 'b', previous: [], now: 't' });
-  expect(s).toMatchObject({ observedGeneration: 3, phase: 'Transferring', revision: 'a'.repeat(40), workflowId: 'model/ns/m', progress: { percent: 25, etaSeconds: 12, summary: '25% 1.5 MB/6.0 MB' } });
+  expect(s).toMatchObject({
+    observedGeneration: 3,
+    phase: 'Transferring',
+    revision: 'a'.repeat(40),
+    workflowId: 'model/ns/m',
+    progress: { percent: 25, etaSeconds: 12, summary: '25% 1.5 MB/6.0 MB' },
+  });
   expect(s.artifacts).toBeUndefined();
 });
 
@@ -53,8 +84,22 @@ test('a ready Model lists its artifacts as s3 URIs with sizes, and its sizing pe
     namespace: 'ns',
     name: 'm',
     source: { repo: 'org/m', revision: 'main', sha: 'a'.repeat(40) },
-    artifacts: [{ format: 'gguf' as const, weights: 'q40' as const, converterVersion: '1', files: [{ key: 'artifacts/org/m/x/model.gguf', bytes: 2_000_000, sha256: 'f'.repeat(64) }] }],
-    memory: [{ format: 'gguf' as const, weights: 'q40' as const, contextLength: 128, topologies: [{ nodes: 1, root: { weights: 1, kvCache: 1, buffers: 1, total: 3 }, worker: null }] }],
+    artifacts: [
+      {
+        format: 'gguf' as const,
+        weights: 'q40' as const,
+        converterVersion: '1',
+        files: [{ key: 'artifacts/org/m/x/model.gguf', bytes: 2_000_000, sha256: 'f'.repeat(64) }],
+      },
+    ],
+    memory: [
+      {
+        format: 'gguf' as const,
+        weights: 'q40' as const,
+        contextLength: 128,
+        topologies: [{ nodes: 1, root: { weights: 1, kvCache: 1, buffers: 1, total: 3 }, worker: null }],
+      },
+    ],
     readyAt: 't',
   };
   const s = modelStatus({ progress: progress({ phase: 'ready' }), ready, workflowId: 'w', bucket: 'models', previous: [], now: 't' });
@@ -66,7 +111,17 @@ test('a ready Model lists its artifacts as s3 URIs with sizes, and its sizing pe
 
 test('a Dllama status counts ready instances and reports a failing pool as Degraded', () => {
   const base = { observedGeneration: 2, nodesPerInstance: 2, selector: 'magus.dev/pool=p', workflowId: 'pool/ns/m', previous: [], now: 't' };
-  const serving = dllamaStatus({ ...base, pool: { instances: [{ id: 'm-1', phase: 'ready', subject: 's', leases: 3 }, { id: 'm-2', phase: 'starting', subject: null, leases: 0 }], waiting: 0, lastError: null } });
+  const serving = dllamaStatus({
+    ...base,
+    pool: {
+      instances: [
+        { id: 'm-1', phase: 'ready', subject: 's', leases: 3 },
+        { id: 'm-2', phase: 'starting', subject: null, leases: 0 },
+      ],
+      waiting: 0,
+      lastError: null,
+    },
+  });
   expect(serving).toMatchObject({ phase: 'Scaling', replicas: 2, readyReplicas: 1, nodesPerInstance: 2, selector: 'magus.dev/pool=p' });
   expect(summary(serving.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected']);
   const failing = dllamaStatus({ ...base, pool: { instances: [], waiting: 1, lastError: 'ModelNotReady: no GGUF' } });

@@ -49,7 +49,13 @@ export function modelConditions(p: PipelineProgress, observedGeneration: number)
   // A step retrying after failed attempts says so where a user looks (`kubectl describe model`).
   const r = p.phase === 'failed' ? undefined : p.retrying;
   const retrying = r ? `retrying: attempt ${r.attempt} of ${r.activity}${r.key ? ` (${r.key})` : ''} failed: ${r.message}` : null;
-  const c = (type: string, status: Condition['status'], reason: string, message = ''): Omit<Condition, 'lastTransitionTime'> => ({ type, status, reason, message, observedGeneration });
+  const c = (type: string, status: Condition['status'], reason: string, message = ''): Omit<Condition, 'lastTransitionTime'> => ({
+    type,
+    status,
+    reason,
+    message,
+    observedGeneration,
+  });
   const out = STAGES.map((s) => {
     if (reached > ORDER.indexOf(s.last)) return c(s.type, 'True', s.done);
     if (failed && s.active[at] !== undefined) return c(s.type, 'False', failed.type, failed.message);
@@ -118,7 +124,14 @@ export function modelStatus(input: ModelStatusInput): ModelResourceStatus {
     });
     status.size = humanBytes(status.artifacts.reduce((n, a) => n + a.bytes, 0));
     status.sizing = ready.memory.flatMap((m) =>
-      m.topologies.map((t) => ({ format: m.format, weights: m.weights, contextLength: m.contextLength, nodes: t.nodes, rootBytes: t.root.total, ...(t.worker ? { workerBytes: t.worker.total } : {}) })),
+      m.topologies.map((t) => ({
+        format: m.format,
+        weights: m.weights,
+        contextLength: m.contextLength,
+        nodes: t.nodes,
+        rootBytes: t.root.total,
+        ...(t.worker ? { workerBytes: t.worker.total } : {}),
+      })),
     );
   }
   return status;
@@ -145,7 +158,13 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
   const conditions: Omit<Condition, 'lastTransitionTime'>[] = [
     ready > 0
       ? { type: 'Ready', status: 'True', reason: 'InstancesReady', message: `${ready} of ${live} instances serve`, observedGeneration: g }
-      : { type: 'Ready', status: 'False', reason: live > 0 ? 'InstancesStarting' : 'NoInstances', message: live > 0 ? `${live} instances starting` : 'scaled to zero; the first request starts one', observedGeneration: g },
+      : {
+          type: 'Ready',
+          status: 'False',
+          reason: live > 0 ? 'InstancesStarting' : 'NoInstances',
+          message: live > 0 ? `${live} instances starting` : 'scaled to zero; the first request starts one',
+          observedGeneration: g,
+        },
     input.pool.lastError
       ? { type: 'Degraded', status: 'True', reason: 'InstanceFailed', message: input.pool.lastError, observedGeneration: g }
       : { type: 'Degraded', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },

@@ -62,8 +62,7 @@ function start(kc: KubeConfig, group: string, extra: { timeoutSeconds?: number }
 
 const create = (name: string, group: string | undefined, v: string) =>
   core.createNamespacedConfigMap({ namespace: ns, body: { metadata: { name, labels: group ? { [LABEL]: group } : {} }, data: { v } } });
-const update = (name: string, v: string) =>
-  core.patchNamespacedConfigMap({ namespace: ns, name, body: [{ op: 'replace', path: '/data/v', value: v }] });
+const update = (name: string, v: string) => core.patchNamespacedConfigMap({ namespace: ns, name, body: [{ op: 'replace', path: '/data/v', value: v }] });
 const remove = (name: string) => core.deleteNamespacedConfigMap({ namespace: ns, name });
 
 /** A client that reaches the API server only through a cuttable TCP proxy. */
@@ -158,7 +157,12 @@ test('an API server unreachable at start, then a cut connection: it retries unti
   expect(show().slice(3)).toEqual(['ADDED z=1', 'MODIFIED x=2', 'DELETED y=1']);
   // Resumed from the last resourceVersion: the changes came from the watch, not from a relist.
   expect(watch.stats).toMatchObject({ lists: 1, relistsOn410: 0, events: 4 });
-  expect(watch.list().map((cm) => cm.metadata?.name).sort()).toEqual(['w', 'x', 'z']);
+  expect(
+    watch
+      .list()
+      .map((cm) => cm.metadata?.name)
+      .sort(),
+  ).toEqual(['w', 'x', 'z']);
   expect(logs.some((l) => l.includes('watch failed'))).toBe(true);
 
   // stop() while the watcher is between retries returns at once and ends the callbacks.

@@ -66,10 +66,14 @@ async function fakeApiServer(script: Script): Promise<{ kc: KubeConfig; requests
 
 const cm = (name: string, rv: string, uid = `uid-${name}`): WatchedObject => ({ metadata: { name, namespace: 'ns', uid, resourceVersion: rv } });
 const list = (res: ServerResponse, rv: string, items: WatchedObject[], cont?: string): void => {
-  res.writeHead(200, { 'Content-Type': 'application/json' }).end(JSON.stringify({ apiVersion: 'v1', kind: 'ConfigMapList', metadata: { resourceVersion: rv, continue: cont }, items }));
+  res
+    .writeHead(200, { 'Content-Type': 'application/json' })
+    .end(JSON.stringify({ apiVersion: 'v1', kind: 'ConfigMapList', metadata: { resourceVersion: rv, continue: cont }, items }));
 };
 const status = (res: ServerResponse, code: number, reason: string): void => {
-  res.writeHead(code, { 'Content-Type': 'application/json' }).end(JSON.stringify({ kind: 'Status', status: 'Failure', code, reason, message: `${reason} (scripted)` }));
+  res
+    .writeHead(code, { 'Content-Type': 'application/json' })
+    .end(JSON.stringify({ kind: 'Status', status: 'Failure', code, reason, message: `${reason} (scripted)` }));
 };
 /** A watch response with these events, then the end of the stream. */
 const stream = (res: ServerResponse, events: { type: string; object: unknown }[]): void => {
@@ -128,7 +132,8 @@ test('HTTP 410 or an ERROR 410 event relists; HTTP 5xx and other ERROR events ba
     if (r.n === 0) return status(res, 500, 'InternalError');
     if (r.n === 1) return stream(res, [{ type: 'ERROR', object: { kind: 'Status', code: 500, reason: 'InternalError', message: 'etcd hiccup' } }]);
     if (r.n === 2) return status(res, 410, 'Gone');
-    if (r.n === 3) return stream(res, [{ type: 'ERROR', object: { kind: 'Status', code: 410, reason: 'Expired', message: 'too old resource version: 30 (35)' } }]);
+    if (r.n === 3)
+      return stream(res, [{ type: 'ERROR', object: { kind: 'Status', code: 410, reason: 'Expired', message: 'too old resource version: 30 (35)' } }]);
     return false;
   });
   const { watch, seen, logs } = start(kc);

@@ -75,7 +75,13 @@ export function responseStreamSizing(env: NodeJS.ProcessEnv, problems: string[])
     if (!Number.isInteger(n) || n < min || n > max) problems.push(`${name}=${raw} must be ${what}`);
     else sizing[key] = n;
   };
-  read('MAGUS_RESPONSES_PEAK_BYTES_PER_SEC', 'responsePeakBytesPerSec', 1024, 2 ** 30, 'a byte rate from 1024 to 1073741824 (peak response frames per second, all gateways)');
+  read(
+    'MAGUS_RESPONSES_PEAK_BYTES_PER_SEC',
+    'responsePeakBytesPerSec',
+    1024,
+    2 ** 30,
+    'a byte rate from 1024 to 1073741824 (peak response frames per second, all gateways)',
+  );
   read('MAGUS_RESPONSES_RETENTION_MS', 'responseRetentionMs', 10_000, 24 * 3_600_000, 'milliseconds from 10000 to 86400000 (the longest a request may run)');
   return sizing;
 }

@@ -25,7 +25,11 @@ function openFds(): number | undefined {
 
 /** `magus_worker_cached_workflows`, for a process that runs Temporal workers (magus worker, magus dev). */
 export function cachedWorkflowsMetricsText(count: number | undefined): string {
-  return gauge('magus_worker_cached_workflows', 'Workflows the Temporal SDK keeps cached in this process (their state is in the workflow threads, outside the heap gauges above).', count);
+  return gauge(
+    'magus_worker_cached_workflows',
+    'Workflows the Temporal SDK keeps cached in this process (their state is in the workflow threads, outside the heap gauges above).',
+    count,
+  );
 }
 
 /** How long one window of the event-loop delay gauges is. */
@@ -59,7 +63,15 @@ export function processMetricsText(): string {
     gauge('nodejs_external_memory_bytes', 'Memory of objects outside the V8 heap bound to JavaScript ones (buffers), in bytes.', m.external) +
     gauge('process_open_fds', 'Open file descriptors.', openFds()) +
     gauge('process_start_time_seconds', 'Start time of the process since the Unix epoch, in seconds.', startTimeSeconds) +
-    gauge('nodejs_eventloop_delay_p99_seconds', 'Event loop delay, 99th percentile over the last completed 30-s window (empty until one completed).', delay?.p99) +
-    gauge('nodejs_eventloop_delay_max_seconds', 'Event loop delay, longest over the last completed 30-s window: a garbage collection pause or long synchronous work shows here.', delay?.max)
+    gauge(
+      'nodejs_eventloop_delay_p99_seconds',
+      'Event loop delay, 99th percentile over the last completed 30-s window (empty until one completed).',
+      delay?.p99,
+    ) +
+    gauge(
+      'nodejs_eventloop_delay_max_seconds',
+      'Event loop delay, longest over the last completed 30-s window: a garbage collection pause or long synchronous work shows here.',
+      delay?.max,
+    )
   );
 }

@@ -1,7 +1,15 @@
 import { Connection } from '@temporalio/client';
 import { createServer, type Server } from 'node:net';
 import type { AddressInfo } from 'node:net';
-import { isTemporalUnreachable, temporalMetricsText, temporalReadyText, temporalStartBackoffMs, unreachableHealth, untilTemporalAnswers, watchTemporal } from './temporal-health';
+import {
+  isTemporalUnreachable,
+  temporalMetricsText,
+  temporalReadyText,
+  temporalStartBackoffMs,
+  unreachableHealth,
+  untilTemporalAnswers,
+  watchTemporal,
+} from './temporal-health';
 import { sleep, until } from '../test/harness/wait';
 
 /** A port that refuses connections: a listener opened and closed. */

@@ -170,7 +170,11 @@ export async function untilTemporalAnswers(address: string, opts: TemporalWaitOp
   let failures = opts.failures ?? 0;
   if (signal?.aborted) throw stopped(signal);
   // `lazy` builds `new this(…)`: a ProbeConnection.
-  const probe = ProbeConnection.lazy({ address, channelArgs: { ...TEMPORAL_CHANNEL_ARGS, 'grpc.initial_reconnect_backoff_ms': 1_000 }, interceptors: [] }) as ProbeConnection;
+  const probe = ProbeConnection.lazy({
+    address,
+    channelArgs: { ...TEMPORAL_CHANNEL_ARGS, 'grpc.initial_reconnect_backoff_ms': 1_000 },
+    interceptors: [],
+  }) as ProbeConnection;
   let onAbort: (() => void) | undefined;
   const aborted = new Promise<never>((_, reject) => {
     onAbort = () => reject(stopped(signal!));

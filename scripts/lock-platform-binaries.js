@@ -11,7 +11,18 @@ const path = require('node:path');
 
 const lockPath = path.join(__dirname, '..', 'package-lock.json');
 const lock = JSON.parse(fs.readFileSync(lockPath, 'utf8'));
-const OS = { darwin: 'darwin', mac: 'darwin', linux: 'linux', win32: 'win32', win: 'win32', android: 'android', freebsd: 'freebsd', openharmony: 'openharmony', sunos: 'sunos', aix: 'aix' };
+const OS = {
+  darwin: 'darwin',
+  mac: 'darwin',
+  linux: 'linux',
+  win32: 'win32',
+  win: 'win32',
+  android: 'android',
+  freebsd: 'freebsd',
+  openharmony: 'openharmony',
+  sunos: 'sunos',
+  aix: 'aix',
+};
 const CPU = { arm64: 'arm64', x64: 'x64', ia32: 'ia32', arm: 'arm', ppc64: 'ppc64', s390x: 's390x', riscv64: 'riscv64', loong64: 'loong64' };
 
 function platformOf(name) {

@@ -6,21 +6,51 @@ const city = { type: 'object', properties: { city: { type: 'string' } }, require
 
 describe('checkStructure: the one check of structured output and tools, at the gateway and the engine', () => {
   it('converts the response format and every tool, in order', () => {
-    const r = checkStructure({ messages: [user], response_format: { type: 'json_schema', json_schema: { name: 'c', schema: city } }, tools: [fn('a', city), fn('b')] });
+    const r = checkStructure({
+      messages: [user],
+      response_format: { type: 'json_schema', json_schema: { name: 'c', schema: city } },
+      tools: [fn('a', city), fn('b')],
+    });
     expect(r).toEqual({
       ok: true,
-      structure: { responseFormat: { type: 'json_schema', schema: expect.objectContaining({ type: 'object' }) as unknown }, tools: [{ name: 'a', params: expect.objectContaining({ type: 'object' }) as unknown }, { name: 'b' }] },
+      structure: {
+        responseFormat: { type: 'json_schema', schema: expect.objectContaining({ type: 'object' }) as unknown },
+        tools: [{ name: 'a', params: expect.objectContaining({ type: 'object' }) as unknown }, { name: 'b' }],
+      },
     });
-    expect(checkStructure({ messages: [user], response_format: { type: 'json_object' } })).toEqual({ ok: true, structure: { responseFormat: { type: 'json_object' }, tools: [] } });
+    expect(checkStructure({ messages: [user], response_format: { type: 'json_object' } })).toEqual({
+      ok: true,
+      structure: { responseFormat: { type: 'json_object' }, tools: [] },
+    });
     expect(checkStructure({ messages: [user], response_format: { type: 'text' } })).toEqual({ ok: true, structure: { tools: [] } });
   });
 
   it.each([
-    ['a schema the grammar cannot enforce', { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'integer', minimum: 3 } } } }, 'response_format.json_schema.schema.minimum', 'unsupported_schema'],
-    ['a schema too large', { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'string', description: 'x'.repeat(MAX_SCHEMA_BYTES) } } } }, 'response_format.json_schema.schema', 'invalid_value'],
-    ["a tool's parameters the grammar cannot enforce, even under tool_choice none", { tools: [fn('a', { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } })], tool_choice: 'none' as const }, 'tools[0].function.parameters.properties.n.maximum', 'unsupported_schema'],
+    [
+      'a schema the grammar cannot enforce',
+      { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'integer', minimum: 3 } } } },
+      'response_format.json_schema.schema.minimum',
+      'unsupported_schema',
+    ],
+    [
+      'a schema too large',
+      { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'string', description: 'x'.repeat(MAX_SCHEMA_BYTES) } } } },
+      'response_format.json_schema.schema',
+      'invalid_value',
+    ],
+    [
+      "a tool's parameters the grammar cannot enforce, even under tool_choice none",
+      { tools: [fn('a', { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } })], tool_choice: 'none' as const },
+      'tools[0].function.parameters.properties.n.maximum',
+      'unsupported_schema',
+    ],
     ['a tool name given twice', { tools: [fn('a'), fn('a')] }, 'tools[1].function.name', 'invalid_value'],
-    ['tool_choice naming no tool', { tools: [fn('a')], tool_choice: { type: 'function' as const, function: { name: 'b' } } }, 'tool_choice.function.name', 'invalid_value'],
+    [
+      'tool_choice naming no tool',
+      { tools: [fn('a')], tool_choice: { type: 'function' as const, function: { name: 'b' } } },
+      'tool_choice.function.name',
+      'invalid_value',
+    ],
     ['tool_choice required without tools', { tool_choice: 'required' as const }, 'tool_choice', 'invalid_value'],
     ['top_logprobs without logprobs', { top_logprobs: 2 }, 'top_logprobs', 'invalid_value'],
     ['logprobs with a JSON response format', { logprobs: true, response_format: { type: 'json_object' as const } }, 'logprobs', 'unsupported_feature'],
@@ -34,8 +64,14 @@ describe('checkStructure: the one check of structured output and tools, at the g
     const call = { id: 'c1', type: 'function' as const, function: { name: 'a', arguments: '{}' } };
     const answered = [user, { role: 'assistant', tool_calls: [call] }, { role: 'tool', tool_call_id: 'c1' }];
     expect(checkStructure({ messages: answered, tools: [fn('a')] }).ok).toBe(true);
-    expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: 'c1' }, { role: 'assistant', tool_calls: [call] }] })).toMatchObject({ ok: false, problem: { param: 'messages[1].tool_call_id' } });
-    expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: null }] })).toMatchObject({ ok: false, problem: { param: 'messages[1].tool_call_id' } });
+    expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: 'c1' }, { role: 'assistant', tool_calls: [call] }] })).toMatchObject({
+      ok: false,
+      problem: { param: 'messages[1].tool_call_id' },
+    });
+    expect(checkStructure({ messages: [user, { role: 'tool', tool_call_id: null }] })).toMatchObject({
+      ok: false,
+      problem: { param: 'messages[1].tool_call_id' },
+    });
   });
 });
 

@@ -28,7 +28,8 @@ export function StringEnum<const T extends string[]>(values: [...T], options: Re
   return Type.Unsafe<T[number]>({ ...options, [Kind]: 'StringEnum', type: 'string', enum: values });
 }
 // So TypeBox's own checker (the bridge's, dataplane/bridge/requests.ts) knows the kind too.
-if (!TypeRegistry.Has('StringEnum')) TypeRegistry.Set<{ enum: string[] }>('StringEnum', (schema, value) => typeof value === 'string' && schema.enum.includes(value));
+if (!TypeRegistry.Has('StringEnum'))
+  TypeRegistry.Set<{ enum: string[] }>('StringEnum', (schema, value) => typeof value === 'string' && schema.enum.includes(value));
 
 /**
  * Options of a field whose other values ask for an answer magus cannot give (a valid OpenAI
@@ -132,7 +133,10 @@ const tool = Type.Object({
 });
 export type Tool = Static<typeof tool>;
 /** `none`: answer in text; `auto`: text or calls; `required`: at least one call; a named function: a call of it. */
-const toolChoice = Type.Union([StringEnum(['none', 'auto', 'required']), Type.Object({ type: StringEnum(['function']), function: Type.Object({ name: toolName }) })]);
+const toolChoice = Type.Union([
+  StringEnum(['none', 'auto', 'required']),
+  Type.Object({ type: StringEnum(['function']), function: Type.Object({ name: toolName }) }),
+]);
 export type ToolChoice = Static<typeof toolChoice>;
 
 /** Largest JSON schema of structured output, serialized (it becomes a grammar per request). */
@@ -149,7 +153,12 @@ const jsonSchemaFormat = Type.Object({
  */
 const responseFormat = Type.Union([textFormat, jsonObjectFormat, jsonSchemaFormat]);
 /** The same for the gateway's validator, by `type` (Ajv's `discriminator`: a 400 names what is wrong inside the chosen format). */
-const responseFormatByType = Type.Unsafe<Static<typeof responseFormat>>({ type: 'object', required: ['type'], discriminator: { propertyName: 'type' }, oneOf: responseFormat.anyOf });
+const responseFormatByType = Type.Unsafe<Static<typeof responseFormat>>({
+  type: 'object',
+  required: ['type'],
+  discriminator: { propertyName: 'type' },
+  oneOf: responseFormat.anyOf,
+});
 export type ResponseFormat = Static<typeof responseFormat>;
 /** Most alternatives per token in log-probabilities (OpenAI's bound). */
 export const MAX_TOP_LOGPROBS = 20;
@@ -170,23 +179,50 @@ export const ChatCompletionBody = Type.Object(
     top_p: Type.Optional(Type.Number({ minimum: 0, maximum: 1 })),
     seed: Type.Optional(Type.Integer()),
     // Not empty: the engines refuse an empty stop text (engine/api.ts).
-    stop: Type.Optional(Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { maxItems: 4 })], { description: 'a non-empty string or a list of up to 4' })),
+    stop: Type.Optional(
+      Type.Union([Type.String({ minLength: 1 }), Type.Array(Type.String({ minLength: 1 }), { maxItems: 4 })], {
+        description: 'a non-empty string or a list of up to 4',
+      }),
+    ),
     frequency_penalty: Type.Optional(Type.Number({ minimum: -2, maximum: 2 })),
     presence_penalty: Type.Optional(Type.Number({ minimum: -2, maximum: 2 })),
     /** Only one choice per request: more is {@link unsupported}. */
-    n: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', 'Only one choice per request is supported by this server; send `n: 1` or leave it out.') })),
+    n: Type.Optional(
+      Type.Integer({
+        minimum: 1,
+        maximum: 1,
+        ...unsupported('maximum', 'Only one choice per request is supported by this server; send `n: 1` or leave it out.'),
+      }),
+    ),
     stream_options: Type.Optional(Type.Union([Type.Null(), streamOptions])),
     user: Type.Optional(Type.String({ maxLength: 256 })),
     // What magus's engines do not offer: accepted only empty, plain or null.
-    tools: Type.Optional(Type.Union([Type.Null(), Type.Array(tool, { maxItems: MAX_TOOLS })], { description: `null or a list of up to ${MAX_TOOLS} function tools` })),
-    tool_choice: Type.Optional(Type.Union([Type.Null(), toolChoice], { description: '"none", "auto", "required" or {"type": "function", "function": {"name"}}' })),
+    tools: Type.Optional(
+      Type.Union([Type.Null(), Type.Array(tool, { maxItems: MAX_TOOLS })], { description: `null or a list of up to ${MAX_TOOLS} function tools` }),
+    ),
+    tool_choice: Type.Optional(
+      Type.Union([Type.Null(), toolChoice], { description: '"none", "auto", "required" or {"type": "function", "function": {"name"}}' }),
+    ),
     parallel_tool_calls: Type.Optional(Type.Union([Type.Null(), Type.Boolean()])),
     functions: Type.Optional(
-      Type.Union([Type.Null(), Type.Array(Type.Unknown(), { maxItems: 0, ...unsupported('maxItems', 'Function calls are not supported by this server; send the request without `functions`.') })], {
-        description: 'null or an empty list',
+      Type.Union(
+        [
+          Type.Null(),
+          Type.Array(Type.Unknown(), {
+            maxItems: 0,
+            ...unsupported('maxItems', 'Function calls are not supported by this server; send the request without `functions`.'),
+          }),
+        ],
+        {
+          description: 'null or an empty list',
+        },
+      ),
+    ),
+    response_format: Type.Optional(
+      Type.Union([Type.Null(), responseFormatByType], {
+        description: 'null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}',
       }),
     ),
-    response_format: Type.Optional(Type.Union([Type.Null(), responseFormatByType], { description: 'null, {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}' })),
     logprobs: Type.Optional(Type.Union([Type.Null(), Type.Boolean()], { description: 'a boolean or null' })),
     /** Alternatives per token, with `logprobs: true`. */
     top_logprobs: Type.Optional(Type.Union([Type.Null(), topLogprobs], { description: `an integer from 0 to ${MAX_TOP_LOGPROBS} or null` })),
@@ -202,7 +238,21 @@ export type ChatCompletionBody = Static<typeof ChatCompletionBody>;
  * them: a field the engine honours is added here (and to the engine's `normalizeRequest`), and
  * the gateway, the bridge and the engine all take it from this list.
  */
-export const FORWARDED_FIELDS = ['model', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'response_format', 'tools', 'tool_choice', 'parallel_tool_calls', 'logprobs', 'top_logprobs'] as const;
+export const FORWARDED_FIELDS = [
+  'model',
+  'temperature',
+  'top_p',
+  'seed',
+  'stop',
+  'frequency_penalty',
+  'presence_penalty',
+  'response_format',
+  'tools',
+  'tool_choice',
+  'parallel_tool_calls',
+  'logprobs',
+  'top_logprobs',
+] as const;
 export type ForwardedField = (typeof FORWARDED_FIELDS)[number];
 
 /** The {@link FORWARDED_FIELDS} `body` carries. */
@@ -237,7 +287,6 @@ export const ChatCompletionRequest = Type.Object({
 });
 export type ChatCompletionRequest = Static<typeof ChatCompletionRequest>;
 
-
 /** The fields of a request (the client's body or the engine's) that ask for more than plain chat. */
 interface NeedsOf {
   logprobs?: boolean | null;
@@ -262,7 +311,10 @@ export function neededCapabilities(body: NeedsOf): { capability: Capability; fie
 export function unsupportedBy(engine: EngineKind, body: NeedsOf): { field: string; message: string } | undefined {
   const missing = neededCapabilities(body).find((n) => !engineCan(engine, n.capability));
   if (!missing) return undefined;
-  return { field: missing.field, message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${engineOf(engine).name}; it serves plain chat.` };
+  return {
+    field: missing.field,
+    message: `\`${missing.field}\` (${missing.capability}) is not supported by this model's engine, ${engineOf(engine).name}; it serves plain chat.`,
+  };
 }
 
 /**
@@ -319,7 +371,10 @@ interface StructureOf {
  * `logprobs`, which neither tools nor a JSON response format may come with.
  */
 export function checkStructure(body: StructureOf): { ok: true; structure: Structure } | { ok: false; problem: StructureProblem } {
-  const fail = (message: string, param: string, code: StructureProblem['code'] = 'invalid_value') => ({ ok: false as const, problem: { message, param, code } });
+  const fail = (message: string, param: string, code: StructureProblem['code'] = 'invalid_value') => ({
+    ok: false as const,
+    problem: { message, param, code },
+  });
   const convert = (schema: Record<string, unknown>, param: string): { ok: true; schema: GrammarSchema } | { ok: false; problem: StructureProblem } => {
     if (JSON.stringify(schema).length > MAX_SCHEMA_BYTES) return fail(`The schema is larger than ${MAX_SCHEMA_BYTES} bytes.`, param);
     const converted = toGrammarSchema(schema, param);
@@ -327,7 +382,8 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
   };
   const structure: Structure = { tools: [] };
   const format = body.response_format;
-  if (format?.type === 'json_object' || (format?.type === 'json_schema' && format.json_schema.schema === undefined)) structure.responseFormat = { type: 'json_object' };
+  if (format?.type === 'json_object' || (format?.type === 'json_schema' && format.json_schema.schema === undefined))
+    structure.responseFormat = { type: 'json_object' };
   else if (format?.type === 'json_schema') {
     const converted = convert(format.json_schema.schema!, 'response_format.json_schema.schema');
     if (!converted.ok) return converted;
@@ -354,7 +410,11 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
   if (body.top_logprobs != null && body.logprobs !== true) return fail('`top_logprobs` needs `logprobs: true`.', 'top_logprobs');
   // Log-probabilities come from magus's own token loop (engine/decode.ts), which has no grammar.
   if (body.logprobs === true && (structure.responseFormat || (structure.tools.length > 0 && body.tool_choice !== 'none'))) {
-    return fail('Log-probabilities with tools or a JSON response format are not supported by this server; send one or the other.', 'logprobs', 'unsupported_feature');
+    return fail(
+      'Log-probabilities with tools or a JSON response format are not supported by this server; send one or the other.',
+      'logprobs',
+      'unsupported_feature',
+    );
   }
   const calls = new Set<string>();
   for (const [i, m] of body.messages.entries()) {

@@ -24,7 +24,17 @@ export const MAX_PROMPT_CHARS = 512 * 1024;
 const text = Type.String({ maxLength: MAX_PROMPT_CHARS });
 
 /** The fields the gateway forwards as the client sent them (and `logprobs`). */
-export const COMPLETIONS_FORWARDED = ['model', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'frequency_penalty', 'presence_penalty', 'stream'] as const;
+export const COMPLETIONS_FORWARDED = [
+  'model',
+  'max_tokens',
+  'temperature',
+  'top_p',
+  'seed',
+  'stop',
+  'frequency_penalty',
+  'presence_penalty',
+  'stream',
+] as const;
 
 const sampling = {
   ...Type.Pick(ChatCompletionBody, COMPLETIONS_FORWARDED).properties,
@@ -39,10 +49,22 @@ export const CompletionsBody = Type.Object(
     prompt: Type.Union([text, Type.Array(text, { minItems: 1, maxItems: MAX_PROMPTS })], { description: `a string or a list of up to ${MAX_PROMPTS} strings` }),
     stream_options: Type.Optional(Type.Union([Type.Null(), Type.Object({ include_usage: Type.Optional(Type.Boolean()) })])),
     user: Type.Optional(Type.String({ maxLength: 256 })),
-    n: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', 'Only one choice per prompt is supported by this server; send `n: 1` or leave it out.') })),
+    n: Type.Optional(
+      Type.Integer({
+        minimum: 1,
+        maximum: 1,
+        ...unsupported('maximum', 'Only one choice per prompt is supported by this server; send `n: 1` or leave it out.'),
+      }),
+    ),
     best_of: Type.Optional(Type.Integer({ minimum: 1, maximum: 1, ...unsupported('maximum', '`best_of` above 1 is not supported by this server.') })),
-    echo: Type.Optional(Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Echoing the prompt is not supported by this server.'))], { description: 'null or false' })),
-    suffix: Type.Optional(Type.Union([Type.Null(), Type.Literal('', unsupported('const', 'Insertion (`suffix`) is not supported by this server.'))], { description: 'null or ""' })),
+    echo: Type.Optional(
+      Type.Union([Type.Null(), Type.Literal(false, unsupported('const', 'Echoing the prompt is not supported by this server.'))], {
+        description: 'null or false',
+      }),
+    ),
+    suffix: Type.Optional(
+      Type.Union([Type.Null(), Type.Literal('', unsupported('const', 'Insertion (`suffix`) is not supported by this server.'))], { description: 'null or ""' }),
+    ),
   },
   { examples: [{ model: 'demo', prompt: 'Once upon a time', max_tokens: 16 }] },
 );

@@ -25,9 +25,12 @@ export const MAX_EMBEDDING_TOKENS = 16 * 1024;
 const text = Type.String({ maxLength: MAX_EMBEDDING_CHARS });
 const tokens = Type.Array(Type.Integer({ minimum: 0, maximum: 2 ** 31 - 1 }), { minItems: 1, maxItems: MAX_EMBEDDING_TOKENS });
 
-const input = Type.Union([text, Type.Array(text, { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS }), tokens, Type.Array(tokens, { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS })], {
-  description: `a string, a list of up to ${MAX_EMBEDDING_INPUTS} strings (each at most ${MAX_EMBEDDING_CHARS} characters), a list of token ids, or a list of up to ${MAX_EMBEDDING_INPUTS} such lists`,
-});
+const input = Type.Union(
+  [text, Type.Array(text, { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS }), tokens, Type.Array(tokens, { minItems: 1, maxItems: MAX_EMBEDDING_INPUTS })],
+  {
+    description: `a string, a list of up to ${MAX_EMBEDDING_INPUTS} strings (each at most ${MAX_EMBEDDING_CHARS} characters), a list of token ids, or a list of up to ${MAX_EMBEDDING_INPUTS} such lists`,
+  },
+);
 
 const fields = {
   model: Type.String({ minLength: 1, maxLength: 256 }),

@@ -26,7 +26,10 @@ const smol = parseModelSpec({
   eos_token_id: 2,
 });
 
-const plan = (weights: number, kvCache: number, buffers: number, contextLength: number) => ({ contextLength, root: { weights, kvCache, buffers, total: weights + kvCache + buffers } });
+const plan = (weights: number, kvCache: number, buffers: number, contextLength: number) => ({
+  contextLength,
+  root: { weights, kvCache, buffers, total: weights + kvCache + buffers },
+});
 
 test('slots = ⌊(budget − weights − buffers) / KV per slot⌋, the KV cache scaled to the engine context', () => {
   // KV cache for 8192 tokens: 64 MiB, so 32 MiB per slot of 4096.
@@ -36,7 +39,11 @@ test('slots = ⌊(budget − weights − buffers) / KV per slot⌋, the KV cache
   // A model planned for a shorter context gets slots of that context.
   expect(engineSizing(plan(100 * MIB, 16 * MIB, 20 * MIB, 2048), 300 * MIB)).toMatchObject({ contextLength: 2048, kvCachePerSlot: 16 * MIB, slots: 11 });
   // An explicit context.
-  expect(engineSizing(plan(100 * MIB, 64 * MIB, 20 * MIB, 8192), 300 * MIB, 1024)).toMatchObject({ contextLength: 1024, kvCachePerSlot: 8 * MIB, slots: MAX_ENGINE_SLOTS });
+  expect(engineSizing(plan(100 * MIB, 64 * MIB, 20 * MIB, 8192), 300 * MIB, 1024)).toMatchObject({
+    contextLength: 1024,
+    kvCachePerSlot: 8 * MIB,
+    slots: MAX_ENGINE_SLOTS,
+  });
 });
 
 test('at least one slot when the weights alone exceed the budget; at most MAX_ENGINE_SLOTS', () => {
@@ -65,8 +72,18 @@ test('SmolLM2-135M (Q4_1-sized GGUF, planned at its 8192 tokens): 23 KB of KV pe
 });
 
 describe('the served GGUF and its pool leases', () => {
-  const artifact = (format: Artifact['format'], weights: Artifact['weights']): Artifact => ({ format, weights, converterVersion: '1', files: [{ key: `${format}-${weights}`, bytes: 1, sha256: 'x' }] });
-  const gguf = (weights: MemoryPlan['weights'], kv: number): MemoryPlan => ({ format: 'gguf', weights, contextLength: 4096, topologies: [{ nodes: 1, root: plan(100 * MIB, kv, 0, 4096).root, worker: null }] });
+  const artifact = (format: Artifact['format'], weights: Artifact['weights']): Artifact => ({
+    format,
+    weights,
+    converterVersion: '1',
+    files: [{ key: `${format}-${weights}`, bytes: 1, sha256: 'x' }],
+  });
+  const gguf = (weights: MemoryPlan['weights'], kv: number): MemoryPlan => ({
+    format: 'gguf',
+    weights,
+    contextLength: 4096,
+    topologies: [{ nodes: 1, root: plan(100 * MIB, kv, 0, 4096).root, worker: null }],
+  });
   const entry = (artifacts: Artifact[], memory: MemoryPlan[]): Pick<ReadyModel, 'artifacts' | 'memory'> => ({ artifacts, memory });
 
   test('the most compact GGUF weights are served, with their own plan', () => {

@@ -43,7 +43,11 @@ export interface EngineSizing {
  * The engine size for llama.cpp serving with `plan` (its one-node figures) within `budgetBytes`.
  * @param contextLength tokens per slot (default: {@link ENGINE_CONTEXT}, or the plan's context if shorter)
  */
-export function engineSizing(plan: { contextLength: number; root: NodeMemory }, budgetBytes: number, contextLength = Math.min(ENGINE_CONTEXT, plan.contextLength)): EngineSizing {
+export function engineSizing(
+  plan: { contextLength: number; root: NodeMemory },
+  budgetBytes: number,
+  contextLength = Math.min(ENGINE_CONTEXT, plan.contextLength),
+): EngineSizing {
   if (!(budgetBytes > 0)) throw new RangeError(`the instance memory budget must be positive, got ${budgetBytes}`);
   if (!(plan.contextLength > 0 && contextLength > 0)) throw new RangeError(`context lengths must be positive, got ${plan.contextLength} and ${contextLength}`);
   const { weights, buffers, kvCache } = plan.root;
@@ -68,8 +72,12 @@ export function engineSizingWith(plan: { contextLength: number; root: NodeMemory
 }
 
 /** The GGUF artifact llama.cpp serves ({@link WEIGHTS_PREFERENCE}: a GGUF source's own file, else the most compact) and its one-node plan, if the model has one. */
-export function servedGguf(ready: Pick<ReadyModel, 'artifacts' | 'memory'>): { artifact: Artifact; plan: { contextLength: number; root: NodeMemory } | undefined } | undefined {
-  const artifact = ready.artifacts.filter((a) => a.format === 'gguf').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
+export function servedGguf(
+  ready: Pick<ReadyModel, 'artifacts' | 'memory'>,
+): { artifact: Artifact; plan: { contextLength: number; root: NodeMemory } | undefined } | undefined {
+  const artifact = ready.artifacts
+    .filter((a) => a.format === 'gguf')
+    .sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights))[0];
   if (!artifact) return undefined;
   const planned: MemoryPlan | undefined = ready.memory.find((m) => m.format === 'gguf' && m.weights === artifact.weights);
   const root = planned?.topologies.find((t) => t.nodes === 1)?.root;

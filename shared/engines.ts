@@ -35,7 +35,14 @@ export const ENGINES = {
   /** magus's own engine (`magus engine`, engine/): llama.cpp through node-llama-cpp, GGUF. */
   llamacpp: { name: 'llama.cpp (magus engine)', short: 'llama.cpp', format: 'gguf', capabilities: CAPABILITIES, concurrency: 'slots', topology: 'single' },
   /** distributed-llama's `dllama-api` root and `dllama worker`s: its `.m` + `.t` artifacts, plain chat. */
-  dllama: { name: "distributed-llama's dllama-api", short: 'distributed-llama', format: 'dllama', capabilities: [], concurrency: 'one', topology: 'distributed' },
+  dllama: {
+    name: "distributed-llama's dllama-api",
+    short: 'distributed-llama',
+    format: 'dllama',
+    capabilities: [],
+    concurrency: 'one',
+    topology: 'distributed',
+  },
 } as const satisfies Record<string, EngineDeclaration>;
 
 export type EngineKind = keyof typeof ENGINES;

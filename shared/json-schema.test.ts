@@ -85,14 +85,33 @@ describe('toGrammarSchema', () => {
       properties: { x: { $ref: '#/$defs/magus_any_json' }, list: { type: 'array', items: { $ref: '#/$defs/magus_any_json' } } },
       $defs: { magus_any_json: expect.any(Object) as unknown },
     });
-    expect(refused({ type: 'object', properties: { a: { type: 'null' }, b: { type: 'null' } }, additionalProperties: true, maxProperties: 1 }).keyword).toBe('maxProperties');
+    expect(refused({ type: 'object', properties: { a: { type: 'null' }, b: { type: 'null' } }, additionalProperties: true, maxProperties: 1 }).keyword).toBe(
+      'maxProperties',
+    );
   });
 
   test('bounds: depth and size', () => {
     let deep: Record<string, unknown> = { type: 'string' };
     for (let i = 0; i < 40; i++) deep = { type: 'array', items: deep };
     expect(refused(deep).message).toMatch(/deeper than 32/);
-    const wide = { type: 'object', properties: Object.fromEntries(Array.from({ length: 250 }, (_, i) => [`p${i}`, { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'string' } } } } } } } }])) };
+    const wide = {
+      type: 'object',
+      properties: Object.fromEntries(
+        Array.from({ length: 250 }, (_, i) => [
+          `p${i}`,
+          {
+            type: 'array',
+            items: {
+              type: 'array',
+              items: {
+                type: 'array',
+                items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'array', items: { type: 'string' } } } } },
+              },
+            },
+          },
+        ]),
+      ),
+    };
     expect(refused(wide).message).toMatch(/more than 2000 subschemas/);
   });
 });

@@ -139,7 +139,17 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
       const stray = keys.find((k) => k !== 'type' && !types.some((t) => KEYWORDS_OF[t as string]!.includes(k)));
       if (stray !== undefined) refuse(stray, `on a value of type ${types.join(' or ')}`);
       return {
-        oneOf: types.map((t) => convert(Object.fromEntries(Object.entries(s).filter(([k]) => k === 'type' || KEYWORDS_OF[t as string]!.includes(k)).map(([k, v]) => [k, k === 'type' ? t : v])), path, depth)),
+        oneOf: types.map((t) =>
+          convert(
+            Object.fromEntries(
+              Object.entries(s)
+                .filter(([k]) => k === 'type' || KEYWORDS_OF[t as string]!.includes(k))
+                .map(([k, v]) => [k, k === 'type' ? t : v]),
+            ),
+            path,
+            depth,
+          ),
+        ),
       };
     }
     const t = types[0] as string;
@@ -158,7 +168,8 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
       }
     } else if (t === 'object') {
       const props = has('properties') ? s.properties : {};
-      if (!isObject(props) || Object.keys(props).length > SCHEMA_LIMITS.properties) refuse('properties', `(an object of at most ${SCHEMA_LIMITS.properties} schemas)`);
+      if (!isObject(props) || Object.keys(props).length > SCHEMA_LIMITS.properties)
+        refuse('properties', `(an object of at most ${SCHEMA_LIMITS.properties} schemas)`);
       const properties: Record<string, GrammarSchema> = {};
       for (const [name, sub] of Object.entries(props as Record<string, unknown>)) properties[name] = convert(sub, `${path}.properties.${name}`, depth + 1);
       out.properties = properties;
@@ -177,7 +188,8 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
         if (out.additionalProperties === false) {
           // All properties are generated, always: the count is fixed.
           const n = Object.keys(properties).length;
-          if ((k === 'minProperties' && n < (s[k] as number)) || (k === 'maxProperties' && n > (s[k] as number))) refuse(k, `(the object always has its ${n} properties)`);
+          if ((k === 'minProperties' && n < (s[k] as number)) || (k === 'maxProperties' && n > (s[k] as number)))
+            refuse(k, `(the object always has its ${n} properties)`);
         } else if (k === 'maxProperties' && (s[k] as number) < Object.keys(properties).length) {
           refuse(k, `(the object always has its ${Object.keys(properties).length} properties)`);
         } else out[k] = s[k];
@@ -207,10 +219,11 @@ export function toGrammarSchema(schema: unknown, at = 'schema'): SchemaConversio
     if (isObject(schema.$defs)) {
       if (ANY_DEF in schema.$defs) throw new Refused('$defs', `${at}.$defs.${ANY_DEF}`, `The definition name '${ANY_DEF}' is magus's own.`);
       for (const [name, sub] of Object.entries(schema.$defs)) converted[name] = convert(sub, `${at}.$defs.${name}`, 1);
-    } else if (schema.$defs !== undefined) throw new Refused('$defs', `${at}.$defs`, 'The keyword \'$defs\' must be an object of schemas.');
+    } else if (schema.$defs !== undefined) throw new Refused('$defs', `${at}.$defs`, "The keyword '$defs' must be an object of schemas.");
     if (usesAny) converted[ANY_DEF] = ANY_JSON;
     if (Object.keys(converted).length > 0) root.$defs = converted;
-    if ('definitions' in schema) throw new Refused('definitions', `${at}.definitions`, "The keyword 'definitions' is not followed; use '$defs' and '#/$defs/<name>' references.");
+    if ('definitions' in schema)
+      throw new Refused('definitions', `${at}.definitions`, "The keyword 'definitions' is not followed; use '$defs' and '#/$defs/<name>' references.");
     return { ok: true, schema: root };
   } catch (err) {
     if (err instanceof Refused) return { ok: false, keyword: err.keyword, at: err.at, message: err.message };

@@ -37,23 +37,32 @@ describe('choosing a GGUF of a repository', () => {
     expect(pick({ quantization: 'Q5_K_M' })).toEqual(all);
     expect(pick({ file: 'big/*-00002-of-00003.gguf' })).toEqual(all);
     expect(pick({ file: 'Big-Q5_K_M-*.gguf' })).toEqual(all);
-    expect(pick({ quantization: 'Q6_K' })).toBe('source.gguf: broken/Broken-Q6_K-00001-of-00002.gguf is part of a split GGUF of 2 parts, but part 2 (broken/Broken-Q6_K-00002-of-00002.gguf) is not in the repository');
+    expect(pick({ quantization: 'Q6_K' })).toBe(
+      'source.gguf: broken/Broken-Q6_K-00001-of-00002.gguf is part of a split GGUF of 2 parts, but part 2 (broken/Broken-Q6_K-00002-of-00002.gguf) is not in the repository',
+    );
   });
 
   test('nothing matching names the GGUF files there are', () => {
-    expect(pick({ quantization: 'IQ2_XS' })).toMatch(/^source.gguf: quantization IQ2_XS matches none of the repository's GGUF files: SmolLM2-135M-Instruct.Q4_K_M.gguf, .*Big-Q5_K_M-00003-of-00003.gguf/);
-    expect(selectGgufFiles([file('config.json'), file('model.safetensors')], { quantization: 'Q4_0' })).toEqual({ error: 'source.gguf: quantization Q4_0 matches nothing: the repository has no .gguf file' });
+    expect(pick({ quantization: 'IQ2_XS' })).toMatch(
+      /^source.gguf: quantization IQ2_XS matches none of the repository's GGUF files: SmolLM2-135M-Instruct.Q4_K_M.gguf, .*Big-Q5_K_M-00003-of-00003.gguf/,
+    );
+    expect(selectGgufFiles([file('config.json'), file('model.safetensors')], { quantization: 'Q4_0' })).toEqual({
+      error: 'source.gguf: quantization Q4_0 matches nothing: the repository has no .gguf file',
+    });
   });
 });
 
 describe('a spec with a GGUF source', () => {
-  const spec = (gguf: unknown, artifacts: unknown[] = [{ format: 'gguf', weights: 'source' }]) => validateModelSpec({ source: { repo: 'org/model-GGUF', gguf }, artifacts });
+  const spec = (gguf: unknown, artifacts: unknown[] = [{ format: 'gguf', weights: 'source' }]) =>
+    validateModelSpec({ source: { repo: 'org/model-GGUF', gguf }, artifacts });
 
   test('names exactly one of file or quantization', () => {
     expect(spec({ file: '*Q4_K_M.gguf' })).toEqual([]);
     expect(spec({ quantization: 'Q4_K_M' })).toEqual([]);
     expect(spec({})).toEqual(['source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not neither']);
-    expect(spec({ file: '*.gguf', quantization: 'Q8_0' })).toEqual(['source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not both']);
+    expect(spec({ file: '*.gguf', quantization: 'Q8_0' })).toEqual([
+      'source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not both',
+    ]);
     expect(spec({ file: '' })[0]).toMatch(/^source.gguf.file: "" is not a file glob/);
     expect(spec({ file: '*.gguf' })).toEqual(['source.gguf.file: "*.gguf" would match any GGUF; name the file (e.g. "*Q4_K_M.gguf")']);
     expect(spec({ file: '../x.gguf' })[0]).toMatch(/is not a file glob/);
@@ -63,7 +72,9 @@ describe('a spec with a GGUF source', () => {
 
   test('is published as it is: gguf:source, not a re-quantization; source needs a GGUF source', () => {
     expect(spec({ quantization: 'Q8_0' }, [{ format: 'gguf', weights: 'q80' }])[0]).toMatch(/a GGUF source is served as it is published: ask for gguf:source/);
-    expect(validateModelSpec({ source: { repo: 'org/model' }, artifacts: [{ format: 'gguf', weights: 'source' }] })[0]).toMatch(/gguf:source takes a GGUF source's file as it is; this source has no source.gguf/);
+    expect(validateModelSpec({ source: { repo: 'org/model' }, artifacts: [{ format: 'gguf', weights: 'source' }] })[0]).toMatch(
+      /gguf:source takes a GGUF source's file as it is; this source has no source.gguf/,
+    );
     expect(spec({ quantization: 'Q8_0' }, [{ format: 'dllama', weights: 'source' }])[0]).toMatch(/dllama:source does not exist/);
   });
 });

@@ -14,10 +14,7 @@ export const ARTIFACT_FORMATS: readonly ArtifactFormat[] = ['gguf', 'dllama'];
  * Where a secret (a Hugging Face token) lives. Workflows carry only this reference; activities
  * resolve it. `env`/`file` are for local mode, `secret` for Kubernetes.
  */
-export type SecretRef =
-  | { env: string }
-  | { file: string }
-  | { secret: { name: string; key: string; namespace?: string } };
+export type SecretRef = { env: string } | { file: string } | { secret: { name: string; key: string; namespace?: string } };
 
 export interface ModelSource {
   /** Hugging Face repository, `org/name`. */
@@ -153,11 +150,13 @@ export function validateModelSpec(spec: unknown): string[] {
   if (typeof src !== 'object' || src === null) {
     errors.push('source: required');
   } else {
-    if (typeof src.repo !== 'string' || !REPO_ID.test(src.repo) || src.repo.includes('..')) errors.push(`source.repo: ${JSON.stringify(src.repo)} is not an org/name repository id`);
+    if (typeof src.repo !== 'string' || !REPO_ID.test(src.repo) || src.repo.includes('..'))
+      errors.push(`source.repo: ${JSON.stringify(src.repo)} is not an org/name repository id`);
     if (src.revision !== undefined && (typeof src.revision !== 'string' || !REVISION.test(src.revision) || src.revision.includes('..'))) {
       errors.push(`source.revision: ${JSON.stringify(src.revision)} is not a branch, tag or commit`);
     }
-    if (src.hubUrl !== undefined && (typeof src.hubUrl !== 'string' || !/^https?:\/\/[^\s/]+(\/[^\s]*)?$/.test(src.hubUrl))) errors.push(`source.hubUrl: ${JSON.stringify(src.hubUrl)} is not an http(s) URL`);
+    if (src.hubUrl !== undefined && (typeof src.hubUrl !== 'string' || !/^https?:\/\/[^\s/]+(\/[^\s]*)?$/.test(src.hubUrl)))
+      errors.push(`source.hubUrl: ${JSON.stringify(src.hubUrl)} is not an http(s) URL`);
     const ref = src.tokenRef as Record<string, unknown> | undefined;
     if (ref !== undefined) {
       const keys = typeof ref === 'object' && ref !== null ? Object.keys(ref) : [];
@@ -165,7 +164,11 @@ export function validateModelSpec(spec: unknown): string[] {
         keys.length === 1 &&
         ((keys[0] === 'env' && typeof ref.env === 'string' && ref.env !== '') ||
           (keys[0] === 'file' && typeof ref.file === 'string' && ref.file !== '') ||
-          (keys[0] === 'secret' && typeof ref.secret === 'object' && ref.secret !== null && typeof (ref.secret as Record<string, unknown>).name === 'string' && typeof (ref.secret as Record<string, unknown>).key === 'string'));
+          (keys[0] === 'secret' &&
+            typeof ref.secret === 'object' &&
+            ref.secret !== null &&
+            typeof (ref.secret as Record<string, unknown>).name === 'string' &&
+            typeof (ref.secret as Record<string, unknown>).key === 'string'));
       if (!ok) errors.push('source.tokenRef: must be one of {env}, {file} or {secret: {name, key}} (a reference, never the token itself)');
     }
     if (src.gguf !== undefined) errors.push(...ggufChoiceErrors(src.gguf));
@@ -175,14 +178,23 @@ export function validateModelSpec(spec: unknown): string[] {
   } else {
     const seen = new Set<string>();
     s.artifacts.forEach((a: Partial<ArtifactRequest>, i) => {
-      if (!ARTIFACT_FORMATS.includes(a?.format as ArtifactFormat)) errors.push(`artifacts[${i}].format: ${JSON.stringify(a?.format)} is not one of ${ARTIFACT_FORMATS.join(', ')}`);
+      if (!ARTIFACT_FORMATS.includes(a?.format as ArtifactFormat))
+        errors.push(`artifacts[${i}].format: ${JSON.stringify(a?.format)} is not one of ${ARTIFACT_FORMATS.join(', ')}`);
       if (a?.weights === 'source') {
-        if (a.format !== 'gguf') errors.push(`artifacts[${i}]: ${a.format}:source does not exist; a distributed-llama artifact is converted to one of ${WEIGHTS_FORMATS.join(', ')}`);
-        else if (src?.gguf === undefined) errors.push(`artifacts[${i}]: gguf:source takes a GGUF source's file as it is; this source has no source.gguf (ask for gguf:${WEIGHTS_FORMATS.join(', gguf:')})`);
+        if (a.format !== 'gguf')
+          errors.push(`artifacts[${i}]: ${a.format}:source does not exist; a distributed-llama artifact is converted to one of ${WEIGHTS_FORMATS.join(', ')}`);
+        else if (src?.gguf === undefined)
+          errors.push(
+            `artifacts[${i}]: gguf:source takes a GGUF source's file as it is; this source has no source.gguf (ask for gguf:${WEIGHTS_FORMATS.join(', gguf:')})`,
+          );
       } else if (!WEIGHTS_FORMATS.includes(a?.weights as WeightsFormat)) {
-        errors.push(`artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`);
+        errors.push(
+          `artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`,
+        );
       } else if (a?.format === 'gguf' && src?.gguf !== undefined) {
-        errors.push(`artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:${WEIGHTS_FORMATS.slice(0, -1).join(', ')} and ${WEIGHTS_FORMATS.at(-1)} are)`);
+        errors.push(
+          `artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:${WEIGHTS_FORMATS.slice(0, -1).join(', ')} and ${WEIGHTS_FORMATS.at(-1)} are)`,
+        );
       }
       const id = `${a?.format}:${a?.weights}`;
       if (seen.has(id)) errors.push(`artifacts[${i}]: ${id} is listed twice`);
@@ -201,7 +213,15 @@ export function isNeededSourceFile(path: string): boolean {
   if (path.includes('/')) return false; // sub-folders hold other variants (onnx/, original/ …)
   return (
     path.endsWith('.safetensors') ||
-    ['config.json', 'model.safetensors.index.json', 'tokenizer.json', 'tokenizer_config.json', 'generation_config.json', 'special_tokens_map.json', 'chat_template.jinja'].includes(path)
+    [
+      'config.json',
+      'model.safetensors.index.json',
+      'tokenizer.json',
+      'tokenizer_config.json',
+      'generation_config.json',
+      'special_tokens_map.json',
+      'chat_template.jinja',
+    ].includes(path)
   );
 }
 
@@ -214,13 +234,18 @@ function ggufChoiceErrors(choice: unknown): string[] {
   if (typeof choice !== 'object' || choice === null || Array.isArray(choice)) return ['source.gguf: must be {file} or {quantization}'];
   const c = choice as Record<string, unknown>;
   const set = (['file', 'quantization'] as const).filter((k) => c[k] !== undefined);
-  if (set.length !== 1) return [`source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not ${set.length === 0 ? 'neither' : 'both'}`];
+  if (set.length !== 1)
+    return [
+      `source.gguf: name exactly one of file (a glob such as "*Q4_K_M.gguf") or quantization (such as "Q4_K_M"), not ${set.length === 0 ? 'neither' : 'both'}`,
+    ];
   const others = Object.keys(c).filter((k) => k !== 'file' && k !== 'quantization');
   if (others.length > 0) return [`source.gguf: unknown field ${others.join(', ')}`];
   if (set[0] === 'file') {
     const f = c.file;
     if (typeof f !== 'string' || f === '' || f.length > GGUF_GLOB_MAX || !GGUF_GLOB.test(f) || f.includes('..') || f.startsWith('/')) {
-      return [`source.gguf.file: ${JSON.stringify(f)} is not a file glob (letters, digits, . _ - / and the wildcards * ?; at most ${GGUF_GLOB_MAX} characters)`];
+      return [
+        `source.gguf.file: ${JSON.stringify(f)} is not a file glob (letters, digits, . _ - / and the wildcards * ?; at most ${GGUF_GLOB_MAX} characters)`,
+      ];
     }
     if (/^\**$/.test(f.replace(/\.gguf$/i, ''))) return [`source.gguf.file: ${JSON.stringify(f)} would match any GGUF; name the file (e.g. "*Q4_K_M.gguf")`];
   } else if (typeof c.quantization !== 'string' || !GGUF_QUANTIZATION.test(c.quantization)) {
@@ -244,7 +269,13 @@ export function selectGgufFiles(files: readonly SourceFile[], choice: GgufChoice
   let wanted: string;
   if (choice.file !== undefined) {
     const glob = choice.file;
-    const re = new RegExp(`^${glob.replace(/[.+^${}()|[\]\\]/g, '\\$&').replace(/\*/g, '[^/]*').replace(/\?/g, '[^/]')}$`, 'i');
+    const re = new RegExp(
+      `^${glob
+        .replace(/[.+^${}()|[\]\\]/g, '\\$&')
+        .replace(/\*/g, '[^/]*')
+        .replace(/\?/g, '[^/]')}$`,
+      'i',
+    );
     matches = ggufs.filter((f) => re.test(glob.includes('/') ? f.path : name(f.path)));
     wanted = `file ${JSON.stringify(glob)}`;
   } else {
@@ -252,15 +283,26 @@ export function selectGgufFiles(files: readonly SourceFile[], choice: GgufChoice
     matches = ggufs.filter((f) => boundaryMatch(name(f.path), q));
     wanted = `quantization ${choice.quantization ?? ''}`;
   }
-  const list = (fs: readonly SourceFile[], max = 20) => `${fs.slice(0, max).map((f) => f.path).join(', ')}${fs.length > max ? ` and ${fs.length - max} more` : ''}`;
+  const list = (fs: readonly SourceFile[], max = 20) =>
+    `${fs
+      .slice(0, max)
+      .map((f) => f.path)
+      .join(', ')}${fs.length > max ? ` and ${fs.length - max} more` : ''}`;
   if (matches.length === 0) {
-    return { error: ggufs.length === 0 ? `source.gguf: ${wanted} matches nothing: the repository has no .gguf file` : `source.gguf: ${wanted} matches none of the repository's GGUF files: ${list(ggufs)}` };
+    return {
+      error:
+        ggufs.length === 0
+          ? `source.gguf: ${wanted} matches nothing: the repository has no .gguf file`
+          : `source.gguf: ${wanted} matches none of the repository's GGUF files: ${list(ggufs)}`,
+    };
   }
   // Matches that are parts of one split GGUF stand for all of its parts.
-  const splits = new Set(matches.map((f) => {
-    const m = GGUF_SPLIT.exec(f.path);
-    return m ? `${m[1]!.toLowerCase()}|${m[3]}` : `file|${f.path}`;
-  }));
+  const splits = new Set(
+    matches.map((f) => {
+      const m = GGUF_SPLIT.exec(f.path);
+      return m ? `${m[1]!.toLowerCase()}|${m[3]}` : `file|${f.path}`;
+    }),
+  );
   if (splits.size > 1) return { error: `source.gguf: ${wanted} matches ${matches.length} files, not one: ${list(matches)}; name one of them` };
   const m = GGUF_SPLIT.exec(matches[0]!.path);
   if (!m) return { files: [matches[0]!] };

@@ -28,8 +28,20 @@ export interface RequestKindEntry {
 }
 
 export const REQUEST_KINDS = {
-  chat: { inference: ChatInference, path: '/v1/chat/completions', idPrefix: 'chatcmpl-', generates: true, unsupportedBy: (engine, req) => unsupportedBy(engine, (req as ChatInference).body) },
-  completions: { inference: CompletionsInference, path: '/v1/completions', idPrefix: 'cmpl-', generates: true, unsupportedBy: (engine) => completionsUnsupportedBy(engine) },
+  chat: {
+    inference: ChatInference,
+    path: '/v1/chat/completions',
+    idPrefix: 'chatcmpl-',
+    generates: true,
+    unsupportedBy: (engine, req) => unsupportedBy(engine, (req as ChatInference).body),
+  },
+  completions: {
+    inference: CompletionsInference,
+    path: '/v1/completions',
+    idPrefix: 'cmpl-',
+    generates: true,
+    unsupportedBy: (engine) => completionsUnsupportedBy(engine),
+  },
   embeddings: { inference: EmbeddingsInference, path: '/v1/embeddings', generates: false, unsupportedBy: (engine) => embeddingsUnsupportedBy(engine) },
 } as const satisfies Record<string, RequestKindEntry>;
 

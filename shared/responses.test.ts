@@ -16,7 +16,14 @@ describe('input items → chat messages', () => {
   it('messages keep their role (developer is system), text parts joined; consecutive calls are one assistant turn after its text; outputs are tool messages', () => {
     const { messages, origins } = inputMessages([
       { role: 'developer', content: 'Be brief.' },
-      { type: 'message', role: 'user', content: [{ type: 'input_text', text: 'Weather in ' }, { type: 'input_text', text: 'Paris and Rome?' }] },
+      {
+        type: 'message',
+        role: 'user',
+        content: [
+          { type: 'input_text', text: 'Weather in ' },
+          { type: 'input_text', text: 'Paris and Rome?' },
+        ],
+      },
       { type: 'message', role: 'assistant', content: [{ type: 'output_text', text: 'Let me look.' }] },
       { type: 'function_call', call_id: 'c1', name: 'weather', arguments: '{"city":"Paris"}' },
       { type: 'function_call', call_id: 'c2', name: 'weather', arguments: '{"city":"Rome"}' },
@@ -50,7 +57,11 @@ describe('toChatTurn', () => {
       { role: 'user' as const, content: 'Capital of France?' },
       { role: 'assistant' as const, content: 'Paris.' },
     ];
-    const turn = toChatTurn(body({ input: 'And Germany?', instructions: 'Be brief.', temperature: 0, top_p: null, max_output_tokens: 16, parallel_tool_calls: null }), history, true);
+    const turn = toChatTurn(
+      body({ input: 'And Germany?', instructions: 'Be brief.', temperature: 0, top_p: null, max_output_tokens: 16, parallel_tool_calls: null }),
+      history,
+      true,
+    );
     expect(turn.request).toEqual({
       model: 'demo',
       messages: [{ role: 'system', content: 'Be brief.' }, ...history, { role: 'user', content: 'And Germany?' }],
@@ -66,7 +77,10 @@ describe('toChatTurn', () => {
     const parameters = { type: 'object', properties: { city: { type: 'string' } } };
     const turn = toChatTurn(
       body({
-        tools: [{ type: 'function', name: 'weather', description: 'Weather now', parameters, strict: true }, { type: 'function', name: 'time', description: null, parameters: null }],
+        tools: [
+          { type: 'function', name: 'weather', description: 'Weather now', parameters, strict: true },
+          { type: 'function', name: 'time', description: null, parameters: null },
+        ],
         tool_choice: { type: 'function', name: 'weather' },
         parallel_tool_calls: false,
         text: { format: { type: 'json_schema', name: 'answer', schema: { type: 'object' }, strict: true } },
@@ -83,14 +97,22 @@ describe('toChatTurn', () => {
       parallel_tool_calls: false,
       response_format: { type: 'json_schema', json_schema: { name: 'answer', schema: { type: 'object' }, strict: true } },
     });
-    expect(toChatTurn(body({ tool_choice: 'required', tools: [] }), [], false).request).toEqual({ model: 'demo', messages: [{ role: 'user', content: 'hi' }], stream: false, tool_choice: 'required' });
+    expect(toChatTurn(body({ tool_choice: 'required', tools: [] }), [], false).request).toEqual({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'hi' }],
+      stream: false,
+      tool_choice: 'required',
+    });
   });
 
   it.each([
     [undefined, undefined],
     [{ type: 'text' as const }, { type: 'text' }],
     [{ type: 'json_object' as const }, { type: 'json_object' }],
-    [{ type: 'json_schema' as const, name: 'n', schema: { type: 'object' } }, { type: 'json_schema', json_schema: { name: 'n', schema: { type: 'object' } } }],
+    [
+      { type: 'json_schema' as const, name: 'n', schema: { type: 'object' } },
+      { type: 'json_schema', json_schema: { name: 'n', schema: { type: 'object' } } },
+    ],
   ])('text.format %j → response_format %j', (format, expected) => {
     expect(responseFormatOf(format)).toEqual(expected);
   });
@@ -104,12 +126,21 @@ describe('chat’s refusals, naming the Responses field', () => {
     expect(unsupportedBy('llamacpp', tools.request)).toBeUndefined();
     const format = turn({ text: { format: { type: 'json_object' } } });
     expect(chatParamToResponses(unsupportedBy('dllama', format.request)!.field, format.origins)).toBe('text.format');
-    const call = turn({ input: [{ role: 'user', content: 'x' }, { type: 'function_call', call_id: 'c', name: 'f', arguments: '{}' }] });
+    const call = turn({
+      input: [
+        { role: 'user', content: 'x' },
+        { type: 'function_call', call_id: 'c', name: 'f', arguments: '{}' },
+      ],
+    });
     const refused = unsupportedBy('dllama', call.request)!;
     expect(chatParamToResponses(refused.field, call.origins)).toBe('input[1]');
     expect(chatTextToResponses(refused.message, call.origins)).toMatch(/^`input\[1\]` \(tools\) is not supported/);
     // A tool turn of the chain's history is the previous response's.
-    const chained = toChatTurn(body({}), [{ role: 'assistant', content: '', tool_calls: [{ id: 'c', type: 'function', function: { name: 'f', arguments: '{}' } }] }], false);
+    const chained = toChatTurn(
+      body({}),
+      [{ role: 'assistant', content: '', tool_calls: [{ id: 'c', type: 'function', function: { name: 'f', arguments: '{}' } }] }],
+      false,
+    );
     expect(chatParamToResponses(unsupportedBy('dllama', chained.request)!.field, chained.origins)).toBe('previous_response_id');
   });
 

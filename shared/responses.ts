@@ -56,7 +56,10 @@ const text = Type.String({ maxLength: MAX_TEXT_CHARS });
 const callId = Type.String({ minLength: 1, maxLength: MAX_ID_CHARS });
 
 /** A text part of a message: what a client writes (`input_text`) or replays of an answer (`output_text`). */
-const textPartType = StringEnum(['input_text', 'output_text'], unsupported('enum', 'Only text content (`input_text`, `output_text`) is supported by this server.'));
+const textPartType = StringEnum(
+  ['input_text', 'output_text'],
+  unsupported('enum', 'Only text content (`input_text`, `output_text`) is supported by this server.'),
+);
 const textPart = Type.Object({ type: textPartType, text }, typeFirst(textPartType));
 /**
  * A message's or a tool output's content: a string, or a list of text parts (joined). The list
@@ -78,7 +81,10 @@ export type ResponseInputItem =
  * names the missing field. Other item kinds (reasoning, item references, built-in tools' calls)
  * are {@link unsupported}.
  */
-const itemType = StringEnum([...ITEM_TYPES], unsupported('enum', 'Only input items of type `message`, `function_call` and `function_call_output` are supported by this server.'));
+const itemType = StringEnum(
+  [...ITEM_TYPES],
+  unsupported('enum', 'Only input items of type `message`, `function_call` and `function_call_output` are supported by this server.'),
+);
 const inputItem = Type.Unsafe<ResponseInputItem>({
   type: 'object',
   properties: {
@@ -104,7 +110,13 @@ const inputItem = Type.Unsafe<ResponseInputItem>({
 export const MAX_INPUT_ITEMS = MAX_MESSAGES;
 
 /** A function the model may call (Responses spell chat's `function` object flat). Built-in tools are {@link unsupported}. */
-const toolType = StringEnum(['function'], unsupported('enum', 'Only function tools are supported by this server: built-in tools (web search, file search, computer use, code interpreter, MCP …) are not.'));
+const toolType = StringEnum(
+  ['function'],
+  unsupported(
+    'enum',
+    'Only function tools are supported by this server: built-in tools (web search, file search, computer use, code interpreter, MCP …) are not.',
+  ),
+);
 const functionTool = Type.Object(
   {
     type: toolType,
@@ -117,17 +129,20 @@ const functionTool = Type.Object(
 );
 export type ResponsesTool = Static<typeof functionTool>;
 
-const toolChoiceType = StringEnum(['function'], unsupported('enum', 'tool_choice may name a function only: built-in tools and allowed-tools lists are not supported by this server.'));
-const toolChoice = Type.Union(
-  [
-    StringEnum(['none', 'auto', 'required']),
-    Type.Object({ type: toolChoiceType, name: toolName }, typeFirst(toolChoiceType)),
-  ],
-  { description: '"none", "auto", "required" or {"type": "function", "name"}' },
+const toolChoiceType = StringEnum(
+  ['function'],
+  unsupported('enum', 'tool_choice may name a function only: built-in tools and allowed-tools lists are not supported by this server.'),
 );
+const toolChoice = Type.Union([StringEnum(['none', 'auto', 'required']), Type.Object({ type: toolChoiceType, name: toolName }, typeFirst(toolChoiceType))], {
+  description: '"none", "auto", "required" or {"type": "function", "name"}',
+});
 
 /** `text.format`, chosen by `type` (as chat's `response_format`): the json_schema fields are chat's. */
-const textFormat = Type.Unsafe<{ type: 'text' } | { type: 'json_object' } | { type: 'json_schema'; name: string; schema?: Record<string, unknown>; description?: string; strict?: boolean | null }>({
+const textFormat = Type.Unsafe<
+  | { type: 'text' }
+  | { type: 'json_object' }
+  | { type: 'json_schema'; name: string; schema?: Record<string, unknown>; description?: string; strict?: boolean | null }
+>({
   type: 'object',
   required: ['type'],
   discriminator: { propertyName: 'type' },
@@ -141,7 +156,10 @@ export type ResponsesTextFormat = Static<typeof textFormat>;
 const textConfig = Type.Object({ format: Type.Optional(textFormat), verbosity: Type.Optional(nullable(StringEnum(['low', 'medium', 'high']))) });
 
 /** OpenAI's bound on `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512. */
-const metadata = Type.Record(Type.String({ maxLength: 64 }), Type.String({ maxLength: 512 }), { maxProperties: 16, description: 'at most 16 string pairs (keys ≤ 64, values ≤ 512 characters)' });
+const metadata = Type.Record(Type.String({ maxLength: 64 }), Type.String({ maxLength: 512 }), {
+  maxProperties: 16,
+  description: 'at most 16 string pairs (keys ≤ 64, values ≤ 512 characters)',
+});
 
 /** Chat's own declarations of the fields both requests have. */
 const { model, temperature, top_p, user } = Type.Required(Type.Pick(ChatCompletionBody, ['model', 'temperature', 'top_p', 'user'])).properties;
@@ -151,7 +169,9 @@ export const ResponsesBody = Type.Object(
   {
     model,
     // The list first, as in `content`.
-    input: Type.Union([Type.Array(inputItem, { minItems: 1, maxItems: MAX_INPUT_ITEMS }), text], { description: `a string, or a list of 1 to ${MAX_INPUT_ITEMS} input items` }),
+    input: Type.Union([Type.Array(inputItem, { minItems: 1, maxItems: MAX_INPUT_ITEMS }), text], {
+      description: `a string, or a list of 1 to ${MAX_INPUT_ITEMS} input items`,
+    }),
     instructions: Type.Optional(nullable(text)),
     max_output_tokens: Type.Optional(nullable(maxTokens)),
     temperature: Type.Optional(nullable(temperature)),
@@ -170,14 +190,23 @@ export const ResponsesBody = Type.Object(
     background: Type.Optional(nullable(Type.Literal(false, unsupported('const', 'Background responses are not supported by this server.')))),
     include: Type.Optional(
       nullable(
-        Type.Array(StringEnum([LOGPROBS_INCLUDE], unsupported('enum', `Of the included extras (\`include\`), only ${LOGPROBS_INCLUDE} is supported by this server.`)), { maxItems: 8 }),
+        Type.Array(
+          StringEnum([LOGPROBS_INCLUDE], unsupported('enum', `Of the included extras (\`include\`), only ${LOGPROBS_INCLUDE} is supported by this server.`)),
+          { maxItems: 8 },
+        ),
       ),
     ),
-    reasoning: Type.Optional(nullable(Type.Object({}, { maxProperties: 0, ...unsupported('maxProperties', 'Reasoning options are not supported by this server.') }))),
-    conversation: Type.Optional(Type.Null(unsupported('type', 'Conversation objects are not supported by this server; chain responses with `previous_response_id`.'))),
+    reasoning: Type.Optional(
+      nullable(Type.Object({}, { maxProperties: 0, ...unsupported('maxProperties', 'Reasoning options are not supported by this server.') })),
+    ),
+    conversation: Type.Optional(
+      Type.Null(unsupported('type', 'Conversation objects are not supported by this server; chain responses with `previous_response_id`.')),
+    ),
     prompt: Type.Optional(Type.Null(unsupported('type', 'Prompt templates are not supported by this server.'))),
     top_logprobs: Type.Optional(nullable(topLogprobs)),
-    truncation: Type.Optional(nullable(StringEnum(['disabled'], unsupported('enum', 'Truncation of the conversation (`auto`) is not supported by this server.')))),
+    truncation: Type.Optional(
+      nullable(StringEnum(['disabled'], unsupported('enum', 'Truncation of the conversation (`auto`) is not supported by this server.'))),
+    ),
   },
   { examples: [{ model: 'demo', input: 'Hello' }] },
 );
@@ -233,7 +262,12 @@ export function responseFormatOf(format: ResponsesTextFormat | undefined): Respo
 export function chatTools(tools: readonly ResponsesTool[]): Tool[] {
   return tools.map((t) => ({
     type: 'function',
-    function: { name: t.name, ...(t.description != null ? { description: t.description } : {}), ...(t.parameters != null ? { parameters: t.parameters } : {}), ...(t.strict != null ? { strict: t.strict } : {}) },
+    function: {
+      name: t.name,
+      ...(t.description != null ? { description: t.description } : {}),
+      ...(t.parameters != null ? { parameters: t.parameters } : {}),
+      ...(t.strict != null ? { strict: t.strict } : {}),
+    },
   }));
 }
 
@@ -268,11 +302,14 @@ export function toChatTurn(body: ResponsesBody, history: readonly ChatMessage[],
 }
 
 /** Whether a request asks for log-probabilities: `include` names them, or it says how many alternatives (`top_logprobs`). */
-export const wantsLogprobs = (body: Pick<ResponsesBody, 'include' | 'top_logprobs'>): boolean => (body.include ?? []).includes(LOGPROBS_INCLUDE) || body.top_logprobs != null;
+export const wantsLogprobs = (body: Pick<ResponsesBody, 'include' | 'top_logprobs'>): boolean =>
+  (body.include ?? []).includes(LOGPROBS_INCLUDE) || body.top_logprobs != null;
 
 /** Every field chat's checks name in `text` (a 400's message) as {@link chatParamToResponses} spells it. */
 export function chatTextToResponses(text: string, origins: readonly string[]): string {
-  return text.replace(/response_format(?:\.json_schema)?|tool_choice\.function|tools\[\d+\]\.function|messages\[\d+\](?:\.tool_call_id)?/g, (param) => chatParamToResponses(param, origins));
+  return text.replace(/response_format(?:\.json_schema)?|tool_choice\.function|tools\[\d+\]\.function|messages\[\d+\](?:\.tool_call_id)?/g, (param) =>
+    chatParamToResponses(param, origins),
+  );
 }
 
 /**

@@ -65,7 +65,9 @@ export function unservableReason(model: ReadyModel, adverts: readonly RuntimeAdv
   }
   const has = model.artifacts.map((a) => `${a.format}:${a.weights}`).join(', ');
   const runs = [...new Set(live.map((r) => r.formats.map((f) => `${f} (${runsOn(f, r.dllamaNodes)})`).join(' and ')))].join('; or ');
-  const hint = model.artifacts.some((a) => a.format === 'gguf') ? '' : ' Pull it with a GGUF artifact too (e.g. --format gguf:q80), or run a worker with distributed-llama (MAGUS_DLLAMA_API_BIN, MAGUS_DLLAMA_BIN).';
+  const hint = model.artifacts.some((a) => a.format === 'gguf')
+    ? ''
+    : ' Pull it with a GGUF artifact too (e.g. --format gguf:q80), or run a worker with distributed-llama (MAGUS_DLLAMA_API_BIN, MAGUS_DLLAMA_BIN).';
   return `The model '${model.name}' cannot be served here: it has ${has}, and the live workers' runtimes run ${runs}${reasons.size ? ` (${[...reasons].join('; ')})` : ''}.${hint}`;
 }
 
@@ -89,7 +91,11 @@ function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
   const engines = [...new Set(model.artifacts.map((a) => a.format))].filter(loadable).flatMap(enginesLoading).filter(runs);
   if (runtime.dllamaNodes === undefined) return engines;
   const fits = (e: EngineKind) =>
-    model.artifacts.some((a) => a.format === engineOf(e).format && model.memory.some((m) => m.format === a.format && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)));
+    model.artifacts.some(
+      (a) =>
+        a.format === engineOf(e).format &&
+        model.memory.some((m) => m.format === a.format && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)),
+    );
   const distributed = engines.filter((e) => engineOf(e).topology === 'distributed' && fits(e));
   return distributed.length > 0 ? distributed : engines.filter((e) => engineOf(e).topology === 'single');
 }

@@ -9,7 +9,6 @@ import { ChatCompletionRequest } from './chat';
 import { CompletionsRequest } from './completions';
 import { EmbeddingsRequest } from './embeddings';
 
-
 /**
  * OpenAI's `usage` as magus's engines send it: in a `chat.completion`, and in a stream's last
  * chunk (no choices) when `stream_options.include_usage` asks for it. `cached_tokens`: the prompt
@@ -59,7 +58,17 @@ export type InferenceRequest = ChatInference | EmbeddingsInference | Completions
 export type ResponseFrame =
   | { seq: number; type: 'chunk'; data: unknown } // an OpenAI `chat.completion.chunk`
   | { seq: number; type: 'done'; data?: unknown } // the `chat.completion` when not streaming
-  | { seq: number; type: 'error'; error: { status: number; message: string; type: string; code: string | null; /** The request field at fault (4xx; frames of older bridges lack it). */ param?: string | null } };
+  | {
+      seq: number;
+      type: 'error';
+      error: {
+        status: number;
+        message: string;
+        type: string;
+        code: string | null;
+        /** The request field at fault (4xx; frames of older bridges lack it). */ param?: string | null;
+      };
+    };
 
 /** `magus_sessions` KV: conversation key → the instance serving it (with expiry). */
 export interface SessionEntry {
@@ -110,17 +119,33 @@ export interface PoolEntry {
 export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined {
   const e = JSON.parse(new TextDecoder().decode(value)) as Partial<SessionEntry> | null;
   if (typeof e !== 'object' || e === null) return undefined;
-  if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string') return undefined;
-  return { subject: e.subject, pool: e.pool, ...(typeof e.namespace === 'string' ? { namespace: e.namespace } : {}), instance: e.instance, expiresAt: e.expiresAt, ...(typeof e.placedAt === 'number' ? { placedAt: e.placedAt } : {}) };
+  if (typeof e.subject !== 'string' || e.subject === '' || typeof e.expiresAt !== 'number' || typeof e.pool !== 'string' || typeof e.instance !== 'string')
+    return undefined;
+  return {
+    subject: e.subject,
+    pool: e.pool,
+    ...(typeof e.namespace === 'string' ? { namespace: e.namespace } : {}),
+    instance: e.instance,
+    expiresAt: e.expiresAt,
+    ...(typeof e.placedAt === 'number' ? { placedAt: e.placedAt } : {}),
+  };
 }
 
 /** A `magus_pools` value, checked; `undefined` (ignored) when malformed. */
 export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
   const e = JSON.parse(new TextDecoder().decode(value)) as Partial<PoolEntry> | null;
-  if (typeof e !== 'object' || e === null || !Array.isArray(e.instances) || !Number.isInteger(e.leasesPerInstance) || (e.leasesPerInstance as number) < 1) return undefined;
+  if (typeof e !== 'object' || e === null || !Array.isArray(e.instances) || !Number.isInteger(e.leasesPerInstance) || (e.leasesPerInstance as number) < 1)
+    return undefined;
   const instances = e.instances.filter(
     (i): i is PoolEntry['instances'][number] =>
-      typeof i === 'object' && i !== null && typeof i.instance === 'string' && i.instance !== '' && typeof i.subject === 'string' && i.subject !== '' && Number.isInteger(i.leases) && i.leases >= 0,
+      typeof i === 'object' &&
+      i !== null &&
+      typeof i.instance === 'string' &&
+      i.instance !== '' &&
+      typeof i.subject === 'string' &&
+      i.subject !== '' &&
+      Number.isInteger(i.leases) &&
+      i.leases >= 0,
   );
   return {
     instances,
@@ -128,7 +153,11 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
     updatedAt: typeof e.updatedAt === 'number' ? e.updatedAt : 0,
     ...(typeof e.growable === 'boolean' ? { growable: e.growable } : {}),
     ...(typeof e.failing === 'string'
-      ? { failing: e.failing, ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}), ...(typeof e.failedAt === 'number' ? { failedAt: e.failedAt } : {}) }
+      ? {
+          failing: e.failing,
+          ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}),
+          ...(typeof e.failedAt === 'number' ? { failedAt: e.failedAt } : {}),
+        }
       : {}),
   };
 }

@@ -11,7 +11,11 @@ import { isBlockQuantized, isWeightsFormat, WEIGHTS_FORMATS, WEIGHTS_PREFERENCE,
 
 const ROOT = join(__dirname, '..');
 
-interface Schema { properties?: Record<string, Schema>; items?: Schema; enum?: string[] }
+interface Schema {
+  properties?: Record<string, Schema>;
+  items?: Schema;
+  enum?: string[];
+}
 
 /** Every `weights` property's enum in the Model CRD at `path`, by its place in the schema. */
 function crdWeightsEnums(path: string): Map<string, string[]> {

@@ -75,7 +75,17 @@ const INFO = Object.fromEntries(
     const { id, blockSize, typeSize } = GGML_TYPES[declared.ggml];
     return [
       name,
-      { ...declared, name, ggmlType: id, blockSize, blockBytes: typeSize, blockQuantized: blockSize > 1, bytesPerValue: typeSize / blockSize, bitsPerValue: (8 * typeSize) / blockSize, rank },
+      {
+        ...declared,
+        name,
+        ggmlType: id,
+        blockSize,
+        blockBytes: typeSize,
+        blockQuantized: blockSize > 1,
+        bytesPerValue: typeSize / blockSize,
+        bitsPerValue: (8 * typeSize) / blockSize,
+        rank,
+      },
     ];
   }),
 ) as Readonly<Record<WeightsFormat, WeightsFormatInfo>>;

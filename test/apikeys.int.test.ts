@@ -58,7 +58,14 @@ const token = (id: string) => `mgs_${id}_${randomBytes(24).toString('hex')}`;
  * other test files' Models.
  */
 const start = () => {
-  const keys = startKeys({ kc: controllerKc, core: controllerKc.makeApiClient(CoreV1Api), custom: controllerKc.makeApiClient(CustomObjectsApi), kv: tokens, sharedModelNamespaces: ['platform'], log: (l) => controllerLog.push(l) });
+  const keys = startKeys({
+    kc: controllerKc,
+    core: controllerKc.makeApiClient(CoreV1Api),
+    custom: controllerKc.makeApiClient(CustomObjectsApi),
+    kv: tokens,
+    sharedModelNamespaces: ['platform'],
+    log: (l) => controllerLog.push(l),
+  });
   return { ...keys, synced: Promise.all(Object.values(keys.watches).map((w) => w.synced)).then(() => undefined), idle: () => keys.drained() };
 };
 
@@ -66,9 +73,16 @@ async function secret(namespace: string, name: string, value: string, labels: Re
   await core.createNamespacedSecret({ namespace, body: { metadata: { name, labels }, stringData: { token: value } } });
 }
 async function apiKey(namespace: string, name: string, spec: Partial<ApiKeyResource['spec']> & { secretRef: { name: string } }): Promise<void> {
-  await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'ApiKey', metadata: { name, namespace }, spec } });
+  await custom.createNamespacedCustomObject({
+    group: CRD_GROUP,
+    version: CRD_VERSION,
+    namespace,
+    plural: 'apikeys',
+    body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'ApiKey', metadata: { name, namespace }, spec },
+  });
 }
-const getKey = async (namespace: string, name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', name })) as ApiKeyResource;
+const getKey = async (namespace: string, name: string) =>
+  (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', name })) as ApiKeyResource;
 const ready = (k: ApiKeyResource) => k.status?.conditions?.find((c) => c.type === 'Ready');
 async function readyAs(namespace: string, name: string, reason: string): Promise<ApiKeyResource> {
   let last: ApiKeyResource | undefined;
@@ -123,7 +137,16 @@ test('two namespaces declare keys of the same name: two keys, each reads only it
   // A response A stored (as the gateway stores it: owned by A's identity and uid).
   const responses = await nc.jetstream().views.kv(dataPlaneNames(iso.natsPrefix).responsesBucket);
   const id = `resp_${randomBytes(8).toString('hex')}`;
-  const record: StoredResponse = { owner: keyOwner(`${nsA}/team`, a.metadata.uid), model: `${nsA}/m`, root: id, previous: null, depth: 0, input: [], output: [], response: pendingResponse(id, { model: 'm', input: 'hi' }, 1) };
+  const record: StoredResponse = {
+    owner: keyOwner(`${nsA}/team`, a.metadata.uid),
+    model: `${nsA}/m`,
+    root: id,
+    previous: null,
+    depth: 0,
+    input: [],
+    output: [],
+    response: pendingResponse(id, { model: 'm', input: 'hi' }, 1),
+  };
   await responses.put(id, JSON.stringify(record));
   expect(await status(tA, `/v1/responses/${id}`)).toBe(200);
   expect(await status(tB, `/v1/responses/${id}`)).toBe(404);
@@ -172,7 +195,11 @@ test('a token id another namespace holds is refused, never written over; deletin
   expect(stdout).toMatch(/attacker\s+attacker-token\s+\S+\s+false\s+False\s+IdConflict/);
 
   // Deleting the refused keys leaves the victim's entry alone.
-  for (const [ns, name] of [[nsB, 'attacker'], [nsA, 'copy']] as const) await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'apikeys', name });
+  for (const [ns, name] of [
+    [nsB, 'attacker'],
+    [nsA, 'copy'],
+  ] as const)
+    await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'apikeys', name });
   await controller.idle();
   await new Promise((r) => setTimeout(r, 500));
   await controller.idle();
@@ -202,19 +229,45 @@ test('rotation, suspension, a missing Secret and models of a namespace that does
 
   // Rotated: the new token works, the old one is revoked and its entry gone.
   const second = token(`rot-${randomBytes(4).toString('hex')}`);
-  await core.patchNamespacedSecret({ namespace: nsA, name: 'rotating-token', body: [{ op: 'replace', path: '/data/token', value: Buffer.from(second).toString('base64') }] });
+  await core.patchNamespacedSecret({
+    namespace: nsA,
+    name: 'rotating-token',
+    body: [{ op: 'replace', path: '/data/token', value: Buffer.from(second).toString('base64') }],
+  });
   await answers(second, 200);
   await answers(first, 401);
   expect(await entryOf(first.split('_')[1]!)).toBeUndefined();
   await until('the status names the new id', async () => (await getKey(nsA, 'rotating')).status?.tokenId === second.split('_')[1], 10_000);
 
   // Suspended: 403 key_suspended; resumed: 200.
-  await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'rotating', body: [{ op: 'replace', path: '/spec/suspended', value: true }] }, { headers: { 'Content-Type': 'application/json-patch+json' } } as never);
+  await custom.patchNamespacedCustomObject(
+    {
+      group: CRD_GROUP,
+      version: CRD_VERSION,
+      namespace: nsA,
+      plural: 'apikeys',
+      name: 'rotating',
+      body: [{ op: 'replace', path: '/spec/suspended', value: true }],
+    },
+    { headers: { 'Content-Type': 'application/json-patch+json' } } as never,
+  );
   await readyAs(nsA, 'rotating', ApiKeyReason.suspended);
   await answers(second, 403);
-  const body = (await (await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${second}` } })).json()) as { error: { code: string; type: string } };
+  const body = (await (await fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${second}` } })).json()) as {
+    error: { code: string; type: string };
+  };
   expect(body.error).toMatchObject({ code: 'key_suspended', type: 'permission_error' });
-  await custom.patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'rotating', body: [{ op: 'replace', path: '/spec/suspended', value: false }] }, { headers: { 'Content-Type': 'application/json-patch+json' } } as never);
+  await custom.patchNamespacedCustomObject(
+    {
+      group: CRD_GROUP,
+      version: CRD_VERSION,
+      namespace: nsA,
+      plural: 'apikeys',
+      name: 'rotating',
+      body: [{ op: 'replace', path: '/spec/suspended', value: false }],
+    },
+    { headers: { 'Content-Type': 'application/json-patch+json' } } as never,
+  );
   await answers(second, 200);
 
   // Another namespace's models, not shared: refused, and no token registered.
@@ -235,7 +288,10 @@ test('rotation, suspension, a missing Secret and models of a namespace that does
 test('a labelled token Secret is a key of its own namespace until an ApiKey names it; a key deleted while no controller ran is revoked at start', async () => {
   const id = `legacy-${randomBytes(4).toString('hex')}`;
   const t = token(id);
-  await core.createNamespacedSecret({ namespace: nsA, body: { metadata: { name: 'legacy', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: t, models: `tiny,${nsB}/other` } } });
+  await core.createNamespacedSecret({
+    namespace: nsA,
+    body: { metadata: { name: 'legacy', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: t, models: `tiny,${nsB}/other` } },
+  });
   await answers(t, 200);
   // Confined to its namespace: the other namespace's model is dropped, a bare name is its own.
   expect(await entryOf(id)).toMatchObject({ key: `${nsA}/legacy`, origin: `secret/${nsA}/legacy`, models: [`${nsA}/tiny`] });

@@ -147,32 +147,58 @@ function repoRoles(): Map<string, Rule[]> {
  * cluster-scoped resources moved to a ClusterRole of their own, which changes the rules but must
  * not change what they allow.
  */
-const permissions = (rules: Rule[]) => [...new Set(rules.flatMap((r) => (r.apiGroups ?? []).flatMap((g) => (r.resources ?? []).flatMap((res) => r.verbs.map((v) => `${g}/${res}:${v}`)))))].sort();
+const permissions = (rules: Rule[]) =>
+  [...new Set(rules.flatMap((r) => (r.apiGroups ?? []).flatMap((g) => (r.resources ?? []).flatMap((res) => r.verbs.map((v) => `${g}/${res}:${v}`)))))].sort();
 
 const env = (c: Container, name: string) => c.env?.find((e) => e.name === name);
 
 /** Values that must each be refused, and what the message must say. */
 const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: false }[] = [
-  { why: 'a Temporal address that is not host:port', values: 'temporal: {address: "temporal frontend"}', message: /at '\/temporal\/address': 'temporal frontend' does not match pattern/ },
+  {
+    why: 'a Temporal address that is not host:port',
+    values: 'temporal: {address: "temporal frontend"}',
+    message: /at '\/temporal\/address': 'temporal frontend' does not match pattern/,
+  },
   { why: 'a NATS URL that is http://', values: 'nats: {url: "http://nats:4222"}', message: /at '\/nats\/url': 'http:\/\/nats:4222' does not match pattern/ },
   { why: 'negative replicas', values: 'worker: {pipeline: {replicas: -1}}', message: /at '\/worker\/pipeline\/replicas': minimum: got -1, want 0/ },
   { why: 'replicas as words', values: 'gateway: {replicas: two}', message: /at '\/gateway\/replicas': got string, want integer/ },
   { why: 'a misspelt key', values: 'gatway: {replicas: 2}', message: /additional properties 'gatway' not allowed/ },
   { why: 'a misspelt nested key', values: 'worker: {pipline: {replicas: 2}}', message: /at '\/worker': additional properties 'pipline' not allowed/ },
-  { why: 'an unknown pull policy', values: 'image: {pullPolicy: Sometimes}', message: /at '\/image\/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'/ },
+  {
+    why: 'an unknown pull policy',
+    values: 'image: {pullPolicy: Sometimes}',
+    message: /at '\/image\/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'/,
+  },
   { why: 'an unknown runtime', values: 'worker: {runtime: docker}', message: /at '\/worker\/runtime': value must be one of 'kubernetes', 'local'/ },
   { why: 'an Ingress without hosts', values: 'gateway: {ingress: {enabled: true}}', message: /at '\/gateway\/ingress\/hosts': minItems: got 0, want 1/ },
   { why: 'a gateway without its Secret', values: 'gateway: {existingSecret: ""}', message: /at '\/gateway\/existingSecret': minLength: got 0, want 1/ },
-  { why: 'a memory request that is no quantity', values: 'worker: {control: {resources: {requests: {memory: lots}}}}', message: /at '\/worker\/control\/resources\/requests\/memory'.*\n.*'lots' does not match pattern/ },
+  {
+    why: 'a memory request that is no quantity',
+    values: 'worker: {control: {resources: {requests: {memory: lots}}}}',
+    message: /at '\/worker\/control\/resources\/requests\/memory'.*\n.*'lots' does not match pattern/,
+  },
   { why: 'an S3 bucket name S3 refuses', values: 's3: {bucket: My_Bucket}', message: /at '\/s3\/bucket': 'My_Bucket' does not match pattern/ },
-  { why: 'a cleanup timeout that is no duration', values: 'controller: {cleanupTimeout: soon}', message: /at '\/controller\/cleanupTimeout': 'soon' does not match pattern/ },
+  {
+    why: 'a cleanup timeout that is no duration',
+    values: 'controller: {cleanupTimeout: soon}',
+    message: /at '\/controller\/cleanupTimeout': 'soon' does not match pattern/,
+  },
   { why: 'a watched namespace that is no namespace name', values: 'controller: {watchNamespace: Team_A}', message: /at '\/controller\/watchNamespace'/ },
   { why: 'a privileged gateway port', values: 'gateway: {port: 80}', message: /at '\/gateway\/port': minimum: got 80, want 1,?024/ },
   { why: 'a session TTL under a minute', values: 'gateway: {sessionTtlMs: 5000}', message: /at '\/gateway\/sessionTtlMs': minimum: got 5,?000, want 60,?000/ },
-  { why: 'a responses TTL that is no duration', values: 'gateway: {responsesTtl: a month}', message: /at '\/gateway\/responsesTtl': 'a month' does not match pattern/ },
+  {
+    why: 'a responses TTL that is no duration',
+    values: 'gateway: {responsesTtl: a month}',
+    message: /at '\/gateway\/responsesTtl': 'a month' does not match pattern/,
+  },
   // A cross-field rule JSON Schema cannot state: a `fail` in the template. helm lint reports it
   // (as [INFO] Fail: …) but passes: Helm's lint mode never fails on `fail`.
-  { why: 'the worker’s two ports the same', values: 'worker: {healthPort: 9464}', message: /worker\.metricsPort and worker\.healthPort must differ \(both are 9464\)/, lintFails: false },
+  {
+    why: 'the worker’s two ports the same',
+    values: 'worker: {healthPort: 9464}',
+    message: /worker\.metricsPort and worker\.healthPort must differ \(both are 9464\)/,
+    lintFails: false,
+  },
 ];
 
 beforeAll(async () => {
@@ -186,7 +212,8 @@ afterAll(() => rmSync(helmHome, { recursive: true, force: true }));
 
 describe('the chart, rendered', () => {
   test('its CRDs are byte-identical copies of crds/*.yaml and files/rbac.yaml of crds/rbac.yaml', () => {
-    const sync = 'refresh the copies: cp crds/{model,dllama,session,apikey}.yaml charts/magus/files/crds/ && cp crds/rbac.yaml charts/magus/files/ (adjust to the CRD files crds/ holds)';
+    const sync =
+      'refresh the copies: cp crds/{model,dllama,session,apikey}.yaml charts/magus/files/crds/ && cp crds/rbac.yaml charts/magus/files/ (adjust to the CRD files crds/ holds)';
     const repo = repoCrdFiles();
     expect({ files: readdirSync(join(CHART, 'files', 'crds')).sort(), sync }).toEqual({ files: repo, sync });
     for (const f of repo) {
@@ -201,7 +228,11 @@ describe('the chart, rendered', () => {
     expect(EXAMPLES.length).toBeGreaterThanOrEqual(4);
     for (const values of [[], ...EXAMPLES.map((f) => ['--values', examplePath(f)])]) {
       const r = await run(helmBin, ['lint', CHART, '--strict', ...values]);
-      expect({ values, code: r.code, out: r.stdout + r.stderr }).toEqual({ values, code: 0, out: expect.stringContaining('1 chart(s) linted, 0 chart(s) failed') as unknown });
+      expect({ values, code: r.code, out: r.stdout + r.stderr }).toEqual({
+        values,
+        code: 0,
+        out: expect.stringContaining('1 chart(s) linted, 0 chart(s) failed') as unknown,
+      });
     }
   });
 
@@ -213,7 +244,10 @@ describe('the chart, rendered', () => {
     const crds = ofKind<Obj & { spec: unknown }>(objs, 'CustomResourceDefinition');
     if (values.crds?.install === false) expect(crds).toEqual([]);
     else {
-      const repo = repoCrdFiles().map((f) => (loadAllYaml(readFileSync(join(REPO, 'crds', f), 'utf8')) as Obj[]).find((o) => o.kind === 'CustomResourceDefinition') as Obj & { spec: unknown });
+      const repo = repoCrdFiles().map(
+        (f) =>
+          (loadAllYaml(readFileSync(join(REPO, 'crds', f), 'utf8')) as Obj[]).find((o) => o.kind === 'CustomResourceDefinition') as Obj & { spec: unknown },
+      );
       expect(crds.map((c) => c.metadata.name).sort()).toEqual(repo.map((c) => c.metadata.name).sort());
       for (const c of crds) {
         expect(c.spec).toEqual(repo.find((r) => r.metadata.name === c.metadata.name)?.spec);
@@ -237,7 +271,8 @@ describe('the chart, rendered', () => {
       const component = r.metadata.labels?.['app.kubernetes.io/component'];
       expect(bound[0]?.subjects).toEqual([{ kind: 'ServiceAccount', name: `magus-${component}`, namespace: NS }]);
       const where = bound[0]?.kind === 'RoleBinding' ? bound[0].metadata.namespace : 'cluster';
-      const expected = name === 'magus-controller-leader-election' ? NS : r.metadata.name.endsWith('-cluster') ? 'cluster' : (values.controller?.watchNamespace ?? 'cluster');
+      const expected =
+        name === 'magus-controller-leader-election' ? NS : r.metadata.name.endsWith('-cluster') ? 'cluster' : (values.controller?.watchNamespace ?? 'cluster');
       expect({ role: r.metadata.name, where }).toEqual({ role: r.metadata.name, where: expected });
     }
     expect([...rendered.keys()].sort()).toEqual([...repoRoles().keys()].sort());
@@ -259,12 +294,23 @@ describe('the chart, rendered', () => {
       const tmp = pod.volumes?.find((v) => v.name === 'tmp');
       expect({ where, tmpIsEmptyDir: tmp?.emptyDir !== undefined }).toEqual({ where, tmpIsEmptyDir: true });
       for (const c of pod.containers) {
-        expect({ where, securityContext: c.securityContext }).toEqual({ where, securityContext: { readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, capabilities: { drop: ['ALL'] } } });
-        expect({ where, tmp: c.volumeMounts?.find((m) => m.mountPath === '/tmp')?.name, home: env(c, 'HOME')?.value }).toEqual({ where, tmp: 'tmp', home: '/tmp' });
+        expect({ where, securityContext: c.securityContext }).toEqual({
+          where,
+          securityContext: { readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, capabilities: { drop: ['ALL'] } },
+        });
+        expect({ where, tmp: c.volumeMounts?.find((m) => m.mountPath === '/tmp')?.name, home: env(c, 'HOME')?.value }).toEqual({
+          where,
+          tmp: 'tmp',
+          home: '/tmp',
+        });
         // Every probe names a port the container declares.
         const portNames = (c.ports ?? []).map((p) => p.name);
         for (const probe of [c.startupProbe, c.livenessProbe, c.readinessProbe]) {
-          expect({ where, port: probe?.httpGet?.port, declared: portNames.includes(String(probe?.httpGet?.port)) }).toEqual({ where, port: probe?.httpGet?.port, declared: true });
+          expect({ where, port: probe?.httpGet?.port, declared: portNames.includes(String(probe?.httpGet?.port)) }).toEqual({
+            where,
+            port: probe?.httpGet?.port,
+            declared: true,
+          });
         }
         for (const name of ['AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY', 'MAGUS_GATEWAY_SECRET', 'MAGUS_GATEWAY_TOKENS']) {
           expect({ where, name, inline: env(c, name)?.value }).toEqual({ where, name, inline: undefined });
@@ -272,7 +318,11 @@ describe('the chart, rendered', () => {
       }
     }
     // The gateway alone has no API token in its pods.
-    for (const d of deployments) expect({ d: d.metadata.name, automount: d.spec.template.spec.automountServiceAccountToken }).toEqual({ d: d.metadata.name, automount: d.metadata.name === 'magus-gateway' ? false : undefined });
+    for (const d of deployments)
+      expect({ d: d.metadata.name, automount: d.spec.template.spec.automountServiceAccountToken }).toEqual({
+        d: d.metadata.name,
+        automount: d.metadata.name === 'magus-gateway' ? false : undefined,
+      });
   });
 
   test('the workers: two Deployments (control, pipeline) scaled and sized apart, running the Kubernetes runtime with its settings', async () => {
@@ -314,7 +364,9 @@ describe('the chart, rendered', () => {
       MAGUS_NATS_REPLICAS: '3',
     });
     expect(env(c, 'AWS_SECRET_ACCESS_KEY')?.valueFrom).toEqual({ secretKeyRef: { name: 'magus-s3', key: 'AWS_SECRET_ACCESS_KEY' } });
-    const pdb = ofKind<Obj & { spec: { minAvailable?: number; maxUnavailable?: number } }>(objs, 'PodDisruptionBudget').find((p) => p.metadata.name === 'magus-worker-pipeline');
+    const pdb = ofKind<Obj & { spec: { minAvailable?: number; maxUnavailable?: number } }>(objs, 'PodDisruptionBudget').find(
+      (p) => p.metadata.name === 'magus-worker-pipeline',
+    );
     expect(pdb?.spec).toMatchObject({ minAvailable: 2 });
     expect(pdb?.spec.maxUnavailable).toBeUndefined();
   });
@@ -333,8 +385,16 @@ describe('the chart, rendered', () => {
     const ingress = ofKind<Obj & { spec: { rules: { host: string; http: { paths: { path: string }[] } }[] } }>(objs, 'Ingress');
     expect(ingress.flatMap((i) => i.spec.rules.flatMap((r) => r.http.paths.map((p) => `${r.host}${p.path}`)))).toEqual(['llm.example.com/v1']);
     // NetworkPolicies: the instance policy lives in the model namespace; ServiceMonitors for all three.
-    expect(ofKind(objs, 'NetworkPolicy').map((n) => `${n.metadata.namespace}/${n.metadata.name}`).sort()).toEqual([`${NS}/magus-controller`, `${NS}/magus-gateway`, `${NS}/magus-worker`, 'models/magus-instances']);
-    expect(ofKind(objs, 'ServiceMonitor').map((s) => s.metadata.name).sort()).toEqual(['magus-controller', 'magus-gateway', 'magus-worker']);
+    expect(
+      ofKind(objs, 'NetworkPolicy')
+        .map((n) => `${n.metadata.namespace}/${n.metadata.name}`)
+        .sort(),
+    ).toEqual([`${NS}/magus-controller`, `${NS}/magus-gateway`, `${NS}/magus-worker`, 'models/magus-instances']);
+    expect(
+      ofKind(objs, 'ServiceMonitor')
+        .map((s) => s.metadata.name)
+        .sort(),
+    ).toEqual(['magus-controller', 'magus-gateway', 'magus-worker']);
   });
 
   test.each(EXAMPLES)('the environment %s gives the worker and the gateway is one their own configuration loaders accept', async (file) => {
@@ -383,7 +443,10 @@ describe('the chart, rendered', () => {
       const file = join(dir, 'values.yaml');
       writeFileSync(file, `${values}\n`);
       const lint = await run(helmBin, ['lint', CHART, '--values', file]);
-      expect({ code: lint.code, out: lint.stdout + lint.stderr }).toEqual({ code: lintFails === false ? 0 : 1, out: expect.stringMatching(message) as unknown });
+      expect({ code: lint.code, out: lint.stdout + lint.stderr }).toEqual({
+        code: lintFails === false ? 0 : 1,
+        out: expect.stringMatching(message) as unknown,
+      });
       const template = await run(helmBin, ['template', 'magus', CHART, '--values', file]);
       expect({ code: template.code, out: template.stderr }).toEqual({ code: 1, out: expect.stringMatching(message) as unknown });
     } finally {
@@ -406,7 +469,14 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
       group: 'monitoring.coreos.com',
       scope: 'Namespaced',
       names: { kind: 'ServiceMonitor', listKind: 'ServiceMonitorList', plural: 'servicemonitors', singular: 'servicemonitor' },
-      versions: [{ name: 'v1', served: true, storage: true, schema: { openAPIV3Schema: { type: 'object', properties: { spec: { type: 'object', 'x-kubernetes-preserve-unknown-fields': true } } } } }],
+      versions: [
+        {
+          name: 'v1',
+          served: true,
+          storage: true,
+          schema: { openAPIV3Schema: { type: 'object', properties: { spec: { type: 'object', 'x-kubernetes-preserve-unknown-fields': true } } } },
+        },
+      ],
     },
   };
 
@@ -421,7 +491,10 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     await extensions.createCustomResourceDefinition({ body: serviceMonitorCrd });
     // The Secrets the values name (kwok runs nothing, so nothing reads them; they make the install what a user's is).
     await core.createNamespacedSecret({ namespace: NS, body: { metadata: { name: 'magus-gateway' }, stringData: { secret: 'x'.repeat(64) } } });
-    await core.createNamespacedSecret({ namespace: NS, body: { metadata: { name: 'magus-s3' }, stringData: { AWS_ACCESS_KEY_ID: 'test', AWS_SECRET_ACCESS_KEY: 'test-secret' } } });
+    await core.createNamespacedSecret({
+      namespace: NS,
+      body: { metadata: { name: 'magus-s3' }, stringData: { AWS_ACCESS_KEY_ID: 'test', AWS_SECRET_ACCESS_KEY: 'test-secret' } },
+    });
     await eventually(async () => {
       const crd = await extensions.readCustomResourceDefinition({ name: serviceMonitorCrd.metadata.name });
       expect(crd.status?.conditions?.find((c) => c.type === 'Established')?.status).toBe('True');
@@ -434,7 +507,11 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
 
   test.each(EXAMPLES)('the API server accepts every object %s renders (server-side dry-run, strict field validation)', async (file) => {
     const manifests = await helm('template', 'magus', CHART, '--namespace', NS, '--values', examplePath(file));
-    const r = await run('kubectl', ['apply', '--server-side', '--dry-run=server', '--field-manager=magus-chart-test', '--validate=strict', '-f', '-'], manifests);
+    const r = await run(
+      'kubectl',
+      ['apply', '--server-side', '--dry-run=server', '--field-manager=magus-chart-test', '--validate=strict', '-f', '-'],
+      manifests,
+    );
     expect({ code: r.code, stderr: r.stderr }).toEqual({ code: 0, stderr: '' });
     // One line per object: nothing was skipped.
     expect(r.stdout.trim().split('\n')).toHaveLength((loadAllYaml(manifests) as unknown[]).filter(Boolean).length);
@@ -457,7 +534,9 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
           },
         ]),
       );
-      const want = Object.fromEntries(Object.entries(expected).map(([name, n]) => [name, { replicas: n, available: n, updated: n, total: n, condition: 'True', observed: true }]));
+      const want = Object.fromEntries(
+        Object.entries(expected).map(([name, n]) => [name, { replicas: n, available: n, updated: n, total: n, condition: 'True', observed: true }]),
+      );
       expect(state).toEqual(want);
       return list;
     }, 120_000);
@@ -493,7 +572,13 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     const authz = cluster.kubeConfig.makeApiClient(AuthorizationV1Api);
     const can = async (sa: string, verb: string, resource: string, subresource = '', namespace = 'models', group = 'magus.dev') => {
       const review = await authz.createSubjectAccessReview({
-        body: { spec: { user: `system:serviceaccount:${NS}:${sa}`, groups: ['system:serviceaccounts', `system:serviceaccounts:${NS}`], resourceAttributes: { group, resource, subresource, verb, namespace } } },
+        body: {
+          spec: {
+            user: `system:serviceaccount:${NS}:${sa}`,
+            groups: ['system:serviceaccounts', `system:serviceaccounts:${NS}`],
+            resourceAttributes: { group, resource, subresource, verb, namespace },
+          },
+        },
       });
       return review.status?.allowed ?? false;
     };
@@ -535,9 +620,24 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
 
   test('helm upgrade with changed values rolls them out: replicas, image, NetworkPolicies', async () => {
     await helm(
-      'upgrade', 'magus', CHART, '--namespace', NS, '--values', examplePath('values-minimal.yaml'),
-      '--set', 'worker.pipeline.replicas=3', '--set', 'gateway.replicas=1', '--set', 'image.tag=0.1.1', '--set', 'networkPolicy.enabled=true',
-      '--wait', '--timeout', '3m',
+      'upgrade',
+      'magus',
+      CHART,
+      '--namespace',
+      NS,
+      '--values',
+      examplePath('values-minimal.yaml'),
+      '--set',
+      'worker.pipeline.replicas=3',
+      '--set',
+      'gateway.replicas=1',
+      '--set',
+      'image.tag=0.1.1',
+      '--set',
+      'networkPolicy.enabled=true',
+      '--wait',
+      '--timeout',
+      '3m',
     );
     const list = await expectAllAvailable({ 'magus-controller': 2, 'magus-gateway': 1, 'magus-worker-control': 1, 'magus-worker-pipeline': 3 });
     for (const d of list) {
@@ -548,7 +648,9 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     expect(pipeline.spec?.template.spec?.containers[0]?.env?.find((e) => e.name === 'MAGUS_K8S_MAGUS_IMAGE')?.value).toBe('magus:0.1.1');
     // The old pods go (kwok ends them at once); every pod left runs the new image.
     await eventually(async () => {
-      const pods = (await core.listNamespacedPod({ namespace: NS, labelSelector: 'app.kubernetes.io/instance=magus' })).items.filter((p) => !p.metadata?.deletionTimestamp);
+      const pods = (await core.listNamespacedPod({ namespace: NS, labelSelector: 'app.kubernetes.io/instance=magus' })).items.filter(
+        (p) => !p.metadata?.deletionTimestamp,
+      );
       expect(pods.map((p) => p.spec?.containers[0]?.image)).toEqual(pods.map(() => 'magus:0.1.1'));
       expect(pods).toHaveLength(7);
     }, 60_000);
@@ -570,12 +672,18 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
       version: 'v1alpha1',
       namespace: 'models',
       plural: 'models',
-      body: { apiVersion: 'magus.dev/v1alpha1', kind: 'Model', metadata: { name: 'kept' }, spec: { source: { repo: 'org/model' }, artifacts: [{ format: 'gguf', weights: 'q40' }] } },
+      body: {
+        apiVersion: 'magus.dev/v1alpha1',
+        kind: 'Model',
+        metadata: { name: 'kept' },
+        spec: { source: { repo: 'org/model' }, artifacts: [{ format: 'gguf', weights: 'q40' }] },
+      },
     });
     const out = await run(helmBin, ['uninstall', 'magus', '--namespace', NS, '--wait', '--timeout', '2m']);
     expect(out.code).toBe(0);
     expect(out.stdout).toContain('These resources were kept due to the resource policy:');
-    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev', 'apikeys.magus.dev']) expect(out.stdout).toContain(`[CustomResourceDefinition] ${name}`);
+    for (const name of ['models.magus.dev', 'dllamas.magus.dev', 'sessions.magus.dev', 'apikeys.magus.dev'])
+      expect(out.stdout).toContain(`[CustomResourceDefinition] ${name}`);
 
     const rbac = cluster.kubeConfig.makeApiClient(RbacAuthorizationV1Api);
     await eventually(async () => {
@@ -587,7 +695,13 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     const extensions = cluster.kubeConfig.makeApiClient(ApiextensionsV1Api);
     const left = (await extensions.listCustomResourceDefinition({})).items.map((c) => c.metadata?.name).filter((n) => n?.endsWith('.magus.dev'));
     expect(left.sort()).toEqual(['apikeys.magus.dev', 'dllamas.magus.dev', 'models.magus.dev', 'sessions.magus.dev']);
-    const kept = (await custom.getNamespacedCustomObject({ group: 'magus.dev', version: 'v1alpha1', namespace: 'models', plural: 'models', name: 'kept' })) as Obj;
+    const kept = (await custom.getNamespacedCustomObject({
+      group: 'magus.dev',
+      version: 'v1alpha1',
+      namespace: 'models',
+      plural: 'models',
+      name: 'kept',
+    })) as Obj;
     expect(kept.metadata.name).toBe('kept');
 
     // Installing again adopts the kept CRDs (they still carry this release's ownership).

@@ -75,7 +75,12 @@ async function applyModel(name: string): Promise<void> {
     version: CRD_VERSION,
     namespace: ns,
     plural: 'models',
-    body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Model', metadata: { name }, spec: { source: { repo: 'magus-test/tiny-llama', hubUrl: 'http://127.0.0.1:9' }, artifacts: [{ format: 'gguf', weights: 'q40' }] } },
+    body: {
+      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+      kind: 'Model',
+      metadata: { name },
+      spec: { source: { repo: 'magus-test/tiny-llama', hubUrl: 'http://127.0.0.1:9' }, artifacts: [{ format: 'gguf', weights: 'q40' }] },
+    },
   });
 }
 
@@ -99,7 +104,11 @@ test('two replicas: one leads, both are healthy; the leader’s SIGTERM hands ov
   const [a, b] = [await startReplica(), await startReplica()];
   await until('both replicas answer /healthz', async () => (await get(a, '/healthz')).status === 200 && (await get(b, '/healthz')).status === 200, 60_000);
   await until('one replica leads', async () => (await isLeader(a)) !== (await isLeader(b)), 30_000);
-  await until('both are ready (the leader synced, the other standing by)', async () => (await get(a, '/readyz')).status === 200 && (await get(b, '/readyz')).status === 200, 30_000);
+  await until(
+    'both are ready (the leader synced, the other standing by)',
+    async () => (await get(a, '/readyz')).status === 200 && (await get(b, '/readyz')).status === 200,
+    30_000,
+  );
   const lease = await kubeConfig().makeApiClient(CoordinationV1Api).readNamespacedLease({ namespace: ns, name: 'magus-controller' });
   expect(lease.spec?.holderIdentity).toMatch(/-\d+$/);
 

@@ -31,7 +31,12 @@ const stack = new TestStack();
 
 const kubeConfigFor = (server: string, token: string): KubeConfig => {
   const kc = new KubeConfig();
-  kc.loadFromOptions({ clusters: [{ name: 't', server, skipTLSVerify: true }], users: [{ name: 't', token }], contexts: [{ name: 't', cluster: 't', user: 't' }], currentContext: 't' });
+  kc.loadFromOptions({
+    clusters: [{ name: 't', server, skipTLSVerify: true }],
+    users: [{ name: 't', token }],
+    contexts: [{ name: 't', cluster: 't', user: 't' }],
+    currentContext: 't',
+  });
   return kc;
 };
 const custom = () => admin.makeApiClient(CustomObjectsApi);
@@ -41,14 +46,24 @@ const model = (name: string, revision = 'main') => ({
   metadata: { name, namespace: ns },
   spec: { source: { repo: 'magus-test/tiny-llama', revision, hubUrl: 'http://127.0.0.1:9' }, artifacts: [{ format: 'gguf', weights: 'q40' }] },
 });
-const create = (name: string) => custom().createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', body: model(name) });
+const create = (name: string) =>
+  custom().createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', body: model(name) });
 const setRevision = (name: string, revision: string) =>
-  custom().patchNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name, body: [{ op: 'replace', path: '/spec/source/revision', value: revision }] });
+  custom().patchNamespacedCustomObject({
+    group: CRD_GROUP,
+    version: CRD_VERSION,
+    namespace: ns,
+    plural: 'models',
+    name,
+    body: [{ op: 'replace', path: '/spec/source/revision', value: revision }],
+  });
 
 async function signals(name: string): Promise<number> {
   try {
     const history = await client.workflow.getHandle(`model/${ns}/${name}`).fetchHistory();
-    return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED && e.workflowExecutionSignaledEventAttributes?.signalName === 'resourceChanged').length;
+    return (history.events ?? []).filter(
+      (e) => e.eventType === EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED && e.workflowExecutionSignaledEventAttributes?.signalName === 'resourceChanged',
+    ).length;
   } catch {
     return 0;
   }
@@ -109,7 +124,13 @@ test('changes made while the controller is cut off are all seen once it is back'
 test('a cleanup that cannot finish is cut short after the timeout, reported, and the Model goes', async () => {
   const t0 = Date.now();
   await custom().deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name: 'c' });
-  await eventually(async () => expect(custom().getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name: 'c' })).rejects.toMatchObject({ code: 404 }), 30_000);
+  await eventually(
+    async () =>
+      expect(custom().getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name: 'c' })).rejects.toMatchObject({
+        code: 404,
+      }),
+    30_000,
+  );
   // Measured from deletionTimestamp, which has whole seconds: at least 2 s after the request.
   expect(Date.now() - t0).toBeGreaterThanOrEqual(2000);
   expect((await client.workflow.getHandle(`model/${ns}/c`).describe()).status.name).toBe('TERMINATED');

@@ -68,7 +68,15 @@ let workerKc: KubeConfig;
 const serviceAccount = (name: string, clusterRoles: string[], namespaceRoles: string[]) => serviceAccountKubeConfig(kc, ns, name, clusterRoles, namespaceRoles);
 
 const start = () =>
-  startController({ kc: controllerKc, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, tokens, sessions: { kv: sessions, cap: 5 }, namespace: ns, cleanupTimeoutMs: 60_000, log: (l) => controllerLog.push(l) });
+  startController({
+    kc: controllerKc,
+    temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue },
+    tokens,
+    sessions: { kv: sessions, cap: 5 },
+    namespace: ns,
+    cleanupTimeoutMs: 60_000,
+    log: (l) => controllerLog.push(l),
+  });
 
 /** The real kubectl with a kubeconfig for the test apiserver. */
 async function kubectl(...args: string[]): Promise<string> {
@@ -76,8 +84,10 @@ async function kubectl(...args: string[]): Promise<string> {
   return stdout;
 }
 
-const getModel = async (name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name })) as ModelResource;
-const getDllama = async (name: string) => (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'dllamas', name })) as DllamaResource;
+const getModel = async (name: string) =>
+  (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'models', name })) as ModelResource;
+const getDllama = async (name: string) =>
+  (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'dllamas', name })) as DllamaResource;
 const condition = (m: ModelResource, type: string) => m.status?.conditions?.find((c) => c.type === type);
 
 function modelYaml(name: string, repo: string, extra: { artifacts?: string[]; deletionPolicy?: string; rerun?: string } = {}): string {
@@ -105,7 +115,9 @@ async function apply(yaml: string): Promise<string> {
 /** Signals of one type in a workflow's history (every run). */
 async function signalsIn(workflowId: string, name: string): Promise<number> {
   const history = await client.workflow.getHandle(workflowId).fetchHistory();
-  return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED && e.workflowExecutionSignaledEventAttributes?.signalName === name).length;
+  return (history.events ?? []).filter(
+    (e) => e.eventType === EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED && e.workflowExecutionSignaledEventAttributes?.signalName === name,
+  ).length;
 }
 
 /** How many executions (runs) a workflow id has had. */
@@ -125,7 +137,9 @@ beforeAll(async () => {
   controllerKc = await serviceAccount('magus-controller', ['magus-controller'], ['magus-controller-leader-election']);
   workerKc = await serviceAccount('magus-worker', ['magus-worker'], []);
 
-  ({ dir, s3, cfg, client, nc } = await stack.open(magusStack(iso, { dirPrefix: 'magus-controller-', overrides: { convertThreads: 1 }, deps: { kube: workerKc } })));
+  ({ dir, s3, cfg, client, nc } = await stack.open(
+    magusStack(iso, { dirPrefix: 'magus-controller-', overrides: { convertThreads: 1 }, deps: { kube: workerKc } }),
+  ));
   kubeconfigFile = join(dir, 'kubeconfig');
   writeKubeconfig(kubeconfigFile, endpoint('kubernetes'));
   await writeTinyModel(join(dir, 'tiny'), { seed: 41 });
@@ -213,7 +227,11 @@ test('a repo that does not exist: Ready=False with a typed reason, and no hot lo
   }, 60_000);
   // Count every write to the object for 60 s: a failed model sits still.
   let writes = 0;
-  const w = watchResource<ModelResource>(kc, { path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`, fieldSelector: 'metadata.name=missing', onEvent: (t) => t === 'MODIFIED' && writes++ });
+  const w = watchResource<ModelResource>(kc, {
+    path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`,
+    fieldSelector: 'metadata.name=missing',
+    onEvent: (t) => t === 'MODIFIED' && writes++,
+  });
   await w.synced;
   await sleep(60_000);
   await w.stop();
@@ -283,7 +301,14 @@ test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; i
   const poolId = `pool/${ns}/tiny`;
   await eventually(async () => {
     const d = await getDllama('tiny-pool');
-    expect(d.status).toMatchObject({ observedGeneration: 1, replicas: 0, readyReplicas: 0, nodesPerInstance: 1, selector: 'magus.dev/pool=tiny-pool', workflowId: poolId });
+    expect(d.status).toMatchObject({
+      observedGeneration: 1,
+      replicas: 0,
+      readyReplicas: 0,
+      nodesPerInstance: 1,
+      selector: 'magus.dev/pool=tiny-pool',
+      workflowId: poolId,
+    });
   }, 60_000);
   const first = (await client.workflow.getHandle(poolId).fetchHistory()).events![0]!;
   expect(first.workflowExecutionStartedEventAttributes?.workflowType?.name).toBe('dllamaPool');
@@ -294,7 +319,13 @@ test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; i
     expect(d.status).toMatchObject({ observedGeneration: 2, replicas: 1, readyReplicas: 1, phase: 'Serving' });
     expect(d.status?.conditions?.find((c) => c.type === 'Ready')).toMatchObject({ status: 'True', observedGeneration: 2 });
   }, 120_000);
-  const scale = (await custom.getNamespacedCustomObjectScale({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'dllamas', name: 'tiny-pool' })) as { spec: { replicas: number }; status: { replicas: number; selector: string } };
+  const scale = (await custom.getNamespacedCustomObjectScale({
+    group: CRD_GROUP,
+    version: CRD_VERSION,
+    namespace: ns,
+    plural: 'dllamas',
+    name: 'tiny-pool',
+  })) as { spec: { replicas: number }; status: { replicas: number; selector: string } };
   expect(scale).toMatchObject({ spec: { replicas: 1 }, status: { replicas: 1, selector: 'magus.dev/pool=tiny-pool' } });
   // Beyond max: refused by the CRD's rule, nothing reaches the pool.
   await expect(kubectl('scale', 'dllama/tiny-pool', '--replicas=3')).rejects.toThrow(/maxReplicas/);
@@ -357,15 +388,26 @@ test('a labelled token Secret is accepted by the gateway within seconds; deleted
     expect(acceptedAfterMs).toBeLessThan(10_000);
 
     // Unlabelled: revoked.
-    await core.patchNamespacedSecret({ namespace: ns, name: 'team-a', body: [{ op: 'remove', path: `/metadata/labels/${TOKEN_SECRET_LABEL.replace('/', '~1')}` }] });
+    await core.patchNamespacedSecret({
+      namespace: ns,
+      name: 'team-a',
+      body: [{ op: 'remove', path: `/metadata/labels/${TOKEN_SECRET_LABEL.replace('/', '~1')}` }],
+    });
     await until('the token is revoked after unlabelling', async () => (await ask()) === 401, 10_000);
     // Labelled again, then deleted: revoked.
-    await core.patchNamespacedSecret({ namespace: ns, name: 'team-a', body: [{ op: 'add', path: '/metadata/labels', value: { [TOKEN_SECRET_LABEL]: 'true' } }] });
+    await core.patchNamespacedSecret({
+      namespace: ns,
+      name: 'team-a',
+      body: [{ op: 'add', path: '/metadata/labels', value: { [TOKEN_SECRET_LABEL]: 'true' } }],
+    });
     await until('the token is accepted again', async () => (await ask()) === 200, 10_000);
     await core.deleteNamespacedSecret({ namespace: ns, name: 'team-a' });
     await until('the token is revoked after deletion', async () => (await ask()) === 401, 10_000);
     // A Secret that is not a token is reported, not mirrored.
-    await core.createNamespacedSecret({ namespace: ns, body: { metadata: { name: 'bad', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: 'not-a-token' } } });
+    await core.createNamespacedSecret({
+      namespace: ns,
+      body: { metadata: { name: 'bad', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: 'not-a-token' } },
+    });
     await until('the bad Secret is reported', () => controllerLog.some((l) => l.includes(`${ns}/bad`) && l.includes('mgs_<id>_<secret>')), 10_000);
   } finally {
     await gw.close();
@@ -375,15 +417,29 @@ test('a labelled token Secret is accepted by the gateway within seconds; deleted
 test('live conversations are mirrored as Sessions, at most the cap, and go when they end', async () => {
   const put = (key: string, instance: string, inMs: number) =>
     sessions.put(key, JSON.stringify({ subject: `magus.req.tiny.${instance}`, pool: 'tiny', namespace: ns, instance, expiresAt: Date.now() + inMs }));
-  const keys = Array.from({ length: 7 }, (_, i) => `${i}`.repeat(64).slice(0, 64).replace(/^./, String.fromCharCode(97 + i)));
+  const keys = Array.from({ length: 7 }, (_, i) =>
+    `${i}`
+      .repeat(64)
+      .slice(0, 64)
+      .replace(/^./, String.fromCharCode(97 + i)),
+  );
   // Seven live conversations, the cap is five: the five renewed last are shown.
   for (const [i, key] of keys.entries()) await put(key, 'tiny-1', 600_000 + i * 1000);
   await put('f'.repeat(64), 'tiny-1', -1000); // already expired: never shown
   const listed = async () =>
-    ((await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'sessions' })) as { items: { metadata: { name: string }; spec: { pool: string }; status?: { instance?: string } }[] }).items;
+    (
+      (await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'sessions' })) as {
+        items: { metadata: { name: string }; spec: { pool: string }; status?: { instance?: string } }[];
+      }
+    ).items;
   await eventually(async () => {
     const items = await listed();
-    expect(items.map((o) => o.metadata.name).sort()).toEqual(keys.slice(2).map((k) => `tiny-${k.slice(0, 10)}`).sort());
+    expect(items.map((o) => o.metadata.name).sort()).toEqual(
+      keys
+        .slice(2)
+        .map((k) => `tiny-${k.slice(0, 10)}`)
+        .sort(),
+    );
     expect(items.every((o) => o.spec.pool === 'tiny' && o.status?.instance === 'tiny-1')).toBe(true);
   }, 20_000);
   expect(await kubectl('get', 'sessions', '--no-headers')).toMatch(/^tiny-\S+\s+tiny\s+tiny\s+tiny-1\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\s+/m);
@@ -392,7 +448,12 @@ test('live conversations are mirrored as Sessions, at most the cap, and go when 
   await put(keys[5]!, 'tiny-2', 700_000);
   await eventually(async () => {
     const items = await listed();
-    expect(items.map((o) => o.metadata.name).sort()).toEqual(keys.slice(1, 6).map((k) => `tiny-${k.slice(0, 10)}`).sort());
+    expect(items.map((o) => o.metadata.name).sort()).toEqual(
+      keys
+        .slice(1, 6)
+        .map((k) => `tiny-${k.slice(0, 10)}`)
+        .sort(),
+    );
     expect(items.find((o) => o.metadata.name === `tiny-${keys[5]!.slice(0, 10)}`)?.status?.instance).toBe('tiny-2');
   }, 20_000);
   for (const key of keys) await sessions.delete(key);
@@ -413,7 +474,12 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
     },
   });
   await w.synced;
-  const docs = Array.from({ length: n }, (_, i) => modelYaml(`bulk-${i}`, REPO).replace(`metadata: {name: bulk-${i}, namespace: ${ns}}`, `metadata: {name: bulk-${i}, namespace: ${ns}, labels: {bulk: "yes"}}`));
+  const docs = Array.from({ length: n }, (_, i) =>
+    modelYaml(`bulk-${i}`, REPO).replace(
+      `metadata: {name: bulk-${i}, namespace: ${ns}}`,
+      `metadata: {name: bulk-${i}, namespace: ${ns}, labels: {bulk: "yes"}}`,
+    ),
+  );
   const t0 = Date.now();
   await apply(docs.join('\n---\n'));
   try {
@@ -425,7 +491,9 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
   const perModel = [...writes.values()];
   const events = (await core.listNamespacedEvent({ namespace: ns })).items.filter((e) => e.involvedObject.name?.startsWith('bulk-'));
   const maxWrites = Math.max(...perModel);
-  process.stderr.write(`${n} Models Ready in ${elapsed.toFixed(1)} s; writes per Model: mean ${(perModel.reduce((a, b) => a + b, 0) / n).toFixed(1)}, max ${maxWrites}; Events per Model ${(events.length / n).toFixed(1)}\n`);
+  process.stderr.write(
+    `${n} Models Ready in ${elapsed.toFixed(1)} s; writes per Model: mean ${(perModel.reduce((a, b) => a + b, 0) / n).toFixed(1)}, max ${maxWrites}; Events per Model ${(events.length / n).toFixed(1)}\n`,
+  );
   // One finalizer patch, then about one status write per phase change plus progress while it moves.
   expect(maxWrites).toBeLessThanOrEqual(20);
   expect(events.length / n).toBeLessThanOrEqual(7);
@@ -458,13 +526,26 @@ test('SmolLM2 through the kubectl door: a Model of its GGUF repository and a Dll
   await eventually(async () => expect((await getDllama('smollm2')).status).toMatchObject({ readyReplicas: 1, phase: 'Serving' }), 180_000);
 
   const token = `mgs_smol_${randomBytes(24).toString('hex')}`;
-  const gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: randomBytes(32).toString('hex'), tokens: { smol: token }, env: { MAGUS_LOG_LEVEL: 'warn' } }), {
-    nc,
-    ...temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: 60_000 }),
-  });
+  const gw = await startGateway(
+    gatewayConfigFor(iso.natsPrefix, { secret: randomBytes(32).toString('hex'), tokens: { smol: token }, env: { MAGUS_LOG_LEVEL: 'warn' } }),
+    {
+      nc,
+      ...temporalSessions({
+        client,
+        taskQueue: cfg.taskQueue,
+        pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, drainGraceMs: 1000, healthCheckMs: 1000 },
+        sessionTtlMs: 60_000,
+      }),
+    },
+  );
   try {
     const openai = new OpenAI({ baseURL: `${gw.url}/v1`, apiKey: token, maxRetries: 0 });
-    const answer = await openai.chat.completions.create({ model: `${ns}/smollm2`, messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32 });
+    const answer = await openai.chat.completions.create({
+      model: `${ns}/smollm2`,
+      messages: [{ role: 'user', content: 'What is the capital of France?' }],
+      temperature: 0,
+      max_tokens: 32,
+    });
     expect(answer.choices[0]?.message.content).toMatch(/\bParis\b/);
   } finally {
     await gw.close();

@@ -55,17 +55,21 @@ describe.each(cases)('$name', ({ name, model, prompt }) => {
     want = logits(ref, prompt);
   });
 
-  test.each(['f32', 'f16', 'q80', 'q40'] as const)('GGUF %s runs in llama.cpp and matches the reference', async (weights) => {
-    const gguf = join(root, `${name.replace(/[^a-z0-9]+/gi, '-')}-${weights}.gguf`);
-    await convertModel({ source: dir, format: 'gguf', weights, output: gguf, threads: 2 });
-    const got = await runLlamaCpp({ model: gguf, promptTokens: prompt, nTokens: 24, logits: true });
-    expect(got.tokens).toHaveLength(24);
-    const range = Math.max(...want) - Math.min(...want);
-    const diff = maxAbsDiff(got.logits ?? [], want);
-    expect(diff / range).toBeLessThan(TOLERANCE[weights]);
-    if (weights === 'f32') {
-      const reference = generate(ref, prompt, 24);
-      expect(got.tokens).toEqual(reference.tokens);
-    }
-  }, 60_000);
+  test.each(['f32', 'f16', 'q80', 'q40'] as const)(
+    'GGUF %s runs in llama.cpp and matches the reference',
+    async (weights) => {
+      const gguf = join(root, `${name.replace(/[^a-z0-9]+/gi, '-')}-${weights}.gguf`);
+      await convertModel({ source: dir, format: 'gguf', weights, output: gguf, threads: 2 });
+      const got = await runLlamaCpp({ model: gguf, promptTokens: prompt, nTokens: 24, logits: true });
+      expect(got.tokens).toHaveLength(24);
+      const range = Math.max(...want) - Math.min(...want);
+      const diff = maxAbsDiff(got.logits ?? [], want);
+      expect(diff / range).toBeLessThan(TOLERANCE[weights]);
+      if (weights === 'f32') {
+        const reference = generate(ref, prompt, 24);
+        expect(got.tokens).toEqual(reference.tokens);
+      }
+    },
+    60_000,
+  );
 });

@@ -48,18 +48,27 @@ const spec = () => parseModelSpec(JSON.parse(readFileSync(join(model.dir, 'confi
 const has = (name: string) => model.tensors.some((t) => t.name === name);
 
 describe('GGUF in llama.cpp', () => {
-  test.each(['f32', 'f16'] as const)('%s: greedy decoding from BOS generates the text llama2.c does', async (weights) => {
-    const got = await runLlamaCpp({ model: gguf[weights], promptTokens: [STORIES260K.bos], nTokens: N_TOKENS });
-    // F16 rounds every weight, but moves the top-1/top-2 logit margins by ~0.003 while the smallest
-    // margin within the text is 0.13 (0.07 at token 62, past it): it generates the whole text too.
-    expect(got.text.slice(0, STORIES260K_TEXT.length)).toBe(STORIES260K_TEXT);
-  }, 60_000);
+  test.each(['f32', 'f16'] as const)(
+    '%s: greedy decoding from BOS generates the text llama2.c does',
+    async (weights) => {
+      const got = await runLlamaCpp({ model: gguf[weights], promptTokens: [STORIES260K.bos], nTokens: N_TOKENS });
+      // F16 rounds every weight, but moves the top-1/top-2 logit margins by ~0.003 while the smallest
+      // margin within the text is 0.13 (0.07 at token 62, past it): it generates the whole text too.
+      expect(got.text.slice(0, STORIES260K_TEXT.length)).toBe(STORIES260K_TEXT);
+    },
+    60_000,
+  );
 
   test('f32: every tensor holds exactly llama2.c’s values, and the tokenizer is SentencePiece with BOS 1 / EOS 2', async () => {
     const bytes = readFileSync(gguf.f32);
     const file = await readGguf(new Uint8Array(bytes));
     const kv = (k: string) => file.metadata.get(k)?.value;
-    expect([kv('tokenizer.ggml.model'), kv('tokenizer.ggml.bos_token_id'), kv('tokenizer.ggml.eos_token_id'), (kv('tokenizer.ggml.tokens') as unknown[]).length]).toEqual(['llama', 1, 2, 512]);
+    expect([
+      kv('tokenizer.ggml.model'),
+      kv('tokenizer.ggml.bos_token_id'),
+      kv('tokenizer.ggml.eos_token_id'),
+      (kv('tokenizer.ggml.tokens') as unknown[]).length,
+    ]).toEqual(['llama', 1, 2, 512]);
     const plan = planTensors(spec(), 'gguf', 'f32', has);
     expect(file.tensors.map((t) => t.name)).toEqual(plan.map((t) => t.name));
     for (const [i, t] of file.tensors.entries()) {
@@ -95,7 +104,18 @@ test('distributed-llama f32: the .m is its header and llama2.c’s weights, the 
   const out = join(root, 'dllama-f32');
   await convertModel({ source: model.dir, format: 'dllama', weights: 'f32', output: out, threads: 2 });
   const plan = planDllama(spec(), 'f32', has);
-  expect(Object.fromEntries(plan.header)).toMatchObject({ dim: 64, hidden_dim: 172, n_layers: 5, n_heads: 8, n_kv_heads: 4, vocab_size: 512, max_seq_len: 512, weights_float_type: 0, rope_theta: 10000, norm_epsilon: 5 });
+  expect(Object.fromEntries(plan.header)).toMatchObject({
+    dim: 64,
+    hidden_dim: 172,
+    n_layers: 5,
+    n_heads: 8,
+    n_kv_heads: 4,
+    vocab_size: 512,
+    max_seq_len: 512,
+    weights_float_type: 0,
+    rope_theta: 10000,
+    norm_epsilon: 5,
+  });
   // The classifier is the (tied) embedding again, last.
   expect(plan.tensors.at(-1)?.source).toBe('model.embed_tokens.weight');
   const expected = Buffer.concat([plan.headerBytes, ...plan.tensors.map((t) => llama2cBytes(t.source!))]);
@@ -105,7 +125,9 @@ test('distributed-llama f32: the .m is its header and llama2.c’s weights, the 
   expect([tokenizer.header.get(DllamaTokenizerKey.bos_id), tokenizer.eos, tokenizer.header.get(DllamaTokenizerKey.add_bos)]).toEqual([1, [2], 1]);
   const { tokens } = await runLlamaCpp({ model: gguf.f32, promptTokens: [STORIES260K.bos], nTokens: N_TOKENS });
   // SentencePiece's leading space of the first piece is dropped after BOS, as run.c and llama.cpp do.
-  const text = Buffer.concat(tokens.map((id) => tokenizer.tokens[id]!)).toString('utf8').replace(/^ /, '');
+  const text = Buffer.concat(tokens.map((id) => tokenizer.tokens[id]!))
+    .toString('utf8')
+    .replace(/^ /, '');
   expect(text.slice(0, STORIES260K_TEXT.length)).toBe(STORIES260K_TEXT);
 }, 60_000);
 
@@ -138,24 +160,27 @@ describe('quantized formats cannot hold its 172-value FFN rows', () => {
     ['gguf', 'q80', 'blk.0.ffn_down.weight (model.layers.0.mlp.down_proj.weight)'],
     ['dllama', 'q40', 'model.layers.0.mlp.down_proj.weight'],
     ['dllama', 'q80', 'model.layers.0.mlp.down_proj.weight'],
-  ] as const)('%s %s is refused naming the tensor, its row length and the block, before any tensor is read or output written', async (format, weights, tensor) => {
-    const { checkpoint, reads } = recordingReads(model.dir);
-    const progress: ConvertProgress[] = [];
-    const out = join(root, `refused-${format}-${weights}`);
-    const output = format === 'gguf' ? `${out}.gguf` : out;
-    const err = await convertModel({ source: checkpoint, format, weights, output, threads: 2, onProgress: (p) => progress.push(p) }).catch((e: unknown) => e);
-    expect(err).toMatchObject({
-      name: 'ConvertError',
-      code: 'BadBlockSize',
-      message: `tensor ${tensor}: rows of 172 values cannot be split into 32-value ${weights} blocks; convert this model to f16 or f32`,
-    });
-    // Only the safetensors header was read (its 8-byte length, then the JSON), no tensor data.
-    const headerEnd = 8 + Number(readFileSync(join(model.dir, 'model.safetensors')).readBigUInt64LE(0));
-    expect(reads.length).toBeGreaterThan(0);
-    expect(reads.filter((r) => r.offset + r.length > headerEnd)).toEqual([]);
-    expect(progress).toEqual([]);
-    expect(readdirSync(root).filter((f) => f.startsWith(`refused-${format}-${weights}`))).toEqual([]);
-  });
+  ] as const)(
+    '%s %s is refused naming the tensor, its row length and the block, before any tensor is read or output written',
+    async (format, weights, tensor) => {
+      const { checkpoint, reads } = recordingReads(model.dir);
+      const progress: ConvertProgress[] = [];
+      const out = join(root, `refused-${format}-${weights}`);
+      const output = format === 'gguf' ? `${out}.gguf` : out;
+      const err = await convertModel({ source: checkpoint, format, weights, output, threads: 2, onProgress: (p) => progress.push(p) }).catch((e: unknown) => e);
+      expect(err).toMatchObject({
+        name: 'ConvertError',
+        code: 'BadBlockSize',
+        message: `tensor ${tensor}: rows of 172 values cannot be split into 32-value ${weights} blocks; convert this model to f16 or f32`,
+      });
+      // Only the safetensors header was read (its 8-byte length, then the JSON), no tensor data.
+      const headerEnd = 8 + Number(readFileSync(join(model.dir, 'model.safetensors')).readBigUInt64LE(0));
+      expect(reads.length).toBeGreaterThan(0);
+      expect(reads.filter((r) => r.offset + r.length > headerEnd)).toEqual([]);
+      expect(progress).toEqual([]);
+      expect(readdirSync(root).filter((f) => f.startsWith(`refused-${format}-${weights}`))).toEqual([]);
+    },
+  );
 });
 
 describe('the fixture refuses inputs it cannot vouch for', () => {

@@ -31,11 +31,37 @@ const pick = <T>(r: Rand, xs: readonly T[]): T => xs[Math.floor(r() * xs.length)
 const nasty = (r: Rand): unknown => structuredClone(pick(r, NASTY));
 
 /** Values that break things: wrong types, edges of ranges, strings no schema author thought of. */
-const NASTY: unknown[] = [null, true, -1, 0, 1.5, 2 ** 31, 2 ** 53, -(2 ** 53), '', ' ', 'a'.repeat(300), '../../etc/passwd', 'org/repo\u0000x', 'ünïcødé/🦙', '${x}', '1h', '-5m', '0s', [], {}, [1, 'a'], { $ref: '#' }];
+const NASTY: unknown[] = [
+  null,
+  true,
+  -1,
+  0,
+  1.5,
+  2 ** 31,
+  2 ** 53,
+  -(2 ** 53),
+  '',
+  ' ',
+  'a'.repeat(300),
+  '../../etc/passwd',
+  'org/repo\u0000x',
+  'ünïcødé/🦙',
+  '${x}',
+  '1h',
+  '-5m',
+  '0s',
+  [],
+  {},
+  [1, 'a'],
+  { $ref: '#' },
+];
 
 function validModel(r: Rand): Record<string, unknown> {
   return {
-    source: { repo: pick(r, ['org/model', 'TinyLlama/TinyLlama-1.1B-Chat-v1.0', 'a/b']), ...(r() < 0.5 ? { revision: pick(r, ['main', 'v1.0', 'a'.repeat(40)]) } : {}) },
+    source: {
+      repo: pick(r, ['org/model', 'TinyLlama/TinyLlama-1.1B-Chat-v1.0', 'a/b']),
+      ...(r() < 0.5 ? { revision: pick(r, ['main', 'v1.0', 'a'.repeat(40)]) } : {}),
+    },
     artifacts: [{ format: pick(r, ['gguf', 'dllama']), weights: pick(r, ['q40', 'q80', 'f16', 'f32']) }],
     ...(r() < 0.5 ? { contextLength: pick(r, [128, 4096, 131072]) } : {}),
     ...(r() < 0.3 ? { deletionPolicy: pick(r, ['Retain', 'Delete']) } : {}),
@@ -45,7 +71,16 @@ function validModel(r: Rand): Record<string, unknown> {
 function validDllama(r: Rand): Record<string, unknown> {
   const engine = pick(r, ['dllama', 'llamacpp']);
   const max = 1 + Math.floor(r() * 4);
-  return { model: 'org-model', engine, nodesPower: engine === 'llamacpp' ? 0 : Math.floor(r() * 3), replicas: 0, minReplicas: 0, maxReplicas: max, leasesPerInstance: 1 + Math.floor(r() * 8), idleTimeout: pick(r, ['10m', '30s', '1h']) };
+  return {
+    model: 'org-model',
+    engine,
+    nodesPower: engine === 'llamacpp' ? 0 : Math.floor(r() * 3),
+    replicas: 0,
+    minReplicas: 0,
+    maxReplicas: max,
+    leasesPerInstance: 1 + Math.floor(r() * 8),
+    idleTimeout: pick(r, ['10m', '30s', '1h']),
+  };
 }
 
 /** A copy of `spec` with one to three random edits at random paths. */
@@ -79,9 +114,20 @@ interface Outcome {
   controller?: string;
 }
 
-async function admit(plural: string, kind: string, name: string, spec: unknown): Promise<{ ok: true; obj: unknown } | { ok: false; code: number; message: string }> {
+async function admit(
+  plural: string,
+  kind: string,
+  name: string,
+  spec: unknown,
+): Promise<{ ok: true; obj: unknown } | { ok: false; code: number; message: string }> {
   try {
-    const obj: unknown = await custom.createNamespacedCustomObject({ group, version, namespace: iso.namespace, plural, body: { apiVersion: `${group}/${version}`, kind, metadata: { name }, spec } });
+    const obj: unknown = await custom.createNamespacedCustomObject({
+      group,
+      version,
+      namespace: iso.namespace,
+      plural,
+      body: { apiVersion: `${group}/${version}`, kind, metadata: { name }, spec },
+    });
     return { ok: true, obj };
   } catch (err) {
     const e = err as { code?: number; body?: unknown };
@@ -114,7 +160,8 @@ test(`random Model and Dllama specs: refused naming a field, or accepted and tur
       outcomes.push({ plural, spec, verdict: 'refused', message: answer.message });
       // Refused as invalid (never a 500), with a message that names the field that broke.
       if (answer.code !== 422 && answer.code !== 400) problems.push(`${where}: refused with ${answer.code}: ${answer.message}`);
-      else if (!/spec|Invalid value|Required value|Unsupported value|must|should/.test(answer.message)) problems.push(`${where}: a refusal that names nothing: ${answer.message}`);
+      else if (!/spec|Invalid value|Required value|Unsupported value|must|should/.test(answer.message))
+        problems.push(`${where}: a refusal that names nothing: ${answer.message}`);
       continue;
     }
     // Accepted: the controller's reading of it ends in a spec or a reason, never a throw.
@@ -127,7 +174,13 @@ test(`random Model and Dllama specs: refused naming a field, or accepted and tur
         const d = answer.obj as DllamaResource;
         const p = poolResourceOf(d);
         // The pool never takes min > max or less than one lease (CEL and the schema promise it).
-        const sane = p.maxInstances >= 1 && p.minInstances >= 0 && p.minInstances <= p.maxInstances && p.leasesPerInstance >= 1 && Number.isFinite(p.idleTimeoutMs) && p.idleTimeoutMs >= 0;
+        const sane =
+          p.maxInstances >= 1 &&
+          p.minInstances >= 0 &&
+          p.minInstances <= p.maxInstances &&
+          p.leasesPerInstance >= 1 &&
+          Number.isFinite(p.idleTimeoutMs) &&
+          p.idleTimeoutMs >= 0;
         if (!sane) problems.push(`${where}: admitted, but the pool would get ${JSON.stringify(p)}`);
         outcomes.push({ plural, spec, verdict: 'accepted', controller: sane ? 'valid' : 'insane sizes' });
       }

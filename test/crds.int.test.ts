@@ -12,7 +12,17 @@ import { promisify } from 'node:util';
 import { ApiextensionsV1Api, CoreV1Api, CustomObjectsApi, loadAllYaml, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { ObjectSerializer } from '@kubernetes/client-node/dist/serializer.js';
 import { CRD_FIELD_MANAGER, CRD_FILES, crdsDir, installCrds, loadCrdManifests, loadRawCrdManifests } from '../kube/crds';
-import { Kind, Plural, type ApiKeyResourceSpec, type ApiKeyResourceStatus, type DllamaResourceSpec, type DllamaResourceStatus, type ModelResourceSpec, type ModelResourceStatus, type SessionResourceStatus } from '../shared/kube';
+import {
+  Kind,
+  Plural,
+  type ApiKeyResourceSpec,
+  type ApiKeyResourceStatus,
+  type DllamaResourceSpec,
+  type DllamaResourceStatus,
+  type ModelResourceSpec,
+  type ModelResourceStatus,
+  type SessionResourceStatus,
+} from '../shared/kube';
 import { endpoint, isolation } from './harness';
 import { kubeConfig } from './harness/kube';
 
@@ -87,7 +97,12 @@ describe('installCrds', () => {
     const ext = kc.makeApiClient(ApiextensionsV1Api);
     const byKind = new Map((await ext.listCustomResourceDefinition({})).items.filter((c) => c.spec.group === group).map((c) => [c.spec.names.kind, c]));
     expect([...byKind.keys()].sort()).toEqual(['ApiKey', 'Dllama', 'Model', 'Session']);
-    for (const [kind, short] of [['Model', ['mgmodel', 'mgm']], ['Dllama', ['mgdllama', 'mgd']], ['Session', ['mgsession', 'mgs']], ['ApiKey', ['mgkey', 'mgk']]] as const) {
+    for (const [kind, short] of [
+      ['Model', ['mgmodel', 'mgm']],
+      ['Dllama', ['mgdllama', 'mgd']],
+      ['Session', ['mgsession', 'mgs']],
+      ['ApiKey', ['mgkey', 'mgk']],
+    ] as const) {
       const crd = byKind.get(kind)!;
       expect(crd.spec.names).toMatchObject({ shortNames: short, categories: ['magus'] });
       expect(crd.spec.scope).toBe('Namespaced');
@@ -100,9 +115,24 @@ describe('installCrds', () => {
       labelSelectorPath: '.status.selector',
     });
     expect(byKind.get('Model')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Repo', 'Phase', 'Progress', 'Size', 'Ready', 'Age']);
-    expect(byKind.get('Dllama')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Model', 'Engine', 'Nodes', 'Replicas', 'Ready', 'Phase', 'Age']);
+    expect(byKind.get('Dllama')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual([
+      'Model',
+      'Engine',
+      'Nodes',
+      'Replicas',
+      'Ready',
+      'Phase',
+      'Age',
+    ]);
     expect(byKind.get('Session')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Pool', 'Model', 'Instance', 'Expires', 'Age']);
-    expect(byKind.get('ApiKey')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual(['Secret', 'Models', 'Suspended', 'Ready', 'Reason', 'Age']);
+    expect(byKind.get('ApiKey')!.spec.versions[0]!.additionalPrinterColumns?.map((c) => c.name)).toEqual([
+      'Secret',
+      'Models',
+      'Suspended',
+      'Ready',
+      'Reason',
+      'Age',
+    ]);
   });
 
   test('loadCrdManifests gives typed models that serialize back to the YAML unchanged', () => {
@@ -127,7 +157,12 @@ describe('installCrds', () => {
 describe('Model', () => {
   test('a full spec typed by ModelResourceSpec survives unpruned, and defaults apply', async () => {
     const spec: ModelResourceSpec = {
-      source: { repo: 'meta-llama/Llama-3.1-8B-Instruct', revision: 'refs/pr/12', hubUrl: 'http://127.0.0.1:8900/hub', tokenSecretRef: { name: 'hf-token', key: 'hf.token' } },
+      source: {
+        repo: 'meta-llama/Llama-3.1-8B-Instruct',
+        revision: 'refs/pr/12',
+        hubUrl: 'http://127.0.0.1:8900/hub',
+        tokenSecretRef: { name: 'hf-token', key: 'hf.token' },
+      },
       artifacts: [
         { format: 'gguf', weights: 'q40' },
         { format: 'gguf', weights: 'q80' },
@@ -149,12 +184,32 @@ describe('Model', () => {
   test.each([
     ['the smallest context length', modelSpec({ contextLength: 16 })],
     ['the largest context length', modelSpec({ contextLength: 10_000_000 })],
-    ['all eight artifact pairs', modelSpec({ artifacts: ['gguf', 'dllama'].flatMap((format) => ['q40', 'q80', 'f16', 'f32'].map((weights) => ({ format, weights }))) })],
+    [
+      'all eight artifact pairs',
+      modelSpec({ artifacts: ['gguf', 'dllama'].flatMap((format) => ['q40', 'q80', 'f16', 'f32'].map((weights) => ({ format, weights }))) }),
+    ],
     ['a dotted repo and a commit revision', modelSpec({}, { repo: 'Qwen/Qwen3-0.6B.v2', revision: '0123456789abcdef0123456789abcdef01234567' })],
     ['an https hub', modelSpec({}, { hubUrl: 'https://hub.example.com' })],
-    ['a GGUF repository by file glob', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { file: '*Q4_K_M.gguf' } })],
-    ['a GGUF repository by quantization', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } })],
-    ['a GGUF repository converted for distributed-llama', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }, { format: 'dllama', weights: 'q40' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } })],
+    [
+      'a GGUF repository by file glob',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { file: '*Q4_K_M.gguf' } }),
+    ],
+    [
+      'a GGUF repository by quantization',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } }),
+    ],
+    [
+      'a GGUF repository converted for distributed-llama',
+      modelSpec(
+        {
+          artifacts: [
+            { format: 'gguf', weights: 'source' },
+            { format: 'dllama', weights: 'q40' },
+          ],
+        },
+        { repo: 'org/Model-GGUF', gguf: { quantization: 'Q8_0' } },
+      ),
+    ],
   ])('accepts %s', async (_what, spec) => {
     await expect(create(Plural.model, model(uniqueName('good'), spec))).resolves.toMatchObject({ kind: 'Model' });
   });
@@ -176,31 +231,103 @@ describe('Model', () => {
     ['an ftp hub', 'x', modelSpec({}, { hubUrl: 'ftp://hub.example.com' }), 'source.hubUrl must be an http:// or https:// URL'],
     ['a hub URL that does not parse', 'x', modelSpec({}, { hubUrl: 'https://bad host/' }), 'source.hubUrl must be an http:// or https:// URL'],
     ['a token Secret without a name', 'x', modelSpec({}, { tokenSecretRef: { key: 'token' } }), 'spec.source.tokenSecretRef.name: Required value'],
-    ['a token Secret name that is not a DNS subdomain', 'x', modelSpec({}, { tokenSecretRef: { name: 'HF_Token' } }), 'spec.source.tokenSecretRef.name in body should match'],
+    [
+      'a token Secret name that is not a DNS subdomain',
+      'x',
+      modelSpec({}, { tokenSecretRef: { name: 'HF_Token' } }),
+      'spec.source.tokenSecretRef.name in body should match',
+    ],
     ['empty artifacts', 'x', modelSpec({ artifacts: [] }), 'spec.artifacts in body should have at least 1 items'],
-    ['nine artifacts', 'x', modelSpec({ artifacts: Array.from({ length: 9 }, (_, i) => ({ format: i % 2 ? 'gguf' : 'dllama', weights: ['q40', 'q80', 'f16', 'f32'][i % 4] })) }), 'must have at most 8 items'],
-    ['a duplicate artifact', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }, { format: 'dllama', weights: 'q40' }, { format: 'gguf', weights: 'q40' }] }), 'spec.artifacts[2]: Duplicate value'],
+    [
+      'nine artifacts',
+      'x',
+      modelSpec({ artifacts: Array.from({ length: 9 }, (_, i) => ({ format: i % 2 ? 'gguf' : 'dllama', weights: ['q40', 'q80', 'f16', 'f32'][i % 4] })) }),
+      'must have at most 8 items',
+    ],
+    [
+      'a duplicate artifact',
+      'x',
+      modelSpec({
+        artifacts: [
+          { format: 'gguf', weights: 'q40' },
+          { format: 'dllama', weights: 'q40' },
+          { format: 'gguf', weights: 'q40' },
+        ],
+      }),
+      'spec.artifacts[2]: Duplicate value',
+    ],
     ['an unknown format', 'x', modelSpec({ artifacts: [{ format: 'onnx', weights: 'q40' }] }), 'spec.artifacts[0].format: Unsupported value: "onnx"'],
-    ['an unknown weights type', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q4_k_m' }] }), 'spec.artifacts[0].weights: Unsupported value: "q4_k_m"'],
+    [
+      'an unknown weights type',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'q4_k_m' }] }),
+      'spec.artifacts[0].weights: Unsupported value: "q4_k_m"',
+    ],
     ['an artifact without weights', 'x', modelSpec({ artifacts: [{ format: 'gguf' }] }), 'spec.artifacts[0].weights: Required value'],
     ['a context length below 16', 'x', modelSpec({ contextLength: 15 }), 'spec.contextLength in body should be greater than or equal to 16'],
     ['a context length above 10M', 'x', modelSpec({ contextLength: 10_000_001 }), 'spec.contextLength in body should be less than or equal to 10000000'],
     ['a 64-character rerun', 'x', modelSpec({ rerun: 'r'.repeat(64) }), 'spec.rerun: Too long: may not be more than 63'],
     ['an unknown deletion policy', 'x', modelSpec({ deletionPolicy: 'Keep' }), 'spec.deletionPolicy: Unsupported value: "Keep"'],
-    ['a GGUF choice naming neither', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: {} }), 'source.gguf needs exactly one of file or quantization'],
-    ['a GGUF choice naming both', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '*Q8_0.gguf', quantization: 'Q8_0' } }), 'source.gguf needs exactly one of file or quantization'],
-    ['an empty GGUF glob', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '' } }), 'spec.source.gguf.file in body should be at least 1 chars long'],
-    ['a GGUF glob with ..', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '../*.gguf' } }), "source.gguf.file must not contain '..' or start with '/'"],
-    ['a quantization with a space', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { quantization: 'Q4 K' } }), 'spec.source.gguf.quantization in body should match'],
-    ['gguf:source without a GGUF source', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }), "gguf:source takes a GGUF source's file as it is: it needs source.gguf"],
-    ['a GGUF source re-quantized', 'x', modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }] }, { gguf: { quantization: 'Q8_0' } }), 'a GGUF source is served as it is published (gguf:source) or converted for distributed-llama'],
+    [
+      'a GGUF choice naming neither',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: {} }),
+      'source.gguf needs exactly one of file or quantization',
+    ],
+    [
+      'a GGUF choice naming both',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '*Q8_0.gguf', quantization: 'Q8_0' } }),
+      'source.gguf needs exactly one of file or quantization',
+    ],
+    [
+      'an empty GGUF glob',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '' } }),
+      'spec.source.gguf.file in body should be at least 1 chars long',
+    ],
+    [
+      'a GGUF glob with ..',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { file: '../*.gguf' } }),
+      "source.gguf.file must not contain '..' or start with '/'",
+    ],
+    [
+      'a quantization with a space',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { gguf: { quantization: 'Q4 K' } }),
+      'spec.source.gguf.quantization in body should match',
+    ],
+    [
+      'gguf:source without a GGUF source',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }),
+      "gguf:source takes a GGUF source's file as it is: it needs source.gguf",
+    ],
+    [
+      'a GGUF source re-quantized',
+      'x',
+      modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }] }, { gguf: { quantization: 'Q8_0' } }),
+      'a GGUF source is served as it is published (gguf:source) or converted for distributed-llama',
+    ],
   ])('refuses %s', async (_what, name, spec, message) => {
     await expectRefused(create(Plural.model, model(name === 'x' ? uniqueName('bad') : name, spec)), message);
   });
 
   test('a full status typed by ModelResourceStatus survives unpruned; conditions are a list-map by type', async () => {
     const name = uniqueName('status');
-    await create(Plural.model, model(name, modelSpec({ artifacts: [{ format: 'gguf', weights: 'q40' }, { format: 'dllama', weights: 'q40' }] })));
+    await create(
+      Plural.model,
+      model(
+        name,
+        modelSpec({
+          artifacts: [
+            { format: 'gguf', weights: 'q40' },
+            { format: 'dllama', weights: 'q40' },
+          ],
+        }),
+      ),
+    );
     const status: ModelResourceStatus = {
       observedGeneration: 1,
       phase: 'Converting',
@@ -224,7 +351,14 @@ describe('Model', () => {
       ],
       workflowId: 'model/default/tiny',
       conditions: [
-        { type: 'Downloaded', status: 'True', reason: 'Downloaded', message: 'all files downloaded', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' },
+        {
+          type: 'Downloaded',
+          status: 'True',
+          reason: 'Downloaded',
+          message: 'all files downloaded',
+          observedGeneration: 1,
+          lastTransitionTime: '2026-01-02T03:04:05Z',
+        },
         { type: 'Ready', status: 'False', reason: 'Converting', message: '', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:06Z' },
       ],
     };
@@ -232,10 +366,27 @@ describe('Model', () => {
     expect((await get(Plural.model, name)).status).toEqual(status);
 
     const cond = { status: 'True', reason: 'R', message: '', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' };
-    await expectRefused(patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', ...cond }, { type: 'Ready', ...cond }] }), 'status.conditions[1]: Duplicate value');
-    await expectRefused(patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', ...cond, status: 'Yes' }] }), 'status.conditions[0].status: Unsupported value: "Yes"');
-    await expectRefused(patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', status: 'True', lastTransitionTime: '2026-01-02T03:04:05Z' }] }), 'status.conditions[0].reason: Required value');
-    await expectRefused(patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', ...cond, lastTransitionTime: 'yesterday' }] }), 'conditions[0].lastTransitionTime in body must be of type date-time');
+    await expectRefused(
+      patchStatus(Plural.model, name, {
+        conditions: [
+          { type: 'Ready', ...cond },
+          { type: 'Ready', ...cond },
+        ],
+      }),
+      'status.conditions[1]: Duplicate value',
+    );
+    await expectRefused(
+      patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', ...cond, status: 'Yes' }] }),
+      'status.conditions[0].status: Unsupported value: "Yes"',
+    );
+    await expectRefused(
+      patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', status: 'True', lastTransitionTime: '2026-01-02T03:04:05Z' }] }),
+      'status.conditions[0].reason: Required value',
+    );
+    await expectRefused(
+      patchStatus(Plural.model, name, { conditions: [{ type: 'Ready', ...cond, lastTransitionTime: 'yesterday' }] }),
+      'conditions[0].lastTransitionTime in body must be of type date-time',
+    );
   });
 
   test('the status subresource keeps spec and status apart', async () => {
@@ -243,10 +394,10 @@ describe('Model', () => {
     await create(Plural.model, { ...model(name, modelSpec()), status: { phase: 'Injected' } });
     expect((await get(Plural.model, name)).status).toBeUndefined();
     await patchStatus(Plural.model, name, { phase: 'Ready', observedGeneration: 1 });
-    const changed = await custom.patchNamespacedCustomObject(
+    const changed = (await custom.patchNamespacedCustomObject(
       { group, version, namespace: ns, plural: Plural.model, name, body: { spec: { rerun: 'again' }, status: { phase: 'Hacked' } } },
       mergePatch,
-    ) as Obj;
+    )) as Obj;
     expect(changed).toMatchObject({ spec: { rerun: 'again' }, status: { phase: 'Ready' } });
   });
 });
@@ -276,7 +427,16 @@ describe('Dllama', () => {
 
     const minimal = uniqueName('minimal');
     await create(Plural.dllama, dllama(minimal, dllamaSpec()));
-    expect((await get(Plural.dllama, minimal)).spec).toEqual({ model: 'tiny-llama', engine: 'llamacpp', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 4, idleTimeout: '10m' });
+    expect((await get(Plural.dllama, minimal)).spec).toEqual({
+      model: 'tiny-llama',
+      engine: 'llamacpp',
+      nodesPower: 0,
+      replicas: 1,
+      minReplicas: 0,
+      maxReplicas: 1,
+      leasesPerInstance: 4,
+      idleTimeout: '10m',
+    });
   });
 
   test.each([
@@ -317,10 +477,30 @@ describe('Dllama', () => {
     ['an idle timeout in milliseconds', 'x', dllamaSpec({ idleTimeout: '45000ms' }), GRAMMAR_MSG],
     ['an empty idle timeout', 'x', dllamaSpec({ idleTimeout: '' }), GRAMMAR_MSG],
     ['an idle timeout below 30s', 'x', dllamaSpec({ idleTimeout: '29s' }), 'idleTimeout must be at least 30s'],
-    ['a request that is not a quantity', 'x', dllamaSpec({ resources: { requests: { cpu: 'lots' } } }), 'resources.requests values must be Kubernetes quantities, e.g. 500m, 4Gi'],
-    ['a limit that is not a quantity', 'x', dllamaSpec({ resources: { limits: { memory: '1GB' } } }), 'resources.limits values must be Kubernetes quantities, e.g. 500m, 4Gi'],
-    ['an unknown toleration operator', 'x', dllamaSpec({ tolerations: [{ key: 'k', operator: 'Maybe' }] }), 'spec.tolerations[0].operator: Unsupported value: "Maybe"'],
-    ['an unknown toleration effect', 'x', dllamaSpec({ tolerations: [{ key: 'k', operator: 'Exists', effect: 'NoLunch' }] }), 'spec.tolerations[0].effect: Unsupported value: "NoLunch"'],
+    [
+      'a request that is not a quantity',
+      'x',
+      dllamaSpec({ resources: { requests: { cpu: 'lots' } } }),
+      'resources.requests values must be Kubernetes quantities, e.g. 500m, 4Gi',
+    ],
+    [
+      'a limit that is not a quantity',
+      'x',
+      dllamaSpec({ resources: { limits: { memory: '1GB' } } }),
+      'resources.limits values must be Kubernetes quantities, e.g. 500m, 4Gi',
+    ],
+    [
+      'an unknown toleration operator',
+      'x',
+      dllamaSpec({ tolerations: [{ key: 'k', operator: 'Maybe' }] }),
+      'spec.tolerations[0].operator: Unsupported value: "Maybe"',
+    ],
+    [
+      'an unknown toleration effect',
+      'x',
+      dllamaSpec({ tolerations: [{ key: 'k', operator: 'Exists', effect: 'NoLunch' }] }),
+      'spec.tolerations[0].effect: Unsupported value: "NoLunch"',
+    ],
   ])('refuses %s', async (_what, name, spec, message) => {
     await expectRefused(create(Plural.dllama, dllama(name === 'x' ? uniqueName('bad') : name, spec)), message);
   });
@@ -331,7 +511,10 @@ describe('Dllama', () => {
     // A PUT of the whole object, as `kubectl replace` sends it.
     const current = await get(Plural.dllama, name);
     const replaced = { ...current, spec: { ...(current.spec as object), engine: 'dllama' } };
-    await expectRefused(custom.replaceNamespacedCustomObject({ group, version, namespace: ns, plural: Plural.dllama, name, body: replaced }), 'spec.engine is immutable: create a new Dllama to change engines');
+    await expectRefused(
+      custom.replaceNamespacedCustomObject({ group, version, namespace: ns, plural: Plural.dllama, name, body: replaced }),
+      'spec.engine is immutable: create a new Dllama to change engines',
+    );
     await expectRefused(patchSpec(Plural.dllama, name, { model: 'other-model' }), 'spec.model is immutable: create a new Dllama to serve another model');
     const updated = await patchSpec(Plural.dllama, name, { replicas: 3, leasesPerInstance: 8, idleTimeout: '1m' });
     expect(updated.spec).toMatchObject({ model: 'tiny-llama', engine: 'llamacpp', replicas: 3, leasesPerInstance: 8, idleTimeout: '1m' });
@@ -351,14 +534,23 @@ describe('Dllama', () => {
 
     const status: DllamaResourceStatus = { replicas: 1, readyReplicas: 1, selector: 'magus.dev/pool=' + name, nodesPerInstance: 1, phase: 'Serving' };
     await patchStatus(Plural.dllama, name, status);
-    expect((await custom.getNamespacedCustomObjectScale(scaleArgs)) as Scale).toMatchObject({ spec: { replicas: 1 }, status: { replicas: 1, selector: `magus.dev/pool=${name}` } });
+    expect((await custom.getNamespacedCustomObjectScale(scaleArgs)) as Scale).toMatchObject({
+      spec: { replicas: 1 },
+      status: { replicas: 1, selector: `magus.dev/pool=${name}` },
+    });
 
     // PATCH /scale, as `kubectl scale` sends it, and PUT /scale, as an HPA writes it.
     await custom.patchNamespacedCustomObjectScale({ ...scaleArgs, body: { spec: { replicas: 3 } } }, mergePatch);
     expect((await get(Plural.dllama, name)).spec).toMatchObject({ replicas: 3 });
-    await expectRefused(custom.patchNamespacedCustomObjectScale({ ...scaleArgs, body: { spec: { replicas: 4 } } }, mergePatch), 'replicas must not exceed maxReplicas');
+    await expectRefused(
+      custom.patchNamespacedCustomObjectScale({ ...scaleArgs, body: { spec: { replicas: 4 } } }, mergePatch),
+      'replicas must not exceed maxReplicas',
+    );
     const scale = (await custom.getNamespacedCustomObjectScale(scaleArgs)) as Scale & Record<string, unknown>;
-    await expectRefused(custom.replaceNamespacedCustomObjectScale({ ...scaleArgs, body: { ...scale, spec: { replicas: 0 } } }), 'replicas must not be below minReplicas');
+    await expectRefused(
+      custom.replaceNamespacedCustomObjectScale({ ...scaleArgs, body: { ...scale, spec: { replicas: 0 } } }),
+      'replicas must not be below minReplicas',
+    );
     const replaced = (await custom.replaceNamespacedCustomObjectScale({ ...scaleArgs, body: { ...scale, spec: { replicas: 2 } } })) as Scale;
     expect(replaced.spec.replicas).toBe(2);
     expect((await get(Plural.dllama, name)).spec).toMatchObject({ replicas: 2 });
@@ -380,11 +572,21 @@ describe('Dllama', () => {
       ],
       lastError: 'worker i-2-1 not ready yet',
       workflowId: `pool/${ns}/${name}`,
-      conditions: [{ type: 'Ready', status: 'Unknown', reason: 'Scaling', message: '1/2 ready', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' }],
+      conditions: [
+        { type: 'Ready', status: 'Unknown', reason: 'Scaling', message: '1/2 ready', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' },
+      ],
     };
     await patchStatus(Plural.dllama, name, status);
     expect((await get(Plural.dllama, name)).status).toEqual(status);
-    await expectRefused(patchStatus(Plural.dllama, name, { instances: [{ id: 'i-1', phase: 'Serving', leases: 1 }, { id: 'i-1', phase: 'Serving', leases: 2 }] }), 'status.instances[1]: Duplicate value');
+    await expectRefused(
+      patchStatus(Plural.dllama, name, {
+        instances: [
+          { id: 'i-1', phase: 'Serving', leases: 1 },
+          { id: 'i-1', phase: 'Serving', leases: 2 },
+        ],
+      }),
+      'status.instances[1]: Duplicate value',
+    );
   });
 });
 
@@ -398,8 +600,14 @@ describe('Session', () => {
 
     await expectRefused(patchSpec(Plural.session, name, { pool: 'other' }), 'spec.pool is immutable');
     await expectRefused(patchSpec(Plural.session, name, { model: 'other' }), 'spec.model is immutable');
-    await expectRefused(patchStatus(Plural.session, name, { turns: -1 }), 'status.turns: Invalid value: -1: turns in body should be greater than or equal to 0');
-    await expectRefused(patchStatus(Plural.session, name, { expiresAt: 'soon' }), 'status.expiresAt: Invalid value: "soon": expiresAt in body must be of type date-time');
+    await expectRefused(
+      patchStatus(Plural.session, name, { turns: -1 }),
+      'status.turns: Invalid value: -1: turns in body should be greater than or equal to 0',
+    );
+    await expectRefused(
+      patchStatus(Plural.session, name, { expiresAt: 'soon' }),
+      'status.expiresAt: Invalid value: "soon": expiresAt in body must be of type date-time',
+    );
   });
 
   test.each<[string, Record<string, unknown>, string]>([
@@ -416,14 +624,20 @@ describe('ApiKey', () => {
   const apiKey = (name: string, spec: Record<string, unknown>): Obj => ({ apiVersion, kind: Kind.apiKey, metadata: { name }, spec });
   test('a full spec and status typed by ApiKeyResource survive unpruned, and defaults apply', async () => {
     const name = uniqueName('k');
-    const spec: ApiKeyResourceSpec = { secretRef: { name: 'team.token', key: 'api-token' }, models: ['tiny', '*', 'platform/llama', 'platform/*'], suspended: true };
+    const spec: ApiKeyResourceSpec = {
+      secretRef: { name: 'team.token', key: 'api-token' },
+      models: ['tiny', '*', 'platform/llama', 'platform/*'],
+      suspended: true,
+    };
     await create(Plural.apiKey, apiKey(name, spec as unknown as Record<string, unknown>));
     const status: ApiKeyResourceStatus = {
       observedGeneration: 1,
       tokenId: 'a1b2c3d4e5f60718',
       models: ['ns/tiny', 'platform/*'],
       modelsSummary: 'ns/tiny,platform/*',
-      conditions: [{ type: 'Ready', status: 'False', reason: 'IdConflict', message: 'taken', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' }],
+      conditions: [
+        { type: 'Ready', status: 'False', reason: 'IdConflict', message: 'taken', observedGeneration: 1, lastTransitionTime: '2026-01-02T03:04:05Z' },
+      ],
     };
     await patchStatus(Plural.apiKey, name, status);
     expect(await get(Plural.apiKey, name)).toMatchObject({ spec, status });
@@ -439,13 +653,18 @@ describe('ApiKey', () => {
     ['a model given twice', 'k', { secretRef: { name: 's' }, models: ['tiny', 'tiny'] }, 'Duplicate value'],
     ['a name that is not a DNS label', 'k.dotted', { secretRef: { name: 's' } }, "an ApiKey's name must be a DNS label"],
   ])('refuses %s', async (_what, prefix, spec, message) => {
-    await expectRefused(create(Plural.apiKey, apiKey(prefix === 'k' ? uniqueName('bad') : `${prefix}-${Math.random().toString(36).slice(2, 8)}`, spec)), message);
+    await expectRefused(
+      create(Plural.apiKey, apiKey(prefix === 'k' ? uniqueName('bad') : `${prefix}-${Math.random().toString(36).slice(2, 8)}`, spec)),
+      message,
+    );
   });
 });
 
 describe('crds/examples', () => {
   const dir = join(crdsDir(), 'examples');
-  const files = readdirSync(dir).filter((f) => f.endsWith('.yaml')).sort();
+  const files = readdirSync(dir)
+    .filter((f) => f.endsWith('.yaml'))
+    .sort();
 
   test('there are examples of both editable kinds', () => {
     const kinds = files.flatMap((f) => (loadAllYaml(readFileSync(join(dir, f), 'utf8')) as Obj[]).map((o) => o.kind));
@@ -521,8 +740,21 @@ describe('kubectl', () => {
     expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+REPO\s+PHASE\s+PROGRESS\s+SIZE\s+READY\s+AGE$/));
     expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+MODEL\s+ENGINE\s+NODES\s+REPLICAS\s+READY\s+PHASE\s+AGE$/));
     expect(lines).toContainEqual(expect.stringMatching(/^NAME\s+POOL\s+MODEL\s+INSTANCE\s+EXPIRES\s+AGE$/));
-    expect(row('model.magus.dev/kubectl-model')?.slice(0, 6)).toEqual(['model.magus.dev/kubectl-model', 'magus-test/tiny-llama', 'Ready', '100% 1.5 MB', '1.5 MB', 'True']);
+    expect(row('model.magus.dev/kubectl-model')?.slice(0, 6)).toEqual([
+      'model.magus.dev/kubectl-model',
+      'magus-test/tiny-llama',
+      'Ready',
+      '100% 1.5 MB',
+      '1.5 MB',
+      'True',
+    ]);
     expect(row(`dllama.magus.dev/${name} `)?.slice(0, 7)).toEqual([`dllama.magus.dev/${name}`, 'kubectl-model', 'llamacpp', '1', '2', '1', 'Serving']);
-    expect(row('session.magus.dev/kubectl-session')?.slice(0, 5)).toEqual(['session.magus.dev/kubectl-session', name, 'kubectl-model', `${name}-i-1`, '2099-01-01T00:00:00Z']);
+    expect(row('session.magus.dev/kubectl-session')?.slice(0, 5)).toEqual([
+      'session.magus.dev/kubectl-session',
+      name,
+      'kubectl-model',
+      `${name}-i-1`,
+      '2099-01-01T00:00:00Z',
+    ]);
   });
 });

@@ -44,7 +44,12 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     // The demo is a real model (SmolLM2-135M-Instruct through the pipeline as a GGUF repository):
     // asked with the official client, greedy, it answers right.
     const openai = new OpenAI({ baseURL: `${base!}/v1`, apiKey: readFileSync(tokenFile, 'utf8').trim(), maxRetries: 0 }); // a 429 or 5xx fails here, not hidden by a retry
-    const answer = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32 });
+    const answer = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'What is the capital of France?' }],
+      temperature: 0,
+      max_tokens: 32,
+    });
     expect(answer.choices[0]?.message.content).toMatch(/\bParis\b/);
     expect(answer.choices[0]?.finish_reason).toBe('stop');
 
@@ -62,7 +67,13 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(parsed.choices[0]?.message.parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });
     // JSON mode: an object the model closes itself (asked for a small one: asked to "describe
     // Paris", it adds keys until max_tokens, and a cut object proves nothing).
-    const json = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'Give the name and country of Paris in JSON.' }], response_format: { type: 'json_object' }, temperature: 0, max_tokens: 128 });
+    const json = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'Give the name and country of Paris in JSON.' }],
+      response_format: { type: 'json_object' },
+      temperature: 0,
+      max_tokens: 128,
+    });
     expect(json.choices[0]?.finish_reason).toBe('stop');
     expect(JSON.parse(json.choices[0]!.message.content!)).toMatchObject({ name: 'Paris' });
 
@@ -70,14 +81,33 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     // (the model), streamed as the client assembles them; the result sent back is answered.
     const weather = {
       type: 'function' as const,
-      function: { name: 'get_weather', description: 'Get the current weather in a city', parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] } },
+      function: {
+        name: 'get_weather',
+        description: 'Get the current weather in a city',
+        parameters: { type: 'object', properties: { city: { type: 'string' } }, required: ['city'] },
+      },
     };
     const ask = { role: 'user' as const, content: 'What is the weather in Paris?' };
-    const called = await openai.chat.completions.create({ model: 'demo', messages: [ask], tools: [weather], tool_choice: { type: 'function', function: { name: 'get_weather' } }, temperature: 0, max_tokens: 64 });
+    const called = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [ask],
+      tools: [weather],
+      tool_choice: { type: 'function', function: { name: 'get_weather' } },
+      temperature: 0,
+      max_tokens: 64,
+    });
     expect(called.choices[0]?.finish_reason).toBe('tool_calls');
     const call = called.choices[0]!.message.tool_calls![0]!;
     expect(call.type === 'function' && JSON.parse(call.function.arguments)).toEqual({ city: 'Paris' });
-    const stream = await openai.chat.completions.create({ model: 'demo', messages: [ask], tools: [weather], tool_choice: 'required', temperature: 0, max_tokens: 64, stream: true });
+    const stream = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [ask],
+      tools: [weather],
+      tool_choice: 'required',
+      temperature: 0,
+      max_tokens: 64,
+      stream: true,
+    });
     let streamedArgs = '';
     for await (const chunk of stream) for (const d of chunk.choices[0]?.delta.tool_calls ?? []) streamedArgs += d.function?.arguments ?? '';
     expect(JSON.parse(streamedArgs)).toEqual({ city: 'Paris' });
@@ -91,7 +121,10 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(answered.choices[0]?.message.content).toMatch(/21/);
 
     // Embeddings of the real model (SmolLM2-135M: 576 dimensions), as the SDK asks for them (base64 by default).
-    const embedded = await openai.embeddings.create({ model: 'demo', input: ['The capital of France is Paris.', 'Bananas are yellow.', 'The capital of France is Paris.'] });
+    const embedded = await openai.embeddings.create({
+      model: 'demo',
+      input: ['The capital of France is Paris.', 'Bananas are yellow.', 'The capital of France is Paris.'],
+    });
     expect(embedded.data.map((d) => d.index)).toEqual([0, 1, 2]);
     const [paris, bananas, again] = embedded.data.map((d) => d.embedding);
     expect(paris).toHaveLength(576);
@@ -105,7 +138,14 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
 
     // Log-probabilities (magus's own token loop): greedy, the same answer as without them, each
     // token the most likely of its alternatives; the tokens' texts are the answer.
-    const lp = await openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'What is the capital of France?' }], temperature: 0, max_tokens: 32, logprobs: true, top_logprobs: 3 });
+    const lp = await openai.chat.completions.create({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'What is the capital of France?' }],
+      temperature: 0,
+      max_tokens: 32,
+      logprobs: true,
+      top_logprobs: 3,
+    });
     expect(lp.choices[0]?.message.content).toBe(answer.choices[0]?.message.content);
     const tokens = lp.choices[0]!.logprobs!.content!;
     expect(tokens.map((c) => c.token).join('')).toBe(lp.choices[0]?.message.content);
@@ -115,16 +155,22 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     }
 
     // Text completions: raw text, no chat template; prompts answered in order, streamed the same.
-    const completion = await openai.completions.create({ model: 'demo', prompt: ['The capital of France is', 'The capital of Germany is'], max_tokens: 8, temperature: 0, logprobs: 2 });
+    const completion = await openai.completions.create({
+      model: 'demo',
+      prompt: ['The capital of France is', 'The capital of Germany is'],
+      max_tokens: 8,
+      temperature: 0,
+      logprobs: 2,
+    });
     expect(completion.choices.map((c) => c.index)).toEqual([0, 1]);
     expect(completion.choices[0]?.text).toMatch(/Paris/);
     expect(completion.choices[1]?.text).toMatch(/Berlin/);
     expect(completion.choices[0]?.logprobs?.tokens?.join('')).toBe(completion.choices[0]?.text);
     expect(completion.usage?.completion_tokens).toBeGreaterThan(0);
     let streamedText = '';
-    for await (const c of await openai.completions.create({ model: 'demo', prompt: 'The capital of France is', max_tokens: 8, temperature: 0, stream: true })) streamedText += c.choices[0]?.text ?? '';
+    for await (const c of await openai.completions.create({ model: 'demo', prompt: 'The capital of France is', max_tokens: 8, temperature: 0, stream: true }))
+      streamedText += c.choices[0]?.text ?? '';
     expect(streamedText).toBe(completion.choices[0]?.text);
-
 
     // The Responses API: a chain of two turns is one conversation, so the second reaches the
     // first's session and instance, whose engine finds the first turn's prompt in its cache.
@@ -134,10 +180,22 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     const first = await openai.responses.create({ model: 'demo', input: 'My name is Zorblat.', temperature: 0, max_output_tokens: 32 });
     // (The small model rambles: an answer may be cut by max_output_tokens, `incomplete`.)
     expect(first).toMatchObject({ object: 'response', status: expect.stringMatching(/^(completed|incomplete)$/) as unknown });
-    const second = await openai.responses.create({ model: 'demo', input: 'What is my name? Answer with the name only.', previous_response_id: first.id, temperature: 0, max_output_tokens: 32 });
+    const second = await openai.responses.create({
+      model: 'demo',
+      input: 'What is my name? Answer with the name only.',
+      previous_response_id: first.id,
+      temperature: 0,
+      max_output_tokens: 32,
+    });
     expect(second).toMatchObject({ object: 'response', previous_response_id: first.id });
     expect(second.output_text).toMatch(/Zorblat/);
-    const alone = await openai.responses.create({ model: 'demo', input: 'What is my name? Answer with the name only.', temperature: 0, max_output_tokens: 32, store: false });
+    const alone = await openai.responses.create({
+      model: 'demo',
+      input: 'What is my name? Answer with the name only.',
+      temperature: 0,
+      max_output_tokens: 32,
+      store: false,
+    });
     expect(alone.output_text).not.toMatch(/Zorblat/);
     expect(second.usage!.input_tokens).toBeGreaterThan(first.usage!.input_tokens);
     expect(second.usage!.input_tokens_details.cached_tokens).toBeGreaterThan(0);
@@ -153,19 +211,43 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(deltas.trim()).not.toBe('');
     expect(completed?.output[0]).toMatchObject({ type: 'message', content: [{ type: 'output_text', text: deltas }] });
     // Log-probabilities in a response: each token of the text, greedy-consistent.
-    const withLogprobs = await openai.responses.create({ model: 'demo', input: 'What is the capital of France?', temperature: 0, max_output_tokens: 16, include: ['message.output_text.logprobs'], top_logprobs: 2, store: false });
+    const withLogprobs = await openai.responses.create({
+      model: 'demo',
+      input: 'What is the capital of France?',
+      temperature: 0,
+      max_output_tokens: 16,
+      include: ['message.output_text.logprobs'],
+      top_logprobs: 2,
+      store: false,
+    });
     const part = withLogprobs.output[0]!.type === 'message' ? withLogprobs.output[0]!.content[0]! : undefined;
     expect(part?.type === 'output_text' && part.logprobs?.map((l) => l.token).join('')).toBe(withLogprobs.output_text);
-    for (const l of part?.type === 'output_text' ? (part.logprobs ?? []) : []) for (const alt of l.top_logprobs) expect(l.logprob).toBeGreaterThanOrEqual(alt.logprob - 1e-6);
+    for (const l of part?.type === 'output_text' ? (part.logprobs ?? []) : [])
+      for (const alt of l.top_logprobs) expect(l.logprob).toBeGreaterThanOrEqual(alt.logprob - 1e-6);
     // Structured output by text.format, with the client's helper.
-    const capital = await openai.responses.parse({ model: 'demo', input: 'What is the capital of France? Answer in JSON.', text: { format: zodTextFormat(Capital, 'capital') }, temperature: 0, max_output_tokens: 64 });
+    const capital = await openai.responses.parse({
+      model: 'demo',
+      input: 'What is the capital of France? Answer in JSON.',
+      text: { format: zodTextFormat(Capital, 'capital') },
+      temperature: 0,
+      max_output_tokens: 64,
+    });
     expect(capital.output_parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });
 
     // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs, a chain of responses.
     const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
-    const py = spawnSync(python, [join(__dirname, 'openai_python.py')], { env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() }, encoding: 'utf8', timeout: 60_000 });
+    const py = spawnSync(python, [join(__dirname, 'openai_python.py')], {
+      env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() },
+      encoding: 'utf8',
+      timeout: 60_000,
+    });
     expect({ status: py.status, stderr: py.stderr }).toEqual({ status: 0, stderr: '' });
-    expect(JSON.parse(py.stdout)).toMatchObject({ capital: { capital: 'Paris' }, call: { city: 'Paris' }, dimensions: 576, responses: { previous: expect.stringMatching(/^resp_/) as unknown } });
+    expect(JSON.parse(py.stdout)).toMatchObject({
+      capital: { capital: 'Paris' },
+      call: { city: 'Paris' },
+      dimensions: 576,
+      responses: { previous: expect.stringMatching(/^resp_/) as unknown },
+    });
 
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);

@@ -57,20 +57,22 @@ beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(MODEL));
   ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: MODEL, instance: INSTANCE, slots: 4 })));
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: randomBytes(32).toString('hex'),
-    tokens: { [TOKEN_ID]: TOKEN },
-    env: {
-      MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
-      MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS: String(HTTP_TIMEOUT_MS),
-      MAGUS_GATEWAY_HEADERS_TIMEOUT_MS: String(HTTP_TIMEOUT_MS),
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '10000',
-      MAGUS_LOG_LEVEL: 'info',
-    },
-    // What the session workflow does on a cold start: lease the instance and record it for warm turns.
-    deps: { logStream: log, coldStart: (req) => pinConversation(nc, names, req.conversationKey, MODEL, INSTANCE) },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: randomBytes(32).toString('hex'),
+      tokens: { [TOKEN_ID]: TOKEN },
+      env: {
+        MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
+        MAGUS_GATEWAY_HTTP_REQUEST_TIMEOUT_MS: String(HTTP_TIMEOUT_MS),
+        MAGUS_GATEWAY_HEADERS_TIMEOUT_MS: String(HTTP_TIMEOUT_MS),
+        MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '10000',
+        MAGUS_LOG_LEVEL: 'info',
+      },
+      // What the session workflow does on a cold start: lease the instance and record it for warm turns.
+      deps: { logStream: log, coldStart: (req) => pinConversation(nc, names, req.conversationKey, MODEL, INSTANCE) },
+    }),
+  ));
   port = Number(new URL(gateway.url).port);
   // Requests of no conversation (embeddings) go where the pool's view says its instances are.
   await publishPoolView(nc, names, MODEL, [INSTANCE]);
@@ -167,7 +169,9 @@ async function expectHealthy(): Promise<void> {
 describe('schemathesis against the OpenAPI description', () => {
   test('every operation, positive and negative cases: no 5xx, answers as documented, bad requests refused', async () => {
     const bin = await new Promise<string>((resolve, reject) =>
-      execFile(join(__dirname, '..', 'scripts', 'schemathesis'), ['--check'], (err, stdout) => (err ? reject(new Error('schemathesis is missing: run scripts/schemathesis')) : resolve(stdout.trim()))),
+      execFile(join(__dirname, '..', 'scripts', 'schemathesis'), ['--check'], (err, stdout) =>
+        err ? reject(new Error('schemathesis is missing: run scripts/schemathesis')) : resolve(stdout.trim()),
+      ),
     );
     // Its own folder: hypothesis keeps an example database in the working directory.
     const cwd = mkdtempSync(join(tmpdir(), 'magus-schemathesis-'));
@@ -185,19 +189,36 @@ describe('schemathesis against the OpenAPI description', () => {
       'ignored_auth',
     ];
     const args = [
-      '--config-file', join(__dirname, 'schemathesis.toml'),
-      'run', `${gateway.url}/openapi.json`,
-      '--header', `Authorization: Bearer ${TOKEN}`,
-      '--checks', checks.join(','),
-      '--max-examples', String(MAX_EXAMPLES),
-      '--seed', String(SEED),
-      '--workers', '1',
-      '--request-timeout', '15',
-      '--output-truncate', 'true',
+      '--config-file',
+      join(__dirname, 'schemathesis.toml'),
+      'run',
+      `${gateway.url}/openapi.json`,
+      '--header',
+      `Authorization: Bearer ${TOKEN}`,
+      '--checks',
+      checks.join(','),
+      '--max-examples',
+      String(MAX_EXAMPLES),
+      '--seed',
+      String(SEED),
+      '--workers',
+      '1',
+      '--request-timeout',
+      '15',
+      '--output-truncate',
+      'true',
     ];
     const run = await new Promise<{ code: number; output: string }>((resolve) =>
-      execFile(bin, args, { cwd, env: { ...process.env, NO_COLOR: '1', SCHEMATHESIS_HOOKS: join(__dirname, 'schemathesis_hooks.py') }, maxBuffer: 64 * 1024 * 1024, timeout: 150_000 }, (err, stdout, stderr) =>
-        resolve({ code: err ? (typeof err.code === 'number' ? err.code : -1) : 0, output: stdout + stderr }),
+      execFile(
+        bin,
+        args,
+        {
+          cwd,
+          env: { ...process.env, NO_COLOR: '1', SCHEMATHESIS_HOOKS: join(__dirname, 'schemathesis_hooks.py') },
+          maxBuffer: 64 * 1024 * 1024,
+          timeout: 150_000,
+        },
+        (err, stdout, stderr) => resolve({ code: err ? (typeof err.code === 'number' ? err.code : -1) : 0, output: stdout + stderr }),
       ),
     ).finally(() => rmSync(cwd, { recursive: true, force: true }));
     const cases = Number(/(\d+) generated/.exec(run.output)?.[1] ?? 0);
@@ -241,7 +262,11 @@ describe('requests fetch cannot send', () => {
 
   test('invalid UTF-8 in the body → 400 invalid_encoding; nothing reaches the engine', async () => {
     const before = engine.requests.length;
-    const body = Buffer.concat([Buffer.from(`{"model":"${MODEL}","messages":[{"role":"user","content":"a`), Buffer.from([0xff, 0xfe, 0xc3]), Buffer.from('"}]}')]);
+    const body = Buffer.concat([
+      Buffer.from(`{"model":"${MODEL}","messages":[{"role":"user","content":"a`),
+      Buffer.from([0xff, 0xfe, 0xc3]),
+      Buffer.from('"}]}'),
+    ]);
     const a = await rawRequest(chat(body));
     expect(a.status).toBe(400);
     expect(openAiError(a)).toMatchObject({ code: 'invalid_encoding', message: 'The request body is not valid UTF-8.' });
@@ -249,7 +274,9 @@ describe('requests fetch cannot send', () => {
   });
 
   test('duplicated keys: the last one wins, as in JSON.parse and Python', async () => {
-    const served = await rawRequest(chat(`{"model":"nope","model":"${MODEL}","messages":[{"role":"user","content":"x"}],"messages":[{"role":"user","content":"last"}]}`));
+    const served = await rawRequest(
+      chat(`{"model":"nope","model":"${MODEL}","messages":[{"role":"user","content":"x"}],"messages":[{"role":"user","content":"last"}]}`),
+    );
     expect(served.status).toBe(200);
     expectNoLeak(served.body);
     expect(engine.requests.at(-1)?.body).toMatchObject({ model: MODEL, messages: [{ role: 'user', content: 'last' }] });

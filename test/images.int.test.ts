@@ -43,7 +43,11 @@ function execute(file: string, args: string[], timeoutMs: number): Promise<Ran> 
   return new Promise((resolve, reject) => {
     execFile(file, args, { env: ENV, timeout: timeoutMs, maxBuffer: 16 << 20 }, (err, stdout, stderr) => {
       if (err && typeof err.code !== 'number') {
-        reject(new Error(err.code === 'ENOENT' ? `${file} is not installed: scripts/images installs it (apt)` : `${file} ${args.join(' ')}: ${err.message}\n${stderr}`));
+        reject(
+          new Error(
+            err.code === 'ENOENT' ? `${file} is not installed: scripts/images installs it (apt)` : `${file} ${args.join(' ')}: ${err.message}\n${stderr}`,
+          ),
+        );
         return;
       }
       resolve({ code: typeof err?.code === 'number' ? err.code : 0, stdout, stderr });
@@ -125,7 +129,11 @@ async function removeContainer(name: string): Promise<void> {
 
 async function removeLeftovers(): Promise<void> {
   const listed = await podmanOk(['ps', '-a', '--filter', `label=${OWNER_LABEL}`, '--format', `{{.Names}} {{index .Labels "${OWNER_LABEL}"}}`]);
-  const dead = listed.split('\n').filter(Boolean).map((line) => line.split(' ')).filter(([, pid]) => !processRunning(Number(pid)));
+  const dead = listed
+    .split('\n')
+    .filter(Boolean)
+    .map((line) => line.split(' '))
+    .filter(([, pid]) => !processRunning(Number(pid)));
   for (const [name] of dead) await removeContainer(name!);
 }
 
@@ -159,7 +167,9 @@ describe('the magus image', () => {
     expect(llamaBuilds.split('\n')).toEqual([`linux-${process.arch}`]); // the CPU build of llama.cpp, no GPU builds
     const devDependency = await podman(['run', '--rm', ...READ_ONLY, '--entrypoint', 'ls', images.magus!, '/app/node_modules/typescript-eslint']);
     expect(devDependency.stderr).toContain('No such file');
-    console.log(`image sizes: magus ${(image.Size / 1e6).toFixed(0)} MB, dllama stand-in ${((await inspectImage(images['dllama-stand-in']!)).Size / 1e6).toFixed(0)} MB`);
+    console.log(
+      `image sizes: magus ${(image.Size / 1e6).toFixed(0)} MB, dllama stand-in ${((await inspectImage(images['dllama-stand-in']!)).Size / 1e6).toFixed(0)} MB`,
+    );
     expect(image.Size).toBeLessThan(700e6);
   });
 
@@ -174,8 +184,22 @@ describe('the magus image', () => {
   test('magus engine serves the tiny model from a read-only root with nothing writable, and stops on SIGTERM', async () => {
     const name = await runDetached('engine', [
       ...READ_ONLY,
-      '-v', `${join(dir, 'tiny.gguf')}:/models/tiny.gguf:ro`, '-p', '127.0.0.1::8080',
-      images.magus!, 'engine', '--model', '/models/tiny.gguf', '--host', '0.0.0.0', '--port', '8080', '--threads', '1', '--ctx', '256',
+      '-v',
+      `${join(dir, 'tiny.gguf')}:/models/tiny.gguf:ro`,
+      '-p',
+      '127.0.0.1::8080',
+      images.magus!,
+      'engine',
+      '--model',
+      '/models/tiny.gguf',
+      '--host',
+      '0.0.0.0',
+      '--port',
+      '8080',
+      '--threads',
+      '1',
+      '--ctx',
+      '256',
     ]);
     const base = await published(name, 8080);
     const models = await eventually(() => json<Models>(`${base}/v1/models`), 60_000);
@@ -195,8 +219,20 @@ describe('the magus image', () => {
     // from outside the ephemeral range: between this pick and the container's listen, an
     // outgoing connection could take an ephemeral one as its source port (seen in CI).
     const [health, metrics] = [await freePort(), await freePort()];
-    const env = { ...workerEnv(iso), MAGUS_TASK_QUEUE: iso.taskQueue, MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`, MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}` };
-    const name = await runDetached('worker', [...READ_ONLY, '--network', 'host', ...Object.entries(env).flatMap(([k, v]) => ['-e', `${k}=${v}`]), images.magus!, 'worker']);
+    const env = {
+      ...workerEnv(iso),
+      MAGUS_TASK_QUEUE: iso.taskQueue,
+      MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`,
+      MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}`,
+    };
+    const name = await runDetached('worker', [
+      ...READ_ONLY,
+      '--network',
+      'host',
+      ...Object.entries(env).flatMap(([k, v]) => ['-e', `${k}=${v}`]),
+      images.magus!,
+      'worker',
+    ]);
     await eventually(async () => {
       const res = await fetch(`http://127.0.0.1:${health}/readyz`, { signal: AbortSignal.timeout(5_000) });
       if (res.status !== 200) throw new Error(`/readyz: ${res.status}`);
@@ -216,8 +252,24 @@ describe('the distributed-llama stand-in image', () => {
     expect(unknown).toMatchObject({ code: 1, stderr: expect.stringContaining('Unknown option: --bogus') as unknown });
     const workerWithModel = await podman(['run', '--rm', ...READ_ONLY, '--tmpfs', '/tmp', image, 'dllama', 'worker', '--port', '9998', '--model', '/m']);
     expect(workerWithModel).toMatchObject({ code: 1, stderr: expect.stringContaining('dllama worker ignores --model') as unknown });
-    const threeNodes = await podman(['run', '--rm', ...READ_ONLY, '--tmpfs', '/tmp', '-v', `${join(dir, 'dllama')}:/models:ro`, image,
-      'dllama-api', '--model', '/models/model.m', '--tokenizer', '/models/tokenizer.t', '--workers', '127.0.0.1:9001', '127.0.0.1:9002']);
+    const threeNodes = await podman([
+      'run',
+      '--rm',
+      ...READ_ONLY,
+      '--tmpfs',
+      '/tmp',
+      '-v',
+      `${join(dir, 'dllama')}:/models:ro`,
+      image,
+      'dllama-api',
+      '--model',
+      '/models/model.m',
+      '--tokenizer',
+      '/models/tokenizer.t',
+      '--workers',
+      '127.0.0.1:9001',
+      '127.0.0.1:9002',
+    ]);
     expect(threeNodes).toMatchObject({ code: 1, stderr: expect.stringContaining('3 nodes') as unknown });
   });
 
@@ -227,11 +279,44 @@ describe('the distributed-llama stand-in image', () => {
     // (/tmp): an emptyDir's place in a pod.
     const ro = [...READ_ONLY, '--tmpfs', '/tmp'];
     // The worker's container owns the namespace, so it publishes the root's port.
-    const worker = await runDetached('dllama-worker', [...ro, '-p', '127.0.0.1::9990', image, 'dllama', 'worker', '--host', '127.0.0.1', '--port', '9998', '--nthreads', '1']);
+    const worker = await runDetached('dllama-worker', [
+      ...ro,
+      '-p',
+      '127.0.0.1::9990',
+      image,
+      'dllama',
+      'worker',
+      '--host',
+      '127.0.0.1',
+      '--port',
+      '9998',
+      '--nthreads',
+      '1',
+    ]);
     const root = await runDetached('dllama-root', [
-      ...ro, '--network', `container:${worker}`, '-v', `${join(dir, 'dllama')}:/models:ro`,
-      image, 'dllama-api', '--host', '0.0.0.0', '--port', '9990', '--model', '/models/model.m', '--tokenizer', '/models/tokenizer.t',
-      '--buffer-float-type', 'q80', '--nthreads', '1', '--max-seq-len', '256', '--workers', '127.0.0.1:9998',
+      ...ro,
+      '--network',
+      `container:${worker}`,
+      '-v',
+      `${join(dir, 'dllama')}:/models:ro`,
+      image,
+      'dllama-api',
+      '--host',
+      '0.0.0.0',
+      '--port',
+      '9990',
+      '--model',
+      '/models/model.m',
+      '--tokenizer',
+      '/models/tokenizer.t',
+      '--buffer-float-type',
+      'q80',
+      '--nthreads',
+      '1',
+      '--max-seq-len',
+      '256',
+      '--workers',
+      '127.0.0.1:9998',
     ]);
     const base = await published(worker, 9990);
     const models = await eventually(() => json<Models>(`${base}/v1/models`), 60_000);

@@ -118,7 +118,14 @@ test('create: a name that exists is refused with a clear message, nothing printe
 test('list --json: the key with its token id and models, no digest and no token', async () => {
   const { keys: listed, text } = await list();
   const a = listed.find((k) => k.key === 'local/team-a');
-  expect(a).toEqual({ key: 'local/team-a', tokenId: teamA.id, models: ['*'], suspended: false, origin: 'local', owner: expect.stringMatching(/^local\/team-a#[0-9a-f-]{36}$/) as string });
+  expect(a).toEqual({
+    key: 'local/team-a',
+    tokenId: teamA.id,
+    models: ['*'],
+    suspended: false,
+    origin: 'local',
+    owner: expect.stringMatching(/^local\/team-a#[0-9a-f-]{36}$/) as string,
+  });
   expect(text).not.toContain(teamA.token);
   expect(text).not.toContain(tokenDigest(teamA.token));
   expect(text).not.toContain('digest');

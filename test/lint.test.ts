@@ -10,7 +10,11 @@ import { promisify } from 'node:util';
 const root = join(__dirname, '..');
 const execFileP = promisify(execFile);
 
-interface LintMessage { ruleId: string | null; message: string; line: number }
+interface LintMessage {
+  ruleId: string | null;
+  message: string;
+  line: number;
+}
 const fixtures = [
   'workflows/imports-fs.ts',
   'workflows/imports-node-fs.ts',
@@ -110,7 +114,11 @@ test('every top-level folder of product code is a room with its boundary, and je
 test("every suite under test/ is in test/README.md's map of where a file's tests are", () => {
   const readme = readFileSync(join(root, 'test', 'README.md'), 'utf8');
   const listed = new Set([...readme.matchAll(/^\| \[`([^`]+\.test\.ts)`\]/gm)].map((m) => m[1]!));
-  const suites = ['', 'smoke/'].flatMap((dir) => readdirSync(join(root, 'test', dir)).filter((f) => f.endsWith('.test.ts')).map((f) => `${dir}${f}`));
+  const suites = ['', 'smoke/'].flatMap((dir) =>
+    readdirSync(join(root, 'test', dir))
+      .filter((f) => f.endsWith('.test.ts'))
+      .map((f) => `${dir}${f}`),
+  );
   expect(suites.filter((s) => !listed.has(s))).toEqual([]);
   expect([...listed].filter((s) => !suites.includes(s))).toEqual([]);
 });

@@ -14,7 +14,15 @@ import { randomBytes } from 'node:crypto';
 import { PassThrough } from 'node:stream';
 import { connect, type JetStreamManager, type NatsConnection } from 'nats';
 import { startBridge, type Bridge } from '../dataplane/bridge';
-import { consumerNameOf, dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, responseSubjectOf, type DataPlaneNames } from '../dataplane';
+import {
+  consumerNameOf,
+  dataPlaneNames,
+  declareOnReconnect,
+  ensureDataPlane,
+  ensureInstanceConsumer,
+  responseSubjectOf,
+  type DataPlaneNames,
+} from '../dataplane';
 import { decodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
 import { startGateway, type RunningGateway } from '../gateway/server';
@@ -85,7 +93,15 @@ describe('the data plane on a three-node NATS cluster', () => {
     // is random; this is the worst draw).
     const bridgeNc = await connectTo('bridge', true);
     await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance: 'i1', slots: CLIENTS * 2 });
-    bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: 'i1', engineUrl: engine.url, slots: CLIENTS * 2, log: (line) => logs.push(stamp(`bridge: ${line}`)) });
+    bridge = await startBridge({
+      nc: bridgeNc,
+      names,
+      pool: POOL,
+      instance: 'i1',
+      engineUrl: engine.url,
+      slots: CLIENTS * 2,
+      log: (line) => logs.push(stamp(`bridge: ${line}`)),
+    });
     await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
     gatewayNc = await connectTo('gateway', true);
     // Its warnings and errors, with the bridge's and the worker's lines, for the report.
@@ -93,14 +109,21 @@ describe('the data plane on a three-node NATS cluster', () => {
     gatewayLog.on('data', (chunk: Buffer) => {
       for (const line of chunk.toString('utf8').split('\n').filter(Boolean)) {
         const entry = JSON.parse(line) as { level?: number; time?: number; msg?: string; reason?: string; err?: { message?: string } };
-        if ((entry.level ?? 0) >= 40) logs.push(`${new Date(entry.time ?? Date.now()).toISOString().slice(11, 23)} gateway: ${entry.msg ?? ''} ${entry.reason ?? ''} ${entry.err?.message ?? ''}`.trim());
+        if ((entry.level ?? 0) >= 40)
+          logs.push(
+            `${new Date(entry.time ?? Date.now()).toISOString().slice(11, 23)} gateway: ${entry.msg ?? ''} ${entry.reason ?? ''} ${entry.err?.message ?? ''}`.trim(),
+          );
       }
     });
     gw = await startGateway(
       gatewayConfigFor(names.prefix, {
         secret: TEST_SECRET,
         tokens: {},
-        env: { MAGUS_NATS_URL: cluster.servers.join(','), MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }), MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000' },
+        env: {
+          MAGUS_NATS_URL: cluster.servers.join(','),
+          MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }),
+          MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
+        },
       }),
       { nc: gatewayNc, coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'), logStream: gatewayLog },
     );
@@ -125,7 +148,18 @@ describe('the data plane on a three-node NATS cluster', () => {
 
   /** One streamed turn of conversation `client`. */
   const ask = async (client: number, content: string): Promise<Outcome> => {
-    const o: Outcome = { client, content, startedAt: Date.now(), endedAt: 0, status: 'network-error', retryAfter: null, text: '', dones: 0, errors: [], eventTimes: [] };
+    const o: Outcome = {
+      client,
+      content,
+      startedAt: Date.now(),
+      endedAt: 0,
+      status: 'network-error',
+      retryAfter: null,
+      text: '',
+      dones: 0,
+      errors: [],
+      eventTimes: [],
+    };
     try {
       const res = await fetch(`${gw.url}/v1/chat/completions`, {
         method: 'POST',
@@ -219,7 +253,11 @@ describe('the data plane on a three-node NATS cluster', () => {
 
   const streamState = async (jsm: JetStreamManager, stream: string) => {
     const info = await jsm.streams.info(stream);
-    return { leader: info.cluster?.leader, replicas: (info.cluster?.replicas ?? []).map((r) => ({ name: r.name, current: r.current, offline: r.offline ?? false })), config: info.config.num_replicas };
+    return {
+      leader: info.cluster?.leader,
+      replicas: (info.cluster?.replicas ?? []).map((r) => ({ name: r.name, current: r.current, offline: r.offline ?? false })),
+      config: info.config.num_replicas,
+    };
   };
 
   /**
@@ -229,19 +267,34 @@ describe('the data plane on a three-node NATS cluster', () => {
   const leadOn = async (node: string) => {
     const consumer = consumerNameOf(POOL, 'i1');
     const stepDown = async (subject: string) => {
-      const reply = JSON.parse(new TextDecoder().decode((await worker.request(subject, JSON.stringify({ placement: { preferred: node } }), { timeout: 10_000 })).data)) as { error?: { description?: string } };
+      const reply = JSON.parse(
+        new TextDecoder().decode((await worker.request(subject, JSON.stringify({ placement: { preferred: node } }), { timeout: 10_000 })).data),
+      ) as { error?: { description?: string } };
       if (reply.error) throw new Error(`${subject}: ${reply.error.description}`);
     };
     const jsm = await worker.jetstreamManager();
     if ((await streamState(jsm, names.requestStream)).leader !== node) await stepDown(`$JS.API.STREAM.LEADER.STEPDOWN.${names.requestStream}`);
-    await until(`${node} to lead ${names.requestStream}`, async () => (await streamState(jsm, names.requestStream).catch(() => undefined))?.leader === node, 30_000);
-    if ((await jsm.consumers.info(names.requestStream, consumer)).cluster?.leader !== node) await stepDown(`$JS.API.CONSUMER.LEADER.STEPDOWN.${names.requestStream}.${consumer}`);
-    await until(`${node} to lead the consumer`, async () => (await jsm.consumers.info(names.requestStream, consumer).catch(() => undefined))?.cluster?.leader === node, 30_000);
+    await until(
+      `${node} to lead ${names.requestStream}`,
+      async () => (await streamState(jsm, names.requestStream).catch(() => undefined))?.leader === node,
+      30_000,
+    );
+    if ((await jsm.consumers.info(names.requestStream, consumer)).cluster?.leader !== node)
+      await stepDown(`$JS.API.CONSUMER.LEADER.STEPDOWN.${names.requestStream}.${consumer}`);
+    await until(
+      `${node} to lead the consumer`,
+      async () => (await jsm.consumers.info(names.requestStream, consumer).catch(() => undefined))?.cluster?.leader === node,
+      30_000,
+    );
   };
 
   /** Until every replica of every data-plane stream is back and current. */
   const allCurrent = async (jsm: JetStreamManager) => {
-    const streams = [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`)];
+    const streams = [
+      names.requestStream,
+      names.responseStream,
+      ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`),
+    ];
     await until(
       'every replica current',
       async () => {
@@ -261,8 +314,14 @@ describe('the data plane on a three-node NATS cluster', () => {
 
   it('declares every stream and bucket, and the instance consumer, at replicas 3', async () => {
     const jsm = await worker.jetstreamManager();
-    const streams = [names.requestStream, names.responseStream, ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`)];
-    const replicas = await Promise.all(streams.map(async (s) => [s, (await jsm.streams.info(s)).config.num_replicas, (await jsm.streams.info(s)).cluster?.replicas?.length] as const));
+    const streams = [
+      names.requestStream,
+      names.responseStream,
+      ...[names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.poolsBucket, names.modelsBucket].map((b) => `KV_${b}`),
+    ];
+    const replicas = await Promise.all(
+      streams.map(async (s) => [s, (await jsm.streams.info(s)).config.num_replicas, (await jsm.streams.info(s)).cluster?.replicas?.length] as const),
+    );
     expect(replicas).toEqual(streams.map((s) => [s, 3, 2]));
     const consumer = await jsm.consumers.info(names.requestStream, consumerNameOf(POOL, 'i1'));
     expect(consumer.cluster?.replicas?.length).toBe(2); // inherited from the stream: a leader and two followers
@@ -273,7 +332,11 @@ describe('the data plane on a three-node NATS cluster', () => {
     expect((await jsm.streams.info(`KV_${other.tokensBucket}`)).config.num_replicas).toBe(1);
     await ensureDataPlane(worker, { prefix: other.prefix, replicas: 3, responseMaxBytes: 16 * 2 ** 20 });
     expect((await jsm.streams.info(`KV_${other.tokensBucket}`)).config.num_replicas).toBe(3);
-    for (const s of [other.requestStream, other.responseStream, ...[other.sessionsBucket, other.tokensBucket, other.claimsBucket, other.poolsBucket, other.modelsBucket].map((b) => `KV_${b}`)]) {
+    for (const s of [
+      other.requestStream,
+      other.responseStream,
+      ...[other.sessionsBucket, other.tokensBucket, other.claimsBucket, other.poolsBucket, other.modelsBucket].map((b) => `KV_${b}`),
+    ]) {
       await jsm.streams.delete(s);
     }
   }, 60_000);
@@ -297,14 +360,20 @@ describe('the data plane on a three-node NATS cluster', () => {
         responses: (await streamState(jsm, names.responseStream)).leader,
         consumer: (await jsm.consumers.info(names.requestStream, consumerNameOf(POOL, 'i1'))).cluster?.leader,
       };
-      report.push(`before (a): ${names.requestStream} leader ${leader}; meta leader ${roles.meta}, ${names.responseStream} leader ${roles.responses}, consumer leader ${roles.consumer}; connections (worker, bridge, gateway, observer): ${connections.map((c) => c.info?.server_name ?? '?').join(' ')}`);
+      report.push(
+        `before (a): ${names.requestStream} leader ${leader}; meta leader ${roles.meta}, ${names.responseStream} leader ${roles.responses}, consumer leader ${roles.consumer}; connections (worker, bridge, gateway, observer): ${connections.map((c) => c.info?.server_name ?? '?').join(' ')}`,
+      );
       let from = Date.now();
       logs.push(stamp(`killing ${leader}`));
       await cluster.kill(leader);
-      await until('a new leader of the request stream', async () => {
-        const st = await streamState(jsm, names.requestStream).catch(() => undefined);
-        return st?.leader !== undefined && st.leader !== leader;
-      }, 60_000);
+      await until(
+        'a new leader of the request stream',
+        async () => {
+          const st = await streamState(jsm, names.requestStream).catch(() => undefined);
+          return st?.leader !== undefined && st.leader !== leader;
+        },
+        60_000,
+      );
       report.push(`(a) new ${names.requestStream} leader after ${Date.now() - from} ms: ${(await streamState(jsm, names.requestStream)).leader}`);
       await sleep(OUTAGE_MS);
       await cluster.restart(leader);
@@ -319,7 +388,9 @@ describe('the data plane on a three-node NATS cluster', () => {
       const meta = await cluster.metaLeader();
       const followers = now.replicas.map((r) => r.name);
       const follower = followers.find((n) => n === gatewayNc.info?.server_name) ?? followers.find((n) => n !== meta) ?? followers[0]!;
-      report.push(`before (b): ${names.requestStream} leader ${now.leader}, meta leader ${meta}; connections (worker, bridge, gateway, observer): ${connections.map((c) => c.info?.server_name ?? '?').join(' ')}; killing follower ${follower}`);
+      report.push(
+        `before (b): ${names.requestStream} leader ${now.leader}, meta leader ${meta}; connections (worker, bridge, gateway, observer): ${connections.map((c) => c.info?.server_name ?? '?').join(' ')}; killing follower ${follower}`,
+      );
       from = Date.now();
       logs.push(stamp(`killing ${follower}`));
       await cluster.kill(follower);
@@ -339,10 +410,15 @@ describe('the data plane on a three-node NATS cluster', () => {
         const inFault = outcomes.filter((o) => o.startedAt >= f.from && o.startedAt < f.to);
         const slowest = Math.max(...outcomes.filter((o) => o.status === 200 && o.endedAt >= f.from && o.startedAt < f.to).map((o) => o.endedAt - o.startedAt));
         const refusedAt = inFault.filter((o) => o.status === 503).map((o) => o.startedAt - f.from);
-        const refusals = refusedAt.length > 0 ? `${refusedAt.length} refused with 503 from ${Math.min(...refusedAt)} to ${Math.max(...refusedAt)} ms after the kill` : 'none refused';
+        const refusals =
+          refusedAt.length > 0
+            ? `${refusedAt.length} refused with 503 from ${Math.min(...refusedAt)} to ${Math.max(...refusedAt)} ms after the kill`
+            : 'none refused';
         const slow = outcomes.filter((o) => o.status === 200 && o.endedAt >= f.from && o.startedAt < f.to && o.endedAt - o.startedAt > 2_000);
         for (const o of slow.slice(0, 10)) {
-          report.push(`  slow: ${o.content}: asked ${o.startedAt - f.from} ms after the kill, pieces at ${o.eventTimes.map((t) => t - f.from).join(', ')}, ended ${o.endedAt - f.from}`);
+          report.push(
+            `  slow: ${o.content}: asked ${o.startedAt - f.from} ms after the kill, pieces at ${o.eventTimes.map((t) => t - f.from).join(', ')}, ended ${o.endedAt - f.from}`,
+          );
         }
         report.push(
           `${f.what} ${f.node}: longest client pause ${longestPause(outcomes, f.from, f.to)} ms (before the outages ${baseline} ms), slowest accepted request ${slowest} ms, ` +
@@ -380,7 +456,10 @@ describe('the data plane on a three-node NATS cluster', () => {
         return [...bySeq.entries()].filter(([, v]) => v.size > 1).map(([seq, v]) => ({ id, seq, frames: [...v] }));
       });
       const terminalOnly = conflicts.filter((c) => c.frames.every((f) => (JSON.parse(f) as ResponseFrame).type !== 'chunk'));
-      if (conflicts.length > 0) process.stdout.write(`frames differing at one seq: ${conflicts.length} (${terminalOnly.length} terminal); e.g. ${JSON.stringify(conflicts[0]).slice(0, 1500)}\n`);
+      if (conflicts.length > 0)
+        process.stdout.write(
+          `frames differing at one seq: ${conflicts.length} (${terminalOnly.length} terminal); e.g. ${JSON.stringify(conflicts[0]).slice(0, 1500)}\n`,
+        );
       expect(conflicts.filter((c) => !terminalOnly.includes(c))).toEqual([]);
       // Every frame was stored before its request was resolved, so a request whose ack died with the
       // leader, delivered again after `ack_wait`, replays its stored terminal frame and is not

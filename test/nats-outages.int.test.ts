@@ -149,7 +149,11 @@ describe('NATS outages', () => {
   const gatewayOn = async (nc: NatsConnection, env: Record<string, string> = {}) => {
     await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
     const gw = await startGateway(
-      gatewayConfigFor(names.prefix, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }), ...env } }),
+      gatewayConfigFor(names.prefix, {
+        secret: TEST_SECRET,
+        tokens: {},
+        env: { MAGUS_NATS_URL: services.endpoints.nats!.servers, MAGUS_GATEWAY_TOKENS: JSON.stringify({ alice: alice.entry }), ...env },
+      }),
       { nc, coldStart: (req) => pinConversation(worker, names, req.conversationKey, POOL, 'i1'), logStream: new PassThrough().resume() },
     );
     const post = (content: string, bearer: string, stream: boolean, signal?: AbortSignal) =>
@@ -166,7 +170,10 @@ describe('NATS outages', () => {
     /** A streamed turn: the text of its chunks, and whether it ended with `[DONE]`. */
     const streamTurn = async (content: string) => {
       const res = await post(content, alice.token, true);
-      const events = (await res.text()).split('\n\n').filter((e) => e.startsWith('data: ')).map((e) => e.slice(6));
+      const events = (await res.text())
+        .split('\n\n')
+        .filter((e) => e.startsWith('data: '))
+        .map((e) => e.slice(6));
       const text = events
         .filter((e) => e !== '[DONE]')
         .map((e) => (JSON.parse(e) as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? '')
@@ -273,7 +280,12 @@ describe('NATS outages', () => {
       expect(await turn('back again')).toEqual({ status: 200, text: 'back again' });
       // The request it gave up on never reached the stream (nats.js drops what it held when it dials again).
       expect(served.stats.pulled).toBe(pulled + 1);
-      expect(engine.requests.slice(calls).map((r) => JSON.stringify(r.body)).filter((b) => b.includes('while away'))).toEqual([]);
+      expect(
+        engine.requests
+          .slice(calls)
+          .map((r) => JSON.stringify(r.body))
+          .filter((b) => b.includes('while away')),
+      ).toEqual([]);
     } finally {
       await cut.close();
     }
@@ -292,7 +304,9 @@ describe('NATS outages', () => {
       await cut.cut();
       client.abort();
       expect(await asked).toMatchObject({ name: 'AbortError' });
-      await eventually(async () => expect(await (await fetch(`${gw.url}/metrics`)).text()).toMatch(/^magus_gateway_requests_total\{route="\/v1\/chat\/completions",status="499"\} 1$/m));
+      await eventually(async () =>
+        expect(await (await fetch(`${gw.url}/metrics`)).text()).toMatch(/^magus_gateway_requests_total\{route="\/v1\/chat\/completions",status="499"\} 1$/m),
+      );
       expect(served.stats.cancelled).toBe(cancelled); // not sent: the gateway is cut off
       await cut.restore();
       await eventually(() => Promise.resolve(expect(served.stats.cancelled).toBe(cancelled + 1)));
@@ -303,7 +317,7 @@ describe('NATS outages', () => {
     }
   }, 90_000);
 
-  it('without its store: streams, buckets and running bridges\' consumers come back; a stopped bridge\'s does not', async () => {
+  it("without its store: streams, buckets and running bridges' consumers come back; a stopped bridge's does not", async () => {
     const gone = await bridge('i2');
     await gone.stop();
     const back = Promise.all([reconnected(worker), reconnected(gateway)]);
@@ -311,7 +325,14 @@ describe('NATS outages', () => {
     await back;
     const jsm = await gateway.jetstreamManager();
     await eventually(async () => {
-      for (const s of [names.requestStream, names.responseStream, `KV_${names.sessionsBucket}`, `KV_${names.tokensBucket}`, `KV_${names.claimsBucket}`, `KV_${names.poolsBucket}`]) {
+      for (const s of [
+        names.requestStream,
+        names.responseStream,
+        `KV_${names.sessionsBucket}`,
+        `KV_${names.tokensBucket}`,
+        `KV_${names.claimsBucket}`,
+        `KV_${names.poolsBucket}`,
+      ]) {
         await jsm.streams.info(s);
       }
     });

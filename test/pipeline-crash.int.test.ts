@@ -37,11 +37,15 @@ const traceFile = () => join(dir, 's3-writes.log');
 
 /** A `magus worker` process run from the TypeScript sources. */
 function spawnWorker(): ChildProcess {
-  const child = spawn(process.execPath, ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"], {
-    cwd: join(__dirname, '..'),
-    stdio: ['ignore', 'ignore', 'pipe'],
-    env: { ...process.env, ...workerEnv(iso), MAGUS_TRANSFER_PART_SIZE: String(PART), MAGUS_S3_TRACE_FILE: traceFile(), MAGUS_CONVERT_THREADS: '1' },
-  });
+  const child = spawn(
+    process.execPath,
+    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"],
+    {
+      cwd: join(__dirname, '..'),
+      stdio: ['ignore', 'ignore', 'pipe'],
+      env: { ...process.env, ...workerEnv(iso), MAGUS_TRANSFER_PART_SIZE: String(PART), MAGUS_S3_TRACE_FILE: traceFile(), MAGUS_CONVERT_THREADS: '1' },
+    },
+  );
   child.stderr?.resume();
   return child;
 }
@@ -49,7 +53,16 @@ function spawnWorker(): ChildProcess {
 beforeAll(async () => {
   ({ dir } = stack.open(tempDir('magus-crash-')));
   // ~37 MB of F32 weights: 8 parts of 5 MiB for model.safetensors.
-  await writeTinyModel(join(dir, 'model'), { seed: 41, dtype: 'F32', hiddenSize: 512, intermediateSize: 1024, numLayers: 4, numHeads: 8, numKvHeads: 4, vocabSize: 6144 });
+  await writeTinyModel(join(dir, 'model'), {
+    seed: 41,
+    dtype: 'F32',
+    hiddenSize: 512,
+    intermediateSize: 1024,
+    numLayers: 4,
+    numHeads: 8,
+    numKvHeads: 4,
+    vocabSize: 6144,
+  });
   ({ hub } = await stack.open(hubStack()));
   commit = await hub.addRepo({ id: REPO, dir: join(dir, 'model') });
   ({ s3 } = await stack.open(s3Stack(iso)));

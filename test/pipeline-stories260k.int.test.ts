@@ -56,11 +56,14 @@ const start = (name: string, s: ModelSpec) => startPipeline(client, cfg.taskQueu
 const sha256 = (bytes: Buffer) => createHash('sha256').update(bytes).digest('hex');
 
 test('pulled, converted to gguf:f32, gguf:f16 and dllama:f32, published; each GGUF from S3 generates llama2.c’s text in llama.cpp', async () => {
-  const handle = await start('stories', spec([
-    { format: 'gguf', weights: 'f32' },
-    { format: 'gguf', weights: 'f16' },
-    { format: 'dllama', weights: 'f32' },
-  ]));
+  const handle = await start(
+    'stories',
+    spec([
+      { format: 'gguf', weights: 'f32' },
+      { format: 'gguf', weights: 'f16' },
+      { format: 'dllama', weights: 'f32' },
+    ]),
+  );
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: commit.sha, failure: null });
 
@@ -85,7 +88,9 @@ test('pulled, converted to gguf:f32, gguf:f16 and dllama:f32, published; each GG
 /** How many times an activity type was scheduled, from the workflow's history. */
 async function scheduled(workflowId: string, activityType: string): Promise<number> {
   const history = await client.workflow.getHandle(workflowId).fetchHistory();
-  return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED && e.activityTaskScheduledEventAttributes?.activityType?.name === activityType).length;
+  return (history.events ?? []).filter(
+    (e) => e.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED && e.activityTaskScheduledEventAttributes?.activityType?.name === activityType,
+  ).length;
 }
 
 test.each([

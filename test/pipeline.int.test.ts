@@ -54,7 +54,10 @@ beforeAll(async () => {
   await hub.addRepo({ id: 'magus-test/flaky-llama', dir: join(dir, 'tiny') });
   // A GGUF repository as they are published: one file per quantization, a README, no config.json.
   mkdirSync(join(dir, 'gguf'));
-  for (const [weights, file] of [['q80', 'Tiny-Llama.Q8_0.gguf'], ['f16', 'Tiny-Llama.F16.gguf']] as const) {
+  for (const [weights, file] of [
+    ['q80', 'Tiny-Llama.Q8_0.gguf'],
+    ['f16', 'Tiny-Llama.F16.gguf'],
+  ] as const) {
     await convertModel({ source: join(dir, 'tiny'), format: 'gguf', weights, output: join(dir, 'gguf', file), threads: 2 });
   }
   writeFileSync(join(dir, 'gguf', 'README.md'), '# Tiny-Llama GGUF\n');
@@ -111,7 +114,11 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
 });
 
 test('a GGUF repository: the chosen file is transferred, checked and published as it is (no conversion), sized from its metadata, and runs in llama.cpp', async () => {
-  const handle = await start('tiny-gguf', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { quantization: 'q8_0' } }, artifacts: [{ format: 'gguf', weights: 'source' }], contextLength: 128 });
+  const handle = await start('tiny-gguf', {
+    source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { quantization: 'q8_0' } },
+    artifacts: [{ format: 'gguf', weights: 'source' }],
+    contextLength: 128,
+  });
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: ggufCommit.sha, failure: null });
   await recordHistory('model-pipeline-gguf-source', handle);
@@ -120,7 +127,13 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
   const source = ggufCommit.files.find((f) => f.path === 'Tiny-Llama.Q8_0.gguf')!;
   // The artifact is the source object itself: nothing was copied or converted.
   expect(ready.artifacts).toEqual([
-    { format: 'gguf', weights: 'source', sourceType: 'Q8_0', converterVersion: expect.any(String) as string, files: [{ key: `sources/${GGUF_REPO}/${ggufCommit.sha}/Tiny-Llama.Q8_0.gguf`, bytes: source.content.length, sha256: source.sha256 }] },
+    {
+      format: 'gguf',
+      weights: 'source',
+      sourceType: 'Q8_0',
+      converterVersion: expect.any(String) as string,
+      files: [{ key: `sources/${GGUF_REPO}/${ggufCommit.sha}/Tiny-Llama.Q8_0.gguf`, bytes: source.content.length, sha256: source.sha256 }],
+    },
   ]);
   expect(ready.memory).toHaveLength(1);
   expect(ready.memory[0]).toMatchObject({ format: 'gguf', weights: 'source', contextLength: 128 });
@@ -133,22 +146,41 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
 });
 
 test('a GGUF repository converted for distributed-llama: the same .m and .t as from the safetensors repository', async () => {
-  const handle = await start('tiny-gguf-dllama', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*.F16.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }, { format: 'dllama', weights: 'f16' }], contextLength: 128 });
+  const handle = await start('tiny-gguf-dllama', {
+    source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*.F16.gguf' } },
+    artifacts: [
+      { format: 'gguf', weights: 'source' },
+      { format: 'dllama', weights: 'f16' },
+    ],
+    contextLength: 128,
+  });
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', failure: null });
   const ready = (await registry.get('default', named('tiny-gguf-dllama')))!;
   expect(ready.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source', 'dllama:f16']);
-  expect(ready.memory.map((m) => [`${m.format}:${m.weights}`, m.topologies.map((t) => t.nodes)])).toEqual([['gguf:source', [1]], ['dllama:f16', [1, 2]]]);
+  expect(ready.memory.map((m) => [`${m.format}:${m.weights}`, m.topologies.map((t) => t.nodes)])).toEqual([
+    ['gguf:source', [1]],
+    ['dllama:f16', [1, 2]],
+  ]);
   const direct = join(dir, 'direct-dllama-f16');
   mkdirSync(direct);
-  await convertModel({ source: join(dir, 'tiny'), format: 'dllama', weights: 'f16', output: { model: join(direct, 'model.m'), tokenizer: join(direct, 'tokenizer.t') }, threads: 2 });
+  await convertModel({
+    source: join(dir, 'tiny'),
+    format: 'dllama',
+    weights: 'f16',
+    output: { model: join(direct, 'model.m'), tokenizer: join(direct, 'tokenizer.t') },
+    threads: 2,
+  });
   const [m, t] = ready.artifacts[1]!.files;
   expect((await getObject(m!.key)).equals(readFileSync(join(direct, 'model.m')))).toBe(true);
   expect((await getObject(t!.key)).length).toBeGreaterThan(0);
 });
 
 test('a GGUF choice that matches nothing fails at once, typed, naming the files there are', async () => {
-  const handle = await start('tiny-gguf-missing', { source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*Q4_K_M.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }] });
+  const handle = await start('tiny-gguf-missing', {
+    source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*Q4_K_M.gguf' } },
+    artifacts: [{ format: 'gguf', weights: 'source' }],
+  });
   const p = await pipelineSettled(handle);
   expect(p.phase).toBe('failed');
   expect(p.failure).toMatchObject({ type: 'NoSuchFile', during: 'resolving' });
@@ -173,7 +205,9 @@ test('a step that keeps failing is named where a user looks (progress, search at
     // The list can be filtered by phase, and the workflow's page says what is going on.
     const listed = await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/${named('flaky')}" AND MagusPhase="resolving"`);
     expect(listed).toContain(handle.workflowId);
-    expect(await currentDetails(handle)).toMatch(/^\*\*resolving\*\* · `magus-test\/flaky-llama`[^]*retrying resolveSource: attempt \d+ failed at [^:]+:[^:]+:[^:]+: .*503/);
+    expect(await currentDetails(handle)).toMatch(
+      /^\*\*resolving\*\* · `magus-test\/flaky-llama`[^]*retrying resolveSource: attempt \d+ failed at [^:]+:[^:]+:[^:]+: .*503/,
+    );
   } finally {
     hub.setFaults({});
   }
@@ -181,7 +215,9 @@ test('a step that keeps failing is named where a user looks (progress, search at
   expect(p.phase).toBe('ready');
   expect(p.retrying).toBeUndefined();
   expect(await listWorkflowIds(client, `MagusKind="model" AND MagusModel="default/${named('flaky')}" AND MagusPhase="ready"`)).toContain(handle.workflowId);
-  expect(await currentDetails(handle)).toMatch(/^\*\*ready\*\* · `magus-test\/flaky-llama` @ `[0-9a-f]{12}` · generation 1 {2}\n5 of 5 files · [^]*gguf:q40: (\d+) of \1 tensors[^]*published: the model can be served$/);
+  expect(await currentDetails(handle)).toMatch(
+    /^\*\*ready\*\* · `magus-test\/flaky-llama` @ `[0-9a-f]{12}` · generation 1 {2}\n5 of 5 files · [^]*gguf:q40: (\d+) of \1 tensors[^]*published: the model can be served$/,
+  );
   await recordHistory('model-pipeline-retried', handle);
 }, 120_000);
 
@@ -197,7 +233,9 @@ test('a second pipeline for the same repo and revision transfers and converts no
 /** How many times an activity type was started, from the workflow's history. */
 async function attempts(workflowId: string, activityType: string): Promise<number> {
   const history = await client.workflow.getHandle(workflowId).fetchHistory();
-  return (history.events ?? []).filter((e) => e.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED && e.activityTaskScheduledEventAttributes?.activityType?.name === activityType).length;
+  return (history.events ?? []).filter(
+    (e) => e.eventType === EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED && e.activityTaskScheduledEventAttributes?.activityType?.name === activityType,
+  ).length;
 }
 
 test.each([
@@ -269,10 +307,30 @@ test('cancel stops a transfer in flight and removes its partial uploads', async 
 test('magus model pull starts the pipeline and returns when the model is ready', async () => {
   const child = spawn(
     process.execPath,
-    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))", 'model', 'pull', REPO, '--format', 'gguf:q80', '--hub', hub.url, '--name', named('pulled')],
+    [
+      '-r',
+      require.resolve('@swc-node/register'),
+      '-e',
+      "require('./workers/magus').main(process.argv.slice(1)).then((c) => process.exit(c))",
+      'model',
+      'pull',
+      REPO,
+      '--format',
+      'gguf:q80',
+      '--hub',
+      hub.url,
+      '--name',
+      named('pulled'),
+    ],
     {
       cwd: join(__dirname, '..'),
-      env: { ...process.env, MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address, MAGUS_TASK_QUEUE: cfg.taskQueue, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_S3_ENDPOINT: cfg.s3.endpoint },
+      env: {
+        ...process.env,
+        MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
+        MAGUS_TASK_QUEUE: cfg.taskQueue,
+        MAGUS_NATS_URL: endpoint('nats').servers,
+        MAGUS_S3_ENDPOINT: cfg.s3.endpoint,
+      },
     },
   );
   let stdout = '';

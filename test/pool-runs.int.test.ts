@@ -19,7 +19,6 @@ import { isolation, recordHistory, workerConfig } from './harness';
 import { magusStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
-
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
 /** A model of its own (its isolation id), and so pool workflow ids no other test file uses. */
@@ -59,7 +58,14 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
     const gone = `${MODEL}-100`;
     // A conversation on it, as a gateway writes it: the pool's reconciler counts it.
     const sessions = await nc.jetstream().views.kv(names.sessionsBucket);
-    const entry: SessionEntry = { subject: 'magus.req.nobody', pool: MODEL, namespace: 'default', instance: gone, expiresAt: Date.now() + 600_000, placedAt: Date.now() };
+    const entry: SessionEntry = {
+      subject: 'magus.req.nobody',
+      pool: MODEL,
+      namespace: 'default',
+      instance: gone,
+      expiresAt: Date.now() + 600_000,
+      placedAt: Date.now(),
+    };
     await sessions.put('conv-fake', new TextEncoder().encode(JSON.stringify(entry)));
     const carry: PoolCarry = {
       instances: [{ id: gone, subject: 'magus.req.nobody', leases: 0, pending: 0, ackPending: 0, idleSince: 0, runtimeQueue: queue }],
@@ -69,8 +75,21 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
       lastError: null,
       demand: {},
     };
-    const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000, ownerTimeoutMs: 1000 };
-    const pool = await client.workflow.start('dllamaPool', { workflowId: `${poolWorkflowId('default', MODEL)}-carried`, taskQueue: poolQueueFor(cfg.taskQueue), args: [input, carry] });
+    const input: PoolInput = {
+      namespace: 'default',
+      model: MODEL,
+      minInstances: 1,
+      maxInstances: 1,
+      leasesPerInstance: 4,
+      idleTimeoutMs: 600_000,
+      healthCheckMs: 1000,
+      ownerTimeoutMs: 1000,
+    };
+    const pool = await client.workflow.start('dllamaPool', {
+      workflowId: `${poolWorkflowId('default', MODEL)}-carried`,
+      taskQueue: poolQueueFor(cfg.taskQueue),
+      args: [input, carry],
+    });
     pools.push(pool);
     const events = async () => (await pool.fetchHistory()).events ?? [];
 
@@ -92,16 +111,27 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
     await registry.withdrawRuntime(worker);
     await until('the instance dropped', async () => !(status = await pool.query(poolStatusQuery)).instances.some((i) => i.id === gone), 30_000);
     expect(status.lastError).toBe(`the worker running instance ${gone} is gone (its runtime advert is withdrawn)`);
-    await until('a destroy and a start', async () => {
-      history = await events();
-      return scheduled(history, 'destroyInstance').length >= 1 && scheduled(history, 'createInstance').length >= 1;
-    }, 30_000);
+    await until(
+      'a destroy and a start',
+      async () => {
+        history = await events();
+        return scheduled(history, 'destroyInstance').length >= 1 && scheduled(history, 'createInstance').length >= 1;
+      },
+      30_000,
+    );
     expect(scheduled(history, 'destroyInstance')[0]!.activityTaskScheduledEventAttributes?.taskQueue?.name).toBe(queue);
-    await until('the new instance ready', async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.id === `${MODEL}-101` && i.phase === 'ready'), 120_000);
+    await until(
+      'the new instance ready',
+      async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.id === `${MODEL}-101` && i.phase === 'ready'),
+      120_000,
+    );
     // Started with the pool's leases per instance, and its engine serves that many at once (a
     // slot per lease), not the 16 slots the tiny model's memory plan fits in the default budget.
     const [started] = scheduled(history, 'createInstance');
-    expect(JSON.parse(Buffer.from(started!.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!).toString())).toMatchObject({ instance: `${MODEL}-101`, leases: 4 });
+    expect(JSON.parse(Buffer.from(started!.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!).toString())).toMatchObject({
+      instance: `${MODEL}-101`,
+      leases: 4,
+    });
     const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(MODEL, `${MODEL}-101`));
     expect(consumer.config.max_ack_pending).toBe(4);
     await recordHistory('pool-owner-confirmed', pool);

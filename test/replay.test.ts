@@ -32,16 +32,23 @@ interface RecordedHistory {
 const read = (name: string): RecordedHistory => JSON.parse(readFileSync(join(historiesDir, `${name}.json`), 'utf8')) as RecordedHistory;
 const countOf = (h: RecordedHistory, type: string) => h.events.filter((e) => e.eventType === type).length;
 const scheduledOf = (h: RecordedHistory, activity: string) => h.events.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === activity);
-const signalsOf = (h: RecordedHistory) => h.events.map((e) => e.workflowExecutionSignaledEventAttributes?.signalName).filter((s): s is string => s !== undefined);
+const signalsOf = (h: RecordedHistory) =>
+  h.events.map((e) => e.workflowExecutionSignaledEventAttributes?.signalName).filter((s): s is string => s !== undefined);
 const lastEvent = (h: RecordedHistory) => h.events.at(-1)?.eventType;
 /** A marker's first payload, decoded (its JSON). */
-const markerData = (e: RecordedHistory['events'][number], key: string): unknown => JSON.parse(Buffer.from(e.markerRecordedEventAttributes?.details?.[key]?.payloads?.[0]?.data ?? '', 'base64').toString('utf8'));
+const markerData = (e: RecordedHistory['events'][number], key: string): unknown =>
+  JSON.parse(Buffer.from(e.markerRecordedEventAttributes?.details?.[key]?.payloads?.[0]?.data ?? '', 'base64').toString('utf8'));
 /** The patch ids a history recorded (`core_patch` markers). */
-const patchesOf = (h: RecordedHistory): string[] => h.events.filter((e) => e.markerRecordedEventAttributes?.markerName === 'core_patch').map((e) => (markerData(e, 'patch-data') as { id: string }).id);
+const patchesOf = (h: RecordedHistory): string[] =>
+  h.events.filter((e) => e.markerRecordedEventAttributes?.markerName === 'core_patch').map((e) => (markerData(e, 'patch-data') as { id: string }).id);
 /** The local activities a history ran (`core_local_activity` markers name their type). */
-const localActivitiesOf = (h: RecordedHistory): string[] => h.events.filter((e) => e.markerRecordedEventAttributes?.markerName === 'core_local_activity').map((e) => (markerData(e, 'data') as { activity_type: string }).activity_type);
+const localActivitiesOf = (h: RecordedHistory): string[] =>
+  h.events
+    .filter((e) => e.markerRecordedEventAttributes?.markerName === 'core_local_activity')
+    .map((e) => (markerData(e, 'data') as { activity_type: string }).activity_type);
 /** The first input of an activity's first scheduling. */
-const inputOf = (h: RecordedHistory, activity: string): unknown => JSON.parse(Buffer.from(scheduledOf(h, activity)[0]?.activityTaskScheduledEventAttributes?.input?.payloads?.[0]?.data ?? '', 'base64').toString('utf8'));
+const inputOf = (h: RecordedHistory, activity: string): unknown =>
+  JSON.parse(Buffer.from(scheduledOf(h, activity)[0]?.activityTaskScheduledEventAttributes?.input?.payloads?.[0]?.data ?? '', 'base64').toString('utf8'));
 
 /** The signals a pool takes: none per conversation (ARCHITECTURE.md, "Data plane", "The entry-lease protocol"). */
 const POOL_SIGNALS = new Set(['demand', 'resourceChanged', 'modelPublished']);
@@ -59,9 +66,19 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
   // A resolve that failed and was retried: the activity's `activityFailed` signal, its phase a search attribute.
   ['model-pipeline-retried', [], (h) => signalsOf(h).includes('activityFailed') && countOf(h, 'EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES') >= 2],
   // test/pipeline-crash.int.test.ts: its worker SIGKILLed mid-transfer: a workflow task timed out, transfers resumed on later attempts.
-  ['model-pipeline-resumed', [], (h) => countOf(h, 'EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT') >= 1 && h.events.some((e) => (e.activityTaskStartedEventAttributes?.attempt ?? 1) > 1)],
+  [
+    'model-pipeline-resumed',
+    [],
+    (h) => countOf(h, 'EVENT_TYPE_WORKFLOW_TASK_TIMED_OUT') >= 1 && h.events.some((e) => (e.activityTaskStartedEventAttributes?.attempt ?? 1) > 1),
+  ],
   // test/controller.int.test.ts: a `Model`'s pipeline, its status written back (a local activity), its pool told when it published.
-  ['model-pipeline-resource', [], (h) => localActivitiesOf(h).includes('writeModelStatus') && h.events.some((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'modelPublished')],
+  [
+    'model-pipeline-resource',
+    [],
+    (h) =>
+      localActivitiesOf(h).includes('writeModelStatus') &&
+      h.events.some((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'modelPublished'),
+  ],
   // A `Model` deleted: the pipeline cancelled, forgetting the model.
   ['model-pipeline-resource-deleted', [], (h) => localActivitiesOf(h).includes('writeModelStatus') && signalsOf(h).includes('cancel')],
   // A pool sized by a `Dllama` that was scaled and deleted, its status written back.
@@ -75,7 +92,14 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
   // test/serving-withdraw.int.test.ts: demand that clients took back while instances started; the instances started for it stopped.
   ['pool-demand-withdrawn', [], (h) => signalsOf(h).filter((s) => s === 'demand').length >= 2 && scheduledOf(h, 'destroyInstance').length >= 1],
   // test/pool-runs.int.test.ts: a carried instance whose worker's queue nobody polls: its owner asked (alive, then gone), the instance dropped and replaced, started with the pool's leases per instance.
-  ['pool-owner-confirmed', [], (h) => scheduledOf(h, 'workerGone').length >= 2 && scheduledOf(h, 'destroyInstance').length >= 1 && (inputOf(h, 'createInstance') as { leases?: number }).leases === 4],
+  [
+    'pool-owner-confirmed',
+    [],
+    (h) =>
+      scheduledOf(h, 'workerGone').length >= 2 &&
+      scheduledOf(h, 'destroyInstance').length >= 1 &&
+      (inputOf(h, 'createInstance') as { leases?: number }).leases === 4,
+  ],
   // test/serving-errors.int.test.ts: a model whose instances can never start: failed starts backing off, then one at once when the model is published.
   ['pool-start-backoff', [], (h) => scheduledOf(h, 'createInstance').length >= 3 && signalsOf(h).includes('modelPublished')],
   // test/serving-workers.int.test.ts: a watcher per instance on its worker's queue; that worker gone, the instance replaced on the other.
@@ -88,18 +112,24 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
   ['session-renewed', [], (h) => lastEvent(h) === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED' && h.events.length <= 24],
 ];
 
-test.each(histories)('the recorded %s history replays (patches %j)', async (name, patches, tookThePath) => {
-  const history = read(name);
-  expect(patchesOf(history)).toEqual(patches);
-  expect(tookThePath(history)).toBe(true);
-  // Pools and sessions record no event per conversation: a session takes no signal or update, a pool only these signals.
-  if (name.startsWith('session-')) expect([signalsOf(history), countOf(history, 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')]).toEqual([[], 0]);
-  if (name.startsWith('pool-')) expect(signalsOf(history).filter((s) => !POOL_SIGNALS.has(s))).toEqual([]);
-  await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
-}, 60_000);
+test.each(histories)(
+  'the recorded %s history replays (patches %j)',
+  async (name, patches, tookThePath) => {
+    const history = read(name);
+    expect(patchesOf(history)).toEqual(patches);
+    expect(tookThePath(history)).toBe(true);
+    // Pools and sessions record no event per conversation: a session takes no signal or update, a pool only these signals.
+    if (name.startsWith('session-')) expect([signalsOf(history), countOf(history, 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED')]).toEqual([[], 0]);
+    if (name.startsWith('pool-')) expect(signalsOf(history).filter((s) => !POOL_SIGNALS.has(s))).toEqual([]);
+    await expect(Worker.runReplayHistory({ workflowsPath }, History.fromObject(history), `${name}/replay`)).resolves.toBeUndefined();
+  },
+  60_000,
+);
 
 test('every recorded history is replayed above', () => {
-  const files = readdirSync(historiesDir).filter((f) => f.endsWith('.json')).map((f) => f.slice(0, -'.json'.length));
+  const files = readdirSync(historiesDir)
+    .filter((f) => f.endsWith('.json'))
+    .map((f) => f.slice(0, -'.json'.length));
   expect(files.sort()).toEqual(histories.map(([name]) => name).sort());
 });
 

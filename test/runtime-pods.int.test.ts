@@ -109,7 +109,14 @@ beforeAll(async () => {
   };
   const m = await put('artifacts/tinyd/model.m', randomBytes(4096));
   const t = await put('artifacts/tinyd/tokenizer.t', randomBytes(512));
-  await registry.put({ namespace: NS, name: 'tinyd', source: { repo: 'org/tinyd', revision: 'main', sha: 'd'.repeat(40) }, artifacts: [{ format: 'dllama', weights: 'q40', files: [m, t] }], memory: [], readyAt: new Date().toISOString() } as unknown as ReadyModel);
+  await registry.put({
+    namespace: NS,
+    name: 'tinyd',
+    source: { repo: 'org/tinyd', revision: 'main', sha: 'd'.repeat(40) },
+    artifacts: [{ format: 'dllama', weights: 'q40', files: [m, t] }],
+    memory: [],
+    readyAt: new Date().toISOString(),
+  } as unknown as ReadyModel);
 
   const s3e = endpoint('s3');
   await podman('network', 'rm', '--force', KUBE_NETWORK).catch(() => undefined);
@@ -121,7 +128,11 @@ beforeAll(async () => {
   await podman('pod', 'create', '--name', HOLDER, '--network', KUBE_NETWORK);
   await podman('pod', 'start', HOLDER);
   stack.defer(() => Promise.all(proxies.map((p) => p.close())));
-  const natsAddress = await proxyFromPods(endpoint('nats').servers.replace(/^nats:\/\//, '').split(',')[0]!);
+  const natsAddress = await proxyFromPods(
+    endpoint('nats')
+      .servers.replace(/^nats:\/\//, '')
+      .split(',')[0]!,
+  );
   const s3Address = await proxyFromPods(new URL(s3e.endpoint).host);
   runtime = createKubernetesRuntime({
     kc: cluster.kubeConfig,
@@ -134,13 +145,18 @@ beforeAll(async () => {
   });
   // A conversation's session is its pin to the instance under test (no Temporal here), written
   // when the gateway asks for it: a pin written beforehand races the gateway's watch of the bucket.
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { [TOKEN_ID]: TOKEN },
-    env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' },
-    deps: { coldStart: (req) => (pinTo ? pinConversation(nc, names, req.conversationKey, pinTo.pool, pinTo.instance) : Promise.reject(new Error('no instance under test'))) },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { [TOKEN_ID]: TOKEN },
+      env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' },
+      deps: {
+        coldStart: (req) =>
+          pinTo ? pinConversation(nc, names, req.conversationKey, pinTo.pool, pinTo.instance) : Promise.reject(new Error('no instance under test')),
+      },
+    }),
+  ));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 600_000);
 
@@ -170,7 +186,12 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
     version: CRD_VERSION,
     namespace: NS,
     plural: 'dllamas',
-    body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name: model }, spec: { model, engine, nodesPower, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '10m' } },
+    body: {
+      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+      kind: 'Dllama',
+      metadata: { name: model },
+      spec: { model, engine, nodesPower, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '10m' },
+    },
   });
   const instance = `${model}-1`;
   await runtime.create({ namespace: NS, model, pool: model, instance }, new AbortController().signal);
@@ -199,17 +220,28 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
       );
       if (ok) break;
       if (Date.now() > deadline) {
-        const logs = await podman('pod', 'logs', `${base}-0`).then((r) => r.stdout + r.stderr, (e: Error) => e.message);
+        const logs = await podman('pod', 'logs', `${base}-0`).then(
+          (r) => r.stdout + r.stderr,
+          (e: Error) => e.message,
+        );
         throw new Error(`the engine container never answered; pod logs:\n${logs.slice(-3000)}`);
       }
       await sleep(500);
     }
     const sessionId = `pods-${model}`;
     pinTo = { pool: model, instance };
-    const r = await openai.chat.completions.create({ model: `${NS}/${model}`, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': sessionId } }).catch(async (err: Error) => {
-      const logs = await podman('pod', 'logs', `${base}-0`).then((x) => x.stdout + x.stderr, (e: Error) => e.message);
-      throw new Error(`${err.message}; pod logs:\n${logs.slice(-3000)}`);
-    });
+    const r = await openai.chat.completions
+      .create(
+        { model: `${NS}/${model}`, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 4, temperature: 0 },
+        { headers: { 'x-session-id': sessionId } },
+      )
+      .catch(async (err: Error) => {
+        const logs = await podman('pod', 'logs', `${base}-0`).then(
+          (x) => x.stdout + x.stderr,
+          (e: Error) => e.message,
+        );
+        throw new Error(`${err.message}; pod logs:\n${logs.slice(-3000)}`);
+      });
     expect(r.choices[0]?.message.content ?? '').toMatch(expectText);
   } finally {
     pinTo = undefined;

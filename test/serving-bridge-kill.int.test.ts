@@ -58,7 +58,22 @@ interface BridgeProcess {
 /** `magus bridge` for the test's instance, from the TS sources; resolves once it serves. */
 async function startBridgeProcess(healthPort?: number): Promise<BridgeProcess> {
   const code = `require(${JSON.stringify(join(ROOT, 'workers', 'bridge'))}).bridgeCommand(process.argv.slice(1)).then((c) => process.exit(c))`;
-  const args = ['--nats', endpoint('nats').servers, '--prefix', iso.natsPrefix, '--pool', POOL, '--instance', INSTANCE, '--engine', engine.url, '--slots', '1', '--ack-wait-ms', String(ACK_WAIT_MS)];
+  const args = [
+    '--nats',
+    endpoint('nats').servers,
+    '--prefix',
+    iso.natsPrefix,
+    '--pool',
+    POOL,
+    '--instance',
+    INSTANCE,
+    '--engine',
+    engine.url,
+    '--slots',
+    '1',
+    '--ack-wait-ms',
+    String(ACK_WAIT_MS),
+  ];
   if (healthPort !== undefined) args.push('--health-port', String(healthPort));
   // pdeathsig: the bridge dies with this test process, whatever happens to it.
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, '-r', require.resolve('@swc-node/register'), '-e', code, '--', ...args], {
@@ -134,17 +149,19 @@ beforeAll(async () => {
   await pinConversation(nc, names, key, POOL, INSTANCE);
 
   // The entry was written before the watch started, so `ready` means it is loaded.
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { [TOKEN_ID]: TOKEN },
-    env: {
-      // Far longer than a bridge takes to start: the client waits for the second bridge.
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
-      MAGUS_LOG_LEVEL: 'silent',
-    },
-    deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the bridge kill test') },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { [TOKEN_ID]: TOKEN },
+      env: {
+        // Far longer than a bridge takes to start: the client waits for the second bridge.
+        MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
+        MAGUS_LOG_LEVEL: 'silent',
+      },
+      deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the bridge kill test') },
+    }),
+  ));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
   stack.defer(async () => {
     for (const p of processes) p.child.kill('SIGKILL');
@@ -174,7 +191,12 @@ function expectTwoAttempts(before: number): void {
 async function expectOneTakeOverIn(healthPort: number): Promise<void> {
   const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
   const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
-  expect({ pulled: of('magus_bridge_pulled_total'), redelivered: of('magus_bridge_redelivered_total'), acked: of('magus_bridge_acked_total'), healthy: of('magus_bridge_healthy') }).toEqual({
+  expect({
+    pulled: of('magus_bridge_pulled_total'),
+    redelivered: of('magus_bridge_redelivered_total'),
+    acked: of('magus_bridge_acked_total'),
+    healthy: of('magus_bridge_healthy'),
+  }).toEqual({
     pulled: '1',
     redelivered: '1',
     acked: '1',
@@ -232,35 +254,39 @@ async function* chunksOf(stream: AsyncIterable<OpenAI.ChatCompletionChunk>, into
 test.each([
   ['before the first piece', 0],
   ['mid-answer, after the client got 3 pieces', 3],
-])('stream: the bridge dies %s; the next bridge completes it, no piece missing or twice', async (_what, afterChunks) => {
-  const before = engine.requests.length;
-  const held = holdNextAnswer(afterChunks);
-  const first = await startBridgeProcess();
-  const content = prompt(`stream-${afterChunks}`);
-  const stream = await openai.chat.completions.create({ model: POOL, messages: [{ role: 'user', content }], stream: true }, { headers });
-  const got: Streamed = { id: '', role: undefined, deltas: [], finishReasons: [] };
-  const reading = chunksOf(stream, got);
-  // The stream is committed with the role chunk; read until the client holds the pieces sent
-  // before the hold.
-  await held;
-  while (got.deltas.length < afterChunks) {
-    const r = await reading.next();
-    expect(r.done).toBe(false);
-  }
-  expect(got.deltas).toEqual(splitText(content, CHUNKS).slice(0, afterChunks));
-  await kill(first);
+])(
+  'stream: the bridge dies %s; the next bridge completes it, no piece missing or twice',
+  async (_what, afterChunks) => {
+    const before = engine.requests.length;
+    const held = holdNextAnswer(afterChunks);
+    const first = await startBridgeProcess();
+    const content = prompt(`stream-${afterChunks}`);
+    const stream = await openai.chat.completions.create({ model: POOL, messages: [{ role: 'user', content }], stream: true }, { headers });
+    const got: Streamed = { id: '', role: undefined, deltas: [], finishReasons: [] };
+    const reading = chunksOf(stream, got);
+    // The stream is committed with the role chunk; read until the client holds the pieces sent
+    // before the hold.
+    await held;
+    while (got.deltas.length < afterChunks) {
+      const r = await reading.next();
+      expect(r.done).toBe(false);
+    }
+    expect(got.deltas).toEqual(splitText(content, CHUNKS).slice(0, afterChunks));
+    await kill(first);
 
-  const healthPort = await freePort();
-  const second = await startBridgeProcess(healthPort);
-  for (let r = await reading.next(); !r.done; r = await reading.next());
-  expect(got.role).toBe('assistant');
-  expect(got.deltas).toEqual(splitText(content, CHUNKS));
-  expect(got.deltas.join('')).toBe(content);
-  expect(got.finishReasons).toEqual(['stop']);
-  expectTwoAttempts(before);
+    const healthPort = await freePort();
+    const second = await startBridgeProcess(healthPort);
+    for (let r = await reading.next(); !r.done; r = await reading.next());
+    expect(got.role).toBe('assistant');
+    expect(got.deltas).toEqual(splitText(content, CHUNKS));
+    expect(got.deltas.join('')).toBe(content);
+    expect(got.finishReasons).toEqual(['stop']);
+    expectTwoAttempts(before);
 
-  await until('the request acked', consumerIdle);
-  expect(engine.requests.length - before).toBe(2);
-  await expectOneTakeOverIn(healthPort);
-  await stop(second);
-}, 180_000);
+    await until('the request acked', consumerIdle);
+    expect(engine.requests.length - before).toBe(2);
+    await expectOneTakeOverIn(healthPort);
+    await stop(second);
+  },
+  180_000,
+);

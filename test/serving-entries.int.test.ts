@@ -46,7 +46,12 @@ beforeAll(async () => {
   taskQueue = magus.cfg.taskQueue;
   kv = await nc.jetstream().views.kv(names.sessionsBucket);
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
+  stack.defer(() =>
+    client.workflow
+      .getHandle(poolWorkflowId('default', MODEL))
+      .terminate()
+      .catch(() => undefined),
+  );
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);
@@ -63,7 +68,14 @@ async function startSession(key: string, expiresAt: number, ttlMs: number) {
   });
 }
 
-const entry = (instance: string, expiresAt: number): SessionEntry => ({ subject: `magus.req.${MODEL}.${instance}`, pool: MODEL, namespace: 'default', instance, expiresAt, placedAt: Date.now() });
+const entry = (instance: string, expiresAt: number): SessionEntry => ({
+  subject: `magus.req.${MODEL}.${instance}`,
+  pool: MODEL,
+  namespace: 'default',
+  instance,
+  expiresAt,
+  placedAt: Date.now(),
+});
 
 test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, the entry deleted at the end', async () => {
   const ttl = 1500;
@@ -91,9 +103,16 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   expect(e2.length - e1.length).toBeLessThanOrEqual(2 * 6);
   // No signal, no update, no upsert but the final phase.
   const kinds = new Set(e2.map((e) => temporal.api.enums.v1.EventType[e.eventType!]));
-  for (const none of ['EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED', 'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED', 'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED']) expect(kinds.has(none)).toBe(false);
+  for (const none of [
+    'EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED',
+    'EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED',
+    'EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED',
+  ])
+    expect(kinds.has(none)).toBe(false);
   expect(e2.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES)).toHaveLength(1);
-  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="ended"`)).toEqual(expect.arrayContaining([h1.workflowId, h2.workflowId]));
+  expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="ended"`)).toEqual(
+    expect.arrayContaining([h1.workflowId, h2.workflowId]),
+  );
   await recordHistory('session-renewed', h2);
 }, 60_000);
 
@@ -129,40 +148,68 @@ test('a renewal landing between the expiry’s read and its delete wins; an entr
 }, 30_000);
 
 test('a pool with 50,000 live conversations scales on them and continues as new with an input under 16 KB', async () => {
-  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 60 * 60_000, runMaxEvents: 60 };
-  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: poolQueueFor(taskQueue), args: [input] });
+  const input: PoolInput = {
+    namespace: 'default',
+    model: MODEL,
+    minInstances: 1,
+    maxInstances: 2,
+    leasesPerInstance: 4,
+    idleTimeoutMs: 60 * 60_000,
+    runMaxEvents: 60,
+  };
+  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', {
+    workflowId: poolWorkflowId('default', MODEL),
+    taskQueue: poolQueueFor(taskQueue),
+    args: [input],
+  });
   let first = '';
-  await until('the pool serves its first instance', async () => {
-    const s = await pool.query(poolStatusQuery);
-    first = s.instances.find((i) => i.phase === 'ready')?.id ?? '';
-    return first !== '';
-  }, 120_000);
+  await until(
+    'the pool serves its first instance',
+    async () => {
+      const s = await pool.query(poolStatusQuery);
+      first = s.instances.find((i) => i.phase === 'ready')?.id ?? '';
+      return first !== '';
+    },
+    120_000,
+  );
   // 50,000 conversations on it, written as gateways write them.
   const expiresAt = Date.now() + 30 * 60_000;
   for (let k = 0; k < 50_000; k += 1000) {
     await Promise.all(Array.from({ length: 1000 }, (_, j) => kv.put(`load-${k + j}`, encode(entry(first, expiresAt)))));
   }
   // The reconciler counts them; the pool wants its maximum and starts the second instance.
-  await until('the pool counts 50,000 leases and runs two instances', async () => {
-    const s = await pool.query(poolStatusQuery);
-    return s.instances.find((i) => i.id === first)?.leases === 50_000 && s.instances.filter((i) => i.phase === 'ready').length === 2;
-  }, 120_000);
+  await until(
+    'the pool counts 50,000 leases and runs two instances',
+    async () => {
+      const s = await pool.query(poolStatusQuery);
+      return s.instances.find((i) => i.id === first)?.leases === 50_000 && s.instances.filter((i) => i.phase === 'ready').length === 2;
+    },
+    120_000,
+  );
   // Demand signals push it past its run budget (60 events): it continues as new carrying instances only.
   for (let k = 0; k < 20; k++) await pool.signal(demandSignal, { replica: `gw-${k}`, waiting: 1 });
   let carried = 0;
-  await until('a run continued as new', async () => {
-    const events = (await client.workflow.getHandle(pool.workflowId, pool.firstExecutionRunId).fetchHistory()).events ?? [];
-    const can = events.find((e) => e.workflowExecutionContinuedAsNewEventAttributes);
-    if (!can) return false;
-    carried = (can.workflowExecutionContinuedAsNewEventAttributes!.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
-    return true;
-  }, 60_000);
+  await until(
+    'a run continued as new',
+    async () => {
+      const events = (await client.workflow.getHandle(pool.workflowId, pool.firstExecutionRunId).fetchHistory()).events ?? [];
+      const can = events.find((e) => e.workflowExecutionContinuedAsNewEventAttributes);
+      if (!can) return false;
+      carried = (can.workflowExecutionContinuedAsNewEventAttributes!.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
+      return true;
+    },
+    60_000,
+  );
   expect(carried).toBeGreaterThan(0);
   expect(carried).toBeLessThan(16 * 1024);
   process.stderr.write(`serving-entries: 50,000 live conversations; the pool continued as new with a ${carried}-byte input\n`);
   await recordHistory('pool-continued', client.workflow.getHandle(pool.workflowId, pool.firstExecutionRunId));
   // The next run still knows both instances and their load.
-  await until('the next run reports the load', async () => (await pool.query(poolStatusQuery)).instances.find((i) => i.id === first)?.leases === 50_000, 60_000);
+  await until(
+    'the next run reports the load',
+    async () => (await pool.query(poolStatusQuery)).instances.find((i) => i.id === first)?.leases === 50_000,
+    60_000,
+  );
   const keys: string[] = [];
   for (let k = 0; k < 50_000; k += 1000) keys.push(...Array.from({ length: 1000 }, (_, j) => `load-${k + j}`));
   for (let k = 0; k < keys.length; k += 1000) await Promise.all(keys.slice(k, k + 1000).map((key) => kv.delete(key)));
@@ -173,16 +220,24 @@ test('the pool’s history grows with its decisions, not with conversations: 5 a
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: model });
   // Four conversations an instance, at most two instances: the lease count stops mattering at 8.
   const input: PoolInput = { namespace: 'default', model, minInstances: 1, maxInstances: 2, leasesPerInstance: 4, idleTimeoutMs: 600_000 };
-  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', { workflowId: poolWorkflowId('default', model), taskQueue: poolQueueFor(taskQueue), args: [input] });
+  const pool = await client.workflow.start<typeof dllamaPool>('dllamaPool', {
+    workflowId: poolWorkflowId('default', model),
+    taskQueue: poolQueueFor(taskQueue),
+    args: [input],
+  });
   const written: string[] = [];
   try {
     let instances: string[] = [];
-    await until('two instances serve', async () => {
-      const s = await pool.query(poolStatusQuery);
-      if (s.instances.length < 2) await pool.signal(demandSignal, { replica: 'test', waiting: 8 });
-      instances = s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
-      return instances.length === 2;
-    }, 180_000);
+    await until(
+      'two instances serve',
+      async () => {
+        const s = await pool.query(poolStatusQuery);
+        if (s.instances.length < 2) await pool.signal(demandSignal, { replica: 'test', waiting: 8 });
+        instances = s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
+        return instances.length === 2;
+      },
+      180_000,
+    );
     const events = async () => (await pool.describe()).historyLength;
     /** New conversations for `seconds` at `perSec`, as gateways write their entries; the pool's new events a minute. */
     const load = async (perSec: number, seconds: number): Promise<number> => {
@@ -207,7 +262,9 @@ test('the pool’s history grows with its decisions, not with conversations: 5 a
     expect(fast).toBeLessThanOrEqual(Math.max(60, slow));
     // Conversations come and go without a signal: only the test's demand above reached the pool.
     const history = (await pool.fetchHistory()).events ?? [];
-    expect(history.filter((e) => e.workflowExecutionSignaledEventAttributes && e.workflowExecutionSignaledEventAttributes.signalName !== 'demand')).toHaveLength(0);
+    expect(
+      history.filter((e) => e.workflowExecutionSignaledEventAttributes && e.workflowExecutionSignaledEventAttributes.signalName !== 'demand'),
+    ).toHaveLength(0);
   } finally {
     for (let k = 0; k < written.length; k += 500) await Promise.all(written.slice(k, k + 500).map((key) => kv.delete(key).catch(() => undefined)));
     await pool.terminate().catch(() => undefined);

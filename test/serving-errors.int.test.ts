@@ -71,31 +71,49 @@ beforeAll(async () => {
   await registry.put(readyModel(UNSTARTABLE));
   await registry.put(readyModel(SILENT));
   const file = (key: string) => ({ key, bytes: 1, sha256: '0'.repeat(64) });
-  await registry.put({ ...readyModel(DLLAMA_ONLY), artifacts: [{ format: 'dllama', weights: 'q40', converterVersion: 'test', files: [file('m/model.m'), file('m/model.t')] }] });
+  await registry.put({
+    ...readyModel(DLLAMA_ONLY),
+    artifacts: [{ format: 'dllama', weights: 'q40', converterVersion: 'test', files: [file('m/model.m'), file('m/model.t')] }],
+  });
 
-  ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: SILENT, instance: SILENT_INSTANCE, slots: 4, engine: { stall: true }, bridge: { log: (line) => bridgeLog.push(line) } })));
+  ({ engine } = await stack.open(
+    stubInstanceStack(nc, names, {
+      pool: SILENT,
+      instance: SILENT_INSTANCE,
+      slots: 4,
+      engine: { stall: true },
+      bridge: { log: (line) => bridgeLog.push(line) },
+    }),
+  ));
   // The silent model's conversation is pinned to that instance, as the session workflow would do.
   const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: SILENT_SESSION });
   await pinConversation(nc, names, key, SILENT, SILENT_INSTANCE);
 
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { [TOKEN_ID]: TOKEN },
-    env: {
-      MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(REQUEST_TIMEOUT_MS),
-      MAGUS_GATEWAY_GAP_TIMEOUT_MS: '1000',
-      // Longer than any wait here: a streamed request is not committed (200) by a keep-alive
-      // before its error, so the error is the HTTP answer.
-      MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '60000',
-      // The 503 must come from the failed instance start, not from the gateway giving up.
-      MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '110000',
-      MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC),
-      MAGUS_LOG_LEVEL: 'silent',
-    },
-    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 }, sessionTtlMs: 60_000 },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { [TOKEN_ID]: TOKEN },
+      env: {
+        MAGUS_GATEWAY_BODY_LIMIT: String(BODY_LIMIT),
+        MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(REQUEST_TIMEOUT_MS),
+        MAGUS_GATEWAY_GAP_TIMEOUT_MS: '1000',
+        // Longer than any wait here: a streamed request is not committed (200) by a keep-alive
+        // before its error, so the error is the HTTP answer.
+        MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '60000',
+        // The 503 must come from the failed instance start, not from the gateway giving up.
+        MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '110000',
+        MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC),
+        MAGUS_LOG_LEVEL: 'silent',
+      },
+      sessions: {
+        client,
+        taskQueue: magus.cfg.taskQueue,
+        pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 1, idleTimeoutMs: 60_000 },
+        sessionTtlMs: 60_000,
+      },
+    }),
+  ));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 120_000);
 
@@ -141,13 +159,24 @@ test('400 names the offending param', async () => {
   expect(choices).toBeInstanceOf(OpenAI.BadRequestError);
   expect(choices).toMatchObject({ status: 400, param: 'n', type: 'invalid_request_error', code: 'unsupported_feature' });
   // Log-probabilities with a JSON format: each is served, together they are not.
-  const logprobs = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, response_format: { type: 'json_object' } }));
+  const logprobs = await failure(
+    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, response_format: { type: 'json_object' } }),
+  );
   expect(logprobs).toMatchObject({ status: 400, param: 'logprobs', type: 'invalid_request_error', code: 'unsupported_feature' });
   // Parameters the grammar cannot enforce: refused before anything is queued, naming the keyword.
   const tools = await failure(
-    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object', properties: { n: { type: 'integer', minimum: 0 } } } } }] }),
+    openai.chat.completions.create({
+      model: SILENT,
+      messages: [{ role: 'user', content: 'x' }],
+      tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object', properties: { n: { type: 'integer', minimum: 0 } } } } }],
+    }),
   );
-  expect(tools).toMatchObject({ status: 400, param: 'tools[0].function.parameters.properties.n.minimum', type: 'invalid_request_error', code: 'unsupported_schema' });
+  expect(tools).toMatchObject({
+    status: 400,
+    param: 'tools[0].function.parameters.properties.n.minimum',
+    type: 'invalid_request_error',
+    code: 'unsupported_schema',
+  });
   expect(engine.requests).toHaveLength(0);
 });
 
@@ -271,7 +300,9 @@ test('429 with Retry-After when the instance’s backlog is full; a slot freed i
   const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${SILENT}`, messages: [], sessionId: `backlog-${iso.id}` });
   const { subject } = await pinConversation(nc, names, key, SILENT, instance);
   const js = nc.jetstream();
-  const queued = await Promise.all(Array.from({ length: DEFAULT_INSTANCE_BACKLOG }, (_, i) => js.publish(subject, new TextEncoder().encode(`{"queued":${i}}`))));
+  const queued = await Promise.all(
+    Array.from({ length: DEFAULT_INSTANCE_BACKLOG }, (_, i) => js.publish(subject, new TextEncoder().encode(`{"queued":${i}}`))),
+  );
   const headers = { 'x-session-id': `backlog-${iso.id}` };
   const messages = [{ role: 'user' as const, content: 'one more, please' }];
   for (const stream of [false, true]) {

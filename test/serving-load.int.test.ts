@@ -51,7 +51,13 @@ beforeAll(async () => {
   nc = nats.nc;
   for (const instance of INSTANCES) {
     const { engine, bridge } = await stack.open(
-      stubInstanceStack(nc, names, { pool: POOL, instance, slots: SLOTS, engine: { chunks: STREAM_CHUNKS }, bridge: { log: (line) => bridgeLog.push(`${instance}: ${line}`) } }),
+      stubInstanceStack(nc, names, {
+        pool: POOL,
+        instance,
+        slots: SLOTS,
+        engine: { chunks: STREAM_CHUNKS },
+        bridge: { log: (line) => bridgeLog.push(`${instance}: ${line}`) },
+      }),
     );
     engines.set(instance, engine);
     bridges.set(instance, bridge);
@@ -65,17 +71,19 @@ beforeAll(async () => {
   }
 
   // The entries were written before the watch started, so `ready` means they are all loaded.
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { [TOKEN_ID]: TOKEN },
-    env: {
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '30000',
-      // Everything the gateway says, so the token check below covers the most log lines.
-      MAGUS_LOG_LEVEL: 'trace',
-    },
-    deps: { coldStart: refusedColdStart(coldStarts, 'cold start during the warm load test'), logStream: gatewayLog },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { [TOKEN_ID]: TOKEN },
+      env: {
+        MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '30000',
+        // Everything the gateway says, so the token check below covers the most log lines.
+        MAGUS_LOG_LEVEL: 'trace',
+      },
+      deps: { coldStart: refusedColdStart(coldStarts, 'cold start during the warm load test'), logStream: gatewayLog },
+    }),
+  ));
 }, 60_000);
 
 afterAll(() => stack.close(), 60_000);
@@ -118,7 +126,16 @@ async function converse(openai: OpenAI, i: number): Promise<TurnResult[]> {
       r = { conversation: i, turn: t, stream, prompt, id, text, finishReason, chunks };
     } else {
       const c = await openai.chat.completions.create({ model: POOL, messages }, { headers });
-      r = { conversation: i, turn: t, stream, prompt, id: c.id, text: c.choices[0]?.message.content ?? '', finishReason: c.choices[0]?.finish_reason, chunks: 0 };
+      r = {
+        conversation: i,
+        turn: t,
+        stream,
+        prompt,
+        id: c.id,
+        text: c.choices[0]?.message.content ?? '',
+        finishReason: c.choices[0]?.finish_reason,
+        chunks: 0,
+      };
     }
     out.push(r);
     messages.push({ role: 'assistant', content: r.text });
@@ -148,7 +165,10 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
   expect(new Set(received).size).toBe(received.length);
   // … on the instance its session names (affinity), without any JetStream redelivery.
   for (const [instance, engine] of engines) {
-    const mine = results.filter((r) => instanceOf(r.conversation) === instance).map((r) => r.prompt).sort();
+    const mine = results
+      .filter((r) => instanceOf(r.conversation) === instance)
+      .map((r) => r.prompt)
+      .sort();
     expect(engine.requests.map((q) => (q.body as { messages: ChatMessage[] }).messages.at(-1)!.content).sort()).toEqual(mine);
   }
   // A bridge records the answer in the claim and acks right after the client has it: let the last ones finish.
@@ -161,7 +181,17 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
 
   // Every turn was warm: answered from the sessions mirror, never the cold path.
   expect(coldStarts).toEqual([]);
-  expect(gateway.sessionCache!.stats()).toEqual({ warmHits: CONVERSATIONS * TURNS, coldStarts: 0, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0, pendingSessionStarts: 0, refusedForPendingStarts: 0 });
+  expect(gateway.sessionCache!.stats()).toEqual({
+    warmHits: CONVERSATIONS * TURNS,
+    coldStarts: 0,
+    firstTurns: 0,
+    moves: 0,
+    renewals: 0,
+    givenBack: 0,
+    staleViewPicks: 0,
+    pendingSessionStarts: 0,
+    refusedForPendingStarts: 0,
+  });
 
   // The gateway logged (at trace level) but never the token, nor its secret part.
   expect(gatewayLog.lines.length).toBeGreaterThan(results.length);

@@ -46,14 +46,26 @@ beforeAll(async () => {
   ({ nc, client } = magus);
   stateDir = magus.dir;
   await publishTinyGguf({ dir: magus.dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { ov: TOKEN },
-    env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC), MAGUS_LOG_LEVEL: 'silent' },
-    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 }, sessionTtlMs: 10 * 60_000 },
-  })));
+  stack.defer(() =>
+    client.workflow
+      .getHandle(poolWorkflowId('default', MODEL))
+      .terminate()
+      .catch(() => undefined),
+  );
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { ov: TOKEN },
+      env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC), MAGUS_LOG_LEVEL: 'silent' },
+      sessions: {
+        client,
+        taskQueue: magus.cfg.taskQueue,
+        pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 10 * 60_000 },
+        sessionTtlMs: 10 * 60_000,
+      },
+    }),
+  ));
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);
@@ -80,7 +92,15 @@ async function firstTurn(id: string, maxTokens = MAX_TOKENS): Promise<Outcome> {
       signal: AbortSignal.timeout(120_000),
     });
     const body = (await res.json()) as { choices?: { message?: { content?: string } }[]; error?: { code?: string } };
-    return { id, status: res.status, retryAfter: res.headers.get('retry-after'), code: body.error?.code, text: body.choices?.[0]?.message?.content, ms: performance.now() - t0, at: Date.now() };
+    return {
+      id,
+      status: res.status,
+      retryAfter: res.headers.get('retry-after'),
+      code: body.error?.code,
+      text: body.choices?.[0]?.message?.content,
+      ms: performance.now() - t0,
+      at: Date.now(),
+    };
   } catch (err) {
     return { id, status: (err as Error).name === 'TimeoutError' ? 'timeout' : 'network', retryAfter: null, ms: performance.now() - t0, at: Date.now() };
   }

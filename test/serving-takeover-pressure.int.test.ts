@@ -74,7 +74,15 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
   const session = `pressure-${suffix}`;
   await pinConversation(nc, names, conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session }), POOL, INSTANCE);
   const env = { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' };
-  const { gateway } = await pieces.open(gatewayStack(names, { nc, secret: SECRET, tokens: { [TOKEN_ID]: TOKEN }, env, deps: { coldStart: () => Promise.reject(new Error('no cold start in this test')) } }));
+  const { gateway } = await pieces.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { [TOKEN_ID]: TOKEN },
+      env,
+      deps: { coldStart: () => Promise.reject(new Error('no cold start in this test')) },
+    }),
+  );
   const openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0, defaultHeaders: { 'x-session-id': session } });
   return {
     names,
@@ -89,7 +97,16 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
       return { reached, release };
     },
     async bridge(conn) {
-      const b = await startBridge({ nc: conn, names, pool: POOL, instance: INSTANCE, engineUrl: engine.url, slots: 1, retryDelayMs: 100, log: () => undefined });
+      const b = await startBridge({
+        nc: conn,
+        names,
+        pool: POOL,
+        instance: INSTANCE,
+        engineUrl: engine.url,
+        slots: 1,
+        retryDelayMs: 100,
+        log: () => undefined,
+      });
       pieces.defer(async () => {
         await b.stop();
         await conn.close();
@@ -162,7 +179,9 @@ test('sized from throughput × the longest request: the take-over finds every fr
     expect(run.deltas).toEqual(splitText(run.content, CHUNKS));
     await until('the take-over acked', () => run.heir.stats.acked === 1); // once its frames are stored, just after the client has them
     expect(run.heir.stats).toMatchObject({ redelivered: 1, resumed: 1, resumeFailed: 0, acked: 1, errors: 0 });
-    expect(bridgeMetricsText([{ pool: POOL, instance: INSTANCE, stats: run.heir.stats, health: run.heir.health() }])).toContain(`magus_bridge_resume_failed_total{pool="${POOL}",instance="${INSTANCE}"} 0`);
+    expect(bridgeMetricsText([{ pool: POOL, instance: INSTANCE, stats: run.heir.stats, health: run.heir.health() }])).toContain(
+      `magus_bridge_resume_failed_total{pool="${POOL}",instance="${INSTANCE}"} 0`,
+    );
     const metrics = await (await fetch(`${p.gateway.url}/metrics`)).text();
     expect(sample(metrics, 'magus_gateway_response_stream_max_bytes')).toBe(32 * KiB * 600);
     expect(sample(metrics, 'magus_gateway_response_stream_required_retention_seconds')).toBe(600);
@@ -182,14 +201,18 @@ test('undersized (a fixed cap the traffic outgrows): the early frames are evicte
     expect(run.deltas).toEqual(splitText(run.content, CHUNKS).slice(0, run.deltas.length));
     await until('the heir resolved it', () => run.heir.stats.termed === 1);
     expect(run.heir.stats).toMatchObject({ redelivered: 1, resumeFailed: 1, acked: 0 });
-    expect(bridgeMetricsText([{ pool: POOL, instance: INSTANCE, stats: run.heir.stats, health: run.heir.health() }])).toContain(`magus_bridge_resume_failed_total{pool="${POOL}",instance="${INSTANCE}"} 1`);
+    expect(bridgeMetricsText([{ pool: POOL, instance: INSTANCE, stats: run.heir.stats, health: run.heir.health() }])).toContain(
+      `magus_bridge_resume_failed_total{pool="${POOL}",instance="${INSTANCE}"} 1`,
+    );
     expect(p.engine.requests).toHaveLength(1); // nothing regenerated
     // Full, and its oldest frame younger than the 10 min a request may need its frames for.
     const metrics = await (await fetch(`${p.gateway.url}/metrics`)).text();
     const max = sample(metrics, 'magus_gateway_response_stream_max_bytes')!;
     expect(max).toBe(256 * KiB);
     expect(sample(metrics, 'magus_gateway_response_stream_bytes')).toBeGreaterThan(0.9 * max);
-    expect(sample(metrics, 'magus_gateway_response_stream_oldest_frame_age_seconds')).toBeLessThan(sample(metrics, 'magus_gateway_response_stream_required_retention_seconds')!);
+    expect(sample(metrics, 'magus_gateway_response_stream_oldest_frame_age_seconds')).toBeLessThan(
+      sample(metrics, 'magus_gateway_response_stream_required_retention_seconds')!,
+    );
   } finally {
     await p.close();
   }

@@ -46,7 +46,12 @@ beforeAll(async () => {
 afterAll(() => stack.close(), 60_000);
 
 test('first turns that leave while the pool starts instances: their calls end at once, they leave no entry, session or demand, and the pool serves only who stayed', async () => {
-  const t = temporalSessions({ client, taskQueue, pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 }, sessionTtlMs: 120_000 });
+  const t = temporalSessions({
+    client,
+    taskQueue,
+    pool: { minInstances: 0, maxInstances: 3, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 500 },
+    sessionTtlMs: 120_000,
+  });
   const js = nc.jetstream();
   const kv = await js.views.kv(names.sessionsBucket);
   const cache = new SessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
@@ -60,7 +65,14 @@ test('first turns that leave while the pool starts instances: their calls end at
     const leavers = [1, 2, 3].map((k) => {
       const abort = new AbortController();
       const key = `leave-${k}-${iso.id}`;
-      return { key, abort, call: cache.acquire(request(key, abort.signal)).then(() => 'answered', (err: unknown) => err) };
+      return {
+        key,
+        abort,
+        call: cache.acquire(request(key, abort.signal)).then(
+          () => 'answered',
+          (err: unknown) => err,
+        ),
+      };
     });
     // The pool hears of the four (the gateway's demand) and starts instances for them.
     await eventually(async () => {

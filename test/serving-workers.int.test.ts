@@ -30,7 +30,12 @@ beforeAll(async () => {
   ({ dir, client, workers: a } = magus);
   ({ workers: b } = await stack.open(workersStack(iso, dir)));
   await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(magus.nc, names.modelsBucket), name: MODEL });
-  stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate().catch(() => undefined));
+  stack.defer(() =>
+    client.workflow
+      .getHandle(poolWorkflowId('default', MODEL))
+      .terminate()
+      .catch(() => undefined),
+  );
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);
@@ -38,8 +43,21 @@ afterAll(() => stack.close(), 60_000);
 const readyInstances = (s: PoolStatus) => s.instances.filter((i) => i.phase === 'ready').map((i) => i.id);
 
 test('an instance is watched on the worker that runs it; when that worker goes, the pool replaces the instance on the other', async () => {
-  const input: PoolInput = { namespace: 'default', model: MODEL, minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 250, ownerTimeoutMs: 2_000 };
-  const pool = await client.workflow.start('dllamaPool', { workflowId: poolWorkflowId('default', MODEL), taskQueue: workerConfig(iso, dir).taskQueue, args: [input] });
+  const input: PoolInput = {
+    namespace: 'default',
+    model: MODEL,
+    minInstances: 1,
+    maxInstances: 1,
+    leasesPerInstance: 4,
+    idleTimeoutMs: 600_000,
+    healthCheckMs: 250,
+    ownerTimeoutMs: 2_000,
+  };
+  const pool = await client.workflow.start('dllamaPool', {
+    workflowId: poolWorkflowId('default', MODEL),
+    taskQueue: workerConfig(iso, dir).taskQueue,
+    args: [input],
+  });
   let status: PoolStatus = await pool.query(poolStatusQuery);
   await until('a ready instance', async () => readyInstances((status = await pool.query(poolStatusQuery))).length === 1, 120_000);
   const first = readyInstances(status)[0]!;
@@ -49,11 +67,16 @@ test('an instance is watched on the worker that runs it; when that worker goes, 
 
   // One long-running watcher, on the owner's queue, heartbeating: had it run on the other worker it
   // would have found no such instance and the pool would have dropped it.
-  const scheduled = async (name: string) => (await pool.fetchHistory()).events!.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name);
-  await until('the watcher heartbeating', async () => {
-    const pending = (await pool.describe()).raw.pendingActivities ?? [];
-    return pending.some((p) => p.activityType?.name === 'watchInstance' && p.heartbeatDetails != null);
-  }, 30_000);
+  const scheduled = async (name: string) =>
+    (await pool.fetchHistory()).events!.filter((e) => e.activityTaskScheduledEventAttributes?.activityType?.name === name);
+  await until(
+    'the watcher heartbeating',
+    async () => {
+      const pending = (await pool.describe()).raw.pendingActivities ?? [];
+      return pending.some((p) => p.activityType?.name === 'watchInstance' && p.heartbeatDetails != null);
+    },
+    30_000,
+  );
   await sleep(3000); // twelve of its health-check intervals: still the one watcher
   const watchers = await scheduled('watchInstance');
   expect(watchers).toHaveLength(1);
@@ -67,10 +90,14 @@ test('an instance is watched on the worker that runs it; when that worker goes, 
   await owner.shutdown();
   if (owner === a) a = undefined;
   else b = undefined;
-  await until('a new instance on the other worker', async () => {
-    const ids = readyInstances((status = await pool.query(poolStatusQuery)));
-    return ids.length === 1 && ids[0] !== first;
-  }, 120_000);
+  await until(
+    'a new instance on the other worker',
+    async () => {
+      const ids = readyInstances((status = await pool.query(poolStatusQuery)));
+      return ids.length === 1 && ids[0] !== first;
+    },
+    120_000,
+  );
   const second = readyInstances(status)[0]!;
   expect((await other.runtime.describe(MODEL, second))?.healthy).toBe(true);
   expect(status.instances.map((i) => i.id)).not.toContain(first);

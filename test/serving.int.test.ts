@@ -52,13 +52,20 @@ beforeAll(async () => {
   const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-serving-' }));
   ({ dir, nc, client, workers } = magus);
   await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  ({ gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: randomBytes(32).toString('hex'),
-    tokens: { t1: TOKEN },
-    env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
-    sessions: { client, taskQueue: magus.cfg.taskQueue, pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 }, sessionTtlMs: SESSION_TTL_MS },
-  })));
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: randomBytes(32).toString('hex'),
+      tokens: { t1: TOKEN },
+      env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
+      sessions: {
+        client,
+        taskQueue: magus.cfg.taskQueue,
+        pool: { minInstances: 0, maxInstances: 2, leasesPerInstance: 1, idleTimeoutMs: IDLE_MS, drainGraceMs: 1000, healthCheckMs: 1000 },
+        sessionTtlMs: SESSION_TTL_MS,
+      },
+    }),
+  ));
   openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 180_000);
 
@@ -85,13 +92,23 @@ test('chat completions through the gateway, NATS, the bridge and llama.cpp: non-
   expect(text).toBe(done.choices[0]?.message.content);
 
   // stream_options.include_usage: the engine's usage chunk comes last, through the whole path.
-  const counted = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 8, temperature: 0, stream: true, stream_options: { include_usage: true } });
+  const counted = await openai.chat.completions.create({
+    model: MODEL,
+    messages,
+    max_tokens: 8,
+    temperature: 0,
+    stream: true,
+    stream_options: { include_usage: true },
+  });
   const all: OpenAI.ChatCompletionChunk[] = [];
   for await (const c of counted) all.push(c);
   // The same prompt a third time on the instance's one slot: all of it but the last token was
   // cached (that one is evaluated again for the first answer token's logits).
   const prompt = done.usage!.prompt_tokens;
-  expect(all.at(-1)).toMatchObject({ choices: [], usage: { completion_tokens: 8, prompt_tokens: prompt, prompt_tokens_details: { cached_tokens: prompt - 1 } } });
+  expect(all.at(-1)).toMatchObject({
+    choices: [],
+    usage: { completion_tokens: 8, prompt_tokens: prompt, prompt_tokens_details: { cached_tokens: prompt - 1 } },
+  });
   expect(all.slice(0, -1).every((c) => !c.usage)).toBe(true);
 }, 180_000);
 
@@ -129,19 +146,29 @@ test('turns of one conversation stay on one instance and need no Temporal call; 
   expect(sessionHandle.workflowId).toBe(`session/default/${MODEL}/${mine[0]!}`);
   await until('the session is started', async () => (await sessionHandle.describe().catch(() => undefined)) !== undefined);
   expect(await listWorkflowIds(client, `MagusKind="session" AND MagusModel="default/${MODEL}" AND MagusPhase="serving"`)).toContain(sessionHandle.workflowId);
-  expect(await currentDetails(sessionHandle)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · a conversation on model \`default/${MODEL}\` {2}\nlooks at its lease at \\S+Z \\(TTL 15 s after the last renewal\\)$`));
+  expect(await currentDetails(sessionHandle)).toMatch(
+    new RegExp(`^\\*\\*serving\\*\\* · a conversation on model \`default/${MODEL}\` {2}\nlooks at its lease at \\S+Z \\(TTL 15 s after the last renewal\\)$`),
+  );
   expect(await (await sessionHandle.describe()).staticSummary()).toBe(`A conversation on model default/${MODEL}`);
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   expect(await listWorkflowIds(client, `MagusKind="pool" AND MagusModel="default/${MODEL}" AND MagusPhase="serving"`)).toEqual([pool.workflowId]);
   // The pool's page counts the conversation once its reconciler has reported it.
   await until('the pool counts the lease', async () => /\n- `[^`]+` ready, [1-9]\d* leases?/.test(await currentDetails(pool)));
-  expect(await currentDetails(pool)).toMatch(new RegExp(`^\\*\\*serving\\*\\* · model \`default/${MODEL}\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`));
+  expect(await currentDetails(pool)).toMatch(
+    new RegExp(`^\\*\\*serving\\*\\* · model \`default/${MODEL}\` · [^]*\\n- \`${first.instance}\` ready, \\d+ leases?`),
+  );
   await recordHistory('session-started', sessionHandle);
   await recordHistory('pool-serving', pool);
   // The session takes no update, no signal: the pool is never told of a conversation.
-  for (const [wf, name] of [[sessionHandle.workflowId, 'session'], [pool.workflowId, 'pool']] as const) {
+  for (const [wf, name] of [
+    [sessionHandle.workflowId, 'session'],
+    [pool.workflowId, 'pool'],
+  ] as const) {
     const events = (await client.workflow.getHandle(wf).fetchHistory()).events ?? [];
-    expect([name, events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED).length]).toEqual([name, 0]);
+    expect([name, events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED).length]).toEqual([
+      name,
+      0,
+    ]);
     expect([name, events.filter((e) => /^lease/.test(e.workflowExecutionSignaledEventAttributes?.signalName ?? '')).length]).toEqual([name, 0]);
   }
   for (const wf of [poolWorkflowId('default', MODEL), sessionWorkflowId('default', MODEL, mine[0]!)]) {
@@ -159,12 +186,19 @@ test('a first turn on a warm pool is served from the pool’s published instance
   // Wait until an instance has room (leasesPerInstance 1: the earlier conversations expire after their TTL).
   const cache = gateway.sessionCache!;
   let room: PoolEntry['instances'][number] | undefined;
-  await until('an instance has room', async () => !!(room = (await published())?.instances.find((i) => cache.leasesOn('default', MODEL, i.instance) === 0)), 60_000);
+  await until(
+    'an instance has room',
+    async () => !!(room = (await published())?.instances.find((i) => cache.leasesOn('default', MODEL, i.instance) === 0)),
+    60_000,
+  );
 
   const before = new Set<string>();
   for await (const k of await sessionsKv.keys()) before.add(k);
   const s0 = cache.stats();
-  const r = await openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content: 'a new conversation' }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': `fast-${randomBytes(4).toString('hex')}` } });
+  const r = await openai.chat.completions.create(
+    { model: MODEL, messages: [{ role: 'user', content: 'a new conversation' }], max_tokens: 4, temperature: 0 },
+    { headers: { 'x-session-id': `fast-${randomBytes(4).toString('hex')}` } },
+  );
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   const s1 = cache.stats();
   expect(s1.firstTurns - s0.firstTurns).toBe(1);
@@ -179,7 +213,11 @@ test('a first turn on a warm pool is served from the pool’s published instance
   // The gateway started the session workflow after answering: it sleeps until the entry's expiry.
   const session = client.workflow.getHandle(sessionWorkflowId('default', MODEL, mine[0]!));
   let events: temporal.api.history.v1.IHistoryEvent[] = [];
-  await until('the session asleep until the expiry', async () => (events = (await session.fetchHistory().catch(() => undefined))?.events ?? []).some((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED));
+  await until('the session asleep until the expiry', async () =>
+    (events = (await session.fetchHistory().catch(() => undefined))?.events ?? []).some(
+      (e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED,
+    ),
+  );
   expect(events.filter((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)).toHaveLength(0);
   // The pool learns of it only counted, from its reconciler.
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
@@ -194,7 +232,8 @@ test('an instance that stops serving for good is replaced, and its conversation 
   };
   const id = `moving-${randomBytes(4).toString('hex')}`;
   // Greedy: a sampled answer of the tiny model may be empty (an end token first).
-  const turn = (content: string) => openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': id } });
+  const turn = (content: string) =>
+    openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': id } });
   const before = new Set<string>();
   for await (const k of await kv.keys()) before.add(k);
   await turn('before');
@@ -211,7 +250,11 @@ test('an instance that stops serving for good is replaced, and its conversation 
   // The pool's watcher sees it and drops it from its view (another instance starts when the
   // conversation's next turn finds no room: its entry on the lost instance counts no more).
   await until('the pool drops the instance', async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === doomed), 60_000);
-  await until('the gateway sees the new view', () => !(gateway.sessionCache!.pools?.get(`default.${MODEL}`)?.instances ?? []).some((i) => i.instance === doomed), 10_000);
+  await until(
+    'the gateway sees the new view',
+    () => !(gateway.sessionCache!.pools?.get(`default.${MODEL}`)?.instances ?? []).some((i) => i.instance === doomed),
+    10_000,
+  );
   // The conversation's next turn moves it (compare-and-swap) and is answered by the new instance.
   const stillThere = (await entryOf(mine[0]!)) !== undefined;
   const m0 = gateway.sessionCache!.stats().moves ?? 0;
@@ -246,8 +289,11 @@ test('an idle pool goes to zero instances and comes back on the next request', a
 }, 120_000);
 
 test('errors reach the client as the openai library expects them', async () => {
-  await expect(openai.chat.completions.create({ model: 'no-such-model', messages: [{ role: 'user', content: 'x' }] })).rejects.toBeInstanceOf(OpenAI.NotFoundError);
-  await expect(new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: 'mgs_t1_wrong', maxRetries: 0 }).models.list()).rejects.toBeInstanceOf(OpenAI.AuthenticationError);
+  await expect(openai.chat.completions.create({ model: 'no-such-model', messages: [{ role: 'user', content: 'x' }] })).rejects.toBeInstanceOf(
+    OpenAI.NotFoundError,
+  );
+  await expect(new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: 'mgs_t1_wrong', maxRetries: 0 }).models.list()).rejects.toBeInstanceOf(
+    OpenAI.AuthenticationError,
+  );
   await expect(openai.chat.completions.create({ model: MODEL, messages: [] })).rejects.toBeInstanceOf(OpenAI.BadRequestError);
 });
-

@@ -100,14 +100,16 @@ async function gatewayOn(address: string): Promise<RunningGateway> {
   stack.defer(() => connection.close());
   const health = watchTemporal(connection);
   stack.defer(() => health.close());
-  const { gateway } = await stack.open(gatewayStack(names, {
-    nc,
-    secret: SECRET,
-    tokens: { t1: TOKEN },
-    env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' },
-    sessions: { client: new Client({ connection }), taskQueue: `${iso.id}-control`, pool: POOL, sessionTtlMs: 600_000 },
-    deps: { temporal: health },
-  }));
+  const { gateway } = await stack.open(
+    gatewayStack(names, {
+      nc,
+      secret: SECRET,
+      tokens: { t1: TOKEN },
+      env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' },
+      sessions: { client: new Client({ connection }), taskQueue: `${iso.id}-control`, pool: POOL, sessionTtlMs: 600_000 },
+      deps: { temporal: health },
+    }),
+  );
   return gateway;
 }
 
@@ -119,7 +121,12 @@ beforeAll(async () => {
   ({ s3 } = await stack.open(s3Stack(iso)));
   const s3Url = new URL(endpoint('s3').endpoint);
   s3Proxy = stack.open(await startTcpProxy({ host: s3Url.hostname, port: Number(s3Url.port) }));
-  ({ workers } = await stack.open(workersStack(iso, dir, { temporal: { address, namespace: 'default' }, s3: { ...workerConfig(iso, dir).s3, endpoint: `${s3Url.protocol}//${s3Proxy.address}` } })));
+  ({ workers } = await stack.open(
+    workersStack(iso, dir, {
+      temporal: { address, namespace: 'default' },
+      s3: { ...workerConfig(iso, dir).s3, endpoint: `${s3Url.protocol}//${s3Proxy.address}` },
+    }),
+  ));
   ({ nc } = await stack.open(natsStack(iso)));
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
   const connection = await Connection.connect({ address, channelArgs: TEMPORAL_CHANNEL_ARGS });
@@ -223,7 +230,13 @@ test('Temporal killed and restarted under traffic: warm turns carry on, new ones
   // (the gateway retried its start until Temporal was back).
   await until(
     'the outage first turn has its session workflow',
-    async () => (await client.workflow.getHandle(sessionWorkflowId('default', MODEL, viewKey!)).describe().catch(() => undefined))?.status.name === 'RUNNING',
+    async () =>
+      (
+        await client.workflow
+          .getHandle(sessionWorkflowId('default', MODEL, viewKey!))
+          .describe()
+          .catch(() => undefined)
+      )?.status.name === 'RUNNING',
     60_000,
   );
 
@@ -265,7 +278,11 @@ test('Temporal killed during a multipart transfer and again during a conversion:
     const progress = async (): Promise<PipelineProgress | undefined> => handle.query(progressQuery).catch(() => undefined);
     const outage = async (during: PipelinePhase, downMs: number): Promise<PipelineProgress> => {
       let p: PipelineProgress | undefined;
-      await until(`the pipeline ${during}`, async () => (p = await progress())?.phase === during && (during === 'transferring' ? p!.bytes.done > 0 : p!.tensors.total > 0), 120_000);
+      await until(
+        `the pipeline ${during}`,
+        async () => (p = await progress())?.phase === during && (during === 'transferring' ? p!.bytes.done > 0 : p!.tensors.total > 0),
+        120_000,
+      );
       await services.killTemporal();
       await sleep(downMs);
       await services.restartTemporal();
@@ -298,7 +315,9 @@ test('Temporal killed during a multipart transfer and again during a conversion:
     expect(files).toHaveLength(1);
     expect((await get(files[0]!.key)).equals(readFileSync(local))).toBe(true);
     expect(await listIncompleteUploads(s3, iso.bucket, `sources/${repo}/`)).toEqual([]);
-    process.stderr.write(`temporal outage during a pipeline: killed at ${atTransfer.bytes.done}/${atTransfer.bytes.total} bytes and at ${atConversion.tensors.done}/${atConversion.tensors.total} tensors; ready, artifacts identical\n`);
+    process.stderr.write(
+      `temporal outage during a pipeline: killed at ${atTransfer.bytes.done}/${atTransfer.bytes.total} bytes and at ${atConversion.tensors.done}/${atConversion.tensors.total} tensors; ready, artifacts identical\n`,
+    );
   } finally {
     await hub.stop();
   }
@@ -314,11 +333,15 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   // The first turn: no pool yet, so it tells the pool of the demand (signal-with-start) and waits for room while the pool starts an instance.
   const first = chat(gateway.url, conversation, 'a first turn on a cold model', COLD);
   let starting = false;
-  await until('the pool starting an instance', async () => {
-    const status = await pool.query(poolStatusQuery).catch(() => undefined);
-    starting = status?.instances.some((i) => i.phase === 'starting') ?? false;
-    return starting || status?.instances.some((i) => i.phase === 'ready') === true;
-  }, 60_000);
+  await until(
+    'the pool starting an instance',
+    async () => {
+      const status = await pool.query(poolStatusQuery).catch(() => undefined);
+      starting = status?.instances.some((i) => i.phase === 'starting') ?? false;
+      return starting || status?.instances.some((i) => i.phase === 'ready') === true;
+    },
+    60_000,
+  );
   await services.killTemporal();
   const killedAt = Date.now();
   const answer = await first;
@@ -335,17 +358,26 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   // The client retries as told: served once Temporal is back and the start has finished.
   let retried: Answer | undefined;
   let retries = 0;
-  await until('the retried turn served', async () => {
-    retried = await chat(gateway.url, conversation, 'the retry', COLD);
-    retries++;
-    if (retried.status !== 200) await sleep(Math.max(1, Number(retried.retryAfter ?? 1)) * 1000);
-    return retried.status === 200;
-  }, 120_000);
+  await until(
+    'the retried turn served',
+    async () => {
+      retried = await chat(gateway.url, conversation, 'the retry', COLD);
+      retries++;
+      if (retried.status !== 200) await sleep(Math.max(1, Number(retried.retryAfter ?? 1)) * 1000);
+      return retried.status === 200;
+    },
+    120_000,
+  );
   const status = await pool.query(poolStatusQuery);
   const ids = status.instances.filter((i) => i.phase !== 'stopping').map((i) => i.id);
-  const running = workers.runtime.bridges().filter((b) => b.instance.startsWith(`${COLD}-`)).map((b) => b.instance);
+  const running = workers.runtime
+    .bridges()
+    .filter((b) => b.instance.startsWith(`${COLD}-`))
+    .map((b) => b.instance);
   expect(new Set(ids).size).toBe(ids.length);
   expect(ids.length).toBeLessThanOrEqual(POOL.maxInstances);
   expect(running.sort()).toEqual([...ids].sort());
-  process.stderr.write(`temporal outage during a scale-up: the pool was ${starting ? 'starting its instance' : 'already ready'} at the kill; the first turn got ${answer.status} ${afterKillMs} ms after the kill (${answer.ms.toFixed(0)} ms in all); served after ${retries} tries; instances ${ids.join(', ')}\n`);
+  process.stderr.write(
+    `temporal outage during a scale-up: the pool was ${starting ? 'starting its instance' : 'already ready'} at the kill; the first turn got ${answer.status} ${afterKillMs} ms after the kill (${answer.ms.toFixed(0)} ms in all); served after ${retries} tries; instances ${ids.join(', ')}\n`,
+  );
 }, 300_000);

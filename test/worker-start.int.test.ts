@@ -56,11 +56,15 @@ function startWorker(temporalAddress: string, healthPort: number, extraEnv: Node
   };
   delete env.AWS_SDK_JS_NODE_VERSION_SUPPORT_WARNING_DISABLED;
   delete env.NODE_NO_WARNINGS;
-  const proc = spawn(process.execPath, ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"], {
-    cwd: join(__dirname, '..'),
-    stdio: ['ignore', 'ignore', 'pipe'],
-    env,
-  });
+  const proc = spawn(
+    process.execPath,
+    ['-r', require.resolve('@swc-node/register'), '-e', "require('./workers/magus').main(['worker']).then((c) => process.exit(c))"],
+    {
+      cwd: join(__dirname, '..'),
+      stdio: ['ignore', 'ignore', 'pipe'],
+      env,
+    },
+  );
   spawned.push(proc);
   let stderr = '';
   proc.stderr.setEncoding('utf8');
@@ -128,7 +132,9 @@ test('started while Temporal is unreachable: degraded at once, a bounded number 
   expect(metric(metrics, 'magus_worker_temporal_probe_failures_total')).toBeGreaterThanOrEqual(1);
   expect(metric(metrics, 'magus_worker_cached_workflows')).toBeUndefined(); // no Temporal worker yet
   const [first] = attemptLines(w.stderr());
-  expect(first).toBe(`magus worker: Temporal at ${address} is unreachable (attempt 1: No connection established. Last error: connect ECONNREFUSED ${address}); next attempt in 1 s, the task queues are polled once it answers`);
+  expect(first).toBe(
+    `magus worker: Temporal at ${address} is unreachable (attempt 1: No connection established. Last error: connect ECONNREFUSED ${address}); next attempt in 1 s, the task queues are polled once it answers`,
+  );
   expect(w.stderr()).not.toMatch(/^\s+at /m);
 
   // A listener on the port that drops every connection (a Temporal not up yet) counts the

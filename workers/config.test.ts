@@ -65,7 +65,9 @@ describe('MAGUS_ENGINES: the engines the local runtime runs, in the order it tri
 
   test('an unknown kind, or a distributed engine without its binaries, is refused naming it', () => {
     expect(problem({ MAGUS_ENGINES: 'llamacpp,vllm' })).toContain('MAGUS_ENGINES=llamacpp,vllm: vllm is not an engine; the engines are llamacpp, dllama');
-    expect(problem({ MAGUS_ENGINES: 'dllama' })).toContain("MAGUS_ENGINES lists dllama, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN");
+    expect(problem({ MAGUS_ENGINES: 'dllama' })).toContain(
+      "MAGUS_ENGINES lists dllama, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN",
+    );
   });
 });
 
@@ -74,7 +76,13 @@ test('both binaries enable distributed-llama with 2 nodes and 1 thread by defaul
 });
 
 test('nodes, threads, relative paths and names found in PATH', () => {
-  const cfg = loadConfig({ MAGUS_DLLAMA_API_BIN: 'dllama-api', MAGUS_DLLAMA_BIN: `./${relative(process.cwd(), worker)}`, PATH: `/nonexistent:${dir}`, MAGUS_DLLAMA_NODES: '8', MAGUS_DLLAMA_THREADS: '3' });
+  const cfg = loadConfig({
+    MAGUS_DLLAMA_API_BIN: 'dllama-api',
+    MAGUS_DLLAMA_BIN: `./${relative(process.cwd(), worker)}`,
+    PATH: `/nonexistent:${dir}`,
+    MAGUS_DLLAMA_NODES: '8',
+    MAGUS_DLLAMA_THREADS: '3',
+  });
   expect(dllamaOf(cfg)).toEqual({ apiBin: api, workerBin: worker, nodes: 8, threads: 3 });
   expect(dllamaOf(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker, MAGUS_DLLAMA_NODES: '1' }))?.nodes).toBe(1);
 });
@@ -86,7 +94,10 @@ test.each(['3', '6', '0', '32', '-2', '2.0x', 'two'])('MAGUS_DLLAMA_NODES=%s is 
 });
 
 test.each([
-  [{ MAGUS_DLLAMA_API_BIN: 'x' }, 'distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only MAGUS_DLLAMA_API_BIN is set'],
+  [
+    { MAGUS_DLLAMA_API_BIN: 'x' },
+    'distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only MAGUS_DLLAMA_API_BIN is set',
+  ],
   [{ MAGUS_DLLAMA_BIN: 'x' }, 'only MAGUS_DLLAMA_BIN is set'],
   [{ MAGUS_DLLAMA_NODES: '4' }, 'MAGUS_DLLAMA_NODES is set, but distributed-llama is off: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN'],
   [{ MAGUS_DLLAMA_NODES: '4', MAGUS_DLLAMA_THREADS: '2' }, 'MAGUS_DLLAMA_NODES and MAGUS_DLLAMA_THREADS are set, but distributed-llama is off'],
@@ -102,13 +113,23 @@ test.each([
 });
 
 test('every problem is reported at once, each naming its variable', () => {
-  const message = problem({ MAGUS_DLLAMA_API_BIN: '/nonexistent/a', MAGUS_DLLAMA_BIN: '/nonexistent/b', MAGUS_DLLAMA_NODES: '3', MAGUS_DLLAMA_THREADS: '0', MAGUS_S3_BUCKET: 'X' });
-  for (const name of ['MAGUS_S3_BUCKET', 'MAGUS_DLLAMA_NODES', 'MAGUS_DLLAMA_THREADS', 'MAGUS_DLLAMA_API_BIN', 'MAGUS_DLLAMA_BIN']) expect(message).toContain(`${name}=`);
+  const message = problem({
+    MAGUS_DLLAMA_API_BIN: '/nonexistent/a',
+    MAGUS_DLLAMA_BIN: '/nonexistent/b',
+    MAGUS_DLLAMA_NODES: '3',
+    MAGUS_DLLAMA_THREADS: '0',
+    MAGUS_S3_BUCKET: 'X',
+  });
+  for (const name of ['MAGUS_S3_BUCKET', 'MAGUS_DLLAMA_NODES', 'MAGUS_DLLAMA_THREADS', 'MAGUS_DLLAMA_API_BIN', 'MAGUS_DLLAMA_BIN'])
+    expect(message).toContain(`${name}=`);
 });
 
 test('the response stream is sized from MAGUS_RESPONSES_PEAK_BYTES_PER_SEC and MAGUS_RESPONSES_RETENTION_MS', () => {
   expect(loadConfig({}).responses).toEqual({});
-  expect(loadConfig({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '2097152', MAGUS_RESPONSES_RETENTION_MS: '900000' }).responses).toEqual({ responsePeakBytesPerSec: 2_097_152, responseRetentionMs: 900_000 });
+  expect(loadConfig({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '2097152', MAGUS_RESPONSES_RETENTION_MS: '900000' }).responses).toEqual({
+    responsePeakBytesPerSec: 2_097_152,
+    responseRetentionMs: 900_000,
+  });
   expect(problem({ MAGUS_RESPONSES_PEAK_BYTES_PER_SEC: '1M' })).toMatch(/MAGUS_RESPONSES_PEAK_BYTES_PER_SEC=1M must be a byte rate/);
   expect(problem({ MAGUS_RESPONSES_RETENTION_MS: '5' })).toMatch(/MAGUS_RESPONSES_RETENTION_MS=5 must be milliseconds/);
 });
@@ -119,13 +140,26 @@ test('a NATS cluster: every URL of MAGUS_NATS_URL, MAGUS_NATS_REPLICAS, and both
   expect(cfg.natsReplicas).toBe(3);
   expect(dataPlaneEnv(cfg)).toEqual({ MAGUS_NATS_REPLICAS: '3', MAGUS_RESPONSES_RETENTION_MS: '600000' });
   expect(loadConfig({}).natsReplicas).toBeUndefined();
-  for (const bad of ['0', '6', '2.5', 'three']) expect(() => loadConfig({ MAGUS_NATS_REPLICAS: bad })).toThrow(`MAGUS_NATS_REPLICAS=${bad} must be an integer from 1 to 5`);
+  for (const bad of ['0', '6', '2.5', 'three'])
+    expect(() => loadConfig({ MAGUS_NATS_REPLICAS: bad })).toThrow(`MAGUS_NATS_REPLICAS=${bad} must be an integer from 1 to 5`);
   expect(() => loadConfig({ MAGUS_NATS_URL: 'nats://a:4222,,http://b' })).toThrow(/MAGUS_NATS_URL=.* is not a list of nats:\/\/ URLs/);
 });
 
 test('MAGUS_RUNTIME=kubernetes: the images are required, the rest has defaults; K8S variables without it are refused', () => {
-  const cfg = loadConfig({ MAGUS_RUNTIME: 'kubernetes', MAGUS_K8S_MAGUS_IMAGE: 'magus:1', MAGUS_K8S_DLLAMA_IMAGE: 'magus-dllama:1', MAGUS_NATS_URL: 'nats://nats:4222', MAGUS_K8S_S3_SECRET: 's3' });
-  expect(kubernetesOf(cfg)).toEqual({ images: { magus: 'magus:1', dllama: 'magus-dllama:1' }, natsUrl: 'nats://nats:4222', s3Secret: 's3', defaultNodes: 1, unschedulableAfterMs: 30000 });
+  const cfg = loadConfig({
+    MAGUS_RUNTIME: 'kubernetes',
+    MAGUS_K8S_MAGUS_IMAGE: 'magus:1',
+    MAGUS_K8S_DLLAMA_IMAGE: 'magus-dllama:1',
+    MAGUS_NATS_URL: 'nats://nats:4222',
+    MAGUS_K8S_S3_SECRET: 's3',
+  });
+  expect(kubernetesOf(cfg)).toEqual({
+    images: { magus: 'magus:1', dllama: 'magus-dllama:1' },
+    natsUrl: 'nats://nats:4222',
+    s3Secret: 's3',
+    defaultNodes: 1,
+    unschedulableAfterMs: 30000,
+  });
   expect(() => loadConfig({ MAGUS_RUNTIME: 'kubernetes' })).toThrow(/MAGUS_K8S_MAGUS_IMAGE is required[\s\S]*MAGUS_K8S_DLLAMA_IMAGE is required/);
   expect(() => loadConfig({ MAGUS_RUNTIME: 'pods' })).toThrow(/MAGUS_RUNTIME=pods must be local or kubernetes/);
   expect(() => loadConfig({ MAGUS_K8S_NODES: '2' })).toThrow(/MAGUS_K8S_NODES set, but MAGUS_RUNTIME is not kubernetes/);
@@ -176,8 +210,21 @@ describe("a running magus dev's connection settings", () => {
     write(connection());
     const env: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_NATS_URL: 'nats://elsewhere:4222' };
     const used = useDevConnection(env);
-    expect(used?.taken).toEqual(['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_S3_ENDPOINT', 'MAGUS_S3_BUCKET', 'MAGUS_S3_REGION', 'AWS_ACCESS_KEY_ID', 'AWS_SECRET_ACCESS_KEY']);
-    expect(loadConfig(env)).toMatchObject({ temporal: { address: '127.0.0.1:17233' }, nats: { servers: 'nats://elsewhere:4222' }, s3: { endpoint: 'http://127.0.0.1:19000' } });
+    expect(used?.taken).toEqual([
+      'MAGUS_TEMPORAL_ADDRESS',
+      'MAGUS_TEMPORAL_NAMESPACE',
+      'MAGUS_TASK_QUEUE',
+      'MAGUS_S3_ENDPOINT',
+      'MAGUS_S3_BUCKET',
+      'MAGUS_S3_REGION',
+      'AWS_ACCESS_KEY_ID',
+      'AWS_SECRET_ACCESS_KEY',
+    ]);
+    expect(loadConfig(env)).toMatchObject({
+      temporal: { address: '127.0.0.1:17233' },
+      nats: { servers: 'nats://elsewhere:4222' },
+      s3: { endpoint: 'http://127.0.0.1:19000' },
+    });
     expect([env.AWS_ACCESS_KEY_ID, env.AWS_SECRET_ACCESS_KEY]).toEqual(['AK', 'SK']);
     // An S3 endpoint of one's own keeps one's own keys (or none) with it.
     const own: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_S3_ENDPOINT: 'http://s3.example:9000' };

@@ -9,7 +9,15 @@
 import { readFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { isAbsolute, join, resolve } from 'node:path';
-import { checkNatsServerList, ConfigError, instanceMemoryFrom, natsReplicasFrom, responseStreamSizing, temporalSettings, type ResponseStreamSizing } from '../platform/config';
+import {
+  checkNatsServerList,
+  ConfigError,
+  instanceMemoryFrom,
+  natsReplicasFrom,
+  responseStreamSizing,
+  temporalSettings,
+  type ResponseStreamSizing,
+} from '../platform/config';
 import { DEFAULT_RUNTIME, RUNTIMES, runtimeConfigFrom, type RuntimeConfig } from '../activities/runtime';
 
 export interface MagusConfig {
@@ -76,7 +84,8 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   let convertThreads: number | undefined;
   if (env.MAGUS_CONVERT_THREADS) {
     convertThreads = Number(env.MAGUS_CONVERT_THREADS);
-    if (!Number.isInteger(convertThreads) || convertThreads < 1 || convertThreads > 256) problems.push(`MAGUS_CONVERT_THREADS=${env.MAGUS_CONVERT_THREADS} must be 1..256`);
+    if (!Number.isInteger(convertThreads) || convertThreads < 1 || convertThreads > 256)
+      problems.push(`MAGUS_CONVERT_THREADS=${env.MAGUS_CONVERT_THREADS} must be 1..256`);
   }
   let transferPartSize: number | undefined;
   if (env.MAGUS_TRANSFER_PART_SIZE) {
@@ -85,19 +94,22 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
       problems.push(`MAGUS_TRANSFER_PART_SIZE=${env.MAGUS_TRANSFER_PART_SIZE} must be a byte count from 5 MiB to 5 GiB`);
     }
   }
-  if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim())) problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
+  if (env.MAGUS_NATS_PREFIX && !/^[A-Za-z0-9_-]+$/.test(env.MAGUS_NATS_PREFIX.trim()))
+    problems.push(`MAGUS_NATS_PREFIX=${env.MAGUS_NATS_PREFIX} may hold only letters, digits, '_' and '-'`);
   const responses = responseStreamSizing(env, problems);
   const queues = env.MAGUS_WORKER_QUEUES?.trim() || 'all';
   if (queues !== 'all' && queues !== 'control' && queues !== 'pipeline') problems.push(`MAGUS_WORKER_QUEUES=${queues} must be all, control or pipeline`);
   const workflowCache = Number(env.MAGUS_WORKFLOW_CACHE?.trim() || String(DEFAULT_WORKFLOW_CACHE));
-  if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000) problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
+  if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000)
+    problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
   const instanceMemory = instanceMemoryFrom(env, problems);
   const s3 = { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined };
   const modelCacheDir = get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models'));
   // The runtime's own variables are its registry entry's to read (activities/runtime/index.ts).
   const runtimeKind = env.MAGUS_RUNTIME?.trim() || DEFAULT_RUNTIME;
   const kinds = RUNTIMES.map((e) => e.kind);
-  if (!kinds.includes(runtimeKind)) problems.push(`MAGUS_RUNTIME=${runtimeKind} must be ${kinds.length > 1 ? `${kinds.slice(0, -1).join(', ')} or ${kinds.at(-1)}` : kinds.join('')}`);
+  if (!kinds.includes(runtimeKind))
+    problems.push(`MAGUS_RUNTIME=${runtimeKind} must be ${kinds.length > 1 ? `${kinds.slice(0, -1).join(', ')} or ${kinds.at(-1)}` : kinds.join('')}`);
   const runtime = runtimeConfigFrom(runtimeKind, env, problems, { nats: { servers: natsServers }, s3, modelCacheDir, instanceMemory });
   if (problems.length > 0) throw new ConfigError(`invalid configuration:\n  ${problems.join('\n  ')}`);
   return {

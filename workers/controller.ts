@@ -29,13 +29,17 @@ export const CONTROLLER_USAGE = [
   '                         (ns/name, ns/*); default MAGUS_SHARED_MODEL_NAMESPACES, else none',
   '  --health-address A     /healthz, /readyz, /metrics (default MAGUS_HEALTH_ADDRESS or 127.0.0.1:9466)',
   '  --no-leader-elect      do not take the Lease magus-controller (only for a single replica)',
-  '  --cleanup-timeout D    how long a deleted resource\'s cleanup may take before it is cut short',
+  "  --cleanup-timeout D    how long a deleted resource's cleanup may take before it is cut short",
   '  --session-mirror-cap N live conversations shown as Session resources, at most (default 200; 0: none)',
 ].join('\n');
 
 /** Prometheus text of the controller's counters. */
 export function controllerMetricsText(m: ControllerMetrics | undefined, leader: boolean): string {
-  const lines = ['# HELP magus_controller_leader 1 when this replica holds the Lease.', '# TYPE magus_controller_leader gauge', `magus_controller_leader ${leader ? 1 : 0}`];
+  const lines = [
+    '# HELP magus_controller_leader 1 when this replica holds the Lease.',
+    '# TYPE magus_controller_leader gauge',
+    `magus_controller_leader ${leader ? 1 : 0}`,
+  ];
   if (!m) return `${lines.join('\n')}\n`;
   const counters: [string, string, number][] = [
     ['signals_total', 'Signal-with-starts sent to entity workflows.', m.signals],
@@ -47,7 +51,8 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
     ['tokens_removed_total', 'Tokens revoked from magus_tokens.', m.tokensRemoved],
     ['token_conflicts_total', 'Keys refused because another key holds their token id.', m.tokenConflicts],
   ];
-  for (const [name, help, v] of counters) lines.push(`# HELP magus_controller_${name} ${help}`, `# TYPE magus_controller_${name} counter`, `magus_controller_${name} ${v}`);
+  for (const [name, help, v] of counters)
+    lines.push(`# HELP magus_controller_${name} ${help}`, `# TYPE magus_controller_${name} counter`, `magus_controller_${name} ${v}`);
   lines.push('# HELP magus_controller_watch_errors_total Failed list/watch requests, by resource.', '# TYPE magus_controller_watch_errors_total counter');
   for (const [w, s] of Object.entries(m.watches)) lines.push(`magus_controller_watch_errors_total{resource="${w}"} ${s.errors}`);
   lines.push('# HELP magus_controller_relists_total Lists made (the first and every relist), by resource.', '# TYPE magus_controller_relists_total counter');
@@ -57,7 +62,14 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
 
 const NAMESPACE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
 
-function parseArgs(args: string[]): { namespace?: string; sharedModelNamespaces: string[]; health: string; leaderElect: boolean; cleanupTimeoutMs: number; sessionCap: number } {
+function parseArgs(args: string[]): {
+  namespace?: string;
+  sharedModelNamespaces: string[];
+  health: string;
+  leaderElect: boolean;
+  cleanupTimeoutMs: number;
+  sessionCap: number;
+} {
   let sessionCap = 200;
   let shared = process.env.MAGUS_SHARED_MODEL_NAMESPACES ?? '';
   let namespace: string | undefined;
@@ -81,11 +93,15 @@ function parseArgs(args: string[]): { namespace?: string; sharedModelNamespaces:
       cleanupTimeoutMs = d;
     } else if (a === '--session-mirror-cap') {
       sessionCap = Number(value());
-      if (!Number.isInteger(sessionCap) || sessionCap < 0 || sessionCap > 100_000) throw new Error(`--session-mirror-cap ${args[i]} must be a whole number from 0 to 100000`);
+      if (!Number.isInteger(sessionCap) || sessionCap < 0 || sessionCap > 100_000)
+        throw new Error(`--session-mirror-cap ${args[i]} must be a whole number from 0 to 100000`);
     } else throw new Error(`unknown option ${a}`);
   }
   if (namespace !== undefined && !NAMESPACE.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
-  const sharedModelNamespaces = shared.split(',').map((n) => n.trim()).filter(Boolean);
+  const sharedModelNamespaces = shared
+    .split(',')
+    .map((n) => n.trim())
+    .filter(Boolean);
   for (const n of sharedModelNamespaces) if (!NAMESPACE.test(n)) throw new Error(`shared model namespace ${JSON.stringify(n)} is not a namespace name`);
   if (!/^[A-Za-z0-9.-]+:\d{1,5}$/.test(health)) throw new Error(`health address ${health} is not host:port`);
   return { namespace, sharedModelNamespaces, health, leaderElect, cleanupTimeoutMs, sessionCap };
@@ -113,18 +129,35 @@ export async function controllerCommand(args: string[]): Promise<number> {
   // Lazy: the controller starts, watches and mirrors tokens with Temporal away; reconciles that
   // need it fail and come back with the queue's capped backoff until it answers.
   const connection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
-  const temporal = watchTemporal(connection, { onChange: (up) => log(`Temporal at ${cfg.temporal.address} ${up ? 'answers' : 'is unreachable: reconciles retry with backoff until it is back'}`) });
+  const temporal = watchTemporal(connection, {
+    onChange: (up) => log(`Temporal at ${cfg.temporal.address} ${up ? 'answers' : 'is unreachable: reconciles retry with backoff until it is back'}`),
+  });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-controller', maxReconnectAttempts: -1 });
-  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), { what: 'data plane', log });
+  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), {
+    what: 'data plane',
+    log,
+  });
   const tokens = await nc.jetstream().views.kv(names.tokensBucket);
   const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
 
   let controller: Controller | undefined;
   let synced = false;
   const run = () => {
-    controller = startController({ kc, temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue }, tokens, sharedModelNamespaces: opts.sharedModelNamespaces, sessions, namespace: opts.namespace, cleanupTimeoutMs: opts.cleanupTimeoutMs, log });
-    void controller.synced.then(() => (synced = true), () => undefined);
+    controller = startController({
+      kc,
+      temporal: { client, namespace: cfg.temporal.namespace, taskQueue: cfg.taskQueue },
+      tokens,
+      sharedModelNamespaces: opts.sharedModelNamespaces,
+      sessions,
+      namespace: opts.namespace,
+      cleanupTimeoutMs: opts.cleanupTimeoutMs,
+      log,
+    });
+    void controller.synced.then(
+      () => (synced = true),
+      () => undefined,
+    );
   };
   const halt = async () => {
     synced = false;

@@ -49,7 +49,9 @@ export async function convertCommand(args: string[]): Promise<number> {
   }
   const dir = resolve(parsed.dir);
   const name = basename(dir);
-  const output = resolve(parsed.output ?? (parsed.format === 'gguf' ? `${name}-${weightsFormat(parsed.weights).ggml}.gguf` : `${name}-dllama-${parsed.weights}`));
+  const output = resolve(
+    parsed.output ?? (parsed.format === 'gguf' ? `${name}-${weightsFormat(parsed.weights).ggml}.gguf` : `${name}-dllama-${parsed.weights}`),
+  );
   const progress = new TerminalProgress();
   const started = Date.now();
   try {
@@ -60,7 +62,15 @@ export async function convertCommand(args: string[]): Promise<number> {
       output,
       threads: parsed.threads,
       name,
-      onProgress: (p) => progress.update({ bytesDone: p.bytesDone, bytesTotal: p.bytesTotal, itemsDone: p.tensorsDone, itemsTotal: p.tensorsTotal, itemLabel: 'tensors', current: p.tensor }),
+      onProgress: (p) =>
+        progress.update({
+          bytesDone: p.bytesDone,
+          bytesTotal: p.bytesTotal,
+          itemsDone: p.tensorsDone,
+          itemsTotal: p.tensorsTotal,
+          itemLabel: 'tensors',
+          current: p.tensor,
+        }),
     });
     progress.finish();
     const sec = (Date.now() - started) / 1000;

@@ -21,8 +21,16 @@ describe('parseKeysArgs', () => {
   it('reads good command lines', () => {
     expect(parseKeysArgs(['create', 'team-a'])).toEqual({ command: 'create', name: 'team-a' });
     expect(parseKeysArgs(['create', 'a'])).toEqual({ command: 'create', name: 'a' });
-    expect(parseKeysArgs(['create', 'team-a', '--models', 'llama,default/qwen3, ns/*'])).toEqual({ command: 'create', name: 'team-a', models: ['llama', 'default/qwen3', 'ns/*'] });
-    expect(parseKeysArgs(['create', 'team-a', '--models', 'Qwen3-0.6B_q4.gguf'])).toEqual({ command: 'create', name: 'team-a', models: ['Qwen3-0.6B_q4.gguf'] });
+    expect(parseKeysArgs(['create', 'team-a', '--models', 'llama,default/qwen3, ns/*'])).toEqual({
+      command: 'create',
+      name: 'team-a',
+      models: ['llama', 'default/qwen3', 'ns/*'],
+    });
+    expect(parseKeysArgs(['create', 'team-a', '--models', 'Qwen3-0.6B_q4.gguf'])).toEqual({
+      command: 'create',
+      name: 'team-a',
+      models: ['Qwen3-0.6B_q4.gguf'],
+    });
     expect(parseKeysArgs(['create', 'team-a', '--models', '*'])).toEqual({ command: 'create', name: 'team-a', models: ['*'] });
     expect(parseKeysArgs(['create', '--models', 'llama', 'team-a'])).toEqual({ command: 'create', name: 'team-a', models: ['llama'] });
     expect(parseKeysArgs(['create', 'x'.repeat(63)])).toEqual({ command: 'create', name: 'x'.repeat(63) });
@@ -36,7 +44,9 @@ describe('parseKeysArgs', () => {
     expect(usageError(['revoke'])).toBe('magus keys revoke needs a NAME');
     expect(usageError(['create', '--models', 'llama'])).toBe('magus keys create needs a NAME');
     for (const bad of ['Team-A', 'team_a', 'team-', 'a.b', 'local/a', 'x'.repeat(64)]) {
-      expect(usageError(['create', bad])).toBe(`key name ${JSON.stringify(bad)} must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit`);
+      expect(usageError(['create', bad])).toBe(
+        `key name ${JSON.stringify(bad)} must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit`,
+      );
       expect(usageError(['revoke', bad])).toContain(`key name ${JSON.stringify(bad)} must be`);
     }
   });
@@ -46,7 +56,9 @@ describe('parseKeysArgs', () => {
     expect(usageError(['create', 'team-a', '--models', ''])).toBe('--models lists no model (leave it out for every model)');
     expect(usageError(['create', 'team-a', '--models', ' , ,'])).toBe('--models lists no model (leave it out for every model)');
     for (const bad of ['Ns/llama', 'a/b/c', '-llama', 'ns/', '/llama', 'lla ma', 'ns/*x']) {
-      expect(usageError(['create', 'team-a', '--models', `llama,${bad}`])).toBe(`--models: ${JSON.stringify(bad.trim())} is not a model name, NAMESPACE/NAME or NAMESPACE/*`);
+      expect(usageError(['create', 'team-a', '--models', `llama,${bad}`])).toBe(
+        `--models: ${JSON.stringify(bad.trim())} is not a model name, NAMESPACE/NAME or NAMESPACE/*`,
+      );
     }
   });
 

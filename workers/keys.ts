@@ -20,7 +20,7 @@ import { loadConfig, useDevConnection } from './config';
 export const KEYS_USAGE = [
   'usage: magus keys create NAME [--models MODEL,…]   a new key: its token is printed once',
   '       magus keys list [--json]                    the keys (local ones, ApiKeys and labelled Secrets)',
-  '       magus keys revoke NAME                      a local key\'s token stops working at once',
+  "       magus keys revoke NAME                      a local key's token stops working at once",
   '',
   'Local keys (identity local/NAME) are for magus without Kubernetes; on a cluster declare an ApiKey.',
   'MODEL: a model name (in any namespace), NAMESPACE/NAME or NAMESPACE/*; without --models every model.',
@@ -39,7 +39,8 @@ export function parseKeysArgs(args: string[]): KeysArgs {
     // The value after --models is not the name (`create --models m1 NAME`).
     const n = rest.find((a, i) => !a.startsWith('-') && rest[i - 1] !== '--models');
     if (n === undefined) throw new UsageError(`magus keys ${command} needs a NAME`);
-    if (!NAME.test(n)) throw new UsageError(`key name ${JSON.stringify(n)} must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit`);
+    if (!NAME.test(n))
+      throw new UsageError(`key name ${JSON.stringify(n)} must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit`);
     return n;
   };
   if (command === 'list') {
@@ -60,7 +61,10 @@ export function parseKeysArgs(args: string[]): KeysArgs {
       if (a === '--models') {
         const v = rest[++i];
         if (v === undefined) throw new UsageError('--models needs a value: MODEL,…');
-        models = v.split(',').map((m) => m.trim()).filter(Boolean);
+        models = v
+          .split(',')
+          .map((m) => m.trim())
+          .filter(Boolean);
         if (models.length === 0) throw new UsageError('--models lists no model (leave it out for every model)');
         for (const m of models) if (!MODEL.test(m)) throw new UsageError(`--models: ${JSON.stringify(m)} is not a model name, NAMESPACE/NAME or NAMESPACE/*`);
       } else throw new UsageError(`unknown option ${a}`);
@@ -82,7 +86,14 @@ export async function createLocalKey(kv: KV, name: string, models?: string[]): P
   if ((await listKeys(kv)).some((k) => k.entry.key === key)) return { error: `a key named ${name} exists; revoke it first (magus keys revoke ${name})` };
   for (let attempt = 0; attempt < 3; attempt++) {
     const { id, token } = newToken();
-    const entry: TokenEntry & { key: string; uid: string } = { digest: tokenDigest(token), name: key, key, uid: randomUUID(), ...(models ? { models } : {}), origin: 'local' };
+    const entry: TokenEntry & { key: string; uid: string } = {
+      digest: tokenDigest(token),
+      name: key,
+      key,
+      uid: randomUUID(),
+      ...(models ? { models } : {}),
+      origin: 'local',
+    };
     // A random 64-bit id is taken only by chance; registration never overwrites one that is.
     if ((await registerKey(kv, id, entry)).ok) return { token, id };
   }
@@ -115,7 +126,9 @@ export async function keysCommand(args: string[]): Promise<number> {
   try {
     nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-keys', reconnect: false, timeout: 5000 });
   } catch (err) {
-    const where = dev?.taken.includes('MAGUS_NATS_URL') ? `the running magus dev's NATS (${cfg.nats.servers})` : `NATS at ${cfg.nats.servers}${process.env.MAGUS_NATS_URL ? '' : ' (the default: MAGUS_NATS_URL is unset and no magus dev runs)'}`;
+    const where = dev?.taken.includes('MAGUS_NATS_URL')
+      ? `the running magus dev's NATS (${cfg.nats.servers})`
+      : `NATS at ${cfg.nats.servers}${process.env.MAGUS_NATS_URL ? '' : ' (the default: MAGUS_NATS_URL is unset and no magus dev runs)'}`;
     process.stderr.write(`magus keys: cannot reach ${where}: ${(err as Error).message}\n`);
     return 1;
   }
@@ -136,7 +149,9 @@ export async function keysCommand(args: string[]): Promise<number> {
         process.stderr.write(`magus keys: ${made.error}\n`);
         return 1;
       }
-      process.stderr.write(`key local/${parsed.name} created (token id ${made.id}; ${parsed.models ? `models ${parsed.models.join(', ')}` : 'every model'}). Its token, shown only this once:\n`);
+      process.stderr.write(
+        `key local/${parsed.name} created (token id ${made.id}; ${parsed.models ? `models ${parsed.models.join(', ')}` : 'every model'}). Its token, shown only this once:\n`,
+      );
       process.stdout.write(`${made.token}\n`);
       return 0;
     }
@@ -159,9 +174,18 @@ export async function keysCommand(args: string[]): Promise<number> {
     }));
     if (parsed.json) process.stdout.write(`${JSON.stringify(keys, null, 2)}\n`);
     else {
-      const rows = [['KEY', 'TOKEN ID', 'MODELS', 'SUSPENDED', 'FROM'], ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!])];
+      const rows = [
+        ['KEY', 'TOKEN ID', 'MODELS', 'SUSPENDED', 'FROM'],
+        ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
+      ];
       const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)));
-      for (const r of rows) process.stdout.write(`${r.map((c, i) => c.padEnd(widths[i]!)).join('  ').trimEnd()}\n`);
+      for (const r of rows)
+        process.stdout.write(
+          `${r
+            .map((c, i) => c.padEnd(widths[i]!))
+            .join('  ')
+            .trimEnd()}\n`,
+        );
     }
     return 0;
   } finally {

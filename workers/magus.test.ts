@@ -19,7 +19,13 @@ function fakeProcess(env: NodeJS.ProcessEnv = {}) {
       calls.push(`exit ${code}`);
     },
   };
-  return { proc: proc as unknown as NodeJS.Process, emitter, calls, setParent: (ppid: number) => (proc.ppid = ppid), listeners: (sig: string) => emitter.listenerCount(sig) };
+  return {
+    proc: proc as unknown as NodeJS.Process,
+    emitter,
+    calls,
+    setParent: (ppid: number) => (proc.ppid = ppid),
+    listeners: (sig: string) => emitter.listenerCount(sig),
+  };
 }
 
 test('the first SIGINT asks for a stop; the same request delivered twice (terminal and npm) is one; a later one exits at once', () => {

@@ -90,7 +90,10 @@ function usage(): string {
 
 function parseServices(arg: string | undefined): ServiceName[] {
   if (!arg) return ['temporal', 'nats', 's3'];
-  const names = arg.split(',').map((s) => s.trim()).filter(Boolean);
+  const names = arg
+    .split(',')
+    .map((s) => s.trim())
+    .filter(Boolean);
   for (const n of names) {
     if (!(ALL_SERVICES as readonly string[]).includes(n)) throw new Error(`unknown service '${n}' (known: ${ALL_SERVICES.join(', ')})`);
   }
@@ -266,10 +269,16 @@ function workerCommand(stop: AbortSignal): Promise<number> {
     const health = createServer((req, res) => {
       if (req.url === '/metrics') {
         res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
-        return void res.end(load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) + load.temporalHealth().temporalMetricsText('magus_worker', temporal) + load.processMetrics().processMetricsText() + load.processMetrics().cachedWorkflowsMetricsText(workers?.cachedWorkflows()));
+        return void res.end(
+          load.bridgeMetrics().bridgeMetricsText(workers?.runtime.bridges() ?? []) +
+            load.temporalHealth().temporalMetricsText('magus_worker', temporal) +
+            load.processMetrics().processMetricsText() +
+            load.processMetrics().cachedWorkflowsMetricsText(workers?.cachedWorkflows()),
+        );
       }
       // Temporal away: still ready, `degraded: …` (the pollers reconnect by themselves, and a start waits for it; platform/temporal-health.ts).
-      if (req.url === '/readyz' && ready) return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));
+      if (req.url === '/readyz' && ready)
+        return void res.writeHead(200, { 'content-type': 'text/plain' }).end(load.temporalHealth().temporalReadyText(temporal));
       const ok = req.url === '/healthz';
       res.writeHead(ok ? 200 : req.url === '/readyz' ? 503 : 404, { 'content-type': 'text/plain' }).end(ok ? 'ok\n' : 'not ready\n');
     });
@@ -290,7 +299,9 @@ function workerCommand(stop: AbortSignal): Promise<number> {
     }
     temporal = workers.temporal;
     ready = true;
-    process.stderr.write(`magus worker: polling ${cfg.taskQueue} and its pools and pipeline queues on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`);
+    process.stderr.write(
+      `magus worker: polling ${cfg.taskQueue} and its pools and pipeline queues on ${cfg.temporal.address}; metrics on http://${metrics}/metrics\n`,
+    );
     const running = workers;
     const stopWorkers = () => {
       ready = false;
@@ -319,7 +330,7 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
       '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
       `  --engine KIND      the engine instances run (one of ${ENGINE_KINDS.join(', ')}; as MAGUS_ENGINES; default: the first`,
       '                     that can serve the model)',
-      '  --port P           the gateway\'s port (default: the last run\'s, else 8080, else one the kernel picks)',
+      "  --port P           the gateway's port (default: the last run's, else 8080, else one the kernel picks)",
       '  --token-env VAR    the environment variable holding a Hugging Face token (gated repos)',
       '  --no-kube          do not start etcd + kube-apiserver and the controller (the kubectl door)',
       '  --data-dir DIR     where the state is kept across restarts (default $MAGUS_DEV_DATA_DIR, else',
@@ -329,7 +340,7 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
       'MAGUS_SESSION_TTL_MS: how long a conversation keeps its session (its engine, its magus_sessions entry) after',
       'its last turn, as for magus gateway: default 1800000 (30 min), 60000 to 86400000.',
       '',
-      'State (Temporal\'s database, the JetStream store, MinIO\'s data, the API token, the ports) is kept in the',
+      "State (Temporal's database, the JetStream store, MinIO's data, the API token, the ports) is kept in the",
       'data folder: a restart comes back with it. While it runs, connection.json there (0600) tells every other',
       'magus command (model pull, worker, gateway …) where it is. Ctrl-C or SIGTERM stops it; a second one, a',
       'second or more later, exits at once.',
@@ -410,7 +421,10 @@ async function runLongRunning(mode: Mode, rest: string[], stop: AbortSignal): Pr
   // The servers a running `magus dev` has, for the settings the environment leaves unset.
   if (mode !== 'engine') {
     const devUse = useDevConnection(process.env);
-    if (devUse && devUse.taken.length > 0) process.stderr.write(`magus ${mode}: using the running magus dev (pid ${devUse.connection.pid}) for ${devUse.taken.filter((v) => !v.startsWith('AWS_')).join(', ')} (${devUse.file})\n`);
+    if (devUse && devUse.taken.length > 0)
+      process.stderr.write(
+        `magus ${mode}: using the running magus dev (pid ${devUse.connection.pid}) for ${devUse.taken.filter((v) => !v.startsWith('AWS_')).join(', ')} (${devUse.file})\n`,
+      );
   }
   switch (mode) {
     case 'worker':

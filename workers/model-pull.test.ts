@@ -3,7 +3,17 @@ import type { PipelineProgress } from '../workflows/model/definitions';
 import { connectTemporal, defaultHub, defaultModelName, parsePullArgs, pipelineBar, RetryReport } from './model-pull';
 
 test('a repo, revision, formats and token reference become a spec', () => {
-  const a = parsePullArgs(['TinyLlama/TinyLlama-1.1B-Chat@v1.0', '--format', 'gguf:q40,dllama:q80', '--hub', 'http://127.0.0.1:9000', '--token-env', 'HF_TOKEN', '--context', '4096']);
+  const a = parsePullArgs([
+    'TinyLlama/TinyLlama-1.1B-Chat@v1.0',
+    '--format',
+    'gguf:q40,dllama:q80',
+    '--hub',
+    'http://127.0.0.1:9000',
+    '--token-env',
+    'HF_TOKEN',
+    '--context',
+    '4096',
+  ]);
   expect(a).toEqual({
     namespace: 'default',
     name: 'tinyllama-1-1b-chat',
@@ -37,7 +47,10 @@ test.each([
 });
 
 test('a GGUF repository: --gguf or --quantization chooses the file, served as it is', () => {
-  expect(parsePullArgs(['org/SmolLM2-GGUF', '--gguf', '*Q4_1.gguf']).spec).toEqual({ source: { repo: 'org/SmolLM2-GGUF', gguf: { file: '*Q4_1.gguf' } }, artifacts: [{ format: 'gguf', weights: 'source' }] });
+  expect(parsePullArgs(['org/SmolLM2-GGUF', '--gguf', '*Q4_1.gguf']).spec).toEqual({
+    source: { repo: 'org/SmolLM2-GGUF', gguf: { file: '*Q4_1.gguf' } },
+    artifacts: [{ format: 'gguf', weights: 'source' }],
+  });
   expect(parsePullArgs(['org/SmolLM2-GGUF', '--quantization', 'Q4_1']).spec.source.gguf).toEqual({ quantization: 'Q4_1' });
 });
 
@@ -63,13 +76,23 @@ test('an unreachable Temporal fails at once, naming the address and where it cam
   });
   const err = await connectTemporal(`127.0.0.1:${port}`, 'MAGUS_TEMPORAL_ADDRESS').catch((e: Error) => e);
   expect((err as Error).name).toBe('TemporalUnreachable');
-  expect((err as Error).message).toBe(`cannot reach Temporal at 127.0.0.1:${port} (MAGUS_TEMPORAL_ADDRESS): ECONNREFUSED. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`);
+  expect((err as Error).message).toBe(
+    `cannot reach Temporal at 127.0.0.1:${port} (MAGUS_TEMPORAL_ADDRESS): ECONNREFUSED. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`,
+  );
 });
 
 test('a retried activity is one line per failed attempt, its first line only', async () => {
   const lines: string[] = [];
   const report = new RetryReport((l) => lines.push(l));
-  let pending = [{ activityId: '1', activityType: { name: 'resolveSource' }, attempt: 3, lastFailure: { message: 'fetch failed: getaddrinfo ENOTFOUND huggingface.co\n    at stack…' }, nextAttemptScheduleTime: { seconds: Math.round(Date.now() / 1000) + 4 } }];
+  let pending = [
+    {
+      activityId: '1',
+      activityType: { name: 'resolveSource' },
+      attempt: 3,
+      lastFailure: { message: 'fetch failed: getaddrinfo ENOTFOUND huggingface.co\n    at stack…' },
+      nextAttemptScheduleTime: { seconds: Math.round(Date.now() / 1000) + 4 },
+    },
+  ];
   const handle = { describe: () => Promise.resolve({ raw: { pendingActivities: pending } }) } as unknown as Parameters<RetryReport['check']>[0];
   await report.check(handle);
   await report.check(handle);
@@ -84,7 +107,21 @@ test('converting two artifacts: tensors of the current one, and an overall share
   const requested = parsePullArgs(['org/model', '--format', 'gguf:q40,gguf:q80']).spec.artifacts;
   const at = (artifacts: PipelineProgress['artifacts']) => {
     const tensors = (artifacts ?? []).reduce((t, a) => ({ done: t.done + a.done, total: t.total + a.total }), { done: 0, total: 0 });
-    return pipelineBar({ phase: 'converting', generation: 1, repo: 'org/model', sha: 'abc', files: { done: 2, total: 2 }, bytes: { done: 9, total: 9 }, tensors, etaSeconds: null, failure: null, artifacts }, requested)!;
+    return pipelineBar(
+      {
+        phase: 'converting',
+        generation: 1,
+        repo: 'org/model',
+        sha: 'abc',
+        files: { done: 2, total: 2 },
+        bytes: { done: 9, total: 9 },
+        tensors,
+        etaSeconds: null,
+        failure: null,
+        artifacts,
+      },
+      requested,
+    )!;
   };
   const steps = [
     at([{ key: 'gguf:q40', done: 45, total: 90 }]),

@@ -26,7 +26,7 @@ export const PULL_USAGE = [
   '--quantization Q4_K_M chooses one (a split GGUF is taken whole); it is served as it is (--format gguf:source, the default).',
   '',
   'Temporal: MAGUS_TEMPORAL_ADDRESS, else the running magus dev (its connection.json in MAGUS_DEV_DATA_DIR,',
-  'default ~/.local/share/magus/dev), else 127.0.0.1:7233. Without --hub, the repos of magus dev\'s demo hub come',
+  "default ~/.local/share/magus/dev), else 127.0.0.1:7233. Without --hub, the repos of magus dev's demo hub come",
   'from it; others from huggingface.co.',
 ].join('\n');
 
@@ -39,7 +39,10 @@ export interface PullArgs {
 
 /** A DNS-label name from a repo id: `TinyLlama/TinyLlama-1.1B-Chat` → `tinyllama-1-1b-chat`. */
 export function defaultModelName(repo: string): string {
-  const base = (repo.split('/')[1] ?? repo).toLowerCase().replace(/[^a-z0-9]+/g, '-').replace(/^-+|-+$/g, '');
+  const base = (repo.split('/')[1] ?? repo)
+    .toLowerCase()
+    .replace(/[^a-z0-9]+/g, '-')
+    .replace(/^-+|-+$/g, '');
   return base.slice(0, 63).replace(/-+$/, '') || 'model';
 }
 
@@ -69,7 +72,8 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
   const [repo, revision] = ref.split('@', 2) as [string, string | undefined];
   const hubUrl = opts['--hub'] ?? defaultHub(repo, dev);
   if (opts['--gguf'] !== undefined && opts['--quantization'] !== undefined) throw new UsageError('give --gguf or --quantization, not both');
-  const gguf = opts['--gguf'] !== undefined ? { file: opts['--gguf'] } : opts['--quantization'] !== undefined ? { quantization: opts['--quantization'] } : undefined;
+  const gguf =
+    opts['--gguf'] !== undefined ? { file: opts['--gguf'] } : opts['--quantization'] !== undefined ? { quantization: opts['--quantization'] } : undefined;
   const format = opts['--format'] ?? (gguf ? 'gguf:source' : undefined);
   if (!format) throw new UsageError('--format is required, e.g. --format gguf:q40,dllama:q40 (or --gguf / --quantization for a GGUF repository)');
   const artifacts = format.split(',').map((f): ArtifactRequest => {
@@ -77,7 +81,11 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
     return { format: format as ArtifactRequest['format'], weights: weights as ArtifactRequest['weights'] };
   });
   if (opts['--token-env'] && opts['--token-file']) throw new UsageError('give --token-env or --token-file, not both');
-  const tokenRef: SecretRef | undefined = opts['--token-env'] ? { env: opts['--token-env'] } : opts['--token-file'] ? { file: opts['--token-file'] } : undefined;
+  const tokenRef: SecretRef | undefined = opts['--token-env']
+    ? { env: opts['--token-env'] }
+    : opts['--token-file']
+      ? { file: opts['--token-file'] }
+      : undefined;
   const spec: ModelSpec = {
     source: { repo, ...(revision ? { revision } : {}), ...(hubUrl ? { hubUrl } : {}), ...(tokenRef ? { tokenRef } : {}), ...(gguf ? { gguf } : {}) },
     artifacts,
@@ -87,7 +95,10 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
   if (errors.length > 0) throw new UsageError(errors.join('\n'));
   const name = opts['--name'] ?? defaultModelName(repo);
   const namespace = opts['--namespace'] ?? 'default';
-  for (const [what, v] of [['--name', name], ['--namespace', namespace]] as const) {
+  for (const [what, v] of [
+    ['--name', name],
+    ['--namespace', namespace],
+  ] as const) {
     if (!/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(v)) throw new UsageError(`${what} ${v} is not a DNS label`);
   }
   return { spec, namespace, name, detach };
@@ -101,7 +112,8 @@ export function parsePullArgs(args: string[], dev?: Pick<DevConnectionUse, 'conn
  * done (or was there already). Undefined when there is nothing to draw.
  */
 export function pipelineBar(p: PipelineProgress, requested: readonly ArtifactRequest[]): ProgressState | undefined {
-  if (p.phase === 'transferring') return { bytesDone: p.bytes.done, bytesTotal: p.bytes.total, itemsDone: p.files.done, itemsTotal: p.files.total, itemLabel: 'files' };
+  if (p.phase === 'transferring')
+    return { bytesDone: p.bytes.done, bytesTotal: p.bytes.total, itemsDone: p.files.done, itemsTotal: p.files.total, itemLabel: 'files' };
   if (p.phase !== 'converting') return undefined;
   const started = new Map((p.artifacts ?? []).map((a) => [a.key, a]));
   const keys = requested.map((r) => `${r.format}:${r.weights}`);
@@ -154,7 +166,9 @@ export class RetryReport {
       this.told.add(key);
       const next = a.nextAttemptScheduleTime?.seconds ? Math.max(0, Math.round(Number(a.nextAttemptScheduleTime.seconds) - Date.now() / 1000)) : undefined;
       const first = failure.split('\n', 1)[0]!.slice(0, 300);
-      this.write(`${a.activityType?.name ?? 'activity'} failed (attempt ${attempt - 1}): ${first}; attempt ${attempt}${next === undefined ? '' : ` in ${next} s`}`);
+      this.write(
+        `${a.activityType?.name ?? 'activity'} failed (attempt ${attempt - 1}): ${first}; attempt ${attempt}${next === undefined ? '' : ` in ${next} s`}`,
+      );
     }
   }
 }
@@ -195,7 +209,9 @@ const QUERY_PATIENCE_MS = 5 * 60_000;
  */
 export async function connectTemporal(address: string, origin: string): Promise<Connection> {
   const cannot = (why: string) =>
-    Object.assign(new Error(`cannot reach Temporal at ${address} (${origin}): ${why}. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`), { name: 'TemporalUnreachable' });
+    Object.assign(new Error(`cannot reach Temporal at ${address} (${origin}): ${why}. Start magus dev, or set MAGUS_TEMPORAL_ADDRESS.`), {
+      name: 'TemporalUnreachable',
+    });
   const refused = await tcpReachable(address, 3000);
   if (refused) throw cannot(refused);
   try {
@@ -215,7 +231,8 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
   }
   const cfg = loadConfig(env);
   if (dev && dev.taken.length > 0) process.stderr.write(`magus model pull: using the running magus dev (pid ${dev.connection.pid}; ${dev.file})\n`);
-  if (parsed.spec.source.hubUrl && !args.includes('--hub')) process.stderr.write(`magus model pull: ${parsed.spec.source.repo} comes from magus dev's demo hub at ${parsed.spec.source.hubUrl}\n`);
+  if (parsed.spec.source.hubUrl && !args.includes('--hub'))
+    process.stderr.write(`magus model pull: ${parsed.spec.source.repo} comes from magus dev's demo hub at ${parsed.spec.source.hubUrl}\n`);
   let connection: Connection;
   try {
     connection = await connectTemporal(cfg.temporal.address, addressOrigin(dev, env));
@@ -275,7 +292,9 @@ export async function modelPullCommand(args: string[], env: NodeJS.ProcessEnv = 
             process.stderr.write(`magus model pull: cannot read the pipeline's progress (${(err as Error).message}); asking again…\n`);
           } else if (now - failingSince > QUERY_PATIENCE_MS || stop) {
             bar.finish();
-            process.stderr.write(`magus model pull: gave up watching after ${Math.round((now - failingSince) / 1000)} s of failed queries; the pipeline goes on (workflow ${workflowId})\n`);
+            process.stderr.write(
+              `magus model pull: gave up watching after ${Math.round((now - failingSince) / 1000)} s of failed queries; the pipeline goes on (workflow ${workflowId})\n`,
+            );
             return 1;
           }
           await new Promise((r) => setTimeout(r, 2000));

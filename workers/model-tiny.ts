@@ -58,6 +58,8 @@ export async function modelTinyCommand(args: string[]): Promise<number> {
   }
   const model = await writeTinyModel(parsed.dir, parsed.options);
   process.stdout.write(`${parsed.dir}  ${model.tensors.length} tensors, ${model.totalSize} bytes of weights\n`);
-  process.stderr.write(`a tiny random ${parsed.options.arch ?? 'llama'} model (expect gibberish); e.g. magus convert ${parsed.dir} --format gguf --weights q80\n`);
+  process.stderr.write(
+    `a tiny random ${parsed.options.arch ?? 'llama'} model (expect gibberish); e.g. magus convert ${parsed.dir} --format gguf --weights q80\n`,
+  );
   return 0;
 }

@@ -14,7 +14,14 @@ const converting: ProgressState = {
   fraction: 0.75,
   current: 'model.layers.11.self_attn.q_proj.weight',
 };
-const transferring: ProgressState = { bytesDone: 1_500_000_000, bytesTotal: 2_200_000_000, itemsDone: 3, itemsTotal: 7, itemLabel: 'files', current: 'model-00004-of-00007.safetensors' };
+const transferring: ProgressState = {
+  bytesDone: 1_500_000_000,
+  bytesTotal: 2_200_000_000,
+  itemsDone: 3,
+  itemsTotal: 7,
+  itemLabel: 'files',
+  current: 'model-00004-of-00007.safetensors',
+};
 
 describe.each([40, 80, 200])('at %i columns', (columns) => {
   it.each([

@@ -18,7 +18,10 @@ function fake(add: (name: string) => Promise<unknown>, list: () => Promise<{ cus
 const refused = (code: number, message: string) => Object.assign(new Error(message), { code });
 
 test('each attribute is added on its own: one that exists does not keep the others out', async () => {
-  const { connection, added } = fake((n) => (n === 'MagusKind' ? Promise.reject(refused(6, 'Search attribute MagusKind already exists.')) : Promise.resolve()), () => Promise.reject(new Error('unused')));
+  const { connection, added } = fake(
+    (n) => (n === 'MagusKind' ? Promise.reject(refused(6, 'Search attribute MagusKind already exists.')) : Promise.resolve()),
+    () => Promise.reject(new Error('unused')),
+  );
   await ensureSearchAttributes(connection, 'default');
   expect(added).toEqual(['MagusModel', 'MagusPhase']);
 });
@@ -31,6 +34,9 @@ test('a Temporal that refuses the worker: fine when an operator added them, a cl
   await expect(ensureSearchAttributes(some.connection, 'prod')).rejects.toThrow(
     'the search attribute MagusPhase is missing in Temporal namespace prod and this worker may not add it (Request unauthorized.); add it once: temporal operator search-attribute create --namespace prod --name MagusPhase --type Keyword',
   );
-  const other = fake(() => Promise.reject(refused(13, 'internal')), () => Promise.resolve({ customAttributes: {} }));
+  const other = fake(
+    () => Promise.reject(refused(13, 'internal')),
+    () => Promise.resolve({ customAttributes: {} }),
+  );
   await expect(ensureSearchAttributes(other.connection, 'prod')).rejects.toThrow('internal');
 });

@@ -25,7 +25,14 @@ import { RUNTIME_ADVERT_INTERVAL_MS } from '../shared/runtimes';
 import { activityFailedSignal, activityProgressSignal } from '../workflows/model/definitions';
 import { DEFAULT_WORKFLOW_CACHE, dataPlaneEnv, type MagusConfig } from './config';
 import { natsServerList } from '../platform/config';
-import { isTemporalUnreachable, TEMPORAL_CHANNEL_ARGS, unreachableHealth, untilTemporalAnswers, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
+import {
+  isTemporalUnreachable,
+  TEMPORAL_CHANNEL_ARGS,
+  unreachableHealth,
+  untilTemporalAnswers,
+  watchTemporal,
+  type TemporalHealth,
+} from '../platform/temporal-health';
 
 /** gRPC status codes (as @grpc/grpc-js numbers them). */
 const GrpcStatus = { PERMISSION_DENIED: 7, UNIMPLEMENTED: 12 } as const;
@@ -75,8 +82,14 @@ export async function ensureSearchAttributes(connection: Connection, namespace: 
         () => undefined,
       );
       const fix = `add it once: temporal operator search-attribute create --namespace ${namespace} --name ${name} --type Keyword`;
-      if (known && !known.includes(name)) throw new Error(`the search attribute ${name} is missing in Temporal namespace ${namespace} and this worker may not add it (${(err as Error).message}); ${fix}`);
-      if (!known) process.stderr.write(`magus worker: cannot register or list the search attribute ${name} in ${namespace} (${(err as Error).message}); if it is missing, ${fix}\n`);
+      if (known && !known.includes(name))
+        throw new Error(
+          `the search attribute ${name} is missing in Temporal namespace ${namespace} and this worker may not add it (${(err as Error).message}); ${fix}`,
+        );
+      if (!known)
+        process.stderr.write(
+          `magus worker: cannot register or list the search attribute ${name} in ${namespace} (${(err as Error).message}); if it is missing, ${fix}\n`,
+        );
     }
   }
 }
@@ -91,7 +104,13 @@ async function ensureBucket(s3: S3Client, bucket: string): Promise<void> {
   }
 }
 
-const WRITE_COMMANDS = new Set(['PutObjectCommand', 'UploadPartCommand', 'CreateMultipartUploadCommand', 'CompleteMultipartUploadCommand', 'AbortMultipartUploadCommand']);
+const WRITE_COMMANDS = new Set([
+  'PutObjectCommand',
+  'UploadPartCommand',
+  'CreateMultipartUploadCommand',
+  'CompleteMultipartUploadCommand',
+  'AbortMultipartUploadCommand',
+]);
 
 /** Appends `<command> <key> <part>` for every S3 write request that succeeded (MAGUS_S3_TRACE_FILE). */
 function traceS3Writes(s3: S3Client, file: string): void {
@@ -231,7 +250,14 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     const info = await jsm.consumers.info(names.requestStream, consumerNameOf(pool, instance)).catch(() => null);
     return info && { pending: info.num_pending, ackPending: info.num_ack_pending };
   };
-  const serving = createServingActivities({ runtime, sessions: sessionsKv, pools: poolsKv, ...(configured.ownsInstances ? { runtimeQueue } : {}), advertOf, backlog });
+  const serving = createServingActivities({
+    runtime,
+    sessions: sessionsKv,
+    pools: poolsKv,
+    ...(configured.ownsInstances ? { runtimeQueue } : {}),
+    advertOf,
+    backlog,
+  });
 
   const activities = createPipelineActivities({
     s3,
@@ -265,49 +291,59 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     ...(deps.kube ? createKubernetesActivities({ kc: deps.kube, bucket: cfg.s3.bucket }) : {}),
   };
   // One bundle of the workflow code for the control and the pools' queues.
-  const workflowBundle = polls('control') ? { code: (await bundleWorkflowCode({ workflowsPath: require.resolve('../workflows'), logger: new DefaultLogger('WARN') })).code } : undefined;
-  const control = !polls('control') ? undefined : await Worker.create({
-    connection: workerConnection,
-    namespace: cfg.temporal.namespace,
-    taskQueue: cfg.taskQueue,
-    // Each serving instance's watcher holds a slot for the instance's life (mostly waiting on a
-    // timer or a pod watch), beside the starts and the short activities.
-    maxConcurrentActivityTaskExecutions: 1000,
-    workflowBundle,
-    // Sessions sleep until their expiry: caching thousands of them buys nothing but heap.
-    maxCachedWorkflows: cfg.workflowCache ?? DEFAULT_WORKFLOW_CACHE,
-    // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
-    activities: controlActivities,
-  });
+  const workflowBundle = polls('control')
+    ? { code: (await bundleWorkflowCode({ workflowsPath: require.resolve('../workflows'), logger: new DefaultLogger('WARN') })).code }
+    : undefined;
+  const control = !polls('control')
+    ? undefined
+    : await Worker.create({
+        connection: workerConnection,
+        namespace: cfg.temporal.namespace,
+        taskQueue: cfg.taskQueue,
+        // Each serving instance's watcher holds a slot for the instance's life (mostly waiting on a
+        // timer or a pod watch), beside the starts and the short activities.
+        maxConcurrentActivityTaskExecutions: 1000,
+        workflowBundle,
+        // Sessions sleep until their expiry: caching thousands of them buys nothing but heap.
+        maxCachedWorkflows: cfg.workflowCache ?? DEFAULT_WORKFLOW_CACHE,
+        // Workflows, registry writes, and the runtime and session-KV activities of the serving workflows.
+        activities: controlActivities,
+      });
   // The pools' own queue (ARCHITECTURE.md, "Processes": a pool's task never waits behind
   // thousands of session tasks): the pool workflows and their activities (instances, watchers,
   // the reconciler, the view).
-  const poolsWorker = !polls('control') ? undefined : await Worker.create({
-    connection: workerConnection,
-    namespace: cfg.temporal.namespace,
-    taskQueue: poolQueueFor(cfg.taskQueue),
-    maxConcurrentActivityTaskExecutions: 1000,
-    workflowBundle,
-    activities: controlActivities,
-  });
-  const pipeline = !polls('pipeline') ? undefined : await Worker.create({
-    connection: workerConnection,
-    namespace: cfg.temporal.namespace,
-    taskQueue: pipelineQueueFor(cfg.taskQueue),
-    activities,
-    // Conversions use every core through their own thread pool: one at a time per worker.
-    maxConcurrentActivityTaskExecutions: 8,
-  });
+  const poolsWorker = !polls('control')
+    ? undefined
+    : await Worker.create({
+        connection: workerConnection,
+        namespace: cfg.temporal.namespace,
+        taskQueue: poolQueueFor(cfg.taskQueue),
+        maxConcurrentActivityTaskExecutions: 1000,
+        workflowBundle,
+        activities: controlActivities,
+      });
+  const pipeline = !polls('pipeline')
+    ? undefined
+    : await Worker.create({
+        connection: workerConnection,
+        namespace: cfg.temporal.namespace,
+        taskQueue: pipelineQueueFor(cfg.taskQueue),
+        activities,
+        // Conversions use every core through their own thread pool: one at a time per worker.
+        maxConcurrentActivityTaskExecutions: 8,
+      });
 
-  const own = !polls('control') ? undefined : await Worker.create({
-    connection: workerConnection,
-    namespace: cfg.temporal.namespace,
-    taskQueue: runtimeQueue,
-    activities: {
-      destroyInstance: (input: Parameters<typeof serving.destroyInstance>[0]) => serving.destroyInstance(input),
-      watchInstance: (input: Parameters<typeof serving.watchInstance>[0]) => serving.watchInstance(input),
-    },
-  });
+  const own = !polls('control')
+    ? undefined
+    : await Worker.create({
+        connection: workerConnection,
+        namespace: cfg.temporal.namespace,
+        taskQueue: runtimeQueue,
+        activities: {
+          destroyInstance: (input: Parameters<typeof serving.destroyInstance>[0]) => serving.destroyInstance(input),
+          watchInstance: (input: Parameters<typeof serving.watchInstance>[0]) => serving.watchInstance(input),
+        },
+      });
 
   // What this worker's runtime can serve, refreshed while it runs (a gone worker's advert goes
   // stale): gateways refuse at once a model no live runtime can run (shared/runtimes.ts).
@@ -355,7 +391,12 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
  * opens the workers' connection; if Temporal goes away again in between, waits again. Only
  * "unreachable" waits: any other error is thrown (the start fails, as it always did).
  */
-async function connectTemporal(cfg: MagusConfig, connection: Connection, opts: StartOptions, log: (line: string) => void): Promise<{ failures: number; native: NativeConnection }> {
+async function connectTemporal(
+  cfg: MagusConfig,
+  connection: Connection,
+  opts: StartOptions,
+  log: (line: string) => void,
+): Promise<{ failures: number; native: NativeConnection }> {
   const { address, namespace } = cfg.temporal;
   const waiting = { since: 0, failures: 0 };
   const failed = (attempt: number, reason: string, retryInMs?: number) => {
@@ -373,7 +414,10 @@ async function connectTemporal(cfg: MagusConfig, connection: Connection, opts: S
     try {
       await ensureSearchAttributes(connection, namespace);
       const native = await NativeConnection.connect({ address });
-      if (waiting.failures > 0) log(`Temporal at ${address} answers, after ${waiting.failures} failed attempt${waiting.failures === 1 ? '' : 's'} in ${Math.round((Date.now() - waiting.since) / 1000)} s`);
+      if (waiting.failures > 0)
+        log(
+          `Temporal at ${address} answers, after ${waiting.failures} failed attempt${waiting.failures === 1 ? '' : 's'} in ${Math.round((Date.now() - waiting.since) / 1000)} s`,
+        );
       return { failures: waiting.failures, native };
     } catch (err) {
       // Gone again between the answer and these calls: wait again.

@@ -10,7 +10,10 @@ import type { Condition } from '../shared/kube';
 import { RESOURCE_GONE } from '../shared/errors';
 
 export const STATUS_MIN_INTERVAL_MS = 1000;
-export const STATUS_WRITE: LocalActivityOptions = { startToCloseTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: [RESOURCE_GONE] } };
+export const STATUS_WRITE: LocalActivityOptions = {
+  startToCloseTimeout: '30s',
+  retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: [RESOURCE_GONE] },
+};
 
 /** What the last write showed: its phase (an Event marks a change) and conditions (transition times carry over). */
 export interface WrittenStatus {

@@ -123,7 +123,12 @@ describe('download', () => {
     const client = anonymous();
     for (const f of tiny.files) {
       const d = await client.download('org/tiny', tiny.sha, f.path);
-      expect({ size: d.size, offset: d.offset, commit: d.commit, rangeIgnored: d.rangeIgnored }).toEqual({ size: f.size, offset: 0, commit: tiny.sha, rangeIgnored: false });
+      expect({ size: d.size, offset: d.offset, commit: d.commit, rangeIgnored: d.rangeIgnored }).toEqual({
+        size: f.size,
+        offset: 0,
+        commit: tiny.sha,
+        rangeIgnored: false,
+      });
       expect(d.etag).toBe(f.lfs ? f.sha256 : f.oid);
       expect((await collect(d)).equals(f.content)).toBe(true);
     }
@@ -247,7 +252,10 @@ describe('errors', () => {
       const noToken = await expectCode(new HubClient({ baseUrl: other.url }).download('org/gated', sha, 'w.safetensors'), 'Unauthorized');
       expect(noToken.status).toBe(401);
       expect(noToken.message).toContain('GatedRepo');
-      const noAccess = await expectCode(new HubClient({ baseUrl: other.url, token: 'hf_valid_but_no_access' }).download('org/gated', sha, 'w.safetensors'), 'Unauthorized');
+      const noAccess = await expectCode(
+        new HubClient({ baseUrl: other.url, token: 'hf_valid_but_no_access' }).download('org/gated', sha, 'w.safetensors'),
+        'Unauthorized',
+      );
       expect(noAccess.status).toBe(403);
       await expectCode(new HubClient({ baseUrl: other.url, token: 'hf_wrong' }).resolve('org/gated'), 'Unauthorized');
       expect(hubErrorType(noAccess.code)).toBe('Unauthorized');
@@ -270,7 +278,9 @@ describe('errors', () => {
     hub.setFaults({ status: { path: 'tokenizer.json', code: 503, server: 'cdn', times: 1 } });
     await expectCode(client.download('org/tiny', tiny.sha, 'tokenizer.json'), 'Transient');
     // The next attempt succeeds: nothing was cached from the failure.
-    expect((await collect(await client.download('org/tiny', tiny.sha, 'tokenizer.json'))).length).toBe(tiny.files.find((f) => f.path === 'tokenizer.json')!.size);
+    expect((await collect(await client.download('org/tiny', tiny.sha, 'tokenizer.json'))).length).toBe(
+      tiny.files.find((f) => f.path === 'tokenizer.json')!.size,
+    );
   });
 
   test('an expired or refused CDN URL is Transient (a fresh redirect renews it)', async () => {
@@ -320,7 +330,20 @@ describe('errors', () => {
 
   test('bad repo ids, revisions, shas, paths and offsets are rejected without any request', async () => {
     const client = authed();
-    const badRepos = ['', 'tiny', 'org/tiny/extra', '../tiny', 'org/..', 'org/ti ny', 'org/ti--ny', 'org/-tiny', 'org/tiny.git', 'org/tiny?x=1', 'org/%2e%2e', `org/${'a'.repeat(97)}`];
+    const badRepos = [
+      '',
+      'tiny',
+      'org/tiny/extra',
+      '../tiny',
+      'org/..',
+      'org/ti ny',
+      'org/ti--ny',
+      'org/-tiny',
+      'org/tiny.git',
+      'org/tiny?x=1',
+      'org/%2e%2e',
+      `org/${'a'.repeat(97)}`,
+    ];
     for (const repo of badRepos) {
       await expectCode(client.resolve(repo), 'InvalidInput');
       await expectCode(client.download(repo, tiny.sha, 'config.json'), 'InvalidInput');
@@ -359,7 +382,9 @@ describe('errors', () => {
       token: TOKEN,
       fetch: (_url, init) => {
         const header = new Headers(init?.headers).get('authorization') ?? '';
-        return Promise.resolve(new Response(JSON.stringify({ error: `bad credentials: ${header}` }), { status: 400, headers: { 'X-Error-Message': `bad credentials: ${header}` } }));
+        return Promise.resolve(
+          new Response(JSON.stringify({ error: `bad credentials: ${header}` }), { status: 400, headers: { 'X-Error-Message': `bad credentials: ${header}` } }),
+        );
       },
     });
     errors.push(await echoing.resolve('org/tiny').catch((e: unknown) => e));

@@ -175,7 +175,10 @@ export class HubClient {
       const cr = /^bytes (\d+)-(\d+)\/(\d+)$/.exec(response.headers.get('content-range') ?? '');
       if (!cr || Number(cr[1]) !== offset || Number(cr[2]) !== Number(cr[3]) - 1) {
         await discard(response);
-        throw new HubError('Transient', `download of ${where}: asked for bytes ${offset}-, got Content-Range ${JSON.stringify(response.headers.get('content-range'))}`);
+        throw new HubError(
+          'Transient',
+          `download of ${where}: asked for bytes ${offset}-, got Content-Range ${JSON.stringify(response.headers.get('content-range'))}`,
+        );
       }
       size = Number(cr[3]);
     } else if (response.status === 200) {
@@ -277,7 +280,11 @@ export class HubClient {
     }
   }
 
-  private async fetchWithTimeout(url: URL, init: RequestInit, signal: AbortSignal | undefined): Promise<{ response: Response; abort: (reason: Error) => void }> {
+  private async fetchWithTimeout(
+    url: URL,
+    init: RequestInit,
+    signal: AbortSignal | undefined,
+  ): Promise<{ response: Response; abort: (reason: Error) => void }> {
     signal?.throwIfAborted();
     // The caller's signal governs headers and body; our own controller adds the header timeout
     // here and the body's idle timeout in streamBody.
@@ -352,7 +359,8 @@ function toSourceFile(entry: unknown, repo: string): SourceFile | null {
   }
   let sha256: string | null = null;
   if (lfs) {
-    if (typeof lfs.oid !== 'string' || !SHA256_HEX.test(lfs.oid)) throw new HubError('InvalidInput', `repository ${repo} lists ${e.path} with an invalid LFS sha256`);
+    if (typeof lfs.oid !== 'string' || !SHA256_HEX.test(lfs.oid))
+      throw new HubError('InvalidInput', `repository ${repo} lists ${e.path} with an invalid LFS sha256`);
     sha256 = lfs.oid;
   }
   return { path: e.path, size, sha256 };

@@ -24,7 +24,8 @@ export function describe(url: URL | string): string {
 export function errorText(err: unknown): string {
   if (!(err instanceof Error)) return String(err);
   const cause = err.cause as { code?: unknown; message?: unknown } | undefined;
-  const causeText = cause && typeof cause === 'object' ? (typeof cause.code === 'string' ? cause.code : typeof cause.message === 'string' ? cause.message : '') : '';
+  const causeText =
+    cause && typeof cause === 'object' ? (typeof cause.code === 'string' ? cause.code : typeof cause.message === 'string' ? cause.message : '') : '';
   return causeText && causeText !== err.message ? `${err.message} (${causeText})` : err.message;
 }
 

@@ -19,7 +19,10 @@ beforeAll(async () => {
     // `stringData` as `kubectl create secret --from-file` would store it: with a trailing newline.
     body: { metadata: { name: 'hf-token' }, stringData: { token: `${VALUE}\n`, empty: '' } },
   });
-  await core.createNamespacedSecret({ namespace: OTHER_NS, body: { metadata: { name: 'shared' }, data: { token: Buffer.from('other-ns-value').toString('base64') } } });
+  await core.createNamespacedSecret({
+    namespace: OTHER_NS,
+    body: { metadata: { name: 'shared' }, data: { token: Buffer.from('other-ns-value').toString('base64') } },
+  });
   resolve = createSecretResolver({ kube: { coreApi: core, defaultNamespace: iso.namespace }, env: {} });
 });
 
@@ -51,7 +54,9 @@ test('an explicit namespace wins over the default', async () => {
 });
 
 test('a missing Secret, key or value is SecretUnavailable naming the reference, never a value', async () => {
-  expect(await unavailable(resolve({ secret: { name: 'nope', key: 'token' } }))).toBe(`key token of Secret ${iso.namespace}/nope does not exist (Secret not found)`);
+  expect(await unavailable(resolve({ secret: { name: 'nope', key: 'token' } }))).toBe(
+    `key token of Secret ${iso.namespace}/nope does not exist (Secret not found)`,
+  );
   expect(await unavailable(resolve({ secret: { name: 'hf-token', key: 'missing' } }))).toBe(
     `key missing of Secret ${iso.namespace}/hf-token does not exist (the Secret has no such key)`,
   );

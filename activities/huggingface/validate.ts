@@ -16,11 +16,7 @@ const CONTROL_CHARS = /[\u0000-\u001f\u007f]/;
 export function assertRepoId(repo: string): void {
   const parts = typeof repo === 'string' ? repo.split('/') : [];
   const ok =
-    parts.length === 2 &&
-    parts.every((p) => p.length <= 96 && REPO_PART.test(p)) &&
-    !repo.includes('--') &&
-    !repo.includes('..') &&
-    !repo.endsWith('.git');
+    parts.length === 2 && parts.every((p) => p.length <= 96 && REPO_PART.test(p)) && !repo.includes('--') && !repo.includes('..') && !repo.endsWith('.git');
   if (!ok) throw new HubError('InvalidInput', `invalid repository id ${JSON.stringify(repo)}: expected "org/name"`);
 }
 

@@ -14,7 +14,6 @@ import type { PipelineProgress, PoolStatus } from '../../shared/status';
 import { recordEvent, type EventTarget } from '../../kube/events';
 import { dllamaStatus, modelStatus } from '../../kube/status';
 
-
 export interface KubernetesDeps {
   kc: KubeConfig;
   /** The S3 bucket artifacts live in (for the `s3://` URIs in a Model's status). */
@@ -60,9 +59,13 @@ export function createKubernetesActivities(deps: KubernetesDeps) {
     const body = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind, metadata: { name: ref.name, namespace: ref.namespace, uid: ref.uid }, status };
     try {
       count(`status:${plural}`);
-      await custom.patchNamespacedCustomObjectStatus({ group: CRD_GROUP, version: CRD_VERSION, namespace: ref.namespace, plural, name: ref.name, body, fieldManager: FieldManager.status, force: true }, applyHeaders);
+      await custom.patchNamespacedCustomObjectStatus(
+        { group: CRD_GROUP, version: CRD_VERSION, namespace: ref.namespace, plural, name: ref.name, body, fieldManager: FieldManager.status, force: true },
+        applyHeaders,
+      );
     } catch (err) {
-      if (code(err) === 404 || code(err) === 409) throw ApplicationFailure.nonRetryable(`${kind} ${ref.namespace}/${ref.name} (uid ${ref.uid}) is gone`, RESOURCE_GONE);
+      if (code(err) === 404 || code(err) === 409)
+        throw ApplicationFailure.nonRetryable(`${kind} ${ref.namespace}/${ref.name} (uid ${ref.uid}) is gone`, RESOURCE_GONE);
       throw err;
     }
   }
@@ -75,12 +78,26 @@ export function createKubernetesActivities(deps: KubernetesDeps) {
   return {
     /** Writes a `Model`'s status from its pipeline; returns the conditions written (for the next write). */
     async writeModelStatus(input: WriteModelStatusInput): Promise<{ conditions: Condition[] }> {
-      const status = modelStatus({ progress: input.progress, ready: input.ready, workflowId: input.workflowId, bucket: deps.bucket, previous: input.previous.conditions, now: new Date().toISOString() });
+      const status = modelStatus({
+        progress: input.progress,
+        ready: input.ready,
+        workflowId: input.workflowId,
+        bucket: deps.bucket,
+        previous: input.previous.conditions,
+        now: new Date().toISOString(),
+      });
       await applyStatus(Kind.model, Plural.model, input, status);
       const p = input.progress;
       if (p.phase !== input.previous.phase) {
         if (p.phase === 'failed') await event(Kind.model, input, 'Warning', p.failure?.type ?? 'Failed', p.failure?.message ?? 'the pipeline failed');
-        else await event(Kind.model, input, 'Normal', status.phase ?? p.phase, p.phase === 'ready' ? `${p.repo}@${p.sha ?? ''} is ready (${status.size ?? ''})` : `${p.phase} ${p.repo}${p.sha ? `@${p.sha}` : ''}`);
+        else
+          await event(
+            Kind.model,
+            input,
+            'Normal',
+            status.phase ?? p.phase,
+            p.phase === 'ready' ? `${p.repo}@${p.sha ?? ''} is ready (${status.size ?? ''})` : `${p.phase} ${p.repo}${p.sha ? `@${p.sha}` : ''}`,
+          );
       }
       return { conditions: status.conditions ?? [] };
     },
@@ -99,7 +116,13 @@ export function createKubernetesActivities(deps: KubernetesDeps) {
       await applyStatus(Kind.dllama, Plural.dllama, input, status);
       const phase = status.phase ?? '';
       if (phase !== input.previous.phase) {
-        await event(Kind.dllama, input, phase === 'Degraded' ? 'Warning' : 'Normal', phase, input.pool.lastError ?? `${status.readyReplicas ?? 0}/${status.replicas ?? 0} instances ready`);
+        await event(
+          Kind.dllama,
+          input,
+          phase === 'Degraded' ? 'Warning' : 'Normal',
+          phase,
+          input.pool.lastError ?? `${status.readyReplicas ?? 0}/${status.replicas ?? 0} instances ready`,
+        );
       }
       return { phase, conditions: status.conditions ?? [] };
     },

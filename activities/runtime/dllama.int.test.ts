@@ -52,7 +52,11 @@ function processesFrom(folder: string): number[] {
     .filter((p) => /^\d+$/.test(p))
     .filter((p) => {
       try {
-        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && alive(Number(p));
+        return (
+          readFileSync(`/proc/${p}/cmdline`, 'utf8')
+            .split('\0')
+            .some((a) => a.startsWith(`${folder}/`)) && alive(Number(p))
+        );
       } catch {
         return false;
       }
@@ -63,7 +67,10 @@ function processesFrom(folder: string): number[] {
 /** A model whose only artifact is distributed-llama q40, planned for 1, 2 and 4 nodes at context 256. */
 async function registerModel(name: string): Promise<ReadyModel> {
   const prefix = `artifacts/org/${name}/abc/dllama-q40/1/`;
-  for (const [file, body] of [['model.m', files.model], ['tokenizer.t', files.tokenizer]] as const) {
+  for (const [file, body] of [
+    ['model.m', files.model],
+    ['tokenizer.t', files.tokenizer],
+  ] as const) {
     await s3.send(new PutObjectCommand({ Bucket: bucket, Key: `${prefix}${file}`, Body: body }));
   }
   const node = (total: number) => ({ weights: total, kvCache: 0, buffers: 0, total });
@@ -82,7 +89,14 @@ async function registerModel(name: string): Promise<ReadyModel> {
         ],
       },
     ],
-    memory: [{ format: 'dllama', weights: 'q40', contextLength: 256, topologies: [1, 2, 4].map((n) => ({ nodes: n, root: node(2 ** 20 * n), worker: n > 1 ? node(2 ** 19) : null })) }],
+    memory: [
+      {
+        format: 'dllama',
+        weights: 'q40',
+        contextLength: 256,
+        topologies: [1, 2, 4].map((n) => ({ nodes: n, root: node(2 ** 20 * n), worker: n > 1 ? node(2 ** 19) : null })),
+      },
+    ],
     readyAt: new Date().toISOString(),
   };
   await registry.put(ready);
@@ -97,7 +111,14 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
     s3,
     bucket,
     cacheDir: join(dir, 'cache'),
-    dllama: { apiBin: dllama.apiBin ?? join(bin, 'dllama-api'), workerBin: join(bin, 'dllama'), nodes: dllama.nodes, threads: 2, stopGraceMs: 2000, startTimeoutSec: 60 },
+    dllama: {
+      apiBin: dllama.apiBin ?? join(bin, 'dllama-api'),
+      workerBin: join(bin, 'dllama'),
+      nodes: dllama.nodes,
+      threads: 2,
+      stopGraceMs: 2000,
+      startTimeoutSec: 60,
+    },
     // One restart in place allowed per window: the second death is a crash loop.
     restart: { maxRestarts: 1, backoffMs: 100 },
     log: (l) => logs.push(l),
@@ -131,16 +152,33 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
 
   // Shape: the root and three workers on distinct loopback ports, with the real programs' flags.
   const procs = rt.processes(POOL, 'tiny-1')!;
-  expect(procs.map((p) => [p.role, p.index, p.running])).toEqual([['root', 0, true], ['worker', 1, true], ['worker', 2, true], ['worker', 3, true]]);
+  expect(procs.map((p) => [p.role, p.index, p.running])).toEqual([
+    ['root', 0, true],
+    ['worker', 1, true],
+    ['worker', 2, true],
+    ['worker', 3, true],
+  ]);
   expect(new Set(procs.map((p) => p.port)).size).toBe(4);
   const [root, ...workers] = procs;
   const cached = (b: Buffer, ext: string) => join(dir, 'cache', `${sha(b)}${ext}`);
   expect(root!.argv).toEqual([
     join(bin, 'dllama-api'),
-    '--host', '127.0.0.1', '--port', String(root!.port),
-    '--model', cached(files.model, '.m'), '--tokenizer', cached(files.tokenizer, '.t'),
-    '--buffer-float-type', 'q80', '--nthreads', '2', '--max-seq-len', '256',
-    '--workers', ...workers.map((w) => `127.0.0.1:${w.port}`),
+    '--host',
+    '127.0.0.1',
+    '--port',
+    String(root!.port),
+    '--model',
+    cached(files.model, '.m'),
+    '--tokenizer',
+    cached(files.tokenizer, '.t'),
+    '--buffer-float-type',
+    'q80',
+    '--nthreads',
+    '2',
+    '--max-seq-len',
+    '256',
+    '--workers',
+    ...workers.map((w) => `127.0.0.1:${w.port}`),
   ]);
   for (const w of workers) expect(w.argv).toEqual([join(bin, 'dllama'), 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '2']);
   // What each process really runs (setpriv and stdbuf exec it): its command line ends with exactly that.
@@ -157,7 +195,11 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
     expect(logs).toContain(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ nNodes: 4`);
   }
   expect(logs).toContain(`${POOL}/tiny-1 root :${root!.port}: ⭕ Network is initialized (4 nodes)`);
-  expect(logs.some((l) => l.startsWith('tiny/tiny-1: distributed-llama on 4 node(s), q40 weights, --max-seq-len 256; planned memory: root 4 MiB, each worker 1 MiB'))).toBe(true);
+  expect(
+    logs.some((l) =>
+      l.startsWith('tiny/tiny-1: distributed-llama on 4 node(s), q40 weights, --max-seq-len 256; planned memory: root 4 MiB, each worker 1 MiB'),
+    ),
+  ).toBe(true);
 
   // Requests through NATS → bridge → root, streamed and not.
   const streamed = await ask('tiny-1', { stream: true, messages: [{ role: 'user', content: 'Hello, topology' }] });
@@ -179,7 +221,13 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   });
   const restarted = rt.processes(POOL, 'tiny-1')!;
   expect(restarted.map((p) => [p.role, p.index, p.port])).toEqual(procs.map((p) => [p.role, p.index, p.port]));
-  expect(logs.some((l) => l.startsWith(`${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL; restarting it on ports ${procs.map((p) => p.port).join(', ')} in 100 ms`))).toBe(true);
+  expect(
+    logs.some((l) =>
+      l.startsWith(
+        `${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL; restarting it on ports ${procs.map((p) => p.port).join(', ')} in 100 ms`,
+      ),
+    ),
+  ).toBe(true);
   expect((await ask('tiny-1', { stream: false, messages: [{ role: 'user', content: 'Still there?' }] })).text).toBe('Still there? [4 nodes]');
 
   // The root dies too, within the window: a crash loop, no more restarts; describe says unhealthy.
@@ -191,7 +239,9 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   expect(logs.some((l) => /giving up/.test(l))).toBe(true);
 
   // create() for the same id replaces the broken instance with a new topology.
-  expect(await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal)).toMatchObject({ healthy: true });
+  expect(await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal)).toMatchObject({
+    healthy: true,
+  });
   const again = rt.processes(POOL, 'tiny-1')!;
   expect(again).toHaveLength(4);
   expect(again.every((p) => p.running && !procs.some((old) => old.pid === p.pid) && !restarted.some((old) => old.pid === p.pid))).toBe(true);

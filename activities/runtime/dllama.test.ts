@@ -35,8 +35,24 @@ describe('command lines', () => {
 
   test('the root names every worker, last', () => {
     expect(dllamaApiArgs({ port: 9990, model: '/c/a.m', tokenizer: '/c/b.t', threads: 3, maxSeqLen: 2048, workerPorts: [9991, 9992, 9993] })).toEqual([
-      '--host', '127.0.0.1', '--port', '9990', '--model', '/c/a.m', '--tokenizer', '/c/b.t', '--buffer-float-type', 'q80', '--nthreads', '3', '--max-seq-len', '2048',
-      '--workers', '127.0.0.1:9991', '127.0.0.1:9992', '127.0.0.1:9993',
+      '--host',
+      '127.0.0.1',
+      '--port',
+      '9990',
+      '--model',
+      '/c/a.m',
+      '--tokenizer',
+      '/c/b.t',
+      '--buffer-float-type',
+      'q80',
+      '--nthreads',
+      '3',
+      '--max-seq-len',
+      '2048',
+      '--workers',
+      '127.0.0.1:9991',
+      '127.0.0.1:9992',
+      '127.0.0.1:9993',
     ]);
   });
 
@@ -52,7 +68,13 @@ describe('chooseDllamaArtifact', () => {
 
   test('the most compact weights that split into the nodes, with the planned context and memory', () => {
     const ready = model([artifact('f32'), artifact('q80'), artifact('q40')], [plan('q40', [1, 2]), plan('q80', [1, 2, 4], 1024), plan('f32', [1, 2, 4])]);
-    expect(chooseDllamaArtifact(ready, 2)).toMatchObject({ artifact: { weights: 'q40' }, model: { sha256: 'q40-model.m' }, tokenizer: { sha256: 'q40-tokenizer.t' }, maxSeqLen: 512, memory: { root: 2000, worker: 200 } });
+    expect(chooseDllamaArtifact(ready, 2)).toMatchObject({
+      artifact: { weights: 'q40' },
+      model: { sha256: 'q40-model.m' },
+      tokenizer: { sha256: 'q40-tokenizer.t' },
+      maxSeqLen: 512,
+      memory: { root: 2000, worker: 200 },
+    });
     expect(chooseDllamaArtifact(ready, 4)).toMatchObject({ artifact: { weights: 'q80' }, maxSeqLen: 1024, memory: { root: 4000, worker: 400 } });
     expect(chooseDllamaArtifact(ready, 1)).toMatchObject({ memory: { root: 1000, worker: null } });
   });
@@ -63,7 +85,9 @@ describe('chooseDllamaArtifact', () => {
 
   test('no artifact runs on that many nodes: the reason, per artifact', () => {
     const ready = model([artifact('q40'), artifact('f16', ['model.m'])], [plan('q40', [1, 2])]);
-    expect(chooseDllamaArtifact(ready, 4)).toEqual({ problem: 'model default/m has no distributed-llama artifact that runs on 4 nodes (q40: splits into 1, 2 nodes; f16: no .m and .t files)' });
+    expect(chooseDllamaArtifact(ready, 4)).toEqual({
+      problem: 'model default/m has no distributed-llama artifact that runs on 4 nodes (q40: splits into 1, 2 nodes; f16: no .m and .t files)',
+    });
   });
 });
 
@@ -123,7 +147,9 @@ describe('the distributed-llama stand-in (test/fixtures/fake-dllama.js) refuses 
     await new Promise<void>((r) => probe.listen(0, '127.0.0.1', r));
     const { port } = probe.address() as AddressInfo;
     await new Promise((r) => probe.close(r));
-    const worker = spawn(join(bin, 'dllama'), ['worker', '--host', '127.0.0.1', '--port', String(port), '--nthreads', '1'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const worker = spawn(join(bin, 'dllama'), ['worker', '--host', '127.0.0.1', '--port', String(port), '--nthreads', '1'], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
     let err = '';
     worker.stderr.on('data', (d: Buffer) => (err += d.toString()));
     await new Promise<void>((r) => worker.stdout.once('data', () => r()));

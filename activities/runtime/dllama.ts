@@ -52,16 +52,32 @@ export function dllamaWorkerArgs(o: { port: number; threads: number; host?: stri
  * address. `workers`: `host:port` each (the root resolves names with `getaddrinfo()`, so a
  * StatefulSet's stable DNS names work); default the loopback `workerPorts`.
  */
-export function dllamaApiArgs(o: { port: number; model: string; tokenizer: string; threads: number; maxSeqLen: number; workerPorts?: readonly number[]; workers?: readonly string[]; host?: string }): string[] {
+export function dllamaApiArgs(o: {
+  port: number;
+  model: string;
+  tokenizer: string;
+  threads: number;
+  maxSeqLen: number;
+  workerPorts?: readonly number[];
+  workers?: readonly string[];
+  host?: string;
+}): string[] {
   const workers = o.workers ?? (o.workerPorts ?? []).map((p) => `${HOST}:${p}`);
   return [
-    '--host', o.host ?? HOST,
-    '--port', String(o.port),
-    '--model', o.model,
-    '--tokenizer', o.tokenizer,
-    '--buffer-float-type', BUFFER_FLOAT_TYPE,
-    '--nthreads', String(o.threads),
-    '--max-seq-len', String(o.maxSeqLen),
+    '--host',
+    o.host ?? HOST,
+    '--port',
+    String(o.port),
+    '--model',
+    o.model,
+    '--tokenizer',
+    o.tokenizer,
+    '--buffer-float-type',
+    BUFFER_FLOAT_TYPE,
+    '--nthreads',
+    String(o.threads),
+    '--max-seq-len',
+    String(o.maxSeqLen),
     ...(workers.length > 0 ? ['--workers', ...workers] : []),
   ];
 }
@@ -83,7 +99,9 @@ export interface DllamaChoice {
  * it has some, but none can run on `nodes` nodes.
  */
 export function chooseDllamaArtifact(ready: ReadyModel, nodes: number): DllamaChoice | { problem: string } | null {
-  const candidates = ready.artifacts.filter((a) => a.format === 'dllama').sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights));
+  const candidates = ready.artifacts
+    .filter((a) => a.format === 'dllama')
+    .sort((a, b) => WEIGHTS_PREFERENCE.indexOf(a.weights) - WEIGHTS_PREFERENCE.indexOf(b.weights));
   if (candidates.length === 0) return null;
   const refused: string[] = [];
   for (const artifact of candidates) {
@@ -218,7 +236,9 @@ export async function startDllamaTopology(
     const dead = nodes.find((n) => n.process.exit);
     if (dead) {
       const tail = dead.process.tail().slice(-5);
-      throw new StartError(`${dead.process.name} ${describeExit(dead.process.exit!)} while ${what}${tail.length > 0 ? `; its last output:\n  ${tail.join('\n  ')}` : ''}`);
+      throw new StartError(
+        `${dead.process.name} ${describeExit(dead.process.exit!)} while ${what}${tail.length > 0 ? `; its last output:\n  ${tail.join('\n  ')}` : ''}`,
+      );
     }
     if (signal?.aborted) throw signal.reason as Error;
     if (Date.now() > deadline) throw new StartError(`the topology did not start within ${opts.startTimeoutSec ?? 300}s (${what})`);
@@ -323,7 +343,9 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   if (failed) throw failed.reason;
   const [model, tokenizer] = downloads.map((d) => (d as PromiseFulfilledResult<string>).value) as [string, string];
   const mib = (n: number) => `${Math.ceil(n / 2 ** 20)} MiB`;
-  const memory = chosen.memory ? `; planned memory: root ${mib(chosen.memory.root)}${chosen.memory.worker === null ? '' : `, each worker ${mib(chosen.memory.worker)}`}` : '';
+  const memory = chosen.memory
+    ? `; planned memory: root ${mib(chosen.memory.root)}${chosen.memory.worker === null ? '' : `, each worker ${mib(chosen.memory.worker)}`}`
+    : '';
   l.log(`${l.name}: distributed-llama on ${dllama.nodes} node(s), ${chosen.artifact.weights} weights, --max-seq-len ${chosen.maxSeqLen}${memory}`);
   const topology = await startSupervisedTopology(
     { model, tokenizer, maxSeqLen: chosen.maxSeqLen },
@@ -369,7 +391,18 @@ export const dllamaLauncher: EngineLauncher = {
       engine: {
         name: 'engine',
         image: plan.images.dllama,
-        args: ['dllama-api', ...dllamaApiArgs({ host: '0.0.0.0', port: ports.engine, model: file('model.m'), tokenizer: file('tokenizer.t'), threads: plan.threads, maxSeqLen: plan.maxSeqLen, workers })],
+        args: [
+          'dllama-api',
+          ...dllamaApiArgs({
+            host: '0.0.0.0',
+            port: ports.engine,
+            model: file('model.m'),
+            tokenizer: file('tokenizer.t'),
+            threads: plan.threads,
+            maxSeqLen: plan.maxSeqLen,
+            workers,
+          }),
+        ],
       },
       worker: {
         name: 'dllama',

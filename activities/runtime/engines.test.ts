@@ -14,7 +14,9 @@ const ROOT = join(__dirname, '..', '..');
 
 /** The `engine` enum of the Dllama CRD at `path`. */
 function crdEngines(path: string): string[] {
-  const [crd] = loadAllYaml(readFileSync(join(ROOT, path), 'utf8')) as { spec: { versions: { schema: { openAPIV3Schema: { properties: { spec: { properties: { engine: { enum: string[] } } } } } } }[] } }[];
+  const [crd] = loadAllYaml(readFileSync(join(ROOT, path), 'utf8')) as {
+    spec: { versions: { schema: { openAPIV3Schema: { properties: { spec: { properties: { engine: { enum: string[] } } } } } } }[] };
+  }[];
   return crd!.spec.versions[0]!.schema.openAPIV3Schema.properties.spec.properties.engine.enum;
 }
 

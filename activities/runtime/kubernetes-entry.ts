@@ -31,10 +31,13 @@ export interface KubernetesRuntimeConfig {
 /** {@link KubernetesRuntimeConfig} from `env`; `natsServers` (`MAGUS_NATS_URL`) is the default NATS of the pods. */
 function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, problems: string[]): KubernetesRuntimeConfig {
   const nodes = Number(env.MAGUS_K8S_NODES?.trim() || '1');
-  if (!(DLLAMA_NODE_COUNTS as readonly number[]).includes(nodes)) problems.push(`MAGUS_K8S_NODES=${env.MAGUS_K8S_NODES} must be one of ${DLLAMA_NODE_COUNTS.join(', ')}`);
+  if (!(DLLAMA_NODE_COUNTS as readonly number[]).includes(nodes))
+    problems.push(`MAGUS_K8S_NODES=${env.MAGUS_K8S_NODES} must be one of ${DLLAMA_NODE_COUNTS.join(', ')}`);
   const after = Number(env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS?.trim() || '30000');
-  if (!Number.isInteger(after) || after < 1000) problems.push(`MAGUS_K8S_UNSCHEDULABLE_AFTER_MS=${env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS} must be an integer ≥ 1000`);
-  for (const name of ['MAGUS_K8S_MAGUS_IMAGE', 'MAGUS_K8S_DLLAMA_IMAGE']) if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
+  if (!Number.isInteger(after) || after < 1000)
+    problems.push(`MAGUS_K8S_UNSCHEDULABLE_AFTER_MS=${env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS} must be an integer ≥ 1000`);
+  for (const name of ['MAGUS_K8S_MAGUS_IMAGE', 'MAGUS_K8S_DLLAMA_IMAGE'])
+    if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
   const natsUrl = env.MAGUS_K8S_NATS_URL?.trim() || natsServers;
   checkNatsServerList('MAGUS_K8S_NATS_URL', natsUrl, problems);
   return {

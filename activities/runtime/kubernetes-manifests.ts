@@ -115,7 +115,10 @@ export function instanceBase(instance: string): string {
   // A StatefulSet's pods add `-<ordinal>` and its revision label a hash: stay within 47.
   if (base.length <= 40 && /^[a-z0-9]([-a-z0-9]*[a-z0-9])?$/.test(base)) return base;
   const hash = createHash('sha256').update(instance).digest('hex').slice(0, 8);
-  return `${base.replace(/[^a-z0-9-]/g, '-').slice(0, 31).replace(/-+$/, '')}-${hash}`;
+  return `${base
+    .replace(/[^a-z0-9-]/g, '-')
+    .slice(0, 31)
+    .replace(/-+$/, '')}-${hash}`;
 }
 
 export function instanceLabels(plan: Pick<InstancePlan, 'pool' | 'instance'>): Record<string, string> {
@@ -163,7 +166,12 @@ function podBasics(plan: InstancePlan, labels: Record<string, string>): Record<s
     // distributed-llama); preferred, so a small cluster still runs it.
     affinity: {
       podAntiAffinity: {
-        preferredDuringSchedulingIgnoredDuringExecution: [{ weight: 100, podAffinityTerm: { topologyKey: 'kubernetes.io/hostname', labelSelector: { matchLabels: { [INSTANCE_LABEL]: labels[INSTANCE_LABEL] } } } }],
+        preferredDuringSchedulingIgnoredDuringExecution: [
+          {
+            weight: 100,
+            podAffinityTerm: { topologyKey: 'kubernetes.io/hostname', labelSelector: { matchLabels: { [INSTANCE_LABEL]: labels[INSTANCE_LABEL] } } },
+          },
+        ],
       },
     },
   };
@@ -282,12 +290,18 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
               image: plan.images.magus,
               args: [
                 'bridge',
-                '--pool', plan.pool,
-                '--instance', plan.instance,
-                '--engine', `http://127.0.0.1:${ENGINE_PORT}`,
-                '--engine-kind', plan.engine,
-                '--slots', String(concurrentRequests(plan.engine, plan.slots)),
-                '--health-port', String(BRIDGE_HEALTH_PORT),
+                '--pool',
+                plan.pool,
+                '--instance',
+                plan.instance,
+                '--engine',
+                `http://127.0.0.1:${ENGINE_PORT}`,
+                '--engine-kind',
+                plan.engine,
+                '--slots',
+                String(concurrentRequests(plan.engine, plan.slots)),
+                '--health-port',
+                String(BRIDGE_HEALTH_PORT),
                 ...(plan.nats.prefix ? ['--prefix', plan.nats.prefix] : []),
               ],
               env: [
@@ -315,7 +329,11 @@ export function poolOwnerManifest(namespace: string, pool: string): KubeObject {
   return {
     apiVersion: 'v1',
     kind: 'ConfigMap',
-    metadata: { name: `mg-pool-${pool}`.slice(0, 63).replace(/-+$/, ''), namespace, labels: { 'app.kubernetes.io/part-of': 'magus', 'app.kubernetes.io/managed-by': 'magus', [POOL_LABEL]: pool } },
+    metadata: {
+      name: `mg-pool-${pool}`.slice(0, 63).replace(/-+$/, ''),
+      namespace,
+      labels: { 'app.kubernetes.io/part-of': 'magus', 'app.kubernetes.io/managed-by': 'magus', [POOL_LABEL]: pool },
+    },
     data: { pool },
   };
 }

@@ -58,16 +58,35 @@ function model(name: string, perNode: (nodes: number) => number): ReadyModel {
     name,
     source: { repo: `org/${name}`, revision: 'main', sha: 'b'.repeat(40) },
     artifacts: [
-      { format: 'dllama', weights: 'q40', files: [{ key: `artifacts/${name}/model.m`, bytes: 1000, sha256: sha('1') }, { key: `artifacts/${name}/tokenizer.t`, bytes: 10, sha256: sha('2') }] },
+      {
+        format: 'dllama',
+        weights: 'q40',
+        files: [
+          { key: `artifacts/${name}/model.m`, bytes: 1000, sha256: sha('1') },
+          { key: `artifacts/${name}/tokenizer.t`, bytes: 10, sha256: sha('2') },
+        ],
+      },
       { format: 'gguf', weights: 'q40', files: [{ key: `artifacts/${name}/model.gguf`, bytes: 1000, sha256: sha('3') }] },
     ],
-    memory: [{ format: 'dllama', weights: 'q40', contextLength: 2048, topologies: [1, 2, 4, 8].map((nodes) => ({ nodes, root: { total: perNode(nodes) }, worker: nodes > 1 ? { total: perNode(nodes) } : null })) }],
+    memory: [
+      {
+        format: 'dllama',
+        weights: 'q40',
+        contextLength: 2048,
+        topologies: [1, 2, 4, 8].map((nodes) => ({ nodes, root: { total: perNode(nodes) }, worker: nodes > 1 ? { total: perNode(nodes) } : null })),
+      },
+    ],
     readyAt: new Date().toISOString(),
   } as ReadyModel;
 }
 
 async function applyDllama(name: string, spec: Partial<DllamaResourceSpec>): Promise<void> {
-  const body = { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name, namespace: NS }, spec: { model: name, engine: 'dllama', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 2, idleTimeout: '10m', ...spec } };
+  const body = {
+    apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+    kind: 'Dllama',
+    metadata: { name, namespace: NS },
+    spec: { model: name, engine: 'dllama', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 2, idleTimeout: '10m', ...spec },
+  };
   await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', body });
 }
 
@@ -99,53 +118,104 @@ beforeAll(async () => {
 
 afterAll(() => stack.close(), 120_000);
 
-test.each([0, 1, 2, 3])('distributed-llama on 2^%i nodes: the objects, command lines and pods; Ready; deleting the Dllama collects everything', async (power) => {
-  const name = `topo${power}`;
-  const nodes = 2 ** power;
-  await registry.put(model(name, () => GIB));
-  await applyDllama(name, { nodesPower: power });
-  const instance = `${name}-1`;
-  const base = instanceBase(instance);
-  const info = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
-  expect(info).toEqual({ instance, subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`, healthy: true });
-  expect((await podsOf(instance)).filter((p) => p.status?.conditions?.some((c) => c.type === 'Ready' && c.status === 'True'))).toHaveLength(nodes);
+test.each([0, 1, 2, 3])(
+  'distributed-llama on 2^%i nodes: the objects, command lines and pods; Ready; deleting the Dllama collects everything',
+  async (power) => {
+    const name = `topo${power}`;
+    const nodes = 2 ** power;
+    await registry.put(model(name, () => GIB));
+    await applyDllama(name, { nodesPower: power });
+    const instance = `${name}-1`;
+    const base = instanceBase(instance);
+    const info = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+    expect(info).toEqual({ instance, subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`, healthy: true });
+    expect((await podsOf(instance)).filter((p) => p.status?.conditions?.some((c) => c.type === 'Ready' && c.status === 'True'))).toHaveLength(nodes);
 
-  const root = (await sts(base))!;
-  const pod = root.spec!.template.spec!;
-  const engine = pod.containers.find((c) => c.name === 'engine')!;
-  const workers = Array.from({ length: nodes - 1 }, (_, k) => `${base}-w-${k}.${base}-w.${NS}.svc:9998`);
-  expect(engine.command).toBeUndefined(); // the image's entrypoint (tini) stays
-  expect(engine.args).toEqual(['dllama-api', '--host', '0.0.0.0', '--port', '8080', '--model', '/models/model.m', '--tokenizer', '/models/tokenizer.t', '--buffer-float-type', 'q80', '--nthreads', '1', '--max-seq-len', '2048', ...(workers.length ? ['--workers', ...workers] : [])]);
-  expect(engine.image).toBe('magus-dllama:test');
-  expect(engine.readinessProbe?.httpGet?.path).toBe('/v1/models');
-  expect(engine.securityContext).toMatchObject({ runAsNonRoot: true, readOnlyRootFilesystem: true, allowPrivilegeEscalation: false, capabilities: { drop: ['ALL'] }, seccompProfile: { type: 'RuntimeDefault' } });
-  // Requests: the plan's 1 GiB + 10 % + 256 MiB.
-  expect(engine.resources?.requests?.memory).toBe(`${Math.ceil((GIB * 1.1 + 256 * 2 ** 20) / 2 ** 20)}Mi`);
-  const fetch = pod.initContainers!.find((c) => c.name === 'fetch')!;
-  expect(fetch.args).toEqual(['fetch', '--dir', '/models', '--file', `artifacts/${name}/model.m=${sha('1')}=model.m`, '--file', `artifacts/${name}/tokenizer.t=${sha('2')}=tokenizer.t`]);
-  expect(fetch.envFrom).toEqual([{ secretRef: { name: 'magus-s3' } }]);
-  const bridge = pod.containers.find((c) => c.name === 'bridge')!;
-  expect(bridge.args).toEqual(['bridge', '--pool', name, '--instance', instance, '--engine', 'http://127.0.0.1:8080', '--engine-kind', 'dllama', '--slots', '1', '--health-port', '9467', '--prefix', iso.natsPrefix]);
-  expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
-  if (nodes > 1) {
-    const w = (await sts(`${base}-w`))!;
-    expect(w.spec!.replicas).toBe(nodes - 1);
-    expect(w.spec!.template.spec!.containers[0]!.args).toEqual(['dllama', 'worker', '--host', '0.0.0.0', '--port', '9998', '--nthreads', '1']);
-    const svc = await core.readNamespacedService({ name: `${base}-w`, namespace: NS });
-    expect(svc.spec?.clusterIP).toBe('None');
-  } else {
-    expect(await sts(`${base}-w`)).toBeUndefined();
-  }
-  expect(await runtime.describe(name, instance)).toMatchObject({ healthy: true });
+    const root = (await sts(base))!;
+    const pod = root.spec!.template.spec!;
+    const engine = pod.containers.find((c) => c.name === 'engine')!;
+    const workers = Array.from({ length: nodes - 1 }, (_, k) => `${base}-w-${k}.${base}-w.${NS}.svc:9998`);
+    expect(engine.command).toBeUndefined(); // the image's entrypoint (tini) stays
+    expect(engine.args).toEqual([
+      'dllama-api',
+      '--host',
+      '0.0.0.0',
+      '--port',
+      '8080',
+      '--model',
+      '/models/model.m',
+      '--tokenizer',
+      '/models/tokenizer.t',
+      '--buffer-float-type',
+      'q80',
+      '--nthreads',
+      '1',
+      '--max-seq-len',
+      '2048',
+      ...(workers.length ? ['--workers', ...workers] : []),
+    ]);
+    expect(engine.image).toBe('magus-dllama:test');
+    expect(engine.readinessProbe?.httpGet?.path).toBe('/v1/models');
+    expect(engine.securityContext).toMatchObject({
+      runAsNonRoot: true,
+      readOnlyRootFilesystem: true,
+      allowPrivilegeEscalation: false,
+      capabilities: { drop: ['ALL'] },
+      seccompProfile: { type: 'RuntimeDefault' },
+    });
+    // Requests: the plan's 1 GiB + 10 % + 256 MiB.
+    expect(engine.resources?.requests?.memory).toBe(`${Math.ceil((GIB * 1.1 + 256 * 2 ** 20) / 2 ** 20)}Mi`);
+    const fetch = pod.initContainers!.find((c) => c.name === 'fetch')!;
+    expect(fetch.args).toEqual([
+      'fetch',
+      '--dir',
+      '/models',
+      '--file',
+      `artifacts/${name}/model.m=${sha('1')}=model.m`,
+      '--file',
+      `artifacts/${name}/tokenizer.t=${sha('2')}=tokenizer.t`,
+    ]);
+    expect(fetch.envFrom).toEqual([{ secretRef: { name: 'magus-s3' } }]);
+    const bridge = pod.containers.find((c) => c.name === 'bridge')!;
+    expect(bridge.args).toEqual([
+      'bridge',
+      '--pool',
+      name,
+      '--instance',
+      instance,
+      '--engine',
+      'http://127.0.0.1:8080',
+      '--engine-kind',
+      'dllama',
+      '--slots',
+      '1',
+      '--health-port',
+      '9467',
+      '--prefix',
+      iso.natsPrefix,
+    ]);
+    expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
+    if (nodes > 1) {
+      const w = (await sts(`${base}-w`))!;
+      expect(w.spec!.replicas).toBe(nodes - 1);
+      expect(w.spec!.template.spec!.containers[0]!.args).toEqual(['dllama', 'worker', '--host', '0.0.0.0', '--port', '9998', '--nthreads', '1']);
+      const svc = await core.readNamespacedService({ name: `${base}-w`, namespace: NS });
+      expect(svc.spec?.clusterIP).toBe('None');
+    } else {
+      expect(await sts(`${base}-w`)).toBeUndefined();
+    }
+    expect(await runtime.describe(name, instance)).toMatchObject({ healthy: true });
 
-  await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name });
-  await eventually(async () => {
-    expect(await sts(base)).toBeUndefined();
-    expect(await sts(`${base}-w`)).toBeUndefined();
-    expect(await podsOf(instance)).toHaveLength(0);
-  }, 60_000);
-  expect(await runtime.describe(name, instance)).toBeNull();
-}, 180_000);
+    await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name });
+    await eventually(async () => {
+      expect(await sts(base)).toBeUndefined();
+      expect(await sts(`${base}-w`)).toBeUndefined();
+      expect(await podsOf(instance)).toHaveLength(0);
+    }, 60_000);
+    expect(await runtime.describe(name, instance)).toBeNull();
+  },
+  180_000,
+);
 
 test('llama.cpp: one pod with `magus engine` and the bridge; destroy is idempotent and takes everything', async () => {
   const name = 'cpp';
@@ -157,7 +227,22 @@ test('llama.cpp: one pod with `magus engine` and the bridge; destroy is idempote
   const engine = pod.containers.find((c) => c.name === 'engine')!;
   expect(engine.image).toBe('magus:test');
   // One slot per lease of the Dllama (2): a conversation keeps its prefix cached on its instance.
-  expect(engine.args).toEqual(['engine', '--model', '/models/model.gguf', '--model-id', name, '--host', '0.0.0.0', '--port', '8080', '--json', '--slots', '2', '--threads', '1']);
+  expect(engine.args).toEqual([
+    'engine',
+    '--model',
+    '/models/model.gguf',
+    '--model-id',
+    name,
+    '--host',
+    '0.0.0.0',
+    '--port',
+    '8080',
+    '--json',
+    '--slots',
+    '2',
+    '--threads',
+    '1',
+  ]);
   await runtime.destroy(name, instance);
   await runtime.destroy(name, instance); // again: nothing to do
   await eventually(async () => expect(await podsOf(instance)).toHaveLength(0), 60_000);
@@ -184,7 +269,9 @@ test('fit-first: the smallest topology whose nodes fit, said in the status; none
   await applyDllama('fits', { autoNodes: true });
   await runtime.create({ namespace: NS, model: 'fits', pool: 'fits', instance: 'fits-1' }, new AbortController().signal);
   expect(await podsOf('fits-1')).toHaveLength(4);
-  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name: 'fits' })) as { status?: { conditions?: { type: string; status: string; message: string }[] } };
+  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name: 'fits' })) as {
+    status?: { conditions?: { type: string; status: string; message: string }[] };
+  };
   const chosen = d.status?.conditions?.find((c) => c.type === 'TopologyChosen');
   expect(chosen).toMatchObject({ status: 'True' });
   expect(chosen?.message).toMatch(/^chose 4 nodes \(q40\)/);
@@ -221,7 +308,12 @@ async function withKubeWorkers(unschedulableAfterMs: number, body: (w: { cfg: Ma
   const pieces = new TestStack();
   try {
     const { dir } = pieces.open(tempDir('magus-k8s-'));
-    const runtime = runtimeConfig(kubernetes, { images: { magus: 'magus:test', dllama: 'magus-dllama:test' }, natsUrl: 'nats://nats.magus.svc:4222', defaultNodes: 1, unschedulableAfterMs });
+    const runtime = runtimeConfig(kubernetes, {
+      images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
+      natsUrl: 'nats://nats.magus.svc:4222',
+      defaultNodes: 1,
+      unschedulableAfterMs,
+    });
     const { cfg } = await pieces.open(workersStack(iso, dir, { runtime }, { kube: cluster.kubeConfig }));
     const { client } = await pieces.open(temporalStack());
     await body({ cfg, client, dir });
@@ -234,9 +326,20 @@ test('a pool whose pods can never be scheduled: one typed failure, backing off, 
   const name = 'toobig';
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { engine: 'llamacpp', resources: { requests: { memory: '200Gi' } } });
-  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as { metadata: { uid: string; generation: number } };
+  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as {
+    metadata: { uid: string; generation: number };
+  };
   await withKubeWorkers(2000, async ({ cfg, client }) => {
-    const resource = { name, uid: d.metadata.uid, generation: d.metadata.generation, minInstances: 1, maxInstances: 1, leasesPerInstance: 2, idleTimeoutMs: 600_000, nodesPerInstance: 1 };
+    const resource = {
+      name,
+      uid: d.metadata.uid,
+      generation: d.metadata.generation,
+      minInstances: 1,
+      maxInstances: 1,
+      leasesPerInstance: 2,
+      idleTimeoutMs: 600_000,
+      nodesPerInstance: 1,
+    };
     const pool = await client.workflow.start('dllamaPool', {
       workflowId: poolWorkflowId(NS, name),
       taskQueue: cfg.taskQueue,
@@ -248,10 +351,14 @@ test('a pool whose pods can never be scheduled: one typed failure, backing off, 
       expect(s.lastError).toMatch(/cannot be scheduled: .*Insufficient memory/);
     }, 60_000);
     // One attempt per start (non-retryable), and the next one waits for the backoff.
-    const attempts = ((await pool.fetchHistory()).events ?? []).filter((e) => e.activityTaskStartedEventAttributes && e.activityTaskStartedEventAttributes.attempt === 2);
+    const attempts = ((await pool.fetchHistory()).events ?? []).filter(
+      (e) => e.activityTaskStartedEventAttributes && e.activityTaskStartedEventAttributes.attempt === 2,
+    );
     expect(attempts).toHaveLength(0);
     await eventually(async () => {
-      const got = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as { status?: { lastError?: string; phase?: string } };
+      const got = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as {
+        status?: { lastError?: string; phase?: string };
+      };
       expect(got.status?.lastError).toMatch(/cannot be scheduled/);
       expect(got.status?.phase).toBe('Degraded');
     }, 30_000);
@@ -289,7 +396,9 @@ test('a pool on the Kubernetes runtime: its instance is pods, watched from the c
       expect(ids[0]).not.toBe(first);
     }, 60_000);
     // The watcher completed with the reason (the new instance's start cleared lastError since).
-    const results = ((await pool.fetchHistory()).events ?? []).map((e) => e.activityTaskCompletedEventAttributes?.result?.payloads?.[0]?.data).filter((d): d is Uint8Array => d != null);
+    const results = ((await pool.fetchHistory()).events ?? [])
+      .map((e) => e.activityTaskCompletedEventAttributes?.result?.payloads?.[0]?.data)
+      .filter((d): d is Uint8Array => d != null);
     expect(results.map((d) => Buffer.from(d).toString('utf8')).some((r) => r.includes(`pod ${worker.metadata!.name!}`))).toBe(true);
     const second = ready(status)[0]!;
     expect(await podsOf(second)).toHaveLength(2);
@@ -307,7 +416,8 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
     const kubeconfig = join(dir, 'kubeconfig');
     writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
     const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
-    const roots = async () => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
+    const roots = async () =>
+      (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
     try {
       await controller.synced;
       await applyDllama(name, { engine: 'llamacpp', replicas: 1, minReplicas: 0, maxReplicas: 3, idleTimeout: '30s' });
@@ -320,10 +430,16 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
       await kubectl('scale', `dllama/${name}`, '--replicas=1');
       await eventually(async () => expect(await roots()).toBe(1), 60_000);
       await kubectl('delete', `dllama/${name}`, '--timeout=60s');
-      await eventually(async () => expect((await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name}` })).items).toHaveLength(0), 60_000);
+      await eventually(
+        async () => expect((await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name}` })).items).toHaveLength(0),
+        60_000,
+      );
     } finally {
       await controller.stop();
-      await client.workflow.getHandle(poolWorkflowId(NS, name)).terminate().catch(() => undefined);
+      await client.workflow
+        .getHandle(poolWorkflowId(NS, name))
+        .terminate()
+        .catch(() => undefined);
     }
   });
 }, 400_000);
@@ -333,14 +449,20 @@ test('a node that goes away: the pool notices, replaces the instance, and the co
   await registry.put(model(name, () => GIB));
   await applyDllama(name, { engine: 'llamacpp' });
   await withKubeWorkers(5000, async ({ cfg, client }) => {
-    const t = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 }, sessionTtlMs: 600_000 });
+    const t = temporalSessions({
+      client,
+      taskQueue: cfg.taskQueue,
+      pool: { minInstances: 1, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 600_000, healthCheckMs: 1000 },
+      sessionTtlMs: 600_000,
+    });
     const js = nc.jetstream();
     const kv = await js.views.kv(names.sessionsBucket);
     const cache = new SessionCache({ kv, pools: await js.views.kv(names.poolsBucket), firstTurns: { ...t.firstTurns, sessions: kv } });
     await cache.ready;
     try {
       const key = `conv-${iso.id}`;
-      const turn = async () => cache.acquire({ conversationKey: key, model: (await registry.get(NS, name))!, owner: 't', signal: AbortSignal.timeout(150_000) });
+      const turn = async () =>
+        cache.acquire({ conversationKey: key, model: (await registry.get(NS, name))!, owner: 't', signal: AbortSignal.timeout(150_000) });
       const first = await turn();
       const [root] = await podsOf(first.instance);
       const node = root!.spec!.nodeName!;

@@ -25,7 +25,10 @@ test('object names stay DNS labels with room for pod suffixes, distinct for dist
 
 test('magus fetch arguments: each file with its sha256, a plain link name; problems named', () => {
   const sha = 'a'.repeat(64);
-  expect(parseFetchArgs(['--dir', '/models', '--file', `k/m.gguf=${sha}=model.gguf`])).toEqual({ dir: '/models', files: [{ key: 'k/m.gguf', sha256: sha, name: 'model.gguf' }] });
+  expect(parseFetchArgs(['--dir', '/models', '--file', `k/m.gguf=${sha}=model.gguf`])).toEqual({
+    dir: '/models',
+    files: [{ key: 'k/m.gguf', sha256: sha, name: 'model.gguf' }],
+  });
   expect(parseFetchArgs(['--dir', '/models', '--file', `k/m.t=${sha}`])).toEqual({ dir: '/models', files: [{ key: 'k/m.t', sha256: sha }] });
   expect(parseFetchArgs(['--file', `k=${sha}`])).toBe('--dir is required');
   expect(parseFetchArgs(['--dir', '/m'])).toBe('at least one --file is required');

@@ -15,7 +15,17 @@
  * - `destroy` deletes the instance's ConfigMap (the garbage collector takes the rest) and its
  *   request consumer; idempotent.
  */
-import { CoreV1Api, CustomObjectsApi, KubernetesObjectApi, PatchStrategy, setHeaderOptions, type KubeConfig, type KubernetesObject, type V1Node, type V1Pod } from '@kubernetes/client-node';
+import {
+  CoreV1Api,
+  CustomObjectsApi,
+  KubernetesObjectApi,
+  PatchStrategy,
+  setHeaderOptions,
+  type KubeConfig,
+  type KubernetesObject,
+  type V1Node,
+  type V1Pod,
+} from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
@@ -29,7 +39,20 @@ import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '.
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
 import { kubernetesEngines, kubernetesLauncherOf } from './engines';
-import { DEFAULT_PORTS, instanceBase, instanceManifests, instanceSelector, modelPath, poolOwnerManifest, RUNTIME_FIELD_MANAGER, workerAddresses, type InstancePlan, type InstancePorts, type KubeObject, type OwnerReference } from './kubernetes-manifests';
+import {
+  DEFAULT_PORTS,
+  instanceBase,
+  instanceManifests,
+  instanceSelector,
+  modelPath,
+  poolOwnerManifest,
+  RUNTIME_FIELD_MANAGER,
+  workerAddresses,
+  type InstancePlan,
+  type InstancePorts,
+  type KubeObject,
+  type OwnerReference,
+} from './kubernetes-manifests';
 
 export interface KubernetesRuntimeOptions {
   kc: KubeConfig;
@@ -44,7 +67,12 @@ export interface KubernetesRuntimeOptions {
    * (`MAGUS_NATS_REPLICAS`, `MAGUS_RESPONSES_*`; workers/config.ts `dataPlaneEnv`).
    */
   dataPlaneEnv?: Record<string, string>;
-  s3: { endpoint?: string; region: string; bucket: string; /** Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in each model namespace. */ secret?: string };
+  s3: {
+    endpoint?: string;
+    region: string;
+    bucket: string;
+    /** Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY in each model namespace. */ secret?: string;
+  };
   serviceAccount?: string;
   /** Without a `Dllama`: llama.cpp, or distributed-llama on this many nodes when the model has an artifact for it. */
   defaultNodes?: number;
@@ -74,7 +102,6 @@ const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideAp
 const GIB = 2 ** 30;
 const gib = (n: number) => `${(n / GIB).toFixed(1)} GiB`;
 
-
 /** Ready = the pod's Ready condition is True and it is not being deleted. */
 export function podReady(p: V1Pod): boolean {
   return !p.metadata?.deletionTimestamp && (p.status?.conditions ?? []).some((c) => c.type === 'Ready' && c.status === 'True');
@@ -85,7 +112,8 @@ function podFailure(p: V1Pod): string | undefined {
   if (p.status?.phase === 'Failed') return `pod ${p.metadata?.name} failed: ${p.status.message ?? p.status.reason ?? 'no reason given'}`;
   for (const s of [...(p.status?.initContainerStatuses ?? []), ...(p.status?.containerStatuses ?? [])]) {
     const last = s.lastState?.terminated ?? s.state?.terminated;
-    if (last && last.exitCode !== 0 && (s.restartCount ?? 0) >= 2) return `container ${s.name} of pod ${p.metadata?.name} keeps failing (exit ${last.exitCode}): ${(last.message ?? last.reason ?? '').trim().split('\n').slice(-3).join(' ')}`;
+    if (last && last.exitCode !== 0 && (s.restartCount ?? 0) >= 2)
+      return `container ${s.name} of pod ${p.metadata?.name} keeps failing (exit ${last.exitCode}): ${(last.message ?? last.reason ?? '').trim().split('\n').slice(-3).join(' ')}`;
   }
   return undefined;
 }
@@ -107,9 +135,16 @@ export interface FitChoice {
  * weights first) whose root and workers each fit a distinct schedulable node's allocatable
  * memory, with headroom. A string when none fits: what each size would need.
  */
-export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (bytes: number) => number, placement: { nodeSelector?: Record<string, string>; tolerations?: Record<string, unknown>[] } = {}): FitChoice | string {
+export function chooseFit(
+  ready: ReadyModel,
+  nodes: readonly V1Node[],
+  need: (bytes: number) => number,
+  placement: { nodeSelector?: Record<string, string>; tolerations?: Record<string, unknown>[] } = {},
+): FitChoice | string {
   const tolerated = (t: { key?: string; value?: string; effect?: string }) =>
-    (placement.tolerations ?? []).some((o) => (o.key === undefined || o.key === t.key) && (o.operator === 'Exists' || o.value === t.value) && (o.effect === undefined || o.effect === t.effect));
+    (placement.tolerations ?? []).some(
+      (o) => (o.key === undefined || o.key === t.key) && (o.operator === 'Exists' || o.value === t.value) && (o.effect === undefined || o.effect === t.effect),
+    );
   const schedulable = nodes.filter(
     (n) =>
       !n.spec?.unschedulable &&
@@ -117,10 +152,15 @@ export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (by
       !(n.spec?.taints ?? []).some((t) => (t.effect === 'NoSchedule' || t.effect === 'NoExecute') && !tolerated(t)) &&
       Object.entries(placement.nodeSelector ?? {}).every(([k, v]) => n.metadata?.labels?.[k] === v),
   );
-  const alloc = schedulable.map((n) => parseMemory(n.status?.allocatable?.memory ?? '0')).filter((b) => b > 0).sort((a, b) => b - a);
+  const alloc = schedulable
+    .map((n) => parseMemory(n.status?.allocatable?.memory ?? '0'))
+    .filter((b) => b > 0)
+    .sort((a, b) => b - a);
   const tried: string[] = [];
   const order = WEIGHTS_PREFERENCE;
-  const plans = ready.memory.filter((m) => m.format === 'dllama' && ready.artifacts.some((a) => a.format === 'dllama' && a.weights === m.weights)).sort((a, b) => order.indexOf(a.weights) - order.indexOf(b.weights));
+  const plans = ready.memory
+    .filter((m) => m.format === 'dllama' && ready.artifacts.some((a) => a.format === 'dllama' && a.weights === m.weights))
+    .sort((a, b) => order.indexOf(a.weights) - order.indexOf(b.weights));
   for (const plan of plans) {
     for (const t of [...plan.topologies].sort((a, b) => a.nodes - b.nodes)) {
       const root = need(t.root.total);
@@ -128,7 +168,12 @@ export function chooseFit(ready: ReadyModel, nodes: readonly V1Node[], need: (by
       // The root takes the largest node; each worker another one.
       const fits = alloc.length >= t.nodes && alloc[0]! >= root && alloc.slice(1).filter((b) => b >= worker).length >= t.nodes - 1;
       const what = `${t.nodes} node${t.nodes > 1 ? 's' : ''} (${plan.weights}): root ${gib(root)}${t.nodes > 1 ? `, ${t.nodes - 1} × worker ${gib(worker)}` : ''}`;
-      if (fits) return { nodes: t.nodes, weights: plan.weights, reason: `chose ${what}: the smallest topology that fits ${alloc.length} schedulable node${alloc.length === 1 ? '' : 's'} (largest allocatable ${gib(alloc[0]!)})` };
+      if (fits)
+        return {
+          nodes: t.nodes,
+          weights: plan.weights,
+          reason: `chose ${what}: the smallest topology that fits ${alloc.length} schedulable node${alloc.length === 1 ? '' : 's'} (largest allocatable ${gib(alloc[0]!)})`,
+        };
       tried.push(what);
     }
   }
@@ -159,7 +204,9 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   /** The `Dllama` that sizes the pool of `model` in `namespace`, if any. */
   async function dllamaOf(namespace: string, model: string): Promise<DllamaResource | undefined> {
     count('list');
-    const list = (await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: Plural.dllama })) as { items: DllamaResource[] };
+    const list = (await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: Plural.dllama })) as {
+      items: DllamaResource[];
+    };
     return list.items.find((d) => d.spec.model === model && !d.metadata.deletionTimestamp);
   }
 
@@ -170,10 +217,26 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
       kind: 'Dllama',
       metadata: { name: d.metadata.name, namespace: d.metadata.namespace, uid: d.metadata.uid },
-      status: { conditions: [{ type: 'TopologyChosen', status, reason, message, observedGeneration: d.metadata.generation, lastTransitionTime: new Date().toISOString() }] },
+      status: {
+        conditions: [
+          { type: 'TopologyChosen', status, reason, message, observedGeneration: d.metadata.generation, lastTransitionTime: new Date().toISOString() },
+        ],
+      },
     };
     await custom
-      .patchNamespacedCustomObjectStatus({ group: CRD_GROUP, version: CRD_VERSION, namespace: d.metadata.namespace, plural: Plural.dllama, name: d.metadata.name, body, fieldManager: RUNTIME_FIELD_MANAGER, force: true }, applyHeaders)
+      .patchNamespacedCustomObjectStatus(
+        {
+          group: CRD_GROUP,
+          version: CRD_VERSION,
+          namespace: d.metadata.namespace,
+          plural: Plural.dllama,
+          name: d.metadata.name,
+          body,
+          fieldManager: RUNTIME_FIELD_MANAGER,
+          force: true,
+        },
+        applyHeaders,
+      )
       .catch((err: unknown) => log(`could not record the topology on Dllama ${d.metadata.namespace}/${d.metadata.name}: ${(err as Error).message}`));
   }
 
@@ -201,7 +264,12 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       nodes = fit.nodes;
     }
     const launcher = kubernetesLauncherOf(engine);
-    const planned = launcher.plan({ ready, nodes, fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance, instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES });
+    const planned = launcher.plan({
+      ready,
+      nodes,
+      fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance,
+      instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES,
+    });
     const ports = opts.ports ?? DEFAULT_PORTS;
     const plan = {
       namespace: req.namespace,
@@ -281,10 +349,25 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         }
         if (pods.filter(podReady).length >= expected) finish();
       };
-      const w = watchResource<V1Pod>(opts.kc, { path: `/api/v1/namespaces/${namespace}/pods`, labelSelector: instanceSelector(instance), onEvent: check, onSynced: check, log });
+      const w = watchResource<V1Pod>(opts.kc, {
+        path: `/api/v1/namespaces/${namespace}/pods`,
+        labelSelector: instanceSelector(instance),
+        onEvent: check,
+        onSynced: check,
+        log,
+      });
       // Unschedulable for long is a matter of time passing, not of events.
       const tick = setInterval(check, 1000);
-      const deadline = setTimeout(() => finish(runtimeError(RuntimeErrorType.StartTimedOut, `instance ${instance}: not every pod was Ready within ${Math.round((opts.startTimeoutMs ?? 30 * 60_000) / 1000)}s`)), opts.startTimeoutMs ?? 30 * 60_000);
+      const deadline = setTimeout(
+        () =>
+          finish(
+            runtimeError(
+              RuntimeErrorType.StartTimedOut,
+              `instance ${instance}: not every pod was Ready within ${Math.round((opts.startTimeoutMs ?? 30 * 60_000) / 1000)}s`,
+            ),
+          ),
+        opts.startTimeoutMs ?? 30 * 60_000,
+      );
       const onAbort = () => finish(signal.reason instanceof Error ? signal.reason : new Error('aborted'));
       if (signal.aborted) onAbort();
       else signal.addEventListener('abort', onAbort, { once: true });
@@ -324,12 +407,16 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     async create(req: InstanceRequest, signal: AbortSignal): Promise<InstanceInfo> {
       const p = await plan(req);
       signal.throwIfAborted();
-      log(`instance ${req.pool}/${req.instance}: ${p.engine} on ${p.nodes} node(s) in ${p.namespace} (requests ${gib(p.memory.root)} root${p.memory.worker ? `, ${gib(p.memory.worker)} per worker` : ''})`);
+      log(
+        `instance ${req.pool}/${req.instance}: ${p.engine} on ${p.nodes} node(s) in ${p.namespace} (requests ${gib(p.memory.root)} root${p.memory.worker ? `, ${gib(p.memory.worker)} per worker` : ''})`,
+      );
       try {
         await applyInstance(p);
         await podsReady(p.namespace, req.instance, p.nodes, signal);
       } catch (err) {
-        await destroy(req.pool, req.instance, p.namespace).catch((e: unknown) => log(`instance ${req.pool}/${req.instance}: cleanup after a failed start: ${(e as Error).message}`));
+        await destroy(req.pool, req.instance, p.namespace).catch((e: unknown) =>
+          log(`instance ${req.pool}/${req.instance}: cleanup after a failed start: ${(e as Error).message}`),
+        );
         throw err;
       }
       log(`instance ${req.pool}/${req.instance} is ready`);

@@ -99,6 +99,11 @@ export interface EngineLauncher {
     /** The artifact, files, slots and memory of an instance on `nodes` nodes; throws a `NoArtifact` runtime error when it has none. */
     plan(p: KubernetesPlanning): KubernetesEnginePlan;
     /** The root pod's engine container, serving HTTP on `ports.engine` at `/v1/models`; `workers`: the worker pods' container, if it has workers. */
-    containers(plan: Omit<InstancePlan, 'containers'>, ports: InstancePorts, file: (name: string) => string, workerAddresses: string[]): InstancePlan['containers'];
+    containers(
+      plan: Omit<InstancePlan, 'containers'>,
+      ports: InstancePorts,
+      file: (name: string) => string,
+      workerAddresses: string[],
+    ): InstancePlan['containers'];
   };
 }

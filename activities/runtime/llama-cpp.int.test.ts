@@ -42,7 +42,16 @@ beforeAll(async () => {
   bucket = iso.bucket;
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: POOL, seed: 7 });
   // One restart allowed per window: the second death is a crash loop.
-  rt = new LocalRuntime({ nc, names, registry, s3, bucket: iso.bucket, cacheDir: join(dir, 'cache'), restart: { maxRestarts: 1, backoffMs: 100 }, log: (l) => logs.push(l) });
+  rt = new LocalRuntime({
+    nc,
+    names,
+    registry,
+    s3,
+    bucket: iso.bucket,
+    cacheDir: join(dir, 'cache'),
+    restart: { maxRestarts: 1, backoffMs: 100 },
+    log: (l) => logs.push(l),
+  });
   stack.defer(() => rt.stopAll());
 }, 120_000);
 
@@ -58,7 +67,9 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   expect(first.text.length).toBeGreaterThan(0);
   // The worker's /metrics reports the instance's in-process bridge (it acks once the answer's frames are stored, just after the client has them).
   await untilLogged('the answer acked', () => rt.bridges()[0]?.stats.acked === 1);
-  expect(rt.bridges().map((b) => ({ pool: b.pool, instance: b.instance, pulled: b.stats.pulled, acked: b.stats.acked }))).toEqual([{ pool: POOL, instance: 'tiny-1', pulled: 1, acked: 1 }]);
+  expect(rt.bridges().map((b) => ({ pool: b.pool, instance: b.instance, pulled: b.stats.pulled, acked: b.stats.acked }))).toEqual([
+    { pool: POOL, instance: 'tiny-1', pulled: 1, acked: 1 },
+  ]);
   expect(bridgeMetricsText(rt.bridges())).toContain(`magus_bridge_acked_total{pool="${POOL}",instance="tiny-1"} 1`);
 
   // Killed from outside (OOM killer, crash): a new process on the same port, same instance.
@@ -90,12 +101,29 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
 }, 180_000);
 
 test('an engine gets the slots and context its memory plan gives within the instance budget, and so does its consumer', async () => {
-  const ready = await publishTinyGguf({ dir, s3, bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: 'planned', seed: 7, memoryPlan: { contextLength: 512 } });
+  const ready = await publishTinyGguf({
+    dir,
+    s3,
+    bucket,
+    registry: await openModelRegistry(nc, names.modelsBucket),
+    name: 'planned',
+    seed: 7,
+    memoryPlan: { contextLength: 512 },
+  });
   const plan = servedGguf(ready)!.plan!;
   // A budget for 3 slots: the plan's weights and buffers plus three slots' KV cache.
   const kvPerSlot = engineSizing(plan, 2 ** 40).kvCachePerSlot;
   const budget = plan.root.weights + plan.root.buffers + 3 * kvPerSlot + kvPerSlot / 2;
-  const sized = new LocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket, cacheDir: join(dir, 'cache'), instanceMemory: budget, log: (l) => logs.push(l) });
+  const sized = new LocalRuntime({
+    nc,
+    names,
+    registry: await openModelRegistry(nc, names.modelsBucket),
+    s3,
+    bucket,
+    cacheDir: join(dir, 'cache'),
+    instanceMemory: budget,
+    log: (l) => logs.push(l),
+  });
   try {
     await sized.create({ namespace: 'default', model: 'planned', pool: 'planned', instance: 'planned-1' }, new AbortController().signal);
     const argv = sized.processes('planned', 'planned-1')![0]!.argv;

@@ -19,7 +19,15 @@ export type { RestartPolicy } from './supervise';
 function engineArgv(args: string[]): string[] {
   if (__filename.endsWith('.ts')) {
     const root = resolve(__dirname, '..', '..');
-    return [process.execPath, '-r', require.resolve('@swc-node/register'), '-e', `require(${JSON.stringify(join(root, 'workers', 'engine'))}).engineCommand(process.argv.slice(1)).then((c) => process.exit(c))`, '--', ...args];
+    return [
+      process.execPath,
+      '-r',
+      require.resolve('@swc-node/register'),
+      '-e',
+      `require(${JSON.stringify(join(root, 'workers', 'engine'))}).engineCommand(process.argv.slice(1)).then((c) => process.exit(c))`,
+      '--',
+      ...args,
+    ];
   }
   return [process.execPath, resolve(__dirname, '..', '..', '..', 'bin', 'magus.js'), 'engine', ...args];
 }
@@ -29,9 +37,30 @@ function engineArgv(args: string[]): string[] {
  * the local runtime (loopback, any port) and the Kubernetes one (0.0.0.0 in its pod, so the
  * kubelet's probes reach it).
  */
-export function engineArgs(o: { model: string; modelId: string; port: number; slots: number; threads: number; host?: string; /** Tokens per slot (default: the engine's). */ ctx?: number }): string[] {
+export function engineArgs(o: {
+  model: string;
+  modelId: string;
+  port: number;
+  slots: number;
+  threads: number;
+  host?: string;
+  /** Tokens per slot (default: the engine's). */ ctx?: number;
+}): string[] {
   return [
-    ...['--model', o.model, '--model-id', o.modelId, ...(o.host ? ['--host', o.host] : []), '--port', String(o.port), '--json', '--slots', String(o.slots), '--threads', String(o.threads)],
+    ...[
+      '--model',
+      o.model,
+      '--model-id',
+      o.modelId,
+      ...(o.host ? ['--host', o.host] : []),
+      '--port',
+      String(o.port),
+      '--json',
+      '--slots',
+      String(o.slots),
+      '--threads',
+      String(o.threads),
+    ],
     ...(o.ctx !== undefined ? ['--ctx', String(o.ctx)] : []),
   ];
 }
@@ -50,11 +79,31 @@ export interface LlamaCppEngine {
  */
 export function startLlamaCppEngine(
   model: string,
-  opts: { modelId: string; slots: number; threads: number; ctx?: number; startTimeoutSec: number; name: string; log: (line: string) => void; output?: (line: string) => void; port?: number; signal?: AbortSignal },
+  opts: {
+    modelId: string;
+    slots: number;
+    threads: number;
+    ctx?: number;
+    startTimeoutSec: number;
+    name: string;
+    log: (line: string) => void;
+    output?: (line: string) => void;
+    port?: number;
+    signal?: AbortSignal;
+  },
 ): Promise<LlamaCppEngine> {
   const { signal } = opts;
   if (signal?.aborted) return Promise.reject(signal.reason as Error);
-  const argv = engineArgv(engineArgs({ model, modelId: opts.modelId, port: opts.port ?? 0, slots: opts.slots, threads: opts.threads, ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}) }));
+  const argv = engineArgv(
+    engineArgs({
+      model,
+      modelId: opts.modelId,
+      port: opts.port ?? 0,
+      slots: opts.slots,
+      threads: opts.threads,
+      ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}),
+    }),
+  );
   let url: string | null = null;
   let onReady: (() => void) | undefined;
   const proc = spawnSupervised(opts.name, argv, {
@@ -196,7 +245,18 @@ export const llamaCppLauncher: EngineLauncher = {
       engine: {
         name: 'engine',
         image: plan.images.magus,
-        args: ['engine', ...engineArgs({ model: file(plan.files[0]!.name), modelId: plan.model, host: '0.0.0.0', port: ports.engine, slots: plan.slots, threads: plan.threads, ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}) })],
+        args: [
+          'engine',
+          ...engineArgs({
+            model: file(plan.files[0]!.name),
+            modelId: plan.model,
+            host: '0.0.0.0',
+            port: ports.engine,
+            slots: plan.slots,
+            threads: plan.threads,
+            ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}),
+          }),
+        ],
         env: [{ name: 'HOME', value: '/tmp' }],
       },
     }),

@@ -46,12 +46,15 @@ function enginesConfig(env: NodeJS.ProcessEnv, dllama: DllamaConfig | undefined,
   const kinds = text.split(',').map((k) => k.trim());
   const unknown = kinds.filter((k) => !isEngineKind(k));
   if (unknown.length > 0) {
-    problems.push(`MAGUS_ENGINES=${text}: ${unknown.join(', ')} ${unknown.length > 1 ? 'are not engines' : 'is not an engine'}; the engines are ${ENGINE_KINDS.join(', ')}`);
+    problems.push(
+      `MAGUS_ENGINES=${text}: ${unknown.join(', ')} ${unknown.length > 1 ? 'are not engines' : 'is not an engine'}; the engines are ${ENGINE_KINDS.join(', ')}`,
+    );
     return undefined;
   }
   const engines = [...new Set(kinds as EngineKind[])];
   const needsDllama = engines.filter((k) => engineOf(k).topology === 'distributed');
-  if (needsDllama.length > 0 && !dllama) problems.push(`MAGUS_ENGINES lists ${needsDllama.join(', ')}, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
+  if (needsDllama.length > 0 && !dllama)
+    problems.push(`MAGUS_ENGINES lists ${needsDllama.join(', ')}, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
   return engines;
 }
 
@@ -78,7 +81,11 @@ function executable(name: string, value: string, env: NodeJS.ProcessEnv, problem
     if (!isExecutableFile(path)) problems.push(`${name}=${value} is not an executable file`);
     return path;
   }
-  const found = (env.PATH ?? '').split(delimiter).filter(Boolean).map((dir) => join(dir, value)).find(isExecutableFile);
+  const found = (env.PATH ?? '')
+    .split(delimiter)
+    .filter(Boolean)
+    .map((dir) => join(dir, value))
+    .find(isExecutableFile);
   if (!found) problems.push(`${name}=${value} is not an executable file in PATH`);
   return found ?? value;
 }
@@ -90,16 +97,23 @@ function dllamaConfig(env: NodeJS.ProcessEnv, problems: string[]): DllamaConfig 
   const threadsText = env.MAGUS_DLLAMA_THREADS?.trim();
   if (!apiBin && !workerBin) {
     const stray = [nodesText && 'MAGUS_DLLAMA_NODES', threadsText && 'MAGUS_DLLAMA_THREADS'].filter(Boolean);
-    if (stray.length > 0) problems.push(`${stray.join(' and ')} ${stray.length > 1 ? 'are' : 'is'} set, but distributed-llama is off: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
+    if (stray.length > 0)
+      problems.push(
+        `${stray.join(' and ')} ${stray.length > 1 ? 'are' : 'is'} set, but distributed-llama is off: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`,
+      );
     return undefined;
   }
   if (!apiBin || !workerBin) {
-    problems.push(`distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only ${apiBin ? 'MAGUS_DLLAMA_API_BIN' : 'MAGUS_DLLAMA_BIN'} is set`);
+    problems.push(
+      `distributed-llama needs both MAGUS_DLLAMA_API_BIN (dllama-api) and MAGUS_DLLAMA_BIN (dllama); only ${apiBin ? 'MAGUS_DLLAMA_API_BIN' : 'MAGUS_DLLAMA_BIN'} is set`,
+    );
     return undefined;
   }
   const nodes = Number(nodesText ?? '2');
   if (!(DLLAMA_NODE_COUNTS as readonly number[]).includes(nodes)) {
-    problems.push(`MAGUS_DLLAMA_NODES=${nodesText} must be a power of two from 1 to 16 (the root plus 2^n − 1 workers): one of ${DLLAMA_NODE_COUNTS.join(', ')}`);
+    problems.push(
+      `MAGUS_DLLAMA_NODES=${nodesText} must be a power of two from 1 to 16 (the root plus 2^n − 1 workers): one of ${DLLAMA_NODE_COUNTS.join(', ')}`,
+    );
   }
   const threads = Number(threadsText ?? '1');
   if (!Number.isInteger(threads) || threads < 1 || threads > 256) problems.push(`MAGUS_DLLAMA_THREADS=${threadsText} must be 1..256`);
@@ -142,6 +156,10 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
   advert: (config) => {
     const engines = localEngines(config);
     const distributed = engines.some((k) => engineOf(k).topology === 'distributed');
-    return { formats: [...new Set(engines.map((k) => engineOf(k).format))], engines, ...(distributed && config.dllama ? { dllamaNodes: config.dllama.nodes } : {}) };
+    return {
+      formats: [...new Set(engines.map((k) => engineOf(k).format))],
+      engines,
+      ...(distributed && config.dllama ? { dllamaNodes: config.dllama.nodes } : {}),
+    };
   },
 };

@@ -66,7 +66,14 @@ export class InstanceTable {
   }
 
   static processes(i: LocalInstance): LocalProcessInfo[] {
-    return i.serving.engine.processes.map((p) => ({ role: p.role, index: p.index, pid: p.process.child.pid, port: p.port, argv: p.process.argv, running: !p.process.exit }));
+    return i.serving.engine.processes.map((p) => ({
+      role: p.role,
+      index: p.index,
+      pid: p.process.child.pid,
+      port: p.port,
+      argv: p.process.argv,
+      running: !p.process.exit,
+    }));
   }
 
   static bridge(i: LocalInstance): BridgeSample {

@@ -40,7 +40,17 @@ export class StartRegistry {
   begin(key: string, pool: string, instance: string, run: (signal: AbortSignal) => Promise<InstanceInfo>): PendingStart {
     const abort = new AbortController();
     const result = run(abort.signal);
-    const pending: PendingStart = { pool, instance, abort, waiting: 0, result, settled: result.then(() => undefined, () => undefined) };
+    const pending: PendingStart = {
+      pool,
+      instance,
+      abort,
+      waiting: 0,
+      result,
+      settled: result.then(
+        () => undefined,
+        () => undefined,
+      ),
+    };
     this.starting.set(key, pending);
     // Registered first, so whoever awaits `settled` finds the entry gone.
     void pending.settled.then(() => {

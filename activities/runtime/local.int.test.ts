@@ -138,14 +138,23 @@ test('cancelled during the model download: the download stops, its temporary fil
   const real = endpoint('s3');
   const target = new URL(real.endpoint);
   const proxy = await startTcpProxy({ host: target.hostname, port: Number(target.port) }, '127.0.0.1', { holdAnswerAfter: 32 * 1024 });
-  const slowS3 = new S3Client({ endpoint: `http://${proxy.address}`, region: real.region, forcePathStyle: true, credentials: { accessKeyId: real.accessKeyId, secretAccessKey: real.secretAccessKey } });
+  const slowS3 = new S3Client({
+    endpoint: `http://${proxy.address}`,
+    region: real.region,
+    forcePathStyle: true,
+    credentials: { accessKeyId: real.accessKeyId, secretAccessKey: real.secretAccessKey },
+  });
   try {
     const cacheDir = join(dir, 'cache-download');
     const rt = runtime(cacheDir, slowS3);
     const signal = new AbortController();
     const create = watch(rt.create(request('tiny-3'), signal.signal));
     const partial = () => readdirSync(cacheDir, { withFileTypes: true }).filter((f) => f.name.includes('.tmp-') && statSync(join(cacheDir, f.name)).size > 0);
-    await until('part of the model in a temporary file', () => (statSync(cacheDir, { throwIfNoEntry: false }) ? partial().length > 0 : false) || create.settled(), 30_000);
+    await until(
+      'part of the model in a temporary file',
+      () => (statSync(cacheDir, { throwIfNoEntry: false }) ? partial().length > 0 : false) || create.settled(),
+      30_000,
+    );
     expect(create.settled()).toBe(false);
 
     signal.abort(new CancelledFailure('CANCELLED'));
@@ -160,7 +169,7 @@ test('cancelled during the model download: the download stops, its temporary fil
   }
 }, 120_000);
 
-test('a split GGUF: every part is fetched and checked, linked under llama.cpp\'s part names, and the engine serves the model as from the whole file', async () => {
+test("a split GGUF: every part is fetched and checked, linked under llama.cpp's part names, and the engine serves the model as from the whole file", async () => {
   // The tiny model's GGUF (written by publishTinyGguf) in two parts, published as a GGUF source's artifact is.
   const parts = await splitGguf(join(dir, `${POOL}.gguf`), dir, 'Tiny.Q8_0', 2);
   const files = [];
@@ -171,7 +180,11 @@ test('a split GGUF: every part is fetched and checked, linked under llama.cpp\'s
     files.push({ key, bytes: bytes.length, sha256: createHash('sha256').update(bytes).digest('hex') });
   }
   const whole = (await registry.get('default', POOL))!;
-  await registry.put({ ...whole, name: 'split', artifacts: [{ format: 'gguf', weights: 'source', sourceType: 'Q8_0', converterVersion: whole.artifacts[0]!.converterVersion, files }] });
+  await registry.put({
+    ...whole,
+    name: 'split',
+    artifacts: [{ format: 'gguf', weights: 'source', sourceType: 'Q8_0', converterVersion: whole.artifacts[0]!.converterVersion, files }],
+  });
   const cacheDir = join(dir, 'cache-split');
   const rt = runtime(cacheDir);
   await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'whole' }, new AbortController().signal);
@@ -181,7 +194,8 @@ test('a split GGUF: every part is fetched and checked, linked under llama.cpp\'s
   expect(readdirSync(linked).sort()).toEqual(['model-00001-of-00002.gguf', 'model-00002-of-00002.gguf']);
   expect(readFileSync(join(linked, 'model-00002-of-00002.gguf')).equals(readFileSync(join(dir, parts[1]!)))).toBe(true);
   expect(processesUsing(linked)).toHaveLength(1); // the engine was given the first part
-  const ask = (pool: string, instance: string) => askInstance(nc, names, pool, instance, { messages: [{ role: 'user', content: 'Once upon a time' }], max_tokens: 12, temperature: 0 }, 60_000);
+  const ask = (pool: string, instance: string) =>
+    askInstance(nc, names, pool, instance, { messages: [{ role: 'user', content: 'Once upon a time' }], max_tokens: 12, temperature: 0 }, 60_000);
   const [a, b] = [await ask(POOL, 'whole'), await ask('split', 'parts')];
   expect(a.text.length).toBeGreaterThan(0);
   expect(b.text).toBe(a.text);

@@ -105,7 +105,11 @@ export class LocalRuntime implements WorkerRuntime {
       const removal = this.removals.get(k);
       const pending = this.starts.get(k);
       // A destroy, or an aborted start, under way: start anew once it has ended.
-      if (removal) await unlessAborted(removal.catch(() => undefined), signal);
+      if (removal)
+        await unlessAborted(
+          removal.catch(() => undefined),
+          signal,
+        );
       else if (pending?.abort.signal.aborted) await unlessAborted(pending.settled, signal);
       else if (pending) return this.starts.join(pending, signal);
       else break;
@@ -157,7 +161,9 @@ export class LocalRuntime implements WorkerRuntime {
     for (const i of this.instances.all()) all.set(instanceKey(i.pool, i.info.instance), { pool: i.pool, instance: i.info.instance });
     // Removals already under way are waited for too (a second stopAll must not return before them).
     await Promise.all([
-      ...[...all.values()].map(({ pool, instance }) => this.remove(pool, instance, () => runtimeError(RuntimeErrorType.RuntimeStopped, `the runtime stopped while instance ${pool}/${instance} started`))),
+      ...[...all.values()].map(({ pool, instance }) =>
+        this.remove(pool, instance, () => runtimeError(RuntimeErrorType.RuntimeStopped, `the runtime stopped while instance ${pool}/${instance} started`)),
+      ),
       ...this.removals.values(),
     ]);
   }
@@ -179,9 +185,23 @@ export class LocalRuntime implements WorkerRuntime {
       consumer = true;
       signal.throwIfAborted();
       // A few NATS requests, not worth a signal: an abort meanwhile is seen right after.
-      bridge = await startBridge({ nc, names, pool: req.pool, instance: req.instance, engineUrl: serving.engine.url, slots, log: this.log, engineKind: serving.kind });
+      bridge = await startBridge({
+        nc,
+        names,
+        pool: req.pool,
+        instance: req.instance,
+        engineUrl: serving.engine.url,
+        slots,
+        log: this.log,
+        engineKind: serving.kind,
+      });
       signal.throwIfAborted();
-      const instance: LocalInstance = { pool: req.pool, info: { instance: req.instance, subject: requestSubjectOf(names, req.pool, req.instance) }, serving, bridge };
+      const instance: LocalInstance = {
+        pool: req.pool,
+        info: { instance: req.instance, subject: requestSubjectOf(names, req.pool, req.instance) },
+        serving,
+        bridge,
+      };
       this.instances.add(instance);
       this.log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url}`);
       return InstanceTable.info(instance);

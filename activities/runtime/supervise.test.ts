@@ -112,7 +112,10 @@ it('stop() during a restart aborts the start and resolves only once it has ended
 
 it('stop() during the backoff: no restart is attempted', async () => {
   let attempts = 0;
-  const { s, first } = supervised({ policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 60_000 }, restart: () => (++attempts, Promise.resolve(new Fake())) });
+  const { s, first } = supervised({
+    policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 60_000 },
+    restart: () => (++attempts, Promise.resolve(new Fake())),
+  });
   first.die('was killed by SIGKILL');
   await until('healthy again', () => s.healthy(), 5_000); // restarting, within the policy
   await s.stop(); // resolves at once, not after the 60 s backoff

@@ -67,7 +67,7 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
   };
 
   const restartLoop = async (delay: number): Promise<void> => {
-    for (let next: number | null = delay; next !== null; ) {
+    for (let next: number | null = delay; next !== null;) {
       await sleep(next, undefined, { signal: stopping.signal }).catch(() => undefined);
       if (stopping.signal.aborted) return;
       let started: T;

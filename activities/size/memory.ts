@@ -125,9 +125,18 @@ export function planLlamaCppMemory(shape: LlamaCppShape, weights: ArtifactWeight
  * @param contextLength the context to size for; capped at the model's own maximum
  * @param artifactBytes the GGUF file's size (llama.cpp maps it whole)
  */
-export function planMemory(spec: ModelSpec, format: ArtifactFormat, weights: WeightsFormat, contextLength: number | undefined, artifactBytes: number): MemoryPlan {
+export function planMemory(
+  spec: ModelSpec,
+  format: ArtifactFormat,
+  weights: WeightsFormat,
+  contextLength: number | undefined,
+  artifactBytes: number,
+): MemoryPlan {
   if (format === 'gguf') return planLlamaCppMemory(spec, weights, contextLength, artifactBytes);
   const ctx = Math.min(contextLength ?? spec.ctx, spec.ctx);
-  const topologies = DLLAMA_NODE_COUNTS.filter((n) => dllamaSplits(spec, weights, n)).map((nodes) => ({ nodes, ...dllamaNodeMemory(spec, weights, ctx, nodes) }));
+  const topologies = DLLAMA_NODE_COUNTS.filter((n) => dllamaSplits(spec, weights, n)).map((nodes) => ({
+    nodes,
+    ...dllamaNodeMemory(spec, weights, ctx, nodes),
+  }));
   return { format, weights, contextLength: ctx, topologies };
 }

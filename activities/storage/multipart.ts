@@ -89,10 +89,9 @@ export async function listAllParts(ref: ObjectRef, uploadId: string, signal?: Ab
   let marker: string | undefined;
   try {
     for (;;) {
-      const page = await ref.s3.send(
-        new ListPartsCommand({ Bucket: ref.bucket, Key: ref.key, UploadId: uploadId, PartNumberMarker: marker }),
-        { abortSignal: signal },
-      );
+      const page = await ref.s3.send(new ListPartsCommand({ Bucket: ref.bucket, Key: ref.key, UploadId: uploadId, PartNumberMarker: marker }), {
+        abortSignal: signal,
+      });
       for (const p of page.Parts ?? []) {
         if (p.PartNumber !== undefined && p.ETag !== undefined && p.Size !== undefined) parts.set(p.PartNumber, { size: p.Size, etag: p.ETag });
       }
@@ -160,10 +159,9 @@ export async function abortUpload(ref: ObjectRef, uploadId: string, signal?: Abo
 
 /** Starts a multipart upload whose object will carry `metadata`. */
 export async function createUpload(ref: ObjectRef, metadata: Record<string, string>, contentType: string, signal?: AbortSignal): Promise<string> {
-  const out = await ref.s3.send(
-    new CreateMultipartUploadCommand({ Bucket: ref.bucket, Key: ref.key, Metadata: metadata, ContentType: contentType }),
-    { abortSignal: signal },
-  );
+  const out = await ref.s3.send(new CreateMultipartUploadCommand({ Bucket: ref.bucket, Key: ref.key, Metadata: metadata, ContentType: contentType }), {
+    abortSignal: signal,
+  });
   if (!out.UploadId) throw new Error(`s3://${ref.bucket}/${ref.key}: CreateMultipartUpload returned no upload id`);
   return out.UploadId;
 }
@@ -176,10 +174,9 @@ export async function completeUpload(ref: ObjectRef, uploadId: string, etags: Ma
     if (etag === undefined) throw new Error(`s3://${ref.bucket}/${ref.key}: part ${n} of ${etags.size} is missing at completion`);
     parts.push({ PartNumber: n, ETag: etag });
   }
-  await ref.s3.send(
-    new CompleteMultipartUploadCommand({ Bucket: ref.bucket, Key: ref.key, UploadId: uploadId, MultipartUpload: { Parts: parts } }),
-    { abortSignal: signal },
-  );
+  await ref.s3.send(new CompleteMultipartUploadCommand({ Bucket: ref.bucket, Key: ref.key, UploadId: uploadId, MultipartUpload: { Parts: parts } }), {
+    abortSignal: signal,
+  });
 }
 
 /**
@@ -197,7 +194,14 @@ export async function replaceMetadata(
   const source = `${ref.bucket}/${encodeURIComponent(ref.key).replace(/%2F/g, '/')}`;
   if (size <= (opts.singleCopyLimit ?? MAX_PART_SIZE)) {
     await ref.s3.send(
-      new CopyObjectCommand({ Bucket: ref.bucket, Key: ref.key, CopySource: source, MetadataDirective: 'REPLACE', Metadata: metadata, ContentType: contentType }),
+      new CopyObjectCommand({
+        Bucket: ref.bucket,
+        Key: ref.key,
+        CopySource: source,
+        MetadataDirective: 'REPLACE',
+        Metadata: metadata,
+        ContentType: contentType,
+      }),
       { abortSignal: opts.signal },
     );
     return;
@@ -209,7 +213,14 @@ export async function replaceMetadata(
     for (let n = 1, start = 0; start < size; n++, start += partSize) {
       const end = Math.min(size, start + partSize) - 1;
       const out = await ref.s3.send(
-        new UploadPartCopyCommand({ Bucket: ref.bucket, Key: ref.key, UploadId: uploadId, PartNumber: n, CopySource: source, CopySourceRange: `bytes=${start}-${end}` }),
+        new UploadPartCopyCommand({
+          Bucket: ref.bucket,
+          Key: ref.key,
+          UploadId: uploadId,
+          PartNumber: n,
+          CopySource: source,
+          CopySourceRange: `bytes=${start}-${end}`,
+        }),
         { abortSignal: opts.signal },
       );
       const etag = out.CopyPartResult?.ETag;

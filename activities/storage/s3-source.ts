@@ -58,7 +58,8 @@ class S3ByteSource implements ByteSource {
     this.blockSize = opts.blockSize ?? DEFAULT_BLOCK_SIZE;
     this.maxBlocks = Math.max(2, opts.maxBlocks ?? 3);
     this.attempts = Math.max(1, opts.attempts ?? 3);
-    if (!Number.isSafeInteger(this.blockSize) || this.blockSize < 1) throw new StorageError('InvalidArgument', `${this.name}: bad block size ${this.blockSize}`, { permanent: true });
+    if (!Number.isSafeInteger(this.blockSize) || this.blockSize < 1)
+      throw new StorageError('InvalidArgument', `${this.name}: bad block size ${this.blockSize}`, { permanent: true });
     this.sizeP = opts.size === undefined ? null : Promise.resolve(opts.size);
   }
 
@@ -145,16 +146,16 @@ class S3ByteSource implements ByteSource {
   }
 
   private async getRange(offset: number, length: number, dest?: Uint8Array): Promise<Uint8Array> {
-    const out = await this.s3.send(
-      new GetObjectCommand({ Bucket: this.bucket, Key: this.key, Range: `bytes=${offset}-${offset + length - 1}` }),
-      { abortSignal: this.opts.signal },
-    );
+    const out = await this.s3.send(new GetObjectCommand({ Bucket: this.bucket, Key: this.key, Range: `bytes=${offset}-${offset + length - 1}` }), {
+      abortSignal: this.opts.signal,
+    });
     const body = out.Body as AsyncIterable<Uint8Array> | undefined;
     const buf = dest ?? Buffer.allocUnsafeSlow(length);
     let fill = 0;
     if (body) {
       for await (const chunk of body) {
-        if (fill + chunk.length > length) throw new StorageError('ShortRead', `${this.name}: the GET of ${length} bytes at ${offset} returned more`, { permanent: false });
+        if (fill + chunk.length > length)
+          throw new StorageError('ShortRead', `${this.name}: the GET of ${length} bytes at ${offset} returned more`, { permanent: false });
         buf.set(chunk, fill);
         fill += chunk.length;
       }

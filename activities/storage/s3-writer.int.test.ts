@@ -119,7 +119,7 @@ describe('createS3ObjectWriter', () => {
     expect(calls(log, 'PutObject')).toBe(1); // the test's own
   });
 
-  test('as the converter\'s OutputTarget: committed on success, nothing left on failure', async () => {
+  test("as the converter's OutputTarget: committed on success, nothing left on failure", async () => {
     const { s3 } = client();
     const bytes = pseudoRandomBytes(7 * MiB, 8);
     let stored: StoredObject | null = null;

@@ -10,14 +10,11 @@ import { createSHA256, type IHasher } from 'hash-wasm';
 
 /** Thread → worker. Requests are handled strictly in the order they are posted. */
 export type HashRequest =
-  | { id: number; op: 'init'; state: Uint8Array | null }
-  | { id: number; op: 'update'; bytes: Uint8Array; md5: boolean }
-  | { id: number; op: 'digest' };
+  { id: number; op: 'init'; state: Uint8Array | null } | { id: number; op: 'update'; bytes: Uint8Array; md5: boolean } | { id: number; op: 'digest' };
 
 /** Worker → thread. */
 export type HashResponse =
-  | { id: number; ok: true; loaded?: boolean; state?: Uint8Array; md5?: string; hex?: string }
-  | { id: number; ok: false; message: string };
+  { id: number; ok: true; loaded?: boolean; state?: Uint8Array; md5?: string; hex?: string } | { id: number; ok: false; message: string };
 
 let hasher: IHasher | null = null;
 

@@ -203,7 +203,7 @@ describe('transferToS3', () => {
     }
   });
 
-  test('without a checkpoint, adopts the key\'s in-progress upload: re-reads from 0, sends only parts that differ, aborts stale uploads', async () => {
+  test("without a checkpoint, adopts the key's in-progress upload: re-reads from 0, sends only parts that differ, aborts stale uploads", async () => {
     const key = newKey('resume-listing.bin');
     const stop = new AbortController();
     const first = client({

@@ -16,9 +16,7 @@ export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'c
 
 /** How an engine call (or a failure before it) ends an attempt: see {@link Attempt.settle}. */
 export type Outcome =
-  | { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' }
-  | { kind: 'retry'; reason: string }
-  | { kind: 'aborted'; reason: AbortReason };
+  { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' } | { kind: 'retry'; reason: string } | { kind: 'aborted'; reason: AbortReason };
 
 /** What every attempt of one bridge shares. */
 export interface AttemptContext {
@@ -169,7 +167,10 @@ export class Attempt {
         const delivery = m.info.deliveryCount;
         const delay = Math.min(this.ctx.retryDelayMs * 2 ** (delivery - 1), 30_000);
         if (delivery >= this.ctx.maxDeliver) {
-          return this.conclude(errorFrame(this.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`), 'term');
+          return this.conclude(
+            errorFrame(this.nextSeq, 503, 'server_error', BridgeErrorCode.engineUnavailable, `${outcome.reason} (after ${delivery} deliveries)`),
+            'term',
+          );
         }
         if (Date.now() + delay >= this.req.deadline) {
           return this.conclude(errorFrame(this.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
@@ -225,7 +226,9 @@ export class Attempt {
     if (finished) this.recorded = true;
     else {
       this.abort('superseded');
-      ctx.log(`request ${this.req.id}: taken over by a later delivery; ${early ? 'its terminal frame was already sent (the gateway keeps the first)' : 'not answering'}`);
+      ctx.log(
+        `request ${this.req.id}: taken over by a later delivery; ${early ? 'its terminal frame was already sent (the gateway keeps the first)' : 'not answering'}`,
+      );
       return;
     }
     if (!early) {
@@ -263,7 +266,7 @@ export class Attempt {
       this.msg.ack();
       this.ctx.stats.acked += 1;
     } else {
-      this.msg.term(frame.type === 'error' ? frame.error.code ?? 'error' : undefined);
+      this.msg.term(frame.type === 'error' ? (frame.error.code ?? 'error') : undefined);
       this.ctx.stats.termed += 1;
     }
   }

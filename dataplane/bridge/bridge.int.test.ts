@@ -89,7 +89,12 @@ class StubEngine {
         return;
       }
       res.writeHead(200, { 'content-type': 'text/event-stream' });
-      for (const [text, finish] of [['a', null], ['b', null], ['', 'stop']]) res.write(`data: ${JSON.stringify({ ...base, choices: [{ index: 0, text, logprobs: null, finish_reason: finish }] })}\n\n`);
+      for (const [text, finish] of [
+        ['a', null],
+        ['b', null],
+        ['', 'stop'],
+      ])
+        res.write(`data: ${JSON.stringify({ ...base, choices: [{ index: 0, text, logprobs: null, finish_reason: finish }] })}\n\n`);
       res.end('data: [DONE]\n\n');
       return;
     }
@@ -113,7 +118,9 @@ class StubEngine {
       if (r.firstDelayMs) await sleep(r.firstDelayMs);
       if (r.status && r.status >= 300) {
         res.writeHead(r.status, { 'content-type': 'application/json' });
-        res.end(JSON.stringify({ error: { message: `stub says ${r.status}`, type: r.status < 500 ? 'invalid_request_error' : 'server_error', code: 'stub_error' } }));
+        res.end(
+          JSON.stringify({ error: { message: `stub says ${r.status}`, type: r.status < 500 ? 'invalid_request_error' : 'server_error', code: 'stub_error' } }),
+        );
         return;
       }
       const seed = r.random ? Math.floor(Math.random() * 1e6) : (body.seed ?? 0);
@@ -122,7 +129,13 @@ class StubEngine {
       if (!body.stream) {
         if (r.delayMs) await sleep(r.delayMs * n);
         res.writeHead(200, { 'content-type': 'application/json' });
-        res.end(JSON.stringify({ ...base, object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: expectedText(seed, n) }, finish_reason: 'stop' }] }));
+        res.end(
+          JSON.stringify({
+            ...base,
+            object: 'chat.completion',
+            choices: [{ index: 0, message: { role: 'assistant', content: expectedText(seed, n) }, finish_reason: 'stop' }],
+          }),
+        );
         return;
       }
       res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
@@ -184,7 +197,15 @@ async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeO
   return b;
 }
 
-const EMBEDDINGS = { object: 'list', data: [{ object: 'embedding', index: 0, embedding: [0.25] }, { object: 'embedding', index: 1, embedding: [-0.5] }], model: 'stub', usage: { prompt_tokens: 2, total_tokens: 2 } };
+const EMBEDDINGS = {
+  object: 'list',
+  data: [
+    { object: 'embedding', index: 0, embedding: [0.25] },
+    { object: 'embedding', index: 1, embedding: [-0.5] },
+  ],
+  model: 'stub',
+  usage: { prompt_tokens: 2, total_tokens: 2 },
+};
 
 const newId = () => `req-${randomBytes(6).toString('hex')}`;
 
@@ -475,7 +496,11 @@ describe('redelivery', () => {
     const req = requestFor({ stream: false });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'dead-bridge');
-    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'earlier answer' } }] } };
+    const terminal: ResponseFrame = {
+      seq: 0,
+      type: 'done',
+      data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'earlier answer' } }] },
+    };
     expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
     // The dead bridge's delivery: pulled, never acked; JetStream redelivers it after ack_wait.
     await send(instance, req);
@@ -510,7 +535,11 @@ describe('a first delivery that answers writes no claim', () => {
     await send(instance, req);
     const first = await (await nc.jetstream().consumers.get(names.requestStream, consumerNameOf(POOL, instance))).next({ expires: 5000 });
     expect(first?.info.deliveryCount).toBe(1);
-    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the answer that went out' } }] } };
+    const terminal: ResponseFrame = {
+      seq: 0,
+      type: 'done',
+      data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the answer that went out' } }] },
+    };
     nc.publish(req.replyTo, encodeJson(terminal));
     await nc.flush();
 
@@ -569,7 +598,11 @@ describe('a request id seen again as a first delivery', () => {
     const req = requestFor({ stream: false });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'earlier-bridge');
-    const terminal: ResponseFrame = { seq: 0, type: 'done', data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the first answer' } }] } };
+    const terminal: ResponseFrame = {
+      seq: 0,
+      type: 'done',
+      data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the first answer' } }] },
+    };
     expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
 
     const b = await bridge(instance, stub.url);
@@ -584,7 +617,7 @@ describe('a request id seen again as a first delivery', () => {
     expect(b.stats).toMatchObject({ pulled: 1, replayed: 0, superseded: 0, nakked: 0, termed: 0 });
     expect(stub.calls).toHaveLength(1);
     // The claim still records the first answer: a later delivery repeats that one.
-    expect((await claims.acquire(req.id, 'later'))).toMatchObject({ kind: 'finished', claim: { terminal } });
+    expect(await claims.acquire(req.id, 'later')).toMatchObject({ kind: 'finished', claim: { terminal } });
   });
 });
 
@@ -594,7 +627,9 @@ describe('failures', () => {
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const b = await bridge(instance, stub.url);
     const { answer } = await sent(instance);
-    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'stub_error', message: 'stub says 400' } }]);
+    expect(await answer.finished).toEqual([
+      { seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'stub_error', message: 'stub says 400' } },
+    ]);
     await sleep(1500);
     expect(stub.calls).toHaveLength(1);
     expect(b.stats).toMatchObject({ pulled: 1, termed: 1, nakked: 0, acked: 0 });
@@ -632,7 +667,9 @@ describe('failures', () => {
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
     const { answer } = await sent(instance, {}, { deadline: Date.now() - 1 });
-    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown }]);
+    expect(await answer.finished).toEqual([
+      { seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown },
+    ]);
     expect(stub.calls).toHaveLength(0);
     await until('term', () => b.stats.termed === 1);
   });
@@ -643,7 +680,19 @@ describe('failures', () => {
     const b = await bridge(instance, stub.url, { engineKind: 'dllama' });
     const { answer } = await sent(instance, { response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'boolean' } } } });
     const frames = await answer.finished;
-    expect(frames).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'response_format', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(frames).toEqual([
+      {
+        seq: 0,
+        type: 'error',
+        error: {
+          status: 400,
+          type: 'invalid_request_error',
+          code: 'unsupported_feature',
+          param: 'response_format',
+          message: expect.stringContaining("distributed-llama's dllama-api") as unknown,
+        },
+      },
+    ]);
     expect(JSON.stringify(frames)).toContain('`response_format`');
     expect(stub.calls).toHaveLength(0);
     await until('term', () => b.stats.termed === 1);
@@ -673,12 +722,24 @@ describe('failures', () => {
     const refused = embeddingsReq();
     const refusal = await listen(refused.id);
     await send(other, refused);
-    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'model', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(await refusal.finished).toEqual([
+      {
+        seq: 0,
+        type: 'error',
+        error: {
+          status: 400,
+          type: 'invalid_request_error',
+          code: 'unsupported_feature',
+          param: 'model',
+          message: expect.stringContaining("distributed-llama's dllama-api") as unknown,
+        },
+      },
+    ]);
     expect(stub.embeddingCalls).toHaveLength(1);
     await until('term', () => dllama.stats.termed === 1);
   });
 
-  it('a text completion goes to /v1/completions with a pinned seed; its chunks and answer carry the request\'s cmpl- id; to distributed-llama it is refused', async () => {
+  it("a text completion goes to /v1/completions with a pinned seed; its chunks and answer carry the request's cmpl- id; to distributed-llama it is refused", async () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
@@ -697,7 +758,9 @@ describe('failures', () => {
     const whole = textReq(false);
     const answer = await listen(whole.id);
     await send(instance, whole);
-    expect(await answer.finished).toEqual([{ seq: 0, type: 'done', data: expect.objectContaining({ id: `cmpl-${whole.id}`, choices: [expect.objectContaining({ text: 'ab' })] }) as unknown }]);
+    expect(await answer.finished).toEqual([
+      { seq: 0, type: 'done', data: expect.objectContaining({ id: `cmpl-${whole.id}`, choices: [expect.objectContaining({ text: 'ab' })] }) as unknown },
+    ]);
     expect(stub.textCalls.map((c) => [c.stream, typeof c.seed])).toEqual([
       [true, 'number'],
       [false, 'number'],
@@ -710,7 +773,19 @@ describe('failures', () => {
     const refused = textReq(false);
     const refusal = await listen(refused.id);
     await send(other, refused);
-    expect(await refusal.finished).toEqual([{ seq: 0, type: 'error', error: { status: 400, type: 'invalid_request_error', code: 'unsupported_feature', param: 'model', message: expect.stringContaining("distributed-llama's dllama-api") as unknown } }]);
+    expect(await refusal.finished).toEqual([
+      {
+        seq: 0,
+        type: 'error',
+        error: {
+          status: 400,
+          type: 'invalid_request_error',
+          code: 'unsupported_feature',
+          param: 'model',
+          message: expect.stringContaining("distributed-llama's dllama-api") as unknown,
+        },
+      },
+    ]);
     expect(stub.textCalls).toHaveLength(2);
     await until('term', () => dllama.stats.termed === 1);
   });
@@ -736,7 +811,9 @@ describe('failures', () => {
     const invalid = requestFor({ messages: [] });
     const answer = await listen(invalid.id);
     await js.publish(subject, encodeJson(invalid));
-    expect(await answer.finished).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 400, code: BridgeErrorCode.invalidRequest }) as unknown }]);
+    expect(await answer.finished).toEqual([
+      { seq: 0, type: 'error', error: expect.objectContaining({ status: 400, code: BridgeErrorCode.invalidRequest }) as unknown },
+    ]);
     await until('both termed', () => b.stats.termed === 2);
     expect(stub.calls).toHaveLength(0);
   });

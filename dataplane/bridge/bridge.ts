@@ -89,7 +89,13 @@ async function settlesWithin(p: Promise<unknown>, ms: number): Promise<boolean> 
   let timer: NodeJS.Timeout | undefined;
   const expired = new Promise<false>((resolve) => (timer = setTimeout(() => resolve(false), ms)));
   try {
-    return await Promise.race([p.then(() => true, () => true), expired]);
+    return await Promise.race([
+      p.then(
+        () => true,
+        () => true,
+      ),
+      expired,
+    ]);
   } finally {
     clearTimeout(timer);
   }
@@ -135,7 +141,23 @@ export class Bridge {
     const { nc, names, pool, instance, slots } = opts;
     const log = opts.log ?? ((line: string) => process.stderr.write(`magus bridge ${pool}/${instance}: ${line}\n`));
     if (!Number.isInteger(slots) || slots < 1) throw new Error(`slots must be a positive integer, got ${slots}`);
-    const stats: BridgeStats = { pulled: 0, acked: 0, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, resumeFailed: 0, replayed: 0, superseded: 0, cancelled: 0, heartbeatsMissed: 0, framesResent: 0, framesUnstored: 0, inFlight: 0 };
+    const stats: BridgeStats = {
+      pulled: 0,
+      acked: 0,
+      termed: 0,
+      nakked: 0,
+      redelivered: 0,
+      errors: 0,
+      resumed: 0,
+      resumeFailed: 0,
+      replayed: 0,
+      superseded: 0,
+      cancelled: 0,
+      heartbeatsMissed: 0,
+      framesResent: 0,
+      framesUnstored: 0,
+      inFlight: 0,
+    };
     const failed = (what: string, err: unknown) => {
       stats.errors += 1;
       log(`${what}: ${(err as Error)?.message ?? String(err)}`);
@@ -202,7 +224,12 @@ export class Bridge {
       workingEveryMs: Math.max(100, Math.floor(ackWaitMs / 3)),
       generate: (a: Attempt, prior: ResponseFrame[]) => {
         const refused = requestKindOf(a.req).unsupportedBy(engineKind, a.req);
-        if (refused) return Promise.resolve({ kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field) });
+        if (refused)
+          return Promise.resolve({
+            kind: 'finish',
+            resolve: 'term',
+            frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field),
+          });
         return generate(this.engine, a, prior, requestTimeoutMs);
       },
     };

@@ -4,7 +4,17 @@
  * creates the consumer again after a reconnect when the server lost it, and watches its
  * heartbeats and presence for the bridge's health.
  */
-import { ConsumerEvents, millis, type Consumer, type ConsumerConfig, type ConsumerMessages, type JetStreamClient, type JetStreamManager, type NatsConnection, type Subscription } from 'nats';
+import {
+  ConsumerEvents,
+  millis,
+  type Consumer,
+  type ConsumerConfig,
+  type ConsumerMessages,
+  type JetStreamClient,
+  type JetStreamManager,
+  type NatsConnection,
+  type Subscription,
+} from 'nats';
 import { restoreConsumer } from '../consumers';
 import { declareOnReconnect } from '../declare';
 import { consumerNameOf, type DataPlaneNames } from '../names';

@@ -163,7 +163,10 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
       }
     }
     if (Date.now() >= req.deadline) {
-      return await a.conclude(errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
+      return await a.conclude(
+        errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'),
+        'term',
+      );
     }
     await a.settle(await ctx.generate(a, prior));
   } finally {

@@ -72,7 +72,9 @@ export async function* sseEventBatches(body: AsyncIterable<Buffer | string> | It
 export function createEngineClient(baseUrl: string, opts: { maxSockets?: number } = {}): EngineClient {
   const base = new URL(baseUrl.replace(/\/+$/, '') + '/');
   const secure = base.protocol === 'https:';
-  const agent = secure ? new HttpsAgent({ keepAlive: true, maxSockets: opts.maxSockets ?? 64 }) : new Agent({ keepAlive: true, maxSockets: opts.maxSockets ?? 64 });
+  const agent = secure
+    ? new HttpsAgent({ keepAlive: true, maxSockets: opts.maxSockets ?? 64 })
+    : new Agent({ keepAlive: true, maxSockets: opts.maxSockets ?? 64 });
   const send = secure ? httpsRequest : request;
   const prefix = base.pathname.replace(/\/$/, '');
 

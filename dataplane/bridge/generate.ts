@@ -27,7 +27,11 @@ function fingerprint(frame: ResponseFrame): string {
   if (!Array.isArray(choices)) return 'no-choices';
   return JSON.stringify(
     // A chat chunk's choice has a `delta`, a text completion's its `text`.
-    choices.map((c: { index?: unknown; delta?: unknown; text?: unknown; finish_reason?: unknown }) => [c.index ?? 0, c.delta ?? c.text ?? null, c.finish_reason ?? null]),
+    choices.map((c: { index?: unknown; delta?: unknown; text?: unknown; finish_reason?: unknown }) => [
+      c.index ?? 0,
+      c.delta ?? c.text ?? null,
+      c.finish_reason ?? null,
+    ]),
   );
 }
 
@@ -37,7 +41,12 @@ async function engineErrorBody(res: EngineResponse): Promise<{ message: string; 
     const e = (JSON.parse(text) as { error?: { message?: unknown; type?: unknown; code?: unknown; param?: unknown } | string }).error;
     if (typeof e === 'string') return { message: e };
     if (e && typeof e.message === 'string') {
-      return { message: e.message, type: typeof e.type === 'string' ? e.type : undefined, code: typeof e.code === 'string' ? e.code : null, param: typeof e.param === 'string' ? e.param : null };
+      return {
+        message: e.message,
+        type: typeof e.type === 'string' ? e.type : undefined,
+        code: typeof e.code === 'string' ? e.code : null,
+        param: typeof e.param === 'string' ? e.param : null,
+      };
     }
   } catch {
     // not JSON: use the text
@@ -68,7 +77,9 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
   const { path, idPrefix, generates } = requestKindOf(req);
   const generating = generates ? (req as Exclude<InferenceRequest, EmbeddingsInference>) : undefined;
   const stream = generating?.body.stream === true;
-  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = generating ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id) } : req.body;
+  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = generating
+    ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id) }
+    : req.body;
   const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
@@ -80,7 +91,12 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
   const timer = setTimeout(() => local.abort(ENGINE_TIMEOUT), timeout);
   const aborted = (): Outcome | null => {
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
-    if (Date.now() >= req.deadline) return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed while the engine was generating') };
+    if (Date.now() >= req.deadline)
+      return {
+        kind: 'finish',
+        resolve: 'term',
+        frame: errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed while the engine was generating'),
+      };
     if (signal.aborted) return { kind: 'retry', reason: `engine call exceeded ${requestTimeoutMs} ms` };
     return null;
   };
@@ -94,15 +110,27 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
       if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
-      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param) };
+      return {
+        kind: 'finish',
+        resolve: 'term',
+        frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param),
+      };
     }
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());
-      return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt) : completion } };
+      return {
+        kind: 'finish',
+        resolve: 'ack',
+        frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt) : completion },
+      };
     }
     if (!res.contentType.includes('text/event-stream')) {
       res.cancel();
-      return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)') };
+      return {
+        kind: 'finish',
+        resolve: 'term',
+        frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine did not stream (no text/event-stream)'),
+      };
     }
     let seq = 0;
     let firstToken = false;
@@ -116,11 +144,19 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
         try {
           data = JSON.parse(event);
         } catch {
-          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event') };
+          return {
+            kind: 'finish',
+            resolve: 'term',
+            frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, 'the engine sent a malformed event'),
+          };
         }
         const engineError = (data as { error?: { message?: string } } | null)?.error;
         if (engineError) {
-          return { kind: 'finish', resolve: 'term', frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`) };
+          return {
+            kind: 'finish',
+            resolve: 'term',
+            frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`),
+          };
         }
         const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, idPrefix ?? '', req.id, a.claim.createdAt) };
         const before = prior[seq];

@@ -1,7 +1,23 @@
 import { bridgeMetricsText, type BridgeStats } from './metrics';
 
 describe('bridgeMetricsText', () => {
-  const stats = (pulled: number): BridgeStats => ({ pulled, acked: pulled, termed: 0, nakked: 0, redelivered: 0, errors: 0, resumed: 0, resumeFailed: 0, replayed: 0, superseded: 0, cancelled: 0, heartbeatsMissed: 0, framesResent: 2, framesUnstored: 0, inFlight: 0 });
+  const stats = (pulled: number): BridgeStats => ({
+    pulled,
+    acked: pulled,
+    termed: 0,
+    nakked: 0,
+    redelivered: 0,
+    errors: 0,
+    resumed: 0,
+    resumeFailed: 0,
+    replayed: 0,
+    superseded: 0,
+    cancelled: 0,
+    heartbeatsMissed: 0,
+    framesResent: 2,
+    framesUnstored: 0,
+    inFlight: 0,
+  });
   it('one family per metric, one series per bridge, Prometheus text', () => {
     const text = bridgeMetricsText([
       { pool: 'p', instance: 'a', stats: stats(3), health: { ok: true, problems: [], inFlight: 1, slots: 2 } },
@@ -14,7 +30,8 @@ describe('bridgeMetricsText', () => {
     expect(text).toContain('magus_bridge_frames_resent_total{pool="p",instance="a"} 2');
     expect(text).toContain('magus_bridge_healthy{pool="p",instance="b"} 0');
     expect(text).toContain('magus_bridge_in_flight{pool="p",instance="a"} 1');
-    for (const line of text.trimEnd().split('\n')) expect(line).toMatch(/^(# (HELP|TYPE) magus_bridge_\w+ .+|magus_bridge_\w+\{pool="p",instance="[ab]"\} \d+)$/);
+    for (const line of text.trimEnd().split('\n'))
+      expect(line).toMatch(/^(# (HELP|TYPE) magus_bridge_\w+ .+|magus_bridge_\w+\{pool="p",instance="[ab]"\} \d+)$/);
     expect(bridgeMetricsText([])).not.toMatch(/^magus_bridge_\w+\{/m); // no instances: families, no series
   });
 });

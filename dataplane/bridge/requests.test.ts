@@ -27,8 +27,14 @@ describe('parseInferenceRequest', () => {
     const bad = parseInferenceRequest(encodeJson({ ...embeddings, body: { model: 'm', input: [] } }), names);
     expect(bad).toMatchObject({ ok: false, problem: expect.stringMatching(/^body\.input: must be a string, a list of up to 256 strings/) as unknown });
     // A chat body under the embeddings kind is no embeddings request.
-    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'embeddings' }), names)).toMatchObject({ ok: false, problem: expect.stringMatching(/^body\.input/) as unknown });
-    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'poems' }), names)).toMatchObject({ ok: false, problem: expect.stringMatching(/^kind/) as unknown });
+    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'embeddings' }), names)).toMatchObject({
+      ok: false,
+      problem: expect.stringMatching(/^body\.input/) as unknown,
+    });
+    expect(parseInferenceRequest(encodeJson({ ...valid, kind: 'poems' }), names)).toMatchObject({
+      ok: false,
+      problem: expect.stringMatching(/^kind/) as unknown,
+    });
   });
 
   it('rejects what is not JSON, without a replyTo to answer on', () => {
@@ -38,9 +44,9 @@ describe('parseInferenceRequest', () => {
   it.each([
     ['a bad id', { id: 'a.b' }, /id/],
     ['a replyTo other than the response subject', { replyTo: 't_u.magus.res.other' }, /replyTo/],
-    ['another request\'s replyTo', { replyTo: 't_u.magus.res.gw-a1.r-2' }, /replyTo/],
+    ["another request's replyTo", { replyTo: 't_u.magus.res.gw-a1.r-2' }, /replyTo/],
     ['a replyTo with two tokens before the id', { replyTo: 't_u.magus.res.gw.a1.r-1' }, /replyTo/],
-    ['a replyTo outside the data plane\'s scope', { replyTo: 'magus.res.gw-a1.r-1' }, /replyTo/],
+    ["a replyTo outside the data plane's scope", { replyTo: 'magus.res.gw-a1.r-1' }, /replyTo/],
     ['no deadline', { deadline: 'soon' }, /deadline/],
     ['no messages', { body: { ...valid.body, messages: [] } }, /messages/],
     ['an unknown role', { body: { ...valid.body, messages: [{ role: 'function', content: 'x' }] } }, /role/],

@@ -16,12 +16,17 @@ export type ParsedRequest = { ok: true; req: InferenceRequest } | { ok: false; p
 
 const LITERAL_SUBJECT = /^[^\s*>.]+(\.[^\s*>.]+)*$/;
 /** The shared schemas, compiled once: every request is checked against exactly what the gateway validates and sends (by its kind, so a problem is named in its kind's terms). */
-const contracts = Object.fromEntries(Object.entries(REQUEST_KINDS).map(([kind, k]): [string, TypeCheck<TSchema>] => [kind, TypeCompiler.Compile<TSchema>(k.inference)])) as Record<RequestKind, TypeCheck<TSchema>>;
+const contracts = Object.fromEntries(
+  Object.entries(REQUEST_KINDS).map(([kind, k]): [string, TypeCheck<TSchema>] => [kind, TypeCompiler.Compile<TSchema>(k.inference)]),
+) as Record<RequestKind, TypeCheck<TSchema>>;
 
 /** `/body/messages/0/role` → `body.messages[0].role`, and what is wrong with it. */
 function problemOf(e: ValueError | undefined): string {
   if (!e) return 'request does not match the contract';
-  const param = e.path.split('/').slice(1).reduce((out, s) => (/^\d+$/.test(s) ? `${out}[${s}]` : out ? `${out}.${s}` : s), '');
+  const param = e.path
+    .split('/')
+    .slice(1)
+    .reduce((out, s) => (/^\d+$/.test(s) ? `${out}[${s}]` : out ? `${out}.${s}` : s), '');
   // In the schema's words where it has them (a list of values, a description of a union), else TypeBox's.
   const { enum: allowed, description } = e.schema as { enum?: unknown; description?: unknown };
   const what = Array.isArray(allowed)

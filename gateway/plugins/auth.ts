@@ -72,18 +72,27 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
   if (typeof e !== 'object' || e === null) throw new Error(`${where}: must be an object {digest, name, models?}`);
   if (typeof e.digest !== 'string' || !HEX_DIGEST.test(e.digest)) throw new Error(`${where}.digest: must be the hex sha256 of the token (64 hex digits)`);
   if (typeof e.name !== 'string' || e.name === '') throw new Error(`${where}.name: must be a non-empty string`);
-  if (e.models !== undefined && (!Array.isArray(e.models) || !e.models.every((m) => typeof m === 'string'))) throw new Error(`${where}.models: must be a list of model names`);
-  if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === '')) throw new Error(`${where}: key and uid must be non-empty strings, given together`);
+  if (e.models !== undefined && (!Array.isArray(e.models) || !e.models.every((m) => typeof m === 'string')))
+    throw new Error(`${where}.models: must be a list of model names`);
+  if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === ''))
+    throw new Error(`${where}: key and uid must be non-empty strings, given together`);
   const key = e.key ?? `${fallback}/${id}`;
   const owner = keyOwner(key, e.uid ?? id);
-  const principal: Principal = Object.freeze({ key, owner, conversationScope: e.key === undefined ? id : owner, name: e.name, ...(e.models ? { models: Object.freeze([...e.models]) } : {}) });
+  const principal: Principal = Object.freeze({
+    key,
+    owner,
+    conversationScope: e.key === undefined ? id : owner,
+    name: e.name,
+    ...(e.models ? { models: Object.freeze([...e.models]) } : {}),
+  });
   return { digest: Buffer.from(e.digest, 'hex'), principal, ...(e.suspended === true ? { suspended: true } : {}) };
 }
 
 /** Tokens given in configuration (local mode): `{ "<id>": {digest, name, models?}, … }`. Throws on a bad entry. */
 export function staticTokenSource(entries: Record<string, unknown>, origin: string): TokenSource {
   const map = new Map<string, TokenRecord>();
-  if (typeof entries !== 'object' || entries === null || Array.isArray(entries)) throw new Error(`${origin}: must be a JSON object {"<token id>": {"digest": "<hex sha256>", "name": "…"}}`);
+  if (typeof entries !== 'object' || entries === null || Array.isArray(entries))
+    throw new Error(`${origin}: must be a JSON object {"<token id>": {"digest": "<hex sha256>", "name": "…"}}`);
   for (const [id, entry] of Object.entries(entries)) {
     if (!TOKEN_ID.test(id)) throw new Error(`${origin}: token id ${JSON.stringify(id)} must be 1-64 letters, digits or '-'`);
     map.set(id, toTokenRecord(entry, `${origin}.${id}`, id, 'config'));

@@ -75,29 +75,49 @@ export class SessionError extends Error {
 export const retryAfter = (seconds: number): Record<string, string> => ({ 'retry-after': String(Math.max(1, Math.ceil(seconds))) });
 
 export const errors = {
-  invalid: (message: string, param: string | null = null, code: string | null = null) => new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
-  unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') => new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
+  invalid: (message: string, param: string | null = null, code: string | null = null) =>
+    new GatewayError(400, message, OpenAIErrorType.invalidRequest, code, param),
+  unauthorized: (message = 'Invalid or missing API key. Send `Authorization: Bearer mgs_<id>_<secret>`.') =>
+    new GatewayError(401, message, OpenAIErrorType.invalidRequest, 'invalid_api_key'),
   /** A known path, another method: the methods it has go in `Allow` (RFC 9110 §15.5.6). */
   /** A known key that its owner suspended (ApiKey `spec.suspended`): not a wrong key, so not a 401. */
   keySuspended: (key: string) => new GatewayError(403, `The API key ${key} is suspended.`, OpenAIErrorType.permission, 'key_suspended'),
   methodNotAllowed: (method: string, path: string, allow: readonly string[]) =>
-    new GatewayError(405, `Method ${method} is not allowed for ${path}; use ${allow.join(' or ')}.`, OpenAIErrorType.invalidRequest, 'method_not_allowed', null, { allow: allow.join(', ') }),
-  modelNotFound: (model: string) => new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),
+    new GatewayError(
+      405,
+      `Method ${method} is not allowed for ${path}; use ${allow.join(' or ')}.`,
+      OpenAIErrorType.invalidRequest,
+      'method_not_allowed',
+      null,
+      { allow: allow.join(', ') },
+    ),
+  modelNotFound: (model: string) =>
+    new GatewayError(404, `The model '${model}' does not exist or you do not have access to it.`, OpenAIErrorType.invalidRequest, 'model_not_found', 'model'),
   /** A stored response that is not there for this caller: never stored, expired, deleted, or another token's (which is not told apart). */
   responseNotFound: (id: string, param: string, code = 'response_not_found', message = `No response found with id '${id}'.`) =>
     new GatewayError(404, message, OpenAIErrorType.invalidRequest, code, param),
   // `connection: close`: the unread body is not drained, the connection just ends.
-  tooLarge: (limit: number) => new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
+  tooLarge: (limit: number) =>
+    new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
   backlogFull: (retryAfterSec: number) =>
     new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, retryAfter(retryAfterSec)),
   noCapacity: (retryAfterSec: number) =>
-    new GatewayError(503, 'No instance of the model could be started; retry later.', OpenAIErrorType.server, 'no_capacity', null, retryAfter(retryAfterSec), true),
+    new GatewayError(
+      503,
+      'No instance of the model could be started; retry later.',
+      OpenAIErrorType.server,
+      'no_capacity',
+      null,
+      retryAfter(retryAfterSec),
+      true,
+    ),
   /** The request could not be queued (NATS unreachable, no stream acknowledgement), or its session could not be started (Temporal unreachable). */
   unavailable: (retryAfterSec: number, message = 'The request could not be queued; retry later.') =>
     new GatewayError(503, message, OpenAIErrorType.server, 'unavailable', null, retryAfter(retryAfterSec), true),
   timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
   /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
-  upstream: (status = 502, code = 'upstream_error') => new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),
+  upstream: (status = 502, code = 'upstream_error') =>
+    new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),
 };
 
 /** How each serving failure is answered, given the `Retry-After` seconds. */
@@ -141,7 +161,10 @@ interface AjvError {
 
 /** `/messages/0/role` → `messages[0].role` (OpenAI names params the way the client wrote them). */
 function paramOf(e: AjvError, context: string | undefined): string | null {
-  const segments = (e.instancePath ?? '').split('/').slice(1).map((s) => s.replace(/~1/g, '/').replace(/~0/g, '~'));
+  const segments = (e.instancePath ?? '')
+    .split('/')
+    .slice(1)
+    .map((s) => s.replace(/~1/g, '/').replace(/~0/g, '~'));
   if (e.keyword === 'required' && e.params?.missingProperty) segments.push(e.params.missingProperty);
   // A `discriminator` (a message's `role`) that is missing a branch names the object; the param is its tag.
   if (e.keyword === 'discriminator' && e.params?.tag) segments.push(e.params.tag);
@@ -153,7 +176,9 @@ function paramOf(e: AjvError, context: string | undefined): string | null {
 
 /** The values a `discriminator`'s tag may take: each `oneOf` branch's `const` or `enum` for it. */
 function tagValues(e: AjvError): unknown[] {
-  const branches = Array.isArray(e.parentSchema?.oneOf) ? (e.parentSchema.oneOf as { properties?: Record<string, { const?: unknown; enum?: unknown[] }> }[]) : [];
+  const branches = Array.isArray(e.parentSchema?.oneOf)
+    ? (e.parentSchema.oneOf as { properties?: Record<string, { const?: unknown; enum?: unknown[] }> }[])
+    : [];
   return branches.flatMap((b) => {
     const p = b.properties?.[e.params?.tag ?? ''];
     return p?.enum ?? (p && 'const' in p ? [p.const] : []);
@@ -164,8 +189,12 @@ function tagValues(e: AjvError): unknown[] {
 function problemOf(errs: readonly AjvError[]): string {
   const first = errs[0] ?? {};
   if (first.keyword === 'required') return 'is required';
-  if (first.keyword === 'enum' && Array.isArray(first.params?.allowedValues)) return `must be one of ${first.params.allowedValues.map((v) => JSON.stringify(v)).join(', ')}`;
-  if (first.keyword === 'discriminator') return `must be one of ${tagValues(first).map((v) => JSON.stringify(v)).join(', ')}`;
+  if (first.keyword === 'enum' && Array.isArray(first.params?.allowedValues))
+    return `must be one of ${first.params.allowedValues.map((v) => JSON.stringify(v)).join(', ')}`;
+  if (first.keyword === 'discriminator')
+    return `must be one of ${tagValues(first)
+      .map((v) => JSON.stringify(v))
+      .join(', ')}`;
   // A value whose schema describes it (a message's content: several shapes, so Ajv's own words
   // would name one, "must be string"): what it must be, in the schema's words.
   const described = errs.filter((e) => e.instancePath === first.instancePath && typeof e.parentSchema?.description === 'string').at(-1);
@@ -231,7 +260,8 @@ function sendError(err: unknown, request: FastifyRequest, reply: FastifyReply, r
   const requestId = typeof header === 'string' ? header : request.id;
   // A 503 with Retry-After is one the gateway means (Temporal or the data plane away, no capacity):
   // a warning with its reason, not an error with a stack (an outage would fill the log with them).
-  if (e.status === 503 && e.headers['retry-after'] !== undefined) request.log.warn({ status: e.status, code: e.code, reason: reasonOf(err), requestId }, e.message);
+  if (e.status === 503 && e.headers['retry-after'] !== undefined)
+    request.log.warn({ status: e.status, code: e.code, reason: reasonOf(err), requestId }, e.message);
   else if (e.status >= 500) request.log.error({ err, requestId }, 'request failed');
   else if (e.status !== 404 && e.status !== 405 && e.status !== 401) request.log.info({ status: e.status, code: e.code, param: e.param, requestId }, e.message);
   return reply.code(e.status).headers(e.headers).send(errorBody(e, requestId));
@@ -269,7 +299,10 @@ export function clientErrorHandler(this: FastifyInstance, err: NodeJS.ErrnoExcep
     return;
   }
   // `end`, then destroy once flushed: a destroy right after a write may drop the answer.
-  socket.end(`HTTP/1.1 ${a.status} ${STATUS_CODES[a.status]}\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`, () => socket.destroy());
+  socket.end(
+    `HTTP/1.1 ${a.status} ${STATUS_CODES[a.status]}\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`,
+    () => socket.destroy(),
+  );
 }
 
 /**
@@ -307,7 +340,14 @@ export const errorsPlugin = servicePlugin<ErrorHandlerOptions>(
       hookDone(allow.length > 0 ? errors.methodNotAllowed(request.method, path, allow) : undefined);
     });
     app.setNotFoundHandler((request, reply) =>
-      reply.code(404).send({ error: { message: `Unknown request URL: ${request.method} ${request.url.split('?')[0]}.`, type: OpenAIErrorType.invalidRequest, param: null, code: 'unknown_url' } }),
+      reply.code(404).send({
+        error: {
+          message: `Unknown request URL: ${request.method} ${request.url.split('?')[0]}.`,
+          type: OpenAIErrorType.invalidRequest,
+          param: null,
+          code: 'unknown_url',
+        },
+      }),
     );
     done();
   },

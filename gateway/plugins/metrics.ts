@@ -125,41 +125,119 @@ export const LATENCY_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 /** The gateway's metrics. One instance per app; `render()` is the `/metrics` body. */
 export class GatewayMetrics {
   readonly requests = new Counter('magus_gateway_requests_total', 'HTTP requests by route and status (499: the client went away first).', ['route', 'status']);
-  readonly latency = new Histogram('magus_gateway_request_duration_seconds', 'HTTP request duration by route, until the last byte (streams included).', ['route'], LATENCY_BUCKETS);
+  readonly latency = new Histogram(
+    'magus_gateway_request_duration_seconds',
+    'HTTP request duration by route, until the last byte (streams included).',
+    ['route'],
+    LATENCY_BUCKETS,
+  );
   readonly inFlight = new Gauge('magus_gateway_requests_in_flight', 'HTTP requests being served.');
-  readonly promptTokens = new Counter('magus_gateway_prompt_tokens_total', 'Prompt tokens of answered chat completions, by model (namespace/name), as the engines counted them.', ['model']);
-  readonly cachedPromptTokens = new Counter('magus_gateway_cached_prompt_tokens_total', 'Prompt tokens of answered chat completions that the engine found in its slot KV cache (usage.prompt_tokens_details.cached_tokens), by model: the prefix cache hit rate is its rate over that of magus_gateway_prompt_tokens_total.', ['model']);
+  readonly promptTokens = new Counter(
+    'magus_gateway_prompt_tokens_total',
+    'Prompt tokens of answered chat completions, by model (namespace/name), as the engines counted them.',
+    ['model'],
+  );
+  readonly cachedPromptTokens = new Counter(
+    'magus_gateway_cached_prompt_tokens_total',
+    'Prompt tokens of answered chat completions that the engine found in its slot KV cache (usage.prompt_tokens_details.cached_tokens), by model: the prefix cache hit rate is its rate over that of magus_gateway_prompt_tokens_total.',
+    ['model'],
+  );
   readonly upstreamErrors = new Counter('magus_gateway_upstream_errors_total', 'Inference requests that failed on the engine side, by reason.', ['reason']);
-  readonly publishRetries = new Counter('magus_gateway_publish_retries_total', 'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.');
+  readonly publishRetries = new Counter(
+    'magus_gateway_publish_retries_total',
+    'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.',
+  );
   readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
-  readonly framesRecovered = new Counter('magus_gateway_frames_recovered_total', 'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).');
-  readonly framesGone = new Counter('magus_gateway_recovered_frames_gone_total', 'Read-backs after a reconnect that found frames of their request already gone from the response stream (evicted or aged out).');
+  readonly framesRecovered = new Counter(
+    'magus_gateway_frames_recovered_total',
+    'Response frames read back from the response stream after a reconnect and handed to waiting requests (duplicates included).',
+  );
+  readonly framesGone = new Counter(
+    'magus_gateway_recovered_frames_gone_total',
+    'Read-backs after a reconnect that found frames of their request already gone from the response stream (evicted or aged out).',
+  );
   /** `MAGUS_RESPONSES` as last read (at the scrape); see {@link setResponseStream}. */
   private responseStream: ResponseStreamState | undefined;
   private readResponseStream: (() => Promise<ResponseStreamState>) | undefined;
   private readonly responseStreamGauges = [
-    new GaugeFunc('magus_gateway_response_stream_oldest_frame_age_seconds', 'Age of the oldest frame in the response stream (MAGUS_RESPONSES). Below the required retention while the stream is full: frames a take-over may need are being evicted.', () => seconds(this.responseStream?.oldestFrameAgeMs)),
-    new GaugeFunc('magus_gateway_response_stream_required_retention_seconds', 'How long the response stream must keep frames: the longest a request may run, as declared.', () => seconds(this.responseStream?.requiredRetentionMs)),
+    new GaugeFunc(
+      'magus_gateway_response_stream_oldest_frame_age_seconds',
+      'Age of the oldest frame in the response stream (MAGUS_RESPONSES). Below the required retention while the stream is full: frames a take-over may need are being evicted.',
+      () => seconds(this.responseStream?.oldestFrameAgeMs),
+    ),
+    new GaugeFunc(
+      'magus_gateway_response_stream_required_retention_seconds',
+      'How long the response stream must keep frames: the longest a request may run, as declared.',
+      () => seconds(this.responseStream?.requiredRetentionMs),
+    ),
     new GaugeFunc('magus_gateway_response_stream_bytes', 'Bytes stored in the response stream.', () => this.responseStream?.bytes),
-    new GaugeFunc('magus_gateway_response_stream_max_bytes', 'Byte limit of the response stream: beyond it the oldest frames are discarded.', () => this.responseStream?.maxBytes),
+    new GaugeFunc(
+      'magus_gateway_response_stream_max_bytes',
+      'Byte limit of the response stream: beyond it the oldest frames are discarded.',
+      () => this.responseStream?.maxBytes,
+    ),
   ];
   /** Whether Temporal answers (gateway/temporal-health.ts), read when scraped; no samples without it. */
   private temporal: (() => { reachable: boolean; probeFailures: number }) | undefined;
-  private readonly temporalReachable = new GaugeFunc('magus_gateway_temporal_reachable', 'Whether Temporal answered the last probe (1) or not (0). While 0, warm turns and first turns from pools\' published instances are served; other first turns get 503 unavailable.', () => {
-    const t = this.temporal?.();
-    return t === undefined ? undefined : t.reachable ? 1 : 0;
-  });
-  private readonly temporalProbeFailures = new CounterFunc('magus_gateway_temporal_probe_failures_total', 'Temporal probes (and calls) that found it unreachable: one probe every 2 s at most while it is away.', () => this.temporal?.().probeFailures);
+  private readonly temporalReachable = new GaugeFunc(
+    'magus_gateway_temporal_reachable',
+    "Whether Temporal answered the last probe (1) or not (0). While 0, warm turns and first turns from pools' published instances are served; other first turns get 503 unavailable.",
+    () => {
+      const t = this.temporal?.();
+      return t === undefined ? undefined : t.reachable ? 1 : 0;
+    },
+  );
+  private readonly temporalProbeFailures = new CounterFunc(
+    'magus_gateway_temporal_probe_failures_total',
+    'Temporal probes (and calls) that found it unreachable: one probe every 2 s at most while it is away.',
+    () => this.temporal?.().probeFailures,
+  );
   private sessionStats: () => SessionStats | undefined = () => undefined;
-  private readonly warmHits = new CounterFunc('magus_gateway_session_warm_hits_total', 'Turns served from the session cache (no Temporal call).', () => this.sessionStats()?.warmHits);
-  private readonly coldStarts = new CounterFunc('magus_gateway_session_cold_starts_total', 'Turns that waited for an instance with room (their pool told of the demand) or on a cold start.', () => this.sessionStats()?.coldStarts);
-  private readonly firstTurns = new CounterFunc('magus_gateway_session_first_turns_total', 'First turns served from a pool’s published instances (the session starts after the answer).', () => this.sessionStats()?.firstTurns);
-  private readonly moves = new CounterFunc('magus_gateway_session_moves_total', 'Conversations moved (compare-and-swap) off an instance their pool no longer publishes.', () => this.sessionStats()?.moves);
-  private readonly renewals = new CounterFunc('magus_gateway_session_renewals_total', 'Conversation entries renewed by this gateway (compare-and-swap; no Temporal call).', () => this.sessionStats()?.renewals);
-  private readonly givenBack = new CounterFunc('magus_gateway_session_given_back_total', 'Entries of first turns that were not answered (refused, failed, left by the client), deleted again.', () => this.sessionStats()?.givenBack);
-  private readonly pendingSessionStarts = new GaugeFunc('magus_gateway_session_starts_pending', 'Conversations answered whose session workflow has not started yet (bounded: MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS).', () => this.sessionStats()?.pendingSessionStarts);
-  private readonly refusedForPendingStarts = new CounterFunc('magus_gateway_refused_pending_session_starts_total', 'New conversations refused (503) because too many answered ones still wait for their session workflow to start.', () => this.sessionStats()?.refusedForPendingStarts);
-  private readonly staleViewPicks = new CounterFunc('magus_gateway_stale_view_picks_total', "First turns placed from a view its pool had not rewritten in time (an overloaded Temporal), on an instance found consuming.", () => this.sessionStats()?.staleViewPicks);
+  private readonly warmHits = new CounterFunc(
+    'magus_gateway_session_warm_hits_total',
+    'Turns served from the session cache (no Temporal call).',
+    () => this.sessionStats()?.warmHits,
+  );
+  private readonly coldStarts = new CounterFunc(
+    'magus_gateway_session_cold_starts_total',
+    'Turns that waited for an instance with room (their pool told of the demand) or on a cold start.',
+    () => this.sessionStats()?.coldStarts,
+  );
+  private readonly firstTurns = new CounterFunc(
+    'magus_gateway_session_first_turns_total',
+    'First turns served from a pool’s published instances (the session starts after the answer).',
+    () => this.sessionStats()?.firstTurns,
+  );
+  private readonly moves = new CounterFunc(
+    'magus_gateway_session_moves_total',
+    'Conversations moved (compare-and-swap) off an instance their pool no longer publishes.',
+    () => this.sessionStats()?.moves,
+  );
+  private readonly renewals = new CounterFunc(
+    'magus_gateway_session_renewals_total',
+    'Conversation entries renewed by this gateway (compare-and-swap; no Temporal call).',
+    () => this.sessionStats()?.renewals,
+  );
+  private readonly givenBack = new CounterFunc(
+    'magus_gateway_session_given_back_total',
+    'Entries of first turns that were not answered (refused, failed, left by the client), deleted again.',
+    () => this.sessionStats()?.givenBack,
+  );
+  private readonly pendingSessionStarts = new GaugeFunc(
+    'magus_gateway_session_starts_pending',
+    'Conversations answered whose session workflow has not started yet (bounded: MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS).',
+    () => this.sessionStats()?.pendingSessionStarts,
+  );
+  private readonly refusedForPendingStarts = new CounterFunc(
+    'magus_gateway_refused_pending_session_starts_total',
+    'New conversations refused (503) because too many answered ones still wait for their session workflow to start.',
+    () => this.sessionStats()?.refusedForPendingStarts,
+  );
+  private readonly staleViewPicks = new CounterFunc(
+    'magus_gateway_stale_view_picks_total',
+    'First turns placed from a view its pool had not rewritten in time (an overloaded Temporal), on an instance found consuming.',
+    () => this.sessionStats()?.staleViewPicks,
+  );
 
   /** How to read the response stream's state; read at each scrape ({@link collect}). */
   setResponseStream(read: () => Promise<ResponseStreamState>): void {
@@ -171,7 +249,10 @@ export class GatewayMetrics {
     if (!this.readResponseStream) return;
     let timer: NodeJS.Timeout | undefined;
     try {
-      this.responseStream = await Promise.race([this.readResponseStream(), new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), 1000)))]);
+      this.responseStream = await Promise.race([
+        this.readResponseStream(),
+        new Promise<undefined>((resolve) => (timer = setTimeout(() => resolve(undefined), 1000))),
+      ]);
     } catch {
       this.responseStream = undefined; // no stream (yet), or NATS unreachable: no sample
     } finally {
@@ -197,7 +278,30 @@ export class GatewayMetrics {
   private processExtras: () => string = () => '';
 
   render(): string {
-    const all = [this.requests, this.latency, this.inFlight, this.upstreamErrors, this.publishRetries, this.promptTokens, this.cachedPromptTokens, this.natsReconnects, this.framesRecovered, this.framesGone, ...this.responseStreamGauges, this.warmHits, this.coldStarts, this.firstTurns, this.moves, this.renewals, this.givenBack, this.staleViewPicks, this.pendingSessionStarts, this.refusedForPendingStarts, this.temporalReachable, this.temporalProbeFailures];
+    const all = [
+      this.requests,
+      this.latency,
+      this.inFlight,
+      this.upstreamErrors,
+      this.publishRetries,
+      this.promptTokens,
+      this.cachedPromptTokens,
+      this.natsReconnects,
+      this.framesRecovered,
+      this.framesGone,
+      ...this.responseStreamGauges,
+      this.warmHits,
+      this.coldStarts,
+      this.firstTurns,
+      this.moves,
+      this.renewals,
+      this.givenBack,
+      this.staleViewPicks,
+      this.pendingSessionStarts,
+      this.refusedForPendingStarts,
+      this.temporalReachable,
+      this.temporalProbeFailures,
+    ];
     return `${all.map((m) => m.render()).join('\n')}\n${processMetricsText()}${this.processExtras()}`;
   }
 }

@@ -5,7 +5,15 @@
  */
 import type { FastifyPluginCallback } from 'fastify';
 import { nuid } from 'nats';
-import { checkStructure, forwardedFields, refusedOnEvery, unsupportedBy, type ChatCompletionBody, type ChatCompletionRequest, type ChatMessage } from '../../shared/chat';
+import {
+  checkStructure,
+  forwardedFields,
+  refusedOnEvery,
+  unsupportedBy,
+  type ChatCompletionBody,
+  type ChatCompletionRequest,
+  type ChatMessage,
+} from '../../shared/chat';
 import { conversationKey } from '../serving/conversation';
 import { errors } from '../plugins/errors';
 import { SseResponse } from './sse';
@@ -18,7 +26,10 @@ import { relayed, servableModel, serveTurn } from './inference';
  */
 function toMessages(body: ChatCompletionBody): ChatMessage[] {
   return body.messages.map((m) => {
-    const out: ChatMessage = { role: m.role, content: m.content === null ? '' : typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join('') };
+    const out: ChatMessage = {
+      role: m.role,
+      content: m.content === null ? '' : typeof m.content === 'string' ? m.content : m.content.map((p) => p.text).join(''),
+    };
     if (m.role === 'assistant' && m.tool_calls?.length) out.tool_calls = m.tool_calls;
     if (m.role === 'tool') out.tool_call_id = m.tool_call_id;
     return out;
@@ -55,7 +66,12 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       if (!checked.ok) throw errors.invalid(checked.problem.message, checked.problem.param, checked.problem.code);
 
       const messages = toMessages(body);
-      const key = conversationKey(s.secret, { scope: principal.conversationScope, model: `${model.namespace}/${model.name}`, messages, sessionId: request.headers['x-session-id'] });
+      const key = conversationKey(s.secret, {
+        scope: principal.conversationScope,
+        model: `${model.namespace}/${model.name}`,
+        messages,
+        sessionId: request.headers['x-session-id'],
+      });
       const id = nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       return serveTurn(app, request, reply, {

@@ -26,20 +26,24 @@ export const completionsRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
   const s = g.settings;
 
-  app.post<{ Body: CompletionsBody }>('/v1/completions', { schema: completionsSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate }, async (request, reply) => {
-    const body = request.body;
-    const model = await servableModel(app, request.principal!, body.model);
-    const refused = refusedOnEvery(g.models.engines(model), completionsUnsupportedBy);
-    if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
+  app.post<{ Body: CompletionsBody }>(
+    '/v1/completions',
+    { schema: completionsSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
+    async (request, reply) => {
+      const body = request.body;
+      const model = await servableModel(app, request.principal!, body.model);
+      const refused = refusedOnEvery(g.models.engines(model), completionsUnsupportedBy);
+      if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
 
-    const id = nuid.next();
-    const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
-    return serveTurn(app, request, reply, {
-      id,
-      model,
-      payload: { kind: 'completions', body: toEngineRequest(body) },
-      ...relayed(sse, body.stream_options?.include_usage === true),
-    });
-  });
+      const id = nuid.next();
+      const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      return serveTurn(app, request, reply, {
+        id,
+        model,
+        payload: { kind: 'completions', body: toEngineRequest(body) },
+        ...relayed(sse, body.stream_options?.include_usage === true),
+      });
+    },
+  );
   done();
 };

@@ -15,14 +15,18 @@ export const embeddingsRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
   const s = g.settings;
 
-  app.post<{ Body: EmbeddingsBody }>('/v1/embeddings', { schema: embeddingsSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate }, async (request, reply) => {
-    const { user: _user, ...body } = request.body;
-    const model = await servableModel(app, request.principal!, body.model);
-    const refused = refusedOnEvery(g.models.engines(model), embeddingsUnsupportedBy);
-    if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
+  app.post<{ Body: EmbeddingsBody }>(
+    '/v1/embeddings',
+    { schema: embeddingsSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
+    async (request, reply) => {
+      const { user: _user, ...body } = request.body;
+      const model = await servableModel(app, request.principal!, body.model);
+      const refused = refusedOnEvery(g.models.engines(model), embeddingsUnsupportedBy);
+      if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
 
-    const id = nuid.next();
-    return serveTurn(app, request, reply, { id, model, payload: { kind: 'embeddings', body }, onDone: (answer) => answer });
-  });
+      const id = nuid.next();
+      return serveTurn(app, request, reply, { id, model, payload: { kind: 'embeddings', body }, onDone: (answer) => answer });
+    },
+  );
   done();
 };

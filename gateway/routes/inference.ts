@@ -62,7 +62,8 @@ function usageIn(data: unknown): { prompt: number; cached: number } | undefined 
 const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && ((data as { choices?: unknown[] }).choices ?? []).length === 0;
 
 /** What an inference request carries beyond its envelope: its kind and the engine's body. */
-export type InferencePayload = { kind?: 'chat'; body: ChatInference['body'] } | Pick<CompletionsInference, 'kind' | 'body'> | Pick<EmbeddingsInference, 'kind' | 'body'>;
+export type InferencePayload =
+  { kind?: 'chat'; body: ChatInference['body'] } | Pick<CompletionsInference, 'kind' | 'body'> | Pick<EmbeddingsInference, 'kind' | 'body'>;
 
 /** One inference request — a turn of a conversation, or a request of none — as a route hands it to {@link serveTurn}. */
 export interface Turn {

@@ -83,7 +83,8 @@ export class ResponseDraft {
     if (answer?.usage) this.usage = responseUsage(answer.usage) ?? this.usage;
     const choice = answer?.choices?.[0];
     if (!choice) return events;
-    if (typeof choice.delta?.content === 'string' && choice.delta.content !== '') events.push(...this.text(choice.delta.content, choice.logprobs?.content ?? []));
+    if (typeof choice.delta?.content === 'string' && choice.delta.content !== '')
+      events.push(...this.text(choice.delta.content, choice.logprobs?.content ?? []));
     for (const [i, call] of (choice.delta?.tool_calls ?? []).entries()) events.push(...this.toolCall(call.index ?? i, call));
     if (choice.finish_reason) this.finishReason = choice.finish_reason;
     return events;
@@ -184,7 +185,14 @@ export class ResponseDraft {
     if (!open) {
       // Text comes before calls: a call ends the message.
       events.push(...this.closeMessage(false));
-      const item: Extract<OutputItem, { type: 'function_call' }> = { type: 'function_call', id: `fc_${nuid.next()}`, call_id: call.id ?? `call_${nuid.next()}`, name: call.function?.name ?? '', arguments: '', status: 'in_progress' };
+      const item: Extract<OutputItem, { type: 'function_call' }> = {
+        type: 'function_call',
+        id: `fc_${nuid.next()}`,
+        call_id: call.id ?? `call_${nuid.next()}`,
+        name: call.function?.name ?? '',
+        arguments: '',
+        status: 'in_progress',
+      };
       open = { index: this.response.output.push(item) - 1, item };
       this.calls.set(key, open);
       events.push({ type: 'response.output_item.added', output_index: open.index, item: structuredClone(item) });

@@ -25,7 +25,8 @@ const request = (id = `r${Date.now().toString(36)}x${counter++}`): InferenceRequ
   deadline: Date.now() + 60_000,
   body: { model: 'm', messages: [{ role: 'user', content: 'hi' }] },
 });
-const storedOn = async (subject: string) => (await (await nc.jetstreamManager()).streams.info(names.requestStream, { subjects_filter: subject })).state.subjects?.[subject] ?? 0;
+const storedOn = async (subject: string) =>
+  (await (await nc.jetstreamManager()).streams.info(names.requestStream, { subjects_filter: subject })).state.subjects?.[subject] ?? 0;
 
 beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(iso, { declare: { instanceBacklog: 2 } })));

@@ -33,7 +33,9 @@ beforeAll(async () => {
   const iso = isolation();
   ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   ({ nc: bridgeNc } = await stack.open(natsStack(iso)));
-  ({ bridge } = await stack.open(stubInstanceStack(bridgeNc, names, { pool: POOL, instance: INSTANCE, slots: 4, engine: { chunks: 4 }, bridge: { log: () => undefined } })));
+  ({ bridge } = await stack.open(
+    stubInstanceStack(bridgeNc, names, { pool: POOL, instance: INSTANCE, slots: 4, engine: { chunks: 4 }, bridge: { log: () => undefined } }),
+  ));
   const a = await natsConnect();
   const b = await natsConnect();
   replicas.push(
@@ -50,7 +52,12 @@ beforeAll(async () => {
 
 afterAll(() => stack.close());
 
-const session: () => SessionEntry = () => ({ subject: requestSubjectOf(names, POOL, INSTANCE), pool: POOL, instance: INSTANCE, expiresAt: Date.now() + 60_000 });
+const session: () => SessionEntry = () => ({
+  subject: requestSubjectOf(names, POOL, INSTANCE),
+  pool: POOL,
+  instance: INSTANCE,
+  expiresAt: Date.now() + 60_000,
+});
 const body = (content: string) => ({ model: POOL, messages: [{ role: 'user' as const, content }], stream: true });
 
 /** One streamed request through a replica's router, as the gateway makes it; resolves with the frames relayed to the client. */
@@ -106,7 +113,12 @@ test('a request with the older reply subject (queued by a gateway from before) i
     }
   })();
   await nc.flush();
-  await publishRequest(nc.jetstream(), names, { pool: POOL, instance: INSTANCE }, { id, replyTo, deadline: Date.now() + 30_000, body: body('from an older gateway') });
+  await publishRequest(
+    nc.jetstream(),
+    names,
+    { pool: POOL, instance: INSTANCE },
+    { id, replyTo, deadline: Date.now() + 30_000, body: body('from an older gateway') },
+  );
   await answered;
   expect(relayed.at(-1)).toMatchObject({ type: 'done' });
   expect(relayed.length).toBeGreaterThan(2);

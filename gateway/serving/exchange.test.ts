@@ -13,7 +13,12 @@ afterEach(() => jest.useRealTimers());
 describe('exchange', () => {
   function fakeRouter() {
     const listeners = new Map<string, (f: ResponseFrame) => void>();
-    const router: ResponseRouter = { replySubject: (id) => `magus.res.${id}`, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)), recover: () => Promise.resolve(0), close: () => Promise.resolve() };
+    const router: ResponseRouter = {
+      replySubject: (id) => `magus.res.${id}`,
+      listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)),
+      recover: () => Promise.resolve(0),
+      close: () => Promise.resolve(),
+    };
     return { router, listeners };
   }
   const session: SessionEntry = { subject: 'magus.req.p.i', pool: 'p', instance: 'i', expiresAt: 0 };
@@ -43,7 +48,15 @@ describe('exchange', () => {
   it('times out only when no frame arrives for requestTimeoutMs (idle, not total)', async () => {
     const { router, listeners } = fakeRouter();
     const chunks: unknown[] = [];
-    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: new AbortController().signal, onChunk: (d) => chunks.push(d) });
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onChunk: (d) => chunks.push(d),
+    });
     for (let i = 0; i < 5; i++) {
       jest.advanceTimersByTime(900);
       listeners.get('r1')!(c(i));
@@ -57,7 +70,15 @@ describe('exchange', () => {
   it('relays chunks in seq order, each once, and resolves with the done frame', async () => {
     const { router, listeners } = fakeRouter();
     const chunks: unknown[] = [];
-    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: new AbortController().signal, onChunk: (d) => chunks.push(d) });
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onChunk: (d) => chunks.push(d),
+    });
     for (const f of [c(1), c(0), c(0), c(2), done(3), c(4)]) listeners.get('r1')?.(f);
     await expect(p).resolves.toBe('end');
     expect(chunks).toEqual([0, 1, 2]);
@@ -122,7 +143,10 @@ describe('exchange', () => {
       signal: new AbortController().signal,
       onUpstreamError: (r) => reasons.push(r),
     });
-    const outcome = p.then(() => 'resolved', (e: unknown) => e);
+    const outcome = p.then(
+      () => 'resolved',
+      (e: unknown) => e,
+    );
     for (const f of [c(0), c(2)]) listeners.get('r1')!(f);
     await jest.advanceTimersByTimeAsync(100 * GAP_READ_BACKS);
     expect(reads).toBe(GAP_READ_BACKS);
@@ -136,16 +160,20 @@ describe('exchange', () => {
     const { router, listeners } = fakeRouter();
     const chunks: unknown[] = [];
     let reads = 0;
-    const p = exchange(session, { ...req, deadline: Date.now() + 60_000 }, {
-      router,
-      publish: () => Promise.resolve(),
-      requestTimeoutMs: 60_000,
-      gapTimeoutMs: 100,
-      readBack: () => (++reads <= 8 ? Promise.reject(new Error('no leader')) : Promise.resolve([c(1)])),
-      retryAfterSec: 1,
-      signal: new AbortController().signal,
-      onChunk: (d) => chunks.push(d),
-    });
+    const p = exchange(
+      session,
+      { ...req, deadline: Date.now() + 60_000 },
+      {
+        router,
+        publish: () => Promise.resolve(),
+        requestTimeoutMs: 60_000,
+        gapTimeoutMs: 100,
+        readBack: () => (++reads <= 8 ? Promise.reject(new Error('no leader')) : Promise.resolve([c(1)])),
+        retryAfterSec: 1,
+        signal: new AbortController().signal,
+        onChunk: (d) => chunks.push(d),
+      },
+    );
     for (const f of [c(0), c(2), done(3)]) listeners.get('r1')!(f);
     await jest.advanceTimersByTimeAsync(100 + 8 * 100);
     await expect(p).resolves.toBe('end');
@@ -178,7 +206,14 @@ describe('exchange', () => {
 
   it('an error frame in seq order ends it with that frame’s answer', async () => {
     const { router, listeners } = fakeRouter();
-    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: new AbortController().signal });
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+    });
     for (const f of [err(1), c(0)]) listeners.get('r1')!(f);
     await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 500, code: 'engine_error' });
   });
@@ -186,7 +221,14 @@ describe('exchange', () => {
   it('rejects with the abort reason when the client goes away', async () => {
     const { router, listeners } = fakeRouter();
     const ctl = new AbortController();
-    const p = exchange(session, req, { router, publish: () => Promise.resolve(), requestTimeoutMs: 1000, gapTimeoutMs: 100, retryAfterSec: 1, signal: ctl.signal });
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 1000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: ctl.signal,
+    });
     ctl.abort(new Error('gone'));
     await expect(p).rejects.toThrow('gone');
     expect(listeners.size).toBe(0);
@@ -195,7 +237,12 @@ describe('exchange', () => {
 
 describe('exchange: a publish that fails', () => {
   const session: SessionEntry = { subject: 'magus.req.p.i', pool: 'p', instance: 'i', expiresAt: 0 };
-  const noRouter: ResponseRouter = { replySubject: (id) => `magus.res.${id}`, listen: () => () => undefined, recover: () => Promise.resolve(0), close: () => Promise.resolve() };
+  const noRouter: ResponseRouter = {
+    replySubject: (id) => `magus.res.${id}`,
+    listen: () => () => undefined,
+    recover: () => Promise.resolve(0),
+    close: () => Promise.resolve(),
+  };
   function run(outcomes: (Error | undefined)[], committed: boolean) {
     const listeners = new Map<string, (f: ResponseFrame) => void>();
     const router: ResponseRouter = { ...noRouter, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)) };
@@ -259,9 +306,17 @@ describe('exchange: a publish that fails', () => {
 });
 
 describe('frameError', () => {
-  const frame = (status: number, code: string | null = 'x'): Extract<ResponseFrame, { type: 'error' }> => ({ seq: 0, type: 'error', error: { status, message: 'engine 10.0.0.7 says no', type: 'server_error', code } });
+  const frame = (status: number, code: string | null = 'x'): Extract<ResponseFrame, { type: 'error' }> => ({
+    seq: 0,
+    type: 'error',
+    error: { status, message: 'engine 10.0.0.7 says no', type: 'server_error', code },
+  });
   it('passes 4xx through, with Retry-After on 429', () => {
-    expect(frameError(frame(400, 'context_length_exceeded'), 5)).toMatchObject({ status: 400, code: 'context_length_exceeded', message: 'engine 10.0.0.7 says no' });
+    expect(frameError(frame(400, 'context_length_exceeded'), 5)).toMatchObject({
+      status: 400,
+      code: 'context_length_exceeded',
+      message: 'engine 10.0.0.7 says no',
+    });
     expect(frameError(frame(429), 7).headers).toEqual({ 'retry-after': '7' });
   });
   it('hides 5xx, and a 504 (the bridge’s deadline) is the gateway’s own timeout answer', () => {

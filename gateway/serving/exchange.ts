@@ -150,14 +150,17 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
       else w.reject(isBacklogFull(problem) ? new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests') : problem);
     },
   });
-  const sweep = setInterval(() => {
-    const cutoff = Date.now() - timeoutMs;
-    for (const [token, w] of waiting) {
-      if (w.at > cutoff) break;
-      waiting.delete(token);
-      w.reject(new Error(`the request stream did not acknowledge a publish within ${timeoutMs} ms`));
-    }
-  }, Math.min(1_000, timeoutMs));
+  const sweep = setInterval(
+    () => {
+      const cutoff = Date.now() - timeoutMs;
+      for (const [token, w] of waiting) {
+        if (w.at > cutoff) break;
+        waiting.delete(token);
+        w.reject(new Error(`the request stream did not acknowledge a publish within ${timeoutMs} ms`));
+      }
+    },
+    Math.min(1_000, timeoutMs),
+  );
   sweep.unref();
   return {
     publish: (subject, req) => {
@@ -281,7 +284,14 @@ export function frameError(frame: Extract<ResponseFrame, { type: 'error' }>, ret
   const { status, message, type, code, param } = frame.error;
   if (Number.isInteger(status) && status >= 400 && status < 500) {
     const headers = status === 429 ? retryAfter(retryAfterSec) : {};
-    return new GatewayError(status, typeof message === 'string' && message ? message : 'The request was rejected by the model.', typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest, code ?? null, typeof param === 'string' ? param : null, headers);
+    return new GatewayError(
+      status,
+      typeof message === 'string' && message ? message : 'The request was rejected by the model.',
+      typeof type === 'string' && type ? type : OpenAIErrorType.invalidRequest,
+      code ?? null,
+      typeof param === 'string' ? param : null,
+      headers,
+    );
   }
   // The bridge's deadline frame and the gateway's own timer say the same thing: one answer.
   if (status === 504) return errors.timeout();

@@ -117,7 +117,11 @@ it('a list called while an older read is in flight waits for a newer one; concur
 it('unservable: a model none of whose artifacts a live runtime runs, with the reason', async () => {
   const now = 1_000_000;
   const dllamaOnly: ReadyModel = { ...readyModel('d'), artifacts: [{ format: 'dllama', weights: 'q40', converterVersion: 't', files: [] }] };
-  const both: ReadyModel = { ...dllamaOnly, name: 'b', artifacts: [...dllamaOnly.artifacts, { format: 'gguf', weights: 'q80', converterVersion: 't', files: [] }] };
+  const both: ReadyModel = {
+    ...dllamaOnly,
+    name: 'b',
+    artifacts: [...dllamaOnly.artifacts, { format: 'gguf', weights: 'q80', converterVersion: 't', files: [] }],
+  };
   const runtimes: { local: RuntimeAdvert } = { local: { worker: 'w1', runtime: 'local', formats: ['gguf'], at: now } };
   const catalog = (adverts: RuntimeAdvert[]) => {
     const cat = createModelCatalog({ list: () => Promise.resolve([]), read: () => Promise.resolve({ models: [], runtimes: adverts }) }, { now: () => now });
@@ -128,11 +132,25 @@ it('unservable: a model none of whose artifacts a live runtime runs, with the re
   expect(gguf.unservable(both)).toBeUndefined();
   expect(gguf.unservable(readyModel('hand-made'))).toBeUndefined(); // no artifacts: not judged
   // A worker with distributed-llama serves it; one whose advert is stale (gone) does not count.
-  expect((await catalog([runtimes.local, { ...runtimes.local, worker: 'w2', formats: ['gguf', 'dllama'], dllamaNodes: 2 }])).unservable(dllamaOnly)).toBeUndefined();
+  expect(
+    (await catalog([runtimes.local, { ...runtimes.local, worker: 'w2', formats: ['gguf', 'dllama'], dllamaNodes: 2 }])).unservable(dllamaOnly),
+  ).toBeUndefined();
   expect((await catalog([{ ...runtimes.local, formats: ['gguf', 'dllama'], at: now - 10 * 60_000 }])).unservable(dllamaOnly)).toBeUndefined();
-  expect((await catalog([{ ...runtimes.local, formats: ['gguf', 'dllama'], at: now - 10 * 60_000 }, runtimes.local])).unservable(dllamaOnly)).toMatch(/cannot be served/);
+  expect((await catalog([{ ...runtimes.local, formats: ['gguf', 'dllama'], at: now - 10 * 60_000 }, runtimes.local])).unservable(dllamaOnly)).toMatch(
+    /cannot be served/,
+  );
   // Its plan splits it into 1 and 4 nodes, the worker runs 2: not servable, and why.
-  const planned: ReadyModel = { ...dllamaOnly, memory: [{ format: 'dllama', weights: 'q40', contextLength: 64, topologies: [1, 4].map((nodes) => ({ nodes, root: { weights: 1, kvCache: 1, buffers: 1, total: 3 }, worker: null })) }] };
+  const planned: ReadyModel = {
+    ...dllamaOnly,
+    memory: [
+      {
+        format: 'dllama',
+        weights: 'q40',
+        contextLength: 64,
+        topologies: [1, 4].map((nodes) => ({ nodes, root: { weights: 1, kvCache: 1, buffers: 1, total: 3 }, worker: null })),
+      },
+    ],
+  };
   expect((await catalog([{ ...runtimes.local, formats: ['gguf', 'dllama'], dllamaNodes: 2 }])).unservable(planned)).toMatch(/splits into 1, 4 nodes, not 2/);
   // No live advert at all (no worker, or workers older than adverts): nothing is said.
   expect((await catalog([])).unservable(dllamaOnly)).toBeUndefined();

@@ -66,7 +66,13 @@ export function memoryResponseStore(): ResponseStore & { records: Map<string, St
 function decodeRecord(bytes: Uint8Array): StoredResponse | undefined {
   try {
     const r = JSON.parse(new TextDecoder().decode(bytes)) as Partial<StoredResponse>;
-    const ok = typeof r.owner === 'string' && typeof r.root === 'string' && typeof r.depth === 'number' && Array.isArray(r.input) && Array.isArray(r.output) && typeof r.response === 'object';
+    const ok =
+      typeof r.owner === 'string' &&
+      typeof r.root === 'string' &&
+      typeof r.depth === 'number' &&
+      Array.isArray(r.input) &&
+      Array.isArray(r.output) &&
+      typeof r.response === 'object';
     return ok ? (r as StoredResponse) : undefined;
   } catch {
     return undefined;
@@ -112,7 +118,7 @@ export interface Chain {
  */
 export async function chainOf(store: ResponseStore, id: string, owner: string): Promise<Chain | ChainProblem> {
   const records: StoredResponse[] = [];
-  for (let at: string | null = id; at !== null; ) {
+  for (let at: string | null = id; at !== null;) {
     if (records.length >= MAX_CHAIN_DEPTH) return { problem: 'too_long' };
     const record = await store.get(at);
     if (record === undefined || record.owner !== owner) return { problem: 'not_found', id: at };

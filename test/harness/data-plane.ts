@@ -31,18 +31,28 @@ export async function askInstance(
   })();
   await nc.flush();
   const timer = setTimeout(() => sub.unsubscribe(), timeoutMs);
-  await publishRequest(nc.jetstream(), names, { pool, instance }, {
-    id,
-    replyTo: responseSubjectOf(names, id),
-    deadline: Date.now() + timeoutMs,
-    body: { model: pool, messages: [{ role: 'user', content: 'Hello' }], ...body },
-  });
+  await publishRequest(
+    nc.jetstream(),
+    names,
+    { pool, instance },
+    {
+      id,
+      replyTo: responseSubjectOf(names, id),
+      deadline: Date.now() + timeoutMs,
+      body: { model: pool, messages: [{ role: 'user', content: 'Hello' }], ...body },
+    },
+  );
   await done;
   clearTimeout(timer);
   sub.unsubscribe();
   if (!sequencer.finished) throw new Error(`no complete answer to ${id}`);
   const text = relayed
-    .map((f) => (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices?.map((c) => c.delta?.content ?? c.message?.content ?? '').join('') ?? '')
+    .map(
+      (f) =>
+        (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices
+          ?.map((c) => c.delta?.content ?? c.message?.content ?? '')
+          .join('') ?? '',
+    )
     .join('');
   return { frames: relayed, text };
 }

@@ -68,7 +68,11 @@ export function processTree(pid: number): number[] {
 /** Starts `magus dev <args>` the way `launcher` says, in a new process group. */
 export function startDev(launcher: DevLauncher, args: string[], env: NodeJS.ProcessEnv = process.env): DevRun {
   const [cmd, argv] =
-    launcher === 'direct' ? [process.execPath, [MAGUS_BIN, 'dev', ...args]] : launcher === 'npm' ? ['npm', ['run', 'dev', '--', ...args]] : ['npx', ['magus', 'dev', ...args]];
+    launcher === 'direct'
+      ? [process.execPath, [MAGUS_BIN, 'dev', ...args]]
+      : launcher === 'npm'
+        ? ['npm', ['run', 'dev', '--', ...args]]
+        : ['npx', ['magus', 'dev', ...args]];
   const child = spawn(cmd, argv, { cwd: REPO_ROOT, env, stdio: ['ignore', 'pipe', 'pipe'], detached: true });
   let out = '';
   let err = '';

@@ -132,7 +132,9 @@ export interface TestApp {
 
 export type TestToken = ReturnType<typeof makeToken>;
 
-export async function buildTestApp(over: Partial<Omit<GatewayAppOptions, 'models'>> & { models?: ReadyModel[] | GatewayAppOptions['models'] } = {}): Promise<TestApp> {
+export async function buildTestApp(
+  over: Partial<Omit<GatewayAppOptions, 'models'>> & { models?: ReadyModel[] | GatewayAppOptions['models'] } = {},
+): Promise<TestApp> {
   const plane = new FakeDataPlane();
   const broker = new FakeBroker();
   const log = new LogSink();

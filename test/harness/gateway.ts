@@ -30,7 +30,14 @@ export function gatewayConfigFor(prefix: string, opts: { secret: string; tokens:
 }
 
 /** Writes conversation `key`'s session entry: its turns go to `pool`/`instance` for `ttlMs`. */
-export async function pinConversation(nc: NatsConnection, names: DataPlaneNames, key: string, pool: string, instance: string, ttlMs = 3_600_000): Promise<SessionEntry> {
+export async function pinConversation(
+  nc: NatsConnection,
+  names: DataPlaneNames,
+  key: string,
+  pool: string,
+  instance: string,
+  ttlMs = 3_600_000,
+): Promise<SessionEntry> {
   const entry: SessionEntry = { subject: requestSubjectOf(names, pool, instance), pool, instance, expiresAt: Date.now() + ttlMs };
   await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
   return entry;
@@ -42,7 +49,11 @@ export async function pinConversation(nc: NatsConnection, names: DataPlaneNames,
  * (embeddings) by. Fresh for the gateway's staleness bound (minutes): enough for a test.
  */
 export async function publishPoolView(nc: NatsConnection, names: DataPlaneNames, pool: string, instances: string[]): Promise<void> {
-  const view: PoolEntry = { instances: instances.map((instance) => ({ instance, subject: requestSubjectOf(names, pool, instance), leases: 0 })), leasesPerInstance: 4, updatedAt: Date.now() };
+  const view: PoolEntry = {
+    instances: instances.map((instance) => ({ instance, subject: requestSubjectOf(names, pool, instance), leases: 0 })),
+    leasesPerInstance: 4,
+    updatedAt: Date.now(),
+  };
   await (await nc.jetstream().views.kv(names.poolsBucket)).put(`default.${pool}`, new TextEncoder().encode(JSON.stringify(view)));
 }
 

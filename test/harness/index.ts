@@ -41,7 +41,11 @@ export interface Isolation {
 /** Unique resource names for the calling test file (call once per file, in a describe/beforeAll). */
 export function isolation(): Isolation {
   const testPath = expect.getState().testPath ?? 'test';
-  const stem = basename(testPath).replace(/\.int\.test\.ts$|\.test\.ts$/, '').toLowerCase().replace(/[^a-z0-9]+/g, '-').slice(0, 30);
+  const stem = basename(testPath)
+    .replace(/\.int\.test\.ts$|\.test\.ts$/, '')
+    .toLowerCase()
+    .replace(/[^a-z0-9]+/g, '-')
+    .slice(0, 30);
   const id = `${stem}-${randomBytes(3).toString('hex')}`;
   return { id, taskQueue: `test-${id}`, bucket: `test-${id}`, natsPrefix: `T_${id.replace(/-/g, '_').toUpperCase()}`, namespace: `test-${id}` };
 }

@@ -33,16 +33,31 @@ export async function installRbacRoles(admin: KubeConfig): Promise<void> {
  * A ServiceAccount `name` in `namespace` bound to `clusterRoles` (cluster-wide) and
  * `namespaceRoles` (in `namespace` only), and a KubeConfig that authenticates as it.
  */
-export async function serviceAccountKubeConfig(admin: KubeConfig, namespace: string, name: string, clusterRoles: string[], namespaceRoles: string[] = []): Promise<KubeConfig> {
+export async function serviceAccountKubeConfig(
+  admin: KubeConfig,
+  namespace: string,
+  name: string,
+  clusterRoles: string[],
+  namespaceRoles: string[] = [],
+): Promise<KubeConfig> {
   const core = admin.makeApiClient(CoreV1Api);
   const rbac = admin.makeApiClient(RbacAuthorizationV1Api);
   await core.createNamespacedServiceAccount({ namespace, body: { metadata: { name } } });
   const subjects = [{ kind: 'ServiceAccount', name, namespace }];
   for (const role of clusterRoles) {
-    await rbac.createClusterRoleBinding({ body: { metadata: { name: `${namespace}-${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+    await rbac.createClusterRoleBinding({
+      body: {
+        metadata: { name: `${namespace}-${name}-${role}` },
+        roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role },
+        subjects,
+      },
+    });
   }
   for (const role of namespaceRoles) {
-    await rbac.createNamespacedRoleBinding({ namespace, body: { metadata: { name: `${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects } });
+    await rbac.createNamespacedRoleBinding({
+      namespace,
+      body: { metadata: { name: `${name}-${role}` }, roleRef: { apiGroup: 'rbac.authorization.k8s.io', kind: 'ClusterRole', name: role }, subjects },
+    });
   }
   const { status } = await core.createNamespacedServiceAccountToken({ namespace, name, body: { spec: { audiences: [], expirationSeconds: 3600 } } });
   const sa = new KubeConfig();

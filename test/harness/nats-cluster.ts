@@ -213,7 +213,10 @@ export async function startNatsCluster(opts: NatsClusterOptions = {}): Promise<T
       } catch (err) {
         if ((err as { portTaken?: boolean }).portTaken) {
           const p = ports[names.indexOf(name)]!;
-          throw new Error(`nats-server ${name} could not start again: one of its ports ${p.client} (client), ${p.monitor} (monitor), ${p.cluster} (cluster) was taken while it was down`, { cause: err });
+          throw new Error(
+            `nats-server ${name} could not start again: one of its ports ${p.client} (client), ${p.monitor} (monitor), ${p.cluster} (cluster) was taken while it was down`,
+            { cause: err },
+          );
         }
         throw err;
       }

@@ -113,7 +113,10 @@ export async function s3Stack(iso: Isolation): Promise<{ s3: S3Client } & Opened
  * those options) and deletes its streams and buckets at close; without, whoever runs it (the
  * workers) declares it. Drained at close.
  */
-export async function natsStack(iso: Isolation, opts: { declare?: true | Omit<DataPlaneOptions, 'prefix'>; suffix?: string } = {}): Promise<{ nc: NatsConnection; names: DataPlaneNames } & Opened> {
+export async function natsStack(
+  iso: Isolation,
+  opts: { declare?: true | Omit<DataPlaneOptions, 'prefix'>; suffix?: string } = {},
+): Promise<{ nc: NatsConnection; names: DataPlaneNames } & Opened> {
   const nc = await natsConnect();
   const names = dataPlaneNames(`${iso.natsPrefix}${opts.suffix ?? ''}`);
   const close = async () => {
@@ -148,7 +151,12 @@ export async function temporalStack(): Promise<{ client: Client; connection: Con
  * The magus workers for the file (`startWorkers`): its task queue, bucket and data plane (which
  * they declare), state under `dir`; `overrides` change the configuration, `deps` as in production.
  */
-export async function workersStack(iso: Isolation, dir: string, overrides: Partial<MagusConfig> = {}, deps?: WorkerDeps): Promise<{ cfg: MagusConfig; workers: RunningWorkers } & Opened> {
+export async function workersStack(
+  iso: Isolation,
+  dir: string,
+  overrides: Partial<MagusConfig> = {},
+  deps?: WorkerDeps,
+): Promise<{ cfg: MagusConfig; workers: RunningWorkers } & Opened> {
   const cfg = workerConfig(iso, dir, overrides);
   const workers = await startWorkers(cfg, deps);
   return { cfg, workers, close: () => workers.shutdown() };

@@ -22,7 +22,11 @@ export interface TcpProxy {
  * the rest (a download stuck midway). {@link TcpProxy.throttleAnswers} slows answers instead (a
  * slow read, so a test can be sure to act while one is under way).
  */
-export async function startTcpProxy(target: { host: string; port: number }, listenHost = '127.0.0.1', opts: { holdAnswerAfter?: number } = {}): Promise<TcpProxy> {
+export async function startTcpProxy(
+  target: { host: string; port: number },
+  listenHost = '127.0.0.1',
+  opts: { holdAnswerAfter?: number } = {},
+): Promise<TcpProxy> {
   const open = new Set<Socket>();
   let refusing = false;
   let answerRate: number | undefined;

@@ -51,7 +51,11 @@ export function processesUsing(folder: string): number[] {
     .filter((p) => /^\d+$/.test(p) && Number(p) !== process.pid)
     .filter((p) => {
       try {
-        return readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').some((a) => a.startsWith(`${folder}/`)) && processRunning(Number(p));
+        return (
+          readFileSync(`/proc/${p}/cmdline`, 'utf8')
+            .split('\0')
+            .some((a) => a.startsWith(`${folder}/`)) && processRunning(Number(p))
+        );
       } catch {
         return false;
       }

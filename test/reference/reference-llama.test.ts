@@ -54,7 +54,10 @@ function singleTokenLogits(model: TinyModel, token: number): Float64Array {
     const gate = mul(w(`${p}.mlp.gate_proj.weight`), h2);
     const up = mul(w(`${p}.mlp.up_proj.weight`), h2);
     expect(gate).toHaveLength(intermediate);
-    const down = mul(w(`${p}.mlp.down_proj.weight`), gate.map((g, i) => (g / (1 + Math.exp(-g))) * up[i]!));
+    const down = mul(
+      w(`${p}.mlp.down_proj.weight`),
+      gate.map((g, i) => (g / (1 + Math.exp(-g))) * up[i]!),
+    );
     x = x.map((xi, i) => xi + down[i]!);
   }
   const head = model.layout.tied ? embed : w('lm_head.weight');
@@ -112,7 +115,11 @@ describe('reference forward pass', () => {
     expect(factors[0]).toBe(1);
     expect(factors[factors.length - 1]).toBe(8);
     expect(Array.from(factors).some((f) => f > 1 && f < 8)).toBe(true);
-    expectClose(Array.from(base, (f, i) => f / ref.invFreq[i]!), factors, 1e-5);
+    expectClose(
+      Array.from(base, (f, i) => f / ref.invFreq[i]!),
+      factors,
+      1e-5,
+    );
   });
 
   test('rejects tokens outside the vocabulary', async () => {

@@ -9,7 +9,6 @@ import { AppsV1Api, BatchV1Api, CoreV1Api, DiscoveryV1Api, type V1Pod } from '@k
 import { startTestCluster, type TestCluster } from '../harness/cluster';
 import { eventually, processRunning, until } from '../harness/wait';
 
-
 function rssMiB(pid: number): number {
   const kb = /VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1];
   return Math.round(Number(kb ?? 0) / 1024);
@@ -103,7 +102,10 @@ test('a Deployment of 2 gets 2 Pods scheduled onto the fake Nodes, Running and R
 
 test('a StatefulSet of 3 gets Pods db-0, db-1 and db-2, all Running and Ready', async () => {
   const labels = { app: 'db' };
-  await core.createNamespacedService({ namespace: ns, body: { metadata: { name: 'db' }, spec: { clusterIP: 'None', selector: labels, ports: [{ port: 5432 }] } } });
+  await core.createNamespacedService({
+    namespace: ns,
+    body: { metadata: { name: 'db' }, spec: { clusterIP: 'None', selector: labels, ports: [{ port: 5432 }] } },
+  });
   await apps.createNamespacedStatefulSet({
     namespace: ns,
     body: {
@@ -151,7 +153,11 @@ test('deleting the Deployment garbage-collects its ReplicaSet and Pods through t
   // The default propagation for apps/v1 is background: the API server deletes the Deployment at
   // once and the garbage collector (in kube-controller-manager) deletes what it owned.
   await apps.deleteNamespacedDeployment({ name: 'web', namespace: ns });
-  await until('the ReplicaSet of web to be collected', async () => (await apps.listNamespacedReplicaSet({ namespace: ns, labelSelector: 'app=web' })).items.length === 0, 60_000);
+  await until(
+    'the ReplicaSet of web to be collected',
+    async () => (await apps.listNamespacedReplicaSet({ namespace: ns, labelSelector: 'app=web' })).items.length === 0,
+    60_000,
+  );
   await until('the Pods of web to be collected', async () => (await pods('app=web')).length === 0, 60_000);
   // What nothing owned is left alone.
   expect((await pods('app=db')).length).toBe(3);
@@ -182,7 +188,9 @@ test('stop() leaves no process of the cluster running', async () => {
   expect(pids).toHaveLength(5); // etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kwok
   for (const pid of pids) expect(processRunning(pid)).toBe(true);
   const report = cluster.processes.map((p) => `${p.name} (pid ${p.pid}): ${rssMiB(p.pid)} MiB RSS`).join(', ');
-  const starts = Object.entries(cluster.startMs).map(([name, ms]) => `${name} ${(ms / 1000).toFixed(1)} s`).join(', ');
+  const starts = Object.entries(cluster.startMs)
+    .map(([name, ms]) => `${name} ${(ms / 1000).toFixed(1)} s`)
+    .join(', ');
   process.stderr.write(`cluster: ready in ${starts}; after the workloads: ${report}\n`);
 
   await cluster.stop();

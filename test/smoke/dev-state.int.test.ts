@@ -126,8 +126,13 @@ test('a first start serves; a second dev on its folder is refused; model pull fi
   const unreachable = magus(['model', 'pull', 'nowhere/model', '--format', 'gguf:q40', '--hub', 'http://127.0.0.1:1', '--detach']);
   expect(unreachable.status).toBe(0);
   await until('two failed attempts in the console', () => run.stderr().includes('resolveSource of model/default/model failed (attempt 2): '), 60_000);
-  const lines = run.stderr().split('\n').filter((l) => l.includes('model/default/model'));
-  expect(lines.every((l) => /^magus dev: worker: resolveSource of model\/default\/model failed \(attempt \d+\): HubError: .*127\.0\.0\.1:1\//.test(l))).toBe(true);
+  const lines = run
+    .stderr()
+    .split('\n')
+    .filter((l) => l.includes('model/default/model'));
+  expect(lines.every((l) => /^magus dev: worker: resolveSource of model\/default\/model failed \(attempt \d+\): HubError: .*127\.0\.0\.1:1\//.test(l))).toBe(
+    true,
+  );
   expect(run.stderr()).not.toMatch(/^\s+at /m);
   await terminate(connection.temporal.address, 'model/default/model');
 
@@ -144,7 +149,10 @@ test('with no dev running, model pull fails at once naming the address it could 
   const args = ['model', 'pull', 'magus-demo/tiny-llama', '--format', 'gguf:q40'];
   const started = Date.now();
   const pull = await new Promise<{ code: number | null; stderr: string }>((resolve) => {
-    const child = spawn(process.execPath, [MAGUS_BIN, ...args], { env: useDefault ? env : { ...env, MAGUS_TEMPORAL_ADDRESS: address }, stdio: ['ignore', 'ignore', 'pipe'] });
+    const child = spawn(process.execPath, [MAGUS_BIN, ...args], {
+      env: useDefault ? env : { ...env, MAGUS_TEMPORAL_ADDRESS: address },
+      stdio: ['ignore', 'ignore', 'pipe'],
+    });
     let stderr = '';
     child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
     const timer = setTimeout(() => child.kill('SIGKILL'), 60_000);

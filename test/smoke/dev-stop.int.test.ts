@@ -51,7 +51,10 @@ async function startServeAndStop(
   expect(tree.length).toBeGreaterThanOrEqual(launcher === 'direct' ? 5 : 6);
   await tell(run);
   let timer: NodeJS.Timeout | undefined;
-  const exit = await Promise.race([run.exited, new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${launcher}: the top process did not exit within 60 s`)), 60_000)))]);
+  const exit = await Promise.race([
+    run.exited,
+    new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${launcher}: the top process did not exit within 60 s`)), 60_000))),
+  ]);
   clearTimeout(timer);
   await until(`every process of the ${launcher} tree to exit (left: ${tree.filter(processRunning).join(', ')})`, () => !tree.some(processRunning), 30_000);
   // What dev printed last can still be in the pipe when its process is seen gone (npx exits first: dev writes to npx's pipe).
@@ -130,7 +133,13 @@ test('SIGTERM under load: a `magus gateway` beside dev and then dev itself exit 
       // A second gateway, as `magus gateway` finds a running dev (its connection file).
       const gw = spawn(process.execPath, [MAGUS_BIN, 'gateway', '--host', '127.0.0.1', '--port', '0'], {
         cwd: REPO_ROOT,
-        env: { ...process.env, MAGUS_DEV_DATA_DIR: join(root, 'load'), MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'), MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest: createHash('sha256').update(token).digest('hex'), name: 'load' } }), MAGUS_GATEWAY_SHUTDOWN_GRACE_MS: '5000' },
+        env: {
+          ...process.env,
+          MAGUS_DEV_DATA_DIR: join(root, 'load'),
+          MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
+          MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest: createHash('sha256').update(token).digest('hex'), name: 'load' } }),
+          MAGUS_GATEWAY_SHUTDOWN_GRACE_MS: '5000',
+        },
         stdio: ['ignore', 'pipe', 'pipe'],
       });
       let gwErr = '';
@@ -155,9 +164,15 @@ test('SIGTERM under load: a `magus gateway` beside dev and then dev itself exit 
         const gwTree = processTree(gw.pid!);
         gw.kill('SIGTERM');
         let timer: NodeJS.Timeout | undefined;
-        const gwExited = await Promise.race([gwExit, new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`magus gateway did not exit within 30 s:\n${gwErr}`)), 30_000)))]);
+        const gwExited = await Promise.race([
+          gwExit,
+          new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`magus gateway did not exit within 30 s:\n${gwErr}`)), 30_000))),
+        ]);
         clearTimeout(timer);
-        expect([gwExited, gwErr]).toEqual([{ code: 0, signal: null }, expect.not.stringMatching(/[Uu]ncaught|[Uu]nhandled|Channel has been shut down|MaxListenersExceeded|Error:/)]);
+        expect([gwExited, gwErr]).toEqual([
+          { code: 0, signal: null },
+          expect.not.stringMatching(/[Uu]ncaught|[Uu]nhandled|Channel has been shut down|MaxListenersExceeded|Error:/),
+        ]);
         expect(gwTree.filter(processRunning)).toEqual([]);
         await onGw.stop();
         // Dev still answers under its own load; then it is told to stop, the load still running.

@@ -49,7 +49,11 @@ test('the Temporal UI of magus dev: workflows found by kind, model and phase; ea
   const list = (query: string) => `${temporalUi}/namespaces/default/workflows?query=${encodeURIComponent(query)}`;
 
   // One filter lists the model pipelines, and nothing else, however many conversations there are.
-  const models = await browser.look('1-models', list('MagusKind="model"'), /model\/default\/demo[^]*model\/default\/model|model\/default\/model[^]*model\/default\/demo/);
+  const models = await browser.look(
+    '1-models',
+    list('MagusKind="model"'),
+    /model\/default\/demo[^]*model\/default\/model|model\/default\/model[^]*model\/default\/demo/,
+  );
   expect(models).not.toMatch(/\b(session|pool)\/default\//);
   // The failing one, by its phase.
   const resolving = await browser.look('2-models-resolving', list('MagusKind="model" AND MagusPhase="resolving"'), /model\/default\/model/);
@@ -59,17 +63,41 @@ test('the Temporal UI of magus dev: workflows found by kind, model and phase; ea
   expect(sessions).not.toContain('Hello');
 
   // Each page says what the workflow is and where it stands (User Metadata: its summary and current details).
-  const failing = await browser.lookAtWorkflow('4-pipeline-retrying', temporalUi, 'model/default/model', 'user-metadata', /retrying resolveSource: attempt \d+ failed at \S+: HubError: .*127\.0\.0\.1:1\//);
+  const failing = await browser.lookAtWorkflow(
+    '4-pipeline-retrying',
+    temporalUi,
+    'model/default/model',
+    'user-metadata',
+    /retrying resolveSource: attempt \d+ failed at \S+: HubError: .*127\.0\.0\.1:1\//,
+  );
   expect(failing).toContain('Model default/model: nowhere/model to S3, converted and sized');
   expect(failing).toMatch(/resolving · nowhere\/model · generation 1/);
-  const ready = await browser.lookAtWorkflow('5-pipeline-ready', temporalUi, 'model/default/demo', 'user-metadata', /ready · magus-demo\/SmolLM2-135M-Instruct-GGUF @ [0-9a-f]{12}/);
+  const ready = await browser.lookAtWorkflow(
+    '5-pipeline-ready',
+    temporalUi,
+    'model/default/demo',
+    'user-metadata',
+    /ready · magus-demo\/SmolLM2-135M-Instruct-GGUF @ [0-9a-f]{12}/,
+  );
   expect(ready).toMatch(/published: the model can be served/);
-  const pool = await browser.lookAtWorkflow('6-pool', temporalUi, 'pool/default/demo', 'user-metadata', /serving · model default\/demo · 1 of 0\.\.\d+ instances/);
+  const pool = await browser.lookAtWorkflow(
+    '6-pool',
+    temporalUi,
+    'pool/default/demo',
+    'user-metadata',
+    /serving · model default\/demo · 1 of 0\.\.\d+ instances/,
+  );
   expect(pool).toContain('Instances serving model default/demo');
   expect(pool).toMatch(/demo-\d+ ready, 1 lease\b/);
   const sessionId = /session\/default\/demo\/[0-9a-f]{64}/.exec(sessions)![0];
   // Its lease is its conversation's entry: the page says when the session looks at it next.
-  const session = await browser.lookAtWorkflow('7-session', temporalUi, sessionId, 'user-metadata', /serving · a conversation on model default\/demo\s+looks at its lease at \S+Z/);
+  const session = await browser.lookAtWorkflow(
+    '7-session',
+    temporalUi,
+    sessionId,
+    'user-metadata',
+    /serving · a conversation on model default\/demo\s+looks at its lease at \S+Z/,
+  );
   expect(session).toContain('A conversation on model default/demo');
   expect(session).toMatch(/looks at its lease at \S+Z \(TTL \d+ s after the last renewal\)/);
 

@@ -14,7 +14,12 @@ const crd: V1CustomResourceDefinition = {
   spec: {
     group,
     scope: 'Namespaced',
-    names: { plural, singular: plural.slice(0, -1), kind: `Widget${iso.id.replace(/[^a-z0-9]/g, '')}`, listKind: `Widget${iso.id.replace(/[^a-z0-9]/g, '')}List` },
+    names: {
+      plural,
+      singular: plural.slice(0, -1),
+      kind: `Widget${iso.id.replace(/[^a-z0-9]/g, '')}`,
+      listKind: `Widget${iso.id.replace(/[^a-z0-9]/g, '')}List`,
+    },
     versions: [
       {
         name: 'v1alpha1',
@@ -29,7 +34,12 @@ const crd: V1CustomResourceDefinition = {
                 type: 'object',
                 required: ['replicas'],
                 properties: { replicas: { type: 'integer', minimum: 1, maximum: 8 } },
-                x_kubernetes_validations: [{ rule: 'self.replicas % 2 == 1 || self.replicas == 2 || self.replicas == 4 || self.replicas == 8', message: 'replicas must be odd or a power of two' }],
+                x_kubernetes_validations: [
+                  {
+                    rule: 'self.replicas % 2 == 1 || self.replicas == 2 || self.replicas == 4 || self.replicas == 8',
+                    message: 'replicas must be odd or a power of two',
+                  },
+                ],
               },
             },
           },
@@ -71,11 +81,17 @@ test('a CRD is applied and a custom object is created and validated on kube-apis
   }
   expect(created?.metadata?.uid).toMatch(/^[0-9a-f-]{36}$/);
 
-  const read = (await custom.getNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, name: 'w1' })) as { spec: { replicas: number } };
+  const read = (await custom.getNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, name: 'w1' })) as {
+    spec: { replicas: number };
+  };
   expect(read.spec.replicas).toBe(4);
 
   // The schema and its CEL rule are enforced by the real API server.
   const bad = { ...obj, metadata: { name: 'w2' }, spec: { replicas: 6 } };
-  await expect(custom.createNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, body: bad })).rejects.toMatchObject({ code: 422 });
-  await expect(custom.createNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, body: { ...obj, metadata: { name: 'w3' }, spec: {} } })).rejects.toMatchObject({ code: 422 });
+  await expect(custom.createNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, body: bad })).rejects.toMatchObject({
+    code: 422,
+  });
+  await expect(
+    custom.createNamespacedCustomObject({ group, version: 'v1alpha1', namespace: iso.namespace, plural, body: { ...obj, metadata: { name: 'w3' }, spec: {} } }),
+  ).rejects.toMatchObject({ code: 422 });
 });

@@ -8,7 +8,6 @@ import { join } from 'node:path';
 import { createInterface } from 'node:readline';
 import { processRunning, sleep } from '../harness/wait';
 
-
 test('SIGKILL of the process that started the servers stops every server', async () => {
   const bin = join(__dirname, '..', '..', 'bin', 'magus.js');
   const child = spawn(process.execPath, [bin, 'dev', '--services', 'nats,s3', '--json'], { stdio: ['ignore', 'pipe', 'inherit'] });

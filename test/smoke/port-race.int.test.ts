@@ -156,7 +156,9 @@ test('a server whose ports keep being taken fails after 5 starts, naming it and 
       return squat();
     },
   });
-  await expect(started).rejects.toThrow(/^nats could not start: on each of its 5 starts another process took a port chosen for it before it could bind it \(last: port \d+ \((client|monitor)\)\)/);
+  await expect(started).rejects.toThrow(
+    /^nats could not start: on each of its 5 starts another process took a port chosen for it before it could bind it \(last: port \d+ \((client|monitor)\)\)/,
+  );
   expect(requests.map((r) => `${r.attempt}:${r.role}`)).toEqual([1, 2, 3, 4, 5].flatMap((a) => [`${a}:client`, `${a}:monitor`]));
 });
 

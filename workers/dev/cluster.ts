@@ -222,7 +222,12 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
   };
 
   /** Starts a component on a fresh port until `ready` holds; on new ports again (3 starts) while its port turns out taken. */
-  const start = async (name: ClusterComponent, args: (port: number) => string[], what: string, ready: (port: number) => () => Promise<boolean>): Promise<{ ms: number; port: number }> => {
+  const start = async (
+    name: ClusterComponent,
+    args: (port: number) => string[],
+    what: string,
+    ready: (port: number) => () => Promise<boolean>,
+  ): Promise<{ ms: number; port: number }> => {
     const begun = Date.now();
     for (let attempt = 1; ; attempt++) {
       const port = await freePort();
@@ -265,7 +270,8 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
         (port) => [...controlPlaneFlags('kube-controller-manager', port), '--controllers=*,-serviceaccount-token', '--use-service-account-credentials=false'],
         '/healthz answering ok and the ServiceAccount default/default existing',
         (port) => async () =>
-          (await httpsStatus(`https://127.0.0.1:${port}/healthz`)) === 200 && (await api('GET', '/api/v1/namespaces/default/serviceaccounts/default')).status === 200,
+          (await httpsStatus(`https://127.0.0.1:${port}/healthz`)) === 200 &&
+          (await api('GET', '/api/v1/namespaces/default/serviceaccounts/default')).status === 200,
       ),
       start(
         'kube-scheduler',
@@ -289,7 +295,11 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
     ]);
     const failed = started.filter((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (failed.length > 0) throw new Error(failed.map((f) => (f.reason instanceof Error ? f.reason.message : String(f.reason))).join('\n\n'));
-    const [kcm, scheduler, kwokStart] = started.map((r) => (r.status === 'fulfilled' ? r.value : { ms: 0, port: 0 })) as [{ ms: number; port: number }, { ms: number; port: number }, { ms: number; port: number }];
+    const [kcm, scheduler, kwokStart] = started.map((r) => (r.status === 'fulfilled' ? r.value : { ms: 0, port: 0 })) as [
+      { ms: number; port: number },
+      { ms: number; port: number },
+      { ms: number; port: number },
+    ];
 
     // The fake Nodes (an existing one, from an earlier start against the same API server, is kept).
     const begun = Date.now();

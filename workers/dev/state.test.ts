@@ -21,7 +21,9 @@ test('one magus dev per data folder: the second is refused, naming the first; af
     err = e;
   }
   expect((err as Error).name).toBe('DevDataDirLocked');
-  expect((err as Error).message).toBe(`another magus dev (pid ${process.pid}) is using ${dir}; stop that one first, or give this one its own folder with --data-dir`);
+  expect((err as Error).message).toBe(
+    `another magus dev (pid ${process.pid}) is using ${dir}; stop that one first, or give this one its own folder with --data-dir`,
+  );
   release();
   expect(existsSync(join(dir, LOCK_FILE))).toBe(false);
   lockDataDir(dir)();

@@ -28,7 +28,16 @@ import type { KubernetesActivities } from '../../activities/kubernetes/activitie
 import type { PipelineActivities } from '../../activities/pipeline';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
-import { isNeededSourceFile, selectGgufFiles, validateModelSpec, type ModelPipelineInput, type ModelSpec, type ReadyModel, type SourceFile, type StoredObject } from '../../shared/model';
+import {
+  isNeededSourceFile,
+  selectGgufFiles,
+  validateModelSpec,
+  type ModelPipelineInput,
+  type ModelSpec,
+  type ReadyModel,
+  type SourceFile,
+  type StoredObject,
+} from '../../shared/model';
 import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { activityFailedSignal, activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
@@ -45,7 +54,12 @@ const shortCall: ActivityOptions = { startToCloseTimeout: '2m', retry };
  * Transfers and conversions heartbeat; a dead worker is noticed within the heartbeat timeout.
  * On cancel the workflow waits until they have stopped, so the cleanup after them is final.
  */
-const longWork: ActivityOptions = { startToCloseTimeout: '24h', heartbeatTimeout: '10s', retry, cancellationType: ActivityCancellationType.WAIT_CANCELLATION_COMPLETED };
+const longWork: ActivityOptions = {
+  startToCloseTimeout: '24h',
+  heartbeatTimeout: '10s',
+  retry,
+  cancellationType: ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
+};
 
 // Heavy I/O and CPU run on the pipeline queue paired with this workflow's (control) queue;
 // publishing to the registry is a control-plane call. (Activity proxies are Proxies: pick
@@ -111,9 +125,17 @@ export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
     if (state.cancelled) {
       // Partial multipart uploads of this model are removed even though the workflow is stopping.
       await CancellationScope.nonCancellable(async () => {
-        if (state.sha) await abortUploads({ prefixes: [`sources/${state.spec.source.repo}/${state.sha}/`, `artifacts/${state.spec.source.repo}/${state.sha}/`] });
+        if (state.sha)
+          await abortUploads({ prefixes: [`sources/${state.spec.source.repo}/${state.sha}/`, `artifacts/${state.spec.source.repo}/${state.sha}/`] });
         const { forget, deleteObjects } = state.cancelOptions;
-        if (forget) await forgetModel({ namespace: state.namespace, name: state.name, repo: state.spec.source.repo, sha: state.sha, deleteObjects: deleteObjects === true });
+        if (forget)
+          await forgetModel({
+            namespace: state.namespace,
+            name: state.name,
+            repo: state.spec.source.repo,
+            sha: state.sha,
+            deleteObjects: deleteObjects === true,
+          });
       });
       state.markCancelled();
       await condition(allHandlersFinished);
@@ -137,7 +159,10 @@ async function runPlan(state: PipelineState): Promise<void> {
   // A GGUF repository as a source (`source.gguf`): its chosen file is transferred and published as it is.
   const files = spec.source.gguf ? chosenGguf(resolved.files, spec.source.gguf) : resolved.files.filter((f) => isNeededSourceFile(f.path));
   if (!spec.source.gguf && !files.some((f) => f.path === 'config.json')) {
-    throw ApplicationFailure.nonRetryable(`${resolved.repo}@${resolved.sha} has no config.json${resolved.files.some((f) => f.path.endsWith('.gguf')) ? ' (it holds GGUF files: choose one with source.gguf)' : ''}`, ErrorType.UnsupportedModel);
+    throw ApplicationFailure.nonRetryable(
+      `${resolved.repo}@${resolved.sha} has no config.json${resolved.files.some((f) => f.path.endsWith('.gguf')) ? ' (it holds GGUF files: choose one with source.gguf)' : ''}`,
+      ErrorType.UnsupportedModel,
+    );
   }
   state.planned(resolved.sha, files);
 
@@ -176,7 +201,9 @@ async function runPlan(state: PipelineState): Promise<void> {
   };
   await publishModel(ready);
   // Its pool, if one runs, may be backing off failed starts that wanted this model: try now.
-  await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name)).signal(modelPublishedSignal).catch(() => undefined);
+  await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name))
+    .signal(modelPublishedSignal)
+    .catch(() => undefined);
   state.ready = ready;
   state.enter('ready');
 }
@@ -200,7 +227,15 @@ function modelStatusView(state: PipelineState): StatusView {
     async write(previous) {
       const resource = state.resource!;
       const progress = state.progress();
-      const result = await writeModelStatus({ namespace: state.namespace, name: state.name, uid: resource.uid, workflowId, progress, ready: state.ready, previous });
+      const result = await writeModelStatus({
+        namespace: state.namespace,
+        name: state.name,
+        uid: resource.uid,
+        workflowId,
+        progress,
+        ready: state.ready,
+        previous,
+      });
       return { phase: progress.phase, conditions: result.conditions };
     },
   };
@@ -216,7 +251,10 @@ export function pipelineDetails(p: PipelineProgress): string {
     const r = p.retrying;
     lines.push(`retrying ${r.activity}${r.key ? ` (${r.key})` : ''}: attempt ${r.attempt} failed at ${r.at}: ${r.message}`);
   }
-  if (p.failure) lines.push(`failed during ${p.failure.during ?? 'an unknown phase'}: ${p.failure.type}: ${p.failure.message} — apply a new spec (or the same one) to retry`);
+  if (p.failure)
+    lines.push(
+      `failed during ${p.failure.during ?? 'an unknown phase'}: ${p.failure.type}: ${p.failure.message} — apply a new spec (or the same one) to retry`,
+    );
   if (p.phase === 'ready') lines.push('published: the model can be served');
   return lines.join('  \n');
 }

@@ -47,7 +47,13 @@ test('a failed attempt being retried is shown until its step completes or the ph
   let changes = 0;
   s.onChange = () => changes++;
   s.enter('resolving');
-  const fail = (attempt: number, key?: string, activity = 'resolveSource') => ({ activity, ...(key ? { key } : {}), attempt, message: `HubError: cannot reach the hub (${attempt})`, at: '2026-11-24T10:00:00.000Z' });
+  const fail = (attempt: number, key?: string, activity = 'resolveSource') => ({
+    activity,
+    ...(key ? { key } : {}),
+    attempt,
+    message: `HubError: cannot reach the hub (${attempt})`,
+    at: '2026-11-24T10:00:00.000Z',
+  });
   s.onActivityFailed(fail(2));
   s.onActivityFailed(fail(1)); // a late report of an earlier attempt
   expect(s.progress().retrying).toEqual(fail(2));
@@ -81,5 +87,8 @@ test('a transfer report that arrives after its file is done counts nowhere (not 
   s.enter('converting');
   s.onActivityProgress({ key: 'model.safetensors', kind: 'transfer', done: 90, total: 100 });
   s.onActivityProgress({ key: 'gguf:q40', kind: 'convert', done: 3, total: 21 });
-  expect([s.progress().bytes, s.progress().tensors]).toEqual([{ done: 100, total: 100 }, { done: 3, total: 21 }]);
+  expect([s.progress().bytes, s.progress().tensors]).toEqual([
+    { done: 100, total: 100 },
+    { done: 3, total: 21 },
+  ]);
 });

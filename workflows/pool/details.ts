@@ -6,13 +6,14 @@ import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
 export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
   const live = s.instances.filter((i) => i.phase !== 'stopping');
   const leases = s.instances.reduce((n, i) => n + i.leases, 0);
-  const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : 'sized by the gateway\'s defaults';
+  const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : "sized by the gateway's defaults";
   const lines = [
     `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
     sizedBy,
   ];
   if (s.lastError) lines.push(`last error: ${s.lastError}`);
-  if (s.nextStartAt !== undefined && s.startFailures) lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
+  if (s.nextStartAt !== undefined && s.startFailures)
+    lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
   const list = s.instances.map((i) => `- \`${i.id}\` ${i.phase}, ${plural(i.leases, 'lease')}`);
   return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
 }

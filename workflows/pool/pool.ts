@@ -47,7 +47,10 @@ export const LOAD_REPORT_MIN_MS = 2000;
 
 export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<void> {
   if (!(input.maxInstances >= 1 && input.minInstances >= 0 && input.minInstances <= input.maxInstances && input.leasesPerInstance >= 1)) {
-    throw ApplicationFailure.nonRetryable(`invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`, ErrorType.InvalidSpec);
+    throw ApplicationFailure.nonRetryable(
+      `invalid pool sizes: min ${input.minInstances}, max ${input.maxInstances}, leases/instance ${input.leasesPerInstance}`,
+      ErrorType.InvalidSpec,
+    );
   }
   const state = new PoolState(input, carry);
   const { createInstance } = proxyActivities<ServingActivities>(startInstance);
@@ -64,10 +67,12 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   let dirty = true;
   const now = () => Date.now();
   const track = (p: Promise<void>): void => {
-    const q = p.catch(() => undefined).finally(() => {
-      busy.delete(q);
-      dirty = true;
-    });
+    const q = p
+      .catch(() => undefined)
+      .finally(() => {
+        busy.delete(q);
+        dirty = true;
+      });
     busy.add(q);
   };
   const closing = () => workflowInfo().continueAsNewSuggested || workflowInfo().historyLength >= (input.runMaxEvents ?? POOL_RUN_MAX_EVENTS);
@@ -97,7 +102,16 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     shown: () => JSON.stringify({ s: state.status(0), r: input.resource ?? null }),
     write: (previous) => {
       const r = input.resource!;
-      return writeDllamaStatus({ namespace: input.namespace, name: r.name, uid: r.uid, workflowId: workflowInfo().workflowId, observedGeneration: r.generation, nodesPerInstance: r.nodesPerInstance, pool: state.status(now()), previous });
+      return writeDllamaStatus({
+        namespace: input.namespace,
+        name: r.name,
+        uid: r.uid,
+        workflowId: workflowInfo().workflowId,
+        observedGeneration: r.generation,
+        nodesPerInstance: r.nodesPerInstance,
+        pool: state.status(now()),
+        previous,
+      });
     },
   };
   void mirrorStatus(statusView);
@@ -108,7 +122,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     let o = owners.get(i.runtimeQueue);
     if (!o) {
       const bound = { taskQueue: i.runtimeQueue, scheduleToStartTimeout: ownerTimeoutMs };
-      o = { destroyInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).destroyInstance, watchInstance: proxyActivities<ServingActivities>({ ...watchOptions(healthCheckMs), ...bound }).watchInstance };
+      o = {
+        destroyInstance: proxyActivities<ServingActivities>({ ...quick, ...bound }).destroyInstance,
+        watchInstance: proxyActivities<ServingActivities>({ ...watchOptions(healthCheckMs), ...bound }).watchInstance,
+      };
       owners.set(i.runtimeQueue, o);
     }
     return o;
@@ -191,7 +208,18 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const mine = { ids: key, scope };
     reconciling = mine;
     scope
-      .run(() => watchLoad({ namespace: input.namespace, model: input.model, instances: ids, leasesPerInstance: input.leasesPerInstance, maxInstances: input.maxInstances, known: state.lastLoad, minIntervalMs: LOAD_REPORT_MIN_MS, pressurePending: PRESSURE_PENDING }))
+      .run(() =>
+        watchLoad({
+          namespace: input.namespace,
+          model: input.model,
+          instances: ids,
+          leasesPerInstance: input.leasesPerInstance,
+          maxInstances: input.maxInstances,
+          known: state.lastLoad,
+          minIntervalMs: LOAD_REPORT_MIN_MS,
+          pressurePending: PRESSURE_PENDING,
+        }),
+      )
       .then(
         (report) => state.loaded(report, now()),
         () => undefined, // cancelled (the instances changed, or the run closes); a failure is retried by the activity's policy

@@ -1,11 +1,26 @@
 import type { PoolInput } from './definitions';
 import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, VIEW_REFRESH_MS, type LoadReport, type PoolView } from './state';
 
-const input = (over: Partial<PoolInput> = {}): PoolInput => ({ namespace: 'default', model: 'm', minInstances: 0, maxInstances: 4, leasesPerInstance: 2, idleTimeoutMs: 60_000, drainGraceMs: 5000, ...over });
-const report = (r: Record<string, [number, number?, number?]>): LoadReport => ({ instances: Object.fromEntries(Object.entries(r).map(([id, [leases, pending = 0, ackPending = 0]]) => [id, { leases, pending, ackPending }])) });
+const input = (over: Partial<PoolInput> = {}): PoolInput => ({
+  namespace: 'default',
+  model: 'm',
+  minInstances: 0,
+  maxInstances: 4,
+  leasesPerInstance: 2,
+  idleTimeoutMs: 60_000,
+  drainGraceMs: 5000,
+  ...over,
+});
+const report = (r: Record<string, [number, number?, number?]>): LoadReport => ({
+  instances: Object.fromEntries(Object.entries(r).map(([id, [leases, pending = 0, ackPending = 0]]) => [id, { leases, pending, ackPending }])),
+});
 
 /** A view listing these instances (of a pool of two leases per instance, able to grow). */
-const viewOf = (...ids: string[]): PoolView => ({ instances: ids.map((id) => ({ instance: id, subject: `magus.req.m.${id}`, leases: 0 })), leasesPerInstance: 2, growable: true });
+const viewOf = (...ids: string[]): PoolView => ({
+  instances: ids.map((id) => ({ instance: id, subject: `magus.req.m.${id}`, leases: 0 })),
+  leasesPerInstance: 2,
+  growable: true,
+});
 
 /** A pool with `n` ready instances m-1..m-n at time 0. */
 function ready(n: number, over: Partial<PoolInput> = {}): PoolState {
@@ -160,7 +175,7 @@ describe('PoolState', () => {
     expect(empty.nextDeadline(0)).toBeUndefined();
   });
 
-  it('keeps the reconciler\'s last report, starting from the counts a run carried over', () => {
+  it("keeps the reconciler's last report, starting from the counts a run carried over", () => {
     expect(new PoolState(input()).lastLoad).toBeNull();
     const s = ready(2);
     s.loaded(report({ 'm-1': [3, 1, 2], 'm-2': [0] }), 1);

@@ -110,9 +110,22 @@ export class PoolState {
     this.lastError = carry?.lastError ?? null;
     this.failedAt = carry?.failedAt ?? 0;
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
-    this.lastLoad = carry ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) } : null;
+    this.lastLoad = carry
+      ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) }
+      : null;
     for (const c of carry?.instances ?? []) {
-      this.instances.set(c.id, { id: c.id, phase: 'ready', subject: c.subject, runtimeQueue: c.runtimeQueue, leases: c.leases, pending: c.pending, ackPending: c.ackPending, idleSince: c.idleSince, drainSince: 0, reported: true });
+      this.instances.set(c.id, {
+        id: c.id,
+        phase: 'ready',
+        subject: c.subject,
+        runtimeQueue: c.runtimeQueue,
+        leases: c.leases,
+        pending: c.pending,
+        ackPending: c.ackPending,
+        idleSince: c.idleSince,
+        drainSince: 0,
+        reported: true,
+      });
     }
   }
 
@@ -228,7 +241,12 @@ export class PoolState {
     }
     if (!(r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0)) return false;
     this.input.resource = r;
-    Object.assign(this.input, { minInstances: r.minInstances, maxInstances: r.maxInstances, leasesPerInstance: r.leasesPerInstance, idleTimeoutMs: r.idleTimeoutMs });
+    Object.assign(this.input, {
+      minInstances: r.minInstances,
+      maxInstances: r.maxInstances,
+      leasesPerInstance: r.leasesPerInstance,
+      idleTimeoutMs: r.idleTimeoutMs,
+    });
     this.clearBackoff();
     return true;
   }
@@ -241,7 +259,8 @@ export class PoolState {
     let wanted = Math.ceil((leases + this.waiting(now)) / leasesPerInstance);
     // Backlog pressure: every serving instance has requests queued and none is on its way.
     const ready = live.filter((i) => i.phase === 'ready');
-    if (ready.length > 0 && !live.some((i) => i.phase === 'starting') && ready.every((i) => i.pending >= PRESSURE_PENDING)) wanted = Math.max(wanted, live.length + 1);
+    if (ready.length > 0 && !live.some((i) => i.phase === 'starting') && ready.every((i) => i.pending >= PRESSURE_PENDING))
+      wanted = Math.max(wanted, live.length + 1);
     return Math.min(maxInstances, Math.max(minInstances, wanted));
   }
 
@@ -298,7 +317,9 @@ export class PoolState {
   view(): PoolView {
     const failing = this.failing();
     return {
-      instances: [...this.instances.values()].filter((i) => i.phase === 'ready' && i.subject).map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases })),
+      instances: [...this.instances.values()]
+        .filter((i) => i.phase === 'ready' && i.subject)
+        .map((i) => ({ instance: i.id, subject: i.subject!, leases: i.leases })),
       leasesPerInstance: this.input.leasesPerInstance,
       growable: this.live().length < this.input.maxInstances,
       ...(failing ? { failing, nextStartAt: this.nextStartAt, failedAt: this.failedAt } : {}),
@@ -342,7 +363,13 @@ export class PoolState {
   /** The status query's answer. */
   status(now: number): PoolStatus {
     return {
-      instances: [...this.instances.values()].map((i) => ({ id: i.id, phase: i.phase, subject: i.subject, leases: i.leases, ...(i.reported === false ? { reported: false } : {}) })),
+      instances: [...this.instances.values()].map((i) => ({
+        id: i.id,
+        phase: i.phase,
+        subject: i.subject,
+        leases: i.leases,
+        ...(i.reported === false ? { reported: false } : {}),
+      })),
       waiting: this.waiting(now),
       lastError: this.lastError,
       startFailures: this.startFailures,
@@ -359,7 +386,15 @@ export class PoolState {
 
   carry(now: number): PoolCarry {
     return {
-      instances: this.serving().map((i) => ({ id: i.id, subject: i.subject!, ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}), leases: i.leases, pending: i.pending, ackPending: i.ackPending, idleSince: i.idleSince })),
+      instances: this.serving().map((i) => ({
+        id: i.id,
+        subject: i.subject!,
+        ...(i.runtimeQueue ? { runtimeQueue: i.runtimeQueue } : {}),
+        leases: i.leases,
+        pending: i.pending,
+        ackPending: i.ackPending,
+        idleSince: i.idleSince,
+      })),
       nextId: this.nextId,
       startFailures: this.startFailures,
       nextStartAt: this.nextStartAt,
@@ -371,4 +406,5 @@ export class PoolState {
 }
 
 /** No conversation on it and nothing queued or in flight. */
-export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending' | 'reported'>): boolean => i.reported !== false && i.leases === 0 && i.pending === 0 && i.ackPending === 0;
+export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending' | 'reported'>): boolean =>
+  i.reported !== false && i.leases === 0 && i.pending === 0 && i.ackPending === 0;

@@ -22,7 +22,10 @@ const { expireSession } = proxyLocalActivities<ServingActivities>({ startToClose
 export async function session(input: SessionInput): Promise<void> {
   const model = `${input.namespace}/${input.model}`;
   let expiresAt = input.entry.expiresAt;
-  const show = (what: SessionPhase) => setCurrentDetails(`**${what}** · a conversation on model \`${model}\`  \n${what === 'ended' ? '' : `looks at its lease at ${at(expiresAt)} (TTL ${Math.round(input.ttlMs / 1000)} s after the last renewal)`}`);
+  const show = (what: SessionPhase) =>
+    setCurrentDetails(
+      `**${what}** · a conversation on model \`${model}\`  \n${what === 'ended' ? '' : `looks at its lease at ${at(expiresAt)} (TTL ${Math.round(input.ttlMs / 1000)} s after the last renewal)`}`,
+    );
   show('serving');
   for (;;) {
     const wait = expiresAt - Date.now();

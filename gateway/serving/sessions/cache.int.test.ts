@@ -57,7 +57,17 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
   await kv.delete('k-existing');
   await until('the delete mirrored', () => cache!.cache.get('k-existing') === undefined, 10_000);
   await expect(cache.acquire(req('k-existing'))).rejects.toThrow('no cold starts here');
-  expect(cache.stats()).toEqual({ warmHits: 1, coldStarts: 1, firstTurns: 0, moves: 0, renewals: 0, givenBack: 0, staleViewPicks: 0, pendingSessionStarts: 0, refusedForPendingStarts: 0 });
+  expect(cache.stats()).toEqual({
+    warmHits: 1,
+    coldStarts: 1,
+    firstTurns: 0,
+    moves: 0,
+    renewals: 0,
+    givenBack: 0,
+    staleViewPicks: 0,
+    pendingSessionStarts: 0,
+    refusedForPendingStarts: 0,
+  });
 });
 
 it('does not use a lease that ends within the freshness margin', async () => {
@@ -114,9 +124,25 @@ it('aborts a shared cold start only when every waiter has gone', async () => {
 describe('the entry-lease protocol: first turns, renewals and moves', () => {
   const poolKey = `${model.namespace}.${model.name}`;
   const publishPool = (instances: string[], leasesPerInstance: number, extra: Partial<PoolEntry> = {}) =>
-    pools.put(poolKey, enc({ instances: instances.map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })), leasesPerInstance, updatedAt: Date.now(), ...extra } satisfies PoolEntry));
+    pools.put(
+      poolKey,
+      enc({
+        instances: instances.map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })),
+        leasesPerInstance,
+        updatedAt: Date.now(),
+        ...extra,
+      } satisfies PoolEntry),
+    );
   /** A conversation some gateway placed on `instance`. */
-  const placed = (instance: string, over: Partial<SessionEntry> = {}): SessionEntry => ({ subject: `magus.req.tiny.${instance}`, pool: 'tiny', namespace: 'default', instance, expiresAt: Date.now() + 600_000, placedAt: Date.now(), ...over });
+  const placed = (instance: string, over: Partial<SessionEntry> = {}): SessionEntry => ({
+    subject: `magus.req.tiny.${instance}`,
+    pool: 'tiny',
+    namespace: 'default',
+    instance,
+    expiresAt: Date.now() + 600_000,
+    placedAt: Date.now(),
+    ...over,
+  });
   const adopted: { key: string; entry: SessionEntry }[] = [];
   const demands: number[] = [];
   const firstTurns = (over: Partial<FirstTurns> = {}): FirstTurns => ({
@@ -156,7 +182,12 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
 
   it('picks the instance with the fewest live entries (every replica’s), creates the entry and starts its session; the next turn is warm', async () => {
     await publishPool(['i1', 'i2', 'i3'], 4);
-    for (const [k, i] of [['a', 'i1'], ['b', 'i1'], ['c', 'i3']] as const) await kv.put(`other-${k}`, enc(placed(i)));
+    for (const [k, i] of [
+      ['a', 'i1'],
+      ['b', 'i1'],
+      ['c', 'i3'],
+    ] as const)
+      await kv.put(`other-${k}`, enc(placed(i)));
     cache = await start();
     expect(cache.leasesOn('default', 'tiny', 'i1')).toBe(2);
     const k = key('first');
@@ -307,7 +338,11 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     other = await start();
     await publishPool(['i2', 'i3'], 10); // i1 lost
-    await until('both replicas seeing the moved instance', () => cache!.pools!.get(poolKey)?.instances[0]?.instance === 'i2' && other!.pools!.get(poolKey)?.instances[0]?.instance === 'i2', 10_000);
+    await until(
+      'both replicas seeing the moved instance',
+      () => cache!.pools!.get(poolKey)?.instances[0]?.instance === 'i2' && other!.pools!.get(poolKey)?.instances[0]?.instance === 'i2',
+      10_000,
+    );
     const [a, b] = await Promise.all([cache.acquire(req(k)), other.acquire(req(k))]);
     expect(a.instance).not.toBe('i1');
     expect(b.instance).toBe(a.instance);
@@ -322,9 +357,17 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await Promise.all(keys.map((k) => kv.put(k, enc(placed('i1', { placedAt: Date.now() - 1000 })))));
     cache = await start();
     other = await start();
-    await until('both replicas counting 100 leases', () => cache!.leasesOn('default', 'tiny', 'i1') === 100 && other!.leasesOn('default', 'tiny', 'i1') === 100, 10_000);
+    await until(
+      'both replicas counting 100 leases',
+      () => cache!.leasesOn('default', 'tiny', 'i1') === 100 && other!.leasesOn('default', 'tiny', 'i1') === 100,
+      10_000,
+    );
     await publishPool(['i2', 'i3'], 1000); // i1 lost
-    await until('both replicas seeing two instances', () => cache!.pools!.get(poolKey)?.instances.length === 2 && other!.pools!.get(poolKey)?.instances.length === 2, 10_000);
+    await until(
+      'both replicas seeing two instances',
+      () => cache!.pools!.get(poolKey)?.instances.length === 2 && other!.pools!.get(poolKey)?.instances.length === 2,
+      10_000,
+    );
     // Every conversation's next turn, on both replicas at once (the same turn retried elsewhere, or two clients).
     const [a, b] = await Promise.all([Promise.all(keys.map((k) => cache!.acquire(req(k)))), Promise.all(keys.map((k) => other!.acquire(req(k))))]);
     for (let k = 0; k < keys.length; k++) {
@@ -434,7 +477,14 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(refused?.type).toBe('NoCapacity');
     expect(refused?.message).toMatch(/no node fits 3 GiB/);
     await cache.close();
-    await pools.put(poolKey, enc({ instances: [{ instance: 'i1', subject: 'magus.req.tiny.i1', leases: 0 }], leasesPerInstance: 5, updatedAt: Date.now() - 4 * 60_000 } satisfies PoolEntry));
+    await pools.put(
+      poolKey,
+      enc({
+        instances: [{ instance: 'i1', subject: 'magus.req.tiny.i1', leases: 0 }],
+        leasesPerInstance: 5,
+        updatedAt: Date.now() - 4 * 60_000,
+      } satisfies PoolEntry),
+    );
     cache = await start();
     const left = new AbortController();
     const stale = cache.acquire(req(key('stale'), left.signal));

@@ -74,7 +74,13 @@ export class SessionCache implements SessionBroker {
           demand: new Demand(first, this.now, opts.onError),
           counters: this.counters,
         },
-        { marginMs: this.marginMs, renewWithinMs: opts.renewWithinMs ?? Infinity, renewIntervalMs: opts.renewIntervalMs ?? 30_000, now: this.now, onError: opts.onError },
+        {
+          marginMs: this.marginMs,
+          renewWithinMs: opts.renewWithinMs ?? Infinity,
+          renewIntervalMs: opts.renewIntervalMs ?? 30_000,
+          now: this.now,
+          onError: opts.onError,
+        },
       );
     }
     this.cache = this.mirror.cache;
@@ -112,7 +118,11 @@ export class SessionCache implements SessionBroker {
   async route({ model, signal }: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry> {
     let target = this.picker.pick(model, { anyLoad: true });
     if (!target) {
-      if (!this.placement) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${model.namespace}/${model.name} serves, and this gateway cannot ask its pool for one`);
+      if (!this.placement)
+        throw new SessionError(
+          SessionErrorType.NoCapacity,
+          `no instance of ${model.namespace}/${model.name} serves, and this gateway cannot ask its pool for one`,
+        );
       target = await this.placement.room(model, signal);
       this.picker.release(model, target.instance);
     }
@@ -129,7 +139,11 @@ export class SessionCache implements SessionBroker {
   /** Without first turns: the injected {@link ColdStart} places the conversation. */
   private async fromColdStart(req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> {
     this.counters.coldStarts++;
-    if (!this.coldStart) throw new SessionError(SessionErrorType.NoCapacity, `no instance of ${req.model.namespace}/${req.model.name} is placed for this conversation, and this gateway cannot place one`);
+    if (!this.coldStart)
+      throw new SessionError(
+        SessionErrorType.NoCapacity,
+        `no instance of ${req.model.namespace}/${req.model.name} is placed for this conversation, and this gateway cannot place one`,
+      );
     const entry = await this.coldStart({ ...req, signal });
     this.mirror.set(req.conversationKey, { ...entry, revision: 0 });
     return entry;

@@ -58,10 +58,13 @@ export class Demand {
       return;
     }
     if (t - w.at < DEMAND_MIN_MS) {
-      w.timer ??= setTimeout(() => {
-        w.timer = undefined;
-        this.tell(k);
-      }, w.at + DEMAND_MIN_MS - t);
+      w.timer ??= setTimeout(
+        () => {
+          w.timer = undefined;
+          this.tell(k);
+        },
+        w.at + DEMAND_MIN_MS - t,
+      );
       w.timer.unref();
       return;
     }

@@ -86,12 +86,22 @@ export class Placement {
       const picked = !(entry && !views.gone(entry));
       if (!entry && starts.full) {
         counters.refusedForPendingStarts++;
-        throw new SessionError(SessionErrorType.Unavailable, `${starts.pending} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`);
+        throw new SessionError(
+          SessionErrorType.Unavailable,
+          `${starts.pending} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`,
+        );
       }
       const target = picked ? await this.room(req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
       try {
         const placedAt = entry && entry.instance === target.instance ? (entry.placedAt ?? now()) : now();
-        const next: SessionEntry = { subject: target.subject, pool: req.model.name, namespace: req.model.namespace, instance: target.instance, expiresAt: now() + this.first.ttlMs, placedAt };
+        const next: SessionEntry = {
+          subject: target.subject,
+          pool: req.model.name,
+          namespace: req.model.namespace,
+          instance: target.instance,
+          expiresAt: now() + this.first.ttlMs,
+          placedAt,
+        };
         if (!entry) {
           const created = await entries.create(key, next);
           if (!created.won) {
@@ -117,7 +127,10 @@ export class Placement {
         if (picked) picker.release(req.model, target.instance);
       }
     }
-    throw new SessionError(SessionErrorType.Unavailable, `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`);
+    throw new SessionError(
+      SessionErrorType.Unavailable,
+      `the entry of a conversation on ${req.model.namespace}/${req.model.name} kept changing under this gateway`,
+    );
   }
 
   /**
@@ -139,7 +152,11 @@ export class Placement {
     const since = now();
     try {
       for (;;) {
-        if (this.first.reachable && !this.first.reachable()) throw new SessionError(SessionErrorType.Unavailable, `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`);
+        if (this.first.reachable && !this.first.reachable())
+          throw new SessionError(
+            SessionErrorType.Unavailable,
+            `Temporal is unreachable: no instance of ${model.namespace}/${model.name} has room, and its pool cannot be told`,
+          );
         demand.tell(k);
         await sleepFor(ROOM_POLL_MS, signal);
         const i = picker.pick(model);

@@ -86,7 +86,9 @@ export class PoolViews {
     if (known?.looking) return known.looking;
     if (known && known.updatedAt === entry.updatedAt && this.now() - known.at < PROBE_INTERVAL_MS) return undefined;
     const record = known ?? { at: 0, updatedAt: entry.updatedAt, alive: new Set<string>() };
-    record.looking = Promise.all(entry.instances.map(async (i) => ((await f.alive!(namespace, model, i.instance).catch(() => false)) ? i.instance : undefined))).then((ids) => {
+    record.looking = Promise.all(
+      entry.instances.map(async (i) => ((await f.alive!(namespace, model, i.instance).catch(() => false)) ? i.instance : undefined)),
+    ).then((ids) => {
       this.probes.set(key, { at: this.now(), updatedAt: entry.updatedAt, alive: new Set(ids.filter((id): id is string => id !== undefined)) });
     });
     this.probes.set(key, record);
