@@ -35,17 +35,28 @@ export interface LocalServing {
   stop(): Promise<void>;
 }
 
-/** The local runtime's settings a launcher may read (local.ts `LocalRuntimeOptions`). */
+/** The local runtime's settings a launcher may read (local.ts `LocalRuntimeOptions` extends them). */
 export interface LocalEngineSettings {
-  /** Slots per instance, fixed; unset: the pool's leases, else sized from the memory plan. */
+  /**
+   * llama.cpp engine slots per instance, fixed; unset: the leases the instance's pool gives it
+   * (`InstanceRequest.leases`), else sized from the model's memory plan within `instanceMemory`
+   * (shared/engine-slots.ts), as the pools' default leases per instance are.
+   */
   slots?: number;
+  /** Memory budget of one instance in bytes (default shared/engine-slots.ts `DEFAULT_INSTANCE_MEMORY_BYTES`). */
   instanceMemory?: number;
+  /** llama.cpp engine threads (default 1: on small machines llama.cpp's spinning threads cost more than they give). */
   threads?: number;
+  /** Seconds an engine may take to load its model. */
   startTimeoutSec?: number;
+  /** When an engine or topology dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
   restart?: Partial<RestartPolicy>;
   /** distributed-llama binaries and topology size; unset: distributed-llama cannot run here. */
   dllama?: DllamaOptions;
-  /** The engines' own output lines. */
+  /**
+   * The engines' own output lines (default: dropped; a failed start still quotes its last lines).
+   * distributed-llama's `dllama-api` prints prompts and answers: route them only where that is allowed.
+   */
   output?: (line: string) => void;
 }
 

@@ -31,15 +31,14 @@ import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import type { InstanceInfo, InstanceRequest, WorkerRuntime } from './runtime';
-import type { DllamaOptions } from './dllama';
+import type { LocalEngineSettings } from './launcher';
 import { InstanceTable, instanceKey, type LocalInstance, type LocalProcessInfo, type Serving } from './local-instances';
 import { ServingStarter } from './local-serving';
 import { StartRegistry, unlessAborted } from './local-starts';
-import type { RestartPolicy } from './llama-cpp';
 
 export type { LocalProcessInfo } from './local-instances';
 
-export interface LocalRuntimeOptions {
+export interface LocalRuntimeOptions extends LocalEngineSettings {
   nc: NatsConnection;
   names: DataPlaneNames;
   registry: ModelRegistry;
@@ -47,31 +46,10 @@ export interface LocalRuntimeOptions {
   bucket: string;
   /** Where model files are cached, by sha256. */
   cacheDir: string;
-  /**
-   * llama.cpp engine slots per instance, fixed; unset: the leases the instance's pool gives it
-   * (`InstanceRequest.leases`), else sized from the model's memory plan within `instanceMemory`
-   * (shared/engine-slots.ts), as the pools' default leases per instance are.
-   */
-  slots?: number;
-  /** Memory budget of one instance in bytes (default {@link DEFAULT_INSTANCE_MEMORY_BYTES}). */
-  instanceMemory?: number;
-  /** llama.cpp engine threads (default 1: on small machines llama.cpp's spinning threads cost more than they give). */
-  threads?: number;
-  /** Seconds an engine may take to load its model. */
-  startTimeoutSec?: number;
-  /** When an engine or topology dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
-  restart?: Partial<RestartPolicy>;
-  /** distributed-llama binaries and topology size; unset: llama.cpp only. */
-  dllama?: DllamaOptions;
   /** The engines it runs, in the order it tries them (local-entry.ts `localEngines`); default: every engine it can run, distributed ones first. */
   engines?: readonly EngineKind[];
   /** What the runtime does: instances started and stopped, engines restarted or given up. */
   log?: (line: string) => void;
-  /**
-   * The engines' own output lines (default: dropped; a failed start still quotes its last lines).
-   * distributed-llama's `dllama-api` prints prompts and answers: route them only where that is allowed.
-   */
-  output?: (line: string) => void;
 }
 
 const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
