@@ -242,6 +242,12 @@ test('an instance that stops serving for good is replaced, and its conversation 
   expect(mine).toHaveLength(1);
   const doomed = (await entryOf(mine[0]!))!.instance;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
+  // The premise: the conversation is live when its instance is lost — its entry renewed, as a
+  // turn renews it (compare-and-swap, a later expiry) — so its next turn must move it, not find
+  // it expired (the stack's TTL, 15 s, is about as long as the pool may take to notice the loss).
+  const placed = (await kv.get(mine[0]!))!;
+  const renewed = { ...(JSON.parse(new TextDecoder().decode(placed.value)) as SessionEntry), expiresAt: Date.now() + 120_000 };
+  await kv.update(mine[0]!, JSON.stringify(renewed), placed.revision);
 
   // Broken for good: its model file is gone from the cache and its engine dies, so every
   // restart fails and the runtime gives the instance up.
@@ -256,14 +262,14 @@ test('an instance that stops serving for good is replaced, and its conversation 
     10_000,
   );
   // The conversation's next turn moves it (compare-and-swap) and is answered by the new instance.
-  const stillThere = (await entryOf(mine[0]!)) !== undefined;
+  expect((await entryOf(mine[0]!))?.instance).toBe(doomed);
   const m0 = gateway.sessionCache!.stats().moves ?? 0;
   const r = await turn('after');
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
   const moved = (await entryOf(mine[0]!))!.instance;
   expect(moved).not.toBe(doomed);
   expect((await pool.query(poolStatusQuery)).instances.find((i) => i.id === moved)?.phase).toBe('ready');
-  if (stillThere) expect((gateway.sessionCache!.stats().moves ?? 0) - m0).toBe(1);
+  expect((gateway.sessionCache!.stats().moves ?? 0) - m0).toBe(1);
 }, 120_000);
 
 test('an idle pool goes to zero instances and comes back on the next request', async () => {
