@@ -10,7 +10,7 @@
  *   too; a gateway *started* during the outage starts and serves warm turns;
  * - once Temporal is back: readyz ok, a new conversation is served, the first turn served during
  *   the outage gets its session workflow, and the pool runs no duplicate instance.
- * The figures (longest warm-turn pause, turns answered, time to a 503) are printed for the README.
+ * The figures (longest warm-turn pause, turns answered, time to a 503) are printed for bench/README.md.
  * And a pipeline through two outages, one in the middle of a multipart transfer and one during
  * the conversion: it finishes with sources and artifacts byte-identical to a faultless run's.
  */
@@ -39,7 +39,7 @@ import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation, workerConfig } from './harness';
 import { gatewayStack, natsStack, s3Stack, tempDir, TestStack, workersStack } from './harness/stack';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
-import { sleep, until } from './harness/wait';
+import { processesUsing, sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -330,28 +330,33 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry, name: COLD, seed: 52 });
   const pool = client.workflow.getHandle(poolWorkflowId('default', COLD));
   const conversation = `cold-${iso.id}`;
+  let answer: Answer;
+  let afterKillMs: number;
   // The first turn: no pool yet, so it tells the pool of the demand (signal-with-start) and waits for room while the pool starts an instance.
+  const models = join(dir, 'models'); // the worker's model cache: every engine's command line names its model there
+  const enginesBefore = new Set(processesUsing(models));
   const first = chat(gateway.url, conversation, 'a first turn on a cold model', COLD);
-  let starting = false;
-  await until(
-    'the pool starting an instance',
-    async () => {
-      const status = await pool.query(poolStatusQuery).catch(() => undefined);
-      starting = status?.instances.some((i) => i.phase === 'starting') ?? false;
-      return starting || status?.instances.some((i) => i.phase === 'ready') === true;
-    },
-    60_000,
-  );
-  await services.killTemporal();
-  const killedAt = Date.now();
-  const answer = await first;
-  const afterKillMs = Date.now() - killedAt;
-  // Killed mid-start, the caller cannot be told the instance: 503 unavailable, at once. (Had the
-  // start won the race, the turn was served; the test says which below.)
-  if (answer.status !== 200) {
-    expect([answer.status, answer.body.error?.code, Number(answer.retryAfter) >= 1]).toEqual([503, 'unavailable', true]);
-    expect(afterKillMs).toBeLessThan(15_000); // once a probe notices (≤ ~7 s), not the client's ~20 s of retries
+  // Its engine held (SIGSTOP) before it can report ready: the start cannot win the race with the
+  // kill, so the turn is refused, always.
+  let held: number | undefined;
+  await until('the cold pool’s engine process', () => (held = processesUsing(models).find((pid) => !enginesBefore.has(pid))) !== undefined, 60_000);
+  process.kill(held!, 'SIGSTOP');
+  try {
+    await until(
+      'the pool starting an instance',
+      async () => (await pool.query(poolStatusQuery).catch(() => undefined))?.instances.some((i) => i.phase === 'starting') === true,
+      60_000,
+    );
+    await services.killTemporal();
+    const killedAt = Date.now();
+    answer = await first;
+    afterKillMs = Date.now() - killedAt;
+  } finally {
+    process.kill(held!, 'SIGCONT');
   }
+  // Killed mid-start, the caller cannot be told the instance: 503 unavailable, at once.
+  expect([answer.status, answer.body.error?.code, Number(answer.retryAfter) >= 1]).toEqual([503, 'unavailable', true]);
+  expect(afterKillMs).toBeLessThan(15_000); // once a probe notices (≤ ~7 s), not the client's ~20 s of retries
   await sleep(8_000);
   await services.restartTemporal();
 
@@ -378,6 +383,6 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   expect(ids.length).toBeLessThanOrEqual(POOL.maxInstances);
   expect(running.sort()).toEqual([...ids].sort());
   process.stderr.write(
-    `temporal outage during a scale-up: the pool was ${starting ? 'starting its instance' : 'already ready'} at the kill; the first turn got ${answer.status} ${afterKillMs} ms after the kill (${answer.ms.toFixed(0)} ms in all); served after ${retries} tries; instances ${ids.join(', ')}\n`,
+    `temporal outage during a scale-up: the pool starting its instance (its engine held) at the kill; the first turn got ${answer.status} ${afterKillMs} ms after the kill (${answer.ms.toFixed(0)} ms in all); served after ${retries} tries; instances ${ids.join(', ')}\n`,
   );
 }, 300_000);
