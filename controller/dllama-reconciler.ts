@@ -13,7 +13,7 @@ import type { CoreV1Api } from '@kubernetes/client-node';
 import { recordEvent } from '../kube/events';
 import type { WatchEventType } from '../kube/watch';
 import { WorkflowSummary } from '../shared/constants';
-import { engineOf } from '../shared/engines';
+import { isDistributed } from '../shared/engines';
 import { Kind, parseDuration, Plural, type DllamaResource } from '../shared/kube';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../workflows/pool/definitions';
 import { Finalizers } from './finalizers';
@@ -30,7 +30,7 @@ export function poolResourceOf(d: DllamaResource): PoolResource {
     maxInstances: d.spec.maxReplicas,
     leasesPerInstance: d.spec.leasesPerInstance,
     idleTimeoutMs: parseDuration(d.spec.idleTimeout) ?? 600_000,
-    nodesPerInstance: engineOf(d.spec.engine).topology === 'single' ? 1 : 2 ** d.spec.nodesPower,
+    nodesPerInstance: isDistributed(d.spec.engine) ? 2 ** d.spec.nodesPower : 1,
   };
 }
 

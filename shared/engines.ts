@@ -67,6 +67,21 @@ export function concurrentRequests(kind: EngineKind, slots: number): number {
   return engineOf(kind).concurrency === 'one' ? 1 : slots;
 }
 
+/** Whether `kind` runs as a root and 2^n − 1 workers. */
+export function isDistributed(kind: EngineKind): boolean {
+  return engineOf(kind).topology === 'distributed';
+}
+
+/** `kinds` in the order a runtime that may run any of them tries them: distributed ones first (a worker configured for them wants them used). */
+export function distributedFirst(kinds: readonly EngineKind[] = ENGINE_KINDS): EngineKind[] {
+  return [...kinds].sort((a, b) => Number(isDistributed(b)) - Number(isDistributed(a)));
+}
+
+/** The artifact formats `kinds` load, once each (a runtime advert's `formats`). */
+export function formatsLoadedBy(kinds: readonly EngineKind[]): ArtifactFormat[] {
+  return [...new Set(kinds.map((k) => engineOf(k).format))];
+}
+
 /** The engines that load artifacts of `format`. */
 export function enginesLoading(format: ArtifactFormat): EngineKind[] {
   return ENGINE_KINDS.filter((k) => ENGINES[k].format === format);

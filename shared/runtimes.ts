@@ -5,7 +5,7 @@
  * once, with the reason, instead of after a cold start that can only fail (`NoArtifact`).
  * Workflow-safe: no I/O.
  */
-import { engineOf, enginesLoading, type Capability, type EngineKind } from './engines';
+import { engineOf, enginesLoading, isDistributed, type Capability, type EngineKind } from './engines';
 import type { ArtifactFormat, ReadyModel } from './model';
 
 /** One worker's runtime, refreshed every {@link RUNTIME_ADVERT_INTERVAL_MS}. */
@@ -38,7 +38,7 @@ function whyNot(model: ReadyModel, runtime: RuntimeAdvert): string | null {
   const refused: string[] = [];
   for (const a of model.artifacts) {
     if (!runtime.formats.includes(a.format)) continue;
-    if (!enginesLoading(a.format).some((e) => engineOf(e).topology === 'distributed')) return null;
+    if (!enginesLoading(a.format).some(isDistributed)) return null;
     // The local runtime runs a distributed artifact only on its configured node count (dllama.ts, chooseDllamaArtifact).
     const plan = model.memory.find((m) => m.format === a.format && m.weights === a.weights);
     if (runtime.dllamaNodes === undefined || !plan || plan.topologies.some((t) => t.nodes === runtime.dllamaNodes)) return null;
@@ -74,7 +74,7 @@ export function unservableReason(model: ReadyModel, adverts: readonly RuntimeAdv
 /** The engines that run `format`, as a sentence's parenthesis (`llama.cpp`, `distributed-llama on 2 nodes`). */
 function runsOn(format: ArtifactFormat, nodes: number | undefined): string {
   return enginesLoading(format)
-    .map((e) => `${engineOf(e).short}${engineOf(e).topology === 'distributed' && nodes ? ` on ${nodes} nodes` : ''}`)
+    .map((e) => `${engineOf(e).short}${isDistributed(e) && nodes ? ` on ${nodes} nodes` : ''}`)
     .join(', ');
 }
 
@@ -96,8 +96,8 @@ function enginesOf(model: ReadyModel, runtime: RuntimeAdvert): EngineKind[] {
         a.format === engineOf(e).format &&
         model.memory.some((m) => m.format === a.format && m.weights === a.weights && m.topologies.some((t) => t.nodes === runtime.dllamaNodes)),
     );
-  const distributed = engines.filter((e) => engineOf(e).topology === 'distributed' && fits(e));
-  return distributed.length > 0 ? distributed : engines.filter((e) => engineOf(e).topology === 'single');
+  const distributed = engines.filter((e) => isDistributed(e) && fits(e));
+  return distributed.length > 0 ? distributed : engines.filter((e) => !isDistributed(e));
 }
 
 /**

@@ -4,7 +4,7 @@
  * the `MAGUS_K8S_*` variables. The runtime itself, and with it the Kubernetes client, is loaded
  * only when a worker builds it: every `magus` command reads its configuration through here.
  */
-import { engineOf } from '../../shared/engines';
+import { formatsLoadedBy } from '../../shared/engines';
 import type * as EnginesModule from './engines';
 import { checkNatsServerList } from '../../platform/config';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
@@ -84,6 +84,6 @@ export const kubernetes: RuntimeEntry<KubernetesRuntimeConfig> = {
   advert: () => {
     // eslint-disable-next-line @typescript-eslint/no-require-imports -- the launchers load the S3 client: a worker's, not every command's
     const engines = (require('./engines') as typeof EnginesModule).kubernetesEngines();
-    return { formats: [...new Set(engines.map((k) => engineOf(k).format))], engines };
+    return { formats: formatsLoadedBy(engines), engines };
   },
 };

@@ -24,7 +24,7 @@ import { createHash } from 'node:crypto';
 import type { DllamaResourceSpec } from '../../shared/kube';
 import { POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
-import { concurrentRequests, engineOf, type EngineKind } from '../../shared/engines';
+import { concurrentRequests, isDistributed, type EngineKind } from '../../shared/engines';
 
 export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
 export const INSTANCE_LABEL = 'magus.dev/instance';
@@ -195,7 +195,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.
   const ownedBy = (uid: string): OwnerReference[] => [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid, controller: true, blockOwnerDeletion: true }];
   const objects: KubeObject[] = [configMap];
-  const workers = engineOf(plan.engine).topology === 'distributed' ? plan.nodes - 1 : 0;
+  const workers = isDistributed(plan.engine) ? plan.nodes - 1 : 0;
   const { containers } = plan;
   if (workers > 0 && containers.worker) {
     const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };

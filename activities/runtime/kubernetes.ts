@@ -31,7 +31,7 @@ import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
-import { engineOf, type EngineKind } from '../../shared/engines';
+import { engineOf, isDistributed, type EngineKind } from '../../shared/engines';
 import type { ReadyModel } from '../../shared/model';
 import { WEIGHTS_PREFERENCE } from '../../shared/weights';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
@@ -251,7 +251,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
     }
     const engine = d ? d.spec.engine : defaultEngine(ready);
-    const distributed = engineOf(engine).topology === 'distributed';
+    const distributed = isDistributed(engine);
     let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
     if (distributed && d?.spec.autoNodes) {
       count('list');
@@ -301,8 +301,8 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   function defaultEngine(ready: ReadyModel): EngineKind {
     const has = (e: EngineKind) => ready.artifacts.some((a) => a.format === engineOf(e).format);
     const engines = kubernetesEngines();
-    const wanted = (opts.defaultNodes ?? 1) > 1 ? engines.find((e) => engineOf(e).topology === 'distributed' && has(e)) : undefined;
-    return wanted ?? engines.find((e) => engineOf(e).topology === 'single' && has(e)) ?? engines.find(has) ?? 'llamacpp';
+    const wanted = (opts.defaultNodes ?? 1) > 1 ? engines.find((e) => isDistributed(e) && has(e)) : undefined;
+    return wanted ?? engines.find((e) => !isDistributed(e) && has(e)) ?? engines.find(has) ?? 'llamacpp';
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */

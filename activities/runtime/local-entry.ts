@@ -7,7 +7,7 @@
  */
 import { accessSync, constants, statSync } from 'node:fs';
 import { delimiter, isAbsolute, join, resolve } from 'node:path';
-import { ENGINE_KINDS, engineOf, isEngineKind, type EngineKind } from '../../shared/engines';
+import { distributedFirst, ENGINE_KINDS, formatsLoadedBy, isDistributed, isEngineKind, type EngineKind } from '../../shared/engines';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
 import type { RuntimeEntry } from './entry';
 import type * as LocalModule from './local';
@@ -52,7 +52,7 @@ function enginesConfig(env: NodeJS.ProcessEnv, dllama: DllamaConfig | undefined,
     return undefined;
   }
   const engines = [...new Set(kinds as EngineKind[])];
-  const needsDllama = engines.filter((k) => engineOf(k).topology === 'distributed');
+  const needsDllama = engines.filter(isDistributed);
   if (needsDllama.length > 0 && !dllama)
     problems.push(`MAGUS_ENGINES lists ${needsDllama.join(', ')}, which needs distributed-llama's binaries: set MAGUS_DLLAMA_API_BIN and MAGUS_DLLAMA_BIN`);
   return engines;
@@ -60,10 +60,8 @@ function enginesConfig(env: NodeJS.ProcessEnv, dllama: DllamaConfig | undefined,
 
 /** The engines a local runtime with `config` runs (its advert's), in the order it tries them. */
 export function localEngines(config: LocalRuntimeConfig): EngineKind[] {
-  const runnable = (k: EngineKind) => engineOf(k).topology !== 'distributed' || config.dllama !== undefined;
-  if (config.engines) return config.engines.filter(runnable);
-  const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
-  return ENGINE_KINDS.filter(runnable).sort((a, b) => distributedFirst(a) - distributedFirst(b));
+  const runnable = (k: EngineKind) => !isDistributed(k) || config.dllama !== undefined;
+  return (config.engines ?? distributedFirst()).filter(runnable);
 }
 
 /** An executable file: a path (relative to the working directory) or a bare name looked up in PATH. */
@@ -155,9 +153,9 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
   },
   advert: (config) => {
     const engines = localEngines(config);
-    const distributed = engines.some((k) => engineOf(k).topology === 'distributed');
+    const distributed = engines.some(isDistributed);
     return {
-      formats: [...new Set(engines.map((k) => engineOf(k).format))],
+      formats: formatsLoadedBy(engines),
       engines,
       ...(distributed && config.dllama ? { dllamaNodes: config.dllama.nodes } : {}),
     };

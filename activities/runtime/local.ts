@@ -26,7 +26,7 @@
 import type { S3Client } from '@aws-sdk/client-s3';
 import type { NatsConnection } from 'nats';
 import { startBridge, type Bridge, type BridgeSample } from '../../dataplane/bridge';
-import { ENGINE_KINDS, engineOf, type EngineKind } from '../../shared/engines';
+import { distributedFirst, engineOf, type EngineKind } from '../../shared/engines';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
@@ -52,8 +52,6 @@ export interface LocalRuntimeOptions extends LocalEngineSettings {
   log?: (line: string) => void;
 }
 
-const distributedFirst = (k: EngineKind) => (engineOf(k).topology === 'distributed' ? 0 : 1);
-
 export class LocalRuntime implements WorkerRuntime {
   private readonly instances = new InstanceTable();
   private readonly starts = new StartRegistry();
@@ -64,7 +62,7 @@ export class LocalRuntime implements WorkerRuntime {
 
   constructor(private readonly opts: LocalRuntimeOptions) {
     this.log = opts.log ?? (() => undefined);
-    const engines = opts.engines ?? [...ENGINE_KINDS].sort((a, b) => distributedFirst(a) - distributedFirst(b));
+    const engines = opts.engines ?? distributedFirst();
     this.serving = new ServingStarter(opts.registry, engines, opts, { s3: opts.s3, bucket: opts.bucket, dir: opts.cacheDir }, this.log);
   }
 
