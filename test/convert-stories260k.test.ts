@@ -1,5 +1,5 @@
 /**
- * Trained weights through the converter: stories260K (test/fixtures/stories260k.ts) converted to
+ * Trained weights through the converter: stories260K (workers/dev/stories260k.ts) converted to
  * GGUF F32 and F16 generates, greedily from BOS alone in llama.cpp, exactly the text llama2.c
  * generates from the original checkpoint; its distributed-llama f32 `.m` holds exactly llama2.c's
  * weights (q/k back in llama2.c's order) and its `.t` spells that text. A random model cannot
@@ -17,7 +17,7 @@ import { DLLAMA_TOKENIZER_MAGIC, DllamaTokenizerKey, planDllama } from '../conve
 import { readGguf } from '../convert/gguf-reader';
 import { localCheckpoint } from '../convert/safetensors';
 import type { CheckpointFiles } from '../convert/types';
-import { modelsDir, STORIES260K, STORIES260K_TEXT, writeStories260k, type Stories260k } from './fixtures/stories260k';
+import { modelsDir, STORIES260K, STORIES260K_TEXT, writeStories260k, type Stories260k } from '../workers/dev/stories260k';
 import { runLlamaCpp } from './reference/llama-cpp';
 
 let root: string;

@@ -1,6 +1,6 @@
 /**
  * Trained weights through the real pipeline: the fixture hub serves stories260K
- * (test/fixtures/stories260k.ts) as a repository, `modelPipeline` on the real Temporal dev server,
+ * (workers/dev/stories260k.ts) as a repository, `modelPipeline` on the real Temporal dev server,
  * nats-server and MinIO pulls it to S3 and converts it, and the GGUFs read back from S3 generate
  * llama2.c's text in llama.cpp. Quantized formats, which its 172-value FFN rows cannot fit, end
  * the pipeline in `failed` with a typed permanent failure naming the tensor, shown in the
@@ -19,7 +19,7 @@ import { listIncompleteUploads } from '../activities/storage/cleanup';
 import { artifactPrefix, type ArtifactRequest, type ModelSpec } from '../shared/model';
 import type { MagusConfig } from '../workers/config';
 import type { HubCommit, TestHub } from './fixtures/hub';
-import { STORIES260K, STORIES260K_TEXT, writeStories260k } from './fixtures/stories260k';
+import { STORIES260K, STORIES260K_TEXT, writeStories260k } from '../workers/dev/stories260k';
 import { isolation } from './harness';
 import { hubStack, magusStack, TestStack } from './harness/stack';
 import { objectBytes, pipelineSettled, startPipeline } from './harness/pipeline';
