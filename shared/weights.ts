@@ -20,6 +20,13 @@ export interface WeightsFormatDeclaration {
   dllamaFloatType: number;
   /** llama.cpp's `llama_ftype` of a GGUF whose matrices are in this format (`general.file_type`). */
   llamaFileType: number;
+  /**
+   * The `--buffer-float-type` distributed-llama 0.16.4 runs these weights with on a CPU, or null
+   * when it cannot run them at all: its CPU matmuls are F32 × F32 and Q40 × Q80 only (tried here:
+   * F16 and Q80 weights stop at the first matmul with "Unsupported op quant", under any buffer
+   * type, as F32 weights do with a q80 buffer).
+   */
+  dllamaBuffer: 'f32' | 'q80' | null;
 }
 
 /**
@@ -27,10 +34,10 @@ export interface WeightsFormatDeclaration {
  * source's own file, {@link WEIGHTS_PREFERENCE}).
  */
 export const WEIGHTS = {
-  q40: { ggml: 'Q4_0', dllamaFloatType: 2, llamaFileType: 2 },
-  q80: { ggml: 'Q8_0', dllamaFloatType: 3, llamaFileType: 7 },
-  f16: { ggml: 'F16', dllamaFloatType: 1, llamaFileType: 1 },
-  f32: { ggml: 'F32', dllamaFloatType: 0, llamaFileType: 0 },
+  q40: { ggml: 'Q4_0', dllamaFloatType: 2, llamaFileType: 2, dllamaBuffer: 'q80' },
+  q80: { ggml: 'Q8_0', dllamaFloatType: 3, llamaFileType: 7, dllamaBuffer: null },
+  f16: { ggml: 'F16', dllamaFloatType: 1, llamaFileType: 1, dllamaBuffer: null },
+  f32: { ggml: 'F32', dllamaFloatType: 0, llamaFileType: 0, dllamaBuffer: 'f32' },
 } as const satisfies Record<string, WeightsFormatDeclaration>;
 
 /** Output weight encodings. */

@@ -34,7 +34,9 @@ describe('command lines', () => {
   });
 
   test('the root names every worker, last', () => {
-    expect(dllamaApiArgs({ port: 9990, model: '/c/a.m', tokenizer: '/c/b.t', threads: 3, maxSeqLen: 2048, workerPorts: [9991, 9992, 9993] })).toEqual([
+    expect(
+      dllamaApiArgs({ port: 9990, model: '/c/a.m', tokenizer: '/c/b.t', buffer: 'q80', threads: 3, maxSeqLen: 2048, workerPorts: [9991, 9992, 9993] }),
+    ).toEqual([
       '--host',
       '127.0.0.1',
       '--port',
@@ -57,7 +59,7 @@ describe('command lines', () => {
   });
 
   test('a single-node root has no --workers', () => {
-    expect(dllamaApiArgs({ port: 1, model: 'a', tokenizer: 'b', threads: 1, maxSeqLen: 16, workerPorts: [] })).not.toContain('--workers');
+    expect(dllamaApiArgs({ port: 1, model: 'a', tokenizer: 'b', buffer: 'f32', threads: 1, maxSeqLen: 16, workerPorts: [] })).not.toContain('--workers');
   });
 });
 
@@ -75,8 +77,16 @@ describe('chooseDllamaArtifact', () => {
       maxSeqLen: 512,
       memory: { root: 2000, worker: 200 },
     });
-    expect(chooseDllamaArtifact(ready, 4)).toMatchObject({ artifact: { weights: 'q80' }, maxSeqLen: 1024, memory: { root: 4000, worker: 400 } });
-    expect(chooseDllamaArtifact(ready, 1)).toMatchObject({ memory: { root: 1000, worker: null } });
+    expect(chooseDllamaArtifact(ready, 1)).toMatchObject({ buffer: 'q80', memory: { root: 1000, worker: null } });
+    // q80 weights split into 4 nodes, but distributed-llama cannot run them: f32, with f32 buffers.
+    expect(chooseDllamaArtifact(ready, 4)).toMatchObject({ artifact: { weights: 'f32' }, buffer: 'f32', memory: { root: 4000, worker: 400 } });
+  });
+
+  test('weights distributed-llama cannot run on a CPU (f16, q80) are never chosen, and say so', () => {
+    expect(chooseDllamaArtifact(model([artifact('q80'), artifact('f16')], [plan('q80', [1]), plan('f16', [1])]), 1)).toEqual({
+      problem:
+        'model default/m has no distributed-llama artifact that runs on 1 nodes (q80: distributed-llama runs only f32 and q40 weights on a CPU; f16: distributed-llama runs only f32 and q40 weights on a CPU)',
+    });
   });
 
   test('without a memory plan: trusted, with the default context', () => {
@@ -84,9 +94,9 @@ describe('chooseDllamaArtifact', () => {
   });
 
   test('no artifact runs on that many nodes: the reason, per artifact', () => {
-    const ready = model([artifact('q40'), artifact('f16', ['model.m'])], [plan('q40', [1, 2])]);
+    const ready = model([artifact('q40'), artifact('f32', ['model.m'])], [plan('q40', [1, 2])]);
     expect(chooseDllamaArtifact(ready, 4)).toEqual({
-      problem: 'model default/m has no distributed-llama artifact that runs on 4 nodes (q40: splits into 1, 2 nodes; f16: no .m and .t files)',
+      problem: 'model default/m has no distributed-llama artifact that runs on 4 nodes (q40: splits into 1, 2 nodes; f32: no .m and .t files)',
     });
   });
 });

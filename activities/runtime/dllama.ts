@@ -23,7 +23,7 @@ import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { Artifact, ReadyModel, StoredObject } from '../../shared/model';
-import { WEIGHTS_PREFERENCE, type WeightsFormat } from '../../shared/weights';
+import { WEIGHTS_PREFERENCE, weightsFormat, type ArtifactWeights } from '../../shared/weights';
 import { cachedFile } from './cache';
 import type { DllamaOptions, EngineLauncher, LocalLaunch, LocalServing } from './launcher';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
@@ -33,8 +33,13 @@ export type { DllamaOptions } from './launcher';
 
 /** Loopback only: a topology on one machine is never reachable from another. */
 const HOST = '127.0.0.1';
-/** Sync buffers as q80: what distributed-llama recommends, what q40 weights require, and what activities/size plans for. */
-const BUFFER_FLOAT_TYPE: WeightsFormat = 'q80';
+/**
+ * `--buffer-float-type` for `weights` (shared/weights.ts `dllamaBuffer`): q80 for q40 weights, f32
+ * for f32; null when distributed-llama cannot run them.
+ */
+export function dllamaBufferOf(weights: ArtifactWeights): 'f32' | 'q80' | null {
+  return weights === 'source' ? null : weightsFormat(weights).dllamaBuffer;
+}
 /** `--max-seq-len` when the registry has no memory plan for the artifact (distributed-llama's 0 would mean the model's whole context). */
 export const DEFAULT_MAX_SEQ_LEN = 4096;
 
@@ -56,6 +61,8 @@ export function dllamaApiArgs(o: {
   port: number;
   model: string;
   tokenizer: string;
+  /** The sync buffers' type: {@link dllamaBufferOf} the artifact's weights. */
+  buffer: 'f32' | 'q80';
   threads: number;
   maxSeqLen: number;
   workerPorts?: readonly number[];
@@ -73,7 +80,7 @@ export function dllamaApiArgs(o: {
     '--tokenizer',
     o.tokenizer,
     '--buffer-float-type',
-    BUFFER_FLOAT_TYPE,
+    o.buffer,
     '--nthreads',
     String(o.threads),
     '--max-seq-len',
@@ -88,6 +95,8 @@ export interface DllamaChoice {
   model: StoredObject;
   tokenizer: StoredObject;
   maxSeqLen: number;
+  /** `--buffer-float-type` for the artifact's weights. */
+  buffer: 'f32' | 'q80';
   /** Planned memory per node, when the registry has a plan. */
   memory?: { root: number; worker: number | null };
 }
@@ -111,6 +120,11 @@ export function chooseDllamaArtifact(ready: ReadyModel, nodes: number): DllamaCh
       refused.push(`${artifact.weights}: no .m and .t files`);
       continue;
     }
+    const buffer = dllamaBufferOf(artifact.weights);
+    if (buffer === null) {
+      refused.push(`${artifact.weights}: distributed-llama runs only f32 and q40 weights on a CPU`);
+      continue;
+    }
     const plan = ready.memory.find((m) => m.format === 'dllama' && m.weights === artifact.weights);
     const topology = plan?.topologies.find((t) => t.nodes === nodes);
     if (plan && !topology) {
@@ -122,6 +136,7 @@ export function chooseDllamaArtifact(ready: ReadyModel, nodes: number): DllamaCh
       model,
       tokenizer,
       maxSeqLen: plan?.contextLength ?? DEFAULT_MAX_SEQ_LEN,
+      buffer,
       ...(topology ? { memory: { root: topology.root.total, worker: topology.worker?.total ?? null } } : {}),
     };
   }
@@ -207,7 +222,7 @@ class StartError extends Error {
  * `signal.reason`) every process started is stopped before the error is thrown.
  */
 export async function startDllamaTopology(
-  files: { model: string; tokenizer: string; maxSeqLen: number },
+  files: { model: string; tokenizer: string; maxSeqLen: number; buffer: 'f32' | 'q80' },
   opts: DllamaOptions & { name: string; log: (line: string) => void; output?: (line: string) => void; signal?: AbortSignal; ports?: readonly number[] },
 ): Promise<DllamaTopology> {
   const { name, log, signal } = opts;
@@ -257,7 +272,15 @@ export async function startDllamaTopology(
     }
     const root = spawnNode('root', 0, rootPort!, [
       opts.apiBin,
-      ...dllamaApiArgs({ port: rootPort!, model: files.model, tokenizer: files.tokenizer, threads: opts.threads, maxSeqLen: files.maxSeqLen, workerPorts }),
+      ...dllamaApiArgs({
+        port: rootPort!,
+        model: files.model,
+        tokenizer: files.tokenizer,
+        buffer: files.buffer,
+        threads: opts.threads,
+        maxSeqLen: files.maxSeqLen,
+        workerPorts,
+      }),
     ]);
     const url = `http://${HOST}:${root.port}`;
     for (;;) {
@@ -348,7 +371,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     : '';
   l.log(`${l.name}: distributed-llama on ${dllama.nodes} node(s), ${chosen.artifact.weights} weights, --max-seq-len ${chosen.maxSeqLen}${memory}`);
   const topology = await startSupervisedTopology(
-    { model, tokenizer, maxSeqLen: chosen.maxSeqLen },
+    { model, tokenizer, maxSeqLen: chosen.maxSeqLen, buffer: chosen.buffer },
     { ...dllama, name: l.name, log: l.log, output: l.settings.output, restart: l.settings.restart, signal: l.signal },
   );
   return {
@@ -383,6 +406,7 @@ export const dllamaLauncher: EngineLauncher = {
           { ...chosen.tokenizer, name: 'tokenizer.t' },
         ],
         maxSeqLen: chosen.maxSeqLen,
+        dllamaBuffer: chosen.buffer,
         slots: 1,
         memory: { root: chosen.memory?.root ?? chosen.model.bytes, worker: nodes > 1 ? (chosen.memory?.worker ?? chosen.model.bytes / nodes) : null },
       };
@@ -400,6 +424,7 @@ export const dllamaLauncher: EngineLauncher = {
             tokenizer: file('tokenizer.t'),
             threads: plan.threads,
             maxSeqLen: plan.maxSeqLen,
+            buffer: plan.dllamaBuffer ?? 'q80',
             workers,
           }),
         ],

@@ -91,6 +91,8 @@ export interface InstancePlan {
   files: (StoredObject & { name: string })[];
   /** distributed-llama's `--max-seq-len`. */
   maxSeqLen: number;
+  /** distributed-llama's `--buffer-float-type` (the weights decide it). */
+  dllamaBuffer?: 'f32' | 'q80';
   threads: number;
   /** Slots the engine was sized for (shared/engines.ts `concurrentRequests`: distributed-llama serves one request at a time). */
   slots: number;

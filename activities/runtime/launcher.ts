@@ -79,6 +79,8 @@ export interface KubernetesEnginePlan {
   /** Files the root needs, with the names the engine is given. */
   files: (StoredObject & { name: string })[];
   maxSeqLen: number;
+  /** distributed-llama's `--buffer-float-type` (the weights decide it). */
+  dllamaBuffer?: 'f32' | 'q80';
   slots: number;
   ctx?: number;
   /** Bytes each pod needs, before headroom. */
