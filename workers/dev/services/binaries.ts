@@ -12,7 +12,8 @@ import { promisify } from 'node:util';
 import type { ServiceName } from './types';
 
 /** What `scripts/dev-services` resolves (`kwok-stages`, a folder of kwok's Stage YAMLs, comes with `kwok`). */
-export type BinaryName = 'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver' | 'kube-controller-manager' | 'kube-scheduler' | 'kwok';
+export type BinaryName =
+  'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver' | 'kube-controller-manager' | 'kube-scheduler' | 'kwok' | 'dllama' | 'dllama-api';
 export type Binaries = Partial<Record<BinaryName | 'kwok-stages', string>>;
 
 /** The binaries each service runs. */
