@@ -87,3 +87,13 @@ test('dev rejects an unknown service before starting anything', () => {
   expect(r.status).toBe(1);
   expect(r.stderr).toMatch(/unknown service 'redis'/);
 });
+
+test.each([
+  [['--nodes', '2'], /--nodes is for distributed-llama topologies: give --engine dllama too/],
+  [['--engine', 'dllama', '--nodes', '3'], /--nodes 3: the distributed-llama demo model splits into 1, 2, 4 nodes/],
+  [['--engine', 'dllama', '--nodes', 'two'], /--nodes two: the distributed-llama demo model splits into 1, 2, 4 nodes/],
+])('dev %j: refused before anything starts', (args, message) => {
+  const r = run('dev', ...args);
+  expect(r.status).toBe(1);
+  expect(r.stderr).toMatch(message);
+});

@@ -114,6 +114,9 @@ describe.each([1, 2, 4])('%i node(s): a real root and workers', (nodes) => {
     if (!stream) {
       const done = await openai.chat.completions.create({ model: name, messages: MESSAGES, max_tokens: MAX_TOKENS, temperature: 0 });
       expect(done.usage?.completion_tokens).toBe(MAX_TOKENS);
+      // OpenAI's shape, though dllama-api names itself "Distributed Model" and leaves index and finish_reason unset.
+      expect(done.model).toBe(name);
+      expect(done.choices).toMatchObject([{ index: 0, finish_reason: 'length' }]);
       return done.choices[0]!.message.content ?? '';
     }
     let text = '';

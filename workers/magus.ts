@@ -24,6 +24,7 @@ import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
 import type * as TemporalWorkerModule from '@temporalio/worker';
 import type * as DevModule from './dev/dev';
+import type * as DllamaDemoModule from './dev/dllama-demo';
 import type * as ControllerModule from './controller';
 import type * as TemporalHealthModule from '../platform/temporal-health';
 
@@ -45,6 +46,7 @@ const load = {
   worker: () => require('./worker') as typeof WorkerModule,
   temporalWorker: () => require('@temporalio/worker') as typeof TemporalWorkerModule,
   dev: () => require('./dev/dev') as typeof DevModule,
+  dllamaDemo: () => require('./dev/dllama-demo') as typeof DllamaDemoModule,
   controller: () => require('./controller') as typeof ControllerModule,
   temporalHealth: () => require('../platform/temporal-health') as typeof TemporalHealthModule,
   processMetrics: () => require('../platform/process-metrics') as typeof ProcessMetricsModule,
@@ -74,7 +76,7 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+    'magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
@@ -178,7 +180,7 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
   };
   const json = args.includes('--json');
   // A mistyped option (`--fresh-start`, `--datadir`) must not start a dev that ignores it.
-  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services', '--demo', '--engine']);
+  const valued = new Set(['--model', '--port', '--token-env', '--data-dir', '--services', '--demo', '--engine', '--nodes']);
   for (let i = 0; i < args.length; i++) {
     const a = args[i]!;
     if (valued.has(a)) i++;
@@ -194,10 +196,13 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
     if (args.includes('--demo') && demo !== 'smollm2' && demo !== 'tiny') throw new Error(`--demo ${demo ?? ''} must be smollm2 or tiny`);
     const engine = flag('--engine');
     if (args.includes('--engine') && !(engine && isEngineKind(engine))) throw new Error(`--engine ${engine ?? ''} must be one of ${ENGINE_KINDS.join(', ')}`);
+    if (args.includes('--nodes') && engine !== 'dllama') throw new Error('--nodes is for distributed-llama topologies: give --engine dllama too');
+    const nodes = engine === 'dllama' ? load.dllamaDemo().devNodes(flag('--nodes')) : undefined;
     return load.dev().runDev({
       model: flag('--model'),
       ...(demo === 'smollm2' || demo === 'tiny' ? { demo } : {}),
       ...(engine && isEngineKind(engine) ? { engine } : {}),
+      ...(nodes !== undefined ? { nodes } : {}),
       port: port === undefined ? undefined : Number(port),
       tokenEnv: flag('--token-env'),
       kube: !args.includes('--no-kube'),
@@ -323,13 +328,15 @@ function workerCommand(stop: AbortSignal): Promise<number> {
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   dev: () =>
     [
-      'usage: magus dev [--model org/repo] [--engine KIND] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+      'usage: magus dev [--model org/repo] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
       '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers, with throwaway data)',
       '',
       DESCRIPTIONS.dev,
       '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
       `  --engine KIND      the engine instances run (one of ${ENGINE_KINDS.join(', ')}; as MAGUS_ENGINES; default: the first`,
-      '                     that can serve the model)',
+      '                     that can serve the model). With dllama the demo is stories260K (FFN padded to 192),',
+      "                     served by distributed-llama's real dllama-api root and dllama workers (built once, ~20 s)",
+      '  --nodes N          distributed-llama nodes per topology, root included: 1, 2 or 4 (default 2; --engine dllama)',
       "  --port P           the gateway's port (default: the last run's, else 8080, else one the kernel picks)",
       '  --token-env VAR    the environment variable holding a Hugging Face token (gated repos)',
       '  --no-kube          do not start etcd + kube-apiserver and the controller (the kubectl door)',

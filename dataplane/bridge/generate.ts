@@ -14,10 +14,36 @@ import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';
 import { seedFor } from './requests';
 
-/** Makes engine output attempt-independent: the response id is the request's (`prefix` as OpenAI's ids of its kind), `created` the first claim's. */
-function stamp(data: unknown, prefix: string, requestId: string, createdAt: number): unknown {
+/** The request a response answers, as {@link stamp} needs it. */
+interface Answered {
+  model: string;
+  maxTokens: number | undefined;
+}
+
+/**
+ * Makes engine output attempt-independent and OpenAI's: the response id is the request's (`prefix`
+ * as OpenAI's ids of its kind), `created` the first claim's, `model` the name the client asked
+ * for. `dllama-api` also answers with its own model name ("Distributed Model"), an uninitialized
+ * choice `index` and an empty `finish_reason`: one choice is index 0, and an empty finish reason
+ * is `length` when the answer used its `max_tokens`, else `stop` (a chunk's: null, not finished).
+ */
+function stamp(data: unknown, prefix: string, requestId: string, createdAt: number, answered: Answered, done: boolean): unknown {
   if (typeof data !== 'object' || data === null || Array.isArray(data)) return data;
-  return { ...data, id: `${prefix}${requestId}`, created: Math.floor(createdAt / 1000) };
+  const out: Record<string, unknown> = { ...data, id: `${prefix}${requestId}`, created: Math.floor(createdAt / 1000), model: answered.model };
+  const choices = out.choices;
+  if (Array.isArray(choices)) {
+    const used = (out.usage as { completion_tokens?: unknown } | undefined)?.completion_tokens;
+    out.choices = choices.map((c: unknown, i) => {
+      if (typeof c !== 'object' || c === null) return c;
+      const choice = { ...(c as Record<string, unknown>) };
+      if (choices.length === 1) choice.index = 0;
+      else if (!Number.isInteger(choice.index)) choice.index = i;
+      if (choice.finish_reason === '')
+        choice.finish_reason = !done ? null : answered.maxTokens !== undefined && typeof used === 'number' && used >= answered.maxTokens ? 'length' : 'stop';
+      return choice;
+    });
+  }
+  return out;
 }
 
 /** What must be equal for two attempts' chunks to be "the same": the choices' deltas (not timings, ids …). */
@@ -80,6 +106,12 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
   const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = generating
     ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id) }
     : req.body;
+  const answered: Answered = {
+    model: (req.body as { model: string }).model,
+    maxTokens: generating
+      ? ((generating.body as { max_tokens?: number; max_completion_tokens?: number }).max_completion_tokens ?? generating.body.max_tokens)
+      : undefined,
+  };
   const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
@@ -121,7 +153,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
       return {
         kind: 'finish',
         resolve: 'ack',
-        frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt) : completion },
+        frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt, answered, true) : completion },
       };
     }
     if (!res.contentType.includes('text/event-stream')) {
@@ -158,7 +190,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
             frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`),
           };
         }
-        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, idPrefix ?? '', req.id, a.claim.createdAt) };
+        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, idPrefix ?? '', req.id, a.claim.createdAt, answered, false) };
         const before = prior[seq];
         if (before) {
           if (fingerprint(before) !== fingerprint(frame)) return diverged();

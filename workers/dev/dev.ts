@@ -43,6 +43,7 @@ import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
 import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { forgetEngines, retireUnreplayable } from './restart';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from './demo-model';
+import { declareDemoDllama, dllamaEnv, storiesDemoFolder, STORIES_REPO } from './dllama-demo';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
 /** The tiny random model: the demo when SmolLM2 cannot be had (or `--demo tiny`), and a repo to convert. */
@@ -61,6 +62,8 @@ export interface DevOptions {
   tokenEnv?: string;
   /** The engine its instances run (`MAGUS_ENGINES` for its worker); default: the first that can serve the model. */
   engine?: EngineKind;
+  /** distributed-llama's nodes per topology, root included (with `engine: 'dllama'`; dllama-demo.ts `DEFAULT_DEV_NODES`). */
+  nodes?: number;
   /** Open the kubectl door when the Kubernetes servers are built (default true). */
   kube?: boolean;
   /** The folder the state is kept in across restarts (default {@link devDataDir}). */
@@ -216,8 +219,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
       AWS_SECRET_ACCESS_KEY: e.s3!.secretAccessKey,
       MAGUS_MODEL_CACHE: join(dataDir, 'models'),
       ...(opts.engine ? { MAGUS_ENGINES: opts.engine } : {}),
+      ...(opts.engine === 'dllama' ? await dllamaEnv(opts.nodes ?? 2, say) : {}),
     });
     const cfg = loadConfig();
+    /** The demo is served by distributed-llama: stories260K, padded. */
+    const dllamaDemo = opts.engine === 'dllama' && !opts.model;
 
     let hub: DemoHub | undefined;
     let repo = opts.model;
@@ -236,7 +242,10 @@ export async function runDev(opts: DevOptions): Promise<number> {
       running.push({ what: 'the demo hub', stop: () => hub!.stop() });
       await hub.addRepo({ id: TINY_REPO, dir });
       repo = TINY_REPO;
-      if (opts.demo !== 'tiny') {
+      if (dllamaDemo) {
+        await hub.addRepo({ id: STORIES_REPO, dir: await storiesDemoFolder(dataDir, say) });
+        repo = STORIES_REPO;
+      } else if (opts.demo !== 'tiny') {
         try {
           const file = await demoModelFile(say);
           await hub.addRepo({ id: SMOLLM2_REPO, files: { [SMOLLM2_FILE]: readFileSync(file), 'README.md': SMOLLM2_README } });
@@ -359,7 +368,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       nats: { servers: e.nats!.servers },
       s3: { endpoint: e.s3!.endpoint, region: e.s3!.region, bucket: cfg.s3.bucket, accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
       gateway: { url: gateway.url, tokenFile: token.file },
-      ...(hub ? { hub: { url: hub.url, repos: demoGguf ? [SMOLLM2_REPO, TINY_REPO] : [TINY_REPO] } } : {}),
+      ...(hub ? { hub: { url: hub.url, repos: [...(demoGguf ? [SMOLLM2_REPO] : dllamaDemo ? [STORIES_REPO] : []), TINY_REPO] } } : {}),
       ...(kubeconfigFile ? { kubeconfig: kubeconfigFile } : {}),
     });
 
@@ -372,7 +381,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
         ...(opts.tokenEnv ? { tokenRef: { env: opts.tokenEnv } } : {}),
         ...(demoGguf ? { gguf: { quantization: SMOLLM2_QUANTIZATION } } : {}),
       },
-      artifacts: [{ format: 'gguf', weights: demoGguf ? 'source' : 'q40' }],
+      // distributed-llama runs f32 and q40; the demo's 64-wide rows hold whole q40 blocks on 2 nodes at most, f32 on 4.
+      artifacts: [dllamaDemo ? { format: 'dllama', weights: 'f32' } : { format: 'gguf', weights: demoGguf ? 'source' : 'q40' }],
     };
     const problems = validateModelSpec(spec);
     if (problems.length > 0) throw new Error(problems.join('; '));
@@ -418,7 +428,10 @@ export async function runDev(opts: DevOptions): Promise<number> {
     // "Ready" is what a client sees: the gateway's catalog (a watched registry) lists the model.
     await listedByGateway(gateway.url, token.value, name, opts.stop);
 
-    const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: 'What is the capital of France?' }], stream: true, max_tokens: 32 });
+    // The kubectl door shows the topology: the pool declared as a `Dllama` of that many nodes.
+    if (kc && opts.engine === 'dllama') await declareDemoDllama(kc, name, opts.nodes ?? 2);
+    const question = dllamaDemo ? 'Once upon a time' : 'What is the capital of France?';
+    const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: question }], stream: true, max_tokens: 32 });
     process.stdout.write(
       [
         '',
@@ -426,7 +439,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Temporal UI: ${e.temporal!.uiUrl}`,
         `API token:   in ${token.file}`,
         ...(kubeconfigFile ? [`Kubernetes:  ${e.kubernetes!.server} (Model, Dllama and Session resources; kubeconfig ${kubeconfigFile})`] : []),
-        ...(hub ? [`Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${demoGguf ? `${SMOLLM2_REPO} and ` : ''}${TINY_REPO})`] : []),
+        ...(hub
+          ? [
+              `Demo hub:    ${hub.url} (Hugging Face-compatible; serves ${demoGguf ? `${SMOLLM2_REPO} and ` : dllamaDemo ? `${STORIES_REPO} and ` : ''}${TINY_REPO})`,
+            ]
+          : []),
         `Temporal:    ${e.temporal!.address} (namespace ${cfg.temporal.namespace}, task queue ${cfg.taskQueue})`,
         `NATS:        ${e.nats!.servers}`,
         `S3 (MinIO):  ${e.s3!.endpoint} (bucket ${cfg.s3.bucket}; its keys are in the connection settings)`,
@@ -434,9 +451,13 @@ export async function runDev(opts: DevOptions): Promise<number> {
         `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',
         'Try a streamed chat completion (the first request starts an engine):',
-        ...(hub && !demoGguf
-          ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)']
-          : []),
+        ...(dllamaDemo
+          ? [
+              `(served by distributed-llama: a dllama-api root and ${(opts.nodes ?? 2) - 1} dllama worker(s); the model is stories260K, trained on children's stories: expect a story, not an answer)`,
+            ]
+          : hub && !demoGguf
+            ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)']
+            : []),
         `  curl -sN ${gateway.url}/v1/chat/completions -H "Authorization: Bearer $(cat ${token.file})" -H 'Content-Type: application/json' -d '${body}'`,
         '',
         'Pull another model through this dev (another terminal; no addresses needed):',

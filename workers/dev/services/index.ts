@@ -14,5 +14,5 @@ export { ALL_SERVICES, startServices } from './services';
 export { writeKubeconfig } from './servers';
 export { alive, end, launch, NotReady, waitReady, within, type Proc } from './supervision';
 export { ephemeralRange, freePort, listenOnPort, portFree, serverPortBand } from './ports';
-export { binariesBuilt, REPO_ROOT, resolveBinaries, type BinaryName } from './binaries';
+export { binariesBuilt, binaryPath, REPO_ROOT, resolveBinaries, type BinaryName } from './binaries';
 export type { PortRequest, RunningServices, ServerName, ServiceEndpoints, ServiceName, StartOptions } from './types';
