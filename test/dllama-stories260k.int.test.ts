@@ -14,6 +14,7 @@
  * whole q40 blocks (64 / 4 = 16 values) and the gateway says so.
  */
 import { randomBytes } from 'node:crypto';
+import { readdirSync, readFileSync } from 'node:fs';
 import OpenAI from 'openai';
 import type { ModelRegistry } from '../dataplane/registry';
 import { openModelRegistry } from '../dataplane/registry';
@@ -41,6 +42,21 @@ let expectedF32: string;
 let expectedFirstQ40: string;
 /** The answers, by `<weights>/<nodes>`. */
 const answers = new Map<string, string>();
+/** Pids of the running `dllama worker` processes started from `bin` (zombies left out). */
+function dllamaWorkers(bin: string): number[] {
+  return readdirSync('/proc')
+    .filter((p) => /^\d+$/.test(p))
+    .filter((p) => {
+      try {
+        const argv = readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0');
+        return argv[0] === bin && argv[1] === 'worker' && !/^\d+ \([^)]*\) Z/.test(readFileSync(`/proc/${p}/stat`, 'utf8'));
+      } catch {
+        return false;
+      }
+    })
+    .map(Number);
+}
+
 /** The file's servers: S3 (its bucket), NATS and Temporal, shared by the three topologies' workers. */
 const shared = new TestStack();
 let dir: string;
@@ -132,6 +148,20 @@ describe.each([1, 2, 4])('%i node(s): a real root and workers', (nodes) => {
     expect(await ask(f32, true)).toBe(answer);
     answers.set(`f32/${nodes}`, answer);
   }, 180_000);
+
+  if (nodes === 2) {
+    test('a worker SIGKILLed while idle: the topology is started again as a whole, and the next turn answers the same', async () => {
+      const before = dllamaWorkers(bins.worker);
+      expect(before).toHaveLength(1);
+      process.kill(before[0]!, 'SIGKILL');
+      // The same conversation's next turn: answered by a topology whose root and worker are new.
+      const answer = await ask(f32, false);
+      expect(answer).toBe(expectedF32);
+      const after = dllamaWorkers(bins.worker);
+      expect(after).toHaveLength(1);
+      expect(after[0]).not.toBe(before[0]);
+    }, 180_000);
+  }
 
   if (nodes <= 2) {
     test('q40: deterministic, and it begins as llama.cpp’s greedy answer does', async () => {
