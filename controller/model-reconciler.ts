@@ -17,6 +17,7 @@ import { recordEvent } from '../kube/events';
 import { WorkflowSummary } from '../shared/constants';
 import { Kind, Plural, type ModelResource } from '../shared/kube';
 import type { ModelPipelineInput, ModelSpec } from '../shared/model';
+import { SAMPLING_FIELDS } from '../shared/sampling';
 import { cancelSignal, modelWorkflowId, type ResourceChange } from '../workflows/model/definitions';
 import { Finalizers } from './finalizers';
 import type { Requeue } from './queue';
@@ -24,10 +25,12 @@ import type { WorkflowSignals } from './signals';
 
 /** A `Model`'s spec as the pipeline takes it: the token becomes a reference to the Secret. */
 export function modelSpecOf(m: ModelResource): ModelSpec {
-  const { source, artifacts, contextLength, rerun } = m.spec;
+  const { source, artifacts, contextLength, rerun, sampling } = m.spec;
   const tokenRef = source.tokenSecretRef
     ? { secret: { name: source.tokenSecretRef.name, key: source.tokenSecretRef.key ?? 'token', namespace: m.metadata.namespace } }
     : undefined;
+  // The fields the CRD declares, in one order: the pipeline compares specs as JSON.
+  const defaults = SAMPLING_FIELDS.filter((f) => sampling?.[f] !== undefined).map((f) => [f, sampling![f]!] as const);
   return {
     source: {
       repo: source.repo,
@@ -46,6 +49,7 @@ export function modelSpecOf(m: ModelResource): ModelSpec {
     artifacts: artifacts.map((a) => ({ format: a.format, weights: a.weights })),
     ...(contextLength !== undefined ? { contextLength } : {}),
     ...(rerun ? { rerun } : {}),
+    ...(defaults.length > 0 ? { sampling: Object.fromEntries(defaults) } : {}),
   };
 }
 

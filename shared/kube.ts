@@ -6,6 +6,7 @@
  */
 import type { EngineKind } from './engines';
 import type { ArtifactFormat, GgufChoice } from './model';
+import type { SamplingDefaults } from './sampling';
 import type { ArtifactWeights } from './weights';
 
 export const Kind = { model: 'Model', dllama: 'Dllama', session: 'Session', apiKey: 'ApiKey' } as const;
@@ -68,6 +69,8 @@ export interface ModelResourceSpec {
   rerun?: string;
   /** What happens to the model's S3 objects when the Model is deleted. */
   deletionPolicy?: 'Retain' | 'Delete';
+  /** Sampling defaults of requests that set none, over the repository's (shared/sampling.ts). */
+  sampling?: SamplingDefaults;
 }
 
 export const ModelCondition = { downloaded: 'Downloaded', converted: 'Converted', sized: 'Sized', ready: 'Ready' } as const;

@@ -4,6 +4,7 @@
  * {@link ModelSpec} one to one. The weights formats are declared in weights.ts. Workflow-safe: no
  * I/O.
  */
+import { checkSampling, type SamplingDefaults } from './sampling';
 import { WEIGHTS_FORMATS, type ArtifactWeights, type WeightsFormat } from './weights';
 
 /** Artifact file formats: GGUF for llama.cpp, `.m` + `.t` for distributed-llama. */
@@ -56,6 +57,11 @@ export interface ModelSpec {
   contextLength?: number;
   /** Changing it runs the plan again with an otherwise equal spec (the `Model` CR's `rerun`). */
   rerun?: string;
+  /**
+   * Sampling defaults of requests that set none, over those the repository publishes (shared/sampling.ts);
+   * published with the model (`ReadyModel.sampling`).
+   */
+  sampling?: SamplingDefaults;
 }
 
 /** Input of the `modelPipeline` workflow (id `model/<namespace>/<name>`). */
@@ -99,6 +105,12 @@ export interface Artifact extends ArtifactRequest {
   files: StoredObject[];
   /** `gguf:source`: the file's own type as llama.cpp names it (`general.file_type`), e.g. `Q4_K_M`. */
   sourceType?: string;
+  /**
+   * The sampling defaults its source publishes (`generation_config.json`, or a GGUF's
+   * `general.sampling.*`; shared/sampling.ts), absent when it publishes none. Artifacts of one
+   * model share their source, so they agree.
+   */
+  sampling?: SamplingDefaults;
 }
 
 /** Memory one node needs, in bytes (see activities/size for how each term is derived). */
@@ -114,8 +126,14 @@ export interface MemoryPlan {
   format: ArtifactFormat;
   weights: ArtifactWeights;
   contextLength: number;
-  /** Per topology: `nodes` = 1, 2, 4, 8, 16 (dllama; only those the model can be split into). */
+  /** Per topology: `nodes` = 1, 2, 4, 8, 16 (dllama; only those the model runs on). */
   topologies: { nodes: number; root: NodeMemory; worker: NodeMemory | null }[];
+  /**
+   * distributed-llama: the node counts of 1, 2, 4, 8, 16 it does not run the artifact on, each
+   * with the reason, naming the dimension or the weights (shared/dllama-topology.ts). Absent
+   * from GGUF plans and from plans published before it was recorded.
+   */
+  refused?: { nodes: number; reason: string }[];
 }
 
 /** The registry entry in the `magus_models` KV bucket, keyed by `<namespace>.<name>`. */
@@ -126,6 +144,8 @@ export interface ReadyModel {
   artifacts: Artifact[];
   memory: MemoryPlan[];
   readyAt: string;
+  /** The `Model`'s `spec.sampling`: over the repository's defaults (`Artifact.sampling`) in a request that sets none (shared/sampling.ts `modelSampling`). */
+  sampling?: SamplingDefaults;
 }
 
 /** S3 key of a source file: `sources/<repo>/<sha>/<path>` (content-addressed by commit). */
@@ -205,6 +225,7 @@ export function validateModelSpec(spec: unknown): string[] {
   if (s.contextLength !== undefined && (!Number.isInteger(s.contextLength) || s.contextLength < 16 || s.contextLength > 10_000_000)) {
     errors.push(`contextLength: ${JSON.stringify(s.contextLength)} must be a whole number from 16 to 10000000`);
   }
+  errors.push(...checkSampling(s.sampling).problems);
   return errors;
 }
 

@@ -171,6 +171,7 @@ describe('Model', () => {
       contextLength: 8192,
       rerun: 'after-access-granted',
       deletionPolicy: 'Delete',
+      sampling: { temperature: 0.2, top_p: 0.9, top_k: 40, repetition_penalty: 1.1 },
     };
     const name = uniqueName('full');
     await create(Plural.model, model(name, spec as unknown as Record<string, unknown>));
@@ -190,6 +191,8 @@ describe('Model', () => {
     ],
     ['a dotted repo and a commit revision', modelSpec({}, { repo: 'Qwen/Qwen3-0.6B.v2', revision: '0123456789abcdef0123456789abcdef01234567' })],
     ['an https hub', modelSpec({}, { hubUrl: 'https://hub.example.com' })],
+    ['the widest sampling defaults', modelSpec({ sampling: { temperature: 2, top_p: 1, top_k: 1_000_000, repetition_penalty: 2 } })],
+    ['greedy sampling defaults', modelSpec({ sampling: { temperature: 0, top_k: 0, repetition_penalty: 0.5 } })],
     [
       'a GGUF repository by file glob',
       modelSpec({ artifacts: [{ format: 'gguf', weights: 'source' }] }, { repo: 'org/Model-GGUF', gguf: { file: '*Q4_K_M.gguf' } }),
@@ -268,6 +271,12 @@ describe('Model', () => {
     ['a context length above 10M', 'x', modelSpec({ contextLength: 10_000_001 }), 'spec.contextLength in body should be less than or equal to 10000000'],
     ['a 64-character rerun', 'x', modelSpec({ rerun: 'r'.repeat(64) }), 'spec.rerun: Too long: may not be more than 63'],
     ['an unknown deletion policy', 'x', modelSpec({ deletionPolicy: 'Keep' }), 'spec.deletionPolicy: Unsupported value: "Keep"'],
+    ['a temperature above 2', 'x', modelSpec({ sampling: { temperature: 2.5 } }), 'spec.sampling.temperature in body should be less than or equal to 2'],
+    ['a negative temperature', 'x', modelSpec({ sampling: { temperature: -0.1 } }), 'spec.sampling.temperature in body should be greater than or equal to 0'],
+    ['a top_p of 0', 'x', modelSpec({ sampling: { top_p: 0 } }), 'spec.sampling.top_p in body should be greater than 0'],
+    ['a top_p above 1', 'x', modelSpec({ sampling: { top_p: 1.5 } }), 'spec.sampling.top_p in body should be less than or equal to 1'],
+    ['a fractional top_k', 'x', modelSpec({ sampling: { top_k: 4.5 } }), 'spec.sampling.top_k in body must be of type integer'],
+    ['a repetition penalty of 0', 'x', modelSpec({ sampling: { repetition_penalty: 0 } }), 'spec.sampling.repetition_penalty in body should be greater than 0'],
     [
       'a GGUF choice naming neither',
       'x',
