@@ -30,6 +30,10 @@ export interface Sampling {
   /** 0 = greedy. Default 1 (OpenAI's). */
   temperature: number;
   topP: number;
+  /** 0 = off; absent = the backend's default (node-llama-cpp's 40). */
+  topK?: number;
+  /** llama.cpp's repeat penalty (1 = off, the default) over the last 64 tokens. */
+  repetitionPenalty: number;
   /** uint32 (OpenAI seeds are int64; reduced modulo 2^32). */
   seed?: number;
   /** Stop texts: generation ends before the first one and it is not returned. */
@@ -46,6 +50,8 @@ interface SamplingFields {
   stream_options?: { include_usage?: boolean } | null;
   temperature?: number | null;
   top_p?: number | null;
+  top_k?: number | null;
+  repetition_penalty?: number | null;
   seed?: number | null;
   stop?: string | string[] | null;
   frequency_penalty?: number | null;
@@ -59,6 +65,8 @@ function samplingOf(body: SamplingFields): Omit<Sampling, 'logprobs'> {
     includeUsage: body.stream === true && body.stream_options?.include_usage === true,
     temperature: body.temperature ?? 1,
     topP: body.top_p ?? 1,
+    ...(body.top_k == null ? {} : { topK: body.top_k }),
+    repetitionPenalty: body.repetition_penalty ?? 1,
     ...(body.seed == null ? {} : { seed: Number(BigInt.asUintN(32, BigInt(body.seed))) }),
     stop: body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop,
     frequencyPenalty: body.frequency_penalty ?? 0,

@@ -27,6 +27,12 @@ describe('drawToken', () => {
     expect(drawToken(logits, 1, 0.8, 0.9999)).toBe(8);
   });
 
+  it('top_k keeps the k most likely (a model default the gateway sets)', () => {
+    expect(drawToken(logits, 1, 1, 0.9999, 2)).toBe(8);
+    expect(drawToken(logits, 1, 1, 0.9999, 1)).toBe(7);
+    expect(drawToken(logits, 1, 1, 0.9999, 3)).toBe(9);
+  });
+
   it('a higher temperature flattens the distribution', () => {
     const u = 0.8;
     expect(drawToken(logits, 0.2, 1, u)).toBe(7);

@@ -26,6 +26,10 @@ export interface DecodeOptions {
   /** 0 = greedy. */
   temperature: number;
   topP: number;
+  /** 0 = off; absent = node-llama-cpp's default (40). With log-probabilities at most {@link SAMPLE_TOP_K} candidates are drawn from. */
+  topK?: number;
+  /** 1 = off. */
+  repetitionPenalty: number;
   /** Each step samples with a seed derived from this one: a request with a seed is repeatable. */
   seed?: number;
   frequencyPenalty: number;
@@ -90,11 +94,12 @@ function uniform(seed: number): number {
 }
 
 /**
- * Draws a token from `logits` (most likely first): greedy at temperature 0; otherwise softmax at
- * `temperature`, cut to the smallest set whose probability reaches `topP`, and one draw `u`.
+ * Draws a token from the first `topK` of `logits` (most likely first): greedy at temperature 0;
+ * otherwise softmax at `temperature`, cut to the smallest set whose probability reaches `topP`, and
+ * one draw `u`.
  */
-export function drawToken(logits: ReadonlyMap<Token, number>, temperature: number, topP: number, u: number): Token {
-  const entries = [...logits];
+export function drawToken(logits: ReadonlyMap<Token, number>, temperature: number, topP: number, u: number, topK = Infinity): Token {
+  const entries = [...logits].slice(0, Math.max(1, topK));
   if (entries.length === 0) throw new Error('no candidate tokens');
   if (temperature <= 0) return entries[0]![0];
   const max = entries[0]![1];
@@ -129,10 +134,10 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     const text = model.detokenize([token], true);
     return { token: text, logprob, bytes: [...Buffer.from(text, 'utf8')] };
   };
-  const penalties = o.frequencyPenalty !== 0 || o.presencePenalty !== 0;
+  const penalties = o.frequencyPenalty !== 0 || o.presencePenalty !== 0 || o.repetitionPenalty !== 1;
   const longestStop = Math.max(0, ...o.stop.map((s) => s.length));
-  // Greedy needs only the most likely token.
-  const candidates = o.temperature > 0 ? SAMPLE_TOP_K : 1;
+  // Greedy needs only the most likely token; a top-k below SAMPLE_TOP_K, that many.
+  const candidates = o.temperature > 0 ? (o.topK !== undefined && o.topK > 0 ? Math.min(o.topK, SAMPLE_TOP_K) : SAMPLE_TOP_K) : 1;
   // Without a seed, a random one: the steps still draw independently.
   const requestSeed = o.seed ?? randomInt(2 ** 32);
   const sampled: Token[] = [];
@@ -175,7 +180,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   while (sampled.length < o.maxTokens) {
     if (o.signal.aborted) throw o.signal.reason;
     const repeatPenalty = penalties
-      ? { repeatPenalty: { punishTokens: sampled, penalty: 1, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
+      ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
       : {};
     const seed = stepSeed(requestSeed, sampled.length);
     const next: ControlledEvaluateInputItem = [
@@ -187,12 +192,12 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
               totalLogitWeight: true,
               options: { temperature: 0, ...repeatPenalty },
             }
-          : { token: true, options: { temperature: o.temperature, topP: o.topP, seed, ...repeatPenalty } },
+          : { token: true, options: { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty } },
       },
     ];
     const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
     const out = evaluated.at(-1)?.next;
-    const token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed)) : out?.token;
+    const token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
     if (token == null) throw new Error('the model sampled no token');
     sampled.push(token);
     if (model.isEogToken(token)) {

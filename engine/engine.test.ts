@@ -212,6 +212,37 @@ test('the same seed gives the same sample; temperature > 0 samples', async () =>
   expect(texts.size).toBeGreaterThan(1);
 });
 
+test('top_k and repetition_penalty (a model’s defaults, set by the gateway) are honoured: top_k 1 is greedy whatever the seed, in chat and text completions', async () => {
+  const greedy = (await complete({ messages: hello, max_tokens: 12, temperature: 0 })).choices[0]!.message.content;
+  for (const seed of [1, 2, 3]) {
+    const res = await complete({ messages: hello, max_tokens: 12, temperature: 1.5, top_k: 1, seed });
+    expect(res.choices[0]!.message.content).toBe(greedy);
+  }
+  // magus's own token loop (log-probabilities) draws from the top_k too.
+  const lp = await complete({ messages: hello, max_tokens: 12, temperature: 1.5, top_k: 1, seed: 4, logprobs: true });
+  expect(lp.choices[0]!.message.content).toBe(greedy);
+  const text = async (body: object) =>
+    (
+      (await (await fetch(`${url}/v1/completions`, { method: 'POST', body: JSON.stringify({ prompt: 'Once upon', max_tokens: 8, ...body }) })).json()) as {
+        choices: { text: string }[];
+      }
+    ).choices[0]!.text;
+  const greedyText = await text({ temperature: 0 });
+  expect(await text({ temperature: 1.5, top_k: 1, seed: 9 })).toBe(greedyText);
+  // 1 is off; a strong penalty changes a greedy answer that repeats itself.
+  expect((await complete({ messages: hello, max_tokens: 12, temperature: 0, repetition_penalty: 1 })).choices[0]!.message.content).toBe(greedy);
+  expect((await complete({ messages: hello, max_tokens: 12, temperature: 0, repetition_penalty: 2 })).choices[0]!.message.content).not.toBe(greedy);
+  for (const [body, param] of [
+    [{ messages: hello, top_k: -1 }, 'top_k'],
+    [{ messages: hello, top_k: 1.5 }, 'top_k'],
+    [{ messages: hello, repetition_penalty: 0 }, 'repetition_penalty'],
+    [{ messages: hello, repetition_penalty: 3 }, 'repetition_penalty'],
+  ] as const) {
+    const res = await post(body);
+    expect({ status: res.status, param: ((await res.json()) as ErrorBody).error.param }).toEqual({ status: 400, param });
+  }
+});
+
 test('stop ends generation before the stop text, which is not returned', async () => {
   const first = (await complete({ messages: hello, max_tokens: 24, temperature: 0 })).choices[0]!.message.content;
   // A stop string from the middle of the first answer (whole characters, first occurrence after 2).

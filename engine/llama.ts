@@ -314,9 +314,9 @@ export class LlamaBackend implements CompletionBackend {
     if (!chat) throw new Error(`no slot ${slot}`);
     const meter = chat.sequence.tokenMeter;
     const before = meter.getState();
-    const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0;
+    const penalties = req.frequencyPenalty !== 0 || req.presencePenalty !== 0 || req.repetitionPenalty !== 1;
     const repeatPenalty: false | LLamaContextualRepeatPenalty = penalties
-      ? { penalty: 1, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
+      ? { penalty: req.repetitionPenalty, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
     const { history, forced, functions } = plan;
@@ -327,6 +327,7 @@ export class LlamaBackend implements CompletionBackend {
       maxTokens,
       temperature: req.temperature,
       topP: req.topP,
+      ...(req.topK !== undefined ? { topK: req.topK } : {}),
       ...(req.seed !== undefined ? { seed: req.seed } : {}),
       ...(req.stop.length > 0 && !forced ? { customStopTriggers: req.stop } : {}),
       repeatPenalty,

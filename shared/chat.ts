@@ -22,6 +22,7 @@
 import { Kind, Type, TypeRegistry, type Static, type TUnsafe } from '@sinclair/typebox';
 import { engineCan, engineOf, type Capability, type EngineKind } from './engines';
 import { toGrammarSchema, type GrammarSchema } from './json-schema';
+import { MAX_TOP_K, SAMPLING_BOUNDS } from './sampling';
 
 /** A string schema listing its values as JSON Schema `enum` (Ajv's `discriminator` and its errors need that; TypeBox's own unions are `anyOf` of `const`). */
 export function StringEnum<const T extends string[]>(values: [...T], options: Record<string, unknown> = {}): TUnsafe<T[number]> {
@@ -273,9 +274,22 @@ export const ChatMessage = Type.Object({
 });
 export type ChatMessage = Static<typeof ChatMessage>;
 
+/**
+ * Sampling fields that are not OpenAI's, in the spelling of llama.cpp's server and vLLM: the
+ * gateway sets them from the model's defaults (shared/sampling.ts), a client's body has no such
+ * fields. The llama.cpp engine honours them; dllama-api ignores them (it has no top-k).
+ */
+export const modelSamplingFields = {
+  /** 0 = off. */
+  top_k: Type.Optional(Type.Integer({ minimum: 0, maximum: MAX_TOP_K })),
+  /** 1 = off; llama.cpp's repeat penalty over the last 64 tokens. */
+  repetition_penalty: Type.Optional(Type.Number({ exclusiveMinimum: 0, maximum: SAMPLING_BOUNDS.repetition_penalty.maximum })),
+};
+
 /** The chat-completion request an engine gets (`InferenceRequest.body`). */
 export const ChatCompletionRequest = Type.Object({
   ...Type.Pick(ChatCompletionBody, FORWARDED_FIELDS).properties,
+  ...modelSamplingFields,
   messages: Type.Array(ChatMessage, { minItems: 1, maxItems: MAX_MESSAGES }),
   stream: Type.Optional(Type.Boolean()),
   /** `max_tokens` ?? `max_completion_tokens` of the body. */

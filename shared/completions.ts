@@ -13,7 +13,7 @@
  * `best_of` above 1 — accepts only its plain form.
  */
 import { Type, type Static } from '@sinclair/typebox';
-import { ChatCompletionBody, MAX_TOP_LOGPROBS, topLogprobs, unsupported } from './chat';
+import { ChatCompletionBody, MAX_TOP_LOGPROBS, modelSamplingFields, topLogprobs, unsupported } from './chat';
 import { engineCan, engineOf, type EngineKind } from './engines';
 
 /** Most prompts one request may carry (each is a choice, generated one after another). */
@@ -73,6 +73,8 @@ export type CompletionsBody = Static<typeof CompletionsBody>;
 /** What an engine gets (`InferenceRequest.body` of a `completions` request). */
 export const CompletionsRequest = Type.Object({
   ...sampling,
+  /** Set by the gateway from the model's defaults (shared/chat.ts). */
+  ...modelSamplingFields,
   prompt: CompletionsBody.properties.prompt,
   /** Streams only: `include_usage` ends the stream with a chunk that carries `usage` (no choices). */
   stream_options: Type.Optional(Type.Object({ include_usage: Type.Optional(Type.Boolean()) })),
