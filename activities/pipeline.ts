@@ -7,7 +7,7 @@
  * references and never appear in inputs, results, heartbeats or errors.
  */
 import { DeleteObjectsCommand, GetObjectCommand, ListObjectsV2Command, type S3Client } from '@aws-sdk/client-s3';
-import { Context, activityInfo, ApplicationFailure, heartbeat } from '@temporalio/activity';
+import { Context, activityInfo, ApplicationFailure, heartbeat, log } from '@temporalio/activity';
 import { basename } from 'node:path';
 import {
   type CheckpointFiles,
@@ -49,6 +49,7 @@ import {
   type SourceFile,
   type StoredObject,
 } from '../shared/model';
+import { samplingFromGenerationConfig, samplingFromGguf, type PublishedSampling, type SamplingDefaults } from '../shared/sampling';
 import type { WeightsFormat } from '../shared/weights';
 import type { ActivityProgress, ActivityRetry } from '../shared/status';
 
@@ -227,6 +228,38 @@ function pipelineActivities(deps: PipelineDeps) {
     }
   }
 
+  /**
+   * The sampling defaults the model's repository publishes (shared/sampling.ts): its
+   * `generation_config.json`, or a GGUF source's `general.sampling.*` keys (its first part's
+   * header). A value that is no default, or a file that is no JSON, is left out with a warning
+   * line: it never fails the pipeline.
+   */
+  async function publishedSampling(sources: StoredSource[], signal: AbortSignal): Promise<SamplingDefaults | undefined> {
+    let found: PublishedSampling = { warnings: [] };
+    const config = sources.find((s) => s.path === 'generation_config.json');
+    const gguf = ggufSourceOf(sources);
+    if (config) {
+      const text = await getText(config.object.key, signal);
+      let json: unknown;
+      try {
+        json = JSON.parse(text);
+      } catch (err) {
+        found.warnings.push(`generation_config.json: not JSON (${(err as Error).message}); ignored`);
+      }
+      if (json !== undefined) found = samplingFromGenerationConfig(json);
+    } else if (gguf) {
+      const source = s3Source(s3, bucket, gguf[0]!.object.key, { size: gguf[0]!.object.bytes, blockSize: 1 << 20, signal });
+      try {
+        const { metadata } = await readGguf(source);
+        found = samplingFromGguf((key) => metadata.get(key));
+      } finally {
+        await source.close();
+      }
+    }
+    for (const warning of found.warnings) log.warn(`sampling defaults: ${warning}`);
+    return found.sampling;
+  }
+
   return {
     /** Pins `revision` to a commit and lists the repository's files with sizes and sha256. */
     async resolveSource(input: { source: ModelSource }): Promise<ResolvedSource> {
@@ -315,26 +348,38 @@ function pipelineActivities(deps: PipelineDeps) {
       if (input.request.weights === 'source') {
         try {
           const { fileType } = await readGgufSourceIn(input.sources, ctx.cancellationSignal);
+          const sampling = await publishedSampling(input.sources, ctx.cancellationSignal);
           return {
             format: 'gguf',
             weights: 'source',
             converterVersion: CONVERTER_VERSION,
             files: input.sources.map((s) => s.object),
             ...(fileType ? { sourceType: fileType } : {}),
+            ...(sampling ? { sampling } : {}),
           };
         } catch (err) {
           classify(err);
         }
       }
       const weights: WeightsFormat = input.request.weights;
+      // Read once the artifact exists: a source that cannot be converted fails as it always has.
+      const published = async (): Promise<SamplingDefaults | undefined> => {
+        try {
+          return await publishedSampling(input.sources, ctx.cancellationSignal);
+        } catch (err) {
+          classify(err);
+        }
+      };
       const prefix = artifactPrefix(input.repo, input.sha, input.request, CONVERTER_VERSION);
       const names = input.request.format === 'gguf' ? ['model.gguf'] : ['model.m', 'tokenizer.t'];
       const existing = await Promise.all(names.map((n) => headObject({ s3, bucket, key: prefix + n }, ctx.cancellationSignal)));
       if (existing.every((o) => o?.sha256)) {
+        const sampling = await published();
         return {
           ...input.request,
           converterVersion: CONVERTER_VERSION,
           files: existing.map((o, i) => ({ key: prefix + names[i]!, bytes: o!.size, sha256: o!.sha256! })),
+          ...(sampling ? { sampling } : {}),
         };
       }
       const stored: StoredObject[] = [];
@@ -385,7 +430,8 @@ function pipelineActivities(deps: PipelineDeps) {
       } finally {
         stopHeartbeats();
       }
-      return { ...input.request, converterVersion: CONVERTER_VERSION, files: stored };
+      const sampling = await published();
+      return { ...input.request, converterVersion: CONVERTER_VERSION, files: stored, ...(sampling ? { sampling } : {}) };
     },
 
     /** The memory table of every artifact (see activities/size/memory.ts). */

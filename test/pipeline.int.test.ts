@@ -92,6 +92,12 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
   expect(ready?.source).toEqual({ repo: REPO, revision: 'main', sha: commit.sha });
   expect(ready?.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:q40', 'dllama:q40']);
   expect(ready?.artifacts[1]?.files.map((f) => f.key.split('/').pop())).toEqual(['model.m', 'tokenizer.t']);
+  // The repository's generation_config.json (do_sample, temperature 0.6, top_p 0.9) travels with each artifact; the spec sets none.
+  expect(ready?.artifacts.map((a) => a.sampling)).toEqual([
+    { temperature: 0.6, top_p: 0.9 },
+    { temperature: 0.6, top_p: 0.9 },
+  ]);
+  expect(ready?.sampling).toBeUndefined();
   // Memory: llama.cpp on one node; distributed-llama on every node count the tiny model splits into (2 KV heads).
   expect(ready?.memory[0]?.topologies.map((t) => t.nodes)).toEqual([1]);
   expect(ready?.memory[1]?.topologies.map((t) => t.nodes)).toEqual([1, 2]);
@@ -118,12 +124,15 @@ test('a GGUF repository: the chosen file is transferred, checked and published a
     source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { quantization: 'q8_0' } },
     artifacts: [{ format: 'gguf', weights: 'source' }],
     contextLength: 128,
+    // As magus dev's demo Model has it: the GGUF publishes no defaults, the Model does.
+    sampling: { temperature: 0.2, top_p: 0.9 },
   });
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', sha: ggufCommit.sha, failure: null });
   await recordHistory('model-pipeline-gguf-source', handle);
   expect(p.files).toEqual({ done: 1, total: 1 }); // neither the other quantization nor the README
   const ready = (await registry.get('default', named('tiny-gguf')))!;
+  expect(ready.sampling).toEqual({ temperature: 0.2, top_p: 0.9 });
   const source = ggufCommit.files.find((f) => f.path === 'Tiny-Llama.Q8_0.gguf')!;
   // The artifact is the source object itself: nothing was copied or converted.
   expect(ready.artifacts).toEqual([

@@ -198,6 +198,8 @@ async function runPlan(state: PipelineState): Promise<void> {
     artifacts,
     memory,
     readyAt: new Date().toISOString(), // workflow-safe: the SDK makes Date deterministic
+    // The activity's input only (no command changes): histories from before it replay as they are.
+    ...(spec.sampling ? { sampling: spec.sampling } : {}),
   };
   await publishModel(ready);
   // Its pool, if one runs, may be backing off failed starts that wanted this model: try now.
