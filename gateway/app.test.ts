@@ -547,6 +547,7 @@ describe('models', () => {
           servable: true,
           engines: [],
           capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+          sampling: {},
         },
         {
           id: 'other-model',
@@ -556,6 +557,7 @@ describe('models', () => {
           servable: true,
           engines: [],
           capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+          sampling: {},
         },
       ],
     });
@@ -609,6 +611,72 @@ describe('models', () => {
     await chat({ model: 'team-b/tiny', messages: [{ role: 'user', content: 'hi' }] });
     await chat(userTurn('hi'));
     expect(t.broker.calls.map((c) => c.model.namespace)).toEqual(['team-b', 'default']);
+  });
+});
+
+describe("a model's sampling defaults", () => {
+  const artifact = (sampling?: object) =>
+    ({ format: 'gguf', weights: 'q40', converterVersion: 'test', files: [], ...(sampling ? { sampling } : {}) }) as ReadyModel['artifacts'][number];
+  // The Model's spec.sampling (temperature, top_p) over what its repository publishes (temperature, top_k, repetition_penalty).
+  const tuned: ReadyModel = {
+    ...readyModel('tuned'),
+    artifacts: [artifact({ temperature: 0.6, top_k: 50, repetition_penalty: 1.1 }), artifact({ temperature: 0.6, top_k: 50, repetition_penalty: 1.1 })],
+    sampling: { temperature: 0.2, top_p: 0.9 },
+  };
+  const published: ReadyModel = { ...readyModel('published'), artifacts: [artifact({ temperature: 0, top_p: 7 })] };
+  const auth = () => ({ authorization: `Bearer ${t.tokens.alice.token}` });
+  const bodyOf = (i: number) => t.plane.published[i]!.req.body as unknown as Record<string, unknown>;
+
+  beforeEach(async () => {
+    t = await buildTestApp({ models: [tuned, published, readyModel('plain')] });
+  });
+
+  it('a request that sets no sampling field gets them all: spec.sampling over the repository’s, field by field', async () => {
+    expect((await chat({ model: 'tuned', messages: [{ role: 'user', content: 'hi' }] })).statusCode).toBe(200);
+    expect(bodyOf(0)).toMatchObject({ temperature: 0.2, top_p: 0.9, top_k: 50, repetition_penalty: 1.1 });
+  });
+
+  it("the request's own parameter wins; what it leaves out still comes from the model", async () => {
+    expect((await chat({ model: 'tuned', messages: [{ role: 'user', content: 'hi' }], temperature: 1.3 })).statusCode).toBe(200);
+    expect(bodyOf(0)).toMatchObject({ temperature: 1.3, top_p: 0.9, top_k: 50, repetition_penalty: 1.1 });
+    expect((await chat({ model: 'tuned', messages: [{ role: 'user', content: 'hi' }], temperature: 0, top_p: 1 })).statusCode).toBe(200);
+    expect(bodyOf(1)).toMatchObject({ temperature: 0, top_p: 1 });
+  });
+
+  it('a model without defaults adds nothing (the engine decides); an invalid stored value is dropped', async () => {
+    expect((await chat({ model: 'plain', messages: [{ role: 'user', content: 'hi' }] })).statusCode).toBe(200);
+    expect(Object.keys(bodyOf(0)).filter((k) => ['temperature', 'top_p', 'top_k', 'repetition_penalty'].includes(k))).toEqual([]);
+    expect((await chat({ model: 'published', messages: [{ role: 'user', content: 'hi' }] })).statusCode).toBe(200);
+    expect(bodyOf(1)).toMatchObject({ temperature: 0 });
+    expect(bodyOf(1).top_p).toBeUndefined();
+  });
+
+  it('text completions and the Responses API get them too; embeddings nothing', async () => {
+    t.plane.script = (req) => [{ seq: 0, type: 'done', data: { id: `x-${req.id}`, object: 'chat.completion', created: 1, model: 'tuned', choices: [] } }];
+    const post = (url: string, payload: object) => t.app.inject({ method: 'POST', url, headers: { ...auth(), 'content-type': 'application/json' }, payload });
+    expect((await post('/v1/completions', { model: 'tuned', prompt: 'hi', top_p: 0.5 })).statusCode).toBe(200);
+    expect(t.plane.published[0]!.req.kind).toBe('completions');
+    expect(bodyOf(0)).toMatchObject({ temperature: 0.2, top_p: 0.5, top_k: 50, repetition_penalty: 1.1 });
+    expect((await post('/v1/responses', { model: 'tuned', input: 'hi', store: false })).statusCode).toBe(200);
+    expect(bodyOf(1)).toMatchObject({ temperature: 0.2, top_p: 0.9, top_k: 50, repetition_penalty: 1.1 });
+    await post('/v1/embeddings', { model: 'tuned', input: 'hi' });
+    expect(t.plane.published[2]!.req.kind).toBe('embeddings');
+    expect(bodyOf(2)).toEqual({ model: 'tuned', input: 'hi' });
+  });
+
+  it('GET /v1/models shows each model’s effective defaults', async () => {
+    const listed = (await t.app.inject({ method: 'GET', url: '/v1/models', headers: auth() })).json<{ data: ModelObject[] }>().data;
+    expect(listed.map((m) => [m.id, m.sampling])).toEqual([
+      ['tuned', { temperature: 0.2, top_p: 0.9, top_k: 50, repetition_penalty: 1.1 }],
+      ['published', { temperature: 0 }],
+      ['plain', {}],
+    ]);
+    expect((await t.app.inject({ method: 'GET', url: '/v1/models/tuned', headers: auth() })).json<ModelObject>().sampling).toEqual({
+      temperature: 0.2,
+      top_p: 0.9,
+      top_k: 50,
+      repetition_penalty: 1.1,
+    });
   });
 });
 

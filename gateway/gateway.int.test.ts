@@ -537,6 +537,7 @@ describe('models, health and metrics', () => {
           servable: true,
           engines: [],
           capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
+          sampling: {},
         },
       ],
     });

@@ -7,6 +7,7 @@
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
+import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, CompletionUsage, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
@@ -89,6 +90,20 @@ export interface Turn {
 }
 
 /**
+ * The engine's body of `payload` with the model's sampling defaults (shared/sampling.ts) in each
+ * sampling field the request left out: every generating request (chat, the Responses API, text
+ * completions) is turned into its engine request here, so the llama.cpp engine and dllama-api
+ * get the same defaults. Embeddings sample nothing.
+ */
+export function withModelDefaults(payload: InferencePayload, model: ReadyModel): InferencePayload {
+  if (payload.kind === 'embeddings') return payload;
+  const defaults = modelSampling(model);
+  return payload.kind === 'completions'
+    ? { ...payload, body: withSamplingDefaults(payload.body, defaults) }
+    : { ...payload, body: withSamplingDefaults(payload.body, defaults) };
+}
+
+/**
  * How chat and text completions answer: a stream's chunks relayed as they come (its usage chunk,
  * which every stream asks the engine for, only when the client asked for it), then `[DONE]`; an
  * answer not streamed, as the engine gave it.
@@ -152,7 +167,12 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       clearTimeout(coldStartTimer);
     }
     if (ctl.signal.aborted) throw ctl.signal.reason;
-    const req: InferenceRequest = { id, replyTo: g.responses.replySubject(id), deadline: Date.now() + s.requestTimeoutMs, ...turn.payload };
+    const req: InferenceRequest = {
+      id,
+      replyTo: g.responses.replySubject(id),
+      deadline: Date.now() + s.requestTimeoutMs,
+      ...withModelDefaults(turn.payload, model),
+    };
     published = entry;
     const done = await exchange(entry, req, {
       ...exchangeOptions(app, entry, req, ctl.signal),

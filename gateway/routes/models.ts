@@ -2,12 +2,14 @@
  * `GET /v1/models` and `GET /v1/models/:model`: the ready models the caller may use, OpenAI-shaped,
  * plus `servable` (and `not_servable_reason`): a model no live runtime can run is listed, marked,
  * so a caller sees why its requests are refused; `engines` and `capabilities` (what a request may
- * ask beyond plain chat: `json_schema`). Both answer from a registry read that began after
- * the request arrived, so they agree at all times.
+ * ask beyond plain chat: `json_schema`); `sampling`, the defaults of a request that sets no sampling
+ * field. Both answer from a registry read that began after the request arrived, so they agree at
+ * all times.
  */
 import type { FastifyPluginCallback } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelCapabilities } from '../../shared/runtimes';
+import { modelSampling } from '../../shared/sampling';
 import type { ModelCatalog } from '../serving/model-catalog';
 import { mayUse } from '../plugins/auth';
 import { errors } from '../plugins/errors';
@@ -25,6 +27,7 @@ function toModelObject(m: ReadyModel, models: ModelCatalog): ModelObject {
     ...(why === undefined ? {} : { not_servable_reason: why }),
     engines,
     capabilities: modelCapabilities(engines),
+    sampling: modelSampling(m),
   };
 }
 

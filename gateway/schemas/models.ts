@@ -1,5 +1,6 @@
 /** `GET /v1/models` and `GET /v1/models/:model`: OpenAI's model objects. */
 import { CAPABILITIES, ENGINE_KINDS, type Capability, type EngineKind } from '../../shared/engines';
+import type { SamplingDefaults } from '../../shared/sampling';
 import { errorResponses } from './errors';
 
 const model = {
@@ -14,6 +15,15 @@ const model = {
     not_servable_reason: { type: 'string' },
     engines: { type: 'array', items: { type: 'string', enum: ENGINE_KINDS } },
     capabilities: { type: 'array', items: { type: 'string', enum: CAPABILITIES } },
+    sampling: {
+      type: 'object',
+      properties: {
+        temperature: { type: 'number' },
+        top_p: { type: 'number' },
+        top_k: { type: 'integer' },
+        repetition_penalty: { type: 'number' },
+      },
+    },
   },
 } as const;
 
@@ -30,6 +40,12 @@ export interface ModelObject {
   engines: EngineKind[];
   /** magus: what a request may ask of it beyond plain chat, on every engine it may run on (`json_schema`: `response_format`; `tools`). */
   capabilities: Capability[];
+  /**
+   * magus: the sampling defaults a request that leaves a field out is generated with (shared/sampling.ts:
+   * the `Model`'s `spec.sampling` over what its repository publishes); a field absent here is the
+   * engine's own default.
+   */
+  sampling: SamplingDefaults;
 }
 
 export const listModelsSchema = {

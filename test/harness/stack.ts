@@ -233,7 +233,7 @@ export async function stubEngineStack(opts: StubEngineOptions): Promise<{ engine
 export function stubInstanceStack(
   nc: NatsConnection,
   names: DataPlaneNames,
-  opts: { pool: string; instance: string; slots: number; engine?: StubEngineOptions; bridge?: Pick<BridgeOptions, 'log'> },
+  opts: { pool: string; instance: string; slots: number; engine?: StubEngineOptions; bridge?: Pick<BridgeOptions, 'log' | 'engineKind'> },
 ): Promise<{ engine: StubEngine; bridge: Bridge } & Opened> {
   return pieceOf(async (pieces) => {
     const { engine } = await pieces.open(stubEngineStack({ modelId: opts.pool, ...opts.engine }));
