@@ -4,8 +4,10 @@
  * containers, images, commands, env, init container and volumes — run under `podman kube play`
  * from the images CI built (scripts/images), and a chat completion goes gateway → NATS → the
  * `magus bridge` sidecar → the engine container and back. A llama.cpp instance (`magus engine`
- * over the tiny GGUF, fetched from S3 by `magus fetch`) and a distributed-llama topology (root +
- * 1 worker, the strict stand-in binaries of `localhost/magus-dllama:stand-in`).
+ * over the tiny GGUF, fetched from S3 by `magus fetch`), a distributed-llama topology (root +
+ * 1 worker) of the strict stand-in binaries of `localhost/magus-dllama:stand-in`, and one of the
+ * real programs (`localhost/magus-dllama:0.16.4`, built by scripts/images from the vendored source)
+ * serving the padded stories260K, whose answer must be llama.cpp's on the same token ids.
  *
  * The pods run on a bridge network of this test's own (created here, removed after: a fresh
  * machine has no podman network but the default, and `podman-default-kube-network` exists only
@@ -34,6 +36,8 @@ import type { RunningGateway } from '../gateway/server';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { dllamaPromptIds, dllamaText, publishPaddedStories, writePaddedStories } from './fixtures/stories260k-dllama';
+import { runLlamaCpp } from './reference/llama-cpp';
 import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
@@ -46,6 +50,11 @@ const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
 const NS = 'pods';
 const IMAGES = { magus: 'localhost/magus:0.1.0', dllama: 'localhost/magus-dllama:stand-in' };
+/** distributed-llama itself (a `Dllama`'s `spec.images.dllama` picks it over the runtime's stand-in). */
+const REAL_DLLAMA = 'localhost/magus-dllama:0.16.4';
+const STORY = [{ role: 'user' as const, content: 'Once upon a time' }];
+/** llama.cpp's greedy answer to {@link STORY} on the ids dllama-api evaluates, as distributed-llama spells it. */
+let storyAnswer: string;
 const SECRET = randomBytes(32).toString('hex');
 const TOKEN_ID = 'pods';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
@@ -86,7 +95,7 @@ async function proxyFromPods(target: string): Promise<string> {
 }
 
 beforeAll(async () => {
-  for (const image of Object.values(IMAGES)) {
+  for (const image of [...Object.values(IMAGES), REAL_DLLAMA]) {
     await podman('image', 'exists', image).catch(() => {
       throw new Error(`image ${image} is missing: build it with scripts/images (npm test does)`);
     });
@@ -107,6 +116,12 @@ beforeAll(async () => {
     await s3.send(new PutObjectCommand({ Bucket: iso.bucket, Key: key, Body: body }));
     return { key, bytes: body.length, sha256: createHash('sha256').update(body).digest('hex') };
   };
+  // The real programs: the padded stories260K, F32 (q40 blocks do not fit its 64-wide rows on more than 2 nodes).
+  const stories = await writePaddedStories(join(dir, 'stories'), ['f32']);
+  const published = await publishPaddedStories(stories, 'f32', { s3, bucket: iso.bucket, registry, name: 'storiesd' });
+  await registry.put({ ...published, namespace: NS });
+  const reference = await runLlamaCpp({ model: stories.gguf.f32!, promptTokens: dllamaPromptIds(stories, STORY), nTokens: 16 });
+  storyAnswer = dllamaText(stories, reference.tokens);
   const m = await put('artifacts/tinyd/model.m', randomBytes(4096));
   const t = await put('artifacts/tinyd/tokenizer.t', randomBytes(512));
   await registry.put({
@@ -179,7 +194,13 @@ async function podOf(name: string, workers: { names: string[]; ip?: string }): P
   return { apiVersion: 'v1', kind: 'Pod', metadata: { name: `${name}-0`, labels: sts.spec!.template.metadata?.labels }, spec };
 }
 
-async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', nodesPower: number, expectText: RegExp): Promise<void> {
+async function serveThroughPods(
+  model: string,
+  engine: 'llamacpp' | 'dllama',
+  nodesPower: number,
+  expectText: RegExp | string,
+  opts: { images?: { dllama: string }; messages?: { role: 'user'; content: string }[]; maxTokens?: number } = {},
+): Promise<void> {
   const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
   await custom.createNamespacedCustomObject({
     group: CRD_GROUP,
@@ -190,7 +211,17 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
       apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
       kind: 'Dllama',
       metadata: { name: model },
-      spec: { model, engine, nodesPower, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '10m' },
+      spec: {
+        model,
+        engine,
+        nodesPower,
+        replicas: 1,
+        minReplicas: 0,
+        maxReplicas: 1,
+        leasesPerInstance: 1,
+        idleTimeout: '10m',
+        ...(opts.images ? { images: opts.images } : {}),
+      },
     },
   });
   const instance = `${model}-1`;
@@ -232,7 +263,7 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
     pinTo = { pool: model, instance };
     const r = await openai.chat.completions
       .create(
-        { model: `${NS}/${model}`, messages: [{ role: 'user', content: 'Hello!' }], max_tokens: 4, temperature: 0 },
+        { model: `${NS}/${model}`, messages: opts.messages ?? [{ role: 'user', content: 'Hello!' }], max_tokens: opts.maxTokens ?? 4, temperature: 0 },
         { headers: { 'x-session-id': sessionId } },
       )
       .catch(async (err: Error) => {
@@ -242,7 +273,8 @@ async function serveThroughPods(model: string, engine: 'llamacpp' | 'dllama', no
         );
         throw new Error(`${err.message}; pod logs:\n${logs.slice(-3000)}`);
       });
-    expect(r.choices[0]?.message.content ?? '').toMatch(expectText);
+    if (typeof expectText === 'string') expect(r.choices[0]?.message.content).toBe(expectText);
+    else expect(r.choices[0]?.message.content ?? '').toMatch(expectText);
   } finally {
     pinTo = undefined;
     await podman('kube', 'down', rootFile).catch(() => undefined);
@@ -257,4 +289,8 @@ test('a llama.cpp instance: fetch (init), magus engine and the bridge, as the ru
 
 test('a distributed-llama topology (root + 1 worker, stand-in binaries) as the runtime wrote it answers', async () => {
   await serveThroughPods('tinyd', 'dllama', 1, /\[2 nodes\]/);
+}, 300_000);
+
+test('distributed-llama for real (root + 1 worker pod of the real image): the answer is llama.cpp’s on the same token ids', async () => {
+  await serveThroughPods('storiesd', 'dllama', 1, storyAnswer, { images: { dllama: REAL_DLLAMA }, messages: STORY, maxTokens: 16 });
 }, 300_000);
