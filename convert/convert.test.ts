@@ -7,13 +7,14 @@ import { createHash } from 'node:crypto';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { writeTinyModel } from '../workers/dev/tiny-model';
+import { writeTinyModel, type TinyModelOptions } from '../workers/dev/tiny-model';
 import { convertModel, type ConvertProgress } from './convert';
 import { planDllama } from './dllama';
 import { readGguf } from './gguf-reader';
 import { parseModelSpec } from './arch';
 import { GgmlType } from './gguf';
-import type { WeightsFormat } from './types';
+import { localCheckpoint } from './safetensors';
+import type { CheckpointFiles, WeightsFormat } from './types';
 
 let root: string;
 beforeAll(() => {
@@ -95,6 +96,94 @@ test('distributed-llama: model.m header as planned, sizes add up, tokenizer.t wr
   expect(readFileSync(join(out, 'tokenizer.t')).readUInt32LE(0)).toBe(0x567124);
 });
 
+describe('distributed-llama: what it cannot serve is refused before any tensor is read or any output written', () => {
+  /** A tiny model written with `opts`, then `edit`ed (config.json, tokenizer_config.json), converted to dllama with `weights`. */
+  async function refusal(
+    name: string,
+    weights: WeightsFormat,
+    opts: TinyModelOptions = {},
+    edit: (files: { config: Record<string, unknown>; tokenizerConfig: Record<string, unknown> }) => void = () => undefined,
+  ): Promise<{ code: string; message: string }> {
+    const dir = join(root, `serve-${name}`);
+    await writeTinyModel(dir, { seed: 21, ...opts });
+    const json = (file: string) => JSON.parse(readFileSync(join(dir, file), 'utf8')) as Record<string, unknown>;
+    const files = { config: json('config.json'), tokenizerConfig: json('tokenizer_config.json') };
+    edit(files);
+    writeFileSync(join(dir, 'config.json'), JSON.stringify(files.config));
+    writeFileSync(join(dir, 'tokenizer_config.json'), JSON.stringify(files.tokenizerConfig));
+    // Every byte range read from a weights file, checked against where its header ends.
+    const local = localCheckpoint(dir);
+    const beyondHeader: string[] = [];
+    const checkpoint: CheckpointFiles = {
+      location: local.location,
+      readText: (file) => local.readText(file),
+      async open(file) {
+        const source = await local.open(file);
+        const headerEnd = 8 + Number(readFileSync(join(dir, file)).readBigUInt64LE(0));
+        return {
+          name: source.name,
+          size: () => source.size(),
+          close: () => source.close(),
+          read(offset, length, into) {
+            if (offset + length > headerEnd) beyondHeader.push(`${file}@${offset}+${length}`);
+            return source.read(offset, length, into);
+          },
+        };
+      },
+    };
+    const progress: ConvertProgress[] = [];
+    const out = join(root, `serve-${name}-out`);
+    const err = (await convertModel({ source: checkpoint, format: 'dllama', weights, output: out, threads: 1, onProgress: (p) => progress.push(p) }).catch(
+      (e: unknown) => e,
+    )) as { name: string; code: string; message: string };
+    expect(err).toMatchObject({ name: 'ConvertError' });
+    expect(beyondHeader).toEqual([]);
+    expect(progress).toEqual([]);
+    expect(readdirSync(root).filter((f) => f.startsWith(`serve-${name}-out`))).toEqual([]);
+    return { code: err.code, message: err.message };
+  }
+
+  test.each(['f16', 'q80'] as const)('%s weights: distributed-llama runs no matmul on them', async (weights) => {
+    expect(await refusal(`weights-${weights}`, weights)).toEqual({
+      code: 'UnsupportedWeights',
+      message: `distributed-llama cannot run ${weights} weights: its CPU matmuls take q40 or f32 weights only (${weights} stops at the first matmul: "Unsupported op quant"); convert to q40 or f32`,
+    });
+  });
+
+  test('dimensions no topology runs, not even 1 node, named with the weights that would run', async () => {
+    expect(await refusal('ffn-100', 'f32', { intermediateSize: 100 })).toEqual({
+      code: 'NoTopology',
+      message:
+        'distributed-llama cannot run this model in f32 on any number of nodes: intermediate_size 100 / 1 node = 100 values per node, not a multiple of 8 (F32 matmul)',
+    });
+    expect(await refusal('ffn-104', 'q40', { intermediateSize: 104 })).toEqual({
+      code: 'NoTopology',
+      message:
+        'distributed-llama cannot run this model in q40 on any number of nodes: intermediate_size 104 / 1 node = 104 values per node, not a whole number of 32-value q40 blocks (Q40 matmul) (f32 runs on 1 node)',
+    });
+  });
+
+  test('a byte-level BPE vocabulary with BOS before its regular tokens (GPT-2 style): prompts would reach the model as single bytes', async () => {
+    // Qwen3's tokenizer names no BOS token: config.json's bos_token_id is the BOS, here id 1.
+    const { code, message } = await refusal('bos-first', 'q40', { arch: 'qwen3' }, ({ config }) => (config.bos_token_id = 1));
+    expect(code).toBe('UnsupportedTokenizer');
+    expect(message).toMatch(
+      /^distributed-llama takes the ids below BOS as its regular vocabulary and merges only those, .*\(.+, id 1\) before 380 of its 381 regular tokens/,
+    );
+    expect(message).toContain('every prompt would reach the model as single bytes');
+  });
+
+  test('no chat template, or one dllama-api does not recognize: it would not start', async () => {
+    const none = await refusal('no-template', 'q40', {}, ({ tokenizerConfig }) => delete tokenizerConfig.chat_template);
+    expect(none.code).toBe('UnsupportedChatTemplate');
+    expect(none.message).toContain('it would stop at start with "The tokenizer does not include chat template"');
+    const zephyr = "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token }}{% endfor %}";
+    const unknown = await refusal('zephyr-template', 'q40', {}, ({ tokenizerConfig }) => (tokenizerConfig.chat_template = zephyr));
+    expect(unknown.code).toBe('UnsupportedChatTemplate');
+    expect(unknown.message).toContain('it would stop at start with "Not supported chat template"');
+  });
+});
+
 describe('bad input', () => {
   test('a NaN weight names its tensor and leaves no output', async () => {
     const model = join(root, 'nan');
@@ -113,7 +202,8 @@ describe('bad input', () => {
     expect(readdirSync(root).filter((f) => f.startsWith('nan-out'))).toEqual([]);
   });
 
-  test.each(['gguf', 'dllama'] as const)('%s: a bad tokenizer fails cleanly while the first chunks are being encoded', async (format) => {
+  // GGUF parses the tokenizer while the first chunks are encoded; distributed-llama before any is read.
+  test.each(['gguf', 'dllama'] as const)('%s: a bad tokenizer fails cleanly, nothing left behind', async (format) => {
     const model = join(root, `bad-tokenizer-${format}`);
     await writeTinyModel(model, { seed: 4, dtype: 'F16' });
     writeFileSync(join(model, 'tokenizer.json'), '{"model": ');
@@ -153,7 +243,7 @@ describe('bad input', () => {
     buf.write('model.layers.0.self_attn.w_proj.weight', at);
     writeFileSync(file, buf);
     const out = join(root, 'missing-out');
-    const err = await convertModel({ source: model, format: 'dllama', weights: 'q80', output: out }).catch((e: unknown) => e);
+    const err = await convertModel({ source: model, format: 'dllama', weights: 'q40', output: out }).catch((e: unknown) => e);
     expect(err).toMatchObject({ code: 'MissingTensor' });
     expect((err as Error).message).toContain('model.layers.0.self_attn.v_proj.weight');
     expect(readdirSync(root).filter((f) => f.startsWith('missing-out'))).toEqual([]);

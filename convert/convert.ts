@@ -13,7 +13,7 @@ import { basename, join } from 'node:path';
 import { parseModelSpec, permutedSourceRow, planTensors, type ModelSpec, type OutputFormat, type PlannedTensor, checkSourceShape } from './arch';
 import type { OutputTarget } from './atomic-file';
 import { ChunkBuffers } from './chunk-buffers';
-import { type DllamaModelPlan, planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
+import { checkDllamaModel, checkDllamaTokenizer, checkDllamaWeights, type DllamaModelPlan, planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
 import { ConvertError } from './errors';
 import { ggufTensorInfos, planGgufModel, writeGgufPlanned } from './gguf';
 import { QuantPool } from './pool';
@@ -105,6 +105,7 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
   if (!OUTPUT_FORMATS.includes(opts.format)) throw new ConvertError('UnsupportedConfig', `unknown output format '${String(opts.format)}' (gguf or dllama)`);
   if (!WEIGHTS_FORMATS.includes(opts.weights))
     throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
+  if (opts.format === 'dllama') checkDllamaWeights(opts.weights);
   const checkpoint = typeof opts.source === 'string' ? localCheckpoint(opts.source) : opts.source;
   // The workers start now, so that their start-up overlaps reading the checkpoint's metadata.
   const pool = new QuantPool(opts.threads !== undefined ? { size: opts.threads } : {});
@@ -112,6 +113,7 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
   let weights: ModelWeights | undefined;
   try {
     const spec = await loadModelSpec(checkpoint);
+    if (opts.format === 'dllama') checkDllamaModel(spec, opts.weights);
     weights = await openModel(checkpoint);
     return await convertOpened(opts, checkpoint, spec, weights, pool);
   } finally {
@@ -123,7 +125,8 @@ export async function convertModel(opts: ConvertOptions): Promise<ConvertResult>
 /**
  * The conversion proper. As soon as the tensors are planned (and checked against the
  * checkpoint), the first chunks are read and sent to the workers, which encode them while this
- * thread parses the tokenizer and lays out the header.
+ * thread parses the tokenizer and lays out the header. For distributed-llama the tokenizer is
+ * parsed first: whether distributed-llama can serve it is decided before any tensor is read.
  */
 async function convertOpened(
   opts: ConvertOptions,
@@ -151,10 +154,11 @@ async function convertOpened(
       threads: pool.size,
     };
   }
+  const tokenizer = await loadTokenizer(checkpoint, spec);
+  checkDllamaTokenizer(tokenizer);
   const plan = planDllama(spec, opts.weights, has);
   const stream = tensorStreamer(plan.tensors, weights, pool, 'dllama', chunkElements, opts.onProgress);
   stream.start();
-  const tokenizer = await loadTokenizer(checkpoint, spec);
   return writeDllama(opts.output, spec, tokenizer, plan, stream, pool);
 }
 

@@ -8,9 +8,19 @@
 import { mkdtemp, readFile, readdir, rm } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { type ModelSpec, parseModelSpec } from './arch';
-import { dllamaHeaderEntries, encodeDllamaTokenizer, planDllama, writeDllamaModel, writeDllamaTokenizer } from './dllama';
-import { type ParsedTokenizer, parseTokenizer } from './tokenizer';
+import { type ArchName, type ModelSpec, parseModelSpec } from './arch';
+import {
+  checkDllamaModel,
+  checkDllamaTokenizer,
+  checkDllamaWeights,
+  dllamaChatTemplateKind,
+  dllamaHeaderEntries,
+  encodeDllamaTokenizer,
+  planDllama,
+  writeDllamaModel,
+  writeDllamaTokenizer,
+} from './dllama';
+import { type ParsedTokenizer, parseTokenizer, TokenType } from './tokenizer';
 
 const testdata = join(__dirname, 'testdata');
 
@@ -282,5 +292,117 @@ describe('distributed-llama tokenizer', () => {
     } finally {
       await rm(dir, { recursive: true, force: true });
     }
+  });
+});
+
+describe('what distributed-llama can serve', () => {
+  const LLAMA3_TEMPLATE = "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}";
+
+  it('runs f32 and q40 weights only', () => {
+    expect(() => checkDllamaWeights('f32')).not.toThrow();
+    expect(() => checkDllamaWeights('q40')).not.toThrow();
+    for (const weights of ['f16', 'q80'] as const) {
+      expect(failure(() => checkDllamaWeights(weights))).toMatchObject({
+        name: 'ConvertError',
+        code: 'UnsupportedWeights',
+        message: `distributed-llama cannot run ${weights} weights: its CPU matmuls take q40 or f32 weights only (${weights} stops at the first matmul: "Unsupported op quant"); convert to q40 or f32`,
+      });
+    }
+  });
+
+  it('refuses an architecture it does not run, and a model no topology runs, naming the dimensions', async () => {
+    const { spec } = await tinyLlama();
+    expect(() => checkDllamaModel(spec, 'f32')).not.toThrow();
+    expect(failure(() => checkDllamaModel({ ...spec, arch: 'gemma' as ArchName }, 'q40'))).toMatchObject({
+      code: 'UnsupportedArchitecture',
+      message: 'distributed-llama does not run gemma models (it runs llama, qwen3)',
+    });
+    // head_dim 12 (48 / 4 heads) and an FFN of 100: no node count runs, in either format.
+    expect(failure(() => checkDllamaModel({ ...spec, hidden: 48, headDim: 12, intermediate: 100 }, 'f32'))).toMatchObject({
+      code: 'NoTopology',
+      message:
+        "distributed-llama cannot run this model in f32 on any number of nodes: head_dim 12 is not a multiple of 8 (attention's F32 dot product); intermediate_size 100 / 1 node = 100 values per node, not a multiple of 8 (F32 matmul)",
+    });
+    // f32 runs on 1 and 2 nodes (2 KV heads) where q40's blocks do not fit hidden_size 40.
+    expect(failure(() => checkDllamaModel({ ...spec, hidden: 40, headDim: 8, heads: 4, kvHeads: 2, intermediate: 64 }, 'q40'))).toMatchObject({
+      code: 'NoTopology',
+      message:
+        'distributed-llama cannot run this model in q40 on any number of nodes: hidden_size 40 is not a whole number of 32-value q40 blocks (Q40 matmul) (f32 runs on 1, 2 nodes)',
+    });
+  });
+
+  /** A byte-level BPE tokenizer of `regular` tokens and specials at `specialIds` (BOS the first). */
+  const byteLevel = (regular: number, specialIds: number[], chatTemplate: string | null = LLAMA3_TEMPLATE): ParsedTokenizer => {
+    const size = regular + specialIds.length;
+    const types = Array.from({ length: size }, (_, id) => (specialIds.includes(id) ? TokenType.control : TokenType.normal));
+    return {
+      kind: 'byte-level-bpe',
+      ggmlModel: 'gpt2',
+      pre: 'gpt-2',
+      tokens: types.map((_, id) => (specialIds.includes(id) ? `<|special_${id}|>` : `t${id}`)),
+      tokenBytes: types.map((_, id) => Buffer.from(`t${id}`)),
+      scores: Float32Array.from(types, (_, id) => -id),
+      types,
+      merges: [],
+      bosId: specialIds[0]!,
+      eosId: specialIds[1]!,
+      eosIds: [specialIds[1]!],
+      unkId: null,
+      padId: null,
+      eotId: null,
+      addBos: true,
+      addEos: false,
+      addSpacePrefix: null,
+      chatTemplate,
+      namedChatTemplates: [],
+    };
+  };
+
+  it('takes a byte-level BPE vocabulary whose special tokens follow it (Llama 3, Qwen), and refuses one whose BOS comes first (GPT-2 style)', () => {
+    expect(() => checkDllamaTokenizer(byteLevel(300, [300, 301]))).not.toThrow();
+    expect(failure(() => checkDllamaTokenizer(byteLevel(300, [0, 1, 2])))).toMatchObject({
+      code: 'UnsupportedTokenizer',
+      message:
+        'distributed-llama takes the ids below BOS as its regular vocabulary and merges only those, and this byte-level BPE vocabulary has BOS ("<|special_0|>", id 0) before all of its 300 regular tokens (special tokens first, GPT-2 style): every prompt would reach the model as single bytes; serve this model with llama.cpp (gguf)',
+    });
+  });
+
+  it("takes a SentencePiece vocabulary (BOS 1), as distributed-llama's own converter does", () => {
+    const tok = parseTokenizer({
+      tokenizerJson: {
+        added_tokens: [
+          { id: 0, content: '<unk>', special: true },
+          { id: 1, content: '<s>', special: true },
+          { id: 2, content: '</s>', special: true },
+        ],
+        model: { type: 'BPE', byte_fallback: true, unk_token: '<unk>', vocab: { '<unk>': 0, '<s>': 1, '</s>': 2, '<0x0A>': 3, '▁': 4, '▁hi': 5 }, merges: [] },
+      },
+      tokenizerConfig: { bos_token: '<s>', eos_token: '</s>', chat_template: "{{ bos_token + '[INST] ' + messages[0]['content'] + ' [/INST]' }}" },
+    });
+    expect(() => checkDllamaTokenizer(tok)).not.toThrow();
+  });
+
+  it('needs a chat template dllama-api recognizes, and BOS and EOS ids', () => {
+    expect(failure(() => checkDllamaTokenizer(byteLevel(300, [300, 301], null)))).toMatchObject({
+      code: 'UnsupportedChatTemplate',
+      message:
+        'distributed-llama\'s dllama-api serves chat only with a chat template it recognizes ("[INST]" (llama2), "<|start_header_id|>" (llama3), "<｜Assistant｜>" (deepSeek3), "<|im_start|>" (chatml)), and the tokenizer has none (tokenizer_config.json chat_template, chat_template.jinja): it would stop at start with "The tokenizer does not include chat template"',
+    });
+    expect(failure(() => checkDllamaTokenizer(byteLevel(300, [300, 301], '{% for m in messages %}<|user|>{{ m.content }}{% endfor %}')))).toMatchObject({
+      code: 'UnsupportedChatTemplate',
+      message:
+        'distributed-llama\'s dllama-api recognizes a chat template by "[INST]" (llama2), "<|start_header_id|>" (llama3), "<｜Assistant｜>" (deepSeek3), "<|im_start|>" (chatml), and the tokenizer\'s has none of them: it would stop at start with "Not supported chat template"',
+    });
+    expect(failure(() => checkDllamaTokenizer({ ...byteLevel(300, [300, 301]), bosId: null }))).toMatchObject({ code: 'UnsupportedConfig' });
+    expect(failure(() => checkDllamaTokenizer({ ...byteLevel(300, [300, 301]), eosIds: [] }))).toMatchObject({ code: 'UnsupportedConfig' });
+  });
+
+  it('recognizes templates as dllama-api does: by substring, in its order', () => {
+    expect(dllamaChatTemplateKind("{{ '[INST] ' + m }}")).toBe('llama2');
+    expect(dllamaChatTemplateKind(LLAMA3_TEMPLATE)).toBe('llama3');
+    expect(dllamaChatTemplateKind('{{ "<｜User｜>" + m + "<｜Assistant｜>" }}')).toBe('deepSeek3');
+    expect(dllamaChatTemplateKind("{{ '<|im_start|>' + m['role'] }}")).toBe('chatml');
+    expect(dllamaChatTemplateKind("{{ '<|im_start|>[INST]' }}")).toBe('llama2');
+    expect(dllamaChatTemplateKind('{{ "<start_of_turn>" }}')).toBeNull();
   });
 });

@@ -10,10 +10,11 @@
  *   per token: score f32, byte length u32, bytes.
  */
 import { type OutputTarget, type TensorData, writeFileAtomically, writeTensorData } from './atomic-file';
-import { type ModelSpec, type PlannedTensor, planTensors } from './arch';
+import { type ArchName, type ModelSpec, type PlannedTensor, planTensors } from './arch';
 import { ConvertError } from './errors';
-import type { ParsedTokenizer } from './tokenizer';
+import { TokenType, type ParsedTokenizer } from './tokenizer';
 import type { WeightsFormat } from './types';
+import { DLLAMA_RUNNABLE_WEIGHTS, dllamaNodeCounts, dllamaSplitProblems, dllamaWeightsProblem } from '../shared/dllama-topology';
 import { WEIGHTS, WEIGHTS_FORMATS } from '../shared/weights';
 
 export const DLLAMA_MODEL_MAGIC = 0x0a00abcd;
@@ -57,7 +58,8 @@ export const DllamaTokenizerKey = {
   add_bos: 10,
 } as const;
 
-export const DllamaArchType = { llama: 0xabcd00, qwen3: 0xabcd01 } as const;
+/** The architectures distributed-llama runs, by their `.m` `arch_type` (llm.hpp `LlmArchType`; it also has qwen3_moe, which magus does not convert). */
+export const DllamaArchType: Readonly<Partial<Record<ArchName, number>>> = { llama: 0xabcd00, qwen3: 0xabcd01 };
 /** distributed-llama's `FloatType` of each weights format (shared/weights.ts). */
 export const DllamaFloatType = Object.fromEntries(WEIGHTS_FORMATS.map((f) => [f, WEIGHTS[f].dllamaFloatType])) as Readonly<Record<WeightsFormat, number>>;
 const HIDDEN_ACT_SILU = 1;
@@ -89,7 +91,7 @@ function integral(name: string, v: number): number {
 export function dllamaHeaderEntries(spec: ModelSpec, weights: WeightsFormat): [DllamaHeaderKeyName, number][] {
   const entries: [DllamaHeaderKeyName, number][] = [
     ['version', 0],
-    ['arch_type', DllamaArchType[spec.arch]],
+    ['arch_type', dllamaArchType(spec.arch)],
     ['hidden_act', HIDDEN_ACT_SILU],
     ['dim', int32('dim', spec.hidden)],
     ['hidden_dim', int32('hidden_dim', spec.intermediate)],
@@ -117,6 +119,15 @@ export function dllamaHeaderEntries(spec: ModelSpec, weights: WeightsFormat): [D
   if (spec.explicit.headDim || spec.headDim * spec.heads !== spec.hidden) entries.push(['head_dim', int32('head_dim', spec.headDim)]);
   entries.push(['norm_epsilon', normEpsilonCode(spec.rmsNormEps)]);
   return entries;
+}
+
+/** @throws ConvertError `UnsupportedArchitecture` for an architecture distributed-llama does not run */
+function dllamaArchType(arch: ArchName): number {
+  const type = DllamaArchType[arch];
+  if (type === undefined) {
+    throw new ConvertError('UnsupportedArchitecture', `distributed-llama does not run ${arch} models (it runs ${Object.keys(DllamaArchType).join(', ')})`);
+  }
+  return type;
 }
 
 /** convert-hf.py `parseRmsNormEpsilon`: the runtime knows only 1e-5 and 1e-6. */
@@ -200,12 +211,11 @@ const utf8 = new TextEncoder();
  *   (it even splits regular from special tokens at the BOS id).
  */
 export function encodeDllamaTokenizer(tok: ParsedTokenizer): Uint8Array {
-  if (tok.bosId === null) throw new ConvertError('UnsupportedConfig', 'distributed-llama needs a BOS token id; the tokenizer has none');
-  if (tok.eosIds.length === 0) throw new ConvertError('UnsupportedConfig', 'distributed-llama needs an EOS token id; the tokenizer has none');
+  checkSpecialIds(tok);
   const template = tok.chatTemplate ? utf8.encode(tok.chatTemplate) : null;
   const maxTokenLength = tok.tokenBytes.reduce((m, b) => Math.max(m, b.length), 0);
   const pairs: [number, number][] = [
-    [DllamaTokenizerKey.bos_id, tok.bosId],
+    [DllamaTokenizerKey.bos_id, tok.bosId as number],
     [DllamaTokenizerKey.version, 1],
     [DllamaTokenizerKey.vocab_size, tok.tokenBytes.length],
     [DllamaTokenizerKey.max_token_length, maxTokenLength],
@@ -242,4 +252,113 @@ export async function writeDllamaTokenizer(path: string | OutputTarget, tok: Par
   const bytes = encodeDllamaTokenizer(tok);
   await writeFileAtomically(path, (sink) => sink.write(bytes));
   return bytes.length;
+}
+
+// ---------------------------------------------------------------------------------------------
+// What distributed-llama can serve
+//
+// A `.m`/`.t` pair that distributed-llama 0.16.4 loads but cannot serve is worse than none: the
+// pipeline would publish it and a pool would start it. These checks refuse such a conversion
+// before any tensor is read or anything written, each with a ConvertError naming the reason.
+
+/**
+ * Refuses weights distributed-llama cannot run (f16, q80: shared/weights.ts `dllamaBuffer`).
+ * @throws ConvertError `UnsupportedWeights`
+ */
+export function checkDllamaWeights(weights: WeightsFormat): void {
+  const problem = dllamaWeightsProblem(weights);
+  if (problem !== null) throw new ConvertError('UnsupportedWeights', `${problem}; convert to ${DLLAMA_RUNNABLE_WEIGHTS.join(' or ')}`);
+}
+
+/**
+ * Refuses a model distributed-llama cannot run in `weights` on any number of nodes: weights it
+ * cannot run, an architecture it does not know, and dimensions that split into no topology, not
+ * even 1 node (shared/dllama-topology.ts; the message names each dimension, and the weights that
+ * would run, if any).
+ * @throws ConvertError `UnsupportedWeights`, `UnsupportedArchitecture`, `NoTopology`
+ */
+export function checkDllamaModel(spec: ModelSpec, weights: WeightsFormat): void {
+  checkDllamaWeights(weights);
+  dllamaArchType(spec.arch);
+  // One node is the least any dimension asks of: what stops it stops every topology.
+  const problems = dllamaSplitProblems(spec, weights, 1);
+  if (problems.length === 0) return;
+  const others = DLLAMA_RUNNABLE_WEIGHTS.filter((w) => w !== weights).flatMap((w) => {
+    const nodes = dllamaNodeCounts(spec, w);
+    return nodes.length > 0 ? [`${w} runs on ${nodes.join(', ')} node${nodes.length === 1 && nodes[0] === 1 ? '' : 's'}`] : [];
+  });
+  throw new ConvertError(
+    'NoTopology',
+    `distributed-llama cannot run this model in ${weights} on any number of nodes: ${problems.join('; ')}${others.length > 0 ? ` (${others.join('; ')})` : ''}`,
+  );
+}
+
+/** The chat templates dllama-api 0.16.4 serves, in the order it looks for them (src/tokenizer.cpp `ChatTemplateGenerator`): the text it looks for in the tokenizer's template. */
+export const DLLAMA_CHAT_TEMPLATES = [
+  { kind: 'llama2', marker: '[INST]' },
+  { kind: 'llama3', marker: '<|start_header_id|>' },
+  { kind: 'deepSeek3', marker: '<\uff5cAssistant\uff5c>' },
+  { kind: 'chatml', marker: '<|im_start|>' },
+] as const;
+export type DllamaChatTemplateKind = (typeof DLLAMA_CHAT_TEMPLATES)[number]['kind'];
+
+/** The chat template dllama-api would take `template` for, or null when it recognizes none. */
+export function dllamaChatTemplateKind(template: string): DllamaChatTemplateKind | null {
+  return DLLAMA_CHAT_TEMPLATES.find((t) => template.includes(t.marker))?.kind ?? null;
+}
+
+/**
+ * Refuses a tokenizer distributed-llama cannot serve chat with:
+ * - no BOS or no EOS id (its tokenizer needs both);
+ * - a byte-level BPE vocabulary with regular tokens at or above BOS. distributed-llama takes the
+ *   ids below BOS as its regular vocabulary and merges only those (src/tokenizer.cpp:
+ *   `regularVocabSize = bosId`); every id from BOS on is matched whole, lowest id first. Llama 3
+ *   and Qwen put their special tokens, BOS among them, after the vocabulary, so this works; a
+ *   GPT-2-style vocabulary puts them first (SmolLM2: BOS is id 1), and every prompt then reaches
+ *   the model as single bytes, never merged (SmolLM2 answers "The capital of France is" with one
+ *   token and stops). distributed-llama's own converter refuses those tokenizers
+ *   (`GPT2Tokenizer`). A SentencePiece vocabulary (Llama 2: BOS is id 1) is split the same way,
+ *   into its lowest-id pieces (its `<0xNN>` bytes); its own converter takes those
+ *   (`LlamaTokenizer`), and so does this one;
+ * - no chat template, or one dllama-api recognizes by none of {@link DLLAMA_CHAT_TEMPLATES}: it
+ *   stops at start ("The tokenizer does not include chat template", "Not supported chat template").
+ * @throws ConvertError `UnsupportedConfig` (BOS, EOS), `UnsupportedTokenizer`, `UnsupportedChatTemplate`
+ */
+export function checkDllamaTokenizer(tok: ParsedTokenizer): void {
+  checkSpecialIds(tok);
+  const bos = tok.bosId as number;
+  if (tok.kind === 'byte-level-bpe') {
+    let regular = 0;
+    let above = 0;
+    tok.types.forEach((type, id) => {
+      if (type !== TokenType.normal) return;
+      regular++;
+      if (id >= bos) above++;
+    });
+    if (above > 0) {
+      throw new ConvertError(
+        'UnsupportedTokenizer',
+        `distributed-llama takes the ids below BOS as its regular vocabulary and merges only those, and this byte-level BPE vocabulary has BOS (${JSON.stringify(tok.tokens[bos])}, id ${bos}) before ${above === regular ? 'all' : above} of its ${regular} regular tokens (special tokens first, GPT-2 style): every prompt would reach the model as single bytes; serve this model with llama.cpp (gguf)`,
+      );
+    }
+  }
+  const markers = DLLAMA_CHAT_TEMPLATES.map((t) => `${JSON.stringify(t.marker)} (${t.kind})`).join(', ');
+  if (tok.chatTemplate === null) {
+    throw new ConvertError(
+      'UnsupportedChatTemplate',
+      `distributed-llama's dllama-api serves chat only with a chat template it recognizes (${markers}), and the tokenizer has none (tokenizer_config.json chat_template, chat_template.jinja): it would stop at start with "The tokenizer does not include chat template"`,
+    );
+  }
+  if (dllamaChatTemplateKind(tok.chatTemplate) === null) {
+    throw new ConvertError(
+      'UnsupportedChatTemplate',
+      `distributed-llama's dllama-api recognizes a chat template by ${markers}, and the tokenizer's has none of them: it would stop at start with "Not supported chat template"`,
+    );
+  }
+}
+
+/** @throws ConvertError `UnsupportedConfig` without a BOS or EOS token: distributed-llama needs both */
+function checkSpecialIds(tok: ParsedTokenizer): void {
+  if (tok.bosId === null) throw new ConvertError('UnsupportedConfig', 'distributed-llama needs a BOS token id; the tokenizer has none');
+  if (tok.eosIds.length === 0) throw new ConvertError('UnsupportedConfig', 'distributed-llama needs an EOS token id; the tokenizer has none');
 }

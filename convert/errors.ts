@@ -35,7 +35,15 @@ export type ConvertErrorCode =
   /** The sharded-model index (`model.safetensors.index.json`) is malformed or inconsistent. */
   | 'BadIndex'
   /** A file the model needs (weights, shard, config) does not exist. */
-  | 'MissingFile';
+  | 'MissingFile'
+  /** The output format's runtime cannot run these weights (distributed-llama: f16, q80). */
+  | 'UnsupportedWeights'
+  /** The output format's runtime cannot tokenize with this vocabulary as the model was trained (distributed-llama: GPT-2-style byte-level BPE). */
+  | 'UnsupportedTokenizer'
+  /** No chat template, or one the output format's server does not recognize (distributed-llama's dllama-api). */
+  | 'UnsupportedChatTemplate'
+  /** The model's dimensions split into no distributed-llama topology, not even 1 node (the message names the dimension). */
+  | 'NoTopology';
 
 /** The error `name` of every {@link ConvertError}; also its Temporal failure type. */
 export const CONVERT_ERROR_NAME = 'ConvertError';

@@ -3,13 +3,16 @@
  * magus's own writer, that GGUF to distributed-llama, and the result compared with convertModel's
  * distributed-llama output of the same checkpoint. A GGUF that holds the source values exactly
  * (F32, or F16 from an F16 source) must give the same bytes; a quantized GGUF must give values
- * within the quantization error of the source. Refusals (K-quants, truncated or garbage files)
- * are checked to leave no output behind.
+ * within the quantization error of the source. Only f32 and q40 are written (distributed-llama
+ * runs no other weights). Refusals (K-quants, truncated or garbage files, what distributed-llama
+ * cannot serve) are checked to leave no output behind.
  *
  * The layout (Q/K rows taken as the GGUF has them) was also checked once by hand with the real
  * distributed-llama (b4rtaz/distributed-llama 8d624a7) on SmolLM2-135M-Instruct.Q4_1.gguf: its f32
  * `.m`, given llama.cpp's tokens for a ChatML "What is the capital of France?", generates the
- * same 12 tokens as llama.cpp does on the GGUF ("The capital of France is Paris." and on).
+ * same 12 tokens as llama.cpp does on the GGUF ("The capital of France is Paris." and on). The
+ * converter now refuses SmolLM2 (its GPT-2-style vocabulary: distributed-llama would split its
+ * own prompts into single bytes, dllama.ts `checkDllamaTokenizer`).
  */
 import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -119,10 +122,10 @@ describe('convertGgufToDllama: a GGUF holding the source values exactly', () => 
     }
   });
 
-  // Every weights format for llama; qwen3 (no Q/K permutation, tied) for the exact and the 4-bit
-  // case; rope scaling (recovered from rope_freqs.weight) for the header.
+  // Both weights formats distributed-llama runs for llama; qwen3 (no Q/K permutation, tied) too;
+  // rope scaling (recovered from rope_freqs.weight) for the header.
   const formats: Record<string, readonly WeightsFormat[]> = {
-    'llama (untied, Q/K permuted)': ['f32', 'f16', 'q80', 'q40'],
+    'llama (untied, Q/K permuted)': ['f32', 'q40'],
     'qwen3 (tied embeddings)': ['f32', 'q40'],
     'llama with Llama 3 rope scaling': ['q40'],
   };
@@ -156,13 +159,13 @@ describe('convertGgufToDllama: a GGUF holding the source values exactly', () => 
     const progress: ConvertProgress[] = [];
     const result = await convertGgufToDllama({
       gguf: bytesSource('memory.gguf', readFileSync(ggufs[name]!)),
-      weights: 'q80',
+      weights: 'q40',
       output: { model: join(out, 'x.m'), tokenizer: join(out, 'x.t') },
       threads: 1,
       chunkElements: 1000,
       onProgress: (p) => progress.push(p),
     });
-    expect(readFileSync(join(out, 'x.m')).equals((await direct(dirs[name]!, 'q80')).m)).toBe(true);
+    expect(readFileSync(join(out, 'x.m')).equals((await direct(dirs[name]!, 'q40')).m)).toBe(true);
     expect(readdirSync(out).sort()).toEqual(['x.m', 'x.t']);
     expect(result.files.map((f) => f.bytes)).toEqual([readFileSync(join(out, 'x.m')).length, readFileSync(join(out, 'x.t')).length]);
     const last = progress.at(-1)!;
@@ -182,11 +185,9 @@ describe('convertGgufToDllama: quantized and half-precision GGUFs', () => {
     reference = await decodeModel(model, 'f32', (await direct(model, 'f32')).m);
   });
 
-  it('F16 GGUF → f16 and f32: the same bytes as from the F16 safetensors', async () => {
+  it('F16 GGUF → f32: the same bytes as from the F16 safetensors', async () => {
     const file = await gguf(model, 'f16');
-    for (const weights of ['f16', 'f32'] as const) {
-      expect((await viaGguf(file, weights)).m.equals((await direct(model, weights)).m)).toBe(true);
-    }
+    expect((await viaGguf(file, 'f32')).m.equals((await direct(model, 'f32')).m)).toBe(true);
   });
 
   // Bounds per 32-value block, relative to the block's largest |value|: Q8_0/q80 round to a step
@@ -196,7 +197,6 @@ describe('convertGgufToDllama: quantized and half-precision GGUFs', () => {
   const scale = 2 ** -11;
   const cases: [WeightsFormat, WeightsFormat, number][] = [
     ['q80', 'f32', 0.5 / 127 + scale],
-    ['q80', 'q80', 1 / 127 + 2 * scale],
     ['q40', 'f32', 1 / 8 + scale],
     ['q40', 'q40', 1 / 8 + 2 * scale],
     ['q80', 'q40', 1 / 8 + 0.5 / 127 + 2 * scale],
@@ -340,6 +340,25 @@ describe('convertGgufToDllama: refusals', () => {
   it('an unknown weights format is refused', async () => {
     const { error } = await refusal(file, 'q3' as WeightsFormat);
     expect(error).toMatchObject({ name: 'ConvertError', code: 'UnsupportedConfig' });
+  });
+
+  test.each(['f16', 'q80'] as const)('%s, which distributed-llama cannot run, is refused before anything is read or written', async (weights) => {
+    const { error, left } = await refusal(null, weights);
+    expect(error).toMatchObject({ name: 'ConvertError', code: 'UnsupportedWeights' });
+    expect(error.message).toContain(`distributed-llama cannot run ${weights} weights`);
+    expect(left).toEqual([]);
+  });
+
+  it('a GGUF without a chat template is refused: dllama-api would not start', async () => {
+    const model = fresh('tiny-no-template');
+    await writeTinyModel(model, { seed: 9, dtype: 'F32' });
+    const configPath = join(model, 'tokenizer_config.json');
+    const { chat_template: _, ...config } = JSON.parse(readFileSync(configPath, 'utf8')) as Record<string, unknown>;
+    writeFileSync(configPath, JSON.stringify(config));
+    const { error, left } = await refusal(readFileSync(await gguf(model, 'f32')));
+    expect(error).toMatchObject({ name: 'ConvertError', code: 'UnsupportedChatTemplate' });
+    expect(error.message).toContain('The tokenizer does not include chat template');
+    expect(left).toEqual([]);
   });
 });
 

@@ -11,11 +11,12 @@
  *
  * Everything the input decides is checked before the first byte is written: the header
  * (ConvertError `TruncatedFile`/`BadHeader`), the spec ({@link specFromGguf}), the tokenizer
- * ({@link tokenizerFromGguf}) and every tensor's type ({@link checkDequantizable}).
+ * ({@link tokenizerFromGguf}), every tensor's type ({@link checkDequantizable}) and whether
+ * distributed-llama can serve the result (dllama.ts `checkDllamaModel`, `checkDllamaTokenizer`).
  */
 import { type ModelSpec, planTensors } from './arch';
 import { CHUNK_ELEMENTS, type ConvertProgress, type ConvertResult, type Output, tensorStreamer, writeDllama } from './convert';
-import { planDllama } from './dllama';
+import { checkDllamaModel, checkDllamaTokenizer, checkDllamaWeights, planDllama } from './dllama';
 import { ConvertError } from './errors';
 import { checkDequantizable, ggufRopeFreqs, ggufSourceTensor } from './gguf-dequant';
 import { readGgufHeader } from './gguf-source';
@@ -69,11 +70,13 @@ async function openLocal(path: string): Promise<ByteSource & { close(): Promise<
  *   `BadHeader`, `UnsupportedArchitecture`, `UnsupportedConfig` (also for Llama 3 rope factors that
  *   match no scaling), `MissingTensor`, `ShapeMismatch`,
  *   `UnsupportedDType` (a tensor type that cannot be dequantized, e.g. Q4_K: use the safetensors
- *   repository), `BadBlockSize`, `NonFinite`.
+ *   repository), `BadBlockSize`, `NonFinite`; what distributed-llama cannot serve:
+ *   `UnsupportedWeights`, `NoTopology`, `UnsupportedTokenizer`, `UnsupportedChatTemplate`.
  */
 export async function convertGgufToDllama(opts: GgufToDllamaOptions): Promise<ConvertResult> {
   if (!WEIGHTS_FORMATS.includes(opts.weights))
     throw new ConvertError('UnsupportedConfig', `unknown weights format '${String(opts.weights)}' (${WEIGHTS_FORMATS.join(', ')})`);
+  checkDllamaWeights(opts.weights);
   const opened = typeof opts.gguf === 'string' ? await openLocal(opts.gguf) : null;
   const source = opened ?? (opts.gguf as ByteSource);
   let pool: QuantPool | undefined;
@@ -82,7 +85,9 @@ export async function convertGgufToDllama(opts: GgufToDllamaOptions): Promise<Co
     for (const t of file.tensors) checkDequantizable(t);
     const ropeFreqs = await ggufRopeFreqs(source, file);
     const spec = specFromGguf(file, ropeFreqs ? { ropeFreqs } : {});
+    checkDllamaModel(spec, opts.weights);
     const tokenizer = tokenizerFromGguf(file);
+    checkDllamaTokenizer(tokenizer);
     const entries = new Map(file.tensors.map((t) => [t.name, t]));
 
     const names = ggufTensorNames(spec);

@@ -159,24 +159,24 @@ test('a GGUF repository converted for distributed-llama: the same .m and .t as f
     source: { repo: GGUF_REPO, hubUrl: hub.url, gguf: { file: '*.F16.gguf' } },
     artifacts: [
       { format: 'gguf', weights: 'source' },
-      { format: 'dllama', weights: 'f16' },
+      { format: 'dllama', weights: 'f32' },
     ],
     contextLength: 128,
   });
   const p = await pipelineSettled(handle);
   expect(p).toMatchObject({ phase: 'ready', failure: null });
   const ready = (await registry.get('default', named('tiny-gguf-dllama')))!;
-  expect(ready.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source', 'dllama:f16']);
+  expect(ready.artifacts.map((a) => `${a.format}:${a.weights}`)).toEqual(['gguf:source', 'dllama:f32']);
   expect(ready.memory.map((m) => [`${m.format}:${m.weights}`, m.topologies.map((t) => t.nodes)])).toEqual([
     ['gguf:source', [1]],
-    ['dllama:f16', [1, 2]],
+    ['dllama:f32', [1, 2]],
   ]);
-  const direct = join(dir, 'direct-dllama-f16');
+  const direct = join(dir, 'direct-dllama-f32');
   mkdirSync(direct);
   await convertModel({
     source: join(dir, 'tiny'),
     format: 'dllama',
-    weights: 'f16',
+    weights: 'f32',
     output: { model: join(direct, 'model.m'), tokenizer: join(direct, 'tokenizer.t') },
     threads: 2,
   });

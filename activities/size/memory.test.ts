@@ -1,6 +1,6 @@
 /** The memory table for a Llama-3.2-1B-shaped model, term by term against hand arithmetic. */
 import { parseModelSpec } from '../../convert/arch';
-import { dllamaNodeMemory, dllamaSplits, llamaCppMemory, planMemory } from './memory';
+import { dllamaNodeMemory, dllamaSplitProblem, dllamaSplits, llamaCppMemory, planMemory } from './memory';
 
 const spec = parseModelSpec({
   architectures: ['LlamaForCausalLM'],
@@ -49,14 +49,43 @@ test('four nodes: a quarter of the matrices and KV cache each; only the root hol
   expect(root.buffers).toBeLessThan(one.buffers);
 });
 
-test('topologies: only node counts the heads and blocks split into', () => {
+test('topologies: only node counts distributed-llama runs, and why the others do not', () => {
   expect([1, 2, 4, 8, 16].filter((n) => dllamaSplits(spec, 'q40', n))).toEqual([1, 2, 4, 8]); // 8 KV heads
   const plan = planMemory(spec, 'dllama', 'q40', 4096, 0);
   expect(plan.topologies.map((t) => t.nodes)).toEqual([1, 2, 4, 8]);
+  expect(plan.refused).toEqual([{ nodes: 16, reason: 'num_key_value_heads 8 / 16 nodes is not a whole number of KV heads per node' }]);
   expect(plan.contextLength).toBe(4096);
   // More nodes, less memory per node.
   const totals = plan.topologies.map((t) => t.root.total);
   expect([...totals].sort((a, b) => b - a)).toEqual(totals);
+});
+
+test('f16 and q80 weights, which distributed-llama cannot run: no topology, each refused for the weights', () => {
+  for (const weights of ['f16', 'q80'] as const) {
+    const plan = planMemory(spec, 'dllama', weights, 4096, 0);
+    expect(plan.topologies).toEqual([]);
+    expect(plan.refused?.map((r) => r.nodes)).toEqual([1, 2, 4, 8, 16]);
+    expect(new Set(plan.refused?.map((r) => r.reason))).toEqual(new Set([dllamaSplitProblem(spec, weights, 1)]));
+    expect(plan.refused?.[0]?.reason).toMatch(new RegExp(`^distributed-llama cannot run ${weights} weights`));
+  }
+});
+
+test('a dimension no node count splits: an empty plan naming it for every count', () => {
+  const odd = { ...spec, intermediate: 8196 }; // 8196 / 1 = 8196, not a multiple of 8
+  const plan = planMemory(odd, 'dllama', 'f32', 4096, 0);
+  expect(plan.topologies).toEqual([]);
+  expect(plan.refused?.[0]).toEqual({ nodes: 1, reason: 'intermediate_size 8196 / 1 node = 8196 values per node, not a multiple of 8 (F32 matmul)' });
+});
+
+test('f32 weights sync in f32: their buffers are larger than q40’s by the F32 pipe and the missing q80 copies', () => {
+  const q40 = dllamaNodeMemory(spec, 'q40', 4096, 2).root.buffers;
+  const f32 = dllamaNodeMemory(spec, 'f32', 4096, 2).root.buffers;
+  const B = 32;
+  const q80 = 34 / 32;
+  const [dim, qDim, ff, N] = [2048, 2048, 8192, 2];
+  // ZQ pipe and q_z_slice become F32; q_y, q_d, q_moe_y and q_moe_d are not allocated.
+  const expected = B * dim * N * (4 - q80) + B * (qDim / N) * (4 - q80) - B * dim * q80 * 2 - B * (ff / N) * q80 * 2;
+  expect(f32 - q40).toBeCloseTo(expected, -1);
 });
 
 test('llama.cpp: the mapped file, an F16 KV cache, and the compute buffer', () => {

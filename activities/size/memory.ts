@@ -10,8 +10,13 @@
  * the pipes every node maps (`POS`, `TOK`, `X`, `LG` logits, `ZQ` sync) plus each node's own
  * activations for a batch of `nBatches` (32 by default) tokens, the rope cache
  * (`seqLen × sliceDim × 4`) and the attention scores (`nBatches × heads/N × seqLen × 4`), the
- * largest term at long contexts. Sync buffers are counted as q80 (`--buffer-float-type q80`, the
- * setting distributed-llama recommends); F32 sync makes them ~4× larger, still small.
+ * largest term at long contexts. Sync buffers have the type the weights run with
+ * (`--buffer-float-type`: f32 for f32 weights, q80 for q40; shared/weights.ts `dllamaBuffer`);
+ * with f32 the `q_*` copies are the F32 buffers themselves.
+ *
+ * Which node counts a model runs on is shared/dllama-topology.ts's rule: a plan lists only those
+ * (none for f16 and q80 weights, which distributed-llama cannot run) and says why each other
+ * count does not run (`refused`).
  *
  * llama.cpp: the GGUF is memory-mapped whole; the KV cache is F16 (`layers × 2 × ctx × kvDim × 2`);
  * the compute buffer is estimated for a 512-token micro-batch without flash attention, where
@@ -19,8 +24,11 @@
  * activations and one row of logits. It is an estimate, meant to choose a node size, not exact.
  */
 import { planTensors, type ModelSpec } from '../../convert/arch';
+import { DLLAMA_NODE_COUNTS, dllamaSplitProblem, dllamaSplitProblems } from '../../shared/dllama-topology';
 import type { ArtifactFormat, MemoryPlan, NodeMemory } from '../../shared/model';
 import { weightsFormat, type ArtifactWeights, type WeightsFormat } from '../../shared/weights';
+
+export { DLLAMA_NODE_COUNTS, dllamaSplitProblem };
 
 /** What llama.cpp's memory depends on: a converter's spec has it, and a GGUF source's metadata (convert/gguf-source.ts). */
 export type LlamaCppShape = Pick<ModelSpec, 'layers' | 'hidden' | 'intermediate' | 'heads' | 'kvHeads' | 'headDim' | 'vocab' | 'ctx'>;
@@ -29,8 +37,6 @@ export type LlamaCppShape = Pick<ModelSpec, 'layers' | 'hidden' | 'intermediate'
 export const DLLAMA_BATCHES = 32;
 /** llama.cpp's default micro-batch (`n_ubatch`). */
 export const LLAMA_CPP_UBATCH = 512;
-/** Topologies we size: 2^n nodes, n = 0..4. */
-export const DLLAMA_NODE_COUNTS = [1, 2, 4, 8, 16] as const;
 
 const F32 = 4;
 /** Bytes per value of a q80 buffer (34-byte blocks of 32). */
@@ -44,17 +50,11 @@ const node = (weights: number, kvCache: number, buffers: number): NodeMemory => 
 });
 
 /**
- * Whether distributed-llama can split this model across `nodes`: every sliced dimension must
- * divide evenly, and for block formats each slice must hold whole blocks.
+ * Whether distributed-llama runs this model in `weights` on `nodes` nodes (shared/dllama-topology.ts;
+ * {@link dllamaSplitProblem} says why not).
  */
 export function dllamaSplits(spec: ModelSpec, weights: WeightsFormat, nodes: number): boolean {
-  const qDim = spec.heads * spec.headDim;
-  const kvDim = spec.kvHeads * spec.headDim;
-  const even = [spec.heads, spec.kvHeads, qDim, kvDim, spec.intermediate, spec.vocab].every((d) => d % nodes === 0);
-  if (!even) return false;
-  const { blockQuantized, blockSize } = weightsFormat(weights);
-  if (blockQuantized) return (qDim / nodes) % blockSize === 0 && (spec.intermediate / nodes) % blockSize === 0;
-  return true;
+  return dllamaSplitProblems(spec, weights, nodes).length === 0;
 }
 
 /** Memory per node for distributed-llama on `nodes` nodes (root, and any worker). */
@@ -79,20 +79,24 @@ export function dllamaNodeMemory(spec: ModelSpec, weights: WeightsFormat, seqLen
 
   const kvCache = spec.layers * 2 * seqLen * (kvDim / N) * F32;
 
-  const pipes = 2 * B * F32 + B * dim * F32 + B * spec.vocab * F32 + B * dim * N * Q80;
+  // The sync type: q80 buffers are copies beside the F32 ones; f32 "copies" are those buffers.
+  const f32Sync = weightsFormat(weights).dllamaBuffer === 'f32';
+  const sync = f32Sync ? F32 : Q80;
+  const copy = f32Sync ? 0 : Q80;
+  const pipes = 2 * B * F32 + B * dim * F32 + B * spec.vocab * F32 + B * dim * N * sync;
   const activations =
     2 * B * dim * F32 + // x, y
-    B * dim * Q80 + // q_y
+    B * dim * copy + // q_y
     B * qDim * F32 + // z
-    B * (qDim / N) * Q80 + // q_z_slice
+    B * (qDim / N) * sync + // q_z_slice
     B * (qDim / N) * F32 + // q
     2 * B * (kvDim / N) * F32 + // k_temp, v_temp
     B * (spec.heads / N) * seqLen * F32 + // att
     B * (spec.vocab / N) * F32 + // lg
     2 * B * (ff / N) * F32 + // d, l
-    B * (ff / N) * Q80 + // q_d
-    B * dim * (F32 + Q80) + // moe_y, q_moe_y (allocated for dense models too)
-    B * (ff / N) * (F32 + Q80); // moe_d, q_moe_d
+    B * (ff / N) * copy + // q_d
+    B * dim * (F32 + copy) + // moe_y, q_moe_y (allocated for dense models too)
+    B * (ff / N) * (F32 + copy); // moe_d, q_moe_d
   const ropeCache = (nodeIndex: number): number => {
     if (spec.arch === 'qwen3') return seqLen * spec.headDim * F32; // falcon-style rope
     const sliceDim = (qDim / N) * (nodeIndex + 1) - (kvDim / N) * nodeIndex;
@@ -134,9 +138,12 @@ export function planMemory(
 ): MemoryPlan {
   if (format === 'gguf') return planLlamaCppMemory(spec, weights, contextLength, artifactBytes);
   const ctx = Math.min(contextLength ?? spec.ctx, spec.ctx);
-  const topologies = DLLAMA_NODE_COUNTS.filter((n) => dllamaSplits(spec, weights, n)).map((nodes) => ({
-    nodes,
-    ...dllamaNodeMemory(spec, weights, ctx, nodes),
-  }));
-  return { format, weights, contextLength: ctx, topologies };
+  const topologies: MemoryPlan['topologies'] = [];
+  const refused: NonNullable<MemoryPlan['refused']> = [];
+  for (const nodes of DLLAMA_NODE_COUNTS) {
+    const reason = dllamaSplitProblem(spec, weights, nodes);
+    if (reason === null) topologies.push({ nodes, ...dllamaNodeMemory(spec, weights, ctx, nodes) });
+    else refused.push({ nodes, reason });
+  }
+  return { format, weights, contextLength: ctx, topologies, refused };
 }
