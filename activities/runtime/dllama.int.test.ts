@@ -1,13 +1,15 @@
 /**
  * The local runtime with distributed-llama configured, against the real nats-server and S3
- * store, with test/fixtures/fake-dllama.js standing in for `dllama` and `dllama-api` (they parse
- * the real command lines strictly, workers listen, the root connects to every worker before it
- * serves). Requests go the production way: published to the instance's subject, answered by the
- * runtime's in-process bridge through the root's HTTP API.
+ * store, running the real programs (`dllama-api` root, `dllama worker`s: built from the vendored
+ * source with magus's patches by scripts/dev-services) over a real model, the padded stories260K
+ * (test/fixtures/stories260k-dllama.ts) in F32. Requests go the production way: published to the
+ * instance's subject, answered by the runtime's in-process bridge through the root's HTTP API.
+ * Greedy answers are compared before and after every restart and replacement: a topology started
+ * again must answer exactly as before.
  */
 import { PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
-import { chmodSync, mkdirSync, readdirSync, readFileSync, symlinkSync, writeFileSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/chat';
@@ -15,26 +17,28 @@ import type { ReadyModel } from '../../shared/model';
 import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
 import { runtimeStack, TestStack } from '../../test/harness/stack';
+import { publishPaddedStories, writePaddedStories } from '../../test/fixtures/stories260k-dllama';
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
+import { resolveBinaries } from '../../workers/dev/services';
 import { LocalRuntime } from './local';
 import { sleep, until } from '../../test/harness/wait';
 
-const FAKE = join(__dirname, '..', '..', 'test', 'fixtures', 'fake-dllama.js');
 const POOL = 'tiny';
 
-/** The fake binaries' folder, under `dir`. */
-let bin: string;
+/** The real programs. */
+let bins: { api: string; worker: string };
 let dir: string;
 let nc: NatsConnection;
 let names: DataPlaneNames;
 let registry: ModelRegistry;
 let s3: S3Client;
 let bucket: string;
+/** The registered model's two files, as the runtime caches them. */
+let files: { model: Buffer; tokenizer: Buffer };
 const runtimes: LocalRuntime[] = [];
 const logs: string[] = [];
 const stack = new TestStack();
-const files = { model: randomBytes(64 * 1024), tokenizer: randomBytes(2 * 1024) };
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
 
 /** Whether a process with this pid exists (a zombie counts as gone: the runtime reaps its children). */
@@ -46,17 +50,20 @@ function alive(pid: number): boolean {
   }
 }
 
-/** Pids of every process running a program from `folder` (the stand-ins, however they were started). */
-function processesFrom(folder: string): number[] {
+/**
+ * Pids of the distributed-llama processes this test process started and that still run: its
+ * children running `dllama-api` or `dllama` (setpriv and stdbuf exec them in place). Children only:
+ * another suite may run the same programs at the same time.
+ */
+function ourDllamaProcesses(): number[] {
   return readdirSync('/proc')
     .filter((p) => /^\d+$/.test(p))
     .filter((p) => {
       try {
-        return (
-          readFileSync(`/proc/${p}/cmdline`, 'utf8')
-            .split('\0')
-            .some((a) => a.startsWith(`${folder}/`)) && alive(Number(p))
-        );
+        const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
+        const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+        const program = readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0')[0];
+        return ppid === process.pid && (program === bins.api || program === bins.worker) && alive(Number(p));
       } catch {
         return false;
       }
@@ -64,46 +71,32 @@ function processesFrom(folder: string): number[] {
     .map(Number);
 }
 
-/** A model whose only artifact is distributed-llama q40, planned for 1, 2 and 4 nodes at context 256. */
-async function registerModel(name: string): Promise<ReadyModel> {
-  const prefix = `artifacts/org/${name}/abc/dllama-q40/1/`;
-  for (const [file, body] of [
-    ['model.m', files.model],
-    ['tokenizer.t', files.tokenizer],
-  ] as const) {
-    await s3.send(new PutObjectCommand({ Bucket: bucket, Key: `${prefix}${file}`, Body: body }));
-  }
-  const node = (total: number) => ({ weights: total, kvCache: 0, buffers: 0, total });
+/** A model whose `.m` is not a model: the real root refuses to load it. */
+async function registerBroken(name: string): Promise<void> {
+  const prefix = `artifacts/org/${name}/dllama-f32/`;
+  const put = async (file: string, body: Buffer) => {
+    await s3.send(new PutObjectCommand({ Bucket: bucket, Key: prefix + file, Body: body }));
+    return { key: prefix + file, bytes: body.length, sha256: sha(body) };
+  };
   const ready: ReadyModel = {
     namespace: 'default',
     name,
-    source: { repo: `org/${name}`, revision: 'main', sha: 'abc' },
+    source: { repo: `org/${name}`, revision: 'main', sha: 'b'.repeat(40) },
     artifacts: [
       {
         format: 'dllama',
-        weights: 'q40',
+        weights: 'f32',
         converterVersion: '1',
-        files: [
-          { key: `${prefix}model.m`, bytes: files.model.length, sha256: sha(files.model) },
-          { key: `${prefix}tokenizer.t`, bytes: files.tokenizer.length, sha256: sha(files.tokenizer) },
-        ],
+        files: [await put('model.m', randomBytes(64 * 1024)), await put('tokenizer.t', files.tokenizer)],
       },
     ],
-    memory: [
-      {
-        format: 'dllama',
-        weights: 'q40',
-        contextLength: 256,
-        topologies: [1, 2, 4].map((n) => ({ nodes: n, root: node(2 ** 20 * n), worker: n > 1 ? node(2 ** 19) : null })),
-      },
-    ],
+    memory: [],
     readyAt: new Date().toISOString(),
   };
   await registry.put(ready);
-  return ready;
 }
 
-function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
+function runtime(dllama: { nodes: number }): LocalRuntime {
   const r = new LocalRuntime({
     nc,
     names,
@@ -112,10 +105,10 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
     bucket,
     cacheDir: join(dir, 'cache'),
     dllama: {
-      apiBin: dllama.apiBin ?? join(bin, 'dllama-api'),
-      workerBin: join(bin, 'dllama'),
+      apiBin: bins.api,
+      workerBin: bins.worker,
       nodes: dllama.nodes,
-      threads: 2,
+      threads: 1,
       stopGraceMs: 2000,
       startTimeoutSec: 60,
     },
@@ -128,7 +121,9 @@ function runtime(dllama: { nodes: number; apiBin?: string }): LocalRuntime {
   return r;
 }
 
-const ask = (instance: string, body: Partial<ChatCompletionRequest>) => askInstance(nc, names, POOL, instance, body);
+/** Greedy, short: the same question answers the same text from any healthy topology of this model. */
+const ask = (instance: string, body: Partial<ChatCompletionRequest>, model = 'tiny') =>
+  askInstance(nc, names, POOL, instance, { model, temperature: 0, max_tokens: 16, messages: [{ role: 'user', content: 'Once upon a time' }], ...body });
 
 beforeAll(async () => {
   const iso = isolation();
@@ -137,11 +132,12 @@ beforeAll(async () => {
   stack.defer(async () => {
     for (const r of runtimes) await r.stopAll();
   });
-  bin = join(dir, 'bin');
-  mkdirSync(bin);
-  for (const name of ['dllama', 'dllama-api']) symlinkSync(FAKE, join(bin, name));
-  await registerModel('tiny');
-});
+  const resolved = await resolveBinaries(['dllama', 'dllama-api']);
+  bins = { api: resolved['dllama-api']!, worker: resolved.dllama! };
+  const model = await writePaddedStories(join(dir, 'stories'), ['f32']);
+  await publishPaddedStories(model, 'f32', { s3, bucket, registry, name: 'tiny', contextLength: 256 });
+  files = { model: readFileSync(join(model.dllama.f32!, 'model.m')), tokenizer: readFileSync(join(model.dllama.f32!, 'tokenizer.t')) };
+}, 120_000);
 
 afterAll(() => stack.close());
 
@@ -161,8 +157,9 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   expect(new Set(procs.map((p) => p.port)).size).toBe(4);
   const [root, ...workers] = procs;
   const cached = (b: Buffer, ext: string) => join(dir, 'cache', `${sha(b)}${ext}`);
+  expect(procs.map((p) => p.pid).sort()).toEqual(ourDllamaProcesses().sort());
   expect(root!.argv).toEqual([
-    join(bin, 'dllama-api'),
+    bins.api,
     '--host',
     '127.0.0.1',
     '--port',
@@ -172,15 +169,15 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
     '--tokenizer',
     cached(files.tokenizer, '.t'),
     '--buffer-float-type',
-    'q80',
+    'f32', // the weights are f32: q80 buffers would abort at the first matmul
     '--nthreads',
-    '2',
+    '1',
     '--max-seq-len',
     '256',
     '--workers',
     ...workers.map((w) => `127.0.0.1:${w.port}`),
   ]);
-  for (const w of workers) expect(w.argv).toEqual([join(bin, 'dllama'), 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '2']);
+  for (const w of workers) expect(w.argv).toEqual([bins.worker, 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '1']);
   // What each process really runs (setpriv and stdbuf exec it): its command line ends with exactly that.
   for (const p of procs) {
     const cmdline = readFileSync(`/proc/${p.pid}/cmdline`, 'utf8').split('\0').slice(0, -1);
@@ -190,23 +187,30 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   expect(readFileSync(cached(files.model, '.m')).equals(files.model)).toBe(true);
   expect(readFileSync(cached(files.tokenizer, '.t')).equals(files.tokenizer)).toBe(true);
   // The root connected to every worker before it served; output is logged per process.
-  for (const w of workers) {
-    expect(logs).toContain(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ NodeIndex: ${w.index}`);
-    expect(logs).toContain(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ nNodes: 4`);
-  }
-  expect(logs).toContain(`${POOL}/tiny-1 root :${root!.port}: ⭕ Network is initialized (4 nodes)`);
+  // (A worker's lines come through its own pipe: they may arrive after the root serves.)
+  await until('every worker to log its place', () =>
+    workers.every(
+      (w) =>
+        // distributed-llama counts a worker's peers (the other workers) and its index among them from 0.
+        logs.includes(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ The root node has connected`) &&
+        logs.includes(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ NodeIndex: ${w.index - 1}`) &&
+        logs.includes(`${POOL}/tiny-1 worker ${w.index} :${w.port}: ⭕ Network is initialized`),
+    ),
+  );
+  for (const w of workers) expect(logs).toContain(`${POOL}/tiny-1 root :${root!.port}: ⭕ Socket[${w.index - 1}]: connecting to 127.0.0.1:${w.port} worker`);
+  expect(logs).toContain(`${POOL}/tiny-1 root :${root!.port}: ⭕ Network is initialized`);
   expect(
     logs.some((l) =>
-      l.startsWith('tiny/tiny-1: distributed-llama on 4 node(s), q40 weights, --max-seq-len 256; planned memory: root 4 MiB, each worker 1 MiB'),
+      /^tiny\/tiny-1: distributed-llama on 4 node\(s\), f32 weights, --max-seq-len 256; planned memory: root \d+ MiB, each worker \d+ MiB$/.test(l),
     ),
   ).toBe(true);
 
-  // Requests through NATS → bridge → root, streamed and not.
-  const streamed = await ask('tiny-1', { stream: true, messages: [{ role: 'user', content: 'Hello, topology' }] });
-  expect(streamed.text).toBe('Hello, topology [4 nodes]');
+  // Requests through NATS → bridge → root, streamed and not: the same greedy story.
+  const streamed = await ask('tiny-1', { stream: true });
   expect(streamed.frames.at(-1)?.type).toBe('done');
-  const whole = await ask('tiny-1', { stream: false, messages: [{ role: 'user', content: 'Once more' }] });
-  expect(whole.text).toBe('Once more [4 nodes]');
+  const story = streamed.text;
+  expect(story.length).toBeGreaterThan(20);
+  expect((await ask('tiny-1', { stream: false })).text).toBe(story);
   const models = (await (await fetch(`http://127.0.0.1:${root!.port}/v1/models`)).json()) as { data: { id: string }[] };
   expect(models.data.map((m) => m.id)).toEqual([`${sha(files.model)}.m`]); // dllama-api names the model by its file
 
@@ -228,7 +232,7 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
       ),
     ),
   ).toBe(true);
-  expect((await ask('tiny-1', { stream: false, messages: [{ role: 'user', content: 'Still there?' }] })).text).toBe('Still there? [4 nodes]');
+  expect((await ask('tiny-1', { stream: false })).text).toBe(story);
 
   // The root dies too, within the window: a crash loop, no more restarts; describe says unhealthy.
   process.kill(restarted[0]!.pid!, 'SIGKILL');
@@ -245,26 +249,25 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   const again = rt.processes(POOL, 'tiny-1')!;
   expect(again).toHaveLength(4);
   expect(again.every((p) => p.running && !procs.some((old) => old.pid === p.pid) && !restarted.some((old) => old.pid === p.pid))).toBe(true);
-  expect((await ask('tiny-1', { stream: true })).text).toBe('Hello [4 nodes]');
+  expect((await ask('tiny-1', { stream: true })).text).toBe(story);
 
   // destroy(): every process is gone when it resolves, and the runtime forgets the instance.
   await rt.destroy(POOL, 'tiny-1');
   expect(again.filter((p) => alive(p.pid!))).toEqual([]);
-  expect(processesFrom(bin)).toEqual([]);
+  expect(ourDllamaProcesses()).toEqual([]);
   expect(await rt.describe(POOL, 'tiny-1')).toBeNull();
   expect(rt.processes(POOL, 'tiny-1')).toBeNull();
 });
 
-test('a root that cannot start fails create() with its own words, and leaves no worker behind', async () => {
-  const broken = join(dir, 'broken-dllama-api');
-  writeFileSync(broken, '#!/bin/sh\necho "cannot load the model" >&2\nexit 3\n');
-  chmodSync(broken, 0o755);
-  const rt = runtime({ nodes: 2, apiBin: broken });
-  const err = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-2' }, new AbortController().signal).catch((e: Error) => e);
+test('a root that cannot load its model fails create() with its own words, and leaves no worker behind', async () => {
+  await registerBroken('broken');
+  const rt = runtime({ nodes: 2 });
+  const err = await rt.create({ namespace: 'default', model: 'broken', pool: POOL, instance: 'tiny-2' }, new AbortController().signal).catch((e: Error) => e);
   expect(err).toMatchObject({ name: 'TopologyStartFailed' });
-  expect((err as Error).message).toMatch(/^tiny\/tiny-2 root :\d+ exited with code 3 while waiting for the root to load the model, connect 1 worker\(s\)/);
-  expect((err as Error).message).toContain('cannot load the model');
-  expect(processesFrom(bin)).toEqual([]);
+  // dllama-api throws, and the uncaught exception aborts it.
+  expect((err as Error).message).toMatch(/^tiny\/tiny-2 root :\d+ was killed by SIGABRT while waiting for the root to load the model, connect 1 worker\(s\)/);
+  expect((err as Error).message).toContain('Unsupported magic number');
+  expect(ourDllamaProcesses()).toEqual([]);
   expect(await rt.describe(POOL, 'tiny-2')).toBeNull();
 });
 
@@ -272,9 +275,9 @@ test('nodes the model cannot be split into: create() says so (no GGUF to fall ba
   const rt = runtime({ nodes: 8 });
   await expect(rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-3' }, new AbortController().signal)).rejects.toMatchObject({
     name: 'NoArtifact',
-    message: 'model default/tiny has no distributed-llama artifact that runs on 8 nodes (q40: splits into 1, 2, 4 nodes)',
+    message: 'model default/tiny has no distributed-llama artifact that runs on 8 nodes (f32: splits into 1, 2, 4 nodes)',
   });
-  expect(processesFrom(bin)).toEqual([]);
+  expect(ourDllamaProcesses()).toEqual([]);
 });
 
 test('destroy() while the topology starts: the start is aborted, and no process is left when destroy resolves', async () => {
@@ -285,7 +288,7 @@ test('destroy() while the topology starts: the start is aborted, and no process 
     (err: Error) => ((settled = true), err),
   );
   // The root is held before it serves, as if it were still loading the model.
-  const rootPid = () => processesFrom(bin).find((pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').includes(join(bin, 'dllama-api')));
+  const rootPid = () => ourDllamaProcesses().find((pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0')[0] === bins.api);
   // The pid the wait found is the one held (looking again could miss it: CI saw `undefined` once).
   let root: number | undefined;
   await until('the root to start', () => (root = rootPid()) !== undefined || settled);
@@ -294,7 +297,7 @@ test('destroy() while the topology starts: the start is aborted, and no process 
   expect(settled).toBe(false);
 
   await rt.destroy(POOL, 'tiny-4');
-  expect(processesFrom(bin)).toEqual([]);
+  expect(ourDllamaProcesses()).toEqual([]);
   expect(await outcome).toMatchObject({ name: 'InstanceDestroyed' });
   expect(await rt.describe(POOL, 'tiny-4')).toBeNull();
   expect(rt.processes(POOL, 'tiny-4')).toBeNull();
