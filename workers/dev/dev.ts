@@ -388,12 +388,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
     if (demoGguf) spec.sampling = { ...SMOLLM2_SAMPLING };
     const problems = validateModelSpec(spec);
     if (problems.length > 0) throw new Error(problems.join('; '));
-    if (await readyFromEarlierRun(client, workflowId, repo)) {
+    const earlier = await readyFromEarlierRun(client, workflowId, repo);
+    if (earlier) {
       say(`model "${name}" (${repo}) is ready from an earlier run: not pulled again (workflow ${workflowId})`);
-      // Declared now, or again (a spec this magus changed, e.g. its sampling): the pipeline re-plans
-      // only when the spec differs, and fetches nothing again. Server-side apply of an equal spec changes nothing.
-      if (kc && !opts.tokenEnv) await declareModel(kc, name, spec);
-      else await client.workflow.getHandle<typeof modelPipeline>(workflowId).signal(specChangedSignal, spec);
+      // Declared by an earlier run without the kubectl door: declared now (the controller re-plans; nothing is fetched again).
+      if (kc && !opts.tokenEnv && !(await modelDeclared(kc, name))) await declareModel(kc, name, spec);
     } else {
       say(`pulling ${repo} through the modelPipeline workflow (watch it at ${e.temporal!.uiUrl}) …`);
       // With the kubectl door open the model is declared as a `Model` and the controller starts its
@@ -430,7 +429,15 @@ export async function runDev(opts: DevOptions): Promise<number> {
     }
     interrupted();
     // "Ready" is what a client sees: the gateway's catalog (a watched registry) lists the model.
-    await listedByGateway(gateway.url, token.value, name, opts.stop);
+    const listed = await listedByGateway(gateway.url, token.value, name, opts.stop);
+    // A model an earlier magus prepared without the sampling defaults its spec now has: applied
+    // again, its pipeline re-plans in seconds (fetching nothing) and publishes them.
+    const sampling = Object.entries(spec.sampling ?? {});
+    if (earlier && listed && !sampling.every(([k, v]) => listed.sampling?.[k] === v)) {
+      say(`applying the sampling defaults of "${name}" (${sampling.map(([k, v]) => `${k} ${v}`).join(', ')}): it re-plans, fetching nothing`);
+      if (kc && !opts.tokenEnv) await declareModel(kc, name, spec);
+      else await client.workflow.getHandle<typeof modelPipeline>(workflowId).signal(specChangedSignal, spec);
+    }
 
     // The kubectl door shows the topology: the pool declared as a `Dllama` of that many nodes.
     if (kc && opts.engine === 'dllama') await declareDemoDllama(kc, name, opts.nodes ?? 2);
@@ -518,22 +525,43 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
   );
 }
 
-/** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`. */
-async function listedByGateway(url: string, token: string, model: string, stop: AbortSignal): Promise<void> {
+/** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`, and returns its entry. */
+async function listedByGateway(url: string, token: string, model: string, stop: AbortSignal): Promise<ListedModel | undefined> {
   const deadline = Date.now() + 10_000;
   while (!stop.aborted) {
     try {
       const res = await fetch(`${url}/v1/models`, { headers: { authorization: `Bearer ${token}` }, signal: AbortSignal.timeout(2000) });
-      const body = (await res.json()) as { data?: { id: string }[] };
-      if (body.data?.some((m) => m.id === model)) return;
+      const body = (await res.json()) as { data?: ListedModel[] };
+      const listed = body.data?.find((m) => m.id === model);
+      if (listed) return listed;
     } catch {
       // not yet
     }
     if (Date.now() > deadline) {
       say(`the gateway does not list "${model}" yet; it will once its registry watch catches up`);
-      return;
+      return undefined;
     }
     await new Promise((r) => setTimeout(r, 100));
+  }
+  return undefined;
+}
+
+/** What dev reads of a `/v1/models` entry: its id and sampling defaults. */
+interface ListedModel {
+  id: string;
+  sampling?: Record<string, number>;
+}
+
+/** Whether the `Model` `name` exists in `default`. */
+async function modelDeclared(kc: KubeConfig, name: string): Promise<boolean> {
+  try {
+    await kc
+      .makeApiClient(CustomObjectsApi)
+      .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
+    return true;
+  } catch (err) {
+    if ((err as { code?: number }).code === 404) return false;
+    throw err;
   }
 }
 
