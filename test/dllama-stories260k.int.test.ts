@@ -161,6 +161,21 @@ describe.each([1, 2, 4])('%i node(s): a real root and workers', (nodes) => {
       expect(after).toHaveLength(1);
       expect(after[0]).not.toBe(before[0]);
     }, 180_000);
+
+    test('a worker SIGKILLed while answering: the topology is started again and the answer in flight is given whole, then the next turn', async () => {
+      const [worker] = dllamaWorkers(bins.worker);
+      // Held, the worker keeps the root waiting mid-answer (the root syncs with it at every layer).
+      process.kill(worker!, 'SIGSTOP');
+      const inFlight = ask(f32, false);
+      await new Promise((r) => setTimeout(r, 1000));
+      process.kill(worker!, 'SIGKILL');
+      // The root fails the request, the whole topology starts again on the same ports, and the
+      // bridge's retry generates the answer again (greedy: the same text; ~3 s here).
+      expect(await inFlight).toBe(expectedF32);
+      const [replaced] = dllamaWorkers(bins.worker);
+      expect(replaced).not.toBe(worker);
+      expect(await ask(f32, false)).toBe(expectedF32);
+    }, 180_000);
   }
 
   if (nodes <= 2) {
