@@ -110,7 +110,14 @@ export class ResourceController implements Controller {
       core,
       cleanupTimeoutMs: opts.cleanupTimeoutMs ?? 120_000,
     });
-    this.dllamaReconciler = new DllamaReconciler({ workflows: this.workflows, finalizers: this.finalizers, core, dllamas: () => this.dllamas.list() });
+    this.dllamaReconciler = new DllamaReconciler({
+      workflows: this.workflows,
+      finalizers: this.finalizers,
+      core,
+      custom,
+      dllamas: () => this.dllamas.list(),
+      model: (namespace, name) => this.models.get(namespace, name),
+    });
     this.queue = new WorkQueue((key) => this.reconcile(key), {
       concurrency: opts.concurrency ?? 64,
       onError: (key, err, attempt) => {
@@ -122,7 +129,12 @@ export class ResourceController implements Controller {
     const scope = opts.namespace ? `/namespaces/${opts.namespace}` : '';
     this.models = watchResource<ModelResource>(opts.kc, {
       path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
-      onEvent: (type, o) => (type === 'DELETED' ? this.modelReconciler.deleted(o) : this.queue.add(keyOf(Kind.model, o))),
+      onEvent: (type, o) => {
+        if (type === 'DELETED') this.modelReconciler.deleted(o);
+        else this.queue.add(keyOf(Kind.model, o));
+        // Their Splittable condition follows the Model's status.
+        for (const d of this.dllamaReconciler.servingModel(o)) this.queue.add(keyOf(Kind.dllama, d));
+      },
       log: (l) => log(`watch models: ${l}`),
       backoff: WATCH_BACKOFF,
     });

@@ -8,13 +8,20 @@
  *   `<uid>/<generation>`, as for a Model.
  * - Deletion waits on the finalizer: the pool is told its resource is gone (it keeps serving the
  *   model for whoever asks, and may scale to zero), then the finalizer goes.
+ * - A distributed-llama Dllama's `Splittable` condition says whether its model runs on the nodes
+ *   it asks for, naming the dimension when not (kube/status.ts `dllamaSplitCondition`, from the
+ *   Model's status): written by server-side apply of that one condition under the controller's
+ *   field manager (the pool's status writes own the others), when it changes — the Dllama's own
+ *   changes and its Model's both bring it here — with a `CannotSplit` Warning Event when it turns
+ *   False.
  */
-import type { CoreV1Api } from '@kubernetes/client-node';
+import { PatchStrategy, setHeaderOptions, type CoreV1Api, type CustomObjectsApi } from '@kubernetes/client-node';
 import { recordEvent } from '../kube/events';
+import { dllamaSplitCondition, mergeConditions } from '../kube/status';
 import type { WatchEventType } from '../kube/watch';
-import { WorkflowSummary } from '../shared/constants';
+import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../shared/constants';
 import { isDistributed } from '../shared/engines';
-import { Kind, parseDuration, Plural, type DllamaResource } from '../shared/kube';
+import { DllamaCondition, FieldManager, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../workflows/pool/definitions';
 import { Finalizers } from './finalizers';
 import type { Requeue } from './queue';
@@ -38,9 +45,16 @@ export interface DllamaReconcilerDeps {
   workflows: WorkflowSignals;
   finalizers: Finalizers;
   core: CoreV1Api;
+  /** Writes the `Splittable` condition (the status subresource). */
+  custom: CustomObjectsApi;
   /** Every Dllama the controller sees (its watch's cache). */
   dllamas: () => readonly DllamaResource[];
+  /** A Model as the controller's watch holds it. */
+  model: (namespace: string, name: string) => ModelResource | undefined;
 }
+
+const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
+const errCode = (err: unknown): number | undefined => (err as { code?: number }).code;
 
 export class DllamaReconciler {
   /** uid → the last generation signalled (a status that has not caught up yet does not re-signal). */
@@ -49,6 +63,11 @@ export class DllamaReconciler {
   private readonly conflicts = new Map<string, number>();
 
   constructor(private readonly deps: DllamaReconcilerDeps) {}
+
+  /** The Dllamas of a Model (to reconcile when it changes: their `Splittable` condition follows its status). */
+  servingModel(m: ModelResource): DllamaResource[] {
+    return this.deps.dllamas().filter((x) => x.metadata.namespace === m.metadata.namespace && x.spec.model === m.metadata.name);
+  }
 
   /** The other Dllamas of `d`'s model, which may take its pool over now that `d` is going or gone (none otherwise). */
   rivalsFreedBy(type: WatchEventType, d: DllamaResource): DllamaResource[] {
@@ -88,6 +107,7 @@ export class DllamaReconciler {
       return;
     }
     this.conflicts.delete(uid);
+    await this.writeSplittable(d);
     if (generation <= (d.status?.observedGeneration ?? 0) || generation <= (this.signalled.get(uid) ?? 0)) return;
     const input: PoolInput = {
       namespace,
@@ -108,6 +128,40 @@ export class DllamaReconciler {
       summary: WorkflowSummary.pool(namespace, d.spec.model),
     });
     this.signalled.set(uid, generation);
+  }
+
+  /** Applies `d`'s `Splittable` condition when it differs from the one it has (see the module comment). */
+  private async writeSplittable(d: DllamaResource): Promise<void> {
+    const { namespace, name, uid, generation } = d.metadata;
+    const next = dllamaSplitCondition(d, this.deps.model(namespace, d.spec.model));
+    if (!next) return;
+    const previous = d.status?.conditions ?? [];
+    const now = previous.find((c) => c.type === DllamaCondition.splittable);
+    if (now && now.status === next.status && now.reason === next.reason && now.message === next.message && now.observedGeneration === next.observedGeneration)
+      return;
+    const [condition] = mergeConditions([next], previous, new Date().toISOString().replace(/\.\d{3}Z$/, 'Z'));
+    try {
+      await this.deps.custom.patchNamespacedCustomObjectStatus(
+        {
+          group: CRD_GROUP,
+          version: CRD_VERSION,
+          namespace,
+          plural: Plural.dllama,
+          name,
+          fieldManager: FieldManager.controller,
+          force: true,
+          body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: Kind.dllama, metadata: { name, namespace, uid }, status: { conditions: [condition] } },
+        },
+        applyHeaders,
+      );
+    } catch (err) {
+      // Deleted meanwhile (or re-created: the uid does not match): its events take over.
+      if (errCode(err) === 404 || errCode(err) === 409) return;
+      throw err;
+    }
+    if (next.status === 'False' && (now?.status !== 'False' || now.message !== next.message || now.observedGeneration !== generation)) {
+      await recordEvent(this.deps.core, Kind.dllama, d.metadata, 'Warning', next.reason, next.message);
+    }
   }
 
   /** The Dllama that sizes the pool of `d`'s model: the oldest not being deleted. */

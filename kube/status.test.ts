@@ -1,5 +1,9 @@
+import { planMemory } from '../activities/size/memory';
+import { parseModelSpec } from '../convert/arch';
+import type { DllamaResource, ModelResource } from '../shared/kube';
+import type { ReadyModel } from '../shared/model';
 import type { PipelineProgress } from '../shared/status';
-import { dllamaStatus, humanBytes, mergeConditions, modelConditions, modelStatus } from './status';
+import { dllamaSplitCondition, dllamaStatus, humanBytes, mergeConditions, modelConditions, modelStatus } from './status';
 
 const progress = (over: Partial<PipelineProgress>): PipelineProgress => ({
   phase: 'transferring',
@@ -136,4 +140,114 @@ test('a step retrying after failed attempts is named in its stage and in Ready; 
   expect(cs[0]!.message).toBe('retrying: attempt 3 of resolveSource failed: HubError: connect ECONNREFUSED 127.0.0.1:1');
   expect(cs[3]!.message).toBe('resolving org/m; retrying: attempt 3 of resolveSource failed: HubError: connect ECONNREFUSED 127.0.0.1:1');
   expect(cs[1]!.message).toBe('');
+});
+
+describe("a distributed-llama Dllama's Splittable condition, from its Model's memory plans", () => {
+  // The padded stories260K's shape: 8 heads of 8, 4 KV heads, FFN 192.
+  const spec = parseModelSpec({
+    model_type: 'llama',
+    hidden_size: 64,
+    intermediate_size: 192,
+    num_attention_heads: 8,
+    num_key_value_heads: 4,
+    num_hidden_layers: 5,
+    vocab_size: 512,
+    max_position_embeddings: 512,
+    rms_norm_eps: 1e-5,
+  });
+  const file = { key: 'k', bytes: 1, sha256: 'f'.repeat(64) };
+  const ready: ReadyModel = {
+    namespace: 'ns',
+    name: 'stories',
+    source: { repo: 'org/stories', revision: 'main', sha: 'a'.repeat(40) },
+    artifacts: [
+      { format: 'dllama', weights: 'q40', converterVersion: '1', files: [file] },
+      { format: 'dllama', weights: 'f32', converterVersion: '1', files: [file] },
+    ],
+    memory: [planMemory(spec, 'dllama', 'q40', 256, 1), planMemory(spec, 'dllama', 'f32', 256, 1)],
+    readyAt: 't',
+  };
+  const model = (r: ReadyModel | null, over: Partial<PipelineProgress> = { phase: 'ready' }): ModelResource => ({
+    apiVersion: 'magus.dev/v1alpha1',
+    kind: 'Model',
+    metadata: { name: 'stories', namespace: 'ns', uid: 'u', generation: 1 },
+    spec: { source: { repo: 'org/stories' }, artifacts: [] },
+    status: modelStatus({ progress: progress(over), ready: r, workflowId: 'w', bucket: 'b', previous: [], now: 't' }),
+  });
+  const dllama = (spec: Partial<DllamaResource['spec']>): DllamaResource => ({
+    apiVersion: 'magus.dev/v1alpha1',
+    kind: 'Dllama',
+    metadata: { name: 'pool', namespace: 'ns', uid: 'd', generation: 3 },
+    spec: { model: 'stories', engine: 'dllama', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '10m', ...spec },
+  });
+  const of = (c: ReturnType<typeof dllamaSplitCondition>) => c && { status: c.status, reason: c.reason, message: c.message };
+
+  test("the Model's status lists the topologies refused, with their reasons", () => {
+    const s = model(ready).status!;
+    expect(s.sizing?.map((t) => `${t.weights}:${t.nodes}`)).toEqual(['q40:1', 'q40:2', 'f32:1', 'f32:2', 'f32:4']);
+    expect(s.refusedTopologies?.map((t) => `${t.weights}:${t.nodes}`)).toEqual(['q40:4', 'q40:8', 'q40:16', 'f32:8', 'f32:16']);
+    expect(s.refusedTopologies?.[0]).toEqual({ format: 'dllama', weights: 'q40', nodes: 4, reason: ready.memory[0]!.refused![0]!.reason });
+  });
+
+  test('True on nodes a weights format runs on, naming which', () => {
+    expect(of(dllamaSplitCondition(dllama({ nodesPower: 1 }), model(ready)))).toEqual({
+      status: 'True',
+      reason: 'Splits',
+      message: 'model stories runs on 2 nodes in q40, f32',
+    });
+    expect(of(dllamaSplitCondition(dllama({ nodesPower: 2 }), model(ready)))).toEqual({
+      status: 'True',
+      reason: 'Splits',
+      message: 'model stories runs on 4 nodes in f32',
+    });
+    expect(dllamaSplitCondition(dllama({ nodesPower: 2 }), model(ready))).toMatchObject({ type: 'Splittable', observedGeneration: 3 });
+  });
+
+  test('False on nodes none runs on, naming the dimension of each', () => {
+    expect(of(dllamaSplitCondition(dllama({ nodesPower: 3 }), model(ready)))).toEqual({
+      status: 'False',
+      reason: 'CannotSplit',
+      message:
+        'model stories cannot run on 8 nodes (q40: num_key_value_heads 4 / 8 nodes is not a whole number of KV heads per node; num_attention_heads × head_dim 64 / 8 nodes = 8 values per node, not a whole number of 32-value q40 blocks (Q40 matmul); intermediate_size 192 / 8 nodes = 24 values per node, not a whole number of 32-value q40 blocks (Q40 matmul); f32: num_key_value_heads 4 / 8 nodes is not a whole number of KV heads per node)',
+    });
+    // A plan published before the reasons were recorded: what it lists.
+    const old = { ...ready, memory: ready.memory.map(({ refused: _, ...m }) => m) };
+    expect(of(dllamaSplitCondition(dllama({ nodesPower: 3 }), model(old)))?.message).toBe(
+      'model stories cannot run on 8 nodes (q40: runs on 1, 2 only; f32: runs on 1, 2, 4 only)',
+    );
+  });
+
+  test('autoNodes: True while any topology runs', () => {
+    expect(of(dllamaSplitCondition(dllama({ autoNodes: true, nodesPower: 4 }), model(ready)))).toEqual({
+      status: 'True',
+      reason: 'AutoNodes',
+      message: 'the runtime picks the smallest topology that fits: model stories runs q40 on 1, 2; f32 on 1, 2, 4 nodes',
+    });
+  });
+
+  test('Unknown until the Model is sized, or while it is missing; False without a distributed-llama artifact; none for llama.cpp', () => {
+    expect(of(dllamaSplitCondition(dllama({}), undefined))).toEqual({
+      status: 'Unknown',
+      reason: 'ModelNotFound',
+      message: 'model stories does not exist in ns',
+    });
+    expect(of(dllamaSplitCondition(dllama({}), model(null, {})))).toEqual({
+      status: 'Unknown',
+      reason: 'ModelNotSized',
+      message: 'model stories has no memory plans yet (Ready: Transferring: transferring org/m)',
+    });
+    const failed = model(null, { phase: 'failed', failure: { type: 'UnsupportedModel', message: 'NoTopology: …', during: 'converting' } });
+    expect(of(dllamaSplitCondition(dllama({}), failed))?.message).toBe('model stories has no memory plans yet (Ready: UnsupportedModel: NoTopology: …)');
+    const gguf: ReadyModel = {
+      ...ready,
+      artifacts: [{ format: 'gguf', weights: 'q40', converterVersion: '1', files: [file] }],
+      memory: [planMemory(spec, 'gguf', 'q40', 256, 1)],
+    };
+    expect(of(dllamaSplitCondition(dllama({}), model(gguf)))).toEqual({
+      status: 'False',
+      reason: 'NoDllamaArtifact',
+      message: 'model stories has no distributed-llama artifact (it has gguf:q40)',
+    });
+    expect(dllamaSplitCondition(dllama({ engine: 'llamacpp' }), model(ready))).toBeNull();
+  });
 });

@@ -2,7 +2,16 @@
  * Pure builders of the status magus writes to its custom resources: what `kubectl get`,
  * `kubectl wait --for=condition=Ready` and `kubectl describe` show. No I/O; unit-tested.
  */
-import { ModelCondition, type Condition, type DllamaResourceStatus, type ModelResourceStatus } from '../shared/kube';
+import { isDistributed } from '../shared/engines';
+import {
+  DllamaCondition,
+  ModelCondition,
+  type Condition,
+  type DllamaResource,
+  type DllamaResourceStatus,
+  type ModelResource,
+  type ModelResourceStatus,
+} from '../shared/kube';
 import type { ReadyModel } from '../shared/model';
 import type { PipelinePhase, PipelineProgress, PoolStatus } from '../shared/status';
 
@@ -133,6 +142,8 @@ export function modelStatus(input: ModelStatusInput): ModelResourceStatus {
         ...(t.worker ? { workerBytes: t.worker.total } : {}),
       })),
     );
+    const refused = ready.memory.flatMap((m) => (m.refused ?? []).map((r) => ({ format: m.format, weights: m.weights, nodes: r.nodes, reason: r.reason })));
+    if (refused.length > 0) status.refusedTopologies = refused;
   }
   return status;
 }
@@ -181,4 +192,55 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
     workflowId: input.workflowId,
     conditions: mergeConditions(conditions, input.previous, input.now),
   };
+}
+
+const nodesText = (n: number): string => `${n} node${n === 1 ? '' : 's'}`;
+
+/**
+ * A distributed-llama `Dllama`'s `Splittable` condition: whether its model runs on the nodes it
+ * asks for (2^`nodesPower`), from the `Model`'s status — `sizing` lists the topologies its
+ * distributed-llama artifacts run on, `refusedTopologies` why not the others (the dimension or the
+ * weights). Unknown while the model has no memory plans (absent, or not sized yet); null for a
+ * single-node engine, where there is nothing to split. With `autoNodes` it is True when any
+ * topology runs. The admission rule says the rest: `nodesPower` 0–4 is a power of two up to 16.
+ */
+export function dllamaSplitCondition(d: DllamaResource, model: ModelResource | undefined): Omit<Condition, 'lastTransitionTime'> | null {
+  if (!isDistributed(d.spec.engine)) return null;
+  const c = (status: Condition['status'], reason: string, message: string): Omit<Condition, 'lastTransitionTime'> => ({
+    type: DllamaCondition.splittable,
+    status,
+    reason,
+    message,
+    observedGeneration: d.metadata.generation,
+  });
+  const name = d.spec.model;
+  if (!model) return c('Unknown', 'ModelNotFound', `model ${name} does not exist in ${d.metadata.namespace}`);
+  const s = model.status;
+  if (!s?.artifacts || !s.sizing) {
+    const ready = s?.conditions?.find((x) => x.type === ModelCondition.ready);
+    const why = ready && ready.status !== 'True' ? ` (Ready: ${ready.reason}${ready.message ? `: ${ready.message}` : ''})` : '';
+    return c('Unknown', 'ModelNotSized', `model ${name} has no memory plans yet${why}`);
+  }
+  const weights = s.artifacts.filter((a) => a.format === 'dllama').map((a) => a.weights);
+  if (weights.length === 0) {
+    const have = s.artifacts.map((a) => `${a.format}:${a.weights}`).join(', ');
+    return c('False', 'NoDllamaArtifact', `model ${name} has no distributed-llama artifact${have ? ` (it has ${have})` : ''}`);
+  }
+  const runs = (w: string) => s.sizing!.filter((t) => t.format === 'dllama' && t.weights === w).map((t) => t.nodes);
+  const refused = (w: string, n: number) => s.refusedTopologies?.find((r) => r.format === 'dllama' && r.weights === w && r.nodes === n)?.reason;
+  if (d.spec.autoNodes) {
+    const options = weights.filter((w) => runs(w).length > 0).map((w) => `${w} on ${runs(w).join(', ')}`);
+    if (options.length > 0) return c('True', 'AutoNodes', `the runtime picks the smallest topology that fits: model ${name} runs ${options.join('; ')} nodes`);
+    const why = weights.map((w) => `${w}: ${refused(w, 1) ?? 'no topology in its memory plan'}`);
+    return c('False', 'CannotSplit', `model ${name} runs on no number of nodes (${why.join('; ')})`);
+  }
+  const nodes = 2 ** d.spec.nodesPower;
+  const fits = weights.filter((w) => runs(w).includes(nodes));
+  if (fits.length > 0) return c('True', 'Splits', `model ${name} runs on ${nodesText(nodes)} in ${fits.join(', ')}`);
+  const why = weights.map((w) => {
+    const listed = runs(w);
+    const planned = listed.length > 0 ? `runs on ${listed.join(', ')} only` : 'runs on no number of nodes';
+    return `${w}: ${refused(w, nodes) ?? planned}`;
+  });
+  return c('False', 'CannotSplit', `model ${name} cannot run on ${nodesText(nodes)} (${why.join('; ')})`);
 }

@@ -75,6 +75,13 @@ export interface ModelResourceSpec {
 
 export const ModelCondition = { downloaded: 'Downloaded', converted: 'Converted', sized: 'Sized', ready: 'Ready' } as const;
 
+/**
+ * A `Dllama`'s conditions: `Ready` and `Degraded` from its pool (kube/status.ts `dllamaStatus`),
+ * `Splittable` from the controller: whether its model runs on the nodes it asks for
+ * (`dllamaSplitCondition`).
+ */
+export const DllamaCondition = { ready: 'Ready', degraded: 'Degraded', splittable: 'Splittable' } as const;
+
 export interface ModelResourceStatus {
   observedGeneration?: number;
   phase?: string;
@@ -93,6 +100,8 @@ export interface ModelResourceStatus {
   /** Human text for the printer column: the artifacts' total size. */
   size?: string;
   sizing?: { format: ArtifactFormat; weights: ArtifactWeights; contextLength: number; nodes: number; rootBytes: number; workerBytes?: number }[];
+  /** The distributed-llama node counts an artifact does not run on, and why (the memory plans' `refused`). */
+  refusedTopologies?: { format: ArtifactFormat; weights: ArtifactWeights; nodes: number; reason: string }[];
   workflowId?: string;
   conditions?: Condition[];
 }

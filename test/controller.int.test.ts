@@ -183,6 +183,8 @@ test('kubectl apply → the pipeline runs → kubectl wait Ready; status tells t
     expect(a.sha256).toMatch(/^[0-9a-f]{64}$/);
   }
   expect(m.status?.sizing?.length).toBeGreaterThan(0);
+  // 2 KV heads: distributed-llama runs the q40 artifact on 1 or 2 nodes, and the status says why not more.
+  expect(m.status?.refusedTopologies?.filter((t) => t.format === 'dllama').map((t) => t.nodes)).toEqual([4, 8, 16]);
   for (const type of ['Downloaded', 'Converted', 'Sized', 'Ready']) expect(condition(m, type)).toMatchObject({ status: 'True', observedGeneration: 1 });
   // The progress column moved while bytes flowed (several distinct values seen by a watch).
   expect(seen.size).toBeGreaterThanOrEqual(2);
@@ -352,6 +354,43 @@ test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; i
   await recordHistory('pool-resource-scaled', client.workflow.getHandle(poolId));
 }, 240_000);
 
+test("a distributed-llama Dllama's Splittable condition: False naming the dimension where its model does not split, True where it does", async () => {
+  const yaml = (nodesPower: number) =>
+    [
+      `apiVersion: ${CRD_GROUP}/${CRD_VERSION}`,
+      'kind: Dllama',
+      `metadata: {name: tiny-split, namespace: ${ns}}`,
+      `spec: {model: tiny, engine: dllama, nodesPower: ${nodesPower}, replicas: 0, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: 10m}`,
+    ].join('\n');
+  const splittable = async () => (await getDllama('tiny-split')).status?.conditions?.find((c) => c.type === 'Splittable');
+  await apply(yaml(2));
+  await eventually(async () => {
+    expect(await splittable()).toMatchObject({
+      status: 'False',
+      reason: 'CannotSplit',
+      observedGeneration: 1,
+      message:
+        'model tiny cannot run on 4 nodes (q40: num_key_value_heads 2 / 4 nodes is not a whole number of KV heads per node; num_attention_heads × head_dim 64 / 4 nodes = 16 values per node, not a whole number of 32-value q40 blocks (Q40 matmul))',
+    });
+  }, 30_000);
+  await eventually(async () => {
+    const events = await core.listNamespacedEvent({ namespace: ns, fieldSelector: 'involvedObject.name=tiny-split,type=Warning' });
+    expect(events.items.map((e) => e.reason)).toEqual(['CannotSplit']);
+  }, 30_000);
+  // The pool's own status writes (another field manager) leave the condition in place.
+  await eventually(async () => {
+    const d = await getDllama('tiny-split');
+    expect(d.status).toMatchObject({ observedGeneration: 1, workflowId: `pool/${ns}/tiny` });
+    expect(d.status?.conditions?.map((c) => c.type).sort()).toEqual(['Degraded', 'Ready', 'Splittable']);
+  }, 30_000);
+
+  await kubectl('patch', 'dllama/tiny-split', '--type=merge', '-p', '{"spec":{"nodesPower":1}}');
+  await eventually(async () => {
+    expect(await splittable()).toMatchObject({ status: 'True', reason: 'Splits', message: 'model tiny runs on 2 nodes in q40', observedGeneration: 2 });
+  }, 30_000);
+  await kubectl('delete', 'dllama/tiny-split', '--timeout=60s');
+}, 120_000);
+
 test('the roles are least privilege: what the controller and the worker may not do is refused', async () => {
   const can = async (user: KubeConfig, verb: string, resource: string) => {
     const [what, subresource] = resource.split('/');
@@ -363,6 +402,7 @@ test('the roles are least privilege: what the controller and the worker may not 
   };
   expect(await can(controllerKc, 'patch', 'models.magus.dev')).toBe('yes');
   expect(await can(controllerKc, 'patch', 'models.magus.dev/status')).toBe('no');
+  expect(await can(controllerKc, 'patch', 'dllamas.magus.dev/status')).toBe('yes'); // the Splittable condition
   expect(await can(controllerKc, 'delete', 'models.magus.dev')).toBe('no');
   expect(await can(controllerKc, 'create', 'secrets')).toBe('no');
   expect(await can(controllerKc, 'create', 'sessions.magus.dev')).toBe('yes');

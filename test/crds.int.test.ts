@@ -358,6 +358,9 @@ describe('Model', () => {
         { format: 'gguf', weights: 'q40', contextLength: 8192, nodes: 1, rootBytes: 5_000_000_000 },
         { format: 'dllama', weights: 'q40', contextLength: 8192, nodes: 2, rootBytes: 2_600_000_000, workerBytes: 2_300_000_000 },
       ],
+      refusedTopologies: [
+        { format: 'dllama', weights: 'q40', nodes: 16, reason: 'num_key_value_heads 8 / 16 nodes is not a whole number of KV heads per node' },
+      ],
       workflowId: 'model/default/tiny',
       conditions: [
         {
