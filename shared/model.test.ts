@@ -77,4 +77,10 @@ describe('a spec with a GGUF source', () => {
     );
     expect(spec({ quantization: 'Q8_0' }, [{ format: 'dllama', weights: 'source' }])[0]).toMatch(/dllama:source does not exist/);
   });
+
+  test.each(['f16', 'q80'])('dllama:%s is refused before anything is fetched: distributed-llama cannot run it', (weights) => {
+    expect(validateModelSpec({ source: { repo: 'org/model' }, artifacts: [{ format: 'dllama', weights }] })).toEqual([
+      `artifacts[0]: distributed-llama runs only q40 and f32 weights on a CPU (its matmuls stop at ${weights}): ask for dllama:q40 or dllama:f32`,
+    ]);
+  });
 });

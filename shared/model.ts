@@ -5,7 +5,7 @@
  * I/O.
  */
 import { checkSampling, type SamplingDefaults } from './sampling';
-import { WEIGHTS_FORMATS, type ArtifactWeights, type WeightsFormat } from './weights';
+import { WEIGHTS_FORMATS, weightsFormat, type ArtifactWeights, type WeightsFormat } from './weights';
 
 /** Artifact file formats: GGUF for llama.cpp, `.m` + `.t` for distributed-llama. */
 export type ArtifactFormat = 'gguf' | 'dllama';
@@ -211,9 +211,13 @@ export function validateModelSpec(spec: unknown): string[] {
         errors.push(
           `artifacts[${i}].weights: ${JSON.stringify(a?.weights)} is not one of ${WEIGHTS_FORMATS.join(', ')}${src?.gguf !== undefined ? ' or source' : ''}`,
         );
+      } else if (a?.format === 'dllama' && weightsFormat(a.weights as WeightsFormat).dllamaBuffer === null) {
+        errors.push(
+          `artifacts[${i}]: distributed-llama runs only q40 and f32 weights on a CPU (its matmuls stop at ${a.weights as string}): ask for dllama:q40 or dllama:f32`,
+        );
       } else if (a?.format === 'gguf' && src?.gguf !== undefined) {
         errors.push(
-          `artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:${WEIGHTS_FORMATS.slice(0, -1).join(', ')} and ${WEIGHTS_FORMATS.at(-1)} are)`,
+          `artifacts[${i}]: a GGUF source is served as it is published: ask for gguf:source (re-quantizing a GGUF is not supported; dllama:q40 and dllama:f32 are)`,
         );
       }
       const id = `${a?.format}:${a?.weights}`;

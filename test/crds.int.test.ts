@@ -186,8 +186,13 @@ describe('Model', () => {
     ['the smallest context length', modelSpec({ contextLength: 16 })],
     ['the largest context length', modelSpec({ contextLength: 10_000_000 })],
     [
-      'all eight artifact pairs',
-      modelSpec({ artifacts: ['gguf', 'dllama'].flatMap((format) => ['q40', 'q80', 'f16', 'f32'].map((weights) => ({ format, weights }))) }),
+      'every artifact pair that can be served (four GGUF, distributed-llama q40 and f32)',
+      modelSpec({
+        artifacts: [
+          ...['q40', 'q80', 'f16', 'f32'].map((weights) => ({ format: 'gguf', weights })),
+          ...['q40', 'f32'].map((weights) => ({ format: 'dllama', weights })),
+        ],
+      }),
     ],
     ['a dotted repo and a commit revision', modelSpec({}, { repo: 'Qwen/Qwen3-0.6B.v2', revision: '0123456789abcdef0123456789abcdef01234567' })],
     ['an https hub', modelSpec({}, { hubUrl: 'https://hub.example.com' })],
@@ -229,6 +234,12 @@ describe('Model', () => {
     ['a repo without an org', 'x', modelSpec({}, { repo: 'tiny-llama' }), 'spec.source.repo in body should match'],
     ['a repo with a leading dot', 'x', modelSpec({}, { repo: 'org/.hidden' }), 'spec.source.repo in body should match'],
     ['a repo with ..', 'x', modelSpec({}, { repo: 'org/a..b' }), "source.repo must not contain '..'"],
+    [
+      'distributed-llama f16 weights',
+      'x',
+      modelSpec({ artifacts: [{ format: 'dllama', weights: 'f16' }] }),
+      'distributed-llama runs only q40 and f32 weights on a CPU: ask for dllama:q40 or dllama:f32',
+    ],
     ['a revision with ..', 'x', modelSpec({}, { revision: 'main/../secret' }), "source.revision must not contain '..'"],
     ['a revision starting with /', 'x', modelSpec({}, { revision: '/main' }), 'spec.source.revision in body should match'],
     ['an ftp hub', 'x', modelSpec({}, { hubUrl: 'ftp://hub.example.com' }), 'source.hubUrl must be an http:// or https:// URL'],

@@ -6,7 +6,7 @@ test('a repo, revision, formats and token reference become a spec', () => {
   const a = parsePullArgs([
     'TinyLlama/TinyLlama-1.1B-Chat@v1.0',
     '--format',
-    'gguf:q40,dllama:q80',
+    'gguf:q40,dllama:f32',
     '--hub',
     'http://127.0.0.1:9000',
     '--token-env',
@@ -22,7 +22,7 @@ test('a repo, revision, formats and token reference become a spec', () => {
       source: { repo: 'TinyLlama/TinyLlama-1.1B-Chat', revision: 'v1.0', hubUrl: 'http://127.0.0.1:9000', tokenRef: { env: 'HF_TOKEN' } },
       artifacts: [
         { format: 'gguf', weights: 'q40' },
-        { format: 'dllama', weights: 'q80' },
+        { format: 'dllama', weights: 'f32' },
       ],
       contextLength: 4096,
     },

@@ -275,7 +275,8 @@ test('nodes the model cannot be split into: create() says so (no GGUF to fall ba
   const rt = runtime({ nodes: 8 });
   await expect(rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-3' }, new AbortController().signal)).rejects.toMatchObject({
     name: 'NoArtifact',
-    message: 'model default/tiny has no distributed-llama artifact that runs on 8 nodes (f32: splits into 1, 2, 4 nodes)',
+    message:
+      'model default/tiny has no distributed-llama artifact that runs on 8 nodes (f32: splits into 1, 2, 4 nodes (num_key_value_heads 4 / 8 nodes is not a whole number of KV heads per node))',
   });
   expect(ourDllamaProcesses()).toEqual([]);
 });

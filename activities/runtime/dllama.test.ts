@@ -82,6 +82,17 @@ describe('chooseDllamaArtifact', () => {
     expect(chooseDllamaArtifact(ready, 4)).toMatchObject({ artifact: { weights: 'f32' }, buffer: 'f32', memory: { root: 4000, worker: 400 } });
   });
 
+  test('the memory plan says why a node count does not split: the reason is quoted', () => {
+    const withReason = {
+      ...plan('q40', [1, 2]),
+      refused: [{ nodes: 4, reason: 'num_key_value_heads 2 / 4 nodes is not a whole number of KV heads per node' }],
+    };
+    expect(chooseDllamaArtifact(model([artifact('q40')], [withReason]), 4)).toEqual({
+      problem:
+        'model default/m has no distributed-llama artifact that runs on 4 nodes (q40: splits into 1, 2 nodes (num_key_value_heads 2 / 4 nodes is not a whole number of KV heads per node))',
+    });
+  });
+
   test('weights distributed-llama cannot run on a CPU (f16, q80) are never chosen, and say so', () => {
     expect(chooseDllamaArtifact(model([artifact('q80'), artifact('f16')], [plan('q80', [1]), plan('f16', [1])]), 1)).toEqual({
       problem:

@@ -128,7 +128,9 @@ export function chooseDllamaArtifact(ready: ReadyModel, nodes: number): DllamaCh
     const plan = ready.memory.find((m) => m.format === 'dllama' && m.weights === artifact.weights);
     const topology = plan?.topologies.find((t) => t.nodes === nodes);
     if (plan && !topology) {
-      refused.push(`${artifact.weights}: splits into ${plan.topologies.map((t) => t.nodes).join(', ') || 'no'} nodes`);
+      // The plan says why (activities/size: the dimension that stops it), where it was sized with reasons.
+      const why = plan.refused?.find((r) => r.nodes === nodes)?.reason;
+      refused.push(`${artifact.weights}: splits into ${plan.topologies.map((t) => t.nodes).join(', ') || 'no'} nodes${why ? ` (${why})` : ''}`);
       continue;
     }
     return {
