@@ -100,8 +100,11 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
         res.setEncoding('utf8');
         res.on('data', (d: string) => {
           const t = now();
-          raw += d;
-          if (!spec.stream) return;
+          if (!spec.stream) {
+            raw += d;
+            return;
+          }
+          raw += d.replace(/\r/g, ''); // events may end in CRLF CRLF (dllama-api's do)
           for (let at = raw.indexOf('\n\n'); at >= 0; at = raw.indexOf('\n\n')) {
             const event = raw.slice(0, at);
             raw = raw.slice(at + 2);

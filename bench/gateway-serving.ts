@@ -5,7 +5,9 @@
  * - a stub engine that answers at once and a real bridge consuming its instance's requests,
  * - a minimal bridge on a second instance of the same stub (the design's floor), and
  * - the Temporal workers (workflows + local runtime: a real llama.cpp engine and its bridge), or
- * - for the real-model mode (bench/gateway-real.ts), a real model's engine and a real bridge.
+ * - for the real-model mode (bench/gateway-real.ts), a real model's engine and a real bridge, or
+ * - a real bridge alone, for an engine the parent started (bench/dllama.ts: a distributed-llama
+ *   root or a llama.cpp engine), stopped again by `unbridge`.
  *
  * While tracing is on it records, with epoch-ms timestamps, what the bridge does on this NATS
  * connection (`request`: claim reads and writes; `publish`: response frames) and its engine calls
@@ -14,6 +16,7 @@
 import { Runtime, DefaultLogger } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
 import { consumerNameOf, ensureDataPlane, ensureInstanceConsumer, requestSubjectOf } from '../dataplane';
+import type { EngineKind } from '../shared/engines';
 import type { InferenceRequest } from '../shared/serving';
 import { startBridge, type Bridge, type BridgeStats } from '../dataplane/bridge';
 import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -32,6 +35,10 @@ export type ServingCommand =
   | { type: 'workers'; cfg: MagusConfig; env: Record<string, string> }
   /** A real llama.cpp engine (`magus engine`, as the local runtime starts it) and a real bridge consuming its instance's requests. */
   | { type: 'engine'; nats: string; prefix: string; pool: string; instance: string; slots: number; model: string; threads: number; ctx: number }
+  /** A real bridge consuming its instance's requests for an engine already serving at `engineUrl`, its calls traced as the `engine` mode's. */
+  | { type: 'bridge'; nats: string; prefix: string; pool: string; instance: string; slots: number; engineUrl: string; engineKind: EngineKind }
+  /** Stops the bridge `bridge` started (its engine is the parent's). */
+  | { type: 'unbridge' }
   | { type: 'trace'; on: boolean }
   | { type: 'profile'; on: boolean }
   | { type: 'stats' }
@@ -43,6 +50,8 @@ export type ServingReply =
   | { re: 'floor'; subject: string }
   | { re: 'workers' }
   | { re: 'engine'; url: string; subject: string; pid: number }
+  | { re: 'bridge'; subject: string }
+  | { re: 'unbridge' }
   | { re: 'trace'; events: TraceEvent[] }
   | { re: 'profile'; summary?: CpuSummary }
   | { re: 'stats'; bridge: BridgeStats | undefined }
@@ -51,8 +60,9 @@ export type ServingReply =
 
 /**
  * `[what, subject (+ payload of small requests) or engine seed, start, end]` (epoch ms); for
- * `engine` (a real engine's streamed call): the prompt's `(request N)` mark, the POST, and the
- * arrival of the first chunk carrying text — the engine's time to first token as the bridge sees it.
+ * `engine` (a real engine's call): the prompt's `(request N)` mark, the POST, and for a streamed
+ * call the arrival of the first chunk carrying text — the engine's time to first token as the
+ * bridge sees it —, for one not streamed the whole answer's.
  */
 export type TraceEvent = [kind: 'request' | 'publish' | 'fetch' | 'engine', key: string, start: number, end: number];
 
@@ -139,16 +149,22 @@ const tracedEngineClient = (url: string): EngineClient =>
     return { ...res, text: () => Promise.resolve(text), eventBatches: () => sseEventBatches([text]) };
   });
 
-/** For a real engine: an `engine` event per streamed call (its first token's arrival), the answer untouched. */
+/** For a real engine: an `engine` event per call (a streamed one's first token, else its whole answer), the answer untouched. */
 const firstTokenTracingClient = (url: string, given?: EngineClient): EngineClient =>
   tracingEngineClient(
     url,
     async (inner, t0, path, body, opts) => {
-      const last = (JSON.parse(body) as { messages?: { content?: unknown }[] }).messages?.at(-1)?.content;
+      const request = JSON.parse(body) as { messages?: { content?: unknown }[]; stream?: boolean };
+      const last = request.messages?.at(-1)?.content;
       const mark = typeof last === 'string' ? (/\(request \d+\)$/.exec(last)?.[0] ?? '') : '';
       const res = await inner.post(path, body, opts);
       return {
         ...res,
+        async text() {
+          const text = await res.text();
+          if (request.stream !== true) trace.push(['engine', mark, t0, now()]);
+          return text;
+        },
         async *eventBatches() {
           let seen = false;
           for await (const batch of res.eventBatches()) {
@@ -257,6 +273,26 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
       });
       return { re: 'engine', url: llamaCpp.url, subject: requestSubjectOf(names, cmd.pool, cmd.instance), pid: llamaCpp.process.child.pid ?? 0 };
     }
+    case 'bridge': {
+      nc ??= await connect({ servers: cmd.nats, name: 'bench-bridge', noAsyncTraces: true });
+      const names = await ensureDataPlane(nc, { prefix: cmd.prefix });
+      await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: cmd.pool, instance: cmd.instance, slots: cmd.slots });
+      bridge = await startBridge({
+        nc,
+        names,
+        pool: cmd.pool,
+        instance: cmd.instance,
+        engineUrl: cmd.engineUrl,
+        engineKind: cmd.engineKind,
+        engineClient: firstTokenTracingClient(cmd.engineUrl),
+        slots: cmd.slots,
+      });
+      return { re: 'bridge', subject: requestSubjectOf(names, cmd.pool, cmd.instance) };
+    }
+    case 'unbridge':
+      await bridge?.stop();
+      bridge = undefined;
+      return { re: 'unbridge' };
     case 'workers':
       Object.assign(process.env, cmd.env);
       Runtime.install({ logger: new DefaultLogger('WARN') });
