@@ -21,6 +21,7 @@ import { publishPaddedStories, writePaddedStories } from '../../test/fixtures/st
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import { resolveBinaries } from '../../workers/dev/services';
+import { netTurboFits } from './dllama';
 import { LocalRuntime } from './local';
 import { sleep, until } from '../../test/harness/wait';
 
@@ -157,6 +158,8 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   expect(new Set(procs.map((p) => p.port)).size).toBe(4);
   const [root, ...workers] = procs;
   const cached = (b: Buffer, ext: string) => join(dir, 'cache', `${sha(b)}${ext}`);
+  // 4 single-threaded processes: with fewer cores than that, none spins on its sockets.
+  const turbo = netTurboFits(4, 1) ? [] : ['--net-turbo', '0'];
   expect(procs.map((p) => p.pid).sort()).toEqual(ourDllamaProcesses().sort());
   expect(root!.argv).toEqual([
     bins.api,
@@ -174,10 +177,11 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
     '1',
     '--max-seq-len',
     '256',
+    ...turbo,
     '--workers',
     ...workers.map((w) => `127.0.0.1:${w.port}`),
   ]);
-  for (const w of workers) expect(w.argv).toEqual([bins.worker, 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '1']);
+  for (const w of workers) expect(w.argv).toEqual([bins.worker, 'worker', '--host', '127.0.0.1', '--port', String(w.port), '--nthreads', '1', ...turbo]);
   // What each process really runs (setpriv and stdbuf exec it): its command line ends with exactly that.
   for (const p of procs) {
     const cmdline = readFileSync(`/proc/${p.pid}/cmdline`, 'utf8').split('\0').slice(0, -1);

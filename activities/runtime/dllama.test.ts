@@ -4,7 +4,7 @@ import { connect, createServer, type AddressInfo } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Artifact, MemoryPlan, ReadyModel } from '../../shared/model';
-import { chooseDllamaArtifact, dllamaApiArgs, dllamaWorkerArgs, listensOn } from './dllama';
+import { chooseDllamaArtifact, dllamaApiArgs, dllamaWorkerArgs, listensOn, netTurboFits } from './dllama';
 
 const node = (total: number) => ({ weights: total, kvCache: 0, buffers: 0, total });
 const artifact = (weights: Artifact['weights'], files = ['model.m', 'tokenizer.t']): Artifact => ({
@@ -56,6 +56,26 @@ describe('command lines', () => {
       '127.0.0.1:9992',
       '127.0.0.1:9993',
     ]);
+  });
+
+  test('net turbo off: --net-turbo 0 for the root and every worker; on when each process has a core', () => {
+    expect(dllamaWorkerArgs({ port: 1, threads: 1, netTurbo: false })).toEqual([
+      'worker',
+      '--host',
+      '127.0.0.1',
+      '--port',
+      '1',
+      '--nthreads',
+      '1',
+      '--net-turbo',
+      '0',
+    ]);
+    expect(dllamaApiArgs({ port: 1, model: 'a', tokenizer: 'b', buffer: 'f32', threads: 1, maxSeqLen: 16, workerPorts: [2], netTurbo: false })).toEqual(
+      expect.arrayContaining(['--net-turbo', '0', '--workers', '127.0.0.1:2']),
+    );
+    expect(netTurboFits(2, 1, 2)).toBe(true);
+    expect(netTurboFits(4, 1, 2)).toBe(false);
+    expect(netTurboFits(2, 2, 2)).toBe(false);
   });
 
   test('a single-node root has no --workers', () => {

@@ -19,6 +19,7 @@
  * unhealthy until it is destroyed.
  */
 import { readdir, readFile, readlink } from 'node:fs/promises';
+import { availableParallelism } from 'node:os';
 import { createServer, type AddressInfo, type Server } from 'node:net';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
@@ -48,8 +49,23 @@ export const DEFAULT_MAX_SEQ_LEN = 4096;
  * for the local runtime (loopback) and the Kubernetes one (`host` 0.0.0.0 in its pod):
  * distributed-llama binds with `inet_addr()`, so `host` is an IPv4 address, never a name.
  */
-export function dllamaWorkerArgs(o: { port: number; threads: number; host?: string }): string[] {
-  return ['worker', '--host', o.host ?? HOST, '--port', String(o.port), '--nthreads', String(o.threads)];
+export function dllamaWorkerArgs(o: { port: number; threads: number; host?: string; netTurbo?: boolean }): string[] {
+  return ['worker', '--host', o.host ?? HOST, '--port', String(o.port), '--nthreads', String(o.threads), ...netTurboArgs(o.netTurbo)];
+}
+
+/** `--net-turbo 0` when turned off (distributed-llama's default is on). */
+function netTurboArgs(on: boolean | undefined): string[] {
+  return on === false ? ['--net-turbo', '0'] : [];
+}
+
+/**
+ * Whether a topology of `nodes` × `threads` on this machine may keep distributed-llama's "net
+ * turbo": with it every process spins on its sockets while it waits for the others, which is
+ * fastest when each has a core of its own and ruinous when they share: 4 nodes on 2 cores
+ * generated 2 tokens/s with it and 26 without (bench/README.md, "distributed-llama against llama.cpp").
+ */
+export function netTurboFits(nodes: number, threads: number, cores = availableParallelism()): boolean {
+  return nodes * threads <= cores;
 }
 
 /**
@@ -68,6 +84,8 @@ export function dllamaApiArgs(o: {
   workerPorts?: readonly number[];
   workers?: readonly string[];
   host?: string;
+  /** false: `--net-turbo 0` ({@link netTurboFits}). */
+  netTurbo?: boolean;
 }): string[] {
   const workers = o.workers ?? (o.workerPorts ?? []).map((p) => `${HOST}:${p}`);
   return [
@@ -85,6 +103,7 @@ export function dllamaApiArgs(o: {
     String(o.threads),
     '--max-seq-len',
     String(o.maxSeqLen),
+    ...netTurboArgs(o.netTurbo),
     ...(workers.length > 0 ? ['--workers', ...workers] : []),
   ];
 }
@@ -264,7 +283,12 @@ export async function startDllamaTopology(
   try {
     // Given ports: a restart in place (the root's URL is what the instance's bridge calls).
     const [rootPort, ...workerPorts] = opts.ports ? [...opts.ports] : await freePorts(opts.nodes);
-    const workers = workerPorts.map((port, i) => spawnNode('worker', i + 1, port, [opts.workerBin, ...dllamaWorkerArgs({ port, threads: opts.threads })]));
+    const netTurbo = netTurboFits(opts.nodes, opts.threads);
+    if (!netTurbo && !opts.ports)
+      log(`${name}: ${opts.nodes} node(s) × ${opts.threads} thread(s) share ${availableParallelism()} core(s): --net-turbo 0 (no spinning on sockets)`);
+    const workers = workerPorts.map((port, i) =>
+      spawnNode('worker', i + 1, port, [opts.workerBin, ...dllamaWorkerArgs({ port, threads: opts.threads, netTurbo })]),
+    );
     for (const w of workers) {
       for (;;) {
         check(`waiting for worker ${w.index} to listen on port ${w.port}`);
@@ -279,6 +303,7 @@ export async function startDllamaTopology(
         model: files.model,
         tokenizer: files.tokenizer,
         buffer: files.buffer,
+        netTurbo,
         threads: opts.threads,
         maxSeqLen: files.maxSeqLen,
         workerPorts,
