@@ -6,9 +6,11 @@
  *
  * - ConfigMap `<base>`: what the instance is (pool, model, engine, nodes); owner of the rest.
  * - distributed-llama with n > 1 nodes: headless Service `<base>-w` (stable DNS names for the
- *   root's `--workers`) and StatefulSet `<base>-w` of n − 1 `dllama worker` pods. Workers get no
- *   probe: a distributed-llama worker takes the first connection for its root, so a TCP probe
- *   would end it. They need no model file (the root sends each its slice of the weights).
+ *   root's `--workers`) and StatefulSet `<base>-w` of n − 1 `dllama worker` pods. A worker's
+ *   readiness is read from the kernel ({@link workerListening}), never by connecting: a
+ *   distributed-llama worker takes the first connection for its root, so a TCP probe would end
+ *   it. They need no model file (the root sends each its slice of the weights), and they come
+ *   first: kubernetes.ts creates the root once every worker is Ready.
  * - StatefulSet `<base>` of one root pod: the init container `magus fetch` (S3 → emptyDir, sha256
  *   verified), the engine (its launcher's container, engines.ts: `dllama-api`, or `magus engine`
  *   for llama.cpp) on 0.0.0.0 so the
@@ -183,6 +185,18 @@ const tmpVolume = { name: 'tmp', emptyDir: {} };
 const tmpMount = { name: 'tmp', mountPath: '/tmp' };
 
 /** Every object of the instance, the ConfigMap (their owner) first. */
+/**
+ * A distributed-llama worker's readiness: it listens on `port`, read from the kernel's table of
+ * its network namespace (`/proc/net/tcp`: a LISTEN socket, state 0A, on 0.0.0.0:port). Never a
+ * connection: a worker takes the first one for its root and dies when it closes early. The root is
+ * created only once every worker is Ready (kubernetes.ts), since `dllama-api` exits at once when a
+ * worker refuses it.
+ */
+export function workerListening(port: number): { exec: { command: string[] }; periodSeconds: number } {
+  const local = `00000000:${port.toString(16).toUpperCase().padStart(4, '0')}`;
+  return { exec: { command: ['grep', '-q', `: ${local} 00000000:0000 0A `, '/proc/net/tcp'] }, periodSeconds: 1 };
+}
+
 export function instanceManifests(plan: InstancePlan): KubeObject[] {
   const { engine: ENGINE_PORT, worker: WORKER_PORT, bridgeHealth: BRIDGE_HEALTH_PORT } = plan.ports ?? DEFAULT_PORTS;
   const base = instanceBase(plan.instance);
@@ -230,6 +244,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
               {
                 ...containers.worker,
                 ports: [{ name: 'dllama', containerPort: WORKER_PORT }],
+                readinessProbe: workerListening(WORKER_PORT),
                 resources: resources(plan, plan.memory.worker),
                 securityContext: hardened,
                 volumeMounts: [tmpMount],

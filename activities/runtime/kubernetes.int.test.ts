@@ -199,6 +199,14 @@ test.each([0, 1, 2, 3])(
       const w = (await sts(`${base}-w`))!;
       expect(w.spec!.replicas).toBe(nodes - 1);
       expect(w.spec!.template.spec!.containers[0]!.args).toEqual(['dllama', 'worker', '--host', '0.0.0.0', '--port', '9998', '--nthreads', '1']);
+      // Ready = listening, read from the kernel's table (never a connection, which a worker takes for its root).
+      expect(w.spec!.template.spec!.containers[0]!.readinessProbe?.exec?.command).toEqual(['grep', '-q', ': 00000000:270E 00000000:0000 0A ', '/proc/net/tcp']);
+      // The root only after every worker was Ready: a root that cannot reach a worker exits at once.
+      const workerReady = (await podsOf(instance))
+        .filter((p) => p.metadata?.labels?.['magus.dev/role'] === 'worker')
+        .map((p) => new Date(p.status!.conditions!.find((c) => c.type === 'Ready')!.lastTransitionTime!).getTime());
+      expect(workerReady).toHaveLength(nodes - 1);
+      expect(new Date(root.metadata!.creationTimestamp!).getTime()).toBeGreaterThanOrEqual(Math.max(...workerReady));
       const svc = await core.readNamespacedService({ name: `${base}-w`, namespace: NS });
       expect(svc.spec?.clusterIP).toBe('None');
     } else {

@@ -46,6 +46,7 @@ import {
   instanceSelector,
   modelPath,
   poolOwnerManifest,
+  ROLE_LABEL,
   RUNTIME_FIELD_MANAGER,
   workerAddresses,
   type InstancePlan,
@@ -306,20 +307,30 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   }
 
   /** Applies the instance's objects: the ConfigMap first, then the rest owned by it. */
-  async function applyInstance(p: InstancePlan): Promise<void> {
+  /**
+   * The instance's objects, in distributed-llama's order: its workers first, and the root only
+   * once every worker pod is Ready (listening: `workerListening`), since a root that cannot reach
+   * a worker exits at once and would crash-loop while a slow worker pod starts.
+   */
+  async function applyInstance(p: InstancePlan, signal: AbortSignal): Promise<void> {
     const [configMap, ...rest] = instanceManifests(p);
     const cm = await apply(configMap!);
-    for (const o of rest) {
-      o.metadata.ownerReferences = o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! }));
-      await apply(o);
-    }
+    const owned = (o: KubeObject) => ({
+      ...o,
+      metadata: { ...o.metadata, ownerReferences: o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! })) },
+    });
+    const workerObjects = rest.filter((o) => o.metadata.name === `${instanceBase(p.instance)}-w`);
+    for (const o of workerObjects) await apply(owned(o));
+    const workers = (workerObjects.find((o) => o.kind === 'StatefulSet') as { spec?: { replicas?: number } } | undefined)?.spec?.replicas ?? 0;
+    if (workers > 0) await podsReady(p.namespace, p.instance, workers, signal, 'worker');
+    for (const o of rest.filter((x) => !workerObjects.includes(x))) await apply(owned(o));
   }
 
   /**
    * Resolves once `expected` pods of the instance are Ready; rejects with the reason when one
    * fails for good, cannot be scheduled for long, the deadline passes, or `signal` aborts.
    */
-  function podsReady(namespace: string, instance: string, expected: number, signal: AbortSignal): Promise<void> {
+  function podsReady(namespace: string, instance: string, expected: number, signal: AbortSignal, role?: 'worker'): Promise<void> {
     return new Promise((resolve, reject) => {
       const unschedulableSince = new Map<string, number>();
       const after = opts.unschedulableAfterMs ?? 30_000;
@@ -351,7 +362,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       };
       const w = watchResource<V1Pod>(opts.kc, {
         path: `/api/v1/namespaces/${namespace}/pods`,
-        labelSelector: instanceSelector(instance),
+        labelSelector: role ? `${instanceSelector(instance)},${ROLE_LABEL}=${role}` : instanceSelector(instance),
         onEvent: check,
         onSynced: check,
         log,
@@ -411,7 +422,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         `instance ${req.pool}/${req.instance}: ${p.engine} on ${p.nodes} node(s) in ${p.namespace} (requests ${gib(p.memory.root)} root${p.memory.worker ? `, ${gib(p.memory.worker)} per worker` : ''})`,
       );
       try {
-        await applyInstance(p);
+        await applyInstance(p, signal);
         await podsReady(p.namespace, req.instance, p.nodes, signal);
       } catch (err) {
         await destroy(req.pool, req.instance, p.namespace).catch((e: unknown) =>
