@@ -140,6 +140,7 @@ describe('request normalisation', () => {
       maxTokens: undefined,
       temperature: 1,
       topP: 1,
+      repetitionPenalty: 1,
       seed: undefined,
       stop: [],
       frequencyPenalty: 0,

@@ -33,9 +33,17 @@ describe('convert', () => {
 
   test('writes model.m and tokenizer.t for distributed-llama', () => {
     const out = join(dir, 'dl');
-    const r = run('convert', join(dir, 'tiny'), '--format', 'dllama', '--weights', 'q80', '-o', out);
+    const r = run('convert', join(dir, 'tiny'), '--format', 'dllama', '--weights', 'q40', '-o', out);
     expect(r.status).toBe(0);
     expect(existsSync(join(out, 'model.m')) && existsSync(join(out, 'tokenizer.t'))).toBe(true);
+  });
+
+  test('refuses distributed-llama weights it cannot run, writing nothing', () => {
+    const out = join(dir, 'dl-q80');
+    const r = run('convert', join(dir, 'tiny'), '--format', 'dllama', '--weights', 'q80', '-o', out);
+    expect(r.status).toBe(1);
+    expect(r.stderr).toContain('distributed-llama cannot run q80 weights');
+    expect(existsSync(out)).toBe(false);
   });
 
   test.each([
