@@ -17,10 +17,12 @@
  * `startLlamaCppEngine` (1 slot), distributed-llama by `startDllamaTopology` (the real `dllama-api`
  * root and `dllama worker`s on loopback, built with magus's patches by scripts/dev-services), each
  * process with BENCH_THREADS threads. Each topology also runs with `--net-turbo 0` (`-noturbo`):
- * distributed-llama's default, which magus's runtime keeps, polls non-blocking sockets in a busy
- * loop while it waits for the other nodes, and on fewer cores than processes those loops take the
- * CPU from the nodes that compute (bench/README.md has what it costs). Those rows start the same
- * programs through a wrapper that adds the flag.
+ * distributed-llama's default polls non-blocking sockets in a busy loop while it waits for the
+ * other nodes, and on fewer cores than processes those loops take the CPU from the nodes that
+ * compute (bench/README.md has what it costs). Those rows start the same programs through a
+ * wrapper that adds the flag. Since these figures were taken, `startDllamaTopology` itself passes
+ * `--net-turbo 0` whenever nodes × threads exceed the machine's cores, so there the plain rows
+ * run without it too (the runtime's log line says so).
  *
  * Per engine, rounds alternate the two paths (the order flips each round, so drift in the
  * machine's load hits both alike); a round asks each path for one answer not streamed and one
