@@ -14,7 +14,6 @@
  * whole q40 blocks (64 / 4 = 16 values) and the gateway says so.
  */
 import { randomBytes } from 'node:crypto';
-import { readdirSync, readFileSync } from 'node:fs';
 import OpenAI from 'openai';
 import type { ModelRegistry } from '../dataplane/registry';
 import { openModelRegistry } from '../dataplane/registry';
@@ -23,6 +22,7 @@ import { runtimeConfig } from '../activities/runtime';
 import { local } from '../activities/runtime/local-entry';
 import { resolveBinaries } from '../workers/dev/services';
 import { isolation } from './harness';
+import { descendantsRunning } from './harness/dev';
 import { gatewayStack, natsStack, s3Stack, tempDir, temporalStack, TestStack, workersStack } from './harness/stack';
 import { dllamaPromptIds, dllamaText, publishPaddedStories, writePaddedStories, type PaddedStories } from './fixtures/stories260k-dllama';
 import { runLlamaCpp } from './reference/llama-cpp';
@@ -42,19 +42,11 @@ let expectedF32: string;
 let expectedFirstQ40: string;
 /** The answers, by `<weights>/<nodes>`. */
 const answers = new Map<string, string>();
-/** Pids of the running `dllama worker` processes started from `bin` (zombies left out). */
+/** Pids of the running `dllama worker` processes this test process started from `bin`. */
 function dllamaWorkers(bin: string): number[] {
-  return readdirSync('/proc')
-    .filter((p) => /^\d+$/.test(p))
-    .filter((p) => {
-      try {
-        const argv = readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0');
-        return argv[0] === bin && argv[1] === 'worker' && !/^\d+ \([^)]*\) Z/.test(readFileSync(`/proc/${p}/stat`, 'utf8'));
-      } catch {
-        return false;
-      }
-    })
-    .map(Number);
+  return descendantsRunning(process.pid, [bin])
+    .filter((p) => p.argv[1] === 'worker')
+    .map((p) => p.pid);
 }
 
 /** The file's servers: S3 (its bucket), NATS and Temporal, shared by the three topologies' workers. */

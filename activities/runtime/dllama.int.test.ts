@@ -9,7 +9,7 @@
  */
 import { PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
-import { readdirSync, readFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/chat';
@@ -23,7 +23,8 @@ import type { ModelRegistry } from '../../dataplane/registry';
 import { resolveBinaries } from '../../workers/dev/services';
 import { netTurboFits } from './dllama';
 import { LocalRuntime } from './local';
-import { sleep, until } from '../../test/harness/wait';
+import { processRunning, sleep, until } from '../../test/harness/wait';
+import { descendantsRunning } from '../../test/harness/dev';
 
 const POOL = 'tiny';
 
@@ -42,34 +43,12 @@ const logs: string[] = [];
 const stack = new TestStack();
 const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
 
-/** Whether a process with this pid exists (a zombie counts as gone: the runtime reaps its children). */
-function alive(pid: number): boolean {
-  try {
-    return !/^\d+ \([^)]*\) Z/.test(readFileSync(`/proc/${pid}/stat`, 'utf8'));
-  } catch {
-    return false;
-  }
-}
-
 /**
- * Pids of the distributed-llama processes this test process started and that still run: its
- * children running `dllama-api` or `dllama` (setpriv and stdbuf exec them in place). Children only:
- * another suite may run the same programs at the same time.
+ * Pids of the distributed-llama processes this test process started and that still run (setpriv
+ * and stdbuf exec them in place). Its own only: another suite may run the same programs meanwhile.
  */
 function ourDllamaProcesses(): number[] {
-  return readdirSync('/proc')
-    .filter((p) => /^\d+$/.test(p))
-    .filter((p) => {
-      try {
-        const stat = readFileSync(`/proc/${p}/stat`, 'utf8');
-        const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
-        const program = readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0')[0];
-        return ppid === process.pid && (program === bins.api || program === bins.worker) && alive(Number(p));
-      } catch {
-        return false;
-      }
-    })
-    .map(Number);
+  return descendantsRunning(process.pid, [bins.api, bins.worker]).map((p) => p.pid);
 }
 
 /** A model whose `.m` is not a model: the real root refuses to load it. */
@@ -221,7 +200,7 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   // A worker dies: the rest of the topology is stopped, and all of it starts again on the same
   // ports (the bridge calls the same root URL), serving the instance again.
   process.kill(workers[1]!.pid!, 'SIGKILL');
-  await until('the rest of the topology to stop', () => procs.every((p) => !alive(p.pid!)));
+  await until('the rest of the topology to stop', () => procs.every((p) => !processRunning(p.pid!)));
   expect(logs).toContain(`${POOL}/tiny-1 worker 2 :${workers[1]!.port} was killed by SIGKILL: stopping the rest of the topology`);
   await until('the topology restarted', async () => {
     const now = rt.processes(POOL, 'tiny-1')!;
@@ -241,7 +220,7 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   // The root dies too, within the window: a crash loop, no more restarts; describe says unhealthy.
   process.kill(restarted[0]!.pid!, 'SIGKILL');
   await until('describe to report the instance unhealthy', async () => (await rt.describe(POOL, 'tiny-1'))?.healthy === false);
-  await until('the rest of the topology to stop', () => restarted.every((p) => !alive(p.pid!)));
+  await until('the rest of the topology to stop', () => restarted.every((p) => !processRunning(p.pid!)));
   await sleep(300);
   expect(rt.processes(POOL, 'tiny-1')!.every((p) => !p.running)).toBe(true);
   expect(logs.some((l) => /giving up/.test(l))).toBe(true);
@@ -257,7 +236,7 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
 
   // destroy(): every process is gone when it resolves, and the runtime forgets the instance.
   await rt.destroy(POOL, 'tiny-1');
-  expect(again.filter((p) => alive(p.pid!))).toEqual([]);
+  expect(again.filter((p) => processRunning(p.pid!))).toEqual([]);
   expect(ourDllamaProcesses()).toEqual([]);
   expect(await rt.describe(POOL, 'tiny-1')).toBeNull();
   expect(rt.processes(POOL, 'tiny-1')).toBeNull();
@@ -293,7 +272,7 @@ test('destroy() while the topology starts: the start is aborted, and no process 
     (err: Error) => ((settled = true), err),
   );
   // The root is held before it serves, as if it were still loading the model.
-  const rootPid = () => ourDllamaProcesses().find((pid) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0')[0] === bins.api);
+  const rootPid = () => descendantsRunning(process.pid, [bins.api])[0]?.pid;
   // The pid the wait found is the one held (looking again could miss it: CI saw `undefined` once).
   let root: number | undefined;
   await until('the root to start', () => (root = rootPid()) !== undefined || settled);

@@ -321,8 +321,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     });
     const workerObjects = rest.filter((o) => o.metadata.name === `${instanceBase(p.instance)}-w`);
     for (const o of workerObjects) await apply(owned(o));
-    const workers = (workerObjects.find((o) => o.kind === 'StatefulSet') as { spec?: { replicas?: number } } | undefined)?.spec?.replicas ?? 0;
-    if (workers > 0) await podsReady(p.namespace, p.instance, workers, signal, 'worker');
+    if (workerObjects.length > 0) await podsReady(p.namespace, p.instance, p.nodes - 1, signal, 'worker');
     for (const o of rest.filter((x) => !workerObjects.includes(x))) await apply(owned(o));
   }
 

@@ -1,6 +1,7 @@
 /** The memory table for a Llama-3.2-1B-shaped model, term by term against hand arithmetic. */
 import { parseModelSpec } from '../../convert/arch';
-import { dllamaNodeMemory, dllamaSplitProblem, dllamaSplits, llamaCppMemory, planMemory } from './memory';
+import { dllamaNodeCounts } from '../../shared/dllama-topology';
+import { dllamaNodeMemory, dllamaSplitProblem, llamaCppMemory, planMemory } from './memory';
 
 const spec = parseModelSpec({
   architectures: ['LlamaForCausalLM'],
@@ -50,7 +51,7 @@ test('four nodes: a quarter of the matrices and KV cache each; only the root hol
 });
 
 test('topologies: only node counts distributed-llama runs, and why the others do not', () => {
-  expect([1, 2, 4, 8, 16].filter((n) => dllamaSplits(spec, 'q40', n))).toEqual([1, 2, 4, 8]); // 8 KV heads
+  expect(dllamaNodeCounts(spec, 'q40')).toEqual([1, 2, 4, 8]); // 8 KV heads
   const plan = planMemory(spec, 'dllama', 'q40', 4096, 0);
   expect(plan.topologies.map((t) => t.nodes)).toEqual([1, 2, 4, 8]);
   expect(plan.refused).toEqual([{ nodes: 16, reason: 'num_key_value_heads 8 / 16 nodes is not a whole number of KV heads per node' }]);

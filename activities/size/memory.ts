@@ -24,7 +24,7 @@
  * activations and one row of logits. It is an estimate, meant to choose a node size, not exact.
  */
 import { planTensors, type ModelSpec } from '../../convert/arch';
-import { DLLAMA_NODE_COUNTS, dllamaSplitProblem, dllamaSplitProblems } from '../../shared/dllama-topology';
+import { DLLAMA_NODE_COUNTS, dllamaSplitProblem } from '../../shared/dllama-topology';
 import type { ArtifactFormat, MemoryPlan, NodeMemory } from '../../shared/model';
 import { weightsFormat, type ArtifactWeights, type WeightsFormat } from '../../shared/weights';
 
@@ -48,14 +48,6 @@ const node = (weights: number, kvCache: number, buffers: number): NodeMemory => 
   buffers: Math.ceil(buffers),
   total: Math.ceil(weights) + Math.ceil(kvCache) + Math.ceil(buffers),
 });
-
-/**
- * Whether distributed-llama runs this model in `weights` on `nodes` nodes (shared/dllama-topology.ts;
- * {@link dllamaSplitProblem} says why not).
- */
-export function dllamaSplits(spec: ModelSpec, weights: WeightsFormat, nodes: number): boolean {
-  return dllamaSplitProblems(spec, weights, nodes).length === 0;
-}
 
 /** Memory per node for distributed-llama on `nodes` nodes (root, and any worker). */
 export function dllamaNodeMemory(spec: ModelSpec, weights: WeightsFormat, seqLen: number, nodes: number): { root: NodeMemory; worker: NodeMemory | null } {

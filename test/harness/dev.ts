@@ -52,6 +52,20 @@ function childrenByParent(): Map<number, number[]> {
   return map;
 }
 
+/** The running descendants of `pid` whose program (argv[0]) is one of `programs`, with their arguments. */
+export function descendantsRunning(pid: number, programs: readonly string[]): { pid: number; argv: string[] }[] {
+  return processTree(pid)
+    .filter((p) => p !== pid)
+    .flatMap((p) => {
+      try {
+        const argv = readFileSync(`/proc/${p}/cmdline`, 'utf8').split('\0').slice(0, -1);
+        return programs.includes(argv[0]!) ? [{ pid: p, argv }] : [];
+      } catch {
+        return []; // exited meanwhile
+      }
+    });
+}
+
 /** `pid` and all its descendants. */
 export function processTree(pid: number): number[] {
   const children = childrenByParent();

@@ -17,7 +17,7 @@ import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
 import { existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { CustomObjectsApi, KubeConfig, PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
+import { CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
@@ -43,7 +43,7 @@ import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
 import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { forgetEngines, retireUnreplayable } from './restart';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO, SMOLLM2_SAMPLING } from './demo-model';
-import { declareDemoDllama, dllamaEnv, storiesDemoFolder, STORIES_REPO } from './dllama-demo';
+import { applyAsDev, declareDemoDllama, DEFAULT_DEV_NODES, dllamaEnv, storiesDemoFolder, STORIES_REPO } from './dllama-demo';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
 /** The tiny random model: the demo when SmolLM2 cannot be had (or `--demo tiny`), and a repo to convert. */
@@ -209,6 +209,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
     interrupted();
     const e = services.endpoints;
 
+    /** distributed-llama's nodes per topology (with `--engine dllama`). */
+    const nodes = opts.nodes ?? DEFAULT_DEV_NODES;
     // The worker and gateway read their configuration as they would in production.
     Object.assign(process.env, {
       MAGUS_TEMPORAL_ADDRESS: e.temporal!.address,
@@ -219,7 +221,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       AWS_SECRET_ACCESS_KEY: e.s3!.secretAccessKey,
       MAGUS_MODEL_CACHE: join(dataDir, 'models'),
       ...(opts.engine ? { MAGUS_ENGINES: opts.engine } : {}),
-      ...(opts.engine === 'dllama' ? await dllamaEnv(opts.nodes ?? 2, say) : {}),
+      ...(opts.engine === 'dllama' ? await dllamaEnv(nodes, say) : {}),
     });
     const cfg = loadConfig();
     /** The demo is served by distributed-llama: stories260K, padded. */
@@ -440,7 +442,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     }
 
     // The kubectl door shows the topology: the pool declared as a `Dllama` of that many nodes.
-    if (kc && opts.engine === 'dllama') await declareDemoDllama(kc, name, opts.nodes ?? 2);
+    if (kc && opts.engine === 'dllama') await declareDemoDllama(kc, name, nodes);
     const question = dllamaDemo ? 'Once upon a time' : 'What is the capital of France?';
     const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: question }], stream: true, max_tokens: 32 });
     process.stdout.write(
@@ -464,7 +466,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         'Try a streamed chat completion (the first request starts an engine):',
         ...(dllamaDemo
           ? [
-              `(served by distributed-llama: a dllama-api root and ${(opts.nodes ?? 2) - 1} dllama worker(s); the model is stories260K, trained on children's stories: expect a story, not an answer)`,
+              `(served by distributed-llama: a dllama-api root and ${nodes - 1} dllama worker(s); the model is stories260K, trained on children's stories: expect a story, not an answer)`,
             ]
           : hub && !demoGguf
             ? ['(the demo model is a tiny random network: expect gibberish, often shown as U+FFFD \u{FFFD}; --model org/repo serves a real one)']
@@ -504,7 +506,6 @@ export async function runDev(opts: DevOptions): Promise<number> {
 
 /** The demo model as a `Model` resource in `default`, created or updated by server-side apply. */
 async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Promise<void> {
-  const custom = kc.makeApiClient(CustomObjectsApi);
   const body: Pick<ModelResource, 'apiVersion' | 'kind' | 'spec'> & { metadata: { name: string; namespace: string } } = {
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Model',
@@ -519,10 +520,7 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
       ...(spec.sampling ? { sampling: spec.sampling } : {}),
     },
   };
-  await custom.patchNamespacedCustomObject(
-    { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name, body, fieldManager: 'magus-dev', force: true },
-    setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply),
-  );
+  await applyAsDev(kc, 'models', body);
 }
 
 /** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`, and returns its entry. */

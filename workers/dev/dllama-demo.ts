@@ -47,20 +47,31 @@ export async function dllamaEnv(nodes: number, say: (line: string) => void): Pro
 }
 
 /**
+ * Creates or updates `body`, a magus resource in `default`, by server-side apply as magus dev
+ * (its own field manager, taking over any field another wrote): the demo's `Model` and `Dllama`.
+ */
+export async function applyAsDev(
+  kc: KubeConfig,
+  plural: 'models' | 'dllamas',
+  body: { apiVersion: string; kind: string; metadata: { name: string; namespace: string }; spec: unknown },
+): Promise<void> {
+  await kc
+    .makeApiClient(CustomObjectsApi)
+    .patchNamespacedCustomObject(
+      { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural, name: body.metadata.name, body, fieldManager: 'magus-dev', force: true },
+      setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply),
+    );
+}
+
+/**
  * The demo's pool as a `Dllama` resource (`kubectl get dllamas` shows its topology): distributed-
  * llama on `nodes` nodes, one instance at most, none kept while idle.
  */
 export async function declareDemoDllama(kc: KubeConfig, model: string, nodes: number): Promise<void> {
-  const body = {
+  await applyAsDev(kc, 'dllamas', {
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Dllama',
     metadata: { name: model, namespace: 'default' },
     spec: { model, engine: 'dllama', nodesPower: Math.log2(nodes), replicas: 0, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '30m' },
-  };
-  await kc
-    .makeApiClient(CustomObjectsApi)
-    .patchNamespacedCustomObject(
-      { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'dllamas', name: model, body, fieldManager: 'magus-dev', force: true },
-      setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply),
-    );
+  });
 }
