@@ -10,6 +10,7 @@ import { watchKv, type KvCache, type WatchableKv } from '../dataplane/kv-mirror'
 import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 import { PERMANENT_RUNTIME_ERRORS } from '../shared/errors';
+import { restartChange, type WatchInstanceInput, type WatchInstanceResult } from '../shared/status';
 import type { InstanceInfo, InstanceRequest, Runtime } from './runtime/runtime';
 
 const HEARTBEAT_EVERY_MS = 5000;
@@ -190,15 +191,17 @@ export function createServingActivities(deps: ServingDeps) {
      * the instance is watched is this activity's business: changing it changes no workflow
      * history (a probe loop in the pool workflow would write events for every probe).
      */
-    async watchInstance(input: { pool: string; instance: string; intervalMs: number }): Promise<{ reason: string }> {
+    async watchInstance(input: WatchInstanceInput): Promise<WatchInstanceResult> {
       const ctx = Context.current();
-      const alive = () => heartbeat({ instance: input.instance, phase: 'serving' });
+      const alive = () => heartbeat({ instance: input.instance, phase: input.known?.recovering ? 'restarting' : 'serving' });
       if (deps.runtime.watch) return { reason: await deps.runtime.watch(input.pool, input.instance, ctx.cancellationSignal, alive) };
       for (;;) {
         alive();
         const info = await deps.runtime.describe(input.pool, input.instance);
         if (!info) return { reason: `instance ${input.instance} is gone` };
-        if (!info.healthy) return { reason: `instance ${input.instance} stopped serving` };
+        if (!info.healthy) return { reason: `instance ${input.instance} stopped serving${info.restarts?.last ? ` (${info.restarts.last})` : ''}` };
+        const change = input.known && info.restarts ? restartChange(input.known, info.restarts) : null;
+        if (change) return change;
         await ctx.sleep(input.intervalMs); // a cancel (the pool stopped it) ends the sleep with CancelledFailure
       }
     },

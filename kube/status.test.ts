@@ -133,6 +133,30 @@ test('a Dllama status counts ready instances and reports a failing pool as Degra
   expect(summary(failing.conditions!)).toEqual(['Ready=False/NoInstances', 'Degraded=True/InstanceFailed']);
 });
 
+test('a Dllama status shows an instance restarting in place as Degraded, then counts its restarts', () => {
+  const base = { observedGeneration: 2, nodesPerInstance: 2, selector: 'magus.dev/pool=p', workflowId: 'pool/ns/m', previous: [], now: 't' };
+  const how = 'node 1 (worker) killed by SIGKILL';
+  const restarting = dllamaStatus({
+    ...base,
+    pool: { instances: [{ id: 'm-1', phase: 'ready', subject: 's', leases: 1, restarting: how, restarts: 1, lastRestart: how }], waiting: 0, lastError: null },
+  });
+  expect(restarting).toMatchObject({
+    phase: 'Degraded',
+    replicas: 1,
+    readyReplicas: 0,
+    instances: [{ id: 'm-1', phase: 'restarting', restarts: 1, lastRestart: how }],
+  });
+  expect(summary(restarting.conditions!)).toEqual(['Ready=False/InstancesStarting', 'Degraded=True/InstanceRestarting']);
+  expect(restarting.conditions!.find((c) => c.type === 'Degraded')!.message).toBe(`instance m-1 is restarting in place: ${how}`);
+  const back = dllamaStatus({
+    ...base,
+    previous: restarting.conditions!,
+    pool: { instances: [{ id: 'm-1', phase: 'ready', subject: 's', leases: 1, restarts: 1, lastRestart: how }], waiting: 0, lastError: null },
+  });
+  expect(back).toMatchObject({ phase: 'Serving', readyReplicas: 1, instances: [{ id: 'm-1', phase: 'ready', restarts: 1, lastRestart: how }] });
+  expect(summary(back.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected']);
+});
+
 test('a step retrying after failed attempts is named in its stage and in Ready; a failure replaces it', () => {
   const retrying = { activity: 'resolveSource', attempt: 3, message: 'HubError: connect ECONNREFUSED 127.0.0.1:1', at: '2026-11-24T10:00:00.000Z' };
   const cs = modelConditions(progress({ phase: 'resolving', retrying }), 3);

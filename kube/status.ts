@@ -161,10 +161,18 @@ export interface DllamaStatusInput {
 
 /** The `status` of a `Dllama` from its pool's state. */
 export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
-  const instances = input.pool.instances.map((i) => ({ id: i.id, phase: i.phase, leases: i.leases }));
+  const instances = input.pool.instances.map((i) => ({
+    id: i.id,
+    // An instance restarting in place serves nothing meanwhile.
+    phase: i.restarting ? 'restarting' : i.phase,
+    leases: i.leases,
+    ...(i.restarts ? { restarts: i.restarts } : {}),
+    ...(i.lastRestart ? { lastRestart: i.lastRestart } : {}),
+  }));
   const ready = instances.filter((i) => i.phase === 'ready' || i.phase === 'draining').length;
   const live = instances.filter((i) => i.phase !== 'stopping').length;
-  const phase = input.pool.lastError && ready === 0 ? 'Degraded' : live === 0 ? 'Idle' : ready < live ? 'Scaling' : 'Serving';
+  const restarting = input.pool.instances.filter((i) => i.restarting);
+  const phase = (input.pool.lastError || restarting.length > 0) && ready === 0 ? 'Degraded' : live === 0 ? 'Idle' : ready < live ? 'Scaling' : 'Serving';
   const g = input.observedGeneration;
   const conditions: Omit<Condition, 'lastTransitionTime'>[] = [
     ready > 0
@@ -176,9 +184,17 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
           message: live > 0 ? `${live} instances starting` : 'scaled to zero; the first request starts one',
           observedGeneration: g,
         },
-    input.pool.lastError
-      ? { type: 'Degraded', status: 'True', reason: 'InstanceFailed', message: input.pool.lastError, observedGeneration: g }
-      : { type: 'Degraded', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },
+    restarting.length > 0
+      ? {
+          type: 'Degraded',
+          status: 'True',
+          reason: 'InstanceRestarting',
+          message: restarting.map((i) => `instance ${i.id} is restarting in place: ${i.restarting}`).join('; '),
+          observedGeneration: g,
+        }
+      : input.pool.lastError
+        ? { type: 'Degraded', status: 'True', reason: 'InstanceFailed', message: input.pool.lastError, observedGeneration: g }
+        : { type: 'Degraded', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },
   ];
   return {
     observedGeneration: g,

@@ -146,7 +146,7 @@ export interface DllamaResourceStatus {
   nodesPerInstance?: number;
   /** The label selector of this pool's pods, as a string (the scale subresource reads it). */
   selector?: string;
-  instances?: { id: string; phase: string; leases: number }[];
+  instances?: { id: string; phase: string; leases: number; restarts?: number; lastRestart?: string }[];
   lastError?: string;
   workflowId?: string;
   conditions?: Condition[];

@@ -59,6 +59,41 @@ export interface ActivityProgress {
   total: number;
 }
 
+/**
+ * An instance's restarts in place (the local runtime starts a stopped engine or distributed-llama
+ * topology again where it was, as a whole): how often it stopped by itself, how it last did, and
+ * whether it is being started again now.
+ */
+export interface RestartReport {
+  stops: number;
+  last?: string;
+  recovering: boolean;
+}
+
+/** `watchInstance`'s input: the instance, and (pools that take restart reports) its restarts as the pool knows them. */
+export interface WatchInstanceInput {
+  pool: string;
+  instance: string;
+  intervalMs: number;
+  /** Absent (pools started before restarts were reported): only a loss ends the watch. */
+  known?: RestartReport;
+}
+
+/**
+ * How a watch of an instance ended: `restart` set — it was restarted in place, or finished being
+ * (the pool records it and watches again); otherwise the instance is lost and `reason` says why.
+ */
+export interface WatchInstanceResult {
+  reason: string;
+  restart?: RestartReport;
+}
+
+/** What a watch reports when an instance's restarts differ from what the pool knows: a new stop, or the end of a restart; null: nothing new. */
+export function restartChange(known: RestartReport, now: RestartReport): WatchInstanceResult | null {
+  if (now.stops > known.stops || (known.recovering && !now.recovering)) return { reason: now.last ?? 'it stopped by itself', restart: now };
+  return null;
+}
+
 export interface InstanceView {
   id: string;
   /** `draining`: idle, unpublished, stopped after the drain grace unless conversations reach it again. */
@@ -67,6 +102,11 @@ export interface InstanceView {
   leases: number;
   /** False while the pool's reconciler has not reported on it yet (a new instance is not idle before). */
   reported?: boolean;
+  /** Set while it is being restarted in place: how it stopped (it serves nothing meanwhile). */
+  restarting?: string;
+  /** Times it stopped by itself and was restarted in place, and how it last did (absent: never). */
+  restarts?: number;
+  lastRestart?: string;
 }
 
 /** The pool as a whole, as the `MagusPhase` search attribute shows it. */

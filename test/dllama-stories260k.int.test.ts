@@ -22,6 +22,8 @@ import { runtimeConfig } from '../activities/runtime';
 import { local } from '../activities/runtime/local-entry';
 import { resolveBinaries } from '../workers/dev/services';
 import { isolation } from './harness';
+import { until } from './harness/wait';
+import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { descendantsRunning } from './harness/dev';
 import { gatewayStack, natsStack, s3Stack, tempDir, temporalStack, TestStack, workersStack } from './harness/stack';
 import { dllamaPromptIds, dllamaText, publishPaddedStories, writePaddedStories, type PaddedStories } from './fixtures/stories260k-dllama';
@@ -152,6 +154,17 @@ describe.each([1, 2, 4])('%i node(s): a real root and workers', (nodes) => {
       const after = dllamaWorkers(bins.worker);
       expect(after).toHaveLength(1);
       expect(after[0]).not.toBe(before[0]);
+      // Reported, not only survived: the pool's status (what the `Dllama` status and the Temporal UI show) counts the restart and says which node died.
+      const pool = servers.client.workflow.getHandle(poolWorkflowId('default', f32));
+      await until(
+        'the pool counts the restart',
+        async () => (await pool.query(poolStatusQuery)).instances.some((i) => i.restarts === 1 && !i.restarting),
+        30_000,
+      );
+      const [restarted, ...others] = (await pool.query(poolStatusQuery)).instances;
+      expect(others).toEqual([]);
+      expect(restarted).toMatchObject({ phase: 'ready', restarts: 1 });
+      expect(restarted!.lastRestart).toMatch(/^worker 1 :\d+ was killed by SIGKILL$/);
     }, 180_000);
 
     test('a worker SIGKILLed while answering: the topology is started again and the answer in flight is given whole, then the next turn', async () => {

@@ -104,6 +104,12 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
   ['pool-start-backoff', [], (h) => scheduledOf(h, 'createInstance').length >= 3 && signalsOf(h).includes('modelPublished')],
   // test/serving-workers.int.test.ts: a watcher per instance on its worker's queue; that worker gone, the instance replaced on the other.
   ['pool-watch-owner-gone', [], (h) => scheduledOf(h, 'watchInstance').length >= 2 && scheduledOf(h, 'createInstance').length >= 2],
+  // test/serving.int.test.ts: an engine killed and restarted in place; its watcher reported the stop (and the restart's end) and was started again.
+  [
+    'pool-restart-reported',
+    ['pool-restart-reports'],
+    (h) => scheduledOf(h, 'watchInstance').length >= 2 && (inputOf(h, 'watchInstance') as { known?: unknown }).known !== undefined,
+  ],
   // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
   ['session-started', [], (h) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],
   // Its end: the TTL passed without a turn, the entry deleted, the session completed.

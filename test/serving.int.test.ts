@@ -224,6 +224,39 @@ test('a first turn on a warm pool is served from the pool’s published instance
   await until('the pool counts it', async () => ((await pool.query(poolStatusQuery)).instances.find((i) => i.id === room!.instance)?.leases ?? 0) >= 1);
 }, 120_000);
 
+test('an engine killed once is restarted in place: the pool reports it (the Temporal UI, the status) and its conversation carries on there', async () => {
+  const id = `restarted-${randomBytes(4).toString('hex')}`;
+  const turn = (content: string) =>
+    openai.chat.completions.create({ model: MODEL, messages: [{ role: 'user', content }], max_tokens: 4, temperature: 0 }, { headers: { 'x-session-id': id } });
+  await turn('before');
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
+  const runtime = workers.runtime as LocalRuntime; // the stack's worker runs the local runtime
+  const serving = (await pool.query(poolStatusQuery)).instances.filter((i) => i.phase === 'ready' && runtime.processes(MODEL, i.id));
+  const victim = serving.find((i) => i.leases > 0) ?? serving[0]!;
+  const pid = runtime.processes(MODEL, victim.id)![0]!.pid!;
+  process.kill(pid, 'SIGKILL');
+  // Its watcher reports the stop (phase `restarting` while the engine starts again), then the end of the restart.
+  await until(
+    'the pool counts the restart',
+    async () => {
+      const i = (await pool.query(poolStatusQuery)).instances.find((x) => x.id === victim.id);
+      return i?.restarts === 1 && !i.restarting;
+    },
+    60_000,
+  );
+  const after = (await pool.query(poolStatusQuery)).instances.find((i) => i.id === victim.id)!;
+  expect(after).toMatchObject({ phase: 'ready', restarts: 1 });
+  expect(after.lastRestart).toMatch(/^engine was killed by SIGKILL$/);
+  expect(runtime.processes(MODEL, victim.id)![0]!.pid).not.toBe(pid);
+  await until('the pool page says so', async () => (await currentDetails(pool)).includes(`\`${victim.id}\` ready`), 10_000);
+  expect(await currentDetails(pool)).toMatch(new RegExp(`- \`${victim.id}\` ready, \\d+ leases?; restarted once, last: .*SIGKILL`));
+  // Restarted where it was, not replaced: the conversation's next turn is answered on it.
+  const r = await turn('after');
+  expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+  expect((await pool.query(poolStatusQuery)).instances.some((i) => i.id === victim.id && i.phase === 'ready')).toBe(true);
+  await recordHistory('pool-restart-reported', pool);
+}, 120_000);
+
 test('an instance that stops serving for good is replaced, and its conversation moves on its next turn', async () => {
   const kv = await nc.jetstream().views.kv(names.sessionsBucket);
   const entryOf = async (k: string) => {

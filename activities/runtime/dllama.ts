@@ -27,6 +27,7 @@ import type { Artifact, ReadyModel, StoredObject } from '../../shared/model';
 import { WEIGHTS_PREFERENCE, weightsFormat, type ArtifactWeights } from '../../shared/weights';
 import { cachedFile } from './cache';
 import type { DllamaOptions, EngineLauncher, LocalLaunch, LocalServing } from './launcher';
+import { restartReport } from './launcher';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
@@ -408,6 +409,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
       return topology.current.nodes;
     },
     healthy: () => topology.healthy(),
+    restarts: () => restartReport(topology),
     stop: () => topology.stop(),
   };
 }

@@ -4,6 +4,7 @@
  * lookup, so that the launchers and the lookup do not import each other.
  */
 import type { ReadyModel, StoredObject } from '../../shared/model';
+import type { RestartReport } from '../../shared/status';
 import type { ModelCache } from './cache';
 import type { InstancePlan, InstancePorts } from './kubernetes-manifests';
 import type { RestartPolicy } from './supervise';
@@ -32,8 +33,17 @@ export interface LocalServing {
   slots: number;
   readonly processes: readonly { role: 'engine' | 'root' | 'worker'; index: number; port: number; process: SupervisedProcess }[];
   healthy(): boolean;
+  /** What it went through: how often it stopped by itself, how it last did, and whether it is being restarted in place now. */
+  restarts(): RestartReport;
   stop(): Promise<void>;
 }
+
+/** The {@link RestartReport} of a supervised engine or topology; `subject` names what stopped when its stops do not (`engine`). */
+export const restartReport = (s: { stops: number; lastStop: string | undefined; recovering(): boolean }, subject?: string): RestartReport => ({
+  stops: s.stops,
+  ...(s.lastStop !== undefined ? { last: subject ? `${subject} ${s.lastStop}` : s.lastStop } : {}),
+  recovering: s.recovering(),
+});
 
 /** The local runtime's settings a launcher may read (local.ts `LocalRuntimeOptions` extends them). */
 export interface LocalEngineSettings {

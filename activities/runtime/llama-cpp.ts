@@ -10,6 +10,7 @@ import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ReadyModel } from '../../shared/model';
 import { cachedGguf } from './cache';
 import type { EngineLauncher, LocalLaunch, LocalServing } from './launcher';
+import { restartReport } from './launcher';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
 
@@ -209,6 +210,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
       return [{ role: 'engine' as const, index: 0, port: engine.current.port, process: engine.current.process }];
     },
     healthy: () => engine.healthy(),
+    restarts: () => restartReport(engine, 'engine'),
     stop: () => engine.stop(),
   };
 }

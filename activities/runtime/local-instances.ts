@@ -62,7 +62,7 @@ export class InstanceTable {
 
   /** The instance as callers see it, healthy while its engine is. */
   static info(i: LocalInstance): InstanceInfo {
-    return { ...i.info, healthy: i.serving.engine.healthy() };
+    return { ...i.info, healthy: i.serving.engine.healthy(), restarts: i.serving.engine.restarts() };
   }
 
   static processes(i: LocalInstance): LocalProcessInfo[] {

@@ -5,6 +5,7 @@
  * Which runtimes there are and how a worker builds one: ./index.ts.
  */
 import type { BridgeSample } from '../../dataplane/bridge';
+import type { RestartReport } from '../../shared/status';
 
 export interface InstanceRequest {
   namespace: string;
@@ -31,6 +32,11 @@ export interface InstanceInfo {
    * any worker can answer for it.
    */
   runtimeQueue?: string;
+  /**
+   * Its restarts in place (the local runtime starts a stopped engine or topology again where it
+   * was); absent where a runtime does not restart in place (Kubernetes: a pod not ready is a loss).
+   */
+  restarts?: RestartReport;
 }
 
 /**

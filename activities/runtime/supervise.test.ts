@@ -40,6 +40,19 @@ it('restarts what stopped by itself, in place, and reports it healthy again', as
   expect(logs).toEqual(['p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 1 ms']);
 });
 
+it('says how it stopped and that it is recovering until the restart completes (what the pool reports)', async () => {
+  let release!: () => void;
+  const gate = new Promise<void>((r) => (release = r));
+  const { s, first } = supervised({ restart: () => gate.then(() => new Fake()) });
+  expect([s.stops, s.lastStop, s.recovering()]).toEqual([0, undefined, false]);
+  first.die('node 1 (worker) was killed by SIGKILL');
+  await until('the stop is seen', () => s.stops === 1, 5_000);
+  expect([s.lastStop, s.recovering(), s.healthy()]).toEqual(['node 1 (worker) was killed by SIGKILL', true, true]);
+  release();
+  await until('restarted', () => !s.recovering(), 5_000);
+  expect([s.stops, s.restarts, s.lastStop]).toEqual([1, 1, 'node 1 (worker) was killed by SIGKILL']);
+});
+
 it('more stops within the window than the policy allows: given up, unhealthy, and nothing is started again', async () => {
   const { s, first, logs } = supervised();
   first.die('exited with code 1');

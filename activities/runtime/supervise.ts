@@ -21,6 +21,12 @@ export interface Supervised<T> {
   /** What runs now (a new one after each restart). */
   readonly current: T;
   readonly restarts: number;
+  /** Times it stopped by itself (each began a restart, or the giving up). */
+  readonly stops: number;
+  /** How it last stopped by itself (`exited with code 1`, `node 1 (worker) killed by SIGKILL`), if it did. */
+  readonly lastStop: string | undefined;
+  /** Stopped by itself and being started again now (the backoff or the start under way). */
+  recovering(): boolean;
   /** Running, or being restarted within the policy; false once given up or stopped. */
   healthy(): boolean;
   /** Stops it for good: a restart under way is aborted and awaited, and none follows. */
@@ -51,6 +57,8 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
   let current = first;
   let givenUp = false;
   let restarts = 0;
+  let stops = 0;
+  let lastStop: string | undefined;
   const recent: number[] = [];
   // Aborted by stop(): the backoff and a start under way end at once.
   const stopping = new AbortController();
@@ -94,6 +102,8 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
   const watch = (t: T): void => {
     void o.ended(t).then((how) => {
       if (stopping.signal.aborted || t !== current) return;
+      stops += 1;
+      lastStop = how;
       const delay = nextDelay();
       if (delay === null) {
         givenUp = true;
@@ -118,6 +128,13 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
     get restarts() {
       return restarts;
     },
+    get stops() {
+      return stops;
+    },
+    get lastStop() {
+      return lastStop;
+    },
+    recovering: () => restarting !== null,
     healthy: () => !givenUp && !stopping.signal.aborted && (restarting !== null || o.running(current)),
     async stop() {
       stopping.abort();

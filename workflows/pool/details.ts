@@ -14,8 +14,14 @@ export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): 
   if (s.lastError) lines.push(`last error: ${s.lastError}`);
   if (s.nextStartAt !== undefined && s.startFailures)
     lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
-  const list = s.instances.map((i) => `- \`${i.id}\` ${i.phase}, ${plural(i.leases, 'lease')}`);
+  const list = s.instances.map(
+    (i) => `- \`${i.id}\` ${i.restarting ? `**restarting** (${i.restarting})` : i.phase}, ${plural(i.leases, 'lease')}${restartsText(i)}`,
+  );
   return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
 }
+
+/** `; restarted 2 times, last: node 1 (worker) killed by SIGKILL` once it restarted in place and serves again. */
+const restartsText = (i: PoolStatus['instances'][number]): string =>
+  i.restarts && !i.restarting ? `; restarted ${i.restarts === 1 ? 'once' : `${i.restarts} times`}${i.lastRestart ? `, last: ${i.lastRestart}` : ''}` : '';
 
 const plural = (n: number, what: string): string => `${n} ${what}${n === 1 ? '' : 's'}`;

@@ -22,6 +22,7 @@ import {
   condition,
   continueAsNew,
   isCancellation,
+  patched,
   proxyActivities,
   proxyLocalActivities,
   setHandler,
@@ -33,11 +34,13 @@ import {
 import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { ServingActivities } from '../../activities/serving';
 import { ErrorType } from '../../shared/errors';
+import type { RestartReport } from '../../shared/status';
 import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
 import { visibility } from '../visibility';
 import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type PoolInput, type PoolResource } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
+import { RESTART_REPORTS_PATCH } from './patches';
 import { PoolState, PRESSURE_PENDING, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
@@ -147,6 +150,14 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     dirty = true;
   }
 
+  /** `i` was restarted in place, or is being: recorded for its status, and watched again. */
+  function restarted(i: PoolInstance, report: RestartReport): void {
+    if (!state.restarted(i, report)) return;
+    watchers.delete(i.id);
+    watch(i);
+    dirty = true;
+  }
+
   /**
    * Watches `i` for its life: when the watcher completes, `i` is lost. A watcher's retry that its
    * worker's queue did not take within `ownerTimeoutMs` proves only that the worker is gone *or*
@@ -157,10 +168,11 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     const scope = new CancellationScope();
     watchers.set(i.id, scope);
     const run = ownerOf(i)?.watchInstance ?? watchInstance;
+    const known = patched(RESTART_REPORTS_PATCH) ? (i.restarts ?? { stops: 0, recovering: false }) : undefined;
     scope
-      .run(() => run({ pool: input.model, instance: i.id, intervalMs: healthCheckMs }))
+      .run(() => run({ pool: input.model, instance: i.id, intervalMs: healthCheckMs, ...(known ? { known } : {}) }))
       .then(
-        ({ reason }) => lost(i, reason),
+        ({ reason, restart }) => (restart ? restarted(i, restart) : lost(i, reason)),
         async (err: unknown) => {
           if (isCancellation(err)) return; // the pool stopped it, or the run closes
           if (ownerGone(err) && i.runtimeQueue) {

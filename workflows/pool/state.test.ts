@@ -1,4 +1,6 @@
+import { restartChange } from '../../shared/status';
 import type { PoolInput } from './definitions';
+import { poolDetails } from './details';
 import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, VIEW_REFRESH_MS, type LoadReport, type PoolView } from './state';
 
 const input = (over: Partial<PoolInput> = {}): PoolInput => ({
@@ -137,6 +139,30 @@ describe('PoolState', () => {
     expect(s.lastError).toBe('instance m-1 stopped serving');
   });
 
+  it('records an instance restarting in place and then its count, for the status; a report on one gone changes nothing', () => {
+    const s = ready(1);
+    const i = s.instances.get('m-1')!;
+    const how = 'node 1 (worker) killed by SIGKILL';
+    expect(s.restarted(i, { stops: 1, last: how, recovering: true })).toBe(true);
+    expect(s.status(0).instances[0]).toMatchObject({ id: 'm-1', phase: 'ready', restarting: how, restarts: 1, lastRestart: how });
+    expect(s.restarted(i, { stops: 1, last: how, recovering: false })).toBe(true);
+    expect(s.status(0).instances[0]).toEqual({
+      id: 'm-1',
+      phase: 'ready',
+      subject: 'magus.req.m.m-1',
+      leases: 0,
+      reported: false,
+      restarts: 1,
+      lastRestart: how,
+    });
+    expect(s.view().instances.map((v) => v.instance)).toEqual(['m-1']); // it keeps its conversations: restarted where it was
+    expect(s.lastError).toBeNull();
+    // Carried over continue-as-new, so the next run's watcher reports only what is new.
+    expect(new PoolState(s.input, s.carry(0)).instances.get('m-1')!.restarts).toEqual({ stops: 1, last: how, recovering: false });
+    s.lost(i, 'gone');
+    expect(s.restarted(i, { stops: 2, recovering: true })).toBe(false);
+  });
+
   it('rewrites the view for instances, growth and failure, not for lease counts alone', () => {
     const s = ready(2);
     const before = PoolState.shape(s.view());
@@ -210,5 +236,29 @@ describe('PoolState', () => {
     expect(s.resource({ ...r, generation: 3, minInstances: 4 })).toBe(false);
     expect(s.resource({ ...r, generation: 3, deleted: true })).toBe(true);
     expect(s.input.minInstances).toBe(0);
+  });
+});
+
+describe('restarts in place, as a watcher reports them and the pool page shows them', () => {
+  const how = 'node 1 (worker) killed by SIGKILL';
+  it('a watcher reports a new stop, then the end of the restart, and nothing else', () => {
+    const none = { stops: 0, recovering: false };
+    expect(restartChange(none, none)).toBeNull();
+    expect(restartChange(none, { stops: 1, last: how, recovering: true })).toEqual({ reason: how, restart: { stops: 1, last: how, recovering: true } });
+    // Restarted between two looks: one report, already recovered.
+    expect(restartChange(none, { stops: 1, last: how, recovering: false })).toMatchObject({ restart: { stops: 1, recovering: false } });
+    expect(restartChange({ stops: 1, last: how, recovering: true }, { stops: 1, last: how, recovering: true })).toBeNull();
+    expect(restartChange({ stops: 1, last: how, recovering: true }, { stops: 1, last: how, recovering: false })).toMatchObject({
+      restart: { recovering: false },
+    });
+  });
+
+  it('the Temporal UI page says an instance restarts, and how often it did', () => {
+    const s = ready(1);
+    const i = s.instances.get('m-1')!;
+    s.restarted(i, { stops: 1, last: how, recovering: true });
+    expect(poolDetails(s.input, s.phase(), s.status(0))).toContain(`- \`m-1\` **restarting** (${how}), 0 leases`);
+    s.restarted(i, { stops: 2, last: how, recovering: false });
+    expect(poolDetails(s.input, s.phase(), s.status(0))).toContain(`- \`m-1\` ready, 0 leases; restarted 2 times, last: ${how}`);
   });
 });

@@ -13,6 +13,7 @@
  * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
  * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
  */
+import type { RestartReport } from '../../shared/status';
 import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
 
 /** Failed starts back off: the n-th failure in a row waits base × 2^(n−1), capped. */
@@ -43,6 +44,8 @@ export interface PoolInstance {
   reported?: boolean;
   /** Time it was unpublished for stopping (phase `draining`). */
   drainSince: number;
+  /** Its restarts in place as its watcher last reported them (absent: none reported). */
+  restarts?: RestartReport;
 }
 
 /** The reconciler's summary: per instance of the pool, its live entries and its consumer's backlog. */
@@ -52,7 +55,17 @@ export interface LoadReport {
 
 /** What one run of the pool carries into the next: O(instances), never per conversation. */
 export interface PoolCarry {
-  instances: { id: string; subject: string; runtimeQueue?: string; leases: number; pending: number; ackPending: number; idleSince: number }[];
+  instances: {
+    id: string;
+    subject: string;
+    runtimeQueue?: string;
+    leases: number;
+    pending: number;
+    ackPending: number;
+    idleSince: number;
+    /** Absent in an older run's carry. */
+    restarts?: RestartReport;
+  }[];
   nextId: number;
   startFailures: number;
   nextStartAt: number;
@@ -125,6 +138,7 @@ export class PoolState {
         idleSince: c.idleSince,
         drainSince: 0,
         reported: true,
+        ...(c.restarts ? { restarts: c.restarts } : {}),
       });
     }
   }
@@ -211,6 +225,16 @@ export class PoolState {
     if (this.instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return false;
     this.lastError = reason;
     this.instances.delete(i.id);
+    return true;
+  }
+
+  /**
+   * `i` stopped by itself and is being (or has been) restarted in place, as its watcher reports
+   * it: shown in the status while it restarts, counted after. False when it changed meanwhile.
+   */
+  restarted(i: PoolInstance, report: RestartReport): boolean {
+    if (this.instances.get(i.id) !== i || (i.phase !== 'ready' && i.phase !== 'draining')) return false;
+    i.restarts = report;
     return true;
   }
 
@@ -369,6 +393,7 @@ export class PoolState {
         subject: i.subject,
         leases: i.leases,
         ...(i.reported === false ? { reported: false } : {}),
+        ...restartView(i.restarts),
       })),
       waiting: this.waiting(now),
       lastError: this.lastError,
@@ -394,6 +419,7 @@ export class PoolState {
         pending: i.pending,
         ackPending: i.ackPending,
         idleSince: i.idleSince,
+        ...(i.restarts ? { restarts: i.restarts } : {}),
       })),
       nextId: this.nextId,
       startFailures: this.startFailures,
@@ -403,6 +429,16 @@ export class PoolState {
       demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
     };
   }
+}
+
+/** An instance's restarts as its status shows them: the reason while it restarts, the count and the last reason once it did. */
+function restartView(r: RestartReport | undefined): Pick<InstanceView, 'restarting' | 'restarts' | 'lastRestart'> {
+  if (!r || r.stops === 0) return {};
+  return {
+    ...(r.recovering ? { restarting: r.last ?? 'it stopped by itself' } : {}),
+    restarts: r.stops,
+    ...(r.last ? { lastRestart: r.last } : {}),
+  };
 }
 
 /** No conversation on it and nothing queued or in flight. */

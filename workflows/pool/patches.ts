@@ -1,0 +1,12 @@
+/**
+ * The pool's patches (workflows/README.md, "Changing workflow code"): each id guards one change
+ * of the commands a pool emits. An id is never reused or renamed: it is in the histories.
+ */
+
+/**
+ * An instance's watcher reports its restarts in place (a stop, then the end of the restart) and
+ * is started again, instead of ending only with the instance's loss: the `Dllama` status and the
+ * pool's page show an instance restarting, and how often it did. Pools started before it pass no
+ * `known` to `watchInstance`, which then ends only on a loss, as before.
+ */
+export const RESTART_REPORTS_PATCH = 'pool-restart-reports';
