@@ -1,0 +1,436 @@
+/**
+ * Per-key limits — requests per minute, tokens per minute, concurrent requests and a token budget
+ * per UTC day or month — as pure functions over the state of one limited scope (a JSON document;
+ * dataplane/limits.ts keeps one per key in KV `magus_limits` and changes it by compare-and-swap
+ * only, so N gateway replicas enforce one limit with no central process). No I/O and no Node
+ * builtins: usable on both sides of a workflow boundary.
+ *
+ * A request is admitted by *reserving* its worst case (its prompt's tokens plus the most it may
+ * generate), and settled to its real usage when its answer ends, is cancelled or fails. Every
+ * reservation carries a lease its gateway renews; one whose lease passed (its gateway died) is
+ * released by the next {@link admit}, {@link settle} or {@link sweep} of its scope, charged at its
+ * full worst case.
+ *
+ * Invariants:
+ * - **A budget is never exceeded**: admission keeps `used + Σ reserved ≤ budget.tokens`; a settle
+ *   moves at most the reservation into `used` (callers cap a request's output so that its real
+ *   usage never exceeds its reservation), an expired lease moves exactly it. Since every change
+ *   of the document is a compare-and-swap, this holds at any concurrency, on any number of
+ *   replicas. (Lowering a budget below what is used only refuses until the next period.)
+ * - **Idempotent per request id**: admitting an id that is reserved returns ok and counts nothing
+ *   again; settling an id that is not reserved (already settled, or released) is a no-op, so a
+ *   retried settle never charges twice. An id admitted again *after* its settle is a new request.
+ * - **Retry-After is computed**, never a constant: the time a bucket needs to refill what is
+ *   asked, the end of the budget's period, or the expected time until a concurrent request ends.
+ * - Token buckets are exact: levels are whole numbers of 1/60 000 of a token (or request), so
+ *   refill (`limit` units per ms), refunds and Retry-After are integer arithmetic.
+ *
+ * Times are epoch ms of the caller's clock (whole ms: fractions are dropped); replicas must keep
+ * clocks in step (NTP) to well within a lease. A clock behind another's never refills a bucket
+ * backwards.
+ */
+import { Type, type Static } from '@sinclair/typebox';
+import { Value } from '@sinclair/typebox/value';
+import { StringEnum } from './chat';
+
+/** Most requests or tokens per minute: × {@link BUCKET_SCALE} stays an exact integer. */
+export const MAX_PER_MINUTE = 100_000_000_000;
+/** Most tokens a budget may hold: sums of usage stay exact integers. */
+export const MAX_BUDGET_TOKENS = 1_000_000_000_000_000;
+
+const perMinute = (what: string) =>
+  Type.Optional(Type.Integer({ minimum: 1, maximum: MAX_PER_MINUTE, description: `a whole number of ${what} per minute from 1 to ${MAX_PER_MINUTE}` }));
+
+/** A key's limits; an absent field is unlimited. */
+export const KeyLimits = Type.Object(
+  {
+    requestsPerMinute: perMinute('requests'),
+    /** Counted on each request's worst case at admission, then refunded down to its real usage. */
+    tokensPerMinute: perMinute('tokens'),
+    /** Requests in flight at once. */
+    concurrency: Type.Optional(Type.Integer({ minimum: 1, maximum: 1_000_000, description: 'a whole number from 1 to 1000000' })),
+    /** Tokens (prompt and completion) per UTC day or calendar month. */
+    budget: Type.Optional(
+      Type.Object(
+        {
+          tokens: Type.Integer({ minimum: 1, maximum: MAX_BUDGET_TOKENS, description: `a whole number from 1 to ${MAX_BUDGET_TOKENS}` }),
+          period: StringEnum(['day', 'month']),
+        },
+        { additionalProperties: false },
+      ),
+    ),
+  },
+  { additionalProperties: false },
+);
+export type KeyLimits = Static<typeof KeyLimits>;
+export type BudgetPeriod = NonNullable<KeyLimits['budget']>['period'];
+
+/** Units of a bucket level per request or token: a bucket of `limit` per minute refills `limit` units per ms. */
+export const BUCKET_SCALE = 60_000;
+
+/** A token bucket refilling continuously to its capacity (the per-minute limit) in one minute. */
+const Bucket = Type.Object({
+  /** Units ({@link BUCKET_SCALE} per request or token) at `at`; below 0 when a request used more than it reserved. */
+  level: Type.Integer(),
+  /** Epoch ms of `level`. */
+  at: Type.Integer(),
+});
+export type Bucket = Static<typeof Bucket>;
+
+/** A live request's worst case, held until it settles or its lease passes. */
+const Reservation = Type.Object({
+  tokens: Type.Integer({ minimum: 0 }),
+  /** The gateway replica that renews it. */
+  replica: Type.String(),
+  /** Epoch ms after which it is released (charged in full) unless renewed. */
+  leaseUntil: Type.Integer(),
+  /** Epoch ms of its admission. */
+  at: Type.Integer(),
+});
+export type Reservation = Static<typeof Reservation>;
+
+/** The state of one limited scope (one key): the document stored in `magus_limits`. */
+export const LimitState = Type.Object({
+  /** Requests-per-minute bucket; absent while unlimited (or untouched: full). */
+  requests: Type.Optional(Bucket),
+  /** Tokens-per-minute bucket, likewise. */
+  tokens: Type.Optional(Bucket),
+  /** Live reservations by request id. */
+  reservations: Type.Record(Type.String(), Reservation),
+  /** The budget's current period (`2026-11-29` or `2026-11`, UTC) and the tokens charged in it. */
+  budget: Type.Optional(Type.Object({ period: Type.String(), used: Type.Integer({ minimum: 0 }) })),
+  /**
+   * Mean duration of this scope's settled requests (admission to settle, ms): an exponentially
+   * weighted moving average with weight 1/8, as TCP smooths its round-trip time (RFC 6298).
+   * Released leases do not count (their end is unknown). Retry-After of a concurrency refusal.
+   */
+  meanDurationMs: Type.Optional(Type.Number({ minimum: 0 })),
+});
+export type LimitState = Static<typeof LimitState>;
+
+/** The state of a scope never written. */
+export const emptyLimitState = (): LimitState => ({ reservations: {} });
+
+/** A stored document as a {@link LimitState}, or undefined when it is not one. */
+export function decodeLimitState(text: string): LimitState | undefined {
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+  return Value.Check(LimitState, value) ? value : undefined;
+}
+
+/** What {@link admit} is asked to reserve. */
+export interface AdmitRequest {
+  /** The request id (idempotency key). */
+  id: string;
+  /** Its worst case: prompt tokens (bounded from its size until counted) plus max_tokens or the context room left. */
+  tokens: number;
+  /** The gateway replica that will renew its lease. */
+  replica: string;
+  /** How long it holds without a renewal. */
+  leaseMs: number;
+}
+
+/** OpenAI's `x-ratelimit-*` response headers (only those whose limit is set). */
+export type RateLimitHeaders = Record<string, string>;
+
+export type RefusalCode = 'rate_limit_exceeded' | 'insufficient_quota';
+
+export type Admission =
+  | { ok: true; state: LimitState; headers: RateLimitHeaders }
+  | {
+      ok: false;
+      /** 429 either way: `rate_limit_exceeded` for a rate or concurrency limit, `insufficient_quota` for the budget. */
+      code: RefusalCode;
+      message: string;
+      /** When asking again may succeed; null when waiting cannot help (the request alone exceeds a limit). */
+      retryAfterMs: number | null;
+      headers: RateLimitHeaders;
+    };
+
+export interface Settlement {
+  state: LimitState;
+  /** False when the id was not reserved (settled before, or released): nothing was charged. */
+  settled: boolean;
+  headers: RateLimitHeaders;
+}
+
+const hasOwn = (o: object, k: string): boolean => Object.prototype.hasOwnProperty.call(o, k);
+
+function checkWhole(what: string, n: number, min: number): void {
+  if (!Number.isSafeInteger(n) || n < min) throw new RangeError(`${what} must be a whole number ≥ ${min}, got ${n}`);
+}
+
+/** The UTC period `nowMs` falls in: its id (`2026-11-29`, `2026-11`) and when it ends (epoch ms). */
+export function budgetPeriodOf(period: BudgetPeriod, nowMs: number): { id: string; endsAt: number } {
+  const d = new Date(nowMs);
+  const [y, m, day] = [d.getUTCFullYear(), d.getUTCMonth(), d.getUTCDate()];
+  const iso = d.toISOString();
+  return period === 'day' ? { id: iso.slice(0, 10), endsAt: Date.UTC(y, m, day + 1) } : { id: iso.slice(0, 7), endsAt: Date.UTC(y, m + 1, 1) };
+}
+
+/** The kind of period a stored period id is (`YYYY-MM-DD` a day, `YYYY-MM` a month). */
+const periodKindOf = (id: string): BudgetPeriod => (id.length === 10 ? 'day' : 'month');
+
+/** `b` refilled to `nowMs` (a full bucket when there is none yet; never above the capacity of `limit`). */
+function refill(b: Bucket | undefined, limit: number, nowMs: number): Bucket {
+  const capacity = limit * BUCKET_SCALE;
+  if (!b) return { level: capacity, at: nowMs };
+  const at = Math.max(b.at, nowMs);
+  const gained = (at - b.at) * limit;
+  return { level: gained >= capacity - b.level ? capacity : b.level + gained, at };
+}
+
+/** Whole ms until `b` holds `units` (0 when it does): the least t with level + t × limit ≥ units, in exact integers. */
+function msUntil(b: Bucket, limit: number, units: number): number {
+  const deficit = units - b.level;
+  if (deficit <= 0) return 0;
+  let t = Math.ceil(deficit / limit);
+  // The float quotient may round across a whole number; the products are exact.
+  while (t > 0 && (t - 1) * limit >= deficit) t -= 1;
+  while (t * limit < deficit) t += 1;
+  return t;
+}
+
+/** The budget in the current period: `used` back to 0 in a new one (and when the period kind changed). */
+function rollBudget(budget: LimitState['budget'], kind: BudgetPeriod | undefined, nowMs: number): LimitState['budget'] {
+  if (!kind) return undefined;
+  const { id } = budgetPeriodOf(kind, nowMs);
+  return budget?.period === id ? budget : { period: id, used: 0 };
+}
+
+/**
+ * Releases every reservation whose lease passed at `nowMs` (its gateway died or lost touch): each
+ * is charged to the current budget period at its **full reserved worst case** — its real usage is
+ * unknown, and charging less could let the budget be exceeded — and nothing returns to the
+ * tokens-per-minute bucket. A reservation is so released within one lease of its last renewal,
+ * by the first write to its scope after that.
+ */
+export function sweep(state: LimitState, nowMs: number): LimitState {
+  nowMs = Math.floor(nowMs);
+  const budget = state.budget && rollBudget(state.budget, periodKindOf(state.budget.period), nowMs);
+  let charged = 0;
+  const live: [string, Reservation][] = [];
+  for (const [id, r] of Object.entries(state.reservations)) {
+    if (r.leaseUntil <= nowMs) charged += r.tokens;
+    else live.push([id, r]);
+  }
+  if (live.length === Object.keys(state.reservations).length && budget === state.budget) return state;
+  return {
+    ...state,
+    reservations: Object.fromEntries(live),
+    ...(budget ? { budget: { period: budget.period, used: budget.used + charged } } : {}),
+  };
+}
+
+/** `state` at `nowMs` under `limits`: leases swept, buckets refilled, the budget in its period; what is unlimited dropped. */
+function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitState {
+  const swept = sweep(state, nowMs);
+  const budget = rollBudget(swept.budget, limits.budget?.period, nowMs);
+  const out: LimitState = { reservations: swept.reservations };
+  if (limits.requestsPerMinute) out.requests = refill(swept.requests, limits.requestsPerMinute, nowMs);
+  if (limits.tokensPerMinute) out.tokens = refill(swept.tokens, limits.tokensPerMinute, nowMs);
+  if (budget) out.budget = budget;
+  if (swept.meanDurationMs !== undefined) out.meanDurationMs = swept.meanDurationMs;
+  return out;
+}
+
+/** Σ of the live reservations' tokens. */
+const reservedTokens = (state: LimitState): number => Object.values(state.reservations).reduce((sum, r) => sum + r.tokens, 0);
+
+/**
+ * Ms until one of `n` requests in flight is expected to end: with a measured mean duration D,
+ * D / n (durations taken as memoryless: each has D left on average, and the first of n ends after
+ * D / n); before any request of the scope settled, D is estimated by the age of the oldest one
+ * (a request seen at a random point of its life has about as long again to run). At least 1 ms.
+ */
+function concurrencyWaitMs(state: LimitState, nowMs: number): number {
+  const live = Object.values(state.reservations);
+  const mean = state.meanDurationMs ?? Math.max(0, ...live.map((r) => nowMs - r.at));
+  return Math.max(1, Math.ceil(mean / Math.max(1, live.length)));
+}
+
+/**
+ * Admits request `req` at `nowMs` if every limit allows its worst case, reserving it (one request
+ * off the requests bucket, its tokens off the tokens bucket and the budget, a concurrent slot)
+ * under a lease of `req.leaseMs`; otherwise refuses it, changing nothing. Refusals, in the order
+ * checked:
+ * - a worst case beyond the tokens-per-minute limit (`rate_limit_exceeded`) or the whole budget
+ *   (`insufficient_quota`): "Request too large", no Retry-After;
+ * - `used + Σ reserved + tokens > budget.tokens`: `insufficient_quota`, retry at the period's end;
+ * - concurrency, requests and tokens per minute: `rate_limit_exceeded`, retry after the longest
+ *   of their waits (the message names that limit).
+ * An id already reserved is admitted again without counting anything twice (its lease renewed
+ * when the same replica asks).
+ */
+export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, nowMs: number): Admission {
+  checkWhole('tokens', req.tokens, 0);
+  checkWhole('leaseMs', req.leaseMs, 1);
+  nowMs = Math.floor(nowMs);
+  if (!req.id) throw new RangeError('a request id is required');
+  const s = normalize(state, limits, nowMs);
+  const headersOf = (st: LimitState) => rateLimitHeaders(st, limits, nowMs);
+  const refuse = (code: RefusalCode, message: string, retryAfterMs: number | null): Admission => ({
+    ok: false,
+    code,
+    message,
+    retryAfterMs,
+    headers: headersOf(s),
+  });
+
+  if (hasOwn(s.reservations, req.id)) {
+    const r = s.reservations[req.id]!;
+    const renewed = r.replica === req.replica ? { ...r, leaseUntil: Math.max(r.leaseUntil, nowMs + req.leaseMs) } : r;
+    const next = { ...s, reservations: { ...s.reservations, [req.id]: renewed } };
+    return { ok: true, state: next, headers: headersOf(next) };
+  }
+
+  const { tokensPerMinute: tpm, requestsPerMinute: rpm, concurrency, budget } = limits;
+  if (tpm !== undefined && req.tokens > tpm)
+    return refuse(
+      'rate_limit_exceeded',
+      `Request too large on tokens per min (TPM): Limit ${tpm}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
+      null,
+    );
+  if (budget) {
+    const per = budget.period;
+    if (req.tokens > budget.tokens)
+      return refuse(
+        'insufficient_quota',
+        `Request too large for the token budget per ${per}: Limit ${budget.tokens}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
+        null,
+      );
+    const used = s.budget!.used;
+    const reserved = reservedTokens(s);
+    if (used + reserved + req.tokens > budget.tokens) {
+      const { id, endsAt } = budgetPeriodOf(budget.period, nowMs);
+      return refuse(
+        'insufficient_quota',
+        `You exceeded your current quota: token budget per ${per} (${id}): Limit ${budget.tokens}, Used ${used}, Reserved by requests in flight ${reserved}, Requested ${req.tokens}. It renews at ${new Date(endsAt).toISOString()}.`,
+        endsAt - nowMs,
+      );
+    }
+  }
+
+  const waits: { ms: number; message: (retry: string) => string }[] = [];
+  const live = Object.keys(s.reservations).length;
+  if (concurrency !== undefined && live >= concurrency)
+    waits.push({
+      ms: concurrencyWaitMs(s, nowMs),
+      message: (retry) => `Rate limit reached on concurrent requests: Limit ${concurrency}, Used ${live}, Requested 1. Please try again in ${retry}.`,
+    });
+  if (rpm !== undefined && s.requests!.level < BUCKET_SCALE) {
+    const usedRequests = rpm - Math.max(0, Math.floor(s.requests!.level / BUCKET_SCALE));
+    waits.push({
+      ms: msUntil(s.requests!, rpm, BUCKET_SCALE),
+      message: (retry) => `Rate limit reached on requests per min (RPM): Limit ${rpm}, Used ${usedRequests}, Requested 1. Please try again in ${retry}.`,
+    });
+  }
+  if (tpm !== undefined && s.tokens!.level < req.tokens * BUCKET_SCALE) {
+    const usedTokens = tpm - Math.max(0, Math.floor(s.tokens!.level / BUCKET_SCALE));
+    waits.push({
+      ms: msUntil(s.tokens!, tpm, req.tokens * BUCKET_SCALE),
+      message: (retry) =>
+        `Rate limit reached on tokens per min (TPM): Limit ${tpm}, Used ${usedTokens}, Requested ${req.tokens}. Please try again in ${retry}.`,
+    });
+  }
+  if (waits.length > 0) {
+    const longest = waits.reduce((a, b) => (b.ms > a.ms ? b : a));
+    return refuse('rate_limit_exceeded', longest.message(formatResetDuration(longest.ms)), longest.ms);
+  }
+
+  const next: LimitState = {
+    ...s,
+    reservations: { ...s.reservations, [req.id]: { tokens: req.tokens, replica: req.replica, leaseUntil: nowMs + req.leaseMs, at: nowMs } },
+  };
+  if (next.requests) next.requests = { level: next.requests.level - BUCKET_SCALE, at: next.requests.at };
+  if (next.tokens) next.tokens = { level: next.tokens.level - req.tokens * BUCKET_SCALE, at: next.tokens.at };
+  return { ok: true, state: next, headers: headersOf(next) };
+}
+
+/**
+ * Settles request `id` to its real usage `actualTokens`: removes its reservation, charges
+ * `actualTokens` to the budget (`used += actual`), returns `reserved − actual` to the
+ * tokens-per-minute bucket (capped at its capacity) and counts its duration into
+ * `meanDurationMs`. Callers cap a request's output (max_tokens) so that `actual ≤ reserved`:
+ * then the budget cannot be exceeded. Should a request use more, the truth is charged anyway —
+ * the budget's `used` and the bucket (which goes below zero and refills from there) take the
+ * excess. Settling an id that is not reserved (settled before, or released after its lease) is a
+ * no-op: a retried settle never charges twice.
+ */
+export function settle(state: LimitState, limits: KeyLimits, id: string, actualTokens: number, nowMs: number): Settlement {
+  checkWhole('actualTokens', actualTokens, 0);
+  nowMs = Math.floor(nowMs);
+  const s = normalize(state, limits, nowMs);
+  if (!hasOwn(s.reservations, id)) return { state: s, settled: false, headers: rateLimitHeaders(s, limits, nowMs) };
+  const r = s.reservations[id]!;
+  const next: LimitState = { ...s, reservations: Object.fromEntries(Object.entries(s.reservations).filter(([k]) => k !== id)) };
+  if (next.budget) next.budget = { period: next.budget.period, used: next.budget.used + actualTokens };
+  if (next.tokens && limits.tokensPerMinute) {
+    const capacity = limits.tokensPerMinute * BUCKET_SCALE;
+    next.tokens = { level: Math.min(capacity, next.tokens.level + (r.tokens - actualTokens) * BUCKET_SCALE), at: next.tokens.at };
+  }
+  const duration = Math.max(0, nowMs - r.at);
+  next.meanDurationMs = next.meanDurationMs === undefined ? duration : next.meanDurationMs + (duration - next.meanDurationMs) / 8;
+  return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs) };
+}
+
+/**
+ * Extends to `leaseUntil` the leases of `replica`'s reservations among `ids` (a lease never
+ * shortens). `missing`: the ids that are not reserved by `replica` — settled, or released because
+ * their lease passed (and charged in full) — which the caller stops renewing.
+ */
+export function renew(state: LimitState, replica: string, ids: Iterable<string>, leaseUntil: number): { state: LimitState; missing: string[] } {
+  leaseUntil = Math.floor(leaseUntil);
+  const missing: string[] = [];
+  const extend = new Set<string>();
+  for (const id of ids) {
+    const r = hasOwn(state.reservations, id) ? state.reservations[id] : undefined;
+    if (!r || r.replica !== replica) missing.push(id);
+    else if (r.leaseUntil < leaseUntil) extend.add(id);
+  }
+  if (extend.size === 0) return { state, missing };
+  // Rebuilt from entries, never assigned by key: an id may be `__proto__`.
+  const reservations = Object.fromEntries(Object.entries(state.reservations).map(([id, r]) => [id, extend.has(id) ? { ...r, leaseUntil } : r]));
+  return { state: { ...state, reservations }, missing };
+}
+
+/**
+ * OpenAI's rate-limit headers at `nowMs` for the limits that are set:
+ * `x-ratelimit-{limit,remaining,reset}-requests` and `-tokens`. Remaining is the whole part of
+ * the bucket's level (never below 0); reset is the time until the bucket is full again, written
+ * as OpenAI writes it ({@link formatResetDuration}).
+ */
+export function rateLimitHeaders(state: LimitState, limits: KeyLimits, nowMs: number): RateLimitHeaders {
+  nowMs = Math.floor(nowMs);
+  const headers: RateLimitHeaders = {};
+  for (const [kind, limit, bucket] of [
+    ['requests', limits.requestsPerMinute, state.requests],
+    ['tokens', limits.tokensPerMinute, state.tokens],
+  ] as const) {
+    if (limit === undefined) continue;
+    const b = refill(bucket, limit, nowMs);
+    headers[`x-ratelimit-limit-${kind}`] = String(limit);
+    headers[`x-ratelimit-remaining-${kind}`] = String(Math.max(0, Math.floor(b.level / BUCKET_SCALE)));
+    headers[`x-ratelimit-reset-${kind}`] = formatResetDuration(msUntil(b, limit, limit * BUCKET_SCALE));
+  }
+  return headers;
+}
+
+/**
+ * A duration as OpenAI's headers and messages write it (Go's `time.Duration` format, to the ms):
+ * `0s`, `20ms`, `1s`, `1.5s`, `6m0s`, `1h0m0s`. Rounded up: a client that waits as long is not early.
+ */
+export function formatResetDuration(ms: number): string {
+  const whole = Math.max(0, Math.ceil(ms));
+  if (whole === 0) return '0s';
+  if (whole < 1000) return `${whole}ms`;
+  const h = Math.floor(whole / 3_600_000);
+  const m = Math.floor((whole % 3_600_000) / 60_000);
+  const rest = whole % 60_000;
+  const s = `${Math.floor(rest / 1000)}${rest % 1000 ? `.${String(rest % 1000).padStart(3, '0')}`.replace(/0+$/, '') : ''}s`;
+  return h > 0 ? `${h}h${m}m${s}` : m > 0 ? `${m}m${s}` : s;
+}
