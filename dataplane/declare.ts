@@ -22,7 +22,8 @@
  *   processes that declare the data plane do so again after they reconnect
  *   ({@link declareOnReconnect}), and meanwhile answers still flow, on core NATS.
  * - KV `magus_sessions`, `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
- *   `RequestClaim` per request id, claims.ts: who owns the current attempt, and the outcome), and
+ *   `RequestClaim` per request id, claims.ts: who owns the current attempt, and the outcome),
+ *   `magus_pools`, `magus_limits` (one per-key limit state per key, limits.ts), and
  *   `magus_models` (the registry, created by registry.ts).
  *
  * The exactly-one-answer protocol built on these is described in README.md next to this file.
@@ -245,6 +246,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   // single nats-server that restarts forgets memory buckets altogether.
   await ensureBucket(js, jsm, names.claimsBucket, { history: 1, maxAgeMs: opts.claimMaxAgeMs ?? 2 * HOUR, replicas });
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
+  // No max age: an entry holds a budget's use for its whole period.
+  await ensureBucket(js, jsm, names.limitsBucket, { history: 1, maxAgeMs: 0, replicas });
   // The registry (registry.ts) opens it too, with one replica when it is the first.
   await ensureBucket(js, jsm, names.modelsBucket, { history: REGISTRY_HISTORY, maxAgeMs: 0, replicas });
   return names;

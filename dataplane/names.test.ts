@@ -10,6 +10,7 @@ describe('data-plane names', () => {
       tokensBucket: 'magus_tokens',
       claimsBucket: 'magus_claims',
       modelsBucket: 'magus_models',
+      limitsBucket: 'magus_limits',
     });
     expect(requestSubjectOf(n, 'llama', 'i-0')).toBe('magus.req.llama.i-0');
     expect(responseSubjectOf(n, 'r1')).toBe('magus.res.r1');
@@ -22,6 +23,7 @@ describe('data-plane names', () => {
       responseStream: 'T_X_MAGUS_RESPONSES',
       sessionsBucket: 'T_X_magus_sessions',
       claimsBucket: 'T_X_magus_claims',
+      limitsBucket: 'T_X_magus_limits',
     });
     expect(requestSubjectOf(n, 'p', 'i')).toBe('t_x.magus.req.p.i');
     expect(responseSubjectOf(n, 'r1')).toBe('t_x.magus.res.r1');

@@ -28,6 +28,7 @@ export interface DataPlaneNames {
   claimsBucket: string;
   poolsBucket: string;
   responsesBucket: string;
+  limitsBucket: string;
 }
 
 const NAME = /^[A-Za-z0-9_-]+$/;
@@ -53,6 +54,7 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
     claimsBucket: `${p}${CLAIMS_BUCKET}`,
     poolsBucket: `${p}${Nats.poolsBucket}`,
     responsesBucket: `${p}${Nats.responsesBucket}`,
+    limitsBucket: `${p}${Nats.limitsBucket}`,
   };
 }
 

@@ -78,6 +78,8 @@ export const Nats = {
   poolsBucket: 'magus_pools',
   /** Stored responses of the Responses API (`resp_<id>` → its record), written and read by gateways only. */
   responsesBucket: 'magus_responses',
+  /** Per-key limit state (`shared/limits.ts`): reservations, buckets and budget use, changed by compare-and-swap by gateways. */
+  limitsBucket: 'magus_limits',
 } as const;
 
 /** Processes the `magus` CLI can run (ARCHITECTURE.md, "Processes"). */

@@ -1,0 +1,220 @@
+/**
+ * dataplane/limits.ts against a real `magus_limits` bucket (the file's own data plane), with two
+ * NATS connections standing for two gateway replicas, each with its own `LimitStore`: 64
+ * concurrent admissions on a 500-token budget admit exactly 10 (each its own writer, so by
+ * compare-and-swap alone); settling lets exactly the room left through and `used` is the sum
+ * settled; one replica's concurrent operations on a key share writes; requests per minute refuse the 6th with the 12 s the
+ * bucket needs; concurrency 2 refuses the 3rd until one settles; a replica that stops renewing
+ * has its reservation released, charged its worst case, within one lease.
+ */
+import { StorageType, type KV, type StreamConfig } from 'nats';
+import type { Admission, KeyLimits } from '../shared/limits';
+import { isolation } from '../test/harness';
+import { natsStack, TestStack } from '../test/harness/stack';
+import { sleep, until } from '../test/harness/wait';
+import { LimitRenewer, LimitStore, limitKeyOf } from './limits';
+
+const iso = isolation();
+const stack = new TestStack();
+/** Two replicas: a connection and a bucket view each. */
+let kvA: KV;
+let kvB: KV;
+let bucketConfig: StreamConfig;
+
+beforeAll(async () => {
+  const { nc, names } = await stack.open(natsStack(iso, { declare: true }));
+  // The harness deletes the streams and buckets it knows of; this one too.
+  stack.defer(async () => (await nc.jetstreamManager()).streams.delete(`KV_${names.limitsBucket}`).catch(() => false));
+  const { nc: other } = await stack.open(natsStack(iso));
+  kvA = await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true });
+  kvB = await other.jetstream().views.kv(names.limitsBucket, { bindOnly: true });
+  ({ config: bucketConfig } = await (await nc.jetstreamManager()).streams.info(`KV_${names.limitsBucket}`));
+});
+afterAll(() => stack.close());
+
+const refusedCode = (a: Admission): string | undefined => (a.ok ? undefined : a.code);
+
+it('ensureDataPlane declares the bucket: file, history 1, no max age', () => {
+  expect(bucketConfig).toMatchObject({ storage: StorageType.File, max_msgs_per_subject: 1, max_age: 0, num_replicas: 1 });
+});
+
+it('the scope key is the identity in base64url: a valid KV key for any identity', () => {
+  expect(limitKeyOf('team-a/chat')).toBe('dGVhbS1hL2NoYXQ');
+  for (const identity of ['local/ä.b', 'config/x', 'ns/name.with.dots']) expect(limitKeyOf(identity)).toMatch(/^[A-Za-z0-9_-]+$/);
+  expect(limitKeyOf('a/b')).not.toBe(limitKeyOf('a.b'));
+});
+
+it('64 concurrent admissions from two replicas on a 500-token budget: exactly 10; settled, exactly the room left', async () => {
+  const scope = 'team/budget';
+  const limits: KeyLimits = { budget: { tokens: 500, period: 'day' } };
+  const stores = [new LimitStore(kvA), new LimitStore(kvB)];
+  const settledTokens: number[] = [];
+
+  /** 64 admissions at once, alternating between the replicas; `writers` each its own store (no batching: compare-and-swap alone). */
+  const round = async (tag: string, writers: 'per-replica' | 'per-request') => {
+    const storeFor = (i: number) => (writers === 'per-request' ? new LimitStore(i % 2 ? kvB : kvA) : stores[i % 2]!);
+    const results = await Promise.all(
+      Array.from({ length: 64 }, (_, i) =>
+        storeFor(i)
+          .admit(scope, limits, { id: `${tag}-${i}`, tokens: 50, replica: `gw-${i % 2}`, leaseMs: 60_000 })
+          .then((a) => ({ i, a })),
+      ),
+    );
+    const admitted = results.filter((r) => r.a.ok).map((r) => r.i);
+    const codes = results.filter((r) => !r.a.ok).map((r) => refusedCode(r.a));
+    return { admitted, codes };
+  };
+  const settleAll = async (tag: string, admitted: number[], tokens: number) => {
+    const settled = await Promise.all(admitted.map((i) => stores[i % 2]!.settle(scope, limits, `${tag}-${i}`, tokens)));
+    expect(settled.every((s) => s.settled)).toBe(true);
+    settledTokens.push(...admitted.map(() => tokens));
+  };
+
+  const first = await round('r1', 'per-request');
+  expect(first.admitted).toHaveLength(10);
+  expect(first.codes).toEqual(Array(54).fill('insufficient_quota'));
+  const afterFirst = await stores[0]!.read(scope);
+  expect(afterFirst!.state.budget!.used).toBe(0);
+  expect(Object.values(afterFirst!.state.reservations).map((r) => r.tokens)).toEqual(Array(10).fill(50));
+
+  // 10 × 30 used leaves 200: room for exactly 4 worst cases of 50.
+  await settleAll('r1', first.admitted, 30);
+  const second = await round('r2', 'per-replica');
+  expect(second.admitted).toHaveLength(4);
+  expect(second.codes).toEqual(Array(60).fill('insufficient_quota'));
+
+  // 420 used leaves 80: exactly 1.
+  await settleAll('r2', second.admitted, 30);
+  const third = await round('r3', 'per-replica');
+  expect(third.admitted).toHaveLength(1);
+  await settleAll('r3', third.admitted, 50);
+
+  // A retried settle charges nothing more.
+  const again = await stores[1]!.settle(scope, limits, `r3-${third.admitted[0]}`, 50);
+  expect(again.settled).toBe(false);
+
+  const stored = await stores[1]!.read(scope);
+  expect(stored!.state.reservations).toEqual({});
+  expect(stored!.state.budget!.used).toBe(settledTokens.reduce((a, b) => a + b, 0));
+  expect(stored!.state.budget!.used).toBe(470);
+});
+
+it('one replica batches its operations on a key: 256 at once cost a few writes; a bad one fails alone', async () => {
+  const scope = 'team/batched';
+  const limits: KeyLimits = { concurrency: 100 };
+  const store = new LimitStore(kvA);
+  const lastSeq = async () => (await kvA.status()).streamInfo.state.last_seq;
+  const before = await lastSeq();
+  const results = await Promise.allSettled(
+    Array.from({ length: 256 }, (_, i) => store.admit(scope, limits, { id: `b${i}`, tokens: i === 7 ? 1.5 : 1, replica: 'gw-a', leaseMs: 60_000 })),
+  );
+  expect(results[7]).toMatchObject({ status: 'rejected', reason: { name: 'RangeError' } });
+  const admissions = results.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
+  expect(admissions.filter((a) => a.ok)).toHaveLength(100);
+  expect(admissions.filter((a) => refusedCode(a) === 'rate_limit_exceeded')).toHaveLength(155);
+  expect(Object.keys((await store.read(scope))!.state.reservations)).toHaveLength(100);
+  expect((await lastSeq()) - before).toBeLessThanOrEqual(8);
+});
+
+it('requests per minute 5: the 6th is refused with the 12 s one request takes to refill, then admitted', async () => {
+  const scope = 'team/rpm';
+  const limits: KeyLimits = { requestsPerMinute: 5 };
+  let now = Date.UTC(2026, 10, 29, 12);
+  const stores = [new LimitStore(kvA, { clock: () => now }), new LimitStore(kvB, { clock: () => now })];
+  const ask = (i: number) => stores[i % 2]!.admit(scope, limits, { id: `q${i}`, tokens: 10, replica: `gw-${i % 2}`, leaseMs: 60_000 });
+
+  for (let i = 0; i < 5; i += 1) expect((await ask(i)).ok).toBe(true);
+  expect(await ask(5)).toEqual({
+    ok: false,
+    code: 'rate_limit_exceeded',
+    // 1 request ÷ (5 requests / 60 s).
+    retryAfterMs: 12_000,
+    message: 'Rate limit reached on requests per min (RPM): Limit 5, Used 5, Requested 1. Please try again in 12s.',
+    headers: { 'x-ratelimit-limit-requests': '5', 'x-ratelimit-remaining-requests': '0', 'x-ratelimit-reset-requests': '1m0s' },
+  });
+  now += 1500;
+  const later = await ask(5);
+  // (1 request − 1.5 s × 5/60 s) ÷ (5/60 s) = 12 s − 1.5 s.
+  expect(later.ok ? undefined : [later.retryAfterMs, later.headers['x-ratelimit-reset-requests']]).toEqual([10_500, '58.5s']);
+  now += 10_499;
+  expect(refusedCode(await ask(5))).toBe('rate_limit_exceeded');
+  now += 1;
+  expect((await ask(5)).ok).toBe(true);
+  const seventh = await ask(6);
+  expect(seventh.ok ? undefined : seventh.retryAfterMs).toBe(12_000);
+});
+
+it('concurrency 2: the 3rd is refused until one settles', async () => {
+  const scope = 'team/concurrency';
+  const limits: KeyLimits = { concurrency: 2, tokensPerMinute: 10_000 };
+  const [a, b] = [new LimitStore(kvA), new LimitStore(kvB)];
+  const req = (id: string, replica: string) => ({ id, tokens: 100, replica, leaseMs: 60_000 });
+  expect((await a.admit(scope, limits, req('c1', 'gw-a'))).ok).toBe(true);
+  expect((await b.admit(scope, limits, req('c2', 'gw-b'))).ok).toBe(true);
+  const third = await a.admit(scope, limits, req('c3', 'gw-a'));
+  expect(third.ok).toBe(false);
+  if (third.ok) return;
+  expect(third.code).toBe('rate_limit_exceeded');
+  expect(third.message).toMatch(/^Rate limit reached on concurrent requests: Limit 2, Used 2, Requested 1\./);
+  expect(third.retryAfterMs).toBeGreaterThanOrEqual(1);
+  expect(third.headers).toMatchObject({ 'x-ratelimit-limit-tokens': '10000' });
+
+  const s = await b.settle(scope, limits, 'c2', 40);
+  expect(s.settled).toBe(true);
+  // c1's 100 still reserved, c2 charged 40 (its other 60 refunded), plus what refilled since.
+  expect(Number(s.headers['x-ratelimit-remaining-tokens'])).toBeGreaterThanOrEqual(9860);
+  expect((await a.admit(scope, limits, req('c3', 'gw-a'))).ok).toBe(true);
+  expect(refusedCode(await b.admit(scope, limits, req('c4', 'gw-b')))).toBe('rate_limit_exceeded');
+});
+
+it('a replica that stops renewing has its reservation released within one lease, charged its worst case', async () => {
+  const scope = 'team/leases';
+  const leaseMs = 1500;
+  const limits: KeyLimits = { concurrency: 2, budget: { tokens: 1000, period: 'month' } };
+  const [a, b] = [new LimitStore(kvA), new LimitStore(kvB)];
+  const lost: string[] = [];
+  const renewers = [
+    new LimitRenewer(a, 'gw-a', leaseMs, { onLost: (_, id) => lost.push(id) }),
+    new LimitRenewer(b, 'gw-b', leaseMs, { onLost: (_, id) => lost.push(id) }),
+  ];
+  for (const r of renewers) stack.defer(() => r.stop());
+  const [renewA, renewB] = renewers as [LimitRenewer, LimitRenewer];
+
+  expect((await a.admit(scope, limits, { id: 'dies', tokens: 200, replica: 'gw-a', leaseMs })).ok).toBe(true);
+  renewA.track(scope, 'dies');
+  expect((await b.admit(scope, limits, { id: 'lives', tokens: 100, replica: 'gw-b', leaseMs })).ok).toBe(true);
+  renewB.track(scope, 'lives');
+  renewA.start();
+  renewB.start();
+
+  // Renewed, both outlive their first lease.
+  await sleep(2 * leaseMs);
+  expect(refusedCode(await b.admit(scope, limits, { id: 'next', tokens: 100, replica: 'gw-b', leaseMs }))).toBe('rate_limit_exceeded');
+
+  // Replica a stops renewing: within one lease of its last renewal (at most a third of a lease before), the slot frees.
+  await renewA.stop();
+  const stoppedAt = Date.now();
+  await until(
+    'the lapsed reservation to be released',
+    async () => (await b.admit(scope, limits, { id: 'next', tokens: 100, replica: 'gw-b', leaseMs })).ok,
+    10_000,
+  );
+  renewB.track(scope, 'next');
+  const releasedAfter = Date.now() - stoppedAt;
+  expect(releasedAfter).toBeGreaterThanOrEqual(leaseMs - Math.ceil(leaseMs / 3) - 50);
+  expect(releasedAfter).toBeLessThanOrEqual(leaseMs + 700);
+
+  const stored = await a.read(scope);
+  expect(Object.keys(stored!.state.reservations).sort()).toEqual(['lives', 'next']);
+  expect(stored!.state.budget!.used).toBe(200);
+
+  // The stopped replica, renewing once more, learns its reservation is gone; a late settle charges nothing.
+  await renewA.renewNow();
+  expect(lost).toEqual(['dies']);
+  expect((await a.settle(scope, limits, 'dies', 20)).settled).toBe(false);
+  expect((await b.settle(scope, limits, 'lives', 60)).settled).toBe(true);
+  renewB.untrack(scope, 'lives');
+  expect((await a.read(scope))!.state.budget!.used).toBe(260);
+  await renewB.stop();
+  expect(lost).toEqual(['dies']);
+});
