@@ -410,6 +410,10 @@ test('the roles are least privilege: what the controller and the worker may not 
   expect(await can(workerKc, 'patch', 'models.magus.dev/status')).toBe('yes');
   expect(await can(workerKc, 'patch', 'models.magus.dev')).toBe('no');
   expect(await can(workerKc, 'list', 'secrets')).toBe('no');
+  // It creates each distributed-llama topology's network key and never changes or deletes a Secret (the garbage collector does, with the instance).
+  expect(await can(workerKc, 'create', 'secrets')).toBe('yes');
+  expect(await can(workerKc, 'patch', 'secrets')).toBe('no');
+  expect(await can(workerKc, 'delete', 'secrets')).toBe('no');
 });
 
 test('a labelled token Secret is accepted by the gateway within seconds; deleted, the token gets 401', async () => {

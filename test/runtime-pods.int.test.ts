@@ -7,22 +7,26 @@
  * over the tiny GGUF, fetched from S3 by `magus fetch`), a distributed-llama topology (root +
  * 1 worker) of the strict stand-in binaries of `localhost/magus-dllama:stand-in`, and one of the
  * real programs (`localhost/magus-dllama:0.16.4`, built by scripts/images from the vendored source)
- * serving the padded stories260K, whose answer must be llama.cpp's on the same token ids.
+ * serving the padded stories260K, whose answer must be llama.cpp's on the same token ids; its
+ * worker pod first refuses a connection that cannot prove the topology's network key (the Secret
+ * the runtime created, given to the pods by `secretKeyRef`).
  *
  * The pods run on a bridge network of this test's own (created here, removed after: a fresh
  * machine has no podman network but the default, and `podman-default-kube-network` exists only
  * once something ran `podman kube play`); this run's NATS and MinIO listen on loopback, so the
  * runtime is given their addresses through TCP proxies on the bridge's gateway address.
  * What the test changes in the specs, and why: `hostAliases` for the workers' Service names (no
- * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys given
- * as env values (podman 4.3's kube play reads Secrets only from its own secret store), and no
+ * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys and the
+ * network key given as env values (podman 4.3's kube play reads Secrets only from its own secret
+ * store), and no
  * `ports` (declarative in Kubernetes; podman would publish them on the host).
  */
 import { PutObjectCommand } from '@aws-sdk/client-s3';
-import { AppsV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
+import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
 import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { writeFileSync } from 'node:fs';
+import { connect } from 'node:net';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { NatsConnection } from 'nats';
@@ -188,10 +192,40 @@ async function podOf(name: string, workers: { names: string[]; ip?: string }): P
       delete c.envFrom;
       c.env = [...(c.env ?? []), { name: 'AWS_ACCESS_KEY_ID', value: s3e.accessKeyId }, { name: 'AWS_SECRET_ACCESS_KEY', value: s3e.secretAccessKey }];
     }
+    // The topology's network key, from the Secret the runtime created.
+    for (const e of c.env ?? []) {
+      const ref = e.valueFrom?.secretKeyRef;
+      if (!ref) continue;
+      const secret = await cluster.kubeConfig.makeApiClient(CoreV1Api).readNamespacedSecret({ name: ref.name!, namespace: NS });
+      e.value = Buffer.from(secret.data![ref.key]!, 'base64').toString();
+      delete e.valueFrom;
+    }
   }
   spec.restartPolicy = 'Never';
   if (workers.ip) spec.hostAliases = [{ ip: workers.ip, hostnames: workers.names }];
   return { apiVersion: 'v1', kind: 'Pod', metadata: { name: `${name}-0`, labels: sts.spec!.template.metadata?.labels }, spec };
+}
+
+/**
+ * Connects to the worker pod at `ip` before its root does, with bytes that prove nothing: the
+ * worker closes the connection and says so in its log (images/dllama/patches/0003), keeping its
+ * place for the root that holds the instance's network key.
+ */
+async function rogueRefused(ip: string, pod: string): Promise<void> {
+  const deadline = Date.now() + 60_000;
+  for (;;) {
+    const closed = await new Promise<boolean>((resolve) => {
+      const s = connect(9998, ip);
+      s.on('error', () => resolve(false));
+      s.resume(); // its challenge read and dropped, so the close is seen
+      s.on('connect', () => s.write('mgs-rogue-hello'));
+      s.on('close', (hadError) => resolve(!hadError));
+    });
+    const logs = await podman('pod', 'logs', pod).then((r) => r.stdout + r.stderr);
+    if (closed && /⭕ Refused a connection from [\d.]+:\d+: /.test(logs)) return;
+    if (Date.now() > deadline) throw new Error(`the worker never refused a rogue connection; its log:\n${logs.slice(-2000)}`);
+    await sleep(500); // not listening yet
+  }
 }
 
 async function serveThroughPods(
@@ -199,7 +233,13 @@ async function serveThroughPods(
   engine: 'llamacpp' | 'dllama',
   nodesPower: number,
   expectText: RegExp | string,
-  opts: { images?: { dllama: string }; messages?: { role: 'user'; content: string }[]; maxTokens?: number } = {},
+  opts: {
+    images?: { dllama: string };
+    messages?: { role: 'user'; content: string }[];
+    maxTokens?: number;
+    /** Before the root, something else connects to the worker first: it must be refused (the real image). */
+    rogue?: boolean;
+  } = {},
 ): Promise<void> {
   const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
   await custom.createNamespacedCustomObject({
@@ -238,6 +278,7 @@ async function serveThroughPods(
       writeFileSync(workerFile, JSON.stringify(await podOf(`${base}-w`, { names: [] })));
       await podman('kube', 'play', '--network', KUBE_NETWORK, workerFile);
       workerIp = await podAddress(`${base}-w-0`);
+      if (opts.rogue) await rogueRefused(workerIp, `${base}-w-0`);
     }
     writeFileSync(rootFile, JSON.stringify(await podOf(base, { names: workerNames, ...(workerIp ? { ip: workerIp } : {}) })));
     await podman('kube', 'play', '--network', KUBE_NETWORK, rootFile);
@@ -291,6 +332,6 @@ test('a distributed-llama topology (root + 1 worker, stand-in binaries) as the r
   await serveThroughPods('tinyd', 'dllama', 1, /\[2 nodes\]/);
 }, 300_000);
 
-test('distributed-llama for real (root + 1 worker pod of the real image): the answer is llama.cpp’s on the same token ids', async () => {
-  await serveThroughPods('storiesd', 'dllama', 1, storyAnswer, { images: { dllama: REAL_DLLAMA }, messages: STORY, maxTokens: 16 });
+test('distributed-llama for real (root + 1 worker pod of the real image): the worker refuses a connection without the network key, and the answer is llama.cpp’s on the same token ids', async () => {
+  await serveThroughPods('storiesd', 'dllama', 1, storyAnswer, { images: { dllama: REAL_DLLAMA }, messages: STORY, maxTokens: 16, rogue: true });
 }, 300_000);

@@ -10,6 +10,7 @@
 import { PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+import { connect } from 'node:net';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/chat';
@@ -21,7 +22,8 @@ import { publishPaddedStories, writePaddedStories } from '../../test/fixtures/st
 import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import type { ModelRegistry } from '../../dataplane/registry';
 import { resolveBinaries } from '../../workers/dev/services';
-import { netTurboFits } from './dllama';
+import { CONNECT_ATTEMPTS, CONNECT_ATTEMPTS_ENV, dllamaApiArgs, dllamaWorkerArgs, freePorts, listensOn, NETWORK_KEY_ENV, netTurboFits } from './dllama';
+import { spawnSupervised, type SupervisedProcess } from './process';
 import { LocalRuntime } from './local';
 import { processRunning, sleep, until } from '../../test/harness/wait';
 import { descendantsRunning } from '../../test/harness/dev';
@@ -38,6 +40,9 @@ let s3: S3Client;
 let bucket: string;
 /** The registered model's two files, as the runtime caches them. */
 let files: { model: Buffer; tokenizer: Buffer };
+/** Where the padded stories260K's `.m` and `.t` were written. */
+let modelDir: string;
+const modelFiles = () => ({ model: join(modelDir, 'model.m'), tokenizer: join(modelDir, 'tokenizer.t') });
 const runtimes: LocalRuntime[] = [];
 const logs: string[] = [];
 const stack = new TestStack();
@@ -49,6 +54,12 @@ const sha = (b: Buffer) => createHash('sha256').update(b).digest('hex');
  */
 function ourDllamaProcesses(): number[] {
   return descendantsRunning(process.pid, [bins.api, bins.worker]).map((p) => p.pid);
+}
+
+/** A process's environment (its own: the test runs as the same user). */
+function environOf(pid: number): Record<string, string> {
+  const pairs = readFileSync(`/proc/${pid}/environ`, 'utf8').split('\0').filter(Boolean);
+  return Object.fromEntries(pairs.map((kv) => [kv.slice(0, kv.indexOf('=')), kv.slice(kv.indexOf('=') + 1)]));
 }
 
 /** A model whose `.m` is not a model: the real root refuses to load it. */
@@ -116,6 +127,7 @@ beforeAll(async () => {
   bins = { api: resolved['dllama-api']!, worker: resolved.dllama! };
   const model = await writePaddedStories(join(dir, 'stories'), ['f32']);
   await publishPaddedStories(model, 'f32', { s3, bucket, registry, name: 'tiny', contextLength: 256 });
+  modelDir = model.dllama.f32!;
   files = { model: readFileSync(join(model.dllama.f32!, 'model.m')), tokenizer: readFileSync(join(model.dllama.f32!, 'tokenizer.t')) };
 }, 120_000);
 
@@ -124,7 +136,7 @@ afterAll(() => stack.close());
 test('a 4-node topology serves through NATS, is restarted in place when a worker dies, given up in a crash loop, replaced and destroyed without leftovers', async () => {
   const rt = runtime({ nodes: 4 });
   const info = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
-  expect(info).toEqual({ instance: 'tiny-1', subject: requestSubjectOf(names, POOL, 'tiny-1'), healthy: true });
+  expect(info).toEqual({ instance: 'tiny-1', subject: requestSubjectOf(names, POOL, 'tiny-1'), healthy: true, restarts: { stops: 0, recovering: false } });
 
   // Shape: the root and three workers on distinct loopback ports, with the real programs' flags.
   const procs = rt.processes(POOL, 'tiny-1')!;
@@ -166,6 +178,11 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
     const cmdline = readFileSync(`/proc/${p.pid}/cmdline`, 'utf8').split('\0').slice(0, -1);
     expect(cmdline.slice(-p.argv.length)).toEqual(p.argv);
   }
+  // One network key for the topology (patch 0003), in each process's environment, never on a command line.
+  const keys = procs.map((p) => environOf(p.pid!)[NETWORK_KEY_ENV]);
+  expect(keys[0]).toMatch(/^[0-9a-f]{64}$/);
+  expect(new Set(keys)).toEqual(new Set([keys[0]]));
+  for (const p of procs) expect(readFileSync(`/proc/${p.pid}/cmdline`, 'utf8')).not.toContain(keys[0]);
   // The files came from S3 through the cache, verified.
   expect(readFileSync(cached(files.model, '.m')).equals(files.model)).toBe(true);
   expect(readFileSync(cached(files.tokenizer, '.t')).equals(files.tokenizer)).toBe(true);
@@ -216,6 +233,10 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
     ),
   ).toBe(true);
   expect((await ask('tiny-1', { stream: false })).text).toBe(story);
+  // What the pool is told (watchInstance): one stop, which node and how, and that it serves again.
+  expect((await rt.describe(POOL, 'tiny-1'))?.restarts).toEqual({ stops: 1, last: `worker 2 :${workers[1]!.port} was killed by SIGKILL`, recovering: false });
+  // A new key for the new topology: the old processes' key proves nothing to the new ones.
+  expect(environOf(restarted[0]!.pid!)[NETWORK_KEY_ENV]).not.toBe(keys[0]);
 
   // The root dies too, within the window: a crash loop, no more restarts; describe says unhealthy.
   process.kill(restarted[0]!.pid!, 'SIGKILL');
@@ -241,6 +262,71 @@ test('a 4-node topology serves through NATS, is restarted in place when a worker
   expect(await rt.describe(POOL, 'tiny-1')).toBeNull();
   expect(rt.processes(POOL, 'tiny-1')).toBeNull();
 });
+
+test('a worker serves only its own root: a connection that cannot prove the network key is refused, and the root holding it is served', async () => {
+  const [workerPort, rootPort, otherRootPort] = await freePorts(3);
+  const key = randomBytes(32).toString('hex');
+  const out: string[] = [];
+  const spawned: SupervisedProcess[] = [];
+  const spawnWith = (name: string, argv: string[], env: Record<string, string>) => {
+    const p = spawnSupervised(name, argv, { log: (l) => out.push(l), lineBuffered: true, env });
+    spawned.push(p);
+    return p;
+  };
+  try {
+    const worker = spawnWith('worker', [bins.worker, ...dllamaWorkerArgs({ port: workerPort!, threads: 1, netTurbo: false })], { [NETWORK_KEY_ENV]: key });
+    await until('the worker listens', () => listensOn(worker.child.pid!, workerPort!), 10_000);
+    // Anything first: bytes that are no proof. The worker drops the connection and keeps its place.
+    const rogue = connect(workerPort!, '127.0.0.1');
+    rogue.on('error', () => undefined);
+    rogue.resume(); // its challenge read and dropped, so the close is seen
+    rogue.write(Buffer.from('mgs-rogue-hello'));
+    await new Promise<void>((resolve) => rogue.once('close', () => resolve()));
+    await until('the worker says why', () => out.some((l) => /^worker: ⭕ Refused a connection from 127\.0\.0\.1:\d+: /.test(l)), 10_000);
+    // A root with another key: refused too.
+    const files = modelFiles();
+    const rootArgs = (port: number) => [
+      bins.api,
+      ...dllamaApiArgs({ port, ...files, buffer: 'f32', netTurbo: false, threads: 1, maxSeqLen: 256, workerPorts: [workerPort!] }),
+    ];
+    const impostor = spawnWith('impostor', rootArgs(otherRootPort!), { [NETWORK_KEY_ENV]: randomBytes(32).toString('hex') });
+    await until('the impostor refused', () => out.filter((l) => /^worker: ⭕ Refused a connection/.test(l)).length >= 2, 20_000);
+    await impostor.stop(2000);
+    expect(worker.exit).toBeNull(); // still running, still free for its root
+    // The root holding the key gets the worker and answers.
+    spawnWith('root', rootArgs(rootPort!), { [NETWORK_KEY_ENV]: key });
+    let models: Response | undefined;
+    await until('the root serves', async () => (models = await fetch(`http://127.0.0.1:${rootPort}/v1/models`).catch(() => undefined))?.ok === true, 30_000);
+    await models?.body?.cancel();
+    expect(out).toContain('worker: ⭕ The root node has connected');
+  } catch (err) {
+    throw new Error(`${(err as Error).message}; output:\n${out.join('\n')}`);
+  } finally {
+    for (const p of spawned.reverse()) await p.stop(2000);
+  }
+}, 90_000);
+
+test('a root that cannot reach its worker exits within seconds, naming it (not an endless retry)', async () => {
+  const [rootPort, nobody] = await freePorts(2);
+  const out: string[] = [];
+  const root = spawnSupervised(
+    'root',
+    [bins.api, ...dllamaApiArgs({ port: rootPort!, ...modelFiles(), buffer: 'f32', netTurbo: false, threads: 1, maxSeqLen: 256, workerPorts: [nobody!] })],
+    {
+      log: (l) => out.push(l),
+      lineBuffered: true,
+      env: { [NETWORK_KEY_ENV]: randomBytes(32).toString('hex'), [CONNECT_ATTEMPTS_ENV]: String(CONNECT_ATTEMPTS) },
+    },
+  );
+  try {
+    // CONNECT_ATTEMPTS attempts 3 s apart.
+    const exit = await Promise.race([root.exited, sleep(30_000).then(() => 'still running' as const)]);
+    expect(exit).toMatchObject({ code: 1 });
+    expect(root.tail().at(-1)).toBe(`🚨 giving up after ${CONNECT_ATTEMPTS} attempts: cannot reach worker 1 at 127.0.0.1:${nobody}: Connection refused`);
+  } finally {
+    await root.stop(2000);
+  }
+}, 60_000);
 
 test('a root that cannot load its model fails create() with its own words, and leaves no worker behind', async () => {
   await registerBroken('broken');

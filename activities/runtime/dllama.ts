@@ -9,15 +9,17 @@
  * of the weights, and only then opens its HTTP port. So the topology serves once the root's
  * `GET /v1/models` answers.
  *
- * A worker is never probed by connecting to it: it takes the first connection for its root, and
- * one that closes during the handshake ends the process ("Socket closed", exit 1). Whether it
- * listens is read from the kernel instead (/proc/net/tcp: a LISTEN socket on its port that is one
- * of its own file descriptors).
+ * A worker is never probed by connecting to it: whether it listens is read from the kernel
+ * (/proc/net/tcp: a LISTEN socket on its port that is one of its own file descriptors). Upstream,
+ * a worker takes the first connection for its root; built with images/dllama/patches/0003 and
+ * given a topology's network key ({@link NETWORK_KEY_ENV}), it serves only a root that proves
+ * the key and refuses anything else.
  *
  * The pieces are useless alone (a root whose worker died fails every request; workers wait for a
  * root forever), so when any process exits the others are stopped and the topology stays
  * unhealthy until it is destroyed.
  */
+import { randomBytes } from 'node:crypto';
 import { readdir, readFile, readlink } from 'node:fs/promises';
 import { availableParallelism } from 'node:os';
 import { createServer, type AddressInfo, type Server } from 'node:net';
@@ -26,6 +28,7 @@ import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { Artifact, ReadyModel, StoredObject } from '../../shared/model';
 import { WEIGHTS_PREFERENCE, weightsFormat, type ArtifactWeights } from '../../shared/weights';
 import { cachedFile } from './cache';
+import { NETWORK_KEY_FIELD, networkKeySecretName } from './kubernetes-manifests';
 import type { DllamaOptions, EngineLauncher, LocalLaunch, LocalServing } from './launcher';
 import { restartReport } from './launcher';
 import { describeExit, spawnSupervised, type SupervisedProcess } from './process';
@@ -44,6 +47,23 @@ export function dllamaBufferOf(weights: ArtifactWeights): 'f32' | 'q80' | null {
 }
 /** `--max-seq-len` when the registry has no memory plan for the artifact (distributed-llama's 0 would mean the model's whole context). */
 export const DEFAULT_MAX_SEQ_LEN = 4096;
+
+/**
+ * The environment variable of a topology's network key (images/dllama/patches/0003): the root and
+ * its workers prove to each other that they share it before anything else passes on a
+ * connection, so a worker serves only its own root. A secret: in the environment, never in argv
+ * (which any process can read) or a log.
+ */
+export const NETWORK_KEY_ENV = 'DLLAMA_NETWORK_KEY';
+
+/**
+ * How many times in a row the root tries to set its network up (connect to and prove the key to
+ * every worker; 3 s apart, each connect bounded to 10 s) before it exits naming the worker it
+ * could not reach (images/dllama/patches/0004). Upstream retries for ever, so a root that lost a
+ * worker, or whose worker is unreachable, would hang unready instead of failing with a reason.
+ */
+export const CONNECT_ATTEMPTS_ENV = 'DLLAMA_CONNECT_ATTEMPTS';
+export const CONNECT_ATTEMPTS = 3;
 
 /**
  * `dllama worker …` arguments (after the program). The one builder of a worker's command line,
@@ -190,7 +210,7 @@ export interface DllamaTopology {
 }
 
 /** `n` distinct free loopback ports (held open together, so none is handed out twice). */
-async function freePorts(n: number): Promise<number[]> {
+export async function freePorts(n: number): Promise<number[]> {
   const servers: Server[] = [];
   try {
     for (let i = 0; i < n; i++) {
@@ -255,8 +275,11 @@ export async function startDllamaTopology(
   const nodes: DllamaNode[] = [];
   /** `root :port` / `worker i :port`: how a node is named, after the topology's name. */
   const nodeName = (n: Pick<DllamaNode, 'role' | 'index' | 'port'>) => (n.role === 'root' ? `root :${n.port}` : `worker ${n.index} :${n.port}`);
+  // A key of this start's own (a restart gets a new one): the root and its workers prove it to
+  // each other on every connection (patch 0003), so nothing else on the machine takes a worker.
+  const env = { [NETWORK_KEY_ENV]: randomBytes(32).toString('hex'), [CONNECT_ATTEMPTS_ENV]: String(CONNECT_ATTEMPTS) };
   const spawnNode = (role: DllamaNode['role'], index: number, port: number, argv: string[]): DllamaNode => {
-    const node = { role, index, port, process: spawnSupervised(`${name} ${nodeName({ role, index, port })}`, argv, { log: output, lineBuffered: true }) };
+    const node = { role, index, port, process: spawnSupervised(`${name} ${nodeName({ role, index, port })}`, argv, { log: output, lineBuffered: true, env }) };
     nodes.push(node);
     return node;
   };
@@ -414,6 +437,12 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   };
 }
 
+/** A pod's network key, from the instance's Secret (kubernetes-manifests.ts `networkKeySecret`). */
+const networkKeyEnv = (instance: string) => ({
+  name: NETWORK_KEY_ENV,
+  valueFrom: { secretKeyRef: { name: networkKeySecretName(instance), key: NETWORK_KEY_FIELD } },
+});
+
 export const dllamaLauncher: EngineLauncher = {
   local: {
     available: (settings) => settings.dllama !== undefined,
@@ -444,6 +473,7 @@ export const dllamaLauncher: EngineLauncher = {
       engine: {
         name: 'engine',
         image: plan.images.dllama,
+        env: [networkKeyEnv(plan.instance), { name: CONNECT_ATTEMPTS_ENV, value: String(CONNECT_ATTEMPTS) }],
         args: [
           'dllama-api',
           ...dllamaApiArgs({
@@ -463,6 +493,7 @@ export const dllamaLauncher: EngineLauncher = {
         image: plan.images.dllama,
         // The program as args: the image's entrypoint (tini) stays PID 1 and passes SIGTERM on (dllama handles none).
         args: ['dllama', ...dllamaWorkerArgs({ host: '0.0.0.0', port: ports.worker, threads: plan.threads })],
+        env: [networkKeyEnv(plan.instance)],
       },
     }),
   },

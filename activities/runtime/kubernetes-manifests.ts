@@ -73,7 +73,34 @@ export interface EngineContainer {
   name: string;
   image: string;
   args: string[];
-  env?: { name: string; value: string }[];
+  env?: ({ name: string; value: string } | { name: string; valueFrom: { secretKeyRef: { name: string; key: string } } })[];
+}
+
+/**
+ * The Secret of a distributed topology's network key (images/dllama/patches/0003: its root and
+ * workers prove it to each other, so a worker serves only its own root), under {@link NETWORK_KEY_FIELD}.
+ * kubernetes.ts *creates* it once per instance, owned by the instance's ConfigMap, and never
+ * applies it again: a new key under running pods would part them.
+ */
+export const networkKeySecretName = (instance: string): string => `${instanceBase(instance)}-network`;
+export const NETWORK_KEY_FIELD = 'key';
+
+/** The network key's Secret of `plan`'s instance, holding `key`, owned by the ConfigMap of uid `owner`. */
+export function networkKeySecret(plan: Pick<InstancePlan, 'namespace' | 'pool' | 'instance'>, owner: string, key: string): KubeObject {
+  const base = instanceBase(plan.instance);
+  return {
+    apiVersion: 'v1',
+    kind: 'Secret',
+    metadata: {
+      name: networkKeySecretName(plan.instance),
+      namespace: plan.namespace,
+      labels: instanceLabels(plan),
+      ownerReferences: [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid: owner, controller: true, blockOwnerDeletion: true }],
+    },
+    type: 'Opaque',
+    immutable: true,
+    stringData: { [NETWORK_KEY_FIELD]: key },
+  };
 }
 
 /** What one instance runs, decided by kubernetes.ts from the registry, the Dllama and the cluster. */

@@ -23,6 +23,7 @@ import { execFile } from 'node:child_process';
 import { writeFileSync } from 'node:fs';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
+import { CONNECT_ATTEMPTS, CONNECT_ATTEMPTS_ENV, NETWORK_KEY_ENV } from './dllama';
 import { temporalSessions } from '../../gateway/temporal';
 import { SessionCache } from '../../gateway/serving/sessions';
 import type { SessionEntry } from '../../shared/serving';
@@ -195,10 +196,20 @@ test.each([0, 1, 2, 3])(
       iso.natsPrefix,
     ]);
     expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
+    // The topology's network key: a Secret of its own, created once (a start tried again keeps it), owned by the instance.
+    const keyRef = { name: NETWORK_KEY_ENV, valueFrom: { secretKeyRef: { name: `${base}-network`, key: 'key' } } };
+    expect(engine.env).toEqual([keyRef, { name: CONNECT_ATTEMPTS_ENV, value: String(CONNECT_ATTEMPTS) }]);
+    const secret = await core.readNamespacedSecret({ name: `${base}-network`, namespace: NS });
+    const key = Buffer.from(secret.data!.key!, 'base64').toString();
+    expect(key).toMatch(/^[0-9a-f]{64}$/);
+    expect(secret.metadata?.ownerReferences).toMatchObject([{ kind: 'ConfigMap', name: base, controller: true }]);
+    await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+    expect(Buffer.from((await core.readNamespacedSecret({ name: `${base}-network`, namespace: NS })).data!.key!, 'base64').toString()).toBe(key);
     if (nodes > 1) {
       const w = (await sts(`${base}-w`))!;
       expect(w.spec!.replicas).toBe(nodes - 1);
       expect(w.spec!.template.spec!.containers[0]!.args).toEqual(['dllama', 'worker', '--host', '0.0.0.0', '--port', '9998', '--nthreads', '1']);
+      expect(w.spec!.template.spec!.containers[0]!.env).toEqual([keyRef]);
       // Ready = listening, read from the kernel's table (never a connection, which a worker takes for its root).
       expect(w.spec!.template.spec!.containers[0]!.readinessProbe?.exec?.command).toEqual(['grep', '-q', ': 00000000:270E 00000000:0000 0A ', '/proc/net/tcp']);
       // The root only after every worker was Ready: a root that cannot reach a worker exits at once.
@@ -219,6 +230,7 @@ test.each([0, 1, 2, 3])(
       expect(await sts(base)).toBeUndefined();
       expect(await sts(`${base}-w`)).toBeUndefined();
       expect(await podsOf(instance)).toHaveLength(0);
+      await expect(core.readNamespacedSecret({ name: `${base}-network`, namespace: NS })).rejects.toMatchObject({ code: 404 });
     }, 60_000);
     expect(await runtime.describe(name, instance)).toBeNull();
   },

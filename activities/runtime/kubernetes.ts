@@ -26,6 +26,7 @@ import {
   type V1Node,
   type V1Pod,
 } from '@kubernetes/client-node';
+import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
@@ -45,6 +46,7 @@ import {
   instanceManifests,
   instanceSelector,
   modelPath,
+  networkKeySecret,
   poolOwnerManifest,
   ROLE_LABEL,
   RUNTIME_FIELD_MANAGER,
@@ -315,6 +317,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   async function applyInstance(p: InstancePlan, signal: AbortSignal): Promise<void> {
     const [configMap, ...rest] = instanceManifests(p);
     const cm = await apply(configMap!);
+    if (isDistributed(p.engine)) await createNetworkKey(p, cm.metadata!.uid!);
     const owned = (o: KubeObject) => ({
       ...o,
       metadata: { ...o.metadata, ownerReferences: o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! })) },
@@ -323,6 +326,20 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     for (const o of workerObjects) await apply(owned(o));
     if (workerObjects.length > 0) await podsReady(p.namespace, p.instance, p.nodes - 1, signal, 'worker');
     for (const o of rest.filter((x) => !workerObjects.includes(x))) await apply(owned(o));
+  }
+
+  /**
+   * Creates the instance's network key (a random 256-bit secret) unless it exists: a start tried
+   * again keeps the key its pods may already hold. Only `create` is needed: the worker never reads
+   * a Secret back.
+   */
+  async function createNetworkKey(p: InstancePlan, owner: string): Promise<void> {
+    count('create');
+    await core
+      .createNamespacedSecret({ namespace: p.namespace, body: networkKeySecret(p, owner, randomBytes(32).toString('hex')) })
+      .catch((err: unknown) => {
+        if (code(err) !== 409) throw err;
+      });
   }
 
   /**

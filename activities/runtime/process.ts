@@ -41,6 +41,8 @@ export interface SpawnOptions {
    * buffered, so its log lines would arrive kilobytes late.
    */
   lineBuffered?: boolean;
+  /** Set in its environment beside the worker's own (e.g. a secret it must not see on its command line, which any process can read). */
+  env?: Readonly<Record<string, string>>;
 }
 
 const TAIL_LINES = 20;
@@ -72,7 +74,11 @@ export function spawnSupervised(name: string, argv: readonly string[], opts: Spa
   // A process group of its own: a terminal's Ctrl-C goes to the worker (or `magus dev`), which
   // stops its engines in order, not to the engines behind its back. pdeathsig still ends them
   // with the process that started them.
-  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', ...buffering, cmd, ...args], { stdio: ['ignore', 'pipe', 'pipe'], detached: true });
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', ...buffering, cmd, ...args], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+    detached: true,
+    ...(opts.env ? { env: { ...process.env, ...opts.env } } : {}),
+  });
   const lines: string[] = [];
   const remember = (line: string): void => {
     lines.push(line);
