@@ -23,7 +23,9 @@ export interface GatewayConfig {
   subjectScope: string;
   /** This process's token in its response subjects (`magus.res.<replica>.<id>`): it receives only its own frames. */
   replicaId: string;
-  buckets: { models: string; tokens: string; sessions: string; pools: string; responses: string };
+  buckets: { models: string; tokens: string; sessions: string; pools: string; responses: string; limits: string };
+  /** A limited key's reservation lapses (charged in full) this long after its gateway stopped renewing it. */
+  limitLeaseMs: number;
   /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
   responseStream: string;
   /** The stream of requests (`MAGUS_REQUESTS`), whose instance consumers show whether a bridge is consuming. */
@@ -170,7 +172,9 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     sessions: str('MAGUS_SESSIONS_BUCKET', names.sessionsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     pools: str('MAGUS_POOLS_BUCKET', names.poolsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     responses: str('MAGUS_RESPONSES_BUCKET', names.responsesBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    limits: str('MAGUS_LIMITS_BUCKET', names.limitsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
   };
+  const limitLeaseMs = int('MAGUS_GATEWAY_LIMIT_LEASE_MS', 30_000, 1_000, 3_600_000);
 
   let secret = raw('MAGUS_GATEWAY_SECRET');
   const secretFile = raw('MAGUS_GATEWAY_SECRET_FILE');
@@ -262,6 +266,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     responseStream: names.responseStream,
     requestStream: names.requestStream,
     buckets,
+    limitLeaseMs,
     settings,
     staticTokens,
     http,

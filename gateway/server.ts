@@ -16,6 +16,8 @@ import { SessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './serving/model-catalog';
 import { kvResponseStore } from './serving/response-store';
+import { KeyLimiter } from './serving/limits';
+import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
 import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
@@ -156,6 +158,13 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const storedResponses = kvResponseStore(
       await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }),
     );
+    const limiter = new KeyLimiter(new LimitStore(await openBucket(nc, config.buckets.limits)), {
+      replica: config.replicaId,
+      leaseMs: config.limitLeaseMs,
+      log,
+      onRefused: (code) => metrics.limitRefusals.inc([code]),
+    });
+    closers.push(() => limiter.stop());
     const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
 
     let sessions: SessionBroker;
@@ -253,6 +262,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       storedResponses,
       readStored,
       backlogFull: deps.backlogFull,
+      limiter,
       cancel: (session, requestId) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));
         const payload = JSON.stringify({ id: requestId });

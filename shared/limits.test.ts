@@ -176,6 +176,26 @@ describe('token budget', () => {
   });
 });
 
+describe('an output with no bound of its own (upTo)', () => {
+  const limits: KeyLimits = { budget: { tokens: 300, period: 'day' }, tokensPerMinute: 1000 };
+
+  it('reserves as much as the budget has room for, never less than the worst case, and the next is refused once it is spent', () => {
+    const first = admit(emptyLimitState(), limits, { ...req('a', 40), upTo: 2048 }, T0);
+    expect(first).toMatchObject({ ok: true, tokens: 300 }); // all the budget had: the answer is cut there
+    const second = refused(admit(first.ok ? first.state : emptyLimitState(), limits, { ...req('b', 40), upTo: 2048 }, T0));
+    expect(second.code).toBe('insufficient_quota');
+    // Settled at what it used, the rest is room again.
+    const settled = settle(first.ok ? first.state : emptyLimitState(), limits, 'a', 120, T0 + 1000).state;
+    expect(admit(settled, limits, { ...req('c', 40), upTo: 2048 }, T0 + 1000)).toMatchObject({ ok: true, tokens: 180 });
+  });
+
+  it('is held to the tokens-per-minute bucket too, and to its own bound', () => {
+    expect(admit(emptyLimitState(), { tokensPerMinute: 100 }, { ...req('a', 10), upTo: 2048 }, T0)).toMatchObject({ ok: true, tokens: 100 });
+    expect(admit(emptyLimitState(), { tokensPerMinute: 100 }, { ...req('a', 10), upTo: 50 }, T0)).toMatchObject({ ok: true, tokens: 50 });
+    expect(admit(emptyLimitState(), {}, { ...req('a', 10), upTo: 50 }, T0)).toMatchObject({ ok: true, tokens: 50 });
+  });
+});
+
 describe('idempotence', () => {
   const limits: KeyLimits = { requestsPerMinute: 10, tokensPerMinute: 1000, concurrency: 5, budget: { tokens: 1000, period: 'day' } };
 

@@ -128,6 +128,13 @@ export interface AdmitRequest {
   id: string;
   /** Its worst case: prompt tokens (bounded from its size until counted) plus max_tokens or the context room left. */
   tokens: number;
+  /**
+   * Set when its output has no bound of its own (no max_tokens): reserve as much as the budget
+   * and the tokens-per-minute bucket have room for, from `tokens` up to `upTo` (the caller then
+   * caps the output at what was reserved, `Admission.tokens`). A request that fits its minimum is
+   * served, cut at what the key has left, rather than refused for a worst case it may never use.
+   */
+  upTo?: number;
   /** The gateway replica that will renew its lease. */
   replica: string;
   /** How long it holds without a renewal. */
@@ -140,7 +147,13 @@ export type RateLimitHeaders = Record<string, string>;
 export type RefusalCode = 'rate_limit_exceeded' | 'insufficient_quota';
 
 export type Admission =
-  | { ok: true; state: LimitState; headers: RateLimitHeaders }
+  | {
+      ok: true;
+      state: LimitState;
+      headers: RateLimitHeaders;
+      /** The tokens reserved: `tokens`, or with `upTo`, as many as there was room for (at least `tokens`). */
+      tokens: number;
+    }
   | {
       ok: false;
       /** 429 either way: `rate_limit_exceeded` for a rate or concurrency limit, `insufficient_quota` for the budget. */
@@ -285,7 +298,7 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
     const r = s.reservations[req.id]!;
     const renewed = r.replica === req.replica ? { ...r, leaseUntil: Math.max(r.leaseUntil, nowMs + req.leaseMs) } : r;
     const next = { ...s, reservations: { ...s.reservations, [req.id]: renewed } };
-    return { ok: true, state: next, headers: headersOf(next) };
+    return { ok: true, state: next, headers: headersOf(next), tokens: r.tokens };
   }
 
   const { tokensPerMinute: tpm, requestsPerMinute: rpm, concurrency, budget } = limits;
@@ -295,6 +308,15 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
       `Request too large on tokens per min (TPM): Limit ${tpm}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
       null,
     );
+  // What to reserve: the worst case, or with `upTo` as much as the budget and the bucket have room for (never below the worst case).
+  let grant = req.tokens;
+  if (req.upTo !== undefined) {
+    checkWhole('upTo', req.upTo, 0);
+    let room = req.upTo;
+    if (tpm !== undefined) room = Math.min(room, tpm, Math.floor(s.tokens!.level / BUCKET_SCALE));
+    if (budget) room = Math.min(room, budget.tokens - s.budget!.used - reservedTokens(s));
+    grant = Math.max(req.tokens, room);
+  }
   if (budget) {
     const per = budget.period;
     if (req.tokens > budget.tokens)
@@ -305,11 +327,11 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
       );
     const used = s.budget!.used;
     const reserved = reservedTokens(s);
-    if (used + reserved + req.tokens > budget.tokens) {
+    if (used + reserved + grant > budget.tokens) {
       const { id, endsAt } = budgetPeriodOf(budget.period, nowMs);
       return refuse(
         'insufficient_quota',
-        `You exceeded your current quota: token budget per ${per} (${id}): Limit ${budget.tokens}, Used ${used}, Reserved by requests in flight ${reserved}, Requested ${req.tokens}. It renews at ${new Date(endsAt).toISOString()}.`,
+        `You exceeded your current quota: token budget per ${per} (${id}): Limit ${budget.tokens}, Used ${used}, Reserved by requests in flight ${reserved}, Requested ${grant}. It renews at ${new Date(endsAt).toISOString()}.`,
         endsAt - nowMs,
       );
     }
@@ -329,12 +351,11 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
       message: (retry) => `Rate limit reached on requests per min (RPM): Limit ${rpm}, Used ${usedRequests}, Requested 1. Please try again in ${retry}.`,
     });
   }
-  if (tpm !== undefined && s.tokens!.level < req.tokens * BUCKET_SCALE) {
+  if (tpm !== undefined && s.tokens!.level < grant * BUCKET_SCALE) {
     const usedTokens = tpm - Math.max(0, Math.floor(s.tokens!.level / BUCKET_SCALE));
     waits.push({
-      ms: msUntil(s.tokens!, tpm, req.tokens * BUCKET_SCALE),
-      message: (retry) =>
-        `Rate limit reached on tokens per min (TPM): Limit ${tpm}, Used ${usedTokens}, Requested ${req.tokens}. Please try again in ${retry}.`,
+      ms: msUntil(s.tokens!, tpm, grant * BUCKET_SCALE),
+      message: (retry) => `Rate limit reached on tokens per min (TPM): Limit ${tpm}, Used ${usedTokens}, Requested ${grant}. Please try again in ${retry}.`,
     });
   }
   if (waits.length > 0) {
@@ -344,11 +365,11 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
 
   const next: LimitState = {
     ...s,
-    reservations: { ...s.reservations, [req.id]: { tokens: req.tokens, replica: req.replica, leaseUntil: nowMs + req.leaseMs, at: nowMs } },
+    reservations: { ...s.reservations, [req.id]: { tokens: grant, replica: req.replica, leaseUntil: nowMs + req.leaseMs, at: nowMs } },
   };
   if (next.requests) next.requests = { level: next.requests.level - BUCKET_SCALE, at: next.requests.at };
-  if (next.tokens) next.tokens = { level: next.tokens.level - req.tokens * BUCKET_SCALE, at: next.tokens.at };
-  return { ok: true, state: next, headers: headersOf(next) };
+  if (next.tokens) next.tokens = { level: next.tokens.level - grant * BUCKET_SCALE, at: next.tokens.at };
+  return { ok: true, state: next, headers: headersOf(next), tokens: grant };
 }
 
 /**

@@ -4,6 +4,7 @@
  * entries the gateway reads on the hot path. Workflow-safe: no I/O; the request is a TypeBox schema
  * (shared/chat.ts) that the bridge checks, its type derived from it.
  */
+import type { KeyLimits } from './limits';
 import { Type, type Static } from '@sinclair/typebox';
 import { ChatCompletionRequest } from './chat';
 import { CompletionsRequest } from './completions';
@@ -195,6 +196,11 @@ export interface TokenEntry {
   models?: string[];
   /** Suspended: the token is known and refused (403 `key_suspended`). */
   suspended?: boolean;
+  /**
+   * The key's limits (shared/limits.ts: requests and tokens per minute, concurrent requests, a
+   * token budget per day or month), held across gateway replicas in `magus_limits`. Absent: none.
+   */
+  limits?: KeyLimits;
   /**
    * Where it came from: `apikey/<namespace>/<name>`, `secret/<namespace>/<name>` (the controller
    * prunes these two), `local` (`magus keys`).

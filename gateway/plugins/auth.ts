@@ -12,6 +12,8 @@
  */
 import { hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
+import { Value } from '@sinclair/typebox/value';
+import { KeyLimits } from '../../shared/limits';
 import { keyOwner, type TokenEntry } from '../../shared/serving';
 import { TOKEN_PATTERN, tokenDigest } from '../../dataplane/keys';
 import { errors } from './errors';
@@ -41,6 +43,8 @@ export interface Principal {
   models?: readonly string[];
   /** No key at all (`allowAnonymous`): nothing stored is shared between such callers. */
   anonymous?: true;
+  /** The key's limits (serving/limits.ts enforces them), if it has any. */
+  limits?: KeyLimits;
 }
 
 /** A {@link TokenEntry} ready for comparison, and the caller it makes (built once, not per request). */
@@ -76,6 +80,10 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
     throw new Error(`${where}.models: must be a list of model names`);
   if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === ''))
     throw new Error(`${where}: key and uid must be non-empty strings, given together`);
+  if (e.limits !== undefined && !Value.Check(KeyLimits, e.limits)) {
+    const first = [...Value.Errors(KeyLimits, e.limits)][0];
+    throw new Error(`${where}.limits${first?.path ?? ''}: ${first?.message ?? 'invalid'}`);
+  }
   const key = e.key ?? `${fallback}/${id}`;
   const owner = keyOwner(key, e.uid ?? id);
   const principal: Principal = Object.freeze({
@@ -84,6 +92,7 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
     conversationScope: e.key === undefined ? id : owner,
     name: e.name,
     ...(e.models ? { models: Object.freeze([...e.models]) } : {}),
+    ...(e.limits && Object.keys(e.limits).length > 0 ? { limits: e.limits } : {}),
   });
   return { digest: Buffer.from(e.digest, 'hex'), principal, ...(e.suspended === true ? { suspended: true } : {}) };
 }

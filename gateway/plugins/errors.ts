@@ -19,6 +19,7 @@ export const OpenAIErrorType = {
   invalidRequest: 'invalid_request_error',
   permission: 'permission_error',
   rateLimit: 'rate_limit_exceeded',
+  insufficientQuota: 'insufficient_quota',
   server: 'server_error',
 } as const;
 
@@ -99,6 +100,9 @@ export const errors = {
   // `connection: close`: the unread body is not drained, the connection just ends.
   tooLarge: (limit: number) =>
     new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
+  /** A key's limit (gateway/serving/limits.ts): `rate_limit_exceeded` (a rate, or concurrency) or `insufficient_quota` (its budget), with OpenAI's headers. */
+  limited: (code: 'rate_limit_exceeded' | 'insufficient_quota', message: string, headers: Record<string, string>) =>
+    new GatewayError(429, message, code === 'insufficient_quota' ? OpenAIErrorType.insufficientQuota : OpenAIErrorType.rateLimit, code, null, headers),
   backlogFull: (retryAfterSec: number) =>
     new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, retryAfter(retryAfterSec)),
   noCapacity: (retryAfterSec: number) =>

@@ -147,6 +147,11 @@ export class GatewayMetrics {
     'magus_gateway_publish_retries_total',
     'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.',
   );
+  readonly limitRefusals = new Counter(
+    'magus_gateway_limit_refusals_total',
+    "Requests a key's limits refused (429), by code: rate_limit_exceeded (a rate or concurrency), insufficient_quota (its token budget).",
+    ['code'],
+  );
   readonly natsReconnects = new Counter('magus_gateway_nats_reconnects_total', 'Times the NATS connection came back after it was lost.');
   readonly framesRecovered = new Counter(
     'magus_gateway_frames_recovered_total',
@@ -284,6 +289,7 @@ export class GatewayMetrics {
       this.inFlight,
       this.upstreamErrors,
       this.publishRetries,
+      this.limitRefusals,
       this.promptTokens,
       this.cachedPromptTokens,
       this.natsReconnects,

@@ -3,6 +3,7 @@
  * fakes of these interfaces): the model catalog, token source, session broker, request publisher,
  * response router and stored responses, plus the settings of the request path. Decorated as `app.gateway`.
  */
+import type { KeyLimiter } from '../serving/limits';
 import type { ReadyModel } from '../../shared/model';
 import type { ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { TokenSource } from './auth';
@@ -63,6 +64,8 @@ export interface GatewayServices {
   /** A reply subject's frames as the response stream stores them (read back when a frame is missing). */
   readStored?: (subject: string) => Promise<ResponseFrame[]>;
   backlogFull?: BacklogCheck;
+  /** Keys' limits across replicas (`magus_limits`); absent: a limited key's requests get 503 (never served unchecked). */
+  limiter?: KeyLimiter;
   /** When a client goes away after its request was published: stop the engine's work on it. */
   cancel?: CancelRequest;
   readiness: ReadinessCheck[];

@@ -12,6 +12,7 @@ import type { ChatInference, CompletionsInference, CompletionUsage, EmbeddingsIn
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, type ExchangeOptions } from '../serving/exchange';
+import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
 import type { SseResponse } from './sse';
 
 /** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
@@ -52,11 +53,38 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
 }
 
 /** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
-function usageIn(data: unknown): { prompt: number; cached: number } | undefined {
+function usageIn(data: unknown): { prompt: number; cached: number; total: number } | undefined {
   const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
   if (typeof usage?.prompt_tokens !== 'number') return undefined;
   const cached = usage.prompt_tokens_details?.cached_tokens;
-  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0 };
+  const completion = typeof usage.completion_tokens === 'number' ? usage.completion_tokens : 0;
+  const total = typeof usage.total_tokens === 'number' ? usage.total_tokens : usage.prompt_tokens + completion;
+  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0, total: Math.max(total, usage.prompt_tokens + completion) };
+}
+
+/**
+ * What a limited key reserves for `payload` (gateway/serving/limits.ts): its prompt's bound plus
+ * its `max_tokens`, or — without one — at least one output token and up to the model's context,
+ * never more than the context holds (prompt and output together cannot exceed it).
+ */
+function reservationFor(payload: InferencePayload, model: ReadyModel): { tokens: number; upTo?: number; bound: number } {
+  const bound = promptTokenBound(payload.body);
+  const ctx = contextLengthOf(model) ?? Number.MAX_SAFE_INTEGER;
+  if (payload.kind === 'embeddings') return { tokens: Math.min(bound, ctx), bound };
+  const max = payload.body.max_tokens ?? undefined;
+  if (typeof max === 'number') return { tokens: Math.min(bound + max, ctx), bound };
+  return { tokens: Math.min(bound + 1, ctx), upTo: ctx === Number.MAX_SAFE_INTEGER ? bound + DEFAULT_OUTPUT_RESERVE : ctx, bound };
+}
+
+/** The output reserved for a request with no `max_tokens` of a model whose context length is unknown. */
+const DEFAULT_OUTPUT_RESERVE = 4096;
+
+/** `payload` with its output capped at `maxTokens` (what its key reserved for it). */
+function capped(payload: InferencePayload, maxTokens: number): InferencePayload {
+  if (payload.kind === 'embeddings') return payload;
+  return payload.kind === 'completions'
+    ? { ...payload, body: { ...payload.body, max_tokens: maxTokens } }
+    : { ...payload, body: { ...payload.body, max_tokens: maxTokens } };
 }
 
 /** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
@@ -139,6 +167,25 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     throw errors.backlogFull(backlog.retryAfterSec);
   }
   reply.header('x-request-id', id); // also on error responses; the error handler logs it
+  // A limited key's reservation (a 429 before anything is queued), settled when the turn ends.
+  const principal = request.principal!;
+  let grant: LimitGrant | undefined;
+  let payload = turn.payload;
+  if (principal.limits) {
+    if (!g.limiter) {
+      sse?.stop();
+      throw errors.unavailable(s.retryAfterSec, "The key's limits cannot be checked now; retry later.");
+    }
+    const want = reservationFor(payload, model);
+    const admitted = await g.limiter.admit({ ...principal, limits: principal.limits }, id, want).catch((err: unknown) => {
+      sse?.stop();
+      throw err;
+    });
+    grant = admitted;
+    if (want.upTo !== undefined) payload = capped(payload, Math.max(1, admitted.tokens - want.bound));
+    for (const [name, value] of Object.entries(admitted.headers)) reply.header(name, value);
+  }
+  let used: number | undefined;
   const ctl = new AbortController();
   const onClose = () => {
     if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
@@ -148,6 +195,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
   const countUsage = (data: unknown): void => {
     const usage = usageIn(data);
     if (!usage) return;
+    used = usage.total;
     app.metrics.promptTokens.inc([modelLabel], usage.prompt);
     app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
   };
@@ -171,7 +219,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       id,
       replyTo: g.responses.replySubject(id),
       deadline: Date.now() + s.requestTimeoutMs,
-      ...withModelDefaults(turn.payload, model),
+      ...withModelDefaults(payload, model),
     };
     published = entry;
     const done = await exchange(entry, req, {
@@ -212,6 +260,8 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     return reply;
   } finally {
     settle(false);
+    // Nothing published: nothing generated. Published without a usage (failed, abandoned): all it reserved.
+    grant?.settle(published ? used : 0);
     sse?.stop();
     reply.raw.removeListener('close', onClose);
   }

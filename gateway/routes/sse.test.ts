@@ -11,7 +11,7 @@ function fakeReply() {
     write: (text: string) => writes.push(text),
     end: () => (ended = true),
   };
-  const reply = { raw, hijack: jest.fn() } as unknown as FastifyReply;
+  const reply = { raw, hijack: jest.fn(), getHeaders: () => ({}) } as unknown as FastifyReply;
   return { reply, writes, ended: () => ended };
 }
 

@@ -90,6 +90,8 @@ export class SseResponse {
       // From here on fastify does not send anything for this request; we own the response.
       this.reply.hijack();
       this.reply.raw.writeHead(200, {
+        // What the route set on the reply (a limited key's x-ratelimit-* headers, say) goes out with the stream.
+        ...(Object.fromEntries(Object.entries(this.reply.getHeaders()).filter(([, v]) => v !== undefined)) as Record<string, string | number | string[]>),
         'content-type': 'text/event-stream; charset=utf-8',
         'cache-control': 'no-cache',
         connection: 'keep-alive',
