@@ -51,6 +51,8 @@ export interface KeyLimiterOptions {
   /** A reservation's lease: released this long after its gateway stopped renewing it. */
   leaseMs: number;
   log: { warn: (obj: object, msg: string) => void };
+  /** The Retry-After of a 503 when the limits cannot be checked. */
+  retryAfterSec: number;
   onRefused?: (code: string) => void;
 }
 
@@ -74,13 +76,19 @@ export class KeyLimiter {
    */
   async admit(principal: Principal & { limits: KeyLimits }, id: string, want: { tokens: number; upTo?: number }): Promise<LimitGrant> {
     const scope = principal.key;
-    const a = await this.store.admit(scope, principal.limits, {
-      id,
-      tokens: want.tokens,
-      replica: this.opts.replica,
-      leaseMs: this.opts.leaseMs,
-      ...(want.upTo !== undefined ? { upTo: want.upTo } : {}),
-    });
+    const a = await this.store
+      .admit(scope, principal.limits, {
+        id,
+        tokens: want.tokens,
+        replica: this.opts.replica,
+        leaseMs: this.opts.leaseMs,
+        ...(want.upTo !== undefined ? { upTo: want.upTo } : {}),
+      })
+      .catch((err: unknown) => {
+        // NATS away, or the key's entry contended past the store's attempts: never served unchecked.
+        this.opts.log.warn({ err, key: scope, inferenceId: id }, "could not check the key's limits");
+        throw errors.unavailable(this.opts.retryAfterSec, "The key's limits cannot be checked now; retry later.");
+      });
     if (!a.ok) {
       this.opts.onRefused?.(a.code);
       throw refusal(a.code, a.message, a.retryAfterMs, a.headers);
