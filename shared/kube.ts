@@ -5,6 +5,7 @@
  * imports, no I/O.
  */
 import type { EngineKind } from './engines';
+import type { KeyLimits } from './limits';
 import type { ArtifactFormat, GgufChoice } from './model';
 import type { SamplingDefaults } from './sampling';
 import type { ArtifactWeights } from './weights';
@@ -190,6 +191,11 @@ export interface ApiKeyResourceSpec {
   /** `name`, `*`, `namespace/name`, `namespace/*` (crds/apikey.yaml); absent: the namespace's models. */
   models?: string[];
   suspended?: boolean;
+  /**
+   * Per key, across its models and every gateway replica (shared/limits.ts): requests and tokens
+   * per minute, requests in flight, a token budget per UTC day or month. Absent or empty: none.
+   */
+  limits?: KeyLimits;
 }
 
 export const ApiKeyCondition = { ready: 'Ready' } as const;
@@ -201,6 +207,7 @@ export const ApiKeyReason = {
   secretMissing: 'SecretMissing',
   secretInvalid: 'SecretInvalid',
   modelNotShared: 'ModelNotShared',
+  limitsInvalid: 'LimitsInvalid',
 } as const;
 
 export interface ApiKeyResourceStatus {

@@ -191,8 +191,8 @@ test('a token id another namespace holds is refused, never written over; deletin
 
   // `kubectl get apikeys` shows why.
   const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsB, 'get', 'apikeys'], { timeout: 30_000 });
-  expect(stdout).toMatch(/NAME\s+SECRET\s+MODELS\s+SUSPENDED\s+READY\s+REASON\s+AGE/);
-  expect(stdout).toMatch(/attacker\s+attacker-token\s+\S+\s+false\s+False\s+IdConflict/);
+  expect(stdout).toMatch(/NAME\s+SECRET\s+MODELS\s+SUSPENDED\s+BUDGET\s+PERIOD\s+READY\s+REASON\s+AGE/);
+  expect(stdout).toMatch(/attacker\s+attacker-token\s+\S+\s+false\s+False\s+IdConflict/); // no budget: blank Budget and Period
 
   // Deleting the refused keys leaves the victim's entry alone.
   for (const [ns, name] of [

@@ -129,6 +129,8 @@ describe('installCrds', () => {
       'Secret',
       'Models',
       'Suspended',
+      'Budget',
+      'Period',
       'Ready',
       'Reason',
       'Age',
@@ -651,6 +653,7 @@ describe('ApiKey', () => {
       secretRef: { name: 'team.token', key: 'api-token' },
       models: ['tiny', '*', 'platform/llama', 'platform/*'],
       suspended: true,
+      limits: { requestsPerMinute: 60, tokensPerMinute: 100_000_000_000, concurrency: 1_000_000, budget: { tokens: 1_000_000_000_000_000, period: 'month' } },
     };
     await create(Plural.apiKey, apiKey(name, spec as unknown as Record<string, unknown>));
     const status: ApiKeyResourceStatus = {
@@ -675,11 +678,50 @@ describe('ApiKey', () => {
     ['a model that is neither name, *, ns/name nor ns/*', 'k', { secretRef: { name: 's' }, models: ['a/b/c'] }, 'spec.models[0] in body should match'],
     ['a model given twice', 'k', { secretRef: { name: 's' }, models: ['tiny', 'tiny'] }, 'Duplicate value'],
     ['a name that is not a DNS label', 'k.dotted', { secretRef: { name: 's' } }, "an ApiKey's name must be a DNS label"],
+    [
+      'requestsPerMinute 0',
+      'k',
+      { secretRef: { name: 's' }, limits: { requestsPerMinute: 0 } },
+      'spec.limits.requestsPerMinute: Invalid value: 0: spec.limits.requestsPerMinute in body should be greater than or equal to 1',
+    ],
+    ['a fraction of a request', 'k', { secretRef: { name: 's' }, limits: { concurrency: 1.5 } }, 'spec.limits.concurrency: Invalid value: "number"'],
+    [
+      'tokensPerMinute above its bound',
+      'k',
+      { secretRef: { name: 's' }, limits: { tokensPerMinute: 100_000_000_001 } },
+      'spec.limits.tokensPerMinute in body should be less than or equal to 100000000000',
+    ],
+    [
+      'a budget above its bound',
+      'k',
+      { secretRef: { name: 's' }, limits: { budget: { tokens: 1_000_000_000_000_001, period: 'day' } } },
+      'spec.limits.budget.tokens in body should be less than or equal to 1000000000000000',
+    ],
+    [
+      'a budget period other than day or month',
+      'k',
+      { secretRef: { name: 's' }, limits: { budget: { tokens: 300, period: 'week' } } },
+      'spec.limits.budget.period: Unsupported value: "week": supported values: "day", "month"',
+    ],
+    ['a budget without its period', 'k', { secretRef: { name: 's' }, limits: { budget: { tokens: 300 } } }, 'spec.limits.budget.period: Required value'],
   ])('refuses %s', async (_what, prefix, spec, message) => {
     await expectRefused(
       create(Plural.apiKey, apiKey(prefix === 'k' ? uniqueName('bad') : `${prefix}-${Math.random().toString(36).slice(2, 8)}`, spec)),
       message,
     );
+  });
+
+  test('a limit it does not know is pruned; empty limits are kept empty', async () => {
+    const name = uniqueName('k');
+    await create(
+      Plural.apiKey,
+      apiKey(name, { secretRef: { name: 's' }, limits: { rpm: 5, requestsPerMinute: 5, budget: { tokens: 9, period: 'day', rollover: true } } }),
+    );
+    expect((await get(Plural.apiKey, name)).spec).toMatchObject({ limits: { requestsPerMinute: 5, budget: { tokens: 9, period: 'day' } } });
+    expect(JSON.stringify((await get(Plural.apiKey, name)).spec)).not.toMatch(/rpm|rollover/);
+    const empty = uniqueName('k');
+    await create(Plural.apiKey, apiKey(empty, { secretRef: { name: 's' }, limits: {} }));
+    expect((await get(Plural.apiKey, empty)).spec).toMatchObject({ limits: {} });
   });
 });
 
