@@ -4,14 +4,16 @@
  * - An `ApiKey` (crds/apikey.yaml) is a key of identity `<namespace>/<name>`: its Secret's token
  *   is registered under the token's id with the key's uid, its models resolved (a bare name and
  *   `*` mean its own namespace; another namespace only where that namespace is among
- *   `sharedModelNamespaces`), its status written (Ready, the reason, the registered `tokenId`).
+ *   `sharedModelNamespaces`), its `spec.limits` copied into the entry (checked against
+ *   `KeyLimits`: limits it cannot hold are refused with reason `LimitsInvalid`, nothing
+ *   registered), its status written (Ready, the reason, the registered `tokenId`).
  *   A token id another key holds is refused — condition Ready=False, reason `IdConflict`, naming
  *   the holder when it is in the same namespace and "a key in another namespace" otherwise — and
  *   nothing is written over. A key's earlier id (a rotated token) is deleted after the new one is
  *   registered and before the status says so: a restart in between finds it in the status.
  * - A Secret labelled `magus.dev/api-token=true` (how keys were declared before `ApiKey`; kept
  *   until the next release) is a key of identity `<namespace>/<secret name>`, confined to its
- *   namespace's models like an ApiKey; one that an ApiKey names is that ApiKey's.
+ *   namespace's models like an ApiKey, with no limits; one that an ApiKey names is that ApiKey's.
  * - After every (re)list, entries of keys that are gone (an ApiKey or Secret no longer there, or
  *   a Secret whose token changed while no controller ran) are deleted — only in the namespaces
  *   this controller watches, and only the controller's own (origin `apikey/` or `secret/`).
@@ -24,7 +26,17 @@ import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import type { KV } from 'nats';
 import { mergeConditions } from '../kube/status';
 import { watchResource, type ResourceWatch } from '../kube/watch';
-import { conflictMessage, listKeys, registerKey, TOKEN_PATTERN, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
+import {
+  conflictMessage,
+  describeKeyLimits,
+  entryLimits,
+  listKeys,
+  registerKey,
+  TOKEN_PATTERN,
+  tokenDigest,
+  unregisterKey,
+  type KeyOwnerRef,
+} from '../dataplane/keys';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import {
   API_KEY_SECRET_LABEL,
@@ -226,6 +238,15 @@ export function startKeys(opts: KeysOptions): Keys {
 
     const resolved = resolveKeyModels(ns, o.spec.models, shared);
     if (resolved.refused.length > 0) return refuse(ApiKeyReason.modelNotShared, notShared(resolved.refused, shared));
+    // The CRD's schema refuses what KeyLimits does; an older CRD may not. A key whose limits
+    // cannot be enforced is not registered (unlimited would be the wrong way to fail).
+    const limits = entryLimits(o.spec.limits, 'spec.limits');
+    if ('error' in limits)
+      return refuse(
+        ApiKeyReason.limitsInvalid,
+        `${limits.error}; the key is not registered until they are valid (this magus's ApiKey CRD refuses such limits at admission: is an older one installed?)`,
+        resolved.models,
+      );
     const ref = { name: o.spec.secretRef.name, key: o.spec.secretRef.key ?? 'token' };
     let secret: SecretObject;
     try {
@@ -248,6 +269,7 @@ export function startKeys(opts: KeysOptions): Keys {
       uid: owner.uid,
       models: resolved.models,
       ...(o.spec.suspended ? { suspended: true } : {}),
+      ...(limits.limits ? { limits: limits.limits } : {}),
       origin: `${APIKEY_ORIGIN}${owner.key}`,
     };
     const legacyOrigin = `${SECRET_ORIGIN}${ns}/${ref.name}`;
@@ -270,7 +292,11 @@ export function startKeys(opts: KeysOptions): Keys {
       models: resolved.models,
       ready: suspended
         ? { status: 'False', reason: ApiKeyReason.suspended, message: `token id ${token.id} is registered and refused while spec.suspended is true` }
-        : { status: 'True', reason: ApiKeyReason.registered, message: `token id ${token.id} is registered; the key may use ${resolved.models.join(', ')}` },
+        : {
+            status: 'True',
+            reason: ApiKeyReason.registered,
+            message: `token id ${token.id} is registered; the key may use ${resolved.models.join(', ')}${limits.limits ? `; limits: ${describeKeyLimits(limits.limits)}` : ''}`,
+          },
     });
     return { afterMs: KEY_RESYNC_MS };
   }

@@ -3,13 +3,14 @@
  * is registered once — taken by a free `create`, then changed or deleted by its owner only
  * (identity and uid); another owner is refused with the holder named and nothing written, also
  * when 32 owners race for one id; an older magus's entry (no uid) is adopted only when `adopts`
- * says so.
+ * says so. A key's limits (entryLimits: checked, in one order) are rewritten when they change and
+ * only then.
  */
 import type { KV, NatsConnection } from 'nats';
 import type { TokenEntry } from '../shared/serving';
 import { isolation } from '../test/harness';
 import { natsStack, TestStack } from '../test/harness/stack';
-import { conflictMessage, listKeys, registerKey, unregisterKey, type KeyOwnerRef } from './keys';
+import { conflictMessage, describeKeyLimits, entryLimits, listKeys, registerKey, unregisterKey, type KeyOwnerRef } from './keys';
 
 const iso = isolation();
 const stack = new TestStack();
@@ -149,6 +150,56 @@ it('listKeys: every JSON entry with its id and revision, sorted; deleted and non
   expect(listed.find((k) => k.id === 'unreg-1')?.entry).toMatchObject({ key: 'team/b', uid: 'uid-b' });
   await unregisterKey(kv, 'unreg-1', { key: 'team/b', uid: 'uid-b' });
   expect((await listKeys(kv)).map((k) => k.id)).not.toContain('unreg-1');
+});
+
+it('limits: a change rewrites the entry, the same limits in another order write nothing, none drops them', async () => {
+  const id = 'limits-1';
+  const limitsOf = (v: unknown) => {
+    const r = entryLimits(v, 'spec.limits');
+    if ('error' in r) throw new Error(r.error);
+    return r.limits;
+  };
+  const a = entryOf('team/limited', 'uid-l', { limits: limitsOf({ requestsPerMinute: 5, budget: { tokens: 300, period: 'day' } }) });
+  expect(await registerKey(kv, id, a)).toEqual({ ok: true, written: true });
+  const first = await stored(id);
+  expect(JSON.parse(first!.text)).toMatchObject({ limits: { requestsPerMinute: 5, budget: { tokens: 300, period: 'day' } } });
+
+  // As an apiserver may hand them back: other key order, same limits.
+  const reordered = entryOf('team/limited', 'uid-l', { limits: limitsOf({ budget: { period: 'day', tokens: 300 }, requestsPerMinute: 5 }) });
+  expect(await registerKey(kv, id, reordered)).toEqual({ ok: true, written: false });
+  expect(await stored(id)).toEqual(first);
+
+  const raised = entryOf('team/limited', 'uid-l', { limits: limitsOf({ requestsPerMinute: 5, budget: { tokens: 600, period: 'day' } }) });
+  expect(await registerKey(kv, id, raised)).toEqual({ ok: true, written: true });
+  expect(JSON.parse((await stored(id))!.text)).toMatchObject({ limits: { budget: { tokens: 600 } } });
+
+  // An empty object limits nothing: the entry has no limits.
+  expect(limitsOf({})).toBeUndefined();
+  expect(await registerKey(kv, id, entryOf('team/limited', 'uid-l', {}))).toEqual({ ok: true, written: true });
+  expect(JSON.parse((await stored(id))!.text)).not.toHaveProperty('limits');
+});
+
+it('entryLimits names every field KeyLimits refuses, with why; describeKeyLimits says them in a few words', () => {
+  const error = (v: unknown) => {
+    const r = entryLimits(v, 'spec.limits');
+    return 'error' in r ? r.error : undefined;
+  };
+  expect(error({ requestsPerMinute: 0 })).toBe('spec.limits.requestsPerMinute must be a whole number of requests per minute from 1 to 100000000000, got 0');
+  expect(error({ concurrency: 1.5, tokensPerMinute: 'many' })).toBe(
+    'spec.limits.tokensPerMinute must be a whole number of tokens per minute from 1 to 100000000000, got "many"; spec.limits.concurrency must be a whole number from 1 to 1000000, got 1.5',
+  );
+  expect(error({ budget: { tokens: 5 } })).toBe('spec.limits.budget.period is required');
+  expect(error({ budget: { tokens: 5, period: 'week' } })).toBe('spec.limits.budget.period must be one of day, month, got "week"');
+  expect(error({ rpm: 5 })).toBe('spec.limits.rpm is not a limit');
+  expect(error('lots')).toBe('spec.limits: Expected object, got "lots"');
+  expect(entryLimits(undefined, 'x')).toEqual({ limits: undefined });
+
+  expect(describeKeyLimits(undefined)).toBe('unlimited');
+  expect(describeKeyLimits({})).toBe('unlimited');
+  expect(describeKeyLimits({ budget: { tokens: 300, period: 'day' }, requestsPerMinute: 60 })).toBe('rpm 60, budget 300/day');
+  expect(describeKeyLimits({ requestsPerMinute: 60, tokensPerMinute: 10000, concurrency: 4, budget: { tokens: 1000000, period: 'month' } })).toBe(
+    'rpm 60, tpm 10000, concurrency 4, budget 1000000/month',
+  );
 });
 
 it('conflictMessage names the holder only when it is visible to the reader', () => {

@@ -7,7 +7,10 @@
  * it and writes nothing, on any number of controller replicas or CLIs at once.
  */
 import { createHash } from 'node:crypto';
+import { ValueErrorType } from '@sinclair/typebox/errors';
+import { Value } from '@sinclair/typebox/value';
 import type { KV } from 'nats';
+import { KeyLimits } from '../shared/limits';
 import type { TokenEntry } from '../shared/serving';
 import { isRevisionConflict } from './errors';
 
@@ -28,6 +31,61 @@ export const TOKEN_PATTERN = /^mgs_([A-Za-z0-9-]{1,64})_([A-Za-z0-9_-]{1,512})$/
 
 /** hex sha256 of a whole token: the `TokenEntry` digest. */
 export const tokenDigest = (token: string): string => createHash('sha256').update(token).digest('hex');
+
+/**
+ * Declared limits as a `TokenEntry` holds them, or what is wrong with them: checked against
+ * `KeyLimits` (shared/limits.ts, what the gateway enforces and refuses an entry over), their
+ * fields always in one order — {@link registerKey} compares entries as JSON, so the same limits
+ * always read the same and a change always reads as one — and `undefined` when none is set (an
+ * empty object limits nothing). `where` names the declaration in each problem (`spec.limits`).
+ */
+export function entryLimits(value: unknown, where: string): { limits: KeyLimits | undefined } | { error: string } {
+  if (value === undefined || value === null) return { limits: undefined };
+  if (!Value.Check(KeyLimits, value)) return { error: limitsProblems(value, where).join('; ') };
+  const { requestsPerMinute, tokensPerMinute, concurrency, budget } = value;
+  const limits: KeyLimits = {
+    ...(requestsPerMinute !== undefined ? { requestsPerMinute } : {}),
+    ...(tokensPerMinute !== undefined ? { tokensPerMinute } : {}),
+    ...(concurrency !== undefined ? { concurrency } : {}),
+    ...(budget ? { budget: { tokens: budget.tokens, period: budget.period } } : {}),
+  };
+  return { limits: Object.keys(limits).length > 0 ? limits : undefined };
+}
+
+/** Each field of `value` that `KeyLimits` refuses, once, with why. */
+function limitsProblems(value: unknown, where: string): string[] {
+  const byPath = new Map<string, string>();
+  for (const e of Value.Errors(KeyLimits, value)) {
+    const path = `${where}${e.path.replaceAll('/', '.')}`;
+    if (byPath.has(path)) continue;
+    const schema = e.schema as { description?: string; enum?: string[] };
+    const got = `got ${JSON.stringify(e.value)}`;
+    byPath.set(
+      path,
+      e.type === ValueErrorType.ObjectAdditionalProperties
+        ? `${path} is not a limit`
+        : e.type === ValueErrorType.ObjectRequiredProperty
+          ? `${path} is required`
+          : schema.enum
+            ? `${path} must be one of ${schema.enum.join(', ')}, ${got}`
+            : schema.description
+              ? `${path} must be ${schema.description}, ${got}`
+              : `${path}: ${e.message}, ${got}`,
+    );
+  }
+  return [...byPath.values()];
+}
+
+/** Limits in a few words, as `magus keys list` and an ApiKey's status show them: `rpm 60, tpm 10000, concurrency 4, budget 300/day`. */
+export function describeKeyLimits(limits: KeyLimits | undefined): string {
+  const parts = [
+    limits?.requestsPerMinute !== undefined ? `rpm ${limits.requestsPerMinute}` : '',
+    limits?.tokensPerMinute !== undefined ? `tpm ${limits.tokensPerMinute}` : '',
+    limits?.concurrency !== undefined ? `concurrency ${limits.concurrency}` : '',
+    limits?.budget ? `budget ${limits.budget.tokens}/${limits.budget.period}` : '',
+  ].filter(Boolean);
+  return parts.length > 0 ? parts.join(', ') : 'unlimited';
+}
 
 const decoder = new TextDecoder();
 

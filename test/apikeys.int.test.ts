@@ -8,7 +8,9 @@
  *   nothing, and deleting it leaves the holder's key working (the take-over the old
  *   Secret-per-token scheme allowed);
  * - rotation, suspension, a missing Secret, models of an unshared namespace, a labelled Secret
- *   that an ApiKey names, and a key deleted while no controller ran.
+ *   that an ApiKey names, and a key deleted while no controller ran;
+ * - `spec.limits` copied into the key's entry, rewritten when patched (and only then), gone when
+ *   removed; `kubectl get apikeys` shows the budget.
  */
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -16,7 +18,7 @@ import { mkdtempSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
-import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
+import { CoreV1Api, CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
 import type { KV, NatsConnection } from 'nats';
 import { installCrds } from '../kube/crds';
 import { dataPlaneNames } from '../dataplane';
@@ -81,6 +83,12 @@ async function apiKey(namespace: string, name: string, spec: Partial<ApiKeyResou
     body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'ApiKey', metadata: { name, namespace }, spec },
   });
 }
+/** A JSON merge patch of an ApiKey's spec (`null` removes a field). */
+const patchSpec = (namespace: string, name: string, spec: Record<string, unknown>) =>
+  custom.patchNamespacedCustomObject(
+    { group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', name, body: { spec } },
+    setHeaderOptions('Content-Type', PatchStrategy.MergePatch),
+  );
 const getKey = async (namespace: string, name: string) =>
   (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace, plural: 'apikeys', name })) as ApiKeyResource;
 const ready = (k: ApiKeyResource) => k.status?.conditions?.find((c) => c.type === 'Ready');
@@ -293,8 +301,9 @@ test('a labelled token Secret is a key of its own namespace until an ApiKey name
     body: { metadata: { name: 'legacy', labels: { [TOKEN_SECRET_LABEL]: 'true' } }, stringData: { token: t, models: `tiny,${nsB}/other` } },
   });
   await answers(t, 200);
-  // Confined to its namespace: the other namespace's model is dropped, a bare name is its own.
+  // Confined to its namespace: the other namespace's model is dropped, a bare name is its own; no limits.
   expect(await entryOf(id)).toMatchObject({ key: `${nsA}/legacy`, origin: `secret/${nsA}/legacy`, models: [`${nsA}/tiny`] });
+  expect(await entryOf(id)).not.toHaveProperty('limits');
   expect(controllerLog.some((l) => l.includes(`${nsA}/legacy`) && l.includes(`${nsB}/other`))).toBe(true);
 
   // An ApiKey naming that Secret takes its token over.
@@ -312,4 +321,55 @@ test('a labelled token Secret is a key of its own namespace until an ApiKey name
   await controller.synced;
   await answers(t, 401);
   expect(await entryOf(id)).toBeUndefined();
+}, 90_000);
+
+test('spec.limits: copied into the entry, rewritten when patched and only then, gone when removed; kubectl shows the budget', async () => {
+  const id = `limited-${randomBytes(4).toString('hex')}`;
+  const t = token(id);
+  await secret(nsA, 'limited-token', t);
+  await apiKey(nsA, 'limited', { secretRef: { name: 'limited-token' }, limits: { budget: { tokens: 300, period: 'day' }, requestsPerMinute: 5 } });
+  const k = await readyAs(nsA, 'limited', ApiKeyReason.registered);
+  expect(ready(k)!.message).toContain('limits: rpm 5, budget 300/day');
+  expect((await entryOf(id))?.limits).toEqual({ requestsPerMinute: 5, budget: { tokens: 300, period: 'day' } });
+  await answers(t, 200);
+
+  // Looked at again with the same limits (an annotation changed): nothing is written.
+  const first = (await tokens.get(id))!.revision;
+  await custom.patchNamespacedCustomObject(
+    { group: CRD_GROUP, version: CRD_VERSION, namespace: nsA, plural: 'apikeys', name: 'limited', body: { metadata: { annotations: { touched: 'yes' } } } },
+    setHeaderOptions('Content-Type', PatchStrategy.MergePatch),
+  );
+  await controller.idle();
+  await new Promise((r) => setTimeout(r, 300));
+  await controller.idle();
+  expect((await tokens.get(id))!.revision).toBe(first);
+
+  const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsA, 'get', 'apikey', 'limited'], { timeout: 30_000 });
+  expect(stdout).toMatch(/limited\s+limited-token\s+\S+\s+false\s+300\s+day\s+True\s+Registered/);
+
+  // Patched: the budget raised, tokens per minute added — the entry is rewritten with both.
+  await patchSpec(nsA, 'limited', { limits: { tokensPerMinute: 10000, budget: { tokens: 600 } } });
+  await until(
+    'the entry has the patched limits',
+    async () =>
+      JSON.stringify((await entryOf(id))?.limits) === JSON.stringify({ requestsPerMinute: 5, tokensPerMinute: 10000, budget: { tokens: 600, period: 'day' } }),
+    10_000,
+  );
+  expect((await tokens.get(id))!.revision).toBeGreaterThan(first);
+  await until(
+    'the status says the new limits',
+    async () => ready(await getKey(nsA, 'limited'))?.message.includes('limits: rpm 5, tpm 10000, budget 600/day') === true,
+    10_000,
+  );
+
+  // Emptied, then removed: no limits in the entry; the token keeps working throughout.
+  await patchSpec(nsA, 'limited', { limits: { requestsPerMinute: null, tokensPerMinute: null, budget: null } });
+  await until('the entry has no limits', async () => (await entryOf(id))?.limits === undefined && (await entryOf(id)) !== undefined, 10_000);
+  await patchSpec(nsA, 'limited', { limits: { concurrency: 3 } });
+  await until('the entry has the new limits', async () => (await entryOf(id))?.limits?.concurrency === 3, 10_000);
+  await patchSpec(nsA, 'limited', { limits: null });
+  await until('the entry has no limits again', async () => (await entryOf(id))?.limits === undefined, 10_000);
+  expect(await entryOf(id)).toMatchObject({ key: `${nsA}/limited`, origin: `apikey/${nsA}/limited` });
+  expect(ready(await readyAs(nsA, 'limited', ApiKeyReason.registered))!.message).not.toContain('limits');
+  expect(await status(t)).toBe(200);
 }, 90_000);
