@@ -2,16 +2,20 @@
  * `magus keys` as users run it — the built CLI (`npm run build`) as a child process — against the
  * file's data plane on the test NATS server, with a real gateway on it: a created key's token is
  * printed once, alone on stdout, and accepted by the gateway within seconds, for its models only;
- * a name is created once; `list --json` shows keys without digests or tokens; a revoked token is
- * refused within seconds; NATS away or the data plane missing is an exit 1 naming what is wrong.
+ * a name is created once; `list --json` shows keys without digests or tokens; limits given as
+ * flags are stored in the key's entry (and replaced by `keys limits`), bad ones are an exit 1
+ * naming the flag with nothing written; a revoked token is refused within seconds; NATS away or
+ * the data plane missing is an exit 1 naming what is wrong.
  */
 import { spawn } from 'node:child_process';
-import type { NatsConnection } from 'nats';
+import type { KV, NatsConnection } from 'nats';
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
+import type { TokenEntry } from '../shared/serving';
 import { TOKEN_PATTERN } from '../dataplane/keys';
 import { openModelRegistry } from '../dataplane/registry';
 import { tokenDigest } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
+import { MAX_PER_MINUTE } from '../shared/limits';
 import { endpoint, isolation } from './harness';
 import { MAGUS_BIN, REPO_ROOT } from './harness/dev';
 import { LogSink, readyModel, TEST_SECRET } from './harness/gateway-app';
@@ -24,6 +28,7 @@ const model = `tiny-${iso.id}`;
 let nc: NatsConnection;
 let names: DataPlaneNames;
 let gateway: RunningGateway;
+let tokens: KV;
 let env: NodeJS.ProcessEnv;
 const log = new LogSink();
 /** Every token the CLI printed. */
@@ -32,6 +37,7 @@ const printedTokens: string[] = [];
 beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(model));
+  tokens = await nc.jetstream().views.kv(names.tokensBucket, { bindOnly: true });
   // Its log (every request, at info) is kept to show it never holds a token.
   ({ gateway } = await stack.open(gatewayStack(names, { nc, secret: TEST_SECRET, tokens: {}, env: { MAGUS_LOG_LEVEL: 'info' }, deps: { logStream: log } })));
   // Only the test's NATS and prefix; an empty dev folder, so no running `magus dev` is picked up.
@@ -83,6 +89,7 @@ interface Listed {
   key: string;
   tokenId: string;
   models: string[];
+  limits?: TokenEntry['limits'];
   suspended: boolean;
   origin: string;
   owner: string;
@@ -132,8 +139,8 @@ test('list --json: the key with its token id and models, no digest and no token'
   // The table: a header and the key's row.
   const table = await keys(['list']);
   expect(table.code).toBe(0);
-  expect(table.stdout).toMatch(/^KEY +TOKEN ID +MODELS +SUSPENDED +FROM\n/);
-  expect(table.stdout).toMatch(new RegExp(`^local/team-a +${teamA.id} +\\* +no +local$`, 'm'));
+  expect(table.stdout).toMatch(/^KEY +TOKEN ID +MODELS +LIMITS +SUSPENDED +FROM\n/);
+  expect(table.stdout).toMatch(new RegExp(`^local/team-a +${teamA.id} +\\* +unlimited +no +local$`, 'm'));
 });
 
 test('create --models: the token works, for the listed models only', async () => {
@@ -143,6 +150,62 @@ test('create --models: the token works, for the listed models only', async () =>
   expect(await get(`/v1/models/${model}`, b.token)).toMatchObject({ status: 404 });
   expect((await get(`/v1/models/${model}`, teamA.token)).status).toBe(200);
   expect((await list()).keys.find((k) => k.key === 'local/team-b')).toMatchObject({ tokenId: b.id, models: ['nope'], origin: 'local' });
+});
+
+/** The entry the bucket holds under token id `id`. */
+async function entryOf(id: string): Promise<TokenEntry | undefined> {
+  const e = await tokens.get(id);
+  return e?.operation === 'PUT' ? (JSON.parse(new TextDecoder().decode(e.value)) as TokenEntry) : undefined;
+}
+
+test('create with limits: stored in the entry, named on stderr, shown by list; keys limits replaces them', async () => {
+  const r = await keys(['create', 'team-limited', '--budget-tokens', '300', '--period', 'day', '--rpm', '5']);
+  expect(r.code).toBe(0);
+  printedTokens.push(r.stdout.trim());
+  const id = TOKEN_PATTERN.exec(r.stdout.trim())![1]!;
+  expect(r.stderr).toContain(`key local/team-limited created (token id ${id}; every model; limits: rpm 5, budget 300/day)`);
+  const entry = await entryOf(id);
+  expect(entry?.limits).toEqual({ budget: { tokens: 300, period: 'day' }, requestsPerMinute: 5 });
+  expect(Object.keys(entry!.limits!)).toEqual(['requestsPerMinute', 'budget']); // one order, whatever the flags'
+  await until('the gateway accepts team-limited', async () => (await status(printedTokens.at(-1)!)) === 200, 10_000);
+
+  expect((await list()).keys.find((k) => k.key === 'local/team-limited')).toMatchObject({
+    tokenId: id,
+    limits: { requestsPerMinute: 5, budget: { tokens: 300, period: 'day' } },
+  });
+  const table = await keys(['list']);
+  expect(table.stdout).toMatch(new RegExp(`^local/team-limited +${id} +\\* +rpm 5, budget 300/day +no +local$`, 'm'));
+
+  // Replaced as a whole, in place: the same token, new limits; --none leaves it unlimited.
+  const changed = await keys(['limits', 'team-limited', '--tpm', '10000', '--concurrency', '2']);
+  expect(changed).toMatchObject({ code: 0, stdout: '' });
+  expect(changed.stderr).toBe('key local/team-limited: limits tpm 10000, concurrency 2, at every gateway within seconds\n');
+  expect((await entryOf(id))?.limits).toEqual({ tokensPerMinute: 10000, concurrency: 2 });
+  const none = await keys(['limits', 'team-limited', '--none']);
+  expect(none).toMatchObject({ code: 0, stderr: 'key local/team-limited: no limits, at every gateway within seconds\n' });
+  expect(await entryOf(id)).not.toHaveProperty('limits');
+  expect(await entryOf(id)).toMatchObject({ key: 'local/team-limited', origin: 'local' });
+  const missing = await keys(['limits', 'nobody', '--rpm', '1']);
+  expect(missing).toMatchObject({ code: 1, stdout: '' });
+  expect(missing.stderr).toContain('magus keys: no local key named nobody');
+}, 60_000);
+
+test('bad limits: exit 1 naming the flag, with the usage, and nothing written', async () => {
+  const lastSeq = async () => (await tokens.status()).streamInfo.state.last_seq;
+  const before = await lastSeq();
+  for (const [flags, message] of [
+    [['--rpm', '0'], `--rpm must be a whole number from 1 to ${MAX_PER_MINUTE} (requests per minute), got "0"`],
+    [['--rpm', 'x'], `--rpm must be a whole number from 1 to ${MAX_PER_MINUTE} (requests per minute), got "x"`],
+    [['--budget-tokens', '5'], '--budget-tokens needs --period day or --period month: the budget renews each UTC day or each calendar month'],
+    [['--budget-tokens', '5', '--period', 'week'], '--period must be day or month, got "week"'],
+    [['--period', 'week'], '--period must be day or month, got "week"'],
+  ] as const) {
+    const r = await keys(['create', 'team-bad', ...flags]);
+    expect(r).toMatchObject({ code: 1, stdout: '' });
+    expect(r.stderr.startsWith(`magus keys: ${message}\nusage: magus keys create NAME`)).toBe(true);
+  }
+  expect(await lastSeq()).toBe(before);
+  expect((await list()).keys.map((k) => k.key)).not.toContain('local/team-bad');
 });
 
 test('revoke: exit 0 and the gateway refuses the token within seconds; again: exit 1; the name can be created anew', async () => {
@@ -170,6 +233,7 @@ test('--help exits 0 with the usage; a bad command line exits 1 with it', async 
   const help = await keys(['--help']);
   expect(help).toMatchObject({ code: 0 });
   expect(help.stdout).toContain('usage: magus keys create NAME');
+  for (const flag of ['--rpm N', '--tpm N', '--concurrency N', '--budget-tokens N --period P']) expect(help.stdout).toContain(flag);
   const bad = await keys(['create', 'Team-A']);
   expect(bad).toMatchObject({ code: 1, stdout: '' });
   expect(bad.stderr).toMatch(/^magus keys: key name "Team-A" must be .*\nusage: magus keys create NAME/);
@@ -199,7 +263,7 @@ test('NATS unreachable: exit 1 within seconds naming the address; no data plane 
 
 test('the gateway logged the requests, and no token', () => {
   expect(log.lines.filter((l) => l.includes('/v1/models')).length).toBeGreaterThan(5);
-  expect(printedTokens).toHaveLength(3);
+  expect(printedTokens).toHaveLength(4);
   const text = log.lines.join('\n');
   for (const token of printedTokens) expect(text).not.toContain(TOKEN_PATTERN.exec(token)![2]); // the secret
 });

@@ -1,10 +1,11 @@
 /**
- * `magus keys`' command line (parseKeysArgs: what it accepts, and the usage error naming what is
- * wrong otherwise) and its tokens (newToken: `mgs_<16 hex>_<secret>`, the one pattern the
+ * `magus keys`' command line (parseKeysArgs: what it accepts — limits within KeyLimits' bounds
+ * included — and the usage error naming what is wrong otherwise) and its tokens (newToken: `mgs_<16 hex>_<secret>`, the one pattern the
  * gateway and the controller read, its id the one embedded).
  */
 import { TOKEN_PATTERN } from '../dataplane/keys';
-import { newToken, parseKeysArgs } from './keys';
+import { MAX_BUDGET_TOKENS, MAX_PER_MINUTE } from '../shared/limits';
+import { KEYS_USAGE, newToken, parseKeysArgs } from './keys';
 
 /** The message of the UsageError `args` raise. */
 function usageError(args: string[]): string {
@@ -39,6 +40,63 @@ describe('parseKeysArgs', () => {
     expect(parseKeysArgs(['revoke', 'team-a'])).toEqual({ command: 'revoke', name: 'team-a' });
   });
 
+  it('reads limits, in any order, stored in one order', () => {
+    expect(parseKeysArgs(['create', 'team-a', '--budget-tokens', '300', '--period', 'day', '--rpm', '5'])).toEqual({
+      command: 'create',
+      name: 'team-a',
+      limits: { requestsPerMinute: 5, budget: { tokens: 300, period: 'day' } },
+    });
+    const all = parseKeysArgs(['create', '--period', 'month', '--concurrency', '4', 'team-a', '--tpm', '10000', '--budget-tokens', '1000000', '--rpm', '60']);
+    expect(all).toEqual({
+      command: 'create',
+      name: 'team-a',
+      limits: { requestsPerMinute: 60, tokensPerMinute: 10000, concurrency: 4, budget: { tokens: 1000000, period: 'month' } },
+    });
+    expect(Object.keys((all as { limits: object }).limits)).toEqual(['requestsPerMinute', 'tokensPerMinute', 'concurrency', 'budget']);
+    // The bounds are KeyLimits' own.
+    expect(parseKeysArgs(['create', 'a', '--rpm', String(MAX_PER_MINUTE), '--budget-tokens', String(MAX_BUDGET_TOKENS), '--period', 'day'])).toMatchObject({
+      limits: { requestsPerMinute: MAX_PER_MINUTE, budget: { tokens: MAX_BUDGET_TOKENS } },
+    });
+    expect(parseKeysArgs(['create', 'a', '--models', 'llama', '--concurrency', '1'])).toEqual({
+      command: 'create',
+      name: 'a',
+      models: ['llama'],
+      limits: { concurrency: 1 },
+    });
+    expect(parseKeysArgs(['limits', 'team-a', '--tpm', '500'])).toEqual({ command: 'limits', name: 'team-a', limits: { tokensPerMinute: 500 } });
+    expect(parseKeysArgs(['limits', 'team-a', '--none'])).toEqual({ command: 'limits', name: 'team-a', limits: undefined });
+  });
+
+  it('refuses limits that are not whole numbers within the bounds, a budget without its period and a period alone', () => {
+    for (const bad of ['0', 'x', '-1', '1.5', '1e3', '', ' 5', String(MAX_PER_MINUTE + 1)]) {
+      expect(usageError(['create', 'team-a', '--rpm', bad])).toBe(
+        `--rpm must be a whole number from 1 to ${MAX_PER_MINUTE} (requests per minute), got ${JSON.stringify(bad)}`,
+      );
+    }
+    expect(usageError(['create', 'team-a', '--tpm', '0'])).toBe(`--tpm must be a whole number from 1 to ${MAX_PER_MINUTE} (tokens per minute), got "0"`);
+    expect(usageError(['create', 'team-a', '--concurrency', '1000001'])).toBe(
+      '--concurrency must be a whole number from 1 to 1000000 (requests in flight at once), got "1000001"',
+    );
+    expect(usageError(['create', 'team-a', '--budget-tokens', String(MAX_BUDGET_TOKENS + 1), '--period', 'day'])).toBe(
+      `--budget-tokens must be a whole number from 1 to ${MAX_BUDGET_TOKENS} (tokens per period), got "${MAX_BUDGET_TOKENS + 1}"`,
+    );
+    expect(usageError(['create', 'team-a', '--budget-tokens', '5'])).toBe(
+      '--budget-tokens needs --period day or --period month: the budget renews each UTC day or each calendar month',
+    );
+    expect(usageError(['create', 'team-a', '--period', 'day'])).toBe('--period is the period of a budget: give --budget-tokens N with it');
+    expect(usageError(['create', 'team-a', '--period', 'week', '--budget-tokens', '5'])).toBe('--period must be day or month, got "week"');
+    expect(usageError(['create', 'team-a', '--rpm'])).toBe('--rpm needs a value');
+    expect(usageError(['create', 'team-a', '--rpm', '5', '--rpm', '6'])).toBe('--rpm is given twice');
+    expect(usageError(['create', '--rpm', '5'])).toBe('magus keys create needs a NAME'); // 5 is --rpm's, not a name
+    expect(usageError(['create', 'team-a', '--none'])).toBe('unknown option --none');
+    expect(usageError(['limits', 'team-a'])).toBe(
+      'magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period) or --none',
+    );
+    expect(usageError(['limits', 'team-a', '--none', '--rpm', '5'])).toBe('--none makes the key unlimited: give it alone, or the limits without it');
+    expect(usageError(['limits', 'team-a', '--models', 'llama'])).toBe('unknown option --models');
+    expect(usageError(['limits', '--rpm', '5'])).toBe('magus keys limits needs a NAME');
+  });
+
   it('refuses a missing or bad name', () => {
     expect(usageError(['create'])).toBe('magus keys create needs a NAME');
     expect(usageError(['revoke'])).toBe('magus keys revoke needs a NAME');
@@ -69,8 +127,14 @@ describe('parseKeysArgs', () => {
     expect(usageError(['list', 'team-a'])).toBe('unknown option team-a');
     expect(usageError(['revoke', 'team-a', '--force'])).toBe('unknown option --force');
     expect(usageError(['delete', 'team-a'])).toBe('unknown command keys delete');
-    expect(usageError([])).toBe('magus keys needs a command: create, list or revoke');
+    expect(usageError([])).toBe('magus keys needs a command: create, limits, list or revoke');
   });
+});
+
+test('the usage names every limit flag with its bounds', () => {
+  for (const flag of ['--rpm', '--tpm', '--concurrency', '--budget-tokens', '--period']) expect(KEYS_USAGE).toContain(`${flag} `);
+  expect(KEYS_USAGE).toContain(`(1-${MAX_PER_MINUTE})`);
+  expect(KEYS_USAGE).toContain(`(1-${MAX_BUDGET_TOKENS})`);
 });
 
 describe('newToken', () => {

@@ -1,9 +1,12 @@
 /**
- * `magus keys create NAME [--models m1,m2] | list [--json] | revoke NAME`: API keys without
- * Kubernetes (local mode: `magus dev`, or `magus gateway` next to a NATS server). A key is
- * `local/<NAME>` in the same store the controller writes ApiKeys to (`magus_tokens`,
- * dataplane/keys.ts): its token id is random and registered once, so it can neither take nor be
- * taken by another key. The token is printed once, on stdout, and stored only as its sha256.
+ * `magus keys create NAME [--models m1,m2] [limits] | limits NAME (limits | --none) | list [--json]
+ * | revoke NAME`: API keys without Kubernetes (local mode: `magus dev`, or `magus gateway` next to
+ * a NATS server). A key is `local/<NAME>` in the same store the controller writes ApiKeys to
+ * (`magus_tokens`, dataplane/keys.ts): its token id is random and registered once, so it can
+ * neither take nor be taken by another key. The token is printed once, on stdout, and stored only
+ * as its sha256. Its limits (`--rpm`, `--tpm`, `--concurrency`, `--budget-tokens` with
+ * `--period`) are checked whole against KeyLimits' bounds (shared/limits.ts) before anything is
+ * written, and stored in its entry, where every gateway enforces them.
  * On a cluster, declare an `ApiKey` instead (README "Tenants").
  *
  * Where NATS is: `MAGUS_NATS_URL` (and `MAGUS_NATS_PREFIX`), else the running `magus dev`.
@@ -11,33 +14,91 @@
 import { randomBytes, randomUUID } from 'node:crypto';
 import { connect, type KV, type NatsConnection } from 'nats';
 import { dataPlaneNames, JsApiError, jsErrorCode } from '../dataplane';
-import { listKeys, registerKey, tokenDigest, unregisterKey } from '../dataplane/keys';
+import { describeKeyLimits, entryLimits, listKeys, registerKey, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
 import { natsServerList } from '../platform/config';
 import { UsageError, usageFailure } from '../platform/cli';
+import { KeyLimits, type BudgetPeriod } from '../shared/limits';
 import { keyOwner, type TokenEntry } from '../shared/serving';
 import { loadConfig, useDevConnection } from './config';
 
+/** The flags of a whole-number limit: what it counts, and its bounds (KeyLimits', the ones the gateway and the ApiKey CRD hold). */
+const WHOLE_LIMITS = {
+  '--rpm': { what: 'requests per minute', schema: KeyLimits.properties.requestsPerMinute },
+  '--tpm': { what: 'tokens per minute', schema: KeyLimits.properties.tokensPerMinute },
+  '--concurrency': { what: 'requests in flight at once', schema: KeyLimits.properties.concurrency },
+  '--budget-tokens': { what: 'tokens per period', schema: KeyLimits.properties.budget.properties.tokens },
+} as const;
+type WholeLimitFlag = keyof typeof WHOLE_LIMITS;
+const PERIODS: readonly BudgetPeriod[] = ['day', 'month'];
+const bounds = (flag: WholeLimitFlag) => `${WHOLE_LIMITS[flag].schema.minimum}-${WHOLE_LIMITS[flag].schema.maximum}`;
+
 export const KEYS_USAGE = [
-  'usage: magus keys create NAME [--models MODEL,…]   a new key: its token is printed once',
-  '       magus keys list [--json]                    the keys (local ones, ApiKeys and labelled Secrets)',
-  "       magus keys revoke NAME                      a local key's token stops working at once",
+  'usage: magus keys create NAME [--models MODEL,…] [LIMITS]   a new key: its token is printed once',
+  "       magus keys limits NAME (LIMITS | --none)            a local key's limits, replaced by these (--none: unlimited)",
+  '       magus keys list [--json]                             the keys (local ones, ApiKeys and labelled Secrets)',
+  "       magus keys revoke NAME                               a local key's token stops working at once",
   '',
   'Local keys (identity local/NAME) are for magus without Kubernetes; on a cluster declare an ApiKey.',
   'MODEL: a model name (in any namespace), NAMESPACE/NAME or NAMESPACE/*; without --models every model.',
+  'LIMITS, per key across its models and every gateway (one left out is unlimited):',
+  `  --rpm N                       requests per minute (${bounds('--rpm')})`,
+  `  --tpm N                       tokens per minute, prompt and completion (${bounds('--tpm')})`,
+  `  --concurrency N               requests in flight at once (${bounds('--concurrency')})`,
+  `  --budget-tokens N --period P  a budget of N tokens (${bounds('--budget-tokens')}) per UTC day or calendar month: P day or month`,
+  "  A request's worst case is reserved when admitted and settled to its real usage; the budget is",
+  '  never exceeded. Over a limit: 429 rate_limit_exceeded (insufficient_quota for the budget).',
   'NATS: MAGUS_NATS_URL and MAGUS_NATS_PREFIX, else the running magus dev (its connection.json).',
 ].join('\n');
 
 const NAME = /^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$/;
 const MODEL = /^(([a-z0-9]([-a-z0-9]*[a-z0-9])?)\/)?([A-Za-z0-9][A-Za-z0-9._-]{0,252}|\*)$/;
 const LOCAL = 'local/';
+/** Options followed by a value. */
+const VALUE_FLAGS = new Set<string>(['--models', '--period', ...Object.keys(WHOLE_LIMITS)]);
 
-export type KeysArgs = { command: 'create'; name: string; models?: string[] } | { command: 'list'; json: boolean } | { command: 'revoke'; name: string };
+export type KeysArgs =
+  | { command: 'create'; name: string; models?: string[]; limits?: KeyLimits }
+  /** `limits` undefined: `--none`, the key is unlimited. */
+  | { command: 'limits'; name: string; limits: KeyLimits | undefined }
+  | { command: 'list'; json: boolean }
+  | { command: 'revoke'; name: string };
+
+/** The limits the flags in `given` (flag → value) declare; undefined when none. */
+function limitsOf(given: ReadonlyMap<string, string>): KeyLimits | undefined {
+  const whole = (flag: WholeLimitFlag): number | undefined => {
+    const v = given.get(flag);
+    if (v === undefined) return undefined;
+    const { what, schema } = WHOLE_LIMITS[flag];
+    const n = /^[0-9]+$/.test(v) ? Number(v) : NaN;
+    if (!(n >= schema.minimum! && n <= schema.maximum!))
+      throw new UsageError(`${flag} must be a whole number from ${schema.minimum} to ${schema.maximum} (${what}), got ${JSON.stringify(v)}`);
+    return n;
+  };
+  const [rpm, tpm, concurrency, budgetTokens] = (['--rpm', '--tpm', '--concurrency', '--budget-tokens'] as const).map(whole);
+  const period = given.get('--period');
+  if (period !== undefined && !PERIODS.includes(period as BudgetPeriod)) throw new UsageError(`--period must be day or month, got ${JSON.stringify(period)}`);
+  if (budgetTokens !== undefined && period === undefined)
+    throw new UsageError('--budget-tokens needs --period day or --period month: the budget renews each UTC day or each calendar month');
+  if (period !== undefined && budgetTokens === undefined) throw new UsageError('--period is the period of a budget: give --budget-tokens N with it');
+  const checked = entryLimits(
+    {
+      ...(rpm !== undefined ? { requestsPerMinute: rpm } : {}),
+      ...(tpm !== undefined ? { tokensPerMinute: tpm } : {}),
+      ...(concurrency !== undefined ? { concurrency } : {}),
+      ...(budgetTokens !== undefined ? { budget: { tokens: budgetTokens, period } } : {}),
+    },
+    'limits',
+  );
+  // The flags were checked one by one against the same bounds: this would be a bug here.
+  if ('error' in checked) throw new Error(checked.error);
+  return checked.limits;
+}
 
 export function parseKeysArgs(args: string[]): KeysArgs {
   const [command, ...rest] = args;
   const name = (): string => {
-    // The value after --models is not the name (`create --models m1 NAME`).
-    const n = rest.find((a, i) => !a.startsWith('-') && rest[i - 1] !== '--models');
+    // The value after an option is not the name (`create --models m1 NAME`).
+    const n = rest.find((a, i) => !a.startsWith('-') && !VALUE_FLAGS.has(rest[i - 1] ?? ''));
     if (n === undefined) throw new UsageError(`magus keys ${command} needs a NAME`);
     if (!NAME.test(n))
       throw new UsageError(`key name ${JSON.stringify(n)} must be 1-63 characters of a-z, 0-9 and '-', starting and ending with a letter or digit`);
@@ -52,13 +113,21 @@ export function parseKeysArgs(args: string[]): KeysArgs {
     for (const a of rest) if (a !== n) throw new UsageError(`unknown option ${a}`);
     return { command, name: n };
   }
-  if (command === 'create') {
+  if (command === 'create' || command === 'limits') {
     const n = name();
     let models: string[] | undefined;
+    let none = false;
+    const given = new Map<string, string>();
     for (let i = 0; i < rest.length; i++) {
       const a = rest[i]!;
       if (a === n) continue;
-      if (a === '--models') {
+      if (a === '--none' && command === 'limits') none = true;
+      else if (a === '--period' || Object.hasOwn(WHOLE_LIMITS, a)) {
+        const v = rest[++i];
+        if (v === undefined) throw new UsageError(`${a} needs a value`);
+        if (given.has(a)) throw new UsageError(`${a} is given twice`);
+        given.set(a, v);
+      } else if (a === '--models' && command === 'create') {
         const v = rest[++i];
         if (v === undefined) throw new UsageError('--models needs a value: MODEL,…');
         models = v
@@ -69,9 +138,14 @@ export function parseKeysArgs(args: string[]): KeysArgs {
         for (const m of models) if (!MODEL.test(m)) throw new UsageError(`--models: ${JSON.stringify(m)} is not a model name, NAMESPACE/NAME or NAMESPACE/*`);
       } else throw new UsageError(`unknown option ${a}`);
     }
-    return { command, name: n, ...(models ? { models } : {}) };
+    const limits = limitsOf(given);
+    if (command === 'create') return { command, name: n, ...(models ? { models } : {}), ...(limits ? { limits } : {}) };
+    if (none && limits) throw new UsageError('--none makes the key unlimited: give it alone, or the limits without it');
+    if (!none && !limits)
+      throw new UsageError('magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period) or --none');
+    return { command, name: n, limits };
   }
-  throw new UsageError(command === undefined ? 'magus keys needs a command: create, list or revoke' : `unknown command keys ${command}`);
+  throw new UsageError(command === undefined ? 'magus keys needs a command: create, limits, list or revoke' : `unknown command keys ${command}`);
 }
 
 /** A new token: a random id (64 bits, hex) and a random secret (256 bits). */
@@ -81,7 +155,11 @@ export const newToken = (): { id: string; token: string } => {
 };
 
 /** Creates local key `name`; the token, or why not. */
-export async function createLocalKey(kv: KV, name: string, models?: string[]): Promise<{ token: string; id: string } | { error: string }> {
+export async function createLocalKey(
+  kv: KV,
+  name: string,
+  { models, limits }: { models?: string[]; limits?: KeyLimits } = {},
+): Promise<{ token: string; id: string } | { error: string }> {
   const key = `${LOCAL}${name}`;
   if ((await listKeys(kv)).some((k) => k.entry.key === key)) return { error: `a key named ${name} exists; revoke it first (magus keys revoke ${name})` };
   for (let attempt = 0; attempt < 3; attempt++) {
@@ -92,12 +170,35 @@ export async function createLocalKey(kv: KV, name: string, models?: string[]): P
       key,
       uid: randomUUID(),
       ...(models ? { models } : {}),
+      ...(limits ? { limits } : {}),
       origin: 'local',
     };
     // A random 64-bit id is taken only by chance; registration never overwrites one that is.
     if ((await registerKey(kv, id, entry)).ok) return { token, id };
   }
   return { error: 'three random token ids in a row were taken; this should not happen' };
+}
+
+/**
+ * Replaces the limits of local key `name` (every token of it) with `limits` (undefined: none);
+ * how many of its tokens have them now (0: there is no such key). Each entry is rewritten by compare-and-swap as its owner, so a
+ * key revoked or created anew meanwhile is left alone.
+ */
+export async function setLocalKeyLimits(kv: KV, name: string, limits: KeyLimits | undefined): Promise<number> {
+  let n = 0;
+  for (const { id, entry } of await listKeys(kv)) {
+    if (entry.key !== `${LOCAL}${name}` || entry.uid === undefined) continue;
+    const { limits: _was, origin, ...rest } = entry;
+    const next: TokenEntry & KeyOwnerRef = {
+      ...rest,
+      key: entry.key,
+      uid: entry.uid,
+      ...(limits ? { limits } : {}),
+      ...(origin !== undefined ? { origin } : {}),
+    };
+    if ((await registerKey(kv, id, next)).ok) n++;
+  }
+  return n;
 }
 
 /** Revokes every token of local key `name`; how many there were. */
@@ -144,15 +245,25 @@ export async function keysCommand(args: string[]): Promise<number> {
       return 1;
     }
     if (parsed.command === 'create') {
-      const made = await createLocalKey(kv, parsed.name, parsed.models);
+      const made = await createLocalKey(kv, parsed.name, parsed);
       if ('error' in made) {
         process.stderr.write(`magus keys: ${made.error}\n`);
         return 1;
       }
-      process.stderr.write(
-        `key local/${parsed.name} created (token id ${made.id}; ${parsed.models ? `models ${parsed.models.join(', ')}` : 'every model'}). Its token, shown only this once:\n`,
-      );
+      const models = parsed.models ? `models ${parsed.models.join(', ')}` : 'every model';
+      const limits = parsed.limits ? `limits: ${describeKeyLimits(parsed.limits)}` : 'no limits';
+      process.stderr.write(`key local/${parsed.name} created (token id ${made.id}; ${models}; ${limits}). Its token, shown only this once:\n`);
       process.stdout.write(`${made.token}\n`);
+      return 0;
+    }
+    if (parsed.command === 'limits') {
+      if ((await setLocalKeyLimits(kv, parsed.name, parsed.limits)) === 0) {
+        process.stderr.write(`magus keys: no local key named ${parsed.name} (magus keys list shows them; an ApiKey's limits are its spec.limits)\n`);
+        return 1;
+      }
+      process.stderr.write(
+        `key local/${parsed.name}: ${parsed.limits ? `limits ${describeKeyLimits(parsed.limits)}` : 'no limits'}, at every gateway within seconds\n`,
+      );
       return 0;
     }
     if (parsed.command === 'revoke') {
@@ -168,6 +279,7 @@ export async function keysCommand(args: string[]): Promise<number> {
       key: entry.key ?? `token/${id}`,
       tokenId: id,
       models: entry.models ?? ['*'],
+      ...(entry.limits ? { limits: entry.limits } : {}),
       suspended: entry.suspended === true,
       origin: entry.origin ?? 'unknown',
       owner: keyOwner(entry.key ?? `token/${id}`, entry.uid ?? id),
@@ -175,8 +287,8 @@ export async function keysCommand(args: string[]): Promise<number> {
     if (parsed.json) process.stdout.write(`${JSON.stringify(keys, null, 2)}\n`);
     else {
       const rows = [
-        ['KEY', 'TOKEN ID', 'MODELS', 'SUSPENDED', 'FROM'],
-        ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
+        ['KEY', 'TOKEN ID', 'MODELS', 'LIMITS', 'SUSPENDED', 'FROM'],
+        ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), describeKeyLimits(k.limits), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
       ];
       const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)));
       for (const r of rows)

@@ -63,7 +63,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   engine: 'llama.cpp engine with the dllama-api HTTP surface',
   convert: 'convert safetensors to GGUF or distributed-llama',
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
-  keys: 'keys create NAME | list | revoke NAME: API keys without Kubernetes (on a cluster: ApiKey resources)',
+  keys: 'keys create NAME | limits NAME | list | revoke NAME: API keys and their limits without Kubernetes (on a cluster: ApiKey resources)',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -81,7 +81,7 @@ function usage(): string {
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus model tiny <dir> [--seed N] [--arch llama|qwen3]   (a tiny random safetensors model to try things with)',
-    'magus keys create NAME [--models m1,m2] | keys list [--json] | keys revoke NAME',
+    'magus keys create NAME [--models m1,m2] [--rpm N] [--tpm N] [--concurrency N] [--budget-tokens N --period day|month] | keys limits NAME … | keys list [--json] | keys revoke NAME',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
