@@ -400,7 +400,9 @@ export async function runDev(opts: DevOptions): Promise<number> {
       // With the kubectl door open the model is declared as a `Model` and the controller starts its
       // pipeline; a token from an env var has no place in a resource, so that pull goes direct.
       const declared = kc && !opts.tokenEnv;
-      if (declared) await declareModel(kc!, name, spec);
+      // The generation the pipeline must have applied before its "ready" is this spec's.
+      let generation: number | undefined;
+      if (declared) generation = await declareModel(kc!, name, spec);
       else {
         // Signal-with-start: a pipeline left failed or unfinished by an earlier run re-plans
         // (content-addressed: what it already holds is not fetched again).
@@ -423,7 +425,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
           phase = p.phase;
           say(`  ${phase}${p.failure ? `: ${p.failure.type}: ${p.failure.message}` : ''}`);
         }
-        if (p.phase === 'ready') break;
+        // A pipeline that was ready under the previous spec answers "ready" until it takes the new one.
+        if (p.phase === 'ready' && (generation === undefined || (p.observedGeneration ?? 0) >= generation)) break;
         if (p.phase === 'failed') throw new Error(`the model could not be prepared (${p.failure?.type})`);
         if (polls % 5 === 4) await retries.check(handle);
         await new Promise((r) => setTimeout(r, 300));
@@ -504,8 +507,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
   return failed ? 1 : 0;
 }
 
-/** The demo model as a `Model` resource in `default`, created or updated by server-side apply. */
-async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Promise<void> {
+/** The demo model as a `Model` resource in `default`, created or updated by server-side apply; returns its generation (what its pipeline must have applied before it is ready as declared). */
+async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Promise<number | undefined> {
   const body: Pick<ModelResource, 'apiVersion' | 'kind' | 'spec'> & { metadata: { name: string; namespace: string } } = {
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Model',
@@ -521,6 +524,12 @@ async function declareModel(kc: KubeConfig, name: string, spec: ModelSpec): Prom
     },
   };
   await applyAsDev(kc, 'models', body);
+  const applied = (await kc
+    .makeApiClient(CustomObjectsApi)
+    .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name })) as {
+    metadata?: { generation?: number };
+  };
+  return applied.metadata?.generation;
 }
 
 /** Waits (at most 10 s; a note after that) until the gateway's `/v1/models` lists `model`, and returns its entry. */
@@ -570,8 +579,12 @@ async function waitForWorkflow(client: Client, workflowId: string, stop: AbortSi
     if (stop.aborted) throw new Interrupted();
     const handle = client.workflow.getHandle<typeof modelPipeline>(workflowId);
     try {
-      await handle.describe();
-      return handle;
+      // Running: a closed run of an earlier dev (ended because its history does not replay on
+      // this version) still answers queries with its last phase — "ready" for a model it had
+      // prepared under another spec — while the controller starts the run that prepares this one.
+      const { status } = await handle.describe();
+      if (status.name === 'RUNNING') return handle;
+      throw new Error(`its latest run is ${status.name.toLowerCase()}`);
     } catch (err) {
       if (Date.now() > deadline) throw new Error(`the controller did not start ${workflowId} within 60 s: ${(err as Error).message}`);
       await new Promise((r) => setTimeout(r, 200));
