@@ -11,24 +11,27 @@ import { firstChunkMs, fmt, latencies, p50, p99, signed } from './common';
 import type { CpuSummary } from './cpu-profile';
 import type { LoadResult } from './gateway-client';
 import { BURST_TARGET, BURSTS, type FirstTurnResult } from './gateway-first-turn';
+import { limitsReport, type LimitsResult } from './gateway-limits';
 import type { TraceEvent } from './gateway-serving';
 
 const ttfc = firstChunkMs;
 const gaps = (r: LoadResult[]) => r.flatMap((x) => x.samples.flatMap((s) => s.chunks!.slice(1).map((t, i) => t - s.chunks![i]!)));
 const rate = (r: LoadResult[]) => r.reduce((a, x) => a + x.samples.length, 0) / (r.reduce((a, x) => a + x.wallMs, 0) / 1000);
 
-/** Counts log lines; keeps those at warn level or above, and any that contain `secret`. */
+/** Counts log lines; keeps those at warn level or above, and any that contain one of `secrets`. */
 export class LogTally extends Writable {
   lines = 0;
   readonly notable: string[] = [];
-  constructor(private readonly secret: string) {
+  private readonly secrets: string[];
+  constructor(...secrets: string[]) {
     super();
+    this.secrets = secrets;
   }
   override _write(chunk: Buffer, _enc: BufferEncoding, cb: () => void): void {
     for (const line of chunk.toString('utf8').split('\n').filter(Boolean)) {
       this.lines++;
       // pino levels: 40 warn, 50 error, 60 fatal (a regex, not JSON.parse: this runs in the measured process).
-      if (line.includes(this.secret) || /"level":[456]0[,}]/.test(line)) this.notable.push(line.slice(0, 400));
+      if (this.secrets.some((s) => line.includes(s)) || /"level":[456]0[,}]/.test(line)) this.notable.push(line.slice(0, 400));
     }
     cb();
   }
@@ -42,6 +45,7 @@ export interface GatewayBenchResults {
   c8: { direct: LoadResult[]; gateway: LoadResult[] };
   cpu8: { direct: number[]; gateway: number[] };
   st: { direct: LoadResult[]; gateway: LoadResult[] };
+  limits: LimitsResult;
   traced: LoadResult;
   servingTrace: TraceEvent[];
   gatewayProfile: CpuSummary;
@@ -105,6 +109,7 @@ export function report(r: GatewayBenchResults): void {
   out.push(row('inter-chunk gap p50', p50(gaps(r.st.direct)), p50(gaps(r.st.gateway))));
   out.push(row('inter-chunk gap p99', p99(gaps(r.st.direct)), p99(gaps(r.st.gateway))));
   out.push(row('whole stream p50', p50(latencies(r.st.direct)), p50(latencies(r.st.gateway))));
+  out.push(...limitsReport(r.limits));
 
   const f = r.firstTurn;
   const firstMs = latencies([f.first]);

@@ -7,8 +7,10 @@
  *       measuring — asserted).
  * Beside them, the design's floor at concurrency 1: the same NATS path through a bare node:http
  * server and a minimal bridge (measureFloor), i.e. what is left once magus's features are gone.
- * Then the first turn of a new conversation on a warm pool: gateway → the pool's published instance
- * (its session workflow started after the answer) → NATS → bridge → a real llama.cpp engine.
+ * Then per-key limits (gateway-limits.ts): the gateway path with the bench's key against a second
+ * key whose limits never refuse, in alternating blocks. Then the first turn of a new conversation
+ * on a warm pool: gateway → the pool's published instance (its session workflow started after the
+ * answer) → NATS → bridge → a real llama.cpp engine.
  *
  * Processes: this one runs the gateway (the one measured) and orchestrates; the load comes from
  * a child (bench/gateway-client.ts); the bridge, the stub engine and the Temporal workers (with
@@ -49,6 +51,7 @@ import { ask, child, load } from './common';
 import { startCpuProfile } from './cpu-profile';
 import type { LoadResult, LoadSpec } from './gateway-client';
 import { measureFirstTurn } from './gateway-first-turn';
+import { BENCH_LIMITS, measureLimits } from './gateway-limits';
 import { LogTally, report } from './gateway-report';
 import type { ServingCommand, ServingReply } from './gateway-serving';
 
@@ -63,6 +66,9 @@ const WARM_UP = 20_000;
 const PROMPT = 'The quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump!!'.padEnd(128, '.');
 const TOKEN_ID = 'bench';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(24).toString('hex')}`;
+/** A second key, with limits that never refuse (gateway-limits.ts); a configured token's key is `config/<id>`. */
+const LIMITED_ID = 'bench-limited';
+const LIMITED_TOKEN = `mgs_${LIMITED_ID}_${randomBytes(24).toString('hex')}`;
 const SECRET = randomBytes(32).toString('hex');
 
 const now = (): number => performance.timeOrigin + performance.now();
@@ -170,14 +176,17 @@ async function main(): Promise<void> {
       pubTrace.set(req.id, [t0, now()]);
     };
     const resPrefix = `${names.subjectScope}.magus.res.`;
-    const logs = new LogTally(TOKEN.slice(`mgs_${TOKEN_ID}_`.length));
+    const logs = new LogTally(TOKEN.slice(`mgs_${TOKEN_ID}_`.length), LIMITED_TOKEN.slice(`mgs_${LIMITED_ID}_`.length));
     const config = loadGatewayConfig({
       MAGUS_GATEWAY_HOST: '127.0.0.1',
       MAGUS_GATEWAY_PORT: '0',
       MAGUS_NATS_URL: e.nats!.servers,
       MAGUS_NATS_PREFIX: PREFIX, // the data plane's names, as ensureDataPlane declared them
       MAGUS_GATEWAY_SECRET: SECRET,
-      MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' } }),
+      MAGUS_GATEWAY_TOKENS: JSON.stringify({
+        [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench' },
+        [LIMITED_ID]: { digest: tokenDigest(LIMITED_TOKEN), name: 'bench-limited', limits: BENCH_LIMITS },
+      }),
       MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '180000',
       MAGUS_LOG_LEVEL: 'info', // the default: one access-log line per request, as in production
     });
@@ -193,6 +202,9 @@ async function main(): Promise<void> {
     const viaGateway = { url: `${gateway.url}/v1/chat/completions`, token: TOKEN, model: STUB };
     const c1Session = ['bench-c1'];
     const c8Sessions = Array.from({ length: 8 }, (_, i) => `bench-c8-${i}`);
+    const viaGatewayLimited = { ...viaGateway, token: LIMITED_TOKEN };
+    const limitedC1 = ['bench-limited-c1'];
+    const limitedC8 = Array.from({ length: 8 }, (_, i) => `bench-limited-c8-${i}`);
     const spec = (target: typeof direct, over: Partial<LoadSpec>): LoadSpec => ({
       ...target,
       concurrency: 1,
@@ -204,10 +216,11 @@ async function main(): Promise<void> {
       ...over,
     });
 
-    // --- Seed the warm sessions (one first turn each, placed from the stub's view).
+    // --- Seed the warm sessions (one first turn each, placed from the stub's view), each key's own.
     for (const sid of [...c1Session, ...c8Sessions]) await load(client, spec(viaGateway, { sessionIds: [sid] }));
+    for (const sid of [...limitedC1, ...limitedC8]) await load(client, spec(viaGatewayLimited, { sessionIds: [sid] }));
     const seeded = gateway.sessionCache!.stats();
-    if (seeded.firstTurns !== 1 + c8Sessions.length || seeded.coldStarts !== 0)
+    if (seeded.firstTurns !== 2 * (1 + c8Sessions.length) || seeded.coldStarts !== 0)
       throw new Error(`seeding took ${seeded.firstTurns} first turns and ${seeded.coldStarts} cold starts`);
     const coldStartsSeeded = seeded.firstTurns;
 
@@ -242,6 +255,26 @@ async function main(): Promise<void> {
     const cpu8 = { direct: [] as number[], gateway: [] as number[] };
     const c8 = await sideBySide(4, { requests: n(1000), concurrency: 8, sessionIds: c8Sessions }, cpu8);
     const st = await sideBySide(5, { requests: n(100), stream: true });
+    const limits = await measureLimits({
+      client,
+      spec,
+      off: { ...viaGateway, c1Sessions: c1Session, c8Sessions },
+      on: { ...viaGatewayLimited, c1Sessions: limitedC1, c8Sessions: limitedC8 },
+      scope: `config/${LIMITED_ID}`,
+      kv: await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }),
+      scaled: n,
+      pids: [process.pid, serving.pid!, natsPid ?? process.pid],
+      cpuMsOf,
+      gatewayNc: gwNc,
+      server: gateway.app.server,
+      bucket: names.limitsBucket,
+      // magus_gateway_limit_refusals_total, every code, from /metrics.
+      refusals: async () =>
+        [...(await gateway.app.inject({ method: 'GET', url: '/metrics' })).body.matchAll(/^magus_gateway_limit_refusals_total(?:\{[^}]*\})? (\d+)$/gm)].reduce(
+          (sum, m) => sum + Number(m[1]),
+          0,
+        ),
+    });
 
     // --- A traced block (gateway path, c=1): where the added time goes.
     // A second subscription on the gateway's connection sees each frame as the gateway's router
@@ -301,6 +334,7 @@ async function main(): Promise<void> {
       c8,
       cpu8,
       st,
+      limits,
       traced,
       servingTrace,
       gatewayProfile,
