@@ -335,11 +335,9 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
    */
   async function createNetworkKey(p: InstancePlan, owner: string): Promise<void> {
     count('create');
-    await core
-      .createNamespacedSecret({ namespace: p.namespace, body: networkKeySecret(p, owner, randomBytes(32).toString('hex')) })
-      .catch((err: unknown) => {
-        if (code(err) !== 409) throw err;
-      });
+    await core.createNamespacedSecret({ namespace: p.namespace, body: networkKeySecret(p, owner, randomBytes(32).toString('hex')) }).catch((err: unknown) => {
+      if (code(err) !== 409) throw err;
+    });
   }
 
   /**

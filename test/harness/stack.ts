@@ -135,7 +135,15 @@ export async function natsStack(
 /** Deletes a data plane's streams and buckets (those missing are skipped). */
 async function deleteDataPlane(nc: NatsConnection, names: DataPlaneNames): Promise<void> {
   const jsm = await nc.jetstreamManager();
-  const buckets = [names.sessionsBucket, names.tokensBucket, names.claimsBucket, names.modelsBucket, names.poolsBucket, names.responsesBucket, names.limitsBucket];
+  const buckets = [
+    names.sessionsBucket,
+    names.tokensBucket,
+    names.claimsBucket,
+    names.modelsBucket,
+    names.poolsBucket,
+    names.responsesBucket,
+    names.limitsBucket,
+  ];
   for (const stream of [names.requestStream, names.responseStream, ...buckets.map((b) => `KV_${b}`)]) {
     await jsm.streams.delete(stream).catch(() => false);
   }
