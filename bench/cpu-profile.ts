@@ -89,3 +89,21 @@ export async function startCpuProfile(name: string, intervalUs = 200): Promise<(
     return { totalMs, functions: top(functions, 12), places: top(places, 10) };
   };
 }
+
+/**
+ * A profile's summary as report lines: `label: <ms> ms/request`, then its top `places` places and
+ * top 8 functions, each in ms of CPU per request (`requests` profiled), indented by `indent`.
+ */
+export function profileLines(label: string, p: CpuSummary, requests: number, indent: string, places: number): string[] {
+  const per = (ms: number) => (Number.isFinite(ms / requests) ? (ms / requests).toFixed(3) : '—');
+  const top = (list: readonly (readonly [string, number])[], n: number) =>
+    list
+      .slice(0, n)
+      .map(([k, v]) => `${k} ${per(v)}`)
+      .join(', ');
+  return [
+    `${indent}${label}: ${per(p.totalMs)} ms/request`,
+    `${indent}  by place:    ${top(p.places, places)}`,
+    `${indent}  by function: ${top(p.functions, 8)}`,
+  ];
+}

@@ -20,7 +20,7 @@ import type { KV, NatsConnection } from 'nats';
 import { limitKeyOf } from '../dataplane/limits';
 import { decodeLimitState, type KeyLimits, type LimitState } from '../shared/limits';
 import { fmt, latencies, load, p50, p99, signed } from './common';
-import { startCpuProfile, type CpuSummary } from './cpu-profile';
+import { profileLines, startCpuProfile, type CpuSummary } from './cpu-profile';
 import type { LoadResult, LoadSpec } from './gateway-client';
 
 /** Limits that never refuse this bench: every limit set, so each is checked and counted on every request. */
@@ -294,21 +294,7 @@ export function limitsReport(r: LimitsResult): string[] {
   out.push(...cpuRows(r.cpu8, r.c8));
   out.push(`  gateway CPU profile at concurrency 8 (${r.profiledRequests} requests per key; self time, ms of CPU per request):`);
   for (const key of ['off', 'on'] as const) {
-    const p = r.profiles[key];
-    const per = (ms: number) => fmt(ms / r.profiledRequests, 3);
-    out.push(`    ${key === 'off' ? 'no limits' : 'limits'}: ${per(p.totalMs)} ms/request`);
-    out.push(
-      `      by place:    ${p.places
-        .slice(0, 8)
-        .map(([k, v]) => `${k} ${per(v)}`)
-        .join(', ')}`,
-    );
-    out.push(
-      `      by function: ${p.functions
-        .slice(0, 8)
-        .map(([k, v]) => `${k} ${per(v)}`)
-        .join(', ')}`,
-    );
+    out.push(...profileLines(key === 'off' ? 'no limits' : 'limits', r.profiles[key], r.profiledRequests, '    ', 8));
   }
   const t = r.trace;
   out.push(`  traced blocks at concurrency 1 (${t.requests} requests per key, not part of the figures above; p50, ms):`);

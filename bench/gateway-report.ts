@@ -8,7 +8,7 @@ import { cpus } from 'node:os';
 import { Writable } from 'node:stream';
 import { seedFor } from '../dataplane/bridge';
 import { firstChunkMs, fmt, latencies, p50, p99, signed } from './common';
-import type { CpuSummary } from './cpu-profile';
+import { profileLines, type CpuSummary } from './cpu-profile';
 import type { LoadResult } from './gateway-client';
 import { BURST_TARGET, BURSTS, type FirstTurnResult } from './gateway-first-turn';
 import { limitsReport, type LimitsResult } from './gateway-limits';
@@ -205,20 +205,7 @@ export function report(r: GatewayBenchResults): void {
     ['gateway process', r.gatewayProfile],
     ['bridge + stub engine process', r.bridgeProfile],
   ] as const) {
-    const per = (ms: number) => fmt(ms / r.profiledRequests, 3);
-    out.push(`  ${label}: ${per(p.totalMs)} ms/request`);
-    out.push(
-      `    by place:    ${p.places
-        .slice(0, 6)
-        .map(([k, v]) => `${k} ${per(v)}`)
-        .join(', ')}`,
-    );
-    out.push(
-      `    by function: ${p.functions
-        .slice(0, 8)
-        .map(([k, v]) => `${k} ${per(v)}`)
-        .join(', ')}`,
-    );
+    out.push(...profileLines(label, p, r.profiledRequests, '  ', 6));
   }
 
   out.push('');
