@@ -76,6 +76,11 @@ export interface EngineContainer {
   env?: ({ name: string; value: string } | { name: string; valueFrom: { secretKeyRef: { name: string; key: string } } })[];
 }
 
+/** The owner of an instance's objects: its ConfigMap (of uid `uid`), so deleting it collects them all. */
+const ownedByInstance = (instance: string, uid: string): OwnerReference[] => [
+  { apiVersion: 'v1', kind: 'ConfigMap', name: instanceBase(instance), uid, controller: true, blockOwnerDeletion: true },
+];
+
 /**
  * The Secret of a distributed topology's network key (images/dllama/patches/0003: its root and
  * workers prove it to each other, so a worker serves only its own root), under {@link NETWORK_KEY_FIELD}.
@@ -87,7 +92,6 @@ export const NETWORK_KEY_FIELD = 'key';
 
 /** The network key's Secret of `plan`'s instance, holding `key`, owned by the ConfigMap of uid `owner`. */
 export function networkKeySecret(plan: Pick<InstancePlan, 'namespace' | 'pool' | 'instance'>, owner: string, key: string): KubeObject {
-  const base = instanceBase(plan.instance);
   return {
     apiVersion: 'v1',
     kind: 'Secret',
@@ -95,7 +99,7 @@ export function networkKeySecret(plan: Pick<InstancePlan, 'namespace' | 'pool' |
       name: networkKeySecretName(plan.instance),
       namespace: plan.namespace,
       labels: instanceLabels(plan),
-      ownerReferences: [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid: owner, controller: true, blockOwnerDeletion: true }],
+      ownerReferences: ownedByInstance(plan.instance, owner),
     },
     type: 'Opaque',
     immutable: true,
@@ -236,7 +240,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
     data: { pool: plan.pool, instance: plan.instance, model: plan.model, engine: plan.engine, nodes: String(plan.nodes) },
   };
   // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.
-  const ownedBy = (uid: string): OwnerReference[] => [{ apiVersion: 'v1', kind: 'ConfigMap', name: base, uid, controller: true, blockOwnerDeletion: true }];
+  const ownedBy = (uid: string): OwnerReference[] => ownedByInstance(plan.instance, uid);
   const objects: KubeObject[] = [configMap];
   const workers = isDistributed(plan.engine) ? plan.nodes - 1 : 0;
   const { containers } = plan;

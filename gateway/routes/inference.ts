@@ -58,8 +58,9 @@ function usageIn(data: unknown): { prompt: number; cached: number; total: number
   if (typeof usage?.prompt_tokens !== 'number') return undefined;
   const cached = usage.prompt_tokens_details?.cached_tokens;
   const completion = typeof usage.completion_tokens === 'number' ? usage.completion_tokens : 0;
-  const total = typeof usage.total_tokens === 'number' ? usage.total_tokens : usage.prompt_tokens + completion;
-  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0, total: Math.max(total, usage.prompt_tokens + completion) };
+  // Never below its parts: an engine's total is not trusted to add up.
+  const total = Math.max(typeof usage.total_tokens === 'number' ? usage.total_tokens : 0, usage.prompt_tokens + completion);
+  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0, total };
 }
 
 /**
@@ -81,10 +82,7 @@ const DEFAULT_OUTPUT_RESERVE = 4096;
 
 /** `payload` with its output capped at `maxTokens` (what its key reserved for it). */
 function capped(payload: InferencePayload, maxTokens: number): InferencePayload {
-  if (payload.kind === 'embeddings') return payload;
-  return payload.kind === 'completions'
-    ? { ...payload, body: { ...payload.body, max_tokens: maxTokens } }
-    : { ...payload, body: { ...payload.body, max_tokens: maxTokens } };
+  return payload.kind === 'embeddings' ? payload : ({ ...payload, body: { ...payload.body, max_tokens: maxTokens } } as InferencePayload);
 }
 
 /** A stream's usage chunk: usage and no choices (OpenAI's `include_usage` shape). */
@@ -177,13 +175,12 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       throw errors.unavailable(s.retryAfterSec, "The key's limits cannot be checked now; retry later.");
     }
     const want = reservationFor(payload, model);
-    const admitted = await g.limiter.admit({ ...principal, limits: principal.limits }, id, want).catch((err: unknown) => {
+    grant = await g.limiter.admit(principal.key, principal.limits, id, want).catch((err: unknown) => {
       sse?.stop();
       throw err;
     });
-    grant = admitted;
-    if (want.upTo !== undefined) payload = capped(payload, Math.max(1, admitted.tokens - want.bound));
-    for (const [name, value] of Object.entries(admitted.headers)) reply.header(name, value);
+    if (want.upTo !== undefined) payload = capped(payload, Math.max(1, grant.tokens - want.bound));
+    for (const [name, value] of Object.entries(grant.headers)) reply.header(name, value);
   }
   let used: number | undefined;
   const ctl = new AbortController();

@@ -13,8 +13,7 @@
 import type { KeyLimits, RateLimitHeaders } from '../../shared/limits';
 import type { ReadyModel } from '../../shared/model';
 import { LimitRenewer, type LimitStore } from '../../dataplane/limits';
-import { errors, type GatewayError } from '../plugins/errors';
-import type { Principal } from '../plugins/auth';
+import { errors, retryAfter, type GatewayError } from '../plugins/errors';
 
 /**
  * Tokens a rendered prompt may hold beyond its request's JSON bytes: a template's fixed text
@@ -71,13 +70,12 @@ export class KeyLimiter {
   }
 
   /**
-   * Reserves request `id` of `principal` (which has limits): `tokens` its worst case, `upTo` the
+   * Reserves request `id` of the key `scope` (its identity) under its `limits`: `tokens` its worst case, `upTo` the
    * most its output may take when it has no bound of its own. Throws the 429 of a refusal.
    */
-  async admit(principal: Principal & { limits: KeyLimits }, id: string, want: { tokens: number; upTo?: number }): Promise<LimitGrant> {
-    const scope = principal.key;
+  async admit(scope: string, limits: KeyLimits, id: string, want: { tokens: number; upTo?: number }): Promise<LimitGrant> {
     const a = await this.store
-      .admit(scope, principal.limits, {
+      .admit(scope, limits, {
         id,
         tokens: want.tokens,
         replica: this.opts.replica,
@@ -102,7 +100,7 @@ export class KeyLimiter {
         if (settled) return;
         settled = true;
         void this.store
-          .settle(scope, principal.limits, id, Math.min(used ?? a.tokens, Number.MAX_SAFE_INTEGER))
+          .settle(scope, limits, id, used ?? a.tokens)
           .catch((err: unknown) =>
             this.opts.log.warn({ err, key: scope, inferenceId: id }, 'could not settle a limit reservation (it lapses, charged in full)'),
           )
@@ -122,7 +120,7 @@ function refusal(code: 'rate_limit_exceeded' | 'insufficient_quota', message: st
   const soon = retryAfterMs !== null && retryAfterMs <= 60_000;
   return errors.limited(code, message, {
     ...headers,
-    ...(retryAfterMs !== null ? { 'retry-after': String(Math.max(1, Math.ceil(retryAfterMs / 1000))), 'retry-after-ms': String(Math.ceil(retryAfterMs)) } : {}),
+    ...(retryAfterMs !== null ? { ...retryAfter(retryAfterMs / 1000), 'retry-after-ms': String(Math.ceil(retryAfterMs)) } : {}),
     ...(soon ? {} : { 'x-should-retry': 'false' }),
   });
 }
