@@ -12,10 +12,9 @@
  */
 import { hash, timingSafeEqual } from 'node:crypto';
 import type { FastifyReply, FastifyRequest, onRequestHookHandler } from 'fastify';
-import { Value } from '@sinclair/typebox/value';
-import { KeyLimits } from '../../shared/limits';
+import type { KeyLimits } from '../../shared/limits';
 import { keyOwner, type TokenEntry } from '../../shared/serving';
-import { TOKEN_PATTERN, tokenDigest } from '../../dataplane/keys';
+import { entryLimits, TOKEN_PATTERN, tokenDigest } from '../../dataplane/keys';
 import { errors } from './errors';
 import { watchKv, type KvCache, type WatchableKv } from '../../dataplane/kv-mirror';
 import { servicePlugin } from './plugin';
@@ -80,10 +79,8 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
     throw new Error(`${where}.models: must be a list of model names`);
   if ((e.key !== undefined || e.uid !== undefined) && (typeof e.key !== 'string' || e.key === '' || typeof e.uid !== 'string' || e.uid === ''))
     throw new Error(`${where}: key and uid must be non-empty strings, given together`);
-  if (e.limits !== undefined && !Value.Check(KeyLimits, e.limits)) {
-    const first = [...Value.Errors(KeyLimits, e.limits)][0];
-    throw new Error(`${where}.limits${first?.path ?? ''}: ${first?.message ?? 'invalid'}`);
-  }
+  const limits = entryLimits(e.limits, `${where}.limits`);
+  if ('error' in limits) throw new Error(limits.error);
   const key = e.key ?? `${fallback}/${id}`;
   const owner = keyOwner(key, e.uid ?? id);
   const principal: Principal = Object.freeze({
@@ -92,7 +89,7 @@ export function toTokenRecord(entry: unknown, where: string, id: string, fallbac
     conversationScope: e.key === undefined ? id : owner,
     name: e.name,
     ...(e.models ? { models: Object.freeze([...e.models]) } : {}),
-    ...(e.limits && Object.keys(e.limits).length > 0 ? { limits: e.limits } : {}),
+    ...(limits.limits ? { limits: limits.limits } : {}),
   });
   return { digest: Buffer.from(e.digest, 'hex'), principal, ...(e.suspended === true ? { suspended: true } : {}) };
 }
