@@ -217,6 +217,8 @@ test('a spec change is one signal and status follows it; the same spec applied a
   expect(await signalsIn(id, 'resourceChanged')).toBe(before + 1);
   expect(await runsOf(id)).toBe(1);
   await recordHistory('model-pipeline-resource', client.workflow.getHandle(id));
+  // Since the patch model-status-activity: the Model's status written by activities.
+  await recordHistory('model-pipeline-status-written', client.workflow.getHandle(id));
 }, 150_000);
 
 test('a repo that does not exist: Ready=False with a typed reason, and no hot loop', async () => {
@@ -352,6 +354,8 @@ test('a Dllama starts its pool with its sizes; kubectl scale reaches the pool; i
   await kubectl('delete', 'dllama/tiny-pool-2', '--timeout=60s');
   await until('the pool has taken in the second deletion', async () => (await signalsIn(poolId, 'resourceChanged')) === 6, 30_000);
   await recordHistory('pool-resource-scaled', client.workflow.getHandle(poolId));
+  // Since the patch pool-status-activity: the Dllama's status written by activities.
+  await recordHistory('pool-status-written', client.workflow.getHandle(poolId));
 }, 240_000);
 
 test("a distributed-llama Dllama's Splittable condition: False naming the dimension where its model does not split, True where it does", async () => {

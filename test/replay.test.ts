@@ -79,10 +79,22 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
       localActivitiesOf(h).includes('writeModelStatus') &&
       h.events.some((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'modelPublished'),
   ],
+  // Since model-status-activity: the status written by activities, never a local activity (workflows/resource-status.ts, `statusWrite`).
+  [
+    'model-pipeline-status-written',
+    ['model-status-activity'],
+    (h) => scheduledOf(h, 'writeModelStatus').length >= 2 && localActivitiesOf(h).length === 0 && scheduledOf(h, 'publishModel').length >= 1,
+  ],
   // A `Model` deleted: the pipeline cancelled, forgetting the model.
   ['model-pipeline-resource-deleted', [], (h) => localActivitiesOf(h).includes('writeModelStatus') && signalsOf(h).includes('cancel')],
   // A pool sized by a `Dllama` that was scaled and deleted, its status written back.
   ['pool-resource-scaled', [], (h) => localActivitiesOf(h).includes('writeDllamaStatus') && signalsOf(h).filter((s) => s === 'resourceChanged').length >= 2],
+  // The same since pool-status-activity: the status written by activities, never a local activity.
+  [
+    'pool-status-written',
+    ['pool-status-activity', 'pool-restart-reports'],
+    (h) => scheduledOf(h, 'writeDllamaStatus').length >= 2 && localActivitiesOf(h).length === 0 && scheduledOf(h, 'watchLoad').length >= 1,
+  ],
   // test/serving.int.test.ts: a pool serving conversations: an instance, its reconciler, the view it publishes.
   ['pool-serving', [], (h) => ['createInstance', 'watchInstance', 'watchLoad', 'writePool'].every((a) => scheduledOf(h, a).length >= 1)],
   // Scaled up for demand, down to zero once its entries were gone, and up again.

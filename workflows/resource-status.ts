@@ -1,19 +1,37 @@
 /**
  * The status mirror shared by `modelPipeline` and `dllamaPool`: while the workflow serves a
- * resource, what it shows is written through a local activity (the control worker running the
- * workflow has the Kubernetes client), only when it changed, at most once per
+ * resource, what it shows is written through an activity on the workflow's own queue (its
+ * workers have the Kubernetes client), only when it changed, at most once per
  * {@link STATUS_MIN_INTERVAL_MS}. A failed write is dropped (its resource is gone; a new one
  * comes with its own signal); the workflow never waits for the mirror.
  */
-import { condition, sleep, type LocalActivityOptions } from '@temporalio/workflow';
+import { condition, patched, proxyActivities, proxyLocalActivities, sleep, type ActivityOptions, type LocalActivityOptions } from '@temporalio/workflow';
+import type { KubernetesActivities } from '../activities/kubernetes/activities';
 import type { Condition } from '../shared/kube';
 import { RESOURCE_GONE } from '../shared/errors';
 
 export const STATUS_MIN_INTERVAL_MS = 1000;
-export const STATUS_WRITE: LocalActivityOptions = {
-  startToCloseTimeout: '30s',
-  retry: { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: [RESOURCE_GONE] },
-};
+const retry = { initialInterval: '1s', maximumInterval: '30s', nonRetryableErrorTypes: [RESOURCE_GONE] };
+export const STATUS_WRITE: LocalActivityOptions & ActivityOptions = { startToCloseTimeout: '30s', retry };
+
+type StatusWrites = Pick<KubernetesActivities, 'writeModelStatus' | 'writeDllamaStatus'>;
+
+/**
+ * The status write `name` as a workflow schedules it: an activity where `patch` is recorded
+ * (every execution since), a local activity in the executions before it.
+ *
+ * A local activity's completion is not an event of its own: a replay delivers it beside the jobs
+ * of the activation next to it, where the first run had delivered it alone — after an activity
+ * cancelled at once (a pool's reconciler, when its instances change), in the same workflow task,
+ * the mirror's `sleep` and the pool loop's `condition` timer were created in the other order, and
+ * the pool failed every task after a worker restart ("TimerMachine in state Canceled … TimerFired").
+ * An activity's completion is an event: every replay resumes the mirror where the first run did.
+ */
+export function statusWrite<K extends keyof StatusWrites>(name: K, patch: string): StatusWrites[K] {
+  const local = proxyLocalActivities<StatusWrites>(STATUS_WRITE)[name] as (input: never) => Promise<unknown>;
+  const task = proxyActivities<StatusWrites>(STATUS_WRITE)[name] as (input: never) => Promise<unknown>;
+  return ((input: never) => (patched(patch) ? task : local)(input)) as StatusWrites[K];
+}
 
 /** What the last write showed: its phase (an Event marks a change) and conditions (transition times carry over). */
 export interface WrittenStatus {

@@ -8,7 +8,7 @@ import { basename, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { S3Client } from '@aws-sdk/client-s3';
 import { Connection, Client } from '@temporalio/client';
-import { NativeConnection } from '@temporalio/worker';
+import { bundleWorkflowCode, DefaultLogger, NativeConnection, Worker } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
 import type { MagusConfig } from '../../workers/config';
 import type { ServiceEndpoints } from '../../workers/dev/services';
@@ -119,18 +119,27 @@ export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
   };
 }
 
+let workflowBundle: Promise<{ code: string }> | undefined;
+
 /**
- * With `MAGUS_RECORD_HISTORIES=<dir>` set, writes a workflow's history to `<dir>/<name>.json`
- * for `test/replay.test.ts` (`scripts/record-histories`). An existing file is kept: it proves
- * that executions started by the code of its day still replay, which a history recorded today
- * cannot; `MAGUS_RECORD_HISTORIES_OVERWRITE=1` replaces it anyway.
+ * Replays a workflow's history against today's workflow code, in the test that made it: a
+ * nondeterminism that shows only in some runs' timing (which jobs one activation carries) fails
+ * the test that hit it, not a worker restart in production.
+ *
+ * With `MAGUS_RECORD_HISTORIES=<dir>` set, also writes it to `<dir>/<name>.json` for
+ * `test/replay.test.ts` (`scripts/record-histories`). An existing file is kept: it proves that
+ * executions started by the code of its day still replay, which a history recorded today cannot;
+ * `MAGUS_RECORD_HISTORIES_OVERWRITE=1` replaces it anyway.
  */
 export async function recordHistory(name: string, handle: { fetchHistory(): Promise<unknown> }): Promise<void> {
+  const history = await handle.fetchHistory();
+  workflowBundle ??= bundleWorkflowCode({ workflowsPath: require.resolve('../../workflows'), logger: new DefaultLogger('WARN') });
+  await Worker.runReplayHistory({ workflowBundle: await workflowBundle }, history, `${name}/replay`);
   const dir = process.env.MAGUS_RECORD_HISTORIES;
   if (!dir) return;
   const file = join(dir, `${name}.json`);
   if (existsSync(file) && process.env.MAGUS_RECORD_HISTORIES_OVERWRITE !== '1') return;
-  writeFileSync(file, `${JSON.stringify(await handle.fetchHistory(), null, 1)}\n`);
+  writeFileSync(file, `${JSON.stringify(history, null, 1)}\n`);
 }
 
 /** Ids of the workflows a visibility query lists (the dev server's visibility lags: polled until something is listed, 10 s at most). */

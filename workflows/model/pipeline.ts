@@ -16,7 +16,6 @@ import {
   getExternalWorkflowHandle,
   isCancellation,
   proxyActivities,
-  proxyLocalActivities,
   setHandler,
   upsertSearchAttributes,
   workflowInfo,
@@ -24,7 +23,6 @@ import {
   type ActivityOptions,
   type RetryPolicy,
 } from '@temporalio/workflow';
-import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { PipelineActivities } from '../../activities/pipeline';
 import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
@@ -39,7 +37,8 @@ import {
   type StoredObject,
 } from '../../shared/model';
 import { modelPublishedSignal, poolWorkflowId } from '../pool/definitions';
-import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
+import { mirrorStatus, statusWrite, type StatusView } from '../resource-status';
+import { STATUS_ACTIVITY_PATCH } from './patches';
 import { activityFailedSignal, activityProgressSignal, cancelSignal, progressQuery, resourceChangedSignal, specChangedSignal } from './definitions';
 import { PipelineState } from './state';
 import { visibility } from '../visibility';
@@ -84,12 +83,12 @@ function activities() {
 const TRANSFER_CONCURRENCY = 4;
 
 /**
- * Status of the `Model` resource: written by a local activity (the control worker that runs the
- * workflow has the Kubernetes client; no task-queue round trip, a marker in the history instead
- * of three events), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when what it shows
- * changed. A write that keeps failing is retried with capped backoff; the pipeline never waits for it.
+ * Status of the `Model` resource: written by an activity on the workflow's queue (its workers
+ * have the Kubernetes client), at most once per {@link STATUS_MIN_INTERVAL_MS}, and only when
+ * what it shows changed. A write that keeps failing is retried with capped backoff; the pipeline
+ * never waits for it.
  */
-const { writeModelStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
+const writeModelStatus = statusWrite('writeModelStatus', STATUS_ACTIVITY_PATCH);
 
 export async function modelPipeline(input: ModelPipelineInput): Promise<void> {
   const { abortUploads, forgetModel } = activities();

@@ -10,3 +10,10 @@
  * `known` to `watchInstance`, which then ends only on a loss, as before.
  */
 export const RESTART_REPORTS_PATCH = 'pool-restart-reports';
+
+/**
+ * The `Dllama`'s status is written by an activity, not a local activity: a local activity's
+ * completion could reach a replay beside other jobs and reorder the pool's timers
+ * (workflows/resource-status.ts, `statusWrite`).
+ */
+export const STATUS_ACTIVITY_PATCH = 'pool-status-activity';

@@ -24,23 +24,21 @@ import {
   isCancellation,
   patched,
   proxyActivities,
-  proxyLocalActivities,
   setHandler,
   TimeoutFailure,
   upsertSearchAttributes,
   workflowInfo,
   type ActivityOptions,
 } from '@temporalio/workflow';
-import type { KubernetesActivities } from '../../activities/kubernetes/activities';
 import type { ServingActivities } from '../../activities/serving';
 import { ErrorType } from '../../shared/errors';
 import type { RestartReport } from '../../shared/status';
-import { mirrorStatus, STATUS_WRITE, type StatusView } from '../resource-status';
+import { mirrorStatus, statusWrite, type StatusView } from '../resource-status';
 import { visibility } from '../visibility';
 import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type PoolInput, type PoolResource } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
-import { RESTART_REPORTS_PATCH } from './patches';
+import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH } from './patches';
 import { PoolState, PRESSURE_PENDING, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
@@ -99,7 +97,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   const shown = visibility({ phase: () => state.phase(), details: () => poolDetails(input, state.phase(), state.status(now())) });
 
   // The `Dllama`'s status mirrors the pool: instances, readiness and the last error.
-  const { writeDllamaStatus } = proxyLocalActivities<KubernetesActivities>(STATUS_WRITE);
+  const writeDllamaStatus = statusWrite('writeDllamaStatus', STATUS_ACTIVITY_PATCH);
   const statusView: StatusView = {
     attached: () => input.resource !== undefined,
     shown: () => JSON.stringify({ s: state.status(0), r: input.resource ?? null }),
