@@ -23,6 +23,7 @@ import {
   type ModelResourceStatus,
   type SessionResourceStatus,
 } from '../shared/kube';
+import { declareDemoDllama, withdrawDemoDllama } from '../workers/dev/dllama-demo';
 import { endpoint, isolation } from './harness';
 import { kubeConfig } from './harness/kube';
 
@@ -473,6 +474,22 @@ describe('Dllama', () => {
     ['empty resource maps', dllamaSpec({ resources: { requests: {}, limits: {} } })],
   ])('accepts %s', async (_what, spec) => {
     await expect(create(Plural.dllama, dllama(uniqueName('good'), spec))).resolves.toMatchObject({ kind: 'Dllama' });
+  });
+
+  test("magus dev's demo Dllama: declared by --engine dllama, deleted by a later run without it; one another wrote to stays", async () => {
+    const demo = `${iso.id}-demo`.slice(0, 40);
+    const inDefault = { group, version, namespace: 'default', plural: Plural.dllama };
+    await declareDemoDllama(kc, demo, 2);
+    expect(((await custom.getNamespacedCustomObject({ ...inDefault, name: demo })) as Obj).spec).toMatchObject({ engine: 'dllama', nodesPower: 1 });
+    await expect(withdrawDemoDllama(kc, demo)).resolves.toBe(true);
+    await expect(custom.getNamespacedCustomObject({ ...inDefault, name: demo })).rejects.toMatchObject({ code: 404 });
+    await expect(withdrawDemoDllama(kc, demo)).resolves.toBe(false); // none left: nothing to do
+    // Someone scaled the demo's Dllama by hand: theirs too now, so it stays.
+    await declareDemoDllama(kc, demo, 2);
+    await custom.patchNamespacedCustomObject({ ...inDefault, name: demo, body: { spec: { maxReplicas: 2 } }, fieldManager: 'kubectl-edit' }, mergePatch);
+    await expect(withdrawDemoDllama(kc, demo)).resolves.toBe(false);
+    expect(((await custom.getNamespacedCustomObject({ ...inDefault, name: demo })) as Obj).spec).toMatchObject({ maxReplicas: 2 });
+    await custom.deleteNamespacedCustomObject({ ...inDefault, name: demo });
   });
 
   test('accepts a 40-character name', async () => {

@@ -43,7 +43,7 @@ import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
 import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { forgetEngines, retireUnreplayable } from './restart';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO, SMOLLM2_SAMPLING } from './demo-model';
-import { applyAsDev, declareDemoDllama, DEFAULT_DEV_NODES, dllamaEnv, storiesDemoFolder, STORIES_REPO } from './dllama-demo';
+import { applyAsDev, declareDemoDllama, DEFAULT_DEV_NODES, dllamaEnv, storiesDemoFolder, STORIES_REPO, withdrawDemoDllama } from './dllama-demo';
 import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
 
 /** The tiny random model: the demo when SmolLM2 cannot be had (or `--demo tiny`), and a repo to convert. */
@@ -446,6 +446,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
 
     // The kubectl door shows the topology: the pool declared as a `Dllama` of that many nodes.
     if (kc && opts.engine === 'dllama') await declareDemoDllama(kc, name, nodes);
+    else if (kc && (await withdrawDemoDllama(kc, name)))
+      say(`deleted the Dllama "${name}" an earlier --engine dllama run declared: the demo is served by llama.cpp`);
     const question = dllamaDemo ? 'Once upon a time' : 'What is the capital of France?';
     const body = JSON.stringify({ model: name, messages: [{ role: 'user', content: question }], stream: true, max_tokens: 32 });
     process.stdout.write(

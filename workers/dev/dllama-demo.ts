@@ -75,3 +75,23 @@ export async function declareDemoDllama(kc: KubeConfig, model: string, nodes: nu
     spec: { model, engine: 'dllama', nodesPower: Math.log2(nodes), replicas: 0, minReplicas: 0, maxReplicas: 1, leasesPerInstance: 1, idleTimeout: '30m' },
   });
 }
+
+/**
+ * Without `--engine dllama`, the demo's `Dllama` an earlier `--engine dllama` run declared is
+ * deleted (its pool then serves the demo with the default engine), so `kubectl get dllamas`
+ * never shows a topology that does not serve. One that someone outside magus wrote to is left alone.
+ * Returns whether it deleted one.
+ */
+export async function withdrawDemoDllama(kc: KubeConfig, model: string): Promise<boolean> {
+  const api = kc.makeApiClient(CustomObjectsApi);
+  const where = { group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'dllamas', name: model };
+  const found = (await api.getNamespacedCustomObject(where).catch((err: unknown) => {
+    if ((err as { code?: number }).code === 404) return undefined;
+    throw err;
+  })) as { metadata?: { managedFields?: { manager?: string }[] } } | undefined;
+  // magus's own writers: magus dev (the spec), the controller (its finalizer), the status mirror.
+  const managers = new Set((found?.metadata?.managedFields ?? []).map((f) => f.manager ?? ''));
+  if (!found || !managers.has('magus-dev') || [...managers].some((m) => !m.startsWith('magus-'))) return false;
+  await api.deleteNamespacedCustomObject(where);
+  return true;
+}
