@@ -4,6 +4,7 @@
  */
 import type { JetStreamClient, KV } from 'nats';
 import type { ResponseFrame } from '../shared/serving';
+import type { UsageRecord } from '../shared/usage';
 import { isRevisionConflict } from './errors';
 import { decodeJson, encodeJson } from './json';
 import type { DataPlaneNames } from './names';
@@ -22,6 +23,8 @@ export interface RequestClaim {
   createdAt: number;
   state: 'running' | 'finished';
   terminal?: ResponseFrame;
+  /** The request's usage record (usage.ts), for a later delivery to write if the finishing one could not. */
+  usage?: UsageRecord;
 }
 
 export type ClaimResult = { kind: 'fresh' | 'takeover'; claim: RequestClaim; revision: number } | { kind: 'finished'; claim: RequestClaim; revision: number };
@@ -36,7 +39,7 @@ export interface RequestClaims {
    * claim found instead means it was taken over. Safe to retry after an error (a lost reply): a
    * retry recognises its own earlier write.
    */
-  finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame): Promise<boolean>;
+  finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame, usage?: UsageRecord): Promise<boolean>;
   /** The claim's current revision (null when absent): an owner compares it with its own. */
   revision(id: string): Promise<number | null>;
 }
@@ -66,8 +69,8 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       }
       throw new Error(`request ${id}: could not claim it (the claim kept changing)`);
     },
-    async finish(id, claim, revision, terminal) {
-      const finished: RequestClaim = { ...claim, state: 'finished', terminal };
+    async finish(id, claim, revision, terminal, usage) {
+      const finished: RequestClaim = { ...claim, state: 'finished', terminal, ...(usage ? { usage } : {}) };
       try {
         if (revision === 0) await kv.create(id, encodeJson(finished));
         else await kv.update(id, encodeJson(finished), revision);

@@ -87,6 +87,8 @@ export interface DataPlaneOptions {
   sessionMaxAgeMs?: number;
   /** Bucket max age of `magus_claims`: longer than any request can be delivered. Default 2 h. */
   claimMaxAgeMs?: number;
+  /** How long the usage ledger keeps a record (`magus_usage`). Default {@link USAGE_RETENTION_MS}. */
+  usageRetentionMs?: number;
 }
 
 /** JetStream's most replicas per stream. */
@@ -96,6 +98,9 @@ const MINUTE = 60_000;
 const HOUR = 60 * MINUTE;
 
 export const DEFAULT_INSTANCE_BACKLOG = 256;
+
+/** How long the usage ledger keeps a record by default: 400 days, a year's billing and its audit. */
+export const USAGE_RETENTION_MS = 400 * 24 * HOUR;
 
 export const DEFAULT_RESPONSE_PEAK_BYTES_PER_SEC = 512 * 1024;
 export const DEFAULT_RESPONSE_RETENTION_MS = 10 * MINUTE;
@@ -248,6 +253,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   await ensureBucket(js, jsm, names.poolsBucket, { history: 1, maxAgeMs: 0, replicas });
   // No max age: an entry holds a budget's use for its whole period.
   await ensureBucket(js, jsm, names.limitsBucket, { history: 1, maxAgeMs: 0, replicas });
+  // The ledger: a record per request, kept `usageRetentionMs` (default 400 days) for billing exports.
+  await ensureBucket(js, jsm, names.usageBucket, { history: 1, maxAgeMs: opts.usageRetentionMs ?? USAGE_RETENTION_MS, replicas });
   // The registry (registry.ts) opens it too, with one replica when it is the first.
   await ensureBucket(js, jsm, names.modelsBucket, { history: REGISTRY_HISTORY, maxAgeMs: 0, replicas });
   return names;

@@ -11,6 +11,7 @@ describe('data-plane names', () => {
       claimsBucket: 'magus_claims',
       modelsBucket: 'magus_models',
       limitsBucket: 'magus_limits',
+      usageBucket: 'magus_usage',
     });
     expect(requestSubjectOf(n, 'llama', 'i-0')).toBe('magus.req.llama.i-0');
     expect(responseSubjectOf(n, 'r1')).toBe('magus.res.r1');
@@ -24,6 +25,7 @@ describe('data-plane names', () => {
       sessionsBucket: 'T_X_magus_sessions',
       claimsBucket: 'T_X_magus_claims',
       limitsBucket: 'T_X_magus_limits',
+      usageBucket: 'T_X_magus_usage',
     });
     expect(requestSubjectOf(n, 'p', 'i')).toBe('t_x.magus.req.p.i');
     expect(responseSubjectOf(n, 'r1')).toBe('t_x.magus.res.r1');

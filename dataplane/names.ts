@@ -29,6 +29,7 @@ export interface DataPlaneNames {
   poolsBucket: string;
   responsesBucket: string;
   limitsBucket: string;
+  usageBucket: string;
 }
 
 const NAME = /^[A-Za-z0-9_-]+$/;
@@ -55,6 +56,7 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
     poolsBucket: `${p}${Nats.poolsBucket}`,
     responsesBucket: `${p}${Nats.responsesBucket}`,
     limitsBucket: `${p}${Nats.limitsBucket}`,
+    usageBucket: `${p}${Nats.usageBucket}`,
   };
 }
 

@@ -80,6 +80,8 @@ export const Nats = {
   responsesBucket: 'magus_responses',
   /** Per-key limit state (`shared/limits.ts`): reservations, buckets and budget use, changed by compare-and-swap by gateways. */
   limitsBucket: 'magus_limits',
+  /** The usage ledger (`shared/usage.ts`): one record per request id, created once by the bridge that ended it. */
+  usageBucket: 'magus_usage',
 } as const;
 
 /** Processes the `magus` CLI can run (ARCHITECTURE.md, "Processes"). */

@@ -38,6 +38,14 @@ const envelope = {
   replyTo: Type.String(),
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
   deadline: Type.Number(),
+  /**
+   * Who the usage ledger charges (shared/usage.ts `UsageMeter`): the key's identity, the model
+   * and when the gateway took the request in. Gateways before the ledger send none; the bridge
+   * then writes no record.
+   */
+  meter: Type.Optional(
+    Type.Object({ key: Type.String({ minLength: 1, maxLength: 512 }), model: Type.String({ minLength: 1, maxLength: 512 }), at: Type.Number() }),
+  ),
 };
 /** A chat completion (`kind` absent: what every gateway sent before there were other kinds). */
 export const ChatInference = Type.Object({ ...envelope, kind: Type.Optional(Type.Literal('chat')), body: ChatCompletionRequest });

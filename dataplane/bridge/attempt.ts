@@ -6,7 +6,9 @@
  */
 import type { JsMsg, NatsConnection } from 'nats';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
+import { usageIn, type Tokens, type UsageRecord, type UsageTotals } from '../../shared/usage';
 import type { RequestClaim, RequestClaims } from '../claims';
+import type { UsageLedger } from '../usage';
 import { BridgeErrorCode, errorFrame } from './error-frames';
 import type { BridgeStats } from './metrics';
 import { PendingFrames, type StoredFramePublisher } from './stored-frames';
@@ -37,6 +39,10 @@ export interface AttemptContext {
   maxDeliver: number;
   /** Whether NATS is connected now. */
   isConnected(): boolean;
+  /** Where each request's usage record goes (absent: none is written). */
+  ledger?: UsageLedger;
+  /** The tokens of the records this bridge wrote (`magus_usage_tokens_total`). */
+  usage: UsageTotals;
 }
 
 export class Attempt {
@@ -52,6 +58,9 @@ export class Attempt {
   private concluding = false;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
   nextSeq = 0;
+  /** The tokens the request's frames reported (the engine's `usage`), and the chunks they streamed. */
+  private tokens: Tokens | undefined;
+  private chunks = 0;
 
   constructor(
     private readonly ctx: AttemptContext,
@@ -81,9 +90,18 @@ export class Attempt {
     this.controller.abort(reason);
   }
 
+  /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
+  note(frame: ResponseFrame): void {
+    if (frame.type === 'error') return;
+    const tokens = usageIn(frame.data);
+    if (tokens) this.tokens = tokens;
+    else if (frame.type === 'chunk' && ((frame.data as { choices?: unknown[] } | null)?.choices ?? []).length > 0) this.chunks += 1;
+  }
+
   /** Publishes a frame (or holds it while disconnected); never throws. */
   send(frame: ResponseFrame): void {
     if (this.signal.aborted) return;
+    this.note(frame);
     if (this.paused) {
       this.held.push(frame);
       return;
@@ -194,6 +212,8 @@ export class Attempt {
   async conclude(frame: ResponseFrame, resolve: 'ack' | 'term'): Promise<void> {
     const { ctx } = this;
     this.concluding = true;
+    this.note(frame);
+    const usage = this.usageRecord(frame);
     const early = ctx.isConnected() && !this.paused && !this.signal.aborted;
     if (early) {
       try {
@@ -205,6 +225,7 @@ export class Attempt {
       if (this.revision === 0) {
         await this.whenStored();
         if (this.signal.aborted) return; // superseded or closed while waiting: not ours to resolve
+        if (!(await this.recordUsage(usage))) return;
         return this.resolveMessage(frame, resolve);
       }
     }
@@ -215,7 +236,7 @@ export class Attempt {
     for (;;) {
       while (!ctx.isConnected() && !ctx.nc.isClosed() && Date.now() < giveUpAt) await new Promise((resolve) => setTimeout(resolve, 50));
       try {
-        finished = await ctx.claims.finish(this.req.id, this.claim, this.revision, frame);
+        finished = await ctx.claims.finish(this.req.id, this.claim, this.revision, frame, usage);
         break;
       } catch (err) {
         if (Date.now() > giveUpAt || ctx.nc.isClosed()) throw err;
@@ -239,7 +260,37 @@ export class Attempt {
       ctx.frames.publish(this.pending, this.req.replyTo, frame);
     }
     await this.whenStored();
+    if (!(await this.recordUsage(usage))) return;
     this.resolveMessage(frame, resolve);
+  }
+
+  /** The request's usage record, ended by `frame` (none for a request that carries no meter: an older gateway's). */
+  private usageRecord(frame: ResponseFrame): UsageRecord | undefined {
+    const meter = this.req.meter;
+    if (!meter) return undefined;
+    const outcome = frame.type !== 'error' ? 'completed' : frame.error.status === 499 ? 'cancelled' : 'failed';
+    return {
+      id: this.req.id,
+      key: meter.key,
+      model: meter.model,
+      kind: this.req.kind ?? 'chat',
+      start: meter.at,
+      end: Date.now(),
+      outcome,
+      ...(frame.type === 'error' ? { error: frame.error.code ?? frame.error.type } : {}),
+      tokens: this.tokens ?? { prompt: 0, cached: 0, completion: this.chunks, total: this.chunks },
+      reported: this.tokens !== undefined,
+    };
+  }
+
+  /**
+   * Writes the request's usage record before its message is resolved (README.md one folder up,
+   * "The usage ledger"), retried while NATS may be electing a leader. False when it could not be
+   * written by `storeWaitMs`: the message is then left unresolved, and the delivery JetStream
+   * makes after `ack_wait` writes it (from the claim, or from the frames it reads back).
+   */
+  private async recordUsage(usage: UsageRecord | undefined): Promise<boolean> {
+    return recordUsage(this.ctx, usage, this.signal);
   }
 
   /** Its delivery is done with: late acknowledgements of its frames are ignored. */
@@ -268,6 +319,28 @@ export class Attempt {
     } else {
       this.msg.term(frame.type === 'error' ? (frame.error.code ?? 'error') : undefined);
       this.ctx.stats.termed += 1;
+    }
+  }
+}
+
+/** Writes `usage` to the ledger (once per request id), retrying until `storeWaitMs`; false when it could not. */
+export async function recordUsage(ctx: AttemptContext, usage: UsageRecord | undefined, signal?: AbortSignal): Promise<boolean> {
+  if (!usage || !ctx.ledger) return true;
+  const giveUpAt = Date.now() + ctx.storeWaitMs;
+  for (;;) {
+    try {
+      if ((await ctx.ledger.record(usage)) === 'written') {
+        ctx.usage.add(usage);
+        ctx.stats.usageRecorded += 1;
+      }
+      return true;
+    } catch (err) {
+      if (Date.now() > giveUpAt || ctx.nc.isClosed() || signal?.aborted) {
+        ctx.stats.usageUnrecorded += 1;
+        ctx.log(`request ${usage.id}: its usage record could not be written (${(err as Error).message}); left for its next delivery`);
+        return false;
+      }
+      await new Promise((resolve) => setTimeout(resolve, 250));
     }
   }
 }

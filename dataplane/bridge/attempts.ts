@@ -27,6 +27,11 @@ export class LiveAttempts {
     void this.follow(isStopping);
   }
 
+  /** What every attempt shares (a replayed delivery writes its usage record with it). */
+  get context(): AttemptContext {
+    return this.ctx;
+  }
+
   /** Whether NATS is connected (as the attempts see it). */
   get isConnected(): boolean {
     return this.connected;

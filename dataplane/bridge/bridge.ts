@@ -25,8 +25,10 @@ import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'n
 import type { EngineKind } from '../../shared/engines';
 import { requestKindOf } from '../../shared/request-kinds';
 import type { ResponseFrame } from '../../shared/serving';
+import type { UsageTotals } from '../../shared/usage';
 import { openRequestClaims, type RequestClaims } from '../claims';
 import { cancelSubjectOf, type DataPlaneNames } from '../names';
+import { UsageLedger } from '../usage';
 import type { Attempt } from './attempt';
 import { LiveAttempts } from './attempts';
 import { Cancels } from './cancels';
@@ -35,7 +37,7 @@ import { serveDelivery, type DeliveryContext } from './delivery';
 import { createEngineClient, type EngineClient } from './engine-client';
 import { errorFrame } from './error-frames';
 import { generate } from './generate';
-import type { BridgeHealth, BridgeStats } from './metrics';
+import { processUsage, type BridgeHealth, type BridgeStats } from './metrics';
 import { storedFramePublisher, type StoredFramePublisher } from './stored-frames';
 
 export interface BridgeOptions {
@@ -62,6 +64,8 @@ export interface BridgeOptions {
   /** How long {@link Bridge.stop} lets requests in flight finish before handing them back. Default 30 s. */
   drainTimeoutMs?: number;
   log?: (line: string) => void;
+  /** Where the tokens of the usage records it writes are counted (default: the process's, `magus_usage_tokens_total`). */
+  usage?: UsageTotals;
 }
 
 class Semaphore {
@@ -107,6 +111,7 @@ interface Prepared {
   jsm: JetStreamManager;
   consumer: RequestConsumer;
   claims: RequestClaims;
+  ledger: UsageLedger;
   stats: BridgeStats;
   log: (line: string) => void;
   failed: (what: string, err: unknown) => void;
@@ -119,6 +124,7 @@ interface Prepared {
  */
 export class Bridge {
   private readonly counts: BridgeStats;
+  private readonly usageTotals: UsageTotals;
   private readonly nc: NatsConnection;
   private readonly slots: number;
   private readonly drainTimeoutMs: number;
@@ -156,6 +162,8 @@ export class Bridge {
       heartbeatsMissed: 0,
       framesResent: 0,
       framesUnstored: 0,
+      usageRecorded: 0,
+      usageUnrecorded: 0,
       inFlight: 0,
     };
     const failed = (what: string, err: unknown) => {
@@ -166,7 +174,8 @@ export class Bridge {
     const jsm = await nc.jetstreamManager();
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
     const claims = await openRequestClaims(js, names);
-    const bridge = new Bridge(opts, { js, jsm, consumer, claims, stats, log, failed });
+    const ledger = await UsageLedger.open(js, names);
+    const bridge = new Bridge(opts, { js, jsm, consumer, claims, ledger, stats, log, failed });
     await consumer.start();
     bridge.run();
     return bridge;
@@ -179,6 +188,7 @@ export class Bridge {
     this.slots = slots;
     this.drainTimeoutMs = opts.drainTimeoutMs ?? 30_000;
     this.counts = stats;
+    this.usageTotals = opts.usage ?? processUsage;
     this.log = log;
     this.failed = prepared.failed;
     this.consumer = consumer;
@@ -203,6 +213,8 @@ export class Bridge {
         storeWaitMs: Math.max(1_000, Math.floor((ackWaitMs * 2) / 3)),
         retryDelayMs,
         maxDeliver: consumer.maxDeliver,
+        ledger: prepared.ledger,
+        usage: this.usageTotals,
       },
       () => this.stopping,
     );
@@ -238,6 +250,11 @@ export class Bridge {
   /** Counters since start. */
   get stats(): Readonly<BridgeStats> {
     return this.counts;
+  }
+
+  /** The tokens of the usage records it wrote, per key and model. */
+  get usage(): UsageTotals {
+    return this.usageTotals;
   }
 
   /** The bridge's own health (NATS connection, consumer, heartbeats); cheap and synchronous. */

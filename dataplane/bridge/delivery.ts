@@ -10,7 +10,7 @@ import type { RequestClaims } from '../claims';
 import { encodeFrame } from '../frames';
 import type { DataPlaneNames } from '../names';
 import { readStoredFrames } from '../response-stream';
-import type { Attempt, Outcome } from './attempt';
+import { recordUsage, type Attempt, type Outcome } from './attempt';
 import type { LiveAttempts } from './attempts';
 import type { Cancels } from './cancels';
 import { BridgeErrorCode, errorFrame } from './error-frames';
@@ -117,9 +117,15 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
     return;
   }
   if (claimed.kind === 'finished') {
-    // An earlier delivery answered but its ack was lost: say the same last word again.
+    // An earlier delivery answered but its ack was lost: say the same last word again, and write
+    // its usage record if that delivery could not.
     if (claimed.claim.terminal) nc.publish(req.replyTo, encodeFrame(claimed.claim.terminal));
     await nc.flush();
+    if (!(await recordUsage(ctx.attempts.context, claimed.claim.usage))) {
+      m.nak(ctx.retryDelayMs);
+      stats.nakked += 1;
+      return;
+    }
     m.ack();
     stats.acked += 1;
     stats.replayed += 1;
@@ -146,6 +152,7 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
         return;
       }
       prior = stored.frames;
+      for (const f of prior) a.note(f);
       a.nextSeq = prior.length;
       if (prior.length > 0) {
         stats.resumed += 1;

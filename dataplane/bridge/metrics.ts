@@ -3,6 +3,7 @@
  * their Prometheus text, one series per bridge — `magus bridge`'s `/metrics`, and the worker's
  * for the bridges of its local instances.
  */
+import { UsageTotals } from '../../shared/usage';
 
 /** Counters since start (a delivery is counted once under pulled and once under its resolution). */
 export interface BridgeStats {
@@ -32,6 +33,10 @@ export interface BridgeStats {
   framesResent: number;
   /** Frames still not acknowledged as stored when their request was resolved (a response stream without a leader that long). */
   framesUnstored: number;
+  /** Usage records this bridge wrote to the ledger (a request whose record another attempt wrote is not counted). */
+  usageRecorded: number;
+  /** Requests left unresolved because their usage record could not be written in time (their next delivery writes it). */
+  usageUnrecorded: number;
   inFlight: number;
 }
 
@@ -58,7 +63,12 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
   framesResent: 'Response frames published again because the response stream had not acknowledged storing them.',
   framesUnstored: 'Response frames never acknowledged as stored by the time their request was resolved.',
+  usageRecorded: 'Usage records written to the ledger.',
+  usageUnrecorded: 'Requests left for their next delivery because their usage record could not be written in time.',
 };
+
+/** A Prometheus label value, escaped (a key identity is the user's to name). */
+const labelValue = (v: string): string => v.replace(/\\/g, '\\\\').replace(/"/g, '\\"').replace(/\n/g, '\\n');
 
 /** One bridge as {@link bridgeMetricsText} reports it. */
 export interface BridgeSample {
@@ -68,8 +78,17 @@ export interface BridgeSample {
   health: BridgeHealth;
 }
 
-/** Bridges' counters and state in the Prometheus text format, one series per bridge (labels `pool`, `instance`). */
-export function bridgeMetricsText(bridges: readonly BridgeSample[]): string {
+/**
+ * The tokens of the usage records this process's bridges wrote: one total per process, so a
+ * series never goes down when one of its bridges stops (a counter that falls reads as a reset).
+ */
+export const processUsage = new UsageTotals();
+
+/**
+ * Bridges' counters and state in the Prometheus text format, one series per bridge (labels
+ * `pool`, `instance`), and the tokens of `usage` (default: this process's), per key and model.
+ */
+export function bridgeMetricsText(bridges: readonly BridgeSample[], usage: UsageTotals = processUsage): string {
   const labels = (b: BridgeSample) => `{pool="${b.pool}",instance="${b.instance}"}`;
   const out: string[] = [];
   const family = (name: string, help: string, type: 'counter' | 'gauge', value: (b: BridgeSample) => number) => {
@@ -82,5 +101,13 @@ export function bridgeMetricsText(bridges: readonly BridgeSample[]): string {
   family('magus_bridge_in_flight', 'Requests being served.', 'gauge', (b) => b.health.inFlight);
   family('magus_bridge_slots', 'Requests the engine serves at once.', 'gauge', (b) => b.health.slots);
   family('magus_bridge_healthy', '1 when connected and consuming, else 0.', 'gauge', (b) => (b.health.ok ? 1 : 0));
+  out.push(
+    '# HELP magus_usage_tokens_total Tokens in the usage records this process wrote, per key, model and kind (cached: prompt tokens the engine had cached, part of prompt).',
+    '# TYPE magus_usage_tokens_total counter',
+  );
+  for (const u of usage.entries()) {
+    for (const kind of ['prompt', 'cached', 'completion'] as const)
+      out.push(`magus_usage_tokens_total{key="${labelValue(u.key)}",model="${labelValue(u.model)}",kind="${kind}"} ${u[kind]}`);
+  }
   return `${out.join('\n')}\n`;
 }

@@ -8,7 +8,8 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
-import type { ChatInference, CompletionsInference, CompletionUsage, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
+import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
+import { usageIn } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, type ExchangeOptions } from '../serving/exchange';
@@ -50,17 +51,6 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
     onAbandon: () => g.cancel?.(entry, req.id),
   };
-}
-
-/** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
-function usageIn(data: unknown): { prompt: number; cached: number; total: number } | undefined {
-  const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
-  if (typeof usage?.prompt_tokens !== 'number') return undefined;
-  const cached = usage.prompt_tokens_details?.cached_tokens;
-  const completion = typeof usage.completion_tokens === 'number' ? usage.completion_tokens : 0;
-  // Never below its parts: an engine's total is not trusted to add up.
-  const total = Math.max(typeof usage.total_tokens === 'number' ? usage.total_tokens : 0, usage.prompt_tokens + completion);
-  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0, total };
 }
 
 /**
@@ -158,6 +148,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
   const g = app.gateway;
   const s = g.settings;
   const { id, sse, model } = turn;
+  const receivedAt = Date.now();
   // The model's backlog: a 429 before anything is queued (and, as before, without an x-request-id).
   const backlog = g.backlogFull?.(model);
   if (backlog) {
@@ -216,6 +207,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       id,
       replyTo: g.responses.replySubject(id),
       deadline: Date.now() + s.requestTimeoutMs,
+      meter: { key: principal.key, model: modelLabel, at: receivedAt },
       ...withModelDefaults(payload, model),
     };
     published = entry;

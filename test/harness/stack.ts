@@ -143,6 +143,7 @@ async function deleteDataPlane(nc: NatsConnection, names: DataPlaneNames): Promi
     names.poolsBucket,
     names.responsesBucket,
     names.limitsBucket,
+    names.usageBucket,
   ];
   for (const stream of [names.requestStream, names.responseStream, ...buckets.map((b) => `KV_${b}`)]) {
     await jsm.streams.delete(stream).catch(() => false);

@@ -1,0 +1,77 @@
+/**
+ * The usage ledger in KV `magus_usage` (records: shared/usage.ts): one entry per request id,
+ * created — never updated — by the bridge that ended the request. KV `create` refuses a key that
+ * exists, so a record is written exactly once however often a request is delivered, taken over or
+ * replayed (README.md, "The usage ledger"), and for as long as the bucket keeps it: no
+ * de-duplication window to outlive.
+ *
+ * Keys are `<key identity, base64url>.<UTC day of the request's start>.<request id>`, so a reader
+ * lists one key's records, or one key's days, by a subject filter instead of reading everything.
+ */
+import type { JetStreamClient, KV } from 'nats';
+import { periodOf, parseUsageRecord, type UsageRecord } from '../shared/usage';
+import { isRevisionConflict } from './errors';
+import { decodeJson, encodeJson } from './json';
+import { limitKeyOf } from './limits';
+import type { DataPlaneNames } from './names';
+
+/** The ledger key of `r`: the same for every attempt at its request (all from the request itself). */
+export const usageKeyOf = (r: Pick<UsageRecord, 'key' | 'start' | 'id'>): string => `${limitKeyOf(r.key)}.${periodOf(r.start, 'day')}.${r.id}`;
+
+/** What a reader asks of the ledger. */
+export interface UsageQuery {
+  /** One key's records (its identity), else every key's. */
+  key?: string;
+  /** Records of requests that started at or after this (epoch ms). */
+  since?: number;
+  /** And before this (epoch ms). */
+  until?: number;
+}
+
+export class UsageLedger {
+  constructor(private readonly kv: KV) {}
+
+  /** Binds the bucket (declared by `ensureDataPlane`). */
+  static async open(js: JetStreamClient, names: DataPlaneNames): Promise<UsageLedger> {
+    return new UsageLedger(await js.views.kv(names.usageBucket, { bindOnly: true }));
+  }
+
+  /** Writes `r` unless its request has a record already: `written`, or `existed` (another attempt wrote it). */
+  async record(r: UsageRecord): Promise<'written' | 'existed'> {
+    try {
+      await this.kv.create(usageKeyOf(r), encodeJson(r));
+      return 'written';
+    } catch (err) {
+      if (isRevisionConflict(err)) return 'existed';
+      throw err;
+    }
+  }
+
+  /** The records `q` selects, in the ledger's order (by key, then as written). Values that are not records are skipped. */
+  async read(q: UsageQuery = {}): Promise<UsageRecord[]> {
+    const filter = q.key === undefined ? '>' : `${limitKeyOf(q.key)}.>`;
+    const out: UsageRecord[] = [];
+    const sinceDay = q.since === undefined ? undefined : periodOf(q.since, 'day');
+    // The watch delivers what is stored, then waits for news: it is stopped where it caught up
+    // (for an empty bucket, that may be before the watch is returned).
+    const watch: { iter?: Awaited<ReturnType<KV['watch']>>; caughtUp: boolean } = { caughtUp: false };
+    const iter = await this.kv.watch({
+      key: filter,
+      ignoreDeletes: true,
+      initializedFn: () => {
+        watch.caughtUp = true;
+        watch.iter?.stop();
+      },
+    });
+    watch.iter = iter;
+    if (watch.caughtUp) iter.stop();
+    for await (const e of iter) {
+      if (e.operation !== 'PUT' || e.value.length === 0) continue;
+      const day = e.key.split('.')[1] ?? '';
+      if (sinceDay !== undefined && day < sinceDay) continue;
+      const r = parseUsageRecord(decodeJson(e.value));
+      if (r && (q.since === undefined || r.start >= q.since) && (q.until === undefined || r.start < q.until)) out.push(r);
+    }
+    return out;
+  }
+}

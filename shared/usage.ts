@@ -1,0 +1,207 @@
+/**
+ * The usage ledger's record and what is read from it (dataplane/usage.ts stores it; the README
+ * one folder up, "Tenants", says how it is used): one {@link UsageRecord} per request a bridge
+ * ended, with its key's identity, its model and the tokens the engine reported — the numbers the
+ * client received. Pure: the gateway, the bridge, `magus usage` and the controller share it.
+ */
+import type { CompletionUsage } from './serving';
+
+/** The tokens of one answer, as an engine's `usage` reports them. */
+export interface Tokens {
+  prompt: number;
+  /** Prompt tokens the engine's cache already held (part of `prompt`). */
+  cached: number;
+  completion: number;
+  /** Never below prompt + completion: an engine's total is not trusted to add up. */
+  total: number;
+}
+
+/** The `usage` an engine's answer or usage chunk carries, if any (engines are not trusted to send one). */
+export function usageIn(data: unknown): Tokens | undefined {
+  const usage = (data as { usage?: Partial<CompletionUsage> | null } | null)?.usage;
+  if (typeof usage?.prompt_tokens !== 'number') return undefined;
+  const cached = usage.prompt_tokens_details?.cached_tokens;
+  const completion = typeof usage.completion_tokens === 'number' ? usage.completion_tokens : 0;
+  const total = Math.max(typeof usage.total_tokens === 'number' ? usage.total_tokens : 0, usage.prompt_tokens + completion);
+  return { prompt: usage.prompt_tokens, cached: typeof cached === 'number' ? cached : 0, completion, total };
+}
+
+/** How a request ended: answered, failed (an error frame), or cancelled because its client went away. */
+export type UsageOutcome = 'completed' | 'failed' | 'cancelled';
+
+/** One request in the ledger: written once per request id, by the bridge that ended it. */
+export interface UsageRecord {
+  /** The request id (the gateway's `x-request-id`). */
+  id: string;
+  /** The key's identity: `<namespace>/<name>`, `local/<name>`, `config/<token id>` or `anonymous`. */
+  key: string;
+  /** The model: `<namespace>/<name>`. */
+  model: string;
+  kind: 'chat' | 'completions' | 'embeddings';
+  /** Epoch ms: when the gateway took the request in. */
+  start: number;
+  /** Epoch ms: when its last frame was sent. */
+  end: number;
+  outcome: UsageOutcome;
+  /** The error's code (`client_closed`, `deadline_exceeded`, …) when it did not complete. */
+  error?: string;
+  tokens: Tokens;
+  /**
+   * Whether the engine reported the tokens. An answer cut off before its usage (cancelled, or an
+   * engine that failed mid-answer) reports none: `tokens.completion` then counts the chunks it
+   * streamed (one token each from magus's engines) and the prompt is 0.
+   */
+  reported: boolean;
+}
+
+/** What a request carries for its record (InferenceRequest `meter`): set by the gateway, which knows the key. */
+export interface UsageMeter {
+  key: string;
+  model: string;
+  /** Epoch ms: when the gateway took the request in. */
+  at: number;
+}
+
+/** A period's bucket: the UTC day `2026-11-29` or month `2026-11` of epoch ms `at`. */
+export function periodOf(at: number, period: 'day' | 'month'): string {
+  const iso = new Date(at).toISOString();
+  return period === 'day' ? iso.slice(0, 10) : iso.slice(0, 7);
+}
+
+/** One row of {@link aggregateUsage}: a key's use of one model in one period. */
+export interface UsageRow {
+  key: string;
+  model: string;
+  period: string;
+  requests: number;
+  /** Of `requests`, those that did not complete (failed or cancelled). */
+  incomplete: number;
+  promptTokens: number;
+  cachedTokens: number;
+  completionTokens: number;
+  totalTokens: number;
+  /** Epoch ms of its last request's end. */
+  lastUsed: number;
+}
+
+/** Records summed per key, model and period (UTC days or months), sorted by key, model, period. */
+export function aggregateUsage(records: Iterable<UsageRecord>, period: 'day' | 'month'): UsageRow[] {
+  const rows = new Map<string, UsageRow>();
+  for (const r of records) {
+    const p = periodOf(r.start, period);
+    const id = JSON.stringify([r.key, r.model, p]);
+    let row = rows.get(id);
+    if (!row) {
+      row = {
+        key: r.key,
+        model: r.model,
+        period: p,
+        requests: 0,
+        incomplete: 0,
+        promptTokens: 0,
+        cachedTokens: 0,
+        completionTokens: 0,
+        totalTokens: 0,
+        lastUsed: 0,
+      };
+      rows.set(id, row);
+    }
+    row.requests += 1;
+    if (r.outcome !== 'completed') row.incomplete += 1;
+    row.promptTokens += r.tokens.prompt;
+    row.cachedTokens += r.tokens.cached;
+    row.completionTokens += r.tokens.completion;
+    row.totalTokens += r.tokens.total;
+    row.lastUsed = Math.max(row.lastUsed, r.end);
+  }
+  const order = (a: UsageRow, b: UsageRow) => a.key.localeCompare(b.key) || a.model.localeCompare(b.model) || a.period.localeCompare(b.period);
+  return [...rows.values()].sort(order);
+}
+
+/** A CSV field: quoted when it holds a comma, quote or line break (RFC 4180). */
+const csvField = (v: string | number | boolean | undefined): string => {
+  const s = v === undefined ? '' : String(v);
+  return /[",\r\n]/.test(s) ? `"${s.replace(/"/g, '""')}"` : s;
+};
+
+/** Rows as CSV with a header line, columns in `columns`' order. */
+export function toCsv<T extends object>(rows: readonly T[], columns: readonly (keyof T & string)[]): string {
+  const lines = [columns.join(',')];
+  for (const row of rows) lines.push(columns.map((c) => csvField(row[c] as string | number | boolean | undefined)).join(','));
+  return `${lines.join('\n')}\n`;
+}
+
+/** A record flattened for CSV (one column per token count, times in ISO 8601). */
+export function flatRecord(r: UsageRecord) {
+  return {
+    id: r.id,
+    key: r.key,
+    model: r.model,
+    kind: r.kind,
+    start: new Date(r.start).toISOString(),
+    end: new Date(r.end).toISOString(),
+    outcome: r.outcome,
+    error: r.error ?? '',
+    promptTokens: r.tokens.prompt,
+    cachedTokens: r.tokens.cached,
+    completionTokens: r.tokens.completion,
+    totalTokens: r.tokens.total,
+    reported: r.reported,
+  };
+}
+export const RECORD_COLUMNS = [
+  'id',
+  'key',
+  'model',
+  'kind',
+  'start',
+  'end',
+  'outcome',
+  'error',
+  'promptTokens',
+  'cachedTokens',
+  'completionTokens',
+  'totalTokens',
+  'reported',
+] as const satisfies readonly (keyof ReturnType<typeof flatRecord>)[];
+export const ROW_COLUMNS = [
+  'key',
+  'model',
+  'period',
+  'requests',
+  'incomplete',
+  'promptTokens',
+  'cachedTokens',
+  'completionTokens',
+  'totalTokens',
+  'lastUsed',
+] as const satisfies readonly (keyof UsageRow)[];
+
+/** A record read back from the ledger, checked (a stored value that is not one is skipped by readers). */
+export function parseUsageRecord(value: unknown): UsageRecord | undefined {
+  const r = value as Partial<UsageRecord> | null;
+  const t = r?.tokens as Partial<Tokens> | undefined;
+  const nums = t && [t.prompt, t.cached, t.completion, t.total].every((n) => typeof n === 'number' && Number.isFinite(n) && n >= 0);
+  if (!r || typeof r.id !== 'string' || typeof r.key !== 'string' || typeof r.model !== 'string' || !nums) return undefined;
+  if (typeof r.start !== 'number' || typeof r.end !== 'number' || !['completed', 'failed', 'cancelled'].includes(r.outcome as string)) return undefined;
+  return r as UsageRecord;
+}
+
+/** Per key, model and token kind, the tokens recorded (the `magus_usage_tokens_total` counter of the bridges that wrote them). */
+export class UsageTotals {
+  private readonly sums = new Map<string, { key: string; model: string; prompt: number; cached: number; completion: number }>();
+
+  add(r: UsageRecord): void {
+    const id = JSON.stringify([r.key, r.model]);
+    const s = this.sums.get(id) ?? { key: r.key, model: r.model, prompt: 0, cached: 0, completion: 0 };
+    s.prompt += r.tokens.prompt;
+    s.cached += r.tokens.cached;
+    s.completion += r.tokens.completion;
+    this.sums.set(id, s);
+  }
+
+  /** Each key and model's sums. */
+  entries(): { key: string; model: string; prompt: number; cached: number; completion: number }[] {
+    return [...this.sums.values()];
+  }
+}
