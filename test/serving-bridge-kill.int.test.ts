@@ -2,7 +2,8 @@
  * A bridge process killed (SIGKILL) after it pulled a request and before it acked it, seen from
  * the official `openai` client through the real gateway and nats-server: JetStream redelivers
  * the request to a second bridge process, and the client gets exactly one complete answer — no
- * piece missing, none twice — while the engine saw the request twice.
+ * piece missing, none twice — while the engine saw the request twice; the usage ledger holds one
+ * record of it, with the tokens the client was told.
  *
  * Deterministic: the bridges run as `magus bridge` processes (the TS sources under the swc
  * loader) with a 1 s ack wait; the stub engine holds the first attempt at a chosen point
@@ -17,6 +18,7 @@ import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
+import { UsageLedger } from '../dataplane/usage';
 import { pinConversation, refusedColdStart } from './harness/gateway';
 import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
@@ -187,7 +189,19 @@ function expectTwoAttempts(before: number): void {
   expect((calls[0]!.body as { seed?: unknown }).seed).toEqual(expect.any(Number));
 }
 
-/** The second bridge's /metrics tells the story: one redelivery, answered and acked. */
+/** Ledger records already checked. */
+const recorded = new Set<string>();
+
+/** The ledger holds exactly one new record, for this request's key: completed, with `completion` tokens. */
+async function expectOneRecord(completion: number): Promise<void> {
+  const ledger = await UsageLedger.open(nc.jetstream(), dataPlaneNames(iso.natsPrefix));
+  const fresh = (await ledger.read({ key: `config/${TOKEN_ID}` })).filter((r) => !recorded.has(r.id));
+  expect(fresh).toHaveLength(1);
+  expect(fresh[0]).toMatchObject({ model: `default/${POOL}`, kind: 'chat', outcome: 'completed', reported: true, tokens: { completion } });
+  recorded.add(fresh[0]!.id);
+}
+
+/** The second bridge's /metrics tells the story: one redelivery, answered and acked, its usage recorded. */
 async function expectOneTakeOverIn(healthPort: number): Promise<void> {
   const metrics = await (await fetch(`http://127.0.0.1:${healthPort}/metrics`)).text();
   const of = (name: string) => new RegExp(`^${name}\\{pool="${POOL}",instance="${INSTANCE}"\\} (\\d+)$`, 'm').exec(metrics)?.[1];
@@ -196,12 +210,15 @@ async function expectOneTakeOverIn(healthPort: number): Promise<void> {
     redelivered: of('magus_bridge_redelivered_total'),
     acked: of('magus_bridge_acked_total'),
     healthy: of('magus_bridge_healthy'),
+    recorded: of('magus_bridge_usage_recorded_total'),
   }).toEqual({
     pulled: '1',
     redelivered: '1',
     acked: '1',
     healthy: '1',
+    recorded: '1',
   });
+  expect(metrics).toContain(`magus_usage_tokens_total{key="config/${TOKEN_ID}",model="default/${POOL}",kind="completion"} ${CHUNKS}`);
 }
 
 test('non-stream: the bridge dies holding the request; the next bridge answers it, once', async () => {
@@ -225,6 +242,7 @@ test('non-stream: the bridge dies holding the request; the next bridge answers i
   await until('the request acked', consumerIdle);
   expect(engine.requests.length - before).toBe(2);
   await expectOneTakeOverIn(healthPort);
+  await expectOneRecord(completion.usage!.completion_tokens);
   await stop(second);
 }, 180_000);
 
@@ -286,6 +304,7 @@ test.each([
     await until('the request acked', consumerIdle);
     expect(engine.requests.length - before).toBe(2);
     await expectOneTakeOverIn(healthPort);
+    await expectOneRecord(CHUNKS);
     await stop(second);
   },
   180_000,

@@ -11,17 +11,20 @@
  * sum —; a rate limit answers 429 `rate_limit_exceeded` with a Retry-After computed from its
  * window; every answer carries OpenAI's `x-ratelimit-*` headers, streamed or not; the official
  * client does not retry a refusal that waiting cannot cure; a request without `max_tokens` is
- * served up to what the key has left, then refused.
+ * served up to what the key has left, then refused. The usage ledger holds one record per served
+ * request, with the tokens its client was told, and none for a refused one.
  */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { registerKey, tokenDigest } from '../dataplane/keys';
 import { LimitStore } from '../dataplane/limits';
+import { UsageLedger } from '../dataplane/usage';
 import { openModelRegistry } from '../dataplane/registry';
 import type { DataPlaneNames } from '../dataplane';
 import type { RunningGateway } from '../gateway/server';
 import type { KeyLimits } from '../shared/limits';
+import type { UsageRecord } from '../shared/usage';
 import type { StubEngine } from './fixtures/stub-engine';
 import { isolation } from './harness';
 import { publishPoolView } from './harness/gateway';
@@ -124,6 +127,18 @@ test('64 concurrent streams through two replicas against a 500-token budget: nev
     if (i > 200) throw new Error('reservations never settled');
     await new Promise((res) => setTimeout(res, 25));
   }
+  // The ledger: one record per served request (none for a refused one, which reached no bridge),
+  // its tokens what each client was told (records are written as each answer ends).
+  const ledger = await UsageLedger.open(nc.jetstream(), names);
+  let records: UsageRecord[] = [];
+  for (let i = 0; records.length < served.length && i < 200; i++) {
+    records = await ledger.read({ key: 'tenant/budget' });
+    if (records.length < served.length) await new Promise((res) => setTimeout(res, 25));
+  }
+  expect(records).toHaveLength(served.length);
+  expect(records.every((r) => r.outcome === 'completed' && r.reported && r.model === `default/${MODEL}` && r.kind === 'completions')).toBe(true);
+  expect(records.map((r) => r.tokens.total).sort((a, b) => a - b)).toEqual(served.map((r) => r.used).sort((a, b) => a - b));
+  expect(new Set(records.map((r) => r.id)).size).toBe(served.length);
   // Spent down to less than any request's worst case, the next is refused, saying why.
   for (;;) {
     const r = await one(99);

@@ -19,6 +19,8 @@ import { encodeJson } from '../json';
 import { cancelSubjectOf, consumerNameOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
 import { publishRequest } from '../publish';
 import { readStoredFrames } from '../response-stream';
+import { UsageLedger } from '../usage';
+import type { UsageRecord } from '../../shared/usage';
 import { decodeFrame, FrameSequencer } from '../frames';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
@@ -164,9 +166,13 @@ let names: DataPlaneNames;
 const cleanups: (() => Promise<unknown>)[] = [];
 const stack = new TestStack();
 
+/** The usage ledger the bridges write to. */
+let ledger: UsageLedger;
+
 beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(isolation(), { declare: true })));
   jsm = await nc.jetstreamManager();
+  ledger = await UsageLedger.open(nc.jetstream(), names);
 });
 
 afterEach(async () => {
@@ -493,7 +499,7 @@ describe('redelivery', () => {
     // As if a bridge finished the claim, published `done` and died before its ack reached the server.
     const stub = await engine(() => ({}));
     const instance = await instanceWith({ ackWaitMs: 1000 });
-    const req = requestFor({ stream: false });
+    const req = requestFor({ stream: false }, { meter: { key: 'tenant/replayed', model: 'default/stub', at: Date.now() } });
     const claims = await openRequestClaims(nc.jetstream(), names);
     const claimed = await claims.acquire(req.id, 'dead-bridge');
     const terminal: ResponseFrame = {
@@ -501,7 +507,19 @@ describe('redelivery', () => {
       type: 'done',
       data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'earlier answer' } }] },
     };
-    expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal)).toBe(true);
+    // It died before writing the usage record the claim carries: the redelivery writes it.
+    const usage: UsageRecord = {
+      id: req.id,
+      key: 'tenant/replayed',
+      model: 'default/stub',
+      kind: 'chat',
+      start: req.meter!.at,
+      end: Date.now(),
+      outcome: 'completed',
+      tokens: { prompt: 9, cached: 0, completion: 2, total: 11 },
+      reported: true,
+    };
+    expect(await claims.finish(req.id, claimed.claim, claimed.revision, terminal, usage)).toBe(true);
     // The dead bridge's delivery: pulled, never acked; JetStream redelivers it after ack_wait.
     await send(instance, req);
     const first = await (await nc.jetstream().consumers.get(names.requestStream, consumerNameOf(POOL, instance))).next({ expires: 5000 });
@@ -513,6 +531,8 @@ describe('redelivery', () => {
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats.replayed).toBe(1);
     expect(stub.calls).toHaveLength(0);
+    expect(await ledger.read({ key: 'tenant/replayed' })).toEqual([usage]);
+    expect(b.stats.usageRecorded).toBe(1);
   });
 });
 
@@ -530,7 +550,7 @@ describe('a first delivery that answers writes no claim', () => {
   it('its ack lost: the redelivery finds the terminal frame it published and repeats it, without calling the engine', async () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith({ ackWaitMs: 1000 });
-    const req = requestFor({ stream: false });
+    const req = requestFor({ stream: false }, { meter: { key: 'tenant/ack-lost', model: 'default/stub', at: Date.now() } });
     // The dead bridge's delivery: pulled, answered (its `done` reached the server), never acked.
     await send(instance, req);
     const first = await (await nc.jetstream().consumers.get(names.requestStream, consumerNameOf(POOL, instance))).next({ expires: 5000 });
@@ -538,7 +558,11 @@ describe('a first delivery that answers writes no claim', () => {
     const terminal: ResponseFrame = {
       seq: 0,
       type: 'done',
-      data: { object: 'chat.completion', choices: [{ index: 0, message: { role: 'assistant', content: 'the answer that went out' } }] },
+      data: {
+        object: 'chat.completion',
+        choices: [{ index: 0, message: { role: 'assistant', content: 'the answer that went out' } }],
+        usage: { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10, prompt_tokens_details: { cached_tokens: 4 } },
+      },
     };
     nc.publish(req.replyTo, encodeJson(terminal));
     await nc.flush();
@@ -549,6 +573,10 @@ describe('a first delivery that answers writes no claim', () => {
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, errors: 0 });
     expect(stub.calls).toHaveLength(0);
+    // It died before its usage record too: the redelivery writes it, from the frame it read back.
+    expect(await ledger.read({ key: 'tenant/ack-lost' })).toEqual([
+      expect.objectContaining({ id: req.id, outcome: 'completed', reported: true, tokens: { prompt: 7, cached: 4, completion: 3, total: 10 } }),
+    ]);
   });
 });
 
@@ -559,13 +587,18 @@ describe('cancels from the gateway (the client went away)', () => {
     const stub = await engine(() => ({ chunks: 40, delayMs: 50 }));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const b = await bridge(instance, stub.url);
-    const { req, answer } = await sent(instance);
+    const { req, answer } = await sent(instance, {}, { meter: { key: 'tenant/cancelled', model: 'default/stub', at: Date.now() } });
     await until('a few chunks', () => answer.raw.length >= 3);
     cancel(instance, req.id);
     await until('term', () => b.stats.termed === 1);
     expect(b.stats).toMatchObject({ cancelled: 1, acked: 0, nakked: 0, errors: 0 });
     await until('the engine call cut', () => stub.cut === 1);
     expect(answer.raw.length).toBeLessThan(40); // generation stopped early
+    // Recorded as cancelled: no usage came from the engine, so its chunks are counted.
+    const chunks = answer.raw.filter((f) => f.type === 'chunk').length;
+    expect(await ledger.read({ key: 'tenant/cancelled' })).toEqual([
+      expect.objectContaining({ id: req.id, outcome: 'cancelled', error: 'client_closed', reported: false, tokens: { prompt: 0, cached: 0, completion: chunks, total: chunks } }),
+    ]);
     await sleep(1500); // past ack_wait: nothing comes back
     expect(stub.calls).toHaveLength(1);
     const state = await consumerState(instance);
