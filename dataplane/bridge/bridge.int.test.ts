@@ -597,7 +597,13 @@ describe('cancels from the gateway (the client went away)', () => {
     // Recorded as cancelled: no usage came from the engine, so its chunks are counted.
     const chunks = answer.raw.filter((f) => f.type === 'chunk').length;
     expect(await ledger.read({ key: 'tenant/cancelled' })).toEqual([
-      expect.objectContaining({ id: req.id, outcome: 'cancelled', error: 'client_closed', reported: false, tokens: { prompt: 0, cached: 0, completion: chunks, total: chunks } }),
+      expect.objectContaining({
+        id: req.id,
+        outcome: 'cancelled',
+        error: 'client_closed',
+        reported: false,
+        tokens: { prompt: 0, cached: 0, completion: chunks, total: chunks },
+      }),
     ]);
     await sleep(1500); // past ack_wait: nothing comes back
     expect(stub.calls).toHaveLength(1);
