@@ -7,8 +7,9 @@
  * (b) a follower is SIGKILLed and restarted.
  * Every request the gateway accepted (200) is answered completely, exactly once; the only other
  * outcome allowed is a 503 with `Retry-After` (the gateway could not get the request stored and
- * says so: nothing of it is served to anyone). The longest pause a client saw during each outage
- * is printed (README.md, "A NATS cluster").
+ * says so: nothing of it is served to anyone). The usage ledger holds one record per accepted
+ * request and none for a refused one. The longest pause a client saw during each outage is
+ * printed (README.md, "A NATS cluster").
  */
 import { randomBytes } from 'node:crypto';
 import { PassThrough } from 'node:stream';
@@ -25,6 +26,7 @@ import {
 } from '../dataplane';
 import { decodeFrame } from '../dataplane/frames';
 import { openModelRegistry } from '../dataplane/registry';
+import { UsageLedger } from '../dataplane/usage';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import { makeToken, readyModel, TEST_SECRET } from './harness/gateway-app';
 import type { ResponseFrame } from '../shared/serving';
@@ -468,6 +470,19 @@ describe('the data plane on a three-node NATS cluster', () => {
       // whose delivery a new consumer leader handed out again while the first was running: the
       // take-over resumes after the stored frames — one answer on the wire.)
       expect(bridge.stats.framesUnstored).toBe(0);
+      // The usage ledger through both outages: one record per accepted request, each completed, and
+      // none for a refused one (a 503 reached no bridge). Records are written as answers end.
+      const ledger = await UsageLedger.open(worker.jetstream(), names);
+      let records = await ledger.read();
+      for (let i = 0; records.length < accepted.length && i < 100; i++) {
+        await sleep(100);
+        records = await ledger.read();
+      }
+      process.stdout.write(`ledger: ${records.length} records for ${accepted.length} accepted requests; bridge usage recorded ${bridge.stats.usageRecorded}\n`);
+      expect(records.length).toBe(accepted.length);
+      expect(new Set(records.map((r) => r.id)).size).toBe(records.length);
+      expect(records.filter((r) => r.outcome !== 'completed' || !r.reported)).toEqual([]);
+      expect(bridge.stats.usageUnrecorded).toBe(0);
     } finally {
       await running.stop();
     }
