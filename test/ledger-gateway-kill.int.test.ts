@@ -1,0 +1,342 @@
+/**
+ * The usage ledger when a gateway process is killed (SIGKILL) mid-answer: its clients lose their
+ * connections, but nobody cancels their requests, so the bridge generates every answer to its end
+ * (its frames go to the response stream, which stores them whether a gateway listens or not) and
+ * writes exactly one `completed` record per request, with the engine's full usage — not the
+ * pieces the client saw. Requests refused before they reached a bridge (an unknown token: 401; a
+ * model that does not exist: 404) leave no record. A gateway process started after the kill
+ * serves the next turn normally, and the ledger gets exactly one more record, with the tokens its
+ * client was told. Past the consumer's ack wait nothing is redelivered or recorded again.
+ *
+ * Deterministic: the gateways run as `magus gateway` processes (the TS sources under the swc
+ * loader, `setpriv --pdeathsig KILL`) with Temporal unreachable — their turns are warm: each
+ * conversation is pinned to the bridge's instance by a `magus_sessions` entry the test writes, as
+ * the session workflow would. The bridge runs in this process (1 s ack wait) in front of a stub
+ * engine that holds each of the first answers after a few pieces until the test lets them go,
+ * which it does only once the clients hold those pieces and the gateway is dead.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { join } from 'node:path';
+import type { NatsConnection } from 'nats';
+import OpenAI from 'openai';
+import { consumerNameOf, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
+import { startBridge, type Bridge } from '../dataplane/bridge';
+import { openModelRegistry } from '../dataplane/registry';
+import { UsageLedger } from '../dataplane/usage';
+import { tokenDigest } from '../gateway/plugins/auth';
+import { conversationKey } from '../gateway/serving/conversation';
+import type { UsageRecord } from '../shared/usage';
+import { freePort } from '../workers/dev/services';
+import { splitText, type StubEngine } from './fixtures/stub-engine';
+import { endpoint, isolation } from './harness';
+import { pinConversation } from './harness/gateway';
+import { readyModel } from './harness/gateway-app';
+import { natsStack, stubEngineStack, TestStack } from './harness/stack';
+import { sleep, until } from './harness/wait';
+
+const iso = isolation();
+const MODEL = `gwkill-${iso.id}`;
+const INSTANCE = 'i1';
+/** Streams in flight when the gateway dies. */
+const STREAMS = 4;
+/** Pieces of each answer (one completion token each), and those the clients hold when the gateway dies. */
+const CHUNKS = 40;
+const HELD_AFTER = 3;
+const ACK_WAIT_MS = 1000;
+const TOKEN_ID = 'gwkill';
+const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
+const KEY = `config/${TOKEN_ID}`;
+const SECRET = randomBytes(32).toString('hex');
+const ROOT = join(__dirname, '..');
+
+let nc: NatsConnection;
+let names: DataPlaneNames;
+let engine: StubEngine;
+let bridge: Bridge;
+/** Where the gateway processes look for Temporal: a port nobody listens on. */
+let temporalAddress: string;
+const bridgeLog: string[] = [];
+const processes = new Set<GatewayProcess>();
+const stack = new TestStack();
+
+/** While set, each chat answer the stub starts is held after {@link HELD_AFTER} pieces until `released`. */
+let hold: { released: Promise<void>; reached: number } | undefined;
+
+interface GatewayProcess {
+  child: ChildProcess;
+  url: string;
+  output: string[];
+  exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+}
+
+/** `magus gateway` on this file's data plane, from the TS sources; resolves once it listens. */
+async function startGatewayProcess(): Promise<GatewayProcess> {
+  const code = `require(${JSON.stringify(join(ROOT, 'workers', 'magus'))}).main(['gateway']).then((c) => process.exit(c))`;
+  // pdeathsig: the gateway dies with this test process, whatever happens to it.
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, '-r', require.resolve('@swc-node/register'), '-e', code], {
+    cwd: ROOT,
+    env: {
+      ...process.env,
+      MAGUS_NATS_URL: endpoint('nats').servers,
+      MAGUS_NATS_PREFIX: iso.natsPrefix,
+      MAGUS_GATEWAY_HOST: '127.0.0.1',
+      MAGUS_GATEWAY_PORT: '0',
+      MAGUS_GATEWAY_SECRET: SECRET,
+      MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'the gateway kill test' } }),
+      // Warm turns never need Temporal: the gateway starts and serves them with it unreachable.
+      MAGUS_TEMPORAL_ADDRESS: temporalAddress,
+      MAGUS_LOG_LEVEL: 'warn',
+    },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  const output: string[] = [];
+  const exited = new Promise<{ code: number | null; signal: NodeJS.Signals | null }>((resolve) =>
+    child.once('exit', (c, signal) => resolve({ code: c, signal })),
+  );
+  child.stdout.on('data', (d: Buffer) => output.push(d.toString()));
+  const url = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`magus gateway did not listen within 60 s:\n${output.join('')}`)), 60_000);
+    child.stderr.on('data', (d: Buffer) => {
+      output.push(d.toString());
+      const listening = /magus gateway: listening on (http:\/\/\S+) /.exec(output.join(''));
+      if (listening) {
+        clearTimeout(timer);
+        resolve(listening[1]!);
+      }
+    });
+    void exited.then(({ code: c, signal }) => {
+      clearTimeout(timer);
+      reject(new Error(`magus gateway exited (${c ?? signal}) before listening:\n${output.join('')}`));
+    });
+  });
+  const p: GatewayProcess = { child, url, output, exited };
+  processes.add(p);
+  return p;
+}
+
+beforeAll(async () => {
+  ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
+  temporalAddress = `127.0.0.1:${await freePort()}`;
+  ({ engine } = await stack.open(
+    stubEngineStack({
+      modelId: MODEL,
+      chunks: CHUNKS,
+      chunkDelayMs: 10,
+      pause: () => {
+        if (!hold) return undefined;
+        const h = hold;
+        return { afterChunks: HELD_AFTER, until: h.released, reached: () => (h.reached += 1) };
+      },
+    }),
+  ));
+  await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(MODEL));
+  await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: MODEL, instance: INSTANCE, slots: 2 * STREAMS, ackWaitMs: ACK_WAIT_MS });
+  bridge = await startBridge({
+    nc,
+    names,
+    pool: MODEL,
+    instance: INSTANCE,
+    engineUrl: engine.url,
+    slots: 2 * STREAMS,
+    log: (line) => bridgeLog.push(line),
+  });
+  stack.defer(() => bridge.stop());
+  stack.defer(async () => {
+    for (const p of processes) p.child.kill('SIGKILL');
+    await Promise.all([...processes].map((p) => p.exited));
+  });
+}, 60_000);
+
+afterAll(() => stack.close(), 60_000);
+
+/** Conversation `session`, pinned to the bridge's instance: its turns are warm on every gateway. */
+async function pinnedSession(name: string): Promise<string> {
+  const session = `${name}-${randomBytes(4).toString('hex')}`;
+  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${MODEL}`, messages: [], sessionId: session });
+  await pinConversation(nc, names, key, MODEL, INSTANCE);
+  return session;
+}
+
+interface Streaming {
+  session: string;
+  content: string;
+  requestId: string;
+  deltas: string[];
+  finishReasons: string[];
+  usage: OpenAI.CompletionUsage | undefined;
+  chunks: AsyncIterator<OpenAI.ChatCompletionChunk>;
+}
+
+/** A streamed chat turn of `session` through `gateway`, its usage asked for; resolves with the response's headers. */
+async function streamTurn(gateway: GatewayProcess, session: string, what: string): Promise<Streaming> {
+  const openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+  // Longer than CHUNKS characters: the stub splits it into CHUNKS pieces.
+  const content = `${what}: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+  const { data, request_id } = await openai.chat.completions
+    .create(
+      { model: MODEL, messages: [{ role: 'user', content }], stream: true, stream_options: { include_usage: true } },
+      { headers: { 'x-session-id': session } },
+    )
+    .withResponse();
+  expect(request_id).toEqual(expect.any(String));
+  return { session, content, requestId: request_id!, deltas: [], finishReasons: [], usage: undefined, chunks: data[Symbol.asyncIterator]() };
+}
+
+/** Reads `s` until it holds `pieces` pieces of text, or to its end (`pieces` undefined). */
+async function read(s: Streaming, pieces?: number): Promise<void> {
+  while (pieces === undefined || s.deltas.length < pieces) {
+    const r = await s.chunks.next();
+    if (r.done) {
+      if (pieces !== undefined) throw new Error(`the stream ended after ${s.deltas.length} pieces`);
+      return;
+    }
+    const c = r.value;
+    if (c.usage) s.usage = c.usage;
+    const choice = c.choices[0];
+    if (choice?.delta.content) s.deltas.push(choice.delta.content);
+    if (choice?.finish_reason) s.finishReasons.push(choice.finish_reason);
+  }
+}
+
+/** The stub's usage of an answer to `content`: ⌈characters / 4⌉ prompt tokens, one token per piece. */
+function engineUsage(content: string): UsageRecord['tokens'] {
+  const prompt = Math.ceil(content.length / 4);
+  return { prompt, cached: 0, completion: CHUNKS, total: prompt + CHUNKS };
+}
+
+async function ledgerRecords(key?: string): Promise<UsageRecord[]> {
+  return (await UsageLedger.open(nc.jetstream(), names)).read(key === undefined ? {} : { key });
+}
+
+/** What went on, for a failure's message. */
+function diagnosis(): string {
+  return [
+    `bridge stats: ${JSON.stringify(bridge.stats)}`,
+    `bridge log:\n${bridgeLog.join('\n')}`,
+    ...[...processes].map((p) => `gateway ${p.url}:\n${p.output.join('')}`),
+  ].join('\n');
+}
+
+test('a gateway SIGKILLed with 4 streams mid-answer: the bridge ends each, one completed record apiece with the full usage; none for refusals; a new gateway’s turn adds exactly one', async () => {
+  const t0 = Date.now();
+  const first = await startGatewayProcess();
+  const sessions = await Promise.all(Array.from({ length: STREAMS }, (_, i) => pinnedSession(`s${i}`)));
+
+  // Refused before any bridge: a token the gateway does not know, a model that does not exist.
+  const post = (token: string, model: string) =>
+    fetch(`${first.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json', 'x-session-id': sessions[0]! },
+      body: JSON.stringify({ model, messages: [{ role: 'user', content: 'refused before it reaches a bridge' }], stream: true }),
+    });
+  const unknownToken = await post(`mgs_nobody_${randomBytes(16).toString('hex')}`, MODEL);
+  expect(unknownToken.status).toBe(401);
+  await unknownToken.body?.cancel();
+  const unknownModel = await post(TOKEN, `no-such-model-${iso.id}`);
+  expect(unknownModel.status).toBe(404);
+  await unknownModel.body?.cancel();
+
+  // 4 streams, each held by the engine after HELD_AFTER pieces; the clients read those pieces.
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  hold = { released, reached: 0 };
+  const streams = await Promise.all(sessions.map((session, i) => streamTurn(first, session, `stream ${i}`)));
+  await until('every answer held by the engine', () => hold!.reached === STREAMS);
+  hold = undefined;
+  await Promise.all(streams.map((s) => read(s, HELD_AFTER)));
+  for (const s of streams) expect(s.deltas).toEqual(splitText(s.content, CHUNKS).slice(0, HELD_AFTER));
+  expect(new Set(streams.map((s) => s.requestId)).size).toBe(STREAMS);
+  expect(engine.requests).toHaveLength(STREAMS); // the refusals never reached it
+
+  // SIGKILL: no cancel is sent, no stream is closed cleanly; each client's connection fails.
+  const killedAt = Date.now();
+  first.child.kill('SIGKILL');
+  expect(await first.exited).toEqual({ code: null, signal: 'SIGKILL' });
+  processes.delete(first);
+  for (const s of streams) await expect(read(s)).rejects.toThrow();
+  for (const s of streams) {
+    expect(s.deltas).toHaveLength(HELD_AFTER);
+    expect(s.finishReasons).toEqual([]);
+    expect(s.usage).toBeUndefined();
+  }
+  expect(bridge.stats).toMatchObject({ acked: 0, usageRecorded: 0, cancelled: 0 });
+
+  // The engine goes on: the bridge ends every answer, acks it and records it — once, in full.
+  release();
+  try {
+    await until('every answer acked and recorded', () => bridge.stats.acked === STREAMS && bridge.stats.usageRecorded === STREAMS);
+  } catch (err) {
+    throw new Error(`${(err as Error).message}\n${diagnosis()}`);
+  }
+  const records = await ledgerRecords(KEY);
+  expect(records.map((r) => r.id).sort()).toEqual(streams.map((s) => s.requestId).sort());
+  for (const s of streams) {
+    const r = records.find((x) => x.id === s.requestId)!;
+    expect(r).toMatchObject({
+      key: KEY,
+      model: `default/${MODEL}`,
+      kind: 'chat',
+      outcome: 'completed',
+      reported: true,
+      tokens: engineUsage(s.content),
+    });
+    expect(r.error).toBeUndefined();
+    expect(r.start).toBeGreaterThanOrEqual(t0);
+    expect(r.start).toBeLessThan(killedAt);
+    // Ended after the gateway had died: by the bridge, on its own.
+    expect(r.end).toBeGreaterThan(killedAt);
+  }
+
+  // A new gateway process: the first conversation's next turn is served normally, and recorded once.
+  const second = await startGatewayProcess();
+  const again = await streamTurn(second, sessions[0]!, 'again');
+  await read(again);
+  expect(again.deltas).toEqual(splitText(again.content, CHUNKS));
+  expect(again.finishReasons).toEqual(['stop']);
+  expect(again.usage).toMatchObject({ completion_tokens: CHUNKS, total_tokens: engineUsage(again.content).total });
+  await until('the new turn recorded', () => bridge.stats.usageRecorded === STREAMS + 1);
+  const after = await ledgerRecords(KEY);
+  expect(after).toHaveLength(STREAMS + 1);
+  const fresh = after.filter((r) => !records.some((x) => x.id === r.id));
+  expect(fresh).toHaveLength(1);
+  expect(fresh[0]).toMatchObject({ id: again.requestId, key: KEY, kind: 'chat', outcome: 'completed', reported: true });
+  expect(fresh[0]!.tokens.total).toBe(again.usage!.total_tokens);
+  expect(fresh[0]!.tokens.completion).toBe(again.usage!.completion_tokens);
+  expect(fresh[0]!.tokens.prompt).toBe(again.usage!.prompt_tokens);
+
+  // Past the consumer's ack wait (three times over): nothing redelivered, answered or recorded again.
+  // (Nothing is to happen, so there is no condition to wait for: a sleep.)
+  await sleep(3 * ACK_WAIT_MS);
+  const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(MODEL, INSTANCE));
+  expect({ pending: consumer.num_pending, ackPending: consumer.num_ack_pending, redelivered: consumer.num_redelivered }).toEqual({
+    pending: 0,
+    ackPending: 0,
+    redelivered: 0,
+  });
+  expect(bridge.stats).toMatchObject({
+    pulled: STREAMS + 1,
+    acked: STREAMS + 1,
+    redelivered: 0,
+    termed: 0,
+    nakked: 0,
+    cancelled: 0,
+    errors: 0,
+    usageRecorded: STREAMS + 1,
+    usageUnrecorded: 0,
+    inFlight: 0,
+  });
+  expect(engine.requests).toHaveLength(STREAMS + 1);
+  // The whole ledger: these records and no other (no key of a refused request), each written once.
+  const all = await ledgerRecords();
+  expect(all).toHaveLength(STREAMS + 1);
+  expect(new Set(all.map((r) => r.id)).size).toBe(STREAMS + 1);
+  expect(new Set(all.map((r) => r.key))).toEqual(new Set([KEY]));
+  const usageStream = await (await nc.jetstreamManager()).streams.info(`KV_${names.usageBucket}`);
+  expect(usageStream.state.messages).toBe(STREAMS + 1);
+
+  // The new gateway stops cleanly.
+  second.child.kill('SIGTERM');
+  expect(await second.exited).toEqual({ code: 0, signal: null });
+  processes.delete(second);
+}, 60_000);
