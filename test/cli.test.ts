@@ -11,7 +11,8 @@ const run = (...args: string[]) => spawnSync(process.execPath, [bin, ...args], {
 test('help lists every mode', () => {
   const r = run('--help');
   expect(r.status).toBe(0);
-  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert']) expect(r.stdout).toMatch(new RegExp(`^  ${mode} `, 'm'));
+  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model', 'keys', 'usage'])
+    expect(r.stdout).toMatch(new RegExp(`^  ${mode} `, 'm'));
 });
 
 describe('convert', () => {
@@ -64,7 +65,7 @@ describe('convert', () => {
 });
 
 test('every mode answers --help with its usage and exit 0, starting nothing', () => {
-  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model']) {
+  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model', 'keys', 'usage']) {
     // A mode that started its servers would not exit: spawnSync's timeout kills it, status null.
     const r = run(mode, '--help');
     expect([mode, r.status, r.stdout.startsWith(`usage: magus ${mode}`)]).toEqual([mode, 0, true]);

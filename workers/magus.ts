@@ -19,6 +19,7 @@ import type * as BridgeMetricsModule from '../dataplane/bridge/metrics';
 import type * as ProcessMetricsModule from '../platform/process-metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as KeysModule from './keys';
+import type * as UsageModule from './usage';
 import type * as ModelPullModule from './model-pull';
 import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
@@ -41,6 +42,7 @@ const load = {
   bridgeMetrics: () => require('../dataplane/bridge/metrics') as typeof BridgeMetricsModule,
   gateway: () => require('../gateway/server') as typeof GatewayModule,
   keys: () => require('./keys') as typeof KeysModule,
+  usage: () => require('./usage') as typeof UsageModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
   modelTiny: () => require('./model-tiny') as typeof ModelTinyModule,
   worker: () => require('./worker') as typeof WorkerModule,
@@ -64,6 +66,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   convert: 'convert safetensors to GGUF or distributed-llama',
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
   keys: 'keys create NAME | limits NAME | list | revoke NAME: API keys and their limits without Kubernetes (on a cluster: ApiKey resources)',
+  usage: 'the usage ledger: requests and tokens per key, model and day or month (--csv: the billing export), or each request',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -82,6 +85,7 @@ function usage(): string {
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus model tiny <dir> [--seed N] [--arch llama|qwen3]   (a tiny random safetensors model to try things with)',
     'magus keys create NAME [--models m1,m2] [--rpm N] [--tpm N] [--concurrency N] [--budget-tokens N --period day|month] | keys limits NAME … | keys list [--json] | keys revoke NAME',
+    'magus usage [--key K] [--since T] [--until T] [--by day|month] [--records] [--json | --csv]   (K: an identity, or NAME for local/NAME; T: 2026-11-29, a date-time, 24h, 7d)',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
@@ -414,6 +418,8 @@ export async function main(argv: string[]): Promise<number> {
       return 1;
     case 'keys':
       return configErrors(() => load.keys().keysCommand(rest));
+    case 'usage':
+      return configErrors(() => load.usage().usageCommand(rest));
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
       return EXIT_NOT_AVAILABLE;
