@@ -17,6 +17,7 @@ import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './serving/model-catalog';
 import { kvResponseStore } from './serving/response-store';
 import { KeyLimiter } from './serving/limits';
+import { UsageLedger } from '../dataplane/usage';
 import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
 import { cancelSubject } from '../shared/serving';
@@ -243,6 +244,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       },
       () => undefined, // not declared yet: the scrape reports it once it is
     );
+    // The usage ledger, bound (declared with the data plane): requests this gateway gave up on are recorded as such.
+    const ledger = new UsageLedger(await nc.jetstream().views.kv(config.buckets.usage, { bindOnly: true }));
     let publish = deps.publish;
     if (!publish) {
       const publisher = streamPublisher(nc);
@@ -264,6 +267,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       readStored,
       backlogFull: deps.backlogFull,
       limiter,
+      recordUsage: (record) => {
+        ledger.record(record).catch((err: unknown) => log.debug({ err, inferenceId: record.id }, 'could not record an unanswered request in the usage ledger'));
+      },
       cancel: (session, requestId) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));
         const payload = JSON.stringify({ id: requestId });

@@ -44,6 +44,8 @@ const SETTLE_MS = 3_000;
 /** One request as its client saw it. */
 interface Outcome {
   client: number;
+  /** The gateway's `x-request-id`. */
+  id: string | null;
   content: string;
   startedAt: number;
   endedAt: number;
@@ -152,6 +154,7 @@ describe('the data plane on a three-node NATS cluster', () => {
   const ask = async (client: number, content: string): Promise<Outcome> => {
     const o: Outcome = {
       client,
+      id: null,
       content,
       startedAt: Date.now(),
       endedAt: 0,
@@ -169,6 +172,7 @@ describe('the data plane on a three-node NATS cluster', () => {
         body: JSON.stringify({ model: POOL, messages: [{ role: 'user', content }], stream: true }),
       });
       o.status = res.status;
+      o.id = res.headers.get('x-request-id');
       o.retryAfter = res.headers.get('retry-after');
       if (res.status !== 200) {
         // The error's code, for answers refused before their stream started (e.g. 502 `frames_lost`).
@@ -470,18 +474,25 @@ describe('the data plane on a three-node NATS cluster', () => {
       // whose delivery a new consumer leader handed out again while the first was running: the
       // take-over resumes after the stored frames — one answer on the wire.)
       expect(bridge.stats.framesUnstored).toBe(0);
-      // The usage ledger through both outages: one record per accepted request, each completed, and
-      // none for a refused one (a 503 reached no bridge). Records are written as answers end.
+      // The usage ledger through both outages: exactly one record per accepted request, completed;
+      // a refused one (a 503) none, or the gateway's own record of giving up (failed, no tokens) —
+      // never a completed one, though its publish may have been stored and served (its cancel lost
+      // while the bridge reconnected): the gateway's record, written when it answered 503, comes first.
       const ledger = await UsageLedger.open(worker.jetstream(), names);
-      let records = await ledger.read();
-      for (let i = 0; records.length < accepted.length && i < 100; i++) {
+      const byId = async () => new Map((await ledger.read()).map((r) => [r.id, r]));
+      let records = await byId();
+      for (let i = 0; accepted.some((o) => !records.has(o.id!)) && i < 100; i++) {
         await sleep(100);
-        records = await ledger.read();
+        records = await byId();
       }
-      process.stdout.write(`ledger: ${records.length} records for ${accepted.length} accepted requests; bridge usage recorded ${bridge.stats.usageRecorded}\n`);
-      expect(records.length).toBe(accepted.length);
-      expect(new Set(records.map((r) => r.id)).size).toBe(records.length);
-      expect(records.filter((r) => r.outcome !== 'completed' || !r.reported)).toEqual([]);
+      const refusedRecords = refused.map((o) => records.get(o.id!)).filter((r) => r !== undefined);
+      process.stdout.write(
+        `ledger: ${records.size} records for ${accepted.length} accepted requests (bridge recorded ${bridge.stats.usageRecorded}); ` +
+          `of ${refused.length} refused, ${refusedRecords.length} recorded, ${refusedRecords.filter((r) => r.outcome === 'failed' && r.tokens.total === 0).length} of them failed with no tokens\n`,
+      );
+      expect(accepted.filter((o) => records.get(o.id!)?.outcome !== 'completed' || !records.get(o.id!)?.reported)).toEqual([]);
+      expect(refusedRecords.filter((r) => r.outcome !== 'failed' || r.tokens.total !== 0)).toEqual([]);
+      expect(records.size).toBe(accepted.length + refusedRecords.length);
       expect(bridge.stats.usageUnrecorded).toBe(0);
     } finally {
       await running.stop();

@@ -3,6 +3,7 @@
  * fakes of these interfaces): the model catalog, token source, session broker, request publisher,
  * response router and stored responses, plus the settings of the request path. Decorated as `app.gateway`.
  */
+import type { UsageRecord } from '../../shared/usage';
 import type { KeyLimiter } from '../serving/limits';
 import type { ReadyModel } from '../../shared/model';
 import type { ResponseFrame, SessionEntry } from '../../shared/serving';
@@ -68,6 +69,11 @@ export interface GatewayServices {
   limiter?: KeyLimiter;
   /** When a client goes away after its request was published: stop the engine's work on it. */
   cancel?: CancelRequest;
+  /**
+   * Writes a usage record for a request the gateway gave up on (dataplane/usage.ts; create-once,
+   * so a bridge that recorded it first keeps its record); best effort, never awaited.
+   */
+  recordUsage?: (record: UsageRecord) => void;
   readiness: ReadinessCheck[];
 }
 

@@ -49,7 +49,23 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     retryAfterSec: s.retryAfterSec,
     signal,
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
-    onAbandon: () => g.cancel?.(entry, req.id),
+    onAbandon: (reason) => {
+      g.cancel?.(entry, req.id);
+      // The ledger records what the client was told — no answer — unless the bridge recorded it first.
+      if (req.meter)
+        g.recordUsage?.({
+          id: req.id,
+          key: req.meter.key,
+          model: req.meter.model,
+          kind: req.kind ?? 'chat',
+          start: req.meter.at,
+          end: Date.now(),
+          outcome: 'failed',
+          error: reason,
+          tokens: { prompt: 0, cached: 0, completion: 0, total: 0 },
+          reported: false,
+        });
+    },
   };
 }
 

@@ -327,9 +327,10 @@ export interface ExchangeOptions {
    * frames lost, or a publish whose acknowledgement never came (the stream may have stored it):
    * the caller cancels it at the bridge, so nobody's engine time goes to an answer nobody reads
    * (and a client's retry is not served twice). Not called when the bridge ended it (an error
-   * frame) or the stream refused it (backlog full).
+   * frame) or the stream refused it (backlog full). `reason`: `timeout`, `frames_lost` or
+   * `publish_failed`.
    */
-  onAbandon?: () => void;
+  onAbandon?: (reason: string) => void;
 }
 
 /**
@@ -363,7 +364,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
       if (finished) return;
       opts.onUpstreamError?.(reason);
-      if (ABANDONED.has(reason)) opts.onAbandon?.();
+      if (ABANDONED.has(reason)) opts.onAbandon?.(reason);
       if (cause !== undefined) e.cause = cause;
       finish(e);
     };
