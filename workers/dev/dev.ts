@@ -40,6 +40,7 @@ import { natsServerList } from '../../platform/config';
 import { defaultModelName, RetryReport } from '../model-pull';
 import { startWorkers } from '../worker';
 import { cachedWorkflowsMetricsText } from '../../platform/process-metrics';
+import { bridgeMetricsText } from '../../dataplane/bridge';
 import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type ServiceName } from './services';
 import { forgetEngines, retireUnreplayable } from './restart';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO, SMOLLM2_SAMPLING } from './demo-model';
@@ -355,7 +356,12 @@ export async function runDev(opts: DevOptions): Promise<number> {
             // its connections after 10 s, instead of running past the bound and exiting 1.
             MAGUS_GATEWAY_SHUTDOWN_GRACE_MS: String(GATEWAY_GRACE_MS),
           }),
-          { ...sessions, temporal: temporalHealth, processMetrics: () => cachedWorkflowsMetricsText(workers?.cachedWorkflows()) },
+          {
+            ...sessions,
+            temporal: temporalHealth,
+            // One process: the gateway's /metrics also shows the worker's (its bridges and the usage ledger's tokens).
+            processMetrics: () => cachedWorkflowsMetricsText(workers?.cachedWorkflows()) + bridgeMetricsText(workers?.runtime.bridges() ?? []),
+          },
         ),
       { port: opts.port, preferred: [readDevPorts(dataDir).gateway, 8080], flag: '--port' },
     );
