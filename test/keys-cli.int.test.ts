@@ -7,7 +7,6 @@
  * naming the flag with nothing written; a revoked token is refused within seconds; NATS away or
  * the data plane missing is an exit 1 naming what is wrong.
  */
-import { spawn } from 'node:child_process';
 import type { KV, NatsConnection } from 'nats';
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
 import type { TokenEntry } from '../shared/serving';
@@ -17,7 +16,7 @@ import { tokenDigest } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { MAX_PER_MINUTE } from '../shared/limits';
 import { endpoint, isolation } from './harness';
-import { MAGUS_BIN, REPO_ROOT } from './harness/dev';
+import { runMagus, type MagusRun } from './harness/dev';
 import { LogSink, readyModel, TEST_SECRET } from './harness/gateway-app';
 import { gatewayStack, natsStack, tempDir, TestStack } from './harness/stack';
 import { until } from './harness/wait';
@@ -48,21 +47,8 @@ beforeAll(async () => {
 afterAll(() => stack.close());
 
 /** `magus keys <args>` (the built CLI) with the test's environment and `extra` over it; killed after `timeoutMs`. */
-function keys(args: string[], extra: NodeJS.ProcessEnv = {}, timeoutMs = 20_000): Promise<{ code: number | null; stdout: string; stderr: string; ms: number }> {
-  const started = Date.now();
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [MAGUS_BIN, 'keys', ...args], { cwd: REPO_ROOT, env: { ...env, ...extra }, stdio: ['ignore', 'pipe', 'pipe'] });
-    let stdout = '';
-    let stderr = '';
-    child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
-    child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
-    const timer = setTimeout(() => child.kill('SIGKILL'), timeoutMs);
-    child.once('error', reject);
-    child.once('close', (code) => {
-      clearTimeout(timer);
-      resolve({ code, stdout, stderr, ms: Date.now() - started });
-    });
-  });
+function keys(args: string[], extra: NodeJS.ProcessEnv = {}, timeoutMs = 20_000): Promise<MagusRun> {
+  return runMagus(['keys', ...args], { ...env, ...extra }, timeoutMs);
 }
 
 /** `GET path` at the gateway with `token`: status and JSON body. */

@@ -7,12 +7,11 @@
  * nothing for what was asked, is one line and exit 0; a bad command line, NATS away or no ledger
  * there is an exit 1 naming what is wrong.
  */
-import { spawn } from 'node:child_process';
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import { aggregateUsage, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
 import { endpoint, isolation } from './harness';
-import { MAGUS_BIN, REPO_ROOT } from './harness/dev';
+import { runMagus, type MagusRun } from './harness/dev';
 import { natsStack, tempDir, TestStack } from './harness/stack';
 
 const iso = isolation();
@@ -76,25 +75,8 @@ beforeAll(async () => {
 afterAll(() => stack.close());
 
 /** `magus usage <args>` (the built CLI) with the test's environment and `extra` over it; killed after `timeoutMs`. */
-function usage(
-  args: string[],
-  extra: NodeJS.ProcessEnv = {},
-  timeoutMs = 20_000,
-): Promise<{ code: number | null; stdout: string; stderr: string; ms: number }> {
-  const started = Date.now();
-  return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [MAGUS_BIN, 'usage', ...args], { cwd: REPO_ROOT, env: { ...env, ...extra }, stdio: ['ignore', 'pipe', 'pipe'] });
-    let stdout = '';
-    let stderr = '';
-    child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
-    child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
-    const timer = setTimeout(() => child.kill('SIGKILL'), timeoutMs);
-    child.once('error', reject);
-    child.once('close', (code) => {
-      clearTimeout(timer);
-      resolve({ code, stdout, stderr, ms: Date.now() - started });
-    });
-  });
+function usage(args: string[], extra: NodeJS.ProcessEnv = {}, timeoutMs = 20_000): Promise<MagusRun> {
+  return runMagus(['usage', ...args], { ...env, ...extra }, timeoutMs);
 }
 
 /** Exit 0, nothing on stderr: its stdout. */

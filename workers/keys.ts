@@ -12,14 +12,12 @@
  * Where NATS is: `MAGUS_NATS_URL` (and `MAGUS_NATS_PREFIX`), else the running `magus dev`.
  */
 import { randomBytes, randomUUID } from 'node:crypto';
-import { connect, type KV, type NatsConnection } from 'nats';
-import { dataPlaneNames, JsApiError, jsErrorCode } from '../dataplane';
+import type { KV } from 'nats';
 import { describeKeyLimits, entryLimits, listKeys, registerKey, tokenDigest, unregisterKey, type KeyOwnerRef } from '../dataplane/keys';
-import { natsServerList } from '../platform/config';
 import { UsageError, usageFailure } from '../platform/cli';
 import { KeyLimits, type BudgetPeriod } from '../shared/limits';
 import { keyOwner, type TokenEntry } from '../shared/serving';
-import { loadConfig, useDevConnection } from './config';
+import { onDataPlaneBucket } from './data-plane-cli';
 
 /** The flags of a whole-number limit: what it counts, and its bounds (KeyLimits', the ones the gateway and the ApiKey CRD hold). */
 const WHOLE_LIMITS = {
@@ -221,86 +219,67 @@ export async function keysCommand(args: string[]): Promise<number> {
   } catch (err) {
     return usageFailure('magus keys', KEYS_USAGE, err);
   }
-  const dev = useDevConnection(process.env);
-  const cfg = loadConfig();
-  let nc: NatsConnection;
-  try {
-    nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-keys', reconnect: false, timeout: 5000 });
-  } catch (err) {
-    const where = dev?.taken.includes('MAGUS_NATS_URL')
-      ? `the running magus dev's NATS (${cfg.nats.servers})`
-      : `NATS at ${cfg.nats.servers}${process.env.MAGUS_NATS_URL ? '' : ' (the default: MAGUS_NATS_URL is unset and no magus dev runs)'}`;
-    process.stderr.write(`magus keys: cannot reach ${where}: ${(err as Error).message}\n`);
-    return 1;
-  }
-  try {
-    const bucket = dataPlaneNames(cfg.natsPrefix).tokensBucket;
-    let kv: KV;
-    try {
-      kv = await nc.jetstream().views.kv(bucket, { bindOnly: true });
-      await kv.status(); // binding does not look for the bucket: this fails when it is missing
-    } catch (err) {
-      if (jsErrorCode(err) !== JsApiError.streamNotFound) throw err;
-      process.stderr.write(`magus keys: NATS at ${cfg.nats.servers} has no ${bucket} bucket: start magus dev (or a gateway) first\n`);
-      return 1;
-    }
-    if (parsed.command === 'create') {
-      const made = await createLocalKey(kv, parsed.name, parsed);
-      if ('error' in made) {
-        process.stderr.write(`magus keys: ${made.error}\n`);
-        return 1;
+  return onDataPlaneBucket(
+    'magus keys',
+    (names) => names.tokensBucket,
+    'start magus dev (or a gateway) first',
+    async (kv) => {
+      if (parsed.command === 'create') {
+        const made = await createLocalKey(kv, parsed.name, parsed);
+        if ('error' in made) {
+          process.stderr.write(`magus keys: ${made.error}\n`);
+          return 1;
+        }
+        const models = parsed.models ? `models ${parsed.models.join(', ')}` : 'every model';
+        const limits = parsed.limits ? `limits: ${describeKeyLimits(parsed.limits)}` : 'no limits';
+        process.stderr.write(`key local/${parsed.name} created (token id ${made.id}; ${models}; ${limits}). Its token, shown only this once:\n`);
+        process.stdout.write(`${made.token}\n`);
+        return 0;
       }
-      const models = parsed.models ? `models ${parsed.models.join(', ')}` : 'every model';
-      const limits = parsed.limits ? `limits: ${describeKeyLimits(parsed.limits)}` : 'no limits';
-      process.stderr.write(`key local/${parsed.name} created (token id ${made.id}; ${models}; ${limits}). Its token, shown only this once:\n`);
-      process.stdout.write(`${made.token}\n`);
-      return 0;
-    }
-    if (parsed.command === 'limits') {
-      if ((await setLocalKeyLimits(kv, parsed.name, parsed.limits)) === 0) {
-        process.stderr.write(`magus keys: no local key named ${parsed.name} (magus keys list shows them; an ApiKey's limits are its spec.limits)\n`);
-        return 1;
-      }
-      process.stderr.write(
-        `key local/${parsed.name}: ${parsed.limits ? `limits ${describeKeyLimits(parsed.limits)}` : 'no limits'}, at every gateway within seconds\n`,
-      );
-      return 0;
-    }
-    if (parsed.command === 'revoke') {
-      const n = await revokeLocalKey(kv, parsed.name);
-      if (n === 0) {
-        process.stderr.write(`magus keys: no local key named ${parsed.name} (magus keys list shows them)\n`);
-        return 1;
-      }
-      process.stderr.write(`key local/${parsed.name} revoked: its token is refused from now on\n`);
-      return 0;
-    }
-    const keys = (await listKeys(kv)).map(({ id, entry }) => ({
-      key: entry.key ?? `token/${id}`,
-      tokenId: id,
-      models: entry.models ?? ['*'],
-      ...(entry.limits ? { limits: entry.limits } : {}),
-      suspended: entry.suspended === true,
-      origin: entry.origin ?? 'unknown',
-      owner: keyOwner(entry.key ?? `token/${id}`, entry.uid ?? id),
-    }));
-    if (parsed.json) process.stdout.write(`${JSON.stringify(keys, null, 2)}\n`);
-    else {
-      const rows = [
-        ['KEY', 'TOKEN ID', 'MODELS', 'LIMITS', 'SUSPENDED', 'FROM'],
-        ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), describeKeyLimits(k.limits), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
-      ];
-      const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)));
-      for (const r of rows)
-        process.stdout.write(
-          `${r
-            .map((c, i) => c.padEnd(widths[i]!))
-            .join('  ')
-            .trimEnd()}\n`,
+      if (parsed.command === 'limits') {
+        if ((await setLocalKeyLimits(kv, parsed.name, parsed.limits)) === 0) {
+          process.stderr.write(`magus keys: no local key named ${parsed.name} (magus keys list shows them; an ApiKey's limits are its spec.limits)\n`);
+          return 1;
+        }
+        process.stderr.write(
+          `key local/${parsed.name}: ${parsed.limits ? `limits ${describeKeyLimits(parsed.limits)}` : 'no limits'}, at every gateway within seconds\n`,
         );
-    }
-    return 0;
-  } finally {
-    await nc.close();
-  }
+        return 0;
+      }
+      if (parsed.command === 'revoke') {
+        const n = await revokeLocalKey(kv, parsed.name);
+        if (n === 0) {
+          process.stderr.write(`magus keys: no local key named ${parsed.name} (magus keys list shows them)\n`);
+          return 1;
+        }
+        process.stderr.write(`key local/${parsed.name} revoked: its token is refused from now on\n`);
+        return 0;
+      }
+      const keys = (await listKeys(kv)).map(({ id, entry }) => ({
+        key: entry.key ?? `token/${id}`,
+        tokenId: id,
+        models: entry.models ?? ['*'],
+        ...(entry.limits ? { limits: entry.limits } : {}),
+        suspended: entry.suspended === true,
+        origin: entry.origin ?? 'unknown',
+        owner: keyOwner(entry.key ?? `token/${id}`, entry.uid ?? id),
+      }));
+      if (parsed.json) process.stdout.write(`${JSON.stringify(keys, null, 2)}\n`);
+      else {
+        const rows = [
+          ['KEY', 'TOKEN ID', 'MODELS', 'LIMITS', 'SUSPENDED', 'FROM'],
+          ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), describeKeyLimits(k.limits), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
+        ];
+        const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)));
+        for (const r of rows)
+          process.stdout.write(
+            `${r
+              .map((c, i) => c.padEnd(widths[i]!))
+              .join('  ')
+              .trimEnd()}\n`,
+          );
+      }
+      return 0;
+    },
+  );
 }

@@ -10,13 +10,10 @@
  *
  * Where NATS is: `MAGUS_NATS_URL` (and `MAGUS_NATS_PREFIX`), else the running `magus dev`.
  */
-import { connect, type KV, type NatsConnection } from 'nats';
-import { dataPlaneNames, JsApiError, jsErrorCode } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
-import { natsServerList } from '../platform/config';
 import { UsageError, usageFailure } from '../platform/cli';
 import { aggregateUsage, flatRecord, RECORD_COLUMNS, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
-import { loadConfig, useDevConnection } from './config';
+import { onDataPlaneBucket } from './data-plane-cli';
 
 export const USAGE_USAGE = [
   'usage: magus usage [--key K] [--since T] [--until T] [--by day|month] [--records] [--json | --csv]',
@@ -215,45 +212,25 @@ export async function usageCommand(args: string[]): Promise<number> {
   } catch (err) {
     return usageFailure('magus usage', USAGE_USAGE, err);
   }
-  const dev = useDevConnection(process.env);
-  const cfg = loadConfig();
-  let nc: NatsConnection;
-  try {
-    nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-usage', reconnect: false, timeout: 5000 });
-  } catch (err) {
-    const where = dev?.taken.includes('MAGUS_NATS_URL')
-      ? `the running magus dev's NATS (${cfg.nats.servers})`
-      : `NATS at ${cfg.nats.servers}${process.env.MAGUS_NATS_URL ? '' : ' (the default: MAGUS_NATS_URL is unset and no magus dev runs)'}`;
-    process.stderr.write(`magus usage: cannot reach ${where}: ${(err as Error).message}\n`);
-    return 1;
-  }
-  try {
-    const bucket = dataPlaneNames(cfg.natsPrefix).usageBucket;
-    let kv: KV;
-    try {
-      kv = await nc.jetstream().views.kv(bucket, { bindOnly: true });
-      await kv.status(); // binding does not look for the bucket: this fails when it is missing
-    } catch (err) {
-      if (jsErrorCode(err) !== JsApiError.streamNotFound) throw err;
-      process.stderr.write(
-        `magus usage: NATS at ${cfg.nats.servers} has no ${bucket} bucket: no data plane there (magus dev, a worker, the controller or magus bridge declares it; is MAGUS_NATS_PREFIX right?)\n`,
-      );
-      return 1;
-    }
-    const records = await new UsageLedger(kv).read({
-      ...(parsed.key !== undefined ? { key: parsed.key } : {}),
-      ...(parsed.since !== undefined ? { since: parsed.since } : {}),
-      ...(parsed.until !== undefined ? { until: parsed.until } : {}),
-    });
-    if (records.length === 0 && parsed.format === 'table') {
-      process.stdout.write(noUsageLine(parsed));
+  const missing = 'no data plane there (magus dev, a worker, the controller or magus bridge declares it; is MAGUS_NATS_PREFIX right?)';
+  return onDataPlaneBucket(
+    'magus usage',
+    (names) => names.usageBucket,
+    missing,
+    async (kv) => {
+      const records = await new UsageLedger(kv).read({
+        ...(parsed.key !== undefined ? { key: parsed.key } : {}),
+        ...(parsed.since !== undefined ? { since: parsed.since } : {}),
+        ...(parsed.until !== undefined ? { until: parsed.until } : {}),
+      });
+      if (records.length === 0 && parsed.format === 'table') {
+        process.stdout.write(noUsageLine(parsed));
+        return 0;
+      }
+      // A program reading JSON or CSV gets `[]` or the header alone; the person running it, the line.
+      if (records.length === 0) process.stderr.write(noUsageLine(parsed));
+      process.stdout.write(formatUsage(records, parsed));
       return 0;
-    }
-    // A program reading JSON or CSV gets `[]` or the header alone; the person running it, the line.
-    if (records.length === 0) process.stderr.write(noUsageLine(parsed));
-    process.stdout.write(formatUsage(records, parsed));
-    return 0;
-  } finally {
-    await nc.close();
-  }
+    },
+  );
 }

@@ -12,6 +12,32 @@ import { processRunning, sleep } from './wait';
 export const REPO_ROOT = join(__dirname, '..', '..');
 export const MAGUS_BIN = join(REPO_ROOT, 'bin', 'magus.js');
 
+/** What a finished `magus` command printed, its exit code and how long it ran. */
+export interface MagusRun {
+  code: number | null;
+  stdout: string;
+  stderr: string;
+  ms: number;
+}
+
+/** `magus <args>` (the built CLI) to its end, with `env`; killed after `timeoutMs`. */
+export function runMagus(args: string[], env: NodeJS.ProcessEnv, timeoutMs = 20_000): Promise<MagusRun> {
+  const started = Date.now();
+  return new Promise((resolve, reject) => {
+    const child = spawn(process.execPath, [MAGUS_BIN, ...args], { cwd: REPO_ROOT, env, stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+    child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+    const timer = setTimeout(() => child.kill('SIGKILL'), timeoutMs);
+    child.once('error', reject);
+    child.once('close', (code) => {
+      clearTimeout(timer);
+      resolve({ code, stdout, stderr, ms: Date.now() - started });
+    });
+  });
+}
+
 export type DevLauncher = 'direct' | 'npm' | 'npx';
 
 export interface DevRun {
