@@ -17,16 +17,18 @@
  */
 import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
-import type { KV } from 'nats';
+import type { JetStreamClient, KV } from 'nats';
+import type { LimitStore } from '../dataplane/limits';
 import { watchResource, type ResourceWatch } from '../kube/watch';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { Kind, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
+import { Kind, Plural, type ApiKeyResource, type DllamaResource, type ModelResource } from '../shared/kube';
 import { DllamaReconciler } from './dllama-reconciler';
 import { Finalizers } from './finalizers';
 import { startKeys, type Keys } from './keys';
 import { ModelReconciler } from './model-reconciler';
 import { WorkQueue, type Requeue } from './queue';
 import { startSessionMirror, type SessionMirror } from './sessions';
+import { startUsageStatus, type UsageStatus } from './usage-status';
 import { WorkflowSignals } from './signals';
 
 export interface ControllerOptions {
@@ -36,6 +38,11 @@ export interface ControllerOptions {
   tokens?: KV;
   /** Namespaces whose models an ApiKey of any namespace may name (default: none). */
   sharedModelNamespaces?: readonly string[];
+  /**
+   * The usage ledger's bucket (and the gateways' limit counts): with a tokens bucket too, each
+   * ApiKey's `status.usage` is written from it (usage-status.ts).
+   */
+  usage?: { js: JetStreamClient; bucket: string; limits?: LimitStore; intervalMs?: number };
   /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
   sessions?: { kv: KV; cap: number };
   /** Only this namespace (default: all namespaces). */
@@ -69,6 +76,8 @@ export interface Controller {
   idle(): Promise<void>;
   /** The Session mirror has made a complete pass after this call. */
   sessionsSettled(): Promise<void>;
+  /** Every ApiKey's changed `status.usage` has been written after this call. */
+  usageWritten(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -97,6 +106,8 @@ export class ResourceController implements Controller {
   private readonly keys: Keys | undefined;
   /** Absent without a sessions bucket, or with a cap of 0. */
   private readonly sessionMirror: SessionMirror | undefined;
+  /** ApiKeys' usage; absent without the ledger or a tokens bucket (undefined inside: it could not start). */
+  private readonly usageStatus: Promise<UsageStatus | undefined> | undefined;
 
   constructor(opts: ControllerOptions) {
     const log = opts.log ?? (() => undefined);
@@ -162,6 +173,14 @@ export class ResourceController implements Controller {
         })
       : undefined;
     if (this.keys) Object.assign(this.watches, this.keys.watches);
+    const apikeys = this.keys?.watches.apikeys as ResourceWatch<ApiKeyResource> | undefined;
+    this.usageStatus =
+      opts.usage && apikeys
+        ? startUsageStatus({ ...opts.usage, custom, apikeys: () => apikeys.list(), log }).catch((err: unknown) => {
+            log(`ApiKeys' usage is not written: the usage ledger cannot be read (${(err as Error).message})`);
+            return undefined;
+          })
+        : undefined;
     this.sessionMirror =
       opts.sessions && opts.sessions.cap > 0
         ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespace: opts.namespace, log })
@@ -195,8 +214,14 @@ export class ResourceController implements Controller {
     await this.keys?.drained();
   }
 
+  /** Writes every ApiKey's changed usage now (tests; otherwise every 30 s). */
+  async usageWritten(): Promise<void> {
+    await (await this.usageStatus)?.flush();
+  }
+
   async stop(): Promise<void> {
     this.queue.stop();
+    await (await this.usageStatus)?.stop();
     await this.sessionMirror?.stop();
     await this.keys?.stop();
     await Promise.all(Object.values(this.watches).map((w) => w.stop()));

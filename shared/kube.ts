@@ -27,7 +27,7 @@ export const TOKEN_SECRET_LABEL = 'magus.dev/api-token';
  */
 export const API_KEY_SECRET_LABEL = 'magus.dev/api-key';
 /** Field managers: the controller's spec-side writes (finalizers) and status writes. */
-export const FieldManager = { controller: 'magus-controller', status: 'magus-status' } as const;
+export const FieldManager = { controller: 'magus-controller', status: 'magus-status', usage: 'magus-usage' } as const;
 
 /** A condition as Kubernetes API conventions define it. */
 export interface Condition {
@@ -217,7 +217,23 @@ export interface ApiKeyResourceStatus {
   /** The models it may use as the gateway applies them (`namespace/name`, `namespace/*`). */
   models?: string[];
   modelsSummary?: string;
+  /** What it used in the current period, from the usage ledger (controller/usage-status.ts). */
+  usage?: ApiKeyUsageStatus;
   conditions?: Condition[];
+}
+
+/** An ApiKey's `status.usage`. */
+export interface ApiKeyUsageStatus {
+  /** The UTC day or month counted: its budget's period, else the month. */
+  period: string;
+  requests: number;
+  promptTokens: number;
+  completionTokens: number;
+  totalTokens: number;
+  /** Its budget less what is used and reserved (with a budget only). */
+  remainingTokens?: number;
+  /** RFC 3339: when its last recorded request ended. */
+  lastUsed?: string;
 }
 
 export interface ApiKeyResource {

@@ -252,7 +252,8 @@ function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitSt
 }
 
 /** Σ of the live reservations' tokens. */
-const reservedTokens = (state: LimitState): number => Object.values(state.reservations).reduce((sum, r) => sum + r.tokens, 0);
+/** The tokens `state`'s live reservations hold. */
+export const reservedTokens = (state: LimitState): number => Object.values(state.reservations).reduce((sum, r) => sum + r.tokens, 0);
 
 /**
  * Ms until one of `n` requests in flight is expected to end: with a measured mean duration D,

@@ -4,6 +4,7 @@
  * ended, with its key's identity, its model and the tokens the engine reported — the numbers the
  * client received. Pure: the gateway, the bridge, `magus usage` and the controller share it.
  */
+import { budgetPeriodOf, type BudgetPeriod } from './limits';
 import type { CompletionUsage } from './serving';
 
 /** The tokens of one answer, as an engine's `usage` reports them. */
@@ -62,11 +63,8 @@ export interface UsageMeter {
   at: number;
 }
 
-/** A period's bucket: the UTC day `2026-11-29` or month `2026-11` of epoch ms `at`. */
-export function periodOf(at: number, period: 'day' | 'month'): string {
-  const iso = new Date(at).toISOString();
-  return period === 'day' ? iso.slice(0, 10) : iso.slice(0, 7);
-}
+/** A period's bucket: the UTC day `2026-11-29` or month `2026-11` of epoch ms `at` (a budget's period ids). */
+export const periodOf = (at: number, period: BudgetPeriod): string => budgetPeriodOf(period, at).id;
 
 /** One row of {@link aggregateUsage}: a key's use of one model in one period. */
 export interface UsageRow {

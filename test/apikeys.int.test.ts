@@ -10,7 +10,8 @@
  * - rotation, suspension, a missing Secret, models of an unshared namespace, a labelled Secret
  *   that an ApiKey names, and a key deleted while no controller ran;
  * - `spec.limits` copied into the key's entry, rewritten when patched (and only then), gone when
- *   removed; `kubectl get apikeys` shows the budget.
+ *   removed; `kubectl get apikeys` shows the budget;
+ * - `status.usage` from the usage ledger and the gateways' limit counts (controller/usage-status.ts).
  */
 import { execFile } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -23,6 +24,11 @@ import type { KV, NatsConnection } from 'nats';
 import { installCrds } from '../kube/crds';
 import { dataPlaneNames } from '../dataplane';
 import { startKeys, type Keys } from '../controller/keys';
+import { startUsageStatus } from '../controller/usage-status';
+import { LimitStore } from '../dataplane/limits';
+import { UsageLedger } from '../dataplane/usage';
+import type { ResourceWatch } from '../kube/watch';
+import type { UsageRecord } from '../shared/usage';
 import { startGateway, type RunningGateway } from '../gateway/server';
 import type { StoredResponse } from '../gateway/serving/response-store';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
@@ -199,7 +205,7 @@ test('a token id another namespace holds is refused, never written over; deletin
 
   // `kubectl get apikeys` shows why.
   const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsB, 'get', 'apikeys'], { timeout: 30_000 });
-  expect(stdout).toMatch(/NAME\s+SECRET\s+MODELS\s+SUSPENDED\s+BUDGET\s+PERIOD\s+READY\s+REASON\s+AGE/);
+  expect(stdout).toMatch(/NAME\s+SECRET\s+MODELS\s+SUSPENDED\s+BUDGET\s+PERIOD\s+USED\s+REMAINING\s+READY\s+REASON\s+AGE/);
   expect(stdout).toMatch(/attacker\s+attacker-token\s+\S+\s+false\s+False\s+IdConflict/); // no budget: blank Budget and Period
 
   // Deleting the refused keys leaves the victim's entry alone.
@@ -345,7 +351,7 @@ test('spec.limits: copied into the entry, rewritten when patched and only then, 
   expect((await tokens.get(id))!.revision).toBe(first);
 
   const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsA, 'get', 'apikey', 'limited'], { timeout: 30_000 });
-  expect(stdout).toMatch(/limited\s+limited-token\s+\S+\s+false\s+300\s+day\s+True\s+Registered/);
+  expect(stdout).toMatch(/limited\s+limited-token\s+\S+\s+false\s+300\s+day\s+True\s+Registered/); // no usage written here
 
   // Patched: the budget raised, tokens per minute added — the entry is rewritten with both.
   await patchSpec(nsA, 'limited', { limits: { tokensPerMinute: 10000, budget: { tokens: 600 } } });
@@ -373,3 +379,82 @@ test('spec.limits: copied into the entry, rewritten when patched and only then, 
   expect(ready(await readyAs(nsA, 'limited', ApiKeyReason.registered))!.message).not.toContain('limits');
   expect(await status(t)).toBe(200);
 }, 90_000);
+
+test("status.usage: the ledger's records of the key in its budget's period and what the budget has left, written as they change; kubectl shows Used and Remaining", async () => {
+  const names = dataPlaneNames(iso.natsPrefix);
+  const limits = new LimitStore(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }));
+  const usage = await startUsageStatus({
+    js: nc.jetstream(),
+    bucket: names.usageBucket,
+    custom: controllerKc.makeApiClient(CustomObjectsApi),
+    apikeys: () => (controller.watches.apikeys as ResourceWatch<ApiKeyResource>).list(),
+    limits,
+    intervalMs: 60_000, // flushed by the test
+    log: (l) => controllerLog.push(l),
+  });
+  stack.defer(() => usage.stop());
+  const id = `metered-${randomBytes(4).toString('hex')}`;
+  await secret(nsB, 'metered-token', token(id));
+  const budget = { tokens: 1000, period: 'day' as const };
+  await apiKey(nsB, 'metered', { secretRef: { name: 'metered-token' }, limits: { budget } });
+  await readyAs(nsB, 'metered', ApiKeyReason.registered);
+  const identity = `${nsB}/metered`;
+  const ledger = await UsageLedger.open(nc.jetstream(), names);
+  const now = Date.now();
+  const record = (n: number, key: string, total: number): UsageRecord => ({
+    id: `req-${id}-${n}`,
+    key,
+    model: `${nsB}/demo`,
+    kind: 'chat',
+    start: now - 1000,
+    end: now - 500 + n,
+    outcome: 'completed',
+    tokens: { prompt: total - 10, cached: 0, completion: 10, total },
+    reported: true,
+  });
+  await ledger.record(record(1, identity, 100));
+  await ledger.record(record(2, identity, 50));
+  await ledger.record(record(3, `${nsA}/metered`, 999)); // a key of the same name in another namespace
+  // The gateways charged the budget 150 and hold 200 for a request in flight.
+  const admitted = await limits.admit(identity, { budget }, { id: 'settled', tokens: 150, replica: 'gw-test', leaseMs: 60_000 });
+  expect(admitted.ok).toBe(true);
+  await limits.settle(identity, { budget }, 'settled', 150);
+  expect((await limits.admit(identity, { budget }, { id: 'in-flight', tokens: 200, replica: 'gw-test', leaseMs: 60_000 })).ok).toBe(true);
+
+  const expected = {
+    period: new Date(now).toISOString().slice(0, 10),
+    requests: 2,
+    promptTokens: 130,
+    completionTokens: 20,
+    totalTokens: 150,
+    remainingTokens: 650,
+    lastUsed: new Date(now - 500 + 2).toISOString().replace(/\.\d{3}Z$/, 'Z'),
+  };
+  await until(
+    'the usage status is written',
+    async () => {
+      await usage.flush();
+      const got = (await getKey(nsB, 'metered')).status?.usage;
+      return got !== undefined && JSON.stringify(got, Object.keys(got).sort()) === JSON.stringify(expected, Object.keys(expected).sort());
+    },
+    15_000,
+  );
+  // The key reconciler's fields are its own still.
+  expect(ready(await getKey(nsB, 'metered'))?.reason).toBe(ApiKeyReason.registered);
+  const { stdout } = await execFileP('kubectl', ['--kubeconfig', kubeconfigFile, '-n', nsB, 'get', 'apikey', 'metered'], { timeout: 30_000 });
+  expect(stdout).toMatch(/metered\s+metered-token\s+\S+\s+false\s+1000\s+day\s+150\s+650\s+True\s+Registered/);
+
+  // A new record: written at the next flush; nothing new: nothing written.
+  await ledger.record(record(4, identity, 25));
+  await until(
+    'the new record is counted',
+    async () => {
+      await usage.flush();
+      return (await getKey(nsB, 'metered')).status?.usage?.totalTokens === 175;
+    },
+    15_000,
+  );
+  const version = (await getKey(nsB, 'metered')).metadata.resourceVersion;
+  await usage.flush();
+  expect((await getKey(nsB, 'metered')).metadata.resourceVersion).toBe(version);
+}, 60_000);

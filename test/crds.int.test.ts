@@ -132,6 +132,8 @@ describe('installCrds', () => {
       'Suspended',
       'Budget',
       'Period',
+      'Used',
+      'Remaining',
       'Ready',
       'Reason',
       'Age',

@@ -8,6 +8,7 @@ import { hostname } from 'node:os';
 import { Client, Connection } from '@temporalio/client';
 import { connect } from 'nats';
 import { declareOnReconnect, ensureDataPlane } from '../dataplane';
+import { LimitStore } from '../dataplane/limits';
 import { parseDuration } from '../shared/kube';
 import { loadConfig } from './config';
 import { natsServerList } from '../platform/config';
@@ -140,6 +141,12 @@ export async function controllerCommand(args: string[]): Promise<number> {
   });
   const tokens = await nc.jetstream().views.kv(names.tokensBucket);
   const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
+  // ApiKeys' usage: the ledger, and the gateways' counts for what a budget has left.
+  const usage = {
+    js: nc.jetstream(),
+    bucket: names.usageBucket,
+    limits: new LimitStore(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
+  };
 
   let controller: Controller | undefined;
   let synced = false;
@@ -150,6 +157,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
       tokens,
       sharedModelNamespaces: opts.sharedModelNamespaces,
       sessions,
+      usage,
       namespace: opts.namespace,
       cleanupTimeoutMs: opts.cleanupTimeoutMs,
       log,

@@ -1,0 +1,46 @@
+import type { UsageRecord } from '../shared/usage';
+import { UsageSums } from './usage-status';
+
+const at = (iso: string) => Date.parse(iso);
+const record = (key: string, start: string, total: number, end = start): UsageRecord => ({
+  id: `${key}-${start}-${total}`,
+  key,
+  model: 'default/demo',
+  kind: 'chat',
+  start: at(start),
+  end: at(end),
+  outcome: 'completed',
+  tokens: { prompt: total - 1, cached: 0, completion: 1, total },
+  reported: true,
+});
+
+describe('UsageSums', () => {
+  const sums = new UsageSums();
+  sums.add(record('team-a/chat', '2026-11-29T23:59:59Z', 10, '2026-11-30T00:00:01Z'));
+  sums.add(record('team-a/chat', '2026-11-30T00:00:00Z', 5));
+  sums.add(record('team-a/chat', '2026-12-01T00:00:00Z', 7));
+  sums.add(record('team-b/chat', '2026-11-30T12:00:00Z', 100));
+
+  it('sums per key, UTC day (of the start) and month', () => {
+    expect(sums.of('team-a/chat', '2026-11-29')).toEqual({ requests: 1, promptTokens: 9, completionTokens: 1, totalTokens: 10 });
+    expect(sums.of('team-a/chat', '2026-11-30')).toEqual({ requests: 1, promptTokens: 4, completionTokens: 1, totalTokens: 5 });
+    expect(sums.of('team-a/chat', '2026-11')).toEqual({ requests: 2, promptTokens: 13, completionTokens: 2, totalTokens: 15 });
+    expect(sums.of('team-a/chat', '2026-12')).toEqual({ requests: 1, promptTokens: 6, completionTokens: 1, totalTokens: 7 });
+    expect(sums.of('team-b/chat', '2026-11')?.totalTokens).toBe(100);
+    expect(sums.of('team-c/chat', '2026-11')).toBeUndefined();
+  });
+
+  it('the last use is the latest end, whatever the order records came in', () => {
+    expect(sums.lastUsed('team-a/chat')).toBe(at('2026-12-01T00:00:00Z'));
+    sums.add(record('team-b/chat', '2026-11-30T11:00:00Z', 1));
+    expect(sums.lastUsed('team-b/chat')).toBe(at('2026-11-30T12:00:00Z'));
+  });
+
+  it('prune keeps only the current day and month', () => {
+    sums.prune(at('2026-12-01T08:00:00Z'));
+    expect(sums.of('team-a/chat', '2026-11-30')).toBeUndefined();
+    expect(sums.of('team-a/chat', '2026-11')).toBeUndefined();
+    expect(sums.of('team-a/chat', '2026-12-01')?.totalTokens).toBe(7);
+    expect(sums.of('team-a/chat', '2026-12')?.totalTokens).toBe(7);
+  });
+});

@@ -1,0 +1,194 @@
+/**
+ * Each ApiKey's `status.usage`: what the key used in the current period (its budget's, else the
+ * UTC month) from the usage ledger (`magus_usage`, dataplane/usage.ts), and what its budget has
+ * left beside the requests in flight (`magus_limits`, the gateways' own count).
+ *
+ * One ordered consumer reads the ledger from the start of the month and follows it, summing the
+ * records per key and period ({@link UsageSums}); every `intervalMs` the keys whose usage changed
+ * are written — server-side apply of `status.usage` alone, as field manager `magus-usage`, so the
+ * fields the key reconciler writes (keys.ts) are not touched.
+ */
+import type { CustomObjectsApi } from '@kubernetes/client-node';
+import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
+import { DeliverPolicy, type ConsumerMessages, type JetStreamClient } from 'nats';
+import type { LimitStore } from '../dataplane/limits';
+import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
+import { FieldManager, Kind, Plural, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
+import { reservedTokens } from '../shared/limits';
+import { parseUsageRecord, periodOf, type UsageRecord } from '../shared/usage';
+
+/** How often ApiKeys' usage is written (when it changed). */
+export const USAGE_STATUS_INTERVAL_MS = 30_000;
+
+interface Sums {
+  requests: number;
+  promptTokens: number;
+  completionTokens: number;
+  totalTokens: number;
+}
+
+/** The ledger's records summed per key, UTC day and month; the last end per key. */
+export class UsageSums {
+  private readonly byKey = new Map<string, Map<string, Sums>>();
+  private readonly last = new Map<string, number>();
+
+  add(r: UsageRecord): void {
+    let periods = this.byKey.get(r.key);
+    if (!periods) this.byKey.set(r.key, (periods = new Map<string, Sums>()));
+    for (const p of [periodOf(r.start, 'day'), periodOf(r.start, 'month')]) {
+      const s = periods.get(p) ?? { requests: 0, promptTokens: 0, completionTokens: 0, totalTokens: 0 };
+      s.requests += 1;
+      s.promptTokens += r.tokens.prompt;
+      s.completionTokens += r.tokens.completion;
+      s.totalTokens += r.tokens.total;
+      periods.set(p, s);
+    }
+    this.last.set(r.key, Math.max(this.last.get(r.key) ?? 0, r.end));
+  }
+
+  /** Key `key`'s sums in period `period` (a day or month id). */
+  of(key: string, period: string): Sums | undefined {
+    return this.byKey.get(key)?.get(period);
+  }
+
+  /** When key `key`'s last recorded request ended (epoch ms). */
+  lastUsed(key: string): number | undefined {
+    return this.last.get(key);
+  }
+
+  /** Drops the days before `nowMs`'s and the months before its month. */
+  prune(nowMs: number): void {
+    const day = periodOf(nowMs, 'day');
+    const month = periodOf(nowMs, 'month');
+    for (const periods of this.byKey.values()) {
+      for (const p of periods.keys()) if (p < (p.length === 10 ? day : month)) periods.delete(p);
+    }
+  }
+}
+
+export interface UsageStatusOptions {
+  js: JetStreamClient;
+  /** The ledger's bucket (`names.usageBucket`). */
+  bucket: string;
+  custom: CustomObjectsApi;
+  /** The ApiKeys to write (the key reconciler's watch). */
+  apikeys: () => ApiKeyResource[];
+  /** The gateways' limit counts, for what a budget has left. */
+  limits?: LimitStore;
+  intervalMs?: number;
+  log: (line: string) => void;
+  now?: () => number;
+}
+
+export interface UsageStatus {
+  /** Writes every changed status now (tests; the interval does it otherwise). */
+  flush(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
+/** A usage status as comparable text (the API server returns its fields in its own order). */
+const canonical = (u: ApiKeyUsageStatus | undefined): string => JSON.stringify(u ?? null, Object.keys(u ?? {}).sort());
+
+/** The status `o` should show now. */
+async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | undefined, nowMs: number): Promise<ApiKeyUsageStatus> {
+  const identity = `${o.metadata.namespace}/${o.metadata.name}`;
+  const budget = o.spec.limits?.budget;
+  const period = periodOf(nowMs, budget?.period ?? 'month');
+  const s = sums.of(identity, period);
+  let remainingTokens: number | undefined;
+  if (budget && limits) {
+    const state = (await limits.read(identity))?.state;
+    const used = state?.budget?.period === period ? state.budget.used : 0;
+    remainingTokens = Math.max(0, budget.tokens - used - (state ? reservedTokens(state) : 0));
+  }
+  const last = sums.lastUsed(identity);
+  return {
+    period,
+    requests: s?.requests ?? 0,
+    promptTokens: s?.promptTokens ?? 0,
+    completionTokens: s?.completionTokens ?? 0,
+    totalTokens: s?.totalTokens ?? 0,
+    ...(remainingTokens !== undefined ? { remainingTokens } : {}),
+    ...(last !== undefined ? { lastUsed: new Date(last).toISOString().replace(/\.\d{3}Z$/, 'Z') } : {}),
+  };
+}
+
+/** Starts following the ledger and writing ApiKeys' usage. */
+export async function startUsageStatus(opts: UsageStatusOptions): Promise<UsageStatus> {
+  const now = opts.now ?? Date.now;
+  const sums = new UsageSums();
+  const monthStart = new Date(`${periodOf(now(), 'month')}-01T00:00:00Z`);
+  const consumer = await opts.js.consumers.get(`KV_${opts.bucket}`, {
+    filterSubjects: [`$KV.${opts.bucket}.>`],
+    deliver_policy: DeliverPolicy.StartTime,
+    opt_start_time: monthStart.toISOString(),
+  });
+  const messages: ConsumerMessages = await consumer.consume();
+  const reading = (async () => {
+    for await (const m of messages) {
+      if (m.data.length === 0) continue; // a delete or purge marker
+      try {
+        const r = parseUsageRecord(m.json());
+        if (r) sums.add(r);
+      } catch {
+        // not JSON: not a record
+      }
+    }
+  })();
+  /** What each ApiKey (by uid) was last written. */
+  const written = new Map<string, string>();
+  let running: Promise<void> | undefined;
+  const flush = async (): Promise<void> => {
+    const at = now();
+    sums.prune(at);
+    for (const o of opts.apikeys()) {
+      const usage = await usageOf(o, sums, opts.limits, at);
+      const text = canonical(usage);
+      if (written.get(o.metadata.uid) === text || canonical(o.status?.usage) === text) continue;
+      try {
+        await opts.custom.patchNamespacedCustomObjectStatus(
+          {
+            group: CRD_GROUP,
+            version: CRD_VERSION,
+            namespace: o.metadata.namespace,
+            plural: Plural.apiKey,
+            name: o.metadata.name,
+            fieldManager: FieldManager.usage,
+            force: true,
+            body: {
+              apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+              kind: Kind.apiKey,
+              metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid },
+              status: { usage },
+            },
+          },
+          applyHeaders,
+        );
+        written.set(o.metadata.uid, text);
+      } catch (err) {
+        const code = (err as { code?: number }).code;
+        if (code !== 404 && code !== 409) opts.log(`apikey ${o.metadata.namespace}/${o.metadata.name}: writing its usage failed: ${(err as Error).message}`);
+      }
+    }
+  };
+  const tick = () => {
+    running ??= flush()
+      .catch((err: unknown) => opts.log(`usage status: ${(err as Error).message}`))
+      .finally(() => (running = undefined));
+  };
+  const timer = setInterval(tick, opts.intervalMs ?? USAGE_STATUS_INTERVAL_MS);
+  timer.unref();
+  return {
+    flush: async () => {
+      await running;
+      await flush();
+    },
+    stop: async () => {
+      clearInterval(timer);
+      await running;
+      messages.stop();
+      await reading.catch(() => undefined);
+    },
+  };
+}
