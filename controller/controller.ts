@@ -76,8 +76,6 @@ export interface Controller {
   idle(): Promise<void>;
   /** The Session mirror has made a complete pass after this call. */
   sessionsSettled(): Promise<void>;
-  /** Every ApiKey's changed `status.usage` has been written after this call. */
-  usageWritten(): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -212,11 +210,6 @@ export class ResourceController implements Controller {
     await this.synced;
     await this.queue.drained();
     await this.keys?.drained();
-  }
-
-  /** Writes every ApiKey's changed usage now (tests; otherwise every 30 s). */
-  async usageWritten(): Promise<void> {
-    await (await this.usageStatus)?.flush();
   }
 
   async stop(): Promise<void> {

@@ -139,6 +139,36 @@ export function tokenOf(s: SecretObject, key: string): { id: string; digest: str
 const inNamespace = (ns: string) => (key: string) => key.startsWith(`${ns}/`);
 const errCode = (err: unknown): number | undefined => (err as { code?: number }).code;
 
+/**
+ * Applies `status` to ApiKey `o`'s status as `fieldManager` (server-side apply: the fields other
+ * managers own stay). Deleted meanwhile, or re-created (the uid does not match): nothing, its
+ * events take over.
+ */
+export async function applyApiKeyStatus(custom: CustomObjectsApi, o: ApiKeyResource, status: ApiKeyResourceStatus, fieldManager: string): Promise<void> {
+  try {
+    await custom.patchNamespacedCustomObjectStatus(
+      {
+        group: CRD_GROUP,
+        version: CRD_VERSION,
+        namespace: o.metadata.namespace,
+        plural: Plural.apiKey,
+        name: o.metadata.name,
+        fieldManager,
+        force: true,
+        body: {
+          apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
+          kind: Kind.apiKey,
+          metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid },
+          status,
+        },
+      },
+      applyHeaders,
+    );
+  } catch (err) {
+    if (errCode(err) !== 404 && errCode(err) !== 409) throw err;
+  }
+}
+
 export function startKeys(opts: KeysOptions): Keys {
   const { kv, core, custom, log } = opts;
   const shared = opts.sharedModelNamespaces ?? [];
@@ -312,32 +342,11 @@ export function startKeys(opts: KeysOptions): Keys {
       ...(s.models ? { models: s.models, modelsSummary: s.models.join(',').slice(0, 1024) } : {}),
       conditions: mergeConditions([ready], o.status?.conditions ?? [], new Date().toISOString().replace(/\.\d{3}Z$/, 'Z')),
     };
-    const { observedGeneration: _a, ...was } = o.status ?? {};
+    // `usage` is usage-status.ts's (another field manager): not this writer's to compare.
+    const { observedGeneration: _a, usage: _u, ...was } = o.status ?? {};
     const { observedGeneration: _b, ...now } = status;
     if (o.status?.observedGeneration === o.metadata.generation && JSON.stringify(was) === JSON.stringify(now)) return;
-    try {
-      await custom.patchNamespacedCustomObjectStatus(
-        {
-          group: CRD_GROUP,
-          version: CRD_VERSION,
-          namespace: o.metadata.namespace,
-          plural: Plural.apiKey,
-          name: o.metadata.name,
-          fieldManager: FieldManager.controller,
-          force: true,
-          body: {
-            apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
-            kind: Kind.apiKey,
-            metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid },
-            status,
-          },
-        },
-        applyHeaders,
-      );
-    } catch (err) {
-      // Deleted meanwhile (or re-created: the uid does not match): its events take over.
-      if (errCode(err) !== 404 && errCode(err) !== 409) throw err;
-    }
+    await applyApiKeyStatus(custom, o, status, FieldManager.controller);
   }
 
   async function reconcileLegacy(ns: string, name: string): Promise<void> {

@@ -9,13 +9,12 @@
  * fields the key reconciler writes (keys.ts) are not touched.
  */
 import type { CustomObjectsApi } from '@kubernetes/client-node';
-import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import { DeliverPolicy, type ConsumerMessages, type JetStreamClient } from 'nats';
 import type { LimitStore } from '../dataplane/limits';
-import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { FieldManager, Kind, Plural, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
+import { FieldManager, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
 import { reservedTokens } from '../shared/limits';
-import { parseUsageRecord, periodOf, type UsageRecord } from '../shared/usage';
+import { isoSeconds, parseUsageRecord, periodOf, type UsageRecord } from '../shared/usage';
+import { applyApiKeyStatus } from './keys';
 
 /** How often ApiKeys' usage is written (when it changed). */
 export const USAGE_STATUS_INTERVAL_MS = 30_000;
@@ -86,7 +85,6 @@ export interface UsageStatus {
   stop(): Promise<void>;
 }
 
-const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
 /** A usage status as comparable text (the API server returns its fields in its own order). */
 const canonical = (u: ApiKeyUsageStatus | undefined): string => JSON.stringify(u ?? null, Object.keys(u ?? {}).sort());
 
@@ -110,7 +108,7 @@ async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | 
     completionTokens: s?.completionTokens ?? 0,
     totalTokens: s?.totalTokens ?? 0,
     ...(remainingTokens !== undefined ? { remainingTokens } : {}),
-    ...(last !== undefined ? { lastUsed: new Date(last).toISOString().replace(/\.\d{3}Z$/, 'Z') } : {}),
+    ...(last !== undefined ? { lastUsed: isoSeconds(last) } : {}),
   };
 }
 
@@ -147,28 +145,10 @@ export async function startUsageStatus(opts: UsageStatusOptions): Promise<UsageS
       const text = canonical(usage);
       if (written.get(o.metadata.uid) === text || canonical(o.status?.usage) === text) continue;
       try {
-        await opts.custom.patchNamespacedCustomObjectStatus(
-          {
-            group: CRD_GROUP,
-            version: CRD_VERSION,
-            namespace: o.metadata.namespace,
-            plural: Plural.apiKey,
-            name: o.metadata.name,
-            fieldManager: FieldManager.usage,
-            force: true,
-            body: {
-              apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
-              kind: Kind.apiKey,
-              metadata: { name: o.metadata.name, namespace: o.metadata.namespace, uid: o.metadata.uid },
-              status: { usage },
-            },
-          },
-          applyHeaders,
-        );
+        await applyApiKeyStatus(opts.custom, o, { usage }, FieldManager.usage);
         written.set(o.metadata.uid, text);
       } catch (err) {
-        const code = (err as { code?: number }).code;
-        if (code !== 404 && code !== 409) opts.log(`apikey ${o.metadata.namespace}/${o.metadata.name}: writing its usage failed: ${(err as Error).message}`);
+        opts.log(`apikey ${o.metadata.namespace}/${o.metadata.name}: writing its usage failed: ${(err as Error).message}`);
       }
     }
   };

@@ -63,6 +63,40 @@ export interface UsageMeter {
   at: number;
 }
 
+/** Epoch ms in ISO 8601 to the second (`2026-11-29T10:00:00Z`), as Kubernetes writes times. */
+export const isoSeconds = (at: number): string => new Date(at).toISOString().replace(/\.[0-9]{3}Z$/, 'Z');
+
+/** How a request ended, for its record: the tokens its frames reported (absent: none, `completion` the chunks seen). */
+export interface UsageEnd {
+  outcome: UsageOutcome;
+  error?: string;
+  tokens?: Tokens;
+  /** Chunks streamed, counted as completion tokens when no tokens were reported. */
+  chunks?: number;
+}
+
+/**
+ * The ledger record of request `req`, ended now as `end` says: the one shape the bridge that
+ * ends a request and the gateway that gives up on one both write. None for a request that carries
+ * no meter (an older gateway's).
+ */
+export function usageRecordOf(req: { id: string; kind?: UsageRecord['kind']; meter?: UsageMeter }, end: UsageEnd): UsageRecord | undefined {
+  if (!req.meter) return undefined;
+  const chunks = end.chunks ?? 0;
+  return {
+    id: req.id,
+    key: req.meter.key,
+    model: req.meter.model,
+    kind: req.kind ?? 'chat',
+    start: req.meter.at,
+    end: Date.now(),
+    outcome: end.outcome,
+    ...(end.error !== undefined ? { error: end.error } : {}),
+    tokens: end.tokens ?? { prompt: 0, cached: 0, completion: chunks, total: chunks },
+    reported: end.tokens !== undefined,
+  };
+}
+
 /** A period's bucket: the UTC day `2026-11-29` or month `2026-11` of epoch ms `at` (a budget's period ids). */
 export const periodOf = (at: number, period: BudgetPeriod): string => budgetPeriodOf(period, at).id;
 

@@ -1,7 +1,8 @@
 /**
  * What the CLI modes that work on one bucket of the data plane share (`magus keys`, `magus
  * usage`): where NATS is (`MAGUS_NATS_URL` and `MAGUS_NATS_PREFIX`, else the running `magus
- * dev`), the bucket bound, and one clear line and exit 1 when either is not there.
+ * dev`), the bucket bound, and one clear line and exit 1 when either is not there; and their
+ * tables.
  */
 import { connect, type KV, type NatsConnection } from 'nats';
 import { dataPlaneNames, JsApiError, jsErrorCode, type DataPlaneNames } from '../dataplane';
@@ -46,4 +47,15 @@ export async function onDataPlaneBucket(
   } finally {
     await nc.close();
   }
+}
+
+/** Lines of cells, each column as wide as its widest cell: `right` ones (numbers) aligned right; no trailing blanks. */
+export function alignedLines(lines: readonly (readonly string[])[], right: ReadonlySet<number>): string {
+  const widths = lines[0]!.map((_, i) => Math.max(...lines.map((l) => l[i]!.length)));
+  const line = (l: readonly string[]) =>
+    l
+      .map((c, i) => (right.has(i) ? c.padStart(widths[i]!) : c.padEnd(widths[i]!)))
+      .join('  ')
+      .trimEnd();
+  return `${lines.map(line).join('\n')}\n`;
 }

@@ -17,7 +17,7 @@ import { describeKeyLimits, entryLimits, listKeys, registerKey, tokenDigest, unr
 import { UsageError, usageFailure } from '../platform/cli';
 import { KeyLimits, type BudgetPeriod } from '../shared/limits';
 import { keyOwner, type TokenEntry } from '../shared/serving';
-import { onDataPlaneBucket } from './data-plane-cli';
+import { alignedLines, onDataPlaneBucket } from './data-plane-cli';
 
 /** The flags of a whole-number limit: what it counts, and its bounds (KeyLimits', the ones the gateway and the ApiKey CRD hold). */
 const WHOLE_LIMITS = {
@@ -270,14 +270,7 @@ export async function keysCommand(args: string[]): Promise<number> {
           ['KEY', 'TOKEN ID', 'MODELS', 'LIMITS', 'SUSPENDED', 'FROM'],
           ...keys.map((k) => [k.key, k.tokenId, k.models.join(','), describeKeyLimits(k.limits), k.suspended ? 'yes' : 'no', k.origin.split('/')[0]!]),
         ];
-        const widths = rows[0]!.map((_, i) => Math.max(...rows.map((r) => r[i]!.length)));
-        for (const r of rows)
-          process.stdout.write(
-            `${r
-              .map((c, i) => c.padEnd(widths[i]!))
-              .join('  ')
-              .trimEnd()}\n`,
-          );
+        process.stdout.write(alignedLines(rows, new Set()));
       }
       return 0;
     },

@@ -12,8 +12,8 @@
  */
 import { UsageLedger } from '../dataplane/usage';
 import { UsageError, usageFailure } from '../platform/cli';
-import { aggregateUsage, flatRecord, RECORD_COLUMNS, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
-import { onDataPlaneBucket } from './data-plane-cli';
+import { aggregateUsage, isoSeconds, flatRecord, RECORD_COLUMNS, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
+import { alignedLines, onDataPlaneBucket } from './data-plane-cli';
 
 export const USAGE_USAGE = [
   'usage: magus usage [--key K] [--since T] [--until T] [--by day|month] [--records] [--json | --csv]',
@@ -119,20 +119,6 @@ export function parseUsageArgs(argv: readonly string[], now: number = Date.now()
     records,
     format: switches.has('--json') ? 'json' : switches.has('--csv') ? 'csv' : 'table',
   };
-}
-
-/** Epoch ms in ISO 8601 to the second (`2026-11-29T10:00:00Z`). */
-export const isoSeconds = (at: number): string => new Date(at).toISOString().replace(/\.[0-9]{3}Z$/, 'Z');
-
-/** Lines of cells, each column as wide as its widest cell: `right` ones (numbers) aligned right; no trailing blanks. */
-function alignedLines(lines: readonly (readonly string[])[], right: ReadonlySet<number>): string {
-  const widths = lines[0]!.map((_, i) => Math.max(...lines.map((l) => l[i]!.length)));
-  const line = (l: readonly string[]) =>
-    l
-      .map((c, i) => (right.has(i) ? c.padStart(widths[i]!) : c.padEnd(widths[i]!)))
-      .join('  ')
-      .trimEnd();
-  return `${lines.map(line).join('\n')}\n`;
 }
 
 /** The rows as a table with a header and a total line (requests and tokens summed, the latest use). */

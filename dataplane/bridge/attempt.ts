@@ -6,7 +6,7 @@
  */
 import type { JsMsg, NatsConnection } from 'nats';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
-import { usageIn, type Tokens, type UsageRecord, type UsageTotals } from '../../shared/usage';
+import { usageIn, usageRecordOf, type Tokens, type UsageRecord, type UsageTotals } from '../../shared/usage';
 import type { RequestClaim, RequestClaims } from '../claims';
 import type { UsageLedger } from '../usage';
 import { BridgeErrorCode, errorFrame } from './error-frames';
@@ -225,7 +225,7 @@ export class Attempt {
       if (this.revision === 0) {
         await this.whenStored();
         if (this.signal.aborted) return; // superseded or closed while waiting: not ours to resolve
-        if (!(await this.recordUsage(usage))) return;
+        if (!(await recordUsage(ctx, usage, this.signal))) return;
         return this.resolveMessage(frame, resolve);
       }
     }
@@ -260,37 +260,19 @@ export class Attempt {
       ctx.frames.publish(this.pending, this.req.replyTo, frame);
     }
     await this.whenStored();
-    if (!(await this.recordUsage(usage))) return;
+    if (!(await recordUsage(ctx, usage, this.signal))) return;
     this.resolveMessage(frame, resolve);
   }
 
-  /** The request's usage record, ended by `frame` (none for a request that carries no meter: an older gateway's). */
+  /** The request's usage record, ended by `frame`. */
   private usageRecord(frame: ResponseFrame): UsageRecord | undefined {
-    const meter = this.req.meter;
-    if (!meter) return undefined;
     const outcome = frame.type !== 'error' ? 'completed' : frame.error.status === 499 ? 'cancelled' : 'failed';
-    return {
-      id: this.req.id,
-      key: meter.key,
-      model: meter.model,
-      kind: this.req.kind ?? 'chat',
-      start: meter.at,
-      end: Date.now(),
+    return usageRecordOf(this.req, {
       outcome,
       ...(frame.type === 'error' ? { error: frame.error.code ?? frame.error.type } : {}),
-      tokens: this.tokens ?? { prompt: 0, cached: 0, completion: this.chunks, total: this.chunks },
-      reported: this.tokens !== undefined,
-    };
-  }
-
-  /**
-   * Writes the request's usage record before its message is resolved (README.md one folder up,
-   * "The usage ledger"), retried while NATS may be electing a leader. False when it could not be
-   * written by `storeWaitMs`: the message is then left unresolved, and the delivery JetStream
-   * makes after `ack_wait` writes it (from the claim, or from the frames it reads back).
-   */
-  private async recordUsage(usage: UsageRecord | undefined): Promise<boolean> {
-    return recordUsage(this.ctx, usage, this.signal);
+      ...(this.tokens ? { tokens: this.tokens } : {}),
+      chunks: this.chunks,
+    });
   }
 
   /** Its delivery is done with: late acknowledgements of its frames are ignored. */
@@ -323,7 +305,12 @@ export class Attempt {
   }
 }
 
-/** Writes `usage` to the ledger (once per request id), retrying until `storeWaitMs`; false when it could not. */
+/**
+ * Writes a request's usage record before its message is resolved (README.md one folder up, "The
+ * usage ledger"), once per request id, retried while NATS may be electing a leader. False when it
+ * could not be written by `storeWaitMs`: the message is then left unresolved, and the delivery
+ * JetStream makes after `ack_wait` writes it (from the claim, or from the frames it reads back).
+ */
 export async function recordUsage(ctx: AttemptContext, usage: UsageRecord | undefined, signal?: AbortSignal): Promise<boolean> {
   if (!usage || !ctx.ledger) return true;
   const giveUpAt = Date.now() + ctx.storeWaitMs;

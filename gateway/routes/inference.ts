@@ -9,7 +9,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
-import { usageIn } from '../../shared/usage';
+import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, type ExchangeOptions } from '../serving/exchange';
@@ -52,19 +52,8 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     onAbandon: (reason) => {
       g.cancel?.(entry, req.id);
       // The ledger records what the client was told — no answer — unless the bridge recorded it first.
-      if (req.meter)
-        g.recordUsage?.({
-          id: req.id,
-          key: req.meter.key,
-          model: req.meter.model,
-          kind: req.kind ?? 'chat',
-          start: req.meter.at,
-          end: Date.now(),
-          outcome: 'failed',
-          error: reason,
-          tokens: { prompt: 0, cached: 0, completion: 0, total: 0 },
-          reported: false,
-        });
+      const record = usageRecordOf(req, { outcome: 'failed', error: reason });
+      if (record) g.recordUsage?.(record);
     },
   };
 }
