@@ -4,12 +4,15 @@ import {
   KeyLimits,
   admit,
   budgetPeriodOf,
+  chargeStorage,
   decodeLimitState,
   emptyLimitState,
   formatResetDuration,
   rateLimitHeaders,
+  releaseStorage,
   renew,
   settle,
+  storedBytes,
   sweep,
   type Admission,
   type AdmitRequest,
@@ -340,6 +343,117 @@ describe('headers', () => {
   });
 });
 
+describe('limits of one model', () => {
+  const M = 'default/llama';
+  const limits: KeyLimits = {
+    concurrency: 3,
+    budget: { tokens: 1000, period: 'day' },
+    models: { [M]: { concurrency: 1, tokensPerMinute: 600, budget: { tokens: 300, period: 'day' } } },
+  };
+  const on = (id: string, tokens: number, model: string | null = M): AdmitRequest => ({ ...req(id, tokens), ...(model !== null ? { model } : {}) });
+
+  it('hold beside the key’s: a request of the model is held to both, one of another model only to the key’s', () => {
+    let s = admitted(emptyLimitState(), limits, on('a', 100), T0);
+    expect(s.reservations.a!.model).toBe(M);
+    // The model's concurrency (1) is spent; the key's (3) is not.
+    const r = refused(admit(s, limits, on('b', 10), T0 + 1000));
+    expect(r.code).toBe('rate_limit_exceeded');
+    expect(r.message).toBe(`Rate limit reached for ${M} on concurrent requests: Limit 1, Used 1, Requested 1. Please try again in 1s.`);
+    s = admitted(s, limits, on('other', 500, 'default/phi'), T0);
+    expect(s.reservations.other!.model).toBeUndefined();
+    s = admitted(s, limits, on('bare', 100, null), T0);
+    // The key's concurrency (3) is now spent, for every model.
+    expect(refused(admit(s, limits, on('c', 10, 'default/phi'), T0)).message).toMatch(/^Rate limit reached on concurrent requests: Limit 3, Used 3/);
+  });
+
+  it('a model’s budget and tokens per minute are its own: settled, charged and refunded in both scopes', () => {
+    let s = admitted(emptyLimitState(), limits, on('a', 250), T0);
+    expect(s.models![M]).toMatchObject({ budget: { used: 0 }, tokens: { level: (600 - 250) * BUCKET_SCALE } });
+    s = settle(s, limits, 'a', 200, T0 + 1000).state;
+    expect(s.budget).toEqual({ period: '2026-11-29', used: 200 });
+    expect(s.models![M]!.budget).toEqual({ period: '2026-11-29', used: 200 });
+    expect(s.models![M]!.tokens!.level).toBe((600 - 200) * BUCKET_SCALE + 1000 * 600);
+    // 100 of the model's 300 are left; the key has 800.
+    const r = refused(admit(s, limits, on('b', 101), T0 + 2000));
+    expect(r.code).toBe('insufficient_quota');
+    expect(r.message).toMatch(
+      `You exceeded your current quota for ${M}: token budget per day (2026-11-29): Limit 300, Used 200, Reserved by requests in flight 0, Requested 101.`,
+    );
+    expect(r.retryAfterMs).toBe(Date.UTC(2026, 10, 30) - (T0 + 2000));
+    expect(admit(s, limits, on('b', 700, 'default/phi'), T0 + 2000).ok).toBe(true);
+    expect(refused(admit(s, limits, on('big', 301), T0 + 2000)).message).toMatch(new RegExp(`^Request too large for ${M} for the token budget per day`));
+    expect(refused(admit(s, limits, on('big', 601), T0 + 2000)).message).toMatch(new RegExp(`^Request too large for ${M} on tokens per min`));
+  });
+
+  it('an output with no bound is held to the room of both scopes', () => {
+    const s = admitted(
+      emptyLimitState(),
+      { budget: { tokens: 1000, period: 'day' }, models: { [M]: { budget: { tokens: 120, period: 'day' } } } },
+      { ...on('a', 10), upTo: 4096 },
+      T0,
+    );
+    expect(s.reservations.a!.tokens).toBe(120);
+  });
+
+  it('a lapsed reservation is charged in full to the model’s budget too', () => {
+    const s = admitted(emptyLimitState(), limits, { ...on('dead', 250), leaseMs: 1000 }, T0);
+    const swept = sweep(s, T0 + 1000);
+    expect(swept.reservations).toEqual({});
+    expect(swept.budget!.used).toBe(250);
+    expect(swept.models![M]!.budget!.used).toBe(250);
+  });
+
+  it('headers show the tighter of the key’s bucket and the model’s', () => {
+    const both: KeyLimits = { requestsPerMinute: 100, tokensPerMinute: 1000, models: { [M]: { requestsPerMinute: 5 } } };
+    const a = admit(emptyLimitState(), both, on('a', 300), T0);
+    expect(a.ok && a.headers).toEqual({
+      'x-ratelimit-limit-requests': '5',
+      'x-ratelimit-remaining-requests': '4',
+      'x-ratelimit-reset-requests': '12s',
+      'x-ratelimit-limit-tokens': '1000',
+      'x-ratelimit-remaining-tokens': '700',
+      'x-ratelimit-reset-tokens': '18s',
+    });
+  });
+});
+
+describe('stored responses’ bytes', () => {
+  const limits: KeyLimits = { storageBytes: 1000 };
+  const DAY = 86_400_000;
+  const TTL = 30 * DAY;
+  const storing = (id: string, bytes: number): AdmitRequest => ({ ...req(id, 1), storeBytes: bytes });
+
+  it('are charged until the day they expire is over, and a request that would not fit is refused with when it will', () => {
+    let s = chargeStorage(emptyLimitState(), limits, 600, T0 + TTL, T0);
+    s = chargeStorage(s, limits, 300, T0 + DAY + TTL, T0 + DAY);
+    expect(storedBytes(s, T0 + DAY)).toBe(900);
+    expect(admit(s, limits, storing('a', 100), T0 + DAY).ok).toBe(true);
+    const r = refused(admit(s, limits, storing('b', 101), T0 + DAY));
+    expect(r.code).toBe('insufficient_quota');
+    expect(r.message).toMatch(/^You exceeded your storage quota for stored responses: Limit 1000 bytes, Stored 900, Requested 101\. Delete stored responses/);
+    // The 600 expire on 2026-12-29 (T0 + 30 days): they stop counting when that day is over.
+    expect(r.retryAfterMs).toBe(Date.UTC(2026, 11, 30) - (T0 + DAY));
+    expect(storedBytes(s, Date.UTC(2026, 11, 30) - 1)).toBe(900);
+    expect(storedBytes(s, Date.UTC(2026, 11, 30))).toBe(300);
+    // A request that stores nothing is not held to the quota; one larger than it never fits.
+    expect(admit(s, limits, req('c', 1), T0 + DAY).ok).toBe(true);
+    const big = refused(admit(emptyLimitState(), limits, storing('d', 1001), T0));
+    expect(big.retryAfterMs).toBeNull();
+    expect(big.message).toMatch(/larger than the quota/);
+  });
+
+  it('a deleted response gives its bytes back to its day, never below zero; nothing is counted without a quota', () => {
+    let s = chargeStorage(emptyLimitState(), limits, 600, T0 + TTL, T0);
+    s = releaseStorage(s, limits, 200, T0 + TTL, T0 + 1000);
+    expect(storedBytes(s, T0)).toBe(400);
+    s = releaseStorage(s, limits, 999, T0 + TTL, T0 + 1000);
+    expect(s.stored).toBeUndefined();
+    expect(releaseStorage(s, limits, 5, T0 + TTL, T0)).toBe(s);
+    expect(chargeStorage(emptyLimitState(), {}, 600, T0 + TTL, T0)).toEqual(emptyLimitState());
+    expect(decodeLimitState(JSON.stringify(chargeStorage(emptyLimitState(), limits, 1, T0 + TTL, T0)))).toBeDefined();
+  });
+});
+
 describe('the stored document', () => {
   it('limits are positive whole numbers and a day or month budget; nothing else', () => {
     for (const good of [{}, { requestsPerMinute: 1, tokensPerMinute: 40_000, concurrency: 4, budget: { tokens: 1_000_000, period: 'month' } }])
@@ -352,8 +466,14 @@ describe('the stored document', () => {
       { budget: { tokens: 10 } },
       { requestsPerMinute: 200_000_000_000 },
       { rpm: 5 },
+      { models: { llama: { concurrency: 1 } } },
+      { models: { 'default/llama': { concurrency: 0 } } },
+      { models: { 'default/llama': { storageBytes: 10 } } },
+      { models: Object.fromEntries(Array.from({ length: 65 }, (_, i) => [`default/m${i}`, { concurrency: 1 }])) },
+      { storageBytes: 0 },
     ])
       expect(Value.Check(KeyLimits, bad)).toBe(false);
+    expect(Value.Check(KeyLimits, { models: { 'default/llama': { requestsPerMinute: 5 }, 'shared/x': {} }, storageBytes: 1 })).toBe(true);
   });
 
   it('round-trips through JSON, and anything else is no state', () => {

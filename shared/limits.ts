@@ -37,27 +37,56 @@ import { StringEnum } from './chat';
 export const MAX_PER_MINUTE = 100_000_000_000;
 /** Most tokens a budget may hold: sums of usage stay exact integers. */
 export const MAX_BUDGET_TOKENS = 1_000_000_000_000_000;
+/** Most bytes of stored responses a key may be allowed: sums stay exact integers. */
+export const MAX_STORAGE_BYTES = 1_000_000_000_000_000;
+/** Most models one key may have limits of its own for (as many as an ApiKey may name). */
+export const MAX_LIMITED_MODELS = 64;
+/** A model as per-model limits name it: `namespace/name`, as the gateway serves it. */
+export const MODEL_REF_PATTERN = '^[a-z0-9]([-a-z0-9]*[a-z0-9])?/[a-z0-9]([-a-z0-9]*[a-z0-9])?$';
 
 const perMinute = (what: string) =>
   Type.Optional(Type.Integer({ minimum: 1, maximum: MAX_PER_MINUTE, description: `a whole number of ${what} per minute from 1 to ${MAX_PER_MINUTE}` }));
 
-/** A key's limits; an absent field is unlimited. */
+const rateLimitFields = {
+  requestsPerMinute: perMinute('requests'),
+  /** Counted on each request's worst case at admission, then refunded down to its real usage. */
+  tokensPerMinute: perMinute('tokens'),
+  /** Requests in flight at once. */
+  concurrency: Type.Optional(Type.Integer({ minimum: 1, maximum: 1_000_000, description: 'a whole number from 1 to 1000000' })),
+  /** Tokens (prompt and completion) per UTC day or calendar month. */
+  budget: Type.Optional(
+    Type.Object(
+      {
+        tokens: Type.Integer({ minimum: 1, maximum: MAX_BUDGET_TOKENS, description: `a whole number from 1 to ${MAX_BUDGET_TOKENS}` }),
+        period: StringEnum(['day', 'month']),
+      },
+      { additionalProperties: false },
+    ),
+  ),
+};
+
+/** The limits of one scope: a key across all its models, or a key on one model; an absent field is unlimited. */
+export const RateLimits = Type.Object(rateLimitFields, { additionalProperties: false });
+export type RateLimits = Static<typeof RateLimits>;
+
+/**
+ * A key's limits; an absent field is unlimited. Its rates, concurrency and budget hold across all
+ * its models; `models` adds limits of its own to the key's requests of each model named (both
+ * hold: a request is admitted only when the key's and its model's allow it); `storageBytes`
+ * bounds the bytes its stored responses (`POST /v1/responses`) keep.
+ */
 export const KeyLimits = Type.Object(
   {
-    requestsPerMinute: perMinute('requests'),
-    /** Counted on each request's worst case at admission, then refunded down to its real usage. */
-    tokensPerMinute: perMinute('tokens'),
-    /** Requests in flight at once. */
-    concurrency: Type.Optional(Type.Integer({ minimum: 1, maximum: 1_000_000, description: 'a whole number from 1 to 1000000' })),
-    /** Tokens (prompt and completion) per UTC day or calendar month. */
-    budget: Type.Optional(
-      Type.Object(
-        {
-          tokens: Type.Integer({ minimum: 1, maximum: MAX_BUDGET_TOKENS, description: `a whole number from 1 to ${MAX_BUDGET_TOKENS}` }),
-          period: StringEnum(['day', 'month']),
-        },
-        { additionalProperties: false },
-      ),
+    ...rateLimitFields,
+    models: Type.Optional(
+      Type.Record(Type.String({ pattern: MODEL_REF_PATTERN }), RateLimits, {
+        maxProperties: MAX_LIMITED_MODELS,
+        additionalProperties: false,
+        description: `at most ${MAX_LIMITED_MODELS} models, each named namespace/name`,
+      }),
+    ),
+    storageBytes: Type.Optional(
+      Type.Integer({ minimum: 1, maximum: MAX_STORAGE_BYTES, description: `a whole number of bytes from 1 to ${MAX_STORAGE_BYTES}` }),
     ),
   },
   { additionalProperties: false },
@@ -86,17 +115,17 @@ const Reservation = Type.Object({
   leaseUntil: Type.Integer(),
   /** Epoch ms of its admission. */
   at: Type.Integer(),
+  /** Its model, when that model has limits of its own (`KeyLimits.models`): it counts there too. */
+  model: Type.Optional(Type.String()),
 });
 export type Reservation = Static<typeof Reservation>;
 
-/** The state of one limited scope (one key): the document stored in `magus_limits`. */
-export const LimitState = Type.Object({
+/** What one scope (the key, or the key on one model) has counted. */
+const counterFields = {
   /** Requests-per-minute bucket; absent while unlimited (or untouched: full). */
   requests: Type.Optional(Bucket),
   /** Tokens-per-minute bucket, likewise. */
   tokens: Type.Optional(Bucket),
-  /** Live reservations by request id. */
-  reservations: Type.Record(Type.String(), Reservation),
   /** The budget's current period (`2026-11-29` or `2026-11`, UTC) and the tokens charged in it. */
   budget: Type.Optional(Type.Object({ period: Type.String(), used: Type.Integer({ minimum: 0 }) })),
   /**
@@ -105,6 +134,23 @@ export const LimitState = Type.Object({
    * Released leases do not count (their end is unknown). Retry-After of a concurrency refusal.
    */
   meanDurationMs: Type.Optional(Type.Number({ minimum: 0 })),
+};
+const Counters = Type.Object(counterFields);
+export type Counters = Static<typeof Counters>;
+
+/** The state of one limited scope (one key): the document stored in `magus_limits`. */
+export const LimitState = Type.Object({
+  ...counterFields,
+  /** Live reservations by request id (of every model). */
+  reservations: Type.Record(Type.String(), Reservation),
+  /** The counters of each model the key has limits of its own for (`KeyLimits.models`). */
+  models: Type.Optional(Type.Record(Type.String(), Counters)),
+  /**
+   * Bytes of stored responses charged to the key, by the UTC day (`2026-12-29`) on which they
+   * have all expired: a day's bytes stop counting when it is over (at most a day after the last of
+   * them expired; never before).
+   */
+  stored: Type.Optional(Type.Record(Type.String(), Type.Integer({ minimum: 0 }))),
 });
 export type LimitState = Static<typeof LimitState>;
 
@@ -135,6 +181,14 @@ export interface AdmitRequest {
    * served, cut at what the key has left, rather than refused for a worst case it may never use.
    */
   upTo?: number;
+  /** Its model (`namespace/name`): the model's own limits (`KeyLimits.models`) hold too. */
+  model?: string;
+  /**
+   * Set when its answer will be stored (a Responses request with `store`): the bytes of the
+   * request the stored response keeps. Refused while the key's stored bytes and these exceed
+   * `KeyLimits.storageBytes`.
+   */
+  storeBytes?: number;
   /** The gateway replica that will renew its lease. */
   replica: string;
   /** How long it holds without a renewal. */
@@ -215,66 +269,150 @@ function rollBudget(budget: LimitState['budget'], kind: BudgetPeriod | undefined
   return budget?.period === id ? budget : { period: id, used: 0 };
 }
 
+/** `budget` with `charged` more tokens used (none: unchanged). */
+const charge = (budget: LimitState['budget'], charged: number): LimitState['budget'] =>
+  budget && charged > 0 ? { period: budget.period, used: budget.used + charged } : budget;
+
 /**
  * Releases every reservation whose lease passed at `nowMs` (its gateway died or lost touch): each
- * is charged to the current budget period at its **full reserved worst case** — its real usage is
- * unknown, and charging less could let the budget be exceeded — and nothing returns to the
- * tokens-per-minute bucket. A reservation is so released within one lease of its last renewal,
- * by the first write to its scope after that.
+ * is charged to the current budget period — the key's, and its model's when it has one — at its
+ * **full reserved worst case** (its real usage is unknown, and charging less could let a budget be
+ * exceeded), and nothing returns to the tokens-per-minute buckets. A reservation is so released
+ * within one lease of its last renewal, by the first write to its scope after that.
  */
 export function sweep(state: LimitState, nowMs: number): LimitState {
   nowMs = Math.floor(nowMs);
-  const budget = state.budget && rollBudget(state.budget, periodKindOf(state.budget.period), nowMs);
+  const roll = (b: LimitState['budget']) => b && rollBudget(b, periodKindOf(b.period), nowMs);
+  const budget = roll(state.budget);
+  let rolled = budget !== state.budget;
   let charged = 0;
+  const byModel = new Map<string, number>();
   const live: [string, Reservation][] = [];
   for (const [id, r] of Object.entries(state.reservations)) {
-    if (r.leaseUntil <= nowMs) charged += r.tokens;
-    else live.push([id, r]);
+    if (r.leaseUntil > nowMs) live.push([id, r]);
+    else {
+      charged += r.tokens;
+      if (r.model !== undefined) byModel.set(r.model, (byModel.get(r.model) ?? 0) + r.tokens);
+    }
   }
-  if (live.length === Object.keys(state.reservations).length && budget === state.budget) return state;
+  const models =
+    state.models &&
+    Object.entries(state.models).map(([m, c]): [string, Counters] => {
+      const b = roll(c.budget);
+      if (b !== c.budget) rolled = true;
+      return [m, b === c.budget && !byModel.has(m) ? c : { ...c, budget: charge(b, byModel.get(m) ?? 0) }];
+    });
+  if (charged === 0 && !rolled) return state;
   return {
     ...state,
     reservations: Object.fromEntries(live),
-    ...(budget ? { budget: { period: budget.period, used: budget.used + charged } } : {}),
+    ...(budget ? { budget: charge(budget, charged) } : {}),
+    ...(models ? { models: Object.fromEntries(models) } : {}),
   };
 }
 
-/** `state` at `nowMs` under `limits`: leases swept, buckets refilled, the budget in its period; what is unlimited dropped. */
-function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitState {
-  const swept = sweep(state, nowMs);
-  const budget = rollBudget(swept.budget, limits.budget?.period, nowMs);
-  const out: LimitState = { reservations: swept.reservations };
-  if (limits.requestsPerMinute) out.requests = refill(swept.requests, limits.requestsPerMinute, nowMs);
-  if (limits.tokensPerMinute) out.tokens = refill(swept.tokens, limits.tokensPerMinute, nowMs);
+/** `c` at `nowMs` under `limits`: buckets refilled, the budget in its period; what is unlimited dropped. */
+function normalizeCounters(c: Counters | undefined, limits: RateLimits, nowMs: number): Counters {
+  const out: Counters = {};
+  if (limits.requestsPerMinute) out.requests = refill(c?.requests, limits.requestsPerMinute, nowMs);
+  if (limits.tokensPerMinute) out.tokens = refill(c?.tokens, limits.tokensPerMinute, nowMs);
+  const budget = rollBudget(c?.budget, limits.budget?.period, nowMs);
   if (budget) out.budget = budget;
-  if (swept.meanDurationMs !== undefined) out.meanDurationMs = swept.meanDurationMs;
+  if (c?.meanDurationMs !== undefined) out.meanDurationMs = c.meanDurationMs;
   return out;
 }
 
-/** Σ of the live reservations' tokens. */
+/** The counters of the key's own scope in `s` (nothing else of the document). */
+function keyCounters(s: LimitState): Counters {
+  const c: Counters = {};
+  if (s.requests) c.requests = s.requests;
+  if (s.tokens) c.tokens = s.tokens;
+  if (s.budget) c.budget = s.budget;
+  if (s.meanDurationMs !== undefined) c.meanDurationMs = s.meanDurationMs;
+  return c;
+}
+
+/** The UTC day (`2026-11-29`) of `ms`. */
+const dayOf = (ms: number): string => new Date(ms).toISOString().slice(0, 10);
+
+/** `stored` without the days that are over at `nowMs` (none left: undefined). */
+function liveStored(stored: LimitState['stored'], nowMs: number): LimitState['stored'] {
+  if (!stored) return undefined;
+  const today = dayOf(nowMs);
+  const live = Object.entries(stored).filter(([day, bytes]) => day >= today && bytes > 0);
+  return live.length === 0 ? undefined : live.length === Object.keys(stored).length ? stored : Object.fromEntries(live);
+}
+
+/** `state` at `nowMs` under `limits`: leases swept, buckets refilled, budgets in their period; what is unlimited dropped. */
+function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitState {
+  const swept = sweep(state, nowMs);
+  const out: LimitState = { ...normalizeCounters(keyCounters(swept), limits, nowMs), reservations: swept.reservations };
+  if (limits.models) {
+    const models = Object.entries(limits.models).map(([m, l]): [string, Counters] => [m, normalizeCounters(swept.models?.[m], l, nowMs)]);
+    if (models.length > 0) out.models = Object.fromEntries(models);
+  }
+  const stored = liveStored(swept.stored, nowMs);
+  if (stored) out.stored = stored;
+  return out;
+}
+
 /** The tokens `state`'s live reservations hold. */
 export const reservedTokens = (state: LimitState): number => Object.values(state.reservations).reduce((sum, r) => sum + r.tokens, 0);
 
+/** The bytes of stored responses charged to `state`'s key that have not expired at `nowMs`. */
+export const storedBytes = (state: LimitState, nowMs: number): number =>
+  Object.values(liveStored(state.stored, Math.floor(nowMs)) ?? {}).reduce((sum, b) => sum + b, 0);
+
 /**
- * Ms until one of `n` requests in flight is expected to end: with a measured mean duration D,
- * D / n (durations taken as memoryless: each has D left on average, and the first of n ends after
- * D / n); before any request of the scope settled, D is estimated by the age of the oldest one
- * (a request seen at a random point of its life has about as long again to run). At least 1 ms.
+ * One scope a request is held to: the key across its models, or the key on the request's model.
+ * `live` are the reservations that count in it.
  */
-function concurrencyWaitMs(state: LimitState, nowMs: number): number {
-  const live = Object.values(state.reservations);
-  const mean = state.meanDurationMs ?? Math.max(0, ...live.map((r) => nowMs - r.at));
-  return Math.max(1, Math.ceil(mean / Math.max(1, live.length)));
+interface Scope {
+  limits: RateLimits;
+  counters: Counters;
+  live: Reservation[];
+  /** Where a message names the scope: '' for the key, ` for <model>` for a model. */
+  of: string;
+}
+
+/** The scopes of `s` (normalized) a request of `model` is held to: the key's, then the model's when it has limits. */
+function scopesOf(s: LimitState, limits: KeyLimits, model: string | undefined): Scope[] {
+  const all = Object.values(s.reservations);
+  const scopes: Scope[] = [{ limits, counters: keyCounters(s), live: all, of: '' }];
+  const own = model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
+  if (own) scopes.push({ limits: own, counters: s.models![model!]!, live: all.filter((r) => r.model === model), of: ` for ${model}` });
+  return scopes;
 }
 
 /**
- * Admits request `req` at `nowMs` if every limit allows its worst case, reserving it (one request
- * off the requests bucket, its tokens off the tokens bucket and the budget, a concurrent slot)
- * under a lease of `req.leaseMs`; otherwise refuses it, changing nothing. Refusals, in the order
- * checked:
- * - a worst case beyond the tokens-per-minute limit (`rate_limit_exceeded`) or the whole budget
+ * Ms until one of a scope's `live` requests in flight is expected to end: with a measured mean
+ * duration D, D / n (durations taken as memoryless: each has D left on average, and the first of
+ * n ends after D / n); before any request of the scope settled, D is estimated by the age of the
+ * oldest one (a request seen at a random point of its life has about as long again to run). At
+ * least 1 ms.
+ */
+function concurrencyWaitMs(scope: Scope, nowMs: number): number {
+  const mean = scope.counters.meanDurationMs ?? Math.max(0, ...scope.live.map((r) => nowMs - r.at));
+  return Math.max(1, Math.ceil(mean / Math.max(1, scope.live.length)));
+}
+
+/** `s` with `scope`'s counters replaced by `c`. */
+function withCounters(s: LimitState, scope: number, model: string | undefined, c: Counters): LimitState {
+  if (scope === 0) return { ...s, ...c };
+  return { ...s, models: { ...s.models, [model!]: c } };
+}
+
+/**
+ * Admits request `req` at `nowMs` if every limit allows its worst case — the key's, and its
+ * model's when `limits.models` names it — reserving it (one request off each requests bucket, its
+ * tokens off each tokens bucket and budget, a concurrent slot in each) under a lease of
+ * `req.leaseMs`; otherwise refuses it, changing nothing. Refusals, in the order checked (the key's
+ * scope before the model's at each step):
+ * - a worst case beyond a tokens-per-minute limit (`rate_limit_exceeded`) or a whole budget
  *   (`insufficient_quota`): "Request too large", no Retry-After;
  * - `used + Σ reserved + tokens > budget.tokens`: `insufficient_quota`, retry at the period's end;
+ * - with `storeBytes`, stored bytes + `storeBytes` > `storageBytes`: `insufficient_quota`, retry
+ *   when enough of what is stored has expired;
  * - concurrency, requests and tokens per minute: `rate_limit_exceeded`, retry after the longest
  *   of their waits (the message names that limit).
  * An id already reserved is admitted again without counting anything twice (its lease renewed
@@ -283,10 +421,11 @@ function concurrencyWaitMs(state: LimitState, nowMs: number): number {
 export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, nowMs: number): Admission {
   checkWhole('tokens', req.tokens, 0);
   checkWhole('leaseMs', req.leaseMs, 1);
+  if (req.storeBytes !== undefined) checkWhole('storeBytes', req.storeBytes, 0);
   nowMs = Math.floor(nowMs);
   if (!req.id) throw new RangeError('a request id is required');
   const s = normalize(state, limits, nowMs);
-  const headersOf = (st: LimitState) => rateLimitHeaders(st, limits, nowMs);
+  const headersOf = (st: LimitState) => rateLimitHeaders(st, limits, nowMs, req.model);
   const refuse = (code: RefusalCode, message: string, retryAfterMs: number | null): Admission => ({
     ok: false,
     code,
@@ -302,94 +441,126 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
     return { ok: true, state: next, headers: headersOf(next), tokens: r.tokens };
   }
 
-  const { tokensPerMinute: tpm, requestsPerMinute: rpm, concurrency, budget } = limits;
-  if (tpm !== undefined && req.tokens > tpm)
-    return refuse(
-      'rate_limit_exceeded',
-      `Request too large on tokens per min (TPM): Limit ${tpm}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
-      null,
-    );
-  // What to reserve: the worst case, or with `upTo` as much as the budget and the bucket have room for (never below the worst case).
+  const scopes = scopesOf(s, limits, req.model);
+  for (const { limits: l, of } of scopes) {
+    if (l.tokensPerMinute !== undefined && req.tokens > l.tokensPerMinute)
+      return refuse(
+        'rate_limit_exceeded',
+        `Request too large${of} on tokens per min (TPM): Limit ${l.tokensPerMinute}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
+        null,
+      );
+  }
+  // What to reserve: the worst case, or with `upTo` as much as every budget and bucket has room for (never below the worst case).
   let grant = req.tokens;
   if (req.upTo !== undefined) {
     checkWhole('upTo', req.upTo, 0);
     let room = req.upTo;
-    if (tpm !== undefined) room = Math.min(room, tpm, Math.floor(s.tokens!.level / BUCKET_SCALE));
-    if (budget) room = Math.min(room, budget.tokens - s.budget!.used - reservedTokens(s));
+    for (const { limits: l, counters: c, live } of scopes) {
+      if (l.tokensPerMinute !== undefined) room = Math.min(room, l.tokensPerMinute, Math.floor(c.tokens!.level / BUCKET_SCALE));
+      if (l.budget) room = Math.min(room, l.budget.tokens - c.budget!.used - sumTokens(live));
+    }
     grant = Math.max(req.tokens, room);
   }
-  if (budget) {
-    const per = budget.period;
-    if (req.tokens > budget.tokens)
+  for (const { limits: l, counters: c, live, of } of scopes) {
+    if (!l.budget) continue;
+    const per = l.budget.period;
+    if (req.tokens > l.budget.tokens)
       return refuse(
         'insufficient_quota',
-        `Request too large for the token budget per ${per}: Limit ${budget.tokens}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
+        `Request too large${of} for the token budget per ${per}: Limit ${l.budget.tokens}, Requested ${req.tokens}. The input or output tokens must be reduced in order to run successfully.`,
         null,
       );
-    const used = s.budget!.used;
-    const reserved = reservedTokens(s);
-    if (used + reserved + grant > budget.tokens) {
-      const { id, endsAt } = budgetPeriodOf(budget.period, nowMs);
+    const used = c.budget!.used;
+    const reserved = sumTokens(live);
+    if (used + reserved + grant > l.budget.tokens) {
+      const { id, endsAt } = budgetPeriodOf(per, nowMs);
       return refuse(
         'insufficient_quota',
-        `You exceeded your current quota: token budget per ${per} (${id}): Limit ${budget.tokens}, Used ${used}, Reserved by requests in flight ${reserved}, Requested ${grant}. It renews at ${new Date(endsAt).toISOString()}.`,
+        `You exceeded your current quota${of}: token budget per ${per} (${id}): Limit ${l.budget.tokens}, Used ${used}, Reserved by requests in flight ${reserved}, Requested ${grant}. It renews at ${new Date(endsAt).toISOString()}.`,
         endsAt - nowMs,
+      );
+    }
+  }
+  if (req.storeBytes !== undefined && limits.storageBytes !== undefined) {
+    const quota = limits.storageBytes;
+    const held = storedBytes(s, nowMs);
+    if (held + req.storeBytes > quota) {
+      const wait = storageWaitMs(s.stored ?? {}, held + req.storeBytes - quota, nowMs);
+      return refuse(
+        'insufficient_quota',
+        `You exceeded your storage quota for stored responses: Limit ${quota} bytes, Stored ${held}, Requested ${req.storeBytes}. ` +
+          (req.storeBytes > quota
+            ? 'This request alone is larger than the quota: send less, or `store: false`.'
+            : 'Delete stored responses (DELETE /v1/responses/{id}), wait for them to expire, or send `store: false`.'),
+        req.storeBytes > quota ? null : wait,
       );
     }
   }
 
   const waits: { ms: number; message: (retry: string) => string }[] = [];
-  const live = Object.keys(s.reservations).length;
-  if (concurrency !== undefined && live >= concurrency)
-    waits.push({
-      ms: concurrencyWaitMs(s, nowMs),
-      message: (retry) => `Rate limit reached on concurrent requests: Limit ${concurrency}, Used ${live}, Requested 1. Please try again in ${retry}.`,
-    });
-  if (rpm !== undefined && s.requests!.level < BUCKET_SCALE) {
-    const usedRequests = rpm - Math.max(0, Math.floor(s.requests!.level / BUCKET_SCALE));
-    waits.push({
-      ms: msUntil(s.requests!, rpm, BUCKET_SCALE),
-      message: (retry) => `Rate limit reached on requests per min (RPM): Limit ${rpm}, Used ${usedRequests}, Requested 1. Please try again in ${retry}.`,
-    });
-  }
-  if (tpm !== undefined && s.tokens!.level < grant * BUCKET_SCALE) {
-    const usedTokens = tpm - Math.max(0, Math.floor(s.tokens!.level / BUCKET_SCALE));
-    waits.push({
-      ms: msUntil(s.tokens!, tpm, grant * BUCKET_SCALE),
-      message: (retry) => `Rate limit reached on tokens per min (TPM): Limit ${tpm}, Used ${usedTokens}, Requested ${grant}. Please try again in ${retry}.`,
-    });
+  for (const scope of scopes) {
+    const { limits: l, counters: c, live, of } = scope;
+    if (l.concurrency !== undefined && live.length >= l.concurrency)
+      waits.push({
+        ms: concurrencyWaitMs(scope, nowMs),
+        message: (retry) =>
+          `Rate limit reached${of} on concurrent requests: Limit ${l.concurrency}, Used ${live.length}, Requested 1. Please try again in ${retry}.`,
+      });
+    const rpm = l.requestsPerMinute;
+    if (rpm !== undefined && c.requests!.level < BUCKET_SCALE) {
+      const usedRequests = rpm - Math.max(0, Math.floor(c.requests!.level / BUCKET_SCALE));
+      waits.push({
+        ms: msUntil(c.requests!, rpm, BUCKET_SCALE),
+        message: (retry) => `Rate limit reached${of} on requests per min (RPM): Limit ${rpm}, Used ${usedRequests}, Requested 1. Please try again in ${retry}.`,
+      });
+    }
+    const tpm = l.tokensPerMinute;
+    if (tpm !== undefined && c.tokens!.level < grant * BUCKET_SCALE) {
+      const usedTokens = tpm - Math.max(0, Math.floor(c.tokens!.level / BUCKET_SCALE));
+      waits.push({
+        ms: msUntil(c.tokens!, tpm, grant * BUCKET_SCALE),
+        message: (retry) =>
+          `Rate limit reached${of} on tokens per min (TPM): Limit ${tpm}, Used ${usedTokens}, Requested ${grant}. Please try again in ${retry}.`,
+      });
+    }
   }
   if (waits.length > 0) {
     const longest = waits.reduce((a, b) => (b.ms > a.ms ? b : a));
     return refuse('rate_limit_exceeded', longest.message(formatResetDuration(longest.ms)), longest.ms);
   }
 
-  const next: LimitState = {
+  const model = scopes.length > 1 ? req.model : undefined;
+  let next: LimitState = {
     ...s,
-    reservations: { ...s.reservations, [req.id]: { tokens: grant, replica: req.replica, leaseUntil: nowMs + req.leaseMs, at: nowMs } },
+    reservations: {
+      ...s.reservations,
+      [req.id]: { tokens: grant, replica: req.replica, leaseUntil: nowMs + req.leaseMs, at: nowMs, ...(model !== undefined ? { model } : {}) },
+    },
   };
-  if (next.requests) next.requests = { level: next.requests.level - BUCKET_SCALE, at: next.requests.at };
-  if (next.tokens) next.tokens = { level: next.tokens.level - grant * BUCKET_SCALE, at: next.tokens.at };
+  scopes.forEach(({ counters: c }, i) => {
+    const taken: Counters = { ...c };
+    if (c.requests) taken.requests = { level: c.requests.level - BUCKET_SCALE, at: c.requests.at };
+    if (c.tokens) taken.tokens = { level: c.tokens.level - grant * BUCKET_SCALE, at: c.tokens.at };
+    next = withCounters(next, i, model, taken);
+  });
   return { ok: true, state: next, headers: headersOf(next), tokens: grant };
 }
 
-/**
- * Settles request `id` to its real usage `actualTokens`: removes its reservation, charges
- * `actualTokens` to the budget (`used += actual`), returns `reserved − actual` to the
- * tokens-per-minute bucket (capped at its capacity) and counts its duration into
- * `meanDurationMs`. Callers cap a request's output (max_tokens) so that `actual ≤ reserved`:
- * then the budget cannot be exceeded. Should a request use more, the truth is charged anyway —
- * the budget's `used` and the bucket (which goes below zero and refills from there) take the
- * excess. Settling an id that is not reserved (settled before, or released after its lease) is a
- * no-op: a retried settle never charges twice.
- */
-export function settle(state: LimitState, limits: KeyLimits, id: string, actualTokens: number, nowMs: number): Settlement {
-  checkWhole('actualTokens', actualTokens, 0);
-  nowMs = Math.floor(nowMs);
-  const s = normalize(state, limits, nowMs);
-  if (!hasOwn(s.reservations, id)) return { state: s, settled: false, headers: rateLimitHeaders(s, limits, nowMs) };
-  const r = s.reservations[id]!;
-  const next: LimitState = { ...s, reservations: Object.fromEntries(Object.entries(s.reservations).filter(([k]) => k !== id)) };
+const sumTokens = (live: readonly Reservation[]): number => live.reduce((sum, r) => sum + r.tokens, 0);
+
+/** Ms from `nowMs` until days of `stored` worth `excess` bytes are over (the earliest first). */
+function storageWaitMs(stored: Record<string, number>, excess: number, nowMs: number): number {
+  let freed = 0;
+  for (const day of Object.keys(stored).sort()) {
+    freed += stored[day]!;
+    if (freed >= excess) return Math.max(1, Date.parse(`${day}T00:00:00Z`) + 86_400_000 - nowMs);
+  }
+  return 1;
+}
+
+/** `c` settled for a reservation of `r.tokens` that used `actualTokens`, ending at `nowMs`. */
+function settleCounters(c: Counters, limits: RateLimits, r: Reservation, actualTokens: number, nowMs: number): Counters {
+  const next: Counters = { ...c };
   if (next.budget) next.budget = { period: next.budget.period, used: next.budget.used + actualTokens };
   if (next.tokens && limits.tokensPerMinute) {
     const capacity = limits.tokensPerMinute * BUCKET_SCALE;
@@ -397,7 +568,69 @@ export function settle(state: LimitState, limits: KeyLimits, id: string, actualT
   }
   const duration = Math.max(0, nowMs - r.at);
   next.meanDurationMs = next.meanDurationMs === undefined ? duration : next.meanDurationMs + (duration - next.meanDurationMs) / 8;
-  return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs) };
+  return next;
+}
+
+/**
+ * Settles request `id` to its real usage `actualTokens`: removes its reservation, charges
+ * `actualTokens` to the budgets (`used += actual`: the key's, and its model's), returns
+ * `reserved − actual` to the tokens-per-minute buckets (capped at their capacity) and counts its
+ * duration into `meanDurationMs`. Callers cap a request's output (max_tokens) so that
+ * `actual ≤ reserved`: then no budget can be exceeded. Should a request use more, the truth is
+ * charged anyway — the budget's `used` and the bucket (which goes below zero and refills from
+ * there) take the excess. Settling an id that is not reserved (settled before, or released after
+ * its lease) is a no-op: a retried settle never charges twice.
+ */
+export function settle(state: LimitState, limits: KeyLimits, id: string, actualTokens: number, nowMs: number): Settlement {
+  checkWhole('actualTokens', actualTokens, 0);
+  nowMs = Math.floor(nowMs);
+  const s = normalize(state, limits, nowMs);
+  if (!hasOwn(s.reservations, id)) return { state: s, settled: false, headers: rateLimitHeaders(s, limits, nowMs) };
+  const r = s.reservations[id]!;
+  let next: LimitState = {
+    ...s,
+    ...settleCounters(keyCounters(s), limits, r, actualTokens, nowMs),
+    reservations: Object.fromEntries(Object.entries(s.reservations).filter(([k]) => k !== id)),
+  };
+  const own = r.model !== undefined && limits.models && hasOwn(limits.models, r.model) ? limits.models[r.model] : undefined;
+  if (own) next = withCounters(next, 1, r.model, settleCounters(next.models![r.model!]!, own, r, actualTokens, nowMs));
+  return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs, r.model) };
+}
+
+/**
+ * Charges `bytes` of a response stored at `nowMs` that expires at `expiresAtMs` to the key's
+ * stored bytes (the day `expiresAtMs` falls in: they count until that day is over). Unchanged
+ * when the key has no storage quota: nothing is counted then, so a quota set later counts only
+ * what is stored from then on.
+ */
+export function chargeStorage(state: LimitState, limits: KeyLimits, bytes: number, expiresAtMs: number, nowMs: number): LimitState {
+  checkWhole('bytes', bytes, 0);
+  if (limits.storageBytes === undefined || bytes === 0) return state;
+  const s = normalize(state, limits, Math.floor(nowMs));
+  const day = dayOf(expiresAtMs);
+  const held = s.stored && hasOwn(s.stored, day) ? s.stored[day]! : 0;
+  return { ...s, stored: { ...s.stored, [day]: held + bytes } };
+}
+
+/**
+ * Gives back `bytes` of a stored response deleted before it expired (at `expiresAtMs`), from the
+ * day they were charged to; never below zero (a response stored before the quota was set was
+ * never charged). Unchanged when nothing is charged to that day.
+ */
+export function releaseStorage(state: LimitState, limits: KeyLimits, bytes: number, expiresAtMs: number, nowMs: number): LimitState {
+  checkWhole('bytes', bytes, 0);
+  const day = dayOf(expiresAtMs);
+  if (!state.stored || !hasOwn(state.stored, day) || bytes === 0) return state;
+  const s = normalize(state, limits, Math.floor(nowMs));
+  if (!s.stored || !hasOwn(s.stored, day)) return s;
+  const left = s.stored[day]! - bytes;
+  const stored = Object.fromEntries(
+    Object.entries(s.stored)
+      .filter(([d]) => d !== day || left > 0)
+      .map(([d, b]) => [d, d === day ? left : b]),
+  );
+  const { stored: _, ...rest } = s;
+  return Object.keys(stored).length > 0 ? { ...rest, stored } : rest;
 }
 
 /**
@@ -424,20 +657,31 @@ export function renew(state: LimitState, replica: string, ids: Iterable<string>,
  * OpenAI's rate-limit headers at `nowMs` for the limits that are set:
  * `x-ratelimit-{limit,remaining,reset}-requests` and `-tokens`. Remaining is the whole part of
  * the bucket's level (never below 0); reset is the time until the bucket is full again, written
- * as OpenAI writes it ({@link formatResetDuration}).
+ * as OpenAI writes it ({@link formatResetDuration}). For a request of `model` that has limits of
+ * its own, each kind is the tighter of the key's bucket and the model's (the fewer remaining).
  */
-export function rateLimitHeaders(state: LimitState, limits: KeyLimits, nowMs: number): RateLimitHeaders {
+export function rateLimitHeaders(state: LimitState, limits: KeyLimits, nowMs: number, model?: string): RateLimitHeaders {
   nowMs = Math.floor(nowMs);
+  const own = model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
+  const counters = own ? state.models?.[model!] : undefined;
   const headers: RateLimitHeaders = {};
-  for (const [kind, limit, bucket] of [
-    ['requests', limits.requestsPerMinute, state.requests],
-    ['tokens', limits.tokensPerMinute, state.tokens],
-  ] as const) {
-    if (limit === undefined) continue;
-    const b = refill(bucket, limit, nowMs);
+  for (const kind of ['requests', 'tokens'] as const) {
+    const field = kind === 'requests' ? 'requestsPerMinute' : 'tokensPerMinute';
+    let tightest: { limit: number; bucket: Bucket } | undefined;
+    for (const [l, c] of [
+      [limits, state],
+      [own, counters],
+    ] as const) {
+      const limit = l?.[field];
+      if (limit === undefined) continue;
+      const bucket = refill(c?.[kind], limit, nowMs);
+      if (!tightest || bucket.level < tightest.bucket.level) tightest = { limit, bucket };
+    }
+    if (!tightest) continue;
+    const { limit, bucket } = tightest;
     headers[`x-ratelimit-limit-${kind}`] = String(limit);
-    headers[`x-ratelimit-remaining-${kind}`] = String(Math.max(0, Math.floor(b.level / BUCKET_SCALE)));
-    headers[`x-ratelimit-reset-${kind}`] = formatResetDuration(msUntil(b, limit, limit * BUCKET_SCALE));
+    headers[`x-ratelimit-remaining-${kind}`] = String(Math.max(0, Math.floor(bucket.level / BUCKET_SCALE)));
+    headers[`x-ratelimit-reset-${kind}`] = formatResetDuration(msUntil(bucket, limit, limit * BUCKET_SCALE));
   }
   return headers;
 }
