@@ -109,6 +109,23 @@ export function resolveKeyModels(ns: string, models: readonly string[] | undefin
   return { models: out, refused };
 }
 
+/**
+ * `spec.limits` with the models of `limits.models` named as the gateway serves them: a bare name
+ * is a Model of `ns`. Anything else is left for `entryLimits` to judge; a model named twice (`llama`
+ * and `<ns>/llama`) is an error.
+ */
+export function resolveLimitModels(ns: string, limits: unknown): { limits: unknown } | { error: string } {
+  const models = (limits as { models?: unknown } | null | undefined)?.models;
+  if (typeof models !== 'object' || models === null || Array.isArray(models)) return { limits };
+  const out: Record<string, unknown> = {};
+  for (const [m, l] of Object.entries(models)) {
+    const full = m.includes('/') ? m : `${ns}/${m}`;
+    if (Object.prototype.hasOwnProperty.call(out, full)) return { error: `spec.limits.models names ${full} twice` };
+    out[full] = l;
+  }
+  return { limits: { ...(limits as object), models: out } };
+}
+
 /** Why `refused` models cannot be a key's. */
 function notShared(refused: readonly string[], shared: readonly string[]): string {
   const sharing =
@@ -270,7 +287,9 @@ export function startKeys(opts: KeysOptions): Keys {
     if (resolved.refused.length > 0) return refuse(ApiKeyReason.modelNotShared, notShared(resolved.refused, shared));
     // The CRD's schema refuses what KeyLimits does; an older CRD may not. A key whose limits
     // cannot be enforced is not registered (unlimited would be the wrong way to fail).
-    const limits = entryLimits(o.spec.limits, 'spec.limits');
+    const named = resolveLimitModels(ns, o.spec.limits);
+    if ('error' in named) return refuse(ApiKeyReason.limitsInvalid, `${named.error}; the key is not registered until it names each once`, resolved.models);
+    const limits = entryLimits(named.limits, 'spec.limits');
     if ('error' in limits)
       return refuse(
         ApiKeyReason.limitsInvalid,

@@ -175,6 +175,10 @@ it('limits: a change rewrites the entry, the same limits in another order write 
 
   // An empty object limits nothing: the entry has no limits.
   expect(limitsOf({})).toBeUndefined();
+  // Models in one order, their limits too; a model with none is no limit.
+  expect(
+    JSON.stringify(limitsOf({ storageBytes: 9, models: { 'b/y': { concurrency: 1, requestsPerMinute: 2 }, 'a/x': { tokensPerMinute: 3 }, 'c/z': {} } })),
+  ).toBe('{"models":{"a/x":{"tokensPerMinute":3},"b/y":{"requestsPerMinute":2,"concurrency":1}},"storageBytes":9}');
   expect(await registerKey(kv, id, entryOf('team/limited', 'uid-l', {}))).toEqual({ ok: true, written: true });
   expect(JSON.parse((await stored(id))!.text)).not.toHaveProperty('limits');
 });
@@ -192,6 +196,10 @@ it('entryLimits names every field KeyLimits refuses, with why; describeKeyLimits
   expect(error({ budget: { tokens: 5, period: 'week' } })).toBe('spec.limits.budget.period must be one of day, month, got "week"');
   expect(error({ rpm: 5 })).toBe('spec.limits.rpm is not a limit');
   expect(error('lots')).toBe('spec.limits: Expected object, got "lots"');
+  expect(error({ models: { 'team/llama': { concurrency: 0 }, llama: {} } })).toBe(
+    'spec.limits.models.team/llama.concurrency must be a whole number from 1 to 1000000, got 0; spec.limits.models.llama: a model is named namespace/name',
+  );
+  expect(error({ storageBytes: -1 })).toBe('spec.limits.storageBytes must be a whole number of bytes from 1 to 1000000000000000, got -1');
   expect(entryLimits(undefined, 'x')).toEqual({ limits: undefined });
 
   expect(describeKeyLimits(undefined)).toBe('unlimited');
@@ -200,6 +208,10 @@ it('entryLimits names every field KeyLimits refuses, with why; describeKeyLimits
   expect(describeKeyLimits({ requestsPerMinute: 60, tokensPerMinute: 10000, concurrency: 4, budget: { tokens: 1000000, period: 'month' } })).toBe(
     'rpm 60, tpm 10000, concurrency 4, budget 1000000/month',
   );
+  expect(describeKeyLimits({ concurrency: 4, storageBytes: 1000, models: { 'team/llama': { requestsPerMinute: 5 } } })).toBe(
+    'concurrency 4, storage 1000 bytes; team/llama: rpm 5',
+  );
+  expect(describeKeyLimits({ models: { 'team/llama': { requestsPerMinute: 5 } } })).toBe('team/llama: rpm 5');
 });
 
 it('conflictMessage names the holder only when it is visible to the reader', () => {

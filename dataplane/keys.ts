@@ -10,7 +10,7 @@ import { createHash } from 'node:crypto';
 import { ValueErrorType } from '@sinclair/typebox/errors';
 import { Value } from '@sinclair/typebox/value';
 import type { KV } from 'nats';
-import { KeyLimits } from '../shared/limits';
+import { KeyLimits, type RateLimits } from '../shared/limits';
 import type { TokenEntry } from '../shared/serving';
 import { isRevisionConflict } from './errors';
 
@@ -42,28 +42,48 @@ export const tokenDigest = (token: string): string => createHash('sha256').updat
 export function entryLimits(value: unknown, where: string): { limits: KeyLimits | undefined } | { error: string } {
   if (value === undefined || value === null) return { limits: undefined };
   if (!Value.Check(KeyLimits, value)) return { error: limitsProblems(value, where).join('; ') };
-  const { requestsPerMinute, tokensPerMinute, concurrency, budget } = value;
+  const models = Object.entries(value.models ?? {})
+    .map(([m, l]): [string, RateLimits] => [m, rateLimitsOf(l)])
+    .filter(([, l]) => Object.keys(l).length > 0)
+    .sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0));
   const limits: KeyLimits = {
+    ...rateLimitsOf(value),
+    ...(models.length > 0 ? { models: Object.fromEntries(models) } : {}),
+    ...(value.storageBytes !== undefined ? { storageBytes: value.storageBytes } : {}),
+  };
+  return { limits: Object.keys(limits).length > 0 ? limits : undefined };
+}
+
+/** One scope's rate limits, their fields in one order. */
+function rateLimitsOf({ requestsPerMinute, tokensPerMinute, concurrency, budget }: RateLimits): RateLimits {
+  return {
     ...(requestsPerMinute !== undefined ? { requestsPerMinute } : {}),
     ...(tokensPerMinute !== undefined ? { tokensPerMinute } : {}),
     ...(concurrency !== undefined ? { concurrency } : {}),
     ...(budget ? { budget: { tokens: budget.tokens, period: budget.period } } : {}),
   };
-  return { limits: Object.keys(limits).length > 0 ? limits : undefined };
 }
 
 /** Each field of `value` that `KeyLimits` refuses, once, with why. */
 function limitsProblems(value: unknown, where: string): string[] {
   const byPath = new Map<string, string>();
   for (const e of Value.Errors(KeyLimits, value)) {
-    const path = `${where}${e.path.replaceAll('/', '.')}`;
+    // A JSON pointer: `/models/default~1llama/concurrency` is `models`, `default/llama`, `concurrency`.
+    const segments = e.path
+      .split('/')
+      .slice(1)
+      .map((p) => p.replaceAll('~1', '/').replaceAll('~0', '~'));
+    const path = [where, ...segments].join('.');
     if (byPath.has(path)) continue;
     const schema = e.schema as { description?: string; enum?: string[] };
     const got = `got ${JSON.stringify(e.value)}`;
+    const isModel = segments.length === 2 && segments[0] === 'models';
     byPath.set(
       path,
       e.type === ValueErrorType.ObjectAdditionalProperties
-        ? `${path} is not a limit`
+        ? isModel
+          ? `${path}: a model is named namespace/name`
+          : `${path} is not a limit`
         : e.type === ValueErrorType.ObjectRequiredProperty
           ? `${path} is required`
           : schema.enum
@@ -76,15 +96,25 @@ function limitsProblems(value: unknown, where: string): string[] {
   return [...byPath.values()];
 }
 
-/** Limits in a few words, as `magus keys list` and an ApiKey's status show them: `rpm 60, tpm 10000, concurrency 4, budget 300/day`. */
-export function describeKeyLimits(limits: KeyLimits | undefined): string {
-  const parts = [
-    limits?.requestsPerMinute !== undefined ? `rpm ${limits.requestsPerMinute}` : '',
-    limits?.tokensPerMinute !== undefined ? `tpm ${limits.tokensPerMinute}` : '',
-    limits?.concurrency !== undefined ? `concurrency ${limits.concurrency}` : '',
-    limits?.budget ? `budget ${limits.budget.tokens}/${limits.budget.period}` : '',
+/** One scope's rate limits in a few words: `rpm 60, tpm 10000, concurrency 4, budget 300/day`. */
+function describeRateLimits(limits: RateLimits): string[] {
+  return [
+    limits.requestsPerMinute !== undefined ? `rpm ${limits.requestsPerMinute}` : '',
+    limits.tokensPerMinute !== undefined ? `tpm ${limits.tokensPerMinute}` : '',
+    limits.concurrency !== undefined ? `concurrency ${limits.concurrency}` : '',
+    limits.budget ? `budget ${limits.budget.tokens}/${limits.budget.period}` : '',
   ].filter(Boolean);
-  return parts.length > 0 ? parts.join(', ') : 'unlimited';
+}
+
+/**
+ * Limits in a few words, as `magus keys list` and an ApiKey's status show them:
+ * `rpm 60, tpm 10000, concurrency 4, budget 300/day, storage 1000000 bytes; default/llama: rpm 5`.
+ */
+export function describeKeyLimits(limits: KeyLimits | undefined): string {
+  const key = [...(limits ? describeRateLimits(limits) : []), ...(limits?.storageBytes !== undefined ? [`storage ${limits.storageBytes} bytes`] : [])];
+  const models = Object.entries(limits?.models ?? {}).map(([m, l]) => `${m}: ${describeRateLimits(l).join(', ')}`);
+  if (key.length === 0 && models.length === 0) return 'unlimited';
+  return [key.join(', '), ...models].filter(Boolean).join('; ');
 }
 
 const decoder = new TextDecoder();

@@ -373,6 +373,27 @@ test('spec.limits: copied into the entry, rewritten when patched and only then, 
   await until('the entry has no limits', async () => (await entryOf(id))?.limits === undefined && (await entryOf(id)) !== undefined, 10_000);
   await patchSpec(nsA, 'limited', { limits: { concurrency: 3 } });
   await until('the entry has the new limits', async () => (await entryOf(id))?.limits?.concurrency === 3, 10_000);
+  // Limits of one model (a bare name is a Model of the key's namespace) and a storage quota.
+  await patchSpec(nsA, 'limited', { limits: { storageBytes: 1_000_000, models: { echo: { requestsPerMinute: 2 }, [`${nsB}/other`]: { concurrency: 1 } } } });
+  await until(
+    'the entry has the model limits',
+    async () =>
+      JSON.stringify((await entryOf(id))?.limits) ===
+      JSON.stringify({ concurrency: 3, models: { [`${nsA}/echo`]: { requestsPerMinute: 2 }, [`${nsB}/other`]: { concurrency: 1 } }, storageBytes: 1_000_000 }),
+    10_000,
+  );
+  await until(
+    'the status says them',
+    async () =>
+      ready(await getKey(nsA, 'limited'))?.message.includes(`limits: concurrency 3, storage 1000000 bytes; ${nsA}/echo: rpm 2; ${nsB}/other: concurrency 1`) ===
+      true,
+    10_000,
+  );
+  // The apiserver refuses a model not named as a Model is.
+  await expect(patchSpec(nsA, 'limited', { limits: { models: { 'Not A Model': { concurrency: 1 } } } })).rejects.toThrow(
+    /each model is named by a Model's name/,
+  );
+  await patchSpec(nsA, 'limited', { limits: { models: null, storageBytes: null } });
   await patchSpec(nsA, 'limited', { limits: null });
   await until('the entry has no limits again', async () => (await entryOf(id))?.limits === undefined, 10_000);
   expect(await entryOf(id)).toMatchObject({ key: `${nsA}/limited`, origin: `apikey/${nsA}/limited` });
