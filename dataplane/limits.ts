@@ -27,8 +27,10 @@
 import type { KV } from 'nats';
 import {
   admit,
+  chargeStorage,
   decodeLimitState,
   emptyLimitState,
+  releaseStorage,
   renew,
   settle,
   sweep,
@@ -137,6 +139,19 @@ export class LimitStore {
     return this.enqueue<Settlement>(scope, (state, now) => {
       const s = settle(state, limits, id, tokens, now);
       return s.settled ? { write: s.state, result: s } : { result: s };
+    });
+  }
+
+  /**
+   * Charges `bytes` of a response of `scope` stored now that expires at `expiresAtMs` to its
+   * stored bytes — or, with `release`, gives back those of one deleted before it expired
+   * (shared/limits.ts `chargeStorage`, `releaseStorage`). Nothing is written when the key has no
+   * storage quota.
+   */
+  storage(scope: string, limits: KeyLimits, change: { bytes: number; expiresAtMs: number; release?: boolean }): Promise<void> {
+    return this.enqueue<void>(scope, (state, now) => {
+      const next = (change.release ? releaseStorage : chargeStorage)(state, limits, change.bytes, change.expiresAtMs, now);
+      return next === state ? { result: undefined } : { write: next, result: undefined };
     });
   }
 

@@ -162,6 +162,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const limiter = new KeyLimiter(new LimitStore(await openBucket(nc, config.buckets.limits)), {
       replica: config.replicaId,
       leaseMs: config.limitLeaseMs,
+      storedResponsesTtlMs: config.responsesTtlMs,
       retryAfterSec: config.settings.retryAfterSec,
       log,
       onRefused: (code) => metrics.limitRefusals.inc([code]),

@@ -12,7 +12,9 @@
  * window; every answer carries OpenAI's `x-ratelimit-*` headers, streamed or not; the official
  * client does not retry a refusal that waiting cannot cure; a request without `max_tokens` is
  * served up to what the key has left, then refused. The usage ledger holds one record per served
- * request, with the tokens its client was told, and none for a refused one.
+ * request, with the tokens its client was told, and none for a refused one. A model's limits of
+ * its own hold beside the key's, and say so; a storage quota refuses a response that would not
+ * fit, until one is deleted.
  */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
@@ -27,7 +29,7 @@ import type { KeyLimits } from '../shared/limits';
 import type { UsageRecord } from '../shared/usage';
 import type { StubEngine } from './fixtures/stub-engine';
 import { isolation } from './harness';
-import { publishPoolView } from './harness/gateway';
+import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { gatewayStack, natsStack, stubInstanceStack, TestStack } from './harness/stack';
 
@@ -79,7 +81,14 @@ beforeAll(async () => {
   await publishPoolView(nc, names, MODEL, ['i1']);
   for (let i = 0; i < 2; i++) {
     const { gateway } = await stack.open(
-      gatewayStack(names, { nc: (await stack.open(natsStack(iso))).nc, secret: SECRET, tokens: {}, env: { MAGUS_LOG_LEVEL: 'silent' } }),
+      gatewayStack(names, {
+        nc: (await stack.open(natsStack(iso))).nc,
+        secret: SECRET,
+        tokens: {},
+        env: { MAGUS_LOG_LEVEL: 'silent' },
+        // Conversations (the Responses test's) are pinned to the one instance: no Temporal here.
+        deps: { coldStart: (req) => pinConversation(nc, names, req.conversationKey, MODEL, 'i1') },
+      }),
     );
     gateways.push(gateway);
   }
@@ -230,3 +239,87 @@ test('without max_tokens a request is served up to what the key has left, its ou
   }
   expect(spent).toBeLessThanOrEqual(120);
 }, 30_000);
+
+test('limits of one model hold beside the key’s: its requests per minute refuse, naming the model, and the headers show the tighter', async () => {
+  const model = `default/${MODEL}`;
+  const token = await keyWith('per-model', { requestsPerMinute: 100, models: { [model]: { requestsPerMinute: 2 } } });
+  const post = (replica: number) =>
+    fetch(`${gateways[replica]!.url}/v1/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: MODEL, prompt: 'hi', max_tokens: 2 }),
+    });
+  const first = await post(0);
+  await first.json();
+  expect(first.status).toBe(200);
+  expect(first.headers.get('x-ratelimit-limit-requests')).toBe('2');
+  expect(first.headers.get('x-ratelimit-remaining-requests')).toBe('1');
+  const second = await post(1);
+  await second.json();
+  expect(second.headers.get('x-ratelimit-remaining-requests')).toBe('0');
+  const refused = await post(0);
+  expect(refused.status).toBe(429);
+  const body = (await refused.json()) as { error: { code: string; message: string } };
+  expect(body.error.code).toBe('rate_limit_exceeded');
+  expect(body.error.message).toMatch(new RegExp(`^Rate limit reached for ${model} on requests per min \\(RPM\\): Limit 2, Used 2, Requested 1\\.`));
+  // The key's own count went on beside the model's: 2 of its 100.
+  const state = await new LimitStore(await nc.jetstream().views.kv(names.limitsBucket)).read('tenant/per-model');
+  expect(Math.floor(state!.state.requests!.level / 60_000)).toBe(98);
+}, 60_000);
+
+test('a storage quota: a response that would not fit is refused with insufficient_quota; deleting one makes room; the count is the stored bytes', async () => {
+  const token = await keyWith('storage', { storageBytes: 4_000 });
+  const create = (input: string) =>
+    fetch(`${gateways[0]!.url}/v1/responses`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: MODEL, input, max_output_tokens: 4 }),
+    });
+  const responses = await nc.jetstream().views.kv(names.responsesBucket);
+  const limits = new LimitStore(await nc.jetstream().views.kv(names.limitsBucket));
+  const ids: string[] = [];
+  let refusal: Response | undefined;
+  for (let i = 0; i < 20 && !refusal; i++) {
+    const r = await create(`stored turn ${i}: ${'x'.repeat(400)}`);
+    if (r.status === 429) refusal = r;
+    else {
+      expect(r.status).toBe(200);
+      ids.push(((await r.json()) as { id: string }).id);
+    }
+  }
+  expect(refusal).toBeDefined();
+  expect(ids.length).toBeGreaterThan(1);
+  const body = (await refusal!.json()) as { error: { code: string; message: string } };
+  expect(body.error.code).toBe('insufficient_quota');
+  expect(body.error.message).toMatch(
+    /^You exceeded your storage quota for stored responses: Limit 4000 bytes, Stored \d+, Requested \d+\. Delete stored responses/,
+  );
+  // What the key is charged is what is stored, to the byte.
+  const storedSizes = async () => {
+    let sum = 0;
+    for (const id of ids) {
+      const e = await responses.get(id);
+      if (e?.operation === 'PUT') sum += e.value.length;
+    }
+    return sum;
+  };
+  const charged = async () => Object.values((await limits.read('tenant/storage'))!.state.stored ?? {}).reduce((a, b) => a + b, 0);
+  expect(await charged()).toBe(await storedSizes());
+  expect(await charged()).toBeLessThanOrEqual(4_000 + 1_000); // over by at most the last response's answer
+  // Deleted: its bytes are given back, and the next fits again.
+  const del = await fetch(`${gateways[1]!.url}/v1/responses/${ids.shift()!}`, { method: 'DELETE', headers: { authorization: `Bearer ${token}` } });
+  expect(del.status).toBe(200);
+  expect(await charged()).toBe(await storedSizes());
+  const again = await create('after a delete');
+  expect(again.status).toBe(200);
+  ids.push(((await again.json()) as { id: string }).id);
+  expect(await charged()).toBe(await storedSizes());
+  // Not stored: not held to the quota.
+  const unstored = await fetch(`${gateways[0]!.url}/v1/responses`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: MODEL, input: 'x'.repeat(5_000), store: false, max_output_tokens: 4 }),
+  });
+  expect(unstored.status).toBe(200);
+  await unstored.json();
+}, 60_000);

@@ -65,6 +65,41 @@ describe('parseKeysArgs', () => {
     });
     expect(parseKeysArgs(['limits', 'team-a', '--tpm', '500'])).toEqual({ command: 'limits', name: 'team-a', limits: { tokensPerMinute: 500 } });
     expect(parseKeysArgs(['limits', 'team-a', '--none'])).toEqual({ command: 'limits', name: 'team-a', limits: undefined });
+    // A storage quota, and limits of models of their own (a bare name is magus dev's, namespace default).
+    expect(
+      parseKeysArgs([
+        'create',
+        'team-b',
+        '--model-limits',
+        'team/phi:budget=500/day,concurrency=1',
+        '--storage-bytes',
+        '1000000',
+        '--model-limits',
+        'llama:rpm=5, tpm=900',
+      ]),
+    ).toEqual({
+      command: 'create',
+      name: 'team-b',
+      limits: {
+        models: { 'default/llama': { requestsPerMinute: 5, tokensPerMinute: 900 }, 'team/phi': { concurrency: 1, budget: { tokens: 500, period: 'day' } } },
+        storageBytes: 1000000,
+      },
+    });
+  });
+
+  it('refuses model limits it cannot read, naming what is wrong', () => {
+    expect(usageError(['create', 'a', '--model-limits', 'rpm=5'])).toBe('--model-limits "rpm=5": give MODEL:LIMITS, MODEL a model\'s name or NAMESPACE/NAME');
+    expect(usageError(['create', 'a', '--model-limits', 'llama:rps=5'])).toBe(
+      '--model-limits "llama:rps=5": "rps=5" is not rpm=N, tpm=N, concurrency=N or budget=N/day|month',
+    );
+    expect(usageError(['create', 'a', '--model-limits', 'llama:budget=5'])).toMatch(/"budget=5" is not/);
+    expect(usageError(['create', 'a', '--model-limits', 'llama:concurrency=0'])).toBe(
+      '--model-limits default/llama.concurrency must be a whole number from 1 to 1000000, got 0',
+    );
+    expect(usageError(['create', 'a', '--storage-bytes', '0'])).toBe(
+      '--storage-bytes must be a whole number from 1 to 1000000000000000 (bytes of stored responses), got "0"',
+    );
+    expect(usageError(['create', 'a', '--model-limits'])).toBe('--model-limits needs a value: MODEL:rpm=N,…');
   });
 
   it('refuses limits that are not whole numbers within the bounds, a budget without its period and a period alone', () => {
@@ -90,7 +125,7 @@ describe('parseKeysArgs', () => {
     expect(usageError(['create', '--rpm', '5'])).toBe('magus keys create needs a NAME'); // 5 is --rpm's, not a name
     expect(usageError(['create', 'team-a', '--none'])).toBe('unknown option --none');
     expect(usageError(['limits', 'team-a'])).toBe(
-      'magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period) or --none',
+      'magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period, --storage-bytes, --model-limits) or --none',
     );
     expect(usageError(['limits', 'team-a', '--none', '--rpm', '5'])).toBe('--none makes the key unlimited: give it alone, or the limits without it');
     expect(usageError(['limits', 'team-a', '--models', 'llama'])).toBe('unknown option --models');
@@ -132,7 +167,8 @@ describe('parseKeysArgs', () => {
 });
 
 test('the usage names every limit flag with its bounds', () => {
-  for (const flag of ['--rpm', '--tpm', '--concurrency', '--budget-tokens', '--period']) expect(KEYS_USAGE).toContain(`${flag} `);
+  for (const flag of ['--rpm', '--tpm', '--concurrency', '--budget-tokens', '--period', '--storage-bytes', '--model-limits'])
+    expect(KEYS_USAGE).toContain(`${flag} `);
   expect(KEYS_USAGE).toContain(`(1-${MAX_PER_MINUTE})`);
   expect(KEYS_USAGE).toContain(`(1-${MAX_BUDGET_TOKENS})`);
 });

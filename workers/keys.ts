@@ -5,7 +5,7 @@
  * (`magus_tokens`, dataplane/keys.ts): its token id is random and registered once, so it can
  * neither take nor be taken by another key. The token is printed once, on stdout, and stored only
  * as its sha256. Its limits (`--rpm`, `--tpm`, `--concurrency`, `--budget-tokens` with
- * `--period`) are checked whole against KeyLimits' bounds (shared/limits.ts) before anything is
+ * `--period`, `--storage-bytes`, and per model `--model-limits`) are checked whole against KeyLimits' bounds (shared/limits.ts) before anything is
  * written, and stored in its entry, where every gateway enforces them.
  * On a cluster, declare an `ApiKey` instead (README "Tenants").
  *
@@ -25,6 +25,7 @@ const WHOLE_LIMITS = {
   '--tpm': { what: 'tokens per minute', schema: KeyLimits.properties.tokensPerMinute },
   '--concurrency': { what: 'requests in flight at once', schema: KeyLimits.properties.concurrency },
   '--budget-tokens': { what: 'tokens per period', schema: KeyLimits.properties.budget.properties.tokens },
+  '--storage-bytes': { what: 'bytes of stored responses', schema: KeyLimits.properties.storageBytes },
 } as const;
 type WholeLimitFlag = keyof typeof WHOLE_LIMITS;
 const PERIODS: readonly BudgetPeriod[] = ['day', 'month'];
@@ -43,8 +44,11 @@ export const KEYS_USAGE = [
   `  --tpm N                       tokens per minute, prompt and completion (${bounds('--tpm')})`,
   `  --concurrency N               requests in flight at once (${bounds('--concurrency')})`,
   `  --budget-tokens N --period P  a budget of N tokens (${bounds('--budget-tokens')}) per UTC day or calendar month: P day or month`,
-  "  A request's worst case is reserved when admitted and settled to its real usage; the budget is",
-  '  never exceeded. Over a limit: 429 rate_limit_exceeded (insufficient_quota for the budget).',
+  `  --storage-bytes N             bytes its stored responses (POST /v1/responses) may keep (${bounds('--storage-bytes')})`,
+  "  --model-limits MODEL:L,…      limits of one model, beside the key's (repeat per model): MODEL a name of magus dev's",
+  '                                (namespace default) or NAMESPACE/NAME; L rpm=N, tpm=N, concurrency=N or budget=N/day|month',
+  "  A request's worst case is reserved when admitted and settled to its real usage; a budget is",
+  '  never exceeded. Over a limit: 429 rate_limit_exceeded (insufficient_quota for a budget or the storage).',
   'NATS: MAGUS_NATS_URL and MAGUS_NATS_PREFIX, else the running magus dev (its connection.json).',
 ].join('\n');
 
@@ -52,7 +56,9 @@ const NAME = /^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$/;
 const MODEL = /^(([a-z0-9]([-a-z0-9]*[a-z0-9])?)\/)?([A-Za-z0-9][A-Za-z0-9._-]{0,252}|\*)$/;
 const LOCAL = 'local/';
 /** Options followed by a value. */
-const VALUE_FLAGS = new Set<string>(['--models', '--period', ...Object.keys(WHOLE_LIMITS)]);
+const VALUE_FLAGS = new Set<string>(['--models', '--period', '--model-limits', ...Object.keys(WHOLE_LIMITS)]);
+/** The namespace of a model `--model-limits` names without one: magus dev's. */
+const DEV_NAMESPACE = 'default';
 
 export type KeysArgs =
   | { command: 'create'; name: string; models?: string[]; limits?: KeyLimits }
@@ -62,7 +68,7 @@ export type KeysArgs =
   | { command: 'revoke'; name: string };
 
 /** The limits the flags in `given` (flag → value) declare; undefined when none. */
-function limitsOf(given: ReadonlyMap<string, string>): KeyLimits | undefined {
+function limitsOf(given: ReadonlyMap<string, string>, modelLimits: readonly string[] = []): KeyLimits | undefined {
   const whole = (flag: WholeLimitFlag): number | undefined => {
     const v = given.get(flag);
     if (v === undefined) return undefined;
@@ -72,7 +78,7 @@ function limitsOf(given: ReadonlyMap<string, string>): KeyLimits | undefined {
       throw new UsageError(`${flag} must be a whole number from ${schema.minimum} to ${schema.maximum} (${what}), got ${JSON.stringify(v)}`);
     return n;
   };
-  const [rpm, tpm, concurrency, budgetTokens] = (['--rpm', '--tpm', '--concurrency', '--budget-tokens'] as const).map(whole);
+  const [rpm, tpm, concurrency, budgetTokens, storageBytes] = (['--rpm', '--tpm', '--concurrency', '--budget-tokens', '--storage-bytes'] as const).map(whole);
   const period = given.get('--period');
   if (period !== undefined && !PERIODS.includes(period as BudgetPeriod)) throw new UsageError(`--period must be day or month, got ${JSON.stringify(period)}`);
   if (budgetTokens !== undefined && period === undefined)
@@ -84,12 +90,32 @@ function limitsOf(given: ReadonlyMap<string, string>): KeyLimits | undefined {
       ...(tpm !== undefined ? { tokensPerMinute: tpm } : {}),
       ...(concurrency !== undefined ? { concurrency } : {}),
       ...(budgetTokens !== undefined ? { budget: { tokens: budgetTokens, period } } : {}),
+      ...(storageBytes !== undefined ? { storageBytes } : {}),
+      ...(modelLimits.length > 0 ? { models: Object.fromEntries(modelLimits.map(modelLimitsOf)) } : {}),
     },
     'limits',
   );
-  // The flags were checked one by one against the same bounds: this would be a bug here.
-  if ('error' in checked) throw new Error(checked.error);
+  // The flags were checked one by one against the same bounds (a model's limits, and its name, in modelLimitsOf).
+  if ('error' in checked) throw new UsageError(checked.error.replaceAll('limits.models.', '--model-limits '));
   return checked.limits;
+}
+
+/** `--model-limits MODEL:rpm=N,tpm=N,concurrency=N,budget=N/day` as `[namespace/name, its limits]`. */
+function modelLimitsOf(v: string): [string, unknown] {
+  const colon = v.indexOf(':');
+  const model = colon < 0 ? '' : v.slice(0, colon);
+  if (!/^([a-z0-9]([-a-z0-9]*[a-z0-9])?\/)?[a-z0-9]([-a-z0-9]*[a-z0-9])?$/.test(model))
+    throw new UsageError(`--model-limits ${JSON.stringify(v)}: give MODEL:LIMITS, MODEL a model's name or NAMESPACE/NAME`);
+  const limits: Record<string, unknown> = {};
+  for (const part of v.slice(colon + 1).split(',')) {
+    const m = /^(rpm|tpm|concurrency|budget)=([0-9]+)(?:\/(day|month))?$/.exec(part.trim());
+    if (!m || (m[1] === 'budget') !== (m[3] !== undefined))
+      throw new UsageError(`--model-limits ${JSON.stringify(v)}: ${JSON.stringify(part)} is not rpm=N, tpm=N, concurrency=N or budget=N/day|month`);
+    const n = Number(m[2]);
+    if (m[1] === 'budget') limits.budget = { tokens: n, period: m[3] };
+    else limits[{ rpm: 'requestsPerMinute', tpm: 'tokensPerMinute', concurrency: 'concurrency' }[m[1] as 'rpm']] = n;
+  }
+  return [model.includes('/') ? model : `${DEV_NAMESPACE}/${model}`, limits];
 }
 
 export function parseKeysArgs(args: string[]): KeysArgs {
@@ -114,6 +140,7 @@ export function parseKeysArgs(args: string[]): KeysArgs {
   if (command === 'create' || command === 'limits') {
     const n = name();
     let models: string[] | undefined;
+    const modelLimits: string[] = [];
     let none = false;
     const given = new Map<string, string>();
     for (let i = 0; i < rest.length; i++) {
@@ -125,6 +152,10 @@ export function parseKeysArgs(args: string[]): KeysArgs {
         if (v === undefined) throw new UsageError(`${a} needs a value`);
         if (given.has(a)) throw new UsageError(`${a} is given twice`);
         given.set(a, v);
+      } else if (a === '--model-limits') {
+        const v = rest[++i];
+        if (v === undefined) throw new UsageError('--model-limits needs a value: MODEL:rpm=N,…');
+        modelLimits.push(v);
       } else if (a === '--models' && command === 'create') {
         const v = rest[++i];
         if (v === undefined) throw new UsageError('--models needs a value: MODEL,…');
@@ -136,11 +167,13 @@ export function parseKeysArgs(args: string[]): KeysArgs {
         for (const m of models) if (!MODEL.test(m)) throw new UsageError(`--models: ${JSON.stringify(m)} is not a model name, NAMESPACE/NAME or NAMESPACE/*`);
       } else throw new UsageError(`unknown option ${a}`);
     }
-    const limits = limitsOf(given);
+    const limits = limitsOf(given, modelLimits);
     if (command === 'create') return { command, name: n, ...(models ? { models } : {}), ...(limits ? { limits } : {}) };
     if (none && limits) throw new UsageError('--none makes the key unlimited: give it alone, or the limits without it');
     if (!none && !limits)
-      throw new UsageError('magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period) or --none');
+      throw new UsageError(
+        'magus keys limits needs the limits to set (--rpm, --tpm, --concurrency, --budget-tokens with --period, --storage-bytes, --model-limits) or --none',
+      );
     return { command, name: n, limits };
   }
   throw new UsageError(command === undefined ? 'magus keys needs a command: create, limits, list or revoke' : `unknown command keys ${command}`);

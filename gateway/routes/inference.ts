@@ -100,6 +100,8 @@ export interface Turn {
   conversationKey?: string;
   /** What the engine gets. */
   payload: InferencePayload;
+  /** Set when the answer will be stored (Responses): the bytes of the request it keeps, held to the key's storage quota. */
+  storeBytes?: number;
   /** A streamed answer's response, when the client asked for a stream. */
   sse?: SseResponse;
   /** Each chunk of a streamed answer, usage chunks included (counted on /metrics first). */
@@ -161,6 +163,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     throw errors.backlogFull(backlog.retryAfterSec);
   }
   reply.header('x-request-id', id); // also on error responses; the error handler logs it
+  const modelLabel = `${model.namespace}/${model.name}`;
   // A limited key's reservation (a 429 before anything is queued), settled when the turn ends.
   const principal = request.principal!;
   let grant: LimitGrant | undefined;
@@ -171,10 +174,12 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       throw errors.unavailable(s.retryAfterSec, "The key's limits cannot be checked now; retry later.");
     }
     const want = reservationFor(payload, model);
-    grant = await g.limiter.admit(principal.key, principal.limits, id, want).catch((err: unknown) => {
-      sse?.stop();
-      throw err;
-    });
+    grant = await g.limiter
+      .admit(principal.key, principal.limits, id, { ...want, model: modelLabel, ...(turn.storeBytes !== undefined ? { storeBytes: turn.storeBytes } : {}) })
+      .catch((err: unknown) => {
+        sse?.stop();
+        throw err;
+      });
     if (want.upTo !== undefined) payload = capped(payload, Math.max(1, grant.tokens - want.bound));
     for (const [name, value] of Object.entries(grant.headers)) reply.header(name, value);
   }
@@ -184,7 +189,6 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
   };
   reply.raw.once('close', onClose);
-  const modelLabel = `${model.namespace}/${model.name}`;
   const countUsage = (data: unknown): void => {
     const usage = usageIn(data);
     if (!usage) return;

@@ -78,8 +78,9 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       if (refused) throw refusal(refused.message, refused.field, 'unsupported_feature');
       const checked = checkStructure(turn.request);
       if (!checked.ok) throw refusal(checked.problem.message, checked.problem.param, checked.problem.code);
+      let storeBytes: number | undefined;
       if (body.store !== false) {
-        const bytes = Buffer.byteLength(JSON.stringify([turn.input, body.instructions, body.tools, body.metadata, body.text]));
+        const bytes = (storeBytes = Buffer.byteLength(JSON.stringify([turn.input, body.instructions, body.tools, body.metadata, body.text])));
         if (bytes > MAX_STORED_REQUEST_BYTES) {
           throw errors.invalid(
             `A stored response keeps its input, instructions and tools: these are ${bytes} bytes, more than the ${MAX_STORED_REQUEST_BYTES} a stored response may keep. Send less, or \`store: false\`.`,
@@ -108,7 +109,8 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
           output: draft.assistantMessages(),
           response,
         };
-        await stored(g.storedResponses.put(responseId, record));
+        const size = await stored(g.storedResponses.put(responseId, record));
+        if (principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs);
       };
       const sse = stream ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       let sequence = 0;
@@ -118,6 +120,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       return serveTurn(app, request, reply, {
         id,
         model,
+        ...(storeBytes !== undefined ? { storeBytes } : {}),
         conversationKey: key,
         payload: { body: turn.request },
         sse,
@@ -155,8 +158,10 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     { schema: deleteResponseSchema, onRequest: app.authenticate },
     async (request) => {
       const id = request.params.response_id;
-      await ownRecord(id, request.principal!);
-      await stored(g.storedResponses.delete(id));
+      const principal = request.principal!;
+      await ownRecord(id, principal);
+      const size = await stored(g.storedResponses.delete(id));
+      if (size && principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs, true);
       return { id, object: 'response', deleted: true };
     },
   );

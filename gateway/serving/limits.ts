@@ -53,6 +53,8 @@ export interface KeyLimiterOptions {
   /** The Retry-After of a 503 when the limits cannot be checked. */
   retryAfterSec: number;
   onRefused?: (code: string) => void;
+  /** How long a stored response lives (the responses bucket's max age): its bytes count against a storage quota as long. */
+  storedResponsesTtlMs: number;
 }
 
 export class KeyLimiter {
@@ -73,7 +75,7 @@ export class KeyLimiter {
    * Reserves request `id` of the key `scope` (its identity) under its `limits`: `tokens` its worst case, `upTo` the
    * most its output may take when it has no bound of its own. Throws the 429 of a refusal.
    */
-  async admit(scope: string, limits: KeyLimits, id: string, want: { tokens: number; upTo?: number }): Promise<LimitGrant> {
+  async admit(scope: string, limits: KeyLimits, id: string, want: { tokens: number; upTo?: number; model?: string; storeBytes?: number }): Promise<LimitGrant> {
     const a = await this.store
       .admit(scope, limits, {
         id,
@@ -81,6 +83,8 @@ export class KeyLimiter {
         replica: this.opts.replica,
         leaseMs: this.opts.leaseMs,
         ...(want.upTo !== undefined ? { upTo: want.upTo } : {}),
+        ...(want.model !== undefined ? { model: want.model } : {}),
+        ...(want.storeBytes !== undefined ? { storeBytes: want.storeBytes } : {}),
       })
       .catch((err: unknown) => {
         // NATS away, or the key's entry contended past the store's attempts: never served unchecked.
@@ -107,6 +111,18 @@ export class KeyLimiter {
           .finally(() => this.renewer.untrack(scope, id));
       },
     };
+  }
+
+  /**
+   * Counts `bytes` of a response of `scope` stored at `storedAtMs` against the key's storage quota
+   * until it expires — or, `deleted`, no longer. Nothing when the key has no quota. Never throws:
+   * a charge that cannot be written is logged (the response stays stored).
+   */
+  async stored(scope: string, limits: KeyLimits, bytes: number, storedAtMs: number, deleted = false): Promise<void> {
+    if (limits.storageBytes === undefined) return;
+    await this.store
+      .storage(scope, limits, { bytes, expiresAtMs: storedAtMs + this.opts.storedResponsesTtlMs, release: deleted })
+      .catch((err: unknown) => this.opts.log.warn({ err, key: scope, bytes, deleted }, "could not count a stored response against the key's storage quota"));
   }
 
   /** Stops renewing: reservations not settled by then lapse after their lease. */

@@ -44,21 +44,40 @@ export interface StoredResponse {
   response: ResponseObject;
 }
 
+/** A record's size and age, as a key's storage quota counts it. */
+export interface StoredSize {
+  /** Bytes of the record as stored. */
+  bytes: number;
+  /** Epoch ms it was stored at (it expires the store's TTL later). */
+  storedAtMs: number;
+}
+
 export interface ResponseStore {
   get(id: string): Promise<StoredResponse | undefined>;
-  put(id: string, record: StoredResponse): Promise<void>;
-  /** False when there was nothing to delete. */
-  delete(id: string): Promise<boolean>;
+  /** Stores `record`; its size as stored. */
+  put(id: string, record: StoredResponse): Promise<StoredSize>;
+  /** What was deleted; undefined when there was nothing to delete. */
+  delete(id: string): Promise<StoredSize | undefined>;
 }
 
 /** For tests and a gateway without NATS: kept in this process only, never expiring. */
 export function memoryResponseStore(): ResponseStore & { records: Map<string, StoredResponse> } {
   const records = new Map<string, StoredResponse>();
+  const sizes = new Map<string, StoredSize>();
   return {
     records,
     get: (id) => Promise.resolve(records.get(id)),
-    put: (id, record) => Promise.resolve(void records.set(id, structuredClone(record))),
-    delete: (id) => Promise.resolve(records.delete(id)),
+    put: (id, record) => {
+      records.set(id, structuredClone(record));
+      const size = { bytes: Buffer.byteLength(JSON.stringify(record)), storedAtMs: Date.now() };
+      sizes.set(id, size);
+      return Promise.resolve(size);
+    },
+    delete: (id) => {
+      const size = records.delete(id) ? (sizes.get(id) ?? { bytes: 0, storedAtMs: Date.now() }) : undefined;
+      sizes.delete(id);
+      return Promise.resolve(size);
+    },
   };
 }
 
@@ -88,15 +107,18 @@ export function kvResponseStore(kv: KV): ResponseStore {
       return entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
     },
     async put(id, record) {
-      await kv.put(id, JSON.stringify(record));
+      const data = JSON.stringify(record);
+      const storedAtMs = Date.now();
+      await kv.put(id, data);
+      return { bytes: Buffer.byteLength(data), storedAtMs };
     },
     async delete(id) {
-      if (!RESPONSE_ID.test(id)) return false;
+      if (!RESPONSE_ID.test(id)) return undefined;
       const entry = await kv.get(id);
-      if (!entry || entry.operation !== 'PUT') return false;
+      if (!entry || entry.operation !== 'PUT') return undefined;
       // Purged: its value leaves the stream at once (only a marker stays, until the bucket's max age).
       await kv.purge(id);
-      return true;
+      return { bytes: entry.value.length, storedAtMs: entry.created.getTime() };
     },
   };
 }
