@@ -30,6 +30,19 @@ describe('UsageSums', () => {
     expect(sums.of('team-c/chat', '2026-11')).toBeUndefined();
   });
 
+  it('sums per model too', () => {
+    const m = new UsageSums();
+    m.add(record('k/a', '2026-11-30T00:00:00Z', 5));
+    m.add({ ...record('k/a', '2026-11-30T01:00:00Z', 7), model: 'team/phi' });
+    m.add(record('k/a', '2026-11-30T02:00:00Z', 3));
+    expect([...m.byModel('k/a', '2026-11-30')]).toEqual([
+      ['default/demo', { requests: 2, promptTokens: 6, completionTokens: 2, totalTokens: 8 }],
+      ['team/phi', { requests: 1, promptTokens: 6, completionTokens: 1, totalTokens: 7 }],
+    ]);
+    expect(m.of('k/a', '2026-11')?.totalTokens).toBe(15);
+    expect(m.byModel('k/b', '2026-11').size).toBe(0);
+  });
+
   it('the last use is the latest end, whatever the order records came in', () => {
     expect(sums.lastUsed('team-a/chat')).toBe(at('2026-12-01T00:00:00Z'));
     sums.add(record('team-b/chat', '2026-11-30T11:00:00Z', 1));

@@ -1,7 +1,8 @@
 /**
  * Each ApiKey's `status.usage`: what the key used in the current period (its budget's, else the
- * UTC month) from the usage ledger (`magus_usage`, dataplane/usage.ts), and what its budget has
- * left beside the requests in flight (`magus_limits`, the gateways' own count).
+ * UTC month) from the usage ledger (`magus_usage`, dataplane/usage.ts), in all and per model, and
+ * from the gateways' own count (`magus_limits`) what its budgets — the key's, each model's — have
+ * left beside the requests in flight, and the bytes its stored responses hold against its quota.
  *
  * One ordered consumer reads the ledger from the start of the month and follows it, summing the
  * records per key and period ({@link UsageSums}); every `intervalMs` the keys whose usage changed
@@ -12,9 +13,10 @@ import type { CustomObjectsApi } from '@kubernetes/client-node';
 import { DeliverPolicy, type ConsumerMessages, type JetStreamClient } from 'nats';
 import type { LimitStore } from '../dataplane/limits';
 import { FieldManager, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
-import { reservedTokens } from '../shared/limits';
+import { storedBytes, type Counters, type KeyLimits, type Reservation } from '../shared/limits';
+import { entryLimits } from '../dataplane/keys';
 import { isoSeconds, parseUsageRecord, periodOf, type UsageRecord } from '../shared/usage';
-import { applyApiKeyStatus } from './keys';
+import { applyApiKeyStatus, resolveLimitModels } from './keys';
 
 /** How often ApiKeys' usage is written (when it changed). */
 export const USAGE_STATUS_INTERVAL_MS = 30_000;
@@ -26,28 +28,42 @@ interface Sums {
   totalTokens: number;
 }
 
-/** The ledger's records summed per key, UTC day and month; the last end per key. */
+const noSums = (): Sums => ({ requests: 0, promptTokens: 0, completionTokens: 0, totalTokens: 0 });
+
+function addTo(s: Sums, r: UsageRecord): void {
+  s.requests += 1;
+  s.promptTokens += r.tokens.prompt;
+  s.completionTokens += r.tokens.completion;
+  s.totalTokens += r.tokens.total;
+}
+
+/** The ledger's records summed per key, UTC day and month, in all and per model; the last end per key. */
 export class UsageSums {
-  private readonly byKey = new Map<string, Map<string, Sums>>();
+  private readonly byKey = new Map<string, Map<string, { all: Sums; models: Map<string, Sums> }>>();
   private readonly last = new Map<string, number>();
 
   add(r: UsageRecord): void {
     let periods = this.byKey.get(r.key);
-    if (!periods) this.byKey.set(r.key, (periods = new Map<string, Sums>()));
+    if (!periods) this.byKey.set(r.key, (periods = new Map<string, { all: Sums; models: Map<string, Sums> }>()));
     for (const p of [periodOf(r.start, 'day'), periodOf(r.start, 'month')]) {
-      const s = periods.get(p) ?? { requests: 0, promptTokens: 0, completionTokens: 0, totalTokens: 0 };
-      s.requests += 1;
-      s.promptTokens += r.tokens.prompt;
-      s.completionTokens += r.tokens.completion;
-      s.totalTokens += r.tokens.total;
-      periods.set(p, s);
+      let sums = periods.get(p);
+      if (!sums) periods.set(p, (sums = { all: noSums(), models: new Map() }));
+      addTo(sums.all, r);
+      let model = sums.models.get(r.model);
+      if (!model) sums.models.set(r.model, (model = noSums()));
+      addTo(model, r);
     }
     this.last.set(r.key, Math.max(this.last.get(r.key) ?? 0, r.end));
   }
 
   /** Key `key`'s sums in period `period` (a day or month id). */
   of(key: string, period: string): Sums | undefined {
-    return this.byKey.get(key)?.get(period);
+    return this.byKey.get(key)?.get(period)?.all;
+  }
+
+  /** Key `key`'s sums in period `period` per model (`namespace/name`). */
+  byModel(key: string, period: string): ReadonlyMap<string, Sums> {
+    return this.byKey.get(key)?.get(period)?.models ?? new Map();
   }
 
   /** When key `key`'s last recorded request ended (epoch ms). */
@@ -88,18 +104,48 @@ export interface UsageStatus {
 /** A usage status as comparable text (the API server returns its fields in its own order). */
 const canonical = (u: ApiKeyUsageStatus | undefined): string => JSON.stringify(u ?? null, Object.keys(u ?? {}).sort());
 
+/** Most models `status.usage.models` lists (those with the most tokens first). */
+export const MAX_STATUS_MODELS = 64;
+
 /** The status `o` should show now. */
 async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | undefined, nowMs: number): Promise<ApiKeyUsageStatus> {
-  const identity = `${o.metadata.namespace}/${o.metadata.name}`;
-  const budget = o.spec.limits?.budget;
+  const ns = o.metadata.namespace;
+  const identity = `${ns}/${o.metadata.name}`;
+  const named = resolveLimitModels(ns, o.spec.limits);
+  const declared = 'error' in named ? undefined : entryLimits(named.limits, 'spec.limits');
+  const keyLimits = declared && 'limits' in declared ? declared.limits : undefined;
+  const budget = keyLimits?.budget;
   const period = periodOf(nowMs, budget?.period ?? 'month');
   const s = sums.of(identity, period);
-  let remainingTokens: number | undefined;
-  if (budget && limits) {
-    const state = (await limits.read(identity))?.state;
-    const used = state?.budget?.period === period ? state.budget.used : 0;
-    remainingTokens = Math.max(0, budget.tokens - used - (state ? reservedTokens(state) : 0));
-  }
+  const state = limits && (budget || keyLimits?.models || keyLimits?.storageBytes !== undefined) ? (await limits.read(identity))?.state : undefined;
+  /** What budget `b` has left: less what its counters used in its period and what `live` reserve. */
+  const left = (b: NonNullable<KeyLimits['budget']>, counters: Counters | undefined, live: Reservation[]): number => {
+    const used = counters?.budget?.period === periodOf(nowMs, b.period) ? counters.budget.used : 0;
+    return Math.max(0, b.tokens - used - live.reduce((n, r) => n + r.tokens, 0));
+  };
+  const live = state ? Object.values(state.reservations) : [];
+  const modelBudgets = Object.entries(keyLimits?.models ?? {}).filter(([, l]) => l.budget);
+  const used = sums.byModel(identity, period);
+  const models = [...new Set([...used.keys(), ...modelBudgets.map(([m]) => m)])]
+    .map((model) => {
+      const b = keyLimits?.models?.[model]?.budget;
+      const remainingTokens =
+        b && limits
+          ? left(
+              b,
+              state?.models?.[model],
+              live.filter((r) => r.model === model),
+            )
+          : undefined;
+      return {
+        model,
+        ...(used.get(model) ?? { requests: 0, promptTokens: 0, completionTokens: 0, totalTokens: 0 }),
+        ...(remainingTokens !== undefined ? { remainingTokens } : {}),
+      };
+    })
+    .sort((a, b) => b.totalTokens - a.totalTokens || (a.model < b.model ? -1 : 1))
+    .slice(0, MAX_STATUS_MODELS)
+    .sort((a, b) => (a.model < b.model ? -1 : 1));
   const last = sums.lastUsed(identity);
   return {
     period,
@@ -107,7 +153,9 @@ async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | 
     promptTokens: s?.promptTokens ?? 0,
     completionTokens: s?.completionTokens ?? 0,
     totalTokens: s?.totalTokens ?? 0,
-    ...(remainingTokens !== undefined ? { remainingTokens } : {}),
+    ...(budget && limits ? { remainingTokens: left(budget, state, live) } : {}),
+    ...(keyLimits?.storageBytes !== undefined && limits ? { storedBytes: state ? storedBytes(state, nowMs) : 0 } : {}),
+    ...(models.length > 0 ? { models } : {}),
     ...(last !== undefined ? { lastUsed: isoSeconds(last) } : {}),
   };
 }

@@ -232,6 +232,10 @@ export interface ApiKeyUsageStatus {
   totalTokens: number;
   /** Its budget less what is used and reserved (with a budget only). */
   remainingTokens?: number;
+  /** Bytes its stored responses hold against its storage quota (with a quota only). */
+  storedBytes?: number;
+  /** The same per model (those with the most tokens first, at most 64), and what a model's own budget has left. */
+  models?: (Omit<ApiKeyUsageStatus, 'period' | 'lastUsed' | 'models' | 'storedBytes'> & { model: string })[];
   /** RFC 3339: when its last recorded request ended. */
   lastUsed?: string;
 }

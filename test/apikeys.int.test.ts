@@ -451,14 +451,14 @@ test("status.usage: the ledger's records of the key in its budget's period and w
     completionTokens: 20,
     totalTokens: 150,
     remainingTokens: 650,
+    models: [{ model: `${nsB}/demo`, requests: 2, promptTokens: 130, completionTokens: 20, totalTokens: 150 }],
     lastUsed: new Date(now - 500 + 2).toISOString().replace(/\.\d{3}Z$/, 'Z'),
   };
   await until(
     'the usage status is written',
     async () => {
       await usage.flush();
-      const got = (await getKey(nsB, 'metered')).status?.usage;
-      return got !== undefined && JSON.stringify(got, Object.keys(got).sort()) === JSON.stringify(expected, Object.keys(expected).sort());
+      return sameJson((await getKey(nsB, 'metered')).status?.usage, expected);
     },
     15_000,
   );
@@ -480,4 +480,41 @@ test("status.usage: the ledger's records of the key in its budget's period and w
   const version = (await getKey(nsB, 'metered')).metadata.resourceVersion;
   await usage.flush();
   expect((await getKey(nsB, 'metered')).metadata.resourceVersion).toBe(version);
+
+  // A budget of the model's own (a bare name: the key's namespace) and a storage quota: what each has left, and what is stored.
+  const limitsNow = { budget, models: { [`${nsB}/demo`]: { budget: { tokens: 400, period: 'day' as const } } }, storageBytes: 5000 };
+  await patchSpec(nsB, 'metered', { limits: { models: { demo: { budget: { tokens: 400, period: 'day' } } }, storageBytes: 5000 } });
+  await until('the entry has the model budget', async () => (await entryOf(id))?.limits?.storageBytes === 5000, 10_000);
+  expect((await limits.admit(identity, limitsNow, { id: 'demo-in-flight', tokens: 100, model: `${nsB}/demo`, replica: 'gw-test', leaseMs: 60_000 })).ok).toBe(
+    true,
+  );
+  await limits.storage(identity, limitsNow, { bytes: 1234, expiresAtMs: Date.now() + 86_400_000 });
+  await until(
+    'the status has what the model budget has left and what is stored',
+    async () => {
+      await usage.flush();
+      const got = (await getKey(nsB, 'metered')).status?.usage;
+      return (
+        got?.remainingTokens === 1000 - 175 - 200 - 100 + 25 && // the ledger's 25 were not charged to the gateways' count
+        got.storedBytes === 1234 &&
+        sameJson(got.models, [{ model: `${nsB}/demo`, requests: 3, promptTokens: 145, completionTokens: 30, totalTokens: 175, remainingTokens: 300 }])
+      );
+    },
+    15_000,
+  );
 }, 60_000);
+
+/** Whether `a` and `b` are the same JSON, whatever the order of their objects' keys. */
+function sameJson(a: unknown, b: unknown): boolean {
+  const sorted = (v: unknown): unknown =>
+    Array.isArray(v)
+      ? v.map(sorted)
+      : v && typeof v === 'object'
+        ? Object.fromEntries(
+            Object.entries(v)
+              .sort(([x], [y]) => (x < y ? -1 : 1))
+              .map(([k, x]) => [k, sorted(x)]),
+          )
+        : v;
+  return JSON.stringify(sorted(a)) === JSON.stringify(sorted(b));
+}
