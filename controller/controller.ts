@@ -42,7 +42,7 @@ export interface ControllerOptions {
    * The usage ledger's bucket (and the gateways' limit counts): with a tokens bucket too, each
    * ApiKey's `status.usage` is written from it (usage-status.ts).
    */
-  usage?: { js: JetStreamClient; bucket: string; limits?: LimitStore; intervalMs?: number };
+  usage?: { js: JetStreamClient; bucket: string; sumsBucket?: string; limits?: LimitStore; intervalMs?: number };
   /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
   sessions?: { kv: KV; cap: number };
   /** Only this namespace (default: all namespaces). */

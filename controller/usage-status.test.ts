@@ -43,6 +43,22 @@ describe('UsageSums', () => {
     expect(m.byModel('k/b', '2026-11').size).toBe(0);
   });
 
+  it('a record at or below the sequence a period’s sums hold is in them already: counted once', () => {
+    const m = new UsageSums();
+    m.load('k/a', '2026-11-30', { all: { requests: 1, promptTokens: 4, completionTokens: 1, totalTokens: 5 }, models: {}, last: 0, seq: 10 });
+    m.add(record('k/a', '2026-11-30T00:00:00Z', 5), 10); // in the day's sums; the month's (none loaded) takes it
+    m.add(record('k/a', '2026-11-30T00:00:01Z', 7), 11);
+    expect(m.of('k/a', '2026-11-30')?.requests).toBe(2);
+    expect(m.of('k/a', '2026-11')?.requests).toBe(2);
+    expect(m.takeChanged().map(([k, p, e]) => [k, p, e.seq])).toEqual(
+      expect.arrayContaining([
+        ['k/a', '2026-11-30', 11],
+        ['k/a', '2026-11', 11],
+      ]),
+    );
+    expect(m.takeChanged()).toEqual([]);
+  });
+
   it('the last use is the latest end, whatever the order records came in', () => {
     expect(sums.lastUsed('team-a/chat')).toBe(at('2026-12-01T00:00:00Z'));
     sums.add(record('team-b/chat', '2026-11-30T11:00:00Z', 1));

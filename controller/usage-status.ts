@@ -4,13 +4,15 @@
  * from the gateways' own count (`magus_limits`) what its budgets — the key's, each model's — have
  * left beside the requests in flight, and the bytes its stored responses hold against its quota.
  *
- * One ordered consumer reads the ledger from the start of the month and follows it, summing the
- * records per key and period ({@link UsageSums}); every `intervalMs` the keys whose usage changed
- * are written — server-side apply of `status.usage` alone, as field manager `magus-usage`, so the
+ * One ordered consumer reads the ledger and follows it, summing the records per key and period
+ * ({@link UsageSums}) — from where the last checkpoint of the sums left it ({@link UsageCheckpoint},
+ * `magus_usage_sums`), else from the start of the month; every `intervalMs` the sums that changed
+ * are checkpointed and the keys whose usage changed are written — server-side apply of `status.usage` alone, as field manager `magus-usage`, so the
  * fields the key reconciler writes (keys.ts) are not touched.
  */
 import type { CustomObjectsApi } from '@kubernetes/client-node';
-import { DeliverPolicy, type ConsumerMessages, type JetStreamClient } from 'nats';
+import { DeliverPolicy, type ConsumerMessages, type JetStreamClient, type KV } from 'nats';
+import { isRevisionConflict } from '../dataplane/errors';
 import type { LimitStore } from '../dataplane/limits';
 import { FieldManager, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
 import { storedBytes, type Counters, type KeyLimits, type Reservation } from '../shared/limits';
@@ -37,23 +39,64 @@ function addTo(s: Sums, r: UsageRecord): void {
   s.totalTokens += r.tokens.total;
 }
 
-/** The ledger's records summed per key, UTC day and month, in all and per model; the last end per key. */
-export class UsageSums {
-  private readonly byKey = new Map<string, Map<string, { all: Sums; models: Map<string, Sums> }>>();
-  private readonly last = new Map<string, number>();
+/** One key's sums in one period (a UTC day or month): in all, per model, its last request's end, and the last ledger sequence folded in. */
+export interface PeriodSums {
+  all: Sums;
+  models: Record<string, Sums>;
+  /** Epoch ms: when its last request ended. */
+  last: number;
+  /** The ledger stream's sequence of the last record folded in (0: none known): a record at or below it is in already. */
+  seq: number;
+}
 
-  add(r: UsageRecord): void {
-    let periods = this.byKey.get(r.key);
-    if (!periods) this.byKey.set(r.key, (periods = new Map<string, { all: Sums; models: Map<string, Sums> }>()));
+const SEP = '\u0000';
+
+/** The ledger's records summed per key, UTC day and month, in all and per model. */
+export class UsageSums {
+  private readonly byKey = new Map<string, Map<string, PeriodSums>>();
+  /** `key SEP period` of the sums changed since {@link takeChanged}. */
+  private readonly changed = new Set<string>();
+
+  /** Folds record `r` in, unless its sequence `seq` (> 0) is one its periods' sums already hold. */
+  add(r: UsageRecord, seq = 0): void {
     for (const p of [periodOf(r.start, 'day'), periodOf(r.start, 'month')]) {
-      let sums = periods.get(p);
-      if (!sums) periods.set(p, (sums = { all: noSums(), models: new Map() }));
-      addTo(sums.all, r);
-      let model = sums.models.get(r.model);
-      if (!model) sums.models.set(r.model, (model = noSums()));
-      addTo(model, r);
+      const e = this.entry(r.key, p);
+      if (seq > 0 && e.seq >= seq) continue;
+      addTo(e.all, r);
+      e.models[r.model] ??= noSums();
+      addTo(e.models[r.model]!, r);
+      e.last = Math.max(e.last, r.end);
+      if (seq > 0) e.seq = seq;
+      this.changed.add(`${r.key}${SEP}${p}`);
     }
-    this.last.set(r.key, Math.max(this.last.get(r.key) ?? 0, r.end));
+  }
+
+  /** Sets key `key`'s sums of `period` as a checkpoint held them. */
+  load(key: string, period: string, sums: PeriodSums): void {
+    let periods = this.byKey.get(key);
+    if (!periods) this.byKey.set(key, (periods = new Map<string, PeriodSums>()));
+    periods.set(period, structuredClone(sums));
+  }
+
+  /** The sums changed since the last call (a checkpoint writes them); {@link markChanged} them again if that fails. */
+  takeChanged(): [key: string, period: string, sums: PeriodSums][] {
+    const out = [...this.changed].flatMap((k): [string, string, PeriodSums][] => {
+      const [key, period] = k.split(SEP) as [string, string];
+      const e = this.byKey.get(key)?.get(period);
+      return e ? [[key, period, structuredClone(e)]] : [];
+    });
+    this.changed.clear();
+    return out;
+  }
+
+  /** Forgets every sum. */
+  clear(): void {
+    this.byKey.clear();
+    this.changed.clear();
+  }
+
+  markChanged(key: string, period: string): void {
+    this.changed.add(`${key}${SEP}${period}`);
   }
 
   /** Key `key`'s sums in period `period` (a day or month id). */
@@ -63,21 +106,145 @@ export class UsageSums {
 
   /** Key `key`'s sums in period `period` per model (`namespace/name`). */
   byModel(key: string, period: string): ReadonlyMap<string, Sums> {
-    return this.byKey.get(key)?.get(period)?.models ?? new Map();
+    return new Map(Object.entries(this.byKey.get(key)?.get(period)?.models ?? {}));
   }
 
-  /** When key `key`'s last recorded request ended (epoch ms). */
+  /** When key `key`'s last recorded request (of the periods held) ended (epoch ms). */
   lastUsed(key: string): number | undefined {
-    return this.last.get(key);
+    const lasts = [...(this.byKey.get(key)?.values() ?? [])].map((e) => e.last).filter((t) => t > 0);
+    return lasts.length > 0 ? Math.max(...lasts) : undefined;
   }
 
   /** Drops the days before `nowMs`'s and the months before its month. */
   prune(nowMs: number): void {
     const day = periodOf(nowMs, 'day');
     const month = periodOf(nowMs, 'month');
-    for (const periods of this.byKey.values()) {
-      for (const p of periods.keys()) if (p < (p.length === 10 ? day : month)) periods.delete(p);
+    for (const [key, periods] of this.byKey) {
+      for (const p of periods.keys()) {
+        if (p >= (p.length === 10 ? day : month)) continue;
+        periods.delete(p);
+        this.changed.delete(`${key}${SEP}${p}`);
+      }
     }
+  }
+
+  private entry(key: string, period: string): PeriodSums {
+    let periods = this.byKey.get(key);
+    if (!periods) this.byKey.set(key, (periods = new Map<string, PeriodSums>()));
+    let e = periods.get(period);
+    if (!e) periods.set(period, (e = { all: noSums(), models: {}, last: 0, seq: 0 }));
+    return e;
+  }
+}
+
+/** The KV key of key `key`'s sums of `period`: the identity's base64url, a dot, the period. */
+const checkpointKeyOf = (key: string, period: string): string => `${Buffer.from(key, 'utf8').toString('base64url')}.${period}`;
+/** The entry holding the last ledger sequence whose record every stored sum holds. */
+const CURSOR = 'cursor';
+
+const decoder = new TextDecoder();
+const parseJson = (bytes: Uint8Array): unknown => {
+  try {
+    return JSON.parse(decoder.decode(bytes)) as unknown;
+  } catch {
+    return undefined;
+  }
+};
+const isSums = (v: unknown): v is Sums =>
+  typeof v === 'object' &&
+  v !== null &&
+  ['requests', 'promptTokens', 'completionTokens', 'totalTokens'].every((k) => Number.isSafeInteger((v as Record<string, unknown>)[k]));
+const isPeriodSums = (v: unknown): v is PeriodSums => {
+  const e = v as Partial<PeriodSums> | null;
+  return (
+    typeof e === 'object' &&
+    e !== null &&
+    isSums(e.all) &&
+    typeof e.models === 'object' &&
+    e.models !== null &&
+    Object.values(e.models).every(isSums) &&
+    Number.isSafeInteger(e.last) &&
+    Number.isSafeInteger(e.seq)
+  );
+};
+const seqIn = (bytes: Uint8Array | undefined): number => {
+  const v = bytes && parseJson(bytes);
+  return typeof v === 'object' && v !== null && Number.isSafeInteger((v as { seq?: unknown }).seq) ? (v as { seq: number }).seq : 0;
+};
+
+/**
+ * The controller's checkpoint of the ledger's sums (`magus_usage_sums`): each key's sums of the
+ * current day and month, each with the last ledger sequence folded into it, and a cursor — the
+ * last sequence whose record every stored sum holds, written after them. A controller that starts
+ * loads the sums and reads the ledger from the cursor on (not from the month's start), skipping
+ * in each sum the records it holds already: so a crash between two writes counts nothing twice
+ * and misses nothing. Every write moves a sequence forward only (compare-and-swap; one that finds a
+ * later one stored keeps it), so a leader handing over to another never writes older sums over newer.
+ */
+export class UsageCheckpoint {
+  private readonly revisions = new Map<string, number>();
+
+  constructor(private readonly kv: KV) {}
+
+  /** Loads the sums of `nowMs`'s day and month into `sums`; the cursor (undefined: none). */
+  async load(sums: UsageSums, nowMs: number): Promise<number | undefined> {
+    for (const period of [periodOf(nowMs, 'day'), periodOf(nowMs, 'month')]) {
+      for await (const k of await this.kv.keys(`*.${period}`)) {
+        const e = await this.kv.get(k);
+        if (!e || e.operation !== 'PUT') continue;
+        const v = parseJson(e.value);
+        if (!isPeriodSums(v)) continue;
+        const key = Buffer.from(k.slice(0, k.indexOf('.')), 'base64url').toString('utf8');
+        sums.load(key, period, v);
+        this.revisions.set(k, e.revision);
+      }
+    }
+    const cursor = await this.kv.get(CURSOR);
+    if (!cursor || cursor.operation !== 'PUT') return undefined;
+    this.revisions.set(CURSOR, cursor.revision);
+    return seqIn(cursor.value) || undefined;
+  }
+
+  /** Forgets every stored sum (the ledger they counted is gone: its stream was made anew). */
+  async clear(): Promise<void> {
+    const keys: string[] = [];
+    for await (const k of await this.kv.keys()) keys.push(k);
+    for (const k of keys) await this.kv.purge(k);
+    this.revisions.clear();
+  }
+
+  /** Writes the sums changed in `sums`, then the cursor `seq` (the last record read). */
+  async save(sums: UsageSums, seq: number): Promise<void> {
+    const changed = sums.takeChanged();
+    try {
+      for (const [key, period, e] of changed) await this.write(checkpointKeyOf(key, period), e, e.seq);
+    } catch (err) {
+      for (const [key, period] of changed) sums.markChanged(key, period);
+      throw err;
+    }
+    if (seq > 0) await this.write(CURSOR, { seq }, seq);
+  }
+
+  private async write(k: string, value: object, seq: number): Promise<void> {
+    const data = JSON.stringify(value);
+    for (let attempt = 0; attempt < 16; attempt++) {
+      const revision = this.revisions.get(k);
+      try {
+        this.revisions.set(k, revision === undefined ? await this.kv.create(k, data) : await this.kv.update(k, data, revision));
+        return;
+      } catch (err) {
+        if (!isRevisionConflict(err)) throw err;
+        const current = await this.kv.get(k);
+        if (current?.operation === 'PUT' && seqIn(current.value) >= seq) {
+          // Another controller wrote these sums as far or further: theirs stand.
+          this.revisions.set(k, current.revision);
+          return;
+        }
+        if (current) this.revisions.set(k, current.revision);
+        else this.revisions.delete(k);
+      }
+    }
+    throw new Error(`usage sums ${k}: 16 compare-and-swap attempts lost to other writers`);
   }
 }
 
@@ -85,6 +252,8 @@ export interface UsageStatusOptions {
   js: JetStreamClient;
   /** The ledger's bucket (`names.usageBucket`). */
   bucket: string;
+  /** The checkpoint of its sums (`names.usageSumsBucket`); absent (or missing): the ledger is read from the month's start at every start. */
+  sumsBucket?: string;
   custom: CustomObjectsApi;
   /** The ApiKeys to write (the key reconciler's watch). */
   apikeys: () => ApiKeyResource[];
@@ -160,23 +329,56 @@ async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | 
   };
 }
 
+/** The checkpoint on bucket `bucket`, or undefined (logged) when there is none: an older data plane. */
+async function openCheckpoint(js: JetStreamClient, bucket: string, log: (line: string) => void): Promise<UsageCheckpoint | undefined> {
+  try {
+    return new UsageCheckpoint(await js.views.kv(bucket, { bindOnly: true }));
+  } catch (err) {
+    log(`usage sums: no ${bucket} bucket (${(err as Error).message}): the ledger is read from the month's start at every start`);
+    return undefined;
+  }
+}
+
 /** Starts following the ledger and writing ApiKeys' usage. */
 export async function startUsageStatus(opts: UsageStatusOptions): Promise<UsageStatus> {
   const now = opts.now ?? Date.now;
   const sums = new UsageSums();
+  const checkpoint = opts.sumsBucket ? await openCheckpoint(opts.js, opts.sumsBucket, opts.log) : undefined;
+  let cursor = checkpoint ? await checkpoint.load(sums, now()) : undefined;
+  if (checkpoint && cursor !== undefined) {
+    const { state } = await (await opts.js.jetstreamManager()).streams.info(`KV_${opts.bucket}`);
+    if (cursor > state.last_seq) {
+      // The ledger's stream is newer than the sums (made anew): they count records it no longer has.
+      opts.log(
+        `usage sums: their cursor ${cursor} is past the ledger's last record ${state.last_seq} (its stream was made anew): counting again from the month's start`,
+      );
+      await checkpoint.clear();
+      sums.clear();
+      cursor = undefined;
+    }
+  }
   const monthStart = new Date(`${periodOf(now(), 'month')}-01T00:00:00Z`);
+  opts.log(
+    cursor !== undefined
+      ? `usage: reading the ledger from record ${cursor + 1} on (where the checkpoint of its sums left it)`
+      : `usage: reading the ledger from the month's start (${monthStart.toISOString()}) on`,
+  );
   const consumer = await opts.js.consumers.get(`KV_${opts.bucket}`, {
     filterSubjects: [`$KV.${opts.bucket}.>`],
-    deliver_policy: DeliverPolicy.StartTime,
-    opt_start_time: monthStart.toISOString(),
+    ...(cursor !== undefined
+      ? { deliver_policy: DeliverPolicy.StartSequence, opt_start_seq: cursor + 1 }
+      : { deliver_policy: DeliverPolicy.StartTime, opt_start_time: monthStart.toISOString() }),
   });
   const messages: ConsumerMessages = await consumer.consume();
+  /** The ledger sequence of the last message read. */
+  let read = cursor ?? 0;
   const reading = (async () => {
     for await (const m of messages) {
+      read = m.seq;
       if (m.data.length === 0) continue; // a delete or purge marker
       try {
         const r = parseUsageRecord(m.json());
-        if (r) sums.add(r);
+        if (r) sums.add(r, m.seq);
       } catch {
         // not JSON: not a record
       }
@@ -188,6 +390,11 @@ export async function startUsageStatus(opts: UsageStatusOptions): Promise<UsageS
   const flush = async (): Promise<void> => {
     const at = now();
     sums.prune(at);
+    // Every record up to `read` is in the sums: written, they are where the next start begins.
+    if (checkpoint) {
+      const upTo = read;
+      await checkpoint.save(sums, upTo).catch((err: unknown) => opts.log(`usage sums: the checkpoint was not written (${(err as Error).message})`));
+    }
     for (const o of opts.apikeys()) {
       const usage = await usageOf(o, sums, opts.limits, at);
       const text = canonical(usage);

@@ -99,6 +99,9 @@ const HOUR = 60 * MINUTE;
 
 export const DEFAULT_INSTANCE_BACKLOG = 256;
 
+/** How long the controller's sums of the ledger are kept (`magus_usage_sums`): a month's outlive it. */
+export const USAGE_SUMS_MAX_AGE_MS = 62 * 24 * HOUR;
+
 /** How long the usage ledger keeps a record by default: 400 days, a year's billing and its audit. */
 export const USAGE_RETENTION_MS = 400 * 24 * HOUR;
 
@@ -255,6 +258,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
   await ensureBucket(js, jsm, names.limitsBucket, { history: 1, maxAgeMs: 0, replicas });
   // The ledger: a record per request, kept `usageRetentionMs` (default 400 days) for billing exports.
   await ensureBucket(js, jsm, names.usageBucket, { history: 1, maxAgeMs: opts.usageRetentionMs ?? USAGE_RETENTION_MS, replicas });
+  // The controller's checkpoint of the ledger's sums (a day's and a month's per key): needed only until the month is over.
+  await ensureBucket(js, jsm, names.usageSumsBucket, { history: 1, maxAgeMs: USAGE_SUMS_MAX_AGE_MS, replicas });
   // The registry (registry.ts) opens it too, with one replica when it is the first.
   await ensureBucket(js, jsm, names.modelsBucket, { history: REGISTRY_HISTORY, maxAgeMs: 0, replicas });
   return names;

@@ -12,6 +12,7 @@ describe('data-plane names', () => {
       modelsBucket: 'magus_models',
       limitsBucket: 'magus_limits',
       usageBucket: 'magus_usage',
+      usageSumsBucket: 'magus_usage_sums',
     });
     expect(requestSubjectOf(n, 'llama', 'i-0')).toBe('magus.req.llama.i-0');
     expect(responseSubjectOf(n, 'r1')).toBe('magus.res.r1');
@@ -26,6 +27,7 @@ describe('data-plane names', () => {
       claimsBucket: 'T_X_magus_claims',
       limitsBucket: 'T_X_magus_limits',
       usageBucket: 'T_X_magus_usage',
+      usageSumsBucket: 'T_X_magus_usage_sums',
     });
     expect(requestSubjectOf(n, 'p', 'i')).toBe('t_x.magus.req.p.i');
     expect(responseSubjectOf(n, 'r1')).toBe('t_x.magus.res.r1');

@@ -30,6 +30,7 @@ export interface DataPlaneNames {
   responsesBucket: string;
   limitsBucket: string;
   usageBucket: string;
+  usageSumsBucket: string;
 }
 
 const NAME = /^[A-Za-z0-9_-]+$/;
@@ -57,6 +58,7 @@ export function dataPlaneNames(prefix = ''): DataPlaneNames {
     responsesBucket: `${p}${Nats.responsesBucket}`,
     limitsBucket: `${p}${Nats.limitsBucket}`,
     usageBucket: `${p}${Nats.usageBucket}`,
+    usageSumsBucket: `${p}${Nats.usageSumsBucket}`,
   };
 }
 

@@ -82,6 +82,8 @@ export const Nats = {
   limitsBucket: 'magus_limits',
   /** The usage ledger (`shared/usage.ts`): one record per request id, created once by the bridge that ended it. */
   usageBucket: 'magus_usage',
+  /** The ledger's sums per key and period as the controller last folded them (its checkpoint: controller/usage-status.ts). */
+  usageSumsBucket: 'magus_usage_sums',
 } as const;
 
 /** Processes the `magus` CLI can run (ARCHITECTURE.md, "Processes"). */

@@ -145,6 +145,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
   const usage = {
     js: nc.jetstream(),
     bucket: names.usageBucket,
+    sumsBucket: names.usageSumsBucket,
     limits: new LimitStore(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
   };
 

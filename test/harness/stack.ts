@@ -144,6 +144,7 @@ async function deleteDataPlane(nc: NatsConnection, names: DataPlaneNames): Promi
     names.responsesBucket,
     names.limitsBucket,
     names.usageBucket,
+    names.usageSumsBucket,
   ];
   for (const stream of [names.requestStream, names.responseStream, ...buckets.map((b) => `KV_${b}`)]) {
     await jsm.streams.delete(stream).catch(() => false);
