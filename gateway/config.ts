@@ -3,6 +3,7 @@
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
+import { natsCredentialsFrom } from '../dataplane/roles';
 import { dataPlaneNames, DEFAULT_RESPONSES_MAX_AGE_MS, REPLICA_ID } from '../dataplane';
 import { readFileSync } from 'node:fs';
 import { checkNatsServerList, instanceMemoryFrom, natsReplicasFrom, temporalSettings, type TemporalSettings } from '../platform/config';
@@ -15,6 +16,8 @@ export interface GatewayConfig {
   host: string;
   port: number;
   natsServers: string;
+  /** `MAGUS_NATS_CREDENTIALS`: the file of its NATS user (dataplane/roles.ts); unset, none. */
+  natsCredentials?: string;
   /** Where first turns start session workflows and tell pools of demand: `MAGUS_TEMPORAL_ADDRESS`, `_NAMESPACE`, `MAGUS_TASK_QUEUE`, as for the worker. */
   temporal: TemporalSettings;
   /** `MAGUS_INSTANCE_MEMORY`: sizes the leases per instance of the pools it starts; must be the workers' (platform/config.ts). Unset: 8 GiB. */
@@ -154,6 +157,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   const port = int('MAGUS_GATEWAY_PORT (--port)', 8080, 0, 65535, args.port ?? raw('MAGUS_GATEWAY_PORT'));
   const natsServers = raw('MAGUS_NATS_URL') ?? 'nats://127.0.0.1:4222';
   checkNatsServerList('MAGUS_NATS_URL', natsServers, problems);
+  const natsCredentials = natsCredentialsFrom(env, problems);
   const temporal = temporalSettings(env, problems);
   const instanceMemory = instanceMemoryFrom(env, problems);
   // One prefix names the whole data plane, as for the worker (workers/config.ts); the
@@ -260,6 +264,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     host,
     port,
     natsServers,
+    ...(natsCredentials ? { natsCredentials } : {}),
     temporal,
     ...(instanceMemory !== undefined ? { instanceMemory } : {}),
     subjectScope,

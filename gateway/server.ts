@@ -3,6 +3,7 @@
  * (tokens, sessions) and the model catalog → fastify with timeouts → listen; SIGTERM/SIGINT close
  * gracefully (stop accepting, let in-flight requests finish within the grace period, drain NATS).
  */
+import { natsConnectAuth } from '../dataplane/roles';
 import { Client, Connection } from '@temporalio/client';
 import { temporalSessions } from './temporal';
 import Fastify, { type FastifyInstance } from 'fastify';
@@ -122,7 +123,15 @@ const MAX_HELD_CANCELS = 10_000;
 export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
   const app = createServer(config, deps.logStream);
   const log = app.log;
-  const nc = deps.nc ?? (await connect({ servers: natsServerList(config.natsServers), name: 'magus-gateway', maxReconnectAttempts: -1, noAsyncTraces: true }));
+  const nc =
+    deps.nc ??
+    (await connect({
+      servers: natsServerList(config.natsServers),
+      name: 'magus-gateway',
+      maxReconnectAttempts: -1,
+      noAsyncTraces: true,
+      ...natsConnectAuth(config.natsCredentials, (line) => process.stderr.write(`magus gateway: ${line}\n`)),
+    }));
   const closers: (() => Promise<void>)[] = [];
   try {
     let natsUp = true;

@@ -87,5 +87,5 @@ export const Nats = {
 } as const;
 
 /** Processes the `magus` CLI can run (ARCHITECTURE.md, "Processes"). */
-export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys', 'usage'] as const;
+export const MODES = ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys', 'usage', 'nats-auth'] as const;
 export type Mode = (typeof MODES)[number];

@@ -3,9 +3,10 @@
  * data plane and this instance's consumer, `/health` `/ready` `/metrics`, SIGINT/SIGTERM. The
  * bridge itself is dataplane/bridge (the local runtime runs the same one in process).
  */
+import { natsConnectAuth, natsCredentialsFrom, readNatsCredentials } from '../dataplane/roles';
 import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
-import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
+import { dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
 import { bridgeMetricsText, startBridge } from '../dataplane/bridge';
 import { ENGINE_KINDS, isEngineKind, type EngineKind } from '../shared/engines';
 
@@ -56,18 +57,28 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   // It declares the data plane like the worker does: with the same response stream size.
   const responses = responseStreamSizing(process.env, problems);
   const replicas = natsReplicasFrom(process.env, problems);
+  const credentials = natsCredentialsFrom(process.env, problems);
   if (problems.length > 0) {
     process.stderr.write(`magus bridge: ${problems.join('; ')}\n${BRIDGE_USAGE}\n`);
     return 1;
   }
 
-  const nc = await connect({ servers: natsServerList(natsUrl), name: `magus-bridge-${pool}-${instance}`, maxReconnectAttempts: -1, noAsyncTraces: true });
+  const log = (line: string) => process.stderr.write(`magus bridge: ${line}\n`);
+  const role = credentials ? readNatsCredentials(credentials).role : undefined;
+  const nc = await connect({
+    servers: natsServerList(natsUrl),
+    name: `magus-bridge-${pool}-${instance}`,
+    maxReconnectAttempts: -1,
+    noAsyncTraces: true,
+    ...natsConnectAuth(credentials, log),
+  });
   let health: Server | undefined;
   try {
-    const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix'), replicas, ...responses }), {
-      what: 'data plane',
-      log: (line) => process.stderr.write(`magus bridge: ${line}\n`),
-    });
+    // As the bridge role it may declare nothing but its instance's consumer: the data plane is the worker's to declare.
+    const names =
+      role === 'bridge'
+        ? dataPlaneNames(flags.get('prefix'))
+        : await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix'), replicas, ...responses }), { what: 'data plane', log });
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool, instance, slots, ackWaitMs });
     const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots, engineKind: engineKind as EngineKind });
     if (healthPort !== undefined) {

@@ -6,6 +6,7 @@
  * same error. Credentials (S3 keys) are read by the AWS SDK's default chain (AWS_ACCESS_KEY_ID /
  * AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
+import { natsCredentialsFrom } from '../dataplane/roles';
 import { readFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { isAbsolute, join, resolve } from 'node:path';
@@ -24,7 +25,8 @@ export interface MagusConfig {
   temporal: { address: string; namespace: string };
   /** The control task queue; the pipeline queue is derived from it (shared/constants). */
   taskQueue: string;
-  nats: { servers: string };
+  /** `servers`, and `credentials`: `MAGUS_NATS_CREDENTIALS`, the file of its NATS user (dataplane/roles.ts). */
+  nats: { servers: string; credentials?: string };
   s3: { endpoint: string | undefined; region: string; bucket: string; forcePathStyle: boolean };
   /** Prefix of every NATS stream, subject and bucket name ('' in production; tests isolate with it). */
   natsPrefix: string;
@@ -76,6 +78,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   const temporal = temporalSettings(env, problems);
   const natsServers = get('MAGUS_NATS_URL', 'nats://127.0.0.1:4222');
   checkNatsServerList('MAGUS_NATS_URL', natsServers, problems);
+  const natsCredentials = natsCredentialsFrom(env, problems);
   const natsReplicas = natsReplicasFrom(env, problems);
   const endpoint = env.MAGUS_S3_ENDPOINT?.trim() || undefined;
   if (endpoint && !/^https?:\/\/[^\s/]+\/?$/.test(endpoint)) problems.push(`MAGUS_S3_ENDPOINT=${endpoint} is not an http(s) origin`);
@@ -115,7 +118,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   return {
     temporal: { address: temporal.address, namespace: temporal.namespace },
     taskQueue: temporal.taskQueue,
-    nats: { servers: natsServers },
+    nats: { servers: natsServers, ...(natsCredentials ? { credentials: natsCredentials } : {}) },
     s3,
     natsPrefix: env.MAGUS_NATS_PREFIX?.trim() ?? '',
     ...(natsReplicas !== undefined ? { natsReplicas } : {}),

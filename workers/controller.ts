@@ -3,6 +3,7 @@
  * cluster, runs it while this replica holds the leader Lease, and serves `/healthz`, `/readyz`
  * and `/metrics` (Prometheus text). Stops cleanly on SIGINT/SIGTERM.
  */
+import { natsConnectAuth } from '../dataplane/roles';
 import { createServer } from 'node:http';
 import { hostname } from 'node:os';
 import { Client, Connection } from '@temporalio/client';
@@ -134,7 +135,12 @@ export async function controllerCommand(args: string[]): Promise<number> {
     onChange: (up) => log(`Temporal at ${cfg.temporal.address} ${up ? 'answers' : 'is unreachable: reconciles retry with backoff until it is back'}`),
   });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
-  const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-controller', maxReconnectAttempts: -1 });
+  const nc = await connect({
+    servers: natsServerList(cfg.nats.servers),
+    name: 'magus-controller',
+    maxReconnectAttempts: -1,
+    ...natsConnectAuth(cfg.nats.credentials, (line) => process.stderr.write(`magus controller: ${line}\n`)),
+  });
   const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), {
     what: 'data plane',
     log,

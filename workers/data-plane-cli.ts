@@ -4,6 +4,7 @@
  * dev`), the bucket bound, and one clear line and exit 1 when either is not there; and their
  * tables.
  */
+import { natsConnectAuth } from '../dataplane/roles';
 import { connect, type KV, type NatsConnection } from 'nats';
 import { dataPlaneNames, JsApiError, jsErrorCode, type DataPlaneNames } from '../dataplane';
 import { natsServerList } from '../platform/config';
@@ -24,7 +25,13 @@ export async function onDataPlaneBucket(
   const cfg = loadConfig();
   let nc: NatsConnection;
   try {
-    nc = await connect({ servers: natsServerList(cfg.nats.servers), name: tool.replace(/ /g, '-'), reconnect: false, timeout: 5000 });
+    nc = await connect({
+      servers: natsServerList(cfg.nats.servers),
+      name: tool.replace(/ /g, '-'),
+      reconnect: false,
+      timeout: 5000,
+      ...natsConnectAuth(cfg.nats.credentials, () => undefined),
+    });
   } catch (err) {
     const where = dev?.taken.includes('MAGUS_NATS_URL')
       ? `the running magus dev's NATS (${cfg.nats.servers})`

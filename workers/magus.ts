@@ -20,6 +20,7 @@ import type * as ProcessMetricsModule from '../platform/process-metrics';
 import type * as GatewayModule from '../gateway/server';
 import type * as KeysModule from './keys';
 import type * as UsageModule from './usage';
+import type * as NatsAuthModule from './nats-auth';
 import type * as ModelPullModule from './model-pull';
 import type * as ModelTinyModule from './model-tiny';
 import type * as WorkerModule from './worker';
@@ -43,6 +44,7 @@ const load = {
   gateway: () => require('../gateway/server') as typeof GatewayModule,
   keys: () => require('./keys') as typeof KeysModule,
   usage: () => require('./usage') as typeof UsageModule,
+  natsAuth: () => require('./nats-auth') as typeof NatsAuthModule,
   modelPull: () => require('./model-pull') as typeof ModelPullModule,
   modelTiny: () => require('./model-tiny') as typeof ModelTinyModule,
   worker: () => require('./worker') as typeof WorkerModule,
@@ -67,6 +69,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
   keys: 'keys create NAME | limits NAME | list | revoke NAME: API keys and their limits without Kubernetes (on a cluster: ApiKey resources)',
   usage: 'the usage ledger: requests and tokens per key, model and day or month (--csv: the billing export), or each request',
+  'nats-auth': 'NATS users per role (gateway, bridge, controller, worker): credentials files and the server configuration',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;
@@ -84,9 +87,10 @@ function usage(): string {
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
     'magus model tiny <dir> [--seed N] [--arch llama|qwen3]   (a tiny random safetensors model to try things with)',
-    'magus keys create NAME [--models m1,m2] [--rpm N] [--tpm N] [--concurrency N] [--budget-tokens N --period day|month] | keys limits NAME … | keys list [--json] | keys revoke NAME',
+    'magus keys create NAME [--models m1,m2] [--rpm N] [--tpm N] [--concurrency N] [--budget-tokens N --period day|month] [--storage-bytes N] [--model-limits M:rpm=N,…] | keys limits NAME … | keys list [--json] | keys revoke NAME',
     'magus usage [--key K] [--since T] [--until T] [--by day|month] [--records] [--json | --csv]   (K: an identity, or NAME for local/NAME; T: 2026-11-29, a date-time, 24h, 7d)',
     'magus engine --model file.gguf [--host 127.0.0.1] [--port 0] [--slots 1] [--threads N] [--ctx 4096]',
+    'magus nats-auth --out DIR [--prefix P]   (NATS users per role; each process: MAGUS_NATS_CREDENTIALS=DIR/<role>.creds)',
     '',
     'worker and model read MAGUS_TEMPORAL_ADDRESS, MAGUS_NATS_URL, MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET',
     '(and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) from the environment; what it leaves unset comes from',
@@ -371,6 +375,7 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   bridge: () => load.bridge().BRIDGE_USAGE,
   fetch: () => load.fetch().FETCH_USAGE,
   model: () => `${load.modelPull().PULL_USAGE}\n\n${load.modelTiny().TINY_USAGE}`,
+  'nats-auth': () => load.natsAuth().NATS_AUTH_USAGE,
 };
 
 /**
@@ -420,6 +425,8 @@ export async function main(argv: string[]): Promise<number> {
       return configErrors(() => load.keys().keysCommand(rest));
     case 'usage':
       return configErrors(() => load.usage().usageCommand(rest));
+    case 'nats-auth':
+      return load.natsAuth().natsAuthCommand(rest);
     default:
       process.stderr.write(`magus ${mode}: not yet available in this version of magus.\n`);
       return EXIT_NOT_AVAILABLE;

@@ -3,6 +3,7 @@
  * pipeline queue (download, convert, size) and this worker's own runtime queue (describe and
  * destroy of the instances it runs), wired to real Temporal, NATS and S3 clients.
  */
+import { natsConnectAuth } from '../dataplane/roles';
 import { randomBytes } from 'node:crypto';
 import { appendFileSync } from 'node:fs';
 import { hostname } from 'node:os';
@@ -207,7 +208,13 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   const connection = Connection.lazy({ address: cfg.temporal.address, channelArgs: TEMPORAL_CHANNEL_ARGS });
   const client = new Client({ connection, namespace: cfg.temporal.namespace });
   // Reconnects for ever: the local runtime's bridges and the serving activities live on this connection.
-  const nc: NatsConnection = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-worker', maxReconnectAttempts: -1, noAsyncTraces: true });
+  const nc: NatsConnection = await connect({
+    servers: natsServerList(cfg.nats.servers),
+    name: 'magus-worker',
+    maxReconnectAttempts: -1,
+    noAsyncTraces: true,
+    ...natsConnectAuth(cfg.nats.credentials, (line) => process.stderr.write(`magus worker: ${line}\n`)),
+  });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
   await ensureBucket(s3, cfg.s3.bucket);

@@ -16,7 +16,8 @@
  * (README.md one folder up, "Stored frames"). Copies a resend adds, in the stream or at a
  * subscriber, carry a seq already seen: the gateway's and the take-over's sequencers drop them.
  */
-import { createInbox, type NatsConnection, type Subscription } from 'nats';
+import { inboxOf } from '../roles';
+import { type NatsConnection, type Subscription } from 'nats';
 import { streamAckProblem } from '../errors';
 import { encodeFrame } from '../frames';
 import type { ResponseFrame } from '../../shared/serving';
@@ -87,7 +88,7 @@ export interface StoredFramePublisher {
 /** One inbox subscription for the bridge's acknowledgements; each publish's reply subject is the inbox plus a token. */
 export function storedFramePublisher(nc: NatsConnection, opts: StoredFramePublisherOptions = {}): StoredFramePublisher {
   const resendAfterMs = opts.resendAfterMs ?? 2_000;
-  const prefix = `${createInbox()}.`;
+  const prefix = `${inboxOf(nc)}.`;
   const byToken = new Map<string, { pending: PendingFrames; seq: number }>();
   let counter = 0;
   const sub: Subscription = nc.subscribe(`${prefix}*`, {

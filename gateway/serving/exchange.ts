@@ -14,8 +14,9 @@
  * (failed reads — a stream electing a leader — are retried until the request's deadline). The
  * first terminal frame relayed (`done` or `error`) ends the response.
  */
+import { inboxOf } from '../../dataplane/roles';
 import { randomBytes } from 'node:crypto';
-import { createInbox, Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
+import { Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
@@ -119,7 +120,7 @@ export interface StreamPublisher {
  * waiting out the timeout would only hold the client.
  */
 export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEOUT_MS): StreamPublisher {
-  const prefix = `${createInbox()}.`;
+  const prefix = `${inboxOf(nc)}.`;
   interface Waiting {
     resolve: () => void;
     reject: (err: Error) => void;

@@ -36,6 +36,8 @@ export interface NatsClusterOptions {
   readyTimeoutSec?: number;
   /** Starts on fresh ports before "address already in use" is final (default 5). */
   portAttempts?: number;
+  /** More of each node's configuration (an `authorization` block, say). */
+  extraConfig?: string;
 }
 
 export interface NatsClusterNode {
@@ -69,8 +71,10 @@ interface NodePorts {
   cluster: number;
 }
 
-function configFor(name: string, ports: NodePorts, all: NodePorts[], store: string, syncInterval: string): string {
+/** A node's configuration; one alone (`all` of one) is a server of its own, no cluster. */
+function configFor(name: string, ports: NodePorts, all: NodePorts[], store: string, syncInterval: string, extra = ''): string {
   const routes = all.filter((p) => p.cluster !== ports.cluster).map((p) => `    nats-route://127.0.0.1:${p.cluster}`);
+  const cluster = ['cluster {', '  name: magus-test', `  listen: 127.0.0.1:${ports.cluster}`, '  routes: [', ...routes, '  ]', '}'];
   return [
     `server_name: ${name}`,
     `listen: 127.0.0.1:${ports.client}`,
@@ -82,13 +86,8 @@ function configFor(name: string, ports: NodePorts, all: NodePorts[], store: stri
     '  max_memory_store: 1GB',
     '  max_file_store: 4GB',
     '}',
-    'cluster {',
-    '  name: magus-test',
-    `  listen: 127.0.0.1:${ports.cluster}`,
-    '  routes: [',
-    ...routes,
-    '  ]',
-    '}',
+    ...(all.length > 1 ? cluster : []),
+    extra,
     '',
   ].join('\n');
 }
@@ -159,7 +158,7 @@ export async function startNatsCluster(opts: NatsClusterOptions = {}): Promise<T
     names.forEach((name, i) => {
       rmSync(join(dataDir, name), { recursive: true, force: true });
       mkdirSync(storeOf(name), { recursive: true });
-      writeFileSync(confOf(name), configFor(name, ports[i]!, ports, storeOf(name), syncInterval));
+      writeFileSync(confOf(name), configFor(name, ports[i]!, ports, storeOf(name), syncInterval, opts.extraConfig));
     });
     const described = ports.map((p, i) => `${names[i]} ${p.client}/${p.monitor}/${p.cluster}`).join(', ');
     names.forEach((_, i) => launchNode(i, `cluster start ${attempt} of ${attempts}, client/monitor/cluster ports ${described}`));

@@ -1,0 +1,217 @@
+/**
+ * NATS users per role (dataplane/roles.ts) against a real nats-server configured with them, as
+ * `magus nats-auth` writes them (its credentials files and the server's `authorization` block): a
+ * gateway, a `magus bridge` process and a controller each connect as their own user (an nkey), and
+ * a request goes gateway → bridge → engine and back, its record read by `magus usage` with the
+ * controller's credentials; what a role must not do is a permissions error — a bridge
+ * reading tokens or stored responses or writing the registry, a gateway consuming the request
+ * stream, a controller reading another role's inbox or the answers — and a connection without
+ * credentials is refused.
+ */
+import { spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { connect, nkeyAuthenticator, type NatsConnection } from 'nats';
+import { dataPlaneNames, ensureDataPlane } from '../dataplane';
+import { registerKey, tokenDigest } from '../dataplane/keys';
+import { openModelRegistry } from '../dataplane/registry';
+import { inboxPrefixOf, NATS_ROLES, parseCredentialsFile, type NatsRole } from '../dataplane/roles';
+import { pinConversation, publishPoolView } from './harness/gateway';
+import { readyModel } from './harness/gateway-app';
+import { startNatsCluster, type TestNatsCluster } from './harness/nats-cluster';
+import { MAGUS_BIN, runMagus } from './harness/dev';
+import { gatewayStack, stubEngineStack, TestStack } from './harness/stack';
+
+const names = dataPlaneNames('ROLES');
+const MODEL = 'guarded';
+const stack = new TestStack();
+let cluster: TestNatsCluster;
+const creds = new Map<NatsRole, { role: NatsRole; seed: string }>();
+const conns = new Map<NatsRole, NatsConnection>();
+
+const as = (role: NatsRole) => conns.get(role)!;
+const connectAs = (role: NatsRole, opts: { inbox?: string } = {}) =>
+  connect({
+    servers: cluster.servers,
+    authenticator: nkeyAuthenticator(new TextEncoder().encode(creds.get(role)!.seed)),
+    inboxPrefix: opts.inbox ?? inboxPrefixOf(role),
+    name: `test-${role}`,
+    timeout: 5000,
+  });
+
+const dir = mkdtempSync(join(tmpdir(), 'magus-nats-auth-'));
+const credsFile = (role: NatsRole) => join(dir, `${role}.creds`);
+
+beforeAll(async () => {
+  const made = await runMagus(['nats-auth', '--out', dir, '--prefix', names.prefix], process.env);
+  expect(made.stderr).toBe('');
+  expect(made.code).toBe(0);
+  for (const role of NATS_ROLES) {
+    expect(statSync(credsFile(role)).mode & 0o777).toBe(0o600);
+    const c = parseCredentialsFile(readFileSync(credsFile(role), 'utf8'));
+    if ('error' in c) throw new Error(c.error);
+    creds.set(role, c);
+  }
+  // Written again: refused, nothing overwritten.
+  const again = await runMagus(['nats-auth', '--out', dir], process.env);
+  expect(again.code).toBe(1);
+  expect(again.stderr).toContain('nothing written');
+  cluster = await startNatsCluster({ size: 1, extraConfig: readFileSync(join(dir, 'nats-auth.conf'), 'utf8') });
+  stack.defer(() => cluster.stop());
+  for (const role of creds.keys()) {
+    const nc = await connectAs(role);
+    conns.set(role, nc);
+    stack.defer(() => nc.close());
+  }
+  await ensureDataPlane(as('worker'), { prefix: names.prefix });
+  await (await openModelRegistry(as('worker'), names.modelsBucket)).put(readyModel(MODEL));
+}, 120_000);
+afterAll(async () => {
+  await stack.close();
+  rmSync(dir, { recursive: true, force: true });
+}, 60_000);
+
+/** `magus bridge` as a process of its own, with the bridge's credentials file. */
+async function bridgeProcess(engineUrl: string): Promise<void> {
+  const child = spawn(
+    'setpriv',
+    [
+      '--pdeathsig',
+      'KILL',
+      '--',
+      process.execPath,
+      MAGUS_BIN,
+      'bridge',
+      '--pool',
+      MODEL,
+      '--instance',
+      'i1',
+      '--engine',
+      engineUrl,
+      '--nats',
+      cluster.servers.join(','),
+      '--slots',
+      '2',
+      '--prefix',
+      names.prefix,
+    ],
+    { env: { ...process.env, MAGUS_NATS_CREDENTIALS: credsFile('bridge') }, stdio: ['ignore', 'ignore', 'pipe'] },
+  );
+  let stderr = '';
+  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+  stack.defer(async () => {
+    if (process.env.DEBUG_BRIDGE) console.log(stderr);
+    child.kill('SIGTERM');
+    await new Promise((r) => child.once('close', r));
+  });
+  // Ready once its consumer exists.
+  const jsm = await as('worker').jetstreamManager();
+  for (let i = 0; ; i++) {
+    if (
+      await jsm.consumers.info(names.requestStream, `${MODEL}_i1`).then(
+        () => true,
+        () => false,
+      )
+    )
+      return;
+    if (i > 200 || child.exitCode !== null) throw new Error(`magus bridge did not start: ${stderr}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+test('a request goes gateway → bridge → engine and back, each process as its own user', async () => {
+  // The controller registers a key; the worker starts an instance (its consumer) and publishes the pool.
+  const id = randomBytes(6).toString('hex');
+  const token = `mgs_${id}_${randomBytes(16).toString('hex')}`;
+  const tokens = await as('controller').jetstream().views.kv(names.tokensBucket, { bindOnly: true });
+  // With limits: the gateway's writes to magus_limits too.
+  const limits = { requestsPerMinute: 100, storageBytes: 1_000_000 };
+  expect(await registerKey(tokens, id, { digest: tokenDigest(token), name: 'team-a', key: 'team/a', uid: 'u1', limits })).toMatchObject({ ok: true });
+  const { engine } = await stack.open(stubEngineStack({ modelId: MODEL }));
+  await bridgeProcess(engine.url);
+  await publishPoolView(as('worker'), names, MODEL, ['i1']);
+  const { gateway } = await stack.open(
+    gatewayStack(names, {
+      nc: as('gateway'),
+      secret: randomBytes(32).toString('hex'),
+      tokens: {},
+      env: { MAGUS_LOG_LEVEL: 'silent' },
+      // A conversation is placed as the pool workflow places it (the worker writes its session).
+      deps: { coldStart: (req) => pinConversation(as('worker'), names, req.conversationKey, MODEL, 'i1') },
+    }),
+  );
+  let r: Response | undefined;
+  for (let i = 0; i < 100; i++) {
+    r = await fetch(`${gateway.url}/v1/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+      body: JSON.stringify({ model: MODEL, prompt: 'hello roles', max_tokens: 4 }),
+    });
+    if (r.status !== 401) break;
+    await r.body?.cancel();
+    await new Promise((res) => setTimeout(res, 50)); // the gateway's watch of the tokens
+  }
+  expect(r!.status).toBe(200);
+  const body = (await r!.json()) as { choices: { text: string }[] };
+  expect(body.choices[0]!.text).toContain('hello roles');
+  expect(r!.headers.get('x-ratelimit-remaining-requests')).toBe('99');
+  // A stored response (magus_responses, the storage quota) of a conversation (magus_sessions), read back.
+  const post = await fetch(`${gateway.url}/v1/responses`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: MODEL, input: 'hello again', max_output_tokens: 4 }),
+  });
+  expect(post.status).toBe(200);
+  const stored = (await post.json()) as { id: string };
+  const got = await fetch(`${gateway.url}/v1/responses/${stored.id}`, { headers: { authorization: `Bearer ${token}` } });
+  expect(got.status).toBe(200);
+  expect(((await got.json()) as { id: string }).id).toBe(stored.id);
+
+  // The bridge's records, read with the controller's credentials; without any, the server refuses.
+  const env = { ...process.env, MAGUS_NATS_URL: cluster.servers.join(','), MAGUS_NATS_PREFIX: names.prefix, MAGUS_DEV_DATA_DIR: dir };
+  let rows: { key: string; requests: number }[] = [];
+  for (let i = 0; i < 50 && rows.length === 0; i++) {
+    const usage = await runMagus(['usage', '--json'], { ...env, MAGUS_NATS_CREDENTIALS: credsFile('controller') });
+    expect(usage.code).toBe(0);
+    rows = JSON.parse(usage.stdout || '[]') as { key: string; requests: number }[];
+    if (rows.length === 0) await new Promise((res) => setTimeout(res, 100));
+  }
+  expect(rows).toEqual([expect.objectContaining({ key: 'team/a', requests: 2 })]);
+  const anonymous = await runMagus(['usage'], env);
+  expect(anonymous.code).not.toBe(0);
+  expect(anonymous.stderr).toMatch(/Authorization Violation/i);
+}, 60_000);
+
+const denied = /permissions violation|PERMISSIONS_VIOLATION/i;
+
+test('a bridge cannot read tokens or stored responses, nor write the registry', async () => {
+  const js = as('bridge').jetstream();
+  await expect(js.views.kv(names.tokensBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
+  await expect(js.views.kv(names.responsesBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
+  await expect(js.publish(`$KV.${names.modelsBucket}.default.evil`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
+});
+
+test('a gateway cannot consume the request stream, write tokens or the registry', async () => {
+  const js = as('gateway').jetstream();
+  const jsm = await as('gateway').jetstreamManager({ checkAPI: false });
+  await expect(jsm.consumers.add(names.requestStream, { name: 'evil', filter_subject: `${names.subjectScope}.magus.req.>` })).rejects.toThrow(denied);
+  await expect(jsm.consumers.info(names.requestStream, `${MODEL}_i1`)).rejects.toThrow(denied);
+  await expect(js.publish(`$KV.${names.tokensBucket}.stolen`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
+  await expect(js.publish(`$KV.${names.modelsBucket}.default.evil`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
+});
+
+test('a controller cannot read the answers nor another role’s inbox; no credentials, no connection', async () => {
+  const nc = as('controller');
+  const refused = (subject: string) =>
+    new Promise<Error>((resolve) => {
+      nc.subscribe(subject, { callback: (err) => err && resolve(err) });
+    });
+  const answers = refused(`${names.subjectScope}.magus.res.>`);
+  const inbox = refused(`${inboxPrefixOf('gateway')}.>`);
+  await nc.flush();
+  expect((await answers).message).toMatch(/Permissions Violation for Subscription to "?roles\.magus\.res\.>/i);
+  expect((await inbox).message).toMatch(/Permissions Violation for Subscription to "?_INBOX_gateway\.>/i);
+  await expect(connect({ servers: cluster.servers, timeout: 3000, reconnect: false })).rejects.toThrow(/Authorization Violation/i);
+});
