@@ -222,12 +222,18 @@ export function natsCredentialsFrom(env: NodeJS.ProcessEnv, problems: string[]):
 
 /**
  * nats.js options of a process connecting with the credentials file `path` (dataplane/roles.ts
- * says what its role may do); without one, none — and `warn` is told once that NATS is open to
- * whatever reaches it.
+ * says what its role may do); without one, none — and, unless every server is on loopback (a
+ * development setup), `warn` is told once that NATS is open to whatever reaches it.
  */
-export function natsConnectAuth(path: string | undefined, warn: (line: string) => void): { authenticator?: Authenticator; inboxPrefix?: string } {
+export function natsConnectAuth(
+  path: string | undefined,
+  servers: readonly string[],
+  warn: (line: string) => void,
+): { authenticator?: Authenticator; inboxPrefix?: string } {
   if (path) return natsAuthOptions(readNatsCredentials(path));
-  warn('connecting to NATS without credentials (MAGUS_NATS_CREDENTIALS unset): whatever reaches that server reads prompts and answers; for development only');
+  const loopback = (url: string) => /^[a-z]+:\/\/(localhost|127\.[0-9.]+|\[::1\])(:\d+)?$/i.test(url.trim());
+  if (!servers.every(loopback))
+    warn('connecting to NATS without credentials (MAGUS_NATS_CREDENTIALS unset): whatever reaches that server reads prompts and answers; for development only');
   return {};
 }
 

@@ -130,7 +130,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       name: 'magus-gateway',
       maxReconnectAttempts: -1,
       noAsyncTraces: true,
-      ...natsConnectAuth(config.natsCredentials, (line) => process.stderr.write(`magus gateway: ${line}\n`)),
+      ...natsConnectAuth(config.natsCredentials, natsServerList(config.natsServers), (line) => process.stderr.write(`magus gateway: ${line}\n`)),
     }));
   const closers: (() => Promise<void>)[] = [];
   try {

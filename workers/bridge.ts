@@ -70,7 +70,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     name: `magus-bridge-${pool}-${instance}`,
     maxReconnectAttempts: -1,
     noAsyncTraces: true,
-    ...natsConnectAuth(credentials, log),
+    ...natsConnectAuth(credentials, natsServerList(natsUrl), log),
   });
   let health: Server | undefined;
   try {

@@ -139,7 +139,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
     servers: natsServerList(cfg.nats.servers),
     name: 'magus-controller',
     maxReconnectAttempts: -1,
-    ...natsConnectAuth(cfg.nats.credentials, (line) => process.stderr.write(`magus controller: ${line}\n`)),
+    ...natsConnectAuth(cfg.nats.credentials, natsServerList(cfg.nats.servers), (line) => process.stderr.write(`magus controller: ${line}\n`)),
   });
   const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), {
     what: 'data plane',

@@ -30,7 +30,7 @@ export async function onDataPlaneBucket(
       name: tool.replace(/ /g, '-'),
       reconnect: false,
       timeout: 5000,
-      ...natsConnectAuth(cfg.nats.credentials, () => undefined),
+      ...natsConnectAuth(cfg.nats.credentials, natsServerList(cfg.nats.servers), () => undefined),
     });
   } catch (err) {
     const where = dev?.taken.includes('MAGUS_NATS_URL')

@@ -213,7 +213,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     name: 'magus-worker',
     maxReconnectAttempts: -1,
     noAsyncTraces: true,
-    ...natsConnectAuth(cfg.nats.credentials, (line) => process.stderr.write(`magus worker: ${line}\n`)),
+    ...natsConnectAuth(cfg.nats.credentials, natsServerList(cfg.nats.servers), log),
   });
   const s3 = new S3Client({ endpoint: cfg.s3.endpoint, region: cfg.s3.region, forcePathStyle: cfg.s3.forcePathStyle });
   if (cfg.s3TraceFile) traceS3Writes(s3, cfg.s3TraceFile);
