@@ -55,12 +55,19 @@ import {
   type Settlement,
 } from '../shared/limits';
 import { isRevisionConflict } from './errors';
-import { decodeJson } from './json';
+
+/** Keys of scopes seen lately (each operation of a scope needs its key; a gateway serves a bounded set of keys). */
+const limitKeys = new Map<string, string>();
 
 /** The KV key of scope `identity`: its UTF-8 bytes in base64url without padding. */
 export const limitKeyOf = (identity: string): string => {
+  let key = limitKeys.get(identity);
+  if (key !== undefined) return key;
   if (!identity) throw new Error('a limit scope needs a key identity');
-  return Buffer.from(identity, 'utf8').toString('base64url');
+  key = Buffer.from(identity, 'utf8').toString('base64url');
+  if (limitKeys.size >= 10_000) limitKeys.clear();
+  limitKeys.set(identity, key);
+  return key;
 };
 
 /** Compare-and-swap attempts that all conflicted: more writers on one key at once than the store retries for. */
@@ -518,6 +525,8 @@ export function kvCasWriter(kv: KV, timeoutMs = WRITE_TIMEOUT_MS): KvCasWriter {
   };
 }
 
+const ACK_SEQ = /"seq":(\d+)[,}]/;
+
 /**
  * A stream's reply to a KV write: the entry's new revision (`seq`), or the error — with the
  * server's `api_error` (`isRevisionConflict` reads its `err_code`) when the stream refused it.
@@ -525,9 +534,13 @@ export function kvCasWriter(kv: KV, timeoutMs = WRITE_TIMEOUT_MS): KvCasWriter {
 function casAckOf(data: Uint8Array, status: number): number | Error {
   if (data.length === 0)
     return new Error(status === 503 ? 'no stream stores the limits bucket (no responders)' : `unexpected empty reply to a limits write (status ${status})`);
+  const text = decoder.decode(data);
+  // An acknowledgement, `{"stream":"KV_…","seq":N}` (perhaps a domain after): its seq without a JSON parse.
+  const seq = text.startsWith('{"stream":') && !text.includes('"error"') ? ACK_SEQ.exec(text) : null;
+  if (seq) return Number(seq[1]);
   let ack: { seq?: unknown; error?: { code?: number; err_code?: number; description?: string } };
   try {
-    ack = decodeJson(data) as typeof ack;
+    ack = JSON.parse(text) as typeof ack;
   } catch {
     return new Error('malformed reply to a limits write');
   }
