@@ -1,16 +1,19 @@
 /**
  * `npm run bench:gateway`'s limits part (gateway.ts runs it after the warm measurements): what a
  * key's limits (gateway/serving/limits.ts: each request admitted by a compare-and-swap in KV
- * `magus_limits` before it is queued, settled by another after it ends) add to the gateway path.
+ * `magus_limits` before it is queued, settled after it ends — a settle held for the key's next
+ * write, written alone only when none comes within the store's hold) add to the gateway path.
  * Two keys on the same path — the bench's key without limits, and a second one whose limits
  * ({@link BENCH_LIMITS}) are too generous ever to refuse — in alternating blocks (which key goes
  * first swaps each block), each on warm sessions of its own: latency at concurrency 1, throughput
  * at concurrency 8, the CPU of the gateway, the bridge and nats-server per request, and a CPU
  * profile of the gateway for each key at concurrency 8 (BENCH_PROFILE_DIR keeps them). A traced
  * block per key at concurrency 1 (not part of the figures) times each request in the gateway and,
- * for the limited key, its compare-and-swaps in `magus_limits` (the admission, and the settle
- * after the answer): how long the admission waited before its write went out, and each write's
- * round trip. Checks: no request of the limited key was refused (429), every one was settled (its
+ * for the limited key, its compare-and-swaps in `magus_limits` (core publishes to
+ * `$KV.<bucket>.<key>`, acknowledged on an inbox: the admission's, which carries the previous
+ * request's settle when it came within the store's hold, and the settles written alone): how long
+ * the admission waited before its write went out, each write's round trip, and writes per
+ * request. Checks: no request of the limited key was refused (429), every one was settled (its
  * budget charged its usage, no reservation left), and its answers carry the `x-ratelimit-*`
  * headers.
  */
@@ -73,13 +76,15 @@ export interface AdmissionTrace {
   gateway: PerKey<number[]>;
   /**
    * Limited key: request in → its admission's write sent (the gateway's work before it, and any
-   * wait behind a write in flight), of requests that arrived while the previous request's settle
-   * was still in flight (`behind`) and of the others (`clear`).
+   * wait behind a write in flight), of requests that arrived while a write of the key was still
+   * in flight (`behind`) and of the others (`clear`).
    */
   admitWait: { behind: number[]; clear: number[] };
-  /** Limited key: the admission's and the settle's compare-and-swap, sent → acknowledged. */
+  /** Limited key: the admission's compare-and-swap, and the other writes' (settles written alone, renewals), sent → acknowledged. */
   admitRtt: number[];
-  settleRtt: number[];
+  otherRtt: number[];
+  /** Limited key: writes to its entry in the traced block. */
+  writes: number;
 }
 
 const now = (): number => performance.timeOrigin + performance.now();
@@ -168,28 +173,39 @@ export async function measureLimits(ctx: {
   const kvCalls: [number, number][] = [];
   const kvPrefix = `$KV.${ctx.bucket}.`;
   const nc = ctx.gatewayNc;
-  const request = nc.request.bind(nc);
+  const publish = nc.publish.bind(nc);
+  // The store's writes are core publishes whose acknowledgement comes to its inbox: a second
+  // subscription on the gateway's connection sees each acknowledgement too.
+  const sentAt = new Map<string, number>();
+  const acks = nc.subscribe('_INBOX.>', {
+    callback: (_err, msg) => {
+      const t0 = sentAt.get(msg.subject);
+      if (t0 === undefined) return;
+      sentAt.delete(msg.subject);
+      kvCalls.push([t0, now()]);
+    },
+  });
+  await nc.flush();
   for (const key of ['off', 'on'] as const) {
     const onRequest = (_req: unknown, res: { once(e: 'finish', f: () => void): void }) => {
       const t0 = now();
       res.once('finish', () => http[key].push([t0, now()]));
     };
     ctx.server.prependListener('request', onRequest);
-    nc.request = async (subject, data, opts) => {
-      if (!subject.startsWith(kvPrefix)) return request(subject, data, opts);
-      const t0 = now();
-      const m = await request(subject, data, opts);
-      kvCalls.push([t0, now()]);
-      return m;
+    nc.publish = (subject, data, opts) => {
+      if (subject.startsWith(kvPrefix) && opts?.reply) sentAt.set(opts.reply, now());
+      publish(subject, data, opts);
     };
     try {
       await run(key, { requests: traceRequests });
       if (key === 'on') measured += traceRequests;
     } finally {
-      nc.request = request;
+      nc.publish = publish;
       ctx.server.off('request', onRequest);
     }
   }
+  await new Promise((r) => setTimeout(r, 200)); // the last settle's hold, and its acknowledgement
+  acks.unsubscribe();
   const trace = traceOf(http, kvCalls, traceRequests);
 
   const after = await settledState(ctx.kv, ctx.scope);
@@ -219,9 +235,9 @@ export async function measureLimits(ctx: {
 }
 
 /**
- * Pairs each limited request with its KV writes: at concurrency 1 they come in turn — its
- * admission (the first write sent after it arrived), then its settle (the next one); a lease
- * renewal (every 10 s) may shift one pair.
+ * Pairs each limited request with its admission's write: at concurrency 1, the first write sent
+ * after it arrived (a lease renewal, every 10 s, may take one's place). Every other write is a
+ * settle written alone (no admission came within its hold) or a renewal.
  */
 function traceOf(http: PerKey<[number, number][]>, kvCalls: [number, number][], requests: number): AdmissionTrace {
   const kv = [...kvCalls].sort((a, b) => a[0] - b[0]);
@@ -231,21 +247,22 @@ function traceOf(http: PerKey<[number, number][]>, kvCalls: [number, number][], 
     gateway: { off: http.off.map(([a, b]) => b - a), on: on.map(([a, b]) => b - a) },
     admitWait: { behind: [], clear: [] },
     admitRtt: [],
-    settleRtt: [],
+    otherRtt: [],
+    writes: kv.length,
   };
+  const admissions = new Set<number>();
   let k = 0;
-  let prevSettleEnd = -Infinity;
   for (const [h0] of on) {
     while (k < kv.length && kv[k]![0] < h0) k++;
     const admit = kv[k];
-    const settle = kv[k + 1];
-    if (!admit || !settle) break;
-    out.admitWait[prevSettleEnd > h0 ? 'behind' : 'clear'].push(admit[0] - h0);
+    if (!admit) break;
+    const behind = k > 0 && kv[k - 1]![1] > h0;
+    out.admitWait[behind ? 'behind' : 'clear'].push(admit[0] - h0);
     out.admitRtt.push(admit[1] - admit[0]);
-    out.settleRtt.push(settle[1] - settle[0]);
-    prevSettleEnd = settle[1];
-    k += 2;
+    admissions.add(k);
+    k += 1;
   }
+  kv.forEach(([a, b], i) => admissions.has(i) || out.otherRtt.push(b - a));
   return out;
 }
 
@@ -300,7 +317,7 @@ export function limitsReport(r: LimitsResult): string[] {
   out.push(`  traced blocks at concurrency 1 (${t.requests} requests per key, not part of the figures above; p50, ms):`);
   out.push(row('gateway: HTTP request in → out', p50(t.gateway.off), p50(t.gateway.on)));
   out.push(
-    `    limits: admission's compare-and-swap ${fmt(p50(t.admitRtt))} (p99 ${fmt(p99(t.admitRtt))}), settle's (after the answer) ${fmt(p50(t.settleRtt))}; request in → admission sent ${fmt(p50(t.admitWait.clear))} (${t.admitWait.clear.length} requests), ${fmt(p50(t.admitWait.behind))} for the ${t.admitWait.behind.length} that arrived while the previous one's settle was in flight`,
+    `    limits: ${fmt(t.writes / t.requests, 2)} writes per request; admission's compare-and-swap ${fmt(p50(t.admitRtt))} (p99 ${fmt(p99(t.admitRtt))}); ${t.otherRtt.length} other writes (settles written alone, renewals) ${t.otherRtt.length ? fmt(p50(t.otherRtt)) : '–'}; request in → admission sent ${fmt(p50(t.admitWait.clear))} (${t.admitWait.clear.length} requests), ${t.admitWait.behind.length ? fmt(p50(t.admitWait.behind)) : '–'} for the ${t.admitWait.behind.length} that arrived while a write of the key was in flight`,
   );
   const perRequest = r.measured > 0 ? r.charged / r.measured : NaN;
   out.push(

@@ -5,20 +5,26 @@
  * compare-and-swap alone); settling lets exactly the room left through and `used` is the sum
  * settled; one replica's concurrent operations on a key share writes; requests per minute refuse the 6th with the 12 s the
  * bucket needs; concurrency 2 refuses the 3rd until one settles; a replica that stops renewing
- * has its reservation released, charged its worst case, within one lease.
+ * has its reservation released, charged its worst case, within one lease. The write path: a
+ * settle is held for the key's next write (written with the next admission, in one
+ * compare-and-swap), written alone once its hold is over, and at once by `flush` / `close`; the
+ * store's writes are core publishes (not `kv.update`) whose compare-and-swap conflicts as
+ * `kv.update`'s does and is retried; a write nobody acknowledges fails after its timeout.
  */
-import { StorageType, type KV, type StreamConfig } from 'nats';
+import { StorageType, type KV, type NatsConnection, type StreamConfig } from 'nats';
 import type { Admission, KeyLimits } from '../shared/limits';
 import { isolation } from '../test/harness';
 import { natsStack, TestStack } from '../test/harness/stack';
 import { sleep, until } from '../test/harness/wait';
-import { LimitRenewer, LimitStore, limitKeyOf } from './limits';
+import { isRevisionConflict } from './errors';
+import { kvCasWriter, LimitRenewer, LimitStore, limitKeyOf } from './limits';
 
 const iso = isolation();
 const stack = new TestStack();
 /** Two replicas: a connection and a bucket view each. */
 let kvA: KV;
 let kvB: KV;
+let ncA: NatsConnection;
 let bucketConfig: StreamConfig;
 
 beforeAll(async () => {
@@ -26,6 +32,7 @@ beforeAll(async () => {
   // The harness deletes the streams and buckets it knows of; this one too.
   stack.defer(async () => (await nc.jetstreamManager()).streams.delete(`KV_${names.limitsBucket}`).catch(() => false));
   const { nc: other } = await stack.open(natsStack(iso));
+  ncA = nc;
   kvA = await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true });
   kvB = await other.jetstream().views.kv(names.limitsBucket, { bindOnly: true });
   ({ config: bucketConfig } = await (await nc.jetstreamManager()).streams.info(`KV_${names.limitsBucket}`));
@@ -217,4 +224,121 @@ it('a replica that stops renewing has its reservation released within one lease,
   expect((await a.read(scope))!.state.budget!.used).toBe(260);
   await renewB.stop();
   expect(lost).toEqual(['dies']);
+});
+
+/** The bucket's last sequence: every write to any of its entries adds one. */
+const lastSeq = async (): Promise<number> => (await kvA.status()).streamInfo.state.last_seq;
+
+/** `promise`'s state now (after pending callbacks ran). */
+const stateOf = async (promise: Promise<unknown>): Promise<'pending' | 'settled'> =>
+  Promise.race([promise.then(() => 'settled' as const), new Promise<'pending'>((resolve) => setImmediate(() => resolve('pending')))]);
+
+it("a settle is held for the key's next write: the next admission writes both in one compare-and-swap", async () => {
+  const scope = 'team/held';
+  const limits: KeyLimits = { concurrency: 1, budget: { tokens: 1000, period: 'month' } };
+  // A hold far longer than the test: only the next write (or a flush) writes the settle.
+  const store = new LimitStore(kvA, { settleHoldMs: 600_000 });
+  stack.defer(() => store.close());
+  const req = (id: string) => ({ id, tokens: 100, replica: 'gw-a', leaseMs: 60_000 });
+  expect((await store.admit(scope, limits, req('h1'))).ok).toBe(true);
+  const before = await lastSeq();
+
+  const settled = store.settle(scope, limits, 'h1', 40);
+  expect(await stateOf(settled)).toBe('pending');
+  expect(await lastSeq()).toBe(before);
+  expect(Object.keys((await store.read(scope))!.state.reservations)).toEqual(['h1']);
+
+  // Concurrency 1: admitted only because the held settle is applied first, in the same write.
+  expect((await store.admit(scope, limits, req('h2'))).ok).toBe(true);
+  expect(await settled).toMatchObject({ settled: true });
+  expect((await lastSeq()) - before).toBe(1);
+  const stored = (await store.read(scope))!.state;
+  expect(Object.keys(stored.reservations)).toEqual(['h2']);
+  expect(stored.budget!.used).toBe(40);
+});
+
+it('a held settle is written alone once its hold is over, and at once by flush and close', async () => {
+  const scope = 'team/flushed';
+  const limits: KeyLimits = { budget: { tokens: 1000, period: 'month' } };
+  const req = (id: string) => ({ id, tokens: 100, replica: 'gw-a', leaseMs: 60_000 });
+
+  const timed = new LimitStore(kvA, { settleHoldMs: 10 });
+  stack.defer(() => timed.close());
+  expect((await timed.admit(scope, limits, req('t1'))).ok).toBe(true);
+  // Nothing else comes: the hold's timer writes it.
+  expect(await timed.settle(scope, limits, 't1', 30)).toMatchObject({ settled: true });
+  expect((await timed.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: 30 } });
+
+  const held = new LimitStore(kvA, { settleHoldMs: 600_000 });
+  expect((await held.admit(scope, limits, req('t2'))).ok).toBe(true);
+  expect((await held.admit(scope, limits, req('t3'))).ok).toBe(true);
+  const s2 = held.settle(scope, limits, 't2', 20);
+  expect(await stateOf(s2)).toBe('pending');
+  await held.flush();
+  expect(await stateOf(s2)).toBe('settled');
+  expect((await s2).settled).toBe(true);
+  expect((await held.read(scope))!.state).toMatchObject({ budget: { used: 50 } });
+
+  const s3 = held.settle(scope, limits, 't3', 10);
+  await held.close();
+  expect((await s3).settled).toBe(true);
+  expect((await held.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: 60 } });
+  // Closed, it holds nothing: a settle is written at once (the 10-minute hold would time the test out).
+  expect((await held.admit(scope, limits, req('t4'))).ok).toBe(true);
+  expect((await held.settle(scope, limits, 't4', 5)).settled).toBe(true);
+  expect((await held.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: 65 } });
+  await held.close();
+});
+
+it("the store's writes are core publishes: kv.update is never called; a conflict is read again and retried", async () => {
+  const scope = 'team/cas';
+  const limits: KeyLimits = { concurrency: 10 };
+  const req = (id: string, replica: string) => ({ id, tokens: 1, replica, leaseMs: 60_000 });
+  const refuse = () => Promise.reject(new Error('the store wrote through kv.create / kv.update'));
+  // The view's own writes throw: every write the store makes goes by its core publish.
+  const viewA = await ncA.jetstream().views.kv((await kvA.status()).bucket, { bindOnly: true });
+  Object.assign(viewA, { create: refuse, update: refuse, put: refuse });
+  const [a, b] = [new LimitStore(viewA), new LimitStore(kvB)];
+  stack.defer(() => a.close());
+  stack.defer(() => b.close());
+
+  expect((await a.admit(scope, limits, req('x1', 'gw-a'))).ok).toBe(true); // created
+  expect((await b.admit(scope, limits, req('x2', 'gw-b'))).ok).toBe(true); // b read a's entry, updated it
+  // a's remembered revision is stale now: its write conflicts, it reads b's and writes again.
+  const before = await lastSeq();
+  expect((await a.admit(scope, limits, req('x3', 'gw-a'))).ok).toBe(true);
+  expect((await lastSeq()) - before).toBe(1);
+  const stored = await a.read(scope);
+  expect(Object.keys(stored!.state.reservations).sort()).toEqual(['x1', 'x2', 'x3']);
+  expect(stored!.revision).toBe((await kvA.get(limitKeyOf(scope)))!.revision);
+});
+
+it('kvCasWriter: create on 0, update on the last revision, a conflict otherwise; an unacknowledged write times out', async () => {
+  const writer = kvCasWriter(kvA, 5_000);
+  stack.defer(() => writer.close());
+  const key = limitKeyOf('team/writer');
+  const first = await writer.write(key, '{"reservations":{}}', 0);
+  expect((await kvA.get(key))!.revision).toBe(first);
+  const conflict = await writer.write(key, '{"reservations":{}}', 0).catch((err: unknown) => err);
+  expect(isRevisionConflict(conflict)).toBe(true);
+  const second = await writer.write(key, '{"reservations":{"a":{"tokens":1,"replica":"r","leaseUntil":1,"at":1}}}', first);
+  expect(second).toBeGreaterThan(first);
+  expect(isRevisionConflict(await writer.write(key, '{}', first).catch((err: unknown) => err))).toBe(true);
+  expect((await kvA.get(key))!.revision).toBe(second);
+  await writer.close();
+  await expect(writer.write(key, '{}', second)).rejects.toThrow(/closed/);
+
+  // A subject someone listens on but never acknowledges: the write fails after its timeout.
+  const silent = `${iso.natsPrefix}.silent.limits`;
+  const sub = ncA.subscribe(`${silent}.>`, { callback: () => undefined });
+  stack.defer(() => sub.unsubscribe());
+  await ncA.flush();
+  const fake = { js: { nc: ncA }, subjectForKey: (k: string) => `${silent}.${k}` } as unknown as KV;
+  const timing = kvCasWriter(fake, 50);
+  stack.defer(() => timing.close());
+  await expect(timing.write(key, '{}', 1)).rejects.toThrow(/not acknowledged within 50 ms/);
+  // Nobody listens at all: NATS says so at once.
+  const nobody = kvCasWriter({ js: { nc: ncA }, subjectForKey: (k: string) => `${silent}-none.${k}` } as unknown as KV, 60_000);
+  stack.defer(() => nobody.close());
+  await expect(nobody.write(key, '{}', 1)).rejects.toThrow(/no responders/);
 });

@@ -20,11 +20,28 @@
  * replicas, not the requests: 256 concurrent admissions of one key from one replica cost a few
  * writes, where each alone would retry against the 255 others.
  *
+ * A settle is not written alone at once: it is *held* for the scope's next write (an admission's,
+ * usually the next request's), which applies it before its own operation, and written alone only
+ * when none came within `settleHoldMs` (default {@link SETTLE_HOLD_MS}) — so a key with steady
+ * traffic costs one write per request, not two. Within the process nothing changes: every
+ * decision of the scope is taken after the held settles are applied. Another replica sees a
+ * freed slot or a refund up to `settleHoldMs` late, which can only refuse more, never exceed a
+ * limit. {@link LimitStore.flush} (and {@link LimitStore.close}) write every held settle now.
+ *
+ * Writes are core publishes to the entry's subject (`$KV.<bucket>.<key>`, as the bucket's view
+ * names it for editing: a JetStream domain's or a mirror's prefix included) with the
+ * `Nats-Expected-Last-Subject-Sequence` header — the revision, or 0 to create — whose
+ * acknowledgements come to one inbox subscription per store and settle an entry of a `Map`
+ * ({@link kvCasWriter}): what `kv.update` does, without its request per write (a timer, a promise
+ * race and an `Error` with a stack per write). A write unacknowledged within `writeTimeoutMs`, or
+ * under way when the connection drops, fails.
+ *
  * A gateway renews the leases of its live reservations with a {@link LimitRenewer} every third of
  * the lease, so a reservation of a gateway that died is released (charged its worst case) within
  * one lease of its last renewal.
  */
-import type { KV } from 'nats';
+import { Events, headers, type KV, type NatsConnection, type Subscription } from 'nats';
+import { inboxOf } from './roles';
 import {
   admit,
   chargeStorage,
@@ -42,10 +59,18 @@ import {
 } from '../shared/limits';
 import { isRevisionConflict } from './errors';
 
+/** Keys of scopes seen lately (each operation of a scope needs its key; a gateway serves a bounded set of keys). */
+const limitKeys = new Map<string, string>();
+
 /** The KV key of scope `identity`: its UTF-8 bytes in base64url without padding. */
 export const limitKeyOf = (identity: string): string => {
+  let key = limitKeys.get(identity);
+  if (key !== undefined) return key;
   if (!identity) throw new Error('a limit scope needs a key identity');
-  return Buffer.from(identity, 'utf8').toString('base64url');
+  key = Buffer.from(identity, 'utf8').toString('base64url');
+  if (limitKeys.size >= 10_000) limitKeys.clear();
+  limitKeys.set(identity, key);
+  return key;
 };
 
 /** Compare-and-swap attempts that all conflicted: more writers on one key at once than the store retries for. */
@@ -74,7 +99,16 @@ export interface LimitStoreOptions {
   maxAttempts?: number;
   /** Scopes whose last state is remembered (least recently used forgotten first). Default 10 000. */
   rememberedScopes?: number;
+  /** Longest a settle waits for its scope's next write before it is written alone, ms (0: at once). Default {@link SETTLE_HOLD_MS}. */
+  settleHoldMs?: number;
+  /** A write unacknowledged this long fails, ms. Default {@link WRITE_TIMEOUT_MS}. */
+  writeTimeoutMs?: number;
 }
+
+/** How long a settle waits, by default, for its scope's next write to ride in. */
+export const SETTLE_HOLD_MS = 20;
+/** How long a write waits for its acknowledgement, by default (nats.js's JetStream default). */
+export const WRITE_TIMEOUT_MS = 5_000;
 
 interface Stored {
   state: LimitState;
@@ -90,6 +124,15 @@ interface Pending {
   step: Step<unknown>;
   resolve: (result: unknown) => void;
   reject: (err: unknown) => void;
+  /** A settle that may wait for another operation's write (cleared once its hold is over). */
+  holdable: boolean;
+}
+
+/** A scope's held settles, and the timer that writes them alone. */
+interface Held {
+  scope: string;
+  ops: Pending[];
+  timer: NodeJS.Timeout;
 }
 
 /** Most operations one write of a scope applies. */
@@ -110,8 +153,17 @@ export class LimitStore {
   private readonly maxAttempts: number;
   private readonly rememberedScopes: number;
   private readonly remembered = new Map<string, Stored>();
+  private readonly settleHoldMs: number;
+  private readonly writeTimeoutMs: number;
   /** Per KV key, the operations queued behind the write in flight (present while one is). */
   private readonly queues = new Map<string, Pending[]>();
+  /** Per KV key, the drain writing its queue (present while one runs). */
+  private readonly drains = new Map<string, Promise<void>>();
+  /** Per KV key, the settles held for its next write (present while any are). */
+  private readonly held = new Map<string, Held>();
+  /** Made at the first write (a store that only reads subscribes to nothing). */
+  private writer: KvCasWriter | undefined;
+  private closed = false;
 
   constructor(
     private readonly kv: KV,
@@ -120,6 +172,8 @@ export class LimitStore {
     this.clock = opts.clock ?? Date.now;
     this.maxAttempts = opts.maxAttempts ?? 64;
     this.rememberedScopes = opts.rememberedScopes ?? 10_000;
+    this.settleHoldMs = opts.settleHoldMs ?? SETTLE_HOLD_MS;
+    this.writeTimeoutMs = opts.writeTimeoutMs ?? WRITE_TIMEOUT_MS;
   }
 
   /**
@@ -134,12 +188,20 @@ export class LimitStore {
     });
   }
 
-  /** Settles request `id` of `scope` to `tokens` used (shared/limits.ts `settle`; an unknown id changes nothing). */
+  /**
+   * Settles request `id` of `scope` to `tokens` used (shared/limits.ts `settle`; an unknown id
+   * changes nothing). Held for the scope's next write, at most `settleHoldMs`: resolves once
+   * written.
+   */
   settle(scope: string, limits: KeyLimits, id: string, tokens: number): Promise<Settlement> {
-    return this.enqueue<Settlement>(scope, (state, now) => {
-      const s = settle(state, limits, id, tokens, now);
-      return s.settled ? { write: s.state, result: s } : { result: s };
-    });
+    return this.enqueue<Settlement>(
+      scope,
+      (state, now) => {
+        const s = settle(state, limits, id, tokens, now);
+        return s.settled ? { write: s.state, result: s } : { result: s };
+      },
+      true,
+    );
   }
 
   /**
@@ -184,23 +246,90 @@ export class LimitStore {
     return stored.revision === 0 ? undefined : stored;
   }
 
-  /** Runs `step` in the scope's next batch. */
-  private enqueue<R>(scope: string, step: Step<R>): Promise<R> {
+  /**
+   * Writes every held settle now; resolves once every write under way (those included) has
+   * finished, whatever its outcome.
+   */
+  async flush(): Promise<void> {
+    while (this.held.size > 0 || this.drains.size > 0) {
+      for (const key of [...this.held.keys()]) this.release(key);
+      await Promise.all(this.drains.values());
+    }
+  }
+
+  /**
+   * {@link flush}es, then stops listening for acknowledgements. Settles after it are written at
+   * once, not held; a later write listens again.
+   */
+  async close(): Promise<void> {
+    this.closed = true;
+    await this.flush();
+    const writer = this.writer;
+    this.writer = undefined;
+    await writer?.close();
+  }
+
+  /** Runs `step` in the scope's next batch; a `holdable` one (a settle) may wait up to `settleHoldMs` for another's. */
+  private enqueue<R>(scope: string, step: Step<R>, holdable = false): Promise<R> {
     const key = limitKeyOf(scope);
     return new Promise<R>((resolve, reject) => {
-      const op: Pending = { step, resolve: resolve as (result: unknown) => void, reject };
+      const op: Pending = { step, resolve: resolve as (result: unknown) => void, reject, holdable: holdable && this.holding() };
       const queue = this.queues.get(key);
       if (queue) queue.push(op);
-      else {
-        this.queues.set(key, [op]);
-        void this.drain(scope, key);
-      }
+      else if (op.holdable) this.hold(scope, key, [op]);
+      else this.start(scope, key, [...this.unhold(key), op]);
     });
   }
 
-  /** Writes the scope's batches one after the other until its queue is empty. Never rejects. */
+  private holding(): boolean {
+    return this.settleHoldMs > 0 && !this.closed;
+  }
+
+  /** Holds `ops` (settles, oldest first) for the scope's next write; written alone after `settleHoldMs`. */
+  private hold(scope: string, key: string, ops: Pending[]): void {
+    const h = this.held.get(key);
+    if (h) h.ops.push(...ops);
+    else this.held.set(key, { scope, ops, timer: setTimeout(() => this.release(key), this.settleHoldMs) });
+  }
+
+  /** The scope's held settles, no longer held (they go into the write about to start). */
+  private unhold(key: string): Pending[] {
+    const h = this.held.get(key);
+    if (!h) return [];
+    clearTimeout(h.timer);
+    this.held.delete(key);
+    for (const op of h.ops) op.holdable = false;
+    return h.ops;
+  }
+
+  /** Writes the scope's held settles now (their hold is over). */
+  private release(key: string): void {
+    const scope = this.held.get(key)?.scope;
+    const ops = this.unhold(key);
+    if (scope === undefined || ops.length === 0) return;
+    const queue = this.queues.get(key);
+    if (queue) queue.push(...ops);
+    else this.start(scope, key, ops);
+  }
+
+  private start(scope: string, key: string, ops: Pending[]): void {
+    this.queues.set(key, ops);
+    const drained: Promise<void> = this.drain(scope, key).finally(() => {
+      if (this.drains.get(key) === drained) this.drains.delete(key);
+    });
+    this.drains.set(key, drained);
+  }
+
+  /**
+   * Writes the scope's batches one after the other until its queue is empty, or holds only
+   * settles still in their hold (then held for the next write). Never rejects.
+   */
   private async drain(scope: string, key: string): Promise<void> {
     for (let queue = this.queues.get(key)!; queue.length > 0;) {
+      if (queue.every((op) => op.holdable) && this.holding()) {
+        this.hold(scope, key, queue.splice(0));
+        break;
+      }
       const batch = queue.splice(0, MAX_BATCH);
       try {
         const outcomes = await this.transact(scope, (state, now) => {
@@ -248,7 +377,8 @@ export class LimitStore {
       }
       const data = JSON.stringify(write);
       try {
-        const revision = current.revision === 0 ? await this.kv.create(key, data) : await this.kv.update(key, data, current.revision);
+        this.writer ??= kvCasWriter(this.kv, this.writeTimeoutMs);
+        const revision = await this.writer.write(key, data, current.revision);
         this.remember(key, { state: write, revision });
         return result;
       } catch (err) {
@@ -283,6 +413,155 @@ export class LimitStore {
     this.remembered.set(key, stored);
     if (this.remembered.size > this.rememberedScopes) this.remembered.delete(this.remembered.keys().next().value!);
   }
+}
+
+/** Compare-and-swap writes of a KV bucket's entries. */
+export interface KvCasWriter {
+  /**
+   * Writes `data` to entry `key` if its last revision is `revision` (0: if it has none); resolves
+   * with the new revision. A conflict rejects with the server's error (`isRevisionConflict`).
+   */
+  write(key: string, data: string, revision: number): Promise<number>;
+  /** Stops listening; writes still waiting for an acknowledgement fail. */
+  close(): Promise<void>;
+}
+
+/** What a nats.js bucket view (`views.kv`) holds that a core publish needs: its connection, and its entries' subject for writing. */
+interface BucketInternals {
+  js?: { nc?: NatsConnection };
+  subjectForKey?: (key: string, edit?: boolean) => string;
+}
+
+/**
+ * Compare-and-swap writes of `kv`'s entries as core publishes on the bucket's connection: to the
+ * entry's subject as the view names it for a write (`subjectForKey(key, true)`: `$KV.<bucket>.<key>`,
+ * with a JetStream API prefix or a mirror's prefix when the view has one), with
+ * `Nats-Expected-Last-Subject-Sequence: <revision>`, its reply subject one inbox subscription's
+ * prefix plus a counter; the stream's acknowledgement (`{"stream","seq"}`, or `{"error"}` with the
+ * server's `api_error`, as nats.js keeps it) settles an entry of a `Map`. Writes unacknowledged
+ * after `timeoutMs` fail (checked every `min(timeoutMs, 1 s)`); so do those under way when the
+ * connection drops (their acknowledgements would go to the old connection), and a write while it
+ * is down fails at once. A `kv` that is not a nats.js bucket view (a test's fake) is written with
+ * `kv.create` / `kv.update`.
+ */
+export function kvCasWriter(kv: KV, timeoutMs = WRITE_TIMEOUT_MS): KvCasWriter {
+  const internals = kv as unknown as BucketInternals;
+  const nc = internals.js?.nc;
+  const subjectForKey = internals.subjectForKey?.bind(kv);
+  if (!nc || !subjectForKey) {
+    return {
+      write: (key, data, revision) => (revision === 0 ? kv.create(key, data) : kv.update(key, data, revision)),
+      close: () => Promise.resolve(),
+    };
+  }
+  const prefix = `${inboxOf(nc)}.`;
+  // A key's subject, built once (the view joins its parts on every call).
+  const subjects = new Map<string, string>();
+  const subjectOf = (key: string): string => {
+    let subject = subjects.get(key);
+    if (subject === undefined) {
+      if (subjects.size >= 10_000) subjects.clear();
+      subjects.set(key, (subject = subjectForKey(key, true)));
+    }
+    return subject;
+  };
+  interface Waiting {
+    resolve: (revision: number) => void;
+    reject: (err: Error) => void;
+    at: number;
+  }
+  // Insertion order is write order: the oldest at the front.
+  const waiting = new Map<string, Waiting>();
+  const failAll = (why: string) => {
+    for (const w of waiting.values()) w.reject(new Error(why));
+    waiting.clear();
+  };
+  let counter = 0;
+  let connected = true;
+  let closed = false;
+  void (async () => {
+    for await (const s of nc.status()) {
+      if (closed) break;
+      if (s.type === Events.Disconnect) {
+        connected = false;
+        failAll('NATS disconnected before the limits write was acknowledged');
+      } else if (s.type === Events.Reconnect) connected = true;
+    }
+  })().catch(() => undefined);
+  const sub: Subscription = nc.subscribe(`${prefix}*`, {
+    callback: (err, msg) => {
+      if (err) return;
+      const token = msg.subject.slice(prefix.length);
+      const w = waiting.get(token);
+      if (!w) return; // timed out already
+      waiting.delete(token);
+      const ack = casAckOf(msg.data, msg.headers?.code ?? 0);
+      if (typeof ack === 'number') w.resolve(ack);
+      else w.reject(ack);
+    },
+  });
+  const sweep = setInterval(
+    () => {
+      const cutoff = Date.now() - timeoutMs;
+      for (const [token, w] of waiting) {
+        if (w.at > cutoff) break;
+        waiting.delete(token);
+        w.reject(new Error(`the limits write was not acknowledged within ${timeoutMs} ms`));
+      }
+    },
+    Math.min(1_000, timeoutMs),
+  );
+  sweep.unref();
+  return {
+    write(key, data, revision) {
+      if (closed) return Promise.reject(new Error('the limits writer is closed'));
+      if (!connected) return Promise.reject(new Error('NATS is unreachable: the limits were not written'));
+      const token = (counter++).toString(36);
+      const h = headers();
+      h.set('Nats-Expected-Last-Subject-Sequence', String(revision));
+      return new Promise<number>((resolve, reject) => {
+        waiting.set(token, { resolve, reject, at: Date.now() });
+        try {
+          nc.publish(subjectOf(key), data, { reply: prefix + token, headers: h });
+        } catch (err) {
+          waiting.delete(token);
+          reject(err instanceof Error ? err : new Error(String(err)));
+        }
+      });
+    },
+    async close() {
+      closed = true;
+      clearInterval(sweep);
+      failAll('the limits writer is closed');
+      if (!sub.isClosed()) {
+        sub.unsubscribe();
+        await sub.closed;
+      }
+    },
+  };
+}
+
+const ACK_SEQ = /"seq":(\d+)[,}]/;
+
+/**
+ * A stream's reply to a KV write: the entry's new revision (`seq`), or the error — with the
+ * server's `api_error` (`isRevisionConflict` reads its `err_code`) when the stream refused it.
+ */
+function casAckOf(data: Uint8Array, status: number): number | Error {
+  if (data.length === 0)
+    return new Error(status === 503 ? 'no stream stores the limits bucket (no responders)' : `unexpected empty reply to a limits write (status ${status})`);
+  const text = decoder.decode(data);
+  // An acknowledgement, `{"stream":"KV_…","seq":N}` (perhaps a domain after): its seq without a JSON parse.
+  const seq = text.startsWith('{"stream":') && !text.includes('"error"') ? ACK_SEQ.exec(text) : null;
+  if (seq) return Number(seq[1]);
+  let ack: { seq?: unknown; error?: { code?: number; err_code?: number; description?: string } };
+  try {
+    ack = JSON.parse(text) as typeof ack;
+  } catch {
+    return new Error('malformed reply to a limits write');
+  }
+  if (ack.error) return Object.assign(new Error(ack.error.description ?? `limits write failed (${ack.error.code ?? '?'})`), { api_error: ack.error });
+  return typeof ack.seq === 'number' ? ack.seq : new Error('malformed reply to a limits write');
 }
 
 /**

@@ -167,6 +167,28 @@ describe('token budget', () => {
     expect(s.budget).toEqual({ period: '2026-11-30', used: 30 });
   });
 
+  it('budgetPeriodOf keeps its last period per kind: the bounds are exact whatever order times come in', () => {
+    const times = [
+      Date.UTC(2026, 10, 30, 23, 59, 59, 999),
+      Date.UTC(2026, 11, 1),
+      Date.UTC(2026, 10, 30, 23, 59, 59, 999), // a clock behind another's
+      Date.UTC(2026, 10, 1),
+      Date.UTC(2026, 9, 31, 23, 59, 59, 999),
+      Date.UTC(2026, 11, 1, 12),
+      Date.UTC(2026, 11, 2) - 1,
+      Date.UTC(2026, 11, 2),
+    ];
+    for (const period of ['day', 'month'] as const)
+      for (const t of times) {
+        const d = new Date(t).toISOString();
+        const endsAt =
+          period === 'day'
+            ? Date.UTC(new Date(t).getUTCFullYear(), new Date(t).getUTCMonth(), new Date(t).getUTCDate() + 1)
+            : Date.UTC(new Date(t).getUTCFullYear(), new Date(t).getUTCMonth() + 1, 1);
+        expect([t, budgetPeriodOf(period, t)]).toEqual([t, { id: period === 'day' ? d.slice(0, 10) : d.slice(0, 7), endsAt }]);
+      }
+  });
+
   it('monthly periods end on the first of the next month (UTC), across a year too', () => {
     expect(budgetPeriodOf('month', T0)).toEqual({ id: '2026-11', endsAt: Date.UTC(2026, 11, 1) });
     expect(budgetPeriodOf('month', Date.UTC(2026, 11, 31, 23, 59))).toEqual({ id: '2026-12', endsAt: Date.UTC(2027, 0, 1) });

@@ -231,12 +231,23 @@ function checkWhole(what: string, n: number, min: number): void {
   if (!Number.isSafeInteger(n) || n < min) throw new RangeError(`${what} must be a whole number ≥ ${min}, got ${n}`);
 }
 
-/** The UTC period `nowMs` falls in: its id (`2026-11-29`, `2026-11`) and when it ends (epoch ms). */
-export function budgetPeriodOf(period: BudgetPeriod, nowMs: number): { id: string; endsAt: number } {
+/** The last period {@link budgetPeriodOf} computed per kind, and when it starts: nearly every call falls in it. */
+const lastPeriods: Partial<Record<BudgetPeriod, { startsAt: number; period: { readonly id: string; readonly endsAt: number } }>> = {};
+
+/** The UTC period `nowMs` falls in: its id (`2026-11-29`, `2026-11`) and when it ends (epoch ms). Shared: not to be changed. */
+export function budgetPeriodOf(period: BudgetPeriod, nowMs: number): { readonly id: string; readonly endsAt: number } {
+  // A Date and its ISO string per call were a measurable part of an admission's CPU: the last period is kept.
+  const last = lastPeriods[period];
+  if (last && nowMs >= last.startsAt && nowMs < last.period.endsAt) return last.period;
   const d = new Date(nowMs);
   const [y, m, day] = [d.getUTCFullYear(), d.getUTCMonth(), d.getUTCDate()];
   const iso = d.toISOString();
-  return period === 'day' ? { id: iso.slice(0, 10), endsAt: Date.UTC(y, m, day + 1) } : { id: iso.slice(0, 7), endsAt: Date.UTC(y, m + 1, 1) };
+  const computed =
+    period === 'day'
+      ? { startsAt: Date.UTC(y, m, day), period: { id: iso.slice(0, 10), endsAt: Date.UTC(y, m, day + 1) } }
+      : { startsAt: Date.UTC(y, m, 1), period: { id: iso.slice(0, 7), endsAt: Date.UTC(y, m + 1, 1) } };
+  lastPeriods[period] = computed;
+  return computed.period;
 }
 
 /** The kind of period a stored period id is (`YYYY-MM-DD` a day, `YYYY-MM` a month). */

@@ -4,7 +4,8 @@
  * key is admitted before anything is queued: its worst case is reserved — its prompt's tokens,
  * bounded from its size ({@link promptTokenBound}), plus its `max_tokens`, or, without one, as
  * much as the key has room for, which then becomes the request's `max_tokens` — and settled to
- * what the engine reports it used once the answer ends, fails or is abandoned. Its lease is
+ * what the engine reports it used once the answer ends, fails or is abandoned (the store holds a
+ * settle briefly to write it with the key's next admission: one write per request, not two). Its lease is
  * renewed while it runs, so the reservation of a gateway that died is released (charged in full)
  * within a lease. A refusal is OpenAI's 429 (`rate_limit_exceeded` with a Retry-After computed
  * from the window, or `insufficient_quota`); every admitted answer carries the `x-ratelimit-*`
@@ -125,9 +126,14 @@ export class KeyLimiter {
       .catch((err: unknown) => this.opts.log.warn({ err, key: scope, bytes, deleted }, "could not count a stored response against the key's storage quota"));
   }
 
-  /** Stops renewing: reservations not settled by then lapse after their lease. */
-  stop(): Promise<void> {
-    return this.renewer.stop();
+  /**
+   * Stops renewing and writes the settles the store holds (dataplane/limits.ts holds each for the
+   * key's next write, briefly), then closes the store: reservations not settled by then lapse
+   * after their lease. Settles after it are written at once.
+   */
+  async stop(): Promise<void> {
+    await this.renewer.stop();
+    await this.store.close();
   }
 }
 
