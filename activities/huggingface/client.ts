@@ -106,6 +106,7 @@ export class HubClient {
   constructor(opts: HubClientOptions = {}) {
     const base = new URL(opts.baseUrl ?? DEFAULT_HUB_URL);
     if (base.protocol !== 'https:' && base.protocol !== 'http:') throw new HubError('InvalidInput', `hub URL must be http(s): ${base.origin}`);
+    if (base.username || base.password) throw new HubError('InvalidInput', `hub URL ${base.origin} must not carry credentials (a token goes in tokenRef)`);
     this.baseUrl = base.toString().replace(/\/+$/, '');
     this.origin = base.origin;
     this.token = opts.token || undefined;

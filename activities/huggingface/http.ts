@@ -15,10 +15,13 @@ export function nextLink(header: string | null, base: URL): URL | null {
   return null;
 }
 
-/** A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there). */
+/**
+ * A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there);
+ * a path longer than 200 characters (a redirect's, which a server chose) is cut there.
+ */
 export function describe(url: URL | string): string {
   const u = typeof url === 'string' ? new URL(url) : url;
-  return `${u.origin}${u.pathname}`;
+  return `${u.origin}${u.pathname.length > 200 ? `${u.pathname.slice(0, 200)}…` : u.pathname}`;
 }
 
 /** An error's message for a hub error's text, with its cause's code (`ECONNRESET`) or message when that says more. */

@@ -344,8 +344,9 @@ describe('a redirect', () => {
     expect(inside.connections).toBe(0);
   });
 
-  test('allowed, the hop goes through (to the address that was checked), without the token', async () => {
-    location = `http://cdn.ok.test:${inside.port}/org/tiny/resolve/main/config.json`;
+  test('allowed, the hop goes through (to the address that was checked), without the token or credentials of its own', async () => {
+    // User info in a Location is dropped (node:http would send it as Basic credentials).
+    location = `http://someone:secret@cdn.ok.test:${inside.port}/org/tiny/resolve/main/config.json`;
     const client = new HubClient({
       baseUrl: originUrl,
       token: TOKEN,
@@ -359,6 +360,11 @@ describe('a redirect', () => {
     expect(inside.connections).toBe(1);
     expect(hub.stats.requests.map((r) => r.authorization)).toEqual([false]);
   });
+});
+
+test('a hub URL with credentials is refused before any request (a token goes in tokenRef)', () => {
+  expect(() => new HubClient({ baseUrl: `http://user:pw@127.0.0.1:${v4.port}` })).toThrow(/must not carry credentials/);
+  expect(v4.connections).toBe(0);
 });
 
 describe('a failing hub', () => {

@@ -133,6 +133,9 @@ export function hubFetch(opts: HubFetchOptions = {}): typeof fetch {
     if (url.protocol !== 'http:' && url.protocol !== 'https:') return Promise.reject(new TypeError(`unsupported URL scheme ${url.protocol}`));
     if (init.body != null) return Promise.reject(new TypeError('hubFetch sends no request bodies'));
     if (signal?.aborted) return Promise.reject(signal.reason as Error);
+    // Never user info (node:http would send it as Basic credentials, to wherever a redirect points).
+    url.username = '';
+    url.password = '';
     const headers: Record<string, string> = {};
     new Headers(init.headers).forEach((value, name) => (headers[name] = value));
     return new Promise<Response>((resolve, reject) => {
