@@ -15,7 +15,7 @@ import { promises as dns, type LookupAddress } from 'node:dns';
 import * as http from 'node:http';
 import * as https from 'node:https';
 import { isIP, type LookupFunction } from 'node:net';
-import { Readable, type Duplex } from 'node:stream';
+import type { Duplex } from 'node:stream';
 import { ALLOW_NETWORKS_ENV, describeKind, NO_ALLOWED_NETWORKS, refusedKind, type AllowedNetworks } from './addresses';
 import { HubError } from './errors';
 
@@ -119,6 +119,27 @@ class GuardedHttpsAgent extends https.Agent {
 const NULL_BODY = new Set([101, 204, 205, 304]);
 
 /**
+ * A response's body as a web stream that reads a chunk only when one is asked for (cheaper than
+ * `Readable.toWeb`, which buffers ahead); cancelling it closes the connection.
+ */
+function bodyStream(res: http.IncomingMessage): ReadableStream<Uint8Array> {
+  const chunks = res[Symbol.asyncIterator]() as AsyncIterator<Buffer>;
+  return new ReadableStream<Uint8Array>(
+    {
+      async pull(controller) {
+        const next = await chunks.next();
+        if (next.done) controller.close();
+        else controller.enqueue(next.value);
+      },
+      cancel() {
+        res.destroy();
+      },
+    },
+    { highWaterMark: 0 },
+  );
+}
+
+/**
  * A `fetch` for the hub client (the subset it uses: GET/HEAD, headers, `redirect: 'manual'`, a
  * signal; redirects are never followed, bodies are not decoded) whose connections are checked as
  * the header says.
@@ -148,7 +169,7 @@ export function hubFetch(opts: HubFetchOptions = {}): typeof fetch {
             const status = res.statusCode ?? 0;
             const responseHeaders = new Headers();
             for (let i = 0; i + 1 < res.rawHeaders.length; i += 2) responseHeaders.append(res.rawHeaders[i]!, res.rawHeaders[i + 1]!);
-            const body = method === 'HEAD' || NULL_BODY.has(status) ? null : (Readable.toWeb(res) as ReadableStream<Uint8Array>);
+            const body = method === 'HEAD' || NULL_BODY.has(status) ? null : bodyStream(res);
             if (body === null) res.resume();
             resolve(new Response(body, { status, headers: responseHeaders }));
           } catch (err) {
