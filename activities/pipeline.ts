@@ -25,7 +25,9 @@ import {
   readGgufSource,
   specFromGguf,
 } from '../convert';
+import { allowedNetworks } from './huggingface/addresses';
 import { HubClient, hubErrorType, isHubError } from './huggingface/client';
+import type { HubResolver } from './huggingface/network';
 import { isSecretUnavailable } from './huggingface/secrets';
 import type { ModelRegistry } from '../dataplane/registry';
 import { planLlamaCppMemory, planMemory } from './size/memory';
@@ -62,8 +64,13 @@ export interface PipelineDeps {
   reportProgress?: (workflowId: string, progress: ActivityProgress) => Promise<void>;
   /** Tells the running workflow that an attempt failed and will be retried (a Temporal client's signal). */
   reportRetry?: (workflowId: string, retry: ActivityRetry) => Promise<void>;
-  /** `fetch` for the hub client (tests may pass one with a custom dispatcher). */
-  fetch?: typeof fetch;
+  /**
+   * Networks a Model's hub (and its redirects) may be at despite their kind (the worker's
+   * `MAGUS_HUB_ALLOW_NETWORKS`; activities/huggingface/addresses.ts); default none.
+   */
+  hubAllowNetworks?: readonly string[];
+  /** Name resolution for the hub's address checks (default the system's); tests inject their own. */
+  hubResolve?: HubResolver;
   transfer?: { partSize?: number; concurrency?: number };
   convertThreads?: number;
 }
@@ -157,10 +164,12 @@ export function createPipelineActivities(deps: PipelineDeps) {
 
 function pipelineActivities(deps: PipelineDeps) {
   const { s3, bucket } = deps;
+  // Parsed once: a bad entry fails the worker's start, not every download.
+  const allowNetworks = allowedNetworks(deps.hubAllowNetworks ?? []);
 
   async function hubFor(source: ModelSource): Promise<HubClient> {
     const token = source.tokenRef ? await deps.resolveSecret(source.tokenRef) : undefined;
-    return new HubClient({ baseUrl: source.hubUrl, token, fetch: deps.fetch });
+    return new HubClient({ baseUrl: source.hubUrl, token, allowNetworks, ...(deps.hubResolve ? { resolve: deps.hubResolve } : {}) });
   }
 
   /** Calls `send` at most every few seconds (and always for the final value). */

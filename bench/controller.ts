@@ -210,6 +210,8 @@ async function main(): Promise<void> {
         convertThreads: 1,
         transferPartSize: undefined,
         s3TraceFile: undefined,
+        // The bench's hub and its CDN, on loopback.
+        hubAllowNetworks: [new URL(hub.url).hostname, new URL(hub.cdnUrl).hostname],
       };
       const workers = await startWorkers(cfg, { kube: kc });
       const c = await controller(ns, cfg.taskQueue);

@@ -92,6 +92,8 @@ async function main(): Promise<void> {
       convertThreads: 2,
       transferPartSize: undefined,
       s3TraceFile: undefined,
+      // The bench's hub and its CDN, on loopback.
+      hubAllowNetworks: [new URL(hub.url).hostname, new URL(hub.cdnUrl).hostname],
     });
     const connection = await Connection.connect({ address: e.temporal!.address });
     const client = new Client({ connection });

@@ -18,6 +18,11 @@ export const ErrorType = {
   SecretUnavailable: 'SecretUnavailable',
   /** The file the spec chooses (`source.gguf`) is not in the pinned revision, or not one file. */
   NoSuchFile: 'NoSuchFile',
+  /**
+   * The source's hub (or a redirect from it) is, or resolves to, an address the worker refuses:
+   * loopback, private, link-local, metadata … outside its `MAGUS_HUB_ALLOW_NETWORKS`.
+   */
+  AddressRefused: 'AddressRefused',
 } as const;
 export type ErrorType = (typeof ErrorType)[keyof typeof ErrorType];
 

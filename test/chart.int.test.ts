@@ -169,6 +169,11 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
     values: 'image: {pullPolicy: Sometimes}',
     message: /at '\/image\/pullPolicy': value must be one of 'Always', 'IfNotPresent', 'Never'/,
   },
+  {
+    why: 'an allowed hub network that is neither a CIDR nor a kind',
+    values: 'worker: {hubAllowNetworks: [intranet]}',
+    message: /at '\/worker\/hubAllowNetworks\/0': 'intranet' does not match pattern/,
+  },
   { why: 'an unknown runtime', values: 'worker: {runtime: docker}', message: /at '\/worker\/runtime': value must be one of 'kubernetes', 'local'/ },
   { why: 'an Ingress without hosts', values: 'gateway: {ingress: {enabled: true}}', message: /at '\/gateway\/ingress\/hosts': minItems: got 0, want 1/ },
   { why: 'a gateway without its Secret', values: 'gateway: {existingSecret: ""}', message: /at '\/gateway\/existingSecret': minLength: got 0, want 1/ },
@@ -347,6 +352,7 @@ describe('the chart, rendered', () => {
       MAGUS_CONVERT_THREADS: value('MAGUS_CONVERT_THREADS'),
       MAGUS_RESPONSES_RETENTION_MS: value('MAGUS_RESPONSES_RETENTION_MS'),
       MAGUS_NATS_REPLICAS: value('MAGUS_NATS_REPLICAS'),
+      MAGUS_HUB_ALLOW_NETWORKS: value('MAGUS_HUB_ALLOW_NETWORKS'),
     }).toEqual({
       MAGUS_RUNTIME: 'kubernetes',
       MAGUS_K8S_MAGUS_IMAGE: 'registry.example.com/magus/magus:0.1.0',
@@ -362,6 +368,7 @@ describe('the chart, rendered', () => {
       MAGUS_CONVERT_THREADS: '4',
       MAGUS_RESPONSES_RETENTION_MS: '600000',
       MAGUS_NATS_REPLICAS: '3',
+      MAGUS_HUB_ALLOW_NETWORKS: '10.20.0.0/16',
     });
     expect(env(c, 'AWS_SECRET_ACCESS_KEY')?.valueFrom).toEqual({ secretKeyRef: { name: 'magus-s3', key: 'AWS_SECRET_ACCESS_KEY' } });
     const pdb = ofKind<Obj & { spec: { minAvailable?: number; maxUnavailable?: number } }>(objs, 'PodDisruptionBudget').find(

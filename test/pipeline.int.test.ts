@@ -197,6 +197,31 @@ test('a GGUF choice that matches nothing fails at once, typed, naming the files 
   expect(p.files.total).toBe(0);
 });
 
+test('a hub inside (an address the worker does not allow) fails at once, typed, with the reason and nothing the server said', async () => {
+  // 127.0.0.3: loopback, so nothing could leave the machine, and not one of the fixture hub's
+  // allowed addresses (harness TEST_HUB_NETWORKS). A server there would answer with a secret.
+  const { createServer } = await import('node:http');
+  let connections = 0;
+  const inside = createServer((_req, res) => res.writeHead(404, { 'X-Error-Message': 'inside-secret' }).end('inside-secret'));
+  inside.on('connection', () => connections++);
+  await new Promise<void>((r) => inside.listen(0, '127.0.0.3', r));
+  try {
+    const hubUrl = `http://127.0.0.3:${(inside.address() as { port: number }).port}`;
+    const handle = await start('tiny-inside', { ...spec(REPO), source: { repo: REPO, hubUrl, tokenRef: { env: 'MAGUS_TEST_HF_TOKEN' } } });
+    const p = await pipelineSettled(handle);
+    expect(p.phase).toBe('failed');
+    expect(p.failure).toMatchObject({ type: 'AddressRefused', during: 'resolving' });
+    expect(p.failure?.message).toBe(
+      `request to ${hubUrl}/api/models/${REPO}/revision/main refused: 127.0.0.3 is a loopback address; refused (MAGUS_HUB_ALLOW_NETWORKS allows networks)`,
+    );
+    expect(JSON.stringify(p)).not.toContain('inside-secret');
+    expect(JSON.stringify(p)).not.toContain(TOKEN);
+    expect(connections).toBe(0);
+  } finally {
+    await new Promise<void>((r) => inside.close(() => r()));
+  }
+});
+
 test('a step that keeps failing is named where a user looks (progress, search attributes, the UI’s current details) until it succeeds', async () => {
   const repo = 'magus-test/flaky-llama';
   hub.setFaults({ status: { path: `/api/models/${repo}`, code: 503 } });

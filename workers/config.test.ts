@@ -231,6 +231,17 @@ describe("a running magus dev's connection settings", () => {
     expect(useDevConnection(own)?.taken).not.toContain('AWS_ACCESS_KEY_ID');
   });
 
+  test("a worker beside it may fetch from its demo hub and that hub's CDN, and from nothing else inside", () => {
+    write({ ...connection(), hub: { url: 'http://127.0.0.1:35000', cdnUrl: 'http://127.0.0.2:35001', repos: ['magus-demo/tiny-llama'] } });
+    const env: NodeJS.ProcessEnv = { XDG_DATA_HOME: home };
+    expect(useDevConnection(env)?.taken).toContain('MAGUS_HUB_ALLOW_NETWORKS');
+    expect(loadConfig(env).hubAllowNetworks).toEqual(['127.0.0.1', '127.0.0.2']);
+    // One's own setting stands.
+    const own: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_HUB_ALLOW_NETWORKS: '10.0.0.0/8' };
+    expect(useDevConnection(own)?.taken).not.toContain('MAGUS_HUB_ALLOW_NETWORKS');
+    expect(loadConfig(own).hubAllowNetworks).toEqual(['10.0.0.0/8']);
+  });
+
   test('a file left by a dev that no longer runs is ignored, and said to be stale', () => {
     const gone = spawnSync(process.execPath, ['-e', 'process.stdout.write(String(process.pid))'], { encoding: 'utf8' });
     write({ ...connection(), pid: Number(gone.stdout) });
@@ -240,6 +251,20 @@ describe("a running magus dev's connection settings", () => {
     expect(readDevConnection(env)).toEqual({ file: join(home, 'magus', 'dev', 'connection.json'), stalePid: Number(gone.stdout) });
     expect(readDevConnection({ XDG_DATA_HOME: join(home, 'none') })).toEqual({ file: join(home, 'none', 'magus', 'dev', 'connection.json') });
   });
+});
+
+test("MAGUS_HUB_ALLOW_NETWORKS: CIDRs and kind keywords a Model's hub may be at; unset, none", () => {
+  expect(loadConfig({}).hubAllowNetworks).toBeUndefined();
+  expect(loadConfig({ MAGUS_HUB_ALLOW_NETWORKS: ' ' }).hubAllowNetworks).toBeUndefined();
+  expect(loadConfig({ MAGUS_HUB_ALLOW_NETWORKS: '10.20.0.0/16, fd00:1::/64,Private,192.168.1.5' }).hubAllowNetworks).toEqual([
+    '10.20.0.0/16',
+    'fd00:1::/64',
+    'private',
+    '192.168.1.5',
+  ]);
+  expect(problem({ MAGUS_HUB_ALLOW_NETWORKS: '10.0.0.0/8,intranet,10.0.0.0/40' })).toMatch(
+    /MAGUS_HUB_ALLOW_NETWORKS: "intranet" is neither a CIDR[^\n]*\n {2}MAGUS_HUB_ALLOW_NETWORKS: "10.0.0.0\/40" is neither a CIDR/,
+  );
 });
 
 test('MAGUS_INSTANCE_MEMORY is the memory budget that sizes engine slots (bytes or a quantity)', () => {

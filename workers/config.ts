@@ -20,6 +20,7 @@ import {
   type ResponseStreamSizing,
 } from '../platform/config';
 import { DEFAULT_RUNTIME, RUNTIMES, runtimeConfigFrom, type RuntimeConfig } from '../activities/runtime';
+import { ALLOW_NETWORKS_ENV, parseAllowedNetworks } from '../activities/huggingface/addresses';
 
 export interface MagusConfig {
   temporal: { address: string; namespace: string };
@@ -59,6 +60,13 @@ export interface MagusConfig {
    * process that also serves requests. Pools run on their own queue with the SDK's default cache.
    */
   workflowCache?: number;
+  /**
+   * `MAGUS_HUB_ALLOW_NETWORKS`: networks a Model's hub (and its redirects) may be at although they
+   * are loopback, private, link-local, metadata, shared, unspecified or reserved addresses:
+   * comma-separated CIDRs (a bare address is one host) and kind keywords (`loopback`, `private` …;
+   * activities/huggingface/addresses.ts). Unset: none, every such address is refused.
+   */
+  hubAllowNetworks?: string[];
   /** `MAGUS_INSTANCE_MEMORY`: the memory budget of one llama.cpp instance (platform/config.ts `instanceMemoryFrom`); unset: 8 GiB. */
   instanceMemory?: number;
 }
@@ -106,6 +114,8 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
   if (!Number.isInteger(workflowCache) || workflowCache < 2 || workflowCache > 100_000)
     problems.push(`MAGUS_WORKFLOW_CACHE=${env.MAGUS_WORKFLOW_CACHE} must be an integer from 2 to 100000`);
   const instanceMemory = instanceMemoryFrom(env, problems);
+  const hubNetworks = parseAllowedNetworks(env[ALLOW_NETWORKS_ENV]?.split(',') ?? []);
+  for (const problem of hubNetworks.problems) problems.push(`${ALLOW_NETWORKS_ENV}: ${problem}`);
   const s3 = { endpoint, region: get('MAGUS_S3_REGION', 'us-east-1'), bucket, forcePathStyle: endpoint !== undefined };
   const modelCacheDir = get('MAGUS_MODEL_CACHE', join(homedir(), '.cache', 'magus', 'models'));
   // The runtime's own variables are its registry entry's to read (activities/runtime/index.ts).
@@ -131,6 +141,7 @@ export function loadConfig(env: NodeJS.ProcessEnv = process.env): MagusConfig {
     ...(queues !== 'all' ? { queues: queues as 'control' | 'pipeline' } : {}),
     workflowCache,
     ...(instanceMemory !== undefined ? { instanceMemory } : {}),
+    ...(hubNetworks.allowed.entries.length > 0 ? { hubAllowNetworks: [...hubNetworks.allowed.entries] } : {}),
   };
 }
 
@@ -176,8 +187,8 @@ export interface DevConnection {
   nats: { servers: string };
   s3: { endpoint: string; region: string; bucket: string; accessKeyId: string; secretAccessKey: string };
   gateway: { url: string; tokenFile: string };
-  /** The bundled Hugging Face-compatible hub and the repos it serves (the demo model). */
-  hub?: { url: string; repos: string[] };
+  /** The bundled Hugging Face-compatible hub, its CDN's origin, and the repos it serves (the demo model). */
+  hub?: { url: string; cdnUrl?: string; repos: string[] };
   kubeconfig?: string;
 }
 
@@ -220,7 +231,8 @@ export interface DevConnectionUse {
  * `magus model pull`, `worker`, `gateway` … find that dev without flags. Each server comes as a
  * whole or not at all: Temporal when `MAGUS_TEMPORAL_ADDRESS` is unset, NATS when `MAGUS_NATS_URL`
  * is, S3 (endpoint, bucket, region, and the keys unless `AWS_ACCESS_KEY_ID` is set) when
- * `MAGUS_S3_ENDPOINT` is. Undefined when no dev runs there.
+ * `MAGUS_S3_ENDPOINT` is. A worker beside it may fetch from its demo hub: `MAGUS_HUB_ALLOW_NETWORKS`,
+ * when unset, becomes that hub's and its CDN's (loopback) addresses. Undefined when no dev runs there.
  */
 export function useDevConnection(env: NodeJS.ProcessEnv = process.env): DevConnectionUse | undefined {
   const { file, connection: c } = readDevConnection(env);
@@ -245,6 +257,10 @@ export function useDevConnection(env: NodeJS.ProcessEnv = process.env): DevConne
       set('AWS_ACCESS_KEY_ID', c.s3.accessKeyId);
       set('AWS_SECRET_ACCESS_KEY', c.s3.secretAccessKey);
     }
+  }
+  if (unset(ALLOW_NETWORKS_ENV) && c.hub) {
+    const hosts = [c.hub.url, ...(c.hub.cdnUrl ? [c.hub.cdnUrl] : [])].map((u) => new URL(u).hostname.replace(/^\[(.*)\]$/, '$1'));
+    set(ALLOW_NETWORKS_ENV, hosts.join(','));
   }
   return { file, connection: c, taken };
 }

@@ -368,6 +368,7 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
       'Reads MAGUS_TEMPORAL_ADDRESS, MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE, MAGUS_NATS_URL, MAGUS_NATS_PREFIX,',
       'MAGUS_S3_ENDPOINT, MAGUS_S3_BUCKET, MAGUS_S3_REGION (and AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY), MAGUS_MODEL_CACHE,',
       'MAGUS_DLLAMA_API_BIN / MAGUS_DLLAMA_BIN; with KUBECONFIG (or in a pod) it also writes Model/Dllama status.',
+      "MAGUS_HUB_ALLOW_NETWORKS: CIDRs and keywords (loopback, private, link-local, metadata …) a Model's hub may be at; unset: none.",
       'Metrics on MAGUS_METRICS_ADDRESS (127.0.0.1:9464); /healthz, /readyz, /metrics on MAGUS_HEALTH_ADDRESS (127.0.0.1:9465).',
     ].join('\n'),
   convert: () => load.convert().CONVERT_USAGE,

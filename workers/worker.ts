@@ -275,6 +275,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     reportRetry: (workflowId, retry) => client.workflow.getHandle(workflowId).signal(activityFailedSignal, retry),
     convertThreads: cfg.convertThreads,
     transfer: { partSize: cfg.transferPartSize },
+    ...(cfg.hubAllowNetworks ? { hubAllowNetworks: cfg.hubAllowNetworks } : {}),
   });
 
   // Everything above runs without Temporal; from here on the workers need it.

@@ -2,17 +2,23 @@
  * A small Hugging Face Hub client: resolve a revision to a commit and its file list, and stream
  * one file (optionally from an offset) at a pinned commit. Pure I/O over `fetch`; no Temporal.
  *
- * Security invariant: the token is sent only to the configured hub origin. Redirects are
+ * Security invariants: the token is sent only to the configured hub origin. Redirects are
  * followed by hand so that a hop to another origin (the LFS CDN, a mirror's object store) never
- * carries the `Authorization` header, and no error message ever contains the token.
+ * carries the `Authorization` header, and no error message ever contains the token. Every
+ * connection, the first and each redirect's, goes through network.ts: a host that is (or resolves
+ * to) a loopback, private, link-local, metadata … address outside the allowed networks is refused
+ * before anything is sent. No error message carries what a server said beyond its status and a
+ * known error code: a failing server's body (or its message header) is never echoed.
  *
  * Errors are {@link HubError}s with a stable `code` and a `permanent` flag; callers (activities)
  * turn permanent ones into non-retryable failures (see {@link hubErrorType}).
  */
 import type { ResolvedSource, SourceFile } from '../../shared/model';
 import { emptyBody, streamBody } from './body';
-import { HubError, type HubErrorCode } from './errors';
-import { describe, discard, errorText, nextLink, normalizeEtag, parseRetryAfter, parseSize, readSome } from './http';
+import { allowedNetworks, type AllowedNetworks } from './addresses';
+import { HubError, isHubError, type HubErrorCode } from './errors';
+import { describe, discard, errorText, headerText, nextLink, normalizeEtag, parseRetryAfter, parseSize } from './http';
+import { hubFetch, type HubResolver } from './network';
 import { assertCommitSha, assertFilePath, assertRepoId, assertRevision, COMMIT_SHA, SHA256_HEX } from './validate';
 
 export { HUB_ERROR_NAME, HubError, hubErrorType, isHubError, type HubErrorCode } from './errors';
@@ -25,7 +31,18 @@ export interface HubClientOptions {
   baseUrl?: string;
   /** Bearer token; sent only to `baseUrl`'s origin. */
   token?: string;
-  /** `fetch` implementation (default the global one). */
+  /**
+   * Networks the hub (and its redirects) may be at despite their kind: kind keywords (`loopback`,
+   * `private` …) and CIDRs (addresses.ts). Default none: loopback, private, link-local, metadata,
+   * shared, unspecified and reserved addresses are refused.
+   */
+  allowNetworks?: AllowedNetworks | readonly string[];
+  /** Name resolution for those checks (default the system's); tests inject their own. */
+  resolve?: HubResolver;
+  /**
+   * `fetch` implementation; default {@link hubFetch} with `allowNetworks` and `resolve`. One of
+   * your own replaces the address checks with whatever it does (tests).
+   */
   fetch?: typeof fetch;
   userAgent?: string;
   /** Redirect hops followed per request (default 5). */
@@ -89,10 +106,12 @@ export class HubClient {
   constructor(opts: HubClientOptions = {}) {
     const base = new URL(opts.baseUrl ?? DEFAULT_HUB_URL);
     if (base.protocol !== 'https:' && base.protocol !== 'http:') throw new HubError('InvalidInput', `hub URL must be http(s): ${base.origin}`);
+    if (base.username || base.password) throw new HubError('InvalidInput', `hub URL ${base.origin} must not carry credentials (a token goes in tokenRef)`);
     this.baseUrl = base.toString().replace(/\/+$/, '');
     this.origin = base.origin;
     this.token = opts.token || undefined;
-    this.fetchImpl = opts.fetch ?? fetch;
+    const allow = isAllowList(opts.allowNetworks) ? opts.allowNetworks : opts.allowNetworks && allowedNetworks(opts.allowNetworks);
+    this.fetchImpl = opts.fetch ?? hubFetch({ ...(allow ? { allow } : {}), ...(opts.resolve ? { resolve: opts.resolve } : {}) });
     this.userAgent = opts.userAgent ?? 'magus-hub-client/0.1';
     this.maxRedirects = opts.maxRedirects ?? 5;
     this.timeoutMs = opts.timeoutMs ?? 60_000;
@@ -156,7 +175,10 @@ export class HubClient {
     const encoding = response.headers.get('content-encoding');
     if (encoding && encoding !== 'identity') {
       await discard(response);
-      throw new HubError('Transient', `download of ${where} came with Content-Encoding ${encoding}; byte offsets would be wrong`);
+      throw new HubError(
+        'Transient',
+        `download of ${where} came with Content-Encoding ${headerText(encoding, /^[A-Za-z0-9._-]+$/)}; byte offsets would be wrong`,
+      );
     }
 
     if (response.status === 416) {
@@ -177,7 +199,7 @@ export class HubClient {
         await discard(response);
         throw new HubError(
           'Transient',
-          `download of ${where}: asked for bytes ${offset}-, got Content-Range ${JSON.stringify(response.headers.get('content-range'))}`,
+          `download of ${where}: asked for bytes ${offset}-, got Content-Range ${headerText(response.headers.get('content-range'), /^bytes [0-9*/ -]+$/)}`,
         );
       }
       size = Number(cr[3]);
@@ -295,6 +317,8 @@ export class HubClient {
       return { response, abort: (reason) => own.abort(reason) };
     } catch (err) {
       if (signal?.aborted) throw signal.reason;
+      // Refused before any connection: permanent, and what to allow is in the message.
+      if (isHubError(err, 'AddressRefused')) throw new HubError('AddressRefused', `request to ${describe(url)} refused: ${err.message}`);
       const timedOut = own.signal.aborted;
       const what = timedOut ? `no response within ${this.timeoutMs} ms` : errorText(err);
       throw new HubError('Transient', this.scrub(`request to ${describe(url)} failed: ${what}`), timedOut ? {} : { cause: err });
@@ -303,21 +327,18 @@ export class HubClient {
     }
   }
 
-  /** Maps an error response: the hub's `X-Error-Code` first, then the status. Reads (a little of) the body for the message. */
+  /**
+   * Maps an error response: the hub's `X-Error-Code` first, then the status. The message says
+   * the status, a known error code and a fixed description, never what the server wrote (its
+   * body is discarded unread; `X-Error-Message` is not echoed): a Model's status must not become
+   * a window onto whatever answered.
+   */
   private async errorFrom(response: Response, kind: RequestKind, url: URL, where = describe(url)): Promise<HubError> {
     const status = response.status;
-    const hubCode = response.headers.get('x-error-code');
-    let message = response.headers.get('x-error-message') ?? '';
-    const body = await readSome(response, 2048);
-    if (!message) {
-      try {
-        const parsed = JSON.parse(body) as { error?: unknown };
-        if (typeof parsed.error === 'string') message = parsed.error;
-      } catch {
-        message = body.replace(/\s+/g, ' ').trim().slice(0, 200);
-      }
-    }
-    const detail = this.scrub(`${where}: HTTP ${status}${hubCode ? ` ${hubCode}` : ''}${message ? `: ${message}` : ''}`);
+    const header = response.headers.get('x-error-code');
+    const hubCode = header !== null && KNOWN_HUB_CODES.has(header) ? header : null;
+    await discard(response);
+    const detail = this.scrub(`${where}: HTTP ${status}${hubCode ? ` ${hubCode}` : ''}: ${statusText(status, hubCode)}`);
     const retryAfterMs = parseRetryAfter(response.headers.get('retry-after'));
     const fromHub = url.origin === this.origin;
     const err = (code: HubErrorCode): HubError => new HubError(code, detail, { status, ...(retryAfterMs === undefined ? {} : { retryAfterMs }) });
@@ -339,6 +360,33 @@ export class HubClient {
     if (status === 404) return err(kind === 'file' ? 'EntryNotFound' : 'RepoNotFound');
     return err('InvalidInput');
   }
+}
+
+const isAllowList = (a: AllowedNetworks | readonly string[] | undefined): a is AllowedNetworks => a !== undefined && 'kinds' in a;
+
+/** The hub's `X-Error-Code` values that are named in messages (anything else is left out). */
+const KNOWN_HUB_CODES = new Set(['RepoNotFound', 'RevisionNotFound', 'EntryNotFound', 'GatedRepo']);
+
+/** A fixed description of an error status, for messages (the server's own words are not used). */
+function statusText(status: number, hubCode: string | null): string {
+  switch (hubCode) {
+    case 'RepoNotFound':
+      return 'no such repository, or not visible to this token';
+    case 'RevisionNotFound':
+      return 'no such revision';
+    case 'EntryNotFound':
+      return 'no such file at this revision';
+    case 'GatedRepo':
+      return 'a gated repository: the token is missing or has no access';
+  }
+  if (status === 401) return 'unauthorized: the token is missing or invalid';
+  if (status === 403) return 'forbidden';
+  if (status === 404) return 'not found';
+  if (status === 408) return 'request timeout';
+  if (status === 416) return 'range not satisfiable';
+  if (status === 429) return 'too many requests';
+  if (status >= 500) return 'server error';
+  return 'request refused';
 }
 
 /** A tree listing's entry as a {@link SourceFile}; null for what is not a file. */

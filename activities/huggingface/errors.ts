@@ -17,7 +17,12 @@ export type HubErrorCode =
   /** A bad repo id, revision, sha, path or offset (rejected before any request), or a repository listing unsafe paths. */
   | 'InvalidInput'
   /** Retrying may help: 5xx, 408, 429, network errors, timeouts, mid-stream disconnects, protocol hiccups. */
-  | 'Transient';
+  | 'Transient'
+  /**
+   * The hub's host, or a redirect's, is (or resolves to) an address of a kind the worker refuses
+   * (loopback, private, link-local, metadata …) and its allowed networks do not cover: nothing was sent.
+   */
+  | 'AddressRefused';
 
 /** The `name` of every {@link HubError}. */
 export const HUB_ERROR_NAME = 'HubError';
@@ -61,6 +66,8 @@ export function hubErrorType(code: HubErrorCode): ErrorType | null {
       return ErrorType.Unauthorized;
     case 'InvalidInput':
       return ErrorType.InvalidSpec;
+    case 'AddressRefused':
+      return ErrorType.AddressRefused;
     case 'Transient':
       return null;
   }

@@ -1,7 +1,8 @@
 /**
  * What the hub client reads of HTTP responses: header values (`Link`, sizes, ETags,
- * `Retry-After`), bodies it discards or reads a little of, and the text of URLs and errors in its
- * messages (never a URL's query: signed CDN URLs carry signatures there).
+ * `Retry-After`), bodies it discards, and the text of URLs and errors in its messages (never a
+ * URL's query: signed CDN URLs carry signatures there; never a server's own words beyond a
+ * header value of a known shape, {@link headerText}).
  */
 
 /** The `rel="next"` target of a `Link` header, resolved against the current URL. */
@@ -14,10 +15,13 @@ export function nextLink(header: string | null, base: URL): URL | null {
   return null;
 }
 
-/** A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there). */
+/**
+ * A URL for messages: origin and path, never the query (signed CDN URLs carry signatures there);
+ * a path longer than 200 characters (a redirect's, which a server chose) is cut there.
+ */
 export function describe(url: URL | string): string {
   const u = typeof url === 'string' ? new URL(url) : url;
-  return `${u.origin}${u.pathname}`;
+  return `${u.origin}${u.pathname.length > 200 ? `${u.pathname.slice(0, 200)}…` : u.pathname}`;
 }
 
 /** An error's message for a hub error's text, with its cause's code (`ECONNRESET`) or message when that says more. */
@@ -59,19 +63,8 @@ export async function discard(response: Response): Promise<void> {
   }
 }
 
-/** Up to `limit` bytes of a response's body as text (an error body, for its message); what fails to arrive is left out. */
-export async function readSome(response: Response, limit: number): Promise<string> {
-  if (!response.body) return '';
-  const chunks: Uint8Array[] = [];
-  let n = 0;
-  try {
-    for await (const chunk of response.body as ReadableStream<Uint8Array>) {
-      chunks.push(chunk);
-      n += chunk.length;
-      if (n >= limit) break;
-    }
-  } catch {
-    // an error body that fails to arrive still leaves the status to go by
-  }
-  return Buffer.concat(chunks).subarray(0, limit).toString('utf8');
+/** A header value for a message when it has `shape` (a Content-Range, an encoding's name), else a fixed placeholder: no server text of any other form is echoed. */
+export function headerText(value: string | null, shape: RegExp): string {
+  if (value === null) return 'none';
+  return shape.test(value) && value.length <= 80 ? JSON.stringify(value) : 'a malformed one';
 }

@@ -75,8 +75,15 @@ export async function temporalWorkerConnection(): Promise<NativeConnection> {
 }
 
 /**
+ * What the tests' workers may fetch a Model's source from although it is loopback: the fixture
+ * hub (127.0.0.1) and its CDN (127.0.0.2), test/fixtures/hub.ts. Nothing else inside is allowed,
+ * as in production nothing inside is by default.
+ */
+export const TEST_HUB_NETWORKS = ['127.0.0.1', '127.0.0.2'];
+
+/**
  * A worker configuration for the calling test file: the test servers, its own task queue,
- * bucket and NATS prefix. Also puts the S3 credentials where the worker's S3 client looks for
+ * bucket and NATS prefix, the fixture hub's addresses allowed ({@link TEST_HUB_NETWORKS}). Also puts the S3 credentials where the worker's S3 client looks for
  * them (the standard AWS environment), as in production.
  */
 export function workerConfig(iso: Isolation, dir: string, overrides: Partial<MagusConfig> = {}): MagusConfig {
@@ -93,6 +100,7 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
     convertThreads: 1,
     transferPartSize: undefined,
     s3TraceFile: undefined,
+    hubAllowNetworks: TEST_HUB_NETWORKS,
     ...overrides,
   };
 }
@@ -100,7 +108,8 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
 /**
  * The environment of a `magus worker` process for the calling test file, configured as
  * {@link workerConfig} configures one in process: the test servers, its task queue, bucket and
- * NATS prefix, the S3 credentials, metrics and health on ports the OS picks.
+ * NATS prefix, the S3 credentials, metrics and health on ports the OS picks, the fixture hub's
+ * addresses allowed ({@link TEST_HUB_NETWORKS}).
  */
 export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
   const s3 = endpoint('s3');
@@ -116,6 +125,7 @@ export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
     MAGUS_NATS_PREFIX: iso.natsPrefix,
     MAGUS_METRICS_ADDRESS: '127.0.0.1:0',
     MAGUS_HEALTH_ADDRESS: '127.0.0.1:0',
+    MAGUS_HUB_ALLOW_NETWORKS: TEST_HUB_NETWORKS.join(','),
   };
 }
 

@@ -243,6 +243,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
       }
       hub = await startDemoHub();
       running.push({ what: 'the demo hub', stop: () => hub!.stop() });
+      // Its own hub and CDN, on loopback, are the worker's to fetch from: exactly those two addresses.
+      cfg.hubAllowNetworks = [...(cfg.hubAllowNetworks ?? []), new URL(hub.url).hostname, new URL(hub.cdnUrl).hostname];
       await hub.addRepo({ id: TINY_REPO, dir });
       repo = TINY_REPO;
       if (dllamaDemo) {
@@ -376,7 +378,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       nats: { servers: e.nats!.servers },
       s3: { endpoint: e.s3!.endpoint, region: e.s3!.region, bucket: cfg.s3.bucket, accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
       gateway: { url: gateway.url, tokenFile: token.file },
-      ...(hub ? { hub: { url: hub.url, repos: [...(demoGguf ? [SMOLLM2_REPO] : dllamaDemo ? [STORIES_REPO] : []), TINY_REPO] } } : {}),
+      ...(hub ? { hub: { url: hub.url, cdnUrl: hub.cdnUrl, repos: [...(demoGguf ? [SMOLLM2_REPO] : dllamaDemo ? [STORIES_REPO] : []), TINY_REPO] } } : {}),
       ...(kubeconfigFile ? { kubeconfig: kubeconfigFile } : {}),
     });
 
