@@ -292,6 +292,7 @@ export const GATEWAY_USAGE = `usage: magus gateway [--host H] [--port P]
 
 environment:
   MAGUS_NATS_URL                       nats://127.0.0.1:4222
+  MAGUS_NATS_CREDENTIALS               the gateway role's credentials file (magus nats-auth); unset: none
   MAGUS_TEMPORAL_ADDRESS               127.0.0.1:7233 (cold turns start session workflows there; warm turns never need it)
   MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE   default, magus-control (as for the workers)
   MAGUS_INSTANCE_MEMORY                8Gi (the memory of one instance, which sizes a pool's leases: the workers' value)
