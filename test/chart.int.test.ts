@@ -596,6 +596,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
       // The Kubernetes runtime's instances: StatefulSets, Services, ConfigMaps; Pods and Nodes read only.
       workerCreatesStatefulSets: await can('magus-worker', 'create', 'statefulsets', '', 'models', 'apps'),
       workerDeletesServices: await can('magus-worker', 'delete', 'services', '', 'models', ''),
+      workerPatchesNetworkPolicies: await can('magus-worker', 'patch', 'networkpolicies', '', 'models', 'networking.k8s.io'),
       workerWatchesPods: await can('magus-worker', 'watch', 'pods', '', 'models', ''),
       workerCreatesPods: await can('magus-worker', 'create', 'pods', '', 'models', ''),
       workerListsNodes: await can('magus-worker', 'list', 'nodes', '', '', ''),
@@ -612,6 +613,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
       workerListsSecrets: false,
       workerCreatesStatefulSets: true,
       workerDeletesServices: true,
+      workerPatchesNetworkPolicies: true,
       workerWatchesPods: true,
       workerCreatesPods: false,
       workerListsNodes: true,

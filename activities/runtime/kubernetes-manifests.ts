@@ -5,6 +5,8 @@
  * no `Dllama` sizes the pool), so deleting either garbage-collects everything:
  *
  * - ConfigMap `<base>`: what the instance is (pool, model, engine, nodes); owner of the rest.
+ * - NetworkPolicy `<base>` ({@link instanceNetworkPolicy}): its workers answer only its root, its
+ *   engine no one but the kubelet.
  * - distributed-llama with n > 1 nodes: headless Service `<base>-w` (stable DNS names for the
  *   root's `--workers`) and StatefulSet `<base>-w` of n − 1 `dllama worker` pods. A worker's
  *   readiness is read from the kernel ({@link workerListening}), never by connecting: a
@@ -243,6 +245,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
   const ownedBy = (uid: string): OwnerReference[] => ownedByInstance(plan.instance, uid);
   const objects: KubeObject[] = [configMap];
   const workers = isDistributed(plan.engine) ? plan.nodes - 1 : 0;
+  objects.push(instanceNetworkPolicy(plan, { worker: WORKER_PORT, bridgeHealth: BRIDGE_HEALTH_PORT }, workers > 0, ownedBy('')));
   const { containers } = plan;
   if (workers > 0 && containers.worker) {
     const workerLabels = { ...labels, [ROLE_LABEL]: 'worker' };
@@ -370,6 +373,39 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
     },
   });
   return objects;
+}
+
+/**
+ * What may reach an instance's pods: its workers (distributed-llama) only from its own root, on
+ * the worker port; its root's bridge health port (`/health`, `/ready`, `/metrics`) from anywhere,
+ * for probes and scrapes; nothing else — the engine listens on 0.0.0.0 for the kubelet's probes,
+ * and answers no one else (the bridge calls it on loopback). Probes come from the node, which
+ * CNIs that enforce policies (Calico, Cilium) let reach its own pods. Egress is not limited here:
+ * the chart's policies (networkPolicy.enabled) say where instance pods may connect.
+ */
+export function instanceNetworkPolicy(
+  plan: Pick<InstancePlan, 'namespace' | 'pool' | 'instance'>,
+  ports: Pick<InstancePorts, 'worker' | 'bridgeHealth'>,
+  hasWorkers: boolean,
+  ownerReferences: OwnerReference[],
+): KubeObject {
+  return {
+    apiVersion: 'networking.k8s.io/v1',
+    kind: 'NetworkPolicy',
+    metadata: { name: instanceBase(plan.instance), namespace: plan.namespace, labels: instanceLabels(plan), ownerReferences },
+    spec: {
+      podSelector: { matchLabels: { [INSTANCE_LABEL]: plan.instance } },
+      policyTypes: ['Ingress'],
+      ingress: [
+        {
+          // `_from`: client-node's model of the field `from` (its serializer drops a `from` it does not know).
+          _from: [{ podSelector: { matchLabels: { [INSTANCE_LABEL]: plan.instance, [ROLE_LABEL]: 'root' } } }],
+          ports: [{ protocol: 'TCP', port: ports.worker }],
+        },
+        { ports: [{ protocol: 'TCP', port: ports.bridgeHealth }] },
+      ].filter((_, i) => i > 0 || hasWorkers),
+    },
+  };
 }
 
 /** The pool's own ConfigMap: owner of its instances when no `Dllama` sizes the pool. */

@@ -6,7 +6,7 @@
  * a pod watch, garbage collection through the owner chain, an unschedulable pool, fit-first
  * topologies, and a lost pod seen by `watch`.
  */
-import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1StatefulSet } from '@kubernetes/client-node';
+import { AppsV1Api, CoreV1Api, CustomObjectsApi, NetworkingV1Api, type V1StatefulSet } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
@@ -50,6 +50,7 @@ let runtime: KubernetesRuntime;
 let core: CoreV1Api;
 let apps: AppsV1Api;
 let custom: CustomObjectsApi;
+let networking: NetworkingV1Api;
 const stack = new TestStack();
 
 /** A model with distributed-llama q40 artifacts for 1–8 nodes and a GGUF; `perNode(n)` bytes per node. */
@@ -100,6 +101,7 @@ beforeAll(async () => {
   core = cluster.kubeConfig.makeApiClient(CoreV1Api);
   apps = cluster.kubeConfig.makeApiClient(AppsV1Api);
   custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
+  networking = cluster.kubeConfig.makeApiClient(NetworkingV1Api);
   await installCrds(cluster.kubeConfig);
   await cluster.createNamespace(NS);
   ({ nc } = await stack.open(natsStack(iso, { declare: true })));
@@ -224,6 +226,19 @@ test.each([0, 1, 2, 3])(
       expect(await sts(`${base}-w`)).toBeUndefined();
     }
     expect(await runtime.describe(name, instance)).toMatchObject({ healthy: true });
+    // Its NetworkPolicy (stored; kwok enforces none): workers answer only their root, the engine no one but probes.
+    const policy = await networking.readNamespacedNetworkPolicy({ name: base, namespace: NS });
+    expect(policy.metadata?.ownerReferences).toMatchObject([{ kind: 'ConfigMap', name: base, controller: true }]);
+    expect(policy.spec?.podSelector.matchLabels).toEqual({ 'magus.dev/instance': instance });
+    expect(policy.spec?.policyTypes).toEqual(['Ingress']);
+    const rules = policy.spec?.ingress?.map((r) => ({
+      from: r._from?.map((p) => p.podSelector?.matchLabels),
+      ports: r.ports?.map((p) => `${p.protocol}/${p.port}`),
+    }));
+    expect(rules).toEqual([
+      ...(nodes > 1 ? [{ from: [{ 'magus.dev/instance': instance, 'magus.dev/role': 'root' }], ports: ['TCP/9998'] }] : []),
+      { from: undefined, ports: ['TCP/9467'] },
+    ]);
 
     await custom.deleteNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name });
     await eventually(async () => {
@@ -231,6 +246,7 @@ test.each([0, 1, 2, 3])(
       expect(await sts(`${base}-w`)).toBeUndefined();
       expect(await podsOf(instance)).toHaveLength(0);
       await expect(core.readNamespacedSecret({ name: `${base}-network`, namespace: NS })).rejects.toMatchObject({ code: 404 });
+      await expect(networking.readNamespacedNetworkPolicy({ name: base, namespace: NS })).rejects.toMatchObject({ code: 404 });
     }, 60_000);
     expect(await runtime.describe(name, instance)).toBeNull();
   },

@@ -322,10 +322,13 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...o,
       metadata: { ...o.metadata, ownerReferences: o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! })) },
     });
+    // Its NetworkPolicy before any pod: no pod of it is reachable before it holds.
+    const policies = rest.filter((o) => o.kind === 'NetworkPolicy');
+    for (const o of policies) await apply(owned(o));
     const workerObjects = rest.filter((o) => o.metadata.name === `${instanceBase(p.instance)}-w`);
     for (const o of workerObjects) await apply(owned(o));
     if (workerObjects.length > 0) await podsReady(p.namespace, p.instance, p.nodes - 1, signal, 'worker');
-    for (const o of rest.filter((x) => !workerObjects.includes(x))) await apply(owned(o));
+    for (const o of rest.filter((x) => !workerObjects.includes(x) && !policies.includes(x))) await apply(owned(o));
   }
 
   /**
