@@ -84,3 +84,16 @@ describe('a spec with a GGUF source', () => {
     ]);
   });
 });
+
+describe('a hub URL', () => {
+  const errorsOf = (hubUrl: unknown) => validateModelSpec({ source: { repo: 'org/model', hubUrl }, artifacts: [{ format: 'gguf', weights: 'q40' }] });
+  it('is an http(s) URL; one holding a user name or password is refused without being echoed', () => {
+    expect(errorsOf('https://hub.example.com/mirror')).toEqual([]);
+    expect(errorsOf('ftp://hub.example.com')).toEqual(['source.hubUrl: "ftp://hub.example.com" is not an http(s) URL']);
+    for (const url of ['https://user:s3cret@hub.example.com/', 'http://token@hub.example.com']) {
+      const errors = errorsOf(url);
+      expect(errors).toEqual(['source.hubUrl holds a user name or password: give the hub token as a Secret (tokenSecretRef), never in the URL']);
+      expect(errors.join()).not.toContain('s3cret');
+    }
+  });
+});

@@ -175,7 +175,10 @@ export function validateModelSpec(spec: unknown): string[] {
     if (src.revision !== undefined && (typeof src.revision !== 'string' || !REVISION.test(src.revision) || src.revision.includes('..'))) {
       errors.push(`source.revision: ${JSON.stringify(src.revision)} is not a branch, tag or commit`);
     }
-    if (src.hubUrl !== undefined && (typeof src.hubUrl !== 'string' || !/^https?:\/\/[^\s/]+(\/[^\s]*)?$/.test(src.hubUrl)))
+    // Never echoed when it holds a user name or password: that would put a secret in the status.
+    if (typeof src.hubUrl === 'string' && /^https?:\/\/[^/]*@/.test(src.hubUrl))
+      errors.push('source.hubUrl holds a user name or password: give the hub token as a Secret (tokenSecretRef), never in the URL');
+    else if (src.hubUrl !== undefined && (typeof src.hubUrl !== 'string' || !/^https?:\/\/[^\s/]+(\/[^\s]*)?$/.test(src.hubUrl)))
       errors.push(`source.hubUrl: ${JSON.stringify(src.hubUrl)} is not an http(s) URL`);
     const ref = src.tokenRef as Record<string, unknown> | undefined;
     if (ref !== undefined) {

@@ -249,6 +249,12 @@ describe('Model', () => {
     ['a revision starting with /', 'x', modelSpec({}, { revision: '/main' }), 'spec.source.revision in body should match'],
     ['an ftp hub', 'x', modelSpec({}, { hubUrl: 'ftp://hub.example.com' }), 'source.hubUrl must be an http:// or https:// URL'],
     ['a hub URL that does not parse', 'x', modelSpec({}, { hubUrl: 'https://bad host/' }), 'source.hubUrl must be an http:// or https:// URL'],
+    [
+      'a hub URL with a password',
+      'x',
+      modelSpec({}, { hubUrl: 'https://user:s3cret@hub.example.com/' }),
+      'source.hubUrl must not hold a user name or password: give the hub token as a Secret (tokenSecretRef)',
+    ],
     ['a token Secret without a name', 'x', modelSpec({}, { tokenSecretRef: { key: 'token' } }), 'spec.source.tokenSecretRef.name: Required value'],
     [
       'a token Secret name that is not a DNS subdomain',
