@@ -6,7 +6,7 @@
  * same error. Credentials (S3 keys) are read by the AWS SDK's default chain (AWS_ACCESS_KEY_ID /
  * AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
-import { natsCredentialsFrom } from '../dataplane/roles';
+import { natsCredentialsFrom, type NatsRole } from '../dataplane/roles';
 import { readFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { isAbsolute, join, resolve } from 'node:path';
@@ -184,7 +184,8 @@ export interface DevConnection {
   dataDir: string;
   temporal: { address: string; namespace: string; uiUrl: string };
   taskQueue: string;
-  nats: { servers: string };
+  /** `credentialsDir`: its NATS users' credentials files, one per role (`<role>.creds`). */
+  nats: { servers: string; credentialsDir?: string };
   s3: { endpoint: string; region: string; bucket: string; accessKeyId: string; secretAccessKey: string };
   gateway: { url: string; tokenFile: string };
   /** The bundled Hugging Face-compatible hub, its CDN's origin, and the repos it serves (the demo model). */
@@ -234,7 +235,7 @@ export interface DevConnectionUse {
  * `MAGUS_S3_ENDPOINT` is. A worker beside it may fetch from its demo hub: `MAGUS_HUB_ALLOW_NETWORKS`,
  * when unset, becomes that hub's and its CDN's (loopback) addresses. Undefined when no dev runs there.
  */
-export function useDevConnection(env: NodeJS.ProcessEnv = process.env): DevConnectionUse | undefined {
+export function useDevConnection(env: NodeJS.ProcessEnv = process.env, role: NatsRole = 'worker'): DevConnectionUse | undefined {
   const { file, connection: c } = readDevConnection(env);
   if (!c) return undefined;
   const taken: string[] = [];
@@ -248,7 +249,11 @@ export function useDevConnection(env: NodeJS.ProcessEnv = process.env): DevConne
     if (unset('MAGUS_TEMPORAL_NAMESPACE')) set('MAGUS_TEMPORAL_NAMESPACE', c.temporal.namespace);
     if (unset('MAGUS_TASK_QUEUE')) set('MAGUS_TASK_QUEUE', c.taskQueue);
   }
-  if (unset('MAGUS_NATS_URL')) set('MAGUS_NATS_URL', c.nats.servers);
+  if (unset('MAGUS_NATS_URL')) {
+    set('MAGUS_NATS_URL', c.nats.servers);
+    // Its NATS has a user per role: this command connects as `role`.
+    if (c.nats.credentialsDir && unset('MAGUS_NATS_CREDENTIALS')) set('MAGUS_NATS_CREDENTIALS', join(c.nats.credentialsDir, `${role}.creds`));
+  }
   if (unset('MAGUS_S3_ENDPOINT')) {
     set('MAGUS_S3_ENDPOINT', c.s3.endpoint);
     if (unset('MAGUS_S3_BUCKET')) set('MAGUS_S3_BUCKET', c.s3.bucket);

@@ -21,7 +21,8 @@ export async function onDataPlaneBucket(
   whenMissing: string,
   work: (kv: KV) => Promise<number>,
 ): Promise<number> {
-  const dev = useDevConnection(process.env);
+  // magus keys and magus usage: the controller's rights (keys, the ledger) are theirs.
+  const dev = useDevConnection(process.env, 'controller');
   const cfg = loadConfig();
   let nc: NatsConnection;
   try {

@@ -441,7 +441,7 @@ async function runLongRunning(mode: Mode, rest: string[], stop: AbortSignal): Pr
   if (mode === 'dev') return dev(rest, stop);
   // The servers a running `magus dev` has, for the settings the environment leaves unset.
   if (mode !== 'engine') {
-    const devUse = useDevConnection(process.env);
+    const devUse = useDevConnection(process.env, mode === 'gateway' || mode === 'controller' || mode === 'bridge' ? mode : 'worker');
     if (devUse && devUse.taken.length > 0)
       process.stderr.write(
         `magus ${mode}: using the running magus dev (pid ${devUse.connection.pid}) for ${devUse.taken.filter((v) => !v.startsWith('AWS_')).join(', ')} (${devUse.file})\n`,

@@ -8,7 +8,7 @@
  */
 import { existsSync, mkdirSync, renameSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { dataPlaneNames } from '../dataplane';
+import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
 import { credentialsFileText, natsAuthorizationConfig, NATS_ROLES, newRoleCredentials } from '../dataplane/roles';
 
 export const NATS_AUTH_USAGE = [
@@ -39,22 +39,13 @@ export function natsAuthCommand(args: string[]): number {
   } catch (err) {
     return usageError((err as Error).message);
   }
-  const files = [...NATS_ROLES.map((r) => `${r}.creds`), 'nats-auth.conf'];
+  const files = natsAuthFiles();
   const taken = files.filter((f) => existsSync(join(out, f)));
   if (taken.length > 0) {
     process.stderr.write(`magus nats-auth: ${out} already holds ${taken.join(', ')}: nothing written (a new folder for new users)\n`);
     return 1;
   }
-  mkdirSync(out, { recursive: true, mode: 0o700 });
-  const users = NATS_ROLES.map(newRoleCredentials);
-  // Each written under a temporary name and renamed: a file that exists is whole.
-  const write = (name: string, text: string, mode: number) => {
-    const tmp = join(out, `.${name}.tmp`);
-    writeFileSync(tmp, text, { mode });
-    renameSync(tmp, join(out, name));
-  };
-  for (const u of users) write(`${u.role}.creds`, credentialsFileText(u), 0o600);
-  write('nats-auth.conf', natsAuthorizationConfig(users, names), 0o644);
+  writeNatsAuth(out, names);
   process.stdout.write(
     [
       `wrote ${files.map((f) => join(out, f)).join(', ')}`,
@@ -65,6 +56,23 @@ export function natsAuthCommand(args: string[]): number {
     ].join('\n'),
   );
   return 0;
+}
+
+/** The files `magus nats-auth` writes in `dir` (each role's credentials, then the server's configuration). */
+export const natsAuthFiles = (): string[] => [...NATS_ROLES.map((r) => `${r}.creds`), 'nats-auth.conf'];
+
+/** Writes new users per role into `dir` (made 0700 if missing): each file under a temporary name, then renamed, so one that exists is whole. */
+export function writeNatsAuth(dir: string, names: DataPlaneNames): void {
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const users = NATS_ROLES.map(newRoleCredentials);
+  const write = (name: string, text: string, mode: number) => {
+    const tmp = join(dir, `.${name}.tmp`);
+    writeFileSync(tmp, text, { mode });
+    renameSync(tmp, join(dir, name));
+  };
+  for (const u of users) write(`${u.role}.creds`, credentialsFileText(u), 0o600);
+  // Last: its presence says the credentials before it are all there.
+  write('nats-auth.conf', natsAuthorizationConfig(users, names), 0o644);
 }
 
 function usageError(message: string): number {

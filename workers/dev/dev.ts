@@ -12,6 +12,8 @@
  * pulled again) and `--fresh` starts over. While it runs, `connection.json` there tells every
  * other `magus` command where it is.
  */
+import { natsAuthFiles, writeNatsAuth } from '../nats-auth';
+import { natsAuthOptions, readNatsCredentials, type NatsRole } from '../../dataplane/roles';
 import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
@@ -205,7 +207,11 @@ export async function runDev(opts: DevOptions): Promise<number> {
     if (process.env.MAGUS_SESSION_TTL_MS?.trim())
       say(`a conversation keeps its session ${Math.round(sessionTtlMs / 1000)} s after its last turn (MAGUS_SESSION_TTL_MS)`);
     say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
-    const services = await startServices({ services: wanted, dataDir, log: (line) => say(line) });
+    // NATS with a user per role (kept across restarts): each part of this dev connects as its own.
+    const natsAuth = join(dataDir, 'nats-auth');
+    if (!natsAuthFiles().every((f) => existsSync(join(natsAuth, f)))) writeNatsAuth(natsAuth, dataPlaneNames(process.env.MAGUS_NATS_PREFIX?.trim() ?? ''));
+    const credentials = (role: NatsRole) => join(natsAuth, `${role}.creds`);
+    const services = await startServices({ services: wanted, dataDir, log: (line) => say(line), natsConfigFile: join(natsAuth, 'nats-auth.conf') });
     running.push({ what: 'the servers', stop: () => services.stop(), timeoutMs: 30_000 });
     interrupted();
     const e = services.endpoints;
@@ -216,6 +222,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     Object.assign(process.env, {
       MAGUS_TEMPORAL_ADDRESS: e.temporal!.address,
       MAGUS_NATS_URL: e.nats!.servers,
+      MAGUS_NATS_CREDENTIALS: credentials('worker'),
       MAGUS_S3_ENDPOINT: e.s3!.endpoint,
       MAGUS_S3_BUCKET: 'magus',
       AWS_ACCESS_KEY_ID: e.s3!.accessKeyId,
@@ -303,7 +310,12 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const client = new Client({ connection, namespace: cfg.temporal.namespace });
 
     if (kc) {
-      const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-dev-controller', maxReconnectAttempts: -1 });
+      const nc = await connect({
+        servers: natsServerList(cfg.nats.servers),
+        name: 'magus-dev-controller',
+        maxReconnectAttempts: -1,
+        ...natsAuthOptions(readNatsCredentials(credentials('controller'))),
+      });
       running.push({ what: "the controller's NATS connection", stop: () => nc.drain() });
       const names = dataPlaneNames(cfg.natsPrefix);
       const controller = startController({
@@ -349,6 +361,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_GATEWAY_HOST: '127.0.0.1',
             MAGUS_GATEWAY_PORT: String(port),
             MAGUS_NATS_URL: cfg.nats.servers,
+            MAGUS_NATS_CREDENTIALS: credentials('gateway'),
             MAGUS_NATS_PREFIX: cfg.natsPrefix,
             MAGUS_GATEWAY_SECRET: secret,
             MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
@@ -375,7 +388,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       dataDir,
       temporal: { address: e.temporal!.address, namespace: cfg.temporal.namespace, uiUrl: e.temporal!.uiUrl },
       taskQueue: cfg.taskQueue,
-      nats: { servers: e.nats!.servers },
+      nats: { servers: e.nats!.servers, credentialsDir: natsAuth },
       s3: { endpoint: e.s3!.endpoint, region: e.s3!.region, bucket: cfg.s3.bucket, accessKeyId: e.s3!.accessKeyId, secretAccessKey: e.s3!.secretAccessKey },
       gateway: { url: gateway.url, tokenFile: token.file },
       ...(hub ? { hub: { url: hub.url, cdnUrl: hub.cdnUrl, repos: [...(demoGguf ? [SMOLLM2_REPO] : dllamaDemo ? [STORIES_REPO] : []), TINY_REPO] } } : {}),

@@ -3,6 +3,7 @@
  * whose histories this one does not replay, and the pools and sessions of the previous run's
  * engines (which died with it).
  */
+import { natsConnectAuth } from '../../dataplane/roles';
 import { existsSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
@@ -90,7 +91,11 @@ export async function forgetEngines(cfg: ReturnType<typeof loadConfig>, kc: Kube
   } finally {
     await connection.close();
   }
-  const nc = await connect({ servers: natsServerList(cfg.nats.servers), name: 'magus-dev-restart' });
+  const nc = await connect({
+    servers: natsServerList(cfg.nats.servers),
+    name: 'magus-dev-restart',
+    ...natsConnectAuth(cfg.nats.credentials, [], () => undefined),
+  });
   let purged = 0;
   try {
     const jsm = await nc.jetstreamManager();

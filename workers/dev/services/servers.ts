@@ -63,14 +63,17 @@ function natsProcs(): number {
   return Math.max(1, Math.floor(cpus().length / 2));
 }
 
-/** nats-server with JetStream, its store in {@link natsStore}. */
-export function natsServer(bin: string, dataDir: string): ServerSpec<'client' | 'monitor'> {
+/** nats-server with JetStream, its store in {@link natsStore}; with `configFile`, what it holds too (users). */
+export function natsServer(bin: string, dataDir: string, configFile?: string): ServerSpec<'client' | 'monitor'> {
   const store = natsStore(dataDir);
   return {
     name: 'nats',
     bin,
     roles: ['client', 'monitor'],
-    args: ({ client, monitor }) => ['-a', '127.0.0.1', '-p', String(client), '-m', String(monitor), '-js', '-sd', store, '--server_name', 'magus-dev'],
+    args: ({ client, monitor }) => [
+      ...(configFile ? ['-c', configFile] : []),
+      ...['-a', '127.0.0.1', '-p', String(client), '-m', String(monitor), '-js', '-sd', store, '--server_name', 'magus-dev'],
+    ],
     env: { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) },
     scratch: [store],
     ready:

@@ -29,6 +29,7 @@ export class Services implements RunningServices {
   private readonly supervisor: Supervisor;
   /** The servers that can be restarted, once started. */
   private temporal: Started<'frontend' | 'ui'> | undefined;
+  private readonly natsConfigFile: string | undefined;
   private nats: Started<'client' | 'monitor'> | undefined;
   private kubeApi: Started<'api'> | undefined;
 
@@ -39,6 +40,7 @@ export class Services implements RunningServices {
     say: (line: string) => void,
   ) {
     this.dataDir = folder.path;
+    this.natsConfigFile = opts.natsConfigFile;
     this.ports = new PortAllocator(folder.saved.ports, opts.portPicker);
     this.supervisor = new Supervisor({
       logDir: folder.logDir,
@@ -123,7 +125,7 @@ export class Services implements RunningServices {
   }
 
   private async startNats(): Promise<void> {
-    this.nats = await this.supervisor.start(natsServer(binaryPath(this.binaries, 'nats-server'), this.dataDir));
+    this.nats = await this.supervisor.start(natsServer(binaryPath(this.binaries, 'nats-server'), this.dataDir, this.natsConfigFile));
     const { client, monitor } = this.nats.ports;
     this.endpoints.nats = { servers: `nats://127.0.0.1:${client}`, monitorUrl: `http://127.0.0.1:${monitor}` };
   }

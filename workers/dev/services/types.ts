@@ -79,4 +79,6 @@ export interface StartOptions {
    * `dataDir`, on the first start attempt, when it is free) or else `freePort`. A seam for tests.
    */
   portPicker?: (request: PortRequest) => Promise<number>;
+  /** A nats-server configuration file to start it with (`magus dev`'s users per role); its flags set the rest. */
+  natsConfigFile?: string;
 }
