@@ -231,6 +231,23 @@ describe("a running magus dev's connection settings", () => {
     expect(useDevConnection(own)?.taken).not.toContain('AWS_ACCESS_KEY_ID');
   });
 
+  test('its NATS has a user per role: a command beside it connects as its own role, unless it names credentials of its own', () => {
+    write({ ...connection(), nats: { servers: 'nats://127.0.0.1:14222', credentialsDir: '/dev-data/nats-auth' } });
+    const worker: NodeJS.ProcessEnv = { XDG_DATA_HOME: home };
+    expect(useDevConnection(worker)?.taken).toContain('MAGUS_NATS_CREDENTIALS');
+    expect(worker.MAGUS_NATS_CREDENTIALS).toBe('/dev-data/nats-auth/worker.creds');
+    const gateway: NodeJS.ProcessEnv = { XDG_DATA_HOME: home };
+    useDevConnection(gateway, 'gateway');
+    expect(gateway.MAGUS_NATS_CREDENTIALS).toBe('/dev-data/nats-auth/gateway.creds');
+    const own: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_NATS_CREDENTIALS: '/mine.creds' };
+    useDevConnection(own, 'controller');
+    expect(own.MAGUS_NATS_CREDENTIALS).toBe('/mine.creds');
+    // Its NATS, not another: another server's credentials are not taken from it.
+    const elsewhere: NodeJS.ProcessEnv = { XDG_DATA_HOME: home, MAGUS_NATS_URL: 'nats://elsewhere:4222' };
+    useDevConnection(elsewhere);
+    expect(elsewhere.MAGUS_NATS_CREDENTIALS).toBeUndefined();
+  });
+
   test("a worker beside it may fetch from its demo hub and that hub's CDN, and from nothing else inside", () => {
     write({ ...connection(), hub: { url: 'http://127.0.0.1:35000', cdnUrl: 'http://127.0.0.2:35001', repos: ['magus-demo/tiny-llama'] } });
     const env: NodeJS.ProcessEnv = { XDG_DATA_HOME: home };
