@@ -11,6 +11,7 @@
  * ServiceAccounts exactly their roles, `helm upgrade` rolls out changed values, and
  * `helm uninstall` leaves the CRDs and the resources in them.
  */
+import { credentialsFileText, newRoleCredentials } from '../dataplane/roles';
 import { execFile } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -74,7 +75,7 @@ interface Container {
 interface PodSpec {
   securityContext?: { runAsNonRoot?: boolean };
   containers: Container[];
-  volumes?: { name: string; emptyDir?: unknown; secret?: { secretName: string } }[];
+  volumes?: { name: string; emptyDir?: unknown; secret?: { secretName: string; items?: { key: string; path: string }[] } }[];
   serviceAccountName?: string;
   automountServiceAccountToken?: boolean;
 }
@@ -389,6 +390,17 @@ describe('the chart, rendered', () => {
     expect(env(c, 'MAGUS_GATEWAY_REPLICA_ID')?.valueFrom).toEqual({ fieldRef: { fieldPath: 'metadata.name' } });
     expect(env(c, 'MAGUS_GATEWAY_REQUEST_TIMEOUT_MS')?.value).toBe('600000');
     expect(env(c, 'MAGUS_SESSION_TTL_MS')?.value).toBe('1800000');
+    // Its NATS user: the gateway role's file of the Secret magus nats-auth's files are in; the workers' and the controller's likewise.
+    expect(env(c, 'MAGUS_NATS_CREDENTIALS')?.value).toBe('/etc/magus/nats/creds');
+    const natsVolume = (d: Deployment) => d.spec.template.spec.volumes?.find((v) => v.name === 'nats-credentials')?.secret;
+    expect(natsVolume(gw)).toMatchObject({ secretName: 'magus-nats', items: [{ key: 'gateway.creds', path: 'creds' }] });
+    for (const d of ofKind<Deployment>(objs, 'Deployment').filter((x) => x.metadata.name !== 'magus-gateway')) {
+      const role = d.metadata.name === 'magus-controller' ? 'controller' : 'worker';
+      expect(natsVolume(d)?.items).toEqual([
+        { key: `${role}.creds`, path: 'creds' },
+        ...(role === 'worker' ? [{ key: 'bridge.creds', path: 'bridge-creds' }] : []),
+      ]);
+    }
     const ingress = ofKind<Obj & { spec: { rules: { host: string; http: { paths: { path: string }[] } }[] } }>(objs, 'Ingress');
     expect(ingress.flatMap((i) => i.spec.rules.flatMap((r) => r.http.paths.map((p) => `${r.host}${p.path}`)))).toEqual(['llm.example.com/v1']);
     // NetworkPolicies: the instance policy lives in the model namespace; ServiceMonitors for all three.
@@ -421,7 +433,17 @@ describe('the chart, rendered', () => {
       const tokensFile = join(dir, 'tokens.json');
       writeFileSync(secretFile, 'k'.repeat(64));
       writeFileSync(tokensFile, '{}');
-      const files = { '/etc/magus/gateway-secret/secret': secretFile, '/etc/magus/gateway-tokens/tokens.json': tokensFile };
+      // A credentials file of each kind the pods mount (a role's own, and the bridge's the worker hands on).
+      const credsFile = join(dir, 'creds');
+      const bridgeCredsFile = join(dir, 'bridge-creds');
+      writeFileSync(credsFile, credentialsFileText(newRoleCredentials('worker')));
+      writeFileSync(bridgeCredsFile, credentialsFileText(newRoleCredentials('bridge')));
+      const files = {
+        '/etc/magus/gateway-secret/secret': secretFile,
+        '/etc/magus/gateway-tokens/tokens.json': tokensFile,
+        '/etc/magus/nats/creds': credsFile,
+        '/etc/magus/nats/bridge-creds': bridgeCredsFile,
+      };
       for (const d of ofKind<Deployment>(objs, 'Deployment')) {
         const c = d.spec.template.spec.containers[0]!;
         const env = resolve(c, files);

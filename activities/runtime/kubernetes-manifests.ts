@@ -31,6 +31,8 @@ import type { StoredObject } from '../../shared/model';
 import { concurrentRequests, isDistributed, type EngineKind } from '../../shared/engines';
 
 export const RUNTIME_FIELD_MANAGER = 'magus-runtime';
+/** Where an instance's bridge finds its NATS credentials. */
+const NATS_CREDENTIALS_DIR = '/etc/magus/nats';
 export const INSTANCE_LABEL = 'magus.dev/instance';
 export const ROLE_LABEL = 'magus.dev/role';
 /** The ports of an instance's containers (each pod has its own network; a test running the pods on one host network picks free ones). */
@@ -109,6 +111,26 @@ export function networkKeySecret(plan: Pick<InstancePlan, 'namespace' | 'pool' |
   };
 }
 
+/** The Secret of an instance's copy of the bridge's NATS credentials (kubernetes.ts creates it once, owned by the instance). */
+export const natsCredentialsSecretName = (instance: string): string => `${instanceBase(instance)}-nats`;
+
+/** The bridge's NATS credentials (`text`, a `magus nats-auth` file) for `plan`'s instance, owned by the ConfigMap of uid `owner`. */
+export function natsCredentialsSecret(plan: Pick<InstancePlan, 'namespace' | 'pool' | 'instance'>, owner: string, text: string): KubeObject {
+  return {
+    apiVersion: 'v1',
+    kind: 'Secret',
+    metadata: {
+      name: natsCredentialsSecretName(plan.instance),
+      namespace: plan.namespace,
+      labels: instanceLabels(plan),
+      ownerReferences: ownedByInstance(plan.instance, owner),
+    },
+    type: 'Opaque',
+    immutable: true,
+    stringData: { creds: text },
+  };
+}
+
 /** What one instance runs, decided by kubernetes.ts from the registry, the Dllama and the cluster. */
 export interface InstancePlan {
   namespace: string;
@@ -137,7 +159,8 @@ export interface InstancePlan {
   memory: { root: number; worker: number | null };
   images: { magus: string; dllama: string };
   /** `env`: the bridge's data-plane declaration settings, the worker's own (replicas, response stream size). */
-  nats: { url: string; prefix: string; env?: Record<string, string> };
+  /** `credentialsSecret`: the instance's Secret with the bridge's NATS credentials ({@link natsCredentialsSecret}), mounted into its bridge. */
+  nats: { url: string; prefix: string; env?: Record<string, string>; credentialsSecret?: string };
   s3: { endpoint?: string; region: string; bucket: string; secret?: string };
   serviceAccount?: string;
   spec?: Pick<DllamaResourceSpec, 'resources' | 'nodeSelector' | 'tolerations'>;
@@ -357,17 +380,22 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
               ],
               env: [
                 { name: 'MAGUS_NATS_URL', value: plan.nats.url },
+                ...(plan.nats.credentialsSecret ? [{ name: 'MAGUS_NATS_CREDENTIALS', value: `${NATS_CREDENTIALS_DIR}/creds` }] : []),
                 ...Object.entries(plan.nats.env ?? {}).map(([name, value]) => ({ name, value })),
                 { name: 'HOME', value: '/tmp' },
               ],
               ports: [{ name: 'bridge-health', containerPort: BRIDGE_HEALTH_PORT }],
               resources: { requests: { memory: '96Mi', cpu: '50m' } },
               securityContext: hardened,
-              volumeMounts: [tmpMount],
+              volumeMounts: [tmpMount, ...(plan.nats.credentialsSecret ? [{ name: 'nats-credentials', mountPath: NATS_CREDENTIALS_DIR, readOnly: true }] : [])],
               terminationMessagePolicy: 'FallbackToLogsOnError',
             },
           ],
-          volumes: [{ name: 'models', emptyDir: {} }, tmpVolume],
+          volumes: [
+            { name: 'models', emptyDir: {} },
+            tmpVolume,
+            ...(plan.nats.credentialsSecret ? [{ name: 'nats-credentials', secret: { secretName: plan.nats.credentialsSecret, defaultMode: 0o400 } }] : []),
+          ],
         },
       },
     },

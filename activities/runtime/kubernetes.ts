@@ -15,6 +15,7 @@
  * - `destroy` deletes the instance's ConfigMap (the garbage collector takes the rest) and its
  *   request consumer; idempotent.
  */
+import { readFileSync } from 'node:fs';
 import {
   CoreV1Api,
   CustomObjectsApi,
@@ -52,6 +53,8 @@ import {
   RUNTIME_FIELD_MANAGER,
   workerAddresses,
   type InstancePlan,
+  natsCredentialsSecret,
+  natsCredentialsSecretName,
   type InstancePorts,
   type KubeObject,
   type OwnerReference,
@@ -65,6 +68,8 @@ export interface KubernetesRuntimeOptions {
   images: { magus: string; dllama: string };
   /** NATS as the instance pods reach it. */
   natsUrl: string;
+  /** The bridge role's credentials file (dataplane/roles.ts): each instance's bridge connects with it, from a Secret of the instance. */
+  bridgeCredentials?: string;
   /**
    * Environment of each pod's bridge for declaring the data plane as this worker does
    * (`MAGUS_NATS_REPLICAS`, `MAGUS_RESPONSES_*`; workers/config.ts `dataPlaneEnv`).
@@ -283,7 +288,12 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       engine,
       threads: opts.threads ?? 1,
       images: { magus: d?.spec.images?.magus ?? opts.images.magus, dllama: d?.spec.images?.dllama ?? opts.images.dllama },
-      nats: { url: opts.natsUrl, prefix: opts.names.prefix, ...(opts.dataPlaneEnv ? { env: opts.dataPlaneEnv } : {}) },
+      nats: {
+        url: opts.natsUrl,
+        prefix: opts.names.prefix,
+        ...(opts.dataPlaneEnv ? { env: opts.dataPlaneEnv } : {}),
+        ...(opts.bridgeCredentials ? { credentialsSecret: natsCredentialsSecretName(req.instance) } : {}),
+      },
       s3: opts.s3,
       ...(opts.serviceAccount ? { serviceAccount: opts.serviceAccount } : {}),
       ...(d ? { spec: { resources: d.spec.resources, nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations } } : {}),
@@ -318,6 +328,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     const [configMap, ...rest] = instanceManifests(p);
     const cm = await apply(configMap!);
     if (isDistributed(p.engine)) await createNetworkKey(p, cm.metadata!.uid!);
+    if (opts.bridgeCredentials) await createNatsCredentials(p, cm.metadata!.uid!);
     const owned = (o: KubeObject) => ({
       ...o,
       metadata: { ...o.metadata, ownerReferences: o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! })) },
@@ -339,6 +350,18 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   async function createNetworkKey(p: InstancePlan, owner: string): Promise<void> {
     count('create');
     await core.createNamespacedSecret({ namespace: p.namespace, body: networkKeySecret(p, owner, randomBytes(32).toString('hex')) }).catch((err: unknown) => {
+      if (code(err) !== 409) throw err;
+    });
+  }
+
+  /**
+   * Creates the instance's copy of the bridge's NATS credentials unless it exists (read from the
+   * file at each start: a rotated file reaches instances started after it).
+   */
+  async function createNatsCredentials(p: InstancePlan, owner: string): Promise<void> {
+    count('create');
+    const text = readFileSync(opts.bridgeCredentials!, 'utf8');
+    await core.createNamespacedSecret({ namespace: p.namespace, body: natsCredentialsSecret(p, owner, text) }).catch((err: unknown) => {
       if (code(err) !== 409) throw err;
     });
   }

@@ -171,3 +171,39 @@ spec:
       {{- include "magus.selectorLabels" . | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{/*
+A component's NATS user (nats.credentials.existingSecret: the files of magus nats-auth), for
+(dict "ctx" $ "role" "gateway|worker|controller"): its env, mount and volume; nothing without one.
+*/}}
+{{- define "magus.natsCredentialsEnv" -}}
+{{- if .ctx.Values.nats.credentials.existingSecret }}
+- name: MAGUS_NATS_CREDENTIALS
+  value: /etc/magus/nats/creds
+{{- if eq .role "worker" }}
+# Each instance's bridge gets a copy, in a Secret of the instance.
+- name: MAGUS_K8S_BRIDGE_NATS_CREDENTIALS
+  value: /etc/magus/nats/bridge-creds
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- define "magus.natsCredentialsMount" -}}
+{{- if .ctx.Values.nats.credentials.existingSecret }}
+- name: nats-credentials
+  mountPath: /etc/magus/nats
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "magus.natsCredentialsVolume" -}}
+{{- with .ctx.Values.nats.credentials.existingSecret }}
+- name: nats-credentials
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0400
+    items:
+      - {key: {{ printf "%s.creds" $.role }}, path: creds}
+      {{- if eq $.role "worker" }}
+      - {key: bridge.creds, path: bridge-creds}
+      {{- end }}
+{{- end }}
+{{- end -}}
