@@ -230,7 +230,9 @@ describe('readStoredFrames', () => {
       for (const s of [
         small.requestStream,
         small.responseStream,
-        ...[small.sessionsBucket, small.tokensBucket, small.claimsBucket, small.poolsBucket, small.limitsBucket, small.usageBucket, small.usageSumsBucket].map((b) => `KV_${b}`),
+        ...[small.sessionsBucket, small.tokensBucket, small.claimsBucket, small.poolsBucket, small.limitsBucket, small.usageBucket, small.usageSumsBucket].map(
+          (b) => `KV_${b}`,
+        ),
       ]) {
         await jsm.streams.delete(s).catch(() => false);
       }

@@ -40,8 +40,8 @@
  * the lease, so a reservation of a gateway that died is released (charged its worst case) within
  * one lease of its last renewal.
  */
-import { Events, headers, type KV, type NatsConnection, type Subscription } from 'nats';
-import { inboxOf } from './roles';
+import { headers, type KV, type NatsConnection } from 'nats';
+import { ackedPublisher } from './acked-publish';
 import {
   admit,
   chargeStorage,
@@ -454,7 +454,6 @@ export function kvCasWriter(kv: KV, timeoutMs = WRITE_TIMEOUT_MS): KvCasWriter {
       close: () => Promise.resolve(),
     };
   }
-  const prefix = `${inboxOf(nc)}.`;
   // A key's subject, built once (the view joins its parts on every call).
   const subjects = new Map<string, string>();
   const subjectOf = (key: string): string => {
@@ -465,79 +464,22 @@ export function kvCasWriter(kv: KV, timeoutMs = WRITE_TIMEOUT_MS): KvCasWriter {
     }
     return subject;
   };
-  interface Waiting {
-    resolve: (revision: number) => void;
-    reject: (err: Error) => void;
-    at: number;
-  }
-  // Insertion order is write order: the oldest at the front.
-  const waiting = new Map<string, Waiting>();
-  const failAll = (why: string) => {
-    for (const w of waiting.values()) w.reject(new Error(why));
-    waiting.clear();
-  };
-  let counter = 0;
-  let connected = true;
-  let closed = false;
-  void (async () => {
-    for await (const s of nc.status()) {
-      if (closed) break;
-      if (s.type === Events.Disconnect) {
-        connected = false;
-        failAll('NATS disconnected before the limits write was acknowledged');
-      } else if (s.type === Events.Reconnect) connected = true;
-    }
-  })().catch(() => undefined);
-  const sub: Subscription = nc.subscribe(`${prefix}*`, {
-    callback: (err, msg) => {
-      if (err) return;
-      const token = msg.subject.slice(prefix.length);
-      const w = waiting.get(token);
-      if (!w) return; // timed out already
-      waiting.delete(token);
-      const ack = casAckOf(msg.data, msg.headers?.code ?? 0);
-      if (typeof ack === 'number') w.resolve(ack);
-      else w.reject(ack);
-    },
+  const acks = ackedPublisher(nc, timeoutMs, {
+    unreachable: 'NATS is unreachable: the limits were not written',
+    disconnected: 'NATS disconnected before the limits write was acknowledged',
+    timedOut: `the limits write was not acknowledged within ${timeoutMs} ms`,
+    closed: 'the limits writer is closed',
   });
-  const sweep = setInterval(
-    () => {
-      const cutoff = Date.now() - timeoutMs;
-      for (const [token, w] of waiting) {
-        if (w.at > cutoff) break;
-        waiting.delete(token);
-        w.reject(new Error(`the limits write was not acknowledged within ${timeoutMs} ms`));
-      }
-    },
-    Math.min(1_000, timeoutMs),
-  );
-  sweep.unref();
   return {
-    write(key, data, revision) {
-      if (closed) return Promise.reject(new Error('the limits writer is closed'));
-      if (!connected) return Promise.reject(new Error('NATS is unreachable: the limits were not written'));
-      const token = (counter++).toString(36);
+    async write(key, data, revision) {
       const h = headers();
       h.set('Nats-Expected-Last-Subject-Sequence', String(revision));
-      return new Promise<number>((resolve, reject) => {
-        waiting.set(token, { resolve, reject, at: Date.now() });
-        try {
-          nc.publish(subjectOf(key), data, { reply: prefix + token, headers: h });
-        } catch (err) {
-          waiting.delete(token);
-          reject(err instanceof Error ? err : new Error(String(err)));
-        }
-      });
+      const msg = await acks.publish(subjectOf(key), data, h);
+      const ack = casAckOf(msg.data, msg.headers?.code ?? 0);
+      if (typeof ack === 'number') return ack;
+      throw ack;
     },
-    async close() {
-      closed = true;
-      clearInterval(sweep);
-      failAll('the limits writer is closed');
-      if (!sub.isClosed()) {
-        sub.unsubscribe();
-        await sub.closed;
-      }
-    },
+    close: () => acks.close(),
   };
 }
 

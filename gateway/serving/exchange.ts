@@ -14,9 +14,9 @@
  * (failed reads — a stream electing a leader — are retried until the request's deadline). The
  * first terminal frame relayed (`done` or `error`) ends the response.
  */
-import { inboxOf } from '../../dataplane/roles';
+import { ackedPublisher } from '../../dataplane/acked-publish';
 import { randomBytes } from 'node:crypto';
-import { Events, headers, type Msg, type NatsConnection, type Subscription } from 'nats';
+import { headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
@@ -120,74 +120,20 @@ export interface StreamPublisher {
  * waiting out the timeout would only hold the client.
  */
 export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEOUT_MS): StreamPublisher {
-  const prefix = `${inboxOf(nc)}.`;
-  interface Waiting {
-    resolve: () => void;
-    reject: (err: Error) => void;
-    at: number;
-  }
-  // Insertion order is publish order, so the oldest entries are at the front.
-  const waiting = new Map<string, Waiting>();
-  let counter = 0;
-  let connected = true;
-  void (async () => {
-    for await (const s of nc.status()) {
-      if (s.type === Events.Disconnect) {
-        connected = false;
-        for (const w of waiting.values()) w.reject(new Error(NATS_UNREACHABLE));
-        waiting.clear();
-      } else if (s.type === Events.Reconnect) connected = true;
-    }
-  })().catch(() => undefined);
-  const sub = nc.subscribe(`${prefix}*`, {
-    callback: (err, msg) => {
-      if (err) return;
-      const token = msg.subject.slice(prefix.length);
-      const w = waiting.get(token);
-      if (!w) return; // timed out already
-      waiting.delete(token);
-      const problem = streamAckProblem(msg);
-      if (!problem) w.resolve();
-      else w.reject(isBacklogFull(problem) ? new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests') : problem);
-    },
+  const acks = ackedPublisher(nc, timeoutMs, {
+    unreachable: NATS_UNREACHABLE,
+    disconnected: NATS_UNREACHABLE,
+    timedOut: `the request stream did not acknowledge a publish within ${timeoutMs} ms`,
+    closed: 'the gateway is closing',
   });
-  const sweep = setInterval(
-    () => {
-      const cutoff = Date.now() - timeoutMs;
-      for (const [token, w] of waiting) {
-        if (w.at > cutoff) break;
-        waiting.delete(token);
-        w.reject(new Error(`the request stream did not acknowledge a publish within ${timeoutMs} ms`));
-      }
-    },
-    Math.min(1_000, timeoutMs),
-  );
-  sweep.unref();
   return {
-    publish: (subject, req) => {
-      if (!connected) return Promise.reject(new Error(NATS_UNREACHABLE));
-      const token = (counter++).toString(36);
+    publish: async (subject, req) => {
       const h = headers();
       h.set('Nats-Msg-Id', req.id);
-      return new Promise<void>((resolve, reject) => {
-        waiting.set(token, { resolve, reject, at: Date.now() });
-        try {
-          nc.publish(subject, encoder.encode(JSON.stringify(req)), { reply: prefix + token, headers: h });
-        } catch (err) {
-          waiting.delete(token);
-          reject(err instanceof Error ? err : new Error(String(err)));
-        }
-      });
+      const problem = streamAckProblem(await acks.publish(subject, encoder.encode(JSON.stringify(req)), h));
+      if (problem) throw isBacklogFull(problem) ? new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests') : problem;
     },
-    async close() {
-      clearInterval(sweep);
-      for (const w of waiting.values()) w.reject(new Error('the gateway is closing'));
-      waiting.clear();
-      if (!sub.isClosed()) {
-        sub.unsubscribe();
-        await sub.closed;
-      }
-    },
+    close: () => acks.close(),
   };
 }
 
