@@ -24,7 +24,7 @@ import { connect } from 'nats';
 import { dataPlaneNames } from '../dataplane';
 import type { SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
-import type { DevConnection } from '../workers/config';
+import { devNatsAuth, type DevConnection } from '../workers/config';
 import { printed, processTree, startDev } from '../test/harness/dev';
 import { cpuOf, fmt, p50, p99 } from './common';
 import { within } from '../workers/dev/services';
@@ -212,7 +212,7 @@ async function main(): Promise<void> {
     }
 
     if (seedLive > 0) {
-      const nc = await connect({ servers: conn.nats.servers });
+      const nc = await connect({ servers: conn.nats.servers, ...devNatsAuth(conn) });
       const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
       const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
       const instance = status.instances.find((i) => i.phase === 'ready')!;

@@ -39,7 +39,7 @@ import { connect, type NatsConnection } from 'nats';
 import { dataPlaneNames } from '../dataplane';
 import { SESSION_TTL_MS, sessionTtlFrom } from '../gateway/config';
 import { poolWorkflowId } from '../workflows/pool/definitions';
-import type { DevConnection } from '../workers/config';
+import { devNatsAuth, type DevConnection } from '../workers/config';
 import { MAGUS_BIN, printed, processTree, startDev, type DevRun } from '../test/harness/dev';
 import { fmt } from './common';
 import { buildReport, EXPIRY_GRACE_MS, printReport, type Kind, type Outcome, type SoakReport } from './soak-report';
@@ -89,7 +89,7 @@ export async function runSoak(opts: SoakOptions): Promise<SoakReport> {
     const { gatewayUrl, tokenFile } = printed(dev.stdout());
     const token = readFileSync(tokenFile, 'utf8').trim();
     const connection = JSON.parse(readFileSync(join(data, 'connection.json'), 'utf8')) as DevConnection;
-    nc = await connect({ servers: connection.nats.servers });
+    nc = await connect({ servers: connection.nats.servers, ...devNatsAuth(connection) });
     const names = dataPlaneNames('');
     temporal = await Connection.connect({ address: connection.temporal.address });
     const workflows = new Client({ connection: temporal, namespace: connection.temporal.namespace }).workflow;

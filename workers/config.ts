@@ -6,7 +6,7 @@
  * same error. Credentials (S3 keys) are read by the AWS SDK's default chain (AWS_ACCESS_KEY_ID /
  * AWS_SECRET_ACCESS_KEY, profiles, IRSA …) and never stored here or logged.
  */
-import { natsCredentialsFrom, type NatsRole } from '../dataplane/roles';
+import { natsAuthOptions, natsCredentialsFrom, readNatsCredentials, type NatsRole } from '../dataplane/roles';
 import { readFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { isAbsolute, join, resolve } from 'node:path';
@@ -191,6 +191,11 @@ export interface DevConnection {
   /** The bundled Hugging Face-compatible hub, its CDN's origin, and the repos it serves (the demo model). */
   hub?: { url: string; cdnUrl?: string; repos: string[] };
   kubeconfig?: string;
+}
+
+/** nats.js options to connect to a running dev's NATS as `role` (its users' folder); none when it has no users. */
+export function devNatsAuth(c: Pick<DevConnection, 'nats'>, role: NatsRole = 'worker'): ReturnType<typeof natsAuthOptions> {
+  return c.nats.credentialsDir ? natsAuthOptions(readNatsCredentials(join(c.nats.credentialsDir, `${role}.creds`))) : {};
 }
 
 const running = (pid: number): boolean => {
