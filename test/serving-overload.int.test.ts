@@ -165,12 +165,17 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   // Refused at publish (the queue full), not after a wait for a deadline: every one `backlog_full`.
   expect(refused.filter((o) => o.code !== 'backlog_full')).toEqual([]);
 
-  // Once the burst stops (its last refusal), a new conversation is answered within 10 s: the
-  // time for what the instance's queue holds then to drain, not a collapse.
+  // Once the burst stops (its last refusal), a new conversation is answered within 10 s — or, on
+  // a machine slow enough that the instance's queue takes longer to drain, within 2 s of the
+  // queue's last answer: the time for what the queue holds then to drain, not a collapse.
   expect([next.status, next.code]).toEqual([200, undefined]);
-  const recoveredMs = next.at - Math.max(...refused.map((o) => o.at));
-  expect(recoveredMs).toBeLessThan(10_000);
-  process.stderr.write(`serving-overload: a new conversation answered ${recoveredMs} ms after the last refusal (${tries} tries)\n`);
+  const lastRefusal = Math.max(...refused.map((o) => o.at));
+  const recoveredMs = next.at - lastRefusal;
+  const drainedMs = Math.max(...answered.map((o) => o.at)) - lastRefusal;
+  expect(recoveredMs).toBeLessThan(Math.max(10_000, drainedMs + 2_000));
+  process.stderr.write(
+    `serving-overload: a new conversation answered ${recoveredMs} ms after the last refusal (${tries} tries; the queue drained in ${drainedMs} ms)\n`,
+  );
 
   // A refused first turn leaves nothing behind: its entry given back, no session started; every
   // answered one has both.
