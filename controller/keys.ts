@@ -91,6 +91,9 @@ export interface Keys {
   stop(): Promise<void>;
 }
 
+/** Model `m` as `namespace/name`: a bare name is one of namespace `ns`. */
+const qualifiedModel = (ns: string, m: string): string => (m.includes('/') ? m : `${ns}/${m}`);
+
 /**
  * The models a key of namespace `ns` may use, as the gateway applies them (`ns/name`, `ns/*`),
  * and those it named in another namespace that does not share them (`refused`). Absent or empty:
@@ -101,7 +104,7 @@ export function resolveKeyModels(ns: string, models: readonly string[] | undefin
   const out: string[] = [];
   const refused: string[] = [];
   for (const m of models) {
-    const full = m.includes('/') ? m : `${ns}/${m}`;
+    const full = qualifiedModel(ns, m);
     const where = full.slice(0, full.indexOf('/'));
     if (where !== ns && !shared.includes(where)) refused.push(m);
     else if (!out.includes(full)) out.push(full);
@@ -119,7 +122,7 @@ export function resolveLimitModels(ns: string, limits: unknown): { limits: unkno
   if (typeof models !== 'object' || models === null || Array.isArray(models)) return { limits };
   const out: Record<string, unknown> = {};
   for (const [m, l] of Object.entries(models)) {
-    const full = m.includes('/') ? m : `${ns}/${m}`;
+    const full = qualifiedModel(ns, m);
     if (Object.prototype.hasOwnProperty.call(out, full)) return { error: `spec.limits.models names ${full} twice` };
     out[full] = l;
   }

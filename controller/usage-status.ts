@@ -15,7 +15,7 @@ import { DeliverPolicy, type ConsumerMessages, type JetStreamClient, type KV } f
 import { isRevisionConflict } from '../dataplane/errors';
 import type { LimitStore } from '../dataplane/limits';
 import { FieldManager, type ApiKeyResource, type ApiKeyUsageStatus } from '../shared/kube';
-import { storedBytes, type Counters, type KeyLimits, type Reservation } from '../shared/limits';
+import { reservedTokens, storedBytes, type Counters, type KeyLimits, type Reservation } from '../shared/limits';
 import { entryLimits } from '../dataplane/keys';
 import { isoSeconds, parseUsageRecord, periodOf, type UsageRecord } from '../shared/usage';
 import { applyApiKeyStatus, resolveLimitModels } from './keys';
@@ -290,7 +290,7 @@ async function usageOf(o: ApiKeyResource, sums: UsageSums, limits: LimitStore | 
   /** What budget `b` has left: less what its counters used in its period and what `live` reserve. */
   const left = (b: NonNullable<KeyLimits['budget']>, counters: Counters | undefined, live: Reservation[]): number => {
     const used = counters?.budget?.period === periodOf(nowMs, b.period) ? counters.budget.used : 0;
-    return Math.max(0, b.tokens - used - live.reduce((n, r) => n + r.tokens, 0));
+    return Math.max(0, b.tokens - used - reservedTokens(live));
   };
   const live = state ? Object.values(state.reservations) : [];
   const modelBudgets = Object.entries(keyLimits?.models ?? {}).filter(([, l]) => l.budget);

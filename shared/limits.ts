@@ -344,7 +344,7 @@ function keyCounters(s: LimitState): Counters {
 }
 
 /** The UTC day (`2026-11-29`) of `ms`. */
-const dayOf = (ms: number): string => new Date(ms).toISOString().slice(0, 10);
+const dayOf = (ms: number): string => budgetPeriodOf('day', ms).id;
 
 /** `stored` without the days that are over at `nowMs` (none left: undefined). */
 function liveStored(stored: LimitState['stored'], nowMs: number): LimitState['stored'] {
@@ -367,8 +367,12 @@ function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitSt
   return out;
 }
 
-/** The tokens `state`'s live reservations hold. */
-export const reservedTokens = (state: LimitState): number => Object.values(state.reservations).reduce((sum, r) => sum + r.tokens, 0);
+/** The limits `limits` has of its own for `model`, if any. */
+const modelLimitsOf = (limits: KeyLimits, model: string | undefined): RateLimits | undefined =>
+  model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
+
+/** The tokens `live` reservations hold. */
+export const reservedTokens = (live: readonly Reservation[]): number => live.reduce((sum, r) => sum + r.tokens, 0);
 
 /** The bytes of stored responses charged to `state`'s key that have not expired at `nowMs`. */
 export const storedBytes = (state: LimitState, nowMs: number): number =>
@@ -390,7 +394,7 @@ interface Scope {
 function scopesOf(s: LimitState, limits: KeyLimits, model: string | undefined): Scope[] {
   const all = Object.values(s.reservations);
   const scopes: Scope[] = [{ limits, counters: keyCounters(s), live: all, of: '' }];
-  const own = model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
+  const own = modelLimitsOf(limits, model);
   if (own) scopes.push({ limits: own, counters: s.models![model!]!, live: all.filter((r) => r.model === model), of: ` for ${model}` });
   return scopes;
 }
@@ -468,7 +472,7 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
     let room = req.upTo;
     for (const { limits: l, counters: c, live } of scopes) {
       if (l.tokensPerMinute !== undefined) room = Math.min(room, l.tokensPerMinute, Math.floor(c.tokens!.level / BUCKET_SCALE));
-      if (l.budget) room = Math.min(room, l.budget.tokens - c.budget!.used - sumTokens(live));
+      if (l.budget) room = Math.min(room, l.budget.tokens - c.budget!.used - reservedTokens(live));
     }
     grant = Math.max(req.tokens, room);
   }
@@ -482,7 +486,7 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
         null,
       );
     const used = c.budget!.used;
-    const reserved = sumTokens(live);
+    const reserved = reservedTokens(live);
     if (used + reserved + grant > l.budget.tokens) {
       const { id, endsAt } = budgetPeriodOf(per, nowMs);
       return refuse(
@@ -557,8 +561,6 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
   return { ok: true, state: next, headers: headersOf(next), tokens: grant };
 }
 
-const sumTokens = (live: readonly Reservation[]): number => live.reduce((sum, r) => sum + r.tokens, 0);
-
 /** Ms from `nowMs` until days of `stored` worth `excess` bytes are over (the earliest first). */
 function storageWaitMs(stored: Record<string, number>, excess: number, nowMs: number): number {
   let freed = 0;
@@ -603,7 +605,7 @@ export function settle(state: LimitState, limits: KeyLimits, id: string, actualT
     ...settleCounters(keyCounters(s), limits, r, actualTokens, nowMs),
     reservations: Object.fromEntries(Object.entries(s.reservations).filter(([k]) => k !== id)),
   };
-  const own = r.model !== undefined && limits.models && hasOwn(limits.models, r.model) ? limits.models[r.model] : undefined;
+  const own = modelLimitsOf(limits, r.model);
   if (own) next = withCounters(next, 1, r.model, settleCounters(next.models![r.model!]!, own, r, actualTokens, nowMs));
   return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs, r.model) };
 }
@@ -673,7 +675,7 @@ export function renew(state: LimitState, replica: string, ids: Iterable<string>,
  */
 export function rateLimitHeaders(state: LimitState, limits: KeyLimits, nowMs: number, model?: string): RateLimitHeaders {
   nowMs = Math.floor(nowMs);
-  const own = model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
+  const own = modelLimitsOf(limits, model);
   const counters = own ? state.models?.[model!] : undefined;
   const headers: RateLimitHeaders = {};
   for (const kind of ['requests', 'tokens'] as const) {
