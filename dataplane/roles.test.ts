@@ -1,18 +1,49 @@
-import { credentialsFileText, natsAuthorizationConfig, natsConnectAuth, newRoleCredentials, parseCredentialsFile, rolePermissions } from './roles';
+import {
+  bridgeCredentialsText,
+  bridgeInboxPrefixOf,
+  bridgePermissions,
+  natsConnectAuth,
+  natsServerAuthConfig,
+  newNatsAuthority,
+  parseCredentialsFile,
+  parseSignerFile,
+  roleCredentialsText,
+  rolePermissions,
+  signerFileText,
+} from './roles';
 import { dataPlaneNames } from './names';
 
 describe('credentials files', () => {
-  it('name their role and hold the seed; anything else is refused with why', () => {
-    const c = newRoleCredentials('bridge');
+  const names = dataPlaneNames('T');
+  it('hold a JWT of their role and its seed; anything else is refused with why', async () => {
+    const authority = await newNatsAuthority();
+    const signer = { account: authority.account.publicKey, signerSeed: authority.signerSeed };
+    const text = await roleCredentialsText(signer, 'gateway', names);
+    const c = parseCredentialsFile(text);
+    if ('error' in c) throw new Error(c.error);
+    expect(c).toMatchObject({ role: 'gateway', inboxPrefix: '_INBOX_gateway' });
     expect(c.seed).toMatch(/^SU[A-Z2-7]{56}$/);
-    expect(c.publicKey).toMatch(/^U[A-Z2-7]{55}$/);
-    expect(parseCredentialsFile(credentialsFileText(c))).toEqual({ role: 'bridge', seed: c.seed });
     expect(parseCredentialsFile(c.seed)).toEqual({ error: expect.stringContaining('names no role') as string });
-    expect(parseCredentialsFile('# magus NATS credentials: role admin\n' + c.seed)).toEqual({ error: expect.stringContaining('names no role') as string });
-    expect(parseCredentialsFile('# magus NATS credentials: role gateway\nSUnope')).toEqual({ error: expect.stringContaining('no user nkey seed') as string });
-    // A seed whose checksum does not hold.
-    const bad = c.seed.slice(0, -1) + (c.seed.endsWith('A') ? 'B' : 'A');
-    expect(parseCredentialsFile(`# magus NATS credentials: role gateway\n${bad}`)).toEqual({ error: 'its seed is not a valid nkey seed' });
+    expect(parseCredentialsFile(text.replace('role gateway', 'role admin'))).toEqual({ error: expect.stringContaining('names no role') as string });
+    expect(parseCredentialsFile(text.replace(c.jwt, ''))).toEqual({ error: expect.stringContaining('no user JWT') as string });
+    expect(parseCredentialsFile(text.replace(c.seed, 'SUnope'))).toEqual({ error: expect.stringContaining('no user nkey seed') as string });
+    // Another user's seed with this JWT.
+    const other = parseCredentialsFile(await roleCredentialsText(signer, 'controller', names));
+    if ('error' in other) throw new Error(other.error);
+    expect(parseCredentialsFile(text.replace(c.seed, other.seed))).toEqual({ error: "its seed is not its JWT's user" });
+    // A bridge's inbox is its instance's.
+    const bridge = parseCredentialsFile(await bridgeCredentialsText(signer, names, 'm', 'i-1'));
+    expect(bridge).toMatchObject({ role: 'bridge', inboxPrefix: bridgeInboxPrefixOf('m', 'i-1') });
+  });
+
+  it('the signer file names its account; anything else is refused with why', async () => {
+    const authority = await newNatsAuthority();
+    const text = signerFileText(authority);
+    expect(parseSignerFile(text)).toEqual({ account: authority.account.publicKey, signerSeed: authority.signerSeed });
+    expect(parseSignerFile(authority.signerSeed)).toEqual({ error: expect.stringContaining('names no account') as string });
+    expect(parseSignerFile(text.replace(authority.signerSeed, 'SAnope'))).toEqual({ error: expect.stringContaining('no account signing key seed') as string });
+    const bad = authority.signerSeed.slice(0, -1) + (authority.signerSeed.endsWith('A') ? 'B' : 'A');
+    expect(parseSignerFile(text.replace(authority.signerSeed, bad))).toEqual({ error: 'its seed is not a valid nkey seed' });
   });
 
   it('without credentials, one warning unless every server is on loopback', () => {
@@ -28,27 +59,38 @@ describe('credentials files', () => {
 describe('permissions', () => {
   const names = dataPlaneNames('T');
   it('grant the JetStream API per stream, never all of it, except to the worker', () => {
-    for (const role of ['gateway', 'bridge', 'controller'] as const) {
+    for (const role of ['gateway', 'controller'] as const) {
       const p = rolePermissions(role, names);
       expect(p.publish.allow).not.toContain('$JS.API.>');
       expect(p.publish.allow).not.toContain('>');
-      expect(p.subscribe.allow).toContain(`_INBOX_${role}.>`);
       expect(p.subscribe.allow.filter((s) => s.startsWith('_INBOX'))).toEqual([`_INBOX_${role}.>`]);
     }
-    const bridge = rolePermissions('bridge', names).publish.allow.join(' ');
-    expect(bridge).not.toContain(names.tokensBucket);
-    expect(bridge).not.toContain(names.responsesBucket);
-    expect(bridge).not.toContain(names.modelsBucket);
     expect(rolePermissions('worker', names).publish.allow).toEqual(['>']);
   });
 
-  it('the server configuration holds public keys and permissions, no seed', () => {
-    const users = (['gateway', 'bridge'] as const).map(newRoleCredentials);
-    const conf = natsAuthorizationConfig(users, names);
-    for (const u of users) {
-      expect(conf).toContain(u.publicKey);
-      expect(conf).not.toContain(u.seed);
-    }
-    expect(conf).toMatch(/^authorization \{\n {2}users: \[/);
+  it("a bridge gets its own instance's requests and none of the secrets", () => {
+    const p = bridgePermissions(names, 'm', 'i-1');
+    const pub = p.publish.allow.join(' ');
+    for (const bucket of [names.tokensBucket, names.responsesBucket, names.modelsBucket, names.sessionsBucket, names.limitsBucket])
+      expect(pub).not.toContain(bucket);
+    // The request stream: only its own consumer, created only with its own filter.
+    const onRequests = p.publish.allow.filter((s) => s.includes(names.requestStream));
+    expect(onRequests.every((s) => s.includes(`${names.requestStream}.m_i-1`))).toBe(true);
+    expect(onRequests).toContain(`$JS.API.CONSUMER.CREATE.${names.requestStream}.m_i-1.t.magus.req.m.i-1`);
+    expect(onRequests.some((s) => s.includes('>') && s.startsWith('$JS.API'))).toBe(false);
+    expect(p.subscribe.allow).toEqual([
+      `${bridgeInboxPrefixOf('m', 'i-1')}.>`,
+      't.magus.cancel.m.i-1',
+      `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.m_i-1`,
+    ]);
+  });
+
+  it('the server configuration holds JWTs, no seed', async () => {
+    const authority = await newNatsAuthority();
+    const conf = natsServerAuthConfig(authority);
+    expect(conf).toContain(authority.operatorJwt);
+    expect(conf).toContain(authority.account.jwt);
+    expect(conf).not.toContain(authority.signerSeed);
+    expect(conf).toMatch(/^resolver: MEMORY$/m);
   });
 });

@@ -1,35 +1,38 @@
 /**
  * NATS users per role: what each magus process may publish and subscribe to in one data plane,
- * as nats-server permissions, and the credentials it connects with (an nkey: the server holds
- * only its public key). A role gets the subjects of its own work and nothing else, so that —
- * whatever else reaches NATS — prompts, answers, tokens and stored responses are read only by
- * the processes that serve them:
+ * as nats-server permissions, and the credentials it connects with (a user JWT signed by the
+ * data plane's account, and the user's nkey seed: the server holds neither, it trusts the
+ * account). A role gets the subjects of its own work and nothing else, so that — whatever else
+ * reaches NATS — prompts, answers, tokens and stored responses are read only by the processes
+ * that serve them. Bridges run in tenants' namespaces: each instance's bridge is a user of its
+ * own, made when the instance is ({@link bridgeCredentialsText}), that reads only its instance's
+ * requests:
  *
  * | role | may | may not |
  * |---|---|---|
  * | `gateway` | publish requests and cancels; read frames of its replicas; KV sessions, responses (declares it), limits, usage (records what it gave up on); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
- * | `bridge` | consume the request stream; publish frames; KV claims, usage | read tokens, responses, sessions, limits; write the registry |
+ * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish frames, read stored frames back; KV claims, usage | read other instances' requests; read tokens, responses, sessions, limits; write the registry |
  * | `controller` | KV tokens, sessions (mirror), usage sums; read usage, limits, models | publish or consume requests and frames |
  * | `worker` | everything: it declares the data plane, runs pipelines and instances | |
  *
- * Every role's replies come to an inbox of its own (`_INBOX_<role>.…`, nats.js `inboxPrefix`):
- * no role can subscribe to another's, where KV reads and JetStream acknowledgements arrive.
+ * Every role's replies come to an inbox of its own (`_INBOX_<role>.…`, a bridge's
+ * `_INBOX_bridge_<pool>_<instance>.…`; nats.js `inboxPrefix`): no user can subscribe to
+ * another's, where KV reads, JetStream acknowledgements and pulled requests arrive.
+ *
+ * Left open (known): a bridge may read the whole response stream (a redelivered request's
+ * frames are read back by subject, and the subject does not name the instance) and write any
+ * claim or usage record.
  *
  * The JetStream API is granted per stream (`$JS.API.<verb>.<stream>…`), never as `$JS.API.>`,
  * so a role that may read one bucket cannot create a consumer on another.
  */
 import { readFileSync } from 'node:fs';
-import { createInbox, nkeyAuthenticator, nkeys as untypedNkeys, type Authenticator, type ConnectionOptions, type NatsConnection } from 'nats';
+import { decode, encodeAccount, encodeOperator, encodeUser, fmtCreds } from '@nats-io/jwt';
+import { createAccount, createOperator, createUser, fromSeed } from '@nats-io/nkeys';
+import { createInbox, jwtAuthenticator, type Authenticator, type ConnectionOptions, type NatsConnection } from 'nats';
 import type { DataPlaneNames } from './names';
-import { scopedSubject } from './names';
+import { cancelSubjectOf, consumerNameOf, requestSubjectOf, scopedSubject } from './names';
 import { Nats } from '../shared/constants';
-
-/** What of nats.js's nkeys (typed `any` there) this module uses. */
-interface Nkeys {
-  createUser(): { getPublicKey(): string; getSeed(): Uint8Array };
-  fromSeed(seed: Uint8Array): unknown;
-}
-const nkeys = untypedNkeys as Nkeys;
 
 export const NATS_ROLES = ['gateway', 'bridge', 'controller', 'worker'] as const;
 export type NatsRole = (typeof NATS_ROLES)[number];
@@ -71,7 +74,7 @@ const kvRead = (bucket: string): string[] => streamRead(`KV_${bucket}`);
 const kvWrite = (bucket: string): string[] => [...kvRead(bucket), `$KV.${bucket}.>`];
 
 /** The permissions of `role` in the data plane `names`. */
-export function rolePermissions(role: NatsRole, names: DataPlaneNames): NatsPermissions {
+export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPlaneNames): NatsPermissions {
   const inbox = `${inboxPrefixOf(role)}.>`;
   const req = scopedSubject(names, `${Nats.requestSubjectPrefix}.>`);
   const res = scopedSubject(names, `${Nats.responseSubjectPrefix}.>`);
@@ -100,20 +103,6 @@ export function rolePermissions(role: NatsRole, names: DataPlaneNames): NatsPerm
         },
         subscribe: { allow: [inbox, res] },
       };
-    case 'bridge':
-      return {
-        publish: {
-          allow: [
-            ...common,
-            res,
-            ...streamRead(names.requestStream),
-            api(`CONSUMER.DURABLE.CREATE.${names.requestStream}.>`),
-            ...kvWrite(names.claimsBucket),
-            ...kvWrite(names.usageBucket),
-          ],
-        },
-        subscribe: { allow: [inbox, cancel, `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.>`] },
-      };
     case 'controller':
       return {
         publish: {
@@ -134,65 +123,215 @@ export function rolePermissions(role: NatsRole, names: DataPlaneNames): NatsPerm
   }
 }
 
-/** One role's user: its nkey's public key (the server's) and seed (the process's secret). */
-export interface RoleCredentials {
-  role: NatsRole;
-  publicKey: string;
-  seed: string;
+/** The inbox prefix of the bridge of instance `instance` of pool `pool`: its replies (its pulled requests among them), and no other bridge's. */
+export const bridgeInboxPrefixOf = (pool: string, instance: string): string => `${inboxPrefixOf('bridge')}_${consumerNameOf(pool, instance)}`;
+
+/**
+ * The permissions of the bridge of instance `instance` of pool `pool`: its own requests and
+ * nothing else of the request stream. It pulls from its instance's durable consumer only (the
+ * creation subject names the consumer *and* its filter, so it cannot widen it), acknowledges its
+ * deliveries, hears its instance's cancels and its consumer's leader elections, and gets its
+ * replies on an inbox of its own (a pulled request arrives there). It publishes frames, reads
+ * frames back for a redelivered request (the response stream), and writes claims and usage.
+ */
+export function bridgePermissions(names: DataPlaneNames, pool: string, instance: string): NatsPermissions {
+  const durable = consumerNameOf(pool, instance);
+  const stream = names.requestStream;
+  return {
+    publish: {
+      allow: [
+        api('INFO'),
+        scopedSubject(names, `${Nats.responseSubjectPrefix}.>`),
+        api(`CONSUMER.INFO.${stream}.${durable}`),
+        api(`CONSUMER.MSG.NEXT.${stream}.${durable}`),
+        api(`CONSUMER.CREATE.${stream}.${durable}.${requestSubjectOf(names, pool, instance)}`),
+        `$JS.ACK.${stream}.${durable}.>`,
+        ...streamRead(names.responseStream),
+        ...kvWrite(names.claimsBucket),
+        ...kvWrite(names.usageBucket),
+      ],
+    },
+    subscribe: {
+      allow: [
+        `${bridgeInboxPrefixOf(pool, instance)}.>`,
+        cancelSubjectOf(names, pool, instance),
+        `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${durable}`,
+      ],
+    },
+  };
 }
 
-/** New credentials for `role`: a fresh user nkey. */
-export function newRoleCredentials(role: NatsRole): RoleCredentials {
-  const kp = nkeys.createUser();
-  return { role, publicKey: kp.getPublicKey(), seed: new TextDecoder().decode(kp.getSeed()) };
+/**
+ * What signs a data plane's NATS users (`magus nats-auth` makes it): nats-server runs in operator
+ * mode, trusting the operator's JWT and, through it, one account (JetStream enabled) whose users
+ * are signed by `signerSeed`, an account signing key. Whoever holds that key makes users: `magus
+ * nats-auth` the roles', the Kubernetes runtime one bridge user per instance
+ * ({@link bridgeCredentialsText}). The server needs no reload for a new user: it checks the
+ * user's JWT against the account it trusts.
+ */
+export interface NatsAuthority {
+  /** The server's side: the operator's, the system account's and the account's JWTs (no secret). */
+  operatorJwt: string;
+  systemAccount: { publicKey: string; jwt: string };
+  account: { publicKey: string; jwt: string };
+  /** The account signing key's seed (`SA…`): a secret. */
+  signerSeed: string;
+}
+
+const td = new TextDecoder();
+const te = new TextEncoder();
+
+/** A new operator, system account and account (JetStream without limits), and the account's signing key. */
+export async function newNatsAuthority(): Promise<NatsAuthority> {
+  const operator = createOperator();
+  const sys = createAccount();
+  const acc = createAccount();
+  const signer = createAccount();
+  const opts = { signer: operator };
+  const unlimited = { mem_storage: -1, disk_storage: -1, streams: -1, consumer: -1, max_ack_pending: -1, mem_max_stream_bytes: -1, disk_max_stream_bytes: -1 };
+  return {
+    operatorJwt: await encodeOperator('magus', operator, { system_account: sys.getPublicKey() }),
+    systemAccount: { publicKey: sys.getPublicKey(), jwt: await encodeAccount('SYS', sys, {}, opts) },
+    account: {
+      publicKey: acc.getPublicKey(),
+      jwt: await encodeAccount(
+        'magus',
+        acc,
+        {
+          signing_keys: [signer.getPublicKey()],
+          limits: { ...unlimited, subs: -1, data: -1, payload: -1, imports: -1, exports: -1, wildcards: true, conn: -1, leaf: -1 },
+        },
+        opts,
+      ),
+    },
+    signerSeed: td.decode(signer.getSeed()),
+  };
 }
 
 /** A JSON string as nats-server's configuration reads it (its strings are JSON's). */
 const q = (s: string): string => JSON.stringify(s);
 
-/**
- * The `authorization` block of a nats-server configuration with one user per role of `users`
- * (their public keys), each with {@link rolePermissions} in data plane `names`. Holds no secret.
- */
-export function natsAuthorizationConfig(users: readonly Pick<RoleCredentials, 'role' | 'publicKey'>[], names: DataPlaneNames): string {
-  const list = (xs: string[]) => `[${xs.map(q).join(', ')}]`;
-  const entries = users.map(({ role, publicKey }) => {
-    const p = rolePermissions(role, names);
-    return `    # ${role}\n    { nkey: ${q(publicKey)}, permissions: { publish: { allow: ${list(p.publish.allow)} }, subscribe: { allow: ${list(p.subscribe.allow)} } } }`;
-  });
-  return `authorization {\n  users: [\n${entries.join(',\n')}\n  ]\n}\n`;
-}
+/** nats-server's configuration for `authority` (include it in the server's): operator mode, its accounts preloaded. Holds no secret. */
+export const natsServerAuthConfig = (a: Pick<NatsAuthority, 'operatorJwt' | 'systemAccount' | 'account'>): string =>
+  [
+    '# magus NATS users (magus nats-auth): operator mode, one account; users are JWTs signed by its signing key.',
+    `operator: ${q(a.operatorJwt)}`,
+    `system_account: ${q(a.systemAccount.publicKey)}`,
+    // A user's CONNECT carries its JWT, permissions included: the gateway's is ~6 KB, over the default 4 KB.
+    'max_control_line: 32768',
+    'resolver: MEMORY',
+    'resolver_preload: {',
+    `  ${q(a.systemAccount.publicKey)}: ${q(a.systemAccount.jwt)}`,
+    `  ${q(a.account.publicKey)}: ${q(a.account.jwt)}`,
+    '}',
+    '',
+  ].join('\n');
 
-/**
- * The credentials file of one role, as `magus nats-auth` writes it and `MAGUS_NATS_CREDENTIALS`
- * names it: a comment naming the role, then the nkey seed.
- */
-export const credentialsFileText = (c: RoleCredentials): string =>
-  `# magus NATS credentials: role ${c.role}, user ${c.publicKey}. Secret: whoever holds this file is that user.\n${c.seed}\n`;
+/** The signer file's text (`bridge-signer.nk`): the account it signs for, then the signing key's seed. */
+export const signerFileText = (a: Pick<NatsAuthority, 'account' | 'signerSeed'>): string =>
+  `# magus NATS signer: account ${a.account.publicKey}. Secret: whoever holds this file makes users of that account.\n${a.signerSeed}\n`;
 
-/** The role and seed of a credentials file's text, or what is wrong with it. */
-export function parseCredentialsFile(text: string): { role: NatsRole; seed: string } | { error: string } {
-  const role = /^# magus NATS credentials: role ([a-z]+)\b/m.exec(text)?.[1];
-  const seed = /^(SU[A-Z2-7]{56})$/m.exec(text)?.[1];
-  if (!role || !(NATS_ROLES as readonly string[]).includes(role))
-    return { error: `it names no role (a first line "# magus NATS credentials: role <${NATS_ROLES.join('|')}>")` };
-  if (!seed) return { error: 'it holds no user nkey seed (a line SU…, 58 characters)' };
+/** The account and seed of a signer file's text, or what is wrong with it. */
+export function parseSignerFile(text: string): { account: string; signerSeed: string } | { error: string } {
+  const account = /^# magus NATS signer: account (A[A-Z2-7]{55})\b/m.exec(text)?.[1];
+  const seed = /^(SA[A-Z2-7]{56})$/m.exec(text)?.[1];
+  if (!account) return { error: 'it names no account (a first line "# magus NATS signer: account A…")' };
+  if (!seed) return { error: 'it holds no account signing key seed (a line SA…, 58 characters)' };
   try {
-    nkeys.fromSeed(new TextEncoder().encode(seed));
+    fromSeed(te.encode(seed));
   } catch {
     return { error: 'its seed is not a valid nkey seed' };
   }
-  return { role: role as NatsRole, seed };
+  return { account, signerSeed: seed };
+}
+
+/** Reads the signer file at `path` (`what` names it in errors, e.g. its variable); throws naming the file and what is wrong. */
+export function readNatsSigner(path: string, what = path): { account: string; signerSeed: string } {
+  let text: string;
+  try {
+    text = readFileSync(path, 'utf8');
+  } catch (err) {
+    throw new Error(`${what}: cannot be read (${(err as NodeJS.ErrnoException).code ?? (err as Error).message})`);
+  }
+  const s = parseSignerFile(text);
+  if ('error' in s) throw new Error(`${what}: not a magus NATS signer file: ${s.error}`);
+  return s;
+}
+
+/** A user JWT named `name` with `permissions`, signed by the signer for its account, in a credentials file. */
+async function userCredentialsText(
+  signer: { account: string; signerSeed: string },
+  name: string,
+  role: NatsRole,
+  permissions: NatsPermissions,
+): Promise<string> {
+  const user = createUser();
+  const jwt = await encodeUser(
+    name,
+    user,
+    signer.account,
+    { pub: { allow: permissions.publish.allow, deny: [] }, sub: { allow: permissions.subscribe.allow, deny: [] } },
+    {
+      signer: fromSeed(te.encode(signer.signerSeed)),
+    },
+  );
+  return `# magus NATS credentials: role ${role}, user ${user.getPublicKey()}. Secret: whoever holds this file is that user.\n${td.decode(fmtCreds(jwt, user))}`;
+}
+
+/** The credentials file of a new `role` user (not a bridge: those are made per instance) in data plane `names`. */
+export function roleCredentialsText(
+  signer: { account: string; signerSeed: string },
+  role: Exclude<NatsRole, 'bridge'>,
+  names: DataPlaneNames,
+): Promise<string> {
+  return userCredentialsText(signer, `magus-${role}`, role, rolePermissions(role, names));
+}
+
+/** The credentials file of a new bridge user of instance `instance` of pool `pool`: {@link bridgePermissions}. */
+export function bridgeCredentialsText(signer: { account: string; signerSeed: string }, names: DataPlaneNames, pool: string, instance: string): Promise<string> {
+  return userCredentialsText(signer, `magus-bridge ${pool}/${instance}`, 'bridge', bridgePermissions(names, pool, instance));
+}
+
+/** What a credentials file holds: its role, the user's JWT and seed, and the inbox prefix its JWT lets it subscribe to. */
+export interface NatsCredentials {
+  role: NatsRole;
+  jwt: string;
+  seed: string;
+  inboxPrefix: string;
+}
+
+/** The credentials of a credentials file's text, or what is wrong with it. */
+export function parseCredentialsFile(text: string): NatsCredentials | { error: string } {
+  const role = /^# magus NATS credentials: role ([a-z]+)\b/m.exec(text)?.[1];
+  if (!role || !(NATS_ROLES as readonly string[]).includes(role))
+    return { error: `it names no role (a first line "# magus NATS credentials: role <${NATS_ROLES.join('|')}>")` };
+  const jwt = /-----BEGIN NATS USER JWT-----\s*\n\s*(\S+)\s*\n/.exec(text)?.[1];
+  const seed = /-----BEGIN USER NKEY SEED-----\s*\n\s*(SU[A-Z2-7]{56})\s*\n/.exec(text)?.[1];
+  if (!jwt) return { error: 'it holds no user JWT (-----BEGIN NATS USER JWT-----; made by magus nats-auth)' };
+  if (!seed) return { error: 'it holds no user nkey seed (-----BEGIN USER NKEY SEED-----, a line SU…)' };
+  let claims: { sub?: string; nats?: { sub?: { allow?: string[] } } };
+  try {
+    claims = decode(jwt);
+  } catch {
+    return { error: 'its JWT cannot be decoded' };
+  }
+  try {
+    if (fromSeed(te.encode(seed)).getPublicKey() !== claims.sub) return { error: "its seed is not its JWT's user" };
+  } catch {
+    return { error: 'its seed is not a valid nkey seed' };
+  }
+  const inbox = (claims.nats?.sub?.allow ?? []).find((s) => s.startsWith('_INBOX') && s.endsWith('.>'));
+  return { role: role as NatsRole, jwt, seed, inboxPrefix: inbox ? inbox.slice(0, -2) : inboxPrefixOf(role as NatsRole) };
 }
 
 /** nats.js connection options of a process holding `creds` (none: no authentication, a development server). */
-export function natsAuthOptions(creds: { role: NatsRole; seed: string } | undefined): { authenticator?: Authenticator; inboxPrefix?: string } {
+export function natsAuthOptions(creds: NatsCredentials | undefined): { authenticator?: Authenticator; inboxPrefix?: string } {
   if (!creds) return {};
-  return { authenticator: nkeyAuthenticator(new TextEncoder().encode(creds.seed)), inboxPrefix: inboxPrefixOf(creds.role) };
+  return { authenticator: jwtAuthenticator(creds.jwt, te.encode(creds.seed)), inboxPrefix: creds.inboxPrefix };
 }
 
 /** Reads the credentials file at `path`; throws naming the file and what is wrong. */
-export function readNatsCredentials(path: string): { role: NatsRole; seed: string } {
+export function readNatsCredentials(path: string): NatsCredentials {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');

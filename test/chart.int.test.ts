@@ -11,7 +11,8 @@
  * ServiceAccounts exactly their roles, `helm upgrade` rolls out changed values, and
  * `helm uninstall` leaves the CRDs and the resources in them.
  */
-import { credentialsFileText, newRoleCredentials } from '../dataplane/roles';
+import { dataPlaneNames } from '../dataplane';
+import { newNatsAuthority, roleCredentialsText, signerFileText } from '../dataplane/roles';
 import { execFile } from 'node:child_process';
 import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -398,7 +399,7 @@ describe('the chart, rendered', () => {
       const role = d.metadata.name === 'magus-controller' ? 'controller' : 'worker';
       expect(natsVolume(d)?.items).toEqual([
         { key: `${role}.creds`, path: 'creds' },
-        ...(role === 'worker' ? [{ key: 'bridge.creds', path: 'bridge-creds' }] : []),
+        ...(role === 'worker' ? [{ key: 'bridge-signer.nk', path: 'bridge-signer' }] : []),
       ]);
     }
     const ingress = ofKind<Obj & { spec: { rules: { host: string; http: { paths: { path: string }[] } }[] } }>(objs, 'Ingress');
@@ -433,16 +434,20 @@ describe('the chart, rendered', () => {
       const tokensFile = join(dir, 'tokens.json');
       writeFileSync(secretFile, 'k'.repeat(64));
       writeFileSync(tokensFile, '{}');
-      // A credentials file of each kind the pods mount (a role's own, and the bridge's the worker hands on).
+      // The files of magus nats-auth the pods mount (a role's own credentials, and the signer the worker makes bridge users with).
       const credsFile = join(dir, 'creds');
-      const bridgeCredsFile = join(dir, 'bridge-creds');
-      writeFileSync(credsFile, credentialsFileText(newRoleCredentials('worker')));
-      writeFileSync(bridgeCredsFile, credentialsFileText(newRoleCredentials('bridge')));
+      const signerFile = join(dir, 'bridge-signer');
+      const authority = await newNatsAuthority();
+      writeFileSync(
+        credsFile,
+        await roleCredentialsText({ account: authority.account.publicKey, signerSeed: authority.signerSeed }, 'worker', dataPlaneNames('')),
+      );
+      writeFileSync(signerFile, signerFileText(authority));
       const files = {
         '/etc/magus/gateway-secret/secret': secretFile,
         '/etc/magus/gateway-tokens/tokens.json': tokensFile,
         '/etc/magus/nats/creds': credsFile,
-        '/etc/magus/nats/bridge-creds': bridgeCredsFile,
+        '/etc/magus/nats/bridge-signer': signerFile,
       };
       for (const d of ofKind<Deployment>(objs, 'Deployment')) {
         const c = d.spec.template.spec.containers[0]!;

@@ -1,23 +1,25 @@
 /**
  * NATS users per role (dataplane/roles.ts) against a real nats-server configured with them, as
- * `magus nats-auth` writes them (its credentials files and the server's `authorization` block): a
- * gateway, a `magus bridge` process and a controller each connect as their own user (an nkey), and
+ * `magus nats-auth` writes them (its credentials files, the server's operator-mode configuration,
+ * and an instance's bridge user signed with its signer): a gateway, a `magus bridge` process and
+ * a controller each connect as their own user (a JWT), and
  * a request goes gateway → bridge → engine and back, its record read by `magus usage` with the
  * controller's credentials; what a role must not do is a permissions error — a bridge
  * reading tokens or stored responses or writing the registry, a gateway consuming the request
- * stream, a controller reading another role's inbox or the answers — and a connection without
- * credentials is refused.
+ * stream, a controller reading another role's inbox or the answers, another instance's bridge (a
+ * tenant's pod holding its own instance's credentials) reading this instance's prompts — and a
+ * connection without credentials is refused.
  */
 import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { connect, nkeyAuthenticator, type NatsConnection } from 'nats';
+import { connect, type NatsConnection } from 'nats';
 import { dataPlaneNames, ensureDataPlane } from '../dataplane';
 import { registerKey, tokenDigest } from '../dataplane/keys';
 import { openModelRegistry } from '../dataplane/registry';
-import { inboxPrefixOf, NATS_ROLES, parseCredentialsFile, type NatsRole } from '../dataplane/roles';
+import { bridgeInboxPrefixOf, inboxPrefixOf, natsAuthOptions, parseCredentialsFile, type NatsCredentials } from '../dataplane/roles';
 import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from './harness/nats-cluster';
@@ -28,41 +30,51 @@ const names = dataPlaneNames('ROLES');
 const MODEL = 'guarded';
 const stack = new TestStack();
 let cluster: TestNatsCluster;
-const creds = new Map<NatsRole, { role: NatsRole; seed: string }>();
-const conns = new Map<NatsRole, NatsConnection>();
+/** The users: each role's, and the bridges of instances i1 (serves the test's requests) and i2 (another tenant's). */
+const USERS = ['gateway', 'controller', 'worker', 'bridge-i1', 'bridge-i2'] as const;
+type User = (typeof USERS)[number];
+const creds = new Map<User, NatsCredentials>();
+const conns = new Map<User, NatsConnection>();
 
-const as = (role: NatsRole) => conns.get(role)!;
-const connectAs = (role: NatsRole, opts: { inbox?: string } = {}) =>
-  connect({
-    servers: cluster.servers,
-    authenticator: nkeyAuthenticator(new TextEncoder().encode(creds.get(role)!.seed)),
-    inboxPrefix: opts.inbox ?? inboxPrefixOf(role),
-    name: `test-${role}`,
-    timeout: 5000,
-  });
+const as = (user: User) => conns.get(user)!;
+const connectAs = (user: User) => connect({ servers: cluster.servers, ...natsAuthOptions(creds.get(user)), name: `test-${user}`, timeout: 5000 });
 
 const dir = mkdtempSync(join(tmpdir(), 'magus-nats-auth-'));
-const credsFile = (role: NatsRole) => join(dir, `${role}.creds`);
+const credsFile = (user: User) => join(dir, `${user}.creds`);
 
 beforeAll(async () => {
   const made = await runMagus(['nats-auth', '--out', dir, '--prefix', names.prefix], process.env);
   expect(made.stderr).toBe('');
   expect(made.code).toBe(0);
-  for (const role of NATS_ROLES) {
-    expect(statSync(credsFile(role)).mode & 0o777).toBe(0o600);
-    const c = parseCredentialsFile(readFileSync(credsFile(role), 'utf8'));
-    if ('error' in c) throw new Error(c.error);
-    creds.set(role, c);
+  expect(statSync(join(dir, 'bridge-signer.nk')).mode & 0o777).toBe(0o600);
+  for (const instance of ['i1', 'i2']) {
+    const minted = await runMagus(
+      ['nats-auth', '--bridge', `${MODEL}/${instance}`, '--signer', join(dir, 'bridge-signer.nk'), '--prefix', names.prefix],
+      process.env,
+    );
+    expect(minted.stderr).toBe('');
+    writeFileSync(credsFile(`bridge-${instance}` as User), minted.stdout, { mode: 0o600 });
   }
+  for (const user of USERS) {
+    if (!user.startsWith('bridge')) expect(statSync(credsFile(user)).mode & 0o777).toBe(0o600);
+    const c = parseCredentialsFile(readFileSync(credsFile(user), 'utf8'));
+    if ('error' in c) throw new Error(`${user}: ${c.error}`);
+    creds.set(user, c);
+  }
+  expect(creds.get('bridge-i1')!.inboxPrefix).toBe(bridgeInboxPrefixOf(MODEL, 'i1'));
+  // A signer that is not one: refused with why.
+  const bad = await runMagus(['nats-auth', '--bridge', `${MODEL}/i1`, '--signer', credsFile('worker')], process.env);
+  expect(bad.code).toBe(1);
+  expect(bad.stderr).toContain('not a magus NATS signer file');
   // Written again: refused, nothing overwritten.
   const again = await runMagus(['nats-auth', '--out', dir], process.env);
   expect(again.code).toBe(1);
   expect(again.stderr).toContain('nothing written');
   cluster = await startNatsCluster({ size: 1, extraConfig: readFileSync(join(dir, 'nats-auth.conf'), 'utf8') });
   stack.defer(() => cluster.stop());
-  for (const role of creds.keys()) {
-    const nc = await connectAs(role);
-    conns.set(role, nc);
+  for (const user of USERS) {
+    const nc = await connectAs(user);
+    conns.set(user, nc);
     stack.defer(() => nc.close());
   }
   await ensureDataPlane(as('worker'), { prefix: names.prefix });
@@ -97,7 +109,7 @@ async function bridgeProcess(engineUrl: string): Promise<void> {
       '--prefix',
       names.prefix,
     ],
-    { env: { ...process.env, MAGUS_NATS_CREDENTIALS: credsFile('bridge') }, stdio: ['ignore', 'ignore', 'pipe'] },
+    { env: { ...process.env, MAGUS_NATS_CREDENTIALS: credsFile('bridge-i1') }, stdio: ['ignore', 'ignore', 'pipe'] },
   );
   let stderr = '';
   child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
@@ -187,7 +199,7 @@ test('a request goes gateway → bridge → engine and back, each process as its
 const denied = /permissions violation|PERMISSIONS_VIOLATION/i;
 
 test('a bridge cannot read tokens or stored responses, nor write the registry', async () => {
-  const js = as('bridge').jetstream();
+  const js = as('bridge-i1').jetstream();
   await expect(js.views.kv(names.tokensBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
   await expect(js.views.kv(names.responsesBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
   await expect(js.publish(`$KV.${names.modelsBucket}.default.evil`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
@@ -214,4 +226,30 @@ test('a controller cannot read the answers nor another role’s inbox; no creden
   expect((await answers).message).toMatch(/Permissions Violation for Subscription to "?roles\.magus\.res\.>/i);
   expect((await inbox).message).toMatch(/Permissions Violation for Subscription to "?_INBOX_gateway\.>/i);
   await expect(connect({ servers: cluster.servers, timeout: 3000, reconnect: false })).rejects.toThrow(/Authorization Violation/i);
+});
+
+test("another instance's bridge (a tenant's pod with its own credentials) cannot read this instance's prompts", async () => {
+  const nc = as('bridge-i2');
+  const jsm = await nc.jetstreamManager({ checkAPI: false });
+  const prompts = `${names.subjectScope}.magus.req.${MODEL}.i1`;
+  // Neither a consumer of its own on them, nor pulling from i1's, nor reading them directly.
+  await expect(jsm.consumers.add(names.requestStream, { name: 'evil', filter_subject: `${names.subjectScope}.magus.req.>` })).rejects.toThrow(denied);
+  await expect(jsm.consumers.add(names.requestStream, { name: `${MODEL}_i2`, filter_subject: prompts })).rejects.toThrow(denied);
+  await expect(jsm.consumers.info(names.requestStream, `${MODEL}_i1`)).rejects.toThrow(denied);
+  await expect(jsm.streams.getMessage(names.requestStream, { last_by_subj: prompts })).rejects.toThrow(denied);
+  await expect(nc.request(`$JS.API.CONSUMER.MSG.NEXT.${names.requestStream}.${MODEL}_i1`, JSON.stringify({ batch: 1 }), { timeout: 2000 })).rejects.toThrow(
+    denied,
+  );
+  // Nor i1's inbox (where i1's pulled requests arrive), its cancels, or the prompts' subjects.
+  const refused = (subject: string) =>
+    new Promise<Error>((resolve) => {
+      nc.subscribe(subject, { callback: (err) => err && resolve(err) });
+    });
+  const inbox = refused(`${bridgeInboxPrefixOf(MODEL, 'i1')}.>`);
+  const live = refused(prompts);
+  const cancels = refused(`${names.subjectScope}.magus.cancel.${MODEL}.i1`);
+  await nc.flush();
+  for (const err of await Promise.all([inbox, live, cancels])) expect(err.message).toMatch(/Permissions Violation for Subscription/i);
+  // Its own consumer (were its instance running) is what it may pull from: the same calls on i2's name pass the permission check.
+  await expect(jsm.consumers.info(names.requestStream, `${MODEL}_i2`)).rejects.toThrow(/consumer not found/i);
 });

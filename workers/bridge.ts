@@ -3,7 +3,7 @@
  * data plane and this instance's consumer, `/health` `/ready` `/metrics`, SIGINT/SIGTERM. The
  * bridge itself is dataplane/bridge (the local runtime runs the same one in process).
  */
-import { natsConnectAuth, natsCredentialsFrom, readNatsCredentials } from '../dataplane/roles';
+import { bridgeInboxPrefixOf, natsConnectAuth, natsCredentialsFrom, readNatsCredentials } from '../dataplane/roles';
 import { createServer, type Server } from 'node:http';
 import { connect } from 'nats';
 import { dataPlaneNames, declareOnReconnect, ensureDataPlane, ensureInstanceConsumer } from '../dataplane';
@@ -58,6 +58,10 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   const responses = responseStreamSizing(process.env, problems);
   const replicas = natsReplicasFrom(process.env, problems);
   const credentials = natsCredentialsFrom(process.env, problems);
+  // A bridge user is its instance's: another instance's would be refused its consumer.
+  const own = credentials && pool && instance && !problems.length ? readNatsCredentials(credentials) : undefined;
+  if (own?.role === 'bridge' && own.inboxPrefix !== bridgeInboxPrefixOf(pool, instance))
+    problems.push(`MAGUS_NATS_CREDENTIALS=${credentials} is another instance's bridge user (its inbox ${own.inboxPrefix}), not ${pool}/${instance}'s`);
   if (problems.length > 0) {
     process.stderr.write(`magus bridge: ${problems.join('; ')}\n${BRIDGE_USAGE}\n`);
     return 1;

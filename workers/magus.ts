@@ -69,7 +69,7 @@ const DESCRIPTIONS: Record<Mode, string> = {
   model: 'model pull <org/repo>[@rev] --format gguf:q40,…: prepare a model through the pipeline; model tiny <dir>: write a tiny test model',
   keys: 'keys create NAME | limits NAME | list | revoke NAME: API keys and their limits without Kubernetes (on a cluster: ApiKey resources)',
   usage: 'the usage ledger: requests and tokens per key, model and day or month (--csv: the billing export), or each request',
-  'nats-auth': 'NATS users per role (gateway, bridge, controller, worker): credentials files and the server configuration',
+  'nats-auth': 'NATS users per role (gateway, controller, worker; a bridge per instance): credentials files, the signer and the server configuration',
 };
 
 export const EXIT_NOT_AVAILABLE = 2;

@@ -4,7 +4,7 @@
  * the `MAGUS_K8S_*` variables. The runtime itself, and with it the Kubernetes client, is loaded
  * only when a worker builds it: every `magus` command reads its configuration through here.
  */
-import { readNatsCredentials } from '../../dataplane/roles';
+import { readNatsSigner } from '../../dataplane/roles';
 import { formatsLoadedBy } from '../../shared/engines';
 import type * as EnginesModule from './engines';
 import { checkNatsServerList } from '../../platform/config';
@@ -17,15 +17,15 @@ import type * as KubernetesModule from './kubernetes';
  * (required: the images instance pods run), `MAGUS_K8S_NATS_URL` (NATS as instance
  * pods reach it; default MAGUS_NATS_URL), `MAGUS_K8S_S3_SECRET` (a Secret in each model namespace
  * with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the pods' `magus fetch`),
- * `MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT`, `MAGUS_K8S_BRIDGE_NATS_CREDENTIALS` (the bridge role's credentials file: each instance gets a
- * Secret of its own with it), `MAGUS_K8S_NODES` (distributed-llama nodes of a pool
+ * `MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT`, `MAGUS_K8S_BRIDGE_NATS_SIGNER` (`magus nats-auth`'s `bridge-signer.nk`: each instance's bridge
+ * gets a NATS user of its own, signed with it, in a Secret of the instance), `MAGUS_K8S_NODES` (distributed-llama nodes of a pool
  * without a `Dllama`; default 1: llama.cpp), `MAGUS_K8S_UNSCHEDULABLE_AFTER_MS` (default 30000).
  */
 export interface KubernetesRuntimeConfig {
   images: { magus: string; dllama: string };
   natsUrl: string;
-  /** `MAGUS_K8S_BRIDGE_NATS_CREDENTIALS`: the bridge role's credentials file (magus nats-auth), given to every instance's bridge. */
-  bridgeCredentials?: string;
+  /** `MAGUS_K8S_BRIDGE_NATS_SIGNER`: the signer file (magus nats-auth) each instance's bridge user is made with. */
+  bridgeSigner?: string;
   s3Secret?: string;
   serviceAccount?: string;
   defaultNodes: number;
@@ -44,17 +44,20 @@ function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, pr
     if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
   const natsUrl = env.MAGUS_K8S_NATS_URL?.trim() || natsServers;
   checkNatsServerList('MAGUS_K8S_NATS_URL', natsUrl, problems);
-  const bridgeCredentials = env.MAGUS_K8S_BRIDGE_NATS_CREDENTIALS?.trim();
-  if (bridgeCredentials) {
+  if (env.MAGUS_K8S_BRIDGE_NATS_CREDENTIALS?.trim())
+    problems.push(
+      'MAGUS_K8S_BRIDGE_NATS_CREDENTIALS is no longer read: each instance gets a bridge user of its own; set MAGUS_K8S_BRIDGE_NATS_SIGNER to bridge-signer.nk of magus nats-auth',
+    );
+  const bridgeSigner = env.MAGUS_K8S_BRIDGE_NATS_SIGNER?.trim();
+  if (bridgeSigner) {
     try {
-      const { role } = readNatsCredentials(bridgeCredentials);
-      if (role !== 'bridge') problems.push(`MAGUS_K8S_BRIDGE_NATS_CREDENTIALS=${bridgeCredentials} is the ${role} role's: instance bridges need the bridge's`);
+      readNatsSigner(bridgeSigner, `MAGUS_K8S_BRIDGE_NATS_SIGNER=${bridgeSigner}`);
     } catch (err) {
-      problems.push((err as Error).message.replace('MAGUS_NATS_CREDENTIALS', 'MAGUS_K8S_BRIDGE_NATS_CREDENTIALS'));
+      problems.push((err as Error).message);
     }
   }
   return {
-    ...(bridgeCredentials ? { bridgeCredentials } : {}),
+    ...(bridgeSigner ? { bridgeSigner } : {}),
     images: { magus: env.MAGUS_K8S_MAGUS_IMAGE?.trim() ?? '', dllama: env.MAGUS_K8S_DLLAMA_IMAGE?.trim() ?? '' },
     natsUrl,
     ...(env.MAGUS_K8S_S3_SECRET?.trim() ? { s3Secret: env.MAGUS_K8S_S3_SECRET.trim() } : {}),
@@ -85,7 +88,7 @@ export const kubernetes: RuntimeEntry<KubernetesRuntimeConfig> = {
       names: deps.names,
       images: k.images,
       natsUrl: k.natsUrl,
-      ...(k.bridgeCredentials ? { bridgeCredentials: k.bridgeCredentials } : {}),
+      ...(k.bridgeSigner ? { bridgeSigner: k.bridgeSigner } : {}),
       dataPlaneEnv: deps.dataPlaneEnv,
       s3: { endpoint: s3.endpoint, region: s3.region, bucket: s3.bucket, ...(k.s3Secret ? { secret: k.s3Secret } : {}) },
       ...(k.serviceAccount ? { serviceAccount: k.serviceAccount } : {}),

@@ -20,10 +20,10 @@ import type { MagusConfig } from '../../workers/config';
 import type { Client } from '@temporalio/client';
 import { startController } from '../../controller/controller';
 import { execFile } from 'node:child_process';
-import { mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { credentialsFileText, newRoleCredentials } from '../../dataplane/roles';
+import { bridgeInboxPrefixOf, newNatsAuthority, parseCredentialsFile, signerFileText } from '../../dataplane/roles';
 import { promisify } from 'node:util';
 import { podReady } from './kubernetes';
 import { CONNECT_ATTEMPTS, CONNECT_ATTEMPTS_ENV, NETWORK_KEY_ENV } from './dllama';
@@ -45,8 +45,7 @@ const NS = iso.namespace;
 const GIB = 2 ** 30;
 const sha = (c: string) => c.repeat(64);
 /** The bridge role's credentials the runtime hands each instance (a file, as the chart mounts it). */
-const bridgeCredsFile = join(mkdtempSync(join(tmpdir(), 'magus-k8s-creds-')), 'bridge.creds');
-writeFileSync(bridgeCredsFile, credentialsFileText(newRoleCredentials('bridge')));
+const bridgeSignerFile = join(mkdtempSync(join(tmpdir(), 'magus-k8s-creds-')), 'bridge-signer.nk');
 
 let cluster: TestCluster;
 let nc: NatsConnection;
@@ -101,6 +100,7 @@ const sts = (name: string): Promise<V1StatefulSet | undefined> => apps.readNames
 const podsOf = async (instance: string) => (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/instance=${instance}` })).items;
 
 beforeAll(async () => {
+  writeFileSync(bridgeSignerFile, signerFileText(await newNatsAuthority()));
   cluster = await startTestCluster({ nodes: 4, nodeResources: { cpu: '8', memory: '8Gi' } });
   stack.defer(() => cluster.stop());
   core = cluster.kubeConfig.makeApiClient(CoreV1Api);
@@ -118,7 +118,7 @@ beforeAll(async () => {
     names,
     images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
     natsUrl: 'nats://nats.magus.svc:4222',
-    bridgeCredentials: bridgeCredsFile,
+    bridgeSigner: bridgeSignerFile,
     s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
     unschedulableAfterMs: 2000,
     startTimeoutMs: 90_000,
@@ -204,12 +204,13 @@ test.each([0, 1, 2, 3])(
       iso.natsPrefix,
     ]);
     expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
-    // Its NATS user: the bridge role's credentials, from a Secret of the instance.
+    // Its NATS user: one of its own, made with the signer, from a Secret of the instance.
     expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_CREDENTIALS', value: '/etc/magus/nats/creds' });
     expect(bridge.volumeMounts).toContainEqual({ name: 'nats-credentials', mountPath: '/etc/magus/nats', readOnly: true });
     expect(pod.volumes?.find((v) => v.name === 'nats-credentials')?.secret?.secretName).toBe(`${base}-nats`);
     const natsSecret = await core.readNamespacedSecret({ name: `${base}-nats`, namespace: NS });
-    expect(Buffer.from(natsSecret.data!.creds!, 'base64').toString()).toBe(readFileSync(bridgeCredsFile, 'utf8'));
+    const creds = parseCredentialsFile(Buffer.from(natsSecret.data!.creds!, 'base64').toString());
+    expect(creds).toMatchObject({ role: 'bridge', inboxPrefix: bridgeInboxPrefixOf(name, instance) });
     expect(natsSecret.metadata?.ownerReferences).toMatchObject([{ kind: 'ConfigMap', name: base, controller: true }]);
     // The topology's network key: a Secret of its own, created once (a start tried again keeps it), owned by the instance.
     const keyRef = { name: NETWORK_KEY_ENV, valueFrom: { secretKeyRef: { name: `${base}-network`, key: 'key' } } };

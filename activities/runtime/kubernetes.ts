@@ -15,7 +15,7 @@
  * - `destroy` deletes the instance's ConfigMap (the garbage collector takes the rest) and its
  *   request consumer; idempotent.
  */
-import { readFileSync } from 'node:fs';
+import { bridgeCredentialsText, readNatsSigner } from '../../dataplane/roles';
 import {
   CoreV1Api,
   CustomObjectsApi,
@@ -68,8 +68,8 @@ export interface KubernetesRuntimeOptions {
   images: { magus: string; dllama: string };
   /** NATS as the instance pods reach it. */
   natsUrl: string;
-  /** The bridge role's credentials file (dataplane/roles.ts): each instance's bridge connects with it, from a Secret of the instance. */
-  bridgeCredentials?: string;
+  /** The signer file (dataplane/roles.ts, `magus nats-auth`): each instance's bridge connects as a user of its own made with it, from a Secret of the instance. */
+  bridgeSigner?: string;
   /**
    * Environment of each pod's bridge for declaring the data plane as this worker does
    * (`MAGUS_NATS_REPLICAS`, `MAGUS_RESPONSES_*`; workers/config.ts `dataPlaneEnv`).
@@ -292,7 +292,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         url: opts.natsUrl,
         prefix: opts.names.prefix,
         ...(opts.dataPlaneEnv ? { env: opts.dataPlaneEnv } : {}),
-        ...(opts.bridgeCredentials ? { credentialsSecret: natsCredentialsSecretName(req.instance) } : {}),
+        ...(opts.bridgeSigner ? { credentialsSecret: natsCredentialsSecretName(req.instance) } : {}),
       },
       s3: opts.s3,
       ...(opts.serviceAccount ? { serviceAccount: opts.serviceAccount } : {}),
@@ -328,7 +328,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     const [configMap, ...rest] = instanceManifests(p);
     const cm = await apply(configMap!);
     if (isDistributed(p.engine)) await createNetworkKey(p, cm.metadata!.uid!);
-    if (opts.bridgeCredentials) await createNatsCredentials(p, cm.metadata!.uid!);
+    if (opts.bridgeSigner) await createNatsCredentials(p, cm.metadata!.uid!);
     const owned = (o: KubeObject) => ({
       ...o,
       metadata: { ...o.metadata, ownerReferences: o.metadata.ownerReferences!.map((r) => ({ ...r, uid: cm.metadata!.uid! })) },
@@ -355,12 +355,14 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   }
 
   /**
-   * Creates the instance's copy of the bridge's NATS credentials unless it exists (read from the
-   * file at each start: a rotated file reaches instances started after it).
+   * Creates the NATS user of the instance's bridge unless its Secret exists (a start tried again
+   * keeps the user its pods may already hold): a JWT allowed its own instance's requests only
+   * (dataplane/roles.ts bridgePermissions), signed with the signer file (read at each start: a
+   * rotated file reaches instances started after it). Only `create`: never read back.
    */
   async function createNatsCredentials(p: InstancePlan, owner: string): Promise<void> {
     count('create');
-    const text = readFileSync(opts.bridgeCredentials!, 'utf8');
+    const text = await bridgeCredentialsText(readNatsSigner(opts.bridgeSigner!), opts.names, p.pool, p.instance);
     await core.createNamespacedSecret({ namespace: p.namespace, body: natsCredentialsSecret(p, owner, text) }).catch((err: unknown) => {
       if (code(err) !== 409) throw err;
     });

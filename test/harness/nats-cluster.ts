@@ -36,7 +36,7 @@ export interface NatsClusterOptions {
   readyTimeoutSec?: number;
   /** Starts on fresh ports before "address already in use" is final (default 5). */
   portAttempts?: number;
-  /** More of each node's configuration (an `authorization` block, say). */
+  /** More of each node's configuration (`magus nats-auth`'s operator mode, say). */
   extraConfig?: string;
 }
 

@@ -209,7 +209,8 @@ export async function runDev(opts: DevOptions): Promise<number> {
     say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
     // NATS with a user per role (kept across restarts): each part of this dev connects as its own.
     const natsAuth = join(dataDir, 'nats-auth');
-    if (!natsAuthFiles().every((f) => existsSync(join(natsAuth, f)))) writeNatsAuth(natsAuth, dataPlaneNames(process.env.MAGUS_NATS_PREFIX?.trim() ?? ''));
+    if (!natsAuthFiles().every((f) => existsSync(join(natsAuth, f))))
+      await writeNatsAuth(natsAuth, dataPlaneNames(process.env.MAGUS_NATS_PREFIX?.trim() ?? ''));
     const credentials = (role: NatsRole) => join(natsAuth, `${role}.creds`);
     const services = await startServices({ services: wanted, dataDir, log: (line) => say(line), natsConfigFile: join(natsAuth, 'nats-auth.conf') });
     running.push({ what: 'the servers', stop: () => services.stop(), timeoutMs: 30_000 });

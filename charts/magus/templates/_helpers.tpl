@@ -181,9 +181,9 @@ A component's NATS user (nats.credentials.existingSecret: the files of magus nat
 - name: MAGUS_NATS_CREDENTIALS
   value: /etc/magus/nats/creds
 {{- if eq .role "worker" }}
-# Each instance's bridge gets a copy, in a Secret of the instance.
-- name: MAGUS_K8S_BRIDGE_NATS_CREDENTIALS
-  value: /etc/magus/nats/bridge-creds
+# Each instance's bridge gets a NATS user of its own, signed with it, in a Secret of the instance.
+- name: MAGUS_K8S_BRIDGE_NATS_SIGNER
+  value: /etc/magus/nats/bridge-signer
 {{- end }}
 {{- end }}
 {{- end -}}
@@ -203,7 +203,7 @@ A component's NATS user (nats.credentials.existingSecret: the files of magus nat
     items:
       - {key: {{ printf "%s.creds" $.role }}, path: creds}
       {{- if eq $.role "worker" }}
-      - {key: bridge.creds, path: bridge-creds}
+      - {key: bridge-signer.nk, path: bridge-signer}
       {{- end }}
 {{- end }}
 {{- end -}}
