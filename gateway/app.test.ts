@@ -1074,6 +1074,56 @@ describe('/openapi.json', () => {
     expect(doc.paths['/healthz']!.get!.security).toEqual([]);
   });
 
+  describe('MAGUS_GATEWAY_OPENAPI', () => {
+    const get = (token?: string) =>
+      t.app.inject({ method: 'GET', url: '/openapi.json', headers: token === undefined ? {} : { authorization: `Bearer ${token}` } });
+    const wrongSecret = () => `${t.tokens.alice.token.slice(0, -4)}0000`;
+
+    it('public (the default): anyone, with or without a key', async () => {
+      t = await buildTestApp();
+      expect((await get()).statusCode).toBe(200);
+      expect((await get(t.tokens.alice.token)).statusCode).toBe(200);
+      await t.app.close();
+      t = await buildTestApp({ settings: testSettings({ openApi: 'public' }) });
+      expect((await get()).json()).toMatchObject({ openapi: '3.1.0' });
+    });
+
+    it('authenticated: a valid key reads it; none, a wrong one or garbage is a 401 in the shape every API route answers', async () => {
+      t = await buildTestApp({ settings: testSettings({ openApi: 'authenticated' }) });
+      const ok = await get(t.tokens.alice.token);
+      expect(ok.statusCode).toBe(200);
+      expect(ok.headers['content-type']).toBe('application/json; charset=utf-8');
+      expect(ok.json()).toMatchObject({ openapi: '3.1.0', paths: { '/v1/chat/completions': {} } });
+      const models = await t.app.inject({ method: 'GET', url: '/v1/models' }); // what an API route answers without a key
+      expect(models.statusCode).toBe(401);
+      for (const res of [await get(), await get(wrongSecret()), await get('not-a-token')]) {
+        expect(res.statusCode).toBe(401);
+        expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'invalid_api_key', param: null });
+      }
+      expect(errorOf(await get())).toEqual(errorOf(models));
+      // /healthz and /readyz stay open: load balancers probe them without a key.
+      expect((await t.app.inject({ method: 'GET', url: '/healthz' })).statusCode).toBe(200);
+    });
+
+    it('authenticated, with anonymous callers allowed: what the API routes let in, so a wrong key is still a 401', async () => {
+      t = await buildTestApp({ settings: testSettings({ openApi: 'authenticated', allowAnonymous: true }) });
+      expect((await get()).statusCode).toBe(200);
+      expect((await get(wrongSecret())).statusCode).toBe(401);
+    });
+
+    it('off: 404 unknown_url, with a key or without, for any method', async () => {
+      t = await buildTestApp({ settings: testSettings({ openApi: 'off' }) });
+      for (const res of [await get(), await get(t.tokens.alice.token), await get(wrongSecret())]) {
+        expect(res.statusCode).toBe(404);
+        expect(errorOf(res)).toMatchObject({ code: 'unknown_url', message: 'Unknown request URL: GET /openapi.json.' });
+      }
+      const options = await t.app.inject({ method: 'OPTIONS', url: '/openapi.json' });
+      expect([options.statusCode, errorOf(options).code]).toEqual([404, 'unknown_url']);
+      // The API is unchanged.
+      expect((await chat(userTurn('hi'))).statusCode).toBe(200);
+    });
+  });
+
   it("what fastify's router refuses is answered in OpenAI's shape too: a malformed or overlong path", async () => {
     t = await buildTestApp();
     const bad = await t.app.inject({ method: 'GET', url: '/v1/models/%E0%A4%A', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
@@ -1154,6 +1204,18 @@ describe('/metrics, /healthz, /readyz', () => {
     // Buckets are cumulative.
     const buckets = [...text.matchAll(/_bucket\{route="\/v1\/chat\/completions",le="[^"]+"\} (\d+)/g)].map((m) => Number(m[1]));
     expect(buckets).toEqual([...buckets].sort((a, b) => a - b));
+  });
+
+  it('serveMetrics: false (an operations listener serves them): no /metrics on the API app, and not in its OpenAPI description', async () => {
+    t = await buildTestApp({ serveMetrics: false });
+    const res = await t.app.inject({ method: 'GET', url: '/metrics' });
+    expect(res.statusCode).toBe(404);
+    expect(errorOf(res).code).toBe('unknown_url');
+    const paths = Object.keys((await t.app.inject({ method: 'GET', url: '/openapi.json' })).json<{ paths: object }>().paths);
+    expect(paths).toEqual(expect.arrayContaining(['/healthz', '/readyz', '/v1/models']));
+    expect(paths).not.toContain('/metrics');
+    expect((await t.app.inject({ method: 'GET', url: '/healthz' })).statusCode).toBe(200);
+    expect((await t.app.inject({ method: 'GET', url: '/readyz' })).statusCode).toBe(200);
   });
 
   it('healthz is up; readyz reflects the checks', async () => {

@@ -8,6 +8,7 @@ import { authPlugin } from './plugins/auth';
 import { clientErrorHandler, errors, errorsPlugin, frameworkErrors } from './plugins/errors';
 import { metricsPlugin, type GatewayMetrics } from './plugins/metrics';
 import { servicesPlugin, type GatewayServices, type ReadinessCheck } from './plugins/services';
+import type { ModelCatalog } from './serving/model-catalog';
 import { chatRoutes } from './routes/chat';
 import { completionsRoutes } from './routes/completions';
 import { embeddingsRoutes } from './routes/embeddings';
@@ -22,6 +23,16 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
   /** Added to the app's own check (the registry answers). */
   readiness?: ReadinessCheck[];
   metrics?: GatewayMetrics;
+  /**
+   * Whether this app serves `/metrics` (default) or leaves it to the operations listener
+   * (operations.ts, `MAGUS_GATEWAY_HEALTH_ADDRESS`), so the API port never publishes it.
+   */
+  serveMetrics?: boolean;
+}
+
+/** A gateway's readiness checks: the registry answers, then the process's own (NATS, the KV mirrors, Temporal). */
+export function readinessChecks(models: ModelCatalog, more: readonly ReadinessCheck[] = []): ReadinessCheck[] {
+  return [{ name: 'registry', check: () => models.refresh().then(() => true) }, ...more];
 }
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
@@ -66,10 +77,8 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   await app.register(errorsPlugin, { retryAfterSec: settings.retryAfterSec });
   await app.register(metricsPlugin, { metrics: opts.metrics });
   app.metrics.setSessionStats(() => opts.sessions.stats?.());
-  const { metrics: _metrics, readiness, ...services } = opts;
-  await app.register(servicesPlugin, {
-    services: { ...services, readiness: [{ name: 'registry', check: () => opts.models.refresh().then(() => true) }, ...(readiness ?? [])] },
-  });
+  const { metrics: _metrics, serveMetrics = true, readiness, ...services } = opts;
+  await app.register(servicesPlugin, { services: { ...services, readiness: readinessChecks(opts.models, readiness) } });
   await app.register(authPlugin, { tokens: opts.tokens, allowAnonymous: settings.allowAnonymous });
 
   // Before any route's own onRequest hooks (authentication): an oversized body is refused
@@ -116,16 +125,24 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   // authenticate), so it is what the server validates, not a copy kept beside it.
   const described: DescribedRoute[] = [];
   app.addHook('onRoute', (route) => void described.push(...describedRoute(route, (hook) => hook === app.authenticate)));
-  await app.register(healthRoutes);
-  await app.register(metricsRoutes);
+  // /healthz and /readyz stay here even beside an operations listener: load balancers and
+  // Ingress controllers health-check the port they send traffic to.
+  await app.register(healthRoutes, { readiness: app.gateway.readiness });
+  if (serveMetrics) await app.register(metricsRoutes, { metrics: app.metrics });
   await app.register(modelRoutes);
   await app.register(chatRoutes);
   await app.register(completionsRoutes);
   await app.register(embeddingsRoutes);
   await app.register(responsesRoutes);
-  let openApi: string | undefined;
-  // Unauthenticated like /healthz: it says nothing a client of the OpenAI API does not know.
-  app.get('/openapi.json', (_request, reply) => reply.type('application/json; charset=utf-8').send((openApi ??= JSON.stringify(openApiDocument(described)))));
+  // Public by default: it says nothing a client of the OpenAI API does not know. `authenticated`
+  // asks what the API routes ask (401 in the same shape), `off` leaves the path unrouted (404).
+  const openApiAccess = settings.openApi ?? 'public';
+  if (openApiAccess !== 'off') {
+    let openApi: string | undefined;
+    app.get('/openapi.json', openApiAccess === 'authenticated' ? { onRequest: app.authenticate } : {}, (_request, reply) =>
+      reply.type('application/json; charset=utf-8').send((openApi ??= JSON.stringify(openApiDocument(described)))),
+    );
+  }
 };
 
 export default gatewayApp;

@@ -53,6 +53,56 @@ it('takes --host/--port over the environment', () => {
   expect([c.host, c.port]).toEqual(['127.0.0.1', 0]);
 });
 
+describe('the operations listener and /openapi.json: MAGUS_GATEWAY_HEALTH_ADDRESS, MAGUS_GATEWAY_OPENAPI', () => {
+  it('unset: no operations listener (everything on the API port) and a public OpenAPI description', () => {
+    const c = loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET });
+    expect(c.healthAddress).toBeUndefined();
+    expect(c.settings.openApi).toBe('public');
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_HEALTH_ADDRESS: ' ', MAGUS_GATEWAY_OPENAPI: '' })).toMatchObject({
+      settings: { openApi: 'public' },
+    });
+  });
+
+  it.each([
+    ['0.0.0.0:9467', { host: '0.0.0.0', port: 9467 }],
+    ['127.0.0.1:0', { host: '127.0.0.1', port: 0 }],
+    ['gateway.local:9467', { host: 'gateway.local', port: 9467 }],
+    ['[::]:9467', { host: '::', port: 9467 }],
+    ['[::1]:9467', { host: '::1', port: 9467 }],
+  ])('reads host:port %s', (value, address) => {
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_HEALTH_ADDRESS: value }).healthAddress).toEqual(address);
+  });
+
+  it.each(['public', 'authenticated', 'off'] as const)('reads MAGUS_GATEWAY_OPENAPI=%s', (value) => {
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_OPENAPI: value }).settings.openApi).toBe(value);
+  });
+
+  it('takes --health-address and --openapi over the environment', () => {
+    const c = loadGatewayConfig(
+      { MAGUS_GATEWAY_SECRET: SECRET, MAGUS_GATEWAY_HEALTH_ADDRESS: '0.0.0.0:9467', MAGUS_GATEWAY_OPENAPI: 'public' },
+      { healthAddress: '127.0.0.1:9999', openApi: 'off' },
+    );
+    expect([c.healthAddress, c.settings.openApi]).toEqual([{ host: '127.0.0.1', port: 9999 }, 'off']);
+  });
+
+  it.each([
+    [{ MAGUS_GATEWAY_HEALTH_ADDRESS: '9467' }, 'MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address)=9467 must be host:port'],
+    [{ MAGUS_GATEWAY_HEALTH_ADDRESS: ':9467' }, 'MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address)=:9467 must be host:port'],
+    [{ MAGUS_GATEWAY_HEALTH_ADDRESS: 'http://0.0.0.0:9467' }, 'must be host:port'],
+    [{ MAGUS_GATEWAY_HEALTH_ADDRESS: '0.0.0.0:70000' }, 'MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address)=0.0.0.0:70000 must be host:port'],
+    [{ MAGUS_GATEWAY_HEALTH_ADDRESS: '::1:9467' }, 'must be host:port'], // IPv6 needs its brackets
+    [
+      { MAGUS_GATEWAY_HEALTH_ADDRESS: '0.0.0.0:8080' },
+      "MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address) 0.0.0.0:8080 must be on another port than the API's (8080)",
+    ],
+    [{ MAGUS_GATEWAY_PORT: '9000', MAGUS_GATEWAY_HEALTH_ADDRESS: '127.0.0.1:9000' }, "must be on another port than the API's (9000)"],
+    [{ MAGUS_GATEWAY_OPENAPI: 'private' }, 'MAGUS_GATEWAY_OPENAPI (--openapi)=private must be one of public, authenticated, off'],
+    [{ MAGUS_GATEWAY_OPENAPI: 'Public' }, 'MAGUS_GATEWAY_OPENAPI (--openapi)=Public must be one of public, authenticated, off'],
+  ])('refuses %j', (env, message) => {
+    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, ...env })).toThrow(message);
+  });
+});
+
 it.each([
   [{}, 'MAGUS_GATEWAY_SECRET (or MAGUS_GATEWAY_SECRET_FILE) is required'],
   [{ MAGUS_GATEWAY_SECRET: 'short' }, 'MAGUS_GATEWAY_SECRET must be at least 32 characters'],
@@ -170,11 +220,20 @@ describe('gatewayCommand', () => {
     expect(written(stdout)).toContain('MAGUS_SESSION_TTL_MS');
     for (const name of ['MAGUS_TEMPORAL_ADDRESS', 'MAGUS_TEMPORAL_NAMESPACE', 'MAGUS_TASK_QUEUE', 'MAGUS_INSTANCE_MEMORY'])
       expect(written(stdout)).toContain(name);
+    for (const text of ['MAGUS_GATEWAY_HEALTH_ADDRESS', '--health-address host:port', 'MAGUS_GATEWAY_OPENAPI', '--openapi public|authenticated|off'])
+      expect(written(stdout)).toContain(text);
   });
 
   it('exits 1 naming the problem: unknown flag, bad configuration, unreachable NATS', async () => {
     expect(await gatewayCommand(['--colour'])).toBe(1);
     expect(written(stderr)).toContain("unknown argument '--colour'");
+    expect(await gatewayCommand(['--health-address'])).toBe(1);
+    expect(written(stderr)).toContain('--health-address needs a value');
+    process.env.MAGUS_GATEWAY_SECRET = SECRET;
+    expect(await gatewayCommand(['--openapi', 'secret'])).toBe(1);
+    expect(written(stderr)).toContain('MAGUS_GATEWAY_OPENAPI (--openapi)=secret must be one of public, authenticated, off');
+    expect(await gatewayCommand(['--health-address=localhost'])).toBe(1);
+    expect(written(stderr)).toContain('MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address)=localhost must be host:port');
     delete process.env.MAGUS_GATEWAY_SECRET;
     delete process.env.MAGUS_GATEWAY_SECRET_FILE;
     expect(await gatewayCommand(['--port', '8080'])).toBe(1);

@@ -1,5 +1,6 @@
 /**
- * `magus gateway` configuration from the environment (and `--host`/`--port`), validated at start
+ * `magus gateway` configuration from the environment (and `--host`, `--port`, `--health-address`,
+ * `--openapi`), validated at start
  * against one table of variables: a bad value fails fast with a message naming the variable.
  * Secrets (the HMAC key, token digests) are read here but never printed.
  */
@@ -10,11 +11,17 @@ import { checkNatsServerList, instanceMemoryFrom, natsReplicasFrom, temporalSett
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './serving/exchange';
 import { MAX_PENDING_SESSION_STARTS } from './serving/sessions';
-import type { GatewaySettings } from './plugins/services';
+import { OPENAPI_ACCESS, type GatewaySettings } from './plugins/services';
 
 export interface GatewayConfig {
   host: string;
   port: number;
+  /**
+   * `MAGUS_GATEWAY_HEALTH_ADDRESS` (`--health-address`): the operations listener, which serves
+   * `/healthz`, `/readyz` and `/metrics`; `/metrics` then leaves the API port. Unset: all three
+   * on the API port (local use: `magus dev`, one machine).
+   */
+  healthAddress?: ListenAddress;
   natsServers: string;
   /** `MAGUS_NATS_CREDENTIALS`: the file of its NATS user (dataplane/roles.ts); unset, none. */
   natsCredentials?: string;
@@ -61,10 +68,26 @@ export class GatewayConfigError extends Error {
   override readonly name = 'GatewayConfigError';
 }
 
-/** Command-line overrides (`--host`, `--port`). */
+/** Command-line overrides (`--host`, `--port`, `--health-address`, `--openapi`). */
 export interface GatewayArgs {
   host?: string;
   port?: string;
+  healthAddress?: string;
+  openApi?: string;
+}
+
+/** A `host:port` to listen on. */
+export interface ListenAddress {
+  host: string;
+  port: number;
+}
+
+/** `host:port` (a name, an IPv4 address, or an IPv6 one in brackets; port 0 = any free one), or the problem with it. */
+export function listenAddressFrom(name: string, value: string): ListenAddress | { problem: string } {
+  const m = /^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$/.exec(value);
+  const port = m ? Number(m[2]) : NaN;
+  if (!m || port > 65535) return { problem: `${name}=${value} must be host:port (e.g. 0.0.0.0:9467; [::]:9467)` };
+  return { host: m[1]!.replace(/^\[(.*)\]$/, '$1'), port };
 }
 
 const BUCKET = /^[A-Za-z0-9_-]{1,64}$/;
@@ -147,14 +170,23 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     problems.push(`${name}=${v} must be true or false`);
     return fallback;
   };
-  const oneOf = <T extends string>(name: string, fallback: T, allowed: readonly T[]): T => {
-    const v = raw(name) ?? fallback;
+  const oneOf = <T extends string>(name: string, fallback: T, allowed: readonly T[], value = raw(name)): T => {
+    const v = value ?? fallback;
     if (!(allowed as readonly string[]).includes(v)) problems.push(`${name}=${v} must be one of ${allowed.join(', ')}`);
     return v as T;
   };
 
   const host = str('MAGUS_GATEWAY_HOST (--host)', '0.0.0.0', /^[A-Za-z0-9.:-]+$/, 'is not a host name or address', args.host ?? raw('MAGUS_GATEWAY_HOST'));
   const port = int('MAGUS_GATEWAY_PORT (--port)', 8080, 0, 65535, args.port ?? raw('MAGUS_GATEWAY_PORT'));
+  let healthAddress: ListenAddress | undefined;
+  const healthValue = args.healthAddress ?? raw('MAGUS_GATEWAY_HEALTH_ADDRESS');
+  if (healthValue !== undefined) {
+    const a = listenAddressFrom('MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address)', healthValue);
+    if ('problem' in a) problems.push(a.problem);
+    else if (a.port !== 0 && a.port === port)
+      problems.push(`MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address) ${healthValue} must be on another port than the API's (${port})`);
+    else healthAddress = a;
+  }
   const natsServers = raw('MAGUS_NATS_URL') ?? 'nats://127.0.0.1:4222';
   checkNatsServerList('MAGUS_NATS_URL', natsServers, problems);
   const natsCredentials = natsCredentialsFrom(env, problems);
@@ -232,6 +264,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
     maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),
+    openApi: oneOf('MAGUS_GATEWAY_OPENAPI (--openapi)', 'public', OPENAPI_ACCESS, args.openApi ?? raw('MAGUS_GATEWAY_OPENAPI')),
   };
   const http = {
     connectionTimeoutMs: int('MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS', 0, 0, 24 * 3_600_000),
@@ -263,6 +296,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   const config: GatewayConfig = {
     host,
     port,
+    ...(healthAddress ? { healthAddress } : {}),
     natsServers,
     ...(natsCredentials ? { natsCredentials } : {}),
     temporal,
@@ -288,7 +322,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
 }
 
 /** The variables, for `magus gateway --help`. */
-export const GATEWAY_USAGE = `usage: magus gateway [--host H] [--port P]
+export const GATEWAY_USAGE = `usage: magus gateway [--host H] [--port P] [--health-address host:port] [--openapi public|authenticated|off]
 
 environment:
   MAGUS_NATS_URL                       nats://127.0.0.1:4222
@@ -298,6 +332,9 @@ environment:
   MAGUS_INSTANCE_MEMORY                8Gi (the memory of one instance, which sizes a pool's leases: the workers' value)
   MAGUS_GATEWAY_SECRET[_FILE]          HMAC key of conversation keys (required, ≥ 32 chars, same on every replica)
   MAGUS_GATEWAY_HOST, _PORT            0.0.0.0, 8080
+  MAGUS_GATEWAY_HEALTH_ADDRESS         unset: /healthz, /readyz and /metrics on the API port (for local use); host:port (--health-address,
+                                       e.g. 0.0.0.0:9467): all three there, and /metrics no longer on the API port
+  MAGUS_GATEWAY_OPENAPI                public (--openapi): /openapi.json for anyone | authenticated: with a valid API key, else 401 | off: 404
   MAGUS_GATEWAY_ALLOW_ANONYMOUS        false; true serves requests without Authorization
   MAGUS_GATEWAY_TOKENS_FILE, _TOKENS   local tokens: {"<id>": {"digest": "<hex sha256 of mgs_<id>_<secret>>", "name": "…"}}
   MAGUS_NATS_SUBJECT_SCOPE             '' (a scoped data plane: frames on <scope>.magus.res.<replica>.<id>)

@@ -132,25 +132,27 @@ beforeAll(async () => {
   sessionsKv = await js.views.kv(buckets.sessions);
   await tokensKv.put('alice', enc(alice.entry));
   await startBridge();
-  const config = loadGatewayConfig(
-    {
-      MAGUS_NATS_URL: endpoint('nats').servers,
-      MAGUS_NATS_SUBJECT_SCOPE: scope,
-      MAGUS_GATEWAY_SECRET: TEST_SECRET,
-      MAGUS_MODELS_BUCKET: buckets.models,
-      MAGUS_TOKENS_BUCKET: buckets.tokens,
-      MAGUS_SESSIONS_BUCKET: buckets.sessions,
-      MAGUS_RESPONSES_BUCKET: buckets.responses,
-      MAGUS_RESPONSES_TTL: '2h',
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1500',
-      MAGUS_GATEWAY_GAP_TIMEOUT_MS: '300',
-      MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '100',
-      MAGUS_LOG_LEVEL: 'info',
-    },
-    { host: '127.0.0.1', port: '0' },
-  );
-  gw = await startGateway(config, { coldStart, logStream: log });
+  gw = await startGateway(loadGatewayConfig(gatewayEnv(), { host: '127.0.0.1', port: '0' }), { coldStart, logStream: log });
 }, 60_000);
+
+/** The environment of the gateways started here: this file's data plane, short timeouts. */
+function gatewayEnv(more: NodeJS.ProcessEnv = {}): NodeJS.ProcessEnv {
+  return {
+    MAGUS_NATS_URL: endpoint('nats').servers,
+    MAGUS_NATS_SUBJECT_SCOPE: scope,
+    MAGUS_GATEWAY_SECRET: TEST_SECRET,
+    MAGUS_MODELS_BUCKET: buckets.models,
+    MAGUS_TOKENS_BUCKET: buckets.tokens,
+    MAGUS_SESSIONS_BUCKET: buckets.sessions,
+    MAGUS_RESPONSES_BUCKET: buckets.responses,
+    MAGUS_RESPONSES_TTL: '2h',
+    MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1500',
+    MAGUS_GATEWAY_GAP_TIMEOUT_MS: '300',
+    MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '100',
+    MAGUS_LOG_LEVEL: 'info',
+    ...more,
+  };
+}
 
 afterAll(async () => {
   await gw?.close();
@@ -550,5 +552,75 @@ describe('models, health and metrics', () => {
     expect(metrics).toContain(`magus_gateway_session_warm_hits_total ${warmHits}`);
     expect(metrics).toContain(`magus_gateway_session_cold_starts_total ${cold}`);
     expect(metrics).toMatch(/magus_gateway_upstream_errors_total\{reason="timeout"\} 1/);
+  });
+});
+
+describe('a gateway with an operations listener (MAGUS_GATEWAY_HEALTH_ADDRESS) and an authenticated OpenAPI description', () => {
+  let ops: RunningGateway;
+  beforeAll(async () => {
+    const config = loadGatewayConfig(gatewayEnv({ MAGUS_GATEWAY_OPENAPI: 'authenticated' }), { host: '127.0.0.1', port: '0', healthAddress: '127.0.0.1:0' });
+    ops = await startGateway(config, { coldStart, logStream: log });
+  }, 60_000);
+  afterAll(() => ops?.close());
+
+  const get = (url: string, token?: string) => fetch(url, token === undefined ? {} : { headers: { authorization: `Bearer ${token}` } });
+  const code = async (res: Response) => ((await res.json()) as { error: { code: string } }).error.code;
+
+  it('serves /healthz, /readyz and /metrics on its own port, with the API port’s checks and counts; /metrics is gone from the API port', async () => {
+    expect(ops.healthUrl).toMatch(/^http:\/\/127\.0\.0\.1:\d+$/);
+    expect(ops.healthUrl).not.toBe(ops.url);
+    // A request on the API port, counted where the scraper looks.
+    const models = await get(`${ops.url}/v1/models`, alice.token);
+    expect(models.status).toBe(200);
+    const scrape = await get(`${ops.healthUrl}/metrics`);
+    expect(scrape.status).toBe(200);
+    expect(scrape.headers.get('content-type')).toBe('text/plain; version=0.0.4; charset=utf-8');
+    const text = await scrape.text();
+    expect(text).toContain('magus_gateway_requests_total{route="/v1/models",status="200"} 1');
+    expect(text).toMatch(/^process_resident_memory_bytes \d+/m);
+    // Probes and scrapes on the operations port are not API requests.
+    expect(text).not.toContain('route="/metrics"');
+    expect(text).not.toContain('route="/healthz"');
+
+    const onApi = await get(`${ops.url}/metrics`);
+    expect(onApi.status).toBe(404);
+    expect(await code(onApi)).toBe('unknown_url');
+    expect((await get(`${ops.url}/metrics`, alice.token)).status).toBe(404);
+
+    // Health stays on both ports (load balancers check the port they send to), with the same checks.
+    const checks = { status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } };
+    for (const base of [ops.url, ops.healthUrl!]) {
+      expect({ base, status: (await get(`${base}/healthz`)).status }).toEqual({ base, status: 200 });
+      const ready = await get(`${base}/readyz`);
+      expect({ base, status: ready.status, body: await ready.json() }).toEqual({ base, status: 200, body: checks });
+    }
+  });
+
+  it('the operations port serves nothing of the API: no routes, no OpenAPI description, unknown paths in the API’s error shape', async () => {
+    for (const path of ['/v1/models', '/v1/chat/completions', '/openapi.json', '/']) {
+      const res = await get(`${ops.healthUrl}${path}`, alice.token);
+      expect({ path, status: res.status, code: await code(res) }).toEqual({ path, status: 404, code: 'unknown_url' });
+    }
+    const post = await fetch(`${ops.healthUrl}/metrics`, { method: 'POST' });
+    expect([post.status, post.headers.get('allow')]).toEqual([405, 'GET, HEAD']);
+  });
+
+  it('/openapi.json on the API port needs a valid key: 200 with one, 401 invalid_api_key without or with a wrong one', async () => {
+    const ok = await get(`${ops.url}/openapi.json`, alice.token);
+    expect(ok.status).toBe(200);
+    const doc = (await ok.json()) as { paths: Record<string, unknown> };
+    expect(Object.keys(doc.paths)).toContain('/v1/chat/completions');
+    expect(Object.keys(doc.paths)).not.toContain('/metrics');
+    for (const token of [undefined, `${alice.token.slice(0, -4)}0000`, 'garbage']) {
+      const res = await get(`${ops.url}/openapi.json`, token);
+      expect({ token, status: res.status, code: await code(res) }).toEqual({ token, status: 401, code: 'invalid_api_key' });
+    }
+  });
+
+  it('closes both listeners', async () => {
+    const healthUrl = ops.healthUrl!;
+    await ops.close();
+    await expect(fetch(`${healthUrl}/healthz`)).rejects.toThrow();
+    await expect(fetch(`${ops.url}/healthz`)).rejects.toThrow();
   });
 });

@@ -1,7 +1,8 @@
 /**
  * The `magus gateway` process: validated configuration → NATS connection → watch-backed caches
- * (tokens, sessions) and the model catalog → fastify with timeouts → listen; SIGTERM/SIGINT close
- * gracefully (stop accepting, let in-flight requests finish within the grace period, drain NATS).
+ * (tokens, sessions) and the model catalog → fastify with timeouts → listen, and the operations
+ * listener when configured (operations.ts); SIGTERM/SIGINT close gracefully (stop accepting, let
+ * in-flight requests finish within the grace period, then the operations listener, drain NATS).
  */
 import { natsConnectAuth } from '../dataplane/roles';
 import { Client, Connection } from '@temporalio/client';
@@ -10,7 +11,8 @@ import Fastify, { type FastifyInstance } from 'fastify';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../dataplane/registry';
 import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
-import gatewayApp, { options } from './app';
+import gatewayApp, { options, readinessChecks } from './app';
+import { operationsApp } from './operations';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionErrorType } from './plugins/errors';
@@ -60,6 +62,8 @@ export interface RunningGateway {
   app: FastifyInstance;
   /** `http://host:port` it listens on. */
   url: string;
+  /** `http://host:port` of the operations listener (`/healthz`, `/readyz`, `/metrics`), when configured. */
+  healthUrl?: string;
   /** The KV-backed session broker (absent when `deps.broker` replaced it). */
   sessionCache: SessionCache | undefined;
   close(): Promise<void>;
@@ -265,8 +269,14 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     await Promise.all(ready);
     await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
 
+    const readiness = [
+      { name: 'nats', check: () => natsUp && !nc.isClosed() },
+      ...liveness,
+      ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : []),
+    ];
     await app.register(gatewayApp, {
       metrics,
+      serveMetrics: config.healthAddress === undefined,
       settings: config.settings,
       models,
       tokens,
@@ -294,17 +304,26 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }
       },
-      readiness: [
-        { name: 'nats', check: () => natsUp && !nc.isClosed() },
-        ...liveness,
-        ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : []),
-      ],
+      readiness,
     });
+    let healthUrl: string | undefined;
+    if (config.healthAddress) {
+      const operations = Fastify({
+        ...options,
+        logger: { ...options.logger, level: config.logLevel, ...(deps.logStream ? { stream: deps.logStream } : {}) },
+        forceCloseConnections: true,
+      });
+      // Closed after the API app (closers run once it has): a scrape during the drain sees the requests in flight finish.
+      closers.push(() => operations.close());
+      await operations.register(operationsApp, { metrics, readiness: readinessChecks(models, readiness), retryAfterSec: config.settings.retryAfterSec });
+      healthUrl = await operations.listen(config.healthAddress);
+    }
     const address = await app.listen({ host: config.host, port: config.port });
     let closing: Promise<void> | undefined;
     return {
       app,
       url: address,
+      ...(healthUrl ? { healthUrl } : {}),
       sessionCache,
       close: () =>
         (closing ??= (async () => {
@@ -327,6 +346,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
   }
 }
 
+const FLAGS: Readonly<Record<string, keyof GatewayArgs>> = { '--host': 'host', '--port': 'port', '--health-address': 'healthAddress', '--openapi': 'openApi' };
+
 /** The overrides, `'help'`, or a usage problem as `{ problem }`. */
 function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
   const out: GatewayArgs = {};
@@ -334,10 +355,11 @@ function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
     const a = args[i]!;
     if (a === '--help' || a === '-h') return 'help';
     const [flag, inline] = a.includes('=') ? [a.slice(0, a.indexOf('=')), a.slice(a.indexOf('=') + 1)] : [a, undefined];
-    if (flag !== '--host' && flag !== '--port') return { problem: `unknown argument '${a}'` };
+    const key = Object.hasOwn(FLAGS, flag) ? FLAGS[flag] : undefined;
+    if (key === undefined) return { problem: `unknown argument '${a}'` };
     const value = inline ?? args[++i];
     if (value === undefined) return { problem: `${flag} needs a value` };
-    out[flag === '--host' ? 'host' : 'port'] = value;
+    out[key] = value;
   }
   return out;
 }
@@ -353,7 +375,10 @@ const poolDefaults = (instanceMemory: number) => ({
   idleTimeoutMs: 10 * 60_000,
 });
 
-/** `magus gateway [--host H] [--port P]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
+/** Loopback hosts: an API port there is reachable from this machine only. */
+const LOOPBACK = /^(127\.\d+\.\d+\.\d+|::1|localhost)$/;
+
+/** `magus gateway [--host H] [--port P] [--health-address A] [--openapi MODE]`: runs until SIGTERM/SIGINT. Exit code 0 after a clean stop, 1 on bad configuration or a failed start. */
 export async function gatewayCommand(args: string[]): Promise<number> {
   const parsed = parseArgs(args);
   if (parsed === 'help') {
@@ -405,6 +430,11 @@ export async function gatewayCommand(args: string[]): Promise<number> {
     return 1;
   }
   process.stderr.write(`magus gateway: listening on ${gateway.url} (replica ${config.replicaId})\n`);
+  if (gateway.healthUrl) process.stderr.write(`magus gateway: /healthz, /readyz and /metrics on ${gateway.healthUrl}\n`);
+  else if (!LOOPBACK.test(config.host))
+    process.stderr.write(
+      'magus gateway: /metrics is served unauthenticated on the API port: set MAGUS_GATEWAY_HEALTH_ADDRESS (--health-address) to serve it on a port of its own\n',
+    );
   await new Promise<void>((resolve) => {
     process.once('SIGTERM', () => resolve());
     process.once('SIGINT', () => resolve());

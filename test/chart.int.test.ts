@@ -206,6 +206,18 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
     message: /worker\.metricsPort and worker\.healthPort must differ \(both are 9464\)/,
     lintFails: false,
   },
+  {
+    why: 'the gateway’s API and operations ports the same',
+    values: 'gateway: {healthPort: 8080}',
+    message: /gateway\.port and gateway\.healthPort must differ \(both are 8080\)/,
+    lintFails: false,
+  },
+  { why: 'a privileged gateway operations port', values: 'gateway: {healthPort: 443}', message: /at '\/gateway\/healthPort': minimum: got 443, want 1,?024/ },
+  {
+    why: 'an OpenAPI access the gateway does not know',
+    values: 'gateway: {openApi: private}',
+    message: /at '\/gateway\/openApi': value must be one of 'public', 'authenticated', 'off'/,
+  },
 ];
 
 beforeAll(async () => {
@@ -402,6 +414,29 @@ describe('the chart, rendered', () => {
         ...(role === 'worker' ? [{ key: 'bridge-signer.nk', path: 'bridge-signer' }] : []),
       ]);
     }
+    // Two ports: the API, and the operations listener the probes use and the ServiceMonitor scrapes;
+    // the gateway's own Service (a LoadBalancer, say) publishes only the API.
+    expect(c.ports).toEqual([
+      { name: 'http', containerPort: 8080, protocol: 'TCP' },
+      { name: 'health', containerPort: 9467, protocol: 'TCP' },
+    ]);
+    expect([c.startupProbe, c.livenessProbe, c.readinessProbe].map((p) => `${p?.httpGet?.path} ${p?.httpGet?.port}`)).toEqual([
+      '/healthz health',
+      '/healthz health',
+      '/readyz health',
+    ]);
+    expect([env(c, 'MAGUS_GATEWAY_HEALTH_ADDRESS')?.value, env(c, 'MAGUS_GATEWAY_OPENAPI')?.value]).toEqual(['0.0.0.0:9467', 'authenticated']);
+    type Service = Obj & { spec: { clusterIP?: string; ports: { name: string; port: number; targetPort: string }[] } };
+    const service = (name: string) => ofKind<Service>(objs, 'Service').find((x) => x.metadata.name === name)!;
+    expect(service('magus-gateway').spec.ports.map((p) => `${p.name} ${p.port}→${p.targetPort}`)).toEqual(['http 80→http']);
+    expect(service('magus-gateway-metrics').spec).toMatchObject({ clusterIP: 'None', ports: [{ name: 'health', port: 9467, targetPort: 'health' }] });
+    expect(service('magus-gateway-metrics').metadata.labels?.['magus.dev/metrics']).toBe('true');
+    const monitor = ofKind<Obj & { spec: { selector: { matchLabels: Record<string, string> }; endpoints: { port: string; path: string }[] } }>(
+      objs,
+      'ServiceMonitor',
+    ).find((m) => m.metadata.name === 'magus-gateway')!;
+    expect(monitor.spec.endpoints.map((e) => `${e.port} ${e.path}`)).toEqual(['health /metrics']);
+    expect(monitor.spec.selector.matchLabels['magus.dev/metrics']).toBe('true');
     const ingress = ofKind<Obj & { spec: { rules: { host: string; http: { paths: { path: string }[] } }[] } }>(objs, 'Ingress');
     expect(ingress.flatMap((i) => i.spec.rules.flatMap((r) => r.http.paths.map((p) => `${r.host}${p.path}`)))).toEqual(['llm.example.com/v1']);
     // NetworkPolicies: the instance policy lives in the model namespace; ServiceMonitors for all three.
@@ -461,6 +496,7 @@ describe('the chart, rendered', () => {
         if (c.args?.[0] === 'gateway') {
           const cfg = loadGatewayConfig(env);
           expect(cfg.port).toBe(8080);
+          expect([cfg.healthAddress, cfg.settings.openApi]).toEqual([{ host: '0.0.0.0', port: 9467 }, 'authenticated']);
           // First turns start session workflows: the gateway reaches the chart's Temporal, not its default.
           expect(cfg.temporal).toEqual({ address: env.MAGUS_TEMPORAL_ADDRESS, namespace: env.MAGUS_TEMPORAL_NAMESPACE, taskQueue: env.MAGUS_TASK_QUEUE });
         }

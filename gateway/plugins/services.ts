@@ -32,6 +32,14 @@ export interface ReadinessCheck {
 }
 
 /** Request-path settings (server.ts fills them from configuration). */
+/**
+ * Who may read `/openapi.json` (`MAGUS_GATEWAY_OPENAPI`): anyone; callers the API routes would
+ * take (a valid API key, else 401 as they answer; anonymous ones too where
+ * `MAGUS_GATEWAY_ALLOW_ANONYMOUS` lets them in); or nobody (no route: 404 `unknown_url`).
+ */
+export const OPENAPI_ACCESS = ['public', 'authenticated', 'off'] as const;
+export type OpenApiAccess = (typeof OPENAPI_ACCESS)[number];
+
 export interface GatewaySettings {
   /** HMAC key of conversation keys; the same on every replica. */
   secret: string;
@@ -51,6 +59,8 @@ export interface GatewaySettings {
   retryAfterSec: number;
   /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (serving/sessions/starts.ts). */
   maxPendingSessionStarts?: number;
+  /** Who may read `/openapi.json`; default `public`. */
+  openApi?: OpenApiAccess;
 }
 
 export interface GatewayServices {

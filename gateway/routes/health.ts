@@ -6,8 +6,11 @@
  * and first turns from the pools' published view, and every replica shares that dependency, so
  * taking them out of a Service would refuse everything instead of some first turns.
  * `checks` has every check's result either way.
+ * Registered on the API app and, when there is one, on the operations listener (operations.ts),
+ * with the same checks.
  */
 import type { FastifyPluginCallback } from 'fastify';
+import type { ReadinessCheck } from '../plugins/services';
 import { healthSchema, readySchema } from '../schemas/health';
 
 const CHECK_TIMEOUT_MS = 2_000;
@@ -28,11 +31,15 @@ async function passes(check: () => boolean | Promise<boolean>): Promise<boolean>
   }
 }
 
-export const healthRoutes: FastifyPluginCallback = (app, _opts, done) => {
+export interface HealthRoutesOptions {
+  readiness: readonly ReadinessCheck[];
+}
+
+export const healthRoutes: FastifyPluginCallback<HealthRoutesOptions> = (app, opts, done) => {
   app.get('/healthz', { schema: healthSchema }, (_request, reply) => reply.send({ status: 'ok' }));
 
   app.get('/readyz', { schema: readySchema }, async (_request, reply) => {
-    const checks = app.gateway.readiness;
+    const checks = opts.readiness;
     const results = await Promise.all(checks.map((c) => passes(() => c.check())));
     const out: Record<string, boolean> = {};
     checks.forEach((c, i) => (out[c.name] = results[i]!));
