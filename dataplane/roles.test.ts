@@ -26,6 +26,10 @@ describe('credentials files', () => {
     expect(parseCredentialsFile(c.seed)).toEqual({ error: expect.stringContaining('names no role') as string });
     expect(parseCredentialsFile(text.replace('role gateway', 'role admin'))).toEqual({ error: expect.stringContaining('names no role') as string });
     expect(parseCredentialsFile(text.replace(c.jwt, ''))).toEqual({ error: expect.stringContaining('no user JWT') as string });
+    // The nkey-only file of the magus before operator mode.
+    expect(parseCredentialsFile(`# magus NATS credentials: role gateway, user U.\n${c.seed}\n`)).toEqual({
+      error: expect.stringContaining('older magus nats-auth') as string,
+    });
     expect(parseCredentialsFile(text.replace(c.seed, 'SUnope'))).toEqual({ error: expect.stringContaining('no user nkey seed') as string });
     // Another user's seed with this JWT.
     const other = parseCredentialsFile(await roleCredentialsText(signer, 'controller', names));

@@ -307,6 +307,8 @@ export function parseCredentialsFile(text: string): NatsCredentials | { error: s
     return { error: `it names no role (a first line "# magus NATS credentials: role <${NATS_ROLES.join('|')}>")` };
   const jwt = /-----BEGIN NATS USER JWT-----\s*\n\s*(\S+)\s*\n/.exec(text)?.[1];
   const seed = /-----BEGIN USER NKEY SEED-----\s*\n\s*(SU[A-Z2-7]{56})\s*\n/.exec(text)?.[1];
+  if (!jwt && !text.includes('-----BEGIN') && /^SU[A-Z2-7]{56}$/m.test(text))
+    return { error: 'it is an nkey-only file of an older magus nats-auth: NATS users are JWTs now (operator mode); run magus nats-auth --out again' };
   if (!jwt) return { error: 'it holds no user JWT (-----BEGIN NATS USER JWT-----; made by magus nats-auth)' };
   if (!seed) return { error: 'it holds no user nkey seed (-----BEGIN USER NKEY SEED-----, a line SU…)' };
   let claims: { sub?: string; nats?: { sub?: { allow?: string[] } } };
