@@ -135,7 +135,8 @@ beforeAll(async () => {
   await core.createNamespace({ body: { metadata: { name: ns } } });
   await installRbacRoles(kc);
   controllerKc = await serviceAccount('magus-controller', ['magus-controller'], ['magus-controller-leader-election']);
-  workerKc = await serviceAccount('magus-worker', ['magus-worker'], []);
+  // One worker polls both queues here: the control queue's role (status, instances) and the pipeline's (hub token Secrets).
+  workerKc = await serviceAccount('magus-worker', ['magus-runtime', 'magus-pipeline'], []);
 
   ({ dir, s3, cfg, client, nc } = await stack.open(
     magusStack(iso, { dirPrefix: 'magus-controller-', overrides: { convertThreads: 1 }, deps: { kube: workerKc } }),

@@ -54,7 +54,7 @@ magus.dev/task-queue: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* The ServiceAccount of a component: (dict "ctx" $ "component" "worker"). */}}
+{{/* The ServiceAccount of a component: (dict "ctx" $ "component" "runtime"): controller, runtime, pipeline, gateway. */}}
 {{- define "magus.serviceAccountName" -}}
 {{- printf "%s-%s" (include "magus.fullname" .ctx) .component -}}
 {{- end -}}
@@ -67,12 +67,32 @@ magus.dev/task-queue: {{ . }}
 {{- printf "%s:%s" .Values.dllamaImage.repository (default .Chart.AppVersion .Values.dllamaImage.tag) -}}
 {{- end -}}
 
-{{/* The namespaces whose Models and Dllamas magus serves as a list: the watched one, or "" for all. */}}
+{{/*
+The namespaces magus is confined to, as a JSON list: rbac.namespaces, or the deprecated
+controller.watchNamespace as a list of one; [] = every namespace (cluster-wide). Both set fails.
+*/}}
+{{- define "magus.watchedNamespaces" -}}
+{{- if and .Values.rbac.namespaces .Values.controller.watchNamespace -}}
+{{- fail "set rbac.namespaces or the deprecated controller.watchNamespace, not both: move the namespace into rbac.namespaces" -}}
+{{- end -}}
+{{- if .Values.rbac.namespaces -}}
+{{- toJson (uniq .Values.rbac.namespaces) -}}
+{{- else if .Values.controller.watchNamespace -}}
+{{- toJson (list .Values.controller.watchNamespace) -}}
+{{- else -}}
+{{- toJson (list) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The namespaces of instance pods' NetworkPolicy: networkPolicy.instances.namespaces, else the watched ones, else the release namespace. */}}
 {{- define "magus.instanceNamespaces" -}}
+{{- $watched := include "magus.watchedNamespaces" . | fromJsonArray -}}
 {{- if .Values.networkPolicy.instances.namespaces -}}
 {{- toJson .Values.networkPolicy.instances.namespaces -}}
+{{- else if $watched -}}
+{{- toJson $watched -}}
 {{- else -}}
-{{- toJson (list (default .Release.Namespace .Values.controller.watchNamespace)) -}}
+{{- toJson (list .Release.Namespace) -}}
 {{- end -}}
 {{- end -}}
 
