@@ -19,7 +19,7 @@ import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client
 import type { Client } from '@temporalio/client';
 import type { JetStreamClient, KV } from 'nats';
 import type { LimitStore } from '../dataplane/limits';
-import { watchResource, type ResourceWatch } from '../kube/watch';
+import { watchNamespaces, type ResourceWatch } from '../kube/watch';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { Kind, Plural, type ApiKeyResource, type DllamaResource, type ModelResource } from '../shared/kube';
 import { DllamaReconciler } from './dllama-reconciler';
@@ -45,8 +45,8 @@ export interface ControllerOptions {
   usage?: { js: JetStreamClient; bucket: string; sumsBucket?: string; limits?: LimitStore; intervalMs?: number };
   /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
   sessions?: { kv: KV; cap: number };
-  /** Only this namespace (default: all namespaces). */
-  namespace?: string;
+  /** Only these namespaces, one watch each (default or empty: all namespaces, one watch). */
+  namespaces?: readonly string[];
   /** Reconciles at once (default 64). */
   concurrency?: number;
   /** How long after a deletion its cleanup may take before it is cut short (default 2 min). */
@@ -135,9 +135,9 @@ export class ResourceController implements Controller {
       },
     });
 
-    const scope = opts.namespace ? `/namespaces/${opts.namespace}` : '';
-    this.models = watchResource<ModelResource>(opts.kc, {
-      path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
+    const namespaces = opts.namespaces ?? [];
+    this.models = watchNamespaces<ModelResource>(opts.kc, namespaces, {
+      path: (scope) => `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.model}`,
       onEvent: (type, o) => {
         if (type === 'DELETED') this.modelReconciler.deleted(o);
         else this.queue.add(keyOf(Kind.model, o));
@@ -147,8 +147,8 @@ export class ResourceController implements Controller {
       log: (l) => log(`watch models: ${l}`),
       backoff: WATCH_BACKOFF,
     });
-    this.dllamas = watchResource<DllamaResource>(opts.kc, {
-      path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
+    this.dllamas = watchNamespaces<DllamaResource>(opts.kc, namespaces, {
+      path: (scope) => `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
       onEvent: (type, o) => {
         if (type !== 'DELETED') this.queue.add(keyOf(Kind.dllama, o));
         for (const x of this.dllamaReconciler.rivalsFreedBy(type, o)) this.queue.add(keyOf(Kind.dllama, x));
@@ -164,7 +164,7 @@ export class ResourceController implements Controller {
           core,
           custom,
           kv: opts.tokens,
-          namespace: opts.namespace,
+          namespaces,
           sharedModelNamespaces: opts.sharedModelNamespaces,
           backoff: WATCH_BACKOFF,
           log,
@@ -180,9 +180,7 @@ export class ResourceController implements Controller {
           })
         : undefined;
     this.sessionMirror =
-      opts.sessions && opts.sessions.cap > 0
-        ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespace: opts.namespace, log })
-        : undefined;
+      opts.sessions && opts.sessions.cap > 0 ? startSessionMirror({ kc: opts.kc, kv: opts.sessions.kv, cap: opts.sessions.cap, namespaces, log }) : undefined;
     this.synced = Promise.all(Object.values(this.watches).map((w) => w.synced)).then(() => undefined);
   }
 

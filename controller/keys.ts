@@ -25,7 +25,7 @@ import type { CoreV1Api, CustomObjectsApi, KubeConfig } from '@kubernetes/client
 import { PatchStrategy, setHeaderOptions } from '@kubernetes/client-node';
 import type { KV } from 'nats';
 import { mergeConditions } from '../kube/status';
-import { watchResource, type ResourceWatch } from '../kube/watch';
+import { watchNamespaces, type ResourceWatch } from '../kube/watch';
 import {
   conflictMessage,
   describeKeyLimits,
@@ -69,8 +69,8 @@ export interface KeysOptions {
   core: CoreV1Api;
   custom: CustomObjectsApi;
   kv: KV;
-  /** Only this namespace (default: all). */
-  namespace?: string;
+  /** Only these namespaces, one watch each (default or empty: all). */
+  namespaces?: readonly string[];
   /** Namespaces whose models keys of any namespace may name (`ns/name`, `ns/*`). */
   sharedModelNamespaces?: readonly string[];
   backoff?: { initialMs: number; maxMs: number };
@@ -192,7 +192,7 @@ export async function applyApiKeyStatus(custom: CustomObjectsApi, o: ApiKeyResou
 export function startKeys(opts: KeysOptions): Keys {
   const { kv, core, custom, log } = opts;
   const shared = opts.sharedModelNamespaces ?? [];
-  const scope = opts.namespace ? `/namespaces/${opts.namespace}` : '';
+  const namespaces = opts.namespaces ?? [];
   const metrics: KeysMetrics = { tokensWritten: 0, tokensRemoved: 0, tokenConflicts: 0 };
   /** uid of an ApiKey → the token id this process registered for it last. */
   const registered = new Map<string, string>();
@@ -214,8 +214,8 @@ export function startKeys(opts: KeysOptions): Keys {
     queue.add(k);
   };
 
-  const apikeys = watchResource<ApiKeyResource>(opts.kc, {
-    path: `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.apiKey}`,
+  const apikeys = watchNamespaces<ApiKeyResource>(opts.kc, namespaces, {
+    path: (scope) => `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.apiKey}`,
     onEvent: (type, o) => {
       const ns = o.metadata.namespace;
       // A labelled Secret it names is its own now (or, once it is gone, a labelled key again).
@@ -236,8 +236,8 @@ export function startKeys(opts: KeysOptions): Keys {
     ...(opts.backoff ? { backoff: opts.backoff } : {}),
   });
   // The Secrets ApiKeys name, when labelled: a rotated token is applied at once.
-  const keySecrets = watchResource<SecretObject>(opts.kc, {
-    path: `/api/v1${scope}/secrets`,
+  const keySecrets = watchNamespaces<SecretObject>(opts.kc, namespaces, {
+    path: (scope) => `/api/v1${scope}/secrets`,
     labelSelector: API_KEY_SECRET_LABEL,
     onEvent: (_type, s) => {
       for (const k of apikeys.list())
@@ -247,8 +247,8 @@ export function startKeys(opts: KeysOptions): Keys {
     log: (l) => log(`watch apikey secrets: ${l}`),
     ...(opts.backoff ? { backoff: opts.backoff } : {}),
   });
-  const legacy = watchResource<SecretObject>(opts.kc, {
-    path: `/api/v1${scope}/secrets`,
+  const legacy = watchNamespaces<SecretObject>(opts.kc, namespaces, {
+    path: (scope) => `/api/v1${scope}/secrets`,
     labelSelector: `${TOKEN_SECRET_LABEL}=true`,
     onEvent: (_type, s) => queue.add(`secret/${s.metadata?.namespace}/${s.metadata?.name}`),
     onSynced: prune,
@@ -423,7 +423,7 @@ export function startKeys(opts: KeysOptions): Keys {
       const fromKey = origin.startsWith(APIKEY_ORIGIN);
       if (!fromKey && !origin.startsWith(SECRET_ORIGIN)) continue;
       const where = origin.slice((fromKey ? APIKEY_ORIGIN : SECRET_ORIGIN).length);
-      if (opts.namespace && !where.startsWith(`${opts.namespace}/`)) continue;
+      if (namespaces.length > 0 && !namespaces.includes(where.slice(0, where.indexOf('/')))) continue;
       let live: boolean;
       if (entry.uid === undefined)
         live = false; // an older magus's entry: its Secret, if still there, registers again

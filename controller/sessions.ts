@@ -25,8 +25,8 @@ export interface SessionMirrorOptions {
   kv: KV;
   /** Most Sessions mirrored at once. */
   cap: number;
-  /** Only conversations of models in this namespace (default: all). */
-  namespace?: string;
+  /** Only conversations of models in these namespaces (default or empty: all). */
+  namespaces?: readonly string[];
   intervalMs?: number;
   log?: (line: string) => void;
 }
@@ -81,18 +81,15 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
   })().catch((err: unknown) => log(`sessions: watch ended: ${(err as Error).message}`));
 
   async function listShown(): Promise<void> {
-    const path = opts.namespace ? { namespace: opts.namespace } : undefined;
-    const list = (
-      path
-        ? await custom.listNamespacedCustomObject({
-            group: CRD_GROUP,
-            version: CRD_VERSION,
-            namespace: path.namespace,
-            plural: Plural.session,
-            labelSelector: `${MIRROR_LABEL}=true`,
-          })
-        : await custom.listClusterCustomObject({ group: CRD_GROUP, version: CRD_VERSION, plural: Plural.session, labelSelector: `${MIRROR_LABEL}=true` })
-    ) as { items: { metadata: { name: string; namespace: string }; status?: unknown }[] };
+    const namespaces = opts.namespaces ?? [];
+    const selector = { group: CRD_GROUP, version: CRD_VERSION, plural: Plural.session, labelSelector: `${MIRROR_LABEL}=true` };
+    type Listed = { items: { metadata: { name: string; namespace: string }; status?: unknown }[] };
+    const lists = (
+      namespaces.length > 0
+        ? await Promise.all(namespaces.map((namespace) => custom.listNamespacedCustomObject({ ...selector, namespace })))
+        : [await custom.listClusterCustomObject(selector)]
+    ) as Listed[];
+    const list = { items: lists.flatMap((l) => l.items) };
     for (const o of list.items)
       shown.set(`${o.metadata.namespace}/${o.metadata.name}`, {
         namespace: o.metadata.namespace,
@@ -104,7 +101,7 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
   async function pass(): Promise<void> {
     const now = Date.now();
     const live = [...entries]
-      .filter(([, e]) => e.expiresAt > now && (!opts.namespace || (e.namespace ?? 'default') === opts.namespace))
+      .filter(([, e]) => e.expiresAt > now && (!opts.namespaces?.length || opts.namespaces.includes(e.namespace ?? 'default')))
       .sort((a, b) => b[1].expiresAt - a[1].expiresAt);
     stats.overCap = Math.max(0, live.length - opts.cap);
     const wanted = new Map<string, { ns: string; name: string; entry: SessionEntry }>();

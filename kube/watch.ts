@@ -528,3 +528,44 @@ function describeError(err: unknown): string {
   const parts = [typeof e.statusCode === 'number' ? `HTTP ${e.statusCode}` : '', typeof e.code === 'string' ? e.code : '', e.message];
   return parts.filter(Boolean).join(' ');
 }
+
+/**
+ * One watch per namespace (or one over all namespaces when `namespaces` is empty), seen as one:
+ * `path(scope)` builds each collection path from `''` (all) or `/namespaces/<ns>`. Each namespace's
+ * watch lists, watches, relists on 410 and backs off on its own; the handle's cache is their
+ * union, its counters their sums. `synced` resolves and `onSynced` first runs once every
+ * namespace has delivered its first list; after that `onSynced` runs after each relist of any.
+ */
+export function watchNamespaces<T extends WatchedObject>(
+  kc: KubeConfig,
+  namespaces: readonly string[],
+  opts: Omit<WatchOptions<T>, 'path'> & { path: (scope: string) => string },
+): ResourceWatch<T> {
+  if (namespaces.length === 0) return watchResource(kc, { ...opts, path: opts.path('') });
+  const pending = new Set(namespaces);
+  const watches = new Map(
+    namespaces.map((ns) => [
+      ns,
+      watchResource<T>(kc, {
+        ...opts,
+        path: opts.path(`/namespaces/${ns}`),
+        onSynced: () => {
+          pending.delete(ns);
+          if (pending.size === 0) opts.onSynced?.();
+        },
+      }),
+    ]),
+  );
+  const all = [...watches.values()];
+  return {
+    synced: Promise.all(all.map((w) => w.synced)).then(() => undefined),
+    get: (namespace, name) => (namespace === undefined ? undefined : watches.get(namespace)?.get(namespace, name)),
+    list: () => all.flatMap((w) => w.list()),
+    get stats(): WatchStats {
+      const sum: WatchStats = { lists: 0, watches: 0, errors: 0, relistsOn410: 0, events: 0, bookmarks: 0 };
+      for (const w of all) for (const k of Object.keys(sum) as (keyof WatchStats)[]) sum[k] += w.stats[k];
+      return sum;
+    },
+    stop: async () => void (await Promise.all(all.map((w) => w.stop()))),
+  };
+}

@@ -84,7 +84,7 @@ beforeAll(async () => {
     kc: kubeConfigFor(`https://${proxy.address}`, k.token),
     // No worker polls this queue: workflows start (server-side) but never run.
     temporal: { client, namespace: 'default', taskQueue: `${iso.id}-control` },
-    namespace: ns,
+    namespaces: [ns],
     cleanupTimeoutMs: 3000,
     log: (l) => log.push(l),
   });

@@ -73,7 +73,7 @@ const start = () =>
     temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue },
     tokens,
     sessions: { kv: sessions, cap: 5 },
-    namespace: ns,
+    namespaces: [ns],
     cleanupTimeoutMs: 60_000,
     log: (l) => controllerLog.push(l),
   });

@@ -20,13 +20,15 @@ import { startController, type Controller, type ControllerMetrics } from '../con
 import { startLeaderElection } from '../controller/leader';
 
 export const CONTROLLER_USAGE = [
-  'usage: magus controller [--namespace NS] [--shared-model-namespaces NS,…] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',
+  'usage: magus controller [--namespace NS[,NS…]] [--shared-model-namespaces NS,…] [--health-address host:port] [--no-leader-elect] [--cleanup-timeout 2m] [--session-mirror-cap N]',
   '',
   'Watches Model and Dllama resources and drives their workflows; registers ApiKeys (and Secrets labelled',
   'magus.dev/api-token=true, until the next release) as API keys. Needs a cluster (in a pod, or KUBECONFIG)',
   'and reads MAGUS_TEMPORAL_ADDRESS,',
   'MAGUS_TEMPORAL_NAMESPACE, MAGUS_TASK_QUEUE, MAGUS_NATS_URL and MAGUS_NATS_PREFIX like `magus worker`.',
-  '  --namespace NS         watch one namespace (default: all)',
+  '  --namespace NS,…      watch only these namespaces, one watch each (comma-separated, or the flag',
+  '                         repeated; default MAGUS_CONTROLLER_NAMESPACES, else all namespaces).',
+  '                         Its roles may then be Roles in those namespaces: no cluster-wide rights',
   '  --shared-model-namespaces NS,…  namespaces whose models an ApiKey of any namespace may name',
   '                         (ns/name, ns/*); default MAGUS_SHARED_MODEL_NAMESPACES, else none',
   '  --health-address A     /healthz, /readyz, /metrics (default MAGUS_HEALTH_ADDRESS or 127.0.0.1:9466)',
@@ -64,8 +66,19 @@ export function controllerMetricsText(m: ControllerMetrics | undefined, leader: 
 
 const NAMESPACE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
 
-function parseArgs(args: string[]): {
-  namespace?: string;
+/** Namespace names of a comma-separated list, each checked; duplicates dropped. */
+function namespaceList(text: string, what: string): string[] {
+  const names = text
+    .split(',')
+    .map((n) => n.trim())
+    .filter(Boolean);
+  for (const n of names) if (!NAMESPACE.test(n)) throw new Error(`${what} ${JSON.stringify(n)} is not a namespace name`);
+  return [...new Set(names)];
+}
+
+/** `magus controller`'s flags (and MAGUS_CONTROLLER_NAMESPACES, MAGUS_SHARED_MODEL_NAMESPACES, MAGUS_HEALTH_ADDRESS); throws naming the bad one. */
+export function parseControllerArgs(args: string[]): {
+  namespaces: string[];
   sharedModelNamespaces: string[];
   health: string;
   leaderElect: boolean;
@@ -74,7 +87,8 @@ function parseArgs(args: string[]): {
 } {
   let sessionCap = 200;
   let shared = process.env.MAGUS_SHARED_MODEL_NAMESPACES ?? '';
-  let namespace: string | undefined;
+  const namespaces: string[] = [];
+  let namespaceFlag = false;
   let health = process.env.MAGUS_HEALTH_ADDRESS ?? '127.0.0.1:9466';
   let leaderElect = true;
   let cleanupTimeoutMs = 120_000;
@@ -85,8 +99,13 @@ function parseArgs(args: string[]): {
       if (v === undefined) throw new Error(`${a} needs a value`);
       return v;
     };
-    if (a === '--namespace') namespace = value();
-    else if (a === '--shared-model-namespaces') shared = value();
+    if (a === '--namespace') {
+      namespaceFlag = true;
+      const v = value();
+      const listed = namespaceList(v, '--namespace');
+      if (listed.length === 0) throw new Error(`--namespace ${JSON.stringify(v)} names no namespace`);
+      namespaces.push(...listed);
+    } else if (a === '--shared-model-namespaces') shared = value();
     else if (a === '--health-address') health = value();
     else if (a === '--no-leader-elect') leaderElect = false;
     else if (a === '--cleanup-timeout') {
@@ -99,14 +118,10 @@ function parseArgs(args: string[]): {
         throw new Error(`--session-mirror-cap ${args[i]} must be a whole number from 0 to 100000`);
     } else throw new Error(`unknown option ${a}`);
   }
-  if (namespace !== undefined && !NAMESPACE.test(namespace)) throw new Error(`--namespace ${namespace} is not a namespace name`);
-  const sharedModelNamespaces = shared
-    .split(',')
-    .map((n) => n.trim())
-    .filter(Boolean);
-  for (const n of sharedModelNamespaces) if (!NAMESPACE.test(n)) throw new Error(`shared model namespace ${JSON.stringify(n)} is not a namespace name`);
+  if (!namespaceFlag) namespaces.push(...namespaceList(process.env.MAGUS_CONTROLLER_NAMESPACES ?? '', 'MAGUS_CONTROLLER_NAMESPACES:'));
+  const sharedModelNamespaces = namespaceList(shared, 'shared model namespace');
   if (!/^[A-Za-z0-9.-]+:\d{1,5}$/.test(health)) throw new Error(`health address ${health} is not host:port`);
-  return { namespace, sharedModelNamespaces, health, leaderElect, cleanupTimeoutMs, sessionCap };
+  return { namespaces: [...new Set(namespaces)], sharedModelNamespaces, health, leaderElect, cleanupTimeoutMs, sessionCap };
 }
 
 export async function controllerCommand(args: string[]): Promise<number> {
@@ -114,9 +129,9 @@ export async function controllerCommand(args: string[]): Promise<number> {
     process.stdout.write(`${CONTROLLER_USAGE}\n`);
     return 0;
   }
-  let opts: ReturnType<typeof parseArgs>;
+  let opts: ReturnType<typeof parseControllerArgs>;
   try {
-    opts = parseArgs(args);
+    opts = parseControllerArgs(args);
   } catch (err) {
     process.stderr.write(`magus controller: ${(err as Error).message}\n${CONTROLLER_USAGE}\n`);
     return 1;
@@ -165,7 +180,7 @@ export async function controllerCommand(args: string[]): Promise<number> {
       sharedModelNamespaces: opts.sharedModelNamespaces,
       sessions,
       usage,
-      namespace: opts.namespace,
+      namespaces: opts.namespaces,
       cleanupTimeoutMs: opts.cleanupTimeoutMs,
       log,
     });
@@ -183,7 +198,11 @@ export async function controllerCommand(args: string[]): Promise<number> {
 
   let stopping: () => void = () => undefined;
   const stopped = new Promise<void>((r) => (stopping = r));
-  const leaseNamespace = process.env.MAGUS_NAMESPACE ?? opts.namespace ?? kc.getContextObject(kc.getCurrentContext())?.namespace ?? 'default';
+  const leaseNamespace =
+    process.env.MAGUS_NAMESPACE ??
+    (opts.namespaces.length === 1 ? opts.namespaces[0] : undefined) ??
+    kc.getContextObject(kc.getCurrentContext())?.namespace ??
+    'default';
   const election = opts.leaderElect
     ? startLeaderElection({
         kc,
@@ -215,7 +234,9 @@ export async function controllerCommand(args: string[]): Promise<number> {
     health.once('error', fail);
     health.listen(Number(port), host, ok);
   });
-  log(`watching ${opts.namespace ? `namespace ${opts.namespace}` : 'all namespaces'}; health and metrics on http://${opts.health}`);
+  log(
+    `watching ${opts.namespaces.length > 0 ? `namespace${opts.namespaces.length > 1 ? 's' : ''} ${opts.namespaces.join(', ')}` : 'all namespaces'}; health and metrics on http://${opts.health}`,
+  );
   for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => stopping());
   await stopped;
   log('stopping');

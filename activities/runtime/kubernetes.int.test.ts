@@ -462,7 +462,7 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
   const name = 'scaled';
   await registry.put(model(name, () => GIB));
   await withKubeWorkers(5000, async ({ cfg, client, dir }) => {
-    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespace: NS });
+    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespaces: [NS] });
     const kubeconfig = join(dir, 'kubeconfig');
     writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
     const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
