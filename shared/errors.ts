@@ -71,6 +71,8 @@ export const RuntimeErrorType = {
   StartTimedOut: 'StartTimedOut',
   /** The runtime (its worker) stopped while the instance started. */
   RuntimeStopped: 'RuntimeStopped',
+  /** The model's namespace is not one the runtime may place instances in (Kubernetes, a namespaced install). */
+  NamespaceNotServed: 'NamespaceNotServed',
 } as const;
 export type RuntimeErrorType = (typeof RuntimeErrorType)[keyof typeof RuntimeErrorType];
 
@@ -85,6 +87,7 @@ export const PERMANENT_RUNTIME_ERRORS: readonly string[] = [
   RuntimeErrorType.InstanceDestroyed,
   RuntimeErrorType.Unschedulable,
   RuntimeErrorType.NoFit,
+  RuntimeErrorType.NamespaceNotServed,
 ];
 
 /**

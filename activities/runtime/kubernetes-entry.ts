@@ -19,7 +19,9 @@ import type * as KubernetesModule from './kubernetes';
  * with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the pods' `magus fetch`),
  * `MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT`, `MAGUS_K8S_BRIDGE_NATS_SIGNER` (`magus nats-auth`'s `bridge-signer.nk`: each instance's bridge
  * gets a NATS user of its own, signed with it, in a Secret of the instance), `MAGUS_K8S_NODES` (distributed-llama nodes of a pool
- * without a `Dllama`; default 1: llama.cpp), `MAGUS_K8S_UNSCHEDULABLE_AFTER_MS` (default 30000).
+ * without a `Dllama`; default 1: llama.cpp), `MAGUS_K8S_UNSCHEDULABLE_AFTER_MS` (default 30000),
+ * `MAGUS_K8S_NAMESPACES` (comma-separated: the only namespaces instances may be placed in, for a
+ * worker whose roles are Roles there; default any).
  */
 export interface KubernetesRuntimeConfig {
   images: { magus: string; dllama: string };
@@ -30,6 +32,8 @@ export interface KubernetesRuntimeConfig {
   serviceAccount?: string;
   defaultNodes: number;
   unschedulableAfterMs: number;
+  /** `MAGUS_K8S_NAMESPACES`: the only namespaces of instances; absent: any. */
+  namespaces?: string[];
 }
 
 /** {@link KubernetesRuntimeConfig} from `env`; `natsServers` (`MAGUS_NATS_URL`) is the default NATS of the pods. */
@@ -42,6 +46,12 @@ function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, pr
     problems.push(`MAGUS_K8S_UNSCHEDULABLE_AFTER_MS=${env.MAGUS_K8S_UNSCHEDULABLE_AFTER_MS} must be an integer ≥ 1000`);
   for (const name of ['MAGUS_K8S_MAGUS_IMAGE', 'MAGUS_K8S_DLLAMA_IMAGE'])
     if (!env[name]?.trim()) problems.push(`${name} is required with MAGUS_RUNTIME=kubernetes (the image instance pods run)`);
+  const namespaces = (env.MAGUS_K8S_NAMESPACES ?? '')
+    .split(',')
+    .map((n) => n.trim())
+    .filter(Boolean);
+  for (const n of namespaces)
+    if (!/^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/.test(n)) problems.push(`MAGUS_K8S_NAMESPACES: ${JSON.stringify(n)} is not a namespace name`);
   const natsUrl = env.MAGUS_K8S_NATS_URL?.trim() || natsServers;
   checkNatsServerList('MAGUS_K8S_NATS_URL', natsUrl, problems);
   if (env.MAGUS_K8S_BRIDGE_NATS_CREDENTIALS?.trim())
@@ -64,6 +74,7 @@ function kubernetesRuntimeConfig(env: NodeJS.ProcessEnv, natsServers: string, pr
     ...(env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT?.trim() ? { serviceAccount: env.MAGUS_K8S_INSTANCE_SERVICE_ACCOUNT.trim() } : {}),
     defaultNodes: nodes,
     unschedulableAfterMs: after,
+    ...(namespaces.length > 0 ? { namespaces: [...new Set(namespaces)] } : {}),
   };
 }
 
@@ -94,6 +105,7 @@ export const kubernetes: RuntimeEntry<KubernetesRuntimeConfig> = {
       ...(k.serviceAccount ? { serviceAccount: k.serviceAccount } : {}),
       defaultNodes: k.defaultNodes,
       unschedulableAfterMs: k.unschedulableAfterMs,
+      ...(k.namespaces ? { namespaces: k.namespaces } : {}),
       ...(instanceMemory ? { instanceMemory } : {}),
       log: deps.log,
     });

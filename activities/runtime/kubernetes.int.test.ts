@@ -37,6 +37,7 @@ import { createKubernetesRuntime, type KubernetesRuntime } from './kubernetes';
 import { instanceBase } from './kubernetes-manifests';
 import { runtimeConfig } from '.';
 import { kubernetes } from './kubernetes-entry';
+import { installRbacRoles, serviceAccountKubeConfig } from '../../test/harness/kube';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -335,6 +336,57 @@ test('fit-first: the smallest topology whose nodes fit, said in the status; none
   expect(err?.name).toBe('NoFit');
   expect(err?.message).toMatch(/no topology fits the cluster's 4 schedulable nodes/);
   expect(await podsOf('nofit-1')).toHaveLength(0);
+}, 180_000);
+
+test('a namespaced worker (crds/rbac.yaml magus-runtime as a Role in its namespace, MAGUS_K8S_NAMESPACES): no Nodes → nodesPower, said once; instances found without cluster-wide lists; a model elsewhere refused at once', async () => {
+  await installRbacRoles(cluster.kubeConfig);
+  // A RoleBinding grants nothing cluster-scoped: no Nodes, no list of ConfigMaps in all namespaces.
+  const kc = await serviceAccountKubeConfig(cluster.kubeConfig, NS, 'namespaced-runtime', [], ['magus-runtime']);
+  const lines: string[] = [];
+  const options = {
+    kc,
+    registry,
+    nc,
+    names,
+    images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
+    natsUrl: 'nats://nats.magus.svc:4222',
+    bridgeSigner: bridgeSignerFile,
+    s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
+    unschedulableAfterMs: 2000,
+    startTimeoutMs: 90_000,
+  };
+  const confined = createKubernetesRuntime({ ...options, namespaces: [NS], log: (l) => lines.push(l) });
+  // 1 GiB per node: fit-first would choose 1 node; without Nodes the Dllama's nodesPower (2 nodes) holds.
+  await registry.put(model('confined', () => GIB));
+  await applyDllama('confined', { autoNodes: true, nodesPower: 1 });
+  await confined.create({ namespace: NS, model: 'confined', pool: 'confined', instance: 'confined-1' }, new AbortController().signal);
+  await confined.create({ namespace: NS, model: 'confined', pool: 'confined', instance: 'confined-2' }, new AbortController().signal);
+  expect((await podsOf('confined-1')).length).toBe(2);
+  expect(lines.filter((l) => l.includes('may not list Nodes'))).toEqual([
+    "this worker may not list Nodes (HTTP 403): autoNodes takes each Dllama's nodesPower",
+  ]);
+  const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name: 'confined' })) as {
+    status?: { conditions?: { type: string; status: string; reason: string }[] };
+  };
+  expect(d.status?.conditions?.find((c) => c.type === 'TopologyChosen')).toMatchObject({ status: 'False', reason: 'NodesUnreadable' });
+  // describe and destroy find the instance by listing its namespaces; the same account listing the cluster is refused.
+  expect(await confined.describe('confined', 'confined-1')).toMatchObject({ instance: 'confined-1', healthy: true });
+  await expect(createKubernetesRuntime(options).describe('confined', 'confined-1')).rejects.toMatchObject({ code: 403 });
+  await confined.destroy('confined', 'confined-1');
+  await confined.destroy('confined', 'confined-2');
+  expect(await confined.describe('confined', 'confined-1')).toBeNull();
+  await eventually(async () => expect(await podsOf('confined-2')).toHaveLength(0), 60_000);
+
+  const elsewhere = await confined
+    .create({ namespace: 'elsewhere', model: 'confined', pool: 'confined', instance: 'elsewhere-1' }, new AbortController().signal)
+    .then(
+      () => undefined,
+      (e: unknown) => e as Error,
+    );
+  expect({ name: elsewhere?.name, message: elsewhere?.message }).toEqual({
+    name: 'NamespaceNotServed',
+    message: `namespace elsewhere is not one this worker places instances in (MAGUS_K8S_NAMESPACES: ${NS}; the chart's rbac.namespaces)`,
+  });
 }, 180_000);
 
 test('watch: a pod of the instance that goes away ends the watch with the reason', async () => {

@@ -5,7 +5,9 @@
  * instance (no per-worker runtime queue).
  *
  * - `create` decides the plan (the registry's artifacts and memory plan, the model's `Dllama`
- *   if one sizes the pool, the cluster's Nodes for `autoNodes`), applies the objects and resolves
+ *   if one sizes the pool, the cluster's Nodes for `autoNodes` — a worker that may not list
+ *   Nodes, as in a namespaced install, takes the Dllama's `nodesPower` instead and says so once),
+ *   applies the objects and resolves
  *   once every pod of the instance is Ready, from a pod watch. A pod that cannot be scheduled for
  *   `unschedulableAfterMs` fails the start with the scheduler's reason (`Unschedulable`,
  *   non-retryable: the pool backs off and its `Dllama` status says why); no topology that fits
@@ -14,6 +16,11 @@
  *   the reason once one is not Ready, is deleted, or its node goes away.
  * - `destroy` deletes the instance's ConfigMap (the garbage collector takes the rest) and its
  *   request consumer; idempotent.
+ *
+ * With `namespaces` (a namespaced install, whose roles are Roles in those namespaces only) an
+ * instance of a model elsewhere is refused at once (`NamespaceNotServed`, non-retryable: the
+ * pool's status says why) instead of failing on 403s, and instances are looked up in those
+ * namespaces only (no cluster-wide list).
  */
 import { bridgeCredentialsText, readNatsSigner } from '../../dataplane/roles';
 import {
@@ -102,6 +109,8 @@ export interface KubernetesRuntimeOptions {
   startTimeoutMs?: number;
   /** Container ports (default 8080, 9998, 9467). */
   ports?: InstancePorts;
+  /** The only namespaces instances may be in (the worker's Roles are there); absent or empty: any. */
+  namespaces?: readonly string[];
   log?: (line: string) => void;
 }
 
@@ -203,6 +212,25 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   const need = (bytes: number) => Math.ceil(bytes * (1 + headroom.fraction) + headroom.bytes);
   const counts: Record<string, number> = {};
   const count = (verb: string) => (counts[verb] = (counts[verb] ?? 0) + 1);
+  const served = opts.namespaces?.length ? opts.namespaces : undefined;
+  let nodesUnreadable = false;
+
+  /**
+   * The cluster's Nodes for fit-first, or null when this worker may not list them (401/403: a
+   * namespaced install grants no cluster-scoped reads), said once.
+   */
+  async function listNodes(): Promise<V1Node[] | null> {
+    if (nodesUnreadable) return null;
+    count('list');
+    try {
+      return (await core.listNode()).items;
+    } catch (err) {
+      if (code(err) !== 403 && code(err) !== 401) throw err;
+      nodesUnreadable = true;
+      log(`this worker may not list Nodes (HTTP ${code(err)}): autoNodes takes each Dllama's nodesPower`);
+      return null;
+    }
+  }
 
   const apply = async <T extends KubeObject>(obj: T): Promise<KubernetesObject> => {
     count('apply');
@@ -249,6 +277,11 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
   }
 
   async function plan(req: InstanceRequest): Promise<InstancePlan> {
+    if (served && !served.includes(req.namespace))
+      throw runtimeError(
+        RuntimeErrorType.NamespaceNotServed,
+        `namespace ${req.namespace} is not one this worker places instances in (MAGUS_K8S_NAMESPACES: ${served.join(', ')}; the chart's rbac.namespaces)`,
+      );
     const ready = await opts.registry.get(req.namespace, req.model);
     if (!ready) throw runtimeError(RuntimeErrorType.ModelNotReady, `model ${req.namespace}/${req.model} is not in the registry`);
     const d = await dllamaOf(req.namespace, req.model);
@@ -261,9 +294,11 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     const engine = d ? d.spec.engine : defaultEngine(ready);
     const distributed = isDistributed(engine);
     let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
-    if (distributed && d?.spec.autoNodes) {
-      count('list');
-      const fit = chooseFit(ready, (await core.listNode()).items, need, { nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations });
+    const clusterNodes = distributed && d?.spec.autoNodes ? await listNodes() : null;
+    if (distributed && d?.spec.autoNodes && !clusterNodes)
+      await reportTopology(d, 'False', 'NodesUnreadable', `the worker may not list Nodes: ${nodes} node(s) from nodesPower`);
+    else if (distributed && d?.spec.autoNodes && clusterNodes) {
+      const fit = chooseFit(ready, clusterNodes, need, { nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations });
       if (typeof fit === 'string') {
         await reportTopology(d, 'False', 'NoFit', fit);
         throw runtimeError(RuntimeErrorType.NoFit, fit);
@@ -441,9 +476,15 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
 
   /** The namespaces holding an instance's ConfigMap (the Runtime interface names no namespace for destroy and describe). */
   async function namespacesOf(instance: string): Promise<string[]> {
-    count('list');
-    const list = await core.listConfigMapForAllNamespaces({ labelSelector: instanceSelector(instance) });
-    return list.items.filter((c) => c.metadata?.name === instanceBase(instance)).map((c) => c.metadata!.namespace!);
+    const labelSelector = instanceSelector(instance);
+    const list = async (namespace: string | undefined) => {
+      count('list');
+      const l = namespace ? await core.listNamespacedConfigMap({ namespace, labelSelector }) : await core.listConfigMapForAllNamespaces({ labelSelector });
+      return l.items;
+    };
+    // Namespaced: only where this worker may look (its Roles); else one list over the cluster.
+    const items = (await Promise.all((served ?? [undefined]).map(list))).flat();
+    return items.filter((c) => c.metadata?.name === instanceBase(instance)).map((c) => c.metadata!.namespace!);
   }
 
   async function describe(pool: string, instance: string): Promise<InstanceInfo | null> {

@@ -62,7 +62,8 @@ export async function serviceAccountKubeConfig(
   const { status } = await core.createNamespacedServiceAccountToken({ namespace, name, body: { spec: { audiences: [], expirationSeconds: 3600 } } });
   const sa = new KubeConfig();
   sa.loadFromOptions({
-    clusters: [{ name: 't', server: endpoint('kubernetes').server, skipTLSVerify: true }],
+    // The admin's API server: the harness's, or a test's private cluster (test/harness/cluster.ts).
+    clusters: [{ name: 't', server: admin.getCurrentCluster()?.server ?? endpoint('kubernetes').server, skipTLSVerify: true }],
     users: [{ name, token: status!.token }],
     contexts: [{ name: 't', cluster: 't', user: name }],
     currentContext: 't',
