@@ -4,12 +4,14 @@
  * + kwok: test/harness/cluster.ts), where Pods become Ready on fake Nodes without running anything.
  *
  * Without a cluster: its CRDs and RBAC are the repository's (`crds/`, byte for byte, and as
- * rendered), `helm lint --strict` and `helm template` pass with every `examples/values-*.yaml`,
- * every pod is non-root on a read-only root filesystem, and values.schema.json refuses nonsense
- * naming the field. On the cluster: every example's manifests pass the API server's own
- * validation (server-side dry-run), `helm install` gets every Deployment available and the
- * ServiceAccounts exactly their roles, `helm upgrade` rolls out changed values, and
- * `helm uninstall` leaves the CRDs and the resources in them.
+ * rendered: ClusterRoles by default, only Roles in namespaced mode), `helm lint --strict` and
+ * `helm template` pass with every `examples/values-*.yaml`, every pod is non-root on a read-only
+ * root filesystem, the defaults include the NetworkPolicies, and values.schema.json refuses
+ * nonsense naming the field. On the cluster: every example's manifests pass the API server's own
+ * validation (server-side dry-run), `helm install` gets every Deployment available, `kubectl auth
+ * can-i --as` each ServiceAccount gets exactly its role's rights (cluster-wide, and namespaced
+ * with two namespaces: nothing elsewhere, nothing cluster-scoped), `helm upgrade` rolls out
+ * changed values, and `helm uninstall` leaves the CRDs and the resources in them.
  */
 import { dataPlaneNames } from '../dataplane';
 import { newNatsAuthority, roleCredentialsText, signerFileText } from '../dataplane/roles';
@@ -21,7 +23,6 @@ import { promisify } from 'node:util';
 import {
   ApiextensionsV1Api,
   AppsV1Api,
-  AuthorizationV1Api,
   CoreV1Api,
   CustomObjectsApi,
   loadAllYaml,
@@ -54,6 +55,7 @@ interface Obj {
 interface Rule {
   apiGroups?: string[];
   resources?: string[];
+  resourceNames?: string[];
   verbs: string[];
 }
 interface EnvVar {
@@ -144,15 +146,67 @@ function repoRoles(): Map<string, Rule[]> {
   return new Map(docs.map((d) => [d.metadata.name, d.rules]));
 }
 
-/**
- * What rules allow, as sorted `group/resource:verb` lines: a role bound in one namespace has its
- * cluster-scoped resources moved to a ClusterRole of their own, which changes the rules but must
- * not change what they allow.
- */
-const permissions = (rules: Rule[]) =>
-  [...new Set(rules.flatMap((r) => (r.apiGroups ?? []).flatMap((g) => (r.resources ?? []).flatMap((res) => r.verbs.map((v) => `${g}/${res}:${v}`)))))].sort();
-
 const env = (c: Container, name: string) => c.env?.find((e) => e.name === name);
+
+interface ExampleValues {
+  crds?: { install?: boolean };
+  rbac?: { namespaces?: string[] };
+  controller?: { watchNamespace?: string };
+  worker?: { pipeline?: { secretNames?: string[] } };
+}
+
+/** Which process's ServiceAccount each role of crds/rbac.yaml is bound to. */
+const ROLE_ACCOUNTS: Record<string, string> = {
+  'magus-controller': 'magus-controller',
+  'magus-controller-leader-election': 'magus-controller',
+  'magus-runtime': 'magus-runtime',
+  'magus-pipeline': 'magus-pipeline',
+};
+
+/** crds/rbac.yaml's rules of `role` as the chart must grant them with these values. */
+function expectedRules(role: string, rules: Rule[], values: ExampleValues): Rule[] {
+  const namespaced = (values.rbac?.namespaces ?? []).length > 0 || !!values.controller?.watchNamespace;
+  const secretNames = values.worker?.pipeline?.secretNames ?? [];
+  return rules.flatMap((r): Rule[] => {
+    if (role === 'magus-pipeline' && r.resources?.includes('secrets')) return secretNames.length > 0 ? [{ ...r, resourceNames: secretNames }] : [];
+    const resources = namespaced ? (r.resources ?? []).filter((x) => x !== 'nodes') : r.resources;
+    return resources?.length ? [{ ...r, resources }] : [];
+  });
+}
+
+/** The rendered RBAC against crds/rbac.yaml and the values (see the test that calls it). */
+function expectRbac(objs: Obj[], values: ExampleValues): void {
+  const watched = values.rbac?.namespaces?.length ? values.rbac.namespaces : values.controller?.watchNamespace ? [values.controller.watchNamespace] : [];
+  const kind = watched.length > 0 ? 'Role' : 'ClusterRole';
+  if (watched.length > 0) expect([...ofKind(objs, 'ClusterRole'), ...ofKind(objs, 'ClusterRoleBinding')]).toEqual([]);
+  else expect(ofKind(objs, 'Role')).toEqual([]);
+  const roles = ofKind<Obj & { rules: Rule[] }>(objs, kind);
+  const bindings = [...ofKind<Binding>(objs, 'ClusterRoleBinding'), ...ofKind<Binding>(objs, 'RoleBinding')];
+  const places = new Map<string, string[]>();
+  for (const r of roles) {
+    const name = `magus-${r.metadata.labels?.['magus.dev/role']}`;
+    places.set(name, [...(places.get(name) ?? []), r.metadata.namespace ?? 'cluster']);
+    expect({ role: name, rules: r.rules }).toEqual({ role: name, rules: expectedRules(name, repoRoles().get(name) ?? [], values) });
+  }
+  for (const b of bindings) {
+    const name = `magus-${b.metadata.labels?.['magus.dev/role']}`;
+    const role = roles.find((r) => r.metadata.name === b.roleRef.name && (kind === 'ClusterRole' || r.metadata.namespace === b.metadata.namespace));
+    expect({ binding: b.metadata.name, roleRef: b.roleRef.kind, found: role !== undefined }).toEqual({ binding: b.metadata.name, roleRef: kind, found: true });
+    expect({ name, subjects: b.subjects }).toEqual({ name, subjects: [{ kind: 'ServiceAccount', name: ROLE_ACCOUNTS[name], namespace: NS }] });
+  }
+  // Where each role is bound: the Lease role in the release namespace; the others cluster-wide or in each listed namespace.
+  const boundAt = (name: string) =>
+    bindings
+      .filter((b) => `magus-${b.metadata.labels?.['magus.dev/role']}` === name)
+      .map((b) => (b.kind === 'RoleBinding' ? b.metadata.namespace : 'cluster'))
+      .sort();
+  for (const name of repoRoles().keys()) {
+    const at = name === 'magus-controller-leader-election' ? [NS] : watched.length > 0 ? [...watched].sort() : ['cluster'];
+    expect({ name, boundAt: boundAt(name) }).toEqual({ name, boundAt: at });
+    if (watched.length > 0) expect({ name, roles: (places.get(name) ?? []).sort() }).toEqual({ name, roles: at });
+    else expect({ name, roles: places.get(name) }).toEqual({ name, roles: ['cluster'] });
+  }
+}
 
 /** Values that must each be refused, and what the message must say. */
 const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: false }[] = [
@@ -191,6 +245,13 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
     message: /at '\/controller\/cleanupTimeout': 'soon' does not match pattern/,
   },
   { why: 'a watched namespace that is no namespace name', values: 'controller: {watchNamespace: Team_A}', message: /at '\/controller\/watchNamespace'/ },
+  { why: 'a namespaced-mode namespace that is no namespace name', values: 'rbac: {namespaces: [team-a, Team_B]}', message: /at '\/rbac\/namespaces\/1'/ },
+  { why: 'a namespace listed twice', values: 'rbac: {namespaces: [team-a, team-a]}', message: /at '\/rbac\/namespaces'.*items at 0 and 1 are equal/ },
+  {
+    why: 'a pipeline Secret name that is no Secret name',
+    values: 'worker: {pipeline: {secretNames: [HF_TOKEN]}}',
+    message: /at '\/worker\/pipeline\/secretNames\/0': 'HF_TOKEN' does not match pattern/,
+  },
   { why: 'a privileged gateway port', values: 'gateway: {port: 80}', message: /at '\/gateway\/port': minimum: got 80, want 1,?024/ },
   { why: 'a session TTL under a minute', values: 'gateway: {sessionTtlMs: 5000}', message: /at '\/gateway\/sessionTtlMs': minimum: got 5,?000, want 60,?000/ },
   {
@@ -200,6 +261,12 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
   },
   // A cross-field rule JSON Schema cannot state: a `fail` in the template. helm lint reports it
   // (as [INFO] Fail: …) but passes: Helm's lint mode never fails on `fail`.
+  {
+    why: 'both rbac.namespaces and the deprecated controller.watchNamespace',
+    values: 'rbac: {namespaces: [team-a]}\ncontroller: {watchNamespace: team-b}',
+    message: /set rbac\.namespaces or the deprecated controller\.watchNamespace, not both/,
+    lintFails: false,
+  },
   {
     why: 'the worker’s two ports the same',
     values: 'worker: {healthPort: 9464}',
@@ -257,7 +324,7 @@ describe('the chart, rendered', () => {
 
   test.each(EXAMPLES)('helm template %s: CRDs and RBAC as in crds/, secrets only by reference, pods non-root on a read-only root with /tmp', async (file) => {
     const objs = await render(examplePath(file));
-    const values = loadAllYaml(readFileSync(examplePath(file), 'utf8'))[0] as { crds?: { install?: boolean }; controller?: { watchNamespace?: string } };
+    const values = loadAllYaml(readFileSync(examplePath(file), 'utf8'))[0] as ExampleValues;
 
     // CRDs: the repository's, annotated to be kept on uninstall.
     const crds = ofKind<Obj & { spec: unknown }>(objs, 'CustomResourceDefinition');
@@ -274,32 +341,11 @@ describe('the chart, rendered', () => {
       }
     }
 
-    // RBAC: every role of crds/rbac.yaml with exactly its rules (split over two ClusterRoles when
-    // bound in one namespace and some rule is about cluster-scoped resources), each ClusterRole
-    // bound once, to its component's ServiceAccount.
-    const roles = ofKind<Obj & { rules: Rule[] }>(objs, 'ClusterRole');
-    const bindings = [...ofKind<Binding>(objs, 'ClusterRoleBinding'), ...ofKind<Binding>(objs, 'RoleBinding')];
-    const rendered = new Map<string, Rule[]>();
-    const split = new Set<string>();
-    for (const r of roles) {
-      const name = `magus-${r.metadata.labels?.['magus.dev/role']}`;
-      rendered.set(name, [...(rendered.get(name) ?? []), ...r.rules]);
-      if (r.metadata.name.endsWith('-cluster')) split.add(name);
-      const bound = bindings.filter((b) => b.roleRef.name === r.metadata.name);
-      expect(bound).toHaveLength(1);
-      const component = r.metadata.labels?.['app.kubernetes.io/component'];
-      expect(bound[0]?.subjects).toEqual([{ kind: 'ServiceAccount', name: `magus-${component}`, namespace: NS }]);
-      const where = bound[0]?.kind === 'RoleBinding' ? bound[0].metadata.namespace : 'cluster';
-      const expected =
-        name === 'magus-controller-leader-election' ? NS : r.metadata.name.endsWith('-cluster') ? 'cluster' : (values.controller?.watchNamespace ?? 'cluster');
-      expect({ role: r.metadata.name, where }).toEqual({ role: r.metadata.name, where: expected });
-    }
-    expect([...rendered.keys()].sort()).toEqual([...repoRoles().keys()].sort());
-    for (const [name, rules] of repoRoles()) {
-      // Bound cluster-wide (or nothing cluster-scoped to move): the very rules, in order.
-      if (!split.has(name)) expect({ name, rules: rendered.get(name) }).toEqual({ name, rules });
-      expect({ name, allows: permissions(rendered.get(name) ?? []) }).toEqual({ name, allows: permissions(rules) });
-    }
+    // RBAC: every role of crds/rbac.yaml with its rules (the pipeline's Secret rule narrowed to
+    // worker.pipeline.secretNames; in namespaced mode the cluster-scoped rules left out), bound
+    // once per place to its process's ServiceAccount: cluster-wide as ClusterRoles, namespaced as
+    // Roles in every listed namespace and no ClusterRole or ClusterRoleBinding at all.
+    expectRbac(objs, values);
 
     // No Secret is rendered, and no secret value is inline.
     expect(ofKind(objs, 'Secret')).toEqual([]);
@@ -342,6 +388,60 @@ describe('the chart, rendered', () => {
         d: d.metadata.name,
         automount: d.metadata.name === 'magus-gateway' ? false : undefined,
       });
+  });
+
+  test('the defaults include the NetworkPolicies: the gateway open on its port, controller and workers only on their health/metrics ports, instance pods only from each other', async () => {
+    type Policy = Obj & {
+      spec: {
+        podSelector: { matchLabels: Record<string, string> };
+        policyTypes: string[];
+        ingress?: { from?: unknown[]; ports?: { port: number }[] }[];
+        egress?: { to?: unknown[]; ports?: { port: number; protocol: string }[] }[];
+      };
+    };
+    const policies = async (...set: string[]) => {
+      const out = await helm('template', 'magus', CHART, '--namespace', NS, ...set.flatMap((v) => ['--set', v]));
+      return ofKind<Policy>(
+        (loadAllYaml(out) as (Obj | null)[]).filter((o): o is Obj => o !== null),
+        'NetworkPolicy',
+      );
+    };
+    const defaults = await policies();
+    const byName = new Map(defaults.map((p) => [p.metadata.name, p]));
+    expect(defaults.map((p) => `${p.metadata.namespace}/${p.metadata.name}`).sort()).toEqual(
+      ['magus-controller', 'magus-gateway', 'magus-instances', 'magus-worker'].map((n) => `${NS}/${n}`),
+    );
+    const ingressPorts = (name: string) => byName.get(name)?.spec.ingress?.map((r) => ({ from: r.from, ports: r.ports?.map((p) => p.port) }));
+    expect({
+      gateway: ingressPorts('magus-gateway'),
+      controller: ingressPorts('magus-controller'),
+      worker: ingressPorts('magus-worker'),
+    }).toEqual({
+      gateway: [{ from: undefined, ports: [8080] }],
+      controller: [{ from: undefined, ports: [9466] }],
+      worker: [{ from: undefined, ports: [9464, 9465] }],
+    });
+    for (const name of ['magus-gateway', 'magus-controller', 'magus-worker'])
+      expect({ name, types: byName.get(name)?.spec.policyTypes }).toEqual({ name, types: ['Ingress'] });
+    const instanceLabels = { 'app.kubernetes.io/part-of': 'magus', 'app.kubernetes.io/component': 'instance' };
+    const instances = byName.get('magus-instances')!;
+    expect(instances.spec.podSelector.matchLabels).toEqual(instanceLabels);
+    expect(instances.spec.policyTypes).toEqual(['Ingress', 'Egress']);
+    expect(instances.spec.ingress).toEqual([{ from: [{ podSelector: { matchLabels: instanceLabels } }] }]);
+    expect(instances.spec.egress?.map((r) => r.ports?.map((p) => `${p.port}/${p.protocol}`) ?? 'instance pods')).toEqual([
+      'instance pods',
+      ['4222/TCP'],
+      ['443/TCP', '9000/TCP'],
+      ['53/UDP', '53/TCP'],
+    ]);
+    // Namespaced mode: the instance policy in every listed namespace; switched off: none at all.
+    expect(
+      (await policies('rbac.namespaces={team-a,team-b}'))
+        .filter((p) => p.metadata.name === 'magus-instances')
+        .map((p) => p.metadata.namespace)
+        .sort(),
+    ).toEqual(['team-a', 'team-b']);
+    expect(await policies('networkPolicy.enabled=false')).toEqual([]);
   });
 
   test('the workers: two Deployments (control, pipeline) scaled and sized apart, running the Kubernetes runtime with its settings', async () => {
@@ -556,7 +656,7 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     core = cluster.kubeConfig.makeApiClient(CoreV1Api);
     kubeconfigFile = join(helmHome, 'kubeconfig');
     writeKubeconfig(kubeconfigFile, { server: cluster.server, token: cluster.token });
-    for (const ns of [NS, 'models']) await cluster.createNamespace(ns);
+    for (const ns of [NS, 'models', 'team-a', 'team-b']) await cluster.createNamespace(ns);
     const extensions = cluster.kubeConfig.makeApiClient(ApiextensionsV1Api);
     await extensions.createCustomResourceDefinition({ body: serviceMonitorCrd });
     // The Secrets the values name (kwok runs nothing, so nothing reads them; they make the install what a user's is).
@@ -613,7 +713,21 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
   }
 
   test('helm install: every Deployment becomes available, the CRDs are Established, NOTES show the first kubectl and curl', async () => {
-    const out = await helm('install', 'magus', CHART, '--namespace', NS, '--values', examplePath('values-minimal.yaml'), '--wait', '--timeout', '3m');
+    // The pipeline may read the hub token Secret hf-token, and no other (the can-i test below).
+    const out = await helm(
+      'install',
+      'magus',
+      CHART,
+      '--namespace',
+      NS,
+      '--values',
+      examplePath('values-minimal.yaml'),
+      '--set',
+      'worker.pipeline.secretNames={hf-token}',
+      '--wait',
+      '--timeout',
+      '3m',
+    );
     expect(out).toContain('STATUS: deployed');
     expect(out).toContain(`kubectl -n ${NS} get deployments -l app.kubernetes.io/instance=magus`);
     expect(out).toContain('kubectl label secret my-key-token magus.dev/api-key=my-key');
@@ -632,62 +746,198 @@ describe('on a test cluster (kube-apiserver, controller-manager, scheduler, kwok
     expect(pods).toHaveLength(6);
     for (const p of pods) {
       expect({ pod: p.metadata?.name, ready: p.status?.conditions?.find((c) => c.type === 'Ready')?.status }).toEqual({ pod: p.metadata?.name, ready: 'True' });
-      expect(p.spec?.serviceAccountName).toBe(`magus-${p.metadata?.labels?.['app.kubernetes.io/component']}`);
+      const component = p.metadata?.labels?.['app.kubernetes.io/component'];
+      const queue = p.metadata?.labels?.['magus.dev/task-queue'];
+      // The workers run as two accounts: the control queue's (status, instances) and the pipeline's.
+      const account = component === 'worker' ? (queue === 'pipeline' ? 'magus-pipeline' : 'magus-runtime') : `magus-${component}`;
+      expect({ pod: p.metadata?.name, account: p.spec?.serviceAccountName }).toEqual({ pod: p.metadata?.name, account });
     }
     const worker = pods.find((p) => p.metadata?.labels?.['magus.dev/task-queue'] === 'pipeline')!;
     expect(worker.spec?.containers[0]?.env?.find((e) => e.name === 'MAGUS_S3_ENDPOINT')?.value).toBe('http://minio.minio.svc:9000');
   });
 
-  test('the ServiceAccounts get exactly their roles: the worker writes Model status but not Models, the controller the reverse, the gateway nothing', async () => {
-    const authz = cluster.kubeConfig.makeApiClient(AuthorizationV1Api);
-    const can = async (sa: string, verb: string, resource: string, subresource = '', namespace = 'models', group = 'magus.dev') => {
-      const review = await authz.createSubjectAccessReview({
-        body: {
-          spec: {
-            user: `system:serviceaccount:${NS}:${sa}`,
-            groups: ['system:serviceaccounts', `system:serviceaccounts:${NS}`],
-            resourceAttributes: { group, resource, subresource, verb, namespace },
-          },
-        },
-      });
-      return review.status?.allowed ?? false;
-    };
+  /**
+   * `kubectl auth can-i VERB RESOURCE --as system:serviceaccount:<saNamespace>:<sa>` on the test
+   * cluster: 'yes' or 'no' (anything else fails the test). `resource` may be `kind/name`;
+   * `namespace` '' asks about a cluster-scoped resource.
+   */
+  async function canI(
+    sa: string,
+    verb: string,
+    resource: string,
+    namespace: string,
+    opts: { saNamespace?: string; subresource?: string } = {},
+  ): Promise<string> {
+    const args = ['auth', 'can-i', verb, resource, `--as=system:serviceaccount:${opts.saNamespace ?? NS}:${sa}`];
+    if (namespace) args.push('--namespace', namespace);
+    if (opts.subresource) args.push('--subresource', opts.subresource);
+    const r = await run('kubectl', args);
+    const answer = r.stdout.trim();
+    if (answer !== 'yes' && answer !== 'no') throw new Error(`kubectl ${args.join(' ')}: ${r.code} ${r.stdout} ${r.stderr}`);
+    return answer;
+  }
+
+  /** `kubectl auth can-i --list` of a ServiceAccount in `namespace`: every rule it holds there, cluster-wide ones included. */
+  async function rulesOf(sa: string, namespace: string, saNamespace = NS): Promise<string> {
+    const r = await run('kubectl', ['auth', 'can-i', '--list', '--namespace', namespace, `--as=system:serviceaccount:${saNamespace}:${sa}`]);
+    if (r.code !== 0) throw new Error(`kubectl auth can-i --list: ${r.stderr}`);
+    return r.stdout;
+  }
+
+  test('cluster-wide (the defaults): kubectl auth can-i --as each ServiceAccount — the runtime runs instances but reads no Secret, the pipeline reads only its named Secret and runs nothing', async () => {
+    const runtime = (verb: string, resource: string, ns = 'models', subresource?: string) => canI('magus-runtime', verb, resource, ns, { subresource });
+    const pipeline = (verb: string, resource: string, ns = 'models', subresource?: string) => canI('magus-pipeline', verb, resource, ns, { subresource });
+    const controller = (verb: string, resource: string, ns = 'models', subresource?: string) => canI('magus-controller', verb, resource, ns, { subresource });
     expect({
-      workerPatchesModelStatus: await can('magus-worker', 'patch', 'models', 'status'),
-      workerPatchesModels: await can('magus-worker', 'patch', 'models'),
-      workerListsSecrets: await can('magus-worker', 'list', 'secrets', '', 'models', ''),
-      // The Kubernetes runtime's instances: StatefulSets, Services, ConfigMaps; Pods and Nodes read only.
-      workerCreatesStatefulSets: await can('magus-worker', 'create', 'statefulsets', '', 'models', 'apps'),
-      workerDeletesServices: await can('magus-worker', 'delete', 'services', '', 'models', ''),
-      workerPatchesNetworkPolicies: await can('magus-worker', 'patch', 'networkpolicies', '', 'models', 'networking.k8s.io'),
-      workerWatchesPods: await can('magus-worker', 'watch', 'pods', '', 'models', ''),
-      workerCreatesPods: await can('magus-worker', 'create', 'pods', '', 'models', ''),
-      workerListsNodes: await can('magus-worker', 'list', 'nodes', '', '', ''),
-      workerPatchesDllamas: await can('magus-worker', 'patch', 'dllamas'),
-      controllerPatchesModels: await can('magus-controller', 'patch', 'models'),
-      controllerPatchesModelStatus: await can('magus-controller', 'patch', 'models', 'status'),
-      controllerTakesItsLease: await can('magus-controller', 'update', 'leases', '', NS, 'coordination.k8s.io'),
-      controllerTakesLeasesElsewhere: await can('magus-controller', 'update', 'leases', '', 'models', 'coordination.k8s.io'),
-      gatewayGetsModels: await can('magus-gateway', 'get', 'models'),
-      gatewayGetsSecrets: await can('magus-gateway', 'get', 'secrets', '', NS, ''),
+      runtimePatchesModelStatus: await runtime('patch', 'models.magus.dev', 'models', 'status'),
+      runtimePatchesModels: await runtime('patch', 'models.magus.dev'),
+      runtimeCreatesStatefulSets: await runtime('create', 'statefulsets.apps'),
+      runtimeDeletesServices: await runtime('delete', 'services'),
+      runtimePatchesNetworkPolicies: await runtime('patch', 'networkpolicies.networking.k8s.io'),
+      runtimeWatchesPods: await runtime('watch', 'pods'),
+      runtimeCreatesPods: await runtime('create', 'pods'),
+      runtimeListsNodes: await runtime('list', 'nodes', ''),
+      runtimePatchesDllamas: await runtime('patch', 'dllamas.magus.dev'),
+      // Each instance's network key and NATS credentials: created, never read back.
+      runtimeCreatesSecrets: await runtime('create', 'secrets'),
+      runtimeGetsSecrets: await runtime('get', 'secrets'),
+      runtimeListsSecrets: await runtime('list', 'secrets'),
+      runtimeGetsTheHubToken: await runtime('get', 'secrets/hf-token'),
+      runtimeGetsItsOwnNamespacesSecrets: await runtime('get', 'secrets', NS),
+      pipelineGetsTheHubToken: await pipeline('get', 'secrets/hf-token'),
+      pipelineGetsAnotherSecret: await pipeline('get', 'secrets/magus-s3', NS),
+      pipelineGetsSecrets: await pipeline('get', 'secrets'),
+      pipelineListsSecrets: await pipeline('list', 'secrets'),
+      pipelineCreatesStatefulSets: await pipeline('create', 'statefulsets.apps'),
+      pipelineCreatesPods: await pipeline('create', 'pods'),
+      pipelineCreatesServices: await pipeline('create', 'services'),
+      pipelineCreatesConfigMaps: await pipeline('create', 'configmaps'),
+      pipelinePatchesNetworkPolicies: await pipeline('patch', 'networkpolicies.networking.k8s.io'),
+      pipelinePatchesModelStatus: await pipeline('patch', 'models.magus.dev', 'models', 'status'),
+      pipelineListsNodes: await pipeline('list', 'nodes', ''),
+      controllerPatchesModels: await controller('patch', 'models.magus.dev'),
+      controllerPatchesModelStatus: await controller('patch', 'models.magus.dev', 'models', 'status'),
+      controllerTakesItsLease: await controller('update', 'leases.coordination.k8s.io', NS),
+      controllerTakesLeasesElsewhere: await controller('update', 'leases.coordination.k8s.io'),
+      gatewayGetsModels: await canI('magus-gateway', 'get', 'models.magus.dev', 'models'),
+      gatewayGetsSecrets: await canI('magus-gateway', 'get', 'secrets', NS),
     }).toEqual({
-      workerPatchesModelStatus: true,
-      workerPatchesModels: false,
-      workerListsSecrets: false,
-      workerCreatesStatefulSets: true,
-      workerDeletesServices: true,
-      workerPatchesNetworkPolicies: true,
-      workerWatchesPods: true,
-      workerCreatesPods: false,
-      workerListsNodes: true,
-      workerPatchesDllamas: false,
-      controllerPatchesModels: true,
-      controllerPatchesModelStatus: false,
-      controllerTakesItsLease: true,
-      controllerTakesLeasesElsewhere: false,
-      gatewayGetsModels: false,
-      gatewayGetsSecrets: false,
+      runtimePatchesModelStatus: 'yes',
+      runtimePatchesModels: 'no',
+      runtimeCreatesStatefulSets: 'yes',
+      runtimeDeletesServices: 'yes',
+      runtimePatchesNetworkPolicies: 'yes',
+      runtimeWatchesPods: 'yes',
+      runtimeCreatesPods: 'no',
+      runtimeListsNodes: 'yes',
+      runtimePatchesDllamas: 'no',
+      runtimeCreatesSecrets: 'yes',
+      runtimeGetsSecrets: 'no',
+      runtimeListsSecrets: 'no',
+      runtimeGetsTheHubToken: 'no',
+      runtimeGetsItsOwnNamespacesSecrets: 'no',
+      pipelineGetsTheHubToken: 'yes',
+      pipelineGetsAnotherSecret: 'no',
+      pipelineGetsSecrets: 'no',
+      pipelineListsSecrets: 'no',
+      pipelineCreatesStatefulSets: 'no',
+      pipelineCreatesPods: 'no',
+      pipelineCreatesServices: 'no',
+      pipelineCreatesConfigMaps: 'no',
+      pipelinePatchesNetworkPolicies: 'no',
+      pipelinePatchesModelStatus: 'no',
+      pipelineListsNodes: 'no',
+      controllerPatchesModels: 'yes',
+      controllerPatchesModelStatus: 'no',
+      controllerTakesItsLease: 'yes',
+      controllerTakesLeasesElsewhere: 'no',
+      gatewayGetsModels: 'no',
+      gatewayGetsSecrets: 'no',
     });
+  });
+
+  test('namespaced mode (values-namespaced.yaml: team-a, team-b) applied to the API server: no ClusterRole or ClusterRoleBinding, every account confined to the listed namespaces (kubectl auth can-i --as)', async () => {
+    // Its own release and namespace, beside the cluster-wide install of the other tests.
+    const release = 'magus-teams';
+    const home = 'magus-ns';
+    await cluster.createNamespace(home);
+    const objs = (
+      loadAllYaml(await helm('template', release, CHART, '--namespace', home, '--values', examplePath('values-namespaced.yaml'))) as (Obj | null)[]
+    ).filter((o): o is Obj => o !== null);
+    const kinds = [...new Set(objs.map((o) => o.kind))];
+    expect(kinds.filter((k) => k.startsWith('Cluster') || k === 'CustomResourceDefinition')).toEqual([]);
+    const rbac = objs.filter((o) => ['ServiceAccount', 'Role', 'RoleBinding'].includes(o.kind));
+    expect(
+      rbac
+        .filter((o) => o.kind === 'Role')
+        .map((o) => `${o.metadata.namespace}/${o.metadata.name}`)
+        .sort(),
+    ).toEqual([
+      `${home}/${release}-controller-leader-election`,
+      ...['team-a', 'team-b'].flatMap((ns) => ['controller', 'pipeline', 'runtime'].map((r) => `${ns}/${release}-${r}`)),
+    ]);
+    const applied = await run(
+      'kubectl',
+      ['apply', '--server-side', '--field-manager=magus-chart-test', '-f', '-'],
+      JSON.stringify({ apiVersion: 'v1', kind: 'List', items: rbac }),
+    );
+    expect({ code: applied.code, stderr: applied.stderr }).toEqual({ code: 0, stderr: '' });
+
+    const as = (sa: string, verb: string, resource: string, ns: string, subresource?: string) =>
+      canI(`${release}-${sa}`, verb, resource, ns, { saNamespace: home, subresource });
+    const answers: Record<string, string> = {};
+    for (const ns of ['team-a', 'team-b', 'models', home]) {
+      answers[`${ns}: runtime creates StatefulSets`] = await as('runtime', 'create', 'statefulsets.apps', ns);
+      answers[`${ns}: runtime creates Secrets`] = await as('runtime', 'create', 'secrets', ns);
+      answers[`${ns}: runtime gets Secrets`] = await as('runtime', 'get', 'secrets', ns);
+      answers[`${ns}: runtime lists Secrets`] = await as('runtime', 'list', 'secrets', ns);
+      answers[`${ns}: pipeline gets hf-token`] = await as('pipeline', 'get', 'secrets/hf-token', ns);
+      answers[`${ns}: pipeline gets magus-s3`] = await as('pipeline', 'get', 'secrets/magus-s3', ns);
+      answers[`${ns}: pipeline creates Pods`] = await as('pipeline', 'create', 'pods', ns);
+      answers[`${ns}: pipeline creates StatefulSets`] = await as('pipeline', 'create', 'statefulsets.apps', ns);
+      answers[`${ns}: pipeline creates Services`] = await as('pipeline', 'create', 'services', ns);
+      answers[`${ns}: controller watches Models`] = await as('controller', 'watch', 'models.magus.dev', ns);
+      answers[`${ns}: controller lists Secrets`] = await as('controller', 'list', 'secrets', ns);
+      answers[`${ns}: controller takes the Lease`] = await as('controller', 'update', 'leases.coordination.k8s.io', ns);
+    }
+    for (const sa of ['controller', 'runtime', 'pipeline', 'gateway']) answers[`cluster: ${sa} lists Nodes`] = await as(sa, 'list', 'nodes', '');
+    const listed = (ns: string) => ns === 'team-a' || ns === 'team-b';
+    expect(answers).toEqual({
+      ...Object.fromEntries(
+        ['team-a', 'team-b', 'models', home].flatMap((ns) => [
+          [`${ns}: runtime creates StatefulSets`, listed(ns) ? 'yes' : 'no'],
+          [`${ns}: runtime creates Secrets`, listed(ns) ? 'yes' : 'no'],
+          [`${ns}: runtime gets Secrets`, 'no'],
+          [`${ns}: runtime lists Secrets`, 'no'],
+          [`${ns}: pipeline gets hf-token`, listed(ns) ? 'yes' : 'no'],
+          [`${ns}: pipeline gets magus-s3`, 'no'],
+          [`${ns}: pipeline creates Pods`, 'no'],
+          [`${ns}: pipeline creates StatefulSets`, 'no'],
+          [`${ns}: pipeline creates Services`, 'no'],
+          [`${ns}: controller watches Models`, listed(ns) ? 'yes' : 'no'],
+          [`${ns}: controller lists Secrets`, listed(ns) ? 'yes' : 'no'],
+          [`${ns}: controller takes the Lease`, ns === home ? 'yes' : 'no'],
+        ]),
+      ),
+      'cluster: controller lists Nodes': 'no',
+      'cluster: runtime lists Nodes': 'no',
+      'cluster: pipeline lists Nodes': 'no',
+      'cluster: gateway lists Nodes': 'no',
+    });
+
+    // Nothing at all in a namespace it was not given, cluster-wide rules included: every account's
+    // rules there are those of an account with no binding; in a listed namespace they are more.
+    const nobody = await rulesOf(`${release}-nobody`, 'models', home);
+    expect(nobody).toContain('selfsubjectrulesreviews.authorization.k8s.io');
+    for (const sa of ['controller', 'runtime', 'pipeline', 'gateway']) {
+      expect({ sa, rulesInAnUnlistedNamespace: await rulesOf(`${release}-${sa}`, 'models', home) }).toEqual({ sa, rulesInAnUnlistedNamespace: nobody });
+      const inTeamA = await rulesOf(`${release}-${sa}`, 'team-a', home);
+      expect({ sa, moreInAListedNamespace: inTeamA !== (await rulesOf(`${release}-nobody`, 'team-a', home)) }).toEqual({
+        sa,
+        moreInAListedNamespace: sa !== 'gateway',
+      });
+    }
+    await run('kubectl', ['delete', '-f', '-', '--wait=false'], JSON.stringify({ apiVersion: 'v1', kind: 'List', items: rbac }));
   });
 
   test('helm upgrade with changed values rolls them out: replicas, image, NetworkPolicies', async () => {

@@ -166,6 +166,13 @@ test('MAGUS_RUNTIME=kubernetes: the images are required, the rest has defaults; 
   expect(kubernetesOf(loadConfig({}))).toBeUndefined();
 });
 
+test('MAGUS_K8S_NAMESPACES: the only namespaces of instances (a namespaced install), each a namespace name', () => {
+  const base = { MAGUS_RUNTIME: 'kubernetes', MAGUS_K8S_MAGUS_IMAGE: 'magus:1', MAGUS_K8S_DLLAMA_IMAGE: 'magus-dllama:1' };
+  expect(kubernetesOf(loadConfig({ ...base, MAGUS_K8S_NAMESPACES: 'team-a, team-b,team-a' }))?.namespaces).toEqual(['team-a', 'team-b']);
+  expect(kubernetesOf(loadConfig(base))?.namespaces).toBeUndefined();
+  expect(() => loadConfig({ ...base, MAGUS_K8S_NAMESPACES: 'team-a,Team_B' })).toThrow('MAGUS_K8S_NAMESPACES: "Team_B" is not a namespace name');
+});
+
 test('MAGUS_WORKER_QUEUES picks the queues a worker polls', () => {
   expect(loadConfig({}).queues).toBeUndefined();
   expect(loadConfig({ MAGUS_WORKER_QUEUES: 'pipeline' }).queues).toBe('pipeline');
