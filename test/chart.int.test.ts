@@ -390,7 +390,7 @@ describe('the chart, rendered', () => {
       });
   });
 
-  test('the defaults include the NetworkPolicies: the gateway open on its port, controller and workers only on their health/metrics ports, instance pods only from each other', async () => {
+  test('the defaults include the NetworkPolicies: the gateway open on its API port, it, the controller and the workers only on their health/metrics ports, instance pods only from each other', async () => {
     type Policy = Obj & {
       spec: {
         podSelector: { matchLabels: Record<string, string> };
@@ -417,7 +417,10 @@ describe('the chart, rendered', () => {
       controller: ingressPorts('magus-controller'),
       worker: ingressPorts('magus-worker'),
     }).toEqual({
-      gateway: [{ from: undefined, ports: [8080] }],
+      gateway: [
+        { from: undefined, ports: [8080] },
+        { from: undefined, ports: [9467] },
+      ],
       controller: [{ from: undefined, ports: [9466] }],
       worker: [{ from: undefined, ports: [9464, 9465] }],
     });
