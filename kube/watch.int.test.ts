@@ -12,7 +12,7 @@ import { endpoint, isolation } from '../test/harness';
 import { kubeConfig } from '../test/harness/kube';
 import { startTcpProxy, type TcpProxy } from '../test/harness/tcp-proxy';
 import { sleep, until } from '../test/harness/wait';
-import { watchResource, type ResourceWatch, type WatchEventType } from './watch';
+import { watchNamespaces, watchResource, type ResourceWatch, type WatchEventType } from './watch';
 
 const iso = isolation();
 const ns = iso.namespace;
@@ -213,4 +213,44 @@ test('a resourceVersion compacted away while cut off: 410, relist, and the relis
   await update('s', '2');
   await until('MODIFIED s', () => seen.some((s) => s.type === 'MODIFIED' && s.name === 's'));
   await watch.stop();
+});
+
+test('watchNamespaces: one watch per listed namespace seen as one — their objects and no other namespace’s, synced once all have listed, counters summed', async () => {
+  const [a, b, other] = [`${ns}-a`, `${ns}-b`, `${ns}-c`];
+  for (const n of [a, b, other]) await core.createNamespace({ body: { metadata: { name: n } } });
+  try {
+    const made = (namespace: string, name: string) =>
+      core.createNamespacedConfigMap({ namespace, body: { metadata: { name, labels: { [LABEL]: 'ns' } }, data: { v: namespace } } });
+    await made(a, 'before');
+    await made(other, 'before');
+    const seen: string[] = [];
+    let syncs = 0;
+    const watch = watchNamespaces<V1ConfigMap>(kubeConfig(), [a, b], {
+      path: (scope) => `/api/v1${scope}/configmaps`,
+      labelSelector: `${LABEL}=ns`,
+      backoff: FAST_BACKOFF,
+      onEvent: (type, cm) => seen.push(`${type} ${cm.metadata!.namespace}/${cm.metadata!.name}`),
+      onSynced: () => syncs++,
+    });
+    watches.push(watch);
+    await watch.synced;
+    expect({ seen: [...seen], syncs }).toEqual({ seen: [`ADDED ${a}/before`], syncs: 1 });
+    await made(b, 'after');
+    await made(other, 'after');
+    await until('the new ConfigMap in b is seen', () => seen.includes(`ADDED ${b}/after`), 10_000);
+    await sleep(300);
+    expect(seen).toEqual([`ADDED ${a}/before`, `ADDED ${b}/after`]);
+    expect([watch.get(a, 'before')?.data?.v, watch.get(b, 'after')?.data?.v, watch.get(other, 'before')]).toEqual([a, b, undefined]);
+    expect(
+      watch
+        .list()
+        .map((cm) => `${cm.metadata!.namespace}/${cm.metadata!.name}`)
+        .sort(),
+    ).toEqual([`${a}/before`, `${b}/after`]);
+    // Two namespaces, two lists; each watch's own events.
+    expect({ lists: watch.stats.lists, events: watch.stats.events }).toEqual({ lists: 2, events: 1 });
+    await watch.stop();
+  } finally {
+    for (const n of [a, b, other]) await core.deleteNamespace({ name: n }).catch(() => undefined);
+  }
 });
