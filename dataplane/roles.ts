@@ -227,6 +227,27 @@ export const natsServerAuthConfig = (a: Pick<NatsAuthority, 'operatorJwt' | 'sys
     '',
   ].join('\n');
 
+/**
+ * The same for the official nats Helm chart: values (JSON, which YAML reads) whose `config.merge`
+ * puts these settings into the servers' configuration (`helm install nats nats/nats -f …`).
+ */
+export const natsChartValues = (a: Pick<NatsAuthority, 'operatorJwt' | 'systemAccount' | 'account'>): string =>
+  `${JSON.stringify(
+    {
+      config: {
+        merge: {
+          operator: a.operatorJwt,
+          system_account: a.systemAccount.publicKey,
+          max_control_line: 32768,
+          resolver: 'MEMORY',
+          resolver_preload: { [a.systemAccount.publicKey]: a.systemAccount.jwt, [a.account.publicKey]: a.account.jwt },
+        },
+      },
+    },
+    null,
+    2,
+  )}\n`;
+
 /** The signer file's text (`bridge-signer.nk`): the account it signs for, then the signing key's seed. */
 export const signerFileText = (a: Pick<NatsAuthority, 'account' | 'signerSeed'>): string =>
   `# magus NATS signer: account ${a.account.publicKey}. Secret: whoever holds this file makes users of that account.\n${a.signerSeed}\n`;

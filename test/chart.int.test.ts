@@ -514,7 +514,8 @@ describe('the chart, rendered', () => {
       const role = d.metadata.name === 'magus-controller' ? 'controller' : 'worker';
       expect(natsVolume(d)?.items).toEqual([
         { key: `${role}.creds`, path: 'creds' },
-        ...(role === 'worker' ? [{ key: 'bridge-signer.nk', path: 'bridge-signer' }] : []),
+        // The signer only for the worker that runs instances (the pipeline's runs none).
+        ...(role === 'worker' && !d.metadata.name.endsWith('-pipeline') ? [{ key: 'bridge-signer.nk', path: 'bridge-signer' }] : []),
       ]);
     }
     // Two ports: the API, and the operations listener the probes use and the ServiceMonitor scrapes;

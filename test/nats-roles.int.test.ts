@@ -70,7 +70,15 @@ beforeAll(async () => {
   const again = await runMagus(['nats-auth', '--out', dir], process.env);
   expect(again.code).toBe(1);
   expect(again.stderr).toContain('nothing written');
-  cluster = await startNatsCluster({ size: 1, extraConfig: readFileSync(join(dir, 'nats-auth.conf'), 'utf8') });
+  // The server configured as the official nats chart would be with nats-values.yaml: its config.merge
+  // rendered into the configuration as JSON (`magus dev` and dev.int.test.ts use nats-auth.conf).
+  const merge = (JSON.parse(readFileSync(join(dir, 'nats-values.yaml'), 'utf8')) as { config: { merge: Record<string, unknown> } }).config.merge;
+  cluster = await startNatsCluster({
+    size: 1,
+    extraConfig: Object.entries(merge)
+      .map(([k, v]) => `${k}: ${JSON.stringify(v)}`)
+      .join('\n'),
+  });
   stack.defer(() => cluster.stop());
   for (const user of USERS) {
     const nc = await connectAs(user);

@@ -4,6 +4,7 @@
  * `nats-auth.conf`, the server's side to include in its configuration (JWTs only, no secret); one
  * credentials file per role (`gateway.creds`, `controller.creds`, `worker.creds`, mode 0600:
  * each holds its user's seed, a secret), given to each process as `MAGUS_NATS_CREDENTIALS`; and
+ * `nats-values.yaml`, the same for the official nats Helm chart (`-f`); and
  * `bridge-signer.nk` (0600), the account's signing key, with which the Kubernetes runtime makes
  * each instance's bridge a user of its own (`MAGUS_K8S_BRIDGE_NATS_SIGNER`). Never overwrites: a
  * folder that already holds any of these files is refused (rotate by writing a new folder).
@@ -14,7 +15,15 @@
 import { existsSync, mkdirSync, renameSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
-import { bridgeCredentialsText, natsServerAuthConfig, newNatsAuthority, readNatsSigner, roleCredentialsText, signerFileText } from '../dataplane/roles';
+import {
+  bridgeCredentialsText,
+  natsChartValues,
+  natsServerAuthConfig,
+  newNatsAuthority,
+  readNatsSigner,
+  roleCredentialsText,
+  signerFileText,
+} from '../dataplane/roles';
 
 export const NATS_AUTH_USAGE = [
   'usage: magus nats-auth --out DIR [--prefix P]',
@@ -25,6 +34,7 @@ export const NATS_AUTH_USAGE = [
   '"include nats-auth.conf"; operator mode, no secret), DIR/<role>.creds (0600, a secret; give each process',
   'its own as MAGUS_NATS_CREDENTIALS) and DIR/bridge-signer.nk (0600, a secret: the Kubernetes runtime makes',
   "each instance's bridge user with it, MAGUS_K8S_BRIDGE_NATS_SIGNER). Never overwrites.",
+  'DIR/nats-values.yaml: nats-auth.conf as values of the official nats Helm chart (helm install nats … -f it).',
   "--bridge prints the credentials of one instance's bridge, signed by --signer.",
   "--prefix: the data plane's MAGUS_NATS_PREFIX, if any.",
 ].join('\n');
@@ -75,7 +85,8 @@ export async function natsAuthCommand(args: string[]): Promise<number> {
   process.stdout.write(
     [
       `wrote ${files.map((f) => join(out, f)).join(', ')}`,
-      `nats-server: add "include ${join(out, 'nats-auth.conf')}" to its configuration and restart it (operator mode);`,
+      `nats-server: add "include ${join(out, 'nats-auth.conf')}" to its configuration and restart it (operator mode),`,
+      `or with the official nats Helm chart: helm install nats nats/nats … -f ${join(out, 'nats-values.yaml')};`,
       'each process: MAGUS_NATS_CREDENTIALS=<its role>.creds (gateway: magus gateway; controller: magus controller, magus keys,',
       'magus usage; worker: magus worker); the worker running the Kubernetes runtime also MAGUS_K8S_BRIDGE_NATS_SIGNER=bridge-signer.nk.',
       '',
@@ -87,7 +98,7 @@ export async function natsAuthCommand(args: string[]): Promise<number> {
 const ROLE_FILES = ['gateway', 'controller', 'worker'] as const;
 
 /** The files `magus nats-auth` writes in `dir` (each role's credentials, the signer, then the server's configuration). */
-export const natsAuthFiles = (): string[] => [...ROLE_FILES.map((r) => `${r}.creds`), 'bridge-signer.nk', 'nats-auth.conf'];
+export const natsAuthFiles = (): string[] => [...ROLE_FILES.map((r) => `${r}.creds`), 'bridge-signer.nk', 'nats-values.yaml', 'nats-auth.conf'];
 
 /** Writes a new operator, account and users per role into `dir` (made 0700 if missing): each file under a temporary name, then renamed, so one that exists is whole. */
 export async function writeNatsAuth(dir: string, names: DataPlaneNames): Promise<void> {
@@ -101,6 +112,7 @@ export async function writeNatsAuth(dir: string, names: DataPlaneNames): Promise
   };
   for (const role of ROLE_FILES) write(`${role}.creds`, await roleCredentialsText(signer, role, names), 0o600);
   write('bridge-signer.nk', signerFileText(authority), 0o600);
+  write('nats-values.yaml', natsChartValues(authority), 0o644);
   // Last: its presence says the files before it are all there.
   write('nats-auth.conf', natsServerAuthConfig(authority), 0o644);
 }

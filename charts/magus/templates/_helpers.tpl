@@ -194,13 +194,14 @@ spec:
 
 {{/*
 A component's NATS user (nats.credentials.existingSecret: the files of magus nats-auth), for
-(dict "ctx" $ "role" "gateway|worker|controller"): its env, mount and volume; nothing without one.
+(dict "ctx" $ "role" "gateway|worker|controller" ["signer" true: the worker that runs instances, which
+signs each one's bridge user]): its env, mount and volume; nothing without one.
 */}}
 {{- define "magus.natsCredentialsEnv" -}}
 {{- if .ctx.Values.nats.credentials.existingSecret }}
 - name: MAGUS_NATS_CREDENTIALS
   value: /etc/magus/nats/creds
-{{- if eq .role "worker" }}
+{{- if .signer }}
 # Each instance's bridge gets a NATS user of its own, signed with it, in a Secret of the instance.
 - name: MAGUS_K8S_BRIDGE_NATS_SIGNER
   value: /etc/magus/nats/bridge-signer
@@ -222,7 +223,7 @@ A component's NATS user (nats.credentials.existingSecret: the files of magus nat
     defaultMode: 0400
     items:
       - {key: {{ printf "%s.creds" $.role }}, path: creds}
-      {{- if eq $.role "worker" }}
+      {{- if $.signer }}
       - {key: bridge-signer.nk, path: bridge-signer}
       {{- end }}
 {{- end }}
