@@ -6,7 +6,7 @@
  * a pod watch, garbage collection through the owner chain, an unschedulable pool, fit-first
  * topologies, and a lost pod seen by `watch`.
  */
-import { AppsV1Api, CoreV1Api, CustomObjectsApi, NetworkingV1Api, type V1StatefulSet } from '@kubernetes/client-node';
+import { AppsV1Api, CoreV1Api, CustomObjectsApi, NetworkingV1Api, type KubeConfig, type V1StatefulSet } from '@kubernetes/client-node';
 import type { NatsConnection } from 'nats';
 import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
@@ -112,19 +112,22 @@ beforeAll(async () => {
   await cluster.createNamespace(NS);
   ({ nc } = await stack.open(natsStack(iso, { declare: true })));
   registry = await openModelRegistry(nc, names.modelsBucket);
-  runtime = createKubernetesRuntime({
-    kc: cluster.kubeConfig,
-    registry,
-    nc,
-    names,
-    images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
-    natsUrl: 'nats://nats.magus.svc:4222',
-    bridgeSigner: bridgeSignerFile,
-    s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
-    unschedulableAfterMs: 2000,
-    startTimeoutMs: 90_000,
-  });
+  runtime = createKubernetesRuntime(runtimeOptions(cluster.kubeConfig));
 }, 600_000);
+
+/** The runtime's options in these tests, acting with `kc`'s rights. */
+const runtimeOptions = (kc: KubeConfig) => ({
+  kc,
+  registry,
+  nc,
+  names,
+  images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
+  natsUrl: 'nats://nats.magus.svc:4222',
+  bridgeSigner: bridgeSignerFile,
+  s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
+  unschedulableAfterMs: 2000,
+  startTimeoutMs: 90_000,
+});
 
 afterAll(() => stack.close(), 120_000);
 
@@ -343,18 +346,7 @@ test('a namespaced worker (crds/rbac.yaml magus-runtime as a Role in its namespa
   // A RoleBinding grants nothing cluster-scoped: no Nodes, no list of ConfigMaps in all namespaces.
   const kc = await serviceAccountKubeConfig(cluster.kubeConfig, NS, 'namespaced-runtime', [], ['magus-runtime']);
   const lines: string[] = [];
-  const options = {
-    kc,
-    registry,
-    nc,
-    names,
-    images: { magus: 'magus:test', dllama: 'magus-dllama:test' },
-    natsUrl: 'nats://nats.magus.svc:4222',
-    bridgeSigner: bridgeSignerFile,
-    s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
-    unschedulableAfterMs: 2000,
-    startTimeoutMs: 90_000,
-  };
+  const options = runtimeOptions(kc);
   const confined = createKubernetesRuntime({ ...options, namespaces: [NS], log: (l) => lines.push(l) });
   // 1 GiB per node: fit-first would choose 1 node; without Nodes the Dllama's nodesPower (2 nodes) holds.
   await registry.put(model('confined', () => GIB));
