@@ -97,8 +97,11 @@ export async function natsAuthCommand(args: string[]): Promise<number> {
 
 const ROLE_FILES = ['gateway', 'controller', 'worker'] as const;
 
-/** The files `magus nats-auth` writes in `dir` (each role's credentials, the signer, then the server's configuration). */
-export const natsAuthFiles = (): string[] => [...ROLE_FILES.map((r) => `${r}.creds`), 'bridge-signer.nk', 'nats-values.yaml', 'nats-auth.conf'];
+/** The files `magus nats-auth` writes in `dir` (each role's credentials, the signer, then the servers' configuration, as values of the nats chart and as a file). */
+export const natsAuthFiles = (): string[] => [...natsUserFiles().slice(0, -1), 'nats-values.yaml', 'nats-auth.conf'];
+
+/** What a process of the data plane needs of them: each role's credentials, the signer, and the server's configuration. */
+export const natsUserFiles = (): string[] => [...ROLE_FILES.map((r) => `${r}.creds`), 'bridge-signer.nk', 'nats-auth.conf'];
 
 /** Writes a new operator, account and users per role into `dir` (made 0700 if missing): each file under a temporary name, then renamed, so one that exists is whole. */
 export async function writeNatsAuth(dir: string, names: DataPlaneNames): Promise<void> {

@@ -12,12 +12,12 @@
  * pulled again) and `--fresh` starts over. While it runs, `connection.json` there tells every
  * other `magus` command where it is.
  */
-import { natsAuthFiles, writeNatsAuth } from '../nats-auth';
+import { natsUserFiles, writeNatsAuth } from '../nats-auth';
 import { natsAuthOptions, readNatsCredentials, type NatsRole } from '../../dataplane/roles';
 import { Client, Connection } from '@temporalio/client';
 import { DefaultLogger, Runtime } from '@temporalio/worker';
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { CustomObjectsApi, KubeConfig } from '@kubernetes/client-node';
 import { connect } from 'nats';
@@ -47,7 +47,18 @@ import { binariesBuilt, listenOnPort, startServices, writeKubeconfig, type Servi
 import { forgetEngines, retireUnreplayable } from './restart';
 import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO, SMOLLM2_SAMPLING } from './demo-model';
 import { applyAsDev, declareDemoDllama, DEFAULT_DEV_NODES, dllamaEnv, storiesDemoFolder, STORIES_REPO, withdrawDemoDllama } from './dllama-demo';
-import { isApiToken, keptSecret, lockDataDir, newApiToken, readDevPorts, removeDevConnection, wipeDataDir, writeDevConnection, writeDevPorts } from './state';
+import {
+  isApiToken,
+  keptSecret,
+  lockDataDir,
+  LOCK_FILE,
+  newApiToken,
+  readDevPorts,
+  removeDevConnection,
+  wipeDataDir,
+  writeDevConnection,
+  writeDevPorts,
+} from './state';
 
 /** The tiny random model: the demo when SmolLM2 cannot be had (or `--demo tiny`), and a repo to convert. */
 const TINY_REPO = 'magus-demo/tiny-llama';
@@ -194,7 +205,14 @@ export async function runDev(opts: DevOptions): Promise<number> {
   try {
     // Read as `magus gateway` reads it; a bad value stops here, before any server starts.
     const sessionTtlMs = loadSessionTtl(process.env);
-    if (opts.fresh) wipeDataDir(dataDir);
+    // NATS runs with JWT users (operator mode): the users' account is the store's namespace, so a
+    // data plane written before this folder had them (anonymous, or nkey users) is not theirs.
+    const natsAuth = join(dataDir, 'nats-auth');
+    const natsUsersKept = natsUserFiles().every((f) => existsSync(join(natsAuth, f)));
+    const earlierState = readdirSync(dataDir).some((f) => f !== LOCK_FILE && f !== 'logs');
+    if (!opts.fresh && !natsUsersKept && earlierState)
+      say('NATS runs with a user per role now (JWTs, operator mode): the data plane of the earlier run is not theirs; starting over (as --fresh)');
+    if (opts.fresh || (!natsUsersKept && earlierState)) wipeDataDir(dataDir);
     // The SDK would stop the workers on SIGINT/SIGTERM by itself; here the stop has an order.
     Runtime.install({ logger: devLogger(), shutdownSignals: [] });
     const kube = opts.kube !== false && (await binariesBuilt(['etcd', 'kube-apiserver']));
@@ -208,8 +226,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
       say(`a conversation keeps its session ${Math.round(sessionTtlMs / 1000)} s after its last turn (MAGUS_SESSION_TTL_MS)`);
     say(`starting ${kube ? 'Temporal, NATS, S3 and Kubernetes (etcd + kube-apiserver)' : 'Temporal, NATS and S3'} …`);
     // NATS with a user per role (kept across restarts): each part of this dev connects as its own.
-    const natsAuth = join(dataDir, 'nats-auth');
-    if (!natsAuthFiles().every((f) => existsSync(join(natsAuth, f))))
+    if (!natsUserFiles().every((f) => existsSync(join(natsAuth, f))))
       await writeNatsAuth(natsAuth, dataPlaneNames(process.env.MAGUS_NATS_PREFIX?.trim() ?? ''));
     const credentials = (role: NatsRole) => join(natsAuth, `${role}.creds`);
     const services = await startServices({ services: wanted, dataDir, log: (line) => say(line), natsConfigFile: join(natsAuth, 'nats-auth.conf') });
