@@ -153,7 +153,6 @@ beforeAll(async () => {
   // The entry was written before the watch started, so `ready` means it is loaded.
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: {

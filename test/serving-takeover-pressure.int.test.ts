@@ -76,7 +76,6 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
   const env = { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' };
   const { gateway } = await pieces.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env,
