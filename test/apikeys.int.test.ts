@@ -36,8 +36,8 @@ import { ApiKeyReason, TOKEN_SECRET_LABEL, type ApiKeyResource } from '../shared
 import { pendingResponse } from '../shared/responses';
 import { keyOwner, type TokenEntry } from '../shared/serving';
 import { writeKubeconfig } from '../workers/dev/services';
-import { endpoint, isolation, natsConnectAs, natsCredentialsEnv, natsRoleCredentials } from './harness';
-import { gatewayConfigFor } from './harness/gateway';
+import { endpoint, isolation, natsConnectAs } from './harness';
+import { gatewayConfigAs } from './harness/gateway';
 import { installRbacRoles, kubeConfig, serviceAccountKubeConfig } from './harness/kube';
 import { natsStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
@@ -127,8 +127,7 @@ beforeAll(async () => {
 
   ({ nc } = await stack.open(natsStack(iso, { declare: true })));
   const names = dataPlaneNames(iso.natsPrefix);
-  const gatewayCredentials = natsCredentialsEnv(await natsRoleCredentials('gateway', names));
-  gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {}, env: { MAGUS_LOG_LEVEL: 'warn', ...gatewayCredentials } }));
+  gw = await startGateway(await gatewayConfigAs(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {}, env: { MAGUS_LOG_LEVEL: 'warn' } }));
   stack.defer(() => gw.close());
   ctl = await natsConnectAs('controller', names);
   stack.defer(() => ctl.drain());

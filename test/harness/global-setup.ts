@@ -42,6 +42,9 @@ export default async function globalSetup(): Promise<void> {
   const file = join(running.dataDir, 'endpoints.json');
   writeFileSync(file, JSON.stringify(endpoints), { mode: 0o600 });
   process.env.MAGUS_TEST_ENDPOINTS = file;
+  // Each test hands a process its role's credentials itself; one set in the shell running jest
+  // would reach every process spawned with the test's environment (a `magus dev` among them).
+  delete process.env.MAGUS_NATS_CREDENTIALS;
   // A `magus dev` a test starts without --data-dir keeps its state in this run's throwaway folder,
   // never in the user's own (~/.local/share/magus/dev), which a running dev of theirs may hold.
   process.env.MAGUS_DEV_DATA_DIR = join(running.dataDir, 'magus-dev');

@@ -34,7 +34,7 @@ import { startTestHub, type TestHub, type TestHubOptions } from '../fixtures/hub
 import { startWorkers, type RunningWorkers, type WorkerDeps } from '../../workers/worker';
 import { startStubEngine, type StubEngine, type StubEngineOptions } from '../fixtures/stub-engine';
 import { gatewayConfigFor } from './gateway';
-import { natsConnect, natsConnectAs, s3Client, temporalClient, workerConfig, type Isolation } from './index';
+import { natsConnect, natsConnectAs, natsConnectAsBridge, s3Client, temporalClient, workerConfig, type Isolation } from './index';
 
 /** Something a piece opened, and how to close it. */
 export interface Opened {
@@ -237,8 +237,9 @@ export async function stubEngineStack(opts: StubEngineOptions): Promise<{ engine
 }
 
 /**
- * A stub engine serving `pool`'s instance `instance` through a bridge on `nc`, as a runtime would
- * start them: the instance's consumer declared with `slots`, the bridge stopped before the engine.
+ * A stub engine serving `pool`'s instance `instance` through a bridge, as a runtime would start
+ * them: the instance's consumer declared on `nc` with `slots`, the bridge on a connection of its
+ * own as the instance's bridge user (on the test NATS server), stopped before the engine.
  */
 export function stubInstanceStack(
   nc: NatsConnection,
@@ -248,7 +249,18 @@ export function stubInstanceStack(
   return pieceOf(async (pieces) => {
     const { engine } = await pieces.open(stubEngineStack({ modelId: opts.pool, ...opts.engine }));
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: opts.pool, instance: opts.instance, slots: opts.slots });
-    const bridge = await startBridge({ nc, names, pool: opts.pool, instance: opts.instance, engineUrl: engine.url, slots: opts.slots, ...opts.bridge });
+    // The bridge connects as its instance's own user, as a runtime starts it.
+    const bridgeNc = await natsConnectAsBridge(names, opts.pool, opts.instance);
+    pieces.defer(() => bridgeNc.drain());
+    const bridge = await startBridge({
+      nc: bridgeNc,
+      names,
+      pool: opts.pool,
+      instance: opts.instance,
+      engineUrl: engine.url,
+      slots: opts.slots,
+      ...opts.bridge,
+    });
     pieces.defer(() => bridge.stop());
     return { engine, bridge };
   });
