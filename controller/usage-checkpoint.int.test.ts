@@ -10,13 +10,15 @@ import type { KV, NatsConnection } from 'nats';
 import type { DataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import type { UsageRecord } from '../shared/usage';
-import { isolation } from '../test/harness';
+import { isolation, natsConnectAs } from '../test/harness';
 import { natsStack, TestStack } from '../test/harness/stack';
 import { startUsageStatus, type PeriodSums, type UsageStatus } from './usage-status';
 
 const iso = isolation();
 const stack = new TestStack();
 let nc: NatsConnection;
+/** The controller's connection (its role's user): what the usage writer runs on. */
+let ctl: NatsConnection;
 let names: DataPlaneNames;
 let ledger: UsageLedger;
 let sumsKv: KV;
@@ -26,6 +28,8 @@ beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   ledger = await UsageLedger.open(nc.jetstream(), names);
   sumsKv = await nc.jetstream().views.kv(names.usageSumsBucket, { bindOnly: true });
+  ctl = await natsConnectAs('controller', names);
+  stack.defer(() => ctl.drain());
 });
 afterAll(() => stack.close());
 
@@ -47,7 +51,7 @@ const record = (key: string, total: number, model = 'default/demo'): UsageRecord
 /** A usage writer over the test's ledger that writes no ApiKey (none are listed): only the checkpoint. */
 const start = (): Promise<UsageStatus> =>
   startUsageStatus({
-    js: nc.jetstream(),
+    js: ctl.jetstream(),
     bucket: names.usageBucket,
     sumsBucket: names.usageSumsBucket,
     custom: {} as CustomObjectsApi,

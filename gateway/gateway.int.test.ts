@@ -7,10 +7,10 @@
  */
 import OpenAI from 'openai';
 import { AckPolicy, nanos, RetentionPolicy, StorageType, type ConsumerMessages, type JetStreamClient, type KV, type NatsConnection } from 'nats';
-import { ensureResponsesBucket } from '../dataplane';
+import { dataPlaneNames, ensureResponsesBucket, type DataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import type { ChatInference as InferenceRequest, ResponseFrame, SessionEntry } from '../shared/serving';
-import { endpoint, isolation, natsConnect } from '../test/harness';
+import { endpoint, isolation, natsConnect, natsCredentialsEnv, natsRoleCredentials } from '../test/harness';
 import { loadGatewayConfig } from './config';
 import { conversationKey } from './serving/conversation';
 import { keyOwner } from '../shared/serving';
@@ -32,11 +32,26 @@ const buckets = {
   tokens: `${iso.natsPrefix}_tokens`,
   sessions: `${iso.natsPrefix}_sessions`,
   responses: `${iso.natsPrefix}_responses`,
+  limits: `${iso.natsPrefix}_limits`,
+  pools: `${iso.natsPrefix}_pools`,
 };
 const alice = makeToken('alice');
 /** Its `magus_tokens` entry names no key (as an older magus wrote them): the key `token/alice`. */
 const ALICE_OWNER = keyOwner('token/alice', 'alice');
 const enc = (v: unknown) => new TextEncoder().encode(JSON.stringify(v));
+/** The names the gateways here use (the buckets above, the rest unprefixed): what their NATS user may reach. */
+const gatewayNames: DataPlaneNames = {
+  ...dataPlaneNames(),
+  subjectScope: scope,
+  modelsBucket: buckets.models,
+  tokensBucket: buckets.tokens,
+  sessionsBucket: buckets.sessions,
+  responsesBucket: buckets.responses,
+  limitsBucket: buckets.limits,
+  poolsBucket: buckets.pools,
+};
+/** The gateway's credentials file for {@link gatewayNames} (none when the test server has no users). */
+let gatewayCredentials: string | undefined;
 
 let nc: NatsConnection;
 let js: JetStreamClient;
@@ -97,7 +112,8 @@ function script(req: InferenceRequest): ResponseFrame[] {
 
 async function startBridge(): Promise<void> {
   const jsm = await nc.jetstreamManager();
-  await jsm.streams.add({ name: streamName, subjects: [`${scope}.magus.req.>`], retention: RetentionPolicy.Workqueue, storage: StorageType.Memory });
+  // Only this pool's subjects: a request to another pool finds no stream (the 503 below).
+  await jsm.streams.add({ name: streamName, subjects: [`${scope}.magus.req.${pool}.>`], retention: RetentionPolicy.Workqueue, storage: StorageType.Memory });
   await jsm.consumers.add(streamName, { durable_name: 'bridge', ack_policy: AckPolicy.Explicit, filter_subject: subject });
   bridge = await (await js.consumers.get(streamName, 'bridge')).consume({ max_messages: 16 });
   void (async () => {
@@ -124,12 +140,15 @@ const coldStart = async (req: AcquireRequest): Promise<SessionEntry> => {
 };
 
 beforeAll(async () => {
+  gatewayCredentials = await natsRoleCredentials('gateway', gatewayNames);
   nc = await natsConnect();
   js = nc.jetstream();
   const registry = await openModelRegistry(nc, buckets.models);
   await registry.put(readyModel('tiny'));
   tokensKv = await js.views.kv(buckets.tokens);
   sessionsKv = await js.views.kv(buckets.sessions);
+  // Declared as the worker declares them: the gateway's user may use them, not create them.
+  for (const bucket of [buckets.limits, buckets.pools]) await js.views.kv(bucket);
   await tokensKv.put('alice', enc(alice.entry));
   await startBridge();
   gw = await startGateway(loadGatewayConfig(gatewayEnv(), { host: '127.0.0.1', port: '0' }), { coldStart, logStream: log });
@@ -139,12 +158,15 @@ beforeAll(async () => {
 function gatewayEnv(more: NodeJS.ProcessEnv = {}): NodeJS.ProcessEnv {
   return {
     MAGUS_NATS_URL: endpoint('nats').servers,
+    ...natsCredentialsEnv(gatewayCredentials),
     MAGUS_NATS_SUBJECT_SCOPE: scope,
     MAGUS_GATEWAY_SECRET: TEST_SECRET,
     MAGUS_MODELS_BUCKET: buckets.models,
     MAGUS_TOKENS_BUCKET: buckets.tokens,
     MAGUS_SESSIONS_BUCKET: buckets.sessions,
     MAGUS_RESPONSES_BUCKET: buckets.responses,
+    MAGUS_LIMITS_BUCKET: buckets.limits,
+    MAGUS_POOLS_BUCKET: buckets.pools,
     MAGUS_RESPONSES_TTL: '2h',
     MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '1500',
     MAGUS_GATEWAY_GAP_TIMEOUT_MS: '300',
@@ -253,11 +275,12 @@ describe('round trips through NATS', () => {
   it('503 (details hidden) when no stream takes the instance subject', async () => {
     const sid = 'nowhere';
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
-    await sessionsKv.put(key, enc({ subject: `${scope}.magus.req-nowhere.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
+    // A request subject the gateway may publish to (its user's permissions), which no stream takes.
+    await sessionsKv.put(key, enc({ subject: `${scope}.magus.req.nostream.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
     await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const res = await post(turn('hi'), { 'x-session-id': sid });
     expect(res.status).toBe(503);
-    expect(await res.text()).not.toContain('req-nowhere');
+    expect(await res.text()).not.toContain('nostream');
   });
 });
 

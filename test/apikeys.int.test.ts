@@ -36,8 +36,8 @@ import { ApiKeyReason, TOKEN_SECRET_LABEL, type ApiKeyResource } from '../shared
 import { pendingResponse } from '../shared/responses';
 import { keyOwner, type TokenEntry } from '../shared/serving';
 import { writeKubeconfig } from '../workers/dev/services';
-import { endpoint, isolation } from './harness';
-import { gatewayConfigFor } from './harness/gateway';
+import { endpoint, isolation, natsConnectAs } from './harness';
+import { gatewayConfigAs } from './harness/gateway';
 import { installRbacRoles, kubeConfig, serviceAccountKubeConfig } from './harness/kube';
 import { natsStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
@@ -53,6 +53,8 @@ let controllerKc: KubeConfig;
 let core: CoreV1Api;
 let custom: CustomObjectsApi;
 let nc: NatsConnection;
+/** The controller's connection (its role's user): what its keys and usage parts run on. */
+let ctl: NatsConnection;
 let tokens: KV;
 let controller: Keys & { synced: Promise<void>; idle(): Promise<void> };
 let gw: RunningGateway;
@@ -124,9 +126,12 @@ beforeAll(async () => {
   writeKubeconfig(kubeconfigFile, endpoint('kubernetes'));
 
   ({ nc } = await stack.open(natsStack(iso, { declare: true })));
-  gw = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {}, env: { MAGUS_LOG_LEVEL: 'warn' } }));
+  const names = dataPlaneNames(iso.natsPrefix);
+  gw = await startGateway(await gatewayConfigAs(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {}, env: { MAGUS_LOG_LEVEL: 'warn' } }));
   stack.defer(() => gw.close());
-  tokens = await nc.jetstream().views.kv(dataPlaneNames(iso.natsPrefix).tokensBucket);
+  ctl = await natsConnectAs('controller', names);
+  stack.defer(() => ctl.drain());
+  tokens = await ctl.jetstream().views.kv(names.tokensBucket, { bindOnly: true });
   controller = start();
   stack.defer(() => controller.stop());
   await controller.synced;
@@ -405,13 +410,14 @@ test('spec.limits: copied into the entry, rewritten when patched and only then, 
 
 test("status.usage: the ledger's records of the key in its budget's period and what the budget has left, written as they change; kubectl shows Used and Remaining", async () => {
   const names = dataPlaneNames(iso.natsPrefix);
+  // The gateways' count (written here as they write it), which the controller only reads.
   const limits = new LimitStore(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }));
   const usage = await startUsageStatus({
-    js: nc.jetstream(),
+    js: ctl.jetstream(),
     bucket: names.usageBucket,
     custom: controllerKc.makeApiClient(CustomObjectsApi),
     apikeys: () => (controller.watches.apikeys as ResourceWatch<ApiKeyResource>).list(),
-    limits,
+    limits: new LimitStore(await ctl.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
     intervalMs: 60_000, // flushed by the test
     log: (l) => controllerLog.push(l),
   });

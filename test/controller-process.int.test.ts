@@ -9,12 +9,13 @@ import { join } from 'node:path';
 import { CoordinationV1Api, CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
 import { temporal } from '@temporalio/proto';
+import { dataPlaneNames } from '../dataplane';
 import { installCrds } from '../kube/crds';
 import { freePort, writeKubeconfig } from '../workers/dev/services';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsCredentialsEnv, natsRoleCredentials } from './harness';
 import { kubeConfig } from './harness/kube';
-import { tempDir, temporalStack, TestStack } from './harness/stack';
+import { natsStack, tempDir, temporalStack, TestStack } from './harness/stack';
 import { eventually, until } from './harness/wait';
 
 const EventType = temporal.api.enums.v1.EventType;
@@ -43,6 +44,7 @@ async function startReplica(): Promise<Replica> {
       KUBECONFIG: kubeconfigFile,
       MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
       MAGUS_NATS_URL: endpoint('nats').servers,
+      ...natsCredentialsEnv(await natsRoleCredentials('controller', dataPlaneNames(iso.natsPrefix))),
       MAGUS_NATS_PREFIX: iso.natsPrefix,
       MAGUS_TASK_QUEUE: `${iso.id}-control`,
     },
@@ -93,6 +95,8 @@ beforeAll(async () => {
   await installCrds(kc);
   await kc.makeApiClient(CoreV1Api).createNamespace({ body: { metadata: { name: ns } } });
   ({ client } = await stack.open(temporalStack()));
+  // The data plane, declared as the worker declares it: the controller's user may only use it.
+  await stack.open(natsStack(iso, { declare: true }));
 }, 120_000);
 
 afterAll(async () => {

@@ -31,8 +31,8 @@ import { demoModelFile, SMOLLM2_FILE, SMOLLM2_QUANTIZATION, SMOLLM2_REPO } from 
 import { writeKubeconfig } from '../workers/dev/services';
 import type { TestHub } from './fixtures/hub';
 import { writeTinyModel } from '../workers/dev/tiny-model';
-import { endpoint, isolation, recordHistory } from './harness';
-import { gatewayConfigFor } from './harness/gateway';
+import { endpoint, isolation, natsConnectAs, recordHistory } from './harness';
+import { gatewayConfigAs } from './harness/gateway';
 import { installRbacRoles, kubeConfig, serviceAccountKubeConfig } from './harness/kube';
 import { hubStack, magusStack, TestStack } from './harness/stack';
 import { eventually, sleep, until } from './harness/wait';
@@ -148,8 +148,11 @@ beforeAll(async () => {
   await hub.addRepo({ id: REPO, dir: join(dir, 'tiny') });
   await hub.addRepo({ id: 'magus-test/other-llama', dir: join(dir, 'tiny') });
   const names = dataPlaneNames(iso.natsPrefix);
-  tokens = await nc.jetstream().views.kv(names.tokensBucket);
-  sessions = await nc.jetstream().views.kv(names.sessionsBucket);
+  // The controller's buckets through its own connection, as its role's user.
+  const ctl = await natsConnectAs('controller', names);
+  stack.defer(() => ctl.drain());
+  tokens = await ctl.jetstream().views.kv(names.tokensBucket, { bindOnly: true });
+  sessions = await ctl.jetstream().views.kv(names.sessionsBucket, { bindOnly: true });
   registry = await openModelRegistry(nc, names.modelsBucket);
   controller = start();
   stack.defer(() => controller.stop());
@@ -422,7 +425,7 @@ test('the roles are least privilege: what the controller and the worker may not 
 });
 
 test('a labelled token Secret is accepted by the gateway within seconds; deleted, the token gets 401', async () => {
-  const gw: RunningGateway = await startGateway(gatewayConfigFor(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {} }));
+  const gw: RunningGateway = await startGateway(await gatewayConfigAs(iso.natsPrefix, { secret: 'x'.repeat(32), tokens: {} }));
   try {
     const token = 'mgs_team-a_0123456789abcdefghijklmnop';
     const ask = () => fetch(`${gw.url}/v1/models`, { headers: { authorization: `Bearer ${token}` } }).then((r) => r.status);
@@ -576,7 +579,7 @@ test('SmolLM2 through the kubectl door: a Model of its GGUF repository and a Dll
 
   const token = `mgs_smol_${randomBytes(24).toString('hex')}`;
   const gw = await startGateway(
-    gatewayConfigFor(iso.natsPrefix, { secret: randomBytes(32).toString('hex'), tokens: { smol: token }, env: { MAGUS_LOG_LEVEL: 'warn' } }),
+    await gatewayConfigAs(iso.natsPrefix, { secret: randomBytes(32).toString('hex'), tokens: { smol: token }, env: { MAGUS_LOG_LEVEL: 'warn' } }),
     {
       nc,
       ...temporalSessions({

@@ -103,7 +103,6 @@ describe.each([1, 2, 4])('%i node(s): a real root and workers', (nodes) => {
     }
     const { gateway } = await stack.open(
       gatewayStack(names, {
-        nc: magus.nc,
         secret: randomBytes(32).toString('hex'),
         tokens: { t1: TOKEN },
         env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },

@@ -59,7 +59,6 @@ beforeAll(async () => {
   ({ engine } = await stack.open(stubInstanceStack(nc, names, { pool: MODEL, instance: INSTANCE, slots: 4 })));
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: randomBytes(32).toString('hex'),
       tokens: { [TOKEN_ID]: TOKEN },
       env: {

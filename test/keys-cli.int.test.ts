@@ -15,7 +15,7 @@ import { openModelRegistry } from '../dataplane/registry';
 import { tokenDigest } from '../gateway/plugins/auth';
 import type { RunningGateway } from '../gateway/server';
 import { MAX_PER_MINUTE } from '../shared/limits';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsCredentialsEnv, natsRoleCredentials } from './harness';
 import { runMagus, type MagusRun } from './harness/dev';
 import { LogSink, readyModel, TEST_SECRET } from './harness/gateway-app';
 import { gatewayStack, natsStack, tempDir, TestStack } from './harness/stack';
@@ -38,11 +38,13 @@ beforeAll(async () => {
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(model));
   tokens = await nc.jetstream().views.kv(names.tokensBucket, { bindOnly: true });
   // Its log (every request, at info) is kept to show it never holds a token.
-  ({ gateway } = await stack.open(gatewayStack(names, { nc, secret: TEST_SECRET, tokens: {}, env: { MAGUS_LOG_LEVEL: 'info' }, deps: { logStream: log } })));
+  ({ gateway } = await stack.open(gatewayStack(names, { secret: TEST_SECRET, tokens: {}, env: { MAGUS_LOG_LEVEL: 'info' }, deps: { logStream: log } })));
   // Only the test's NATS and prefix; an empty dev folder, so no running `magus dev` is picked up.
   const { dir } = stack.open(tempDir('magus-keys-cli-'));
   env = { ...process.env, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_NATS_PREFIX: iso.natsPrefix, MAGUS_DEV_DATA_DIR: dir };
   for (const name of Object.keys(env)) if (/^MAGUS_(?!NATS_URL$|NATS_PREFIX$|DEV_DATA_DIR$)|^AWS_/.test(name)) delete env[name];
+  // `magus keys` connects as the controller (its role), as in production.
+  Object.assign(env, natsCredentialsEnv(await natsRoleCredentials('controller', names)));
 }, 60_000);
 afterAll(() => stack.close());
 
@@ -238,10 +240,12 @@ test('NATS unreachable: exit 1 within seconds naming the address; no data plane 
 
   const missing = `${iso.natsPrefix}_NONE`;
   const bucket = dataPlaneNames(missing).tokensBucket;
-  const none = await keys(['create', 'team-c'], { MAGUS_NATS_PREFIX: missing });
+  // The controller's user of that data plane: what is missing is the bucket, not a permission.
+  const there = { MAGUS_NATS_PREFIX: missing, ...natsCredentialsEnv(await natsRoleCredentials('controller', dataPlaneNames(missing))) };
+  const none = await keys(['create', 'team-c'], there);
   expect(none).toMatchObject({ code: 1, stdout: '' });
   expect(none.stderr).toBe(`magus keys: NATS at ${endpoint('nats').servers} has no ${bucket} bucket: start magus dev (or a gateway) first\n`);
-  const noneList = await keys(['list'], { MAGUS_NATS_PREFIX: missing });
+  const noneList = await keys(['list'], there);
   expect(noneList).toMatchObject({ code: 1, stdout: '' });
   // Nothing was created there by asking.
   expect(await (await nc.jetstreamManager()).streams.info(`KV_${bucket}`).catch(() => undefined)).toBeUndefined();

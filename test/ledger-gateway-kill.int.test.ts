@@ -29,7 +29,7 @@ import { conversationKey } from '../gateway/serving/conversation';
 import type { UsageRecord } from '../shared/usage';
 import { freePort } from '../workers/dev/services';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsConnectAsBridge, natsCredentialsEnv, natsRoleCredentials } from './harness';
 import { pinConversation } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { natsStack, stubEngineStack, TestStack } from './harness/stack';
@@ -79,6 +79,7 @@ async function startGatewayProcess(): Promise<GatewayProcess> {
     env: {
       ...process.env,
       MAGUS_NATS_URL: endpoint('nats').servers,
+      ...natsCredentialsEnv(await natsRoleCredentials('gateway', names)),
       MAGUS_NATS_PREFIX: iso.natsPrefix,
       MAGUS_GATEWAY_HOST: '127.0.0.1',
       MAGUS_GATEWAY_PORT: '0',
@@ -132,8 +133,11 @@ beforeAll(async () => {
   ));
   await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(MODEL));
   await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: MODEL, instance: INSTANCE, slots: 2 * STREAMS, ackWaitMs: ACK_WAIT_MS });
+  // The bridge on a connection of its own, as its instance's bridge user.
+  const bridgeNc = await natsConnectAsBridge(names, MODEL, INSTANCE);
+  stack.defer(() => bridgeNc.drain());
   bridge = await startBridge({
-    nc,
+    nc: bridgeNc,
     names,
     pool: MODEL,
     instance: INSTANCE,

@@ -166,7 +166,6 @@ beforeAll(async () => {
   // when the gateway asks for it: a pin written beforehand races the gateway's watch of the bucket.
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000' },

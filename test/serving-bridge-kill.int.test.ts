@@ -24,7 +24,7 @@ import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsBridgeCredentials, natsCredentialsEnv } from './harness';
 import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
 import { freePort } from '../workers/dev/services';
 import { until } from './harness/wait';
@@ -80,6 +80,8 @@ async function startBridgeProcess(healthPort?: number): Promise<BridgeProcess> {
   // pdeathsig: the bridge dies with this test process, whatever happens to it.
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, '-r', require.resolve('@swc-node/register'), '-e', code, '--', ...args], {
     cwd: ROOT,
+    // As its instance's own bridge user, as the Kubernetes runtime starts one.
+    env: { ...process.env, ...natsCredentialsEnv(await natsBridgeCredentials(dataPlaneNames(iso.natsPrefix), POOL, INSTANCE)) },
     stdio: ['ignore', 'ignore', 'pipe'],
   });
   const p: BridgeProcess = {
@@ -153,7 +155,6 @@ beforeAll(async () => {
   // The entry was written before the watch started, so `ready` means it is loaded.
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: {

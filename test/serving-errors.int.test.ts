@@ -91,7 +91,6 @@ beforeAll(async () => {
 
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: {

@@ -73,7 +73,6 @@ beforeAll(async () => {
   // The entries were written before the watch started, so `ready` means they are all loaded.
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: {

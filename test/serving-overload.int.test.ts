@@ -54,7 +54,6 @@ beforeAll(async () => {
   );
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { ov: TOKEN },
       env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_GATEWAY_RETRY_AFTER_SEC: String(RETRY_AFTER_SEC), MAGUS_LOG_LEVEL: 'silent' },

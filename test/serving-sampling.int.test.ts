@@ -84,7 +84,6 @@ beforeAll(async () => {
   await publishPoolView(nc, names, LLAMA.name, ['i1']);
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env: { MAGUS_LOG_LEVEL: 'silent' },

@@ -25,7 +25,7 @@ import type { RunningGateway } from '../gateway/server';
 import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
 import { pinConversation } from './harness/gateway';
-import { isolation, natsConnect } from './harness';
+import { isolation, natsConnectAsBridge } from './harness';
 import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
@@ -76,7 +76,6 @@ async function plane(suffix: string, responses: DataPlaneOptions): Promise<Plane
   const env = { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '60000', MAGUS_LOG_LEVEL: 'silent' };
   const { gateway } = await pieces.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { [TOKEN_ID]: TOKEN },
       env,
@@ -138,7 +137,7 @@ interface Run {
  * streams on and is cut off after the client has 8 pieces; a second bridge takes it over.
  */
 async function takeOverUnderPressure(p: Plane): Promise<Run> {
-  const doomedNc = await natsConnect();
+  const doomedNc = await natsConnectAsBridge(p.names, POOL, INSTANCE);
   await p.bridge(doomedNc);
   const hold = p.holdNext(3);
   const content = `under pressure ${randomBytes(24).toString('hex')}`;
@@ -160,7 +159,7 @@ async function takeOverUnderPressure(p: Plane): Promise<Run> {
   await until('the client has 8 pieces', () => deltas.length >= 8);
   // Cut off mid-answer: no ack, no nak; JetStream redelivers after ack_wait (1 s).
   await doomedNc.close();
-  const heir = await p.bridge(await natsConnect());
+  const heir = await p.bridge(await natsConnectAsBridge(p.names, POOL, INSTANCE));
   await reading;
   return { content, deltas, end: end!, heir };
 }

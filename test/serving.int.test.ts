@@ -54,7 +54,6 @@ beforeAll(async () => {
   await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
   ({ gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: randomBytes(32).toString('hex'),
       tokens: { t1: TOKEN },
       env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },

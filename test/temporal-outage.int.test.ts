@@ -102,7 +102,6 @@ async function gatewayOn(address: string): Promise<RunningGateway> {
   stack.defer(() => health.close());
   const { gateway } = await stack.open(
     gatewayStack(names, {
-      nc,
       secret: SECRET,
       tokens: { t1: TOKEN },
       env: { MAGUS_LOG_LEVEL: 'error', MAGUS_GATEWAY_RETRY_AFTER_SEC: '3' },

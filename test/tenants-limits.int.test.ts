@@ -82,7 +82,6 @@ beforeAll(async () => {
   for (let i = 0; i < 2; i++) {
     const { gateway } = await stack.open(
       gatewayStack(names, {
-        nc: (await stack.open(natsStack(iso))).nc,
         secret: SECRET,
         tokens: {},
         env: { MAGUS_LOG_LEVEL: 'silent' },

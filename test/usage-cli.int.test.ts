@@ -10,7 +10,7 @@
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import { aggregateUsage, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsCredentialsEnv, natsRoleCredentials } from './harness';
 import { runMagus, type MagusRun } from './harness/dev';
 import { natsStack, tempDir, TestStack } from './harness/stack';
 
@@ -74,9 +74,11 @@ beforeAll(async () => {
 }, 60_000);
 afterAll(() => stack.close());
 
-/** `magus usage <args>` (the built CLI) with the test's environment and `extra` over it; killed after `timeoutMs`. */
-function usage(args: string[], extra: NodeJS.ProcessEnv = {}, timeoutMs = 20_000): Promise<MagusRun> {
-  return runMagus(['usage', ...args], { ...env, ...extra }, timeoutMs);
+/** `magus usage <args>` (the built CLI) with the test's environment and `extra` over it, as the controller; killed after `timeoutMs`. */
+async function usage(args: string[], extra: NodeJS.ProcessEnv = {}, timeoutMs = 20_000): Promise<MagusRun> {
+  // As the controller (its role, as in production) of the data plane it reads.
+  const credentials = await natsRoleCredentials('controller', dataPlaneNames(extra.MAGUS_NATS_PREFIX ?? env.MAGUS_NATS_PREFIX));
+  return runMagus(['usage', ...args], { ...env, ...natsCredentialsEnv(credentials), ...extra }, timeoutMs);
 }
 
 /** Exit 0, nothing on stderr: its stdout. */

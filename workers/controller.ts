@@ -3,12 +3,12 @@
  * cluster, runs it while this replica holds the leader Lease, and serves `/healthz`, `/readyz`
  * and `/metrics` (Prometheus text). Stops cleanly on SIGINT/SIGTERM.
  */
-import { natsConnectAuth } from '../dataplane/roles';
+import { natsConnectAuth, readNatsCredentials } from '../dataplane/roles';
 import { createServer } from 'node:http';
 import { hostname } from 'node:os';
 import { Client, Connection } from '@temporalio/client';
-import { connect } from 'nats';
-import { declareOnReconnect, ensureDataPlane } from '../dataplane';
+import { connect, type NatsConnection } from 'nats';
+import { dataPlaneNames, declareOnReconnect, ensureDataPlane, type DataPlaneNames } from '../dataplane';
 import { LimitStore } from '../dataplane/limits';
 import { parseDuration } from '../shared/kube';
 import { loadConfig } from './config';
@@ -156,12 +156,17 @@ export async function controllerCommand(args: string[]): Promise<number> {
     maxReconnectAttempts: -1,
     ...natsConnectAuth(cfg.nats.credentials, natsServerList(cfg.nats.servers), (line) => process.stderr.write(`magus controller: ${line}\n`)),
   });
-  const names = await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), {
-    what: 'data plane',
-    log,
-  });
-  const tokens = await nc.jetstream().views.kv(names.tokensBucket);
-  const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket), cap: opts.sessionCap };
+  // As the controller role it may declare nothing (dataplane/roles.ts): the data plane is the
+  // worker's to declare, and the controller waits for it. Without credentials it declares it itself.
+  const declares = !cfg.nats.credentials || readNatsCredentials(cfg.nats.credentials).role === 'worker';
+  const names = declares
+    ? await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: cfg.natsPrefix, replicas: cfg.natsReplicas, ...cfg.responses }), {
+        what: 'data plane',
+        log,
+      })
+    : await dataPlaneDeclared(nc, dataPlaneNames(cfg.natsPrefix), log);
+  const tokens = await nc.jetstream().views.kv(names.tokensBucket, { bindOnly: !declares });
+  const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket, { bindOnly: !declares }), cap: opts.sessionCap };
   // ApiKeys' usage: the ledger, and the gateways' counts for what a budget has left.
   const usage = {
     js: nc.jetstream(),
@@ -247,4 +252,25 @@ export async function controllerCommand(args: string[]): Promise<number> {
   await temporal.close();
   await connection.close();
   return 0;
+}
+
+/**
+ * `names` once the buckets the controller opens exist (the worker declares them): polled every
+ * 2 s, said once while it waits. A controller started before any worker waits rather than exits.
+ */
+async function dataPlaneDeclared(nc: NatsConnection, names: DataPlaneNames, log: (line: string) => void): Promise<DataPlaneNames> {
+  const jsm = await nc.jetstreamManager({ checkAPI: false });
+  const buckets = [names.tokensBucket, names.sessionsBucket, names.limitsBucket, names.usageBucket, names.usageSumsBucket];
+  const declared = (bucket: string) =>
+    jsm.streams.info(`KV_${bucket}`).then(
+      () => true,
+      () => false,
+    );
+  for (let said = false; ; said = true) {
+    const missing: string[] = [];
+    for (const b of buckets) if (!(await declared(b))) missing.push(b);
+    if (missing.length === 0) return names;
+    if (!said) log(`waiting for the data plane (${missing.join(', ')}): the worker declares it`);
+    await new Promise((resolve) => setTimeout(resolve, 2000));
+  }
 }

@@ -8,7 +8,7 @@ import { createServer, type IncomingMessage, type Server, type ServerResponse } 
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
 import { type JetStreamManager, type NatsConnection } from 'nats';
-import { isolation, natsConnect } from '../../test/harness';
+import { isolation, natsConnectAsBridge } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
@@ -197,7 +197,13 @@ async function engine(reply: (call: number, body: ChatCompletionRequest) => Repl
 }
 
 const logs: string[] = [];
-async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeOptions> = {}, conn: NatsConnection = nc): Promise<Bridge> {
+/** A bridge of `instance` on `conn`, by default a connection of its own as the instance's bridge user (as a runtime starts one). */
+async function bridge(instance: string, engineUrl: string, opts: Partial<BridgeOptions> = {}, conn?: NatsConnection): Promise<Bridge> {
+  if (!conn) {
+    const own = await natsConnectAsBridge(names, POOL, instance);
+    cleanups.push(() => own.close());
+    conn = own;
+  }
   const b = await startBridge({ nc: conn, names, pool: POOL, instance, engineUrl, slots: 1, retryDelayMs: 100, log: (l) => logs.push(l), ...opts });
   cleanups.push(() => b.stop());
   return b;
@@ -382,7 +388,7 @@ describe('redelivery', () => {
   it('a bridge killed mid-answer is taken over by another, and the client assembles exactly one complete answer', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
     const instance = await instanceWith({ ackWaitMs: 1500 });
-    const doomedConnection = await natsConnect();
+    const doomedConnection = await natsConnectAsBridge(names, POOL, instance);
     const doomed = await bridge(instance, stub.url, {}, doomedConnection);
     const { req, answer } = await sent(instance);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
@@ -411,7 +417,7 @@ describe('redelivery', () => {
   it('a redelivery resumes after the frames a first delivery published, though it finds no claim', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
     const instance = await instanceWith({ ackWaitMs: 1500 });
-    const doomedConnection = await natsConnect();
+    const doomedConnection = await natsConnectAsBridge(names, POOL, instance);
     await bridge(instance, stub.url, {}, doomedConnection);
     const { req, answer } = await sent(instance);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
@@ -430,7 +436,7 @@ describe('redelivery', () => {
   it('a take-over whose engine does not repeat itself ends the answer with an error instead of mixing two', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120, random: true }));
     const instance = await instanceWith({ ackWaitMs: 1500 });
-    const doomedConnection = await natsConnect();
+    const doomedConnection = await natsConnectAsBridge(names, POOL, instance);
     await bridge(instance, stub.url, {}, doomedConnection);
     const { answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
@@ -471,7 +477,7 @@ describe('redelivery', () => {
   it('frames produced while NATS reconnects are held and released in order once the claim is confirmed', async () => {
     const stub = await engine(() => ({ chunks: 15, delayMs: 60 }));
     const instance = await instanceWith();
-    const conn = await natsConnect();
+    const conn = await natsConnectAsBridge(names, POOL, instance);
     cleanups.push(() => conn.close());
     const b = await bridge(instance, stub.url, {}, conn);
     const { req, answer } = await sent(instance);

@@ -12,7 +12,7 @@ import { publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneName
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import type { Bridge } from '../../dataplane/bridge';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isolation, natsConnect } from '../../test/harness';
+import { isolation, natsConnectAs } from '../../test/harness';
 import { natsStack, stubInstanceStack, TestStack } from '../../test/harness/stack';
 import { exchange, perRequestResponseRouter, sharedResponseRouter, type ResponseRouter } from './exchange';
 import { until } from '../../test/harness/wait';
@@ -36,8 +36,9 @@ beforeAll(async () => {
   ({ bridge } = await stack.open(
     stubInstanceStack(bridgeNc, names, { pool: POOL, instance: INSTANCE, slots: 4, engine: { chunks: 4 }, bridge: { log: () => undefined } }),
   ));
-  const a = await natsConnect();
-  const b = await natsConnect();
+  // Two gateway replicas, each as the gateway's user.
+  const a = await natsConnectAs('gateway', names, 'gw-a');
+  const b = await natsConnectAs('gateway', names, 'gw-b');
   replicas.push(
     { name: 'gw-a', nc: a, router: await sharedResponseRouter(a, { subjectScope: names.subjectScope, replica: 'gw-a' }) },
     { name: 'gw-b', nc: b, router: perRequestResponseRouter(b, { subjectScope: names.subjectScope, replica: 'gw-b' }) },

@@ -4,12 +4,12 @@
  * moved), so a test can route turns without Temporal.
  */
 import type { NatsConnection } from 'nats';
-import { requestSubjectOf, type DataPlaneNames } from '../../dataplane';
+import { dataPlaneNames, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
 import type { AcquireRequest, ColdStart } from '../../gateway/serving/sessions';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
-import { endpoint } from './index';
+import { endpoint, natsCredentialsEnv, natsRoleCredentials } from './index';
 
 /**
  * A gateway on loopback (port chosen by the OS) against the test NATS server (or `env`'s
@@ -27,6 +27,18 @@ export function gatewayConfigFor(prefix: string, opts: { secret: string; tokens:
     MAGUS_GATEWAY_TOKENS: JSON.stringify(entries),
     ...opts.env,
   });
+}
+
+/**
+ * {@link gatewayConfigFor} on the test NATS server, connecting as the gateway's user of data plane
+ * `prefix` (its role's permissions, as in production): for a gateway that connects by itself.
+ */
+export async function gatewayConfigAs(
+  prefix: string,
+  opts: { secret: string; tokens: Record<string, string>; env?: Record<string, string> },
+): Promise<GatewayConfig> {
+  const credentials = natsCredentialsEnv(await natsRoleCredentials('gateway', dataPlaneNames(prefix)));
+  return gatewayConfigFor(prefix, { ...opts, env: { ...credentials, ...opts.env } });
 }
 
 /** Writes conversation `key`'s session entry: its turns go to `pool`/`instance` for `ttlMs`. */

@@ -3,13 +3,15 @@
  * stay out of each other's way: every test file gets its own task queue, bucket, NATS names
  * and Kubernetes namespace from {@link isolation}.
  */
-import { existsSync, readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { basename, join } from 'node:path';
-import { randomBytes } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { S3Client } from '@aws-sdk/client-s3';
 import { Connection, Client } from '@temporalio/client';
 import { bundleWorkflowCode, DefaultLogger, NativeConnection, Worker } from '@temporalio/worker';
 import { connect, type NatsConnection } from 'nats';
+import type { DataPlaneNames } from '../../dataplane';
+import { bridgeCredentialsText, natsAuthOptions, readNatsCredentials, readNatsSigner, roleCredentialsText, type NatsRole } from '../../dataplane/roles';
 import type { MagusConfig } from '../../workers/config';
 import type { ServiceEndpoints } from '../../workers/dev/services';
 import { sleep } from './wait';
@@ -17,13 +19,20 @@ import { sleep } from './wait';
 export type { ServiceEndpoints };
 
 /**
+ * What the global setup hands tests: the servers' endpoints, and the folder of the NATS server's
+ * users (`magus nats-auth --out`: nats-auth.conf, worker.creds, bridge-signer.nk …) unless it runs
+ * without (`MAGUS_TEST_NATS_AUTH=0`).
+ */
+export type TestEndpoints = Omit<ServiceEndpoints, 'nats'> & { nats?: NonNullable<ServiceEndpoints['nats']> & { credentialsDir?: string } };
+
+/**
  * Connection info of one running server; throws when run outside the integration project or
  * when MAGUS_TEST_SERVICES left that server out.
  */
-export function endpoint<K extends keyof ServiceEndpoints>(name: K): NonNullable<ServiceEndpoints[K]> {
+export function endpoint<K extends keyof TestEndpoints>(name: K): NonNullable<TestEndpoints[K]> {
   const file = process.env.MAGUS_TEST_ENDPOINTS;
   if (!file) throw new Error('MAGUS_TEST_ENDPOINTS is unset: run integration tests (*.int.test.ts) through jest, which starts the servers');
-  const e = (JSON.parse(readFileSync(file, 'utf8')) as ServiceEndpoints)[name];
+  const e = (JSON.parse(readFileSync(file, 'utf8')) as TestEndpoints)[name];
   if (!e) throw new Error(`the test services do not include ${name} (see MAGUS_TEST_SERVICES)`);
   return e;
 }
@@ -60,9 +69,89 @@ export function s3Client(): S3Client {
   });
 }
 
+/** A connection to the test NATS server as the worker (it may do everything: declare the data plane, write the registry, publish requests). */
 export async function natsConnect(): Promise<NatsConnection> {
-  return connect({ servers: endpoint('nats').servers, name: `magus-test-${process.pid}` });
+  return connect({ servers: endpoint('nats').servers, name: `magus-test-${process.pid}`, ...natsAuthOptions(credentialsOf(natsCredentialsFile('worker'))) });
 }
+
+/**
+ * A connection to the test NATS server as `role` in data plane `names` (that role's user, made for
+ * it: {@link natsRoleCredentials}); `name` names the connection.
+ */
+export async function natsConnectAs(role: Exclude<NatsRole, 'bridge'>, names: DataPlaneNames, name = `magus-test-${role}`): Promise<NatsConnection> {
+  const file = await natsRoleCredentials(role, names);
+  return connect({ servers: endpoint('nats').servers, name, ...natsAuthOptions(credentialsOf(file)) });
+}
+
+/** A connection to the test NATS server as the bridge of `pool`/`instance` in data plane `names` ({@link natsBridgeCredentials}). */
+export async function natsConnectAsBridge(names: DataPlaneNames, pool: string, instance: string): Promise<NatsConnection> {
+  const file = await natsBridgeCredentials(names, pool, instance);
+  return connect({ servers: endpoint('nats').servers, name: `magus-test-bridge-${pool}-${instance}`, ...natsAuthOptions(credentialsOf(file)) });
+}
+
+const credentialsOf = (file: string | undefined) => (file ? readNatsCredentials(file) : undefined);
+
+/** The folder of the test NATS server's users; undefined when it runs without (`MAGUS_TEST_NATS_AUTH=0`). */
+const natsAuthDir = (): string | undefined => endpoint('nats').credentialsDir;
+
+/**
+ * The worker's credentials file on the test NATS server (for `MAGUS_NATS_CREDENTIALS`); undefined
+ * when it runs without users. The worker's user may do everything, in every data plane.
+ */
+export function natsCredentialsFile(role: 'worker'): string | undefined {
+  const dir = natsAuthDir();
+  return dir && join(dir, `${role}.creds`);
+}
+
+/** Writes `text` to `file` (0600) unless it exists: under a temporary name, then renamed, so a file that exists is whole. */
+function writeOnce(file: string, text: () => Promise<string>): Promise<string> {
+  if (existsSync(file)) return Promise.resolve(file);
+  return text().then((t) => {
+    const tmp = `${file}.${process.pid}.${randomBytes(3).toString('hex')}.tmp`;
+    writeFileSync(tmp, t, { mode: 0o600 });
+    renameSync(tmp, file);
+    return file;
+  });
+}
+
+/**
+ * The folder of the users made for data plane `names` (roles' permissions name its streams and
+ * buckets): by its prefix, and a digest of every name (a test may rename single buckets).
+ */
+function usersDirOf(dir: string, names: DataPlaneNames): string {
+  const digest = createHash('sha256').update(JSON.stringify(names)).digest('hex').slice(0, 12);
+  const sub = join(dir, 'planes', `${names.prefix || '_'}-${digest}`);
+  mkdirSync(sub, { recursive: true, mode: 0o700 });
+  return sub;
+}
+
+/**
+ * The credentials file of a `role` user of data plane `names` on the test NATS server, made once
+ * (signed with the folder's signer, as `magus nats-auth` makes them for its data plane): what a
+ * gateway or controller of this test connects with (`MAGUS_NATS_CREDENTIALS`). Undefined when the
+ * server runs without users.
+ */
+export async function natsRoleCredentials(role: Exclude<NatsRole, 'bridge'>, names: DataPlaneNames): Promise<string | undefined> {
+  const dir = natsAuthDir();
+  if (!dir) return undefined;
+  if (role === 'worker') return natsCredentialsFile('worker');
+  return writeOnce(join(usersDirOf(dir, names), `${role}.creds`), () => roleCredentialsText(readNatsSigner(join(dir, 'bridge-signer.nk')), role, names));
+}
+
+/**
+ * The credentials file of the bridge of `pool`/`instance` in data plane `names` on the test NATS
+ * server, as the Kubernetes runtime makes one per instance; undefined when it runs without users.
+ */
+export async function natsBridgeCredentials(names: DataPlaneNames, pool: string, instance: string): Promise<string | undefined> {
+  const dir = natsAuthDir();
+  if (!dir) return undefined;
+  return writeOnce(join(usersDirOf(dir, names), `bridge-${pool}-${instance}.creds`), () =>
+    bridgeCredentialsText(readNatsSigner(join(dir, 'bridge-signer.nk')), names, pool, instance),
+  );
+}
+
+/** `{ MAGUS_NATS_CREDENTIALS: file }` when `file` is given, else nothing: the environment of a process connecting as its user. */
+export const natsCredentialsEnv = (file: string | undefined): { MAGUS_NATS_CREDENTIALS?: string } => (file ? { MAGUS_NATS_CREDENTIALS: file } : {});
 
 export async function temporalClient(): Promise<{ client: Client; connection: Connection }> {
   const temporal = endpoint('temporal');
@@ -93,7 +182,7 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
   return {
     temporal: { address: endpoint('temporal').address, namespace: 'default' },
     taskQueue: `${iso.id}-control`,
-    nats: { servers: endpoint('nats').servers },
+    nats: { servers: endpoint('nats').servers, ...(natsCredentialsFile('worker') ? { credentials: natsCredentialsFile('worker') } : {}) },
     s3: { endpoint: s3.endpoint, region: s3.region, bucket: iso.bucket, forcePathStyle: true },
     natsPrefix: iso.natsPrefix,
     modelCacheDir: join(dir, 'models'),
@@ -108,7 +197,7 @@ export function workerConfig(iso: Isolation, dir: string, overrides: Partial<Mag
 /**
  * The environment of a `magus worker` process for the calling test file, configured as
  * {@link workerConfig} configures one in process: the test servers, its task queue, bucket and
- * NATS prefix, the S3 credentials, metrics and health on ports the OS picks, the fixture hub's
+ * NATS prefix, the worker's NATS user, the S3 credentials, metrics and health on ports the OS picks, the fixture hub's
  * addresses allowed ({@link TEST_HUB_NETWORKS}).
  */
 export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
@@ -116,6 +205,7 @@ export function workerEnv(iso: Isolation): NodeJS.ProcessEnv {
   return {
     MAGUS_TEMPORAL_ADDRESS: endpoint('temporal').address,
     MAGUS_NATS_URL: endpoint('nats').servers,
+    ...natsCredentialsEnv(natsCredentialsFile('worker')),
     MAGUS_S3_ENDPOINT: s3.endpoint,
     MAGUS_S3_REGION: s3.region,
     MAGUS_S3_BUCKET: iso.bucket,

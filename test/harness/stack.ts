@@ -9,7 +9,7 @@
  * const stack = new TestStack();
  * beforeAll(async () => {
  *   ({ nc, client } = await stack.open(magusStack(iso, { dirPrefix: 'magus-serving-' })));
- *   ({ gateway } = await stack.open(gatewayStack(names, { nc, secret, tokens, sessions: { client, … } })));
+ *   ({ gateway } = await stack.open(gatewayStack(names, { secret, tokens, sessions: { client, … } })));
  *   stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate());
  * });
  * afterAll(() => stack.close());
@@ -34,7 +34,7 @@ import { startTestHub, type TestHub, type TestHubOptions } from '../fixtures/hub
 import { startWorkers, type RunningWorkers, type WorkerDeps } from '../../workers/worker';
 import { startStubEngine, type StubEngine, type StubEngineOptions } from '../fixtures/stub-engine';
 import { gatewayConfigFor } from './gateway';
-import { natsConnect, s3Client, temporalClient, workerConfig, type Isolation } from './index';
+import { natsConnect, natsConnectAs, natsConnectAsBridge, s3Client, temporalClient, workerConfig, type Isolation } from './index';
 
 /** Something a piece opened, and how to close it. */
 export interface Opened {
@@ -237,8 +237,9 @@ export async function stubEngineStack(opts: StubEngineOptions): Promise<{ engine
 }
 
 /**
- * A stub engine serving `pool`'s instance `instance` through a bridge on `nc`, as a runtime would
- * start them: the instance's consumer declared with `slots`, the bridge stopped before the engine.
+ * A stub engine serving `pool`'s instance `instance` through a bridge, as a runtime would start
+ * them: the instance's consumer declared on `nc` with `slots`, the bridge on a connection of its
+ * own as the instance's bridge user (on the test NATS server), stopped before the engine.
  */
 export function stubInstanceStack(
   nc: NatsConnection,
@@ -248,15 +249,30 @@ export function stubInstanceStack(
   return pieceOf(async (pieces) => {
     const { engine } = await pieces.open(stubEngineStack({ modelId: opts.pool, ...opts.engine }));
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: opts.pool, instance: opts.instance, slots: opts.slots });
-    const bridge = await startBridge({ nc, names, pool: opts.pool, instance: opts.instance, engineUrl: engine.url, slots: opts.slots, ...opts.bridge });
+    // The bridge connects as its instance's own user, as a runtime starts it.
+    const bridgeNc = await natsConnectAsBridge(names, opts.pool, opts.instance);
+    pieces.defer(() => bridgeNc.drain());
+    const bridge = await startBridge({
+      nc: bridgeNc,
+      names,
+      pool: opts.pool,
+      instance: opts.instance,
+      engineUrl: engine.url,
+      slots: opts.slots,
+      ...opts.bridge,
+    });
     pieces.defer(() => bridge.stop());
     return { engine, bridge };
   });
 }
 
 export interface GatewayStackOptions {
-  /** The connection the gateway uses (not closed by it). */
-  nc: NatsConnection;
+  /**
+   * The connection the gateway uses (not closed by it): for a test's own NATS server. Without it,
+   * the gateway connects to the test server as the gateway's user (its role's permissions, as in
+   * production), drained at close.
+   */
+  nc?: NatsConnection;
   secret: string;
   /** Token id → whole token. */
   tokens: Record<string, string>;
@@ -270,10 +286,13 @@ export interface GatewayStackOptions {
 
 /** A gateway on loopback for data plane `names`, with Temporal sessions or the test's own deps. */
 export async function gatewayStack(names: DataPlaneNames, opts: GatewayStackOptions): Promise<{ gateway: RunningGateway } & Opened> {
+  const own = opts.nc ? undefined : await natsConnectAs('gateway', names, `magus-test-gateway-${names.prefix}`);
+  const nc = opts.nc ?? own!;
   const sessions = opts.sessions && temporalSessions(opts.sessions);
   const config = gatewayConfigFor(names.prefix, { secret: opts.secret, tokens: opts.tokens, ...(opts.env ? { env: opts.env } : {}) });
-  const gateway = await startGateway(config, { nc: opts.nc, ...sessions, ...opts.deps }).catch(async (err: unknown) => {
+  const gateway = await startGateway(config, { nc, ...sessions, ...opts.deps }).catch(async (err: unknown) => {
     await sessions?.close().catch(() => undefined);
+    await own?.close();
     throw err;
   });
   return {
@@ -281,6 +300,7 @@ export async function gatewayStack(names: DataPlaneNames, opts: GatewayStackOpti
     close: async () => {
       await gateway.close();
       await sessions?.close();
+      await own?.drain();
     },
   };
 }

@@ -1,5 +1,5 @@
-import { AckPolicy, RetentionPolicy, type NatsConnection, StringCodec } from 'nats';
-import { isolation, natsConnect } from '../harness';
+import { AckPolicy, connect, RetentionPolicy, type NatsConnection, StringCodec } from 'nats';
+import { endpoint, isolation, natsConnect } from '../harness';
 
 const sc = StringCodec();
 let nc: NatsConnection;
@@ -49,4 +49,13 @@ test('KV: compare-and-set conflicts on a stale revision', async () => {
   const entry = await kv.get('session.a');
   expect(entry && sc.decode(entry.value)).toBe('instance-2');
   expect(entry?.revision).toBe(rev2);
+});
+
+test('the server has users per role (harness/global-setup.ts): a connection without credentials is refused, unless MAGUS_TEST_NATS_AUTH=0', async () => {
+  const anonymous = connect({ servers: endpoint('nats').servers, timeout: 3000, reconnect: false });
+  if (process.env.MAGUS_TEST_NATS_AUTH === '0') {
+    await (await anonymous).close();
+    return;
+  }
+  await expect(anonymous).rejects.toThrow(/Authorization Violation/i);
 });
