@@ -14,7 +14,7 @@
  * images" says how it was checked.
  */
 import { execFile } from 'node:child_process';
-import { chmodSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { chmodSync, copyFileSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { convertModel } from '../convert/convert';
@@ -219,16 +219,26 @@ describe('the magus image', () => {
     // from outside the ephemeral range: between this pick and the container's listen, an
     // outgoing connection could take an ephemeral one as its source port (seen in CI).
     const [health, metrics] = [await freePort(), await freePort()];
-    const env = {
+    const env: NodeJS.ProcessEnv = {
       ...workerEnv(iso),
       MAGUS_TASK_QUEUE: iso.taskQueue,
       MAGUS_HEALTH_ADDRESS: `127.0.0.1:${health}`,
       MAGUS_METRICS_ADDRESS: `127.0.0.1:${metrics}`,
     };
+    // Its NATS user's file, mounted as the chart mounts it (a copy the container's user can read).
+    const creds = env.MAGUS_NATS_CREDENTIALS;
+    const credsDir = mkdtempSync(join(tmpdir(), 'magus-image-nats-'));
+    chmodSync(credsDir, 0o755);
+    if (creds) {
+      copyFileSync(creds, join(credsDir, 'creds'));
+      chmodSync(join(credsDir, 'creds'), 0o644);
+      env.MAGUS_NATS_CREDENTIALS = '/etc/magus/nats/creds';
+    }
     const name = await runDetached('worker', [
       ...READ_ONLY,
       '--network',
       'host',
+      ...(creds ? ['-v', `${credsDir}:/etc/magus/nats:ro`] : []),
       ...Object.entries(env).flatMap(([k, v]) => ['-e', `${k}=${v}`]),
       images.magus!,
       'worker',

@@ -25,7 +25,8 @@ import { PutObjectCommand } from '@aws-sdk/client-s3';
 import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
 import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { writeFileSync } from 'node:fs';
+import { chmodSync, mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { connect } from 'node:net';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
@@ -42,7 +43,7 @@ import type { ReadyModel } from '../shared/model';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { dllamaPromptIds, dllamaText, publishPaddedStories, writePaddedStories } from './fixtures/stories260k-dllama';
 import { runLlamaCpp } from './reference/llama-cpp';
-import { endpoint, isolation } from './harness';
+import { endpoint, isolation, natsSignerFile } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
 import { pinConversation } from './harness/gateway';
@@ -160,6 +161,8 @@ beforeAll(async () => {
     names,
     images: IMAGES,
     natsUrl: `nats://${natsAddress}`,
+    // Each instance's bridge as its own NATS user, from the Secret the runtime writes (podOf mounts it).
+    ...(natsSignerFile() ? { bridgeSigner: natsSignerFile() } : {}),
     s3: { endpoint: `http://${s3Address}`, region: s3e.region, bucket: iso.bucket, secret: 'magus-s3' },
   });
   // A conversation's session is its pin to the instance under test (no Temporal here), written
@@ -199,6 +202,16 @@ async function podOf(name: string, workers: { names: string[]; ip?: string }): P
       e.value = Buffer.from(secret.data![ref.key]!, 'base64').toString();
       delete e.valueFrom;
     }
+  }
+  // Secret volumes (the bridge's NATS user) as host folders holding the Secret's files: podman's kube play reads Secrets only from its own store.
+  for (const v of spec.volumes ?? []) {
+    if (!v.secret) continue;
+    const secret = await cluster.kubeConfig.makeApiClient(CoreV1Api).readNamespacedSecret({ name: v.secret.secretName!, namespace: NS });
+    const dir = mkdtempSync(join(tmpdir(), 'magus-pod-secret-'));
+    chmodSync(dir, 0o755);
+    for (const [key, value] of Object.entries(secret.data ?? {})) writeFileSync(join(dir, key), Buffer.from(value, 'base64'), { mode: 0o644 });
+    delete v.secret;
+    v.hostPath = { path: dir, type: 'Directory' };
   }
   spec.restartPolicy = 'Never';
   if (workers.ip) spec.hostAliases = [{ ip: workers.ip, hostnames: workers.names }];

@@ -103,6 +103,12 @@ export function natsCredentialsFile(role: 'worker'): string | undefined {
   return dir && join(dir, `${role}.creds`);
 }
 
+/** The signer of the test NATS server's users (the Kubernetes runtime's `bridgeSigner`); undefined when it runs without users. */
+export function natsSignerFile(): string | undefined {
+  const dir = natsAuthDir();
+  return dir && join(dir, 'bridge-signer.nk');
+}
+
 /** Writes `text` to `file` (0600) unless it exists: under a temporary name, then renamed, so a file that exists is whole. */
 function writeOnce(file: string, text: () => Promise<string>): Promise<string> {
   if (existsSync(file)) return Promise.resolve(file);
