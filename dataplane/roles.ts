@@ -268,15 +268,20 @@ export function parseSignerFile(text: string): { account: string; signerSeed: st
 
 /** Reads the signer file at `path` (`what` names it in errors, e.g. its variable); throws naming the file and what is wrong. */
 export function readNatsSigner(path: string, what = path): { account: string; signerSeed: string } {
+  return readParsed(path, what, 'signer', parseSignerFile);
+}
+
+/** The file at `path` through `parse`; throws naming it (`what`) and what is wrong: unreadable, or not a magus NATS `kind` file. */
+function readParsed<T extends object>(path: string, what: string, kind: string, parse: (text: string) => T | { error: string }): T {
   let text: string;
   try {
     text = readFileSync(path, 'utf8');
   } catch (err) {
     throw new Error(`${what}: cannot be read (${(err as NodeJS.ErrnoException).code ?? (err as Error).message})`);
   }
-  const s = parseSignerFile(text);
-  if ('error' in s) throw new Error(`${what}: not a magus NATS signer file: ${s.error}`);
-  return s;
+  const parsed = parse(text);
+  if ('error' in parsed) throw new Error(`${what}: not a magus NATS ${kind} file: ${parsed.error}`);
+  return parsed;
 }
 
 /** A user JWT named `name` with `permissions`, signed by the signer for its account, in a credentials file. */
@@ -355,15 +360,7 @@ export function natsAuthOptions(creds: NatsCredentials | undefined): { authentic
 
 /** Reads the credentials file at `path`; throws naming the file and what is wrong. */
 export function readNatsCredentials(path: string): NatsCredentials {
-  let text: string;
-  try {
-    text = readFileSync(path, 'utf8');
-  } catch (err) {
-    throw new Error(`MAGUS_NATS_CREDENTIALS=${path}: cannot be read (${(err as NodeJS.ErrnoException).code ?? (err as Error).message})`);
-  }
-  const c = parseCredentialsFile(text);
-  if ('error' in c) throw new Error(`MAGUS_NATS_CREDENTIALS=${path}: not a magus NATS credentials file: ${c.error}`);
-  return c;
+  return readParsed(path, `MAGUS_NATS_CREDENTIALS=${path}`, 'credentials', parseCredentialsFile);
 }
 
 /**

@@ -68,7 +68,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   }
 
   const log = (line: string) => process.stderr.write(`magus bridge: ${line}\n`);
-  const role = credentials ? readNatsCredentials(credentials).role : undefined;
+  const role = own?.role; // read above: credentials given and nothing wrong so far
   const nc = await connect({
     servers: natsServerList(natsUrl),
     name: `magus-bridge-${pool}-${instance}`,
