@@ -56,6 +56,9 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
   const refresh = setInterval(() => void advertise(), 1000);
   try {
     const gone = `${MODEL}-100`;
+    // The carry's next id is 101; an instance started now is named with a random tag as well
+    // (UNIQUE_INSTANCE_IDS_PATCH): another namespace's model of this name counts from 1 alike.
+    const fresh = new RegExp(`^${MODEL}-101-[0-9a-f]{8}$`);
     // A conversation on it, as a gateway writes it: the pool's reconciler counts it.
     const sessions = await nc.jetstream().views.kv(names.sessionsBucket);
     const entry: SessionEntry = {
@@ -122,19 +125,21 @@ test('a watcher its worker’s queue did not take in time: the instance stays wh
     expect(scheduled(history, 'destroyInstance')[0]!.activityTaskScheduledEventAttributes?.taskQueue?.name).toBe(queue);
     await until(
       'the new instance ready',
-      async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => i.id === `${MODEL}-101` && i.phase === 'ready'),
+      async () => (status = await pool.query(poolStatusQuery)).instances.some((i) => fresh.test(i.id) && i.phase === 'ready'),
       120_000,
     );
     // Started with the pool's leases per instance, and its engine serves that many at once (a
     // slot per lease), not the 16 slots the tiny model's memory plan fits in the default budget.
     const [started] = scheduled(history, 'createInstance');
-    expect(JSON.parse(Buffer.from(started!.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!).toString())).toMatchObject({
-      instance: `${MODEL}-101`,
-      leases: 4,
-    });
-    const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(MODEL, `${MODEL}-101`));
+    const created = JSON.parse(Buffer.from(started!.activityTaskScheduledEventAttributes!.input!.payloads![0]!.data!).toString()) as {
+      instance: string;
+      leases: number;
+    };
+    expect([fresh.test(created.instance), created.leases]).toEqual([true, 4]);
+    const consumer = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(MODEL, created.instance));
     expect(consumer.config.max_ack_pending).toBe(4);
     await recordHistory('pool-owner-confirmed', pool);
+    await recordHistory('pool-instance-ids-unique', pool);
     await sessions.delete('conv-fake');
   } finally {
     clearInterval(refresh);

@@ -112,6 +112,12 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
       scheduledOf(h, 'destroyInstance').length >= 1 &&
       (inputOf(h, 'createInstance') as { leases?: number }).leases === 4,
   ],
+  // The same since pool-unique-instance-ids: the new instance named <model>-<n>-<tag>, so two namespaces' models of one name never share an instance id.
+  [
+    'pool-instance-ids-unique',
+    ['pool-restart-reports', 'pool-unique-instance-ids'],
+    (h) => /-101-[0-9a-f]{8}$/.test((inputOf(h, 'createInstance') as { instance?: string }).instance ?? ''),
+  ],
   // test/serving-errors.int.test.ts: a model whose instances can never start: failed starts backing off, then one at once when the model is published.
   ['pool-start-backoff', [], (h) => scheduledOf(h, 'createInstance').length >= 3 && signalsOf(h).includes('modelPublished')],
   // test/serving-workers.int.test.ts: a watcher per instance on its worker's queue; that worker gone, the instance replaced on the other.

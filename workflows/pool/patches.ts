@@ -17,3 +17,10 @@ export const RESTART_REPORTS_PATCH = 'pool-restart-reports';
  * (workflows/resource-status.ts, `statusWrite`).
  */
 export const STATUS_ACTIVITY_PATCH = 'pool-status-activity';
+
+/**
+ * New instances are named `<model>-<n>-<tag>` (state.ts `instanceIdOf`), not `<model>-<n>`: two
+ * namespaces' models of the same name had instances of the same id, and so one request subject,
+ * one consumer and one NATS user between two tenants. Instances a pool started before keep their ids.
+ */
+export const UNIQUE_INSTANCE_IDS_PATCH = 'pool-unique-instance-ids';

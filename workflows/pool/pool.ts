@@ -27,6 +27,7 @@ import {
   setHandler,
   TimeoutFailure,
   upsertSearchAttributes,
+  uuid4,
   workflowInfo,
   type ActivityOptions,
 } from '@temporalio/workflow';
@@ -38,7 +39,7 @@ import { visibility } from '../visibility';
 import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type PoolInput, type PoolResource } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
-import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH } from './patches';
+import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH } from './patches';
 import { PoolState, PRESSURE_PENDING, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
@@ -242,7 +243,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
 
   function reconcile(): void {
     if (closing()) return; // what is in flight settles; the next run, a task away, decides
-    const plan = state.plan(now());
+    const plan = state.plan(now(), () => (patched(UNIQUE_INSTANCE_IDS_PATCH) ? uuid4().replace(/-/g, '').slice(0, 8) : undefined));
     for (const id of plan.start) start(id);
     for (const i of plan.stop) track(destroy(i).then(() => state.stopped(i.id)));
     reconcileLoad();

@@ -1,7 +1,17 @@
 import { restartChange } from '../../shared/status';
 import type { PoolInput } from './definitions';
 import { poolDetails } from './details';
-import { DEMAND_HOLD_MS, PoolState, PRESSURE_PENDING, START_BACKOFF_BASE_MS, VIEW_REFRESH_MS, type LoadReport, type PoolView } from './state';
+import {
+  DEMAND_HOLD_MS,
+  instanceIdOf,
+  MAX_INSTANCE_ID,
+  PoolState,
+  PRESSURE_PENDING,
+  START_BACKOFF_BASE_MS,
+  VIEW_REFRESH_MS,
+  type LoadReport,
+  type PoolView,
+} from './state';
 
 const input = (over: Partial<PoolInput> = {}): PoolInput => ({
   namespace: 'default',
@@ -31,6 +41,26 @@ function ready(n: number, over: Partial<PoolInput> = {}): PoolState {
   s.input.minInstances = over.minInstances ?? 0;
   return s;
 }
+
+describe('instance ids', () => {
+  it('names each new instance <model>-<n>-<tag>: two namespaces’ pools of one model name never start the same id', () => {
+    const tags = ['0a1b2c3d', 'ffee0011', '12345678'];
+    const a = new PoolState(input({ namespace: 'team-a', minInstances: 2 }));
+    const b = new PoolState(input({ namespace: 'team-b', minInstances: 1 }));
+    const ids = [...a.plan(0, () => tags.shift()).start, ...b.plan(0, () => tags.shift()).start];
+    expect(ids).toEqual(['m-1-0a1b2c3d', 'm-2-ffee0011', 'm-1-12345678']);
+    // A pool from before the patch (no tag) keeps naming them <model>-<n>.
+    expect(new PoolState(input({ minInstances: 1 })).plan(0, () => undefined).start).toEqual(['m-1']);
+  });
+
+  it('cuts a long model name so the id stays one DNS label, never ending in a separator before the suffix', () => {
+    const long = `${'x'.repeat(50)}-${'y'.repeat(20)}`;
+    const id = instanceIdOf(long, 12, 'abcdef01');
+    expect(id.length).toBeLessThanOrEqual(MAX_INSTANCE_ID);
+    expect(id).toBe(`${'x'.repeat(50)}-12-abcdef01`); // the 51st character was the separator
+    expect(instanceIdOf(`${'z'.repeat(51)}--q`, 7, '00000000')).toBe(`${'z'.repeat(51)}-7-00000000`);
+  });
+});
 
 describe('PoolState', () => {
   it('starts nothing without load, min instances at once, and one per leasesPerInstance of leases and demand', () => {

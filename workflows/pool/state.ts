@@ -96,6 +96,21 @@ export interface Plan {
   stop: PoolInstance[];
 }
 
+/** Longest instance id: one subject token and one DNS label (`mg-<instance>` names its Kubernetes objects). */
+export const MAX_INSTANCE_ID = 63;
+
+/**
+ * The id of a pool's `n`th instance: `<model>-<n>-<tag>`, the model's name cut so the whole fits
+ * {@link MAX_INSTANCE_ID}. Pools of models with the same name in two namespaces count from 1
+ * alike, and an instance's id names its NATS subject, consumer and user: the random `tag` (8 hex
+ * digits from the workflow's seeded random) keeps one tenant's instance from sharing another's.
+ */
+export function instanceIdOf(model: string, n: number, tag: string): string {
+  const suffix = `-${n}-${tag}`;
+  const head = model.slice(0, MAX_INSTANCE_ID - suffix.length).replace(/[^A-Za-z0-9]+$/, '');
+  return `${head}${suffix}`;
+}
+
 export class PoolState {
   readonly input: PoolInput;
   readonly instances = new Map<string, PoolInstance>();
@@ -288,14 +303,19 @@ export class PoolState {
     return Math.min(maxInstances, Math.max(minInstances, wanted));
   }
 
-  /** Decides what to start and stop now; registers the starts and marks the stops. */
-  plan(now: number): Plan {
+  /**
+   * Decides what to start and stop now; registers the starts and marks the stops. `tag` gives each
+   * new instance a random token ({@link instanceIdOf}); without one (pools from before
+   * `UNIQUE_INSTANCE_IDS_PATCH`) ids are `<model>-<n>`.
+   */
+  plan(now: number, tag?: () => string | undefined): Plan {
     for (const [replica, d] of this.demand) if (d.until <= now) this.demand.delete(replica);
     const plan: Plan = { start: [], stop: [] };
     const wanted = this.wanted(now);
     if (now >= this.nextStartAt) {
       for (let n = this.live().length; n < wanted; n++) {
-        const id = `${this.input.model}-${this.nextId++}`;
+        const t = tag?.();
+        const id = t ? instanceIdOf(this.input.model, this.nextId++, t) : `${this.input.model}-${this.nextId++}`;
         this.instances.set(id, { id, phase: 'starting', subject: null, leases: 0, pending: 0, ackPending: 0, idleSince: now, drainSince: 0 });
         plan.start.push(id);
       }
