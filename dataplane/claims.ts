@@ -44,11 +44,22 @@ export interface RequestClaims {
   revision(id: string): Promise<number | null>;
 }
 
-/** Binds the claims bucket (declared by `ensureDataPlane`, declare.ts). */
-export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames): Promise<RequestClaims> {
-  const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true });
+/**
+ * The claim key of request `id` served by `own`: `<pool>.<instance>.<id>`, so a bridge's NATS user
+ * may read and write its own instance's claims only (roles.ts). Bridges before it keyed claims by
+ * the bare id: a request redelivered across that upgrade is claimed afresh (README.md, "The
+ * instance's subject").
+ */
+export const claimKeyOf = (own: { pool: string; instance: string }, id: string): string => `${own.pool}.${own.instance}.${id}`;
+
+/** Binds the claims bucket (declared by `ensureDataPlane`, declare.ts) for the bridge of `own`. */
+export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames, own: { pool: string; instance: string }): Promise<RequestClaims> {
+  // Gets go direct (the bucket allows it, declare.ts): a direct get names the key in its subject,
+  // which a bridge's NATS user may ask for its own instance's keys only (roles.ts). A bound
+  // bucket uses direct gets only when told.
+  const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true, allow_direct: true });
   const read = async (id: string) => {
-    const e = await kv.get(id);
+    const e = await kv.get(claimKeyOf(own, id));
     return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
   };
   return {
@@ -59,10 +70,10 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       for (let round = 0; round < 5; round += 1) {
         const current = await read(id);
         try {
-          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(id, encodeJson(fresh)) };
+          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(claimKeyOf(own, id), encodeJson(fresh)) };
           if (current.claim.state === 'finished') return { kind: 'finished', ...current };
           const next: RequestClaim = { ...current.claim, attempt: current.claim.attempt + 1, owner };
-          return { kind: 'takeover', claim: next, revision: await kv.update(id, encodeJson(next), current.revision) };
+          return { kind: 'takeover', claim: next, revision: await kv.update(claimKeyOf(own, id), encodeJson(next), current.revision) };
         } catch (err) {
           if (!isRevisionConflict(err)) throw err;
         }
@@ -72,8 +83,8 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
     async finish(id, claim, revision, terminal, usage) {
       const finished: RequestClaim = { ...claim, state: 'finished', terminal, ...(usage ? { usage } : {}) };
       try {
-        if (revision === 0) await kv.create(id, encodeJson(finished));
-        else await kv.update(id, encodeJson(finished), revision);
+        if (revision === 0) await kv.create(claimKeyOf(own, id), encodeJson(finished));
+        else await kv.update(claimKeyOf(own, id), encodeJson(finished), revision);
         return true;
       } catch (err) {
         if (!isRevisionConflict(err)) throw err;

@@ -167,7 +167,7 @@ describe('publishRequest', () => {
 
 describe('request claims', () => {
   it('create, take over with a CAS, fence the superseded attempt, and remember the terminal frame', async () => {
-    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claims = await openRequestClaims(nc.jetstream(), names, { pool: 'pool', instance: 'claims' });
     const first = await claims.acquire('claim-1', 'a');
     expect(first.kind).toBe('fresh');
     expect(first.claim).toMatchObject({ attempt: 1, owner: 'a', state: 'running' });

@@ -232,6 +232,8 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
       retention: RetentionPolicy.Limits,
       storage: StorageType.Memory,
       discard: DiscardPolicy.Old,
+      // Direct gets name the subject in the request's subject: a bridge may read back only its own instance's frames (roles.ts).
+      allow_direct: true,
       max_age: nanos(responses.maxAgeMs),
       max_bytes: responses.maxBytes,
       num_replicas: replicas,

@@ -33,6 +33,7 @@ export {
   cancelSubjectOf,
   consumerNameOf,
   dataPlaneNames,
+  instanceResponseSubjectOf,
   isResponseSubjectOf,
   requestSubjectOf,
   responseSubjectOf,

@@ -1,4 +1,4 @@
-import { consumerNameOf, dataPlaneNames, isResponseSubjectOf, requestSubjectOf, responseSubjectOf } from './names';
+import { consumerNameOf, dataPlaneNames, instanceResponseSubjectOf, isResponseSubjectOf, requestSubjectOf, responseSubjectOf } from './names';
 
 describe('data-plane names', () => {
   it('are the shared names without a prefix', () => {
@@ -55,6 +55,15 @@ describe('data-plane names', () => {
       expect([bad, isResponseSubjectOf(n, bad, 'r1')]).toEqual([bad, false]);
     }
     expect(isResponseSubjectOf(dataPlaneNames('T_X'), 't_x.magus.res.gw-a.r1', 'r1')).toBe(true);
+  });
+
+  it('put an instance’s frames under its pool and instance, before the request id', () => {
+    const n = dataPlaneNames('T_X');
+    const reply = responseSubjectOf(n, 'r1', 'gw-1');
+    expect(instanceResponseSubjectOf(reply, 'r1', 'pool-a', 'pool-a-1-0a1b2c3d')).toBe('t_x.magus.res.gw-1.pool-a.pool-a-1-0a1b2c3d.r1');
+    expect(() => instanceResponseSubjectOf(reply, 'r2', 'p', 'i')).toThrow(/request id/);
+    expect(() => instanceResponseSubjectOf(reply, 'r1', 'p.q', 'i')).toThrow(/pool/);
+    expect(() => instanceResponseSubjectOf(reply, 'r1', 'p', '*')).toThrow(/instance/);
   });
 
   it('reject names that would break subjects or make consumer names ambiguous', () => {

@@ -96,6 +96,20 @@ export function responseSubjectOf(names: DataPlaneNames, requestId: string, repl
   return scopedSubject(names, responseSubject(requestId, replica));
 }
 
+/**
+ * Where the bridge of `pool`/`instance` publishes the frames of a request that asks for it
+ * (InferenceRequest `instanceFrames`): its `replyTo` with the pool and instance before the id,
+ * `magus.res.<replica>.<pool>.<instance>.<id>`. A bridge's NATS user may publish, and read back,
+ * only subjects that name its own instance (roles.ts), so no tenant's pod reads or writes another
+ * instance's answers; the gateway that waits hears both forms.
+ */
+export function instanceResponseSubjectOf(replyTo: string, requestId: string, pool: string, instance: string): string {
+  checkToken('pool', pool);
+  checkToken('instance', instance);
+  if (!replyTo.endsWith(`.${requestId}`)) throw new Error(`reply subject '${replyTo}' does not end with its request id '${requestId}'`);
+  return `${replyTo.slice(0, replyTo.length - requestId.length)}${pool}.${instance}.${requestId}`;
+}
+
 /** Whether `subject` is a `replyTo` a bridge may answer request `requestId` on: one of {@link responseSubjectOf}'s two forms. */
 export function isResponseSubjectOf(names: DataPlaneNames, subject: string, requestId: string): boolean {
   const prefix = `${scopedSubject(names, Nats.responseSubjectPrefix)}.`;

@@ -3,7 +3,7 @@
  * (a take-over learns what its client may already have; a gateway back from an outage fetches
  * what it missed), and whether the stream keeps frames as long as take-overs need them.
  */
-import type { JetStreamClient, JetStreamManager } from 'nats';
+import { ErrorCode, type JetStreamClient, type JetStreamManager, type StoredMsg } from 'nats';
 import type { ResponseFrame } from '../shared/serving';
 import { ResponseStreamMetadata } from './declare';
 import { JsApiError, jsErrorCode } from './errors';
@@ -45,9 +45,9 @@ export async function readStoredFrames(
 ): Promise<StoredFrames> {
   let lastSeq: number;
   try {
-    lastSeq = (await jsm.streams.getMessage(stream, { last_by_subj: subject })).seq;
+    lastSeq = await lastSeqOf(jsm, stream, subject);
   } catch (err) {
-    if (jsErrorCode(err) !== JsApiError.noMessage) throw err;
+    if (!isNoMessage(err)) throw err;
     const dropped = opts.since !== undefined && (await droppedSince(jsm, stream, opts.since));
     return { frames: [], beyondGap: [], highestSeq: -1, complete: !dropped };
   }
@@ -55,7 +55,10 @@ export async function readStoredFrames(
   const frames: ResponseFrame[] = [];
   let highestSeq = -1;
   let malformed = false;
-  const consumer = await js.consumers.get(stream, { filterSubjects: [subject] });
+  // One filter subject, as a string: nats.js then names it in the create request's subject
+  // (`$JS.API.CONSUMER.CREATE.<stream>.<name>.<subject>`), which a bridge's permissions allow for
+  // its own instance's subjects only (roles.ts).
+  const consumer = await js.consumers.get(stream, { filterSubjects: subject });
   const messages = await consumer.consume({ max_messages: 256 });
   const timer = setTimeout(() => void messages.close(), opts.timeoutMs ?? 10_000);
   let reachedEnd = false;
@@ -81,6 +84,28 @@ export async function readStoredFrames(
   if (!reachedEnd) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
   return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
 }
+
+/**
+ * The stream sequence of `subject`'s last stored message: a direct get, whose request names the
+ * subject (`$JS.API.DIRECT.GET.<stream>.<subject>`), so permissions can allow it per subject; a
+ * stream declared before `allow_direct` (no responders) is asked through the stream API instead.
+ */
+async function lastSeqOf(jsm: JetStreamManager, stream: string, subject: string): Promise<number> {
+  // nats.js's manager has the direct API (its KV reads use it) without declaring it.
+  const direct = (jsm as JetStreamManager & { direct?: { getMessage(stream: string, q: { last_by_subj: string }): Promise<StoredMsg> } }).direct;
+  if (direct) {
+    try {
+      return (await direct.getMessage(stream, { last_by_subj: subject })).seq;
+    } catch (err) {
+      if ((err as { code?: string } | null)?.code !== ErrorCode.NoResponders) throw err;
+    }
+  }
+  return (await jsm.streams.getMessage(stream, { last_by_subj: subject })).seq;
+}
+
+/** A get that found no message: the stream API's error, or a direct get's 404. */
+const isNoMessage = (err: unknown): boolean =>
+  jsErrorCode(err) === JsApiError.noMessage || (err as { code?: string } | null)?.code === ErrorCode.JetStream404NoMessages;
 
 /** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger). */
 async function droppedSince(jsm: JetStreamManager, stream: string, since: number): Promise<boolean> {

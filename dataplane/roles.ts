@@ -11,7 +11,7 @@
  * | role | may | may not |
  * |---|---|---|
  * | `gateway` | publish requests and cancels; read frames of its replicas; KV sessions, responses (declares it), limits, usage (records what it gave up on); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
- * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish frames, read stored frames back; KV claims, usage | read other instances' requests; read tokens, responses, sessions, limits; write the registry |
+ * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish its instance's frames and read them back; KV its instance's claims; write usage records | read other instances' requests, frames or claims; read usage, tokens, responses, sessions, limits; write the registry |
  * | `controller` | KV tokens, sessions (mirror), usage sums; read usage, limits, models | publish or consume requests and frames |
  * | `worker` | everything: it declares the data plane, runs pipelines and instances | |
  *
@@ -19,9 +19,11 @@
  * `_INBOX_bridge_<pool>_<instance>.…`; nats.js `inboxPrefix`): no user can subscribe to
  * another's, where KV reads, JetStream acknowledgements and pulled requests arrive.
  *
- * Left open (known): a bridge may read the whole response stream (a redelivered request's
- * frames are read back by subject, and the subject does not name the instance) and write any
- * claim or usage record.
+ * A bridge publishes and reads back only its own instance's frames (the request asks for them on
+ * `magus.res.<replica>.<pool>.<instance>.<id>`, InferenceRequest `instanceFrames`) and claims
+ * (`<pool>.<instance>.<id>`), and writes the ledger without reading it. Left open (known): it
+ * may write a usage record for any key (it records the usage of whoever its instance served, and
+ * nothing yet proves a record stands for a request the gateway sent it).
  *
  * The JetStream API is granted per stream (`$JS.API.<verb>.<stream>…`), never as `$JS.API.>`,
  * so a role that may read one bucket cannot create a consumer on another.
@@ -137,18 +139,36 @@ export const bridgeInboxPrefixOf = (pool: string, instance: string): string => `
 export function bridgePermissions(names: DataPlaneNames, pool: string, instance: string): NatsPermissions {
   const durable = consumerNameOf(pool, instance);
   const stream = names.requestStream;
+  const responses = names.responseStream;
+  // Its instance's frames: magus.res.<replica>.<pool>.<instance>.<id> (names.ts instanceResponseSubjectOf).
+  const frames = scopedSubject(names, `${Nats.responseSubjectPrefix}.*.${pool}.${instance}.*`);
+  // Its instance's claims: <pool>.<instance>.<id> (claims.ts claimKeyOf).
+  const claims = `$KV.${names.claimsBucket}.${pool}.${instance}.>`;
   return {
     publish: {
       allow: [
         api('INFO'),
-        scopedSubject(names, `${Nats.responseSubjectPrefix}.>`),
+        frames,
         api(`CONSUMER.INFO.${stream}.${durable}`),
         api(`CONSUMER.MSG.NEXT.${stream}.${durable}`),
         api(`CONSUMER.CREATE.${stream}.${durable}.${requestSubjectOf(names, pool, instance)}`),
         `$JS.ACK.${stream}.${durable}.>`,
-        ...streamRead(names.responseStream),
-        ...kvWrite(names.claimsBucket),
-        ...kvWrite(names.usageBucket),
+        // Reading its own frames back (response-stream.ts): a direct get and an ordered consumer,
+        // each naming the subject in the request's subject. The ordered consumer's pulls, info and
+        // delete go by its name, random per read (nats.js: a NUID), which no other user learns.
+        api(`STREAM.INFO.${responses}`),
+        api(`DIRECT.GET.${responses}.${frames}`),
+        api(`CONSUMER.CREATE.${responses}.*.${frames}`),
+        api(`CONSUMER.MSG.NEXT.${responses}.*`),
+        api(`CONSUMER.INFO.${responses}.*`),
+        api(`CONSUMER.DELETE.${responses}.*`),
+        // Its claims: bind, get (direct, by key), create and update.
+        api(`STREAM.INFO.KV_${names.claimsBucket}`),
+        api(`DIRECT.GET.KV_${names.claimsBucket}.${claims}`),
+        claims,
+        // The ledger, write-only: bind, and create a record (usage.ts writes without reading).
+        api(`STREAM.INFO.KV_${names.usageBucket}`),
+        `$KV.${names.usageBucket}.>`,
       ],
     },
     subscribe: {

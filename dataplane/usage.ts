@@ -39,7 +39,10 @@ export class UsageLedger {
   /** Writes `r` unless its request has a record already: `written`, or `existed` (another attempt wrote it). */
   async record(r: UsageRecord): Promise<'written' | 'existed'> {
     try {
-      await this.kv.create(usageKeyOf(r), encodeJson(r));
+      // A put expecting no earlier revision, not `create`: create reads the key back after a
+      // conflict (to revive a deleted one: records are never deleted), and a bridge's NATS user
+      // may write the ledger but not read it (roles.ts).
+      await this.kv.put(usageKeyOf(r), encodeJson(r), { previousSeq: 0 });
       return 'written';
     } catch (err) {
       if (isRevisionConflict(err)) return 'existed';

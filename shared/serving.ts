@@ -36,6 +36,14 @@ const envelope = {
    * gateways before replicas had subjects of their own; bridges still answer it.
    */
   replyTo: Type.String(),
+  /**
+   * The gateway also hears this request's frames on its instance's subject,
+   * `<replyTo before the id>.<pool>.<instance>.<id>` (dataplane/names.ts
+   * `instanceResponseSubjectOf`), and the bridge publishes them there: a bridge's NATS user may
+   * publish and read back only its own instance's frames. Absent (gateways before it): frames go
+   * to `replyTo` itself.
+   */
+  instanceFrames: Type.Optional(Type.Boolean()),
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
   deadline: Type.Number(),
   /**

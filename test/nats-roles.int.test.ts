@@ -7,8 +7,9 @@
  * controller's credentials; what a role must not do is a permissions error — a bridge
  * reading tokens or stored responses or writing the registry, a gateway consuming the request
  * stream, a controller reading another role's inbox or the answers, another instance's bridge (a
- * tenant's pod holding its own instance's credentials) reading this instance's prompts — and a
- * connection without credentials is refused.
+ * tenant's pod holding its own instance's credentials) reading this instance's prompts, reading
+ * or forging its answers and claims, or reading the ledger — and a connection without
+ * credentials is refused.
  */
 import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -16,7 +17,8 @@ import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { connect, type NatsConnection } from 'nats';
-import { dataPlaneNames, ensureDataPlane } from '../dataplane';
+import { dataPlaneNames, ensureDataPlane, readStoredFrames } from '../dataplane';
+import { openRequestClaims } from '../dataplane/claims';
 import { registerKey, tokenDigest } from '../dataplane/keys';
 import { openModelRegistry } from '../dataplane/registry';
 import { bridgeInboxPrefixOf, inboxPrefixOf, natsAuthOptions, parseCredentialsFile, type NatsCredentials } from '../dataplane/roles';
@@ -260,4 +262,36 @@ test("another instance's bridge (a tenant's pod with its own credentials) cannot
   for (const err of await Promise.all([inbox, live, cancels])) expect(err.message).toMatch(/Permissions Violation for Subscription/i);
   // Its own consumer (were its instance running) is what it may pull from: the same calls on i2's name pass the permission check.
   await expect(jsm.consumers.info(names.requestStream, `${MODEL}_i2`)).rejects.toThrow(/consumer not found/i);
+});
+
+test("another instance's bridge cannot read or forge this instance's answers or claims, nor read the ledger; its own it reads back", async () => {
+  const nc = as('bridge-i2');
+  const js = nc.jetstream();
+  const jsm = await nc.jetstreamManager({ checkAPI: false });
+  const scope = names.subjectScope;
+  const id = `req-${randomBytes(6).toString('hex')}`;
+  const i1Frames = `${scope}.magus.res.gw-any.${MODEL}.i1.${id}`;
+  // Reading i1's answers: a stream get (any subject), a direct get of its subject, a consumer on it or on every answer.
+  await expect(jsm.streams.getMessage(names.responseStream, { last_by_subj: `${scope}.magus.res.>` })).rejects.toThrow(denied);
+  await expect(nc.request(`$JS.API.DIRECT.GET.${names.responseStream}.${i1Frames}`, '', { timeout: 2000 })).rejects.toThrow(denied);
+  await expect(jsm.consumers.add(names.responseStream, { name: 'evil', filter_subject: `${scope}.magus.res.*.${MODEL}.i1.*` })).rejects.toThrow(denied);
+  await expect(jsm.consumers.add(names.responseStream, { name: 'evil', filter_subject: `${scope}.magus.res.>` })).rejects.toThrow(denied);
+  // Forging them: a frame on i1's subject, or on a gateway's reply subject itself.
+  await expect(js.publish(i1Frames, '{"seq":0,"type":"done"}', { timeout: 2000 })).rejects.toThrow(denied);
+  await expect(js.publish(`${scope}.magus.res.gw-any.${id}`, '{"seq":0,"type":"done"}', { timeout: 2000 })).rejects.toThrow(denied);
+  // i1's claims: read or written.
+  const claims = await js.views.kv(names.claimsBucket, { bindOnly: true, allow_direct: true });
+  await expect(claims.get(`${MODEL}.i1.${id}`)).rejects.toThrow(denied);
+  await expect(js.publish(`$KV.${names.claimsBucket}.${MODEL}.i1.${id}`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
+  // The ledger: written by bridges, read by nobody but the controller and gateways.
+  const usage = await js.views.kv(names.usageBucket, { bindOnly: true, allow_direct: true });
+  await expect(usage.get('any.day.id')).rejects.toThrow(denied);
+  await expect(jsm.consumers.add(`KV_${names.usageBucket}`, { name: 'evil', filter_subject: `$KV.${names.usageBucket}.>` })).rejects.toThrow(denied);
+  // Its own instance's frames and claims it may publish and read back (what a take-over does).
+  const own = `${scope}.magus.res.gw-any.${MODEL}.i2.${id}`;
+  await js.publish(own, JSON.stringify({ seq: 0, type: 'done' }));
+  expect(await readStoredFrames(js, jsm, names.responseStream, own)).toMatchObject({ frames: [{ seq: 0, type: 'done' }], complete: true });
+  const mine = await openRequestClaims(js, names, { pool: MODEL, instance: 'i2' });
+  expect((await mine.acquire(id, 'i2')).kind).toBe('fresh');
+  expect((await mine.acquire(id, 'i2-again')).kind).toBe('takeover');
 });

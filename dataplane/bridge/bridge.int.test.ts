@@ -7,16 +7,16 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
-import { type JetStreamManager, type NatsConnection } from 'nats';
+import { Events, type JetStreamManager, type NatsConnection } from 'nats';
 import { isolation, natsConnectAsBridge } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
-import { openRequestClaims } from '../claims';
+import { claimKeyOf, openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
 import { encodeJson } from '../json';
-import { cancelSubjectOf, consumerNameOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
+import { cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, responseSubjectOf, scopedSubject, type DataPlaneNames } from '../names';
 import { publishRequest } from '../publish';
 import { readStoredFrames } from '../response-stream';
 import { UsageLedger } from '../usage';
@@ -221,11 +221,17 @@ const EMBEDDINGS = {
 
 const newId = () => `req-${randomBytes(6).toString('hex')}`;
 
+/** The gateway replica this suite's requests name, as a gateway's do. */
+const REPLICA = 'gw-test';
+/** A request's envelope as a gateway sends it: its replica's reply subject, its frames asked for on the instance's subject. */
+const envelopeOf = (id: string) => ({ id, replyTo: responseSubjectOf(names, id, REPLICA), instanceFrames: true });
+/** Where `instance`'s bridge publishes the frames of `req` (and reads them back). */
+const framesSubjectOf = (instance: string, req: InferenceRequest) => instanceResponseSubjectOf(req.replyTo, req.id, POOL, instance);
+
 function requestFor(body: Partial<ChatCompletionRequest> = {}, over: Partial<ChatInference> = {}): ChatInference {
   const id = over.id ?? newId();
   return {
-    id,
-    replyTo: responseSubjectOf(names, id),
+    ...envelopeOf(id),
     deadline: Date.now() + 60_000,
     body: { model: 'stub', messages: [{ role: 'user', content: 'Say something.' }], stream: true, ...body },
     ...over,
@@ -242,12 +248,15 @@ interface Answer {
   text(): string;
 }
 
-/** Subscribes to a request's response subject (before publishing, like the gateway). */
-async function listen(id: string, timeoutMs = 30_000): Promise<Answer> {
+/**
+ * Subscribes to a request's frames (before publishing, like the gateway): on any instance's
+ * subject for it, or with `subject` on that one (a request without `instanceFrames`: its `replyTo`).
+ */
+async function listen(id: string, timeoutMs = 30_000, subject = scopedSubject(names, `magus.res.${REPLICA}.*.*.${id}`)): Promise<Answer> {
   const raw: ResponseFrame[] = [];
   const relayed: ResponseFrame[] = [];
   const sequencer = new FrameSequencer();
-  const sub = nc.subscribe(responseSubjectOf(names, id));
+  const sub = nc.subscribe(subject);
   const finished = (async () => {
     const timer = setTimeout(() => sub.unsubscribe(), timeoutMs);
     for await (const m of sub) {
@@ -314,7 +323,7 @@ describe('stored frames', () => {
       await ensureDataPlane(nc, { prefix: names.prefix });
     }
     await until('the request acked', async () => b.stats.acked === 1 && (await consumerState(instance)).num_ack_pending === 0, 10_000);
-    const stored = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, req.replyTo);
+    const stored = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, framesSubjectOf(instance, req));
     expect(stored.frames.map((f) => f.seq)).toEqual([0, 1, 2, 3, 4]);
     expect(stored.complete).toBe(true);
     expect(b.stats.framesUnstored).toBe(0);
@@ -422,7 +431,7 @@ describe('redelivery', () => {
     const { req, answer } = await sent(instance);
     await until('a few chunks from the first bridge', () => answer.raw.length >= 4);
     // A first delivery writes no claim until it has answered: the heir finds none.
-    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
+    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(claimKeyOf({ pool: POOL, instance }, req.id))).toBeNull();
     await doomedConnection.close();
 
     const heir = await bridge(instance, stub.url);
@@ -461,7 +470,7 @@ describe('redelivery', () => {
     // A zombie scenario: someone else now owns the request (as after an ack_wait expiry the
     // bridge did not notice). The running attempt must notice at its next check and go quiet.
     // (A first delivery writes no claim while it runs, so the intruder's is the first one.)
-    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claims = await openRequestClaims(nc.jetstream(), names, { pool: POOL, instance });
     expect((await claims.acquire(req.id, 'intruder')).kind).toBe('fresh');
     await until('the attempt gives up', () => b.stats.superseded === 1);
     const frames = await answer.finished;
@@ -506,7 +515,7 @@ describe('redelivery', () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const req = requestFor({ stream: false }, { meter: { key: 'tenant/replayed', model: 'default/stub', at: Date.now() } });
-    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claims = await openRequestClaims(nc.jetstream(), names, { pool: POOL, instance });
     const claimed = await claims.acquire(req.id, 'dead-bridge');
     const terminal: ResponseFrame = {
       seq: 0,
@@ -550,7 +559,7 @@ describe('a first delivery that answers writes no claim', () => {
     const { req, answer } = await sent(instance, { stream: false });
     expect((await answer.finished).map((f) => f.type)).toEqual(['done']);
     await until('ack', () => b.stats.acked === 1);
-    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(req.id)).toBeNull();
+    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(claimKeyOf({ pool: POOL, instance }, req.id))).toBeNull();
   });
 
   it('its ack lost: the redelivery finds the terminal frame it published and repeats it, without calling the engine', async () => {
@@ -570,7 +579,7 @@ describe('a first delivery that answers writes no claim', () => {
         usage: { prompt_tokens: 7, completion_tokens: 3, total_tokens: 10, prompt_tokens_details: { cached_tokens: 4 } },
       },
     };
-    nc.publish(req.replyTo, encodeJson(terminal));
+    nc.publish(framesSubjectOf(instance, req), encodeJson(terminal));
     await nc.flush();
 
     const answer = await listen(req.id);
@@ -641,7 +650,7 @@ describe('a request id seen again as a first delivery', () => {
     const stub = await engine(() => ({}));
     const instance = await instanceWith({ ackWaitMs: 1000 });
     const req = requestFor({ stream: false });
-    const claims = await openRequestClaims(nc.jetstream(), names);
+    const claims = await openRequestClaims(nc.jetstream(), names, { pool: POOL, instance });
     const claimed = await claims.acquire(req.id, 'earlier-bridge');
     const terminal: ResponseFrame = {
       seq: 0,
@@ -752,7 +761,7 @@ describe('failures', () => {
     const b = await bridge(instance, stub.url);
     const embeddingsReq = (): EmbeddingsInference => {
       const id = newId();
-      return { id, replyTo: responseSubjectOf(names, id), deadline: Date.now() + 60_000, kind: 'embeddings', body: { model: 'stub', input: ['a', 'b'] } };
+      return { ...envelopeOf(id), deadline: Date.now() + 60_000, kind: 'embeddings', body: { model: 'stub', input: ['a', 'b'] } };
     };
     const req = embeddingsReq();
     const answer = await listen(req.id);
@@ -790,7 +799,7 @@ describe('failures', () => {
     const b = await bridge(instance, stub.url);
     const textReq = (stream: boolean): CompletionsInference => {
       const id = newId();
-      return { id, replyTo: responseSubjectOf(names, id), deadline: Date.now() + 60_000, kind: 'completions', body: { model: 'stub', prompt: 'x', stream } };
+      return { ...envelopeOf(id), deadline: Date.now() + 60_000, kind: 'completions', body: { model: 'stub', prompt: 'x', stream } };
     };
     const streamed = textReq(true);
     const frames = await listen(streamed.id);
@@ -877,6 +886,32 @@ describe('failures', () => {
     await sleep(300);
     expect(stub.calls).toHaveLength(1);
     expect(b.stats.pulled).toBe(1);
+  });
+});
+
+describe('frames on the instance’s subject', () => {
+  it('a request without instanceFrames (an older gateway’s) is answered on its replyTo itself; under its own NATS user a bridge may not publish there', async () => {
+    const stub = await engine(() => ({ chunks: 2 }));
+    // A bridge connected as the worker (no instance user, as a data plane without NATS users has it).
+    const open = await instanceWith();
+    const b = await bridge(open, stub.url, {}, nc);
+    const older = requestFor({}, { instanceFrames: undefined });
+    const answer = await listen(older.id, 30_000, older.replyTo);
+    await send(open, older);
+    expect((await answer.finished).map((f) => f.type)).toEqual(['chunk', 'chunk', 'chunk', 'done']); // the role, two contents, done
+    await until('ack', () => b.stats.acked === 1);
+    // Its own instance's subject is where a bridge user's frames go; the bare reply subject is refused by the server.
+    const scoped = await instanceWith();
+    const conn = await natsConnectAsBridge(names, POOL, scoped);
+    cleanups.push(() => conn.close());
+    const refused = new Promise<unknown>((resolve) => {
+      void (async () => {
+        for await (const st of conn.status()) if (st.type === Events.Error) return resolve({ code: st.data, ...st.permissionContext });
+      })();
+    });
+    const bare = responseSubjectOf(names, newId(), REPLICA);
+    conn.publish(bare, encodeJson({ seq: 0, type: 'done' }));
+    expect(await refused).toEqual({ code: 'PERMISSIONS_VIOLATION', operation: 'publish', subject: bare });
   });
 });
 

@@ -173,7 +173,7 @@ export class Bridge {
     const js = nc.jetstream();
     const jsm = await nc.jetstreamManager();
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
-    const claims = await openRequestClaims(js, names);
+    const claims = await openRequestClaims(js, names, { pool, instance });
     const ledger = await UsageLedger.open(js, names);
     const bridge = new Bridge(opts, { js, jsm, consumer, claims, ledger, stats, log, failed });
     await consumer.start();
@@ -224,6 +224,7 @@ export class Bridge {
       js: prepared.js,
       jsm: prepared.jsm,
       names,
+      own: { pool: opts.pool, instance: opts.instance },
       claims,
       owner,
       attempts: this.attempts,

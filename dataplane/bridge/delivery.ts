@@ -23,6 +23,8 @@ export interface DeliveryContext {
   js: JetStreamClient;
   jsm: JetStreamManager;
   names: DataPlaneNames;
+  /** The instance this bridge serves: a request's frames go to its subject when the request asks (requests.ts). */
+  own: { pool: string; instance: string };
   claims: RequestClaims;
   /** This bridge process, as claims name it. */
   owner: string;
@@ -45,7 +47,7 @@ export async function serveDelivery(ctx: DeliveryContext, m: JsMsg): Promise<voi
   const { nc, stats } = ctx;
   stats.pulled += 1;
   if (m.redelivered) stats.redelivered += 1;
-  const parsed = parseInferenceRequest(m.data, ctx.names);
+  const parsed = parseInferenceRequest(m.data, ctx.names, ctx.own);
   if (!parsed.ok) {
     ctx.log(`terminating malformed request (stream seq ${m.seq}): ${parsed.problem}`);
     if (parsed.replyTo) {

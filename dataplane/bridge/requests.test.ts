@@ -15,6 +15,16 @@ describe('parseInferenceRequest', () => {
     expect(parseInferenceRequest(encodeJson(valid), names)).toEqual({ ok: true, req: valid });
   });
 
+  it('served by its instance, a request that asks for it comes back with replyTo that instance’s subject; one that does not keeps its own', () => {
+    const own = { pool: 'p', instance: 'p-1-0a1b2c3d' };
+    const asks = { ...valid, instanceFrames: true };
+    expect(parseInferenceRequest(encodeJson(asks), names, own)).toEqual({ ok: true, req: { ...asks, replyTo: 't_u.magus.res.gw-a1.p.p-1-0a1b2c3d.r-1' } });
+    expect(parseInferenceRequest(encodeJson(valid), names, own)).toEqual({ ok: true, req: valid });
+    // An invalid one's error frame goes where its frames would have.
+    const invalid = parseInferenceRequest(encodeJson({ ...asks, body: { ...asks.body, messages: [] } }), names, own);
+    expect(invalid).toMatchObject({ ok: false, replyTo: 't_u.magus.res.gw-a1.p.p-1-0a1b2c3d.r-1' });
+  });
+
   it('accepts the older replyTo without a replica (requests queued before per-replica subjects)', () => {
     const old = { ...valid, replyTo: responseSubjectOf(names, 'r-1') };
     expect(old.replyTo).toBe('t_u.magus.res.r-1');

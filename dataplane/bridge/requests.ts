@@ -7,7 +7,7 @@ import { hash } from 'node:crypto';
 import type { TSchema } from '@sinclair/typebox';
 import { TypeCompiler, type TypeCheck, type ValueError } from '@sinclair/typebox/compiler';
 import { decodeJson } from '../json';
-import { REQUEST_ID, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
+import { REQUEST_ID, instanceResponseSubjectOf, isResponseSubjectOf, responseSubjectOf, type DataPlaneNames } from '../names';
 import { kindOf, REQUEST_KINDS, type RequestKind } from '../../shared/request-kinds';
 import type { InferenceRequest } from '../../shared/serving';
 
@@ -37,8 +37,12 @@ function problemOf(e: ValueError | undefined): string {
   return `${param || 'request'}: ${what}`;
 }
 
-/** Checks one request message; never throws. */
-export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): ParsedRequest {
+/**
+ * Checks one request message; never throws. Served by the bridge of `own` (pool and instance), a
+ * request that asks for it (`instanceFrames`) comes back with `replyTo` its instance's subject
+ * ({@link instanceResponseSubjectOf}), the one this bridge's NATS user may publish and read back.
+ */
+export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames, own?: { pool: string; instance: string }): ParsedRequest {
   let v: unknown;
   try {
     v = decodeJson(data);
@@ -47,17 +51,23 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames): 
   }
   if (typeof v !== 'object' || v === null || Array.isArray(v)) return { ok: false, problem: 'request is not an object' };
   const r = v as Record<string, unknown>;
-  const replyTo = typeof r.replyTo === 'string' && LITERAL_SUBJECT.test(r.replyTo) ? r.replyTo : undefined;
-  const bad = (problem: string): ParsedRequest => ({ ok: false, problem, replyTo });
+  const literal = typeof r.replyTo === 'string' && LITERAL_SUBJECT.test(r.replyTo) ? r.replyTo : undefined;
+  const ownSubject = (replyTo: string, id: string) =>
+    own && r.instanceFrames === true ? instanceResponseSubjectOf(replyTo, id, own.pool, own.instance) : replyTo;
+  let errorsTo = literal;
+  const bad = (problem: string): ParsedRequest => ({ ok: false, problem, replyTo: errorsTo });
   if (typeof r.id !== 'string' || !REQUEST_ID.test(r.id)) return bad(`id must match ${String(REQUEST_ID)}`);
   // Only the request's own response subject, in either form: a request cannot point frames elsewhere.
   if (typeof r.replyTo !== 'string' || !isResponseSubjectOf(names, r.replyTo, r.id)) {
     return bad(`replyTo must be the request's response subject: ${responseSubjectOf(names, r.id)}, or a replica token before the id`);
   }
+  errorsTo = ownSubject(r.replyTo, r.id);
   const contract = contracts[kindOf(r)];
   if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()));
   // Checked against its kind's contract: it is that kind's request.
-  return { ok: true, req: v as InferenceRequest };
+  const req = v as InferenceRequest;
+  req.replyTo = errorsTo;
+  return { ok: true, req };
 }
 
 /** The seed every attempt of a request uses when the client gave none, so a retry regenerates the same text. */

@@ -8,6 +8,7 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
+import { instanceResponseSubjectOf } from '../../dataplane';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
@@ -45,7 +46,14 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     publish: g.publish,
     requestTimeoutMs: s.requestTimeoutMs,
     gapTimeoutMs: s.gapTimeoutMs,
-    readBack: g.readStored && (() => g.readStored!(req.replyTo)),
+    // Both forms: a bridge from before `instanceFrames` publishes to `replyTo` itself.
+    readBack:
+      g.readStored &&
+      (async () => {
+        const read = g.readStored!;
+        const subjects = [req.replyTo, ...(req.instanceFrames ? [instanceResponseSubjectOf(req.replyTo, req.id, entry.pool, entry.instance)] : [])];
+        return (await Promise.all(subjects.map(read))).flat();
+      }),
     retryAfterSec: s.retryAfterSec,
     signal,
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
@@ -215,6 +223,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     const req: InferenceRequest = {
       id,
       replyTo: g.responses.replySubject(id),
+      instanceFrames: true,
       deadline: Date.now() + s.requestTimeoutMs,
       meter: { key: principal.key, model: modelLabel, at: receivedAt },
       ...withModelDefaults(payload, model),

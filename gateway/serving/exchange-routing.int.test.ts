@@ -3,12 +3,14 @@
  * two gateway replicas (one `shared` router, one `per-request`, each on its own connection, as
  * two processes would have) send requests through the gateway's `exchange`, and each connection
  * is delivered the frames of its own requests and nothing else — counted by the connection's own
- * message counter, not by what the routers pass on. A request with the older reply subject
- * (queued by a gateway from before) is still answered, on that subject.
+ * message counter, not by what the routers pass on; the frames come on the instance's subject
+ * (`instanceFrames`), and a frame for a request's id on another instance's subject is not the
+ * request's. A request with the older reply subject (queued by a gateway from before) is still
+ * answered, on that subject, by a bridge without an instance user.
  */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
+import { instanceResponseSubjectOf, publishRequest, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import type { Bridge } from '../../dataplane/bridge';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
@@ -64,7 +66,7 @@ const body = (content: string) => ({ model: POOL, messages: [{ role: 'user' as c
 /** One streamed request through a replica's router, as the gateway makes it; resolves with the frames relayed to the client. */
 async function ask({ nc: own, router }: (typeof replicas)[number], content: string): Promise<number> {
   const id = `req-${randomBytes(6).toString('hex')}`;
-  const req: InferenceRequest = { id, replyTo: router.replySubject(id), deadline: Date.now() + 30_000, body: body(content) };
+  const req: InferenceRequest = { id, replyTo: router.replySubject(id), instanceFrames: true, deadline: Date.now() + 30_000, body: body(content) };
   let relayed = 0;
   await exchange(session(), req, {
     router,
@@ -99,7 +101,32 @@ test('each replica is delivered the frames of its own requests, and only those',
   expect(bridge.stats).toMatchObject({ acked: 2 * REQUESTS, errors: 0 });
 });
 
-test('a request with the older reply subject (queued by a gateway from before) is answered on it, and reaches no replica', async () => {
+test('a router hands a request the frames on its reply subject and on its instance’s, never those on another instance’s', async () => {
+  for (const { name, nc: conn, router } of replicas) {
+    const id = `req-${randomBytes(6).toString('hex')}`;
+    const got: number[] = [];
+    const unlisten = router.listen(id, (f) => got.push(f.seq), { pool: POOL, instance: INSTANCE });
+    await conn.flush();
+    const reply = router.replySubject(id);
+    const frame = (seq: number) => JSON.stringify({ seq, type: 'chunk', data: {} });
+    nc.publish(reply, frame(0));
+    nc.publish(instanceResponseSubjectOf(reply, id, POOL, INSTANCE), frame(1));
+    nc.publish(instanceResponseSubjectOf(reply, id, POOL, 'i2'), frame(2)); // another instance (another tenant's bridge)
+    nc.publish(instanceResponseSubjectOf(reply, id, 'other-pool', INSTANCE), frame(3));
+    await nc.flush();
+    await until(`${name}: frames 0 and 1`, () => got.length >= 2);
+    await conn.flush();
+    expect([name, got]).toEqual([name, [0, 1]]);
+    unlisten();
+  }
+});
+
+test('a request with the older reply subject (queued by a gateway from before) is answered on it by a bridge without an instance user, and reaches no replica', async () => {
+  // An instance's own NATS user may publish only on its instance's subjects (bridge.int.test.ts
+  // shows the refusal): the older gateways' requests are answered where bridges run without users.
+  await stack.open(
+    stubInstanceStack(nc, names, { pool: POOL, instance: 'open', slots: 1, engine: { chunks: 2 }, bridge: { log: () => undefined }, bridgeOnNc: true }),
+  );
   const before = replicas.map((r) => r.nc.stats().inMsgs);
   const id = `req-${randomBytes(6).toString('hex')}`;
   const replyTo = responseSubjectOf(names, id); // magus.res.<id>, no replica
@@ -117,7 +144,7 @@ test('a request with the older reply subject (queued by a gateway from before) i
   await publishRequest(
     nc.jetstream(),
     names,
-    { pool: POOL, instance: INSTANCE },
+    { pool: POOL, instance: 'open' },
     { id, replyTo, deadline: Date.now() + 30_000, body: body('from an older gateway') },
   );
   await answered;

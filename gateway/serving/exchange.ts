@@ -31,12 +31,26 @@ import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, Sessio
  */
 export type PublishRequest = (subject: string, req: InferenceRequest, session: SessionEntry) => Promise<void>;
 
-/** Hands the frames of `magus.res.<replica>.<id>` to whoever waits for request `<id>` on this replica. */
+/** Where a request's frames come from: the instance it was published to. */
+export interface FrameSource {
+  pool: string;
+  instance: string;
+}
+
+/**
+ * Hands the frames of `magus.res.<replica>.<id>`, and of `magus.res.<replica>.<pool>.<instance>.<id>`
+ * (the subject a bridge publishes to when the request says `instanceFrames`), to whoever waits for
+ * request `<id>` on this replica.
+ */
 export interface ResponseRouter {
   /** Where the bridge must publish the frames of request `requestId` (the request's `replyTo`). */
   replySubject(requestId: string): string;
-  /** Starts listening; in effect before it returns, so the request may be published right after. */
-  listen(requestId: string, onFrame: (frame: ResponseFrame) => void): () => void;
+  /**
+   * Starts listening; in effect before it returns, so the request may be published right after.
+   * With `from`, also on that instance's subject for the request (only that instance's: a frame
+   * for this id on another instance's subject is not this request's).
+   */
+  listen(requestId: string, onFrame: (frame: ResponseFrame) => void, from?: FrameSource): () => void;
   /**
    * After a reconnect: hands every request still waiting what `read` finds stored for its reply
    * subject (`MAGUS_RESPONSES` keeps every frame), since frames published while this process was
@@ -77,7 +91,7 @@ async function recoverWaiting(
           handed += frames.length;
           break;
         } catch (err) {
-          if (failures === 0) onError(err, id);
+          if (failures === 0) onError(err, id.slice(id.lastIndexOf('.') + 1)); // the key's last token is the request id
           await new Promise((resolve) => setTimeout(resolve, Math.min(READ_RETRY_MS * 2 ** failures, READ_RETRY_MAX_MS)));
         }
       }
@@ -162,16 +176,19 @@ function replicaPrefix(opts: RouterOptions): string {
   return `${scopeSubject(opts.subjectScope, Nats.responseSubjectPrefix)}.${replica}.`;
 }
 
+/** What follows a replica's prefix on the subjects request `requestId`'s frames may come on: its id, and with `from` its instance's subject. */
+const frameKeysOf = (requestId: string, from?: FrameSource): string[] => (from ? [requestId, `${from.pool}.${from.instance}.${requestId}`] : [requestId]);
+
 /**
- * One wildcard subscription on this replica's `magus.res.<replica>.*` for the whole process,
- * dispatching by subject to a `Map` of waiting requests: listening costs a map insert (no
- * SUB/UNSUB per request), and the subscription is in place long before any request is published,
- * whichever connection publishes.
+ * One wildcard subscription on this replica's `magus.res.<replica>.>` for the whole process,
+ * dispatching by subject to a `Map` of waiting requests (keyed by what follows the prefix, both
+ * forms): listening costs a map insert (no SUB/UNSUB per request), and the subscription is in
+ * place long before any request is published, whichever connection publishes.
  */
 export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): Promise<ResponseRouter> {
   const prefix = replicaPrefix(opts);
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
-  const sub: Subscription = nc.subscribe(`${prefix}*`, {
+  const sub: Subscription = nc.subscribe(`${prefix}>`, {
     callback: (err, msg: Msg) => {
       if (err) return;
       const handler = waiting.get(msg.subject.slice(prefix.length));
@@ -184,9 +201,10 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
   await nc.flush(); // the server has the subscription before the first request goes out
   return {
     replySubject: (requestId) => prefix + requestId,
-    listen(requestId, onFrame) {
-      waiting.set(requestId, onFrame);
-      return () => void waiting.delete(requestId);
+    listen(requestId, onFrame, from) {
+      const keys = frameKeysOf(requestId, from);
+      for (const k of keys) waiting.set(k, onFrame);
+      return () => keys.forEach((k) => waiting.delete(k));
     },
     recover: (read, onError) => recoverWaiting(waiting, (id) => prefix + id, read, onError),
     async close() {
@@ -206,19 +224,22 @@ export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
   return {
     replySubject: (requestId) => prefix + requestId,
-    listen(requestId, onFrame) {
-      const sub = nc.subscribe(prefix + requestId, {
-        callback: (err, msg) => {
-          if (err) return;
-          const frame = decodeFrame(msg.data);
-          if (frame) onFrame(frame);
-          else opts.onBadFrame?.(msg.subject);
-        },
-      });
-      waiting.set(requestId, onFrame);
+    listen(requestId, onFrame, from) {
+      const keys = frameKeysOf(requestId, from);
+      const subs = keys.map((k) =>
+        nc.subscribe(prefix + k, {
+          callback: (err, msg) => {
+            if (err) return;
+            const frame = decodeFrame(msg.data);
+            if (frame) onFrame(frame);
+            else opts.onBadFrame?.(msg.subject);
+          },
+        }),
+      );
+      for (const k of keys) waiting.set(k, onFrame);
       return () => {
-        waiting.delete(requestId);
-        sub.unsubscribe();
+        for (const k of keys) waiting.delete(k);
+        for (const sub of subs) sub.unsubscribe();
       };
     },
     recover: (read, onError) => recoverWaiting(waiting, (id) => prefix + id, read, onError),
@@ -373,10 +394,14 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         }
       }
     };
-    const unlisten = opts.router.listen(req.id, (frame) => {
-      idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
-      deliver(frame);
-    });
+    const unlisten = opts.router.listen(
+      req.id,
+      (frame) => {
+        idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
+        deliver(frame);
+      },
+      req.instanceFrames ? { pool: session.pool, instance: session.instance } : undefined,
+    );
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
     let publishUntil: number | undefined; // set at the first failure

@@ -1,7 +1,7 @@
 /** The data plane from a test's side: ask an instance the way the gateway does, without a gateway. */
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import { publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
+import { instanceResponseSubjectOf, publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import type { ResponseFrame } from '../../shared/serving';
@@ -21,7 +21,9 @@ export async function askInstance(
   const id = `req-${randomBytes(6).toString('hex')}`;
   const sequencer = new FrameSequencer();
   const relayed: ResponseFrame[] = [];
-  const sub = nc.subscribe(responseSubjectOf(names, id));
+  // As a gateway replica asks: its reply subject, the frames on the instance's subject for it.
+  const replyTo = responseSubjectOf(names, id, 'gw-test');
+  const sub = nc.subscribe(instanceResponseSubjectOf(replyTo, id, pool, instance));
   const done = (async () => {
     for await (const m of sub) {
       const f = decodeFrame(m.data);
@@ -37,7 +39,8 @@ export async function askInstance(
     { pool, instance },
     {
       id,
-      replyTo: responseSubjectOf(names, id),
+      replyTo,
+      instanceFrames: true,
       deadline: Date.now() + timeoutMs,
       body: { model: pool, messages: [{ role: 'user', content: 'Hello' }], ...body },
     },

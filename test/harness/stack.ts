@@ -244,14 +244,22 @@ export async function stubEngineStack(opts: StubEngineOptions): Promise<{ engine
 export function stubInstanceStack(
   nc: NatsConnection,
   names: DataPlaneNames,
-  opts: { pool: string; instance: string; slots: number; engine?: StubEngineOptions; bridge?: Pick<BridgeOptions, 'log' | 'engineKind'> },
+  opts: {
+    pool: string;
+    instance: string;
+    slots: number;
+    engine?: StubEngineOptions;
+    bridge?: Pick<BridgeOptions, 'log' | 'engineKind'>;
+    /** The bridge on `nc` itself, as in a data plane without NATS users (default: its instance's own user). */
+    bridgeOnNc?: true;
+  },
 ): Promise<{ engine: StubEngine; bridge: Bridge } & Opened> {
   return pieceOf(async (pieces) => {
     const { engine } = await pieces.open(stubEngineStack({ modelId: opts.pool, ...opts.engine }));
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: opts.pool, instance: opts.instance, slots: opts.slots });
     // The bridge connects as its instance's own user, as a runtime starts it.
-    const bridgeNc = await natsConnectAsBridge(names, opts.pool, opts.instance);
-    pieces.defer(() => bridgeNc.drain());
+    const bridgeNc = opts.bridgeOnNc ? nc : await natsConnectAsBridge(names, opts.pool, opts.instance);
+    if (!opts.bridgeOnNc) pieces.defer(() => bridgeNc.drain());
     const bridge = await startBridge({
       nc: bridgeNc,
       names,
