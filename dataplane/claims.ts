@@ -2,6 +2,7 @@
  * `magus_claims`: who owns the current attempt at a request, and how it ended (README.md,
  * "Exactly one answer per request id"). The bucket is declared by declare.ts; bridges bind it.
  */
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { JetStreamClient, KV } from 'nats';
 import type { ResponseFrame } from '../shared/serving';
 import type { UsageRecord } from '../shared/usage';
@@ -40,7 +41,10 @@ export interface RequestClaims {
    * retry recognises its own earlier write.
    */
   finish(id: string, claim: RequestClaim, revision: number, terminal: ResponseFrame, usage?: UsageRecord): Promise<boolean>;
-  /** The claim's current revision (null when absent): an owner compares it with its own. */
+  /**
+   * The claim's current revision (null when absent): an owner is superseded when it is past its
+   * own. Read from any replica, it may be behind (never ahead): lower than the owner's proves nothing.
+   */
   revision(id: string): Promise<number | null>;
 }
 
@@ -66,8 +70,10 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
     async acquire(id, owner) {
       const fresh: RequestClaim = { attempt: 1, owner, createdAt: Date.now(), state: 'running' };
       // A few rounds: a conflict means another party moved the claim in between (e.g. the
-      // superseded owner finishing at the same moment); re-read and decide again.
+      // superseded owner finishing at the same moment), or the read came from a replica that had
+      // not yet applied the last write (direct gets go to any replica); re-read and decide again.
       for (let round = 0; round < 5; round += 1) {
+        if (round > 0) await sleep(10 * 2 ** round);
         const current = await read(id);
         try {
           if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(claimKeyOf(own, id), encodeJson(fresh)) };
@@ -89,8 +95,13 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       } catch (err) {
         if (!isRevisionConflict(err)) throw err;
         // Either superseded, or this is a retry of a finish whose reply was lost: only the
-        // latter leaves exactly our value behind.
-        const current = await read(id);
+        // latter leaves exactly our value behind. The conflict says the claim is past `revision`;
+        // a read that is not (a replica behind the leader) is asked again.
+        let current = await read(id);
+        for (let round = 1; round < 5 && current !== null && current.revision <= revision; round += 1) {
+          await sleep(10 * 2 ** round);
+          current = await read(id);
+        }
         return current !== null && JSON.stringify(current.claim) === JSON.stringify(finished);
       }
     },

@@ -129,7 +129,7 @@ export class Attempt {
       if (!this.recorded) {
         const rev = (await this.ctx.claims.revision(this.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
         if (!this.ctx.isConnected() || this.signal.aborted) return;
-        if (rev !== this.revision) return this.abort('superseded');
+        if (rev > this.revision) return this.abort('superseded'); // a later delivery's claim (a lower one: a replica behind)
       }
       if (!this.ctx.isConnected()) return;
       this.paused = false;
@@ -158,7 +158,8 @@ export class Attempt {
     }
     this.ctx.claims.revision(this.req.id).then(
       (rev) => {
-        if (!this.concluding && rev !== null && rev !== this.revision) this.abort('superseded');
+        // Past our own: a later delivery took it over. Lower: read from a replica behind the leader.
+        if (!this.concluding && rev !== null && rev > this.revision) this.abort('superseded');
       },
       () => undefined, // a failed check proves nothing; the finish CAS is the last word
     );
