@@ -59,8 +59,10 @@ export async function openBrowser(): Promise<UiBrowser> {
     },
     async lookAtWorkflow(name, base, workflowId, tab, expected, timeoutMs = 30_000) {
       await page.goto(`${base}/namespaces/default/workflows/${encodeURIComponent(workflowId)}`, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
-      await page.waitForFunction('/\\/[0-9a-f-]{36}\\/history$/.test(location.pathname)', { timeout: timeoutMs });
-      return ui.look(name, page.url().replace(/\/history$/, `/${tab}`), expected, timeoutMs);
+      // The UI redirects to the latest run's page on a tab of its own choosing (UI 2.54 picks
+      // `timeline`): the run id is what is waited for; then the tab asked for is opened.
+      await page.waitForFunction('/\\/[0-9a-f-]{36}\\/[a-z-]+$/.test(location.pathname)', { timeout: timeoutMs });
+      return ui.look(name, page.url().replace(/\/[a-z-]+$/, `/${tab}`), expected, timeoutMs);
     },
     close: () => browser.close(),
   };

@@ -218,7 +218,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const kube = opts.kube !== false && (await binariesBuilt(['etcd', 'kube-apiserver']));
     if (opts.kube !== false && !kube)
       say(
-        'the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them, ~5 min once; --no-kube hides this note)',
+        'the kubectl door stays shut: etcd and kube-apiserver are not built (scripts/dev-services etcd kube-apiserver builds them once, 5-10 min; --no-kube hides this note)',
       );
     const wanted: ServiceName[] = ['temporal', 'nats', 's3', ...(kube ? (['kubernetes'] as const) : [])];
     say(`state: ${dataDir}${opts.fresh ? ' (started over: --fresh)' : ' (kept across restarts; --fresh starts over)'}`);

@@ -1,8 +1,8 @@
 /**
  * Where the server binaries come from: the one module that knows. Today every one is resolved by
- * `scripts/dev-services` (env var `MAGUS_<NAME>_BIN` → PATH → cache → a pinned build), which
- * knows the versions and how to build them; a change of where a binary comes from is made here
- * and in that script, and nowhere else.
+ * `scripts/dev-services` (env var `MAGUS_<NAME>_BIN` → PATH → cache → a pinned release binary
+ * fetched, or a pinned build), which knows the versions and how to get them; a change of where a
+ * binary comes from is made here and in that script, and nowhere else.
  */
 import { execFile, spawn } from 'node:child_process';
 import { existsSync } from 'node:fs';
@@ -37,30 +37,27 @@ export const REPO_ROOT = (() => {
 
 const SCRIPT = join(REPO_ROOT, 'scripts', 'dev-services');
 
-/** How often a build that is still running says so (with how long it has taken). */
-const BUILD_NOTE_EVERY_MS = 30_000;
-
 /**
- * Resolves `names` (building what is missing). With `log`, what the script says (which server it
- * builds, that it happens once) is passed on as it comes, and a build still running is noted
- * every 30 s with its time so far: a first start builds for minutes.
+ * Resolves `names` (fetching or building what is missing). With `log`, the script's progress is
+ * shown as it comes: one line per server fetched or built (a build takes minutes the first
+ * time). On a terminal the script writes to it itself, so that its line is updated in place;
+ * elsewhere each of its lines (one at the start of a build, one every 30 s, one at the end) goes
+ * to `log`.
  */
 export async function resolveBinaries(names: readonly BinaryName[], log?: (line: string) => void): Promise<Binaries> {
+  const onTerminal = log !== undefined && process.stderr.isTTY === true;
   // Under setpriv too: a build takes minutes, and must not outlive a magus dev stopped meanwhile.
-  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', SCRIPT, '--json', ...names], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', SCRIPT, '--json', ...names], {
+    stdio: ['ignore', 'pipe', onTerminal ? 'inherit' : 'pipe'],
+  });
   let stdout = '';
   let stderr = '';
-  let building: { what: string; since: number } | undefined;
-  child.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
-  createInterface({ input: child.stderr }).on('line', (line) => {
-    stderr += `${line}\n`;
-    const b = /^dev-services: building (\S+)/.exec(line);
-    if (b) building = { what: b[1]!, since: Date.now() };
-    log?.(line.replace(/^dev-services: /, ''));
-  });
-  const note =
-    log &&
-    setInterval(() => building && log(`still building ${building.what} (${Math.round((Date.now() - building.since) / 1000)} s so far)`), BUILD_NOTE_EVERY_MS);
+  child.stdout!.on('data', (d: Buffer) => (stdout += d.toString()));
+  if (child.stderr)
+    createInterface({ input: child.stderr }).on('line', (line) => {
+      stderr += `${line}\n`;
+      log?.(line.replace(/^dev-services: /, ''));
+    });
   const limit = setTimeout(() => child.kill('SIGKILL'), 60 * 60 * 1000);
   try {
     const code = await new Promise<number | null>((resolve, reject) => {
@@ -70,9 +67,11 @@ export async function resolveBinaries(names: readonly BinaryName[], log?: (line:
     if (code !== 0) throw new Error(`exit ${code}`);
     return JSON.parse(stdout.trim().split('\n').pop() ?? '{}') as Binaries;
   } catch (err) {
-    throw new Error(`could not resolve ${names.join(', ')} (${(err as Error).message}); run 'scripts/dev-services' to build them.\n${stderr}`);
+    // On a terminal the script has already shown why (a failed build's last lines and its log).
+    throw new Error(
+      `could not resolve ${names.join(', ')} (${(err as Error).message}); run 'scripts/dev-services' to build them.${stderr ? `\n${stderr}` : ''}`,
+    );
   } finally {
-    clearInterval(note);
     clearTimeout(limit);
   }
 }
@@ -84,7 +83,7 @@ export function binaryPath(resolved: Binaries, name: BinaryName | 'kwok-stages')
   return path;
 }
 
-/** Whether `names` are at hand without a build (never starts one: a build takes minutes). */
+/** Whether `names` are at hand without a fetch or build (never starts one: a build takes minutes). */
 export async function binariesBuilt(names: readonly BinaryName[]): Promise<boolean> {
   try {
     await promisify(execFile)(SCRIPT, ['--check', ...names], { timeout: 30_000 });
