@@ -88,7 +88,7 @@ test('the Temporal UI of magus dev: workflows found by kind, model and phase; ea
     /serving · model default\/demo · 1 of 0\.\.\d+ instances/,
   );
   expect(pool).toContain('Instances serving model default/demo');
-  expect(pool).toMatch(/demo-\d+ ready, 1 lease\b/);
+  expect(pool).toMatch(/demo-\d+-[0-9a-f]{8} ready, 1 lease\b/); // <model>-<n>-<tag> (pool-unique-instance-ids)
   const sessionId = /session\/default\/demo\/[0-9a-f]{64}/.exec(sessions)![0];
   // Its lease is its conversation's entry: the page says when the session looks at it next.
   const session = await browser.lookAtWorkflow(
