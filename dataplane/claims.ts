@@ -56,14 +56,18 @@ export interface RequestClaims {
  */
 export const claimKeyOf = (own: { pool: string; instance: string }, id: string): string => `${own.pool}.${own.instance}.${id}`;
 
+/** The wait before re-read `round` (1, 2, …) of a claim: 20, 40, 80 … ms, time for a replica behind its leader to catch up. */
+const backoff = (round: number) => sleep(10 * 2 ** round);
+
 /** Binds the claims bucket (declared by `ensureDataPlane`, declare.ts) for the bridge of `own`. */
 export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames, own: { pool: string; instance: string }): Promise<RequestClaims> {
   // Gets go direct (the bucket allows it, declare.ts): a direct get names the key in its subject,
   // which a bridge's NATS user may ask for its own instance's keys only (roles.ts). A bound
   // bucket uses direct gets only when told.
   const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true, allow_direct: true });
+  const keyOf = (id: string) => claimKeyOf(own, id);
   const read = async (id: string) => {
-    const e = await kv.get(claimKeyOf(own, id));
+    const e = await kv.get(keyOf(id));
     return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
   };
   return {
@@ -73,13 +77,13 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
       // superseded owner finishing at the same moment), or the read came from a replica that had
       // not yet applied the last write (direct gets go to any replica); re-read and decide again.
       for (let round = 0; round < 5; round += 1) {
-        if (round > 0) await sleep(10 * 2 ** round);
+        if (round > 0) await backoff(round);
         const current = await read(id);
         try {
-          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(claimKeyOf(own, id), encodeJson(fresh)) };
+          if (!current) return { kind: 'fresh', claim: fresh, revision: await kv.create(keyOf(id), encodeJson(fresh)) };
           if (current.claim.state === 'finished') return { kind: 'finished', ...current };
           const next: RequestClaim = { ...current.claim, attempt: current.claim.attempt + 1, owner };
-          return { kind: 'takeover', claim: next, revision: await kv.update(claimKeyOf(own, id), encodeJson(next), current.revision) };
+          return { kind: 'takeover', claim: next, revision: await kv.update(keyOf(id), encodeJson(next), current.revision) };
         } catch (err) {
           if (!isRevisionConflict(err)) throw err;
         }
@@ -89,8 +93,8 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
     async finish(id, claim, revision, terminal, usage) {
       const finished: RequestClaim = { ...claim, state: 'finished', terminal, ...(usage ? { usage } : {}) };
       try {
-        if (revision === 0) await kv.create(claimKeyOf(own, id), encodeJson(finished));
-        else await kv.update(claimKeyOf(own, id), encodeJson(finished), revision);
+        if (revision === 0) await kv.create(keyOf(id), encodeJson(finished));
+        else await kv.update(keyOf(id), encodeJson(finished), revision);
         return true;
       } catch (err) {
         if (!isRevisionConflict(err)) throw err;
@@ -99,7 +103,7 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
         // a read that is not (a replica behind the leader) is asked again.
         let current = await read(id);
         for (let round = 1; round < 5 && current !== null && current.revision <= revision; round += 1) {
-          await sleep(10 * 2 ** round);
+          await backoff(round);
           current = await read(id);
         }
         return current !== null && JSON.stringify(current.claim) === JSON.stringify(finished);

@@ -33,7 +33,8 @@ import { decode, encodeAccount, encodeOperator, encodeUser, fmtCreds } from '@na
 import { createAccount, createOperator, createUser, fromSeed } from '@nats-io/nkeys';
 import { createInbox, jwtAuthenticator, type Authenticator, type ConnectionOptions, type NatsConnection } from 'nats';
 import type { DataPlaneNames } from './names';
-import { cancelSubjectOf, consumerNameOf, requestSubjectOf, scopedSubject } from './names';
+import { claimKeyOf } from './claims';
+import { cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, scopedSubject } from './names';
 import { Nats } from '../shared/constants';
 
 export const NATS_ROLES = ['gateway', 'bridge', 'controller', 'worker'] as const;
@@ -140,10 +141,10 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
   const durable = consumerNameOf(pool, instance);
   const stream = names.requestStream;
   const responses = names.responseStream;
-  // Its instance's frames: magus.res.<replica>.<pool>.<instance>.<id> (names.ts instanceResponseSubjectOf).
-  const frames = scopedSubject(names, `${Nats.responseSubjectPrefix}.*.${pool}.${instance}.*`);
-  // Its instance's claims: <pool>.<instance>.<id> (claims.ts claimKeyOf).
-  const claims = `$KV.${names.claimsBucket}.${pool}.${instance}.>`;
+  // Its instance's frames, magus.res.<replica>.<pool>.<instance>.<id>, of any replica and request.
+  const frames = instanceResponseSubjectOf(scopedSubject(names, `${Nats.responseSubjectPrefix}.*.*`), '*', pool, instance);
+  // Its instance's claims, <pool>.<instance>.<id>.
+  const claims = `$KV.${names.claimsBucket}.${claimKeyOf({ pool, instance }, '>')}`;
   return {
     publish: {
       allow: [

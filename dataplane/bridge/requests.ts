@@ -52,21 +52,19 @@ export function parseInferenceRequest(data: Uint8Array, names: DataPlaneNames, o
   if (typeof v !== 'object' || v === null || Array.isArray(v)) return { ok: false, problem: 'request is not an object' };
   const r = v as Record<string, unknown>;
   const literal = typeof r.replyTo === 'string' && LITERAL_SUBJECT.test(r.replyTo) ? r.replyTo : undefined;
-  const ownSubject = (replyTo: string, id: string) =>
-    own && r.instanceFrames === true ? instanceResponseSubjectOf(replyTo, id, own.pool, own.instance) : replyTo;
-  let errorsTo = literal;
-  const bad = (problem: string): ParsedRequest => ({ ok: false, problem, replyTo: errorsTo });
+  const bad = (problem: string, replyTo = literal): ParsedRequest => ({ ok: false, problem, replyTo });
   if (typeof r.id !== 'string' || !REQUEST_ID.test(r.id)) return bad(`id must match ${String(REQUEST_ID)}`);
   // Only the request's own response subject, in either form: a request cannot point frames elsewhere.
   if (typeof r.replyTo !== 'string' || !isResponseSubjectOf(names, r.replyTo, r.id)) {
     return bad(`replyTo must be the request's response subject: ${responseSubjectOf(names, r.id)}, or a replica token before the id`);
   }
-  errorsTo = ownSubject(r.replyTo, r.id);
+  // Where this bridge answers, an error frame included.
+  const replyTo = own && r.instanceFrames === true ? instanceResponseSubjectOf(r.replyTo, r.id, own.pool, own.instance) : r.replyTo;
   const contract = contracts[kindOf(r)];
-  if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()));
+  if (!contract.Check(v)) return bad(problemOf(contract.Errors(v).First()), replyTo);
   // Checked against its kind's contract: it is that kind's request.
   const req = v as InferenceRequest;
-  req.replyTo = errorsTo;
+  req.replyTo = replyTo;
   return { ok: true, req };
 }
 

@@ -8,12 +8,11 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
-import { instanceResponseSubjectOf } from '../../dataplane';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
-import { exchange, type ExchangeOptions } from '../serving/exchange';
+import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
 import type { SseResponse } from './sse';
 
@@ -46,14 +45,7 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     publish: g.publish,
     requestTimeoutMs: s.requestTimeoutMs,
     gapTimeoutMs: s.gapTimeoutMs,
-    // Both forms: a bridge from before `instanceFrames` publishes to `replyTo` itself.
-    readBack:
-      g.readStored &&
-      (async () => {
-        const read = g.readStored!;
-        const subjects = [req.replyTo, ...(req.instanceFrames ? [instanceResponseSubjectOf(req.replyTo, req.id, entry.pool, entry.instance)] : [])];
-        return (await Promise.all(subjects.map(read))).flat();
-      }),
+    readBack: g.readStored && (async () => (await Promise.all(frameSubjectsOf(req, entry).map(g.readStored!))).flat()),
     retryAfterSec: s.retryAfterSec,
     signal,
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),

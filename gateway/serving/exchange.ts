@@ -19,7 +19,7 @@ import { randomBytes } from 'node:crypto';
 import { headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
+import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
@@ -176,8 +176,19 @@ function replicaPrefix(opts: RouterOptions): string {
   return `${scopeSubject(opts.subjectScope, Nats.responseSubjectPrefix)}.${replica}.`;
 }
 
-/** What follows a replica's prefix on the subjects request `requestId`'s frames may come on: its id, and with `from` its instance's subject. */
-const frameKeysOf = (requestId: string, from?: FrameSource): string[] => (from ? [requestId, `${from.pool}.${from.instance}.${requestId}`] : [requestId]);
+/** What follows a replica's `prefix` on the subjects request `requestId`'s frames may come on: its id, and with `from` its instance's subject. */
+const frameKeysOf = (prefix: string, requestId: string, from?: FrameSource): string[] =>
+  from ? [requestId, instanceResponseSubjectOf(prefix + requestId, requestId, from.pool, from.instance).slice(prefix.length)] : [requestId];
+
+/** The instance whose subject carries `req`'s frames, when `req` asks for that (`instanceFrames`): the one `session` names. */
+const frameSourceOf = (req: InferenceRequest, session: SessionEntry): FrameSource | undefined =>
+  req.instanceFrames ? { pool: session.pool, instance: session.instance } : undefined;
+
+/** Every subject `req`'s frames may be stored on: its reply subject, and with `instanceFrames` its instance's (a bridge from before it answers on the former). */
+export function frameSubjectsOf(req: InferenceRequest, session: SessionEntry): string[] {
+  const from = frameSourceOf(req, session);
+  return from ? [req.replyTo, instanceResponseSubjectOf(req.replyTo, req.id, from.pool, from.instance)] : [req.replyTo];
+}
 
 /**
  * One wildcard subscription on this replica's `magus.res.<replica>.>` for the whole process,
@@ -202,7 +213,7 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
   return {
     replySubject: (requestId) => prefix + requestId,
     listen(requestId, onFrame, from) {
-      const keys = frameKeysOf(requestId, from);
+      const keys = frameKeysOf(prefix, requestId, from);
       for (const k of keys) waiting.set(k, onFrame);
       return () => keys.forEach((k) => waiting.delete(k));
     },
@@ -225,7 +236,7 @@ export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions
   return {
     replySubject: (requestId) => prefix + requestId,
     listen(requestId, onFrame, from) {
-      const keys = frameKeysOf(requestId, from);
+      const keys = frameKeysOf(prefix, requestId, from);
       const subs = keys.map((k) =>
         nc.subscribe(prefix + k, {
           callback: (err, msg) => {
@@ -400,7 +411,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
         deliver(frame);
       },
-      req.instanceFrames ? { pool: session.pool, instance: session.instance } : undefined,
+      frameSourceOf(req, session),
     );
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
