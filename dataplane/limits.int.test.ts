@@ -12,7 +12,7 @@
  * `kv.update`'s does and is retried; a write nobody acknowledges fails after its timeout.
  */
 import { StorageType, type KV, type NatsConnection, type StreamConfig } from 'nats';
-import type { Admission, KeyLimits } from '../shared/limits';
+import { reservedSlots, type Admission, type KeyLimits } from '../shared/limits';
 import { isolation } from '../test/harness';
 import { natsStack, TestStack } from '../test/harness/stack';
 import { sleep, until } from '../test/harness/wait';
@@ -106,10 +106,13 @@ it('64 concurrent admissions from two replicas on a 500-token budget: exactly 10
   expect(stored!.state.budget!.used).toBe(470);
 });
 
-it('one replica batches its operations on a key: 256 at once cost a few writes; a bad one fails alone', async () => {
-  const scope = 'team/batched';
+it.each([
+  ['each admission written', 0],
+  ['slices', undefined],
+])('one replica batches its operations on a key (%s): 256 at once cost a few writes; a bad one fails alone', async (_, sliceMs) => {
+  const scope = `team/batched-${sliceMs ?? 'sliced'}`;
   const limits: KeyLimits = { concurrency: 100 };
-  const store = new LimitStore(kvA);
+  const store = new LimitStore(kvA, sliceMs === undefined ? {} : { sliceMs });
   const lastSeq = async () => (await kvA.status()).streamInfo.state.last_seq;
   const before = await lastSeq();
   const results = await Promise.allSettled(
@@ -119,7 +122,8 @@ it('one replica batches its operations on a key: 256 at once cost a few writes; 
   const admissions = results.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
   expect(admissions.filter((a) => a.ok)).toHaveLength(100);
   expect(admissions.filter((a) => refusedCode(a) === 'rate_limit_exceeded')).toHaveLength(155);
-  expect(Object.keys((await store.read(scope))!.state.reservations)).toHaveLength(100);
+  // Each request holds a slot in the document: its own reservation's, or one of its slice's.
+  expect(reservedSlots(Object.values((await store.read(scope))!.state.reservations))).toBe(100);
   expect((await lastSeq()) - before).toBeLessThanOrEqual(8);
 });
 
@@ -298,7 +302,8 @@ it("the store's writes are core publishes: kv.update is never called; a conflict
   // The view's own writes throw: every write the store makes goes by its core publish.
   const viewA = await ncA.jetstream().views.kv((await kvA.status()).bucket, { bindOnly: true });
   Object.assign(viewA, { create: refuse, update: refuse, put: refuse });
-  const [a, b] = [new LimitStore(viewA), new LimitStore(kvB)];
+  // Each admission its own write (slices would hold these as one reservation).
+  const [a, b] = [new LimitStore(viewA, { sliceMs: 0 }), new LimitStore(kvB, { sliceMs: 0 })];
   stack.defer(() => a.close());
   stack.defer(() => b.close());
 
@@ -341,4 +346,131 @@ it('kvCasWriter: create on 0, update on the last revision, a conflict otherwise;
   const nobody = kvCasWriter({ js: { nc: ncA }, subjectForKey: (k: string) => `${silent}-none.${k}` } as unknown as KV, 60_000);
   stack.defer(() => nobody.close());
   await expect(nobody.write(key, '{}', 1)).rejects.toThrow(/no responders/);
+});
+
+describe('slices', () => {
+  const generous: KeyLimits = {
+    requestsPerMinute: 1_000_000,
+    tokensPerMinute: 1_000_000_000,
+    concurrency: 1000,
+    budget: { tokens: 1_000_000_000_000, period: 'month' },
+  };
+
+  it('1,000 requests one after another cost a few writes, with headers that move; given back, the key is charged exactly what they used', async () => {
+    const scope = 'team/sliced';
+    const now = Date.UTC(2026, 10, 30, 12);
+    const store = new LimitStore(kvA, { clock: () => now });
+    stack.defer(() => store.close());
+    const before = await lastSeq();
+    const remaining: number[] = [];
+    for (let i = 0; i < 1000; i += 1) {
+      const a = await store.admit(scope, generous, { id: `s${i}`, tokens: 100, replica: 'gw-a', leaseMs: 60_000 });
+      expect(a).toMatchObject({ ok: true, tokens: 100 });
+      remaining.push(Number(a.headers['x-ratelimit-remaining-requests']));
+      expect((await store.settle(scope, generous, `s${i}`, 37)).settled).toBe(true);
+    }
+    expect((await lastSeq()) - before).toBeLessThanOrEqual(20);
+    // The clock stands still: each admission takes one request off what the key has left, as this replica sees it.
+    expect(remaining.slice(1).every((r, i) => r === remaining[i]! - 1)).toBe(true);
+    expect(remaining[999]).toBe(1_000_000 - 1000);
+
+    await store.flush();
+    const { state } = (await store.read(scope))!;
+    expect(state.reservations).toEqual({});
+    expect(state.budget).toEqual({ period: '2026-11', used: 37_000 });
+    // What the slices did not use came back: the buckets lost what the requests took, no more.
+    expect(state.requests!.level).toBe((1_000_000 - 1000) * 60_000);
+    expect(state.tokens!.level).toBe((1_000_000_000 - 37_000) * 60_000);
+    expect(state.meanDurationMs).toBeGreaterThanOrEqual(0);
+  });
+
+  it('slices of two replicas never exceed a budget; what one did not use comes back for the other', async () => {
+    const scope = 'team/sliced-budget';
+    const limits: KeyLimits = { budget: { tokens: 10_000, period: 'month' } };
+    const stores = [new LimitStore(kvA), new LimitStore(kvB)];
+    for (const st of stores) stack.defer(() => st.close());
+    let admitted = 0;
+    const codes = new Set<string>();
+    let next = 0;
+    // 16 clients per replica, each asking until its replica refuses.
+    await Promise.all(
+      Array.from({ length: 32 }, async (_, c) => {
+        const store = stores[c % 2]!;
+        for (;;) {
+          const id = `q${next++}`;
+          const a = await store.admit(scope, limits, { id, tokens: 10, replica: `gw-${c % 2}`, leaseMs: 60_000 });
+          if (!a.ok) {
+            codes.add(a.code);
+            return;
+          }
+          admitted += 1;
+          await sleep(Math.random() * 2);
+          await store.settle(scope, limits, id, 10);
+        }
+      }),
+    );
+    expect(admitted * 10).toBeLessThanOrEqual(10_000);
+    expect([...codes]).toEqual(['insufficient_quota']);
+    await Promise.all(stores.map((st) => st.flush()));
+    expect((await stores[0]!.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: admitted * 10 } });
+    // Every slice given back: the rest of the budget is there to be taken, to the token.
+    for (;;) {
+      const id = `r${next++}`;
+      const a = await stores[0]!.admit(scope, limits, { id, tokens: 10, replica: 'gw-0', leaseMs: 60_000 });
+      if (!a.ok) break;
+      admitted += 1;
+      await stores[0]!.settle(scope, limits, id, 10);
+    }
+    await stores[0]!.flush();
+    expect(admitted).toBe(1000);
+    expect((await stores[1]!.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: 10_000 } });
+  });
+
+  it('renewing a request renews its slice; a replica that dies holding a slice has it released within a lease, charged in full, and learns its requests were lost', async () => {
+    const scope = 'team/sliced-lapse';
+    const leaseMs = 1500;
+    const limits: KeyLimits = { budget: { tokens: 100_000, period: 'month' } };
+    const [a, b] = [new LimitStore(kvA), new LimitStore(kvB)];
+    stack.defer(() => b.close());
+    expect(await a.admit(scope, limits, { id: 'd1', tokens: 100, replica: 'gw-a', leaseMs })).toMatchObject({ ok: true });
+    const sliceOf = async () => Object.entries((await a.read(scope))!.state.reservations).find(([id]) => id.startsWith('~slice.'))!;
+    const [sliceId, slice] = await sliceOf();
+    expect(slice).toMatchObject({ replica: 'gw-a', tokens: 800 }); // 8 requests of 100
+    // The request's renewal renews its slice; then replica a goes silent (no renewal, no flush).
+    await sleep(300);
+    expect(await a.renew('gw-a', new Map([[scope, ['d1']]]), leaseMs)).toEqual(new Map());
+    const renewedAt = Date.now();
+    const [, renewed] = await sliceOf();
+    expect(renewed.leaseUntil).toBeGreaterThanOrEqual(slice.leaseUntil + 300);
+    await until(
+      "a's slice to be released by b's writes",
+      async () => {
+        await b.admit(scope, limits, { id: `b${Date.now()}`, tokens: 10, replica: 'gw-b', leaseMs: 60_000 });
+        return !(sliceId in (await b.read(scope))!.state.reservations);
+      },
+      10_000,
+    );
+    expect(Date.now() - renewedAt).toBeGreaterThanOrEqual(leaseMs - 100);
+    // Charged its whole 800: what its requests used is not known.
+    expect((await b.read(scope))!.state.budget!.used).toBe(800);
+    expect(await a.renew('gw-a', new Map([[scope, ['d1']]]), leaseMs)).toEqual(new Map([[scope, ['d1']]]));
+    expect((await a.settle(scope, limits, 'd1', 20)).settled).toBe(false);
+    await a.close();
+    expect((await b.read(scope))!.state.budget!.used).toBe(800);
+  });
+
+  it('a request under other limits (its key changed) is not admitted from the slice leased under the old', async () => {
+    const scope = 'team/sliced-change';
+    const store = new LimitStore(kvA);
+    stack.defer(() => store.close());
+    const first = await store.admit(scope, generous, { id: 'c1', tokens: 10, replica: 'gw-a', leaseMs: 60_000 });
+    expect(first.headers['x-ratelimit-limit-requests']).toBe('1000000');
+    const changed = { ...generous, requestsPerMinute: 500_000 };
+    const second = await store.admit(scope, changed, { id: 'c2', tokens: 10, replica: 'gw-a', leaseMs: 60_000 });
+    expect(second.headers['x-ratelimit-limit-requests']).toBe('500000');
+    await store.settle(scope, generous, 'c1', 10);
+    await store.settle(scope, changed, 'c2', 10);
+    await store.flush();
+    expect((await store.read(scope))!.state).toMatchObject({ reservations: {}, budget: { used: 20 } });
+  });
 });

@@ -39,23 +39,46 @@
  * A gateway renews the leases of its live reservations with a {@link LimitRenewer} every third of
  * the lease, so a reservation of a gateway that died is released (charged its worst case) within
  * one lease of its last renewal.
+ *
+ * **Slices.** Far from its limits, a key's requests are not written one by one: the store leases a
+ * *slice* (shared/limits.ts `leaseSlice`: requests, tokens and concurrent slots, at most an eighth
+ * of what each limit has available, held in the document as one reservation) in the write of the
+ * request that found none, and admits the next requests from it in the process — no write, no
+ * round trip — exactly within what it holds; their settles only count there. A slice admits for
+ * `sliceMs` (default {@link SLICE_MS}; at most a third of a lease) and the next is leased when half
+ * of it is gone, off any request's way (requests that find none wait for a lease under way rather
+ * than write alone); a closed slice is given back (`returnSlice`: what its requests used charged,
+ * the rest returned; held like a settle) once nothing admitted from it is in flight. A request's
+ * lease is its slice's: renewing the request renews the slice, and a slice that lapsed loses its
+ * requests (reported as such). Near a limit (an eighth would not hold two of the request's worst
+ * case, a request or a slot) no slice is leased and each admission is written, as above. The price:
+ * what one replica's slice holds and has not used is not available to another until it is given
+ * back (at most `sliceMs` later, or when its last request ends) — it can refuse sooner, never
+ * admit beyond a limit; a replica's own refusal while its slice sat idle gives the slice back and
+ * asks again. Requests that store a response under a storage quota are always written.
  */
 import { headers, type KV, type NatsConnection } from 'nats';
 import { ackedPublisher } from './acked-publish';
+import { randomUUID } from 'node:crypto';
 import {
   admit,
   chargeStorage,
   decodeLimitState,
   emptyLimitState,
+  leaseSlice,
+  rateLimitHeaders,
   releaseStorage,
   renew,
+  returnSlice,
   settle,
   sweep,
+  withSliceLeft,
   type Admission,
   type AdmitRequest,
   type KeyLimits,
   type LimitState,
   type Settlement,
+  type Slice,
 } from '../shared/limits';
 import { isRevisionConflict } from './errors';
 
@@ -103,7 +126,15 @@ export interface LimitStoreOptions {
   settleHoldMs?: number;
   /** A write unacknowledged this long fails, ms. Default {@link WRITE_TIMEOUT_MS}. */
   writeTimeoutMs?: number;
+  /**
+   * How long one leased slice admits requests, ms (at most a third of a request's lease); 0: no
+   * slices, every admission is a write. Default {@link SLICE_MS}.
+   */
+  sliceMs?: number;
 }
+
+/** How long a slice admits, by default: another replica sees what it did not use at most this late. */
+export const SLICE_MS = 1_000;
 
 /** How long a settle waits, by default, for its scope's next write to ride in. */
 export const SETTLE_HOLD_MS = 20;
@@ -135,6 +166,51 @@ interface Held {
   timer: NodeJS.Timeout;
 }
 
+/** A request admitted from a slice, in flight. */
+interface LocalRequest {
+  tokens: number;
+  at: number;
+}
+
+/** A slice of a scope's limits this store leased (shared/limits.ts `leaseSlice`), and what it did with it. */
+interface LocalSlice {
+  id: string;
+  scope: string;
+  key: string;
+  /** Its scopes' key in {@link LimitStore}'s maps: the KV key, and the model when the slice counts in the model's limits. */
+  sliceKey: string;
+  model: string | undefined;
+  limits: KeyLimits;
+  /** `limits` as JSON: a request under other limits (an ApiKey changed) is not admitted from it. */
+  limitsText: string;
+  /** What it may still hand out (null: unbounded); tokens are net of the worst cases in flight and of what settled requests used. */
+  requestsLeft: number | null;
+  tokensLeft: number | null;
+  slots: number | null;
+  leased: Slice;
+  live: Map<string, LocalRequest>;
+  admitted: number;
+  usedTokens: number;
+  meanDurationMs: number | undefined;
+  /** The scope's state as leased (the headers' base). */
+  view: LimitState;
+  leasedAt: number;
+  closesAt: number;
+  /** Admits requests (until it closes: then it is given back once none is in flight). */
+  open: boolean;
+  timer: NodeJS.Timeout | undefined;
+}
+
+/** What a scope's past slices tell the next one's size. */
+interface SliceStats {
+  /** Requests per ms the last slice admitted. */
+  rate: number;
+  /** The largest worst case one request asked for. */
+  maxWant: number;
+  /** The most requests in flight at once. */
+  peakLive: number;
+}
+
 /** Most operations one write of a scope applies. */
 const MAX_BATCH = 256;
 
@@ -164,6 +240,18 @@ export class LimitStore {
   /** Made at the first write (a store that only reads subscribes to nothing). */
   private writer: KvCasWriter | undefined;
   private closed = false;
+  private readonly sliceMs: number;
+  /** The slice admitting now, per slice key. */
+  private readonly openSlices = new Map<string, LocalSlice>();
+  /** Every slice not yet given back (open or draining), per KV key. */
+  private readonly slices = new Map<string, Set<LocalSlice>>();
+  /** The slice of each request admitted from one, by `<KV key> <id>`. */
+  private readonly localIds = new Map<string, LocalSlice>();
+  /** Slice keys with a lease under way, and when it is over. */
+  private readonly leasing = new Map<string, Promise<void>>();
+  /** Slice keys whose last lease was refused (near a limit): no other is asked for until then. */
+  private readonly noSliceUntil = new Map<string, number>();
+  private readonly sliceStats = new Map<string, SliceStats>();
 
   constructor(
     private readonly kv: KV,
@@ -174,6 +262,7 @@ export class LimitStore {
     this.rememberedScopes = opts.rememberedScopes ?? 10_000;
     this.settleHoldMs = opts.settleHoldMs ?? SETTLE_HOLD_MS;
     this.writeTimeoutMs = opts.writeTimeoutMs ?? WRITE_TIMEOUT_MS;
+    this.sliceMs = opts.sliceMs ?? SLICE_MS;
   }
 
   /**
@@ -182,9 +271,61 @@ export class LimitStore {
    * with the same id, which never counts twice; or settle it.
    */
   admit(scope: string, limits: KeyLimits, reservation: AdmitRequest): Promise<Admission> {
-    return this.enqueue<Admission>(scope, (state, now) => {
+    const exact: Step<Admission> = (state, now) => {
       const a = admit(state, limits, reservation, now);
       return a.ok ? { write: a.state, result: a } : { result: a };
+    };
+    const sliced = this.sliceable(limits, reservation);
+    if (!sliced) return this.enqueue<Admission>(scope, exact);
+    const key = limitKeyOf(scope);
+    const sliceKey = sliced.model === undefined ? key : `${key} ${sliced.model}`;
+    const fromSlice = () => this.admitFromSlice(key, sliceKey, limits, reservation, sliced.want);
+    const local = fromSlice();
+    if (local) return Promise.resolve(local);
+    // A slice on its way: this request waits for it rather than write alone.
+    const coming = this.leasing.get(sliceKey);
+    if (coming) return coming.then(() => fromSlice() ?? this.admitExactly(scope, sliceKey, exact));
+    if ((this.noSliceUntil.get(sliceKey) ?? 0) > this.clock()) return this.admitExactly(scope, sliceKey, exact);
+    // No slice to admit from: lease one in this request's write and admit it from that; near a limit (no slice), exactly.
+    const id = `~slice.${randomUUID()}`;
+    const ask = this.sliceRequest(sliceKey, id, reservation, sliced.model, sliced.want);
+    type Leased = { slice: Slice; state: LimitState } | { admission: Admission };
+    const leased = this.enqueue<Leased>(scope, (state, at) => {
+      const l = leaseSlice(state, limits, ask, at);
+      if (l.ok) return { write: l.state, result: { slice: l.slice, state: l.state } };
+      const a = exact(state, at);
+      return { ...(a.write ? { write: a.write } : {}), result: { admission: a.result } };
+    }).then((r) => {
+      if ('admission' in r) this.noSliceUntil.set(sliceKey, this.clock() + this.sliceMs);
+      else this.install(scope, key, sliceKey, id, limits, reservation, sliced.model, r.slice, r.state);
+      return r;
+    });
+    this.whileLeasing(sliceKey, leased);
+    return leased.then((r) => ('admission' in r ? r.admission : (fromSlice() ?? this.admitExactly(scope, sliceKey, exact))));
+  }
+
+  /** Marks a lease of `sliceKey` under way until `leased` settles (admissions meanwhile wait for it). */
+  private whileLeasing(sliceKey: string, leased: Promise<unknown>): void {
+    const done = leased.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.leasing.set(sliceKey, done);
+    void done.then(() => this.leasing.get(sliceKey) === done && this.leasing.delete(sliceKey));
+  }
+
+  /**
+   * Admits by a write of its own. Refused while this replica's open slice of the scope sat idle
+   * (nothing in flight: what it holds is what refused), the slice is given back in the same write
+   * as a second try; one with requests in flight closes and is given back once they end.
+   */
+  private admitExactly(scope: string, sliceKey: string, exact: Step<Admission>): Promise<Admission> {
+    return this.enqueue<Admission>(scope, exact).then((a) => {
+      const open = this.openSlices.get(sliceKey);
+      if (a.ok || !open) return a;
+      const idle = open.live.size === 0;
+      this.closeSlice(open);
+      return idle ? this.enqueue<Admission>(scope, exact) : a;
     });
   }
 
@@ -194,6 +335,9 @@ export class LimitStore {
    * written.
    */
   settle(scope: string, limits: KeyLimits, id: string, tokens: number): Promise<Settlement> {
+    const key = limitKeyOf(scope);
+    const slice = this.localIds.get(`${key} ${id}`);
+    if (slice && Number.isSafeInteger(tokens) && tokens >= 0) return Promise.resolve(this.settleInSlice(slice, id, tokens));
     return this.enqueue<Settlement>(
       scope,
       (state, now) => {
@@ -227,14 +371,33 @@ export class LimitStore {
     const missing = new Map<string, string[]>();
     await Promise.all(
       [...reservations].map(async ([scope, ids]) => {
-        const list = [...ids];
+        const key = limitKeyOf(scope);
+        // A request admitted from a slice lives by its slice's lease: that one is renewed instead.
+        const bySlice = new Map<string, { slice: LocalSlice; ids: string[] }>();
+        const list: string[] = [];
+        for (const id of ids) {
+          const slice = this.localIds.get(`${key} ${id}`);
+          if (!slice) list.push(id);
+          else if (bySlice.has(slice.id)) bySlice.get(slice.id)!.ids.push(id);
+          else {
+            bySlice.set(slice.id, { slice, ids: [id] });
+            list.push(slice.id);
+          }
+        }
         if (list.length === 0) return;
         const gone = await this.enqueue(scope, (state, now) => {
           const swept = sweep(state, now);
           const r = renew(swept, replica, list, now + leaseMs);
           return r.state === swept ? { result: r.missing } : { write: r.state, result: r.missing };
         });
-        if (gone.length > 0) missing.set(scope, gone);
+        const lost = gone.flatMap((id) => {
+          const held = bySlice.get(id);
+          if (!held) return [id];
+          // The slice lapsed (released, charged in full): so did every request admitted from it.
+          this.forget(held.slice);
+          return held.ids;
+        });
+        if (lost.length > 0) missing.set(scope, lost);
       }),
     );
     return missing;
@@ -251,6 +414,7 @@ export class LimitStore {
    * finished, whatever its outcome.
    */
   async flush(): Promise<void> {
+    for (const slice of [...this.openSlices.values()]) this.closeSlice(slice);
     while (this.held.size > 0 || this.drains.size > 0) {
       for (const key of [...this.held.keys()]) this.release(key);
       await Promise.all(this.drains.values());
@@ -263,10 +427,228 @@ export class LimitStore {
    */
   async close(): Promise<void> {
     this.closed = true;
+    for (const set of [...this.slices.values()])
+      for (const slice of [...set]) {
+        // Requests still in flight are charged their worst case now (as their lapsed leases would be later).
+        for (const [id, r] of slice.live) {
+          slice.usedTokens += r.tokens;
+          this.localIds.delete(`${slice.key} ${id}`);
+        }
+        slice.live.clear();
+        this.closeSlice(slice);
+      }
     await this.flush();
     const writer = this.writer;
     this.writer = undefined;
     await writer?.close();
+  }
+
+  /**
+   * Whether `req` may be admitted from a slice, and then its worst case (`upTo` when set: a slice
+   * grants it only whole, as the exact admission would with that much room) and the model whose
+   * own limits the slice counts in. Not: slices off, a request that stores (the storage quota is
+   * counted exactly), or input `admit` would refuse (it says why).
+   */
+  private sliceable(limits: KeyLimits, req: AdmitRequest): { want: number; model: string | undefined } | undefined {
+    if (this.sliceMs <= 0 || this.closed || !req.id) return undefined;
+    if (req.storeBytes !== undefined && limits.storageBytes !== undefined) return undefined;
+    const whole = (n: number | undefined, min: number) => n === undefined || (Number.isSafeInteger(n) && n >= min);
+    if (!whole(req.tokens, 0) || !whole(req.upTo, 0) || !whole(req.leaseMs, 1)) return undefined;
+    const model = req.model !== undefined && limits.models && Object.prototype.hasOwnProperty.call(limits.models, req.model) ? req.model : undefined;
+    return { want: Math.max(req.tokens, req.upTo ?? 0), model };
+  }
+
+  /** Admits `req` from its scope's open slice when that has room for it (or already admitted it); otherwise undefined. */
+  private admitFromSlice(key: string, sliceKey: string, limits: KeyLimits, req: AdmitRequest, want: number): Admission | undefined {
+    const known = this.localIds.get(`${key} ${req.id}`);
+    if (known) return this.admitted(known, known.live.get(req.id)!.tokens);
+    const slice = this.openSlices.get(sliceKey);
+    if (!slice) return undefined;
+    const now = this.clock();
+    if (slice.limits !== limits) {
+      if (slice.limitsText !== JSON.stringify(limits)) {
+        this.closeSlice(slice);
+        return undefined;
+      }
+      slice.limits = limits;
+    }
+    if (now >= slice.closesAt) {
+      this.closeSlice(slice);
+      return undefined;
+    }
+    const fits =
+      (slice.requestsLeft === null || slice.requestsLeft >= 1) &&
+      (slice.slots === null || slice.live.size < slice.slots) &&
+      (slice.tokensLeft === null || slice.tokensLeft >= want);
+    if (!fits) return undefined;
+    if (slice.requestsLeft !== null) slice.requestsLeft -= 1;
+    if (slice.tokensLeft !== null) slice.tokensLeft -= want;
+    slice.live.set(req.id, { tokens: want, at: now });
+    slice.admitted += 1;
+    this.localIds.set(`${key} ${req.id}`, slice);
+    const stats = this.sliceStats.get(slice.sliceKey)!;
+    stats.maxWant = Math.max(stats.maxWant, want);
+    stats.peakLive = Math.max(stats.peakLive, slice.live.size);
+    // Half used, or half its time gone: the next slice is leased now, off any request's way.
+    const low =
+      (slice.requestsLeft !== null && slice.requestsLeft * 2 < slice.leased.requests!) ||
+      (slice.tokensLeft !== null && slice.tokensLeft * 2 < slice.leased.tokens!) ||
+      now * 2 >= slice.leasedAt + slice.closesAt;
+    if (low && !this.leasing.has(slice.sliceKey)) this.leaseAhead(slice, req, want);
+    return this.admitted(slice, want);
+  }
+
+  /** An admission from `slice`: the headers as this replica sees the key (what its slice still holds counted in). */
+  private admitted(slice: LocalSlice, tokens: number): Admission {
+    const state = withSliceLeft(slice.view, slice.model, { requests: slice.requestsLeft, tokens: slice.tokensLeft });
+    return { ok: true, state, headers: rateLimitHeaders(state, slice.limits, this.clock(), slice.model), tokens };
+  }
+
+  /** The next slice of `slice`'s scope, leased before this one runs out (this one closes once it is in). */
+  private leaseAhead(slice: LocalSlice, req: AdmitRequest, want: number): void {
+    const { scope, key, sliceKey, limits, model } = slice;
+    const id = `~slice.${randomUUID()}`;
+    const ask = this.sliceRequest(sliceKey, id, req, model, want);
+    const leased = this.enqueue<{ slice: Slice; state: LimitState } | undefined>(scope, (state, now) => {
+      const l = leaseSlice(state, limits, ask, now);
+      return l.ok ? { write: l.state, result: { slice: l.slice, state: l.state } } : { result: undefined };
+    }).then((r) => {
+      if (r) this.install(scope, key, sliceKey, id, limits, req, model, r.slice, r.state);
+      else this.noSliceUntil.set(sliceKey, this.clock() + this.sliceMs);
+    });
+    // Not written: requests go on from the slice there is, then the exact way.
+    leased.catch(() => undefined);
+    this.whileLeasing(sliceKey, leased);
+  }
+
+  /**
+   * What to lease for `sliceKey`: twice what its last slice admitted in a slice's time, and as
+   * many slots as twice its most requests in flight, at least 8 of each, tokens for that many of
+   * its largest worst case; at least two of this request's (`want`) for it to be worth a slice.
+   */
+  private sliceRequest(sliceKey: string, id: string, req: AdmitRequest, model: string | undefined, want: number) {
+    let stats = this.sliceStats.get(sliceKey);
+    if (!stats) this.sliceStats.set(sliceKey, (stats = { rate: 0, maxWant: want, peakLive: 1 }));
+    const open = this.openSlices.get(sliceKey);
+    if (open) stats.rate = open.admitted / Math.max(1, this.clock() - open.leasedAt);
+    const requests = Math.min(1_000_000, Math.max(8, Math.ceil(stats.rate * this.sliceMs * 2)));
+    const maxWant = Math.max(stats.maxWant, want, 1);
+    return {
+      id,
+      replica: req.replica,
+      leaseMs: req.leaseMs,
+      ...(model !== undefined ? { model } : {}),
+      requests,
+      tokens: Math.min(Number.MAX_SAFE_INTEGER, requests * maxWant),
+      slots: Math.min(1_000_000, Math.max(8, 2 * stats.peakLive)),
+      minTokens: 2 * want,
+    };
+  }
+
+  /** Makes a slice just leased the scope's open one (the one before closes). */
+  private install(
+    scope: string,
+    key: string,
+    sliceKey: string,
+    id: string,
+    limits: KeyLimits,
+    req: AdmitRequest,
+    model: string | undefined,
+    leased: Slice,
+    state: LimitState,
+  ): void {
+    const now = this.clock();
+    const slice: LocalSlice = {
+      id,
+      scope,
+      key,
+      sliceKey,
+      model,
+      limits,
+      limitsText: JSON.stringify(limits),
+      requestsLeft: leased.requests,
+      tokensLeft: leased.tokens,
+      slots: leased.slots,
+      leased,
+      live: new Map(),
+      admitted: 0,
+      usedTokens: 0,
+      meanDurationMs: (model !== undefined ? state.models?.[model] : state)?.meanDurationMs,
+      view: state,
+      leasedAt: now,
+      // A slice admits for at most a third of a lease: one with nothing in flight is never renewed.
+      closesAt: now + Math.min(this.sliceMs, Math.floor(req.leaseMs / 3)),
+      open: true,
+      timer: undefined,
+    };
+    let set = this.slices.get(key);
+    if (!set) this.slices.set(key, (set = new Set()));
+    set.add(slice);
+    const before = this.openSlices.get(sliceKey);
+    this.openSlices.set(sliceKey, slice);
+    if (before) this.closeSlice(before);
+    slice.timer = setTimeout(() => this.closeSlice(slice), Math.max(0, slice.closesAt - now));
+    slice.timer.unref();
+    if (this.closed) this.closeSlice(slice);
+  }
+
+  /** Settles a request admitted from `slice`: what it used counted, the rest of its worst case back in the slice. */
+  private settleInSlice(slice: LocalSlice, id: string, tokens: number): Settlement {
+    const r = slice.live.get(id)!;
+    slice.live.delete(id);
+    this.localIds.delete(`${slice.key} ${id}`);
+    slice.usedTokens += tokens;
+    if (slice.tokensLeft !== null) slice.tokensLeft += r.tokens - tokens;
+    const duration = Math.max(0, this.clock() - r.at);
+    slice.meanDurationMs = slice.meanDurationMs === undefined ? duration : slice.meanDurationMs + (duration - slice.meanDurationMs) / 8;
+    if (!slice.open && slice.live.size === 0) this.giveBack(slice);
+    const state = withSliceLeft(slice.view, slice.model, { requests: slice.requestsLeft, tokens: slice.tokensLeft });
+    return { state, settled: true, headers: rateLimitHeaders(state, slice.limits, this.clock(), slice.model) };
+  }
+
+  /** Stops admitting from `slice`; given back at once when nothing of it is in flight, else when its last request settles. */
+  private closeSlice(slice: LocalSlice): void {
+    if (!slice.open) return;
+    slice.open = false;
+    clearTimeout(slice.timer);
+    if (this.openSlices.get(slice.sliceKey) === slice) this.openSlices.delete(slice.sliceKey);
+    const stats = this.sliceStats.get(slice.sliceKey);
+    if (stats) stats.rate = slice.admitted / Math.max(1, this.clock() - slice.leasedAt);
+    if (slice.live.size === 0) this.giveBack(slice);
+  }
+
+  /** Writes `slice` back (held like a settle, for the scope's next write): what it did not use returns to the key. */
+  private giveBack(slice: LocalSlice): void {
+    const use = {
+      requestsLeft: slice.requestsLeft ?? 0,
+      usedTokens: slice.usedTokens,
+      ...(slice.meanDurationMs !== undefined ? { meanDurationMs: slice.meanDurationMs } : {}),
+    };
+    this.enqueue<Settlement>(
+      slice.scope,
+      (state, now) => {
+        const s = returnSlice(state, slice.limits, slice.id, use, now);
+        return s.settled ? { write: s.state, result: s } : { result: s };
+      },
+      true,
+    )
+      .then(() => this.forget(slice))
+      .catch(() => {
+        // Not written: kept in `slices` (flush and close try again); its lease lapses otherwise, charged in full.
+        slice.open = false;
+        setTimeout(() => this.slices.get(slice.key)?.has(slice) && this.giveBack(slice), this.sliceMs).unref();
+      });
+  }
+
+  /** Drops every trace of `slice` here (given back, or lapsed). */
+  private forget(slice: LocalSlice): void {
+    clearTimeout(slice.timer);
+    slice.open = false;
+    if (this.openSlices.get(slice.sliceKey) === slice) this.openSlices.delete(slice.sliceKey);
+    for (const id of slice.live.keys()) this.localIds.delete(`${slice.key} ${id}`);
+    const set = this.slices.get(slice.key);
+    set?.delete(slice);
+    if (set?.size === 0) this.slices.delete(slice.key);
   }
 
   /** Runs `step` in the scope's next batch; a `holdable` one (a settle) may wait up to `settleHoldMs` for another's. */

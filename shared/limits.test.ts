@@ -8,6 +8,9 @@ import {
   decodeLimitState,
   emptyLimitState,
   formatResetDuration,
+  leaseSlice,
+  returnSlice,
+  withSliceLeft,
   rateLimitHeaders,
   releaseStorage,
   renew,
@@ -517,5 +520,82 @@ describe('the stored document', () => {
     expect(() => admit(emptyLimitState(), {}, { ...req('a'), tokens: 1.5 }, T0)).toThrow(RangeError);
     expect(() => admit(emptyLimitState(), {}, { ...req('a'), leaseMs: 0 }, T0)).toThrow(RangeError);
     expect(() => settle(emptyLimitState(), {}, 'a', -1, T0)).toThrow(RangeError);
+  });
+});
+
+describe('slices', () => {
+  const ask = (over: Partial<Parameters<typeof leaseSlice>[2]> = {}) => ({
+    id: '~slice.1',
+    replica: 'gw-a',
+    leaseMs: LEASE,
+    requests: 100,
+    tokens: 10_000,
+    slots: 16,
+    minTokens: 200,
+    ...over,
+  });
+
+  it('takes at most an eighth of what each limit has available, and reserves it like a request', () => {
+    const limits: KeyLimits = { requestsPerMinute: 400, tokensPerMinute: 1_000_000, concurrency: 64, budget: { tokens: 40_000, period: 'day' } };
+    const l = leaseSlice(emptyLimitState(), limits, ask(), T0);
+    if (!l.ok) throw new Error('refused');
+    expect(l.slice).toEqual({ requests: 50, tokens: 5_000, slots: 8 });
+    expect(l.state.reservations['~slice.1']).toEqual({ tokens: 5_000, replica: 'gw-a', leaseUntil: T0 + LEASE, at: T0, slots: 8 });
+    expect(l.state.requests!.level).toBe(350 * BUCKET_SCALE);
+    expect(l.state.tokens!.level).toBe((1_000_000 - 5_000) * BUCKET_SCALE);
+    // Its slots and tokens count for every other admission.
+    const full = { ...limits, concurrency: 9 };
+    const s = admitted(l.state, full, req('r1', 100), T0);
+    expect(refused(admit(s, full, req('r2', 100), T0)).message).toContain('Used 9');
+    expect(refused(admit(l.state, limits, req('big', 35_001), T0)).code).toBe('insufficient_quota');
+  });
+
+  it('is refused near a limit (an eighth would not hold minTokens, a request or a slot), changing nothing', () => {
+    expect(leaseSlice(emptyLimitState(), { budget: { tokens: 1_599, period: 'day' } }, ask(), T0)).toEqual({ ok: false });
+    expect(leaseSlice(emptyLimitState(), { requestsPerMinute: 7 }, ask(), T0)).toEqual({ ok: false });
+    expect(leaseSlice(emptyLimitState(), { concurrency: 7 }, ask(), T0)).toEqual({ ok: false });
+    expect(leaseSlice(emptyLimitState(), { budget: { tokens: 1_600, period: 'day' } }, ask(), T0)).toMatchObject({ ok: true, slice: { tokens: 200 } });
+    // Unlimited kinds are unbounded in the slice and take nothing.
+    expect(leaseSlice(emptyLimitState(), {}, ask(), T0)).toMatchObject({ ok: true, slice: { requests: null, tokens: null, slots: null } });
+  });
+
+  it('given back: used tokens charged, the rest and the requests not admitted returned, capped at capacity; a second return is a no-op', () => {
+    const limits: KeyLimits = { requestsPerMinute: 800, tokensPerMinute: 80_000, budget: { tokens: 1_000_000, period: 'month' } };
+    const l = leaseSlice(emptyLimitState(), limits, ask(), T0);
+    if (!l.ok) throw new Error('refused');
+    expect(l.slice).toEqual({ requests: 100, tokens: 10_000, slots: null });
+    const r = returnSlice(l.state, limits, '~slice.1', { requestsLeft: 90, usedTokens: 1_234, meanDurationMs: 42 }, T0);
+    expect(r.settled).toBe(true);
+    expect(r.state.reservations).toEqual({});
+    expect(r.state.budget).toEqual({ period: '2026-11', used: 1_234 });
+    expect(r.state.requests!.level).toBe(790 * BUCKET_SCALE);
+    expect(r.state.tokens!.level).toBe((80_000 - 1_234) * BUCKET_SCALE);
+    expect(r.state.meanDurationMs).toBe(42);
+    expect(returnSlice(r.state, limits, '~slice.1', { requestsLeft: 90, usedTokens: 1_234 }, T0).settled).toBe(false);
+  });
+
+  it('lapsed, it is charged in full', () => {
+    const limits: KeyLimits = { budget: { tokens: 1_000_000, period: 'month' } };
+    const l = leaseSlice(emptyLimitState(), limits, ask(), T0);
+    if (!l.ok) throw new Error('refused');
+    expect(sweep(l.state, T0 + LEASE)).toMatchObject({ reservations: {}, budget: { used: 10_000 } });
+  });
+
+  it("counts in a model's own limits too", () => {
+    const limits: KeyLimits = { budget: { tokens: 1_000_000, period: 'month' }, models: { 'ns/m': { concurrency: 80 } } };
+    const l = leaseSlice(emptyLimitState(), limits, ask({ model: 'ns/m' }), T0);
+    if (!l.ok) throw new Error('refused');
+    expect(l.slice).toEqual({ requests: null, tokens: 10_000, slots: 10 });
+    expect(l.state.reservations['~slice.1']).toMatchObject({ model: 'ns/m', slots: 10 });
+    const r = returnSlice(l.state, limits, '~slice.1', { requestsLeft: 0, usedTokens: 500 }, T0);
+    expect(r.state).toMatchObject({ budget: { used: 500 }, reservations: {} });
+  });
+
+  it('the headers of a slice count what it still holds', () => {
+    const limits: KeyLimits = { requestsPerMinute: 800 };
+    const l = leaseSlice(emptyLimitState(), limits, ask(), T0);
+    if (!l.ok) throw new Error('refused');
+    expect(rateLimitHeaders(l.state, limits, T0)['x-ratelimit-remaining-requests']).toBe('700');
+    expect(rateLimitHeaders(withSliceLeft(l.state, undefined, { requests: 60, tokens: null }), limits, T0)['x-ratelimit-remaining-requests']).toBe('760');
   });
 });

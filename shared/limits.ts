@@ -117,6 +117,11 @@ const Reservation = Type.Object({
   at: Type.Integer(),
   /** Its model, when that model has limits of its own (`KeyLimits.models`): it counts there too. */
   model: Type.Optional(Type.String()),
+  /**
+   * Concurrent slots it holds: absent for a request (one); a slice's (see {@link leaseSlice}) as
+   * many as it leased, 0 when no concurrency limit applies.
+   */
+  slots: Type.Optional(Type.Integer({ minimum: 0 })),
 });
 export type Reservation = Static<typeof Reservation>;
 
@@ -374,6 +379,9 @@ const modelLimitsOf = (limits: KeyLimits, model: string | undefined): RateLimits
 /** The tokens `live` reservations hold. */
 export const reservedTokens = (live: readonly Reservation[]): number => live.reduce((sum, r) => sum + r.tokens, 0);
 
+/** The concurrent slots `live` reservations hold (a request one, a slice its `slots`). */
+export const reservedSlots = (live: readonly Reservation[]): number => live.reduce((sum, r) => sum + (r.slots ?? 1), 0);
+
 /** The bytes of stored responses charged to `state`'s key that have not expired at `nowMs`. */
 export const storedBytes = (state: LimitState, nowMs: number): number =>
   Object.values(liveStored(state.stored, Math.floor(nowMs)) ?? {}).reduce((sum, b) => sum + b, 0);
@@ -408,7 +416,7 @@ function scopesOf(s: LimitState, limits: KeyLimits, model: string | undefined): 
  */
 function concurrencyWaitMs(scope: Scope, nowMs: number): number {
   const mean = scope.counters.meanDurationMs ?? Math.max(0, ...scope.live.map((r) => nowMs - r.at));
-  return Math.max(1, Math.ceil(mean / Math.max(1, scope.live.length)));
+  return Math.max(1, Math.ceil(mean / Math.max(1, reservedSlots(scope.live))));
 }
 
 /** `s` with `scope`'s counters replaced by `c`. */
@@ -515,11 +523,11 @@ export function admit(state: LimitState, limits: KeyLimits, req: AdmitRequest, n
   const waits: { ms: number; message: (retry: string) => string }[] = [];
   for (const scope of scopes) {
     const { limits: l, counters: c, live, of } = scope;
-    if (l.concurrency !== undefined && live.length >= l.concurrency)
+    const slots = reservedSlots(live);
+    if (l.concurrency !== undefined && slots >= l.concurrency)
       waits.push({
         ms: concurrencyWaitMs(scope, nowMs),
-        message: (retry) =>
-          `Rate limit reached${of} on concurrent requests: Limit ${l.concurrency}, Used ${live.length}, Requested 1. Please try again in ${retry}.`,
+        message: (retry) => `Rate limit reached${of} on concurrent requests: Limit ${l.concurrency}, Used ${slots}, Requested 1. Please try again in ${retry}.`,
       });
     const rpm = l.requestsPerMinute;
     if (rpm !== undefined && c.requests!.level < BUCKET_SCALE) {
@@ -608,6 +616,163 @@ export function settle(state: LimitState, limits: KeyLimits, id: string, actualT
   const own = modelLimitsOf(limits, r.model);
   if (own) next = withCounters(next, 1, r.model, settleCounters(next.models![r.model!]!, own, r, actualTokens, nowMs));
   return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs, r.model) };
+}
+
+/**
+ * The most of what a limit has available that one slice takes: 1 / SLICE_SHARE of it — so a few
+ * replicas leasing at once leave room for each other, and a slice lost with its gateway (charged
+ * in full) costs a bounded part of a budget.
+ */
+export const SLICE_SHARE = 8;
+
+/** What {@link leaseSlice} is asked to lease. */
+export interface SliceRequest {
+  /** The slice's reservation id (unique: a request id never takes it). */
+  id: string;
+  /** The gateway replica that admits from it and renews its lease. */
+  replica: string;
+  leaseMs: number;
+  /** The model whose own limits (`KeyLimits.models`) it counts in too, when it has any. */
+  model?: string;
+  /** Wanted: requests it may admit, tokens (worst cases) it may hand out, requests in flight at once. */
+  requests: number;
+  tokens: number;
+  slots: number;
+  /** The fewest tokens worth leasing (a slice that cannot hold a couple of requests is not leased). */
+  minTokens: number;
+}
+
+/** What a leased slice holds; null where no limit of that kind applies (unbounded). */
+export interface Slice {
+  requests: number | null;
+  tokens: number | null;
+  slots: number | null;
+}
+
+/**
+ * Leases a *slice* of what the key (and `req.model`, when it has limits of its own) has available
+ * at `nowMs`, for a gateway replica to admit requests from without a write each: `requests` off
+ * each requests bucket, `tokens` off each tokens bucket and held against each budget, `slots`
+ * concurrent slots — all in one reservation under `req.id` with a lease like a request's (a
+ * replica that dies has it released, charged in full, by {@link sweep}). Each is at most
+ * 1/{@link SLICE_SHARE} of what its limit has available; refused (nothing changed, `ok: false`)
+ * when that cannot hold one request, one slot and `minTokens` — near a limit, requests are
+ * admitted one by one ({@link admit}), exactly as before. The replica gives back what it did not
+ * use with {@link returnSlice}. Every invariant of {@link admit} holds: what a slice holds is
+ * reserved in the document, and the replica admits within it only.
+ */
+export function leaseSlice(
+  state: LimitState,
+  limits: KeyLimits,
+  req: SliceRequest,
+  nowMs: number,
+): { ok: true; state: LimitState; slice: Slice } | { ok: false } {
+  for (const [what, n, min] of [
+    ['requests', req.requests, 1],
+    ['tokens', req.tokens, 0],
+    ['slots', req.slots, 1],
+    ['minTokens', req.minTokens, 0],
+    ['leaseMs', req.leaseMs, 1],
+  ] as const)
+    checkWhole(what, n, min);
+  if (!req.id) throw new RangeError('a slice id is required');
+  nowMs = Math.floor(nowMs);
+  const s = normalize(state, limits, nowMs);
+  if (hasOwn(s.reservations, req.id)) return { ok: false };
+  const scopes = scopesOf(s, limits, req.model);
+  let requests: number | null = null;
+  let tokens: number | null = null;
+  let slots: number | null = null;
+  const cap = (current: number | null, wanted: number, available: number) => Math.min(current ?? wanted, Math.floor(Math.max(0, available) / SLICE_SHARE));
+  for (const { limits: l, counters: c, live } of scopes) {
+    if (l.requestsPerMinute !== undefined) requests = cap(requests, req.requests, Math.floor(c.requests!.level / BUCKET_SCALE));
+    if (l.tokensPerMinute !== undefined) tokens = cap(tokens, req.tokens, Math.floor(c.tokens!.level / BUCKET_SCALE));
+    if (l.budget) tokens = cap(tokens, req.tokens, l.budget.tokens - c.budget!.used - reservedTokens(live));
+    if (l.concurrency !== undefined) slots = cap(slots, req.slots, l.concurrency - reservedSlots(live));
+  }
+  if ((requests !== null && requests < 1) || (slots !== null && slots < 1) || (tokens !== null && tokens < Math.max(1, req.minTokens))) return { ok: false };
+  const model = scopes.length > 1 ? req.model : undefined;
+  let next: LimitState = {
+    ...s,
+    reservations: {
+      ...s.reservations,
+      [req.id]: {
+        tokens: tokens ?? 0,
+        replica: req.replica,
+        leaseUntil: nowMs + req.leaseMs,
+        at: nowMs,
+        slots: slots ?? 0,
+        ...(model !== undefined ? { model } : {}),
+      },
+    },
+  };
+  scopes.forEach(({ counters: c }, i) => {
+    const taken: Counters = { ...c };
+    if (c.requests && requests !== null) taken.requests = { level: c.requests.level - requests * BUCKET_SCALE, at: c.requests.at };
+    if (c.tokens && tokens !== null) taken.tokens = { level: c.tokens.level - tokens * BUCKET_SCALE, at: c.tokens.at };
+    next = withCounters(next, i, model, taken);
+  });
+  return { ok: true, state: next, slice: { requests, tokens, slots } };
+}
+
+/** What a replica did with a slice, given back by {@link returnSlice}. */
+export interface SliceUse {
+  /** Requests of the slice it did not admit (back to the requests buckets). */
+  requestsLeft: number;
+  /** Tokens its requests used, by their settles (charged to the budgets; the rest of its tokens back to the tokens buckets). */
+  usedTokens: number;
+  /** The mean duration of the requests it settled, smoothed from the scope's as {@link settle} smooths it; absent when none settled. */
+  meanDurationMs?: number;
+}
+
+/**
+ * Gives back slice `id` ({@link leaseSlice}) once none of its requests is in flight: its
+ * reservation removed, `use.usedTokens` charged to the budgets, the tokens it did not use and
+ * the requests it did not admit returned to the buckets (capped at their capacity), its slots
+ * free. A slice not reserved (released after its lease passed, charged in full) is a no-op.
+ */
+export function returnSlice(state: LimitState, limits: KeyLimits, id: string, use: SliceUse, nowMs: number): Settlement {
+  checkWhole('requestsLeft', use.requestsLeft, 0);
+  checkWhole('usedTokens', use.usedTokens, 0);
+  nowMs = Math.floor(nowMs);
+  const s = normalize(state, limits, nowMs);
+  if (!hasOwn(s.reservations, id)) return { state: s, settled: false, headers: rateLimitHeaders(s, limits, nowMs) };
+  const r = s.reservations[id]!;
+  const back = (c: Counters, l: RateLimits): Counters => {
+    const next: Counters = { ...c };
+    if (next.budget) next.budget = { period: next.budget.period, used: next.budget.used + use.usedTokens };
+    if (next.tokens && l.tokensPerMinute)
+      next.tokens = { level: Math.min(l.tokensPerMinute * BUCKET_SCALE, next.tokens.level + (r.tokens - use.usedTokens) * BUCKET_SCALE), at: next.tokens.at };
+    if (next.requests && l.requestsPerMinute)
+      next.requests = { level: Math.min(l.requestsPerMinute * BUCKET_SCALE, next.requests.level + use.requestsLeft * BUCKET_SCALE), at: next.requests.at };
+    if (use.meanDurationMs !== undefined && Number.isFinite(use.meanDurationMs) && use.meanDurationMs >= 0) next.meanDurationMs = use.meanDurationMs;
+    return next;
+  };
+  let next: LimitState = {
+    ...s,
+    ...back(keyCounters(s), limits),
+    reservations: Object.fromEntries(Object.entries(s.reservations).filter(([k]) => k !== id)),
+  };
+  const own = modelLimitsOf(limits, r.model);
+  if (own) next = withCounters(next, 1, r.model, back(next.models![r.model!]!, own));
+  return { state: next, settled: true, headers: rateLimitHeaders(next, limits, nowMs, r.model) };
+}
+
+/**
+ * `state` (as a slice was leased on) with what a replica's slice still holds added back to the
+ * buckets it was taken from — the key's, and `model`'s when the slice counts there — so that
+ * {@link rateLimitHeaders} of it tell a client what the key has left as this replica sees it.
+ */
+export function withSliceLeft(state: LimitState, model: string | undefined, left: { requests: number | null; tokens: number | null }): LimitState {
+  const add = (c: Counters): Counters => {
+    const next: Counters = { ...c };
+    if (c.requests && left.requests !== null) next.requests = { level: c.requests.level + left.requests * BUCKET_SCALE, at: c.requests.at };
+    if (c.tokens && left.tokens !== null) next.tokens = { level: c.tokens.level + Math.max(0, left.tokens) * BUCKET_SCALE, at: c.tokens.at };
+    return next;
+  };
+  const next: LimitState = { ...state, ...add(keyCounters(state)) };
+  const own = model !== undefined ? state.models?.[model] : undefined;
+  return own ? { ...next, models: { ...state.models, [model!]: add(own) } } : next;
 }
 
 /**

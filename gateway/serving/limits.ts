@@ -7,7 +7,8 @@
  * what the engine reports it used once the answer ends, fails or is abandoned (the store holds a
  * settle briefly to write it with the key's next admission: one write per request, not two). Its lease is
  * renewed while it runs, so the reservation of a gateway that died is released (charged in full)
- * within a lease. A refusal is OpenAI's 429 (`rate_limit_exceeded` with a Retry-After computed
+ * within a lease. Far from its limits a key's requests are admitted from a slice the store leased
+ * (dataplane/limits.ts: no write per request). A refusal is OpenAI's 429 (`rate_limit_exceeded` with a Retry-After computed
  * from the window, or `insufficient_quota`); every admitted answer carries the `x-ratelimit-*`
  * headers.
  */
