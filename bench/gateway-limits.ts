@@ -85,6 +85,8 @@ export interface AdmissionTrace {
   otherRtt: number[];
   /** Limited key: writes to its entry in the traced block. */
   writes: number;
+  /** Limited key: requests with no write of the key while they were in the gateway (admitted from a slice). */
+  fromSlice: number;
 }
 
 const now = (): number => performance.timeOrigin + performance.now();
@@ -236,8 +238,9 @@ export async function measureLimits(ctx: {
 
 /**
  * Pairs each limited request with its admission's write: at concurrency 1, the first write sent
- * after it arrived (a lease renewal, every 10 s, may take one's place). Every other write is a
- * settle written alone (no admission came within its hold) or a renewal.
+ * after it arrived and before its answer left (a lease renewal, every 10 s, may take one's place);
+ * a request with none was admitted from a slice. Every other write is a slice leased ahead or given
+ * back, a settle written alone (no admission came within its hold) or a renewal.
  */
 function traceOf(http: PerKey<[number, number][]>, kvCalls: [number, number][], requests: number): AdmissionTrace {
   const kv = [...kvCalls].sort((a, b) => a[0] - b[0]);
@@ -249,13 +252,18 @@ function traceOf(http: PerKey<[number, number][]>, kvCalls: [number, number][], 
     admitRtt: [],
     otherRtt: [],
     writes: kv.length,
+    fromSlice: 0,
   };
   const admissions = new Set<number>();
   let k = 0;
-  for (const [h0] of on) {
+  for (const [h0, h1] of on) {
     while (k < kv.length && kv[k]![0] < h0) k++;
     const admit = kv[k];
-    if (!admit) break;
+    // No write while it was in the gateway: admitted from a slice.
+    if (!admit || admit[0] > h1) {
+      out.fromSlice += 1;
+      continue;
+    }
     const behind = k > 0 && kv[k - 1]![1] > h0;
     out.admitWait[behind ? 'behind' : 'clear'].push(admit[0] - h0);
     out.admitRtt.push(admit[1] - admit[0]);
@@ -317,7 +325,7 @@ export function limitsReport(r: LimitsResult): string[] {
   out.push(`  traced blocks at concurrency 1 (${t.requests} requests per key, not part of the figures above; p50, ms):`);
   out.push(row('gateway: HTTP request in → out', p50(t.gateway.off), p50(t.gateway.on)));
   out.push(
-    `    limits: ${fmt(t.writes / t.requests, 2)} writes per request; admission's compare-and-swap ${fmt(p50(t.admitRtt))} (p99 ${fmt(p99(t.admitRtt))}); ${t.otherRtt.length} other writes (settles written alone, renewals) ${t.otherRtt.length ? fmt(p50(t.otherRtt)) : '–'}; request in → admission sent ${fmt(p50(t.admitWait.clear))} (${t.admitWait.clear.length} requests), ${t.admitWait.behind.length ? fmt(p50(t.admitWait.behind)) : '–'} for the ${t.admitWait.behind.length} that arrived while a write of the key was in flight`,
+    `    limits: ${fmt(t.writes / t.requests, 3)} writes per request; ${t.fromSlice} of ${t.requests} requests with no write while in the gateway (admitted from a slice); the others' admission compare-and-swap ${fmt(p50(t.admitRtt))} (p99 ${fmt(p99(t.admitRtt))}); ${t.otherRtt.length} other writes (settles written alone, renewals) ${t.otherRtt.length ? fmt(p50(t.otherRtt)) : '–'}; request in → admission sent ${fmt(p50(t.admitWait.clear))} (${t.admitWait.clear.length} requests), ${t.admitWait.behind.length ? fmt(p50(t.admitWait.behind)) : '–'} for the ${t.admitWait.behind.length} that arrived while a write of the key was in flight`,
   );
   const perRequest = r.measured > 0 ? r.charged / r.measured : NaN;
   out.push(
