@@ -15,6 +15,7 @@
  * `magus.dev/api-token=true` until the next release) become `magus_tokens` entries (keys.ts);
  * live conversations are mirrored as `Session`s (sessions.ts).
  */
+import type { MeterVerifier } from '../dataplane/meter';
 import { CoreV1Api, CustomObjectsApi, type KubeConfig } from '@kubernetes/client-node';
 import type { Client } from '@temporalio/client';
 import type { JetStreamClient, KV } from 'nats';
@@ -42,7 +43,7 @@ export interface ControllerOptions {
    * The usage ledger's bucket (and the gateways' limit counts): with a tokens bucket too, each
    * ApiKey's `status.usage` is written from it (usage-status.ts).
    */
-  usage?: { js: JetStreamClient; bucket: string; sumsBucket?: string; limits?: LimitStore; intervalMs?: number };
+  usage?: { js: JetStreamClient; bucket: string; sumsBucket?: string; limits?: LimitStore; verifier?: MeterVerifier; intervalMs?: number };
   /** The `magus_sessions` bucket and how many Sessions to mirror at most (0: none). */
   sessions?: { kv: KV; cap: number };
   /** Only these namespaces, one watch each (default or empty: all namespaces, one watch). */

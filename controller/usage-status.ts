@@ -10,6 +10,7 @@
  * are checkpointed and the keys whose usage changed are written — server-side apply of `status.usage` alone, as field manager `magus-usage`, so the
  * fields the key reconciler writes (keys.ts) are not touched.
  */
+import type { MeterVerifier } from '../dataplane/meter';
 import type { CustomObjectsApi } from '@kubernetes/client-node';
 import { DeliverPolicy, type ConsumerMessages, type JetStreamClient, type KV } from 'nats';
 import { isRevisionConflict } from '../dataplane/errors';
@@ -259,6 +260,8 @@ export interface UsageStatusOptions {
   apikeys: () => ApiKeyResource[];
   /** The gateways' limit counts, for what a budget has left. */
   limits?: LimitStore;
+  /** Counts only records a gateway signed (dataplane/meter.ts); absent: every record (tests of the sums alone). */
+  verifier?: MeterVerifier;
   intervalMs?: number;
   log: (line: string) => void;
   now?: () => number;
@@ -372,13 +375,18 @@ export async function startUsageStatus(opts: UsageStatusOptions): Promise<UsageS
   const messages: ConsumerMessages = await consumer.consume();
   /** The ledger sequence of the last message read. */
   let read = cursor ?? 0;
+  let unsigned = 0;
   const reading = (async () => {
     for await (const m of messages) {
       read = m.seq;
       if (m.data.length === 0) continue; // a delete or purge marker
       try {
         const r = parseUsageRecord(m.json());
-        if (r) sums.add(r, m.seq);
+        if (r && (!opts.verifier || (await opts.verifier.verify(r)))) sums.add(r, m.seq);
+        else if (r && (unsigned += 1) % 1000 === 1)
+          opts.log(
+            `usage: left out ${unsigned} record(s) no gateway signed so far (the last: ${r.id} for ${r.key}); they stand for no request a gateway took in`,
+          );
       } catch {
         // not JSON: not a record
       }

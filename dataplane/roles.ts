@@ -21,9 +21,10 @@
  *
  * A bridge publishes and reads back only its own instance's frames (the request asks for them on
  * `magus.res.<replica>.<pool>.<instance>.<id>`, InferenceRequest `instanceFrames`) and claims
- * (`<pool>.<instance>.<id>`), and writes the ledger without reading it. Left open (known): it
- * may write a usage record for any key (it records the usage of whoever its instance served, and
- * nothing yet proves a record stands for a request the gateway sent it).
+ * (`<pool>.<instance>.<id>`), and writes the ledger without reading it. It may write a usage
+ * record for any key (it records the usage of whoever its instance served), but only a record
+ * carrying the signature of a gateway's request counts (meter.ts: the key is in `magus_limits`,
+ * which a bridge cannot read).
  *
  * The JetStream API is granted per stream (`$JS.API.<verb>.<stream>…`), never as `$JS.API.>`,
  * so a role that may read one bucket cannot create a consumer on another.

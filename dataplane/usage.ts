@@ -13,6 +13,7 @@ import { periodOf, parseUsageRecord, type UsageRecord } from '../shared/usage';
 import { isRevisionConflict } from './errors';
 import { decodeJson, encodeJson } from './json';
 import { limitKeyOf } from './limits';
+import type { MeterVerifier } from './meter';
 import type { DataPlaneNames } from './names';
 
 /** The ledger key of `r`: the same for every attempt at its request (all from the request itself). */
@@ -76,5 +77,19 @@ export class UsageLedger {
       if (r && (q.since === undefined || r.start >= q.since) && (q.until === undefined || r.start < q.until)) out.push(r);
     }
     return out;
+  }
+
+  /**
+   * The records `q` selects that a gateway signed (dataplane/meter.ts), and how many it left out:
+   * records without a valid signature stand for no request a gateway took in.
+   */
+  async readSigned(q: UsageQuery, verifier: MeterVerifier): Promise<{ records: UsageRecord[]; unsigned: number }> {
+    const records: UsageRecord[] = [];
+    let unsigned = 0;
+    for (const r of await this.read(q)) {
+      if (await verifier.verify(r)) records.push(r);
+      else unsigned += 1;
+    }
+    return { records, unsigned };
   }
 }

@@ -20,6 +20,7 @@ import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './serving/model-catalog';
 import { kvResponseStore } from './serving/response-store';
 import { KeyLimiter } from './serving/limits';
+import { meterKeyOf } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
@@ -172,7 +173,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const storedResponses = kvResponseStore(
       await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }),
     );
-    const limiter = new KeyLimiter(new LimitStore(await openBucket(nc, config.buckets.limits)), {
+    const limitsKv = await openBucket(nc, config.buckets.limits);
+    // The key this gateway signs its requests' meters with (dataplane/meter.ts): made by the first gateway.
+    const meterKey = await meterKeyOf(limitsKv, { create: true });
+    const limiter = new KeyLimiter(new LimitStore(limitsKv), {
       replica: config.replicaId,
       leaseMs: config.limitLeaseMs,
       storedResponsesTtlMs: config.responsesTtlMs,
@@ -287,6 +291,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       readStored,
       backlogFull: deps.backlogFull,
       limiter,
+      meterKey,
       recordUsage: (record) => {
         ledger.record(record).catch((err: unknown) => log.debug({ err, inferenceId: record.id }, 'could not record an unanswered request in the usage ledger'));
       },

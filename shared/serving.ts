@@ -52,7 +52,13 @@ const envelope = {
    * then writes no record.
    */
   meter: Type.Optional(
-    Type.Object({ key: Type.String({ minLength: 1, maxLength: 512 }), model: Type.String({ minLength: 1, maxLength: 512 }), at: Type.Number() }),
+    Type.Object({
+      key: Type.String({ minLength: 1, maxLength: 512 }),
+      model: Type.String({ minLength: 1, maxLength: 512 }),
+      at: Type.Number(),
+      /** The gateway's signature (dataplane/meter.ts), copied into the record; absent from gateways before it. */
+      sig: Type.Optional(Type.String({ maxLength: 128 })),
+    }),
   ),
 };
 /** A chat completion (`kind` absent: what every gateway sent before there were other kinds). */

@@ -53,6 +53,12 @@ export interface UsageRecord {
    * streamed (one token each from magus's engines) and the prompt is 0.
    */
   reported: boolean;
+  /**
+   * The gateway's signature of the request it sent (its meter's, dataplane/meter.ts): what proves
+   * a record stands for a request a gateway took in for this key. Readers leave out records
+   * without a valid one.
+   */
+  sig?: string;
 }
 
 /** What a request carries for its record (InferenceRequest `meter`): set by the gateway, which knows the key. */
@@ -61,6 +67,8 @@ export interface UsageMeter {
   model: string;
   /** Epoch ms: when the gateway took the request in. */
   at: number;
+  /** The gateway's signature of the request's id, kind and this meter (dataplane/meter.ts); the record carries it. */
+  sig?: string;
 }
 
 /** Epoch ms in ISO 8601 to the second (`2026-11-29T10:00:00Z`), as Kubernetes writes times. */
@@ -94,6 +102,7 @@ export function usageRecordOf(req: { id: string; kind?: UsageRecord['kind']; met
     ...(end.error !== undefined ? { error: end.error } : {}),
     tokens: end.tokens ?? { prompt: 0, cached: 0, completion: chunks, total: chunks },
     reported: end.tokens !== undefined,
+    ...(req.meter.sig !== undefined ? { sig: req.meter.sig } : {}),
   };
 }
 

@@ -26,6 +26,7 @@ import { dataPlaneNames } from '../dataplane';
 import { startKeys, type Keys } from '../controller/keys';
 import { startUsageStatus } from '../controller/usage-status';
 import { LimitStore } from '../dataplane/limits';
+import { meterKeyOf, meterSignature, MeterVerifier } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import type { ResourceWatch } from '../kube/watch';
 import type { UsageRecord } from '../shared/usage';
@@ -418,6 +419,7 @@ test("status.usage: the ledger's records of the key in its budget's period and w
     custom: controllerKc.makeApiClient(CustomObjectsApi),
     apikeys: () => (controller.watches.apikeys as ResourceWatch<ApiKeyResource>).list(),
     limits: new LimitStore(await ctl.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
+    verifier: new MeterVerifier(await ctl.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
     intervalMs: 60_000, // flushed by the test
     log: (l) => controllerLog.push(l),
   });
@@ -441,9 +443,14 @@ test("status.usage: the ledger's records of the key in its budget's period and w
     tokens: { prompt: total - 10, cached: 0, completion: 10, total },
     reported: true,
   });
-  await ledger.record(record(1, identity, 100));
-  await ledger.record(record(2, identity, 50));
-  await ledger.record(record(3, `${nsA}/metered`, 999)); // a key of the same name in another namespace
+  // Signed as the gateway signs each request's meter (dataplane/meter.ts).
+  const meterKey = (await meterKeyOf(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }), { create: true }))!;
+  const signed = (r: UsageRecord): UsageRecord => ({ ...r, sig: meterSignature(meterKey, r) });
+  await ledger.record(signed(record(1, identity, 100)));
+  await ledger.record(signed(record(2, identity, 50)));
+  await ledger.record(signed(record(3, `${nsA}/metered`, 999))); // a key of the same name in another namespace
+  await ledger.record(record(90, identity, 5000)); // no gateway signed it: not counted
+  await ledger.record({ ...signed(record(91, `${nsA}/metered`, 70)), key: identity }); // signed for another key: not counted
   // The gateways charged the budget 150 and hold 200 for a request in flight.
   const admitted = await limits.admit(identity, { budget }, { id: 'settled', tokens: 150, replica: 'gw-test', leaseMs: 60_000 });
   expect(admitted.ok).toBe(true);
@@ -474,7 +481,7 @@ test("status.usage: the ledger's records of the key in its budget's period and w
   expect(stdout).toMatch(/metered\s+metered-token\s+\S+\s+false\s+1000\s+day\s+150\s+650\s+True\s+Registered/);
 
   // A new record: written at the next flush; nothing new: nothing written.
-  await ledger.record(record(4, identity, 25));
+  await ledger.record(signed(record(4, identity, 25)));
   await until(
     'the new record is counted',
     async () => {

@@ -23,6 +23,7 @@ import OpenAI from 'openai';
 import { consumerNameOf, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 import { startBridge, type Bridge } from '../dataplane/bridge';
 import { openModelRegistry } from '../dataplane/registry';
+import { MeterVerifier } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/serving/conversation';
@@ -209,8 +210,12 @@ function engineUsage(content: string): UsageRecord['tokens'] {
   return { prompt, cached: 0, completion: CHUNKS, total: prompt + CHUNKS };
 }
 
+/** The ledger's records (of `key`), every one signed by a gateway (dataplane/meter.ts): those a gateway recorded itself too. */
 async function ledgerRecords(key?: string): Promise<UsageRecord[]> {
-  return (await UsageLedger.open(nc.jetstream(), names)).read(key === undefined ? {} : { key });
+  const verifier = new MeterVerifier(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }));
+  const { records, unsigned } = await (await UsageLedger.open(nc.jetstream(), names)).readSigned(key === undefined ? {} : { key }, verifier);
+  expect(unsigned).toBe(0);
+  return records;
 }
 
 /** What went on, for a failure's message. */

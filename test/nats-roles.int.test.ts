@@ -11,6 +11,7 @@
  * or forging its answers and claims, or reading the ledger — and a connection without
  * credentials is refused.
  */
+import { METER_KEY_ENTRY } from '../dataplane/meter';
 import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
@@ -208,9 +209,11 @@ test('a request goes gateway → bridge → engine and back, each process as its
 
 const denied = /permissions violation|PERMISSIONS_VIOLATION/i;
 
-test('a bridge cannot read tokens or stored responses, nor write the registry', async () => {
+test('a bridge cannot read tokens, stored responses or the meter key, nor write the registry', async () => {
   const js = as('bridge-i1').jetstream();
   await expect(js.views.kv(names.tokensBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
+  // The key gateways sign usage meters with (dataplane/meter.ts): a bridge could forge records with it.
+  await expect(js.views.kv(names.limitsBucket, { bindOnly: true }).then((kv) => kv.get(METER_KEY_ENTRY))).rejects.toThrow(denied);
   await expect(js.views.kv(names.responsesBucket, { bindOnly: true }).then((kv) => kv.get('x'))).rejects.toThrow(denied);
   await expect(js.publish(`$KV.${names.modelsBucket}.default.evil`, '{}', { timeout: 2000 })).rejects.toThrow(denied);
 });

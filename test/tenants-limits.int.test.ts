@@ -21,6 +21,7 @@ import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { registerKey, tokenDigest } from '../dataplane/keys';
 import { LimitStore } from '../dataplane/limits';
+import { MeterVerifier } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import { openModelRegistry } from '../dataplane/registry';
 import type { DataPlaneNames } from '../dataplane';
@@ -147,6 +148,10 @@ test('64 concurrent streams through two replicas against a 500-token budget: nev
   expect(records.every((r) => r.outcome === 'completed' && r.reported && r.model === `default/${MODEL}` && r.kind === 'completions')).toBe(true);
   expect(records.map((r) => r.tokens.total).sort((a, b) => a - b)).toEqual(served.map((r) => r.used).sort((a, b) => a - b));
   expect(new Set(records.map((r) => r.id)).size).toBe(served.length);
+  // Each signed by the gateway that sent its request (dataplane/meter.ts): what `magus usage` and the controller count.
+  const verifier = new MeterVerifier(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }));
+  for (const r of records) expect({ id: r.id, signed: await verifier.verify(r) }).toEqual({ id: r.id, signed: true });
+  expect(await verifier.verify({ ...records[0]!, key: 'tenant/other' })).toBe(false);
   // Spent down to less than any request's worst case, the next is refused, saying why.
   for (;;) {
     const r = await one(99);

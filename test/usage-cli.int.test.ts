@@ -1,13 +1,15 @@
 /**
  * `magus usage` as users run it — the built CLI (`npm run build`) as a child process — against
  * the file's data plane on the test NATS server, its ledger holding records written with
- * UsageLedger.record as bridges write them: the table's rows and total for one key (a bare name
+ * UsageLedger.record as bridges write them (signed as gateways sign their meters): the table's rows and total for one key (a bare name
  * being the local key), `--since`/`--until` with dates, date-times and times ago, `--by month`,
  * `--json` equal to aggregateUsage's rows, `--records --csv` line by line; an empty ledger, or
  * nothing for what was asked, is one line and exit 0; a bad command line, NATS away or no ledger
- * there is an exit 1 naming what is wrong.
+ * there is an exit 1 naming what is wrong; records no gateway signed (dataplane/meter.ts) are left
+ * out, and counted on stderr.
  */
 import { dataPlaneNames, type DataPlaneNames } from '../dataplane';
+import { meterKeyOf, meterSignature, type MeterKey } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import { aggregateUsage, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
 import { endpoint, isolation, natsCredentialsEnv, natsRoleCredentials } from './harness';
@@ -18,6 +20,7 @@ const iso = isolation();
 const stack = new TestStack();
 let names: DataPlaneNames;
 let emptyNames: DataPlaneNames;
+let forgedNames: DataPlaneNames;
 let env: NodeJS.ProcessEnv;
 const HOUR = 3600_000;
 const NOW = Date.now();
@@ -66,7 +69,22 @@ beforeAll(async () => {
   names = n;
   ({ names: emptyNames } = await stack.open(natsStack(iso, { declare: true, suffix: '_EMPTY' })));
   const ledger = await UsageLedger.open(nc.jetstream(), names);
-  for (const r of RECORDS) expect(await ledger.record(r)).toBe('written');
+  // Signed as a gateway signs its requests' meters (dataplane/meter.ts): only such records count.
+  const meterKey = async (n: DataPlaneNames): Promise<MeterKey> =>
+    (await meterKeyOf(await nc.jetstream().views.kv(n.limitsBucket, { bindOnly: true }), { create: true }))!;
+  const key = await meterKey(names);
+  for (const r of RECORDS) expect(await ledger.record({ ...r, sig: meterSignature(key, r) })).toBe('written');
+  // A ledger with one record a gateway signed, one with no signature and one signed by another data plane's key.
+  ({ names: forgedNames } = await stack.open(natsStack(iso, { declare: true, suffix: '_FORGED' })));
+  const forgedLedger = await UsageLedger.open(nc.jetstream(), forgedNames);
+  const [signed, unsigned, foreign] = [
+    record('f1', 'local/victim', NOW - HOUR),
+    record('f2', 'local/victim', NOW - HOUR),
+    record('f3', 'local/victim', NOW - HOUR),
+  ];
+  await forgedLedger.record({ ...signed, sig: meterSignature(await meterKey(forgedNames), signed) });
+  await forgedLedger.record(unsigned);
+  await forgedLedger.record({ ...foreign, sig: meterSignature(key, foreign) });
   // Only the test's NATS and prefix; an empty dev folder, so no running `magus dev` is picked up.
   const { dir } = stack.open(tempDir('magus-usage-cli-'));
   env = { ...process.env, MAGUS_NATS_URL: endpoint('nats').servers, MAGUS_NATS_PREFIX: names.prefix, MAGUS_DEV_DATA_DIR: dir };
@@ -229,4 +247,11 @@ test('NATS unreachable: exit 1 within seconds naming the address; no ledger ther
   expect(none.stderr).toBe(
     `magus usage: NATS at ${endpoint('nats').servers} has no ${dataPlaneNames(missing).usageBucket} bucket: no data plane there (magus dev, a worker, the controller or magus bridge declares it; is MAGUS_NATS_PREFIX right?)\n`,
   );
+});
+
+test('records no gateway signed are left out, and said so on stderr', async () => {
+  const r = await usage(['--records', '--json'], { MAGUS_NATS_PREFIX: forgedNames.prefix });
+  expect(r.code).toBe(0);
+  expect((JSON.parse(r.stdout) as UsageRecord[]).map((x) => x.id)).toEqual([id('f1')]);
+  expect(r.stderr).toMatch(/^magus usage: left out 2 record\(s\) no gateway signed/);
 });

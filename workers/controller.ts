@@ -3,6 +3,7 @@
  * cluster, runs it while this replica holds the leader Lease, and serves `/healthz`, `/readyz`
  * and `/metrics` (Prometheus text). Stops cleanly on SIGINT/SIGTERM.
  */
+import { MeterVerifier } from '../dataplane/meter';
 import { natsConnectAuth, readNatsCredentials } from '../dataplane/roles';
 import { createServer } from 'node:http';
 import { hostname } from 'node:os';
@@ -167,12 +168,14 @@ export async function controllerCommand(args: string[]): Promise<number> {
     : await dataPlaneDeclared(nc, dataPlaneNames(cfg.natsPrefix), log);
   const tokens = await nc.jetstream().views.kv(names.tokensBucket, { bindOnly: !declares });
   const sessions = { kv: await nc.jetstream().views.kv(names.sessionsBucket, { bindOnly: !declares }), cap: opts.sessionCap };
-  // ApiKeys' usage: the ledger, and the gateways' counts for what a budget has left.
+  // ApiKeys' usage: the ledger (records a gateway signed), and the gateways' counts for what a budget has left.
+  const limitsKv = await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true });
   const usage = {
     js: nc.jetstream(),
     bucket: names.usageBucket,
     sumsBucket: names.usageSumsBucket,
-    limits: new LimitStore(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true })),
+    limits: new LimitStore(limitsKv),
+    verifier: new MeterVerifier(limitsKv),
   };
 
   let controller: Controller | undefined;

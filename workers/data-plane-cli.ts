@@ -19,7 +19,7 @@ export async function onDataPlaneBucket(
   tool: string,
   bucketOf: (names: DataPlaneNames) => string,
   whenMissing: string,
-  work: (kv: KV) => Promise<number>,
+  work: (kv: KV, at: { nc: NatsConnection; names: DataPlaneNames }) => Promise<number>,
 ): Promise<number> {
   // magus keys and magus usage: the controller's rights (keys, the ledger) are theirs.
   const dev = useDevConnection(process.env, 'controller');
@@ -41,7 +41,8 @@ export async function onDataPlaneBucket(
     return 1;
   }
   try {
-    const bucket = bucketOf(dataPlaneNames(cfg.natsPrefix));
+    const names = dataPlaneNames(cfg.natsPrefix);
+    const bucket = bucketOf(names);
     let kv: KV;
     try {
       kv = await nc.jetstream().views.kv(bucket, { bindOnly: true });
@@ -51,7 +52,7 @@ export async function onDataPlaneBucket(
       process.stderr.write(`${tool}: NATS at ${cfg.nats.servers} has no ${bucket} bucket: ${whenMissing}\n`);
       return 1;
     }
-    return await work(kv);
+    return await work(kv, { nc, names });
   } finally {
     await nc.close();
   }

@@ -10,6 +10,7 @@
  *
  * Where NATS is: `MAGUS_NATS_URL` (and `MAGUS_NATS_PREFIX`), else the running `magus dev`.
  */
+import { MeterVerifier } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
 import { UsageError, usageFailure } from '../platform/cli';
 import { aggregateUsage, isoSeconds, flatRecord, RECORD_COLUMNS, ROW_COLUMNS, toCsv, type UsageRecord, type UsageRow } from '../shared/usage';
@@ -203,12 +204,21 @@ export async function usageCommand(args: string[]): Promise<number> {
     'magus usage',
     (names) => names.usageBucket,
     missing,
-    async (kv) => {
-      const records = await new UsageLedger(kv).read({
-        ...(parsed.key !== undefined ? { key: parsed.key } : {}),
-        ...(parsed.since !== undefined ? { since: parsed.since } : {}),
-        ...(parsed.until !== undefined ? { until: parsed.until } : {}),
-      });
+    async (kv, { nc, names }) => {
+      // Only records a gateway signed count (dataplane/meter.ts); the others are named on stderr.
+      const verifier = new MeterVerifier(await nc.jetstream().views.kv(names.limitsBucket, { bindOnly: true }));
+      const { records, unsigned } = await new UsageLedger(kv).readSigned(
+        {
+          ...(parsed.key !== undefined ? { key: parsed.key } : {}),
+          ...(parsed.since !== undefined ? { since: parsed.since } : {}),
+          ...(parsed.until !== undefined ? { until: parsed.until } : {}),
+        },
+        verifier,
+      );
+      if (unsigned > 0)
+        process.stderr.write(
+          `magus usage: left out ${unsigned} record(s) no gateway signed: they stand for no request a gateway took in (written by something else with the ledger's rights)\n`,
+        );
       if (records.length === 0 && parsed.format === 'table') {
         process.stdout.write(noUsageLine(parsed));
         return 0;

@@ -4,6 +4,7 @@
  * response router and stored responses, plus the settings of the request path. Decorated as `app.gateway`.
  */
 import type { UsageRecord } from '../../shared/usage';
+import type { MeterKey } from '../../dataplane/meter';
 import type { KeyLimiter } from '../serving/limits';
 import type { ReadyModel } from '../../shared/model';
 import type { ResponseFrame, SessionEntry } from '../../shared/serving';
@@ -84,6 +85,8 @@ export interface GatewayServices {
    * so a bridge that recorded it first keeps its record); best effort, never awaited.
    */
   recordUsage?: (record: UsageRecord) => void;
+  /** The key each request's meter is signed with (dataplane/meter.ts); absent: meters go unsigned (readers then leave their records out). */
+  meterKey?: MeterKey;
   readiness: ReadinessCheck[];
 }
 

@@ -9,6 +9,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
+import { meterSignature } from '../../dataplane/meter';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
@@ -220,6 +221,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       meter: { key: principal.key, model: modelLabel, at: receivedAt },
       ...withModelDefaults(payload, model),
     };
+    if (g.meterKey) req.meter!.sig = meterSignature(g.meterKey, { id, kind: req.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt });
     published = entry;
     const done = await exchange(entry, req, {
       ...exchangeOptions(app, entry, req, ctl.signal),
