@@ -863,6 +863,18 @@ describe('error mapping', () => {
     expect(viaBroker.headers['retry-after']).toBe('7');
   });
 
+  it('a request larger than a NATS message may be (max_payload) → 413 naming the limit, before any placement', async () => {
+    await t.app.close();
+    t = await buildTestApp({ maxMessageBytes: () => 4096 });
+    const res = await chat(userTurn('x'.repeat(5000)));
+    expect(res.statusCode).toBe(413);
+    expect(errorOf(res)).toMatchObject({ type: 'invalid_request_error', code: 'request_too_large' });
+    expect(errorOf(res).message).toContain("(4096 bytes, the NATS servers' max_payload)");
+    expect(t.broker.calls).toHaveLength(0);
+    // Well under it: served.
+    expect((await chat(userTurn('x'.repeat(1000)))).statusCode).toBe(200);
+  });
+
   it('what a new conversation needs is unreachable (Temporal) → 503 unavailable with Retry-After, details hidden', async () => {
     t.broker.impl = () =>
       Promise.reject(

@@ -290,6 +290,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       storedResponses,
       readStored,
       backlogFull: deps.backlogFull,
+      maxMessageBytes: () => nc.info?.max_payload,
       limiter,
       meterKey,
       recordUsage: (record) => {

@@ -100,6 +100,14 @@ export const errors = {
   // `connection: close`: the unread body is not drained, the connection just ends.
   tooLarge: (limit: number) =>
     new GatewayError(413, `Request body is larger than ${limit} bytes.`, OpenAIErrorType.invalidRequest, 'request_too_large', null, { connection: 'close' }),
+  /** A request larger, as queued, than a NATS message may be (the servers' `max_payload`): no retry can help. */
+  tooLargeForBus: (bytes: number, limit: number) =>
+    new GatewayError(
+      413,
+      `The request is ${bytes} bytes as queued, more than the message bus carries (${limit} bytes, the NATS servers' max_payload). Send less, or raise max_payload on the NATS servers.`,
+      OpenAIErrorType.invalidRequest,
+      'request_too_large',
+    ),
   /** A key's limit (gateway/serving/limits.ts): `rate_limit_exceeded` (a rate, or concurrency) or `insufficient_quota` (its budget), with OpenAI's headers. */
   limited: (code: 'rate_limit_exceeded' | 'insufficient_quota', message: string, headers: Record<string, string>) =>
     new GatewayError(429, message, code === 'insufficient_quota' ? OpenAIErrorType.insufficientQuota : OpenAIErrorType.rateLimit, code, null, headers),

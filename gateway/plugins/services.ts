@@ -76,6 +76,8 @@ export interface GatewayServices {
   /** A reply subject's frames as the response stream stores them (read back when a frame is missing). */
   readStored?: (subject: string) => Promise<ResponseFrame[]>;
   backlogFull?: BacklogCheck;
+  /** The most bytes a NATS message may hold (the servers' `max_payload`): a request beyond it is a 413 before it is placed. */
+  maxMessageBytes?: () => number | undefined;
   /** Keys' limits across replicas (`magus_limits`); absent: a limited key's requests get 503 (never served unchecked). */
   limiter?: KeyLimiter;
   /** When a client goes away after its request was published: stop the engine's work on it. */

@@ -73,6 +73,9 @@ function reservationFor(payload: InferencePayload, model: ReadyModel): { tokens:
   return { tokens: Math.min(bound + 1, ctx), upTo: ctx === Number.MAX_SAFE_INTEGER ? bound + DEFAULT_OUTPUT_RESERVE : ctx, bound };
 }
 
+/** Bytes a queued request holds beyond its body (its envelope, headers and the model's sampling defaults), with room to spare. */
+const MESSAGE_ROOM = 2048;
+
 /** The output reserved for a request with no `max_tokens` of a model whose context length is unknown. */
 const DEFAULT_OUTPUT_RESERVE = 4096;
 
@@ -162,6 +165,16 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
   if (backlog) {
     sse?.stop();
     throw errors.backlogFull(backlog.retryAfterSec);
+  }
+  // Larger than a NATS message may be: a 413 before a conversation's entry or a key's reservation
+  // is made (the publisher refuses it exactly too). The body is measured only when its size says it may be.
+  const maxBytes = g.maxMessageBytes?.();
+  if (maxBytes !== undefined && Number(request.headers['content-length'] ?? 0) > maxBytes - MESSAGE_ROOM) {
+    const bytes = Buffer.byteLength(JSON.stringify(turn.payload.body));
+    if (bytes + MESSAGE_ROOM > maxBytes) {
+      sse?.stop();
+      throw errors.tooLargeForBus(bytes, maxBytes);
+    }
   }
   reply.header('x-request-id', id); // also on error responses; the error handler logs it
   const modelLabel = `${model.namespace}/${model.name}`;

@@ -1,7 +1,8 @@
 /**
  * The gateway's request publisher against a real request stream: the same contract as a
  * JetStream publish (stored, de-duplicated by request id, backlog full, no stream, no ack in
- * time), on one inbox subscription instead of a request per publish.
+ * time), on one inbox subscription instead of a request per publish; a request over NATS's
+ * max_payload is a 413, never sent.
  */
 import type { NatsConnection } from 'nats';
 import { requestSubjectOf, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
@@ -55,6 +56,22 @@ it('a full backlog is a BacklogFull session error (the gateway answers 429)', as
   expect(refused).toBeInstanceOf(SessionError);
   expect((refused as SessionError).type).toBe(SessionErrorType.BacklogFull);
   expect(await storedOn(subject)).toBe(2);
+});
+
+it("a request larger than the servers' max_payload is a 413 naming the limit, nothing published (no retry can help)", async () => {
+  publisher = streamPublisher(nc);
+  const subject = requestSubjectOf(names, 'p', 'i-big');
+  const max = nc.info!.max_payload;
+  const sized = (chars: number): InferenceRequest =>
+    ({ ...request(), body: { model: 'm', messages: [{ role: 'user', content: 'x'.repeat(chars) }] } }) as InferenceRequest;
+  const big = sized(max);
+  const err = await publisher.publish(subject, big, entry(subject)).catch((e: unknown) => e);
+  expect(err).toMatchObject({ status: 413, code: 'request_too_large' });
+  expect((err as Error).message).toContain(`(${max} bytes, the NATS servers' max_payload)`);
+  expect(await storedOn(subject)).toBe(0);
+  // Just under it goes through.
+  await publisher.publish(subject, sized(max - 2048), entry(subject));
+  expect(await storedOn(subject)).toBe(1);
 });
 
 it('a subject no stream stores fails at once (no responders), not after the timeout', async () => {

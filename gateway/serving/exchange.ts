@@ -133,6 +133,9 @@ export interface StreamPublisher {
  * when it dials again, and an acknowledgement sent to the old connection never arrives, so
  * waiting out the timeout would only hold the client.
  */
+/** Bytes a request's headers take in its message (`NATS/1.0`, `Nats-Msg-Id: <id>`), with room to spare: a message's headers count toward max_payload. */
+const PUBLISH_HEADER_ROOM = 512;
+
 export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEOUT_MS): StreamPublisher {
   const acks = ackedPublisher(nc, timeoutMs, {
     unreachable: NATS_UNREACHABLE,
@@ -144,7 +147,11 @@ export function streamPublisher(nc: NatsConnection, timeoutMs = STREAM_ACK_TIMEO
     publish: async (subject, req) => {
       const h = headers();
       h.set('Nats-Msg-Id', req.id);
-      const problem = streamAckProblem(await acks.publish(subject, encoder.encode(JSON.stringify(req)), h));
+      const data = encoder.encode(JSON.stringify(req));
+      // A message over the servers' max_payload is refused by nats.js, every time: a 413, not "retry later".
+      const max = nc.info?.max_payload;
+      if (max !== undefined && data.length + PUBLISH_HEADER_ROOM > max) throw errors.tooLargeForBus(data.length, max);
+      const problem = streamAckProblem(await acks.publish(subject, data, h));
       if (problem) throw isBacklogFull(problem) ? new SessionError(SessionErrorType.BacklogFull, 'the instance has too many queued requests') : problem;
     },
     close: () => acks.close(),
@@ -421,6 +428,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       opts.publish(session.subject, req, session).catch((err: unknown) => {
         if (finished) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
+        if (err instanceof GatewayError && err.status === 413) return fail('too_large', err);
         publishUntil ??= Math.min(req.deadline, Date.now() + PUBLISH_RETRY_MS);
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
         if (opts.retryPublish?.() !== true || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);

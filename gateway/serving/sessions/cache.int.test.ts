@@ -10,7 +10,7 @@ import { isolation, natsConnect } from '../../../test/harness';
 import { readyModel } from '../../../test/harness/gateway-app';
 import { SessionCache } from './cache';
 import type { AcquireRequest, FirstTurns } from './types';
-import type { SessionError } from '../../plugins/errors';
+import { sessionErrorType, SessionErrorType, type SessionError } from '../../plugins/errors';
 import { sleep, until } from '../../../test/harness/wait';
 
 const iso = isolation();
@@ -179,6 +179,21 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await c.ready;
     return c;
   };
+
+  it('NATS not answering a first turn’s create or a renewal: Unavailable (a 503 with Retry-After), not a failure of the request', async () => {
+    await publishPool(['i1'], 4);
+    const down = Object.assign(new Error('TIMEOUT'), { code: 'TIMEOUT' });
+    const writer = Object.assign(Object.create(kv) as KV, { create: () => Promise.reject(down), update: () => Promise.reject(down) });
+    cache = await start({ sessions: writer });
+    const first = await cache.acquire(req(key('down'))).catch((e: unknown) => e);
+    expect(first).toMatchObject({
+      name: 'SessionError',
+      type: SessionErrorType.Unavailable,
+      message: expect.stringMatching(/entry could not be created: TIMEOUT/),
+    });
+    expect(sessionErrorType(first)).toBe(SessionErrorType.Unavailable);
+    expect(adopted).toEqual([]);
+  });
 
   it('picks the instance with the fewest live entries (every replica’s), creates the entry and starts its session; the next turn is warm', async () => {
     await publishPool(['i1', 'i2', 'i3'], 4);

@@ -7,9 +7,20 @@
  * the bucket now holds, before the watch brings it.
  */
 import { isRevisionConflict } from '../../../dataplane';
+import { SessionError, SessionErrorType } from '../../plugins/errors';
 import { decodeSessionEntry, type SessionEntry } from '../../../shared/serving';
 import type { SessionMirror } from './mirror';
 import type { CachedEntry, SessionWriter } from './types';
+
+/**
+ * A write or read the bucket did not answer (NATS unreachable, no acknowledgement in time, the
+ * stream without a leader): the turn is answered 503 with a `Retry-After`, not 500 — nothing was
+ * wrong with the request.
+ */
+function unavailable(err: unknown, what: string): SessionError {
+  const e = new SessionError(SessionErrorType.Unavailable, `${what}: ${(err as Error)?.message ?? String(err)}`);
+  return Object.assign(e, { cause: err });
+}
 
 /** A write's outcome: ours, or the entry another write left (none: deleted). */
 export type Written = { won: true; entry: CachedEntry } | { won: false; entry: CachedEntry | undefined };
@@ -36,7 +47,7 @@ export class SessionEntries {
       this.mirror.set(key, written);
       return { won: true, entry: written };
     } catch (err) {
-      if (!isRevisionConflict(err)) throw err;
+      if (!isRevisionConflict(err)) throw unavailable(err, "the conversation's entry could not be created");
       return { won: false, entry: await this.read(key) };
     }
   }
@@ -49,14 +60,16 @@ export class SessionEntries {
       this.mirror.set(key, written);
       return { won: true, entry: written };
     } catch (err) {
-      if (!isRevisionConflict(err)) throw err;
+      if (!isRevisionConflict(err)) throw unavailable(err, "the conversation's entry could not be renewed");
       return { won: false, entry: await this.read(key) };
     }
   }
 
   /** The entry in the bucket now, mirrored. */
   async read(key: string): Promise<CachedEntry | undefined> {
-    const theirs = await this.bucket.get(key);
+    const theirs = await this.bucket.get(key).catch((err: unknown) => {
+      throw unavailable(err, "the conversation's entry could not be read");
+    });
     const e = theirs && theirs.operation === 'PUT' ? decodeSessionEntry(theirs.value) : undefined;
     const cached = e && { ...e, revision: theirs!.revision };
     if (cached) this.mirror.set(key, cached);
