@@ -1,7 +1,7 @@
 /**
  * The kubectl door end to end: the real `kubectl` against the real kube-apiserver, `magus
  * controller` (its core, in process), a worker with the Kubernetes status activities, Temporal,
- * NATS and MinIO, and the fixture hub. A Model applied with kubectl becomes Ready through the
+ * NATS and s3proxy, and the fixture hub. A Model applied with kubectl becomes Ready through the
  * pipeline; spec changes, failures, controller restarts, deletions, Dllama scaling and token
  * Secrets behave as ARCHITECTURE.md's "Kubernetes" section says.
  */

@@ -1,7 +1,7 @@
 /**
  * Trained weights through the real pipeline: the fixture hub serves stories260K
  * (workers/dev/stories260k.ts) as a repository, `modelPipeline` on the real Temporal dev server,
- * nats-server and MinIO pulls it to S3 and converts it, and the GGUFs read back from S3 generate
+ * nats-server and s3proxy pulls it to S3 and converts it, and the GGUFs read back from S3 generate
  * llama2.c's text in llama.cpp. What its 172-value FFN rows cannot fit or run — quantized GGUFs,
  * and every distributed-llama conversion — ends the pipeline in `failed` with a typed permanent
  * failure naming the tensor or the dimension, shown in the `Model`'s conditions, and nothing

@@ -1,5 +1,5 @@
 /**
- * The model pipeline end to end on the real Temporal dev server, nats-server and MinIO, with the
+ * The model pipeline end to end on the real Temporal dev server, nats-server and s3proxy, with the
  * Hugging Face-compatible fixture hub serving the tiny synthetic model.
  */
 import type { S3Client } from '@aws-sdk/client-s3';

@@ -13,7 +13,7 @@
  *
  * The pods run on a bridge network of this test's own (created here, removed after: a fresh
  * machine has no podman network but the default, and `podman-default-kube-network` exists only
- * once something ran `podman kube play`); this run's NATS and MinIO listen on loopback, so the
+ * once something ran `podman kube play`); this run's NATS and s3proxy listen on loopback, so the
  * runtime is given their addresses through TCP proxies on the bridge's gateway address.
  * What the test changes in the specs, and why: `hostAliases` for the workers' Service names (no
  * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys and the

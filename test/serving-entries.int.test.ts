@@ -3,7 +3,7 @@
  * entry-lease protocol"): a session
  * that only watches its conversation's `magus_sessions` entry (its history events per TTL), a
  * renewal that races the expiry, and a pool whose reconciler counts 50,000 live conversations
- * and whose runs carry O(instances) into the next. Real Temporal, nats-server and MinIO; the
+ * and whose runs carry O(instances) into the next. Real Temporal, nats-server and s3proxy; the
  * pool's instances are real llama.cpp engines of the tiny GGUF (local runtime).
  */
 import type { S3Client } from '@aws-sdk/client-s3';

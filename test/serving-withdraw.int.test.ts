@@ -2,7 +2,7 @@
  * A first turn whose caller leaves while the pool starts an instance for it (the serving
  * control-loop issue, finding 2): its wait ends with the request's signal, it leaves no entry and
  * no session, the demand it told the pool falls, and the pool scales to what live conversations
- * need — not to phantom demand. Real Temporal, nats-server and MinIO; real workers with the local
+ * need — not to phantom demand. Real Temporal, nats-server and s3proxy; real workers with the local
  * runtime and a llama.cpp engine over the tiny GGUF.
  */
 import type { Client } from '@temporalio/client';

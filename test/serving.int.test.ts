@@ -2,7 +2,7 @@
  * The serving path end to end with the official `openai` client: gateway → (first turn: the
  * model's pool, told of the demand, has the local runtime start a real llama.cpp engine and a
  * bridge; the gateway creates the conversation's entry and starts its session) → NATS JetStream →
- * bridge → engine, and back as a stream. Real Temporal, nats-server and MinIO; the model is the
+ * bridge → engine, and back as a stream. Real Temporal, nats-server and s3proxy; the model is the
  * tiny synthetic Llama converted to GGUF, put in S3 and the registry by the test.
  */
 import type { Client } from '@temporalio/client';

@@ -159,7 +159,7 @@ export function dataPlaneEnv(cfg: Pick<MagusConfig, 'natsReplicas' | 'responses'
 }
 
 /**
- * Where `magus dev` keeps its state (Temporal's database, the JetStream store, MinIO's data, the
+ * Where `magus dev` keeps its state (Temporal's database, the JetStream store, the S3 data, the
  * API token, the connection settings): `MAGUS_DEV_DATA_DIR`, else `$XDG_DATA_HOME/magus/dev`,
  * else `~/.local/share/magus/dev`. `magus dev --data-dir` overrides it for that dev; other
  * commands find that one through `MAGUS_DEV_DATA_DIR`.

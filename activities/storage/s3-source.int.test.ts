@@ -1,4 +1,4 @@
-/** s3Source against the real MinIO of the test harness: exact ranges, few GETs, fresh buffers or the caller's. */
+/** s3Source against the real S3 server (s3proxy) of the test harness: exact ranges, few GETs, fresh buffers or the caller's. */
 import { CreateBucketCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { isolation, s3Client } from '../../test/harness';
 import { s3Source } from './s3-source';

@@ -1,4 +1,4 @@
-/** createS3ObjectWriter against the real MinIO of the test harness. */
+/** createS3ObjectWriter against the real S3 server (s3proxy) of the test harness. */
 import { CreateBucketCommand, HeadObjectCommand, PutObjectCommand, type S3Client } from '@aws-sdk/client-s3';
 import { isolation, s3Client } from '../../test/harness';
 import { writeFileAtomically } from '../../convert/atomic-file';

@@ -1,5 +1,5 @@
 /**
- * transferToS3 against the real MinIO of the test harness, with sources we control: a buffer in
+ * transferToS3 against the real S3 server (s3proxy) of the test harness, with sources we control: a buffer in
  * memory, or a local HTTP server that honours Range and can cut a response short.
  */
 import { createServer, type Server } from 'node:http';

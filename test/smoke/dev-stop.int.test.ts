@@ -2,7 +2,7 @@
  * `magus dev` stops cleanly however it was started and however it is told: `npm run dev` sent
  * SIGINT, `npx magus dev` sent SIGTERM (the shell npx puts in between dies of it without passing
  * it on), and a terminal's Ctrl-C (SIGINT to the whole process group, the engine included).
- * Each time, with an engine serving, every process of the tree — magus, Temporal, NATS, MinIO,
+ * Each time, with an engine serving, every process of the tree — magus, Temporal, NATS, s3proxy,
  * the engine, npm and its shell — is gone within a bounded time, nothing was restarted, no stop
  * step failed, and the exit says so. (Before: npm swallowed SIGINT, npx's SIGTERM left the whole
  * tree running under init, and Ctrl-C restarted the engine and ended in `while stopping: TIMEOUT`.)
@@ -47,7 +47,7 @@ async function startServeAndStop(
   expect([answer.status, answer.status === 200 ? '' : answer.body]).toEqual([200, '']);
 
   const tree = run.tree();
-  // magus, Temporal, NATS, MinIO and the engine at least (plus npm, and npx's shell).
+  // magus, Temporal, NATS, s3proxy and the engine at least (plus npm, and npx's shell).
   expect(tree.length).toBeGreaterThanOrEqual(launcher === 'direct' ? 5 : 6);
   await tell(run);
   let timer: NodeJS.Timeout | undefined;

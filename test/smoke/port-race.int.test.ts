@@ -10,12 +10,14 @@ import { connect, createServer, type AddressInfo, type Server } from 'node:net';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { freePort, listenOnPort, startServices, type PortRequest, type RunningServices, type ServerName } from '../../workers/dev/services';
+import { s3Answers } from '../../workers/dev/services/probes';
 
 /** For each server: which port is taken from it on its 1st, 2nd, … start. */
 const TAKE: Record<ServerName, string[]> = {
   temporal: ['frontend', 'ui'],
   nats: ['client', 'monitor'],
-  minio: ['api'],
+  s3proxy: ['api'],
+  minio: [],
   etcd: ['client', 'peer'],
   'kube-apiserver': ['api'],
 };
@@ -30,7 +32,8 @@ const SAYS: Record<ServerName, Record<string, string>> = {
     client: 'Error listening on port: 127.0.0.1:N, "listen tcp 127.0.0.1:N: bind: address already in use"',
     monitor: "Can't start monitoring: can't listen to the monitor port: listen tcp 127.0.0.1:N: bind: address already in use",
   },
-  minio: { api: 'Unable to start the server: Specified port is already in use' },
+  s3proxy: { api: 'Failed to bind to /127.0.0.1:N' },
+  minio: {},
   etcd: {
     client: '"error":"listen tcp 127.0.0.1:N: bind: address already in use"',
     peer: '"error":"listen tcp 127.0.0.1:N: bind: address already in use"',
@@ -104,7 +107,7 @@ describe('servers started under port pressure', () => {
 
   test('every server comes up on new ports after its first ones were taken, and says how often it retried', async () => {
     process.stderr.write(`port-race: all servers ready in ${(startedIn / 1000).toFixed(1)}s with ${taken.length} ports taken\n`);
-    expect(services.retries).toEqual({ temporal: 2, nats: 2, minio: 1, etcd: 2, 'kube-apiserver': 1 });
+    expect(services.retries).toEqual({ temporal: 2, nats: 2, s3proxy: 1, etcd: 2, 'kube-apiserver': 1 });
     expect(taken).toHaveLength(8);
     for (const t of taken) {
       // Our note, and the server's own words in its log.
@@ -119,7 +122,7 @@ describe('servers started under port pressure', () => {
     expect(await tcpAccepts(e.temporal!.address)).toBe(true);
     expect((await get(e.temporal!.uiUrl)).ok).toBe(true);
     expect((await get(`${e.nats!.monitorUrl}/healthz?js-enabled-only=true`)).status).toBe(200);
-    expect((await get(`${e.s3!.endpoint}/minio/health/ready`)).status).toBe(200);
+    expect(await s3Answers(e.s3!.endpoint, e.s3!)).toBe(true);
     const readyz = await kube(e.kubernetes!.server, e.kubernetes!.token, 'GET', '/readyz');
     expect(readyz.status).toBe(200);
     expect((await get(`${e.kubernetes!.etcdUrl}/health`)).status).toBe(200);

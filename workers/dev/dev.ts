@@ -1,5 +1,5 @@
 /**
- * `magus dev`: everything on one machine, one command. Starts Temporal, NATS and S3 (MinIO), a
+ * `magus dev`: everything on one machine, one command. Starts Temporal, NATS and S3 (s3proxy), a
  * worker with the local runtime and the gateway; pulls a model through the real pipeline — by
  * default the tiny synthetic demo model from a bundled Hugging Face-compatible hub, so it works
  * offline, or `--model org/repo` from the real hub — and prints a ready-to-paste `curl`.
@@ -503,7 +503,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
           : []),
         `Temporal:    ${e.temporal!.address} (namespace ${cfg.temporal.namespace}, task queue ${cfg.taskQueue})`,
         `NATS:        ${e.nats!.servers}`,
-        `S3 (MinIO):  ${e.s3!.endpoint} (bucket ${cfg.s3.bucket}; its keys are in the connection settings)`,
+        `S3:          ${e.s3!.endpoint} (bucket ${cfg.s3.bucket}; its keys are in the connection settings)`,
         `State:       ${dataDir} (kept across restarts; magus dev --fresh starts over)`,
         `Connection:  ${connectionFile} (every magus command finds this dev through it${opts.dataDir ? `, with MAGUS_DEV_DATA_DIR=${dataDir}` : ''})`,
         '',

@@ -3,7 +3,7 @@
  * time (a lock file with its pid), starting over (`--fresh`), the secrets that must outlive a
  * restart (the API token, the gateway's conversation-key secret), and the connection settings
  * every other `magus` command reads. The servers' own state (Temporal's database, the JetStream
- * store, MinIO's data, etcd) is kept by `startServices({ dataDir })` in the same folder.
+ * store, the S3 data, etcd) is kept by `startServices({ dataDir })` in the same folder.
  */
 import { randomBytes } from 'node:crypto';
 import { chmodSync, mkdirSync, readdirSync, readFileSync, rmSync, unlinkSync, writeFileSync } from 'node:fs';

@@ -11,16 +11,29 @@ import { createInterface } from 'node:readline';
 import { promisify } from 'node:util';
 import type { ServiceName } from './types';
 
-/** What `scripts/dev-services` resolves (`kwok-stages`, a folder of kwok's Stage YAMLs, comes with `kwok`). */
+/**
+ * What `scripts/dev-services` resolves (`kwok-stages`, a folder of kwok's Stage YAMLs, comes with
+ * `kwok`). `s3proxy` is a jar, run with `java`; `minio` serves only a folder MinIO wrote earlier.
+ */
 export type BinaryName =
-  'temporal' | 'nats-server' | 'minio' | 'etcd' | 'kube-apiserver' | 'kube-controller-manager' | 'kube-scheduler' | 'kwok' | 'dllama' | 'dllama-api';
+  | 'temporal'
+  | 'nats-server'
+  | 's3proxy'
+  | 'minio'
+  | 'etcd'
+  | 'kube-apiserver'
+  | 'kube-controller-manager'
+  | 'kube-scheduler'
+  | 'kwok'
+  | 'dllama'
+  | 'dllama-api';
 export type Binaries = Partial<Record<BinaryName | 'kwok-stages', string>>;
 
 /** The binaries each service runs. */
 export const BINARIES_OF: Readonly<Record<ServiceName, readonly BinaryName[]>> = {
   temporal: ['temporal'],
   nats: ['nats-server'],
-  s3: ['minio'],
+  s3: ['s3proxy'],
   kubernetes: ['etcd', 'kube-apiserver'],
 };
 

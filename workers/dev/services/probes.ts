@@ -1,4 +1,5 @@
 /** Readiness probes: whether a server answers yet. Each resolves false (or rejects) while it does not. */
+import { ListBucketsCommand, S3Client } from '@aws-sdk/client-s3';
 import { request as httpsRequest } from 'node:https';
 import { connect } from 'node:net';
 
@@ -31,4 +32,18 @@ export function tcpAccepts(port: number): Promise<boolean> {
     });
     s.once('error', () => ok(false));
   });
+}
+
+/**
+ * A signed ListBuckets to the S3 server at `endpoint` answers within 2 s: it serves S3, knows the
+ * credentials and can read its store (an anonymous request would prove only the first).
+ */
+export async function s3Answers(endpoint: string, credentials: { accessKeyId: string; secretAccessKey: string }): Promise<boolean> {
+  const s3 = new S3Client({ endpoint, region: 'us-east-1', forcePathStyle: true, credentials, maxAttempts: 1 });
+  try {
+    await s3.send(new ListBucketsCommand({}), { abortSignal: AbortSignal.timeout(2000) });
+    return true;
+  } finally {
+    s3.destroy();
+  }
 }

@@ -7,7 +7,7 @@ import { generateKeyPairSync } from 'node:crypto';
 import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import { cpus } from 'node:os';
 import { join } from 'node:path';
-import { httpOk, httpsOkInsecure, tcpAccepts } from './probes';
+import { httpOk, httpsOkInsecure, s3Answers, tcpAccepts } from './probes';
 import type { ServerName } from './types';
 
 /** How to run one server on ports of given roles. */
@@ -53,7 +53,7 @@ export function temporalServer(bin: string, dataDir: string): ServerSpec<'fronte
 export const natsStore = (dataDir: string): string => join(dataDir, 'jetstream');
 
 /**
- * Go threads for nats-server: half the CPUs. It shares this machine with Temporal, MinIO and the
+ * Go threads for nats-server: half the CPUs. It shares this machine with Temporal, the S3 server and the
  * node processes, and a message hops between several goroutines (client read loop, consumer,
  * writer); on a small machine those hand-offs cost less on fewer threads. Measured on 2 CPUs,
  * warm request path at concurrency 1 (npm run bench:gateway): nats-server CPU per request 0.59 → 0.42 ms,
@@ -83,15 +83,70 @@ export function natsServer(bin: string, dataDir: string, configFile?: string): S
   };
 }
 
-/** MinIO's root credentials (its data is bound to them: a kept folder keeps them). */
+/** The S3 server's credentials (a kept folder keeps them: MinIO's data is bound to them). */
 export interface S3Credentials {
   accessKeyId: string;
   secretAccessKey: string;
 }
 
-/** MinIO, its data in `s3/`. */
+/** Where the S3 server keeps its data in `dataDir`. */
+export const s3Data = (dataDir: string): string => join(dataDir, 's3');
+
+/** Whether `s3/` in `dataDir` holds MinIO's data (its format, which s3proxy cannot read). */
+export const holdsMinioData = (dataDir: string): boolean => existsSync(join(s3Data(dataDir), '.minio.sys'));
+
+/**
+ * s3proxy (a Java program: `jar`, run with `java` from PATH) serving S3 from `s3/`: a bucket is a
+ * folder, an object a file whose metadata are extended attributes (`user.*`), an upload's parts
+ * files beside it until it completes. Its settings, credentials included, are in
+ * `s3proxy.properties` (0600); the port is the one system property given on its command line.
+ */
+export function s3proxyServer(jar: string, dataDir: string, { accessKeyId, secretAccessKey }: S3Credentials): ServerSpec<'api'> {
+  const data = s3Data(dataDir);
+  mkdirSync(data, { recursive: true });
+  const properties = join(dataDir, 's3proxy.properties');
+  const settings = {
+    's3proxy.authorization': 'aws-v2-or-v4',
+    's3proxy.identity': accessKeyId,
+    's3proxy.credential': secretAccessKey,
+    'jclouds.provider': 'filesystem-nio2',
+    'jclouds.filesystem.basedir': data,
+  };
+  const lines = Object.entries(settings).map(([k, v]) => `${k}=${propertiesValue(v)}`);
+  writeFileSync(properties, `${lines.join('\n')}\n`, { mode: 0o600 });
+  return {
+    name: 's3proxy',
+    bin: 'java',
+    roles: ['api'],
+    args: ({ api }) => [...S3PROXY_JVM_OPTIONS, `-Ds3proxy.endpoint=http://127.0.0.1:${api}`, '-jar', jar, '--properties', properties],
+    // Its log: warnings and errors only (at INFO it writes a line per bucket created and Jetty's own).
+    env: { LOG_LEVEL: 'warn', JETTY_LOG_LEVEL: 'warn' },
+    // Made above, before it runs: a failed start leaves nothing in it.
+    scratch: [],
+    ready:
+      ({ api }) =>
+      () =>
+        s3Answers(`http://127.0.0.1:${api}`, { accessKeyId, secretAccessKey }),
+  };
+}
+
+/**
+ * `value` as java.util.Properties reads it back: a backslash escapes, and the file is read as
+ * ISO 8859-1, so backslashes are doubled and anything but printable ASCII is a `\uXXXX` escape.
+ */
+export function propertiesValue(value: string): string {
+  return value.replace(/[^\x20-\x5b\x5d-\x7e]/g, (c) => (c === '\\' ? '\\\\' : `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`));
+}
+
+/**
+ * The JVM's options for s3proxy: the serial collector (one GC thread, a small heap: on a 2-core
+ * machine shared with everything else the parallel one's threads only contend).
+ */
+const S3PROXY_JVM_OPTIONS = ['-XX:+UseSerialGC'];
+
+/** MinIO, its data in `s3/`: only for a kept folder whose `s3/` MinIO wrote (see {@link holdsMinioData}). */
 export function minioServer(bin: string, dataDir: string, { accessKeyId, secretAccessKey }: S3Credentials): ServerSpec<'api'> {
-  const data = join(dataDir, 's3');
+  const data = s3Data(dataDir);
   // With MINIO_BROWSER=off MinIO binds no console port (it starts even when the one given with
   // --console-address is taken), so it gets none: one port less to lose.
   return {

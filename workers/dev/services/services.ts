@@ -1,5 +1,5 @@
 /**
- * The real servers magus runs against — Temporal dev server, nats-server (JetStream), MinIO (S3)
+ * The real servers magus runs against — Temporal dev server, nats-server (JetStream), s3proxy (S3)
  * and etcd + kube-apiserver — started on free loopback ports, with a throwaway data folder or
  * (`dataDir`) one folder they keep their state in across starts. Used by `magus dev` and by the
  * jest global setup, so tests run against exactly what users run.
@@ -12,10 +12,10 @@
  */
 import { randomBytes } from 'node:crypto';
 import { rmSync } from 'node:fs';
-import { binaryPath, BINARIES_OF, resolveBinaries, type Binaries } from './binaries';
+import { binariesBuilt, binaryPath, BINARIES_OF, resolveBinaries, type BinaryName, type Binaries } from './binaries';
 import { DataFolder } from './data-folder';
 import { PortAllocator } from './ports';
-import { etcdServer, kubeApiServer, minioServer, natsServer, natsStore, temporalServer } from './servers';
+import { etcdServer, holdsMinioData, kubeApiServer, minioServer, natsServer, natsStore, s3proxyServer, s3Data, temporalServer } from './servers';
 import { Supervisor, type Started } from './supervisor';
 import type { RunningServices, ServerName, ServiceEndpoints, ServiceName, StartOptions } from './types';
 
@@ -56,13 +56,17 @@ export class Services implements RunningServices {
     const wanted = [...new Set(opts.services ?? ALL_SERVICES)];
     const say = opts.log ?? ((line: string) => void process.stderr.write(`magus services: ${line}\n`));
     const folder = DataFolder.open(opts);
-    const binaries = await resolveBinaries(
-      wanted.flatMap((s) => BINARIES_OF[s]),
-      say,
-    ).catch((err: unknown) => {
-      folder.release();
-      throw err;
-    });
+    const binaries = await s3ServerOf(folder, wanted, say)
+      .then((s3) =>
+        resolveBinaries(
+          wanted.flatMap((s) => (s === 's3' ? [s3] : BINARIES_OF[s])),
+          say,
+        ),
+      )
+      .catch((err: unknown) => {
+        folder.release();
+        throw err;
+      });
     const services = new Services(folder, binaries, opts, say);
     await services.startAll(wanted);
     return services;
@@ -131,12 +135,15 @@ export class Services implements RunningServices {
   }
 
   private async startS3(): Promise<void> {
-    // MinIO's data is bound to its root credentials: a kept folder keeps them.
+    // A kept folder keeps its credentials (clients configured with them, and MinIO's data is bound to them).
     const credentials = this.folder.saved.s3 ?? {
       accessKeyId: `magus${randomBytes(6).toString('hex')}`,
       secretAccessKey: randomBytes(24).toString('base64url'),
     };
-    const { ports } = await this.supervisor.start(minioServer(binaryPath(this.binaries, 'minio'), this.dataDir, credentials));
+    const spec = this.binaries.minio
+      ? minioServer(this.binaries.minio, this.dataDir, credentials)
+      : s3proxyServer(binaryPath(this.binaries, 's3proxy'), this.dataDir, credentials);
+    const { ports } = await this.supervisor.start(spec);
     this.endpoints.s3 = { endpoint: `http://127.0.0.1:${ports.api}`, region: 'us-east-1', ...credentials };
   }
 
@@ -159,6 +166,25 @@ export class Services implements RunningServices {
       ...(kubernetes ? { kubernetes: { token: kubernetes.token } } : saved.kubernetes ? { kubernetes: saved.kubernetes } : {}),
     });
   }
+}
+
+/**
+ * What serves S3 from `folder`: s3proxy, unless its `s3/` holds MinIO's data (from a `magus dev`
+ * of before s3proxy), which s3proxy cannot read: then MinIO, when its binary is at hand (it is
+ * never built here: 4-5 minutes), or else an error saying what to do. Never a silent loss.
+ */
+async function s3ServerOf(folder: DataFolder, wanted: readonly ServiceName[], say: (line: string) => void): Promise<BinaryName> {
+  if (!wanted.includes('s3') || !holdsMinioData(folder.path)) return 's3proxy';
+  const s3 = s3Data(folder.path);
+  if (await binariesBuilt(['minio'])) {
+    say(`${s3} holds MinIO's data from an earlier start: MinIO serves it, as before (magus dev --fresh starts over with s3proxy)`);
+    return 'minio';
+  }
+  throw new Error(
+    `${s3} holds MinIO's data from an earlier start, which s3proxy, the S3 server now, cannot read. Either start over ` +
+      `(magus dev --fresh: this folder's models, workflows and keys go; the demo model is pulled again), or keep it ` +
+      `with MinIO: build it once (scripts/dev-services minio, 4-5 min) and start again.`,
+  );
 }
 
 /** Starts the requested servers concurrently and resolves once every one of them is ready. */

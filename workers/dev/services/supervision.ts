@@ -84,13 +84,15 @@ export function launch<N extends string>(name: N, bin: string, args: string[], l
  * - nats-server: `[FTL] Error listening on port: 127.0.0.1:N, "listen tcp 127.0.0.1:N: bind: address
  *   already in use"`, and for the monitor port `[FTL] Can't start monitoring: can't listen to the
  *   monitor port: listen tcp 127.0.0.1:N: bind: address already in use`.
+ * - s3proxy: `Main:320 |::] Failed to bind to /127.0.0.1:N` (Jetty's words; the cause, the JVM's
+ *   `BindException: Address already in use`, is not printed).
  * - minio: `FATAL Unable to start the server: Specified port is already in use` (no port named).
  * - etcd: `"msg":"discovery failed","error":"listen tcp 127.0.0.1:N: bind: address already in use"`
  *   (client and peer port alike).
  * - kube-apiserver: `"command failed" err="failed to create listener: failed to listen on
  *   127.0.0.1:N: listen tcp 127.0.0.1:N: bind: address already in use"`.
  */
-const ADDRESS_IN_USE = /address already in use|port is already in use/i;
+const ADDRESS_IN_USE = /address already in use|port is already in use|failed to bind to \/127\.0\.0\.1:\d/i;
 
 /** The line of `output` saying a port was taken, if there is one. */
 function addressInUse(output: string): string | undefined {

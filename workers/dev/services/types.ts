@@ -4,7 +4,7 @@
 export type ServiceName = 'temporal' | 'nats' | 's3' | 'kubernetes';
 
 /** The server processes (and the names of their logs in `<dataDir>/logs/<name>.log`). */
-export type ServerName = 'temporal' | 'nats' | 'minio' | 'etcd' | 'kube-apiserver';
+export type ServerName = 'temporal' | 'nats' | 's3proxy' | 'minio' | 'etcd' | 'kube-apiserver';
 
 /** Connection details of running servers. Written to a file for test workers; never logged. */
 export interface ServiceEndpoints {
@@ -46,7 +46,7 @@ export interface RunningServices {
 /** One port a server is about to be started on: what it is for, and the how-manyth start this is. */
 export interface PortRequest {
   server: ServerName;
-  /** temporal: frontend, ui; nats: client, monitor; minio: api; etcd: client, peer; kube-apiserver: api. */
+  /** temporal: frontend, ui; nats: client, monitor; s3proxy (or minio): api; etcd: client, peer; kube-apiserver: api. */
   role: string;
   /** 1 for the first start, 2 for the first retry after a port was taken, … */
   attempt: number;
@@ -58,7 +58,7 @@ export interface StartOptions {
   dataRoot?: string;
   /**
    * A folder the servers keep their state in across starts (created when missing; `stop` leaves
-   * it): Temporal's database, the JetStream store, MinIO's data, etcd and the API server's keys,
+   * it): Temporal's database, the JetStream store, the S3 data, etcd and the API server's keys,
    * and in `services.json` (0600) the S3 credentials, the API server's token and every port. A
    * start on it comes back with all of that, on the same ports where they are free (new ones
    * where another process holds one). Never two starts on one folder at once: the caller
