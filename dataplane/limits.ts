@@ -602,8 +602,18 @@ export class LimitStore {
     const duration = Math.max(0, this.clock() - r.at);
     slice.meanDurationMs = slice.meanDurationMs === undefined ? duration : slice.meanDurationMs + (duration - slice.meanDurationMs) / 8;
     if (!slice.open && slice.live.size === 0) this.giveBack(slice);
-    const state = withSliceLeft(slice.view, slice.model, { requests: slice.requestsLeft, tokens: slice.tokensLeft });
-    return { state, settled: true, headers: rateLimitHeaders(state, slice.limits, this.clock(), slice.model) };
+    // The state and headers as this replica sees them, made only if asked for (a gateway's settle asks for neither).
+    const now = this.clock();
+    const left = { requests: slice.requestsLeft, tokens: slice.tokensLeft };
+    return {
+      settled: true,
+      get state() {
+        return withSliceLeft(slice.view, slice.model, left);
+      },
+      get headers() {
+        return rateLimitHeaders(withSliceLeft(slice.view, slice.model, left), slice.limits, now, slice.model);
+      },
+    };
   }
 
   /** Stops admitting from `slice`; given back at once when nothing of it is in flight, else when its last request settles. */

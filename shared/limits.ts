@@ -843,25 +843,35 @@ export function rateLimitHeaders(state: LimitState, limits: KeyLimits, nowMs: nu
   const own = modelLimitsOf(limits, model);
   const counters = own ? state.models?.[model!] : undefined;
   const headers: RateLimitHeaders = {};
-  for (const kind of ['requests', 'tokens'] as const) {
-    const field = kind === 'requests' ? 'requestsPerMinute' : 'tokensPerMinute';
-    let tightest: { limit: number; bucket: Bucket } | undefined;
-    for (const [l, c] of [
-      [limits, state],
-      [own, counters],
-    ] as const) {
-      const limit = l?.[field];
-      if (limit === undefined) continue;
-      const bucket = refill(c?.[kind], limit, nowMs);
-      if (!tightest || bucket.level < tightest.bucket.level) tightest = { limit, bucket };
-    }
-    if (!tightest) continue;
-    const { limit, bucket } = tightest;
-    headers[`x-ratelimit-limit-${kind}`] = String(limit);
-    headers[`x-ratelimit-remaining-${kind}`] = String(Math.max(0, Math.floor(bucket.level / BUCKET_SCALE)));
-    headers[`x-ratelimit-reset-${kind}`] = formatResetDuration(msUntil(bucket, limit, limit * BUCKET_SCALE));
-  }
+  // Once per request: no arrays, tuples or names built per call.
+  addKind(headers, REQUEST_HEADERS, limits.requestsPerMinute, state.requests, own?.requestsPerMinute, counters?.requests, nowMs);
+  addKind(headers, TOKEN_HEADERS, limits.tokensPerMinute, state.tokens, own?.tokensPerMinute, counters?.tokens, nowMs);
   return headers;
+}
+
+const REQUEST_HEADERS = ['x-ratelimit-limit-requests', 'x-ratelimit-remaining-requests', 'x-ratelimit-reset-requests'] as const;
+const TOKEN_HEADERS = ['x-ratelimit-limit-tokens', 'x-ratelimit-remaining-tokens', 'x-ratelimit-reset-tokens'] as const;
+
+/** One kind's three headers into `headers`: the tighter (fewer remaining) of the key's bucket and the model's, when set. */
+function addKind(
+  headers: RateLimitHeaders,
+  names: readonly [string, string, string],
+  keyLimit: number | undefined,
+  keyBucket: Bucket | undefined,
+  modelLimit: number | undefined,
+  modelBucket: Bucket | undefined,
+  nowMs: number,
+): void {
+  let limit = keyLimit;
+  let bucket = keyLimit === undefined ? undefined : refill(keyBucket, keyLimit, nowMs);
+  if (modelLimit !== undefined) {
+    const b = refill(modelBucket, modelLimit, nowMs);
+    if (!bucket || b.level < bucket.level) [limit, bucket] = [modelLimit, b];
+  }
+  if (limit === undefined || !bucket) return;
+  headers[names[0]] = String(limit);
+  headers[names[1]] = String(Math.max(0, Math.floor(bucket.level / BUCKET_SCALE)));
+  headers[names[2]] = bucket.level >= limit * BUCKET_SCALE ? '0s' : formatResetDuration(msUntil(bucket, limit, limit * BUCKET_SCALE));
 }
 
 /**
