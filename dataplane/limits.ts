@@ -66,6 +66,7 @@ import {
   decodeLimitState,
   emptyLimitState,
   leaseSlice,
+  modelLimitsOf,
   rateLimitHeaders,
   releaseStorage,
   renew,
@@ -201,6 +202,10 @@ interface LocalSlice {
   timer: NodeJS.Timeout | undefined;
 }
 
+/** The scope's state as `slice`'s replica sees it: as leased, with what the slice still holds counted in. */
+const sliceState = (slice: LocalSlice, requests: number | null, tokens: number | null): LimitState =>
+  withSliceLeft(slice.view, slice.model, { requests, tokens });
+
 /** What a scope's past slices tell the next one's size. */
 interface SliceStats {
   /** Requests per ms the last slice admitted. */
@@ -287,21 +292,44 @@ export class LimitStore {
     if (coming) return coming.then(() => fromSlice() ?? this.admitExactly(scope, sliceKey, exact));
     if ((this.noSliceUntil.get(sliceKey) ?? 0) > this.clock()) return this.admitExactly(scope, sliceKey, exact);
     // No slice to admit from: lease one in this request's write and admit it from that; near a limit (no slice), exactly.
+    return this.lease(scope, key, sliceKey, limits, reservation, sliced.model, sliced.want, exact).then(
+      (a) => a ?? fromSlice() ?? this.admitExactly(scope, sliceKey, exact),
+    );
+  }
+
+  /**
+   * Leases a slice of `sliceKey` (one write) and makes it the open one; near a limit (none leased),
+   * no other is asked for during `sliceMs`, and `otherwise` — an admission's exact step — is
+   * taken in the same write instead, its result returned. Admissions meanwhile wait for it.
+   */
+  private lease(
+    scope: string,
+    key: string,
+    sliceKey: string,
+    limits: KeyLimits,
+    req: AdmitRequest,
+    model: string | undefined,
+    want: number,
+    otherwise?: Step<Admission>,
+  ): Promise<Admission | undefined> {
     const id = `~slice.${randomUUID()}`;
-    const ask = this.sliceRequest(sliceKey, id, reservation, sliced.model, sliced.want);
-    type Leased = { slice: Slice; state: LimitState } | { admission: Admission };
+    const ask = this.sliceRequest(sliceKey, id, req, model, want);
+    type Leased = { slice: Slice; state: LimitState } | { admission: Admission | undefined };
     const leased = this.enqueue<Leased>(scope, (state, at) => {
       const l = leaseSlice(state, limits, ask, at);
       if (l.ok) return { write: l.state, result: { slice: l.slice, state: l.state } };
-      const a = exact(state, at);
-      return { ...(a.write ? { write: a.write } : {}), result: { admission: a.result } };
+      const a = otherwise?.(state, at);
+      return { ...(a?.write ? { write: a.write } : {}), result: { admission: a?.result } };
     }).then((r) => {
-      if ('admission' in r) this.noSliceUntil.set(sliceKey, this.clock() + this.sliceMs);
-      else this.install(scope, key, sliceKey, id, limits, reservation, sliced.model, r.slice, r.state);
-      return r;
+      if ('admission' in r) {
+        this.noSliceUntil.set(sliceKey, this.clock() + this.sliceMs);
+        return r.admission;
+      }
+      this.install(scope, key, sliceKey, id, limits, req, model, r.slice, r.state);
+      return undefined;
     });
     this.whileLeasing(sliceKey, leased);
-    return leased.then((r) => ('admission' in r ? r.admission : (fromSlice() ?? this.admitExactly(scope, sliceKey, exact))));
+    return leased;
   }
 
   /** Marks a lease of `sliceKey` under way until `leased` settles (admissions meanwhile wait for it). */
@@ -454,7 +482,7 @@ export class LimitStore {
     if (req.storeBytes !== undefined && limits.storageBytes !== undefined) return undefined;
     const whole = (n: number | undefined, min: number) => n === undefined || (Number.isSafeInteger(n) && n >= min);
     if (!whole(req.tokens, 0) || !whole(req.upTo, 0) || !whole(req.leaseMs, 1)) return undefined;
-    const model = req.model !== undefined && limits.models && Object.prototype.hasOwnProperty.call(limits.models, req.model) ? req.model : undefined;
+    const model = modelLimitsOf(limits, req.model) ? req.model : undefined;
     return { want: Math.max(req.tokens, req.upTo ?? 0), model };
   }
 
@@ -500,25 +528,14 @@ export class LimitStore {
 
   /** An admission from `slice`: the headers as this replica sees the key (what its slice still holds counted in). */
   private admitted(slice: LocalSlice, tokens: number): Admission {
-    const state = withSliceLeft(slice.view, slice.model, { requests: slice.requestsLeft, tokens: slice.tokensLeft });
+    const state = sliceState(slice, slice.requestsLeft, slice.tokensLeft);
     return { ok: true, state, headers: rateLimitHeaders(state, slice.limits, this.clock(), slice.model), tokens };
   }
 
   /** The next slice of `slice`'s scope, leased before this one runs out (this one closes once it is in). */
   private leaseAhead(slice: LocalSlice, req: AdmitRequest, want: number): void {
-    const { scope, key, sliceKey, limits, model } = slice;
-    const id = `~slice.${randomUUID()}`;
-    const ask = this.sliceRequest(sliceKey, id, req, model, want);
-    const leased = this.enqueue<{ slice: Slice; state: LimitState } | undefined>(scope, (state, now) => {
-      const l = leaseSlice(state, limits, ask, now);
-      return l.ok ? { write: l.state, result: { slice: l.slice, state: l.state } } : { result: undefined };
-    }).then((r) => {
-      if (r) this.install(scope, key, sliceKey, id, limits, req, model, r.slice, r.state);
-      else this.noSliceUntil.set(sliceKey, this.clock() + this.sliceMs);
-    });
     // Not written: requests go on from the slice there is, then the exact way.
-    leased.catch(() => undefined);
-    this.whileLeasing(sliceKey, leased);
+    this.lease(slice.scope, slice.key, slice.sliceKey, slice.limits, req, slice.model, want).catch(() => undefined);
   }
 
   /**
@@ -604,14 +621,14 @@ export class LimitStore {
     if (!slice.open && slice.live.size === 0) this.giveBack(slice);
     // The state and headers as this replica sees them, made only if asked for (a gateway's settle asks for neither).
     const now = this.clock();
-    const left = { requests: slice.requestsLeft, tokens: slice.tokensLeft };
+    const [requestsLeft, tokensLeft] = [slice.requestsLeft, slice.tokensLeft];
     return {
       settled: true,
       get state() {
-        return withSliceLeft(slice.view, slice.model, left);
+        return sliceState(slice, requestsLeft, tokensLeft);
       },
       get headers() {
-        return rateLimitHeaders(withSliceLeft(slice.view, slice.model, left), slice.limits, now, slice.model);
+        return rateLimitHeaders(sliceState(slice, requestsLeft, tokensLeft), slice.limits, now, slice.model);
       },
     };
   }

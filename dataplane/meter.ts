@@ -88,11 +88,14 @@ const mac = (key: MeterKey, m: Metered): Buffer =>
 /** The signature of `m` under `key`: `<key id>.<base64url HMAC-SHA256>`. */
 export const meterSignature = (key: MeterKey, m: Metered): string => `${key.id}.${mac(key, m).toString('base64url')}`;
 
+/** The id of the key a signature names (`<id>.<mac>`); '' when it names none. */
+const keyIdOf = (sig: string): string => sig.slice(0, Math.max(0, sig.indexOf('.')));
+
 /** Whether `r` carries a valid signature by `key` (none known: nothing is). */
 export function signedBy(key: MeterKey | undefined, r: Metered & { sig?: string }): boolean {
   if (!key || typeof r.sig !== 'string') return false;
   const dot = r.sig.indexOf('.');
-  if (dot < 0 || r.sig.slice(0, dot) !== key.id) return false;
+  if (dot < 0 || keyIdOf(r.sig) !== key.id) return false;
   const given = Buffer.from(r.sig.slice(dot + 1), 'base64url');
   const expected = mac(key, r);
   return given.length === expected.length && timingSafeEqual(given, expected);
@@ -115,8 +118,7 @@ export class MeterVerifier {
   /** Whether `r` carries a valid signature of a gateway's. */
   async verify(r: Metered & { sig?: string }): Promise<boolean> {
     if (typeof r.sig !== 'string') return false;
-    const id = r.sig.slice(0, Math.max(0, r.sig.indexOf('.')));
-    if ((!this.key || this.key.id !== id) && this.clock() - this.readAt >= 1000) {
+    if ((!this.key || this.key.id !== keyIdOf(r.sig)) && this.clock() - this.readAt >= 1000) {
       this.readAt = this.clock();
       this.key = (await meterKeyOf(this.limits, { create: false })) ?? this.key;
     }

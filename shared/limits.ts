@@ -373,7 +373,7 @@ function normalize(state: LimitState, limits: KeyLimits, nowMs: number): LimitSt
 }
 
 /** The limits `limits` has of its own for `model`, if any. */
-const modelLimitsOf = (limits: KeyLimits, model: string | undefined): RateLimits | undefined =>
+export const modelLimitsOf = (limits: KeyLimits, model: string | undefined): RateLimits | undefined =>
   model !== undefined && limits.models && hasOwn(limits.models, model) ? limits.models[model] : undefined;
 
 /** The tokens `live` reservations hold. */
