@@ -17,6 +17,7 @@ import {
 } from '../shared/chat';
 import type { GrammarSchema } from '../shared/json-schema';
 import { COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionsRequest, promptsOf } from '../shared/completions';
+import { EngineExtension, type ResumedAnswer } from '../shared/continuation';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
@@ -42,6 +43,10 @@ export interface Sampling {
   presencePenalty: number;
   /** Each token's log-probability with this many alternatives; absent = none. */
   logprobs?: number;
+  /** A bridge's: streamed chunks say the token ids their text begins (shared/continuation.ts). */
+  streamTokens?: boolean;
+  /** A bridge's: the answer so far, continued from its next position (shared/continuation.ts). */
+  resume?: ResumedAnswer;
 }
 
 /** The sampling fields as a chat or text-completion body has them (any optional one may be `null`). */
@@ -56,6 +61,7 @@ interface SamplingFields {
   stop?: string | string[] | null;
   frequency_penalty?: number | null;
   presence_penalty?: number | null;
+  magus?: EngineExtension | null;
 }
 
 /** {@link Sampling} of a body, defaults applied (`logprobs`, spelt differently by chat and text completions, aside). */
@@ -71,6 +77,8 @@ function samplingOf(body: SamplingFields): Omit<Sampling, 'logprobs'> {
     stop: body.stop == null ? [] : typeof body.stop === 'string' ? [body.stop] : body.stop,
     frequencyPenalty: body.frequency_penalty ?? 0,
     presencePenalty: body.presence_penalty ?? 0,
+    ...(body.magus?.tokens === true ? { streamTokens: true } : {}),
+    ...(body.magus?.resume ? { resume: body.magus.resume } : {}),
   };
 }
 
@@ -93,6 +101,7 @@ export const completionsBodySchema = Type.Object({
   best_of: Type.Optional(Type.Union([Type.Null(), Type.Integer({ minimum: 1, maximum: 1 })])),
   echo: Type.Optional(Type.Union([Type.Null(), Type.Literal(false)])),
   suffix: Type.Optional(Type.Union([Type.Null(), Type.Literal('')])),
+  magus: Type.Optional(Type.Union([EngineExtension, Type.Null()])),
 });
 
 /** Defaults of a body that passed {@link completionsBodySchema}. */
@@ -155,8 +164,12 @@ export interface GenerationResult {
 export interface GenerationIO {
   /** Aborted when the client goes away or the engine stops; the generation then rejects. */
   signal: AbortSignal;
-  /** Called with each new piece of the returned text, in order, and the log-probabilities (when asked for) of the tokens it completes. */
-  onText(text: string, logprobs?: TokenLogprob[]): void;
+  /**
+   * Called with each new piece of the returned text, in order, the log-probabilities (when asked
+   * for) of the tokens it completes, and — from backends that can continue an answer — the ids of
+   * the tokens whose text begins in it (shared/continuation.ts).
+   */
+  onText(text: string, logprobs?: TokenLogprob[], tokens?: readonly number[]): void;
 }
 
 /** A request the backend has measured and accepted; generating it needs a slot. */
@@ -269,6 +282,7 @@ export const chatCompletionBodySchema = Type.Object({
     ...Type.Omit(ChatCompletionRequest, ['model', 'messages']).properties,
     max_completion_tokens: OpenAiChatBody.properties.max_completion_tokens,
     n: Type.Integer({ minimum: 1, maximum: 1 }),
+    magus: EngineExtension,
   }),
 });
 

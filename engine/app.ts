@@ -43,6 +43,7 @@ import {
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
+import { RESUME_MISMATCH } from '../shared/continuation';
 import type { CompletionsRequest } from '../shared/completions';
 import { EmbeddingsRequest, embeddingInputs, type EmbeddingsResponse } from '../shared/embeddings';
 import type { EngineCore } from './core';
@@ -117,14 +118,19 @@ class ChunkWriter {
     if (this.kind === 'chat') this.write(`${this.prefix}{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n`);
   }
 
-  /** A piece of choice `index`'s text, with its tokens' log-probabilities when asked for (a text completion's offsets count from `promptChars`). */
-  text(text: string, index = 0, logprobs?: readonly TokenLogprob[], promptChars = 0): void {
+  /**
+   * A piece of choice `index`'s text, with its tokens' log-probabilities when asked for (a text
+   * completion's offsets count from `promptChars`) and, for a bridge that asked, the ids of the
+   * tokens it begins (`magus.tokens`, shared/continuation.ts).
+   */
+  text(text: string, index = 0, logprobs?: readonly TokenLogprob[], promptChars = 0, tokens?: readonly number[]): void {
+    const end = tokens ? `],"magus":{"tokens":[${tokens.join(',')}]}}\n\n` : ']}\n\n';
     if (this.kind === 'text') {
       const lp = logprobs ? JSON.stringify(textLogprobs(logprobs, promptChars)) : 'null';
-      this.write(`${this.prefix}{"index":${index},"text":${JSON.stringify(text)},"logprobs":${lp},"finish_reason":null}]}\n\n`);
+      this.write(`${this.prefix}{"index":${index},"text":${JSON.stringify(text)},"logprobs":${lp},"finish_reason":null}${end}`);
     } else {
       const lp = logprobs ? JSON.stringify(chatLogprobs(logprobs)) : 'null';
-      this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":${lp},"finish_reason":null}]}\n\n`);
+      this.write(`${this.prefix}{"index":0,"delta":{"content":${JSON.stringify(text)}},"logprobs":${lp},"finish_reason":null}${end}`);
     }
   }
 
@@ -237,6 +243,10 @@ function encodeEmbedding(vector: readonly number[], format: 'float' | 'base64' |
 interface Job {
   kind: 'chat' | 'text';
   stream: boolean;
+  /** Chunks say the token ids their text begins (a bridge asked; one choice only). */
+  streamTokens: boolean;
+  /** It continues an earlier attempt's answer: the stream has no role chunk (the client has it). */
+  resumes: boolean;
   includeUsage: boolean;
   prepared: PreparedCompletion[];
   /** Text completions: each prompt's length in characters (log-probabilities' `text_offset` counts from the prompt's start). */
@@ -255,6 +265,8 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
   return serve(core, opts, reply, arrived, {
     kind: 'chat',
     stream: req.stream,
+    streamTokens: req.streamTokens === true,
+    resumes: req.resume !== undefined,
     includeUsage: req.includeUsage,
     prepared: [prepared],
     ...(affinity ? { score: (slot) => affinity(slot, req) } : {}),
@@ -269,10 +281,13 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
   if (!prepareText) throw invalidRequest('This engine does not serve text completions.', 'model', 'unsupported_feature');
   const body = request.body as CompletionsRequest;
   const req = normalizeTextRequest(body);
+  if (req.resume && req.prompts.length > 1) throw invalidRequest('Only an answer to one prompt can be resumed.', 'magus.resume', RESUME_MISMATCH);
   const prepared = req.prompts.map((prompt, i) => prepareText(prompt, req, typeof body.prompt === 'string' ? 'prompt' : `prompt[${i}]`));
   return serve(core, opts, reply, arrived, {
     kind: 'text',
     stream: req.stream,
+    streamTokens: req.streamTokens === true && req.prompts.length === 1,
+    resumes: req.resume !== undefined,
     includeUsage: req.includeUsage,
     prepared,
     promptChars: req.prompts.map((p) => p.length),
@@ -398,16 +413,16 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
     reply.hijack();
     res.writeHead(200, SSE_HEADERS);
     const out = new ChunkWriter(res, id, created, core.modelId, job.kind);
-    out.role();
+    if (!job.resumes) out.role();
     try {
       const results: GenerationResult[] = [];
       for (const [index, p] of job.prepared.entries()) {
         const result = await p.generate(slot, {
           signal: abort.signal,
-          onText: (text, logprobs) => {
+          onText: (text, logprobs, tokens) => {
             if (text.length === 0) return;
             observeText();
-            out.text(text, index, logprobs, job.promptChars?.[index]);
+            out.text(text, index, logprobs, job.promptChars?.[index], job.streamTokens ? tokens : undefined);
           },
         });
         results.push(result);

@@ -14,7 +14,8 @@
  */
 import { randomInt } from 'node:crypto';
 import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
-import type { TokenChoice, TokenLogprob } from './api';
+import { RESUME_MISMATCH } from '../shared/continuation';
+import { invalidRequest, type TokenChoice, type TokenLogprob } from './api';
 
 /** Tokens of a prompt evaluated between two looks at the request's abort signal (node-llama-cpp's default batch). */
 const PROMPT_PIECE = 512;
@@ -41,8 +42,19 @@ export interface DecodeOptions {
   /** Alternatives per token (0–20); absent = no log-probabilities. */
   topLogprobs?: number;
   signal: AbortSignal;
-  /** Each new piece of the answer, with the log-probabilities of the tokens it completes. */
-  onText(text: string, logprobs: TokenLogprob[] | undefined): void;
+  /**
+   * An earlier attempt's answer so far (shared/continuation.ts): its tokens are evaluated after the
+   * prompt and sampling goes on from the next position, so with the same seed the answer is the
+   * one an undisturbed run gives; of its text only what follows `text` is sent.
+   * @throws EngineHttpError (400 `resume_mismatch`) when the tokens' text does not begin with `text`
+   */
+  resume?: { tokens: readonly Token[]; text: string };
+  /**
+   * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
+   * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
+   * the tokens of the pieces sent, joined, are what a continuation resumes from.
+   */
+  onText(text: string, logprobs: TokenLogprob[] | undefined, tokens: Token[]): void;
 }
 
 export interface Decoded {
@@ -122,11 +134,13 @@ export function drawToken(logits: ReadonlyMap<Token, number>, temperature: numbe
  * end-of-generation token, a stop, or `maxTokens`.
  */
 export async function decode(model: LlamaModel, sequence: LlamaContextSequence, prompt: readonly Token[], o: DecodeOptions): Promise<Decoded> {
-  // At least the prompt's last token is evaluated again: its logits choose the first token.
+  const resumed = o.resume?.tokens ?? [];
+  const full = resumed.length > 0 ? [...prompt, ...resumed] : prompt;
+  // At least the last token is evaluated again: its logits choose the next one.
   const held = sequence.contextTokens;
   let keep = 0;
-  const reusable = Math.min(held.length, prompt.length - 1);
-  while (keep < reusable && held[keep] === prompt[keep]) keep++;
+  const reusable = Math.min(held.length, full.length - 1);
+  while (keep < reusable && held[keep] === full[keep]) keep++;
   if (keep < sequence.nextTokenIndex) await sequence.eraseContextTokenRanges([{ start: keep, end: sequence.nextTokenIndex }]);
 
   const wantLogprobs = o.topLogprobs !== undefined;
@@ -140,14 +154,26 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   const candidates = o.temperature > 0 ? (o.topK !== undefined && o.topK > 0 ? Math.min(o.topK, SAMPLE_TOP_K) : SAMPLE_TOP_K) : 1;
   // Without a seed, a random one: the steps still draw independently.
   const requestSeed = o.seed ?? randomInt(2 ** 32);
-  const sampled: Token[] = [];
-  const answer: Token[] = [];
+  const sampled: Token[] = [...resumed];
+  const answer: Token[] = [...resumed];
+  /** Where each token of `answer` begins in `text`, and how many of them went out with a piece. */
+  const starts: number[] = resumed.map(() => 0);
+  let attached = resumed.length;
   /** Log-probabilities of tokens whose text is not sent yet, and of those sent. */
   let pending: TokenLogprob[] = [];
   const returned: TokenLogprob[] = [];
   let text = '';
   let sent = 0;
-  let input: Token[] = prompt.slice(keep);
+  if (o.resume && resumed.length > 0) {
+    text = model.detokenize(answer);
+    if (!text.startsWith(o.resume.text)) {
+      throw invalidRequest('The answer to resume does not begin with the text it says was sent.', 'magus.resume', RESUME_MISMATCH);
+    }
+    sent = o.resume.text.length;
+  } else if (o.resume && o.resume.text !== '') {
+    throw invalidRequest('The answer to resume has text but no tokens.', 'magus.resume', RESUME_MISMATCH);
+  }
+  let input: Token[] = full.slice(keep);
   let finishReason: Decoded['finishReason'] = 'length';
   // Sends the text up to `upTo`. The tokens that begin before it share the piece: each token's
   // text is what it added to the answer (a character split over byte tokens goes to the token
@@ -167,7 +193,9 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
       returned.push(...done);
     }
     sent = upTo;
-    o.onText(piece, done);
+    const begun = attached;
+    while (attached < answer.length && starts[attached]! < upTo) attached++;
+    o.onText(piece, done, answer.slice(begun, attached));
   };
 
   // A long prompt in pieces, so a request whose client left stops between them.
@@ -215,6 +243,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     }
     const before = text.length;
     text = model.detokenize(answer);
+    starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
     if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
       // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
       const norm = out.logits.values().next().value! + Math.log(out.totalLogitWeight);
@@ -240,5 +269,11 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   // are the tokens of a stop text.
   text = text.replace(/\uFFFD+$/, '');
   send(text.length);
-  return { text, finishReason, completionTokens: sampled.length, cachedPromptTokens: keep, ...(wantLogprobs ? { logprobs: returned } : {}) };
+  return {
+    text,
+    finishReason,
+    completionTokens: sampled.length,
+    cachedPromptTokens: Math.min(keep, prompt.length),
+    ...(wantLogprobs ? { logprobs: returned } : {}),
+  };
 }

@@ -722,6 +722,105 @@ describe('log-probabilities', () => {
   });
 });
 
+describe('continuing an interrupted answer (shared/continuation.ts)', () => {
+  interface Piece {
+    text: string;
+    tokens: number[];
+    logprobs: unknown;
+  }
+  interface Streamed {
+    /** The chunks with text, each with the token ids the engine said it begins. */
+    pieces: Piece[];
+    /** Whether the stream began with a role chunk. */
+    role: boolean;
+    usage: Completion['usage'];
+  }
+  /** A streamed answer of `path`, its chunks read as a bridge reads them. */
+  async function streamed(path: string, body: Record<string, unknown>): Promise<Streamed> {
+    const res = await fetch(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+    const text = await res.text();
+    expect({ status: res.status, text: res.status === 200 ? '' : text }).toEqual({ status: 200, text: '' });
+    const events = sse(text)
+      .slice(0, -1)
+      .map((d) => JSON.parse(d) as Record<string, any>); // eslint-disable-line @typescript-eslint/no-explicit-any
+    const pieces: Piece[] = [];
+    let role = false;
+    let usage: Completion['usage'] | undefined;
+    for (const e of events) {
+      if (e.usage) usage = e.usage as Completion['usage'];
+      const c = e.choices[0];
+      if (!c) continue;
+      if (c.delta?.role) role = true;
+      const piece = (c.delta?.content ?? c.text ?? '') as string;
+      if (piece !== '') pieces.push({ text: piece, tokens: e.magus?.tokens as number[], logprobs: c.logprobs });
+    }
+    return { pieces, role, usage: usage! };
+  }
+  const join = (pieces: readonly Piece[]) => pieces.map((p) => p.text).join('');
+
+  test.each([
+    ['greedy', { temperature: 0 }],
+    ['seeded', { temperature: 1, top_p: 0.95, seed: 7 }],
+    ['seeded, with penalties and log-probabilities', { temperature: 0.9, seed: 3, frequency_penalty: 0.5, logprobs: true, top_logprobs: 2 }],
+  ])('chat, %s: resumed after any piece, the rest joins into the undisturbed answer, usage counted once', async (_name, sampling) => {
+    const body = { messages: hello, max_tokens: 40, stream: true, stream_options: { include_usage: true }, ...sampling };
+    const whole = await streamed('/v1/chat/completions', { ...body, magus: { tokens: true } });
+    expect(whole.role).toBe(true);
+    expect(whole.pieces.length).toBeGreaterThan(5);
+    for (const p of whole.pieces) expect(Array.isArray(p.tokens)).toBe(true);
+    // Without `magus.tokens` no chunk carries them: what clients see is unchanged.
+    const plain = await streamed('/v1/chat/completions', body);
+    expect(plain.pieces.map((p) => p.tokens)).toEqual(plain.pieces.map(() => undefined));
+    expect(join(plain.pieces)).toBe(join(whole.pieces));
+    const n = whole.pieces.length;
+    for (const cut of new Set([0, 1, Math.floor(n / 3), Math.floor((2 * n) / 3), n - 1])) {
+      const sent = whole.pieces.slice(0, cut);
+      const resume = { tokens: sent.flatMap((p) => p.tokens), text: join(sent) };
+      const rest = await streamed('/v1/chat/completions', { ...body, magus: { tokens: true, resume } });
+      expect(rest.role).toBe(false);
+      expect(resume.text + join(rest.pieces)).toBe(join(whole.pieces));
+      expect(rest.pieces.map((p) => p.logprobs)).toEqual(whole.pieces.slice(cut).map((p) => p.logprobs));
+      expect(rest.pieces.flatMap((p) => p.tokens)).toEqual(whole.pieces.slice(cut).flatMap((p) => p.tokens));
+      expect({ prompt: rest.usage.prompt_tokens, completion: rest.usage.completion_tokens }).toEqual({
+        prompt: whole.usage.prompt_tokens,
+        completion: whole.usage.completion_tokens,
+      });
+    }
+  });
+
+  test('text completions continue alike', async () => {
+    const body = { prompt: 'Once upon a time', max_tokens: 30, stream: true, stream_options: { include_usage: true }, temperature: 1, seed: 11 };
+    const whole = await streamed('/v1/completions', { ...body, magus: { tokens: true } });
+    expect(whole.pieces.length).toBeGreaterThan(5);
+    const cut = Math.floor(whole.pieces.length / 2);
+    const sent = whole.pieces.slice(0, cut);
+    const rest = await streamed('/v1/completions', { ...body, magus: { tokens: true, resume: { tokens: sent.flatMap((p) => p.tokens), text: join(sent) } } });
+    expect(join(sent) + join(rest.pieces)).toBe(join(whole.pieces));
+    expect(rest.usage.completion_tokens).toBe(whole.usage.completion_tokens);
+  });
+
+  test('a resume the engine cannot continue is a 400 resume_mismatch naming magus.resume', async () => {
+    const whole = await streamed('/v1/chat/completions', { messages: hello, max_tokens: 12, temperature: 0, stream: true, magus: { tokens: true } });
+    const tokens = whole.pieces.slice(0, 3).flatMap((p) => p.tokens);
+    const tools = [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: {} } } }];
+    for (const [body, path] of [
+      [{ messages: hello, stream: true, magus: { resume: { tokens, text: 'not what they say' } } }, '/v1/chat/completions'],
+      [{ messages: hello, stream: true, magus: { resume: { tokens: [], text: 'text without tokens' } } }, '/v1/chat/completions'],
+      [
+        { messages: hello, stream: true, tools, tool_choice: 'required', magus: { resume: { tokens, text: join(whole.pieces.slice(0, 3)) } } },
+        '/v1/chat/completions',
+      ],
+      [{ prompt: ['a', 'b'], stream: true, magus: { resume: { tokens: [], text: '' } } }, '/v1/completions'],
+    ] as const) {
+      const res = await fetch(`${url}${path}`, { method: 'POST', body: JSON.stringify(body) });
+      expect({ status: res.status, error: ((await res.json()) as ErrorBody).error }).toMatchObject({
+        status: 400,
+        error: { code: 'resume_mismatch', param: 'magus.resume' },
+      });
+    }
+  });
+});
+
 test('SIGTERM lets the generation in flight finish, then the engine exits cleanly', async () => {
   const res = await post({ messages: hello, max_tokens: 600, temperature: 0, stream: true });
   const reader = res.body!.getReader() as ReadableStreamDefaultReader<Uint8Array>;

@@ -36,6 +36,7 @@ import {
   type GenerationResult,
   type PreparedCompletion,
 } from './api';
+import { RESUME_MISMATCH } from '../shared/continuation';
 import { decode, type DecodeOptions } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
@@ -189,12 +190,34 @@ interface Plan {
 /** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
 type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText'>;
 
+/** How magus's own loop samples `req`'s answer of at most `maxTokens` (and continues it, when it is a resume). */
+function decodeSettings(req: ChatRequest | TextRequest, maxTokens: number): DecodeSettings {
+  const { resume, logprobs, ...sampling } = req;
+  return {
+    ...sampling,
+    maxTokens,
+    ...(logprobs !== undefined ? { topLogprobs: logprobs } : {}),
+    ...(resume ? { resume: { tokens: resume.tokens as Token[], text: resume.text } } : {}),
+  };
+}
+
+/** How many tokens the model's vocabulary has, as its GGUF lists them. */
+function vocabularyOf(model: LlamaModel): number | undefined {
+  const tokens = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
+  return Array.isArray(tokens) ? tokens.length : undefined;
+}
+
+/** A resume asked of an answer magus's own loop does not produce (tools, a response format). */
+const resumeUnsupported = () => invalidRequest('Only a plain chat or text answer can be resumed.', 'magus.resume', RESUME_MISMATCH);
+
 /** Grammars kept compiled, by their schema: a client sends the same schema again and again. */
 const GRAMMAR_CACHE = 64;
 
 export class LlamaBackend implements CompletionBackend {
   /** Per slot: the conversation its KV cache holds (the last request plus its answer). */
   private readonly cached: (ChatMessage[] | undefined)[];
+  /** How many tokens the vocabulary has (read at the first resume). */
+  private vocabulary: number | undefined;
   /** Structured output's grammars, least recently used first (`json` for json_object). */
   private readonly grammars = new Map<string, Promise<LlamaGrammar>>();
   private embedder: LlamaEmbedder | undefined;
@@ -257,15 +280,18 @@ export class LlamaBackend implements CompletionBackend {
     const promptTokens = tokens.length;
     const room = this.roomAfter(promptTokens, 'messages', 'messages');
     const maxTokens = Math.min(req.maxTokens ?? room, room);
-    if (req.logprobs !== undefined) {
-      // Plain chat (checkStructure refuses log-probabilities with tools or a format), in magus's
-      // own loop: the rendered prompt, ended by the template's end-of-turn texts as LlamaChat would.
+    if (!forced && !availableFunctions && !req.responseFormat) {
+      // Plain chat (with or without log-probabilities), in magus's own loop (decode.ts): the
+      // rendered prompt, ended by the template's end-of-turn texts as LlamaChat would, sampled with
+      // a seed per position, so an interrupted answer can be continued (shared/continuation.ts).
       const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
+      this.checkResume(req.resume, maxTokens);
       return {
         promptTokens,
-        generate: (slot, io) => this.chatWithLogprobs(slot, req, tokens, { ...req, maxTokens, stopTokens, topLogprobs: req.logprobs }, io),
+        generate: (slot, io) => this.plainChat(slot, req, tokens, { ...decodeSettings(req, maxTokens), stopTokens }, io),
       };
     }
+    if (req.resume) throw resumeUnsupported();
     const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
     return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
   }
@@ -284,6 +310,21 @@ export class LlamaBackend implements CompletionBackend {
       );
     }
     return this.contextSize - promptTokens;
+  }
+
+  /**
+   * Refuses, before the request queues, a resume that is not an answer of this model to continue:
+   * tokens beyond its vocabulary or its `max_tokens`, or whose text does not begin with the text
+   * it says was sent.
+   */
+  private checkResume(resume: ChatRequest['resume'], maxTokens: number): void {
+    if (!resume) return;
+    const vocabulary = (this.vocabulary ??= vocabularyOf(this.model) ?? Infinity);
+    let problem: string | undefined;
+    if (resume.tokens.length >= maxTokens) problem = `it holds ${resume.tokens.length} tokens, and the answer may have ${maxTokens}`;
+    else if (resume.tokens.some((t) => t >= vocabulary)) problem = `a token id is beyond the model's vocabulary of ${vocabulary} tokens`;
+    else if (!this.model.detokenize(resume.tokens as Token[]).startsWith(resume.text)) problem = 'its tokens do not begin with the text it says was sent';
+    if (problem) throw invalidRequest(`The answer to resume is not one this engine can continue: ${problem}.`, 'magus.resume', RESUME_MISMATCH);
   }
 
   affinity(slot: number, req: ChatRequest): number {
@@ -377,7 +418,7 @@ export class LlamaBackend implements CompletionBackend {
     };
   }
 
-  private async chatWithLogprobs(slot: number, req: ChatRequest, prompt: readonly Token[], o: DecodeSettings, io: GenerationIO): Promise<GenerationResult> {
+  private async plainChat(slot: number, req: ChatRequest, prompt: readonly Token[], o: DecodeSettings, io: GenerationIO): Promise<GenerationResult> {
     const result = await this.decodeIn(slot, prompt, o, io);
     this.cached[slot] = [...req.messages, { role: 'assistant', content: result.text }];
     return result;
@@ -389,7 +430,8 @@ export class LlamaBackend implements CompletionBackend {
     if (shouldPrependBosToken && bos != null) tokens.unshift(bos);
     const promptTokens = tokens.length;
     const maxTokens = Math.min(req.maxTokens, this.roomAfter(promptTokens, 'prompt', param));
-    return { promptTokens, generate: (slot, io) => this.decodeIn(slot, tokens, { ...req, maxTokens, topLogprobs: req.logprobs }, io) };
+    this.checkResume(req.resume, maxTokens);
+    return { promptTokens, generate: (slot, io) => this.decodeIn(slot, tokens, decodeSettings(req, maxTokens), io) };
   }
 
   /**
@@ -400,7 +442,7 @@ export class LlamaBackend implements CompletionBackend {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     this.cached[slot] = undefined;
-    return decode(this.model, chat.sequence, prompt, { ...o, signal: io.signal, onText: (text, logprobs) => io.onText(text, logprobs) });
+    return decode(this.model, chat.sequence, prompt, { ...o, signal: io.signal, onText: (text, logprobs, tokens) => io.onText(text, logprobs, tokens) });
   }
 
   /** Embeddings by an embedding context of the model, made at the first request (pooling as the GGUF says). */
@@ -428,8 +470,7 @@ class LlamaEmbedder implements EmbeddingBackend {
     private readonly threads: number,
   ) {
     this.dimensions = model.embeddingVectorSize;
-    const tokens = (model.fileInfo.metadata as unknown as { tokenizer?: { ggml?: { tokens?: unknown[] } } }).tokenizer?.ggml?.tokens;
-    this.vocabulary = Array.isArray(tokens) ? tokens.length : undefined;
+    this.vocabulary = vocabularyOf(model);
   }
 
   embed(inputs: readonly (string | readonly number[])[], signal: AbortSignal): Promise<{ vectors: number[][]; promptTokens: number }> {

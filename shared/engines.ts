@@ -28,12 +28,25 @@ export interface EngineDeclaration {
   concurrency: 'slots' | 'one';
   /** One process per instance, or a root and 2^n − 1 workers sharing the model. */
   topology: 'single' | 'distributed';
+  /**
+   * Whether it continues an interrupted answer from the tokens already sent (shared/continuation.ts);
+   * otherwise a later attempt generates it again with the pinned seed and checks it against them.
+   */
+  continues: boolean;
 }
 
 /** The engines, by kind (the kind is what the `Dllama` resource, the bridge and `/v1/models` say). */
 export const ENGINES = {
   /** magus's own engine (`magus engine`, engine/): llama.cpp through node-llama-cpp, GGUF. */
-  llamacpp: { name: 'llama.cpp (magus engine)', short: 'llama.cpp', format: 'gguf', capabilities: CAPABILITIES, concurrency: 'slots', topology: 'single' },
+  llamacpp: {
+    name: 'llama.cpp (magus engine)',
+    short: 'llama.cpp',
+    format: 'gguf',
+    capabilities: CAPABILITIES,
+    concurrency: 'slots',
+    topology: 'single',
+    continues: true,
+  },
   /** distributed-llama's `dllama-api` root and `dllama worker`s: its `.m` + `.t` artifacts, plain chat. */
   dllama: {
     name: "distributed-llama's dllama-api",
@@ -42,6 +55,7 @@ export const ENGINES = {
     capabilities: [],
     concurrency: 'one',
     topology: 'distributed',
+    continues: false,
   },
 } as const satisfies Record<string, EngineDeclaration>;
 

@@ -79,7 +79,14 @@ export type InferenceRequest = ChatInference | EmbeddingsInference | Completions
  * completion; failure at any point: `error` (terminal).
  */
 export type ResponseFrame =
-  | { seq: number; type: 'chunk'; data: unknown } // an OpenAI `chat.completion.chunk`
+  | {
+      seq: number;
+      type: 'chunk';
+      /** An OpenAI `chat.completion.chunk` (or `text_completion` chunk). */
+      data: unknown;
+      /** The ids of the tokens its text begins, from an engine that can continue an answer (shared/continuation.ts); not relayed to clients. */
+      tokens?: number[];
+    }
   | { seq: number; type: 'done'; data?: unknown } // the `chat.completion` when not streaming
   | {
       seq: number;

@@ -90,6 +90,11 @@ export class Attempt {
     this.controller.abort(reason);
   }
 
+  /** Its engine continues the answer from the tokens an earlier attempt sent (generate.ts). */
+  continued(): void {
+    this.ctx.stats.continued += 1;
+  }
+
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
   note(frame: ResponseFrame): void {
     if (frame.type === 'error') return;

@@ -22,7 +22,7 @@
 import { randomBytes } from 'node:crypto';
 import { hostname } from 'node:os';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
-import type { EngineKind } from '../../shared/engines';
+import { engineOf, type EngineKind } from '../../shared/engines';
 import { requestKindOf } from '../../shared/request-kinds';
 import type { ResponseFrame } from '../../shared/serving';
 import type { UsageTotals } from '../../shared/usage';
@@ -155,6 +155,7 @@ export class Bridge {
       redelivered: 0,
       errors: 0,
       resumed: 0,
+      continued: 0,
       resumeFailed: 0,
       replayed: 0,
       superseded: 0,
@@ -195,6 +196,7 @@ export class Bridge {
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
+    const continues = engineOf(engineKind).continues;
     const retryDelayMs = opts.retryDelayMs ?? 1000;
     const ackWaitMs = consumer.ackWaitMs;
     const owner = `${instance}@${hostname()}:${process.pid}:${randomBytes(3).toString('hex')}`;
@@ -243,7 +245,7 @@ export class Bridge {
             resolve: 'term',
             frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field),
           });
-        return generate(this.engine, a, prior, requestTimeoutMs);
+        return generate(this.engine, a, prior, requestTimeoutMs, continues);
       },
     };
   }

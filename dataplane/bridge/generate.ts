@@ -5,6 +5,7 @@
  * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
  */
 import type { ChatCompletionRequest } from '../../shared/chat';
+import { RESUME_MISMATCH, type EngineExtension, type ResumedAnswer } from '../../shared/continuation';
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
@@ -94,8 +95,45 @@ function carriesText(chunk: unknown): boolean {
   return typeof content === 'string' && content.length > 0;
 }
 
-/** Calls the engine for `a`, publishing chunk frames after those an earlier attempt published (`prior`). */
-export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number): Promise<Outcome> {
+/**
+ * The answer so far, as an engine that continues answers resumes it, from the frames an earlier
+ * attempt published: every chunk with text says its tokens, and none ended the choice. Undefined
+ * when they cannot say it (another engine's frames, tool calls, several choices, a finished
+ * choice): the answer is then generated again and checked against them.
+ */
+export function resumedAnswer(prior: readonly ResponseFrame[]): ResumedAnswer | undefined {
+  const tokens: number[] = [];
+  let text = '';
+  for (const f of prior) {
+    if (f.type !== 'chunk') return undefined;
+    const choices = (f.data as { choices?: unknown } | null)?.choices;
+    if (!Array.isArray(choices) || choices.length !== 1) return undefined;
+    const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; text?: unknown; finish_reason?: unknown } | null;
+    if (!c || c.finish_reason != null || c.delta?.tool_calls != null) return undefined;
+    const piece = c.delta ? (c.delta.content ?? '') : (c.text ?? '');
+    if (typeof piece !== 'string') return undefined;
+    if (piece === '') continue; // a chat stream's role chunk
+    if (!Array.isArray(f.tokens)) return undefined;
+    for (const t of f.tokens) tokens.push(t);
+    text += piece;
+  }
+  return { tokens, text };
+}
+
+/** A chunk as the engine sent it, and the token ids it said (its `magus` field, which clients never see). */
+function ownTokens(data: unknown): { data: unknown; tokens?: number[] } {
+  if (typeof data !== 'object' || data === null || !('magus' in data)) return { data };
+  const { magus, ...rest } = data as { magus?: { tokens?: unknown } | null };
+  const tokens = magus?.tokens;
+  return Array.isArray(tokens) && tokens.every((t) => Number.isInteger(t)) ? { data: rest, tokens: tokens as number[] } : { data: rest };
+}
+
+/**
+ * Calls the engine for `a`, publishing chunk frames after those an earlier attempt published
+ * (`prior`): an engine that `continues` answers resumes from them (shared/continuation.ts), any
+ * other generates the answer again and its chunks are checked against them.
+ */
+export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number, continues = false): Promise<Outcome> {
   const { req } = a;
   // By kind (shared/request-kinds.ts): one that generates (chat, text completions) streams when
   // asked, with a pinned seed so a retry regenerates the same text; another (embeddings) is one
@@ -103,9 +141,16 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
   const { path, idPrefix, generates } = requestKindOf(req);
   const generating = generates ? (req as Exclude<InferenceRequest, EmbeddingsInference>) : undefined;
   const stream = generating?.body.stream === true;
-  const body: ChatCompletionRequest | CompletionsRequest | EmbeddingsRequest = generating
-    ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id) }
+  const resume = continues && stream && prior.length > 0 ? resumedAnswer(prior) : undefined;
+  // A client's own `magus` field never reaches the engine: this one replaces it.
+  const magus: EngineExtension | undefined = stream ? { tokens: true, ...(resume ? { resume } : {}) } : undefined;
+  const body: ((ChatCompletionRequest | CompletionsRequest) & { magus?: EngineExtension }) | EmbeddingsRequest = generating
+    ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id), magus }
     : req.body;
+  // Resumed, the engine's chunks follow the prior ones (it sends no role chunk); otherwise they
+  // start from the first and must equal the prior ones.
+  const base = resume ? prior.length : 0;
+  const compared = resume ? [] : prior;
   const answered: Answered = {
     model: (req.body as { model: string }).model,
     maxTokens: generating
@@ -141,6 +186,11 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     const res = await engine.post(path, JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
+      if (resume && e.code === RESUME_MISMATCH) {
+        // The engine cannot continue it (another model or build): generate it again and compare.
+        clearTimeout(timer);
+        return await generate(engine, a, prior, requestTimeoutMs, false);
+      }
       if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
       return {
         kind: 'finish',
@@ -148,6 +198,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
         frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param),
       };
     }
+    if (resume) a.continued();
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());
       return {
@@ -190,13 +241,19 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
             frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`),
           };
         }
-        const frame: ResponseFrame = { seq, type: 'chunk', data: stamp(data, idPrefix ?? '', req.id, a.claim.createdAt, answered, false) };
-        const before = prior[seq];
+        const own = ownTokens(data);
+        const frame: ResponseFrame = {
+          seq: base + seq,
+          type: 'chunk',
+          data: stamp(own.data, idPrefix ?? '', req.id, a.claim.createdAt, answered, false),
+          ...(own.tokens ? { tokens: own.tokens } : {}),
+        };
+        const before = compared[seq];
         if (before) {
           if (fingerprint(before) !== fingerprint(frame)) return diverged();
         } else {
           a.send(frame);
-          a.nextSeq = seq + 1;
+          a.nextSeq = base + seq + 1;
         }
         seq += 1;
         if (a.signal.aborted) break read;
@@ -209,7 +266,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
     }
     const stopped = aborted();
     if (stopped) return stopped;
-    if (seq < prior.length) return diverged();
+    if (base + seq < prior.length) return diverged();
     return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done' } };
   } catch (err) {
     // Aborted (ours, deadline, timeout) or the engine is unreachable / died mid-answer: a later

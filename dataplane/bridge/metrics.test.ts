@@ -10,6 +10,7 @@ describe('bridgeMetricsText', () => {
     redelivered: 0,
     errors: 0,
     resumed: 0,
+    continued: 0,
     resumeFailed: 0,
     replayed: 0,
     superseded: 0,

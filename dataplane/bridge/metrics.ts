@@ -17,6 +17,8 @@ export interface BridgeStats {
   errors: number;
   /** Take-overs that continued after frames an earlier attempt had published. */
   resumed: number;
+  /** Of those, the ones whose engine continued the answer from its tokens (the rest generated it again and compared). */
+  continued: number;
   /**
    * Take-overs that found frames of their request already gone from the response stream (aged
    * out, or evicted by a full `MAGUS_RESPONSES`) and ended the answer with `resume_failed`.
@@ -56,6 +58,7 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   redelivered: 'Deliveries JetStream marked as redelivered.',
   errors: 'Unexpected failures (NATS or KV errors); each is logged.',
   resumed: 'Take-overs that continued after frames an earlier attempt had published.',
+  continued: 'Take-overs whose engine continued the answer from the tokens already sent, instead of generating it again.',
   resumeFailed: 'Take-overs that found frames of their request already gone from the response stream (evicted or aged out): answer ended with resume_failed.',
   replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
   superseded: 'Attempts that found a later delivery owned their request.',
