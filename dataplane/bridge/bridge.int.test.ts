@@ -691,10 +691,22 @@ describe('failures', () => {
     expect(state.num_ack_pending + state.num_pending).toBe(0);
   });
 
-  it('engine 503: nak, redelivered, answered on the retry', async () => {
-    const stub = await engine((call) => (call === 0 ? { status: 503 } : { chunks: 2 }));
+  it('engine 503 (starting again): tried again in place, answered without a redelivery', async () => {
+    const stub = await engine((call) => (call < 3 ? { status: 503 } : { chunks: 2 }));
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
+    const { req, answer } = await sent(instance);
+    expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 2));
+    expect(stub.calls).toHaveLength(4);
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ pulled: 1, nakked: 0, redelivered: 0, acked: 1, termed: 0 });
+  });
+
+  it('engine 503 for longer than engineWaitMs: nak, redelivered, answered on the retry', async () => {
+    const stub = await engine((call) => (call === 0 ? { status: 503 } : { chunks: 2 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url, { engineWaitMs: 0 });
     const { req, answer } = await sent(instance);
     const frames = await answer.finished;
     expect(frames.at(-1)).toMatchObject({ type: 'done' });
@@ -708,7 +720,7 @@ describe('failures', () => {
     const gone = await engine(() => ({}));
     await gone.close(); // nothing listens on its port any more: connection refused
     const instance = await instanceWith({ maxDeliver: 3 });
-    const b = await bridge(instance, gone.url);
+    const b = await bridge(instance, gone.url, { engineWaitMs: 300 });
     const { answer } = await sent(instance);
     const frames = await answer.finished;
     expect(frames).toEqual([{ seq: 0, type: 'error', error: expect.objectContaining({ status: 503, code: BridgeErrorCode.engineUnavailable }) as unknown }]);

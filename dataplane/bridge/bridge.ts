@@ -61,6 +61,12 @@ export interface BridgeOptions {
   requestTimeoutMs?: number;
   /** First `nak` delay after a transient engine failure; doubles per delivery, at most 30 s. Default 1 s. */
   retryDelayMs?: number;
+  /**
+   * How long an attempt whose engine went away (died, restarting in place) tries it again, every
+   * 100 ms, before handing the request back; it then continues the answer from what it sent.
+   * Default 15 s.
+   */
+  engineWaitMs?: number;
   /** How long {@link Bridge.stop} lets requests in flight finish before handing them back. Default 30 s. */
   drainTimeoutMs?: number;
   log?: (line: string) => void;
@@ -196,7 +202,7 @@ export class Bridge {
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
-    const continues = engineOf(engineKind).continues;
+    const generateOptions = { requestTimeoutMs, continues: engineOf(engineKind).continues, engineWaitMs: opts.engineWaitMs ?? 15_000 };
     const retryDelayMs = opts.retryDelayMs ?? 1000;
     const ackWaitMs = consumer.ackWaitMs;
     const owner = `${instance}@${hostname()}:${process.pid}:${randomBytes(3).toString('hex')}`;
@@ -245,7 +251,7 @@ export class Bridge {
             resolve: 'term',
             frame: errorFrame(a.nextSeq, 400, 'invalid_request_error', 'unsupported_feature', refused.message, refused.field),
           });
-        return generate(this.engine, a, prior, requestTimeoutMs, continues);
+        return generate(this.engine, a, prior, generateOptions);
       },
     };
   }

@@ -128,12 +128,53 @@ function ownTokens(data: unknown): { data: unknown; tokens?: number[] } {
   return Array.isArray(tokens) && tokens.every((t) => Number.isInteger(t)) ? { data: rest, tokens: tokens as number[] } : { data: rest };
 }
 
+/** How often an attempt whose engine went away tries it again. */
+const ENGINE_RETRY_EVERY_MS = 100;
+
+/** How {@link generate} calls the engine. */
+export interface GenerateOptions {
+  /** Upper bound of one engine call (the request's deadline bounds it too). */
+  requestTimeoutMs: number;
+  /** The engine continues answers from their tokens (shared/engines.ts `continues`). */
+  continues: boolean;
+  /**
+   * How long an attempt whose engine went away (unreachable, died mid-answer, 503 while it starts
+   * again) keeps trying it, every 100 ms, before the delivery is handed back: an engine restarted
+   * in place picks the answer up where it stopped, without a redelivery. 0: hand it back at once.
+   */
+  engineWaitMs: number;
+}
+
 /**
  * Calls the engine for `a`, publishing chunk frames after those an earlier attempt published
  * (`prior`): an engine that `continues` answers resumes from them (shared/continuation.ts), any
- * other generates the answer again and its chunks are checked against them.
+ * other generates the answer again and its chunks are checked against them. An engine that goes
+ * away meanwhile is tried again for `engineWaitMs`, from the frames sent so far.
  */
-export async function generate(engine: EngineClient, a: Attempt, prior: ResponseFrame[], requestTimeoutMs: number, continues = false): Promise<Outcome> {
+export async function generate(engine: EngineClient, a: Attempt, prior: readonly ResponseFrame[], o: GenerateOptions): Promise<Outcome> {
+  const frames = [...prior];
+  let lostAt: number | undefined;
+  for (;;) {
+    const outcome = await callEngine(engine, a, frames, o.requestTimeoutMs, o.continues);
+    if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
+    lostAt ??= Date.now();
+    if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
+    await new Promise<void>((resolve) => {
+      const timer = setTimeout(done, ENGINE_RETRY_EVERY_MS);
+      function done(): void {
+        clearTimeout(timer);
+        a.signal.removeEventListener('abort', done);
+        resolve();
+      }
+      a.signal.addEventListener('abort', done, { once: true });
+    });
+    if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
+  }
+}
+
+/** One engine call for `a` after `frames` (which it extends with the frames it sends). */
+async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFrame[], requestTimeoutMs: number, continues: boolean): Promise<Outcome> {
+  const prior = frames;
   const { req } = a;
   // By kind (shared/request-kinds.ts): one that generates (chat, text completions) streams when
   // asked, with a pinned seed so a retry regenerates the same text; another (embeddings) is one
@@ -189,9 +230,10 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
       if (resume && e.code === RESUME_MISMATCH) {
         // The engine cannot continue it (another model or build): generate it again and compare.
         clearTimeout(timer);
-        return await generate(engine, a, prior, requestTimeoutMs, false);
+        return await callEngine(engine, a, frames, requestTimeoutMs, false);
       }
-      if (transientStatus(res.status)) return { kind: 'retry', reason: `engine ${res.status}: ${e.message}` };
+      if (transientStatus(res.status))
+        return { kind: 'retry', reason: `engine ${res.status}: ${e.message}`, ...(res.status === 503 ? { engineAway: true } : {}) };
       return {
         kind: 'finish',
         resolve: 'term',
@@ -253,6 +295,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
           if (fingerprint(before) !== fingerprint(frame)) return diverged();
         } else {
           a.send(frame);
+          frames.push(frame);
           a.nextSeq = base + seq + 1;
         }
         seq += 1;
@@ -271,7 +314,9 @@ export async function generate(engine: EngineClient, a: Attempt, prior: Response
   } catch (err) {
     // Aborted (ours, deadline, timeout) or the engine is unreachable / died mid-answer: a later
     // attempt resumes after the frames already sent, so a retry is safe.
-    return aborted() ?? { kind: 'retry', reason: `engine unreachable: ${(err as { cause?: Error }).cause?.message ?? (err as Error).message}` };
+    return (
+      aborted() ?? { kind: 'retry', reason: `engine unreachable: ${(err as { cause?: Error }).cause?.message ?? (err as Error).message}`, engineAway: true }
+    );
   } finally {
     clearTimeout(timer);
     a.signal.removeEventListener('abort', onAttemptAbort);
