@@ -168,6 +168,7 @@ export async function startSupervisedEngine(
     running: (e) => !e.process.exit,
     restart: (signal) => startLlamaCppEngine(model, { ...again, port, signal }),
     stop: (e) => e.process.stop(opts.stopGraceMs),
+    describe: (e) => `pid ${e.process.child.pid ?? '?'}`,
   });
 }
 

@@ -179,7 +179,10 @@ export class LocalRuntime implements WorkerRuntime {
         bridge,
       };
       this.instances.add(instance);
-      this.log(`instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url}`);
+      const pids = serving.engine.processes.map((p) => `${p.role === 'engine' ? '' : `${p.role} `}${p.process.child.pid ?? '?'}`).join(', ');
+      this.log(
+        `instance ${req.pool}/${req.instance} serves ${req.namespace}/${req.model} with ${engineOf(serving.kind).short} at ${serving.engine.url} (pid ${pids})`,
+      );
       return InstanceTable.info(instance);
     } catch (err) {
       await bridge?.stop();

@@ -49,6 +49,8 @@ export interface SuperviseOptions<T> {
    */
   restart: (signal: AbortSignal) => Promise<T>;
   stop: (t: T) => Promise<void>;
+  /** What a restart's log line says of what now runs (`pid 4242`); absent: no line. */
+  describe?: (t: T) => string;
 }
 
 /** Watches `first` (already started) and restarts it in place by the policy. */
@@ -94,6 +96,7 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
       if (stopping.signal.aborted) return o.stop(started);
       current = started;
       restarts += 1;
+      if (o.describe) o.log(`${o.name} restarted ${o.where} (${o.describe(started)})`);
       watch(current);
       return;
     }
