@@ -182,7 +182,9 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   const { path, idPrefix, generates } = requestKindOf(req);
   const generating = generates ? (req as Exclude<InferenceRequest, EmbeddingsInference>) : undefined;
   const stream = generating?.body.stream === true;
-  const resume = continues && stream && prior.length > 0 ? resumedAnswer(prior) : undefined;
+  // Nothing but a role chunk sent: generated again from the start (its role chunk compared).
+  const said = continues && stream && prior.length > 0 ? resumedAnswer(prior) : undefined;
+  const resume = said && said.tokens.length > 0 ? said : undefined;
   // A client's own `magus` field never reaches the engine: this one replaces it.
   const magus: EngineExtension | undefined = stream ? { tokens: true, ...(resume ? { resume } : {}) } : undefined;
   const body: ((ChatCompletionRequest | CompletionsRequest) & { magus?: EngineExtension }) | EmbeddingsRequest = generating
