@@ -349,3 +349,104 @@ test('a gateway SIGKILLed with 4 streams mid-answer: the bridge ends each, one c
   expect(await second.exited).toEqual({ code: 0, signal: null });
   processes.delete(second);
 }, 60_000);
+
+/** A streamed turn read as raw server-sent events: each event's `id` and data. */
+interface RawEvent {
+  id?: string;
+  data: string;
+}
+
+/** POSTs a streamed chat turn of `content` in `session` to `gateway` (with `Last-Event-ID` when given); yields its events. */
+async function* rawStream(gateway: GatewayProcess, session: string, content: string, lastEventId?: string): AsyncGenerator<RawEvent> {
+  const res = await fetch(`${gateway.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: {
+      authorization: `Bearer ${TOKEN}`,
+      'content-type': 'application/json',
+      'x-session-id': session,
+      ...(lastEventId ? { 'last-event-id': lastEventId } : {}),
+    },
+    body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true, stream_options: { include_usage: true } }),
+  });
+  expect(res.status).toBe(200);
+  let buffer = '';
+  for await (const bytes of res.body!) {
+    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
+    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
+      const lines = buffer.slice(0, end).split('\n');
+      buffer = buffer.slice(end + 2);
+      const id = lines.find((l) => l.startsWith('id: '))?.slice(4);
+      const data = lines.find((l) => l.startsWith('data: '))?.slice(6);
+      if (data !== undefined) yield { ...(id !== undefined ? { id } : {}), data };
+    }
+  }
+}
+
+const pieceOf = (e: RawEvent): string | undefined =>
+  e.data === '[DONE]' ? undefined : (JSON.parse(e.data) as OpenAI.ChatCompletionChunk).choices[0]?.delta.content || undefined;
+
+test('a stream resumed on another gateway with Last-Event-ID after its gateway was SIGKILLed: the rest, exactly once, then [DONE]; a forged or foreign id is a 400', async () => {
+  const first = await startGatewayProcess();
+  const second = await startGatewayProcess();
+  const session = await pinnedSession('resumed');
+  const content = `resume: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+  const whole = splitText(content, CHUNKS);
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  hold = { released, reached: 0 };
+  const events = rawStream(first, session, content);
+  const had: RawEvent[] = [];
+  while (had.filter(pieceOf).length < HELD_AFTER) had.push((await events.next()).value as RawEvent);
+  hold = undefined;
+  // Every chunk event carries an id: the last one the client has is where it resumes.
+  expect(had.every((e) => e.id !== undefined)).toBe(true);
+  expect(had.map(pieceOf).filter(Boolean)).toEqual(whole.slice(0, HELD_AFTER));
+  const lastId = had.at(-1)!.id!;
+
+  first.child.kill('SIGKILL');
+  expect(await first.exited).toEqual({ code: null, signal: 'SIGKILL' });
+  processes.delete(first);
+  await expect(events.next()).rejects.toThrow();
+
+  // A Last-Event-ID the gateways never issued, or issued to another scope, resumes nothing.
+  const [prefix, mac, seq] = lastId.split('.') as [string, string, string];
+  for (const forged of [`${prefix}.${'A'.repeat(mac.length)}.${seq}`, 'not-an-event-id', `${Buffer.from('gw-x/p/i/r').toString('base64url')}.${mac}.${seq}`]) {
+    const res = await fetch(`${second.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': session, 'last-event-id': forged },
+      body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true }),
+    });
+    expect({ status: res.status, body: (await res.json()) }).toMatchObject({
+      status: 400,
+      body: { error: { code: 'invalid_last_event_id', param: 'Last-Event-ID' } },
+    });
+  }
+
+  // The same request with Last-Event-ID on the other replica: the rest of that answer, once.
+  const rest: RawEvent[] = [];
+  const resumed = (async () => {
+    for await (const e of rawStream(second, session, content, lastId)) rest.push(e);
+  })();
+  release();
+  await resumed;
+  expect(rest.at(-1)!.data).toBe('[DONE]');
+  expect([...had, ...rest].map(pieceOf).filter(Boolean)).toEqual(whole);
+  const chunks = rest.slice(0, -1).map((e) => JSON.parse(e.data) as OpenAI.ChatCompletionChunk);
+  expect(chunks.flatMap((c) => c.choices.map((x) => x.finish_reason)).filter(Boolean)).toEqual(['stop']);
+  expect(chunks.at(-1)!.usage).toMatchObject({ completion_tokens: CHUNKS });
+  // The ids go on from where the client was, one per chunk.
+  const seqs = [...had, ...rest.slice(0, -1)].map((e) => Number(e.id!.split('.')[2]));
+  expect(seqs).toEqual(seqs.map((_, i) => i));
+  // Generated once: one request reached the engine, one record.
+  const answered = engine.requests.filter((r) => JSON.stringify(r).includes(content));
+  expect(answered).toHaveLength(1);
+
+  // Resumed again once it is over: the same rest, from the stream's store.
+  const again: RawEvent[] = [];
+  for await (const e of rawStream(second, session, content, lastId)) again.push(e);
+  expect(again.map((e) => e.data)).toEqual(rest.map((e) => e.data));
+
+  second.child.kill('SIGTERM');
+  expect(await second.exited).toEqual({ code: 0, signal: null });
+  processes.delete(second);
+}, 60_000);

@@ -19,6 +19,7 @@ import { errors } from '../plugins/errors';
 import { SseResponse } from './sse';
 import { chatCompletionSchema } from '../schemas/chat';
 import { relayed, servableModel, serveTurn } from './inference';
+import { resumePointOf, serveResume } from './resume';
 
 /**
  * Flattens OpenAI text parts; engines take one string per message (an assistant's `null` beside
@@ -72,14 +73,18 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
         messages,
         sessionId: request.headers['x-session-id'],
       });
-      const id = nuid.next();
+      const resume = resumePointOf(app, request, principal.conversationScope, body.stream === true);
+      const id = resume?.requestId ?? nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      const relay = relayed(sse, body.stream_options?.include_usage === true);
+      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!);
       return serveTurn(app, request, reply, {
         id,
         model,
         conversationKey: key,
         payload: { body: toEngineRequest(body, messages) },
-        ...relayed(sse, body.stream_options?.include_usage === true),
+        resumable: true,
+        ...relay,
       });
     },
   );

@@ -12,6 +12,7 @@ import { errors } from '../plugins/errors';
 import { SseResponse } from './sse';
 import { completionsSchema } from '../schemas/completions';
 import { relayed, servableModel, serveTurn } from './inference';
+import { resumePointOf, serveResume } from './resume';
 
 /** What the engine gets: the forwarded fields as sent; every stream asks for usage (counted on /metrics; relayed only when the client asked). */
 function toEngineRequest(body: CompletionsBody): CompletionsRequest {
@@ -35,13 +36,17 @@ export const completionsRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const refused = refusedOnEvery(g.models.engines(model), completionsUnsupportedBy);
       if (refused) throw errors.invalid(refused.message, refused.field, 'unsupported_feature');
 
-      const id = nuid.next();
+      const resume = resumePointOf(app, request, request.principal!.conversationScope, body.stream === true);
+      const id = resume?.requestId ?? nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
+      const relay = relayed(sse, body.stream_options?.include_usage === true);
+      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!);
       return serveTurn(app, request, reply, {
         id,
         model,
         payload: { kind: 'completions', body: toEngineRequest(body) },
-        ...relayed(sse, body.stream_options?.include_usage === true),
+        resumable: true,
+        ...relay,
       });
     },
   );

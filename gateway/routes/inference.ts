@@ -15,6 +15,7 @@ import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
+import { resumeIdPrefix } from '../serving/resume';
 import type { SseResponse } from './sse';
 
 /** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
@@ -108,12 +109,14 @@ export interface Turn {
   storeBytes?: number;
   /** A streamed answer's response, when the client asked for a stream. */
   sse?: SseResponse;
-  /** Each chunk of a streamed answer, usage chunks included (counted on /metrics first). */
-  onChunk?: (chunk: unknown) => void;
+  /** Each chunk of a streamed answer, usage chunks included (counted on /metrics first), with its seq. */
+  onChunk?: (chunk: unknown, seq: number) => void;
   /** The answer's end: returns the JSON body of an answer not streamed, or writes a stream's last events. */
   onDone: (done: unknown) => unknown;
   /** A failure after the stream started: its last events. */
   onStreamError?: (e: GatewayError) => void;
+  /** Its stream's chunk events carry ids a client can resume from (chat and text completions; routes/resume.ts). */
+  resumable?: boolean;
 }
 
 /**
@@ -138,8 +141,8 @@ export function withModelDefaults(payload: InferencePayload, model: ReadyModel):
 export function relayed(sse: SseResponse | undefined, clientWantsUsage: boolean): Pick<Turn, 'sse' | 'onChunk' | 'onDone'> {
   return {
     sse,
-    onChunk: (chunk) => {
-      if (!isUsageChunk(chunk) || clientWantsUsage) sse!.data(chunk);
+    onChunk: (chunk, seq) => {
+      if (!isUsageChunk(chunk) || clientWantsUsage) sse!.data(chunk, seq);
     },
     onDone: (answer) => {
       if (!sse) return answer;
@@ -236,12 +239,17 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     };
     if (g.meterKey) req.meter!.sig = meterSignature(g.meterKey, { id, kind: req.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt });
     published = entry;
+    // Its chunks' ids let the client pick the answer up on any replica should this one die (routes/resume.ts).
+    if (sse && g.responses.replica && turn.resumable)
+      sse.resumable(
+        resumeIdPrefix(s.secret, principal.conversationScope, { replica: g.responses.replica, pool: entry.pool, instance: entry.instance, requestId: id }),
+      );
     const done = await exchange(entry, req, {
       ...exchangeOptions(app, entry, req, ctl.signal),
       onChunk: sse
-        ? (chunk) => {
+        ? (chunk, seq) => {
             if (isUsageChunk(chunk)) countUsage(chunk);
-            turn.onChunk?.(chunk);
+            turn.onChunk?.(chunk, seq);
           }
         : undefined,
       retryPublish: sse && (() => sse.started),

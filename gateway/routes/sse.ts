@@ -22,6 +22,8 @@ export class SseResponse {
   /** Events written this turn, not yet handed to the socket. */
   private pending = '';
   private readonly timer: NodeJS.Timeout;
+  /** What each chunk event's `id:` begins with (its seq follows), once the answer is resumable (serving/resume.ts). */
+  private idPrefix: string | undefined;
 
   constructor(
     private readonly reply: FastifyReply,
@@ -39,9 +41,15 @@ export class SseResponse {
     return this.committed;
   }
 
-  /** One `data:` event with a JSON payload (a `chat.completion.chunk`). */
-  data(payload: unknown): void {
-    this.write(`data: ${JSON.stringify(payload)}\n\n`);
+  /** From now on chunk events carry `id: <prefix><seq>`, which a client sends back as `Last-Event-ID` to resume. */
+  resumable(idPrefix: string): void {
+    this.idPrefix = idPrefix;
+  }
+
+  /** One `data:` event with a JSON payload (a `chat.completion.chunk`), with its id when it has a seq and the stream is resumable. */
+  data(payload: unknown, seq?: number): void {
+    const id = this.idPrefix !== undefined && seq !== undefined ? `id: ${this.idPrefix}${seq}\n` : '';
+    this.write(`${id}data: ${JSON.stringify(payload)}\n\n`);
   }
 
   /** One named event (`event: <type>`) with a JSON payload: the Responses API's stream. */

@@ -59,6 +59,15 @@ export interface ResponseRouter {
    * Resolves with the frames handed over.
    */
   recover(read: (subject: string) => Promise<ResponseFrame[]>, onError: (err: unknown, requestId: string) => void): Promise<number>;
+  /** This replica's token in its response subjects. */
+  readonly replica?: string;
+  /**
+   * The subjects request `requestId`, published by replica `replica` (another, perhaps gone), has
+   * its frames on: its reply subject, and its instance's (`from`).
+   */
+  subjectsOf?(replica: string, requestId: string, from: FrameSource): string[];
+  /** Listens on {@link subjectsOf}: a client resuming a stream another replica served (routes/resume.ts). */
+  follow?(replica: string, requestId: string, from: FrameSource, onFrame: (frame: ResponseFrame) => void): () => void;
   close(): Promise<void>;
 }
 
@@ -177,10 +186,33 @@ export interface RouterOptions {
 export const newReplicaId = (): string => `gw-${randomBytes(6).toString('hex')}`;
 
 /** `[<scope>.]magus.res.<replica>.`: the replica's response subjects are this plus a request id. */
-function replicaPrefix(opts: RouterOptions): string {
-  const replica = opts.replica ?? newReplicaId();
+function replicaPrefix(opts: RouterOptions, replica: string): string {
   if (!REPLICA_ID.test(replica)) throw new Error(`replica '${replica}' must match ${String(REPLICA_ID)}`);
   return `${scopeSubject(opts.subjectScope, Nats.responseSubjectPrefix)}.${replica}.`;
+}
+
+/** What both routers answer of other replicas' subjects: where their requests' frames are, and a subscription to them. */
+function otherReplicas(nc: NatsConnection, opts: RouterOptions): Pick<ResponseRouter, 'subjectsOf' | 'follow'> {
+  const subjectsOf = (replica: string, requestId: string, from: FrameSource): string[] => {
+    const replyTo = replicaPrefix(opts, replica) + requestId;
+    return [replyTo, instanceResponseSubjectOf(replyTo, requestId, from.pool, from.instance)];
+  };
+  return {
+    subjectsOf,
+    follow(replica, requestId, from, onFrame) {
+      const subs = subjectsOf(replica, requestId, from).map((subject) =>
+        nc.subscribe(subject, {
+          callback: (err, msg) => {
+            if (err) return;
+            const frame = decodeFrame(msg.data);
+            if (frame) onFrame(frame);
+            else opts.onBadFrame?.(msg.subject);
+          },
+        }),
+      );
+      return () => subs.forEach((sub) => sub.unsubscribe());
+    },
+  };
 }
 
 /** What follows a replica's `prefix` on the subjects request `requestId`'s frames may come on: its id, and with `from` its instance's subject. */
@@ -204,7 +236,8 @@ export function frameSubjectsOf(req: InferenceRequest, session: SessionEntry): s
  * place long before any request is published, whichever connection publishes.
  */
 export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): Promise<ResponseRouter> {
-  const prefix = replicaPrefix(opts);
+  const replica = opts.replica ?? newReplicaId();
+  const prefix = replicaPrefix(opts, replica);
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
   const sub: Subscription = nc.subscribe(`${prefix}>`, {
     callback: (err, msg: Msg) => {
@@ -218,6 +251,8 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
   });
   await nc.flush(); // the server has the subscription before the first request goes out
   return {
+    replica,
+    ...otherReplicas(nc, opts),
     replySubject: (requestId) => prefix + requestId,
     listen(requestId, onFrame, from) {
       const keys = frameKeysOf(prefix, requestId, from);
@@ -238,9 +273,12 @@ export async function sharedResponseRouter(nc: NatsConnection, opts: RouterOptio
  * same connection); on another connection, flush first.
  */
 export function perRequestResponseRouter(nc: NatsConnection, opts: RouterOptions = {}): ResponseRouter {
-  const prefix = replicaPrefix(opts);
+  const replica = opts.replica ?? newReplicaId();
+  const prefix = replicaPrefix(opts, replica);
   const waiting = new Map<string, (frame: ResponseFrame) => void>();
   return {
+    replica,
+    ...otherReplicas(nc, opts),
     replySubject: (requestId) => prefix + requestId,
     listen(requestId, onFrame, from) {
       const keys = frameKeysOf(prefix, requestId, from);
@@ -302,8 +340,8 @@ export interface ExchangeOptions {
    * the same `Nats-Msg-Id`, so a publish that was stored after all is stored once.
    */
   retryPublish?: () => boolean;
-  /** Each `chunk` frame's data, in order (streaming). */
-  onChunk?: (data: unknown) => void;
+  /** Each `chunk` frame's data, in order (streaming), with its seq. */
+  onChunk?: (data: unknown, seq: number) => void;
   /** An engine-side failure, for metrics (`timeout`, `frames_lost`, `engine_error`, `engine_rejected` (4xx), `publish_failed`). */
   onUpstreamError?: (reason: string) => void;
   /** A failed publish about to be tried again ({@link ExchangeOptions.retryPublish}). */
@@ -404,7 +442,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const deliver = (frame: ResponseFrame) => {
       for (const f of sequencer.push(frame)) {
         if (finished) return;
-        if (f.type === 'chunk') opts.onChunk?.(f.data);
+        if (f.type === 'chunk') opts.onChunk?.(f.data, f.seq);
         else if (f.type === 'done') finish(undefined, f.data);
         else {
           const e = frameError(f, opts.retryAfterSec);

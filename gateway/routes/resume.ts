@@ -1,0 +1,102 @@
+/**
+ * A streamed answer picked up again (gateway/README.md, "Resuming a stream"): the same request
+ * sent with `Last-Event-ID` (an event id this gateway or another replica issued to the same key's
+ * scope, serving/resume.ts) gets the rest of that answer — the chunks after that event, then
+ * `[DONE]` — read from `MAGUS_RESPONSES` and followed live on the subjects the answering bridge
+ * publishes to, whichever replica published the request and whether it still runs. Nothing is
+ * published, generated, reserved or metered again: the answer is the one already under way.
+ */
+import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import { errors, toGatewayError } from '../plugins/errors';
+import { exchange, type ResponseRouter } from '../serving/exchange';
+import { parseLastEventId, type ResumePoint } from '../serving/resume';
+import type { SseResponse } from './sse';
+
+/** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
+export function resumePointOf(app: FastifyInstance, request: FastifyRequest, scope: string, stream: boolean): ResumePoint | undefined {
+  const header = request.headers['last-event-id'];
+  if (header === undefined) return undefined;
+  const given = Array.isArray(header) ? header[0]! : header;
+  const point = stream ? parseLastEventId(app.gateway.settings.secret, scope, given) : undefined;
+  if (!point) {
+    throw errors.invalid(
+      stream
+        ? 'Last-Event-ID is not an event of a stream this key was sent: send the `id` of the last event received, with the same request.'
+        : 'Last-Event-ID resumes a stream: send it with `stream: true`.',
+      'Last-Event-ID',
+      'invalid_last_event_id',
+    );
+  }
+  return point;
+}
+
+/** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. */
+export async function serveResume(
+  app: FastifyInstance,
+  reply: FastifyReply,
+  point: ResumePoint,
+  sse: SseResponse,
+  onChunk: (chunk: unknown, seq: number) => void,
+): Promise<FastifyReply> {
+  const g = app.gateway;
+  const s = g.settings;
+  const { responses, readStored } = g;
+  const subjectsOf = responses.subjectsOf?.bind(responses);
+  const follow = responses.follow?.bind(responses);
+  if (!subjectsOf || !follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot resume streams.');
+  const from = { pool: point.pool, instance: point.instance };
+  const subjects = subjectsOf(point.replica, point.requestId, from);
+  reply.header('x-request-id', point.requestId);
+  sse.resumable(point.idPrefix);
+  const ctl = new AbortController();
+  const onClose = () => {
+    if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));
+  };
+  reply.raw.once('close', onClose);
+  // The exchange's sequencing, gap read-backs and timeouts, on the request as it was published:
+  // "listening" follows its subjects, "publishing" hands over what is stored of it so far.
+  let deliver: ((frame: ResponseFrame) => void) | undefined;
+  const router: ResponseRouter = {
+    replySubject: () => subjects[0]!,
+    listen: (_id, onFrame) => {
+      deliver = onFrame;
+      return follow(point.replica, point.requestId, from, onFrame);
+    },
+    recover: () => Promise.resolve(0),
+    close: () => Promise.resolve(),
+  };
+  const readAll = async (): Promise<ResponseFrame[]> => (await Promise.all(subjects.map(readStored))).flat();
+  const req = { id: point.requestId, replyTo: subjects[0]!, instanceFrames: true, deadline: Date.now() + s.requestTimeoutMs } as InferenceRequest;
+  const entry: SessionEntry = { subject: '', pool: point.pool, instance: point.instance, expiresAt: 0 };
+  try {
+    await exchange(entry, req, {
+      router,
+      publish: async () => {
+        for (const f of await readAll()) deliver?.(f);
+      },
+      readBack: readAll,
+      requestTimeoutMs: s.requestTimeoutMs,
+      gapTimeoutMs: s.gapTimeoutMs,
+      retryAfterSec: s.retryAfterSec,
+      signal: ctl.signal,
+      onChunk: (chunk, seq) => {
+        if (seq > point.seq) onChunk(chunk, seq);
+      },
+    });
+    sse.done();
+  } catch (err) {
+    if (ctl.signal.aborted) {
+      // Gone again: the answer goes on at the bridge, and the client may come back once more.
+      if (!sse.started) reply.hijack();
+      reply.raw.destroy();
+      return reply;
+    }
+    if (!sse.started) throw err;
+    sse.fail(toGatewayError(err, s.retryAfterSec), point.requestId);
+  } finally {
+    sse.stop();
+    reply.raw.removeListener('close', onClose);
+  }
+  return reply;
+}

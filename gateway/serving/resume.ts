@@ -1,0 +1,56 @@
+/**
+ * Where a streamed answer can be picked up again (gateway/README.md, "Resuming a stream"): each
+ * chunk's SSE `id` names the request, the replica that published it, the instance answering it,
+ * and the chunk's seq, with a MAC binding all but the seq to the key's scope — so a client that
+ * lost its connection (its gateway died) and sends the same request again with `Last-Event-ID`
+ * to any replica gets the rest of that answer, and nobody else's.
+ *
+ * `<base64url of replica/pool/instance/request id>.<MAC>.<seq>`; the MAC is HMAC-SHA256 under the
+ * gateways' shared secret (the one conversation keys use), its first 16 base64url characters.
+ */
+import { createHmac, timingSafeEqual } from 'node:crypto';
+
+/** The answer a stream belongs to. */
+export interface ResumableAnswer {
+  replica: string;
+  pool: string;
+  instance: string;
+  requestId: string;
+}
+
+/** An event of it: the answer and the chunk's seq (the client has every chunk up to it). */
+export interface ResumePoint extends ResumableAnswer {
+  seq: number;
+  /** What its events' ids begin with ({@link resumeIdPrefix}). */
+  idPrefix: string;
+}
+
+const MAC_CHARS = 16;
+/** Names in it are NATS subject tokens: none holds `/`. */
+const NAME = /^[A-Za-z0-9_-]+$/;
+
+function macOf(secret: string, scope: string, a: ResumableAnswer): string {
+  return createHmac('sha256', secret)
+    .update(['magus-resume', scope, a.replica, a.pool, a.instance, a.requestId].join('\0'))
+    .digest('base64url')
+    .slice(0, MAC_CHARS);
+}
+
+/** What every event id of answer `a`, served to a key of `scope`, begins with (its seq follows). */
+export function resumeIdPrefix(secret: string, scope: string, a: ResumableAnswer): string {
+  return `${Buffer.from([a.replica, a.pool, a.instance, a.requestId].join('/')).toString('base64url')}.${macOf(secret, scope, a)}.`;
+}
+
+/** A `Last-Event-ID` this gateway (or another sharing its secret) issued to a key of `scope`, or undefined. */
+export function parseLastEventId(secret: string, scope: string, id: string): ResumePoint | undefined {
+  const parts = id.trim().split('.');
+  if (parts.length !== 3 || !/^\d{1,9}$/.test(parts[2]!)) return undefined;
+  const names = Buffer.from(parts[0]!, 'base64url').toString('utf8').split('/');
+  if (names.length !== 4 || !names.every((n) => NAME.test(n))) return undefined;
+  const [replica, pool, instance, requestId] = names as [string, string, string, string];
+  const answer = { replica, pool, instance, requestId };
+  const given = Buffer.from(parts[1]!);
+  const expected = Buffer.from(macOf(secret, scope, answer));
+  if (given.length !== expected.length || !timingSafeEqual(given, expected)) return undefined;
+  return { ...answer, seq: Number(parts[2]), idPrefix: `${parts[0]!}.${parts[1]!}.` };
+}
