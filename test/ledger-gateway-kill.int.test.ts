@@ -416,7 +416,7 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
       headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': session, 'last-event-id': forged },
       body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true }),
     });
-    expect({ status: res.status, body: (await res.json()) }).toMatchObject({
+    expect({ status: res.status, body: await res.json() }).toMatchObject({
       status: 400,
       body: { error: { code: 'invalid_last_event_id', param: 'Last-Event-ID' } },
     });
