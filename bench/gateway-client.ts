@@ -106,9 +106,13 @@ function one(spec: LoadSpec, sessionId: string, index: number): Promise<Sample> 
           }
           raw += d.replace(/\r/g, ''); // events may end in CRLF CRLF (dllama-api's do)
           for (let at = raw.indexOf('\n\n'); at >= 0; at = raw.indexOf('\n\n')) {
-            const event = raw.slice(0, at);
+            // The gateway's chunk events have an `id:` line before their data.
+            const event = raw
+              .slice(0, at)
+              .split('\n')
+              .find((line) => line.startsWith('data: '));
             raw = raw.slice(at + 2);
-            if (!event.startsWith('data: ') || event === 'data: [DONE]') continue;
+            if (event === undefined || event === 'data: [DONE]') continue;
             const data = JSON.parse(event.slice(6)) as {
               choices?: { delta?: { content?: string } }[];
               usage?: { completion_tokens?: number; prompt_tokens_details?: { cached_tokens?: number } } | null;

@@ -85,8 +85,13 @@ async function complete(url: string, messages: ChatMessage[], maxTokens: number)
     buffer += decoder.decode(bytes, { stream: true });
     let end: number;
     while ((end = buffer.indexOf('\n\n')) >= 0) {
-      const event = buffer.slice(0, end);
+      // The gateway's chunk events have an `id:` line before their data; comments have no data.
+      const event = buffer
+        .slice(0, end)
+        .split('\n')
+        .find((line) => line.startsWith('data: '));
       buffer = buffer.slice(end + 2);
+      if (event === undefined) continue;
       const data = event.slice('data: '.length);
       if (data === '[DONE]') continue;
       const chunk = JSON.parse(data) as { choices: { delta: { content?: string } }[]; usage?: Required<CompletionUsage> };

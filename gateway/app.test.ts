@@ -788,8 +788,10 @@ describe('round trips over the (fake) data plane', () => {
     t.plane.script = () => [chunk(0, 'a'), { seq: 1, type: 'done' }];
     const res = await chat(userTurn('hi', { stream: true }));
     expect(res.statusCode).toBe(200);
-    const comments = res.body.split('\n\n').filter((e) => e === ': keep-alive');
+    // Each says what the answer waits for: never a silent wait.
+    const comments = res.body.split('\n\n').filter((e) => e.startsWith(': keep-alive'));
     expect(comments.length).toBeGreaterThanOrEqual(2); // ~4 expected; timers may run late on a busy machine
+    expect(comments[0]).toMatch(/^: keep-alive: waiting for an instance of default\/\S+ to take the request \(one may be starting\)$/);
     expect(res.body.indexOf(': keep-alive')).toBeLessThan(res.body.indexOf('data: '));
     expect(sseEvents(res.body)).toHaveLength(2);
   });

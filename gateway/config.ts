@@ -260,7 +260,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     bodyLimit: int('MAGUS_GATEWAY_BODY_LIMIT', 4 * 1024 * 1024, 1024, 1024 * 1024 * 1024),
     requestTimeoutMs: int('MAGUS_GATEWAY_REQUEST_TIMEOUT_MS', 300_000, 100, 3_600_000),
     gapTimeoutMs: int('MAGUS_GATEWAY_GAP_TIMEOUT_MS', 2_000, 10, 600_000),
-    keepAliveMs: int('MAGUS_GATEWAY_SSE_KEEPALIVE_MS', 5_000, 100, 600_000),
+    keepAliveMs: int('MAGUS_GATEWAY_SSE_KEEPALIVE_MS', 2_000, 100, 600_000),
     coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
     maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),

@@ -187,7 +187,8 @@ describe('the data plane on a three-node NATS cluster', () => {
         buffered += decoder.decode(piece as Uint8Array, { stream: true });
         const events = buffered.split('\n\n');
         buffered = events.pop()!;
-        for (const e of events.filter((x) => x.startsWith('data: ')).map((x) => x.slice(6))) {
+        const data = events.map((x) => x.split('\n').find((line) => line.startsWith('data: '))).filter((d): d is string => d !== undefined); // after each event's `id:` line
+        for (const e of data.map((x) => x.slice(6))) {
           if (e === '[DONE]') {
             o.dones += 1;
             continue;

@@ -172,8 +172,9 @@ describe('NATS outages', () => {
       const res = await post(content, alice.token, true);
       const events = (await res.text())
         .split('\n\n')
-        .filter((e) => e.startsWith('data: '))
-        .map((e) => e.slice(6));
+        .map((e) => e.split('\n').find((line) => line.startsWith('data: '))) // after the event's `id:` line
+        .filter((d): d is string => d !== undefined)
+        .map((d) => d.slice(6));
       const text = events
         .filter((e) => e !== '[DONE]')
         .map((e) => (JSON.parse(e) as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? '')

@@ -219,6 +219,8 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
   try {
     const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
+    // Said only if it takes a keep-alive's while (routes/sse.ts): a warm turn never shows it.
+    sse?.waiting(`waiting for an instance of ${modelLabel} to take the request (one may be starting)`);
     let entry: SessionEntry;
     try {
       entry =
@@ -239,6 +241,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     };
     if (g.meterKey) req.meter!.sig = meterSignature(g.meterKey, { id, kind: req.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt });
     published = entry;
+    sse?.waiting(`queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`);
     // Its chunks' ids let the client pick the answer up on any replica should this one die (routes/resume.ts).
     if (sse && g.responses.replica && turn.resumable)
       sse.resumable(

@@ -5,8 +5,9 @@
  * write, so a failure before then still gets a proper HTTP error; after that, failures become a
  * `data: {"error":…}` event and the stream closes (without `[DONE]`).
  *
- * Keep-alive: whenever a whole `keepAliveMs` passes without a write — a cold start, a queue, a
- * slow prompt — a `: keep-alive` comment goes out, which also commits the response (200).
+ * Keep-alive: whenever a whole `keepAliveMs` (2 s by default) passes without a write — a cold
+ * start, a queue, a slow prompt — a comment goes out saying what the answer waits for
+ * (`: keep-alive: waiting for an instance of demo to start`), which also commits the response (200).
  *
  * The first write goes out at once (time to first chunk); later events written in one turn of
  * the event loop (the frames of one NATS read: a burst from a fast engine) go out in one socket
@@ -31,9 +32,17 @@ export class SseResponse {
     private readonly requestId: string,
   ) {
     this.timer = setInterval(() => {
-      if (!this.wrote) this.write(': keep-alive\n\n');
+      if (!this.wrote) this.write(this.waitingFor ? `: keep-alive: ${this.waitingFor}\n\n` : ': keep-alive\n\n');
       this.wrote = false;
     }, keepAliveMs);
+  }
+
+  /** What the answer waits for now, said by the keep-alive comments (one line; absent: none said). */
+  private waitingFor: string | undefined;
+
+  /** Says, in the keep-alive comments from now on, what the answer waits for. */
+  waiting(what: string | undefined): void {
+    this.waitingFor = what?.replace(/[\r\n]+/g, ' ');
   }
 
   /** Whether the 200 and some bytes went out (errors must then be sent in-stream). */

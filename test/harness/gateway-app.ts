@@ -161,8 +161,9 @@ export async function buildTestApp(
 export function sseEvents(body: string): unknown[] {
   return body
     .split('\n\n')
-    .filter((e) => e.startsWith('data: '))
-    .map((e) => e.slice(6))
+    .map((e) => e.split('\n').find((line) => line.startsWith('data: '))) // after an `id:` line, when the stream is resumable
+    .filter((d): d is string => d !== undefined)
+    .map((d) => d.slice(6))
     .map((d) => (d === '[DONE]' ? d : (JSON.parse(d) as unknown)));
 }
 
