@@ -17,12 +17,9 @@ import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { consumerNameOf, dataPlaneNames } from '../dataplane';
-import { openModelRegistry } from '../dataplane/registry';
 import { UsageLedger } from '../dataplane/usage';
-import { pinConversation, refusedColdStart } from './harness/gateway';
-import { conversationKey } from '../gateway/serving/conversation';
+import { pinnedConversation, refusedColdStart } from './harness/gateway';
 import type { RunningGateway } from '../gateway/server';
-import { readyModel } from './harness/gateway-app';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
 import { endpoint, isolation, natsBridgeCredentials, natsCredentialsEnv } from './harness';
 import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
@@ -148,9 +145,7 @@ beforeAll(async () => {
       },
     }),
   ));
-  await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
-  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: SESSION });
-  await pinConversation(nc, names, key, POOL, INSTANCE);
+  await pinnedConversation(nc, names, { pool: POOL, instance: INSTANCE, secret: SECRET, scope: TOKEN_ID, sessionId: SESSION });
 
   // The entry was written before the watch started, so `ready` means it is loaded.
   ({ gateway } = await stack.open(

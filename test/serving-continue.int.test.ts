@@ -24,14 +24,11 @@ import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtim
 import type { Supervised } from '../activities/runtime/supervise';
 import { ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 
-import { openModelRegistry } from '../dataplane/registry';
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
-import { conversationKey } from '../gateway/serving/conversation';
 import type { RunningGateway } from '../gateway/server';
 import { demoModelFile } from '../workers/dev/demo-model';
-import { pinConversation, refusedColdStart } from './harness/gateway';
-import { readyModel } from './harness/gateway-app';
+import { pinnedConversation, refusedColdStart } from './harness/gateway';
 import { isolation, natsConnectAsBridge } from './harness';
 import { gatewayStack, natsStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
@@ -90,9 +87,7 @@ beforeAll(async () => {
   bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: INSTANCE, engineUrl: engine.current.url, slots: 1 });
   stack.defer(() => bridge.stop());
 
-  await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(POOL));
-  const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: SESSION });
-  await pinConversation(nc, names, key, POOL, INSTANCE);
+  await pinnedConversation(nc, names, { pool: POOL, instance: INSTANCE, secret: SECRET, scope: TOKEN_ID, sessionId: SESSION });
   ({ gateway } = await stack.open(
     gatewayStack(names, {
       secret: SECRET,

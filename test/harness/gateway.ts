@@ -7,6 +7,9 @@ import type { NatsConnection } from 'nats';
 import { dataPlaneNames, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
 import { loadGatewayConfig, type GatewayConfig } from '../../gateway/config';
 import { tokenDigest } from '../../gateway/plugins/auth';
+import { conversationKey } from '../../gateway/serving/conversation';
+import { openModelRegistry } from '../../dataplane/registry';
+import { readyModel } from './gateway-app';
 import type { AcquireRequest, ColdStart } from '../../gateway/serving/sessions';
 import type { PoolEntry, SessionEntry } from '../../shared/serving';
 import { endpoint, natsCredentialsEnv, natsRoleCredentials } from './index';
@@ -53,6 +56,22 @@ export async function pinConversation(
   const entry: SessionEntry = { subject: requestSubjectOf(names, pool, instance), pool, instance, expiresAt: Date.now() + ttlMs };
   await (await nc.jetstream().views.kv(names.sessionsBucket)).put(key, new TextEncoder().encode(JSON.stringify(entry)));
   return entry;
+}
+
+/**
+ * Model `pool` ready in the registry, and the conversation `sessionId` of a key scoped `scope`
+ * pinned to its `instance` (as its session would): that conversation's turns are warm on a
+ * gateway with `secret`. Returns the conversation's key.
+ */
+export async function pinnedConversation(
+  nc: NatsConnection,
+  names: DataPlaneNames,
+  o: { pool: string; instance: string; secret: string; scope: string; sessionId: string },
+): Promise<string> {
+  await (await openModelRegistry(nc, names.modelsBucket)).put(readyModel(o.pool));
+  const key = conversationKey(o.secret, { scope: o.scope, model: `default/${o.pool}`, messages: [], sessionId: o.sessionId });
+  await pinConversation(nc, names, key, o.pool, o.instance);
+  return key;
 }
 
 /**
