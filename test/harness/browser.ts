@@ -58,10 +58,21 @@ export async function openBrowser(): Promise<UiBrowser> {
       return seen;
     },
     async lookAtWorkflow(name, base, workflowId, tab, expected, timeoutMs = 30_000) {
-      await page.goto(`${base}/namespaces/default/workflows/${encodeURIComponent(workflowId)}`, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+      const url = `${base}/namespaces/default/workflows/${encodeURIComponent(workflowId)}`;
       // The UI redirects to the latest run's page on a tab of its own choosing (UI 2.54 picks
-      // `timeline`): the run id is what is waited for; then the tab asked for is opened.
-      await page.waitForFunction('/\\/[0-9a-f-]{36}\\/[a-z-]+$/.test(location.pathname)', { timeout: timeoutMs });
+      // `timeline`): the run id is what is waited for; then the tab asked for is opened. A load
+      // that never redirects (seen once in CI, the machine busy) is loaded once more.
+      const redirected = async (ms: number): Promise<boolean> => {
+        await page.goto(url, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+        return page.waitForFunction('/\\/[0-9a-f-]{36}\\/[a-z-]+$/.test(location.pathname)', { timeout: ms }).then(
+          () => true,
+          () => false,
+        );
+      };
+      if (!(await redirected(timeoutMs)) && !(await redirected(timeoutMs))) {
+        await page.screenshot({ path: join(SCREENSHOTS, `${name}.failed.png`) });
+        throw new Error(`${url} never redirected to its run's page (twice, ${timeoutMs} ms each); it showed:\n${(await text()).slice(0, 3000)}`);
+      }
       return ui.look(name, page.url().replace(/\/[a-z-]+$/, `/${tab}`), expected, timeoutMs);
     },
     close: () => browser.close(),
