@@ -14,8 +14,7 @@
  */
 import { randomInt } from 'node:crypto';
 import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
-import { RESUME_MISMATCH } from '../shared/continuation';
-import { invalidRequest, type TokenChoice, type TokenLogprob } from './api';
+import type { TokenChoice, TokenLogprob } from './api';
 
 /** Tokens of a prompt evaluated between two looks at the request's abort signal (node-llama-cpp's default batch). */
 const PROMPT_PIECE = 512;
@@ -45,8 +44,8 @@ export interface DecodeOptions {
   /**
    * An earlier attempt's answer so far (shared/continuation.ts): its tokens are evaluated after the
    * prompt and sampling goes on from the next position, so with the same seed the answer is the
-   * one an undisturbed run gives; of its text only what follows `text` is sent.
-   * @throws EngineHttpError (400 `resume_mismatch`) when the tokens' text does not begin with `text`
+   * one an undisturbed run gives; of its text only what follows `text` is sent. The caller has
+   * checked that the tokens' text begins with `text` (llama.ts `checkResume`).
    */
   resume?: { tokens: readonly Token[]; text: string };
   /**
@@ -164,14 +163,9 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   const returned: TokenLogprob[] = [];
   let text = '';
   let sent = 0;
-  if (o.resume && resumed.length > 0) {
+  if (o.resume) {
     text = model.detokenize(answer);
-    if (!text.startsWith(o.resume.text)) {
-      throw invalidRequest('The answer to resume does not begin with the text it says was sent.', 'magus.resume', RESUME_MISMATCH);
-    }
     sent = o.resume.text.length;
-  } else if (o.resume && o.resume.text !== '') {
-    throw invalidRequest('The answer to resume has text but no tokens.', 'magus.resume', RESUME_MISMATCH);
   }
   let input: Token[] = full.slice(keep);
   let finishReason: Decoded['finishReason'] = 'length';

@@ -4,6 +4,7 @@
  * after those an earlier attempt published — checked against them, never mixed with another
  * generation — and how the call ended, as an {@link Outcome} for {@link Attempt.settle}.
  */
+import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import { RESUME_MISMATCH, type EngineExtension, type ResumedAnswer } from '../../shared/continuation';
 import type { CompletionsRequest } from '../../shared/completions';
@@ -159,15 +160,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
     if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
     lostAt ??= Date.now();
     if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
-    await new Promise<void>((resolve) => {
-      const timer = setTimeout(done, ENGINE_RETRY_EVERY_MS);
-      function done(): void {
-        clearTimeout(timer);
-        a.signal.removeEventListener('abort', done);
-        resolve();
-      }
-      a.signal.addEventListener('abort', done, { once: true });
-    });
+    await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
   }
 }

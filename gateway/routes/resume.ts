@@ -9,7 +9,7 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { errors, toGatewayError } from '../plugins/errors';
-import { exchange, type ResponseRouter } from '../serving/exchange';
+import { exchange, frameSubjectsOf, type ResponseRouter } from '../serving/exchange';
 import { parseLastEventId, type ResumePoint } from '../serving/resume';
 import type { SseResponse } from './sse';
 
@@ -42,11 +42,16 @@ export async function serveResume(
   const g = app.gateway;
   const s = g.settings;
   const { responses, readStored } = g;
-  const subjectsOf = responses.subjectsOf?.bind(responses);
-  const follow = responses.follow?.bind(responses);
-  if (!subjectsOf || !follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot resume streams.');
-  const from = { pool: point.pool, instance: point.instance };
-  const subjects = subjectsOf(point.replica, point.requestId, from);
+  if (!responses.replySubjectOf || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot resume streams.');
+  // The request as it was published, as far as its frames' subjects go.
+  const req = {
+    id: point.requestId,
+    replyTo: responses.replySubjectOf(point.replica, point.requestId),
+    instanceFrames: true,
+    deadline: Date.now() + s.requestTimeoutMs,
+  } as InferenceRequest;
+  const entry: SessionEntry = { subject: '', pool: point.pool, instance: point.instance, expiresAt: 0 };
+  const subjects = frameSubjectsOf(req, entry);
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix);
   const ctl = new AbortController();
@@ -58,17 +63,15 @@ export async function serveResume(
   // "listening" follows its subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
-    replySubject: () => subjects[0]!,
+    replySubject: () => req.replyTo,
     listen: (_id, onFrame) => {
       deliver = onFrame;
-      return follow(point.replica, point.requestId, from, onFrame);
+      return responses.follow!(subjects, onFrame);
     },
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
   };
   const readAll = async (): Promise<ResponseFrame[]> => (await Promise.all(subjects.map(readStored))).flat();
-  const req = { id: point.requestId, replyTo: subjects[0]!, instanceFrames: true, deadline: Date.now() + s.requestTimeoutMs } as InferenceRequest;
-  const entry: SessionEntry = { subject: '', pool: point.pool, instance: point.instance, expiresAt: 0 };
   try {
     await exchange(entry, req, {
       router,

@@ -61,13 +61,10 @@ export interface ResponseRouter {
   recover(read: (subject: string) => Promise<ResponseFrame[]>, onError: (err: unknown, requestId: string) => void): Promise<number>;
   /** This replica's token in its response subjects. */
   readonly replica?: string;
-  /**
-   * The subjects request `requestId`, published by replica `replica` (another, perhaps gone), has
-   * its frames on: its reply subject, and its instance's (`from`).
-   */
-  subjectsOf?(replica: string, requestId: string, from: FrameSource): string[];
-  /** Listens on {@link subjectsOf}: a client resuming a stream another replica served (routes/resume.ts). */
-  follow?(replica: string, requestId: string, from: FrameSource, onFrame: (frame: ResponseFrame) => void): () => void;
+  /** The reply subject of request `requestId` published by replica `replica` (another, perhaps gone). */
+  replySubjectOf?(replica: string, requestId: string): string;
+  /** Listens on `subjects` (a request another replica published: routes/resume.ts). */
+  follow?(subjects: readonly string[], onFrame: (frame: ResponseFrame) => void): () => void;
   close(): Promise<void>;
 }
 
@@ -191,16 +188,12 @@ function replicaPrefix(opts: RouterOptions, replica: string): string {
   return `${scopeSubject(opts.subjectScope, Nats.responseSubjectPrefix)}.${replica}.`;
 }
 
-/** What both routers answer of other replicas' subjects: where their requests' frames are, and a subscription to them. */
-function otherReplicas(nc: NatsConnection, opts: RouterOptions): Pick<ResponseRouter, 'subjectsOf' | 'follow'> {
-  const subjectsOf = (replica: string, requestId: string, from: FrameSource): string[] => {
-    const replyTo = replicaPrefix(opts, replica) + requestId;
-    return [replyTo, instanceResponseSubjectOf(replyTo, requestId, from.pool, from.instance)];
-  };
+/** What both routers answer of other replicas' requests: their reply subjects, and a subscription to their frames. */
+function otherReplicas(nc: NatsConnection, opts: RouterOptions): Pick<ResponseRouter, 'replySubjectOf' | 'follow'> {
   return {
-    subjectsOf,
-    follow(replica, requestId, from, onFrame) {
-      const subs = subjectsOf(replica, requestId, from).map((subject) =>
+    replySubjectOf: (replica, requestId) => replicaPrefix(opts, replica) + requestId,
+    follow(subjects, onFrame) {
+      const subs = subjects.map((subject) =>
         nc.subscribe(subject, {
           callback: (err, msg) => {
             if (err) return;
