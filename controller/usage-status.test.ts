@@ -59,6 +59,25 @@ describe('UsageSums', () => {
     expect(m.takeChanged()).toEqual([]);
   });
 
+  it('a gateway’s correction replaces what its request’s record added: one request, its tokens gone', () => {
+    const m = new UsageSums();
+    const served = record('k/a', '2026-11-30T00:00:00Z', 12);
+    m.add(record('k/a', '2026-11-30T00:00:01Z', 5), 1);
+    m.add(served, 2);
+    const told: UsageRecord = {
+      ...served,
+      outcome: 'failed',
+      error: 'publish_failed',
+      tokens: { prompt: 0, cached: 0, completion: 0, total: 0 },
+      reported: false,
+      corrects: { outcome: 'completed', tokens: served.tokens },
+    };
+    m.add(told, 3);
+    m.add(told, 3); // read again (at or below the sums' sequence): not twice
+    expect(m.of('k/a', '2026-11-30')).toEqual({ requests: 2, promptTokens: 4, completionTokens: 1, totalTokens: 5 });
+    expect(m.byModel('k/a', '2026-11').get('default/demo')).toEqual({ requests: 2, promptTokens: 4, completionTokens: 1, totalTokens: 5 });
+  });
+
   it('the last use is the latest end, whatever the order records came in', () => {
     expect(sums.lastUsed('team-a/chat')).toBe(at('2026-12-01T00:00:00Z'));
     sums.add(record('team-b/chat', '2026-11-30T11:00:00Z', 1));

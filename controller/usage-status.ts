@@ -33,11 +33,13 @@ interface Sums {
 
 const noSums = (): Sums => ({ requests: 0, promptTokens: 0, completionTokens: 0, totalTokens: 0 });
 
+/** Adds `r`; a correction (shared/usage.ts, `corrects`) replaces what its request's record added (the ledger holds that one before it). */
 function addTo(s: Sums, r: UsageRecord): void {
-  s.requests += 1;
-  s.promptTokens += r.tokens.prompt;
-  s.completionTokens += r.tokens.completion;
-  s.totalTokens += r.tokens.total;
+  const was = r.corrects?.tokens;
+  if (!was) s.requests += 1;
+  s.promptTokens += r.tokens.prompt - (was?.prompt ?? 0);
+  s.completionTokens += r.tokens.completion - (was?.completion ?? 0);
+  s.totalTokens += r.tokens.total - (was?.total ?? 0);
 }
 
 /** One key's sums in one period (a UTC day or month): in all, per model, its last request's end, and the last ledger sequence folded in. */

@@ -2,7 +2,8 @@
  * dataplane/usage.ts against a real `magus_usage` bucket (the file's own data plane): declared on
  * file for 400 days; a record is written once per request id, by whichever of two writers (two
  * connections, as a bridge and its take-over) comes first, 32 times at once; read back by key, by
- * start time, and from an empty ledger; values that are not records are skipped.
+ * start time, and from an empty ledger; values that are not records are skipped; a request a
+ * gateway gave up on reads as its client was told, whichever of gateway and bridge wrote first.
  */
 import { StorageType, type KV, type StreamConfig } from 'nats';
 import type { UsageRecord } from '../shared/usage';
@@ -79,4 +80,41 @@ it('a value that is not a record is skipped by readers', async () => {
   await kv.put(`${Buffer.from('team-c/x').toString('base64url')}.2026-11-28.junk`, new TextEncoder().encode('{"id":"junk"}'));
   await a.record(record('req-5', 'team-c/x', T0));
   expect((await a.read({ key: 'team-c/x' })).map((r) => r.id)).toEqual(['req-5']);
+});
+
+describe('a request the gateway gave up on (recordRefusal): the ledger says what its client was told', () => {
+  const refusal = (id: string): UsageRecord => ({
+    ...record(id, 'team-d/chat', T0),
+    outcome: 'failed',
+    error: 'publish_failed',
+    tokens: { prompt: 0, cached: 0, completion: 0, total: 0 },
+    reported: false,
+  });
+
+  it('the gateway first: its record stands, the bridge writes none', async () => {
+    await expect(a.recordRefusal(refusal('req-told-1'))).resolves.toBe('written');
+    await expect(b.record(record('req-told-1', 'team-d/chat', T0))).resolves.toBe('existed');
+    await expect(a.recordRefusal(refusal('req-told-1'))).resolves.toBe('existed'); // its own retry
+  });
+
+  it('the bridge first, completed: a correction beside it, once, read in its place', async () => {
+    await b.record(record('req-told-2', 'team-d/chat', T0, 7));
+    await expect(a.recordRefusal(refusal('req-told-2'))).resolves.toBe('corrected');
+    await expect(a.recordRefusal(refusal('req-told-2'))).resolves.toBe('corrected'); // a retry writes no second one
+    const read = (await b.read({ key: 'team-d/chat' })).filter((r) => r.id === 'req-told-2');
+    expect(read).toHaveLength(1);
+    expect(read[0]).toMatchObject({
+      outcome: 'failed',
+      error: 'publish_failed',
+      tokens: { total: 0 },
+      corrects: { outcome: 'completed', tokens: { completion: 7, total: 17 } },
+    });
+    expect(await kv.get(`${usageKeyOf(read[0]!)}.told`)).not.toBeNull();
+  });
+
+  it('the bridge first, not completed: nothing to correct', async () => {
+    await b.record({ ...record('req-told-3', 'team-d/chat', T0), outcome: 'cancelled' });
+    await expect(a.recordRefusal(refusal('req-told-3'))).resolves.toBe('existed');
+    expect((await a.read({ key: 'team-d/chat' })).find((r) => r.id === 'req-told-3')?.outcome).toBe('cancelled');
+  });
 });

@@ -19,6 +19,9 @@ import type { DataPlaneNames } from './names';
 /** The ledger key of `r`: the same for every attempt at its request (all from the request itself). */
 export const usageKeyOf = (r: Pick<UsageRecord, 'key' | 'start' | 'id'>): string => `${limitKeyOf(r.key)}.${periodOf(r.start, 'day')}.${r.id}`;
 
+/** The ledger key of a gateway's correction of `r`'s record ({@link UsageLedger.recordRefusal}). */
+const correctionKeyOf = (r: Pick<UsageRecord, 'key' | 'start' | 'id'>): string => `${usageKeyOf(r)}.told`;
+
 /** What a reader asks of the ledger. */
 export interface UsageQuery {
   /** One key's records (its identity), else every key's. */
@@ -51,10 +54,36 @@ export class UsageLedger {
     }
   }
 
-  /** The records `q` selects, in the ledger's order (by key, then as written). Values that are not records are skipped. */
+  /**
+   * Records what a gateway told the client of a request it gave up on (`r`: failed, no tokens;
+   * README.md, "The usage ledger"). `written`: no record was there. `existed`: one was — this
+   * gateway's earlier try, or a bridge's that does not say the client was answered. `corrected`:
+   * a bridge recorded the request `completed` first (its publish was stored after all and served,
+   * its cancel lost): a correction carrying what it corrects is written beside that record, once,
+   * and readers and sums take the correction instead. Records are never updated: a correction is
+   * a record of its own.
+   */
+  async recordRefusal(r: UsageRecord): Promise<'written' | 'existed' | 'corrected'> {
+    if ((await this.record(r)) === 'written') return 'written';
+    const stored = await this.kv.get(usageKeyOf(r));
+    const base = stored?.operation === 'PUT' ? parseUsageRecord(decodeJson(stored.value)) : undefined;
+    if (base?.outcome !== 'completed') return 'existed';
+    try {
+      await this.kv.put(correctionKeyOf(r), encodeJson({ ...r, corrects: { outcome: base.outcome, tokens: base.tokens } }), { previousSeq: 0 });
+    } catch (err) {
+      if (!isRevisionConflict(err)) throw err; // else: an earlier try of ours wrote it
+    }
+    return 'corrected';
+  }
+
+  /**
+   * The records `q` selects, one per request — a gateway's correction in place of the record it
+   * corrects — in the ledger's order (by key, then as written). Values that are not records are skipped.
+   */
   async read(q: UsageQuery = {}): Promise<UsageRecord[]> {
     const filter = q.key === undefined ? '>' : `${limitKeyOf(q.key)}.>`;
-    const out: UsageRecord[] = [];
+    // By request id: a correction takes its record's place, whichever of the two comes first.
+    const out = new Map<string, UsageRecord>();
     const sinceDay = q.since === undefined ? undefined : periodOf(q.since, 'day');
     // The watch delivers what is stored, then waits for news: it is stopped where it caught up
     // (for an empty bucket, that may be before the watch is returned).
@@ -74,9 +103,10 @@ export class UsageLedger {
       const day = e.key.split('.')[1] ?? '';
       if (sinceDay !== undefined && day < sinceDay) continue;
       const r = parseUsageRecord(decodeJson(e.value));
-      if (r && (q.since === undefined || r.start >= q.since) && (q.until === undefined || r.start < q.until)) out.push(r);
+      if (!r || (q.since !== undefined && r.start < q.since) || (q.until !== undefined && r.start >= q.until)) continue;
+      if (r.corrects !== undefined || !out.has(r.id)) out.set(r.id, r);
     }
-    return out;
+    return [...out.values()];
   }
 
   /**

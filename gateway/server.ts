@@ -7,7 +7,8 @@
 import { natsConnectAuth } from '../dataplane/roles';
 import { Client, Connection } from '@temporalio/client';
 import { temporalSessions } from './temporal';
-import Fastify, { type FastifyInstance } from 'fastify';
+import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { openModelRegistry } from '../dataplane/registry';
 import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
@@ -22,6 +23,7 @@ import { kvResponseStore } from './serving/response-store';
 import { KeyLimiter } from './serving/limits';
 import { meterKeyOf } from '../dataplane/meter';
 import { UsageLedger } from '../dataplane/usage';
+import type { UsageRecord } from '../shared/usage';
 import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
 import { cancelSubject } from '../shared/serving';
@@ -119,6 +121,33 @@ function guardDemand(demand: NonNullable<FirstTurns['demand']>, temporal: Tempor
       throw err;
     }
   };
+}
+
+/** Unanswered requests whose ledger records are being written, at most. */
+const MAX_REFUSALS_WRITING = 10_000;
+
+/** How long a gateway keeps trying to record an unanswered request: past a cluster's election and a reconnect. */
+const REFUSAL_RETRY_MS = 120_000;
+
+/**
+ * Records `r` (a request this gateway gave up on) as its client saw it, tried again while NATS
+ * or the ledger's leader is away: the ledger ends up saying what the client was told whether the
+ * gateway's record or the bridge's comes first (dataplane/usage.ts, `recordRefusal`).
+ */
+async function recordRefusal(ledger: UsageLedger, r: UsageRecord, stop: AbortSignal, log: FastifyBaseLogger): Promise<void> {
+  const giveUpAt = Date.now() + REFUSAL_RETRY_MS;
+  for (let delay = 250; ; delay = Math.min(delay * 2, 2_000)) {
+    try {
+      if ((await ledger.recordRefusal(r)) === 'corrected')
+        log.info({ inferenceId: r.id }, 'the usage ledger had this unanswered request as completed (served after its publish went unacknowledged): corrected');
+      return;
+    } catch (err) {
+      if (stop.aborted || Date.now() + delay > giveUpAt || !(await sleep(delay, true, { signal: stop }).catch(() => false))) {
+        log.warn({ err, inferenceId: r.id }, 'could not record an unanswered request in the usage ledger');
+        return;
+      }
+    }
+  }
 }
 
 /** Cancels held while NATS is unreachable, at most (the oldest are kept: their engines run longest). */
@@ -263,6 +292,10 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       () => undefined, // not declared yet: the scrape reports it once it is
     );
     // The usage ledger, bound (declared with the data plane): requests this gateway gave up on are recorded as such.
+    let refusalsWriting = 0;
+    // On close, a record still being tried is given up (logged) after the try under way.
+    const refusalsStop = new AbortController();
+    closers.push(() => Promise.resolve(refusalsStop.abort()));
     const ledger = new UsageLedger(await nc.jetstream().views.kv(config.buckets.usage, { bindOnly: true }));
     let publish = deps.publish;
     if (!publish) {
@@ -294,7 +327,12 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       limiter,
       meterKey,
       recordUsage: (record) => {
-        ledger.record(record).catch((err: unknown) => log.debug({ err, inferenceId: record.id }, 'could not record an unanswered request in the usage ledger'));
+        if (refusalsWriting >= MAX_REFUSALS_WRITING) {
+          log.warn({ inferenceId: record.id }, `not recording an unanswered request in the usage ledger: ${refusalsWriting} are being written`);
+          return;
+        }
+        refusalsWriting += 1;
+        void recordRefusal(ledger, record, refusalsStop.signal, log).finally(() => (refusalsWriting -= 1));
       },
       cancel: (session, requestId) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));

@@ -59,6 +59,13 @@ export interface UsageRecord {
    * without a valid one.
    */
   sig?: string;
+  /**
+   * Set on a gateway's correction (dataplane/usage.ts, `recordRefusal`): the client was told this
+   * record's outcome, and the bridge's record of the same request — written first, with this
+   * outcome and these tokens — stands corrected by it. Readers show the correction in its place;
+   * sums subtract what it corrects.
+   */
+  corrects?: { outcome: UsageOutcome; tokens: Tokens };
 }
 
 /** What a request carries for its record (InferenceRequest `meter`): set by the gateway, which knows the key. */
@@ -218,13 +225,19 @@ export const ROW_COLUMNS = [
   'lastUsed',
 ] as const satisfies readonly (keyof UsageRow)[];
 
+const isOutcome = (v: unknown): v is UsageOutcome => v === 'completed' || v === 'failed' || v === 'cancelled';
+
+function isTokens(v: unknown): v is Tokens {
+  const t = v as Partial<Tokens> | null | undefined;
+  return !!t && [t.prompt, t.cached, t.completion, t.total].every((n) => typeof n === 'number' && Number.isFinite(n) && n >= 0);
+}
+
 /** A record read back from the ledger, checked (a stored value that is not one is skipped by readers). */
 export function parseUsageRecord(value: unknown): UsageRecord | undefined {
   const r = value as Partial<UsageRecord> | null;
-  const t = r?.tokens as Partial<Tokens> | undefined;
-  const nums = t && [t.prompt, t.cached, t.completion, t.total].every((n) => typeof n === 'number' && Number.isFinite(n) && n >= 0);
-  if (!r || typeof r.id !== 'string' || typeof r.key !== 'string' || typeof r.model !== 'string' || !nums) return undefined;
-  if (typeof r.start !== 'number' || typeof r.end !== 'number' || !['completed', 'failed', 'cancelled'].includes(r.outcome as string)) return undefined;
+  if (!r || typeof r.id !== 'string' || typeof r.key !== 'string' || typeof r.model !== 'string' || !isTokens(r.tokens)) return undefined;
+  if (typeof r.start !== 'number' || typeof r.end !== 'number' || !isOutcome(r.outcome)) return undefined;
+  if (r.corrects !== undefined && (!isOutcome(r.corrects?.outcome) || !isTokens(r.corrects.tokens))) return undefined;
   return r as UsageRecord;
 }
 
