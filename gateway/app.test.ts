@@ -1063,6 +1063,7 @@ describe('/openapi.json', () => {
         'post /v1/completions',
         'post /v1/embeddings',
         'post /v1/responses',
+        'post /v1/responses/{response_id}/cancel',
         'get /v1/responses/{response_id}',
         'delete /v1/responses/{response_id}',
       ].sort(),
@@ -1082,9 +1083,16 @@ describe('/openapi.json', () => {
     expect(Object.keys(responsesOp.responses['200']!.content)).toEqual(['application/json', 'text/event-stream']);
     for (const method of ['get', 'delete']) {
       const op = doc.paths['/v1/responses/{response_id}']![method]!;
-      expect(op.parameters).toEqual([expect.objectContaining({ name: 'response_id', in: 'path', required: true })]);
+      expect(op.parameters).toEqual([
+        expect.objectContaining({ name: 'response_id', in: 'path', required: true }),
+        // GET streams a background response again from an event on.
+        ...(method === 'get'
+          ? ['stream', 'starting_after', 'include', 'include_obfuscation'].map((name) => expect.objectContaining({ name, in: 'query' }))
+          : []),
+      ]);
       expect(op.security).toEqual([{ bearer: [] }]);
     }
+    expect(doc.paths['/v1/responses/{response_id}/cancel']!.post!.security).toEqual([{ bearer: [] }]);
     expect(doc.paths['/healthz']!.get!.security).toEqual([]);
   });
 

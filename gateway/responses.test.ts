@@ -494,7 +494,6 @@ describe('refusals', () => {
   it.each([
     ['tools[0].type', { tools: [{ type: 'web_search' }] }],
     ['tool_choice.type', { tool_choice: { type: 'web_search' } }],
-    ['background', { background: true }],
     ['include[0]', { include: ['file_search_call.results'] }],
     ['reasoning', { reasoning: { effort: 'high' } }],
     ['conversation', { conversation: 'conv_1' }],
@@ -612,5 +611,121 @@ describe('refusals', () => {
     const res = await create({ input: 'x' }, t.tokens.narrow.token);
     expect(res.statusCode).toBe(404);
     expect(errorOf(res).code).toBe('model_not_found');
+  });
+});
+
+describe('background responses (background: true)', () => {
+  let cancelled: string[];
+  beforeEach(async () => {
+    await t.app.close();
+    cancelled = [];
+    t = await buildTestApp({ storedResponses: store, cancel: (_entry, id) => void cancelled.push(id) }, { storedFrames: true });
+  });
+
+  /** The engine streams `words`, then its usage, then ends. */
+  function streams(words: string[]): void {
+    t.plane.script = () => [
+      ...words.map((w, i) => chunk(i, w)),
+      { seq: words.length, type: 'chunk', data: { choices: [], usage: { prompt_tokens: 9, completion_tokens: words.length, total_tokens: 9 + words.length } } },
+      { seq: words.length + 1, type: 'done' },
+    ];
+  }
+  const get = (id: string, query = '', token = t.tokens.alice.token) =>
+    t.app.inject({ method: 'GET', url: `/v1/responses/${id}${query}`, headers: auth(token) });
+  const cancel = (id: string, token = t.tokens.alice.token) =>
+    t.app.inject({ method: 'POST', url: `/v1/responses/${id}/cancel`, headers: { authorization: `Bearer ${token}` } });
+  async function until(id: string, status: string): Promise<ResponseObject> {
+    for (let i = 0; i < 200; i++) {
+      const r = (await get(id)).json<ResponseObject>();
+      if (r.status === status) return r;
+      await new Promise((resolve) => setTimeout(resolve, 5));
+    }
+    throw new Error(`${id} never became ${status}`);
+  }
+
+  it('answers at once, queued; the engine is asked for a stream; a poll sees it completed, stored as an ordinary response', async () => {
+    streams(['Hel', 'lo']);
+    const res = await create({ input: 'Hi', background: true });
+    expect(res.statusCode).toBe(200);
+    const queued = res.json<ResponseObject>();
+    expect(queued).toMatchObject({ status: 'queued', background: true, output: [] });
+    const done = await until(queued.id, 'completed');
+    expect(done.output).toEqual([
+      expect.objectContaining({ type: 'message', id: `msg_${queued.id.slice(5)}_0`, content: [expect.objectContaining({ text: 'Hello' })] }),
+    ]);
+    expect(done.usage).toMatchObject({ input_tokens: 9, output_tokens: 2 });
+    expect(t.plane.chat(0).body).toMatchObject({ stream: true, stream_options: { include_usage: true } });
+    expect(store.records.get(queued.id)).toMatchObject({ output: [{ role: 'assistant', content: 'Hello' }] });
+    expect(store.records.get(queued.id)!.run).toBeUndefined();
+    // A next turn continues it as any stored response.
+    answers('Again');
+    const next = await create({ input: 'More', previous_response_id: queued.id });
+    expect(next.json<ResponseObject>().status).toBe('completed');
+    expect(sent(1).map((m) => m.content)).toEqual(['Hi', 'Hello', 'More']);
+  });
+
+  it('streamed: events numbered from 0; streamed again after event N, the same events from N + 1', async () => {
+    streams(['One', ' two', ' three']);
+    const res = await create({ input: 'Count', background: true, stream: true });
+    expect(res.statusCode).toBe(200);
+    const all = events(res.body);
+    expect(all.map((e) => e.data.sequence_number)).toEqual(all.map((_, i) => i));
+    expect(all[0]!.data).toMatchObject({ type: 'response.created', response: { status: 'queued', background: true } });
+    expect(all.at(-1)!.data).toMatchObject({ type: 'response.completed', response: { status: 'completed' } });
+    const id = (all[0]!.data as unknown as { response: { id: string } }).response.id;
+    const again = await get(id, '?stream=true&starting_after=3');
+    expect(again.headers['content-type']).toMatch(/^text\/event-stream/);
+    expect(events(again.body).map((e) => e.data)).toEqual(all.slice(4).map((e) => e.data));
+    expect(events((await get(id, '?stream=true')).body).map((e) => e.data)).toEqual(all.map((e) => e.data));
+  });
+
+  it('cancelled while it runs: stored cancelled, its run stopped and its bridge told; a cancel again changes nothing', async () => {
+    t.plane.script = () => 'silence';
+    const id = (await create({ input: 'Hi', background: true })).json<ResponseObject>().id;
+    for (let i = 0; i < 100 && !store.records.get(id)?.run?.instance; i++) await new Promise((resolve) => setTimeout(resolve, 5));
+    const res = await cancel(id);
+    expect(res.statusCode).toBe(200);
+    expect(res.json<ResponseObject>()).toMatchObject({ id, status: 'cancelled', error: { code: 'cancelled' } });
+    expect(cancelled).toContain(t.plane.published[0]!.req.id);
+    expect((await get(id)).json<ResponseObject>().status).toBe('cancelled');
+    expect((await cancel(id)).json<ResponseObject>().status).toBe('cancelled');
+    expect(events((await get(id, '?stream=true')).body).at(-1)!.data).toMatchObject({ type: 'response.failed', response: { status: 'cancelled' } });
+    expect((await cancel(id, t.tokens.bob.token)).statusCode).toBe(404);
+  });
+
+  it('one whose replica is gone: a poll reads its answer back from the frames and stores it as ended', async () => {
+    streams(['Hel', 'lo']);
+    const id = (await create({ input: 'Hi', background: true })).json<ResponseObject>().id;
+    await until(id, 'completed');
+    // As if the replica that ran it had died before storing its end: its record still running.
+    const record = store.records.get(id)!;
+    store.records.set(id, {
+      ...record,
+      output: [],
+      response: { ...record.response, status: 'in_progress', output: [] },
+      run: { request: t.plane.published[0]!.req.id, publishBy: 0, logprobs: false, replica: 'test', pool: 'p', instance: 'i', deadline: Date.now() + 60_000 },
+    });
+    const read = (await get(id)).json<ResponseObject>();
+    expect(read).toMatchObject({ status: 'completed', output: [{ id: `msg_${id.slice(5)}_0`, content: [{ text: 'Hello' }] }] });
+    expect(store.records.get(id)).toMatchObject({ response: { status: 'completed' }, output: [{ content: 'Hello' }] });
+    // Never queued by its deadline: failed, saying why.
+    store.records.set(id, {
+      ...record,
+      response: { ...record.response, status: 'queued', output: [] },
+      run: { request: 'gone', publishBy: Date.now() - 1, logprobs: false },
+    });
+    expect((await get(id)).json<ResponseObject>()).toMatchObject({
+      status: 'failed',
+      error: { code: 'server_error', message: expect.stringMatching(/stopped before its request was queued/) },
+    });
+  });
+
+  it('refused without a store, anonymously, or cancelling one not in the background', async () => {
+    expect(errorOf(await create({ input: 'Hi', background: true, store: false }))).toMatchObject({ param: 'store', code: 'invalid_value' });
+    answers('Hi');
+    const plain = (await create({ input: 'Hi' })).json<ResponseObject>();
+    expect(plain.background).toBe(false);
+    expect(errorOf(await cancel(plain.id))).toMatchObject({ param: 'response_id', message: expect.stringMatching(/only background responses/) });
+    expect(errorOf(await get(plain.id, '?stream=true'))).toMatchObject({ message: expect.stringMatching(/only background responses/) });
   });
 });

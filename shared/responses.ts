@@ -5,7 +5,7 @@
  *
  * - {@link ResponsesBody}: the body `POST /v1/responses` accepts (its route schema, published as
  *   is in `/openapi.json`). Its fields reuse chat's declarations and bounds; what asks for more
- *   than magus does (built-in tools, background runs, reasoning, included extras, conversation
+ *   than magus does (built-in tools, reasoning, included extras, conversation
  *   objects …) accepts only its empty or null form and is otherwise refused with a 400
  *   `unsupported_feature` naming the field (chat's `x-unsupported` annotation), never ignored.
  * - {@link toChatTurn}: input items → chat messages (consecutive `function_call` items become one
@@ -186,8 +186,9 @@ export const ResponsesBody = Type.Object(
     stream_options: Type.Optional(nullable(Type.Object({ include_obfuscation: Type.Optional(Type.Boolean()) }))),
     metadata: Type.Optional(nullable(metadata)),
     user: Type.Optional(user),
+    // Answered at once, run without the client (gateway/routes/background.ts).
+    background: Type.Optional(nullable(Type.Boolean())),
     // What magus does not do: accepted only empty, plain or null.
-    background: Type.Optional(nullable(Type.Literal(false, unsupported('const', 'Background responses are not supported by this server.')))),
     include: Type.Optional(
       nullable(
         Type.Array(
@@ -361,7 +362,9 @@ export interface ResponseObject {
   id: string;
   object: 'response';
   created_at: number;
-  status: 'in_progress' | 'completed' | 'incomplete' | 'failed';
+  status: 'queued' | 'in_progress' | 'completed' | 'incomplete' | 'failed' | 'cancelled';
+  /** Run without the client (`background: true`): polled, streamed again or cancelled by id. */
+  background: boolean;
   incomplete_details: { reason: 'max_output_tokens' } | null;
   model: string;
   output: OutputItem[];
@@ -388,7 +391,8 @@ export function pendingResponse(id: string, body: ResponsesBody, createdAt: numb
     id,
     object: 'response',
     created_at: createdAt,
-    status: 'in_progress',
+    status: body.background === true ? 'queued' : 'in_progress',
+    background: body.background === true,
     incomplete_details: null,
     model: body.model,
     output: [],

@@ -5,7 +5,7 @@
  * {@link serveTurn}, one request from its instance (a conversation's session, or any of the
  * pool's) to its answer.
  */
-import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import type { FastifyBaseLogger, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
@@ -18,8 +18,8 @@ import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/l
 import { resumeIdPrefix } from '../serving/resume';
 import type { SseResponse } from './sse';
 
-/** Why a request's controller was aborted: the client left (the cold-start timeout aborts with a 503 of its own). */
-class ClientGone extends Error {
+/** Why a request's controller was aborted: the client left, or a background run was cancelled (the cold-start timeout aborts with a 503 of its own). */
+export class ClientGone extends Error {
   override readonly name = 'ClientGone';
 }
 
@@ -117,6 +117,8 @@ export interface Turn {
   onStreamError?: (e: GatewayError) => void;
   /** Its stream's chunk events carry ids a client can resume from (chat and text completions; routes/resume.ts). */
   resumable?: boolean;
+  /** Called once its instance is known, before the request is published (a background response records where its frames go). */
+  onPublish?: (entry: SessionEntry, req: InferenceRequest) => Promise<void> | void;
 }
 
 /**
@@ -152,13 +154,60 @@ export function relayed(sse: SseResponse | undefined, clientWantsUsage: boolean)
   };
 }
 
+/** Who a turn is run for: the client's connection, or nobody's (a background response, routes/responses.ts). */
+export interface TurnClient {
+  principal: Principal;
+  log: FastifyBaseLogger;
+  /** The size its body declared (`content-length`): a body that may be too large for the bus is measured. */
+  declaredBytes: number;
+  /** Sets a response header (none for a background run: its answer was sent already). */
+  header: (name: string, value: string) => void;
+  /** Aborted with a {@link ClientGone} when the client goes away (or a background run is cancelled): the engine's work is cancelled. */
+  gone: AbortSignal;
+}
+
 /**
- * Serves `turn`, unless the model's backlog is full (429): its session (warm: a map read; cold:
- * the broker's slow path, bounded by the cold-start timeout) → listen on
- * `magus.res.<replica>.<id>` → publish to the instance → relay frames to the route's handlers. A client that goes away cancels the engine's work; an error
- * before a stream started is thrown for the error handler, after it the route's last events.
+ * Serves `turn` to the client of `request` (see {@link runTurn}): an error before a stream started
+ * is thrown for the error handler; a client that goes away gets no answer.
  */
 export async function serveTurn(app: FastifyInstance, request: FastifyRequest, reply: FastifyReply, turn: Turn): Promise<FastifyReply> {
+  const gone = new AbortController();
+  const onClose = () => {
+    if (!reply.raw.writableEnded) gone.abort(new ClientGone('the client closed the connection'));
+  };
+  reply.raw.once('close', onClose);
+  try {
+    const body = await runTurn(
+      app,
+      {
+        principal: request.principal!,
+        log: request.log,
+        declaredBytes: Number(request.headers['content-length'] ?? 0),
+        header: (name, value) => void reply.header(name, value),
+        gone: gone.signal,
+      },
+      turn,
+    );
+    return turn.sse ? reply : reply.send(body);
+  } catch (err) {
+    if (!(err instanceof ClientGone)) throw err;
+    if (!turn.sse?.started) reply.hijack();
+    reply.raw.destroy();
+    return reply;
+  } finally {
+    reply.raw.removeListener('close', onClose);
+  }
+}
+
+/**
+ * Runs `turn` for `client`, unless the model's backlog is full (429): its session (warm: a map
+ * read; cold: the broker's slow path, bounded by the cold-start timeout) → listen on
+ * `magus.res.<replica>.<id>` → publish to the instance → relay frames to the route's handlers;
+ * resolves with what `onDone` returned. A client gone (`client.gone`) cancels the engine's work and
+ * rejects with its {@link ClientGone}; an error before a stream started is thrown, after it the
+ * route's last events are written.
+ */
+export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Turn): Promise<unknown> {
   const g = app.gateway;
   const s = g.settings;
   const { id, sse, model } = turn;
@@ -172,17 +221,17 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
   // Larger than a NATS message may be: a 413 before a conversation's entry or a key's reservation
   // is made (the publisher refuses it exactly too). The body is measured only when its size says it may be.
   const maxBytes = g.maxMessageBytes?.();
-  if (maxBytes !== undefined && Number(request.headers['content-length'] ?? 0) > maxBytes - MESSAGE_ROOM) {
+  if (maxBytes !== undefined && client.declaredBytes > maxBytes - MESSAGE_ROOM) {
     const bytes = Buffer.byteLength(JSON.stringify(turn.payload.body));
     if (bytes + MESSAGE_ROOM > maxBytes) {
       sse?.stop();
       throw errors.tooLargeForBus(bytes, maxBytes);
     }
   }
-  reply.header('x-request-id', id); // also on error responses; the error handler logs it
+  client.header('x-request-id', id); // also on error responses; the error handler logs it
   const modelLabel = `${model.namespace}/${model.name}`;
   // A limited key's reservation (a 429 before anything is queued), settled when the turn ends.
-  const principal = request.principal!;
+  const { principal } = client;
   let grant: LimitGrant | undefined;
   let payload = turn.payload;
   if (principal.limits) {
@@ -198,14 +247,13 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
         throw err;
       });
     if (want.upTo !== undefined) payload = capped(payload, Math.max(1, grant.tokens - want.bound));
-    for (const [name, value] of Object.entries(grant.headers)) reply.header(name, value);
+    for (const [name, value] of Object.entries(grant.headers)) client.header(name, value);
   }
   let used: number | undefined;
   const ctl = new AbortController();
-  const onClose = () => {
-    if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
-  };
-  reply.raw.once('close', onClose);
+  const onGone = () => ctl.abort(client.gone.reason);
+  if (client.gone.aborted) onGone();
+  else client.gone.addEventListener('abort', onGone, { once: true });
   const countUsage = (data: unknown): void => {
     const usage = usageIn(data);
     if (!usage) return;
@@ -213,6 +261,8 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     app.metrics.promptTokens.inc([modelLabel], usage.prompt);
     app.metrics.cachedPromptTokens.inc([modelLabel], usage.cached);
   };
+  // A streamed engine answer (a client's stream, or a background response's) comes as chunks.
+  const streamed = sse !== undefined || (payload.kind !== 'embeddings' && payload.body.stream === true);
   let published: SessionEntry | undefined;
   // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions/placement.ts).
   let settle!: (answered: boolean) => void;
@@ -226,7 +276,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       entry =
         turn.conversationKey === undefined
           ? await g.sessions.route({ model, signal: ctl.signal })
-          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, owner: request.principal!.owner, signal: ctl.signal, answered });
+          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, owner: principal.owner, signal: ctl.signal, answered });
     } finally {
       clearTimeout(coldStartTimer);
     }
@@ -241,6 +291,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
     };
     if (g.meterKey) req.meter!.sig = meterSignature(g.meterKey, { id, kind: req.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt });
     published = entry;
+    await turn.onPublish?.(entry, req);
     sse?.waiting(`queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`);
     // Its chunks' ids let the client pick the answer up on any replica should this one die (routes/resume.ts).
     if (sse && g.responses.replica && turn.resumable)
@@ -249,7 +300,7 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       );
     const done = await exchange(entry, req, {
       ...exchangeOptions(app, entry, req, ctl.signal),
-      onChunk: sse
+      onChunk: streamed
         ? (chunk, seq) => {
             if (isUsageChunk(chunk)) countUsage(chunk);
             turn.onChunk?.(chunk, seq);
@@ -258,36 +309,34 @@ export async function serveTurn(app: FastifyInstance, request: FastifyRequest, r
       retryPublish: sse && (() => sse.started),
       onPublishRetry: () => app.metrics.publishRetries.inc(),
     });
-    if (!sse) {
+    if (!streamed) {
       if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
       countUsage(done);
     }
     const body = await turn.onDone(done);
     settle(true);
-    return sse ? reply : reply.send(body);
+    return body;
   } catch (thrown) {
     // Part of a streamed answer reached the client: the conversation exists on its side.
     settle(sse?.started === true);
     // A cold-start timeout aborts the broker, which may reject with its own abort error.
     const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
     if (err instanceof ClientGone) {
-      request.log.info({ inferenceId: id }, 'client went away');
+      client.log.info({ inferenceId: id }, err.message);
       if (published) g.cancel?.(published, id); // the engine stops generating for nobody
-      if (!sse?.started) reply.hijack();
-      reply.raw.destroy();
-      return reply;
+      throw err;
     }
     if (!sse?.started) throw err; // the error handler answers (and logs 5xx with their cause)
     const e = toGatewayError(err, s.retryAfterSec);
-    request.log[e.status >= 500 ? 'error' : 'info']({ err, inferenceId: id }, 'stream failed after it started');
+    client.log[e.status >= 500 ? 'error' : 'info']({ err, inferenceId: id }, 'stream failed after it started');
     if (turn.onStreamError) turn.onStreamError(e);
     else sse.fail(e, id);
-    return reply;
+    return undefined;
   } finally {
     settle(false);
     // Nothing published: nothing generated. Published without a usage (failed, abandoned): all it reserved.
     grant?.settle(published ? used : 0);
     sse?.stop();
-    reply.raw.removeListener('close', onClose);
+    client.gone.removeEventListener('abort', onGone);
   }
 }

@@ -68,18 +68,36 @@ export class ResponseDraft {
   private finishReason: string | null | undefined;
   private usage: ResponseUsage | null = null;
 
-  /** `withLogprobs`: the request asked for log-probabilities (`include: ["message.output_text.logprobs"]`), so text parts carry them. */
+  /**
+   * `withLogprobs`: the request asked for log-probabilities (`include: ["message.output_text.logprobs"]`),
+   * so text parts carry them. `ids`: the ids of its items (and of calls the engine named none for),
+   * by kind and item index; random unless given (a background response's are the same on every
+   * replica that reads its frames).
+   */
   constructor(
     pending: ResponseObject,
     private readonly withLogprobs = false,
+    private readonly ids: (kind: 'msg' | 'fc' | 'call', index: number) => string = (kind) => `${kind}_${nuid.next()}`,
   ) {
     this.response = structuredClone(pending);
+  }
+
+  /** Whether it has ended ({@link finish} or {@link failed}). */
+  get ended(): boolean {
+    return !['queued', 'in_progress'].includes(this.response.status);
+  }
+
+  /** The response as it stands: in progress, its output so far. */
+  snapshot(): ResponseObject {
+    const response = structuredClone(this.response);
+    if (!this.ended) response.status = 'in_progress';
+    return response;
   }
 
   /** The events of one streamed chat chunk. */
   chunk(chunk: unknown): ResponseEvent[] {
     const answer = chunk as ChatAnswer | null;
-    const events = this.start();
+    const events = this.begin();
     if (answer?.usage) this.usage = responseUsage(answer.usage) ?? this.usage;
     const choice = answer?.choices?.[0];
     if (!choice) return events;
@@ -103,7 +121,7 @@ export class ResponseDraft {
 
   /** The answer's last events, ending with `response.completed` (or `response.incomplete`), and the finished response. */
   finish(): { events: ResponseEvent[]; response: ResponseObject } {
-    const events = this.start();
+    const events = this.begin();
     // An answer of no text and no call is an empty message, as OpenAI answers it.
     if (this.response.output.length === 0) events.push(...this.openMessage());
     const incomplete = this.finishReason === 'length';
@@ -116,10 +134,14 @@ export class ResponseDraft {
     return { events, response };
   }
 
-  /** The response failed after its stream started: `response.failed` with what it had (after `response.created`, which clients need first). */
-  failed(code: string, message: string): ResponseEvent[] {
-    const events = this.start();
-    this.response.status = 'failed';
+  /**
+   * The response failed (or, `cancelled`, was cancelled) after its stream started: `response.failed`
+   * with what it had (after `response.created`, which clients need first). The Responses API has no
+   * event of its own for a cancel: its response says `cancelled`.
+   */
+  failed(code: string, message: string, cancelled = false): ResponseEvent[] {
+    const events = this.begin();
+    this.response.status = cancelled ? 'cancelled' : 'failed';
     this.response.error = { code, message };
     events.push({ type: 'response.failed', response: structuredClone(this.response) });
     return events;
@@ -136,13 +158,16 @@ export class ResponseDraft {
     return [{ role: 'assistant', content, ...(toolCalls.length > 0 ? { tool_calls: toolCalls } : {}) }];
   }
 
-  private start(): ResponseEvent[] {
+  /** Its first events (`response.created`, `response.in_progress`), once: the first chunk, a finish or a failure begins it otherwise. */
+  begin(): ResponseEvent[] {
     if (this.started) return [];
     this.started = true;
-    const response = structuredClone(this.response);
+    // A background response is created `queued`; its answer is in progress once it streams.
+    const created = structuredClone(this.response);
+    this.response.status = 'in_progress';
     return [
-      { type: 'response.created', response },
-      { type: 'response.in_progress', response },
+      { type: 'response.created', response: created },
+      { type: 'response.in_progress', response: structuredClone(this.response) },
     ];
   }
 
@@ -158,8 +183,15 @@ export class ResponseDraft {
 
   private openMessage(): ResponseEvent[] {
     const part: OutputText = { type: 'output_text', text: '', annotations: [], ...(this.withLogprobs ? { logprobs: [] } : {}) };
-    const item: Extract<OutputItem, { type: 'message' }> = { type: 'message', id: `msg_${nuid.next()}`, status: 'in_progress', role: 'assistant', content: [] };
-    const index = this.response.output.push(item) - 1;
+    const index = this.response.output.length;
+    const item: Extract<OutputItem, { type: 'message' }> = {
+      type: 'message',
+      id: this.ids('msg', index),
+      status: 'in_progress',
+      role: 'assistant',
+      content: [],
+    };
+    this.response.output.push(item);
     this.message = { index, item, part };
     const added = { type: 'response.output_item.added', output_index: index, item: structuredClone(item) };
     item.content.push(part);
@@ -185,15 +217,17 @@ export class ResponseDraft {
     if (!open) {
       // Text comes before calls: a call ends the message.
       events.push(...this.closeMessage(false));
+      const index = this.response.output.length;
       const item: Extract<OutputItem, { type: 'function_call' }> = {
         type: 'function_call',
-        id: `fc_${nuid.next()}`,
-        call_id: call.id ?? `call_${nuid.next()}`,
+        id: this.ids('fc', index),
+        call_id: call.id ?? this.ids('call', index),
         name: call.function?.name ?? '',
         arguments: '',
         status: 'in_progress',
       };
-      open = { index: this.response.output.push(item) - 1, item };
+      this.response.output.push(item);
+      open = { index, item };
       this.calls.set(key, open);
       events.push({ type: 'response.output_item.added', output_index: open.index, item: structuredClone(item) });
     }

@@ -19,9 +19,31 @@ import { conversationKey } from '../serving/conversation';
 import { errorBody, errors, type GatewayError } from '../plugins/errors';
 import { chainOf, MAX_CHAIN_DEPTH, MAX_STORED_REQUEST_BYTES, type Chain, type StoredResponse } from '../serving/response-store';
 import { SseResponse } from './sse';
-import { createResponseSchema, deleteResponseSchema, getResponseSchema } from '../schemas/responses';
-import { servableModel, serveTurn } from './inference';
+import { cancelResponseSchema, createResponseSchema, deleteResponseSchema, getResponseSchema } from '../schemas/responses';
+import { ClientGone, runTurn, servableModel, serveTurn, type Turn } from './inference';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
+import { toGatewayError } from '../plugins/errors';
+import { followAnswer } from './resume';
+import {
+  endedBy,
+  endedWithout,
+  isRunning,
+  lookIn,
+  notBackground,
+  placeOf,
+  replayFrames,
+  replayRecord,
+  runDraft,
+  settleRun,
+  storedFramesOf,
+} from './background';
+import type { FastifyReply, FastifyRequest } from 'fastify';
+
+/** How often a stream of a background response not yet queued reads its record again. */
+const RECORD_POLL_MS = 200;
+/** Beyond the cold-start timeout, how long a background response's request may take to be published (a limited key's admission, NATS). */
+const PUBLISH_MARGIN_MS = 30_000;
 
 export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const g = app.gateway;
@@ -58,6 +80,147 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     throw errors.responseNotFound(chain.id, 'previous_response_id', 'previous_response_not_found', message);
   };
 
+  /** Background runs this replica is answering, by response id: a cancel here aborts its run at once. */
+  const runs = new Map<string, AbortController>();
+
+  /** Runs `turn` for `record` without its client, and stores the response as it ends (routes/background.ts). */
+  const startRun = (request: FastifyRequest, record: StoredResponse, turn: Omit<Turn, 'onDone'>): void => {
+    const principal = request.principal!;
+    const responseId = record.response.id;
+    const draft = runDraft(record);
+    const gone = new AbortController();
+    runs.set(responseId, gone);
+    const log = request.log.child({ responseId });
+    runTurn(
+      app,
+      { principal, log, declaredBytes: Number(request.headers['content-length'] ?? 0), header: () => undefined, gone: gone.signal },
+      {
+        ...turn,
+        onPublish: async (entry, req) => {
+          const place = { replica: g.responses.replica, pool: entry.pool, instance: entry.instance, deadline: req.deadline };
+          const r = await settleRun(app, principal, responseId, (rec) => ({ ...rec, run: { ...rec.run!, ...place } }));
+          if (!r || !isRunning(r)) throw new ClientGone('the response was cancelled or deleted before its request was queued');
+        },
+        onChunk: (chunk) => void draft.chunk(chunk),
+        onDone: async () => {
+          const { response } = draft.finish();
+          await settleRun(app, principal, responseId, (rec) => endedBy(rec, draft, response));
+        },
+      },
+    )
+      .catch(async (err: unknown) => {
+        if (err instanceof ClientGone) return; // cancelled: the cancel wrote the record
+        const e = toGatewayError(err, s.retryAfterSec);
+        const error = errorBody(e, turn.id).error;
+        log[e.status >= 500 ? 'error' : 'info']({ err, inferenceId: turn.id }, 'a background response failed');
+        await settleRun(app, principal, responseId, (rec) => endedWithout(rec, draft, 'failed', error.code ?? 'server_error', error.message));
+      })
+      .catch((err: unknown) => log.warn({ err }, 'could not store how a background response ended (a later read of it will)'))
+      .finally(() => runs.delete(responseId));
+  };
+
+  /** Stops `record`'s run: aborted here, or its bridge told to stop. */
+  const stopRun = (record: StoredResponse): void => {
+    runs.get(record.response.id)?.abort(new ClientGone('the response was cancelled'));
+    const place = record.run && placeOf(record.run);
+    if (place) g.cancel?.({ subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 }, place.requestId);
+  };
+
+  /** Stores `record` cancelled, with what its answer had (or as it ended, if it ended first), and stops its run. */
+  const cancelRun = async (principal: Principal, record: StoredResponse): Promise<StoredResponse | undefined> => {
+    const draft = runDraft(record);
+    const frames = record.run && (await storedFramesOf(app, record.run));
+    if (frames) replayFrames(draft, frames);
+    const done = await settleRun(app, principal, record.response.id, (rec) =>
+      draft.ended ? endedBy(rec, draft, draft.snapshot()) : endedWithout(rec, draft, 'cancelled', 'cancelled', 'The response was cancelled.'),
+    );
+    stopRun(record);
+    return done;
+  };
+
+  /**
+   * Streams response `id`'s events after `startingAfter` (-1: all): what its frames hold, then
+   * followed live while it runs; a response that ended, as its record or frames have it. The same
+   * events with the same sequence numbers on every replica.
+   */
+  const streamRun = async (request: FastifyRequest, reply: FastifyReply, id: string, startingAfter: number): Promise<FastifyReply> => {
+    const principal = request.principal!;
+    let record = await ownRecord(id, principal);
+    if (!record.response.background) {
+      throw errors.invalid(
+        `Response '${id}' was not created with \`background: true\`: only background responses can be streamed again.`,
+        'stream',
+        'invalid_value',
+      );
+    }
+    const sse = new SseResponse(reply, s.keepAliveMs, record.run?.request ?? id);
+    let sequence = 0;
+    const emit = (events: ResponseEvent[]) => {
+      for (const e of events) {
+        const n = sequence++;
+        if (n > startingAfter) sse.event(e.type, { ...e, sequence_number: n });
+      }
+    };
+    const ctl = new AbortController();
+    const onClose = () => {
+      if (!reply.raw.writableEnded) ctl.abort(new ClientGone('the client closed the connection'));
+    };
+    reply.raw.once('close', onClose);
+    try {
+      // Until its request is published (a cold start may take a while), the record says where to look.
+      sse.waiting('queued: waiting for an instance to take the request');
+      while (isRunning(record) && !(record.run && placeOf(record.run)) && !ctl.signal.aborted) {
+        if (record.run && Date.now() > record.run.publishBy) break;
+        await sleep(RECORD_POLL_MS);
+        record = (await stored(g.storedResponses.get(id))) ?? record;
+      }
+      const draft = runDraft(record);
+      const place = record.run && placeOf(record.run);
+      if (!isRunning(record) || !place) {
+        // Ended (or never queued): as its frames have it when they hold its whole answer, else as its record does.
+        const frames = record.run && (await stored(storedFramesOf(app, record.run)));
+        const replayed = frames ? replayFrames(draft, frames) : [];
+        emit(
+          draft.ended && draft.snapshot().status === record.response.status
+            ? replayed
+            : replayRecord(isRunning(record) ? { ...record, response: await lookIn(app, principal, record) } : record),
+        );
+        sse.end();
+        return reply;
+      }
+      sse.waiting(`queued at instance ${place.instance}: waiting for its engine to begin the answer`);
+      emit(draft.begin());
+      try {
+        await followAnswer(app, place, ctl.signal, (chunk) => emit(draft.chunk(chunk)));
+        emit(draft.finish().events);
+        await settleRun(app, principal, id, (rec) => endedBy(rec, draft, draft.snapshot())).catch(() => undefined);
+      } catch (err) {
+        if (ctl.signal.aborted) throw ctl.signal.reason;
+        const e = toGatewayError(err, s.retryAfterSec);
+        const error = errorBody(e, place.requestId).error;
+        const cancelled = e.status === 499;
+        emit(draft.failed(error.code ?? 'server_error', error.message, cancelled));
+        // An answer the engine ended with an error ended so; a timeout here says only that this replica heard nothing.
+        if (e.code === 'engine_error' || (e.status >= 400 && e.status < 500 && !cancelled))
+          await settleRun(app, principal, id, (rec) => endedWithout(rec, draft, 'failed', error.code ?? 'server_error', error.message)).catch(() => undefined);
+      }
+      sse.end();
+      return reply;
+    } catch (err) {
+      if (err instanceof ClientGone) {
+        if (!sse.started) reply.hijack();
+        reply.raw.destroy();
+        return reply;
+      }
+      if (!sse.started) throw err;
+      sse.fail(toGatewayError(err, s.retryAfterSec), record.run?.request ?? id);
+      return reply;
+    } finally {
+      sse.stop();
+      reply.raw.removeListener('close', onClose);
+    }
+  };
+
   app.post<{ Body: ResponsesBody }>(
     '/v1/responses',
     { schema: createResponseSchema, bodyLimit: s.bodyLimit, onRequest: app.authenticate },
@@ -65,6 +228,14 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const principal = request.principal!;
       // An anonymous caller's response is not stored: no other anonymous caller could be kept from it.
       const body = principal.anonymous ? { ...request.body, store: false } : request.body;
+      if (body.background === true && (principal.anonymous || body.store === false))
+        throw errors.invalid(
+          principal.anonymous
+            ? 'A background response is stored, and anonymous callers store nothing: send a key.'
+            : 'A background response is stored so that it can be fetched: `store` must not be false.',
+          principal.anonymous ? 'background' : 'store',
+          'invalid_value',
+        );
       const model = await servableModel(app, principal, body.model);
       const chain = body.previous_response_id != null ? await previousChain(body.previous_response_id, principal) : undefined;
       const stream = body.stream === true;
@@ -112,6 +283,33 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
         const size = await stored(g.storedResponses.put(responseId, record));
         if (principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs);
       };
+      if (body.background === true) {
+        const record: StoredResponse = {
+          owner: principal.owner,
+          model: modelLabel,
+          root,
+          previous: body.previous_response_id ?? null,
+          depth: chain?.depth ?? 0,
+          input: turn.input,
+          output: [],
+          response: pendingResponse(responseId, body, Math.floor(Date.now() / 1000)),
+          run: { request: id, publishBy: Date.now() + s.coldStartTimeoutMs + PUBLISH_MARGIN_MS, logprobs: wantsLogprobs(body) },
+        };
+        await stored(g.storedResponses.put(responseId, record));
+        // The engine streams, so the frames hold the answer as it grows.
+        turn.request.stream = true;
+        turn.request.stream_options = { include_usage: true };
+        startRun(request, record, {
+          id,
+          model,
+          ...(storeBytes !== undefined ? { storeBytes } : {}),
+          conversationKey: key,
+          payload: { body: turn.request },
+        });
+        reply.header('x-request-id', id);
+        if (!stream) return record.response;
+        return streamRun(request, reply, responseId, -1);
+      }
       const sse = stream ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       let sequence = 0;
       const emit = (events: ResponseEvent[]) => {
@@ -148,10 +346,29 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     },
   );
 
-  app.get<{ Params: { response_id: string } }>('/v1/responses/:response_id', { schema: getResponseSchema, onRequest: app.authenticate }, async (request) => {
-    const record = await ownRecord(request.params.response_id, request.principal!);
-    return record.response;
-  });
+  app.get<{ Params: { response_id: string }; Querystring: { stream?: 'true' | 'false'; starting_after?: string } }>(
+    '/v1/responses/:response_id',
+    { schema: getResponseSchema, onRequest: app.authenticate },
+    async (request, reply) => {
+      const principal = request.principal!;
+      const record = await ownRecord(request.params.response_id, principal);
+      if (request.query.stream === 'true') return streamRun(request, reply, record.response.id, Number(request.query.starting_after ?? -1));
+      return isRunning(record) ? stored(lookIn(app, principal, record)) : record.response;
+    },
+  );
+
+  app.post<{ Params: { response_id: string } }>(
+    '/v1/responses/:response_id/cancel',
+    { schema: cancelResponseSchema, onRequest: app.authenticate },
+    async (request) => {
+      const principal = request.principal!;
+      const record = await ownRecord(request.params.response_id, principal);
+      if (!record.response.background) throw notBackground(record.response.id);
+      if (!isRunning(record)) return record.response;
+      const cancelled = await stored(cancelRun(principal, record));
+      return cancelled?.response ?? record.response;
+    },
+  );
 
   app.delete<{ Params: { response_id: string } }>(
     '/v1/responses/:response_id',
@@ -159,7 +376,8 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
     async (request) => {
       const id = request.params.response_id;
       const principal = request.principal!;
-      await ownRecord(id, principal);
+      const record = await ownRecord(id, principal);
+      if (isRunning(record)) stopRun(record);
       const size = await stored(g.storedResponses.delete(id));
       if (size && principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs, true);
       return { id, object: 'response', deleted: true };

@@ -10,7 +10,7 @@ import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { errors, toGatewayError } from '../plugins/errors';
 import { exchange, frameSubjectsOf, type ResponseRouter } from '../serving/exchange';
-import { parseLastEventId, type ResumePoint } from '../serving/resume';
+import { parseLastEventId, type ResumableAnswer, type ResumePoint } from '../serving/resume';
 import type { SseResponse } from './sse';
 
 /** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
@@ -31,36 +31,32 @@ export function resumePointOf(app: FastifyInstance, request: FastifyRequest, sco
   return point;
 }
 
-/** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. */
-export async function serveResume(
+/**
+ * Follows the answer at `place`, from its first frame: what `MAGUS_RESPONSES` holds of it, then
+ * live on the subjects the answering bridge publishes to — whichever replica published the
+ * request and whether it still runs — with the exchange's sequencing, gap read-backs and
+ * timeouts. Each chunk goes to `onChunk` with its seq; resolves with the `done` frame's data.
+ */
+export async function followAnswer(
   app: FastifyInstance,
-  reply: FastifyReply,
-  point: ResumePoint,
-  sse: SseResponse,
+  place: ResumableAnswer,
+  signal: AbortSignal,
   onChunk: (chunk: unknown, seq: number) => void,
-): Promise<FastifyReply> {
+): Promise<unknown> {
   const g = app.gateway;
   const s = g.settings;
   const { responses, readStored } = g;
-  if (!responses.replySubjectOf || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot resume streams.');
+  if (!responses.replySubjectOf || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot follow answers.');
   // The request as it was published, as far as its frames' subjects go.
   const req = {
-    id: point.requestId,
-    replyTo: responses.replySubjectOf(point.replica, point.requestId),
+    id: place.requestId,
+    replyTo: responses.replySubjectOf(place.replica, place.requestId),
     instanceFrames: true,
     deadline: Date.now() + s.requestTimeoutMs,
   } as InferenceRequest;
-  const entry: SessionEntry = { subject: '', pool: point.pool, instance: point.instance, expiresAt: 0 };
+  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
   const subjects = frameSubjectsOf(req, entry);
-  reply.header('x-request-id', point.requestId);
-  sse.resumable(point.idPrefix);
-  const ctl = new AbortController();
-  const onClose = () => {
-    if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));
-  };
-  reply.raw.once('close', onClose);
-  // The exchange's sequencing, gap read-backs and timeouts, on the request as it was published:
-  // "listening" follows its subjects, "publishing" hands over what is stored of it so far.
+  // "Listening" follows its subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
     replySubject: () => req.replyTo,
@@ -72,20 +68,39 @@ export async function serveResume(
     close: () => Promise.resolve(),
   };
   const readAll = async (): Promise<ResponseFrame[]> => (await Promise.all(subjects.map(readStored))).flat();
+  return exchange(entry, req, {
+    router,
+    publish: async () => {
+      for (const f of await readAll()) deliver?.(f);
+    },
+    readBack: readAll,
+    requestTimeoutMs: s.requestTimeoutMs,
+    gapTimeoutMs: s.gapTimeoutMs,
+    retryAfterSec: s.retryAfterSec,
+    signal,
+    onChunk,
+  });
+}
+
+/** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. */
+export async function serveResume(
+  app: FastifyInstance,
+  reply: FastifyReply,
+  point: ResumePoint,
+  sse: SseResponse,
+  onChunk: (chunk: unknown, seq: number) => void,
+): Promise<FastifyReply> {
+  const s = app.gateway.settings;
+  reply.header('x-request-id', point.requestId);
+  sse.resumable(point.idPrefix);
+  const ctl = new AbortController();
+  const onClose = () => {
+    if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));
+  };
+  reply.raw.once('close', onClose);
   try {
-    await exchange(entry, req, {
-      router,
-      publish: async () => {
-        for (const f of await readAll()) deliver?.(f);
-      },
-      readBack: readAll,
-      requestTimeoutMs: s.requestTimeoutMs,
-      gapTimeoutMs: s.gapTimeoutMs,
-      retryAfterSec: s.retryAfterSec,
-      signal: ctl.signal,
-      onChunk: (chunk, seq) => {
-        if (seq > point.seq) onChunk(chunk, seq);
-      },
+    await followAnswer(app, point, ctl.signal, (chunk, seq) => {
+      if (seq > point.seq) onChunk(chunk, seq);
     });
     sse.done();
   } catch (err) {

@@ -1,5 +1,5 @@
 /**
- * `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}`: the request body magus
+ * `POST /v1/responses`, `GET` and `DELETE /v1/responses/{response_id}`, `POST …/cancel`: the request body magus
  * accepts (shared/responses.ts {@link ResponsesBody}, compiled once by fastify's validator and
  * published as is in the OpenAPI description), the path parameter and the answers.
  */
@@ -15,7 +15,7 @@ const responseObject = {
     id: { type: 'string' },
     object: { type: 'string', enum: ['response'] },
     created_at: { type: 'integer' },
-    status: { type: 'string', enum: ['completed', 'incomplete', 'failed', 'in_progress'] },
+    status: { type: 'string', enum: ['queued', 'in_progress', 'completed', 'incomplete', 'failed', 'cancelled'] },
     model: { type: 'string' },
     output: { type: 'array', items: { type: 'object', additionalProperties: true } },
   },
@@ -36,7 +36,26 @@ export const createResponseSchema = {
 } as const;
 
 export const getResponseSchema = {
-  summary: 'Retrieves a stored response of this token.',
+  summary:
+    "Retrieves a stored response of this key; a background one as far as it got. `stream=true` streams a background response's events again, after `starting_after`.",
+  produces: ['application/json', 'text/event-stream'],
+  params: responseIdParams,
+  querystring: {
+    type: 'object',
+    properties: {
+      // Query values are strings (the gateway's validator coerces nothing).
+      stream: { type: 'string', enum: ['true', 'false'] },
+      starting_after: { type: 'string', pattern: '^(-1|0|[1-9][0-9]{0,14})$' },
+      // Sent by the official clients; a stored response keeps what its request included.
+      include: { anyOf: [{ type: 'string' }, { type: 'array', items: { type: 'string' } }] },
+      include_obfuscation: { type: 'boolean' },
+    },
+  },
+  response: { 200: responseObject, ...errorResponses },
+} as const;
+
+export const cancelResponseSchema = {
+  summary: 'Cancels a background response of this key that is still queued or in progress; answers the response as it now stands.',
   params: responseIdParams,
   response: { 200: responseObject, ...errorResponses },
 } as const;

@@ -213,11 +213,11 @@ const frameKeysOf = (prefix: string, requestId: string, from?: FrameSource): str
   from ? [requestId, instanceResponseSubjectOf(prefix + requestId, requestId, from.pool, from.instance).slice(prefix.length)] : [requestId];
 
 /** The instance whose subject carries `req`'s frames, when `req` asks for that (`instanceFrames`): the one `session` names. */
-const frameSourceOf = (req: InferenceRequest, session: SessionEntry): FrameSource | undefined =>
+const frameSourceOf = (req: Pick<InferenceRequest, 'instanceFrames'>, session: SessionEntry): FrameSource | undefined =>
   req.instanceFrames ? { pool: session.pool, instance: session.instance } : undefined;
 
 /** Every subject `req`'s frames may be stored on: its reply subject, and with `instanceFrames` its instance's (a bridge from before it answers on the former). */
-export function frameSubjectsOf(req: InferenceRequest, session: SessionEntry): string[] {
+export function frameSubjectsOf(req: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, session: SessionEntry): string[] {
   const from = frameSourceOf(req, session);
   return from ? [req.replyTo, instanceResponseSubjectOf(req.replyTo, req.id, from.pool, from.instance)] : [req.replyTo];
 }

@@ -10,6 +10,7 @@
  * (app tests).
  */
 import type { KV } from 'nats';
+import { isRevisionConflict } from '../../dataplane';
 import type { ChatMessage } from '../../shared/chat';
 import type { ResponseObject } from '../../shared/responses';
 
@@ -42,6 +43,23 @@ export interface StoredResponse {
   output: ChatMessage[];
   /** What `GET /v1/responses/{id}` answers. */
   response: ResponseObject;
+  /** A background response's run (routes/background.ts): where its answer's frames are while it is `queued` or `in_progress`. */
+  run?: BackgroundRun;
+}
+
+/** Where a background response's answer is: enough for any gateway replica to read and follow its frames. */
+export interface BackgroundRun {
+  /** The inference request's id. */
+  request: string;
+  /** Epoch ms by which it must have been published, or it never will be (its gateway stopped first). */
+  publishBy: number;
+  /** Whether its text parts carry log-probabilities (the request's `include`). */
+  logprobs: boolean;
+  /** Set once published: the accepting replica (its reply subject), the instance's pool and the instance, and the request's deadline (epoch ms). */
+  replica?: string;
+  pool?: string;
+  instance?: string;
+  deadline?: number;
 }
 
 /** A record's size and age, as a key's storage quota counts it. */
@@ -54,6 +72,10 @@ export interface StoredSize {
 
 export interface ResponseStore {
   get(id: string): Promise<StoredResponse | undefined>;
+  /** The record with its revision, for {@link ResponseStore.replace}. */
+  read(id: string): Promise<{ record: StoredResponse; revision: number } | undefined>;
+  /** Stores `record` if `id` is still at `revision`: its size, or undefined when another write came first. */
+  replace(id: string, record: StoredResponse, revision: number): Promise<StoredSize | undefined>;
   /** Stores `record`; its size as stored. */
   put(id: string, record: StoredResponse): Promise<StoredSize>;
   /** What was deleted; undefined when there was nothing to delete. */
@@ -64,15 +86,24 @@ export interface ResponseStore {
 export function memoryResponseStore(): ResponseStore & { records: Map<string, StoredResponse> } {
   const records = new Map<string, StoredResponse>();
   const sizes = new Map<string, StoredSize>();
+  const revisions = new Map<string, number>();
+  let revision = 0;
+  const put = (id: string, record: StoredResponse): StoredSize => {
+    records.set(id, structuredClone(record));
+    revisions.set(id, ++revision);
+    const size = { bytes: Buffer.byteLength(JSON.stringify(record)), storedAtMs: Date.now() };
+    sizes.set(id, size);
+    return size;
+  };
   return {
     records,
-    get: (id) => Promise.resolve(records.get(id)),
-    put: (id, record) => {
-      records.set(id, structuredClone(record));
-      const size = { bytes: Buffer.byteLength(JSON.stringify(record)), storedAtMs: Date.now() };
-      sizes.set(id, size);
-      return Promise.resolve(size);
+    get: (id) => Promise.resolve(structuredClone(records.get(id))),
+    read: (id) => {
+      const record = records.get(id);
+      return Promise.resolve(record && { record: structuredClone(record), revision: revisions.get(id)! });
     },
+    put: (id, record) => Promise.resolve(put(id, record)),
+    replace: (id, record, at) => Promise.resolve(revisions.get(id) === at ? put(id, record) : undefined),
     delete: (id) => {
       const size = records.delete(id) ? (sizes.get(id) ?? { bytes: 0, storedAtMs: Date.now() }) : undefined;
       sizes.delete(id);
@@ -106,10 +137,27 @@ export function kvResponseStore(kv: KV): ResponseStore {
       const entry = await kv.get(id);
       return entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
     },
+    async read(id) {
+      if (!RESPONSE_ID.test(id)) return undefined;
+      const entry = await kv.get(id);
+      const record = entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
+      return record && { record, revision: entry!.revision };
+    },
     async put(id, record) {
       const data = JSON.stringify(record);
       const storedAtMs = Date.now();
       await kv.put(id, data);
+      return { bytes: Buffer.byteLength(data), storedAtMs };
+    },
+    async replace(id, record, revision) {
+      const data = JSON.stringify(record);
+      const storedAtMs = Date.now();
+      try {
+        await kv.update(id, data, revision);
+      } catch (err) {
+        if (isRevisionConflict(err)) return undefined;
+        throw err;
+      }
       return { bytes: Buffer.byteLength(data), storedAtMs };
     },
     async delete(id) {

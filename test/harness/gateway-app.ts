@@ -59,16 +59,32 @@ export class FakeDataPlane {
     void (async () => {
       for (const f of frames) {
         await new Promise((r) => setImmediate(r));
+        this.stored.set(req.replyTo, [...(this.stored.get(req.replyTo) ?? []), f]);
         this.listeners.get(req.id)?.(f);
+        for (const follower of this.followers.get(req.replyTo) ?? []) follower(f);
       }
     })();
   };
 
+  /** Frames sent, by reply subject: what `MAGUS_RESPONSES` would hold ({@link readStored}). */
+  readonly stored = new Map<string, ResponseFrame[]>();
+  private readonly followers = new Map<string, Set<(frame: ResponseFrame) => void>>();
+
+  readonly readStored = (subject: string): Promise<ResponseFrame[]> => Promise.resolve([...(this.stored.get(subject) ?? [])]);
+
   readonly router: ResponseRouter = {
+    replica: 'test',
     replySubject: (id) => `magus.res.${id}`,
+    replySubjectOf: (_replica, id) => `magus.res.${id}`,
     listen: (id, onFrame) => {
       this.listeners.set(id, onFrame);
       return () => void this.listeners.delete(id);
+    },
+    follow: (subjects, onFrame) => {
+      for (const subject of subjects) this.followers.set(subject, (this.followers.get(subject) ?? new Set()).add(onFrame));
+      return () => {
+        for (const subject of subjects) this.followers.get(subject)?.delete(onFrame);
+      };
     },
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
@@ -134,6 +150,8 @@ export type TestToken = ReturnType<typeof makeToken>;
 
 export async function buildTestApp(
   over: Partial<Omit<GatewayAppOptions, 'models'>> & { models?: ReadyModel[] | GatewayAppOptions['models'] } = {},
+  /** `storedFrames`: frames can be read back (the fake plane's {@link FakeDataPlane.readStored}), as background responses need. */
+  harness: { storedFrames?: boolean } = {},
 ): Promise<TestApp> {
   const plane = new FakeDataPlane();
   const broker = new FakeBroker();
@@ -149,6 +167,7 @@ export async function buildTestApp(
     sessions: broker,
     publish: plane.publish,
     responses: plane.router,
+    ...(harness.storedFrames ? { readStored: plane.readStored } : {}),
     storedResponses: memoryResponseStore(),
     ...rest,
     models: list ? createModelCatalog({ list: () => Promise.resolve(list) }) : (models as GatewayAppOptions['models']),

@@ -1,0 +1,166 @@
+/**
+ * Background responses (`POST /v1/responses` with `background: true`; gateway/README.md,
+ * "Background responses"). The response is stored `queued` and answered at once; the accepting
+ * replica runs the turn without its client (inference.ts `runTurn`, the engine streaming) and
+ * stores the response as it ends. Its record's `run` (serving/response-store.ts) says where the
+ * answer's frames are once the request is published, so any replica can, whether the accepting
+ * one still runs or not:
+ * - poll it (`GET /v1/responses/{id}`): the answer so far, read back from `MAGUS_RESPONSES`; an
+ *   answer that ended there but whose record was not written (its replica died) is written then;
+ * - stream it (`GET …?stream=true&starting_after=N`): the Responses API's events, the same on
+ *   every replica and every time — the same order, the same `sequence_number`s, the same item
+ *   ids (derived from the response id) — read back, then followed live;
+ * - cancel it (`POST …/cancel`): stored `cancelled`, and the bridge told to stop.
+ * Every write of a running response's record is conditional on the revision it read, so a run's
+ * end, a poll that finishes it and a cancel never overwrite one another.
+ */
+import type { FastifyInstance } from 'fastify';
+import type { ResponseFrame, SessionEntry } from '../../shared/serving';
+import type { ResponseObject } from '../../shared/responses';
+import type { Principal } from '../plugins/auth';
+import { errors } from '../plugins/errors';
+import type { BackgroundRun, StoredResponse } from '../serving/response-store';
+import { frameSubjectsOf } from '../serving/exchange';
+import { ResponseDraft, type ResponseEvent } from './response-draft';
+
+/** Whether a stored response is still being answered. */
+export const isRunning = (record: StoredResponse): boolean => record.response.status === 'queued' || record.response.status === 'in_progress';
+
+/** A background response's draft, from its start: the same item ids on every replica (from the response id). */
+export function runDraft(record: StoredResponse): ResponseDraft {
+  const base = record.response.id.slice('resp_'.length);
+  const pending: ResponseObject = {
+    ...structuredClone(record.response),
+    status: 'queued',
+    output: [],
+    usage: null,
+    error: null,
+    incomplete_details: null,
+  };
+  return new ResponseDraft(pending, record.run?.logprobs === true, (kind, index) => `${kind}_${base}_${index}`);
+}
+
+/** The events of a run's frames, in order from seq 0 up to the first one missing or the last. */
+export function replayFrames(draft: ResponseDraft, frames: readonly ResponseFrame[]): ResponseEvent[] {
+  const bySeq = new Map<number, ResponseFrame>();
+  for (const f of frames) if (!bySeq.has(f.seq)) bySeq.set(f.seq, f);
+  const events = draft.begin();
+  for (let seq = 0; !draft.ended; seq++) {
+    const f = bySeq.get(seq);
+    if (!f) break;
+    if (f.type === 'chunk') events.push(...draft.chunk(f.data));
+    else if (f.type === 'done') events.push(...draft.finish().events);
+    else events.push(...draft.failed(f.error.code ?? f.error.type, f.error.message, f.error.status === 499));
+  }
+  return events;
+}
+
+/**
+ * The events of a finished response read from its record (its frames no longer held, or it was
+ * cancelled): each item's content as one delta, then its end.
+ */
+export function replayRecord(record: StoredResponse): ResponseEvent[] {
+  const draft = runDraft(record);
+  const r = record.response;
+  const events = draft.begin();
+  for (const [index, item] of r.output.entries()) {
+    const delta =
+      item.type === 'message'
+        ? { content: item.content.map((p) => p.text).join('') }
+        : { tool_calls: [{ index, id: item.call_id, function: { name: item.name, arguments: item.arguments } }] };
+    const logprobs = item.type === 'message' ? { content: item.content.flatMap((p) => p.logprobs ?? []) } : null;
+    events.push(...draft.chunk({ choices: [{ delta, logprobs }] }));
+  }
+  if (r.status === 'completed' || r.status === 'incomplete') {
+    const usage = r.usage && {
+      prompt_tokens: r.usage.input_tokens,
+      completion_tokens: r.usage.output_tokens,
+      total_tokens: r.usage.total_tokens,
+      prompt_tokens_details: { cached_tokens: r.usage.input_tokens_details.cached_tokens },
+    };
+    events.push(...draft.chunk({ choices: [{ delta: {}, finish_reason: r.status === 'incomplete' ? 'length' : 'stop' }], usage }));
+    events.push(...draft.finish().events);
+  } else {
+    events.push(...draft.failed(r.error?.code ?? r.status, r.error?.message ?? `The response was ${r.status}.`, r.status === 'cancelled'));
+  }
+  return events;
+}
+
+/** Where a published run's frames are, as {@link followAnswer} and the store's read-back take it. */
+export function placeOf(run: BackgroundRun): { replica: string; pool: string; instance: string; requestId: string } | undefined {
+  return run.replica !== undefined && run.pool !== undefined && run.instance !== undefined
+    ? { replica: run.replica, pool: run.pool, instance: run.instance, requestId: run.request }
+    : undefined;
+}
+
+/** The frames `MAGUS_RESPONSES` holds of a published run. */
+export async function storedFramesOf(app: FastifyInstance, run: BackgroundRun): Promise<ResponseFrame[] | undefined> {
+  const { responses, readStored } = app.gateway;
+  const place = placeOf(run);
+  if (!place || !readStored || !responses.replySubjectOf) return undefined;
+  const req = { id: place.requestId, replyTo: responses.replySubjectOf(place.replica, place.requestId), instanceFrames: true };
+  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
+  return (await Promise.all(frameSubjectsOf(req, entry).map(readStored))).flat();
+}
+
+/** What {@link settleRun} makes of a running record; undefined leaves it as it is. */
+export type RunUpdate = (record: StoredResponse) => StoredResponse | undefined;
+
+/**
+ * Writes `update` of response `id`'s record while it is running, conditional on the revision
+ * read (read again after a conflict); the response as stored after, or undefined when it is gone.
+ * The write that ends a run counts the record against the key's storage quota.
+ */
+export async function settleRun(app: FastifyInstance, principal: Principal, id: string, update: RunUpdate): Promise<StoredResponse | undefined> {
+  const g = app.gateway;
+  for (;;) {
+    const current = await g.storedResponses.read(id);
+    if (!current) return undefined;
+    if (!isRunning(current.record)) return current.record;
+    const next = update(current.record);
+    if (!next) return current.record;
+    const size = await g.storedResponses.replace(id, next, current.revision);
+    if (!size) continue; // another write came first: look again
+    if (!isRunning(next) && principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs);
+    return next;
+  }
+}
+
+/** A running record ended by `draft` (finished or failed): the response and the answer a later turn sends back. */
+export function endedBy(record: StoredResponse, draft: ResponseDraft, response: ResponseObject): StoredResponse {
+  const { run: _run, ...rest } = record;
+  return { ...rest, output: draft.assistantMessages(), response };
+}
+
+/** A running record ended without its answer: `status` with `error`, its output as far as `draft` got. */
+export function endedWithout(record: StoredResponse, draft: ResponseDraft, status: 'failed' | 'cancelled', code: string, message: string): StoredResponse {
+  const response = { ...draft.snapshot(), status, error: { code, message } };
+  return endedBy(record, draft, response);
+}
+
+/**
+ * The latest state of a running record without a replica to end it: its answer read back (ended
+ * there: the record is written so), or — never published by its deadline, or its frames gone
+ * before an end — failed. Returns the response to show.
+ */
+export async function lookIn(app: FastifyInstance, principal: Principal, record: StoredResponse): Promise<ResponseObject> {
+  const run = record.run;
+  if (!run) return record.response;
+  const id = record.response.id;
+  const frames = await storedFramesOf(app, run);
+  const draft = runDraft(record);
+  if (frames) replayFrames(draft, frames);
+  const now = Date.now();
+  let end: RunUpdate | undefined;
+  if (draft.ended) end = (r) => endedBy(r, draft, draft.snapshot());
+  else if (!placeOf(run) && now > run.publishBy)
+    end = (r) => endedWithout(r, draft, 'failed', 'server_error', 'The gateway that accepted this response stopped before its request was queued.');
+  else if (placeOf(run) && run.deadline !== undefined && now > run.deadline + app.gateway.settings.requestTimeoutMs)
+    end = (r) => endedWithout(r, draft, 'failed', 'timeout', 'The answer did not end by its deadline, and what it had is no longer held.');
+  if (end) return (await settleRun(app, principal, id, end))?.response ?? record.response;
+  return frames && frames.length > 0 ? draft.snapshot() : record.response;
+}
+
+/** The 400 for a cancel of a response that was not created in the background. */
+export const notBackground = (id: string) =>
+  errors.invalid(`Response '${id}' was not created with \`background: true\`: only background responses can be cancelled.`, 'response_id', 'invalid_value');
