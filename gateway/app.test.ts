@@ -1087,7 +1087,7 @@ describe('/openapi.json', () => {
         expect.objectContaining({ name: 'response_id', in: 'path', required: true }),
         // GET streams a background response again from an event on.
         ...(method === 'get'
-          ? ['stream', 'starting_after', 'include', 'include_obfuscation'].map((name) => expect.objectContaining({ name, in: 'query' }))
+          ? ['stream', 'starting_after', 'include', 'include_obfuscation'].map((name): unknown => expect.objectContaining({ name, in: 'query' }))
           : []),
       ]);
       expect(op.security).toEqual([{ bearer: [] }]);

@@ -7,6 +7,8 @@
  * model that does not exist: 404) leave no record. A gateway process started after the kill
  * serves the next turn normally, and the ledger gets exactly one more record, with the tokens its
  * client was told. Past the consumer's ack wait nothing is redelivered or recorded again.
+ * Then what a client gets back after its gateway dies: a chat stream resumed with `Last-Event-ID`,
+ * and a background response polled and streamed on from its last event on another replica.
  *
  * Deterministic: the gateways run as `magus gateway` processes (the TS sources under the swc
  * loader, `setpriv --pdeathsig KILL`) with Temporal unreachable — their turns are warm: each
@@ -31,7 +33,7 @@ import type { UsageRecord } from '../shared/usage';
 import { freePort } from '../workers/dev/services';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
 import { endpoint, isolation, natsConnectAsBridge, natsCredentialsEnv, natsRoleCredentials } from './harness';
-import { pinConversation } from './harness/gateway';
+import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { natsStack, stubEngineStack, TestStack } from './harness/stack';
 import { sleep, until } from './harness/wait';
@@ -445,6 +447,83 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
   const again: RawEvent[] = [];
   for await (const e of rawStream(second, session, content, lastId)) again.push(e);
   expect(again.map((e) => e.data)).toEqual(rest.map((e) => e.data));
+
+  second.child.kill('SIGTERM');
+  expect(await second.exited).toEqual({ code: 0, signal: null });
+  processes.delete(second);
+}, 60_000);
+
+/** The Responses API's events of a stream (`event:` and `data:` lines), as they come. */
+async function* responseEvents(res: Response): AsyncGenerator<OpenAI.Responses.ResponseStreamEvent> {
+  let buffer = '';
+  for await (const bytes of res.body!) {
+    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
+    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
+      const data = buffer
+        .slice(0, end)
+        .split('\n')
+        .find((l) => l.startsWith('data: '));
+      buffer = buffer.slice(end + 2);
+      if (data !== undefined) yield JSON.parse(data.slice(6)) as OpenAI.Responses.ResponseStreamEvent;
+    }
+  }
+}
+
+const deltaOf = (e: OpenAI.Responses.ResponseStreamEvent): string | undefined => (e.type === 'response.output_text.delta' ? e.delta : undefined);
+
+test('a background response whose gateway was SIGKILLed mid-answer: polled and streamed on from event N on another replica with the official client, finished and stored there', async () => {
+  const first = await startGatewayProcess();
+  const second = await startGatewayProcess();
+  // A response's conversation is new (its id is its session): placed by the gateway on the instance the pool view offers.
+  // (Room beyond the conversations this file's other tests pinned there.)
+  await publishPoolView(nc, names, MODEL, [INSTANCE], 64);
+  const content = `background: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+  const whole = splitText(content, CHUNKS);
+  let release!: () => void;
+  hold = { released: new Promise<void>((resolve) => (release = resolve)), reached: 0 };
+  const res = await fetch(`${first.url}/v1/responses`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ model: MODEL, input: content, background: true, stream: true }),
+  });
+  expect(res.status).toBe(200);
+  const events = responseEvents(res);
+  const had: OpenAI.Responses.ResponseStreamEvent[] = [];
+  while (had.filter(deltaOf).length < HELD_AFTER) {
+    const next = await events.next();
+    if (next.done) throw new Error(`the stream ended after ${JSON.stringify(had).slice(0, 2000)}`);
+    had.push(next.value);
+  }
+  hold = undefined;
+  expect(had[0]).toMatchObject({ type: 'response.created', sequence_number: 0, response: { status: 'queued', background: true } });
+  const id = (had[0] as OpenAI.Responses.ResponseCreatedEvent).response.id;
+  const last = had.at(-1)!.sequence_number;
+
+  first.child.kill('SIGKILL');
+  expect(await first.exited).toEqual({ code: null, signal: 'SIGKILL' });
+  processes.delete(first);
+
+  const client = new OpenAI({ baseURL: `${second.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+  // Polled on the other replica: in progress, with the text the frames hold so far.
+  const polled = await client.responses.retrieve(id);
+  expect(polled.status).toBe('in_progress');
+  expect(polled.output_text).toBe(whole.slice(0, HELD_AFTER).join(''));
+  // Streamed on from the last event the client had.
+  const stream = await client.responses.retrieve(id, { stream: true, starting_after: last });
+  const rest: OpenAI.Responses.ResponseStreamEvent[] = [];
+  const reading = (async () => {
+    for await (const e of stream) rest.push(e);
+  })();
+  release();
+  await reading;
+  expect([...had, ...rest].map((e) => e.sequence_number)).toEqual([...had, ...rest].map((_, i) => i));
+  expect([...had, ...rest].map(deltaOf).filter(Boolean)).toEqual(whole);
+  const completed = rest.at(-1) as OpenAI.Responses.ResponseCompletedEvent;
+  expect(completed).toMatchObject({ type: 'response.completed', response: { id, status: 'completed', usage: { output_tokens: CHUNKS } } });
+  // Finished and stored by the replica that followed it: a poll reads it whole; generated once.
+  const stored = await client.responses.retrieve(id);
+  expect({ status: stored.status, text: stored.output_text }).toEqual({ status: 'completed', text: whole.join('') });
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(content))).toHaveLength(1);
 
   second.child.kill('SIGTERM');
   expect(await second.exited).toEqual({ code: 0, signal: null });

@@ -268,31 +268,25 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // Every turn of a chain is one conversation: its first response's id is the session id.
       const key = conversationKey(s.secret, { scope: principal.conversationScope, model: modelLabel, messages: [], sessionId: root });
       const draft = new ResponseDraft(pendingResponse(responseId, body, Math.floor(Date.now() / 1000)), wantsLogprobs(body));
+      /** The record of this turn: its request's part, and `output` and `response`. */
+      const recordOf = (output: StoredResponse['output'], response: StoredResponse['response']): StoredResponse => ({
+        owner: principal.owner,
+        model: modelLabel,
+        root,
+        previous: body.previous_response_id ?? null,
+        depth: chain?.depth ?? 0,
+        input: turn.input,
+        output,
+        response,
+      });
       const keep = async (response: StoredResponse['response']): Promise<void> => {
         if (!response.store) return;
-        const record: StoredResponse = {
-          owner: principal.owner,
-          model: modelLabel,
-          root,
-          previous: body.previous_response_id ?? null,
-          depth: chain?.depth ?? 0,
-          input: turn.input,
-          output: draft.assistantMessages(),
-          response,
-        };
-        const size = await stored(g.storedResponses.put(responseId, record));
+        const size = await stored(g.storedResponses.put(responseId, recordOf(draft.assistantMessages(), response)));
         if (principal.limits) await g.limiter?.stored(principal.key, principal.limits, size.bytes, size.storedAtMs);
       };
       if (body.background === true) {
         const record: StoredResponse = {
-          owner: principal.owner,
-          model: modelLabel,
-          root,
-          previous: body.previous_response_id ?? null,
-          depth: chain?.depth ?? 0,
-          input: turn.input,
-          output: [],
-          response: pendingResponse(responseId, body, Math.floor(Date.now() / 1000)),
+          ...recordOf([], pendingResponse(responseId, body, Math.floor(Date.now() / 1000))),
           run: { request: id, publishBy: Date.now() + s.coldStartTimeoutMs + PUBLISH_MARGIN_MS, logprobs: wantsLogprobs(body) },
         };
         await stored(g.storedResponses.put(responseId, record));

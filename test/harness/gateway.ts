@@ -77,12 +77,13 @@ export async function pinnedConversation(
 /**
  * Publishes a fresh pool view (`magus_pools`) with `instances` serving `pool` (namespace
  * `default`), as the pool workflow writes it: what gateways route requests of no conversation
- * (embeddings) by. Fresh for the gateway's staleness bound (minutes): enough for a test.
+ * (embeddings) by, and where a gateway places a new conversation while its instances have room
+ * (`leasesPerInstance` conversations each). Fresh for the gateway's staleness bound (minutes): enough for a test.
  */
-export async function publishPoolView(nc: NatsConnection, names: DataPlaneNames, pool: string, instances: string[]): Promise<void> {
+export async function publishPoolView(nc: NatsConnection, names: DataPlaneNames, pool: string, instances: string[], leasesPerInstance = 4): Promise<void> {
   const view: PoolEntry = {
     instances: instances.map((instance) => ({ instance, subject: requestSubjectOf(names, pool, instance), leases: 0 })),
-    leasesPerInstance: 4,
+    leasesPerInstance,
     updatedAt: Date.now(),
   };
   await (await nc.jetstream().views.kv(names.poolsBucket)).put(`default.${pool}`, new TextEncoder().encode(JSON.stringify(view)));
