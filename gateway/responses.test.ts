@@ -656,7 +656,7 @@ describe('background responses (background: true)', () => {
     expect(done.usage).toMatchObject({ input_tokens: 9, output_tokens: 2 });
     expect(t.plane.chat(0).body).toMatchObject({ stream: true, stream_options: { include_usage: true } });
     expect(store.records.get(queued.id)).toMatchObject({ output: [{ role: 'assistant', content: 'Hello' }] });
-    expect(store.records.get(queued.id)!.run).toBeUndefined();
+    expect(store.records.get(queued.id)!.run).toMatchObject({ instance: t.broker.entry.instance }); // where its frames are, for a stream of it
     // A next turn continues it as any stored response.
     answers('Again');
     const next = await create({ input: 'More', previous_response_id: queued.id });
@@ -677,6 +677,13 @@ describe('background responses (background: true)', () => {
     expect(again.headers['content-type']).toMatch(/^text\/event-stream/);
     expect(events(again.body).map((e) => e.data)).toEqual(all.slice(4).map((e) => e.data));
     expect(events((await get(id, '?stream=true')).body).map((e) => e.data)).toEqual(all.map((e) => e.data));
+    // Once its frames are gone: from its record, one delta per item, the same end.
+    t.plane.stored.clear();
+    const fromRecord = events((await get(id, '?stream=true')).body).map((e) => e.data);
+    expect(fromRecord.filter((e) => e.type === 'response.output_text.delta').map((e) => e.delta)).toEqual(['One two three']);
+    expect(fromRecord.at(-1)).toEqual(
+      all.at(-1)!.data.type === 'response.completed' ? { ...all.at(-1)!.data, sequence_number: fromRecord.length - 1 } : undefined,
+    );
   });
 
   it('cancelled while it runs: stored cancelled, its run stopped and its bridge told; a cancel again changes nothing', async () => {

@@ -126,10 +126,12 @@ export async function settleRun(app: FastifyInstance, principal: Principal, id: 
   }
 }
 
-/** A running record ended by `draft` (finished or failed): the response and the answer a later turn sends back. */
+/**
+ * A running record ended by `draft` (finished or failed): the response and the answer a later turn
+ * sends back. It keeps its run: a stream of it reads the same events from the frames while they are kept.
+ */
 export function endedBy(record: StoredResponse, draft: ResponseDraft, response: ResponseObject): StoredResponse {
-  const { run: _run, ...rest } = record;
-  return { ...rest, output: draft.assistantMessages(), response };
+  return { ...record, output: draft.assistantMessages(), response };
 }
 
 /** A running record ended without its answer: `status` with `error`, its output as far as `draft` got. */
