@@ -159,10 +159,15 @@ describe('chat’s refusals, naming the Responses field', () => {
 });
 
 describe('pendingResponse', () => {
+  it('a background one is created queued, and says so', () => {
+    expect(pendingResponse('resp_1', body({ background: true }), 7)).toMatchObject({ status: 'queued', background: true });
+  });
+
   it('echoes the request, with OpenAI’s defaults where it says nothing', () => {
     expect(pendingResponse('resp_1', body({}), 7)).toEqual({
       id: 'resp_1',
       object: 'response',
+      background: false,
       created_at: 7,
       status: 'in_progress',
       incomplete_details: null,

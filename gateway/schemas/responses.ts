@@ -48,7 +48,7 @@ export const getResponseSchema = {
       starting_after: { type: 'string', pattern: '^(-1|0|[1-9][0-9]{0,14})$' },
       // Sent by the official clients; a stored response keeps what its request included.
       include: { anyOf: [{ type: 'string' }, { type: 'array', items: { type: 'string' } }] },
-      include_obfuscation: { type: 'boolean' },
+      include_obfuscation: { type: 'string', enum: ['true', 'false'] },
     },
   },
   response: { 200: responseObject, ...errorResponses },
