@@ -385,6 +385,9 @@ export interface ResponseObject {
   user?: string;
 }
 
+/** Whether a response with `status` is still being answered (`queued` or `in_progress`). */
+export const isAnswering = (status: ResponseObject['status']): boolean => status === 'queued' || status === 'in_progress';
+
 /** The response `id` will become, before any of its answer: what the request asked, echoed. */
 export function pendingResponse(id: string, body: ResponsesBody, createdAt: number): ResponseObject {
   return {

@@ -371,6 +371,11 @@ async function* rawStream(gateway: GatewayProcess, session: string, content: str
     body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true, stream_options: { include_usage: true } }),
   });
   expect(res.status).toBe(200);
+  yield* sseMessages(res);
+}
+
+/** The events of an SSE response with data (their `id:` when they have one), as they come; comments skipped. */
+async function* sseMessages(res: Response): AsyncGenerator<RawEvent> {
   let buffer = '';
   for await (const bytes of res.body!) {
     buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
@@ -455,18 +460,7 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
 
 /** The Responses API's events of a stream (`event:` and `data:` lines), as they come. */
 async function* responseEvents(res: Response): AsyncGenerator<OpenAI.Responses.ResponseStreamEvent> {
-  let buffer = '';
-  for await (const bytes of res.body!) {
-    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
-    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
-      const data = buffer
-        .slice(0, end)
-        .split('\n')
-        .find((l) => l.startsWith('data: '));
-      buffer = buffer.slice(end + 2);
-      if (data !== undefined) yield JSON.parse(data.slice(6)) as OpenAI.Responses.ResponseStreamEvent;
-    }
-  }
+  for await (const e of sseMessages(res)) yield JSON.parse(e.data) as OpenAI.Responses.ResponseStreamEvent;
 }
 
 const deltaOf = (e: OpenAI.Responses.ResponseStreamEvent): string | undefined => (e.type === 'response.output_text.delta' ? e.delta : undefined);

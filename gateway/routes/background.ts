@@ -15,16 +15,17 @@
  * end, a poll that finishes it and a cancel never overwrite one another.
  */
 import type { FastifyInstance } from 'fastify';
-import type { ResponseFrame, SessionEntry } from '../../shared/serving';
-import type { ResponseObject } from '../../shared/responses';
+import type { ResponseFrame } from '../../shared/serving';
+import { isAnswering, type ResponseObject } from '../../shared/responses';
 import type { Principal } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import type { BackgroundRun, StoredResponse } from '../serving/response-store';
-import { frameSubjectsOf } from '../serving/exchange';
+import type { ResumableAnswer } from '../serving/resume';
+import { publishedAs } from './resume';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
 
 /** Whether a stored response is still being answered. */
-export const isRunning = (record: StoredResponse): boolean => record.response.status === 'queued' || record.response.status === 'in_progress';
+export const isRunning = (record: StoredResponse): boolean => isAnswering(record.response.status);
 
 /** A background response's draft, from its start: the same item ids on every replica (from the response id). */
 export function runDraft(record: StoredResponse): ResponseDraft {
@@ -86,21 +87,24 @@ export function replayRecord(record: StoredResponse): ResponseEvent[] {
   return events;
 }
 
-/** Where a published run's frames are, as {@link followAnswer} and the store's read-back take it. */
-export function placeOf(run: BackgroundRun): { replica: string; pool: string; instance: string; requestId: string } | undefined {
+/** Where a published run's frames are, as {@link followAnswer} takes it. */
+export function placeOf(run: BackgroundRun): ResumableAnswer | undefined {
   return run.replica !== undefined && run.pool !== undefined && run.instance !== undefined
     ? { replica: run.replica, pool: run.pool, instance: run.instance, requestId: run.request }
     : undefined;
 }
 
-/** The frames `MAGUS_RESPONSES` holds of a published run. */
-export async function storedFramesOf(app: FastifyInstance, run: BackgroundRun): Promise<ResponseFrame[] | undefined> {
-  const { responses, readStored } = app.gateway;
-  const place = placeOf(run);
-  if (!place || !readStored || !responses.replySubjectOf) return undefined;
-  const req = { id: place.requestId, replyTo: responses.replySubjectOf(place.replica, place.requestId), instanceFrames: true };
-  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
-  return (await Promise.all(frameSubjectsOf(req, entry).map(readStored))).flat();
+/**
+ * `record`'s answer as `MAGUS_RESPONSES` holds it: a draft fed its stored frames (from seq 0 up to
+ * the first missing), their events, and whether any were stored.
+ */
+export async function readBack(app: FastifyInstance, record: StoredResponse): Promise<{ draft: ResponseDraft; events: ResponseEvent[]; stored: boolean }> {
+  const draft = runDraft(record);
+  const place = record.run && placeOf(record.run);
+  const published = place && publishedAs(app, place);
+  const { readStored } = app.gateway;
+  const frames = published && readStored ? (await Promise.all(published.subjects.map(readStored))).flat() : [];
+  return { draft, events: replayFrames(draft, frames), stored: frames.length > 0 };
 }
 
 /** What {@link settleRun} makes of a running record; undefined leaves it as it is. */
@@ -143,15 +147,12 @@ export function endedWithout(record: StoredResponse, draft: ResponseDraft, statu
 /**
  * The latest state of a running record without a replica to end it: its answer read back (ended
  * there: the record is written so), or — never published by its deadline, or its frames gone
- * before an end — failed. Returns the response to show.
+ * before an end — failed. Returns the record as it stands (a running one with its output so far).
  */
-export async function lookIn(app: FastifyInstance, principal: Principal, record: StoredResponse): Promise<ResponseObject> {
+export async function lookIn(app: FastifyInstance, principal: Principal, record: StoredResponse): Promise<StoredResponse> {
   const run = record.run;
-  if (!run) return record.response;
-  const id = record.response.id;
-  const frames = await storedFramesOf(app, run);
-  const draft = runDraft(record);
-  if (frames) replayFrames(draft, frames);
+  if (!run) return record;
+  const { draft, stored } = await readBack(app, record);
   const now = Date.now();
   let end: RunUpdate | undefined;
   if (draft.ended) end = (r) => endedBy(r, draft, draft.snapshot());
@@ -159,8 +160,8 @@ export async function lookIn(app: FastifyInstance, principal: Principal, record:
     end = (r) => endedWithout(r, draft, 'failed', 'server_error', 'The gateway that accepted this response stopped before its request was queued.');
   else if (placeOf(run) && run.deadline !== undefined && now > run.deadline + app.gateway.settings.requestTimeoutMs)
     end = (r) => endedWithout(r, draft, 'failed', 'timeout', 'The answer did not end by its deadline, and what it had is no longer held.');
-  if (end) return (await settleRun(app, principal, id, end))?.response ?? record.response;
-  return frames && frames.length > 0 ? draft.snapshot() : record.response;
+  if (end) return (await settleRun(app, principal, record.response.id, end)) ?? record;
+  return stored ? { ...record, response: draft.snapshot() } : record;
 }
 
 /** The 400 for a cancel of a response that was not created in the background. */

@@ -10,7 +10,7 @@
 import { nuid } from 'nats';
 import type { ChatMessage } from '../../shared/chat';
 import type { CompletionUsage } from '../../shared/serving';
-import type { OutputItem, OutputText, ResponseObject, ResponseUsage } from '../../shared/responses';
+import { isAnswering, type OutputItem, type OutputText, type ResponseObject, type ResponseUsage } from '../../shared/responses';
 
 /** One event of the Responses API's stream, without its sequence number. */
 export interface ResponseEvent {
@@ -84,7 +84,7 @@ export class ResponseDraft {
 
   /** Whether it has ended ({@link finish} or {@link failed}). */
   get ended(): boolean {
-    return !['queued', 'in_progress'].includes(this.response.status);
+    return !isAnswering(this.response.status);
   }
 
   /** The response as it stands: in progress, its output so far. */

@@ -25,19 +25,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
 import { toGatewayError } from '../plugins/errors';
 import { followAnswer } from './resume';
-import {
-  endedBy,
-  endedWithout,
-  isRunning,
-  lookIn,
-  notBackground,
-  placeOf,
-  replayFrames,
-  replayRecord,
-  runDraft,
-  settleRun,
-  storedFramesOf,
-} from './background';
+import { endedBy, endedWithout, isRunning, lookIn, notBackground, placeOf, readBack, replayRecord, runDraft, settleRun } from './background';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 
 /** How often a stream of a background response not yet queued reads its record again. */
@@ -128,9 +116,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
 
   /** Stores `record` cancelled, with what its answer had (or as it ended, if it ended first), and stops its run. */
   const cancelRun = async (principal: Principal, record: StoredResponse): Promise<StoredResponse | undefined> => {
-    const draft = runDraft(record);
-    const frames = record.run && (await storedFramesOf(app, record.run));
-    if (frames) replayFrames(draft, frames);
+    const { draft } = await readBack(app, record);
     const done = await settleRun(app, principal, record.response.id, (rec) =>
       draft.ended ? endedBy(rec, draft, draft.snapshot()) : endedWithout(rec, draft, 'cancelled', 'cancelled', 'The response was cancelled.'),
     );
@@ -170,24 +156,22 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       // Until its request is published (a cold start may take a while), the record says where to look.
       sse.waiting('queued: waiting for an instance to take the request');
       while (isRunning(record) && !(record.run && placeOf(record.run)) && !ctl.signal.aborted) {
-        if (record.run && Date.now() > record.run.publishBy) break;
+        if (record.run && Date.now() > record.run.publishBy) {
+          record = await stored(lookIn(app, principal, record)); // never queued by its deadline: stored failed, so
+          break;
+        }
         await sleep(RECORD_POLL_MS);
         record = (await stored(g.storedResponses.get(id))) ?? record;
       }
-      const draft = runDraft(record);
       const place = record.run && placeOf(record.run);
       if (!isRunning(record) || !place) {
-        // Ended (or never queued): as its frames have it when they hold its whole answer, else as its record does.
-        const frames = record.run && (await stored(storedFramesOf(app, record.run)));
-        const replayed = frames ? replayFrames(draft, frames) : [];
-        emit(
-          draft.ended && draft.snapshot().status === record.response.status
-            ? replayed
-            : replayRecord(isRunning(record) ? { ...record, response: await lookIn(app, principal, record) } : record),
-        );
+        // Ended: as its frames have it when they hold its whole answer, else as its record does.
+        const { draft, events } = await stored(readBack(app, record));
+        emit(draft.ended && draft.snapshot().status === record.response.status ? events : replayRecord(record));
         sse.end();
         return reply;
       }
+      const draft = runDraft(record);
       sse.waiting(`queued at instance ${place.instance}: waiting for its engine to begin the answer`);
       emit(draft.begin());
       try {
@@ -347,7 +331,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const principal = request.principal!;
       const record = await ownRecord(request.params.response_id, principal);
       if (request.query.stream === 'true') return streamRun(request, reply, record.response.id, Number(request.query.starting_after ?? -1));
-      return isRunning(record) ? stored(lookIn(app, principal, record)) : record.response;
+      return isRunning(record) ? (await stored(lookIn(app, principal, record))).response : record.response;
     },
   );
 

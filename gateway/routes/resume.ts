@@ -32,6 +32,22 @@ export function resumePointOf(app: FastifyInstance, request: FastifyRequest, sco
 }
 
 /**
+ * The request of the answer at `place` as it was published, as far as its frames go (its id, reply
+ * subject, instance), and every subject they may be on; undefined when this gateway cannot name
+ * another replica's reply subjects.
+ */
+export function publishedAs(
+  app: FastifyInstance,
+  place: ResumableAnswer,
+): { req: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>; entry: SessionEntry; subjects: string[] } | undefined {
+  const { responses } = app.gateway;
+  if (!responses.replySubjectOf) return undefined;
+  const req = { id: place.requestId, replyTo: responses.replySubjectOf(place.replica, place.requestId), instanceFrames: true };
+  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
+  return { req, entry, subjects: frameSubjectsOf(req, entry) };
+}
+
+/**
  * Follows the answer at `place`, from its first frame: what `MAGUS_RESPONSES` holds of it, then
  * live on the subjects the answering bridge publishes to — whichever replica published the
  * request and whether it still runs — with the exchange's sequencing, gap read-backs and
@@ -46,16 +62,10 @@ export async function followAnswer(
   const g = app.gateway;
   const s = g.settings;
   const { responses, readStored } = g;
-  if (!responses.replySubjectOf || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot follow answers.');
-  // The request as it was published, as far as its frames' subjects go.
-  const req = {
-    id: place.requestId,
-    replyTo: responses.replySubjectOf(place.replica, place.requestId),
-    instanceFrames: true,
-    deadline: Date.now() + s.requestTimeoutMs,
-  } as InferenceRequest;
-  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
-  const subjects = frameSubjectsOf(req, entry);
+  const published = publishedAs(app, place);
+  if (!published || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot follow answers.');
+  const req = { ...published.req, deadline: Date.now() + s.requestTimeoutMs } as InferenceRequest;
+  const { entry, subjects } = published;
   // "Listening" follows its subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
