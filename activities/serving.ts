@@ -57,6 +57,8 @@ export interface WatchLoadInput {
   refreshMs?: number;
   /** Requests queued on an instance at which it counts as pressed (the pool's scale-up by backlog). */
   pressurePending: number;
+  /** Instances being replaced: the pool stops each once nothing is in flight on it, so that is reported whatever its leases. */
+  draining?: string[];
 }
 
 /**
@@ -71,12 +73,14 @@ export function loadSignature(
   leasesPerInstance: number,
   pressurePending: number,
   maxInstances = Infinity,
+  draining: readonly string[] = [],
 ): string {
   let leases = 0;
   const per = instances.map((id) => {
     const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
     leases += i.leases;
-    return `${id}:${i.leases === 0 && i.pending === 0 && i.ackPending === 0 ? 'idle' : 'busy'}${i.pending >= pressurePending ? ':pressed' : ''}`;
+    const flight = draining.includes(id) && i.pending + i.ackPending > 0 ? ':flight' : '';
+    return `${id}:${i.leases === 0 && i.pending === 0 && i.ackPending === 0 ? 'idle' : 'busy'}${i.pending >= pressurePending ? ':pressed' : ''}${flight}`;
   });
   return `${per.join(',')}|${Math.min(maxInstances, Math.ceil(leases / leasesPerInstance))}`;
 }
@@ -257,7 +261,8 @@ export function createServingActivities(deps: ServingDeps) {
       const minInterval = input.minIntervalMs ?? 2000;
       const poll = input.pollMs ?? 1000;
       const sessions = sessionIndex();
-      const known = input.known ? loadSignature(input.known, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) : null;
+      const signature = (s: LoadSummary) => loadSignature(s, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances, input.draining);
+      const known = input.known ? signature(input.known) : null;
       // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
       const news = input.instances.some((id) => !input.known?.instances[id]);
       try {
@@ -276,7 +281,7 @@ export function createServingActivities(deps: ServingDeps) {
               input.instances.forEach((id, k) => Object.assign(summary.instances[id]!, backlogs[k] ?? {}));
             }
             // A new instance is reported as it is, even idle (the pool holds it busy until it hears).
-            if (news || loadSignature(summary, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances) !== known) return summary;
+            if (news || signature(summary) !== known) return summary;
             if (
               Date.now() - started >= (input.refreshMs ?? 60_000) &&
               input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases)

@@ -29,6 +29,7 @@ import type { WorkflowSignals } from './signals';
 
 /** A `Dllama` as its pool takes it: `replicas` instances kept, up to `maxReplicas` on demand. */
 export function poolResourceOf(d: DllamaResource): PoolResource {
+  const drainTimeoutMs = d.spec.drainTimeout === undefined ? null : parseDuration(d.spec.drainTimeout);
   return {
     name: d.metadata.name,
     uid: d.metadata.uid,
@@ -38,6 +39,7 @@ export function poolResourceOf(d: DllamaResource): PoolResource {
     leasesPerInstance: d.spec.leasesPerInstance,
     idleTimeoutMs: parseDuration(d.spec.idleTimeout) ?? 600_000,
     nodesPerInstance: isDistributed(d.spec.engine) ? 2 ** d.spec.nodesPower : 1,
+    ...(drainTimeoutMs !== null ? { drainTimeoutMs } : {}),
   };
 }
 
@@ -116,6 +118,7 @@ export class DllamaReconciler {
       maxInstances: resource.maxInstances,
       leasesPerInstance: resource.leasesPerInstance,
       idleTimeoutMs: resource.idleTimeoutMs,
+      ...(resource.drainTimeoutMs !== undefined ? { drainTimeoutMs: resource.drainTimeoutMs } : {}),
       resource,
     };
     await workflows.signalWithStart({

@@ -127,10 +127,10 @@ test('a Dllama status counts ready instances and reports a failing pool as Degra
     },
   });
   expect(serving).toMatchObject({ phase: 'Scaling', replicas: 2, readyReplicas: 1, nodesPerInstance: 2, selector: 'magus.dev/pool=p' });
-  expect(summary(serving.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected']);
+  expect(summary(serving.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected', 'Progressing=False/AsExpected']);
   const failing = dllamaStatus({ ...base, pool: { instances: [], waiting: 1, lastError: 'ModelNotReady: no GGUF' } });
   expect(failing).toMatchObject({ phase: 'Degraded', replicas: 0, readyReplicas: 0, lastError: 'ModelNotReady: no GGUF' });
-  expect(summary(failing.conditions!)).toEqual(['Ready=False/NoInstances', 'Degraded=True/InstanceFailed']);
+  expect(summary(failing.conditions!)).toEqual(['Ready=False/NoInstances', 'Degraded=True/InstanceFailed', 'Progressing=False/AsExpected']);
 });
 
 test('a Dllama status shows an instance restarting in place as Degraded, then counts its restarts', () => {
@@ -146,7 +146,7 @@ test('a Dllama status shows an instance restarting in place as Degraded, then co
     readyReplicas: 0,
     instances: [{ id: 'm-1', phase: 'restarting', restarts: 1, lastRestart: how }],
   });
-  expect(summary(restarting.conditions!)).toEqual(['Ready=False/InstancesStarting', 'Degraded=True/InstanceRestarting']);
+  expect(summary(restarting.conditions!)).toEqual(['Ready=False/InstancesStarting', 'Degraded=True/InstanceRestarting', 'Progressing=False/AsExpected']);
   expect(restarting.conditions!.find((c) => c.type === 'Degraded')!.message).toBe(`instance m-1 is restarting in place: ${how}`);
   const back = dllamaStatus({
     ...base,
@@ -154,7 +154,32 @@ test('a Dllama status shows an instance restarting in place as Degraded, then co
     pool: { instances: [{ id: 'm-1', phase: 'ready', subject: 's', leases: 1, restarts: 1, lastRestart: how }], waiting: 0, lastError: null },
   });
   expect(back).toMatchObject({ phase: 'Serving', readyReplicas: 1, instances: [{ id: 'm-1', phase: 'ready', restarts: 1, lastRestart: how }] });
-  expect(summary(back.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected']);
+  expect(summary(back.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected', 'Progressing=False/AsExpected']);
+});
+
+test('a Dllama status shows a rollout: the old instance draining with its answers in flight, not counted as a replica', () => {
+  const status = dllamaStatus({
+    observedGeneration: 1,
+    nodesPerInstance: 1,
+    selector: 'magus.dev/pool=p',
+    workflowId: 'pool/ns/m',
+    previous: [],
+    now: 't',
+    pool: {
+      instances: [
+        { id: 'm-1', phase: 'draining', subject: 's1', leases: 2, revision: 'r1', retiring: 'revision r1 is replaced by r2', inFlight: 2 },
+        { id: 'm-2', phase: 'ready', subject: 's2', leases: 0, revision: 'r2' },
+      ],
+      waiting: 0,
+      lastError: null,
+    },
+  });
+  expect(status).toMatchObject({ phase: 'Serving', replicas: 1, readyReplicas: 1 });
+  expect(status.instances![0]).toEqual({ id: 'm-1', phase: 'draining', leases: 2, revision: 'r1', retiring: 'revision r1 is replaced by r2', inFlight: 2 });
+  expect(summary(status.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected', 'Progressing=True/RollingOut']);
+  expect(status.conditions!.find((c) => c.type === 'Progressing')!.message).toBe(
+    '1 instance(s) of an older model revision draining, 2 answer(s) in flight on them (revision r1 is replaced by r2)',
+  );
 });
 
 test('a step retrying after failed attempts is named in its stage and in Ready; a failure replaces it', () => {

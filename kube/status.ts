@@ -168,9 +168,15 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
     leases: i.leases,
     ...(i.restarts ? { restarts: i.restarts } : {}),
     ...(i.lastRestart ? { lastRestart: i.lastRestart } : {}),
+    ...(i.revision ? { revision: i.revision } : {}),
+    ...(i.retiring ? { retiring: i.retiring } : {}),
+    ...(i.inFlight !== undefined ? { inFlight: i.inFlight } : {}),
   }));
-  const ready = instances.filter((i) => i.phase === 'ready' || i.phase === 'draining').length;
-  const live = instances.filter((i) => i.phase !== 'stopping').length;
+  // Instances being replaced answer only what they have in flight: not replicas of the pool any more.
+  const retiring = input.pool.instances.filter((i) => i.retiring && i.phase === 'draining');
+  const counted = instances.filter((i) => !i.retiring);
+  const ready = counted.filter((i) => i.phase === 'ready' || i.phase === 'draining').length;
+  const live = counted.filter((i) => i.phase !== 'stopping').length;
   const restarting = input.pool.instances.filter((i) => i.restarting);
   const phase = (input.pool.lastError || restarting.length > 0) && ready === 0 ? 'Degraded' : live === 0 ? 'Idle' : ready < live ? 'Scaling' : 'Serving';
   const g = input.observedGeneration;
@@ -195,6 +201,15 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
       : input.pool.lastError
         ? { type: 'Degraded', status: 'True', reason: 'InstanceFailed', message: input.pool.lastError, observedGeneration: g }
         : { type: 'Degraded', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },
+    retiring.length > 0
+      ? {
+          type: 'Progressing',
+          status: 'True',
+          reason: 'RollingOut',
+          message: `${retiring.length} instance(s) of an older model revision draining, ${retiring.reduce((n, i) => n + (i.inFlight ?? 0), 0)} answer(s) in flight on them (${retiring[0]!.retiring})`,
+          observedGeneration: g,
+        }
+      : { type: 'Progressing', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },
   ];
   return {
     observedGeneration: g,

@@ -81,7 +81,7 @@ export const ModelCondition = { downloaded: 'Downloaded', converted: 'Converted'
  * `Splittable` from the controller: whether its model runs on the nodes it asks for
  * (`dllamaSplitCondition`).
  */
-export const DllamaCondition = { ready: 'Ready', degraded: 'Degraded', splittable: 'Splittable' } as const;
+export const DllamaCondition = { ready: 'Ready', degraded: 'Degraded', progressing: 'Progressing', splittable: 'Splittable' } as const;
 
 export interface ModelResourceStatus {
   observedGeneration?: number;
@@ -133,6 +133,12 @@ export interface DllamaResourceSpec {
   leasesPerInstance: number;
   /** An instance without leases for this long is stopped (down to minReplicas), e.g. `10m`. */
   idleTimeout: string;
+  /**
+   * How long an instance being replaced (a new model revision) or stopped (its pod deleted,
+   * evicted, its node drained) may finish the answers it has in flight, e.g. `5m` (default; at
+   * most 1h). Its pods' termination grace period is this plus 15 s.
+   */
+  drainTimeout?: string;
   resources?: { requests?: Record<string, string>; limits?: Record<string, string> };
   nodeSelector?: Record<string, string>;
   tolerations?: Record<string, unknown>[];
@@ -147,7 +153,7 @@ export interface DllamaResourceStatus {
   nodesPerInstance?: number;
   /** The label selector of this pool's pods, as a string (the scale subresource reads it). */
   selector?: string;
-  instances?: { id: string; phase: string; leases: number; restarts?: number; lastRestart?: string }[];
+  instances?: { id: string; phase: string; leases: number; restarts?: number; lastRestart?: string; revision?: string; retiring?: string; inFlight?: number }[];
   lastError?: string;
   workflowId?: string;
   conditions?: Condition[];

@@ -148,6 +148,32 @@ export interface ReadyModel {
   sampling?: SamplingDefaults;
 }
 
+/**
+ * What an instance of the model serves, as one short string: the commit and every artifact's
+ * files (by digest) and converter. Two publications of the same weights (a pipeline run again,
+ * sampling defaults changed) have the same revision; new weights, another converter or another
+ * artifact list have another, and the model's pool rolls its instances over to it
+ * (workflows/pool/state.ts, "Rollout"). 16 hex digits of two FNV-1a hashes: workflow-safe (no
+ * Node builtin), and meant to tell revisions apart, not to resist forgery.
+ */
+export function modelRevision(ready: Pick<ReadyModel, 'source' | 'artifacts'>): string {
+  const text = [
+    ready.source.sha,
+    ...ready.artifacts
+      .map((a) => `${a.format}-${a.weights}/${a.converterVersion}:${a.files.map((f) => f.sha256).join(',')}`)
+      .sort(),
+  ].join('\n');
+  const fnv = (seed: number): string => {
+    let h = seed >>> 0;
+    for (let i = 0; i < text.length; i++) {
+      h ^= text.charCodeAt(i);
+      h = Math.imul(h, 0x01000193) >>> 0;
+    }
+    return h.toString(16).padStart(8, '0');
+  };
+  return fnv(0x811c9dc5) + fnv(0x9747b28c);
+}
+
 /** S3 key of a source file: `sources/<repo>/<sha>/<path>` (content-addressed by commit). */
 export function sourceKey(repo: string, sha: string, path: string): string {
   return `sources/${repo}/${sha}/${path}`;

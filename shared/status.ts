@@ -96,8 +96,18 @@ export function restartChange(known: RestartReport, now: RestartReport): WatchIn
 
 export interface InstanceView {
   id: string;
-  /** `draining`: idle, unpublished, stopped after the drain grace unless conversations reach it again. */
+  /**
+   * `draining`: unpublished, and stopped once nothing is in flight on it — an idle instance after
+   * the drain grace (unless conversations reach it again), one being replaced (`retiring`) once
+   * its answers in flight have ended, or at the drain deadline.
+   */
   phase: 'starting' | 'ready' | 'draining' | 'stopping';
+  /** The model revision it serves (absent: not said by its runtime). */
+  revision?: string;
+  /** Why it is being replaced (a newer model revision), while it drains. */
+  retiring?: string;
+  /** Requests queued or being answered on it, as last reported, while it drains. */
+  inFlight?: number;
   subject: string | null;
   leases: number;
   /** False while the pool's reconciler has not reported on it yet (a new instance is not idle before). */

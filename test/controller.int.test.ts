@@ -390,7 +390,7 @@ test("a distributed-llama Dllama's Splittable condition: False naming the dimens
   await eventually(async () => {
     const d = await getDllama('tiny-split');
     expect(d.status).toMatchObject({ observedGeneration: 1, workflowId: `pool/${ns}/tiny` });
-    expect(d.status?.conditions?.map((c) => c.type).sort()).toEqual(['Degraded', 'Ready', 'Splittable']);
+    expect(d.status?.conditions?.map((c) => c.type).sort()).toEqual(['Degraded', 'Progressing', 'Ready', 'Splittable']);
   }, 30_000);
 
   await kubectl('patch', 'dllama/tiny-split', '--type=merge', '-p', '{"spec":{"nodesPower":1}}');

@@ -137,6 +137,8 @@ export interface InstancePlan {
   pool: string;
   instance: string;
   model: string;
+  /** The model revision it serves (shared/model.ts `modelRevision`), kept in its ConfigMap. */
+  revision?: string;
   /** Owner of the instance's ConfigMap: the Dllama, or the pool's ConfigMap. */
   owner: OwnerReference;
   engine: EngineKind;
@@ -262,7 +264,14 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
     apiVersion: 'v1',
     kind: 'ConfigMap',
     metadata: { name: base, namespace: ns, labels, ownerReferences: [{ ...plan.owner, controller: true, blockOwnerDeletion: true }] },
-    data: { pool: plan.pool, instance: plan.instance, model: plan.model, engine: plan.engine, nodes: String(plan.nodes) },
+    data: {
+      pool: plan.pool,
+      instance: plan.instance,
+      model: plan.model,
+      engine: plan.engine,
+      nodes: String(plan.nodes),
+      ...(plan.revision ? { revision: plan.revision } : {}),
+    },
   };
   // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.
   const ownedBy = (uid: string): OwnerReference[] => ownedByInstance(plan.instance, uid);

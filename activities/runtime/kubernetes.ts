@@ -41,7 +41,7 @@ import { watchResource } from '../../kube/watch';
 import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { engineOf, isDistributed, type EngineKind } from '../../shared/engines';
-import type { ReadyModel } from '../../shared/model';
+import { modelRevision, type ReadyModel } from '../../shared/model';
 import { WEIGHTS_PREFERENCE } from '../../shared/weights';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import { deleteInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../../dataplane';
@@ -319,6 +319,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       pool: req.pool,
       instance: req.instance,
       model: req.model,
+      revision: modelRevision(ready),
       owner,
       engine,
       threads: opts.threads ?? 1,
@@ -494,7 +495,12 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
     const cm = await core.readNamespacedConfigMap({ name: instanceBase(instance), namespace: ns });
     const expected = Number(cm.data?.nodes ?? '1');
     const pods = (await core.listNamespacedPod({ namespace: ns, labelSelector: instanceSelector(instance) })).items;
-    return { instance, subject: requestSubjectOf(opts.names, pool, instance), healthy: pods.filter(podReady).length >= expected && pods.every(podReady) };
+    return {
+      instance,
+      subject: requestSubjectOf(opts.names, pool, instance),
+      healthy: pods.filter(podReady).length >= expected && pods.every(podReady),
+      ...(cm.data?.revision ? { revision: cm.data.revision } : {}),
+    };
   }
 
   return {
@@ -514,7 +520,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         throw err;
       }
       log(`instance ${req.pool}/${req.instance} is ready`);
-      return { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance), healthy: true };
+      return { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance), healthy: true, ...(p.revision ? { revision: p.revision } : {}) };
     },
     destroy: (pool, instance) => destroy(pool, instance),
     describe,

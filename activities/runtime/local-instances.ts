@@ -12,6 +12,8 @@ import type { InstanceInfo } from './runtime';
 export interface Serving {
   kind: EngineKind;
   engine: LocalServing;
+  /** The model revision it loaded (shared/model.ts `modelRevision`). */
+  revision: string;
 }
 
 export interface LocalInstance {

@@ -8,6 +8,7 @@
 import { engineOf, type EngineKind } from '../../shared/engines';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ModelRegistry } from '../../dataplane/registry';
+import { modelRevision } from '../../shared/model';
 import type { ModelCache } from './cache';
 import { launcherOf, type LocalEngineSettings } from './engines';
 import { instanceKey, type Serving } from './local-instances';
@@ -42,7 +43,7 @@ export class ServingStarter {
       const fellBack = refused.filter((r) => r.hasArtifact).map((r) => r.why);
       if (fellBack.length > 0) this.log(`${name}: ${fellBack.join('; ')}; serving it with ${engineOf(kind).short} instead`);
       const engine = await launcher.start({ ready, name, leases: req.leases, settings: this.settings, cache: this.cache, log: this.log, signal });
-      return { kind, engine };
+      return { kind, engine, revision: modelRevision(ready) };
     }
     const why = (refused.find((r) => r.hasArtifact) ?? refused.at(-1))?.why ?? `no engine on this worker serves model ${req.namespace}/${req.model}`;
     throw runtimeError(RuntimeErrorType.NoArtifact, why);

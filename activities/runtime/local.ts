@@ -174,7 +174,7 @@ export class LocalRuntime implements WorkerRuntime {
       signal.throwIfAborted();
       const instance: LocalInstance = {
         pool: req.pool,
-        info: { instance: req.instance, subject: requestSubjectOf(names, req.pool, req.instance) },
+        info: { instance: req.instance, subject: requestSubjectOf(names, req.pool, req.instance), revision: serving.revision },
         serving,
         bridge,
       };

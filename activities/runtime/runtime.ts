@@ -37,6 +37,11 @@ export interface InstanceInfo {
    * was); absent where a runtime does not restart in place (Kubernetes: a pod not ready is a loss).
    */
   restarts?: RestartReport;
+  /**
+   * The model revision it serves (shared/model.ts `modelRevision`): its pool replaces instances
+   * of an older one. Absent from runtimes that did not say it.
+   */
+  revision?: string;
 }
 
 /**

@@ -28,6 +28,7 @@ import { pipelineQueueFor } from '../../shared/constants';
 import { ErrorType, PERMANENT_ERROR_TYPES } from '../../shared/errors';
 import {
   isNeededSourceFile,
+  modelRevision,
   selectGgufFiles,
   validateModelSpec,
   type ModelPipelineInput,
@@ -201,9 +202,10 @@ async function runPlan(state: PipelineState): Promise<void> {
     ...(spec.sampling ? { sampling: spec.sampling } : {}),
   };
   await publishModel(ready);
-  // Its pool, if one runs, may be backing off failed starts that wanted this model: try now.
+  // Its pool, if one runs, may be backing off failed starts that wanted this model: try now; and
+  // its instances of another revision are replaced (the signal's input only: no command changes).
   await getExternalWorkflowHandle(poolWorkflowId(state.namespace, state.name))
-    .signal(modelPublishedSignal)
+    .signal(modelPublishedSignal, { revision: modelRevision(ready) })
     .catch(() => undefined);
   state.ready = ready;
   state.enter('ready');

@@ -19,6 +19,12 @@ export interface PoolInput {
    */
   drainGraceMs?: number;
   /**
+   * How long an instance being replaced (an older model revision) may keep answering what it has
+   * in flight before it is stopped anyway (default 5 min, `DEFAULT_DRAIN_TIMEOUT_MS`). A
+   * `Dllama`'s `spec.drainTimeoutSeconds` overrides it.
+   */
+  drainTimeoutMs?: number;
+  /**
    * How often each instance's watcher (`watchInstance`, an activity on the worker that runs it)
    * asks the runtime whether it still serves, when the runtime cannot report changes itself
    * (default 15 s; its heartbeat timeout is 3× this, at least 10 s). One that does not is
@@ -56,6 +62,8 @@ export interface PoolResource {
   leasesPerInstance: number;
   idleTimeoutMs: number;
   nodesPerInstance: number;
+  /** `spec.drainTimeoutSeconds` in ms, when the resource sets it. */
+  drainTimeoutMs?: number;
   deleted?: boolean;
 }
 
@@ -68,8 +76,12 @@ export type { InstanceView, PoolPhase, PoolStatus } from '../../shared/status';
  */
 export const demandSignal = defineSignal<[{ replica: string; waiting: number }]>('demand');
 export const poolResourceSignal = defineSignal<[PoolResource]>('resourceChanged');
-/** From the model's pipeline: a new version of the model is published; failed starts may succeed now. */
-export const modelPublishedSignal = defineSignal('modelPublished');
+/**
+ * From the model's pipeline: a new version of the model is published; failed starts may succeed
+ * now. `revision` (shared/model.ts `modelRevision`; absent from pipelines before it) is what new
+ * instances serve: instances of another are replaced (state.ts, "Rollout").
+ */
+export const modelPublishedSignal = defineSignal<[{ revision?: string }?]>('modelPublished');
 export const poolStatusQuery = defineQuery<PoolStatus>('status');
 
 export const poolWorkflowId = (namespace: string, model: string): string => `pool/${namespace}/${model}`;

@@ -4,18 +4,27 @@ import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
 
 /** The pool's state in words, for the Temporal UI's "Current Details" (Markdown). */
 export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
-  const live = s.instances.filter((i) => i.phase !== 'stopping');
+  const live = s.instances.filter((i) => i.phase !== 'stopping' && !i.retiring);
   const leases = s.instances.reduce((n, i) => n + i.leases, 0);
   const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : "sized by the gateway's defaults";
   const lines = [
     `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
     sizedBy,
   ];
+  const retiring = s.instances.filter((i) => i.retiring && i.phase === 'draining');
+  if (retiring.length > 0)
+    lines.push(
+      `**rolling out**: ${plural(retiring.length, 'instance')} of an older model revision draining, ${plural(
+        retiring.reduce((n, i) => n + (i.inFlight ?? 0), 0),
+        'answer',
+      )} in flight on them`,
+    );
   if (s.lastError) lines.push(`last error: ${s.lastError}`);
   if (s.nextStartAt !== undefined && s.startFailures)
     lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
   const list = s.instances.map(
-    (i) => `- \`${i.id}\` ${i.restarting ? `**restarting** (${i.restarting})` : i.phase}, ${plural(i.leases, 'lease')}${restartsText(i)}`,
+    (i) =>
+      `- \`${i.id}\` ${i.restarting ? `**restarting** (${i.restarting})` : i.phase}, ${plural(i.leases, 'lease')}${i.inFlight !== undefined ? `, ${i.inFlight} in flight` : ''}${i.revision ? `, revision \`${i.revision}\`` : ''}${i.retiring ? ` — ${i.retiring}` : ''}${restartsText(i)}`,
   );
   return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
 }

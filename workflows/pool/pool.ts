@@ -40,7 +40,7 @@ import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
 import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH } from './patches';
-import { PoolState, PRESSURE_PENDING, type PoolCarry, type PoolInstance } from './state';
+import { PoolState, PRESSURE_PENDING, type LoadReport, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
 const reconciler: ActivityOptions = { startToCloseTimeout: '1 day', heartbeatTimeout: '30s', retry: { initialInterval: '1s', maximumInterval: '30s' } };
@@ -84,8 +84,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     dirty = true;
   });
   // The model was (re)published: a start that failed for want of it may work now.
-  setHandler(modelPublishedSignal, () => {
+  setHandler(modelPublishedSignal, (published) => {
     state.clearBackoff();
+    state.revisionPublished(published?.revision); // instances of another revision are replaced (state.ts, "Rollout")
     dirty = true;
   });
   setHandler(poolResourceSignal, (r: PoolResource) => {
@@ -211,7 +212,9 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
   };
   function reconcileLoad(): void {
     const ids = state.serving().map((i) => i.id);
-    const key = ids.join(',');
+    const retiring = state.retiring();
+    const draining = retiring.map((i) => i.id);
+    const key = draining.length > 0 ? `${ids.join(',')}|${draining.join(',')}` : ids.join(',');
     if (reconciling?.ids === key) return;
     stopReconciler();
     if (ids.length === 0) return;
@@ -226,9 +229,10 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
           instances: ids,
           leasesPerInstance: input.leasesPerInstance,
           maxInstances: input.maxInstances,
-          known: state.lastLoad,
+          known: unreported(state.lastLoad, retiring),
           minIntervalMs: LOAD_REPORT_MIN_MS,
           pressurePending: PRESSURE_PENDING,
+          ...(draining.length > 0 ? { draining } : {}),
         }),
       )
       .then(
@@ -278,4 +282,15 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       await continueAsNew<typeof dllamaPool>(input, state.carry(now()));
     }
   }
+}
+
+/**
+ * The reconciler's `known`, less the instances retired since it last reported on them: what it
+ * had of their in-flight requests may be stale (their leases kept them busy, so a change was never
+ * reported), and an instance it does not know is reported at its first look.
+ */
+function unreported(known: LoadReport | null, retiring: PoolInstance[]): LoadReport | null {
+  const stale = retiring.filter((i) => !i.flightReported).map((i) => i.id);
+  if (!known || stale.length === 0) return known;
+  return { instances: Object.fromEntries(Object.entries(known.instances).filter(([id]) => !stale.includes(id))) };
 }

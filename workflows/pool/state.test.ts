@@ -292,3 +292,106 @@ describe('restarts in place, as a watcher reports them and the pool page shows t
     expect(poolDetails(s.input, s.phase(), s.status(0))).toContain(`- \`m-1\` ready, 0 leases; restarted 2 times, last: ${how}`);
   });
 });
+
+describe('rollout to a new model revision', () => {
+  /** `n` ready instances serving revision `r1`, with these reported loads. */
+  function at(n: number, loads: Record<string, [number, number?, number?]>, over: Partial<PoolInput> = {}): PoolState {
+    const s = new PoolState(input({ minInstances: n, ...over }));
+    for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}`, revision: 'r1' }, 0);
+    s.input.minInstances = over.minInstances ?? 0;
+    s.loaded(report(loads), 0);
+    return s;
+  }
+  /** Writes the view a plan leaves (as the workflow does) and returns its instances. */
+  const publish = (s: PoolState, now: number): string[] => {
+    const v = s.viewToWrite(now) ?? s.view();
+    s.written(true, now);
+    return v.instances.map((i) => i.instance);
+  };
+
+  it('starts new instances beside the old, retires an old one only once a new one serves, and stops it once its answers in flight ended', () => {
+    const s = at(1, { 'm-1': [2, 0, 2] }); // two conversations, both answering now
+    expect(s.revision).toBe('r1'); // the first instance said its revision
+    expect(s.revisionPublished('r1')).toBe(false);
+    expect(s.revisionPublished('r2')).toBe(true);
+    const p1 = s.plan(1000);
+    expect(p1.start).toEqual(['m-2']); // a surge past maxInstances is allowed; the old still serves
+    expect(p1.stop).toEqual([]);
+    expect(publish(s, 1000)).toEqual(['m-1']);
+
+    s.started('m-2', { subject: 'magus.req.m.m-2', revision: 'r2' }, 2000);
+    s.plan(2000);
+    // m-1 is unpublished at once: new first turns, and its conversations at their next turn, go to m-2.
+    expect(publish(s, 2000)).toEqual(['m-2']);
+    expect(s.status(2000).instances).toEqual([
+      expect.objectContaining({ id: 'm-1', phase: 'draining', revision: 'r1', retiring: 'revision r1 is replaced by r2', inFlight: 2 }),
+      expect.objectContaining({ id: 'm-2', phase: 'ready', revision: 'r2' }),
+    ]);
+    // Its conversations still count: the pool does not shrink below what they need.
+    expect(s.wanted(2000)).toBe(1);
+    // The reconciler has not reported since: what it had of m-1's flight may be stale, so m-1 stays past the grace.
+    expect(s.plan(10_000).stop).toEqual([]);
+    s.loaded(report({ 'm-1': [2, 0, 1], 'm-2': [0] }), 10_000);
+    expect(s.plan(10_000).stop).toEqual([]); // one answer still in flight
+    expect(s.nextDeadline(10_000)).toBeGreaterThan(0); // no busy loop while it finishes
+    s.loaded(report({ 'm-1': [2, 0, 0], 'm-2': [0] }), 12_000);
+    const p3 = s.plan(12_000);
+    expect(p3.stop.map((i) => i.id)).toEqual(['m-1']); // its leases do not hold it: they move
+    s.stopped('m-1');
+    expect(s.status(12_000).instances.map((i) => i.id)).toEqual(['m-2']);
+    expect(poolDetails(s.input, s.phase(), s.status(12_000))).not.toContain('rolling out');
+  });
+
+  it('stops an old instance at the drain deadline whatever it still has in flight', () => {
+    const s = at(1, { 'm-1': [1, 0, 1] }, { drainTimeoutMs: 30_000 });
+    s.revisionPublished('r2');
+    s.plan(0);
+    s.started('m-2', { subject: 'magus.req.m.m-2', revision: 'r2' }, 1000);
+    s.plan(1000);
+    publish(s, 1000);
+    s.loaded(report({ 'm-1': [1, 0, 1], 'm-2': [0] }), 5000);
+    expect(s.plan(5000).stop).toEqual([]);
+    expect(s.nextDeadline(5000)).toBe(1000); // the grace's end
+    expect(s.nextDeadline(6000)).toBe(25_000); // then the deadline
+    expect(poolDetails(s.input, s.phase(), s.status(5000))).toContain('**rolling out**: 1 instance of an older model revision draining, 1 answer in flight on them');
+    expect(s.plan(31_000).stop.map((i) => i.id)).toEqual(['m-1']);
+  });
+
+  it('keeps old instances serving while new ones cannot start, and retires them one for one as new ones serve', () => {
+    const s = at(2, { 'm-1': [2], 'm-2': [2] });
+    s.revisionPublished('r2');
+    expect(s.plan(0).start).toEqual(['m-3', 'm-4']);
+    s.startFailed('m-3', 'no room', 0);
+    s.started('m-4', { subject: 'magus.req.m.m-4', revision: 'r2' }, 100);
+    s.plan(100);
+    // One new one serves: one old one (either: both have 2 leases) retires, the other keeps serving.
+    const phases = s.status(100).instances.map((i) => `${i.id}:${i.phase}`);
+    expect(phases.filter((p) => p.endsWith(':draining'))).toHaveLength(1);
+    expect(phases).toContain('m-4:ready');
+    expect(s.view().instances.map((i) => i.instance)).toHaveLength(2);
+  });
+
+  it('retires idle old instances at once when nothing wants a new one, and carries a rollout into the next run', () => {
+    const s = at(1, { 'm-1': [0] });
+    s.revisionPublished('r2');
+    expect(s.plan(0).start).toEqual([]); // no load: no new instance
+    expect(s.status(0).instances[0]).toMatchObject({ phase: 'draining', retiring: expect.any(String) });
+    const next = new PoolState(s.input, s.carry(0));
+    expect(next.revision).toBe('r2');
+    expect(next.status(0).instances[0]).toMatchObject({ id: 'm-1', phase: 'draining', revision: 'r1' });
+    // Its flight must be reported again in the new run before it stops.
+    publish(next, 0);
+    expect(next.plan(6000).stop).toEqual([]);
+    next.loaded(report({ 'm-1': [0] }), 6000);
+    expect(next.plan(6000).stop.map((i) => i.id)).toEqual(['m-1']);
+  });
+
+  it('never replaces instances whose runtime did not say a revision, nor any before the revision is known', () => {
+    const s = new PoolState(input({ minInstances: 1 }));
+    for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}` }, 0);
+    expect(s.revision).toBeNull();
+    s.revisionPublished('r2');
+    expect(s.plan(1).start).toEqual([]);
+    expect(s.status(1).instances[0]!.phase).toBe('ready');
+  });
+});

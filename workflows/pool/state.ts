@@ -5,6 +5,15 @@
  * start, which to drain and which to stop, what gateways may pick from (`magus_pools`) and when
  * to write it again.
  *
+ * Rollout: the pool knows the model revision new instances serve (the pipeline's
+ * `modelPublished`, else the first instance that says its own). An instance of another revision
+ * is replaced: new instances are started for what the load wants, beside the old ones (a surge
+ * past `maxInstances`); once enough of them serve, the old ones are retired — unpublished, so new
+ * first turns and, at their next turn, their conversations go to the new ones (gateways move an
+ * entry whose instance the view no longer lists) — and each is stopped once the answers it has in
+ * flight have ended, or at the drain deadline. An old instance is never retired before a new one
+ * serves in its place: a revision that cannot start leaves the old ones serving.
+ *
  * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
  * gateways create, renew and move and its session deletes; the pool sees them only counted, per
  * instance, in the reconciler's {@link LoadReport}. What a run carries into the next is
@@ -26,6 +35,8 @@ export const PRESSURE_PENDING = 4;
 /** The published view is rewritten at least this often while it lists instances, so gateways can tell a live pool's entry from a dead one's. */
 export const VIEW_REFRESH_MS = 60_000;
 export const DEFAULT_DRAIN_GRACE_MS = 5000;
+/** How long an instance being replaced may finish what it has in flight before it is stopped anyway. */
+export const DEFAULT_DRAIN_TIMEOUT_MS = 5 * 60_000;
 
 export interface PoolInstance {
   id: string;
@@ -44,6 +55,12 @@ export interface PoolInstance {
   reported?: boolean;
   /** Time it was unpublished for stopping (phase `draining`). */
   drainSince: number;
+  /** The model revision it serves, as its runtime said (absent: not said). */
+  revision?: string;
+  /** Set while it is replaced (phase `draining`): why. */
+  retiring?: string;
+  /** False from its retirement until the reconciler has reported on it since (its in-flight count before may be stale). */
+  flightReported?: boolean;
   /** Its restarts in place as its watcher last reported them (absent: none reported). */
   restarts?: RestartReport;
 }
@@ -65,7 +82,13 @@ export interface PoolCarry {
     idleSince: number;
     /** Absent in an older run's carry. */
     restarts?: RestartReport;
+    revision?: string;
+    /** Being replaced since `drainSince`. */
+    retiring?: string;
+    drainSince?: number;
   }[];
+  /** The revision new instances serve, once known. */
+  revision?: string;
   nextId: number;
   startFailures: number;
   nextStartAt: number;
@@ -119,6 +142,8 @@ export class PoolState {
   nextStartAt: number;
   lastError: string | null;
   failedAt: number;
+  /** The model revision new instances serve, once known. */
+  revision: string | null;
   readonly demand = new Map<string, { waiting: number; until: number }>();
   /**
    * The reconciler's last report (at the start of a run, the counts carried over): the activity
@@ -137,6 +162,7 @@ export class PoolState {
     this.nextStartAt = carry?.nextStartAt ?? 0;
     this.lastError = carry?.lastError ?? null;
     this.failedAt = carry?.failedAt ?? 0;
+    this.revision = carry?.revision ?? null;
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.lastLoad = carry
       ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) }
@@ -154,6 +180,8 @@ export class PoolState {
         drainSince: 0,
         reported: true,
         ...(c.restarts ? { restarts: c.restarts } : {}),
+        ...(c.revision ? { revision: c.revision } : {}),
+        ...(c.retiring ? { phase: 'draining', retiring: c.retiring, drainSince: c.drainSince ?? 0, flightReported: false } : {}),
       });
     }
   }
@@ -162,14 +190,35 @@ export class PoolState {
     return this.input.drainGraceMs ?? DEFAULT_DRAIN_GRACE_MS;
   }
 
+  get drainTimeoutMs(): number {
+    return this.input.drainTimeoutMs ?? DEFAULT_DRAIN_TIMEOUT_MS;
+  }
+
+  /** `i` serves another revision than new instances do (both known). */
+  outdated(i: PoolInstance): boolean {
+    return this.revision !== null && i.revision !== undefined && i.revision !== this.revision;
+  }
+
+  /** Instances being replaced, still answering what they have in flight. */
+  retiring(): PoolInstance[] {
+    return [...this.instances.values()].filter((i) => i.retiring !== undefined && i.phase === 'draining');
+  }
+
+  /** The pipeline published the model at `revision`: true when new instances now serve another. */
+  revisionPublished(revision: string | undefined): boolean {
+    if (!revision || revision === this.revision) return false;
+    this.revision = revision;
+    return true;
+  }
+
   /** Instances that serve (ready, or draining: unpublished but still answering). */
   serving(): PoolInstance[] {
     return [...this.instances.values()].filter((i) => (i.phase === 'ready' || i.phase === 'draining') && i.subject !== null);
   }
 
-  /** Instances that count towards the pool's size (all but those being stopped). */
+  /** Instances that count towards the pool's size (all but those being stopped or replaced). */
   live(): PoolInstance[] {
-    return [...this.instances.values()].filter((i) => i.phase !== 'stopping');
+    return [...this.instances.values()].filter((i) => i.phase !== 'stopping' && i.retiring === undefined);
   }
 
   /** First turns gateways are holding for want of room. */
@@ -196,18 +245,23 @@ export class PoolState {
       i.pending = r.pending;
       i.ackPending = r.ackPending;
       i.reported = true;
+      if (i.retiring !== undefined) i.flightReported = true;
       if (!wasIdle && isIdle(i)) i.idleSince = now;
-      if (i.phase === 'draining' && !isIdle(i)) i.phase = 'ready'; // someone uses it after all
+      if (i.phase === 'draining' && i.retiring === undefined && !isIdle(i)) i.phase = 'ready'; // someone uses it after all
     }
   }
 
   /** `id` serves now. */
-  started(id: string, info: { subject: string; runtimeQueue?: string }, now: number): void {
+  started(id: string, info: { subject: string; runtimeQueue?: string; revision?: string }, now: number): void {
     const i = this.instances.get(id);
     if (!i || i.phase !== 'starting') return;
     i.phase = 'ready';
     i.subject = info.subject;
     if (info.runtimeQueue) i.runtimeQueue = info.runtimeQueue;
+    if (info.revision) {
+      i.revision = info.revision;
+      this.revision ??= info.revision; // a pipeline's word, when one came, is the newer
+    }
     i.idleSince = now;
     i.reported = false;
     this.lastError = null;
@@ -279,12 +333,14 @@ export class PoolState {
       return true;
     }
     if (!(r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0)) return false;
+    if (r.drainTimeoutMs !== undefined && !(r.drainTimeoutMs >= 0)) return false;
     this.input.resource = r;
     Object.assign(this.input, {
       minInstances: r.minInstances,
       maxInstances: r.maxInstances,
       leasesPerInstance: r.leasesPerInstance,
       idleTimeoutMs: r.idleTimeoutMs,
+      ...(r.drainTimeoutMs !== undefined ? { drainTimeoutMs: r.drainTimeoutMs } : {}),
     });
     this.clearBackoff();
     return true;
@@ -294,7 +350,8 @@ export class PoolState {
   wanted(now: number): number {
     const { minInstances, maxInstances, leasesPerInstance } = this.input;
     const live = this.live();
-    const leases = live.reduce((n, i) => n + i.leases, 0);
+    // Conversations on instances being replaced count: they move to the others at their next turn.
+    const leases = [...live, ...this.retiring()].reduce((n, i) => n + i.leases, 0);
     let wanted = Math.ceil((leases + this.waiting(now)) / leasesPerInstance);
     // Backlog pressure: every serving instance has requests queued and none is on its way.
     const ready = live.filter((i) => i.phase === 'ready');
@@ -312,8 +369,10 @@ export class PoolState {
     for (const [replica, d] of this.demand) if (d.until <= now) this.demand.delete(replica);
     const plan: Plan = { start: [], stop: [] };
     const wanted = this.wanted(now);
+    // Instances of an older revision do not count: as many new ones start as the load wants.
+    const current = this.live().filter((i) => !this.outdated(i));
     if (now >= this.nextStartAt) {
-      for (let n = this.live().length; n < wanted; n++) {
+      for (let n = current.length; n < wanted; n++) {
         const t = tag?.();
         const id = t ? instanceIdOf(this.input.model, this.nextId++, t) : `${this.input.model}-${this.nextId++}`;
         this.instances.set(id, { id, phase: 'starting', subject: null, leases: 0, pending: 0, ackPending: 0, idleSince: now, drainSince: 0 });
@@ -322,8 +381,9 @@ export class PoolState {
     }
     // Scale down: idle instances beyond what is wanted, once idle for the timeout, are
     // unpublished (draining), and stopped after the grace once no view gateways may hold lists them.
+    this.roll(current, wanted, now, plan);
     let surplus = this.live().length - Math.max(this.input.minInstances, wanted);
-    for (const i of [...this.instances.values()].filter((x) => x.phase === 'draining')) {
+    for (const i of [...this.instances.values()].filter((x) => x.phase === 'draining' && x.retiring === undefined)) {
       if (!isIdle(i) || surplus <= 0) {
         i.phase = 'ready'; // needed again
         continue;
@@ -345,12 +405,43 @@ export class PoolState {
     return plan;
   }
 
+  /**
+   * Rollout: old-revision instances beyond what the new ones serving leave wanted are retired
+   * (the least loaded first); retired ones whose answers in flight have ended (reported since,
+   * after the drain grace) or whose drain deadline passed are stopped, once no view lists them.
+   */
+  private roll(current: PoolInstance[], wanted: number, now: number, plan: Plan): void {
+    const serving = current.filter((i) => i.phase === 'ready').length;
+    let keep = Math.max(0, wanted - serving);
+    const old = [...this.instances.values()].filter((i) => i.phase === 'ready' && this.outdated(i)).sort((a, b) => b.leases - a.leases);
+    for (const i of old) {
+      if (keep > 0) {
+        keep--;
+        continue;
+      }
+      i.phase = 'draining';
+      i.retiring = `revision ${i.revision} is replaced by ${this.revision}`;
+      i.drainSince = now;
+      i.flightReported = false;
+    }
+    for (const i of this.retiring()) {
+      const ended = i.flightReported === true && i.pending === 0 && i.ackPending === 0 && now - i.drainSince >= this.drainGraceMs;
+      const deadline = now - i.drainSince >= this.drainTimeoutMs;
+      if ((ended || deadline) && !this.published.ids.has(i.id) && !this.writingView?.ids.has(i.id)) {
+        i.phase = 'stopping';
+        plan.stop.push(i);
+      }
+    }
+  }
+
   /** Milliseconds until a decision may change with no new input (idle timeouts, drain graces, backoff, demand, the view's refresh), if any. */
   nextDeadline(now: number): number | undefined {
     const deadlines: number[] = [];
     const idle = this.live().filter((i) => i.phase === 'ready' && isIdle(i));
     if (idle.length > this.input.minInstances) deadlines.push(...idle.map((i) => i.idleSince + this.input.idleTimeoutMs - now));
-    for (const i of this.instances.values()) if (i.phase === 'draining') deadlines.push(i.drainSince + this.drainGraceMs - now);
+    for (const i of this.instances.values()) if (i.phase === 'draining' && i.retiring === undefined) deadlines.push(i.drainSince + this.drainGraceMs - now);
+    // One being replaced waits for its report of nothing in flight (new input), its grace, and its deadline.
+    for (const i of this.retiring()) deadlines.push(...[i.drainSince + this.drainGraceMs - now, i.drainSince + this.drainTimeoutMs - now].filter((d) => d > 0));
     if (this.nextStartAt > now && this.wanted(now) > this.live().length) deadlines.push(this.nextStartAt - now);
     for (const d of this.demand.values()) deadlines.push(d.until - now);
     if (this.published.at > 0 && this.serving().length > 0) deadlines.push(this.published.at + VIEW_REFRESH_MS - now);
@@ -414,6 +505,9 @@ export class PoolState {
         leases: i.leases,
         ...(i.reported === false ? { reported: false } : {}),
         ...restartView(i.restarts),
+        ...(i.revision ? { revision: i.revision } : {}),
+        ...(i.retiring !== undefined ? { retiring: i.retiring } : {}),
+        ...(i.phase === 'draining' && i.reported !== false ? { inFlight: i.pending + i.ackPending } : {}),
       })),
       waiting: this.waiting(now),
       lastError: this.lastError,
@@ -440,7 +534,10 @@ export class PoolState {
         ackPending: i.ackPending,
         idleSince: i.idleSince,
         ...(i.restarts ? { restarts: i.restarts } : {}),
+        ...(i.revision ? { revision: i.revision } : {}),
+        ...(i.retiring !== undefined ? { retiring: i.retiring, drainSince: i.drainSince } : {}),
       })),
+      ...(this.revision ? { revision: this.revision } : {}),
       nextId: this.nextId,
       startFailures: this.startFailures,
       nextStartAt: this.nextStartAt,
