@@ -261,7 +261,8 @@ export function createServingActivities(deps: ServingDeps) {
       const minInterval = input.minIntervalMs ?? 2000;
       const poll = input.pollMs ?? 1000;
       const sessions = sessionIndex();
-      const signature = (s: LoadSummary) => loadSignature(s, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances, input.draining);
+      const signature = (s: LoadSummary) =>
+        loadSignature(s, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances, input.draining);
       const known = input.known ? signature(input.known) : null;
       // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
       const news = input.instances.some((id) => !input.known?.instances[id]);

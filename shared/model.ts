@@ -159,9 +159,7 @@ export interface ReadyModel {
 export function modelRevision(ready: Pick<ReadyModel, 'source' | 'artifacts'>): string {
   const text = [
     ready.source.sha,
-    ...ready.artifacts
-      .map((a) => `${a.format}-${a.weights}/${a.converterVersion}:${a.files.map((f) => f.sha256).join(',')}`)
-      .sort(),
+    ...ready.artifacts.map((a) => `${a.format}-${a.weights}/${a.converterVersion}:${a.files.map((f) => f.sha256).join(',')}`).sort(),
   ].join('\n');
   const fnv = (seed: number): string => {
     let h = seed >>> 0;

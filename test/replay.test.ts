@@ -128,6 +128,18 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
     ['pool-restart-reports'],
     (h) => scheduledOf(h, 'watchInstance').length >= 2 && (inputOf(h, 'watchInstance') as { known?: unknown }).known !== undefined,
   ],
+  // test/serving-rollout.int.test.ts: a new model revision (modelPublished with its revision): a new instance started beside the old, the old one drained (its reconciler told of it) and destroyed.
+  [
+    'pool-rolled-out',
+    ['pool-unique-instance-ids', 'pool-restart-reports'],
+    (h) =>
+      signalsOf(h).includes('modelPublished') &&
+      scheduledOf(h, 'createInstance').length >= 2 &&
+      scheduledOf(h, 'destroyInstance').length >= 1 &&
+      scheduledOf(h, 'watchLoad').some(
+        (e) => JSON.parse(Buffer.from(e.activityTaskScheduledEventAttributes?.input?.payloads?.[0]?.data ?? '', 'base64').toString('utf8')).draining,
+      ),
+  ],
   // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
   ['session-started', [], (h) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],
   // Its end: the TTL passed without a turn, the entry deleted, the session completed.

@@ -520,7 +520,12 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         throw err;
       }
       log(`instance ${req.pool}/${req.instance} is ready`);
-      return { instance: req.instance, subject: requestSubjectOf(opts.names, req.pool, req.instance), healthy: true, ...(p.revision ? { revision: p.revision } : {}) };
+      return {
+        instance: req.instance,
+        subject: requestSubjectOf(opts.names, req.pool, req.instance),
+        healthy: true,
+        ...(p.revision ? { revision: p.revision } : {}),
+      };
     },
     destroy: (pool, instance) => destroy(pool, instance),
     describe,

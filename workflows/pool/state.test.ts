@@ -353,7 +353,9 @@ describe('rollout to a new model revision', () => {
     expect(s.plan(5000).stop).toEqual([]);
     expect(s.nextDeadline(5000)).toBe(1000); // the grace's end
     expect(s.nextDeadline(6000)).toBe(25_000); // then the deadline
-    expect(poolDetails(s.input, s.phase(), s.status(5000))).toContain('**rolling out**: 1 instance of an older model revision draining, 1 answer in flight on them');
+    expect(poolDetails(s.input, s.phase(), s.status(5000))).toContain(
+      '**rolling out**: 1 instance of an older model revision draining, 1 answer in flight on them',
+    );
     expect(s.plan(31_000).stop.map((i) => i.id)).toEqual(['m-1']);
   });
 
@@ -375,7 +377,7 @@ describe('rollout to a new model revision', () => {
     const s = at(1, { 'm-1': [0] });
     s.revisionPublished('r2');
     expect(s.plan(0).start).toEqual([]); // no load: no new instance
-    expect(s.status(0).instances[0]).toMatchObject({ phase: 'draining', retiring: expect.any(String) });
+    expect(s.status(0).instances[0]).toMatchObject({ phase: 'draining', retiring: 'revision r1 is replaced by r2' });
     const next = new PoolState(s.input, s.carry(0));
     expect(next.revision).toBe('r2');
     expect(next.status(0).instances[0]).toMatchObject({ id: 'm-1', phase: 'draining', revision: 'r1' });

@@ -1,0 +1,190 @@
+/**
+ * A new model revision rolled out under live streams (issue "Streams that never break", §2): the
+ * pool starts an instance of the new revision beside the old, unpublishes the old once the new one
+ * serves, lets the old finish every answer it has in flight, and stops it then; new first turns go
+ * to the new instance at once, and every conversation moves there at its next turn. Real Temporal,
+ * nats-server and s3proxy; real workers with the local runtime and llama.cpp engines over the tiny
+ * GGUF; the official `openai` client through the gateway.
+ *
+ * The old engine is frozen (SIGSTOP) with the streams delivered to it, so they are surely in flight
+ * while the pool rolls: it must not stop the instance under them. Thawed, each stream ends whole.
+ */
+import type { Client } from '@temporalio/client';
+import { randomBytes } from 'node:crypto';
+import type { NatsConnection } from 'nats';
+import OpenAI from 'openai';
+import type { LocalRuntime } from '../activities/runtime/local';
+import { consumerNameOf, dataPlaneNames } from '../dataplane';
+import { openModelRegistry } from '../dataplane/registry';
+import type { RunningGateway } from '../gateway/server';
+import { modelRevision, type ReadyModel } from '../shared/model';
+import type { SessionEntry } from '../shared/serving';
+import { modelPublishedSignal, poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
+import type { RunningWorkers } from '../workers/worker';
+import { publishTinyGguf } from './fixtures/tiny-gguf';
+import { currentDetails, isolation, recordHistory } from './harness';
+import { gatewayStack, magusStack, TestStack } from './harness/stack';
+import { until } from './harness/wait';
+
+const iso = isolation();
+const names = dataPlaneNames(iso.natsPrefix);
+const MODEL = `rollout-tiny-${iso.id}`;
+const TOKEN = `mgs_t1_${randomBytes(16).toString('hex')}`;
+const ANSWER_TOKENS = 100;
+
+let nc: NatsConnection;
+let client: Client;
+let workers: RunningWorkers;
+let gateway: RunningGateway;
+let openai: OpenAI;
+let ready: ReadyModel;
+let registry: Awaited<ReturnType<typeof openModelRegistry>>;
+const stack = new TestStack();
+
+beforeAll(async () => {
+  const magus = await stack.open(magusStack(iso, { dirPrefix: 'magus-rollout-' }));
+  ({ nc, client, workers } = magus);
+  registry = await openModelRegistry(nc, names.modelsBucket);
+  ready = await publishTinyGguf({ dir: magus.dir, s3: magus.s3, bucket: iso.bucket, registry, name: MODEL });
+  ({ gateway } = await stack.open(
+    gatewayStack(names, {
+      secret: randomBytes(32).toString('hex'),
+      tokens: { t1: TOKEN },
+      env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
+      sessions: {
+        client,
+        taskQueue: magus.cfg.taskQueue,
+        pool: { minInstances: 0, maxInstances: 1, leasesPerInstance: 4, idleTimeoutMs: 300_000, drainGraceMs: 1000, healthCheckMs: 1000 },
+        sessionTtlMs: 300_000,
+      },
+    }),
+  ));
+  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
+}, 180_000);
+
+afterAll(() => stack.close(), 60_000);
+
+test('a new model revision under live streams: none is cut, new first turns and next turns go to the new instance, the old one stops once its answers ended', async () => {
+  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const keys = async () => {
+    const out: string[] = [];
+    for await (const k of await kv.keys()) out.push(k);
+    return new Set(out);
+  };
+  const entryOf = async (k: string) => JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry;
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
+  const runtime = workers.runtime as LocalRuntime; // the stack's worker runs the local runtime
+  const ask = (session: string, content: string, max = 4) =>
+    openai.chat.completions.create(
+      { model: MODEL, messages: [{ role: 'user', content }], max_tokens: max, temperature: 0 },
+      { headers: { 'x-session-id': session } },
+    );
+
+  // Three conversations on the one instance of revision r1.
+  const sessions = [1, 2, 3].map((n) => `conv-${n}-${iso.id}`);
+  const entries: string[] = [];
+  for (const s of sessions) {
+    const before = await keys();
+    await ask(s, `hello ${s}`);
+    entries.push([...(await keys())].find((k) => !before.has(k))!);
+  }
+  const r1 = modelRevision(ready);
+  const old = (await pool.query(poolStatusQuery)).instances;
+  expect(old).toEqual([expect.objectContaining({ phase: 'ready', revision: r1 })]);
+  const oldId = old[0]!.id;
+  expect(new Set(await Promise.all(entries.map(async (k) => (await entryOf(k)).instance)))).toEqual(new Set([oldId]));
+
+  // Its engine frozen, three long answers are delivered to it: they are in flight there.
+  const pid = runtime.processes(MODEL, oldId)![0]!.pid!;
+  process.kill(pid, 'SIGSTOP');
+  let thawed = false;
+  try {
+    const streams = sessions.map(async (s) => {
+      const stream = await openai.chat.completions.create(
+        {
+          model: MODEL,
+          messages: [{ role: 'user', content: `tell me a long story, ${s}` }],
+          max_tokens: ANSWER_TOKENS,
+          temperature: 0,
+          stream: true,
+          stream_options: { include_usage: true },
+        },
+        { headers: { 'x-session-id': s } },
+      );
+      let text = '';
+      let finish: string | null | undefined;
+      let usage: OpenAI.CompletionUsage | undefined;
+      for await (const c of stream) {
+        text += c.choices[0]?.delta?.content ?? '';
+        finish = c.choices[0]?.finish_reason ?? finish;
+        usage = c.usage ?? usage;
+      }
+      return { text, finish, usage };
+    });
+    await until('the three streams are delivered to the frozen engine', async () => {
+      return (
+        (await nc.jetstreamManager().then((m) => m.consumers.info(names.requestStream, consumerNameOf(MODEL, oldId)).catch(() => null)))?.num_ack_pending === 3
+      );
+    });
+
+    // Revision r2 is published: new weights' digest, as a pipeline run on a new commit publishes them.
+    const next: ReadyModel = { ...ready, source: { ...ready.source, sha: '1'.repeat(40) }, readyAt: new Date().toISOString() };
+    const r2 = modelRevision(next);
+    expect(r2).not.toBe(r1);
+    await registry.put(next);
+    await pool.signal(modelPublishedSignal, { revision: r2 });
+
+    // The new instance serves; the old one is unpublished and drains, its three answers in flight shown.
+    await until(
+      'the old instance drains beside a new one',
+      async () => {
+        const s = await pool.query(poolStatusQuery);
+        const o = s.instances.find((i) => i.id === oldId);
+        return o?.phase === 'draining' && o.inFlight === 3 && s.instances.some((i) => i.id !== oldId && i.phase === 'ready' && i.revision === r2);
+      },
+      60_000,
+    );
+    const status = await pool.query(poolStatusQuery);
+    const newId = status.instances.find((i) => i.id !== oldId)!.id;
+    expect(status.instances.find((i) => i.id === oldId)).toMatchObject({ revision: r1, retiring: `revision ${r1} is replaced by ${r2}` });
+    await until('the pool page shows the rollout', async () => (await currentDetails(pool)).includes('**rolling out**'), 10_000);
+    expect(await currentDetails(pool)).toContain('**rolling out**: 1 instance of an older model revision draining, 3 answers in flight on them');
+
+    // A new conversation's first turn goes to the new instance, at once (the old one is frozen).
+    const before = await keys();
+    const fresh = await ask(`conv-new-${iso.id}`, 'a new conversation');
+    expect(fresh.choices[0]?.message.content?.length).toBeGreaterThan(0);
+    const freshKey = [...(await keys())].find((k) => !before.has(k))!;
+    expect((await entryOf(freshKey)).instance).toBe(newId);
+
+    // The old instance is not stopped under its answers: past its grace, it still drains.
+    await new Promise((r) => setTimeout(r, 3000));
+    expect((await pool.query(poolStatusQuery)).instances.find((i) => i.id === oldId)?.phase).toBe('draining');
+    expect(runtime.processes(MODEL, oldId)).not.toBeNull();
+
+    process.kill(pid, 'SIGCONT');
+    thawed = true;
+    const answers = await Promise.all(streams);
+    for (const a of answers) {
+      expect(a.finish).toBe('length'); // whole: every token asked for, none cut
+      expect(a.usage?.completion_tokens).toBe(ANSWER_TOKENS);
+      expect(a.text.length).toBeGreaterThan(0);
+    }
+
+    // With nothing left in flight the old instance stops; each conversation's next turn moves to the new one.
+    await until(
+      'the old instance is stopped',
+      async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === oldId) && runtime.processes(MODEL, oldId) === null,
+      60_000,
+    );
+    for (const [n, s] of sessions.entries()) {
+      const r = await ask(s, `and then, ${s}?`);
+      expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+      expect((await entryOf(entries[n]!)).instance).toBe(newId);
+    }
+    expect((await pool.query(poolStatusQuery)).instances).toEqual([expect.objectContaining({ id: newId, phase: 'ready', revision: r2 })]);
+    await recordHistory('pool-rolled-out', pool);
+  } finally {
+    if (!thawed) process.kill(pid, 'SIGCONT');
+  }
+}, 240_000);
