@@ -137,7 +137,12 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
       scheduledOf(h, 'createInstance').length >= 2 &&
       scheduledOf(h, 'destroyInstance').length >= 1 &&
       scheduledOf(h, 'watchLoad').some(
-        (e) => JSON.parse(Buffer.from(e.activityTaskScheduledEventAttributes?.input?.payloads?.[0]?.data ?? '', 'base64').toString('utf8')).draining,
+        (e) =>
+          (
+            JSON.parse(Buffer.from(e.activityTaskScheduledEventAttributes?.input?.payloads?.[0]?.data ?? '', 'base64').toString('utf8')) as {
+              draining?: string[];
+            }
+          ).draining !== undefined,
       ),
   ],
   // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
