@@ -15,7 +15,9 @@ import { processMetricsText } from '../platform/process-metrics';
 
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
-  `                    [--engine-kind ${ENGINE_KINDS.join('|')}] [--ack-wait-ms MS] [--health-port PORT] [--prefix NAME]\n` +
+  `                    [--engine-kind ${ENGINE_KINDS.join('|')}] [--ack-wait-ms MS] [--drain-timeout-ms MS] [--health-port PORT] [--prefix NAME]\n` +
+  'On SIGTERM it stops taking requests and lets those in flight finish, up to --drain-timeout-ms (default 30000); GET /drained on\n' +
+  "the health port answers once that is done (an engine container's preStop waits on it, so the engine outlives the answers).\n" +
   'environment: MAGUS_NATS_URL (comma-separated: every server of a cluster), MAGUS_NATS_REPLICAS; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
 
 /** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */
@@ -32,7 +34,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     i += 1;
   }
   const problems: string[] = [];
-  const known = new Set(['nats', 'pool', 'instance', 'engine', 'engine-kind', 'slots', 'ack-wait-ms', 'health-port', 'prefix']);
+  const known = new Set(['nats', 'pool', 'instance', 'engine', 'engine-kind', 'slots', 'ack-wait-ms', 'drain-timeout-ms', 'health-port', 'prefix']);
   for (const k of flags.keys()) if (!known.has(k)) problems.push(`unknown option --${k}`);
   const natsUrl = flags.get('nats') ?? process.env.MAGUS_NATS_URL ?? 'nats://127.0.0.1:4222';
   const pool = flags.get('pool') ?? '';
@@ -49,6 +51,7 @@ export async function bridgeCommand(args: string[]): Promise<number> {
   };
   const slots = int('slots', 1, 1) ?? 1;
   const ackWaitMs = int('ack-wait-ms', undefined, 1000);
+  const drainTimeoutMs = int('drain-timeout-ms', undefined, 0);
   const healthPort = int('health-port', undefined, 0);
   checkNatsServerList('--nats', natsUrl, problems);
   if (!pool) problems.push('--pool is required');
@@ -84,11 +87,22 @@ export async function bridgeCommand(args: string[]): Promise<number> {
         ? dataPlaneNames(flags.get('prefix'))
         : await declareOnReconnect(nc, () => ensureDataPlane(nc, { prefix: flags.get('prefix'), replicas, ...responses }), { what: 'data plane', log });
     await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool, instance, slots, ackWaitMs });
-    const bridge = await startBridge({ nc, names, pool, instance, engineUrl, slots, engineKind: engineKind as EngineKind });
+    const bridge = await startBridge({
+      nc,
+      names,
+      pool,
+      instance,
+      engineUrl,
+      slots,
+      engineKind: engineKind as EngineKind,
+      ...(drainTimeoutMs !== undefined ? { drainTimeoutMs } : {}),
+    });
     if (healthPort !== undefined) {
       // /health: the bridge itself (liveness; a slow engine must not get the sidecar killed);
       // /ready: the bridge and the engine (readiness); /metrics: Prometheus.
       health = createServer((req, res) => {
+        if (req.url === '/drained')
+          return void drained(bridge).then((body) => res.writeHead(200, { 'content-type': 'application/json' }).end(JSON.stringify(body)));
         if (req.url === '/metrics') {
           res.writeHead(200, { 'content-type': 'text/plain; version=0.0.4; charset=utf-8' });
           return void res.end(bridgeMetricsText([{ pool, instance, stats: bridge.stats, health: bridge.health() }]) + processMetricsText());
@@ -110,7 +124,27 @@ export async function bridgeCommand(args: string[]): Promise<number> {
     await bridge.stop();
     return 0;
   } finally {
-    health?.close();
+    // A `/drained` being answered is let finish (the kubelet's preStop reads it), at most 1 s.
+    const h = health;
+    if (h) await new Promise<void>((resolve) => (h.close(() => resolve()), setTimeout(() => h.closeAllConnections(), 1000).unref()));
     await nc.drain().catch(() => undefined);
   }
+}
+
+/** How long `/drained` waits for the bridge's own SIGTERM before it answers that it is not stopping. */
+const DRAINED_SIGTERM_WAIT_MS = 2000;
+
+/**
+ * `GET /drained`, the engine container's preStop: the kubelet runs each container's preStop and
+ * then sends it SIGTERM, all containers at once, so without it the engine would stop under the
+ * answers the bridge is finishing. It answers once the bridge has stopped (what was in flight
+ * ended, or was handed back at its drain timeout). A bridge that receives no SIGTERM within 2 s is
+ * not stopping (the engine container alone is restarted, after a failed probe): answered at once.
+ */
+async function drained(bridge: { draining: boolean; stop(): Promise<void> }): Promise<{ drained: boolean; waitedMs: number }> {
+  const started = Date.now();
+  while (!bridge.draining && Date.now() - started < DRAINED_SIGTERM_WAIT_MS) await new Promise((r) => setTimeout(r, 100));
+  if (!bridge.draining) return { drained: false, waitedMs: Date.now() - started };
+  await bridge.stop();
+  return { drained: true, waitedMs: Date.now() - started };
 }

@@ -168,6 +168,12 @@ export interface InstancePlan {
   spec?: Pick<DllamaResourceSpec, 'resources' | 'nodeSelector' | 'tolerations'>;
   /** Startup probe budget: how long the engine may take to load its model. */
   startupSeconds: number;
+  /**
+   * How long its answers in flight may finish when its pods stop (deleted, evicted, node
+   * drained): the bridge's drain timeout; the pods' termination grace is this plus
+   * {@link DRAIN_MARGIN_SECONDS}. Default {@link DEFAULT_DRAIN_SECONDS}, the `Dllama`'s `drainTimeout`.
+   */
+  drainSeconds?: number;
   ports?: InstancePorts;
 }
 
@@ -215,13 +221,18 @@ function resources(plan: InstancePlan, bytes: number | null): Record<string, unk
   return { requests, ...(limits && Object.keys(limits).length > 0 ? { limits } : {}) };
 }
 
+/** The default drain of an instance's pods (the `Dllama`'s `drainTimeout` default, 5m). */
+export const DEFAULT_DRAIN_SECONDS = 300;
+/** Beyond the drain: the bridge hands back what did not finish, the engine and NATS connections close. */
+export const DRAIN_MARGIN_SECONDS = 15;
+
 function podBasics(plan: InstancePlan, labels: Record<string, string>): Record<string, unknown> {
   return {
     automountServiceAccountToken: false,
     ...(plan.serviceAccount ? { serviceAccountName: plan.serviceAccount } : {}),
     securityContext: { runAsNonRoot: true, runAsUser: UID, runAsGroup: UID, fsGroup: UID, seccompProfile: { type: 'RuntimeDefault' } },
     enableServiceLinks: false,
-    terminationGracePeriodSeconds: 15,
+    terminationGracePeriodSeconds: (plan.drainSeconds ?? DEFAULT_DRAIN_SECONDS) + DRAIN_MARGIN_SECONDS,
     ...(plan.spec?.nodeSelector ? { nodeSelector: plan.spec.nodeSelector } : {}),
     ...(plan.spec?.tolerations ? { tolerations: plan.spec.tolerations } : {}),
     // The nodes of one instance on distinct machines where the cluster has them (the point of
@@ -366,6 +377,9 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
               volumeMounts: [{ name: 'models', mountPath: MODELS_DIR, readOnly: true }, tmpMount],
               startupProbe: { ...probe, failureThreshold: Math.max(1, Math.ceil(plan.startupSeconds / 5)) },
               readinessProbe: probe,
+              // Stopped only once the bridge beside it has finished the answers in flight (or handed
+              // them back at its drain timeout): the kubelet signals every container at once.
+              lifecycle: { preStop: { httpGet: { path: '/drained', port: BRIDGE_HEALTH_PORT } } },
               terminationMessagePolicy: 'FallbackToLogsOnError',
             },
             {
@@ -385,6 +399,8 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
                 String(concurrentRequests(plan.engine, plan.slots)),
                 '--health-port',
                 String(BRIDGE_HEALTH_PORT),
+                '--drain-timeout-ms',
+                String((plan.drainSeconds ?? DEFAULT_DRAIN_SECONDS) * 1000),
                 ...(plan.nats.prefix ? ['--prefix', plan.nats.prefix] : []),
               ],
               env: [

@@ -1,7 +1,7 @@
 /** The Kubernetes runtime's pure parts: quantities, object names, and `magus fetch`'s arguments. */
 import { parseFetchArgs } from '../../workers/fetch';
 import { parseMemory } from '../../shared/kube';
-import { instanceBase } from './kubernetes-manifests';
+import { DEFAULT_DRAIN_SECONDS, DEFAULT_PORTS, DRAIN_MARGIN_SECONDS, instanceBase, instanceManifests, type InstancePlan } from './kubernetes-manifests';
 import { engineArgs } from './llama-cpp';
 
 test('memory quantities', () => {
@@ -41,4 +41,43 @@ test('the engine command line carries the sized context only when one was sized'
   const base = { model: '/m.gguf', modelId: 'm', port: 8080, slots: 6, threads: 2 };
   expect(engineArgs(base)).toEqual(['--model', '/m.gguf', '--model-id', 'm', '--port', '8080', '--json', '--slots', '6', '--threads', '2']);
   expect(engineArgs({ ...base, ctx: 2048 }).slice(-2)).toEqual(['--ctx', '2048']);
+});
+
+test("an instance's pods drain: the engine's preStop waits for the bridge's /drained, within a grace of the drain timeout plus a margin", () => {
+  const plan: InstancePlan = {
+    namespace: 'ns',
+    pool: 'm',
+    instance: 'm-1-0a1b2c3d',
+    model: 'm',
+    revision: '0123456789abcdef',
+    owner: { apiVersion: 'v1', kind: 'ConfigMap', name: 'o', uid: 'u' },
+    engine: 'dllama',
+    containers: { engine: { name: 'engine', image: 'e', args: [] }, worker: { name: 'worker', image: 'e', args: [] } },
+    nodes: 2,
+    files: [],
+    maxSeqLen: 256,
+    threads: 1,
+    slots: 1,
+    memory: { root: 2 ** 30, worker: 2 ** 30 },
+    images: { magus: 'magus', dllama: 'dllama' },
+    nats: { url: 'nats://n:4222', prefix: '' },
+    s3: { region: 'r', bucket: 'b' },
+    startupSeconds: 60,
+    drainSeconds: 90,
+  };
+  const objects = instanceManifests(plan);
+  const sets = objects.filter((o) => o.kind === 'StatefulSet') as unknown as { spec: { template: { spec: Record<string, unknown> } } }[];
+  expect(sets).toHaveLength(2); // workers and root
+  for (const s of sets) expect(s.spec.template.spec.terminationGracePeriodSeconds).toBe(90 + DRAIN_MARGIN_SECONDS);
+  const root = sets[1]!.spec.template.spec.containers as { name: string; args?: string[]; lifecycle?: unknown }[];
+  expect(root[0]!.lifecycle).toEqual({ preStop: { httpGet: { path: '/drained', port: DEFAULT_PORTS.bridgeHealth } } });
+  const bridge = root.find((c) => c.name === 'bridge')!;
+  expect(bridge.args!.slice(bridge.args!.indexOf('--drain-timeout-ms'), bridge.args!.indexOf('--drain-timeout-ms') + 2)).toEqual([
+    '--drain-timeout-ms',
+    '90000',
+  ]);
+  expect((objects[0] as { data?: Record<string, string> }).data?.revision).toBe('0123456789abcdef');
+  // Without a drain timeout: the Dllama's default.
+  const plain = instanceManifests({ ...plan, drainSeconds: undefined }).filter((o) => o.kind === 'StatefulSet') as unknown as typeof sets;
+  expect(plain[1]!.spec.template.spec.terminationGracePeriodSeconds).toBe(DEFAULT_DRAIN_SECONDS + DRAIN_MARGIN_SECONDS);
 });

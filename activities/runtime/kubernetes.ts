@@ -38,7 +38,7 @@ import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
-import { parseMemory, Plural, type DllamaResource } from '../../shared/kube';
+import { parseDuration, parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { engineOf, isDistributed, type EngineKind } from '../../shared/engines';
 import { modelRevision, type ReadyModel } from '../../shared/model';
@@ -292,6 +292,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
     }
     const engine = d ? d.spec.engine : defaultEngine(ready);
+    const drainMs = d?.spec.drainTimeout ? parseDuration(d.spec.drainTimeout) : null;
     const distributed = isDistributed(engine);
     let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
     const clusterNodes = distributed && d?.spec.autoNodes ? await listNodes() : null;
@@ -334,6 +335,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ...(opts.serviceAccount ? { serviceAccount: opts.serviceAccount } : {}),
       ...(d ? { spec: { resources: d.spec.resources, nodeSelector: d.spec.nodeSelector, tolerations: d.spec.tolerations } } : {}),
       startupSeconds: Math.ceil((opts.startTimeoutMs ?? 30 * 60_000) / 1000),
+      ...(drainMs !== null ? { drainSeconds: Math.ceil(drainMs / 1000) } : {}),
       ...(opts.ports ? { ports: opts.ports } : {}),
       ...planned,
       memory: { root: need(planned.memory.root), worker: planned.memory.worker === null ? null : need(planned.memory.worker) },

@@ -147,6 +147,7 @@ export class Bridge {
   private loop: Promise<void> = Promise.resolve();
   private consuming = true;
   private stopping = false;
+  private stopped: Promise<void> | undefined;
 
   /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
   static async start(opts: BridgeOptions): Promise<Bridge> {
@@ -287,9 +288,21 @@ export class Bridge {
     }
   }
 
-  /** Stops pulling, lets requests in flight finish (up to the drain timeout), hands the rest back. */
-  async stop(): Promise<void> {
-    if (this.stopping) return;
+  /** True once {@link Bridge.stop} was called (it stops pulling and lets what is in flight finish). */
+  get draining(): boolean {
+    return this.stopping;
+  }
+
+  /**
+   * Stops pulling, lets requests in flight finish (up to the drain timeout), hands the rest back.
+   * Every call resolves when that is done.
+   */
+  stop(): Promise<void> {
+    this.stopped ??= this.drainAndStop();
+    return this.stopped;
+  }
+
+  private async drainAndStop(): Promise<void> {
     this.stopping = true;
     await settlesWithin(this.consumer.stopPulling(), 5000);
     await settlesWithin(this.loop, 5000);
