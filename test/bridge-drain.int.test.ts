@@ -74,7 +74,7 @@ async function bridgeProcess(healthPort: number): Promise<{ child: ChildProcess;
     { env: { ...process.env, ...natsCredentialsEnv(creds) }, stdio: ['ignore', 'ignore', 'pipe'] },
   );
   let stderr = '';
-  child.stderr!.on('data', (d: Buffer) => (stderr += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
   stack.defer(async () => {
     if (child.exitCode === null) child.kill('SIGKILL');
     if (child.exitCode === null) await new Promise((r) => child.once('close', r));
