@@ -305,6 +305,7 @@ export function createServingActivities(deps: ServingDeps) {
       failing?: string;
       nextStartAt?: number;
       failedAt?: number;
+      starting?: { instance: string; since: number }[];
     }): Promise<void> {
       const entry: PoolEntry = {
         instances: input.instances,
@@ -312,6 +313,7 @@ export function createServingActivities(deps: ServingDeps) {
         updatedAt: Date.now(),
         ...(input.growable === undefined ? {} : { growable: input.growable }),
         ...(input.failing === undefined ? {} : { failing: input.failing, nextStartAt: input.nextStartAt, failedAt: input.failedAt }),
+        ...(input.starting && input.starting.length > 0 ? { starting: input.starting } : {}),
       };
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },

@@ -16,7 +16,9 @@ import { connect, type AddressInfo } from 'node:net';
 import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { ChatCompletionBody } from '../shared/chat';
-import type { ResponseFrame } from '../shared/serving';
+import type { PoolEntry, ResponseFrame } from '../shared/serving';
+import { waitingForInstance } from './routes/inference';
+import { servingOf } from './serving/sessions';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import { createModelCatalog } from './serving/model-catalog';
 import type { ModelObject } from './schemas/models';
@@ -564,6 +566,40 @@ describe('models', () => {
     const narrow = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.narrow.token}` } });
     expect(narrow.json<{ data: { id: string }[] }>().data.map((m) => m.id)).toEqual(['other-model']);
     expect((await t.app.inject({ method: 'GET', url: '/v1/models' })).statusCode).toBe(401);
+  });
+
+  it("GET /v1/models says whether each model's pool serves, starts (and for how long) or fails, from its published view", async () => {
+    const views: Record<string, PoolEntry | undefined> = {
+      tiny: { instances: [], leasesPerInstance: 1, updatedAt: Date.now(), starting: [{ instance: 'tiny-1', since: Date.now() - 12_000 }] },
+      'other-model': { instances: [], leasesPerInstance: 1, updatedAt: Date.now(), failing: 'NoFit: no node has 9 GiB' },
+    };
+    t.broker.serving = (m) => servingOf(views[m.name], Date.now());
+    const res = await t.app.inject({ method: 'GET', url: '/v1/models', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    const served = Object.fromEntries(res.json<{ data: ModelObject[] }>().data.map((m) => [m.id, m.serving]));
+    expect(served).toEqual({
+      tiny: { status: 'starting', instances: 0, starting: 1, starting_for_s: 12 },
+      'other-model': { status: 'failing', instances: 0, starting: 0, failing: 'NoFit: no node has 9 GiB' },
+    });
+    views.tiny = { instances: [{ instance: 'tiny-1', subject: 's', leases: 0 }], leasesPerInstance: 1, updatedAt: Date.now() };
+    views['other-model'] = undefined;
+    const one = await t.app.inject({ method: 'GET', url: '/v1/models/tiny', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(one.json<ModelObject>().serving).toEqual({ status: 'ready', instances: 1, starting: 0 });
+    const other = await t.app.inject({ method: 'GET', url: '/v1/models/other-model', headers: { authorization: `Bearer ${t.tokens.alice.token}` } });
+    expect(other.json<ModelObject>().serving).toEqual({ status: 'idle', instances: 0, starting: 0 });
+  });
+
+  it('a turn waiting for an instance is told what it waits for, from the pool view', () => {
+    const now = Date.now();
+    const starting = servingOf({ instances: [], leasesPerInstance: 1, updatedAt: now, starting: [{ instance: 'a', since: now - 4_000 }] }, now);
+    expect(waitingForInstance(starting, 'default/tiny')).toBe(
+      'engine starting: an instance of default/tiny has been starting for 4 s; the answer begins once it serves',
+    );
+    expect(waitingForInstance(servingOf(undefined, now), 'default/tiny')).toBe(
+      'waiting for an instance of default/tiny to take the request (one may be starting)',
+    );
+    expect(waitingForInstance(servingOf({ instances: [], leasesPerInstance: 1, updatedAt: now, failing: 'NoFit' }, now), 'm')).toBe(
+      'no instance of m starts (NoFit); waiting for the next try',
+    );
   });
 
   it('capabilities follow the engines the live runtimes would run a model on; structured output for distributed-llama only is refused before anything is queued', async () => {

@@ -143,6 +143,8 @@ export interface PoolEntry {
   /** With `failing`: when the pool may try to start again, and when its last start failed (epoch ms). */
   nextStartAt?: number;
   failedAt?: number;
+  /** Instances being started, and since when (epoch ms): what a first turn waits for, `/v1/models` shows. Absent: none, or a pool before it. */
+  starting?: { instance: string; since: number }[];
 }
 
 /** A `magus_sessions` value, checked; `undefined` (ignored) when malformed. */
@@ -187,6 +189,14 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
           failing: e.failing,
           ...(typeof e.nextStartAt === 'number' ? { nextStartAt: e.nextStartAt } : {}),
           ...(typeof e.failedAt === 'number' ? { failedAt: e.failedAt } : {}),
+        }
+      : {}),
+    ...(Array.isArray(e.starting)
+      ? {
+          starting: e.starting.filter(
+            (i): i is { instance: string; since: number } =>
+              typeof i === 'object' && i !== null && typeof i.instance === 'string' && typeof i.since === 'number',
+          ),
         }
       : {}),
   };

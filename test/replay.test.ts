@@ -128,10 +128,10 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
     ['pool-restart-reports'],
     (h) => scheduledOf(h, 'watchInstance').length >= 2 && (inputOf(h, 'watchInstance') as { known?: unknown }).known !== undefined,
   ],
-  // test/serving-rollout.int.test.ts: a new model revision (modelPublished with its revision): a new instance started beside the old, the old one drained (its reconciler told of it) and destroyed.
+  // test/serving-rollout.int.test.ts: a cold start whose view listed the instance starting (pool-view-starting); a new model revision (modelPublished with its revision): a new instance started beside the old, the old one drained (its reconciler told of it) and destroyed.
   [
     'pool-rolled-out',
-    ['pool-unique-instance-ids', 'pool-restart-reports'],
+    ['pool-unique-instance-ids', 'pool-view-starting', 'pool-restart-reports'],
     (h) =>
       signalsOf(h).includes('modelPublished') &&
       scheduledOf(h, 'createInstance').length >= 2 &&

@@ -50,7 +50,8 @@ beforeAll(async () => {
     gatewayStack(names, {
       secret: randomBytes(32).toString('hex'),
       tokens: { t1: TOKEN },
-      env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn' },
+      // Keep-alive comments every 200 ms: a cold start here takes about a second.
+      env: { MAGUS_GATEWAY_COLD_START_TIMEOUT_MS: '120000', MAGUS_LOG_LEVEL: 'warn', MAGUS_GATEWAY_SSE_KEEPALIVE_MS: '200' },
       sessions: {
         client,
         taskQueue: magus.cfg.taskQueue,
@@ -63,6 +64,35 @@ beforeAll(async () => {
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);
+
+test("a cold first turn's stream says what it waits for before its first token; /v1/models shows the engine starting", async () => {
+  const models = async () => ((await openai.models.retrieve(MODEL)) as unknown as { serving?: { status: string; starting: number } }).serving;
+  expect(await models()).toEqual({ status: 'idle', instances: 0, starting: 0 });
+  const seen = new Set<string>();
+  let polling = true;
+  const poll = (async () => {
+    while (polling) {
+      const s = await models();
+      if (s) seen.add(s.status);
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  })();
+  const res = await fetch(`${gateway.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': `cold-${iso.id}` },
+    body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content: 'a cold start' }], max_tokens: 4, stream: true }),
+  });
+  const lines = (await res.text()).split('\n').filter((l) => l !== '');
+  polling = false;
+  await poll;
+  const firstData = lines.findIndex((l) => l.startsWith('data: '));
+  const said = lines.slice(0, firstData).filter((l) => l.startsWith(': keep-alive: '));
+  expect(said.length).toBeGreaterThan(0);
+  expect(said.some((l) => new RegExp(`^: keep-alive: engine starting: an instance of default/${MODEL} has been starting for \\d+ s`).test(l))).toBe(true);
+  expect(lines.at(-1)).toBe('data: [DONE]');
+  expect(seen.has('starting')).toBe(true);
+  expect(await models()).toMatchObject({ status: 'ready', instances: 1, starting: 0 });
+}, 120_000);
 
 test('a new model revision under live streams: none is cut, new first turns and next turns go to the new instance, the old one stops once its answers ended', async () => {
   const kv = await nc.jetstream().views.kv(names.sessionsBucket);

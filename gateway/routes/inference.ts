@@ -16,6 +16,7 @@ import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
 import { resumeIdPrefix } from '../serving/resume';
+import type { ModelServing } from '../serving/sessions';
 import type { SseResponse } from './sse';
 
 /** Why a request's controller was aborted: the client left, or a background run was cancelled (the cold-start timeout aborts with a 503 of its own). */
@@ -270,7 +271,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   try {
     const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
     // Said only if it takes a keep-alive's while (routes/sse.ts): a warm turn never shows it.
-    sse?.waiting(`waiting for an instance of ${modelLabel} to take the request (one may be starting)`);
+    sse?.waiting(() => waitingForInstance(g.sessions.serving?.(model), modelLabel));
     let entry: SessionEntry;
     try {
       entry =
@@ -339,4 +340,13 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     sse?.stop();
     client.gone.removeEventListener('abort', onGone);
   }
+}
+
+/** What a turn waiting for an instance is told, every keep-alive (routes/sse.ts), from its pool's view. */
+export function waitingForInstance(s: ModelServing | undefined, model: string): string {
+  if (s?.status === 'starting')
+    return `engine starting: an instance of ${model} has been starting for ${s.startingForSec ?? 0} s; the answer begins once it serves`;
+  if (s?.status === 'failing') return `no instance of ${model} starts (${s.failing ?? 'its starts fail'}); waiting for the next try`;
+  if (s?.status === 'ready') return `waiting for room on an instance of ${model} (${s.instances} serve, all full)`;
+  return `waiting for an instance of ${model} to take the request (one may be starting)`;
 }

@@ -32,17 +32,17 @@ export class SseResponse {
     private readonly requestId: string,
   ) {
     this.timer = setInterval(() => {
-      if (!this.wrote) this.write(this.waitingFor ? `: keep-alive: ${this.waitingFor}\n\n` : ': keep-alive\n\n');
+      if (!this.wrote) this.write(this.waitingFor ? `: keep-alive: ${this.waitingFor().replace(/[\r\n]+/g, ' ')}\n\n` : ': keep-alive\n\n');
       this.wrote = false;
     }, keepAliveMs);
   }
 
   /** What the answer waits for now, said by the keep-alive comments (one line; absent: none said). */
-  private waitingFor: string | undefined;
+  private waitingFor: (() => string) | undefined;
 
-  /** Says, in the keep-alive comments from now on, what the answer waits for. */
-  waiting(what: string | undefined): void {
-    this.waitingFor = what?.replace(/[\r\n]+/g, ' ');
+  /** Says, in the keep-alive comments from now on, what the answer waits for (a function: asked at each comment). */
+  waiting(what: string | (() => string) | undefined): void {
+    this.waitingFor = what === undefined ? undefined : typeof what === 'string' ? () => what : what;
   }
 
   /** Whether the 200 and some bytes went out (errors must then be sent in-stream). */

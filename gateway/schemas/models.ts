@@ -24,6 +24,17 @@ const model = {
         repetition_penalty: { type: 'number' },
       },
     },
+    serving: {
+      type: 'object',
+      required: ['status', 'instances', 'starting'],
+      properties: {
+        status: { type: 'string', enum: ['ready', 'starting', 'idle', 'failing'] },
+        instances: { type: 'integer' },
+        starting: { type: 'integer' },
+        starting_for_s: { type: 'integer' },
+        failing: { type: 'string' },
+      },
+    },
   },
 } as const;
 
@@ -46,6 +57,12 @@ export interface ModelObject {
    * engine's own default.
    */
   sampling: SamplingDefaults;
+  /**
+   * magus: its instances now, from its pool's published view: `ready` (one serves), `starting`
+   * (none serves, one is being started, for `starting_for_s`), `idle` (none: the first request
+   * starts one), `failing` (starts fail, and why). Absent where the gateway has no views.
+   */
+  serving?: { status: 'ready' | 'starting' | 'idle' | 'failing'; instances: number; starting: number; starting_for_s?: number; failing?: string };
 }
 
 export const listModelsSchema = {

@@ -115,6 +115,8 @@ export class FakeBroker implements SessionBroker {
   stats() {
     return { warmHits: this.calls.length, coldStarts: 0, firstTurns: 0 };
   }
+  /** What `/v1/models` says of a model's pool (absent: nothing said, as a broker without views). */
+  serving: SessionBroker['serving'];
 }
 
 export const testSettings = (over: Partial<GatewaySettings> = {}): GatewaySettings => ({

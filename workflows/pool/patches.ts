@@ -24,3 +24,10 @@ export const STATUS_ACTIVITY_PATCH = 'pool-status-activity';
  * one consumer and one NATS user between two tenants. Instances a pool started before keep their ids.
  */
 export const UNIQUE_INSTANCE_IDS_PATCH = 'pool-unique-instance-ids';
+
+/**
+ * The published view lists the instances being started (`starting`, with since when): a view is
+ * written when a start begins, so gateways can say what a first turn waits for and `/v1/models`
+ * can show a model whose engine is starting. Pools before it write no view for a start.
+ */
+export const VIEW_STARTING_PATCH = 'pool-view-starting';

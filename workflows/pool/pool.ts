@@ -39,7 +39,7 @@ import { visibility } from '../visibility';
 import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type PoolInput, type PoolResource } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
-import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH } from './patches';
+import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH, VIEW_STARTING_PATCH } from './patches';
 import { PoolState, PRESSURE_PENDING, type LoadReport, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
@@ -251,7 +251,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
     for (const id of plan.start) start(id);
     for (const i of plan.stop) track(destroy(i).then(() => state.stopped(i.id)));
     reconcileLoad();
-    const view = state.viewToWrite(now());
+    const view = state.viewToWrite(now(), patched(VIEW_STARTING_PATCH));
     if (view) {
       track(
         writePool({ namespace: input.namespace, model: input.model, ...view }).then(

@@ -397,3 +397,23 @@ describe('rollout to a new model revision', () => {
     expect(s.status(1).instances[0]!.phase).toBe('ready');
   });
 });
+
+describe('the view lists instances being started (pool-view-starting)', () => {
+  it('writes a view when a start begins, naming it and since when; pools before the patch write none', () => {
+    const s = new PoolState(input({ minInstances: 1 }));
+    expect(s.plan(1000, () => 'abcdef01').start).toEqual(['m-1-abcdef01']);
+    const v = s.viewToWrite(1000, true);
+    expect(v).toMatchObject({ instances: [], starting: [{ instance: 'm-1-abcdef01', since: 1000 }] });
+    s.written(true, 1000);
+    s.started('m-1-abcdef01', { subject: 'magus.req.m.m-1-abcdef01' }, 3000);
+    const ready = s.viewToWrite(3000, true)!;
+    expect(ready.instances.map((i) => i.instance)).toEqual(['m-1-abcdef01']);
+    expect(ready.starting).toBeUndefined();
+    // Without the patch: no write for the start (an older history's commands).
+    const old = new PoolState(input({ minInstances: 1 }));
+    old.viewToWrite(0, false);
+    old.written(true, 0);
+    expect(old.plan(0).start).toHaveLength(1);
+    expect(old.viewToWrite(0, false)).toBeUndefined();
+  });
+});

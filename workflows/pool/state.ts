@@ -109,6 +109,8 @@ export interface PoolView {
   /** With `failing`: when the next start may be tried, and when the last one failed (epoch ms). */
   nextStartAt?: number;
   failedAt?: number;
+  /** Instances being started and since when (only with `VIEW_STARTING_PATCH`). */
+  starting?: { instance: string; since: number }[];
 }
 
 /** The next things the workflow must do, decided at one moment. */
@@ -448,9 +450,10 @@ export class PoolState {
     return deadlines.length > 0 ? Math.max(0, Math.min(...deadlines)) : undefined;
   }
 
-  /** What gateways may pick from now. */
-  view(): PoolView {
+  /** What gateways may pick from now; with `starting`, what they wait for too. */
+  view(starting = false): PoolView {
     const failing = this.failing();
+    const begun = starting ? [...this.instances.values()].filter((i) => i.phase === 'starting') : [];
     return {
       instances: [...this.instances.values()]
         .filter((i) => i.phase === 'ready' && i.subject)
@@ -458,12 +461,15 @@ export class PoolState {
       leasesPerInstance: this.input.leasesPerInstance,
       growable: this.live().length < this.input.maxInstances,
       ...(failing ? { failing, nextStartAt: this.nextStartAt, failedAt: this.failedAt } : {}),
+      // A starting instance's idleSince is when its start was decided (started() resets it).
+      ...(begun.length > 0 ? { starting: begun.map((i) => ({ instance: i.id, since: i.idleSince })) } : {}),
     };
   }
 
   /** What a view must be rewritten for: instances, growable, failing — not lease counts alone. */
   static shape(v: PoolView): string {
-    return JSON.stringify([v.instances.map((i) => [i.instance, i.subject]), v.leasesPerInstance, v.growable, v.failing ?? null]);
+    const shape = [v.instances.map((i) => [i.instance, i.subject]), v.leasesPerInstance, v.growable, v.failing ?? null];
+    return JSON.stringify(v.starting ? [...shape, v.starting.map((i) => i.instance)] : shape);
   }
 
   /**
@@ -471,8 +477,8 @@ export class PoolState {
    * the last one written, or it lists instances and was last written {@link VIEW_REFRESH_MS} ago.
    * Registered as being written.
    */
-  viewToWrite(now: number): PoolView | undefined {
-    const view = this.view();
+  viewToWrite(now: number, starting = false): PoolView | undefined {
+    const view = this.view(starting);
     const shape = PoolState.shape(view);
     const refresh = view.instances.length > 0 && now - this.published.at >= VIEW_REFRESH_MS;
     if ((shape === this.published.shape && !refresh) || this.writeInFlight) return undefined;

@@ -26,7 +26,7 @@ import { PoolViews } from './pool-views';
 import { SharedCalls } from './shared-calls';
 import { SessionStarts } from './starts';
 import { SessionCounters } from './stats';
-import type { AcquireRequest, CachedEntry, ColdStart, SessionBroker, SessionCacheOptions, SessionStats } from './types';
+import type { AcquireRequest, CachedEntry, ColdStart, ModelServing, SessionBroker, SessionCacheOptions, SessionStats } from './types';
 
 /** Expired entries and renewal marks are swept this often. */
 const SWEEP_MS = 60_000;
@@ -98,6 +98,10 @@ export class SessionCache implements SessionBroker {
     return this.counters.snapshot(this.starts?.pending ?? 0);
   }
 
+  serving(model: Pick<ReadyModel, 'namespace' | 'name'>): ModelServing {
+    return servingOf(this.views.viewOf(model.namespace, model.name), this.now());
+  }
+
   /** Live entries on an instance, as this gateway's mirror counts them. */
   leasesOn(namespace: string, pool: string, instance: string): number {
     return this.mirror.leasesOn(namespace, pool, instance);
@@ -148,4 +152,19 @@ export class SessionCache implements SessionBroker {
     this.mirror.set(req.conversationKey, { ...entry, revision: 0 });
     return entry;
   }
+}
+
+/** A pool's published view (none: never started, or gone) as `/v1/models` and a waiting turn see it. */
+export function servingOf(view: PoolEntry | undefined, now: number): ModelServing {
+  const instances = view?.instances.length ?? 0;
+  const starting = view?.starting ?? [];
+  const oldest = starting.length > 0 ? Math.min(...starting.map((i) => i.since)) : undefined;
+  const status = instances > 0 ? 'ready' : starting.length > 0 ? 'starting' : view?.failing ? 'failing' : 'idle';
+  return {
+    status,
+    instances,
+    starting: starting.length,
+    ...(oldest !== undefined ? { startingForSec: Math.max(0, Math.round((now - oldest) / 1000)) } : {}),
+    ...(status === 'failing' && view?.failing ? { failing: view.failing } : {}),
+  };
 }

@@ -21,4 +21,15 @@
  */
 export { SessionCache } from './cache';
 export { MAX_PENDING_SESSION_STARTS } from './starts';
-export type { AcquireRequest, CachedEntry, ColdStart, FirstTurns, SessionBroker, SessionCacheOptions, SessionStats, SessionWriter } from './types';
+export type {
+  AcquireRequest,
+  CachedEntry,
+  ColdStart,
+  FirstTurns,
+  ModelServing,
+  SessionBroker,
+  SessionCacheOptions,
+  SessionStats,
+  SessionWriter,
+} from './types';
+export { servingOf } from './cache';

@@ -40,6 +40,21 @@ export interface SessionBroker {
   route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
   /** Counters for /metrics, when the broker keeps them. */
   stats?(): SessionStats;
+  /** Whether the model's pool serves, starts or fails now, from its published view (absent: the broker cannot tell). */
+  serving?(model: Pick<ReadyModel, 'namespace' | 'name'>): ModelServing;
+}
+
+/** A model's pool as its published view shows it (`/v1/models`' `serving`, what a waiting turn is told). */
+export interface ModelServing {
+  /** `ready`: an instance serves; `starting`: none does, one starts; `idle`: none serves or starts (a request starts one); `failing`: starts fail. */
+  status: 'ready' | 'starting' | 'idle' | 'failing';
+  /** Instances that serve. */
+  instances: number;
+  /** Instances being started, and how long the oldest start has taken so far (whole seconds). */
+  starting: number;
+  startingForSec?: number;
+  /** With `failing`: why. */
+  failing?: string;
 }
 
 export interface SessionStats {
