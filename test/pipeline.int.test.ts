@@ -11,7 +11,7 @@ import { join } from 'node:path';
 import { convertModel } from '../convert/convert';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
 import { listIncompleteUploads } from '../activities/storage/cleanup';
-import type { ModelSpec } from '../shared/model';
+import { modelRevision, type ModelSpec } from '../shared/model';
 import { cancelSignal, progressQuery, specChangedSignal } from '../workflows/model/definitions';
 import type { MagusConfig } from '../workers/config';
 import type { HubCommit, TestHub } from './fixtures/hub';
@@ -98,6 +98,10 @@ test('happy path: sources verified in S3, artifacts converted and sized, registr
     { temperature: 0.6, top_p: 0.9 },
   ]);
   expect(ready?.sampling).toBeUndefined();
+  // Its pool is told the revision it published: instances of another are replaced (workflows/README.md, "Rollout").
+  const told = (await handle.fetchHistory()).events!.find((e) => e.signalExternalWorkflowExecutionInitiatedEventAttributes?.signalName === 'modelPublished');
+  const input = told!.signalExternalWorkflowExecutionInitiatedEventAttributes!.input!.payloads![0]!.data!;
+  expect(JSON.parse(Buffer.from(input).toString('utf8'))).toEqual({ revision: modelRevision(ready!) });
   // Memory: llama.cpp on one node; distributed-llama on every node count the tiny model splits into (2 KV heads).
   expect(ready?.memory[0]?.topologies.map((t) => t.nodes)).toEqual([1]);
   expect(ready?.memory[1]?.topologies.map((t) => t.nodes)).toEqual([1, 2]);
