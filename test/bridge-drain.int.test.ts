@@ -87,15 +87,8 @@ async function bridgeProcess(healthPort: number): Promise<{ child: ChildProcess;
   return { child, stderr: () => stderr };
 }
 
-test('SIGTERM mid-answer: the bridge finishes it, /drained answers only after the last piece, and the bridge exits cleanly', async () => {
-  const port = await freePort();
-  const { child, stderr } = await bridgeProcess(port);
-
-  // Not stopping: /drained says so after its 2 s wait for a SIGTERM (an engine container restarted alone).
-  const idle = await fetch(`http://127.0.0.1:${port}/drained`);
-  expect(idle.status).toBe(200);
-  expect(await idle.json()).toMatchObject({ drained: false });
-
+/** A streamed answer through the gateway: its text, finish reason and when its last piece came. */
+async function streamed(onPiece?: (pieces: number) => void): Promise<{ text: string; finish: string | null | undefined; lastPieceAt: number }> {
   const stream = await openai.chat.completions.create(
     { model: POOL, messages: [{ role: 'user', content: 'a slow answer' }], stream: true },
     { headers: { 'x-session-id': SESSION } },
@@ -104,28 +97,54 @@ test('SIGTERM mid-answer: the bridge finishes it, /drained answers only after th
   let pieces = 0;
   let lastPieceAt = 0;
   let finish: string | null | undefined;
-  let drained: Promise<{ at: number; body: unknown }> | undefined;
-  const exited = new Promise<number | null>((r) => child.once('exit', (code) => r(code)));
   for await (const c of stream) {
     const piece = c.choices[0]?.delta?.content ?? '';
     if (piece) {
       text += piece;
       pieces++;
       lastPieceAt = Date.now();
+      onPiece?.(pieces);
     }
     finish = c.choices[0]?.finish_reason ?? finish;
-    if (pieces === 2 && !drained) {
-      // The pod is deleted: the engine's preStop asks /drained, the bridge gets SIGTERM.
+  }
+  return { text, finish, lastPieceAt };
+}
+
+test('SIGTERM mid-answer with two more queued (one slot): the bridge serves all three, /drained answers only after the last piece, and the bridge exits cleanly', async () => {
+  const port = await freePort();
+  const { child, stderr } = await bridgeProcess(port);
+
+  // Not stopping: /drained says so after its 2 s wait for a SIGTERM (an engine container restarted alone).
+  const idle = await fetch(`http://127.0.0.1:${port}/drained`);
+  expect(idle.status).toBe(200);
+  expect(await idle.json()).toMatchObject({ drained: false });
+
+  const exited = new Promise<number | null>((r) => child.once('exit', (code) => r(code)));
+  let drained: Promise<{ at: number; body: unknown }> | undefined;
+  let queue: Promise<Awaited<ReturnType<typeof streamed>>[]> | undefined;
+  const first = streamed((pieces) => {
+    if (pieces !== 2 || drained) return;
+    // Two more requests for the instance, queued behind the one its slot serves.
+    queue = Promise.all([streamed(), streamed()]);
+    // The pod is deleted once they are queued: the engine's preStop asks /drained, the bridge gets SIGTERM.
+    void until('two requests queued', async () => {
+      const info = await (await nc.jetstreamManager()).consumers.info(names.requestStream, consumerNameOf(POOL, INSTANCE));
+      return info.num_pending === 2;
+    }).then(() => {
       drained = fetch(`http://127.0.0.1:${port}/drained`).then(async (r) => ({ at: Date.now(), body: await r.json() }));
       child.kill('SIGTERM');
-    }
+    });
+  });
+  const answers = [await first, ...(await until('the queue was sent', () => queue !== undefined).then(() => queue!))];
+  for (const a of answers) {
+    expect(a.text).toBe(REPLY); // whole: no piece lost to the stop, none left in the consumer
+    expect(a.finish).toBe('stop');
   }
-  expect(text).toBe(REPLY); // whole: no piece lost to the stop
-  expect(finish).toBe('stop');
+  await until('/drained was asked', () => drained !== undefined);
   const answer = await drained!;
   expect(answer.body).toMatchObject({ drained: true });
-  expect(answer.at).toBeGreaterThanOrEqual(lastPieceAt); // the engine would have been stopped only now
+  expect(answer.at).toBeGreaterThanOrEqual(Math.max(...answers.map((a) => a.lastPieceAt))); // the engine would have been stopped only now
   expect(await exited).toBe(0);
-  expect(stderr()).toContain('stopping');
+  expect(stderr()).toContain('serving the 2 request(s) queued for this instance first');
   expect(coldStarts).toEqual([]);
 }, 60_000);

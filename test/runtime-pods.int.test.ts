@@ -19,7 +19,8 @@
  * cluster DNS under podman: they point at the worker pod's address), the S3 Secret's keys and the
  * network key given as env values (podman 4.3's kube play reads Secrets only from its own secret
  * store), and no
- * `ports` (declarative in Kubernetes; podman would publish them on the host).
+ * `ports` (declarative in Kubernetes; podman would publish them on the host), and a termination grace
+ * of 10 s (the runtime's is minutes, for a drain).
  */
 import { PutObjectCommand } from '@aws-sdk/client-s3';
 import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
@@ -203,6 +204,9 @@ async function podOf(name: string, workers: { names: string[]; ip?: string }): P
       delete e.valueFrom;
     }
   }
+  // A short stop: the runtime's grace is the drain timeout plus 15 s (minutes), for answers in
+  // flight; here nothing is in flight at teardown, and a container slow to exit should not hold it.
+  spec.terminationGracePeriodSeconds = 10;
   // Secret volumes (the bridge's NATS user) as host folders holding the Secret's files: podman's kube play reads Secrets only from its own store.
   for (const v of spec.volumes ?? []) {
     if (!v.secret) continue;

@@ -225,6 +225,8 @@ function resources(plan: InstancePlan, bytes: number | null): Record<string, unk
 export const DEFAULT_DRAIN_SECONDS = 300;
 /** Beyond the drain: the bridge hands back what did not finish, the engine and NATS connections close. */
 export const DRAIN_MARGIN_SECONDS = 15;
+/** The longest drain a `Dllama` may ask for (its CRD's rule on `drainTimeout`). */
+export const MAX_DRAIN_SECONDS = 3600;
 
 function podBasics(plan: InstancePlan, labels: Record<string, string>): Record<string, unknown> {
   return {

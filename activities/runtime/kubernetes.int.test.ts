@@ -13,7 +13,7 @@ import { dataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import type { DllamaResourceSpec } from '../../shared/kube';
-import type { ReadyModel } from '../../shared/model';
+import { modelRevision, type ReadyModel } from '../../shared/model';
 import { isolation } from '../../test/harness';
 import { natsStack, tempDir, temporalStack, TestStack, workersStack } from '../../test/harness/stack';
 import type { MagusConfig } from '../../workers/config';
@@ -92,7 +92,19 @@ async function applyDllama(name: string, spec: Partial<DllamaResourceSpec>): Pro
     apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
     kind: 'Dllama',
     metadata: { name, namespace: NS },
-    spec: { model: name, engine: 'dllama', nodesPower: 0, replicas: 1, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 2, idleTimeout: '10m', ...spec },
+    // No drain: kwok holds a deleted pod for its whole grace (the drain plus 15 s), and the fake nodes' memory with it.
+    spec: {
+      model: name,
+      engine: 'dllama',
+      nodesPower: 0,
+      replicas: 1,
+      minReplicas: 0,
+      maxReplicas: 2,
+      leasesPerInstance: 2,
+      idleTimeout: '10m',
+      drainTimeout: '0s',
+      ...spec,
+    },
   };
   await custom.createNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', body });
 }
@@ -127,6 +139,8 @@ const runtimeOptions = (kc: KubeConfig) => ({
   s3: { endpoint: 'http://s3.magus.svc:9000', region: 'us-east-1', bucket: 'models', secret: 'magus-s3' },
   unschedulableAfterMs: 2000,
   startTimeoutMs: 90_000,
+  // No drain: kwok holds a deleted pod for its whole grace, and the fake nodes' memory with it.
+  drainSeconds: 0,
 });
 
 afterAll(() => stack.close(), 120_000);
@@ -141,7 +155,12 @@ test.each([0, 1, 2, 3])(
     const instance = `${name}-1`;
     const base = instanceBase(instance);
     const info = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
-    expect(info).toEqual({ instance, subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`, healthy: true });
+    expect(info).toEqual({
+      instance,
+      subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`,
+      healthy: true,
+      revision: modelRevision((await registry.get(NS, name))!),
+    });
     expect((await podsOf(instance)).filter((p) => p.status?.conditions?.some((c) => c.type === 'Ready' && c.status === 'True'))).toHaveLength(nodes);
 
     const root = (await sts(base))!;
@@ -204,9 +223,14 @@ test.each([0, 1, 2, 3])(
       '1',
       '--health-port',
       '9467',
+      '--drain-timeout-ms',
+      '0',
       '--prefix',
       iso.natsPrefix,
     ]);
+    // The engine outlives the bridge's drain; the grace is the Dllama's drainTimeout (0s here) plus 15 s.
+    expect(pod.terminationGracePeriodSeconds).toBe(15);
+    expect(pod.containers[0]!.lifecycle).toMatchObject({ preStop: { httpGet: { path: '/drained', port: 9467 } } });
     expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_URL', value: 'nats://nats.magus.svc:4222' });
     // Its NATS user: one of its own, made with the signer, from a Secret of the instance.
     expect(bridge.env).toContainEqual({ name: 'MAGUS_NATS_CREDENTIALS', value: '/etc/magus/nats/creds' });

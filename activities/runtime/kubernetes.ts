@@ -53,6 +53,8 @@ import {
   instanceBase,
   instanceManifests,
   instanceSelector,
+  DRAIN_MARGIN_SECONDS,
+  MAX_DRAIN_SECONDS,
   modelPath,
   networkKeySecret,
   poolOwnerManifest,
@@ -107,6 +109,8 @@ export interface KubernetesRuntimeOptions {
   unschedulableAfterMs?: number;
   /** How long a start may take in all (default 30 min). */
   startTimeoutMs?: number;
+  /** The drain of instances whose `Dllama` sets no `drainTimeout` (or that have none), in seconds (default 300). */
+  drainSeconds?: number;
   /** Container ports (default 8080, 9998, 9467). */
   ports?: InstancePorts;
   /** The only namespaces instances may be in (the worker's Roles are there); absent or empty: any. */
@@ -292,7 +296,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
     }
     const engine = d ? d.spec.engine : defaultEngine(ready);
-    const drainMs = d?.spec.drainTimeout ? parseDuration(d.spec.drainTimeout) : null;
+    const drainMs = d?.spec.drainTimeout ? parseDuration(d.spec.drainTimeout) : opts.drainSeconds !== undefined ? opts.drainSeconds * 1000 : null;
     const distributed = isDistributed(engine);
     let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
     const clusterNodes = distributed && d?.spec.autoNodes ? await listNodes() : null;
@@ -474,7 +478,31 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         if (code(err) !== 404) throw err;
       });
     }
-    await deleteInstanceConsumer(await opts.nc.jetstreamManager(), opts.names, { pool, instance }).catch(() => false);
+    // Its pods drain first (README.md, "Draining": the bridge serves what the consumer holds and
+    // acks what it finishes): the consumer goes once they are gone, in the background.
+    void consumerAfterPods(pool, instance, namespaces);
+  }
+
+  /** Deletes the instance's consumer once none of its pods is left (looked at every 2 s, for at most the longest drain). */
+  async function consumerAfterPods(pool: string, instance: string, namespaces: string[]): Promise<void> {
+    const until = Date.now() + (MAX_DRAIN_SECONDS + DRAIN_MARGIN_SECONDS + 30) * 1000;
+    for (;;) {
+      const left = await Promise.all(
+        namespaces.map((namespace) =>
+          core.listNamespacedPod({ namespace, labelSelector: instanceSelector(instance) }).then(
+            (l) => l.items.length,
+            () => 0,
+          ),
+        ),
+      );
+      if (left.every((n) => n === 0) || Date.now() > until || opts.nc.isClosed()) break;
+      await new Promise((r) => setTimeout(r, 2000).unref()); // the worker's stop does not wait for it
+    }
+    // Best effort: the worker may be stopping (NATS draining); a consumer left behind holds nothing.
+    await opts.nc
+      .jetstreamManager()
+      .then((jsm) => deleteInstanceConsumer(jsm, opts.names, { pool, instance }))
+      .catch(() => false);
   }
 
   /** The namespaces holding an instance's ConfigMap (the Runtime interface names no namespace for destroy and describe). */

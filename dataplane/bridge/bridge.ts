@@ -67,7 +67,10 @@ export interface BridgeOptions {
    * Default 15 s.
    */
   engineWaitMs?: number;
-  /** How long {@link Bridge.stop} lets requests in flight finish before handing them back. Default 30 s. */
+  /**
+   * How long {@link Bridge.stop} goes on serving what its instance's consumer holds and lets
+   * requests in flight finish, before it hands the rest back. Default 30 s.
+   */
   drainTimeoutMs?: number;
   log?: (line: string) => void;
   /** Where the tokens of the usage records it writes are counted (default: the process's, `magus_usage_tokens_total`). */
@@ -146,6 +149,7 @@ export class Bridge {
   private readonly handlers = new Set<Promise<void>>();
   private loop: Promise<void> = Promise.resolve();
   private consuming = true;
+  /** Set once no delivery may be served any more (a late one is handed back). */
   private stopping = false;
   private stopped: Promise<void> | undefined;
 
@@ -288,14 +292,16 @@ export class Bridge {
     }
   }
 
-  /** True once {@link Bridge.stop} was called (it stops pulling and lets what is in flight finish). */
+  /** True once {@link Bridge.stop} was called (it serves what is queued and in flight, then stops). */
   get draining(): boolean {
-    return this.stopping;
+    return this.stopped !== undefined;
   }
 
   /**
-   * Stops pulling, lets requests in flight finish (up to the drain timeout), hands the rest back.
-   * Every call resolves when that is done.
+   * Drains, within the drain timeout: goes on pulling until the instance's consumer holds nothing
+   * undelivered (what gateways queued for the instance before it was unpublished would be lost
+   * with the consumer), then stops pulling and lets requests in flight finish; what is still in
+   * flight at the deadline is handed back. Every call resolves when that is done.
    */
   stop(): Promise<void> {
     this.stopped ??= this.drainAndStop();
@@ -303,10 +309,12 @@ export class Bridge {
   }
 
   private async drainAndStop(): Promise<void> {
+    const deadline = Date.now() + this.drainTimeoutMs;
+    await this.serveQueued(deadline);
     this.stopping = true;
     await settlesWithin(this.consumer.stopPulling(), 5000);
     await settlesWithin(this.loop, 5000);
-    const drained = await settlesWithin(Promise.allSettled([...this.handlers]), this.drainTimeoutMs);
+    const drained = await settlesWithin(Promise.allSettled([...this.handlers]), Math.max(0, deadline - Date.now()));
     if (!drained) {
       this.log(`stopping: handing ${this.attempts.size} request(s) in flight back`);
       this.attempts.abortAll('shutdown');
@@ -317,6 +325,18 @@ export class Bridge {
     this.engine.close();
     this.cancels.close();
     this.consumer.close();
+  }
+
+  /** Goes on serving until the consumer holds nothing undelivered, the deadline passes, or that cannot be known. */
+  private async serveQueued(deadline: number): Promise<void> {
+    let logged = false;
+    for (;;) {
+      const waiting = this.consuming ? await this.consumer.undelivered() : null;
+      if (!waiting || Date.now() >= deadline) return;
+      if (!logged) this.log(`stopping: serving the ${waiting} request(s) queued for this instance first`);
+      logged = true;
+      await new Promise((r) => setTimeout(r, 200));
+    }
   }
 
   /** Serves what the consumer delivers until the bridge stops or the connection closes. */

@@ -144,6 +144,15 @@ export class RequestConsumer {
     return this.messages.close();
   }
 
+  /** Requests in the consumer not delivered yet; null when that cannot be read now (NATS away, the consumer gone). */
+  async undelivered(): Promise<number | null> {
+    if (this.opts.nc.isClosed()) return null;
+    return this.consumer.info().then(
+      (i) => i.num_pending,
+      () => null,
+    );
+  }
+
   /** Stops watching for leader elections. */
   close(): void {
     this.elected?.unsubscribe();
