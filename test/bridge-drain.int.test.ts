@@ -7,24 +7,18 @@
  * NATS user), a stub engine streaming slowly, the real gateway and the official client.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
-import { randomBytes } from 'node:crypto';
-import OpenAI from 'openai';
+import type OpenAI from 'openai';
 import { consumerNameOf, type DataPlaneNames } from '../dataplane';
-import type { RunningGateway } from '../gateway/server';
 import { freePort } from '../workers/dev/services';
 import { MAGUS_BIN } from './harness/dev';
-import { pinnedConversation, refusedColdStart } from './harness/gateway';
 import { endpoint, isolation, natsBridgeCredentials, natsCredentialsEnv } from './harness';
-import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
+import { natsStack, pinnedGatewayStack, stubEngineStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 import type { NatsConnection } from 'nats';
 
 const iso = isolation();
 const POOL = 'drained';
 const INSTANCE = 'i1';
-const TOKEN_ID = 'drain';
-const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
-const SECRET = randomBytes(32).toString('hex');
 const SESSION = `drain-${iso.id}`;
 const PIECES = 12;
 const PIECE_MS = 250;
@@ -32,7 +26,6 @@ const REPLY = Array.from({ length: PIECES }, (_, i) => `piece${i} `).join('');
 
 let nc: NatsConnection;
 let names: DataPlaneNames;
-let gateway: RunningGateway;
 let openai: OpenAI;
 let engineUrl: string;
 const coldStarts: string[] = [];
@@ -42,16 +35,9 @@ beforeAll(async () => {
   ({ nc, names } = await stack.open(natsStack(iso, { declare: true })));
   const { engine } = await stack.open(stubEngineStack({ modelId: POOL, chunks: PIECES, chunkDelayMs: PIECE_MS, reply: () => REPLY }));
   engineUrl = engine.url;
-  await pinnedConversation(nc, names, { pool: POOL, instance: INSTANCE, secret: SECRET, scope: TOKEN_ID, sessionId: SESSION });
-  ({ gateway } = await stack.open(
-    gatewayStack(names, {
-      secret: SECRET,
-      tokens: { [TOKEN_ID]: TOKEN },
-      env: { MAGUS_LOG_LEVEL: 'silent' },
-      deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the drain test') },
-    }),
+  ({ openai } = await stack.open(
+    pinnedGatewayStack(nc, names, { pool: POOL, instance: INSTANCE, sessionId: SESSION, coldStarts, why: 'cold start in the drain test' }),
   ));
-  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 120_000);
 
 afterAll(() => stack.close(), 60_000);

@@ -447,6 +447,7 @@ describe('Dllama', () => {
       maxReplicas: 64,
       leasesPerInstance: 1024,
       idleTimeout: '1h30m',
+      drainTimeout: '1h',
       resources: { requests: { cpu: '500m', memory: '4Gi', 'nvidia.com/gpu': '1' }, limits: { memory: '8Gi', 'ephemeral-storage': '10G' } },
       nodeSelector: { 'magus.dev/inference': 'true', 'kubernetes.io/arch': 'amd64' },
       tolerations: [
@@ -470,6 +471,7 @@ describe('Dllama', () => {
       maxReplicas: 1,
       leasesPerInstance: 4,
       idleTimeout: '10m',
+      drainTimeout: '5m',
     });
   });
 
@@ -478,6 +480,8 @@ describe('Dllama', () => {
     ['replicas at min = max', dllamaSpec({ replicas: 3, minReplicas: 3, maxReplicas: 3 })],
     ['the 30s idle floor', dllamaSpec({ idleTimeout: '30s' })],
     ['hours, minutes and seconds', dllamaSpec({ idleTimeout: '2h5m30s' })],
+    ['no drain', dllamaSpec({ drainTimeout: '0s' })],
+    ['the longest drain', dllamaSpec({ drainTimeout: '60m' })],
     ['distributed-llama on one node', dllamaSpec({ engine: 'dllama', nodesPower: 0 })],
     ['empty resource maps', dllamaSpec({ resources: { requests: {}, limits: {} } })],
   ])('accepts %s', async (_what, spec) => {
@@ -527,6 +531,13 @@ describe('Dllama', () => {
     ['an idle timeout in milliseconds', 'x', dllamaSpec({ idleTimeout: '45000ms' }), GRAMMAR_MSG],
     ['an empty idle timeout', 'x', dllamaSpec({ idleTimeout: '' }), GRAMMAR_MSG],
     ['an idle timeout below 30s', 'x', dllamaSpec({ idleTimeout: '29s' }), 'idleTimeout must be at least 30s'],
+    ['a drain beyond 1h', 'x', dllamaSpec({ drainTimeout: '61m' }), 'drainTimeout must be at most 1h'],
+    [
+      'a drain that is no duration',
+      'x',
+      dllamaSpec({ drainTimeout: '5 minutes' }),
+      'drainTimeout must be a duration of whole hours, minutes and seconds, e.g. 90s, 5m or 1h',
+    ],
     [
       'a request that is not a quantity',
       'x',

@@ -15,14 +15,12 @@ import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
-import OpenAI from 'openai';
+import type OpenAI from 'openai';
 import { consumerNameOf, dataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
-import { pinnedConversation, refusedColdStart } from './harness/gateway';
-import type { RunningGateway } from '../gateway/server';
 import { splitText, type StubEngine } from './fixtures/stub-engine';
 import { endpoint, isolation, natsBridgeCredentials, natsCredentialsEnv } from './harness';
-import { gatewayStack, natsStack, stubEngineStack, TestStack } from './harness/stack';
+import { natsStack, pinnedGatewayStack, stubEngineStack, TestStack } from './harness/stack';
 import { freePort } from '../workers/dev/services';
 import { until } from './harness/wait';
 
@@ -32,14 +30,11 @@ const INSTANCE = 'i1';
 const CHUNKS = 8;
 const ACK_WAIT_MS = 1000;
 const TOKEN_ID = 'kill';
-const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
-const SECRET = randomBytes(32).toString('hex');
 const SESSION = `kill-${iso.id}`;
 const ROOT = join(__dirname, '..');
 
 let nc: NatsConnection;
 let engine: StubEngine;
-let gateway: RunningGateway;
 let openai: OpenAI;
 const coldStarts: string[] = [];
 const processes = new Set<BridgeProcess>();
@@ -145,22 +140,18 @@ beforeAll(async () => {
       },
     }),
   ));
-  await pinnedConversation(nc, names, { pool: POOL, instance: INSTANCE, secret: SECRET, scope: TOKEN_ID, sessionId: SESSION });
-
-  // The entry was written before the watch started, so `ready` means it is loaded.
-  ({ gateway } = await stack.open(
-    gatewayStack(names, {
-      secret: SECRET,
-      tokens: { [TOKEN_ID]: TOKEN },
-      env: {
-        // Far longer than a bridge takes to start: the client waits for the second bridge.
-        MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000',
-        MAGUS_LOG_LEVEL: 'silent',
-      },
-      deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the bridge kill test') },
+  ({ openai } = await stack.open(
+    pinnedGatewayStack(nc, names, {
+      tokenId: TOKEN_ID,
+      pool: POOL,
+      instance: INSTANCE,
+      sessionId: SESSION,
+      coldStarts,
+      why: 'cold start in the bridge kill test',
+      // Far longer than a bridge takes to start: the client waits for the second bridge.
+      env: { MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: '90000' },
     }),
   ));
-  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
   stack.defer(async () => {
     for (const p of processes) p.child.kill('SIGKILL');
     await Promise.all([...processes].map((p) => p.exited));

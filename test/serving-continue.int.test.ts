@@ -17,28 +17,23 @@
  * request's greedy answer changes with what the slot cache held, with no fault at all). The
  * engine-level proof of equality, on an engine that kept its cache, is in engine/engine.test.ts.
  */
-import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
-import OpenAI from 'openai';
+import type OpenAI from 'openai';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
 import { ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
-import type { RunningGateway } from '../gateway/server';
 import { demoModelFile } from '../workers/dev/demo-model';
-import { pinnedConversation, refusedColdStart } from './harness/gateway';
 import { isolation, natsConnectAsBridge } from './harness';
-import { gatewayStack, natsStack, TestStack } from './harness/stack';
+import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 
 const iso = isolation();
 const POOL = 'continue';
 const INSTANCE = 'i1';
 const TOKEN_ID = 'cont';
-const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
-const SECRET = randomBytes(32).toString('hex');
 const SESSION = `continue-${iso.id}`;
 const ANSWER_TOKENS = 200;
 /** The longest silence a client may see from its engine's return to the answer's next piece. */
@@ -57,7 +52,6 @@ let nc: NatsConnection;
 let names: DataPlaneNames;
 let engine: Supervised<LlamaCppEngine>;
 let bridge: Bridge;
-let gateway: RunningGateway;
 let openai: OpenAI;
 const coldStarts: string[] = [];
 const engineLog: string[] = [];
@@ -87,16 +81,16 @@ beforeAll(async () => {
   bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: INSTANCE, engineUrl: engine.current.url, slots: 1 });
   stack.defer(() => bridge.stop());
 
-  await pinnedConversation(nc, names, { pool: POOL, instance: INSTANCE, secret: SECRET, scope: TOKEN_ID, sessionId: SESSION });
-  ({ gateway } = await stack.open(
-    gatewayStack(names, {
-      secret: SECRET,
-      tokens: { [TOKEN_ID]: TOKEN },
-      env: { MAGUS_LOG_LEVEL: 'silent' },
-      deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the continuation test') },
+  ({ openai } = await stack.open(
+    pinnedGatewayStack(nc, names, {
+      tokenId: TOKEN_ID,
+      pool: POOL,
+      instance: INSTANCE,
+      sessionId: SESSION,
+      coldStarts,
+      why: 'cold start in the continuation test',
     }),
   ));
-  openai = new OpenAI({ baseURL: `${gateway.url}/v1`, apiKey: TOKEN, maxRetries: 0 });
 }, 120_000);
 
 afterAll(async () => {

@@ -20,10 +20,12 @@
  */
 import { CreateBucketCommand, type S3Client } from '@aws-sdk/client-s3';
 import type { Client, Connection } from '@temporalio/client';
+import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
+import OpenAI from 'openai';
 import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames, type DataPlaneOptions } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { startBridge, type Bridge, type BridgeOptions } from '../../dataplane/bridge';
@@ -33,7 +35,7 @@ import type { MagusConfig } from '../../workers/config';
 import { startTestHub, type TestHub, type TestHubOptions } from '../fixtures/hub';
 import { startWorkers, type RunningWorkers, type WorkerDeps } from '../../workers/worker';
 import { startStubEngine, type StubEngine, type StubEngineOptions } from '../fixtures/stub-engine';
-import { gatewayConfigFor } from './gateway';
+import { gatewayConfigFor, pinnedConversation, refusedColdStart } from './gateway';
 import { natsConnect, natsConnectAs, natsConnectAsBridge, s3Client, temporalClient, workerConfig, type Isolation } from './index';
 
 /** Something a piece opened, and how to close it. */
@@ -311,4 +313,28 @@ export async function gatewayStack(names: DataPlaneNames, opts: GatewayStackOpti
       await own?.drain();
     },
   };
+}
+
+/**
+ * A gateway serving one conversation pinned to `pool`/`instance` (no Temporal: a cold start is
+ * refused and recorded in `coldStarts`), with one key and the official client on it: what the
+ * tests of one instance's bridge and engine put in front of them.
+ */
+export async function pinnedGatewayStack(
+  nc: NatsConnection,
+  names: DataPlaneNames,
+  opts: { pool: string; instance: string; sessionId: string; coldStarts: string[]; why: string; env?: Record<string, string>; tokenId?: string },
+): Promise<{ gateway: RunningGateway; openai: OpenAI } & Opened> {
+  const tokenId = opts.tokenId ?? 'pinned';
+  const token = `mgs_${tokenId}_${randomBytes(16).toString('hex')}`;
+  const secret = randomBytes(32).toString('hex');
+  await pinnedConversation(nc, names, { pool: opts.pool, instance: opts.instance, secret, scope: tokenId, sessionId: opts.sessionId });
+  // The entry was written before the gateway's watch started, so its `ready` means it is loaded.
+  const piece = await gatewayStack(names, {
+    secret,
+    tokens: { [tokenId]: token },
+    env: { MAGUS_LOG_LEVEL: 'silent', ...opts.env },
+    deps: { coldStart: refusedColdStart(opts.coldStarts, opts.why) },
+  });
+  return { gateway: piece.gateway, openai: new OpenAI({ baseURL: `${piece.gateway.url}/v1`, apiKey: token, maxRetries: 0 }), close: () => piece.close() };
 }
