@@ -16,8 +16,9 @@ import { processMetricsText } from '../platform/process-metrics';
 export const BRIDGE_USAGE =
   'usage: magus bridge --pool P --instance I --engine http://HOST:PORT [--nats nats://HOST:PORT] [--slots N]\n' +
   `                    [--engine-kind ${ENGINE_KINDS.join('|')}] [--ack-wait-ms MS] [--drain-timeout-ms MS] [--health-port PORT] [--prefix NAME]\n` +
-  'On SIGTERM it stops taking requests and lets those in flight finish, up to --drain-timeout-ms (default 30000); GET /drained on\n' +
-  "the health port answers once that is done (an engine container's preStop waits on it, so the engine outlives the answers).\n" +
+  'On SIGTERM it serves what its consumer still holds, stops taking requests and lets those in flight finish, all within\n' +
+  "--drain-timeout-ms (default 30000); GET /drained on the health port answers once that is done (an engine container's\n" +
+  'preStop waits on it, so the engine outlives the answers).\n' +
   'environment: MAGUS_NATS_URL (comma-separated: every server of a cluster), MAGUS_NATS_REPLICAS; MAGUS_RESPONSES_PEAK_BYTES_PER_SEC, MAGUS_RESPONSES_RETENTION_MS (as for the worker)';
 
 /** `magus bridge …`: declares the data plane and this instance's consumer, serves until SIGINT/SIGTERM. */

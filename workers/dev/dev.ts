@@ -432,8 +432,12 @@ export async function runDev(opts: DevOptions): Promise<number> {
     const earlier = await readyFromEarlierRun(client, workflowId, repo);
     if (earlier) {
       say(`model "${name}" (${repo}) is ready from an earlier run: not pulled again (workflow ${workflowId})`);
-      // Declared by an earlier run without the kubectl door: declared now (the controller re-plans; nothing is fetched again).
-      if (kc && !opts.tokenEnv && !(await modelDeclared(kc, name))) await declareModel(kc, name, spec);
+      // Declared by an earlier run without the kubectl door, or with the hub's address of that run
+      // (the demo hub listens on a new port each run; a later spec change would resolve against the
+      // old one): declared now. The controller re-plans; nothing is fetched again, and the revision
+      // its pool serves is the same (content-addressed), so no instance is replaced.
+      const declared = kc && !opts.tokenEnv ? await modelDeclared(kc, name) : undefined;
+      if (declared === false || (declared && declared.hubUrl !== spec.source.hubUrl)) await declareModel(kc!, name, spec);
     } else {
       say(`pulling ${repo} through the modelPipeline workflow (watch it at ${e.temporal!.uiUrl}) …`);
       // With the kubectl door open the model is declared as a `Model` and the controller starts its
@@ -601,12 +605,13 @@ interface ListedModel {
 }
 
 /** Whether the `Model` `name` exists in `default`. */
-async function modelDeclared(kc: KubeConfig, name: string): Promise<boolean> {
+/** The `Model` of that name as declared (its hub's address), or false when there is none. */
+async function modelDeclared(kc: KubeConfig, name: string): Promise<{ hubUrl: string | undefined } | false> {
   try {
-    await kc
+    const m = (await kc
       .makeApiClient(CustomObjectsApi)
-      .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name });
-    return true;
+      .getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: 'default', plural: 'models', name })) as ModelResource;
+    return { hubUrl: m.spec.source.hubUrl };
   } catch (err) {
     if ((err as { code?: number }).code === 404) return false;
     throw err;
