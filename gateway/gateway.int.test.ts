@@ -565,6 +565,8 @@ describe('models, health and metrics', () => {
           engines: [],
           capabilities: ['json_schema', 'tools', 'logprobs', 'embeddings', 'completions'],
           sampling: {},
+          // Its pool's view lists no instance of it (the test pins conversations itself).
+          serving: { status: 'idle', instances: 0, starting: 0 },
         },
       ],
     });

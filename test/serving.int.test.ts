@@ -248,7 +248,7 @@ test('an engine killed once is restarted in place: the pool reports it (the Temp
   expect(after.lastRestart).toMatch(/^engine was killed by SIGKILL$/);
   expect(runtime.processes(MODEL, victim.id)![0]!.pid).not.toBe(pid);
   await until('the pool page says so', async () => (await currentDetails(pool)).includes(`\`${victim.id}\` ready`), 10_000);
-  expect(await currentDetails(pool)).toMatch(new RegExp(`- \`${victim.id}\` ready, \\d+ leases?; restarted once, last: .*SIGKILL`));
+  expect(await currentDetails(pool)).toMatch(new RegExp(`- \`${victim.id}\` ready, \\d+ leases?, revision \`[0-9a-f]{16}\`; restarted once, last: .*SIGKILL`));
   // Restarted where it was, not replaced: the conversation's next turn is answered on it.
   const r = await turn('after');
   expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);

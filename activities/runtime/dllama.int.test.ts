@@ -14,7 +14,7 @@ import { connect } from 'node:net';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import type { ReadyModel } from '../../shared/model';
+import { modelRevision, type ReadyModel } from '../../shared/model';
 import { isolation } from '../../test/harness';
 import { askInstance } from '../../test/harness/data-plane';
 import { runtimeStack, TestStack } from '../../test/harness/stack';
@@ -136,7 +136,13 @@ afterAll(() => stack.close());
 test('a 4-node topology serves through NATS, is restarted in place when a worker dies, given up in a crash loop, replaced and destroyed without leftovers', async () => {
   const rt = runtime({ nodes: 4 });
   const info = await rt.create({ namespace: 'default', model: 'tiny', pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
-  expect(info).toEqual({ instance: 'tiny-1', subject: requestSubjectOf(names, POOL, 'tiny-1'), healthy: true, restarts: { stops: 0, recovering: false } });
+  expect(info).toEqual({
+    instance: 'tiny-1',
+    subject: requestSubjectOf(names, POOL, 'tiny-1'),
+    healthy: true,
+    restarts: { stops: 0, recovering: false },
+    revision: modelRevision((await registry.get('default', 'tiny'))!),
+  });
 
   // Shape: the root and three workers on distinct loopback ports, with the real programs' flags.
   const procs = rt.processes(POOL, 'tiny-1')!;
