@@ -305,7 +305,7 @@ export function createServingActivities(deps: ServingDeps) {
       failing?: string;
       nextStartAt?: number;
       failedAt?: number;
-      starting?: { instance: string; since: number }[];
+      starting?: PoolEntry['starting'];
     }): Promise<void> {
       const entry: PoolEntry = {
         instances: input.instances,

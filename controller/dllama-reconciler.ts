@@ -21,7 +21,7 @@ import { dllamaSplitCondition, mergeConditions } from '../kube/status';
 import type { WatchEventType } from '../kube/watch';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../shared/constants';
 import { isDistributed } from '../shared/engines';
-import { DllamaCondition, FieldManager, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
+import { DllamaCondition, drainTimeoutMsOf, FieldManager, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../workflows/pool/definitions';
 import { Finalizers } from './finalizers';
 import type { Requeue } from './queue';
@@ -29,7 +29,7 @@ import type { WorkflowSignals } from './signals';
 
 /** A `Dllama` as its pool takes it: `replicas` instances kept, up to `maxReplicas` on demand. */
 export function poolResourceOf(d: DllamaResource): PoolResource {
-  const drainTimeoutMs = d.spec.drainTimeout === undefined ? null : parseDuration(d.spec.drainTimeout);
+  const drainTimeoutMs = drainTimeoutMsOf(d.spec);
   return {
     name: d.metadata.name,
     uid: d.metadata.uid,

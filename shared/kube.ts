@@ -257,6 +257,15 @@ export interface ApiKeyResource {
 /** Label on everything magus creates for a pool (the Dllama's scale selector matches it). */
 export const POOL_LABEL = 'magus.dev/pool';
 
+/** A `Dllama`'s drain when its spec sets none (its CRD's default, `5m`), and the longest it may ask for (its CRD's rule). */
+export const DEFAULT_DRAIN_SECONDS = 300;
+export const MAX_DRAIN_SECONDS = 3600;
+
+/** A `Dllama`'s `drainTimeout` in ms; null when it sets none (or none that parses). */
+export function drainTimeoutMsOf(spec: Pick<DllamaResourceSpec, 'drainTimeout'>): number | null {
+  return spec.drainTimeout === undefined ? null : parseDuration(spec.drainTimeout);
+}
+
 /** Parses a duration like `90s`, `10m`, `1h30m` into ms; null when malformed. */
 export function parseDuration(text: string): number | null {
   const m = /^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$/.exec(text);

@@ -26,7 +26,7 @@
  */
 import { createHash } from 'node:crypto';
 import type { DllamaResourceSpec } from '../../shared/kube';
-import { POOL_LABEL } from '../../shared/kube';
+import { DEFAULT_DRAIN_SECONDS, POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
 import { concurrentRequests, isDistributed, type EngineKind } from '../../shared/engines';
 
@@ -221,12 +221,8 @@ function resources(plan: InstancePlan, bytes: number | null): Record<string, unk
   return { requests, ...(limits && Object.keys(limits).length > 0 ? { limits } : {}) };
 }
 
-/** The default drain of an instance's pods (the `Dllama`'s `drainTimeout` default, 5m). */
-export const DEFAULT_DRAIN_SECONDS = 300;
 /** Beyond the drain: the bridge hands back what did not finish, the engine and NATS connections close. */
 export const DRAIN_MARGIN_SECONDS = 15;
-/** The longest drain a `Dllama` may ask for (its CRD's rule on `drainTimeout`). */
-export const MAX_DRAIN_SECONDS = 3600;
 
 function podBasics(plan: InstancePlan, labels: Record<string, string>): Record<string, unknown> {
   return {

@@ -1,7 +1,7 @@
 /** The Kubernetes runtime's pure parts: quantities, object names, and `magus fetch`'s arguments. */
 import { parseFetchArgs } from '../../workers/fetch';
-import { parseMemory } from '../../shared/kube';
-import { DEFAULT_DRAIN_SECONDS, DEFAULT_PORTS, DRAIN_MARGIN_SECONDS, instanceBase, instanceManifests, type InstancePlan } from './kubernetes-manifests';
+import { DEFAULT_DRAIN_SECONDS, parseMemory } from '../../shared/kube';
+import { DEFAULT_PORTS, DRAIN_MARGIN_SECONDS, instanceBase, instanceManifests, type InstancePlan } from './kubernetes-manifests';
 import { engineArgs } from './llama-cpp';
 
 test('memory quantities', () => {

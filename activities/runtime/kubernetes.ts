@@ -38,7 +38,7 @@ import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
-import { parseDuration, parseMemory, Plural, type DllamaResource } from '../../shared/kube';
+import { drainTimeoutMsOf, MAX_DRAIN_SECONDS, parseMemory, Plural, type DllamaResource } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { engineOf, isDistributed, type EngineKind } from '../../shared/engines';
 import { modelRevision, type ReadyModel } from '../../shared/model';
@@ -54,7 +54,6 @@ import {
   instanceManifests,
   instanceSelector,
   DRAIN_MARGIN_SECONDS,
-  MAX_DRAIN_SECONDS,
   modelPath,
   networkKeySecret,
   poolOwnerManifest,
@@ -296,7 +295,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       owner = { apiVersion: 'v1', kind: 'ConfigMap', name: cm.metadata!.name!, uid: cm.metadata!.uid! };
     }
     const engine = d ? d.spec.engine : defaultEngine(ready);
-    const drainMs = d?.spec.drainTimeout ? parseDuration(d.spec.drainTimeout) : opts.drainSeconds !== undefined ? opts.drainSeconds * 1000 : null;
+    const drainMs = (d ? drainTimeoutMsOf(d.spec) : null) ?? (opts.drainSeconds !== undefined ? opts.drainSeconds * 1000 : null);
     const distributed = isDistributed(engine);
     let nodes = distributed ? (d ? 2 ** (d.spec.nodesPower ?? 0) : (opts.defaultNodes ?? 1)) : 1;
     const clusterNodes = distributed && d?.spec.autoNodes ? await listNodes() : null;

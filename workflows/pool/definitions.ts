@@ -21,7 +21,7 @@ export interface PoolInput {
   /**
    * How long an instance being replaced (an older model revision) may keep answering what it has
    * in flight before it is stopped anyway (default 5 min, `DEFAULT_DRAIN_TIMEOUT_MS`). A
-   * `Dllama`'s `spec.drainTimeoutSeconds` overrides it.
+   * `Dllama`'s `spec.drainTimeout` overrides it.
    */
   drainTimeoutMs?: number;
   /**
@@ -62,7 +62,7 @@ export interface PoolResource {
   leasesPerInstance: number;
   idleTimeoutMs: number;
   nodesPerInstance: number;
-  /** `spec.drainTimeoutSeconds` in ms, when the resource sets it. */
+  /** `spec.drainTimeout` in ms, when the resource sets it. */
   drainTimeoutMs?: number;
   deleted?: boolean;
 }

@@ -22,6 +22,8 @@
  * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
  * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
  */
+import { DEFAULT_DRAIN_SECONDS } from '../../shared/kube';
+import type { PoolEntry } from '../../shared/serving';
 import type { RestartReport } from '../../shared/status';
 import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
 
@@ -35,8 +37,8 @@ export const PRESSURE_PENDING = 4;
 /** The published view is rewritten at least this often while it lists instances, so gateways can tell a live pool's entry from a dead one's. */
 export const VIEW_REFRESH_MS = 60_000;
 export const DEFAULT_DRAIN_GRACE_MS = 5000;
-/** How long an instance being replaced may finish what it has in flight before it is stopped anyway. */
-export const DEFAULT_DRAIN_TIMEOUT_MS = 5 * 60_000;
+/** How long an instance being replaced may finish what it has in flight before it is stopped anyway: a `Dllama`'s default. */
+export const DEFAULT_DRAIN_TIMEOUT_MS = DEFAULT_DRAIN_SECONDS * 1000;
 
 export interface PoolInstance {
   id: string;
@@ -110,7 +112,7 @@ export interface PoolView {
   nextStartAt?: number;
   failedAt?: number;
   /** Instances being started and since when (only with `VIEW_STARTING_PATCH`). */
-  starting?: { instance: string; since: number }[];
+  starting?: PoolEntry['starting'];
 }
 
 /** The next things the workflow must do, decided at one moment. */
