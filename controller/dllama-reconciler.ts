@@ -21,7 +21,17 @@ import { dllamaSplitCondition, mergeConditions } from '../kube/status';
 import type { WatchEventType } from '../kube/watch';
 import { CRD_GROUP, CRD_VERSION, WorkflowSummary } from '../shared/constants';
 import { isDistributed } from '../shared/engines';
-import { DllamaCondition, drainTimeoutMsOf, FieldManager, Kind, parseDuration, Plural, type DllamaResource, type ModelResource } from '../shared/kube';
+import {
+  DllamaCondition,
+  drainTimeoutMsOf,
+  instanceSpecOf,
+  FieldManager,
+  Kind,
+  parseDuration,
+  Plural,
+  type DllamaResource,
+  type ModelResource,
+} from '../shared/kube';
 import { poolResourceSignal, poolWorkflowId, type PoolInput, type PoolResource } from '../workflows/pool/definitions';
 import { Finalizers } from './finalizers';
 import type { Requeue } from './queue';
@@ -40,6 +50,7 @@ export function poolResourceOf(d: DllamaResource): PoolResource {
     idleTimeoutMs: parseDuration(d.spec.idleTimeout) ?? 600_000,
     nodesPerInstance: isDistributed(d.spec.engine) ? 2 ** d.spec.nodesPower : 1,
     ...(drainTimeoutMs !== null ? { drainTimeoutMs } : {}),
+    instanceSpec: instanceSpecOf(d).digest,
   };
 }
 

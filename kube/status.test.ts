@@ -178,7 +178,7 @@ test('a Dllama status shows a rollout: the old instance draining with its answer
   expect(status.instances![0]).toEqual({ id: 'm-1', phase: 'draining', leases: 2, revision: 'r1', retiring: 'revision r1 is replaced by r2', inFlight: 2 });
   expect(summary(status.conditions!)).toEqual(['Ready=True/InstancesReady', 'Degraded=False/AsExpected', 'Progressing=True/RollingOut']);
   expect(status.conditions!.find((c) => c.type === 'Progressing')!.message).toBe(
-    '1 instance(s) of an older model revision draining, 2 answer(s) in flight on them (revision r1 is replaced by r2)',
+    '1 instance(s) being replaced draining, 2 answer(s) in flight on them (revision r1 is replaced by r2)',
   );
 });
 

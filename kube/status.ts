@@ -206,7 +206,7 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
           type: 'Progressing',
           status: 'True',
           reason: 'RollingOut',
-          message: `${retiring.length} instance(s) of an older model revision draining, ${retiring.reduce((n, i) => n + (i.inFlight ?? 0), 0)} answer(s) in flight on them (${retiring[0]!.retiring})`,
+          message: `${retiring.length} instance(s) being replaced draining, ${retiring.reduce((n, i) => n + (i.inFlight ?? 0), 0)} answer(s) in flight on them (${retiring[0]!.retiring})`,
           observedGeneration: g,
         }
       : { type: 'Progressing', status: 'False', reason: 'AsExpected', message: '', observedGeneration: g },

@@ -6,7 +6,7 @@
  */
 import type { EngineKind } from './engines';
 import type { KeyLimits } from './limits';
-import type { ArtifactFormat, GgufChoice } from './model';
+import { shortDigest, type ArtifactFormat, type GgufChoice } from './model';
 import type { SamplingDefaults } from './sampling';
 import type { ArtifactWeights } from './weights';
 
@@ -264,6 +264,40 @@ export const MAX_DRAIN_SECONDS = 3600;
 /** A `Dllama`'s `drainTimeout` in ms; null when it sets none (or none that parses). */
 export function drainTimeoutMsOf(spec: Pick<DllamaResourceSpec, 'drainTimeout'>): number | null {
   return spec.drainTimeout === undefined ? null : parseDuration(spec.drainTimeout);
+}
+
+/**
+ * What shapes a `Dllama`'s instances: the fields its runtime builds an instance's pods from
+ * (engine, topology, slots, resources, placement, images) as one short digest, not those that
+ * only size or time the pool (replicas, idle and drain timeouts); and the resource and generation
+ * it was read from, so that of two the newer is known. An instance started under another digest
+ * is replaced like one of an older model revision (workflows/pool/state.ts, "Rollout"): a new
+ * image rolls out without cutting an answer.
+ */
+export interface InstanceSpec {
+  digest: string;
+  uid: string;
+  generation: number;
+}
+
+/** A `Dllama`'s {@link InstanceSpec}. Keys are sorted: equal specs digest equal whatever order they were written in. */
+export function instanceSpecOf(d: Pick<DllamaResource, 'metadata' | 'spec'>): InstanceSpec {
+  const sorted = (v: unknown): unknown =>
+    Array.isArray(v)
+      ? v.map(sorted)
+      : v !== null && typeof v === 'object'
+        ? Object.fromEntries(
+            Object.keys(v)
+              .sort()
+              .map((k) => [k, sorted((v as Record<string, unknown>)[k])]),
+          )
+        : v;
+  const { engine, nodesPower, autoNodes, leasesPerInstance, resources, nodeSelector, tolerations, images } = d.spec;
+  return {
+    digest: shortDigest(JSON.stringify(sorted({ engine, nodesPower, autoNodes, leasesPerInstance, resources, nodeSelector, tolerations, images }))),
+    uid: d.metadata.uid,
+    generation: d.metadata.generation,
+  };
 }
 
 /** Parses a duration like `90s`, `10m`, `1h30m` into ms; null when malformed. */

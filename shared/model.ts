@@ -153,14 +153,21 @@ export interface ReadyModel {
  * files (by digest) and converter. Two publications of the same weights (a pipeline run again,
  * sampling defaults changed) have the same revision; new weights, another converter or another
  * artifact list have another, and the model's pool rolls its instances over to it
- * (workflows/pool/state.ts, "Rollout"). 16 hex digits of two FNV-1a hashes: workflow-safe (no
- * Node builtin), and meant to tell revisions apart, not to resist forgery.
+ * (workflows/pool/state.ts, "Rollout"). A {@link shortDigest}.
  */
 export function modelRevision(ready: Pick<ReadyModel, 'source' | 'artifacts'>): string {
-  const text = [
-    ready.source.sha,
-    ...ready.artifacts.map((a) => `${a.format}-${a.weights}/${a.converterVersion}:${a.files.map((f) => f.sha256).join(',')}`).sort(),
-  ].join('\n');
+  return shortDigest(
+    [ready.source.sha, ...ready.artifacts.map((a) => `${a.format}-${a.weights}/${a.converterVersion}:${a.files.map((f) => f.sha256).join(',')}`).sort()].join(
+      '\n',
+    ),
+  );
+}
+
+/**
+ * 16 hex digits of two FNV-1a hashes of `text`: workflow-safe (no Node builtin), and meant to
+ * tell versions apart, not to resist forgery.
+ */
+export function shortDigest(text: string): string {
   const fnv = (seed: number): string => {
     let h = seed >>> 0;
     for (let i = 0; i < text.length; i++) {

@@ -178,7 +178,7 @@ test('a new model revision under live streams: none is cut, new first turns and 
     const newId = status.instances.find((i) => i.id !== oldId)!.id;
     expect(status.instances.find((i) => i.id === oldId)).toMatchObject({ revision: r1, retiring: `revision ${r1} is replaced by ${r2}` });
     await until('the pool page shows the rollout', async () => (await currentDetails(pool)).includes('**rolling out**'), 10_000);
-    expect(await currentDetails(pool)).toContain('**rolling out**: 1 instance of an older model revision draining, 3 answers in flight on them');
+    expect(await currentDetails(pool)).toContain('**rolling out**: 1 instance being replaced draining, 3 answers in flight on them');
 
     // A new conversation's first turn goes to the new instance, at once (the old one is frozen).
     const before = await keys();

@@ -25,7 +25,7 @@
  * per-node figure plus headroom; workers of an instance prefer distinct nodes.
  */
 import { createHash } from 'node:crypto';
-import type { DllamaResourceSpec } from '../../shared/kube';
+import type { DllamaResourceSpec, InstanceSpec } from '../../shared/kube';
 import { DEFAULT_DRAIN_SECONDS, POOL_LABEL } from '../../shared/kube';
 import type { StoredObject } from '../../shared/model';
 import { concurrentRequests, isDistributed, type EngineKind } from '../../shared/engines';
@@ -139,6 +139,8 @@ export interface InstancePlan {
   model: string;
   /** The model revision it serves (shared/model.ts `modelRevision`), kept in its ConfigMap. */
   revision?: string;
+  /** What shapes it: the Dllama it was built from (shared/kube.ts `instanceSpecOf`), kept in its ConfigMap. */
+  shape?: InstanceSpec;
   /** Owner of the instance's ConfigMap: the Dllama, or the pool's ConfigMap. */
   owner: OwnerReference;
   engine: EngineKind;
@@ -280,6 +282,7 @@ export function instanceManifests(plan: InstancePlan): KubeObject[] {
       engine: plan.engine,
       nodes: String(plan.nodes),
       ...(plan.revision ? { revision: plan.revision } : {}),
+      ...(plan.shape ? { spec: JSON.stringify(plan.shape) } : {}),
     },
   };
   // Owned by the ConfigMap, whose uid is known only once it exists: kubernetes.ts fills it in.

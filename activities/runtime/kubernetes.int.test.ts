@@ -562,6 +562,64 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
   });
 }, 400_000);
 
+test("a Dllama's image changed with kubectl: an instance built from it starts beside the old one, which is then stopped; a change that only sizes the pool replaces nothing", async () => {
+  const name = 'reimaged';
+  await registry.put(model(name, () => GIB));
+  await withKubeWorkers(5000, async ({ cfg, client, dir }) => {
+    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespaces: [NS] });
+    const kubeconfig = join(dir, 'kubeconfig');
+    writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
+    const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+    const pool = client.workflow.getHandle(poolWorkflowId(NS, name));
+    /** Ready root pods: their instance and the image of their engine container. */
+    const roots = async () =>
+      (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items
+        .filter(podReady)
+        .map((p) => `${p.metadata!.labels!['magus.dev/instance']} ${p.spec!.containers.find((c) => c.name === 'engine')!.image}`);
+    const observed = async (generation: number) =>
+      eventually(async () => {
+        const d = (await custom.getNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: NS, plural: 'dllamas', name })) as {
+          status?: { observedGeneration?: number };
+        };
+        expect(d.status?.observedGeneration).toBe(generation);
+      }, 60_000);
+    try {
+      await controller.synced;
+      // A drain of 5 s, so the status shows the old instance retired for a while.
+      await applyDllama(name, { engine: 'llamacpp', replicas: 1, minReplicas: 0, maxReplicas: 2, drainTimeout: '5s' });
+      let first: string[] = [];
+      await eventually(async () => expect((first = await roots())).toHaveLength(1), 60_000);
+      expect(first[0]).toMatch(/ magus:test$/);
+      // Only the pool's sizes: generation 2 is applied and the instance stays.
+      await kubectl('patch', `dllama/${name}`, '--type=merge', '-p', '{"spec":{"idleTimeout":"20m"}}');
+      await observed(2);
+      await sleep(2000);
+      expect(await roots()).toEqual(first);
+      expect((await pool.query(poolStatusQuery)).instances.map((i) => `${i.id}:${i.phase}`)).toEqual([`${first[0]!.split(' ')[0]}:ready`]);
+      // A new image: an instance built from it serves, then the old one is retired and goes.
+      await kubectl('patch', `dllama/${name}`, '--type=merge', '-p', '{"spec":{"images":{"magus":"magus:v2"}}}');
+      const old = first[0]!.split(' ')[0]!;
+      // What the status said of the old instance, polled until it is gone.
+      const seen = new Set<string>();
+      await eventually(async () => {
+        const s = await pool.query(poolStatusQuery);
+        const o = s.instances.find((i) => i.id === old);
+        if (o) seen.add(`${o.phase}${o.retiring ? `: ${o.retiring}` : ''}`);
+        expect(s.instances.map((i) => i.phase)).toEqual(['ready']);
+        expect(s.instances[0]!.id).not.toBe(old);
+        expect(await roots()).toEqual([`${s.instances[0]!.id} magus:v2`]);
+      }, 90_000);
+      // Retired with its reason, then stopped.
+      const why = 'built from Dllama generation 1, replaced by instances of generation 3';
+      expect([...seen].filter((x) => x !== 'ready').sort()).toEqual(expect.arrayContaining([`draining: ${why}`]));
+      expect([...seen].filter((x) => !['ready', `draining: ${why}`, `stopping: ${why}`].includes(x))).toEqual([]);
+    } finally {
+      await controller.stop();
+      await pool.terminate().catch(() => undefined);
+    }
+  });
+}, 300_000);
+
 test('a node that goes away: the pool notices, replaces the instance, and the conversation moves to the new one on its next turn', async () => {
   const name = 'nodeloss';
   await registry.put(model(name, () => GIB));

@@ -38,7 +38,7 @@ import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
 import { watchResource } from '../../kube/watch';
-import { drainTimeoutMsOf, MAX_DRAIN_SECONDS, parseMemory, Plural, type DllamaResource } from '../../shared/kube';
+import { drainTimeoutMsOf, instanceSpecOf, MAX_DRAIN_SECONDS, parseMemory, Plural, type DllamaResource, type InstanceSpec } from '../../shared/kube';
 import { DEFAULT_INSTANCE_MEMORY_BYTES } from '../../shared/engine-slots';
 import { engineOf, isDistributed, type EngineKind } from '../../shared/engines';
 import { modelRevision, type ReadyModel } from '../../shared/model';
@@ -120,6 +120,19 @@ export interface KubernetesRuntimeOptions {
 const code = (err: unknown): number | undefined => (err as { code?: number }).code;
 const applyHeaders = setHeaderOptions('Content-Type', PatchStrategy.ServerSideApply);
 const GIB = 2 ** 30;
+
+/** An instance ConfigMap's `spec` (what shaped it), if it holds a well-formed one. */
+function specOf(text: string | undefined): { spec?: InstanceSpec } {
+  if (!text) return {};
+  try {
+    const s = JSON.parse(text) as Partial<InstanceSpec>;
+    return typeof s.digest === 'string' && typeof s.uid === 'string' && Number.isSafeInteger(s.generation)
+      ? { spec: { digest: s.digest, uid: s.uid, generation: s.generation! } }
+      : {};
+  } catch {
+    return {};
+  }
+}
 const gib = (n: number) => `${(n / GIB).toFixed(1)} GiB`;
 
 /** Ready = the pod's Ready condition is True and it is not being deleted. */
@@ -324,6 +337,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       instance: req.instance,
       model: req.model,
       revision: modelRevision(ready),
+      ...(d ? { shape: instanceSpecOf(d) } : {}),
       owner,
       engine,
       threads: opts.threads ?? 1,
@@ -529,6 +543,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       subject: requestSubjectOf(opts.names, pool, instance),
       healthy: pods.filter(podReady).length >= expected && pods.every(podReady),
       ...(cm.data?.revision ? { revision: cm.data.revision } : {}),
+      ...specOf(cm.data?.spec),
     };
   }
 
@@ -554,6 +569,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
         subject: requestSubjectOf(opts.names, req.pool, req.instance),
         healthy: true,
         ...(p.revision ? { revision: p.revision } : {}),
+        ...(p.shape ? { spec: p.shape } : {}),
       };
     },
     destroy: (pool, instance) => destroy(pool, instance),

@@ -6,6 +6,7 @@
  */
 import type { BridgeSample } from '../../dataplane/bridge';
 import type { RestartReport } from '../../shared/status';
+import type { InstanceSpec } from '../../shared/kube';
 
 export interface InstanceRequest {
   namespace: string;
@@ -42,6 +43,12 @@ export interface InstanceInfo {
    * of an older one. Absent from runtimes that did not say it.
    */
   revision?: string;
+  /**
+   * What shapes it: the `Dllama` it was built from (shared/kube.ts `instanceSpecOf`). Its pool
+   * replaces instances built under another once that `Dllama` changes. Absent where a runtime
+   * builds instances from its own configuration only (local).
+   */
+  spec?: InstanceSpec;
 }
 
 /**

@@ -64,6 +64,11 @@ export interface PoolResource {
   nodesPerInstance: number;
   /** `spec.drainTimeout` in ms, when the resource sets it. */
   drainTimeoutMs?: number;
+  /**
+   * What shapes its instances (shared/kube.ts `instanceSpecOf`; absent from controllers before
+   * it): instances started under another are replaced (state.ts, "Rollout").
+   */
+  instanceSpec?: string;
   deleted?: boolean;
 }
 

@@ -14,7 +14,7 @@ export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): 
   const retiring = s.instances.filter((i) => i.retiring && i.phase === 'draining');
   if (retiring.length > 0)
     lines.push(
-      `**rolling out**: ${plural(retiring.length, 'instance')} of an older model revision draining, ${plural(
+      `**rolling out**: ${plural(retiring.length, 'instance')} being replaced draining, ${plural(
         retiring.reduce((n, i) => n + (i.inFlight ?? 0), 0),
         'answer',
       )} in flight on them`,

@@ -353,9 +353,7 @@ describe('rollout to a new model revision', () => {
     expect(s.plan(5000).stop).toEqual([]);
     expect(s.nextDeadline(5000)).toBe(1000); // the grace's end
     expect(s.nextDeadline(6000)).toBe(25_000); // then the deadline
-    expect(poolDetails(s.input, s.phase(), s.status(5000))).toContain(
-      '**rolling out**: 1 instance of an older model revision draining, 1 answer in flight on them',
-    );
+    expect(poolDetails(s.input, s.phase(), s.status(5000))).toContain('**rolling out**: 1 instance being replaced draining, 1 answer in flight on them');
     expect(s.plan(31_000).stop.map((i) => i.id)).toEqual(['m-1']);
   });
 
@@ -395,6 +393,83 @@ describe('rollout to a new model revision', () => {
     s.revisionPublished('r2');
     expect(s.plan(1).start).toEqual([]);
     expect(s.status(1).instances[0]!.phase).toBe('ready');
+  });
+});
+
+describe('rollout to a new instance spec (its Dllama changed how instances are built)', () => {
+  const resource = (generation: number, instanceSpec?: string) => ({
+    name: 'd',
+    uid: 'u1',
+    generation,
+    minInstances: 1,
+    maxInstances: 2,
+    leasesPerInstance: 2,
+    idleTimeoutMs: 60_000,
+    nodesPerInstance: 1,
+    ...(instanceSpec ? { instanceSpec } : {}),
+  });
+  const spec = (digest: string, generation: number) => ({ digest, uid: 'u1', generation });
+  /** A pool sized by generation 2 (spec `a`), its one instance built from it and reported idle. */
+  function pool(): PoolState {
+    const s = new PoolState(input());
+    expect(s.resource(resource(2, 'a'))).toBe(true);
+    for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}`, spec: spec('a', 2) }, 0);
+    s.loaded(report({ 'm-1': [1] }), 0);
+    return s;
+  }
+
+  it('a change that only sizes the pool replaces nothing; one that changes the spec starts a new instance and retires the old once it serves', () => {
+    const s = pool();
+    expect(s.resource(resource(3, 'a'))).toBe(true); // e.g. the idle timeout
+    expect(s.plan(1000)).toEqual({ start: [], stop: [] });
+    expect(s.resource(resource(4, 'b'))).toBe(true); // e.g. a new image
+    expect(s.plan(2000).start).toEqual(['m-2']);
+    expect(s.status(2000).instances.find((i) => i.id === 'm-1')!.phase).toBe('ready'); // serves until the new one does
+    s.started('m-2', { subject: 'magus.req.m.m-2', spec: spec('b', 4) }, 3000);
+    expect(s.plan(3000).start).toEqual([]);
+    expect(s.status(3000).instances).toEqual([
+      expect.objectContaining({ id: 'm-1', phase: 'draining', retiring: 'built from Dllama generation 2, replaced by instances of generation 4' }),
+      expect.objectContaining({ id: 'm-2', phase: 'ready' }),
+    ]);
+    // Carried into the next run: the new one is not replaced, the old one still drains.
+    const next = new PoolState(s.input, s.carry(3000));
+    expect(next.spec).toEqual(spec('b', 4));
+    expect(next.plan(3000).start).toEqual([]);
+    expect(next.status(3000).instances.map((i) => `${i.id}:${i.phase}`)).toEqual(['m-1:draining', 'm-2:ready']);
+  });
+
+  it('a start that read a generation not yet signalled is the newest spec: the older instance is replaced, the new one is not, and nothing loops', () => {
+    const s = pool();
+    s.input.minInstances = 2;
+    expect(s.plan(1000).start).toEqual(['m-2']);
+    s.started('m-2', { subject: 'magus.req.m.m-2', spec: spec('b', 5) }, 2000);
+    expect(s.spec).toEqual(spec('b', 5));
+    const p = s.plan(2000);
+    expect(p.start).toEqual(['m-3']); // m-1 no longer counts; m-2 does
+    expect(s.status(2000).instances.find((i) => i.id === 'm-2')!.phase).toBe('ready');
+    // The controller's signal of that generation (or an older one, late) changes nothing more.
+    s.resource(resource(5, 'b'));
+    expect(s.spec).toEqual(spec('b', 5));
+    s.started('m-3', { subject: 'magus.req.m.m-3', spec: spec('b', 5) }, 3000);
+    expect(s.plan(3000).start).toEqual([]);
+    expect(
+      s
+        .status(3000)
+        .instances.filter((i) => i.retiring)
+        .map((i) => i.id),
+    ).toEqual(['m-1']);
+  });
+
+  it('never replaces instances whose runtime did not say their spec, nor any while the pool knows none', () => {
+    const s = new PoolState(input({ minInstances: 1 }));
+    for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}` }, 0);
+    s.resource(resource(2, 'b'));
+    expect(s.plan(1000).start).toEqual([]);
+    const t = new PoolState(input({ minInstances: 1 }));
+    for (const id of t.plan(0).start) t.started(id, { subject: `magus.req.m.${id}`, spec: spec('a', 2) }, 0);
+    t.resource(resource(3)); // a controller from before specs
+    expect(t.plan(1000).start).toEqual([]);
+    expect(t.status(1000).instances[0]!.phase).toBe('ready');
   });
 });
 

@@ -12,7 +12,10 @@
  * first turns and, at their next turn, their conversations go to the new ones (gateways move an
  * entry whose instance the view no longer lists) — and each is stopped once the answers it has in
  * flight have ended, or at the drain deadline. An old instance is never retired before a new one
- * serves in its place: a revision that cannot start leaves the old ones serving.
+ * serves in its place: a revision that cannot start leaves the old ones serving. The same holds
+ * for what shapes an instance (its `Dllama`'s engine, topology, slots, resources, placement and
+ * images: shared/kube.ts `instanceSpecOf`): the pool knows the newest (the resource's signal, or
+ * a start that read a newer generation of it), and an instance built under another is replaced.
  *
  * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
  * gateways create, renew and move and its session deletes; the pool sees them only counted, per
@@ -22,7 +25,7 @@
  * Deterministic and free of Temporal: time is passed in, so the class is tested as plain code
  * (`state.test.ts`); `pool.ts` wires it to signals, activities and timers.
  */
-import { DEFAULT_DRAIN_SECONDS } from '../../shared/kube';
+import { DEFAULT_DRAIN_SECONDS, type InstanceSpec } from '../../shared/kube';
 import type { PoolEntry } from '../../shared/serving';
 import type { RestartReport } from '../../shared/status';
 import type { InstanceView, PoolInput, PoolPhase, PoolResource, PoolStatus } from './definitions';
@@ -59,6 +62,8 @@ export interface PoolInstance {
   drainSince: number;
   /** The model revision it serves, as its runtime said (absent: not said). */
   revision?: string;
+  /** What shaped it, as its runtime said (absent: not said). */
+  spec?: InstanceSpec;
   /** Set while it is replaced (phase `draining`): why. */
   retiring?: string;
   /** False from its retirement until the reconciler has reported on it since (its in-flight count before may be stale). */
@@ -85,12 +90,15 @@ export interface PoolCarry {
     /** Absent in an older run's carry. */
     restarts?: RestartReport;
     revision?: string;
+    spec?: InstanceSpec;
     /** Being replaced since `drainSince`. */
     retiring?: string;
     drainSince?: number;
   }[];
   /** The revision new instances serve, once known. */
   revision?: string;
+  /** What shapes new instances, once known. */
+  spec?: InstanceSpec;
   nextId: number;
   startFailures: number;
   nextStartAt: number;
@@ -148,6 +156,8 @@ export class PoolState {
   failedAt: number;
   /** The model revision new instances serve, once known. */
   revision: string | null;
+  /** What shapes new instances (their `Dllama`'s, the newest generation seen), once known. */
+  spec: InstanceSpec | null;
   readonly demand = new Map<string, { waiting: number; until: number }>();
   /**
    * The reconciler's last report (at the start of a run, the counts carried over): the activity
@@ -167,6 +177,8 @@ export class PoolState {
     this.lastError = carry?.lastError ?? null;
     this.failedAt = carry?.failedAt ?? 0;
     this.revision = carry?.revision ?? null;
+    const r = input.resource;
+    this.spec = carry?.spec ?? (r?.instanceSpec ? { digest: r.instanceSpec, uid: r.uid, generation: r.generation } : null);
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.lastLoad = carry
       ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) }
@@ -185,6 +197,7 @@ export class PoolState {
         reported: true,
         ...(c.restarts ? { restarts: c.restarts } : {}),
         ...(c.revision ? { revision: c.revision } : {}),
+        ...(c.spec ? { spec: c.spec } : {}),
         ...(c.retiring ? { phase: 'draining', retiring: c.retiring, drainSince: c.drainSince ?? 0, flightReported: false } : {}),
       });
     }
@@ -198,9 +211,27 @@ export class PoolState {
     return this.input.drainTimeoutMs ?? DEFAULT_DRAIN_TIMEOUT_MS;
   }
 
-  /** `i` serves another revision than new instances do (both known). */
+  /** `i` serves another revision than new instances do, or was shaped by another spec (each: both known). */
   outdated(i: PoolInstance): boolean {
-    return this.revision !== null && i.revision !== undefined && i.revision !== this.revision;
+    return this.outdatedWhy(i) !== null;
+  }
+
+  /** Why `i` is {@link outdated}, null when it is not. */
+  private outdatedWhy(i: PoolInstance): string | null {
+    if (this.revision !== null && i.revision !== undefined && i.revision !== this.revision) return `revision ${i.revision} is replaced by ${this.revision}`;
+    if (this.spec !== null && i.spec !== undefined && i.spec.digest !== this.spec.digest)
+      return `built from Dllama generation ${i.spec.generation}, replaced by instances of generation ${this.spec.generation}`;
+    return null;
+  }
+
+  /**
+   * What shapes instances, as a `Dllama` signal or a start said it: kept when it is newer than what
+   * the pool knew (a later generation of the same resource; the pool's resource when it was
+   * created again), so a start that read a generation not yet signalled is not replaced.
+   */
+  private specSeen(s: InstanceSpec): void {
+    const known = this.spec;
+    if (!known || (s.uid === known.uid ? s.generation > known.generation : s.uid === this.input.resource?.uid)) this.spec = s;
   }
 
   /** Instances being replaced, still answering what they have in flight. */
@@ -256,7 +287,7 @@ export class PoolState {
   }
 
   /** `id` serves now. */
-  started(id: string, info: { subject: string; runtimeQueue?: string; revision?: string }, now: number): void {
+  started(id: string, info: { subject: string; runtimeQueue?: string; revision?: string; spec?: InstanceSpec }, now: number): void {
     const i = this.instances.get(id);
     if (!i || i.phase !== 'starting') return;
     i.phase = 'ready';
@@ -265,6 +296,10 @@ export class PoolState {
     if (info.revision) {
       i.revision = info.revision;
       this.revision ??= info.revision; // a pipeline's word, when one came, is the newer
+    }
+    if (info.spec) {
+      i.spec = info.spec;
+      this.specSeen(info.spec);
     }
     i.idleSince = now;
     i.reported = false;
@@ -339,6 +374,7 @@ export class PoolState {
     if (!(r.maxInstances >= 1 && r.minInstances >= 0 && r.minInstances <= r.maxInstances && r.leasesPerInstance >= 1 && r.idleTimeoutMs >= 0)) return false;
     if (r.drainTimeoutMs !== undefined && !(r.drainTimeoutMs >= 0)) return false;
     this.input.resource = r;
+    if (r.instanceSpec) this.specSeen({ digest: r.instanceSpec, uid: r.uid, generation: r.generation });
     Object.assign(this.input, {
       minInstances: r.minInstances,
       maxInstances: r.maxInstances,
@@ -373,7 +409,7 @@ export class PoolState {
     for (const [replica, d] of this.demand) if (d.until <= now) this.demand.delete(replica);
     const plan: Plan = { start: [], stop: [] };
     const wanted = this.wanted(now);
-    // Instances of an older revision do not count: as many new ones start as the load wants.
+    // Instances being replaced (an older revision, another spec) do not count: as many new ones start as the load wants.
     const current = this.live().filter((i) => !this.outdated(i));
     if (now >= this.nextStartAt) {
       for (let n = current.length; n < wanted; n++) {
@@ -410,7 +446,7 @@ export class PoolState {
   }
 
   /**
-   * Rollout: old-revision instances beyond what the new ones serving leave wanted are retired
+   * Rollout: outdated instances beyond what the new ones serving leave wanted are retired
    * (the least loaded first); retired ones whose answers in flight have ended (reported since,
    * after the drain grace) or whose drain deadline passed are stopped, once no view lists them.
    */
@@ -424,7 +460,7 @@ export class PoolState {
         continue;
       }
       i.phase = 'draining';
-      i.retiring = `revision ${i.revision} is replaced by ${this.revision}`;
+      i.retiring = this.outdatedWhy(i)!;
       i.drainSince = now;
       i.flightReported = false;
     }
@@ -543,9 +579,11 @@ export class PoolState {
         idleSince: i.idleSince,
         ...(i.restarts ? { restarts: i.restarts } : {}),
         ...(i.revision ? { revision: i.revision } : {}),
+        ...(i.spec ? { spec: i.spec } : {}),
         ...(i.retiring !== undefined ? { retiring: i.retiring, drainSince: i.drainSince } : {}),
       })),
       ...(this.revision ? { revision: this.revision } : {}),
+      ...(this.spec ? { spec: this.spec } : {}),
       nextId: this.nextId,
       startFailures: this.startFailures,
       nextStartAt: this.nextStartAt,
