@@ -11,6 +11,7 @@
  * Workflow-safe: no I/O.
  */
 import { Type, type Static } from '@sinclair/typebox';
+import type { ResponseFrame } from './serving';
 
 /** Tokens an answer being continued may carry: a context's worth, and then some. */
 export const MAX_RESUMED_TOKENS = 1 << 20;
@@ -48,3 +49,66 @@ export interface ChunkTokens {
 
 /** The error code of an engine that cannot continue a request (another model, a request its resume does not fit). */
 export const RESUME_MISMATCH = 'resume_mismatch';
+
+/**
+ * The error code of a bridge that hands an answer back to its gateway to be continued elsewhere
+ * (its drain deadline passed, or its engine went away): a `503` error frame, after which no
+ * attempt of that request publishes more. A gateway that can move answers sends the rest as a new
+ * request that {@link Continues} it, on another instance when the pool has one; an older gateway
+ * ends the answer with the error. The usage ledger records the answer once, from the request
+ * that ends it.
+ */
+export const CONTINUE_ELSEWHERE = 'continue_elsewhere';
+
+/** The answer so far when nothing of it was sent yet. */
+export const NOTHING_SAID: ResumedAnswer = { tokens: [], text: '' };
+
+/**
+ * What a request that continues another's answer carries (the envelope's `continues`): the
+ * request whose answer it is (its chunks are stamped with that request's id and `created`, its
+ * seed is that request's, and the usage ledger records it under that id), the answer so far, and
+ * whether its bridge may hand it back again (`stay`: the pool had no other instance, so it waits
+ * for its engine where it is).
+ */
+export const Continues = Type.Object(
+  {
+    id: Type.String({ minLength: 1, maxLength: 128, pattern: '^[A-Za-z0-9_-]+$' }),
+    /** Epoch ms the answer's chunks say they were created (`created` × 1000). */
+    createdAt: Type.Number(),
+    resume: Type.Object(
+      { tokens: Type.Array(Type.Integer({ minimum: 0 }), { maxItems: MAX_RESUMED_TOKENS }), text: Type.String() },
+      { additionalProperties: false },
+    ),
+    stay: Type.Optional(Type.Boolean()),
+  },
+  { additionalProperties: false },
+);
+export type Continues = Static<typeof Continues>;
+
+/**
+ * The answer so far, as an engine that continues answers resumes it, from its frames in order:
+ * every chunk with text says its tokens, and none ended the choice. Undefined when they cannot
+ * say it (another engine's frames, tool calls, several choices, a finished choice, an error):
+ * the answer can then only be generated again and checked against them.
+ */
+export function resumedAnswer(frames: readonly ResponseFrame[]): ResumedAnswer | undefined {
+  const tokens: number[] = [];
+  let text = '';
+  for (const f of frames) {
+    if (f.type !== 'chunk') return undefined;
+    const choices = (f.data as { choices?: unknown } | null)?.choices;
+    if (!Array.isArray(choices) || choices.length !== 1) return undefined;
+    const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; text?: unknown; finish_reason?: unknown } | null;
+    if (!c || c.finish_reason != null || c.delta?.tool_calls != null) return undefined;
+    const piece = c.delta ? (c.delta.content ?? '') : (c.text ?? '');
+    if (typeof piece !== 'string') return undefined;
+    if (piece === '') continue; // a chat stream's role chunk
+    if (!Array.isArray(f.tokens)) return undefined;
+    for (const t of f.tokens) tokens.push(t);
+    text += piece;
+  }
+  return { tokens, text };
+}
+
+/** The answer so far `a`, then `b` (what a continuation said after what it was given). */
+export const joinedAnswer = (a: ResumedAnswer, b: ResumedAnswer): ResumedAnswer => ({ tokens: [...a.tokens, ...b.tokens], text: a.text + b.text });

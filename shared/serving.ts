@@ -9,6 +9,7 @@ import { Type, type Static } from '@sinclair/typebox';
 import { ChatCompletionRequest } from './chat';
 import { CompletionsRequest } from './completions';
 import { EmbeddingsRequest } from './embeddings';
+import { Continues } from './continuation';
 
 /**
  * OpenAI's `usage` as magus's engines send it: in a `chat.completion`, and in a stream's last
@@ -46,6 +47,12 @@ const envelope = {
   instanceFrames: Type.Optional(Type.Boolean()),
   /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
   deadline: Type.Number(),
+  /**
+   * It continues another request's answer, handed back by that request's bridge
+   * (shared/continuation.ts `CONTINUE_ELSEWHERE`): a streamed chat or text completion whose engine
+   * resumes after the answer so far. Its frames are numbered from 0 on its own subjects.
+   */
+  continues: Type.Optional(Continues),
   /**
    * Who the usage ledger charges (shared/usage.ts `UsageMeter`): the key's identity, the model
    * and when the gateway took the request in. Gateways before the ledger send none; the bridge

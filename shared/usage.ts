@@ -95,11 +95,15 @@ export interface UsageEnd {
  * ends a request and the gateway that gives up on one both write. None for a request that carries
  * no meter (an older gateway's).
  */
-export function usageRecordOf(req: { id: string; kind?: UsageRecord['kind']; meter?: UsageMeter }, end: UsageEnd): UsageRecord | undefined {
+export function usageRecordOf(
+  req: { id: string; kind?: UsageRecord['kind']; meter?: UsageMeter; continues?: { id: string } },
+  end: UsageEnd,
+): UsageRecord | undefined {
   if (!req.meter) return undefined;
   const chunks = end.chunks ?? 0;
   return {
-    id: req.id,
+    // A continuation's usage is its whole answer's (the engine counts the tokens it was given): recorded as the request it continues.
+    id: req.continues?.id ?? req.id,
     key: req.meter.key,
     model: req.meter.model,
     kind: req.kind ?? 'chat',

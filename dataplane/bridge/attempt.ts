@@ -12,6 +12,8 @@ import type { UsageLedger } from '../usage';
 import { BridgeErrorCode, errorFrame } from './error-frames';
 import type { BridgeStats } from './metrics';
 import { PendingFrames, type StoredFramePublisher } from './stored-frames';
+import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
+import { handBackFrame, movable } from './generate';
 
 /** Why an attempt was stopped before it concluded. */
 export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled';
@@ -46,10 +48,12 @@ export interface AttemptContext {
   ledger?: UsageLedger;
   /** The tokens of the records this bridge wrote (`magus_usage_tokens_total`). */
   usage: UsageTotals;
+  /** Its engine continues answers from their tokens (shared/engines.ts): one stopped at the drain deadline is handed back to be continued elsewhere. */
+  continues?: boolean;
 }
 
 export class Attempt {
-  private readonly controller = new AbortController();
+  private controller = new AbortController();
   /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
   private readonly held: ResponseFrame[] = [];
   /** Frames published but not yet acknowledged as stored by the response stream. */
@@ -61,6 +65,8 @@ export class Attempt {
   private concluding = false;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
   nextSeq = 0;
+  /** The answer's frames so far, earlier attempts' included, as its engine call keeps them (generate.ts). */
+  answer: readonly ResponseFrame[] = [];
   /** The tokens the request's frames reported (the engine's `usage`), and the chunks they streamed. */
   private tokens: Tokens | undefined;
   private chunks = 0;
@@ -96,6 +102,11 @@ export class Attempt {
   /** Its engine continues the answer from the tokens an earlier attempt sent (generate.ts). */
   continued(): void {
     this.ctx.stats.continued += 1;
+  }
+
+  /** It hands its answer back to be continued elsewhere (generate.ts `handBack`). */
+  handedBack(): void {
+    this.ctx.stats.handedBack += 1;
   }
 
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
@@ -186,7 +197,15 @@ export class Attempt {
           return this.conclude(errorFrame(this.nextSeq, 499, 'cancelled', 'client_closed', 'the client went away'), 'term');
         }
         if (outcome.reason === 'shutdown') {
-          m.nak(); // hand it to another bridge now; it resumes after our frames
+          // The drain deadline passed: an answer that can be continued is handed back to its
+          // gateway, which continues it on another instance (this one's consumer goes with it);
+          // any other goes back to the consumer, for a bridge of this instance that comes back.
+          if (this.ctx.isConnected() && movable(this, this.answer, this.ctx.continues === true)) {
+            this.handedBack();
+            this.controller = new AbortController(); // the abort stopped its engine call; what follows concludes it
+            return this.conclude(handBackFrame(this, 'its instance is stopping (the drain deadline passed): continue it elsewhere'), 'term');
+          }
+          m.nak();
           this.ctx.stats.nakked += 1;
         }
         return;
@@ -273,8 +292,9 @@ export class Attempt {
     this.resolveMessage(frame, resolve);
   }
 
-  /** The request's usage record, ended by `frame`. */
+  /** The request's usage record, ended by `frame`; none when it is handed back (the request that ends it records the whole answer). */
   private usageRecord(frame: ResponseFrame): UsageRecord | undefined {
+    if (frame.type === 'error' && frame.error.code === CONTINUE_ELSEWHERE) return undefined;
     const outcome = frame.type !== 'error' ? 'completed' : frame.error.status === 499 ? 'cancelled' : 'failed';
     return usageRecordOf(this.req, {
       outcome,

@@ -68,6 +68,12 @@ export interface BridgeOptions {
    */
   engineWaitMs?: number;
   /**
+   * How long an attempt whose engine went away waits before it hands a streamed answer it can
+   * continue back to its gateway, to be continued on another instance of the pool (generate.ts
+   * `handBackAfterMs`). Default 500 ms; null: never (it waits `engineWaitMs`, then naks).
+   */
+  handBackAfterMs?: number | null;
+  /**
    * How long {@link Bridge.stop} goes on serving what its instance's consumer holds and lets
    * requests in flight finish, before it hands the rest back. Default 30 s.
    */
@@ -170,6 +176,7 @@ export class Bridge {
       resumeFailed: 0,
       replayed: 0,
       superseded: 0,
+      handedBack: 0,
       cancelled: 0,
       heartbeatsMissed: 0,
       framesResent: 0,
@@ -207,7 +214,14 @@ export class Bridge {
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
-    const generateOptions = { requestTimeoutMs, continues: engineOf(engineKind).continues, engineWaitMs: opts.engineWaitMs ?? 15_000 };
+    const continues = engineOf(engineKind).continues;
+    const handBackAfterMs = opts.handBackAfterMs === undefined ? 500 : opts.handBackAfterMs;
+    const generateOptions = {
+      requestTimeoutMs,
+      continues,
+      engineWaitMs: opts.engineWaitMs ?? 15_000,
+      ...(handBackAfterMs !== null ? { handBackAfterMs } : {}),
+    };
     const retryDelayMs = opts.retryDelayMs ?? 1000;
     const ackWaitMs = consumer.ackWaitMs;
     const owner = `${instance}@${hostname()}:${process.pid}:${randomBytes(3).toString('hex')}`;
@@ -228,6 +242,7 @@ export class Bridge {
         maxDeliver: consumer.maxDeliver,
         ledger: prepared.ledger,
         usage: this.usageTotals,
+        continues,
       },
       () => this.stopping,
     );

@@ -6,7 +6,7 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import { RESUME_MISMATCH, type EngineExtension, type ResumedAnswer } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, joinedAnswer, RESUME_MISMATCH, resumedAnswer, type EngineExtension } from '../../shared/continuation';
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
@@ -96,31 +96,6 @@ function carriesText(chunk: unknown): boolean {
   return typeof content === 'string' && content.length > 0;
 }
 
-/**
- * The answer so far, as an engine that continues answers resumes it, from the frames an earlier
- * attempt published: every chunk with text says its tokens, and none ended the choice. Undefined
- * when they cannot say it (another engine's frames, tool calls, several choices, a finished
- * choice): the answer is then generated again and checked against them.
- */
-export function resumedAnswer(prior: readonly ResponseFrame[]): ResumedAnswer | undefined {
-  const tokens: number[] = [];
-  let text = '';
-  for (const f of prior) {
-    if (f.type !== 'chunk') return undefined;
-    const choices = (f.data as { choices?: unknown } | null)?.choices;
-    if (!Array.isArray(choices) || choices.length !== 1) return undefined;
-    const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; text?: unknown; finish_reason?: unknown } | null;
-    if (!c || c.finish_reason != null || c.delta?.tool_calls != null) return undefined;
-    const piece = c.delta ? (c.delta.content ?? '') : (c.text ?? '');
-    if (typeof piece !== 'string') return undefined;
-    if (piece === '') continue; // a chat stream's role chunk
-    if (!Array.isArray(f.tokens)) return undefined;
-    for (const t of f.tokens) tokens.push(t);
-    text += piece;
-  }
-  return { tokens, text };
-}
-
 /** A chunk as the engine sent it, and the token ids it said (its `magus` field, which clients never see). */
 function ownTokens(data: unknown): { data: unknown; tokens?: number[] } {
   if (typeof data !== 'object' || data === null || !('magus' in data)) return { data };
@@ -144,6 +119,30 @@ export interface GenerateOptions {
    * in place picks the answer up where it stopped, without a redelivery. 0: hand it back at once.
    */
   engineWaitMs: number;
+  /**
+   * How long an attempt whose engine went away waits before it hands a streamed answer it can
+   * continue back to its gateway (shared/continuation.ts `CONTINUE_ELSEWHERE`), which continues
+   * it on another instance of the pool when there is one; until then, and for a request that may
+   * not be handed back again (`continues.stay`), it waits for the engine as `engineWaitMs` says.
+   * Absent: never handed back.
+   */
+  handBackAfterMs?: number;
+}
+
+/**
+ * Whether `a`'s answer can be handed back to be continued elsewhere: a streamed chat or text
+ * completion, on an engine that continues answers, whose frames so far say their tokens (and a
+ * request that may move again).
+ */
+export function movable(a: Attempt, frames: readonly ResponseFrame[], continues: boolean): boolean {
+  const { req } = a;
+  if (!continues || req.kind === 'embeddings' || req.body.stream !== true || req.continues?.stay === true) return false;
+  return resumedAnswer(frames) !== undefined;
+}
+
+/** The frame that hands `a`'s answer back to its gateway after the frames it has sent. */
+export function handBackFrame(a: Attempt, why: string): ResponseFrame {
+  return errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why);
 }
 
 /**
@@ -154,11 +153,16 @@ export interface GenerateOptions {
  */
 export async function generate(engine: EngineClient, a: Attempt, prior: readonly ResponseFrame[], o: GenerateOptions): Promise<Outcome> {
   const frames = [...prior];
+  a.answer = frames;
   let lostAt: number | undefined;
   for (;;) {
     const outcome = await callEngine(engine, a, frames, o.requestTimeoutMs, o.continues);
     if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
     lostAt ??= Date.now();
+    if (o.handBackAfterMs !== undefined && Date.now() - lostAt >= o.handBackAfterMs && movable(a, frames, o.continues)) {
+      a.handedBack();
+      return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`) };
+    }
     if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
     await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
@@ -175,18 +179,30 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   const { path, idPrefix, generates } = requestKindOf(req);
   const generating = generates ? (req as Exclude<InferenceRequest, EmbeddingsInference>) : undefined;
   const stream = generating?.body.stream === true;
-  // Nothing but a role chunk sent: generated again from the start (its role chunk compared).
-  const said = continues && stream && prior.length > 0 ? resumedAnswer(prior) : undefined;
+  // Nothing but a role chunk sent: generated again from the start (its role chunk compared). A
+  // continuation of another request's answer resumes after what that one said, and its own frames.
+  const carried = stream ? req.continues : undefined;
+  if (carried && !continues)
+    return {
+      kind: 'finish',
+      resolve: 'term',
+      frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.resumeFailed, 'this engine cannot continue an answer'),
+    };
+  const own = continues && stream && prior.length > 0 ? resumedAnswer(prior) : undefined;
+  const said = carried ? (own ? joinedAnswer(carried.resume, own) : carried.resume) : own;
   const resume = said && said.tokens.length > 0 ? said : undefined;
+  // The answer's own id, `created` and seed: a continuation's are those of the request it continues.
+  const answerId = carried?.id ?? req.id;
+  const createdAt = carried?.createdAt ?? a.claim.createdAt;
   // A client's own `magus` field never reaches the engine: this one replaces it.
   const magus: EngineExtension | undefined = stream ? { tokens: true, ...(resume ? { resume } : {}) } : undefined;
   const body: ((ChatCompletionRequest | CompletionsRequest) & { magus?: EngineExtension }) | EmbeddingsRequest = generating
-    ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(req.id), magus }
+    ? { ...generating.body, stream, seed: generating.body.seed ?? seedFor(answerId), magus }
     : req.body;
-  // Resumed, the engine's chunks follow the prior ones (it sends no role chunk); otherwise they
-  // start from the first and must equal the prior ones.
-  const base = resume ? prior.length : 0;
-  const compared = resume ? [] : prior;
+  // Resumed after its own frames, the engine's chunks follow them (it sends no role chunk);
+  // otherwise they start from the first and must equal the prior ones.
+  const base = resume && own ? prior.length : 0;
+  const compared = resume && own ? [] : prior;
   const answered: Answered = {
     model: (req.body as { model: string }).model,
     maxTokens: generating
@@ -223,7 +239,14 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
       if (resume && e.code === RESUME_MISMATCH) {
-        // The engine cannot continue it (another model or build): generate it again and compare.
+        // The engine cannot continue it (another model or build): generate it again and compare —
+        // not a continuation, whose beginning is another request's and cannot be compared.
+        if (carried)
+          return {
+            kind: 'finish',
+            resolve: 'term',
+            frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.resumeFailed, `the engine cannot continue this answer: ${e.message}`),
+          };
         clearTimeout(timer);
         return await callEngine(engine, a, frames, requestTimeoutMs, false);
       }
@@ -241,7 +264,7 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
       return {
         kind: 'finish',
         resolve: 'ack',
-        frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, req.id, a.claim.createdAt, answered, true) : completion },
+        frame: { seq: a.nextSeq, type: 'done', data: idPrefix ? stamp(completion, idPrefix, answerId, createdAt, answered, true) : completion },
       };
     }
     if (!res.contentType.includes('text/event-stream')) {
@@ -278,12 +301,12 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
             frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.engineProtocol, `engine: ${engineError.message ?? 'error'}`),
           };
         }
-        const own = ownTokens(data);
+        const ownChunk = ownTokens(data);
         const frame: ResponseFrame = {
           seq: base + seq,
           type: 'chunk',
-          data: stamp(own.data, idPrefix ?? '', req.id, a.claim.createdAt, answered, false),
-          ...(own.tokens ? { tokens: own.tokens } : {}),
+          data: stamp(ownChunk.data, idPrefix ?? '', answerId, createdAt, answered, false),
+          ...(ownChunk.tokens ? { tokens: ownChunk.tokens } : {}),
         };
         const before = compared[seq];
         if (before) {

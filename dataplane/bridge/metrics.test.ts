@@ -14,6 +14,7 @@ describe('bridgeMetricsText', () => {
     resumeFailed: 0,
     replayed: 0,
     superseded: 0,
+    handedBack: 0,
     cancelled: 0,
     heartbeatsMissed: 0,
     framesResent: 2,

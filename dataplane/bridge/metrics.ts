@@ -28,6 +28,8 @@ export interface BridgeStats {
   replayed: number;
   /** Attempts that found a later delivery owned their request and stopped without resolving it. */
   superseded: number;
+  /** Answers handed back to their gateway to be continued elsewhere (the drain deadline passed, or the engine went away). */
+  handedBack: number;
   /** Requests whose client went away (a gateway's cancel): the engine call stopped, or never made. */
   cancelled: number;
   heartbeatsMissed: number;
@@ -62,6 +64,7 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   resumeFailed: 'Take-overs that found frames of their request already gone from the response stream (evicted or aged out): answer ended with resume_failed.',
   replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
   superseded: 'Attempts that found a later delivery owned their request.',
+  handedBack: 'Answers handed back to their gateway to be continued on another instance (the drain deadline passed, or the engine went away).',
   cancelled: 'Requests whose client went away.',
   heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
   framesResent: 'Response frames published again because the response stream had not acknowledged storing them.',

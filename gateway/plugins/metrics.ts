@@ -147,6 +147,10 @@ export class GatewayMetrics {
     'magus_gateway_publish_retries_total',
     'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.',
   );
+  readonly answersMoved = new Counter(
+    'magus_gateway_answers_moved_total',
+    'Streamed answers their bridge handed back (its instance stopping past its drain deadline, its engine gone) and that went on as a request continuing them, on another instance when the pool had one.',
+  );
   readonly limitRefusals = new Counter(
     'magus_gateway_limit_refusals_total',
     "Requests a key's limits refused (429), by code: rate_limit_exceeded (a rate or concurrency), insufficient_quota (its token budget).",
@@ -289,6 +293,7 @@ export class GatewayMetrics {
       this.inFlight,
       this.upstreamErrors,
       this.publishRetries,
+      this.answersMoved,
       this.limitRefusals,
       this.promptTokens,
       this.cachedPromptTokens,

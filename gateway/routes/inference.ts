@@ -6,6 +6,7 @@
  * pool's) to its answer.
  */
 import type { FastifyBaseLogger, FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { nuid } from 'nats';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
@@ -48,14 +49,14 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     publish: g.publish,
     requestTimeoutMs: s.requestTimeoutMs,
     gapTimeoutMs: s.gapTimeoutMs,
-    readBack: g.readStored && (async () => (await Promise.all(frameSubjectsOf(req, entry).map(g.readStored!))).flat()),
+    readBack: g.readStored && (async (r, e) => (await Promise.all(frameSubjectsOf(r, e).map(g.readStored!))).flat()),
     retryAfterSec: s.retryAfterSec,
     signal,
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
-    onAbandon: (reason) => {
-      g.cancel?.(entry, req.id);
+    onAbandon: (reason, current) => {
+      g.cancel?.(current.session, current.req.id);
       // The ledger records what the client was told — no answer — unless the bridge recorded it first.
-      const record = usageRecordOf(req, { outcome: 'failed', error: reason });
+      const record = usageRecordOf(current.req, { outcome: 'failed', error: reason });
       if (record) g.recordUsage?.(record);
     },
   };
@@ -265,6 +266,8 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   // A streamed engine answer (a client's stream, or a background response's) comes as chunks.
   const streamed = sse !== undefined || (payload.kind !== 'embeddings' && payload.body.stream === true);
   let published: SessionEntry | undefined;
+  /** The request whose answer is relayed now: `id`, or one that continues it (moved). */
+  let publishedId = id;
   // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions/placement.ts).
   let settle!: (answered: boolean) => void;
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
@@ -309,6 +312,24 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
         : undefined,
       retryPublish: sse && (() => sse.started),
       onPublishRetry: () => app.metrics.publishRetries.inc(),
+      // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
+      move: streamed
+        ? (said, from, createdAt) => {
+            const to = g.sessions.another?.(model, from.session.instance) ?? from.session;
+            const next = nuid.next();
+            const stay = to.instance === from.session.instance;
+            return Promise.resolve({
+              session: to,
+              req: { ...from.req, id: next, replyTo: g.responses.replySubject(next), continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) } },
+            });
+          }
+        : undefined,
+      onMoved: (to) => {
+        app.metrics.answersMoved.inc();
+        client.log.info({ inferenceId: id, continuedAs: to.req.id, instance: to.session.instance }, 'answer handed back by its bridge; continued elsewhere');
+        published = to.session;
+        publishedId = to.req.id;
+      },
     });
     if (!streamed) {
       if (typeof done !== 'object' || done === null) throw errors.upstream(502, 'empty_response');
@@ -324,7 +345,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
     if (err instanceof ClientGone) {
       client.log.info({ inferenceId: id }, err.message);
-      if (published) g.cancel?.(published, id); // the engine stops generating for nobody
+      if (published) g.cancel?.(published, publishedId); // the engine stops generating for nobody
       throw err;
     }
     if (!sse?.started) throw err; // the error handler answers (and logs 5xx with their cause)

@@ -23,6 +23,7 @@ import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, scopeSubject, str
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
+import { CONTINUE_ELSEWHERE, resumedAnswer, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
@@ -322,8 +323,18 @@ export interface ExchangeOptions {
   requestTimeoutMs: number;
   /** How long a missing frame may be awaited before it is read back from the response stream. */
   gapTimeoutMs: number;
-  /** Reads the request's frames as the response stream stores them; without it a gap fails at once. */
-  readBack?: () => Promise<ResponseFrame[]>;
+  /** Reads the frames of `req` (on `session`'s instance) as the response stream stores them; without it a gap fails at once. */
+  readBack?: (req: InferenceRequest, session: SessionEntry) => Promise<ResponseFrame[]>;
+  /**
+   * Continues an answer its bridge handed back (an error frame with code `CONTINUE_ELSEWHERE`,
+   * shared/continuation.ts): a new request that continues it (`continues`, with `said`, the
+   * answer relayed so far, and `createdAt`, its chunks' creation time), and the instance it goes
+   * to — another of the pool when there is one. Absent, or resolving undefined: the answer ends
+   * with the bridge's error.
+   */
+  move?: (said: ResumedAnswer, from: Moved, createdAt: number) => Promise<Moved | undefined>;
+  /** The answer was moved (metrics). */
+  onMoved?: (to: Moved) => void;
   retryAfterSec: number;
   signal: AbortSignal;
   /**
@@ -347,7 +358,21 @@ export interface ExchangeOptions {
    * frame) or the stream refused it (backlog full). `reason`: `timeout`, `frames_lost` or
    * `publish_failed`.
    */
-  onAbandon?: (reason: string) => void;
+  onAbandon?: (reason: string, current: Moved) => void;
+}
+
+/** A request of the exchange and the instance it was published to: the first, or one that continues its answer. */
+export interface Moved {
+  session: SessionEntry;
+  req: InferenceRequest;
+}
+
+/** A chat chunk that only says the assistant's role (a stream's first): a continuation's is not relayed again. */
+function roleOnly(data: unknown): boolean {
+  const choices = (data as { choices?: unknown } | null)?.choices;
+  if (!Array.isArray(choices) || choices.length !== 1) return false;
+  const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; finish_reason?: unknown } | null;
+  return !!c?.delta && (c.delta.content ?? '') === '' && c.delta.tool_calls == null && c.finish_reason == null;
 }
 
 /**
@@ -378,10 +403,18 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
   return new Promise<unknown>((resolve, reject) => {
     let finished = false;
     let republish: NodeJS.Timeout | undefined;
+    /** The request whose frames are relayed now: the first, or the last that continues its answer. */
+    let current: Moved = { session, req };
+    /** Frames relayed before the current request's (earlier requests' of a moved answer): its seqs follow them. */
+    let base = 0;
+    /** The chunks relayed so far, what a move continues after. */
+    const relayed: ResponseFrame[] = [];
+    /** When the answer's chunks say they were created (epoch ms), once one said it. */
+    let createdAt: number | undefined;
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
       if (finished) return;
       opts.onUpstreamError?.(reason);
-      if (ABANDONED.has(reason)) opts.onAbandon?.(reason);
+      if (ABANDONED.has(reason)) opts.onAbandon?.(reason, current);
       if (cause !== undefined) e.cause = cause;
       finish(e);
     };
@@ -401,7 +434,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       finish(reason instanceof Error ? reason : new Error('aborted'));
     };
     const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
-    const lost = (missing: number) => fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${req.id} never arrived`));
+    const lost = (missing: number) =>
+      fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${current.req.id} never arrived`));
     // A gap (a seq awaited while frames after it are held) that outlasts gapTimeoutMs is read back
     // from the stream (the frame may have been published while this process or the stream's
     // leader was away); each read that misses it waits gapTimeoutMs again, and the last fails.
@@ -416,53 +450,92 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       }
       if (gapReads >= GAP_READ_BACKS) return sequencer.giveUp();
       reading = true;
-      opts.readBack().then(
+      const reader = sequencer;
+      opts.readBack(current.req, current.session).then(
         (stored) => {
           reading = false;
+          if (reader !== sequencer) return; // moved meanwhile: those were the earlier request's
           gapReads += 1;
           for (const f of stored) deliver(f);
           sequencer.waitAgain();
         },
         () => {
           reading = false;
-          if (finished) return;
-          if (Date.now() >= req.deadline) return sequencer.giveUp();
+          if (finished || reader !== sequencer) return;
+          if (Date.now() >= current.req.deadline) return sequencer.giveUp();
           sequencer.waitAgain(Math.min(READ_RETRY_MAX_MS, opts.gapTimeoutMs));
         },
       );
     };
-    const sequencer = new FrameSequencer({ gapTimeoutMs: opts.gapTimeoutMs, onGap: lost, onGapTimeout: opts.readBack ? readBack : undefined });
+    const newSequencer = () => new FrameSequencer({ gapTimeoutMs: opts.gapTimeoutMs, onGap: lost, onGapTimeout: opts.readBack ? readBack : undefined });
+    let sequencer = newSequencer();
     const deliver = (frame: ResponseFrame) => {
       for (const f of sequencer.push(frame)) {
         if (finished) return;
-        if (f.type === 'chunk') opts.onChunk?.(f.data, f.seq);
-        else if (f.type === 'done') finish(undefined, f.data);
+        if (f.type === 'chunk') {
+          if (base > 0 && relayed.length > 0 && roleOnly(f.data)) continue; // a continuation generated afresh: its role was said
+          relayed.push(f);
+          createdAt ??= createdOf(f.data);
+          opts.onChunk?.(f.data, base + f.seq);
+        } else if (f.type === 'done') finish(undefined, f.data);
+        else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq);
         else {
           const e = frameError(f, opts.retryAfterSec);
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
         }
       }
     };
-    const unlisten = opts.router.listen(
-      req.id,
-      (frame) => {
-        idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
-        deliver(frame);
-      },
-      frameSourceOf(req, session),
-    );
+    const listen = (at: Moved) =>
+      opts.router.listen(
+        at.req.id,
+        (frame) => {
+          idle.refresh(); // any frame, even early or duplicate, shows the engine is alive
+          deliver(frame);
+        },
+        frameSourceOf(at.req, at.session),
+      );
+    let unlisten = listen(current);
+    /** The bridge handed the answer back after `seq` frames of the current request: continue it as a new request. */
+    const moveOn = (seq: number) => {
+      const said = resumedAnswer(relayed);
+      const from = current;
+      sequencer.stop();
+      unlisten();
+      unlisten = () => undefined;
+      if (!said) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
+      opts.move!(said, from, createdAt ?? Date.now()).then(
+        (to) => {
+          if (finished) return;
+          if (!to) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`no instance to continue ${from.req.id} on`));
+          base += seq;
+          current = to;
+          sequencer = newSequencer();
+          gapSeq = -1;
+          unlisten = listen(to);
+          idle.refresh();
+          opts.onMoved?.(to);
+          attempt = 0;
+          publishUntil = undefined;
+          publish();
+        },
+        (err: unknown) => fail('engine_error', toGatewayError(err, opts.retryAfterSec), err),
+      );
+    };
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
     let publishUntil: number | undefined; // set at the first failure
     let attempt = 0;
     const publish = (): void => {
-      opts.publish(session.subject, req, session).catch((err: unknown) => {
-        if (finished) return;
+      const at = current;
+      opts.publish(at.session.subject, at.req, at.session).catch((err: unknown) => {
+        if (finished || at !== current) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
         if (err instanceof GatewayError && err.status === 413) return fail('too_large', err);
-        publishUntil ??= Math.min(req.deadline, Date.now() + PUBLISH_RETRY_MS);
+        publishUntil ??= Math.min(at.req.deadline, Date.now() + PUBLISH_RETRY_MS);
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
-        if (opts.retryPublish?.() !== true || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
+        // A continuation's answer is under way: its publish is retried whatever the route said.
+        const retry = base > 0 || opts.retryPublish?.() === true;
+        if (!retry || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
         attempt += 1;
         opts.onPublishRetry?.();
         republish = setTimeout(publish, delay);
@@ -470,4 +543,10 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     };
     publish();
   });
+}
+
+/** A chunk's `created` (epoch s) as epoch ms, if it says one. */
+function createdOf(data: unknown): number | undefined {
+  const created = (data as { created?: unknown } | null)?.created;
+  return typeof created === 'number' && Number.isFinite(created) ? created * 1000 : undefined;
 }

@@ -133,6 +133,11 @@ export class SessionCache implements SessionBroker {
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
   }
 
+  another(model: ReadyModel, instance: string): SessionEntry | undefined {
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance });
+    return target && { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
+  }
+
   async close(): Promise<void> {
     clearInterval(this.sweep);
     this.placement?.close();

@@ -26,13 +26,14 @@ export class InstancePicker {
    * unless the pool cannot grow or the request takes no lease (`anyLoad`: `route`) — then the
    * least-loaded one.
    */
-  pick(model: ReadyModel, opts: { anyLoad?: boolean } = {}): PublishedInstance | undefined {
+  pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string } = {}): PublishedInstance | undefined {
     const entry = this.views.viewOf(model.namespace, model.name);
     if (!entry) return undefined;
     const limit = opts.anyLoad || entry.growable === false ? Infinity : entry.leasesPerInstance;
     let best: PublishedInstance | undefined;
     let bestLoad = Infinity;
     for (const i of entry.instances) {
+      if (i.instance === opts.avoid) continue;
       const n = this.mirror.leasesOn(model.namespace, model.name, i.instance) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
       if (n < limit && n < bestLoad) {
         best = i;

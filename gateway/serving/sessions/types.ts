@@ -38,6 +38,11 @@ export interface SessionBroker {
    * turn waits. Nothing is written and no session starts. The entry answered expires at once.
    */
   route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
+  /**
+   * Another instance the pool publishes than `instance`, the least loaded, to continue an answer
+   * on (its bridge handed it back); none when the view lists no other. Nothing is written.
+   */
+  another?(model: ReadyModel, instance: string): SessionEntry | undefined;
   /** Counters for /metrics, when the broker keeps them. */
   stats?(): SessionStats;
   /** Whether the model's pool serves, starts or fails now, from its published view (absent: the broker cannot tell). */

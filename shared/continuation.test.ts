@@ -1,5 +1,5 @@
-import type { ResponseFrame } from '../../shared/serving';
-import { resumedAnswer } from './generate';
+import type { ResponseFrame } from './serving';
+import { resumedAnswer } from './continuation';
 
 const chunk = (seq: number, delta: Record<string, unknown>, tokens?: number[], finish: string | null = null): ResponseFrame => ({
   seq,
