@@ -30,6 +30,7 @@ export {
   REPLICA_ID,
   REQUEST_ID,
   RESPONSE_STREAM,
+  beatSubjectOf,
   cancelSubjectOf,
   consumerNameOf,
   dataPlaneNames,

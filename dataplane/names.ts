@@ -5,7 +5,7 @@
  * them, so a test (or a second installation) can rename everything with a prefix.
  */
 import { Nats } from '../shared/constants';
-import { cancelSubject, requestSubject, responseSubject } from '../shared/serving';
+import { beatSubject, cancelSubject, requestSubject, responseSubject } from '../shared/serving';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
 export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
@@ -83,6 +83,13 @@ export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: s
   checkToken('pool', pool);
   checkToken('instance', instance);
   return scopedSubject(names, cancelSubject(pool, instance));
+}
+
+/** `magus.beat.<pool>.<instance>` in this data plane: where the instance's bridge says it is alive. */
+export function beatSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
+  checkToken('pool', pool);
+  checkToken('instance', instance);
+  return scopedSubject(names, beatSubject(pool, instance));
 }
 
 /**

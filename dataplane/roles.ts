@@ -10,8 +10,8 @@
  *
  * | role | may | may not |
  * |---|---|---|
- * | `gateway` | publish requests and cancels; read frames of its replicas; KV sessions, responses (declares it), limits, usage (records what it gave up on); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
- * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish its instance's frames and read them back; KV its instance's claims; write usage records | read other instances' requests, frames or claims; read usage, tokens, responses, sessions, limits; write the registry |
+ * | `gateway` | publish requests and cancels; read frames of its replicas and bridges' beats; KV sessions, responses (declares it), limits, usage (records what it gave up on); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
+ * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish its instance's frames (and read them back) and beats; KV its instance's claims; write usage records | read other instances' requests, frames or claims; read usage, tokens, responses, sessions, limits; write the registry |
  * | `controller` | KV tokens, sessions (mirror), usage sums; read usage, limits, models | publish or consume requests and frames |
  * | `worker` | everything: it declares the data plane, runs pipelines and instances | |
  *
@@ -35,7 +35,7 @@ import { createAccount, createOperator, createUser, fromSeed } from '@nats-io/nk
 import { createInbox, jwtAuthenticator, type Authenticator, type ConnectionOptions, type NatsConnection } from 'nats';
 import type { DataPlaneNames } from './names';
 import { claimKeyOf } from './claims';
-import { cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, scopedSubject } from './names';
+import { beatSubjectOf, cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, scopedSubject } from './names';
 import { Nats } from '../shared/constants';
 
 export const NATS_ROLES = ['gateway', 'bridge', 'controller', 'worker'] as const;
@@ -83,6 +83,7 @@ export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPl
   const req = scopedSubject(names, `${Nats.requestSubjectPrefix}.>`);
   const res = scopedSubject(names, `${Nats.responseSubjectPrefix}.>`);
   const cancel = scopedSubject(names, `${Nats.cancelSubjectPrefix}.>`);
+  const beats = scopedSubject(names, `${Nats.beatSubjectPrefix}.>`);
   const common = [api('INFO')];
   switch (role) {
     case 'gateway':
@@ -105,7 +106,8 @@ export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPl
             api(`STREAM.INFO.${names.requestStream}`),
           ],
         },
-        subscribe: { allow: [inbox, res] },
+        // Bridges' beats: an answer whose bridge stops beating is continued elsewhere.
+        subscribe: { allow: [inbox, res, beats] },
       };
     case 'controller':
       return {
@@ -151,6 +153,7 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
       allow: [
         api('INFO'),
         frames,
+        beatSubjectOf(names, pool, instance),
         api(`CONSUMER.INFO.${stream}.${durable}`),
         api(`CONSUMER.MSG.NEXT.${stream}.${durable}`),
         api(`CONSUMER.CREATE.${stream}.${durable}.${requestSubjectOf(names, pool, instance)}`),

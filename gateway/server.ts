@@ -10,6 +10,8 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
+import { Nats } from '../shared/constants';
+import { BRIDGE_SILENT_MS } from '../shared/continuation';
 import { openModelRegistry } from '../dataplane/registry';
 import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options, readinessChecks } from './app';
@@ -190,6 +192,12 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       }
     })().catch(() => undefined);
 
+    // Bridges' beats: an answer whose bridge went silent is continued elsewhere. After a reconnect
+    // every bridge is unheard again (this process, not they, was away).
+    const beats = bridgeBeats(nc, scopeSubject(config.subjectScope, Nats.beatSubjectPrefix));
+    closers.push(() => beats.close());
+    onReconnect.push(() => beats.forget());
+
     const openBucket = deps.openBucket ?? ((c: NatsConnection, name: string) => c.jetstream().views.kv(name));
     const registry = await openModelRegistry(nc, config.buckets.models);
     const models = createModelCatalog(registry, { onError: (err) => log.warn({ err }, 'model registry read failed') });
@@ -334,9 +342,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         refusalsWriting += 1;
         void recordRefusal(ledger, record, refusalsStop.signal, log).finally(() => (refusalsWriting -= 1));
       },
-      cancel: (session, requestId) => {
+      cancel: (session, requestId, moved) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));
-        const payload = JSON.stringify({ id: requestId });
+        const payload = JSON.stringify(moved ? { id: requestId, moved } : { id: requestId });
         // nats.js drops what it holds when it dials again: keep cancels until the connection is back.
         if (!natsUp) {
           if (heldCancels.length < MAX_HELD_CANCELS) heldCancels.push([subject, payload]);
@@ -348,6 +356,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }
       },
+      bridgeSilent: (session) => natsUp && beats.silent(`${session.pool}.${session.instance}`),
       readiness,
     });
     let healthUrl: string | undefined;
@@ -490,4 +499,35 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   await temporal.close();
   await temporalConnection.close();
   return 0;
+}
+
+/**
+ * The last beat heard of each bridge (`<prefix>.<pool>.<instance>`, every `BEAT_EVERY_MS`):
+ * `silent(key)` once one heard before has not beaten for `BRIDGE_SILENT_MS`. Bridges not heard
+ * for 10 minutes are forgotten.
+ */
+function bridgeBeats(nc: NatsConnection, prefix: string): { silent(key: string): boolean; forget(): void; close(): Promise<void> } {
+  const heard = new Map<string, number>();
+  const sub = nc.subscribe(`${prefix}.>`, {
+    callback: (err, msg) => {
+      if (!err) heard.set(msg.subject.slice(prefix.length + 1), Date.now());
+    },
+  });
+  const sweep = setInterval(() => {
+    const old = Date.now() - 10 * 60_000;
+    for (const [k, at] of heard) if (at < old) heard.delete(k);
+  }, 60_000);
+  sweep.unref();
+  return {
+    silent: (key) => {
+      const at = heard.get(key);
+      return at !== undefined && Date.now() - at > BRIDGE_SILENT_MS;
+    },
+    forget: () => heard.clear(),
+    close: async () => {
+      clearInterval(sweep);
+      sub.unsubscribe();
+      await Promise.resolve();
+    },
+  };
 }

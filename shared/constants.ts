@@ -71,6 +71,8 @@ export const Nats = {
   responseSubjectPrefix: 'magus.res',
   /** `magus.cancel.<pool>.<instance>`: a request whose client went away (payload `{"id"}`). */
   cancelSubjectPrefix: 'magus.cancel',
+  /** `magus.beat.<pool>.<instance>`: a bridge says, every 250 ms, that it is alive (no payload); gateways notice one that stops. */
+  beatSubjectPrefix: 'magus.beat',
   modelsBucket: 'magus_models',
   tokensBucket: 'magus_tokens',
   sessionsBucket: 'magus_sessions',

@@ -112,3 +112,11 @@ export function resumedAnswer(frames: readonly ResponseFrame[]): ResumedAnswer |
 
 /** The answer so far `a`, then `b` (what a continuation said after what it was given). */
 export const joinedAnswer = (a: ResumedAnswer, b: ResumedAnswer): ResumedAnswer => ({ tokens: [...a.tokens, ...b.tokens], text: a.text + b.text });
+
+/**
+ * A bridge says it is alive on `magus.beat.<pool>.<instance>` this often; a gateway that hears
+ * none for {@link BRIDGE_SILENT_MS} while it waits for an answer of that instance continues the
+ * answer elsewhere, as if it had been handed back.
+ */
+export const BEAT_EVERY_MS = 250;
+export const BRIDGE_SILENT_MS = 1000;

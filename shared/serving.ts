@@ -262,3 +262,5 @@ export const requestSubject = (pool: string, instance: string): string => `magus
 export const responseSubject = (requestId: string, replica?: string): string => (replica ? `magus.res.${replica}.${requestId}` : `magus.res.${requestId}`);
 /** Core NATS, gateway → the instance's bridge: `{"id": requestId}` of a request nobody waits for any more. */
 export const cancelSubject = (pool: string, instance: string): string => `magus.cancel.${pool}.${instance}`;
+/** Where an instance's bridge says it is alive (dataplane/README.md, "Handing an answer back"). */
+export const beatSubject = (pool: string, instance: string): string => `magus.beat.${pool}.${instance}`;

@@ -11,6 +11,8 @@
  *   the engine's restart.
  * - The instance stopped mid-answer (its bridge's drain deadline passes): the answer goes on on
  *   the other instance instead of being cut.
+ * - The bridge cut off mid-answer (its NATS connection gone): it no longer beats, and the gateway
+ *   continues the answer on the other instance about a second later, not at ack_wait (30 s).
  *
  * Each time: what the client had is the undisturbed answer's beginning to the byte, nothing is
  * repeated or missing (the engine's count of the answer's tokens is `max_tokens`, and the client
@@ -244,4 +246,22 @@ test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the 
   expect(bridges.i2!.stats.continued - continued).toBe(1);
   await expectWhole('instance stopped at token 30 (drain 1 s)', answer, reference, stoppedAt);
   expect(gapAfter(answer, stoppedAt)).toBeLessThanOrEqual(MAX_GAP_MS);
+}, 120_000);
+
+test("i1's bridge cut off at token ~50 (its NATS connection gone, as a SIGKILL leaves it): the gateway hears no beat and continues on i2 within 2 s", async () => {
+  // A new bridge for i1 (the last one was stopped).
+  const bridgeNc = await natsConnectAsBridge(names, POOL, 'i1');
+  const bridge = await startBridge({ nc: bridgeNc, names, pool: POOL, instance: 'i1', engineUrl: engines.i1!.current.url, slots: 1 });
+  stack.defer(() => bridge.stop());
+  const continued = bridges.i2!.stats.continued;
+  let cutAt = 0;
+  const answer = await stream(async (pieces) => {
+    if (pieces !== 50) return;
+    cutAt = Date.now();
+    await bridgeNc.close();
+  });
+  expect(bridge.stats.pulled).toBe(1);
+  expect(bridges.i2!.stats.continued - continued).toBe(1);
+  await expectWhole('bridge cut off at token 50', answer, reference, cutAt);
+  expect(gapAfter(answer, cutAt)).toBeLessThanOrEqual(MAX_GAP_MS);
 }, 120_000);

@@ -16,7 +16,7 @@ import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
 import { handBackFrame, movable } from './generate';
 
 /** Why an attempt was stopped before it concluded. */
-export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled';
+export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled' | 'moved';
 
 /** How an engine call (or a failure before it) ends an attempt: see {@link Attempt.settle}. */
 export type Outcome =
@@ -195,6 +195,12 @@ export class Attempt {
           // Recorded as finished so no later delivery regenerates it; nobody listens to the frame.
           this.ctx.stats.cancelled += 1;
           return this.conclude(errorFrame(this.nextSeq, 499, 'cancelled', 'client_closed', 'the client went away'), 'term');
+        }
+        if (outcome.reason === 'moved') {
+          // Its gateway heard no beat of this bridge in time and continues the answer elsewhere:
+          // end it as handed back (finished, nothing recorded), so no later delivery serves it.
+          this.controller = new AbortController();
+          return this.conclude(handBackFrame(this, 'its gateway continues it elsewhere'), 'term');
         }
         if (outcome.reason === 'shutdown') {
           // The drain deadline passed: an answer that can be continued is handed back to its

@@ -55,9 +55,9 @@ export class LiveAttempts {
     this.ctx.stats.inFlight = this.live.size;
   }
 
-  /** A gateway's cancel: stops the attempts serving request `id` unless they are already ending. */
-  cancel(id: string): void {
-    for (const a of this.live) if (a.req.id === id && !a.isConcluding) a.abort('cancelled');
+  /** A gateway's cancel: stops the attempts serving request `id` unless they are already ending (`moved`: its answer goes on elsewhere). */
+  cancel(id: string, moved = false): void {
+    for (const a of this.live) if (a.req.id === id && !a.isConcluding) a.abort(moved ? 'moved' : 'cancelled');
   }
 
   abortAll(reason: AbortReason): void {

@@ -27,7 +27,8 @@ import { requestKindOf } from '../../shared/request-kinds';
 import type { ResponseFrame } from '../../shared/serving';
 import type { UsageTotals } from '../../shared/usage';
 import { openRequestClaims, type RequestClaims } from '../claims';
-import { cancelSubjectOf, type DataPlaneNames } from '../names';
+import { beatSubjectOf, cancelSubjectOf, type DataPlaneNames } from '../names';
+import { BEAT_EVERY_MS } from '../../shared/continuation';
 import { UsageLedger } from '../usage';
 import type { Attempt } from './attempt';
 import { LiveAttempts } from './attempts';
@@ -143,6 +144,8 @@ export class Bridge {
   private readonly nc: NatsConnection;
   private readonly slots: number;
   private readonly drainTimeoutMs: number;
+  private readonly beatSubject: string;
+  private beats: NodeJS.Timeout | undefined;
   private readonly log: (line: string) => void;
   private readonly failed: (what: string, err: unknown) => void;
   private readonly engine: EngineClient;
@@ -246,7 +249,8 @@ export class Bridge {
       },
       () => this.stopping,
     );
-    this.cancels = new Cancels(nc, cancelSubjectOf(names, pool, instance), (id) => this.attempts.cancel(id));
+    this.cancels = new Cancels(nc, cancelSubjectOf(names, pool, instance), (id, moved) => this.attempts.cancel(id, moved));
+    this.beatSubject = beatSubjectOf(names, pool, instance);
     this.delivery = {
       nc,
       js: prepared.js,
@@ -339,6 +343,7 @@ export class Bridge {
     await this.frames.close();
     this.engine.close();
     this.cancels.close();
+    clearInterval(this.beats);
     this.consumer.close();
   }
 
@@ -356,6 +361,16 @@ export class Bridge {
 
   /** Serves what the consumer delivers until the bridge stops or the connection closes. */
   private run(): void {
+    // Alive, to the gateways whose answers this bridge serves: one that stops beating is continued elsewhere.
+    const beat = () => {
+      try {
+        if (!this.nc.isClosed()) this.nc.publish(this.beatSubject);
+      } catch {
+        // closed meanwhile
+      }
+    };
+    beat();
+    this.beats = setInterval(beat, BEAT_EVERY_MS);
     void this.nc.closed().then(() => {
       // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
       this.attempts.connectionClosed();

@@ -1,5 +1,6 @@
 /**
- * Cancels from gateways (their client went away; README.md one folder up, "Cancels"): `{"id"}` on
+ * Cancels from gateways (their client went away, or they moved the answer elsewhere: `moved`;
+ * README.md one folder up, "Cancels"): `{"id"}` on
  * core NATS `magus.cancel.<pool>.<instance>`. The bridge stops the attempt serving it, or drops
  * the request when it is pulled later: cancels are remembered for a while, at most a bounded
  * number.
@@ -16,19 +17,23 @@ export class Cancels {
   private readonly cancelled = new Map<string, number>();
   private readonly sub: Subscription;
 
-  /** Subscribes to `subject`; `onCancel` stops what serves the request now. */
-  constructor(nc: NatsConnection, subject: string, onCancel: (id: string) => void) {
+  /**
+   * Subscribes to `subject`; `onCancel` stops what serves the request now. `moved`: the gateway
+   * continues the answer elsewhere (it heard no beat of this bridge), so this one records nothing.
+   */
+  constructor(nc: NatsConnection, subject: string, onCancel: (id: string, moved: boolean) => void) {
     this.sub = nc.subscribe(subject, {
       callback: (err, msg) => {
         if (err) return;
-        let id: unknown;
+        let cancel: { id?: unknown; moved?: unknown } | null;
         try {
-          id = (decodeJson(msg.data) as { id?: unknown } | null)?.id;
+          cancel = decodeJson(msg.data) as { id?: unknown; moved?: unknown } | null;
         } catch {
           return;
         }
+        const id = cancel?.id;
         if (typeof id !== 'string' || !REQUEST_ID.test(id)) return;
-        onCancel(id);
+        onCancel(id, cancel?.moved === true);
         this.remember(id);
       },
     });

@@ -15,8 +15,11 @@ import type { ResponseStore } from '../serving/response-store';
 import type { PublishRequest, ResponseRouter } from '../serving/exchange';
 import type { SessionBroker } from '../serving/sessions';
 
-/** Tells the instance's bridge that nobody waits for request `requestId` any more (fire and forget). */
-export type CancelRequest = (session: SessionEntry, requestId: string) => void;
+/**
+ * Tells the instance's bridge that nobody waits for request `requestId` any more (fire and
+ * forget); `moved`: its answer goes on elsewhere (the bridge records nothing of it).
+ */
+export type CancelRequest = (session: SessionEntry, requestId: string, moved?: boolean) => void;
 
 /** Synchronous backlog check before a request is queued: full → 429 with `Retry-After`. */
 export type BacklogCheck = (model: ReadyModel) => { retryAfterSec: number } | undefined;
@@ -82,6 +85,12 @@ export interface GatewayServices {
   limiter?: KeyLimiter;
   /** When a client goes away after its request was published: stop the engine's work on it. */
   cancel?: CancelRequest;
+  /**
+   * Whether the bridge of `session`'s instance stopped beating (none heard for `BRIDGE_SILENT_MS`,
+   * shared/continuation.ts, after one was): its answers are continued elsewhere. Absent, or a
+   * bridge never heard (one from before beats): never.
+   */
+  bridgeSilent?: (session: SessionEntry) => boolean;
   /**
    * Writes a usage record for a request the gateway gave up on (dataplane/usage.ts; create-once,
    * so a bridge that recorded it first keeps its record); best effort, never awaited.

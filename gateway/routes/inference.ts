@@ -324,6 +324,11 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
             });
           }
         : undefined,
+      silent: g.bridgeSilent,
+      onMovedAway: (from) => {
+        client.log.warn({ inferenceId: id, instance: from.session.instance }, 'no beat of the bridge serving the answer; continuing it elsewhere');
+        g.cancel?.(from.session, from.req.id, true);
+      },
       onMoved: (to) => {
         app.metrics.answersMoved.inc();
         client.log.info({ inferenceId: id, continuedAs: to.req.id, instance: to.session.instance }, 'answer handed back by its bridge; continued elsewhere');

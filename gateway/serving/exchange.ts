@@ -23,7 +23,7 @@ import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, scopeSubject, str
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
-import { CONTINUE_ELSEWHERE, resumedAnswer, type ResumedAnswer } from '../../shared/continuation';
+import { BEAT_EVERY_MS, CONTINUE_ELSEWHERE, resumedAnswer, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
@@ -335,6 +335,13 @@ export interface ExchangeOptions {
   move?: (said: ResumedAnswer, from: Moved, createdAt: number) => Promise<Moved | undefined>;
   /** The answer was moved (metrics). */
   onMoved?: (to: Moved) => void;
+  /**
+   * Whether the bridge of the instance a request waits on stopped beating (gateway/server.ts):
+   * checked every `BEAT_EVERY_MS`; a silent one's answer is moved as if handed back, and
+   * `onMovedAway` told of the request left behind (its bridge, should it come back, must not go on).
+   */
+  silent?: (session: SessionEntry) => boolean;
+  onMovedAway?: (from: Moved) => void;
   retryAfterSec: number;
   signal: AbortSignal;
   /**
@@ -423,6 +430,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       finished = true;
       clearTimeout(idle);
       clearTimeout(republish);
+      clearInterval(watch);
       sequencer.stop();
       unlisten();
       opts.signal.removeEventListener('abort', onAbort);
@@ -499,12 +507,14 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const moveOn = (seq: number) => {
       const said = resumedAnswer(relayed);
       const from = current;
+      moving = true;
       sequencer.stop();
       unlisten();
       unlisten = () => undefined;
       if (!said) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
       opts.move!(said, from, createdAt ?? Date.now()).then(
         (to) => {
+          moving = false;
           if (finished) return;
           if (!to) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`no instance to continue ${from.req.id} on`));
           base += seq;
@@ -521,6 +531,18 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         (err: unknown) => fail('engine_error', toGatewayError(err, opts.retryAfterSec), err),
       );
     };
+    // A bridge that stops beating (killed, its node gone, cut off): its answer goes on elsewhere.
+    let moving = false;
+    const watch =
+      opts.silent && opts.move
+        ? setInterval(() => {
+            if (finished || moving || !opts.silent!(current.session)) return;
+            // One that cannot be continued (no tokens said, tool calls …) waits for its redelivery.
+            if (!resumedAnswer(relayed)) return;
+            opts.onMovedAway?.(current);
+            moveOn(sequencer.expected);
+          }, BEAT_EVERY_MS)
+        : undefined;
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
     let publishUntil: number | undefined; // set at the first failure
