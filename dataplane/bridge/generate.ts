@@ -182,7 +182,8 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   // Nothing but a role chunk sent: generated again from the start (its role chunk compared). A
   // continuation of another request's answer resumes after what that one said, and its own frames.
   const carried = stream ? req.continues : undefined;
-  if (carried && !continues)
+  // (With nothing said yet, any engine can answer it afresh.)
+  if (carried && carried.resume.tokens.length > 0 && !continues)
     return {
       kind: 'finish',
       resolve: 'term',
