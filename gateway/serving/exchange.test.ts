@@ -326,3 +326,122 @@ describe('frameError', () => {
     expect(frameError(frame(504, 'deadline_exceeded'), 5)).toMatchObject({ status: 504, code: 'timeout' });
   });
 });
+
+describe('exchange: an answer handed back, or whose bridge went silent, goes on as a request that continues it', () => {
+  const text = (seq: number, content: string, tokens: number[]): ResponseFrame => ({
+    seq,
+    type: 'chunk',
+    data: { created: 1700000000, choices: [{ index: 0, delta: { content }, finish_reason: null }] },
+    tokens,
+  });
+  const role = (seq: number): ResponseFrame => ({
+    seq,
+    type: 'chunk',
+    data: { choices: [{ index: 0, delta: { role: 'assistant', content: '' }, finish_reason: null }] },
+  });
+  const handedBack = (seq: number): ResponseFrame => ({
+    seq,
+    type: 'error',
+    error: { status: 503, message: 'continue it elsewhere', type: 'server_error', code: 'continue_elsewhere' },
+  });
+  const s1: SessionEntry = { subject: 'magus.req.p.i1', pool: 'p', instance: 'i1', expiresAt: 0 };
+  const s2: SessionEntry = { subject: 'magus.req.p.i2', pool: 'p', instance: 'i2', expiresAt: 0 };
+  const first: InferenceRequest = { id: 'r1', replyTo: 'magus.res.r1', deadline: Date.now() + 60_000, body: { model: 'm', messages: [], stream: true } };
+
+  function setUp(over: Partial<Parameters<typeof exchange>[2]> = {}) {
+    const listeners = new Map<string, (f: ResponseFrame) => void>();
+    const router: ResponseRouter = {
+      replySubject: (id) => `magus.res.${id}`,
+      listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)),
+      recover: () => Promise.resolve(0),
+      close: () => Promise.resolve(),
+    };
+    const published: string[] = [];
+    const relayed: [unknown, number][] = [];
+    const asked: { said: unknown; from: string; createdAt: number }[] = [];
+    const p = exchange(s1, first, {
+      router,
+      publish: (subject, r) => (published.push(`${subject} ${r.id}`), Promise.resolve()),
+      requestTimeoutMs: 10_000,
+      gapTimeoutMs: 100,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+      onChunk: (d, seq) => relayed.push([(d as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? d, seq]),
+      move: (said, from, createdAt) => {
+        asked.push({ said, from: from.session.instance, createdAt });
+        return Promise.resolve({ session: s2, req: { ...from.req, id: `r${asked.length + 1}`, replyTo: `magus.res.r${asked.length + 1}` } });
+      },
+      ...over,
+    });
+    return { p, listeners, published, relayed, asked };
+  }
+
+  it('continues after what was relayed: the said answer handed over, seqs following on, a fresh role chunk not relayed twice', async () => {
+    const t = setUp();
+    await Promise.resolve();
+    const send = (id: string, f: ResponseFrame) => t.listeners.get(id)!(f);
+    send('r1', role(0));
+    send('r1', text(1, 'Once', [7]));
+    send('r1', text(2, ' upon', [8, 9]));
+    send('r1', handedBack(3));
+    await Promise.resolve();
+    await Promise.resolve();
+    expect(t.asked).toEqual([{ said: { tokens: [7, 8, 9], text: 'Once upon' }, from: 'i1', createdAt: 1700000000 * 1000 }]);
+    expect(t.published).toEqual(['magus.req.p.i1 r1', 'magus.req.p.i2 r2']);
+    expect(t.listeners.has('r1')).toBe(false); // the first request's late frames are not this answer's any more
+    send('r2', role(0)); // a continuation that starts afresh says the role again: dropped
+    send('r2', text(1, ' a', [10]));
+    send('r2', done(2));
+    await expect(t.p).resolves.toBe('end');
+    expect(t.relayed).toEqual([
+      ['', 0],
+      ['Once', 1],
+      [' upon', 2],
+      [' a', 4],
+    ]);
+  });
+
+  it('ends with the error when the relayed answer cannot be continued (no tokens said) or nothing moves it', async () => {
+    const t = setUp();
+    await Promise.resolve();
+    t.listeners.get('r1')!({ seq: 0, type: 'chunk', data: { choices: [{ index: 0, delta: { content: 'x' }, finish_reason: null }] } }); // no tokens
+    t.listeners.get('r1')!(handedBack(1));
+    await expect(t.p).rejects.toMatchObject({ status: 503 });
+    expect(t.asked).toEqual([]);
+    const u = setUp({ move: undefined });
+    await Promise.resolve();
+    u.listeners.get('r1')!(handedBack(0));
+    await expect(u.p).rejects.toMatchObject({ status: 503 });
+    // A silent bridge's answer that cannot be continued is left to its redelivery.
+    const v = setUp({ silent: () => true });
+    await Promise.resolve();
+    v.listeners.get('r1')!({ seq: 0, type: 'chunk', data: { choices: [{ index: 0, delta: { content: 'x' }, finish_reason: null }] } });
+    jest.advanceTimersByTime(2000);
+    expect(v.asked).toEqual([]);
+    v.listeners.get('r1')!(done(1));
+    await expect(v.p).resolves.toBe('end');
+  });
+
+  it('moves the answer of a bridge gone silent, telling the request left behind', async () => {
+    let silent = false;
+    const left: string[] = [];
+    const t = setUp({ silent: (s) => silent && s.instance === 'i1', onMovedAway: (from) => left.push(from.req.id) });
+    await Promise.resolve();
+    t.listeners.get('r1')!(text(0, 'Hi', [5]));
+    jest.advanceTimersByTime(1000);
+    expect(t.asked).toEqual([]); // beating: nothing moves
+    silent = true;
+    jest.advanceTimersByTime(250);
+    await Promise.resolve();
+    await Promise.resolve();
+    expect(left).toEqual(['r1']);
+    expect(t.asked).toEqual([{ said: { tokens: [5], text: 'Hi' }, from: 'i1', createdAt: 1700000000 * 1000 }]);
+    t.listeners.get('r2')!(text(0, '!', [6]));
+    t.listeners.get('r2')!(done(1));
+    await expect(t.p).resolves.toBe('end');
+    expect(t.relayed).toEqual([
+      ['Hi', 0],
+      ['!', 1],
+    ]);
+  });
+});
