@@ -371,6 +371,7 @@ export class Bridge {
     };
     beat();
     this.beats = setInterval(beat, BEAT_EVERY_MS);
+    this.beats.unref();
     void this.nc.closed().then(() => {
       // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
       this.attempts.connectionClosed();
