@@ -10,6 +10,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
+import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
 import { openModelRegistry } from '../dataplane/registry';
@@ -207,9 +208,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     closers.push(() => kvTokens.cache.close());
     onReconnect.push(() => kvTokens.cache.reopen());
     // Declared here: gateways are the only writers and readers of stored responses, and hold their TTL.
-    const storedResponses = kvResponseStore(
-      await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas }),
-    );
+    const responsesKv = await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas });
+    const storedResponses = kvResponseStore(responsesKv);
     const limitsKv = await openBucket(nc, config.buckets.limits);
     // The key this gateway signs its requests' meters with (dataplane/meter.ts): made by the first gateway.
     const meterKey = await meterKeyOf(limitsKv, { create: true });
@@ -356,6 +356,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           log.warn({ err, inferenceId: requestId }, 'could not send a cancel to the bridge');
         }
       },
+      moves: kvMoveLog(responsesKv),
       bridgeSilent: (session) => natsUp && beats.silent(`${session.pool}.${session.instance}`),
       readiness,
     });

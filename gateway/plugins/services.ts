@@ -14,6 +14,7 @@ import { servicePlugin } from './plugin';
 import type { ResponseStore } from '../serving/response-store';
 import type { PublishRequest, ResponseRouter } from '../serving/exchange';
 import type { SessionBroker } from '../serving/sessions';
+import type { MoveLog } from '../serving/resume';
 
 /**
  * Tells the instance's bridge that nobody waits for request `requestId` any more (fire and
@@ -91,6 +92,8 @@ export interface GatewayServices {
    * bridge never heard (one from before beats): never.
    */
   bridgeSilent?: (session: SessionEntry) => boolean;
+  /** Where moved answers went, for resumes on any replica (serving/resume.ts); absent: a resume stops at a move. */
+  moves?: MoveLog;
   /**
    * Writes a usage record for a request the gateway gave up on (dataplane/usage.ts; create-once,
    * so a bridge that recorded it first keeps its record); best effort, never awaited.

@@ -16,7 +16,7 @@ import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
-import { resumeIdPrefix } from '../serving/resume';
+import { continuationIdOf, resumeIdPrefix } from '../serving/resume';
 import type { ModelServing } from '../serving/sessions';
 import type { SseResponse } from './sse';
 
@@ -268,6 +268,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   let published: SessionEntry | undefined;
   /** The request whose answer is relayed now: `id`, or one that continues it (moved). */
   let publishedId = id;
+  let moves = 0;
   // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions/placement.ts).
   let settle!: (answered: boolean) => void;
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
@@ -314,14 +315,21 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       onPublishRetry: () => app.metrics.publishRetries.inc(),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
-        ? (said, from, createdAt) => {
+        ? async (said, from, createdAt) => {
             const to = g.sessions.another?.(model, from.session.instance) ?? from.session;
-            const next = nuid.next();
+            moves += 1;
+            const next = continuationIdOf(id, moves, () => nuid.next());
             const stay = to.instance === from.session.instance;
-            return Promise.resolve({
+            // Where it went, before any of it is sent: a resume on any replica follows it there.
+            const replica = g.responses.replica;
+            if (replica && g.moves)
+              await g.moves
+                .record(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next })
+                .catch((err: unknown) => client.log.warn({ err, inferenceId: id }, 'could not record where the answer moved: a resume stops there'));
+            return {
               session: to,
               req: { ...from.req, id: next, replyTo: g.responses.replySubject(next), continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) } },
-            });
+            };
           }
         : undefined,
       silent: g.bridgeSilent,

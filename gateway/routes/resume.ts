@@ -9,8 +9,8 @@
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { errors, toGatewayError } from '../plugins/errors';
-import { exchange, frameSubjectsOf, type ResponseRouter } from '../serving/exchange';
-import { parseLastEventId, type ResumableAnswer, type ResumePoint } from '../serving/resume';
+import { exchange, frameSubjectsOf, type Moved, type ResponseRouter } from '../serving/exchange';
+import { parseLastEventId, type MoveLog, type ResumableAnswer, type ResumePoint } from '../serving/resume';
 import type { SseResponse } from './sse';
 
 /** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
@@ -65,23 +65,28 @@ export async function followAnswer(
   const published = publishedAs(app, place);
   if (!published || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot follow answers.');
   const req = { ...published.req, deadline: Date.now() + s.requestTimeoutMs } as InferenceRequest;
-  const { entry, subjects } = published;
-  // "Listening" follows its subjects, "publishing" hands over what is stored of it so far.
+  const replySubjectOf = (replica: string, id: string): string => responses.replySubjectOf!(replica, id);
+  /** The subjects of request `id`'s frames on `pool`/`instance` (the first request's, or a continuation's). */
+  const subjectsOf = (id: string, pool: string, instance: string) =>
+    frameSubjectsOf({ id, replyTo: replySubjectOf(place.replica, id), instanceFrames: true }, { subject: '', pool, instance, expiresAt: 0 });
+  // "Listening" follows a request's subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
-    replySubject: () => req.replyTo,
-    listen: (_id, onFrame) => {
+    replySubject: (id) => replySubjectOf(place.replica, id),
+    listen: (id, onFrame, from) => {
       deliver = onFrame;
-      return responses.follow!(subjects, onFrame);
+      return responses.follow!(from ? subjectsOf(id, from.pool, from.instance) : published.subjects, onFrame);
     },
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
   };
-  const readAll = async (): Promise<ResponseFrame[]> => (await Promise.all(subjects.map(readStored))).flat();
-  return exchange(entry, req, {
+  const readAll = async (r: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, e: SessionEntry): Promise<ResponseFrame[]> =>
+    (await Promise.all(frameSubjectsOf(r, e).map(readStored))).flat();
+  let moves = 0;
+  return exchange(published.entry, req, {
     router,
-    publish: async () => {
-      for (const f of await readAll()) deliver?.(f);
+    publish: async (_subject, r, e) => {
+      for (const f of await readAll(r, e)) deliver?.(f);
     },
     readBack: readAll,
     requestTimeoutMs: s.requestTimeoutMs,
@@ -89,8 +94,26 @@ export async function followAnswer(
     retryAfterSec: s.retryAfterSec,
     signal,
     onChunk,
+    // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it.
+    ...(g.moves ? { move: () => nextMove(g.moves!, place, ++moves, signal), silent: g.bridgeSilent } : {}),
   });
+
+  async function nextMove(log: MoveLog, first: ResumableAnswer, n: number, stop: AbortSignal): Promise<Moved | undefined> {
+    // The replica that moved it records where before it publishes; give a slow write a moment.
+    for (let waited = 0; waited <= MOVE_LOOKUP_MS && !stop.aborted; waited += 200) {
+      const to = await log.find(first.requestId, n);
+      if (to) {
+        const entry: SessionEntry = { subject: '', pool: to.pool, instance: to.instance, expiresAt: 0 };
+        return { session: entry, req: { ...req, id: to.requestId, replyTo: replySubjectOf(first.replica, to.requestId), instanceFrames: true } };
+      }
+      await new Promise((resolve) => setTimeout(resolve, 200));
+    }
+    return undefined;
+  }
 }
+
+/** How long a resume looks for where a moved answer went (the replica moving it records that first). */
+const MOVE_LOOKUP_MS = 3_000;
 
 /** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. */
 export async function serveResume(

@@ -9,6 +9,7 @@
  * gateways' shared secret (the one conversation keys use), its first 16 base64url characters.
  */
 import { createHmac, timingSafeEqual } from 'node:crypto';
+import type { KV } from 'nats';
 
 /** The answer a stream belongs to. */
 export interface ResumableAnswer {
@@ -54,3 +55,34 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
   if (given.length !== expected.length || !timingSafeEqual(given, expected)) return undefined;
   return { ...answer, seq: Number(parts[2]), idPrefix: `${parts[0]!}.${parts[1]!}.` };
 }
+
+/**
+ * Where each move of an answer went (dataplane/README.md, "Handing an answer back"): its n-th
+ * continuation's request and instance, under the first request's id, in the gateways'
+ * `magus_responses` bucket (key `moved.<first id>.<n>`, kept as long as stored responses), so
+ * that a resume on any replica follows the answer past its moves (routes/resume.ts).
+ */
+export interface MoveLog {
+  record(first: string, n: number, to: ResumableAnswer): Promise<void>;
+  find(first: string, n: number): Promise<ResumableAnswer | undefined>;
+}
+
+/** A {@link MoveLog} in KV bucket `kv`. */
+export function kvMoveLog(kv: Pick<KV, 'put' | 'get'>): MoveLog {
+  const key = (first: string, n: number) => `moved.${first}.${n}`;
+  return {
+    record: async (first, n, to) => {
+      await kv.put(key(first, n), JSON.stringify(to));
+    },
+    find: async (first, n) => {
+      const e = await kv.get(key(first, n));
+      if (!e || e.operation !== 'PUT') return undefined;
+      const a = JSON.parse(e.string()) as Partial<ResumableAnswer>;
+      return [a.replica, a.pool, a.instance, a.requestId].every((v) => typeof v === 'string' && NAME.test(v)) ? (a as ResumableAnswer) : undefined;
+    },
+  };
+}
+
+/** The request id of an answer's `n`-th continuation: `<first>-m<n>` (a request id: at most 128 characters), else a fresh one (not followed by resumes). */
+export const continuationIdOf = (first: string, n: number, fresh: () => string): string =>
+  first.length + 2 + String(n).length <= 128 ? `${first}-m${n}` : fresh();
