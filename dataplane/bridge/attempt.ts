@@ -104,7 +104,7 @@ export class Attempt {
     this.ctx.stats.continued += 1;
   }
 
-  /** It hands its answer back to be continued elsewhere (generate.ts `handBack`). */
+  /** It hands its answer back to be continued elsewhere (generate.ts `handBackFrame`). */
   handedBack(): void {
     this.ctx.stats.handedBack += 1;
   }
@@ -206,7 +206,7 @@ export class Attempt {
           // The drain deadline passed: an answer that can be continued is handed back to its
           // gateway, which continues it on another instance (this one's consumer goes with it);
           // any other goes back to the consumer, for a bridge of this instance that comes back.
-          if (this.ctx.isConnected() && movable(this, this.answer, this.ctx.continues === true)) {
+          if (this.ctx.isConnected() && movable(this, this.answer, this.ctx.continues === true, true)) {
             this.handedBack();
             this.controller = new AbortController(); // the abort stopped its engine call; what follows concludes it
             return this.conclude(handBackFrame(this, 'its instance is stopping (the drain deadline passed): continue it elsewhere'), 'term');

@@ -131,12 +131,13 @@ export interface GenerateOptions {
 
 /**
  * Whether `a`'s answer can be handed back to be continued elsewhere: a streamed chat or text
- * completion, on an engine that continues answers, whose frames so far say their tokens (and a
- * request that may move again).
+ * completion, on an engine that continues answers, whose frames so far say their tokens. One its
+ * gateway sent back to the same instance (`continues.stay`: the pool had no other) waits for its
+ * engine rather than move again, unless its instance is stopping (`stopping`).
  */
-export function movable(a: Attempt, frames: readonly ResponseFrame[], continues: boolean): boolean {
+export function movable(a: Attempt, frames: readonly ResponseFrame[], continues: boolean, stopping = false): boolean {
   const { req } = a;
-  if (!continues || req.kind === 'embeddings' || req.body.stream !== true || req.continues?.stay === true) return false;
+  if (!continues || req.kind === 'embeddings' || req.body.stream !== true || (req.continues?.stay === true && !stopping)) return false;
   return resumedAnswer(frames) !== undefined;
 }
 

@@ -95,8 +95,34 @@ export async function followAnswer(
     signal,
     onChunk,
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it.
-    ...(g.moves ? { move: () => nextMove(g.moves!, place, ++moves, signal), silent: g.bridgeSilent } : {}),
+    ...(g.moves ? { move: () => nextMove(g.moves!, place, ++moves, signal), ...(g.bridgeSilent ? { silent: movedAway(g.moves, g.bridgeSilent) } : {}) } : {}),
   });
+
+  /**
+   * Whether the request followed now was moved away from its silent bridge by the replica
+   * serving it: while the bridge is silent, the move log is looked at (once a second at most) for
+   * the next move, and true once it is there. (A bridge silent on a pool of one is not moved away
+   * from: its request is delivered again, and its frames come on the same subjects.)
+   */
+  function movedAway(log: MoveLog, bridgeSilent: (s: SessionEntry) => boolean): (s: SessionEntry) => boolean {
+    let lookedAt = 0;
+    let found = 0;
+    return (s) => {
+      if (!bridgeSilent(s)) return false;
+      const n = moves + 1;
+      if (found === n) return true;
+      if (Date.now() - lookedAt >= 1000) {
+        lookedAt = Date.now();
+        void log.find(place.requestId, n).then(
+          (to) => {
+            if (to) found = n;
+          },
+          () => undefined,
+        );
+      }
+      return false;
+    };
+  }
 
   async function nextMove(log: MoveLog, first: ResumableAnswer, n: number, stop: AbortSignal): Promise<Moved | undefined> {
     // The replica that moved it records where before it publishes; give a slow write a moment.
