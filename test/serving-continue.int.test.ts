@@ -29,6 +29,7 @@ import { demoModelFile } from '../workers/dev/demo-model';
 import { isolation, natsConnectAsBridge } from './harness';
 import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
+import { gapAfter, readTimed, textAt, type TimedAnswer } from './harness/timed-stream';
 
 const iso = isolation();
 const POOL = 'continue';
@@ -105,17 +106,7 @@ afterEach(() => {
   expect(coldStarts).toEqual([]);
 });
 
-interface Streamed {
-  id: string;
-  text: string;
-  pieces: number;
-  finish: string | null | undefined;
-  usage: OpenAI.CompletionUsage | undefined;
-  /** The longest wait between two pieces after `since` (the kill), and from it to the next piece. */
-  gapAfter(since: number): number;
-  /** The text received before `time`. */
-  textAt(time: number): string;
-}
+type Streamed = TimedAnswer;
 
 /**
  * Streams an answer of {@link ANSWER_TOKENS} tokens; `onPiece` is called with the number of pieces
@@ -133,43 +124,7 @@ async function stream(sampling: { temperature: number; seed?: number }, onPiece?
     },
     { headers: { 'x-session-id': SESSION } },
   );
-  let text = '';
-  let id = '';
-  let pieces = 0;
-  let finish: string | null | undefined;
-  let usage: OpenAI.CompletionUsage | undefined;
-  const times: number[] = [];
-  const texts: string[] = [];
-  for await (const c of chunks) {
-    id = c.id;
-    if (c.usage) usage = c.usage;
-    const choice = c.choices[0];
-    if (choice?.finish_reason) finish = choice.finish_reason;
-    const piece = choice?.delta?.content ?? '';
-    if (piece === '') continue;
-    text += piece;
-    pieces += 1;
-    times.push(Date.now());
-    texts.push(text);
-    await onPiece?.(pieces);
-  }
-  return {
-    id,
-    text,
-    pieces,
-    finish,
-    usage,
-    textAt: (time) => texts[times.filter((t) => t < time).length - 1] ?? '',
-    gapAfter: (since) => {
-      let gap = 0;
-      let last = since;
-      for (const t of times.filter((x) => x > since)) {
-        gap = Math.max(gap, t - last);
-        last = t;
-      }
-      return gap;
-    },
-  };
+  return readTimed(chunks, onPiece);
 }
 
 /** Kills the idle engine and waits for it to be back: the next answer starts on an empty cache. */
@@ -247,7 +202,7 @@ describe.each([
         });
       }
       // Before the kill: the undisturbed answer, to the byte (both began on an empty cache).
-      const had = answer.textAt(killedAt);
+      const had = textAt(answer, killedAt);
       expect(had).toBe(reference.text.slice(0, had.length));
       if (after > 0) expect(had.length).toBeGreaterThan(0);
       same.push(
@@ -260,7 +215,7 @@ describe.each([
       expect(bridge.stats.continued - continuedBefore).toBe(after === 0 ? 0 : 1);
       // The silence is the engine's restart in place (~2.5 s to load here) and then at most
       // MAX_GAP_MS: the bridge finds it back within 100 ms and the answer resumes.
-      const gap = answer.gapAfter(killedAt);
+      const gap = gapAfter(answer, killedAt);
       gaps.push({ case: `${name} ${at}`, gapMs: gap, restartMs: backAt - killedAt });
       expect(gap - (backAt - killedAt)).toBeLessThanOrEqual(MAX_GAP_MS);
     },

@@ -30,6 +30,7 @@ import { isolation, natsConnectAsBridge } from './harness';
 import { publishPoolView } from './harness/gateway';
 import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
+import { gapAfter, readTimed, textAt, type TimedAnswer } from './harness/timed-stream';
 
 const iso = isolation();
 const POOL = 'moving';
@@ -90,17 +91,7 @@ afterEach(() => {
   expect(coldStarts).toEqual([]);
 });
 
-interface Streamed {
-  id: string;
-  text: string;
-  pieces: number;
-  finish: string | null | undefined;
-  usage: OpenAI.CompletionUsage | undefined;
-  times: number[];
-  texts: string[];
-  /** Chunks that said the assistant's role. */
-  roles: number;
-}
+type Streamed = TimedAnswer;
 
 /** Streams a greedy answer of {@link ANSWER_TOKENS} tokens; `onPiece` sees the count of pieces so far. */
 async function stream(onPiece?: (pieces: number) => Promise<void> | void): Promise<Streamed> {
@@ -115,35 +106,8 @@ async function stream(onPiece?: (pieces: number) => Promise<void> | void): Promi
     },
     { headers: { 'x-session-id': SESSION } },
   );
-  const out: Streamed = { id: '', text: '', pieces: 0, finish: undefined, usage: undefined, times: [], texts: [], roles: 0 };
-  for await (const c of chunks) {
-    out.id = c.id;
-    if (c.usage) out.usage = c.usage;
-    const choice = c.choices[0];
-    if (choice?.delta?.role) out.roles += 1;
-    if (choice?.finish_reason) out.finish = choice.finish_reason;
-    const piece = choice?.delta?.content ?? '';
-    if (piece === '') continue;
-    out.text += piece;
-    out.pieces += 1;
-    out.times.push(Date.now());
-    out.texts.push(out.text);
-    await onPiece?.(out.pieces);
-  }
-  return out;
+  return readTimed(chunks, onPiece);
 }
-
-const textAt = (s: Streamed, time: number): string => s.texts[s.times.filter((t) => t < time).length - 1] ?? '';
-/** The longest wait for a piece after `time`: from it to the next piece, and between pieces. */
-const gapAfter = (s: Streamed, time: number): number => {
-  let gap = 0;
-  let last = time;
-  for (const t of s.times.filter((x) => x > time)) {
-    gap = Math.max(gap, t - last);
-    last = t;
-  }
-  return gap;
-};
 
 /** Ledger records already looked at (earlier tests'). */
 const seenRecords = new Set<string>();

@@ -440,6 +440,15 @@ async function withKubeWorkers(unschedulableAfterMs: number, body: (w: { cfg: Ma
   }
 }
 
+/** The controller over this file's cluster, and kubectl on it in the test's namespace: the kubectl door, for a test inside {@link withKubeWorkers}. */
+function kubectlDoor({ cfg, client, dir }: { cfg: MagusConfig; client: Client; dir: string }) {
+  const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespaces: [NS] });
+  const kubeconfig = join(dir, 'kubeconfig');
+  writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
+  const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+  return { controller, kubectl };
+}
+
 test('a pool whose pods can never be scheduled: one typed failure, backing off, and the reason in the Dllama status', async () => {
   const name = 'toobig';
   await registry.put(model(name, () => GIB));
@@ -529,11 +538,9 @@ test('a pool on the Kubernetes runtime: its instance is pods, watched from the c
 test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the pool, the runtime adds and removes instances as pods', async () => {
   const name = 'scaled';
   await registry.put(model(name, () => GIB));
-  await withKubeWorkers(5000, async ({ cfg, client, dir }) => {
-    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespaces: [NS] });
-    const kubeconfig = join(dir, 'kubeconfig');
-    writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
-    const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+  await withKubeWorkers(5000, async (w) => {
+    const { client } = w;
+    const { controller, kubectl } = kubectlDoor(w);
     const roots = async () =>
       (await core.listNamespacedPod({ namespace: NS, labelSelector: `magus.dev/pool=${name},magus.dev/role=root` })).items.filter(podReady).length;
     try {
@@ -565,11 +572,9 @@ test('a Dllama scaled 1 → 3 → 0 → 1 with kubectl: the controller sizes the
 test("a Dllama's image changed with kubectl: an instance built from it starts beside the old one, which is then stopped; a change that only sizes the pool replaces nothing", async () => {
   const name = 'reimaged';
   await registry.put(model(name, () => GIB));
-  await withKubeWorkers(5000, async ({ cfg, client, dir }) => {
-    const controller = startController({ kc: cluster.kubeConfig, temporal: { client, namespace: 'default', taskQueue: cfg.taskQueue }, namespaces: [NS] });
-    const kubeconfig = join(dir, 'kubeconfig');
-    writeFileSync(kubeconfig, cluster.kubeConfig.exportConfig());
-    const kubectl = (...args: string[]) => promisify(execFile)('kubectl', ['--kubeconfig', kubeconfig, '-n', NS, ...args], { timeout: 60_000 });
+  await withKubeWorkers(5000, async (w) => {
+    const { client } = w;
+    const { controller, kubectl } = kubectlDoor(w);
     const pool = client.workflow.getHandle(poolWorkflowId(NS, name));
     /** Ready root pods: their instance and the image of their engine container. */
     const roots = async () =>
