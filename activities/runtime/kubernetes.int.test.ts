@@ -12,7 +12,7 @@ import { installCrds } from '../../kube/crds';
 import { dataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
-import type { DllamaResourceSpec } from '../../shared/kube';
+import { instanceSpecOf, type DllamaResource, type DllamaResourceSpec } from '../../shared/kube';
 import { modelRevision, type ReadyModel } from '../../shared/model';
 import { isolation } from '../../test/harness';
 import { natsStack, tempDir, temporalStack, TestStack, workersStack } from '../../test/harness/stack';
@@ -155,12 +155,22 @@ test.each([0, 1, 2, 3])(
     const instance = `${name}-1`;
     const base = instanceBase(instance);
     const info = await runtime.create({ namespace: NS, model: name, pool: name, instance }, new AbortController().signal);
+    const dllama = (await custom.getNamespacedCustomObject({
+      group: CRD_GROUP,
+      version: CRD_VERSION,
+      namespace: NS,
+      plural: 'dllamas',
+      name,
+    })) as DllamaResource;
     expect(info).toEqual({
       instance,
       subject: `${names.subjectScope ? `${names.subjectScope}.` : ''}magus.req.${name}.${instance}`,
       healthy: true,
       revision: modelRevision((await registry.get(NS, name))!),
+      // What it was built from: its Dllama at this generation (the pool replaces it once that changes).
+      spec: instanceSpecOf(dllama),
     });
+    expect(await runtime.describe(name, instance)).toMatchObject({ spec: instanceSpecOf(dllama) });
     expect((await podsOf(instance)).filter((p) => p.status?.conditions?.some((c) => c.type === 'Ready' && c.status === 'True'))).toHaveLength(nodes);
 
     const root = (await sts(base))!;
