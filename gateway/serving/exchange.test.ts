@@ -10,17 +10,19 @@ const err = (seq: number): ResponseFrame => ({ seq, type: 'error', error: { stat
 beforeEach(() => jest.useFakeTimers());
 afterEach(() => jest.useRealTimers());
 
+/** A router that hands each request's frames to whoever listens for its id, as the test sends them. */
+function fakeRouter() {
+  const listeners = new Map<string, (f: ResponseFrame) => void>();
+  const router: ResponseRouter = {
+    replySubject: (id) => `magus.res.${id}`,
+    listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)),
+    recover: () => Promise.resolve(0),
+    close: () => Promise.resolve(),
+  };
+  return { router, listeners };
+}
+
 describe('exchange', () => {
-  function fakeRouter() {
-    const listeners = new Map<string, (f: ResponseFrame) => void>();
-    const router: ResponseRouter = {
-      replySubject: (id) => `magus.res.${id}`,
-      listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)),
-      recover: () => Promise.resolve(0),
-      close: () => Promise.resolve(),
-    };
-    return { router, listeners };
-  }
   const session: SessionEntry = { subject: 'magus.req.p.i', pool: 'p', instance: 'i', expiresAt: 0 };
   const req: InferenceRequest = { id: 'r1', replyTo: 'magus.res.r1', deadline: 0, body: { model: 'm', messages: [] } };
 
@@ -349,13 +351,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
   const first: InferenceRequest = { id: 'r1', replyTo: 'magus.res.r1', deadline: Date.now() + 60_000, body: { model: 'm', messages: [], stream: true } };
 
   function setUp(over: Partial<Parameters<typeof exchange>[2]> = {}) {
-    const listeners = new Map<string, (f: ResponseFrame) => void>();
-    const router: ResponseRouter = {
-      replySubject: (id) => `magus.res.${id}`,
-      listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)),
-      recover: () => Promise.resolve(0),
-      close: () => Promise.resolve(),
-    };
+    const { router, listeners } = fakeRouter();
     const published: string[] = [];
     const relayed: [unknown, number][] = [];
     const asked: { said: unknown; from: string; createdAt: number }[] = [];
