@@ -525,10 +525,10 @@ function bridgeBeats(nc: NatsConnection, prefix: string): { silent(key: string):
       return at !== undefined && Date.now() - at > BRIDGE_SILENT_MS;
     },
     forget: () => heard.clear(),
-    close: async () => {
+    close: () => {
       clearInterval(sweep);
       sub.unsubscribe();
-      await Promise.resolve();
+      return Promise.resolve();
     },
   };
 }

@@ -16,24 +16,22 @@ import type { ResponseFrame } from './serving';
 /** Tokens an answer being continued may carry: a context's worth, and then some. */
 export const MAX_RESUMED_TOKENS = 1 << 20;
 
+/** The answer so far: its tokens (every chunk's `magus.tokens`, in order) and the text the client has of it (every chunk's text). */
+const ResumedAnswerSchema = Type.Object(
+  {
+    tokens: Type.Array(Type.Integer({ minimum: 0 }), { maxItems: MAX_RESUMED_TOKENS }),
+    text: Type.String(),
+  },
+  { additionalProperties: false },
+);
+
 /** What a bridge asks of an engine beyond OpenAI's fields. */
 export const EngineExtension = Type.Object(
   {
     /** Each streamed chunk carries, as `magus.tokens`, the ids of the tokens its text begins. */
     tokens: Type.Optional(Type.Boolean()),
-    /**
-     * The answer so far, to continue: its tokens (every chunk's `magus.tokens`, in order) and the
-     * text the client has of it (every chunk's text). Only what follows that text is streamed.
-     */
-    resume: Type.Optional(
-      Type.Object(
-        {
-          tokens: Type.Array(Type.Integer({ minimum: 0 }), { maxItems: MAX_RESUMED_TOKENS }),
-          text: Type.String(),
-        },
-        { additionalProperties: false },
-      ),
-    ),
+    /** The answer so far, to continue: only what follows its text is streamed. */
+    resume: Type.Optional(ResumedAnswerSchema),
   },
   { additionalProperties: false },
 );
@@ -60,9 +58,6 @@ export const RESUME_MISMATCH = 'resume_mismatch';
  */
 export const CONTINUE_ELSEWHERE = 'continue_elsewhere';
 
-/** The answer so far when nothing of it was sent yet. */
-export const NOTHING_SAID: ResumedAnswer = { tokens: [], text: '' };
-
 /**
  * What a request that continues another's answer carries (the envelope's `continues`): the
  * request whose answer it is (its chunks are stamped with that request's id and `created`, its
@@ -75,10 +70,7 @@ export const Continues = Type.Object(
     id: Type.String({ minLength: 1, maxLength: 128, pattern: '^[A-Za-z0-9_-]+$' }),
     /** Epoch ms the answer's chunks say they were created (`created` × 1000). */
     createdAt: Type.Number(),
-    resume: Type.Object(
-      { tokens: Type.Array(Type.Integer({ minimum: 0 }), { maxItems: MAX_RESUMED_TOKENS }), text: Type.String() },
-      { additionalProperties: false },
-    ),
+    resume: ResumedAnswerSchema,
     stay: Type.Optional(Type.Boolean()),
   },
   { additionalProperties: false },
@@ -92,22 +84,44 @@ export type Continues = Static<typeof Continues>;
  * the answer can then only be generated again and checked against them.
  */
 export function resumedAnswer(frames: readonly ResponseFrame[]): ResumedAnswer | undefined {
-  const tokens: number[] = [];
-  let text = '';
-  for (const f of frames) {
-    if (f.type !== 'chunk') return undefined;
+  const said = new AnswerSoFar();
+  for (const f of frames) said.add(f);
+  return said.answer;
+}
+
+/**
+ * {@link resumedAnswer} kept as frames come (a gateway relaying an answer it may have to move):
+ * the tokens and text only, not the frames.
+ */
+export class AnswerSoFar {
+  private readonly tokens: number[] = [];
+  private text = '';
+  private resumable = true;
+
+  add(f: ResponseFrame): void {
+    if (!this.resumable) return;
+    if (f.type !== 'chunk') return void (this.resumable = false);
     const choices = (f.data as { choices?: unknown } | null)?.choices;
-    if (!Array.isArray(choices) || choices.length !== 1) return undefined;
+    if (!Array.isArray(choices) || choices.length !== 1) return void (this.resumable = false);
     const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; text?: unknown; finish_reason?: unknown } | null;
-    if (!c || c.finish_reason != null || c.delta?.tool_calls != null) return undefined;
+    if (!c || c.finish_reason != null || c.delta?.tool_calls != null) return void (this.resumable = false);
     const piece = c.delta ? (c.delta.content ?? '') : (c.text ?? '');
-    if (typeof piece !== 'string') return undefined;
-    if (piece === '') continue; // a chat stream's role chunk
-    if (!Array.isArray(f.tokens)) return undefined;
-    for (const t of f.tokens) tokens.push(t);
-    text += piece;
+    if (typeof piece !== 'string') return void (this.resumable = false);
+    if (piece === '') return; // a chat stream's role chunk
+    if (!Array.isArray(f.tokens)) return void (this.resumable = false);
+    for (const t of f.tokens) this.tokens.push(t);
+    this.text += piece;
   }
-  return { tokens, text };
+
+  /** Whether its frames say the answer so far. */
+  get continuable(): boolean {
+    return this.resumable;
+  }
+
+  /** The answer so far, or undefined when its frames cannot say it. */
+  get answer(): ResumedAnswer | undefined {
+    return this.resumable ? { tokens: [...this.tokens], text: this.text } : undefined;
+  }
 }
 
 /** The answer so far `a`, then `b` (what a continuation said after what it was given). */

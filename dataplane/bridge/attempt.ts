@@ -184,6 +184,16 @@ export class Attempt {
     );
   }
 
+  /**
+   * Ends an attempt its own abort stopped (the drain deadline, a `moved` cancel) with the frame
+   * that hands its answer back: concluded as if it had not been aborted, since it still owns the
+   * request — only its engine call was stopped.
+   */
+  private endHandedBack(why: string): Promise<void> {
+    this.controller = new AbortController();
+    return this.conclude(handBackFrame(this, why), 'term');
+  }
+
   /** Resolves a delivery after its engine call (or a failure before it). */
   async settle(outcome: Outcome): Promise<void> {
     const m = this.msg;
@@ -196,20 +206,16 @@ export class Attempt {
           this.ctx.stats.cancelled += 1;
           return this.conclude(errorFrame(this.nextSeq, 499, 'cancelled', 'client_closed', 'the client went away'), 'term');
         }
-        if (outcome.reason === 'moved') {
-          // Its gateway heard no beat of this bridge in time and continues the answer elsewhere:
-          // end it as handed back (finished, nothing recorded), so no later delivery serves it.
-          this.controller = new AbortController();
-          return this.conclude(handBackFrame(this, 'its gateway continues it elsewhere'), 'term');
-        }
+        // Its gateway heard no beat of this bridge in time and continues the answer elsewhere:
+        // end it as handed back (finished, nothing recorded), so no later delivery serves it.
+        if (outcome.reason === 'moved') return this.endHandedBack('its gateway continues it elsewhere');
         if (outcome.reason === 'shutdown') {
           // The drain deadline passed: an answer that can be continued is handed back to its
           // gateway, which continues it on another instance (this one's consumer goes with it);
           // any other goes back to the consumer, for a bridge of this instance that comes back.
-          if (this.ctx.isConnected() && movable(this, this.answer, this.ctx.continues === true, true)) {
+          if (this.ctx.isConnected() && movable(this, this.ctx.continues === true, true)) {
             this.handedBack();
-            this.controller = new AbortController(); // the abort stopped its engine call; what follows concludes it
-            return this.conclude(handBackFrame(this, 'its instance is stopping (the drain deadline passed): continue it elsewhere'), 'term');
+            return this.endHandedBack('its instance is stopping (the drain deadline passed): continue it elsewhere');
           }
           m.nak();
           this.ctx.stats.nakked += 1;

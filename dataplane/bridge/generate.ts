@@ -135,10 +135,10 @@ export interface GenerateOptions {
  * gateway sent back to the same instance (`continues.stay`: the pool had no other) waits for its
  * engine rather than move again, unless its instance is stopping (`stopping`).
  */
-export function movable(a: Attempt, frames: readonly ResponseFrame[], continues: boolean, stopping = false): boolean {
+export function movable(a: Attempt, continues: boolean, stopping = false): boolean {
   const { req } = a;
   if (!continues || req.kind === 'embeddings' || req.body.stream !== true || (req.continues?.stay === true && !stopping)) return false;
-  return resumedAnswer(frames) !== undefined;
+  return resumedAnswer(a.answer) !== undefined;
 }
 
 /** The frame that hands `a`'s answer back to its gateway after the frames it has sent. */
@@ -160,7 +160,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
     const outcome = await callEngine(engine, a, frames, o.requestTimeoutMs, o.continues);
     if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
     lostAt ??= Date.now();
-    if (o.handBackAfterMs !== undefined && Date.now() - lostAt >= o.handBackAfterMs && movable(a, frames, o.continues)) {
+    if (o.handBackAfterMs !== undefined && Date.now() - lostAt >= o.handBackAfterMs && movable(a, o.continues)) {
       a.handedBack();
       return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`) };
     }

@@ -23,7 +23,7 @@ import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, scopeSubject, str
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
-import { BEAT_EVERY_MS, CONTINUE_ELSEWHERE, resumedAnswer, type ResumedAnswer } from '../../shared/continuation';
+import { AnswerSoFar, BEAT_EVERY_MS, CONTINUE_ELSEWHERE, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
@@ -414,8 +414,9 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let current: Moved = { session, req };
     /** Frames relayed before the current request's (earlier requests' of a moved answer): its seqs follow them. */
     let base = 0;
-    /** The chunks relayed so far, what a move continues after. */
-    const relayed: ResponseFrame[] = [];
+    /** What the chunks relayed so far say, what a move continues after, and how many there were. */
+    const said = new AnswerSoFar();
+    let relayedChunks = 0;
     /** When the answer's chunks say they were created (epoch ms), once one said it. */
     let createdAt: number | undefined;
     const fail = (reason: string, e: GatewayError, cause?: unknown) => {
@@ -481,8 +482,9 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       for (const f of sequencer.push(frame)) {
         if (finished) return;
         if (f.type === 'chunk') {
-          if (base > 0 && relayed.length > 0 && roleOnly(f.data)) continue; // a continuation generated afresh: its role was said
-          relayed.push(f);
+          if (current.req !== req && relayedChunks > 0 && roleOnly(f.data)) continue; // a continuation generated afresh: its role was said
+          said.add(f);
+          relayedChunks += 1;
           createdAt ??= createdOf(f.data);
           opts.onChunk?.(f.data, base + f.seq);
         } else if (f.type === 'done') finish(undefined, f.data);
@@ -505,14 +507,14 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let unlisten = listen(current);
     /** The bridge handed the answer back after `seq` frames of the current request: continue it as a new request. */
     const moveOn = (seq: number) => {
-      const said = resumedAnswer(relayed);
+      const answer = said.answer;
       const from = current;
       moving = true;
       sequencer.stop();
       unlisten();
       unlisten = () => undefined;
-      if (!said) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
-      opts.move!(said, from, createdAt ?? Date.now()).then(
+      if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
+      opts.move!(answer, from, createdAt ?? Date.now()).then(
         (to) => {
           moving = false;
           if (finished) return;
@@ -538,7 +540,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         ? setInterval(() => {
             if (finished || moving || !opts.silent!(current.session)) return;
             // One that cannot be continued (no tokens said, tool calls …) waits for its redelivery.
-            if (!resumedAnswer(relayed)) return;
+            if (!said.continuable) return;
             opts.onMovedAway?.(current);
             moveOn(sequencer.expected);
           }, BEAT_EVERY_MS)
@@ -556,7 +558,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         publishUntil ??= Math.min(at.req.deadline, Date.now() + PUBLISH_RETRY_MS);
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
         // A continuation's answer is under way: its publish is retried whatever the route said.
-        const retry = base > 0 || opts.retryPublish?.() === true;
+        const retry = at.req !== req || opts.retryPublish?.() === true;
         if (!retry || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
         attempt += 1;
         opts.onPublishRetry?.();
