@@ -24,6 +24,7 @@ import type { RunningWorkers } from '../workers/worker';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { currentDetails, isolation, recordHistory } from './harness';
 import { gatewayStack, magusStack, TestStack } from './harness/stack';
+import { readTimed, type TimedAnswer } from './harness/timed-stream';
 import { until } from './harness/wait';
 
 const iso = isolation();
@@ -218,3 +219,109 @@ test('a new model revision under live streams: none is cut, new first turns and 
     if (!thawed) process.kill(pid, 'SIGCONT');
   }
 }, 240_000);
+
+test("a rollout under 50 live streams: none cut or repeated, each the undisturbed answer, every conversation's next turn on the new revision", async () => {
+  const STREAMS = 50;
+  const TOKENS = 60;
+  const prompts = ['a boat', 'a fox', 'the sea', 'a lamp', 'the hills'].map((p) => `tell me about ${p}`);
+  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
+  const keys = async () => {
+    const out = new Set<string>();
+    for await (const k of await kv.keys()) out.add(k);
+    return out;
+  };
+  const instanceOf = async (k: string) => (JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry).instance;
+  const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
+  const runtime = workers.runtime as LocalRuntime;
+  const stream = async (session: string, content: string): Promise<TimedAnswer> =>
+    readTimed(
+      await openai.chat.completions.create(
+        { model: MODEL, messages: [{ role: 'user', content }], max_tokens: TOKENS, temperature: 0, stream: true, stream_options: { include_usage: true } },
+        { headers: { 'x-session-id': session } },
+      ),
+    );
+
+  const [current] = (await pool.query(poolStatusQuery)).instances;
+  expect(current).toMatchObject({ phase: 'ready' });
+  const oldId = current!.id;
+  const oldRevision = current!.revision;
+  // The undisturbed answers, one at a time on the instance about to be replaced.
+  const reference: string[] = [];
+  for (const [n, p] of prompts.entries()) reference.push((await stream(`ref-${n}-${iso.id}`, p)).text);
+  expect(reference.every((t) => t.length > 0)).toBe(true);
+
+  // Its engine frozen, 50 conversations' first turns are sent: its slots hold 4, the rest queue for it.
+  const pid = runtime.processes(MODEL, oldId)![0]!.pid!;
+  process.kill(pid, 'SIGSTOP');
+  let thawed = false;
+  try {
+    const before = await keys();
+    const sessions = Array.from({ length: STREAMS }, (_, n) => `live-${n}-${iso.id}`);
+    const streams = sessions.map((s, n) => stream(s, prompts[n % prompts.length]!));
+    const jsm = await nc.jetstreamManager();
+    await until('the 50 streams are in flight or queued at the frozen instance', async () => {
+      const c = await jsm.consumers.info(names.requestStream, consumerNameOf(MODEL, oldId)).catch(() => null);
+      return c !== null && c.num_ack_pending + c.num_pending === STREAMS;
+    });
+
+    const next: ReadyModel = { ...ready, source: { ...ready.source, sha: '2'.repeat(40) }, readyAt: new Date().toISOString() };
+    const r3 = modelRevision(next);
+    expect(r3).not.toBe(oldRevision);
+    await registry.put(next);
+    await pool.signal(modelPublishedSignal, { revision: r3 });
+    await until(
+      'a new instance serves beside the draining old one',
+      async () => {
+        const s = await pool.query(poolStatusQuery);
+        return (
+          s.instances.find((i) => i.id === oldId)?.phase === 'draining' && s.instances.some((i) => i.id !== oldId && i.phase === 'ready' && i.revision === r3)
+        );
+      },
+      60_000,
+    );
+    const newId = (await pool.query(poolStatusQuery)).instances.find((i) => i.id !== oldId)!.id;
+    // Each of the 50 conversations has its entry on the old instance.
+    const live = [...(await keys())].filter((k) => !before.has(k));
+    expect(live).toHaveLength(STREAMS);
+    for (const k of live) expect(await instanceOf(k)).toBe(oldId);
+    // A first turn meanwhile is answered at once, by the new instance.
+    const fresh = await stream(`fresh-${iso.id}`, prompts[0]!);
+    expect(fresh.text).toBe(reference[0]);
+    const freshKeys = [...(await keys())].filter((k) => !before.has(k) && !live.includes(k));
+    expect(freshKeys).toHaveLength(1);
+    expect(await instanceOf(freshKeys[0]!)).toBe(newId);
+
+    process.kill(pid, 'SIGCONT');
+    thawed = true;
+    const answers = await Promise.all(streams);
+    for (const [n, a] of answers.entries()) {
+      // Whole and once: the undisturbed text, every token asked for counted once, no piece twice.
+      expect({ n, text: a.text, finish: a.finish, tokens: a.usage?.completion_tokens, roles: a.roles }).toEqual({
+        n,
+        text: reference[n % prompts.length],
+        finish: 'length',
+        tokens: TOKENS,
+        roles: 1,
+      });
+      expect(a.pieces).toBeLessThanOrEqual(TOKENS);
+    }
+    expect(new Set(answers.map((a) => a.id)).size).toBe(STREAMS);
+
+    await until(
+      'the old instance is stopped',
+      async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === oldId) && runtime.processes(MODEL, oldId) === null,
+      60_000,
+    );
+    // Every conversation's next turn is on the new revision's instance.
+    for (const [n, s] of sessions.entries()) {
+      const r = await openai.chat.completions.create(
+        { model: MODEL, messages: [{ role: 'user', content: prompts[n % prompts.length]! }], max_tokens: 2, temperature: 0 },
+        { headers: { 'x-session-id': s } },
+      );
+      expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
+    }
+    for (const k of live) expect(await instanceOf(k)).toBe(newId);
+  } finally {
+    if (!thawed) process.kill(pid, 'SIGCONT');
+  }
+}, 300_000);
