@@ -231,6 +231,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
             host: '127.0.0.1',
             port: 0,
             slots: cmd.slots,
+            resumeSlots: 0,
             queue: 16,
             threads: cmd.threads,
             ctx: cmd.ctx,

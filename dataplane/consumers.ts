@@ -5,7 +5,7 @@
  */
 import { AckPolicy, DeliverPolicy, type ConsumerConfig, type ConsumerInfo, type JetStreamManager, type NatsConnection, nanos } from 'nats';
 import { JsApiError, jsErrorCode } from './errors';
-import { consumerNameOf, requestSubjectOf, type DataPlaneNames } from './names';
+import { consumerNameOf, movedConsumerNameOf, movedSubjectOf, requestSubjectOf, type DataPlaneNames } from './names';
 
 /**
  * Creates an instance's consumer again with the configuration it had (`config`, as read from
@@ -56,10 +56,12 @@ export async function instanceConsuming(nc: NatsConnection, requestStream: strin
   }
 }
 
-/** Declares (or updates) the durable pull consumer of one instance. */
+/**
+ * Declares (or updates) the durable pull consumers of one instance: its requests', and its moved
+ * answers' ({@link movedConsumerConfig}). Returns the first's info.
+ */
 export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: InstanceConsumerOptions): Promise<ConsumerInfo> {
   if (!Number.isInteger(opts.slots) || opts.slots < 1) throw new Error(`slots must be a positive integer, got ${opts.slots}`);
-  const name = consumerNameOf(opts.pool, opts.instance);
   const changeable = {
     description: `bridge of ${opts.pool}/${opts.instance}`,
     filter_subject: requestSubjectOf(names, opts.pool, opts.instance),
@@ -69,24 +71,58 @@ export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataP
   } satisfies Partial<ConsumerConfig>;
   const cfg: Partial<ConsumerConfig> = {
     ...changeable,
-    durable_name: name,
+    durable_name: consumerNameOf(opts.pool, opts.instance),
     ack_policy: AckPolicy.Explicit,
     deliver_policy: DeliverPolicy.All,
   };
+  const info = await addOrUpdate(jsm, names.requestStream, cfg, changeable);
+  const moved = movedConsumerConfig(names, opts.pool, opts.instance, info.config);
+  await addOrUpdate(jsm, names.requestStream, moved, {
+    description: moved.description!,
+    filter_subject: moved.filter_subject!,
+    max_ack_pending: moved.max_ack_pending!,
+    ack_wait: moved.ack_wait!,
+    max_deliver: moved.max_deliver!,
+  });
+  return info;
+}
+
+/**
+ * The consumer of the answers moved to an instance (names.ts `movedSubjectOf`), shaped like its
+ * request consumer `like`: as many at once as its slots, the same ack wait and deliveries.
+ */
+export function movedConsumerConfig(names: DataPlaneNames, pool: string, instance: string, like: Partial<ConsumerConfig>): ConsumerConfig {
+  return {
+    description: `answers moved to ${pool}/${instance}`,
+    durable_name: movedConsumerNameOf(pool, instance),
+    filter_subject: movedSubjectOf(names, pool, instance),
+    max_ack_pending: like.max_ack_pending ?? 1,
+    ack_wait: like.ack_wait ?? nanos(30_000),
+    max_deliver: like.max_deliver ?? 5,
+    ack_policy: AckPolicy.Explicit,
+    deliver_policy: DeliverPolicy.All,
+  } as ConsumerConfig;
+}
+
+async function addOrUpdate(jsm: JetStreamManager, stream: string, cfg: Partial<ConsumerConfig>, changeable: Partial<ConsumerConfig>): Promise<ConsumerInfo> {
   try {
-    return await jsm.consumers.add(names.requestStream, cfg);
+    return await jsm.consumers.add(stream, cfg);
   } catch (err) {
     if (jsErrorCode(err) !== JsApiError.consumerExists) throw err;
-    return jsm.consumers.update(names.requestStream, name, changeable);
+    return jsm.consumers.update(stream, cfg.durable_name!, changeable);
   }
 }
 
-/** Deletes an instance's consumer; false when there was none. Unconsumed requests stay until max age. */
+/** Deletes an instance's consumers; false when there was none. Unconsumed requests stay until max age. */
 export async function deleteInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: { pool: string; instance: string }): Promise<boolean> {
-  try {
-    return await jsm.consumers.delete(names.requestStream, consumerNameOf(opts.pool, opts.instance));
-  } catch (err) {
-    if (jsErrorCode(err) === JsApiError.consumerNotFound) return false;
-    throw err;
-  }
+  const gone = async (name: string) => {
+    try {
+      return await jsm.consumers.delete(names.requestStream, name);
+    } catch (err) {
+      if (jsErrorCode(err) === JsApiError.consumerNotFound) return false;
+      throw err;
+    }
+  };
+  const moved = await gone(movedConsumerNameOf(opts.pool, opts.instance));
+  return (await gone(consumerNameOf(opts.pool, opts.instance))) || moved;
 }

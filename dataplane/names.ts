@@ -78,6 +78,19 @@ export function requestSubjectOf(names: DataPlaneNames, pool: string, instance: 
   return scopedSubject(names, requestSubject(pool, instance));
 }
 
+/**
+ * `magus.req.<pool>.<instance>.moved` in this data plane: answers continued on this instance after
+ * their own instance lost them (shared/continuation.ts). A consumer of their own
+ * ({@link movedConsumerNameOf}) lets the bridge take them before the requests queued for the
+ * instance: their clients are waiting mid-answer.
+ */
+export function movedSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
+  return movedSubjectFor(requestSubjectOf(names, pool, instance));
+}
+
+/** {@link movedSubjectOf} of the instance whose requests go to `requestSubject` (a session entry's `subject`). */
+export const movedSubjectFor = (requestSubject: string): string => `${requestSubject}.moved`;
+
 /** `magus.cancel.<pool>.<instance>` in this data plane: where a gateway says a request's client went away. */
 export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
   checkToken('pool', pool);
@@ -130,4 +143,9 @@ export function consumerNameOf(pool: string, instance: string): string {
   checkToken('pool', pool);
   checkToken('instance', instance);
   return `${pool}_${instance}`;
+}
+
+/** The durable consumer of the answers moved to one instance ({@link movedSubjectOf}); no instance's {@link consumerNameOf} (tokens hold no `_`). */
+export function movedConsumerNameOf(pool: string, instance: string): string {
+  return `${consumerNameOf(pool, instance)}_moved`;
 }

@@ -35,7 +35,16 @@ import { createAccount, createOperator, createUser, fromSeed } from '@nats-io/nk
 import { createInbox, jwtAuthenticator, type Authenticator, type ConnectionOptions, type NatsConnection } from 'nats';
 import type { DataPlaneNames } from './names';
 import { claimKeyOf } from './claims';
-import { beatSubjectOf, cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, scopedSubject } from './names';
+import {
+  beatSubjectOf,
+  cancelSubjectOf,
+  consumerNameOf,
+  instanceResponseSubjectOf,
+  movedConsumerNameOf,
+  movedSubjectOf,
+  requestSubjectOf,
+  scopedSubject,
+} from './names';
 import { Nats } from '../shared/constants';
 
 export const NATS_ROLES = ['gateway', 'bridge', 'controller', 'worker'] as const;
@@ -134,14 +143,16 @@ export const bridgeInboxPrefixOf = (pool: string, instance: string): string => `
 
 /**
  * The permissions of the bridge of instance `instance` of pool `pool`: its own requests and
- * nothing else of the request stream. It pulls from its instance's durable consumer only (the
- * creation subject names the consumer *and* its filter, so it cannot widen it), acknowledges its
- * deliveries, hears its instance's cancels and its consumer's leader elections, and gets its
+ * nothing else of the request stream. It pulls from its instance's two durable consumers only
+ * (its requests', the answers moved to it; the creation subject names the consumer *and* its
+ * filter, so it cannot widen it), acknowledges its deliveries, hears its instance's cancels and
+ * its consumers' leader elections, and gets its
  * replies on an inbox of its own (a pulled request arrives there). It publishes frames, reads
  * frames back for a redelivered request (the response stream), and writes claims and usage.
  */
 export function bridgePermissions(names: DataPlaneNames, pool: string, instance: string): NatsPermissions {
   const durable = consumerNameOf(pool, instance);
+  const moved = movedConsumerNameOf(pool, instance);
   const stream = names.requestStream;
   const responses = names.responseStream;
   // Its instance's frames, magus.res.<replica>.<pool>.<instance>.<id>, of any replica and request.
@@ -158,6 +169,11 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
         api(`CONSUMER.MSG.NEXT.${stream}.${durable}`),
         api(`CONSUMER.CREATE.${stream}.${durable}.${requestSubjectOf(names, pool, instance)}`),
         `$JS.ACK.${stream}.${durable}.>`,
+        // The same for the answers moved to it (names.ts movedSubjectOf).
+        api(`CONSUMER.INFO.${stream}.${moved}`),
+        api(`CONSUMER.MSG.NEXT.${stream}.${moved}`),
+        api(`CONSUMER.CREATE.${stream}.${moved}.${movedSubjectOf(names, pool, instance)}`),
+        `$JS.ACK.${stream}.${moved}.>`,
         // Reading its own frames back (response-stream.ts): a direct get and an ordered consumer,
         // each naming the subject in the request's subject. The ordered consumer's pulls, info and
         // delete go by its name, random per read (nats.js: a NUID), which no other user learns.
@@ -181,6 +197,7 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
         `${bridgeInboxPrefixOf(pool, instance)}.>`,
         cancelSubjectOf(names, pool, instance),
         `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${durable}`,
+        `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${moved}`,
       ],
     },
   };

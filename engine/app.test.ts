@@ -190,6 +190,7 @@ describe('magus engine options', () => {
       host: '127.0.0.1',
       port: 8080,
       slots: 2,
+      resumeSlots: 1,
       queue: 16,
       ctx: 4096,
       modelId: 'tiny.gguf',

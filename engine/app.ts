@@ -247,6 +247,8 @@ interface Job {
   streamTokens: boolean;
   /** It continues an earlier attempt's answer: the stream has no role chunk (the client has it). */
   resumes: boolean;
+  /** It resumes an answer its client holds part of: it goes before the queue, to a resume slot if one is free (slots.ts). */
+  urgent: boolean;
   includeUsage: boolean;
   prepared: PreparedCompletion[];
   /** Text completions: each prompt's length in characters (log-probabilities' `text_offset` counts from the prompt's start). */
@@ -267,6 +269,7 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
     stream: req.stream,
     streamTokens: req.streamTokens === true,
     resumes: req.resume !== undefined,
+    urgent: (req.resume?.tokens.length ?? 0) > 0,
     includeUsage: req.includeUsage,
     prepared: [prepared],
     ...(affinity ? { score: (slot) => affinity(slot, req) } : {}),
@@ -288,6 +291,7 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
     stream: req.stream,
     streamTokens: req.streamTokens === true && req.prompts.length === 1,
     resumes: req.resume !== undefined,
+    urgent: (req.resume?.tokens.length ?? 0) > 0,
     includeUsage: req.includeUsage,
     prepared,
     promptChars: req.prompts.map((p) => p.length),
@@ -320,7 +324,7 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
 
   let slot: number;
   try {
-    slot = await core.slots.acquire({ signal: abort.signal, score: job.score });
+    slot = await core.slots.acquire({ signal: abort.signal, score: job.score, urgent: job.urgent });
   } catch (err) {
     res.off('close', onClose);
     if (abort.signal.aborted) return clientGone();

@@ -16,6 +16,8 @@ export interface EngineCoreOptions {
   slots: number;
   /** Requests that may wait for a slot before the engine answers 429. */
   queue: number;
+  /** Slots beside `slots` for resumed answers alone (slots.ts, "urgent"); default 0. */
+  resumeSlots?: number;
 }
 
 export class EngineCore {
@@ -30,7 +32,7 @@ export class EngineCore {
 
   constructor(opts: EngineCoreOptions) {
     this.modelId = opts.modelId;
-    this.slots = new SlotPool(opts.slots, opts.queue);
+    this.slots = new SlotPool(opts.slots, opts.queue, undefined, opts.resumeSlots ?? 0);
   }
 
   get status(): EngineStatus {

@@ -4,11 +4,11 @@
  */
 import { availableParallelism } from 'node:os';
 import { basename } from 'node:path';
-import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT } from '../shared/engine-slots';
+import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT, RESUME_SLOTS } from '../shared/engine-slots';
 import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
-  'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--queue 16]',
+  'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--resume-slots 1] [--queue 16]',
   '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json]',
 ].join('\n');
 
@@ -20,6 +20,11 @@ export interface EngineOptions {
   port: number;
   /** Concurrent generations (llama.cpp sequences). distributed-llama serves one. */
   slots: number;
+  /**
+   * Sequences beside `slots` for answers resumed after their engine went away (their clients wait
+   * mid-answer): such an answer starts at once. Each costs a slot's KV cache.
+   */
+  resumeSlots: number;
   /** Requests that may wait for a slot; more are refused with 429. */
   queue: number;
   /** llama.cpp CPU threads (default: cores − 1). Set it to the pod's CPU limit: Node sees the host's cores. */
@@ -34,7 +39,7 @@ export interface EngineOptions {
   json: boolean;
 }
 
-const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
+const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--resume-slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
 type ValueFlag = (typeof VALUE_FLAGS)[number];
 
 function integer(flag: string, text: string | undefined, fallback: number, min: number, max: number): number {
@@ -72,6 +77,7 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     host: values['--host'] ?? '127.0.0.1',
     port: integer('--port', values['--port'], 0, 0, 65535),
     slots: integer('--slots', values['--slots'], 1, 1, ENGINE_SLOTS_LIMIT),
+    resumeSlots: integer('--resume-slots', values['--resume-slots'], RESUME_SLOTS, 0, 16),
     queue: integer('--queue', values['--queue'], 16, 0, 100_000),
     // One core stays with the event loop (HTTP, SSE): llama.cpp's threads spin while they wait,
     // and on a busy or small host every extra spinning thread costs far more than it gives.

@@ -34,7 +34,7 @@ export interface RunningEngine {
 }
 
 export async function startEngine(opts: EngineOptions, log: (message: string) => void): Promise<RunningEngine> {
-  const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue });
+  const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue, resumeSlots: opts.resumeSlots });
   const app = createEngineHttp(core, { logError: log });
   await app.listen({ host: opts.host, port: opts.port });
   const { port } = app.server.address() as AddressInfo;
@@ -42,11 +42,13 @@ export async function startEngine(opts: EngineOptions, log: (message: string) =>
 
   const started = performance.now();
   let backend: LlamaBackend | undefined;
-  const loaded = LlamaBackend.load({ modelPath: opts.model, slots: opts.slots, threads: opts.threads, contextSize: opts.ctx, log }).then((b) => {
-    backend = b;
-    core.ready(b);
-    return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };
-  });
+  const loaded = LlamaBackend.load({ modelPath: opts.model, slots: opts.slots + opts.resumeSlots, threads: opts.threads, contextSize: opts.ctx, log }).then(
+    (b) => {
+      backend = b;
+      core.ready(b);
+      return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };
+    },
+  );
   loaded.catch(() => undefined); // the caller awaits it; stop() must not raise an unhandled rejection
 
   let stopping: Promise<void> | undefined;

@@ -31,6 +31,43 @@ describe('SlotPool', () => {
     expect(pool.busy).toBe(0);
   });
 
+  test('an urgent request (a resumed answer) goes before every waiter that is not, past the queue bound and past cache affinity', async () => {
+    const pool = new SlotPool(1, 2);
+    await pool.acquire();
+    const plain1 = pool.acquire();
+    const plain2 = pool.acquire({ score: () => 100 }); // owns the slot's cache: would be preferred
+    await expect(pool.acquire()).rejects.toMatchObject({ name: QUEUE_FULL_ERROR });
+    const urgent1 = pool.acquire({ urgent: true });
+    const urgent2 = pool.acquire({ urgent: true });
+    expect(pool.queued).toBe(4);
+    const order: string[] = [];
+    for (const [name, p] of Object.entries({ plain1, plain2, urgent1, urgent2 })) void p.then(() => order.push(name));
+    for (let i = 0; i < 4; i++) {
+      pool.release(0);
+      await new Promise((r) => setImmediate(r));
+    }
+    expect(order).toEqual(['urgent1', 'urgent2', 'plain2', 'plain1']);
+  });
+
+  test('reserved slots serve urgent requests alone: at once while one is free, then back to the urgent first', async () => {
+    const pool = new SlotPool(1, 4, undefined, 1);
+    expect(await pool.acquire()).toBe(0);
+    const plain = pool.acquire();
+    expect(await settled(plain)).toBe('pending'); // the reserved slot is not for it
+    expect(await pool.acquire({ urgent: true })).toBe(1);
+    expect(pool.busy).toBe(2);
+    const urgent = pool.acquire({ urgent: true });
+    pool.release(1); // the reserved slot goes to the waiting urgent request
+    expect(await urgent).toBe(1);
+    expect(await settled(plain)).toBe('pending');
+    pool.release(1); // nobody urgent waits: free again, still not for the plain one
+    expect(await settled(plain)).toBe('pending');
+    pool.release(0);
+    expect(await plain).toBe(0);
+    expect(await pool.acquire({ urgent: true })).toBe(1);
+    expect(() => new SlotPool(Infinity, 0, undefined, 1)).toThrow(RangeError);
+  });
+
   test('a queued request that aborts leaves the queue; the next one gets the slot', async () => {
     const pool = new SlotPool(1, 5);
     await pool.acquire();

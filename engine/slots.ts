@@ -8,7 +8,11 @@
  * slot's KV cache holds: it then evaluates only its new tokens instead of the whole prompt, and
  * no other conversation's cache is evicted for it); without such a waiter, to the first in
  * arrival order. Passing the first waiter over is bounded: once it has been passed over
- * `maxSkips` times it is served next, so affinity never starves anyone.
+ * `maxSkips` times it is served next, so affinity never starves anyone. An *urgent* waiter (an
+ * answer resumed after its engine went away: its client is waiting mid-answer) goes before every
+ * other, in arrival order among the urgent, and is not turned away by the queue bound; the pool
+ * may keep `reserved` slots beside its `size` for the urgent alone (a resumed answer then starts
+ * at once rather than when a slot frees).
  */
 
 export const QUEUE_FULL_ERROR = 'QueueFullError';
@@ -33,6 +37,7 @@ interface Waiter {
   signal?: AbortSignal;
   onAbort?: () => void;
   score?: (slot: number) => number;
+  urgent: boolean;
   /** Times a later waiter got a released slot before this one. */
   skipped: number;
 }
@@ -48,6 +53,8 @@ export interface AcquireOptions {
    * cached: among free slots now, and among waiters when a slot is released.
    */
   score?: (slot: number) => number;
+  /** Served before every waiter that is not, and never refused for a full queue (see the class comment). */
+  urgent?: boolean;
 }
 
 export class SlotPool {
@@ -57,20 +64,27 @@ export class SlotPool {
   private nextFresh = 0;
   private readonly waiters: Waiter[] = [];
   private busyCount = 0;
+  /** The urgent's own slots (`size` … `size + reserved − 1`) that are free. */
+  private readonly freeReserved: number[] = [];
 
   /**
    * @param size number of slots (Infinity: never queue)
    * @param maxQueue how many requests may wait for a slot (0: none)
    * @param maxSkips how often the first waiter may be passed over for one that owns a released slot's cache
+   * @param reserved slots beside `size` for urgent requests only (numbered from `size`)
    */
   constructor(
     readonly size: number,
     readonly maxQueue: number,
     readonly maxSkips: number = DEFAULT_MAX_SKIPS,
+    readonly reserved = 0,
   ) {
     if (!(size >= 1)) throw new RangeError(`slot count must be at least 1, got ${size}`);
     if (!(maxQueue >= 0)) throw new RangeError(`queue bound must be at least 0, got ${maxQueue}`);
     if (!(maxSkips >= 0)) throw new RangeError(`skip bound must be at least 0, got ${maxSkips}`);
+    if (!(Number.isInteger(reserved) && reserved >= 0 && (reserved === 0 || Number.isFinite(size))))
+      throw new RangeError(`reserved slots must be a whole number, beside a finite size, got ${reserved}`);
+    for (let i = 0; i < reserved; i++) this.freeReserved.push(size + i);
   }
 
   get busy(): number {
@@ -87,7 +101,12 @@ export class SlotPool {
    */
   acquire(opts: AcquireOptions = {}): Promise<number> {
     const { signal, score } = opts;
+    const urgent = opts.urgent === true;
     if (signal?.aborted) return Promise.reject(abortError(signal));
+    if (urgent && this.freeReserved.length > 0) {
+      this.busyCount++;
+      return Promise.resolve(this.freeReserved.shift()!);
+    }
     if (this.waiters.length === 0) {
       const slot = this.takeFree(score);
       if (slot !== undefined) {
@@ -95,11 +114,11 @@ export class SlotPool {
         return Promise.resolve(slot);
       }
     }
-    if (this.waiters.length >= this.maxQueue) {
+    if (!urgent && this.waiters.length >= this.maxQueue) {
       return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
     }
     return new Promise<number>((resolve, reject) => {
-      const waiter: Waiter = { resolve, reject, signal, score, skipped: 0 };
+      const waiter: Waiter = { resolve, reject, signal, score, urgent, skipped: 0 };
       if (signal) {
         waiter.onAbort = () => {
           const at = this.waiters.indexOf(waiter);
@@ -108,31 +127,43 @@ export class SlotPool {
         };
         signal.addEventListener('abort', waiter.onAbort, { once: true });
       }
-      this.waiters.push(waiter);
+      // After the urgent ones already waiting, before everyone else.
+      const at = urgent ? this.waiters.findIndex((w) => !w.urgent) : -1;
+      if (at >= 0) this.waiters.splice(at, 0, waiter);
+      else this.waiters.push(waiter);
     });
   }
 
   /** Gives `slot` to the waiter it suits best (see the class comment), or back to the free list. */
   release(slot: number): void {
-    const at = this.waiterFor(slot);
-    if (at >= 0) {
-      const [waiter] = this.waiters.splice(at, 1) as [Waiter];
-      for (let i = 0; i < at; i++) this.waiters[i]!.skipped++;
-      if (waiter.onAbort) waiter.signal?.removeEventListener('abort', waiter.onAbort);
-      waiter.resolve(slot);
+    if (slot >= this.size) {
+      // An urgent one's own slot: to the next urgent waiter, else free for the next.
+      if (this.waiters[0]?.urgent) return this.handOver(0, slot);
+      this.busyCount--;
+      this.freeReserved.push(slot);
       return;
     }
+    const at = this.waiterFor(slot);
+    if (at >= 0) return this.handOver(at, slot);
     this.busyCount--;
     this.free.push(slot);
   }
 
+  private handOver(at: number, slot: number): void {
+    const [waiter] = this.waiters.splice(at, 1) as [Waiter];
+    for (let i = 0; i < at; i++) this.waiters[i]!.skipped++;
+    if (waiter.onAbort) waiter.signal?.removeEventListener('abort', waiter.onAbort);
+    waiter.resolve(slot);
+  }
+
   /**
-   * The index of the waiter to get `slot` (−1: none waits): the first one once it has been passed
-   * over `maxSkips` times (it has been passed over at least as often as anyone behind it), else the
+   * The index of the waiter to get `slot` (−1: none waits): the first one when it is urgent (the
+   * urgent wait first) or once it has been passed over `maxSkips` times (it has been passed over at least as often as anyone behind it), else the
    * best positive score, the earliest on a tie, else the first.
    */
   private waiterFor(slot: number): number {
     if (this.waiters.length === 0) return -1;
+    if (this.waiters[0]!.urgent) return 0;
     if (this.waiters[0]!.skipped >= this.maxSkips) return 0;
     let best = 0;
     let bestScore = 0;

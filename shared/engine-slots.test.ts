@@ -1,7 +1,16 @@
 /** Engine slots from the memory plan: the rule, its bounds, and which artifact's plan it reads. */
 import { parseModelSpec } from '../convert/arch';
 import { planMemory } from '../activities/size/memory';
-import { ENGINE_CONTEXT, ENGINE_SLOTS_LIMIT, engineSizing, engineSizingWith, leasesPerInstance, MAX_ENGINE_SLOTS, servedGguf } from './engine-slots';
+import {
+  ENGINE_CONTEXT,
+  ENGINE_SLOTS_LIMIT,
+  engineSizing,
+  engineSizingWith,
+  leasesPerInstance,
+  MAX_ENGINE_SLOTS,
+  RESUME_SLOTS,
+  servedGguf,
+} from './engine-slots';
 import type { Artifact, MemoryPlan, ReadyModel } from './model';
 
 const MIB = 2 ** 20;
@@ -31,13 +40,14 @@ const plan = (weights: number, kvCache: number, buffers: number, contextLength: 
   root: { weights, kvCache, buffers, total: weights + kvCache + buffers },
 });
 
-test('slots = ⌊(budget − weights − buffers) / KV per slot⌋, the KV cache scaled to the engine context', () => {
-  // KV cache for 8192 tokens: 64 MiB, so 32 MiB per slot of 4096.
+test('slots = ⌊(budget − weights − buffers) / KV per slot⌋ − the resume slot, the KV cache scaled to the engine context', () => {
+  // KV cache for 8192 tokens: 64 MiB, so 32 MiB per slot of 4096: 5 fit, one of them kept for resumed answers.
   const sized = engineSizing(plan(100 * MIB, 64 * MIB, 20 * MIB, 8192), 300 * MIB);
-  expect(sized).toEqual({ slots: 5, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 5 * 32 * MIB });
+  expect(RESUME_SLOTS).toBe(1);
+  expect(sized).toEqual({ slots: 4, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 5 * 32 * MIB });
   expect(sized.memory).toBeLessThanOrEqual(300 * MIB);
   // A model planned for a shorter context gets slots of that context.
-  expect(engineSizing(plan(100 * MIB, 16 * MIB, 20 * MIB, 2048), 300 * MIB)).toMatchObject({ contextLength: 2048, kvCachePerSlot: 16 * MIB, slots: 11 });
+  expect(engineSizing(plan(100 * MIB, 16 * MIB, 20 * MIB, 2048), 300 * MIB)).toMatchObject({ contextLength: 2048, kvCachePerSlot: 16 * MIB, slots: 10 });
   // An explicit context.
   expect(engineSizing(plan(100 * MIB, 64 * MIB, 20 * MIB, 8192), 300 * MIB, 1024)).toMatchObject({
     contextLength: 1024,
@@ -56,8 +66,8 @@ test('at least one slot when the weights alone exceed the budget; at most MAX_EN
 test('slots fixed by a pool (a slot per lease): the memory counts them, beyond the budget if need be; 1..ENGINE_SLOTS_LIMIT', () => {
   const p = plan(100 * MIB, 64 * MIB, 20 * MIB, 8192);
   expect(engineSizingWith(p, 300 * MIB, undefined)).toEqual(engineSizing(p, 300 * MIB));
-  expect(engineSizingWith(p, 300 * MIB, 2)).toEqual({ slots: 2, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 2 * 32 * MIB });
-  expect(engineSizingWith(p, 300 * MIB, 32)).toMatchObject({ slots: 32, memory: 120 * MIB + 32 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 2)).toEqual({ slots: 2, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 3 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 32)).toMatchObject({ slots: 32, memory: 120 * MIB + 33 * 32 * MIB });
   expect(engineSizingWith(p, 300 * MIB, 10_000).slots).toBe(ENGINE_SLOTS_LIMIT);
   expect(engineSizingWith(p, 300 * MIB, 0).slots).toBe(1);
 });
@@ -66,8 +76,8 @@ test('SmolLM2-135M (Q4_1-sized GGUF, planned at its 8192 tokens): 23 KB of KV pe
   const memory = planMemory(smol, 'gguf', 'q40', undefined, 87 * MIB);
   const sized = engineSizing({ contextLength: memory.contextLength, root: memory.topologies[0]!.root }, 1 * GIB);
   expect(sized.kvCachePerSlot).toBe(30 * 2 * 4096 * 192 * 2);
-  // (1 GiB − 87 MiB weights − ~158 MiB buffers) / 90 MiB.
-  expect(sized.slots).toBe(8);
+  // (1 GiB − 87 MiB weights − ~158 MiB buffers) / 90 MiB, less the resume slot.
+  expect(sized.slots).toBe(7);
   expect(engineSizing({ contextLength: memory.contextLength, root: memory.topologies[0]!.root }, 8 * GIB).slots).toBe(MAX_ENGINE_SLOTS);
 });
 
@@ -90,7 +100,7 @@ describe('the served GGUF and its pool leases', () => {
     const ready = entry([artifact('gguf', 'f16'), artifact('gguf', 'q40'), artifact('dllama', 'q40')], [gguf('f16', 200 * MIB), gguf('q40', 100 * MIB)]);
     expect(servedGguf(ready)?.artifact.weights).toBe('q40');
     expect(servedGguf(ready)?.plan?.root.kvCache).toBe(100 * MIB);
-    expect(leasesPerInstance(ready, 600 * MIB)).toBe(5);
+    expect(leasesPerInstance(ready, 600 * MIB)).toBe(4);
   });
 
   test('one lease per instance without a GGUF or without its plan', () => {

@@ -6,7 +6,7 @@
  * The rule, one pure function used by every place that sizes an instance (the runtimes that start
  * engines, the gateway that starts pools, dev): within a per-instance memory budget,
  *
- *   slots = clamp(⌊(budget − weights − buffers) / kvCachePerSlot⌋, 1, {@link MAX_ENGINE_SLOTS})
+ *   slots = clamp(⌊(budget − weights − buffers) / kvCachePerSlot⌋ − {@link RESUME_SLOTS}, 1, {@link MAX_ENGINE_SLOTS})
  *
  * with the terms from the model's published memory plan (`ReadyModel.memory`, llama.cpp on one
  * node, activities/size/memory.ts): the KV cache is linear in the context, so one slot of
@@ -25,6 +25,12 @@ export const ENGINE_CONTEXT = 4096;
 export const ENGINE_SLOTS_LIMIT = 256;
 /** More slots than this buy little on a CPU engine and make each generation slower. */
 export const MAX_ENGINE_SLOTS = 16;
+/**
+ * Sequences a llama.cpp engine keeps beside its slots for answers resumed after their own engine
+ * went away (engine/slots.ts, "urgent"): such an answer's client is waiting mid-answer, so it
+ * starts at once instead of waiting for a slot to free. Each costs a slot's KV cache.
+ */
+export const RESUME_SLOTS = 1;
 /** The per-instance memory budget when none is configured (`MAGUS_INSTANCE_MEMORY`). */
 export const DEFAULT_INSTANCE_MEMORY_BYTES = 8 * 2 ** 30;
 
@@ -35,7 +41,7 @@ export interface EngineSizing {
   contextLength: number;
   /** KV-cache bytes of one slot. */
   kvCachePerSlot: number;
-  /** Bytes the instance needs: weights + buffers + slots × kvCachePerSlot. */
+  /** Bytes the instance needs: weights + buffers + (slots + {@link RESUME_SLOTS}) × kvCachePerSlot. */
   memory: number;
 }
 
@@ -52,9 +58,9 @@ export function engineSizing(
   if (!(plan.contextLength > 0 && contextLength > 0)) throw new RangeError(`context lengths must be positive, got ${plan.contextLength} and ${contextLength}`);
   const { weights, buffers, kvCache } = plan.root;
   const kvCachePerSlot = Math.ceil((kvCache * contextLength) / plan.contextLength);
-  const fit = kvCachePerSlot > 0 ? Math.floor((budgetBytes - weights - buffers) / kvCachePerSlot) : MAX_ENGINE_SLOTS;
+  const fit = kvCachePerSlot > 0 ? Math.floor((budgetBytes - weights - buffers) / kvCachePerSlot) - RESUME_SLOTS : MAX_ENGINE_SLOTS;
   const slots = Math.min(MAX_ENGINE_SLOTS, Math.max(1, fit));
-  return { slots, contextLength, kvCachePerSlot, memory: weights + buffers + slots * kvCachePerSlot };
+  return { slots, contextLength, kvCachePerSlot, memory: weights + buffers + (slots + RESUME_SLOTS) * kvCachePerSlot };
 }
 
 /** Slots fixed by a runtime's option or a pool's leases (1 when neither says), within 1..{@link ENGINE_SLOTS_LIMIT}. */

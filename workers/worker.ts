@@ -15,7 +15,7 @@ import { temporal } from '@temporalio/proto';
 import { connect, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { consumerNameOf, declareOnReconnect, ensureDataPlane } from '../dataplane';
+import { consumerNameOf, declareOnReconnect, ensureDataPlane, movedConsumerNameOf } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { configuredRuntime } from '../activities/runtime';
@@ -251,11 +251,13 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     const worker = workerOfRuntimeQueue(cfg.taskQueue, queue);
     return worker === null ? null : registry.runtimeAdvert(worker);
   };
-  // An instance's backlog, for its pool's reconciler: its request consumer's pending and in-flight requests.
+  // An instance's backlog, for its pool's reconciler: its consumers' pending and in-flight requests (its own, and answers moved to it).
   const jsm = await nc.jetstreamManager();
   const backlog = async (pool: string, instance: string) => {
-    const info = await jsm.consumers.info(names.requestStream, consumerNameOf(pool, instance)).catch(() => null);
-    return info && { pending: info.num_pending, ackPending: info.num_ack_pending };
+    const [info, moved] = await Promise.all(
+      [consumerNameOf(pool, instance), movedConsumerNameOf(pool, instance)].map((c) => jsm.consumers.info(names.requestStream, c).catch(() => null)),
+    );
+    return info ? { pending: info.num_pending + (moved?.num_pending ?? 0), ackPending: info.num_ack_pending + (moved?.num_ack_pending ?? 0) } : null;
   };
   const serving = createServingActivities({
     runtime,

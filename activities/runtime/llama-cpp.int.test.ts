@@ -111,9 +111,9 @@ test('an engine gets the slots and context its memory plan gives within the inst
     memoryPlan: { contextLength: 512 },
   });
   const plan = servedGguf(ready)!.plan!;
-  // A budget for 3 slots: the plan's weights and buffers plus three slots' KV cache.
+  // A budget for 3 slots: the plan's weights and buffers plus four slots' KV cache (one is the resume sequence).
   const kvPerSlot = engineSizing(plan, 2 ** 40).kvCachePerSlot;
-  const budget = plan.root.weights + plan.root.buffers + 3 * kvPerSlot + kvPerSlot / 2;
+  const budget = plan.root.weights + plan.root.buffers + 4 * kvPerSlot + kvPerSlot / 2;
   const sized = new LocalRuntime({
     nc,
     names,

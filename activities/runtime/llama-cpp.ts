@@ -46,6 +46,8 @@ export function engineArgs(o: {
   threads: number;
   host?: string;
   /** Tokens per slot (default: the engine's). */ ctx?: number;
+  /** Sequences beside the slots for resumed answers (default: the engine's, shared/engine-slots.ts `RESUME_SLOTS`). */
+  resumeSlots?: number;
 }): string[] {
   return [
     ...[
@@ -63,6 +65,7 @@ export function engineArgs(o: {
       String(o.threads),
     ],
     ...(o.ctx !== undefined ? ['--ctx', String(o.ctx)] : []),
+    ...(o.resumeSlots !== undefined ? ['--resume-slots', String(o.resumeSlots)] : []),
   ];
 }
 
@@ -85,6 +88,7 @@ export function startLlamaCppEngine(
     slots: number;
     threads: number;
     ctx?: number;
+    resumeSlots?: number;
     startTimeoutSec: number;
     name: string;
     log: (line: string) => void;
@@ -103,6 +107,7 @@ export function startLlamaCppEngine(
       slots: opts.slots,
       threads: opts.threads,
       ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}),
+      ...(opts.resumeSlots !== undefined ? { resumeSlots: opts.resumeSlots } : {}),
     }),
   );
   let url: string | null = null;

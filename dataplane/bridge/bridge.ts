@@ -126,6 +126,7 @@ interface Prepared {
   js: JetStreamClient;
   jsm: JetStreamManager;
   consumer: RequestConsumer;
+  moved: RequestConsumer;
   claims: RequestClaims;
   ledger: UsageLedger;
   stats: BridgeStats;
@@ -134,8 +135,8 @@ interface Prepared {
 }
 
 /**
- * One instance's bridge: pulls deliveries from its {@link RequestConsumer} (at most `slots` at a
- * time) and serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the
+ * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
+ * time from each: its requests, and the answers moved to it, which the engine takes first) and serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the
  * connection, {@link Cancels} the gateways' cancels.
  */
 export class Bridge {
@@ -150,6 +151,8 @@ export class Bridge {
   private readonly failed: (what: string, err: unknown) => void;
   private readonly engine: EngineClient;
   private readonly consumer: RequestConsumer;
+  /** The answers moved to this instance, served beside its requests and before those queued (names.ts `movedSubjectOf`). */
+  private readonly moved: RequestConsumer;
   private readonly frames: StoredFramePublisher;
   private readonly attempts: LiveAttempts;
   private readonly cancels: Cancels;
@@ -195,17 +198,19 @@ export class Bridge {
     const js = nc.jetstream();
     const jsm = await nc.jetstreamManager();
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
+    const moved = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed, moved: consumer.config });
     const claims = await openRequestClaims(js, names, { pool, instance });
     const ledger = await UsageLedger.open(js, names);
-    const bridge = new Bridge(opts, { js, jsm, consumer, claims, ledger, stats, log, failed });
+    const bridge = new Bridge(opts, { js, jsm, consumer, moved, claims, ledger, stats, log, failed });
     await consumer.start();
+    await moved.start();
     bridge.run();
     return bridge;
   }
 
   private constructor(opts: BridgeOptions, prepared: Prepared) {
     const { nc, names, pool, instance, slots } = opts;
-    const { consumer, claims, stats, log } = prepared;
+    const { consumer, moved, claims, stats, log } = prepared;
     this.nc = nc;
     this.slots = slots;
     this.drainTimeoutMs = opts.drainTimeoutMs ?? 30_000;
@@ -214,6 +219,7 @@ export class Bridge {
     this.log = log;
     this.failed = prepared.failed;
     this.consumer = consumer;
+    this.moved = moved;
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
@@ -296,7 +302,7 @@ export class Bridge {
     if (this.nc.isClosed()) problems.push('NATS connection closed');
     else if (!this.attempts.isConnected) problems.push('NATS disconnected');
     if (!this.consuming) problems.push('not consuming');
-    problems.push(...this.consumer.problems());
+    problems.push(...this.consumer.problems(), ...this.moved.problems());
     return { ok: problems.length === 0, problems, inFlight: this.attempts.size, slots: this.slots };
   }
 
@@ -331,7 +337,7 @@ export class Bridge {
     const deadline = Date.now() + this.drainTimeoutMs;
     await this.serveQueued(deadline);
     this.stopping = true;
-    await settlesWithin(this.consumer.stopPulling(), 5000);
+    await settlesWithin(Promise.all([this.consumer.stopPulling(), this.moved.stopPulling()]), 5000);
     await settlesWithin(this.loop, 5000);
     const drained = await settlesWithin(Promise.allSettled([...this.handlers]), Math.max(0, deadline - Date.now()));
     if (!drained) {
@@ -345,13 +351,14 @@ export class Bridge {
     this.cancels.close();
     clearInterval(this.beats);
     this.consumer.close();
+    this.moved.close();
   }
 
   /** Goes on serving until the consumer holds nothing undelivered, the deadline passes, or that cannot be known. */
   private async serveQueued(deadline: number): Promise<void> {
     let logged = false;
     for (;;) {
-      const waiting = this.consuming ? await this.consumer.undelivered() : null;
+      const waiting = this.consuming ? await this.undelivered() : null;
       if (!waiting || Date.now() >= deadline) return;
       if (!logged) this.log(`stopping: serving the ${waiting} request(s) queued for this instance first`);
       logged = true;
@@ -359,7 +366,13 @@ export class Bridge {
     }
   }
 
-  /** Serves what the consumer delivers until the bridge stops or the connection closes. */
+  /** Requests and moved answers not delivered yet (null: that cannot be read now). */
+  private async undelivered(): Promise<number | null> {
+    const [requests, moved] = await Promise.all([this.consumer.undelivered(), this.moved.undelivered()]);
+    return requests === null ? null : requests + (moved ?? 0);
+  }
+
+  /** Serves what the consumers deliver until the bridge stops or the connection closes. */
   private run(): void {
     // Alive, to the gateways whose answers this bridge serves: one that stops beating is continued elsewhere.
     const beat = () => {
@@ -376,16 +389,18 @@ export class Bridge {
       // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
       this.attempts.connectionClosed();
       this.consumer.connectionClosed();
+      this.moved.connectionClosed();
     });
-    this.loop = this.pull();
+    // Moved answers beside the slots' requests: the engine puts a resumed answer before its queue.
+    this.loop = Promise.all([this.pull(this.consumer), this.pull(this.moved)]).then(() => undefined);
   }
 
-  private async pull(): Promise<void> {
+  private async pull(consumer: RequestConsumer): Promise<void> {
     const semaphore = new Semaphore(this.slots);
     try {
-      for (let current = this.consumer.current; ; current = this.consumer.current) {
+      for (let current = consumer.current; ; current = consumer.current) {
         for await (const m of current) {
-          this.consumer.delivered();
+          consumer.delivered();
           await semaphore.acquire();
           if (this.stopping) {
             m.nak();
@@ -400,10 +415,10 @@ export class Bridge {
           this.handlers.add(h);
         }
         // Ended: replaced (go on with the new one), or stopped or closed (done).
-        if (current === this.consumer.current || this.stopping || this.nc.isClosed()) break;
+        if (current === consumer.current || this.stopping || this.nc.isClosed()) break;
       }
     } catch (err) {
-      if (!this.nc.isClosed()) this.failed('consume loop', err);
+      if (!this.nc.isClosed()) this.failed(`${consumer.label} loop`, err);
     } finally {
       this.consuming = false;
     }

@@ -15,9 +15,10 @@ import {
   type NatsConnection,
   type Subscription,
 } from 'nats';
-import { restoreConsumer } from '../consumers';
+import { movedConsumerConfig, restoreConsumer } from '../consumers';
+import { JsApiError, jsErrorCode } from '../errors';
 import { declareOnReconnect } from '../declare';
-import { consumerNameOf, type DataPlaneNames } from '../names';
+import { consumerNameOf, movedConsumerNameOf, type DataPlaneNames } from '../names';
 import type { BridgeStats } from './metrics';
 
 export interface RequestConsumerOptions {
@@ -33,6 +34,12 @@ export interface RequestConsumerOptions {
   log: (line: string) => void;
   /** Logs and counts an unexpected failure. */
   failed: (what: string, err: unknown) => void;
+  /**
+   * The consumer of the answers moved to the instance (names.ts `movedSubjectOf`) instead of its
+   * requests', created like `moved` (the request consumer's configuration) when missing: an
+   * instance created before moved answers had one has none.
+   */
+  moved?: ConsumerConfig;
 }
 
 export class RequestConsumer {
@@ -51,12 +58,26 @@ export class RequestConsumer {
     readonly config: ConsumerConfig,
   ) {}
 
-  /** Gets the instance's consumer (it must exist: ensureInstanceConsumer); pulls nothing yet. */
+  /** Gets the instance's request consumer (it must exist: ensureInstanceConsumer), or its moved answers' (`moved`); pulls nothing yet. */
   static async open(opts: RequestConsumerOptions): Promise<RequestConsumer> {
-    const consumer = await opts.js.consumers.get(opts.names.requestStream, consumerNameOf(opts.pool, opts.instance));
+    const { names, pool, instance } = opts;
+    if (opts.moved) {
+      const config = movedConsumerConfig(names, pool, instance, opts.moved);
+      await opts.jsm.consumers.add(names.requestStream, config).catch((err: unknown) => {
+        if (jsErrorCode(err) !== JsApiError.consumerExists) throw err;
+      });
+      const consumer = await opts.js.consumers.get(names.requestStream, movedConsumerNameOf(pool, instance));
+      return new RequestConsumer(opts, consumer, (await consumer.info()).config);
+    }
+    const consumer = await opts.js.consumers.get(names.requestStream, consumerNameOf(pool, instance));
     const { config } = await consumer.info();
     if ((config.max_ack_pending ?? 0) !== opts.slots) opts.log(`consumer max_ack_pending is ${config.max_ack_pending}, bridge slots ${opts.slots}`);
     return new RequestConsumer(opts, consumer, config);
+  }
+
+  /** What it is, in log lines and health problems. */
+  get label(): string {
+    return this.opts.moved ? 'moved-answer consumer' : 'request consumer';
   }
 
   /** The consumer's `ack_wait`. */
@@ -90,10 +111,10 @@ export class RequestConsumer {
       nc,
       async () => {
         if (!(await restoreConsumer(jsm, names.requestStream, this.config)) || isStopping()) return;
-        log('request consumer was missing: created again');
+        log(`${this.label} was missing: created again`);
         await this.pullAfresh();
       },
-      { what: 'request consumer', log, isDone: isStopping },
+      { what: this.label, log, isDone: isStopping },
     );
 
     // On a cluster the consumer (replicated like its stream) has a leader, which holds this
@@ -106,7 +127,7 @@ export class RequestConsumer {
     this.elected = nc.subscribe(`$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.${durable}`, {
       callback: (err) => {
         if (err || isStopping() || nc.isClosed()) return;
-        log('request consumer has a new leader: pulling from it');
+        log(`${this.label} has a new leader: pulling from it`);
         this.pullAfresh().catch((e: unknown) => failed('pulling from the new consumer leader', e));
       },
     });
@@ -121,8 +142,8 @@ export class RequestConsumer {
   /** What is wrong with the consumer, for the bridge's health. */
   problems(): string[] {
     const problems: string[] = [];
-    if (this.missing) problems.push('request consumer missing');
-    if (this.lastHeartbeatMissAt > this.lastMessageAt && Date.now() - this.lastHeartbeatMissAt < 2 * 30_000) problems.push('consumer heartbeats missed');
+    if (this.missing) problems.push(`${this.label} missing`);
+    if (this.lastHeartbeatMissAt > this.lastMessageAt && Date.now() - this.lastHeartbeatMissAt < 2 * 30_000) problems.push(`${this.label} heartbeats missed`);
     return problems;
   }
 
@@ -174,14 +195,14 @@ export class RequestConsumer {
           case ConsumerEvents.HeartbeatsMissed:
             stats.heartbeatsMissed += 1;
             this.lastHeartbeatMissAt = Date.now();
-            log(`consumer heartbeats missed (${String(s.data)})`);
+            log(`${this.label}: heartbeats missed (${String(s.data)})`);
             break;
           case ConsumerEvents.ConsumerNotFound:
           case ConsumerEvents.ConsumerDeleted:
           case ConsumerEvents.StreamNotFound:
           case ConsumerEvents.NoResponders:
             this.missing = true;
-            log(`consumer unavailable: ${s.type}`);
+            log(`${this.label} unavailable: ${s.type}`);
             break;
           default:
             break;

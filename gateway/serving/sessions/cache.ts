@@ -19,7 +19,7 @@ import type { ReadyModel } from '../../../shared/model';
 import type { PoolEntry, SessionEntry } from '../../../shared/serving';
 import { Demand } from './demand';
 import { SessionEntries } from './entries';
-import { SessionMirror } from './mirror';
+import { instanceKey, SessionMirror } from './mirror';
 import { InstancePicker } from './picker';
 import { Placement, usable } from './placement';
 import { PoolViews } from './pool-views';
@@ -30,6 +30,8 @@ import type { AcquireRequest, CachedEntry, ColdStart, ModelServing, SessionBroke
 
 /** Expired entries and renewal marks are swept this often. */
 const SWEEP_MS = 60_000;
+/** How long an answer moved to an instance counts against it when the next one is moved (`another`). */
+const MOVES_SPREAD_MS = 10_000;
 
 export class SessionCache implements SessionBroker {
   /** The mirror of `magus_sessions` (the gateway reopens it after a reconnect, and reports whether it is live). */
@@ -52,6 +54,8 @@ export class SessionCache implements SessionBroker {
   private readonly now: () => number;
   private readonly marginMs: number;
   private readonly sweep: NodeJS.Timeout;
+  /** When this gateway last moved answers to each instance ({@link instanceKey}), within {@link MOVES_SPREAD_MS}. */
+  private readonly movedTo = new Map<string, number[]>();
 
   constructor(opts: SessionCacheOptions) {
     this.now = opts.now ?? Date.now;
@@ -134,8 +138,13 @@ export class SessionCache implements SessionBroker {
   }
 
   another(model: ReadyModel, instance: string): SessionEntry | undefined {
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance });
-    return target && { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
+    const now = Date.now();
+    const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS).length;
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier: recent });
+    if (!target) return undefined;
+    const k = instanceKey(model.namespace, model.name, target.instance);
+    this.movedTo.set(k, [...(this.movedTo.get(k) ?? []).filter((t) => now - t < MOVES_SPREAD_MS), now]);
+    return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
   }
 
   async close(): Promise<void> {

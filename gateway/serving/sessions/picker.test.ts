@@ -45,3 +45,13 @@ it('counts picks from a stale view', () => {
   picker.pick(model);
   expect(counters.staleViewPicks).toBe(1);
 });
+
+it('`busier` ranks before leases (answers just moved to an instance), and `avoid` leaves one out', () => {
+  const three = view({ instances: ['i1', 'i2', 'i3'].map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })) });
+  const { picker } = pickerWith({ i1: 0, i2: 0, i3: 5 }, three);
+  const moved: Record<string, number> = { i2: 1 };
+  expect(picker.pick(model, { anyLoad: true, avoid: 'i1', busier: (i) => moved[i] ?? 0 })?.instance).toBe('i3');
+  moved.i3 = 1;
+  expect(picker.pick(model, { anyLoad: true, avoid: 'i1', busier: (i) => moved[i] ?? 0 })?.instance).toBe('i2');
+  expect(picker.pick(model, { anyLoad: true, avoid: 'i2' })?.instance).toBe('i1');
+});

@@ -24,9 +24,10 @@ export class InstancePicker {
   /**
    * The pool's instance with the most room. When all are full: none (the pool may start another),
    * unless the pool cannot grow or the request takes no lease (`anyLoad`: `route`) — then the
-   * least-loaded one.
+   * least-loaded one. `busier` ranks instances before their leases do (`another`: the answers
+   * moved to each just now, so that those of one lost instance spread over the others).
    */
-  pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string } = {}): PublishedInstance | undefined {
+  pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number } = {}): PublishedInstance | undefined {
     const entry = this.views.viewOf(model.namespace, model.name);
     if (!entry) return undefined;
     const limit = opts.anyLoad || entry.growable === false ? Infinity : entry.leasesPerInstance;
@@ -35,9 +36,11 @@ export class InstancePicker {
     for (const i of entry.instances) {
       if (i.instance === opts.avoid) continue;
       const n = this.mirror.leasesOn(model.namespace, model.name, i.instance) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
-      if (n < limit && n < bestLoad) {
+      // `busier` first (answers moved there just now), then leases.
+      const load = (opts.busier?.(i.instance) ?? 0) * 1e6 + n;
+      if (n < limit && load < bestLoad) {
         best = i;
-        bestLoad = n;
+        bestLoad = load;
       }
     }
     if (best && this.views.stale(entry)) this.counters.staleViewPicks++;
