@@ -1,0 +1,456 @@
+/**
+ * `npm run bench:chaos`: live streams through magus while something breaks every few seconds
+ * (issue "Streams that never break", §6), and what their clients saw.
+ *
+ * The system: a three-node NATS cluster (JetStream, streams and buckets at replicas 3), three
+ * instances of one pool — each a real `magus engine` (llama.cpp, SmolLM2-135M-Instruct, the demo
+ * model) under its supervisor and a bridge on a NATS connection of its own, all in this process —
+ * and two `magus gateway` processes. Conversations are pinned to the instances round-robin (as
+ * their sessions would place them; no Temporal: every turn is warm).
+ *
+ * The load: `CHAOS_STREAMS` clients (default 200), each streaming greedy answers of up to
+ * `CHAOS_TOKENS` tokens (default 64) one after the other, to one of a few prompts, through one of
+ * the gateways, with plain `fetch` and an SSE reader that does what the gateway's README asks of a
+ * client that loses its stream: the same request again, to any gateway, with `Last-Event-ID`.
+ *
+ * Two phases of `CHAOS_MINUTES` each (default 10): undisturbed, then with a fault every
+ * `CHAOS_FAULT_EVERY_S` seconds (default 10), in turn:
+ * - an engine SIGKILLed (its supervisor starts it again; its answers are handed back and continued
+ *   on another instance);
+ * - an instance drained: unpublished from the pool's view, its bridge stopped with a 2 s drain
+ *   deadline (what is in flight then is handed back), and started again;
+ * - a gateway SIGKILLed (a new one is started; its clients resume on the other with `Last-Event-ID`);
+ * - the NATS server leading the request stream SIGKILLed, started again 5 s later;
+ * - the same for the response stream's leader.
+ * A model revision rolled out needs the pool workflow (Temporal), which this bench does not run:
+ * `test/serving-rollout.int.test.ts` rolls one under 50 live streams.
+ *
+ * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader)
+ * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
+ * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
+ * alone before the phases), pieces more or fewer than the reference's (repeated or missing
+ * tokens), the longest silence a client saw between two pieces of an answer (p99 and max over
+ * answers), reconnects, and completion tokens/s.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { cpus, loadavg } from 'node:os';
+import { join } from 'node:path';
+import { connect, type NatsConnection } from 'nats';
+import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
+import type { Supervised } from '../activities/runtime/supervise';
+import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
+import { startBridge, type Bridge } from '../dataplane/bridge';
+import { openModelRegistry } from '../dataplane/registry';
+import { tokenDigest } from '../gateway/plugins/auth';
+import { conversationKey } from '../gateway/serving/conversation';
+import { demoModelFile } from '../workers/dev/demo-model';
+import { freePort } from '../workers/dev/services';
+import { pinConversation, publishPoolView } from '../test/harness/gateway';
+import { readyModel } from '../test/harness/gateway-app';
+import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
+import { fmt, p99 } from './common';
+
+const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
+const STREAMS = env('CHAOS_STREAMS', 200);
+const TOKENS = env('CHAOS_TOKENS', 64);
+const MINUTES = env('CHAOS_MINUTES', 10);
+const FAULT_EVERY_S = env('CHAOS_FAULT_EVERY_S', 10);
+const SLOTS = env('CHAOS_SLOTS', 4);
+/** The engines' `--resume-slots` (default: the engine's). */
+const RESUME_SLOTS = process.env.CHAOS_RESUME_SLOTS !== undefined ? Number(process.env.CHAOS_RESUME_SLOTS) : undefined;
+const INSTANCES = ['i1', 'i2', 'i3'];
+const POOL = 'chaos';
+const TOKEN_ID = 'chaos';
+const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
+const SECRET = randomBytes(32).toString('hex');
+const ROOT = join(__dirname, '..');
+const PROMPTS = ['a small boat', 'a red fox', 'the northern sea', 'an old lamp', 'the green hills', 'a quiet town'].map((p) => `Tell me a story about ${p}.`);
+/** Reconnects before a client gives an answer up as broken. */
+const MAX_RECONNECTS = 20;
+
+const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+interface Answer {
+  /** The chunks' id. */
+  id?: string;
+  prompt: number;
+  text: string;
+  pieces: number;
+  times: number[];
+  finish?: string;
+  completionTokens?: number;
+  done: boolean;
+  error?: string;
+  reconnects: number;
+  refused: number;
+}
+
+interface GatewayProcess {
+  child: ChildProcess;
+  url: string;
+  exited: Promise<void>;
+}
+
+let cluster: TestNatsCluster;
+let worker: NatsConnection;
+let names: DataPlaneNames;
+const engines: Record<string, Supervised<LlamaCppEngine>> = {};
+const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
+let gateways: GatewayProcess[] = [];
+/** Each fault: what, of which kind, and when it began. */
+const faults: { what: string; kind: string; at: number }[] = [];
+
+async function startGateway(): Promise<GatewayProcess> {
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, join(ROOT, 'bin', 'magus.js'), 'gateway'], {
+    cwd: ROOT,
+    env: {
+      ...process.env,
+      MAGUS_NATS_URL: cluster.servers.join(','),
+      MAGUS_NATS_PREFIX: names.prefix,
+      MAGUS_GATEWAY_HOST: '127.0.0.1',
+      MAGUS_GATEWAY_PORT: '0',
+      MAGUS_GATEWAY_SECRET: SECRET,
+      MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench:chaos' } }),
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(15 * 60_000),
+      // Warm turns only: Temporal is never asked.
+      MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
+      MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',
+    },
+    stdio: ['ignore', process.env.CHAOS_VERBOSE ? 'pipe' : 'ignore', 'pipe'],
+  });
+  // Verbose: the gateway's moves and warnings.
+  child.stdout?.on('data', (d: Buffer) => {
+    for (const line of d.toString().split('\n'))
+      if (/continued elsewhere|continuing it elsewhere|"level":[45]0/.test(line)) {
+        const e = JSON.parse(line) as { time: number; msg: string; instance?: string; inferenceId?: string };
+        log(`gateway ${child.pid}: ${new Date(e.time).toISOString().slice(11, 23)} ${e.msg} ${e.inferenceId ?? ''} → ${e.instance ?? ''}`);
+      }
+  });
+  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
+  let err = '';
+  const url = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`magus gateway did not listen within 60 s:\n${err}`)), 60_000);
+    child.stderr!.on('data', (d: Buffer) => {
+      err += d.toString();
+      const m = /magus gateway: listening on (http:\/\/\S+) /.exec(err);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]!);
+      }
+    });
+    void exited.then(() => reject(new Error(`magus gateway exited before listening:\n${err}`)));
+  });
+  return { child, url, exited };
+}
+
+async function startInstanceBridge(instance: string): Promise<void> {
+  const nc = await connect({ servers: cluster.servers, name: `bridge-${instance}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const bridge = await startBridge({
+    nc,
+    names,
+    pool: POOL,
+    instance,
+    engineUrl: engines[instance]!.current.url,
+    slots: SLOTS,
+    drainTimeoutMs: 2000,
+    log: process.env.CHAOS_VERBOSE ? (line) => log(`bridge ${instance}: ${line}`) : () => undefined,
+  });
+  bridges[instance] = { bridge, nc };
+}
+
+/** The SSE events of a response with data, and their ids. */
+async function* sseMessages(res: Response): AsyncGenerator<{ id?: string; data: string }> {
+  let buffer = '';
+  for await (const bytes of res.body!) {
+    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
+    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
+      const lines = buffer.slice(0, end).split('\n');
+      buffer = buffer.slice(end + 2);
+      const id = lines.find((l) => l.startsWith('id: '))?.slice(4);
+      const data = lines.find((l) => l.startsWith('data: '))?.slice(6);
+      if (data !== undefined) yield { ...(id !== undefined ? { id } : {}), data };
+    }
+  }
+}
+
+/** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
+async function answer(client: number, session: string, prompt: number): Promise<Answer> {
+  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0 };
+  let lastId: string | undefined;
+  const body = JSON.stringify({
+    model: POOL,
+    messages: [{ role: 'user', content: PROMPTS[prompt] }],
+    max_tokens: TOKENS,
+    temperature: 0,
+    stream: true,
+    stream_options: { include_usage: true },
+  });
+  for (let attempt = 0; ; attempt++) {
+    const gw = gateways[(client + attempt) % gateways.length]!;
+    try {
+      const res = await fetch(`${gw.url}/v1/chat/completions`, {
+        method: 'POST',
+        headers: {
+          authorization: `Bearer ${TOKEN}`,
+          'content-type': 'application/json',
+          'x-session-id': session,
+          ...(lastId ? { 'last-event-id': lastId } : {}),
+        },
+        body,
+      });
+      if (res.status === 429 || res.status === 503) {
+        a.refused += 1;
+        await res.body?.cancel();
+        await sleep(Math.min(2000, Number(res.headers.get('retry-after') ?? 1) * 1000));
+        continue;
+      }
+      if (res.status !== 200) {
+        a.error = `${res.status} ${(await res.text()).slice(0, 200)}`;
+        return a;
+      }
+      for await (const e of sseMessages(res)) {
+        if (e.id) lastId = e.id;
+        if (e.data === '[DONE]') {
+          a.done = true;
+          return a;
+        }
+        const chunk = JSON.parse(e.data) as {
+          id?: string;
+          error?: { message?: string; code?: string };
+          choices?: { delta?: { content?: string }; finish_reason?: string | null }[];
+          usage?: { completion_tokens: number };
+        };
+        if (chunk.error) {
+          a.error = `error event: ${chunk.error.code ?? ''} ${chunk.error.message ?? ''}`;
+          return a;
+        }
+        a.id ??= chunk.id;
+        if (chunk.usage) a.completionTokens = chunk.usage.completion_tokens;
+        const c = chunk.choices?.[0];
+        if (c?.finish_reason) a.finish = c.finish_reason;
+        const piece = c?.delta?.content ?? '';
+        if (piece !== '') {
+          a.text += piece;
+          a.pieces += 1;
+          a.times.push(Date.now());
+        }
+      }
+    } catch {
+      // the connection broke: resume
+    }
+    a.reconnects += 1;
+    if (a.reconnects > MAX_RECONNECTS) {
+      a.error = `gave up after ${MAX_RECONNECTS} reconnects`;
+      return a;
+    }
+    await sleep(100);
+  }
+}
+
+const longestGap = (a: Answer) => a.times.slice(1).reduce((m, t, i) => Math.max(m, t - a.times[i]!), 0);
+
+/** The longest silence between two pieces of any answer after each kind of fault: the gap is the last fault's that began before it ended. */
+function gapsByFault(answers: Answer[]): Map<string, number> {
+  const out = new Map<string, number>();
+  for (const a of answers)
+    for (let i = 1; i < a.times.length; i++) {
+      const gap = a.times[i]! - a.times[i - 1]!;
+      const cause = faults.find((f) => f.at > a.times[i - 1]! - 2_000 && f.at < a.times[i]!);
+      const kind = cause?.kind ?? 'none';
+      if (gap > 2_000 && process.env.CHAOS_VERBOSE)
+        log(
+          `silence of ${fmt(gap / 1000)} s from ${new Date(a.times[i - 1]!).toISOString().slice(11, 23)} (${a.id}, ${a.reconnects} reconnects): after ${cause?.what ?? 'no fault'}`,
+        );
+      out.set(kind, Math.max(out.get(kind) ?? 0, gap));
+    }
+  return out;
+}
+
+async function phase(name: string, reference: Answer[], sessions: string[], withFaults: boolean): Promise<string> {
+  const until = Date.now() + MINUTES * 60_000;
+  const answers: Answer[] = [];
+  const started = Date.now();
+  let stop = false;
+  const faulting = withFaults ? faultLoop(() => stop) : Promise.resolve();
+  const progress = setInterval(() => {
+    const tokens = answers.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
+    log(`${name}: ${answers.length} answers, ${tokens} tokens, ${fmt(Math.max(0, until - Date.now()) / 60_000, 1)} min left`);
+  }, 30_000);
+  await Promise.all(
+    sessions.map(async (session, client) => {
+      for (let turn = 0; Date.now() < until; turn++) answers.push(await answer(client, session, (client + turn) % PROMPTS.length));
+    }),
+  );
+  clearInterval(progress);
+  stop = true;
+  await faulting;
+  const seconds = (Date.now() - started) / 1000;
+  const broken = answers.filter((a) => !a.done || a.error !== undefined);
+  const whole = answers.filter((a) => a.done && a.error === undefined);
+  const differing = whole.filter((a) => a.text !== reference[a.prompt]!.text);
+  const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);
+  const gaps = whole.map(longestGap);
+  const tokens = whole.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
+  const reasons = new Map<string, number>();
+  for (const a of broken) reasons.set(a.error ?? 'no [DONE]', (reasons.get(a.error ?? 'no [DONE]') ?? 0) + 1);
+  return [
+    `${name} (${fmt(seconds / 60, 1)} min${withFaults ? `, ${faults.length} faults` : ''}): ${answers.length} answers, ${broken.length} broken, ` +
+      `${differing.length} differing from the reference, ${offPieces} pieces repeated or missing, ` +
+      `longest silence between pieces p99 ${fmt(p99(gaps) / 1000)} s / max ${fmt(Math.max(0, ...gaps) / 1000)} s, ` +
+      `${answers.reduce((n, a) => n + a.reconnects, 0)} reconnects, ${answers.reduce((n, a) => n + a.refused, 0)} refusals retried, ` +
+      `${fmt(tokens / seconds, 1)} completion tokens/s`,
+    ...[...reasons].map(([why, n]) => `  broken: ${n} × ${why}`),
+    ...(withFaults
+      ? [
+          `  longest silence by the fault before it: ${[...gapsByFault(whole)]
+            .sort()
+            .map(([kind, ms]) => `${kind} ${fmt(ms / 1000)} s`)
+            .join(', ')}`,
+        ]
+      : []),
+  ].join('\n');
+}
+
+async function faultLoop(stopped: () => boolean): Promise<void> {
+  const all = ['engine', 'drain', 'gateway', 'requests-leader', 'responses-leader'] as const;
+  const chosen = process.env.CHAOS_FAULTS?.split(',');
+  const kinds = chosen ? all.filter((k) => chosen.includes(k)) : all;
+  const jsm = await worker.jetstreamManager();
+  for (let n = 0; !stopped(); n++) {
+    for (let waited = 0; waited < FAULT_EVERY_S * 1000 && !stopped(); waited += 250) await sleep(250);
+    if (stopped()) return;
+    const kind = kinds[n % kinds.length]!;
+    const instance = INSTANCES[Math.floor(Math.random() * INSTANCES.length)]!;
+    const at = Date.now();
+    const fault = (what: string) => faults.push({ what, kind, at });
+    try {
+      switch (kind) {
+        case 'engine':
+          process.kill(engines[instance]!.current.process.child.pid!, 'SIGKILL');
+          fault(`engine of ${instance} SIGKILLed`);
+          break;
+        case 'drain': {
+          await publishPoolView(
+            worker,
+            names,
+            POOL,
+            INSTANCES.filter((i) => i !== instance),
+            1000,
+          );
+          const { bridge, nc } = bridges[instance]!;
+          await bridge.stop();
+          await nc.close();
+          await startInstanceBridge(instance);
+          await publishPoolView(worker, names, POOL, INSTANCES, 1000);
+          fault(`${instance} drained and started again`);
+          break;
+        }
+        case 'gateway': {
+          const victim = gateways[n % gateways.length]!;
+          victim.child.kill('SIGKILL');
+          await victim.exited;
+          gateways = gateways.filter((g) => g !== victim);
+          gateways.push(await startGateway());
+          fault('a gateway SIGKILLed, another started');
+          break;
+        }
+        case 'requests-leader':
+        case 'responses-leader': {
+          const stream = kind === 'requests-leader' ? names.requestStream : names.responseStream;
+          const leader = (await jsm.streams.info(stream)).cluster?.leader;
+          if (!leader) break;
+          await cluster.kill(leader);
+          fault(`${stream}'s leader ${leader} SIGKILLed`);
+          await sleep(5000);
+          await cluster.restart(leader);
+          break;
+        }
+      }
+      log(`fault: ${faults.at(-1)?.what}`);
+    } catch (err) {
+      log(`fault ${kind} failed: ${(err as Error).message}`);
+    }
+  }
+}
+
+async function main(): Promise<void> {
+  log(`bench:chaos: ${STREAMS} streams over ${INSTANCES.length} instances (${SLOTS} slots each), ${TOKENS} tokens, 2 × ${MINUTES} min; ${cpus().length} cores`);
+  cluster = await startNatsCluster({ syncInterval: '2m' });
+  worker = await connect({ servers: cluster.servers, name: 'chaos-worker', maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const prefix = `X${randomBytes(3).toString('hex').toUpperCase()}`;
+  names = await declareOnReconnect(worker, () => ensureDataPlane(worker, { prefix, replicas: 3, responseMaxBytes: 256 * 2 ** 20 }), {
+    what: 'data plane',
+    log,
+  });
+  await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
+  const gguf = await demoModelFile(log);
+  for (const instance of INSTANCES) {
+    engines[instance] = await startSupervisedEngine(gguf, {
+      modelId: POOL,
+      slots: SLOTS,
+      ...(RESUME_SLOTS !== undefined ? { resumeSlots: RESUME_SLOTS } : {}),
+      threads: 1,
+      ctx: 4096,
+      startTimeoutSec: 120,
+      name: `engine-${instance}`,
+      log: () => undefined,
+      stopGraceMs: 1000,
+      restart: { maxRestarts: 1000, backoffMs: 0 },
+    });
+    await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
+    await startInstanceBridge(instance);
+  }
+  await publishPoolView(worker, names, POOL, INSTANCES, 1000);
+  // Fresh for the gateways' staleness bound while the bench runs.
+  const views = setInterval(() => void publishPoolView(worker, names, POOL, INSTANCES, 1000).catch(() => undefined), 30_000);
+  gateways = [await startGateway(), await startGateway()];
+  const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
+  for (const [n, session] of sessions.entries()) {
+    const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session });
+    await pinConversation(worker, names, key, POOL, INSTANCES[n % INSTANCES.length]!, 4 * 3_600_000);
+  }
+  // The undisturbed answers: each prompt alone.
+  const reference: Answer[] = [];
+  for (const [p] of PROMPTS.entries()) reference.push(await answer(p, sessions[p]!, p));
+  for (const r of reference) if (!r.done || r.error) throw new Error(`a reference answer failed: ${r.error ?? 'no [DONE]'}`);
+  log(`reference answers: ${reference.map((r) => `${r.pieces} pieces`).join(', ')}`);
+  const report: string[] = [];
+  try {
+    if (process.env.CHAOS_BASELINE !== '0') {
+      report.push(await phase('undisturbed', reference, sessions, false));
+      log(report.at(-1)!);
+    }
+    report.push(await phase('with faults', reference, sessions, true));
+    log(report.at(-1)!);
+  } finally {
+    if (process.env.CHAOS_VERBOSE) for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
+    clearInterval(views);
+    for (const g of gateways) g.child.kill('SIGKILL');
+    await Promise.all(gateways.map((g) => g.exited));
+    for (const { bridge, nc } of Object.values(bridges)) {
+      await bridge.stop().catch(() => undefined);
+      await nc.close().catch(() => undefined);
+    }
+    for (const e of Object.values(engines)) await e.stop().catch(() => undefined);
+    await worker.close().catch(() => undefined);
+    await cluster.stop();
+  }
+  console.log(
+    `\nbench:chaos — ${cpus().length} cores, load average ${loadavg()
+      .map((l) => fmt(l, 1))
+      .join(' ')}`,
+  );
+  console.log(`${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots, SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`);
+  console.log(report.join('\n'));
+  console.log(`faults: ${faults.map((f) => f.what).join('; ')}`);
+}
+
+main().then(
+  () => process.exit(0),
+  (err: unknown) => {
+    console.error(err);
+    process.exit(1);
+  },
+);
