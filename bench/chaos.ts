@@ -113,7 +113,7 @@ async function startGateway(): Promise<GatewayProcess> {
       MAGUS_GATEWAY_PORT: '0',
       MAGUS_GATEWAY_SECRET: SECRET,
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench:chaos' } }),
-      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(15 * 60_000),
+      MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(5 * 60_000),
       // Warm turns only: Temporal is never asked.
       MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
       MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',
@@ -273,7 +273,8 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   const answers: Answer[] = [];
   const started = Date.now();
   let stop = false;
-  const faulting = withFaults ? faultLoop(() => stop) : Promise.resolve();
+  // Faults for the phase's minutes; the answers still running then end without.
+  const faulting = withFaults ? faultLoop(() => stop || Date.now() >= until) : Promise.resolve();
   const progress = setInterval(() => {
     const tokens = answers.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
     log(`${name}: ${answers.length} answers, ${tokens} tokens, ${fmt(Math.max(0, until - Date.now()) / 60_000, 1)} min left`);
@@ -395,7 +396,8 @@ async function main(): Promise<void> {
       ctx: 4096,
       startTimeoutSec: 120,
       name: `engine-${instance}`,
-      log: () => undefined,
+      log: process.env.CHAOS_VERBOSE ? (line) => log(`engine ${instance}: ${line}`) : () => undefined,
+      ...(process.env.CHAOS_VERBOSE ? { output: (line: string) => /"level":5|error/i.test(line) && log(`engine ${instance}: ${line}`) } : {}),
       stopGraceMs: 1000,
       restart: { maxRestarts: 1000, backoffMs: 0 },
     });
