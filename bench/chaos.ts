@@ -49,6 +49,7 @@ import { freePort } from '../workers/dev/services';
 import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
+import { sseMessages } from '../test/harness/sse-stream';
 import { fmt, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
@@ -158,21 +159,6 @@ async function startInstanceBridge(instance: string): Promise<void> {
     log: process.env.CHAOS_VERBOSE ? (line) => log(`bridge ${instance}: ${line}`) : () => undefined,
   });
   bridges[instance] = { bridge, nc };
-}
-
-/** The SSE events of a response with data, and their ids. */
-async function* sseMessages(res: Response): AsyncGenerator<{ id?: string; data: string }> {
-  let buffer = '';
-  for await (const bytes of res.body!) {
-    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
-    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
-      const lines = buffer.slice(0, end).split('\n');
-      buffer = buffer.slice(end + 2);
-      const id = lines.find((l) => l.startsWith('id: '))?.slice(4);
-      const data = lines.find((l) => l.startsWith('data: '))?.slice(6);
-      if (data !== undefined) yield { ...(id !== undefined ? { id } : {}), data };
-    }
-  }
 }
 
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */

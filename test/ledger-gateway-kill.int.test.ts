@@ -36,6 +36,7 @@ import { endpoint, isolation, natsConnectAsBridge, natsCredentialsEnv, natsRoleC
 import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { natsStack, stubEngineStack, TestStack } from './harness/stack';
+import { sseMessages, type RawEvent } from './harness/sse-stream';
 import { sleep, until } from './harness/wait';
 
 const iso = isolation();
@@ -352,12 +353,6 @@ test('a gateway SIGKILLed with 4 streams mid-answer: the bridge ends each, one c
   processes.delete(second);
 }, 60_000);
 
-/** A streamed turn read as raw server-sent events: each event's `id` and data. */
-interface RawEvent {
-  id?: string;
-  data: string;
-}
-
 /** POSTs a streamed chat turn of `content` in `session` to `gateway` (with `Last-Event-ID` when given); yields its events. */
 async function* rawStream(gateway: GatewayProcess, session: string, content: string, lastEventId?: string): AsyncGenerator<RawEvent> {
   const res = await fetch(`${gateway.url}/v1/chat/completions`, {
@@ -372,21 +367,6 @@ async function* rawStream(gateway: GatewayProcess, session: string, content: str
   });
   expect(res.status).toBe(200);
   yield* sseMessages(res);
-}
-
-/** The events of an SSE response with data (their `id:` when they have one), as they come; comments skipped. */
-async function* sseMessages(res: Response): AsyncGenerator<RawEvent> {
-  let buffer = '';
-  for await (const bytes of res.body!) {
-    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
-    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
-      const lines = buffer.slice(0, end).split('\n');
-      buffer = buffer.slice(end + 2);
-      const id = lines.find((l) => l.startsWith('id: '))?.slice(4);
-      const data = lines.find((l) => l.startsWith('data: '))?.slice(6);
-      if (data !== undefined) yield { ...(id !== undefined ? { id } : {}), data };
-    }
-  }
 }
 
 const pieceOf = (e: RawEvent): string | undefined =>
