@@ -129,7 +129,10 @@ test('SIGTERM mid-answer with two more queued (one slot): the bridge serves all 
   await until('/drained was asked', () => drained !== undefined);
   const answer = await drained!;
   expect(answer.body).toMatchObject({ drained: true });
-  expect(answer.at).toBeGreaterThanOrEqual(Math.max(...answers.map((a) => a.lastPieceAt))); // the engine would have been stopped only now
+  // The engine would have been stopped only now: not before the last piece. The two come by
+  // different paths (the piece through NATS and the gateway, the answer from the bridge), a
+  // millisecond or so apart either way; pieces come 250 ms apart, so an early answer shows.
+  expect(answer.at).toBeGreaterThanOrEqual(Math.max(...answers.map((a) => a.lastPieceAt)) - 50);
   expect(await exited).toBe(0);
   expect(stderr()).toContain('serving the 2 request(s) queued for this instance first');
   expect(coldStarts).toEqual([]);

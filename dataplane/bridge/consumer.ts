@@ -110,7 +110,11 @@ export class RequestConsumer {
     await declareOnReconnect(
       nc,
       async () => {
-        if (!(await restoreConsumer(jsm, names.requestStream, this.config)) || isStopping()) return;
+        const restored = await restoreConsumer(jsm, names.requestStream, this.config);
+        // It is there now (a consumer-not-found seen during the outage is news no more; a
+        // consumer nothing is sent to would otherwise stay "missing" until its first delivery).
+        this.missing = false;
+        if (!restored || isStopping()) return;
         log(`${this.label} was missing: created again`);
         await this.pullAfresh();
       },
@@ -191,6 +195,7 @@ export class RequestConsumer {
     const { stats, log } = this.opts;
     void (async () => {
       for await (const s of await current.status()) {
+        if (current !== this.messages) return; // replaced: what the old pull says is no news
         switch (s.type) {
           case ConsumerEvents.HeartbeatsMissed:
             stats.heartbeatsMissed += 1;
