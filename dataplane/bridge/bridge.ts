@@ -136,8 +136,9 @@ interface Prepared {
 
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
- * time from each: its requests, and the answers moved to it, which the engine takes first) and serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the
- * connection, {@link Cancels} the gateways' cancels.
+ * time from each: its requests, and the answers moved to it, which the engine takes first) and
+ * serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the connection,
+ * {@link Cancels} the gateways' cancels.
  */
 export class Bridge {
   private readonly counts: BridgeStats;
