@@ -50,6 +50,7 @@ import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
 import { sseMessages } from '../test/harness/sse-stream';
+import { sleep } from '../test/harness/wait';
 import { fmt, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
@@ -71,7 +72,6 @@ const PROMPTS = ['a small boat', 'a red fox', 'the northern sea', 'an old lamp',
 const MAX_RECONNECTS = 20;
 
 const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 
 interface Answer {
   /** The chunks' id. */

@@ -62,28 +62,17 @@ export async function instanceConsuming(nc: NatsConnection, requestStream: strin
  */
 export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: InstanceConsumerOptions): Promise<ConsumerInfo> {
   if (!Number.isInteger(opts.slots) || opts.slots < 1) throw new Error(`slots must be a positive integer, got ${opts.slots}`);
-  const changeable = {
+  const info = await addOrUpdate(jsm, names.requestStream, {
     description: `bridge of ${opts.pool}/${opts.instance}`,
+    durable_name: consumerNameOf(opts.pool, opts.instance),
     filter_subject: requestSubjectOf(names, opts.pool, opts.instance),
     max_ack_pending: opts.slots,
     ack_wait: nanos(opts.ackWaitMs ?? 30_000),
     max_deliver: opts.maxDeliver ?? 5,
-  } satisfies Partial<ConsumerConfig>;
-  const cfg: Partial<ConsumerConfig> = {
-    ...changeable,
-    durable_name: consumerNameOf(opts.pool, opts.instance),
     ack_policy: AckPolicy.Explicit,
     deliver_policy: DeliverPolicy.All,
-  };
-  const info = await addOrUpdate(jsm, names.requestStream, cfg, changeable);
-  const moved = movedConsumerConfig(names, opts.pool, opts.instance, info.config);
-  await addOrUpdate(jsm, names.requestStream, moved, {
-    description: moved.description!,
-    filter_subject: moved.filter_subject!,
-    max_ack_pending: moved.max_ack_pending!,
-    ack_wait: moved.ack_wait!,
-    max_deliver: moved.max_deliver!,
   });
+  await addOrUpdate(jsm, names.requestStream, movedConsumerConfig(names, opts.pool, opts.instance, info.config));
   return info;
 }
 
@@ -104,12 +93,14 @@ export function movedConsumerConfig(names: DataPlaneNames, pool: string, instanc
   } as ConsumerConfig;
 }
 
-async function addOrUpdate(jsm: JetStreamManager, stream: string, cfg: Partial<ConsumerConfig>, changeable: Partial<ConsumerConfig>): Promise<ConsumerInfo> {
+/** Creates consumer `cfg`, or updates what may change of it (all but its name, ack and deliver policies) when it exists. */
+async function addOrUpdate(jsm: JetStreamManager, stream: string, cfg: Partial<ConsumerConfig>): Promise<ConsumerInfo> {
   try {
     return await jsm.consumers.add(stream, cfg);
   } catch (err) {
     if (jsErrorCode(err) !== JsApiError.consumerExists) throw err;
-    return jsm.consumers.update(stream, cfg.durable_name!, changeable);
+    const { description, filter_subject, max_ack_pending, ack_wait, max_deliver } = cfg;
+    return jsm.consumers.update(stream, cfg.durable_name!, { description, filter_subject, max_ack_pending, ack_wait, max_deliver });
   }
 }
 

@@ -39,6 +39,7 @@ export {
   movedConsumerNameOf,
   movedSubjectFor,
   movedSubjectOf,
+  requestSubjectFor,
   requestSubjectOf,
   responseSubjectOf,
   scopeSubject,

@@ -5,7 +5,8 @@
  * them, so a test (or a second installation) can rename everything with a prefix.
  */
 import { Nats } from '../shared/constants';
-import { beatSubject, cancelSubject, requestSubject, responseSubject } from '../shared/serving';
+import { holdsPart } from '../shared/continuation';
+import { beatSubject, cancelSubject, requestSubject, responseSubject, type InferenceRequest } from '../shared/serving';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
 export const RESPONSE_STREAM = 'MAGUS_RESPONSES';
@@ -90,6 +91,14 @@ export function movedSubjectOf(names: DataPlaneNames, pool: string, instance: st
 
 /** {@link movedSubjectOf} of the instance whose requests go to `requestSubject` (a session entry's `subject`). */
 export const movedSubjectFor = (requestSubject: string): string => `${requestSubject}.moved`;
+
+/**
+ * Where `req` goes on the instance whose requests go to `requestSubject`: its moved answers when
+ * it continues an answer its client holds part of, which the bridge takes before the requests
+ * queued for the instance; else (one with nothing said yet too) its requests.
+ */
+export const requestSubjectFor = (requestSubject: string, req: Pick<InferenceRequest, 'continues'>): string =>
+  holdsPart(req.continues?.resume) ? movedSubjectFor(requestSubject) : requestSubject;
 
 /** `magus.cancel.<pool>.<instance>` in this data plane: where a gateway says a request's client went away. */
 export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {

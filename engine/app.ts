@@ -43,7 +43,7 @@ import {
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
-import { RESUME_MISMATCH } from '../shared/continuation';
+import { holdsPart, RESUME_MISMATCH } from '../shared/continuation';
 import type { CompletionsRequest } from '../shared/completions';
 import { EmbeddingsRequest, embeddingInputs, type EmbeddingsResponse } from '../shared/embeddings';
 import type { EngineCore } from './core';
@@ -269,7 +269,7 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
     stream: req.stream,
     streamTokens: req.streamTokens === true,
     resumes: req.resume !== undefined,
-    urgent: (req.resume?.tokens.length ?? 0) > 0,
+    urgent: holdsPart(req.resume),
     includeUsage: req.includeUsage,
     prepared: [prepared],
     ...(affinity ? { score: (slot) => affinity(slot, req) } : {}),
@@ -291,7 +291,7 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
     stream: req.stream,
     streamTokens: req.streamTokens === true && req.prompts.length === 1,
     resumes: req.resume !== undefined,
-    urgent: (req.resume?.tokens.length ?? 0) > 0,
+    urgent: holdsPart(req.resume),
     includeUsage: req.includeUsage,
     prepared,
     promptChars: req.prompts.map((p) => p.length),

@@ -158,8 +158,9 @@ export class SlotPool {
 
   /**
    * The index of the waiter to get `slot` (−1: none waits): the first one when it is urgent (the
-   * urgent wait first) or once it has been passed over `maxSkips` times (it has been passed over at least as often as anyone behind it), else the
-   * best positive score, the earliest on a tie, else the first.
+   * urgent wait first) or once it has been passed over `maxSkips` times (it has been passed over
+   * at least as often as anyone behind it), else the best positive score, the earliest on a tie,
+   * else the first.
    */
   private waiterFor(slot: number): number {
     if (this.waiters.length === 0) return -1;

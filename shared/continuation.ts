@@ -124,6 +124,13 @@ export class AnswerSoFar {
   }
 }
 
+/**
+ * Whether `resume` holds part of an answer its client already has (tokens said): such a
+ * continuation goes before the queue of the instance it lands on (dataplane/names.ts
+ * `requestSubjectFor`) and of its engine (engine/slots.ts, "urgent").
+ */
+export const holdsPart = (resume: ResumedAnswer | undefined): boolean => (resume?.tokens.length ?? 0) > 0;
+
 /** The answer so far `a`, then `b` (what a continuation said after what it was given). */
 export const joinedAnswer = (a: ResumedAnswer, b: ResumedAnswer): ResumedAnswer => ({ tokens: [...a.tokens, ...b.tokens], text: a.text + b.text });
 

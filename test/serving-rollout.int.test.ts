@@ -66,6 +66,37 @@ beforeAll(async () => {
 
 afterAll(() => stack.close(), 60_000);
 
+/** The conversations' entries now (`magus_sessions` keys). */
+async function entryKeys(): Promise<Set<string>> {
+  const out = new Set<string>();
+  for await (const k of await (await nc.jetstream().views.kv(names.sessionsBucket)).keys()) out.add(k);
+  return out;
+}
+
+/** The instance conversation `key`'s entry is on. */
+async function instanceOf(key: string): Promise<string> {
+  const e = await (await nc.jetstream().views.kv(names.sessionsBucket)).get(key);
+  return (JSON.parse(new TextDecoder().decode(e!.value)) as SessionEntry).instance;
+}
+
+/** Publishes a new revision of the model (new weights' digest `sha`, as a pipeline run on a new commit does) and tells its pool; returns the revision. */
+async function publishRevision(sha: string): Promise<string> {
+  const next: ReadyModel = { ...ready, source: { ...ready.source, sha }, readyAt: new Date().toISOString() };
+  await registry.put(next);
+  await client.workflow.getHandle(poolWorkflowId('default', MODEL)).signal(modelPublishedSignal, { revision: modelRevision(next) });
+  return modelRevision(next);
+}
+
+/** Until instance `id` of the pool is gone and its processes stopped. */
+const stopped = (id: string): Promise<void> =>
+  until(
+    'the old instance is stopped',
+    async () =>
+      !(await client.workflow.getHandle(poolWorkflowId('default', MODEL)).query(poolStatusQuery)).instances.some((i) => i.id === id) &&
+      (workers.runtime as LocalRuntime).processes(MODEL, id) === null,
+    60_000,
+  );
+
 test("a cold first turn's stream says what it waits for before its first token; /v1/models shows the engine starting", async () => {
   const models = async () => ((await openai.models.retrieve(MODEL)) as unknown as { serving?: { status: string; starting: number } }).serving;
   expect(await models()).toEqual({ status: 'idle', instances: 0, starting: 0 });
@@ -96,13 +127,6 @@ test("a cold first turn's stream says what it waits for before its first token; 
 }, 120_000);
 
 test('a new model revision under live streams: none is cut, new first turns and next turns go to the new instance, the old one stops once its answers ended', async () => {
-  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
-  const keys = async () => {
-    const out: string[] = [];
-    for await (const k of await kv.keys()) out.push(k);
-    return new Set(out);
-  };
-  const entryOf = async (k: string) => JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const runtime = workers.runtime as LocalRuntime; // the stack's worker runs the local runtime
   const ask = (session: string, content: string, max = 4) =>
@@ -115,15 +139,15 @@ test('a new model revision under live streams: none is cut, new first turns and 
   const sessions = [1, 2, 3].map((n) => `conv-${n}-${iso.id}`);
   const entries: string[] = [];
   for (const s of sessions) {
-    const before = await keys();
+    const before = await entryKeys();
     await ask(s, `hello ${s}`);
-    entries.push([...(await keys())].find((k) => !before.has(k))!);
+    entries.push([...(await entryKeys())].find((k) => !before.has(k))!);
   }
   const r1 = modelRevision(ready);
   const old = (await pool.query(poolStatusQuery)).instances;
   expect(old).toEqual([expect.objectContaining({ phase: 'ready', revision: r1 })]);
   const oldId = old[0]!.id;
-  expect(new Set(await Promise.all(entries.map(async (k) => (await entryOf(k)).instance)))).toEqual(new Set([oldId]));
+  expect(new Set(await Promise.all(entries.map(instanceOf)))).toEqual(new Set([oldId]));
 
   // Its engine frozen, three long answers are delivered to it: they are in flight there.
   const pid = runtime.processes(MODEL, oldId)![0]!.pid!;
@@ -159,11 +183,8 @@ test('a new model revision under live streams: none is cut, new first turns and 
     });
 
     // Revision r2 is published: new weights' digest, as a pipeline run on a new commit publishes them.
-    const next: ReadyModel = { ...ready, source: { ...ready.source, sha: '1'.repeat(40) }, readyAt: new Date().toISOString() };
-    const r2 = modelRevision(next);
+    const r2 = await publishRevision('1'.repeat(40));
     expect(r2).not.toBe(r1);
-    await registry.put(next);
-    await pool.signal(modelPublishedSignal, { revision: r2 });
 
     // The new instance serves; the old one is unpublished and drains, its three answers in flight shown.
     await until(
@@ -182,11 +203,11 @@ test('a new model revision under live streams: none is cut, new first turns and 
     expect(await currentDetails(pool)).toContain('**rolling out**: 1 instance being replaced draining, 3 answers in flight on them');
 
     // A new conversation's first turn goes to the new instance, at once (the old one is frozen).
-    const before = await keys();
+    const before = await entryKeys();
     const fresh = await ask(`conv-new-${iso.id}`, 'a new conversation');
     expect(fresh.choices[0]?.message.content?.length).toBeGreaterThan(0);
-    const freshKey = [...(await keys())].find((k) => !before.has(k))!;
-    expect((await entryOf(freshKey)).instance).toBe(newId);
+    const freshKey = [...(await entryKeys())].find((k) => !before.has(k))!;
+    expect(await instanceOf(freshKey)).toBe(newId);
 
     // The old instance is not stopped under its answers: past its grace, it still drains.
     await new Promise((r) => setTimeout(r, 3000));
@@ -203,15 +224,11 @@ test('a new model revision under live streams: none is cut, new first turns and 
     }
 
     // With nothing left in flight the old instance stops; each conversation's next turn moves to the new one.
-    await until(
-      'the old instance is stopped',
-      async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === oldId) && runtime.processes(MODEL, oldId) === null,
-      60_000,
-    );
+    await stopped(oldId);
     for (const [n, s] of sessions.entries()) {
       const r = await ask(s, `and then, ${s}?`);
       expect(r.choices[0]?.message.content?.length).toBeGreaterThan(0);
-      expect((await entryOf(entries[n]!)).instance).toBe(newId);
+      expect(await instanceOf(entries[n]!)).toBe(newId);
     }
     expect((await pool.query(poolStatusQuery)).instances).toEqual([expect.objectContaining({ id: newId, phase: 'ready', revision: r2 })]);
     await recordHistory('pool-rolled-out', pool);
@@ -224,13 +241,6 @@ test("a rollout under 50 live streams: none cut or repeated, each the undisturbe
   const STREAMS = 50;
   const TOKENS = 60;
   const prompts = ['a boat', 'a fox', 'the sea', 'a lamp', 'the hills'].map((p) => `tell me about ${p}`);
-  const kv = await nc.jetstream().views.kv(names.sessionsBucket);
-  const keys = async () => {
-    const out = new Set<string>();
-    for await (const k of await kv.keys()) out.add(k);
-    return out;
-  };
-  const instanceOf = async (k: string) => (JSON.parse(new TextDecoder().decode((await kv.get(k))!.value)) as SessionEntry).instance;
   const pool = client.workflow.getHandle(poolWorkflowId('default', MODEL));
   const runtime = workers.runtime as LocalRuntime;
   const stream = async (session: string, content: string): Promise<TimedAnswer> =>
@@ -255,7 +265,7 @@ test("a rollout under 50 live streams: none cut or repeated, each the undisturbe
   process.kill(pid, 'SIGSTOP');
   let thawed = false;
   try {
-    const before = await keys();
+    const before = await entryKeys();
     const sessions = Array.from({ length: STREAMS }, (_, n) => `live-${n}-${iso.id}`);
     const streams = sessions.map((s, n) => stream(s, prompts[n % prompts.length]!));
     const jsm = await nc.jetstreamManager();
@@ -264,11 +274,8 @@ test("a rollout under 50 live streams: none cut or repeated, each the undisturbe
       return c !== null && c.num_ack_pending + c.num_pending === STREAMS;
     });
 
-    const next: ReadyModel = { ...ready, source: { ...ready.source, sha: '2'.repeat(40) }, readyAt: new Date().toISOString() };
-    const r3 = modelRevision(next);
+    const r3 = await publishRevision('2'.repeat(40));
     expect(r3).not.toBe(oldRevision);
-    await registry.put(next);
-    await pool.signal(modelPublishedSignal, { revision: r3 });
     await until(
       'a new instance serves beside the draining old one',
       async () => {
@@ -281,13 +288,13 @@ test("a rollout under 50 live streams: none cut or repeated, each the undisturbe
     );
     const newId = (await pool.query(poolStatusQuery)).instances.find((i) => i.id !== oldId)!.id;
     // Each of the 50 conversations has its entry on the old instance.
-    const live = [...(await keys())].filter((k) => !before.has(k));
+    const live = [...(await entryKeys())].filter((k) => !before.has(k));
     expect(live).toHaveLength(STREAMS);
     for (const k of live) expect(await instanceOf(k)).toBe(oldId);
     // A first turn meanwhile is answered at once, by the new instance.
     const fresh = await stream(`fresh-${iso.id}`, prompts[0]!);
     expect(fresh.text).toBe(reference[0]);
-    const freshKeys = [...(await keys())].filter((k) => !before.has(k) && !live.includes(k));
+    const freshKeys = [...(await entryKeys())].filter((k) => !before.has(k) && !live.includes(k));
     expect(freshKeys).toHaveLength(1);
     expect(await instanceOf(freshKeys[0]!)).toBe(newId);
 
@@ -307,11 +314,7 @@ test("a rollout under 50 live streams: none cut or repeated, each the undisturbe
     }
     expect(new Set(answers.map((a) => a.id)).size).toBe(STREAMS);
 
-    await until(
-      'the old instance is stopped',
-      async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === oldId) && runtime.processes(MODEL, oldId) === null,
-      60_000,
-    );
+    await stopped(oldId);
     // Every conversation's next turn is on the new revision's instance.
     for (const [n, s] of sessions.entries()) {
       const r = await openai.chat.completions.create(

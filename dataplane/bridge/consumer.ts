@@ -16,7 +16,6 @@ import {
   type Subscription,
 } from 'nats';
 import { movedConsumerConfig, restoreConsumer } from '../consumers';
-import { JsApiError, jsErrorCode } from '../errors';
 import { declareOnReconnect } from '../declare';
 import { consumerNameOf, movedConsumerNameOf, type DataPlaneNames } from '../names';
 import type { BridgeStats } from './metrics';
@@ -62,10 +61,7 @@ export class RequestConsumer {
   static async open(opts: RequestConsumerOptions): Promise<RequestConsumer> {
     const { names, pool, instance } = opts;
     if (opts.moved) {
-      const config = movedConsumerConfig(names, pool, instance, opts.moved);
-      await opts.jsm.consumers.add(names.requestStream, config).catch((err: unknown) => {
-        if (jsErrorCode(err) !== JsApiError.consumerExists) throw err;
-      });
+      await restoreConsumer(opts.jsm, names.requestStream, movedConsumerConfig(names, pool, instance, opts.moved));
       const consumer = await opts.js.consumers.get(names.requestStream, movedConsumerNameOf(pool, instance));
       return new RequestConsumer(opts, consumer, (await consumer.info()).config);
     }

@@ -11,7 +11,6 @@ import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { meterSignature } from '../../dataplane/meter';
-import { movedSubjectFor } from '../../dataplane/names';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
@@ -328,8 +327,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
                 .record(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next })
                 .catch((err: unknown) => client.log.warn({ err, inferenceId: id }, 'could not record where the answer moved: a resume stops there'));
             return {
-              // Its client holds part of it: to the instance's moved answers, served before its queue.
-              session: said.tokens.length > 0 ? { ...to, subject: movedSubjectFor(to.subject) } : to,
+              session: to,
               req: { ...from.req, id: next, replyTo: g.responses.replySubject(next), continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) } },
             };
           }

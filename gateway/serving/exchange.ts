@@ -19,7 +19,7 @@ import { randomBytes } from 'node:crypto';
 import { headers, type Msg, type NatsConnection, type Subscription } from 'nats';
 import { Nats } from '../../shared/constants';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
-import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, scopeSubject, streamAckProblem } from '../../dataplane';
+import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, requestSubjectFor, scopeSubject, streamAckProblem } from '../../dataplane';
 
 export { streamAckProblem };
 import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
@@ -551,7 +551,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let attempt = 0;
     const publish = (): void => {
       const at = current;
-      opts.publish(at.session.subject, at.req, at.session).catch((err: unknown) => {
+      // A continuation its client holds part of: to the instance's moved answers, ahead of its queue.
+      opts.publish(requestSubjectFor(at.session.subject, at.req), at.req, at.session).catch((err: unknown) => {
         if (finished || at !== current) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
         if (err instanceof GatewayError && err.status === 413) return fail('too_large', err);

@@ -94,6 +94,7 @@ export class SessionCache implements SessionBroker {
       const t = this.now();
       this.mirror.sweep(t);
       this.placement?.sweep(t);
+      for (const [k, times] of this.movedTo) if (!times.some((at) => t - at < MOVES_SPREAD_MS)) this.movedTo.delete(k);
     }, SWEEP_MS);
     this.sweep.unref();
   }
@@ -138,13 +139,12 @@ export class SessionCache implements SessionBroker {
   }
 
   another(model: ReadyModel, instance: string): SessionEntry | undefined {
-    const now = Date.now();
-    const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS).length;
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier: recent });
+    const now = this.now();
+    const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier: (i) => recent(i).length });
     if (!target) return undefined;
-    const k = instanceKey(model.namespace, model.name, target.instance);
-    this.movedTo.set(k, [...(this.movedTo.get(k) ?? []).filter((t) => now - t < MOVES_SPREAD_MS), now]);
-    return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
+    this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
+    return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };
   }
 
   async close(): Promise<void> {
