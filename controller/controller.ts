@@ -151,7 +151,8 @@ export class ResourceController implements Controller {
     this.dllamas = watchNamespaces<DllamaResource>(opts.kc, namespaces, {
       path: (scope) => `/apis/${CRD_GROUP}/${CRD_VERSION}${scope}/${Plural.dllama}`,
       onEvent: (type, o) => {
-        if (type !== 'DELETED') this.queue.add(keyOf(Kind.dllama, o));
+        if (type === 'DELETED') this.dllamaReconciler.deleted(o);
+        else this.queue.add(keyOf(Kind.dllama, o));
         for (const x of this.dllamaReconciler.rivalsFreedBy(type, o)) this.queue.add(keyOf(Kind.dllama, x));
       },
       log: (l) => log(`watch dllamas: ${l}`),

@@ -74,6 +74,12 @@ export class DllamaReconciler {
   private readonly signalled = new Map<string, number>();
   /** uid → generation of a Dllama refused because another one serves its model (reported once). */
   private readonly conflicts = new Map<string, number>();
+  /**
+   * uids whose pool was told they are being deleted: a copy that still holds the finalizer,
+   * reconciled again before its removal shows (the pool's own status write brings one), does not
+   * tell it twice.
+   */
+  private readonly deletionSent = new Set<string>();
 
   constructor(private readonly deps: DllamaReconcilerDeps) {}
 
@@ -90,6 +96,14 @@ export class DllamaReconciler {
       .filter((x) => x.metadata.namespace === d.metadata.namespace && x.spec.model === d.spec.model && x.metadata.uid !== d.metadata.uid);
   }
 
+  /** `d` is gone from the API (its DELETED event): nothing more is kept of it. */
+  deleted(d: DllamaResource): void {
+    const { uid } = d.metadata;
+    this.deletionSent.delete(uid);
+    this.signalled.delete(uid);
+    this.conflicts.delete(uid);
+  }
+
   async reconcile(d: DllamaResource): Promise<Requeue | void> {
     const { namespace, uid, generation } = d.metadata;
     const { workflows, finalizers, core } = this.deps;
@@ -98,7 +112,10 @@ export class DllamaReconciler {
     if (d.metadata.deletionTimestamp) {
       if (!Finalizers.held(d)) return;
       // The pool serves the model for whoever asks; without its resource it may scale to zero.
-      if (await workflows.running(workflowId)) await workflows.handle(workflowId).signal(poolResourceSignal, { ...resource, deleted: true });
+      if (!this.deletionSent.has(uid) && (await workflows.running(workflowId))) {
+        await workflows.handle(workflowId).signal(poolResourceSignal, { ...resource, deleted: true });
+        this.deletionSent.add(uid);
+      }
       await finalizers.remove(Plural.dllama, d);
       this.signalled.delete(uid);
       return;
