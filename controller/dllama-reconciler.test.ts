@@ -15,8 +15,8 @@ const deleting = (): DllamaResource => ({
     uid: 'uid-1',
     generation: 3,
     finalizers: [FINALIZER],
-    deletionTimestamp: new Date(0),
-    creationTimestamp: new Date(0),
+    deletionTimestamp: '1970-01-01T00:00:00Z',
+    creationTimestamp: '1970-01-01T00:00:00Z',
   },
   spec: { model: 'tiny', engine: 'llamacpp', nodesPower: 0, replicas: 0, minReplicas: 0, maxReplicas: 2, leasesPerInstance: 4, idleTimeout: '10m' },
 });
@@ -28,7 +28,7 @@ function reconciler() {
     running: () => Promise.resolve(true),
     handle: () => ({ signal: (_name: unknown, arg: unknown) => Promise.resolve(void signals.push(arg)) }),
   } as unknown as WorkflowSignals;
-  const finalizers = { remove: (_plural: string, d: DllamaResource) => Promise.resolve(void removed.push(d.metadata.uid!)) } as unknown as Finalizers;
+  const finalizers = { remove: (_plural: string, d: DllamaResource) => Promise.resolve(void removed.push(d.metadata.uid)) } as unknown as Finalizers;
   const r = new DllamaReconciler({
     workflows,
     finalizers,

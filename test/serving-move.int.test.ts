@@ -26,9 +26,9 @@ import { ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
 import { demoModelFile } from '../workers/dev/demo-model';
-import { isolation, natsConnectAsBridge } from './harness';
-import { publishPoolView } from './harness/gateway';
-import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
+import { isolation, natsConnectAs, natsConnectAsBridge } from './harness';
+import { publishPoolView, refusedColdStart } from './harness/gateway';
+import { gatewayStack, natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
 import { gapAfter, readTimed, textAt, type TimedAnswer } from './harness/timed-stream';
 
@@ -45,6 +45,7 @@ let nc: NatsConnection;
 let names: DataPlaneNames;
 let openai: OpenAI;
 let gateway: { url: string };
+let secret: string;
 const engines: Record<string, Supervised<LlamaCppEngine>> = {};
 const bridges: Record<string, Bridge> = {};
 const coldStarts: string[] = [];
@@ -76,7 +77,7 @@ beforeAll(async () => {
     bridges[instance] = bridge;
   }
   // The conversation is on i1; the pool publishes both.
-  ({ openai, gateway } = await stack.open(
+  ({ openai, gateway, secret } = await stack.open(
     pinnedGatewayStack(nc, names, { tokenId: TOKEN_ID, pool: POOL, instance: 'i1', sessionId: SESSION, coldStarts, why: 'cold start in the move test' }),
   ));
   await publishPoolView(nc, names, POOL, ['i1', 'i2']);
@@ -196,15 +197,22 @@ test("i1's engine SIGKILLed in the prompt phase: the answer is generated on i2 i
   expect(gapAfter(answer, killedAt)).toBeLessThanOrEqual(MAX_GAP_MS);
 }, 120_000);
 
-/** A raw SSE stream of the chat request (greedy, 200 tokens), optionally resumed after `lastEventId`; `onEvent` sees each chunk event's count. */
-async function rawStream(lastEventId?: string, onEvent?: (n: number) => void): Promise<{ events: { id: string; content: string }[]; done: boolean }> {
-  const res = await fetch(`${gateway.url}/v1/chat/completions`, {
+/**
+ * A raw SSE stream of the chat request (greedy, 200 tokens) through the gateway at `via` (the
+ * test's, unless said), optionally resumed after `lastEventId`; `onEvent` sees each chunk event's
+ * count, and when it resolves true the client goes away there (the stream not done).
+ */
+async function rawStream(
+  o: { via?: string; lastEventId?: string; onEvent?: (n: number) => boolean | void | Promise<boolean | void> } = {},
+): Promise<{ events: { id: string; content: string; at: number }[]; done: boolean }> {
+  const ctl = new AbortController();
+  const res = await fetch(`${o.via ?? gateway.url}/v1/chat/completions`, {
     method: 'POST',
     headers: {
       authorization: `Bearer ${openai.apiKey}`,
       'content-type': 'application/json',
       'x-session-id': SESSION,
-      ...(lastEventId ? { 'last-event-id': lastEventId } : {}),
+      ...(o.lastEventId ? { 'last-event-id': o.lastEventId } : {}),
     },
     body: JSON.stringify({
       model: POOL,
@@ -213,9 +221,10 @@ async function rawStream(lastEventId?: string, onEvent?: (n: number) => void): P
       temperature: 0,
       stream: true,
     }),
+    signal: ctl.signal,
   });
   expect(res.status).toBe(200);
-  const events: { id: string; content: string }[] = [];
+  const events: { id: string; content: string; at: number }[] = [];
   let done = false;
   let buffer = '';
   const decoder = new TextDecoder();
@@ -229,8 +238,12 @@ async function rawStream(lastEventId?: string, onEvent?: (n: number) => void): P
       if (data === '[DONE]') done = true;
       else if (id && data) {
         const chunk = JSON.parse(data) as OpenAI.ChatCompletionChunk;
-        events.push({ id, content: chunk.choices[0]?.delta?.content ?? '' });
-        onEvent?.(events.length);
+        events.push({ id, content: chunk.choices[0]?.delta?.content ?? '', at: Date.now() });
+        if ((await o.onEvent?.(events.length)) === true) {
+          // Leaving the loop cancels the body; the abort ends the connection whatever undici keeps of it.
+          setImmediate(() => ctl.abort());
+          return { events, done: false };
+        }
       }
     }
   }
@@ -247,20 +260,72 @@ test('a stream resumed (Last-Event-ID) from before its move gets the rest across
   await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);
   restartsBeforeKill = engines.i1!.restarts;
   const moved = bridges.i1!.stats.handedBack;
-  const whole = await rawStream(undefined, (n) => {
-    if (n === 40) process.kill(engines.i1!.current.process.child.pid!, 'SIGKILL');
+  const whole = await rawStream({
+    onEvent: (n) => {
+      if (n === 40) process.kill(engines.i1!.current.process.child.pid!, 'SIGKILL');
+    },
   });
   expect(whole.done).toBe(true);
   expect(bridges.i1!.stats.handedBack - moved).toBe(1);
   expect(await records(answerIdOf(whole))).toHaveLength(1);
   // From the 20th event (before the move): the rest, after it, as the first stream had it.
-  const resumed = await rawStream(whole.events[19]!.id);
+  const resumed = await rawStream({ lastEventId: whole.events[19]!.id });
   expect(resumed.done).toBe(true);
   expect(resumed.events.map((e) => e.id)).toEqual(whole.events.slice(20).map((e) => e.id));
   expect(contentOf(resumed.events)).toBe(contentOf(whole.events.slice(20)));
   // And from an event after the move.
-  const late = await rawStream(whole.events[100]!.id);
+  const late = await rawStream({ lastEventId: whole.events[100]!.id });
   expect(contentOf(late.events)).toBe(contentOf(whole.events.slice(101)));
+}, 120_000);
+
+test('a stream whose gateway died, then whose engine was SIGKILLed: resumed on another replica, which continues it on i2 itself (nobody else can)', async () => {
+  await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);
+  restartsBeforeKill = engines.i1!.restarts;
+  // The replica the stream begins on, on a connection of its own: cut, it is dead as far as the data plane can tell.
+  const doomedNc = await natsConnectAs('gateway', names, 'magus-test-doomed-gateway');
+  const doomed = await gatewayStack(names, {
+    nc: doomedNc,
+    secret,
+    tokens: { [TOKEN_ID]: openai.apiKey! },
+    env: { MAGUS_LOG_LEVEL: 'silent' },
+    deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the move test') },
+  });
+  const handedBack = bridges.i1!.stats.handedBack;
+  const continued = bridges.i2!.stats.continued;
+  // 20 pieces in, the gateway dies (its NATS connection cut before its client's: it cancels nothing), then the client's connection goes.
+  const first = await rawStream({
+    via: doomed.gateway.url,
+    onEvent: async (n) => {
+      if (n < 20) return false;
+      await doomedNc.close();
+      return true;
+    },
+  });
+  await Promise.resolve(doomed.close()).catch(() => undefined);
+  expect(first.events).toHaveLength(20);
+  // Then its engine: i1's bridge hands the answer back, and no gateway that published it is there to move it.
+  process.kill(engines.i1!.current.process.child.pid!, 'SIGKILL');
+  await until('i1 hands the answer back', () => bridges.i1!.stats.handedBack - handedBack === 1, 30_000);
+  const resumedAt = Date.now();
+  const rest = await rawStream({ lastEventId: first.events[19]!.id });
+  expect(rest.done).toBe(true);
+  expect(bridges.i2!.stats.continued - continued).toBe(1);
+  // The ids go on as the first stream had them: its seqs, in order, none twice.
+  const seqs = rest.events.map((e) => Number(e.id.split('.')[2]));
+  expect(seqs).toEqual(seqs.map((_, i) => 20 + i));
+  expect(rest.events.every((e) => e.id.startsWith(first.events[0]!.id.slice(0, first.events[0]!.id.lastIndexOf('.') + 1)))).toBe(true);
+  const text = contentOf(first.events) + contentOf(rest.events);
+  expect(contentOf(first.events)).toBe(reference.text.slice(0, contentOf(first.events).length));
+  // A repeat would show as more pieces of text than tokens (the role's and the finish's events hold none).
+  expect([...first.events, ...rest.events].filter((e) => e.content !== '').length).toBeLessThanOrEqual(ANSWER_TOKENS);
+  // One record under the request's id, with the whole answer.
+  const mine = await records(answerIdOf(first));
+  expect(mine.map((r) => `${r.id} ${r.outcome} ${r.tokens.completion}`)).toEqual([`${answerIdOf(first).replace(/^chatcmpl-/, '')} completed ${ANSWER_TOKENS}`]);
+  // What was stored came at once; the longest silence is the move (the claim waits 1 s for the first replica, which is gone).
+  const silence = Math.max(...rest.events.map((e, i) => e.at - (i === 0 ? resumedAt : rest.events[i - 1]!.at)));
+  measured.push(
+    `gateway gone, then engine SIGKILLed: resumed on another replica, longest silence ${silence} ms; ${text === reference.text ? 'equal to the undisturbed answer' : 'differs from the undisturbed answer after the cut'}`,
+  );
 }, 120_000);
 
 test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the answer goes on on i2 instead of being cut', async () => {

@@ -127,6 +127,14 @@ export const errors = {
   unavailable: (retryAfterSec: number, message = 'The request could not be queued; retry later.') =>
     new GatewayError(503, message, OpenAIErrorType.server, 'unavailable', null, retryAfter(retryAfterSec), true),
   timeout: () => new GatewayError(504, 'The model did not answer in time.', OpenAIErrorType.server, 'timeout', null, {}, true),
+  /** A stream whose answer had to move, claimed first by a replica its client resumed it on (`Last-Event-ID`): the rest goes there. */
+  resumedElsewhere: () =>
+    new GatewayError(
+      409,
+      'This stream was resumed on another connection (Last-Event-ID), which receives the rest of the answer.',
+      OpenAIErrorType.invalidRequest,
+      'resumed_elsewhere',
+    ),
   /** The engine side failed (an `error` frame with a 5xx status, lost frames, a bad frame). */
   upstream: (status = 502, code = 'upstream_error') =>
     new GatewayError(status >= 500 && status <= 599 ? status : 502, 'The model failed to complete the request.', OpenAIErrorType.server, code, null, {}, true),

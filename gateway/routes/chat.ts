@@ -77,12 +77,13 @@ export const chatRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const id = resume?.requestId ?? nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       const relay = relayed(sse, body.stream_options?.include_usage === true);
-      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!);
+      const payload = { body: toEngineRequest(body, messages) };
+      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!, { model, payload, principal });
       return serveTurn(app, request, reply, {
         id,
         model,
         conversationKey: key,
-        payload: { body: toEngineRequest(body, messages) },
+        payload,
         resumable: true,
         ...relay,
       });

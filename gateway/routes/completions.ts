@@ -40,11 +40,12 @@ export const completionsRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const id = resume?.requestId ?? nuid.next();
       const sse = body.stream === true ? new SseResponse(reply, s.keepAliveMs, id) : undefined;
       const relay = relayed(sse, body.stream_options?.include_usage === true);
-      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!);
+      const payload = { kind: 'completions' as const, body: toEngineRequest(body) };
+      if (resume) return serveResume(app, reply, resume, sse!, relay.onChunk!, { model, payload, principal: request.principal! });
       return serveTurn(app, request, reply, {
         id,
         model,
-        payload: { kind: 'completions', body: toEngineRequest(body) },
+        payload,
         resumable: true,
         ...relay,
       });

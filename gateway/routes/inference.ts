@@ -320,12 +320,17 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
             const stay = to.instance === from.session.instance;
-            // Where it went, before any of it is sent: a resume on any replica follows it there.
+            // Where it goes, claimed before any of it is sent: a resume on any replica follows it
+            // there. Claimed first by a replica resuming it (its client came back there): it is
+            // that replica's to continue, not this one's.
             const replica = g.responses.replica;
-            if (replica && g.moves)
-              await g.moves
-                .record(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next })
-                .catch((err: unknown) => client.log.warn({ err, inferenceId: id }, 'could not record where the answer moved: a resume stops there'));
+            if (replica && g.moves) {
+              const held = await g.moves.claim(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next }).catch((err: unknown) => {
+                client.log.warn({ err, inferenceId: id }, 'could not record where the answer moved: a resume stops there');
+                return undefined;
+              });
+              if (held && held.requestId !== next) throw errors.resumedElsewhere();
+            }
             return {
               session: to,
               req: { ...from.req, id: next, replyTo: g.responses.replySubject(next), continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) } },

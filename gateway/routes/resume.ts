@@ -7,10 +7,16 @@
  * published, generated, reserved or metered again: the answer is the one already under way.
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
+import { nuid } from 'nats';
+import { meterSignature } from '../../dataplane/meter';
+import type { ReadyModel } from '../../shared/model';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import type { Principal } from '../plugins/auth';
 import { errors, toGatewayError } from '../plugins/errors';
+import type { ResumedAnswer } from '../../shared/continuation';
 import { exchange, frameSubjectsOf, type Moved, type ResponseRouter } from '../serving/exchange';
-import { parseLastEventId, type MoveLog, type ResumableAnswer, type ResumePoint } from '../serving/resume';
+import { continuationIdOf, parseLastEventId, type MoveLog, type ResumableAnswer, type ResumePoint } from '../serving/resume';
+import { withModelDefaults, type InferencePayload } from './inference';
 import type { SseResponse } from './sse';
 
 /** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
@@ -48,23 +54,45 @@ export function publishedAs(
 }
 
 /**
+ * The request a resumed answer was asked with, sent again by its client (the same body): what a
+ * replica resuming it publishes should the answer have to move with nobody else to move it (its
+ * first replica gone).
+ */
+export interface AskedAgain {
+  model: ReadyModel;
+  payload: InferencePayload;
+  principal: Principal;
+}
+
+/**
  * Follows the answer at `place`, from its first frame: what `MAGUS_RESPONSES` holds of it, then
  * live on the subjects the answering bridge publishes to — whichever replica published the
  * request and whether it still runs — with the exchange's sequencing, gap read-backs and
  * timeouts. Each chunk goes to `onChunk` with its seq; resolves with the `done` frame's data.
+ *
+ * When the answer moves (handed back by its bridge, or its bridge silent), the move the replica
+ * that published it claimed is followed; with `asked` (the request sent again), a move nobody
+ * claimed within {@link CLAIM_AFTER_MS} is claimed and continued here.
  */
 export async function followAnswer(
   app: FastifyInstance,
   place: ResumableAnswer,
   signal: AbortSignal,
   onChunk: (chunk: unknown, seq: number) => void,
+  asked?: AskedAgain,
 ): Promise<unknown> {
   const g = app.gateway;
   const s = g.settings;
   const { responses, readStored } = g;
   const published = publishedAs(app, place);
   if (!published || !responses.follow || !readStored) throw errors.unavailable(s.retryAfterSec, 'This gateway cannot follow answers.');
-  const req = { ...published.req, deadline: Date.now() + s.requestTimeoutMs } as InferenceRequest;
+  const req = {
+    ...(asked ? withModelDefaults(asked.payload, asked.model) : {}),
+    ...published.req,
+    deadline: Date.now() + s.requestTimeoutMs,
+  } as InferenceRequest;
+  /** Continuations this replica claimed: published, not only read back. */
+  const claimed = new Set<string>();
   const replySubjectOf = (replica: string, id: string): string => responses.replySubjectOf!(replica, id);
   /** The subjects of request `id`'s frames on `pool`/`instance` (the first request's, or a continuation's). */
   const subjectsOf = (id: string, pool: string, instance: string) =>
@@ -85,7 +113,8 @@ export async function followAnswer(
   let moves = 0;
   return exchange(published.entry, req, {
     router,
-    publish: async (_subject, r, e) => {
+    publish: async (subject, r, e) => {
+      if (claimed.has(r.id)) return g.publish(subject, r, e);
       for (const f of await readAll(r, e)) deliver?.(f);
     },
     readBack: readAll,
@@ -94,23 +123,41 @@ export async function followAnswer(
     retryAfterSec: s.retryAfterSec,
     signal,
     onChunk,
-    // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it.
-    ...(g.moves ? { move: () => nextMove(g.moves!, place, ++moves, signal), ...(g.bridgeSilent ? { silent: movedAway(g.moves, g.bridgeSilent) } : {}) } : {}),
+    // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
+    ...(g.moves
+      ? {
+          move: (said: ResumedAnswer, from: Moved, createdAt: number) => nextMove(g.moves!, ++moves, said, from, createdAt),
+          ...(g.bridgeSilent ? { silent: movedAway(g.moves, g.bridgeSilent), onMovedAway: (from: Moved) => g.cancel?.(from.session, from.req.id, true) } : {}),
+        }
+      : {}),
   });
 
+  /** Continuation `n` as the replica at `to` published it. */
+  function continuation(to: ResumableAnswer): Moved {
+    const entry: SessionEntry = { subject: '', pool: to.pool, instance: to.instance, expiresAt: 0 };
+    return { session: entry, req: { ...req, id: to.requestId, replyTo: replySubjectOf(to.replica, to.requestId), instanceFrames: true } };
+  }
+
   /**
-   * Whether the request followed now was moved away from its silent bridge by the replica
-   * serving it: while the bridge is silent, the move log is looked at (once a second at most) for
-   * the next move, and true once it is there. (A bridge silent on a pool of one is not moved away
-   * from: its request is delivered again, and its frames come on the same subjects.)
+   * Whether the request followed now is to be moved away from its silent bridge: once the replica
+   * that published it recorded the move (the move log is looked at once a second at most), or —
+   * when this replica may continue it itself — once the bridge stayed silent for
+   * {@link CLAIM_AFTER_MS} with no move recorded. (A bridge silent on a pool of one is not moved
+   * away from: its request is delivered again, and its frames come on the same subjects.)
    */
   function movedAway(log: MoveLog, bridgeSilent: (s: SessionEntry) => boolean): (s: SessionEntry) => boolean {
     let lookedAt = 0;
     let found = 0;
-    return (s) => {
-      if (!bridgeSilent(s)) return false;
+    let silentSince: number | undefined;
+    return (at) => {
+      if (!bridgeSilent(at)) {
+        silentSince = undefined;
+        return false;
+      }
       const n = moves + 1;
       if (found === n) return true;
+      silentSince ??= Date.now();
+      if (asked && g.sessions.another?.(asked.model, at.instance) && Date.now() - silentSince >= CLAIM_AFTER_MS) return true;
       if (Date.now() - lookedAt >= 1000) {
         lookedAt = Date.now();
         void log.find(place.requestId, n).then(
@@ -124,30 +171,60 @@ export async function followAnswer(
     };
   }
 
-  async function nextMove(log: MoveLog, first: ResumableAnswer, n: number, stop: AbortSignal): Promise<Moved | undefined> {
-    // The replica that moved it records where before it publishes; give a slow write a moment.
-    for (let waited = 0; waited <= MOVE_LOOKUP_MS && !stop.aborted; waited += 200) {
-      const to = await log.find(first.requestId, n);
-      if (to) {
-        const entry: SessionEntry = { subject: '', pool: to.pool, instance: to.instance, expiresAt: 0 };
-        return { session: entry, req: { ...req, id: to.requestId, replyTo: replySubjectOf(first.replica, to.requestId), instanceFrames: true } };
-      }
+  /**
+   * Move `n` of the answer: the one the replica that published it recorded (it records before it
+   * publishes; a slow write is given {@link MOVE_LOOKUP_MS}, or {@link CLAIM_AFTER_MS} when this
+   * replica may move it itself), else — when the request was sent
+   * again — claimed here and published on another instance (or, with none, the one it was on),
+   * its metering the answer's key as this replica's client presents it.
+   */
+  async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, createdAt: number): Promise<Moved | undefined> {
+    for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
+      const to = await log.find(place.requestId, n);
+      if (to) return continuation(to);
       await new Promise((resolve) => setTimeout(resolve, 200));
     }
-    return undefined;
+    if (!asked || signal.aborted) return undefined;
+    const to = g.sessions.another?.(asked.model, from.session.instance) ?? from.session;
+    const next = continuationIdOf(place.requestId, n, () => nuid.next());
+    const held = await log.claim(place.requestId, n, { replica: place.replica, pool: to.pool, instance: to.instance, requestId: next });
+    if (held.requestId !== next) return continuation(held);
+    claimed.add(next);
+    const modelLabel = `${asked.model.namespace}/${asked.model.name}`;
+    const meter: NonNullable<InferenceRequest['meter']> = { key: asked.principal.key, model: modelLabel, at: createdAt };
+    if (g.meterKey)
+      meter.sig = meterSignature(g.meterKey, { id: place.requestId, kind: req.kind ?? 'chat', key: meter.key, model: modelLabel, start: createdAt });
+    const stay = to.instance === from.session.instance;
+    app.metrics.answersMoved.inc();
+    return {
+      session: to,
+      req: {
+        ...continuation({ ...place, pool: to.pool, instance: to.instance, requestId: next }).req,
+        deadline: Date.now() + s.requestTimeoutMs,
+        meter,
+        continues: { id: place.requestId, createdAt, resume: said, ...(stay ? { stay } : {}) },
+      },
+    };
   }
 }
 
 /** How long a resume looks for where a moved answer went (the replica moving it records that first). */
 const MOVE_LOOKUP_MS = 3_000;
+/**
+ * How long a resume that may continue the answer itself leaves the move to the replica that
+ * published it: that one claims it the moment it hears of it, if it runs — and should both claim,
+ * the move log takes one (`MoveLog.claim`), so this only says who goes first.
+ */
+const CLAIM_AFTER_MS = 1_000;
 
-/** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. */
+/** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. `asked` is the request sent again ({@link followAnswer}). */
 export async function serveResume(
   app: FastifyInstance,
   reply: FastifyReply,
   point: ResumePoint,
   sse: SseResponse,
   onChunk: (chunk: unknown, seq: number) => void,
+  asked: AskedAgain,
 ): Promise<FastifyReply> {
   const s = app.gateway.settings;
   reply.header('x-request-id', point.requestId);
@@ -158,9 +235,15 @@ export async function serveResume(
   };
   reply.raw.once('close', onClose);
   try {
-    await followAnswer(app, point, ctl.signal, (chunk, seq) => {
-      if (seq > point.seq) onChunk(chunk, seq);
-    });
+    await followAnswer(
+      app,
+      point,
+      ctl.signal,
+      (chunk, seq) => {
+        if (seq > point.seq) onChunk(chunk, seq);
+      },
+      asked,
+    );
     sse.done();
   } catch (err) {
     if (ctl.signal.aborted) {

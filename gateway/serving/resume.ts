@@ -60,26 +60,39 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
  * Where each move of an answer went (dataplane/README.md, "Handing an answer back"): its n-th
  * continuation's request and instance, under the first request's id, in the gateways'
  * `magus_responses` bucket (key `moved.<first id>.<n>`, kept as long as stored responses), so
- * that a resume on any replica follows the answer past its moves (routes/resume.ts).
+ * that a resume on any replica follows the answer past its moves (routes/resume.ts). A move is
+ * claimed before its continuation is published, by whichever replica gets there first — the one
+ * that published the answer, or one resuming it after that one died — so an answer is continued
+ * once.
  */
 export interface MoveLog {
-  record(first: string, n: number, to: ResumableAnswer): Promise<void>;
+  /** Records `to` as move `n` unless one is recorded already; resolves with the move that holds (`to`, or the one before it). */
+  claim(first: string, n: number, to: ResumableAnswer): Promise<ResumableAnswer>;
   find(first: string, n: number): Promise<ResumableAnswer | undefined>;
 }
 
 /** A {@link MoveLog} in KV bucket `kv`. */
-export function kvMoveLog(kv: Pick<KV, 'put' | 'get'>): MoveLog {
+export function kvMoveLog(kv: Pick<KV, 'create' | 'get'>): MoveLog {
   const key = (first: string, n: number) => `moved.${first}.${n}`;
+  const find = async (first: string, n: number): Promise<ResumableAnswer | undefined> => {
+    const e = await kv.get(key(first, n));
+    if (!e || e.operation !== 'PUT') return undefined;
+    const a = JSON.parse(e.string()) as Partial<ResumableAnswer>;
+    return [a.replica, a.pool, a.instance, a.requestId].every((v) => typeof v === 'string' && NAME.test(v)) ? (a as ResumableAnswer) : undefined;
+  };
   return {
-    record: async (first, n, to) => {
-      await kv.put(key(first, n), JSON.stringify(to));
+    claim: async (first, n, to) => {
+      try {
+        await kv.create(key(first, n), JSON.stringify(to));
+        return to;
+      } catch (err) {
+        // Refused because the key is there: the move another replica claimed first.
+        const held = await find(first, n);
+        if (held) return held;
+        throw err;
+      }
     },
-    find: async (first, n) => {
-      const e = await kv.get(key(first, n));
-      if (!e || e.operation !== 'PUT') return undefined;
-      const a = JSON.parse(e.string()) as Partial<ResumableAnswer>;
-      return [a.replica, a.pool, a.instance, a.requestId].every((v) => typeof v === 'string' && NAME.test(v)) ? (a as ResumableAnswer) : undefined;
-    },
+    find,
   };
 }
 

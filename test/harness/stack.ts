@@ -324,7 +324,7 @@ export async function pinnedGatewayStack(
   nc: NatsConnection,
   names: DataPlaneNames,
   opts: { pool: string; instance: string; sessionId: string; coldStarts: string[]; why: string; env?: Record<string, string>; tokenId?: string },
-): Promise<{ gateway: RunningGateway; openai: OpenAI } & Opened> {
+): Promise<{ gateway: RunningGateway; openai: OpenAI; secret: string } & Opened> {
   const tokenId = opts.tokenId ?? 'pinned';
   const token = `mgs_${tokenId}_${randomBytes(16).toString('hex')}`;
   const secret = randomBytes(32).toString('hex');
@@ -336,5 +336,10 @@ export async function pinnedGatewayStack(
     env: { MAGUS_LOG_LEVEL: 'silent', ...opts.env },
     deps: { coldStart: refusedColdStart(opts.coldStarts, opts.why) },
   });
-  return { gateway: piece.gateway, openai: new OpenAI({ baseURL: `${piece.gateway.url}/v1`, apiKey: token, maxRetries: 0 }), close: () => piece.close() };
+  return {
+    gateway: piece.gateway,
+    openai: new OpenAI({ baseURL: `${piece.gateway.url}/v1`, apiKey: token, maxRetries: 0 }),
+    secret,
+    close: () => piece.close(),
+  };
 }
