@@ -10,6 +10,7 @@ import { temporalSessions } from './temporal';
 import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
+import { FullBacklogs } from './serving/backlogs';
 import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
@@ -19,7 +20,7 @@ import gatewayApp, { options, readinessChecks } from './app';
 import { operationsApp } from './operations';
 import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
-import { SessionErrorType } from './plugins/errors';
+import { SessionErrorType, sessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
 import { createModelCatalog } from './serving/model-catalog';
 import { kvResponseStore } from './serving/response-store';
@@ -311,6 +312,17 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       closers.push(() => publisher.close());
       publish = publisher.publish;
     }
+    // The backlog pre-check (serving/backlogs.ts): instances whose backlog refused a publish just now.
+    const backlogs = new FullBacklogs((model) => sessionCache?.instancesOf(model));
+    const publishing = publish;
+    publish = async (subject, req, session) => {
+      try {
+        await publishing(subject, req, session);
+      } catch (err) {
+        if (sessionErrorType(err) === SessionErrorType.BacklogFull) backlogs.refused(session);
+        throw err;
+      }
+    };
     await Promise.all(ready);
     await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
 
@@ -330,7 +342,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       responses,
       storedResponses,
       readStored,
-      backlogFull: deps.backlogFull,
+      backlogFull: deps.backlogFull ?? ((model) => (backlogs.full(model) ? { retryAfterSec: config.settings.retryAfterSec } : undefined)),
       maxMessageBytes: () => nc.info?.max_payload,
       limiter,
       meterKey,

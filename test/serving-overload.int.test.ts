@@ -17,6 +17,7 @@ import { openModelRegistry } from '../dataplane/registry';
 import type { RunningGateway } from '../gateway/server';
 import { poolWorkflowId } from '../workflows/pool/definitions';
 import { sessionWorkflowId } from '../workflows/session/definitions';
+import { FULL_HOLD_MS } from '../gateway/serving/backlogs';
 import { conversationKey } from '../gateway/serving/conversation';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation } from './harness';
@@ -105,6 +106,16 @@ async function firstTurn(id: string, maxTokens = MAX_TOKENS): Promise<Outcome> {
   }
 }
 
+/** First turns refused at their publish (the queue full), and entries given back, as /metrics counts them. */
+async function refusalCounts(): Promise<{ atPublish: number; givenBack: number }> {
+  const metrics = await (await fetch(`${gateway.url}/metrics`)).text();
+  const value = (line: RegExp) => Number(line.exec(metrics)?.[1] ?? 0);
+  return {
+    atPublish: value(/^magus_gateway_upstream_errors_total\{reason="backlog_full"\} (\d+)$/m),
+    givenBack: value(/^magus_gateway_session_given_back_total (\d+)$/m),
+  };
+}
+
 test(`a burst of ${BURST} new conversations on one instance: the excess refused with Retry-After, the rest answered, a new one answered within 10 s`, async () => {
   // The pool warm first: one instance serving (its cold start is not what is measured).
   const warm = await firstTurn(`warm-${iso.id}`, 1);
@@ -129,6 +140,16 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
     );
     // The engine answers nothing meanwhile: what settles is refused. Thawed once refusals stop coming.
     await until('the burst refused beyond the queue', () => settled > 0 && Date.now() - lastSettled > 1000, 60_000);
+    // The queue still full: once the burst's last refusal is past the pre-check's hold, one more
+    // new conversation is refused at its publish (an entry made and given back); the next ones,
+    // within the hold after it, before any entry is made.
+    await sleep(FULL_HOLD_MS);
+    const before = await refusalCounts();
+    const atPublish = await firstTurn(`full-${tag}-0`);
+    const early = await Promise.all([1, 2, 3].map((k) => firstTurn(`full-${tag}-${k}`)));
+    for (const o of [atPublish, ...early]) expect([o.status, o.code, o.retryAfter]).toEqual([429, 'backlog_full', String(RETRY_AFTER_SEC)]);
+    const after = await refusalCounts();
+    expect({ atPublish: after.atPublish - before.atPublish, givenBack: after.givenBack - before.givenBack }).toEqual({ atPublish: 1, givenBack: 1 });
   } finally {
     process.kill(engines[0]!, 'SIGCONT');
   }
@@ -187,9 +208,10 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
   const expected = answered.length + 2; // the warm-up and the one after
   await until(`${expected} sessions, one per answered conversation`, async () => (await client.workflow.count(sessions)).count >= expected, 60_000);
   expect((await client.workflow.count(sessions)).count).toBe(expected);
-  // Counted on /metrics: every refused first turn of the burst, and the refused tries after it.
-  const metrics = await (await fetch(`${gateway.url}/metrics`)).text();
-  expect(metrics).toContain(`magus_gateway_session_given_back_total ${refused.length + tries - 1}`);
+  // Counted on /metrics: every first turn refused at its publish gave its entry back (those the
+  // pre-check refused had none); the four above are counted too.
+  const counts = await refusalCounts();
+  expect(counts.givenBack).toBe(counts.atPublish);
   for (const o of refused.slice(0, 20)) {
     await expect(client.workflow.getHandle(sessionWorkflowId('default', MODEL, keyOf(o.id))).describe()).rejects.toThrow(WorkflowNotFoundError);
   }

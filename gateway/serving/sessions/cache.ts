@@ -138,6 +138,11 @@ export class SessionCache implements SessionBroker {
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
   }
 
+  /** The instances `model`'s pool publishes now (its view: none without one). */
+  instancesOf(model: ReadyModel): string[] | undefined {
+    return this.views.viewOf(model.namespace, model.name)?.instances.map((i) => i.instance);
+  }
+
   another(model: ReadyModel, instance: string): SessionEntry | undefined {
     const now = this.now();
     const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);
