@@ -44,7 +44,7 @@ test('slots = ⌊(budget − weights − buffers) / KV per slot⌋ − the resum
   // KV cache for 8192 tokens: 64 MiB, so 32 MiB per slot of 4096: 5 fit, one of them kept for resumed answers.
   const sized = engineSizing(plan(100 * MIB, 64 * MIB, 20 * MIB, 8192), 300 * MIB);
   expect(RESUME_SLOTS).toBe(1);
-  expect(sized).toEqual({ slots: 4, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 5 * 32 * MIB });
+  expect(sized).toEqual({ slots: 4, resumeSlots: 1, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 5 * 32 * MIB });
   expect(sized.memory).toBeLessThanOrEqual(300 * MIB);
   // A model planned for a shorter context gets slots of that context.
   expect(engineSizing(plan(100 * MIB, 16 * MIB, 20 * MIB, 2048), 300 * MIB)).toMatchObject({ contextLength: 2048, kvCachePerSlot: 16 * MIB, slots: 10 });
@@ -66,10 +66,30 @@ test('at least one slot when the weights alone exceed the budget; at most MAX_EN
 test('slots fixed by a pool (a slot per lease): the memory counts them, beyond the budget if need be; 1..ENGINE_SLOTS_LIMIT', () => {
   const p = plan(100 * MIB, 64 * MIB, 20 * MIB, 8192);
   expect(engineSizingWith(p, 300 * MIB, undefined)).toEqual(engineSizing(p, 300 * MIB));
-  expect(engineSizingWith(p, 300 * MIB, 2)).toEqual({ slots: 2, contextLength: ENGINE_CONTEXT, kvCachePerSlot: 32 * MIB, memory: 120 * MIB + 3 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 2)).toEqual({
+    slots: 2,
+    resumeSlots: 1,
+    contextLength: ENGINE_CONTEXT,
+    kvCachePerSlot: 32 * MIB,
+    memory: 120 * MIB + 3 * 32 * MIB,
+  });
   expect(engineSizingWith(p, 300 * MIB, 32)).toMatchObject({ slots: 32, memory: 120 * MIB + 33 * 32 * MIB });
   expect(engineSizingWith(p, 300 * MIB, 10_000).slots).toBe(ENGINE_SLOTS_LIMIT);
   expect(engineSizingWith(p, 300 * MIB, 0).slots).toBe(1);
+});
+
+test("a Dllama's resume slots: taken from what the budget holds, or counted beside fixed slots; 0 keeps none", () => {
+  const p = plan(100 * MIB, 64 * MIB, 20 * MIB, 8192);
+  // 5 slots' KV fit in 300 MiB: 3 for conversations beside 2 for resumed answers.
+  expect(engineSizing(p, 300 * MIB, undefined, 2)).toEqual({
+    slots: 3,
+    resumeSlots: 2,
+    contextLength: ENGINE_CONTEXT,
+    kvCachePerSlot: 32 * MIB,
+    memory: 120 * MIB + 5 * 32 * MIB,
+  });
+  expect(engineSizing(p, 300 * MIB, undefined, 0)).toMatchObject({ slots: 5, resumeSlots: 0, memory: 120 * MIB + 5 * 32 * MIB });
+  expect(engineSizingWith(p, 300 * MIB, 4, 2)).toMatchObject({ slots: 4, resumeSlots: 2, memory: 120 * MIB + 6 * 32 * MIB });
 });
 
 test('SmolLM2-135M (Q4_1-sized GGUF, planned at its 8192 tokens): 23 KB of KV per token, 90 MiB per 4096-token slot', () => {

@@ -6,8 +6,9 @@
  * The rule, one pure function used by every place that sizes an instance (the runtimes that start
  * engines, the gateway that starts pools, dev): within a per-instance memory budget,
  *
- *   slots = clamp(⌊(budget − weights − buffers) / kvCachePerSlot⌋ − {@link RESUME_SLOTS}, 1, {@link MAX_ENGINE_SLOTS})
+ *   slots = clamp(⌊(budget − weights − buffers) / kvCachePerSlot⌋ − resumeSlots, 1, {@link MAX_ENGINE_SLOTS})
  *
+ * (`resumeSlots`: {@link RESUME_SLOTS}, or a `Dllama`'s `resumeSlots`) *
  * with the terms from the model's published memory plan (`ReadyModel.memory`, llama.cpp on one
  * node, activities/size/memory.ts): the KV cache is linear in the context, so one slot of
  * `contextLength` tokens costs `kvCache × contextLength / plan.contextLength`. The compute buffers
@@ -28,7 +29,10 @@ export const MAX_ENGINE_SLOTS = 16;
 /**
  * Sequences a llama.cpp engine keeps beside its slots for answers resumed after their own engine
  * went away (engine/slots.ts, "urgent"): such an answer's client is waiting mid-answer, so it
- * starts at once instead of waiting for a slot to free. Each costs a slot's KV cache.
+ * starts at once instead of waiting for a slot to free. Each costs a slot's KV cache. The default;
+ * a `Dllama` may set its own (`resumeSlots`): an engine that dies under full load hands back
+ * `slots` answers, spread over the pool's other instances, so `slots / (instances − 1)` of them
+ * start at once (crds/README.md).
  */
 export const RESUME_SLOTS = 1;
 /** The per-instance memory budget when none is configured (`MAGUS_INSTANCE_MEMORY`). */
@@ -37,30 +41,34 @@ export const DEFAULT_INSTANCE_MEMORY_BYTES = 8 * 2 ** 30;
 /** An engine's size: its slots, the context of each, and the memory they take. */
 export interface EngineSizing {
   slots: number;
+  /** Sequences beside them for resumed answers (the engine's `--resume-slots`). */
+  resumeSlots: number;
   /** Tokens per slot: the engine's `--ctx`. */
   contextLength: number;
   /** KV-cache bytes of one slot. */
   kvCachePerSlot: number;
-  /** Bytes the instance needs: weights + buffers + (slots + {@link RESUME_SLOTS}) × kvCachePerSlot. */
+  /** Bytes the instance needs: weights + buffers + (slots + resumeSlots) × kvCachePerSlot. */
   memory: number;
 }
 
 /**
  * The engine size for llama.cpp serving with `plan` (its one-node figures) within `budgetBytes`.
  * @param contextLength tokens per slot (default: {@link ENGINE_CONTEXT}, or the plan's context if shorter)
+ * @param resumeSlots sequences kept for resumed answers beside the slots (default {@link RESUME_SLOTS})
  */
 export function engineSizing(
   plan: { contextLength: number; root: NodeMemory },
   budgetBytes: number,
   contextLength = Math.min(ENGINE_CONTEXT, plan.contextLength),
+  resumeSlots = RESUME_SLOTS,
 ): EngineSizing {
   if (!(budgetBytes > 0)) throw new RangeError(`the instance memory budget must be positive, got ${budgetBytes}`);
   if (!(plan.contextLength > 0 && contextLength > 0)) throw new RangeError(`context lengths must be positive, got ${plan.contextLength} and ${contextLength}`);
   const { weights, buffers, kvCache } = plan.root;
   const kvCachePerSlot = Math.ceil((kvCache * contextLength) / plan.contextLength);
-  const fit = kvCachePerSlot > 0 ? Math.floor((budgetBytes - weights - buffers) / kvCachePerSlot) - RESUME_SLOTS : MAX_ENGINE_SLOTS;
+  const fit = kvCachePerSlot > 0 ? Math.floor((budgetBytes - weights - buffers) / kvCachePerSlot) - resumeSlots : MAX_ENGINE_SLOTS;
   const slots = Math.min(MAX_ENGINE_SLOTS, Math.max(1, fit));
-  return { slots, contextLength, kvCachePerSlot, memory: weights + buffers + (slots + RESUME_SLOTS) * kvCachePerSlot };
+  return { slots, resumeSlots, contextLength, kvCachePerSlot, memory: weights + buffers + (slots + resumeSlots) * kvCachePerSlot };
 }
 
 /** Slots fixed by a runtime's option or a pool's leases (1 when neither says), within 1..{@link ENGINE_SLOTS_LIMIT}. */
@@ -68,10 +76,16 @@ export const fixedSlots = (slots: number | undefined): number => Math.min(Math.m
 
 /**
  * {@link engineSizing}, with `slots` fixed when given (a pool's leases per instance: one slot per
- * lease, whatever the budget; {@link fixedSlots}) and `memory` counting them.
+ * lease, whatever the budget; {@link fixedSlots}) and `memory` counting them, beside
+ * `resumeSlots` sequences for resumed answers (default {@link RESUME_SLOTS}).
  */
-export function engineSizingWith(plan: { contextLength: number; root: NodeMemory }, budgetBytes: number, slots: number | undefined): EngineSizing {
-  const sized = engineSizing(plan, budgetBytes);
+export function engineSizingWith(
+  plan: { contextLength: number; root: NodeMemory },
+  budgetBytes: number,
+  slots: number | undefined,
+  resumeSlots = RESUME_SLOTS,
+): EngineSizing {
+  const sized = engineSizing(plan, budgetBytes, undefined, resumeSlots);
   if (slots === undefined) return sized;
   const fixed = fixedSlots(slots);
   return { ...sized, slots: fixed, memory: sized.memory + (fixed - sized.slots) * sized.kvCachePerSlot };

@@ -16,6 +16,9 @@ const dllama = (spec: Partial<DllamaResource['spec']> = {}, generation = 1): Pic
   },
 });
 
+/** The digest of `dllama()` as magus made it before `resumeSlots` was added to what shapes an instance. */
+const PRE_RESUME_SLOTS_DIGEST = '1d7d4ea44b37efd1';
+
 describe("instanceSpecOf: what shapes a Dllama's instances", () => {
   it('is the same for a change that only sizes or times the pool, whatever order its maps were written in', () => {
     const base = instanceSpecOf(dllama());
@@ -26,6 +29,11 @@ describe("instanceSpecOf: what shapes a Dllama's instances", () => {
     expect(instanceSpecOf(dllama({ resources: { requests: { memory: '1Gi', cpu: '1' } } })).digest).toBe(base.digest);
   });
 
+  it('is the one a Dllama had before a field was added, while that field is unset (an upgrade replaces no instance)', () => {
+    // The digest of this spec before `resumeSlots` was added.
+    expect(instanceSpecOf(dllama()).digest).toBe(PRE_RESUME_SLOTS_DIGEST);
+  });
+
   it('differs for each field an instance is built from', () => {
     const base = instanceSpecOf(dllama()).digest;
     const changes: Partial<DllamaResource['spec']>[] = [
@@ -33,6 +41,7 @@ describe("instanceSpecOf: what shapes a Dllama's instances", () => {
       { nodesPower: 1 },
       { autoNodes: true },
       { leasesPerInstance: 8 },
+      { resumeSlots: 2 },
       { resources: { requests: { cpu: '2', memory: '1Gi' } } },
       { nodeSelector: { pool: 'gpu' } },
       { tolerations: [{ key: 'k', operator: 'Exists' }] },

@@ -131,6 +131,12 @@ export interface DllamaResourceSpec {
   minReplicas: number;
   maxReplicas: number;
   leasesPerInstance: number;
+  /**
+   * llama.cpp sequences each instance keeps beside its slots for answers continued there after
+   * their engine died (default 1: shared/engine-slots.ts `RESUME_SLOTS`); each costs a slot's
+   * KV cache. `leasesPerInstance / (replicas − 1)` lets every answer of a dead engine go on at once.
+   */
+  resumeSlots?: number;
   /** An instance without leases for this long is stopped (down to minReplicas), e.g. `10m`. */
   idleTimeout: string;
   /**
@@ -292,9 +298,12 @@ export function instanceSpecOf(d: Pick<DllamaResource, 'metadata' | 'spec'>): In
               .map((k) => [k, sorted((v as Record<string, unknown>)[k])]),
           )
         : v;
-  const { engine, nodesPower, autoNodes, leasesPerInstance, resources, nodeSelector, tolerations, images } = d.spec;
+  // A field left unset is left out of the JSON: adding one to this list keeps every digest made before.
+  const { engine, nodesPower, autoNodes, leasesPerInstance, resumeSlots, resources, nodeSelector, tolerations, images } = d.spec;
   return {
-    digest: shortDigest(JSON.stringify(sorted({ engine, nodesPower, autoNodes, leasesPerInstance, resources, nodeSelector, tolerations, images }))),
+    digest: shortDigest(
+      JSON.stringify(sorted({ engine, nodesPower, autoNodes, leasesPerInstance, resumeSlots, resources, nodeSelector, tolerations, images })),
+    ),
     uid: d.metadata.uid,
     generation: d.metadata.generation,
   };

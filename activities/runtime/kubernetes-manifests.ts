@@ -159,6 +159,8 @@ export interface InstancePlan {
   slots: number;
   /** llama.cpp tokens per slot (default: the engine's). */
   ctx?: number;
+  /** llama.cpp sequences for resumed answers beside the slots (default: the engine's). */
+  resumeSlots?: number;
   /** Bytes each pod requests: the memory plan's figure plus headroom. */
   memory: { root: number; worker: number | null };
   images: { magus: string; dllama: string };

@@ -2,7 +2,8 @@
 import { parseFetchArgs } from '../../workers/fetch';
 import { DEFAULT_DRAIN_SECONDS, parseMemory } from '../../shared/kube';
 import { DEFAULT_PORTS, DRAIN_MARGIN_SECONDS, instanceBase, instanceManifests, type InstancePlan } from './kubernetes-manifests';
-import { engineArgs } from './llama-cpp';
+import type { ReadyModel } from '../../shared/model';
+import { engineArgs, llamaCppLauncher } from './llama-cpp';
 
 test('memory quantities', () => {
   expect(parseMemory('8Gi')).toBe(8 * 2 ** 30);
@@ -41,6 +42,38 @@ test('the engine command line carries the sized context only when one was sized'
   const base = { model: '/m.gguf', modelId: 'm', port: 8080, slots: 6, threads: 2 };
   expect(engineArgs(base)).toEqual(['--model', '/m.gguf', '--model-id', 'm', '--port', '8080', '--json', '--slots', '6', '--threads', '2']);
   expect(engineArgs({ ...base, ctx: 2048 }).slice(-2)).toEqual(['--ctx', '2048']);
+});
+
+test("a Dllama's resumeSlots reach llama.cpp's command line and its pod's memory", () => {
+  const ready = {
+    namespace: 'ns',
+    name: 'm',
+    artifacts: [{ format: 'gguf', weights: 'q40', files: [{ key: 'k/m.gguf', bytes: 100 * 2 ** 20, sha256: 'a'.repeat(64) }] }],
+    memory: [
+      {
+        format: 'gguf',
+        weights: 'q40',
+        contextLength: 8192,
+        topologies: [{ nodes: 1, root: { weights: 100 * 2 ** 20, kvCache: 64 * 2 ** 20, buffers: 20 * 2 ** 20, total: 184 * 2 ** 20 } }],
+      },
+    ],
+  } as unknown as ReadyModel;
+  const planFor = (resumeSlots: number | undefined) =>
+    llamaCppLauncher.kubernetes!.plan({ ready, nodes: 1, fixedSlots: 4, resumeSlots, instanceMemory: 8 * 2 ** 30 });
+  const kvPerSlot = 32 * 2 ** 20;
+  expect(planFor(undefined)).toMatchObject({ slots: 4, memory: { root: 120 * 2 ** 20 + 5 * kvPerSlot } });
+  expect(planFor(undefined).resumeSlots).toBeUndefined();
+  const two = planFor(2);
+  expect(two).toMatchObject({ slots: 4, resumeSlots: 2, memory: { root: 120 * 2 ** 20 + 6 * kvPerSlot } });
+  const containers = llamaCppLauncher.kubernetes!.containers(
+    { ...two, threads: 1, model: 'm', images: { magus: 'magus', dllama: 'dllama' } } as unknown as Parameters<
+      NonNullable<typeof llamaCppLauncher.kubernetes>['containers']
+    >[0],
+    DEFAULT_PORTS,
+    (name) => `/models/${name}`,
+    [],
+  );
+  expect(containers.engine.args.slice(-2)).toEqual(['--resume-slots', '2']);
 });
 
 test("an instance's pods drain: the engine's preStop waits for the bridge's /drained, within a grace of the drain timeout plus a margin", () => {

@@ -328,6 +328,7 @@ export function createKubernetesRuntime(opts: KubernetesRuntimeOptions): Kuberne
       ready,
       nodes,
       fixedSlots: opts.slots ?? req.leases ?? d?.spec.leasesPerInstance,
+      resumeSlots: d?.spec.resumeSlots,
       instanceMemory: opts.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES,
     });
     const ports = opts.ports ?? DEFAULT_PORTS;

@@ -92,6 +92,8 @@ export interface KubernetesEnginePlan {
   /** distributed-llama's `--buffer-float-type` (the weights decide it). */
   dllamaBuffer?: 'f32' | 'q80';
   slots: number;
+  /** llama.cpp's sequences for resumed answers beside the slots (default: the engine's). */
+  resumeSlots?: number;
   ctx?: number;
   /** Bytes each pod needs, before headroom. */
   memory: { root: number; worker: number | null };
@@ -104,6 +106,8 @@ export interface KubernetesPlanning {
   nodes: number;
   /** Slots fixed by the runtime, the pool or the `Dllama`; unset: sized. */
   fixedSlots: number | undefined;
+  /** The `Dllama`'s sequences for resumed answers; unset: the default (shared/engine-slots.ts `RESUME_SLOTS`). */
+  resumeSlots: number | undefined;
   instanceMemory: number;
 }
 

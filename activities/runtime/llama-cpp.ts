@@ -231,11 +231,11 @@ export const llamaCppLauncher: EngineLauncher = {
     start: startLocal,
   },
   kubernetes: {
-    plan({ ready, fixedSlots: fixed, instanceMemory }) {
+    plan({ ready, fixedSlots: fixed, resumeSlots, instanceMemory }) {
       const served = gguf(ready);
       if (typeof served === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, served);
       // `fixed` slots at the planned cost per slot, or as many as the memory budget holds.
-      const sized = served.plan ? engineSizingWith(served.plan, instanceMemory, fixed) : undefined;
+      const sized = served.plan ? engineSizingWith(served.plan, instanceMemory, fixed, resumeSlots) : undefined;
       // Every part of a split GGUF, under the names llama.cpp finds them by (the engine opens the first).
       const names = ggufFileNames(served.artifact.files.length);
       const files = served.artifact.files.map((f, i) => ({ ...f, name: names[i]! }));
@@ -245,6 +245,7 @@ export const llamaCppLauncher: EngineLauncher = {
         files,
         maxSeqLen: 0,
         slots: sized?.slots ?? fixedSlots(fixed),
+        ...(resumeSlots !== undefined ? { resumeSlots } : {}),
         ...(sized ? { ctx: sized.contextLength } : {}),
         memory: { root: sized?.memory ?? bytes, worker: null },
       };
@@ -263,6 +264,7 @@ export const llamaCppLauncher: EngineLauncher = {
             slots: plan.slots,
             threads: plan.threads,
             ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}),
+            ...(plan.resumeSlots !== undefined ? { resumeSlots: plan.resumeSlots } : {}),
           }),
         ],
         env: [{ name: 'HOME', value: '/tmp' }],
