@@ -50,7 +50,7 @@ import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
 import { sseMessages } from '../test/harness/sse-stream';
-import { sleep } from '../test/harness/wait';
+import { eventually, sleep } from '../test/harness/wait';
 import { fmt, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
@@ -371,7 +371,9 @@ async function main(): Promise<void> {
     what: 'data plane',
     log,
   });
-  await (await openModelRegistry(worker, names.modelsBucket)).put(readyModel(POOL));
+  // A bucket just declared on a cluster may have no leader yet (503): tried until it has.
+  const registry = await openModelRegistry(worker, names.modelsBucket);
+  await eventually(() => registry.put(readyModel(POOL)), 30_000);
   const gguf = await demoModelFile(log);
   for (const instance of INSTANCES) {
     engines[instance] = await startSupervisedEngine(gguf, {

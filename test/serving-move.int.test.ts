@@ -129,8 +129,8 @@ async function records(responseId: string): Promise<Awaited<ReturnType<UsageLedg
   return fresh;
 }
 
-/** Checks a moved answer against the undisturbed one: its beginning to the byte, nothing repeated, usage once. */
-async function expectWhole(what: string, answer: Streamed, reference: Streamed, cutAt: number): Promise<void> {
+/** Checks a moved answer against the undisturbed one: its beginning to the byte, nothing repeated, usage once (`besides`: answers whose records are written meanwhile). */
+async function expectWhole(what: string, answer: Streamed, reference: Streamed, cutAt: number, besides: Streamed[] = []): Promise<void> {
   const had = textAt(answer, cutAt);
   expect(had.length).toBeGreaterThan(0);
   expect(had).toBe(reference.text.slice(0, had.length));
@@ -139,7 +139,9 @@ async function expectWhole(what: string, answer: Streamed, reference: Streamed, 
   // A repeat would show as more pieces than tokens (each piece is at least one token).
   expect(answer.pieces).toBeLessThanOrEqual(ANSWER_TOKENS);
   const mine = await records(answer.id);
-  expect(mine.map((r) => `${r.id} ${r.outcome} ${r.tokens.completion}`)).toEqual([`${answer.id.replace(/^chatcmpl-/, '')} completed ${ANSWER_TOKENS}`]);
+  expect(mine.map((r) => `${r.id} ${r.outcome} ${r.tokens.completion}`).sort()).toEqual(
+    [answer, ...besides].map((a) => `${a.id.replace(/^chatcmpl-/, '')} completed ${ANSWER_TOKENS}`).sort(),
+  );
   measured.push(
     `${what}: longest silence after the cut ${gapAfter(answer, cutAt)} ms; ${answer.text === reference.text ? 'equal to the undisturbed answer' : 'differs from the undisturbed answer after the cut (llama.cpp numerics by batch shape)'}`,
   );
@@ -328,22 +330,30 @@ test('a stream whose gateway died, then whose engine was SIGKILLed: resumed on a
   );
 }, 120_000);
 
-test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the answer goes on on i2 instead of being cut', async () => {
+test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the answer goes on on i2 instead of being cut, and the one queued behind it is served there', async () => {
   await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);
   const continued = bridges.i2!.stats.continued;
   const handedBack = bridges.i1!.stats.handedBack;
   let stoppedAt = 0;
   let stopping: Promise<void> | undefined;
+  let queued: Promise<Streamed> | undefined;
   const answer = await stream((pieces) => {
+    // A second answer of the conversation, queued behind this one on i1 (one slot).
+    if (pieces === 5) queued = stream();
     if (pieces !== 30) return;
     stoppedAt = Date.now();
     stopping = bridges.i1!.stop();
   });
   await stopping;
-  expect(bridges.i1!.stats.handedBack - handedBack).toBe(1);
+  // Still queued at the deadline: handed back before any of it was said, and answered whole on i2.
+  const behind = await queued!;
+  expect(behind).toMatchObject({ finish: 'length', roles: 1, usage: { completion_tokens: ANSWER_TOKENS, prompt_tokens: reference.usage!.prompt_tokens } });
+  expect(behind.pieces).toBeLessThanOrEqual(ANSWER_TOKENS);
+  expect(bridges.i1!.stats.handedBack - handedBack).toBe(2);
   expect(bridges.i2!.stats.continued - continued).toBe(1);
-  await expectWhole('instance stopped at token 30 (drain 1 s)', answer, reference, stoppedAt);
+  await expectWhole('instance stopped at token 30 (drain 1 s)', answer, reference, stoppedAt, [behind]);
   expect(gapAfter(answer, stoppedAt)).toBeLessThanOrEqual(MAX_GAP_MS);
+  measured.push(`queued behind it when the instance stopped: its first piece ${gapAfter(behind, stoppedAt)} ms after the stop, from i2`);
 }, 120_000);
 
 test("i1's bridge cut off at token ~50 (its NATS connection gone, as a SIGKILL leaves it): the gateway hears no beat and continues on i2 within 2 s", async () => {

@@ -64,6 +64,11 @@ export class LiveAttempts {
     for (const a of this.live) a.abort(reason);
   }
 
+  /** Aborts those of them `which` picks. */
+  abortWhere(reason: AbortReason, which: (a: Attempt) => boolean): void {
+    for (const a of this.live) if (which(a)) a.abort(reason);
+  }
+
   /** The connection was closed from under us: nothing can be answered or resolved any more (JetStream redelivers). */
   connectionClosed(): void {
     this.connected = false;

@@ -25,6 +25,7 @@ import { decodeFrame, FrameSequencer } from '../frames';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
+import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
 import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
@@ -965,5 +966,36 @@ describe('shutdown', () => {
     expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 22 }, (_, i) => i));
     await until('ack', () => second.stats.acked === 1);
     expect(second.stats.resumed).toBe(1);
+  });
+
+  it('stop() past its drain deadline hands back what is still queued: a stream at once, nothing of it said; any other answered 503', async () => {
+    const stub = await engine(() => ({ chunks: 20, delayMs: 100 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url, { drainTimeoutMs: 300 });
+    // In flight, on an engine whose frames say no tokens: it cannot be continued elsewhere, so it runs on past the deadline.
+    const { answer: inFlight } = await sent(instance);
+    await until('some chunks', () => inFlight.raw.length >= 2);
+    // Queued behind it: a stream (its gateway can send it elsewhere) and an answer not streamed (it cannot).
+    const { answer: stream } = await sent(instance);
+    const { answer: whole } = await sent(instance, { stream: false });
+    await until('both queued', async () => (await consumerState(instance)).num_pending === 2);
+    const stopping = Date.now();
+    await b.stop();
+    expect((await inFlight.finished).at(-1)).toMatchObject({ type: 'done' });
+    // The stream: one frame, at seq 0, handing it back (its gateway sends it to another instance: routes/inference.ts).
+    const handed = await stream.finished;
+    expect(handed).toHaveLength(1);
+    expect(handed[0]).toMatchObject({ seq: 0, type: 'error', error: { code: CONTINUE_ELSEWHERE } });
+    // The other: told at once, to retry.
+    const told = await whole.finished;
+    expect(told).toHaveLength(1);
+    expect(told[0]).toMatchObject({ seq: 0, type: 'error', error: { status: 503, code: BridgeErrorCode.instanceStopped } });
+    // Nothing left to go with the consumer; the engine was called for the one in flight only.
+    const state = await consumerState(instance);
+    expect(state.num_pending + state.num_ack_pending).toBe(0);
+    expect(stub.calls).toHaveLength(1);
+    expect(b.stats).toMatchObject({ handedBack: 1, acked: 1 });
+    expect(Date.now() - stopping).toBeLessThan(8_000);
+    expect(logs.some((l) => l.includes('the drain deadline passed; handing'))).toBe(true);
   });
 });

@@ -34,7 +34,8 @@ import type { Attempt } from './attempt';
 import { LiveAttempts } from './attempts';
 import { Cancels } from './cancels';
 import { RequestConsumer } from './consumer';
-import { serveDelivery, type DeliveryContext } from './delivery';
+import { handBackQueued, serveDelivery, type DeliveryContext } from './delivery';
+import { movable } from './generate';
 import { createEngineClient, type EngineClient } from './engine-client';
 import { errorFrame } from './error-frames';
 import { generate } from './generate';
@@ -134,6 +135,11 @@ interface Prepared {
   failed: (what: string, err: unknown) => void;
 }
 
+/** How long a bridge past its drain deadline goes on handing back what is still queued for its instance. */
+const HAND_BACK_MS = 5_000;
+/** A redelivery it cannot hand back goes back to the consumer after this long: for a bridge of the instance that comes back, not this one. */
+const HAND_BACK_NAK_MS = 60_000;
+
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
  * time from each: its requests, and the answers moved to it, which the engine takes first) and
@@ -158,6 +164,10 @@ export class Bridge {
   private readonly attempts: LiveAttempts;
   private readonly cancels: Cancels;
   private readonly delivery: DeliveryContext;
+  /** Its engine continues answers (shared/engines.ts): a stream may be handed back to its gateway. */
+  private readonly continues: boolean;
+  /** Past the drain deadline with requests still queued: each delivered is handed back, not served (delivery.ts `handBackQueued`). */
+  private handingBack = false;
   /** Deliveries being served. */
   private readonly handlers = new Set<Promise<void>>();
   private loop: Promise<void> = Promise.resolve();
@@ -225,6 +235,7 @@ export class Bridge {
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
     const continues = engineOf(engineKind).continues;
+    this.continues = continues;
     const handBackAfterMs = opts.handBackAfterMs === undefined ? 500 : opts.handBackAfterMs;
     const generateOptions = {
       requestTimeoutMs,
@@ -327,7 +338,8 @@ export class Bridge {
    * Drains, within the drain timeout: goes on pulling until the instance's consumer holds nothing
    * undelivered (what gateways queued for the instance before it was unpublished would be lost
    * with the consumer), then stops pulling and lets requests in flight finish; what is still in
-   * flight at the deadline is handed back. Every call resolves when that is done.
+   * flight at the deadline is handed back, and what is still queued then too ({@link handBackQueued}).
+   * Every call resolves when that is done.
    */
   stop(): Promise<void> {
     this.stopped ??= this.drainAndStop();
@@ -338,6 +350,7 @@ export class Bridge {
     const deadline = Date.now() + this.drainTimeoutMs;
     await this.serveQueued(deadline);
     this.stopping = true;
+    if (Date.now() >= deadline && this.consuming && (await this.undelivered())) await this.handBackQueued();
     await settlesWithin(Promise.all([this.consumer.stopPulling(), this.moved.stopPulling()]), 5000);
     await settlesWithin(this.loop, 5000);
     const drained = await settlesWithin(Promise.allSettled([...this.handlers]), Math.max(0, deadline - Date.now()));
@@ -353,6 +366,26 @@ export class Bridge {
     clearInterval(this.beats);
     this.consumer.close();
     this.moved.close();
+  }
+
+  /**
+   * The drain deadline passed with requests still queued, which would go with the consumer: the
+   * answers in flight that can be continued elsewhere are handed back (as at any deadline; the
+   * others run on), and then every queued request as it is delivered (delivery.ts
+   * `handBackQueued`: a stream goes on another instance at once, any other is answered 503
+   * `instance_stopped`), until none is left or {@link HAND_BACK_MS} has passed.
+   */
+  private async handBackQueued(): Promise<void> {
+    this.log(`stopping: the drain deadline passed; handing ${this.attempts.size} request(s) in flight and those still queued back`);
+    this.handingBack = true;
+    // Those it can hand back now; any other runs on, holding its slot (the consumer's max_ack_pending), until it ends or the hand-back does.
+    this.attempts.abortWhere('shutdown', (a) => movable(a, this.continues, true));
+    const until = Date.now() + HAND_BACK_MS;
+    while (Date.now() < until && this.consuming) {
+      const left = await this.undelivered();
+      if (left === 0 || left === null) break;
+      await new Promise((r) => setTimeout(r, 100));
+    }
   }
 
   /** Goes on serving until the consumer holds nothing undelivered, the deadline passes, or that cannot be known. */
@@ -403,6 +436,16 @@ export class Bridge {
         for await (const m of current) {
           consumer.delivered();
           await semaphore.acquire();
+          if (this.handingBack) {
+            const h = handBackQueued(this.delivery, m, this.continues, HAND_BACK_NAK_MS)
+              .catch((err) => this.failed(`handing back the request at stream seq ${m.seq}`, err))
+              .finally(() => {
+                semaphore.release();
+                this.handlers.delete(h);
+              });
+            this.handlers.add(h);
+            continue;
+          }
           if (this.stopping) {
             m.nak();
             this.counts.nakked += 1;

@@ -182,3 +182,31 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
     ctx.attempts.retire(a);
   }
 }
+
+/**
+ * A request still queued for this instance when its drain deadline passed (its bridge stops, and
+ * its consumer goes with it): a first delivery its gateway can continue elsewhere (a stream, on
+ * an engine that `continues` answers) is handed back at once, nothing of it said, and the gateway
+ * sends it to another instance; any other first delivery is answered 503 `instance_stopped` (its
+ * client retries, on an instance that serves) rather than lost with the consumer. A redelivery
+ * (an earlier attempt may have said part of it) goes back to the consumer for a bridge of this
+ * instance that comes back, after `naksForMs`.
+ */
+export async function handBackQueued(ctx: DeliveryContext, m: JsMsg, continues: boolean, naksForMs: number): Promise<void> {
+  const parsed = parseInferenceRequest(m.data, ctx.names, ctx.own);
+  if (!parsed.ok || ctx.cancels.has(parsed.req.id)) return serveDelivery(ctx, m); // terminated either way
+  const { req } = parsed;
+  if (m.redelivered) {
+    m.nak(naksForMs);
+    ctx.stats.nakked += 1;
+    return;
+  }
+  ctx.stats.pulled += 1;
+  const a = ctx.attempts.open(req, m, { attempt: 1, owner: ctx.owner, createdAt: Date.now(), state: 'running' }, 0);
+  try {
+    if (continues && req.kind !== 'embeddings' && req.body.stream === true) await a.settle({ kind: 'aborted', reason: 'shutdown', naksForMs });
+    else await a.conclude(errorFrame(0, 503, 'server_error', BridgeErrorCode.instanceStopped, 'its instance stopped before serving it; retry'), 'term');
+  } finally {
+    ctx.attempts.retire(a);
+  }
+}

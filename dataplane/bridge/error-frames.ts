@@ -9,6 +9,8 @@ export const BridgeErrorCode = {
   engineProtocol: 'engine_protocol_error',
   generationDiverged: 'generation_diverged',
   resumeFailed: 'resume_failed',
+  /** Still queued when its instance stopped (the drain deadline passed), and not one its gateway can send elsewhere: retry. */
+  instanceStopped: 'instance_stopped',
 } as const;
 
 /** An `error` frame at `seq`, in the OpenAI error shape the gateway relays. */
