@@ -4,7 +4,9 @@
  * scope, serving/resume.ts) gets the rest of that answer — the chunks after that event, then
  * `[DONE]` — read from `MAGUS_RESPONSES` and followed live on the subjects the answering bridge
  * publishes to, whichever replica published the request and whether it still runs. Nothing is
- * published, generated, reserved or metered again: the answer is the one already under way.
+ * published, generated, reserved or metered again: the answer is the one already under way —
+ * unless it has to move and the replica that published it is not there to move it: then this
+ * replica claims the move and sends the rest on from the request sent again ({@link followAnswer}).
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { nuid } from 'nats';
