@@ -23,8 +23,7 @@ export type Outcome =
   | { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' }
   /** `engineAway`: the engine was unreachable, died mid-answer or is starting (503), not refusing the request. */
   | { kind: 'retry'; reason: string; engineAway?: boolean }
-  /** `naksForMs`: one not handed back at shutdown goes back to the consumer after this long (default: at once). */
-  | { kind: 'aborted'; reason: AbortReason; naksForMs?: number };
+  | { kind: 'aborted'; reason: AbortReason };
 
 /** What every attempt of one bridge shares. */
 export interface AttemptContext {
@@ -218,7 +217,7 @@ export class Attempt {
             this.handedBack();
             return this.endHandedBack('its instance is stopping (the drain deadline passed): continue it elsewhere');
           }
-          m.nak(outcome.naksForMs);
+          m.nak();
           this.ctx.stats.nakked += 1;
         }
         return;

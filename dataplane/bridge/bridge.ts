@@ -35,10 +35,9 @@ import { LiveAttempts } from './attempts';
 import { Cancels } from './cancels';
 import { RequestConsumer } from './consumer';
 import { handBackQueued, serveDelivery, type DeliveryContext } from './delivery';
-import { movable } from './generate';
 import { createEngineClient, type EngineClient } from './engine-client';
 import { errorFrame } from './error-frames';
-import { generate } from './generate';
+import { generate, movable } from './generate';
 import { processUsage, type BridgeHealth, type BridgeStats } from './metrics';
 import { storedFramePublisher, type StoredFramePublisher } from './stored-frames';
 
@@ -380,22 +379,20 @@ export class Bridge {
     this.handingBack = true;
     // Those it can hand back now; any other runs on, holding its slot (the consumer's max_ack_pending), until it ends or the hand-back does.
     this.attempts.abortWhere('shutdown', (a) => movable(a, this.continues, true));
-    const until = Date.now() + HAND_BACK_MS;
-    while (Date.now() < until && this.consuming) {
-      const left = await this.undelivered();
-      if (left === 0 || left === null) break;
-      await new Promise((r) => setTimeout(r, 100));
-    }
+    await this.whileQueued(Date.now() + HAND_BACK_MS);
   }
 
   /** Goes on serving until the consumer holds nothing undelivered, the deadline passes, or that cannot be known. */
-  private async serveQueued(deadline: number): Promise<void> {
-    let logged = false;
-    for (;;) {
+  private serveQueued(deadline: number): Promise<void> {
+    return this.whileQueued(deadline, (waiting) => this.log(`stopping: serving the ${waiting} request(s) queued for this instance first`));
+  }
+
+  /** Waits until the consumers hold nothing undelivered, `deadline` passes, or that cannot be known; `first` hears how many wait, once. */
+  private async whileQueued(deadline: number, first?: (waiting: number) => void): Promise<void> {
+    for (let told = false; ; told = true) {
       const waiting = this.consuming ? await this.undelivered() : null;
       if (!waiting || Date.now() >= deadline) return;
-      if (!logged) this.log(`stopping: serving the ${waiting} request(s) queued for this instance first`);
-      logged = true;
+      if (!told) first?.(waiting);
       await new Promise((r) => setTimeout(r, 200));
     }
   }

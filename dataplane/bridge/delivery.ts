@@ -14,6 +14,7 @@ import { recordUsage, type Attempt, type Outcome } from './attempt';
 import type { LiveAttempts } from './attempts';
 import type { Cancels } from './cancels';
 import { BridgeErrorCode, errorFrame } from './error-frames';
+import { movable } from './generate';
 import type { BridgeStats } from './metrics';
 import { parseInferenceRequest } from './requests';
 
@@ -204,7 +205,7 @@ export async function handBackQueued(ctx: DeliveryContext, m: JsMsg, continues: 
   ctx.stats.pulled += 1;
   const a = ctx.attempts.open(req, m, { attempt: 1, owner: ctx.owner, createdAt: Date.now(), state: 'running' }, 0);
   try {
-    if (continues && req.kind !== 'embeddings' && req.body.stream === true) await a.settle({ kind: 'aborted', reason: 'shutdown', naksForMs });
+    if (movable(a, continues, true)) await a.settle({ kind: 'aborted', reason: 'shutdown' });
     else await a.conclude(errorFrame(0, 503, 'server_error', BridgeErrorCode.instanceStopped, 'its instance stopped before serving it; retry'), 'term');
   } finally {
     ctx.attempts.retire(a);

@@ -10,7 +10,7 @@ import { nuid } from 'nats';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
 import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
-import { meterSignature } from '../../dataplane/meter';
+import { meterSignature, type Metered, type MeterKey } from '../../dataplane/meter';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
 import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
@@ -121,6 +121,11 @@ export interface Turn {
   resumable?: boolean;
   /** Called once its instance is known, before the request is published (a background response records where its frames go). */
   onPublish?: (entry: SessionEntry, req: InferenceRequest) => Promise<void> | void;
+}
+
+/** The meter of request `m.id` (shared/usage.ts): its key, model and start, signed with the data plane's meter key when there is one. */
+export function meterOf(meterKey: MeterKey | undefined, m: Metered): NonNullable<InferenceRequest['meter']> {
+  return { key: m.key, model: m.model, at: m.start, ...(meterKey ? { sig: meterSignature(meterKey, m) } : {}) };
 }
 
 /**
@@ -291,10 +296,9 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       replyTo: g.responses.replySubject(id),
       instanceFrames: true,
       deadline: Date.now() + s.requestTimeoutMs,
-      meter: { key: principal.key, model: modelLabel, at: receivedAt },
+      meter: meterOf(g.meterKey, { id, kind: payload.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt }),
       ...withModelDefaults(payload, model),
     };
-    if (g.meterKey) req.meter!.sig = meterSignature(g.meterKey, { id, kind: req.kind ?? 'chat', key: principal.key, model: modelLabel, start: receivedAt });
     published = entry;
     await turn.onPublish?.(entry, req);
     sse?.waiting(`queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`);
@@ -339,7 +343,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
         : undefined,
       // A silent bridge's answer moves only where another instance serves: on a pool of one, the
       // request's redelivery (ack_wait) continues it on the bridge that comes back, as before.
-      silent: g.bridgeSilent && ((s) => g.bridgeSilent!(s) && g.sessions.another?.(model, s.instance) !== undefined),
+      silent: g.bridgeSilent && ((s) => g.bridgeSilent!(s) && g.sessions.hasAnother?.(model, s.instance) === true),
       onMovedAway: (from) => {
         client.log.warn({ inferenceId: id, instance: from.session.instance }, 'no beat of the bridge serving the answer; continuing it elsewhere');
         g.cancel?.(from.session, from.req.id, true);

@@ -24,7 +24,7 @@ import { ClientGone, runTurn, servableModel, serveTurn, type Turn } from './infe
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
 import { toGatewayError } from '../plugins/errors';
-import { followAnswer } from './resume';
+import { followAnswer, instanceEntry } from './resume';
 import { endedBy, endedWithout, isRunning, lookIn, notBackground, placeOf, readBack, replayRecord, runDraft, settleRun } from './background';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 
@@ -111,7 +111,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
   const stopRun = (record: StoredResponse): void => {
     runs.get(record.response.id)?.abort(new ClientGone('the response was cancelled'));
     const place = record.run && placeOf(record.run);
-    if (place) g.cancel?.({ subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 }, place.requestId);
+    if (place) g.cancel?.(instanceEntry(place.pool, place.instance), place.requestId);
   };
 
   /** Stores `record` cancelled, with what its answer had (or as it ended, if it ended first), and stops its run. */

@@ -10,7 +10,6 @@
  */
 import type { FastifyInstance, FastifyReply, FastifyRequest } from 'fastify';
 import { nuid } from 'nats';
-import { meterSignature } from '../../dataplane/meter';
 import type { ReadyModel } from '../../shared/model';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { Principal } from '../plugins/auth';
@@ -18,7 +17,7 @@ import { errors, toGatewayError } from '../plugins/errors';
 import type { ResumedAnswer } from '../../shared/continuation';
 import { exchange, frameSubjectsOf, type Moved, type ResponseRouter } from '../serving/exchange';
 import { continuationIdOf, parseLastEventId, type MoveLog, type ResumableAnswer, type ResumePoint } from '../serving/resume';
-import { withModelDefaults, type InferencePayload } from './inference';
+import { meterOf, withModelDefaults, type InferencePayload } from './inference';
 import type { SseResponse } from './sse';
 
 /** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
@@ -39,6 +38,9 @@ export function resumePointOf(app: FastifyInstance, request: FastifyRequest, sco
   return point;
 }
 
+/** An entry naming only `pool`'s `instance` (what an answer's frame subjects and a cancel need), no conversation's. */
+export const instanceEntry = (pool: string, instance: string): SessionEntry => ({ subject: '', pool, instance, expiresAt: 0 });
+
 /**
  * The request of the answer at `place` as it was published, as far as its frames go (its id, reply
  * subject, instance), and every subject they may be on; undefined when this gateway cannot name
@@ -51,7 +53,7 @@ export function publishedAs(
   const { responses } = app.gateway;
   if (!responses.replySubjectOf) return undefined;
   const req = { id: place.requestId, replyTo: responses.replySubjectOf(place.replica, place.requestId), instanceFrames: true };
-  const entry: SessionEntry = { subject: '', pool: place.pool, instance: place.instance, expiresAt: 0 };
+  const entry = instanceEntry(place.pool, place.instance);
   return { req, entry, subjects: frameSubjectsOf(req, entry) };
 }
 
@@ -98,7 +100,7 @@ export async function followAnswer(
   const replySubjectOf = (replica: string, id: string): string => responses.replySubjectOf!(replica, id);
   /** The subjects of request `id`'s frames on `pool`/`instance` (the first request's, or a continuation's). */
   const subjectsOf = (id: string, pool: string, instance: string) =>
-    frameSubjectsOf({ id, replyTo: replySubjectOf(place.replica, id), instanceFrames: true }, { subject: '', pool, instance, expiresAt: 0 });
+    frameSubjectsOf({ id, replyTo: replySubjectOf(place.replica, id), instanceFrames: true }, instanceEntry(pool, instance));
   // "Listening" follows a request's subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
@@ -136,8 +138,10 @@ export async function followAnswer(
 
   /** Continuation `n` as the replica at `to` published it. */
   function continuation(to: ResumableAnswer): Moved {
-    const entry: SessionEntry = { subject: '', pool: to.pool, instance: to.instance, expiresAt: 0 };
-    return { session: entry, req: { ...req, id: to.requestId, replyTo: replySubjectOf(to.replica, to.requestId), instanceFrames: true } };
+    return {
+      session: instanceEntry(to.pool, to.instance),
+      req: { ...req, id: to.requestId, replyTo: replySubjectOf(to.replica, to.requestId), instanceFrames: true },
+    };
   }
 
   /**
@@ -159,7 +163,7 @@ export async function followAnswer(
       const n = moves + 1;
       if (found === n) return true;
       silentSince ??= Date.now();
-      if (asked && g.sessions.another?.(asked.model, at.instance) && Date.now() - silentSince >= CLAIM_AFTER_MS) return true;
+      if (asked && g.sessions.hasAnother?.(asked.model, at.instance) && Date.now() - silentSince >= CLAIM_AFTER_MS) return true;
       if (Date.now() - lookedAt >= 1000) {
         lookedAt = Date.now();
         void log.find(place.requestId, n).then(
@@ -188,22 +192,29 @@ export async function followAnswer(
     }
     if (!asked || signal.aborted) return undefined;
     const to = g.sessions.another?.(asked.model, from.session.instance) ?? from.session;
-    const next = continuationIdOf(place.requestId, n, () => nuid.next());
-    const held = await log.claim(place.requestId, n, { replica: place.replica, pool: to.pool, instance: to.instance, requestId: next });
-    if (held.requestId !== next) return continuation(held);
-    claimed.add(next);
-    const modelLabel = `${asked.model.namespace}/${asked.model.name}`;
-    const meter: NonNullable<InferenceRequest['meter']> = { key: asked.principal.key, model: modelLabel, at: createdAt };
-    if (g.meterKey)
-      meter.sig = meterSignature(g.meterKey, { id: place.requestId, kind: req.kind ?? 'chat', key: meter.key, model: modelLabel, start: createdAt });
+    const mine: ResumableAnswer = {
+      replica: place.replica,
+      pool: to.pool,
+      instance: to.instance,
+      requestId: continuationIdOf(place.requestId, n, () => nuid.next()),
+    };
+    const held = await log.claim(place.requestId, n, mine);
+    if (held.requestId !== mine.requestId) return continuation(held);
+    claimed.add(mine.requestId);
     const stay = to.instance === from.session.instance;
     app.metrics.answersMoved.inc();
     return {
       session: to,
       req: {
-        ...continuation({ ...place, pool: to.pool, instance: to.instance, requestId: next }).req,
+        ...continuation(mine).req,
         deadline: Date.now() + s.requestTimeoutMs,
-        meter,
+        meter: meterOf(g.meterKey, {
+          id: place.requestId,
+          kind: req.kind ?? 'chat',
+          key: asked.principal.key,
+          model: `${asked.model.namespace}/${asked.model.name}`,
+          start: createdAt,
+        }),
         continues: { id: place.requestId, createdAt, resume: said, ...(stay ? { stay } : {}) },
       },
     };

@@ -143,6 +143,10 @@ export class SessionCache implements SessionBroker {
     return this.views.viewOf(model.namespace, model.name)?.instances.map((i) => i.instance);
   }
 
+  hasAnother(model: ReadyModel, instance: string): boolean {
+    return (this.instancesOf(model) ?? []).some((i) => i !== instance);
+  }
+
   another(model: ReadyModel, instance: string): SessionEntry | undefined {
     const now = this.now();
     const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);

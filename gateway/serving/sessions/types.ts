@@ -43,6 +43,8 @@ export interface SessionBroker {
    * on (its bridge handed it back); none when the view lists no other. Nothing is written.
    */
   another?(model: ReadyModel, instance: string): SessionEntry | undefined;
+  /** Whether {@link another} would find one, without counting a move to it. */
+  hasAnother?(model: ReadyModel, instance: string): boolean;
   /** Counters for /metrics, when the broker keeps them. */
   stats?(): SessionStats;
   /** Whether the model's pool serves, starts or fails now, from its published view (absent: the broker cannot tell). */
