@@ -183,6 +183,26 @@ describe('stored responses: MAGUS_RESPONSES_BUCKET, MAGUS_RESPONSES_TTL', () => 
   });
 });
 
+describe('MAGUS_MAX_QUEUE_WAIT', () => {
+  it('is 5 s unless set; a duration, 0 bounding nothing', () => {
+    expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET }).maxQueueWaitMs).toBe(5_000);
+    for (const [value, ms] of [
+      ['0', 0],
+      ['1500ms', 1_500],
+      ['3s', 3_000],
+      ['2m', 120_000],
+      ['800', 800],
+    ] as const)
+      expect(loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_MAX_QUEUE_WAIT: value }).maxQueueWaitMs).toBe(ms);
+  });
+
+  it.each(['11m', '1.5s', 'soon', '-1s'])('refuses %j naming the variable', (value) => {
+    expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: SECRET, MAGUS_MAX_QUEUE_WAIT: value })).toThrow(
+      `MAGUS_MAX_QUEUE_WAIT=${value} must be a duration from 0 (no bound) to 10m`,
+    );
+  });
+});
+
 it('never echoes the secret', () => {
   const secret = 'tiny-secret';
   expect(() => loadGatewayConfig({ MAGUS_GATEWAY_SECRET: secret })).toThrow(

@@ -60,6 +60,8 @@ export interface GatewayConfig {
   sessionTtlMs: number;
   /** `MAGUS_RESPONSES_TTL`: how long a stored response (the max age of `magus_responses`) is kept after it was created. */
   responsesTtlMs: number;
+  /** `MAGUS_MAX_QUEUE_WAIT`: the longest a turn may be expected to wait in an instance's queue (0: no bound). */
+  maxQueueWaitMs: number;
   /** `MAGUS_NATS_REPLICAS`: replicas of the bucket the gateway declares (`magus_responses`), as the other processes' of theirs. */
   natsReplicas?: number;
 }
@@ -108,17 +110,32 @@ const DURATION_UNITS_MS: Readonly<Record<string, number>> = { '': 1, ms: 1, s: 1
 
 /** `MAGUS_RESPONSES_TTL` from `env`: whole milliseconds or a number with a unit (`90s`, `12h`, `30d`); default 30 days. */
 export function responsesTtlFrom(env: NodeJS.ProcessEnv): { ttlMs: number; problem?: string } {
-  const value = env.MAGUS_RESPONSES_TTL?.trim();
-  if (value === undefined || value === '') return { ttlMs: RESPONSES_TTL_MS.default };
+  const d = durationFrom(env, 'MAGUS_RESPONSES_TTL', RESPONSES_TTL_MS, '1m to 365d');
+  return { ttlMs: d.ms, ...(d.problem !== undefined ? { problem: d.problem } : {}) };
+}
+
+/** `MAGUS_MAX_QUEUE_WAIT`: how long a turn may be expected to wait in an instance's queue (serving/queue-waits.ts); 0 bounds nothing. */
+export const MAX_QUEUE_WAIT_MS = { default: 5_000, min: 0, max: 10 * 60_000 } as const;
+
+/** `MAGUS_MAX_QUEUE_WAIT` from `env` (default 5 s), or the problem with it. */
+export function maxQueueWaitFrom(env: NodeJS.ProcessEnv): { ms: number; problem?: string } {
+  return durationFrom(env, 'MAGUS_MAX_QUEUE_WAIT', MAX_QUEUE_WAIT_MS, '0 (no bound) to 10m');
+}
+
+/** A duration setting: whole milliseconds or a number with a unit (`ms`, `s`, `m`, `h`, `d`), within `bounds` (`range` says them). */
+function durationFrom(
+  env: NodeJS.ProcessEnv,
+  name: string,
+  bounds: { default: number; min: number; max: number },
+  range: string,
+): { ms: number; problem?: string } {
+  const value = env[name]?.trim();
+  if (value === undefined || value === '') return { ms: bounds.default };
   const m = /^(\d+)(ms|s|m|h|d)?$/.exec(value);
   const ms = m ? Number(m[1]) * DURATION_UNITS_MS[m[2] ?? '']! : NaN;
-  if (!Number.isSafeInteger(ms) || ms < RESPONSES_TTL_MS.min || ms > RESPONSES_TTL_MS.max) {
-    return {
-      ttlMs: RESPONSES_TTL_MS.default,
-      problem: `MAGUS_RESPONSES_TTL=${value} must be a duration from 1m to 365d (whole milliseconds, or a number with s, m, h or d)`,
-    };
-  }
-  return { ttlMs: ms };
+  if (!Number.isSafeInteger(ms) || ms < bounds.min || ms > bounds.max)
+    return { ms: bounds.default, problem: `${name}=${value} must be a duration from ${range} (whole milliseconds, or a number with ms, s, m, h or d)` };
+  return { ms };
 }
 
 /** `MAGUS_SESSION_TTL_MS` from `env` (default 30 min), or the problem with it. */
@@ -276,6 +293,8 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
   if (session.problem !== undefined) problems.push(session.problem);
   const responsesTtl = responsesTtlFrom(env);
   if (responsesTtl.problem !== undefined) problems.push(responsesTtl.problem);
+  const maxQueueWait = maxQueueWaitFrom(env);
+  if (maxQueueWait.problem !== undefined) problems.push(maxQueueWait.problem);
   const natsReplicas = natsReplicasFrom(env, problems);
   // Cross-field rules.
   if (settings.gapTimeoutMs >= settings.requestTimeoutMs)
@@ -315,6 +334,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     responseRouting: oneOf('MAGUS_GATEWAY_RESPONSE_ROUTING', 'shared', ['shared', 'per-request'] as const),
     sessionTtlMs: session.ttlMs,
     responsesTtlMs: responsesTtl.ttlMs,
+    maxQueueWaitMs: maxQueueWait.ms,
     ...(natsReplicas !== undefined ? { natsReplicas } : {}),
   };
   if (problems.length > 0) throw new GatewayConfigError(`invalid gateway configuration:\n  ${problems.join('\n  ')}`);
@@ -349,7 +369,8 @@ environment:
   MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (a missing response frame is read back from the stream after this; 502 after 8 reads miss it)
   MAGUS_GATEWAY_SSE_KEEPALIVE_MS       5000
   MAGUS_GATEWAY_COLD_START_TIMEOUT_MS  300000 (503 when no session is ready by then)
-  MAGUS_GATEWAY_RETRY_AFTER_SEC        5
+  MAGUS_GATEWAY_RETRY_AFTER_SEC        5 (when no queue says otherwise)
+  MAGUS_MAX_QUEUE_WAIT                 5s (a turn expected to wait longer in every instance's queue gets 429 queue_full at once; 0: no bound)
   MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS  5000 (answered conversations whose session workflow has not started yet; beyond it new ones get 503)
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000

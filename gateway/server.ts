@@ -11,6 +11,7 @@ import Fastify, { type FastifyBaseLogger, type FastifyInstance } from 'fastify';
 import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { FullBacklogs } from './serving/backlogs';
+import { QueueWaits } from './serving/queue-waits';
 import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
@@ -30,7 +31,7 @@ import { UsageLedger } from '../dataplane/usage';
 import type { UsageRecord } from '../shared/usage';
 import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
-import { cancelSubject } from '../shared/serving';
+import { bridgeLoadOf, cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck } from './plugins/services';
@@ -196,7 +197,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
 
     // Bridges' beats: an answer whose bridge went silent is continued elsewhere. After a reconnect
     // every bridge is unheard again (this process, not they, was away).
-    const beats = bridgeBeats(nc, scopeSubject(config.subjectScope, Nats.beatSubjectPrefix));
+    // Their loads bound how long a turn waits in a queue (serving/queue-waits.ts).
+    const waits = new QueueWaits(config.maxQueueWaitMs);
+    const beats = bridgeBeats(nc, scopeSubject(config.subjectScope, Nats.beatSubjectPrefix), waits);
     closers.push(() => beats.close());
     onReconnect.push(() => beats.forget());
 
@@ -250,6 +253,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         // conversation, not one per 30 s, and a session still ends at least 0.9 TTL after its last turn.
         ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
         maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
+        waits,
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());
@@ -342,7 +346,13 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       responses,
       storedResponses,
       readStored,
-      backlogFull: deps.backlogFull ?? ((model) => (backlogs.full(model) ? { retryAfterSec: config.settings.retryAfterSec } : undefined)),
+      backlogFull:
+        deps.backlogFull ??
+        ((model) =>
+          backlogs.full(model)
+            ? { retryAfterSec: waits.retryAfterSec(model.name, sessionCache?.instancesOf(model) ?? [], config.settings.retryAfterSec) }
+            : undefined),
+      retryAfterAt: (session) => waits.retryAfterSec(session.pool, [session.instance], config.settings.retryAfterSec),
       maxMessageBytes: () => nc.info?.max_payload,
       limiter,
       meterKey,
@@ -519,16 +529,20 @@ export async function gatewayCommand(args: string[]): Promise<number> {
  * `silent(key)` once one heard before has not beaten for `BRIDGE_SILENT_MS`. Bridges not heard
  * for 10 minutes are forgotten.
  */
-function bridgeBeats(nc: NatsConnection, prefix: string): { silent(key: string): boolean; forget(): void; close(): Promise<void> } {
+function bridgeBeats(nc: NatsConnection, prefix: string, waits: QueueWaits): { silent(key: string): boolean; forget(): void; close(): Promise<void> } {
   const heard = new Map<string, number>();
   const sub = nc.subscribe(`${prefix}.>`, {
     callback: (err, msg) => {
-      if (!err) heard.set(msg.subject.slice(prefix.length + 1), Date.now());
+      if (err) return;
+      const key = msg.subject.slice(prefix.length + 1);
+      heard.set(key, Date.now());
+      waits.beat(key, bridgeLoadOf(msg.data));
     },
   });
   const sweep = setInterval(() => {
     const old = Date.now() - 10 * 60_000;
     for (const [k, at] of heard) if (at < old) heard.delete(k);
+    waits.sweep();
   }, 60_000);
   sweep.unref();
   return {
@@ -536,7 +550,10 @@ function bridgeBeats(nc: NatsConnection, prefix: string): { silent(key: string):
       const at = heard.get(key);
       return at !== undefined && Date.now() - at > BRIDGE_SILENT_MS;
     },
-    forget: () => heard.clear(),
+    forget: () => {
+      heard.clear();
+      waits.forget();
+    },
     close: () => {
       clearInterval(sweep);
       sub.unsubscribe();

@@ -264,3 +264,38 @@ export const responseSubject = (requestId: string, replica?: string): string => 
 export const cancelSubject = (pool: string, instance: string): string => `magus.cancel.${pool}.${instance}`;
 /** Where an instance's bridge says it is alive (dataplane/README.md, "Handing an answer back"). */
 export const beatSubject = (pool: string, instance: string): string => `magus.beat.${pool}.${instance}`;
+
+/**
+ * What a bridge's beat carries (JSON on {@link beatSubject}; an empty beat — a bridge from before
+ * it — says nothing of its load): what its engine is doing and how fast it drains, so that a
+ * gateway can tell how long one more request would wait there (gateway/serving/queue-waits.ts).
+ */
+export interface BridgeLoad {
+  /** Requests and moved answers being served now. */
+  running: number;
+  /** How many its engine serves at once (its consumers' `max_ack_pending`). */
+  slots: number;
+  /** Requests and moved answers queued for it and not delivered yet (read only while every slot is taken; else 0). */
+  queued: number;
+  /** An answer's mean time in the engine, over the recent ones (null: none answered yet). */
+  serviceMs: number | null;
+}
+
+const count = (v: unknown): v is number => typeof v === 'number' && Number.isInteger(v) && v >= 0;
+
+/** A beat's payload as {@link BridgeLoad}, or undefined when it carries none (or one this version cannot read). */
+export function bridgeLoadOf(payload: Uint8Array | string): BridgeLoad | undefined {
+  const text = typeof payload === 'string' ? payload : new TextDecoder().decode(payload);
+  if (text.length === 0) return undefined;
+  let v: unknown;
+  try {
+    v = JSON.parse(text);
+  } catch {
+    return undefined;
+  }
+  if (typeof v !== 'object' || v === null) return undefined;
+  const o = v as Record<string, unknown>;
+  const serviceMs = o.serviceMs === null ? null : typeof o.serviceMs === 'number' && Number.isFinite(o.serviceMs) && o.serviceMs >= 0 ? o.serviceMs : undefined;
+  if (!count(o.running) || !count(o.slots) || o.slots < 1 || !count(o.queued) || serviceMs === undefined) return undefined;
+  return { running: o.running, slots: o.slots, queued: o.queued, serviceMs };
+}

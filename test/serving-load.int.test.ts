@@ -190,6 +190,8 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
     staleViewPicks: 0,
     pendingSessionStarts: 0,
     refusedForPendingStarts: 0,
+    queueMoves: 0,
+    refusedForQueueWait: 0,
   });
 
   // The gateway logged (at trace level) but never the token, nor its secret part.

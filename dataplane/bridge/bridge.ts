@@ -24,7 +24,7 @@ import { hostname } from 'node:os';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
 import { engineOf, type EngineKind } from '../../shared/engines';
 import { requestKindOf } from '../../shared/request-kinds';
-import type { ResponseFrame } from '../../shared/serving';
+import type { BridgeLoad, ResponseFrame } from '../../shared/serving';
 import type { UsageTotals } from '../../shared/usage';
 import { openRequestClaims, type RequestClaims } from '../claims';
 import { beatSubjectOf, cancelSubjectOf, type DataPlaneNames } from '../names';
@@ -138,6 +138,8 @@ interface Prepared {
 const HAND_BACK_MS = 5_000;
 /** A redelivery it cannot hand back goes back to the consumer after this long: for a bridge of the instance that comes back, not this one. */
 const HAND_BACK_NAK_MS = 60_000;
+/** How long a beat waits for its queue's read before it says the last one read. */
+const QUEUE_READ_WAIT_MS = 100;
 
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
@@ -174,6 +176,16 @@ export class Bridge {
   /** Set once no delivery may be served any more (a late one is handed back). */
   private stopping = false;
   private stopped: Promise<void> | undefined;
+  /** Deliveries being served (requests and moved answers; hand-backs not counted). */
+  private running = 0;
+  /** Undelivered requests and moved answers, as last read (readQueued). */
+  private queued = 0;
+  /** A beat is being made (its queue read). */
+  private beating = false;
+  /** The queue's read under way. */
+  private reading: Promise<void> | undefined;
+  /** How long the recent deliveries took to serve. */
+  private readonly service = new ServiceTimes();
 
   /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
   static async start(opts: BridgeOptions): Promise<Bridge> {
@@ -405,13 +417,18 @@ export class Bridge {
 
   /** Serves what the consumers deliver until the bridge stops or the connection closes. */
   private run(): void {
-    // Alive, to the gateways whose answers this bridge serves: one that stops beating is continued elsewhere.
+    // Alive, to the gateways whose answers this bridge serves: one that stops beating is continued
+    // elsewhere. Each beat says the load (shared/serving.ts BridgeLoad): what a gateway bounds a
+    // request's wait in its queue by (gateway/serving/queue-waits.ts).
     const beat = () => {
-      try {
-        if (!this.nc.isClosed()) this.nc.publish(this.beatSubject);
-      } catch {
-        // closed meanwhile
-      }
+      if (this.beating) return; // the last one still reads its queue
+      this.beating = true;
+      void this.readQueued()
+        .then(() => {
+          if (!this.nc.isClosed()) this.nc.publish(this.beatSubject, JSON.stringify(this.load()));
+        })
+        .catch(() => undefined) // closed meanwhile
+        .finally(() => (this.beating = false));
     };
     beat();
     this.beats = setInterval(beat, BEAT_EVERY_MS);
@@ -466,9 +483,65 @@ export class Bridge {
   }
 
   private serve(m: JsMsg): Promise<void> {
-    return serveDelivery(this.delivery, m).catch((err) => this.failed(`request at stream seq ${m.seq}`, err));
+    const start = Date.now();
+    this.running += 1;
+    return serveDelivery(this.delivery, m)
+      .catch((err) => this.failed(`request at stream seq ${m.seq}`, err))
+      .finally(() => {
+        this.running -= 1;
+        this.service.add(Date.now() - start);
+      });
+  }
+
+  /** What this bridge's beat says of its load. */
+  private load(): BridgeLoad {
+    return { running: this.running, slots: this.slots, queued: this.running >= this.slots ? this.queued : 0, serviceMs: this.service.mean() };
+  }
+
+  /**
+   * Reads how many wait undelivered (a consumer info each) before a beat says it, only while every
+   * slot is taken: with a slot free, nothing waits for long.
+   */
+  private readQueued(): Promise<void> {
+    if (this.running < this.slots) return Promise.resolve();
+    // One read at a time; a beat waits for it at most QUEUE_READ_WAIT_MS (a slow JetStream API
+    // must not silence the beats: gateways would move this bridge's answers).
+    this.reading ??= this.undelivered()
+      .then((n) => {
+        if (n !== null) this.queued = n;
+      })
+      .catch(() => undefined)
+      .finally(() => (this.reading = undefined));
+    let timer: NodeJS.Timeout | undefined;
+    return Promise.race([this.reading, new Promise<void>((resolve) => (timer = setTimeout(resolve, QUEUE_READ_WAIT_MS)))]).finally(() => clearTimeout(timer));
   }
 }
 
 /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
 export const startBridge = (opts: BridgeOptions): Promise<Bridge> => Bridge.start(opts);
+
+/**
+ * The mean of the last {@link ServiceTimes.SIZE} service times: how fast an instance drains its
+ * queue is `slots / mean` while every slot is taken.
+ */
+export class ServiceTimes {
+  static readonly SIZE = 32;
+  private readonly times: number[] = [];
+  private next = 0;
+  private sum = 0;
+
+  add(ms: number): void {
+    if (this.times.length < ServiceTimes.SIZE) this.times.push(ms);
+    else {
+      this.sum -= this.times[this.next]!;
+      this.times[this.next] = ms;
+      this.next = (this.next + 1) % ServiceTimes.SIZE;
+    }
+    this.sum += ms;
+  }
+
+  /** The mean, or null before the first. */
+  mean(): number | null {
+    return this.times.length === 0 ? null : Math.round(this.sum / this.times.length);
+  }
+}

@@ -113,6 +113,16 @@ export const errors = {
     new GatewayError(429, message, code === 'insufficient_quota' ? OpenAIErrorType.insufficientQuota : OpenAIErrorType.rateLimit, code, null, headers),
   backlogFull: (retryAfterSec: number) =>
     new GatewayError(429, 'The model has too many queued requests; retry later.', OpenAIErrorType.rateLimit, 'backlog_full', null, retryAfter(retryAfterSec)),
+  /** Every instance of the model would keep the request queued longer than the gateway's wait budget (serving/queue-waits.ts). */
+  queueFull: ({ waitMs, budgetMs, retryAfterMs }: { waitMs: number; budgetMs: number; retryAfterMs: number }) =>
+    new GatewayError(
+      429,
+      `Every instance of the model would keep this request queued for about ${(waitMs / 1000).toFixed(1)} s, longer than this gateway lets a request wait (${(budgetMs / 1000).toFixed(1)} s, MAGUS_MAX_QUEUE_WAIT); retry after the Retry-After.`,
+      OpenAIErrorType.rateLimit,
+      'queue_full',
+      null,
+      { ...retryAfter(retryAfterMs / 1000), 'retry-after-ms': String(Math.ceil(retryAfterMs)) },
+    ),
   noCapacity: (retryAfterSec: number) =>
     new GatewayError(
       503,

@@ -242,6 +242,16 @@ export class GatewayMetrics {
     'New conversations refused (503) because too many answered ones still wait for their session workflow to start.',
     () => this.sessionStats()?.refusedForPendingStarts,
   );
+  private readonly queueMoves = new CounterFunc(
+    'magus_gateway_queue_moves_total',
+    "Warm conversations moved to another instance because their own one's queue would keep the turn waiting past MAGUS_MAX_QUEUE_WAIT.",
+    () => this.sessionStats()?.queueMoves,
+  );
+  private readonly refusedForQueueWait = new CounterFunc(
+    'magus_gateway_refused_queue_wait_total',
+    'Turns refused (429 queue_full) because every instance of the model would keep them waiting past MAGUS_MAX_QUEUE_WAIT.',
+    () => this.sessionStats()?.refusedForQueueWait,
+  );
   private readonly staleViewPicks = new CounterFunc(
     'magus_gateway_stale_view_picks_total',
     'First turns placed from a view its pool had not rewritten in time (an overloaded Temporal), on an instance found consuming.',
@@ -310,6 +320,8 @@ export class GatewayMetrics {
       this.staleViewPicks,
       this.pendingSessionStarts,
       this.refusedForPendingStarts,
+      this.queueMoves,
+      this.refusedForQueueWait,
       this.temporalReachable,
       this.temporalProbeFailures,
     ];

@@ -92,6 +92,8 @@ export interface GatewayServices {
    * bridge never heard (one from before beats): never.
    */
   bridgeSilent?: (session: SessionEntry) => boolean;
+  /** The `Retry-After` seconds of a request its instance's backlog refused: when its queue is within the wait budget again (serving/queue-waits.ts). */
+  retryAfterAt?: (session: SessionEntry) => number;
   /** Where moved answers went, for resumes on any replica (serving/resume.ts); absent: a resume stops at a move. */
   moves?: MoveLog;
   /**

@@ -50,7 +50,7 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
     requestTimeoutMs: s.requestTimeoutMs,
     gapTimeoutMs: s.gapTimeoutMs,
     readBack: g.readStored && (async (r, e) => (await Promise.all(frameSubjectsOf(r, e).map(g.readStored!))).flat()),
-    retryAfterSec: s.retryAfterSec,
+    retryAfterSec: g.retryAfterAt?.(entry) ?? s.retryAfterSec,
     signal,
     onUpstreamError: (reason) => app.metrics.upstreamErrors.inc([reason]),
     onAbandon: (reason, current) => {
@@ -224,6 +224,13 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   if (backlog) {
     sse?.stop();
     throw errors.backlogFull(backlog.retryAfterSec);
+  }
+  // Every instance would keep it queued past the wait budget (serving/queue-waits.ts): a 429 at
+  // once, with when the shortest queue is within the budget again; its pool hears of the demand.
+  const queue = g.sessions.queueAdmit?.(model, turn.conversationKey);
+  if (queue) {
+    sse?.stop();
+    throw errors.queueFull(queue);
   }
   // Larger than a NATS message may be: a 413 before a conversation's entry or a key's reservation
   // is made (the publisher refuses it exactly too). The body is measured only when its size says it may be.

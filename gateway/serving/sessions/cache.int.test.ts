@@ -8,6 +8,7 @@ import type { KV, NatsConnection } from 'nats';
 import type { PoolEntry, SessionEntry } from '../../../shared/serving';
 import { isolation, natsConnect } from '../../../test/harness';
 import { readyModel } from '../../../test/harness/gateway-app';
+import { QueueWaits } from '../queue-waits';
 import { SessionCache } from './cache';
 import type { AcquireRequest, FirstTurns } from './types';
 import { sessionErrorType, SessionErrorType, type SessionError } from '../../plugins/errors';
@@ -67,6 +68,8 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
     staleViewPicks: 0,
     pendingSessionStarts: 0,
     refusedForPendingStarts: 0,
+    queueMoves: 0,
+    refusedForQueueWait: 0,
   });
 });
 
@@ -508,5 +511,44 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     cache = await start();
     expect(cache.pools!.get(poolKey)).toBeUndefined();
     expect(adopted).toEqual([]);
+  });
+
+  it('queue waits: turns go where the wait is within the budget, a warm one moves off a long queue, and with every queue too long a turn is refused with the soonest Retry-After and its pool told the demand', async () => {
+    await publishPool(['i1', 'i2'], 100);
+    const waits = new QueueWaits(2_000);
+    const load = (running: number, queued: number) => ({ running, slots: 1, queued, serviceMs: 1_000 });
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await cache.ready;
+    await until('the pool view mirrored', () => cache!.pools!.get(poolKey) !== undefined, 10_000);
+    const warm = key('warm');
+    await kv.put(warm, enc(placed('i1')));
+    await until('the entry mirrored', () => cache!.cache.get(warm) !== undefined, 10_000);
+
+    // i1: one running, two queued (3 s for one more); i2 idle. A first turn is counted at i2 and placed there.
+    waits.beat('tiny.i1', load(1, 2));
+    waits.beat('tiny.i2', load(0, 0));
+    const first = key('first');
+    expect(cache.queueAdmit(model, first)).toBeUndefined();
+    expect(waits.waitMs('tiny', 'i2')).toBe(1_000); // counted there: the next one waits for its one slot
+    expect((await cache.acquire(req(first))).instance).toBe('i2');
+
+    // The warm conversation's instance is over the budget: admitted, counted at i2, and moved there by compare-and-swap.
+    expect(cache.queueAdmit(model, warm)).toBeUndefined();
+    const moved = await cache.acquire(req(warm));
+    expect(moved.instance).toBe('i2');
+    expect((await stored(warm))?.instance).toBe('i2');
+    expect(cache.stats()).toMatchObject({ queueMoves: 1, moves: 1 });
+
+    // Both over the budget (i1 3 s, i2 4 s): refused, retry when i1 is within it again (1 s), and the pool hears of it.
+    waits.beat('tiny.i2', load(1, 3));
+    const before = demands.length;
+    expect(cache.queueAdmit(model, key('refused'))).toEqual({ retryAfterMs: 1_000, waitMs: 3_000, budgetMs: 2_000 });
+    expect(cache.queueAdmit(model, warm)).toEqual({ retryAfterMs: 1_000, waitMs: 3_000, budgetMs: 2_000 });
+    expect(cache.stats()).toMatchObject({ refusedForQueueWait: 2 });
+    await until('the demand told', () => demands.slice(before).some((d) => d > 0), 5_000);
+
+    // A bridge that says no load (older, or silent) bounds nothing.
+    waits.beat('tiny.i1', undefined);
+    expect(cache.queueAdmit(model, key('unknown'))).toBeUndefined();
   });
 });

@@ -26,7 +26,17 @@ import { PoolViews } from './pool-views';
 import { SharedCalls } from './shared-calls';
 import { SessionStarts } from './starts';
 import { SessionCounters } from './stats';
-import type { AcquireRequest, CachedEntry, ColdStart, ModelServing, SessionBroker, SessionCacheOptions, SessionStats } from './types';
+import type {
+  AcquireRequest,
+  CachedEntry,
+  ColdStart,
+  ModelServing,
+  QueueRefusal,
+  QueueWaitsView,
+  SessionBroker,
+  SessionCacheOptions,
+  SessionStats,
+} from './types';
 
 /** Expired entries and renewal marks are swept this often. */
 const SWEEP_MS = 60_000;
@@ -54,6 +64,7 @@ export class SessionCache implements SessionBroker {
   private readonly now: () => number;
   private readonly marginMs: number;
   private readonly sweep: NodeJS.Timeout;
+  private readonly waits: QueueWaitsView | undefined;
   /** When this gateway last moved answers to each instance ({@link instanceKey}), within {@link MOVES_SPREAD_MS}. */
   private readonly movedTo = new Map<string, number[]>();
 
@@ -63,7 +74,8 @@ export class SessionCache implements SessionBroker {
     this.coldStart = opts.coldStart;
     this.mirror = new SessionMirror(opts.kv, opts.onError);
     this.views = new PoolViews(opts.pools, opts.firstTurns, this.now, opts.onError);
-    this.picker = new InstancePicker(this.mirror, this.views, this.counters);
+    this.waits = opts.waits;
+    this.picker = new InstancePicker(this.mirror, this.views, this.counters, opts.waits);
     const first = opts.firstTurns;
     if (first) {
       this.starts = new SessionStarts(first, this.now, opts.maxPendingSessionStarts, opts.onError);
@@ -77,6 +89,7 @@ export class SessionCache implements SessionBroker {
           starts: this.starts,
           demand: new Demand(first, this.now, opts.onError),
           counters: this.counters,
+          crowded: (model, e) => this.crowded(model, e),
         },
         {
           marginMs: this.marginMs,
@@ -115,7 +128,7 @@ export class SessionCache implements SessionBroker {
   acquire(req: AcquireRequest): Promise<SessionEntry> {
     const key = req.conversationKey;
     const entry = this.mirror.get(key);
-    if (entry && usable(entry, this.now(), this.marginMs, this.views)) {
+    if (entry && usable(entry, this.now(), this.marginMs, this.views) && !this.crowded(req.model, entry)) {
       this.counters.warmHits++;
       this.placement?.renewLater(key, entry);
       return Promise.resolve(entry);
@@ -138,6 +151,37 @@ export class SessionCache implements SessionBroker {
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: this.now() };
   }
 
+  queueAdmit(model: ReadyModel, conversationKey: string | undefined): QueueRefusal | undefined {
+    const waits = this.waits;
+    if (!waits || waits.budgetMs <= 0) return undefined;
+    const instances = this.instancesOf(model);
+    if (!instances || instances.length === 0) return undefined; // none serves: the cold path waits for one
+    const fits = (i: string) => !waits.overBudget(model.name, i);
+    const entry = conversationKey === undefined ? undefined : this.mirror.get(conversationKey);
+    const own = entry && usable(entry, this.now(), this.marginMs, this.views) ? entry.instance : undefined;
+    // Where it goes: its own instance, else (a first turn, or a warm one moved) the picker's choice,
+    // which puts instances over the budget last. Counted there at once, so that a burst's turns
+    // see each other before their publishes are done.
+    // (A broker that places nothing itself moves nothing: a warm turn stays where it is.)
+    const target = own !== undefined && (fits(own) || !this.placement) ? own : this.picker.pick(model, { anyLoad: true })?.instance;
+    if (target !== undefined && fits(target)) {
+      waits.published(model.name, target);
+      return undefined;
+    }
+    let best: QueueRefusal | undefined;
+    for (const i of instances) {
+      const waitMs = waits.waitMs(model.name, i);
+      const retryAfterMs = waits.retryAfterMs(model.name, i);
+      if (waitMs === undefined || retryAfterMs === undefined) continue;
+      if (!best || retryAfterMs < best.retryAfterMs) best = { retryAfterMs, waitMs, budgetMs: waits.budgetMs };
+    }
+    if (best) {
+      this.counters.refusedForQueueWait++;
+      this.placement?.refusedForWait(model);
+    }
+    return best;
+  }
+
   /** The instances `model`'s pool publishes now (its view: none without one). */
   instancesOf(model: ReadyModel): string[] | undefined {
     return this.views.viewOf(model.namespace, model.name)?.instances.map((i) => i.instance);
@@ -154,6 +198,13 @@ export class SessionCache implements SessionBroker {
     if (!target) return undefined;
     this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };
+  }
+
+  /** Whether `e`'s instance would keep a turn waiting past the budget where another of the pool would not (the picker's choice). */
+  private crowded(model: ReadyModel, e: CachedEntry): boolean {
+    if (!this.placement || !this.waits?.overBudget(model.name, e.instance)) return false;
+    const other = this.picker.pick(model, { anyLoad: true, avoid: e.instance });
+    return other !== undefined && !this.waits.overBudget(model.name, other.instance);
   }
 
   async close(): Promise<void> {

@@ -12,6 +12,8 @@ import type { FirstTurns } from './types';
 /** Demand is told to a pool at most this often per model, and again at least this often while it lasts. */
 const DEMAND_MIN_MS = 1000;
 const DEMAND_REFRESH_MS = 10_000;
+/** A turn refused for its queue wait counts as demand this long. */
+const REFUSED_DEMAND_MS = 5_000;
 
 interface Waiting {
   model: ReadyModel;
@@ -39,6 +41,17 @@ export class Demand {
     if (!w) this.models.set(k, (w = { model, waiting: 0, told: 0, at: 0 }));
     w.waiting++;
     return k;
+  }
+
+  /**
+   * A turn of `model` was refused because every instance's queue is over the wait budget: it
+   * counts as waiting for {@link REFUSED_DEMAND_MS} (its client retries after its Retry-After), so
+   * the pool hears of the demand its instances could not take.
+   */
+  refused(model: ReadyModel): void {
+    const k = this.wait(model);
+    this.tell(k);
+    setTimeout(() => this.leave(k), REFUSED_DEMAND_MS).unref();
   }
 
   /** A waiting first turn is over (placed, refused or gone). */

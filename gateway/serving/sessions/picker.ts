@@ -9,7 +9,7 @@ import type { ReadyModel } from '../../../shared/model';
 import { instanceKey, type SessionMirror } from './mirror';
 import type { PoolViews } from './pool-views';
 import type { SessionCounters } from './stats';
-import type { PublishedInstance } from './types';
+import type { PublishedInstance, QueueWaitsView } from './types';
 
 export class InstancePicker {
   /** This gateway's picks whose entries are not written yet, per instance ({@link instanceKey}). */
@@ -19,12 +19,13 @@ export class InstancePicker {
     private readonly mirror: SessionMirror,
     private readonly views: PoolViews,
     private readonly counters: SessionCounters,
+    private readonly waits?: QueueWaitsView,
   ) {}
 
   /**
    * The pool's instance with the most room. When all are full: none (the pool may start another),
    * unless the pool cannot grow or the request takes no lease (`anyLoad`: `route`) — then the
-   * least-loaded one. `busier` ranks instances before their leases do (`another`: the answers
+   * least-loaded one. An instance whose queue is over the wait budget comes after every other; `busier` ranks instances before their leases do (`another`: the answers
    * moved to each just now, so that those of one lost instance spread over the others).
    */
   pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number } = {}): PublishedInstance | undefined {
@@ -36,8 +37,9 @@ export class InstancePicker {
     for (const i of entry.instances) {
       if (i.instance === opts.avoid) continue;
       const n = this.mirror.leasesOn(model.namespace, model.name, i.instance) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
-      // `busier` first (answers moved there just now), then leases.
-      const load = (opts.busier?.(i.instance) ?? 0) * 1e6 + n;
+      // One whose queue would keep a request waiting past the budget last, then `busier` (answers moved there just now), then leases.
+      const crowded = this.waits?.overBudget(model.name, i.instance) === true;
+      const load = (crowded ? 1e12 : 0) + (opts.busier?.(i.instance) ?? 0) * 1e6 + n;
       if (n < limit && load < bestLoad) {
         best = i;
         bestLoad = load;

@@ -39,6 +39,11 @@ export interface PlacementParts {
   starts: SessionStarts;
   demand: Demand;
   counters: SessionCounters;
+  /**
+   * Whether a conversation's entry should move for its instance's queue: over the wait budget,
+   * where another instance of the pool is within it (serving/queue-waits.ts).
+   */
+  crowded?: (model: ReadyModel, entry: CachedEntry) => boolean;
 }
 
 export interface PlacementSettings {
@@ -79,11 +84,12 @@ export class Placement {
     const { now, marginMs } = this.settings;
     const key = req.conversationKey;
     let entry = mirror.get(key);
+    const crowded = (e: CachedEntry) => this.parts.crowded?.(req.model, e) === true;
     for (let attempt = 0; attempt < PLACE_ATTEMPTS; attempt++) {
       const t = now();
-      if (entry && usable(entry, t, marginMs, views)) return entry; // another turn placed it meanwhile
+      if (entry && usable(entry, t, marginMs, views) && !crowded(entry)) return entry; // another turn placed it meanwhile
       // A pick is reserved at once (concurrent turns of this replica see it before its entry is written).
-      const picked = !(entry && !views.gone(entry));
+      const picked = !(entry && !views.gone(entry) && !crowded(entry));
       if (!entry && starts.full) {
         counters.refusedForPendingStarts++;
         throw new SessionError(
@@ -119,6 +125,7 @@ export class Placement {
           continue;
         }
         if (moved) counters.moves++;
+        if (moved && !views.gone(entry)) counters.queueMoves++;
         this.lastRenewed.set(key, now());
         // Its session may have ended with the expiry (or never started): one runs for it again.
         if (expired) starts.start({ conversationKey: key, model: req.model, owner: req.owner }, next);
@@ -172,6 +179,11 @@ export class Placement {
     } finally {
       demand.leave(k);
     }
+  }
+
+  /** A turn of `model` refused for its queue wait: told to its pool as demand for a while (its client comes back). */
+  refusedForWait(model: ReadyModel): void {
+    this.parts.demand.refused(model);
   }
 
   /** Forgets renewal marks older than the renewal interval (they would otherwise pile up for every conversation ever seen). */

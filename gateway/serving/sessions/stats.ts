@@ -10,10 +10,24 @@ export class SessionCounters {
   givenBack = 0;
   staleViewPicks = 0;
   refusedForPendingStarts = 0;
+  queueMoves = 0;
+  refusedForQueueWait = 0;
 
   /** The counters with the one gauge kept elsewhere (sessions waiting to start: starts.ts). */
   snapshot(pendingSessionStarts: number): SessionStats {
-    const { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, refusedForPendingStarts } = this;
-    return { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, pendingSessionStarts, refusedForPendingStarts };
+    const { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, refusedForPendingStarts, queueMoves, refusedForQueueWait } = this;
+    return {
+      warmHits,
+      coldStarts,
+      firstTurns,
+      moves,
+      renewals,
+      givenBack,
+      staleViewPicks,
+      pendingSessionStarts,
+      refusedForPendingStarts,
+      queueMoves,
+      refusedForQueueWait,
+    };
   }
 }

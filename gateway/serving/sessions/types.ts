@@ -45,6 +45,13 @@ export interface SessionBroker {
   another?(model: ReadyModel, instance: string): SessionEntry | undefined;
   /** Whether {@link another} would find one, without counting a move to it. */
   hasAnother?(model: ReadyModel, instance: string): boolean;
+  /**
+   * Whether a turn of `model` (of the conversation `conversationKey`: a warm one) may be queued:
+   * undefined — counted at once at the instance it is expected to go to — unless it would wait
+   * longer than the budget wherever it may go (a first turn is placed, a warm one moved, where its
+   * wait is within it); then its refusal.
+   */
+  queueAdmit?(model: ReadyModel, conversationKey: string | undefined): QueueRefusal | undefined;
   /** Counters for /metrics, when the broker keeps them. */
   stats?(): SessionStats;
   /** Whether the model's pool serves, starts or fails now, from its published view (absent: the broker cannot tell). */
@@ -83,6 +90,10 @@ export interface SessionStats {
   pendingSessionStarts?: number;
   /** New conversations refused because too many wait for their session to start. */
   refusedForPendingStarts?: number;
+  /** Warm conversations moved off an instance whose queue was over the wait budget (counted in `moves` too). */
+  queueMoves?: number;
+  /** Turns refused (429 `queue_full`) because every instance's queue was over the wait budget. */
+  refusedForQueueWait?: number;
 }
 
 /** How a broker without {@link FirstTurns} places a conversation with no fresh entry, resolving to its entry. */
@@ -159,6 +170,8 @@ export interface SessionCacheOptions {
    * `MAX_PENDING_SESSION_STARTS` (starts.ts).
    */
   maxPendingSessionStarts?: number;
+  /** Instances' expected queue waits (serving/queue-waits.ts): turns go where theirs is within the budget. */
+  waits?: QueueWaitsView;
   now?: () => number;
   onError?: (err: unknown) => void;
 }
@@ -168,3 +181,19 @@ export type CachedEntry = SessionEntry & { revision: number };
 
 /** One instance of a pool's published view: what a conversation is placed on. */
 export type PublishedInstance = PoolEntry['instances'][number];
+
+/** A turn refused for its queue wait: when to retry, the shortest expected wait, and the budget it exceeds. */
+export interface QueueRefusal {
+  retryAfterMs: number;
+  waitMs: number;
+  budgetMs: number;
+}
+
+/** What placement asks of instances' queue waits (serving/queue-waits.ts `QueueWaits`). */
+export interface QueueWaitsView {
+  readonly budgetMs: number;
+  published(pool: string, instance: string): void;
+  waitMs(pool: string, instance: string): number | undefined;
+  overBudget(pool: string, instance: string): boolean;
+  retryAfterMs(pool: string, instance: string): number | undefined;
+}

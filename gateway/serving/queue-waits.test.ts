@@ -1,0 +1,82 @@
+import { bridgeLoadOf } from '../../shared/serving';
+import { LOAD_FRESH_MS, QueueWaits } from './queue-waits';
+
+const load = (running: number, queued: number, serviceMs: number | null, slots = 2) => ({ running, slots, queued, serviceMs });
+
+describe('QueueWaits', () => {
+  let t = 0;
+  const now = () => t;
+  beforeEach(() => (t = 1_000_000));
+
+  it('is 0 while a slot is free, then (waiting ahead + 1) × service / slots', () => {
+    const w = new QueueWaits(5_000, now);
+    w.beat('p.i1', load(1, 0, 4_000));
+    expect(w.waitMs('p', 'i1')).toBe(0);
+    w.beat('p.i1', load(2, 0, 4_000));
+    expect(w.waitMs('p', 'i1')).toBe(2_000); // first in line: one of two slots frees in 2 s on average
+    w.beat('p.i1', load(2, 3, 4_000));
+    expect(w.waitMs('p', 'i1')).toBe(8_000);
+    expect(w.overBudget('p', 'i1')).toBe(true);
+    expect(w.retryAfterMs('p', 'i1')).toBe(3_000);
+    expect(w.retryAfterSec('p', ['i1'], 5)).toBe(3);
+  });
+
+  it("counts this gateway's publishes since the last beat, until the next one", () => {
+    const w = new QueueWaits(5_000, now);
+    w.beat('p.i1', load(2, 0, 1_000));
+    expect(w.waitMs('p', 'i1')).toBe(500);
+    for (let n = 0; n < 4; n++) w.published('p', 'i1');
+    expect(w.waitMs('p', 'i1')).toBe(2_500);
+    w.beat('p.i1', load(2, 1, 1_000));
+    expect(w.waitMs('p', 'i1')).toBe(1_000);
+  });
+
+  it('knows nothing of an instance unheard, silent, empty-beating or without a service time', () => {
+    const w = new QueueWaits(5_000, now);
+    expect(w.waitMs('p', 'i1')).toBeUndefined();
+    w.beat('p.i1', load(2, 50, null));
+    expect(w.waitMs('p', 'i1')).toBeUndefined();
+    expect(w.overBudget('p', 'i1')).toBe(false);
+    w.beat('p.i1', load(2, 50, 1_000));
+    expect(w.overBudget('p', 'i1')).toBe(true);
+    t += LOAD_FRESH_MS + 1;
+    expect(w.overBudget('p', 'i1')).toBe(false);
+    w.beat('p.i1', load(2, 50, 1_000));
+    w.beat('p.i1', undefined); // a bridge from before loads
+    expect(w.waitMs('p', 'i1')).toBeUndefined();
+    expect(w.retryAfterSec('p', ['i1'], 7)).toBe(7);
+  });
+
+  it('bounds nothing with a budget of 0, yet says when a full queue drains', () => {
+    const w = new QueueWaits(0, now);
+    w.beat('p.i1', load(2, 9, 1_000));
+    expect(w.overBudget('p', 'i1')).toBe(false);
+    expect(w.retryAfterMs('p', 'i1')).toBe(5_000);
+  });
+
+  it('retries after at least a second, at the soonest instance', () => {
+    const w = new QueueWaits(5_000, now);
+    w.beat('p.a', load(2, 9, 1_100)); // 5.5 s
+    w.beat('p.b', load(2, 19, 1_000)); // 10 s
+    expect(w.retryAfterMs('p', 'a')).toBe(1_000);
+    expect(w.retryAfterSec('p', ['a', 'b'], 9)).toBe(1);
+    expect(w.retryAfterSec('p', ['b'], 9)).toBe(5);
+  });
+});
+
+describe('bridgeLoadOf', () => {
+  it('reads a beat, and refuses what it cannot trust', () => {
+    expect(bridgeLoadOf(JSON.stringify(load(1, 0, 250)))).toEqual(load(1, 0, 250));
+    expect(bridgeLoadOf(new TextEncoder().encode(JSON.stringify(load(0, 0, null))))).toEqual(load(0, 0, null));
+    for (const bad of [
+      '',
+      'x',
+      '[]',
+      'null',
+      JSON.stringify({ ...load(1, 0, 1), slots: 0 }),
+      JSON.stringify({ ...load(1, 0, 1), queued: -1 }),
+      JSON.stringify({ ...load(1, 0, 1), serviceMs: 'x' }),
+    ])
+      expect(bridgeLoadOf(bad)).toBeUndefined();
+  });
+});
