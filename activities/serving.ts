@@ -231,14 +231,23 @@ export function createServingActivities(deps: ServingDeps) {
      * A session's look at its lease (`magus_sessions` entry) when its expiry has come: renewed
      * (a later `expiresAt`: the session sleeps again), gone (someone else ended it), or expired —
      * then deleted with compare-and-swap on the revision read, so a renewal landing meanwhile wins
-     * (the delete fails, the entry is read again). Run as a local activity: one marker event.
+     * (the delete fails, the entry is read again). A renewed entry is marked `watched` the first
+     * time (shared/serving.ts: how a gateway tells an entry with no session). Run as a local
+     * activity: one marker event.
      */
     async expireSession(input: { key: string }): Promise<{ ended: 'expired' | 'gone' } | { expiresAt: number }> {
       for (;;) {
         const e = await deps.sessions.get(input.key);
         const entry = e && e.operation === 'PUT' ? decodeEntry(e) : undefined;
         if (!e || !entry) return { ended: 'gone' };
-        if (entry.expiresAt > Date.now()) return { expiresAt: entry.expiresAt };
+        if (entry.expiresAt > Date.now()) {
+          // Renewed: marked as having its session, once (a write meanwhile wins; the next look marks it).
+          if (!entry.watched)
+            await deps.sessions.update(input.key, encode({ ...entry, watched: true }), e.revision).catch((err: unknown) => {
+              if (!isRevisionConflict(err)) throw err;
+            });
+          return { expiresAt: entry.expiresAt };
+        }
         try {
           await deps.sessions.delete(input.key, { previousSeq: e.revision });
           return { ended: 'expired' };

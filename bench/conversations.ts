@@ -8,6 +8,13 @@
  *   npm run bench:conversations                                # 10, 20, 40, 80, 160/s, 2 min each
  *   npm run bench:conversations -- --rates 50 --minutes 10     # a 10-minute hold at one rate
  *   npm run bench:conversations -- --rates 10,20 --step-sec 30 --seed-live 100000
+ *   npm run bench:conversations -- --demo smollm2 --max-tokens 16 --in-flight 256 --rates 8,16 --max-queue-wait 5s --no-floor
+ *
+ * `--demo smollm2` serves dev's default demo (SmolLM2-135M-Instruct: the engine is the limit)
+ * instead of the tiny one; `--max-tokens` (default 1) is each turn's answer; `--in-flight N`
+ * holds the client to N turns at once (the generator waits for one to end, as a client with a
+ * connection pool does); `--max-queue-wait` is dev's `MAGUS_MAX_QUEUE_WAIT` (refusals then are
+ * 429 `queue_full`, reported with their own latency); `--no-floor` skips Temporal's start-rate floor.
  *
  * Per step: answered/s, p50/p99 first-turn latency, errors by kind (HTTP status or client
  * timeout), the pool's history events per minute (all its runs), history events per session
@@ -37,6 +44,11 @@ const rates = arg('rates', '10,20,40,80,160').split(',').map(Number);
 const minutes = process.argv.includes('--minutes') ? Number(arg('minutes', '10')) : undefined;
 const stepMs = (minutes ?? Number(arg('step-sec', '120')) / 60) * 60_000;
 const seedLive = Number(arg('seed-live', '0'));
+const demo = arg('demo', 'tiny');
+const maxTokens = Number(arg('max-tokens', '1'));
+const inFlightCap = Number(arg('in-flight', 'Infinity'));
+const maxQueueWait = process.argv.includes('--max-queue-wait') ? arg('max-queue-wait', '5s') : undefined;
+if (demo !== 'tiny' && demo !== 'smollm2') throw new Error(`--demo ${demo}: tiny or smollm2`);
 const REQUEST_TIMEOUT_MS = 60_000;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const rss = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
@@ -44,7 +56,10 @@ const nameOf = (pid: number) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').spl
 
 async function main(): Promise<void> {
   const data = mkdtempSync(join(tmpdir(), 'magus-bench-conv-'));
-  const dev = startDev('direct', ['--no-kube', '--demo', 'tiny', '--data-dir', data]);
+  const dev = startDev('direct', ['--no-kube', ...(demo === 'tiny' ? ['--demo', 'tiny'] : []), '--data-dir', data], {
+    ...process.env,
+    ...(maxQueueWait !== undefined ? { MAGUS_MAX_QUEUE_WAIT: maxQueueWait } : {}),
+  });
   try {
     await dev.ready(600_000);
     const { gatewayUrl, tokenFile } = printed(dev.stdout());
@@ -62,7 +77,7 @@ async function main(): Promise<void> {
         const r = await fetch(`${gatewayUrl}/v1/chat/completions`, {
           method: 'POST',
           headers: { ...headers, 'x-session-id': id },
-          body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 1 }),
+          body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: maxTokens }),
           signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
         });
         const text = await r.text();
@@ -86,7 +101,7 @@ async function main(): Promise<void> {
 
     // The floor: Temporal's bare start rate (a type no worker runs, on a queue nobody polls).
     const floorIds: string[] = [];
-    const floorEnd = Date.now() + 10_000;
+    const floorEnd = process.argv.includes('--no-floor') ? 0 : Date.now() + 10_000;
     await Promise.all(
       Array.from({ length: 32 }, async (_, c) => {
         for (let k = 0; Date.now() < floorEnd; k++) {
@@ -128,7 +143,7 @@ async function main(): Promise<void> {
       const results: { status: number | 'timeout'; ms: number; code?: string; at: number }[] = [];
       // dev's own gauges every 10 s (its gateway's /metrics): heap in use, the event loop's delay,
       // and first turns placed from a pool view its pool had not rewritten in time.
-      const gauges: { at: number; heap: number; loopMax: number; stalePicks: number }[] = [];
+      const gauges: { at: number; heap: number; loopMax: number; stalePicks: number; serviceSec: number }[] = [];
       const sampler = setInterval(() => {
         void fetch(`${gatewayUrl}/metrics`).then(
           async (r) => {
@@ -139,17 +154,29 @@ async function main(): Promise<void> {
               heap: sample('nodejs_heap_size_used_bytes'),
               loopMax: sample('nodejs_eventloop_delay_max_seconds'),
               stalePicks: sample('magus_gateway_stale_view_picks_total'),
+              // The engines' mean service time as their bridges measure it (the longest of them).
+              serviceSec: Math.max(0, ...[...text.matchAll(/^magus_bridge_service_seconds\{[^}]*\} (\S+)$/gm)].map((m) => Number(m[1]))),
             });
           },
           () => undefined,
         );
       }, 10_000);
       const inflight: Promise<void>[] = [];
+      let open = 0;
+      let freed: (() => void) | undefined;
       for (let k = 0; Date.now() - t0 < stepMs; k++) {
         const due = t0 + (k * 1000) / rate;
         if (due > Date.now()) await sleep(due - Date.now());
+        while (open >= inFlightCap) await new Promise<void>((r) => (freed = r));
         const id = `bench-${rate}-${k}-${Math.random().toString(36).slice(2, 8)}`;
-        inflight.push(turn(id).then((r) => void results.push(r)));
+        open++;
+        inflight.push(
+          turn(id).then((r) => {
+            results.push(r);
+            open--;
+            freed?.();
+          }),
+        );
       }
       await Promise.all(inflight);
       clearInterval(sampler);
@@ -200,7 +227,12 @@ async function main(): Promise<void> {
       }
       const loopMax = Math.max(0, ...gauges.map((x) => x.loopMax || 0));
       const heapMax = Math.max(0, ...gauges.map((x) => x.heap || 0));
-      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
+      const queueFull = results.filter((r) => r.code === 'queue_full').map((r) => r.ms);
+      const service = Math.max(0, ...gauges.map((x) => x.serviceSec || 0));
+      const refusedAt =
+        (queueFull.length > 0 ? `; queue_full answered in p50 ${fmt(p50(queueFull), 0)} ms, p99 ${fmt(p99(queueFull), 0)} ms` : '') +
+        (service > 0 ? `; an answer's service time (the bridge's mean) up to ${fmt(service, 2)} s` : '');
+      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms${refusedAt}; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);
       if (errors.size > 0) {

@@ -159,6 +159,13 @@ export function loadSessionTtl(env: NodeJS.ProcessEnv = process.env): number {
   return ttlMs;
 }
 
+/** `MAGUS_MAX_QUEUE_WAIT` alone (`magus dev` reads it as the gateway does), or a {@link GatewayConfigError}. */
+export function loadMaxQueueWait(env: NodeJS.ProcessEnv = process.env): number {
+  const { ms, problem } = maxQueueWaitFrom(env);
+  if (problem !== undefined) throw new GatewayConfigError(problem);
+  return ms;
+}
+
 export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: GatewayArgs = {}): GatewayConfig {
   const problems: string[] = [];
   const raw = (name: string): string | undefined => {

@@ -124,6 +124,13 @@ export interface SessionEntry {
    * a tool): never moved.
    */
   placedAt?: number;
+  /**
+   * Set by the conversation's session workflow the first time it looks at the entry (at its first
+   * expiry; activities/serving.ts `expireSession`), and kept by every later write: an entry placed
+   * more than a TTL ago without it has no session (its gateway died before starting one), and the
+   * next warm turn starts one (gateway/serving/sessions/placement.ts `adoptOrphan`).
+   */
+  watched?: true;
 }
 
 /**
@@ -167,6 +174,7 @@ export function decodeSessionEntry(value: Uint8Array): SessionEntry | undefined 
     instance: e.instance,
     expiresAt: e.expiresAt,
     ...(typeof e.placedAt === 'number' ? { placedAt: e.placedAt } : {}),
+    ...(e.watched === true ? { watched: true } : {}),
   };
 }
 

@@ -85,12 +85,18 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   const h1 = await startSession(once, Date.now() + ttl, ttl);
   // Renewed twice by "gateways" (compare-and-swap updates) before it expires.
   const twice = `twice-${randomBytes(4).toString('hex')}`;
-  let rev = await kv.create(twice, encode(entry('x-1', Date.now() + ttl)));
+  await kv.create(twice, encode(entry('x-1', Date.now() + ttl)));
   const h2 = await startSession(twice, Date.now() + ttl, ttl);
+  let watched = false;
   for (let k = 0; k < 2; k++) {
     await sleep(ttl - 500);
-    rev = await kv.update(twice, encode(entry('x-1', Date.now() + ttl)), rev);
+    // As a gateway renews: compare-and-swap on what it read, keeping what it did not write.
+    const e = (await kv.get(twice))!;
+    watched ||= decode(e.value).watched === true;
+    await kv.update(twice, encode({ ...decode(e.value), expiresAt: Date.now() + ttl }), e.revision);
   }
+  // The session's first look at the renewed entry marked it as having a session (orphans have not).
+  expect(watched).toBe(true);
   await h1.result();
   await h2.result();
   expect(await kv.get(once).then((e) => e?.operation)).not.toBe('PUT');

@@ -192,6 +192,8 @@ test(`${CONVERSATIONS} concurrent conversations of ${TURNS} turns all complete, 
     refusedForPendingStarts: 0,
     queueMoves: 0,
     refusedForQueueWait: 0,
+    orphansAdopted: 0,
+    orphansSwept: 0,
   });
 
   // The gateway logged (at trace level) but never the token, nor its secret part.

@@ -45,7 +45,7 @@ beforeAll(async () => {
     }),
   );
   gateway = pinned.gateway;
-  token = pinned.openai.apiKey;
+  token = pinned.openai.apiKey!;
   await publishPoolView(nc, names, POOL, ['i1']);
 }, 60_000);
 

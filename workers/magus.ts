@@ -354,6 +354,8 @@ const MODE_USAGE: Partial<Record<Mode, () => string>> = {
       '',
       'MAGUS_SESSION_TTL_MS: how long a conversation keeps its session (its engine, its magus_sessions entry) after',
       'its last turn, as for magus gateway: default 1800000 (30 min), 60000 to 86400000.',
+      "MAGUS_MAX_QUEUE_WAIT: the longest a turn may be expected to wait in an engine's queue before it gets 429",
+      'queue_full, as for magus gateway: default 5s; 0 bounds nothing.',
       '',
       "State (Temporal's database, the JetStream store, the S3 data, the API token, the ports) is kept in the",
       'data folder: a restart comes back with it. While it runs, connection.json there (0600) tells every other',

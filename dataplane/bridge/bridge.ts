@@ -326,7 +326,8 @@ export class Bridge {
     else if (!this.attempts.isConnected) problems.push('NATS disconnected');
     if (!this.consuming) problems.push('not consuming');
     problems.push(...this.consumer.problems(), ...this.moved.problems());
-    return { ok: problems.length === 0, problems, inFlight: this.attempts.size, slots: this.slots };
+    const { queued, serviceMs } = this.load();
+    return { ok: problems.length === 0, problems, inFlight: this.attempts.size, slots: this.slots, queued, serviceMs };
   }
 
   /** Probes the engine's `/health`; a slow or loading engine is reported, never awaited long. */

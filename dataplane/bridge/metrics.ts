@@ -49,6 +49,9 @@ export interface BridgeHealth {
   problems: string[];
   inFlight: number;
   slots: number;
+  /** What its beats say (shared/serving.ts `BridgeLoad`): undelivered requests while every slot is taken, and the mean service time of the last answers (null: none yet). */
+  queued?: number;
+  serviceMs?: number | null;
 }
 
 /** What each {@link BridgeStats} counter means, as Prometheus help text. */
@@ -106,6 +109,18 @@ export function bridgeMetricsText(bridges: readonly BridgeSample[], usage: Usage
   }
   family('magus_bridge_in_flight', 'Requests being served.', 'gauge', (b) => b.health.inFlight);
   family('magus_bridge_slots', 'Requests the engine serves at once.', 'gauge', (b) => b.health.slots);
+  family(
+    'magus_bridge_queued',
+    'Requests waiting undelivered for the engine, as its beats say (read while every slot is taken; else 0).',
+    'gauge',
+    (b) => b.health.queued ?? 0,
+  );
+  family(
+    'magus_bridge_service_seconds',
+    'Mean time its last 32 deliveries took to serve (0 before the first): a gateway expects a queued request to wait (ahead + 1) × this / slots.',
+    'gauge',
+    (b) => (b.health.serviceMs ?? 0) / 1000,
+  );
   family('magus_bridge_healthy', '1 when connected and consuming, else 0.', 'gauge', (b) => (b.health.ok ? 1 : 0));
   out.push(
     '# HELP magus_usage_tokens_total Tokens in the usage records this process wrote, per key, model and kind (cached: prompt tokens the engine had cached, part of prompt).',

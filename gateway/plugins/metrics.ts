@@ -252,6 +252,16 @@ export class GatewayMetrics {
     'Turns refused (429 queue_full) because every instance of the model would keep them waiting past MAGUS_MAX_QUEUE_WAIT.',
     () => this.sessionStats()?.refusedForQueueWait,
   );
+  private readonly orphansAdopted = new CounterFunc(
+    'magus_gateway_orphans_adopted_total',
+    'Conversations whose entry had no session workflow (its gateway died before starting one), given one at a warm turn.',
+    () => this.sessionStats()?.orphansAdopted,
+  );
+  private readonly orphansSwept = new CounterFunc(
+    'magus_gateway_orphans_swept_total',
+    'magus_sessions entries still there 5 min after they expired (no session to delete them), deleted by this gateway.',
+    () => this.sessionStats()?.orphansSwept,
+  );
   private readonly staleViewPicks = new CounterFunc(
     'magus_gateway_stale_view_picks_total',
     'First turns placed from a view its pool had not rewritten in time (an overloaded Temporal), on an instance found consuming.',
@@ -322,6 +332,8 @@ export class GatewayMetrics {
       this.refusedForPendingStarts,
       this.queueMoves,
       this.refusedForQueueWait,
+      this.orphansAdopted,
+      this.orphansSwept,
       this.temporalReachable,
       this.temporalProbeFailures,
     ];

@@ -1,5 +1,5 @@
 import { bridgeLoadOf } from '../../shared/serving';
-import { LOAD_FRESH_MS, QueueWaits } from './queue-waits';
+import { LOAD_FRESH_MS, QueueWaits, SENT_OVERLAP_MS } from './queue-waits';
 
 const load = (running: number, queued: number, serviceMs: number | null, slots = 2) => ({ running, slots, queued, serviceMs });
 
@@ -21,14 +21,20 @@ describe('QueueWaits', () => {
     expect(w.retryAfterSec('p', ['i1'], 5)).toBe(3);
   });
 
-  it("counts this gateway's publishes since the last beat, until the next one", () => {
+  it("counts this gateway's sends until a beat read after them", () => {
     const w = new QueueWaits(5_000, now);
     w.beat('p.i1', load(2, 0, 1_000));
     expect(w.waitMs('p', 'i1')).toBe(500);
     for (let n = 0; n < 4; n++) w.published('p', 'i1');
     expect(w.waitMs('p', 'i1')).toBe(2_500);
-    w.beat('p.i1', load(2, 1, 1_000));
-    expect(w.waitMs('p', 'i1')).toBe(1_000);
+    // A beat right after: its queue was read before they arrived, so they still count.
+    t += SENT_OVERLAP_MS - 50;
+    w.beat('p.i1', load(2, 4, 1_000));
+    expect(w.waitMs('p', 'i1')).toBe(4_500);
+    // The next beat (250 ms on) shows them: counted once.
+    t += 250;
+    w.beat('p.i1', load(2, 4, 1_000));
+    expect(w.waitMs('p', 'i1')).toBe(2_500);
   });
 
   it('knows nothing of an instance unheard, silent, empty-beating or without a service time', () => {

@@ -16,11 +16,17 @@ import type { BridgeLoad } from '../../shared/serving';
 /** A load heard longer ago than this says nothing (its bridge is silent: serving/exchange.ts moves its answers). */
 export const LOAD_FRESH_MS = 2_000;
 
+/**
+ * Turns sent this shortly before a beat arrived are still counted after it: the beat's queue was
+ * read before they reached it (the read waits up to 100 ms, then the beat travels).
+ */
+export const SENT_OVERLAP_MS = 150;
+
 interface Heard {
   load: BridgeLoad;
   at: number;
-  /** Requests this gateway published to the instance since. */
-  sent: number;
+  /** When this gateway sent each turn the load does not show yet. */
+  sent: number[];
 }
 
 export class QueueWaits {
@@ -35,14 +41,16 @@ export class QueueWaits {
 
   /** The load a beat of `<pool>.<instance>` said (undefined: it said none). */
   beat(key: string, load: BridgeLoad | undefined): void {
-    if (load) this.heard.set(key, { load, at: this.now(), sent: 0 });
-    else this.heard.delete(key);
+    if (!load) return void this.heard.delete(key);
+    const at = this.now();
+    const since = at - SENT_OVERLAP_MS;
+    this.heard.set(key, { load, at, sent: (this.heard.get(key)?.sent ?? []).filter((t) => t > since) });
   }
 
-  /** This gateway sends a request to the instance (counted from its decision until the bridge's next beat). */
+  /** This gateway sends a request to the instance (counted from its decision until a beat that shows it: {@link SENT_OVERLAP_MS}). */
   published(pool: string, instance: string): void {
     const h = this.heard.get(`${pool}.${instance}`);
-    if (h) h.sent += 1;
+    if (h) h.sent.push(this.now());
   }
 
   /** Forgets every load (after a reconnect: what was heard before may be old). */
@@ -61,7 +69,7 @@ export class QueueWaits {
     const h = this.heard.get(`${pool}.${instance}`);
     if (!h || this.now() - h.at > LOAD_FRESH_MS) return undefined;
     const { running, queued, slots, serviceMs } = h.load;
-    const ahead = running + queued + h.sent - slots; // waiting before it, once it is queued
+    const ahead = running + queued + h.sent.length - slots; // waiting before it, once it is queued
     if (ahead < 0) return 0;
     if (serviceMs === null) return undefined;
     return ((ahead + 1) * serviceMs) / slots;

@@ -30,7 +30,7 @@ import type { ModelResource } from '../../shared/kube';
 import { startController } from '../../controller/controller';
 import { startDemoHub, type DemoHub } from './hub';
 import { writeTinyModel } from './tiny-model';
-import { loadGatewayConfig, loadSessionTtl } from '../../gateway/config';
+import { loadGatewayConfig, loadMaxQueueWait, loadSessionTtl } from '../../gateway/config';
 import { startGateway } from '../../gateway/server';
 import { temporalSessions } from '../../gateway/temporal';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal } from '../../platform/temporal-health';
@@ -205,6 +205,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
   try {
     // Read as `magus gateway` reads it; a bad value stops here, before any server starts.
     const sessionTtlMs = loadSessionTtl(process.env);
+    const maxQueueWaitMs = loadMaxQueueWait(process.env);
     // NATS runs with JWT users (operator mode): the users' account is the store's namespace, so a
     // data plane written before this folder had them (anonymous, or nkey users) is not theirs.
     const natsAuth = join(dataDir, 'nats-auth');
@@ -385,6 +386,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
             MAGUS_GATEWAY_TOKENS: JSON.stringify({ dev: { digest, name: 'magus dev' } }),
             MAGUS_LOG_LEVEL: 'warn',
             MAGUS_SESSION_TTL_MS: String(sessionTtlMs),
+            MAGUS_MAX_QUEUE_WAIT: String(maxQueueWaitMs),
             // Within the gateway's stop bound below: a stop under load (answers still queued) cut
             // its connections after 10 s, instead of running past the bound and exiting 1.
             MAGUS_GATEWAY_SHUTDOWN_GRACE_MS: String(GATEWAY_GRACE_MS),

@@ -10,6 +10,7 @@ import { isolation, natsConnect } from '../../../test/harness';
 import { readyModel } from '../../../test/harness/gateway-app';
 import { QueueWaits } from '../queue-waits';
 import { SessionCache } from './cache';
+import { ORPHAN_ADOPT_GRACE_MS, ORPHAN_SWEEP_GRACE_MS } from './placement';
 import type { AcquireRequest, FirstTurns } from './types';
 import { sessionErrorType, SessionErrorType, type SessionError } from '../../plugins/errors';
 import { sleep, until } from '../../../test/harness/wait';
@@ -70,6 +71,8 @@ it('loads existing entries before ready, follows updates and deletes, skips malf
     refusedForPendingStarts: 0,
     queueMoves: 0,
     refusedForQueueWait: 0,
+    orphansAdopted: 0,
+    orphansSwept: 0,
   });
 });
 
@@ -550,5 +553,32 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     // A bridge that says no load (older, or silent) bounds nothing.
     waits.beat('tiny.i1', undefined);
     expect(cache.queueAdmit(model, key('unknown'))).toBeUndefined();
+  });
+
+  it('orphans: a warm entry placed over a TTL ago that no session ever marked gets its session once; one expired 5 min ago is deleted by the sweep', async () => {
+    await publishPool(['i1'], 100);
+    cache = await start();
+    const longAgo = Date.now() - (600_000 + ORPHAN_ADOPT_GRACE_MS + 1_000);
+    const orphan = key('orphan');
+    const watched = key('watched');
+    const young = key('young');
+    await kv.put(orphan, enc(placed('i1', { placedAt: longAgo })));
+    await kv.put(watched, enc(placed('i1', { placedAt: longAgo, watched: true })));
+    await kv.put(young, enc(placed('i1', { placedAt: Date.now() - 60_000 })));
+    await until('the entries mirrored', () => [orphan, watched, young].every((k) => cache!.cache.get(k) !== undefined), 10_000);
+    for (const k of [orphan, watched, young, orphan]) expect((await cache.acquire(req(k))).instance).toBe('i1');
+    await until('the orphan adopted', () => adopted.length === 1, 5_000);
+    expect(adopted.map((a) => a.key)).toEqual([orphan]); // once, and only the orphan
+    expect(cache.stats()).toMatchObject({ orphansAdopted: 1, warmHits: 4 });
+
+    // Expired 6 min ago and still there (nobody's session deleted it): swept from the bucket; 1 min ago: kept for its session.
+    const stale = key('stale');
+    const recent = key('recent');
+    await kv.put(stale, enc(placed('i1', { expiresAt: Date.now() - ORPHAN_SWEEP_GRACE_MS - 60_000 })));
+    await kv.put(recent, enc(placed('i1', { expiresAt: Date.now() - 60_000 })));
+    await until('the expired entries mirrored', () => cache!.cache.get(stale) !== undefined && cache!.cache.get(recent) !== undefined, 10_000);
+    cache.sweepNow();
+    await until('the stale entry deleted', async () => (await stored(stale)) === undefined && cache!.stats().orphansSwept === 1, 5_000);
+    expect(await stored(recent)).toBeDefined();
   });
 });

@@ -21,7 +21,7 @@ import { Demand } from './demand';
 import { SessionEntries } from './entries';
 import { instanceKey, SessionMirror } from './mirror';
 import { InstancePicker } from './picker';
-import { Placement, usable } from './placement';
+import { ORPHAN_SWEEP_GRACE_MS, Placement, usable } from './placement';
 import { PoolViews } from './pool-views';
 import { SharedCalls } from './shared-calls';
 import { SessionStarts } from './starts';
@@ -103,13 +103,20 @@ export class SessionCache implements SessionBroker {
     this.cache = this.mirror.cache;
     this.pools = this.views.cache;
     this.ready = this.pools ? Promise.all([this.cache.ready, this.pools.ready]).then(() => undefined) : this.cache.ready;
-    this.sweep = setInterval(() => {
-      const t = this.now();
-      this.mirror.sweep(t);
-      this.placement?.sweep(t);
-      for (const [k, times] of this.movedTo) if (!times.some((at) => t - at < MOVES_SPREAD_MS)) this.movedTo.delete(k);
-    }, SWEEP_MS);
+    this.sweep = setInterval(() => this.sweepNow(), SWEEP_MS);
     this.sweep.unref();
+  }
+
+  /**
+   * The minute's sweep: entries long expired leave the mirror — and, with first turns, the bucket
+   * (nobody's session deleted them) —, renewal marks and move records go.
+   */
+  sweepNow(): void {
+    const t = this.now();
+    const orphans = this.mirror.sweep(t, ORPHAN_SWEEP_GRACE_MS);
+    this.placement?.sweepOrphans(orphans);
+    this.placement?.sweep(t);
+    for (const [k, times] of this.movedTo) if (!times.some((at) => t - at < MOVES_SPREAD_MS)) this.movedTo.delete(k);
   }
 
   stats(): SessionStats {
@@ -131,6 +138,7 @@ export class SessionCache implements SessionBroker {
     if (entry && usable(entry, this.now(), this.marginMs, this.views) && !this.crowded(req.model, entry)) {
       this.counters.warmHits++;
       this.placement?.renewLater(key, entry);
+      this.placement?.adoptOrphan(req, entry);
       return Promise.resolve(entry);
     }
     const placement = this.placement;

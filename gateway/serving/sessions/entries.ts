@@ -80,13 +80,15 @@ export class SessionEntries {
   /**
    * Deletes the entry written at `revision`, unless it changed since (a later turn renewed or
    * moved it: the conversation lives on, and the delete is not made). The watch removes it from
-   * the mirror, and with it its count.
+   * the mirror, and with it its count. Whether it was deleted.
    */
-  async giveBack(key: string, revision: number): Promise<void> {
+  async giveBack(key: string, revision: number): Promise<boolean> {
     try {
       await this.bucket.delete(key, { previousSeq: revision });
+      return true;
     } catch (err) {
       if (!isRevisionConflict(err)) throw err;
+      return false;
     }
   }
 }

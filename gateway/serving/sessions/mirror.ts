@@ -54,9 +54,19 @@ export class SessionMirror {
     return this.load.get(instanceKey(namespace, pool, instance)) ?? 0;
   }
 
-  /** Drops entries expired by `now`: a conversation's session deletes its entry, but one whose delete this replica missed would stay. */
-  sweep(now: number): void {
-    for (const [key, e] of this.cache.entries()) if (e.expiresAt <= now) this.cache.delete(key);
+  /**
+   * Drops entries expired `graceMs` before `now` — a conversation's session deletes its entry,
+   * but one whose delete this replica missed, or one with no session, would stay — and returns
+   * them with their revisions (an entry with no session is then deleted: placement.ts `sweepOrphans`).
+   */
+  sweep(now: number, graceMs: number): [key: string, revision: number][] {
+    const dropped: [string, number][] = [];
+    for (const [key, e] of this.cache.entries())
+      if (e.expiresAt <= now - graceMs) {
+        this.cache.delete(key);
+        dropped.push([key, e.revision]);
+      }
+    return dropped;
   }
 
   private count(e: SessionEntry | undefined, by: number): void {

@@ -24,6 +24,10 @@ const ROOM_POLL_MS = 200;
 const START_WAIT_MAX_MS = 30_000;
 /** Writes lost to other replicas' before a turn gives up (each loss means the entry changed under it). */
 const PLACE_ATTEMPTS = 8;
+/** An entry unwatched this long past its first TTL has no session: its first expiry check would have marked it. */
+export const ORPHAN_ADOPT_GRACE_MS = 60_000;
+/** An entry still there this long after it expired has no session to delete it: the gateways' sweep does. */
+export const ORPHAN_SWEEP_GRACE_MS = 5 * 60_000;
 
 /** An entry a turn uses as it is: not ending within `marginMs`, its instance still published. */
 export function usable(e: CachedEntry, now: number, marginMs: number, views: PoolViews): boolean {
@@ -59,6 +63,8 @@ export interface PlacementSettings {
 export class Placement {
   /** When this gateway last wrote each conversation's entry (renewals are spaced by it). */
   private readonly lastRenewed = new Map<string, number>();
+  /** Conversations whose missing session this gateway started, and when (once per TTL each). */
+  private readonly adopted = new Map<string, number>();
 
   constructor(
     private readonly first: FirstTurns,
@@ -76,6 +82,32 @@ export class Placement {
     this.lastRenewed.set(key, t);
     counters.renewals++;
     entries.swap(key, entry, { ...withoutRevision(entry), expiresAt: t + this.first.ttlMs }).catch((err: unknown) => this.settings.onError?.(err));
+  }
+
+  /**
+   * A warm turn's entry with no session workflow — placed more than a TTL (and
+   * {@link ORPHAN_ADOPT_GRACE_MS}) ago and never `watched` by one: its gateway died before starting
+   * it — gets one now (not awaited; a session already there is kept), so the Temporal UI lists
+   * the conversation and its expiry is enforced. At most once per TTL per conversation here.
+   */
+  adoptOrphan(req: Pick<AcquireRequest, 'conversationKey' | 'model' | 'owner'>, entry: CachedEntry): void {
+    if (entry.watched || entry.placedAt === undefined) return;
+    const t = this.settings.now();
+    if (t - entry.placedAt < this.first.ttlMs + ORPHAN_ADOPT_GRACE_MS) return;
+    const last = this.adopted.get(req.conversationKey);
+    if (last !== undefined && t - last < this.first.ttlMs) return;
+    this.adopted.set(req.conversationKey, t);
+    this.parts.counters.orphansAdopted++;
+    this.parts.starts.start({ conversationKey: req.conversationKey, model: req.model, owner: req.owner }, withoutRevision(entry));
+  }
+
+  /** Deletes (compare-and-swap) entries that expired {@link ORPHAN_SWEEP_GRACE_MS} ago and are still there: nobody's session will. */
+  sweepOrphans(orphans: readonly (readonly [key: string, revision: number])[]): void {
+    for (const [key, revision] of orphans)
+      this.parts.entries.giveBack(key, revision).then(
+        (deleted) => void (deleted && this.parts.counters.orphansSwept++),
+        (err: unknown) => this.settings.onError?.(err),
+      );
   }
 
   /** Places the conversation of `req`: renews, moves or creates its entry. */
@@ -107,6 +139,7 @@ export class Placement {
           instance: target.instance,
           expiresAt: now() + this.first.ttlMs,
           placedAt,
+          ...(entry?.watched ? { watched: true as const } : {}),
         };
         if (!entry) {
           const created = await entries.create(key, next);
@@ -189,6 +222,7 @@ export class Placement {
   /** Forgets renewal marks older than the renewal interval (they would otherwise pile up for every conversation ever seen). */
   sweep(now: number): void {
     for (const [key, at] of this.lastRenewed) if (now - at > this.settings.renewIntervalMs) this.lastRenewed.delete(key);
+    for (const [key, at] of this.adopted) if (now - at > this.first.ttlMs) this.adopted.delete(key);
   }
 
   close(): void {

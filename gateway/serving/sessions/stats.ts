@@ -12,10 +12,25 @@ export class SessionCounters {
   refusedForPendingStarts = 0;
   queueMoves = 0;
   refusedForQueueWait = 0;
+  orphansAdopted = 0;
+  orphansSwept = 0;
 
   /** The counters with the one gauge kept elsewhere (sessions waiting to start: starts.ts). */
   snapshot(pendingSessionStarts: number): SessionStats {
-    const { warmHits, coldStarts, firstTurns, moves, renewals, givenBack, staleViewPicks, refusedForPendingStarts, queueMoves, refusedForQueueWait } = this;
+    const {
+      warmHits,
+      coldStarts,
+      firstTurns,
+      moves,
+      renewals,
+      givenBack,
+      staleViewPicks,
+      refusedForPendingStarts,
+      queueMoves,
+      refusedForQueueWait,
+      orphansAdopted,
+      orphansSwept,
+    } = this;
     return {
       warmHits,
       coldStarts,
@@ -28,6 +43,8 @@ export class SessionCounters {
       refusedForPendingStarts,
       queueMoves,
       refusedForQueueWait,
+      orphansAdopted,
+      orphansSwept,
     };
   }
 }

@@ -94,6 +94,10 @@ export interface SessionStats {
   queueMoves?: number;
   /** Turns refused (429 `queue_full`) because every instance's queue was over the wait budget. */
   refusedForQueueWait?: number;
+  /** Conversations whose entry had no session workflow (its gateway died first), given one by a warm turn. */
+  orphansAdopted?: number;
+  /** Entries long expired that no session deleted, deleted by this gateway's sweep. */
+  orphansSwept?: number;
 }
 
 /** How a broker without {@link FirstTurns} places a conversation with no fresh entry, resolving to its entry. */
