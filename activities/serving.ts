@@ -21,6 +21,8 @@ export const poolKey = (namespace: string, model: string): string => `${namespac
 export interface ServingDeps {
   runtime: Runtime;
   sessions: KV;
+  /** How a session's expiry reads its entry: the stream's leader (dataplane/kv-leader.ts), not any replica; default `sessions.get`. */
+  readSession?: (key: string) => Promise<KvEntry | null>;
   pools: KV;
   /** This worker's own queue, when its runtime's instances are its processes (named in each `InstanceInfo`). */
   runtimeQueue?: string;
@@ -236,8 +238,9 @@ export function createServingActivities(deps: ServingDeps) {
      * activity: one marker event.
      */
     async expireSession(input: { key: string }): Promise<{ ended: 'expired' | 'gone' } | { expiresAt: number }> {
+      const read = deps.readSession ?? ((key: string) => deps.sessions.get(key));
       for (;;) {
-        const e = await deps.sessions.get(input.key);
+        const e = await read(input.key);
         const entry = e && e.operation === 'PUT' ? decodeEntry(e) : undefined;
         if (!e || !entry) return { ended: 'gone' };
         if (entry.expiresAt > Date.now()) {

@@ -9,11 +9,13 @@
  *   npm run bench:conversations -- --rates 50 --minutes 10     # a 10-minute hold at one rate
  *   npm run bench:conversations -- --rates 10,20 --step-sec 30 --seed-live 100000
  *   npm run bench:conversations -- --demo smollm2 --max-tokens 16 --in-flight 256 --rates 8,16 --max-queue-wait 5s --no-floor
+ *   npm run bench:conversations -- --rates 45 --minutes 10 --ttl 120000          # steady state: sessions expire as they start
  *
  * `--demo smollm2` serves dev's default demo (SmolLM2-135M-Instruct: the engine is the limit)
  * instead of the tiny one; `--max-tokens` (default 1) is each turn's answer; `--in-flight N`
  * holds the client to N turns at once (the generator waits for one to end, as a client with a
- * connection pool does); `--max-queue-wait` is dev's `MAGUS_MAX_QUEUE_WAIT` (refusals then are
+ * connection pool does); `--stream` streams the turns and reports the time to their first text;
+ * `--max-queue-wait` is dev's `MAGUS_MAX_QUEUE_WAIT` (refusals then are
  * 429 `queue_full`, reported with their own latency); `--no-floor` skips Temporal's start-rate floor.
  *
  * Per step: answered/s, p50/p99 first-turn latency, errors by kind (HTTP status or client
@@ -48,6 +50,10 @@ const demo = arg('demo', 'tiny');
 const maxTokens = Number(arg('max-tokens', '1'));
 const inFlightCap = Number(arg('in-flight', 'Infinity'));
 const maxQueueWait = process.argv.includes('--max-queue-wait') ? arg('max-queue-wait', '5s') : undefined;
+/** `--ttl MS`: dev's MAGUS_SESSION_TTL_MS (a steady state: once warm, as many sessions expire as start). */
+const ttlMs = process.argv.includes('--ttl') ? arg('ttl', '120000') : undefined;
+/** `--stream`: turns are streamed, and the time to their first piece of text is reported too. */
+const streamed = process.argv.includes('--stream');
 if (demo !== 'tiny' && demo !== 'smollm2') throw new Error(`--demo ${demo}: tiny or smollm2`);
 const REQUEST_TIMEOUT_MS = 60_000;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
@@ -59,6 +65,7 @@ async function main(): Promise<void> {
   const dev = startDev('direct', ['--no-kube', ...(demo === 'tiny' ? ['--demo', 'tiny'] : []), '--data-dir', data], {
     ...process.env,
     ...(maxQueueWait !== undefined ? { MAGUS_MAX_QUEUE_WAIT: maxQueueWait } : {}),
+    ...(ttlMs !== undefined ? { MAGUS_SESSION_TTL_MS: ttlMs } : {}),
   });
   try {
     await dev.ready(600_000);
@@ -71,16 +78,24 @@ async function main(): Promise<void> {
     const model = ((await (await fetch(`${gatewayUrl}/v1/models`, { headers })).json()) as { data: { id: string }[] }).data[0]!.id;
     const [ns, name] = model.includes('/') ? model.split('/') : ['default', model];
     const poolId = poolWorkflowId(ns!, name!);
-    const turn = async (id: string): Promise<{ status: number | 'timeout'; ms: number; code?: string; at: number }> => {
+    const turn = async (id: string): Promise<{ status: number | 'timeout'; ms: number; firstMs?: number; code?: string; at: number }> => {
       const t0 = performance.now();
       try {
         const r = await fetch(`${gatewayUrl}/v1/chat/completions`, {
           method: 'POST',
           headers: { ...headers, 'x-session-id': id },
-          body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: maxTokens }),
+          body: JSON.stringify({ model, messages: [{ role: 'user', content: 'Hi' }], max_tokens: maxTokens, ...(streamed ? { stream: true } : {}) }),
           signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS),
         });
-        const text = await r.text();
+        // Streamed: when the first piece of text came (its wait in the queue, plus the prompt's evaluation).
+        let firstMs: number | undefined;
+        let text = '';
+        const decoder = new TextDecoder();
+        for await (const bytes of r.body ?? []) {
+          text += decoder.decode(bytes as Uint8Array, { stream: true });
+          if (streamed && firstMs === undefined && r.status === 200 && /"content":"[^"]/.test(text)) firstMs = performance.now() - t0;
+        }
+        if (firstMs !== undefined) return { status: r.status, ms: performance.now() - t0, firstMs, at: Date.now() };
         const code =
           r.status === 200
             ? undefined
@@ -138,9 +153,10 @@ async function main(): Promise<void> {
     for (const rate of rates) {
       const pids = processTree(dev.child.pid!);
       const cpu0 = new Map(pids.map((p) => [p, cpuOf(p)]));
+      const db0 = dbBytes();
       const events0 = await poolEvents();
       const t0 = Date.now();
-      const results: { status: number | 'timeout'; ms: number; code?: string; at: number }[] = [];
+      const results: { status: number | 'timeout'; ms: number; firstMs?: number; code?: string; at: number }[] = [];
       // dev's own gauges every 10 s (its gateway's /metrics): heap in use, the event loop's delay,
       // and first turns placed from a pool view its pool had not rewritten in time.
       const gauges: { at: number; heap: number; loopMax: number; stalePicks: number; serviceSec: number }[] = [];
@@ -231,8 +247,9 @@ async function main(): Promise<void> {
       const service = Math.max(0, ...gauges.map((x) => x.serviceSec || 0));
       const refusedAt =
         (queueFull.length > 0 ? `; queue_full answered in p50 ${fmt(p50(queueFull), 0)} ms, p99 ${fmt(p99(queueFull), 0)} ms` : '') +
-        (service > 0 ? `; an answer's service time (the bridge's mean) up to ${fmt(service, 2)} s` : '');
-      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms${refusedAt}; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB; dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
+        (service > 0 ? `; an answer's service time (the bridge's mean) up to ${fmt(service, 2)} s` : '') +
+        (streamed ? `; first text after p50 ${fmt(p50(ok.map((r) => r.firstMs ?? r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.firstMs ?? r.ms)), 0)} ms` : '');
+      const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms${refusedAt}; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB (${fmt((dbBytes() - db0) / 2 ** 20, 1)} MB more in the step); dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
       console.log(row);
       rows.push(row);
       if (errors.size > 0) {

@@ -12,6 +12,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { FullBacklogs } from './serving/backlogs';
 import { QueueWaits } from './serving/queue-waits';
+import { leaderGet } from '../dataplane/kv-leader';
 import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
@@ -228,6 +229,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     closers.push(() => limiter.stop());
     const tokens = combineTokenSources([...config.staticTokens.map((t) => staticTokenSource(t.entries, t.origin)), kvTokens]);
 
+    const jsm = await nc.jetstreamManager();
     let sessions: SessionBroker;
     let sessionCache: SessionCache | undefined;
     const temporal = deps.temporal;
@@ -244,7 +246,13 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         firstTurns: deps.firstTurns && {
           ...deps.firstTurns,
           ...(deps.firstTurns.demand && temporal ? { demand: guardDemand(deps.firstTurns.demand, temporal), reachable: () => temporal.reachable() } : {}),
-          sessions: sessionsKv,
+          // Reads after a lost compare-and-swap see the winner's write: the leader's, not a lagging replica's.
+          sessions: {
+            create: (k, v) => sessionsKv.create(k, v),
+            update: (k, v, version) => sessionsKv.update(k, v, version),
+            delete: (k, o) => sessionsKv.delete(k, o),
+            get: (k) => leaderGet(jsm, config.buckets.sessions, k),
+          },
           alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),
         },
         pools: await openBucket(nc, config.buckets.pools),
@@ -276,7 +284,6 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     closers.push(() => responses.close());
     // Frames published while this process was cut off are in the response stream: read them back.
     const js = nc.jetstream();
-    const jsm = await nc.jetstreamManager();
     const readStored = async (subject: string) => {
       const stored = await readStoredFrames(js, jsm, config.responseStream, subject);
       if (!stored.complete) metrics.framesGone.inc();

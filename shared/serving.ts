@@ -287,6 +287,8 @@ export interface BridgeLoad {
   queued: number;
   /** An answer's mean time in the engine, over the recent ones (null: none answered yet). */
   serviceMs: number | null;
+  /** How long ago `queued` was read (a slow read leaves an older one): requests sent since are not in it. */
+  queuedAgeMs?: number;
 }
 
 const count = (v: unknown): v is number => typeof v === 'number' && Number.isInteger(v) && v >= 0;
@@ -305,5 +307,5 @@ export function bridgeLoadOf(payload: Uint8Array | string): BridgeLoad | undefin
   const o = v as Record<string, unknown>;
   const serviceMs = o.serviceMs === null ? null : typeof o.serviceMs === 'number' && Number.isFinite(o.serviceMs) && o.serviceMs >= 0 ? o.serviceMs : undefined;
   if (!count(o.running) || !count(o.slots) || o.slots < 1 || !count(o.queued) || serviceMs === undefined) return undefined;
-  return { running: o.running, slots: o.slots, queued: o.queued, serviceMs };
+  return { running: o.running, slots: o.slots, queued: o.queued, serviceMs, ...(count(o.queuedAgeMs) ? { queuedAgeMs: o.queuedAgeMs } : {}) };
 }

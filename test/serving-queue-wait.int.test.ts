@@ -119,3 +119,66 @@ test(`a burst of ${BURST} turns on an engine that begins two a second: the exces
   expect([again.status, again.code]).toEqual([200, undefined]);
   expect(coldStarts).toEqual([]);
 }, 60_000);
+
+/**
+ * Four slots, answers of 1 s, turns offered at 20/s for 3 s (five times what the engine begins):
+ * what is admitted begins within the budget — each answer's first text comes no later than the
+ * budget after its request, plus the stub's 1 s before its first piece and a margin for this
+ * machine —, and the rest is refused at once.
+ */
+test('a stream of turns at five times what four slots begin: every admitted one begins within the budget', async () => {
+  const pool = 'queued4';
+  const budgetMs = 2_000;
+  const firstPieceMs = 1_000;
+  const coldStarts4: string[] = [];
+  await stack.open(stubInstanceStack(nc, names, { pool, instance: 'j1', slots: 4, engine: { delayMs: firstPieceMs, slots: 4, queue: 64 } }));
+  const pinned = await stack.open(
+    pinnedGatewayStack(nc, names, {
+      pool,
+      instance: 'j1',
+      sessionId: SESSION,
+      coldStarts: coldStarts4,
+      why: 'cold start',
+      env: { MAGUS_MAX_QUEUE_WAIT: `${budgetMs}ms` },
+    }),
+  );
+  await publishPoolView(nc, names, pool, ['j1']);
+  const ask = async (content: string): Promise<{ status: number; firstMs: number; ms: number }> => {
+    const t0 = performance.now();
+    const res = await fetch(`${pinned.gateway.url}/v1/chat/completions`, {
+      method: 'POST',
+      headers: { authorization: `Bearer ${pinned.openai.apiKey!}`, 'content-type': 'application/json', 'x-session-id': SESSION },
+      body: JSON.stringify({ model: pool, messages: [{ role: 'user', content }], max_tokens: 8, stream: true }),
+    });
+    let firstMs = NaN;
+    let text = '';
+    for await (const bytes of res.body ?? []) {
+      text += new TextDecoder().decode(bytes as Uint8Array);
+      if (Number.isNaN(firstMs) && /"content":"[^"]/.test(text)) firstMs = performance.now() - t0;
+    }
+    return { status: res.status, firstMs, ms: performance.now() - t0 };
+  };
+  for (const k of [0, 1, 2, 3]) expect((await ask(`warm ${k}`)).status).toBe(200);
+  await new Promise((resolve) => setTimeout(resolve, 600));
+  const asked: Promise<{ status: number; firstMs: number; ms: number }>[] = [];
+  for (let k = 0; k < 60; k++) {
+    asked.push(ask(`stream ${k}`));
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  const outcomes = await Promise.all(asked);
+  const answered = outcomes.filter((o) => o.status === 200);
+  const refused = outcomes.filter((o) => o.status !== 200);
+  const waits = answered.map((o) => o.firstMs - firstPieceMs).sort((a, b) => a - b);
+  process.stderr.write(
+    `serving-queue-wait: 4 slots, 60 turns at 20/s: ${answered.length} answered, waited up to ${Math.round(waits.at(-1)!)} ms (budget ${budgetMs}); ${refused.length} refused, slowest in ${Math.round(Math.max(...refused.map((o) => o.ms)))} ms\n`,
+  );
+  // Capacity is 4/s: about 12 of 3 s's turns, plus what the budget's queue holds (8).
+  expect(answered.length).toBeGreaterThanOrEqual(12);
+  expect(refused.length).toBeGreaterThanOrEqual(20);
+  for (const o of refused) {
+    expect(o.status).toBe(429);
+    expect(o.ms).toBeLessThan(1_000);
+  }
+  expect(waits.at(-1)!).toBeLessThan(budgetMs + 750);
+  expect(coldStarts4).toEqual([]);
+}, 60_000);

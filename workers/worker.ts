@@ -17,6 +17,7 @@ import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
 import { consumerNameOf, declareOnReconnect, ensureDataPlane, movedConsumerNameOf } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
+import { leaderGet } from '../dataplane/kv-leader';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { configuredRuntime } from '../activities/runtime';
 import type { WorkerRuntime } from '../activities/runtime/runtime';
@@ -262,6 +263,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
   const serving = createServingActivities({
     runtime,
     sessions: sessionsKv,
+    readSession: (key) => leaderGet(jsm, names.sessionsBucket, key),
     pools: poolsKv,
     ...(configured.ownsInstances ? { runtimeQueue } : {}),
     advertOf,

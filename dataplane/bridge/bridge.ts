@@ -178,8 +178,9 @@ export class Bridge {
   private stopped: Promise<void> | undefined;
   /** Deliveries being served (requests and moved answers; hand-backs not counted). */
   private running = 0;
-  /** Undelivered requests and moved answers, as last read (readQueued). */
+  /** Undelivered requests and moved answers, as last read (readQueued), and when that read was asked. */
   private queued = 0;
+  private queuedAt = 0;
   /** A beat is being made (its queue read). */
   private beating = false;
   /** The queue's read under way. */
@@ -496,7 +497,14 @@ export class Bridge {
 
   /** What this bridge's beat says of its load. */
   private load(): BridgeLoad {
-    return { running: this.running, slots: this.slots, queued: this.running >= this.slots ? this.queued : 0, serviceMs: this.service.mean() };
+    const saturated = this.running >= this.slots;
+    return {
+      running: this.running,
+      slots: this.slots,
+      queued: saturated ? this.queued : 0,
+      serviceMs: this.service.mean(),
+      ...(saturated ? { queuedAgeMs: Date.now() - this.queuedAt } : {}),
+    };
   }
 
   /**
@@ -507,9 +515,12 @@ export class Bridge {
     if (this.running < this.slots) return Promise.resolve();
     // One read at a time; a beat waits for it at most QUEUE_READ_WAIT_MS (a slow JetStream API
     // must not silence the beats: gateways would move this bridge's answers).
+    const asked = Date.now();
     this.reading ??= this.undelivered()
       .then((n) => {
-        if (n !== null) this.queued = n;
+        if (n === null) return;
+        this.queued = n;
+        this.queuedAt = asked;
       })
       .catch(() => undefined)
       .finally(() => (this.reading = undefined));

@@ -35,6 +35,11 @@ describe('QueueWaits', () => {
     t += 250;
     w.beat('p.i1', load(2, 4, 1_000));
     expect(w.waitMs('p', 'i1')).toBe(2_500);
+    // A beat whose queue was read a second before it (a slow read): what was sent since still counts.
+    w.published('p', 'i1');
+    t += 600;
+    w.beat('p.i1', { ...load(2, 4, 1_000), queuedAgeMs: 1_000 });
+    expect(w.waitMs('p', 'i1')).toBe(3_000);
   });
 
   it('knows nothing of an instance unheard, silent, empty-beating or without a service time', () => {

@@ -43,7 +43,8 @@ export class QueueWaits {
   beat(key: string, load: BridgeLoad | undefined): void {
     if (!load) return void this.heard.delete(key);
     const at = this.now();
-    const since = at - SENT_OVERLAP_MS;
+    // Sends after the queue was read are not in it (its age: a read the bridge waited on long is older).
+    const since = at - Math.min(load.queuedAgeMs ?? 0, LOAD_FRESH_MS) - SENT_OVERLAP_MS;
     this.heard.set(key, { load, at, sent: (this.heard.get(key)?.sent ?? []).filter((t) => t > since) });
   }
 

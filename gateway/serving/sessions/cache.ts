@@ -185,7 +185,8 @@ export class SessionCache implements SessionBroker {
     }
     if (best) {
       this.counters.refusedForQueueWait++;
-      this.placement?.refusedForWait(model);
+      // Demand only where the pool may grow: at its maximum, telling it costs its history events and changes nothing.
+      if (this.views.viewOf(model.namespace, model.name)?.growable !== false) this.placement?.refusedForWait(model);
     }
     return best;
   }
