@@ -170,7 +170,7 @@ async function main(): Promise<void> {
               heap: sample('nodejs_heap_size_used_bytes'),
               loopMax: sample('nodejs_eventloop_delay_max_seconds'),
               stalePicks: sample('magus_gateway_stale_view_picks_total'),
-              // The engines' mean service time as their bridges measure it (the longest of them).
+              // The engines' service time as their bridges measure it (90th percentile of the last 32; the longest of them).
               serviceSec: Math.max(0, ...[...text.matchAll(/^magus_bridge_service_seconds\{[^}]*\} (\S+)$/gm)].map((m) => Number(m[1]))),
             });
           },
@@ -247,7 +247,7 @@ async function main(): Promise<void> {
       const service = Math.max(0, ...gauges.map((x) => x.serviceSec || 0));
       const refusedAt =
         (queueFull.length > 0 ? `; queue_full answered in p50 ${fmt(p50(queueFull), 0)} ms, p99 ${fmt(p99(queueFull), 0)} ms` : '') +
-        (service > 0 ? `; an answer's service time (the bridge's mean) up to ${fmt(service, 2)} s` : '') +
+        (service > 0 ? `; an answer's service time (the bridge's p90) up to ${fmt(service, 2)} s` : '') +
         (streamed ? `; first text after p50 ${fmt(p50(ok.map((r) => r.firstMs ?? r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.firstMs ?? r.ms)), 0)} ms` : '');
       const row = `${rate}/s for ${fmt(secs, 0)} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms${refusedAt}; errors ${errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')}; pool ${fmt((events * 60) / secs, 0)} events/min; ${sampled > 0 ? fmt(sessionEvents / sampled, 1) : '—'} events per session (${sampled} sampled); temporal.db ${fmt(dbBytes() / 2 ** 20, 0)} MB (${fmt((dbBytes() - db0) / 2 ** 20, 1)} MB more in the step); dev's heap up to ${fmt(heapMax / 2 ** 20, 0)} MB, its event loop delayed up to ${fmt(loopMax * 1000, 0)} ms; ${fmt(Math.max(0, ...gauges.map((x) => x.stalePicks || 0)), 0)} first turns placed from a stale pool view\n    ${cpu.join('; ')}`;
       console.log(row);

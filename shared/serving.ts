@@ -285,7 +285,7 @@ export interface BridgeLoad {
   slots: number;
   /** Requests and moved answers queued for it and not delivered yet (read only while every slot is taken; else 0). */
   queued: number;
-  /** An answer's mean time in the engine, over the recent ones (null: none answered yet). */
+  /** An answer's time in the engine: the 90th percentile of the recent ones (null: none answered yet). */
   serviceMs: number | null;
   /** How long ago `queued` was read (a slow read leaves an older one): requests sent since are not in it. */
   queuedAgeMs?: number;

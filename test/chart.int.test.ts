@@ -259,6 +259,11 @@ const BAD_VALUES: { why: string; values: string; message: RegExp; lintFails?: fa
     values: 'gateway: {responsesTtl: a month}',
     message: /at '\/gateway\/responsesTtl': 'a month' does not match pattern/,
   },
+  {
+    why: 'a queue wait that is no duration',
+    values: 'gateway: {maxQueueWait: 5 seconds}',
+    message: /at '\/gateway\/maxQueueWait': '5 seconds' does not match pattern/,
+  },
   // A cross-field rule JSON Schema cannot state: a `fail` in the template. helm lint reports it
   // (as [INFO] Fail: …) but passes: Helm's lint mode never fails on `fail`.
   {

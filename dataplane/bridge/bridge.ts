@@ -502,7 +502,7 @@ export class Bridge {
       running: this.running,
       slots: this.slots,
       queued: saturated ? this.queued : 0,
-      serviceMs: this.service.mean(),
+      serviceMs: this.service.p90(),
       ...(saturated ? { queuedAgeMs: Date.now() - this.queuedAt } : {}),
     };
   }
@@ -533,8 +533,11 @@ export class Bridge {
 export const startBridge = (opts: BridgeOptions): Promise<Bridge> => Bridge.start(opts);
 
 /**
- * The mean of the last {@link ServiceTimes.SIZE} service times: how fast an instance drains its
- * queue is `slots / mean` while every slot is taken.
+ * The last {@link ServiceTimes.SIZE} service times: an instance drains its queue at about
+ * `slots / mean` while every slot is taken. What a beat says is their 90th percentile: a gateway
+ * bounding a turn's wait by it errs on the side of a wait shorter than its budget (a real engine's
+ * answers take longer as its batch fills and its cores are shared), and the engine's queue is kept
+ * no less full for it — only the excess is refused sooner.
  */
 export class ServiceTimes {
   static readonly SIZE = 32;
@@ -555,5 +558,12 @@ export class ServiceTimes {
   /** The mean, or null before the first. */
   mean(): number | null {
     return this.times.length === 0 ? null : Math.round(this.sum / this.times.length);
+  }
+
+  /** The 90th percentile (nearest rank), or null before the first. */
+  p90(): number | null {
+    if (this.times.length === 0) return null;
+    const sorted = [...this.times].sort((a, b) => a - b);
+    return sorted[Math.ceil(0.9 * sorted.length) - 1]!;
   }
 }

@@ -49,7 +49,7 @@ export interface BridgeHealth {
   problems: string[];
   inFlight: number;
   slots: number;
-  /** What its beats say (shared/serving.ts `BridgeLoad`): undelivered requests while every slot is taken, and the mean service time of the last answers (null: none yet). */
+  /** What its beats say (shared/serving.ts `BridgeLoad`): undelivered requests while every slot is taken, and the 90th percentile of its last answers' service times (null: none yet). */
   queued?: number;
   serviceMs?: number | null;
 }
@@ -117,7 +117,7 @@ export function bridgeMetricsText(bridges: readonly BridgeSample[], usage: Usage
   );
   family(
     'magus_bridge_service_seconds',
-    'Mean time its last 32 deliveries took to serve (0 before the first): a gateway expects a queued request to wait (ahead + 1) × this / slots.',
+    'The 90th percentile of the time its last 32 deliveries took to serve (0 before the first): a gateway expects a queued request to wait (ahead + 1) × this / slots.',
     'gauge',
     (b) => (b.health.serviceMs ?? 0) / 1000,
   );

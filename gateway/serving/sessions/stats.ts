@@ -17,34 +17,6 @@ export class SessionCounters {
 
   /** The counters with the one gauge kept elsewhere (sessions waiting to start: starts.ts). */
   snapshot(pendingSessionStarts: number): SessionStats {
-    const {
-      warmHits,
-      coldStarts,
-      firstTurns,
-      moves,
-      renewals,
-      givenBack,
-      staleViewPicks,
-      refusedForPendingStarts,
-      queueMoves,
-      refusedForQueueWait,
-      orphansAdopted,
-      orphansSwept,
-    } = this;
-    return {
-      warmHits,
-      coldStarts,
-      firstTurns,
-      moves,
-      renewals,
-      givenBack,
-      staleViewPicks,
-      pendingSessionStarts,
-      refusedForPendingStarts,
-      queueMoves,
-      refusedForQueueWait,
-      orphansAdopted,
-      orphansSwept,
-    };
+    return { ...this, pendingSessionStarts };
   }
 }
