@@ -555,6 +555,23 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(cache.queueAdmit(model, key('unknown'))).toBeUndefined();
   });
 
+  it('queue waits: a warm turn moved off a long queue goes to an instance within the budget even when that one is past its leases — it never waits for a start', async () => {
+    await publishPool(['i1', 'i2'], 1);
+    const waits = new QueueWaits(2_000);
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await cache.ready;
+    const warm = key('warm-full');
+    await kv.put(warm, enc(placed('i1')));
+    await kv.put(key('other'), enc(placed('i2')));
+    await until('the view and entries mirrored', () => cache!.pools!.get(poolKey) !== undefined && cache!.leasesOn('default', 'tiny', 'i2') === 1, 10_000);
+    waits.beat('tiny.i1', { running: 1, slots: 1, queued: 5, serviceMs: 1_000 });
+    waits.beat('tiny.i2', { running: 0, slots: 1, queued: 0, serviceMs: 1_000 });
+    const t0 = Date.now();
+    expect((await cache.acquire(req(warm))).instance).toBe('i2');
+    expect(Date.now() - t0).toBeLessThan(1_000);
+    expect(demands).toEqual([]);
+  });
+
   it('orphans: a warm entry placed over a TTL ago that no session ever marked gets its session once; one expired 5 min ago is deleted by the sweep', async () => {
     await publishPool(['i1'], 100);
     cache = await start();

@@ -129,7 +129,14 @@ export class Placement {
           `${starts.pending} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`,
         );
       }
-      const target = picked ? await this.room(req.model, signal) : { instance: entry!.instance, subject: entry!.subject };
+      // Moved for its queue alone (its instance serves): to the picker's choice whatever its leases — a
+      // warm turn never waits for a start —, else kept where it is.
+      const forQueue = entry !== undefined && !views.gone(entry) && crowded(entry);
+      const target = !picked
+        ? { instance: entry!.instance, subject: entry!.subject }
+        : forQueue
+          ? picker.reserve(req.model, picker.pick(req.model, { anyLoad: true }) ?? { instance: entry!.instance, subject: entry!.subject, leases: 0 })
+          : await this.room(req.model, signal);
       try {
         const placedAt = entry && entry.instance === target.instance ? (entry.placedAt ?? now()) : now();
         const next: SessionEntry = {
