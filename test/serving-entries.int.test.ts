@@ -87,16 +87,12 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   const twice = `twice-${randomBytes(4).toString('hex')}`;
   await kv.create(twice, encode(entry('x-1', Date.now() + ttl)));
   const h2 = await startSession(twice, Date.now() + ttl, ttl);
-  let watched = false;
   for (let k = 0; k < 2; k++) {
     await sleep(ttl - 500);
-    // As a gateway renews: compare-and-swap on what it read, keeping what it did not write.
+    // As a gateway renews: compare-and-swap on what it read, keeping what it did not write (the session's mark).
     const e = (await kv.get(twice))!;
-    watched ||= decode(e.value).watched === true;
     await kv.update(twice, encode({ ...decode(e.value), expiresAt: Date.now() + ttl }), e.revision);
   }
-  // The session's first look at the renewed entry marked it as having a session (orphans have not).
-  expect(watched).toBe(true);
   await h1.result();
   await h2.result();
   expect(await kv.get(once).then((e) => e?.operation)).not.toBe('PUT');
@@ -147,6 +143,11 @@ test('a renewal landing between the expiry’s read and its delete wins; an entr
   expect(Object.keys(r)).toEqual(['expiresAt']);
   expect((r as { expiresAt: number }).expiresAt).toBeGreaterThan(Date.now());
   expect(decode((await kv.get(key))!.value).expiresAt).toBe((r as { expiresAt: number }).expiresAt);
+  // Renewed, the entry is marked as having its session (an orphan has not: gateway/serving/sessions/placement.ts), once.
+  expect(decode((await kv.get(key))!.value).watched).toBe(true);
+  const marked = (await kv.get(key))!.revision;
+  await acts.expireSession({ key });
+  expect((await kv.get(key))!.revision).toBe(marked);
   // Expired with nobody renewing: deleted. Gone already: nothing to do.
   await kv.put(key, encode(entry('x-1', Date.now() - 1)));
   expect(await acts.expireSession({ key })).toEqual({ ended: 'expired' });

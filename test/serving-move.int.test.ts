@@ -78,7 +78,16 @@ beforeAll(async () => {
   }
   // The conversation is on i1; the pool publishes both.
   ({ openai, gateway, secret } = await stack.open(
-    pinnedGatewayStack(nc, names, { tokenId: TOKEN_ID, pool: POOL, instance: 'i1', sessionId: SESSION, coldStarts, why: 'cold start in the move test' }),
+    // Streams are queued behind each other on purpose (one slot each): no bound on their wait (serving-queue-wait tests it).
+    pinnedGatewayStack(nc, names, {
+      tokenId: TOKEN_ID,
+      pool: POOL,
+      instance: 'i1',
+      sessionId: SESSION,
+      coldStarts,
+      why: 'cold start in the move test',
+      env: { MAGUS_MAX_QUEUE_WAIT: '0' },
+    }),
   ));
   await publishPoolView(nc, names, POOL, ['i1', 'i2']);
 }, 180_000);
@@ -289,7 +298,7 @@ test('a stream whose gateway died, then whose engine was SIGKILLed: resumed on a
     nc: doomedNc,
     secret,
     tokens: { [TOKEN_ID]: openai.apiKey! },
-    env: { MAGUS_LOG_LEVEL: 'silent' },
+    env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_MAX_QUEUE_WAIT: '0' },
     deps: { coldStart: refusedColdStart(coldStarts, 'cold start in the move test') },
   });
   const handedBack = bridges.i1!.stats.handedBack;
