@@ -543,21 +543,13 @@ export class ServiceTimes {
   static readonly SIZE = 32;
   private readonly times: number[] = [];
   private next = 0;
-  private sum = 0;
 
   add(ms: number): void {
     if (this.times.length < ServiceTimes.SIZE) this.times.push(ms);
     else {
-      this.sum -= this.times[this.next]!;
       this.times[this.next] = ms;
       this.next = (this.next + 1) % ServiceTimes.SIZE;
     }
-    this.sum += ms;
-  }
-
-  /** The mean, or null before the first. */
-  mean(): number | null {
-    return this.times.length === 0 ? null : Math.round(this.sum / this.times.length);
   }
 
   /** The 90th percentile (nearest rank), or null before the first. */
