@@ -119,9 +119,11 @@ export class Placement {
     const crowded = (e: CachedEntry) => this.parts.crowded?.(req.model, e) === true;
     for (let attempt = 0; attempt < PLACE_ATTEMPTS; attempt++) {
       const t = now();
-      if (entry && usable(entry, t, marginMs, views) && !crowded(entry)) return entry; // another turn placed it meanwhile
+      // Moved for its queue alone: its instance serves, but would keep the turn waiting past the budget.
+      const forQueue = entry !== undefined && !views.gone(entry) && crowded(entry);
+      if (entry && usable(entry, t, marginMs, views) && !forQueue) return entry; // another turn placed it meanwhile
       // A pick is reserved at once (concurrent turns of this replica see it before its entry is written).
-      const picked = !(entry && !views.gone(entry) && !crowded(entry));
+      const picked = !(entry && !views.gone(entry)) || forQueue;
       if (!entry && starts.full) {
         counters.refusedForPendingStarts++;
         throw new SessionError(
@@ -129,9 +131,7 @@ export class Placement {
           `${starts.pending} conversations answered by this gateway still wait for their session workflow to start (Temporal starts them more slowly than they arrive): no new one until they drain`,
         );
       }
-      // Moved for its queue alone (its instance serves): to the picker's choice whatever its leases — a
-      // warm turn never waits for a start —, else kept where it is.
-      const forQueue = entry !== undefined && !views.gone(entry) && crowded(entry);
+      // Moved for its queue: to the picker's choice whatever its leases (a warm turn never waits for a start), else kept where it is.
       const target = !picked
         ? { instance: entry!.instance, subject: entry!.subject }
         : forQueue
