@@ -1,6 +1,6 @@
 /** The frame codec and the ordering rule (frames.ts), as the gateway relays and a take-over reads back; gap timers with fake timers. */
 import type { ResponseFrame } from '../shared/serving';
-import { decodeFrame, encodeFrame, FrameSequencer } from './frames';
+import { decodeFrame, encodeFrame, FrameParts, FrameSequencer, splitFrame } from './frames';
 
 const c = (seq: number, text = `t${seq}`): ResponseFrame => ({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: text } }] } });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -137,6 +137,11 @@ describe('frame codec', () => {
       { seq: 1, type: 'restart' },
       { seq: 0, type: 'error' },
       { seq: 0, type: 'error', error: null },
+      { seq: 0, type: 'part' },
+      { seq: 0, type: 'part', piece: 7 },
+      { seq: 1, type: 'done', parts: 0 },
+      { seq: 1, type: 'done', parts: 1.5 },
+      { seq: 1, type: 'done', parts: '2' },
       { type: 'done' },
       null,
       'x',
@@ -145,5 +150,61 @@ describe('frame codec', () => {
     for (const v of bad) expect(decodeFrame(enc(v))).toBeUndefined();
     expect(decodeFrame(new TextEncoder().encode('{not json'))).toBeUndefined();
     expect(decodeFrame(new TextEncoder().encode('{'))).toBeUndefined();
+  });
+});
+
+describe('an answer larger than a message (splitFrame, FrameParts)', () => {
+  const LIMIT = 4096;
+  /** A completion of about `n` bytes, with text that is not ASCII (a piece may cut a character). */
+  const completion = (n: number) => ({ object: 'chat.completion', choices: [{ message: { content: 'héllo wörld ✓ '.repeat(Math.ceil(n / 18)) } }] });
+  /** The frames relayed in order, joined as the gateway joins them. */
+  const joined = (frames: ResponseFrame[]) => {
+    const s = new FrameSequencer();
+    const parts = new FrameParts();
+    const out: ResponseFrame[] = [];
+    for (const f of frames.flatMap((x) => s.push(x))) {
+      if (f.type === 'part') expect(parts.add(f)).toBe(true);
+      else out.push(f.type === 'done' ? parts.join(f)! : f);
+    }
+    return { out, finished: s.finished };
+  };
+
+  it('leaves a frame that fits, a chunk, an error and a done without data as they are', () => {
+    for (const f of [c(0), err(1), { seq: 2, type: 'done' } as ResponseFrame, { seq: 3, type: 'done', data: completion(100) } as ResponseFrame])
+      expect(splitFrame(f, LIMIT)).toEqual([f]);
+  });
+
+  it('cuts a larger done into parts each within the limit, numbered on, and a done that counts them; joined, it is the same answer', () => {
+    const whole: ResponseFrame = { seq: 5, type: 'done', data: completion(50_000) };
+    const frames = splitFrame(whole, LIMIT);
+    expect(frames.length).toBeGreaterThan(10);
+    expect(frames.map((f) => f.seq)).toEqual(frames.map((_, k) => 5 + k));
+    for (const f of frames) expect(encodeFrame(f).length).toBeLessThanOrEqual(LIMIT);
+    // Every one survives the codec, and only the last ends the response.
+    expect(frames.map((f) => decodeFrame(encodeFrame(f)))).toEqual(frames);
+    expect(frames.at(-1)).toEqual({ seq: 5 + frames.length - 1, type: 'done', parts: frames.length - 1 });
+    const prefix = [c(0), c(1), c(2), c(3), c(4)];
+    // Out of order, with duplicates: the sequencer puts them right first.
+    const shuffled = [...prefix, ...frames].reverse().concat(frames.slice(0, 3));
+    const { out, finished } = joined(shuffled);
+    expect(finished).toBe(true);
+    expect(out).toEqual([...prefix, { seq: whole.seq + frames.length - 1, type: 'done', data: whole.data }]);
+  });
+
+  it('joins only the parts its done counts: those of an attempt that died halfway through its own are not the answer', () => {
+    const first = splitFrame({ seq: 0, type: 'done', data: completion(20_000) }, LIMIT);
+    const stale = first.slice(0, 3); // published before the bridge died: no done
+    const answer = { answer: 'the second attempt '.repeat(100) };
+    const again = splitFrame({ seq: stale.length, type: 'done', data: answer }, 1024);
+    expect(again.length).toBeGreaterThan(1);
+    const { out } = joined([...stale, ...again]);
+    expect(out).toEqual([{ seq: again.at(-1)!.seq, type: 'done', data: answer }]);
+  });
+
+  it('a done that counts parts that never came, or that do not join into JSON, is no answer', () => {
+    const parts = new FrameParts();
+    expect(parts.join({ seq: 1, type: 'done', parts: 2 })).toBeUndefined();
+    parts.add({ seq: 0, type: 'part', piece: Buffer.from('{"a":').toString('base64') });
+    expect(parts.join({ seq: 1, type: 'done', parts: 1 })).toBeUndefined();
   });
 });

@@ -29,9 +29,87 @@ export function decodeFrame(bytes: Uint8Array): ResponseFrame | undefined {
   if (typeof v !== 'object' || v === null) return undefined;
   const f = v as { seq?: unknown; type?: unknown; error?: unknown };
   if (typeof f.seq !== 'number' || !Number.isSafeInteger(f.seq) || f.seq < 0) return undefined;
-  if (f.type === 'chunk' || f.type === 'done') return v as ResponseFrame;
+  if (f.type === 'chunk') return v as ResponseFrame;
+  if (f.type === 'done') {
+    const parts = (v as { parts?: unknown }).parts;
+    return parts === undefined || (Number.isSafeInteger(parts) && (parts as number) > 0) ? (v as ResponseFrame) : undefined;
+  }
+  if (f.type === 'part') return typeof (v as { piece?: unknown }).piece === 'string' ? (v as ResponseFrame) : undefined;
   if (f.type === 'error' && typeof f.error === 'object' && f.error !== null) return v as ResponseFrame;
   return undefined;
+}
+
+/** nats-server's `max_payload` unless it is configured otherwise (1 MiB). */
+export const DEFAULT_MAX_PAYLOAD = 1024 * 1024;
+
+/**
+ * Bytes a frame's encoding may take beside the message's other costs: a NATS message's payload
+ * and headers count toward `max_payload`, and a frame goes out with no headers, so only the
+ * margin a stored copy's envelope might need is kept back.
+ */
+const FRAME_MARGIN_BYTES = 512;
+
+/** The bytes of a `part`'s envelope (`{"seq":…,"type":"part","piece":""}`), with room for any seq. */
+const PART_ENVELOPE_BYTES = 64;
+
+/**
+ * `frame` as published within `maxPayload` bytes per message: itself when it fits; a `done` whose
+ * data does not is its data's JSON (UTF-8) cut into `part` frames, base64 each, numbered from
+ * `frame.seq` on, then a `done` with no data that says how many (`parts`), numbered after them.
+ * A chunk or an error is never larger than a few kilobytes and is returned as it is.
+ */
+export function splitFrame(frame: ResponseFrame, maxPayload: number): ResponseFrame[] {
+  if (frame.type !== 'done' || frame.data === undefined) return [frame];
+  const budget = maxPayload - FRAME_MARGIN_BYTES;
+  if (encodeFrame(frame).length <= budget) return [frame];
+  const bytes = Buffer.from(JSON.stringify(frame.data), 'utf8');
+  // base64 takes 4 bytes for every 3.
+  const per = Math.floor((budget - PART_ENVELOPE_BYTES) / 4) * 3;
+  if (per <= 0) throw new Error(`max_payload ${maxPayload} leaves no room for a frame`);
+  const out: ResponseFrame[] = [];
+  for (let at = 0; at < bytes.length; at += per) {
+    out.push({ seq: frame.seq + out.length, type: 'part', piece: bytes.subarray(at, at + per).toString('base64') });
+  }
+  out.push({ seq: frame.seq + out.length, type: 'done', parts: out.length });
+  return out;
+}
+
+/** Most bytes a split answer may have, joined: beyond it the answer is refused, not held. */
+export const MAX_JOINED_BYTES = 64 * 1024 * 1024;
+
+/**
+ * The `part` frames of one response as they are relayed (in seq order), joined into the `done`
+ * that follows them. Only the last `parts` pieces belong to it: an attempt that died halfway
+ * through its parts left pieces that a later attempt's `done` does not count.
+ */
+export class FrameParts {
+  private pieces: Buffer[] = [];
+  private bytes = 0;
+
+  /** Keeps a part's piece; false when the pieces so far exceed {@link MAX_JOINED_BYTES}. */
+  add(frame: Extract<ResponseFrame, { type: 'part' }>): boolean {
+    const piece = Buffer.from(frame.piece, 'base64');
+    this.pieces.push(piece);
+    this.bytes += piece.length;
+    return this.bytes <= MAX_JOINED_BYTES;
+  }
+
+  /**
+   * `done` with its data: as it came, or joined from the pieces it counts. Undefined when it
+   * counts more pieces than came, or they do not join into JSON.
+   */
+  join(done: Extract<ResponseFrame, { type: 'done' }>): Extract<ResponseFrame, { type: 'done' }> | undefined {
+    if (done.parts === undefined) return done;
+    if (done.parts > this.pieces.length) return undefined;
+    const joined = Buffer.concat(this.pieces.slice(this.pieces.length - done.parts));
+    this.pieces = [];
+    this.bytes = 0;
+    try {
+      return { seq: done.seq, type: 'done', data: JSON.parse(joined.toString('utf8')) as unknown };
+    } catch {
+      return undefined;
+    }
+  }
 }
 
 /** Frames held behind a missing seq, at most; one more gives the gap up at once (bounded memory). */
@@ -92,7 +170,7 @@ export class FrameSequencer {
       this.held.delete(f.seq);
       this.next += 1;
       out.push(f);
-      if (f.type !== 'chunk') {
+      if (f.type === 'done' || f.type === 'error') {
         this.ended = true;
         this.stop(); // terminal: nothing after it is relayed
       }

@@ -214,7 +214,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     onReconnect.push(() => kvTokens.cache.reopen());
     // Declared here: gateways are the only writers and readers of stored responses, and hold their TTL.
     const responsesKv = await ensureResponsesBucket(nc, config.buckets.responses, { maxAgeMs: config.responsesTtlMs, replicas: config.natsReplicas });
-    const storedResponses = kvResponseStore(responsesKv);
+    const storedResponses = kvResponseStore(responsesKv, { maxPayload: () => nc.info?.max_payload });
     const limitsKv = await openBucket(nc, config.buckets.limits);
     // The key this gateway signs its requests' meters with (dataplane/meter.ts): made by the first gateway.
     const meterKey = await meterKeyOf(limitsKv, { create: true });

@@ -83,7 +83,8 @@ export type InferenceRequest = ChatInference | EmbeddingsInference | Completions
 /**
  * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and
  * duplicates. Streaming: `chunk`* then `done`; non-streaming: a single `done` carrying the whole
- * completion; failure at any point: `error` (terminal).
+ * completion (or, when that is larger than a NATS message may be, `part`s then a `done` that says
+ * how many); failure at any point: `error` (terminal).
  */
 export type ResponseFrame =
   | {
@@ -94,7 +95,23 @@ export type ResponseFrame =
       /** The ids of the tokens its text begins, from an engine that can continue an answer (shared/continuation.ts); not relayed to clients. */
       tokens?: number[];
     }
-  | { seq: number; type: 'done'; data?: unknown } // the `chat.completion` when not streaming
+  | {
+      seq: number;
+      type: 'done';
+      /** The `chat.completion` (or other whole answer) when not streaming. */
+      data?: unknown;
+      /**
+       * Instead of `data`: it was larger than a NATS message may be, and is the last `parts` frames
+       * before this one (`part`), joined (dataplane/frames.ts `splitFrame`, `FrameParts`).
+       */
+      parts?: number;
+    }
+  | {
+      seq: number;
+      /** A slice of the next `done` frame's data (its JSON as UTF-8, base64): never relayed by itself. */
+      type: 'part';
+      piece: string;
+    }
   | {
       seq: number;
       type: 'error';

@@ -12,6 +12,7 @@ import type { UsageLedger } from '../usage';
 import { BridgeErrorCode, errorFrame } from './error-frames';
 import type { BridgeStats } from './metrics';
 import { PendingFrames, type StoredFramePublisher } from './stored-frames';
+import { DEFAULT_MAX_PAYLOAD, splitFrame } from '../frames';
 import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
 import { handBackFrame, movable } from './generate';
 
@@ -111,7 +112,7 @@ export class Attempt {
 
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
   note(frame: ResponseFrame): void {
-    if (frame.type === 'error') return;
+    if (frame.type === 'error' || frame.type === 'part') return;
     const tokens = usageIn(frame.data);
     if (tokens) this.tokens = tokens;
     else if (frame.type === 'chunk' && ((frame.data as { choices?: unknown[] } | null)?.choices ?? []).length > 0) this.chunks += 1;
@@ -248,16 +249,21 @@ export class Attempt {
    * Superseded (the CAS fails): nothing more is published and the message is left to its owner.
    * A first delivery that wrote no claim and published its terminal frame writes none at all:
    * `MAGUS_RESPONSES` holds the frame, and a redelivery (a lost ack) reads it back and replays it.
+   * A whole answer larger than a NATS message may be goes out as parts before a terminal frame
+   * that says how many (frames.ts `splitFrame`); the claim records that small terminal frame.
    */
-  async conclude(frame: ResponseFrame, resolve: 'ack' | 'term'): Promise<void> {
+  async conclude(whole: ResponseFrame, resolve: 'ack' | 'term'): Promise<void> {
     const { ctx } = this;
     this.concluding = true;
-    this.note(frame);
-    const usage = this.usageRecord(frame);
+    this.note(whole);
+    const usage = this.usageRecord(whole);
+    const out = splitFrame(whole, ctx.nc.info?.max_payload ?? DEFAULT_MAX_PAYLOAD);
+    const frame = out.at(-1)!;
+    this.nextSeq = frame.seq + 1;
     const early = ctx.isConnected() && !this.paused && !this.signal.aborted;
     if (early) {
       try {
-        ctx.frames.publish(this.pending, this.req.replyTo, frame);
+        for (const f of out) ctx.frames.publish(this.pending, this.req.replyTo, f);
       } catch {
         this.abort('closed');
         return;
@@ -296,8 +302,7 @@ export class Attempt {
       // The CAS proved we own the request: publish what is held and the terminal frame.
       this.paused = false;
       ctx.frames.resend(this.pending, true);
-      for (const f of this.held.splice(0)) ctx.frames.publish(this.pending, this.req.replyTo, f);
-      ctx.frames.publish(this.pending, this.req.replyTo, frame);
+      for (const f of [...this.held.splice(0), ...out]) ctx.frames.publish(this.pending, this.req.replyTo, f);
     }
     await this.whenStored();
     if (!(await recordUsage(ctx, usage, this.signal))) return;

@@ -7,7 +7,7 @@
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
 import type { RequestClaims } from '../claims';
-import { encodeFrame } from '../frames';
+import { encodeFrame, FrameParts } from '../frames';
 import type { DataPlaneNames } from '../names';
 import { readStoredFrames } from '../response-stream';
 import { recordUsage, type Attempt, type Outcome } from './attempt';
@@ -155,14 +155,20 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
         return;
       }
       prior = stored.frames;
-      for (const f of prior) a.note(f);
+      // A large answer's parts say its usage only once joined into their `done`.
+      const parts = new FrameParts();
+      for (const f of prior) {
+        if (f.type === 'part') parts.add(f);
+        else a.note(f.type === 'done' ? (parts.join(f) ?? f) : f);
+      }
       a.nextSeq = prior.length;
       if (prior.length > 0) {
         stats.resumed += 1;
         log(`request ${req.id}: attempt ${a.claim.attempt} resumes after ${prior.length} frames`);
       }
       const last = prior.at(-1);
-      if (last && last.type !== 'chunk') return await a.conclude(last, 'ack'); // answered, but never claimed finished
+      if (last && (last.type === 'done' || last.type === 'error')) return await a.conclude(last, 'ack'); // answered, but never claimed finished
+      // (Ending in parts: it died halfway through a large answer's; answered again, its own parts follow.)
       if (!stored.complete) {
         // Frames of the request are gone (MAGUS_RESPONSES evicted or aged them out): what the
         // client has cannot be known. End after the highest seq stored, which it may have.

@@ -51,7 +51,8 @@ export function replayFrames(draft: ResponseDraft, frames: readonly ResponseFram
     if (!f) break;
     if (f.type === 'chunk') events.push(...draft.chunk(f.data));
     else if (f.type === 'done') events.push(...draft.finish().events);
-    else events.push(...draft.failed(f.error.code ?? f.error.type, f.error.message, f.error.status === 499));
+    else if (f.type === 'error') events.push(...draft.failed(f.error.code ?? f.error.type, f.error.message, f.error.status === 499));
+    // A run streams: its `done` carries no data, so it never comes in parts.
   }
   return events;
 }

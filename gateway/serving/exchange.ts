@@ -22,7 +22,7 @@ import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared
 import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, requestSubjectFor, scopeSubject, streamAckProblem } from '../../dataplane';
 
 export { streamAckProblem };
-import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
+import { decodeFrame, FrameParts, FrameSequencer, MAX_JOINED_BYTES } from '../../dataplane/frames';
 import { AnswerSoFar, BEAT_EVERY_MS, CONTINUE_ELSEWHERE, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
@@ -478,17 +478,25 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     };
     const newSequencer = () => new FrameSequencer({ gapTimeoutMs: opts.gapTimeoutMs, onGap: lost, onGapTimeout: opts.readBack ? readBack : undefined });
     let sequencer = newSequencer();
+    /** A whole answer larger than a NATS message comes in parts before its `done` (dataplane/frames.ts `splitFrame`). */
+    let parts = new FrameParts();
     const deliver = (frame: ResponseFrame) => {
       for (const f of sequencer.push(frame)) {
         if (finished) return;
-        if (f.type === 'chunk') {
+        if (f.type === 'part') {
+          if (!parts.add(f))
+            fail('answer_too_large', errors.upstream(502, 'answer_too_large'), new Error(`${current.req.id}'s answer is over ${MAX_JOINED_BYTES} bytes`));
+        } else if (f.type === 'done') {
+          const done = parts.join(f);
+          if (done) finish(undefined, done.data);
+          else fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`the parts of ${current.req.id}'s answer do not join`));
+        } else if (f.type === 'chunk') {
           if (current.req !== req && relayedChunks > 0 && roleOnly(f.data)) continue; // a continuation generated afresh: its role was said
           said.add(f);
           relayedChunks += 1;
           createdAt ??= createdOf(f.data);
           opts.onChunk?.(f.data, base + f.seq);
-        } else if (f.type === 'done') finish(undefined, f.data);
-        else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq);
+        } else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq);
         else {
           const e = frameError(f, opts.retryAfterSec);
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
@@ -522,6 +530,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           base += seq;
           current = to;
           sequencer = newSequencer();
+          parts = new FrameParts();
           gapSeq = -1;
           unlisten = listen(to);
           idle.refresh();

@@ -9,8 +9,10 @@
  * A store is one of the gateway's injected services: the KV one (server.ts) and an in-memory one
  * (app tests).
  */
+import { randomBytes } from 'node:crypto';
 import type { KV } from 'nats';
 import { isRevisionConflict } from '../../dataplane';
+import { DEFAULT_MAX_PAYLOAD } from '../../dataplane/frames';
 import type { ChatMessage } from '../../shared/chat';
 import type { ResponseObject } from '../../shared/responses';
 
@@ -19,8 +21,9 @@ export const RESPONSE_ID = /^resp_[A-Za-z0-9]{1,64}$/;
 
 /**
  * Most bytes a stored response may keep of its request (input, instructions, tools, metadata,
- * format): a record is one NATS message (1 MiB by default), and the answer needs room too.
- * Checked before the request is served, so an answer is never generated and then lost.
+ * format): every later turn of its chain reads it back, one read per response. Checked before the
+ * request is served, so an answer is never generated and then lost. (The answer has no such
+ * bound: a record larger than a NATS message is kept in parts, {@link kvResponseStore}.)
  */
 export const MAX_STORED_REQUEST_BYTES = 512 * 1024;
 /** Most responses one chain may hold: a turn walks it all, one read per response. */
@@ -129,46 +132,123 @@ function decodeRecord(bytes: Uint8Array): StoredResponse | undefined {
   }
 }
 
-/** The store on a KV bucket (dataplane/declare.ts `ensureResponsesBucket` gives it its max age). */
-export function kvResponseStore(kv: KV): ResponseStore {
+/** Bytes of a KV value kept back from `max_payload` for the message's headers (a KV put's are small). */
+const VALUE_MARGIN_BYTES = 1024;
+
+/**
+ * The value stored under a response's id when its record is larger than one KV value may be: the
+ * record is in `parts` entries `<prefix>.0` … (`<id>.<nonce>`), `bytes` bytes in all, written
+ * before this head. A new head names new parts, so a compare-and-swap of the head replaces the
+ * whole record at once, and the old parts are purged after it.
+ */
+interface SplitHead {
+  split: { prefix: string; parts: number; bytes: number };
+}
+
+function splitHeadOf(v: unknown): SplitHead['split'] | undefined {
+  const split = (v as Partial<SplitHead> | null)?.split;
+  return split && typeof split.prefix === 'string' && Number.isSafeInteger(split.parts) && Number.isSafeInteger(split.bytes) ? split : undefined;
+}
+
+export interface KvResponseStoreOptions {
+  /** The NATS servers' `max_payload` now (the connection's; default 1 MiB): a record larger than a value may be is kept in parts. */
+  maxPayload?: () => number | undefined;
+}
+
+/**
+ * The store on a KV bucket (dataplane/declare.ts `ensureResponsesBucket` gives it its max age). A
+ * record is one value; one larger than a NATS message may be (a long answer with its
+ * log-probabilities) is kept in parts under a small head ({@link SplitHead}), read back whole.
+ */
+export function kvResponseStore(kv: KV, opts: KvResponseStoreOptions = {}): ResponseStore {
+  /** The value to store under the id for `data`: itself, or a head once its parts are written. */
+  const valueOf = async (id: string, data: Uint8Array): Promise<Uint8Array> => {
+    const maxValue = (opts.maxPayload?.() ?? DEFAULT_MAX_PAYLOAD) - VALUE_MARGIN_BYTES;
+    if (data.length <= maxValue) return data;
+    const prefix = `${id}.${randomBytes(8).toString('hex')}`;
+    const parts = Math.ceil(data.length / maxValue);
+    for (let k = 0; k < parts; k++) await kv.put(`${prefix}.${k}`, data.subarray(k * maxValue, (k + 1) * maxValue));
+    const head: SplitHead = { split: { prefix, parts, bytes: data.length } };
+    return new TextEncoder().encode(JSON.stringify(head));
+  };
+  /** Purges the parts a stored value names, if it is a head (best effort: they expire with the bucket's max age anyway). */
+  const purgeParts = async (value: Uint8Array | undefined): Promise<void> => {
+    const split = value && splitHeadOf(parsed(value));
+    if (!split) return;
+    for (let k = 0; k < split.parts; k++) await kv.purge(`${split.prefix}.${k}`).catch(() => undefined);
+  };
+  /** The record a stored value holds (read from its parts when it is a head), and its size as stored. */
+  const recordIn = async (value: Uint8Array): Promise<{ record: StoredResponse; bytes: number } | undefined> => {
+    const split = splitHeadOf(parsed(value));
+    if (!split) {
+      const record = decodeRecord(value);
+      return record && { record, bytes: value.length };
+    }
+    const pieces: Uint8Array[] = [];
+    for (let k = 0; k < split.parts; k++) {
+      const part = await kv.get(`${split.prefix}.${k}`);
+      if (!part || part.operation !== 'PUT') return undefined; // expired before its head, or purged by a replace meanwhile
+      pieces.push(part.value);
+    }
+    const whole = Buffer.concat(pieces);
+    const record = whole.length === split.bytes ? decodeRecord(whole) : undefined;
+    return record && { record, bytes: whole.length };
+  };
+  const read = async (id: string): Promise<{ record: StoredResponse; revision: number } | undefined> => {
+    if (!RESPONSE_ID.test(id)) return undefined;
+    const entry = await kv.get(id);
+    if (!entry || entry.operation !== 'PUT') return undefined;
+    const found = await recordIn(entry.value);
+    return found && { record: found.record, revision: entry.revision };
+  };
   return {
-    async get(id) {
-      if (!RESPONSE_ID.test(id)) return undefined;
-      const entry = await kv.get(id);
-      return entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
-    },
-    async read(id) {
-      if (!RESPONSE_ID.test(id)) return undefined;
-      const entry = await kv.get(id);
-      const record = entry && entry.operation === 'PUT' ? decodeRecord(entry.value) : undefined;
-      return record && { record, revision: entry!.revision };
-    },
+    get: async (id) => (await read(id))?.record,
+    read,
     async put(id, record) {
-      const data = JSON.stringify(record);
+      const data = new TextEncoder().encode(JSON.stringify(record));
       const storedAtMs = Date.now();
-      await kv.put(id, data);
-      return { bytes: Buffer.byteLength(data), storedAtMs };
+      const before = await kv.get(id);
+      await kv.put(id, await valueOf(id, data));
+      if (before?.operation === 'PUT') await purgeParts(before.value);
+      return { bytes: data.length, storedAtMs };
     },
     async replace(id, record, revision) {
-      const data = JSON.stringify(record);
+      const data = new TextEncoder().encode(JSON.stringify(record));
       const storedAtMs = Date.now();
+      const before = await kv.get(id);
+      const value = await valueOf(id, data);
       try {
-        await kv.update(id, data, revision);
+        await kv.update(id, value, revision);
       } catch (err) {
-        if (isRevisionConflict(err)) return undefined;
+        if (isRevisionConflict(err)) {
+          await purgeParts(value); // this write's own parts: no head names them
+          return undefined;
+        }
         throw err;
       }
-      return { bytes: Buffer.byteLength(data), storedAtMs };
+      if (before?.operation === 'PUT' && before.revision === revision) await purgeParts(before.value);
+      return { bytes: data.length, storedAtMs };
     },
     async delete(id) {
       if (!RESPONSE_ID.test(id)) return undefined;
       const entry = await kv.get(id);
       if (!entry || entry.operation !== 'PUT') return undefined;
+      const split = splitHeadOf(parsed(entry.value));
       // Purged: its value leaves the stream at once (only a marker stays, until the bucket's max age).
       await kv.purge(id);
-      return { bytes: entry.value.length, storedAtMs: entry.created.getTime() };
+      await purgeParts(entry.value);
+      return { bytes: split ? split.bytes : entry.value.length, storedAtMs: entry.created.getTime() };
     },
   };
+}
+
+/** A stored value as JSON, or undefined when it is not JSON. */
+function parsed(value: Uint8Array): unknown {
+  try {
+    return JSON.parse(new TextDecoder().decode(value));
+  } catch {
+    return undefined;
+  }
 }
 
 /** Why a chain cannot be continued: its `id` (or an earlier response of it) is gone or not the caller's, or it is too long. */

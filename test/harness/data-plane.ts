@@ -2,13 +2,14 @@
 import { randomBytes } from 'node:crypto';
 import type { NatsConnection } from 'nats';
 import { instanceResponseSubjectOf, publishRequest, responseSubjectOf, type DataPlaneNames } from '../../dataplane';
-import { decodeFrame, FrameSequencer } from '../../dataplane/frames';
+import { decodeFrame, FrameParts, FrameSequencer } from '../../dataplane/frames';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import type { ResponseFrame } from '../../shared/serving';
 
 /**
  * Publishes a chat request to `pool`/`instance` and collects its frames in order, as the gateway
- * would; resolves with them and the answer's text. Rejects when no complete answer comes within `timeoutMs`.
+ * would; resolves with them (a large answer's parts as they came) and the answer's text. Rejects
+ * when no complete answer comes within `timeoutMs`.
  */
 export async function askInstance(
   nc: NatsConnection,
@@ -49,7 +50,14 @@ export async function askInstance(
   clearTimeout(timer);
   sub.unsubscribe();
   if (!sequencer.finished) throw new Error(`no complete answer to ${id}`);
-  const text = relayed
+  // An answer larger than a message came in parts: its text is in the `done` they join into.
+  const parts = new FrameParts();
+  const whole: ResponseFrame[] = [];
+  for (const f of relayed) {
+    if (f.type === 'part') parts.add(f);
+    else whole.push(f.type === 'done' ? (parts.join(f) ?? f) : f);
+  }
+  const text = whole
     .map(
       (f) =>
         (f as { data?: { choices?: { delta?: { content?: string }; message?: { content?: string } }[] } }).data?.choices
