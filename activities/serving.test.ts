@@ -1,13 +1,14 @@
 /**
  * `workerGone`: the evidence the pool asks for before dropping a worker's instances when
  * Temporal handed its watcher to nobody in time (the fresh and withdrawn cases run against real
- * servers in test/pool-runs.int.test.ts; the stale one, which takes 30 s there, here).
+ * servers in test/pool-runs.int.test.ts; the stale one, which takes 30 s there, here). And
+ * `loadSignature`: what of a load report makes the reconciler report, on leases and on load.
  */
 import type { KV } from 'nats';
 import { runtimeQueueFor, workerOfRuntimeQueue } from '../shared/constants';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 import type { Runtime } from './runtime/runtime';
-import { createServingActivities } from './serving';
+import { createServingActivities, loadSignature, type LoadSummary } from './serving';
 
 const queue = runtimeQueueFor('magus-control', 'vm-1-abc');
 const advert = (ageMs: number): RuntimeAdvert => ({ worker: 'vm-1-abc', runtime: 'local', formats: ['gguf'], at: Date.now() - ageMs });
@@ -38,4 +39,23 @@ test('a runtime queue names its worker; another queue names none', () => {
   expect(workerOfRuntimeQueue('magus-control', 'magus-control')).toBeNull();
   expect(workerOfRuntimeQueue('magus-control', runtimeQueueFor('magus-control', ''))).toBeNull();
   expect(workerOfRuntimeQueue('other', queue)).toBeNull();
+});
+
+test('the reconciler reports what changes a decision: on leases, conversations count; on load, only requests in flight or queued, and whether any conversation lives', () => {
+  const summary = (r: Record<string, [number, number, number]>): LoadSummary => ({
+    instances: Object.fromEntries(Object.entries(r).map(([id, [leases, pending, ackPending]]) => [id, { leases, pending, ackPending }])),
+  });
+  const ids = ['a', 'b'];
+  const o = { leasesPerInstance: 4, pressurePending: 4 };
+  const leases = (r: Record<string, [number, number, number]>) => loadSignature(summary(r), ids, o);
+  const load = (r: Record<string, [number, number, number]>) => loadSignature(summary(r), ids, { ...o, onLoad: true });
+  // On leases: a conversation more on an idle instance, or one that fills another instance, is a report.
+  expect(leases({ a: [1, 0, 0], b: [0, 0, 0] })).not.toBe(leases({ a: [1, 0, 0], b: [1, 0, 0] }));
+  expect(leases({ a: [4, 0, 0], b: [0, 0, 0] })).not.toBe(leases({ a: [5, 0, 0], b: [0, 0, 0] }));
+  // On load: conversations come and go unreported; requests fill instances; the first and last conversation count.
+  expect(load({ a: [1, 0, 0], b: [0, 0, 0] })).toBe(load({ a: [900, 0, 0], b: [300, 0, 0] }));
+  expect(load({ a: [9, 0, 1], b: [0, 0, 0] })).not.toBe(load({ a: [9, 0, 1], b: [0, 0, 1] })); // b busy now
+  expect(load({ a: [9, 0, 4], b: [0, 0, 0] })).not.toBe(load({ a: [9, 1, 4], b: [0, 0, 0] })); // a second instance's worth
+  expect(load({ a: [9, 0, 2], b: [0, 0, 0] })).toBe(load({ a: [9, 0, 3], b: [0, 0, 0] })); // still one instance's worth
+  expect(load({ a: [1, 0, 0], b: [0, 0, 0] })).not.toBe(load({ a: [0, 0, 0], b: [0, 0, 0] }));
 });

@@ -61,30 +61,35 @@ export interface WatchLoadInput {
   pressurePending: number;
   /** Instances being replaced: the pool stops each once nothing is in flight on it, so that is reported whatever its leases. */
   draining?: string[];
+  /** The pool scales on load (workflows/pool/state.ts, "Scaling"): what it decides on is requests in flight or queued, not leases. */
+  scaleOn?: 'load';
 }
 
 /**
- * What of a load summary the pool's decisions depend on: which instances are idle (no entry, no
- * backlog) and which pressed (a queue), and how many instances the leases fill. A report is sent
- * only when this changes, so the pool's history grows with changes of decision, never with the
- * number of conversations.
+ * What of a load summary the pool's decisions depend on: which instances are idle and which
+ * pressed (a queue), and how many instances the load fills. Scaling on leases, an instance with a
+ * conversation is busy and the leases fill the count; on load (`onLoad`), only requests in
+ * flight or queued make an instance busy and fill the count, and of the leases only whether there
+ * are any matters. A report is sent only when this changes, so the pool's history grows with
+ * changes of decision, never with the number of conversations.
  */
 export function loadSignature(
   s: LoadSummary,
   instances: readonly string[],
-  leasesPerInstance: number,
-  pressurePending: number,
-  maxInstances = Infinity,
-  draining: readonly string[] = [],
+  o: { leasesPerInstance: number; pressurePending: number; maxInstances?: number; draining?: readonly string[]; onLoad?: boolean },
 ): string {
   let leases = 0;
+  let busy = 0;
   const per = instances.map((id) => {
     const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
     leases += i.leases;
-    const flight = draining.includes(id) && i.pending + i.ackPending > 0 ? ':flight' : '';
-    return `${id}:${i.leases === 0 && i.pending === 0 && i.ackPending === 0 ? 'idle' : 'busy'}${i.pending >= pressurePending ? ':pressed' : ''}${flight}`;
+    busy += i.pending + i.ackPending;
+    const flight = o.draining?.includes(id) && i.pending + i.ackPending > 0 ? ':flight' : '';
+    const idle = (o.onLoad || i.leases === 0) && i.pending === 0 && i.ackPending === 0;
+    return `${id}:${idle ? 'idle' : 'busy'}${i.pending >= o.pressurePending ? ':pressed' : ''}${flight}`;
   });
-  return `${per.join(',')}|${Math.min(maxInstances, Math.ceil(leases / leasesPerInstance))}`;
+  const fills = Math.min(o.maxInstances ?? Infinity, Math.ceil((o.onLoad ? busy : leases) / o.leasesPerInstance));
+  return `${per.join(',')}|${fills}${o.onLoad ? `|${leases > 0 ? 'held' : 'none'}` : ''}`;
 }
 
 /** The live `magus_sessions` entries of each pool, as the reconcilers of one process read them. */
@@ -274,7 +279,13 @@ export function createServingActivities(deps: ServingDeps) {
       const poll = input.pollMs ?? 1000;
       const sessions = sessionIndex();
       const signature = (s: LoadSummary) =>
-        loadSignature(s, input.instances, input.leasesPerInstance, input.pressurePending, input.maxInstances, input.draining);
+        loadSignature(s, input.instances, {
+          leasesPerInstance: input.leasesPerInstance,
+          pressurePending: input.pressurePending,
+          ...(input.maxInstances !== undefined ? { maxInstances: input.maxInstances } : {}),
+          ...(input.draining ? { draining: input.draining } : {}),
+          onLoad: input.scaleOn === 'load',
+        });
       const known = input.known ? signature(input.known) : null;
       // An instance the pool has no report on yet (just started): reported at the first look, not after the interval.
       const news = input.instances.some((id) => !input.known?.instances[id]);
@@ -318,6 +329,7 @@ export function createServingActivities(deps: ServingDeps) {
       nextStartAt?: number;
       failedAt?: number;
       starting?: PoolEntry['starting'];
+      scalesOn?: 'load';
     }): Promise<void> {
       const entry: PoolEntry = {
         instances: input.instances,
@@ -326,6 +338,7 @@ export function createServingActivities(deps: ServingDeps) {
         ...(input.growable === undefined ? {} : { growable: input.growable }),
         ...(input.failing === undefined ? {} : { failing: input.failing, nextStartAt: input.nextStartAt, failedAt: input.failedAt }),
         ...(input.starting && input.starting.length > 0 ? { starting: input.starting } : {}),
+        ...(input.scalesOn ? { scalesOn: input.scalesOn } : {}),
       };
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },

@@ -147,6 +147,8 @@ export class DllamaReconciler {
       leasesPerInstance: resource.leasesPerInstance,
       idleTimeoutMs: resource.idleTimeoutMs,
       ...(resource.drainTimeoutMs !== undefined ? { drainTimeoutMs: resource.drainTimeoutMs } : {}),
+      // Sized on requests in flight or queued, not on live conversations (workflows/pool/state.ts, "Scaling").
+      scaleOn: 'load',
       resource,
     };
     await workflows.signalWithStart({

@@ -449,13 +449,15 @@ function parseArgs(args: string[]): GatewayArgs | 'help' | { problem: string } {
 
 /**
  * Pool sizes for models without a `Dllama` resource (min 0: scale to zero when idle); an
- * instance takes as many leases as its engine has slots within the instance memory budget.
+ * instance takes as many requests at once as its engine has slots within the instance memory
+ * budget, and the pool scales on requests in flight or queued (workflows/pool/state.ts, "Scaling").
  */
 const poolDefaults = (instanceMemory: number) => ({
   minInstances: 0,
   maxInstances: 2,
   leasesPerInstance: (model: ReadyModel) => leasesPerInstance(model, instanceMemory),
   idleTimeoutMs: 10 * 60_000,
+  scaleOn: 'load' as const,
 });
 
 /** Loopback hosts: an API port there is reachable from this machine only. */

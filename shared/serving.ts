@@ -176,6 +176,12 @@ export interface PoolEntry {
   failedAt?: number;
   /** Instances being started, and since when (epoch ms): what a first turn waits for, `/v1/models` shows. Absent: none, or a pool before it. */
   starting?: { instance: string; since: number }[];
+  /**
+   * `load`: the pool scales on requests in flight or queued (workflows/pool/state.ts, "Scaling"),
+   * so a gateway places a conversation by its instances' load with no lease limit. Absent: on
+   * leases — `leasesPerInstance` is the soft limit.
+   */
+  scalesOn?: 'load';
 }
 
 /** A `magus_sessions` value, checked; `undefined` (ignored) when malformed. */
@@ -231,6 +237,7 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
           ),
         }
       : {}),
+    ...(e.scalesOn === 'load' ? { scalesOn: 'load' as const } : {}),
   };
 }
 

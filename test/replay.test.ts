@@ -145,6 +145,16 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
           ).draining !== undefined,
       ),
   ],
+  // test/serving-scale-on-load.int.test.ts: a pool that scales on load (pool-scale-on-load): grown by a burst's queue, shrunk back once it was over; its reconciler and its view say `load`.
+  [
+    'pool-scaled-on-load',
+    ['pool-scale-on-load', 'pool-unique-instance-ids', 'pool-view-starting', 'pool-restart-reports'],
+    (h) =>
+      scheduledOf(h, 'createInstance').length >= 2 &&
+      scheduledOf(h, 'destroyInstance').length >= 1 &&
+      (inputOf(h, 'watchLoad') as { scaleOn?: string }).scaleOn === 'load' &&
+      (inputOf(h, 'writePool') as { scalesOn?: string }).scalesOn === 'load',
+  ],
   // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
   ['session-started', [], (h) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],
   // Its end: the TTL passed without a turn, the entry deleted, the session completed.

@@ -21,6 +21,18 @@ describe('QueueWaits', () => {
     expect(w.retryAfterSec('p', ['i1'], 5)).toBe(3);
   });
 
+  it('says how full an instance is: in flight, queued and sent since, per slot; nothing once its load is old', () => {
+    const w = new QueueWaits(5_000, now);
+    expect(w.occupancy('p', 'i1')).toBeUndefined();
+    w.beat('p.i1', load(1, 0, null, 4));
+    expect(w.occupancy('p', 'i1')).toBe(0.25);
+    w.published('p', 'i1');
+    w.beat('p.i1', load(4, 2, null, 4)); // the send is still counted (SENT_OVERLAP_MS)
+    expect(w.occupancy('p', 'i1')).toBe(1.75);
+    t += LOAD_FRESH_MS + 1;
+    expect(w.occupancy('p', 'i1')).toBeUndefined();
+  });
+
   it("counts this gateway's sends until a beat read after them", () => {
     const w = new QueueWaits(5_000, now);
     w.beat('p.i1', load(2, 0, 1_000));

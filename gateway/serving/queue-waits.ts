@@ -76,6 +76,14 @@ export class QueueWaits {
     return ((ahead + 1) * serviceMs) / slots;
   }
 
+  /** How full the instance is: its requests in flight and queued (with those sent since) per slot; undefined: unknown. */
+  occupancy(pool: string, instance: string): number | undefined {
+    const h = this.heard.get(`${pool}.${instance}`);
+    if (!h || this.now() - h.at > LOAD_FRESH_MS) return undefined;
+    const { running, queued, slots } = h.load;
+    return (running + queued + h.sent.length) / Math.max(1, slots);
+  }
+
   /** Whether a request at the instance is expected to wait longer than the budget. */
   overBudget(pool: string, instance: string): boolean {
     if (this.budgetMs <= 0) return false;

@@ -366,6 +366,7 @@ export async function runDev(opts: DevOptions): Promise<number> {
         maxInstances: 1,
         leasesPerInstance: (model) => leasesPerInstance(model, cfg.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES),
         idleTimeoutMs: 15 * 60_000,
+        scaleOn: 'load',
       },
       sessionTtlMs,
     });

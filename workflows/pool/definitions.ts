@@ -9,9 +9,20 @@ export interface PoolInput {
   /** Instances kept even when idle (0 = scale to zero). */
   minInstances: number;
   maxInstances: number;
-  /** Leases (live conversations) one instance takes before the pool adds another; also its engine's parallel slots. */
+  /**
+   * Its engine's parallel slots. Scaling on leases (the default of an input without `scaleOn`):
+   * the live conversations one instance takes before the pool adds another. On load: the
+   * requests in flight or queued one instance takes before the pool adds another.
+   */
   leasesPerInstance: number;
-  /** An instance without leases or backlog for this long is stopped (down to `minInstances`). */
+  /**
+   * What sizes the pool (state.ts, "Scaling"): `load` — requests in flight or queued (an idle
+   * conversation costs no instance; one instance stays while any lives) — or `leases`, live
+   * conversations, as pools before `SCALE_ON_LOAD_PATCH` did. Absent: `leases`. Every pool magus
+   * starts itself (the controller, the gateway's cold start, `magus dev`) says `load`.
+   */
+  scaleOn?: 'leases' | 'load';
+  /** An instance with nothing in flight or queued (scaling on leases: and no live conversation) for this long is stopped (down to `minInstances`). */
   idleTimeoutMs: number;
   /**
    * How long an idle instance stays unpublished from `magus_pools` before it is stopped, so a

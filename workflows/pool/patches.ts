@@ -31,3 +31,10 @@ export const UNIQUE_INSTANCE_IDS_PATCH = 'pool-unique-instance-ids';
  * can show a model whose engine is starting. Pools before it write no view for a start.
  */
 export const VIEW_STARTING_PATCH = 'pool-view-starting';
+
+/**
+ * A pool whose input says `scaleOn: 'load'` sizes itself on the requests in flight or queued on
+ * its instances, not on its live conversations (state.ts, "Scaling"), and its view says so, so
+ * that gateways place by load with no lease limit. Only inputs written after it say `load`.
+ */
+export const SCALE_ON_LOAD_PATCH = 'pool-scale-on-load';

@@ -39,7 +39,7 @@ import { visibility } from '../visibility';
 import { demandSignal, modelPublishedSignal, poolResourceSignal, poolStatusQuery, type PoolInput, type PoolResource } from './definitions';
 import { poolDetails } from './details';
 import { DEFAULT_HEALTH_CHECK_MS, DEFAULT_OWNER_TIMEOUT_MS, POOL_RUN_MAX_EVENTS, publish, quick, startInstance, watchOptions } from './options';
-import { RESTART_REPORTS_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH, VIEW_STARTING_PATCH } from './patches';
+import { RESTART_REPORTS_PATCH, SCALE_ON_LOAD_PATCH, STATUS_ACTIVITY_PATCH, UNIQUE_INSTANCE_IDS_PATCH, VIEW_STARTING_PATCH } from './patches';
 import { PoolState, PRESSURE_PENDING, type LoadReport, type PoolCarry, type PoolInstance } from './state';
 
 /** The reconciler runs until the load changes; its heartbeats prove it alive. */
@@ -54,7 +54,8 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
       ErrorType.InvalidSpec,
     );
   }
-  const state = new PoolState(input, carry);
+  // Only an input written since the patch says `load`; a history without its marker never had one.
+  const state = new PoolState(input, carry, { onLoad: input.scaleOn === 'load' && patched(SCALE_ON_LOAD_PATCH) });
   const { createInstance } = proxyActivities<ServingActivities>(startInstance);
   const { destroyInstance, workerGone } = proxyActivities<ServingActivities>(quick);
   const { writePool } = proxyActivities<ServingActivities>(publish);
@@ -233,6 +234,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
           minIntervalMs: LOAD_REPORT_MIN_MS,
           pressurePending: PRESSURE_PENDING,
           ...(draining.length > 0 ? { draining } : {}),
+          ...(state.onLoad ? { scaleOn: 'load' as const } : {}),
         }),
       )
       .then(

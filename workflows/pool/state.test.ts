@@ -269,6 +269,77 @@ describe('PoolState', () => {
   });
 });
 
+describe('scaling on load (pool-scale-on-load)', () => {
+  /** A pool on load with `n` ready instances m-1..m-n at time 0 (two slots each). */
+  function onLoad(n: number): PoolState {
+    const s = new PoolState(input({ minInstances: n, scaleOn: 'load' }), undefined, { onLoad: true });
+    for (const id of s.plan(0).start) s.started(id, { subject: `magus.req.m.${id}` }, 0);
+    s.input.minInstances = 0;
+    return s;
+  }
+
+  it('wants one instance per slots of requests in flight or queued, whatever the conversations; one while any conversation lives', () => {
+    const s = onLoad(1);
+    // 500 live conversations, 1 request in flight: one instance does (on leases it would be the maximum).
+    s.loaded(report({ 'm-1': [500, 0, 1] }), 1);
+    expect(s.wanted(1)).toBe(1);
+    expect(s.plan(1).start).toEqual([]);
+    // Both slots taken and three queued: ⌈5 / 2⌉.
+    s.loaded(report({ 'm-1': [500, 3, 2] }), 2);
+    expect(s.wanted(2)).toBe(3);
+    expect(s.plan(2).start).toEqual(['m-2', 'm-3']);
+    // Nothing in flight, conversations live: one stays (their prefixes); none live: none.
+    s.loaded(report({ 'm-1': [500, 0, 0] }), 3);
+    expect(s.wanted(3)).toBe(1);
+    s.loaded(report({ 'm-1': [0, 0, 0] }), 4);
+    expect(s.wanted(4)).toBe(0);
+    // The same report on leases: the conversations fill the maximum.
+    const leases = ready(1);
+    leases.loaded(report({ 'm-1': [500, 0, 1] }), 1);
+    expect(leases.wanted(1)).toBe(4);
+  });
+
+  it('a burst grows the pool, and the pool shrinks back idleTimeout after it: an instance with idle conversations is drained, its conversations move', () => {
+    const s = onLoad(1);
+    s.loaded(report({ 'm-1': [40, 6, 2] }), 1000);
+    const started = s.plan(1000).start;
+    expect(started).toHaveLength(3);
+    for (const id of started) s.started(id, { subject: `magus.req.m.${id}` }, 2000);
+    // The burst, spread: every instance busy.
+    s.loaded(report({ 'm-1': [10, 0, 2], [started[0]!]: [10, 0, 2], [started[1]!]: [10, 0, 2], [started[2]!]: [10, 0, 1] }), 3000);
+    expect(s.plan(3000)).toEqual({ start: [], stop: [] });
+    // It ends at 10 s: conversations live on every instance, none has a request.
+    s.loaded(report({ 'm-1': [10, 0, 0], [started[0]!]: [10, 0, 0], [started[1]!]: [10, 0, 0], [started[2]!]: [10, 0, 0] }), 10_000);
+    expect(s.wanted(10_000)).toBe(1);
+    expect(s.nextDeadline(10_000)).toBe(60_000); // idleTimeout after it ended
+    s.plan(69_999);
+    expect(s.view().instances).toHaveLength(4);
+    s.plan(70_000);
+    // Three drained (unpublished: their conversations move at their next turn), one kept.
+    expect(s.view().instances).toHaveLength(1);
+    expect([...s.instances.values()].filter((i) => i.phase === 'draining')).toHaveLength(3);
+    s.writing(s.view());
+    s.written(true, 70_000);
+    expect(s.plan(75_000).stop).toHaveLength(3); // after the drain grace
+    expect(s.view()).toMatchObject({ scalesOn: 'load' });
+    // On leases, the same idle conversations hold all four.
+    const leases = ready(4);
+    leases.loaded(report({ 'm-1': [10], 'm-2': [10], 'm-3': [10], 'm-4': [10] }), 10_000);
+    leases.plan(200_000);
+    expect(leases.view().instances).toHaveLength(4);
+    expect(leases.view()).not.toHaveProperty('scalesOn');
+  });
+
+  it('an instance drained while idle is taken back when a request reaches it after all', () => {
+    const s = onLoad(2);
+    s.loaded(report({ 'm-1': [3, 0, 0], 'm-2': [3, 0, 0] }), 0);
+    s.plan(60_000);
+    const drained = [...s.instances.values()].find((i) => i.phase === 'draining')!;
+    s.loaded(report({ 'm-1': [3, 0, 0], [drained.id]: [3, 0, 1] }), 61_000);
+    expect(s.instances.get(drained.id)!.phase).toBe('ready');
+  });
+});
+
 describe('restarts in place, as a watcher reports them and the pool page shows them', () => {
   const how = 'node 1 (worker) killed by SIGKILL';
   it('a watcher reports a new stop, then the end of the restart, and nothing else', () => {

@@ -17,6 +17,17 @@
  * images: shared/kube.ts `instanceSpecOf`): the pool knows the newest (the resource's signal, or
  * a start that read a newer generation of it), and an instance built under another is replaced.
  *
+ * Scaling: on load (`scaleOn: 'load'`, every pool magus starts since `SCALE_ON_LOAD_PATCH`), the
+ * pool wants ⌈(requests in flight + queued on its instances + first turns gateways hold) /
+ * `leasesPerInstance`⌉ instances — its engine's slots —, and at least one while any conversation
+ * lives (its instance keeps the conversations' prefixes; an idle one costs a cache entry, not a
+ * slot). An instance with nothing in flight or queued is idle whatever its conversations; one
+ * idle for `idleTimeoutMs` beyond what is wanted is drained, and its conversations move at their
+ * next turn (gateways move an entry whose instance the view no longer lists). So a burst grows the
+ * pool and the pool shrinks back `idleTimeoutMs` after it. On leases (pools before the patch, and
+ * inputs without `scaleOn`): ⌈(live conversations + held first turns) / `leasesPerInstance`⌉, and
+ * an instance is idle only without conversations either.
+ *
  * Nothing here is per conversation. A conversation's lease is its `magus_sessions` entry, which
  * gateways create, renew and move and its session deletes; the pool sees them only counted, per
  * instance, in the reconciler's {@link LoadReport}. What a run carries into the next is
@@ -121,6 +132,8 @@ export interface PoolView {
   failedAt?: number;
   /** Instances being started and since when (only with `VIEW_STARTING_PATCH`). */
   starting?: PoolEntry['starting'];
+  /** The pool scales on load: gateways place by load, with no lease limit (only with `SCALE_ON_LOAD_PATCH`). */
+  scalesOn?: 'load';
 }
 
 /** The next things the workflow must do, decided at one moment. */
@@ -169,8 +182,12 @@ export class PoolState {
   /** The view being written, if a write is under way. */
   private writingView: { ids: ReadonlySet<string>; shape: string } | null = null;
 
-  constructor(input: PoolInput, carry?: PoolCarry) {
+  /** Whether it scales on load ({@link PoolInput.scaleOn}, `SCALE_ON_LOAD_PATCH`), not on leases. */
+  readonly onLoad: boolean;
+
+  constructor(input: PoolInput, carry?: PoolCarry, opts: { onLoad?: boolean } = {}) {
     this.input = input;
+    this.onLoad = opts.onLoad ?? false;
     this.nextId = carry?.nextId ?? 1;
     this.startFailures = carry?.startFailures ?? 0;
     this.nextStartAt = carry?.nextStartAt ?? 0;
@@ -275,14 +292,14 @@ export class PoolState {
     for (const i of this.instances.values()) {
       const r = report.instances[i.id];
       if (!r) continue; // not reported on (started since the reconciler began)
-      const wasIdle = isIdle(i);
+      const wasIdle = this.idle(i);
       i.leases = r.leases;
       i.pending = r.pending;
       i.ackPending = r.ackPending;
       i.reported = true;
       if (i.retiring !== undefined) i.flightReported = true;
-      if (!wasIdle && isIdle(i)) i.idleSince = now;
-      if (i.phase === 'draining' && i.retiring === undefined && !isIdle(i)) i.phase = 'ready'; // someone uses it after all
+      if (!wasIdle && this.idle(i)) i.idleSince = now;
+      if (i.phase === 'draining' && i.retiring === undefined && !this.idle(i)) i.phase = 'ready'; // someone uses it after all
     }
   }
 
@@ -386,13 +403,23 @@ export class PoolState {
     return true;
   }
 
-  /** How many instances the load asks for, within min..max. */
+  /** Whether `i` is idle: nothing queued or in flight (on leases: and no conversation either). */
+  idle(i: PoolInstance): boolean {
+    return this.onLoad ? isIdleOnLoad(i) : isIdle(i);
+  }
+
+  /** How many instances the load asks for, within min..max (above, "Scaling"). */
   wanted(now: number): number {
     const { minInstances, maxInstances, leasesPerInstance } = this.input;
     const live = this.live();
-    // Conversations on instances being replaced count: they move to the others at their next turn.
-    const leases = [...live, ...this.retiring()].reduce((n, i) => n + i.leases, 0);
-    let wanted = Math.ceil((leases + this.waiting(now)) / leasesPerInstance);
+    // Conversations (requests) on instances being replaced count: they move to the others at their next turn.
+    const counted = [...live, ...this.retiring()];
+    const leases = counted.reduce((n, i) => n + i.leases, 0);
+    let wanted: number;
+    if (this.onLoad) {
+      const busy = counted.reduce((n, i) => n + i.pending + i.ackPending, 0);
+      wanted = Math.max(Math.ceil((busy + this.waiting(now)) / leasesPerInstance), leases > 0 ? 1 : 0);
+    } else wanted = Math.ceil((leases + this.waiting(now)) / leasesPerInstance);
     // Backlog pressure: every serving instance has requests queued and none is on its way.
     const ready = live.filter((i) => i.phase === 'ready');
     if (ready.length > 0 && !live.some((i) => i.phase === 'starting') && ready.every((i) => i.pending >= PRESSURE_PENDING))
@@ -424,7 +451,7 @@ export class PoolState {
     this.roll(current, wanted, now, plan);
     let surplus = this.live().length - Math.max(this.input.minInstances, wanted);
     for (const i of [...this.instances.values()].filter((x) => x.phase === 'draining' && x.retiring === undefined)) {
-      if (!isIdle(i) || surplus <= 0) {
+      if (!this.idle(i) || surplus <= 0) {
         i.phase = 'ready'; // needed again
         continue;
       }
@@ -436,7 +463,7 @@ export class PoolState {
     }
     for (const i of [...this.instances.values()].filter((x) => x.phase === 'ready').sort((a, b) => a.idleSince - b.idleSince)) {
       if (surplus <= 0) break;
-      if (isIdle(i) && now - i.idleSince >= this.input.idleTimeoutMs) {
+      if (this.idle(i) && now - i.idleSince >= this.input.idleTimeoutMs) {
         i.phase = 'draining';
         i.drainSince = now;
         surplus--;
@@ -477,7 +504,7 @@ export class PoolState {
   /** Milliseconds until a decision may change with no new input (idle timeouts, drain graces, backoff, demand, the view's refresh), if any. */
   nextDeadline(now: number): number | undefined {
     const deadlines: number[] = [];
-    const idle = this.live().filter((i) => i.phase === 'ready' && isIdle(i));
+    const idle = this.live().filter((i) => i.phase === 'ready' && this.idle(i));
     if (idle.length > this.input.minInstances) deadlines.push(...idle.map((i) => i.idleSince + this.input.idleTimeoutMs - now));
     for (const i of this.instances.values()) if (i.phase === 'draining' && i.retiring === undefined) deadlines.push(i.drainSince + this.drainGraceMs - now);
     // One being replaced waits for its report of nothing in flight (new input), its grace, and its deadline.
@@ -501,13 +528,15 @@ export class PoolState {
       ...(failing ? { failing, nextStartAt: this.nextStartAt, failedAt: this.failedAt } : {}),
       // A starting instance's idleSince is when its start was decided (started() resets it).
       ...(begun.length > 0 ? { starting: begun.map((i) => ({ instance: i.id, since: i.idleSince })) } : {}),
+      ...(this.onLoad ? { scalesOn: 'load' as const } : {}),
     };
   }
 
   /** What a view must be rewritten for: instances, growable, failing — not lease counts alone. */
   static shape(v: PoolView): string {
     const shape = [v.instances.map((i) => [i.instance, i.subject]), v.leasesPerInstance, v.growable, v.failing ?? null];
-    return JSON.stringify(v.starting ? [...shape, v.starting.map((i) => i.instance)] : shape);
+    const withStarting = v.starting ? [...shape, v.starting.map((i) => i.instance)] : shape;
+    return JSON.stringify(v.scalesOn ? [...withStarting, v.scalesOn] : withStarting);
   }
 
   /**
@@ -607,3 +636,7 @@ function restartView(r: RestartReport | undefined): Pick<InstanceView, 'restarti
 /** No conversation on it and nothing queued or in flight. */
 export const isIdle = (i: Pick<PoolInstance, 'leases' | 'pending' | 'ackPending' | 'reported'>): boolean =>
   i.reported !== false && i.leases === 0 && i.pending === 0 && i.ackPending === 0;
+
+/** Nothing queued or in flight on it, whatever its conversations (a pool that scales on load). */
+export const isIdleOnLoad = (i: Pick<PoolInstance, 'pending' | 'ackPending' | 'reported'>): boolean =>
+  i.reported !== false && i.pending === 0 && i.ackPending === 0;

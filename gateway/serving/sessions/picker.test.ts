@@ -5,6 +5,7 @@ import type { SessionMirror } from './mirror';
 import { InstancePicker } from './picker';
 import type { PoolViews } from './pool-views';
 import { SessionCounters } from './stats';
+import type { QueueWaitsView } from './types';
 
 const model = readyModel('tiny');
 const view = (over: Partial<PoolEntry> = {}): PoolEntry => ({
@@ -15,11 +16,11 @@ const view = (over: Partial<PoolEntry> = {}): PoolEntry => ({
   ...over,
 });
 
-function pickerWith(leases: Record<string, number>, entry: PoolEntry | undefined, stale = false) {
+function pickerWith(leases: Record<string, number>, entry: PoolEntry | undefined, stale = false, waits?: QueueWaitsView) {
   const mirror = { leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as SessionMirror;
   const views = { viewOf: () => entry, stale: () => stale } as unknown as PoolViews;
   const counters = new SessionCounters();
-  return { picker: new InstancePicker(mirror, views, counters), counters };
+  return { picker: new InstancePicker(mirror, views, counters, waits), counters };
 }
 
 it('picks the instance with the fewest entries, counting reservations until released', () => {
@@ -54,4 +55,19 @@ it('`busier` ranks before leases (answers just moved to an instance), and `avoid
   moved.i3 = 1;
   expect(picker.pick(model, { anyLoad: true, avoid: 'i1', busier: (i) => moved[i] ?? 0 })?.instance).toBe('i2');
   expect(picker.pick(model, { anyLoad: true, avoid: 'i2' })?.instance).toBe('i1');
+});
+
+it('a pool that scales on load: no lease limit, the emptiest instance by its bridge’s load first, leases only between equals', () => {
+  const full: Record<string, number | undefined> = { i1: 0.5, i2: 2 };
+  const waits = { overBudget: () => false, occupancy: (_p: string, i: string) => full[i] } as unknown as QueueWaitsView;
+  // Far more conversations than leasesPerInstance on both: still placed, on the one with a free slot.
+  const { picker } = pickerWith({ i1: 900, i2: 10 }, view({ scalesOn: 'load' }), false, waits);
+  expect(picker.pick(model)?.instance).toBe('i1');
+  full.i1 = 3;
+  expect(picker.pick(model)?.instance).toBe('i2');
+  // Equally full (or not heard): the fewer conversations.
+  full.i1 = full.i2 = undefined;
+  expect(picker.pick(model)?.instance).toBe('i2');
+  // The same leases on a pool that scales on them: full, so none (the pool may grow).
+  expect(pickerWith({ i1: 900, i2: 10 }, view(), false, waits).picker.pick(model)).toBeUndefined();
 });

@@ -25,24 +25,30 @@ export class InstancePicker {
   /**
    * The pool's instance with the most room. When all are full: none (the pool may start another),
    * unless the pool cannot grow or the request takes no lease (`anyLoad`: `route`) — then the
-   * least-loaded one. An instance whose queue is over the wait budget comes after every other; `busier` ranks instances before their leases do (`another`: the answers
-   * moved to each just now, so that those of one lost instance spread over the others).
+   * least-loaded one. An instance whose queue is over the wait budget comes after every other;
+   * `busier` ranks instances next (`another`: the answers moved to each just now, so that those of
+   * one lost instance spread over the others), then their leases. A pool that scales on load
+   * (its view's `scalesOn`) has no lease limit: its instances rank by how full their bridges say
+   * they are (in flight and queued per slot), then by leases; it grows on that load itself.
    */
   pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number } = {}): PublishedInstance | undefined {
     const entry = this.views.viewOf(model.namespace, model.name);
     if (!entry) return undefined;
-    const limit = opts.anyLoad || entry.growable === false ? Infinity : entry.leasesPerInstance;
+    const onLoad = entry.scalesOn === 'load';
+    const limit = opts.anyLoad || onLoad || entry.growable === false ? Infinity : entry.leasesPerInstance;
     let best: PublishedInstance | undefined;
-    let bestLoad = Infinity;
+    let bestRank: number[] | undefined;
     for (const i of entry.instances) {
       if (i.instance === opts.avoid) continue;
       const n = this.mirror.leasesOn(model.namespace, model.name, i.instance) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
-      // One whose queue would keep a request waiting past the budget last, then `busier` (answers moved there just now), then leases.
-      const crowded = this.waits?.overBudget(model.name, i.instance) === true;
-      const load = (crowded ? 1e12 : 0) + (opts.busier?.(i.instance) ?? 0) * 1e6 + n;
-      if (n < limit && load < bestLoad) {
+      if (n >= limit) continue;
+      // One whose queue would keep a request waiting past the budget last, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
+      const crowded = this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
+      const full = onLoad ? (this.waits?.occupancy(model.name, i.instance) ?? 0) : 0;
+      const rank = [crowded, opts.busier?.(i.instance) ?? 0, full, n];
+      if (!bestRank || before(rank, bestRank)) {
         best = i;
-        bestLoad = load;
+        bestRank = rank;
       }
     }
     if (best && this.views.stale(entry)) this.counters.staleViewPicks++;
@@ -62,4 +68,10 @@ export class InstancePicker {
     if (n > 0) this.reserved.set(k, n);
     else this.reserved.delete(k);
   }
+}
+
+/** Whether rank `a` comes before `b` (compared element by element). */
+function before(a: readonly number[], b: readonly number[]): boolean {
+  for (let k = 0; k < a.length; k++) if (a[k] !== b[k]) return a[k]! < b[k]!;
+  return false;
 }

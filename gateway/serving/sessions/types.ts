@@ -198,6 +198,7 @@ export interface QueueWaitsView {
   readonly budgetMs: number;
   published(pool: string, instance: string): void;
   waitMs(pool: string, instance: string): number | undefined;
+  occupancy(pool: string, instance: string): number | undefined;
   overBudget(pool: string, instance: string): boolean;
   retryAfterMs(pool: string, instance: string): number | undefined;
 }
