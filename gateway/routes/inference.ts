@@ -285,7 +285,12 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   let settle!: (answered: boolean) => void;
   const answered = new Promise<boolean>((resolve) => (settle = resolve));
   try {
-    const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(s.retryAfterSec)), s.coldStartTimeoutMs);
+    // Out of time for an instance: come back when the pool's next one may serve (its starts' pace), if known.
+    const retryCold = () => {
+      const ms = g.sessions.nextInstanceMs?.(model);
+      return ms === undefined ? s.retryAfterSec : Math.ceil(ms / 1000);
+    };
+    const coldStartTimer = setTimeout(() => ctl.abort(errors.noCapacity(retryCold())), s.coldStartTimeoutMs);
     // Said only if it takes a keep-alive's while (routes/sse.ts): a warm turn never shows it.
     sse?.waiting(() => waitingForInstance(g.sessions.serving?.(model), modelLabel));
     let entry: SessionEntry;

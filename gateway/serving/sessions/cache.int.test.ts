@@ -572,6 +572,38 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(demands).toEqual([]);
   });
 
+  it('queue waits: a refusal’s Retry-After is the pool’s next instance when that comes sooner than a queue drains, paced by how long its starts took', async () => {
+    const waits = new QueueWaits(2_000);
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await cache.ready;
+    const t0 = Date.now();
+    // A start seen from its beginning to its end: i2 listed starting since t0 − 4 s, then ready in a view written at t0.
+    await publishPool(['i1'], 4, { starting: [{ instance: 'i2', since: t0 - 4_000 }], updatedAt: t0 - 4_000 });
+    await until('the starting view mirrored', () => cache!.pools!.get(poolKey)?.starting !== undefined, 10_000);
+    expect(cache.nextInstanceMs(model)).toBeUndefined(); // no start seen to its end yet
+    await publishPool(['i1', 'i2'], 4, { updatedAt: t0 });
+    await until('the ready view mirrored', () => cache!.pools!.get(poolKey)?.instances.length === 2, 10_000);
+    // None starting: one refusal asks for, a whole start; at the pool's maximum, none.
+    expect(cache.nextInstanceMs(model)).toBe(4_000);
+    // Queues of 20 s: the next instance (4 s) comes first.
+    waits.beat('tiny.i1', { running: 1, slots: 1, queued: 20, serviceMs: 1_000 });
+    waits.beat('tiny.i2', { running: 1, slots: 1, queued: 20, serviceMs: 1_000 });
+    expect(cache.queueAdmit(model, key('paced'))).toMatchObject({ retryAfterMs: 4_000 });
+    // One starting since a second ago: about 3 s left (at least a second).
+    await publishPool(['i1', 'i2'], 4, { starting: [{ instance: 'i3', since: Date.now() - 1_000 }] });
+    await until('the next start mirrored', () => cache!.pools!.get(poolKey)?.starting?.[0]?.instance === 'i3', 10_000);
+    const left = cache.nextInstanceMs(model)!;
+    expect(left).toBeGreaterThanOrEqual(2_000);
+    expect(left).toBeLessThanOrEqual(3_000);
+    // Short queues (1 s past the budget): they come first.
+    waits.beat('tiny.i1', { running: 1, slots: 1, queued: 2, serviceMs: 1_000 });
+    expect(cache.queueAdmit(model, key('drains'))).toMatchObject({ retryAfterMs: 1_000 });
+    // At its maximum with nothing starting: no next instance.
+    await publishPool(['i1', 'i2'], 4, { growable: false });
+    await until('the full view mirrored', () => cache!.pools!.get(poolKey)?.growable === false, 10_000);
+    expect(cache.nextInstanceMs(model)).toBeUndefined();
+  });
+
   it('orphans: a warm entry placed over a TTL ago that no session ever marked gets its session once; one expired 5 min ago is deleted by the sweep', async () => {
     await publishPool(['i1'], 100);
     cache = await start();

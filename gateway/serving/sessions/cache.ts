@@ -127,6 +127,10 @@ export class SessionCache implements SessionBroker {
     return servingOf(this.views.viewOf(model.namespace, model.name), this.now());
   }
 
+  nextInstanceMs(model: Pick<ReadyModel, 'namespace' | 'name'>): number | undefined {
+    return this.views.nextInstanceMs(model.namespace, model.name);
+  }
+
   /** Live entries on an instance, as this gateway's mirror counts them. */
   leasesOn(namespace: string, pool: string, instance: string): number {
     return this.mirror.leasesOn(namespace, pool, instance);
@@ -184,6 +188,9 @@ export class SessionCache implements SessionBroker {
       if (!best || retryAfterMs < best.retryAfterMs) best = { retryAfterMs, waitMs, budgetMs: waits.budgetMs };
     }
     if (best) {
+      // A new instance may take it sooner than any queue drains: the pool's next start.
+      const start = this.views.nextInstanceMs(model.namespace, model.name);
+      if (start !== undefined && start < best.retryAfterMs) best = { ...best, retryAfterMs: start };
       this.counters.refusedForQueueWait++;
       // Demand only where the pool may grow: at its maximum, telling it costs its history events and changes nothing.
       if (this.views.viewOf(model.namespace, model.name)?.growable !== false) this.placement?.refusedForWait(model);

@@ -12,6 +12,11 @@ import type { ReadyModel } from '../../../shared/model';
 import { decodePoolEntry, POOL_ENTRY_MAX_AGE_MS, type PoolEntry, type SessionEntry } from '../../../shared/serving';
 import type { FirstTurns } from './types';
 
+/** Start durations kept per pool: the median of the last few says how long the next one takes. */
+const STARTS_KEPT = 5;
+/** A start observed to take longer than this is not a start (a view missed in between): not kept. */
+const MAX_START_MS = 60 * 60_000;
+
 /** A stale view's instances are looked at again at most this often, and what was found is used this long. */
 const PROBE_INTERVAL_MS = 5_000;
 const PROBE_TTL_MS = 15_000;
@@ -29,6 +34,8 @@ export class PoolViews {
   readonly cache: KvCache<PoolEntry> | undefined;
   /** Per view key, the last look at its instances while the view is stale. */
   private readonly probes = new Map<string, Probe>();
+  /** Per view key: its instances being started and since when, and how long its last starts took (ms). */
+  private readonly starts = new Map<string, { starting: Map<string, number>; took: number[] }>();
 
   constructor(
     kv: WatchableKv | undefined,
@@ -37,7 +44,42 @@ export class PoolViews {
     private readonly now: () => number,
     onError?: (err: unknown) => void,
   ) {
-    this.cache = kv ? watchKv<PoolEntry>(kv, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError }) : undefined;
+    this.cache = kv
+      ? watchKv<PoolEntry>(kv, { decode: (e: KvEntry) => decodePoolEntry(e.value), onError, onChange: (key, _before, after) => this.observe(key, after) })
+      : undefined;
+  }
+
+  /**
+   * Learns how long the pool's starts take: an instance a view listed as starting since T, then
+   * ready in a view written at T2, took T2 − T (to within the pool's view writes).
+   */
+  private observe(key: string, view: PoolEntry | undefined): void {
+    if (!view) return void this.starts.delete(key);
+    let s = this.starts.get(key);
+    if (!s) this.starts.set(key, (s = { starting: new Map(), took: [] }));
+    for (const i of view.instances) {
+      const since = s.starting.get(i.instance);
+      if (since === undefined) continue;
+      const took = view.updatedAt - since;
+      if (took > 0 && took < MAX_START_MS) s.took = [...s.took, took].slice(-STARTS_KEPT);
+    }
+    s.starting = new Map((view.starting ?? []).map((i) => [i.instance, i.since]));
+  }
+
+  /**
+   * How long until the pool may serve one more instance (ms, at least a second): the soonest of
+   * those it is starting, by how long its last starts took; with none starting, a whole start
+   * (one a refusal asks for). Undefined before any start was seen, or when the pool cannot grow.
+   */
+  nextInstanceMs(namespace: string, model: string): number | undefined {
+    const key = `${namespace}.${model}`;
+    const s = this.starts.get(key);
+    if (!s || s.took.length === 0) return undefined;
+    const typical = [...s.took].sort((a, b) => a - b)[Math.floor(s.took.length / 2)]!;
+    const now = this.now();
+    const starting = [...s.starting.values()].map((since) => since + typical - now);
+    if (starting.length === 0 && this.cache?.get(key)?.growable === false) return undefined;
+    return Math.max(1_000, Math.round(starting.length > 0 ? Math.min(...starting) : typical));
   }
 
   /** Not rewritten by its pool for `POOL_ENTRY_MAX_AGE_MS`: not used as written. */

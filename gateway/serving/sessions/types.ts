@@ -56,6 +56,8 @@ export interface SessionBroker {
   stats?(): SessionStats;
   /** Whether the model's pool serves, starts or fails now, from its published view (absent: the broker cannot tell). */
   serving?(model: Pick<ReadyModel, 'namespace' | 'name'>): ModelServing;
+  /** How long until the model's pool may serve one more instance, by how long its starts take (ms; undefined: unknown). */
+  nextInstanceMs?(model: Pick<ReadyModel, 'namespace' | 'name'>): number | undefined;
 }
 
 /** A model's pool as its published view shows it (`/v1/models`' `serving`, what a waiting turn is told). */
