@@ -3,8 +3,13 @@
  * instead of asking the server. The watch delivers every key's last value, then live updates;
  * if it ends (connection lost, consumer reset) it is re-opened and the map rebuilt from scratch,
  * so keys deleted meanwhile do not linger.
+ *
+ * Or, with `recent`, only the keys its owner puts in it (read elsewhere, or written), at most
+ * `maxSize` of them, the least recently used leaving first: the watch delivers updates only (no
+ * replay of the bucket: it is live as soon as it opens), and those of keys held or being read
+ * are applied; a re-opened watch starts from an empty map (updates may have been missed).
  */
-import type { KvEntry, KvWatchOptions, QueuedIterator } from 'nats';
+import { KvWatchInclude, type KvEntry, type KvWatchOptions, type QueuedIterator } from 'nats';
 
 /** The part of a nats.js `KV` the cache needs. */
 export interface WatchableKv {
@@ -41,6 +46,13 @@ export interface KvCacheOptions<T> {
   onChange?: (key: string, before: T | undefined, after: T | undefined) => void;
   /** Told when a rebuilt map replaces the one readers saw (an index is rebuilt from it). */
   onReset?: (map: ReadonlyMap<string, T>) => void;
+  /** Only keys the owner puts in (module comment): the watch's updates of others are dropped. */
+  recent?: {
+    /** At most this many keys; beyond it the least recently read or written leaves. */
+    maxSize: number;
+    /** Keys whose updates are kept though not held (reads under way: an update during one must not be lost). */
+    wanted: (key: string) => boolean;
+  };
 }
 
 export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T> {
@@ -53,13 +65,23 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   let wake: (() => void) | undefined;
   let reopening = false;
 
+  const recent = opts.recent;
   const change = (target: Map<string, T>, key: string, after: T | undefined): void => {
     const before = target.get(key);
     if (after === undefined) target.delete(key);
-    else target.set(key, after);
+    else {
+      if (recent) target.delete(key); // to the end of the order: the most recently used
+      target.set(key, after);
+    }
     if (target === current && (before !== undefined || after !== undefined)) opts.onChange?.(key, before, after);
+    if (recent && target.size > recent.maxSize) {
+      const [oldest, value] = target.entries().next().value!;
+      target.delete(oldest);
+      if (target === current) opts.onChange?.(oldest, value, undefined);
+    }
   };
   const apply = (target: Map<string, T>, e: KvEntry): void => {
+    if (recent && !target.has(e.key) && !recent.wanted(e.key)) return; // a key nobody here uses
     if (e.operation !== 'PUT') {
       change(target, e.key, undefined);
       return;
@@ -79,6 +101,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       let initialized = false;
       try {
         iter = await kv.watch({
+          ...(recent ? { include: KvWatchInclude.UpdatesOnly } : {}),
           // Called in order after the last initial value; swap the rebuilt map in at once.
           initializedFn: () => {
             current = next;
@@ -109,7 +132,14 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   const running = run();
 
   return {
-    get: (key) => current.get(key),
+    get: (key) => {
+      const v = current.get(key);
+      if (recent && v !== undefined) {
+        current.delete(key); // to the end of the order: the most recently used
+        current.set(key, v);
+      }
+      return v;
+    },
     set: (key, value) => change(current, key, value),
     delete: (key) => change(current, key, undefined),
     entries: () => current.entries(),

@@ -13,6 +13,9 @@ import { newReplicaId } from './serving/exchange';
 import { MAX_PENDING_SESSION_STARTS } from './serving/sessions';
 import { OPENAPI_ACCESS, type GatewaySettings } from './plugins/services';
 
+/** Conversations' entries a gateway holds (`MAGUS_GATEWAY_SESSION_CACHE`): ~0.4 KB each, so ~20 MB. */
+export const DEFAULT_SESSION_CACHE_ENTRIES = 50_000;
+
 export interface GatewayConfig {
   host: string;
   port: number;
@@ -288,6 +291,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
     maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),
+    sessionCacheEntries: int('MAGUS_GATEWAY_SESSION_CACHE', DEFAULT_SESSION_CACHE_ENTRIES, 0, 100_000_000),
     openApi: oneOf('MAGUS_GATEWAY_OPENAPI (--openapi)', 'public', OPENAPI_ACCESS, args.openApi ?? raw('MAGUS_GATEWAY_OPENAPI')),
   };
   const http = {
@@ -379,6 +383,7 @@ environment:
   MAGUS_GATEWAY_RETRY_AFTER_SEC        5 (when no queue says otherwise)
   MAGUS_MAX_QUEUE_WAIT                 5s (a turn expected to wait longer in every instance's queue gets 429 queue_full at once; 0: no bound)
   MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS  5000 (answered conversations whose session workflow has not started yet; beyond it new ones get 503)
+  MAGUS_GATEWAY_SESSION_CACHE          50000 (conversations whose entries this gateway holds, read from magus_sessions on first use; 0: mirror every entry)
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
   MAGUS_GATEWAY_RESPONSE_ROUTING       shared (one subscription per replica) | per-request

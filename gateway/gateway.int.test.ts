@@ -277,7 +277,6 @@ describe('round trips through NATS', () => {
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     // A request subject the gateway may publish to (its user's permissions), which no stream takes.
     await sessionsKv.put(key, enc({ subject: `${scope}.magus.req.nostream.x`, pool: 'nostream', instance: 'x', expiresAt: Date.now() + 600_000 }));
-    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const res = await post(turn('hi'), { 'x-session-id': sid });
     expect(res.status).toBe(503);
     expect(await res.text()).not.toContain('nostream');
@@ -468,17 +467,17 @@ describe('sessions from the magus_sessions KV', () => {
     const sid = 'prewarmed-1';
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() + 600_000 }));
-    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
+    // Read from the bucket at its first turn (the gateway holds only the conversations it serves), then held.
     const before = coldStarts.length;
     for (let i = 0; i < 3; i++) expect((await post(turn(`q${i}`), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before);
+    expect(gw.sessionCache!.cache.get(key)?.subject).toBe(subject);
   });
 
   it('expired or deleted entries go back to the cold path', async () => {
     const sid = 'expiring-1';
     const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: sid });
     await sessionsKv.put(key, enc({ subject, pool, instance, expiresAt: Date.now() - 1 }));
-    await until('the session mirrored', () => gw.sessionCache!.cache.get(key) !== undefined, 5_000);
     const before = coldStarts.length;
     expect((await post(turn('a'), { 'x-session-id': sid })).status).toBe(200);
     expect(coldStarts.length).toBe(before + 1); // expired → cold start (which writes a fresh entry)
@@ -572,7 +571,7 @@ describe('models, health and metrics', () => {
     });
     const ready = await fetch(`${gw.url}/readyz`);
     expect(ready.status).toBe(200);
-    expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } });
+    expect(await ready.json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, tokens: true, pools: true } });
     const metrics = await (await fetch(`${gw.url}/metrics`)).text();
     const { warmHits, coldStarts: cold } = gw.sessionCache!.stats();
     expect(warmHits).toBeGreaterThan(0);
@@ -615,7 +614,7 @@ describe('a gateway with an operations listener (MAGUS_GATEWAY_HEALTH_ADDRESS) a
     expect((await get(`${ops.url}/metrics`, alice.token)).status).toBe(404);
 
     // Health stays on both ports (load balancers check the port they send to), with the same checks.
-    const checks = { status: 'ok', checks: { registry: true, nats: true, tokens: true, sessions: true, pools: true } };
+    const checks = { status: 'ok', checks: { registry: true, nats: true, tokens: true, pools: true } };
     for (const base of [ops.url, ops.healthUrl!]) {
       expect({ base, status: (await get(`${base}/healthz`)).status }).toEqual({ base, status: 200 });
       const ready = await get(`${base}/readyz`);

@@ -20,7 +20,7 @@ import { openModelRegistry } from '../dataplane/registry';
 import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options, readinessChecks } from './app';
 import { operationsApp } from './operations';
-import { GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
+import { DEFAULT_SESSION_CACHE_ENTRIES, GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionErrorType, sessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
@@ -241,6 +241,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       sessions = deps.broker;
     } else {
       const sessionsKv = await openBucket(nc, config.buckets.sessions);
+      const recentSessions = config.settings.sessionCacheEntries ?? DEFAULT_SESSION_CACHE_ENTRIES;
       const cache = new SessionCache({
         kv: sessionsKv,
         firstTurns: deps.firstTurns && {
@@ -262,6 +263,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
         maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
         waits,
+        // The conversations this gateway serves only, read from the bucket's leader on first use:
+        // no replay of every live conversation at start or after a reconnect.
+        ...(recentSessions > 0 ? { recent: { maxEntries: recentSessions, read: (k: string) => leaderGet(jsm, config.buckets.sessions, k) } } : {}),
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());
@@ -270,7 +274,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         () => cache.pools?.reopen(),
       );
       ready.push(within(`the ${config.buckets.sessions} watch`, 15_000, cache.ready));
-      liveness.push({ name: 'sessions', check: () => cache.cache.live });
+      // A mirror of every entry is what warm turns read: not ready while it is rebuilt. One of
+      // recent conversations reads the bucket whenever its watch is down: ready all along.
+      if (recentSessions === 0) liveness.push({ name: 'sessions', check: () => cache.cache.live });
       if (cache.pools) liveness.push({ name: 'pools', check: () => cache.pools!.live });
       sessions = sessionCache = cache;
     }

@@ -64,6 +64,13 @@ export interface GatewaySettings {
   retryAfterSec: number;
   /** Answered conversations that may wait for their session workflow to start; beyond it new ones get 503 (serving/sessions/starts.ts). */
   maxPendingSessionStarts?: number;
+  /**
+   * `MAGUS_GATEWAY_SESSION_CACHE`: hold the entries of at most this many conversations this
+   * gateway serves, read from `magus_sessions` on first use (serving/sessions/mirror.ts
+   * `RecentSessions`); 0: mirror every entry of the bucket (replayed at start and after every
+   * reconnect). Default 50,000.
+   */
+  sessionCacheEntries?: number;
   /** Who may read `/openapi.json`; default `public`. */
   openApi?: OpenApiAccess;
 }

@@ -72,7 +72,7 @@ export class SessionCache implements SessionBroker {
     this.now = opts.now ?? Date.now;
     this.marginMs = opts.freshnessMarginMs ?? 5_000;
     this.coldStart = opts.coldStart;
-    this.mirror = new SessionMirror(opts.kv, opts.onError);
+    this.mirror = new SessionMirror(opts.kv, opts.onError, opts.recent);
     this.views = new PoolViews(opts.pools, opts.firstTurns, this.now, opts.onError);
     this.waits = opts.waits;
     this.picker = new InstancePicker(this.mirror, this.views, this.counters, opts.waits);
@@ -116,6 +116,7 @@ export class SessionCache implements SessionBroker {
     const orphans = this.mirror.sweep(t, ORPHAN_SWEEP_GRACE_MS);
     this.placement?.sweepOrphans(orphans);
     this.placement?.sweep(t);
+    this.picker.sweep(t);
     for (const [k, times] of this.movedTo) if (!times.some((at) => t - at < MOVES_SPREAD_MS)) this.movedTo.delete(k);
   }
 
@@ -131,14 +132,24 @@ export class SessionCache implements SessionBroker {
     return this.views.nextInstanceMs(model.namespace, model.name);
   }
 
-  /** Live entries on an instance, as this gateway's mirror counts them. */
+  /** Live entries on an instance, as this gateway's mirror counts them (or, holding recent ones only, as the pool's view and this gateway's placements since say). */
   leasesOn(namespace: string, pool: string, instance: string): number {
-    return this.mirror.leasesOn(namespace, pool, instance);
+    return this.picker.leasesOn(namespace, pool, instance);
   }
 
   acquire(req: AcquireRequest): Promise<SessionEntry> {
+    const entry = this.mirror.get(req.conversationKey);
+    // Not held by a mirror of recent conversations: read from the bucket first.
+    if (!entry && !this.mirror.counts)
+      return this.mirror.lookup(req.conversationKey).then(
+        (read) => this.acquireWith(req, read),
+        (err: unknown) => Promise.reject(unavailableRead(err)),
+      );
+    return this.acquireWith(req, entry);
+  }
+
+  private acquireWith(req: AcquireRequest, entry: CachedEntry | undefined): Promise<SessionEntry> {
     const key = req.conversationKey;
-    const entry = this.mirror.get(key);
     if (entry && usable(entry, this.now(), this.marginMs, this.views) && !this.crowded(req.model, entry)) {
       this.counters.warmHits++;
       this.placement?.renewLater(key, entry);
@@ -146,7 +157,7 @@ export class SessionCache implements SessionBroker {
       return Promise.resolve(entry);
     }
     const placement = this.placement;
-    return this.placing.join(key, (signal) => (placement ? placement.place(req, signal) : this.fromColdStart(req, signal)), req.signal);
+    return this.placing.join(key, (signal) => (placement ? placement.place(req, signal, { entry }) : this.fromColdStart(req, signal)), req.signal);
   }
 
   async route({ model, signal }: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry> {
@@ -257,4 +268,15 @@ export function servingOf(view: PoolEntry | undefined, now: number): ModelServin
     ...(oldest !== undefined ? { startingForSec: Math.max(0, Math.round((now - oldest) / 1000)) } : {}),
     ...(status === 'failing' && view?.failing ? { failing: view.failing } : {}),
   };
+}
+
+/** A read of the bucket it did not answer: a 503 with `Retry-After`, as a write it did not answer (entries.ts). */
+function unavailableRead(err: unknown): Error {
+  if (err instanceof SessionError) return err;
+  return Object.assign(
+    new SessionError(SessionErrorType.Unavailable, `the conversation's entry could not be read: ${(err as Error)?.message ?? String(err)}`),
+    {
+      cause: err,
+    },
+  );
 }

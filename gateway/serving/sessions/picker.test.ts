@@ -17,7 +17,7 @@ const view = (over: Partial<PoolEntry> = {}): PoolEntry => ({
 });
 
 function pickerWith(leases: Record<string, number>, entry: PoolEntry | undefined, stale = false, waits?: QueueWaitsView) {
-  const mirror = { leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as SessionMirror;
+  const mirror = { counts: true, leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as unknown as SessionMirror;
   const views = { viewOf: () => entry, stale: () => stale } as unknown as PoolViews;
   const counters = new SessionCounters();
   return { picker: new InstancePicker(mirror, views, counters, waits), counters };

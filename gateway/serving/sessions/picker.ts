@@ -11,9 +11,14 @@ import type { PoolViews } from './pool-views';
 import type { SessionCounters } from './stats';
 import type { PublishedInstance, QueueWaitsView } from './types';
 
+/** Picks remembered beside a pool's published counts, at most this long (views are rewritten at least every minute). */
+const PICKS_KEPT_MS = 2 * 60_000;
+
 export class InstancePicker {
   /** This gateway's picks whose entries are not written yet, per instance ({@link instanceKey}). */
   private readonly reserved = new Map<string, number>();
+  /** When this gateway picked each instance lately ({@link instanceKey}): counted beside a view's counts until a newer view. */
+  private readonly picked = new Map<string, number[]>();
 
   constructor(
     private readonly mirror: SessionMirror,
@@ -40,7 +45,7 @@ export class InstancePicker {
     let bestRank: number[] | undefined;
     for (const i of entry.instances) {
       if (i.instance === opts.avoid) continue;
-      const n = this.mirror.leasesOn(model.namespace, model.name, i.instance) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
+      const n = this.leasesOf(model.namespace, model.name, i, entry.updatedAt) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
       if (n >= limit) continue;
       // One whose queue would keep a request waiting past the budget last, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
       const crowded = this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
@@ -55,11 +60,42 @@ export class InstancePicker {
     return best;
   }
 
+  /**
+   * Live conversations on an instance: every replica's as the mirror counts them, or — a mirror of
+   * recent conversations counts none — as the pool's view says (its reconciler's count when the
+   * view was written) plus this gateway's picks since.
+   */
+  leasesOn(namespace: string, pool: string, instance: string): number {
+    const entry = this.views.viewOf(namespace, pool);
+    const i = entry?.instances.find((x) => x.instance === instance);
+    return i ? this.leasesOf(namespace, pool, i, entry!.updatedAt) : this.mirror.counts ? this.mirror.leasesOn(namespace, pool, instance) : 0;
+  }
+
+  private leasesOf(namespace: string, pool: string, i: PublishedInstance, viewAt: number): number {
+    if (this.mirror.counts) return this.mirror.leasesOn(namespace, pool, i.instance);
+    const k = instanceKey(namespace, pool, i.instance);
+    const since = (this.picked.get(k) ?? []).filter((t) => t > viewAt);
+    return i.leases + since.length;
+  }
+
   /** Counts `i` as taken by a placement of this replica until it is released. */
   reserve(model: ReadyModel, i: PublishedInstance): PublishedInstance {
     const k = instanceKey(model.namespace, model.name, i.instance);
     this.reserved.set(k, (this.reserved.get(k) ?? 0) + 1);
+    if (!this.mirror.counts) {
+      const now = Date.now();
+      this.picked.set(k, [...(this.picked.get(k) ?? []).filter((t) => now - t < PICKS_KEPT_MS), now]);
+    }
     return i;
+  }
+
+  /** Forgets picks older than any view they could be counted beside. */
+  sweep(now: number): void {
+    for (const [k, times] of this.picked) {
+      const kept = times.filter((t) => now - t < PICKS_KEPT_MS);
+      if (kept.length > 0) this.picked.set(k, kept);
+      else this.picked.delete(k);
+    }
   }
 
   release(model: ReadyModel, instance: string): void {

@@ -110,12 +110,16 @@ export class Placement {
       );
   }
 
-  /** Places the conversation of `req`: renews, moves or creates its entry. */
-  async place(req: AcquireRequest, signal: AbortSignal): Promise<SessionEntry> {
+  /**
+   * Places the conversation of `req`: renews, moves or creates its entry. `known`: its entry as the
+   * caller just found it (held, or read from the bucket); else it is looked up here.
+   */
+  async place(req: AcquireRequest, signal: AbortSignal, known?: { entry: CachedEntry | undefined }): Promise<SessionEntry> {
     const { mirror, views, picker, entries, starts, counters } = this.parts;
     const { now, marginMs } = this.settings;
     const key = req.conversationKey;
-    let entry = mirror.get(key);
+    // (An entry that could not be read is found by the create, which then reads it.)
+    let entry = known ? (mirror.get(key) ?? known.entry) : await mirror.lookup(key).catch(() => mirror.get(key));
     const crowded = (e: CachedEntry) => this.parts.crowded?.(req.model, e) === true;
     for (let attempt = 0; attempt < PLACE_ATTEMPTS; attempt++) {
       const t = now();

@@ -7,6 +7,7 @@ import type { KvEntry } from 'nats';
 import type { WatchableKv } from '../../../dataplane/kv-mirror';
 import type { ReadyModel } from '../../../shared/model';
 import type { PoolEntry, SessionEntry } from '../../../shared/serving';
+import type { RecentSessions } from './mirror';
 
 export interface AcquireRequest {
   /** The conversation key (serving/conversation.ts): stable across the turns of one conversation. */
@@ -178,6 +179,12 @@ export interface SessionCacheOptions {
   maxPendingSessionStarts?: number;
   /** Instances' expected queue waits (serving/queue-waits.ts): turns go where theirs is within the budget. */
   waits?: QueueWaitsView;
+  /**
+   * Hold only the entries of conversations this gateway serves (mirror.ts `RecentSessions`): no
+   * replay of the bucket at start or after a reconnect, a bounded number held. Default: every
+   * entry, counted per instance.
+   */
+  recent?: RecentSessions;
   now?: () => number;
   onError?: (err: unknown) => void;
 }

@@ -1,0 +1,148 @@
+/**
+ * `npm run bench:sessions -- --live 0,100000,1000000`: what live conversations cost a gateway
+ * process. For each count, `magus_sessions` is filled with that many live entries (written
+ * straight into the bucket, as gateways write them), and a real `magus gateway` process is
+ * started on it twice — holding only the conversations it serves (the default,
+ * `MAGUS_GATEWAY_SESSION_CACHE`) and mirroring every entry (`MAGUS_GATEWAY_SESSION_CACHE=0`) — to
+ * measure how long it takes to be ready, its RSS and heap once ready, and whether `/readyz`
+ * failed while nats-server was restarted under it (polled every 50 ms). Also nats-server's RSS.
+ * No Temporal (the gateway answers `degraded` without it, which counts as ready). Other flags:
+ * `--modes recent,all`.
+ */
+import { spawn, type ChildProcess } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { join } from 'node:path';
+import { connect } from 'nats';
+import { dataPlaneNames, ensureDataPlane } from '../dataplane';
+import type { SessionEntry } from '../shared/serving';
+import { startServices } from '../workers/dev/services';
+import { fmt } from './common';
+
+const arg = (name: string, fallback: string) => {
+  const i = process.argv.indexOf(`--${name}`);
+  return i >= 0 ? process.argv[i + 1]! : fallback;
+};
+const counts = arg('live', '0,100000,1000000').split(',').map(Number);
+const modes = arg('modes', 'recent,all').split(',') as ('recent' | 'all')[];
+
+const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
+const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
+
+function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const s = createServer();
+    s.listen(0, '127.0.0.1', () => {
+      const { port } = s.address() as { port: number };
+      s.close(() => resolve(port));
+    });
+    s.on('error', reject);
+  });
+}
+
+async function readyz(url: string): Promise<number> {
+  try {
+    return (await fetch(`${url}/readyz`, { signal: AbortSignal.timeout(1_000) })).status;
+  } catch {
+    return 0;
+  }
+}
+
+/** The heap the gateway reports on /metrics (MB). */
+async function heapMb(url: string): Promise<number> {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  return Number(/^nodejs_heap_size_used_bytes (\S+)$/m.exec(text)?.[1] ?? NaN) / 1024 / 1024;
+}
+
+async function main(): Promise<void> {
+  const services = await startServices({ services: ['nats'] });
+  const natsUrl = services.endpoints.nats!.servers;
+  const natsPid = () => services.pids[0]!;
+  const rows: string[] = [];
+  try {
+    const nc = await connect({ servers: natsUrl, name: 'bench-sessions' });
+    await ensureDataPlane(nc, { prefix: '' });
+    const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
+    let written = 0;
+    for (const live of counts) {
+      const entry: SessionEntry = {
+        subject: 'magus.req.bench.bench-1-00000000',
+        pool: 'bench',
+        namespace: 'default',
+        instance: 'bench-1-00000000',
+        expiresAt: Date.now() + 24 * 3_600_000,
+        placedAt: Date.now(),
+        watched: true,
+      };
+      const value = new TextEncoder().encode(JSON.stringify(entry));
+      const s0 = Date.now();
+      for (; written < live; written += 2000) {
+        const n = Math.min(2000, live - written);
+        // Keys as long as a conversation key (a hex HMAC).
+        await Promise.all(Array.from({ length: n }, (_, j) => kv.put(`${(written + j).toString(16).padStart(64, '0')}`, value)));
+      }
+      if (live > 0) console.log(`${live} live entries written (${fmt((Date.now() - s0) / 1000, 1)} s); nats-server RSS ${fmt(rssMb(natsPid()), 0)} MB`);
+      for (const mode of modes) {
+        const port = await freePort();
+        const url = `http://127.0.0.1:${port}`;
+        const t0 = Date.now();
+        const gw: ChildProcess = spawn(process.execPath, [join(__dirname, '..', 'bin', 'magus.js'), 'gateway', '--port', String(port)], {
+          env: {
+            ...process.env,
+            MAGUS_NATS_URL: natsUrl,
+            MAGUS_TEMPORAL_ADDRESS: '127.0.0.1:1',
+            MAGUS_GATEWAY_SECRET: randomBytes(32).toString('hex'),
+            MAGUS_GATEWAY_SESSION_CACHE: mode === 'all' ? '0' : '50000',
+            MAGUS_LOG_LEVEL: 'warn',
+          },
+          stdio: ['ignore', 'ignore', 'pipe'],
+        });
+        let stderr = '';
+        gw.stderr!.on('data', (d: Buffer) => (stderr += d.toString()));
+        let readyMs = NaN;
+        for (let k = 0; k < 1200 && gw.exitCode === null; k++) {
+          if ((await readyz(url)) === 200) {
+            readyMs = Date.now() - t0;
+            break;
+          }
+          await sleep(50);
+        }
+        if (Number.isNaN(readyMs)) {
+          gw.kill('SIGKILL');
+          throw new Error(`the gateway (${mode}) was not ready in 60 s:\n${stderr}`);
+        }
+        await sleep(2_000);
+        const rss = rssMb(gw.pid!);
+        const heap = await heapMb(url);
+        // nats-server restarted under it: /readyz every 50 ms for 10 s.
+        let polls = 0;
+        let failed = 0;
+        const restart = services.restartNats();
+        const p0 = Date.now();
+        while (Date.now() - p0 < 10_000) {
+          polls++;
+          if ((await readyz(url)) !== 200) failed++;
+          await sleep(50);
+        }
+        await restart;
+        gw.kill('SIGTERM');
+        await new Promise((resolve) => gw.once('exit', resolve));
+        const row = `| ${live.toLocaleString('en')} | ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | ${fmt(readyMs / 1000, 1)} s | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${failed} of ${polls} |`;
+        console.log(row);
+        rows.push(row);
+      }
+    }
+    await nc.drain();
+  } finally {
+    await services.stop();
+  }
+  console.log('\n| live conversations | gateway holds | ready after start | RSS | heap | /readyz failures during a NATS restart |');
+  console.log('|---|---|---|---|---|---|');
+  for (const r of rows) console.log(r);
+}
+
+main().catch((err: unknown) => {
+  console.error(err);
+  process.exit(1);
+});
