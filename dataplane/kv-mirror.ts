@@ -7,7 +7,9 @@
  * Or, with `recent`, only the keys its owner puts in it (read elsewhere, or written), at most
  * `maxSize` of them, the least recently used leaving first: the watch delivers updates only (no
  * replay of the bucket: it is live as soon as it opens), and those of keys held or being read
- * are applied; a re-opened watch starts from an empty map (updates may have been missed).
+ * are applied. A re-opened watch resumes after the last update it delivered, so what changed
+ * while it was down reaches the keys held (which are read on meanwhile, as a rebuilt mirror's old
+ * map is).
  */
 import { KvWatchInclude, type KvEntry, type KvWatchOptions, type QueuedIterator } from 'nats';
 
@@ -66,6 +68,8 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   let reopening = false;
 
   const recent = opts.recent;
+  /** The stream sequence of the last update the watch delivered (a recent mirror resumes after it). */
+  let lastSeq = 0;
   const change = (target: Map<string, T>, key: string, after: T | undefined): void => {
     const before = target.get(key);
     if (after === undefined) target.delete(key);
@@ -81,7 +85,10 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
     }
   };
   const apply = (target: Map<string, T>, e: KvEntry): void => {
-    if (recent && !target.has(e.key) && !recent.wanted(e.key)) return; // a key nobody here uses
+    if (recent) {
+      lastSeq = Math.max(lastSeq, e.revision);
+      if (!target.has(e.key) && !recent.wanted(e.key)) return; // a key nobody here uses
+    }
     if (e.operation !== 'PUT') {
       change(target, e.key, undefined);
       return;
@@ -97,11 +104,12 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
 
   const run = async (): Promise<void> => {
     while (!stopped) {
-      const next = new Map<string, T>();
+      // A recent mirror keeps what it holds across watches: the new one resumes where the last stopped.
+      const next = recent ? current : new Map<string, T>();
       let initialized = false;
       try {
         iter = await kv.watch({
-          ...(recent ? { include: KvWatchInclude.UpdatesOnly } : {}),
+          ...(recent ? { include: KvWatchInclude.UpdatesOnly, ...(lastSeq > 0 ? { resumeFromRevision: lastSeq + 1 } : {}) } : {}),
           // Called in order after the last initial value; swap the rebuilt map in at once.
           initializedFn: () => {
             current = next;

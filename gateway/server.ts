@@ -265,7 +265,15 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         waits,
         // The conversations this gateway serves only, read from the bucket's leader on first use:
         // no replay of every live conversation at start or after a reconnect.
-        ...(recentSessions > 0 ? { recent: { maxEntries: recentSessions, read: (k: string) => leaderGet(jsm, config.buckets.sessions, k) } } : {}),
+        // Cut off from NATS, a read fails at once (503 with Retry-After), not after its timeout.
+        ...(recentSessions > 0
+          ? {
+              recent: {
+                maxEntries: recentSessions,
+                read: (k: string) => (natsUp ? leaderGet(jsm, config.buckets.sessions, k) : Promise.reject(new Error('NATS is unreachable'))),
+              },
+            }
+          : {}),
         onError: (err) => log.warn({ err }, 'session cache'),
       });
       closers.push(() => cache.close());

@@ -69,11 +69,11 @@ export class SessionMirror {
   }
 
   /**
-   * The entry as held. A recent mirror whose watch is not running holds nothing it can vouch for
-   * (updates may be passing it by): undefined, and {@link lookup} reads the bucket.
+   * The entry as held. While the watch is down (a reconnect) held entries are still answered, as
+   * a mirror being rebuilt answers from its old map: every write is a compare-and-swap, so an
+   * entry another replica changed meanwhile is read again at the write that finds it changed.
    */
   get(key: string): CachedEntry | undefined {
-    if (this.recent && !this.cache.live) return undefined;
     return this.cache.get(key);
   }
 
