@@ -110,7 +110,11 @@ async function main(): Promise<void> {
         }
         if (Number.isNaN(readyMs)) {
           gw.kill('SIGKILL');
-          throw new Error(`the gateway (${mode}) was not ready in 60 s:\n${stderr}`);
+          const why = stderr.trim().split('\n').at(-1)?.slice(0, 160) ?? '';
+          const row = `| ${live.toLocaleString('en')} | ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | not ready (${gw.exitCode === null ? 'after 60 s' : `exit ${gw.exitCode}`}: ${why}) | — | — | — |`;
+          console.log(row);
+          rows.push(row);
+          continue;
         }
         await sleep(2_000);
         const rss = rssMb(gw.pid!);

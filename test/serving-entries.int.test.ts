@@ -23,7 +23,7 @@ import { sessionWorkflowId } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, listWorkflowIds, recordHistory } from './harness';
-import { magusStack, TestStack } from './harness/stack';
+import { magusStack, poolTerminated, TestStack } from './harness/stack';
 import { sleep, until } from './harness/wait';
 
 const iso = isolation();
@@ -46,12 +46,7 @@ beforeAll(async () => {
   taskQueue = magus.cfg.taskQueue;
   kv = await nc.jetstream().views.kv(names.sessionsBucket);
   await publishTinyGguf({ dir, s3, bucket: iso.bucket, registry: await openModelRegistry(nc, names.modelsBucket), name: MODEL });
-  stack.defer(() =>
-    client.workflow
-      .getHandle(poolWorkflowId('default', MODEL))
-      .terminate()
-      .catch(() => undefined),
-  );
+  stack.defer(poolTerminated(client, MODEL));
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);

@@ -19,7 +19,7 @@ import { decodeSessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, recordHistory } from './harness';
-import { gatewayStack, magusStack, TestStack } from './harness/stack';
+import { gatewayStack, magusStack, poolTerminated, TestStack } from './harness/stack';
 import { eventually } from './harness/wait';
 
 const iso = isolation();
@@ -59,12 +59,7 @@ beforeAll(async () => {
       sessions: { client, taskQueue: magus.cfg.taskQueue, pool: POOL, sessionTtlMs: 30 * 60_000 },
     }),
   ));
-  stack.defer(() =>
-    client.workflow
-      .getHandle(poolWorkflowId('default', MODEL))
-      .terminate()
-      .catch(() => undefined),
-  );
+  stack.defer(poolTerminated(client, MODEL));
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);

@@ -11,7 +11,7 @@ import type { RunningWorkers } from '../workers/worker';
 import { poolStatusQuery, poolWorkflowId, type PoolInput, type PoolStatus } from '../workflows/pool/definitions';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, recordHistory, workerConfig } from './harness';
-import { magusStack, TestStack, workersStack } from './harness/stack';
+import { magusStack, poolTerminated, TestStack, workersStack } from './harness/stack';
 import { sleep, until } from './harness/wait';
 
 const iso = isolation();
@@ -30,12 +30,7 @@ beforeAll(async () => {
   ({ dir, client, workers: a } = magus);
   ({ workers: b } = await stack.open(workersStack(iso, dir)));
   await publishTinyGguf({ dir, s3: magus.s3, bucket: iso.bucket, registry: await openModelRegistry(magus.nc, names.modelsBucket), name: MODEL });
-  stack.defer(() =>
-    client.workflow
-      .getHandle(poolWorkflowId('default', MODEL))
-      .terminate()
-      .catch(() => undefined),
-  );
+  stack.defer(poolTerminated(client, MODEL));
 }, 180_000);
 
 afterAll(() => stack.close(), 60_000);

@@ -10,7 +10,7 @@
  * beforeAll(async () => {
  *   ({ nc, client } = await stack.open(magusStack(iso, { dirPrefix: 'magus-serving-' })));
  *   ({ gateway } = await stack.open(gatewayStack(names, { secret, tokens, sessions: { client, … } })));
- *   stack.defer(() => client.workflow.getHandle(poolWorkflowId('default', MODEL)).terminate());
+ *   stack.defer(poolTerminated(client, MODEL));
  * });
  * afterAll(() => stack.close());
  * ```
@@ -26,6 +26,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
+import { poolWorkflowId } from '../../workflows/pool/definitions';
 import { dataPlaneNames, ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames, type DataPlaneOptions } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { startBridge, type Bridge, type BridgeOptions } from '../../dataplane/bridge';
@@ -151,6 +152,15 @@ async function deleteDataPlane(nc: NatsConnection, names: DataPlaneNames): Promi
   for (const stream of [names.requestStream, names.responseStream, ...buckets.map((b) => `KV_${b}`)]) {
     await jsm.streams.delete(stream).catch(() => false);
   }
+}
+
+/** A close that terminates `model`'s pool workflow (in `default`), if it still runs: a file's pool never outlives it. */
+export function poolTerminated(client: Client, model: string): () => Promise<unknown> {
+  return () =>
+    client.workflow
+      .getHandle(poolWorkflowId('default', model))
+      .terminate()
+      .catch(() => undefined);
 }
 
 /** A Temporal client on the test server (its connection closed at close). */
