@@ -21,9 +21,9 @@
  * Per step: answered/s, p50/p99 first-turn latency, errors by kind (HTTP status or client
  * timeout), the pool's history events per minute (all its runs), history events per session
  * (sampled), each process's CPU share and RSS, and `temporal.db`'s size. `--seed-live N` writes N
- * live conversations straight into `magus_sessions` on the demo model's instance afterwards and
- * reports how the pool takes them: its lease count, its longest run and largest continue-as-new
- * input.
+ * live conversations straight into `magus_sessions` on the demo model's instance afterwards (with
+ * `--seed-first`, before the steps, which then run beside them) and reports how the pool takes
+ * them: its lease count, its longest run and largest continue-as-new input.
  */
 import { readdirSync, readFileSync, statSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -46,6 +46,7 @@ const rates = arg('rates', '10,20,40,80,160').split(',').map(Number);
 const minutes = process.argv.includes('--minutes') ? Number(arg('minutes', '10')) : undefined;
 const stepMs = (minutes ?? Number(arg('step-sec', '120')) / 60) * 60_000;
 const seedLive = Number(arg('seed-live', '0'));
+const seedFirst = process.argv.includes('--seed-first');
 const demo = arg('demo', 'tiny');
 const maxTokens = Number(arg('max-tokens', '1'));
 const inFlightCap = Number(arg('in-flight', 'Infinity'));
@@ -149,7 +150,50 @@ async function main(): Promise<void> {
         .map(String)
         .filter((f) => f.endsWith('temporal.db'))
         .reduce((n, f) => n + statSync(join(data, f)).size, 0);
+    /** Writes `seedLive` live conversations onto the demo model's ready instance and reports how the pool takes them. */
+    const seed = async (): Promise<void> => {
+      const nc = await connect({ servers: conn.nats.servers, ...devNatsAuth(conn) });
+      const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
+      const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
+      const instance = status.instances.find((i) => i.phase === 'ready')!;
+      const before = instance.leases;
+      const entry: SessionEntry = {
+        subject: instance.subject!,
+        pool: name!,
+        namespace: ns!,
+        instance: instance.id,
+        expiresAt: Date.now() + 30 * 60_000,
+        placedAt: Date.now(),
+      };
+      const value = new TextEncoder().encode(JSON.stringify(entry));
+      const s0 = Date.now();
+      for (let k = 0; k < seedLive; k += 1000)
+        await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
+      let counted = 0;
+      for (let k = 0; k < 120 && counted < before + seedLive; k++) {
+        await sleep(1000);
+        counted = (await client.workflow.getHandle(poolId).query(poolStatusQuery)).instances.find((i) => i.id === instance.id)?.leases ?? 0;
+      }
+      let longest = 0;
+      let largestInput = 0;
+      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) {
+        // Visibility has a running run's length only once it closes: that one is described.
+        longest = Math.max(
+          longest,
+          w.status.name === 'RUNNING' ? (await client.workflow.getHandle(poolId, w.runId).describe()).historyLength : w.historyLength,
+        );
+        const first = (await client.workflow.getHandle(poolId, w.runId).fetchHistory()).events?.[0];
+        const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
+        largestInput = Math.max(largestInput, bytes);
+      }
+      const row = `seeded ${seedLive} live conversations in ${fmt((Date.now() - s0) / 1000, 1)} s: the pool counts ${counted} leases on ${instance.id}; its longest run ${longest} events, its largest run input ${fmt(largestInput / 1024, 1)} KB`;
+      console.log(row);
+      rows.push(row);
+      await nc.drain();
+    };
     const rows: string[] = [];
+    // `--seed-first`: the steps run with the live conversations already there.
+    if (seedLive > 0 && seedFirst) await seed();
     for (const rate of rates) {
       const pids = processTree(dev.child.pid!);
       const cpu0 = new Map(pids.map((p) => [p, cpuOf(p)]));
@@ -260,46 +304,7 @@ async function main(): Promise<void> {
       }
     }
 
-    if (seedLive > 0) {
-      const nc = await connect({ servers: conn.nats.servers, ...devNatsAuth(conn) });
-      const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
-      const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
-      const instance = status.instances.find((i) => i.phase === 'ready')!;
-      const before = instance.leases;
-      const entry: SessionEntry = {
-        subject: instance.subject!,
-        pool: name!,
-        namespace: ns!,
-        instance: instance.id,
-        expiresAt: Date.now() + 30 * 60_000,
-        placedAt: Date.now(),
-      };
-      const value = new TextEncoder().encode(JSON.stringify(entry));
-      const s0 = Date.now();
-      for (let k = 0; k < seedLive; k += 1000)
-        await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
-      let counted = 0;
-      for (let k = 0; k < 120 && counted < before + seedLive; k++) {
-        await sleep(1000);
-        counted = (await client.workflow.getHandle(poolId).query(poolStatusQuery)).instances.find((i) => i.id === instance.id)?.leases ?? 0;
-      }
-      let longest = 0;
-      let largestInput = 0;
-      for await (const w of client.workflow.list({ query: `WorkflowId = "${poolId}"` })) {
-        // Visibility has a running run's length only once it closes: that one is described.
-        longest = Math.max(
-          longest,
-          w.status.name === 'RUNNING' ? (await client.workflow.getHandle(poolId, w.runId).describe()).historyLength : w.historyLength,
-        );
-        const first = (await client.workflow.getHandle(poolId, w.runId).fetchHistory()).events?.[0];
-        const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
-        largestInput = Math.max(largestInput, bytes);
-      }
-      const row = `seeded ${seedLive} live conversations in ${fmt((Date.now() - s0) / 1000, 1)} s: the pool counts ${counted} leases on ${instance.id}; its longest run ${longest} events, its largest run input ${fmt(largestInput / 1024, 1)} KB`;
-      console.log(row);
-      rows.push(row);
-      await nc.drain();
-    }
+    if (seedLive > 0 && !seedFirst) await seed();
     // SIGTERM under load: new conversations at the top rate, dev told to stop 3 s in.
     const top = Math.max(...rates);
     const burst: Promise<unknown>[] = [];
