@@ -7,7 +7,7 @@ import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
 import { isRevisionConflict } from '../dataplane';
 import { watchKv, type KvCache, type WatchableKv } from '../dataplane/kv-mirror';
-import { decodeSessionEntry, type PoolEntry, type SessionEntry } from '../shared/serving';
+import { decodeSessionEntry, ORPHAN_SWEEP_GRACE_MS, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 import { PERMANENT_RUNTIME_ERRORS } from '../shared/errors';
 import { restartChange, type WatchInstanceInput, type WatchInstanceResult } from '../shared/status';
@@ -98,8 +98,17 @@ export interface SessionIndex {
   readonly live: boolean;
   entriesOf(namespace: string, model: string): Iterable<SessionEntry>;
   countOf(namespace: string, model: string): number;
+  /** The pool's entries with their keys and the revisions they were read at (for a compare-and-swap delete). */
+  keyedOf(namespace: string, model: string): Iterable<[key: string, entry: IndexedEntry]>;
   release(): void;
 }
+
+/** An indexed entry and the revision it was read at. */
+type IndexedEntry = SessionEntry & { revision: number };
+
+/** A reconciler sweeps its pool's orphaned entries at most this often, at most {@link ORPHANS_PER_SWEEP} a time. */
+const ORPHAN_SWEEP_EVERY_MS = 60_000;
+const ORPHANS_PER_SWEEP = 1_000;
 
 /** How long a session index outlives its last reader: a pool restarts its reconciler a task later. */
 const INDEX_LINGER_MS = 5_000;
@@ -111,26 +120,29 @@ const INDEX_LINGER_MS = 5_000;
  * worker's process. Opened on first use, closed {@link INDEX_LINGER_MS} after the last reader.
  */
 function sessionIndexes(kv: WatchableKv): () => SessionIndex {
-  let mirror: KvCache<SessionEntry> | undefined;
+  let mirror: KvCache<IndexedEntry> | undefined;
   let readers = 0;
   let closing: NodeJS.Timeout | undefined;
-  const byPool = new Map<string, Map<string, SessionEntry>>();
+  const byPool = new Map<string, Map<string, IndexedEntry>>();
   const poolOf = (e: SessionEntry) => `${e.namespace ?? 'default'}/${e.pool}`;
-  const index = (key: string, e: SessionEntry | undefined, add: boolean) => {
+  const index = (key: string, e: IndexedEntry | undefined, add: boolean) => {
     if (!e) return;
     const p = poolOf(e);
     let m = byPool.get(p);
     if (add) {
-      if (!m) byPool.set(p, (m = new Map<string, SessionEntry>()));
+      if (!m) byPool.set(p, (m = new Map<string, IndexedEntry>()));
       m.set(key, e);
     } else if (m) {
       m.delete(key);
       if (m.size === 0) byPool.delete(p);
     }
   };
-  const open = (): KvCache<SessionEntry> =>
-    watchKv<SessionEntry>(kv, {
-      decode: decodeEntry,
+  const open = (): KvCache<IndexedEntry> =>
+    watchKv<IndexedEntry>(kv, {
+      decode: (e) => {
+        const entry = decodeEntry(e);
+        return entry && { ...entry, revision: e.revision };
+      },
       onError: () => undefined, // the watch re-opens by itself; a reconciler waits while it is not live
       onChange: (key, before, after) => {
         index(key, before, false);
@@ -152,6 +164,7 @@ function sessionIndexes(kv: WatchableKv): () => SessionIndex {
       },
       entriesOf: (namespace, model) => byPool.get(`${namespace}/${model}`)?.values() ?? [],
       countOf: (namespace, model) => byPool.get(`${namespace}/${model}`)?.size ?? 0,
+      keyedOf: (namespace, model) => byPool.get(`${namespace}/${model}`)?.entries() ?? [],
       release() {
         if (released) return;
         released = true;
@@ -278,6 +291,7 @@ export function createServingActivities(deps: ServingDeps) {
       const minInterval = input.minIntervalMs ?? 2000;
       const poll = input.pollMs ?? 1000;
       const sessions = sessionIndex();
+      let swept = 0;
       const signature = (s: LoadSummary) =>
         loadSignature(s, input.instances, {
           leasesPerInstance: input.leasesPerInstance,
@@ -292,6 +306,11 @@ export function createServingActivities(deps: ServingDeps) {
       try {
         for (;;) {
           heartbeat({ instances: input.instances.length, entries: sessions.countOf(input.namespace, input.model) });
+          if (sessions.live && Date.now() - swept >= ORPHAN_SWEEP_EVERY_MS) {
+            swept = Date.now();
+            // A sweep that fails (NATS away) is tried again in a minute; the counts go on meanwhile.
+            await sweepOrphans(deps.sessions, sessions.keyedOf(input.namespace, input.model), swept).catch(() => 0);
+          }
           if (sessions.live && (news || Date.now() - started >= minInterval)) {
             const summary: LoadSummary = { instances: {} };
             for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
@@ -343,6 +362,31 @@ export function createServingActivities(deps: ServingDeps) {
       await deps.pools.put(poolKey(input.namespace, input.model), encode(entry));
     },
   };
+}
+
+/**
+ * Deletes (compare-and-swap on the revision indexed) the pool's entries still there
+ * {@link ORPHAN_SWEEP_GRACE_MS} after they expired, at most {@link ORPHANS_PER_SWEEP}: no session
+ * will (a conversation's session deletes its expired entry; this one's gateway died before
+ * starting it). Gateways that hold only their recent conversations never see such an entry.
+ */
+async function sweepOrphans(kv: KV, entries: Iterable<[string, IndexedEntry]>, now: number): Promise<number> {
+  const orphans: [string, number][] = [];
+  for (const [key, e] of entries) {
+    if (e.expiresAt > now - ORPHAN_SWEEP_GRACE_MS) continue;
+    orphans.push([key, e.revision]);
+    if (orphans.length >= ORPHANS_PER_SWEEP) break;
+  }
+  let deleted = 0;
+  for (const [key, revision] of orphans) {
+    try {
+      await kv.delete(key, { previousSeq: revision });
+      deleted++;
+    } catch (err) {
+      if (!isRevisionConflict(err)) throw err; // renewed or moved meanwhile: it lives
+    }
+  }
+  return deleted;
 }
 
 /** A `magus_sessions` entry, or undefined when malformed. */

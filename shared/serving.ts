@@ -241,6 +241,13 @@ export function decodePoolEntry(value: Uint8Array): PoolEntry | undefined {
   };
 }
 
+/**
+ * An entry still in `magus_sessions` this long after it expired has no session to delete it (its
+ * gateway died before starting one): the sweeps delete it — the pools' reconcilers, over every
+ * entry of their pool, and each gateway over those it holds.
+ */
+export const ORPHAN_SWEEP_GRACE_MS = 5 * 60_000;
+
 /** A `magus_pools` entry older than this belongs to a pool that is gone: gateways do not pick from it. */
 export const POOL_ENTRY_MAX_AGE_MS = 3 * 60_000;
 

@@ -26,8 +26,7 @@ const START_WAIT_MAX_MS = 30_000;
 const PLACE_ATTEMPTS = 8;
 /** An entry unwatched this long past its first TTL has no session: its first expiry check would have marked it. */
 export const ORPHAN_ADOPT_GRACE_MS = 60_000;
-/** An entry still there this long after it expired has no session to delete it: the gateways' sweep does. */
-export const ORPHAN_SWEEP_GRACE_MS = 5 * 60_000;
+export { ORPHAN_SWEEP_GRACE_MS } from '../../../shared/serving';
 
 /** An entry a turn uses as it is: not ending within `marginMs`, its instance still published. */
 export function usable(e: CachedEntry, now: number, marginMs: number, views: PoolViews): boolean {
