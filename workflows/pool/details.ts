@@ -2,13 +2,20 @@
 import { at } from '../visibility';
 import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
 
-/** The pool's state in words, for the Temporal UI's "Current Details" (Markdown). */
-export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus): string {
+/**
+ * The pool's state in words, for the Temporal UI's "Current Details" (Markdown). `onLoad`: it
+ * scales on requests in flight or queued (state.ts, "Scaling"), not on its leases.
+ */
+export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus, onLoad = false): string {
   const live = s.instances.filter((i) => i.phase !== 'stopping' && !i.retiring);
   const leases = s.instances.reduce((n, i) => n + i.leases, 0);
   const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : "sized by the gateway's defaults";
   const lines = [
-    `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${plural(leases, 'lease')} (${input.leasesPerInstance} per instance) · ${s.waiting} waiting`,
+    `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${
+      onLoad
+        ? `scales on load (${plural(input.leasesPerInstance, 'request')} in flight or queued per instance) · ${plural(leases, 'live conversation')}`
+        : `${plural(leases, 'lease')} (${input.leasesPerInstance} per instance)`
+    } · ${s.waiting} waiting`,
     sizedBy,
   ];
   const retiring = s.instances.filter((i) => i.retiring && i.phase === 'draining');

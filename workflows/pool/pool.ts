@@ -97,7 +97,7 @@ export async function dllamaPool(input: PoolInput, carry?: PoolCarry): Promise<v
 
   // Search attributes are carried over continue-as-new: set once, by the first run.
   if (!carry) upsertSearchAttributes({ MagusKind: ['pool'], MagusModel: [`${input.namespace}/${input.model}`] });
-  const shown = visibility({ phase: () => state.phase(), details: () => poolDetails(input, state.phase(), state.status(now())) });
+  const shown = visibility({ phase: () => state.phase(), details: () => poolDetails(input, state.phase(), state.status(now()), state.onLoad) });
 
   // The `Dllama`'s status mirrors the pool: instances, readiness and the last error.
   const writeDllamaStatus = statusWrite('writeDllamaStatus', STATUS_ACTIVITY_PATCH);

@@ -322,6 +322,10 @@ describe('scaling on load (pool-scale-on-load)', () => {
     s.written(true, 70_000);
     expect(s.plan(75_000).stop).toHaveLength(3); // after the drain grace
     expect(s.view()).toMatchObject({ scalesOn: 'load' });
+    // The Temporal UI's page says what sizes it.
+    expect(poolDetails(s.input, s.phase(), s.status(75_000), s.onLoad)).toContain(
+      'scales on load (2 requests in flight or queued per instance) · 40 live conversations',
+    );
     // On leases, the same idle conversations hold all four.
     const leases = ready(4);
     leases.loaded(report({ 'm-1': [10], 'm-2': [10], 'm-3': [10], 'm-4': [10] }), 10_000);
