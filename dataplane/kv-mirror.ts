@@ -16,6 +16,8 @@ import { KvWatchInclude, type KvEntry, type KvWatchOptions, type QueuedIterator 
 /** The part of a nats.js `KV` the cache needs. */
 export interface WatchableKv {
   watch(opts?: KvWatchOptions): Promise<QueuedIterator<KvEntry>>;
+  /** The bucket's stream state (a recent mirror checks the stream did not start over before it resumes). */
+  status?(): Promise<{ streamInfo: { state: { last_seq: number } } }>;
 }
 
 export interface KvCache<T> {
@@ -104,7 +106,19 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
 
   const run = async (): Promise<void> => {
     while (!stopped) {
-      // A recent mirror keeps what it holds across watches: the new one resumes where the last stopped.
+      // A recent mirror keeps what it holds across watches: the new one resumes where the last
+      // stopped — unless the stream started over (a server on ephemeral storage came back empty):
+      // what it holds is then forgotten, and read again.
+      if (recent && lastSeq > 0 && kv.status) {
+        const last = await kv.status().then(
+          (s) => s.streamInfo.state.last_seq,
+          () => undefined,
+        );
+        if (last !== undefined && last < lastSeq) {
+          for (const key of [...current.keys()]) change(current, key, undefined);
+          lastSeq = 0;
+        }
+      }
       const next = recent ? current : new Map<string, T>();
       let initialized = false;
       try {

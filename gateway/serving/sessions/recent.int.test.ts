@@ -134,3 +134,16 @@ it('counts leases from the pool’s view plus its own picks since; a watch re-op
   await until('the write made during the gap held', () => cache!.cache.live && cache!.cache.get('held')?.instance === 'i2', 5_000);
   expect(reads - r0).toBe(0); // never read again: the watch brought every change
 });
+
+it('a stream that started over (a server on ephemeral storage came back empty): what it held is forgotten and read again, not resumed past', async () => {
+  cache = await start(100);
+  await kv.put('before-wipe', enc(placed('i1')));
+  expect((await cache.acquire(req('before-wipe'))).instance).toBe('i1');
+  // The bucket's stream gone and made again: its sequence starts over, below what the watch saw.
+  await (await nc.jetstreamManager()).streams.delete(`KV_${bucket}`);
+  kv = await nc.jetstream().views.kv(bucket);
+  await kv.put('before-wipe', enc(placed('i2')));
+  cache.cache.reopen();
+  await until('what it held forgotten', () => cache!.cache.live && cache!.cache.get('before-wipe') === undefined, 10_000);
+  expect((await cache.acquire(req('before-wipe'))).instance).toBe('i2');
+});
