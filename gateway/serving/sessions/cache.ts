@@ -18,7 +18,7 @@ import { SessionError, SessionErrorType } from '../../plugins/errors';
 import type { ReadyModel } from '../../../shared/model';
 import type { PoolEntry, SessionEntry } from '../../../shared/serving';
 import { Demand } from './demand';
-import { SessionEntries } from './entries';
+import { SessionEntries, unavailable } from './entries';
 import { instanceKey, SessionMirror } from './mirror';
 import { InstancePicker } from './picker';
 import { ORPHAN_SWEEP_GRACE_MS, Placement, usable } from './placement';
@@ -143,7 +143,7 @@ export class SessionCache implements SessionBroker {
     if (!entry && !this.mirror.counts)
       return this.mirror.lookup(req.conversationKey).then(
         (read) => this.acquireWith(req, read),
-        (err: unknown) => Promise.reject(unavailableRead(err)),
+        (err: unknown) => Promise.reject(unavailable(err, "the conversation's entry could not be read")),
       );
     return this.acquireWith(req, entry);
   }
@@ -268,15 +268,4 @@ export function servingOf(view: PoolEntry | undefined, now: number): ModelServin
     ...(oldest !== undefined ? { startingForSec: Math.max(0, Math.round((now - oldest) / 1000)) } : {}),
     ...(status === 'failing' && view?.failing ? { failing: view.failing } : {}),
   };
-}
-
-/** A read of the bucket it did not answer: a 503 with `Retry-After`, as a write it did not answer (entries.ts). */
-function unavailableRead(err: unknown): Error {
-  if (err instanceof SessionError) return err;
-  return Object.assign(
-    new SessionError(SessionErrorType.Unavailable, `the conversation's entry could not be read: ${(err as Error)?.message ?? String(err)}`),
-    {
-      cause: err,
-    },
-  );
 }

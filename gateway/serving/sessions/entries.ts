@@ -17,7 +17,7 @@ import type { CachedEntry, SessionWriter } from './types';
  * stream without a leader): the turn is answered 503 with a `Retry-After`, not 500 — nothing was
  * wrong with the request.
  */
-function unavailable(err: unknown, what: string): SessionError {
+export function unavailable(err: unknown, what: string): SessionError {
   const e = new SessionError(SessionErrorType.Unavailable, `${what}: ${(err as Error)?.message ?? String(err)}`);
   return Object.assign(e, { cause: err });
 }
