@@ -9,7 +9,8 @@ import type { KV, NatsConnection } from 'nats';
 import { ORPHAN_SWEEP_GRACE_MS, type SessionEntry } from '../shared/serving';
 import { isolation, natsConnect } from '../test/harness';
 import type { Runtime } from './runtime/runtime';
-import { createServingActivities } from './serving';
+import { deleteEntry, markerSettings, poolEntryCounter, poolKeyPrefix, SESSION_MARKER_TTL_MS } from '../dataplane/session-keys';
+import { createServingActivities, type LoadSummary } from './serving';
 
 const iso = isolation();
 const bucket = `${iso.natsPrefix}_reconciler_sessions`;
@@ -62,3 +63,66 @@ test('the reconciler counts the live entries per instance and sweeps its pool’
   expect(await present('live-1')).toBe(true);
   expect(await present('other-pool')).toBe(true); // another pool's reconciler's
 });
+
+test('a pool on load is counted by the server, holding no entry; its orphans are found by a read of its keys alone, and deletes leave markers that expire', async () => {
+  const jsm = await nc.jetstreamManager();
+  const js = nc.jetstream();
+  const pooled = `${iso.natsPrefix}_reconciler_pooled`;
+  const kvp = await js.views.kv(pooled, { history: 1 });
+  const { config } = await jsm.streams.info(`KV_${pooled}`);
+  await jsm.streams.update(`KV_${pooled}`, { ...config, ...markerSettings });
+  try {
+    const now = Date.now();
+    const m = poolKeyPrefix('default', 'm');
+    await kvp.put(`${m}.live-1`, enc(entry('i1', now + 600_000)));
+    await kvp.put(`${m}.live-2`, enc(entry('i2', now + 600_000)));
+    await kvp.put(`${m}.orphan-1`, enc(entry('i1', now - ORPHAN_SWEEP_GRACE_MS - 60_000)));
+    await kvp.put(`${m}.orphan-2`, enc(entry('i2', now - ORPHAN_SWEEP_GRACE_MS - 60_000)));
+    // Another model, and one whose name has a dot and starts like this one's: neither is this pool's.
+    const otherOrphan = { ...entry('x1', now - ORPHAN_SWEEP_GRACE_MS - 60_000), pool: 'other', subject: 'magus.req.other.x1' };
+    await kvp.put(`${poolKeyPrefix('default', 'other')}.orphan`, enc(otherOrphan));
+    await kvp.put(`${poolKeyPrefix('default', 'm.v2')}.orphan`, enc({ ...otherOrphan, pool: 'm.v2' }));
+    const serving = createServingActivities({
+      runtime: {} as Runtime,
+      sessions: kvp,
+      pools: kvp,
+      countEntries: poolEntryCounter(jsm, pooled),
+      deleteSession: (key, previousSeq) => deleteEntry(js, pooled, key, { previousSeq }),
+    });
+    const input = {
+      namespace: 'default',
+      model: 'm',
+      instances: ['i1', 'i2'],
+      leasesPerInstance: 4,
+      known: null as LoadSummary | null,
+      minIntervalMs: 0,
+      pollMs: 100,
+      pressurePending: 4,
+      scaleOn: 'load' as const,
+    };
+    const run = (i: typeof input & { refreshMs?: number }): Promise<LoadSummary> => new MockActivityEnvironment().run((x: typeof i) => serving.watchLoad(x), i);
+    const first = await run(input);
+    // Counted for the pool as a whole: the instances' leases are not counted.
+    expect(first).toEqual({ live: 4, instances: { i1: { leases: 0, pending: 0, ackPending: 0 }, i2: { leases: 0, pending: 0, ackPending: 0 } } });
+    // The scan (in the background) deletes this pool's orphans, each leaving a marker a watcher sees.
+    const op = async (k: string) => (await kvp.get(k))?.operation;
+    const until = async (what: () => Promise<boolean>, ms: number) => {
+      for (const end = Date.now() + ms; Date.now() < end;) {
+        if (await what()) return true;
+        await new Promise((r) => setTimeout(r, 200));
+      }
+      return what();
+    };
+    expect(await until(async () => (await op(`${m}.orphan-1`)) === 'DEL' && (await op(`${m}.orphan-2`)) === 'DEL', 10_000)).toBe(true);
+    expect(await op(`${m}.live-1`)).toBe('PUT');
+    expect(await op(`${poolKeyPrefix('default', 'other')}.orphan`)).toBe('PUT'); // another pool's reconciler's
+    expect(await op(`${poolKeyPrefix('default', 'm.v2')}.orphan`)).toBe('PUT');
+    // The markers go away by themselves, and the count with them: reported once the pool's decisions or (refreshMs) its count change.
+    const gone = async () => (await kvp.get(`${m}.orphan-1`)) === null && (await kvp.get(`${m}.orphan-2`)) === null;
+    expect(await until(gone, SESSION_MARKER_TTL_MS + 5_000)).toBe(true);
+    const second = await run({ ...input, known: first, refreshMs: 0 });
+    expect(second.live).toBe(2);
+  } finally {
+    await jsm.streams.delete(`KV_${pooled}`);
+  }
+}, 40_000);

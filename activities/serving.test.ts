@@ -58,4 +58,9 @@ test('the reconciler reports what changes a decision: on leases, conversations c
   expect(load({ a: [9, 0, 4], b: [0, 0, 0] })).not.toBe(load({ a: [9, 1, 4], b: [0, 0, 0] })); // a second instance's worth
   expect(load({ a: [9, 0, 2], b: [0, 0, 0] })).toBe(load({ a: [9, 0, 3], b: [0, 0, 0] })); // still one instance's worth
   expect(load({ a: [1, 0, 0], b: [0, 0, 0] })).not.toBe(load({ a: [0, 0, 0], b: [0, 0, 0] }));
+  // Counted by the server for the pool as a whole: the same decisions as the instances' leases.
+  const counted = (live: number) => loadSignature({ ...summary({ a: [0, 0, 1], b: [0, 0, 0] }), live }, ids, { ...o, onLoad: true });
+  expect(counted(3)).toBe(load({ a: [2, 0, 1], b: [1, 0, 0] }));
+  expect(counted(0)).toBe(load({ a: [0, 0, 1], b: [0, 0, 0] }));
+  expect(counted(1)).toBe(counted(50_000));
 });

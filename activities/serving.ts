@@ -7,6 +7,7 @@ import { ApplicationFailure, heartbeat, Context } from '@temporalio/activity';
 import type { KV, KvEntry } from 'nats';
 import { isRevisionConflict } from '../dataplane';
 import { watchKv, type KvCache, type WatchableKv } from '../dataplane/kv-mirror';
+import { poolKeyPrefix, scanPoolEntries } from '../dataplane/session-keys';
 import { decodeSessionEntry, ORPHAN_SWEEP_GRACE_MS, type PoolEntry, type SessionEntry } from '../shared/serving';
 import { RUNTIME_ADVERT_STALE_MS, type RuntimeAdvert } from '../shared/runtimes';
 import { PERMANENT_RUNTIME_ERRORS } from '../shared/errors';
@@ -33,11 +34,24 @@ export interface ServingDeps {
   advertOf?: (runtimeQueue: string) => Promise<RuntimeAdvert | null>;
   /** An instance's request backlog: its consumer's `num_pending` and `num_ack_pending` (null: no consumer). */
   backlog?: (pool: string, instance: string) => Promise<{ pending: number; ackPending: number } | null>;
+  /**
+   * How many entries a pool prefix (`<namespace>.<model>`) holds, counted by the server
+   * (dataplane/session-keys.ts `poolEntryCounter`). With it a pool that scales on load is reported
+   * on without a copy of any entry; without it, from this process's index of the whole bucket.
+   */
+  countEntries?: (prefix: string) => Promise<number>;
+  /** Deletes an entry (compare-and-swap on `previousSeq`) leaving a marker that expires (session-keys.ts `deleteEntry`); default `sessions.delete`. */
+  deleteSession?: (key: string, previousSeq: number) => Promise<void>;
 }
 
 /** What `watchLoad` reports: per instance, live entries and backlog (see workflows/pool/state.ts `LoadReport`). */
 export interface LoadSummary {
   instances: Record<string, { leases: number; pending: number; ackPending: number }>;
+  /**
+   * The pool's entries as the server counts them (live ones, and those ended in the last seconds),
+   * when counted for the pool as a whole: each instance's `leases` is then 0, not counted.
+   */
+  live?: number;
 }
 
 export interface WatchLoadInput {
@@ -78,7 +92,7 @@ export function loadSignature(
   instances: readonly string[],
   o: { leasesPerInstance: number; pressurePending: number; maxInstances?: number; draining?: readonly string[]; onLoad?: boolean },
 ): string {
-  let leases = 0;
+  let leases = s.live ?? 0;
   let busy = 0;
   const per = instances.map((id) => {
     const i = s.instances[id] ?? { leases: 0, pending: 0, ackPending: 0 };
@@ -108,6 +122,8 @@ type IndexedEntry = SessionEntry & { revision: number };
 
 /** A reconciler sweeps its pool's orphaned entries at most this often, at most {@link ORPHANS_PER_SWEEP} a time. */
 const ORPHAN_SWEEP_EVERY_MS = 60_000;
+/** A process reads a pool's entries from the server for orphans at most this often (a pool's reconcilers count without holding them). */
+const ORPHAN_SCAN_EVERY_MS = 5 * 60_000;
 const ORPHANS_PER_SWEEP = 1_000;
 
 /** How long a session index outlives its last reader: a pool restarts its reconciler a task later. */
@@ -184,6 +200,9 @@ function sessionIndexes(kv: WatchableKv): () => SessionIndex {
 export function createServingActivities(deps: ServingDeps) {
   const encode = (e: SessionEntry | PoolEntry) => new TextEncoder().encode(JSON.stringify(e));
   const sessionIndex = sessionIndexes(deps.sessions);
+  const deleteSession = deps.deleteSession ?? ((key: string, previousSeq: number) => deps.sessions.delete(key, { previousSeq }));
+  /** When this process last scanned each pool prefix for orphans (Infinity: under way). */
+  const scanned = new Map<string, number>();
   return {
     /**
      * Starts an instance and waits until it serves (heartbeating: a cold start can take minutes).
@@ -270,7 +289,7 @@ export function createServingActivities(deps: ServingDeps) {
           return { expiresAt: entry.expiresAt };
         }
         try {
-          await deps.sessions.delete(input.key, { previousSeq: e.revision });
+          await deleteSession(input.key, e.revision);
           return { ended: 'expired' };
         } catch (err) {
           if (!isRevisionConflict(err)) throw err; // renewed (or moved) meanwhile: look again
@@ -290,7 +309,12 @@ export function createServingActivities(deps: ServingDeps) {
       const started = Date.now();
       const minInterval = input.minIntervalMs ?? 2000;
       const poll = input.pollMs ?? 1000;
-      const sessions = sessionIndex();
+      // A pool on load needs its entries counted, not per instance: the server counts them, and
+      // this process holds none. Otherwise (a pool on leases) its index of the whole bucket.
+      const count = input.scaleOn === 'load' ? deps.countEntries : undefined;
+      const prefix = poolKeyPrefix(input.namespace, input.model);
+      const sessions = count ? undefined : sessionIndex();
+      let entries = sessions?.countOf(input.namespace, input.model) ?? 0;
       let swept = 0;
       const signature = (s: LoadSummary) =>
         loadSignature(s, input.instances, {
@@ -305,19 +329,32 @@ export function createServingActivities(deps: ServingDeps) {
       const news = input.instances.some((id) => !input.known?.instances[id]);
       try {
         for (;;) {
-          heartbeat({ instances: input.instances.length, entries: sessions.countOf(input.namespace, input.model) });
-          if (sessions.live && Date.now() - swept >= ORPHAN_SWEEP_EVERY_MS) {
+          heartbeat({ instances: input.instances.length, entries });
+          if (sessions?.live && Date.now() - swept >= ORPHAN_SWEEP_EVERY_MS) {
             swept = Date.now();
             // A sweep that fails (NATS away) is tried again in a minute; the counts go on meanwhile.
-            await sweepOrphans(deps.sessions, sessions.keyedOf(input.namespace, input.model), swept).catch(() => 0);
+            await sweepOrphans(deleteSession, sessions.keyedOf(input.namespace, input.model), swept).catch(() => 0);
           }
-          if (sessions.live && (news || Date.now() - started >= minInterval)) {
+          // In the background: a million entries take longer to read than a heartbeat may wait.
+          if (count && Date.now() - (scanned.get(prefix) ?? 0) >= ORPHAN_SCAN_EVERY_MS) {
+            scanned.set(prefix, Infinity); // one scan of a prefix at a time in this process
+            void scanOrphans(deps.sessions, deleteSession, prefix)
+              .catch(() => 0)
+              .finally(() => scanned.set(prefix, Date.now()));
+          }
+          const live = count ? await count(prefix).catch(() => undefined) : undefined; // undefined: not counted now (NATS away)
+          const ready = count ? live !== undefined : sessions!.live;
+          if (ready && (news || Date.now() - started >= minInterval)) {
             const summary: LoadSummary = { instances: {} };
             for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
-            const now = Date.now();
-            for (const entry of sessions.entriesOf(input.namespace, input.model)) {
-              const i = summary.instances[entry.instance];
-              if (i && entry.expiresAt > now) i.leases++;
+            if (live !== undefined) summary.live = entries = live;
+            else {
+              const now = Date.now();
+              for (const entry of sessions!.entriesOf(input.namespace, input.model)) {
+                const i = summary.instances[entry.instance];
+                if (i && entry.expiresAt > now) i.leases++;
+              }
+              entries = sessions!.countOf(input.namespace, input.model);
             }
             if (deps.backlog) {
               const backlogs = await Promise.all(input.instances.map((id) => deps.backlog!(input.model, id).catch(() => null)));
@@ -327,14 +364,14 @@ export function createServingActivities(deps: ServingDeps) {
             if (news || signature(summary) !== known) return summary;
             if (
               Date.now() - started >= (input.refreshMs ?? 60_000) &&
-              input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases)
+              (summary.live !== input.known?.live || input.instances.some((id) => summary.instances[id]!.leases !== input.known?.instances[id]?.leases))
             )
               return summary;
           }
           await ctx.sleep(poll); // a cancel (the pool closing its run) ends the sleep with CancelledFailure
         }
       } finally {
-        sessions.release();
+        sessions?.release();
       }
     },
     /** Publishes the pool's leasable instances for gateways (`updatedAt` is stamped here). */
@@ -370,7 +407,7 @@ export function createServingActivities(deps: ServingDeps) {
  * will (a conversation's session deletes its expired entry; this one's gateway died before
  * starting it). Gateways that hold only their recent conversations never see such an entry.
  */
-async function sweepOrphans(kv: KV, entries: Iterable<[string, IndexedEntry]>, now: number): Promise<number> {
+async function sweepOrphans(del: (key: string, previousSeq: number) => Promise<void>, entries: Iterable<[string, IndexedEntry]>, now: number): Promise<number> {
   const orphans: [string, number][] = [];
   for (const [key, e] of entries) {
     if (e.expiresAt > now - ORPHAN_SWEEP_GRACE_MS) continue;
@@ -380,13 +417,28 @@ async function sweepOrphans(kv: KV, entries: Iterable<[string, IndexedEntry]>, n
   let deleted = 0;
   for (const [key, revision] of orphans) {
     try {
-      await kv.delete(key, { previousSeq: revision });
+      await del(key, revision);
       deleted++;
     } catch (err) {
       if (!isRevisionConflict(err)) throw err; // renewed or moved meanwhile: it lives
     }
   }
   return deleted;
+}
+
+/**
+ * The same sweep for a pool whose entries nobody holds: its entries read once from the server
+ * (its key prefix's filter), keeping only the orphans found, at most {@link ORPHANS_PER_SWEEP}.
+ */
+async function scanOrphans(kv: KV, del: (key: string, previousSeq: number) => Promise<void>, prefix: string): Promise<number> {
+  const now = Date.now();
+  const orphans: [string, IndexedEntry][] = [];
+  await scanPoolEntries(kv, prefix, (e) => {
+    if (orphans.length >= ORPHANS_PER_SWEEP) return;
+    const entry = decodeEntry(e);
+    if (entry && entry.expiresAt <= now - ORPHAN_SWEEP_GRACE_MS) orphans.push([e.key, { ...entry, revision: e.revision }]);
+  });
+  return sweepOrphans(del, orphans, now);
 }
 
 /** A `magus_sessions` entry, or undefined when malformed. */

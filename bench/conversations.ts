@@ -31,6 +31,7 @@ import { join } from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { connect } from 'nats';
 import { dataPlaneNames } from '../dataplane';
+import { poolKeyPrefix } from '../dataplane/session-keys';
 import type { SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { devNatsAuth, type DevConnection } from '../workers/config';
@@ -156,7 +157,9 @@ async function main(): Promise<void> {
       const kv = await nc.jetstream().views.kv(dataPlaneNames('').sessionsBucket);
       const status = await client.workflow.getHandle(poolId).query(poolStatusQuery);
       const instance = status.instances.find((i) => i.phase === 'ready')!;
-      const before = instance.leases;
+      // A pool on load is counted as a whole (status.live); one on leases per instance.
+      const countOf = (s: typeof status) => s.live ?? s.instances.find((i) => i.id === instance.id)?.leases ?? 0;
+      const before = countOf(status);
       const entry: SessionEntry = {
         subject: instance.subject!,
         pool: name!,
@@ -168,11 +171,11 @@ async function main(): Promise<void> {
       const value = new TextEncoder().encode(JSON.stringify(entry));
       const s0 = Date.now();
       for (let k = 0; k < seedLive; k += 1000)
-        await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`seed-${k + j}`, value)));
+        await Promise.all(Array.from({ length: Math.min(1000, seedLive - k) }, (_, j) => kv.put(`${poolKeyPrefix(ns!, name!)}.seed-${k + j}`, value)));
       let counted = 0;
       for (let k = 0; k < 120 && counted < before + seedLive; k++) {
         await sleep(1000);
-        counted = (await client.workflow.getHandle(poolId).query(poolStatusQuery)).instances.find((i) => i.id === instance.id)?.leases ?? 0;
+        counted = countOf(await client.workflow.getHandle(poolId).query(poolStatusQuery));
       }
       let longest = 0;
       let largestInput = 0;
@@ -186,7 +189,7 @@ async function main(): Promise<void> {
         const bytes = (first?.workflowExecutionStartedEventAttributes?.input?.payloads ?? []).reduce((n, p) => n + (p.data?.length ?? 0), 0);
         largestInput = Math.max(largestInput, bytes);
       }
-      const row = `seeded ${seedLive} live conversations in ${fmt((Date.now() - s0) / 1000, 1)} s: the pool counts ${counted} leases on ${instance.id}; its longest run ${longest} events, its largest run input ${fmt(largestInput / 1024, 1)} KB`;
+      const row = `seeded ${seedLive} live conversations in ${fmt((Date.now() - s0) / 1000, 1)} s: the pool counts ${counted} live conversations; its longest run ${longest} events, its largest run input ${fmt(largestInput / 1024, 1)} KB`;
       console.log(row);
       rows.push(row);
       await nc.drain();

@@ -6,8 +6,13 @@
  * `MAGUS_GATEWAY_SESSION_CACHE`) and mirroring every entry (`MAGUS_GATEWAY_SESSION_CACHE=0`) — to
  * measure how long it takes to be ready, its RSS and heap once ready, and whether `/readyz`
  * failed while nats-server was restarted under it (polled every 50 ms). Also nats-server's RSS.
- * No Temporal (the gateway answers `degraded` without it, which counts as ready). Other flags:
- * `--modes recent,all`.
+ * No Temporal (the gateway answers `degraded` without it, which counts as ready). Then the
+ * worker's and the controller's parts that read the bucket, each alone in a process
+ * (bench/sessions-probe.ts): a pool's reconciler counted by the server (a pool on load), the same
+ * from an index of every entry (a pool on leases), and the controller's Session mirror. Each
+ * row: time to be ready (the gateway's `/readyz`, the reconciler's first report, the mirror's
+ * replay), RSS and heap, and CPU over the 10 s after. Other flags: `--modes recent,all` (the
+ * gateway's), `--parts gateway,reconciler-count,reconciler-index,controller`.
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -26,9 +31,26 @@ const arg = (name: string, fallback: string) => {
 };
 const counts = arg('live', '0,100000,1000000').split(',').map(Number);
 const modes = arg('modes', 'recent,all').split(',') as ('recent' | 'all')[];
+const parts = arg('parts', 'gateway,reconciler-count,reconciler-index,controller').split(',');
+const PROBES: Record<string, string> = {
+  'reconciler-count': "worker: a pool's reconciler, counted by the server (pools on load)",
+  'reconciler-index': "worker: a pool's reconciler, index of every entry (pools on leases)",
+  controller: 'controller: the Session mirror (cap 200)',
+};
 
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
+/** CPU seconds a process has used (user + system). */
+const cpuSec = (pid: number) => {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]!.split(' ');
+  return (Number(f[11]) + Number(f[12])) / 100;
+};
+/** A process's CPU use (% of one core) over `ms`. */
+async function cpuPct(pid: number, ms: number): Promise<number> {
+  const c0 = cpuSec(pid);
+  await sleep(ms);
+  return ((cpuSec(pid) - c0) * 100_000) / ms;
+}
 
 function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
@@ -55,6 +77,34 @@ async function heapMb(url: string): Promise<number> {
   return Number(/^nodejs_heap_size_used_bytes (\S+)$/m.exec(text)?.[1] ?? NaN) / 1024 / 1024;
 }
 
+/** One part alone in a process (bench/sessions-probe.ts): its row's cells from ready to CPU. */
+async function probe(part: string, natsUrl: string): Promise<string> {
+  const child = spawn(process.execPath, ['-r', '@swc-node/register', join(__dirname, 'sessions-probe.ts'), part], {
+    env: { ...process.env, MAGUS_NATS_URL: natsUrl },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let out = '';
+  let err = '';
+  child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (err += d.toString()));
+  try {
+    for (let k = 0; k < 3000 && !out.includes('\n') && child.exitCode === null; k++) await sleep(100);
+    if (!out.includes('\n'))
+      return `not ready (${child.exitCode === null ? 'after 300 s' : `exit ${child.exitCode}`}: ${err.trim().split('\n').at(-1)?.slice(0, 160) ?? ''}) | — | — | —`;
+    const first = JSON.parse(out.split('\n')[0]!) as { readyMs: number; counted?: number; held?: number };
+    await sleep(2_000);
+    const rss = rssMb(child.pid!);
+    const cpu = await cpuPct(child.pid!, 10_000);
+    const lines = out.trim().split('\n');
+    const heap = (JSON.parse(lines.at(-1)!) as { heapMb: number }).heapMb;
+    const what = first.counted !== undefined ? ` (${first.counted.toLocaleString('en')} counted)` : first.held !== undefined ? ` (${first.held} held)` : '';
+    return `${fmt(first.readyMs / 1000, 1)} s${what} | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} %`;
+  } finally {
+    child.kill('SIGKILL');
+    if (child.exitCode === null) await new Promise((resolve) => child.once('exit', resolve));
+  }
+}
+
 async function main(): Promise<void> {
   const services = await startServices({ services: ['nats'] });
   const natsUrl = services.endpoints.nats!.servers;
@@ -79,11 +129,11 @@ async function main(): Promise<void> {
       const s0 = Date.now();
       for (; written < live; written += 2000) {
         const n = Math.min(2000, live - written);
-        // Keys as long as a conversation key (a hex HMAC).
-        await Promise.all(Array.from({ length: n }, (_, j) => kv.put(`${(written + j).toString(16).padStart(64, '0')}`, value)));
+        // Keys as gateways write them: the pool, then a conversation's hex HMAC.
+        await Promise.all(Array.from({ length: n }, (_, j) => kv.put(`default.bench.${(written + j).toString(16).padStart(64, '0')}`, value)));
       }
       if (live > 0) console.log(`${live} live entries written (${fmt((Date.now() - s0) / 1000, 1)} s); nats-server RSS ${fmt(rssMb(natsPid()), 0)} MB`);
-      for (const mode of modes) {
+      for (const mode of parts.includes('gateway') ? modes : []) {
         const port = await freePort();
         const url = `http://127.0.0.1:${port}`;
         const t0 = Date.now();
@@ -119,6 +169,7 @@ async function main(): Promise<void> {
         await sleep(2_000);
         const rss = rssMb(gw.pid!);
         const heap = await heapMb(url);
+        const cpu = await cpuPct(gw.pid!, 10_000);
         // nats-server restarted under it: /readyz every 50 ms for 10 s.
         let polls = 0;
         let failed = 0;
@@ -132,7 +183,12 @@ async function main(): Promise<void> {
         await restart;
         gw.kill('SIGTERM');
         await new Promise((resolve) => gw.once('exit', resolve));
-        const row = `| ${live.toLocaleString('en')} | ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | ${fmt(readyMs / 1000, 1)} s | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${failed} of ${polls} |`;
+        const row = `| ${live.toLocaleString('en')} | gateway: ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | ${fmt(readyMs / 1000, 1)} s | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} % | ${failed} of ${polls} |`;
+        console.log(row);
+        rows.push(row);
+      }
+      for (const part of parts.filter((p) => PROBES[p])) {
+        const row = `| ${live.toLocaleString('en')} | ${PROBES[part]} | ${await probe(part, natsUrl)} | — |`;
         console.log(row);
         rows.push(row);
       }
@@ -141,8 +197,8 @@ async function main(): Promise<void> {
   } finally {
     await services.stop();
   }
-  console.log('\n| live conversations | gateway holds | ready after start | RSS | heap | /readyz failures during a NATS restart |');
-  console.log('|---|---|---|---|---|---|');
+  console.log('\n| live conversations | process (what it holds) | ready after start | RSS | heap | CPU, 10 s after | /readyz failures during a NATS restart |');
+  console.log('|---|---|---|---|---|---|---|');
   for (const r of rows) console.log(r);
 }
 

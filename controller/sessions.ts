@@ -5,7 +5,9 @@
  *
  * Bounded so it can never flood etcd: at most `cap` Sessions exist at once (the ones renewed
  * last), changes are applied at most once per `intervalMs`, and a Session's status is rewritten
- * only when its instance or expiry changed. A Session is named after its model and the first
+ * only when its instance or expiry changed. Bounded in memory too: of the bucket's entries it
+ * holds only the 2 × `cap` renewed last (the shown ones, and those next in line when one ends),
+ * however many conversations live. A Session is named after its model and the first
  * hex digits of the conversation key (an HMAC: it reveals nothing of the conversation).
  */
 import { CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } from '@kubernetes/client-node';
@@ -32,14 +34,18 @@ export interface SessionMirrorOptions {
 }
 
 export interface SessionMirror {
-  readonly stats: { mirrored: number; writes: number; deletes: number; overCap: number };
+  /** `overCap`: live conversations not shown for the cap, among those held (at most `cap` more are held: a lower bound). */
+  readonly stats: { mirrored: number; writes: number; deletes: number; overCap: number; held: number };
   /** Resolves after the next complete pass (tests wait on it). */
   settled(): Promise<void>;
+  /** Resolves once the watch has read every entry the bucket held when it started (`bench:sessions` waits on it). */
+  readonly replayed: Promise<void>;
   stop(): Promise<void>;
 }
 
-/** `<model>-<10 hex>`: a DNS label that names the model and not the conversation. */
-export const sessionName = (entry: SessionEntry, key: string): string => `${entry.pool.slice(0, 52).replace(/-+$/, '')}-${key.slice(0, 10).toLowerCase()}`;
+/** `<model>-<10 hex>`: a DNS label that names the model and not the conversation (the key's last token: keys carry their pool). */
+export const sessionName = (entry: SessionEntry, key: string): string =>
+  `${entry.pool.slice(0, 52).replace(/-+$/, '')}-${key.slice(key.lastIndexOf('.') + 1, key.lastIndexOf('.') + 11).toLowerCase()}`;
 
 interface Shown {
   namespace: string;
@@ -53,9 +59,22 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
   const custom = opts.kc.makeApiClient(CustomObjectsApi);
   const log = opts.log ?? (() => undefined);
   const intervalMs = opts.intervalMs ?? 1000;
+  /** The candidates: the entries renewed last, at most {@link held} (a full bucket is never copied). */
   const entries = new Map<string, SessionEntry>();
+  const held = Math.max(1, opts.cap * 2);
+  const wantedNamespace = (e: SessionEntry) => !opts.namespaces?.length || opts.namespaces.includes(e.namespace ?? 'default');
+  /** Keeps `v` if it is among the {@link held} renewed last, dropping the one renewed first to make room. */
+  const consider = (key: string, v: SessionEntry) => {
+    if (entries.has(key) || entries.size < held) return void entries.set(key, v);
+    let first: [string, number] | undefined;
+    for (const [k, e] of entries) if (!first || e.expiresAt < first[1]) first = [k, e.expiresAt];
+    if (first && v.expiresAt > first[1]) {
+      entries.delete(first[0]);
+      entries.set(key, v);
+    }
+  };
   const shown = new Map<string, Shown>(); // key `<ns>/<name>` → what the API holds
-  const stats = { mirrored: 0, writes: 0, deletes: 0, overCap: 0 };
+  const stats = { mirrored: 0, writes: 0, deletes: 0, overCap: 0, held: 0 };
   let stopped = false;
   const waiters: (() => void)[] = [];
   const stopping: (() => void)[] = [];
@@ -69,14 +88,17 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
     }
   };
 
+  let replayedNow: () => void = () => undefined;
+  const replayed = new Promise<void>((r) => (replayedNow = r));
   const watching = (async () => {
-    const iter = await opts.kv.watch({ key: '>' });
+    const iter = await opts.kv.watch({ key: '>', initializedFn: () => replayedNow() });
     const stopWatch = () => iter.stop();
     stopping.push(stopWatch);
     for await (const e of iter) {
       const v = e.operation === 'PUT' ? decode(e) : undefined;
-      if (v) entries.set(e.key, v);
+      if (v && wantedNamespace(v)) consider(e.key, v);
       else entries.delete(e.key);
+      stats.held = entries.size;
     }
   })().catch((err: unknown) => log(`sessions: watch ended: ${(err as Error).message}`));
 
@@ -100,9 +122,7 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
 
   async function pass(): Promise<void> {
     const now = Date.now();
-    const live = [...entries]
-      .filter(([, e]) => e.expiresAt > now && (!opts.namespaces?.length || opts.namespaces.includes(e.namespace ?? 'default')))
-      .sort((a, b) => b[1].expiresAt - a[1].expiresAt);
+    const live = [...entries].filter(([, e]) => e.expiresAt > now).sort((a, b) => b[1].expiresAt - a[1].expiresAt);
     stats.overCap = Math.max(0, live.length - opts.cap);
     const wanted = new Map<string, { ns: string; name: string; entry: SessionEntry }>();
     for (const [key, entry] of live.slice(0, opts.cap)) {
@@ -179,6 +199,7 @@ export function startSessionMirror(opts: SessionMirrorOptions): SessionMirror {
 
   return {
     stats,
+    replayed,
     settled: () =>
       new Promise<void>((r) => {
         // Two passes: the one running may have started before the caller's change.

@@ -54,6 +54,8 @@ describe('ensureDataPlane', () => {
     const sessions = (await jsm.streams.info(`KV_${names.sessionsBucket}`)).config;
     expect(sessions.max_age).toBe(nanos(24 * 60 * 60_000));
     expect(sessions.max_msgs_per_subject).toBe(1);
+    // Deletes leave markers that expire (session-keys.ts): the pools' server-kept counts hold no day of deletes.
+    expect((sessions as typeof sessions & { allow_msg_ttl?: boolean }).allow_msg_ttl).toBe(true);
     expect((await jsm.streams.info(`KV_${names.tokensBucket}`)).config.max_age).toBe(0);
     expect((await jsm.streams.info(`KV_${names.claimsBucket}`)).config.max_age).toBe(nanos(2 * 60 * 60_000));
   });

@@ -21,7 +21,8 @@
  *   In memory (every frame is stored): a single nats-server that restarts forgets it; the
  *   processes that declare the data plane do so again after they reconnect
  *   ({@link declareOnReconnect}), and meanwhile answers still flow, on core NATS.
- * - KV `magus_sessions`, `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
+ * - KV `magus_sessions` (keys `<namespace>.<model>.<conversation>`, deletes leaving markers that
+ *   expire: session-keys.ts), `magus_tokens` (shared/serving.ts entry types), `magus_claims` (one
  *   `RequestClaim` per request id, claims.ts: who owns the current attempt, and the outcome),
  *   `magus_pools`, `magus_limits` (one per-key limit state per key, limits.ts), and
  *   `magus_models` (the registry, created by registry.ts).
@@ -45,6 +46,7 @@ import { Nats } from '../shared/constants';
 import { JsApiError, jsErrorCode } from './errors';
 import { dataPlaneNames, scopedSubject, type DataPlaneNames } from './names';
 import { REGISTRY_HISTORY } from './registry';
+import { markerSettings } from './session-keys';
 
 export interface DataPlaneOptions {
   prefix?: string;
@@ -169,13 +171,21 @@ async function ensureBucket(
   js: JetStreamClient,
   jsm: JetStreamManager,
   bucket: string,
-  opts: { history: number; maxAgeMs: number; replicas: number; storage?: StorageType },
+  opts: { history: number; maxAgeMs: number; replicas: number; storage?: StorageType; markers?: boolean },
 ): Promise<void> {
   await js.views.kv(bucket, { history: opts.history, ttl: opts.maxAgeMs, replicas: opts.replicas, storage: opts.storage ?? StorageType.File });
   const stream = `KV_${bucket}`;
   const { config } = await jsm.streams.info(stream);
-  if (config.max_age !== nanos(opts.maxAgeMs) || config.max_msgs_per_subject !== opts.history || config.num_replicas !== opts.replicas) {
-    await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history, num_replicas: opts.replicas });
+  // Markers that expire (session-keys.ts) can be turned on in an existing stream, never off again.
+  const markers = opts.markers ? markerSettings : {};
+  const has = config as StreamConfig & Partial<typeof markerSettings>;
+  if (
+    config.max_age !== nanos(opts.maxAgeMs) ||
+    config.max_msgs_per_subject !== opts.history ||
+    config.num_replicas !== opts.replicas ||
+    (opts.markers && has.allow_msg_ttl !== true)
+  ) {
+    await jsm.streams.update(stream, { max_age: nanos(opts.maxAgeMs), max_msgs_per_subject: opts.history, num_replicas: opts.replicas, ...markers });
   }
 }
 
@@ -250,7 +260,7 @@ export async function ensureDataPlane(nc: NatsConnection, opts: DataPlaneOptions
       { cause: err },
     );
   }
-  await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas });
+  await ensureBucket(js, jsm, names.sessionsBucket, { history: 1, maxAgeMs: opts.sessionMaxAgeMs ?? 24 * HOUR, replicas, markers: true });
   await ensureBucket(js, jsm, names.tokensBucket, { history: 1, maxAgeMs: 0, replicas });
   // On file: only redeliveries write claims (a first delivery that answers writes none), and a
   // single nats-server that restarts forgets memory buckets altogether.

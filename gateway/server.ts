@@ -13,6 +13,7 @@ import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { FullBacklogs } from './serving/backlogs';
 import { QueueWaits } from './serving/queue-waits';
 import { leaderGet } from '../dataplane/kv-leader';
+import { deleteEntry } from '../dataplane/session-keys';
 import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
@@ -251,7 +252,8 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
           sessions: {
             create: (k, v) => sessionsKv.create(k, v),
             update: (k, v, version) => sessionsKv.update(k, v, version),
-            delete: (k, o) => sessionsKv.delete(k, o),
+            // Its marker expires (dataplane/session-keys.ts): the pools' counts hold no day of deletes.
+            delete: (k, o) => deleteEntry(nc.jetstream(), config.buckets.sessions, k, o),
             get: (k) => leaderGet(jsm, config.buckets.sessions, k),
           },
           alive: (_namespace, pool, instance) => instanceConsuming(nc, config.requestStream, pool, instance),

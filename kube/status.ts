@@ -219,6 +219,7 @@ export function dllamaStatus(input: DllamaStatusInput): DllamaResourceStatus {
     nodesPerInstance: input.nodesPerInstance,
     selector: input.selector,
     instances,
+    ...(input.pool.live !== undefined ? { conversations: input.pool.live } : {}),
     ...(input.pool.lastError ? { lastError: input.pool.lastError } : {}),
     workflowId: input.workflowId,
     conditions: mergeConditions(conditions, input.previous, input.now),

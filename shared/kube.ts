@@ -160,6 +160,8 @@ export interface DllamaResourceStatus {
   /** The label selector of this pool's pods, as a string (the scale subresource reads it). */
   selector?: string;
   instances?: { id: string; phase: string; leases: number; restarts?: number; lastRestart?: string; revision?: string; retiring?: string; inFlight?: number }[];
+  /** The pool's live conversations when counted for the pool as a whole (its instances' `leases` are then 0). */
+  conversations?: number;
   lastError?: string;
   workflowId?: string;
   conditions?: Condition[];

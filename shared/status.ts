@@ -131,4 +131,10 @@ export interface PoolStatus {
   /** Instance starts that failed in a row, and when the next may be tried (epoch ms; 0: now). */
   startFailures?: number;
   nextStartAt?: number;
+  /**
+   * The pool's live conversations, counted by the server for the pool as a whole (with the
+   * deletes of the last seconds): its instances' `leases` are then 0, not counted. Absent: the
+   * instances' leases are the count.
+   */
+  live?: number;
 }

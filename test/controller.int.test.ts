@@ -479,6 +479,9 @@ test('live conversations are mirrored as Sessions, at most the cap, and go when 
   // Seven live conversations, the cap is five: the five renewed last are shown.
   for (const [i, key] of keys.entries()) await put(key, 'tiny-1', 600_000 + i * 1000);
   await put('f'.repeat(64), 'tiny-1', -1000); // already expired: never shown
+  // Ten more renewed before them: the mirror holds twice the cap of the bucket's entries, not all of them.
+  const earlier = Array.from({ length: 10 }, (_, i) => `${ns}.tiny.e${i}`);
+  for (const key of earlier) await put(key, 'tiny-1', 300_000);
   const listed = async () =>
     (
       (await custom.listNamespacedCustomObject({ group: CRD_GROUP, version: CRD_VERSION, namespace: ns, plural: 'sessions' })) as {
@@ -495,6 +498,7 @@ test('live conversations are mirrored as Sessions, at most the cap, and go when 
     );
     expect(items.every((o) => o.spec.pool === 'tiny' && o.status?.instance === 'tiny-1')).toBe(true);
   }, 20_000);
+  expect(controller.metrics().sessions?.held).toBe(10);
   expect(await kubectl('get', 'sessions', '--no-headers')).toMatch(/^tiny-\S+\s+tiny\s+tiny\s+tiny-1\s+\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\s+/m);
   // One ends: the next one in line takes its place; one moves to another instance: its status follows.
   await sessions.delete(keys[6]!);
@@ -509,7 +513,7 @@ test('live conversations are mirrored as Sessions, at most the cap, and go when 
     );
     expect(items.find((o) => o.metadata.name === `tiny-${keys[5]!.slice(0, 10)}`)?.status?.instance).toBe('tiny-2');
   }, 45_000); // under the CI's load 20 s was not always enough
-  for (const key of keys) await sessions.delete(key);
+  for (const key of [...keys, ...earlier]) await sessions.delete(key);
   await eventually(async () => expect(await listed()).toEqual([]), 20_000);
   expect(controller.metrics().sessions).toMatchObject({ mirrored: 0, overCap: 0 });
 }, 90_000);

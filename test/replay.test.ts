@@ -23,6 +23,7 @@ interface RecordedHistory {
     eventType: string;
     activityTaskScheduledEventAttributes?: { activityType?: { name?: string }; input?: { payloads?: { data?: string }[] } };
     activityTaskStartedEventAttributes?: { attempt?: number };
+    activityTaskCompletedEventAttributes?: { result?: { payloads?: { data?: string }[] } };
     workflowExecutionSignaledEventAttributes?: { signalName?: string };
     signalExternalWorkflowExecutionInitiatedEventAttributes?: { signalName?: string; workflowExecution?: { workflowId?: string } };
     markerRecordedEventAttributes?: { markerName?: string; details?: Record<string, { payloads?: { data?: string }[] }> };
@@ -154,6 +155,17 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
       scheduledOf(h, 'destroyInstance').length >= 1 &&
       (inputOf(h, 'watchLoad') as { scaleOn?: string }).scaleOn === 'load' &&
       (inputOf(h, 'writePool') as { scalesOn?: string }).scalesOn === 'load',
+  ],
+  // The same test since keys carry their pool: the reconciler's reports say the pool's entries as the NATS server counts them (`live`), not per instance.
+  [
+    'pool-counted-by-server',
+    ['pool-scale-on-load', 'pool-unique-instance-ids', 'pool-view-starting', 'pool-restart-reports'],
+    (h) =>
+      scheduledOf(h, 'createInstance').length >= 2 &&
+      h.events.some((e) => {
+        const data = e.activityTaskCompletedEventAttributes?.result?.payloads?.[0]?.data;
+        return data !== undefined && typeof (JSON.parse(Buffer.from(data, 'base64').toString('utf8')) as { live?: unknown } | null)?.live === 'number';
+      }),
   ],
   // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
   ['session-started', [], (h) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],

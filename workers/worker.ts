@@ -18,6 +18,7 @@ import { createSecretResolver } from '../activities/huggingface/secrets';
 import { consumerNameOf, declareOnReconnect, ensureDataPlane, movedConsumerNameOf } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { leaderGet } from '../dataplane/kv-leader';
+import { deleteEntry, poolEntryCounter } from '../dataplane/session-keys';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { configuredRuntime } from '../activities/runtime';
 import type { WorkerRuntime } from '../activities/runtime/runtime';
@@ -264,6 +265,9 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     runtime,
     sessions: sessionsKv,
     readSession: (key) => leaderGet(jsm, names.sessionsBucket, key),
+    // A pool's entries counted by the server, and deletes whose markers expire: no copy of them here.
+    countEntries: poolEntryCounter(jsm, names.sessionsBucket),
+    deleteSession: (key, previousSeq) => deleteEntry(nc.jetstream(), names.sessionsBucket, key, { previousSeq }),
     pools: poolsKv,
     ...(configured.ownsInstances ? { runtimeQueue } : {}),
     advertOf,

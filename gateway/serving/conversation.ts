@@ -11,6 +11,7 @@
  * All gateway replicas must share the secret, or their keys (and affinity) diverge.
  */
 import { createHmac } from 'node:crypto';
+import { poolKeyPrefix } from '../../dataplane/session-keys';
 import type { ChatMessage } from '../../shared/chat';
 
 /** What a client may send as `X-Session-Id`. */
@@ -35,11 +36,17 @@ function systemPrompt(messages: readonly ChatMessage[]): string {
   return out;
 }
 
-/** 64 hex digits; valid as a KV key, a NATS subject token and in a workflow id. */
+/**
+ * `<namespace>.<model>.<64 hex digits>`: the conversation's `magus_sessions` key, which carries
+ * its pool so that the server can count and filter one pool's entries (dataplane/session-keys.ts);
+ * valid as a KV key and in a workflow id.
+ */
 export function conversationKey(secret: string | Buffer, input: ConversationKeyInput): string {
+  const slash = input.model.indexOf('/');
+  const pool = poolKeyPrefix(input.model.slice(0, slash), input.model.slice(slash + 1));
   const h = createHmac('sha256', secret);
   // JSON arrays keep the fields unambiguous (no separator a prompt could contain).
   if (input.sessionId !== undefined) h.update(JSON.stringify(['sid', input.scope, input.model, input.sessionId]));
   else h.update(JSON.stringify(['conv', input.scope, input.model, systemPrompt(input.messages), input.messages.find((m) => m.role === 'user')?.content ?? '']));
-  return h.digest('hex');
+  return `${pool}.${h.digest('hex')}`;
 }

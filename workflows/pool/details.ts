@@ -8,7 +8,7 @@ import type { PoolInput, PoolPhase, PoolStatus } from './definitions';
  */
 export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus, onLoad = false): string {
   const live = s.instances.filter((i) => i.phase !== 'stopping' && !i.retiring);
-  const leases = s.instances.reduce((n, i) => n + i.leases, 0);
+  const leases = s.live ?? s.instances.reduce((n, i) => n + i.leases, 0);
   const sizedBy = input.resource ? `sized by Dllama \`${input.resource.name}\` (generation ${input.resource.generation})` : "sized by the gateway's defaults";
   const lines = [
     `**${phase}** · model \`${input.namespace}/${input.model}\` · ${live.length} of ${input.minInstances}..${input.maxInstances} instances · ${
@@ -31,7 +31,7 @@ export function poolDetails(input: PoolInput, phase: PoolPhase, s: PoolStatus, o
     lines.push(`${plural(s.startFailures, 'failed start')} in a row; next start not before ${at(s.nextStartAt)}`);
   const list = s.instances.map(
     (i) =>
-      `- \`${i.id}\` ${i.restarting ? `**restarting** (${i.restarting})` : i.phase}, ${plural(i.leases, 'lease')}${i.inFlight !== undefined ? `, ${i.inFlight} in flight` : ''}${i.revision ? `, revision \`${i.revision}\`` : ''}${i.retiring ? ` — ${i.retiring}` : ''}${restartsText(i)}`,
+      `- \`${i.id}\` ${i.restarting ? `**restarting** (${i.restarting})` : i.phase}${s.live === undefined ? `, ${plural(i.leases, 'lease')}` : ''}${i.inFlight !== undefined ? `, ${i.inFlight} in flight` : ''}${i.revision ? `, revision \`${i.revision}\`` : ''}${i.retiring ? ` — ${i.retiring}` : ''}${restartsText(i)}`,
   );
   return [lines.join('  \n'), ...(list.length > 0 ? [list.join('\n')] : [])].join('\n\n');
 }

@@ -334,6 +334,27 @@ describe('scaling on load (pool-scale-on-load)', () => {
     expect(leases.view()).not.toHaveProperty('scalesOn');
   });
 
+  it('a report counted for the pool as a whole (the server counts its entries) decides, shows and carries as the leases did', () => {
+    const s = onLoad(1);
+    // 500 conversations counted by the server; no instance has leases counted.
+    s.loaded({ ...report({ 'm-1': [0, 0, 0] }), live: 500 }, 1);
+    expect(s.wanted(1)).toBe(1); // one stays while any conversation lives
+    expect(s.status(1).live).toBe(500);
+    const details = poolDetails(s.input, s.phase(), s.status(1), s.onLoad);
+    expect(details).toContain('· 500 live conversations');
+    expect(details).not.toContain('0 leases'); // per instance: not counted, so not said
+    // Carried into the next run, and known to its reconciler.
+    const next = new PoolState(s.input, s.carry(2), { onLoad: true });
+    expect(next.lastLoad).toMatchObject({ live: 500 });
+    expect(next.status(2).live).toBe(500);
+    next.loaded({ ...report({ 'm-1': [0, 0, 0] }), live: 0 }, 3);
+    expect(next.wanted(3)).toBe(0);
+    // A report without it (an older worker's) counts the instances' leases again.
+    next.loaded(report({ 'm-1': [7, 0, 0] }), 4);
+    expect(next.wanted(4)).toBe(1);
+    expect(next.status(4)).not.toHaveProperty('live');
+  });
+
   it('an instance drained while idle is taken back when a request reaches it after all', () => {
     const s = onLoad(2);
     s.loaded(report({ 'm-1': [3, 0, 0], 'm-2': [3, 0, 0] }), 0);

@@ -86,6 +86,11 @@ export interface PoolInstance {
 /** The reconciler's summary: per instance of the pool, its live entries and its consumer's backlog. */
 export interface LoadReport {
   instances: Record<string, { leases: number; pending: number; ackPending: number }>;
+  /**
+   * The pool's entries counted by the server for the pool as a whole (a pool on load, by workers
+   * of this version): each instance's `leases` is then 0. Absent: the instances' leases are counted.
+   */
+  live?: number;
 }
 
 /** What one run of the pool carries into the next: O(instances), never per conversation. */
@@ -118,6 +123,8 @@ export interface PoolCarry {
   failedAt?: number;
   /** Demand signalled by gateway replicas, each until its time. */
   demand: Record<string, { waiting: number; until: number }>;
+  /** The pool's live entries as last reported for the pool as a whole ({@link LoadReport.live}). */
+  live?: number;
 }
 
 /** What gateways may pick from: the pool's `magus_pools` entry, less the time stamp the activity adds. */
@@ -198,7 +205,10 @@ export class PoolState {
     this.spec = carry?.spec ?? (r?.instanceSpec ? { digest: r.instanceSpec, uid: r.uid, generation: r.generation } : null);
     for (const [replica, d] of Object.entries(carry?.demand ?? {})) this.demand.set(replica, d);
     this.lastLoad = carry
-      ? { instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])) }
+      ? {
+          instances: Object.fromEntries(carry.instances.map((i) => [i.id, { leases: i.leases, pending: i.pending, ackPending: i.ackPending }])),
+          ...(carry.live !== undefined ? { live: carry.live } : {}),
+        }
       : null;
     for (const c of carry?.instances ?? []) {
       this.instances.set(c.id, {
@@ -414,7 +424,7 @@ export class PoolState {
     const live = this.live();
     // Conversations (requests) on instances being replaced count: they move to the others at their next turn.
     const counted = [...live, ...this.retiring()];
-    const leases = counted.reduce((n, i) => n + i.leases, 0);
+    const leases = this.lastLoad?.live ?? counted.reduce((n, i) => n + i.leases, 0);
     let wanted: number;
     if (this.onLoad) {
       const busy = counted.reduce((n, i) => n + i.pending + i.ackPending, 0);
@@ -586,6 +596,7 @@ export class PoolState {
       lastError: this.lastError,
       startFailures: this.startFailures,
       nextStartAt: this.nextStartAt,
+      ...(this.lastLoad?.live !== undefined ? { live: this.lastLoad.live } : {}),
     };
   }
 
@@ -619,6 +630,7 @@ export class PoolState {
       lastError: this.lastError,
       ...(this.failedAt ? { failedAt: this.failedAt } : {}),
       demand: Object.fromEntries([...this.demand].filter(([, d]) => d.until > now)),
+      ...(this.lastLoad?.live !== undefined ? { live: this.lastLoad.live } : {}),
     };
   }
 }

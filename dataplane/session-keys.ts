@@ -1,0 +1,98 @@
+/**
+ * What the NATS server does for `magus_sessions` so that no process keeps a copy of every entry:
+ *
+ * - **Keys carry their pool**: `<namespace>.<model>.<conversation>` (`gateway/serving/conversation.ts`),
+ *   so one pool's entries are one subject filter, `$KV.<bucket>.<namespace>.<model>.*` (a model
+ *   name with dots is more tokens, and `*` matches the conversation's one token only).
+ * - **Counts the server keeps**: a pull consumer on that filter that nobody pulls from. Its
+ *   `num_pending` is the number of the pool's entries the stream holds, maintained by the server
+ *   as entries are written and removed, read with one consumer-info request ({@link poolEntryCounter}).
+ * - **Deletes whose markers go away**: a delete leaves a marker (watchers learn of it) that the
+ *   server removes after {@link SESSION_MARKER_TTL_MS} (a per-message TTL), so a count is the live
+ *   entries plus the deletes of the last few seconds, never a day of them. (Not
+ *   `subject_delete_marker_ttl`: the server would put a second marker in the place of each that
+ *   expires, doubling the time; entries left to the bucket's max age are swept long before it.)
+ */
+import { AckPolicy, DeliverPolicy, Empty, headers, nanos, type JetStreamClient, type JetStreamManager, type KV, type KvEntry } from 'nats';
+import { jsErrorCode, JsApiError } from './errors';
+
+/** How long the marker of a deleted entry stays in `magus_sessions`: a watcher cut off for less sees every delete. */
+export const SESSION_MARKER_TTL_MS = 10_000;
+
+/** The key of `<namespace>/<model>`'s entries, less their conversation token: `<namespace>.<model>`. */
+export const poolKeyPrefix = (namespace: string, model: string): string => `${namespace}.${model}`;
+
+/** `JSMessageTTLDisabledErr`: the stream was declared before markers had a TTL (no worker of this version has declared it yet). */
+const TTL_DISABLED = 10166;
+
+/**
+ * Deletes `key` of `bucket` with a marker that expires (compare-and-swap on `previousSeq` when
+ * given: a revision conflict is thrown as `kv.delete` throws it). On a bucket not yet declared
+ * with per-message TTLs, a plain delete.
+ */
+export async function deleteEntry(js: JetStreamClient, bucket: string, key: string, opts: { previousSeq?: number } = {}): Promise<void> {
+  const marked = (ttl: boolean) => {
+    const h = headers();
+    h.set('KV-Operation', 'DEL');
+    if (ttl) h.set('Nats-TTL', `${Math.ceil(SESSION_MARKER_TTL_MS / 1000)}s`);
+    if (opts.previousSeq !== undefined) h.set('Nats-Expected-Last-Subject-Sequence', `${opts.previousSeq}`);
+    return js.publish(`$KV.${bucket}.${key}`, Empty, { headers: h });
+  };
+  try {
+    await marked(true);
+  } catch (err) {
+    if ((err as { api_error?: { err_code?: number } }).api_error?.err_code !== TTL_DISABLED) throw err;
+    await marked(false);
+  }
+}
+
+/** The stream setting {@link deleteEntry}'s markers need (`ensureBucket`'s `markers`). */
+export const markerSettings = { allow_msg_ttl: true } as const;
+
+/** How long a counting consumer lives unread: a pool that stops asking leaves nothing behind. */
+const COUNTER_INACTIVE_MS = 2 * 60_000;
+
+/**
+ * How many entries of a pool `bucket` holds (live, expired but not yet deleted, and markers
+ * younger than {@link SESSION_MARKER_TTL_MS}), counted by the server: one consumer per pool
+ * prefix, created on first use and again when the server removed it (unused for two minutes).
+ */
+export function poolEntryCounter(jsm: JetStreamManager, bucket: string): (prefix: string) => Promise<number> {
+  const stream = `KV_${bucket}`;
+  const consumers = new Map<string, string>();
+  return async (prefix) => {
+    const name = consumers.get(prefix);
+    if (name) {
+      try {
+        // Asking keeps it: the server counts an info request as no activity, so it is made again after its inactivity.
+        return (await jsm.consumers.info(stream, name)).num_pending;
+      } catch (err) {
+        if (jsErrorCode(err) !== JsApiError.consumerNotFound) throw err;
+        consumers.delete(prefix);
+      }
+    }
+    const info = await jsm.consumers.add(stream, {
+      filter_subject: `$KV.${bucket}.${prefix}.*`,
+      ack_policy: AckPolicy.None,
+      deliver_policy: DeliverPolicy.All,
+      inactive_threshold: nanos(COUNTER_INACTIVE_MS),
+      mem_storage: true,
+      num_replicas: 1,
+    });
+    consumers.set(prefix, info.name);
+    return info.num_pending;
+  };
+}
+
+/**
+ * Reads every entry of a pool prefix once (a watch of its filter, stopped when it has replayed
+ * what the stream holds), calling `each` with each; what `each` keeps is the caller's business.
+ */
+export async function scanPoolEntries(kv: KV, prefix: string, each: (e: KvEntry) => void): Promise<void> {
+  let replayed = false;
+  let stop: () => void = () => void (replayed = true);
+  const w = await kv.watch({ key: `${prefix}.*`, initializedFn: () => stop() });
+  stop = () => w.stop();
+  if (replayed) w.stop(); // nothing to replay: initialized before the watch was returned
+  for await (const e of w) if (e.operation === 'PUT') each(e);
+}
