@@ -42,6 +42,8 @@ export interface ServingDeps {
   countEntries?: (prefix: string) => Promise<number>;
   /** Deletes an entry (compare-and-swap on `previousSeq`) leaving a marker that expires (session-keys.ts `deleteEntry`); default `sessions.delete`. */
   deleteSession?: (key: string, previousSeq: number) => Promise<void>;
+  /** How often a pool on load's entries are read for orphans, at least (default {@link ORPHAN_SCAN_EVERY_MS}; tests shorten it). */
+  orphanScanEveryMs?: number;
 }
 
 /** What `watchLoad` reports: per instance, live entries and backlog (see workflows/pool/state.ts `LoadReport`). */
@@ -122,8 +124,13 @@ type IndexedEntry = SessionEntry & { revision: number };
 
 /** A reconciler sweeps its pool's orphaned entries at most this often, at most {@link ORPHANS_PER_SWEEP} a time. */
 const ORPHAN_SWEEP_EVERY_MS = 60_000;
-/** A process reads a pool's entries from the server for orphans at most this often (a pool's reconcilers count without holding them). */
+/**
+ * A process reads a pool's entries from the server for orphans at most this often (a pool's
+ * reconcilers count without holding them), and at most once per millisecond per entry: a read of
+ * a million takes a core ~10 s (`bench:sessions`), so every 17 min then.
+ */
 const ORPHAN_SCAN_EVERY_MS = 5 * 60_000;
+const ORPHAN_SCAN_MS_PER_ENTRY = 1;
 const ORPHANS_PER_SWEEP = 1_000;
 
 /** How long a session index outlives its last reader: a pool restarts its reconciler a task later. */
@@ -335,19 +342,24 @@ export function createServingActivities(deps: ServingDeps) {
             // A sweep that fails (NATS away) is tried again in a minute; the counts go on meanwhile.
             await sweepOrphans(deleteSession, sessions.keyedOf(input.namespace, input.model), swept).catch(() => 0);
           }
-          // In the background: a million entries take longer to read than a heartbeat may wait.
-          if (count && Date.now() - (scanned.get(prefix) ?? 0) >= ORPHAN_SCAN_EVERY_MS) {
+          const live = count ? await count(prefix).catch(() => undefined) : undefined; // undefined: not counted now (NATS away)
+          if (live !== undefined) entries = live;
+          // The first scan of a prefix in this process comes at a random point of the interval (a
+          // restart does not read every entry at once, and workers spread theirs); each in the
+          // background: a million entries take longer to read than a heartbeat may wait.
+          const every = Math.max(deps.orphanScanEveryMs ?? ORPHAN_SCAN_EVERY_MS, entries * ORPHAN_SCAN_MS_PER_ENTRY);
+          if (count && !scanned.has(prefix)) scanned.set(prefix, Date.now() - Math.random() * every);
+          if (count && Date.now() - scanned.get(prefix)! >= every) {
             scanned.set(prefix, Infinity); // one scan of a prefix at a time in this process
             void scanOrphans(deps.sessions, deleteSession, prefix)
               .catch(() => 0)
               .finally(() => scanned.set(prefix, Date.now()));
           }
-          const live = count ? await count(prefix).catch(() => undefined) : undefined; // undefined: not counted now (NATS away)
           const ready = count ? live !== undefined : sessions!.live;
           if (ready && (news || Date.now() - started >= minInterval)) {
             const summary: LoadSummary = { instances: {} };
             for (const id of input.instances) summary.instances[id] = { leases: 0, pending: 0, ackPending: 0 };
-            if (live !== undefined) summary.live = entries = live;
+            if (live !== undefined) summary.live = live;
             else {
               const now = Date.now();
               for (const entry of sessions!.entriesOf(input.namespace, input.model)) {

@@ -4,6 +4,8 @@
  *
  *   reconciler-count   a pool's reconciler (`watchLoad`) of a pool on load, counted by the server
  *   reconciler-index   the same for a pool on leases: this process's index of every entry
+ *   orphan-scan        one read of the pool's entries, as the reconciler of a pool on load looks
+ *                      for orphans (activities/serving.ts `scanOrphans`): its time is "ready"
  *   controller         the controller's Session mirror (cap 200; its Kubernetes API is unreachable:
  *                      what it holds is what is measured, not what it writes)
  *
@@ -16,7 +18,8 @@ import { createServingActivities, type LoadSummary, type WatchLoadInput } from '
 import type { Runtime } from '../activities/runtime/runtime';
 import { startSessionMirror } from '../controller/sessions';
 import { dataPlaneNames } from '../dataplane';
-import { poolEntryCounter } from '../dataplane/session-keys';
+import { poolEntryCounter, poolKeyPrefix, scanPoolEntries } from '../dataplane/session-keys';
+import { decodeSessionEntry } from '../shared/serving';
 
 async function main(): Promise<void> {
   const mode = process.argv[2];
@@ -54,6 +57,14 @@ async function main(): Promise<void> {
         await run.catch(() => undefined);
       }
     })();
+  } else if (mode === 'orphan-scan') {
+    let read = 0;
+    let decoded = 0;
+    await scanPoolEntries(sessions, poolKeyPrefix('default', 'bench'), (e) => {
+      read++;
+      if (decodeSessionEntry(e.value)) decoded++;
+    });
+    extra = { counted: read, decoded };
   } else if (mode === 'controller') {
     const kc = new KubeConfig();
     kc.loadFromClusterAndUser({ name: 'none', server: 'https://127.0.0.1:1', skipTLSVerify: true }, { name: 'none' });

@@ -31,10 +31,11 @@ const arg = (name: string, fallback: string) => {
 };
 const counts = arg('live', '0,100000,1000000').split(',').map(Number);
 const modes = arg('modes', 'recent,all').split(',') as ('recent' | 'all')[];
-const parts = arg('parts', 'gateway,reconciler-count,reconciler-index,controller').split(',');
+const parts = arg('parts', 'gateway,reconciler-count,reconciler-index,orphan-scan,controller').split(',');
 const PROBES: Record<string, string> = {
   'reconciler-count': "worker: a pool's reconciler, counted by the server (pools on load)",
   'reconciler-index': "worker: a pool's reconciler, index of every entry (pools on leases)",
+  'orphan-scan': "worker: one read of a pool's entries for orphans (pools on load, every 5 min or more)",
   controller: 'controller: the Session mirror (cap 200)',
 };
 

@@ -13,6 +13,7 @@
  *   `subject_delete_marker_ttl`: the server would put a second marker in the place of each that
  *   expires, doubling the time; entries left to the bucket's max age are swept long before it.)
  */
+import { createHash } from 'node:crypto';
 import { AckPolicy, DeliverPolicy, Empty, headers, nanos, type JetStreamClient, type JetStreamManager, type KV, type KvEntry } from 'nats';
 import { jsErrorCode, JsApiError } from './errors';
 
@@ -49,29 +50,33 @@ export async function deleteEntry(js: JetStreamClient, bucket: string, key: stri
 /** The stream setting {@link deleteEntry}'s markers need (`ensureBucket`'s `markers`). */
 export const markerSettings = { allow_msg_ttl: true } as const;
 
-/** How long a counting consumer lives unread: a pool that stops asking leaves nothing behind. */
-const COUNTER_INACTIVE_MS = 2 * 60_000;
+/**
+ * How long a counting consumer lives without a pull (an info request is no activity to the server,
+ * so it is made again this often while counted): a pool that is gone leaves nothing behind.
+ */
+const COUNTER_INACTIVE_MS = 10 * 60_000;
+
+/** The counting consumer of a pool prefix: one name for every process that counts it (a consumer name holds no dot). */
+export const counterNameOf = (prefix: string): string => `count_${createHash('sha256').update(prefix).digest('hex').slice(0, 24)}`;
 
 /**
  * How many entries of a pool `bucket` holds (live, expired but not yet deleted, and markers
  * younger than {@link SESSION_MARKER_TTL_MS}), counted by the server: one consumer per pool
- * prefix, created on first use and again when the server removed it (unused for two minutes).
+ * prefix, shared by every worker that counts it (created again by whichever asks once the server
+ * removed it, unused for {@link COUNTER_INACTIVE_MS}).
  */
 export function poolEntryCounter(jsm: JetStreamManager, bucket: string): (prefix: string) => Promise<number> {
   const stream = `KV_${bucket}`;
-  const consumers = new Map<string, string>();
   return async (prefix) => {
-    const name = consumers.get(prefix);
-    if (name) {
-      try {
-        // Asking keeps it: the server counts an info request as no activity, so it is made again after its inactivity.
-        return (await jsm.consumers.info(stream, name)).num_pending;
-      } catch (err) {
-        if (jsErrorCode(err) !== JsApiError.consumerNotFound) throw err;
-        consumers.delete(prefix);
-      }
+    const name = counterNameOf(prefix);
+    try {
+      return (await jsm.consumers.info(stream, name)).num_pending;
+    } catch (err) {
+      if (jsErrorCode(err) !== JsApiError.consumerNotFound) throw err;
     }
+    // Created with the same configuration by any worker: the server answers each with the one consumer.
     const info = await jsm.consumers.add(stream, {
+      name,
       filter_subject: `$KV.${bucket}.${prefix}.*`,
       ack_policy: AckPolicy.None,
       deliver_policy: DeliverPolicy.All,
@@ -79,7 +84,6 @@ export function poolEntryCounter(jsm: JetStreamManager, bucket: string): (prefix
       mem_storage: true,
       num_replicas: 1,
     });
-    consumers.set(prefix, info.name);
     return info.num_pending;
   };
 }

@@ -9,11 +9,11 @@
 import type { Client } from '@temporalio/client';
 import { randomUUID } from 'node:crypto';
 import { setMaxListeners } from 'node:events';
-import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
+import { poolQueueFor, WorkflowSummary } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { demandSignal, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
-import { sessionWorkflowId } from '../workflows/session/definitions';
+import { sessionStart } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import { SessionError, SessionErrorType } from './plugins/errors';
 import type { FirstTurns } from './serving/sessions';
@@ -99,15 +99,10 @@ export function temporalSessions(opts: TemporalSessionOptions): { firstTurns: Pi
   const adopt: FirstTurns['adopt'] = tracked(async (req, entry) => {
     const { namespace, name } = req.model;
     await unlessStopping(() =>
-      client.workflow.start<typeof session>('session', {
-        workflowId: sessionWorkflowId(namespace, name, req.conversationKey),
-        taskQueue,
-        args: [{ key: req.conversationKey, namespace, model: name, ttlMs: opts.sessionTtlMs, entry: { expiresAt: entry.expiresAt } }],
-        // A session still running (the conversation's entry revived before it ended) keeps watching the entry.
-        workflowIdConflictPolicy: 'USE_EXISTING',
-        searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`${namespace}/${name}`], [SearchAttribute.phase]: ['serving'] },
-        staticSummary: WorkflowSummary.session(namespace, name),
-      }),
+      client.workflow.start<typeof session>(
+        'session',
+        sessionStart({ taskQueue, namespace, model: name, key: req.conversationKey, ttlMs: opts.sessionTtlMs, expiresAt: entry.expiresAt, now: Date.now() }),
+      ),
     );
   });
   const demand: NonNullable<FirstTurns['demand']> = tracked(async (model, waiting) => {

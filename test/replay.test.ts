@@ -167,10 +167,16 @@ const histories: [name: string, patches: string[], tookThePath: (h: RecordedHist
         return data !== undefined && typeof (JSON.parse(Buffer.from(data, 'base64').toString('utf8')) as { live?: unknown } | null)?.live === 'number';
       }),
   ],
-  // test/serving.int.test.ts: a session that watched a served conversation's entry for one TTL.
+  // test/serving.int.test.ts, before sessions were started late (sessionStart's delay): a session asleep on a timer until its entry's expiry.
   ['session-started', [], (h) => countOf(h, 'EVENT_TYPE_TIMER_STARTED') >= 1],
   // Its end: the TTL passed without a turn, the entry deleted, the session completed.
   ['session-expired', [], (h) => lastEvent(h) === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED'],
+  // test/serving-entries.int.test.ts: started with a delay to its lease's end (sessionStart), looked once and ended: no timer, ≤ 7 events.
+  [
+    'session-delayed',
+    [],
+    (h) => lastEvent(h) === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED' && countOf(h, 'EVENT_TYPE_TIMER_STARTED') === 0 && h.events.length <= 7,
+  ],
   // test/serving-entries.int.test.ts: renewed twice by turns (compare-and-swap by gateways), then expired: ≤ 24 events.
   ['session-renewed', [], (h) => lastEvent(h) === 'EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED' && h.events.length <= 24],
 ];

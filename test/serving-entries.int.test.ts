@@ -15,11 +15,11 @@ import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import type { Runtime } from '../activities/runtime/runtime';
 import { createServingActivities } from '../activities/serving';
-import { poolQueueFor, SearchAttribute, WorkflowSummary } from '../shared/constants';
+import { poolQueueFor } from '../shared/constants';
 import type { SessionEntry } from '../shared/serving';
 import { demandSignal, poolStatusQuery, poolWorkflowId, type PoolInput } from '../workflows/pool/definitions';
 import type { dllamaPool } from '../workflows/pool/pool';
-import { sessionWorkflowId } from '../workflows/session/definitions';
+import { sessionStart } from '../workflows/session/definitions';
 import type { session } from '../workflows/session/session';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { isolation, listWorkflowIds, recordHistory } from './harness';
@@ -53,14 +53,10 @@ afterAll(() => stack.close(), 60_000);
 
 /** Starts a conversation's session as the gateway does, for an entry written first. */
 async function startSession(key: string, expiresAt: number, ttlMs: number) {
-  return client.workflow.start<typeof session>('session', {
-    workflowId: sessionWorkflowId('default', MODEL, key),
-    taskQueue,
-    args: [{ key, namespace: 'default', model: MODEL, ttlMs, entry: { expiresAt } }],
-    workflowIdConflictPolicy: 'USE_EXISTING',
-    searchAttributes: { [SearchAttribute.kind]: ['session'], [SearchAttribute.model]: [`default/${MODEL}`], [SearchAttribute.phase]: ['serving'] },
-    staticSummary: WorkflowSummary.session('default', MODEL),
-  });
+  return client.workflow.start<typeof session>(
+    'session',
+    sessionStart({ taskQueue, namespace: 'default', model: MODEL, key, ttlMs, expiresAt, now: Date.now() }),
+  );
 }
 
 const entry = (instance: string, expiresAt: number): SessionEntry => ({
@@ -72,7 +68,7 @@ const entry = (instance: string, expiresAt: number): SessionEntry => ({
   placedAt: Date.now(),
 });
 
-test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, the entry deleted at the end', async () => {
+test('a session lives on its entry: 7 events for one TTL (started when its lease would end), 6 for each renewal, the entry deleted at the end', async () => {
   const ttl = 1500;
   // One TTL, no turn after the first.
   const once = `once-${randomBytes(4).toString('hex')}`;
@@ -95,7 +91,9 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
   const events = async (h: typeof h1) => (await h.fetchHistory()).events ?? [];
   const e1 = await events(h1);
   const e2 = await events(h2);
-  expect(e1.length).toBeLessThanOrEqual(12);
+  // Started with a delay to its lease's end: no task or timer before its first look.
+  expect(e1.length).toBeLessThanOrEqual(7);
+  expect(e1.some((e) => e.eventType === temporal.api.enums.v1.EventType.EVENT_TYPE_TIMER_STARTED)).toBe(false);
   // Each renewal the session notices costs a wake: a timer, a task and a look (≤ 6 events).
   expect(e2.length - e1.length).toBeLessThanOrEqual(2 * 6);
   // No signal, no update, no upsert but the final phase.
@@ -111,6 +109,7 @@ test('a session lives on its entry: 12 events for one TTL, 6 for each renewal, t
     expect.arrayContaining([h1.workflowId, h2.workflowId]),
   );
   await recordHistory('session-renewed', h2);
+  await recordHistory('session-delayed', h1);
 }, 60_000);
 
 test('a renewal landing between the expiry’s read and its delete wins; an entry already gone ends the session', async () => {

@@ -6,11 +6,13 @@
  * phase come as search attributes in the gateway's start request: no upsert) and no turn costs a
  * workflow event.
  *
- * It sleeps until the entry's expiry and looks (`expireSession`, a local activity): renewed, it
- * sleeps again; expired, the entry is deleted with compare-and-swap (a renewal landing first wins)
- * and the session ends; gone (moved away or removed by someone else), it ends. It never signals
- * the pool and takes no signal, update or query. A conversation that lives one TTL costs 12
- * history events, each further TTL 6 (`test/serving-entries.int.test.ts` counts them).
+ * The gateway starts it delayed to the entry's expiry (definitions.ts `sessionStart`), so its first
+ * task is a look (`expireSession`, a local activity); one started without a delay sleeps until then
+ * first. Renewed, it sleeps again; expired, the entry is deleted with compare-and-swap (a renewal
+ * landing first wins) and the session ends; gone (moved away or removed by someone else), it ends.
+ * It never signals the pool and takes no signal, update or query. A conversation that lives one
+ * TTL costs one workflow task and 7 history events, each further TTL 6
+ * (`test/serving-entries.int.test.ts` counts them).
  */
 import { continueAsNew, proxyLocalActivities, setCurrentDetails, sleep, upsertSearchAttributes, workflowInfo } from '@temporalio/workflow';
 import type { ServingActivities } from '../../activities/serving';
