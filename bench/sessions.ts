@@ -23,7 +23,7 @@ import { connect } from 'nats';
 import { dataPlaneNames, ensureDataPlane } from '../dataplane';
 import type { SessionEntry } from '../shared/serving';
 import { startServices } from '../workers/dev/services';
-import { fmt } from './common';
+import { cpuOf, fmt } from './common';
 
 const arg = (name: string, fallback: string) => {
   const i = process.argv.indexOf(`--${name}`);
@@ -41,16 +41,11 @@ const PROBES: Record<string, string> = {
 
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
-/** CPU seconds a process has used (user + system). */
-const cpuSec = (pid: number) => {
-  const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]!.split(' ');
-  return (Number(f[11]) + Number(f[12])) / 100;
-};
 /** A process's CPU use (% of one core) over `ms`. */
 async function cpuPct(pid: number, ms: number): Promise<number> {
-  const c0 = cpuSec(pid);
+  const c0 = cpuOf(pid);
   await sleep(ms);
-  return ((cpuSec(pid) - c0) * 100_000) / ms;
+  return ((cpuOf(pid) - c0) * 100_000) / ms;
 }
 
 function freePort(): Promise<number> {
