@@ -17,6 +17,7 @@ import { Readable } from 'node:stream';
 import type { InjectOptions, LightMyRequestResponse } from 'fastify';
 import { ChatCompletionBody } from '../shared/chat';
 import type { PoolEntry, ResponseFrame } from '../shared/serving';
+import { graced } from './routes/health';
 import { waitingForInstance } from './routes/inference';
 import { servingOf } from './serving/sessions';
 import { SessionError, SessionErrorType } from './plugins/errors';
@@ -730,7 +731,7 @@ describe('conversation keys', () => {
   it('is the same for every turn of a conversation', async () => {
     const k1 = await keyOf([sys, { role: 'user', content: 'first' }]);
     const k2 = await keyOf([sys, { role: 'user', content: 'first' }, { role: 'assistant', content: 'ok' }, { role: 'user', content: 'second' }]);
-    expect(k1).toMatch(/^[0-9a-f]{64}$/);
+    expect(k1).toMatch(/^default\.tiny\.[0-9a-f]{64}$/); // its pool, then an HMAC
     expect(k2).toBe(k1);
   });
 
@@ -1307,6 +1308,31 @@ describe('/metrics, /healthz, /readyz', () => {
     expect(down.json()).toEqual({ status: 'unavailable', checks: { registry: true, nats: false, temporal: false } });
     natsUp = temporalUp = true;
     expect((await t.app.inject({ method: 'GET', url: '/readyz' })).json()).toEqual({ status: 'ok', checks: { registry: true, nats: true, temporal: true } });
+  });
+
+  it('readyz: a check with a grace failing degrades the replica until it has failed that long, then fails it; passing again, ok', async () => {
+    let natsUp = true;
+    let clock = 1_000;
+    const nats = graced({ name: 'nats', check: () => natsUp }, 30_000, () => clock);
+    try {
+      t = await buildTestApp({ readiness: [nats.check] });
+      const ask = async () => {
+        const r = await t.app.inject({ method: 'GET', url: '/readyz' });
+        return [r.statusCode, r.json<{ status: string }>().status];
+      };
+      natsUp = false; // a NATS restart: every replica reconnects at once
+      clock += 29_999;
+      expect(await ask()).toEqual([200, 'degraded']);
+      clock += 1; // cut off for the whole grace: this replica leaves its Service
+      expect(await ask()).toEqual([503, 'unavailable']);
+      natsUp = true;
+      expect(await ask()).toEqual([200, 'ok']);
+      natsUp = false; // the grace counts from the last time it passed
+      clock += 10_000;
+      expect(await ask()).toEqual([200, 'degraded']);
+    } finally {
+      nats.stop();
+    }
   });
 });
 

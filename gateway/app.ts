@@ -30,9 +30,15 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
   serveMetrics?: boolean;
 }
 
-/** A gateway's readiness checks: the registry answers, then the process's own (NATS, the KV mirrors, Temporal). */
+/**
+ * A gateway's readiness checks: the registry answers, then the process's own (NATS, the KV
+ * mirrors, Temporal). The registry is read over NATS: while NATS is down within its grace (the
+ * `nats` check's `degradesNow`), its failing degrades the replica as NATS's does.
+ */
 export function readinessChecks(models: ModelCatalog, more: readonly ReadinessCheck[] = []): ReadinessCheck[] {
-  return [{ name: 'registry', check: () => models.refresh().then(() => true) }, ...more];
+  const nats = more.find((c) => c.name === 'nats');
+  const natsDownWithinGrace = nats?.degradesNow && (() => nats.check() === false && nats.degradesNow!());
+  return [{ name: 'registry', check: () => models.refresh().then(() => true), ...(natsDownWithinGrace ? { degradesNow: natsDownWithinGrace } : {}) }, ...more];
 }
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true });

@@ -16,6 +16,9 @@ import { OPENAPI_ACCESS, type GatewaySettings } from './plugins/services';
 /** Conversations' entries a gateway holds (`MAGUS_GATEWAY_SESSION_CACHE`): ~0.4 KB each, so ~20 MB. */
 export const DEFAULT_SESSION_CACHE_ENTRIES = 50_000;
 
+/** `MAGUS_GATEWAY_NATS_GRACE_MS`' default: a NATS restart or reconnect degrades a replica, never takes it out of its Service, for this long. */
+export const DEFAULT_NATS_GRACE_MS = 30_000;
+
 export interface GatewayConfig {
   host: string;
   port: number;
@@ -292,6 +295,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
     maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),
     sessionCacheEntries: int('MAGUS_GATEWAY_SESSION_CACHE', DEFAULT_SESSION_CACHE_ENTRIES, 0, 100_000_000),
+    natsGraceMs: int('MAGUS_GATEWAY_NATS_GRACE_MS', DEFAULT_NATS_GRACE_MS, 0, 3_600_000),
     openApi: oneOf('MAGUS_GATEWAY_OPENAPI (--openapi)', 'public', OPENAPI_ACCESS, args.openApi ?? raw('MAGUS_GATEWAY_OPENAPI')),
   };
   const http = {
@@ -384,6 +388,7 @@ environment:
   MAGUS_MAX_QUEUE_WAIT                 5s (a turn expected to wait longer in every instance's queue gets 429 queue_full at once; 0: no bound)
   MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS  5000 (answered conversations whose session workflow has not started yet; beyond it new ones get 503)
   MAGUS_GATEWAY_SESSION_CACHE          50000 (conversations whose entries this gateway holds, read from magus_sessions on first use; 0: mirror every entry)
+  MAGUS_GATEWAY_NATS_GRACE_MS          30000 (cut off from NATS, or rebuilding a mirror after a reconnect, /readyz says degraded this long, then fails)
   MAGUS_GATEWAY_CONNECTION_TIMEOUT_MS, _HTTP_REQUEST_TIMEOUT_MS, _KEEP_ALIVE_TIMEOUT_MS, _HEADERS_TIMEOUT_MS
   MAGUS_GATEWAY_SHUTDOWN_GRACE_MS      30000
   MAGUS_GATEWAY_RESPONSE_ROUTING       shared (one subscription per replica) | per-request

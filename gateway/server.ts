@@ -21,7 +21,15 @@ import { openModelRegistry } from '../dataplane/registry';
 import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options, readinessChecks } from './app';
 import { operationsApp } from './operations';
-import { DEFAULT_SESSION_CACHE_ENTRIES, GATEWAY_USAGE, GatewayConfigError, loadGatewayConfig, type GatewayArgs, type GatewayConfig } from './config';
+import {
+  DEFAULT_NATS_GRACE_MS,
+  DEFAULT_SESSION_CACHE_ENTRIES,
+  GATEWAY_USAGE,
+  GatewayConfigError,
+  loadGatewayConfig,
+  type GatewayArgs,
+  type GatewayConfig,
+} from './config';
 import { combineTokenSources, kvTokenSource, staticTokenSource } from './plugins/auth';
 import { SessionErrorType, sessionErrorType } from './plugins/errors';
 import { GatewayMetrics } from './plugins/metrics';
@@ -40,6 +48,8 @@ import type { BacklogCheck } from './plugins/services';
 import { SessionCache, type ColdStart, type FirstTurns, type SessionBroker } from './serving/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 import { natsServerList } from '../platform/config';
+import { graced } from './routes/health';
+import type { ReadinessCheck } from './plugins/services';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {
@@ -353,11 +363,16 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     await Promise.all(ready);
     await models.refresh().catch((err: unknown) => log.warn({ err }, 'model registry not readable yet'));
 
-    const readiness = [
-      { name: 'nats', check: () => natsUp && !nc.isClosed() },
-      ...liveness,
-      ...(temporal ? [{ name: 'temporal', check: () => temporal.reachable(), degrades: true }] : []),
-    ];
+    // NATS and the mirrors it feeds: within the grace a replica cut off (or rebuilding a mirror
+    // from the map it kept) is degraded, not out of its Service — a NATS restart reconnects every
+    // replica at once. Past it, this replica alone is cut off: it is not ready.
+    const graceMs = config.settings.natsGraceMs ?? DEFAULT_NATS_GRACE_MS;
+    const readiness: ReadinessCheck[] = [{ name: 'nats', check: () => natsUp && !nc.isClosed() }, ...liveness].map((c) => {
+      const g = graced(c, graceMs);
+      closers.push(() => Promise.resolve(g.stop()));
+      return g.check;
+    });
+    if (temporal) readiness.push({ name: 'temporal', check: () => temporal.reachable(), degrades: true });
     await app.register(gatewayApp, {
       metrics,
       serveMetrics: config.healthAddress === undefined,

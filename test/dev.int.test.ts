@@ -135,6 +135,14 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     const floats = await openai.embeddings.create({ model: 'demo', input: 'Bananas are yellow.', encoding_format: 'float', dimensions: 576 });
     expect(floats.data[0]!.embedding.map((v) => Math.fround(v))).toEqual(bananas);
     await expect(openai.embeddings.create({ model: 'demo', input: 'x', dimensions: 64 })).rejects.toMatchObject({ status: 400, param: 'dimensions' });
+    // An answer larger than a NATS message (1 MiB): 256 vectors of 576 as JSON numbers, ~3 MB,
+    // sent by the bridge in parts and joined by the gateway; every vector the model's own.
+    const many = Array.from({ length: 256 }, (_, i) => (i === 200 ? 'Bananas are yellow.' : `Sentence number ${i} of a long batch.`));
+    const large = await openai.embeddings.create({ model: 'demo', input: many, encoding_format: 'float' });
+    expect(JSON.stringify(large).length).toBeGreaterThan(1024 * 1024);
+    expect(large.data.map((d) => d.index)).toEqual(many.map((_, i) => i));
+    expect(large.data.every((d) => d.embedding.length === 576 && d.embedding.every(Number.isFinite))).toBe(true);
+    expect(large.data[200]!.embedding.map((v) => Math.fround(v))).toEqual(bananas);
 
     // Log-probabilities (magus's own token loop): greedy, the same answer as without them, each
     // token the most likely of its alternatives; the tokens' texts are the answer.

@@ -261,15 +261,18 @@ describe('NATS outages', () => {
     }
   }, 90_000);
 
-  it('a gateway cut off from NATS answers 503 with Retry-After at once and is not ready; nothing it tried is served later', async () => {
-    const cut = await cuttableGateway();
+  it('a gateway cut off from NATS answers 503 with Retry-After at once, is degraded, then not ready after its grace; nothing it tried is served later', async () => {
+    const cut = await cuttableGateway({ MAGUS_GATEWAY_NATS_GRACE_MS: '3000' });
     const { gw, post, turn } = cut;
     const served = bridges[0]!;
     const calls = engine.requests.length;
     const pulled = served.stats.pulled;
     try {
       await cut.cut();
-      expect((await fetch(`${gw.url}/readyz`)).status).toBe(503);
+      const cutAt = Date.now();
+      // Within its grace: still in its Service, degraded (a NATS restart reconnects every replica at once).
+      const during = await fetch(`${gw.url}/readyz`);
+      expect([during.status, ((await during.json()) as { status: string; checks: { nats: boolean } }).checks.nats]).toEqual([200, false]);
       // At once, not after the 5 s a stream acknowledgement may take: nothing can be queued now.
       const started = Date.now();
       const res = await post('while away', alice.token, false);
@@ -277,7 +280,11 @@ describe('NATS outages', () => {
       expect(res.status).toBe(503);
       expect(res.headers.get('retry-after')).toMatch(/^[1-9][0-9]*$/);
       expect(((await res.json()) as { error: { code: string } }).error.code).toBe('unavailable');
+      // Cut off for the whole grace: this replica alone, so it leaves its Service.
+      await eventually(async () => expect((await fetch(`${gw.url}/readyz`)).status).toBe(503), 10_000);
+      expect(Date.now() - cutAt).toBeGreaterThanOrEqual(3_000);
       await cut.restore();
+      await eventually(async () => expect((await fetch(`${gw.url}/readyz`)).status).toBe(200), 10_000);
       expect(await turn('back again')).toEqual({ status: 200, text: 'back again' });
       // The request it gave up on never reached the stream (nats.js drops what it held when it dials again).
       expect(served.stats.pulled).toBe(pulled + 1);

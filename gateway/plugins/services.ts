@@ -34,6 +34,8 @@ export interface ReadinessCheck {
   check(): boolean | Promise<boolean>;
   /** Failing leaves the replica ready (`/readyz` 200 `degraded`): for a dependency every replica shares, which no routing can avoid. */
   degrades?: boolean;
+  /** Failing now leaves the replica ready, degraded (e.g. within a grace: server.ts `graced`); asked only when the check fails. */
+  degradesNow?: () => boolean;
 }
 
 /** Request-path settings (server.ts fills them from configuration). */
@@ -73,6 +75,11 @@ export interface GatewaySettings {
   sessionCacheEntries?: number;
   /** Who may read `/openapi.json`; default `public`. */
   openApi?: OpenApiAccess;
+  /**
+   * `MAGUS_GATEWAY_NATS_GRACE_MS`: how long a replica cut off from NATS (or rebuilding a KV
+   * mirror after a reconnect) stays ready, `degraded`, before `/readyz` fails. Default 30 s.
+   */
+  natsGraceMs?: number;
 }
 
 export interface GatewayServices {

@@ -5,7 +5,10 @@
  * (Temporal reachable) failing: 200 `{"status":"degraded"}` — the replica still serves warm turns
  * and first turns from the pools' published view, and every replica shares that dependency, so
  * taking them out of a Service would refuse everything instead of some first turns.
- * `checks` has every check's result either way.
+ * A check failing within its grace (`degradesNow`: NATS cut off, a KV mirror rebuilt after a
+ * reconnect, for less than `MAGUS_GATEWAY_NATS_GRACE_MS`) degrades likewise: a NATS restart
+ * reconnects every replica at once, and no replica leaves its Service for it; one cut off for
+ * longer does. `checks` has every check's result either way.
  * Registered on the API app and, when there is one, on the operations listener (operations.ts),
  * with the same checks.
  */
@@ -43,9 +46,29 @@ export const healthRoutes: FastifyPluginCallback<HealthRoutesOptions> = (app, op
     const results = await Promise.all(checks.map((c) => passes(() => c.check())));
     const out: Record<string, boolean> = {};
     checks.forEach((c, i) => (out[c.name] = results[i]!));
-    const ok = checks.every((c, i) => c.degrades === true || results[i]);
+    const ok = checks.every((c, i) => c.degrades === true || results[i] || c.degradesNow?.() === true);
     const status = !ok ? 'unavailable' : results.every(Boolean) ? 'ok' : 'degraded';
     return reply.code(ok ? 200 : 503).send({ status, checks: out });
   });
   done();
 };
+
+/**
+ * `c` with a grace: failing, it degrades the replica (`degradesNow`) until it has failed for
+ * `graceMs`, then fails it. It is sampled every 250 ms (`stop` ends that), so the time it has
+ * failed for is known whether or not `/readyz` was asked meanwhile.
+ */
+export function graced(c: { name: string; check: () => boolean }, graceMs: number, now: () => number = Date.now): { check: ReadinessCheck; stop: () => void } {
+  let passedAt = now();
+  const sample = () => {
+    const ok = c.check();
+    if (ok) passedAt = now();
+    return ok;
+  };
+  const timer = setInterval(sample, 250);
+  timer.unref();
+  return {
+    check: { name: c.name, check: sample, degradesNow: () => now() - passedAt < graceMs },
+    stop: () => clearInterval(timer),
+  };
+}
