@@ -30,15 +30,34 @@ export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
   serveMetrics?: boolean;
 }
 
+/** A registry read a readiness probe waits for: a kubelet's probe times out after 1 s. */
+const REGISTRY_CHECK_MS = 500;
+
 /**
  * A gateway's readiness checks: the registry answers, then the process's own (NATS, the KV
- * mirrors, Temporal). The registry is read over NATS: while NATS is down within its grace (the
- * `nats` check's `degradesNow`), its failing degrades the replica as NATS's does.
+ * mirrors, Temporal). The registry is read over NATS: while NATS is down it is not read, and a
+ * read is waited for {@link REGISTRY_CHECK_MS} at most, so a probe is answered at once. With
+ * `graceMs` (the server's `MAGUS_GATEWAY_NATS_GRACE_MS`), a registry read within that long
+ * degrades the replica when the registry fails now, as NATS's check does.
  */
-export function readinessChecks(models: ModelCatalog, more: readonly ReadinessCheck[] = []): ReadinessCheck[] {
+export function readinessChecks(models: ModelCatalog, more: readonly ReadinessCheck[] = [], graceMs?: number): ReadinessCheck[] {
   const nats = more.find((c) => c.name === 'nats');
-  const natsDownWithinGrace = nats?.degradesNow && (() => nats.check() === false && nats.degradesNow!());
-  return [{ name: 'registry', check: () => models.refresh().then(() => true), ...(natsDownWithinGrace ? { degradesNow: natsDownWithinGrace } : {}) }, ...more];
+  let readAt = Date.now();
+  const registry: ReadinessCheck = {
+    name: 'registry',
+    check: async () => {
+      if (nats?.check() === false) return false;
+      let timer: NodeJS.Timeout | undefined;
+      const ok = await Promise.race([
+        models.refresh().then(() => true),
+        new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(false), REGISTRY_CHECK_MS))),
+      ]).finally(() => clearTimeout(timer));
+      if (ok) readAt = Date.now();
+      return ok;
+    },
+  };
+  if (graceMs !== undefined) registry.degradesNow = () => Date.now() - readAt < graceMs;
+  return [registry, ...more];
 }
 
 const strictUtf8 = new TextDecoder('utf-8', { fatal: true });
@@ -84,7 +103,7 @@ const gatewayApp: FastifyPluginAsync<GatewayAppOptions> = async (app, opts) => {
   await app.register(metricsPlugin, { metrics: opts.metrics });
   app.metrics.setSessionStats(() => opts.sessions.stats?.());
   const { metrics: _metrics, serveMetrics = true, readiness, ...services } = opts;
-  await app.register(servicesPlugin, { services: { ...services, readiness: readinessChecks(opts.models, readiness) } });
+  await app.register(servicesPlugin, { services: { ...services, readiness: readinessChecks(opts.models, readiness, opts.settings.natsGraceMs) } });
   await app.register(authPlugin, { tokens: opts.tokens, allowAnonymous: settings.allowAnonymous });
 
   // Before any route's own onRequest hooks (authentication): an oversized body is refused

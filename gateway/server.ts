@@ -429,7 +429,11 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       });
       // Closed after the API app (closers run once it has): a scrape during the drain sees the requests in flight finish.
       closers.push(() => operations.close());
-      await operations.register(operationsApp, { metrics, readiness: readinessChecks(models, readiness), retryAfterSec: config.settings.retryAfterSec });
+      await operations.register(operationsApp, {
+        metrics,
+        readiness: readinessChecks(models, readiness, graceMs),
+        retryAfterSec: config.settings.retryAfterSec,
+      });
       healthUrl = await operations.listen(config.healthAddress);
     }
     const address = await app.listen({ host: config.host, port: config.port });
