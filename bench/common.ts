@@ -51,3 +51,33 @@ export function cpuOf(pid: number): number {
   const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
   return (Number(f[11]) + Number(f[12])) / 100;
 }
+
+/** One turn of a rate-driven load: its HTTP status (or a client timeout), latency, error code and when it ended. */
+export interface TurnResult {
+  status: number | 'timeout';
+  ms: number;
+  code?: string;
+  at: number;
+}
+
+/** `429 backlog_full`, `timeout`, …: how a turn that was not answered is counted. */
+export const turnKind = (r: TurnResult): string => `${r.status}${r.code ? ` ${r.code}` : ''}`;
+
+/**
+ * The 30-s windows (by answer time, from `t0`) with an error or a p99 over 1 s, one line each:
+ * where in a step things went wrong. `more(w)` adds to window `w`'s line.
+ */
+export function badWindows(results: readonly TurnResult[], t0: number, end: number, more?: (w: number) => string): string[] {
+  const lines: string[] = [];
+  for (let w = 0; w * 30_000 < end - t0; w++) {
+    const inWindow = results.filter((r) => r.at - t0 >= w * 30_000 && r.at - t0 < (w + 1) * 30_000);
+    const bad = new Map<string, number>();
+    for (const r of inWindow) if (r.status !== 200) bad.set(turnKind(r), (bad.get(turnKind(r)) ?? 0) + 1);
+    const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
+    if (bad.size > 0 || wp99 > 1000)
+      lines.push(
+        `    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}${more ? `; ${more(w)}` : ''}`,
+      );
+  }
+  return lines;
+}

@@ -36,7 +36,7 @@ import type { SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { devNatsAuth, type DevConnection } from '../workers/config';
 import { printed, processTree, startDev } from '../test/harness/dev';
-import { cpuOf, fmt, p50, p99 } from './common';
+import { badWindows, cpuOf, fmt, p50, p99, turnKind } from './common';
 import { within } from '../workers/dev/services';
 
 const arg = (name: string, fallback: string) => {
@@ -269,19 +269,9 @@ async function main(): Promise<void> {
       }
       const ok = results.filter((r) => r.status === 200);
       const errors = new Map<string, number>();
-      const kind = (r: (typeof results)[number]) => `${r.status}${r.code ? ` ${r.code}` : ''}`;
-      for (const r of results) if (r.status !== 200) errors.set(kind(r), (errors.get(kind(r)) ?? 0) + 1);
+      for (const r of results) if (r.status !== 200) errors.set(turnKind(r), (errors.get(turnKind(r)) ?? 0) + 1);
       // Where in the step they came: 30-s windows (by answer time) with an error or a p99 over 1 s.
-      for (let w = 0; w * 30_000 < Date.now() - t0; w++) {
-        const inWindow = results.filter((r) => r.at - t0 >= w * 30_000 && r.at - t0 < (w + 1) * 30_000);
-        const bad = new Map<string, number>();
-        for (const r of inWindow) if (r.status !== 200) bad.set(kind(r), (bad.get(kind(r)) ?? 0) + 1);
-        const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
-        if (bad.size > 0 || wp99 > 1000)
-          console.log(
-            `    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}; dev ${devGauges(w)}`,
-          );
-      }
+      for (const line of badWindows(results, t0, Date.now(), (w) => `dev ${devGauges(w)}`)) console.log(line);
       function devGauges(w: number): string {
         const g = gauges.filter((x) => x.at - t0 >= w * 30_000 && x.at - t0 < (w + 1) * 30_000);
         return g.length === 0

@@ -27,7 +27,7 @@ import { startServices } from '../workers/dev/services';
 import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { processTree } from '../test/harness/dev';
 import { startNatsCluster } from '../test/harness/nats-cluster';
-import { cpuOf, fmt, p50, p99 } from './common';
+import { badWindows, cpuOf, fmt, p50, p99, turnKind, type TurnResult } from './common';
 
 const arg = (name: string, fallback: string) => {
   const k = process.argv.indexOf(`--${name}`);
@@ -46,6 +46,15 @@ const REQUEST_TIMEOUT_MS = 60_000;
 const ROOT = join(__dirname, '..');
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
+/** `f` summed over the processes still there. */
+const sumOf = (pids: readonly number[], f: (pid: number) => number) =>
+  pids.reduce((n, pid) => {
+    try {
+      return n + f(pid);
+    } catch {
+      return n; // gone meanwhile
+    }
+  }, 0);
 
 interface Started {
   name: string;
@@ -124,7 +133,7 @@ async function main(): Promise<void> {
       gateways.push(gw.match[1]!);
     }
     const headers = { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json' };
-    type Result = { status: number | 'timeout'; ms: number; code?: string; at: number };
+    type Result = TurnResult;
     const turn = async (url: string, id: string): Promise<Result> => {
       const t0 = performance.now();
       try {
@@ -161,7 +170,7 @@ async function main(): Promise<void> {
       ...cluster.nodes.map((n) => ({ name: `nats ${n.name}`, pids: n.pid ? [n.pid] : [] })),
       { name: 'temporal + s3', pids: services.pids },
     ];
-    const before = pidsOf().map((p) => ({ ...p, cpu: p.pids.reduce((n, pid) => n + cpuOf(pid), 0) }));
+    const before = pidsOf().map((p) => ({ ...p, cpu: sumOf(p.pids, cpuOf) }));
     const db0 = dbBytes();
     const t0 = Date.now();
     const stepMs = MINUTES * 60_000;
@@ -176,36 +185,10 @@ async function main(): Promise<void> {
     await Promise.all(inflight);
     const secs = (Date.now() - t0) / 1000;
     const ok = results.filter((r) => r.status === 200);
-    const kind = (r: Result) => `${r.status}${r.code ? ` ${r.code}` : ''}`;
     const errors = new Map<string, number>();
-    for (const r of results) if (r.status !== 200) errors.set(kind(r), (errors.get(kind(r)) ?? 0) + 1);
-    for (let w = 0; w * 30_000 < Date.now() - t0; w++) {
-      const inWindow = results.filter((r) => r.at - t0 >= w * 30_000 && r.at - t0 < (w + 1) * 30_000);
-      const bad = new Map<string, number>();
-      for (const r of inWindow) if (r.status !== 200) bad.set(kind(r), (bad.get(kind(r)) ?? 0) + 1);
-      const wp99 = p99(inWindow.filter((r) => r.status === 200).map((r) => r.ms));
-      if (bad.size > 0 || wp99 > 1000)
-        console.log(
-          `    ${w * 30}-${(w + 1) * 30} s: ${inWindow.length} done, p99 ${fmt(wp99, 0)} ms, ${[...bad].map(([k, v]) => `${v}×${k}`).join(', ') || 'no error'}`,
-        );
-    }
-    const cpu = before.map((b) => {
-      const now = b.pids.reduce((n, pid) => {
-        try {
-          return n + cpuOf(pid);
-        } catch {
-          return n;
-        }
-      }, 0);
-      const rss = b.pids.reduce((n, pid) => {
-        try {
-          return n + rssMb(pid);
-        } catch {
-          return n;
-        }
-      }, 0);
-      return `${b.name} ${fmt((100 * (now - b.cpu)) / secs, 0)}% ${fmt(rss, 0)} MB`;
-    });
+    for (const r of results) if (r.status !== 200) errors.set(turnKind(r), (errors.get(turnKind(r)) ?? 0) + 1);
+    for (const line of badWindows(results, t0, Date.now())) console.log(line);
+    const cpu = before.map((b) => `${b.name} ${fmt((100 * (sumOf(b.pids, cpuOf) - b.cpu)) / secs, 0)}% ${fmt(sumOf(b.pids, rssMb), 0)} MB`);
     console.log(
       `${RATE}/s for ${fmt(secs, 0)} s, TTL ${Number(TTL_MS) / 1000} s: answered ${fmt(ok.length / secs, 1)}/s (${ok.length}/${results.length}), p50 ${fmt(p50(ok.map((r) => r.ms)), 0)} ms, p99 ${fmt(p99(ok.map((r) => r.ms)), 0)} ms; errors ${
         errors.size === 0 ? 'none' : [...errors].map(([k, v]) => `${v}×${k}`).join(', ')
