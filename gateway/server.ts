@@ -44,12 +44,11 @@ import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type P
 import { bridgeLoadOf, cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
-import type { BacklogCheck } from './plugins/services';
+import type { BacklogCheck, ReadinessCheck } from './plugins/services';
 import { SessionCache, type ColdStart, type FirstTurns, type SessionBroker } from './serving/sessions';
 import { TEMPORAL_CHANNEL_ARGS, watchTemporal, type TemporalHealth } from '../platform/temporal-health';
 import { natsServerList } from '../platform/config';
 import { graced } from './routes/health';
-import type { ReadinessCheck } from './plugins/services';
 
 /** What the process can be given instead of its defaults (the CLI wires Temporal here; tests wire fakes). */
 export interface GatewayDeps {
