@@ -46,6 +46,9 @@ export function ask<T>(proc: ChildProcess, msg: object): Promise<T> {
 export const load = async (client: ChildProcess, spec: LoadSpec) => (await ask<{ result: LoadResult }>(client, { spec })).result;
 
 /** CPU seconds (user + system) a process has used so far, from /proc. */
+/** A process's resident memory (MB). */
+export const rssMb = (pid: number): number => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
+
 export function cpuOf(pid: number): number {
   const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
   const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');

@@ -36,7 +36,7 @@ import type { SessionEntry } from '../shared/serving';
 import { poolStatusQuery, poolWorkflowId } from '../workflows/pool/definitions';
 import { devNatsAuth, type DevConnection } from '../workers/config';
 import { printed, processTree, startDev } from '../test/harness/dev';
-import { badWindows, cpuOf, fmt, p50, p99, turnKind } from './common';
+import { badWindows, cpuOf, fmt, p50, p99, turnKind, rssMb } from './common';
 import { within } from '../workers/dev/services';
 
 const arg = (name: string, fallback: string) => {
@@ -59,7 +59,6 @@ const streamed = process.argv.includes('--stream');
 if (demo !== 'tiny' && demo !== 'smollm2') throw new Error(`--demo ${demo}: tiny or smollm2`);
 const REQUEST_TIMEOUT_MS = 60_000;
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
-const rss = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
 const nameOf = (pid: number) => readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').slice(0, 3).join(' ').replace(/.*\//, '').slice(0, 40);
 
 async function main(): Promise<void> {
@@ -253,7 +252,7 @@ async function main(): Promise<void> {
             return false;
           }
         })
-        .map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rss(p), 0)} MB`);
+        .map((p) => `${nameOf(p)} ${fmt((100 * (cpuOf(p) - cpu0.get(p)!)) / secs, 0)}% ${fmt(rssMb(p), 0)} MB`);
       // History events per session: a sample of this step's sessions (running: started and asleep).
       let sampled = 0;
       let sessionEvents = 0;

@@ -16,7 +16,7 @@
 import { S3Client } from '@aws-sdk/client-s3';
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { connect } from 'nats';
@@ -27,7 +27,7 @@ import { startServices } from '../workers/dev/services';
 import { publishTinyGguf } from '../test/fixtures/tiny-gguf';
 import { processTree } from '../test/harness/dev';
 import { startNatsCluster } from '../test/harness/nats-cluster';
-import { badWindows, cpuOf, fmt, p50, p99, turnKind, type TurnResult } from './common';
+import { badWindows, cpuOf, fmt, p50, p99, turnKind, type TurnResult, rssMb } from './common';
 
 const arg = (name: string, fallback: string) => {
   const k = process.argv.indexOf(`--${name}`);
@@ -45,7 +45,6 @@ const SECRET = randomBytes(32).toString('hex');
 const REQUEST_TIMEOUT_MS = 60_000;
 const ROOT = join(__dirname, '..');
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
-const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
 /** `f` summed over the processes still there. */
 const sumOf = (pids: readonly number[], f: (pid: number) => number) =>
   pids.reduce((n, pid) => {

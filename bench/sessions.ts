@@ -16,14 +16,13 @@
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { readFileSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { join } from 'node:path';
 import { connect } from 'nats';
 import { dataPlaneNames, ensureDataPlane } from '../dataplane';
 import type { SessionEntry } from '../shared/serving';
 import { startServices } from '../workers/dev/services';
-import { cpuOf, fmt } from './common';
+import { cpuOf, fmt, rssMb } from './common';
 
 const arg = (name: string, fallback: string) => {
   const i = process.argv.indexOf(`--${name}`);
@@ -40,7 +39,6 @@ const PROBES: Record<string, string> = {
 };
 
 const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
-const rssMb = (pid: number) => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1] ?? 0) / 1024;
 /** A process's CPU use (% of one core) over `ms`. */
 async function cpuPct(pid: number, ms: number): Promise<number> {
   const c0 = cpuOf(pid);

@@ -14,7 +14,7 @@ import { CustomObjectsApi, PatchStrategy, setHeaderOptions, type KubeConfig } fr
 import type { KV, KvEntry } from 'nats';
 import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import { FieldManager, Kind, Plural } from '../shared/kube';
-import type { SessionEntry } from '../shared/serving';
+import { conversationOf, type SessionEntry } from '../shared/serving';
 
 /** Label on every mirrored Session (the mirror lists and prunes by it). */
 export const MIRROR_LABEL = 'magus.dev/mirror';
@@ -45,7 +45,7 @@ export interface SessionMirror {
 
 /** `<model>-<10 hex>`: a DNS label that names the model and not the conversation (the key's last token: keys carry their pool). */
 export const sessionName = (entry: SessionEntry, key: string): string =>
-  `${entry.pool.slice(0, 52).replace(/-+$/, '')}-${key.slice(key.lastIndexOf('.') + 1, key.lastIndexOf('.') + 11).toLowerCase()}`;
+  `${entry.pool.slice(0, 52).replace(/-+$/, '')}-${conversationOf(key).slice(0, 10).toLowerCase()}`;
 
 interface Shown {
   namespace: string;

@@ -124,6 +124,12 @@ export type ResponseFrame =
       };
     };
 
+/**
+ * A `magus_sessions` key's conversation token: its last (keys are `<namespace>.<model>.<HMAC>`;
+ * keys written before they carried their pool are the HMAC alone).
+ */
+export const conversationOf = (key: string): string => key.slice(key.lastIndexOf('.') + 1);
+
 /** `magus_sessions` KV: conversation key → the instance serving it (with expiry). */
 export interface SessionEntry {
   /** The subject requests for this conversation go to: `magus.req.<pool>.<instance>`. */

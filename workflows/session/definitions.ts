@@ -1,5 +1,6 @@
 /** Messages of the `session` workflow (id `session/<namespace>/<model>/<conversation HMAC>`), one per conversation. */
 import { SearchAttribute, WorkflowSummary } from '../../shared/constants';
+import { conversationOf } from '../../shared/serving';
 
 export interface SessionInput {
   /** The conversation key (HMAC from the gateway, or the client's X-Session-Id). */
@@ -21,8 +22,7 @@ export interface SessionInput {
  * conversation is on; then the key's conversation token (its last: a key carries its pool,
  * `<namespace>.<model>.<HMAC>`), an HMAC, which reveals nothing of the conversation.
  */
-export const sessionWorkflowId = (namespace: string, model: string, key: string): string =>
-  `session/${namespace}/${model}/${key.slice(key.lastIndexOf('.') + 1)}`;
+export const sessionWorkflowId = (namespace: string, model: string, key: string): string => `session/${namespace}/${model}/${conversationOf(key)}`;
 
 /**
  * How a gateway starts a conversation's session, once its entry is written (`expiresAt`, at `now`).
