@@ -9,7 +9,16 @@ import type { KV, NatsConnection } from 'nats';
 import { ORPHAN_SWEEP_GRACE_MS, type SessionEntry } from '../shared/serving';
 import { isolation, natsConnect } from '../test/harness';
 import type { Runtime } from './runtime/runtime';
-import { counterNameOf, deleteEntry, markerSettings, poolEntryCounter, poolKeyPrefix, SESSION_MARKER_TTL_MS } from '../dataplane/session-keys';
+import {
+  claimOrphanRead,
+  counterNameOf,
+  deleteEntry,
+  markerSettings,
+  orphanReadClaimKey,
+  poolEntryCounter,
+  poolKeyPrefix,
+  SESSION_MARKER_TTL_MS,
+} from '../dataplane/session-keys';
 import { createServingActivities, type LoadSummary } from './serving';
 
 const iso = isolation();
@@ -129,6 +138,91 @@ test('a pool on load is counted by the server, holding no entry; its orphans are
     // Every look of every run was one consumer's info: the pool's, whoever counts it.
     const counters = (await jsm.consumers.list(`KV_${pooled}`).next()).filter((c) => c.name.startsWith('count_'));
     expect(counters.map((c) => [c.name, c.config.filter_subject])).toEqual([[counterNameOf(m), `$KV.${pooled}.${m}.*`]]);
+  } finally {
+    await jsm.streams.delete(`KV_${pooled}`);
+  }
+}, 40_000);
+
+test("a pool's read for orphans is claimed across workers: two processes reconciling it read its entries once per interval between them, not each", async () => {
+  const jsm = await nc.jetstreamManager();
+  const js = nc.jetstream();
+  const pooled = `${iso.natsPrefix}_reconciler_claimed`;
+  const kvp = await js.views.kv(pooled, { history: 1 });
+  const { config } = await jsm.streams.info(`KV_${pooled}`);
+  await jsm.streams.update(`KV_${pooled}`, { ...config, ...markerSettings });
+  try {
+    const m = poolKeyPrefix('default', 'm');
+    await kvp.put(`${m}.live-1`, enc(entry('i1', Date.now() + 600_000)));
+    const EVERY_MS = 1_000; // a claim's TTL is counted in whole seconds
+    const reads: string[] = [];
+    const claims: [string, boolean][] = [];
+    // Two worker processes: each its own activities (its own `scanned`), the same bucket; a read is a watch of the pool's keys.
+    const processOf = (name: string) => {
+      const sessions = new Proxy(kvp, {
+        get(target, p) {
+          if (p === 'watch') return (...a: Parameters<KV['watch']>) => (reads.push(name), target.watch(...a));
+          const v = Reflect.get(target, p) as unknown;
+          return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+        },
+      });
+      return createServingActivities({
+        runtime: {} as Runtime,
+        sessions,
+        pools: kvp,
+        countEntries: poolEntryCounter(jsm, pooled),
+        deleteSession: (key, previousSeq) => deleteEntry(js, pooled, key, { previousSeq }),
+        claimOrphanRead: async (prefix, forMs) => {
+          const mine = await claimOrphanRead(js, pooled, prefix, forMs, name);
+          claims.push([name, mine]);
+          return mine;
+        },
+        orphanScanEveryMs: EVERY_MS,
+      });
+    };
+    const WINDOW_MS = 6_000;
+    const input = {
+      namespace: 'default',
+      model: 'm',
+      instances: ['i1'],
+      leasesPerInstance: 4,
+      known: { live: 1, instances: { i1: { leases: 0, pending: 0, ackPending: 0 } } } as LoadSummary | null,
+      minIntervalMs: 0,
+      pollMs: 100,
+      pressurePending: 4,
+      scaleOn: 'load' as const,
+    };
+    // Nothing changes: each reconciler looks every 100 ms, waiting, until the pool closes its run (a cancel).
+    const started = Date.now();
+    const runs = ['a', 'b'].map((name) => {
+      const env = new MockActivityEnvironment();
+      setTimeout(() => env.cancel(), WINDOW_MS);
+      return env
+        .run((x: typeof input) => processOf(name).watchLoad(x), input)
+        .then(
+          () => 'reported',
+          (err: Error) => err.name,
+        );
+    });
+    expect(await Promise.all(runs)).toEqual(['CancelledFailure', 'CancelledFailure']);
+    const elapsed = Date.now() - started;
+    // The claim is no entry of the pool: nobody counts it.
+    const counted: LoadSummary = await new MockActivityEnvironment().run((x: typeof input) => processOf('c').watchLoad(x), { ...input, known: null });
+    expect(counted.live).toBe(1);
+    // Each process asked about once per interval (its first at a random point of it)…
+    for (const name of ['a', 'b']) expect(claims.filter(([n]) => n === name).length).toBeGreaterThanOrEqual(Math.floor(WINDOW_MS / EVERY_MS) - 2);
+    // …and between them they read the entries once per claim won, at most once per interval (and
+    // the first) — alone each would have read at every ask.
+    expect(reads.length).toBe(claims.filter(([, mine]) => mine).length);
+    expect(reads.length).toBeLessThanOrEqual(Math.ceil(elapsed / EVERY_MS) + 1);
+    expect(claims.filter(([, mine]) => !mine).length).toBeGreaterThan(0);
+    // The claim expires by itself.
+    const key = orphanReadClaimKey(m);
+    const until = Date.now() + EVERY_MS + 5_000;
+    while ((await kvp.get(key)) !== null && Date.now() < until) await new Promise((r) => setTimeout(r, 200));
+    expect(await kvp.get(key)).toBeNull();
+    process.stderr.write(
+      `orphan reads claimed: ${reads.length} reads (a ${reads.filter((r) => r === 'a').length}, b ${reads.filter((r) => r === 'b').length}) for ${claims.length} asks in ${elapsed} ms\n`,
+    );
   } finally {
     await jsm.streams.delete(`KV_${pooled}`);
   }

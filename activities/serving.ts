@@ -44,6 +44,11 @@ export interface ServingDeps {
   deleteSession?: (key: string, previousSeq: number) => Promise<void>;
   /** How often a pool on load's entries are read for orphans, at least (default {@link ORPHAN_SCAN_EVERY_MS}; tests shorten it). */
   orphanScanEveryMs?: number;
+  /**
+   * Claims a pool prefix's read for orphans for `forMs` across every worker (session-keys.ts
+   * `claimOrphanRead`): false, another process read it lately. Without it each process reads on its own.
+   */
+  claimOrphanRead?: (prefix: string, forMs: number) => Promise<boolean>;
 }
 
 /** What `watchLoad` reports: per instance, live entries and backlog (see workflows/pool/state.ts `LoadReport`). */
@@ -351,7 +356,11 @@ export function createServingActivities(deps: ServingDeps) {
           if (count && !scanned.has(prefix)) scanned.set(prefix, Date.now() - Math.random() * every);
           if (count && Date.now() - scanned.get(prefix)! >= every) {
             scanned.set(prefix, Infinity); // one scan of a prefix at a time in this process
-            void scanOrphans(deps.sessions, deleteSession, prefix)
+            // …and one in the deployment per interval: whichever worker claims it reads (a claim
+            // that cannot be asked, NATS away, is tried again an interval later).
+            const claim = deps.claimOrphanRead ? deps.claimOrphanRead(prefix, every).catch(() => false) : Promise.resolve(true);
+            void claim
+              .then((mine) => (mine ? scanOrphans(deps.sessions, deleteSession, prefix) : 0))
               .catch(() => 0)
               .finally(() => scanned.set(prefix, Date.now()));
           }

@@ -47,6 +47,38 @@ export async function deleteEntry(js: JetStreamClient, bucket: string, key: stri
   }
 }
 
+/**
+ * The key of the claim on a pool prefix's read for orphans: outside every pool's keys (a namespace
+ * never starts with `_`), so no count or scan of a pool sees it.
+ */
+export const orphanReadClaimKey = (prefix: string): string => `_orphans.${prefix}`;
+
+/** `JSStreamWrongLastSequenceErr`: the subject already has a message (someone else holds the claim). */
+const WRONG_LAST_SEQUENCE = 10071;
+
+/**
+ * Claims the next read of a pool prefix's entries for orphans, for every process of the deployment:
+ * an entry created only if absent that expires by itself after `forMs`. True: this process reads
+ * them now; false: another did within `forMs`. On a bucket not yet declared with per-message TTLs
+ * an entry could not expire, so nothing is written and every process reads on its own (true).
+ */
+export async function claimOrphanRead(js: JetStreamClient, bucket: string, prefix: string, forMs: number, by = ''): Promise<boolean> {
+  const h = headers();
+  h.set('Nats-Expected-Last-Subject-Sequence', '0');
+  h.set('Nats-TTL', `${Math.max(1, Math.ceil(forMs / 1000))}s`);
+  try {
+    await js.publish(`$KV.${bucket}.${orphanReadClaimKey(prefix)}`, new TextEncoder().encode(JSON.stringify({ by, at: new Date().toISOString() })), {
+      headers: h,
+    });
+    return true;
+  } catch (err) {
+    const code = (err as { api_error?: { err_code?: number } }).api_error?.err_code;
+    if (code === WRONG_LAST_SEQUENCE) return false;
+    if (code === TTL_DISABLED) return true;
+    throw err;
+  }
+}
+
 /** The stream setting {@link deleteEntry}'s markers need (`ensureBucket`'s `markers`). */
 export const markerSettings = { allow_msg_ttl: true } as const;
 

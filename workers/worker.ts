@@ -18,7 +18,7 @@ import { createSecretResolver } from '../activities/huggingface/secrets';
 import { consumerNameOf, declareOnReconnect, ensureDataPlane, movedConsumerNameOf } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { leaderGet } from '../dataplane/kv-leader';
-import { deleteEntry, poolEntryCounter } from '../dataplane/session-keys';
+import { claimOrphanRead, deleteEntry, poolEntryCounter } from '../dataplane/session-keys';
 import { createKubernetesActivities } from '../activities/kubernetes/activities';
 import { configuredRuntime } from '../activities/runtime';
 import type { WorkerRuntime } from '../activities/runtime/runtime';
@@ -268,6 +268,7 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     // A pool's entries counted by the server, and deletes whose markers expire: no copy of them here.
     countEntries: poolEntryCounter(jsm, names.sessionsBucket),
     deleteSession: (key, previousSeq) => deleteEntry(nc.jetstream(), names.sessionsBucket, key, { previousSeq }),
+    claimOrphanRead: (prefix, forMs) => claimOrphanRead(nc.jetstream(), names.sessionsBucket, prefix, forMs, workerId),
     pools: poolsKv,
     ...(configured.ownsInstances ? { runtimeQueue } : {}),
     advertOf,
