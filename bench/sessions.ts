@@ -5,7 +5,8 @@
  * started on it twice — holding only the conversations it serves (the default,
  * `MAGUS_GATEWAY_SESSION_CACHE`) and mirroring every entry (`MAGUS_GATEWAY_SESSION_CACHE=0`) — to
  * measure how long it takes to be ready, its RSS and heap once ready, and whether `/readyz`
- * failed while nats-server was restarted under it (polled every 50 ms). Also nats-server's RSS.
+ * failed while nats-server was restarted under it (polled every 50 ms). Also nats-server's RSS and
+ * CPU holding them, and its CPU while each part runs.
  * No Temporal (the gateway answers `degraded` without it, which counts as ready). Then the
  * worker's and the controller's parts that read the bucket, each alone in a process
  * (bench/sessions-probe.ts): a pool's reconciler counted by the server (a pool on load), the same
@@ -72,7 +73,7 @@ async function heapMb(url: string): Promise<number> {
 }
 
 /** One part alone in a process (bench/sessions-probe.ts): its row's cells from ready to CPU. */
-async function probe(part: string, natsUrl: string): Promise<string> {
+async function probe(part: string, natsUrl: string, natsPid: number): Promise<string> {
   const child = spawn(process.execPath, ['-r', '@swc-node/register', join(__dirname, 'sessions-probe.ts'), part], {
     env: { ...process.env, MAGUS_NATS_URL: natsUrl },
     stdio: ['ignore', 'pipe', 'pipe'],
@@ -88,11 +89,11 @@ async function probe(part: string, natsUrl: string): Promise<string> {
     const first = JSON.parse(out.split('\n')[0]!) as { readyMs: number; counted?: number; held?: number };
     await sleep(2_000);
     const rss = rssMb(child.pid!);
-    const cpu = await cpuPct(child.pid!, 10_000);
+    const [cpu, natsCpu] = await Promise.all([cpuPct(child.pid!, 10_000), cpuPct(natsPid, 10_000)]);
     const lines = out.trim().split('\n');
     const heap = (JSON.parse(lines.at(-1)!) as { heapMb: number }).heapMb;
     const what = first.counted !== undefined ? ` (${first.counted.toLocaleString('en')} counted)` : first.held !== undefined ? ` (${first.held} held)` : '';
-    return `${fmt(first.readyMs / 1000, 1)} s${what} | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} %`;
+    return `${fmt(first.readyMs / 1000, 1)} s${what} | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} % (nats-server ${fmt(natsCpu, 1)} %)`;
   } finally {
     child.kill('SIGKILL');
     if (child.exitCode === null) await new Promise((resolve) => child.once('exit', resolve));
@@ -126,7 +127,12 @@ async function main(): Promise<void> {
         // Keys as gateways write them: the pool, then a conversation's hex HMAC.
         await Promise.all(Array.from({ length: n }, (_, j) => kv.put(`default.bench.${(written + j).toString(16).padStart(64, '0')}`, value)));
       }
-      if (live > 0) console.log(`${live} live entries written (${fmt((Date.now() - s0) / 1000, 1)} s); nats-server RSS ${fmt(rssMb(natsPid()), 0)} MB`);
+      if (live > 0) console.log(`${live} live entries written (${fmt((Date.now() - s0) / 1000, 1)} s)`);
+      // nats-server holding them, with nobody but this connection: what every row below adds to.
+      await sleep(2_000);
+      const natsRow = `| ${live.toLocaleString('en')} | nats-server (the bucket's server), no client busy | — | ${fmt(rssMb(natsPid()), 0)} MB | — | ${fmt(await cpuPct(natsPid(), 10_000), 1)} % | — |`;
+      console.log(natsRow);
+      rows.push(natsRow);
       for (const mode of parts.includes('gateway') ? modes : []) {
         const port = await freePort();
         const url = `http://127.0.0.1:${port}`;
@@ -163,7 +169,7 @@ async function main(): Promise<void> {
         await sleep(2_000);
         const rss = rssMb(gw.pid!);
         const heap = await heapMb(url);
-        const cpu = await cpuPct(gw.pid!, 10_000);
+        const [cpu, natsCpu] = await Promise.all([cpuPct(gw.pid!, 10_000), cpuPct(natsPid(), 10_000)]);
         // nats-server restarted under it: /readyz every 50 ms for 10 s.
         let polls = 0;
         let failed = 0;
@@ -177,12 +183,12 @@ async function main(): Promise<void> {
         await restart;
         gw.kill('SIGTERM');
         await new Promise((resolve) => gw.once('exit', resolve));
-        const row = `| ${live.toLocaleString('en')} | gateway: ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | ${fmt(readyMs / 1000, 1)} s | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} % | ${failed} of ${polls} |`;
+        const row = `| ${live.toLocaleString('en')} | gateway: ${mode === 'recent' ? 'recent (50,000 held at most)' : 'every entry'} | ${fmt(readyMs / 1000, 1)} s | ${fmt(rss, 0)} MB | ${fmt(heap, 0)} MB | ${fmt(cpu, 1)} % (nats-server ${fmt(natsCpu, 1)} %) | ${failed} of ${polls} |`;
         console.log(row);
         rows.push(row);
       }
       for (const part of parts.filter((p) => PROBES[p])) {
-        const row = `| ${live.toLocaleString('en')} | ${PROBES[part]} | ${await probe(part, natsUrl)} | — |`;
+        const row = `| ${live.toLocaleString('en')} | ${PROBES[part]} | ${await probe(part, natsUrl, natsPid())} | — |`;
         console.log(row);
         rows.push(row);
       }
@@ -191,7 +197,9 @@ async function main(): Promise<void> {
   } finally {
     await services.stop();
   }
-  console.log('\n| live conversations | process (what it holds) | ready after start | RSS | heap | CPU, 10 s after | /readyz failures during a NATS restart |');
+  console.log(
+    '\n| live conversations | process (what it holds) | ready after start | RSS | heap | CPU, 10 s after (nats-server meanwhile) | /readyz failures during a NATS restart |',
+  );
   console.log('|---|---|---|---|---|---|---|');
   for (const r of rows) console.log(r);
 }
