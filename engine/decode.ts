@@ -1,9 +1,8 @@
 /**
  * magus's own token loop, for what node-llama-cpp's `LlamaChat` and `LlamaCompletion` keep to
  * themselves: each sampled token, its log-probability and its most likely alternatives. It serves
- * raw-text completions (always: their usage then counts exactly the tokens sampled) and chat
- * requests that ask for `logprobs` (plain chat; tools and response formats with log-probabilities
- * are refused at the boundary, shared/chat.ts `checkStructure`).
+ * raw-text completions (always: their usage then counts exactly the tokens sampled), plain chat,
+ * and chat with a response format (a grammar; with or without log-probabilities).
  *
  * Each step evaluates the last token (`controlledEvaluate`) and samples the next one natively.
  * With log-probabilities it asks instead for the model's own logits — before temperature, which
@@ -11,6 +10,14 @@
  * softmax's normaliser, reports them as OpenAI does (whatever the sampling settings), and draws
  * the token itself from those candidates with the request's temperature and top-p, as llama.cpp's
  * default top-k sampling would.
+ *
+ * With a grammar every step asks for the model's logits of its {@link GRAMMAR_TOP} most likely
+ * tokens (and the end-of-generation ones) and keeps, most likely first, those the grammar allows
+ * next, until it has as many as the draw takes from (1 when greedy): the draw is from the top-k of
+ * what the grammar allows, as llama.cpp's grammar sampling draws. Only when none of them is allowed
+ * (the model wants what the grammar forbids) is the last token evaluated again for the logits of
+ * the whole vocabulary. Log-probabilities are the model's before the grammar's mask (a token the
+ * grammar forbade can be among the alternatives, as OpenAI reports them).
  */
 import { randomInt } from 'node:crypto';
 import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
@@ -20,6 +27,17 @@ import type { TokenChoice, TokenLogprob } from './api';
 const PROMPT_PIECE = 512;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;
+/** Tokens a grammar's step looks through before it asks for the whole vocabulary's logits. */
+export const GRAMMAR_TOP = 64;
+
+/**
+ * A grammar's state over the answer's tokens (engine/llama.ts makes it from llama.cpp's): whether
+ * a token may come next, and taking one. Partial UTF-8 across tokens is the grammar's business.
+ */
+export interface TokenGrammar {
+  allows(token: Token): boolean;
+  accept(token: Token): void;
+}
 
 export interface DecodeOptions {
   maxTokens: number;
@@ -48,6 +66,8 @@ export interface DecodeOptions {
    * checked that the tokens' text begins with `text` (llama.ts `checkResume`).
    */
   resume?: { tokens: readonly Token[]; text: string };
+  /** The answer keeps to this grammar (a response format); a resume's tokens are taken by it first. */
+  grammar?: TokenGrammar;
   /**
    * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
    * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
@@ -127,6 +147,16 @@ export function drawToken(logits: ReadonlyMap<Token, number>, temperature: numbe
   return entries[kept - 1]![0];
 }
 
+/** Of `logits`, the `n` most likely the grammar allows next, most likely first. */
+function allowedOf(logits: ReadonlyMap<Token, number>, grammar: TokenGrammar, n: number): Map<Token, number> {
+  const allowed = new Map<Token, number>();
+  for (const [t, l] of [...logits].sort((a, b) => b[1] - a[1])) {
+    if (allowed.size >= n) break;
+    if (grammar.allows(t)) allowed.set(t, l);
+  }
+  return allowed;
+}
+
 /**
  * Continues `prompt` (tokens, the model's BOS included when it takes one) in `sequence`: keeps
  * the longest prefix the sequence already holds, evaluates the rest, and samples until an
@@ -143,6 +173,14 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   if (keep < sequence.nextTokenIndex) await sequence.eraseContextTokenRanges([{ start: keep, end: sequence.nextTokenIndex }]);
 
   const wantLogprobs = o.topLogprobs !== undefined;
+  const grammar = o.grammar;
+  if (grammar)
+    for (const t of resumed) {
+      if (!grammar.allows(t)) throw new Error('the answer to resume does not keep to the grammar');
+      grammar.accept(t);
+    }
+  // Asked along with a grammar's top logits: an end of generation is allowed once the grammar is done.
+  const eogTokens = grammar ? [model.tokens.eos, model.tokens.eot].filter((t): t is Token => t != null) : [];
   const describe = (token: Token, logprob: number): TokenChoice => {
     const text = model.detokenize([token], true);
     return { token: text, logprob, bytes: [...Buffer.from(text, 'utf8')] };
@@ -208,18 +246,36 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     const next: ControlledEvaluateInputItem = [
       input.at(-1)!,
       {
-        generateNext: wantLogprobs
-          ? {
-              logits: { filter: { tokens: [], includeTop: Math.max(candidates, o.topLogprobs!) } },
-              totalLogitWeight: true,
-              options: { temperature: 0, ...repeatPenalty },
-            }
-          : { token: true, options: { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty } },
+        generateNext:
+          wantLogprobs || grammar
+            ? {
+                logits: {
+                  filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) },
+                },
+                ...(wantLogprobs ? { totalLogitWeight: true } : {}),
+                options: { temperature: 0, ...repeatPenalty },
+              }
+            : { token: true, options: { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty } },
       },
     ];
     const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
     const out = evaluated.at(-1)?.next;
-    const token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
+    let token: Token | null | undefined;
+    /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
+    let chosenLogit: number | undefined;
+    if (grammar && out?.logits) {
+      let allowed = allowedOf(out.logits, grammar, candidates);
+      if (allowed.size === 0) {
+        // None of the most likely is allowed: the same position again, for every token's logit.
+        await sequence.eraseContextTokenRanges([{ start: sequence.nextTokenIndex - 1, end: sequence.nextTokenIndex }]);
+        const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
+        allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
+        if (allowed.size === 0) throw new Error('the grammar allows no token here');
+      }
+      token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
+      if (!out.logits.has(token)) chosenLogit = allowed.get(token);
+      if (!model.isEogToken(token)) grammar.accept(token);
+    } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
     if (token == null) throw new Error('the model sampled no token');
     sampled.push(token);
     if (model.isEogToken(token)) {
@@ -240,9 +296,13 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
     if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
       // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
-      const norm = out.logits.values().next().value! + Math.log(out.totalLogitWeight);
-      const lp = (t: Token): number => (out.logits!.get(t) ?? -Infinity) - norm;
-      const top = [...out.logits.keys()].slice(0, o.topLogprobs).map((t) => describe(t, lp(t)));
+      const norm = Math.max(...out.logits.values()) + Math.log(out.totalLogitWeight);
+      const lp = (t: Token): number => (out.logits!.get(t) ?? (t === token ? chosenLogit : undefined) ?? -Infinity) - norm;
+      // The most likely first (the end-of-generation tokens a grammar adds are asked by id: sorted in).
+      const top = [...out.logits]
+        .sort((a, b) => b[1] - a[1])
+        .slice(0, o.topLogprobs)
+        .map(([t]) => describe(t, lp(t)));
       const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
       // Its text and bytes are what it adds to the answer, known when it is sent.
       pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });

@@ -708,7 +708,6 @@ describe('log-probabilities', () => {
   it.each([
     ['top_logprobs without logprobs', { messages: hello, top_logprobs: 2 }, 'top_logprobs', 'invalid_value'],
     ['top_logprobs above 20', { messages: hello, logprobs: true, top_logprobs: 21 }, 'top_logprobs', 'invalid_value'],
-    ['logprobs with a JSON response format', { messages: hello, logprobs: true, response_format: { type: 'json_object' } }, 'logprobs', 'unsupported_feature'],
     [
       'logprobs with tools',
       { messages: hello, logprobs: true, tools: [{ type: 'function', function: { name: 'f', parameters: { type: 'object', properties: {} } } }] },
@@ -791,6 +790,48 @@ describe('continuing an interrupted answer (shared/continuation.ts)', () => {
         prompt: whole.usage.prompt_tokens,
         completion: whole.usage.completion_tokens,
       });
+    }
+  });
+
+  test("a response format's answer (a grammar): its log-probabilities are the model's before the mask, and resumed it continues alike", async () => {
+    const schema = {
+      type: 'object',
+      properties: { ok: { type: 'boolean' }, color: { enum: ['red', 'green', 'blue'] }, n: { type: 'integer' } },
+      required: ['ok', 'color', 'n'],
+    };
+    const format = { type: 'json_schema', json_schema: { name: 'r', schema, strict: true } };
+    const body = { messages: hello, response_format: format, max_tokens: 60, stream: true, temperature: 1, seed: 5, logprobs: true, top_logprobs: 3 };
+    const whole = await streamed('/v1/chat/completions', { ...body, magus: { tokens: true } });
+    const text = join(whole.pieces);
+    expect(new Ajv({ strict: false }).validate(schema, JSON.parse(text))).toBe(true);
+    type Lp = { token: string; logprob: number; top_logprobs: { token: string; logprob: number }[] };
+    const lps = whole.pieces.flatMap((p) => (p.logprobs as { content: Lp[] }).content);
+    expect(lps.map((l) => l.token).join('')).toBe(text);
+    // Each position's alternatives are what the model alone says there: a plain chat (no grammar)
+    // resumed after the same tokens reports the same. The grammar only chose among them.
+    const n = whole.pieces.length;
+    for (const cut of new Set([0, 1, Math.floor(n / 2), n - 1])) {
+      const sent = whole.pieces.slice(0, cut);
+      const resume = { tokens: sent.flatMap((p) => p.tokens), text: join(sent) };
+      const free = await streamed('/v1/chat/completions', {
+        messages: hello,
+        max_tokens: resume.tokens.length + 1, // the tokens resumed are the answer's
+        stream: true,
+        temperature: 0,
+        logprobs: true,
+        top_logprobs: 3,
+        magus: { tokens: true, resume },
+      });
+      const theirs = (free.pieces[0]?.logprobs as { content: Lp[] } | undefined)?.content[0];
+      const ours = (whole.pieces[cut]!.logprobs as { content: Lp[] }).content[0]!;
+      expect(theirs).toBeDefined();
+      expect(ours.top_logprobs.map((t) => t.token)).toEqual(theirs!.top_logprobs.map((t) => t.token));
+      ours.top_logprobs.forEach((t, i) => expect(t.logprob).toBeCloseTo(theirs!.top_logprobs[i]!.logprob, 4));
+      // The token the grammar allowed is at most as likely as the model's first choice.
+      expect(ours.logprob).toBeLessThanOrEqual(theirs!.top_logprobs[0]!.logprob + 1e-6);
+      // The structured answer resumed after `cut` pieces: its grammar takes the tokens sent, and the rest is the same.
+      const rest = await streamed('/v1/chat/completions', { ...body, magus: { tokens: true, resume } });
+      expect(resume.text + join(rest.pieces)).toBe(text);
     }
   });
 

@@ -37,7 +37,7 @@ import {
   type PreparedCompletion,
 } from './api';
 import { RESUME_MISMATCH } from '../shared/continuation';
-import { decode, type DecodeOptions } from './decode';
+import { decode, type DecodeOptions, type TokenGrammar } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -223,6 +223,7 @@ export class LlamaBackend implements CompletionBackend {
   private embedder: LlamaEmbedder | undefined;
 
   private constructor(
+    private readonly lib: NodeLlamaCpp,
     private readonly llama: Llama,
     private readonly model: LlamaModel,
     private readonly chats: LlamaChat[],
@@ -258,7 +259,7 @@ export class LlamaBackend implements CompletionBackend {
       for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
       const { wrapper, info } = resolveWrapper(lib, model, log);
       const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-      return new LlamaBackend(llama, model, chats, wrapper, info, contextSize, opts.threads);
+      return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
     } catch (err) {
       await llama.dispose();
       throw err;
@@ -280,15 +281,20 @@ export class LlamaBackend implements CompletionBackend {
     const promptTokens = tokens.length;
     const room = this.roomAfter(promptTokens, 'messages', 'messages');
     const maxTokens = Math.min(req.maxTokens ?? room, room);
-    if (!forced && !availableFunctions && !req.responseFormat) {
-      // Plain chat (with or without log-probabilities), in magus's own loop (decode.ts): the
-      // rendered prompt, ended by the template's end-of-turn texts as LlamaChat would, sampled with
-      // a seed per position, so an interrupted answer can be continued (shared/continuation.ts).
+    if (!forced && !availableFunctions) {
+      // Plain chat and a response format (with or without log-probabilities), in magus's own loop
+      // (decode.ts): the rendered prompt, ended by the template's end-of-turn texts as LlamaChat
+      // would, sampled with a seed per position, so an interrupted answer can be continued
+      // (shared/continuation.ts); a response format's grammar masks each step's candidates.
       const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
       this.checkResume(req.resume, maxTokens);
+      const settings = { ...decodeSettings(req, maxTokens), stopTokens };
       return {
         promptTokens,
-        generate: (slot, io) => this.plainChat(slot, req, tokens, { ...decodeSettings(req, maxTokens), stopTokens }, io),
+        generate: async (slot, io) => {
+          const grammar = await this.grammarFor(req.responseFormat);
+          return this.plainChat(slot, req, tokens, grammar ? { ...settings, grammar: this.tokenGrammar(await grammar) } : settings, io);
+        },
       };
     }
     if (req.resume) throw resumeUnsupported();
@@ -350,6 +356,23 @@ export class LlamaBackend implements CompletionBackend {
     return grammar;
   }
 
+  /**
+   * A fresh state of `grammar` for one answer, as magus's token loop asks it: llama.cpp's grammar
+   * applied to one candidate token, and taking the token chosen. These are the natives
+   * node-llama-cpp's own sampler calls (its `LlamaSampler` internals, of the pinned version: a
+   * change there fails `engine.test.ts`'s structured-output tests).
+   */
+  private tokenGrammar(grammar: LlamaGrammar): TokenGrammar {
+    const state = new this.lib.LlamaGrammarEvaluationState({ model: this.model, grammar });
+    type Natives = { canBeNextTokenForGrammarEvaluationState(s: unknown, t: Token): boolean; acceptGrammarEvaluationStateToken(s: unknown, t: Token): void };
+    const natives = (this.llama as unknown as { _bindings: { AddonSampler: Natives } })._bindings.AddonSampler;
+    const native = (state as unknown as { _state: unknown })._state;
+    return {
+      allows: (t) => natives.canBeNextTokenForGrammarEvaluationState(native, t),
+      accept: (t) => natives.acceptGrammarEvaluationStateToken(native, t),
+    };
+  }
+
   private async generate(slot: number, req: ChatRequest, plan: Plan, promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
@@ -361,9 +384,7 @@ export class LlamaBackend implements CompletionBackend {
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
     const { history, forced, functions } = plan;
-    const grammar = forced
-      ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) })
-      : await this.grammarFor(req.responseFormat);
+    const grammar = forced ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) }) : undefined;
     const common = {
       maxTokens,
       temperature: req.temperature,
@@ -387,7 +408,8 @@ export class LlamaBackend implements CompletionBackend {
       }
       text = toolCalls ? '' : result.response; // cut short (max_tokens): the partial JSON, finish_reason length
       stopReason = result.metadata.stopReason;
-    } else if (functions) {
+    } else {
+      // `auto` with tools: node-llama-cpp's function calling (a response format is not applied to its text).
       const result = await chat.generateResponse(history, {
         ...common,
         functions,
@@ -401,10 +423,6 @@ export class LlamaBackend implements CompletionBackend {
       if (calls?.length) {
         toolCalls = calls.map((c, i) => toolCall(req.seed, i, c.functionName, c.params));
       }
-    } else {
-      const result = await chat.generateResponse(history, { ...common, ...(grammar ? { grammar } : {}), onTextChunk: (chunk) => io.onText(chunk) });
-      text = result.response;
-      stopReason = result.metadata.stopReason;
     }
     this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls } : {}) }];
     const used = meter.diff(before);

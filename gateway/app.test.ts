@@ -128,7 +128,7 @@ describe('request validation', () => {
   it.each([
     ['functions', { functions: [{ name: 'f', parameters: {} }] }],
     ['n', { n: 5 }],
-    ['logprobs', { logprobs: true, response_format: { type: 'json_object' } }],
+    ['logprobs', { logprobs: true, tools: [{ type: 'function', function: { name: 'f', parameters: {} } }] }],
   ])('a different kind of answer (%s) → 400 unsupported_feature, not plain text', async (param, extra) => {
     const res = await chat(userTurn('hi', extra));
     expect(res.statusCode).toBe(400);

@@ -53,7 +53,6 @@ describe('checkStructure: the one check of structured output and tools, at the g
     ],
     ['tool_choice required without tools', { tool_choice: 'required' as const }, 'tool_choice', 'invalid_value'],
     ['top_logprobs without logprobs', { top_logprobs: 2 }, 'top_logprobs', 'invalid_value'],
-    ['logprobs with a JSON response format', { logprobs: true, response_format: { type: 'json_object' as const } }, 'logprobs', 'unsupported_feature'],
     ['logprobs with tools offered', { logprobs: true, tools: [fn('a')] }, 'logprobs', 'unsupported_feature'],
   ])('refuses %s, naming the field', (_what, fields, param, code) => {
     const r = checkStructure({ messages: [user], ...fields });

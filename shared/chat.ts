@@ -382,7 +382,7 @@ interface StructureOf {
  * under `tool_choice: "none"` too) must be at most {@link MAX_SCHEMA_BYTES} and enforceable by
  * the grammar; tool names are unique; a named `tool_choice` names a tool; `required` needs one;
  * each `tool` message answers a call an earlier assistant message made; `top_logprobs` needs
- * `logprobs`, which neither tools nor a JSON response format may come with.
+ * `logprobs`, which tools may not come with.
  */
 export function checkStructure(body: StructureOf): { ok: true; structure: Structure } | { ok: false; problem: StructureProblem } {
   const fail = (message: string, param: string, code: StructureProblem['code'] = 'invalid_value') => ({
@@ -422,13 +422,10 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
     return fail(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name');
   }
   if (body.top_logprobs != null && body.logprobs !== true) return fail('`top_logprobs` needs `logprobs: true`.', 'top_logprobs');
-  // Log-probabilities come from magus's own token loop (engine/decode.ts), which has no grammar.
-  if (body.logprobs === true && (structure.responseFormat || (structure.tools.length > 0 && body.tool_choice !== 'none'))) {
-    return fail(
-      'Log-probabilities with tools or a JSON response format are not supported by this server; send one or the other.',
-      'logprobs',
-      'unsupported_feature',
-    );
+  // Log-probabilities come from magus's own token loop (engine/decode.ts), which serves a response
+  // format's grammar but not tool calls (node-llama-cpp's).
+  if (body.logprobs === true && structure.tools.length > 0 && body.tool_choice !== 'none') {
+    return fail('Log-probabilities with tools are not supported by this server; send one or the other.', 'logprobs', 'unsupported_feature');
   }
   const calls = new Set<string>();
   for (const [i, m] of body.messages.entries()) {
