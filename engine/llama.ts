@@ -293,7 +293,7 @@ export class LlamaBackend implements CompletionBackend {
         promptTokens,
         generate: async (slot, io) => {
           const grammar = await this.grammarFor(req.responseFormat);
-          return this.plainChat(slot, req, tokens, grammar ? { ...settings, grammar: this.tokenGrammar(await grammar) } : settings, io);
+          return this.plainChat(slot, req, tokens, grammar ? { ...settings, grammar: this.tokenGrammar(grammar) } : settings, io);
         },
       };
     }
