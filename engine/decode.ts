@@ -11,16 +11,22 @@
  * the token itself from those candidates with the request's temperature and top-p, as llama.cpp's
  * default top-k sampling would.
  *
- * With a grammar every step asks for the model's logits of its {@link GRAMMAR_TOP} most likely
- * tokens (and the end-of-generation ones) and keeps, most likely first, those the grammar allows
- * next, until it has as many as the draw takes from (1 when greedy): the draw is from the top-k of
- * what the grammar allows, as llama.cpp's grammar sampling draws. Only when none of them is allowed
- * (the model wants what the grammar forbids) is the last token evaluated again for the logits of
- * the whole vocabulary. Log-probabilities are the model's before the grammar's mask (a token the
- * grammar forbade can be among the alternatives, as OpenAI reports them).
+ * With a grammar and no log-probabilities each step samples natively with the grammar's state
+ * (node-llama-cpp's `evaluate`, one token): llama.cpp draws from the whole vocabulary and keeps
+ * the token if the grammar allows it, otherwise masks the vocabulary by the grammar and draws
+ * again, and the grammar takes the token — a free answer's cost while the model keeps to it.
+ * With log-probabilities too, every step asks for the model's logits of its {@link GRAMMAR_TOP}
+ * most likely tokens (and the end-of-generation ones) and keeps, most likely first, those the
+ * grammar allows next, until it has as many as the draw takes from (1 when greedy): the draw is
+ * from the top-k of what the grammar allows. Only when none of them is allowed is the last token
+ * evaluated again for the logits of the whole vocabulary. Log-probabilities are the model's before
+ * the grammar's mask (a token the grammar forbade can be among the alternatives, as OpenAI
+ * reports them).
  */
 import { randomInt } from 'node:crypto';
-import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaModel, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEvaluationState, LlamaModel, Token } from 'node-llama-cpp' with {
+  'resolution-mode': 'import',
+};
 import type { TokenChoice, TokenLogprob } from './api';
 
 /** Tokens of a prompt evaluated between two looks at the request's abort signal (node-llama-cpp's default batch). */
@@ -31,10 +37,12 @@ export const SAMPLE_TOP_K = 40;
 export const GRAMMAR_TOP = 64;
 
 /**
- * A grammar's state over the answer's tokens (engine/llama.ts makes it from llama.cpp's): whether
- * a token may come next, and taking one. Partial UTF-8 across tokens is the grammar's business.
+ * A grammar's state over the answer's tokens (engine/llama.ts makes it from llama.cpp's): the state
+ * node-llama-cpp samples with, whether a token may come next, and taking one. Partial UTF-8 across
+ * tokens is the grammar's business.
  */
 export interface TokenGrammar {
+  state: LlamaGrammarEvaluationState;
   allows(token: Token): boolean;
   accept(token: Token): void;
 }
@@ -147,6 +155,17 @@ export function drawToken(logits: ReadonlyMap<Token, number>, temperature: numbe
   return entries[kept - 1]![0];
 }
 
+/** Evaluates `input` and samples the next token with node-llama-cpp's own loop (one step of it). */
+async function sampleOne(sequence: LlamaContextSequence, input: Token[], options: Parameters<LlamaContextSequence['evaluate']>[1]): Promise<Token | null> {
+  const steps = sequence.evaluate(input, options);
+  try {
+    const first = await steps.next();
+    return first.done ? null : first.value;
+  } finally {
+    await steps.return();
+  }
+}
+
 /** Of `logits`, the `n` most likely the grammar allows next, most likely first. */
 function allowedOf(logits: ReadonlyMap<Token, number>, grammar: TokenGrammar, n: number): Map<Token, number> {
   const allowed = new Map<Token, number>();
@@ -243,39 +262,44 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
       ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
       : {};
     const seed = stepSeed(requestSeed, sampled.length);
-    const next: ControlledEvaluateInputItem = [
-      input.at(-1)!,
-      {
-        generateNext:
-          wantLogprobs || grammar
-            ? {
-                logits: {
-                  filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) },
-                },
-                ...(wantLogprobs ? { totalLogitWeight: true } : {}),
-                options: { temperature: 0, ...repeatPenalty },
-              }
-            : { token: true, options: { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty } },
-      },
-    ];
-    const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
-    const out = evaluated.at(-1)?.next;
+    const sampling = { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty };
+    let out: { logits?: ReadonlyMap<Token, number>; totalLogitWeight?: number; token?: Token | null } | undefined;
     let token: Token | null | undefined;
     /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
     let chosenLogit: number | undefined;
-    if (grammar && out?.logits) {
-      let allowed = allowedOf(out.logits, grammar, candidates);
-      if (allowed.size === 0) {
-        // None of the most likely is allowed: the same position again, for every token's logit.
-        await sequence.eraseContextTokenRanges([{ start: sequence.nextTokenIndex - 1, end: sequence.nextTokenIndex }]);
-        const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
-        allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
-        if (allowed.size === 0) throw new Error('the grammar allows no token here');
-      }
-      token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
-      if (!out.logits.has(token)) chosenLogit = allowed.get(token);
-      if (!model.isEogToken(token)) grammar.accept(token);
-    } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
+    if (grammar && !wantLogprobs) {
+      // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
+      token = await sampleOne(sequence, input, { ...sampling, grammarEvaluationState: grammar.state, yieldEogToken: true });
+    } else {
+      const next: ControlledEvaluateInputItem = [
+        input.at(-1)!,
+        {
+          generateNext:
+            wantLogprobs || grammar
+              ? {
+                  logits: { filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) } },
+                  ...(wantLogprobs ? { totalLogitWeight: true } : {}),
+                  options: { temperature: 0, ...repeatPenalty },
+                }
+              : { token: true, options: sampling },
+        },
+      ];
+      const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
+      out = evaluated.at(-1)?.next;
+      if (grammar && out?.logits) {
+        let allowed = allowedOf(out.logits, grammar, candidates);
+        if (allowed.size === 0) {
+          // None of the most likely is allowed: the same position again, for every token's logit.
+          await sequence.eraseContextTokenRanges([{ start: sequence.nextTokenIndex - 1, end: sequence.nextTokenIndex }]);
+          const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
+          allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
+          if (allowed.size === 0) throw new Error('the grammar allows no token here');
+        }
+        token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
+        if (!out.logits.has(token)) chosenLogit = allowed.get(token);
+        if (!model.isEogToken(token)) grammar.accept(token);
+      } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
+    }
     if (token == null) throw new Error('the model sampled no token');
     sampled.push(token);
     if (model.isEogToken(token)) {

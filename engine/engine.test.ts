@@ -347,8 +347,9 @@ describe('structured output: the grammar makes even a random model answer valid 
   const format = { type: 'json_schema', json_schema: { name: 'reply', schema, strict: true } };
 
   test.each([1, 2, 3])('json_schema (seed %i): the answer parses and validates against the schema', async (seed) => {
-    const res = await complete({ messages: hello, response_format: format, max_tokens: 200, temperature: 1, seed });
+    const res = await complete({ messages: hello, response_format: format, max_tokens: 600, temperature: 1, seed });
     const text = res.choices[0]!.message.content;
+    expect({ text, finish: res.choices[0]!.finish_reason }).toEqual({ text, finish: 'stop' });
     const value = JSON.parse(text) as unknown;
     const validate = new Ajv({ strict: false, formats: { date: /^\d{4}-\d{2}-\d{2}$/ } }).compile(schema);
     expect({ text, valid: validate(value), errors: validate.errors }).toEqual({ text, valid: true, errors: null });

@@ -178,13 +178,10 @@ function samePrefix(a: readonly ChatMessage[], b: readonly ChatMessage[]): numbe
   return i;
 }
 
-/** How `prepare` rendered a request, for its generation: the history it measured, and the call forced or the functions offered. */
+/** How `prepare` rendered a request with tools under `auto`, for node-llama-cpp's function calling: the history it measured, and the functions offered. */
 interface Plan {
   history: ChatHistoryItem[];
-  /** `tool_choice` `required` or a named function: the tools the one call may use. */
-  forced?: ToolSpec[];
-  /** `auto` with tools: node-llama-cpp's function calling over these. */
-  functions?: ChatModelFunctions;
+  functions: ChatModelFunctions;
 }
 
 /** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
@@ -298,8 +295,29 @@ export class LlamaBackend implements CompletionBackend {
       };
     }
     if (req.resume) throw resumeUnsupported();
-    const plan: Plan = { history: rendered, ...(forced ? { forced } : {}), ...(availableFunctions ? { functions: availableFunctions } : {}) };
-    return { promptTokens, generate: (slot, io) => this.generate(slot, req, plan, promptTokens, maxTokens, io) };
+    if (forced) {
+      // One call, generated whole under its grammar in magus's own loop (the rendered prompt
+      // starts with the system message describing the tools) and returned as `tool_calls`: no
+      // text streams, and stop texts do not apply to it.
+      const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
+      const settings = { ...decodeSettings(req, maxTokens), stop: [], stopTokens };
+      return {
+        promptTokens,
+        generate: async (slot, io) => {
+          const grammar = this.tokenGrammar(await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) })!);
+          const result = await this.decodeIn(slot, tokens, { ...settings, grammar }, { ...io, onText: () => undefined });
+          const call = parsedArguments(result.text) as { name?: string; arguments?: unknown } | string;
+          const toolCalls =
+            typeof call === 'object' && call !== null && typeof call.name === 'string' ? [toolCall(req.seed, 0, call.name, call.arguments)] : undefined;
+          // Cut short (max_tokens): the partial JSON, finish_reason length.
+          const text = toolCalls ? '' : result.text;
+          this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls } : {}) }];
+          return { ...result, text, ...(toolCalls ? { toolCalls, finishReason: 'tool_calls' as const } : {}) };
+        },
+      };
+    }
+    const plan: Plan = { history: rendered, functions: availableFunctions! }; // tools under `auto`: the cases above took the others
+    return { promptTokens, generate: (slot, io) => this.callFunctions(slot, req, plan, promptTokens, maxTokens, io) };
   }
 
   /**
@@ -368,12 +386,21 @@ export class LlamaBackend implements CompletionBackend {
     const natives = (this.llama as unknown as { _bindings: { AddonSampler: Natives } })._bindings.AddonSampler;
     const native = (state as unknown as { _state: unknown })._state;
     return {
+      state,
       allows: (t) => natives.canBeNextTokenForGrammarEvaluationState(native, t),
       accept: (t) => natives.acceptGrammarEvaluationStateToken(native, t),
     };
   }
 
-  private async generate(slot: number, req: ChatRequest, plan: Plan, promptTokens: number, maxTokens: number, io: GenerationIO): Promise<GenerationResult> {
+  /** `auto` with tools: node-llama-cpp's function calling (the model chooses whether to call; a response format is not applied to its text). */
+  private async callFunctions(
+    slot: number,
+    req: ChatRequest,
+    plan: Plan,
+    promptTokens: number,
+    maxTokens: number,
+    io: GenerationIO,
+  ): Promise<GenerationResult> {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     const meter = chat.sequence.tokenMeter;
@@ -383,47 +410,28 @@ export class LlamaBackend implements CompletionBackend {
       ? { penalty: req.repetitionPenalty, frequencyPenalty: req.frequencyPenalty, presencePenalty: req.presencePenalty }
       : false;
     this.cached[slot] = undefined; // until we know what the sequence holds
-    const { history, forced, functions } = plan;
-    const grammar = forced ? await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) }) : undefined;
+    const { history, functions } = plan;
     const common = {
       maxTokens,
       temperature: req.temperature,
       topP: req.topP,
       ...(req.topK !== undefined ? { topK: req.topK } : {}),
       ...(req.seed !== undefined ? { seed: req.seed } : {}),
-      ...(req.stop.length > 0 && !forced ? { customStopTriggers: req.stop } : {}),
+      ...(req.stop.length > 0 ? { customStopTriggers: req.stop } : {}),
       repeatPenalty,
       signal: io.signal,
     };
-    let text: string;
-    let stopReason: string;
-    let toolCalls: ToolCall[] | undefined;
-    if (forced) {
-      // The call is returned whole, as `tool_calls`: no text streams. (`history` starts with the
-      // system message describing the tools: prepare.)
-      const result = await chat.generateResponse(history, { ...common, grammar });
-      const call = parsedArguments(result.response) as { name?: string; arguments?: unknown } | string;
-      if (typeof call === 'object' && call !== null && typeof call.name === 'string') {
-        toolCalls = [toolCall(req.seed, 0, call.name, call.arguments)];
-      }
-      text = toolCalls ? '' : result.response; // cut short (max_tokens): the partial JSON, finish_reason length
-      stopReason = result.metadata.stopReason;
-    } else {
-      // `auto` with tools: node-llama-cpp's function calling (a response format is not applied to its text).
-      const result = await chat.generateResponse(history, {
-        ...common,
-        functions,
-        documentFunctionParams: true,
-        ...(req.parallelToolCalls ? {} : { maxParallelFunctionCalls: 1 }),
-        onTextChunk: (chunk) => io.onText(chunk),
-      });
-      text = result.response;
-      stopReason = result.metadata.stopReason;
-      const calls = (result as { functionCalls?: { functionName: string; params: unknown }[] }).functionCalls;
-      if (calls?.length) {
-        toolCalls = calls.map((c, i) => toolCall(req.seed, i, c.functionName, c.params));
-      }
-    }
+    const result = await chat.generateResponse(history, {
+      ...common,
+      functions,
+      documentFunctionParams: true,
+      ...(req.parallelToolCalls ? {} : { maxParallelFunctionCalls: 1 }),
+      onTextChunk: (chunk) => io.onText(chunk),
+    });
+    const text = result.response;
+    const stopReason = result.metadata.stopReason;
+    const calls = (result as { functionCalls?: { functionName: string; params: unknown }[] }).functionCalls;
+    const toolCalls = calls?.length ? calls.map((c, i) => toolCall(req.seed, i, c.functionName, c.params)) : undefined;
     this.cached[slot] = [...req.messages, { role: 'assistant', content: text, ...(toolCalls ? { tool_calls: toolCalls } : {}) }];
     const used = meter.diff(before);
     return {

@@ -157,9 +157,14 @@ test('400 names the offending param', async () => {
   const choices = await failure(openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], n: 2 }));
   expect(choices).toBeInstanceOf(OpenAI.BadRequestError);
   expect(choices).toMatchObject({ status: 400, param: 'n', type: 'invalid_request_error', code: 'unsupported_feature' });
-  // Log-probabilities with a JSON format: each is served, together they are not.
+  // Log-probabilities with tools: each is served, together they are not (with a response format they are).
   const logprobs = await failure(
-    openai.chat.completions.create({ model: SILENT, messages: [{ role: 'user', content: 'x' }], logprobs: true, response_format: { type: 'json_object' } }),
+    openai.chat.completions.create({
+      model: SILENT,
+      messages: [{ role: 'user', content: 'x' }],
+      logprobs: true,
+      tools: [{ type: 'function', function: { name: 'lookup', parameters: { type: 'object', properties: {} } } }],
+    }),
   );
   expect(logprobs).toMatchObject({ status: 400, param: 'logprobs', type: 'invalid_request_error', code: 'unsupported_feature' });
   // Parameters the grammar cannot enforce: refused before anything is queued, naming the keyword.
