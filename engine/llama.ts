@@ -290,7 +290,9 @@ export class LlamaBackend implements CompletionBackend {
         promptTokens,
         generate: async (slot, io) => {
           const grammar = await this.grammarFor(req.responseFormat);
-          return this.plainChat(slot, req, tokens, grammar ? { ...settings, grammar: this.tokenGrammar(grammar) } : settings, io);
+          if (!grammar) return this.plainChat(slot, req, tokens, settings, io);
+          const result = await this.plainChat(slot, req, tokens, { ...settings, ...this.underGrammar(grammar, settings.stop) }, io);
+          return grammar.trimWhitespaceSuffix ? { ...result, text: result.text.trimEnd() } : result;
         },
       };
     }
@@ -304,8 +306,8 @@ export class LlamaBackend implements CompletionBackend {
       return {
         promptTokens,
         generate: async (slot, io) => {
-          const grammar = this.tokenGrammar(await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) })!);
-          const result = await this.decodeIn(slot, tokens, { ...settings, grammar }, { ...io, onText: () => undefined });
+          const grammar = (await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) }))!;
+          const result = await this.decodeIn(slot, tokens, { ...settings, ...this.underGrammar(grammar, []) }, { ...io, onText: () => undefined });
           const call = parsedArguments(result.text) as { name?: string; arguments?: unknown } | string;
           const toolCalls =
             typeof call === 'object' && call !== null && typeof call.name === 'string' ? [toolCall(req.seed, 0, call.name, call.arguments)] : undefined;
@@ -372,6 +374,18 @@ export class LlamaBackend implements CompletionBackend {
     this.grammars.set(key, grammar);
     if (this.grammars.size > GRAMMAR_CACHE) this.grammars.delete(this.grammars.keys().next().value!);
     return grammar;
+  }
+
+  /**
+   * What an answer under `grammar` adds to its settings: the grammar's state, and the texts that
+   * end it (node-llama-cpp's JSON grammars end with four newlines, then any number: the answer
+   * ends there, and its trailing whitespace is trimmed, as `LlamaChat` does).
+   */
+  private underGrammar(grammar: LlamaGrammar, stop: readonly string[]): Pick<DecodeSettings, 'grammar' | 'stop'> {
+    const ends = grammar.stopGenerationTriggers.map((t) =>
+      typeof t === 'string' ? t : Array.isArray(t) ? t.filter((p) => typeof p === 'string').join('') : t.toString(),
+    );
+    return { grammar: this.tokenGrammar(grammar), stop: [...stop, ...ends.filter((t) => t !== '')] };
   }
 
   /**
