@@ -24,7 +24,7 @@
  * reports them).
  */
 import { randomInt } from 'node:crypto';
-import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEvaluationState, LlamaModel, Token } from 'node-llama-cpp' with {
+import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEvaluationState, LlamaModel, Token, TokenBias } from 'node-llama-cpp' with {
   'resolution-mode': 'import',
 };
 import type { TokenChoice, TokenLogprob } from './api';
@@ -43,6 +43,8 @@ export const GRAMMAR_TOP = 64;
  */
 export interface TokenGrammar {
   state: LlamaGrammarEvaluationState;
+  /** Tokens never drawn under the grammar (control tokens: their text would match it, and is then dropped from the answer). */
+  bias?: TokenBias;
   allows(token: Token): boolean;
   accept(token: Token): void;
 }
@@ -269,7 +271,12 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     let chosenLogit: number | undefined;
     if (grammar && !wantLogprobs) {
       // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
-      token = await sampleOne(sequence, input, { ...sampling, grammarEvaluationState: grammar.state, yieldEogToken: true });
+      token = await sampleOne(sequence, input, {
+        ...sampling,
+        grammarEvaluationState: grammar.state,
+        ...(grammar.bias ? { tokenBias: grammar.bias } : {}),
+        yieldEogToken: true,
+      });
     } else {
       const next: ControlledEvaluateInputItem = [
         input.at(-1)!,

@@ -14,6 +14,7 @@ import { writeTinyModel } from '../workers/dev/tiny-model';
 import { runLlamaCpp } from '../test/reference/llama-cpp';
 import { sleep } from '../test/harness/wait';
 import Ajv from 'ajv';
+import { validator } from '../test/fixtures/grammar-schemas';
 
 const REPO = join(__dirname, '..');
 const CTX = 1024;
@@ -356,6 +357,39 @@ describe('structured output: the grammar makes even a random model answer valid 
     expect(res.choices[0]!.finish_reason).toBe('stop');
   });
 
+  test.each([1, 2, 3, 4, 5])(
+    "every keyword OpenAI's strict mode takes, enforced (seed %i): bounds, multipleOf, lengths, pattern, formats — the answer validates with Ajv and its formats",
+    async (seed) => {
+      const person = {
+        type: 'object',
+        properties: {
+          age: { type: 'integer', minimum: 0, maximum: 130 },
+          score: { type: 'number', exclusiveMinimum: -1, exclusiveMaximum: 1 },
+          step: { type: 'integer', multipleOf: 5 },
+          code: { type: 'string', pattern: '^[A-Z]{3}-[0-9]{2}$' },
+          nick: { type: 'string', minLength: 2, maxLength: 6 },
+          email: { type: 'string', format: 'email' },
+          id: { type: 'string', format: 'uuid' },
+          at: { type: 'string', format: 'date-time' },
+          tags: { type: 'array', items: { type: 'string', maxLength: 4 }, minItems: 1, maxItems: 3 },
+        },
+        required: ['age', 'score', 'step', 'code', 'nick', 'email', 'id', 'at', 'tags'],
+        additionalProperties: false,
+      };
+      const res = await complete({
+        messages: hello,
+        response_format: { type: 'json_schema', json_schema: { name: 'person', schema: person, strict: true } },
+        max_tokens: 600,
+        temperature: 1,
+        seed,
+      });
+      const text = res.choices[0]!.message.content;
+      expect({ text, finish: res.choices[0]!.finish_reason }).toEqual({ text, finish: 'stop' });
+      const validate = validator().compile(person);
+      expect({ text, valid: validate(JSON.parse(text)), errors: validate.errors }).toEqual({ text, valid: true, errors: null });
+    },
+  );
+
   test('json_schema streamed: the chunks join into the same valid JSON', async () => {
     const res = await post({ messages: hello, response_format: format, max_tokens: 200, temperature: 0, stream: true });
     const text = sse(await res.text())
@@ -378,7 +412,7 @@ describe('structured output: the grammar makes even a random model answer valid 
   test('a schema keyword the grammar cannot enforce is a 400 naming it; the engine checks at its own boundary', async () => {
     const res = await post({
       messages: hello,
-      response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: '^a+$' } } },
+      response_format: { type: 'json_schema', json_schema: { name: 'r', schema: { type: 'string', pattern: '^(a)\\1$' } } },
     });
     expect(res.status).toBe(400);
     expect(((await res.json()) as ErrorBody).error).toMatchObject({

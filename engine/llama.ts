@@ -37,6 +37,8 @@ import {
   type PreparedCompletion,
 } from './api';
 import { RESUME_MISMATCH } from '../shared/continuation';
+import { schemaToGbnf } from '../shared/grammar';
+import { toGrammarSchema } from '../shared/json-schema';
 import { decode, type DecodeOptions, type TokenGrammar } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
@@ -144,11 +146,21 @@ function offeredTools(req: ChatRequest): ToolSpec[] {
 }
 
 /** The tools as node-llama-cpp's functions (the chat wrapper documents them to the model; their params become grammar). */
+/** A schema in the form node-llama-cpp's function calling builds its grammar from (checked at the boundary: shared/chat.ts `checkStructure`). */
+function nodeLlamaSchema(schema: Record<string, unknown>): Record<string, unknown> {
+  const converted = toGrammarSchema(schema);
+  if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
+  return converted.schema;
+}
+
 function functionsOf(tools: readonly ToolSpec[]): ChatModelFunctions {
   return Object.fromEntries(
     tools.map((t) => [
       t.name,
-      { ...(t.description ? { description: t.description } : {}), ...(t.params ? { params: t.params as ChatModelFunctions[string]['params'] } : {}) },
+      {
+        ...(t.description ? { description: t.description } : {}),
+        ...(t.params ? { params: nodeLlamaSchema(t.params) as ChatModelFunctions[string]['params'] } : {}),
+      },
     ]),
   );
 }
@@ -215,6 +227,8 @@ export class LlamaBackend implements CompletionBackend {
   private readonly cached: (ChatMessage[] | undefined)[];
   /** How many tokens the vocabulary has (read at the first resume). */
   private vocabulary: number | undefined;
+  /** The control tokens kept out of answers under a grammar (found at the first). */
+  private control: { tokens: ReadonlySet<Token>; bias?: NodeLlamaCppModule.TokenBias } | undefined;
   /** Structured output's grammars, least recently used first (`json` for json_object). */
   private readonly grammars = new Map<string, Promise<LlamaGrammar>>();
   private embedder: LlamaEmbedder | undefined;
@@ -365,15 +379,33 @@ export class LlamaBackend implements CompletionBackend {
     let grammar = this.grammars.get(key);
     if (grammar) this.grammars.delete(key);
     else {
-      grammar =
-        format.type === 'json_object'
-          ? this.llama.getGrammarFor('json')
-          : this.llama.createGrammarForJsonSchema(format.schema as Parameters<Llama['createGrammarForJsonSchema']>[0]);
+      // magus's own grammar (shared/grammar): a JSON object for json_object (any members).
+      const converted = schemaToGbnf(format.type === 'json_object' ? { type: 'object', additionalProperties: true } : format.schema);
+      if (!converted.ok) throw invalidRequest(converted.message, converted.at, 'unsupported_schema');
+      grammar = this.llama.createGrammar({ grammar: converted.gbnf });
       grammar.catch(() => this.grammars.delete(key));
     }
     this.grammars.set(key, grammar);
     if (this.grammars.size > GRAMMAR_CACHE) this.grammars.delete(this.grammars.keys().next().value!);
     return grammar;
+  }
+
+  /**
+   * The model's control tokens that do not end a generation (a chat template's markers): llama.cpp's
+   * grammar matches them by their text, which the answer then leaves out, so under a grammar they
+   * are never drawn. Found once, from the vocabulary's attributes.
+   */
+  private controlTokens(): { tokens: ReadonlySet<Token>; bias?: NodeLlamaCppModule.TokenBias } {
+    if (this.control) return this.control;
+    const tokens = new Set<Token>();
+    const size = (this.vocabulary ??= vocabularyOf(this.model) ?? Infinity);
+    for (let t = 0; t < (Number.isFinite(size) ? size : 0); t++) {
+      const token = t as Token;
+      if (this.model.getTokenAttributes(token).control && !this.model.isEogToken(token)) tokens.add(token);
+    }
+    const bias = tokens.size > 0 ? new this.lib.TokenBias(this.model.tokenizer) : undefined;
+    for (const t of tokens) bias!.set(t, 'never');
+    return (this.control = { tokens, ...(bias ? { bias } : {}) });
   }
 
   /**
@@ -399,9 +431,11 @@ export class LlamaBackend implements CompletionBackend {
     type Natives = { canBeNextTokenForGrammarEvaluationState(s: unknown, t: Token): boolean; acceptGrammarEvaluationStateToken(s: unknown, t: Token): void };
     const natives = (this.llama as unknown as { _bindings: { AddonSampler: Natives } })._bindings.AddonSampler;
     const native = (state as unknown as { _state: unknown })._state;
+    const control = this.controlTokens();
     return {
       state,
-      allows: (t) => natives.canBeNextTokenForGrammarEvaluationState(native, t),
+      ...(control.bias ? { bias: control.bias } : {}),
+      allows: (t) => !control.tokens.has(t) && natives.canBeNextTokenForGrammarEvaluationState(native, t),
       accept: (t) => natives.acceptGrammarEvaluationStateToken(native, t),
     };
   }

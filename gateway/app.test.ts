@@ -405,9 +405,9 @@ describe('request validation', () => {
   it.each([
     [
       'a keyword the grammar cannot enforce',
-      { type: 'object', properties: { n: { type: 'integer', minimum: 1 } } },
-      'response_format.json_schema.schema.properties.n.minimum',
-      "The keyword 'minimum'",
+      { type: 'object', properties: { n: { type: 'array', uniqueItems: true } } },
+      'response_format.json_schema.schema.properties.n.uniqueItems',
+      "The keyword 'uniqueItems'",
     ],
     ['a required key that is no property', { type: 'object', properties: {}, required: ['x'] }, 'response_format.json_schema.schema.required', "names 'x'"],
     ['a string format the grammar does not know', { type: 'string', format: 'uri' }, 'response_format.json_schema.schema.format', "The keyword 'format'"],

@@ -28,8 +28,8 @@ describe('checkStructure: the one check of structured output and tools, at the g
   it.each([
     [
       'a schema the grammar cannot enforce',
-      { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'integer', minimum: 3 } } } },
-      'response_format.json_schema.schema.minimum',
+      { response_format: { type: 'json_schema' as const, json_schema: { name: 'n', schema: { type: 'string', pattern: '(a)\\1' } } } },
+      'response_format.json_schema.schema.pattern',
       'unsupported_schema',
     ],
     [
@@ -40,7 +40,13 @@ describe('checkStructure: the one check of structured output and tools, at the g
     ],
     [
       "a tool's parameters the grammar cannot enforce, even under tool_choice none",
-      { tools: [fn('a', { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } })], tool_choice: 'none' as const },
+      { tools: [fn('a', { type: 'array', uniqueItems: true })], tool_choice: 'none' as const },
+      'tools[0].function.parameters.uniqueItems',
+      'unsupported_schema',
+    ],
+    [
+      "a tool's parameters node-llama-cpp's function calling cannot enforce, under tool_choice auto",
+      { tools: [fn('a', { type: 'object', properties: { n: { type: 'integer', maximum: 3 } } })] },
       'tools[0].function.parameters.properties.n.maximum',
       'unsupported_schema',
     ],

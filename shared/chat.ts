@@ -21,6 +21,7 @@
  */
 import { Kind, Type, TypeRegistry, type Static, type TUnsafe } from '@sinclair/typebox';
 import { engineCan, engineOf, type Capability, type EngineKind } from './engines';
+import { schemaToGbnf } from './grammar';
 import { toGrammarSchema, type GrammarSchema } from './json-schema';
 import { MAX_TOP_K, SAMPLING_BOUNDS } from './sampling';
 
@@ -341,7 +342,7 @@ export function refusedOnEvery<R>(engines: readonly EngineKind[], refusal: (engi
   return refusals.length > 0 && refusals.every((r) => r !== undefined) ? refusals[0] : undefined;
 }
 
-/** A function the model may call, its parameters converted for the grammar (shared/json-schema.ts). */
+/** A function the model may call, its parameters' schema as sent (checked: magus's grammar enforces it). */
 export interface ToolSpec {
   name: string;
   description?: string;
@@ -349,7 +350,7 @@ export interface ToolSpec {
   params?: GrammarSchema;
 }
 
-/** What a request's structure asks for, checked and converted: {@link checkStructure}. */
+/** What a request's structure asks for, checked: {@link checkStructure}. */
 export interface Structure {
   /** Structured output: any JSON object, or JSON valid against a schema; absent = text. */
   responseFormat?: { type: 'json_object' } | { type: 'json_schema'; schema: GrammarSchema };
@@ -362,6 +363,24 @@ export interface StructureProblem {
   message: string;
   param: string;
   code: 'unsupported_schema' | 'invalid_value' | 'unsupported_feature';
+}
+
+/** Schemas checked lately (a client sends the same one again and again): their text and where, to the converter's answer. */
+const checkedSchemas = new Map<string, { ok: true } | { ok: false; at: string; message: string }>();
+const CHECKED_SCHEMAS = 256;
+
+/** Whether magus's grammar (shared/grammar) enforces `schema`: its converter's answer, kept for the last {@link CHECKED_SCHEMAS} schemas. */
+function grammarCheck(schema: Record<string, unknown>, at: string): { ok: true } | { ok: false; at: string; message: string } {
+  const key = `${at}\n${JSON.stringify(schema)}`;
+  let answer = checkedSchemas.get(key);
+  if (answer) checkedSchemas.delete(key);
+  else {
+    const converted = schemaToGbnf(schema, at);
+    answer = converted.ok ? { ok: true } : { ok: false, at: converted.at, message: converted.message };
+  }
+  checkedSchemas.set(key, answer);
+  if (checkedSchemas.size > CHECKED_SCHEMAS) checkedSchemas.delete(checkedSchemas.keys().next().value!);
+  return answer;
 }
 
 /** The fields {@link checkStructure} reads, as the gateway's and the engine's bodies both have them. */
@@ -391,8 +410,8 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
   });
   const convert = (schema: Record<string, unknown>, param: string): { ok: true; schema: GrammarSchema } | { ok: false; problem: StructureProblem } => {
     if (JSON.stringify(schema).length > MAX_SCHEMA_BYTES) return fail(`The schema is larger than ${MAX_SCHEMA_BYTES} bytes.`, param);
-    const converted = toGrammarSchema(schema, param);
-    return converted.ok ? converted : fail(converted.message, converted.at, 'unsupported_schema');
+    const converted = grammarCheck(schema, param);
+    return converted.ok ? { ok: true, schema } : fail(converted.message, converted.at, 'unsupported_schema');
   };
   const structure: Structure = { tools: [] };
   const format = body.response_format;
@@ -420,6 +439,20 @@ export function checkStructure(body: StructureOf): { ok: true; structure: Struct
   if (choice === 'required' && names.size === 0) return fail("tool_choice 'required' needs at least one tool in `tools`.", 'tool_choice');
   if (typeof choice === 'object' && choice !== null && !names.has(choice.function.name)) {
     return fail(`tool_choice names '${choice.function.name}', which is not among the tools.`, 'tool_choice.function.name');
+  }
+  // Under `auto` the model chooses whether to call with node-llama-cpp's function calling, whose
+  // grammar is node-llama-cpp's: its arguments' schemas must be ones that grammar enforces
+  // (shared/json-schema.ts); a forced call and a response format take magus's own (shared/grammar).
+  if (structure.tools.length > 0 && (choice === undefined || choice === null || choice === 'auto')) {
+    for (const [i, t] of structure.tools.entries()) {
+      const converted = t.params && toGrammarSchema(t.params, `tools[${i}].function.parameters`);
+      if (converted && !converted.ok)
+        return fail(
+          `${converted.message} With tool_choice 'auto' the arguments' grammar is node-llama-cpp's; with 'required' or a named function, magus's enforces it.`,
+          converted.at,
+          'unsupported_schema',
+        );
+    }
   }
   if (body.top_logprobs != null && body.logprobs !== true) return fail('`top_logprobs` needs `logprobs: true`.', 'top_logprobs');
   // Log-probabilities come from magus's own token loop (engine/decode.ts), which serves a response

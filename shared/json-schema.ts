@@ -1,10 +1,11 @@
 /**
- * Structured output's schemas (`response_format: {"type": "json_schema", …}`): which JSON Schema
- * the llama.cpp engine's grammar can enforce, and that schema in the form its grammar builder
- * (node-llama-cpp's `createGrammarForJsonSchema`) takes. The gateway refuses a schema this
- * cannot convert before anything is queued (400 naming the keyword and where it is); the engine
- * converts the same schema again at its own boundary. Never silently unenforced: a keyword that
- * constrains a value is either turned into grammar or refused.
+ * The schemas of tools offered under `tool_choice: "auto"`, whose arguments node-llama-cpp's
+ * function calling generates under its own grammar: which JSON Schema that grammar can enforce,
+ * and the schema in the form its builder takes. (Response formats and forced calls take magus's
+ * own grammar, ./grammar, which enforces more.) The gateway refuses a schema this cannot convert
+ * before anything is queued (400 naming the keyword and where it is); the engine converts the
+ * same schema again at its own boundary. Never silently unenforced: a keyword that constrains a
+ * value is either turned into grammar or refused.
  *
  * What the grammar does with a converted schema, and why every answer still validates:
  * - An object's properties are always all generated, in order, and no others unless
