@@ -65,6 +65,17 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     });
     // (Greedy, SmolLM2 writes the country in capitals.)
     expect(parsed.choices[0]?.message.parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });
+    // zod's constrained types: .int().min(0), .email() and .regex() become minimum, format and
+    // pattern, each enforced by the grammar, so the client's own parse (zod) passes.
+    const Person = z.object({ name: z.string().regex(/^[A-Z][a-z]+$/), age: z.number().int().min(0), email: z.string().email() });
+    const person = await openai.chat.completions.parse({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'Make up a person: a name, an age and an email address. Answer in JSON.' }],
+      response_format: zodResponseFormat(Person, 'person'),
+      temperature: 0,
+      max_tokens: 96,
+    });
+    expect(Person.safeParse(person.choices[0]?.message.parsed)).toMatchObject({ success: true });
     // JSON mode: an object the model closes itself (asked for a small one: asked to "describe
     // Paris", it adds keys until max_tokens, and a cut object proves nothing).
     const json = await openai.chat.completions.create({
@@ -252,6 +263,7 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect({ status: py.status, stderr: py.stderr }).toEqual({ status: 0, stderr: '' });
     expect(JSON.parse(py.stdout)).toMatchObject({
       capital: { capital: 'Paris' },
+      person: { name: expect.stringMatching(/^[A-Z][a-z]+$/) as unknown, age: expect.any(Number) as unknown, email: expect.stringContaining('@') as unknown },
       call: { city: 'Paris' },
       dimensions: 576,
       responses: { previous: expect.stringMatching(/^resp_/) as unknown },

@@ -1,5 +1,6 @@
 """The official `openai` Python client against magus dev (test/dev.int.test.ts runs it with the
-venv of scripts/python-openai): structured output parsed into a pydantic model, a tool call whose
+venv of scripts/python-openai): structured output parsed into pydantic models (one with conint(ge=0),
+EmailStr and a pattern), a tool call whose
 arguments parse into the function's pydantic model, embeddings, a text completion, chat with
 log-probabilities, and a Responses API chain of two turns. Prints one JSON line of what it
 got; any failed check exits non-zero with the reason."""
@@ -8,12 +9,20 @@ import os
 import sys
 
 import openai
-from pydantic import BaseModel
+from pydantic import BaseModel, EmailStr, Field, conint
 
 
 class Capital(BaseModel):
     country: str
     capital: str
+
+
+class Person(BaseModel):
+    """The keywords pydantic writes for its constrained types: minimum, format email, pattern."""
+
+    name: str = Field(pattern=r"^[A-Z][a-z]+$")
+    age: conint(ge=0)
+    email: EmailStr
 
 
 class GetWeather(BaseModel):
@@ -35,6 +44,17 @@ def main() -> None:
     capital = parsed.choices[0].message.parsed
     assert isinstance(capital, Capital), f"not parsed: {parsed.choices[0].message}"
     assert capital.capital == "Paris", f"capital: {capital!r}"
+
+    # conint(ge=0), EmailStr and a pattern: each enforced by the grammar, so pydantic's own validation passes.
+    made_up = client.beta.chat.completions.parse(
+        model="demo",
+        messages=[{"role": "user", "content": "Make up a person: a name, an age and an email address. Answer in JSON."}],
+        response_format=Person,
+        temperature=0,
+        max_tokens=96,
+    )
+    person = made_up.choices[0].message.parsed
+    assert isinstance(person, Person), f"not parsed: {made_up.choices[0].message}"
 
     called = client.beta.chat.completions.parse(
         model="demo",
@@ -80,6 +100,7 @@ def main() -> None:
             {
                 "openai": openai.__version__,
                 "capital": capital.model_dump(),
+                "person": person.model_dump(),
                 "call": args.model_dump(),
                 "dimensions": len(vectors[0]),
                 "completion": text,
