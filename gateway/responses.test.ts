@@ -545,8 +545,8 @@ describe('refusals', () => {
         'tools[0].parameters.properties.n ',
       ],
       [
-        { text: { format: { type: 'json_schema', name: 's', schema: { type: 'string', pattern: 'a+' } } } },
-        'text.format.schema.pattern',
+        { text: { format: { type: 'json_schema', name: 's', schema: { type: 'array', uniqueItems: true } } } },
+        'text.format.schema.uniqueItems',
         'at text.format.schema ',
       ],
     ];
