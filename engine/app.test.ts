@@ -159,7 +159,7 @@ describe('request normalisation', () => {
       stream_options: { include_usage: true },
     });
     expect(r).toMatchObject({ maxTokens: 7, seed: 0xffffffff, stop: ['x'], stream: true, includeUsage: true });
-    // tool_choice none offers no tools; a named one is kept by name; parameters converted for the grammar.
+    // tool_choice none offers no tools; a named one is kept by name; parameters as sent (checked: the grammar enforces them).
     const tool = {
       type: 'function' as const,
       function: { name: 'f', parameters: { type: 'object', properties: { a: { type: 'string' } }, required: ['a'], title: 'F' } },
@@ -168,7 +168,7 @@ describe('request normalisation', () => {
     expect(
       normalizeRequest({ messages: [], tools: [tool], tool_choice: { type: 'function', function: { name: 'f' } }, parallel_tool_calls: false }),
     ).toMatchObject({
-      tools: [{ name: 'f', params: { type: 'object', properties: { a: { type: 'string' } }, additionalProperties: false } }],
+      tools: [{ name: 'f', params: tool.function.parameters }],
       toolChoice: { name: 'f' },
       parallelToolCalls: false,
     });
