@@ -15,7 +15,7 @@
  */
 import { createHash } from 'node:crypto';
 import { AckPolicy, DeliverPolicy, Empty, headers, nanos, type JetStreamClient, type JetStreamManager, type KV, type KvEntry } from 'nats';
-import { jsErrorCode, JsApiError } from './errors';
+import { isRevisionConflict, jsErrorCode, JsApiError } from './errors';
 
 /** How long the marker of a deleted entry stays in `magus_sessions`: a watcher cut off for less sees every delete. */
 export const SESSION_MARKER_TTL_MS = 10_000;
@@ -42,7 +42,7 @@ export async function deleteEntry(js: JetStreamClient, bucket: string, key: stri
   try {
     await marked(true);
   } catch (err) {
-    if ((err as { api_error?: { err_code?: number } }).api_error?.err_code !== TTL_DISABLED) throw err;
+    if (jsErrorCode(err) !== TTL_DISABLED) throw err;
     await marked(false);
   }
 }
@@ -52,9 +52,6 @@ export async function deleteEntry(js: JetStreamClient, bucket: string, key: stri
  * never starts with `_`), so no count or scan of a pool sees it.
  */
 export const orphanReadClaimKey = (prefix: string): string => `_orphans.${prefix}`;
-
-/** `JSStreamWrongLastSequenceErr`: the subject already has a message (someone else holds the claim). */
-const WRONG_LAST_SEQUENCE = 10071;
 
 /**
  * Claims the next read of a pool prefix's entries for orphans, for every process of the deployment:
@@ -72,9 +69,8 @@ export async function claimOrphanRead(js: JetStreamClient, bucket: string, prefi
     });
     return true;
   } catch (err) {
-    const code = (err as { api_error?: { err_code?: number } }).api_error?.err_code;
-    if (code === WRONG_LAST_SEQUENCE) return false;
-    if (code === TTL_DISABLED) return true;
+    if (isRevisionConflict(err)) return false; // the subject has a message: someone else holds the claim
+    if (jsErrorCode(err) === TTL_DISABLED) return true;
     throw err;
   }
 }
