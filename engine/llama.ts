@@ -145,7 +145,6 @@ function offeredTools(req: ChatRequest): ToolSpec[] {
   return typeof choice === 'object' ? req.tools.filter((t) => t.name === choice.name) : req.tools;
 }
 
-/** The tools as node-llama-cpp's functions (the chat wrapper documents them to the model; their params become grammar). */
 /** A schema in the form node-llama-cpp's function calling builds its grammar from (checked at the boundary: shared/chat.ts `checkStructure`). */
 function nodeLlamaSchema(schema: Record<string, unknown>): Record<string, unknown> {
   const converted = toGrammarSchema(schema);
@@ -153,6 +152,7 @@ function nodeLlamaSchema(schema: Record<string, unknown>): Record<string, unknow
   return converted.schema;
 }
 
+/** The tools as node-llama-cpp's functions (the chat wrapper documents them to the model; their params become its grammar). */
 function functionsOf(tools: readonly ToolSpec[]): ChatModelFunctions {
   return Object.fromEntries(
     tools.map((t) => [
@@ -292,21 +292,20 @@ export class LlamaBackend implements CompletionBackend {
     const promptTokens = tokens.length;
     const room = this.roomAfter(promptTokens, 'messages', 'messages');
     const maxTokens = Math.min(req.maxTokens ?? room, room);
+    // The template's end-of-turn texts, which end an answer of magus's own loop as they end LlamaChat's.
+    const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
     if (!forced && !availableFunctions) {
       // Plain chat and a response format (with or without log-probabilities), in magus's own loop
-      // (decode.ts): the rendered prompt, ended by the template's end-of-turn texts as LlamaChat
-      // would, sampled with a seed per position, so an interrupted answer can be continued
-      // (shared/continuation.ts); a response format's grammar masks each step's candidates.
-      const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
+      // (decode.ts): the rendered prompt, sampled with a seed per position, so an interrupted
+      // answer can be continued (shared/continuation.ts); a response format's grammar masks each
+      // step's candidates.
       this.checkResume(req.resume, maxTokens);
       const settings = { ...decodeSettings(req, maxTokens), stopTokens };
       return {
         promptTokens,
         generate: async (slot, io) => {
           const grammar = await this.grammarFor(req.responseFormat);
-          if (!grammar) return this.plainChat(slot, req, tokens, settings, io);
-          const result = await this.plainChat(slot, req, tokens, { ...settings, ...this.underGrammar(grammar, settings.stop) }, io);
-          return grammar.trimWhitespaceSuffix ? { ...result, text: result.text.trimEnd() } : result;
+          return this.plainChat(slot, req, tokens, grammar ? { ...settings, grammar: this.tokenGrammar(grammar) } : settings, io);
         },
       };
     }
@@ -315,13 +314,12 @@ export class LlamaBackend implements CompletionBackend {
       // One call, generated whole under its grammar in magus's own loop (the rendered prompt
       // starts with the system message describing the tools) and returned as `tool_calls`: no
       // text streams, and stop texts do not apply to it.
-      const stopTokens = state.stopGenerationTriggers.map((t) => t.tokenize(this.model.tokenizer));
       const settings = { ...decodeSettings(req, maxTokens), stop: [], stopTokens };
       return {
         promptTokens,
         generate: async (slot, io) => {
           const grammar = (await this.grammarFor({ type: 'json_schema', schema: forcedCallGrammarSchema(forced) }))!;
-          const result = await this.decodeIn(slot, tokens, { ...settings, ...this.underGrammar(grammar, []) }, { ...io, onText: () => undefined });
+          const result = await this.decodeIn(slot, tokens, { ...settings, grammar: this.tokenGrammar(grammar) }, { ...io, onText: () => undefined });
           const call = parsedArguments(result.text) as { name?: string; arguments?: unknown } | string;
           const toolCalls =
             typeof call === 'object' && call !== null && typeof call.name === 'string' ? [toolCall(req.seed, 0, call.name, call.arguments)] : undefined;
@@ -406,18 +404,6 @@ export class LlamaBackend implements CompletionBackend {
     const bias = tokens.size > 0 ? new this.lib.TokenBias(this.model.tokenizer) : undefined;
     for (const t of tokens) bias!.set(t, 'never');
     return (this.control = { tokens, ...(bias ? { bias } : {}) });
-  }
-
-  /**
-   * What an answer under `grammar` adds to its settings: the grammar's state, and the texts that
-   * end it (node-llama-cpp's JSON grammars end with four newlines, then any number: the answer
-   * ends there, and its trailing whitespace is trimmed, as `LlamaChat` does).
-   */
-  private underGrammar(grammar: LlamaGrammar, stop: readonly string[]): Pick<DecodeSettings, 'grammar' | 'stop'> {
-    const ends = grammar.stopGenerationTriggers.map((t) =>
-      typeof t === 'string' ? t : Array.isArray(t) ? t.filter((p) => typeof p === 'string').join('') : t.toString(),
-    );
-    return { grammar: this.tokenGrammar(grammar), stop: [...stop, ...ends.filter((t) => t !== '')] };
   }
 
   /**
