@@ -72,11 +72,12 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
   const recent = opts.recent;
   /** The stream sequence of the last update the watch delivered (a recent mirror resumes after it). */
   let lastSeq = 0;
-  const change = (target: Map<string, T>, key: string, after: T | undefined): void => {
+  /** `used`: the owner read or wrote it (to the end of the order); an update the watch brought keeps its place. */
+  const change = (target: Map<string, T>, key: string, after: T | undefined, used: boolean): void => {
     const before = target.get(key);
     if (after === undefined) target.delete(key);
     else {
-      if (recent) target.delete(key); // to the end of the order: the most recently used
+      if (recent && used) target.delete(key); // to the end of the order: the most recently used
       target.set(key, after);
     }
     if (target === current && (before !== undefined || after !== undefined)) opts.onChange?.(key, before, after);
@@ -92,7 +93,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       if (!target.has(e.key) && !recent.wanted(e.key)) return; // a key nobody here uses
     }
     if (e.operation !== 'PUT') {
-      change(target, e.key, undefined);
+      change(target, e.key, undefined, false);
       return;
     }
     let v: T | undefined;
@@ -101,7 +102,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
     } catch (err) {
       opts.onError?.(err);
     }
-    change(target, e.key, v);
+    change(target, e.key, v, false);
   };
 
   const run = async (): Promise<void> => {
@@ -115,7 +116,7 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
           () => undefined,
         );
         if (last !== undefined && last < lastSeq) {
-          for (const key of [...current.keys()]) change(current, key, undefined);
+          for (const key of [...current.keys()]) change(current, key, undefined, false);
           lastSeq = 0;
         }
       }
@@ -162,8 +163,8 @@ export function watchKv<T>(kv: WatchableKv, opts: KvCacheOptions<T>): KvCache<T>
       }
       return v;
     },
-    set: (key, value) => change(current, key, value),
-    delete: (key) => change(current, key, undefined),
+    set: (key, value) => change(current, key, value, true),
+    delete: (key) => change(current, key, undefined, true),
     entries: () => current.entries(),
     get size() {
       return current.size;

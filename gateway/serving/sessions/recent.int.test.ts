@@ -110,6 +110,9 @@ it('holds at most maxEntries, the least recently used leaving; a first turn is p
   for (const k of ['a', 'b', 'c']) await kv.put(`lru-${k}`, enc(placed('i1')));
   for (const k of ['a', 'b', 'c']) await cache.acquire(req(`lru-${k}`));
   await cache.acquire(req('lru-a')); // a used again: b is now the oldest
+  // b moved by another replica: the watch's update replaces it in place — an update is not a use.
+  await kv.put('lru-b', enc(placed('i2')));
+  await until('the update held', () => new Map(cache!.cache.entries()).get('lru-b')?.instance === 'i2', 5_000);
   const fresh = await cache.acquire(req('lru-new')); // a first turn: created, held
   expect(['i1', 'i2']).toContain(fresh.instance);
   expect([...cache.cache.entries()].map(([k]) => k).sort()).toEqual(['lru-a', 'lru-c', 'lru-new']);
