@@ -202,4 +202,19 @@ describe('numbers: the grammar admits exactly what Ajv admits (in canonical form
     expect(matches(n, '-9007199254740991.5')).toBe(false);
     expect(matches(n, '-0.0000000000000001')).toBe(true);
   });
+
+  test('beside a step that is not a binary fraction, a side without a bound stops a million steps from zero; bounds given are kept', () => {
+    const g = grammarOf({ type: 'number', multipleOf: 0.05, minimum: 0 });
+    expect(matches(g, '50000')).toBe(true);
+    expect(matches(g, '49999.95')).toBe(true);
+    expect(matches(g, '50000.05')).toBe(false);
+    expect(matches(g, '1234567.85')).toBe(false); // 1234567.85 / 0.05 = 24691357.000000004
+    const given = grammarOf({ type: 'number', multipleOf: 0.05, minimum: 0, maximum: 2_000_000 });
+    expect(matches(given, '1234567.85')).toBe(true);
+    const integer = grammarOf({ type: 'integer', multipleOf: 0.3 });
+    expect(matches(integer, '-300000')).toBe(true);
+    expect(matches(integer, '300003')).toBe(false);
+    const binary = grammarOf({ type: 'number', multipleOf: 0.25 }); // divides exactly: up to 2^53 − 1
+    expect(matches(binary, '1234567890.25')).toBe(true);
+  });
 });

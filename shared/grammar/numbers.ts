@@ -18,7 +18,11 @@
  * `multipleOf` is decimal: 0.3 is a multiple of 0.1. Ajv with its default options divides doubles
  * (0.3 / 0.1 = 2.9999999999999996) and rejects some exact decimal multiples of a step that is not
  * a binary fraction; `multipleOfPrecision` or a decimal check agrees with this grammar. A step
- * that is a binary fraction (0.5, 0.25, integers) agrees with Ajv's default too.
+ * that is a binary fraction (0.5, 0.25, integers) agrees with Ajv's default too. Validators that
+ * divide doubles with a tolerance (Ajv's `multipleOfPrecision: 9`, pydantic's relative check)
+ * misjudge exact multiples once the quotient is large (1234567.85 / 0.05 is off by 4e-9), so for
+ * a step that is not a binary fraction a side without a bound stops at
+ * {@link NUMBER_LIMITS.openDecimalSteps} steps from zero; bounds the schema gives are kept.
  *
  * The language of N in [lo, hi] with N ≡ 0 (mod K) is built per count of integer digits: the
  * digit strings between two bounds of equal length are a chain of "tight" positions (still equal
@@ -39,6 +43,8 @@ export const NUMBER_LIMITS = {
   divisibilityStates: 2_000,
   /** Fraction digits of a number without a `multipleOf`, when its bounds do not need more. */
   fractionDigits: 16,
+  /** Steps from zero an unbounded side of a `multipleOf` that is not a binary fraction reaches (the quotient a double divides within 1e-9). */
+  openDecimalSteps: 1_000_000n,
 } as const;
 
 const MAX_SAFE = 2n ** 53n - 1n;
@@ -177,9 +183,19 @@ export function numberGrammar(g: Grammar, kw: NumberKeywords, hint: string): Nod
   const implicit = MAX_SAFE * pow10(F);
   let lo = lows.length > 0 ? lows.reduce((a, b) => (a > b ? a : b)) : undefined;
   let hi = highs.length > 0 ? highs.reduce((a, b) => (a < b ? a : b)) : undefined;
-  // A side without a bound stops at ±(2^53 − 1), or, beyond the other bound, one integer digit further.
-  if (hi === undefined) hi = lo !== undefined && lo > implicit ? pow10(digitCount(floorDiv(lo, pow10(F))) + 1) * pow10(F) - 1n : implicit;
-  if (lo === undefined) lo = hi < -implicit ? -(pow10(digitCount(floorDiv(-hi, pow10(F))) + 1) * pow10(F) - 1n) : -implicit;
+  // A side without a bound stops at ±(2^53 − 1) — a million steps for a step that is not a binary
+  // fraction (see the module comment) — or, beyond the other bound, one integer digit further.
+  let open = implicit;
+  if (kw.multipleOf !== undefined) {
+    const step = decimalOf(kw.multipleOf);
+    const denominator = pow10(step.scale) / gcd(step.digits, pow10(step.scale));
+    if (denominator % 5n === 0n) {
+      const steps = (NUMBER_LIMITS.openDecimalSteps * step.digits * pow10(F)) / pow10(step.scale);
+      if (steps < open) open = steps;
+    }
+  }
+  if (hi === undefined) hi = lo !== undefined && lo > open ? pow10(digitCount(floorDiv(lo, pow10(F))) + 1) * pow10(F) - 1n : open;
+  if (lo === undefined) lo = hi < -open ? -(pow10(digitCount(floorDiv(-hi, pow10(F))) + 1) * pow10(F) - 1n) : -open;
   const lowKeyword = kw.exclusiveMinimum !== undefined && kw.minimum === undefined ? 'exclusiveMinimum' : 'minimum';
   const what = kw.integer ? 'integer' : `number with at most ${F} fraction digits`;
   if (lo > hi) refuse(lowKeyword, `No ${what} lies between the bounds (the keyword '${lowKeyword}' is above the upper bound).`);
