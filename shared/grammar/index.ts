@@ -45,6 +45,9 @@
  * modifiers; `allOf`, `not`, `if`, `uniqueItems`, `contains`, `patternProperties`,
  * `propertyNames`, `dependent*`, `unevaluated*`, `$ref` outside `#/$defs/`, `definitions`, other
  * formats; and anything no value satisfies (crossed bounds, a pattern nothing matches).
+ * Stricter than the schema, never looser: an object's properties are all generated, in order; a
+ * recursive definition nests at most `recursionDepth` references deep along its cycle (a small
+ * model otherwise nests to `max_tokens`).
  *
  * Size ({@link GRAMMAR_LIMITS}): llama.cpp turns `x{m,n}` into n − m rules and reads an upper
  * bound above 2000 as none; counts here become blocks (a count of n costs about n/32 + 64
@@ -64,7 +67,7 @@ import { SCHEMA_LIMITS } from '../json-schema';
 import { NUMBER_LIMITS } from './numbers';
 import { REGEX_MAX_COUNT } from './regex';
 import { Refusal } from './refusal';
-import { convertSchema, MAX_COUNT } from './schema';
+import { convertSchema, MAX_COUNT, RECURSION_DEPTH } from './schema';
 
 /** Caps on a schema and on its grammar (checked per part while converting, then on the whole). */
 export const GRAMMAR_LIMITS = {
@@ -84,6 +87,8 @@ export const GRAMMAR_LIMITS = {
   automatonStates: AUTOMATON_LIMITS.states,
   /** States (rules) keeping additional properties' names apart from the declared ones. */
   declaredNameStates: AUTOMATON_LIMITS.names,
+  /** References deep a recursive definition nests along its cycle in an answer (then only its way out). */
+  recursionDepth: RECURSION_DEPTH,
   /** Rules llama.cpp creates when it parses the whole grammar (groups and repetitions expanded). */
   expandedRules: 20_000,
   /** Characters of the grammar text. */

@@ -122,6 +122,53 @@ describe('schemaToGbnf accepts what toGrammarSchema accepts', () => {
   });
 });
 
+describe('recursive definitions', () => {
+  const list = {
+    $ref: '#/$defs/L',
+    $defs: { L: { type: 'object', properties: { next: { anyOf: [{ type: 'null' }, { $ref: '#/$defs/L' }] } }, required: ['next'] } },
+  };
+  const nested = (k: number): string => (k === 0 ? 'null' : `{"next":${nested(k - 1)}}`);
+
+  test(`nest at most ${GRAMMAR_LIMITS.recursionDepth} times inside themselves, then take their way out`, () => {
+    const g = parseGbnf(convert(list).gbnf);
+    expect(matches(g, nested(GRAMMAR_LIMITS.recursionDepth + 1))).toBe(true);
+    expect(matches(g, nested(GRAMMAR_LIMITS.recursionDepth + 2))).toBe(false);
+    // Every sample validates and stops: the deepest level has only the way out.
+    const validate = validator().compile(list);
+    const random = prng(11);
+    for (let i = 0; i < 50; i++) expect(validate(JSON.parse(sample(g, random, 200)))).toBe(true);
+  });
+
+  test('a cycle of two definitions counts each reference along it; a definition off the cycle stays one rule', () => {
+    const schema = {
+      type: 'object',
+      properties: { a: { $ref: '#/$defs/A' }, tag: { $ref: '#/$defs/Tag' } },
+      required: ['a', 'tag'],
+      $defs: {
+        A: { type: 'object', properties: { b: { type: 'array', items: { $ref: '#/$defs/B' } } }, required: ['b'] },
+        B: { type: 'object', properties: { a: { anyOf: [{ $ref: '#/$defs/A' }, { type: 'null' }] }, tag: { $ref: '#/$defs/Tag' } }, required: ['a', 'tag'] },
+        Tag: { type: 'string', maxLength: 3 },
+      },
+    };
+    const r = convert(schema);
+    expect(r.gbnf.match(/char\{0,3\}/g)).toHaveLength(1); // Tag's string, once for every level
+    const g = parseGbnf(r.gbnf);
+    const chain = (k: number): string => (k === 0 ? '{"b":[]}' : `{"b":[{"a":${chain(k - 1)},"tag":"x"}]}`);
+    // Each reference along the cycle is a level: A at 0, 2, … 10, B between, so A nests 5 times inside A.
+    expect(matches(g, `{"a":${chain(GRAMMAR_LIMITS.recursionDepth / 2)},"tag":"t"}`)).toBe(true);
+    expect(matches(g, `{"a":${chain(GRAMMAR_LIMITS.recursionDepth / 2 + 1)},"tag":"t"}`)).toBe(false);
+  });
+
+  test('a recursive definition with no value within the depth is refused', () => {
+    const r = refused({
+      $ref: '#/$defs/L',
+      $defs: { L: { type: 'object', properties: { next: { $ref: '#/$defs/L' } }, required: ['next'] } },
+    });
+    expect([r.keyword, r.at]).toEqual(['schema', 'schema.$defs.L']);
+    expect(r.message).toMatch(/no value within 10 levels/);
+  });
+});
+
 describe('schemaToGbnf refuses, naming the keyword and where it is', () => {
   test.each([
     // What toGrammarSchema refuses too.
