@@ -38,8 +38,9 @@
  *   with lengths, a pattern with a format: intersected exactly (./strings.ts). `format`:
  *   date-time, date, time, duration, email, hostname, ipv4, ipv6, uuid (./formats.ts: where
  *   ajv-formats is laxer than the RFC, the RFC; long runs bounded).
- * - The JSON text: no whitespace but one optional space after `,` and `:`; no lone surrogate in
- *   a string; every run of digits bounded (a small model cannot write digits forever).
+ * - The JSON text: whitespace only inside brackets and after `,` and `:`, at most a space or two
+ *   line breaks and 20 spaces or tabs (models indent; a bound keeps one from looping); no lone
+ *   surrogate in a string; every run of digits bounded (a small model cannot write digits forever).
  * Refused, naming the construct: pattern backreferences and lookaround (no context-free grammar
  * expresses them), `\b`/`\B` and `\p{…}` (assertions on neighbours; Unicode tables), inline
  * modifiers; `allOf`, `not`, `if`, `uniqueItems`, `contains`, `patternProperties`,

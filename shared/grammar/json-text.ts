@@ -9,8 +9,10 @@
  *   where JSON allows it, `\"` `\\` `\b` `\f` `\n` `\r` `\t`, `\u00xx` for the other controls), so
  *   a decoded string has one text: needed where a string is excluded (property names) and harmless
  *   elsewhere (a grammar may be stricter than the schema).
- * Whitespace: at most one space after `:` and `,` and none elsewhere (bounded, so a small model
- * cannot loop on it; both `JSON.stringify` and Python's `json.dumps` styles fit).
+ * Whitespace: after `{`, `[`, `:` and `,` and before `}` and `]`, none, a space, or one or two
+ * newlines and up to 20 spaces or tabs (bounded, so a small model cannot loop on it; the compact,
+ * `json.dumps` and indented styles all fit: a model that writes `",\n  "` as one token is not
+ * forced off its way of closing a string).
  */
 import { type CharSet, charSet, DIGITS, has, intersect, ofChars, SCALARS, subtract } from './charset';
 import { alt, chars, type Grammar, lit, type Node, opt, ref, rep, seq } from './gbnf';
@@ -50,9 +52,16 @@ export class Json {
     return n;
   }
 
-  /** Whitespace after `,` and `:`: one optional space. */
+  /** Whitespace where JSON allows it (see the module comment): none, a space, or a line break and an indent. */
   get ws(): Node {
-    return this.once('ws', () => opt(lit(' ')));
+    return this.once('ws', () => opt(alt(lit(' '), seq(rep(lit('\n'), 1, 2), rep(chars(ofChars(' \t')), 0, 20)))));
+  }
+
+  /** `open` `body` `close` with whitespace inside both brackets (once, when the body is empty). */
+  container(open: string, body: Node, close: string): Node {
+    if (body.k === 'lit' && body.text === '') return seq(lit(open), this.ws, lit(close));
+    if (body.k === 'rep' && body.min === 0 && body.max === 1) return seq(lit(open), this.ws, opt(seq(body.item, this.ws)), lit(close));
+    return seq(lit(open), this.ws, body, this.ws, lit(close));
   }
 
   /** One character of a string, in any form (see the module comment). */
@@ -104,8 +113,8 @@ export class Json {
     const value = ref(name);
     this.cache.set('value', value);
     const member = seq(this.string, lit(':'), this.ws, value);
-    const object = this.g.define('object', seq(lit('{'), opt(seq(member, rep(seq(lit(','), this.ws, member), 0, null))), lit('}')));
-    const array = this.g.define('array', seq(lit('['), opt(seq(value, rep(seq(lit(','), this.ws, value), 0, null))), lit(']')));
+    const object = this.g.define('object', this.container('{', opt(seq(member, rep(seq(lit(','), this.ws, member), 0, null))), '}'));
+    const array = this.g.define('array', this.container('[', opt(seq(value, rep(seq(lit(','), this.ws, value), 0, null))), ']'));
     this.g.set(name, alt(object, array, this.string, this.number, this.boolean, this.null));
     return value;
   }

@@ -80,15 +80,26 @@ describe('schemaToGbnf: every answer validates', () => {
     const random = prng(3);
     for (let i = 0; i < 100; i++) {
       const text = sample(g, random);
-      const names = [...text.matchAll(/[{,] ?("(?:[^"\\]|\\.)*"):/g)].map((m) => JSON.parse(m[1]!) as string);
+      const names = [...text.matchAll(/[{,]\s*("(?:[^"\\]|\\.)*"):/g)].map((m) => JSON.parse(m[1]!) as string);
       if (new Set(names).size === names.length) expect([text, validate(JSON.parse(text))]).toEqual([text, true]);
     }
   });
 
-  test('whitespace is bounded: one optional space after , and : only', () => {
+  test('whitespace is bounded: a space, or one or two line breaks and up to 20 spaces or tabs, inside brackets and after , and :', () => {
     const g = parseGbnf(convert({ type: 'object', properties: { a: { type: 'array', items: { type: 'integer' } } } }).gbnf);
-    expect(matches(g, '{"a": [1, 2]}')).toBe(true);
-    for (const text of ['{"a":  [1]}', '{ "a":[1]}', '{"a":[1] }', ' {"a":[1]}', '{"a":[1]}\n', '{"a":[1 ,2]}', '{"a"\t:[1]}'])
+    for (const text of ['{"a": [1, 2]}', '{ "a":[1] }', '{\n  "a": [\n    1,\n    2\n  ]\n}', '{"a":[\n\n\t\t1]}', `{"a":\n${' '.repeat(20)}[]}`, '{"a":[ ]}'])
+      expect([text, matches(g, text)]).toEqual([text, true]);
+    for (const text of [
+      '{"a":  [1]}',
+      '{"a":[1]  }',
+      ' {"a":[1]}',
+      '{"a":[1]}\n',
+      '{"a":[1 ,2]}',
+      '{"a"\t:[1]}',
+      '{"a":\n\n\n[1]}',
+      `{"a":\n${' '.repeat(21)}[]}`,
+      '{"a":[ \n]}',
+    ])
       expect([text, matches(g, text)]).toEqual([text, false]);
   });
 });

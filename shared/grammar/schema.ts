@@ -282,7 +282,7 @@ export function convertSchema(schema: unknown, at: string): { grammar: Grammar; 
           if (n > 0) body = seq(body, more(lo, hi));
           else if (hi !== 0) body = lo === 0 ? opt(seq(pair, more(0, hi === null ? null : hi - 1))) : seq(pair, more(lo - 1, hi === null ? null : hi - 1));
         }
-        return g.define(hint, seq(lit('{'), body, lit('}')));
+        return g.define(hint, json.container('{', body, '}'));
       }
       case 'array': {
         const minI = count('minItems') ?? 0;
@@ -303,7 +303,7 @@ export function convertSchema(schema: unknown, at: string): { grammar: Grammar; 
           if (k > 0) body = seq(body, more(lo, hi));
           else body = lo === 0 ? opt(seq(item, more(0, hi === null ? null : hi - 1))) : seq(item, more(lo - 1, hi === null ? null : hi - 1));
         }
-        return g.define(hint, seq(lit('['), body, lit(']')));
+        return g.define(hint, json.container('[', body, ']'));
       }
     }
     throw new Error(`unhandled type ${t}`);
