@@ -5,8 +5,10 @@
 import { execFileSync, spawn, spawnSync } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import Ajv from 'ajv';
+import addFormats from 'ajv-formats';
 import OpenAI from 'openai';
-import { zodResponseFormat, zodTextFormat } from 'openai/helpers/zod';
+import { zodFunction, zodResponseFormat, zodTextFormat } from 'openai/helpers/zod';
 import { z } from 'zod';
 import { sleep } from './harness/wait';
 
@@ -76,6 +78,39 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
       max_tokens: 96,
     });
     expect(Person.safeParse(person.choices[0]?.message.parsed)).toMatchObject({ success: true });
+    // And checked apart from zod: the answer's raw text under the schema the helper sent (integer,
+    // minimum, pattern, format email), by Ajv with ajv-formats in full mode.
+    const ajv = new Ajv({ strict: false, allErrors: true });
+    addFormats(ajv, { mode: 'full' });
+    const validPerson = ajv.compile(zodTextFormat(Person, 'person').schema);
+    const isValidPerson = (value: unknown) => ({ valid: validPerson(value), errors: validPerson.errors ?? null });
+    expect(person.choices[0]?.finish_reason).toBe('stop');
+    expect(isValidPerson(JSON.parse(person.choices[0]!.message.content!))).toEqual({ valid: true, errors: null });
+    // The same keywords in a function's parameters (zodFunction: strict, the same schema), the
+    // call forced, so magus's grammar generates the arguments (under tool_choice "auto" they are
+    // node-llama-cpp's, whose grammar does not enforce these keywords: such a schema is a 400).
+    const addPerson = zodFunction({ name: 'add_person', parameters: Person, description: 'Add a person to the address book' });
+    const added = await openai.chat.completions.parse({
+      model: 'demo',
+      messages: [{ role: 'user', content: 'Make up a person: a name, an age and an email address. Add them to the address book.' }],
+      tools: [addPerson],
+      tool_choice: { type: 'function', function: { name: 'add_person' } },
+      temperature: 0,
+      max_tokens: 160,
+    });
+    expect(added.choices[0]?.finish_reason).toBe('tool_calls');
+    const addCall = added.choices[0]!.message.tool_calls![0]!;
+    if (addCall.type !== 'function') throw new Error(`not a function call: ${JSON.stringify(addCall)}`);
+    expect(addCall.function.name).toBe('add_person');
+    expect(Person.safeParse(addCall.function.parsed_arguments)).toMatchObject({ success: true });
+    expect(isValidPerson(JSON.parse(addCall.function.arguments))).toEqual({ valid: true, errors: null });
+    await expect(
+      openai.chat.completions.create({ model: 'demo', messages: [{ role: 'user', content: 'Hi' }], tools: [addPerson], tool_choice: 'auto' }),
+    ).rejects.toMatchObject({
+      status: 400,
+      code: 'unsupported_schema',
+      param: 'tools[0].function.parameters.properties.name.pattern',
+    });
     // JSON mode: an object the model closes itself (asked for a small one: asked to "describe
     // Paris", it adds keys until max_tokens, and a cut object proves nothing).
     const json = await openai.chat.completions.create({
@@ -252,6 +287,17 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
       max_output_tokens: 64,
     });
     expect(capital.output_parsed).toEqual({ country: expect.stringMatching(/^france$/i) as unknown, capital: 'Paris' });
+    // …and with the constrained Person: parsed by the client's zod, and valid under Ajv.
+    const personResponse = await openai.responses.parse({
+      model: 'demo',
+      input: 'Make up a person: a name, an age and an email address. Answer in JSON.',
+      text: { format: zodTextFormat(Person, 'person') },
+      temperature: 0,
+      max_output_tokens: 96,
+    });
+    expect(personResponse.status).toBe('completed');
+    expect(Person.safeParse(personResponse.output_parsed)).toMatchObject({ success: true });
+    expect(isValidPerson(JSON.parse(personResponse.output_text))).toEqual({ valid: true, errors: null });
 
     // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs, a chain of responses.
     const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
