@@ -299,7 +299,7 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
     expect(Person.safeParse(personResponse.output_parsed)).toMatchObject({ success: true });
     expect(isValidPerson(JSON.parse(personResponse.output_text))).toEqual({ valid: true, errors: null });
 
-    // The official Python client too (scripts/python-openai): parse into pydantic models, embeddings, completions, logprobs, a chain of responses.
+    // The official Python client too (scripts/python-openai): parse into pydantic models (chat, a forced tool call, a response), embeddings, completions, logprobs, a chain of responses.
     const python = execFileSync(join(__dirname, '..', 'scripts', 'python-openai'), ['--check'], { encoding: 'utf8' }).trim();
     const py = spawnSync(python, [join(__dirname, 'openai_python.py')], {
       env: { ...process.env, MAGUS_URL: `${base!}/v1`, MAGUS_TOKEN: readFileSync(tokenFile, 'utf8').trim() },
@@ -314,6 +314,10 @@ test('magus dev serves the demo model (curl and kubectl), and SIGINT stops every
       dimensions: 576,
       responses: { previous: expect.stringMatching(/^resp_/) as unknown },
     });
+    // What pydantic parsed (chat, a forced call's arguments, a response), under zod's schema by Ajv too.
+    const pyOut = JSON.parse(py.stdout) as Record<'person' | 'person_call' | 'person_response', unknown>;
+    for (const key of ['person', 'person_call', 'person_response'] as const)
+      expect([key, isValidPerson(pyOut[key])]).toEqual([key, { valid: true, errors: null }]);
 
     // The kubectl door: the printed command shows the demo model as a Ready resource.
     const kubectlLine = /^ {2}KUBECONFIG=(\S+) kubectl get models$/m.exec(out);

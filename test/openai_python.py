@@ -1,13 +1,15 @@
 """The official `openai` Python client against magus dev (test/dev.int.test.ts runs it with the
 venv of scripts/python-openai): structured output parsed into pydantic models (one with conint(ge=0),
-EmailStr and a pattern), a tool call whose
-arguments parse into the function's pydantic model, embeddings, a text completion, chat with
-log-probabilities, and a Responses API chain of two turns. Prints one JSON line of what it
-got; any failed check exits non-zero with the reason."""
+EmailStr and a pattern) by chat completions and by the Responses API, tool calls whose
+arguments parse into the function's pydantic model (one of them that constrained model),
+embeddings, a text completion, chat with log-probabilities, and a Responses API chain of two
+turns. Prints one JSON line of what it got; any failed check exits non-zero with the reason."""
 import json
 import os
+import re
 import sys
 
+import email_validator
 import openai
 from pydantic import BaseModel, EmailStr, Field, conint
 
@@ -23,6 +25,20 @@ class Person(BaseModel):
     name: str = Field(pattern=r"^[A-Z][a-z]+$")
     age: conint(ge=0)
     email: EmailStr
+
+
+def check_person(raw: str, parsed: object) -> None:
+    """The answer's raw JSON holds each keyword itself (not only after pydantic's coercion): an
+    integer age >= 0, a name matching the pattern, an email address email-validator accepts."""
+    assert isinstance(parsed, Person), f"not parsed: {raw!r}"
+    value = json.loads(raw)
+    assert type(value["age"]) is int and value["age"] >= 0, f"age: {value!r}"
+    assert re.search(r"^[A-Z][a-z]+$", value["name"]), f"name: {value!r}"
+    try:
+        email_validator.validate_email(value["email"], check_deliverability=False)
+    except email_validator.EmailNotValidError as e:
+        raise AssertionError(f"email: {value!r}: {e}") from e
+    assert Person.model_validate(value) == parsed, f"{value!r} is not {parsed!r}"
 
 
 class GetWeather(BaseModel):
@@ -54,7 +70,33 @@ def main() -> None:
         max_tokens=96,
     )
     person = made_up.choices[0].message.parsed
-    assert isinstance(person, Person), f"not parsed: {made_up.choices[0].message}"
+    assert made_up.choices[0].finish_reason == "stop", f"finish_reason: {made_up.choices[0].finish_reason}"
+    check_person(made_up.choices[0].message.content, person)
+
+    # The same keywords in a function's parameters (strict), the call forced: magus's grammar
+    # generates its arguments (under tool_choice "auto" magus refuses this schema with a 400).
+    added = client.beta.chat.completions.parse(
+        model="demo",
+        messages=[{"role": "user", "content": "Make up a person: a name, an age and an email address. Add them to the address book."}],
+        tools=[openai.pydantic_function_tool(Person, name="add_person", description="Add a person to the address book")],
+        tool_choice={"type": "function", "function": {"name": "add_person"}},
+        temperature=0,
+        max_tokens=160,
+    )
+    assert added.choices[0].finish_reason == "tool_calls", f"finish_reason: {added.choices[0].finish_reason}"
+    add_call = added.choices[0].message.tool_calls[0].function
+    assert add_call.name == "add_person", f"called: {add_call.name}"
+    check_person(add_call.arguments, add_call.parsed_arguments)
+    try:
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "Hi"}],
+            tools=[openai.pydantic_function_tool(Person, name="add_person")],
+            tool_choice="auto",
+        )
+        raise AssertionError("a pattern under tool_choice auto was accepted")
+    except openai.BadRequestError as e:
+        assert (e.code, e.param) == ("unsupported_schema", "tools[0].function.parameters.properties.name.pattern"), f"refused otherwise: {e}"
 
     called = client.beta.chat.completions.parse(
         model="demo",
@@ -95,12 +137,25 @@ def main() -> None:
     assert second.output_text.strip(), "second turn: empty"
     assert second.usage.input_tokens > first.usage.input_tokens, f"second turn without the first: {second.usage}"
 
+    # Structured output by text_format, the constrained model.
+    responded = client.responses.parse(
+        model="demo",
+        input="Make up a person: a name, an age and an email address. Answer in JSON.",
+        text_format=Person,
+        temperature=0,
+        max_output_tokens=96,
+    )
+    assert responded.status == "completed", f"status: {responded.status}"
+    check_person(responded.output_text, responded.output_parsed)
+
     print(
         json.dumps(
             {
                 "openai": openai.__version__,
                 "capital": capital.model_dump(),
                 "person": person.model_dump(),
+                "person_call": add_call.parsed_arguments.model_dump(),
+                "person_response": responded.output_parsed.model_dump(),
                 "call": args.model_dump(),
                 "dimensions": len(vectors[0]),
                 "completion": text,
