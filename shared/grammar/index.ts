@@ -58,10 +58,12 @@
  *
  * What the engine must add, because llama.cpp matches a token by the code points it decodes
  * leniently from the token's text: keep control tokens out while a grammar runs (their text,
- * e.g. `<|start_header_id|>`, matches; the detokenizer then drops it); build the answer from the
- * tokens' bytes, not a detokenizer that cleans spaces (" !" becomes "!" for BPE vocabularies);
+ * e.g. `<|start_header_id|>`, matches; the detokenizer then drops it) — engine/llama.ts does; build
+ * the answer from the tokens' bytes, not a detokenizer that cleans spaces (" !" becomes "!" for a
+ * vocabulary whose GGUF sets `clean_spaces`, as the tiny test model's does; SmolLM2's does not);
  * and refuse a token that makes the bytes invalid UTF-8 (an overlong `E0 9D B5` is U+0775 to the
- * grammar and three U+FFFD to everyone else). ./llama.test.ts samples a tiny model that way.
+ * grammar and three U+FFFD to everyone else). The last two are open: node-llama-cpp gives the
+ * engine no token's bytes. ./llama.test.ts samples a tiny model from the bytes.
  */
 import { AUTOMATON_LIMITS } from './automaton';
 import { SCHEMA_LIMITS } from '../json-schema';
