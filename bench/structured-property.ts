@@ -10,7 +10,8 @@
  *
  * Environment: PROPERTY_SCHEMAS (default 300), PROPERTY_TINY_SEEDS (default 5),
  * PROPERTY_SMOLLM2_SEEDS (default 1), PROPERTY_MODELS (`tiny,smollm2`), BENCH_THREADS (default 1),
- * PROPERTY_MAX_TOKENS (default 1000), PROPERTY_UNBOUNDED=1 (schemas with additional properties and
+ * PROPERTY_MAX_TOKENS (default 1000; the tiny model 1900, PROPERTY_TINY_MAX_TOKENS: at temperature 1
+ * its random weights take every whitespace the grammar allows, and its context is 2048), PROPERTY_UNBOUNDED=1 (schemas with additional properties and
  * values of any JSON too: parts whose strings no keyword bounds, for the real model only — the
  * random one writes such a string to `max_tokens`).
  */
@@ -28,7 +29,10 @@ const SCHEMAS = Number(process.env.PROPERTY_SCHEMAS ?? '300');
 const SEEDS: Record<string, number> = { tiny: Number(process.env.PROPERTY_TINY_SEEDS ?? '5'), smollm2: Number(process.env.PROPERTY_SMOLLM2_SEEDS ?? '1') };
 const MODELS = (process.env.PROPERTY_MODELS ?? 'tiny,smollm2').split(',');
 const THREADS = Number(process.env.BENCH_THREADS ?? '1');
-const MAX_TOKENS = Number(process.env.PROPERTY_MAX_TOKENS ?? '1000');
+const MAX_TOKENS: Record<string, number> = {
+  tiny: Number(process.env.PROPERTY_TINY_MAX_TOKENS ?? '1900'),
+  smollm2: Number(process.env.PROPERTY_MAX_TOKENS ?? '1000'),
+};
 const UNBOUNDED = process.env.PROPERTY_UNBOUNDED === '1';
 const schemaOf = (i: number) => generateSchema(i, { unbounded: UNBOUNDED });
 
@@ -50,7 +54,7 @@ async function runModel(model: string, gguf: string, ctx: number): Promise<Run> 
     for (let i = 1; i <= SCHEMAS; i++) {
       const generated = schemaOf(i);
       for (let seed = 1; seed <= SEEDS[model]!; seed++) {
-        const answer = await askUnderSchema(engine.url, generated, seed, { maxTokens: MAX_TOKENS, showSchema: model !== 'tiny' });
+        const answer = await askUnderSchema(engine.url, generated, seed, { maxTokens: MAX_TOKENS[model]!, showSchema: model !== 'tiny' });
         const verdict = judge(generated, answer);
         run.answers++;
         run.tokens.push(answer.tokens);
@@ -90,7 +94,7 @@ async function main(): Promise<void> {
     rmSync(dir, { recursive: true, force: true });
   }
   const out = [
-    `bench:structured-property: ${SCHEMAS} generated schemas${UNBOUNDED ? ' (unbounded)' : ''} (${refused.length} refused by the converter), temperature 1.0, max_tokens ${MAX_TOKENS}, magus engine 1 slot ${THREADS} thread(s), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg()
+    `bench:structured-property: ${SCHEMAS} generated schemas${UNBOUNDED ? ' (unbounded)' : ''} (${refused.length} refused by the converter), temperature 1.0, max_tokens ${MODELS.map((m) => `${MAX_TOKENS[m]} (${m})`).join(', ')}, magus engine 1 slot ${THREADS} thread(s), ${cpus().length} cores, load ${load0.map((l) => l.toFixed(2)).join(' ')} → ${loadavg()
       .map((l) => l.toFixed(2))
       .join(' ')}`,
     '',

@@ -214,7 +214,12 @@ describe('numbers: the grammar admits exactly what Ajv admits (in canonical form
     const integer = grammarOf({ type: 'integer', multipleOf: 0.3 });
     expect(matches(integer, '-300000')).toBe(true);
     expect(matches(integer, '300003')).toBe(false);
-    const binary = grammarOf({ type: 'number', multipleOf: 0.25 }); // divides exactly: up to 2^53 − 1
+    const binary = grammarOf({ type: 'number', multipleOf: 0.25 }); // divides exactly: up to (2^53 − 1) / 4
     expect(matches(binary, '1234567890.25')).toBe(true);
+    expect(matches(binary, '2251799813685247.75')).toBe(true); // (2^53 − 1) / 4, a double
+    expect(matches(binary, '2251799813685248.25')).toBe(false); // reads as …248
+    const halves = grammarOf({ type: 'number', exclusiveMinimum: 10, multipleOf: 2.5 }); // the property run's
+    expect(matches(halves, '5262606177854832.5')).toBe(false);
+    expect(matches(halves, '4503599627370492.5')).toBe(true); // below 2^52
   });
 });

@@ -13,7 +13,9 @@
  * more; with `multipleOf` the digits of its step: multiples of 0.25 need 2), an integer none. A
  * value is then an integer N = x·10^F, and `multipleOf` c·10^-e (as written, e.g. 0.01 is 1·10^-2)
  * is N ≡ 0 (mod K). A side without a bound stops at ±(2^53 − 1), the integers a double holds
- * exactly (beyond them JavaScript and Python read a different value than was written).
+ * exactly (beyond them JavaScript and Python read a different value than was written); beside a
+ * `multipleOf` that is a binary fraction p/2^k, at ±(2^53 − 1)/2^k, where its multiples stop being
+ * doubles.
  *
  * `multipleOf` is decimal: 0.3 is a multiple of 0.1. Ajv with its default options divides doubles
  * (0.3 / 0.1 = 2.9999999999999996) and rejects some exact decimal multiples of a step that is not
@@ -192,6 +194,11 @@ export function numberGrammar(g: Grammar, kw: NumberKeywords, hint: string): Nod
     if (denominator % 5n === 0n) {
       const steps = (NUMBER_LIMITS.openDecimalSteps * step.digits * pow10(F)) / pow10(step.scale);
       if (steps < open) open = steps;
+    } else if (!kw.integer && denominator > 1n) {
+      // A binary fraction p/2^k: its multiples are doubles exactly below 2^53/2^k (2.5's below 2^52;
+      // 5262606177854832.5 reads as …832, no multiple).
+      const exact = (MAX_SAFE * pow10(F)) / denominator;
+      if (exact < open) open = exact;
     }
   }
   if (hi === undefined) hi = lo !== undefined && lo > open ? pow10(digitCount(floorDiv(lo, pow10(F))) + 1) * pow10(F) - 1n : open;
