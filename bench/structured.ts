@@ -29,8 +29,8 @@
  */
 import { cpus, loadavg } from 'node:os';
 import type { ValidateFunction } from 'ajv';
-import type * as NodeLlamaCppModule from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import { startLlamaCppEngine } from '../activities/runtime/llama-cpp';
+import { cpuLlama } from '../engine/llama';
 import { schemaToGbnf } from '../shared/grammar';
 import { validator } from '../test/fixtures/grammar-schemas';
 import { generateSchema } from '../test/fixtures/schema-generator';
@@ -106,11 +106,6 @@ interface Result {
   finished: boolean;
 }
 
-type NodeLlamaCpp = typeof NodeLlamaCppModule;
-/** node-llama-cpp is ESM only (top-level await); swc-node would turn `import()` into `require` (engine/llama.ts). */
-// eslint-disable-next-line @typescript-eslint/no-implied-eval -- a constant string, see above
-const importEsm = new Function('specifier', 'return import(specifier)') as (specifier: string) => Promise<unknown>;
-
 interface CompileTimes {
   schemas: number;
   refused: number;
@@ -127,16 +122,7 @@ interface CompileTimes {
  * state every answer creates (`LlamaGrammarEvaluationState`: parsed again with the vocabulary).
  */
 async function compileTimes(modelPath: string): Promise<CompileTimes> {
-  const lib = (await importEsm('node-llama-cpp')) as NodeLlamaCpp;
-  const llama = await lib.getLlama({
-    gpu: false,
-    build: 'never',
-    usePrebuiltBinaries: true,
-    skipDownload: true,
-    progressLogs: false,
-    maxThreads: THREADS,
-    logLevel: lib.LlamaLogLevel.error,
-  });
+  const { lib, llama } = await cpuLlama(THREADS);
   const out: CompileTimes = { schemas: COMPILE_SCHEMAS, refused: 0, convertMs: [], createMs: [], stateMs: [], chars: [], expandedRules: [] };
   try {
     const model = await llama.loadModel({ modelPath, gpuLayers: 0, vocabOnly: true });

@@ -867,10 +867,10 @@ describe('continuing an interrupted answer (shared/continuation.ts)', () => {
         continue;
       }
       compared++;
-      expect(ours.top_logprobs.map((t) => t.token)).toEqual(theirs!.top_logprobs.map((t) => t.token));
-      ours.top_logprobs.forEach((t, i) => expect(t.logprob).toBeCloseTo(theirs!.top_logprobs[i]!.logprob, 4));
+      expect(ours.top_logprobs.map((t) => t.token)).toEqual(theirs.top_logprobs.map((t) => t.token));
+      ours.top_logprobs.forEach((t, i) => expect(t.logprob).toBeCloseTo(theirs.top_logprobs[i]!.logprob, 4));
       // The token the grammar allowed is at most as likely as the model's first choice.
-      expect(ours.logprob).toBeLessThanOrEqual(theirs!.top_logprobs[0]!.logprob + 1e-6);
+      expect(ours.logprob).toBeLessThanOrEqual(theirs.top_logprobs[0]!.logprob + 1e-6);
       // The structured answer resumed after `cut` pieces: its grammar takes the tokens sent, and the rest is the same.
       const rest = await streamed('/v1/chat/completions', { ...body, magus: { tokens: true, resume } });
       expect(resume.text + join(rest.pieces)).toBe(text);

@@ -51,6 +51,22 @@ type NodeLlamaCpp = typeof NodeLlamaCppModule;
 // eslint-disable-next-line @typescript-eslint/no-implied-eval -- a constant string, see above
 const importEsm = new Function('specifier', 'return import(specifier)') as (specifier: string) => Promise<unknown>;
 
+/** node-llama-cpp and llama.cpp on the CPU with `threads`, its prebuilt binaries only (nothing downloaded or built); errors to `log`. */
+export async function cpuLlama(threads: number, log: (line: string) => void = () => undefined): Promise<{ lib: NodeLlamaCpp; llama: Llama }> {
+  const lib = (await importEsm('node-llama-cpp')) as NodeLlamaCpp;
+  const llama = await lib.getLlama({
+    gpu: false,
+    build: 'never',
+    usePrebuiltBinaries: true,
+    skipDownload: true,
+    progressLogs: false,
+    maxThreads: threads,
+    logLevel: lib.LlamaLogLevel.error,
+    logger: (level, message) => log(`llama.cpp [${level}]: ${message.trimEnd()}`),
+  });
+  return { lib, llama };
+}
+
 export interface LlamaBackendOptions {
   modelPath: string;
   slots: number;
@@ -249,18 +265,8 @@ export class LlamaBackend implements CompletionBackend {
 
   /** Loads the model and creates one sequence per slot. Nothing is downloaded or built. */
   static async load(opts: LlamaBackendOptions): Promise<LlamaBackend> {
-    const lib = (await importEsm('node-llama-cpp')) as NodeLlamaCpp;
     const log = opts.log ?? (() => undefined);
-    const llama = await lib.getLlama({
-      gpu: false,
-      build: 'never',
-      usePrebuiltBinaries: true,
-      skipDownload: true,
-      progressLogs: false,
-      maxThreads: opts.threads,
-      logLevel: lib.LlamaLogLevel.error,
-      logger: (level, message) => log(`llama.cpp [${level}]: ${message.trimEnd()}`),
-    });
+    const { lib, llama } = await cpuLlama(opts.threads, log);
     try {
       const model = await llama.loadModel({ modelPath: opts.modelPath, gpuLayers: 0 });
       const contextSize = Math.min(opts.contextSize, model.trainContextSize);
