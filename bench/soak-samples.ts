@@ -98,14 +98,17 @@ export async function natsSample(
     streamsMb[s.config.name] = s.state.bytes / 2 ** 20;
     if (s.config.name === `KV_${names.sessionsBucket}`) sessionMessages = s.state.messages;
   }
-  const count = async (bucket: string) => {
+  const count = async (bucket: string, counted: (key: string) => boolean = () => true) => {
     const kv = await nc.jetstream().views.kv(bucket);
     // A key written again while the listing runs comes twice (its new value is delivered too).
     const keys = new Set<string>();
-    for await (const k of await kv.keys()) keys.add(k);
+    for await (const k of await kv.keys()) if (counted(k)) keys.add(k);
     return keys.size;
   };
-  return { consumers, sessionKeys: await count(names.sessionsBucket), poolKeys: await count(names.poolsBucket), sessionMessages, streamsMb };
+  // Conversations' entries only: not a pool's claim of its read for orphans (`_orphans.…`, which
+  // lives one reconcile interval; dataplane/session-keys.ts), whose key no namespace begins like.
+  const entry = (key: string) => !key.startsWith('_');
+  return { consumers, sessionKeys: await count(names.sessionsBucket, entry), poolKeys: await count(names.poolsBucket), sessionMessages, streamsMb };
 }
 
 /** Every run of the pool workflow `workflowId`, walked back from the latest through continue-as-new, summed up. */
