@@ -152,8 +152,8 @@ export function numberGrammar(g: Grammar, kw: NumberKeywords, hint: string): Nod
   // The grid: F fraction digits, and N = x·10^F ≡ 0 (mod K).
   let F = 0;
   let K = 1n;
-  if (kw.multipleOf !== undefined) {
-    const step = decimalOf(kw.multipleOf);
+  const step = kw.multipleOf === undefined ? undefined : decimalOf(kw.multipleOf);
+  if (step) {
     if (kw.integer) K = step.digits / gcd(step.digits, pow10(step.scale));
     else {
       F = step.scale;
@@ -188,8 +188,7 @@ export function numberGrammar(g: Grammar, kw: NumberKeywords, hint: string): Nod
   // A side without a bound stops at ±(2^53 − 1) — a million steps for a step that is not a binary
   // fraction (see the module comment) — or, beyond the other bound, one integer digit further.
   let open = implicit;
-  if (kw.multipleOf !== undefined) {
-    const step = decimalOf(kw.multipleOf);
+  if (step) {
     const denominator = pow10(step.scale) / gcd(step.digits, pow10(step.scale));
     if (denominator % 5n === 0n) {
       const steps = (NUMBER_LIMITS.openDecimalSteps * step.digits * pow10(F)) / pow10(step.scale);

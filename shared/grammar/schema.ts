@@ -40,12 +40,17 @@ export const MAX_COUNT = 1_000_000;
  */
 export const RECURSION_DEPTH = 10;
 
+/** The definition a `$ref` names, when it is `#/$defs/<name>` (the only form followed). */
+const defOf = (target: unknown): string | undefined =>
+  typeof target === 'string' && /^#\/\$defs\/[^/]+$/.test(target) ? target.slice('#/$defs/'.length) : undefined;
+
 /** The `#/$defs/<name>` references anywhere under `s` (a superset of those the walk follows). */
 function refsIn(s: unknown, out = new Set<string>()): Set<string> {
   if (Array.isArray(s)) for (const x of s) refsIn(x, out);
   else if (isObject(s))
     for (const [k, v] of Object.entries(s)) {
-      if (k === '$ref' && typeof v === 'string' && v.startsWith('#/$defs/')) out.add(v.slice('#/$defs/'.length));
+      const name = k === '$ref' ? defOf(v) : undefined;
+      if (name !== undefined) out.add(name);
       else refsIn(v, out);
     }
   return out;
@@ -54,7 +59,8 @@ function refsIn(s: unknown, out = new Set<string>()): Set<string> {
 /** The references `s` may be before any text of its own (through `$ref`, `anyOf`, `oneOf`). */
 function headRefs(s: unknown): string[] {
   if (!isObject(s)) return [];
-  if (typeof s.$ref === 'string' && s.$ref.startsWith('#/$defs/')) return [s.$ref.slice('#/$defs/'.length)];
+  const name = defOf(s.$ref);
+  if (name !== undefined) return [name];
   return [s.anyOf, s.oneOf].flatMap((b) => (Array.isArray(b) ? b.flatMap(headRefs) : []));
 }
 
@@ -142,8 +148,7 @@ export function convertSchema(schema: unknown, at: string): { grammar: Grammar; 
     };
 
     if (has('$ref')) {
-      const target = s.$ref;
-      const name = typeof target === 'string' && /^#\/\$defs\/[^/]+$/.test(target) ? target.slice('#/$defs/'.length) : undefined;
+      const name = defOf(s.$ref);
       if (name === undefined || !defNames.has(name)) refuse('$ref', '(only references to "#/$defs/<name>" of the top-level schema are followed)');
       const others = keys.filter((k) => k !== '$ref');
       if (others.length > 0) refuse(others[0]!, 'beside $ref');
