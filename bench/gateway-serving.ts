@@ -238,6 +238,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
             modelId: cmd.pool,
             graceMs: 1000,
             json: false,
+            standby: false,
           },
           () => undefined,
         );

@@ -195,9 +195,11 @@ describe('magus engine options', () => {
       ctx: 4096,
       modelId: 'tiny.gguf',
       json: true,
+      standby: false,
       graceMs: 30_000,
     });
     expect(o.threads).toBeGreaterThanOrEqual(1);
+    expect(parseEngineArgs(['--model', 'x', '--standby']).standby).toBe(true);
   });
 
   test.each([

@@ -4,7 +4,7 @@
  * workers/engine.ts.
  */
 export { ENGINE_USAGE, parseEngineArgs, type EngineOptions } from './options';
-export { startEngine, type LoadedEngine, type RunningEngine } from './server';
+export { startEngine, type LoadedEngine, type RunningEngine, type Standby } from './server';
 export { createEngineHttp, engineApi, COMPLETIONS_URL, type EngineApiOptions } from './app';
 export { EngineCore, type EngineStatus } from './core';
 export * from './api';

@@ -265,22 +265,49 @@ export class LlamaBackend implements CompletionBackend {
 
   /** Loads the model and creates one sequence per slot. Nothing is downloaded or built. */
   static async load(opts: LlamaBackendOptions): Promise<LlamaBackend> {
+    return (await LlamaBackend.preload(opts)).finish();
+  }
+
+  /**
+   * The part of {@link load} that a standby engine does before it is needed (server.ts): the
+   * library, and the model's weights mapped. `finish` makes the context and its sequences (their
+   * KV cache is what a standby must not hold); `dispose` frees what it loaded, unfinished.
+   */
+  static async preload(opts: LlamaBackendOptions): Promise<{ finish(): Promise<LlamaBackend>; dispose(): Promise<void> }> {
     const log = opts.log ?? (() => undefined);
     const { lib, llama } = await cpuLlama(opts.threads, log);
+    let model: LlamaModel;
     try {
-      const model = await llama.loadModel({ modelPath: opts.modelPath, gpuLayers: 0 });
-      const contextSize = Math.min(opts.contextSize, model.trainContextSize);
-      if (contextSize < opts.contextSize) log(`context capped at the model's training context: ${contextSize} tokens`);
-      const context = await model.createContext({ contextSize, sequences: opts.slots, threads: opts.threads });
-      const sequences: LlamaContextSequence[] = [];
-      for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
-      const { wrapper, info } = resolveWrapper(lib, model, log);
-      const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-      return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
+      model = await llama.loadModel({ modelPath: opts.modelPath, gpuLayers: 0 });
     } catch (err) {
       await llama.dispose();
       throw err;
     }
+    let wrapped: ReturnType<typeof resolveWrapper>;
+    try {
+      wrapped = resolveWrapper(lib, model, log);
+    } catch (err) {
+      await llama.dispose();
+      throw err;
+    }
+    const { wrapper, info } = wrapped;
+    return {
+      dispose: () => llama.dispose(),
+      finish: async () => {
+        try {
+          const contextSize = Math.min(opts.contextSize, model.trainContextSize);
+          if (contextSize < opts.contextSize) log(`context capped at the model's training context: ${contextSize} tokens`);
+          const context = await model.createContext({ contextSize, sequences: opts.slots, threads: opts.threads });
+          const sequences: LlamaContextSequence[] = [];
+          for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
+          const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
+          return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
+        } catch (err) {
+          await llama.dispose();
+          throw err;
+        }
+      },
+    };
   }
 
   prepare(req: ChatRequest): PreparedCompletion {

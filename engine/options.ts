@@ -9,7 +9,11 @@ import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--resume-slots 1] [--queue 16]',
-  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json]',
+  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json] [--standby]',
+  '',
+  '  --standby   map the model, print "standby" (a JSON event with --json), then wait for a line',
+  '              "start" on stdin before listening and serving: a restart in place that costs only',
+  "              the context's making (the local runtime keeps one beside each engine)",
 ].join('\n');
 
 export interface EngineOptions {
@@ -37,6 +41,8 @@ export interface EngineOptions {
   graceMs: number;
   /** Print lifecycle events as JSON lines on stdout. */
   json: boolean;
+  /** Wait on standby, the weights mapped, for a line `start` on stdin (server.ts `Standby`). */
+  standby: boolean;
 }
 
 const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--resume-slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
@@ -57,10 +63,12 @@ function integer(flag: string, text: string | undefined, fallback: number, min: 
 export function parseEngineArgs(args: readonly string[]): EngineOptions {
   const values: Partial<Record<ValueFlag, string>> = {};
   let json = false;
+  let standby = false;
   for (let i = 0; i < args.length; i++) {
     const arg = args[i]!;
-    if (arg === '--json') {
-      json = true;
+    if (arg === '--json' || arg === '--standby') {
+      if (arg === '--json') json = true;
+      else standby = true;
       continue;
     }
     const eq = arg.indexOf('=');
@@ -86,5 +94,6 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     modelId: values['--model-id'] ?? basename(model),
     graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
     json,
+    standby,
   };
 }

@@ -33,22 +33,50 @@ export interface RunningEngine {
   stop(): Promise<void>;
 }
 
-export async function startEngine(opts: EngineOptions, log: (message: string) => void): Promise<RunningEngine> {
+/**
+ * An engine started on standby (`magus engine --standby`): it maps the model's weights, says so,
+ * and waits to be told to serve — then listens (on a port another engine may have held until
+ * then) and makes its context, so a restart in place costs that part only.
+ */
+export interface Standby {
+  /** Called once the weights are mapped, before the engine listens. */
+  waiting(): void;
+  /** Resolves when the engine is to serve; a rejection ends the standby (nothing is served). */
+  go: Promise<void>;
+}
+
+export async function startEngine(opts: EngineOptions, log: (message: string) => void, standby?: Standby): Promise<RunningEngine> {
+  const backendOptions = { modelPath: opts.model, slots: opts.slots + opts.resumeSlots, threads: opts.threads, contextSize: opts.ctx, log };
   const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue, resumeSlots: opts.resumeSlots });
   const app = createEngineHttp(core, { logError: log });
-  await app.listen({ host: opts.host, port: opts.port });
+  let preloaded: Awaited<ReturnType<typeof LlamaBackend.preload>> | undefined;
+  if (standby) {
+    preloaded = await LlamaBackend.preload(backendOptions);
+    try {
+      await app.ready();
+      standby.waiting();
+      await standby.go;
+    } catch (err) {
+      await preloaded.dispose();
+      throw err;
+    }
+  }
+  try {
+    await app.listen({ host: opts.host, port: opts.port });
+  } catch (err) {
+    await preloaded?.dispose();
+    throw err;
+  }
   const { port } = app.server.address() as AddressInfo;
   const url = `http://${opts.host.includes(':') ? `[${opts.host}]` : opts.host}:${port}`;
 
   const started = performance.now();
   let backend: LlamaBackend | undefined;
-  const loaded = LlamaBackend.load({ modelPath: opts.model, slots: opts.slots + opts.resumeSlots, threads: opts.threads, contextSize: opts.ctx, log }).then(
-    (b) => {
-      backend = b;
-      core.ready(b);
-      return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };
-    },
-  );
+  const loaded = (preloaded ? preloaded.finish() : LlamaBackend.load(backendOptions)).then((b) => {
+    backend = b;
+    core.ready(b);
+    return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };
+  });
   loaded.catch(() => undefined); // the caller awaits it; stop() must not raise an unhandled rejection
 
   let stopping: Promise<void> | undefined;

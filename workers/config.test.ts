@@ -71,6 +71,13 @@ describe('MAGUS_ENGINES: the engines the local runtime runs, in the order it tri
   });
 });
 
+test('MAGUS_ENGINE_STANDBY: an engine on standby beside each unless 0; anything else is refused', () => {
+  expect(settingsOf(loadConfig({}).runtime, local)!.noStandby).toBeUndefined();
+  expect(settingsOf(loadConfig({ MAGUS_ENGINE_STANDBY: '1' }).runtime, local)!.noStandby).toBeUndefined();
+  expect(settingsOf(loadConfig({ MAGUS_ENGINE_STANDBY: '0' }).runtime, local)!.noStandby).toBe(true);
+  expect(problem({ MAGUS_ENGINE_STANDBY: 'yes' })).toContain('MAGUS_ENGINE_STANDBY=yes must be 1');
+});
+
 test('both binaries enable distributed-llama with 2 nodes and 1 thread by default', () => {
   expect(dllamaOf(loadConfig({ MAGUS_DLLAMA_API_BIN: api, MAGUS_DLLAMA_BIN: worker }))).toEqual({ apiBin: api, workerBin: worker, nodes: 2, threads: 1 });
 });

@@ -2,7 +2,8 @@
  * `magus engine`: runs the llama.cpp engine (engine/) until SIGTERM or SIGINT.
  */
 import { access, constants } from 'node:fs/promises';
-import { ENGINE_USAGE, parseEngineArgs, startEngine, type EngineOptions, type RunningEngine } from '../engine';
+import { createInterface } from 'node:readline';
+import { ENGINE_USAGE, parseEngineArgs, startEngine, type EngineOptions, type RunningEngine, type Standby } from '../engine';
 import { usageFailure } from '../platform/cli';
 
 export { ENGINE_USAGE } from '../engine';
@@ -12,7 +13,8 @@ const message = (err: unknown): string => (err instanceof Error ? err.message : 
 /**
  * Runs the engine until SIGTERM or SIGINT (a second signal aborts generations in flight at once).
  * Human-readable progress goes to stderr; with `--json`, `listening`, `ready` and `stopped` events
- * go to stdout as JSON lines.
+ * go to stdout as JSON lines (and `standby` first, on standby). On standby (`--standby`) it maps
+ * the model and waits for a line `start` on stdin; stdin's end or a signal meanwhile ends it (0).
  * @returns exit status: 0 after a clean stop, 1 on bad options or when the model cannot be loaded
  */
 export async function engineCommand(args: string[]): Promise<number> {
@@ -35,12 +37,19 @@ export async function engineCommand(args: string[]): Promise<number> {
     if (opts.json) process.stdout.write(`${JSON.stringify(event)}\n`);
   };
 
+  const standby = opts.standby ? standbyUntilStart(() => emit({ event: 'standby' }), log) : undefined;
   let engine: RunningEngine;
   try {
-    engine = await startEngine(opts, log);
+    engine = await startEngine(opts, log, standby?.standby);
   } catch (err) {
-    log(`cannot listen on ${opts.host}:${opts.port}: ${message(err)}`);
+    if (standby?.ended()) {
+      log('standby ended before it was started');
+      return 0;
+    }
+    log(`cannot ${opts.standby ? 'load the model or listen' : 'listen'} on ${opts.host}:${opts.port}: ${message(err)}`);
     return 1;
+  } finally {
+    standby?.dispose();
   }
   log(`listening on ${engine.url}; loading ${opts.model} …`);
   emit({ event: 'listening', url: engine.url });
@@ -87,4 +96,44 @@ export async function engineCommand(args: string[]): Promise<number> {
     process.off('SIGINT', onSignal);
     process.off('SIGTERM', onSignal);
   }
+}
+
+/**
+ * A standby's go: a line `start` on stdin. Stdin's end (whoever started it is gone, or chose
+ * another) or SIGTERM/SIGINT meanwhile ends the standby instead.
+ */
+function standbyUntilStart(waiting: () => void, log: (line: string) => void): { standby: Standby; ended(): boolean; dispose(): void } {
+  let ended = false;
+  let end: () => void = () => undefined;
+  const lines = createInterface({ input: process.stdin });
+  const go = new Promise<void>((start, fail) => {
+    end = () => {
+      ended = true;
+      fail(new Error('standby ended'));
+    };
+    lines.on('line', (line) => {
+      if (line.trim() === 'start') start();
+    });
+    lines.once('close', end);
+  });
+  go.catch(() => undefined);
+  const onSignal = () => end();
+  process.on('SIGINT', onSignal);
+  process.on('SIGTERM', onSignal);
+  return {
+    standby: {
+      go,
+      waiting: () => {
+        log('on standby: the model is mapped; a line "start" on stdin starts serving');
+        waiting();
+      },
+    },
+    ended: () => ended,
+    dispose: () => {
+      process.off('SIGINT', onSignal);
+      process.off('SIGTERM', onSignal);
+      lines.removeAllListeners('close');
+      lines.close();
+    },
+  };
 }

@@ -61,6 +61,12 @@ export interface LocalEngineSettings {
   startTimeoutSec?: number;
   /** When an engine or topology dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
   restart?: Partial<RestartPolicy>;
+  /**
+   * A llama.cpp engine keeps a second one on standby beside it, its model mapped, which serves
+   * at once when it dies (llama-cpp.ts `startSupervisedEngine`). Default false here; a worker's
+   * local runtime turns it on unless `MAGUS_ENGINE_STANDBY=0` (local-entry.ts).
+   */
+  standby?: boolean;
   /** distributed-llama binaries and topology size; unset: distributed-llama cannot run here. */
   dllama?: DllamaOptions;
   /**

@@ -75,32 +75,25 @@ export interface LlamaCppEngine {
   process: SupervisedProcess;
 }
 
-/**
- * Starts an engine and resolves with its URL once it reports ready. A failed start (it exits,
- * the deadline passes, `signal` aborts) rejects only once the process has exited, so it leaves
- * none behind; aborted, it rejects with `signal.reason`. `port`: a fixed one (a restart keeps
- * the URL its bridge calls); default any.
- */
-export function startLlamaCppEngine(
-  model: string,
-  opts: {
-    modelId: string;
-    slots: number;
-    threads: number;
-    ctx?: number;
-    resumeSlots?: number;
-    startTimeoutSec: number;
-    name: string;
-    log: (line: string) => void;
-    output?: (line: string) => void;
-    port?: number;
-    signal?: AbortSignal;
-  },
-): Promise<LlamaCppEngine> {
-  const { signal } = opts;
-  if (signal?.aborted) return Promise.reject(signal.reason as Error);
-  const argv = engineArgv(
-    engineArgs({
+/** How {@link startLlamaCppEngine} starts an engine. */
+export interface EngineStart {
+  modelId: string;
+  slots: number;
+  threads: number;
+  ctx?: number;
+  resumeSlots?: number;
+  startTimeoutSec: number;
+  name: string;
+  log: (line: string) => void;
+  output?: (line: string) => void;
+  port?: number;
+  signal?: AbortSignal;
+}
+
+/** An engine process and the events it has reported on stdout (`listening`, `standby`, `ready`). */
+function spawnEngine(model: string, opts: EngineStart, standby: boolean) {
+  const argv = engineArgv([
+    ...engineArgs({
       model,
       modelId: opts.modelId,
       port: opts.port ?? 0,
@@ -109,11 +102,14 @@ export function startLlamaCppEngine(
       ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}),
       ...(opts.resumeSlots !== undefined ? { resumeSlots: opts.resumeSlots } : {}),
     }),
-  );
+    ...(standby ? ['--standby'] : []),
+  ]);
   let url: string | null = null;
-  let onReady: (() => void) | undefined;
-  const proc = spawnSupervised(opts.name, argv, {
+  const seen = new Set<string>();
+  const waiters = new Set<() => void>();
+  const proc = spawnSupervised(standby ? `${opts.name} (standby)` : opts.name, argv, {
     log: opts.output ?? (() => undefined),
+    stdin: standby,
     onStdoutLine: (line) => {
       let event: { event?: string; url?: string };
       try {
@@ -122,32 +118,83 @@ export function startLlamaCppEngine(
         return;
       }
       if (event.event === 'listening' && event.url) url = event.url;
-      if (event.event === 'ready' && url) onReady?.();
+      if (event.event) seen.add(event.event);
+      for (const w of [...waiters]) w();
     },
   });
-  return new Promise((ok, fail) => {
-    /** Why the start is being given up; it fails with this once the process has exited. */
-    let giveUp: Error | null = null;
-    const abandon = (why: Error) => {
-      giveUp ??= why;
-      // Nothing is served yet: no grace to give.
-      void proc.stop(0);
-    };
-    const timer = setTimeout(() => abandon(new Error(`engine did not become ready within ${opts.startTimeoutSec}s`)), opts.startTimeoutSec * 1000);
-    const onAbort = () => abandon(signal!.reason as Error);
-    signal?.addEventListener('abort', onAbort, { once: true });
-    void proc.exited.then((e) => {
-      clearTimeout(timer);
-      signal?.removeEventListener('abort', onAbort);
-      fail(giveUp ?? new Error(`engine ${describeExit(e)} before it was ready`));
+  /**
+   * Resolves once it has reported `event` (`ready`: with its URL). A failed wait (it exits, the
+   * start's deadline passes, `signal` aborts) rejects only once the process has exited, so it
+   * leaves none behind; aborted, it rejects with `signal.reason`.
+   */
+  const until = (event: 'standby' | 'ready', signal: AbortSignal | undefined): Promise<void> =>
+    new Promise((ok, fail) => {
+      /** Why the wait is given up; it fails with this once the process has exited. */
+      let giveUp: Error | null = null;
+      const abandon = (why: Error) => {
+        giveUp ??= why;
+        // Nothing is served yet: no grace to give.
+        void proc.stop(0);
+      };
+      const what = event === 'ready' ? 'ready' : 'ready on standby';
+      const timer = setTimeout(() => abandon(new Error(`engine did not become ${what} within ${opts.startTimeoutSec}s`)), opts.startTimeoutSec * 1000);
+      const onAbort = () => abandon(signal!.reason as Error);
+      const done = () => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', onAbort);
+        waiters.delete(check);
+      };
+      const check = () => {
+        if (giveUp || !seen.has(event) || (event === 'ready' && !url)) return;
+        done();
+        ok();
+      };
+      waiters.add(check);
+      signal?.addEventListener('abort', onAbort, { once: true });
+      void proc.exited.then((e) => {
+        done();
+        fail(giveUp ?? new Error(`engine ${describeExit(e)} before it was ${what}`));
+      });
+      if (signal?.aborted) onAbort();
+      else check();
     });
-    onReady = () => {
-      if (giveUp) return;
-      clearTimeout(timer);
-      signal?.removeEventListener('abort', onAbort);
-      ok({ url: url!, port: Number(new URL(url!).port), process: proc });
-    };
-  });
+  const engine = (): LlamaCppEngine => ({ url: url!, port: Number(new URL(url!).port), process: proc });
+  return { proc, until, engine };
+}
+
+/**
+ * Starts an engine and resolves with its URL once it reports ready. A failed start (it exits,
+ * the deadline passes, `signal` aborts) rejects only once the process has exited, so it leaves
+ * none behind; aborted, it rejects with `signal.reason`. `port`: a fixed one (a restart keeps
+ * the URL its bridge calls); default any.
+ */
+export async function startLlamaCppEngine(model: string, opts: EngineStart): Promise<LlamaCppEngine> {
+  if (opts.signal?.aborted) throw opts.signal.reason as Error;
+  const e = spawnEngine(model, opts, false);
+  await e.until('ready', opts.signal);
+  return e.engine();
+}
+
+/** An engine on standby (`magus engine --standby`): its model mapped, not listening yet. */
+export interface StandbyEngine {
+  process: SupervisedProcess;
+  /** Tells it to serve (on the port it was given) and resolves once it is ready, as {@link startLlamaCppEngine} does. */
+  start(signal?: AbortSignal): Promise<LlamaCppEngine>;
+}
+
+/** Starts an engine on standby for `opts.port` and resolves once it waits there. */
+export async function startStandbyEngine(model: string, opts: EngineStart): Promise<StandbyEngine> {
+  if (opts.signal?.aborted) throw opts.signal.reason as Error;
+  const e = spawnEngine(model, opts, true);
+  await e.until('standby', opts.signal);
+  return {
+    process: e.proc,
+    start: async (signal) => {
+      e.proc.child.stdin?.end('start\n');
+      await e.until('ready', signal);
+      return e.engine();
+    },
+  };
 }
 
 /**
@@ -155,26 +202,93 @@ export function startLlamaCppEngine(
  * again on the same port (its URL, which the bridge calls, stays) after a backoff; requests in
  * flight fail over to the bridge's retry (nak, redelivery) and queued ones wait in the instance's
  * consumer. A crash loop and it stays down: `healthy()` turns false, for the pool to replace.
+ *
+ * With `standby`, a second engine waits beside it on standby, its model mapped (started once the
+ * first is ready, and again after each restart): a death is answered by starting it at once —
+ * the restart costs its context's making and listening, ~0.4 s for a small model, not a process's
+ * start and a model's load (~2 s) after a backoff. The first restart in the policy's window that
+ * finds it waiting comes at once; later ones back off as before. A standby that failed or is not
+ * ready yet is replaced by a cold start (or waited for, while it loads).
  */
 export async function startSupervisedEngine(
   model: string,
-  opts: Parameters<typeof startLlamaCppEngine>[1] & { restart?: Partial<RestartPolicy>; stopGraceMs: number },
+  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: boolean },
 ): Promise<Supervised<LlamaCppEngine>> {
   const first = await startLlamaCppEngine(model, opts);
   const port = first.port;
-  // `signal` is the first start's; a restart is aborted by stop() instead.
-  const { signal: _startOnly, ...again } = opts;
-  return supervise(first, {
+  // `signal` is the first start's; a restart is aborted by stop() instead, and so is a standby's start.
+  const { signal: _startOnly, standby: withStandby, restart: policy, stopGraceMs, ...again } = opts;
+  const stopping = new AbortController();
+  let spare: { engine: Promise<StandbyEngine | undefined>; waiting: boolean } | undefined;
+  const keepSpare = () => {
+    if (!withStandby || stopping.signal.aborted) return;
+    const next: NonNullable<typeof spare> = { engine: Promise.resolve(undefined), waiting: false };
+    next.engine = startStandbyEngine(model, { ...again, port, signal: stopping.signal }).then(
+      (s) => {
+        next.waiting = true;
+        opts.log(`${opts.name}: an engine waits on standby for port ${port} (pid ${s.process.child.pid ?? '?'})`);
+        void s.process.exited.then(() => (next.waiting = false));
+        return s;
+      },
+      (err: unknown) => {
+        if (!stopping.signal.aborted) opts.log(`${opts.name}: no engine on standby (${(err as Error).message})`);
+        return undefined;
+      },
+    );
+    spare = next;
+  };
+  const restart = async (signal: AbortSignal): Promise<LlamaCppEngine> => {
+    const s = await spare?.engine;
+    spare = undefined;
+    if (s && !s.process.exit) {
+      try {
+        const e = await s.start(signal);
+        keepSpare();
+        return e;
+      } catch (err) {
+        if (signal.aborted) throw err;
+        opts.log(`${opts.name}: the engine on standby did not start (${(err as Error).message}); starting a new one`);
+      }
+    }
+    const e = await startLlamaCppEngine(model, { ...again, port, signal });
+    keepSpare();
+    return e;
+  };
+  keepSpare();
+  const supervised = supervise(first, {
     name: opts.name,
     log: opts.log,
-    policy: opts.restart,
+    policy,
     where: `on port ${port}`,
     ended: (e) => e.process.exited.then(describeExit),
     running: (e) => !e.process.exit,
-    restart: (signal) => startLlamaCppEngine(model, { ...again, port, signal }),
-    stop: (e) => e.process.stop(opts.stopGraceMs),
+    restart,
+    immediate: () => spare?.waiting === true,
+    stop: (e) => e.process.stop(stopGraceMs),
     describe: (e) => `pid ${e.process.child.pid ?? '?'}`,
   });
+  return {
+    get current() {
+      return supervised.current;
+    },
+    get restarts() {
+      return supervised.restarts;
+    },
+    get stops() {
+      return supervised.stops;
+    },
+    get lastStop() {
+      return supervised.lastStop;
+    },
+    recovering: () => supervised.recovering(),
+    healthy: () => supervised.healthy(),
+    async stop() {
+      stopping.abort(new Error('the engine is stopping'));
+      const s = spare;
+      spare = undefined;
+      await Promise.all([supervised.stop(), s?.engine.then((e) => e?.process.stop(0))]);
+    },
+  };
 }
 
 /** SIGTERM → SIGKILL grace when the local runtime stops an engine. */
@@ -206,6 +320,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     log: l.log,
     output: l.settings.output,
     restart: l.settings.restart,
+    ...(l.settings.standby ? { standby: true } : {}),
     stopGraceMs: STOP_GRACE_MS,
     signal: l.signal,
   });

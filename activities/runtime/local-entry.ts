@@ -34,6 +34,17 @@ export interface LocalRuntimeConfig {
   dllama?: DllamaConfig;
   /** `MAGUS_ENGINES`: the engines it may run, in the order it tries them; unset: every engine it can run, distributed ones first. */
   engines?: EngineKind[];
+  /** `MAGUS_ENGINE_STANDBY=0`: no llama.cpp engine on standby beside each (launcher.ts `standby`); unset: one. */
+  noStandby?: true;
+}
+
+/** `MAGUS_ENGINE_STANDBY`: `1` (the default) or `0`. */
+function standbyConfig(env: NodeJS.ProcessEnv, problems: string[]): boolean {
+  const text = env.MAGUS_ENGINE_STANDBY?.trim();
+  if (text === undefined || text === '' || text === '1') return true;
+  if (text === '0') return false;
+  problems.push(`MAGUS_ENGINE_STANDBY=${text} must be 1 (an engine on standby beside each llama.cpp engine, the default) or 0 (none)`);
+  return true;
 }
 
 /**
@@ -130,7 +141,8 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
   settingsFrom: (env, problems) => {
     const dllama = dllamaConfig(env, problems);
     const engines = enginesConfig(env, dllama, problems);
-    return { ...(dllama ? { dllama } : {}), ...(engines ? { engines } : {}) };
+    const standby = standbyConfig(env, problems);
+    return { ...(dllama ? { dllama } : {}), ...(engines ? { engines } : {}), ...(standby ? {} : { noStandby: true as const }) };
   },
   // Checked on a worker of another runtime too: a bad MAGUS_DLLAMA_* value is reported, not ignored.
   unselected: (env, problems) => void dllamaConfig(env, problems),
@@ -147,6 +159,7 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
       cacheDir: modelCacheDir,
       dllama,
       engines: localEngines(config),
+      standby: config.noStandby !== true,
       ...(instanceMemory ? { instanceMemory } : {}),
       log: deps.log,
     });

@@ -41,6 +41,8 @@ export interface SpawnOptions {
    * buffered, so its log lines would arrive kilobytes late.
    */
   lineBuffered?: boolean;
+  /** Its stdin is a pipe (`child.stdin`; a write after it has gone is dropped), not closed. */
+  stdin?: boolean;
   /** Set in its environment beside the worker's own (e.g. a secret it must not see on its command line, which any process can read). */
   env?: Readonly<Record<string, string>>;
 }
@@ -75,21 +77,22 @@ export function spawnSupervised(name: string, argv: readonly string[], opts: Spa
   // stops its engines in order, not to the engines behind its back. pdeathsig still ends them
   // with the process that started them.
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', ...buffering, cmd, ...args], {
-    stdio: ['ignore', 'pipe', 'pipe'],
+    stdio: [opts.stdin ? 'pipe' : 'ignore', 'pipe', 'pipe'],
     detached: true,
     ...(opts.env ? { env: { ...process.env, ...opts.env } } : {}),
   });
+  child.stdin?.on('error', () => undefined); // EPIPE: it has exited, which `exited` says
   const lines: string[] = [];
   const remember = (line: string): void => {
     lines.push(line);
     if (lines.length > TAIL_LINES) lines.shift();
   };
-  createInterface({ input: child.stdout }).on('line', (line) => {
+  createInterface({ input: child.stdout! }).on('line', (line) => {
     remember(line);
     if (opts.onStdoutLine) opts.onStdoutLine(line);
     else opts.log(`${name}: ${line}`);
   });
-  createInterface({ input: child.stderr }).on('line', (line) => {
+  createInterface({ input: child.stderr! }).on('line', (line) => {
     remember(line);
     opts.log(`${name}: ${line}`);
   });
