@@ -284,10 +284,21 @@ test('an instance that stops serving for good is replaced, and its conversation 
   const renewed = { ...(JSON.parse(new TextDecoder().decode(placed.value)) as SessionEntry), expiresAt: Date.now() + 120_000 };
   await kv.update(mine[0]!, JSON.stringify(renewed), placed.revision);
 
-  // Broken for good: its model file is gone from the cache and its engine dies, so every
-  // restart fails and the runtime gives the instance up.
+  // Broken for good: its model file is gone from the cache and its engine dies, then the engine
+  // on standby that serves in its place (the file still mapped) dies too, so every restart fails
+  // and the runtime gives the instance up.
   for (const f of readdirSync(join(dir, 'models'))) rmSync(join(dir, 'models', f), { force: true });
-  process.kill((workers.runtime as LocalRuntime).processes(MODEL, doomed)![0]!.pid!, 'SIGKILL'); // the stack's worker runs the local runtime
+  const runtime = workers.runtime as LocalRuntime; // the stack's worker runs the local runtime
+  const engineOf = () => runtime.processes(MODEL, doomed)?.[0];
+  const first = engineOf()!.pid!;
+  process.kill(first, 'SIGKILL');
+  // (No standby may be ready: the one the last test's restart started may have lost its file.)
+  await until('the engine on standby serving in its place, or none', async () => {
+    const now = engineOf();
+    return !now || (now.pid !== first && now.running) || (await runtime.describe(MODEL, doomed))?.healthy === false;
+  });
+  const standby = engineOf();
+  if (standby?.running && standby.pid !== first) process.kill(standby.pid!, 'SIGKILL');
   // The pool's watcher sees it and drops it from its view (another instance starts when the
   // conversation's next turn finds no room: its entry on the lost instance counts no more).
   await until('the pool drops the instance', async () => !(await pool.query(poolStatusQuery)).instances.some((i) => i.id === doomed), 60_000);
