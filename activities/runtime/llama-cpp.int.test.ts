@@ -16,7 +16,7 @@ import { bridgeMetricsText } from '../../dataplane/bridge';
 import { consumerNameOf, type DataPlaneNames } from '../../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../../dataplane/registry';
 import { engineSizing, servedGguf } from '../../shared/engine-slots';
-import { LocalRuntime } from './local';
+import { LocalRuntime, type LocalRuntimeOptions } from './local';
 
 const POOL = 'tiny';
 
@@ -56,6 +56,11 @@ beforeAll(async () => {
 }, 120_000);
 
 afterAll(() => stack.close());
+
+/** Another runtime on this file's servers and cache, with `settings`. */
+async function runtimeWith(settings: Partial<LocalRuntimeOptions>): Promise<LocalRuntime> {
+  return new LocalRuntime({ nc, names, registry: await openModelRegistry(nc, names.modelsBucket), s3, bucket, cacheDir: join(dir, 'cache'), ...settings });
+}
 
 test('a dead engine is restarted on its port and serves the instance again; a crash loop is given up and reported', async () => {
   const info = await rt.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'tiny-1' }, new AbortController().signal);
@@ -103,17 +108,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
 test('with an engine on standby, a dead engine is replaced by it at once, on its port; another waits after; none is left once stopped', async () => {
   const standbyLogs: string[] = [];
   // A backoff far longer than the restart: the restart that comes sooner is the standby's.
-  const warm = new LocalRuntime({
-    nc,
-    names,
-    registry: await openModelRegistry(nc, names.modelsBucket),
-    s3,
-    bucket,
-    cacheDir: join(dir, 'cache'),
-    restart: { backoffMs: 30_000 },
-    standby: true,
-    log: (l) => standbyLogs.push(l),
-  });
+  const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: true, log: (l) => standbyLogs.push(l) });
   const waiting = () =>
     standbyLogs
       .flatMap((l) => /waits on standby for port (\d+) \(pid (\d+)\)/.exec(l) ?? [])
@@ -163,16 +158,7 @@ test('an engine gets the slots and context its memory plan gives within the inst
   // A budget for 3 slots: the plan's weights and buffers plus four slots' KV cache (one is the resume sequence).
   const kvPerSlot = engineSizing(plan, 2 ** 40).kvCachePerSlot;
   const budget = plan.root.weights + plan.root.buffers + 4 * kvPerSlot + kvPerSlot / 2;
-  const sized = new LocalRuntime({
-    nc,
-    names,
-    registry: await openModelRegistry(nc, names.modelsBucket),
-    s3,
-    bucket,
-    cacheDir: join(dir, 'cache'),
-    instanceMemory: budget,
-    log: (l) => logs.push(l),
-  });
+  const sized = await runtimeWith({ instanceMemory: budget, log: (l) => logs.push(l) });
   try {
     await sized.create({ namespace: 'default', model: 'planned', pool: 'planned', instance: 'planned-1' }, new AbortController().signal);
     const argv = sized.processes('planned', 'planned-1')![0]!.argv;
