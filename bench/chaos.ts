@@ -117,6 +117,9 @@ async function startGateway(): Promise<GatewayProcess> {
       MAGUS_GATEWAY_SECRET: SECRET,
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench:chaos' } }),
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(5 * 60_000),
+      // Its streams queue at their instances by design (~65 each): no bound on the wait, or most
+      // turns would be refused (429 queue_full) and retried, and the run would measure that.
+      MAGUS_MAX_QUEUE_WAIT: '0',
       // Warm turns only: Temporal is never asked.
       MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
       MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',

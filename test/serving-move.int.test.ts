@@ -22,7 +22,7 @@ import type { NatsConnection } from 'nats';
 import type OpenAI from 'openai';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
-import { ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
+import { ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
 import { demoModelFile } from '../workers/dev/demo-model';
@@ -338,6 +338,66 @@ test('a stream whose gateway died, then whose engine was SIGKILLed: resumed on a
     `gateway gone, then engine SIGKILLed: resumed on another replica, longest silence ${silence} ms; ${text === reference.text ? 'equal to the undisturbed answer' : 'differs from the undisturbed answer after the cut'}`,
   );
 }, 120_000);
+
+test('a background response whose gateway died, then whose engine was SIGKILLed: a poll on another replica adopts it, continues it on the other instance and stores it whole', async () => {
+  await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);
+  restartsBeforeKill = engines.i1!.restarts;
+  const doomedNc = await natsConnectAs('gateway', names, 'magus-test-doomed-background-gateway');
+  const doomed = await gatewayStack(names, {
+    nc: doomedNc,
+    secret,
+    tokens: { [TOKEN_ID]: openai.apiKey! },
+    env: { MAGUS_LOG_LEVEL: 'silent', MAGUS_MAX_QUEUE_WAIT: '0' },
+    // A response is a conversation of its own: placed on i1 (pinned: never moved but by a hand-back).
+    deps: { coldStart: () => Promise.resolve({ subject: requestSubjectOf(names, POOL, 'i1'), pool: POOL, instance: 'i1', expiresAt: Date.now() + 120_000 }) },
+  });
+  const handedBack = { i1: bridges.i1!.stats.handedBack, i2: bridges.i2!.stats.handedBack };
+  const continued = { i1: bridges.i1!.stats.continued, i2: bridges.i2!.stats.continued };
+  const ask = (via: string, path: string, body?: unknown) =>
+    fetch(`${via}${path}`, {
+      method: body ? 'POST' : 'GET',
+      headers: { authorization: `Bearer ${openai.apiKey}`, 'content-type': 'application/json' },
+      ...(body ? { body: JSON.stringify(body) } : {}),
+    });
+  const created = await ask(doomed.gateway.url, '/v1/responses', {
+    model: POOL,
+    input: 'Tell me a long story about a small boat.',
+    background: true,
+    max_output_tokens: ANSWER_TOKENS,
+    temperature: 0,
+  });
+  expect(created.status).toBe(200);
+  const requestId = created.headers.get('x-request-id')!;
+  const { id } = (await created.json()) as { id: string };
+  type Polled = { status: string; incomplete_details?: unknown; output: { content?: { text: string }[] }[]; usage?: { output_tokens: number } };
+  const textOf = (r: Polled) =>
+    r.output
+      .flatMap((o) => o.content ?? [])
+      .map((c) => c.text)
+      .join('');
+  const poll = async (): Promise<Polled> => (await (await ask(gateway.url, `/v1/responses/${id}`)).json()) as Polled;
+  // Some of it said, on whichever instance took it; then its gateway is gone (cut off from NATS first: it cancels nothing).
+  let before: Polled | undefined;
+  await until('the answer under way', async () => textOf((before = await poll())).length > 40, 60_000);
+  const [on, other] = ['i1', 'i2'] as const;
+  await doomedNc.close();
+  await Promise.resolve(doomed.close()).catch(() => undefined);
+  // Then its engine: its bridge hands the answer back, and the replica that would move it is gone.
+  process.kill(engines[on]!.current.process.child.pid!, 'SIGKILL');
+  await until('the answer handed back', () => bridges[on]!.stats.handedBack - handedBack[on] === 1, 30_000);
+  // Polled on the replica left: it adopts the run, claims the move and sends the rest to the other instance.
+  let after: Polled = before!;
+  // Cut by max_output_tokens, as the undisturbed answer is: `incomplete`.
+  await until('the response ended', async () => !['queued', 'in_progress'].includes((after = await poll()).status), 90_000);
+  expect(after).toMatchObject({ status: 'incomplete', incomplete_details: { reason: 'max_output_tokens' } });
+  expect(bridges[other]!.stats.continued - continued[other]).toBe(1);
+  expect(textOf(after).startsWith(textOf(before!))).toBe(true);
+  expect(after.usage?.output_tokens).toBe(ANSWER_TOKENS);
+  // One usage record under the request's id, with the whole answer.
+  const mine = await records(requestId);
+  expect(mine.map((r) => `${r.id} ${r.outcome} ${r.tokens.completion}`)).toEqual([`${requestId} completed ${ANSWER_TOKENS}`]);
+  measured.push(`background response, gateway gone, then engine SIGKILLed: adopted by a poll on another replica, continued on ${other}`);
+}, 180_000);
 
 test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the answer goes on on i2 instead of being cut, and the one queued behind it is served there', async () => {
   await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);

@@ -15,13 +15,15 @@
  * end, a poll that finishes it and a cancel never overwrite one another.
  */
 import type { FastifyInstance } from 'fastify';
+import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
 import type { ResponseFrame } from '../../shared/serving';
 import { isAnswering, type ResponseObject } from '../../shared/responses';
 import type { Principal } from '../plugins/auth';
 import { errors } from '../plugins/errors';
 import type { BackgroundRun, StoredResponse } from '../serving/response-store';
+import { roleOnly } from '../serving/exchange';
 import type { ResumableAnswer } from '../serving/resume';
-import { publishedAs } from './resume';
+import { instanceEntry, publishedAs } from './resume';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
 
 /** Whether a stored response is still being answered. */
@@ -41,20 +43,65 @@ export function runDraft(record: StoredResponse): ResponseDraft {
   return new ResponseDraft(pending, record.run?.logprobs === true, (kind, index) => `${kind}_${base}_${index}`);
 }
 
-/** The events of a run's frames, in order from seq 0 up to the first one missing or the last. */
-export function replayFrames(draft: ResponseDraft, frames: readonly ResponseFrame[]): ResponseEvent[] {
-  const bySeq = new Map<number, ResponseFrame>();
-  for (const f of frames) if (!bySeq.has(f.seq)) bySeq.set(f.seq, f);
+/**
+ * The events of a run's frames: each request's in order from seq 0 up to the first one missing or
+ * its last — the first request's, then, where its bridge handed the answer back, each
+ * continuation's ({@link storedSegments}) without its role chunk again. A hand-back with no
+ * continuation after it ends nothing: the answer is being moved.
+ */
+export function replayFrames(draft: ResponseDraft, segments: readonly (readonly ResponseFrame[])[]): ResponseEvent[] {
   const events = draft.begin();
-  for (let seq = 0; !draft.ended; seq++) {
-    const f = bySeq.get(seq);
-    if (!f) break;
-    if (f.type === 'chunk') events.push(...draft.chunk(f.data));
-    else if (f.type === 'done') events.push(...draft.finish().events);
-    else if (f.type === 'error') events.push(...draft.failed(f.error.code ?? f.error.type, f.error.message, f.error.status === 499));
-    // A run streams: its `done` carries no data, so it never comes in parts.
+  let chunks = 0;
+  for (const frames of segments) {
+    const bySeq = new Map<number, ResponseFrame>();
+    for (const f of frames) if (!bySeq.has(f.seq)) bySeq.set(f.seq, f);
+    for (let seq = 0; !draft.ended; seq++) {
+      const f = bySeq.get(seq);
+      if (!f) break;
+      if (f.type === 'chunk') {
+        if (segments[0] !== frames && chunks > 0 && roleOnly(f.data)) continue; // a continuation's role: said already
+        chunks += 1;
+        events.push(...draft.chunk(f.data));
+      } else if (f.type === 'done') events.push(...draft.finish().events);
+      else if (f.type === 'error') {
+        if (f.error.code === CONTINUE_ELSEWHERE) break; // it goes on in the next segment, or is being moved
+        events.push(...draft.failed(f.error.code ?? f.error.type, f.error.message, f.error.status === 499));
+      }
+      // A run streams: its `done` carries no data, so it never comes in parts.
+    }
+    if (draft.ended) break;
   }
   return events;
+}
+
+/** Whether `frames`, read from seq 0 up to the first missing, end with their answer handed back. */
+function handedBack(frames: readonly ResponseFrame[]): boolean {
+  const bySeq = new Map(frames.map((f) => [f.seq, f]));
+  let last: ResponseFrame | undefined;
+  for (let seq = 0; bySeq.has(seq); seq++) last = bySeq.get(seq);
+  return last?.type === 'error' && last.error.code === CONTINUE_ELSEWHERE;
+}
+
+/**
+ * What `MAGUS_RESPONSES` holds of the answer at `place`: its request's frames, then, for each time
+ * it was handed back and a move is recorded (serving/resume.ts `MoveLog`), that continuation's.
+ */
+export async function storedSegments(app: FastifyInstance, place: ResumableAnswer): Promise<ResponseFrame[][]> {
+  const { readStored, moves } = app.gateway;
+  const read = async (at: ResumableAnswer): Promise<ResponseFrame[] | undefined> => {
+    const published = publishedAs(app, at);
+    return published && readStored ? (await Promise.all(published.subjects.map(readStored))).flat() : undefined;
+  };
+  const first = await read(place);
+  if (!first) return [];
+  const segments = [first];
+  for (let n = 1; moves && handedBack(segments[segments.length - 1]!); n++) {
+    const to = await moves.find(place.requestId, n);
+    const frames = to && (await read(to));
+    if (!frames) break;
+    segments.push(frames);
+  }
+  return segments;
 }
 
 /**
@@ -97,15 +144,19 @@ export function placeOf(run: BackgroundRun): ResumableAnswer | undefined {
 
 /**
  * `record`'s answer as `MAGUS_RESPONSES` holds it: a draft fed its stored frames (from seq 0 up to
- * the first missing), their events, and whether any were stored.
+ * the first missing, across its moves), their events, whether any were stored, and whether its
+ * bridge handed it back with no move recorded yet (`movePending`).
  */
-export async function readBack(app: FastifyInstance, record: StoredResponse): Promise<{ draft: ResponseDraft; events: ResponseEvent[]; stored: boolean }> {
+export async function readBack(
+  app: FastifyInstance,
+  record: StoredResponse,
+): Promise<{ draft: ResponseDraft; events: ResponseEvent[]; stored: boolean; movePending: boolean }> {
   const draft = runDraft(record);
   const place = record.run && placeOf(record.run);
-  const published = place && publishedAs(app, place);
-  const { readStored } = app.gateway;
-  const frames = published && readStored ? (await Promise.all(published.subjects.map(readStored))).flat() : [];
-  return { draft, events: replayFrames(draft, frames), stored: frames.length > 0 };
+  const segments = place ? await storedSegments(app, place) : [];
+  const events = replayFrames(draft, segments);
+  const last = segments[segments.length - 1];
+  return { draft, events, stored: segments.some((f) => f.length > 0), movePending: !draft.ended && last !== undefined && handedBack(last) };
 }
 
 /** What {@link settleRun} makes of a running record; undefined leaves it as it is. */
@@ -133,10 +184,13 @@ export async function settleRun(app: FastifyInstance, principal: Principal, id: 
 
 /**
  * A running record ended by `draft` (finished or failed): the response and the answer a later turn
- * sends back. It keeps its run: a stream of it reads the same events from the frames while they are kept.
+ * sends back. It keeps its run (but its request's body): a stream of it reads the same events
+ * from the frames while they are kept.
  */
 export function endedBy(record: StoredResponse, draft: ResponseDraft, response: ResponseObject): StoredResponse {
-  return { ...record, output: draft.assistantMessages(), response };
+  // Its request's body was kept only to send the answer on while it ran.
+  const run = record.run && { ...record.run, body: undefined };
+  return { ...record, ...(run ? { run } : {}), output: draft.assistantMessages(), response };
 }
 
 /** A running record ended without its answer: `status` with `error`, its output as far as `draft` got. */
@@ -149,11 +203,16 @@ export function endedWithout(record: StoredResponse, draft: ResponseDraft, statu
  * The latest state of a running record without a replica to end it: its answer read back (ended
  * there: the record is written so), or — never published by its deadline, or its frames gone
  * before an end — failed. Returns the record as it stands (a running one with its output so far).
+ * `onStalled` is told when its answer must move (handed back with no move recorded, or its
+ * bridge silent): the replica that accepted it may be gone, and the caller may adopt the run.
  */
-export async function lookIn(app: FastifyInstance, principal: Principal, record: StoredResponse): Promise<StoredResponse> {
+export async function lookIn(app: FastifyInstance, principal: Principal, record: StoredResponse, onStalled?: () => void): Promise<StoredResponse> {
   const run = record.run;
   if (!run) return record;
-  const { draft, stored } = await readBack(app, record);
+  const { draft, stored, movePending } = await readBack(app, record);
+  const place = placeOf(run);
+  // Handed back with no move recorded, or its bridge silent: it must move, and its replica may be gone.
+  if (!draft.ended && place && (movePending || app.gateway.bridgeSilent?.(instanceEntry(place.pool, place.instance)))) onStalled?.();
   const now = Date.now();
   let end: RunUpdate | undefined;
   if (draft.ended) end = (r) => endedBy(r, draft, draft.snapshot());

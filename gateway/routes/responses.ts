@@ -24,7 +24,7 @@ import { ClientGone, runTurn, servableModel, serveTurn, type Turn } from './infe
 import { setTimeout as sleep } from 'node:timers/promises';
 import { ResponseDraft, type ResponseEvent } from './response-draft';
 import { toGatewayError } from '../plugins/errors';
-import { followAnswer, instanceEntry } from './resume';
+import { followAnswer, instanceEntry, type AskedAgain } from './resume';
 import { endedBy, endedWithout, isRunning, lookIn, notBackground, placeOf, readBack, replayRecord, runDraft, settleRun } from './background';
 import type { FastifyReply, FastifyRequest } from 'fastify';
 
@@ -107,6 +107,49 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       .finally(() => runs.delete(responseId));
   };
 
+  /** What `record`'s run asks, as a replica that must send it on needs it; undefined for a record of an older magus. */
+  const askedOf = async (principal: Principal, record: StoredResponse): Promise<AskedAgain | undefined> => {
+    const body = record.run?.body;
+    return body && { model: await servableModel(app, principal, record.model), payload: { body }, principal };
+  };
+
+  /**
+   * Adopts `record`'s run, whose answer must move (lookIn's `onStalled`) and whose accepting
+   * replica may be gone: followed here without a client from its first frame, a move nobody
+   * claims within a second claimed and sent on from its stored request (resume.ts
+   * `followAnswer`), and the response stored as it ends. Once per run per replica; should the
+   * accepting replica still run, the move log lets one of them continue it, and both store the same end.
+   */
+  const adoptRun = (request: FastifyRequest, record: StoredResponse): void => {
+    const principal = request.principal!;
+    const responseId = record.response.id;
+    const place = record.run && placeOf(record.run);
+    if (!place || runs.has(responseId)) return;
+    const gone = new AbortController();
+    runs.set(responseId, gone);
+    const log = request.log.child({ responseId });
+    const draft = runDraft(record);
+    void (async () => {
+      const asked = await askedOf(principal, record);
+      if (!asked) return; // an older record: nothing to send on with
+      log.info({ instance: place.instance }, 'adopting a background response whose answer must move');
+      await followAnswer(app, place, gone.signal, (chunk) => void draft.chunk(chunk), asked);
+      const { response } = draft.finish();
+      await settleRun(app, principal, responseId, (rec) => endedBy(rec, draft, response));
+    })()
+      .catch(async (err: unknown) => {
+        if (gone.signal.aborted) return; // cancelled here: the cancel wrote the record
+        const e = toGatewayError(err, s.retryAfterSec);
+        // Only an end the engine said is stored; a timeout here says only that this replica heard nothing.
+        if (e.code !== 'engine_error' && !(e.status >= 400 && e.status < 500))
+          return log.warn({ err }, 'an adopted background response was not followed to its end');
+        const error = errorBody(e, place.requestId).error;
+        await settleRun(app, principal, responseId, (rec) => endedWithout(rec, draft, 'failed', error.code ?? 'server_error', error.message));
+      })
+      .catch((err: unknown) => log.warn({ err }, 'could not store how an adopted background response ended (a later read of it will)'))
+      .finally(() => runs.delete(responseId));
+  };
+
   /** Stops `record`'s run: aborted here, or its bridge told to stop. */
   const stopRun = (record: StoredResponse): void => {
     runs.get(record.response.id)?.abort(new ClientGone('the response was cancelled'));
@@ -175,7 +218,8 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       sse.waiting(`queued at instance ${place.instance}: waiting for its engine to begin the answer`);
       emit(draft.begin());
       try {
-        await followAnswer(app, place, ctl.signal, (chunk) => emit(draft.chunk(chunk)));
+        // With the request it asks: should its answer move with its accepting replica gone, this one sends it on.
+        await followAnswer(app, place, ctl.signal, (chunk) => emit(draft.chunk(chunk)), await askedOf(principal, record));
         emit(draft.finish().events);
         await settleRun(app, principal, id, (rec) => endedBy(rec, draft, draft.snapshot())).catch(() => undefined);
       } catch (err) {
@@ -273,10 +317,11 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
           ...recordOf([], pendingResponse(responseId, body, Math.floor(Date.now() / 1000))),
           run: { request: id, publishBy: Date.now() + s.coldStartTimeoutMs + PUBLISH_MARGIN_MS, logprobs: wantsLogprobs(body) },
         };
-        await stored(g.storedResponses.put(responseId, record));
         // The engine streams, so the frames hold the answer as it grows.
         turn.request.stream = true;
         turn.request.stream_options = { include_usage: true };
+        record.run!.body = turn.request;
+        await stored(g.storedResponses.put(responseId, record));
         startRun(request, record, {
           id,
           model,
@@ -331,7 +376,7 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       const principal = request.principal!;
       const record = await ownRecord(request.params.response_id, principal);
       if (request.query.stream === 'true') return streamRun(request, reply, record.response.id, Number(request.query.starting_after ?? -1));
-      return isRunning(record) ? (await stored(lookIn(app, principal, record))).response : record.response;
+      return isRunning(record) ? (await stored(lookIn(app, principal, record, () => adoptRun(request, record)))).response : record.response;
     },
   );
 

@@ -375,7 +375,7 @@ export interface Moved {
 }
 
 /** A chat chunk that only says the assistant's role (a stream's first): a continuation's is not relayed again. */
-function roleOnly(data: unknown): boolean {
+export function roleOnly(data: unknown): boolean {
   const choices = (data as { choices?: unknown } | null)?.choices;
   if (!Array.isArray(choices) || choices.length !== 1) return false;
   const c = choices[0] as { delta?: { content?: unknown; tool_calls?: unknown }; finish_reason?: unknown } | null;

@@ -15,6 +15,7 @@ import { isRevisionConflict } from '../../dataplane';
 import { DEFAULT_MAX_PAYLOAD } from '../../dataplane/frames';
 import type { ChatMessage } from '../../shared/chat';
 import type { ResponseObject } from '../../shared/responses';
+import type { ChatInference } from '../../shared/serving';
 
 /** What a response id looks like (`resp_` and a nuid): a KV key, checked before any KV read. */
 export const RESPONSE_ID = /^resp_[A-Za-z0-9]{1,64}$/;
@@ -63,6 +64,12 @@ export interface BackgroundRun {
   pool?: string;
   instance?: string;
   deadline?: number;
+  /**
+   * The engine's request body as the accepting replica sent it (the chat request the response
+   * became, streamed): what another replica sends on should the answer have to move with that
+   * replica gone (routes/responses.ts, adopting a run). Absent in records of an older magus.
+   */
+  body?: ChatInference['body'];
 }
 
 /** A record's size and age, as a key's storage quota counts it. */
