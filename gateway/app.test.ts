@@ -832,6 +832,30 @@ describe('round trips over the (fake) data plane', () => {
     expect(res.body.indexOf(': keep-alive')).toBeLessThan(res.body.indexOf('data: '));
     expect(sseEvents(res.body)).toHaveLength(2);
   });
+
+  it('stream: a placement unavailable after the keep-alives went out (an election) is tried again, not an error event', async () => {
+    await t.app.close();
+    t = await buildTestApp({ settings: testSettings({ keepAliveMs: 50 }) });
+    let tries = 0;
+    t.broker.impl = () =>
+      new Promise((resolve, reject) =>
+        setTimeout(
+          () => (++tries < 3 ? reject(new SessionError(SessionErrorType.Unavailable, 'the sessions bucket has no leader', 1)) : resolve(t.broker.entry)),
+          120,
+        ),
+      );
+    t.plane.script = () => [chunk(0, 'a'), { seq: 1, type: 'done' }];
+    const res = await chat(userTurn('hi', { stream: true }));
+    expect(res.statusCode).toBe(200);
+    expect(tries).toBe(3);
+    expect(res.body).not.toContain('"error"');
+    expect(sseEvents(res.body)).toHaveLength(2);
+    expect(res.body.endsWith('data: [DONE]\n\n')).toBe(true);
+    expect((await t.app.inject({ method: 'GET', url: '/metrics' })).body).toContain('magus_gateway_placement_retries_total 2');
+    // Not committed yet (refused before any keep-alive): a 503 the client retries, as before.
+    t.broker.impl = () => Promise.reject(new SessionError(SessionErrorType.Unavailable, 'no leader', 1));
+    expect((await chat(userTurn('hi', { stream: true }))).statusCode).toBe(503);
+  });
 });
 
 describe('error mapping', () => {

@@ -147,6 +147,10 @@ export class GatewayMetrics {
     'magus_gateway_publish_retries_total',
     'Requests of a committed stream whose publish failed (no stream leader, no acknowledgement) and was tried again.',
   );
+  readonly placementRetries = new Counter(
+    'magus_gateway_placement_retries_total',
+    "Turns of a committed stream (its keep-alives sent) whose conversation's entry or new session was unavailable (the sessions bucket in an election, NATS, Temporal) and was tried again.",
+  );
   readonly answersMoved = new Counter(
     'magus_gateway_answers_moved_total',
     'Streamed answers their bridge handed back (its instance stopping past its drain deadline, its engine gone) and that went on as a request continuing them, on another instance when the pool had one.',
@@ -313,6 +317,7 @@ export class GatewayMetrics {
       this.inFlight,
       this.upstreamErrors,
       this.publishRetries,
+      this.placementRetries,
       this.answersMoved,
       this.limitRefusals,
       this.promptTokens,

@@ -13,7 +13,8 @@ import type { ChatInference, CompletionsInference, EmbeddingsInference, Inferenc
 import { meterSignature, type Metered, type MeterKey } from '../../dataplane/meter';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
-import { errors, toGatewayError, type GatewayError } from '../plugins/errors';
+import { errors, sessionErrorType, SessionErrorType, toGatewayError, type GatewayError } from '../plugins/errors';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
 import { continuationIdOf, resumeIdPrefix } from '../serving/resume';
@@ -93,6 +94,9 @@ const isUsageChunk = (data: unknown): boolean => usageIn(data) !== undefined && 
 /** What an inference request carries beyond its envelope: its kind and the engine's body. */
 export type InferencePayload =
   { kind?: 'chat'; body: ChatInference['body'] } | Pick<CompletionsInference, 'kind' | 'body'> | Pick<EmbeddingsInference, 'kind' | 'body'>;
+
+/** Pauses between tries of a committed stream's placement that was unavailable (bounded by the cold-start deadline). */
+const PLACEMENT_RETRY_MS = [250, 500, 1_000, 2_000];
 
 /** One inference request — a turn of a conversation, or a request of none — as a route hands it to {@link serveTurn}. */
 export interface Turn {
@@ -295,10 +299,23 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     sse?.waiting(() => waitingForInstance(g.sessions.serving?.(model), modelLabel));
     let entry: SessionEntry;
     try {
-      entry =
-        turn.conversationKey === undefined
-          ? await g.sessions.route({ model, signal: ctl.signal })
-          : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, owner: principal.owner, signal: ctl.signal, answered });
+      for (let attempt = 0; ; attempt++) {
+        try {
+          entry =
+            turn.conversationKey === undefined
+              ? await g.sessions.route({ model, signal: ctl.signal })
+              : await g.sessions.acquire({ conversationKey: turn.conversationKey, model, owner: principal.owner, signal: ctl.signal, answered });
+          break;
+        } catch (err) {
+          // A stream already committed (its 200 and keep-alives went out) cannot be a 503 the client
+          // retries: what was unavailable (the sessions bucket during an election, Temporal) is
+          // tried again until the cold-start deadline ends it.
+          if (!sse?.started || sessionErrorType(err) !== SessionErrorType.Unavailable || ctl.signal.aborted) throw err;
+          app.metrics.placementRetries.inc();
+          await sleep(PLACEMENT_RETRY_MS[Math.min(attempt, PLACEMENT_RETRY_MS.length - 1)]!, undefined, { signal: ctl.signal }).catch(() => undefined);
+          if (ctl.signal.aborted) throw ctl.signal.reason;
+        }
+      }
     } finally {
       clearTimeout(coldStartTimer);
     }

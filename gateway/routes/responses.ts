@@ -107,10 +107,14 @@ export const responsesRoutes: FastifyPluginCallback = (app, _opts, done) => {
       .finally(() => runs.delete(responseId));
   };
 
-  /** What `record`'s run asks, as a replica that must send it on needs it; undefined for a record of an older magus. */
+  /**
+   * What `record`'s run asks, as a replica that must send it on needs it; undefined for a record of
+   * an older magus, or when this caller's key may no longer use the model (it is then only followed).
+   */
   const askedOf = async (principal: Principal, record: StoredResponse): Promise<AskedAgain | undefined> => {
     const body = record.run?.body;
-    return body && { model: await servableModel(app, principal, record.model), payload: { body }, principal };
+    const model = body && (await servableModel(app, principal, record.model).catch(() => undefined));
+    return body && model && { model, payload: { body }, principal };
   };
 
   /**
