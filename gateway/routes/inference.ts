@@ -312,7 +312,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
           // tried again until the cold-start deadline ends it.
           if (!sse?.started || sessionErrorType(err) !== SessionErrorType.Unavailable || ctl.signal.aborted) throw err;
           app.metrics.placementRetries.inc();
-          await sleep(PLACEMENT_RETRY_MS[Math.min(attempt, PLACEMENT_RETRY_MS.length - 1)]!, undefined, { signal: ctl.signal }).catch(() => undefined);
+          await sleep(PLACEMENT_RETRY_MS[Math.min(attempt, PLACEMENT_RETRY_MS.length - 1)], undefined, { signal: ctl.signal }).catch(() => undefined);
           if (ctl.signal.aborted) throw ctl.signal.reason;
         }
       }
