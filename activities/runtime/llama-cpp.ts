@@ -206,9 +206,10 @@ export async function startStandbyEngine(model: string, opts: EngineStart): Prom
  * With `standby`, a second engine waits beside it on standby, its model mapped (started once the
  * first is ready, and again after each restart): a death is answered by starting it at once —
  * the restart costs its context's making and listening, ~0.4 s for a small model, not a process's
- * start and a model's load (~2 s) after a backoff. The first restart in the policy's window that
- * finds it waiting comes at once; later ones back off as before. A standby that failed or is not
- * ready yet is replaced by a cold start (or waited for, while it loads).
+ * start and a model's load (~2 s) after a backoff. A restart that finds it waiting comes at once
+ * (a crash loop is still given up after the policy's `maxRestarts`); one that does not backs off
+ * as before. A standby that failed or is not ready yet is replaced by a cold start (or waited for,
+ * while it loads).
  */
 export async function startSupervisedEngine(
   model: string,

@@ -135,3 +135,30 @@ it('stop() during the backoff: no restart is attempted', async () => {
   expect(attempts).toBe(0);
   expect(s.healthy()).toBe(false);
 });
+
+it('restarts at once while something waits on standby (immediate), backs off otherwise, and still gives a crash loop up', async () => {
+  let waiting = true;
+  const { s, first, logs } = supervised({ policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 40 }, immediate: () => waiting });
+  first.die('was killed by SIGKILL');
+  await until('the first restart', () => s.restarts === 1, 5_000);
+  s.current.die('was killed by SIGKILL');
+  await until('the second restart', () => s.restarts === 2, 5_000);
+  waiting = false;
+  s.current.die('was killed by SIGKILL');
+  await until('given up', () => !s.healthy(), 5_000);
+  expect(logs).toEqual([
+    'p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 0 ms',
+    'p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 0 ms',
+    'p/i1 engine was killed by SIGKILL; 2 restarts within 60s already: giving up',
+  ]);
+  // Nothing waits: the backoff, doubling.
+  const other = supervised({ policy: { maxRestarts: 2, windowMs: 60_000, backoffMs: 40 }, immediate: () => false });
+  other.first.die('was killed by SIGKILL');
+  await until('restarted', () => other.s.restarts === 1, 5_000);
+  other.s.current.die('was killed by SIGKILL');
+  await until('restarted again', () => other.s.restarts === 2, 5_000);
+  expect(other.logs).toEqual([
+    'p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 40 ms',
+    'p/i1 engine was killed by SIGKILL; restarting it on port 1234 in 80 ms',
+  ]);
+});

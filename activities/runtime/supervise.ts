@@ -50,8 +50,8 @@ export interface SuperviseOptions<T> {
   restart: (signal: AbortSignal) => Promise<T>;
   stop: (t: T) => Promise<void>;
   /**
-   * Whether the next restart may come at once, without its backoff (an engine waits on standby):
-   * asked for the first restart in the window only; later ones back off whatever it says.
+   * Whether the next restart may come at once, without its backoff (an engine waits on standby,
+   * loaded: starting it costs little). A crash loop is still given up after `maxRestarts`.
    */
   immediate?: () => boolean;
   /** What a restart's log line says of what now runs (`pid 4242`); absent: no line. */
@@ -78,7 +78,7 @@ export function supervise<T>(first: T, o: SuperviseOptions<T>): Supervised<T> {
     while (recent.length > 0 && now - recent[0]! > policy.windowMs) recent.shift();
     if (recent.length >= policy.maxRestarts) return null;
     recent.push(now);
-    if (recent.length === 1 && o.immediate?.()) return 0;
+    if (o.immediate?.()) return 0;
     return policy.backoffMs * 2 ** (recent.length - 1);
   };
 
