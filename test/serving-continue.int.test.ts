@@ -37,8 +37,15 @@ const INSTANCE = 'i1';
 const TOKEN_ID = 'cont';
 const SESSION = `continue-${iso.id}`;
 const ANSWER_TOKENS = 200;
-/** The longest silence a client may see from its engine's return to the answer's next piece. */
-const MAX_GAP_MS = 2000;
+/**
+ * The longest silence a client may see from its engine's return to the answer's next piece: the
+ * prompt and the tokens sent evaluated again. On a quiet machine 0.2–1.2 s (the figures this file
+ * prints, in bench/README.md's reliability table); beside other suites in CI it took 3.4 s once.
+ * The bound catches what would be a defect — a wait for a redelivery (`ack_wait`, 30 s) — not the
+ * figure, which is measured, not asserted (that the answer is continued, not generated again, is
+ * the bridge's `continued` count below).
+ */
+const MAX_GAP_MS = 6000;
 /** What each case measured, printed at the end. */
 const gaps: { case: string; gapMs: number; restartMs: number }[] = [];
 /** Whether each continued answer equalled the undisturbed one, printed at the end. */

@@ -39,7 +39,7 @@ import { writeTinyModel } from '../workers/dev/tiny-model';
 import { endpoint, isolation, workerConfig } from './harness';
 import { gatewayStack, natsStack, s3Stack, tempDir, TestStack, workersStack } from './harness/stack';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
-import { processesUsing, sleep, until } from './harness/wait';
+import { onStandby, processesUsing, sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -338,7 +338,11 @@ test('Temporal killed while a cold pool scales up for a first turn: the turn get
   // Its engine held (SIGSTOP) before it can report ready: the start cannot win the race with the
   // kill, so the turn is refused, always.
   let held: number | undefined;
-  await until('the cold pool’s engine process', () => (held = processesUsing(models).find((pid) => !enginesBefore.has(pid))) !== undefined, 60_000);
+  await until(
+    'the cold pool’s engine process',
+    () => (held = processesUsing(models).find((pid) => !enginesBefore.has(pid) && !onStandby(pid))) !== undefined,
+    60_000,
+  );
   process.kill(held!, 'SIGSTOP');
   try {
     await until(

@@ -62,3 +62,12 @@ export function processesUsing(folder: string): number[] {
     })
     .map(Number);
 }
+
+/** Whether `pid` is an engine waiting on standby (`magus engine --standby`), not one serving. */
+export function onStandby(pid: number): boolean {
+  try {
+    return readFileSync(`/proc/${pid}/cmdline`, 'utf8').split('\0').includes('--standby');
+  } catch {
+    return false;
+  }
+}
