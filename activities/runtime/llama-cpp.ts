@@ -256,7 +256,14 @@ export async function startSupervisedEngine(
     return e;
   };
   keepSpare();
-  const supervised = supervise(first, {
+  /** Stops the engine on standby for good (none is started after). */
+  const stopSpare = async (): Promise<void> => {
+    stopping.abort(new Error('the engine is stopping'));
+    const s = spare;
+    spare = undefined;
+    await s?.engine.then((e) => e?.process.stop(0));
+  };
+  return supervise(first, {
     name: opts.name,
     log: opts.log,
     policy,
@@ -265,31 +272,12 @@ export async function startSupervisedEngine(
     running: (e) => !e.process.exit,
     restart,
     immediate: () => spare?.waiting === true,
-    stop: (e) => e.process.stop(stopGraceMs),
+    // Called once supervise's stop() has ended any restart: the standby goes with the engine.
+    stop: async (e) => {
+      await Promise.all([e.process.stop(stopGraceMs), stopSpare()]);
+    },
     describe: (e) => `pid ${e.process.child.pid ?? '?'}`,
   });
-  return {
-    get current() {
-      return supervised.current;
-    },
-    get restarts() {
-      return supervised.restarts;
-    },
-    get stops() {
-      return supervised.stops;
-    },
-    get lastStop() {
-      return supervised.lastStop;
-    },
-    recovering: () => supervised.recovering(),
-    healthy: () => supervised.healthy(),
-    async stop() {
-      stopping.abort(new Error('the engine is stopping'));
-      const s = spare;
-      spare = undefined;
-      await Promise.all([supervised.stop(), s?.engine.then((e) => e?.process.stop(0))]);
-    },
-  };
 }
 
 /** SIGTERM → SIGKILL grace when the local runtime stops an engine. */
