@@ -17,7 +17,7 @@ import {
 } from '../shared/chat';
 import type { GrammarSchema } from '../shared/json-schema';
 import { COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionsRequest, promptsOf } from '../shared/completions';
-import { EngineExtension, type ResumedAnswer } from '../shared/continuation';
+import { ENGINE_STARTING, EngineExtension, type ResumedAnswer } from '../shared/continuation';
 import type { CompletionUsage } from '../shared/serving';
 
 /** OpenAI's `finish_reason` values the engine produces. */
@@ -245,6 +245,9 @@ export const invalidRequest = (message: string, param: string | null = null, cod
   new EngineHttpError(400, message, 'invalid_request_error', param, code);
 
 export const unavailable = (message: string): EngineHttpError => new EngineHttpError(503, message, 'server_error', null, 'engine_unavailable');
+/** 503 while an engine started from standby makes its context (shared/continuation.ts `ENGINE_STARTING`). */
+export const starting = (): EngineHttpError =>
+  new EngineHttpError(503, 'The engine is starting (its model is loaded).', 'server_error', null, ENGINE_STARTING);
 
 // ---------------------------------------------------------------------------------------------
 // Request body

@@ -64,6 +64,9 @@ describe('engine HTTP layer', () => {
     expect(early.statusCode).toBe(503);
     expect(early.json()).toEqual({ error: { message: 'The model is still loading.', type: 'server_error', param: null, code: 'engine_unavailable' } });
     expect((await get('/metrics')).body).toContain('magus_engine_model_loaded 0');
+    // Started from standby (its model mapped before it listened): it says it is coming at once.
+    core.mapped = true;
+    expect((await complete(body())).json()).toMatchObject({ error: { code: 'engine_starting' } });
 
     core.ready(backend);
     expect((await get('/health')).statusCode).toBe(200);

@@ -28,6 +28,7 @@ import {
   invalidRequest,
   normalizeRequest,
   normalizeTextRequest,
+  starting,
   unavailable,
   validationFailure,
   type ChatCompletion,
@@ -185,11 +186,12 @@ export function toEngineError(err: unknown): EngineHttpError {
   return new EngineHttpError(500, 'The engine had an internal error.', 'server_error');
 }
 
-/** The backend, or 503 while the model loads or the engine stops. */
+/** The backend, or 503 while the model loads (`engine_starting` when it was mapped on standby) or the engine stops. */
 function servingBackend(core: EngineCore): CompletionBackend {
   const backend = core.backend;
-  if (!backend) throw unavailable(core.status === 'loading' ? 'The model is still loading.' : 'The engine is shutting down.');
-  return backend;
+  if (backend) return backend;
+  if (core.status !== 'loading') throw unavailable('The engine is shutting down.');
+  throw core.mapped ? starting() : unavailable('The model is still loading.');
 }
 
 /** `POST /v1/embeddings`: every input's vector, in order (no slot: the backend embeds one request at a time). */

@@ -29,6 +29,8 @@ export class EngineCore {
   /** Unix seconds when the engine started (`created` of the model). */
   readonly created = Math.floor(Date.now() / 1000);
   private readonly inFlight = new Set<AbortController>();
+  /** Its model was mapped before it listened (started from standby): while loading it only makes its context. */
+  mapped = false;
 
   constructor(opts: EngineCoreOptions) {
     this.modelId = opts.modelId;

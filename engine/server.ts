@@ -56,6 +56,7 @@ export async function startEngine(opts: EngineOptions, log: (message: string) =>
       await app.ready();
       standby.waiting();
       await standby.go;
+      core.mapped = true;
     } catch (err) {
       await preloaded.dispose();
       throw err;

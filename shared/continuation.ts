@@ -45,6 +45,16 @@ export interface ChunkTokens {
   tokens: number[];
 }
 
+/**
+ * The error code of an engine's 503 while it starts from standby (its weights already mapped, it
+ * makes its context: it serves within a second), where one loading its model from nothing says
+ * `engine_unavailable`. A bridge whose engine went away mid-answer and then hears this waits for
+ * it a little longer before handing the answer back (dataplane/bridge/generate.ts
+ * `startingWaitMs`): the restarted engine has every slot free, where another instance has its own
+ * queue and one resume sequence.
+ */
+export const ENGINE_STARTING = 'engine_starting';
+
 /** The error code of an engine that cannot continue a request (another model, a request its resume does not fit). */
 export const RESUME_MISMATCH = 'resume_mismatch';
 

@@ -22,8 +22,11 @@ export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'c
 /** How an engine call (or a failure before it) ends an attempt: see {@link Attempt.settle}. */
 export type Outcome =
   | { kind: 'finish'; frame: ResponseFrame; resolve: 'ack' | 'term' }
-  /** `engineAway`: the engine was unreachable, died mid-answer or is starting (503), not refusing the request. */
-  | { kind: 'retry'; reason: string; engineAway?: boolean }
+  /**
+   * `engineAway`: the engine was unreachable, died mid-answer or is starting (503), not refusing
+   * the request; `engineStarting`: it said it starts from standby (shared/continuation.ts `ENGINE_STARTING`).
+   */
+  | { kind: 'retry'; reason: string; engineAway?: boolean; engineStarting?: boolean }
   | { kind: 'aborted'; reason: AbortReason };
 
 /** What every attempt of one bridge shares. */

@@ -25,7 +25,7 @@ import { decodeFrame, FrameSequencer } from '../frames';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
-import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, ENGINE_STARTING } from '../../shared/continuation';
 import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
@@ -42,6 +42,12 @@ interface Reply {
   firstDelayMs?: number;
   /** Ignore the seed (an engine that does not repeat itself). */
   random?: boolean;
+  /** The error's code (non-2xx). Default `stub_error`. */
+  code?: string;
+  /** Dies after this many content chunks: the connection is destroyed mid-stream. */
+  dieAfter?: number;
+  /** Says its tokens when asked, and resumes an answer after the tokens it is sent (shared/continuation.ts). */
+  tokens?: boolean;
 }
 
 /** What a deterministic engine says for `seed`: the i-th content delta. */
@@ -122,7 +128,9 @@ class StubEngine {
       if (r.status && r.status >= 300) {
         res.writeHead(r.status, { 'content-type': 'application/json' });
         res.end(
-          JSON.stringify({ error: { message: `stub says ${r.status}`, type: r.status < 500 ? 'invalid_request_error' : 'server_error', code: 'stub_error' } }),
+          JSON.stringify({
+            error: { message: `stub says ${r.status}`, type: r.status < 500 ? 'invalid_request_error' : 'server_error', code: r.code ?? 'stub_error' },
+          }),
         );
         return;
       }
@@ -144,9 +152,15 @@ class StubEngine {
       res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
       const event = (choice: unknown, extra: Record<string, unknown> = {}) =>
         res.write(`data: ${JSON.stringify({ ...base, object: 'chat.completion.chunk', choices: [choice], ...extra })}\n\n`);
-      for (let i = 0; i < n && !gone; i += 1) {
+      // With `tokens`: content delta i is token i, and an answer resumes after the tokens sent.
+      const magus = r.tokens ? (body as { magus?: { tokens?: boolean; resume?: { tokens: number[] } } }).magus : undefined;
+      for (let i = magus?.resume?.tokens.length ?? 0; i < n && !gone; i += 1) {
         if (i > 0 && r.delayMs) await sleep(r.delayMs);
-        event({ index: 0, delta: { content: token(seed, i) }, finish_reason: null });
+        if (r.dieAfter !== undefined && i >= r.dieAfter) {
+          res.destroy();
+          return;
+        }
+        event({ index: 0, delta: { content: token(seed, i) }, finish_reason: null }, magus?.tokens ? { magus: { tokens: [i] } } : {});
       }
       if (!gone) {
         event({ index: 0, delta: {}, finish_reason: 'stop' }, { timings: { predicted_ms: Math.random() } });
@@ -702,6 +716,35 @@ describe('failures', () => {
     expect(stub.calls).toHaveLength(4);
     await until('ack', () => b.stats.acked === 1);
     expect(b.stats).toMatchObject({ pulled: 1, nakked: 0, redelivered: 0, acked: 1, termed: 0 });
+  });
+
+  it.each([
+    ['starts from standby (503 engine_starting): waited for where every slot is free, not handed back', ENGINE_STARTING, false],
+    ['loads its model from nothing (503 engine_unavailable): handed back to its gateway at 500 ms', 'engine_unavailable', true],
+  ])('an engine that died mid-stream and %s', async (_, code, handedBack) => {
+    let restartedAt = 0;
+    const stub = await engine((call) => {
+      if (call === 0) return { chunks: 6, dieAfter: 3, delayMs: 50, tokens: true };
+      restartedAt ||= Date.now();
+      return Date.now() - restartedAt < 1_000 ? { status: 503, code } : { chunks: 6, tokens: true };
+    });
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url); // llama.cpp's engine: it continues answers
+    const { req, answer } = await sent(instance);
+    const frames = await answer.finished;
+    const seed = seedFor(req.id);
+    if (handedBack) {
+      // What it said, then the hand-back: its gateway continues it on another instance.
+      expect(frames.at(-1)).toMatchObject({ seq: 3, type: 'error', error: { status: 503, code: CONTINUE_ELSEWHERE } });
+      expect(answer.text()).toBe(expectedText(seed, 3));
+      expect(b.stats.handedBack).toBe(1);
+    } else {
+      // Continued where it stopped on the engine restarted in place, from the tokens it said.
+      expect(frames.at(-1)).toMatchObject({ type: 'done' });
+      expect(answer.text()).toBe(expectedText(seed, 6));
+      expect(stub.calls.at(-1)).toMatchObject({ magus: { tokens: true, resume: { tokens: [0, 1, 2], text: expectedText(seed, 3) } } });
+      expect(b.stats.handedBack).toBe(0);
+    }
   });
 
   it('engine 503 for longer than engineWaitMs: nak, redelivered, answered on the retry', async () => {

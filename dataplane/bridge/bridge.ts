@@ -75,6 +75,12 @@ export interface BridgeOptions {
    */
   handBackAfterMs?: number | null;
   /**
+   * How much longer than `handBackAfterMs` an attempt waits for an engine that said, since it went
+   * away, that it starts from standby (restarted in place; it serves within a second): generate.ts
+   * `startingWaitMs`. Default 1,500 ms (the hand-back then comes 2 s after the engine went away).
+   */
+  startingWaitMs?: number;
+  /**
    * How long {@link Bridge.stop} goes on serving what its instance's consumer holds and lets
    * requests in flight finish, before it hands the rest back. Default 30 s.
    */
@@ -253,7 +259,7 @@ export class Bridge {
       requestTimeoutMs,
       continues,
       engineWaitMs: opts.engineWaitMs ?? 15_000,
-      ...(handBackAfterMs !== null ? { handBackAfterMs } : {}),
+      ...(handBackAfterMs !== null ? { handBackAfterMs, startingWaitMs: opts.startingWaitMs ?? 1_500 } : {}),
     };
     const retryDelayMs = opts.retryDelayMs ?? 1000;
     const ackWaitMs = consumer.ackWaitMs;

@@ -6,7 +6,7 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import { CONTINUE_ELSEWHERE, joinedAnswer, RESUME_MISMATCH, resumedAnswer, type EngineExtension } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, ENGINE_STARTING, joinedAnswer, RESUME_MISMATCH, resumedAnswer, type EngineExtension } from '../../shared/continuation';
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
@@ -127,6 +127,13 @@ export interface GenerateOptions {
    * Absent: never handed back.
    */
   handBackAfterMs?: number;
+  /**
+   * How much longer than `handBackAfterMs` an attempt waits when its engine, since it went away,
+   * said it starts from standby (shared/continuation.ts `ENGINE_STARTING`: restarted in place, it
+   * serves within a second): there every slot is free, where another instance would put the
+   * answer in its one resume sequence or behind the slots it is serving. Default 0.
+   */
+  startingWaitMs?: number;
 }
 
 /**
@@ -156,11 +163,15 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
   const frames = [...prior];
   a.answer = frames;
   let lostAt: number | undefined;
+  /** The engine said it starts from standby since it went away: it is coming back at once. */
+  let starting = false;
   for (;;) {
     const outcome = await callEngine(engine, a, frames, o.requestTimeoutMs, o.continues);
     if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
     lostAt ??= Date.now();
-    if (o.handBackAfterMs !== undefined && Date.now() - lostAt >= o.handBackAfterMs && movable(a, o.continues)) {
+    starting ||= outcome.engineStarting === true;
+    const handBackAfter = o.handBackAfterMs === undefined ? undefined : o.handBackAfterMs + (starting ? (o.startingWaitMs ?? 0) : 0);
+    if (handBackAfter !== undefined && Date.now() - lostAt >= handBackAfter && movable(a, o.continues)) {
       a.handedBack();
       return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`) };
     }
@@ -253,7 +264,11 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
         return await callEngine(engine, a, frames, requestTimeoutMs, false);
       }
       if (transientStatus(res.status))
-        return { kind: 'retry', reason: `engine ${res.status}: ${e.message}`, ...(res.status === 503 ? { engineAway: true } : {}) };
+        return {
+          kind: 'retry',
+          reason: `engine ${res.status}: ${e.message}`,
+          ...(res.status === 503 ? { engineAway: true, ...(e.code === ENGINE_STARTING ? { engineStarting: true } : {}) } : {}),
+        };
       return {
         kind: 'finish',
         resolve: 'term',
