@@ -246,8 +246,7 @@ export const invalidRequest = (message: string, param: string | null = null, cod
 
 export const unavailable = (message: string): EngineHttpError => new EngineHttpError(503, message, 'server_error', null, 'engine_unavailable');
 /** 503 while an engine started from standby makes its context (shared/continuation.ts `ENGINE_STARTING`). */
-export const starting = (): EngineHttpError =>
-  new EngineHttpError(503, 'The engine is starting (its model is loaded).', 'server_error', null, ENGINE_STARTING);
+export const starting = (): EngineHttpError => new EngineHttpError(503, 'The engine is starting (its model is loaded).', 'server_error', null, ENGINE_STARTING);
 
 // ---------------------------------------------------------------------------------------------
 // Request body
