@@ -282,6 +282,13 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   const broken = answers.filter((a) => !a.done || a.error !== undefined);
   const whole = answers.filter((a) => a.done && a.error === undefined);
   const differing = whole.filter((a) => a.text !== reference[a.prompt]!.text);
+  if (process.env.CHAOS_VERBOSE)
+    for (const a of differing) {
+      const ref = reference[a.prompt]!.text;
+      let at = 0;
+      while (at < a.text.length && a.text[at] === ref[at]) at++;
+      log(`differs: ${a.id} (prompt ${a.prompt}) from character ${at} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`);
+    }
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);
   const gaps = whole.map(longestGap);
   const tokens = whole.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
@@ -372,7 +379,10 @@ async function main(): Promise<void> {
   cluster = await startNatsCluster({ syncInterval: '2m' });
   worker = await connect({ servers: cluster.servers, name: 'chaos-worker', maxReconnectAttempts: -1, reconnectTimeWait: 250 });
   const prefix = `X${randomBytes(3).toString('hex').toUpperCase()}`;
-  names = await declareOnReconnect(worker, () => ensureDataPlane(worker, { prefix, replicas: 3, responseMaxBytes: 256 * 2 ** 20 }), {
+  const declare = () => ensureDataPlane(worker, { prefix, replicas: 3, responseMaxBytes: 256 * 2 ** 20 });
+  // A cluster just started may not have every peer in its meta group yet ("no suitable peers for placement").
+  await eventually(declare, 30_000);
+  names = await declareOnReconnect(worker, declare, {
     what: 'data plane',
     log,
   });
