@@ -287,7 +287,9 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
       const ref = reference[a.prompt]!.text;
       let at = 0;
       while (at < a.text.length && a.text[at] === ref[at]) at++;
-      log(`differs: ${a.id} (prompt ${a.prompt}) from character ${at} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`);
+      log(
+        `differs: ${a.id} (prompt ${a.prompt}) from character ${at} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
+      );
     }
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);
   const gaps = whole.map(longestGap);
