@@ -52,6 +52,7 @@ import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
 import { sseMessages } from '../test/harness/sse-stream';
+import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
 import { fmt, p99 } from './common';
 
@@ -285,10 +286,8 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   if (process.env.CHAOS_VERBOSE)
     for (const a of differing) {
       const ref = reference[a.prompt]!.text;
-      let at = 0;
-      while (at < a.text.length && a.text[at] === ref[at]) at++;
       log(
-        `differs: ${a.id} (prompt ${a.prompt}) from character ${at} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
+        `differs: ${a.id} (prompt ${a.prompt}) from character ${commonPrefix(a.text, ref)} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
       );
     }
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);

@@ -29,7 +29,7 @@ import { demoModelFile } from '../workers/dev/demo-model';
 import { isolation, natsConnectAsBridge } from './harness';
 import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
 import { until } from './harness/wait';
-import { gapAfter, readTimed, textAt, type TimedAnswer } from './harness/timed-stream';
+import { commonPrefix, gapAfter, readTimed, textAt, type TimedAnswer } from './harness/timed-stream';
 
 const iso = isolation();
 const POOL = 'continue';
@@ -50,11 +50,6 @@ const MAX_GAP_MS = 6000;
 const gaps: { case: string; gapMs: number; restartMs: number }[] = [];
 /** Whether each continued answer equalled the undisturbed one, printed at the end. */
 const same: string[] = [];
-const commonPrefix = (a: string, b: string): number => {
-  let i = 0;
-  while (i < a.length && a[i] === b[i]) i++;
-  return i;
-};
 
 let nc: NatsConnection;
 let names: DataPlaneNames;

@@ -53,3 +53,10 @@ export function gapAfter(a: TimedAnswer, time: number): number {
   }
   return gap;
 }
+
+/** How many leading characters `a` and `b` share: where an answer that differs from its reference begins to. */
+export function commonPrefix(a: string, b: string): number {
+  let i = 0;
+  while (i < a.length && a[i] === b[i]) i++;
+  return i;
+}
