@@ -25,8 +25,9 @@
  * A model revision rolled out needs the pool workflow (Temporal), which this bench does not run:
  * `test/serving-rollout.int.test.ts` rolls one under 50 live streams.
  *
- * Each engine has one on standby beside it, as a worker's local runtime keeps by default;
- * `CHAOS_STANDBY=0`: none (a killed engine is started again from nothing).
+ * Each engine has one on standby beside it, warm (its context made), as a worker's local runtime
+ * keeps by default when the memory allows; `CHAOS_STANDBY=mapped`: its model mapped only (a start
+ * makes its context); `0`: none (a killed engine is started again from nothing).
  * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader)
  * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
@@ -405,7 +406,7 @@ async function main(): Promise<void> {
       stopGraceMs: 1000,
       restart: { maxRestarts: 1000, backoffMs: 0 },
       // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
-      standby: process.env.CHAOS_STANDBY !== '0',
+      ...(process.env.CHAOS_STANDBY !== '0' ? { standby: process.env.CHAOS_STANDBY === 'mapped' ? ('mapped' as const) : ('warm' as const) } : {}),
     });
     await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
     await startInstanceBridge(instance);

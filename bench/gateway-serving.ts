@@ -239,6 +239,7 @@ async function handle(cmd: ServingCommand): Promise<ServingReply> {
             graceMs: 1000,
             json: false,
             standby: false,
+            warm: false,
           },
           () => undefined,
         );

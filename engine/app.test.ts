@@ -199,10 +199,12 @@ describe('magus engine options', () => {
       modelId: 'tiny.gguf',
       json: true,
       standby: false,
+      warm: false,
       graceMs: 30_000,
     });
     expect(o.threads).toBeGreaterThanOrEqual(1);
-    expect(parseEngineArgs(['--model', 'x', '--standby']).standby).toBe(true);
+    expect(parseEngineArgs(['--model', 'x', '--standby'])).toMatchObject({ standby: true, warm: false });
+    expect(parseEngineArgs(['--model', 'x', '--standby', '--warm'])).toMatchObject({ standby: true, warm: true });
   });
 
   test.each([
@@ -212,6 +214,7 @@ describe('magus engine options', () => {
     [['--model', 'x', '--port', 'http'], /--port/],
     [['--model', 'x', '--gpu'], /unknown option --gpu/],
     [['--model', 'x', 'extra'], /unexpected argument extra/],
+    [['--model', 'x', '--warm'], /--warm goes with --standby/],
   ])('%j is refused', (args, message) => {
     expect(() => parseEngineArgs(args)).toThrow(message);
     expect(() => parseEngineArgs(args)).toThrow(expect.objectContaining({ name: ENGINE_USAGE_ERROR }) as Error);

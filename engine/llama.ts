@@ -271,7 +271,7 @@ export class LlamaBackend implements CompletionBackend {
   /**
    * The part of {@link load} that a standby engine does before it is needed (server.ts): the
    * library, and the model's weights mapped. `finish` makes the context and its sequences (their
-   * KV cache is what a standby must not hold); `dispose` frees what it loaded, unfinished.
+   * KV cache, which a warm standby makes ahead); `dispose` frees what it loaded, unfinished.
    */
   static async preload(opts: LlamaBackendOptions): Promise<{ finish(): Promise<LlamaBackend>; dispose(): Promise<void> }> {
     const log = opts.log ?? (() => undefined);

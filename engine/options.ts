@@ -9,11 +9,13 @@ import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--resume-slots 1] [--queue 16]',
-  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json] [--standby]',
+  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json] [--standby [--warm]]',
   '',
   '  --standby   map the model, print "standby" (a JSON event with --json), then wait for a line',
   '              "start" on stdin before listening and serving: a restart in place that costs only',
   "              the context's making (the local runtime keeps one beside each engine)",
+  '  --warm      with --standby: make the context too before waiting, so that a start serves at once;',
+  "              it holds a second KV cache's memory while it waits",
 ].join('\n');
 
 export interface EngineOptions {
@@ -43,6 +45,8 @@ export interface EngineOptions {
   json: boolean;
   /** Wait on standby, the weights mapped, for a line `start` on stdin (server.ts `Standby`). */
   standby: boolean;
+  /** On standby, the context (its KV cache) is made too before it waits (server.ts `Standby`). */
+  warm: boolean;
 }
 
 const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--resume-slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
@@ -64,11 +68,13 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
   const values: Partial<Record<ValueFlag, string>> = {};
   let json = false;
   let standby = false;
+  let warm = false;
   for (let i = 0; i < args.length; i++) {
     const arg = args[i]!;
-    if (arg === '--json' || arg === '--standby') {
+    if (arg === '--json' || arg === '--standby' || arg === '--warm') {
       if (arg === '--json') json = true;
-      else standby = true;
+      else if (arg === '--standby') standby = true;
+      else warm = true;
       continue;
     }
     const eq = arg.indexOf('=');
@@ -80,6 +86,7 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
   }
   const model = values['--model'];
   if (!model) throw new UsageError('--model <file.gguf> is required');
+  if (warm && !standby) throw new UsageError('--warm goes with --standby (an engine that waits to serve)');
   return {
     model,
     host: values['--host'] ?? '127.0.0.1',
@@ -95,5 +102,6 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
     json,
     standby,
+    warm,
   };
 }

@@ -36,9 +36,13 @@ export interface RunningEngine {
 /**
  * An engine started on standby (`magus engine --standby`): it maps the model's weights, says so,
  * and waits to be told to serve — then listens (on a port another engine may have held until
- * then) and makes its context, so a restart in place costs that part only.
+ * then) and makes its context, so a restart in place costs that part only. A warm one
+ * (`--warm`) makes its context before it waits: a start is the listening alone, at the cost of
+ * a second KV cache's memory while it waits.
  */
 export interface Standby {
+  /** Make the context before waiting. */
+  warm?: boolean;
   /** Called once the weights are mapped, before the engine listens. */
   waiting(): void;
   /** Resolves when the engine is to serve; a rejection ends the standby (nothing is served). */
@@ -50,22 +54,25 @@ export async function startEngine(opts: EngineOptions, log: (message: string) =>
   const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue, resumeSlots: opts.resumeSlots });
   const app = createEngineHttp(core, { logError: log });
   let preloaded: Awaited<ReturnType<typeof LlamaBackend.preload>> | undefined;
+  /** A warm standby's context, made before it waited. */
+  let made: LlamaBackend | undefined;
   if (standby) {
     preloaded = await LlamaBackend.preload(backendOptions);
     try {
+      if (standby.warm) made = await preloaded.finish();
       await app.ready();
       standby.waiting();
       await standby.go;
       core.mapped = true;
     } catch (err) {
-      await preloaded.dispose();
+      await (made ?? preloaded).dispose();
       throw err;
     }
   }
   try {
     await app.listen({ host: opts.host, port: opts.port });
   } catch (err) {
-    await preloaded?.dispose();
+    await (made ?? preloaded)?.dispose();
     throw err;
   }
   const { port } = app.server.address() as AddressInfo;
@@ -73,7 +80,7 @@ export async function startEngine(opts: EngineOptions, log: (message: string) =>
 
   const started = performance.now();
   let backend: LlamaBackend | undefined;
-  const loaded = (preloaded ? preloaded.finish() : LlamaBackend.load(backendOptions)).then((b) => {
+  const loaded = (made ? Promise.resolve(made) : preloaded ? preloaded.finish() : LlamaBackend.load(backendOptions)).then((b) => {
     backend = b;
     core.ready(b);
     return { model: opts.modelId, slots: opts.slots, contextSize: b.contextSize, chatTemplate: b.template, loadMs: Math.round(performance.now() - started) };

@@ -77,7 +77,7 @@ beforeAll(async () => {
     // Restarted at once: this file kills it ~20 times (production waits 500 ms, doubling, unless
     // an engine waits on standby, as here: it then serves at once).
     restart: { maxRestarts: 40, backoffMs: 0 },
-    standby: true,
+    standby: 'mapped',
   });
   stack.defer(() => engine.stop());
   await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: POOL, instance: INSTANCE, slots: 1 });

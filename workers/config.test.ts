@@ -71,11 +71,11 @@ describe('MAGUS_ENGINES: the engines the local runtime runs, in the order it tri
   });
 });
 
-test('MAGUS_ENGINE_STANDBY: an engine on standby beside each unless 0; anything else is refused', () => {
-  expect(settingsOf(loadConfig({}).runtime, local)!.noStandby).toBeUndefined();
-  expect(settingsOf(loadConfig({ MAGUS_ENGINE_STANDBY: '1' }).runtime, local)!.noStandby).toBeUndefined();
-  expect(settingsOf(loadConfig({ MAGUS_ENGINE_STANDBY: '0' }).runtime, local)!.noStandby).toBe(true);
-  expect(problem({ MAGUS_ENGINE_STANDBY: 'yes' })).toContain('MAGUS_ENGINE_STANDBY=yes must be 1');
+test('MAGUS_ENGINE_STANDBY: an engine on standby beside each, auto unless said (warm, mapped) or 0; anything else is refused', () => {
+  const standby = (value?: string) => settingsOf(loadConfig(value === undefined ? {} : { MAGUS_ENGINE_STANDBY: value }).runtime, local)!.standby;
+  expect([undefined, '', '1', 'auto'].map(standby)).toEqual([undefined, undefined, undefined, undefined]);
+  expect(['warm', 'mapped', '0'].map(standby)).toEqual(['warm', 'mapped', 'none']);
+  expect(problem({ MAGUS_ENGINE_STANDBY: 'yes' })).toContain('MAGUS_ENGINE_STANDBY=yes must be auto or 1');
 });
 
 test('both binaries enable distributed-llama with 2 nodes and 1 thread by default', () => {

@@ -37,7 +37,7 @@ export async function engineCommand(args: string[]): Promise<number> {
     if (opts.json) process.stdout.write(`${JSON.stringify(event)}\n`);
   };
 
-  const standby = opts.standby ? standbyUntilStart(() => emit({ event: 'standby' }), log) : undefined;
+  const standby = opts.standby ? standbyUntilStart(opts.warm, () => emit({ event: 'standby' }), log) : undefined;
   let engine: RunningEngine;
   try {
     engine = await startEngine(opts, log, standby?.standby);
@@ -102,7 +102,7 @@ export async function engineCommand(args: string[]): Promise<number> {
  * A standby's go: a line `start` on stdin. Stdin's end (whoever started it is gone, or chose
  * another) or SIGTERM/SIGINT meanwhile ends the standby instead.
  */
-function standbyUntilStart(waiting: () => void, log: (line: string) => void): { standby: Standby; ended(): boolean; dispose(): void } {
+function standbyUntilStart(warm: boolean, waiting: () => void, log: (line: string) => void): { standby: Standby; ended(): boolean; dispose(): void } {
   let ended = false;
   let end: () => void = () => undefined;
   const lines = createInterface({ input: process.stdin });
@@ -123,8 +123,9 @@ function standbyUntilStart(waiting: () => void, log: (line: string) => void): { 
   return {
     standby: {
       go,
+      warm,
       waiting: () => {
-        log('on standby: the model is mapped; a line "start" on stdin starts serving');
+        log(`on standby: the model is mapped${warm ? ' and its context made' : ''}; a line "start" on stdin starts serving`);
         waiting();
       },
     },

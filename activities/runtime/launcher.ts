@@ -62,11 +62,12 @@ export interface LocalEngineSettings {
   /** When an engine or topology dies it is restarted in place (default: 3 restarts per 10 min, 500 ms backoff doubling). */
   restart?: Partial<RestartPolicy>;
   /**
-   * A llama.cpp engine keeps a second one on standby beside it, its model mapped, which serves
-   * at once when it dies (llama-cpp.ts `startSupervisedEngine`). Default false here; a worker's
-   * local runtime turns it on unless `MAGUS_ENGINE_STANDBY=0` (local-entry.ts).
+   * A llama.cpp engine keeps a second one on standby beside it, which serves at once when it dies
+   * (llama-cpp.ts `startSupervisedEngine`): see {@link StandbyKind}. Default none here; a
+   * worker's local runtime keeps an `auto` one unless `MAGUS_ENGINE_STANDBY` says otherwise
+   * (local-entry.ts).
    */
-  standby?: boolean;
+  standby?: StandbyKind;
   /** distributed-llama binaries and topology size; unset: distributed-llama cannot run here. */
   dllama?: DllamaOptions;
   /**
@@ -75,6 +76,14 @@ export interface LocalEngineSettings {
    */
   output?: (line: string) => void;
 }
+
+/**
+ * An engine on standby: `mapped`, its model's weights mapped (a start makes its context: ~60 ms
+ * per 4,096-token slot); `warm`, its context made too (a start is the listening alone), holding a
+ * second KV cache while it waits; `auto`, warm when that KV cache fits in half the machine's free
+ * memory at the time the standby starts, else mapped.
+ */
+export type StandbyKind = 'mapped' | 'warm' | 'auto';
 
 /** One start on this machine. */
 export interface LocalLaunch {

@@ -105,44 +105,49 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
   expect((await askInstance(nc, names, POOL, 'tiny-1', greedy)).text).toBe(first.text);
 }, 180_000);
 
-test('with an engine on standby, a dead engine is replaced by it at once, on its port; another waits after; none is left once stopped', async () => {
-  const standbyLogs: string[] = [];
-  // A backoff far longer than the restart: the restart that comes sooner is the standby's.
-  const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: true, log: (l) => standbyLogs.push(l) });
-  const waiting = () =>
-    standbyLogs
-      .flatMap((l) => /waits on standby for port (\d+) \(pid (\d+)\)/.exec(l) ?? [])
-      .filter((_, i) => i % 3 === 2)
-      .map(Number);
-  try {
-    await warm.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'warm-1' }, new AbortController().signal);
-    const before = warm.processes(POOL, 'warm-1')![0]!;
-    const greedy = { max_tokens: 4, temperature: 0, stream: false };
-    const first = await askInstance(nc, names, POOL, 'warm-1', greedy);
-    await until('an engine on standby', () => waiting().length === 1, 60_000);
-    const [standbyPid] = waiting();
-    expect(processRunning(standbyPid!)).toBe(true);
-    expect(standbyLogs.find((l) => l.includes('waits on standby'))).toContain(`for port ${before.port}`);
+test.each(['mapped', 'warm'] as const)(
+  'with an engine on standby (%s), a dead engine is replaced by it at once, on its port; another waits after; none is left once stopped',
+  async (kind) => {
+    const standbyLogs: string[] = [];
+    // A backoff far longer than the restart: the restart that comes sooner is the standby's.
+    const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: kind, log: (l) => standbyLogs.push(l) });
+    const said = kind === 'warm' ? ', warm,' : '';
+    const waiting = () =>
+      standbyLogs
+        .flatMap((l) => new RegExp(`waits on standby${said} for port (\\d+) \\(pid (\\d+)\\)`).exec(l) ?? [])
+        .filter((_, i) => i % 3 === 2)
+        .map(Number);
+    try {
+      await warm.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'warm-1' }, new AbortController().signal);
+      const before = warm.processes(POOL, 'warm-1')![0]!;
+      const greedy = { max_tokens: 4, temperature: 0, stream: false };
+      const first = await askInstance(nc, names, POOL, 'warm-1', greedy);
+      await until('an engine on standby', () => waiting().length === 1, 60_000);
+      const [standbyPid] = waiting();
+      expect(processRunning(standbyPid!)).toBe(true);
+      expect(standbyLogs.find((l) => l.includes('waits on standby'))).toContain(`for port ${before.port}`);
 
-    process.kill(before.pid!, 'SIGKILL');
-    await until('the standby serving', () => {
-      const p = warm.processes(POOL, 'warm-1')![0]!;
-      return p.pid !== before.pid && p.running;
-    });
-    const after = warm.processes(POOL, 'warm-1')![0]!;
-    expect(after).toMatchObject({ pid: standbyPid, port: before.port });
-    expect(standbyLogs.some((l) => new RegExp(`restarting it on port ${before.port} in 0 ms`).test(l))).toBe(true);
-    expect((await askInstance(nc, names, POOL, 'warm-1', greedy)).text).toBe(first.text);
-    await until('another engine on standby', () => waiting().length === 2, 60_000);
-    const [, nextPid] = waiting();
-    expect(nextPid).not.toBe(standbyPid);
+      process.kill(before.pid!, 'SIGKILL');
+      await until('the standby serving', () => {
+        const p = warm.processes(POOL, 'warm-1')![0]!;
+        return p.pid !== before.pid && p.running;
+      });
+      const after = warm.processes(POOL, 'warm-1')![0]!;
+      expect(after).toMatchObject({ pid: standbyPid, port: before.port });
+      expect(standbyLogs.some((l) => new RegExp(`restarting it on port ${before.port} in 0 ms`).test(l))).toBe(true);
+      expect((await askInstance(nc, names, POOL, 'warm-1', greedy)).text).toBe(first.text);
+      await until('another engine on standby', () => waiting().length === 2, 60_000);
+      const [, nextPid] = waiting();
+      expect(nextPid).not.toBe(standbyPid);
 
-    await warm.stopAll();
-    expect([after.pid!, nextPid!].filter(processRunning)).toEqual([]);
-  } finally {
-    await warm.stopAll();
-  }
-}, 180_000);
+      await warm.stopAll();
+      expect([after.pid!, nextPid!].filter(processRunning)).toEqual([]);
+    } finally {
+      await warm.stopAll();
+    }
+  },
+  180_000,
+);
 
 test('an engine gets the slots and context its memory plan gives within the instance budget, and so does its consumer', async () => {
   const ready = await publishTinyGguf({

@@ -4,12 +4,13 @@
  * On this machine it runs under supervision (restarted in place when it dies); in a pod it is the
  * magus image's `engine` mode, probed at `/v1/models`.
  */
+import { freemem } from 'node:os';
 import { join, resolve } from 'node:path';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ReadyModel } from '../../shared/model';
 import { cachedGguf } from './cache';
-import type { EngineLauncher, LocalLaunch, LocalServing } from './launcher';
+import type { EngineLauncher, LocalLaunch, LocalServing, StandbyKind } from './launcher';
 import { restartReport } from './launcher';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
@@ -91,7 +92,7 @@ export interface EngineStart {
 }
 
 /** An engine process and the events it has reported on stdout (`listening`, `standby`, `ready`). */
-function spawnEngine(model: string, opts: EngineStart, standby: boolean) {
+function spawnEngine(model: string, opts: EngineStart, standby?: 'mapped' | 'warm') {
   const argv = engineArgv([
     ...engineArgs({
       model,
@@ -102,14 +103,14 @@ function spawnEngine(model: string, opts: EngineStart, standby: boolean) {
       ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}),
       ...(opts.resumeSlots !== undefined ? { resumeSlots: opts.resumeSlots } : {}),
     }),
-    ...(standby ? ['--standby'] : []),
+    ...(standby ? ['--standby', ...(standby === 'warm' ? ['--warm'] : [])] : []),
   ]);
   let url: string | null = null;
   const seen = new Set<string>();
   const waiters = new Set<() => void>();
   const proc = spawnSupervised(standby ? `${opts.name} (standby)` : opts.name, argv, {
     log: opts.output ?? (() => undefined),
-    stdin: standby,
+    stdin: standby !== undefined,
     onStdoutLine: (line) => {
       let event: { event?: string; url?: string };
       try {
@@ -170,12 +171,12 @@ function spawnEngine(model: string, opts: EngineStart, standby: boolean) {
  */
 export async function startLlamaCppEngine(model: string, opts: EngineStart): Promise<LlamaCppEngine> {
   if (opts.signal?.aborted) throw opts.signal.reason as Error;
-  const e = spawnEngine(model, opts, false);
+  const e = spawnEngine(model, opts);
   await e.until('ready', opts.signal);
   return e.engine();
 }
 
-/** An engine on standby (`magus engine --standby`): its model mapped, not listening yet. */
+/** An engine on standby (`magus engine --standby`): its model mapped (warm: its context made too), not listening yet. */
 export interface StandbyEngine {
   process: SupervisedProcess;
   /** Tells it to serve (on the port it was given) and resolves once it is ready, as {@link startLlamaCppEngine} does. */
@@ -183,9 +184,9 @@ export interface StandbyEngine {
 }
 
 /** Starts an engine on standby for `opts.port` and resolves once it waits there. */
-export async function startStandbyEngine(model: string, opts: EngineStart): Promise<StandbyEngine> {
+export async function startStandbyEngine(model: string, opts: EngineStart, kind: 'mapped' | 'warm' = 'mapped'): Promise<StandbyEngine> {
   if (opts.signal?.aborted) throw opts.signal.reason as Error;
-  const e = spawnEngine(model, opts, true);
+  const e = spawnEngine(model, opts, kind);
   await e.until('standby', opts.signal);
   return {
     process: e.proc,
@@ -205,15 +206,16 @@ export async function startStandbyEngine(model: string, opts: EngineStart): Prom
  *
  * With `standby`, a second engine waits beside it on standby, its model mapped (started once the
  * first is ready, and again after each restart): a death is answered by starting it at once —
- * the restart costs its context's making and listening, ~0.4 s for a small model, not a process's
- * start and a model's load (~2 s) after a backoff. A restart that finds it waiting comes at once
+ * the restart costs its context's making (~60 ms per 4,096-token slot; nothing when it is
+ * `warm`, its context made ahead) and listening, not a process's start and a model's load (~2 s)
+ * after a backoff. `standby` may be a function, asked at each standby's start which kind it is. A restart that finds it waiting comes at once
  * (a crash loop is still given up after the policy's `maxRestarts`); one that does not backs off
  * as before. A standby that failed or is not ready yet is replaced by a cold start (or waited for,
  * while it loads).
  */
 export async function startSupervisedEngine(
   model: string,
-  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: boolean },
+  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: 'mapped' | 'warm' | (() => 'mapped' | 'warm') },
 ): Promise<Supervised<LlamaCppEngine>> {
   const first = await startLlamaCppEngine(model, opts);
   const port = first.port;
@@ -224,10 +226,11 @@ export async function startSupervisedEngine(
   const keepSpare = () => {
     if (!withStandby || stopping.signal.aborted) return;
     const next: NonNullable<typeof spare> = { engine: Promise.resolve(undefined), waiting: false };
-    next.engine = startStandbyEngine(model, { ...again, port, signal: stopping.signal }).then(
+    const kind = typeof withStandby === 'function' ? withStandby() : withStandby;
+    next.engine = startStandbyEngine(model, { ...again, port, signal: stopping.signal }, kind).then(
       (s) => {
         next.waiting = true;
-        opts.log(`${opts.name}: an engine waits on standby for port ${port} (pid ${s.process.child.pid ?? '?'})`);
+        opts.log(`${opts.name}: an engine waits on standby${kind === 'warm' ? ', warm,' : ''} for port ${port} (pid ${s.process.child.pid ?? '?'})`);
         void s.process.exited.then(() => (next.waiting = false));
         return s;
       },
@@ -290,6 +293,15 @@ function gguf(ready: ReadyModel): NonNullable<ReturnType<typeof servedGguf>> | s
   return served;
 }
 
+/**
+ * The standby of `kind` (launcher.ts `StandbyKind`) for an engine whose KV cache takes `kvCache`
+ * bytes (unknown: no memory plan); `auto` is decided at each standby's start, on the free memory then.
+ */
+export function standbyKind(kind: StandbyKind, kvCache: number | undefined, free: () => number = freemem): () => 'mapped' | 'warm' {
+  if (kind !== 'auto') return () => kind;
+  return () => (kvCache !== undefined && kvCache <= free() / 2 ? 'warm' : 'mapped');
+}
+
 async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   const served = gguf(l.ready);
   if (typeof served === 'string') throw runtimeError(RuntimeErrorType.NoArtifact, served);
@@ -309,7 +321,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     log: l.log,
     output: l.settings.output,
     restart: l.settings.restart,
-    ...(l.settings.standby ? { standby: true } : {}),
+    ...(l.settings.standby ? { standby: standbyKind(l.settings.standby, sizing && sizing.kvCachePerSlot * (sizing.slots + sizing.resumeSlots)) } : {}),
     stopGraceMs: STOP_GRACE_MS,
     signal: l.signal,
   });

@@ -10,6 +10,7 @@ import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { distributedFirst, ENGINE_KINDS, formatsLoadedBy, isDistributed, isEngineKind, type EngineKind } from '../../shared/engines';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
 import type { RuntimeEntry } from './entry';
+import type { StandbyKind } from './launcher';
 import type * as LocalModule from './local';
 
 /**
@@ -34,17 +35,20 @@ export interface LocalRuntimeConfig {
   dllama?: DllamaConfig;
   /** `MAGUS_ENGINES`: the engines it may run, in the order it tries them; unset: every engine it can run, distributed ones first. */
   engines?: EngineKind[];
-  /** `MAGUS_ENGINE_STANDBY=0`: no llama.cpp engine on standby beside each (launcher.ts `standby`); unset: one. */
-  noStandby?: true;
+  /** `MAGUS_ENGINE_STANDBY`: the llama.cpp engine on standby beside each (launcher.ts `standby`); unset: `auto`. */
+  standby?: Exclude<StandbyKind, 'auto'> | 'none';
 }
 
-/** `MAGUS_ENGINE_STANDBY`: `1` (the default) or `0`. */
-function standbyConfig(env: NodeJS.ProcessEnv, problems: string[]): boolean {
+/** `MAGUS_ENGINE_STANDBY`: `1` or `auto` (the default), `warm`, `mapped` or `0`. */
+function standbyConfig(env: NodeJS.ProcessEnv, problems: string[]): LocalRuntimeConfig['standby'] {
   const text = env.MAGUS_ENGINE_STANDBY?.trim();
-  if (text === undefined || text === '' || text === '1') return true;
-  if (text === '0') return false;
-  problems.push(`MAGUS_ENGINE_STANDBY=${text} must be 1 (an engine on standby beside each llama.cpp engine, the default) or 0 (none)`);
-  return true;
+  if (text === undefined || text === '' || text === '1' || text === 'auto') return undefined;
+  if (text === '0') return 'none';
+  if (text === 'warm' || text === 'mapped') return text;
+  problems.push(
+    `MAGUS_ENGINE_STANDBY=${text} must be auto or 1 (an engine on standby beside each llama.cpp engine, warm when the memory allows: the default), warm, mapped or 0 (none)`,
+  );
+  return undefined;
 }
 
 /**
@@ -142,7 +146,7 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
     const dllama = dllamaConfig(env, problems);
     const engines = enginesConfig(env, dllama, problems);
     const standby = standbyConfig(env, problems);
-    return { ...(dllama ? { dllama } : {}), ...(engines ? { engines } : {}), ...(standby ? {} : { noStandby: true as const }) };
+    return { ...(dllama ? { dllama } : {}), ...(engines ? { engines } : {}), ...(standby ? { standby } : {}) };
   },
   // Checked on a worker of another runtime too: a bad MAGUS_DLLAMA_* value is reported, not ignored.
   unselected: (env, problems) => void dllamaConfig(env, problems),
@@ -159,7 +163,7 @@ export const local: RuntimeEntry<LocalRuntimeConfig> = {
       cacheDir: modelCacheDir,
       dllama,
       engines: localEngines(config),
-      standby: config.noStandby !== true,
+      ...(config.standby !== 'none' ? { standby: config.standby ?? 'auto' } : {}),
       ...(instanceMemory ? { instanceMemory } : {}),
       log: deps.log,
     });
