@@ -63,9 +63,12 @@ const TOKENS = env('CHAOS_TOKENS', 64);
 const MINUTES = env('CHAOS_MINUTES', 10);
 const FAULT_EVERY_S = env('CHAOS_FAULT_EVERY_S', 10);
 const SLOTS = env('CHAOS_SLOTS', 4);
-/** The engines' `--resume-slots` (default: the engine's). */
-const RESUME_SLOTS = process.env.CHAOS_RESUME_SLOTS !== undefined ? Number(process.env.CHAOS_RESUME_SLOTS) : undefined;
 const INSTANCES = ['i1', 'i2', 'i3'];
+/**
+ * The engines' `--resume-slots`: by default what crds/README.md recommends for a pool of this
+ * shape (`leasesPerInstance / (replicas − 1)`: a lost instance's answers all go on at once on the others).
+ */
+const RESUME_SLOTS = env('CHAOS_RESUME_SLOTS', Math.ceil(SLOTS / (INSTANCES.length - 1)));
 const POOL = 'chaos';
 const TOKEN_ID = 'chaos';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
@@ -105,7 +108,8 @@ const engines: Record<string, Supervised<LlamaCppEngine>> = {};
 const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
 let gateways: GatewayProcess[] = [];
 /** Each fault: what, of which kind, and when it began. */
-const faults: { what: string; kind: string; at: number }[] = [];
+/** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
+const faults: { what: string; kind: string; at: number; end: number }[] = [];
 
 async function startGateway(): Promise<GatewayProcess> {
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, join(ROOT, 'bin', 'magus.js'), 'gateway'], {
@@ -250,7 +254,7 @@ function gapsByFault(answers: Answer[]): Map<string, number> {
   for (const a of answers)
     for (let i = 1; i < a.times.length; i++) {
       const gap = a.times[i]! - a.times[i - 1]!;
-      const cause = faults.find((f) => f.at > a.times[i - 1]! - 2_000 && f.at < a.times[i]!);
+      const cause = faults.find((f) => f.end > a.times[i - 1]! - 2_000 && f.at < a.times[i]!);
       const kind = cause?.kind ?? 'none';
       if (gap > 2_000 && process.env.CHAOS_VERBOSE)
         log(
@@ -325,7 +329,7 @@ async function faultLoop(stopped: () => boolean): Promise<void> {
     const kind = kinds[n % kinds.length]!;
     const instance = INSTANCES[Math.floor(Math.random() * INSTANCES.length)]!;
     const at = Date.now();
-    const fault = (what: string) => faults.push({ what, kind, at });
+    const fault = (what: string) => faults.push({ what, kind, at, end: Date.now() });
     try {
       switch (kind) {
         case 'engine':
@@ -396,7 +400,7 @@ async function main(): Promise<void> {
     engines[instance] = await startSupervisedEngine(gguf, {
       modelId: POOL,
       slots: SLOTS,
-      ...(RESUME_SLOTS !== undefined ? { resumeSlots: RESUME_SLOTS } : {}),
+      resumeSlots: RESUME_SLOTS,
       threads: 1,
       ctx: 4096,
       startTimeoutSec: 120,
@@ -451,7 +455,10 @@ async function main(): Promise<void> {
       .map((l) => fmt(l, 1))
       .join(' ')}`,
   );
-  console.log(`${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots, SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`);
+  const standby = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
+  console.log(
+    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${standby}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
+  );
   console.log(report.join('\n'));
   console.log(`faults: ${faults.map((f) => f.what).join('; ')}`);
 }

@@ -1,6 +1,14 @@
-import { consumerNameOf, dataPlaneNames, instanceResponseSubjectOf, isResponseSubjectOf, requestSubjectOf, responseSubjectOf } from './names';
+import { consumerNameOf, dataPlaneNames, instanceResponseSubjectOf, isResponseSubjectOf, requestSubjectFor, requestSubjectOf, responseSubjectOf } from './names';
 
 describe('data-plane names', () => {
+  it('a continuation goes to the moved answers, said part or nothing said; a request of its own to the requests', () => {
+    const subject = requestSubjectOf(dataPlaneNames(), 'llama', 'i-0');
+    const continues = (tokens: number[]) => ({ id: 'r1', createdAt: 1, resume: { tokens, text: tokens.length > 0 ? 'Hi' : '' } });
+    expect(requestSubjectFor(subject, {})).toBe('magus.req.llama.i-0');
+    expect(requestSubjectFor(subject, { continues: continues([42]) })).toBe('magus.req.llama.i-0.moved');
+    expect(requestSubjectFor(subject, { continues: continues([]) })).toBe('magus.req.llama.i-0.moved');
+  });
+
   it('are the shared names without a prefix', () => {
     const n = dataPlaneNames();
     expect(n).toMatchObject({
