@@ -1,4 +1,12 @@
-import { consumerNameOf, dataPlaneNames, instanceResponseSubjectOf, isResponseSubjectOf, requestSubjectFor, requestSubjectOf, responseSubjectOf } from './names';
+import {
+  consumerNameOf,
+  dataPlaneNames,
+  instanceResponseSubjectOf,
+  isResponseSubjectOf,
+  requestSubjectFor,
+  requestSubjectOf,
+  responseSubjectOf,
+} from './names';
 
 describe('data-plane names', () => {
   it('a continuation goes to the moved answers, said part or nothing said; a request of its own to the requests', () => {
