@@ -5,6 +5,7 @@
  * them, so a test (or a second installation) can rename everything with a prefix.
  */
 import { Nats } from '../shared/constants';
+import { holdsPart } from '../shared/continuation';
 import { beatSubject, cancelSubject, requestSubject, responseSubject, type InferenceRequest } from '../shared/serving';
 
 /** Names this module adds to shared/constants `Nats` (proposed there; see README.md). */
@@ -93,13 +94,11 @@ export const movedSubjectFor = (requestSubject: string): string => `${requestSub
 
 /**
  * Where `req` goes on the instance whose requests go to `requestSubject`: its moved answers when
- * it continues another request's answer, which the bridge takes before the requests queued for
- * the instance — one its client holds part of (its client waits mid-answer), and one with nothing
- * said yet too (handed back from its instance's queue or a slot's prompt, it has had its wait in
- * line: at the back of another's it could wait as long again, past its deadline); else its requests.
+ * it continues an answer its client holds part of, which the bridge takes before the requests
+ * queued for the instance; else (one with nothing said yet too) its requests.
  */
 export const requestSubjectFor = (requestSubject: string, req: Pick<InferenceRequest, 'continues'>): string =>
-  req.continues ? movedSubjectFor(requestSubject) : requestSubject;
+  holdsPart(req.continues?.resume) ? movedSubjectFor(requestSubject) : requestSubject;
 
 /** `magus.cancel.<pool>.<instance>` in this data plane: where a gateway says a request's client went away. */
 export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {

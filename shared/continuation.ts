@@ -136,9 +136,8 @@ export class AnswerSoFar {
 
 /**
  * Whether `resume` holds part of an answer its client already has (tokens said): such a
- * continuation goes before the queue of its engine, to a resume sequence (engine/slots.ts,
- * "urgent"); every continuation goes before the queue of the instance it lands on
- * (dataplane/names.ts `requestSubjectFor`).
+ * continuation goes before the queue of the instance it lands on (dataplane/names.ts
+ * `requestSubjectFor`) and of its engine (engine/slots.ts, "urgent").
  */
 export const holdsPart = (resume: ResumedAnswer | undefined): boolean => (resume?.tokens.length ?? 0) > 0;
 
