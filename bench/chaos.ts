@@ -291,8 +291,11 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   if (process.env.CHAOS_VERBOSE)
     for (const a of differing) {
       const ref = reference[a.prompt]!.text;
+      const at = commonPrefix(a.text, ref);
+      const around = (t: string) => JSON.stringify(t.slice(Math.max(0, at - 12), at + 24));
+      const began = a.times[0] === undefined ? '?' : new Date(a.times[0]).toISOString().slice(11, 23);
       log(
-        `differs: ${a.id} (prompt ${a.prompt}) from character ${commonPrefix(a.text, ref)} of ${ref.length}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
+        `differs: ${a.id} (prompt ${a.prompt}, first piece ${began}) from character ${at} of ${ref.length}, ${around(ref)} → ${around(a.text)}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
       );
     }
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);

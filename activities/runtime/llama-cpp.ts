@@ -208,9 +208,9 @@ export async function startStandbyEngine(model: string, opts: EngineStart, kind:
  * first is ready, and again after each restart): a death is answered by starting it at once —
  * the restart costs its context's making (~60 ms per 4,096-token slot; nothing when it is
  * `warm`, its context made ahead) and listening, not a process's start and a model's load (~2 s)
- * after a backoff. `standby` may be a function, asked at each standby's start which kind it is. A restart that finds it waiting comes at once
- * (a crash loop is still given up after the policy's `maxRestarts`); one that does not backs off
- * as before. A standby that failed or is not ready yet is replaced by a cold start (or waited for,
+ * after a backoff. `standby` may be a function, asked at each standby's start which kind it is.
+ * A restart that finds it waiting comes at once (a crash loop is still given up after the
+ * policy's `maxRestarts`); one that does not backs off as before. A standby that failed or is not ready yet is replaced by a cold start (or waited for,
  * while it loads).
  */
 export async function startSupervisedEngine(
