@@ -36,6 +36,15 @@ beforeAll(() => {
   for (const name of Object.keys(env)) if (/^MAGUS_|^AWS_/.test(name)) delete env[name];
 });
 
+// A test that failed midway leaves its dev running, and the next would find the folder locked by it.
+afterEach(async () => {
+  for (const run of runs)
+    if (run.child.exitCode === null && run.child.signalCode === null) {
+      run.killTree();
+      await run.exited;
+    }
+});
+
 afterAll(() => {
   for (const run of runs) run.killTree();
   rmSync(xdg, { recursive: true, force: true });
@@ -170,8 +179,13 @@ test('a restart on the same folder keeps the token, the ports, the models and th
   await run.ready();
   const { gatewayUrl, tokenFile, temporalUi } = printed(run.stdout());
   expect(readFileSync(tokenFile, 'utf8').trim()).toBe(first.token);
-  // The same ports, as they were free again.
-  expect([gatewayUrl, temporalUi]).toEqual([first.gatewayUrl, first.temporalUi]);
+  // The same ports, as they were free again — unless another suite's dev (they run at once) took
+  // one meanwhile: then that one is not free now (CI once saw the gateway's 8080 go so).
+  for (const [now, before] of [
+    [gatewayUrl, first.gatewayUrl],
+    [temporalUi, first.temporalUi],
+  ] as const)
+    if (now !== before) expect({ port: before, free: await portFree(Number(new URL(before).port)) }).toEqual({ port: before, free: false });
   expect(run.stderr()).toContain('model "demo" (magus-demo/SmolLM2-135M-Instruct-GGUF) is ready from an earlier run: not pulled again');
   expect(run.stderr()).not.toMatch(/pulling magus-demo|transferring/);
 
