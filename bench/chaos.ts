@@ -69,6 +69,8 @@ const INSTANCES = ['i1', 'i2', 'i3'];
  * shape (`leasesPerInstance / (replicas − 1)`: a lost instance's answers all go on at once on the others).
  */
 const RESUME_SLOTS = env('CHAOS_RESUME_SLOTS', Math.ceil(SLOTS / (INSTANCES.length - 1)));
+/** The engines' standby (`CHAOS_STANDBY`, the file comment). */
+const STANDBY = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
 const POOL = 'chaos';
 const TOKEN_ID = 'chaos';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
@@ -413,7 +415,7 @@ async function main(): Promise<void> {
       stopGraceMs: 1000,
       restart: { maxRestarts: 1000, backoffMs: 0 },
       // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
-      ...(process.env.CHAOS_STANDBY !== '0' ? { standby: process.env.CHAOS_STANDBY === 'mapped' ? ('mapped' as const) : ('warm' as const) } : {}),
+      ...(STANDBY !== 'none' ? { standby: STANDBY } : {}),
     });
     await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
     await startInstanceBridge(instance);
@@ -458,9 +460,8 @@ async function main(): Promise<void> {
       .map((l) => fmt(l, 1))
       .join(' ')}`,
   );
-  const standby = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
   console.log(
-    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${standby}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
+    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${STANDBY}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
   );
   console.log(report.join('\n'));
   console.log(`faults: ${faults.map((f) => f.what).join('; ')}`);

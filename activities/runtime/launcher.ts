@@ -84,6 +84,8 @@ export interface LocalEngineSettings {
  * memory at the time the standby starts, else mapped.
  */
 export type StandbyKind = 'mapped' | 'warm' | 'auto';
+/** The kind a standby is once started (`auto` decided). */
+export type StartedStandby = Exclude<StandbyKind, 'auto'>;
 
 /** One start on this machine. */
 export interface LocalLaunch {

@@ -10,7 +10,7 @@ import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNa
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
 import type { ReadyModel } from '../../shared/model';
 import { cachedGguf } from './cache';
-import type { EngineLauncher, LocalLaunch, LocalServing, StandbyKind } from './launcher';
+import type { EngineLauncher, LocalLaunch, LocalServing, StandbyKind, StartedStandby } from './launcher';
 import { restartReport } from './launcher';
 import { spawnSupervised, describeExit, type SupervisedProcess } from './process';
 import { supervise, type RestartPolicy, type Supervised } from './supervise';
@@ -92,7 +92,7 @@ export interface EngineStart {
 }
 
 /** An engine process and the events it has reported on stdout (`listening`, `standby`, `ready`). */
-function spawnEngine(model: string, opts: EngineStart, standby?: 'mapped' | 'warm') {
+function spawnEngine(model: string, opts: EngineStart, standby?: StartedStandby) {
   const argv = engineArgv([
     ...engineArgs({
       model,
@@ -184,7 +184,7 @@ export interface StandbyEngine {
 }
 
 /** Starts an engine on standby for `opts.port` and resolves once it waits there. */
-export async function startStandbyEngine(model: string, opts: EngineStart, kind: 'mapped' | 'warm' = 'mapped'): Promise<StandbyEngine> {
+export async function startStandbyEngine(model: string, opts: EngineStart, kind: StartedStandby): Promise<StandbyEngine> {
   if (opts.signal?.aborted) throw opts.signal.reason as Error;
   const e = spawnEngine(model, opts, kind);
   await e.until('standby', opts.signal);
@@ -210,12 +210,12 @@ export async function startStandbyEngine(model: string, opts: EngineStart, kind:
  * `warm`, its context made ahead) and listening, not a process's start and a model's load (~2 s)
  * after a backoff. `standby` may be a function, asked at each standby's start which kind it is.
  * A restart that finds it waiting comes at once (a crash loop is still given up after the
- * policy's `maxRestarts`); one that does not backs off as before. A standby that failed or is not ready yet is replaced by a cold start (or waited for,
- * while it loads).
+ * policy's `maxRestarts`); one that does not backs off as before. A standby that failed or is
+ * not ready yet is replaced by a cold start (or waited for, while it loads).
  */
 export async function startSupervisedEngine(
   model: string,
-  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: 'mapped' | 'warm' | (() => 'mapped' | 'warm') },
+  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: StartedStandby | (() => StartedStandby) },
 ): Promise<Supervised<LlamaCppEngine>> {
   const first = await startLlamaCppEngine(model, opts);
   const port = first.port;
@@ -297,7 +297,7 @@ function gguf(ready: ReadyModel): NonNullable<ReturnType<typeof servedGguf>> | s
  * The standby of `kind` (launcher.ts `StandbyKind`) for an engine whose KV cache takes `kvCache`
  * bytes (unknown: no memory plan); `auto` is decided at each standby's start, on the free memory then.
  */
-export function standbyKind(kind: StandbyKind, kvCache: number | undefined, free: () => number = freemem): () => 'mapped' | 'warm' {
+export function standbyKind(kind: StandbyKind, kvCache: number | undefined, free: () => number = freemem): () => StartedStandby {
   if (kind !== 'auto') return () => kind;
   return () => (kvCache !== undefined && kvCache <= free() / 2 ? 'warm' : 'mapped');
 }

@@ -10,7 +10,7 @@ import { delimiter, isAbsolute, join, resolve } from 'node:path';
 import { distributedFirst, ENGINE_KINDS, formatsLoadedBy, isDistributed, isEngineKind, type EngineKind } from '../../shared/engines';
 import { DLLAMA_NODE_COUNTS } from '../size/memory';
 import type { RuntimeEntry } from './entry';
-import type { StandbyKind } from './launcher';
+import type { StartedStandby } from './launcher';
 import type * as LocalModule from './local';
 
 /**
@@ -36,7 +36,7 @@ export interface LocalRuntimeConfig {
   /** `MAGUS_ENGINES`: the engines it may run, in the order it tries them; unset: every engine it can run, distributed ones first. */
   engines?: EngineKind[];
   /** `MAGUS_ENGINE_STANDBY`: the llama.cpp engine on standby beside each (launcher.ts `standby`); unset: `auto`. */
-  standby?: Exclude<StandbyKind, 'auto'> | 'none';
+  standby?: StartedStandby | 'none';
 }
 
 /** `MAGUS_ENGINE_STANDBY`: `1` or `auto` (the default), `warm`, `mapped` or `0`. */
