@@ -152,16 +152,24 @@ test(`a burst of ${BURST} new conversations on one instance: the excess refused 
     // The queue still full: once the burst's last refusal is past the pre-check's hold, one more
     // new conversation is refused at its publish (an entry made and given back); the next ones,
     // within the hold after it, before any entry is made.
-    await sleep(FULL_HOLD_MS);
-    const before = await refusalCounts();
-    const atPublish = await firstTurn(`full-${tag}-0`);
+    // A burst request that a loaded machine held up past that quiet second can still reach its
+    // publish and be refused there, arming the hold again (CI once): probed until one is refused
+    // at its publish — a probe refused before it arms nothing.
+    let before = await refusalCounts();
+    const probes: Outcome[] = [];
+    for (let k = 0; k < 5; k++) {
+      await sleep(FULL_HOLD_MS);
+      before = await refusalCounts();
+      probes.push(await firstTurn(`full-${tag}-p${k}`));
+      if ((await refusalCounts()).atPublish > before.atPublish) break;
+    }
     const early = await Promise.all([1, 2, 3].map((k) => firstTurn(`full-${tag}-${k}`)));
-    for (const o of [atPublish, ...early]) {
+    for (const o of [...probes, ...early]) {
       expect([o.status, o.code]).toEqual([429, 'backlog_full']);
       expect(o.retryAfter).toMatch(SECONDS);
     }
     // Computed from the queue the bridge's beats say — the engine frozen, the same each time.
-    expect(new Set([atPublish, ...early].map((o) => o.retryAfter)).size).toBe(1);
+    expect(new Set([...probes, ...early].map((o) => o.retryAfter)).size).toBe(1);
     const after = await refusalCounts();
     expect({ atPublish: after.atPublish - before.atPublish, givenBack: after.givenBack - before.givenBack }).toEqual({ atPublish: 1, givenBack: 1 });
   } finally {
