@@ -85,6 +85,8 @@ const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 
 interface Answer {
   /** The chunks' id. */
   id?: string;
+  /** The instance its first event id names (where it was first published). */
+  instance?: string;
   prompt: number;
   text: string;
   pieces: number;
@@ -210,7 +212,10 @@ async function answer(client: number, session: string, prompt: number): Promise<
         return a;
       }
       for await (const e of sseMessages(res)) {
-        if (e.id) lastId = e.id;
+        if (e.id) {
+          lastId = e.id;
+          a.instance ??= Buffer.from(e.id.split('.')[0]!, 'base64url').toString().split('/')[2];
+        }
         if (e.data === '[DONE]') {
           a.done = true;
           return a;
@@ -297,7 +302,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
       const around = (t: string) => JSON.stringify(t.slice(Math.max(0, at - 12), at + 24));
       const began = a.times[0] === undefined ? '?' : new Date(a.times[0]).toISOString().slice(11, 23);
       log(
-        `differs: ${a.id} (prompt ${a.prompt}, first piece ${began}) from character ${at} of ${ref.length}, ${around(ref)} → ${around(a.text)}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
+        `differs: ${a.id} (prompt ${a.prompt} on ${a.instance ?? '?'}, first piece ${began}) from character ${at} of ${ref.length}, ${around(ref)} → ${around(a.text)}; longest silence ${fmt(longestGap(a) / 1000)} s, ${a.reconnects} reconnects`,
       );
     }
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);
