@@ -115,6 +115,13 @@ export type ResponseFrame =
   | {
       seq: number;
       type: 'error';
+      /**
+       * An answer handed back to be continued elsewhere (`CONTINUE_ELSEWHERE`): its place among
+       * those its bridge handed back together (from 0). Every gateway sends the n-th to the n-th
+       * of the pool's other instances (by name), so a lost instance's answers spread evenly over
+       * the others whichever gateway moves each (frames of older bridges lack it).
+       */
+      spread?: number;
       error: {
         status: number;
         message: string;

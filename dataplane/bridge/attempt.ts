@@ -13,7 +13,7 @@ import { BridgeErrorCode, errorFrame } from './error-frames';
 import type { BridgeStats } from './metrics';
 import { PendingFrames, type StoredFramePublisher } from './stored-frames';
 import { DEFAULT_MAX_PAYLOAD, splitFrame } from '../frames';
-import { CONTINUE_ELSEWHERE } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, resumedAnswer } from '../../shared/continuation';
 import { handBackFrame, movable } from './generate';
 
 /** Why an attempt was stopped before it concluded. */
@@ -54,7 +54,31 @@ export interface AttemptContext {
   usage: UsageTotals;
   /** Its engine continues answers from their tokens (shared/engines.ts): one stopped at the drain deadline is handed back to be continued elsewhere. */
   continues?: boolean;
+  /** Numbers the answers handed back together (their frames' `spread`). */
+  handBacks: HandBacks;
 }
+
+/**
+ * Numbers a bridge's hand-backs, the `spread` of their frames (shared/serving.ts `ResponseFrame`):
+ * 0, 1, 2 … among those handed back together (from 0 again after {@link HAND_BACKS_APART_MS}
+ * without one). Answers with something said and answers with nothing said yet are numbered apart:
+ * a drain hands back both at once, and the first go on in the other instances' resume sequences,
+ * the second in their queues — each kind spreads evenly by itself.
+ */
+export class HandBacks {
+  private readonly last = new Map<boolean, number>();
+  private readonly count = new Map<boolean, number>();
+
+  next(said: boolean, now = Date.now()): number {
+    const n = now - (this.last.get(said) ?? -Infinity) > HAND_BACKS_APART_MS ? 0 : (this.count.get(said) ?? 0);
+    this.last.set(said, now);
+    this.count.set(said, n + 1);
+    return n;
+  }
+}
+
+/** Hand-backs further apart than this are not numbered together. */
+export const HAND_BACKS_APART_MS = 1_000;
 
 export class Attempt {
   private controller = new AbortController();
@@ -108,9 +132,11 @@ export class Attempt {
     this.ctx.stats.continued += 1;
   }
 
-  /** It hands its answer back to be continued elsewhere (generate.ts `handBackFrame`). */
-  handedBack(): void {
+  /** It hands its answer back to be continued elsewhere (generate.ts `handBackFrame`): its `spread`. */
+  handedBack(): number {
     this.ctx.stats.handedBack += 1;
+    const said = (resumedAnswer(this.answer)?.tokens.length ?? 0) + (this.req.continues?.resume.tokens.length ?? 0) > 0;
+    return this.ctx.handBacks.next(said);
   }
 
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
@@ -193,9 +219,9 @@ export class Attempt {
    * that hands its answer back: concluded as if it had not been aborted, since it still owns the
    * request — only its engine call was stopped.
    */
-  private endHandedBack(why: string): Promise<void> {
+  private endHandedBack(why: string, spread?: number): Promise<void> {
     this.controller = new AbortController();
-    return this.conclude(handBackFrame(this, why), 'term');
+    return this.conclude(handBackFrame(this, why, spread), 'term');
   }
 
   /** Resolves a delivery after its engine call (or a failure before it). */
@@ -217,10 +243,8 @@ export class Attempt {
           // The drain deadline passed: an answer that can be continued is handed back to its
           // gateway, which continues it on another instance (this one's consumer goes with it);
           // any other goes back to the consumer, for a bridge of this instance that comes back.
-          if (this.ctx.isConnected() && movable(this, this.ctx.continues === true, true)) {
-            this.handedBack();
-            return this.endHandedBack('its instance is stopping (the drain deadline passed): continue it elsewhere');
-          }
+          if (this.ctx.isConnected() && movable(this, this.ctx.continues === true, true))
+            return this.endHandedBack('its instance is stopping (the drain deadline passed): continue it elsewhere', this.handedBack());
           m.nak();
           this.ctx.stats.nakked += 1;
         }

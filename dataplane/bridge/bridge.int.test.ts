@@ -1011,6 +1011,25 @@ describe('shutdown', () => {
     expect(second.stats.resumed).toBe(1);
   });
 
+  it('stop() past its drain deadline numbers what it hands back together: answers mid-way 0, 1 …, and apart from them those with nothing said', async () => {
+    const stub = await engine(() => ({ chunks: 40, delayMs: 100, tokens: true }));
+    const instance = await instanceWith({ slots: 2 });
+    const b = await bridge(instance, stub.url, { slots: 2, drainTimeoutMs: 300 }); // llama.cpp's engine: it continues answers
+    const inFlight = [await sent(instance), await sent(instance)];
+    await until('both answering', () => inFlight.every(({ answer }) => answer.raw.length >= 3));
+    const queued = [await sent(instance), await sent(instance)];
+    await until('two queued', async () => (await consumerState(instance)).num_pending === 2);
+    await b.stop();
+    const last = async (list: typeof inFlight) => Promise.all(list.map(async ({ answer }) => (await answer.finished).at(-1)));
+    const midway = await last(inFlight);
+    for (const f of midway) expect(f).toMatchObject({ type: 'error', error: { code: CONTINUE_ELSEWHERE } });
+    expect(midway.map((f) => (f as { spread?: number }).spread).sort()).toEqual([0, 1]);
+    const unsaid = await last(queued);
+    for (const f of unsaid) expect(f).toMatchObject({ seq: 0, type: 'error', error: { code: CONTINUE_ELSEWHERE } });
+    expect(unsaid.map((f) => (f as { spread?: number }).spread).sort()).toEqual([0, 1]);
+    expect(b.stats.handedBack).toBe(4);
+  });
+
   it('stop() past its drain deadline hands back what is still queued: a stream at once, nothing of it said; any other answered 503', async () => {
     const stub = await engine(() => ({ chunks: 20, delayMs: 100 }));
     const instance = await instanceWith();

@@ -30,7 +30,7 @@ import { openRequestClaims, type RequestClaims } from '../claims';
 import { beatSubjectOf, cancelSubjectOf, type DataPlaneNames } from '../names';
 import { BEAT_EVERY_MS } from '../../shared/continuation';
 import { UsageLedger } from '../usage';
-import type { Attempt } from './attempt';
+import { HandBacks, type Attempt } from './attempt';
 import { LiveAttempts } from './attempts';
 import { Cancels } from './cancels';
 import { RequestConsumer } from './consumer';
@@ -282,6 +282,7 @@ export class Bridge {
         ledger: prepared.ledger,
         usage: this.usageTotals,
         continues,
+        handBacks: new HandBacks(),
       },
       () => this.stopping,
     );

@@ -148,9 +148,9 @@ export function movable(a: Attempt, continues: boolean, stopping = false): boole
   return resumedAnswer(a.answer) !== undefined;
 }
 
-/** The frame that hands `a`'s answer back to its gateway after the frames it has sent. */
-export function handBackFrame(a: Attempt, why: string): ResponseFrame {
-  return errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why);
+/** The frame that hands `a`'s answer back to its gateway after the frames it has sent (`spread`: `Attempt.handedBack`'s). */
+export function handBackFrame(a: Attempt, why: string, spread?: number): ResponseFrame {
+  return { ...errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why), ...(spread !== undefined ? { spread } : {}) };
 }
 
 /**
@@ -172,8 +172,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
     starting ||= outcome.engineStarting === true;
     const handBackAfter = o.handBackAfterMs === undefined ? undefined : o.handBackAfterMs + (starting ? (o.startingWaitMs ?? 0) : 0);
     if (handBackAfter !== undefined && Date.now() - lostAt >= handBackAfter && movable(a, o.continues)) {
-      a.handedBack();
-      return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`) };
+      return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`, a.handedBack()) };
     }
     if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
     await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);

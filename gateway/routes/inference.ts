@@ -348,8 +348,8 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       onPublishRetry: () => app.metrics.publishRetries.inc(),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
-        ? async (said, from, createdAt) => {
-            const to = g.sessions.another?.(model, from.session.instance) ?? from.session;
+        ? async (said, from, createdAt, spread) => {
+            const to = g.sessions.another?.(model, from.session.instance, spread) ?? from.session;
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
             const stay = to.instance === from.session.instance;

@@ -130,7 +130,7 @@ export async function followAnswer(
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
       ? {
-          move: (said: ResumedAnswer, from: Moved, createdAt: number) => nextMove(g.moves!, ++moves, said, from, createdAt),
+          move: (said: ResumedAnswer, from: Moved, createdAt: number, spread?: number) => nextMove(g.moves!, ++moves, said, from, createdAt, spread),
           ...(g.bridgeSilent ? { silent: movedAway(g.moves, g.bridgeSilent), onMovedAway: (from: Moved) => g.cancel?.(from.session, from.req.id, true) } : {}),
         }
       : {}),
@@ -184,14 +184,14 @@ export async function followAnswer(
    * again — claimed here and published on another instance (or, with none, the one it was on),
    * its metering the answer's key as this replica's client presents it.
    */
-  async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, createdAt: number): Promise<Moved | undefined> {
+  async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, createdAt: number, spread?: number): Promise<Moved | undefined> {
     for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
       const to = await log.find(place.requestId, n);
       if (to) return continuation(to);
       await new Promise((resolve) => setTimeout(resolve, 200));
     }
     if (!asked || signal.aborted) return undefined;
-    const to = g.sessions.another?.(asked.model, from.session.instance) ?? from.session;
+    const to = g.sessions.another?.(asked.model, from.session.instance, spread) ?? from.session;
     const mine: ResumableAnswer = {
       replica: place.replica,
       pool: to.pool,

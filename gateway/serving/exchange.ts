@@ -332,7 +332,7 @@ export interface ExchangeOptions {
    * to — another of the pool when there is one. Absent, or resolving undefined: the answer ends
    * with the bridge's error.
    */
-  move?: (said: ResumedAnswer, from: Moved, createdAt: number) => Promise<Moved | undefined>;
+  move?: (said: ResumedAnswer, from: Moved, createdAt: number, spread?: number) => Promise<Moved | undefined>;
   /** The answer was moved (metrics). */
   onMoved?: (to: Moved) => void;
   /**
@@ -496,7 +496,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           relayedChunks += 1;
           createdAt ??= createdOf(f.data);
           opts.onChunk?.(f.data, base + f.seq);
-        } else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq);
+        } else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq, f.spread);
         else {
           const e = frameError(f, opts.retryAfterSec);
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
@@ -514,7 +514,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       );
     let unlisten = listen(current);
     /** The bridge handed the answer back after `seq` frames of the current request: continue it as a new request. */
-    const moveOn = (seq: number) => {
+    const moveOn = (seq: number, spread?: number) => {
       const answer = said.answer;
       const from = current;
       moving = true;
@@ -522,7 +522,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       unlisten();
       unlisten = () => undefined;
       if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
-      opts.move!(answer, from, createdAt ?? Date.now()).then(
+      opts.move!(answer, from, createdAt ?? Date.now(), spread).then(
         (to) => {
           moving = false;
           if (finished) return;

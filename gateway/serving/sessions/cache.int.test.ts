@@ -400,6 +400,25 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(adopted).toEqual([]);
   });
 
+  it('answers a lost instance handed back together spread evenly over the others by their place, whichever replica moves each; without one, each replica spreads its own', async () => {
+    await publishPool(['i1', 'i2', 'i3'], 4);
+    cache = await start();
+    other = await start();
+    await until('both replicas see the pool', () => cache!.instancesOf(model)?.length === 3 && other!.instancesOf(model)?.length === 3, 10_000);
+    // i2's bridge handed back four answers (spread 0–3): three of them this replica's clients', one the other's.
+    const movedTo = [cache.another(model, 'i2', 0), cache.another(model, 'i2', 1), other.another(model, 'i2', 2), cache.another(model, 'i2', 3)].map(
+      (e) => e?.instance,
+    );
+    expect(movedTo).toEqual(['i1', 'i3', 'i1', 'i3']);
+    // Without a place (a bridge gone silent, an older bridge): each replica's own recent moves, so both may pick the same.
+    const unplaced = [cache.another(model, 'i1')?.instance, other.another(model, 'i1')?.instance];
+    expect(unplaced.every((i) => i === 'i2' || i === 'i3')).toBe(true);
+    // No other instance: none.
+    await publishPool(['i1'], 4);
+    await until('the view shrank', () => cache!.instancesOf(model)?.length === 1, 10_000);
+    expect(cache.another(model, 'i1', 0)).toBeUndefined();
+  });
+
   it('an entry of a brand-new instance the replica’s view does not list yet is not moved', async () => {
     await publishPool(['i1'], 10);
     cache = await start();

@@ -218,10 +218,16 @@ export class SessionCache implements SessionBroker {
     return (this.instancesOf(model) ?? []).some((i) => i !== instance);
   }
 
-  another(model: ReadyModel, instance: string): SessionEntry | undefined {
+  another(model: ReadyModel, instance: string, spread?: number): SessionEntry | undefined {
     const now = this.now();
     const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier: (i) => recent(i).length });
+    // Told its place among a bridge's hand-backs: the same choice on every gateway (ranked before
+    // this gateway's own count of recent moves, after a queue over the budget).
+    const others =
+      spread !== undefined && Number.isSafeInteger(spread) && spread >= 0 ? (this.instancesOf(model) ?? []).filter((i) => i !== instance).sort() : [];
+    const spreadTo = others.length > 0 ? others[spread! % others.length] : undefined;
+    const busier = (i: string) => (i === spreadTo ? -1 : recent(i).length);
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier });
     if (!target) return undefined;
     this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };

@@ -41,9 +41,11 @@ export interface SessionBroker {
   route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
   /**
    * Another instance the pool publishes than `instance`, the least loaded, to continue an answer
-   * on (its bridge handed it back); none when the view lists no other. Nothing is written.
+   * on (its bridge handed it back); none when the view lists no other. With `spread` (the
+   * answer's place among those its bridge handed back together, `ResponseFrame`'s `spread`):
+   * the `spread`-th of the others by name, unless its queue is over the wait budget. Nothing is written.
    */
-  another?(model: ReadyModel, instance: string): SessionEntry | undefined;
+  another?(model: ReadyModel, instance: string, spread?: number): SessionEntry | undefined;
   /** Whether {@link another} would find one, without counting a move to it. */
   hasAnother?(model: ReadyModel, instance: string): boolean;
   /**
