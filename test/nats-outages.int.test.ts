@@ -268,8 +268,10 @@ describe('NATS outages', () => {
     const calls = engine.requests.length;
     const pulled = served.stats.pulled;
     try {
-      await cut.cut();
+      // Taken before the cut: `cut()` resolves once the connection noticed, which a loaded machine
+      // may tell this test well after the gateway's own check saw it (CI: 2.43 s from then to not ready).
       const cutAt = Date.now();
+      await cut.cut();
       // Within its grace: still in its Service, degraded (a NATS restart reconnects every replica at once).
       const during = await fetch(`${gw.url}/readyz`);
       expect([during.status, ((await during.json()) as { status: string; checks: { nats: boolean } }).checks.nats]).toEqual([200, false]);
