@@ -108,7 +108,12 @@ async function main(): Promise<void> {
           const s = said(ref, cut);
           count(alone, s.text + (await ask(engine.url, prompt, s)).text, ref.text, `p${p}/${cut}`);
         }
-        const four = await Promise.all(CUTS.map(async (cut) => ({ cut, s: said(ref, cut), got: await ask(engine.url, prompt, said(ref, cut)) })));
+        const four = await Promise.all(
+          CUTS.map(async (cut) => {
+            const s = said(ref, cut);
+            return { cut, s, got: await ask(engine.url, prompt, s) };
+          }),
+        );
         for (const { cut, s, got } of four) count(together, s.text + got.text, ref.text, `p${p}/${cut}`);
       }
       for (let first = 0; first < PROMPTS.length; first += 2) {
