@@ -47,6 +47,7 @@ import { startBridge, type Bridge } from '../dataplane/bridge';
 import { openModelRegistry } from '../dataplane/registry';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/serving/conversation';
+import { parseLastEventId } from '../gateway/serving/resume';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { freePort } from '../workers/dev/services';
 import { pinConversation, publishPoolView } from '../test/harness/gateway';
@@ -214,7 +215,7 @@ async function answer(client: number, session: string, prompt: number): Promise<
       for await (const e of sseMessages(res)) {
         if (e.id) {
           lastId = e.id;
-          a.instance ??= Buffer.from(e.id.split('.')[0]!, 'base64url').toString().split('/')[2];
+          a.instance ??= parseLastEventId(SECRET, TOKEN_ID, e.id)?.instance;
         }
         if (e.data === '[DONE]') {
           a.done = true;

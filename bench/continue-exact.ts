@@ -12,6 +12,7 @@
  */
 import { cpus, loadavg } from 'node:os';
 import { startLlamaCppEngine } from '../activities/runtime/llama-cpp';
+import { sseMessages } from '../test/harness/sse-stream';
 import { commonPrefix } from '../test/harness/timed-stream';
 import { demoModelFile } from '../workers/dev/demo-model';
 
@@ -42,9 +43,9 @@ async function ask(url: string, prompt: string, resume?: { tokens: number[]; tex
   });
   if (res.status !== 200) throw new Error(`the engine answered ${res.status}: ${await res.text()}`);
   const out: Streamed = { text: '', pieces: [] };
-  for (const line of (await res.text()).split('\n')) {
-    if (!line.startsWith('data: ') || line === 'data: [DONE]') continue;
-    const chunk = JSON.parse(line.slice(6)) as {
+  for await (const e of sseMessages(res)) {
+    if (e.data === '[DONE]') continue;
+    const chunk = JSON.parse(e.data) as {
       error?: unknown;
       choices?: { delta?: { content?: string } }[];
       magus?: { tokens?: number[] };
