@@ -5,7 +5,7 @@
  */
 import { AckPolicy, DeliverPolicy, type ConsumerConfig, type ConsumerInfo, type JetStreamManager, type NatsConnection, nanos } from 'nats';
 import { JsApiError, jsErrorCode } from './errors';
-import { consumerNameOf, movedConsumerNameOf, movedSubjectOf, requestSubjectOf, type DataPlaneNames } from './names';
+import { consumerNameOf, instanceConsumerNamesOf, laneConsumerNameOf, laneSubjectOf, LANES, requestSubjectOf, type DataPlaneNames, type Lane } from './names';
 
 /**
  * Creates an instance's consumer again with the configuration it had (`config`, as read from
@@ -57,8 +57,8 @@ export async function instanceConsuming(nc: NatsConnection, requestStream: strin
 }
 
 /**
- * Declares (or updates) the durable pull consumers of one instance: its requests', and its moved
- * answers' ({@link movedConsumerConfig}). Returns the first's info.
+ * Declares (or updates) the durable pull consumers of one instance: its requests', and its lanes'
+ * ({@link laneConsumerConfig}). Returns the first's info.
  */
 export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: InstanceConsumerOptions): Promise<ConsumerInfo> {
   if (!Number.isInteger(opts.slots) || opts.slots < 1) throw new Error(`slots must be a positive integer, got ${opts.slots}`);
@@ -72,19 +72,21 @@ export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataP
     ack_policy: AckPolicy.Explicit,
     deliver_policy: DeliverPolicy.All,
   });
-  await addOrUpdate(jsm, names.requestStream, movedConsumerConfig(names, opts.pool, opts.instance, info.config));
+  for (const lane of LANES) await addOrUpdate(jsm, names.requestStream, laneConsumerConfig(names, opts.pool, opts.instance, lane, info.config));
   return info;
 }
 
+const LANE_DESCRIPTIONS: Record<Lane, string> = { moved: 'answers moved to', requeued: 'requests handed back to' };
+
 /**
- * The consumer of the answers moved to an instance (names.ts `movedSubjectOf`), shaped like its
- * request consumer `like`: as many at once as its slots, the same ack wait and deliveries.
+ * The consumer of one of an instance's lanes (names.ts `LANES`), shaped like its request consumer
+ * `like`: as many at once as its slots, the same ack wait and deliveries.
  */
-export function movedConsumerConfig(names: DataPlaneNames, pool: string, instance: string, like: Partial<ConsumerConfig>): ConsumerConfig {
+export function laneConsumerConfig(names: DataPlaneNames, pool: string, instance: string, lane: Lane, like: Partial<ConsumerConfig>): ConsumerConfig {
   return {
-    description: `answers moved to ${pool}/${instance}`,
-    durable_name: movedConsumerNameOf(pool, instance),
-    filter_subject: movedSubjectOf(names, pool, instance),
+    description: `${LANE_DESCRIPTIONS[lane]} ${pool}/${instance}`,
+    durable_name: laneConsumerNameOf(pool, instance, lane),
+    filter_subject: laneSubjectOf(names, pool, instance, lane),
     max_ack_pending: like.max_ack_pending ?? 1,
     ack_wait: like.ack_wait ?? nanos(30_000),
     max_deliver: like.max_deliver ?? 5,
@@ -114,6 +116,7 @@ export async function deleteInstanceConsumer(jsm: JetStreamManager, names: DataP
       throw err;
     }
   };
-  const moved = await gone(movedConsumerNameOf(opts.pool, opts.instance));
-  return (await gone(consumerNameOf(opts.pool, opts.instance))) || moved;
+  let any = false;
+  for (const name of instanceConsumerNamesOf(opts.pool, opts.instance).reverse()) any = (await gone(name)) || any;
+  return any;
 }

@@ -36,15 +36,18 @@ export {
   dataPlaneNames,
   instanceResponseSubjectOf,
   isResponseSubjectOf,
-  movedConsumerNameOf,
-  movedSubjectFor,
-  movedSubjectOf,
+  instanceConsumerNamesOf,
+  laneConsumerNameOf,
+  laneSubjectFor,
+  laneSubjectOf,
+  LANES,
   requestSubjectFor,
   requestSubjectOf,
   responseSubjectOf,
   scopeSubject,
   scopedSubject,
   type DataPlaneNames,
+  type Lane,
 } from './names';
 export { publishRequest } from './publish';
 export { readStoredFrames, responseStreamState, type ResponseStreamState, type StoredFrames } from './response-stream';

@@ -1,6 +1,7 @@
 import {
   consumerNameOf,
   dataPlaneNames,
+  instanceConsumerNamesOf,
   instanceResponseSubjectOf,
   isResponseSubjectOf,
   requestSubjectFor,
@@ -9,13 +10,18 @@ import {
 } from './names';
 
 describe('data-plane names', () => {
-  it('a continuation its client holds part of goes to the moved answers; one with nothing said, and a request of its own, to the requests', () => {
+  it('a continuation its client holds part of goes to the moved answers; one with nothing said to the requeued requests; a request of its own to the requests', () => {
     const subject = requestSubjectOf(dataPlaneNames(), 'llama', 'i-0');
     const continues = (tokens: number[]) => ({ id: 'r1', createdAt: 1, resume: { tokens, text: tokens.length > 0 ? 'Hi' : '' } });
-    expect(requestSubjectFor(subject, {})).toBe('magus.req.llama.i-0');
-    expect(requestSubjectFor(subject, { continues: continues([42]) })).toBe('magus.req.llama.i-0.moved');
-    // Before the instance's queue, it would go before the answers waiting mid-answer too (bench/README.md, "Streams under faults").
-    expect(requestSubjectFor(subject, { continues: continues([]) })).toBe('magus.req.llama.i-0');
+    expect(requestSubjectFor(subject, {}, true)).toBe('magus.req.llama.i-0');
+    expect(requestSubjectFor(subject, { continues: continues([42]) }, true)).toBe('magus.req.llama.i-0.moved');
+    // Not behind the instance's queue (it waited its turn in another's), and not among the moved
+    // answers either: it would hold back answers waiting mid-way (bench/README.md, "Streams under faults").
+    expect(requestSubjectFor(subject, { continues: continues([]) }, true)).toBe('magus.req.llama.i-0.requeued');
+    // A bridge that does not say it pulls that lane (one from before it) finds it among its requests.
+    expect(requestSubjectFor(subject, { continues: continues([]) }, false)).toBe('magus.req.llama.i-0');
+    expect(requestSubjectFor(subject, { continues: continues([42]) }, false)).toBe('magus.req.llama.i-0.moved');
+    expect(instanceConsumerNamesOf('llama', 'i-0')).toEqual(['llama_i-0', 'llama_i-0_moved', 'llama_i-0_requeued']);
   });
 
   it('are the shared names without a prefix', () => {

@@ -80,25 +80,37 @@ export function requestSubjectOf(names: DataPlaneNames, pool: string, instance: 
 }
 
 /**
- * `magus.req.<pool>.<instance>.moved` in this data plane: answers continued on this instance after
- * their own instance lost them (shared/continuation.ts). A consumer of their own
- * ({@link movedConsumerNameOf}) lets the bridge take them before the requests queued for the
- * instance: their clients are waiting mid-answer.
+ * The lanes of an instance beside its requests, each `magus.req.<pool>.<instance>.<lane>` with a
+ * durable consumer of its own ({@link laneConsumerNameOf}) that its bridge pulls beside its
+ * requests, so what is sent there never waits behind the requests queued for the instance:
+ * - `moved`: answers continued on this instance after their own instance lost them
+ *   (shared/continuation.ts), whose clients hold part of them — the engine takes them first;
+ * - `requeued`: requests handed back by another instance with nothing said (its drain deadline,
+ *   its engine gone), which had already waited their turn in its queue — apart from `moved`, so
+ *   they never hold back an answer waiting mid-way.
  */
-export function movedSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
-  return movedSubjectFor(requestSubjectOf(names, pool, instance));
+export const LANES = ['moved', 'requeued'] as const;
+export type Lane = (typeof LANES)[number];
+
+/** `magus.req.<pool>.<instance>.<lane>` in this data plane ({@link LANES}). */
+export function laneSubjectOf(names: DataPlaneNames, pool: string, instance: string, lane: Lane): string {
+  return laneSubjectFor(requestSubjectOf(names, pool, instance), lane);
 }
 
-/** {@link movedSubjectOf} of the instance whose requests go to `requestSubject` (a session entry's `subject`). */
-export const movedSubjectFor = (requestSubject: string): string => `${requestSubject}.moved`;
+/** {@link laneSubjectOf} of the instance whose requests go to `requestSubject` (a session entry's `subject`). */
+export const laneSubjectFor = (requestSubject: string, lane: Lane): string => `${requestSubject}.${lane}`;
 
 /**
- * Where `req` goes on the instance whose requests go to `requestSubject`: its moved answers when
- * it continues an answer its client holds part of, which the bridge takes before the requests
- * queued for the instance; else (one with nothing said yet too) its requests.
+ * Where `req` goes on the instance whose requests go to `requestSubject`: a continuation to its
+ * moved answers when its client holds part of the answer, to its requeued requests when nothing
+ * was said yet and its bridge pulls them (`requeued`: its beat says so, shared/serving.ts
+ * `BridgeLoad`); any other request to its requests.
  */
-export const requestSubjectFor = (requestSubject: string, req: Pick<InferenceRequest, 'continues'>): string =>
-  holdsPart(req.continues?.resume) ? movedSubjectFor(requestSubject) : requestSubject;
+export function requestSubjectFor(requestSubject: string, req: Pick<InferenceRequest, 'continues'>, requeued: boolean): string {
+  if (req.continues === undefined) return requestSubject;
+  if (holdsPart(req.continues.resume)) return laneSubjectFor(requestSubject, 'moved');
+  return requeued ? laneSubjectFor(requestSubject, 'requeued') : requestSubject;
+}
 
 /** `magus.cancel.<pool>.<instance>` in this data plane: where a gateway says a request's client went away. */
 export function cancelSubjectOf(names: DataPlaneNames, pool: string, instance: string): string {
@@ -154,7 +166,12 @@ export function consumerNameOf(pool: string, instance: string): string {
   return `${pool}_${instance}`;
 }
 
-/** The durable consumer of the answers moved to one instance ({@link movedSubjectOf}); no instance's {@link consumerNameOf} (tokens hold no `_`). */
-export function movedConsumerNameOf(pool: string, instance: string): string {
-  return `${consumerNameOf(pool, instance)}_moved`;
+/** The durable consumer of one of an instance's {@link LANES}; no instance's {@link consumerNameOf} (tokens hold no `_`). */
+export function laneConsumerNameOf(pool: string, instance: string, lane: Lane): string {
+  return `${consumerNameOf(pool, instance)}_${lane}`;
+}
+
+/** Every durable consumer of one instance: its requests', then its {@link LANES}'. */
+export function instanceConsumerNamesOf(pool: string, instance: string): string[] {
+  return [consumerNameOf(pool, instance), ...LANES.map((lane) => laneConsumerNameOf(pool, instance, lane))];
 }

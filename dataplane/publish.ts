@@ -6,8 +6,8 @@ import { REQUEST_ID, requestSubjectFor, requestSubjectOf, type DataPlaneNames } 
 
 /**
  * Publishes a request to its instance with `Nats-Msg-Id` = `req.id`, so a retried publish
- * within the duplicate window is stored once; to the instance's moved answers when it continues
- * one its client holds part of (names.ts `requestSubjectFor`).
+ * within the duplicate window is stored once; a continuation to one of the instance's lanes
+ * (names.ts `requestSubjectFor`: its bridge is this version's, so it pulls them all).
  */
 export async function publishRequest(
   js: JetStreamClient,
@@ -16,7 +16,7 @@ export async function publishRequest(
   req: InferenceRequest,
 ): Promise<{ duplicate: boolean; seq: number }> {
   if (!REQUEST_ID.test(req.id)) throw new Error(`request id '${req.id}' must match ${String(REQUEST_ID)}`);
-  const ack = await js.publish(requestSubjectFor(requestSubjectOf(names, to.pool, to.instance), req), encodeJson(req), {
+  const ack = await js.publish(requestSubjectFor(requestSubjectOf(names, to.pool, to.instance), req, true), encodeJson(req), {
     msgID: req.id,
     expect: { streamName: names.requestStream },
   });

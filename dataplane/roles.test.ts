@@ -78,17 +78,19 @@ describe('permissions', () => {
     const pub = p.publish.allow.join(' ');
     for (const bucket of [names.tokensBucket, names.responsesBucket, names.modelsBucket, names.sessionsBucket, names.limitsBucket])
       expect(pub).not.toContain(bucket);
-    // The request stream: only its own consumers (its requests', its moved answers'), created only with their own filters.
+    // The request stream: only its own consumers (its requests', its lanes'), created only with their own filters.
     const onRequests = p.publish.allow.filter((s) => s.includes(names.requestStream));
     expect(onRequests.every((s) => s.includes(`${names.requestStream}.m_i-1`))).toBe(true);
     expect(onRequests).toContain(`$JS.API.CONSUMER.CREATE.${names.requestStream}.m_i-1.t.magus.req.m.i-1`);
     expect(onRequests).toContain(`$JS.API.CONSUMER.CREATE.${names.requestStream}.m_i-1_moved.t.magus.req.m.i-1.moved`);
+    expect(onRequests).toContain(`$JS.API.CONSUMER.CREATE.${names.requestStream}.m_i-1_requeued.t.magus.req.m.i-1.requeued`);
     expect(onRequests.some((s) => s.includes('>') && s.startsWith('$JS.API'))).toBe(false);
     expect(p.subscribe.allow).toEqual([
       `${bridgeInboxPrefixOf('m', 'i-1')}.>`,
       't.magus.cancel.m.i-1',
       `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.m_i-1`,
       `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.m_i-1_moved`,
+      `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${names.requestStream}.m_i-1_requeued`,
     ]);
   });
 

@@ -40,8 +40,9 @@ import {
   cancelSubjectOf,
   consumerNameOf,
   instanceResponseSubjectOf,
-  movedConsumerNameOf,
-  movedSubjectOf,
+  laneConsumerNameOf,
+  laneSubjectOf,
+  LANES,
   requestSubjectOf,
   scopedSubject,
 } from './names';
@@ -143,16 +144,15 @@ export const bridgeInboxPrefixOf = (pool: string, instance: string): string => `
 
 /**
  * The permissions of the bridge of instance `instance` of pool `pool`: its own requests and
- * nothing else of the request stream. It pulls from its instance's two durable consumers only
- * (its requests', the answers moved to it; the creation subject names the consumer *and* its
- * filter, so it cannot widen it), acknowledges its deliveries, hears its instance's cancels and
+ * nothing else of the request stream. It pulls from its instance's durable consumers only
+ * (its requests', and its lanes': the answers moved to it, the requests handed back to it; the
+ * creation subject names the consumer *and* its filter, so it cannot widen it), acknowledges its deliveries, hears its instance's cancels and
  * its consumers' leader elections, and gets its
  * replies on an inbox of its own (a pulled request arrives there). It publishes frames, reads
  * frames back for a redelivered request (the response stream), and writes claims and usage.
  */
 export function bridgePermissions(names: DataPlaneNames, pool: string, instance: string): NatsPermissions {
   const durable = consumerNameOf(pool, instance);
-  const moved = movedConsumerNameOf(pool, instance);
   const stream = names.requestStream;
   const responses = names.responseStream;
   // Its instance's frames, magus.res.<replica>.<pool>.<instance>.<id>, of any replica and request.
@@ -169,11 +169,16 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
         api(`CONSUMER.MSG.NEXT.${stream}.${durable}`),
         api(`CONSUMER.CREATE.${stream}.${durable}.${requestSubjectOf(names, pool, instance)}`),
         `$JS.ACK.${stream}.${durable}.>`,
-        // The same for the answers moved to it (names.ts movedSubjectOf).
-        api(`CONSUMER.INFO.${stream}.${moved}`),
-        api(`CONSUMER.MSG.NEXT.${stream}.${moved}`),
-        api(`CONSUMER.CREATE.${stream}.${moved}.${movedSubjectOf(names, pool, instance)}`),
-        `$JS.ACK.${stream}.${moved}.>`,
+        // The same for its lanes (names.ts LANES).
+        ...LANES.flatMap((lane) => {
+          const name = laneConsumerNameOf(pool, instance, lane);
+          return [
+            api(`CONSUMER.INFO.${stream}.${name}`),
+            api(`CONSUMER.MSG.NEXT.${stream}.${name}`),
+            api(`CONSUMER.CREATE.${stream}.${name}.${laneSubjectOf(names, pool, instance, lane)}`),
+            `$JS.ACK.${stream}.${name}.>`,
+          ];
+        }),
         // Reading its own frames back (response-stream.ts): a direct get and an ordered consumer,
         // each naming the subject in the request's subject. The ordered consumer's pulls, info and
         // delete go by its name, random per read (nats.js: a NUID), which no other user learns.
@@ -197,7 +202,7 @@ export function bridgePermissions(names: DataPlaneNames, pool: string, instance:
         `${bridgeInboxPrefixOf(pool, instance)}.>`,
         cancelSubjectOf(names, pool, instance),
         `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${durable}`,
-        `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${moved}`,
+        ...LANES.map((lane) => `$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.${stream}.${laneConsumerNameOf(pool, instance, lane)}`),
       ],
     },
   };
@@ -355,9 +360,18 @@ export function roleCredentialsText(
   return userCredentialsText(signer, `magus-${role}`, role, rolePermissions(role, names));
 }
 
-/** The credentials file of a new bridge user of instance `instance` of pool `pool`: {@link bridgePermissions}. */
-export function bridgeCredentialsText(signer: { account: string; signerSeed: string }, names: DataPlaneNames, pool: string, instance: string): Promise<string> {
-  return userCredentialsText(signer, `magus-bridge ${pool}/${instance}`, 'bridge', bridgePermissions(names, pool, instance));
+/**
+ * The credentials file of a new bridge user of instance `instance` of pool `pool`:
+ * {@link bridgePermissions}, or `permissions` (a test's user made as an older magus made it).
+ */
+export function bridgeCredentialsText(
+  signer: { account: string; signerSeed: string },
+  names: DataPlaneNames,
+  pool: string,
+  instance: string,
+  permissions: NatsPermissions = bridgePermissions(names, pool, instance),
+): Promise<string> {
+  return userCredentialsText(signer, `magus-bridge ${pool}/${instance}`, 'bridge', permissions);
 }
 
 /** What a credentials file holds: its role, the user's JWT and seed, and the inbox prefix its JWT lets it subscribe to. */

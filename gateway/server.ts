@@ -417,6 +417,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       },
       moves: kvMoveLog(responsesKv),
       bridgeSilent: (session) => natsUp && beats.silent(`${session.pool}.${session.instance}`),
+      bridgeRequeues: (session) => waits.requeues(session.pool, session.instance),
       readiness,
     });
     let healthUrl: string | undefined;

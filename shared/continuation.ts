@@ -136,8 +136,8 @@ export class AnswerSoFar {
 
 /**
  * Whether `resume` holds part of an answer its client already has (tokens said): such a
- * continuation goes before the queue of the instance it lands on (dataplane/names.ts
- * `requestSubjectFor`) and of its engine (engine/slots.ts, "urgent").
+ * continuation goes to the moved answers of the instance it lands on (dataplane/names.ts
+ * `requestSubjectFor`) and before its engine's queue (engine/slots.ts, "urgent").
  */
 export const holdsPart = (resume: ResumedAnswer | undefined): boolean => (resume?.tokens.length ?? 0) > 0;
 

@@ -333,6 +333,12 @@ export interface BridgeLoad {
   serviceMs: number | null;
   /** How long ago `queued` was read (a slow read leaves an older one): requests sent since are not in it. */
   queuedAgeMs?: number;
+  /**
+   * It pulls the requests handed back to its instance (dataplane/names.ts `LANES`, `requeued`):
+   * gateways send one there, ahead of the instance's queue. Absent (a bridge from before, or one
+   * whose NATS user may not pull that lane): to its requests, where nobody misses it.
+   */
+  requeued?: true;
 }
 
 const count = (v: unknown): v is number => typeof v === 'number' && Number.isInteger(v) && v >= 0;
@@ -351,5 +357,12 @@ export function bridgeLoadOf(payload: Uint8Array | string): BridgeLoad | undefin
   const o = v as Record<string, unknown>;
   const serviceMs = o.serviceMs === null ? null : typeof o.serviceMs === 'number' && Number.isFinite(o.serviceMs) && o.serviceMs >= 0 ? o.serviceMs : undefined;
   if (!count(o.running) || !count(o.slots) || o.slots < 1 || !count(o.queued) || serviceMs === undefined) return undefined;
-  return { running: o.running, slots: o.slots, queued: o.queued, serviceMs, ...(count(o.queuedAgeMs) ? { queuedAgeMs: o.queuedAgeMs } : {}) };
+  return {
+    running: o.running,
+    slots: o.slots,
+    queued: o.queued,
+    serviceMs,
+    ...(count(o.queuedAgeMs) ? { queuedAgeMs: o.queuedAgeMs } : {}),
+    ...(o.requeued === true ? { requeued: true as const } : {}),
+  };
 }

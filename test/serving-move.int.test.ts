@@ -22,7 +22,7 @@ import type { NatsConnection } from 'nats';
 import type OpenAI from 'openai';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
-import { ensureInstanceConsumer, requestSubjectOf, type DataPlaneNames } from '../dataplane';
+import { ensureInstanceConsumer, laneConsumerNameOf, requestSubjectOf, type DataPlaneNames, type Lane } from '../dataplane';
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
 import { demoModelFile } from '../workers/dev/demo-model';
@@ -408,6 +408,13 @@ test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the 
   await until('i1 runs again', () => engines.i1!.restarts > restartsBeforeKill, 30_000);
   const continued = bridges.i2!.stats.continued;
   const handedBack = bridges.i1!.stats.handedBack;
+  // What i2's lanes delivered: the answer mid-way to its moved answers, the one with nothing said to its requeued requests.
+  const lanes = async () => {
+    const jsm = await nc.jetstreamManager();
+    const delivered = async (lane: Lane) => (await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, 'i2', lane))).delivered.consumer_seq;
+    return { moved: await delivered('moved'), requeued: await delivered('requeued') };
+  };
+  const lanesBefore = await lanes();
   let stoppedAt = 0;
   let stopping: Promise<void> | undefined;
   let queued: Promise<Streamed> | undefined;
@@ -425,6 +432,7 @@ test('i1 stopped at token ~30 (its drain deadline, 1 s, passes mid-answer): the 
   expect(behind.pieces).toBeLessThanOrEqual(ANSWER_TOKENS);
   expect(bridges.i1!.stats.handedBack - handedBack).toBe(2);
   expect(bridges.i2!.stats.continued - continued).toBe(1);
+  expect(await lanes()).toEqual({ moved: lanesBefore.moved + 1, requeued: lanesBefore.requeued + 1 });
   await expectWhole('instance stopped at token 30 (drain 1 s)', answer, reference, stoppedAt, [behind]);
   expect(gapAfter(answer, stoppedAt)).toBeLessThanOrEqual(MAX_GAP_MS);
   measured.push(`queued behind it when the instance stopped: its first piece ${gapAfter(behind, stoppedAt)} ms after the stop, from i2`);

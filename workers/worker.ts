@@ -12,10 +12,10 @@ import { CoreV1Api, KubeConfig } from '@kubernetes/client-node';
 import { Client, Connection } from '@temporalio/client';
 import { bundleWorkflowCode, DefaultLogger, NativeConnection, TransportError, Worker, type Logger, type LogLevel, type LogMetadata } from '@temporalio/worker';
 import { temporal } from '@temporalio/proto';
-import { connect, type NatsConnection } from 'nats';
+import { connect, type ConsumerInfo, type NatsConnection } from 'nats';
 import { createPipelineActivities } from '../activities/pipeline';
 import { createSecretResolver } from '../activities/huggingface/secrets';
-import { consumerNameOf, declareOnReconnect, ensureDataPlane, movedConsumerNameOf } from '../dataplane';
+import { declareOnReconnect, ensureDataPlane, instanceConsumerNamesOf } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { leaderGet } from '../dataplane/kv-leader';
 import { claimOrphanRead, deleteEntry, poolEntryCounter } from '../dataplane/session-keys';
@@ -253,13 +253,15 @@ export async function startWorkers(cfg: MagusConfig, deps: WorkerDeps = { kube: 
     const worker = workerOfRuntimeQueue(cfg.taskQueue, queue);
     return worker === null ? null : registry.runtimeAdvert(worker);
   };
-  // An instance's backlog, for its pool's reconciler: its consumers' pending and in-flight requests (its own, and answers moved to it).
+  // An instance's backlog, for its pool's reconciler: its consumers' pending and in-flight requests (its own, and its lanes').
   const jsm = await nc.jetstreamManager();
   const backlog = async (pool: string, instance: string) => {
-    const [info, moved] = await Promise.all(
-      [consumerNameOf(pool, instance), movedConsumerNameOf(pool, instance)].map((c) => jsm.consumers.info(names.requestStream, c).catch(() => null)),
+    const [info, ...lanes] = await Promise.all(
+      instanceConsumerNamesOf(pool, instance).map((c) => jsm.consumers.info(names.requestStream, c).catch(() => null)),
     );
-    return info ? { pending: info.num_pending + (moved?.num_pending ?? 0), ackPending: info.num_ack_pending + (moved?.num_ack_pending ?? 0) } : null;
+    if (!info) return null;
+    const sum = (of: (i: ConsumerInfo) => number) => lanes.reduce((n, lane) => n + (lane ? of(lane) : 0), of(info));
+    return { pending: sum((i) => i.num_pending), ackPending: sum((i) => i.num_ack_pending) };
   };
   const serving = createServingActivities({
     runtime,

@@ -7,16 +7,36 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
-import { Events, type JetStreamManager, type NatsConnection } from 'nats';
-import { isolation, natsConnectAsBridge } from '../../test/harness';
+import { connect, Events, type JetStreamManager, type NatsConnection } from 'nats';
+import { endpoint, isolation, natsConnectAsBridge, natsSignerFile } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
+import {
+  bridgeLoadOf,
+  type BridgeLoad,
+  type ChatInference,
+  type CompletionsInference,
+  type EmbeddingsInference,
+  type InferenceRequest,
+  type ResponseFrame,
+} from '../../shared/serving';
+import { bridgeCredentialsText, bridgePermissions, natsAuthOptions, parseCredentialsFile, readNatsSigner } from '../roles';
 import { claimKeyOf, openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
 import { encodeJson } from '../json';
-import { cancelSubjectOf, consumerNameOf, instanceResponseSubjectOf, requestSubjectOf, responseSubjectOf, scopedSubject, type DataPlaneNames } from '../names';
+import {
+  beatSubjectOf,
+  cancelSubjectOf,
+  consumerNameOf,
+  instanceResponseSubjectOf,
+  laneConsumerNameOf,
+  laneSubjectOf,
+  requestSubjectOf,
+  responseSubjectOf,
+  scopedSubject,
+  type DataPlaneNames,
+} from '../names';
 import { publishRequest } from '../publish';
 import { readStoredFrames } from '../response-stream';
 import { UsageLedger } from '../usage';
@@ -943,6 +963,73 @@ describe('failures', () => {
     expect(stub.calls).toHaveLength(1);
     expect(b.stats.pulled).toBe(1);
   });
+});
+
+describe("an instance's lanes", () => {
+  it('a request handed back with nothing said is served before the requests queued for the instance, beside the one in flight', async () => {
+    const stub = await engine(() => ({ chunks: 4, delayMs: 150 }));
+    const instance = await instanceWith();
+    await bridge(instance, stub.url);
+    const asked = (text: string) => ({ messages: [{ role: 'user' as const, content: text }] });
+    const { answer: inFlight } = await sent(instance, asked('first'));
+    await until('the first in flight', () => inFlight.raw.length >= 1);
+    const queued = [];
+    for (const n of [1, 2, 3]) queued.push((await sent(instance, asked(`queued ${n}`))).answer);
+    await until('three queued', async () => (await consumerState(instance)).num_pending === 3);
+    // Handed back by another instance (its drain deadline passed while it waited there): its
+    // gateway sends it on, continuing an answer of which nothing was said (names.ts requestSubjectFor).
+    const { answer: handedBack } = await sent(instance, asked('handed back'), {
+      continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } },
+    });
+    for (const a of [inFlight, handedBack, ...queued]) expect((await a.finished).at(-1)).toMatchObject({ type: 'done' });
+    const order = stub.calls.map((c) => c.messages[0]!.content);
+    // Beside the one in flight (a real engine queues it first: at most the slots' requests before it), before every queued one.
+    expect(order).toEqual(['first', 'handed back', 'queued 1', 'queued 2', 'queued 3']);
+    const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
+    expect(lane.config.filter_subject).toBe(laneSubjectOf(names, POOL, instance, 'requeued'));
+    expect(lane.num_pending + lane.num_ack_pending).toBe(0);
+  });
+});
+
+describe("a bridge's beats say whether it pulls the requests handed back", () => {
+  /** The next beat of `instance`'s bridge, as the gateway reads it. */
+  const nextBeat = async (instance: string): Promise<BridgeLoad | undefined> => {
+    const sub = nc.subscribe(beatSubjectOf(names, POOL, instance), { max: 1, timeout: 5_000 });
+    for await (const m of sub) return bridgeLoadOf(m.data);
+    return undefined;
+  };
+
+  it('a bridge of this version says it does', async () => {
+    const stub = await engine(() => ({}));
+    const instance = await instanceWith();
+    await bridge(instance, stub.url);
+    expect(await nextBeat(instance)).toMatchObject({ slots: 1, requeued: true });
+  });
+
+  (natsSignerFile() ? it : it.skip)(
+    'one whose NATS user was made before that lane starts and serves without it, and says so (gateways then queue hand-backs with its requests)',
+    async () => {
+      const stub = await engine(() => ({}));
+      const instance = await instanceWith();
+      const now = bridgePermissions(names, POOL, instance);
+      const before = (allow: string[]) => allow.filter((s) => !s.includes('requeued'));
+      const older = { publish: { allow: before(now.publish.allow) }, subscribe: { allow: before(now.subscribe.allow) } };
+      expect(older.publish.allow.length).toBeLessThan(now.publish.allow.length);
+      const text = await bridgeCredentialsText(readNatsSigner(natsSignerFile()!), names, POOL, instance, older);
+      const creds = parseCredentialsFile(text);
+      if ('error' in creds) throw new Error(creds.error);
+      const conn = await connect({ servers: endpoint('nats').servers, ...natsAuthOptions(creds) });
+      cleanups.push(() => conn.close());
+      const seen = logs.length;
+      await bridge(instance, stub.url, {}, conn);
+      expect(logs.slice(seen).some((l) => l.startsWith('not pulling the requests handed back to this instance'))).toBe(true);
+      const beat = await nextBeat(instance);
+      expect(beat).toMatchObject({ slots: 1 });
+      expect(beat?.requeued).toBeUndefined();
+      const { answer } = await sent(instance);
+      expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    },
+  );
 });
 
 describe('frames on the instance’s subject', () => {

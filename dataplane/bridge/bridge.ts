@@ -27,7 +27,7 @@ import { requestKindOf } from '../../shared/request-kinds';
 import type { BridgeLoad, ResponseFrame } from '../../shared/serving';
 import type { UsageTotals } from '../../shared/usage';
 import { openRequestClaims, type RequestClaims } from '../claims';
-import { beatSubjectOf, cancelSubjectOf, type DataPlaneNames } from '../names';
+import { beatSubjectOf, cancelSubjectOf, LANES, type DataPlaneNames } from '../names';
 import { BEAT_EVERY_MS } from '../../shared/continuation';
 import { UsageLedger } from '../usage';
 import { HandBacks, type Attempt } from './attempt';
@@ -132,7 +132,7 @@ interface Prepared {
   js: JetStreamClient;
   jsm: JetStreamManager;
   consumer: RequestConsumer;
-  moved: RequestConsumer;
+  lanes: RequestConsumer[];
   claims: RequestClaims;
   ledger: UsageLedger;
   stats: BridgeStats;
@@ -149,7 +149,8 @@ const QUEUE_READ_WAIT_MS = 100;
 
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
- * time from each: its requests, and the answers moved to it, which the engine takes first) and
+ * time from each: its requests, and its lanes — the answers moved to it, which the engine takes
+ * first, and the requests handed back to it, which do not wait behind its queue) and
  * serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the connection,
  * {@link Cancels} the gateways' cancels.
  */
@@ -165,8 +166,8 @@ export class Bridge {
   private readonly failed: (what: string, err: unknown) => void;
   private readonly engine: EngineClient;
   private readonly consumer: RequestConsumer;
-  /** The answers moved to this instance, served beside its requests and before those queued (names.ts `movedSubjectOf`). */
-  private readonly moved: RequestConsumer;
+  /** Its lanes (names.ts `LANES`: answers moved to it, requests handed back to it), served beside its requests and before those queued. */
+  private readonly lanes: RequestConsumer[];
   private readonly frames: StoredFramePublisher;
   private readonly attempts: LiveAttempts;
   private readonly cancels: Cancels;
@@ -182,9 +183,9 @@ export class Bridge {
   /** Set once no delivery may be served any more (a late one is handed back). */
   private stopping = false;
   private stopped: Promise<void> | undefined;
-  /** Deliveries being served (requests and moved answers; hand-backs not counted). */
+  /** Deliveries being served (requests and its lanes'; hand-backs not counted). */
   private running = 0;
-  /** Undelivered requests and moved answers, as last read (readQueued), and when that read was asked. */
+  /** Undelivered requests and its lanes', as last read (readQueued), and when that read was asked. */
   private queued = 0;
   private queuedAt = 0;
   /** A beat is being made (its queue read). */
@@ -227,19 +228,30 @@ export class Bridge {
     const js = nc.jetstream();
     const jsm = await nc.jetstreamManager();
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
-    const moved = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed, moved: consumer.config });
+    const lanes: RequestConsumer[] = [];
+    for (const lane of LANES) {
+      const opened = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed, lane: { lane, like: consumer.config } }).catch(
+        (err: unknown) => {
+          // An instance whose NATS user was made before that lane may not pull it: its beats say
+          // so (no `requeued`), and gateways send what it would hold to its requests instead.
+          if (lane !== 'requeued') throw err;
+          log(`not pulling the requests handed back to this instance (${(err as Error).message}): gateways queue them with its requests`);
+          return null;
+        },
+      );
+      if (opened) lanes.push(opened);
+    }
     const claims = await openRequestClaims(js, names, { pool, instance });
     const ledger = await UsageLedger.open(js, names);
-    const bridge = new Bridge(opts, { js, jsm, consumer, moved, claims, ledger, stats, log, failed });
-    await consumer.start();
-    await moved.start();
+    const bridge = new Bridge(opts, { js, jsm, consumer, lanes, claims, ledger, stats, log, failed });
+    for (const c of [consumer, ...lanes]) await c.start();
     bridge.run();
     return bridge;
   }
 
   private constructor(opts: BridgeOptions, prepared: Prepared) {
     const { nc, names, pool, instance, slots } = opts;
-    const { consumer, moved, claims, stats, log } = prepared;
+    const { consumer, lanes, claims, stats, log } = prepared;
     this.nc = nc;
     this.slots = slots;
     this.drainTimeoutMs = opts.drainTimeoutMs ?? 30_000;
@@ -248,7 +260,7 @@ export class Bridge {
     this.log = log;
     this.failed = prepared.failed;
     this.consumer = consumer;
-    this.moved = moved;
+    this.lanes = lanes;
     this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
@@ -333,7 +345,7 @@ export class Bridge {
     if (this.nc.isClosed()) problems.push('NATS connection closed');
     else if (!this.attempts.isConnected) problems.push('NATS disconnected');
     if (!this.consuming) problems.push('not consuming');
-    problems.push(...this.consumer.problems(), ...this.moved.problems());
+    for (const c of [this.consumer, ...this.lanes]) problems.push(...c.problems());
     const { queued, serviceMs } = this.load();
     return { ok: problems.length === 0, problems, inFlight: this.attempts.size, slots: this.slots, queued, serviceMs };
   }
@@ -371,7 +383,7 @@ export class Bridge {
     await this.serveQueued(deadline);
     this.stopping = true;
     if (Date.now() >= deadline && this.consuming && (await this.undelivered())) await this.handBackQueued();
-    await settlesWithin(Promise.all([this.consumer.stopPulling(), this.moved.stopPulling()]), 5000);
+    await settlesWithin(Promise.all([this.consumer, ...this.lanes].map((c) => c.stopPulling())), 5000);
     await settlesWithin(this.loop, 5000);
     const drained = await settlesWithin(Promise.allSettled([...this.handlers]), Math.max(0, deadline - Date.now()));
     if (!drained) {
@@ -384,8 +396,7 @@ export class Bridge {
     this.engine.close();
     this.cancels.close();
     clearInterval(this.beats);
-    this.consumer.close();
-    this.moved.close();
+    for (const c of [this.consumer, ...this.lanes]) c.close();
   }
 
   /**
@@ -418,10 +429,10 @@ export class Bridge {
     }
   }
 
-  /** Requests and moved answers not delivered yet (null: that cannot be read now). */
+  /** Requests and its lanes' not delivered yet (null: that cannot be read now). */
   private async undelivered(): Promise<number | null> {
-    const [requests, moved] = await Promise.all([this.consumer.undelivered(), this.moved.undelivered()]);
-    return requests === null ? null : requests + (moved ?? 0);
+    const [requests, ...lanes] = await Promise.all([this.consumer, ...this.lanes].map((c) => c.undelivered()));
+    return requests === null || requests === undefined ? null : lanes.reduce<number>((sum, n) => sum + (n ?? 0), requests);
   }
 
   /** Serves what the consumers deliver until the bridge stops or the connection closes. */
@@ -445,11 +456,11 @@ export class Bridge {
     void this.nc.closed().then(() => {
       // Killed from under us: nothing can be answered or resolved any more (JetStream redelivers).
       this.attempts.connectionClosed();
-      this.consumer.connectionClosed();
-      this.moved.connectionClosed();
+      for (const c of [this.consumer, ...this.lanes]) c.connectionClosed();
     });
-    // Moved answers beside the slots' requests: the engine puts a resumed answer before its queue.
-    this.loop = Promise.all([this.pull(this.consumer), this.pull(this.moved)]).then(() => undefined);
+    // The lanes beside the slots' requests: the engine puts a resumed answer before its queue, and a
+    // request handed back waits behind at most the slots' requests, not behind the queue.
+    this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => this.pull(c))).then(() => undefined);
   }
 
   private async pull(consumer: RequestConsumer): Promise<void> {
@@ -511,6 +522,7 @@ export class Bridge {
       queued: saturated ? this.queued : 0,
       serviceMs: this.service.p90(),
       ...(saturated ? { queuedAgeMs: Date.now() - this.queuedAt } : {}),
+      ...(this.lanes.some((c) => c.lane === 'requeued') ? { requeued: true as const } : {}),
     };
   }
 

@@ -15,9 +15,9 @@ import {
   type NatsConnection,
   type Subscription,
 } from 'nats';
-import { movedConsumerConfig, restoreConsumer } from '../consumers';
+import { laneConsumerConfig, restoreConsumer } from '../consumers';
 import { declareOnReconnect } from '../declare';
-import { consumerNameOf, movedConsumerNameOf, type DataPlaneNames } from '../names';
+import { consumerNameOf, laneConsumerNameOf, type DataPlaneNames, type Lane } from '../names';
 import type { BridgeStats } from './metrics';
 
 export interface RequestConsumerOptions {
@@ -34,11 +34,11 @@ export interface RequestConsumerOptions {
   /** Logs and counts an unexpected failure. */
   failed: (what: string, err: unknown) => void;
   /**
-   * The consumer of the answers moved to the instance (names.ts `movedSubjectOf`) instead of its
-   * requests', created like `moved` (the request consumer's configuration) when missing: an
-   * instance created before moved answers had one has none.
+   * The consumer of one of the instance's lanes (names.ts `LANES`) instead of its requests',
+   * created like `like` (the request consumer's configuration) when missing: an instance created
+   * before that lane existed has none.
    */
-  moved?: ConsumerConfig;
+  lane?: { lane: Lane; like: ConsumerConfig };
 }
 
 export class RequestConsumer {
@@ -57,12 +57,13 @@ export class RequestConsumer {
     readonly config: ConsumerConfig,
   ) {}
 
-  /** Gets the instance's request consumer (it must exist: ensureInstanceConsumer), or its moved answers' (`moved`); pulls nothing yet. */
+  /** Gets the instance's request consumer (it must exist: ensureInstanceConsumer), or one of its lanes' (`lane`); pulls nothing yet. */
   static async open(opts: RequestConsumerOptions): Promise<RequestConsumer> {
     const { names, pool, instance } = opts;
-    if (opts.moved) {
-      await restoreConsumer(opts.jsm, names.requestStream, movedConsumerConfig(names, pool, instance, opts.moved));
-      const consumer = await opts.js.consumers.get(names.requestStream, movedConsumerNameOf(pool, instance));
+    if (opts.lane) {
+      const { lane, like } = opts.lane;
+      await restoreConsumer(opts.jsm, names.requestStream, laneConsumerConfig(names, pool, instance, lane, like));
+      const consumer = await opts.js.consumers.get(names.requestStream, laneConsumerNameOf(pool, instance, lane));
       return new RequestConsumer(opts, consumer, (await consumer.info()).config);
     }
     const consumer = await opts.js.consumers.get(names.requestStream, consumerNameOf(pool, instance));
@@ -71,9 +72,14 @@ export class RequestConsumer {
     return new RequestConsumer(opts, consumer, config);
   }
 
+  /** Which of the instance's lanes it pulls (undefined: its requests). */
+  get lane(): Lane | undefined {
+    return this.opts.lane?.lane;
+  }
+
   /** What it is, in log lines and health problems. */
   get label(): string {
-    return this.opts.moved ? 'moved-answer consumer' : 'request consumer';
+    return this.opts.lane ? `${this.opts.lane.lane} consumer` : 'request consumer';
   }
 
   /** The consumer's `ack_wait`. */

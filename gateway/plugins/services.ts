@@ -106,6 +106,8 @@ export interface GatewayServices {
    * bridge never heard (one from before beats): never.
    */
   bridgeSilent?: (session: SessionEntry) => boolean;
+  /** Whether the bridge of `session`'s instance, as last heard, pulls the requests handed back to it (serving/exchange.ts `requeues`). Absent: never. */
+  bridgeRequeues?: (session: SessionEntry) => boolean;
   /** The `Retry-After` seconds of a request its instance's backlog refused: when its queue is within the wait budget again (serving/queue-waits.ts). */
   retryAfterAt?: (session: SessionEntry) => number;
   /** Where moved answers went, for resumes on any replica (serving/resume.ts); absent: a resume stops at a move. */

@@ -127,6 +127,7 @@ export async function followAnswer(
     retryAfterSec: s.retryAfterSec,
     signal,
     onChunk,
+    ...(g.bridgeRequeues ? { requeues: g.bridgeRequeues } : {}),
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
       ? {

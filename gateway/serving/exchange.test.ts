@@ -397,6 +397,30 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     ]);
   });
 
+  it("a continuation goes to the lane its instance's bridge pulls: the moved answers with something said; with nothing said, the requeued requests only of a bridge that says it pulls them", async () => {
+    const cases: [ResponseFrame[], boolean, string][] = [
+      [[text(0, 'Once', [7])], true, 'magus.req.p.i2.moved'],
+      [[text(0, 'Once', [7])], false, 'magus.req.p.i2.moved'],
+      [[role(0)], true, 'magus.req.p.i2.requeued'],
+      [[role(0)], false, 'magus.req.p.i2'],
+    ];
+    for (const [before, requeues, subject] of cases) {
+      const t = setUp({
+        requeues: (s) => s.instance === 'i2' && requeues,
+        move: (said, from, createdAt) =>
+          Promise.resolve({ session: s2, req: { ...from.req, id: 'r2', replyTo: 'magus.res.r2', continues: { id: from.req.id, createdAt, resume: said } } }),
+      });
+      await Promise.resolve();
+      for (const f of before) t.listeners.get('r1')!(f);
+      t.listeners.get('r1')!(handedBack(before.length));
+      await Promise.resolve();
+      await Promise.resolve();
+      expect(t.published).toEqual(['magus.req.p.i1 r1', `${subject} r2`]);
+      t.listeners.get('r2')!(done(0));
+      await expect(t.p).resolves.toBe('end');
+    }
+  });
+
   it('ends with the error when the relayed answer cannot be continued (no tokens said) or nothing moves it', async () => {
     const t = setUp();
     await Promise.resolve();

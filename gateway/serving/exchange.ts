@@ -342,6 +342,12 @@ export interface ExchangeOptions {
    */
   silent?: (session: SessionEntry) => boolean;
   onMovedAway?: (from: Moved) => void;
+  /**
+   * Whether the bridge of `session`'s instance pulls the requests handed back to it
+   * (dataplane/names.ts `requestSubjectFor`): a continuation with nothing said goes there, ahead
+   * of the instance's queue. Absent, or false: to its requests.
+   */
+  requeues?: (session: SessionEntry) => boolean;
   retryAfterSec: number;
   signal: AbortSignal;
   /**
@@ -560,8 +566,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let attempt = 0;
     const publish = (): void => {
       const at = current;
-      // A continuation its client holds part of: to the instance's moved answers, ahead of its queue.
-      opts.publish(requestSubjectFor(at.session.subject, at.req), at.req, at.session).catch((err: unknown) => {
+      // A continuation: to one of the instance's lanes, ahead of its queue.
+      opts.publish(requestSubjectFor(at.session.subject, at.req, opts.requeues?.(at.session) === true), at.req, at.session).catch((err: unknown) => {
         if (finished || at !== current) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
         if (err instanceof GatewayError && err.status === 413) return fail('too_large', err);

@@ -87,10 +87,25 @@ describe('QueueWaits', () => {
   });
 });
 
+describe('QueueWaits.requeues', () => {
+  it("is what the instance's bridge last said: a bridge from before says nothing, an instance never heard is false", () => {
+    const w = new QueueWaits(5_000);
+    expect(w.requeues('p', 'i1')).toBe(false);
+    w.beat('p.i1', { ...load(1, 0, 250), requeued: true });
+    w.beat('p.i2', load(1, 0, 250));
+    expect([w.requeues('p', 'i1'), w.requeues('p', 'i2')]).toEqual([true, false]);
+    w.beat('p.i1', load(1, 0, 250)); // its bridge replaced by an older one
+    expect(w.requeues('p', 'i1')).toBe(false);
+  });
+});
+
 describe('bridgeLoadOf', () => {
   it('reads a beat, and refuses what it cannot trust', () => {
     expect(bridgeLoadOf(JSON.stringify(load(1, 0, 250)))).toEqual(load(1, 0, 250));
     expect(bridgeLoadOf(new TextEncoder().encode(JSON.stringify(load(0, 0, null))))).toEqual(load(0, 0, null));
+    // Whether it pulls the requests handed back: only `true` says so.
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), requeued: true }))).toEqual({ ...load(1, 0, 250), requeued: true });
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), requeued: 'yes' }))).toEqual(load(1, 0, 250));
     for (const bad of [
       '',
       'x',

@@ -65,6 +65,11 @@ export class QueueWaits {
     for (const [k, h] of this.heard) if (h.at < old) this.heard.delete(k);
   }
 
+  /** Whether the instance's bridge, as last heard, pulls the requests handed back to it (shared/serving.ts `BridgeLoad.requeued`). */
+  requeues(pool: string, instance: string): boolean {
+    return this.heard.get(`${pool}.${instance}`)?.load.requeued === true;
+  }
+
   /** How long one more request is expected to wait at the instance (undefined: unknown). */
   waitMs(pool: string, instance: string): number | undefined {
     const h = this.heard.get(`${pool}.${instance}`);
