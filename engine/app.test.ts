@@ -10,10 +10,13 @@ import { EngineCore } from './core';
 import { parseEngineArgs } from './options';
 import { USAGE_ERROR as ENGINE_USAGE_ERROR } from '../platform/cli';
 import { until } from '../test/harness/wait';
+import { REQUEUED_HEADER } from '../shared/continuation';
 
 /** A backend whose generations finish when the test says so. */
 class ScriptedBackend implements CompletionBackend {
   readonly pending: { io: GenerationIO; finish(r: GenerationResult): void; fail(e: unknown): void }[] = [];
+  /** The first message of each generation begun, in the order they began. */
+  readonly prompts: string[] = [];
   prepare(req: ChatRequest) {
     if (req.messages[0]!.content === 'too long') throw invalidRequest('too long', 'messages', 'context_length_exceeded');
     return {
@@ -21,6 +24,7 @@ class ScriptedBackend implements CompletionBackend {
       generate: (_slot: number, io: GenerationIO) =>
         new Promise<GenerationResult>((resolve, reject) => {
           io.signal.addEventListener('abort', () => reject(new Error('aborted')), { once: true });
+          this.prompts.push(String(req.messages[0]!.content));
           this.pending.push({ io, finish: resolve, fail: reject });
         }),
     };
@@ -99,6 +103,31 @@ describe('engine HTTP layer', () => {
     expect(res.statusCode).toBe(503);
     expect(res.json()).toMatchObject({ error: { code: 'engine_unavailable' } });
     expect(core.slots.busy).toBe(0);
+  });
+
+  test('a request with the requeued header (handed back by another instance) is not refused for a full queue and goes before the queued ones', async () => {
+    core.ready(backend);
+    const post = (content: string, headers: Record<string, string> = {}) =>
+      fetch(`${base}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', ...headers },
+        body: JSON.stringify(body(content)),
+      }).then(answer);
+    const running = post('running');
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
+    const queued = post('queued');
+    await until('one queued (the bound)', () => core.slots.queued === 1, 5_000);
+    expect((await post('refused')).statusCode).toBe(429);
+    const handedBack = post('handed back', { [REQUEUED_HEADER]: '1' });
+    await until('both waiting', () => core.slots.queued === 2, 5_000);
+    const order: string[] = [];
+    for (let i = 0; i < 3; i++) {
+      await until(`generation ${i + 1}`, () => backend.pending.length === i + 1, 5_000);
+      order.push(backend.prompts[i]!);
+      backend.pending[i]!.finish({ text: 'ok', finishReason: 'stop', completionTokens: 1, cachedPromptTokens: 0 });
+    }
+    expect(order).toEqual(['running', 'handed back', 'queued']);
+    for (const r of [running, handedBack, queued]) expect((await r).statusCode).toBe(200);
   });
 
   test('backend errors: 400s pass through; unexpected ones are a 500 without details, logged', async () => {

@@ -49,6 +49,25 @@ describe('SlotPool', () => {
     expect(order).toEqual(['urgent1', 'urgent2', 'plain2', 'plain1']);
   });
 
+  test('a request that goes first (handed back by another instance) goes after the urgent and before the rest, past the queue bound and past cache affinity', async () => {
+    const pool = new SlotPool(1, 2);
+    await pool.acquire();
+    const plain1 = pool.acquire();
+    const plain2 = pool.acquire({ score: () => 100 }); // owns the slot's cache: would be preferred
+    await expect(pool.acquire()).rejects.toMatchObject({ name: QUEUE_FULL_ERROR });
+    const first1 = pool.acquire({ first: true });
+    const urgent = pool.acquire({ urgent: true });
+    const first2 = pool.acquire({ first: true });
+    expect(pool.queued).toBe(5);
+    const order: string[] = [];
+    for (const [name, p] of Object.entries({ plain1, plain2, first1, urgent, first2 })) void p.then(() => order.push(name));
+    for (let i = 0; i < 5; i++) {
+      pool.release(0);
+      await new Promise((r) => setImmediate(r));
+    }
+    expect(order).toEqual(['urgent', 'first1', 'first2', 'plain2', 'plain1']);
+  });
+
   test('reserved slots serve urgent requests alone: at once while one is free, then back to the urgent first', async () => {
     const pool = new SlotPool(1, 4, undefined, 1);
     expect(await pool.acquire()).toBe(0);

@@ -12,7 +12,10 @@
  * answer resumed after its engine went away: its client is waiting mid-answer) goes before every
  * other, in arrival order among the urgent, and is not turned away by the queue bound; the pool
  * may keep `reserved` slots beside its `size` for the urgent alone (a resumed answer then starts
- * at once rather than when a slot frees).
+ * at once rather than when a slot frees). A waiter that goes *first* (a request handed back by
+ * another instance with nothing said: it waited its turn in that one's queue) goes after the
+ * urgent and before every other, in arrival order among those, and is not turned away either
+ * (its bridge sends at most its slots of them at once).
  */
 
 export const QUEUE_FULL_ERROR = 'QueueFullError';
@@ -38,6 +41,7 @@ interface Waiter {
   onAbort?: () => void;
   score?: (slot: number) => number;
   urgent: boolean;
+  first: boolean;
   /** Times a later waiter got a released slot before this one. */
   skipped: number;
 }
@@ -55,7 +59,12 @@ export interface AcquireOptions {
   score?: (slot: number) => number;
   /** Served before every waiter that is not, and never refused for a full queue (see the class comment). */
   urgent?: boolean;
+  /** Served after the urgent and before every other waiter, and never refused for a full queue (see the class comment). */
+  first?: boolean;
 }
+
+/** Where a waiter stands: the urgent first, then those that go first, then the rest. */
+const rankOf = (w: { urgent: boolean; first: boolean }): number => (w.urgent ? 2 : w.first ? 1 : 0);
 
 export class SlotPool {
   /** Slots released and free again, in release order. */
@@ -102,6 +111,7 @@ export class SlotPool {
   acquire(opts: AcquireOptions = {}): Promise<number> {
     const { signal, score } = opts;
     const urgent = opts.urgent === true;
+    const first = !urgent && opts.first === true;
     if (signal?.aborted) return Promise.reject(abortError(signal));
     if (urgent && this.freeReserved.length > 0) {
       this.busyCount++;
@@ -114,11 +124,11 @@ export class SlotPool {
         return Promise.resolve(slot);
       }
     }
-    if (!urgent && this.waiters.length >= this.maxQueue) {
+    if (!urgent && !first && this.waiters.length >= this.maxQueue) {
       return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
     }
     return new Promise<number>((resolve, reject) => {
-      const waiter: Waiter = { resolve, reject, signal, score, urgent, skipped: 0 };
+      const waiter: Waiter = { resolve, reject, signal, score, urgent, first, skipped: 0 };
       if (signal) {
         waiter.onAbort = () => {
           const at = this.waiters.indexOf(waiter);
@@ -127,8 +137,9 @@ export class SlotPool {
         };
         signal.addEventListener('abort', waiter.onAbort, { once: true });
       }
-      // After the urgent ones already waiting, before everyone else.
-      const at = urgent ? this.waiters.findIndex((w) => !w.urgent) : -1;
+      // After those already waiting that rank as high, before every one that ranks lower.
+      const rank = rankOf(waiter);
+      const at = rank > 0 ? this.waiters.findIndex((w) => rankOf(w) < rank) : -1;
       if (at >= 0) this.waiters.splice(at, 0, waiter);
       else this.waiters.push(waiter);
     });
@@ -157,14 +168,14 @@ export class SlotPool {
   }
 
   /**
-   * The index of the waiter to get `slot` (−1: none waits): the first one when it is urgent (the
-   * urgent wait first) or once it has been passed over `maxSkips` times (it has been passed over
+   * The index of the waiter to get `slot` (−1: none waits): the first one when it is urgent or
+   * goes first (those wait at the head) or once it has been passed over `maxSkips` times (it has been passed over
    * at least as often as anyone behind it), else the best positive score, the earliest on a tie,
    * else the first.
    */
   private waiterFor(slot: number): number {
     if (this.waiters.length === 0) return -1;
-    if (this.waiters[0]!.urgent) return 0;
+    if (rankOf(this.waiters[0]!) > 0) return 0;
     if (this.waiters[0]!.skipped >= this.maxSkips) return 0;
     let best = 0;
     let bestScore = 0;

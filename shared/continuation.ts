@@ -55,6 +55,15 @@ export interface ChunkTokens {
  */
 export const ENGINE_STARTING = 'engine_starting';
 
+/**
+ * The request header (`1`) a bridge sends with a request another instance handed back before any
+ * of it was said (dataplane/names.ts `LANES`, `requeued`): it waited its turn in that instance's
+ * queue, so an engine puts it after the resumed answers and before the rest of its own queue
+ * (engine/slots.ts, "first"). A header, not a `magus` field: an engine that does not know it
+ * ignores it, where an unknown field would be refused.
+ */
+export const REQUEUED_HEADER = 'x-magus-requeued';
+
 /** The error code of an engine that cannot continue a request (another model, a request its resume does not fit). */
 export const RESUME_MISMATCH = 'resume_mismatch';
 

@@ -4,7 +4,7 @@
  * these tests applies the gateway's rule (FrameSequencer) to whatever arrives on the response
  * subject, exactly as the gateway must.
  */
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
+import { createServer, type IncomingHttpHeaders, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
 import { connect, Events, type JetStreamManager, type NatsConnection } from 'nats';
@@ -45,7 +45,7 @@ import { decodeFrame, FrameSequencer } from '../frames';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
-import { CONTINUE_ELSEWHERE, ENGINE_STARTING } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, ENGINE_STARTING, REQUEUED_HEADER } from '../../shared/continuation';
 import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
@@ -76,6 +76,8 @@ const expectedText = (seed: number, n: number) => Array.from({ length: n }, (_, 
 
 class StubEngine {
   readonly calls: ChatCompletionRequest[] = [];
+  /** The headers of each of {@link calls}. */
+  readonly callHeaders: IncomingHttpHeaders[] = [];
   /** Calls whose connection closed before the answer was complete (the bridge cut them). */
   cut = 0;
   active = 0;
@@ -135,6 +137,7 @@ class StubEngine {
     }
     const body = JSON.parse(raw) as ChatCompletionRequest;
     const call = this.calls.push(body) - 1;
+    this.callHeaders.push(req.headers);
     const r = this.reply(call, body);
     this.active += 1;
     this.maxActive = Math.max(this.maxActive, this.active);
@@ -985,6 +988,8 @@ describe("an instance's lanes", () => {
     const order = stub.calls.map((c) => c.messages[0]!.content);
     // Beside the one in flight (a real engine queues it first: at most the slots' requests before it), before every queued one.
     expect(order).toEqual(['first', 'handed back', 'queued 1', 'queued 2', 'queued 3']);
+    // Its engine is told it waited its turn elsewhere (it puts it before its own queue: engine/slots.ts); no other.
+    expect(stub.callHeaders.map((h) => h[REQUEUED_HEADER])).toEqual([undefined, '1', undefined, undefined, undefined]);
     const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
     expect(lane.config.filter_subject).toBe(laneSubjectOf(names, POOL, instance, 'requeued'));
     expect(lane.num_pending + lane.num_ack_pending).toBe(0);

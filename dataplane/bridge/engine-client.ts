@@ -21,7 +21,8 @@ export interface EngineResponse {
 }
 
 export interface EngineClient {
-  post(path: string, body: string, opts: { accept: string; signal: AbortSignal }): Promise<EngineResponse>;
+  /** `headers`: more request headers (shared/continuation.ts `REQUEUED_HEADER`). */
+  post(path: string, body: string, opts: { accept: string; signal: AbortSignal; headers?: Record<string, string> }): Promise<EngineResponse>;
   get(path: string, opts: { signal: AbortSignal }): Promise<EngineResponse>;
   close(): void;
 }
@@ -137,7 +138,7 @@ export function createEngineClient(baseUrl: string, opts: { maxSockets?: number 
     });
 
   return {
-    post: (path, body, o) => call('POST', path, body, { 'content-type': 'application/json', accept: o.accept }, o.signal),
+    post: (path, body, o) => call('POST', path, body, { ...o.headers, 'content-type': 'application/json', accept: o.accept }, o.signal),
     get: (path, o) => call('GET', path, undefined, {}, o.signal),
     close: () => agent.destroy(),
   };

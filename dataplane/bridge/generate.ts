@@ -6,7 +6,15 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChatCompletionRequest } from '../../shared/chat';
-import { CONTINUE_ELSEWHERE, ENGINE_STARTING, joinedAnswer, RESUME_MISMATCH, resumedAnswer, type EngineExtension } from '../../shared/continuation';
+import {
+  CONTINUE_ELSEWHERE,
+  ENGINE_STARTING,
+  joinedAnswer,
+  REQUEUED_HEADER,
+  RESUME_MISMATCH,
+  resumedAnswer,
+  type EngineExtension,
+} from '../../shared/continuation';
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
@@ -247,7 +255,13 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
     frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
   });
   try {
-    const res = await engine.post(path, JSON.stringify(body), { accept: stream ? 'text/event-stream' : 'application/json', signal });
+    // Handed back by another instance with nothing said: it waited its turn there (its engine puts it before its own queue).
+    const headers = carried && !resume ? { [REQUEUED_HEADER]: '1' } : undefined;
+    const res = await engine.post(path, JSON.stringify(body), {
+      accept: stream ? 'text/event-stream' : 'application/json',
+      signal,
+      ...(headers ? { headers } : {}),
+    });
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
       if (resume && e.code === RESUME_MISMATCH) {
