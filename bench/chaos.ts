@@ -56,7 +56,7 @@ import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-clu
 import { sseMessages } from '../test/harness/sse-stream';
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
-import { fmt, p99 } from './common';
+import { fmt, p50, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
 const STREAMS = env('CHAOS_STREAMS', 200);
@@ -88,6 +88,8 @@ interface Answer {
   id?: string;
   /** The instance its first event id names (where it was first published). */
   instance?: string;
+  /** When it was first asked for (epoch ms). */
+  asked: number;
   prompt: number;
   text: string;
   pieces: number;
@@ -113,6 +115,9 @@ const engines: Record<string, Supervised<LlamaCppEngine>> = {};
 const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
 let gateways: GatewayProcess[] = [];
 /** Each fault: what, of which kind, and when it began. */
+/** Verbose: when each answer (by its id) was first moved to another instance, as its gateway logged it. */
+const firstMoves = new Map<string, number>();
+
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
 
@@ -142,6 +147,7 @@ async function startGateway(): Promise<GatewayProcess> {
     for (const line of d.toString().split('\n'))
       if (/continued elsewhere|continuing it elsewhere|"level":[45]0/.test(line)) {
         const e = JSON.parse(line) as { time: number; msg: string; instance?: string; inferenceId?: string };
+        if (e.inferenceId && /continued elsewhere|continuing it elsewhere/.test(e.msg) && !firstMoves.has(e.inferenceId)) firstMoves.set(e.inferenceId, e.time);
         log(`gateway ${child.pid}: ${new Date(e.time).toISOString().slice(11, 23)} ${e.msg} ${e.inferenceId ?? ''} → ${e.instance ?? ''}`);
       }
   });
@@ -179,7 +185,7 @@ async function startInstanceBridge(instance: string): Promise<void> {
 
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
 async function answer(client: number, session: string, prompt: number): Promise<Answer> {
-  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0 };
+  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now() };
   let lastId: string | undefined;
   const body = JSON.stringify({
     model: POOL,
@@ -309,6 +315,16 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   const offPieces = whole.reduce((n, a) => n + Math.abs(a.pieces - reference[a.prompt]!.pieces), 0);
   const gaps = whole.map(longestGap);
   const tokens = whole.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
+  // The wait for an answer's first piece; apart, those moved before it (handed back with nothing said: a drain's queue).
+  const firstWait = (of: Answer[]) => of.filter((a) => a.times.length > 0).map((a) => a.times[0]! - a.asked);
+  const movedFirst = answers.filter((a) => {
+    const moved = a.id === undefined ? undefined : firstMoves.get(a.id.replace(/^chatcmpl-/, ''));
+    return moved !== undefined && a.times.length > 0 && moved < a.times[0]!;
+  });
+  const waits = (of: Answer[]) => {
+    const w = firstWait(of);
+    return `p50 ${fmt(p50(w) / 1000)} s / p99 ${fmt(p99(w) / 1000)} s / max ${fmt(Math.max(0, ...w) / 1000)} s`;
+  };
   const reasons = new Map<string, number>();
   for (const a of broken) reasons.set(a.error ?? 'no [DONE]', (reasons.get(a.error ?? 'no [DONE]') ?? 0) + 1);
   return [
@@ -317,6 +333,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
       `longest silence between pieces p99 ${fmt(p99(gaps) / 1000)} s / max ${fmt(Math.max(0, ...gaps) / 1000)} s, ` +
       `${answers.reduce((n, a) => n + a.reconnects, 0)} reconnects, ${answers.reduce((n, a) => n + a.refused, 0)} refusals retried, ` +
       `${fmt(tokens / seconds, 1)} completion tokens/s`,
+    `  wait for the first piece: ${waits(answers)}${process.env.CHAOS_VERBOSE ? `; of the ${movedFirst.length} moved before it: ${movedFirst.length > 0 ? waits(movedFirst) : '-'}` : ''}`,
     ...[...reasons].map(([why, n]) => `  broken: ${n} × ${why}`),
     ...(withFaults
       ? [
