@@ -21,19 +21,24 @@
  *   deadline (what is in flight then is handed back), and started again;
  * - a gateway SIGKILLed (a new one is started; its clients resume on the other with `Last-Event-ID`);
  * - the NATS server leading the request stream SIGKILLed, started again 5 s later;
- * - the same for the response stream's leader.
- * A model revision rolled out needs the pool workflow (Temporal), which this bench does not run:
- * `test/serving-rollout.int.test.ts` rolls one under 50 live streams.
+ * - the same for the response stream's leader;
+ * - a revision rolled, as the pool workflow rolls one (without Temporal, which this bench does not
+ *   run): a new instance (engine, standby, consumer, bridge) started and published in one's
+ *   place, the old one drained (2 s deadline), stopped and its consumers deleted; its
+ *   conversations move at their next turn. The same weights, so every answer is
+ *   still compared with one reference (`test/serving-rollout.int.test.ts` rolls a real new
+ *   revision under 50 live streams, through the workflow).
  *
  * Each engine has one on standby beside it, warm (its context made), as a worker's local runtime
  * keeps by default when the memory allows; `CHAOS_STANDBY=mapped`: its model mapped only (a start
  * makes its context); `0`: none (a killed engine is started again from nothing).
- * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader)
+ * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader, roll)
  * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
  * alone before the phases), pieces more or fewer than the reference's (repeated or missing
  * tokens), the longest silence a client saw between two pieces of an answer (p99 and max over
- * answers), reconnects, and completion tokens/s.
+ * answers), reconnects, completion tokens/s, and the wait for an answer's first piece (verbose:
+ * apart for the answers moved before it, from the gateways' logs).
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -42,7 +47,7 @@ import { join } from 'node:path';
 import { connect, type NatsConnection } from 'nats';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
-import { declareOnReconnect, ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
+import { declareOnReconnect, deleteInstanceConsumer, ensureDataPlane, ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 import { startBridge, type Bridge } from '../dataplane/bridge';
 import { openModelRegistry } from '../dataplane/registry';
 import { tokenDigest } from '../gateway/plugins/auth';
@@ -65,6 +70,10 @@ const MINUTES = env('CHAOS_MINUTES', 10);
 const FAULT_EVERY_S = env('CHAOS_FAULT_EVERY_S', 10);
 const SLOTS = env('CHAOS_SLOTS', 4);
 const INSTANCES = ['i1', 'i2', 'i3'];
+/** The instances the pool publishes now: {@link INSTANCES}, each replaced by a new one at a roll. */
+let instances = [...INSTANCES];
+/** Instances a roll started so far (the next is `i${INSTANCES.length + rolled + 1}`). */
+let rolled = 0;
 /**
  * The engines' `--resume-slots`: by default what crds/README.md recommends for a pool of this
  * shape (`leasesPerInstance / (replicas − 1)`: a lost instance's answers all go on at once on the others).
@@ -112,6 +121,8 @@ let cluster: TestNatsCluster;
 let worker: NatsConnection;
 let names: DataPlaneNames;
 const engines: Record<string, Supervised<LlamaCppEngine>> = {};
+/** The demo model's file, every engine's. */
+let gguf: string;
 const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
 let gateways: GatewayProcess[] = [];
 /** Each fault: what, of which kind, and when it began. */
@@ -181,6 +192,27 @@ async function startInstanceBridge(instance: string): Promise<void> {
     log: process.env.CHAOS_VERBOSE ? (line) => log(`bridge ${instance}: ${line}`) : () => undefined,
   });
   bridges[instance] = { bridge, nc };
+}
+
+/** Starts an instance: its engine (with its standby), its consumers and its bridge. */
+async function startInstance(instance: string): Promise<void> {
+  engines[instance] = await startSupervisedEngine(gguf, {
+    modelId: POOL,
+    slots: SLOTS,
+    resumeSlots: RESUME_SLOTS,
+    threads: 1,
+    ctx: 4096,
+    startTimeoutSec: 120,
+    name: `engine-${instance}`,
+    log: process.env.CHAOS_VERBOSE ? (line) => log(`engine ${instance}: ${line}`) : () => undefined,
+    ...(process.env.CHAOS_VERBOSE ? { output: (line: string) => /"level":5|error/i.test(line) && log(`engine ${instance}: ${line}`) } : {}),
+    stopGraceMs: 1000,
+    restart: { maxRestarts: 1000, backoffMs: 0 },
+    // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
+    ...(STANDBY !== 'none' ? { standby: STANDBY } : {}),
+  });
+  await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
+  await startInstanceBridge(instance);
 }
 
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
@@ -347,7 +379,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
 }
 
 async function faultLoop(stopped: () => boolean): Promise<void> {
-  const all = ['engine', 'drain', 'gateway', 'requests-leader', 'responses-leader'] as const;
+  const all = ['engine', 'drain', 'gateway', 'requests-leader', 'responses-leader', 'roll'] as const;
   const chosen = process.env.CHAOS_FAULTS?.split(',');
   const kinds = chosen ? all.filter((k) => chosen.includes(k)) : all;
   const jsm = await worker.jetstreamManager();
@@ -355,7 +387,7 @@ async function faultLoop(stopped: () => boolean): Promise<void> {
     for (let waited = 0; waited < FAULT_EVERY_S * 1000 && !stopped(); waited += 250) await sleep(250);
     if (stopped()) return;
     const kind = kinds[n % kinds.length]!;
-    const instance = INSTANCES[Math.floor(Math.random() * INSTANCES.length)]!;
+    const instance = instances[Math.floor(Math.random() * instances.length)]!;
     const at = Date.now();
     const fault = (what: string) => faults.push({ what, kind, at, end: Date.now() });
     try {
@@ -369,15 +401,32 @@ async function faultLoop(stopped: () => boolean): Promise<void> {
             worker,
             names,
             POOL,
-            INSTANCES.filter((i) => i !== instance),
+            instances.filter((i) => i !== instance),
             1000,
           );
           const { bridge, nc } = bridges[instance]!;
           await bridge.stop();
           await nc.close();
           await startInstanceBridge(instance);
-          await publishPoolView(worker, names, POOL, INSTANCES, 1000);
+          await publishPoolView(worker, names, POOL, instances, 1000);
           fault(`${instance} drained and started again`);
+          break;
+        }
+        case 'roll': {
+          rolled += 1;
+          const next = `i${INSTANCES.length + rolled}`;
+          await startInstance(next);
+          instances = instances.map((i) => (i === instance ? next : i));
+          await publishPoolView(worker, names, POOL, instances, 1000);
+          const { bridge, nc } = bridges[instance]!;
+          await bridge.stop();
+          if (process.env.CHAOS_VERBOSE) log(`bridge ${instance}: ${JSON.stringify(bridge.stats)}`);
+          await nc.close();
+          delete bridges[instance];
+          await engines[instance]!.stop();
+          delete engines[instance];
+          await deleteInstanceConsumer(jsm, names, { pool: POOL, instance });
+          fault(`${instance} rolled over to ${next}`);
           break;
         }
         case 'gateway': {
@@ -423,29 +472,11 @@ async function main(): Promise<void> {
   // A bucket just declared on a cluster may have no leader yet (503): tried until it has.
   const registry = await openModelRegistry(worker, names.modelsBucket);
   await eventually(() => registry.put(readyModel(POOL)), 30_000);
-  const gguf = await demoModelFile(log);
-  for (const instance of INSTANCES) {
-    engines[instance] = await startSupervisedEngine(gguf, {
-      modelId: POOL,
-      slots: SLOTS,
-      resumeSlots: RESUME_SLOTS,
-      threads: 1,
-      ctx: 4096,
-      startTimeoutSec: 120,
-      name: `engine-${instance}`,
-      log: process.env.CHAOS_VERBOSE ? (line) => log(`engine ${instance}: ${line}`) : () => undefined,
-      ...(process.env.CHAOS_VERBOSE ? { output: (line: string) => /"level":5|error/i.test(line) && log(`engine ${instance}: ${line}`) } : {}),
-      stopGraceMs: 1000,
-      restart: { maxRestarts: 1000, backoffMs: 0 },
-      // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
-      ...(STANDBY !== 'none' ? { standby: STANDBY } : {}),
-    });
-    await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
-    await startInstanceBridge(instance);
-  }
-  await publishPoolView(worker, names, POOL, INSTANCES, 1000);
+  gguf = await demoModelFile(log);
+  for (const instance of INSTANCES) await startInstance(instance);
+  await publishPoolView(worker, names, POOL, instances, 1000);
   // Fresh for the gateways' staleness bound while the bench runs.
-  const views = setInterval(() => void publishPoolView(worker, names, POOL, INSTANCES, 1000).catch(() => undefined), 30_000);
+  const views = setInterval(() => void publishPoolView(worker, names, POOL, instances, 1000).catch(() => undefined), 30_000);
   gateways = [await startGateway(), await startGateway()];
   const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
   for (const [n, session] of sessions.entries()) {
