@@ -150,7 +150,7 @@ const QUEUE_READ_WAIT_MS = 100;
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
  * time from each: its requests, and its lanes — the answers moved to it, which the engine takes
- * first, and the requests handed back to it, which do not wait behind its queue) and
+ * first, and the requests handed back to it, which it takes next) and
  * serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the connection,
  * {@link Cancels} the gateways' cancels.
  */
@@ -459,7 +459,7 @@ export class Bridge {
       for (const c of [this.consumer, ...this.lanes]) c.connectionClosed();
     });
     // The lanes beside the slots' requests: the engine puts a resumed answer before its queue, and a
-    // request handed back waits behind at most the slots' requests, not behind the queue.
+    // request handed back after those (generate.ts sends it with REQUEUED_HEADER).
     this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => this.pull(c))).then(() => undefined);
   }
 
