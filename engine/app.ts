@@ -251,8 +251,6 @@ interface Job {
   resumes: boolean;
   /** It resumes an answer its client holds part of: it goes before the queue, to a resume slot if one is free (slots.ts). */
   urgent: boolean;
-  /** Another instance handed it back with nothing said (shared/continuation.ts `REQUEUED_HEADER`): after the urgent, before the rest of the queue. */
-  first: boolean;
   includeUsage: boolean;
   prepared: PreparedCompletion[];
   /** Text completions: each prompt's length in characters (log-probabilities' `text_offset` counts from the prompt's start). */
@@ -274,7 +272,6 @@ function complete(core: EngineCore, opts: EngineApiOptions, request: FastifyRequ
     streamTokens: req.streamTokens === true,
     resumes: req.resume !== undefined,
     urgent: holdsPart(req.resume),
-    first: request.headers[REQUEUED_HEADER] === '1',
     includeUsage: req.includeUsage,
     prepared: [prepared],
     ...(affinity ? { score: (slot) => affinity(slot, req) } : {}),
@@ -297,7 +294,6 @@ function completeText(core: EngineCore, opts: EngineApiOptions, request: Fastify
     streamTokens: req.streamTokens === true && req.prompts.length === 1,
     resumes: req.resume !== undefined,
     urgent: holdsPart(req.resume),
-    first: request.headers[REQUEUED_HEADER] === '1',
     includeUsage: req.includeUsage,
     prepared,
     promptChars: req.prompts.map((p) => p.length),
@@ -330,7 +326,9 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
 
   let slot: number;
   try {
-    slot = await core.slots.acquire({ signal: abort.signal, score: job.score, urgent: job.urgent, first: job.first });
+    // Another instance handed it back with nothing said (shared/continuation.ts `REQUEUED_HEADER`): after the urgent, before the rest.
+    const first = reply.request.headers[REQUEUED_HEADER] === '1';
+    slot = await core.slots.acquire({ signal: abort.signal, score: job.score, urgent: job.urgent, first });
   } catch (err) {
     res.off('close', onClose);
     if (abort.signal.aborted) return clientGone();

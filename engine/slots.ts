@@ -40,8 +40,8 @@ interface Waiter {
   signal?: AbortSignal;
   onAbort?: () => void;
   score?: (slot: number) => number;
-  urgent: boolean;
-  first: boolean;
+  /** Where it stands ({@link RANK}): the urgent first, then those that go first, then the rest. */
+  rank: number;
   /** Times a later waiter got a released slot before this one. */
   skipped: number;
 }
@@ -63,8 +63,8 @@ export interface AcquireOptions {
   first?: boolean;
 }
 
-/** Where a waiter stands: the urgent first, then those that go first, then the rest. */
-const rankOf = (w: { urgent: boolean; first: boolean }): number => (w.urgent ? 2 : w.first ? 1 : 0);
+/** Where a waiter stands (higher waits ahead). */
+const RANK = { urgent: 2, first: 1, other: 0 } as const;
 
 export class SlotPool {
   /** Slots released and free again, in release order. */
@@ -111,7 +111,7 @@ export class SlotPool {
   acquire(opts: AcquireOptions = {}): Promise<number> {
     const { signal, score } = opts;
     const urgent = opts.urgent === true;
-    const first = !urgent && opts.first === true;
+    const rank = urgent ? RANK.urgent : opts.first === true ? RANK.first : RANK.other;
     if (signal?.aborted) return Promise.reject(abortError(signal));
     if (urgent && this.freeReserved.length > 0) {
       this.busyCount++;
@@ -124,11 +124,11 @@ export class SlotPool {
         return Promise.resolve(slot);
       }
     }
-    if (!urgent && !first && this.waiters.length >= this.maxQueue) {
+    if (rank === RANK.other && this.waiters.length >= this.maxQueue) {
       return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
     }
     return new Promise<number>((resolve, reject) => {
-      const waiter: Waiter = { resolve, reject, signal, score, urgent, first, skipped: 0 };
+      const waiter: Waiter = { resolve, reject, signal, score, rank, skipped: 0 };
       if (signal) {
         waiter.onAbort = () => {
           const at = this.waiters.indexOf(waiter);
@@ -138,8 +138,7 @@ export class SlotPool {
         signal.addEventListener('abort', waiter.onAbort, { once: true });
       }
       // After those already waiting that rank as high, before every one that ranks lower.
-      const rank = rankOf(waiter);
-      const at = rank > 0 ? this.waiters.findIndex((w) => rankOf(w) < rank) : -1;
+      const at = rank > RANK.other ? this.waiters.findIndex((w) => w.rank < rank) : -1;
       if (at >= 0) this.waiters.splice(at, 0, waiter);
       else this.waiters.push(waiter);
     });
@@ -149,7 +148,7 @@ export class SlotPool {
   release(slot: number): void {
     if (slot >= this.size) {
       // An urgent one's own slot: to the next urgent waiter, else free for the next.
-      if (this.waiters[0]?.urgent) return this.handOver(0, slot);
+      if (this.waiters[0]?.rank === RANK.urgent) return this.handOver(0, slot);
       this.busyCount--;
       this.freeReserved.push(slot);
       return;
@@ -175,7 +174,7 @@ export class SlotPool {
    */
   private waiterFor(slot: number): number {
     if (this.waiters.length === 0) return -1;
-    if (rankOf(this.waiters[0]!) > 0) return 0;
+    if (this.waiters[0]!.rank > RANK.other) return 0;
     if (this.waiters[0]!.skipped >= this.maxSkips) return 0;
     let best = 0;
     let bestScore = 0;

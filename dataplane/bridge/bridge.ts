@@ -431,8 +431,8 @@ export class Bridge {
 
   /** Requests and its lanes' not delivered yet (null: that cannot be read now). */
   private async undelivered(): Promise<number | null> {
-    const [requests, ...lanes] = await Promise.all([this.consumer, ...this.lanes].map((c) => c.undelivered()));
-    return requests === null || requests === undefined ? null : lanes.reduce<number>((sum, n) => sum + (n ?? 0), requests);
+    const [requests = null, ...lanes] = await Promise.all([this.consumer, ...this.lanes].map((c) => c.undelivered()));
+    return requests === null ? null : lanes.reduce<number>((sum, n) => sum + (n ?? 0), requests);
   }
 
   /** Serves what the consumers deliver until the bridge stops or the connection closes. */
