@@ -128,6 +128,8 @@ let gateways: GatewayProcess[] = [];
 /** Each fault: what, of which kind, and when it began. */
 /** Verbose: when each answer (by its id) was first moved to another instance, as its gateway logged it. */
 const firstMoves = new Map<string, number>();
+/** What a gateway logs when it moves an answer (routes/inference.ts: handed back, or its bridge silent). */
+const MOVED = /continued elsewhere|continuing it elsewhere/;
 
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
@@ -156,9 +158,9 @@ async function startGateway(): Promise<GatewayProcess> {
   // Verbose: the gateway's moves and warnings.
   child.stdout?.on('data', (d: Buffer) => {
     for (const line of d.toString().split('\n'))
-      if (/continued elsewhere|continuing it elsewhere|"level":[45]0/.test(line)) {
+      if (MOVED.test(line) || /"level":[45]0/.test(line)) {
         const e = JSON.parse(line) as { time: number; msg: string; instance?: string; inferenceId?: string };
-        if (e.inferenceId && /continued elsewhere|continuing it elsewhere/.test(e.msg) && !firstMoves.has(e.inferenceId)) firstMoves.set(e.inferenceId, e.time);
+        if (e.inferenceId && MOVED.test(e.msg) && !firstMoves.has(e.inferenceId)) firstMoves.set(e.inferenceId, e.time);
         log(`gateway ${child.pid}: ${new Date(e.time).toISOString().slice(11, 23)} ${e.msg} ${e.inferenceId ?? ''} → ${e.instance ?? ''}`);
       }
   });
