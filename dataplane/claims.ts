@@ -4,6 +4,7 @@
  */
 import { setTimeout as sleep } from 'node:timers/promises';
 import type { JetStreamClient, KV } from 'nats';
+import { CONTINUE_ELSEWHERE } from '../shared/continuation';
 import type { ResponseFrame } from '../shared/serving';
 import type { UsageRecord } from '../shared/usage';
 import { isRevisionConflict } from './errors';
@@ -46,7 +47,12 @@ export interface RequestClaims {
    * own. Read from any replica, it may be behind (never ahead): lower than the owner's proves nothing.
    */
   revision(id: string): Promise<number | null>;
+  /** Whether a gateway ended request `id` ({@link endClaim}): its answer went on elsewhere. */
+  ended(id: string): Promise<boolean>;
 }
+
+/** The owner a claim ended by a gateway names ({@link endClaim}). */
+const ENDED_BY = 'gateway';
 
 /**
  * The claim key of request `id` served by `own`: `<pool>.<instance>.<id>`, so a bridge's NATS user
@@ -112,5 +118,43 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
     async revision(id) {
       return (await read(id))?.revision ?? null;
     },
+    async ended(id) {
+      const current = await read(id);
+      return current?.claim.state === 'finished' && current.claim.owner === ENDED_BY;
+    },
   };
+}
+
+/**
+ * Ends request `id` of instance `own` for its gateway, which moved the answer away from a bridge
+ * it heard no beat of after `at` of its frames (README.md, "Cancels"): its claim, unless an
+ * attempt finished it already, becomes finished with a hand-back at `at` (`CONTINUE_ELSEWHERE`,
+ * the terminal frame a redelivery says again). No delivery serves
+ * the request afterwards — a bridge that did not hear the gateway's cancel (restarted since, or
+ * cut off when it went out) included: a first delivery looks for a claim as it begins (none is
+ * there otherwise), an attempt running finds itself superseded at its next check, and a
+ * redelivery finds it finished and says the hand-back again, which no one reads.
+ */
+export async function endClaim(kv: Pick<KV, 'get' | 'create' | 'update'>, own: { pool: string; instance: string }, id: string, at: number): Promise<void> {
+  const key = claimKeyOf(own, id);
+  const terminal: ResponseFrame = {
+    seq: at,
+    type: 'error',
+    error: { status: 503, type: 'server_error', code: CONTINUE_ELSEWHERE, message: 'its gateway heard no beat of this bridge and continued it elsewhere' },
+  };
+  const ended: RequestClaim = { attempt: 0, owner: ENDED_BY, createdAt: Date.now(), state: 'finished', terminal };
+  for (let round = 0; round < 5; round += 1) {
+    if (round > 0) await backoff(round);
+    const e = await kv.get(key);
+    const current = e && e.operation === 'PUT' ? (decodeJson(e.value) as RequestClaim) : null;
+    if (current?.state === 'finished') return;
+    try {
+      if (current) await kv.update(key, encodeJson({ ...ended, attempt: current.attempt, createdAt: current.createdAt }), e!.revision);
+      else await kv.create(key, encodeJson(ended));
+      return;
+    } catch (err) {
+      if (!isRevisionConflict(err)) throw err; // an attempt wrote meanwhile: read again
+    }
+  }
+  throw new Error(`request ${id}: could not end its claim (it kept changing)`);
 }

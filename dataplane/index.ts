@@ -7,7 +7,7 @@
  * this folder import each other directly; the registry, the KV mirror, the frame codec and the
  * bridge have entry points of their own (`registry.ts`, `kv-mirror.ts`, `frames.ts`, `bridge/`).
  */
-export { type ClaimResult, type RequestClaim, type RequestClaims, openRequestClaims } from './claims';
+export { type ClaimResult, type RequestClaim, type RequestClaims, endClaim, openRequestClaims } from './claims';
 export { deleteInstanceConsumer, ensureInstanceConsumer, instanceConsuming, restoreConsumer, type InstanceConsumerOptions } from './consumers';
 export {
   DEFAULT_INSTANCE_BACKLOG,

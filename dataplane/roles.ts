@@ -10,7 +10,7 @@
  *
  * | role | may | may not |
  * |---|---|---|
- * | `gateway` | publish requests and cancels; read frames of its replicas and bridges' beats; KV sessions, responses (declares it), limits, usage (records what it gave up on); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
+ * | `gateway` | publish requests and cancels; read frames of its replicas and bridges' beats; KV sessions, responses (declares it), limits, usage (records what it gave up on), claims (ends those of requests it moved away from a silent bridge); read tokens, models, pools | consume the request stream; write tokens, the registry, pools |
  * | `bridge` (one user per instance) | consume its instance's requests and cancels; publish its instance's frames (and read them back) and beats; KV its instance's claims; write usage records | read other instances' requests, frames or claims; read usage, tokens, responses, sessions, limits; write the registry |
  * | `controller` | KV tokens, sessions (mirror), usage sums; read usage, limits, models | publish or consume requests and frames |
  * | `worker` | everything: it declares the data plane, runs pipelines and instances | |
@@ -108,6 +108,8 @@ export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPl
             ...streamDeclare(`KV_${names.responsesBucket}`),
             ...kvWrite(names.limitsBucket),
             ...kvWrite(names.usageBucket),
+            // Ends the claims of requests whose answers it moved away from a silent bridge (claims.ts `endClaim`).
+            ...kvWrite(names.claimsBucket),
             ...kvRead(names.tokensBucket),
             ...kvRead(names.modelsBucket),
             ...kvRead(names.poolsBucket),

@@ -39,7 +39,7 @@ export interface GatewayConfig {
   subjectScope: string;
   /** This process's token in its response subjects (`magus.res.<replica>.<id>`): it receives only its own frames. */
   replicaId: string;
-  buckets: { models: string; tokens: string; sessions: string; pools: string; responses: string; limits: string; usage: string };
+  buckets: { models: string; tokens: string; sessions: string; pools: string; responses: string; limits: string; usage: string; claims: string };
   /** A limited key's reservation lapses (charged in full) this long after its gateway stopped renewing it. */
   limitLeaseMs: number;
   /** The stream that stores response frames (`MAGUS_RESPONSES`): read back after a reconnect. */
@@ -240,6 +240,8 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     responses: str('MAGUS_RESPONSES_BUCKET', names.responsesBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     limits: str('MAGUS_LIMITS_BUCKET', names.limitsBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
     usage: str('MAGUS_USAGE_BUCKET', names.usageBucket, BUCKET, 'is not a KV bucket name ([A-Za-z0-9_-])'),
+    // Bridges name it by the data plane's prefix only.
+    claims: names.claimsBucket,
   };
   const limitLeaseMs = int('MAGUS_GATEWAY_LIMIT_LEASE_MS', 30_000, 1_000, 3_600_000);
 

@@ -18,7 +18,7 @@ import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
 import { BRIDGE_SILENT_MS } from '../shared/continuation';
 import { openModelRegistry } from '../dataplane/registry';
-import { ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
+import { endClaim, ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options, readinessChecks } from './app';
 import { operationsApp } from './operations';
 import {
@@ -342,6 +342,14 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const refusalsStop = new AbortController();
     closers.push(() => Promise.resolve(refusalsStop.abort()));
     const ledger = new UsageLedger(await nc.jetstream().views.kv(config.buckets.usage, { bindOnly: true }));
+    // Requests' claims (declared with the data plane), to end those whose answers this replica moves away from a silent bridge.
+    const claimsKv = await nc
+      .jetstream()
+      .views.kv(config.buckets.claims, { bindOnly: true, allow_direct: true })
+      .catch((err: unknown) => {
+        log.warn({ err }, `${config.buckets.claims} cannot be bound: a request moved away from a silent bridge is cancelled only by its cancel`);
+        return undefined;
+      });
     let publish = deps.publish;
     if (!publish) {
       const publisher = streamPublisher(nc);
@@ -401,9 +409,14 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         refusalsWriting += 1;
         void recordRefusal(ledger, record, refusalsStop.signal, log).finally(() => (refusalsWriting -= 1));
       },
-      cancel: (session, requestId, moved) => {
+      cancel: (session, requestId, movedAt) => {
         const subject = scopeSubject(config.subjectScope, cancelSubject(session.pool, session.instance));
-        const payload = JSON.stringify(moved ? { id: requestId, moved } : { id: requestId });
+        const payload = JSON.stringify(movedAt !== undefined ? { id: requestId, moved: true } : { id: requestId });
+        // Ended in its claim too: a bridge that does not hear the cancel (restarted, cut off) does not serve it later.
+        if (movedAt !== undefined && claimsKv)
+          void endClaim(claimsKv, session, requestId, movedAt).catch((err: unknown) =>
+            log.warn({ err, inferenceId: requestId }, 'could not end the claim of a request moved away from its silent bridge'),
+          );
         // nats.js drops what it holds when it dials again: keep cancels until the connection is back.
         if (!natsUp) {
           if (heldCancels.length < MAX_HELD_CANCELS) heldCancels.push([subject, payload]);

@@ -21,7 +21,7 @@ import {
   type ResponseFrame,
 } from '../../shared/serving';
 import { bridgeCredentialsText, bridgePermissions, natsAuthOptions, parseCredentialsFile, readNatsSigner } from '../roles';
-import { claimKeyOf, openRequestClaims } from '../claims';
+import { claimKeyOf, endClaim, openRequestClaims } from '../claims';
 import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
 import { encodeJson } from '../json';
@@ -680,6 +680,68 @@ describe('cancels from the gateway (the client went away)', () => {
     await until('the cancelled one resolved, the first acked', () => b.stats.termed === 1 && b.stats.acked === 1);
     expect(b.stats).toMatchObject({ cancelled: 1, acked: 1, errors: 0 });
     expect(stub.calls).toHaveLength(1); // only the first reached the engine
+  });
+});
+
+describe('a request its gateway ended: the answer moved away while its bridge was silent (claims.ts endClaim)', () => {
+  const endedBy = async (instance: string, id: string, at: number) =>
+    endClaim(await nc.jetstream().views.kv(names.claimsBucket, { bindOnly: true }), { pool: POOL, instance }, id, at);
+
+  it('queued meanwhile, and pulled by a bridge that never heard the cancel (started since): not answered, ended as the cancel would have ended it', async () => {
+    // Its answer would be done long before the attempt's first periodic check (a third of ack_wait).
+    const stub = await engine(() => ({ chunks: 4, firstDelayMs: 200 }));
+    const instance = await instanceWith({ ackWaitMs: 3000 });
+    const { req, answer } = await sent(instance);
+    await endedBy(instance, req.id, 0);
+    const b = await bridge(instance, stub.url);
+    // Nothing of an answer: a hand-back (nobody reads it), and the message resolved at once, not redelivered.
+    expect((await answer.finished).map((f) => (f.type === 'error' ? `${f.seq} ${f.error.code}` : `${f.seq} ${f.type}`))).toEqual([`0 ${CONTINUE_ELSEWHERE}`]);
+    await until('resolved', async () => {
+      const state = await consumerState(instance);
+      return state.num_ack_pending + state.num_pending === 0;
+    });
+    await until('an engine call begun beside the claim check cut', () => stub.cut === stub.calls.length);
+    expect(b.stats).toMatchObject({ pulled: 1, termed: 1, acked: 0, superseded: 0 });
+  });
+
+  it('being answered by a bridge that did not hear the cancel (cut off then): it stops at its next check, and no answer ends there', async () => {
+    const stub = await engine(() => ({ chunks: 60, delayMs: 50 }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const b = await bridge(instance, stub.url);
+    const { req, answer } = await sent(instance);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    await endedBy(instance, req.id, 2);
+    await until('superseded', () => b.stats.superseded === 1);
+    const said = answer.raw.length;
+    await until('the redelivery resolved it', () => b.stats.replayed === 1);
+    expect(said).toBeLessThan(30);
+    expect(answer.raw.some((f) => f.type === 'done')).toBe(false);
+    expect(answer.raw.filter((f) => f.type === 'chunk').length).toBeLessThanOrEqual(said);
+  });
+
+  it('an attempt that finished first keeps its claim: ending it then changes nothing', async () => {
+    const stub = await engine(() => ({ chunks: 2 }));
+    const instance = await instanceWith();
+    const claims = await nc.jetstream().views.kv(names.claimsBucket, { bindOnly: true });
+    const key = claimKeyOf({ pool: POOL, instance }, 'req-finished');
+    await claims.create(key, encodeJson({ attempt: 2, owner: 'b', createdAt: 1, state: 'finished', terminal: { seq: 3, type: 'done' } }));
+    await endedBy(instance, 'req-finished', 1);
+    expect((await claims.get(key))?.json()).toMatchObject({ attempt: 2, state: 'finished', terminal: { seq: 3, type: 'done' } });
+    // A running one's is ended (its attempt kept), and a request nobody claimed gets one.
+    await claims.put(claimKeyOf({ pool: POOL, instance }, 'req-running'), encodeJson({ attempt: 2, owner: 'b', createdAt: 1, state: 'running' }));
+    await endedBy(instance, 'req-running', 1);
+    await endedBy(instance, 'req-unclaimed', 0);
+    for (const [id, attempt, seq] of [
+      ['req-running', 2, 1],
+      ['req-unclaimed', 0, 0],
+    ] as const)
+      expect((await claims.get(claimKeyOf({ pool: POOL, instance }, id)))?.json()).toMatchObject({
+        attempt,
+        owner: 'gateway',
+        state: 'finished',
+        terminal: { seq, type: 'error', error: { code: CONTINUE_ELSEWHERE } },
+      });
+    expect(stub.calls).toHaveLength(0);
   });
 });
 

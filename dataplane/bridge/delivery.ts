@@ -96,6 +96,13 @@ export async function serveDelivery(ctx: DeliveryContext, m: JsMsg): Promise<voi
 async function serveFirst(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> {
   const a = ctx.attempts.open(req, m, { attempt: 1, owner: ctx.owner, createdAt: Date.now(), state: 'running' }, 0);
   track(a);
+  // Beside the engine call, not before it: whether its gateway ended the request (moved its answer
+  // away while this bridge was silent: claims.ts `endClaim`) with a cancel this process may not
+  // have heard — restarted since, or cut off then. It then ends as that cancel would have ended it.
+  ctx.claims.ended(req.id).then(
+    (ended) => ended && !a.isConcluding && a.abort('moved'),
+    () => undefined, // unread, the attempt's periodic check still finds the claim
+  );
   try {
     if (Date.now() >= req.deadline) {
       return await a.conclude(errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');

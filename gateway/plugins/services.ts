@@ -18,9 +18,11 @@ import type { MoveLog } from '../serving/resume';
 
 /**
  * Tells the instance's bridge that nobody waits for request `requestId` any more (fire and
- * forget); `moved`: its answer goes on elsewhere (the bridge records nothing of it).
+ * forget); `movedAt`: its answer goes on elsewhere, having left the request after that many of its
+ * frames (the bridge records nothing of it, and its claim is ended — dataplane/claims.ts
+ * `endClaim` — so that no delivery serves it later, on a bridge that did not hear the cancel).
  */
-export type CancelRequest = (session: SessionEntry, requestId: string, moved?: boolean) => void;
+export type CancelRequest = (session: SessionEntry, requestId: string, movedAt?: number) => void;
 
 /** Synchronous backlog check before a request is queued: full → 429 with `Retry-After`. */
 export type BacklogCheck = (model: ReadyModel) => { retryAfterSec: number } | undefined;
