@@ -83,8 +83,10 @@ function handedBack(frames: readonly ResponseFrame[]): boolean {
 }
 
 /**
- * What `MAGUS_RESPONSES` holds of the answer at `place`: its request's frames, then, for each time
- * it was handed back and a move is recorded (serving/resume.ts `MoveLog`), that continuation's.
+ * What `MAGUS_RESPONSES` holds of the answer at `place`: its request's frames, then, for each move
+ * recorded (serving/resume.ts `MoveLog`), that continuation's — each request's only up to where the
+ * answer left it (a bridge gone silent may have said more of it, or answered it whole, later).
+ * A move recorded without that point (by a gateway before it) is followed only from a hand-back.
  */
 export async function storedSegments(app: FastifyInstance, place: ResumableAnswer): Promise<ResponseFrame[][]> {
   const { readStored, moves } = app.gateway;
@@ -95,10 +97,13 @@ export async function storedSegments(app: FastifyInstance, place: ResumableAnswe
   const first = await read(place);
   if (!first) return [];
   const segments = [first];
-  for (let n = 1; moves && handedBack(segments[segments.length - 1]!); n++) {
+  for (let n = 1; moves; n++) {
     const to = await moves.find(place.requestId, n);
-    const frames = to && (await read(to));
+    const last = segments.length - 1;
+    if (!to || (to.at === undefined && !handedBack(segments[last]!))) break;
+    const frames = await read(to);
     if (!frames) break;
+    if (to.at !== undefined) segments[last] = segments[last]!.filter((f) => f.seq < to.at!);
     segments.push(frames);
   }
   return segments;

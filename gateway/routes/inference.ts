@@ -348,7 +348,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       onPublishRetry: () => app.metrics.publishRetries.inc(),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
-        ? async (said, from, createdAt, spread) => {
+        ? async (said, from, { createdAt, at, spread }) => {
             const to = g.sessions.another?.(model, from.session.instance, spread) ?? from.session;
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
@@ -358,7 +358,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
             // that replica's to continue, not this one's.
             const replica = g.responses.replica;
             if (replica && g.moves) {
-              const held = await g.moves.claim(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next }).catch((err: unknown) => {
+              const held = await g.moves.claim(id, moves, { replica, pool: to.pool, instance: to.instance, requestId: next, at }).catch((err: unknown) => {
                 client.log.warn({ err, inferenceId: id }, 'could not record where the answer moved: a resume stops there');
                 return undefined;
               });
@@ -374,9 +374,9 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       // request's redelivery (ack_wait) continues it on the bridge that comes back, as before.
       silent: g.bridgeSilent && ((s) => g.bridgeSilent!(s) && g.sessions.hasAnother?.(model, s.instance) === true),
       ...(g.bridgeRequeues ? { requeues: g.bridgeRequeues } : {}),
-      onMovedAway: (from) => {
+      onMovedAway: (from, at) => {
         client.log.warn({ inferenceId: id, instance: from.session.instance }, 'no beat of the bridge serving the answer; continuing it elsewhere');
-        g.cancel?.(from.session, from.req.id, true);
+        g.cancel?.(from.session, from.req.id, at);
       },
       onMoved: (to) => {
         app.metrics.answersMoved.inc();

@@ -15,8 +15,8 @@ import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared
 import type { Principal } from '../plugins/auth';
 import { errors, toGatewayError } from '../plugins/errors';
 import type { ResumedAnswer } from '../../shared/continuation';
-import { exchange, frameSubjectsOf, type Moved, type ResponseRouter } from '../serving/exchange';
-import { continuationIdOf, parseLastEventId, type MoveLog, type ResumableAnswer, type ResumePoint } from '../serving/resume';
+import { exchange, frameSubjectsOf, type Moved, type MoveHow, type ResponseRouter } from '../serving/exchange';
+import { continuationIdOf, parseLastEventId, type MoveLog, type MoveRecord, type ResumableAnswer, type ResumePoint } from '../serving/resume';
 import { meterOf, withModelDefaults, type InferencePayload } from './inference';
 import type { SseResponse } from './sse';
 
@@ -115,6 +115,23 @@ export async function followAnswer(
   const readAll = async (r: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, e: SessionEntry): Promise<ResponseFrame[]> =>
     (await Promise.all(frameSubjectsOf(r, e).map(readStored))).flat();
   let moves = 0;
+  /** The answer's moves as recorded, by n (1: away from its first request), once found. */
+  const recorded = new Map<number, MoveRecord>();
+  const lookedAt = new Map<number, number>();
+  const lookUp = async (n: number): Promise<MoveRecord | undefined> => {
+    lookedAt.set(n, Date.now());
+    const to = await g.moves?.find(place.requestId, n).catch(() => undefined);
+    if (to) recorded.set(n, to);
+    return to;
+  };
+  /** Move `n` if it is known to be recorded; when not, looked up again (in the background) a second after the last look. */
+  const knownMove = (n: number): MoveRecord | undefined => {
+    const to = recorded.get(n);
+    if (!to && g.moves && Date.now() - (lookedAt.get(n) ?? 0) >= 1000) void lookUp(n);
+    return to;
+  };
+  // Where the answer left its first request, if it did: known before any of that request's frames is relayed.
+  await lookUp(1);
   return exchange(published.entry, req, {
     router,
     publish: async (subject, r, e) => {
@@ -131,50 +148,48 @@ export async function followAnswer(
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
       ? {
-          move: (said: ResumedAnswer, from: Moved, createdAt: number, spread?: number) => nextMove(g.moves!, ++moves, said, from, createdAt, spread),
-          ...(g.bridgeSilent ? { silent: movedAway(g.moves, g.bridgeSilent), onMovedAway: (from: Moved) => g.cancel?.(from.session, from.req.id, true) } : {}),
+          move: (said: ResumedAnswer, from: Moved, how: MoveHow) => nextMove(g.moves!, ++moves, said, from, how),
+          // Moved elsewhere as recorded: the request's frames up to where the answer left it.
+          leftAt: () => knownMove(moves + 1)?.at,
+          ...(g.bridgeSilent ? { silent: movedAway(g.bridgeSilent), onMovedAway: (from: Moved, at: number) => g.cancel?.(from.session, from.req.id, at) } : {}),
         }
       : {}),
   });
 
-  /** Continuation `n` as the replica at `to` published it. */
-  function continuation(to: ResumableAnswer): Moved {
+  /** Continuation `n` as the replica at `to` published it, its seqs after the `at` frames of the request it continues. */
+  function continuation(to: MoveRecord): Moved {
     return {
       session: instanceEntry(to.pool, to.instance),
       req: { ...req, id: to.requestId, replyTo: replySubjectOf(to.replica, to.requestId), instanceFrames: true },
+      ...(to.at !== undefined ? { after: to.at } : {}),
     };
   }
 
+  /** Recorded move `n`, to be followed: where the answer left that continuation, if it did, known before any of its frames is relayed. */
+  async function followed(n: number, to: MoveRecord): Promise<Moved> {
+    await lookUp(n + 1);
+    return continuation(to);
+  }
+
   /**
-   * Whether the request followed now is to be moved away from its silent bridge: once the replica
-   * that published it recorded the move (the move log is looked at once a second at most), or —
-   * when this replica may continue it itself — once the bridge stayed silent for
+   * Whether the request followed now is to be moved away from its silent bridge here: when a move
+   * recorded by a gateway from before moves did not say where it left the request (a recorded
+   * move that says so is followed from there whatever the bridge does: `leftAt`), or — when this
+   * replica may continue the answer itself — once the bridge stayed silent for
    * {@link CLAIM_AFTER_MS} with no move recorded. (A bridge silent on a pool of one is not moved
    * away from: its request is delivered again, and its frames come on the same subjects.)
    */
-  function movedAway(log: MoveLog, bridgeSilent: (s: SessionEntry) => boolean): (s: SessionEntry) => boolean {
-    let lookedAt = 0;
-    let found = 0;
+  function movedAway(bridgeSilent: (s: SessionEntry) => boolean): (s: SessionEntry) => boolean {
     let silentSince: number | undefined;
     return (at) => {
       if (!bridgeSilent(at)) {
         silentSince = undefined;
         return false;
       }
-      const n = moves + 1;
-      if (found === n) return true;
+      const to = knownMove(moves + 1);
+      if (to) return to.at === undefined;
       silentSince ??= Date.now();
-      if (asked && g.sessions.hasAnother?.(asked.model, at.instance) && Date.now() - silentSince >= CLAIM_AFTER_MS) return true;
-      if (Date.now() - lookedAt >= 1000) {
-        lookedAt = Date.now();
-        void log.find(place.requestId, n).then(
-          (to) => {
-            if (to) found = n;
-          },
-          () => undefined,
-        );
-      }
-      return false;
+      return !!asked && g.sessions.hasAnother?.(asked.model, at.instance) === true && Date.now() - silentSince >= CLAIM_AFTER_MS;
     };
   }
 
@@ -185,10 +200,11 @@ export async function followAnswer(
    * again — claimed here and published on another instance (or, with none, the one it was on),
    * its metering the answer's key as this replica's client presents it.
    */
-  async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, createdAt: number, spread?: number): Promise<Moved | undefined> {
+  async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
+    const { createdAt, at, spread } = how;
     for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
-      const to = await log.find(place.requestId, n);
-      if (to) return continuation(to);
+      const to = recorded.get(n) ?? (await lookUp(n));
+      if (to) return followed(n, to);
       await new Promise((resolve) => setTimeout(resolve, 200));
     }
     if (!asked || signal.aborted) return undefined;
@@ -199,8 +215,8 @@ export async function followAnswer(
       instance: to.instance,
       requestId: continuationIdOf(place.requestId, n, () => nuid.next()),
     };
-    const held = await log.claim(place.requestId, n, mine);
-    if (held.requestId !== mine.requestId) return continuation(held);
+    const held = await log.claim(place.requestId, n, { ...mine, at });
+    if (held.requestId !== mine.requestId) return followed(n, held);
     claimed.add(mine.requestId);
     const stay = to.instance === from.session.instance;
     app.metrics.answersMoved.inc();

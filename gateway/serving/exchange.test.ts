@@ -354,7 +354,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     const { router, listeners } = fakeRouter();
     const published: string[] = [];
     const relayed: [unknown, number][] = [];
-    const asked: { said: unknown; from: string; createdAt: number }[] = [];
+    const asked: { said: unknown; from: string; createdAt: number; at: number }[] = [];
     const p = exchange(s1, first, {
       router,
       publish: (subject, r) => (published.push(`${subject} ${r.id}`), Promise.resolve()),
@@ -363,8 +363,8 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
       retryAfterSec: 1,
       signal: new AbortController().signal,
       onChunk: (d, seq) => relayed.push([(d as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? d, seq]),
-      move: (said, from, createdAt) => {
-        asked.push({ said, from: from.session.instance, createdAt });
+      move: (said, from, { createdAt, at }) => {
+        asked.push({ said, from: from.session.instance, createdAt, at });
         return Promise.resolve({ session: s2, req: { ...from.req, id: `r${asked.length + 1}`, replyTo: `magus.res.r${asked.length + 1}` } });
       },
       ...over,
@@ -382,7 +382,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     send('r1', handedBack(3));
     await Promise.resolve();
     await Promise.resolve();
-    expect(t.asked).toEqual([{ said: { tokens: [7, 8, 9], text: 'Once upon' }, from: 'i1', createdAt: 1700000000 * 1000 }]);
+    expect(t.asked).toEqual([{ said: { tokens: [7, 8, 9], text: 'Once upon' }, from: 'i1', createdAt: 1700000000 * 1000, at: 3 }]);
     expect(t.published).toEqual(['magus.req.p.i1 r1', 'magus.req.p.i2 r2']);
     expect(t.listeners.has('r1')).toBe(false); // the first request's late frames are not this answer's any more
     send('r2', role(0)); // a continuation that starts afresh says the role again: dropped
@@ -407,7 +407,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     for (const [before, requeues, subject] of cases) {
       const t = setUp({
         requeues: (s) => s.instance === 'i2' && requeues,
-        move: (said, from, createdAt) =>
+        move: (said, from, { createdAt }) =>
           Promise.resolve({ session: s2, req: { ...from.req, id: 'r2', replyTo: 'magus.res.r2', continues: { id: from.req.id, createdAt, resume: said } } }),
       });
       await Promise.resolve();
@@ -455,7 +455,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     await Promise.resolve();
     await Promise.resolve();
     expect(left).toEqual(['r1']);
-    expect(t.asked).toEqual([{ said: { tokens: [5], text: 'Hi' }, from: 'i1', createdAt: 1700000000 * 1000 }]);
+    expect(t.asked).toEqual([{ said: { tokens: [5], text: 'Hi' }, from: 'i1', createdAt: 1700000000 * 1000, at: 1 }]);
     t.listeners.get('r2')!(text(0, '!', [6]));
     t.listeners.get('r2')!(done(1));
     await expect(t.p).resolves.toBe('end');
@@ -463,5 +463,56 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
       ['Hi', 0],
       ['!', 1],
     ]);
+  });
+
+  it('follows a move recorded elsewhere from where it left the request: that far of its frames (not what its bridge sent after), the rest numbered as the mover numbered them', async () => {
+    // The live stream moved away from r1's silent bridge after its role and 'Once'; the bridge, only slow, said more of r1 later.
+    const t = setUp({ leftAt: (at) => (at.req.id === 'r1' ? 2 : undefined) });
+    await Promise.resolve();
+    const send = (id: string, f: ResponseFrame) => t.listeners.get(id)?.(f);
+    send('r1', role(0));
+    send('r1', text(2, ' upon', [8])); // after where the answer left it: not the answer's
+    expect(t.asked).toEqual([]);
+    send('r1', text(1, 'Once', [7]));
+    await Promise.resolve();
+    await Promise.resolve();
+    expect(t.asked).toEqual([{ said: { tokens: [7], text: 'Once' }, from: 'i1', createdAt: 1700000000 * 1000, at: 2 }]);
+    send('r1', text(3, ' a', [9]));
+    send('r2', role(0));
+    send('r2', text(1, ' time', [10]));
+    send('r2', done(2));
+    await expect(t.p).resolves.toBe('end');
+    expect(t.relayed).toEqual([
+      ['', 0],
+      ['Once', 1],
+      [' time', 3],
+    ]);
+  });
+
+  it('a request the answer is known to have left before any of it is not published again; a continuation numbers after the frames its move recorded, not those seen here', async () => {
+    const t = setUp({
+      leftAt: (at) => (at.req.id === 'r1' ? 0 : undefined),
+      move: (said, from) => Promise.resolve({ session: s2, req: { ...from.req, id: 'r2', replyTo: 'magus.res.r2' }, after: 0 }),
+    });
+    await Promise.resolve();
+    await Promise.resolve();
+    expect(t.published).toEqual(['magus.req.p.i2 r2']);
+    t.listeners.get('r2')!(text(0, 'Once', [7]));
+    t.listeners.get('r2')!(done(1));
+    await expect(t.p).resolves.toBe('end');
+    expect(t.relayed).toEqual([['Once', 0]]);
+    // Handed back at 3 here, but moved at 1 where the move was recorded (the relaying replica saw less): numbered from 1.
+    const u = setUp({ move: (said, from) => Promise.resolve({ session: s2, req: { ...from.req, id: 'r2', replyTo: 'magus.res.r2' }, after: 1 }) });
+    await Promise.resolve();
+    u.listeners.get('r1')!(role(0));
+    u.listeners.get('r1')!(text(1, 'Once', [7]));
+    u.listeners.get('r1')!(text(2, ' upon', [8]));
+    u.listeners.get('r1')!(handedBack(3));
+    await Promise.resolve();
+    await Promise.resolve();
+    u.listeners.get('r2')!(text(0, ' a', [9]));
+    u.listeners.get('r2')!(done(1));
+    await expect(u.p).resolves.toBe('end');
+    expect(u.relayed.map(([, seq]) => seq)).toEqual([0, 1, 2, 1]);
   });
 });

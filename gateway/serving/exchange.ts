@@ -332,22 +332,31 @@ export interface ExchangeOptions {
    * to — another of the pool when there is one. Absent, or resolving undefined: the answer ends
    * with the bridge's error.
    */
-  move?: (said: ResumedAnswer, from: Moved, createdAt: number, spread?: number) => Promise<Moved | undefined>;
+  move?: (said: ResumedAnswer, from: Moved, how: MoveHow) => Promise<Moved | undefined>;
   /** The answer was moved (metrics). */
   onMoved?: (to: Moved) => void;
   /**
    * Whether the bridge of the instance a request waits on stopped beating (gateway/server.ts):
    * checked every `BEAT_EVERY_MS`; a silent one's answer is moved as if handed back, and
-   * `onMovedAway` told of the request left behind (its bridge, should it come back, must not go on).
+   * `onMovedAway` told of the request left behind and of how many of its frames were relayed (its
+   * bridge, should it come back, must not go on).
    */
   silent?: (session: SessionEntry) => boolean;
-  onMovedAway?: (from: Moved) => void;
+  onMovedAway?: (from: Moved, at: number) => void;
   /**
    * Whether the bridge of `session`'s instance pulls the requests handed back to it
    * (dataplane/names.ts `requestSubjectFor`): a continuation with nothing said goes there, ahead
    * of the instance's queue. Absent, or false: to its requests.
    */
   requeues?: (session: SessionEntry) => boolean;
+  /**
+   * Where the answer left the request it waits on now, once that is known from elsewhere (a move
+   * another replica recorded, routes/resume.ts): the request's frames from that seq on are not the
+   * answer's, and once every frame before it is relayed the answer moves on as if handed back
+   * there. Asked when a request begins to be followed, as its frames come, and every
+   * `BEAT_EVERY_MS`.
+   */
+  leftAt?: (current: Moved) => number | undefined;
   retryAfterSec: number;
   signal: AbortSignal;
   /**
@@ -374,10 +383,26 @@ export interface ExchangeOptions {
   onAbandon?: (reason: string, current: Moved) => void;
 }
 
+/** How an answer moves on ({@link ExchangeOptions.move}). */
+export interface MoveHow {
+  /** When the answer's chunks say they were created (epoch ms). */
+  createdAt: number;
+  /** The frames of the request moved from that were relayed (a hand-back's seq, or the next seq awaited from a silent bridge). */
+  at: number;
+  /** The answer's place among those its bridge handed back together (`ResponseFrame` `spread`). */
+  spread?: number;
+}
+
 /** A request of the exchange and the instance it was published to: the first, or one that continues its answer. */
 export interface Moved {
   session: SessionEntry;
   req: InferenceRequest;
+  /**
+   * The frames of the request it continues that the answer holds, when the move was recorded by
+   * the replica that made it (routes/resume.ts): its seqs follow those, wherever this exchange
+   * left that request. Absent: where this exchange left it.
+   */
+  after?: number;
 }
 
 /** A chat chunk that only says the assistant's role (a stream's first): a continuation's is not relayed again. */
@@ -486,7 +511,18 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let sequencer = newSequencer();
     /** A whole answer larger than a NATS message comes in parts before its `done` (dataplane/frames.ts `splitFrame`). */
     let parts = new FrameParts();
+    /** Where the answer left the current request, once known ({@link ExchangeOptions.leftAt}). */
+    let leftAt: number | undefined;
+    /** Moves the answer on once it is known to have left the current request and every frame before that was relayed. */
+    const leaveIfLeft = (): boolean => {
+      if (finished || moving) return false;
+      leftAt ??= opts.leftAt?.(current);
+      if (leftAt === undefined || sequencer.expected < leftAt) return false;
+      moveOn(leftAt);
+      return true;
+    };
     const deliver = (frame: ResponseFrame) => {
+      if (leftAt !== undefined && frame.seq >= leftAt) return; // after the answer left it: not the answer's
       for (const f of sequencer.push(frame)) {
         if (finished) return;
         if (f.type === 'part') {
@@ -508,6 +544,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
         }
       }
+      leaveIfLeft();
     };
     const listen = (at: Moved) =>
       opts.router.listen(
@@ -528,22 +565,23 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       unlisten();
       unlisten = () => undefined;
       if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
-      opts.move!(answer, from, createdAt ?? Date.now(), spread).then(
+      opts.move!(answer, from, { createdAt: createdAt ?? Date.now(), at: seq, ...(spread !== undefined ? { spread } : {}) }).then(
         (to) => {
           moving = false;
           if (finished) return;
           if (!to) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`no instance to continue ${from.req.id} on`));
-          base += seq;
+          base += to.after ?? seq;
           current = to;
           sequencer = newSequencer();
           parts = new FrameParts();
           gapSeq = -1;
+          leftAt = undefined;
           unlisten = listen(to);
           idle.refresh();
           opts.onMoved?.(to);
           attempt = 0;
           publishUntil = undefined;
-          publish();
+          if (!leaveIfLeft()) publish();
         },
         (err: unknown) => fail('engine_error', toGatewayError(err, opts.retryAfterSec), err),
       );
@@ -551,12 +589,12 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     // A bridge that stops beating (killed, its node gone, cut off): its answer goes on elsewhere.
     let moving = false;
     const watch =
-      opts.silent && opts.move
+      (opts.silent || opts.leftAt) && opts.move
         ? setInterval(() => {
-            if (finished || moving || !opts.silent!(current.session)) return;
+            if (leaveIfLeft() || finished || moving || !opts.silent?.(current.session)) return;
             // One that cannot be continued (no tokens said, tool calls …) waits for its redelivery.
             if (!said.continuable) return;
-            opts.onMovedAway?.(current);
+            opts.onMovedAway?.(current, sequencer.expected);
             moveOn(sequencer.expected);
           }, BEAT_EVERY_MS)
         : undefined;
@@ -581,7 +619,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         republish = setTimeout(publish, delay);
       });
     };
-    publish();
+    // Known to have left the first request before any of it (a replay of a recorded move): on at once.
+    if (!(opts.move && leaveIfLeft())) publish();
   });
 }
 

@@ -32,3 +32,15 @@ test('a move is claimed once: the first claim holds, a later or simultaneous one
   const second = { ...mine, instance: 'i1', requestId: 'req1-m2' };
   expect(await log.claim('req1', 2, second)).toEqual(second);
 });
+
+test('a move records where the answer left the request it moved from; a record without it (an older gateway) or with a bad one is read without it', async () => {
+  const left = { replica: 'r1', pool: 'p', instance: 'i2', requestId: 'req3-m1', at: 7 };
+  expect(await log.claim('req3', 1, left)).toEqual(left);
+  expect(await log.find('req3', 1)).toEqual(left);
+  expect(await log.claim('req3', 1, { ...left, requestId: 'other', at: 2 })).toEqual(left);
+  const { at: _, ...older } = left;
+  expect(await log.claim('req4', 1, older)).toEqual(older);
+  expect(await log.find('req4', 1)).toEqual(older);
+  expect(await log.claim('req5', 1, { ...left, at: -1 })).toMatchObject({ at: -1 }); // as claimed here …
+  expect(await log.find('req5', 1)).toEqual(older); // … but not believed when read
+});

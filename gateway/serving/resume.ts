@@ -67,18 +67,30 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
  */
 export interface MoveLog {
   /** Records `to` as move `n` unless one is recorded already; resolves with the move that holds (`to`, or the one before it). */
-  claim(first: string, n: number, to: ResumableAnswer): Promise<ResumableAnswer>;
-  find(first: string, n: number): Promise<ResumableAnswer | undefined>;
+  claim(first: string, n: number, to: MoveRecord): Promise<MoveRecord>;
+  find(first: string, n: number): Promise<MoveRecord | undefined>;
+}
+
+/**
+ * A move as recorded: where the answer went, and `at`, the frames of the request it left that the
+ * replica moving it had relayed — the answer's seqs go on from there, so a replay relays exactly
+ * those of that request (a bridge that was only slow may publish more of it, or answer it whole
+ * later) and numbers the rest as the live stream did. Moves recorded by gateways before it lack `at`.
+ */
+export interface MoveRecord extends ResumableAnswer {
+  at?: number;
 }
 
 /** A {@link MoveLog} in KV bucket `kv`. */
 export function kvMoveLog(kv: Pick<KV, 'create' | 'get'>): MoveLog {
   const key = (first: string, n: number) => `moved.${first}.${n}`;
-  const find = async (first: string, n: number): Promise<ResumableAnswer | undefined> => {
+  const find = async (first: string, n: number): Promise<MoveRecord | undefined> => {
     const e = await kv.get(key(first, n));
     if (!e || e.operation !== 'PUT') return undefined;
-    const a = JSON.parse(e.string()) as Partial<ResumableAnswer>;
-    return [a.replica, a.pool, a.instance, a.requestId].every((v) => typeof v === 'string' && NAME.test(v)) ? (a as ResumableAnswer) : undefined;
+    const a = JSON.parse(e.string()) as Partial<MoveRecord>;
+    if (![a.replica, a.pool, a.instance, a.requestId].every((v) => typeof v === 'string' && NAME.test(v))) return undefined;
+    const to = { replica: a.replica!, pool: a.pool!, instance: a.instance!, requestId: a.requestId! };
+    return Number.isSafeInteger(a.at) && a.at! >= 0 ? { ...to, at: a.at! } : to;
   };
   return {
     claim: async (first, n, to) => {
