@@ -129,11 +129,11 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
  * Ends request `id` of instance `own` for its gateway, which moved the answer away from a bridge
  * it heard no beat of after `at` of its frames (README.md, "Cancels"): its claim, unless an
  * attempt finished it already, becomes finished with a hand-back at `at` (`CONTINUE_ELSEWHERE`,
- * the terminal frame a redelivery says again). No delivery serves
- * the request afterwards — a bridge that did not hear the gateway's cancel (restarted since, or
- * cut off when it went out) included: a first delivery looks for a claim as it begins (none is
- * there otherwise), an attempt running finds itself superseded at its next check, and a
- * redelivery finds it finished and says the hand-back again, which no one reads.
+ * the terminal frame a redelivery says again). No delivery serves the request afterwards — on a
+ * bridge that did not hear the gateway's cancel (restarted since, or cut off when it went out)
+ * either: a first delivery asks {@link RequestClaims.ended} as it begins and ends as handed back,
+ * an attempt running finds itself superseded at its next check, and a redelivery finds the claim
+ * finished and says the hand-back again, which no one reads.
  */
 export async function endClaim(kv: Pick<KV, 'get' | 'create' | 'update'>, own: { pool: string; instance: string }, id: string, at: number): Promise<void> {
   const key = claimKeyOf(own, id);
