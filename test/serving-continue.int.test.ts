@@ -220,8 +220,15 @@ describe.each([
         `${name} ${at}: ${answer.text === reference.text ? 'equal to the undisturbed answer' : `differs from it after ${commonPrefix(answer.text, reference.text)} of ${reference.text.length} characters`}`,
       );
       expect(engine.restarts).toBe(restartsBefore + 1);
-      expect(answer).toMatchObject({ finish: 'length', usage: { completion_tokens: ANSWER_TOKENS, prompt_tokens: reference.usage!.prompt_tokens } });
-      await expectOneRecord(answer.id, ANSWER_TOKENS);
+      // A continuation that differs (llama.cpp's kernels round by batch shape: a near-tie can flip,
+      // README "Reliability") may end sooner, with the engine's stop; either way the usage is the
+      // tokens the client got, counted once — a repeat would show as more pieces than tokens.
+      const tokens = answer.usage!.completion_tokens;
+      expect(tokens).toBeLessThanOrEqual(ANSWER_TOKENS);
+      expect(answer).toMatchObject({ finish: tokens === ANSWER_TOKENS ? 'length' : 'stop', usage: { prompt_tokens: reference.usage!.prompt_tokens } });
+      if (answer.text === reference.text) expect(tokens).toBe(ANSWER_TOKENS);
+      expect(answer.pieces).toBeLessThanOrEqual(tokens);
+      await expectOneRecord(answer.id, tokens);
       // Continued from the tokens sent, not generated again (in the prompt phase nothing was sent).
       expect(bridge.stats.continued - continuedBefore).toBe(after === 0 ? 0 : 1);
       // The silence is the engine's restart in place (its standby serving: ~0.2–0.5 s here; a
