@@ -1144,8 +1144,15 @@ describe('shutdown', () => {
     expect((await queued.finished).at(-1)).toMatchObject({ type: 'done' });
     expect(b.stats.acked).toBe(2);
     expect(b.health().problems).toContain('not consuming');
-    const state = await consumerState(instance);
-    expect(state.num_pending + state.num_ack_pending).toBe(0);
+    // The server applies an ack asynchronously: the consumer empties shortly after.
+    await until(
+      'the consumer empty',
+      async () => {
+        const state = await consumerState(instance);
+        return state.num_ack_pending + state.num_pending === 0;
+      },
+      5000,
+    );
     expect(stub.calls).toHaveLength(2);
   });
 
@@ -1206,9 +1213,15 @@ describe('shutdown', () => {
     const told = await whole.finished;
     expect(told).toHaveLength(1);
     expect(told[0]).toMatchObject({ seq: 0, type: 'error', error: { status: 503, code: BridgeErrorCode.instanceStopped } });
-    // Nothing left to go with the consumer; the engine was called for the one in flight only.
-    const state = await consumerState(instance);
-    expect(state.num_pending + state.num_ack_pending).toBe(0);
+    // Nothing left to go with the consumer (once the server took the acks in); the engine was called for the one in flight only.
+    await until(
+      'the consumer empty',
+      async () => {
+        const state = await consumerState(instance);
+        return state.num_ack_pending + state.num_pending === 0;
+      },
+      5000,
+    );
     expect(stub.calls).toHaveLength(1);
     expect(b.stats).toMatchObject({ handedBack: 1, acked: 1 });
     expect(Date.now() - stopping).toBeLessThan(8_000);

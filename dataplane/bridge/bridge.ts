@@ -397,6 +397,8 @@ export class Bridge {
     this.cancels.close();
     clearInterval(this.beats);
     for (const c of [this.consumer, ...this.lanes]) c.close();
+    // Its acks are fire-and-forget: on their way to the server before stop resolves (a runtime may exit then).
+    if (!this.nc.isClosed()) await this.nc.flush().catch(() => undefined);
   }
 
   /**
