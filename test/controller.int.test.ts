@@ -540,7 +540,11 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
   const t0 = Date.now();
   await apply(docs.join('\n---\n'));
   try {
-    await until(`${n} Models Ready (${ready.size} so far)`, () => ready.size === n, 480_000);
+    await until(
+      () => `${n} Models Ready (${ready.size} so far)`,
+      () => ready.size === n,
+      480_000,
+    );
   } finally {
     await w.stop();
   }

@@ -10,14 +10,15 @@ import { setTimeout as timer } from 'node:timers/promises';
 export const sleep = (ms: number): Promise<void> => timer(ms);
 
 /**
- * Polls `cond` until it holds; throws `timed out waiting for <what>` after `timeoutMs`. The
- * first polls come quickly (5 ms, doubling to 50 ms), so a condition about to hold costs a unit
- * test little and a long wait costs the machine little.
+ * Polls `cond` until it holds; throws `timed out waiting for <what>` after `timeoutMs` (`what`
+ * read then, when a function: the state it names at the end, not at the start). The first polls
+ * come quickly (5 ms, doubling to 50 ms), so a condition about to hold costs a unit test little
+ * and a long wait costs the machine little.
  */
-export async function until(what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 30_000): Promise<void> {
+export async function until(what: string | (() => string), cond: () => boolean | Promise<boolean>, timeoutMs = 30_000): Promise<void> {
   const deadline = Date.now() + timeoutMs;
   for (let pause = 5; !(await cond()); pause = Math.min(2 * pause, 50)) {
-    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${typeof what === 'string' ? what : what()}`);
     await sleep(pause);
   }
 }

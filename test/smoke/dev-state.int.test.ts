@@ -90,7 +90,11 @@ async function stop(run: DevRun, signal: NodeJS.Signals) {
   const tree = run.tree();
   run.child.kill(signal);
   const exit = await run.exited;
-  await until(`the tree to exit (left: ${tree.filter(processRunning).join(', ')})`, () => !tree.some(processRunning), 30_000);
+  await until(
+    () => `the tree to exit (left: ${tree.filter(processRunning).join(', ')})`,
+    () => !tree.some(processRunning),
+    30_000,
+  );
   // Its output, should it not have stopped cleanly.
   expect({ ...exit, output: exit.code === 0 ? '' : run.stderr() }).toEqual({ code: 0, signal: null, output: '' });
   expect(run.stderr()).not.toMatch(/while stopping|not cleanly|TIMEOUT|restarting/);

@@ -56,7 +56,11 @@ async function startServeAndStop(
     new Promise<never>((_, fail) => (timer = setTimeout(() => fail(new Error(`${launcher}: the top process did not exit within 60 s`)), 60_000))),
   ]);
   clearTimeout(timer);
-  await until(`every process of the ${launcher} tree to exit (left: ${tree.filter(processRunning).join(', ')})`, () => !tree.some(processRunning), 30_000);
+  await until(
+    () => `every process of the ${launcher} tree to exit (left: ${tree.filter(processRunning).join(', ')})`,
+    () => !tree.some(processRunning),
+    30_000,
+  );
   // What dev printed last can still be in the pipe when its process is seen gone (npx exits first: dev writes to npx's pipe).
   await within(run.outputClosed, 10_000);
   const output = run.stdout() + run.stderr();
