@@ -65,6 +65,12 @@ export const claimKeyOf = (own: { pool: string; instance: string }, id: string):
 /** The wait before re-read `round` (1, 2, …) of a claim: 20, 40, 80 … ms, time for a replica behind its leader to catch up. */
 const backoff = (round: number) => sleep(10 * 2 ** round);
 
+/** The claim stored under `key` and its revision; null when there is none (never written, or deleted). */
+async function readClaim(kv: Pick<KV, 'get'>, key: string): Promise<{ claim: RequestClaim; revision: number } | null> {
+  const e = await kv.get(key);
+  return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
+}
+
 /** Binds the claims bucket (declared by `ensureDataPlane`, declare.ts) for the bridge of `own`. */
 export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNames, own: { pool: string; instance: string }): Promise<RequestClaims> {
   // Gets go direct (the bucket allows it, declare.ts): a direct get names the key in its subject,
@@ -72,10 +78,7 @@ export async function openRequestClaims(js: JetStreamClient, names: DataPlaneNam
   // bucket uses direct gets only when told.
   const kv: KV = await js.views.kv(names.claimsBucket, { bindOnly: true, allow_direct: true });
   const keyOf = (id: string) => claimKeyOf(own, id);
-  const read = async (id: string) => {
-    const e = await kv.get(keyOf(id));
-    return e && e.operation === 'PUT' ? { claim: decodeJson(e.value) as RequestClaim, revision: e.revision } : null;
-  };
+  const read = (id: string) => readClaim(kv, keyOf(id));
   return {
     async acquire(id, owner) {
       const fresh: RequestClaim = { attempt: 1, owner, createdAt: Date.now(), state: 'running' };
@@ -145,11 +148,10 @@ export async function endClaim(kv: Pick<KV, 'get' | 'create' | 'update'>, own: {
   const ended: RequestClaim = { attempt: 0, owner: ENDED_BY, createdAt: Date.now(), state: 'finished', terminal };
   for (let round = 0; round < 5; round += 1) {
     if (round > 0) await backoff(round);
-    const e = await kv.get(key);
-    const current = e && e.operation === 'PUT' ? (decodeJson(e.value) as RequestClaim) : null;
-    if (current?.state === 'finished') return;
+    const current = await readClaim(kv, key);
+    if (current?.claim.state === 'finished') return;
     try {
-      if (current) await kv.update(key, encodeJson({ ...ended, attempt: current.attempt, createdAt: current.createdAt }), e!.revision);
+      if (current) await kv.update(key, encodeJson({ ...ended, attempt: current.claim.attempt, createdAt: current.claim.createdAt }), current.revision);
       else await kv.create(key, encodeJson(ended));
       return;
     } catch (err) {
