@@ -12,11 +12,11 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { FullBacklogs } from './serving/backlogs';
 import { QueueWaits } from './serving/queue-waits';
+import { bridgeBeats } from './serving/beats';
 import { leaderGet } from '../dataplane/kv-leader';
 import { deleteEntry } from '../dataplane/session-keys';
 import { kvMoveLog } from './serving/resume';
 import { Nats } from '../shared/constants';
-import { BRIDGE_SILENT_MS } from '../shared/continuation';
 import { openModelRegistry } from '../dataplane/registry';
 import { endClaim, ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
 import gatewayApp, { options, readinessChecks } from './app';
@@ -41,7 +41,7 @@ import { UsageLedger } from '../dataplane/usage';
 import type { UsageRecord } from '../shared/usage';
 import { LimitStore } from '../dataplane/limits';
 import { perRequestResponseRouter, streamPublisher, sharedResponseRouter, type PublishRequest, type ResponseRouter } from './serving/exchange';
-import { bridgeLoadOf, cancelSubject } from '../shared/serving';
+import { cancelSubject } from '../shared/serving';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, leasesPerInstance } from '../shared/engine-slots';
 import type { ReadyModel } from '../shared/model';
 import type { BacklogCheck, ReadinessCheck } from './plugins/services';
@@ -579,42 +579,4 @@ export async function gatewayCommand(args: string[]): Promise<number> {
   await temporal.close();
   await temporalConnection.close();
   return 0;
-}
-
-/**
- * The last beat heard of each bridge (`<prefix>.<pool>.<instance>`, every `BEAT_EVERY_MS`):
- * `silent(key)` once one heard before has not beaten for `BRIDGE_SILENT_MS`. Bridges not heard
- * for 10 minutes are forgotten.
- */
-function bridgeBeats(nc: NatsConnection, prefix: string, waits: QueueWaits): { silent(key: string): boolean; forget(): void; close(): Promise<void> } {
-  const heard = new Map<string, number>();
-  const sub = nc.subscribe(`${prefix}.>`, {
-    callback: (err, msg) => {
-      if (err) return;
-      const key = msg.subject.slice(prefix.length + 1);
-      heard.set(key, Date.now());
-      waits.beat(key, bridgeLoadOf(msg.data));
-    },
-  });
-  const sweep = setInterval(() => {
-    const old = Date.now() - 10 * 60_000;
-    for (const [k, at] of heard) if (at < old) heard.delete(k);
-    waits.sweep();
-  }, 60_000);
-  sweep.unref();
-  return {
-    silent: (key) => {
-      const at = heard.get(key);
-      return at !== undefined && Date.now() - at > BRIDGE_SILENT_MS;
-    },
-    forget: () => {
-      heard.clear();
-      waits.forget();
-    },
-    close: () => {
-      clearInterval(sweep);
-      sub.unsubscribe();
-      return Promise.resolve();
-    },
-  };
 }

@@ -1,0 +1,56 @@
+import type { Msg, NatsConnection, NatsError, SubscriptionOptions } from 'nats';
+import { BRIDGE_SILENT_MS } from '../../shared/continuation';
+import { encodeJson } from '../../dataplane/json';
+import { bridgeBeats } from './beats';
+import { QueueWaits } from './queue-waits';
+
+/** A connection that delivers what the test publishes to the one subscription bridgeBeats makes. */
+function fakeConnection() {
+  let deliver: ((err: NatsError | null, msg: Msg) => void) | undefined;
+  const nc = {
+    subscribe: (_subject: string, opts?: SubscriptionOptions) => {
+      deliver = opts?.callback;
+      return { unsubscribe: () => (deliver = undefined) };
+    },
+  } as unknown as Pick<NatsConnection, 'subscribe'>;
+  const beat = (key: string) => deliver?.(null, { subject: `beats.${key}`, data: encodeJson({ running: 0, slots: 1, queued: 0, serviceMs: null }) } as Msg);
+  return { nc, beat };
+}
+
+describe('bridgeBeats', () => {
+  let t = 0;
+  const now = () => t;
+  beforeEach(() => (t = 1_000_000));
+
+  it('a bridge past BRIDGE_SILENT_MS without a beat is silent while another bridge beats; one never heard is not', async () => {
+    const { nc, beat } = fakeConnection();
+    const waits = new QueueWaits(0, now);
+    const beats = bridgeBeats(nc, 'beats', waits, now);
+    beat('p.i1');
+    beat('p.i2');
+    t += BRIDGE_SILENT_MS;
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(false); // just at the limit
+    t += 1;
+    expect(beats.silent('p.i1')).toBe(true);
+    expect(beats.silent('p.i2')).toBe(false);
+    expect(beats.silent('p.i3')).toBe(false); // never heard: nothing to judge by
+    expect(waits.occupancy('p', 'i2')).toBe(0); // the loads go on to the queue waits
+    beats.forget();
+    expect(beats.silent('p.i1')).toBe(false);
+    await beats.close();
+  });
+
+  it('no bridge heard within the window (this process stalled, or the one holding every bridge): none is silent, and each is again once the others beat', async () => {
+    const { nc, beat } = fakeConnection();
+    const beats = bridgeBeats(nc, 'beats', new QueueWaits(0, now), now);
+    beat('p.i1');
+    beat('p.i2');
+    t += 3 * BRIDGE_SILENT_MS; // e.g. the event loop blocked for 3 s: the judging timer runs before the queued beats are read
+    expect(beats.silent('p.i1')).toBe(false);
+    expect(beats.silent('p.i2')).toBe(false);
+    beat('p.i2'); // the beats that queued meanwhile are read: i1 is still not among them
+    expect(beats.silent('p.i1')).toBe(true);
+    await beats.close();
+  });
+});

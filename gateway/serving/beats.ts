@@ -1,0 +1,68 @@
+/**
+ * The bridges' beats as a gateway hears them (`<prefix>.<pool>.<instance>`, every
+ * `BEAT_EVERY_MS`, each with its load for serving/queue-waits.ts): whether a bridge went silent,
+ * which moves its answers elsewhere (serving/exchange.ts, routes/inference.ts, routes/resume.ts).
+ *
+ * A bridge is silent once one heard before has not beaten for `BRIDGE_SILENT_MS` **while another
+ * bridge was heard within that window**. When none was, the silence is more likely this side's:
+ * this process's event loop stalled (its timers run before it reads the beats that queued
+ * meanwhile), its link to NATS lagged, or the one process holding every bridge stalled — moving
+ * every answer at once then cuts them all for nothing. A bridge alone in the gateway's hearing has
+ * nowhere to move its answers to anyway. Bridges not heard for 10 minutes are forgotten.
+ */
+import type { NatsConnection } from 'nats';
+import { BRIDGE_SILENT_MS } from '../../shared/continuation';
+import { bridgeLoadOf } from '../../shared/serving';
+import type { QueueWaits } from './queue-waits';
+
+export interface BridgeBeats {
+  /** Whether the bridge of `key` (`<pool>.<instance>`) went silent (above). */
+  silent(key: string): boolean;
+  /** Every bridge unheard again (after a reconnect: this process, not they, was away). */
+  forget(): void;
+  close(): Promise<void>;
+}
+
+const FORGET_AFTER_MS = 10 * 60_000;
+
+export function bridgeBeats(
+  nc: Pick<NatsConnection, 'subscribe'>,
+  prefix: string,
+  waits: Pick<QueueWaits, 'beat' | 'sweep' | 'forget'>,
+  now: () => number = Date.now,
+): BridgeBeats {
+  const heard = new Map<string, number>();
+  let lastAny = -Infinity;
+  const sub = nc.subscribe(`${prefix}.>`, {
+    callback: (err, msg) => {
+      if (err) return;
+      const key = msg.subject.slice(prefix.length + 1);
+      lastAny = now();
+      heard.set(key, lastAny);
+      waits.beat(key, bridgeLoadOf(msg.data));
+    },
+  });
+  const sweep = setInterval(() => {
+    const old = now() - FORGET_AFTER_MS;
+    for (const [k, at] of heard) if (at < old) heard.delete(k);
+    waits.sweep();
+  }, 60_000);
+  sweep.unref();
+  return {
+    silent: (key) => {
+      const at = heard.get(key);
+      const t = now();
+      return at !== undefined && t - at > BRIDGE_SILENT_MS && t - lastAny <= BRIDGE_SILENT_MS;
+    },
+    forget: () => {
+      heard.clear();
+      lastAny = -Infinity;
+      waits.forget();
+    },
+    close: () => {
+      clearInterval(sweep);
+      sub.unsubscribe();
+      return Promise.resolve();
+    },
+  };
+}
