@@ -338,6 +338,16 @@ async function sent(instance: string, ...request: Parameters<typeof requestFor>)
 }
 
 const consumerState = (instance: string) => jsm.consumers.info(names.requestStream, consumerNameOf(POOL, instance));
+/** Waits until `instance`'s consumer holds nothing: the server applies acks and terms asynchronously, shortly after they are sent. */
+const consumerEmptied = (instance: string, what = 'the consumer empty') =>
+  until(
+    what,
+    async () => {
+      const state = await consumerState(instance);
+      return state.num_ack_pending + state.num_pending === 0;
+    },
+    10_000,
+  );
 
 // ---------------------------------------------------------------------------------------------
 
@@ -454,11 +464,7 @@ describe('redelivery', () => {
     expect(stub.calls[1]?.seed).toBe(stub.calls[0]?.seed);
     await until('ack', () => heir.stats.acked === 1);
     expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
-    // The server applies an ack asynchronously: the consumer empties shortly after.
-    await until('the consumer empty', async () => {
-      const state = await consumerState(instance);
-      return state.num_ack_pending + state.num_pending === 0;
-    });
+    await consumerEmptied(instance);
   });
 
   it('a redelivery resumes after the frames a first delivery published, though it finds no claim', async () => {
@@ -696,10 +702,7 @@ describe('a request its gateway ended: the answer moved away while its bridge wa
     const b = await bridge(instance, stub.url);
     // Nothing of an answer: a hand-back (nobody reads it), and the message resolved at once, not redelivered.
     expect((await answer.finished).map((f) => (f.type === 'error' ? `${f.seq} ${f.error.code}` : `${f.seq} ${f.type}`))).toEqual([`0 ${CONTINUE_ELSEWHERE}`]);
-    await until('resolved', async () => {
-      const state = await consumerState(instance);
-      return state.num_ack_pending + state.num_pending === 0;
-    });
+    await consumerEmptied(instance, 'resolved');
     await until('an engine call begun beside the claim check cut', () => stub.cut === stub.calls.length);
     expect(b.stats).toMatchObject({ pulled: 1, termed: 1, acked: 0, superseded: 0 });
   });
@@ -1144,15 +1147,7 @@ describe('shutdown', () => {
     expect((await queued.finished).at(-1)).toMatchObject({ type: 'done' });
     expect(b.stats.acked).toBe(2);
     expect(b.health().problems).toContain('not consuming');
-    // The server applies an ack asynchronously: the consumer empties shortly after.
-    await until(
-      'the consumer empty',
-      async () => {
-        const state = await consumerState(instance);
-        return state.num_ack_pending + state.num_pending === 0;
-      },
-      5000,
-    );
+    await consumerEmptied(instance);
     expect(stub.calls).toHaveLength(2);
   });
 
@@ -1213,15 +1208,8 @@ describe('shutdown', () => {
     const told = await whole.finished;
     expect(told).toHaveLength(1);
     expect(told[0]).toMatchObject({ seq: 0, type: 'error', error: { status: 503, code: BridgeErrorCode.instanceStopped } });
-    // Nothing left to go with the consumer (once the server took the acks in); the engine was called for the one in flight only.
-    await until(
-      'the consumer empty',
-      async () => {
-        const state = await consumerState(instance);
-        return state.num_ack_pending + state.num_pending === 0;
-      },
-      5000,
-    );
+    // Nothing left to go with the consumer; the engine was called for the one in flight only.
+    await consumerEmptied(instance);
     expect(stub.calls).toHaveLength(1);
     expect(b.stats).toMatchObject({ handedBack: 1, acked: 1 });
     expect(Date.now() - stopping).toBeLessThan(8_000);
