@@ -69,9 +69,21 @@ export function s3Client(): S3Client {
   });
 }
 
+/**
+ * How long a test's dial to the test NATS server may take (nats.js waits 20 s by default). On a
+ * loaded 2-core machine two suites' setups failed with `TIMEOUT` at the dial while the server's
+ * log showed nothing wrong: a worker's event loop held up past the timer is enough.
+ */
+export const NATS_TEST_DIAL = { timeout: 60_000 } as const;
+
 /** A connection to the test NATS server as the worker (it may do everything: declare the data plane, write the registry, publish requests). */
 export async function natsConnect(): Promise<NatsConnection> {
-  return connect({ servers: endpoint('nats').servers, name: `magus-test-${process.pid}`, ...natsAuthOptions(credentialsOf(natsCredentialsFile('worker'))) });
+  return connect({
+    servers: endpoint('nats').servers,
+    name: `magus-test-${process.pid}`,
+    ...NATS_TEST_DIAL,
+    ...natsAuthOptions(credentialsOf(natsCredentialsFile('worker'))),
+  });
 }
 
 /**
@@ -80,13 +92,18 @@ export async function natsConnect(): Promise<NatsConnection> {
  */
 export async function natsConnectAs(role: Exclude<NatsRole, 'bridge'>, names: DataPlaneNames, name = `magus-test-${role}`): Promise<NatsConnection> {
   const file = await natsRoleCredentials(role, names);
-  return connect({ servers: endpoint('nats').servers, name, ...natsAuthOptions(credentialsOf(file)) });
+  return connect({ servers: endpoint('nats').servers, name, ...NATS_TEST_DIAL, ...natsAuthOptions(credentialsOf(file)) });
 }
 
 /** A connection to the test NATS server as the bridge of `pool`/`instance` in data plane `names` ({@link natsBridgeCredentials}). */
 export async function natsConnectAsBridge(names: DataPlaneNames, pool: string, instance: string): Promise<NatsConnection> {
   const file = await natsBridgeCredentials(names, pool, instance);
-  return connect({ servers: endpoint('nats').servers, name: `magus-test-bridge-${pool}-${instance}`, ...natsAuthOptions(credentialsOf(file)) });
+  return connect({
+    servers: endpoint('nats').servers,
+    name: `magus-test-bridge-${pool}-${instance}`,
+    ...NATS_TEST_DIAL,
+    ...natsAuthOptions(credentialsOf(file)),
+  });
 }
 
 const credentialsOf = (file: string | undefined) => (file ? readNatsCredentials(file) : undefined);
