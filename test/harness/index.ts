@@ -6,6 +6,7 @@
 import { existsSync, mkdirSync, readFileSync, renameSync, writeFileSync } from 'node:fs';
 import { basename, join } from 'node:path';
 import { createHash, randomBytes } from 'node:crypto';
+import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { S3Client } from '@aws-sdk/client-s3';
 import { Connection, Client } from '@temporalio/client';
 import { bundleWorkflowCode, DefaultLogger, NativeConnection, Worker } from '@temporalio/worker';
@@ -71,19 +72,34 @@ export function s3Client(): S3Client {
 
 /**
  * How long a test's dial to the test NATS server may take (nats.js waits 20 s by default). On a
- * loaded 2-core machine two suites' setups failed with `TIMEOUT` at the dial while the server's
- * log showed nothing wrong: a worker's event loop held up past the timer is enough.
+ * loaded 2-core machine suites' setups failed with `TIMEOUT` at the dial while the server's log
+ * showed nothing wrong; a worker's event loop held up past the timer would do it. A dial that
+ * fails says how long it took and the longest the event loop was held meanwhile.
  */
 export const NATS_TEST_DIAL = { timeout: 60_000 } as const;
 
+async function dialTestNats(name: string, file: string | undefined): Promise<NatsConnection> {
+  const servers = endpoint('nats').servers;
+  const lag = monitorEventLoopDelay({ resolution: 20 });
+  lag.enable();
+  const t0 = Date.now();
+  try {
+    return await connect({ servers, name, ...NATS_TEST_DIAL, ...natsAuthOptions(credentialsOf(file)) });
+  } catch (err) {
+    throw new Error(
+      `dialling ${servers} as ${name}: ${(err as Error).message} after ${Date.now() - t0} ms (event loop held up to ${Math.round(lag.max / 1e6)} ms meanwhile)`,
+      {
+        cause: err,
+      },
+    );
+  } finally {
+    lag.disable();
+  }
+}
+
 /** A connection to the test NATS server as the worker (it may do everything: declare the data plane, write the registry, publish requests). */
-export async function natsConnect(): Promise<NatsConnection> {
-  return connect({
-    servers: endpoint('nats').servers,
-    name: `magus-test-${process.pid}`,
-    ...NATS_TEST_DIAL,
-    ...natsAuthOptions(credentialsOf(natsCredentialsFile('worker'))),
-  });
+export function natsConnect(): Promise<NatsConnection> {
+  return dialTestNats(`magus-test-${process.pid}`, natsCredentialsFile('worker'));
 }
 
 /**
@@ -91,19 +107,12 @@ export async function natsConnect(): Promise<NatsConnection> {
  * it: {@link natsRoleCredentials}); `name` names the connection.
  */
 export async function natsConnectAs(role: Exclude<NatsRole, 'bridge'>, names: DataPlaneNames, name = `magus-test-${role}`): Promise<NatsConnection> {
-  const file = await natsRoleCredentials(role, names);
-  return connect({ servers: endpoint('nats').servers, name, ...NATS_TEST_DIAL, ...natsAuthOptions(credentialsOf(file)) });
+  return dialTestNats(name, await natsRoleCredentials(role, names));
 }
 
 /** A connection to the test NATS server as the bridge of `pool`/`instance` in data plane `names` ({@link natsBridgeCredentials}). */
 export async function natsConnectAsBridge(names: DataPlaneNames, pool: string, instance: string): Promise<NatsConnection> {
-  const file = await natsBridgeCredentials(names, pool, instance);
-  return connect({
-    servers: endpoint('nats').servers,
-    name: `magus-test-bridge-${pool}-${instance}`,
-    ...NATS_TEST_DIAL,
-    ...natsAuthOptions(credentialsOf(file)),
-  });
+  return dialTestNats(`magus-test-bridge-${pool}-${instance}`, await natsBridgeCredentials(names, pool, instance));
 }
 
 const credentialsOf = (file: string | undefined) => (file ? readNatsCredentials(file) : undefined);
