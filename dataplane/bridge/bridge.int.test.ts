@@ -8,7 +8,7 @@ import { createServer, type IncomingHttpHeaders, type IncomingMessage, type Serv
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
 import { connect, Events, type JetStreamManager, type NatsConnection } from 'nats';
-import { endpoint, isolation, NATS_TEST_DIAL, natsConnectAsBridge, natsSignerFile } from '../../test/harness';
+import { endpoint, isolation, natsConnectAsBridge, natsSignerFile } from '../../test/harness';
 import { natsStack, TestStack } from '../../test/harness/stack';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import {
@@ -1088,7 +1088,7 @@ describe("a bridge's beats say whether it pulls the requests handed back", () =>
       const text = await bridgeCredentialsText(readNatsSigner(natsSignerFile()!), names, POOL, instance, older);
       const creds = parseCredentialsFile(text);
       if ('error' in creds) throw new Error(creds.error);
-      const conn = await connect({ servers: endpoint('nats').servers, ...NATS_TEST_DIAL, ...natsAuthOptions(creds) });
+      const conn = await connect({ servers: endpoint('nats').servers, ...natsAuthOptions(creds) });
       cleanups.push(() => conn.close());
       const seen = logs.length;
       await bridge(instance, stub.url, {}, conn);
