@@ -284,8 +284,10 @@ describe('NATS outages', () => {
       expect(((await res.json()) as { error: { code: string } }).error.code).toBe('unavailable');
       // Cut off for the whole grace: this replica alone, so it leaves its Service.
       await eventually(async () => expect((await fetch(`${gw.url}/readyz`)).status).toBe(503), 10_000);
-      // (The grace counts from the check's last pass, sampled every 250 ms: up to that much before the cut was noticed.)
-      expect(Date.now() - cutAt).toBeGreaterThanOrEqual(3_000 - 500);
+      // The grace counts from the check's last pass, sampled every 250 ms: that much before the cut
+      // was noticed, more when the sampler runs late (a loaded CI run: 2.37 s from the cut to not
+      // ready). Without the grace it would be at once.
+      expect(Date.now() - cutAt).toBeGreaterThanOrEqual(3_000 - 1_000);
       await cut.restore();
       await eventually(async () => expect((await fetch(`${gw.url}/readyz`)).status).toBe(200), 10_000);
       expect(await turn('back again')).toEqual({ status: 200, text: 'back again' });
