@@ -2,6 +2,8 @@ import {
   bridgeCredentialsText,
   bridgeInboxPrefixOf,
   bridgePermissions,
+  NATS_AUTH_TIMEOUT_SEC,
+  natsChartValues,
   natsConnectAuth,
   natsServerAuthConfig,
   newNatsAuthority,
@@ -101,5 +103,13 @@ describe('permissions', () => {
     expect(conf).toContain(authority.account.jwt);
     expect(conf).not.toContain(authority.signerSeed);
     expect(conf).toMatch(/^resolver: MEMORY$/m);
+  });
+
+  it('both forms of the server configuration give a client NATS_AUTH_TIMEOUT_SEC to authenticate', async () => {
+    const authority = await newNatsAuthority();
+    expect(NATS_AUTH_TIMEOUT_SEC).toBeGreaterThan(2);
+    expect(natsServerAuthConfig(authority)).toMatch(new RegExp(`^authorization \\{ timeout: ${NATS_AUTH_TIMEOUT_SEC} \\}$`, 'm'));
+    const values = JSON.parse(natsChartValues(authority)) as { config: { merge: Record<string, unknown> } };
+    expect(values.config.merge.authorization).toEqual({ timeout: NATS_AUTH_TIMEOUT_SEC });
   });
 });

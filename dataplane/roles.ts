@@ -257,6 +257,17 @@ export async function newNatsAuthority(): Promise<NatsAuthority> {
   };
 }
 
+/**
+ * How long nats-server gives a new connection to authenticate, in seconds (its default is 2): the
+ * servers magus configures (nats-auth.conf, nats-values.yaml) say 10. A Node process whose event
+ * loop is held past 2 s between the server's INFO and its CONNECT (a loaded machine or a
+ * CPU-throttled pod: CI's test workers were seen held 2.2 s) is closed by the server, which says
+ * so only in its debug log, and nats.js then waits out its whole connect timeout (20 s) and fails
+ * with a bare `TIMEOUT`, or, reconnecting, stays away that long (reproduced with nats.js 2.29 and
+ * nats-server 2.15). A setting of the operator's after the include wins (nats-server keeps the last).
+ */
+export const NATS_AUTH_TIMEOUT_SEC = 10;
+
 /** A JSON string as nats-server's configuration reads it (its strings are JSON's). */
 const q = (s: string): string => JSON.stringify(s);
 
@@ -269,6 +280,7 @@ export const natsServerAuthConfig = (a: Pick<NatsAuthority, 'operatorJwt' | 'sys
     // A user's CONNECT carries its JWT, permissions included: the gateway's is ~6 KB, over the default 4 KB.
     'max_control_line: 32768',
     'resolver: MEMORY',
+    `authorization { timeout: ${NATS_AUTH_TIMEOUT_SEC} }`,
     'resolver_preload: {',
     `  ${q(a.systemAccount.publicKey)}: ${q(a.systemAccount.jwt)}`,
     `  ${q(a.account.publicKey)}: ${q(a.account.jwt)}`,
@@ -289,6 +301,7 @@ export const natsChartValues = (a: Pick<NatsAuthority, 'operatorJwt' | 'systemAc
           system_account: a.systemAccount.publicKey,
           max_control_line: 32768,
           resolver: 'MEMORY',
+          authorization: { timeout: NATS_AUTH_TIMEOUT_SEC },
           resolver_preload: { [a.systemAccount.publicKey]: a.systemAccount.jwt, [a.account.publicKey]: a.account.jwt },
         },
       },

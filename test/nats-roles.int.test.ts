@@ -25,7 +25,7 @@ import { openModelRegistry } from '../dataplane/registry';
 import { bridgeInboxPrefixOf, inboxPrefixOf, natsAuthOptions, parseCredentialsFile, type NatsCredentials } from '../dataplane/roles';
 import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
-import { startNatsCluster, type TestNatsCluster } from './harness/nats-cluster';
+import { chartMergedConfig, startNatsCluster, type TestNatsCluster } from './harness/nats-cluster';
 import { MAGUS_BIN, runMagus } from './harness/dev';
 import { gatewayStack, stubEngineStack, TestStack } from './harness/stack';
 
@@ -75,13 +75,7 @@ beforeAll(async () => {
   expect(again.stderr).toContain('nothing written');
   // The server configured as the official nats chart would be with nats-values.yaml: its config.merge
   // rendered into the configuration as JSON (`magus dev` and dev.int.test.ts use nats-auth.conf).
-  const merge = (JSON.parse(readFileSync(join(dir, 'nats-values.yaml'), 'utf8')) as { config: { merge: Record<string, unknown> } }).config.merge;
-  cluster = await startNatsCluster({
-    size: 1,
-    extraConfig: Object.entries(merge)
-      .map(([k, v]) => `${k}: ${JSON.stringify(v)}`)
-      .join('\n'),
-  });
+  cluster = await startNatsCluster({ size: 1, extraConfig: chartMergedConfig(join(dir, 'nats-values.yaml')) });
   stack.defer(() => cluster.stop());
   for (const user of USERS) {
     const nc = await connectAs(user);

@@ -15,7 +15,7 @@
  * would; if another process took a port meanwhile the restart fails naming it. Every server runs
  * under `setpriv --pdeathsig KILL` (workers/dev/services/supervision.ts `launch`): it dies with the jest worker.
  */
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { alive, end, freePort, launch, resolveBinaries, type Proc } from '../../workers/dev/services';
@@ -38,6 +38,18 @@ export interface NatsClusterOptions {
   portAttempts?: number;
   /** More of each node's configuration (`magus nats-auth`'s operator mode, say). */
   extraConfig?: string;
+}
+
+/**
+ * The configuration a server gets from `magus nats-auth`'s nats-values.yaml (`valuesFile`) as the
+ * official nats chart renders it: each key of its `config.merge` a line, its value as JSON (an
+ * `extraConfig`).
+ */
+export function chartMergedConfig(valuesFile: string): string {
+  const { merge } = (JSON.parse(readFileSync(valuesFile, 'utf8')) as { config: { merge: Record<string, unknown> } }).config;
+  return Object.entries(merge)
+    .map(([k, v]) => `${k}: ${JSON.stringify(v)}`)
+    .join('\n');
 }
 
 export interface NatsClusterNode {

@@ -1,7 +1,7 @@
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { holdsMinioData, NATS_AUTH_TIMEOUT_SEC, natsServer, propertiesValue, s3proxyServer } from './servers';
+import { holdsMinioData, propertiesValue, s3proxyServer } from './servers';
 
 describe("s3proxy's spec", () => {
   let dir: string;
@@ -39,26 +39,5 @@ describe("s3proxy's spec", () => {
     expect(holdsMinioData(dir)).toBe(false);
     mkdirSync(join(dir, 's3', '.minio.sys'));
     expect(holdsMinioData(dir)).toBe(true);
-  });
-});
-
-describe("nats-server's spec", () => {
-  let dir: string;
-  beforeEach(() => (dir = mkdtempSync(join(tmpdir(), 'magus-servers-test-'))));
-  afterEach(() => rmSync(dir, { recursive: true, force: true }));
-
-  test('with users, it reads them through a file of its own that includes theirs by a relative path and sets the auth timeout', () => {
-    mkdirSync(join(dir, 'data'));
-    mkdirSync(join(dir, 'auth'));
-    const spec = natsServer('/cache/bin/nats-server', join(dir, 'data'), join(dir, 'auth', 'nats-auth.conf'));
-    const file = join(dir, 'data', 'nats-server.conf');
-    expect(readFileSync(file, 'utf8')).toBe(`include "../auth/nats-auth.conf"\nauthorization { timeout: ${NATS_AUTH_TIMEOUT_SEC} }\n`);
-    expect(spec.args({ client: 4222, monitor: 8222 }).slice(0, 2)).toEqual(['-c', file]);
-  });
-
-  test('without users, no configuration file', () => {
-    const spec = natsServer('/cache/bin/nats-server', dir);
-    expect(spec.args({ client: 4222, monitor: 8222 })).not.toContain('-c');
-    expect(readdirSync(dir)).toEqual([]);
   });
 });

@@ -6,7 +6,7 @@
 import { generateKeyPairSync } from 'node:crypto';
 import { existsSync, mkdirSync, writeFileSync } from 'node:fs';
 import { cpus } from 'node:os';
-import { join, relative, resolve } from 'node:path';
+import { join } from 'node:path';
 import { httpOk, httpsOkInsecure, s3Answers, tcpAccepts } from './probes';
 import type { ServerName } from './types';
 
@@ -63,34 +63,15 @@ function natsProcs(): number {
   return Math.max(1, Math.floor(cpus().length / 2));
 }
 
-/**
- * How long nats-server gives a new connection to authenticate, in seconds (its default is 2).
- * A Node process whose event loop is held past it between the server's INFO and its CONNECT (a
- * loaded machine: CI's test workers were seen held 2.2 s) is closed by the server, which says so
- * only in its debug log, and nats.js then waits out its whole connect timeout (20 s) before it
- * fails with a bare `TIMEOUT` (both reproduced with nats.js 2.29 and nats-server 2.15).
- */
-export const NATS_AUTH_TIMEOUT_SEC = 10;
-
-/**
- * nats-server with JetStream, its store in {@link natsStore}; with `configFile`, what it holds too
- * (users), read through `nats-server.conf` in `dataDir`, which adds {@link NATS_AUTH_TIMEOUT_SEC}.
- */
+/** nats-server with JetStream, its store in {@link natsStore}; with `configFile`, what it holds too (users). */
 export function natsServer(bin: string, dataDir: string, configFile?: string): ServerSpec<'client' | 'monitor'> {
   const store = natsStore(dataDir);
-  let config: string | undefined;
-  if (configFile) {
-    config = join(dataDir, 'nats-server.conf');
-    // nats-server reads an include's path relative to the including file, never as absolute.
-    const included = relative(dataDir, resolve(configFile));
-    writeFileSync(config, `include ${JSON.stringify(included)}\nauthorization { timeout: ${NATS_AUTH_TIMEOUT_SEC} }\n`, { mode: 0o644 });
-  }
   return {
     name: 'nats',
     bin,
     roles: ['client', 'monitor'],
     args: ({ client, monitor }) => [
-      ...(config ? ['-c', config] : []),
+      ...(configFile ? ['-c', configFile] : []),
       ...['-a', '127.0.0.1', '-p', String(client), '-m', String(monitor), '-js', '-sd', store, '--server_name', 'magus-dev'],
     ],
     env: { GOMAXPROCS: process.env.GOMAXPROCS ?? String(natsProcs()) },
