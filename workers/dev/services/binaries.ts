@@ -24,6 +24,7 @@ export type BinaryName =
   | 'kube-apiserver'
   | 'kube-controller-manager'
   | 'kube-scheduler'
+  | 'kubelet'
   | 'kwok'
   | 'dllama'
   | 'dllama-api';
