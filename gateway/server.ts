@@ -274,6 +274,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         ...(deps.firstTurns ? { renewWithinMs: deps.firstTurns.ttlMs - Math.max(30_000, deps.firstTurns.ttlMs / 10) } : {}),
         maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
         waits,
+        silent: (pool, instance) => beats.silent(`${pool}.${instance}`),
         // The conversations this gateway serves only, read from the bucket's leader on first use:
         // no replay of every live conversation at start or after a reconnect.
         // Cut off from NATS, a read fails at once (503 with Retry-After), not after its timeout.

@@ -16,11 +16,17 @@ const view = (over: Partial<PoolEntry> = {}): PoolEntry => ({
   ...over,
 });
 
-function pickerWith(leases: Record<string, number>, entry: PoolEntry | undefined, stale = false, waits?: QueueWaitsView) {
+function pickerWith(
+  leases: Record<string, number>,
+  entry: PoolEntry | undefined,
+  stale = false,
+  waits?: QueueWaitsView,
+  silent?: (pool: string, instance: string) => boolean,
+) {
   const mirror = { counts: true, leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as unknown as SessionMirror;
   const views = { viewOf: () => entry, stale: () => stale } as unknown as PoolViews;
   const counters = new SessionCounters();
-  return { picker: new InstancePicker(mirror, views, counters, waits), counters };
+  return { picker: new InstancePicker(mirror, views, counters, waits, silent), counters };
 }
 
 it('picks the instance with the fewest entries, counting reservations until released', () => {
@@ -70,4 +76,16 @@ it('a pool that scales on load: no lease limit, the emptiest instance by its bri
   expect(picker.pick(model)?.instance).toBe('i2');
   // The same leases on a pool that scales on them: full, so none (the pool may grow).
   expect(pickerWith({ i1: 900, i2: 10 }, view(), false, waits).picker.pick(model)).toBeUndefined();
+});
+
+it('an instance whose bridge went silent comes last: after a crowded one, one just moved to, and more leases', () => {
+  const quiet = new Set(['i1']);
+  const crowded = { overBudget: (_p: string, i: string) => i === 'i2', occupancy: () => undefined } as unknown as QueueWaitsView;
+  const { picker } = pickerWith({ i1: 0, i2: 1 }, view(), false, crowded, (pool, i) => pool === 'tiny' && quiet.has(i));
+  expect(picker.pick(model)?.instance).toBe('i2');
+  expect(picker.pick(model, { anyLoad: true, busier: (i) => (i === 'i2' ? 5 : 0) })?.instance).toBe('i2');
+  // The one left: a moved answer goes there rather than nowhere.
+  expect(picker.pick(model, { anyLoad: true, avoid: 'i2' })?.instance).toBe('i1');
+  quiet.clear();
+  expect(picker.pick(model)?.instance).toBe('i1');
 });

@@ -181,6 +181,8 @@ export interface SessionCacheOptions {
   maxPendingSessionStarts?: number;
   /** Instances' expected queue waits (serving/queue-waits.ts): turns go where theirs is within the budget. */
   waits?: QueueWaitsView;
+  /** Whether an instance's bridge went silent (serving/beats.ts `silent`): turns and moved answers go elsewhere while another serves. */
+  silent?: (pool: string, instance: string) => boolean;
   /**
    * Hold only the entries of conversations this gateway serves (mirror.ts `RecentSessions`): no
    * replay of the bucket at start or after a reconnect, a bounded number held. Default: every
