@@ -9,15 +9,14 @@
  *
  * Environment: BENCH_ROUNDS (default 5) instances per n.
  */
-import { CustomObjectsApi } from '@kubernetes/client-node';
 import { connect } from 'nats';
 import { installCrds } from '../kube/crds';
 import { ensureDataPlane } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { createKubernetesRuntime } from '../activities/runtime/kubernetes';
-import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { startTestCluster } from '../test/harness/cluster';
+import { createDllama } from '../test/harness/kube';
 import { startServices } from '../workers/dev/services';
 import { fmt, p50 } from './common';
 
@@ -34,7 +33,6 @@ async function main(): Promise<void> {
     await cluster.createNamespace(NS);
     const names = await ensureDataPlane(nc, { prefix: 'BENCH_RT' });
     const registry = await openModelRegistry(nc, names.modelsBucket);
-    const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
     const runtime = createKubernetesRuntime({
       kc: cluster.kubeConfig,
       registry,
@@ -73,17 +71,15 @@ async function main(): Promise<void> {
         readyAt: new Date().toISOString(),
       } as ReadyModel;
       await registry.put(m);
-      await custom.createNamespacedCustomObject({
-        group: CRD_GROUP,
-        version: CRD_VERSION,
-        namespace: NS,
-        plural: 'dllamas',
-        body: {
-          apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
-          kind: 'Dllama',
-          metadata: { name },
-          spec: { model: name, engine: 'dllama', nodesPower: power, replicas: 1, minReplicas: 0, maxReplicas: 64, leasesPerInstance: 1, idleTimeout: '1h' },
-        },
+      await createDllama(cluster.kubeConfig, NS, name, {
+        model: name,
+        engine: 'dllama',
+        nodesPower: power,
+        replicas: 1,
+        minReplicas: 0,
+        maxReplicas: 64,
+        leasesPerInstance: 1,
+        idleTimeout: '1h',
       });
       const createMs: number[] = [];
       const destroyMs: number[] = [];

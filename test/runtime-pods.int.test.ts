@@ -23,7 +23,7 @@
  * of 10 s (the runtime's is minutes, for a drain).
  */
 import { PutObjectCommand } from '@aws-sdk/client-s3';
-import { AppsV1Api, CoreV1Api, CustomObjectsApi, type V1PodSpec } from '@kubernetes/client-node';
+import { AppsV1Api, CoreV1Api, type V1PodSpec } from '@kubernetes/client-node';
 import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { chmodSync, mkdtempSync, writeFileSync } from 'node:fs';
@@ -36,17 +36,17 @@ import OpenAI from 'openai';
 import { installCrds } from '../kube/crds';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry, type ModelRegistry } from '../dataplane/registry';
-import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
+import type { KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { instanceBase } from '../activities/runtime/kubernetes-manifests';
 import type { RunningGateway } from '../gateway/server';
-import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { publishTinyGguf } from './fixtures/tiny-gguf';
 import { dllamaPromptIds, dllamaText, publishPaddedStories, writePaddedStories } from './fixtures/stories260k-dllama';
 import { runLlamaCpp } from './reference/llama-cpp';
-import { endpoint, isolation, natsSignerFile } from './harness';
+import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
+import { createDllama, podsRuntime } from './harness/kube';
 import { pinConversation } from './harness/gateway';
 import { gatewayStack, natsStack, s3Stack, tempDir, TestStack } from './harness/stack';
 import { sleep } from './harness/wait';
@@ -155,17 +155,8 @@ beforeAll(async () => {
       .split(',')[0]!,
   );
   const s3Address = await proxyFromPods(new URL(s3e.endpoint).host);
-  runtime = createKubernetesRuntime({
-    kc: cluster.kubeConfig,
-    registry,
-    nc,
-    names,
-    images: IMAGES,
-    natsUrl: `nats://${natsAddress}`,
-    // Each instance's bridge as its own NATS user, from the Secret the runtime writes (podOf mounts it).
-    ...(natsSignerFile() ? { bridgeSigner: natsSignerFile() } : {}),
-    s3: { endpoint: `http://${s3Address}`, region: s3e.region, bucket: iso.bucket, secret: 'magus-s3' },
-  });
+  // Each instance's bridge as its own NATS user, from the Secret the runtime writes (podOf mounts it).
+  runtime = podsRuntime({ kc: cluster.kubeConfig, registry, nc, names, images: IMAGES, natsAddress, s3Address, bucket: iso.bucket });
   // A conversation's session is its pin to the instance under test (no Temporal here), written
   // when the gateway asks for it: a pin written beforehand races the gateway's watch of the bucket.
   ({ gateway } = await stack.open(
@@ -257,28 +248,16 @@ async function serveThroughPods(
     rogue?: boolean;
   } = {},
 ): Promise<void> {
-  const custom = cluster.kubeConfig.makeApiClient(CustomObjectsApi);
-  await custom.createNamespacedCustomObject({
-    group: CRD_GROUP,
-    version: CRD_VERSION,
-    namespace: NS,
-    plural: 'dllamas',
-    body: {
-      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
-      kind: 'Dllama',
-      metadata: { name: model },
-      spec: {
-        model,
-        engine,
-        nodesPower,
-        replicas: 1,
-        minReplicas: 0,
-        maxReplicas: 1,
-        leasesPerInstance: 1,
-        idleTimeout: '10m',
-        ...(opts.images ? { images: opts.images } : {}),
-      },
-    },
+  await createDllama(cluster.kubeConfig, NS, model, {
+    model,
+    engine,
+    nodesPower,
+    replicas: 1,
+    minReplicas: 0,
+    maxReplicas: 1,
+    leasesPerInstance: 1,
+    idleTimeout: '10m',
+    ...(opts.images ? { images: opts.images } : {}),
   });
   const instance = `${model}-1`;
   await runtime.create({ namespace: NS, model, pool: model, instance }, new AbortController().signal);

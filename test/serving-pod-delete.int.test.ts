@@ -15,25 +15,25 @@
  * NATS and S3 through TCP proxies on the node's pod gateway.
  */
 import { PutObjectCommand } from '@aws-sdk/client-s3';
-import { CoreV1Api, CustomObjectsApi } from '@kubernetes/client-node';
+import { CoreV1Api } from '@kubernetes/client-node';
 import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import { createKubernetesRuntime, type KubernetesRuntime } from '../activities/runtime/kubernetes';
+import type { KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { instanceBase } from '../activities/runtime/kubernetes-manifests';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
 import { installCrds } from '../kube/crds';
-import { CRD_GROUP, CRD_VERSION } from '../shared/constants';
 import type { ReadyModel } from '../shared/model';
 import { demoModelFile } from '../workers/dev/demo-model';
-import { endpoint, isolation, natsSignerFile } from './harness';
+import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { pinConversation, publishPoolView } from './harness/gateway';
 import { startKubeletNode, type KubeletNode } from './harness/kubelet';
 import { gatewayStack, natsStack, s3Stack, TestStack } from './harness/stack';
 import { startTcpProxy } from './harness/tcp-proxy';
+import { createDllama, podsRuntime } from './harness/kube';
 import { readTimed, textAt, gapAfter, type TimedAnswer } from './harness/timed-stream';
 import { until } from './harness/wait';
 
@@ -97,16 +97,7 @@ beforeAll(async () => {
     namespace: NS,
     body: { metadata: { name: 'magus-s3' }, stringData: { AWS_ACCESS_KEY_ID: s3e.accessKeyId, AWS_SECRET_ACCESS_KEY: s3e.secretAccessKey } },
   });
-  runtime = createKubernetesRuntime({
-    kc: cluster.kubeConfig,
-    registry,
-    nc,
-    names,
-    images: IMAGES,
-    natsUrl: `nats://${natsAddress}`,
-    ...(natsSignerFile() ? { bridgeSigner: natsSignerFile() } : {}),
-    s3: { endpoint: `http://${s3Address}`, region: s3e.region, bucket: iso.bucket, secret: 'magus-s3' },
-  });
+  runtime = podsRuntime({ kc: cluster.kubeConfig, registry, nc, names, images: IMAGES, natsAddress, s3Address, bucket: iso.bucket });
   ({
     gateway: { url: gatewayUrl },
   } = await stack.open(
@@ -119,27 +110,16 @@ beforeAll(async () => {
   ));
   openai = new OpenAI({ baseURL: `${gatewayUrl}/v1`, apiKey: TOKEN, maxRetries: 0 });
 
-  await cluster.kubeConfig.makeApiClient(CustomObjectsApi).createNamespacedCustomObject({
-    group: CRD_GROUP,
-    version: CRD_VERSION,
-    namespace: NS,
-    plural: 'dllamas',
-    body: {
-      apiVersion: `${CRD_GROUP}/${CRD_VERSION}`,
-      kind: 'Dllama',
-      metadata: { name: MODEL },
-      spec: {
-        model: MODEL,
-        engine: 'llamacpp',
-        replicas: 2,
-        minReplicas: 0,
-        maxReplicas: 2,
-        leasesPerInstance: 1,
-        drainTimeout: '60s',
-        // The real node, not kwok's.
-        nodeSelector: { 'kubernetes.io/hostname': node.name },
-      },
-    },
+  await createDllama(cluster.kubeConfig, NS, MODEL, {
+    model: MODEL,
+    engine: 'llamacpp',
+    replicas: 2,
+    minReplicas: 0,
+    maxReplicas: 2,
+    leasesPerInstance: 1,
+    drainTimeout: '60s',
+    // The real node, not kwok's.
+    nodeSelector: { 'kubernetes.io/hostname': node.name },
   });
   for (const instance of INSTANCES) {
     await runtime.create({ namespace: NS, model: MODEL, pool: MODEL, instance }, AbortSignal.timeout(300_000));

@@ -1,8 +1,13 @@
 /** Kubernetes client configurations for the test kube-apiserver (bearer token, self-signed TLS): the admin's, a ServiceAccount's, and crds/rbac.yaml's roles. */
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { CoreV1Api, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
-import { endpoint } from '.';
+import { CoreV1Api, CustomObjectsApi, KubeConfig, loadAllYaml, RbacAuthorizationV1Api, type V1ClusterRole } from '@kubernetes/client-node';
+import type { NatsConnection } from 'nats';
+import { createKubernetesRuntime, type KubernetesRuntime } from '../../activities/runtime/kubernetes';
+import type { DataPlaneNames } from '../../dataplane';
+import type { ModelRegistry } from '../../dataplane/registry';
+import { CRD_GROUP, CRD_VERSION } from '../../shared/constants';
+import { endpoint, natsSignerFile } from '.';
 
 export function kubeConfig(): KubeConfig {
   const kubernetes = endpoint('kubernetes');
@@ -69,4 +74,44 @@ export async function serviceAccountKubeConfig(
     currentContext: 't',
   });
   return sa;
+}
+
+/** Creates the `Dllama` `name` in `namespace` (the resource the Kubernetes runtime builds a pool's instances from) with `spec`. */
+export async function createDllama(kc: KubeConfig, namespace: string, name: string, spec: Record<string, unknown>): Promise<void> {
+  await kc.makeApiClient(CustomObjectsApi).createNamespacedCustomObject({
+    group: CRD_GROUP,
+    version: CRD_VERSION,
+    namespace,
+    plural: 'dllamas',
+    body: { apiVersion: `${CRD_GROUP}/${CRD_VERSION}`, kind: 'Dllama', metadata: { name }, spec },
+  });
+}
+
+/**
+ * The Kubernetes runtime as the tests whose pods run use it (`runtime-pods.int`, under podman;
+ * `serving-pod-delete.int`, on a real kubelet): the pods reach this run's NATS and S3 at
+ * `natsAddress` and `s3Address` (proxies to the loopback servers), with the S3 keys of Secret
+ * `magus-s3`, and each instance's bridge is a NATS user of its own when the test server has users.
+ */
+export function podsRuntime(o: {
+  kc: KubeConfig;
+  registry: ModelRegistry;
+  nc: NatsConnection;
+  names: DataPlaneNames;
+  images: { magus: string; dllama: string };
+  natsAddress: string;
+  s3Address: string;
+  bucket: string;
+}): KubernetesRuntime {
+  const s3e = endpoint('s3');
+  return createKubernetesRuntime({
+    kc: o.kc,
+    registry: o.registry,
+    nc: o.nc,
+    names: o.names,
+    images: o.images,
+    natsUrl: `nats://${o.natsAddress}`,
+    ...(natsSignerFile() ? { bridgeSigner: natsSignerFile() } : {}),
+    s3: { endpoint: `http://${o.s3Address}`, region: s3e.region, bucket: o.bucket, secret: 'magus-s3' },
+  });
 }
