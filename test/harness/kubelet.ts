@@ -20,6 +20,7 @@ import { chmodSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, w
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
+import { writeAdminKubeconfig } from '../../workers/dev/cluster';
 import { alive, end, freePort, launch, resolveBinaries, type Proc } from '../../workers/dev/services';
 import { sleep, until } from './wait';
 
@@ -234,18 +235,7 @@ export async function startKubeletNode(opts: { kubeConfig: KubeConfig; server: s
       }),
     );
     const kubeconfig = join(dir, 'kubeconfig');
-    writeFileSync(
-      kubeconfig,
-      JSON.stringify({
-        apiVersion: 'v1',
-        kind: 'Config',
-        clusters: [{ name: 'test', cluster: { server: opts.server, 'insecure-skip-tls-verify': true } }],
-        users: [{ name: 'admin', user: { token: opts.token } }],
-        contexts: [{ name: 'test', context: { cluster: 'test', user: 'admin' } }],
-        'current-context': 'test',
-      }),
-      { mode: 0o600 },
-    );
+    writeAdminKubeconfig(kubeconfig, opts.server, opts.token);
     procs.push(
       launch(
         'kubelet',

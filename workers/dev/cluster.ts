@@ -181,6 +181,19 @@ function fakeNode(name: string, resources: { cpu: string; memory: string }): unk
   };
 }
 
+/** Writes (mode 0600) a kubeconfig for `server` as its admin (bearer `token`; the self-signed certificate not verified). */
+export function writeAdminKubeconfig(path: string, server: string, token: string): void {
+  const kubeconfig = {
+    apiVersion: 'v1',
+    kind: 'Config',
+    clusters: [{ name: 'magus', cluster: { server, 'insecure-skip-tls-verify': true } }],
+    users: [{ name: 'magus-admin', user: { token } }],
+    contexts: [{ name: 'magus', context: { cluster: 'magus', user: 'magus-admin' } }],
+    'current-context': 'magus',
+  };
+  writeFileSync(path, `${JSON.stringify(kubeconfig, null, 2)}\n`, { mode: 0o600 });
+}
+
 /** Starts kube-controller-manager, kube-scheduler and kwok against `opts.server`; resolves once Nodes are Ready. */
 export async function startClusterComponents(opts: ClusterOptions): Promise<ClusterComponents> {
   const timeout = opts.readyTimeoutSec ?? 120;
@@ -192,15 +205,7 @@ export async function startClusterComponents(opts: ClusterOptions): Promise<Clus
   mkdirSync(opts.dataDir, { recursive: true });
 
   const kubeconfigPath = join(opts.dataDir, 'kubeconfig');
-  const kubeconfig = {
-    apiVersion: 'v1',
-    kind: 'Config',
-    clusters: [{ name: 'magus', cluster: { server: opts.server, 'insecure-skip-tls-verify': true } }],
-    users: [{ name: 'magus-admin', user: { token: opts.token } }],
-    contexts: [{ name: 'magus', context: { cluster: 'magus', user: 'magus-admin' } }],
-    'current-context': 'magus',
-  };
-  writeFileSync(kubeconfigPath, `${JSON.stringify(kubeconfig, null, 2)}\n`, { mode: 0o600 });
+  writeAdminKubeconfig(kubeconfigPath, opts.server, opts.token);
 
   const bins = await resolveComponents();
   const stages = readdirSync(bins['kwok-stages'])
