@@ -133,7 +133,9 @@ export async function startKubeletNode(opts: { kubeConfig: KubeConfig; server: s
     const { kubelet: kubeletBin } = await resolveBinaries(['kubelet']);
     if (!kubeletBin) throw new Error('scripts/dev-services did not resolve kubelet');
 
-    // The bridge first, with its gateway: proxies can listen there before any pod exists.
+    // The bridge first, with its gateway: proxies can listen there before any pod exists (one of
+    // the same name left by a run that was killed goes first).
+    await run('ip', ['link', 'del', bridge]).catch(() => undefined);
     await run('ip', ['link', 'add', bridge, 'type', 'bridge']);
     await run('ip', ['addr', 'add', `${gateway}/24`, 'dev', bridge]);
     await run('ip', ['link', 'set', bridge, 'up']);
