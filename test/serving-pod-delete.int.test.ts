@@ -3,12 +3,14 @@
  * instance (SmolLM2-135M-Instruct, the demo model, fetched from S3 by its init container) whose
  * pod the real kubelet runs (harness/kubelet.ts: containerd, the images scripts/images built);
  * a streamed greedy answer goes gateway → NATS → the pod's `magus bridge` → its engine; midway
- * the pod is deleted (`kubectl delete pod`, the default grace). The kubelet runs the engine
+ * the pod is deleted (`kubectl delete pod`, the default grace, at piece 50 of 200). The kubelet runs the engine
  * container's preStop (`GET /drained` on the bridge) while it sends the bridge SIGTERM: the bridge
  * finishes the answer in flight, then answers `/drained`, so the engine is stopped only after the
  * last piece. The client gets the whole answer, the same as undisturbed, with one usage record.
- * Then a pod force-deleted mid-answer (grace 0: the kubelet kills it at once, as a lost node's pods
- * are): the answer goes on on the pool's other instance from the tokens said, its silence measured.
+ * Then a pod force-deleted at piece 50 and, the other's, at piece 150 of 200 (grace 0: the kubelet
+ * kills it after its 2-s minimum, as a lost node's pods): the answer goes on on the pool's other
+ * instance from the tokens said, its silence measured — or, what is left said within those 2 s
+ * (at piece 150 here), ends where it is.
  *
  * Two instances of one pool on the node (the pool view, which the pool workflow writes, written
  * here; a conversation pinned as its session would pin it). The pods reach this run's loopback
@@ -46,7 +48,7 @@ const IMAGES = { magus: 'localhost/magus:0.1.0', dllama: 'localhost/magus-dllama
 const TOKEN_ID = 'poddelete';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
 const MESSAGES = [{ role: 'user' as const, content: 'Tell me a long story about a lighthouse keeper.' }];
-const MAX_TOKENS = 160;
+const MAX_TOKENS = 200;
 
 let cluster: TestCluster;
 let node: KubeletNode;
@@ -170,7 +172,7 @@ test('the pod deleted mid-answer: the kubelet runs the preStop, the bridge finis
   let deletedAt = 0;
   let gone: Promise<number> | undefined;
   const answer = await streamed('pod-delete-graceful', INSTANCES[0]!, async (pieces) => {
-    if (pieces !== 20) return;
+    if (pieces !== 50) return;
     deletedAt = Date.now();
     await core.deleteNamespacedPod({ name: pod, namespace: NS });
     gone = goneAt(pod, uid!);
@@ -186,37 +188,48 @@ test('the pod deleted mid-answer: the kubelet runs the preStop, the bridge finis
   expect(goneTime).toBeGreaterThan(endedAt);
 }, 300_000);
 
-test('a pod force-deleted mid-answer (grace 0): the answer goes on on the other instance from its tokens, said once', async () => {
+/** Waits until `instance`'s pod (made again by its StatefulSet after a delete) is Ready and answers as undisturbed. */
+async function servingAgain(instance: string): Promise<void> {
   const core = cluster.kubeConfig.makeApiClient(CoreV1Api);
-  // The other instance serves again: its pod, deleted by the test before, made again by its StatefulSet and Ready.
   await until(
-    `pod ${podOf(INSTANCES[0]!)} Ready again`,
+    `pod ${podOf(instance)} Ready`,
     async () =>
-      (await core.readNamespacedPod({ name: podOf(INSTANCES[0]!), namespace: NS }).catch(() => undefined))?.status?.conditions?.some(
+      (await core.readNamespacedPod({ name: podOf(instance), namespace: NS }).catch(() => undefined))?.status?.conditions?.some(
         (c) => c.type === 'Ready' && c.status === 'True',
       ) === true,
     180_000,
   );
-  expect((await streamed('pod-delete-other-again', INSTANCES[0]!)).text).toBe(reference.text);
-  const pod = podOf(INSTANCES[1]!);
-  const { uid } = (await core.readNamespacedPod({ name: pod, namespace: NS })).metadata!;
-  let deletedAt = 0;
-  const answer = await streamed('pod-delete-forced', INSTANCES[1]!, async (pieces) => {
-    if (pieces !== 20) return;
-    deletedAt = Date.now();
-    await core.deleteNamespacedPod({ name: pod, namespace: NS, gracePeriodSeconds: 0 });
-  });
-  await goneAt(pod, uid!);
-  expect(answer).toMatchObject({ finish: 'length', roles: 1, usage: { completion_tokens: MAX_TOKENS } });
-  // What the client had before the delete is the undisturbed answer's beginning; the rest continued it.
-  const before = textAt(answer, deletedAt);
-  expect(before.length).toBeGreaterThan(0);
-  expect(reference.text.startsWith(before)).toBe(true);
-  expect(answer.text.startsWith(before)).toBe(true);
-  const gap = gapAfter(answer, deletedAt);
-  console.log(
-    `forced delete: longest silence after it ${gap} ms; the rest ${answer.text === reference.text ? 'equal to' : 'differs from'} the undisturbed answer`,
-  );
-  // Printed, bounded loosely (a loaded machine): what matters is that no ack deadline (30 s) is waited out.
-  expect(gap).toBeLessThan(10_000);
-}, 300_000);
+  expect((await streamed(`pod-delete-${instance}-again-${Date.now()}`, instance)).text).toBe(reference.text);
+}
+
+describe.each([
+  { victim: INSTANCES[1]!, other: INSTANCES[0]!, at: 50 },
+  { victim: INSTANCES[0]!, other: INSTANCES[1]!, at: 150 },
+])('a pod force-deleted (grace 0, as a lost node’s pods) at piece $at', ({ victim, other, at }) => {
+  test('the answer ends whole, each piece once: in place if its bridge ends it within the 2-s grace, else on the other instance from its tokens', async () => {
+    const core = cluster.kubeConfig.makeApiClient(CoreV1Api);
+    // The other instance serves: its pod, deleted by an earlier test, made again and Ready.
+    await servingAgain(other);
+    const pod = podOf(victim);
+    const { uid } = (await core.readNamespacedPod({ name: pod, namespace: NS })).metadata!;
+    let deletedAt = 0;
+    const answer = await streamed(`pod-delete-forced-${at}`, victim, async (pieces) => {
+      if (pieces !== at) return;
+      deletedAt = Date.now();
+      await core.deleteNamespacedPod({ name: pod, namespace: NS, gracePeriodSeconds: 0 });
+    });
+    await goneAt(pod, uid!);
+    expect(answer).toMatchObject({ finish: 'length', roles: 1, usage: { completion_tokens: MAX_TOKENS } });
+    // What the client had before the delete is the undisturbed answer's beginning; the rest continued it.
+    const before = textAt(answer, deletedAt);
+    expect(before.length).toBeGreaterThan(0);
+    expect(reference.text.startsWith(before)).toBe(true);
+    expect(answer.text.startsWith(before)).toBe(true);
+    const gap = gapAfter(answer, deletedAt);
+    console.log(
+      `forced delete at piece ${at}: longest silence after it ${gap} ms; the rest ${answer.text === reference.text ? 'equal to' : 'differs from'} the undisturbed answer`,
+    );
+    // Printed, bounded loosely (a loaded machine): what matters is that no ack deadline (30 s) is waited out.
+    expect(gap).toBeLessThan(10_000);
+  }, 300_000);
+});
