@@ -23,10 +23,14 @@ function chromium(): string {
 }
 
 export interface UiBrowser {
-  /** Opens `url`, waits until every frame's text matches `expected` (or `timeoutMs`), screenshots it as `<name>.png`, returns the text. */
-  look(name: string, url: string, expected: RegExp, timeoutMs?: number): Promise<string>;
+  /**
+   * Opens `url`, waits until every frame's text matches `expected` — each of them, when several:
+   * the UI renders a page's parts as their data arrives — (or `timeoutMs`), screenshots it as
+   * `<name>.png`, returns the text.
+   */
+  look(name: string, url: string, expected: RegExp | readonly RegExp[], timeoutMs?: number): Promise<string>;
   /** The same for a tab (e.g. `user-metadata`) of a workflow's page, found by its id as a user would (the UI picks the latest run). */
-  lookAtWorkflow(name: string, ui: string, workflowId: string, tab: string, expected: RegExp, timeoutMs?: number): Promise<string>;
+  lookAtWorkflow(name: string, ui: string, workflowId: string, tab: string, expected: RegExp | readonly RegExp[], timeoutMs?: number): Promise<string>;
   close(): Promise<void>;
 }
 
@@ -45,11 +49,13 @@ export async function openBrowser(): Promise<UiBrowser> {
       // The UI keeps long polls open: wait for the DOM, then for the text.
       await page.goto(url, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
       const deadline = Date.now() + timeoutMs;
+      const wanted: readonly RegExp[] = expected instanceof RegExp ? [expected] : expected;
+      const missing = (t: string) => wanted.filter((r) => !r.test(t));
       let seen = await text();
-      while (!expected.test(seen)) {
+      while (missing(seen).length > 0) {
         if (Date.now() > deadline) {
           await page.screenshot({ path: join(SCREENSHOTS, `${name}.failed.png`) });
-          throw new Error(`${url} never showed ${String(expected)}; it showed:\n${seen.slice(0, 3000)}`);
+          throw new Error(`${url} never showed ${missing(seen).map(String).join(' and ')}; it showed:\n${seen.slice(0, 3000)}`);
         }
         await sleep(500);
         seen = await text();
