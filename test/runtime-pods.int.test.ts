@@ -24,13 +24,11 @@
  */
 import { PutObjectCommand } from '@aws-sdk/client-s3';
 import { AppsV1Api, CoreV1Api, type V1PodSpec } from '@kubernetes/client-node';
-import { execFile } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { chmodSync, mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { connect } from 'node:net';
 import { join } from 'node:path';
-import { promisify } from 'node:util';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
 import { installCrds } from '../kube/crds';
@@ -47,11 +45,11 @@ import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { startTcpProxy, type TcpProxy } from './harness/tcp-proxy';
 import { createDllama, podsRuntime } from './harness/kube';
+import { podman } from './harness/podman';
 import { pinConversation } from './harness/gateway';
 import { gatewayStack, natsStack, s3Stack, tempDir, TestStack } from './harness/stack';
 import { sleep } from './harness/wait';
 
-const run = promisify(execFile);
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
 const NS = 'pods';
@@ -64,8 +62,6 @@ let storyAnswer: string;
 const SECRET = randomBytes(32).toString('hex');
 const TOKEN_ID = 'pods';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
-const podmanEnv = { ...process.env, CONTAINERS_CONF: join(__dirname, '..', 'images', 'containers.conf') };
-const podman = (...args: string[]) => run('podman', ['--storage-driver', 'overlay', ...args], { env: podmanEnv, maxBuffer: 16 * 2 ** 20 });
 
 let dir: string;
 let cluster: TestCluster;

@@ -22,7 +22,7 @@ import { createHash, randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import type { NatsConnection } from 'nats';
 import OpenAI from 'openai';
-import type { KubernetesRuntime } from '../activities/runtime/kubernetes';
+import { podReady, type KubernetesRuntime } from '../activities/runtime/kubernetes';
 import { instanceBase } from '../activities/runtime/kubernetes-manifests';
 import { dataPlaneNames } from '../dataplane';
 import { openModelRegistry } from '../dataplane/registry';
@@ -193,10 +193,7 @@ async function servingAgain(instance: string): Promise<void> {
   const core = cluster.kubeConfig.makeApiClient(CoreV1Api);
   await until(
     `pod ${podOf(instance)} Ready`,
-    async () =>
-      (await core.readNamespacedPod({ name: podOf(instance), namespace: NS }).catch(() => undefined))?.status?.conditions?.some(
-        (c) => c.type === 'Ready' && c.status === 'True',
-      ) === true,
+    async () => podReady((await core.readNamespacedPod({ name: podOf(instance), namespace: NS }).catch(() => undefined)) ?? {}),
     180_000,
   );
   expect((await streamed(`pod-delete-${instance}-again-${Date.now()}`, instance)).text).toBe(reference.text);

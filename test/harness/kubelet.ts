@@ -22,6 +22,7 @@ import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { writeAdminKubeconfig } from '../../workers/dev/cluster';
 import { alive, end, freePort, launch, resolveBinaries, type Proc } from '../../workers/dev/services';
+import { podman } from './podman';
 import { sleep, until } from './wait';
 
 const run = promisify(execFile);
@@ -40,13 +41,6 @@ export interface KubeletNode {
   /** Stops the kubelet, removes every container it started, stops containerd, removes the bridge and the folder. */
   stop(): Promise<void>;
 }
-
-/** podman as scripts/images runs it (its containers.conf). */
-const podman = (...args: string[]) =>
-  run('podman', ['--storage-driver', 'overlay', ...args], {
-    env: { ...process.env, CONTAINERS_CONF: join(__dirname, '..', '..', 'images', 'containers.conf') },
-    maxBuffer: 16 * 2 ** 20,
-  });
 
 /** The sandbox image: a static `pause` that waits for a signal and reaps orphans. */
 const PAUSE_C = `#include <signal.h>
