@@ -275,6 +275,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         maxPendingSessionStarts: config.settings.maxPendingSessionStarts,
         waits,
         silent: (pool, instance) => beats.silent(`${pool}.${instance}`),
+        stopping: (pool, instance) => beats.stopping(`${pool}.${instance}`),
         // The conversations this gateway serves only, read from the bucket's leader on first use:
         // no replay of every live conversation at start or after a reconnect.
         // Cut off from NATS, a read fails at once (503 with Retry-After), not after its timeout.

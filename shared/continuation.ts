@@ -160,3 +160,13 @@ export const joinedAnswer = (a: ResumedAnswer, b: ResumedAnswer): ResumedAnswer 
  */
 export const BEAT_EVERY_MS = 250;
 export const BRIDGE_SILENT_MS = 1000;
+/**
+ * A bridge told to stop (SIGTERM: its pod deleted, its instance drained) says so in its beats
+ * (shared/serving.ts `BridgeLoad.stopping`) and beats every {@link STOPPING_BEAT_EVERY_MS}; a
+ * gateway calls it silent after {@link STOPPING_SILENT_MS}. Such a bridge finishes its answers if
+ * it is let, but may be killed any time (a pod deleted with no grace gets the kubelet's 2 s): its
+ * answers move sooner after its death. One of them merely stalled that long is continued elsewhere
+ * all the same, whole — a cost a bridge on its way out may charge.
+ */
+export const STOPPING_BEAT_EVERY_MS = 100;
+export const STOPPING_SILENT_MS = 400;

@@ -339,6 +339,8 @@ export interface BridgeLoad {
    * whose NATS user may not pull that lane): to its requests, where nobody misses it.
    */
   requeued?: true;
+  /** It was told to stop: it beats faster, and is silent sooner (shared/continuation.ts `STOPPING_SILENT_MS`). */
+  stopping?: true;
 }
 
 const count = (v: unknown): v is number => typeof v === 'number' && Number.isInteger(v) && v >= 0;
@@ -364,5 +366,6 @@ export function bridgeLoadOf(payload: Uint8Array | string): BridgeLoad | undefin
     serviceMs,
     ...(count(o.queuedAgeMs) ? { queuedAgeMs: o.queuedAgeMs } : {}),
     ...(o.requeued === true ? { requeued: true as const } : {}),
+    ...(o.stopping === true ? { stopping: true as const } : {}),
   };
 }

@@ -223,8 +223,11 @@ describe.each([
     expect(reference.text.startsWith(before)).toBe(true);
     expect(answer.text.startsWith(before)).toBe(true);
     const gap = gapAfter(answer, deletedAt);
+    // Where it began: the kubelet kills the pod's containers ~2 s after the delete.
+    const after = [deletedAt, ...answer.times.filter((t) => t > deletedAt)];
+    const began = after.find((t, i) => after[i + 1] !== undefined && after[i + 1]! - t === gap) ?? deletedAt;
     console.log(
-      `forced delete at piece ${at}: longest silence after it ${gap} ms; the rest ${answer.text === reference.text ? 'equal to' : 'differs from'} the undisturbed answer`,
+      `forced delete at piece ${at}: longest silence after it ${gap} ms, from ${began - deletedAt} ms after the delete; the rest ${answer.text === reference.text ? 'equal to' : 'differs from'} the undisturbed answer`,
     );
     // Printed, bounded loosely (a loaded machine): what matters is that no ack deadline (30 s) is waited out.
     expect(gap).toBeLessThan(10_000);

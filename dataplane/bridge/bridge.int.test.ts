@@ -45,7 +45,7 @@ import { decodeFrame, FrameSequencer } from '../frames';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
-import { CONTINUE_ELSEWHERE, ENGINE_STARTING, REQUEUED_HEADER } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, ENGINE_STARTING, REQUEUED_HEADER, STOPPING_BEAT_EVERY_MS } from '../../shared/continuation';
 import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
@@ -1074,6 +1074,27 @@ describe("a bridge's beats say whether it pulls the requests handed back", () =>
     const instance = await instanceWith();
     await bridge(instance, stub.url);
     expect(await nextBeat(instance)).toMatchObject({ slots: 1, requeued: true });
+  });
+
+  it('once told to stop, it says so and beats every STOPPING_BEAT_EVERY_MS while it finishes its answer (a gateway moves its answers sooner once it dies)', async () => {
+    const stub = await engine(() => ({ chunks: 20, delayMs: 100 }));
+    const instance = await instanceWith();
+    const b = await bridge(instance, stub.url);
+    expect((await nextBeat(instance))?.stopping).toBeUndefined();
+    const { answer } = await sent(instance);
+    await until('the first chunk', () => answer.raw.length >= 1);
+    const beats: { at: number; load?: BridgeLoad }[] = [];
+    const sub = nc.subscribe(beatSubjectOf(names, POOL, instance), { callback: (_err, m) => beats.push({ at: Date.now(), load: bridgeLoadOf(m.data) }) });
+    const asked = Date.now();
+    const stopped = b.stop();
+    await until('1 s of beats', () => Date.now() - asked >= 1000);
+    sub.unsubscribe();
+    expect(beats.length).toBeGreaterThan(0);
+    expect(beats.every((x) => x.load?.stopping === true)).toBe(true);
+    // Its beats at 250 ms would be 4 or 5 in that second.
+    expect(beats.length).toBeGreaterThanOrEqual(1000 / STOPPING_BEAT_EVERY_MS - 3);
+    await stopped;
+    expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
   });
 
   (natsSignerFile() ? it : it.skip)(

@@ -1,5 +1,5 @@
 import type { Msg, NatsConnection, NatsError, SubscriptionOptions } from 'nats';
-import { BRIDGE_SILENT_MS } from '../../shared/continuation';
+import { BRIDGE_SILENT_MS, STOPPING_SILENT_MS } from '../../shared/continuation';
 import { encodeJson } from '../../dataplane/json';
 import { bridgeBeats } from './beats';
 import { QueueWaits } from './queue-waits';
@@ -13,7 +13,11 @@ function fakeConnection() {
       return { unsubscribe: () => (deliver = undefined) };
     },
   } as unknown as Pick<NatsConnection, 'subscribe'>;
-  const beat = (key: string) => deliver?.(null, { subject: `beats.${key}`, data: encodeJson({ running: 0, slots: 1, queued: 0, serviceMs: null }) } as Msg);
+  const beat = (key: string, stopping = false) =>
+    deliver?.(null, {
+      subject: `beats.${key}`,
+      data: encodeJson({ running: 0, slots: 1, queued: 0, serviceMs: null, ...(stopping ? { stopping: true } : {}) }),
+    } as Msg);
   return { nc, beat };
 }
 
@@ -50,6 +54,35 @@ describe('bridgeBeats', () => {
     expect(beats.silent('p.i1')).toBe(false);
     expect(beats.silent('p.i2')).toBe(false);
     beat('p.i2'); // the beats that queued meanwhile are read: i1 is still not among them
+    expect(beats.silent('p.i1')).toBe(true);
+    await beats.close();
+  });
+
+  it('a bridge whose last beat said it stops is silent after STOPPING_SILENT_MS, and again judged by BRIDGE_SILENT_MS once it beats as before', async () => {
+    const { nc, beat } = fakeConnection();
+    const beats = bridgeBeats(nc, 'beats', new QueueWaits(0, now), now);
+    beat('p.i1', true);
+    beat('p.i2');
+    expect(beats.stopping('p.i1')).toBe(true);
+    expect(beats.stopping('p.i2')).toBe(false);
+    t += STOPPING_SILENT_MS;
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(false); // just at the limit
+    t += 1;
+    expect(beats.silent('p.i1')).toBe(true);
+    // A stall of this process longer than that window, with no beat read since: nobody is silent.
+    t += STOPPING_SILENT_MS;
+    expect(beats.silent('p.i1')).toBe(false);
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(true);
+    // Its stop called off (a beat without it): the longer window again.
+    beat('p.i1');
+    t += STOPPING_SILENT_MS + 1;
+    beat('p.i2');
+    expect(beats.stopping('p.i1')).toBe(false);
+    expect(beats.silent('p.i1')).toBe(false);
+    t += BRIDGE_SILENT_MS - STOPPING_SILENT_MS;
+    beat('p.i2');
     expect(beats.silent('p.i1')).toBe(true);
     await beats.close();
   });

@@ -8,16 +8,20 @@
  * this process's event loop stalled (its timers run before it reads the beats that queued
  * meanwhile), its link to NATS lagged, or the one process holding every bridge stalled — moving
  * every answer at once then cuts them all for nothing. A bridge alone in the gateway's hearing has
- * nowhere to move its answers to anyway. Bridges not heard for 10 minutes are forgotten.
+ * nowhere to move its answers to anyway. A bridge whose last beat said it stops (SIGTERM: its pod
+ * deleted, its instance drained) is judged by `STOPPING_SILENT_MS` instead: it beats faster, and
+ * may be killed any time. Bridges not heard for 10 minutes are forgotten.
  */
 import type { NatsConnection } from 'nats';
-import { BRIDGE_SILENT_MS } from '../../shared/continuation';
+import { BRIDGE_SILENT_MS, STOPPING_SILENT_MS } from '../../shared/continuation';
 import { bridgeLoadOf } from '../../shared/serving';
 import type { QueueWaits } from './queue-waits';
 
 export interface BridgeBeats {
   /** Whether the bridge of `key` (`<pool>.<instance>`) went silent (above). */
   silent(key: string): boolean;
+  /** Whether the last beat of `key`'s bridge said it stops: it serves what it holds, and is going. */
+  stopping(key: string): boolean;
   /** Every bridge unheard again (after a reconnect: this process, not they, was away). */
   forget(): void;
   close(): Promise<void>;
@@ -31,29 +35,34 @@ export function bridgeBeats(
   waits: Pick<QueueWaits, 'beat' | 'sweep' | 'forget'>,
   now: () => number = Date.now,
 ): BridgeBeats {
-  const heard = new Map<string, number>();
+  /** When each bridge was heard last, and whether it said it stops. */
+  const heard = new Map<string, { at: number; stopping: boolean }>();
   let lastAny = -Infinity;
   const sub = nc.subscribe(`${prefix}.>`, {
     callback: (err, msg) => {
       if (err) return;
       const key = msg.subject.slice(prefix.length + 1);
+      const load = bridgeLoadOf(msg.data);
       lastAny = now();
-      heard.set(key, lastAny);
-      waits.beat(key, bridgeLoadOf(msg.data));
+      heard.set(key, { at: lastAny, stopping: load?.stopping === true });
+      waits.beat(key, load);
     },
   });
   const sweep = setInterval(() => {
     const old = now() - FORGET_AFTER_MS;
-    for (const [k, at] of heard) if (at < old) heard.delete(k);
+    for (const [k, { at }] of heard) if (at < old) heard.delete(k);
     waits.sweep();
   }, 60_000);
   sweep.unref();
   return {
     silent: (key) => {
-      const at = heard.get(key);
+      const h = heard.get(key);
+      if (!h) return false;
       const t = now();
-      return at !== undefined && t - at > BRIDGE_SILENT_MS && t - lastAny <= BRIDGE_SILENT_MS;
+      const window = h.stopping ? STOPPING_SILENT_MS : BRIDGE_SILENT_MS;
+      return t - h.at > window && t - lastAny <= window;
     },
+    stopping: (key) => heard.get(key)?.stopping === true,
     forget: () => {
       heard.clear();
       lastAny = -Infinity;

@@ -23,7 +23,7 @@ import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, requestSubjectFor
 
 export { streamAckProblem };
 import { decodeFrame, FrameParts, FrameSequencer, MAX_JOINED_BYTES } from '../../dataplane/frames';
-import { AnswerSoFar, BEAT_EVERY_MS, CONTINUE_ELSEWHERE, type ResumedAnswer } from '../../shared/continuation';
+import { AnswerSoFar, CONTINUE_ELSEWHERE, STOPPING_BEAT_EVERY_MS, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
@@ -337,7 +337,7 @@ export interface ExchangeOptions {
   onMoved?: (to: Moved) => void;
   /**
    * Whether the bridge of the instance a request waits on stopped beating (gateway/server.ts):
-   * checked every `BEAT_EVERY_MS`; a silent one's answer is moved as if handed back, and
+   * checked every `STOPPING_BEAT_EVERY_MS` (a stopping bridge is silent soonest); a silent one's answer is moved as if handed back, and
    * `onMovedAway` told of the request left behind and of how many of its frames were relayed (its
    * bridge, should it come back, must not go on).
    */
@@ -354,7 +354,7 @@ export interface ExchangeOptions {
    * another replica recorded, routes/resume.ts): the request's frames from that seq on are not the
    * answer's, and once every frame before it is relayed the answer moves on as if handed back
    * there. Asked when a request begins to be followed, as its frames come, and every
-   * `BEAT_EVERY_MS`.
+   * `STOPPING_BEAT_EVERY_MS`.
    */
   leftAt?: (current: Moved) => number | undefined;
   retryAfterSec: number;
@@ -596,7 +596,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
             if (!said.continuable) return;
             opts.onMovedAway?.(current, sequencer.expected);
             moveOn(sequencer.expected);
-          }, BEAT_EVERY_MS)
+          }, STOPPING_BEAT_EVERY_MS)
         : undefined;
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });

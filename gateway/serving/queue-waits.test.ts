@@ -106,6 +106,9 @@ describe('bridgeLoadOf', () => {
     // Whether it pulls the requests handed back: only `true` says so.
     expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), requeued: true }))).toEqual({ ...load(1, 0, 250), requeued: true });
     expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), requeued: 'yes' }))).toEqual(load(1, 0, 250));
+    // Whether it stops (shared/continuation.ts STOPPING_SILENT_MS): only `true` says so.
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), stopping: true }))).toEqual({ ...load(1, 0, 250), stopping: true });
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), stopping: 1 }))).toEqual(load(1, 0, 250));
     for (const bad of [
       '',
       'x',

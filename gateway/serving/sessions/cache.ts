@@ -75,7 +75,7 @@ export class SessionCache implements SessionBroker {
     this.mirror = new SessionMirror(opts.kv, opts.onError, opts.recent);
     this.views = new PoolViews(opts.pools, opts.firstTurns, this.now, opts.onError);
     this.waits = opts.waits;
-    this.picker = new InstancePicker(this.mirror, this.views, this.counters, opts.waits, opts.silent);
+    this.picker = new InstancePicker(this.mirror, this.views, this.counters, opts.waits, opts.silent, opts.stopping);
     const first = opts.firstTurns;
     if (first) {
       this.starts = new SessionStarts(first, this.now, opts.maxPendingSessionStarts, opts.onError);

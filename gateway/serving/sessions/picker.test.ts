@@ -22,11 +22,12 @@ function pickerWith(
   stale = false,
   waits?: QueueWaitsView,
   silent?: (pool: string, instance: string) => boolean,
+  stopping?: (pool: string, instance: string) => boolean,
 ) {
   const mirror = { counts: true, leasesOn: (_ns: string, _pool: string, instance: string) => leases[instance] ?? 0 } as unknown as SessionMirror;
   const views = { viewOf: () => entry, stale: () => stale } as unknown as PoolViews;
   const counters = new SessionCounters();
-  return { picker: new InstancePicker(mirror, views, counters, waits, silent), counters };
+  return { picker: new InstancePicker(mirror, views, counters, waits, silent, stopping), counters };
 }
 
 it('picks the instance with the fewest entries, counting reservations until released', () => {
@@ -86,6 +87,30 @@ it('an instance whose bridge went silent comes last: after a crowded one, one ju
   expect(picker.pick(model, { anyLoad: true, busier: (i) => (i === 'i2' ? 5 : 0) })?.instance).toBe('i2');
   // The one left: a moved answer goes there rather than nowhere.
   expect(picker.pick(model, { anyLoad: true, avoid: 'i2' })?.instance).toBe('i1');
+  quiet.clear();
+  expect(picker.pick(model)?.instance).toBe('i1');
+});
+
+it('an instance whose bridge says it stops comes after every live one, before a silent one', () => {
+  const leaving = new Set(['i1']);
+  const quiet = new Set<string>();
+  const crowded = { overBudget: (_p: string, i: string) => i === 'i2', occupancy: () => undefined } as unknown as QueueWaitsView;
+  const { picker } = pickerWith(
+    { i1: 0, i2: 1, i3: 2 },
+    view({ instances: ['i1', 'i2', 'i3'].map((instance) => ({ instance, subject: `magus.req.tiny.${instance}`, leases: 0 })) }),
+    false,
+    crowded,
+    (_pool, i) => quiet.has(i),
+    (_pool, i) => leaving.has(i),
+  );
+  // Fewest leases and an empty queue, but going: a crowded live one first.
+  expect(picker.pick(model, { anyLoad: true, avoid: 'i3' })?.instance).toBe('i2');
+  expect(picker.pick(model, { anyLoad: true })?.instance).toBe('i3');
+  // Silent is worse than stopping.
+  quiet.add('i2');
+  quiet.add('i3');
+  expect(picker.pick(model, { anyLoad: true })?.instance).toBe('i1');
+  leaving.clear();
   quiet.clear();
   expect(picker.pick(model)?.instance).toBe('i1');
 });

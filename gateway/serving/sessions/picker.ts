@@ -27,6 +27,8 @@ export class InstancePicker {
     private readonly waits?: QueueWaitsView,
     /** Whether the instance's bridge went silent (serving/beats.ts): it serves nothing now, whatever its counts say. */
     private readonly silent?: (pool: string, instance: string) => boolean,
+    /** Whether the instance's bridge said it stops (serving/beats.ts): it finishes what it holds, and is going. */
+    private readonly stopping?: (pool: string, instance: string) => boolean,
   ) {}
 
   /**
@@ -34,7 +36,9 @@ export class InstancePicker {
    * unless the pool cannot grow or the request takes no lease (`anyLoad`: `route`) — then the
    * least-loaded one. An instance whose bridge went silent (its pod or process lost, not yet
    * replaced in the view) comes after every other: a turn or a moved answer sent there would wait
-   * for a bridge that may never come. Then one whose queue is over the wait budget;
+   * for a bridge that may never come. One whose bridge says it stops (its pod deleted, its
+   * instance drained, not yet out of the view) comes before those and after every other: what is
+   * sent there is served only if its pod is let live that long. Then one whose queue is over the wait budget;
    * `busier` ranks instances next (`another`: the answers moved to each just now, so that those of
    * one lost instance spread over the others), then their leases. A pool that scales on load
    * (its view's `scalesOn`) has no lease limit: its instances rank by how full their bridges say
@@ -51,8 +55,8 @@ export class InstancePicker {
       if (i.instance === opts.avoid) continue;
       const n = this.leasesOf(model.namespace, model.name, i, entry.updatedAt) + (this.reserved.get(instanceKey(model.namespace, model.name, i.instance)) ?? 0);
       if (n >= limit) continue;
-      // One whose bridge is silent last, then one whose queue would keep a request waiting past the budget, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
-      const silent = this.silent?.(model.name, i.instance) === true ? 1 : 0;
+      // One whose bridge is silent last, one that stops before it, then one whose queue would keep a request waiting past the budget, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
+      const silent = this.silent?.(model.name, i.instance) === true ? 2 : this.stopping?.(model.name, i.instance) === true ? 1 : 0;
       const crowded = this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
       const full = onLoad ? (this.waits?.occupancy(model.name, i.instance) ?? 0) : 0;
       const rank = [silent, crowded, opts.busier?.(i.instance) ?? 0, full, n];

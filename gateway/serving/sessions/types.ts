@@ -183,6 +183,8 @@ export interface SessionCacheOptions {
   waits?: QueueWaitsView;
   /** Whether an instance's bridge went silent (serving/beats.ts `silent`): turns and moved answers go elsewhere while another serves. */
   silent?: (pool: string, instance: string) => boolean;
+  /** Whether an instance's bridge says it stops (serving/beats.ts `stopping`): turns and moved answers go there only before a silent one. */
+  stopping?: (pool: string, instance: string) => boolean;
   /**
    * Hold only the entries of conversations this gateway serves (mirror.ts `RecentSessions`): no
    * replay of the bucket at start or after a reconnect, a bounded number held. Default: every
