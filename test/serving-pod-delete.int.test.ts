@@ -10,7 +10,9 @@
  * Then a pod force-deleted at piece 50 and, the other's, at piece 150 of 200 (grace 0: the kubelet
  * kills it after its 2-s minimum, as a lost node's pods): the answer goes on on the pool's other
  * instance from the tokens said, its silence measured — or, what is left said within those 2 s
- * (at piece 150 here), ends where it is.
+ * (at piece 150 here), ends where it is. Last, a pod force-deleted in the prompt phase (a prompt
+ * that takes longer than the grace to evaluate): nothing said, the answer comes whole from the
+ * other instance.
  *
  * Two instances of one pool on the node (the pool view, which the pool workflow writes, written
  * here; a conversation pinned as its session would pin it). The pods reach this run's loopback
@@ -37,7 +39,7 @@ import { gatewayStack, natsStack, s3Stack, TestStack } from './harness/stack';
 import { startTcpProxy } from './harness/tcp-proxy';
 import { createDllama, podsRuntime } from './harness/kube';
 import { readTimed, textAt, gapAfter, type TimedAnswer } from './harness/timed-stream';
-import { until } from './harness/wait';
+import { sleep, until } from './harness/wait';
 
 const iso = isolation();
 const names = dataPlaneNames(iso.natsPrefix);
@@ -49,6 +51,17 @@ const TOKEN_ID = 'poddelete';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
 const MESSAGES = [{ role: 'user' as const, content: 'Tell me a long story about a lighthouse keeper.' }];
 const MAX_TOKENS = 200;
+/**
+ * A prompt whose evaluation outlasts the kubelet's 2-s grace (~590 tokens: SmolLM2 evaluated 781
+ * in 6.6 s on this machine's 2 cores, cold): a pod force-deleted as it is sent dies in the prompt phase.
+ */
+const LONG_REPEATS = 30;
+const LONG_MESSAGES = [
+  {
+    role: 'user' as const,
+    content: `${'The harbour master counted the fishing boats that came in with the evening tide, one by one. '.repeat(LONG_REPEATS)}Now tell me a long story about a lighthouse keeper.`,
+  },
+];
 
 let cluster: TestCluster;
 let node: KubeletNode;
@@ -135,10 +148,15 @@ afterAll(() => stack.close(), 180_000);
 let gatewayUrl: string;
 
 /** A streamed greedy answer of a new conversation pinned to `instance`; `onPiece` as readTimed's. */
-async function streamed(session: string, instance: string, onPiece?: (pieces: number) => Promise<void> | void): Promise<TimedAnswer> {
+async function streamed(
+  session: string,
+  instance: string,
+  onPiece?: (pieces: number) => Promise<void> | void,
+  messages: OpenAI.ChatCompletionMessageParam[] = MESSAGES,
+): Promise<TimedAnswer> {
   pinTo = instance;
   const stream = await openai.chat.completions.create(
-    { model: `${NS}/${MODEL}`, messages: MESSAGES, max_tokens: MAX_TOKENS, temperature: 0, stream: true, stream_options: { include_usage: true } },
+    { model: `${NS}/${MODEL}`, messages, max_tokens: MAX_TOKENS, temperature: 0, stream: true, stream_options: { include_usage: true } },
     { headers: { 'x-session-id': session } },
   );
   return readTimed(stream, onPiece);
@@ -233,3 +251,36 @@ describe.each([
     expect(gap).toBeLessThan(10_000);
   }, 300_000);
 });
+
+test('a pod force-deleted in the prompt phase, nothing said yet: the answer comes whole from the other instance, as undisturbed', async () => {
+  const core = cluster.kubeConfig.makeApiClient(CoreV1Api);
+  const [other, victim] = [INSTANCES[0]!, INSTANCES[1]!];
+  // Both serve again (each was force-deleted above); the reference for the long prompt from the one that will continue it.
+  await servingAgain(other);
+  await servingAgain(victim);
+  // Read twice, the second as a continuation with nothing said will be: its engine holding the
+  // prompt (evaluated whole, cold, the last token's logits come from another batch shape, and a
+  // greedy answer may part from it: llama.cpp's numerics).
+  await streamed('pod-delete-long-warm', other, undefined, LONG_MESSAGES);
+  const longReference = await streamed('pod-delete-long-reference', other, undefined, LONG_MESSAGES);
+  expect(longReference).toMatchObject({ finish: 'length', usage: { completion_tokens: MAX_TOKENS } });
+  const pod = podOf(victim);
+  const { uid } = (await core.readNamespacedPod({ name: pod, namespace: NS })).metadata!;
+  const answering = streamed('pod-delete-prompt-phase', victim, undefined, LONG_MESSAGES);
+  // The gateway answers a stream's headers at once; the request is at the engine well within this.
+  await sleep(500);
+  const deletedAt = Date.now();
+  await core.deleteNamespacedPod({ name: pod, namespace: NS, gracePeriodSeconds: 0 });
+  const answer = await answering;
+  await goneAt(pod, uid!);
+  const first = answer.times[0]! - deletedAt;
+  console.log(`forced delete in the prompt phase (${longReference.usage?.prompt_tokens} prompt tokens): the first piece ${first} ms after the delete`);
+  // Nothing came before the kubelet killed the pod (its 2-s grace): the engine was still evaluating the prompt.
+  expect(first).toBeGreaterThan(2000);
+  expect(answer).toMatchObject({
+    finish: 'length',
+    roles: 1,
+    usage: { completion_tokens: MAX_TOKENS, prompt_tokens: longReference.usage!.prompt_tokens },
+  });
+  expect(answer.text).toBe(longReference.text);
+}, 300_000);
