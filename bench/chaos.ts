@@ -32,6 +32,9 @@
  * Each engine has one on standby beside it, warm (its context made), as a worker's local runtime
  * keeps by default when the memory allows; `CHAOS_STANDBY=mapped`: its model mapped only (a start
  * makes its context); `0`: none (a killed engine is started again from nothing).
+ * `CHAOS_MAX_QUEUE_WAIT` sets the gateways' bound on a turn's wait in its queue (seconds; default 0:
+ * none, so the streams queue as deep as they come; production's default is 5, and the turns over
+ * it are then refused 429 and retried by the client after its `Retry-After`, counted apart).
  * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader, roll)
  * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
@@ -147,8 +150,9 @@ async function startGateway(): Promise<GatewayProcess> {
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench:chaos' } }),
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(5 * 60_000),
       // Its streams queue at their instances by design (~65 each): no bound on the wait, or most
-      // turns would be refused (429 queue_full) and retried, and the run would measure that.
-      MAGUS_MAX_QUEUE_WAIT: '0',
+      // turns would be refused (429 queue_full) and retried, and the run would measure that
+      // (`CHAOS_MAX_QUEUE_WAIT`: the gateways' bound in seconds, as production sets it).
+      MAGUS_MAX_QUEUE_WAIT: process.env.CHAOS_MAX_QUEUE_WAIT ?? '0',
       // Warm turns only: Temporal is never asked.
       MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
       MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',

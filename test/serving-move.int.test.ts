@@ -13,6 +13,8 @@
  *   the other instance instead of being cut.
  * - The bridge cut off mid-answer (its NATS connection gone): it no longer beats, and the gateway
  *   continues the answer on the other instance about a second later, not at ack_wait (30 s).
+ * - A gateway started after the bridge died (it never heard it): the conversation's turn sent
+ *   there goes to the other instance about a second later, not at the request's deadline.
  *
  * Each time: what the client had is the undisturbed answer's beginning to the byte, nothing is
  * repeated or missing (the engine's count of the answer's tokens is `max_tokens`, and the client
@@ -454,4 +456,36 @@ test("i1's bridge cut off at token ~50 (its NATS connection gone, as a SIGKILL l
   expect(bridges.i2!.stats.continued - continued).toBe(1);
   await expectWhole('bridge cut off at token 50', answer, reference, cutAt);
   expect(gapAfter(answer, cutAt)).toBeLessThanOrEqual(MAX_GAP_MS);
+}, 120_000);
+
+test("a conversation on i1 whose bridge died before this gateway started (it never heard it): its turn is answered whole on i2 about a second later, not at the request's deadline", async () => {
+  // i1 has no bridge now (the last one's connection was cut above); i1's consumer still holds its queue.
+  const session = `${SESSION}-unheard`;
+  const coldStarted: string[] = [];
+  const late = await stack.open(
+    pinnedGatewayStack(nc, names, { tokenId: `${TOKEN_ID}-late`, pool: POOL, instance: 'i1', sessionId: session, coldStarts: coldStarted, why: 'cold start' }),
+  );
+  const pulled = bridges.i2!.stats.pulled;
+  const asked = Date.now();
+  const chunks = await late.openai.chat.completions.create(
+    {
+      model: POOL,
+      messages: [{ role: 'user', content: 'Tell me a long story about a small boat.' }],
+      max_tokens: ANSWER_TOKENS,
+      temperature: 0,
+      stream: true,
+      stream_options: { include_usage: true },
+    },
+    { headers: { 'x-session-id': session } },
+  );
+  const answer = await readTimed(chunks);
+  const firstPieceMs = answer.times[0]! - asked;
+  measured.push(`a turn sent to i1 whose bridge this gateway never heard: first piece after ${firstPieceMs} ms, on i2`);
+  expect(coldStarted).toEqual([]);
+  // Nothing was said on i1: i2 answers it whole, as undisturbed.
+  expect(answer).toMatchObject({ finish: 'length', roles: 1, usage: { completion_tokens: ANSWER_TOKENS } });
+  expect(answer.text).toBe(reference.text);
+  expect(bridges.i2!.stats.pulled - pulled).toBe(1);
+  // Moved once this gateway had listened for a second and heard only i2: well before any deadline.
+  expect(firstPieceMs).toBeLessThan(MAX_GAP_MS);
 }, 120_000);

@@ -26,7 +26,7 @@ describe('bridgeBeats', () => {
   const now = () => t;
   beforeEach(() => (t = 1_000_000));
 
-  it('a bridge past BRIDGE_SILENT_MS without a beat is silent while another bridge beats; one never heard is not', async () => {
+  it('a bridge past BRIDGE_SILENT_MS without a beat is silent while another bridge beats', async () => {
     const { nc, beat } = fakeConnection();
     const waits = new QueueWaits(0, now);
     const beats = bridgeBeats(nc, 'beats', waits, now);
@@ -38,9 +38,32 @@ describe('bridgeBeats', () => {
     t += 1;
     expect(beats.silent('p.i1')).toBe(true);
     expect(beats.silent('p.i2')).toBe(false);
-    expect(beats.silent('p.i3')).toBe(false); // never heard: nothing to judge by
     expect(waits.occupancy('p', 'i2')).toBe(0); // the loads go on to the queue waits
     beats.forget();
+    expect(beats.silent('p.i1')).toBe(false);
+    await beats.close();
+  });
+
+  it('a bridge never heard is silent once this gateway has listened for BRIDGE_SILENT_MS while hearing others, counted again from a reconnect', async () => {
+    const { nc, beat } = fakeConnection();
+    const beats = bridgeBeats(nc, 'beats', new QueueWaits(0, now), now);
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(false); // just started: its first beat may be on its way
+    t += BRIDGE_SILENT_MS;
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(false); // just at the limit
+    t += 1;
+    expect(beats.silent('p.i1')).toBe(true); // e.g. its instance died before this gateway started
+    expect(beats.silent('p.i2')).toBe(false);
+    // A reconnect forgets every bridge: each is given the window again.
+    beats.forget();
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(false);
+    t += BRIDGE_SILENT_MS + 1;
+    beat('p.i2');
+    expect(beats.silent('p.i1')).toBe(true);
+    // Hearing no bridge at all says nothing of this one.
+    t += 2 * BRIDGE_SILENT_MS;
     expect(beats.silent('p.i1')).toBe(false);
     await beats.close();
   });

@@ -10,7 +10,10 @@
  * every answer at once then cuts them all for nothing. A bridge alone in the gateway's hearing has
  * nowhere to move its answers to anyway. A bridge whose last beat said it stops (SIGTERM: its pod
  * deleted, its instance drained) is judged by `STOPPING_SILENT_MS` instead: it beats faster, and
- * may be killed any time. Bridges not heard for 10 minutes are forgotten.
+ * may be killed any time. A bridge never heard (gone before this gateway started listening, or
+ * before its reconnect; forgotten after 10 minutes unheard) is silent too once this gateway has
+ * listened for `BRIDGE_SILENT_MS` and hears others: a turn sent to an instance whose bridge died
+ * unheard would otherwise wait in a queue nobody serves until its deadline.
  */
 import type { NatsConnection } from 'nats';
 import { BRIDGE_SILENT_MS, STOPPING_SILENT_MS } from '../../shared/continuation';
@@ -38,6 +41,8 @@ export function bridgeBeats(
   /** When each bridge was heard last, and whether it said it stops. */
   const heard = new Map<string, { at: number; stopping: boolean }>();
   let lastAny = -Infinity;
+  /** Since when this process has been hearing beats (its start, or its last reconnect). */
+  let listening = now();
   const sub = nc.subscribe(`${prefix}.>`, {
     callback: (err, msg) => {
       if (err) return;
@@ -57,15 +62,15 @@ export function bridgeBeats(
   return {
     silent: (key) => {
       const h = heard.get(key);
-      if (!h) return false;
       const t = now();
-      const window = h.stopping ? STOPPING_SILENT_MS : BRIDGE_SILENT_MS;
-      return t - h.at > window && t - lastAny <= window;
+      const window = h?.stopping ? STOPPING_SILENT_MS : BRIDGE_SILENT_MS;
+      return t - (h?.at ?? listening) > window && t - lastAny <= window;
     },
     stopping: (key) => heard.get(key)?.stopping === true,
     forget: () => {
       heard.clear();
       lastAny = -Infinity;
+      listening = now();
       waits.forget();
     },
     close: () => {
