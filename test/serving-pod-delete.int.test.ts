@@ -10,9 +10,9 @@
  * Then a pod force-deleted at piece 50 and, the other's, at piece 150 of 200 (grace 0: the kubelet
  * kills it after its 2-s minimum, as a lost node's pods): the answer goes on on the pool's other
  * instance from the tokens said, its silence measured — or, what is left said within those 2 s
- * (at piece 150 here), ends where it is. Last, a pod force-deleted in the prompt phase (a prompt
- * that takes longer than the grace to evaluate): nothing said, the answer comes whole from the
- * other instance.
+ * (at piece 150 here), ends where it is. Last, a pod force-deleted in the prompt phase (its engine
+ * container frozen there, as a prompt that takes a big model longer than the grace to evaluate):
+ * nothing said, the answer comes whole from the other instance.
  *
  * Two instances of one pool on the node (the pool view, which the pool workflow writes, written
  * here; a conversation pinned as its session would pin it). The pods reach this run's loopback
@@ -34,7 +34,7 @@ import { demoModelFile } from '../workers/dev/demo-model';
 import { endpoint, isolation } from './harness';
 import { startTestCluster, type TestCluster } from './harness/cluster';
 import { pinConversation, publishPoolView } from './harness/gateway';
-import { startKubeletNode, type KubeletNode } from './harness/kubelet';
+import { containerProcesses, startKubeletNode, type KubeletNode } from './harness/kubelet';
 import { gatewayStack, natsStack, s3Stack, TestStack } from './harness/stack';
 import { startTcpProxy } from './harness/tcp-proxy';
 import { createDllama, podsRuntime } from './harness/kube';
@@ -52,8 +52,8 @@ const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
 const MESSAGES = [{ role: 'user' as const, content: 'Tell me a long story about a lighthouse keeper.' }];
 const MAX_TOKENS = 200;
 /**
- * A prompt whose evaluation outlasts the kubelet's 2-s grace (~590 tokens: SmolLM2 evaluated 781
- * in 6.6 s on this machine's 2 cores, cold): a pod force-deleted as it is sent dies in the prompt phase.
+ * A long prompt (~590 tokens): its engine is frozen 150 ms after it is sent, surely in its prompt
+ * phase (SmolLM2 evaluates it in under a second on this machine's 2 cores, idle; in 2.5 s loaded).
  */
 const LONG_REPEATS = 30;
 const LONG_MESSAGES = [
@@ -265,17 +265,22 @@ test('a pod force-deleted in the prompt phase, nothing said yet: the answer come
   const longReference = await streamed('pod-delete-long-reference', other, undefined, LONG_MESSAGES);
   expect(longReference).toMatchObject({ finish: 'length', usage: { completion_tokens: MAX_TOKENS } });
   const pod = podOf(victim);
-  const { uid } = (await core.readNamespacedPod({ name: pod, namespace: NS })).metadata!;
+  const { metadata, status } = await core.readNamespacedPod({ name: pod, namespace: NS });
+  const engine = containerProcesses(status!.containerStatuses!.find((c) => c.name === 'engine')!.containerID!);
+  expect(engine.length).toBeGreaterThan(0);
   const answering = streamed('pod-delete-prompt-phase', victim, undefined, LONG_MESSAGES);
-  // The gateway answers a stream's headers at once; the request is at the engine well within this.
-  await sleep(500);
+  // The request is at the engine well within this (its headers come back at once), and the
+  // prompt's evaluation far from done; the engine container is frozen there: on an idle machine
+  // this model evaluates the prompt in under a second, a big model would take longer than the grace.
+  await sleep(150);
+  for (const pid of engine) process.kill(pid, 'SIGSTOP');
   const deletedAt = Date.now();
   await core.deleteNamespacedPod({ name: pod, namespace: NS, gracePeriodSeconds: 0 });
   const answer = await answering;
-  await goneAt(pod, uid!);
+  await goneAt(pod, metadata!.uid!);
   const first = answer.times[0]! - deletedAt;
   console.log(`forced delete in the prompt phase (${longReference.usage?.prompt_tokens} prompt tokens): the first piece ${first} ms after the delete`);
-  // Nothing came before the kubelet killed the pod (its 2-s grace): the engine was still evaluating the prompt.
+  // Nothing came before the kubelet killed the pod (its 2-s grace): the engine was frozen in the prompt phase.
   expect(first).toBeGreaterThan(2000);
   expect(answer).toMatchObject({
     finish: 'length',

@@ -85,6 +85,24 @@ async function unmountUnder(dir: string): Promise<void> {
 }
 
 /**
+ * The pids of a running container's processes on this machine: those whose cgroup names its id
+ * (`containerd://<id>`, a pod's `status.containerStatuses[].containerID`).
+ */
+export function containerProcesses(containerId: string): number[] {
+  const id = containerId.replace(/^[a-z]+:\/\//, '');
+  return readdirSync('/proc')
+    .filter((p) => /^\d+$/.test(p))
+    .filter((p) => {
+      try {
+        return readFileSync(`/proc/${p}/cgroup`, 'utf8').includes(id);
+      } catch {
+        return false; // gone meanwhile
+      }
+    })
+    .map(Number);
+}
+
+/**
  * Starts a node named `name` for the cluster at `server` (its admin `token`; harness/cluster.ts)
  * with `images` (in podman's store) imported, and resolves once the Node is Ready.
  */
