@@ -431,7 +431,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         }
       },
       moves: kvMoveLog(responsesKv),
-      bridgeSilent: (session) => natsUp && beats.silent(`${session.pool}.${session.instance}`),
+      bridgeSilent: (session, since) => natsUp && beats.silent(`${session.pool}.${session.instance}`, since),
       bridgeRequeues: (session) => waits.requeues(session.pool, session.instance),
       readiness,
     });

@@ -341,7 +341,15 @@ export interface BridgeLoad {
   requeued?: true;
   /** It was told to stop: it beats faster, and is silent sooner (shared/continuation.ts `STOPPING_SILENT_MS`). */
   stopping?: true;
+  /**
+   * Which start of the instance's bridge beats (an id made at its start): a pod made again under
+   * the same instance (a StatefulSet's, after a forced delete) beats while the one before still
+   * dies, and a gateway judges each apart (gateway/serving/beats.ts). Absent: a bridge from before.
+   */
+  boot?: string;
 }
+
+const BOOT = /^[A-Za-z0-9_-]{1,64}$/;
 
 const count = (v: unknown): v is number => typeof v === 'number' && Number.isInteger(v) && v >= 0;
 
@@ -367,5 +375,6 @@ export function bridgeLoadOf(payload: Uint8Array | string): BridgeLoad | undefin
     ...(count(o.queuedAgeMs) ? { queuedAgeMs: o.queuedAgeMs } : {}),
     ...(o.requeued === true ? { requeued: true as const } : {}),
     ...(o.stopping === true ? { stopping: true as const } : {}),
+    ...(typeof o.boot === 'string' && BOOT.test(o.boot) ? { boot: o.boot } : {}),
   };
 }

@@ -1073,7 +1073,11 @@ describe("a bridge's beats say whether it pulls the requests handed back", () =>
     const stub = await engine(() => ({}));
     const instance = await instanceWith();
     await bridge(instance, stub.url);
-    expect(await nextBeat(instance)).toMatchObject({ slots: 1, requeued: true });
+    const first = await nextBeat(instance);
+    expect(first).toMatchObject({ slots: 1, requeued: true });
+    expect(first?.boot).toMatch(/^[A-Za-z0-9_-]{8}$/);
+    // The same start beats the same id (gateway/serving/beats.ts tells starts apart by it).
+    expect((await nextBeat(instance))?.boot).toBe(first?.boot);
   });
 
   it('once told to stop, it says so and beats every STOPPING_BEAT_EVERY_MS while it finishes its answer (a gateway moves its answers sooner once it dies)', async () => {

@@ -161,6 +161,8 @@ export class Bridge {
   private readonly slots: number;
   private readonly drainTimeoutMs: number;
   private readonly beatSubject: string;
+  /** This start's id in its beats (shared/serving.ts `BridgeLoad.boot`): gateways tell it from the bridge of the instance's next pod. */
+  private readonly boot = randomBytes(6).toString('base64url');
   private beats: NodeJS.Timeout | undefined;
   private readonly log: (line: string) => void;
   private readonly failed: (what: string, err: unknown) => void;
@@ -535,6 +537,7 @@ export class Bridge {
       ...(saturated ? { queuedAgeMs: Date.now() - this.queuedAt } : {}),
       ...(this.lanes.some((c) => c.lane === 'requeued') ? { requeued: true as const } : {}),
       ...(this.draining ? { stopping: true as const } : {}),
+      boot: this.boot,
     };
   }
 

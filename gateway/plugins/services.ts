@@ -103,11 +103,11 @@ export interface GatewayServices {
   /** When a client goes away after its request was published: stop the engine's work on it. */
   cancel?: CancelRequest;
   /**
-   * Whether the bridge of `session`'s instance stopped beating (none heard for `BRIDGE_SILENT_MS`,
-   * shared/continuation.ts, after one was): its answers are continued elsewhere. Absent, or a
-   * bridge never heard (one from before beats): never.
+   * Whether the bridge of `session`'s instance stopped beating (serving/beats.ts): its answers are
+   * continued elsewhere. With `since`, when a request was sent there: any start of that bridge
+   * heard since counts, not only the newest. Absent: never.
    */
-  bridgeSilent?: (session: SessionEntry) => boolean;
+  bridgeSilent?: (session: SessionEntry, since?: number) => boolean;
   /** Whether the bridge of `session`'s instance, as last heard, pulls the requests handed back to it (serving/exchange.ts `requeues`). Absent: never. */
   bridgeRequeues?: (session: SessionEntry) => boolean;
   /** The `Retry-After` seconds of a request its instance's backlog refused: when its queue is within the wait budget again (serving/queue-waits.ts). */

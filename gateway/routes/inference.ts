@@ -372,7 +372,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
         : undefined,
       // A silent bridge's answer moves only where another instance serves: on a pool of one, the
       // request's redelivery (ack_wait) continues it on the bridge that comes back, as before.
-      silent: g.bridgeSilent && ((s) => g.bridgeSilent!(s) && g.sessions.hasAnother?.(model, s.instance) === true),
+      silent: g.bridgeSilent && ((s, since) => g.bridgeSilent!(s, since) && g.sessions.hasAnother?.(model, s.instance) === true),
       ...(g.bridgeRequeues ? { requeues: g.bridgeRequeues } : {}),
       onMovedAway: (from, at) => {
         client.log.warn({ inferenceId: id, instance: from.session.instance }, 'no beat of the bridge serving the answer; continuing it elsewhere');

@@ -179,10 +179,10 @@ export async function followAnswer(
    * {@link CLAIM_AFTER_MS} with no move recorded. (A bridge silent on a pool of one is not moved
    * away from: its request is delivered again, and its frames come on the same subjects.)
    */
-  function movedAway(bridgeSilent: (s: SessionEntry) => boolean): (s: SessionEntry) => boolean {
+  function movedAway(bridgeSilent: (s: SessionEntry, since?: number) => boolean): (s: SessionEntry, since: number) => boolean {
     let silentSince: number | undefined;
-    return (at) => {
-      if (!bridgeSilent(at)) {
+    return (at, since) => {
+      if (!bridgeSilent(at, since)) {
         silentSince = undefined;
         return false;
       }

@@ -13,10 +13,10 @@ function fakeConnection() {
       return { unsubscribe: () => (deliver = undefined) };
     },
   } as unknown as Pick<NatsConnection, 'subscribe'>;
-  const beat = (key: string, stopping = false) =>
+  const beat = (key: string, stopping = false, boot?: string, running = 0) =>
     deliver?.(null, {
       subject: `beats.${key}`,
-      data: encodeJson({ running: 0, slots: 1, queued: 0, serviceMs: null, ...(stopping ? { stopping: true } : {}) }),
+      data: encodeJson({ running, slots: 4, queued: 0, serviceMs: null, ...(stopping ? { stopping: true } : {}), ...(boot ? { boot } : {}) }),
     } as Msg);
   return { nc, beat };
 }
@@ -107,6 +107,37 @@ describe('bridgeBeats', () => {
     t += BRIDGE_SILENT_MS - STOPPING_SILENT_MS;
     beat('p.i2');
     expect(beats.silent('p.i1')).toBe(true);
+    await beats.close();
+  });
+
+  it("a bridge's next start (its pod made again) does not vouch for the one before: a request sent before is moved once that one is silent", async () => {
+    const { nc, beat } = fakeConnection();
+    const waits = new QueueWaits(0, now);
+    const beats = bridgeBeats(nc, 'beats', waits, now);
+    beat('p.i1', false, 'old', 3);
+    beat('p.i2');
+    const sent = t;
+    // Its pod force-deleted: the old start says it stops; the StatefulSet's new pod beats at once.
+    t += 100;
+    beat('p.i1', true, 'old', 3);
+    beat('p.i1', false, 'new', 0);
+    expect(beats.stopping('p.i1')).toBe(false); // the newest start's
+    expect(waits.occupancy('p', 'i1')).toBe(0); // the newest start's load: not the old's 3 of 4
+    beat('p.i1', true, 'old', 3); // an older start's beat does not set the load
+    expect(waits.occupancy('p', 'i1')).toBe(0);
+    t += STOPPING_SILENT_MS + 1; // the old one killed, the new one beats on
+    beat('p.i1', false, 'new');
+    beat('p.i2');
+    expect(beats.silent('p.i1', sent)).toBe(true); // the request sent before the new start: the old one may hold it
+    expect(beats.silent('p.i1')).toBe(false); // the instance serves (the picker's question)
+    expect(beats.silent('p.i1', t)).toBe(false); // a request sent now goes to the new one
+    // One silent before a request was sent cannot hold it.
+    expect(beats.silent('p.i1', t + STOPPING_SILENT_MS + 1)).toBe(false);
+    // A bridge from before starts' ids ('') is one start.
+    beat('p.i3');
+    t += BRIDGE_SILENT_MS + 1;
+    beat('p.i1', false, 'new');
+    expect(beats.silent('p.i3', sent)).toBe(true);
     await beats.close();
   });
 });

@@ -14,6 +14,12 @@
  * before its reconnect; forgotten after 10 minutes unheard) is silent too once this gateway has
  * listened for `BRIDGE_SILENT_MS` and hears others: a turn sent to an instance whose bridge died
  * unheard would otherwise wait in a queue nobody serves until its deadline.
+ *
+ * Each start of an instance's bridge is judged apart (its beats' `boot`): a pod made again under
+ * the same instance (a StatefulSet's, at once after a forced delete) beats while the one before is
+ * still being killed, and must not vouch for it. The instance is silent for a request sent there
+ * at `since` when a start heard at or after then (one that may hold it) went silent, or its
+ * newest did; for the rest (the picker, a load) only the newest start counts.
  */
 import type { NatsConnection } from 'nats';
 import { BRIDGE_SILENT_MS, STOPPING_SILENT_MS } from '../../shared/continuation';
@@ -21,9 +27,12 @@ import { bridgeLoadOf } from '../../shared/serving';
 import type { QueueWaits } from './queue-waits';
 
 export interface BridgeBeats {
-  /** Whether the bridge of `key` (`<pool>.<instance>`) went silent (above). */
-  silent(key: string): boolean;
-  /** Whether the last beat of `key`'s bridge said it stops: it serves what it holds, and is going. */
+  /**
+   * Whether the bridge of `key` (`<pool>.<instance>`) went silent (above): its newest start, or
+   * with `since` (when a request was sent there) any start heard since then.
+   */
+  silent(key: string, since?: number): boolean;
+  /** Whether the last beat of `key`'s newest bridge said it stops: it serves what it holds, and is going. */
   stopping(key: string): boolean;
   /** Every bridge unheard again (after a reconnect: this process, not they, was away). */
   forget(): void;
@@ -32,14 +41,30 @@ export interface BridgeBeats {
 
 const FORGET_AFTER_MS = 10 * 60_000;
 
+/** What was heard of one start of a bridge: its last beat, whether it said it stops, its first beat. */
+interface Heard {
+  at: number;
+  stopping: boolean;
+  first: number;
+}
+
+const windowOf = (h: Heard): number => (h.stopping ? STOPPING_SILENT_MS : BRIDGE_SILENT_MS);
+
+/** The start of a bridge heard first most recently. */
+function newestOf(starts: Map<string, Heard>): Heard | undefined {
+  let newest: Heard | undefined;
+  for (const h of starts.values()) if (!newest || h.first > newest.first) newest = h;
+  return newest;
+}
+
 export function bridgeBeats(
   nc: Pick<NatsConnection, 'subscribe'>,
   prefix: string,
   waits: Pick<QueueWaits, 'beat' | 'sweep' | 'forget'>,
   now: () => number = Date.now,
 ): BridgeBeats {
-  /** When each bridge was heard last, and whether it said it stops. */
-  const heard = new Map<string, { at: number; stopping: boolean }>();
+  /** Each instance's bridge starts (by their `boot`; '' for a bridge from before it) as last heard. */
+  const heard = new Map<string, Map<string, Heard>>();
   let lastAny = -Infinity;
   /** Since when this process has been hearing beats (its start, or its last reconnect). */
   let listening = now();
@@ -49,24 +74,42 @@ export function bridgeBeats(
       const key = msg.subject.slice(prefix.length + 1);
       const load = bridgeLoadOf(msg.data);
       lastAny = now();
-      heard.set(key, { at: lastAny, stopping: load?.stopping === true });
-      waits.beat(key, load);
+      let starts = heard.get(key);
+      if (!starts) heard.set(key, (starts = new Map<string, Heard>()));
+      const boot = load?.boot ?? '';
+      const h = { at: lastAny, stopping: load?.stopping === true, first: starts.get(boot)?.first ?? lastAny };
+      starts.set(boot, h);
+      // The load of the start that serves new turns: not the one before, still finishing.
+      if (newestOf(starts) === h) waits.beat(key, load);
     },
   });
   const sweep = setInterval(() => {
     const old = now() - FORGET_AFTER_MS;
-    for (const [k, { at }] of heard) if (at < old) heard.delete(k);
+    for (const [k, starts] of heard) {
+      for (const [boot, { at }] of starts) if (at < old) starts.delete(boot);
+      if (starts.size === 0) heard.delete(k);
+    }
     waits.sweep();
   }, 60_000);
   sweep.unref();
   return {
-    silent: (key) => {
-      const h = heard.get(key);
+    silent: (key, since) => {
       const t = now();
-      const window = h?.stopping ? STOPPING_SILENT_MS : BRIDGE_SILENT_MS;
-      return t - (h?.at ?? listening) > window && t - lastAny <= window;
+      const quiet = (at: number, window: number) => t - at > window && t - lastAny <= window;
+      const starts = heard.get(key);
+      const newest = starts && newestOf(starts);
+      if (!starts || !newest) return quiet(listening, BRIDGE_SILENT_MS);
+      for (const h of starts.values()) {
+        // One silent before the request was sent cannot hold it.
+        const mayHold = h === newest || (since !== undefined && h.at >= since - windowOf(h));
+        if (mayHold && quiet(h.at, windowOf(h))) return true;
+      }
+      return false;
     },
-    stopping: (key) => heard.get(key)?.stopping === true,
+    stopping: (key) => {
+      const starts = heard.get(key);
+      return (starts && newestOf(starts)?.stopping) === true;
+    },
     forget: () => {
       heard.clear();
       lastAny = -Infinity;

@@ -336,12 +336,13 @@ export interface ExchangeOptions {
   /** The answer was moved (metrics). */
   onMoved?: (to: Moved) => void;
   /**
-   * Whether the bridge of the instance a request waits on stopped beating (gateway/server.ts):
+   * Whether the bridge of the instance a request waits on stopped beating since it was sent there
+   * at `since` (gateway/server.ts; serving/beats.ts):
    * checked every `STOPPING_BEAT_EVERY_MS` (a stopping bridge is silent soonest); a silent one's answer is moved as if handed back, and
    * `onMovedAway` told of the request left behind and of how many of its frames were relayed (its
    * bridge, should it come back, must not go on).
    */
-  silent?: (session: SessionEntry) => boolean;
+  silent?: (session: SessionEntry, since: number) => boolean;
   onMovedAway?: (from: Moved, at: number) => void;
   /**
    * Whether the bridge of `session`'s instance pulls the requests handed back to it
@@ -443,6 +444,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let republish: NodeJS.Timeout | undefined;
     /** The request whose frames are relayed now: the first, or the last that continues its answer. */
     let current: Moved = { session, req };
+    /** When the current request was sent (a bridge heard since may hold it: serving/beats.ts). */
+    let sentAt = Date.now();
     /** Frames relayed before the current request's (earlier requests' of a moved answer): its seqs follow them. */
     let base = 0;
     /** What the chunks relayed so far say, what a move continues after, and how many there were. */
@@ -572,6 +575,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           if (!to) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`no instance to continue ${from.req.id} on`));
           base += to.after ?? seq;
           current = to;
+          sentAt = Date.now();
           sequencer = newSequencer();
           parts = new FrameParts();
           gapSeq = -1;
@@ -591,7 +595,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const watch =
       (opts.silent || opts.leftAt) && opts.move
         ? setInterval(() => {
-            if (leaveIfLeft() || finished || moving || !opts.silent?.(current.session)) return;
+            if (leaveIfLeft() || finished || moving || !opts.silent?.(current.session, sentAt)) return;
             // One that cannot be continued (no tokens said, tool calls …) waits for its redelivery.
             if (!said.continuable) return;
             opts.onMovedAway?.(current, sequencer.expected);

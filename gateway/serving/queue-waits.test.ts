@@ -109,6 +109,10 @@ describe('bridgeLoadOf', () => {
     // Whether it stops (shared/continuation.ts STOPPING_SILENT_MS): only `true` says so.
     expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), stopping: true }))).toEqual({ ...load(1, 0, 250), stopping: true });
     expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), stopping: 1 }))).toEqual(load(1, 0, 250));
+    // Which start of the bridge beats (gateway/serving/beats.ts): an id, or nothing.
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), boot: 'a1_B-2' }))).toEqual({ ...load(1, 0, 250), boot: 'a1_B-2' });
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), boot: 'x.y' }))).toEqual(load(1, 0, 250));
+    expect(bridgeLoadOf(JSON.stringify({ ...load(1, 0, 250), boot: 'b'.repeat(65) }))).toEqual(load(1, 0, 250));
     for (const bad of [
       '',
       'x',
