@@ -110,9 +110,12 @@ afterEach(() => {
 
 type Streamed = TimedAnswer;
 
-/** Streams a greedy answer of {@link ANSWER_TOKENS} tokens; `onPiece` sees the count of pieces so far. */
-async function stream(onPiece?: (pieces: number) => Promise<void> | void): Promise<Streamed> {
-  const chunks = await openai.chat.completions.create(
+/**
+ * Streams a greedy answer of {@link ANSWER_TOKENS} tokens; `onPiece` sees the count of pieces so
+ * far. Through `via`, of conversation `session` (by default this file's gateway and conversation).
+ */
+async function stream(onPiece?: (pieces: number) => Promise<void> | void, via = openai, session = SESSION): Promise<Streamed> {
+  const chunks = await via.chat.completions.create(
     {
       model: POOL,
       messages: [{ role: 'user', content: 'Tell me a long story about a small boat.' }],
@@ -121,7 +124,7 @@ async function stream(onPiece?: (pieces: number) => Promise<void> | void): Promi
       stream: true,
       stream_options: { include_usage: true },
     },
-    { headers: { 'x-session-id': SESSION } },
+    { headers: { 'x-session-id': session } },
   );
   return readTimed(chunks, onPiece);
 }
@@ -467,18 +470,7 @@ test("a conversation on i1 whose bridge died before this gateway started (it nev
   );
   const pulled = bridges.i2!.stats.pulled;
   const asked = Date.now();
-  const chunks = await late.openai.chat.completions.create(
-    {
-      model: POOL,
-      messages: [{ role: 'user', content: 'Tell me a long story about a small boat.' }],
-      max_tokens: ANSWER_TOKENS,
-      temperature: 0,
-      stream: true,
-      stream_options: { include_usage: true },
-    },
-    { headers: { 'x-session-id': session } },
-  );
-  const answer = await readTimed(chunks);
+  const answer = await stream(undefined, late.openai, session);
   const firstPieceMs = answer.times[0]! - asked;
   measured.push(`a turn sent to i1 whose bridge this gateway never heard: first piece after ${firstPieceMs} ms, on i2`);
   expect(coldStarted).toEqual([]);
