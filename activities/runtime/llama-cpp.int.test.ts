@@ -106,7 +106,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
 }, 180_000);
 
 test.each(['mapped', 'warm'] as const)(
-  'with an engine on standby (%s), a dead engine is replaced by it at once, on its port; another waits after; none is left once stopped',
+  'with an engine on standby (%s), a dead engine is replaced by it at once, on its port; another waits after, and replaces a standby killed; none is left once stopped',
   async (kind) => {
     const standbyLogs: string[] = [];
     // A backoff far longer than the restart: the restart that comes sooner is the standby's.
@@ -140,8 +140,16 @@ test.each(['mapped', 'warm'] as const)(
       const [, nextPid] = waiting();
       expect(nextPid).not.toBe(standbyPid);
 
+      // The standby itself killed while it waits (the OOM killer's pick): another replaces it, a second later.
+      process.kill(nextPid!, 'SIGKILL');
+      await until('a third engine on standby', () => waiting().length === 3, 60_000);
+      const [, , thirdPid] = waiting();
+      expect(standbyLogs).toContainEqual(expect.stringMatching(/the engine on standby was killed by SIGKILL; another in 1000 ms/));
+      expect(warm.processes(POOL, 'warm-1')![0]!).toMatchObject({ pid: after.pid, running: true });
+      expect((await askInstance(nc, names, POOL, 'warm-1', greedy)).text).toBe(first.text);
+
       await warm.stopAll();
-      expect([after.pid!, nextPid!].filter(processRunning)).toEqual([]);
+      expect([after.pid!, nextPid!, thirdPid!].filter(processRunning)).toEqual([]);
     } finally {
       await warm.stopAll();
     }

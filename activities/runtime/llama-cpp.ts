@@ -223,30 +223,51 @@ export async function startSupervisedEngine(
   const { signal: _startOnly, standby: withStandby, restart: policy, stopGraceMs, ...again } = opts;
   const stopping = new AbortController();
   let spare: { engine: Promise<StandbyEngine | undefined>; waiting: boolean } | undefined;
+  // Standbys lost in a row (died waiting, or failed to start): each next one comes later.
+  let lost = 0;
   const keepSpare = () => {
     if (!withStandby || stopping.signal.aborted) return;
     const next: NonNullable<typeof spare> = { engine: Promise.resolve(undefined), waiting: false };
     const kind = typeof withStandby === 'function' ? withStandby() : withStandby;
+    const startedAt = Date.now();
+    // A standby that dies while it waits (the OOM killer picks it, a stray kill) or fails to start
+    // is replaced, after 1 s, doubling to 60 s while they keep dying young: otherwise the next
+    // death of the engine would find none and cost a cold start after the restart's backoff.
+    const replace = (why: string) => {
+      if (spare !== next || stopping.signal.aborted) return; // promoted, replaced or stopping
+      if (Date.now() - startedAt >= STANDBY_LOSS_RESET_MS) lost = 0;
+      const wait = Math.min(1000 * 2 ** lost, STANDBY_LOSS_RESET_MS);
+      lost += 1;
+      opts.log(`${opts.name}: the engine on standby ${why}; another in ${wait} ms`);
+      setTimeout(() => spare === next && keepSpare(), wait).unref();
+    };
     next.engine = startStandbyEngine(model, { ...again, port, signal: stopping.signal }, kind).then(
       (s) => {
         next.waiting = true;
         opts.log(`${opts.name}: an engine waits on standby${kind === 'warm' ? ', warm,' : ''} for port ${port} (pid ${s.process.child.pid ?? '?'})`);
-        void s.process.exited.then(() => (next.waiting = false));
+        void s.process.exited.then((e) => {
+          if (!next.waiting) return; // it was told to serve: the supervisor watches it now
+          next.waiting = false;
+          replace(describeExit(e));
+        });
         return s;
       },
       (err: unknown) => {
-        if (!stopping.signal.aborted) opts.log(`${opts.name}: no engine on standby (${(err as Error).message})`);
+        if (!stopping.signal.aborted) replace(`did not start (${(err as Error).message})`);
         return undefined;
       },
     );
     spare = next;
   };
   const restart = async (signal: AbortSignal): Promise<LlamaCppEngine> => {
-    const s = await spare?.engine;
+    const current = spare;
+    const s = await current?.engine;
     spare = undefined;
     if (s && !s.process.exit) {
       try {
+        if (current) current.waiting = false;
         const e = await s.start(signal);
+        lost = 0;
         keepSpare();
         return e;
       } catch (err) {
@@ -282,6 +303,9 @@ export async function startSupervisedEngine(
     describe: (e) => `pid ${e.process.child.pid ?? '?'}`,
   });
 }
+
+/** A standby that waited this long before it died starts the count of lost ones again; also the longest wait for the next. */
+const STANDBY_LOSS_RESET_MS = 60_000;
 
 /** SIGTERM → SIGKILL grace when the local runtime stops an engine. */
 const STOP_GRACE_MS = 10_000;
