@@ -234,7 +234,7 @@ export async function startSupervisedEngine(
     // is replaced, after 1 s, doubling to 60 s while they keep dying young: otherwise the next
     // death of the engine would find none and cost a cold start after the restart's backoff.
     const replace = (why: string) => {
-      if (spare !== next || stopping.signal.aborted) return; // promoted, replaced or stopping
+      if (spare !== next || stopping.signal.aborted) return; // told to serve (the supervisor watches it now), replaced or stopping
       if (Date.now() - startedAt >= STANDBY_LOSS_RESET_MS) lost = 0;
       const wait = Math.min(1000 * 2 ** lost, STANDBY_LOSS_RESET_MS);
       lost += 1;
@@ -246,26 +246,23 @@ export async function startSupervisedEngine(
         next.waiting = true;
         opts.log(`${opts.name}: an engine waits on standby${kind === 'warm' ? ', warm,' : ''} for port ${port} (pid ${s.process.child.pid ?? '?'})`);
         void s.process.exited.then((e) => {
-          if (!next.waiting) return; // it was told to serve: the supervisor watches it now
           next.waiting = false;
           replace(describeExit(e));
         });
         return s;
       },
       (err: unknown) => {
-        if (!stopping.signal.aborted) replace(`did not start (${(err as Error).message})`);
+        replace(`did not start (${(err as Error).message})`);
         return undefined;
       },
     );
     spare = next;
   };
   const restart = async (signal: AbortSignal): Promise<LlamaCppEngine> => {
-    const current = spare;
-    const s = await current?.engine;
+    const s = await spare?.engine;
     spare = undefined;
     if (s && !s.process.exit) {
       try {
-        if (current) current.waiting = false;
         const e = await s.start(signal);
         lost = 0;
         keepSpare();
