@@ -135,8 +135,12 @@ export class Attempt {
   /** It hands its answer back to be continued elsewhere (generate.ts `handBackFrame`): its `spread`. */
   handedBack(): number {
     this.ctx.stats.handedBack += 1;
-    const said = (resumedAnswer(this.answer)?.tokens.length ?? 0) + (this.req.continues?.resume.tokens.length ?? 0) > 0;
-    return this.ctx.handBacks.next(said);
+    return this.ctx.handBacks.next(this.holdsPart);
+  }
+
+  /** Part of its answer has been said (by this attempt or the request it continues): its client waits mid-answer. */
+  get holdsPart(): boolean {
+    return (this.req.continues?.resume.tokens.length ?? 0) > 0 || (resumedAnswer(this.answer)?.tokens.length ?? 0) > 0;
   }
 
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */

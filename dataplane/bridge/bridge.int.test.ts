@@ -4,6 +4,7 @@
  * these tests applies the gateway's rule (FrameSequencer) to whatever arrives on the response
  * subject, exactly as the gateway must.
  */
+import { setTimeout as timer } from 'node:timers/promises';
 import { createServer, type IncomingHttpHeaders, type IncomingMessage, type Server, type ServerResponse } from 'node:http';
 import { randomBytes } from 'node:crypto';
 import { type AddressInfo } from 'node:net';
@@ -98,6 +99,11 @@ class StubEngine {
   /** Bodies posted to `/v1/completions` (answered with the text `a`, `b` streamed, or `ab`). */
   readonly textCalls: { stream?: boolean; seed?: number }[] = [];
 
+  /** Its process dies: every connection is cut at once (it answers again, as a restarted engine). */
+  dropConnections(): void {
+    this.server.closeAllConnections();
+  }
+
   async close(): Promise<void> {
     this.server.closeAllConnections();
     await new Promise<void>((r) => this.server.close(() => r()));
@@ -142,12 +148,15 @@ class StubEngine {
     this.active += 1;
     this.maxActive = Math.max(this.maxActive, this.active);
     let gone = false;
+    const closed = new AbortController();
     res.on('close', () => {
       gone = true;
+      closed.abort();
       if (!res.writableEnded) this.cut += 1;
     });
     try {
-      if (r.firstDelayMs) await sleep(r.firstDelayMs);
+      if (r.firstDelayMs) await timer(r.firstDelayMs, undefined, { signal: closed.signal }).catch(() => undefined);
+      if (gone) return;
       if (r.status && r.status >= 300) {
         res.writeHead(r.status, { 'content-type': 'application/json' });
         res.end(
@@ -833,6 +842,35 @@ describe('failures', () => {
       expect(stub.calls.at(-1)).toMatchObject({ magus: { tokens: true, resume: { tokens: [0, 1, 2], text: expectedText(seed, 3) } } });
       expect(b.stats.handedBack).toBe(0);
     }
+  });
+
+  it('an engine that died with an answer mid-way and one queued is given the answer mid-way first, the queued one once that has its slot again', async () => {
+    // A real engine takes requests in arrival order while it has free slots: after a restart the
+    // queued one, coming back as fast, could take the slot the answer mid-way needs.
+    const RESUME_SLOT_MS = 300;
+    const arrived: { content: string; resume: boolean; at: number }[] = [];
+    const stub = await engine((call, body) => {
+      const resume = (body as { magus?: { resume?: unknown } }).magus?.resume !== undefined;
+      arrived.push({ content: body.messages[0]!.content, resume, at: Date.now() });
+      if (call === 0) return { chunks: 8, delayMs: 50, tokens: true };
+      if (call === 1) return { firstDelayMs: 60_000 }; // queued behind it
+      return { chunks: 8, tokens: true, ...(resume ? { firstDelayMs: RESUME_SLOT_MS } : {}) };
+    });
+    const instance = await instanceWith({ slots: 2 });
+    const b = await bridge(instance, stub.url, { slots: 2 });
+    const asked = (text: string) => ({ messages: [{ role: 'user' as const, content: text }] });
+    const { req: midway, answer: midwayAnswer } = await sent(instance, asked('mid-way'));
+    await until('three pieces said', () => midwayAnswer.raw.length >= 4);
+    const { req: queued, answer: queuedAnswer } = await sent(instance, asked('queued'));
+    await until('the second at the engine', () => arrived.length === 2);
+    stub.dropConnections();
+    for (const a of [midwayAnswer, queuedAnswer]) expect((await a.finished).at(-1)).toMatchObject({ type: 'done' });
+    expect(midwayAnswer.text()).toBe(expectedText(seedFor(midway.id), 8));
+    expect(queuedAnswer.text()).toBe(expectedText(seedFor(queued.id), 8));
+    expect(arrived.map((c) => `${c.content}${c.resume ? ' (resumed)' : ''}`)).toEqual(['mid-way', 'queued', 'mid-way (resumed)', 'queued']);
+    // Not before the engine answered the resumed one (it had its slot then).
+    expect(arrived[3]!.at - arrived[2]!.at).toBeGreaterThanOrEqual(RESUME_SLOT_MS);
+    expect(b.stats.continued).toBe(1);
   });
 
   it('engine 503 for longer than engineWaitMs: nak, redelivered, answered on the retry', async () => {

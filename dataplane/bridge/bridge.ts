@@ -37,7 +37,7 @@ import { RequestConsumer } from './consumer';
 import { handBackQueued, serveDelivery, type DeliveryContext } from './delivery';
 import { createEngineClient, type EngineClient } from './engine-client';
 import { errorFrame } from './error-frames';
-import { generate, movable } from './generate';
+import { generate, LostAnswers, movable } from './generate';
 import { processUsage, type BridgeHealth, type BridgeStats } from './metrics';
 import { storedFramePublisher, type StoredFramePublisher } from './stored-frames';
 
@@ -273,6 +273,7 @@ export class Bridge {
       requestTimeoutMs,
       continues,
       engineWaitMs: opts.engineWaitMs ?? 15_000,
+      lost: new LostAnswers(),
       ...(handBackAfterMs !== null ? { handBackAfterMs, startingWaitMs: opts.startingWaitMs ?? 1_500 } : {}),
     };
     const retryDelayMs = opts.retryDelayMs ?? 1000;

@@ -115,6 +115,42 @@ function ownTokens(data: unknown): { data: unknown; tokens?: number[] } {
 /** How often an attempt whose engine went away tries it again. */
 const ENGINE_RETRY_EVERY_MS = 100;
 
+/**
+ * The answers of one engine that it lost with part of them said (their clients wait mid-answer),
+ * until it takes them again. A call with nothing to resume waits while there is one: the engine
+ * puts resumed answers before its queue, but takes whatever comes first while it has free slots,
+ * and after a restart the answers that were queued there come back as fast as those that were
+ * being said — four of them took a fresh engine's four slots and two resumed answers waited
+ * 5–7 s for one under bench:chaos.
+ */
+export class LostAnswers {
+  private readonly lost = new Set<Attempt>();
+  private readonly waiting = new Set<() => void>();
+
+  add(a: Attempt): void {
+    this.lost.add(a);
+  }
+
+  delete(a: Attempt): void {
+    if (!this.lost.delete(a) || this.lost.size > 0) return;
+    for (const go of [...this.waiting]) go();
+  }
+
+  /** Resolves once the engine has taken every lost answer again (at once when there is none), or when `signal` aborts. */
+  none(signal: AbortSignal): Promise<void> {
+    if (this.lost.size === 0 || signal.aborted) return Promise.resolve();
+    return new Promise((resolve) => {
+      const go = () => {
+        this.waiting.delete(go);
+        signal.removeEventListener('abort', go);
+        resolve();
+      };
+      this.waiting.add(go);
+      signal.addEventListener('abort', go, { once: true });
+    });
+  }
+}
+
 /** How {@link generate} calls the engine. */
 export interface GenerateOptions {
   /** Upper bound of one engine call (the request's deadline bounds it too). */
@@ -142,6 +178,8 @@ export interface GenerateOptions {
    * answer in its one resume sequence or behind the slots it is serving. Default 0.
    */
   startingWaitMs?: number;
+  /** The bridge's answers its engine lost with part of them said (shared by all of its attempts). */
+  lost?: LostAnswers;
 }
 
 /**
@@ -173,23 +211,29 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
   let lostAt: number | undefined;
   /** The engine said it starts from standby since it went away: it is coming back at once. */
   let starting = false;
-  for (;;) {
-    const outcome = await callEngine(engine, a, frames, o.requestTimeoutMs, o.continues);
-    if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
-    lostAt ??= Date.now();
-    starting ||= outcome.engineStarting === true;
-    const handBackAfter = o.handBackAfterMs === undefined ? undefined : o.handBackAfterMs + (starting ? (o.startingWaitMs ?? 0) : 0);
-    if (handBackAfter !== undefined && Date.now() - lostAt >= handBackAfter && movable(a, o.continues)) {
-      return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`, a.handedBack()) };
+  try {
+    for (;;) {
+      const outcome = await callEngine(engine, a, frames, o);
+      if (outcome.kind !== 'retry' || !outcome.engineAway || a.signal.aborted) return outcome;
+      if (o.continues && a.holdsPart) o.lost?.add(a);
+      lostAt ??= Date.now();
+      starting ||= outcome.engineStarting === true;
+      const handBackAfter = o.handBackAfterMs === undefined ? undefined : o.handBackAfterMs + (starting ? (o.startingWaitMs ?? 0) : 0);
+      if (handBackAfter !== undefined && Date.now() - lostAt >= handBackAfter && movable(a, o.continues)) {
+        return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`, a.handedBack()) };
+      }
+      if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
+      await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);
+      if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
     }
-    if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
-    await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);
-    if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
+  } finally {
+    o.lost?.delete(a);
   }
 }
 
 /** One engine call for `a` after `frames` (which it extends with the frames it sends). */
-async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFrame[], requestTimeoutMs: number, continues: boolean): Promise<Outcome> {
+async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFrame[], o: GenerateOptions): Promise<Outcome> {
+  const { requestTimeoutMs, continues } = o;
   const prior = frames;
   const { req } = a;
   // By kind (shared/request-kinds.ts): one that generates (chat, text completions) streams when
@@ -223,6 +267,12 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   // otherwise they start from the first and must equal the prior ones.
   const base = resume && own ? prior.length : 0;
   const compared = resume && own ? [] : prior;
+  // Nothing to resume: after the answers the engine lost mid-answer, which go first (LostAnswers).
+  if (!resume && o.lost) {
+    o.lost.delete(a); // (it is not one of them: an engine that cannot continue it generates it again)
+    await o.lost.none(a.signal);
+    if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
+  }
   const answered: Answered = {
     model: (req.body as { model: string }).model,
     maxTokens: generating
@@ -274,7 +324,7 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
             frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.resumeFailed, `the engine cannot continue this answer: ${e.message}`),
           };
         clearTimeout(timer);
-        return await callEngine(engine, a, frames, requestTimeoutMs, false);
+        return await callEngine(engine, a, frames, { ...o, continues: false });
       }
       if (transientStatus(res.status))
         return {
@@ -288,7 +338,10 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
         frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param),
       };
     }
-    if (resume) a.continued();
+    if (resume) {
+      a.continued();
+      o.lost?.delete(a);
+    }
     if (!stream) {
       const completion: unknown = JSON.parse(await res.text());
       return {
