@@ -263,7 +263,10 @@ export class Bridge {
     this.failed = prepared.failed;
     this.consumer = consumer;
     this.lanes = lanes;
-    this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: Math.max(slots, 1) * 2 });
+    // A socket for every call its consumers may have at once (each pulls `slots`: run()) and one
+    // for /health: with fewer, an answer moved here mid-way waited ~2 s under bench:chaos for a
+    // socket held by requests queued in the engine, which it would have gone before.
+    this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: slots * (1 + lanes.length) + 1 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
     const continues = engineOf(engineKind).continues;
