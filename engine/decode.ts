@@ -49,6 +49,39 @@ export interface TokenGrammar {
   accept(token: Token): void;
 }
 
+/**
+ * The erasures of one context's sequences. Erasing part of a sequence's cache (a slot taken by
+ * another conversation, a resume that differs from what the slot holds) needs node-llama-cpp's
+ * context lock, which its batch loop keeps for as long as any sequence has a decode queued — and
+ * with several sequences generating out of step one always has: under bench:chaos an erase
+ * waited 1.8–2.3 s, and the answer with it. While an erasure waits, the other sequences hold
+ * their next step ({@link beforeStep}): the loop ends with the batch it is decoding, the erasure
+ * takes the lock, and they go on — a pause of one batch for them.
+ */
+export class Erasures {
+  private waiting = 0;
+  private done: Promise<void> | undefined;
+  private release: (() => void) | undefined;
+
+  /** Runs `erase` (which takes the context lock) with the other sequences held before their next step. */
+  async run<T>(erase: () => Promise<T>): Promise<T> {
+    if (this.waiting++ === 0) this.done = new Promise((resolve) => (this.release = resolve));
+    try {
+      return await erase();
+    } finally {
+      if (--this.waiting === 0) {
+        this.release?.();
+        this.done = undefined;
+      }
+    }
+  }
+
+  /** Before a sequence evaluates: resolves once no erasure waits (undefined: none waits now). */
+  beforeStep(): Promise<void> | undefined {
+    return this.done;
+  }
+}
+
 export interface DecodeOptions {
   maxTokens: number;
   /** 0 = greedy. */
@@ -78,6 +111,8 @@ export interface DecodeOptions {
   resume?: { tokens: readonly Token[]; text: string };
   /** The answer keeps to this grammar (a response format); a resume's tokens are taken by it first. */
   grammar?: TokenGrammar;
+  /** The erasures of the sequence's context ({@link Erasures}): absent, an erasure waits its turn. */
+  erasures?: Erasures;
   /**
    * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
    * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
@@ -191,7 +226,17 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   let keep = 0;
   const reusable = Math.min(held.length, full.length - 1);
   while (keep < reusable && held[keep] === full[keep]) keep++;
-  if (keep < sequence.nextTokenIndex) await sequence.eraseContextTokenRanges([{ start: keep, end: sequence.nextTokenIndex }]);
+  const erasures = o.erasures;
+  const erase = (start: number) => {
+    const ranges = [{ start, end: sequence.nextTokenIndex }];
+    return erasures ? erasures.run(() => sequence.eraseContextTokenRanges(ranges)) : sequence.eraseContextTokenRanges(ranges);
+  };
+  /** Holds the sequence's next evaluation while an erasure of another sequence waits for the context. */
+  const step = async (): Promise<void> => {
+    const held = erasures?.beforeStep();
+    if (held) await held;
+  };
+  if (keep < sequence.nextTokenIndex) await erase(keep);
 
   const wantLogprobs = o.topLogprobs !== undefined;
   const grammar = o.grammar;
@@ -254,6 +299,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   // A long prompt in pieces, so a request whose client left stops between them.
   while (input.length > PROMPT_PIECE + 1) {
     if (o.signal.aborted) throw o.signal.reason;
+    await step();
     await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, PROMPT_PIECE));
     input = input.slice(PROMPT_PIECE);
   }
@@ -269,6 +315,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     let token: Token | null | undefined;
     /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
     let chosenLogit: number | undefined;
+    await step();
     if (grammar && !wantLogprobs) {
       // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
       token = await sampleOne(sequence, input, {
@@ -297,7 +344,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
         let allowed = allowedOf(out.logits, grammar, candidates);
         if (allowed.size === 0) {
           // None of the most likely is allowed: the same position again, for every token's logit.
-          await sequence.eraseContextTokenRanges([{ start: sequence.nextTokenIndex - 1, end: sequence.nextTokenIndex }]);
+          await erase(sequence.nextTokenIndex - 1);
           const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
           allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
           if (allowed.size === 0) throw new Error('the grammar allows no token here');

@@ -39,7 +39,7 @@ import {
 import { RESUME_MISMATCH } from '../shared/continuation';
 import { schemaToGbnf } from '../shared/grammar';
 import { toGrammarSchema } from '../shared/json-schema';
-import { decode, type DecodeOptions, type TokenGrammar } from './decode';
+import { decode, Erasures, type DecodeOptions, type TokenGrammar } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -248,6 +248,8 @@ export class LlamaBackend implements CompletionBackend {
   /** Structured output's grammars, least recently used first (`json` for json_object). */
   private readonly grammars = new Map<string, Promise<LlamaGrammar>>();
   private embedder: LlamaEmbedder | undefined;
+  /** The erasures of the context's sequences (decode.ts): one waiting holds the others' next step. */
+  private readonly erasures = new Erasures();
 
   private constructor(
     private readonly lib: NodeLlamaCpp,
@@ -535,7 +537,12 @@ export class LlamaBackend implements CompletionBackend {
     const chat = this.chats[slot];
     if (!chat) throw new Error(`no slot ${slot}`);
     this.cached[slot] = undefined;
-    return decode(this.model, chat.sequence, prompt, { ...o, signal: io.signal, onText: (text, logprobs, tokens) => io.onText(text, logprobs, tokens) });
+    return decode(this.model, chat.sequence, prompt, {
+      ...o,
+      erasures: this.erasures,
+      signal: io.signal,
+      onText: (text, logprobs, tokens) => io.onText(text, logprobs, tokens),
+    });
   }
 
   /** Embeddings by an embedding context of the model, made at the first request (pooling as the GGUF says). */

@@ -1,0 +1,66 @@
+/**
+ * A slot taken by another conversation while the engine's other slots generate, on the real
+ * engine (`magus engine`, SmolLM2-135M-Instruct, dev's demo model): its answer starts while they
+ * are still generating. What the slot held must be erased first, which needs node-llama-cpp's
+ * context lock, and its batch loop keeps that lock for as long as any sequence has a decode
+ * queued — with two sequences generating, to the end of their answers (engine/decode.ts
+ * `Erasures`: 3.6–3.8 s of waiting for the first token on this machine, against ~50 ms now).
+ */
+import { startLlamaCppEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
+import { sseMessages } from '../test/harness/sse-stream';
+import { demoModelFile } from '../workers/dev/demo-model';
+
+const SLOTS = 3;
+const LONG = 300;
+let engine: LlamaCppEngine;
+
+beforeAll(async () => {
+  const gguf = await demoModelFile(() => undefined);
+  engine = await startLlamaCppEngine(gguf, { modelId: 'smol', slots: SLOTS, threads: 1, ctx: 1024, startTimeoutSec: 60, name: 'engine', log: () => undefined });
+}, 120_000);
+
+afterAll(async () => {
+  await engine?.process.stop(1000);
+});
+
+/** Streams a greedy answer to `content`; `onPiece` hears the count of pieces with text so far. */
+async function stream(content: string, maxTokens: number, onPiece?: (pieces: number) => void): Promise<number> {
+  const res = await fetch(`${engine.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ messages: [{ role: 'user', content }], max_tokens: maxTokens, temperature: 0, stream: true }),
+  });
+  expect(res.status).toBe(200);
+  let pieces = 0;
+  for await (const e of sseMessages(res)) {
+    if (e.data === '[DONE]') break;
+    const content = (JSON.parse(e.data) as { choices: { delta: { content?: string } }[] }).choices[0]?.delta.content;
+    if (content) onPiece?.(++pieces);
+  }
+  return pieces;
+}
+
+test('a conversation that takes a slot another one held starts while two others generate, not once they stop', async () => {
+  // Every slot holds a conversation of its own: whichever the next one takes must be erased.
+  await Promise.all(Array.from({ length: SLOTS }, (_, i) => stream(`Warm-up conversation number ${i}, about apples and pears.`, 4)));
+  const said = [0, 0];
+  let twentySaid!: () => void;
+  const underway = new Promise<void>((resolve) => (twentySaid = resolve));
+  const long = ['a boat', 'a horse'].map((about, i) =>
+    stream(`Tell me a long story about ${about}.`, LONG, (n) => {
+      said[i] = n;
+      if (i === 0 && n === 20) twentySaid();
+    }),
+  );
+  await underway;
+  let saidThen: number[] = [];
+  const other = await stream('Something else entirely: list some colours.', 8, (n) => {
+    if (n === 1) saidThen = [...said];
+  });
+  const [a, b] = await Promise.all(long);
+  expect(other).toBeGreaterThan(0);
+  // The premise: both went on well past the moment (they did not stop at once on their own).
+  expect(Math.min(a!, b!)).toBeGreaterThan(150);
+  // Its first piece came while they were still early in their answers.
+  expect(Math.max(...saidThen)).toBeLessThan(100);
+}, 60_000);
