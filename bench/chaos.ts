@@ -503,7 +503,12 @@ async function main(): Promise<void> {
     report.push(await phase('with faults', reference, sessions, true));
     log(report.at(-1)!);
   } finally {
-    if (process.env.CHAOS_VERBOSE) for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
+    if (process.env.CHAOS_VERBOSE) {
+      // Every answer is in; a bridge acks its last ones once their frames are stored, a moment later.
+      const idle = () => Object.values(bridges).every(({ bridge }) => bridge.stats.inFlight === 0);
+      for (const until = Date.now() + 10_000; !idle() && Date.now() < until; ) await sleep(200);
+      for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
+    }
     clearInterval(views);
     for (const g of gateways) g.child.kill('SIGKILL');
     await Promise.all(gateways.map((g) => g.exited));
