@@ -506,7 +506,7 @@ async function main(): Promise<void> {
     if (process.env.CHAOS_VERBOSE) {
       // Every answer is in; a bridge acks its last ones once their frames are stored, a moment later.
       const idle = () => Object.values(bridges).every(({ bridge }) => bridge.stats.inFlight === 0);
-      for (const until = Date.now() + 10_000; !idle() && Date.now() < until; ) await sleep(200);
+      for (const until = Date.now() + 10_000; !idle() && Date.now() < until;) await sleep(200);
       for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
     }
     clearInterval(views);
