@@ -25,7 +25,10 @@
  * - a revision rolled, as the pool workflow rolls one (without Temporal, which this bench does not
  *   run): a new instance (engine, standby, consumer, bridge) started and published in one's
  *   place, the old one drained (2 s deadline), stopped and its consumers deleted; its
- *   conversations move at their next turn. The same weights, so every answer is
+ *   conversations move at their next turn (pinned to the new instance, as their session
+ *   workflows would move them: left pinned to the old one, each turn went there and on a second
+ *   later, and the requests left behind filled its subject until every turn was refused
+ *   `backlog_full`). The same weights, so every answer is
  *   still compared with one reference (`test/serving-rollout.int.test.ts` rolls a real new
  *   revision under 50 live streams, through the workflow).
  *
@@ -75,6 +78,10 @@ const SLOTS = env('CHAOS_SLOTS', 4);
 const INSTANCES = ['i1', 'i2', 'i3'];
 /** The instances the pool publishes now: {@link INSTANCES}, each replaced by a new one at a roll. */
 let instances = [...INSTANCES];
+/** How long a conversation's pin lasts (the whole bench). */
+const PIN_TTL_MS = 4 * 3_600_000;
+/** Each conversation's key and the instance it is pinned to. */
+const pins = new Map<string, string>();
 /** Instances a roll started so far (the next is `i${INSTANCES.length + rolled + 1}`). */
 let rolled = 0;
 /**
@@ -424,6 +431,11 @@ async function faultLoop(stopped: () => boolean): Promise<void> {
           await startInstance(next);
           instances = instances.map((i) => (i === instance ? next : i));
           await publishPoolView(worker, names, POOL, instances, 1000);
+          for (const [key, at] of pins)
+            if (at === instance) {
+              pins.set(key, next);
+              await pinConversation(worker, names, key, POOL, next, PIN_TTL_MS);
+            }
           const { bridge, nc } = bridges[instance]!;
           await bridge.stop();
           if (process.env.CHAOS_VERBOSE) log(`bridge ${instance}: ${JSON.stringify(bridge.stats)}`);
@@ -487,7 +499,8 @@ async function main(): Promise<void> {
   const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
   for (const [n, session] of sessions.entries()) {
     const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session });
-    await pinConversation(worker, names, key, POOL, INSTANCES[n % INSTANCES.length]!, 4 * 3_600_000);
+    pins.set(key, INSTANCES[n % INSTANCES.length]!);
+    await pinConversation(worker, names, key, POOL, pins.get(key)!, PIN_TTL_MS);
   }
   // The undisturbed answers: each prompt alone.
   const reference: Answer[] = [];
