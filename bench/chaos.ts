@@ -499,8 +499,9 @@ async function main(): Promise<void> {
   const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
   for (const [n, session] of sessions.entries()) {
     const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session });
-    pins.set(key, INSTANCES[n % INSTANCES.length]!);
-    await pinConversation(worker, names, key, POOL, pins.get(key)!, PIN_TTL_MS);
+    const instance = INSTANCES[n % INSTANCES.length]!;
+    pins.set(key, instance);
+    await pinConversation(worker, names, key, POOL, instance, PIN_TTL_MS);
   }
   // The undisturbed answers: each prompt alone.
   const reference: Answer[] = [];

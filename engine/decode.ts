@@ -111,8 +111,8 @@ export interface DecodeOptions {
   resume?: { tokens: readonly Token[]; text: string };
   /** The answer keeps to this grammar (a response format); a resume's tokens are taken by it first. */
   grammar?: TokenGrammar;
-  /** The erasures of the sequence's context ({@link Erasures}): absent, an erasure waits its turn. */
-  erasures?: Erasures;
+  /** The erasures of the sequence's context ({@link Erasures}). */
+  erasures: Erasures;
   /**
    * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
    * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
@@ -226,16 +226,8 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   let keep = 0;
   const reusable = Math.min(held.length, full.length - 1);
   while (keep < reusable && held[keep] === full[keep]) keep++;
-  const erasures = o.erasures;
-  const erase = (start: number) => {
-    const ranges = [{ start, end: sequence.nextTokenIndex }];
-    return erasures ? erasures.run(() => sequence.eraseContextTokenRanges(ranges)) : sequence.eraseContextTokenRanges(ranges);
-  };
-  /** Holds the sequence's next evaluation while an erasure of another sequence waits for the context. */
-  const step = async (): Promise<void> => {
-    const held = erasures?.beforeStep();
-    if (held) await held;
-  };
+  const { erasures } = o;
+  const erase = (start: number) => erasures.run(() => sequence.eraseContextTokenRanges([{ start, end: sequence.nextTokenIndex }]));
   if (keep < sequence.nextTokenIndex) await erase(keep);
 
   const wantLogprobs = o.topLogprobs !== undefined;
@@ -299,7 +291,7 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
   // A long prompt in pieces, so a request whose client left stops between them.
   while (input.length > PROMPT_PIECE + 1) {
     if (o.signal.aborted) throw o.signal.reason;
-    await step();
+    await erasures.beforeStep();
     await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, PROMPT_PIECE));
     input = input.slice(PROMPT_PIECE);
   }
@@ -315,7 +307,9 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     let token: Token | null | undefined;
     /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
     let chosenLogit: number | undefined;
-    await step();
+    // Held while an erasure of another sequence waits for the context (awaited only then: per token).
+    const held = erasures.beforeStep();
+    if (held) await held;
     if (grammar && !wantLogprobs) {
       // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
       token = await sampleOne(sequence, input, {

@@ -213,7 +213,7 @@ interface Plan {
 }
 
 /** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
-type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText'>;
+type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText' | 'erasures'>;
 
 /** How magus's own loop samples `req`'s answer of at most `maxTokens` (and continues it, when it is a resume). */
 function decodeSettings(req: ChatRequest | TextRequest, maxTokens: number): DecodeSettings {

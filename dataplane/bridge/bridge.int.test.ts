@@ -147,16 +147,15 @@ class StubEngine {
     const r = this.reply(call, body);
     this.active += 1;
     this.maxActive = Math.max(this.maxActive, this.active);
-    let gone = false;
     const closed = new AbortController();
+    const gone = () => closed.signal.aborted;
     res.on('close', () => {
-      gone = true;
       closed.abort();
       if (!res.writableEnded) this.cut += 1;
     });
     try {
       if (r.firstDelayMs) await timer(r.firstDelayMs, undefined, { signal: closed.signal }).catch(() => undefined);
-      if (gone) return;
+      if (gone()) return;
       if (r.status && r.status >= 300) {
         res.writeHead(r.status, { 'content-type': 'application/json' });
         res.end(
@@ -186,7 +185,7 @@ class StubEngine {
         res.write(`data: ${JSON.stringify({ ...base, object: 'chat.completion.chunk', choices: [choice], ...extra })}\n\n`);
       // With `tokens`: content delta i is token i, and an answer resumes after the tokens sent.
       const magus = r.tokens ? (body as { magus?: { tokens?: boolean; resume?: { tokens: number[] } } }).magus : undefined;
-      for (let i = magus?.resume?.tokens.length ?? 0; i < n && !gone; i += 1) {
+      for (let i = magus?.resume?.tokens.length ?? 0; i < n && !gone(); i += 1) {
         if (i > 0 && r.delayMs) await sleep(r.delayMs);
         if (r.dieAfter !== undefined && i >= r.dieAfter) {
           res.destroy();
@@ -194,7 +193,7 @@ class StubEngine {
         }
         event({ index: 0, delta: { content: token(seed, i) }, finish_reason: null }, magus?.tokens ? { magus: { tokens: [i] } } : {});
       }
-      if (!gone) {
+      if (!gone()) {
         event({ index: 0, delta: {}, finish_reason: 'stop' }, { timings: { predicted_ms: Math.random() } });
         res.end('data: [DONE]\n\n');
       }

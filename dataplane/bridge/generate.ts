@@ -136,9 +136,9 @@ export class LostAnswers {
     for (const go of [...this.waiting]) go();
   }
 
-  /** Resolves once the engine has taken every lost answer again (at once when there is none), or when `signal` aborts. */
-  none(signal: AbortSignal): Promise<void> {
-    if (this.lost.size === 0 || signal.aborted) return Promise.resolve();
+  /** Resolves once the engine has taken every lost answer again, or when `signal` aborts (undefined: none is lost now). */
+  none(signal: AbortSignal): Promise<void> | undefined {
+    if (this.lost.size === 0 || signal.aborted) return undefined;
     return new Promise((resolve) => {
       const go = () => {
         this.waiting.delete(go);
@@ -270,7 +270,8 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   // Nothing to resume: after the answers the engine lost mid-answer, which go first (LostAnswers).
   if (!resume && o.lost) {
     o.lost.delete(a); // (it is not one of them: an engine that cannot continue it generates it again)
-    await o.lost.none(a.signal);
+    const after = o.lost.none(a.signal);
+    if (after) await after;
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
   }
   const answered: Answered = {
