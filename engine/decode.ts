@@ -29,7 +29,7 @@ import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEva
 };
 import type { TokenChoice, TokenLogprob } from './api';
 
-/** Tokens of a prompt evaluated between two looks at the request's abort signal (node-llama-cpp's default batch). */
+/** Tokens of a prompt evaluated between two looks at the request's abort signal (in batches of llama.ts `EXACT_BATCH`). */
 const PROMPT_PIECE = 512;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;

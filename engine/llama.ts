@@ -51,6 +51,21 @@ type NodeLlamaCpp = typeof NodeLlamaCppModule;
 // eslint-disable-next-line @typescript-eslint/no-implied-eval -- a constant string, see above
 const importEsm = new Function('specifier', 'return import(specifier)') as (specifier: string) => Promise<unknown>;
 
+/**
+ * The most tokens one evaluation of the context takes (node-llama-cpp's `batchSize`, llama.cpp's
+ * `n_batch` and `n_ubatch`): under 64, so a token's KV and logits do not depend on how it was
+ * evaluated. llama.cpp's CPU flash attention computes 64 or more rows of one sequence in tiles
+ * (`GGML_FA_TILE_Q`) that round differently from its row-by-row path, which a generated token
+ * always takes: with bigger batches a prompt evaluated cold, the prefix a slot kept, an answer
+ * continued from its tokens and the same prompt beside other sequences each held slightly other
+ * numbers, and a greedy answer could part from the undisturbed one (engine/exact.test.ts).
+ * Prompts evaluate ~1.7× slower (bench/README.md, "Exact continuations"). Two of llama.cpp's
+ * choices by batch shape remain (engine/README.md): a lone single-token step over 512 or more
+ * cached tokens splits its attention across threads, and for Q8_0, Q4_0, F16 and F32 weights a
+ * matrix times one row is a vector dot, times two or more llamafile's sgemm.
+ */
+export const EXACT_BATCH = 63;
+
 /** node-llama-cpp and llama.cpp on the CPU with `threads`, its prebuilt binaries only (nothing downloaded or built); errors to `log`. */
 export async function cpuLlama(threads: number, log: (line: string) => void = () => undefined): Promise<{ lib: NodeLlamaCpp; llama: Llama }> {
   const lib = (await importEsm('node-llama-cpp')) as NodeLlamaCpp;
@@ -299,7 +314,7 @@ export class LlamaBackend implements CompletionBackend {
         try {
           const contextSize = Math.min(opts.contextSize, model.trainContextSize);
           if (contextSize < opts.contextSize) log(`context capped at the model's training context: ${contextSize} tokens`);
-          const context = await model.createContext({ contextSize, sequences: opts.slots, threads: opts.threads });
+          const context = await model.createContext({ contextSize, sequences: opts.slots, threads: opts.threads, batchSize: EXACT_BATCH });
           const sequences: LlamaContextSequence[] = [];
           for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
           const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));

@@ -244,9 +244,9 @@ describe.each([
     // Where it began: the kubelet kills the pod's containers ~2 s after the delete.
     const after = [deletedAt, ...answer.times.filter((t) => t > deletedAt)];
     const began = after.find((t, i) => after[i + 1] !== undefined && after[i + 1]! - t === gap) ?? deletedAt;
-    console.log(
-      `forced delete at piece ${at}: longest silence after it ${gap} ms, from ${began - deletedAt} ms after the delete; the rest ${answer.text === reference.text ? 'equal to' : 'differs from'} the undisturbed answer`,
-    );
+    console.log(`forced delete at piece ${at}: longest silence after it ${gap} ms, from ${began - deletedAt} ms after the delete`);
+    // The rest continued it exactly (the engines' numerics do not depend on how a token was evaluated: engine/llama.ts `EXACT_BATCH`).
+    expect(answer.text).toBe(reference.text);
     // Printed, bounded loosely (a loaded machine): what matters is that no ack deadline (30 s) is waited out.
     expect(gap).toBeLessThan(10_000);
   }, 300_000);
@@ -255,13 +255,9 @@ describe.each([
 test('a pod force-deleted in the prompt phase, nothing said yet: the answer comes whole from the other instance, as undisturbed', async () => {
   const core = cluster.kubeConfig.makeApiClient(CoreV1Api);
   const [other, victim] = [INSTANCES[0]!, INSTANCES[1]!];
-  // Both serve again (each was force-deleted above); the reference for the long prompt from the one that will continue it.
+  // Both serve again (each was force-deleted above); the reference for the long prompt, cold, from the one that will answer it.
   await servingAgain(other);
   await servingAgain(victim);
-  // Read twice, the second as a continuation with nothing said will be: its engine holding the
-  // prompt (evaluated whole, cold, the last token's logits come from another batch shape, and a
-  // greedy answer may part from it: llama.cpp's numerics).
-  await streamed('pod-delete-long-warm', other, undefined, LONG_MESSAGES);
   const longReference = await streamed('pod-delete-long-reference', other, undefined, LONG_MESSAGES);
   expect(longReference).toMatchObject({ finish: 'length', usage: { completion_tokens: MAX_TOKENS } });
   const pod = podOf(victim);
