@@ -106,7 +106,13 @@ async function addOrUpdate(jsm: JetStreamManager, stream: string, cfg: Partial<C
   }
 }
 
-/** Deletes an instance's consumers; false when there was none. Unconsumed requests stay until max age. */
+/**
+ * Deletes an instance's consumers and the requests left on its subjects (its requests' and its
+ * lanes'); false when there was no consumer. The instance is gone for good (a name is never
+ * started again): what was left there is what its bridge no longer took — handed back at its
+ * drain, or moved by the gateways that never heard of it — and kept, it would count towards
+ * the subject's `max_msgs_per_subject` until `max_age`.
+ */
 export async function deleteInstanceConsumer(jsm: JetStreamManager, names: DataPlaneNames, opts: { pool: string; instance: string }): Promise<boolean> {
   const gone = async (name: string) => {
     try {
@@ -118,5 +124,7 @@ export async function deleteInstanceConsumer(jsm: JetStreamManager, names: DataP
   };
   let any = false;
   for (const name of instanceConsumerNamesOf(opts.pool, opts.instance).reverse()) any = (await gone(name)) || any;
+  const subjects = [requestSubjectOf(names, opts.pool, opts.instance), ...LANES.map((lane) => laneSubjectOf(names, opts.pool, opts.instance, lane))];
+  for (const filter of subjects) await jsm.streams.purge(names.requestStream, { filter });
   return any;
 }

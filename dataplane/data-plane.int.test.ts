@@ -12,7 +12,7 @@ import { openRequestClaims } from './claims';
 import { deleteInstanceConsumer, ensureInstanceConsumer, instanceConsuming } from './consumers';
 import { ensureDataPlane } from './declare';
 import { encodeJson } from './json';
-import { consumerNameOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from './names';
+import { consumerNameOf, laneSubjectOf, requestSubjectOf, responseSubjectOf, type DataPlaneNames } from './names';
 import { publishRequest } from './publish';
 import { readStoredFrames, responseStreamState } from './response-stream';
 
@@ -145,7 +145,16 @@ describe('instance consumers', () => {
     for (const m of held) m.ack();
     await messages.close();
     await reading;
+    // The third is still on the subject (the two acked are gone), and one on a lane; deleted with the instance's consumers, so are they.
+    await nc.jetstream().publish(laneSubjectOf(names, 'pool', 'c3', 'moved'), new TextEncoder().encode('m0'));
+    const left = async () => {
+      const subjects = (await jsm.streams.info(names.requestStream, { subjects_filter: `${requestSubjectOf(names, 'pool', 'c3')}.>` })).state.subjects ?? {};
+      const own = (await jsm.streams.info(names.requestStream, { subjects_filter: requestSubjectOf(names, 'pool', 'c3') })).state.subjects ?? {};
+      return Object.values({ ...subjects, ...own }).reduce((n, c) => n + c, 0);
+    };
+    expect(await left()).toBe(2);
     expect(await deleteInstanceConsumer(jsm, names, { pool: 'pool', instance: 'c3' })).toBe(true);
+    expect(await left()).toBe(0);
     expect(await instanceConsuming(nc, names.requestStream, 'pool', 'c3')).toBe(false);
   });
 
