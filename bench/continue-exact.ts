@@ -8,7 +8,9 @@
  * greedy answer of 64 tokens alone (the reference), then continuations of it after 10, 20, 40 and
  * 60 of its tokens — (a) one at a time, (b) the four at once — and (c) the six prompts' fresh
  * answers four at once. Reported: how many equal the reference, and where the others first differ.
- * `BENCH_ROUNDS` (default 3), `BENCH_THREADS` (default 1).
+ * Then what evaluating prompts exactly costs (engine/llama.ts `EXACT_BATCH`): a prompt of ~590
+ * tokens answered cold, alone, each round another (one word differs): its time to the first piece
+ * and the prompt's tokens per second. `BENCH_ROUNDS` (default 3), `BENCH_THREADS` (default 1).
  */
 import { cpus, loadavg } from 'node:os';
 import { startLlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -83,6 +85,34 @@ function count(t: Tally, got: string, want: string, what: string): void {
   else t.differ.push(`${what} at ${commonPrefix(got, want)}`);
 }
 
+/** A cold prompt of ~590 tokens (round `n`'s own, so no slot holds it): ms to its first piece, and its tokens. */
+async function prefill(url: string, n: number): Promise<{ ms: number; tokens: number }> {
+  const content = `${`The harbour master counted the fishing boats that came in with the evening tide, one by one, round ${n}. `.repeat(30)}Now tell me a story.`;
+  const started = performance.now();
+  const res = await fetch(`${url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({
+      model: 'smollm2',
+      messages: [{ role: 'user', content }],
+      max_tokens: 1,
+      temperature: 0,
+      stream: true,
+      stream_options: { include_usage: true },
+    }),
+  });
+  if (res.status !== 200) throw new Error(`the engine answered ${res.status}: ${await res.text()}`);
+  let ms: number | undefined;
+  let tokens = 0;
+  for await (const e of sseMessages(res)) {
+    if (e.data === '[DONE]') continue;
+    const chunk = JSON.parse(e.data) as { choices?: { delta?: { content?: string } }[]; usage?: { prompt_tokens: number } };
+    if (ms === undefined && chunk.choices?.[0]?.delta?.content) ms = performance.now() - started;
+    if (chunk.usage) tokens = chunk.usage.prompt_tokens;
+  }
+  return { ms: ms ?? performance.now() - started, tokens };
+}
+
 async function main(): Promise<void> {
   console.log(`bench:continue-exact: ${ROUNDS} rounds × ${PROMPTS.length} prompts, cuts ${CUTS.join('/')} of ${TOKENS} tokens; ${cpus().length} cores`);
   const model = await demoModelFile((line) => console.log(line));
@@ -99,6 +129,7 @@ async function main(): Promise<void> {
   const alone = tally();
   const together = tally();
   const fresh = tally();
+  const prefills: { ms: number; tokens: number }[] = [];
   try {
     for (let round = 0; round < ROUNDS; round++) {
       const references: Streamed[] = [];
@@ -122,6 +153,7 @@ async function main(): Promise<void> {
         const answers = await Promise.all(ps.map((p) => ask(engine.url, PROMPTS[p]!)));
         ps.forEach((p, i) => count(fresh, answers[i]!.text, references[p]!.text, `p${p}`));
       }
+      prefills.push(await prefill(engine.url, round));
       console.log(
         `round ${round + 1}: continuations alone ${alone.equal}/${alone.all} equal, four at once ${together.equal}/${together.all}, fresh four at once ${fresh.equal}/${fresh.all}`,
       );
@@ -139,6 +171,11 @@ async function main(): Promise<void> {
   console.log(line('continuations, one at a time', alone));
   console.log(line('continuations, four at once', together));
   console.log(line('fresh answers, four at once', fresh));
+  const ms = prefills.map((p) => p.ms).sort((a, b) => a - b);
+  const median = ms[Math.floor(ms.length / 2)]!;
+  console.log(
+    `a cold prompt of ${prefills[0]?.tokens} tokens: first piece after ${ms.map((m) => m.toFixed(0)).join(' / ')} ms (median ${median.toFixed(0)} ms, ${((prefills[0]!.tokens / median) * 1000).toFixed(0)} prompt tokens/s)`,
+  );
 }
 
 main().then(
