@@ -212,6 +212,54 @@ describe('readStoredFrames', () => {
     expect((await readStoredFrames(nc.jetstream(), jsm, names.responseStream, never, { since: Date.now() - 60_000 })).complete).toBe(true);
   });
 
+  it('reads the same by batched direct gets (the gateway: no consumer made), across pages and beside other subjects', async () => {
+    const subject = responseSubjectOf(names, 'stored-direct');
+    const other = responseSubjectOf(names, 'stored-direct-other');
+    const chunk = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: { choices: [{ index: 0, delta: { content: `piece ${seq}` } }] } });
+    // 600 frames, more than one batch (256), each between two of another subject's.
+    for (let seq = 0; seq < 600; seq++) {
+      nc.publish(other, encodeJson(chunk(seq)));
+      nc.publish(subject, encodeJson(chunk(seq)));
+    }
+    nc.publish(subject, encodeJson({ seq: 600, type: 'done', data: {} }));
+    await nc.flush();
+    // Every consumer made is asked for on the JetStream API: heard here.
+    const creates = nc.subscribe(`$JS.API.CONSUMER.CREATE.${names.responseStream}.>`);
+    let made = 0;
+    void (async () => {
+      for await (const _ of creates) made++;
+    })();
+    const direct = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject, { direct: nc });
+    expect(direct.frames).toHaveLength(601);
+    expect(direct.frames.map((f) => f.seq)).toEqual([...Array(601).keys()]);
+    expect(direct.complete).toBe(true);
+    const never = responseSubjectOf(names, 'never-direct');
+    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, never, { direct: nc })).toEqual({
+      frames: [],
+      beyondGap: [],
+      highestSeq: -1,
+      complete: true,
+    });
+    // Gaps show the same way.
+    const gap = responseSubjectOf(names, 'stored-direct-gap');
+    nc.publish(gap, encodeJson({ seq: 0, type: 'chunk', data: {} }));
+    nc.publish(gap, encodeJson({ seq: 2, type: 'chunk', data: {} }));
+    await nc.flush();
+    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, gap, { direct: nc })).toMatchObject({
+      frames: [{ seq: 0 }],
+      beyondGap: [{ seq: 2 }],
+      highestSeq: 2,
+      complete: false,
+    });
+    await nc.flush();
+    expect(made).toBe(0);
+    // The consumer's read (bridges read so) finds the same, and makes one.
+    expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject)).toEqual(direct);
+    await nc.flush();
+    expect(made).toBe(1);
+    creates.unsubscribe();
+  });
+
   it('reports a gap as incomplete', async () => {
     const subject = responseSubjectOf(names, 'stored-gap');
     nc.publish(subject, encodeJson({ seq: 0, type: 'chunk', data: {} }));

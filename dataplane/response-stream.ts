@@ -3,7 +3,7 @@
  * (a take-over learns what its client may already have; a gateway back from an outage fetches
  * what it missed), and whether the stream keeps frames as long as take-overs need them.
  */
-import { ErrorCode, type JetStreamClient, type JetStreamManager, type StoredMsg } from 'nats';
+import { ErrorCode, RequestStrategy, type JetStreamClient, type JetStreamManager, type NatsConnection, type StoredMsg } from 'nats';
 import type { ResponseFrame } from '../shared/serving';
 import { ResponseStreamMetadata } from './declare';
 import { JsApiError, jsErrorCode } from './errors';
@@ -41,7 +41,16 @@ export async function readStoredFrames(
   jsm: JetStreamManager,
   stream: string,
   subject: string,
-  opts: { since?: number; timeoutMs?: number } = {},
+  opts: {
+    since?: number;
+    timeoutMs?: number;
+    /**
+     * Read by batched direct gets on this connection, whose role may send `$JS.API.DIRECT.GET.<stream>`
+     * for any subject (the gateway's): no consumer is made, so a herd of readers (the clients of a
+     * killed gateway resuming on another at once) costs the cluster's meta leader nothing.
+     */
+    direct?: NatsConnection;
+  } = {},
 ): Promise<StoredFrames> {
   let lastSeq: number;
   try {
@@ -55,6 +64,20 @@ export async function readStoredFrames(
   const frames: ResponseFrame[] = [];
   let highestSeq = -1;
   let malformed = false;
+  const take = (data: Uint8Array) => {
+    const frame = decodeFrame(data);
+    if (frame) {
+      frames.push(...sequencer.push(frame));
+      highestSeq = Math.max(highestSeq, frame.seq);
+    } else malformed = true;
+  };
+  if (opts.direct) {
+    const stored = await readDirect(opts.direct, stream, subject, lastSeq, opts.timeoutMs ?? 10_000);
+    if (stored) {
+      for (const data of stored) take(data);
+      return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
+    }
+  }
   // One filter subject, as a string: nats.js then names it in the create request's subject
   // (`$JS.API.CONSUMER.CREATE.<stream>.<name>.<subject>`), which a bridge's permissions allow for
   // its own instance's subjects only (roles.ts).
@@ -64,11 +87,7 @@ export async function readStoredFrames(
   let reachedEnd = false;
   try {
     for await (const m of messages) {
-      const frame = decodeFrame(m.data);
-      if (frame) {
-        frames.push(...sequencer.push(frame));
-        highestSeq = Math.max(highestSeq, frame.seq);
-      } else malformed = true;
+      take(m.data);
       if (m.seq >= lastSeq) {
         reachedEnd = true;
         break;
@@ -83,6 +102,51 @@ export async function readStoredFrames(
   // take-over end a live answer with resume_failed at seq 0 this way).
   if (!reachedEnd) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
   return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
+}
+
+/** Messages one batched direct get returns at most. */
+const DIRECT_BATCH = 256;
+
+/**
+ * `subject`'s messages in `stream` up to stream sequence `lastSeq`, in order, by batched direct
+ * gets (`{seq, next_by_subj, batch}`: any replica answers from its subject index); undefined when
+ * the server does not batch them (before NATS 2.11: its replies carry no `Nats-Num-Pending`).
+ * A replica behind the one that told `lastSeq` is asked again until `timeoutMs`; then it throws,
+ * as the consumer's read does: frames not read are not frames that are gone.
+ */
+async function readDirect(nc: NatsConnection, stream: string, subject: string, lastSeq: number, timeoutMs: number): Promise<Uint8Array[] | undefined> {
+  const out: Uint8Array[] = [];
+  const deadline = Date.now() + timeoutMs;
+  let from = 1;
+  while (from <= lastSeq) {
+    const left = deadline - Date.now();
+    if (left <= 0) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
+    const replies = await nc.requestMany(`$JS.API.DIRECT.GET.${stream}`, JSON.stringify({ seq: from, next_by_subj: subject, batch: DIRECT_BATCH }), {
+      strategy: RequestStrategy.SentinelMsg,
+      maxWait: left,
+    });
+    const before = from;
+    try {
+      for await (const m of replies) {
+        // The end of the batch (204), or nothing from `from` on (404): a reply without data.
+        if (m.data.length === 0) break;
+        if (m.headers?.get('Nats-Num-Pending') === '') return undefined;
+        const seq = Number(m.headers?.get('Nats-Sequence'));
+        if (!Number.isSafeInteger(seq) || seq < from)
+          throw new Error(`a direct get of ${subject} from ${stream} answered stream seq ${m.headers?.get('Nats-Sequence')}`);
+        if (seq > lastSeq) return out;
+        out.push(m.data);
+        from = seq + 1;
+      }
+    } catch (err) {
+      // A stream declared before `allow_direct`: nobody answers direct gets.
+      if ((err as { code?: string } | null)?.code === ErrorCode.NoResponders) return undefined;
+      throw err;
+    }
+    // Nothing new from this replica: it is behind; another, or the same later, is asked.
+    if (from === before) await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  return out;
 }
 
 /**

@@ -312,7 +312,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     // Frames published while this process was cut off are in the response stream: read them back.
     const js = nc.jetstream();
     const readStored = async (subject: string) => {
-      const stored = await readStoredFrames(js, jsm, config.responseStream, subject);
+      const stored = await readStoredFrames(js, jsm, config.responseStream, subject, { direct: nc });
       if (!stored.complete) metrics.framesGone.inc();
       // Frames beyond a gap count too: the missing ones may be those this process already has.
       return [...stored.frames, ...stored.beyondGap];
