@@ -438,6 +438,83 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
   processes.delete(second);
 }, 60_000);
 
+/** The id a stream's keep-alive says while the answer waits for its first chunk (a message with no data), and the events before it. */
+async function keepAliveId(res: Response): Promise<{ id: string; before: string[] }> {
+  const before: string[] = [];
+  let buffer = '';
+  for await (const bytes of res.body!) {
+    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
+    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
+      const message = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const id = /^id: (.*)$/m.exec(message)?.[1];
+      if (id !== undefined && !/^data: /m.test(message)) return { id, before };
+      before.push(message);
+    }
+  }
+  throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
+}
+
+test('a stream cut off while it waits in its queue comes back with the id its keep-alive said: the whole answer from its role chunk, generated once', async () => {
+  const first = await startGatewayProcess();
+  const second = await startGatewayProcess();
+  // Every slot of the bridge busy with an answer held mid-way: the next request waits in its queue.
+  let release!: () => void;
+  const released = new Promise<void>((resolve) => (release = resolve));
+  hold = { released, reached: 0 };
+  const fillers = await Promise.all(
+    Array.from({ length: 2 * STREAMS }, async (_, i) => {
+      const session = await pinnedSession(`filler-${i}`);
+      const events = rawStream(second, session, `filler ${i}: a story that takes its time ${randomBytes(8).toString('hex')}`);
+      for (let pieces = 0; pieces < HELD_AFTER;) if (pieceOf((await events.next()).value as RawEvent)) pieces++;
+      return events;
+    }),
+  );
+  hold = undefined;
+  const session = await pinnedSession('queued');
+  const content = `queued: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+  const whole = splitText(content, CHUNKS);
+  const res = await fetch(`${first.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json', 'x-session-id': session },
+    body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true, stream_options: { include_usage: true } }),
+    // Keep-alives come every 2 s: one with the id well within this.
+    signal: AbortSignal.timeout(20_000),
+  });
+  expect(res.status).toBe(200);
+  // Nothing but keep-alives came (it waits); the first that came after its publish says its id, without a seq.
+  const { id, before } = await keepAliveId(res);
+  expect(before.every((m) => m.startsWith(': keep-alive'))).toBe(true);
+  expect(id).toMatch(/^[A-Za-z0-9_-]+\.[A-Za-z0-9_-]{16}\.$/);
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(content))).toHaveLength(0);
+
+  first.child.kill('SIGKILL');
+  expect(await first.exited).toEqual({ code: null, signal: 'SIGKILL' });
+  processes.delete(first);
+
+  // Resumed on the other replica with that id: the answer whole, from its role chunk, once it is served.
+  const rest: RawEvent[] = [];
+  const resumed = (async () => {
+    for await (const e of rawStream(second, session, content, id)) rest.push(e);
+  })();
+  release();
+  await resumed;
+  for (const f of fillers) for await (const _ of f);
+  expect(rest.at(-1)!.data).toBe('[DONE]');
+  const chunks = rest.slice(0, -1).map((e) => JSON.parse(e.data) as OpenAI.ChatCompletionChunk);
+  expect(chunks[0]!.choices[0]!.delta.role).toBe('assistant');
+  expect(rest.map(pieceOf).filter(Boolean)).toEqual(whole);
+  expect(chunks.at(-1)!.usage).toMatchObject({ completion_tokens: CHUNKS });
+  const seqs = rest.slice(0, -1).map((e) => Number(e.id!.split('.')[2]));
+  expect(seqs).toEqual(seqs.map((_, i) => i));
+  // Generated once: the request its dead gateway published, not one sent again.
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(content))).toHaveLength(1);
+
+  second.child.kill('SIGTERM');
+  expect(await second.exited).toEqual({ code: 0, signal: null });
+  processes.delete(second);
+}, 90_000);
+
 /** The Responses API's events of a stream (`event:` and `data:` lines), as they come. */
 async function* responseEvents(res: Response): AsyncGenerator<OpenAI.Responses.ResponseStreamEvent> {
   for await (const e of sseMessages(res)) yield JSON.parse(e.data) as OpenAI.Responses.ResponseStreamEvent;

@@ -258,7 +258,7 @@ export async function serveResume(
 ): Promise<FastifyReply> {
   const s = app.gateway.settings;
   reply.header('x-request-id', point.requestId);
-  sse.resumable(point.idPrefix);
+  sse.resumable(point.idPrefix, point.seq);
   const ctl = new AbortController();
   const onClose = () => {
     if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));

@@ -51,4 +51,33 @@ describe('SseResponse', () => {
     expect(writes).toHaveLength(1);
     sse.stop();
   });
+
+  it("says a resumable answer's id without a seq in its keep-alives until its first chunk, then no more", () => {
+    jest.useFakeTimers();
+    try {
+      const { reply, writes } = fakeReply();
+      const sse = new SseResponse(reply, 2000, 'r1');
+      jest.advanceTimersByTime(2000);
+      // Not resumable yet (not published): a plain comment.
+      expect(writes).toEqual([': keep-alive\n\n']);
+      sse.resumable('ANSWER.MAC.');
+      sse.waiting('queued');
+      jest.advanceTimersByTime(2000);
+      expect(writes[1]).toBe('id: ANSWER.MAC.\n: keep-alive: queued\n\n');
+      sse.data({ n: 0 }, 0);
+      jest.advanceTimersByTime(2000); // the chunk was this interval's write
+      jest.advanceTimersByTime(2000);
+      expect(writes.slice(2)).toEqual(['id: ANSWER.MAC.0\ndata: {"n":0}\n\n', ': keep-alive: queued\n\n']);
+      sse.stop();
+      // A resumed stream whose client has chunk 17: its keep-alives say no id.
+      const resumed = fakeReply();
+      const again = new SseResponse(resumed.reply, 2000, 'r1');
+      again.resumable('ANSWER.MAC.', 17);
+      jest.advanceTimersByTime(2000);
+      expect(resumed.writes).toEqual([': keep-alive\n\n']);
+      again.stop();
+    } finally {
+      jest.useRealTimers();
+    }
+  });
 });

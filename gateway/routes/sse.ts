@@ -7,7 +7,9 @@
  *
  * Keep-alive: whenever a whole `keepAliveMs` (2 s by default) passes without a write — a cold
  * start, a queue, a slow prompt — a comment goes out saying what the answer waits for
- * (`: keep-alive: waiting for an instance of demo to start`), which also commits the response (200).
+ * (`: keep-alive: waiting for an instance of demo to start`), which also commits the response (200);
+ * until its first chunk event, a resumable answer's keep-alive carries its id without a seq
+ * (`id: <answer>.<mac>.`), which resumes it from before its first chunk.
  *
  * The first write goes out at once (time to first chunk); later events written in one turn of
  * the event loop (the frames of one NATS read: a burst from a fast engine) go out in one socket
@@ -25,6 +27,8 @@ export class SseResponse {
   private readonly timer: NodeJS.Timeout;
   /** What each chunk event's `id:` begins with (its seq follows), once the answer is resumable (serving/resume.ts). */
   private idPrefix: string | undefined;
+  /** Whether an event with a seq in its id went out (a keep-alive then says no id: the client's last one stands). */
+  private chunkSent = false;
 
   constructor(
     private readonly reply: FastifyReply,
@@ -32,7 +36,12 @@ export class SseResponse {
     private readonly requestId: string,
   ) {
     this.timer = setInterval(() => {
-      if (!this.wrote) this.write(this.waitingFor ? `: keep-alive: ${this.waitingFor().replace(/[\r\n]+/g, ' ')}\n\n` : ': keep-alive\n\n');
+      if (!this.wrote) {
+        // Before its first chunk a resumable answer's keep-alive carries the answer's id without a
+        // seq (no event: the data is empty), so a client cut off while it waits can come back for it.
+        const id = this.idPrefix !== undefined && !this.chunkSent ? `id: ${this.idPrefix}\n` : '';
+        this.write(`${id}${this.waitingFor ? `: keep-alive: ${this.waitingFor().replace(/[\r\n]+/g, ' ')}\n\n` : ': keep-alive\n\n'}`);
+      }
       this.wrote = false;
     }, keepAliveMs);
   }
@@ -50,14 +59,20 @@ export class SseResponse {
     return this.committed;
   }
 
-  /** From now on chunk events carry `id: <prefix><seq>`, which a client sends back as `Last-Event-ID` to resume. */
-  resumable(idPrefix: string): void {
+  /**
+   * From now on chunk events carry `id: <prefix><seq>`, which a client sends back as `Last-Event-ID`
+   * to resume; `had`, the seq of the last chunk the client has (a resumed stream's): its keep-alives
+   * then say no id, the client's stands.
+   */
+  resumable(idPrefix: string, had = -1): void {
     this.idPrefix = idPrefix;
+    if (had >= 0) this.chunkSent = true;
   }
 
   /** One `data:` event with a JSON payload (a `chat.completion.chunk`), with its id when it has a seq and the stream is resumable. */
   data(payload: unknown, seq?: number): void {
     const id = this.idPrefix !== undefined && seq !== undefined ? `id: ${this.idPrefix}${seq}\n` : '';
+    if (id) this.chunkSent = true;
     this.write(`${id}data: ${JSON.stringify(payload)}\n\n`);
   }
 

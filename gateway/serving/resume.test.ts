@@ -10,6 +10,12 @@ describe('resume points: event ids a key can resume from, and nobody else', () =
     expect(parseLastEventId(SECRET, 'config/team-a', id)).toEqual({ ...answer, seq: 17, idPrefix: id.slice(0, -2) });
   });
 
+  it('an id without a seq (said while the answer waits for its first chunk) resumes from before the first', () => {
+    const prefix = resumeIdPrefix(SECRET, 'config/team-a', answer);
+    expect(parseLastEventId(SECRET, 'config/team-a', prefix)).toEqual({ ...answer, seq: -1, idPrefix: prefix });
+    expect(parseLastEventId(SECRET, 'config/team-b', prefix)).toBeUndefined();
+  });
+
   it.each([
     ['another scope', (id: string) => id, 'config/team-b', SECRET],
     ['another secret', (id: string) => id, 'config/team-a', 'another-secret'],
@@ -20,7 +26,7 @@ describe('resume points: event ids a key can resume from, and nobody else', () =
       SECRET,
     ],
     ['a changed MAC', (id: string) => id.replace(/\.[^.]+\./, '.AAAAAAAAAAAAAAAA.'), 'config/team-a', SECRET],
-    ['no seq', (id: string) => id.slice(0, id.lastIndexOf('.') + 1), 'config/team-a', SECRET],
+    ['a seq that is no number', (id: string) => `${id.slice(0, id.lastIndexOf('.') + 1)}-1`, 'config/team-a', SECRET],
     ['garbage', () => 'x.y.z', 'config/team-a', SECRET],
   ])('%s: no resume point', (_what, change, scope, secret) => {
     const id = `${resumeIdPrefix(SECRET, 'config/team-a', answer)}3`;

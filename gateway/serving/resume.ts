@@ -42,10 +42,14 @@ export function resumeIdPrefix(secret: string, scope: string, a: ResumableAnswer
   return `${Buffer.from([a.replica, a.pool, a.instance, a.requestId].join('/')).toString('base64url')}.${macOf(secret, scope, a)}.`;
 }
 
-/** A `Last-Event-ID` this gateway (or another sharing its secret) issued to a key of `scope`, or undefined. */
+/**
+ * A `Last-Event-ID` this gateway (or another sharing its secret) issued to a key of `scope`, or
+ * undefined. Without a seq (`<answer>.<mac>.`: the id a stream says while it waits for its first
+ * chunk) it resumes from before the first: seq −1.
+ */
 export function parseLastEventId(secret: string, scope: string, id: string): ResumePoint | undefined {
   const parts = id.trim().split('.');
-  if (parts.length !== 3 || !/^\d{1,9}$/.test(parts[2]!)) return undefined;
+  if (parts.length !== 3 || !/^\d{0,9}$/.test(parts[2]!)) return undefined;
   const names = Buffer.from(parts[0]!, 'base64url').toString('utf8').split('/');
   if (names.length !== 4 || !names.every((n) => NAME.test(n))) return undefined;
   const [replica, pool, instance, requestId] = names as [string, string, string, string];
@@ -53,7 +57,7 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
   const given = Buffer.from(parts[1]!);
   const expected = Buffer.from(macOf(secret, scope, answer));
   if (given.length !== expected.length || !timingSafeEqual(given, expected)) return undefined;
-  return { ...answer, seq: Number(parts[2]), idPrefix: `${parts[0]!}.${parts[1]!}.` };
+  return { ...answer, seq: parts[2] === '' ? -1 : Number(parts[2]), idPrefix: `${parts[0]!}.${parts[1]!}.` };
 }
 
 /**
