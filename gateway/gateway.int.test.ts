@@ -423,7 +423,7 @@ describe('clients that go away', () => {
     const reader = res.body!.getReader();
     const first = new TextDecoder().decode((await reader.read()).value as Uint8Array);
     expect(first).toMatch(
-      /^: keep-alive: (queued at instance \S+ of \S+: waiting for its engine to begin the answer|waiting for an instance of \S+ to take the request \(one may be starting\))\n\n$/,
+      /^(id: \S+\.\S+\.\n)?: keep-alive: (queued at instance \S+ of \S+: waiting for its engine to begin the answer|waiting for an instance of \S+ to take the request \(one may be starting\))\n\n$/,
     );
     ctl.abort();
     const started = Date.now();

@@ -438,12 +438,19 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
   processes.delete(second);
 }, 60_000);
 
-/** The id a stream's keep-alive says while the answer waits for its first chunk (a message with no data), and the events before it. */
+/**
+ * The id a stream's keep-alive says while the answer waits for its first chunk (a message with no
+ * data), and the messages before it. The body is left open (a client that closed it would have
+ * its request cancelled: this one is cut off by its gateway's death).
+ */
 async function keepAliveId(res: Response): Promise<{ id: string; before: string[] }> {
+  const reader = res.body!.getReader();
   const before: string[] = [];
   let buffer = '';
-  for await (const bytes of res.body!) {
-    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
+    buffer += Buffer.from(value).toString('utf8');
     for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
       const message = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
@@ -452,7 +459,6 @@ async function keepAliveId(res: Response): Promise<{ id: string; before: string[
       before.push(message);
     }
   }
-  throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
 }
 
 test('a stream cut off while it waits in its queue comes back with the id its keep-alive said: the whole answer from its role chunk, generated once', async () => {
@@ -462,7 +468,7 @@ test('a stream cut off while it waits in its queue comes back with the id its ke
   let release!: () => void;
   const released = new Promise<void>((resolve) => (release = resolve));
   hold = { released, reached: 0 };
-  const fillers = await Promise.all(
+  const filling = Promise.all(
     Array.from({ length: 2 * STREAMS }, async (_, i) => {
       const session = await pinnedSession(`filler-${i}`);
       const events = rawStream(second, session, `filler ${i}: a story that takes its time ${randomBytes(8).toString('hex')}`);
@@ -470,6 +476,12 @@ test('a stream cut off while it waits in its queue comes back with the id its ke
       return events;
     }),
   );
+  const fillers = await Promise.race([
+    filling,
+    sleep(30_000).then(() => {
+      throw new Error(`not every slot's answer reached its hold (${hold?.reached} did): ${diagnosis()}`);
+    }),
+  ]);
   hold = undefined;
   const session = await pinnedSession('queued');
   const content = `queued: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
@@ -498,8 +510,22 @@ test('a stream cut off while it waits in its queue comes back with the id its ke
     for await (const e of rawStream(second, session, content, id)) rest.push(e);
   })();
   release();
-  await resumed;
-  for (const f of fillers) for await (const _ of f);
+  const within = <T>(what: string, p: Promise<T>) =>
+    Promise.race([
+      p,
+      sleep(20_000).then(() => {
+        throw new Error(
+          `${what} did not end within 20 s (resumed: ${rest.map((e) => e.data.slice(0, 60)).join(' | ')}; engine requests ${engine.requests.length}): ${diagnosis()}`,
+        );
+      }),
+    ]);
+  await within('the resumed stream', resumed);
+  await within(
+    'the other answers',
+    (async () => {
+      for (const f of fillers) for await (const _ of f);
+    })(),
+  );
   expect(rest.at(-1)!.data).toBe('[DONE]');
   const chunks = rest.slice(0, -1).map((e) => JSON.parse(e.data) as OpenAI.ChatCompletionChunk);
   expect(chunks[0]!.choices[0]!.delta.role).toBe('assistant');
