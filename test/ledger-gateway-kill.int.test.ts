@@ -448,9 +448,9 @@ async function keepAliveId(res: Response): Promise<{ id: string; before: string[
   const before: string[] = [];
   let buffer = '';
   for (;;) {
-    const { value, done } = await reader.read();
+    const { value, done } = (await reader.read()) as { value?: Uint8Array; done: boolean };
     if (done) throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
-    buffer += Buffer.from(value).toString('utf8');
+    buffer += Buffer.from(value!).toString('utf8');
     for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
       const message = buffer.slice(0, end);
       buffer = buffer.slice(end + 2);
