@@ -64,6 +64,7 @@ import { freePort } from '../workers/dev/services';
 import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
+import { sseRecords } from '../test/harness/sse-stream';
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
 import { fmt, p50, p99 } from './common';
@@ -227,25 +228,6 @@ async function startInstance(instance: string): Promise<void> {
   await startInstanceBridge(instance);
 }
 
-/**
- * The messages of an SSE response as an `EventSource` reads them: each with its `id:` when it has
- * one, its data when it has some — a keep-alive before the first chunk says the answer's id with
- * no data (gateway/README.md, "Resuming a stream"), which a client keeps as its last event id.
- */
-async function* sseWithIds(res: Response): AsyncGenerator<{ id?: string; data?: string }> {
-  let buffer = '';
-  for await (const bytes of res.body!) {
-    buffer += Buffer.from(bytes as Uint8Array).toString('utf8');
-    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
-      const lines = buffer.slice(0, end).split('\n');
-      buffer = buffer.slice(end + 2);
-      const id = lines.find((l) => l.startsWith('id: '))?.slice(4);
-      const data = lines.find((l) => l.startsWith('data: '))?.slice(6);
-      if (id !== undefined || data !== undefined) yield { ...(id !== undefined ? { id } : {}), ...(data !== undefined ? { data } : {}) };
-    }
-  }
-}
-
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
 async function answer(client: number, session: string, prompt: number): Promise<Answer> {
   const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now() };
@@ -281,7 +263,9 @@ async function answer(client: number, session: string, prompt: number): Promise<
         a.error = `${res.status} ${(await res.text()).slice(0, 200)}`;
         return a;
       }
-      for await (const e of sseWithIds(res)) {
+      // Every message, as an `EventSource` reads them: a keep-alive before the first chunk says the
+      // answer's id with no data (gateway/README.md, "Resuming a stream"), kept as the last event id.
+      for await (const e of sseRecords(res)) {
         if (e.id) {
           lastId = e.id;
           a.instance ??= parseLastEventId(SECRET, TOKEN_ID, e.id)?.instance;

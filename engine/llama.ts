@@ -59,7 +59,7 @@ const importEsm = new Function('specifier', 'return import(specifier)') as (spec
  * always takes: with bigger batches a prompt evaluated cold, the prefix a slot kept, an answer
  * continued from its tokens and the same prompt beside other sequences each held slightly other
  * numbers, and a greedy answer could part from the undisturbed one (engine/exact.test.ts).
- * Prompts evaluate ~1.7× slower (bench/README.md, "Exact continuations"). Two of llama.cpp's
+ * Prompts evaluate ~1.7× slower (bench/README.md, "Continuations that equal the undisturbed answer"). Two of llama.cpp's
  * choices by batch shape remain (engine/README.md): a lone single-token step over 512 or more
  * cached tokens splits its attention across threads, and for Q8_0, Q4_0, F16 and F32 weights a
  * matrix times one row is a vector dot, times two or more llamafile's sgemm.

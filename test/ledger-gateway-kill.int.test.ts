@@ -36,7 +36,7 @@ import { endpoint, isolation, natsConnectAsBridge, natsCredentialsEnv, natsRoleC
 import { pinConversation, publishPoolView } from './harness/gateway';
 import { readyModel } from './harness/gateway-app';
 import { natsStack, stubEngineStack, TestStack } from './harness/stack';
-import { sseMessages, type RawEvent } from './harness/sse-stream';
+import { sseMessages, sseRecords, type RawEvent } from './harness/sse-stream';
 import { sleep, until } from './harness/wait';
 
 const iso = isolation();
@@ -444,20 +444,14 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
  * its request cancelled: this one is cut off by its gateway's death).
  */
 async function keepAliveId(res: Response): Promise<{ id: string; before: string[] }> {
-  const reader = res.body!.getReader();
+  const records = sseRecords(res);
   const before: string[] = [];
-  let buffer = '';
   for (;;) {
-    const { value, done } = (await reader.read()) as { value?: Uint8Array; done: boolean };
-    if (done) throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
-    buffer += Buffer.from(value!).toString('utf8');
-    for (let end = buffer.indexOf('\n\n'); end >= 0; end = buffer.indexOf('\n\n')) {
-      const message = buffer.slice(0, end);
-      buffer = buffer.slice(end + 2);
-      const id = /^id: (.*)$/m.exec(message)?.[1];
-      if (id !== undefined && !/^data: /m.test(message)) return { id, before };
-      before.push(message);
-    }
+    const next = await records.next();
+    if (next.done) throw new Error(`the stream ended before a keep-alive said its id: ${before.join(' | ')}`);
+    const { id, data, raw } = next.value;
+    if (id !== undefined && data === undefined) return { id, before };
+    before.push(raw);
   }
 }
 
