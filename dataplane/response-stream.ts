@@ -23,6 +23,11 @@ export interface StoredFrames {
    * then what was sent cannot be known, and the prefix cannot be trusted.
    */
   complete: boolean;
+  /**
+   * Why not complete: a seq missing with frames stored beyond it (`gap`), none stored although the
+   * stream dropped frames younger than `since` (`dropped`), or a frame that does not decode.
+   */
+  incomplete?: { why: 'gap' | 'dropped' | 'malformed'; detail: string };
 }
 
 /**
@@ -57,8 +62,8 @@ export async function readStoredFrames(
     lastSeq = await lastSeqOf(jsm, stream, subject);
   } catch (err) {
     if (!isNoMessage(err)) throw err;
-    const dropped = opts.since !== undefined && (await droppedSince(jsm, stream, opts.since));
-    return { frames: [], beyondGap: [], highestSeq: -1, complete: !dropped };
+    const dropped = opts.since === undefined ? undefined : await droppedSince(jsm, stream, opts.since);
+    return { frames: [], beyondGap: [], highestSeq: -1, complete: !dropped, ...(dropped ? { incomplete: { why: 'dropped', detail: dropped } } : {}) };
   }
   const sequencer = new FrameSequencer();
   const frames: ResponseFrame[] = [];
@@ -71,11 +76,20 @@ export async function readStoredFrames(
       highestSeq = Math.max(highestSeq, frame.seq);
     } else malformed = true;
   };
+  const found = (): StoredFrames => {
+    const beyondGap = sequencer.waiting();
+    const incomplete: StoredFrames['incomplete'] = malformed
+      ? { why: 'malformed', detail: 'a stored frame does not decode' }
+      : sequencer.hasGap
+        ? { why: 'gap', detail: `seq ${frames.length} missing; ${beyondGap.length} frame(s) stored beyond it, up to seq ${highestSeq}` }
+        : undefined;
+    return { frames, beyondGap, highestSeq, complete: !incomplete, ...(incomplete ? { incomplete } : {}) };
+  };
   if (opts.direct) {
     const stored = await readDirect(opts.direct, stream, subject, lastSeq, opts.timeoutMs ?? 10_000);
     if (stored) {
       for (const data of stored) take(data);
-      return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
+      return found();
     }
   }
   // One filter subject, as a string: nats.js then names it in the create request's subject
@@ -101,7 +115,7 @@ export async function readStoredFrames(
   // the caller retries rather than end an answer it cannot see (the cluster test saw a
   // take-over end a live answer with resume_failed at seq 0 this way).
   if (!reachedEnd) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
-  return { frames, beyondGap: sequencer.waiting(), highestSeq, complete: !malformed && !sequencer.hasGap };
+  return found();
 }
 
 /** Messages one batched direct get returns at most. */
@@ -171,10 +185,11 @@ async function lastSeqOf(jsm: JetStreamManager, stream: string, subject: string)
 const isNoMessage = (err: unknown): boolean =>
   jsErrorCode(err) === JsApiError.noMessage || (err as { code?: string } | null)?.code === ErrorCode.JetStream404NoMessages;
 
-/** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger). */
-async function droppedSince(jsm: JetStreamManager, stream: string, since: number): Promise<boolean> {
+/** Whether `stream`, declared before `since`, has dropped messages stored after it (its oldest is younger): what it says of that, or undefined. */
+async function droppedSince(jsm: JetStreamManager, stream: string, since: number): Promise<string | undefined> {
   const { created, state } = await jsm.streams.info(stream);
-  return Date.parse(created) <= since && state.messages > 0 && Date.parse(state.first_ts) > since;
+  const dropped = Date.parse(created) <= since && state.messages > 0 && Date.parse(state.first_ts) > since;
+  return dropped ? `none stored, and the stream's oldest frame (${state.first_ts}) is younger than the request (${new Date(since).toISOString()})` : undefined;
 }
 
 /** What {@link responseStreamState} reports of `MAGUS_RESPONSES`: whether it keeps frames as long as take-overs need them. */

@@ -95,6 +95,11 @@ export class Attempt {
   nextSeq = 0;
   /** The answer's frames so far, earlier attempts' included, as its engine call keeps them (generate.ts). */
   answer: readonly ResponseFrame[] = [];
+  /**
+   * Frames an earlier attempt stored beyond a seq the response stream lost (by seq): its client
+   * may have them, so what this attempt generates at those seqs must say the same (generate.ts).
+   */
+  beyondGap: ReadonlyMap<number, ResponseFrame> = new Map();
   /** The tokens the request's frames reported (the engine's `usage`), and the chunks they streamed. */
   private tokens: Tokens | undefined;
   private chunks = 0;

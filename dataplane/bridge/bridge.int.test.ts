@@ -494,6 +494,66 @@ describe('redelivery', () => {
     expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
   });
 
+  /**
+   * The first attempt's frames of `req` up to `atLeast`, its stored frame `lost` then deleted from
+   * the response stream (as a frame published while the stream had no leader is never stored,
+   * though its client got it), and its connection closed: the heir's read-back finds a gap.
+   */
+  async function loseStoredFrame(instance: string, req: InferenceRequest, answer: Answer, lost: number, doomed: NatsConnection): Promise<void> {
+    await until('frames past the lost one', () => answer.raw.length >= lost + 3);
+    const consumer = await nc.jetstream().consumers.get(names.responseStream, { filterSubjects: framesSubjectOf(instance, req) });
+    const stored = await consumer.fetch({ max_messages: lost + 1, expires: 2_000 });
+    let deleted = false;
+    for await (const m of stored) {
+      if (decodeFrame(m.data)?.seq !== lost) continue;
+      deleted = await jsm.streams.deleteMessage(names.responseStream, m.seq);
+      break;
+    }
+    expect(deleted).toBe(true);
+    await doomed.close();
+  }
+
+  it('a redelivery that finds a frame lost between stored ones generates on from before it, in the words of the frames stored after it', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120, tokens: true }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomed = await natsConnectAsBridge(names, POOL, instance);
+    await bridge(instance, stub.url, {}, doomed);
+    const { req, answer } = await sent(instance);
+    await loseStoredFrame(instance, req, answer, 3, doomed);
+
+    const heir = await bridge(instance, stub.url);
+    expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    const seed = seedFor(req.id);
+    expect(answer.text()).toBe(expectedText(seed, 12));
+    // Continued after the three tokens stored in order, not ended with resume_failed.
+    expect(stub.calls.at(-1)).toMatchObject({ magus: { resume: { tokens: [0, 1, 2] } } });
+    await until('ack', () => heir.stats.acked === 1);
+    expect(heir.stats).toMatchObject({ redelivered: 1, resumed: 1, resumedAcrossGap: 1, resumeFailed: 0, termed: 0, errors: 0 });
+    // The lost frame is stored again: a later read-back finds the whole answer.
+    const after = await readStoredFrames(nc.jetstream(), jsm, names.responseStream, framesSubjectOf(instance, req));
+    expect(after).toMatchObject({ complete: true, highestSeq: 13 });
+    expect(after.frames.map((f) => f.seq)).toEqual(Array.from({ length: 14 }, (_, i) => i));
+  });
+
+  it('across a lost frame, an engine that does not say the same words after it ends the answer with an error after every frame its client may have', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120, tokens: true, random: true }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomed = await natsConnectAsBridge(names, POOL, instance);
+    await bridge(instance, stub.url, {}, doomed);
+    const { req, answer } = await sent(instance);
+    await loseStoredFrame(instance, req, answer, 3, doomed);
+    const said = answer.raw.length;
+
+    const heir = await bridge(instance, stub.url);
+    const frames = await answer.finished;
+    // The first attempt's frames (the client had the lost one from its publish), then the error.
+    expect(frames.at(-1)).toMatchObject({ type: 'error', error: { code: BridgeErrorCode.generationDiverged } });
+    expect(frames.length).toBeGreaterThan(said);
+    expect(frames.slice(0, -1).every((f, i) => f.type === 'chunk' && answer.raw[i] === f)).toBe(true);
+    await until('term', () => heir.stats.termed === 1);
+    expect(heir.stats).toMatchObject({ resumedAcrossGap: 1, resumeFailed: 0 });
+  });
+
   it('a take-over whose engine does not repeat itself ends the answer with an error instead of mixing two', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120, random: true }));
     const instance = await instanceWith({ ackWaitMs: 1500 });

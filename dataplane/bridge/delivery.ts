@@ -9,7 +9,7 @@ import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
 import type { RequestClaims } from '../claims';
 import { encodeFrame, FrameParts } from '../frames';
 import type { DataPlaneNames } from '../names';
-import { readStoredFrames } from '../response-stream';
+import { readStoredFrames, type StoredFrames } from '../response-stream';
 import { recordUsage, type Attempt, type Outcome } from './attempt';
 import type { LiveAttempts } from './attempts';
 import type { Cancels } from './cancels';
@@ -176,11 +176,20 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
       const last = prior.at(-1);
       if (last && (last.type === 'done' || last.type === 'error')) return await a.conclude(last, 'ack'); // answered, but never claimed finished
       // (Ending in parts: it died halfway through a large answer's; answered again, its own parts follow.)
-      if (!stored.complete) {
+      if (stored.incomplete && acrossGap(stored)) {
+        // Frames lost in the middle (published while the stream had no leader, and not published
+        // again: their attempt was superseded or died) with frames stored after them: the client
+        // has at most what is stored in order, and may have had the lost ones straight from their
+        // publish. Generated again from there (the same words from an exact engine: engine/README.md),
+        // checked against the frames stored after them (generate.ts).
+        stats.resumedAcrossGap += 1;
+        a.beyondGap = new Map(stored.beyondGap.map((f) => [f.seq, f]));
+        log(`request ${req.id}: attempt ${a.claim.attempt} resumes across a gap (${stored.incomplete.detail})`);
+      } else if (stored.incomplete) {
         // Frames of the request are gone (MAGUS_RESPONSES evicted or aged them out): what the
         // client has cannot be known. End after the highest seq stored, which it may have.
         stats.resumeFailed += 1;
-        log(`request ${req.id}: its earlier frames are no longer in ${names.responseStream}; ending it (resume_failed)`);
+        log(`request ${req.id}: its earlier frames are no longer in ${names.responseStream}; ending it (resume_failed: ${stored.incomplete.detail})`);
         const seq = Math.max(prior.length, stored.highestSeq + 1);
         return await a.conclude(errorFrame(seq, 502, 'server_error', BridgeErrorCode.resumeFailed, 'the interrupted answer could not be read back'), 'term');
       }
@@ -223,4 +232,13 @@ export async function handBackQueued(ctx: DeliveryContext, m: JsMsg, continues: 
   } finally {
     ctx.attempts.retire(a);
   }
+}
+
+/**
+ * Whether a redelivery can go on across the gap its read-back found: frames lost between stored
+ * ones, those after them only chunks of a streamed answer or its `done` (an error or a part after
+ * a gap: ended as before).
+ */
+function acrossGap(stored: StoredFrames): boolean {
+  return stored.incomplete?.why === 'gap' && stored.beyondGap.length > 0 && stored.beyondGap.every((f) => f.type === 'chunk' || f.type === 'done');
 }

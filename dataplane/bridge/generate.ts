@@ -191,6 +191,9 @@ export interface GenerateOptions {
 export function movable(a: Attempt, continues: boolean, stopping = false): boolean {
   const { req } = a;
   if (!continues || req.kind === 'embeddings' || req.body.stream !== true || (req.continues?.stay === true && !stopping)) return false;
+  // Not before it said again what was lost (its client may have more than it said): a hand-back
+  // names the frames said so far.
+  for (const s of a.beyondGap.keys()) if (s >= a.nextSeq) return false;
   return resumedAnswer(a.answer) !== undefined;
 }
 
@@ -303,7 +306,14 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   const diverged = (): Outcome => ({
     kind: 'finish',
     resolve: 'term',
-    frame: errorFrame(a.nextSeq, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
+    // After the frames stored beyond a lost one too: its client may have them.
+    frame: errorFrame(
+      Math.max(a.nextSeq, ...[...a.beyondGap.keys()].map((s) => s + 1)),
+      502,
+      'server_error',
+      BridgeErrorCode.generationDiverged,
+      'the answer was interrupted and could not be resumed identically',
+    ),
   });
   try {
     // Handed back by another instance with nothing said: it waited its turn there (its engine puts it before its own queue).
@@ -396,6 +406,9 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
         if (before) {
           if (fingerprint(before) !== fingerprint(frame)) return diverged();
         } else {
+          // Where an earlier attempt's frame was stored beyond a lost one, the same words again.
+          const stored = a.beyondGap.get(frame.seq);
+          if (stored && fingerprint(stored) !== fingerprint(frame)) return diverged();
           a.send(frame);
           frames.push(frame);
           a.nextSeq = base + seq + 1;
@@ -412,6 +425,8 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
     const stopped = aborted();
     if (stopped) return stopped;
     if (base + seq < prior.length) return diverged();
+    // Ended before a chunk an earlier attempt stored beyond a lost frame: its client may have it.
+    for (const [s, f] of a.beyondGap) if (s >= a.nextSeq && f.type === 'chunk') return diverged();
     return { kind: 'finish', resolve: 'ack', frame: { seq: a.nextSeq, type: 'done' } };
   } catch (err) {
     // Aborted (ours, deadline, timeout) or the engine is unreachable / died mid-answer: a later

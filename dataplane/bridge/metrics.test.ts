@@ -12,6 +12,7 @@ describe('bridgeMetricsText', () => {
     resumed: 0,
     continued: 0,
     resumeFailed: 0,
+    resumedAcrossGap: 0,
     replayed: 0,
     superseded: 0,
     handedBack: 0,

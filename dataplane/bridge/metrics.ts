@@ -24,6 +24,8 @@ export interface BridgeStats {
    * out, or evicted by a full `MAGUS_RESPONSES`) and ended the answer with `resume_failed`.
    */
   resumeFailed: number;
+  /** Take-overs that found frames lost between stored ones and generated on from before the gap (generate.ts checks the frames after it). */
+  resumedAcrossGap: number;
   /** Deliveries of an already finished request: its terminal frame re-published, nothing generated. */
   replayed: number;
   /** Attempts that found a later delivery owned their request and stopped without resolving it. */
@@ -65,6 +67,7 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   resumed: 'Take-overs that continued after frames an earlier attempt had published.',
   continued: 'Take-overs whose engine continued the answer from the tokens already sent, instead of generating it again.',
   resumeFailed: 'Take-overs that found frames of their request already gone from the response stream (evicted or aged out): answer ended with resume_failed.',
+  resumedAcrossGap: 'Take-overs that found frames lost between stored ones and generated on from before the gap, checked against the frames after it.',
   replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
   superseded: 'Attempts that found a later delivery owned their request.',
   handedBack: 'Answers handed back to their gateway to be continued on another instance (the drain deadline passed, or the engine went away).',
