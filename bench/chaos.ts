@@ -140,6 +140,8 @@ let gateways: GatewayProcess[] = [];
 const firstMoves = new Map<string, number>();
 /** What a gateway logs when it moves an answer (routes/inference.ts: handed back, or its bridge silent). */
 const MOVED = /continued elsewhere|continuing it elsewhere/;
+/** A gateway's log lines shown with CHAOS_VERBOSE besides warnings: moves, and frames read back after a reconnect. */
+const SHOWN = /continued elsewhere|continuing it elsewhere|stored while NATS was unreachable/;
 
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
@@ -169,7 +171,7 @@ async function startGateway(): Promise<GatewayProcess> {
   // Verbose: the gateway's moves and warnings.
   child.stdout?.on('data', (d: Buffer) => {
     for (const line of d.toString().split('\n'))
-      if (MOVED.test(line) || /"level":[45]0/.test(line)) {
+      if (SHOWN.test(line) || /"level":[45]0/.test(line)) {
         const e = JSON.parse(line) as { time: number; msg: string; instance?: string; inferenceId?: string };
         if (e.inferenceId && MOVED.test(e.msg) && !firstMoves.has(e.inferenceId)) firstMoves.set(e.inferenceId, e.time);
         log(`gateway ${child.pid}: ${new Date(e.time).toISOString().slice(11, 23)} ${e.msg} ${e.inferenceId ?? ''} → ${e.instance ?? ''}`);

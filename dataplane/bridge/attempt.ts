@@ -89,6 +89,8 @@ export class Attempt {
   /** Its claim is finished with its terminal frame (by this attempt): no later check can find it superseded. */
   private recorded = false;
   private paused: boolean;
+  /** When it last began holding frames. */
+  private pausedAt = Date.now();
   private resuming = false;
   private concluding = false;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
@@ -173,6 +175,7 @@ export class Attempt {
 
   /** NATS went away: hold frames from now on. */
   pause(): void {
+    if (!this.paused) this.pausedAt = Date.now();
     this.paused = true;
   }
 
@@ -192,7 +195,9 @@ export class Attempt {
       if (!this.ctx.isConnected()) return;
       this.paused = false;
       this.ctx.frames.resend(this.pending, true);
-      for (const f of this.held.splice(0)) this.send(f);
+      const held = this.held.splice(0);
+      for (const f of held) this.send(f);
+      if (held.length > 0) this.ctx.log(`request ${this.req.id}: ${held.length} frame(s) held ${Date.now() - this.pausedAt} ms while NATS was away published`);
     } catch (err) {
       this.ctx.log(`request ${this.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames`);
     } finally {
