@@ -169,6 +169,9 @@ async function recordRefusal(ledger: UsageLedger, r: UsageRecord, stop: AbortSig
 /** Cancels held while NATS is unreachable, at most (the oldest are kept: their engines run longest). */
 const MAX_HELD_CANCELS = 10_000;
 
+/** After a reconnect, stored frames are read back at once and again this long after it (ms). */
+const RECOVER_AGAIN_MS = [300, 1_000];
+
 /** Starts the gateway and listens; the caller owns the returned handle's `close`. */
 export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}): Promise<RunningGateway> {
   const app = createServer(config, deps.logStream);
@@ -317,13 +320,20 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
       // Frames beyond a gap count too: the missing ones may be those this process already has.
       return [...stored.frames, ...stored.beyondGap];
     };
-    onReconnect.push(() => {
+    const recover = () =>
       void responses
         .recover(readStored, (err, inferenceId) => log.warn({ err, inferenceId }, 'could not read back the frames stored while NATS was unreachable'))
         .then((frames) => {
           metrics.framesRecovered.inc([], frames);
           if (frames > 0) log.info({ frames }, 'frames stored while NATS was unreachable handed to their requests');
         });
+    onReconnect.push(() => {
+      recover();
+      // Again, for frames the stream stored after the first read: those in flight to this process's
+      // server when it went away (under bench:chaos, a gap the sequencer would wait out for
+      // gapTimeoutMs, 2.1–2.5 s of silence, after a NATS server was killed). The sequencer drops
+      // what it already has.
+      for (const ms of RECOVER_AGAIN_MS) setTimeout(() => natsUp && recover(), ms).unref();
     });
     // Whether MAGUS_RESPONSES keeps frames as long as take-overs need them: read at each scrape.
     metrics.setResponseStream(() => responseStreamState(jsm, config.responseStream));
