@@ -107,4 +107,25 @@ describe('storedFramePublisher', () => {
     publisher.forget(pending);
     silent.unsubscribe();
   });
+
+  it('a frame not acknowledged is published again sooner the first time (its subscriber may have lost it), then every resendAfterMs', async () => {
+    const subject = `sf${randomBytes(3).toString('hex')}.res.r4`;
+    const quick = storedFramePublisher(nc, { resendAfterMs: 1_000, firstResendAfterMs: 100 });
+    const pending = new PendingFrames();
+    const silent = nc.subscribe(subject, { callback: () => undefined }); // no acknowledgement ever
+    await nc.flush();
+    try {
+      quick.publish(pending, subject, chunk(0));
+      await sleep(150);
+      expect(quick.resend(pending)).toBe(1); // after 100 ms
+      await sleep(150);
+      expect(quick.resend(pending)).toBe(0); // then not before 1 s
+      await sleep(900);
+      expect(quick.resend(pending)).toBe(1);
+    } finally {
+      quick.forget(pending);
+      await quick.close();
+      silent.unsubscribe();
+    }
+  });
 });

@@ -27,6 +27,8 @@ interface Entry {
   data: Uint8Array;
   /** When it was last published; 0 = publish it again at the next sweep. */
   sentAt: number;
+  /** How often it was published. */
+  sends: number;
   token: string;
 }
 
@@ -71,6 +73,12 @@ export class PendingFrames {
 export interface StoredFramePublisherOptions {
   /** A frame not acknowledged this long after it went out is published again. Default 2 s. */
   resendAfterMs?: number;
+  /**
+   * The same for its first publish: sooner, since a frame lost on its way (its bridge's or its
+   * gateway's NATS server killed while the stream elects a leader) reaches its gateway only when
+   * published again — its client waits that long. Default 500 ms (at most `resendAfterMs`).
+   */
+  firstResendAfterMs?: number;
   /** Called for each frame published again (metrics). */
   onResend?: () => void;
 }
@@ -88,6 +96,7 @@ export interface StoredFramePublisher {
 /** One inbox subscription for the bridge's acknowledgements; each publish's reply subject is the inbox plus a token. */
 export function storedFramePublisher(nc: NatsConnection, opts: StoredFramePublisherOptions = {}): StoredFramePublisher {
   const resendAfterMs = opts.resendAfterMs ?? 2_000;
+  const firstResendAfterMs = Math.min(opts.firstResendAfterMs ?? 500, resendAfterMs);
   const prefix = `${inboxOf(nc)}.`;
   const byToken = new Map<string, { pending: PendingFrames; seq: number }>();
   let counter = 0;
@@ -108,22 +117,23 @@ export function storedFramePublisher(nc: NatsConnection, opts: StoredFramePublis
     byToken.delete(entry.token);
     entry.token = (counter++).toString(36);
     entry.sentAt = Date.now();
+    entry.sends += 1;
     byToken.set(entry.token, { pending, seq });
     nc.publish(entry.subject, entry.data, { reply: prefix + entry.token });
   };
   return {
     publish(pending, subject, frame) {
-      const entry: Entry = { subject, data: encodeFrame(frame), sentAt: 0, token: '' };
+      const entry: Entry = { subject, data: encodeFrame(frame), sentAt: 0, sends: 0, token: '' };
       pending.unstored.set(frame.seq, entry);
       send(pending, frame.seq, entry);
     },
     resend(pending, all = false) {
-      const cutoff = Date.now() - resendAfterMs;
+      const now = Date.now();
       let n = 0;
       // In seq order: a subscriber that lost a run of frames gets them back in order.
       for (const seq of [...pending.unstored.keys()].sort((a, b) => a - b)) {
         const entry = pending.unstored.get(seq)!;
-        if (!all && entry.sentAt > cutoff) continue;
+        if (!all && entry.sentAt > now - (entry.sends <= 1 ? firstResendAfterMs : resendAfterMs)) continue;
         send(pending, seq, entry);
         opts.onResend?.();
         n += 1;
