@@ -240,5 +240,10 @@ export async function handBackQueued(ctx: DeliveryContext, m: JsMsg, continues: 
  * a gap: ended as before).
  */
 function acrossGap(stored: StoredFrames): boolean {
-  return stored.incomplete?.why === 'gap' && stored.beyondGap.length > 0 && stored.beyondGap.every((f) => f.type === 'chunk' || f.type === 'done');
+  const { incomplete, beyondGap, highestSeq } = stored;
+  return (
+    incomplete?.why === 'gap' &&
+    beyondGap.at(-1)?.seq === highestSeq && // every frame after the gap read (a reader holds at most MAX_HELD_FRAMES)
+    beyondGap.every((f) => f.type === 'chunk' || f.type === 'done')
+  );
 }
