@@ -102,6 +102,13 @@ export class Attempt {
    * may have them, so what this attempt generates at those seqs must say the same (generate.ts).
    */
   beyondGap: ReadonlyMap<number, ResponseFrame> = new Map();
+
+  /** The seq after every frame its client may have: this attempt's next, or past those stored beyond a gap. */
+  get saidUpTo(): number {
+    let upTo = this.nextSeq;
+    for (const s of this.beyondGap.keys()) upTo = Math.max(upTo, s + 1);
+    return upTo;
+  }
   /** The tokens the request's frames reported (the engine's `usage`), and the chunks they streamed. */
   private tokens: Tokens | undefined;
   private chunks = 0;

@@ -193,7 +193,7 @@ export function movable(a: Attempt, continues: boolean, stopping = false): boole
   if (!continues || req.kind === 'embeddings' || req.body.stream !== true || (req.continues?.stay === true && !stopping)) return false;
   // Not before it said again what was lost (its client may have more than it said): a hand-back
   // names the frames said so far.
-  for (const s of a.beyondGap.keys()) if (s >= a.nextSeq) return false;
+  if (a.saidUpTo > a.nextSeq) return false;
   return resumedAnswer(a.answer) !== undefined;
 }
 
@@ -307,13 +307,7 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
     kind: 'finish',
     resolve: 'term',
     // After the frames stored beyond a lost one too: its client may have them.
-    frame: errorFrame(
-      Math.max(a.nextSeq, ...[...a.beyondGap.keys()].map((s) => s + 1)),
-      502,
-      'server_error',
-      BridgeErrorCode.generationDiverged,
-      'the answer was interrupted and could not be resumed identically',
-    ),
+    frame: errorFrame(a.saidUpTo, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
   });
   try {
     // Handed back by another instance with nothing said: it waited its turn there (its engine puts it before its own queue).
