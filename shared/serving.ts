@@ -122,6 +122,14 @@ export type ResponseFrame =
        * the others whichever gateway moves each (frames of older bridges lack it).
        */
       spread?: number;
+      /**
+       * Its bridge could not know how much of the answer its client has (a take-over that found
+       * the frames stored of it gone: `resume_failed`, or a hand-back): a gateway takes it at the
+       * seq it expects next, whatever its `seq` (the seq after the highest stored, for readers of
+       * the stream), and a hand-back continues after what that gateway relayed. Older gateways
+       * take it at its `seq`.
+       */
+      afterRelayed?: true;
       error: {
         status: number;
         message: string;
@@ -130,6 +138,9 @@ export type ResponseFrame =
         /** The request field at fault (4xx; frames of older bridges lack it). */ param?: string | null;
       };
     };
+
+/** A frame that ends an answer with an error (or hands it back). */
+export type ErrorFrame = Extract<ResponseFrame, { type: 'error' }>;
 
 /**
  * A `magus_sessions` key's conversation token: its last (keys are `<namespace>.<model>.<HMAC>`;

@@ -554,6 +554,61 @@ describe('redelivery', () => {
     expect(heir.stats).toMatchObject({ resumedAcrossGap: 1, resumeFailed: 0 });
   });
 
+  /**
+   * Every stored frame of `req` gone, as a stream that evicts under pressure loses them: the
+   * first attempt's connection closed once its client has `said` frames (none for an answer not
+   * streamed), the response stream purged, and a younger frame of another request stored, so the
+   * heir's read-back finds none of the request's although the stream dropped frames younger than it.
+   */
+  async function loseEveryStoredFrame(instance: string, answer: Answer, said: number, doomed: NatsConnection): Promise<void> {
+    await until('frames from the first bridge', () => answer.raw.length >= said);
+    await doomed.close();
+    await jsm.streams.purge(names.responseStream);
+    const other = requestFor();
+    await nc.jetstream().publish(framesSubjectOf(instance, other), encodeJson({ seq: 0, type: 'chunk', data: {} }));
+  }
+
+  it('a redelivery that finds every stored frame of a streamed answer gone hands it back, to go on after what its gateway relayed', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120, tokens: true }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomed = await natsConnectAsBridge(names, POOL, instance);
+    await bridge(instance, stub.url, {}, doomed);
+    const { answer } = await sent(instance);
+    await loseEveryStoredFrame(instance, answer, 4, doomed);
+    const said = answer.raw.length;
+
+    const heir = await bridge(instance, stub.url);
+    await until('the hand-back', () => answer.raw.length > said);
+    // At seq 0 (none stored), which the client's gateway has: it takes it after what it relayed
+    // (gateway/serving/exchange.ts), where the gateway's own read-back of the gap would wait.
+    expect(answer.raw.slice(said)).toEqual([
+      { seq: 0, type: 'error', afterRelayed: true, spread: 0, error: expect.objectContaining({ status: 503, code: CONTINUE_ELSEWHERE }) as unknown },
+    ]);
+    expect(stub.calls).toHaveLength(1); // not generated again: its gateway continues it
+    await until('term', () => heir.stats.termed === 1);
+    expect(heir.stats).toMatchObject({ redelivered: 1, resumed: 0, handedBack: 1, resumeFailed: 0, errors: 0 });
+    await consumerEmptied(instance);
+  });
+
+  it('one whose answer cannot be handed back (not streamed) ends with resume_failed after what its gateway relayed', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 300 }));
+    const instance = await instanceWith({ ackWaitMs: 1500 });
+    const doomed = await natsConnectAsBridge(names, POOL, instance);
+    await bridge(instance, stub.url, {}, doomed);
+    const { answer } = await sent(instance, { stream: false });
+    await until('the first bridge at the engine', () => stub.calls.length === 1);
+    await loseEveryStoredFrame(instance, answer, 0, doomed);
+
+    const heir = await bridge(instance, stub.url);
+    const frames = await answer.finished;
+    expect(frames).toEqual([
+      { seq: 0, type: 'error', afterRelayed: true, error: expect.objectContaining({ status: 502, code: BridgeErrorCode.resumeFailed }) as unknown },
+    ]);
+    expect(stub.calls).toHaveLength(1);
+    await until('term', () => heir.stats.termed === 1);
+    expect(heir.stats).toMatchObject({ redelivered: 1, handedBack: 0, resumeFailed: 1 });
+  });
+
   it('a take-over whose engine does not repeat itself ends the answer with an error instead of mixing two', async () => {
     const stub = await engine(() => ({ chunks: 12, delayMs: 120, random: true }));
     const instance = await instanceWith({ ackWaitMs: 1500 });

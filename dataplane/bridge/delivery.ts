@@ -14,7 +14,7 @@ import { recordUsage, type Attempt, type Outcome } from './attempt';
 import type { LiveAttempts } from './attempts';
 import type { Cancels } from './cancels';
 import { BridgeErrorCode, errorFrame } from './error-frames';
-import { movable } from './generate';
+import { handBackFrame, movable } from './generate';
 import type { BridgeStats } from './metrics';
 import { parseInferenceRequest } from './requests';
 
@@ -186,12 +186,27 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
         a.beyondGap = new Map(stored.beyondGap.map((f) => [f.seq, f]));
         log(`request ${req.id}: attempt ${a.claim.attempt} resumes across a gap (${stored.incomplete.detail})`);
       } else if (stored.incomplete) {
-        // Frames of the request are gone (MAGUS_RESPONSES evicted or aged them out): what the
-        // client has cannot be known. End after the highest seq stored, which it may have.
+        // Frames of the request are gone (MAGUS_RESPONSES evicted or aged them out, or lost them
+        // with a leader): what the client has cannot be known here, but its gateway knows what it
+        // relayed. A streamed answer that can be continued is handed back to go on after that;
+        // any other ends there with resume_failed. Readers of the stream find either after the
+        // highest seq stored.
+        const seq = Math.max(prior.length, stored.highestSeq + 1);
+        if (movable(a, ctx.attempts.context.continues === true, true)) {
+          log(
+            `request ${req.id}: its earlier frames are no longer in ${names.responseStream} (${stored.incomplete.detail}); handing it back to go on after what its gateway relayed`,
+          );
+          return await a.conclude(
+            { ...handBackFrame(a, 'its earlier frames were lost: continue it after what was relayed', a.handedBack()), seq, afterRelayed: true },
+            'term',
+          );
+        }
         stats.resumeFailed += 1;
         log(`request ${req.id}: its earlier frames are no longer in ${names.responseStream}; ending it (resume_failed: ${stored.incomplete.detail})`);
-        const seq = Math.max(prior.length, stored.highestSeq + 1);
-        return await a.conclude(errorFrame(seq, 502, 'server_error', BridgeErrorCode.resumeFailed, 'the interrupted answer could not be read back'), 'term');
+        return await a.conclude(
+          { ...errorFrame(seq, 502, 'server_error', BridgeErrorCode.resumeFailed, 'the interrupted answer could not be read back'), afterRelayed: true },
+          'term',
+        );
       }
     }
     if (Date.now() >= req.deadline) {

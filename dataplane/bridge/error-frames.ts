@@ -1,5 +1,5 @@
 /** The error frames the bridge itself produces (engine errors carry the engine's code). */
-import type { ResponseFrame } from '../../shared/serving';
+import type { ErrorFrame } from '../../shared/serving';
 
 /** `code` of the error frames the bridge itself produces (engine errors carry the engine's code). */
 export const BridgeErrorCode = {
@@ -14,7 +14,7 @@ export const BridgeErrorCode = {
 } as const;
 
 /** An `error` frame at `seq`, in the OpenAI error shape the gateway relays. */
-export const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string, param?: string | null): ResponseFrame => ({
+export const errorFrame = (seq: number, status: number, type: string, code: string | null, message: string, param?: string | null): ErrorFrame => ({
   seq,
   type: 'error',
   error: param ? { status, type, code, message, param } : { status, type, code, message },

@@ -18,7 +18,7 @@ import {
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
-import type { EmbeddingsInference, InferenceRequest, ResponseFrame } from '../../shared/serving';
+import type { EmbeddingsInference, ErrorFrame, InferenceRequest, ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
 import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';
@@ -198,7 +198,7 @@ export function movable(a: Attempt, continues: boolean, stopping = false): boole
 }
 
 /** The frame that hands `a`'s answer back to its gateway after the frames it has sent (`spread`: `Attempt.handedBack`'s). */
-export function handBackFrame(a: Attempt, why: string, spread?: number): ResponseFrame {
+export function handBackFrame(a: Attempt, why: string, spread?: number): ErrorFrame {
   return { ...errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why), ...(spread !== undefined ? { spread } : {}) };
 }
 

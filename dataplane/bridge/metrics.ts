@@ -66,11 +66,13 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   errors: 'Unexpected failures (NATS or KV errors); each is logged.',
   resumed: 'Take-overs that continued after frames an earlier attempt had published.',
   continued: 'Take-overs whose engine continued the answer from the tokens already sent, instead of generating it again.',
-  resumeFailed: 'Take-overs that found frames of their request already gone from the response stream (evicted or aged out): answer ended with resume_failed.',
+  resumeFailed:
+    'Take-overs that found frames of their request already gone from the response stream (evicted or aged out) and could not hand the answer back: answer ended with resume_failed.',
   resumedAcrossGap: 'Take-overs that found frames lost between stored ones and generated on from before the gap, checked against the frames after it.',
   replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
   superseded: 'Attempts that found a later delivery owned their request.',
-  handedBack: 'Answers handed back to their gateway to be continued on another instance (the drain deadline passed, or the engine went away).',
+  handedBack:
+    'Answers handed back to their gateway to be continued on another instance (the drain deadline passed, the engine went away, or a take-over found the frames stored of it gone).',
   cancelled: 'Requests whose client went away.',
   heartbeatsMissed: 'Times the request consumer missed its heartbeats.',
   framesResent: 'Response frames published again because the response stream had not acknowledged storing them.',

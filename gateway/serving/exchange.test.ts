@@ -1,5 +1,5 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with dataplane/frames.ts. */
-import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
+import type { ErrorFrame, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { SessionError, SessionErrorType } from '../plugins/errors';
 import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './exchange';
 
@@ -220,6 +220,44 @@ describe('exchange', () => {
     await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 500, code: 'engine_error' });
   });
 
+  it('an error frame its bridge could not place (afterRelayed: the stored frames were gone) ends it at once, whatever its seq', async () => {
+    const { router, listeners } = fakeRouter();
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 10_000,
+      gapTimeoutMs: 5_000,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+    });
+    listeners.get('r1')!(c(0));
+    listeners.get('r1')!(c(2)); // held behind a missing seq 1
+    // Stored after the highest seq the stream held (none): seq 0, a seq this gateway has relayed.
+    listeners.get('r1')!({ seq: 0, type: 'error', afterRelayed: true, error: { status: 502, message: 'gone', type: 'server_error', code: 'resume_failed' } });
+    await expect(p).rejects.toMatchObject({ name: 'GatewayError', status: 502, code: 'engine_error' });
+    // Without the flag the same frame is a duplicate of seq 0: dropped, and only the idle timeout ends it.
+    const second = fakeRouter();
+    const q = exchange(session, req, {
+      router: second.router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 10_000,
+      gapTimeoutMs: 5_000,
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+    });
+    let settled = false;
+    q.then(
+      () => (settled = true),
+      () => (settled = true),
+    );
+    second.listeners.get('r1')!(c(0));
+    second.listeners.get('r1')!(err(0));
+    await jest.advanceTimersByTimeAsync(1000);
+    expect(settled).toBe(false);
+    await jest.advanceTimersByTimeAsync(10_000);
+    await expect(q).rejects.toMatchObject({ code: 'timeout' });
+  });
+
   it('rejects with the abort reason when the client goes away', async () => {
     const { router, listeners } = fakeRouter();
     const ctl = new AbortController();
@@ -341,7 +379,7 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
     type: 'chunk',
     data: { choices: [{ index: 0, delta: { role: 'assistant', content: '' }, finish_reason: null }] },
   });
-  const handedBack = (seq: number): ResponseFrame => ({
+  const handedBack = (seq: number): ErrorFrame => ({
     seq,
     type: 'error',
     error: { status: 503, message: 'continue it elsewhere', type: 'server_error', code: 'continue_elsewhere' },
@@ -419,6 +457,27 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
       t.listeners.get('r2')!(done(0));
       await expect(t.p).resolves.toBe('end');
     }
+  });
+
+  it('a hand-back its bridge could not place (afterRelayed: the stored frames were gone) continues after what this gateway relayed, frames held behind a gap dropped', async () => {
+    const t = setUp();
+    await Promise.resolve();
+    const send = (id: string, f: ResponseFrame) => t.listeners.get(id)!(f);
+    send('r1', role(0));
+    send('r1', text(1, 'Once', [7]));
+    send('r1', text(3, ' time', [11])); // held: seq 2 never came
+    send('r1', { ...handedBack(0), afterRelayed: true });
+    await Promise.resolve();
+    await Promise.resolve();
+    expect(t.asked).toEqual([{ said: { tokens: [7], text: 'Once' }, from: 'i1', createdAt: 1700000000 * 1000, at: 2 }]);
+    send('r2', text(0, ' upon', [8]));
+    send('r2', done(1));
+    await expect(t.p).resolves.toBe('end');
+    expect(t.relayed).toEqual([
+      ['', 0],
+      ['Once', 1],
+      [' upon', 2],
+    ]);
   });
 
   it('ends with the error when the relayed answer cannot be continued (no tokens said) or nothing moves it', async () => {

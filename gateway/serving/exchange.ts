@@ -524,7 +524,10 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       moveOn(leftAt);
       return true;
     };
-    const deliver = (frame: ResponseFrame) => {
+    const deliver = (sent: ResponseFrame) => {
+      // Its bridge could not know what this gateway relayed (the frames stored of the answer were
+      // gone): it ends, or is handed back, after what was.
+      const frame = sent.type === 'error' && sent.afterRelayed === true ? { ...sent, seq: sequencer.expected } : sent;
       if (leftAt !== undefined && frame.seq >= leftAt) return; // after the answer left it: not the answer's
       for (const f of sequencer.push(frame)) {
         if (finished) return;
