@@ -121,6 +121,11 @@ export interface FrameSequencerOptions {
    * its own full wait) and call `onGap`. Default: no timer — a read of stored frames ends by itself.
    */
   gapTimeoutMs?: number;
+  /**
+   * The first wait of each gap, when shorter than `gapTimeoutMs` (with `onGapTimeout`: an owner
+   * that reads the stream back looks there sooner; later waits are `gapTimeoutMs`).
+   */
+  firstGapTimeoutMs?: number;
   /** A gap given up on (timed out, or more than `maxHeld` frames behind it); the sequencer has stopped. */
   onGap?: (missingSeq: number) => void;
   /**
@@ -153,6 +158,12 @@ export class FrameSequencer {
     this.maxHeld = opts.maxHeld ?? MAX_HELD_FRAMES;
   }
 
+  /** How long a new gap waits before it first times out. */
+  private get firstWaitMs(): number | undefined {
+    const { gapTimeoutMs, firstGapTimeoutMs } = this.opts;
+    return firstGapTimeoutMs !== undefined && gapTimeoutMs !== undefined ? Math.min(firstGapTimeoutMs, gapTimeoutMs) : gapTimeoutMs;
+  }
+
   /** Frames now ready to relay, in order (possibly none). */
   push(frame: ResponseFrame): ResponseFrame[] {
     if (this.stopped || frame.seq < this.next || this.held.has(frame.seq)) return [];
@@ -162,7 +173,7 @@ export class FrameSequencer {
         return [];
       }
       this.held.set(frame.seq, frame);
-      if (this.opts.gapTimeoutMs !== undefined) this.gapTimer ??= setTimeout(() => this.timedOut(), this.opts.gapTimeoutMs);
+      if (this.opts.gapTimeoutMs !== undefined) this.gapTimer ??= setTimeout(() => this.timedOut(), this.firstWaitMs);
       return [];
     }
     const out: ResponseFrame[] = [];
@@ -178,7 +189,7 @@ export class FrameSequencer {
     if (this.gapTimer) {
       clearTimeout(this.gapTimer);
       // Still holding frames: a further seq is missing; give it its own full wait.
-      this.gapTimer = this.held.size > 0 ? setTimeout(() => this.timedOut(), this.opts.gapTimeoutMs) : undefined;
+      this.gapTimer = this.held.size > 0 ? setTimeout(() => this.timedOut(), this.firstWaitMs) : undefined;
     }
     return out;
   }

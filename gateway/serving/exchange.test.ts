@@ -1,7 +1,7 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with dataplane/frames.ts. */
 import type { ErrorFrame, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { SessionError, SessionErrorType } from '../plugins/errors';
-import { exchange, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './exchange';
+import { exchange, FIRST_GAP_READ_MS, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './exchange';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -156,6 +156,37 @@ describe('exchange', () => {
     await jest.advanceTimersByTimeAsync(100);
     await expect(outcome).resolves.toMatchObject({ name: 'GatewayError', status: 502, code: 'frames_lost' });
     expect(reasons).toEqual(['frames_lost']);
+  });
+
+  it(`a gap is first read back FIRST_GAP_READ_MS (${FIRST_GAP_READ_MS} ms) into it, then gapTimeoutMs apart; each new gap gets the short first wait`, async () => {
+    const { router, listeners } = fakeRouter();
+    const readAt: number[] = [];
+    const start = Date.now();
+    const p = exchange(session, req, {
+      router,
+      publish: () => Promise.resolve(),
+      requestTimeoutMs: 60_000,
+      gapTimeoutMs: 2_000,
+      readBack: () => (readAt.push(Date.now() - start), Promise.resolve([])),
+      retryAfterSec: 1,
+      signal: new AbortController().signal,
+    });
+    for (const f of [c(0), c(2)]) listeners.get('r1')!(f);
+    await jest.advanceTimersByTimeAsync(FIRST_GAP_READ_MS - 10);
+    expect(readAt).toEqual([]);
+    await jest.advanceTimersByTimeAsync(20);
+    expect(readAt).toEqual([FIRST_GAP_READ_MS]);
+    await jest.advanceTimersByTimeAsync(2_000);
+    expect(readAt).toEqual([FIRST_GAP_READ_MS, FIRST_GAP_READ_MS + 2_000]);
+    // Filled live, with a further seq missing: that gap is read back FIRST_GAP_READ_MS later.
+    listeners.get('r1')!(c(4));
+    listeners.get('r1')!(c(1));
+    const filledAt = Date.now() - start;
+    await jest.advanceTimersByTimeAsync(FIRST_GAP_READ_MS);
+    expect(readAt).toEqual([FIRST_GAP_READ_MS, FIRST_GAP_READ_MS + 2_000, filledAt + FIRST_GAP_READ_MS]);
+    listeners.get('r1')!(c(3));
+    listeners.get('r1')!(done(5));
+    await expect(p).resolves.toBe('end');
   });
 
   it('failed read-backs (a stream without a leader) are tried again until one succeeds, and do not count as misses', async () => {

@@ -8,9 +8,9 @@
  * Frames are decoded and put in order by the data plane's one codec and {@link FrameSequencer}
  * (dataplane/frames.ts), the rule a bridge that takes over a request reads frames back
  * with: strictly in `seq` order, each seq once (first arrival wins); a frame ahead of the next
- * seq is held, and a missing seq that does not arrive within `gapTimeoutMs` is read back from the
- * response stream (bridges publish until their frames are stored); it fails the request (502
- * `frames_lost`) only when {@link GAP_READ_BACKS} read-backs, `gapTimeoutMs` apart, did not find it
+ * seq is held, and a missing seq that does not arrive within {@link FIRST_GAP_READ_MS} is read back
+ * from the response stream (bridges publish until their frames are stored); it fails the request
+ * (502 `frames_lost`) only when {@link GAP_READ_BACKS} read-backs, then `gapTimeoutMs` apart, did not find it
  * (failed reads — a stream electing a leader — are retried until the request's deadline). The
  * first terminal frame relayed (`done` or `error`) ends the response.
  */
@@ -415,12 +415,21 @@ export function roleOnly(data: unknown): boolean {
 }
 
 /**
- * Read-backs, `gapTimeoutMs` apart, that must all miss a frame before its request fails with
- * `frames_lost` (16 s at the default 2 s): a bridge that lost its connection holds its frames
- * until it proves it still owns the request, which waits for `magus_claims` to have a leader
- * (a cluster's election takes 5–10 s).
+ * Read-backs that must all miss a frame before its request fails with `frames_lost`: the first
+ * {@link FIRST_GAP_READ_MS} into the gap, then `gapTimeoutMs` apart (16.3 s at the default 2 s):
+ * a bridge that lost its connection holds its frames until it proves it still owns the request,
+ * which waits for `magus_claims` to have a leader (a cluster's election takes 5–10 s).
  */
-export const GAP_READ_BACKS = 8;
+export const GAP_READ_BACKS = 9;
+
+/**
+ * How long a gap waits before its first read-back. A frame published before a replica listened
+ * (a client resuming on it) but stored only after its first read of the stream is found there
+ * by then, where at `gapTimeoutMs` (2 s) its client waited that long: the longest silences of
+ * bench:chaos's clients of a killed gateway were 2.01–2.16 s. A frame not stored either comes
+ * with its bridge's copy (after 500 ms: dataplane/bridge/stored-frames.ts).
+ */
+export const FIRST_GAP_READ_MS = 300;
 
 /**
  * How long a committed response keeps trying to queue its request ({@link ExchangeOptions.retryPublish}),
@@ -479,9 +488,10 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     const idle = setTimeout(() => fail('timeout', errors.timeout()), opts.requestTimeoutMs);
     const lost = (missing: number) =>
       fail('frames_lost', errors.upstream(502, 'frames_lost'), new Error(`frame ${missing} of ${current.req.id} never arrived`));
-    // A gap (a seq awaited while frames after it are held) that outlasts gapTimeoutMs is read back
-    // from the stream (the frame may have been published while this process or the stream's
-    // leader was away); each read that misses it waits gapTimeoutMs again, and the last fails.
+    // A gap (a seq awaited while frames after it are held) that outlasts FIRST_GAP_READ_MS is read
+    // back from the stream (the frame may have been published while this process or the stream's
+    // leader was away, or, resuming, before this replica listened and stored after it read);
+    // each read that misses it waits gapTimeoutMs again, and the last fails.
     let gapSeq = -1;
     let gapReads = 0;
     let reading = false;
@@ -510,7 +520,12 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         },
       );
     };
-    const newSequencer = () => new FrameSequencer({ gapTimeoutMs: opts.gapTimeoutMs, onGap: lost, onGapTimeout: opts.readBack ? readBack : undefined });
+    const newSequencer = () =>
+      new FrameSequencer({
+        gapTimeoutMs: opts.gapTimeoutMs,
+        onGap: lost,
+        ...(opts.readBack ? { onGapTimeout: readBack, firstGapTimeoutMs: FIRST_GAP_READ_MS } : {}),
+      });
     let sequencer = newSequencer();
     /** A whole answer larger than a NATS message comes in parts before its `done` (dataplane/frames.ts `splitFrame`). */
     let parts = new FrameParts();
