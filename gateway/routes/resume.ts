@@ -202,10 +202,10 @@ export async function followAnswer(
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
     const { createdAt, at, spread } = how;
-    for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += LOOKUP_EVERY_MS) {
+    for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
       const to = recorded.get(n) ?? (await lookUp(n));
       if (to) return followed(n, to);
-      await new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS));
+      await new Promise((resolve) => setTimeout(resolve, 200));
     }
     if (!asked || signal.aborted) return undefined;
     const to = g.sessions.another?.(asked.model, from.session.instance, spread) ?? from.session;
@@ -243,14 +243,9 @@ const MOVE_LOOKUP_MS = 3_000;
 /**
  * How long a resume that may continue the answer itself leaves the move to the replica that
  * published it: that one claims it the moment it hears of it, if it runs — and should both claim,
- * the move log takes one (`MoveLog.claim`), so this only says who goes first. Short: the replica
- * that published it is most often the one whose death sent the client here, and the client waits
- * (at 1 s, bench:chaos's two silences over 2 s were answers resumed after a gateway kill and
- * then handed back at a roll's drain deadline).
+ * the move log takes one (`MoveLog.claim`), so this only says who goes first.
  */
-const CLAIM_AFTER_MS = 250;
-/** How often a resume looks the move up meanwhile. */
-const LOOKUP_EVERY_MS = 100;
+const CLAIM_AFTER_MS = 1_000;
 
 /** Relays the rest of the answer at `point` as `sse`'s events; chunks go to `onChunk` with their seq. `asked` is the request sent again ({@link followAnswer}). */
 export async function serveResume(
