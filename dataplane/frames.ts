@@ -153,15 +153,13 @@ export class FrameSequencer {
   private readonly held = new Map<number, ResponseFrame>();
   private gapTimer: NodeJS.Timeout | undefined;
   private readonly maxHeld: number;
+  /** How long a new gap waits before it first times out. */
+  private readonly firstWaitMs: number | undefined;
 
   constructor(private readonly opts: FrameSequencerOptions = {}) {
     this.maxHeld = opts.maxHeld ?? MAX_HELD_FRAMES;
-  }
-
-  /** How long a new gap waits before it first times out. */
-  private get firstWaitMs(): number | undefined {
-    const { gapTimeoutMs, firstGapTimeoutMs } = this.opts;
-    return firstGapTimeoutMs !== undefined && gapTimeoutMs !== undefined ? Math.min(firstGapTimeoutMs, gapTimeoutMs) : gapTimeoutMs;
+    const { gapTimeoutMs, firstGapTimeoutMs } = opts;
+    this.firstWaitMs = firstGapTimeoutMs !== undefined && gapTimeoutMs !== undefined ? Math.min(firstGapTimeoutMs, gapTimeoutMs) : gapTimeoutMs;
   }
 
   /** Frames now ready to relay, in order (possibly none). */
