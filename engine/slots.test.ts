@@ -87,6 +87,24 @@ describe('SlotPool', () => {
     expect(() => new SlotPool(Infinity, 0, undefined, 1)).toThrow(RangeError);
   });
 
+  test('the reserve is given back by the next slot released, not only when the urgent answer in it ends', async () => {
+    const pool = new SlotPool(2, 4, undefined, 1);
+    expect([await pool.acquire(), await pool.acquire()]).toEqual([0, 1]);
+    const held = await pool.acquire({ urgent: true }); // the reserve, taken
+    expect(held).toBe(2);
+    const plain = pool.acquire();
+    pool.release(0); // three were busy: kept free, the reserve again
+    expect(await settled(plain)).toBe('pending');
+    expect(pool.busy).toBe(2);
+    expect(await pool.acquire({ urgent: true })).toBe(0); // a second resumed answer starts at once
+    pool.release(held);
+    expect(await settled(plain)).toBe('pending'); // still the reserve
+    pool.release(1);
+    expect(await plain).toBe(1);
+    expect(pool.busy).toBe(2);
+    await expect(settled(pool.acquire())).resolves.toBe('pending'); // two busy of two: queued, the third free slot kept
+  });
+
   test('a queued request that aborts leaves the queue; the next one gets the slot', async () => {
     const pool = new SlotPool(1, 5);
     await pool.acquire();

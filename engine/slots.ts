@@ -11,8 +11,12 @@
  * `maxSkips` times it is served next, so affinity never starves anyone. An *urgent* waiter (an
  * answer resumed after its engine went away: its client is waiting mid-answer) goes before every
  * other, in arrival order among the urgent, and is not turned away by the queue bound; the pool
- * may keep `reserved` slots beside its `size` for the urgent alone (a resumed answer then starts
- * at once rather than when a slot frees). A waiter that goes *first* (a request handed back by
+ * may keep `reserved` slots beside its `size` for the urgent (a resumed answer then starts at once
+ * rather than when a slot frees). Those are a reserve, not slots of their own: any waiter that is
+ * not urgent is served only while fewer than `size` slots are busy, the urgent while fewer than
+ * `size + reserved` are, so a slot an urgent one takes from the reserve is given back by the next
+ * one released — whichever it is — and not only when that answer ends (faults come again before
+ * a resumed answer ends). A waiter that goes *first* (a request handed back by
  * another instance with nothing said: it waited its turn in that one's queue) goes after the
  * urgent and before every other, in arrival order among those, and is not turned away either
  * (its bridge sends at most its slots of them at once).
@@ -73,14 +77,14 @@ export class SlotPool {
   private nextFresh = 0;
   private readonly waiters: Waiter[] = [];
   private busyCount = 0;
-  /** The urgent's own slots (`size` … `size + reserved − 1`) that are free. */
-  private readonly freeReserved: number[] = [];
+  /** `size + reserved`: the slots the urgent may fill. */
+  private readonly total: number;
 
   /**
    * @param size number of slots (Infinity: never queue)
    * @param maxQueue how many requests may wait for a slot (0: none)
    * @param maxSkips how often the first waiter may be passed over for one that owns a released slot's cache
-   * @param reserved slots beside `size` for urgent requests only (numbered from `size`)
+   * @param reserved slots beside `size` kept for urgent requests (the class comment)
    */
   constructor(
     readonly size: number,
@@ -93,7 +97,7 @@ export class SlotPool {
     if (!(maxSkips >= 0)) throw new RangeError(`skip bound must be at least 0, got ${maxSkips}`);
     if (!(Number.isInteger(reserved) && reserved >= 0 && (reserved === 0 || Number.isFinite(size))))
       throw new RangeError(`reserved slots must be a whole number, beside a finite size, got ${reserved}`);
-    for (let i = 0; i < reserved; i++) this.freeReserved.push(size + i);
+    this.total = size + reserved;
   }
 
   get busy(): number {
@@ -113,11 +117,9 @@ export class SlotPool {
     const urgent = opts.urgent === true;
     const rank = urgent ? RANK.urgent : opts.first === true ? RANK.first : RANK.other;
     if (signal?.aborted) return Promise.reject(abortError(signal));
-    if (urgent && this.freeReserved.length > 0) {
-      this.busyCount++;
-      return Promise.resolve(this.freeReserved.shift()!);
-    }
-    if (this.waiters.length === 0) {
+    // The urgent go before every waiter, so a free slot is theirs whoever waits (only those kept
+    // out by `size` can be waiting while one is free).
+    if (urgent ? this.busyCount < this.total : this.waiters.length === 0 && this.busyCount < this.size) {
       const slot = this.takeFree(score);
       if (slot !== undefined) {
         this.busyCount++;
@@ -144,17 +146,16 @@ export class SlotPool {
     });
   }
 
-  /** Gives `slot` to the waiter it suits best (see the class comment), or back to the free list. */
+  /**
+   * Gives `slot` to the waiter it suits best (see the class comment) — to one that is not urgent
+   * only while fewer than `size` others are busy — or back to the free list.
+   */
   release(slot: number): void {
-    if (slot >= this.size) {
-      // An urgent one's own slot: to the next urgent waiter, else free for the next.
-      if (this.waiters[0]?.rank === RANK.urgent) return this.handOver(0, slot);
-      this.busyCount--;
-      this.freeReserved.push(slot);
-      return;
+    const first = this.waiters[0];
+    if (first && (first.rank === RANK.urgent || this.busyCount <= this.size)) {
+      const at = first.rank === RANK.urgent ? 0 : this.waiterFor(slot);
+      if (at >= 0) return this.handOver(at, slot);
     }
-    const at = this.waiterFor(slot);
-    if (at >= 0) return this.handOver(at, slot);
     this.busyCount--;
     this.free.push(slot);
   }
@@ -209,7 +210,7 @@ export class SlotPool {
       }
       if (best >= 0) return this.free.splice(best, 1)[0];
     }
-    if (this.nextFresh < this.size) return this.nextFresh++;
+    if (this.nextFresh < this.total) return this.nextFresh++;
     return this.free.shift();
   }
 }

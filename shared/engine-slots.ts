@@ -29,7 +29,8 @@ export const MAX_ENGINE_SLOTS = 16;
 /**
  * Sequences a llama.cpp engine keeps beside its slots for answers resumed after their own engine
  * went away (engine/slots.ts, "urgent"): such an answer's client is waiting mid-answer, so it
- * starts at once instead of waiting for a slot to free. Each costs a slot's KV cache. The default;
+ * starts at once instead of waiting for a slot to free; the next slot released refills the reserve
+ * (other requests fill only `slots`). Each costs a slot's KV cache. The default;
  * a `Dllama` may set its own (`resumeSlots`): an engine that dies under full load hands back
  * `slots` answers, spread over the pool's other instances, so `slots / (instances − 1)` of them
  * start at once (crds/README.md).
