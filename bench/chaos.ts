@@ -141,7 +141,7 @@ const firstMoves = new Map<string, number>();
 /** What a gateway logs when it moves an answer (routes/inference.ts: handed back, or its bridge silent). */
 const MOVED = /continued elsewhere|continuing it elsewhere/;
 /** A gateway's log lines shown with CHAOS_VERBOSE besides warnings: moves, and frames read back after a reconnect. */
-const SHOWN = /continued elsewhere|continuing it elsewhere|stored while NATS was unreachable/;
+const SHOWN = /continued elsewhere|continuing it elsewhere|stored while NATS was unreachable|resumed stream|exchange: /;
 
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
@@ -169,12 +169,22 @@ async function startGateway(): Promise<GatewayProcess> {
     stdio: ['ignore', process.env.CHAOS_VERBOSE ? 'pipe' : 'ignore', 'pipe'],
   });
   // Verbose: the gateway's moves and warnings.
+  let partial = '';
   child.stdout?.on('data', (d: Buffer) => {
-    for (const line of d.toString().split('\n'))
+    const lines = (partial + d.toString()).split('\n');
+    partial = lines.pop()!;
+    for (const line of lines)
       if (SHOWN.test(line) || /"level":[45]0/.test(line)) {
-        const e = JSON.parse(line) as { time: number; msg: string; instance?: string; inferenceId?: string };
-        if (e.inferenceId && MOVED.test(e.msg) && !firstMoves.has(e.inferenceId)) firstMoves.set(e.inferenceId, e.time);
-        log(`gateway ${child.pid}: ${new Date(e.time).toISOString().slice(11, 23)} ${e.msg} ${e.inferenceId ?? ''} → ${e.instance ?? ''}`);
+        const { time, msg, instance, inferenceId, level, pid, hostname, ...rest } = JSON.parse(line) as Record<string, unknown> & {
+          time: number;
+          msg: string;
+          instance?: string;
+          inferenceId?: string;
+        };
+        void [level, pid, hostname];
+        if (inferenceId && MOVED.test(msg) && !firstMoves.has(inferenceId)) firstMoves.set(inferenceId, time);
+        const more = Object.keys(rest).length > 0 ? ` ${JSON.stringify(rest)}` : '';
+        log(`gateway ${child.pid}: ${new Date(time).toISOString().slice(11, 23)} ${msg} ${inferenceId ?? ''} → ${instance ?? ''}${more}`);
       }
   });
   const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));

@@ -420,6 +420,7 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
 
     reply.hijack();
     res.writeHead(200, SSE_HEADERS);
+    res.flushHeaders(); // now, not with the first chunk: a resumed answer sends no role chunk, and its bridge learns it has a slot
     const out = new ChunkWriter(res, id, created, core.modelId, job.kind);
     if (!job.resumes) out.role();
     try {

@@ -113,6 +113,11 @@ export class Attempt {
   private tokens: Tokens | undefined;
   private chunks = 0;
 
+  /** Logs `line` as this request's. */
+  log(line: string): void {
+    this.ctx.log(`request ${this.req.id}: ${line}`);
+  }
+
   constructor(
     private readonly ctx: AttemptContext,
     readonly req: InferenceRequest,

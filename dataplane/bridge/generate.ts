@@ -312,6 +312,7 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   try {
     // Handed back by another instance with nothing said: it waited its turn there (its engine puts it before its own queue).
     const headers = carried && !resume ? { [REQUEUED_HEADER]: '1' } : undefined;
+    const called = Date.now();
     const res = await engine.post(path, JSON.stringify(body), {
       accept: stream ? 'text/event-stream' : 'application/json',
       signal,
@@ -343,6 +344,8 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
         frame: errorFrame(a.nextSeq, res.status, e.type ?? 'invalid_request_error', e.code ?? null, e.message, e.param),
       };
     }
+    /** When a resumed answer's engine answered (it does once a slot is the answer's). */
+    const slotAt = resume ? Date.now() : 0;
     if (resume) {
       a.continued();
       o.lost?.delete(a);
@@ -411,6 +414,9 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
         if (a.signal.aborted) break read;
         if (!firstToken && carriesText(data)) {
           firstToken = true;
+          // How long its client waited at this engine: for a slot, then the prompt and what was said evaluated.
+          if (resume)
+            a.log(`continues ${answerId} after ${resume.tokens.length} tokens: a slot in ${slotAt - called} ms, its first piece in ${Date.now() - called} ms`);
           if (i < batch.length - 1) await new Promise<void>((resolve) => setImmediate(resolve)); // NATS flushes it now
           if (a.signal.aborted) break read;
         }

@@ -346,6 +346,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
         : undefined,
       retryPublish: sse && (() => sse.started),
       onPublishRetry: () => app.metrics.publishRetries.inc(),
+      trace: (what, fields) => client.log.info({ inferenceId: id, ...fields }, what),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
         ? async (said, from, { createdAt, at, spread }) => {

@@ -112,8 +112,14 @@ export async function followAnswer(
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
   };
-  const readAll = async (r: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, e: SessionEntry): Promise<ResponseFrame[]> =>
-    (await Promise.all(frameSubjectsOf(r, e).map(readStored))).flat();
+  const readAll = async (r: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, e: SessionEntry): Promise<ResponseFrame[]> => {
+    const started = Date.now();
+    const frames = (await Promise.all(frameSubjectsOf(r, e).map(readStored))).flat();
+    const took = Date.now() - started;
+    if (took >= SLOW_READ_MS)
+      app.log.info({ inferenceId: place.requestId, request: r.id, frames: frames.length, ms: took }, 'resumed stream: its stored frames read slowly');
+    return frames;
+  };
   let moves = 0;
   /** The answer's moves as recorded, by n (1: away from its first request), once found. */
   const recorded = new Map<number, MoveRecord>();
@@ -144,6 +150,7 @@ export async function followAnswer(
     retryAfterSec: s.retryAfterSec,
     signal,
     onChunk,
+    trace: (what, fields) => app.log.info({ inferenceId: place.requestId, resumed: true, ...fields }, what),
     ...(g.bridgeRequeues ? { requeues: g.bridgeRequeues } : {}),
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
@@ -204,7 +211,13 @@ export async function followAnswer(
     const { createdAt, at, spread } = how;
     for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
       const to = recorded.get(n) ?? (await lookUp(n));
-      if (to) return followed(n, to);
+      if (to) {
+        app.log.info(
+          { inferenceId: place.requestId, move: n, continuedAs: to.requestId, instance: to.instance, waitedMs: waited },
+          'resumed stream: following its move',
+        );
+        return followed(n, to);
+      }
       await new Promise((resolve) => setTimeout(resolve, 200));
     }
     if (!asked || signal.aborted) return undefined;
@@ -216,7 +229,12 @@ export async function followAnswer(
       requestId: continuationIdOf(place.requestId, n, () => nuid.next()),
     };
     const held = await log.claim(place.requestId, n, { ...mine, at });
-    if (held.requestId !== mine.requestId) return followed(n, held);
+    const ours = held.requestId === mine.requestId;
+    app.log.info(
+      { inferenceId: place.requestId, move: n, continuedAs: held.requestId, instance: held.instance },
+      ours ? 'resumed stream: its move claimed here, sent on' : 'resumed stream: following its move (claimed by another replica)',
+    );
+    if (!ours) return followed(n, held);
     claimed.add(mine.requestId);
     const stay = to.instance === from.session.instance;
     app.metrics.answersMoved.inc();
@@ -238,6 +256,8 @@ export async function followAnswer(
   }
 }
 
+/** A read of an answer's stored frames that takes this long is logged (a stream without a leader, e.g.). */
+const SLOW_READ_MS = 500;
 /** How long a resume looks for where a moved answer went (the replica moving it records that first). */
 const MOVE_LOOKUP_MS = 3_000;
 /**

@@ -373,6 +373,8 @@ export interface ExchangeOptions {
   onUpstreamError?: (reason: string) => void;
   /** A failed publish about to be tried again ({@link ExchangeOptions.retryPublish}). */
   onPublishRetry?: () => void;
+  /** What the exchange does about an answer that stalls (a gap read back, a move away from a silent bridge or as recorded elsewhere), for the log. */
+  trace?: (what: string, fields: Record<string, unknown>) => void;
   /**
    * The gateway gave up on a request that may still be queued or running — no frame in time,
    * frames lost, or a publish whose acknowledgement never came (the stream may have stored it):
@@ -502,6 +504,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         gapReads = 0;
       }
       if (gapReads >= GAP_READ_BACKS) return sequencer.giveUp();
+      opts.trace?.('exchange: a gap read back', { request: current.req.id, missing, reads: gapReads });
       reading = true;
       const reader = sequencer;
       opts.readBack(current.req, current.session).then(
@@ -536,6 +539,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       if (finished || moving) return false;
       leftAt ??= opts.leftAt?.(current);
       if (leftAt === undefined || sequencer.expected < leftAt) return false;
+      opts.trace?.('exchange: left the request where a move recorded elsewhere says', { request: current.req.id, at: leftAt });
       moveOn(leftAt);
       return true;
     };
@@ -616,6 +620,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
             if (leaveIfLeft() || finished || moving || !opts.silent?.(current.session, sentAt)) return;
             // One that cannot be continued (no tokens said, tool calls …) waits for its redelivery.
             if (!said.continuable) return;
+            opts.trace?.('exchange: its bridge is silent; moving it on', { request: current.req.id, at: sequencer.expected });
             opts.onMovedAway?.(current, sequencer.expected);
             moveOn(sequencer.expected);
           }, STOPPING_BEAT_EVERY_MS)
