@@ -11,6 +11,7 @@ import { checkNatsServerList, instanceMemoryFrom, natsReplicasFrom, temporalSett
 import { staticTokenSource } from './plugins/auth';
 import { newReplicaId } from './serving/exchange';
 import { MAX_PENDING_SESSION_STARTS } from './serving/sessions';
+import { DEFAULT_RESUME_HOLD_MS } from './serving/resume';
 import { OPENAPI_ACCESS, type GatewaySettings } from './plugins/services';
 
 /** Conversations' entries a gateway holds (`MAGUS_GATEWAY_SESSION_CACHE`): ~0.4 KB each, so ~20 MB. */
@@ -293,6 +294,7 @@ export function loadGatewayConfig(env: NodeJS.ProcessEnv = process.env, args: Ga
     requestTimeoutMs: int('MAGUS_GATEWAY_REQUEST_TIMEOUT_MS', 300_000, 100, 3_600_000),
     gapTimeoutMs: int('MAGUS_GATEWAY_GAP_TIMEOUT_MS', 2_000, 10, 600_000),
     keepAliveMs: int('MAGUS_GATEWAY_SSE_KEEPALIVE_MS', 2_000, 100, 600_000),
+    resumeHoldMs: int('MAGUS_GATEWAY_RESUME_HOLD_MS', DEFAULT_RESUME_HOLD_MS, 0, 600_000),
     coldStartTimeoutMs: int('MAGUS_GATEWAY_COLD_START_TIMEOUT_MS', 300_000, 100, 3_600_000),
     retryAfterSec: int('MAGUS_GATEWAY_RETRY_AFTER_SEC', 5, 1, 3_600),
     maxPendingSessionStarts: int('MAGUS_GATEWAY_MAX_PENDING_SESSION_STARTS', MAX_PENDING_SESSION_STARTS, 1, 10_000_000),
@@ -383,8 +385,9 @@ environment:
   MAGUS_NATS_REPLICAS                  1 (replicas of magus_responses, as the other processes' of theirs)
   MAGUS_GATEWAY_BODY_LIMIT             4194304 bytes
   MAGUS_GATEWAY_REQUEST_TIMEOUT_MS     300000 (504 when the engine sends nothing for this long)
-  MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (a missing response frame is read back from the stream after this; 502 after 8 reads miss it)
-  MAGUS_GATEWAY_SSE_KEEPALIVE_MS       5000
+  MAGUS_GATEWAY_GAP_TIMEOUT_MS         2000 (a missing response frame is read back from the stream 300 ms into the gap, then after each this long; 502 after 9 reads miss it)
+  MAGUS_GATEWAY_SSE_KEEPALIVE_MS       2000
+  MAGUS_GATEWAY_RESUME_HOLD_MS         10000 (a resumable stream whose client left is cancelled this long after, unless a client resumed it; 0: at once)
   MAGUS_GATEWAY_COLD_START_TIMEOUT_MS  300000 (503 when no session is ready by then)
   MAGUS_GATEWAY_RETRY_AFTER_SEC        5 (when no queue says otherwise)
   MAGUS_MAX_QUEUE_WAIT                 5s (a turn expected to wait longer in every instance's queue gets 429 queue_full at once; 0: no bound)

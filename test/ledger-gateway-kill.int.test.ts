@@ -75,7 +75,7 @@ interface GatewayProcess {
 }
 
 /** `magus gateway` on this file's data plane, from the TS sources; resolves once it listens. */
-async function startGatewayProcess(): Promise<GatewayProcess> {
+async function startGatewayProcess(env: Record<string, string> = {}): Promise<GatewayProcess> {
   const code = `require(${JSON.stringify(join(ROOT, 'workers', 'magus'))}).main(['gateway']).then((c) => process.exit(c))`;
   // pdeathsig: the gateway dies with this test process, whatever happens to it.
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, '-r', require.resolve('@swc-node/register'), '-e', code], {
@@ -92,6 +92,7 @@ async function startGatewayProcess(): Promise<GatewayProcess> {
       // Warm turns never need Temporal: the gateway starts and serves them with it unreachable.
       MAGUS_TEMPORAL_ADDRESS: temporalAddress,
       MAGUS_LOG_LEVEL: 'warn',
+      ...env,
     },
     stdio: ['ignore', 'pipe', 'pipe'],
   });
@@ -354,7 +355,7 @@ test('a gateway SIGKILLed with 4 streams mid-answer: the bridge ends each, one c
 }, 60_000);
 
 /** POSTs a streamed chat turn of `content` in `session` to `gateway` (with `Last-Event-ID` when given); yields its events. */
-async function* rawStream(gateway: GatewayProcess, session: string, content: string, lastEventId?: string): AsyncGenerator<RawEvent> {
+async function* rawStream(gateway: GatewayProcess, session: string, content: string, lastEventId?: string, signal?: AbortSignal): AsyncGenerator<RawEvent> {
   const res = await fetch(`${gateway.url}/v1/chat/completions`, {
     method: 'POST',
     headers: {
@@ -364,6 +365,7 @@ async function* rawStream(gateway: GatewayProcess, session: string, content: str
       ...(lastEventId ? { 'last-event-id': lastEventId } : {}),
     },
     body: JSON.stringify({ model: MODEL, messages: [{ role: 'user', content }], stream: true, stream_options: { include_usage: true } }),
+    ...(signal ? { signal } : {}),
   });
   expect(res.status).toBe(200);
   yield* sseMessages(res);
@@ -438,10 +440,60 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
   processes.delete(second);
 }, 60_000);
 
+test('a client that drops its stream and comes back on another replica within the hold gets the rest, once, generated once; one that does not come back is cancelled when the hold ends', async () => {
+  const HOLD_MS = 1500;
+  const first = await startGatewayProcess({ MAGUS_GATEWAY_RESUME_HOLD_MS: String(HOLD_MS) });
+  const second = await startGatewayProcess();
+  const cancelledBefore = bridge.stats.cancelled;
+
+  /** A stream on `first` whose answer is held after HELD_AFTER pieces and whose client drops its connection there. */
+  const dropped = async (name: string) => {
+    const session = await pinnedSession(name);
+    const content = `${name}: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+    let release!: () => void;
+    hold = { released: new Promise<void>((resolve) => (release = resolve)), reached: 0 };
+    const client = new AbortController();
+    const events = rawStream(first, session, content, undefined, client.signal);
+    const had: RawEvent[] = [];
+    while (had.filter(pieceOf).length < HELD_AFTER) had.push((await events.next()).value as RawEvent);
+    hold = undefined;
+    client.abort();
+    await expect(events.next()).rejects.toThrow();
+    return { session, content, had, release, droppedAt: Date.now() };
+  };
+
+  // Dropped (a proxy's timeout, a network blip), then the same request with Last-Event-ID on the other replica.
+  const back = await dropped('came-back');
+  await sleep(300);
+  const rest: RawEvent[] = [];
+  const resumed = (async () => {
+    for await (const e of rawStream(second, back.session, back.content, back.had.at(-1)!.id)) rest.push(e);
+  })();
+  await sleep(300);
+  back.release();
+  await resumed;
+  expect(rest.at(-1)!.data).toBe('[DONE]');
+  expect([...back.had, ...rest].map(pieceOf).filter(Boolean)).toEqual(splitText(back.content, CHUNKS));
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(back.content))).toHaveLength(1);
+  expect(bridge.stats.cancelled).toBe(cancelledBefore);
+
+  // Dropped and never come back for: the engine goes on for the hold, then the answer is cancelled.
+  const gone = await dropped('never-came-back');
+  await until('the abandoned answer cancelled', () => bridge.stats.cancelled > cancelledBefore, HOLD_MS + 10_000);
+  expect(Date.now() - gone.droppedAt).toBeGreaterThanOrEqual(HOLD_MS - 100);
+  gone.release();
+
+  for (const p of [first, second]) {
+    p.child.kill('SIGTERM');
+    expect(await p.exited).toEqual({ code: 0, signal: null });
+    processes.delete(p);
+  }
+}, 60_000);
+
 /**
  * The id a stream's keep-alive says while the answer waits for its first chunk (a message with no
  * data), and the messages before it. The body is left open (a client that closed it would have
- * its request cancelled: this one is cut off by its gateway's death).
+ * its request cancelled when the resume hold ends: this one is cut off by its gateway's death).
  */
 async function keepAliveId(res: Response): Promise<{ id: string; before: string[] }> {
   const records = sseRecords(res);

@@ -17,7 +17,7 @@ import { errors, sessionErrorType, SessionErrorType, toGatewayError, type Gatewa
 import { setTimeout as sleep } from 'node:timers/promises';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
-import { continuationIdOf, resumeIdPrefix } from '../serving/resume';
+import { continuationIdOf, DEFAULT_RESUME_HOLD_MS, resumeIdPrefix } from '../serving/resume';
 import type { ModelServing } from '../serving/sessions';
 import type { SseResponse } from './sse';
 
@@ -61,6 +61,29 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
       if (record) g.recordUsage?.(record);
     },
   };
+}
+
+/**
+ * Cancels request `requestId` of the answer first published as `first` on `session`'s instance —
+ * its client left — unless a client comes back for the answer (a resume on any replica, routes/resume.ts,
+ * recorded in the move log) within `resumeHoldMs`: a dropped connection is resumed, not cut; an answer nobody
+ * comes back for stops generating then. Without a move log or a hold, at once.
+ */
+function cancelUnlessResumed(app: FastifyInstance, first: string, session: SessionEntry, requestId: string): void {
+  const g = app.gateway;
+  const hold = g.settings.resumeHoldMs ?? DEFAULT_RESUME_HOLD_MS;
+  const wasResumed = g.moves?.wasResumed?.bind(g.moves);
+  if (!wasResumed || hold <= 0) return g.cancel?.(session, requestId);
+  // Any resume at all: this replica's client left once, so a resume is its client come back —
+  // perhaps before this replica noticed it left (a connection that died without a word).
+  setTimeout(() => {
+    void wasResumed(first)
+      .catch(() => false)
+      .then((resumed) => {
+        if (resumed) app.log.info({ inferenceId: first }, 'its client left and came back for it: not cancelled');
+        else g.cancel?.(session, requestId);
+      });
+  }, hold).unref();
 }
 
 /**
@@ -284,6 +307,8 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
   let published: SessionEntry | undefined;
   /** The request whose answer is relayed now: `id`, or one that continues it (moved). */
   let publishedId = id;
+  /** Its client was given ids to resume it with (routes/resume.ts). */
+  let resumable = false;
   let moves = 0;
   // Whether this turn was answered: a conversation it starts gets its session only then (serving/sessions/placement.ts).
   let settle!: (answered: boolean) => void;
@@ -332,10 +357,12 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     await turn.onPublish?.(entry, req);
     sse?.waiting(`queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`);
     // Its chunks' ids let the client pick the answer up on any replica should this one die (routes/resume.ts).
-    if (sse && g.responses.replica && turn.resumable)
+    if (sse && g.responses.replica && turn.resumable) {
+      resumable = true;
       sse.resumable(
         resumeIdPrefix(s.secret, principal.conversationScope, { replica: g.responses.replica, pool: entry.pool, instance: entry.instance, requestId: id }),
       );
+    }
     const done = await exchange(entry, req, {
       ...exchangeOptions(app, entry, req, ctl.signal),
       onChunk: streamed
@@ -400,7 +427,11 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     const err = ctl.signal.aborted ? (ctl.signal.reason as unknown) : thrown;
     if (err instanceof ClientGone) {
       client.log.info({ inferenceId: id }, err.message);
-      if (published) g.cancel?.(published, publishedId); // the engine stops generating for nobody
+      // The engine stops generating for nobody — once its client, given ids to resume with, did not come back for it.
+      if (published) {
+        if (resumable) cancelUnlessResumed(app, id, published, publishedId);
+        else g.cancel?.(published, publishedId);
+      }
       throw err;
     }
     if (!sse?.started) throw err; // the error handler answers (and logs 5xx with their cause)

@@ -279,6 +279,8 @@ export async function serveResume(
   const s = app.gateway.settings;
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
+  // Counted (not waited for): the replica its client left does not cancel it at the end of its hold.
+  void app.gateway.moves?.resumed?.(point.requestId).catch((err: unknown) => app.log.warn({ err, inferenceId: point.requestId }, 'could not record a resume'));
   const ctl = new AbortController();
   const onClose = () => {
     if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));

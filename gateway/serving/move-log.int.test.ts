@@ -1,6 +1,7 @@
 /**
  * The move log on a real `magus_responses` bucket: a move of an answer is claimed once, by
- * whichever replica comes first, and every other claim of it gets the one that holds.
+ * whichever replica comes first, and every other claim of it gets the one that holds; a resume of
+ * it is recorded.
  */
 import { ensureResponsesBucket } from '../../dataplane/declare';
 import { isolation } from '../../test/harness';
@@ -43,4 +44,12 @@ test('a move records where the answer left the request it moved from; a record w
   expect(await log.find('req4', 1)).toEqual(older);
   expect(await log.claim('req5', 1, { ...left, at: -1 })).toMatchObject({ at: -1 }); // as claimed here …
   expect(await log.find('req5', 1)).toEqual(older); // … but not believed when read
+});
+
+test("a resume is recorded under the answer's first request: not resumed until one is, and a move's record is no resume", async () => {
+  await log.claim('req6', 1, { replica: 'r1', pool: 'p', instance: 'i2', requestId: 'req6-m1' });
+  expect(await log.wasResumed!('req6')).toBe(false);
+  await log.resumed!('req6');
+  expect(await log.wasResumed!('req6')).toBe(true);
+  expect(await log.wasResumed!('req7')).toBe(false);
 });

@@ -67,12 +67,17 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
  * that a resume on any replica follows the answer past its moves (routes/resume.ts). A move is
  * claimed before its continuation is published, by whichever replica gets there first — the one
  * that published the answer, or one resuming it after that one died — so an answer is continued
- * once.
+ * once. A resume of the answer is recorded there too (key `resumed.<first id>`): the replica whose
+ * client left does not cancel an answer a client came back for (routes/resume.ts `cancelUnlessResumed`).
  */
 export interface MoveLog {
   /** Records `to` as move `n` unless one is recorded already; resolves with the move that holds (`to`, or the one before it). */
   claim(first: string, n: number, to: MoveRecord): Promise<MoveRecord>;
   find(first: string, n: number): Promise<MoveRecord | undefined>;
+  /** Records that a client came back for the answer of `first`. */
+  resumed?(first: string): Promise<void>;
+  /** Whether a client came back for the answer of `first` (its resume ids are its client's alone). */
+  wasResumed?(first: string): Promise<boolean>;
 }
 
 /**
@@ -86,8 +91,9 @@ export interface MoveRecord extends ResumableAnswer {
 }
 
 /** A {@link MoveLog} in KV bucket `kv`. */
-export function kvMoveLog(kv: Pick<KV, 'create' | 'get'>): MoveLog {
+export function kvMoveLog(kv: Pick<KV, 'create' | 'get' | 'put'>): MoveLog {
   const key = (first: string, n: number) => `moved.${first}.${n}`;
+  const resumedKey = (first: string) => `resumed.${first}`;
   const find = async (first: string, n: number): Promise<MoveRecord | undefined> => {
     const e = await kv.get(key(first, n));
     if (!e || e.operation !== 'PUT') return undefined;
@@ -109,8 +115,20 @@ export function kvMoveLog(kv: Pick<KV, 'create' | 'get'>): MoveLog {
       }
     },
     find,
+    resumed: async (first) => {
+      await kv.put(resumedKey(first), String(Date.now()));
+    },
+    wasResumed: async (first) => (await kv.get(resumedKey(first)))?.operation === 'PUT',
   };
 }
+
+/**
+ * How long the answer of a resumable stream whose client left goes on for a client to come back
+ * for it (`MAGUS_GATEWAY_RESUME_HOLD_MS`): a dropped connection is resumed within seconds (an
+ * `EventSource` retries after 3 s), and an answer nobody comes back for costs its engine this
+ * long at most before it is cancelled.
+ */
+export const DEFAULT_RESUME_HOLD_MS = 10_000;
 
 /** The request id of an answer's `n`-th continuation: `<first>-m<n>` (a request id: at most 128 characters), else a fresh one (not followed by resumes). */
 export const continuationIdOf = (first: string, n: number, fresh: () => string): string =>
