@@ -175,13 +175,13 @@ async function startGateway(): Promise<GatewayProcess> {
     partial = lines.pop()!;
     for (const line of lines)
       if (SHOWN.test(line) || /"level":[45]0/.test(line)) {
-        const { time, msg, instance, inferenceId, level, pid, hostname, ...rest } = JSON.parse(line) as Record<string, unknown> & {
+        const { time, msg, instance, inferenceId, ...rest } = JSON.parse(line) as Record<string, unknown> & {
           time: number;
           msg: string;
           instance?: string;
           inferenceId?: string;
         };
-        void [level, pid, hostname];
+        for (const k of ['level', 'pid', 'hostname']) delete rest[k]; // pino's own
         if (inferenceId && MOVED.test(msg) && !firstMoves.has(inferenceId)) firstMoves.set(inferenceId, time);
         const more = Object.keys(rest).length > 0 ? ` ${JSON.stringify(rest)}` : '';
         log(`gateway ${child.pid}: ${new Date(time).toISOString().slice(11, 23)} ${msg} ${inferenceId ?? ''} → ${instance ?? ''}${more}`);

@@ -172,8 +172,9 @@ export async function followAnswer(
     };
   }
 
-  /** Recorded move `n`, to be followed: where the answer left that continuation, if it did, known before any of its frames is relayed. */
-  async function followed(n: number, to: MoveRecord): Promise<Moved> {
+  /** Recorded move `n`, to be followed (`why`, for the log): where the answer left that continuation, if it did, known before any of its frames is relayed. */
+  async function followed(n: number, to: MoveRecord, why: string): Promise<Moved> {
+    app.log.info({ inferenceId: place.requestId, move: n, continuedAs: to.requestId, instance: to.instance }, why);
     await lookUp(n + 1);
     return continuation(to);
   }
@@ -209,16 +210,10 @@ export async function followAnswer(
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
     const { createdAt, at, spread } = how;
-    for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += 200) {
+    for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += LOOKUP_EVERY_MS) {
       const to = recorded.get(n) ?? (await lookUp(n));
-      if (to) {
-        app.log.info(
-          { inferenceId: place.requestId, move: n, continuedAs: to.requestId, instance: to.instance, waitedMs: waited },
-          'resumed stream: following its move',
-        );
-        return followed(n, to);
-      }
-      await new Promise((resolve) => setTimeout(resolve, 200));
+      if (to) return followed(n, to, 'resumed stream: following its move');
+      await new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS));
     }
     if (!asked || signal.aborted) return undefined;
     const to = g.sessions.another?.(asked.model, from.session.instance, spread) ?? from.session;
@@ -229,12 +224,11 @@ export async function followAnswer(
       requestId: continuationIdOf(place.requestId, n, () => nuid.next()),
     };
     const held = await log.claim(place.requestId, n, { ...mine, at });
-    const ours = held.requestId === mine.requestId;
+    if (held.requestId !== mine.requestId) return followed(n, held, 'resumed stream: following its move (claimed by another replica)');
     app.log.info(
       { inferenceId: place.requestId, move: n, continuedAs: held.requestId, instance: held.instance },
-      ours ? 'resumed stream: its move claimed here, sent on' : 'resumed stream: following its move (claimed by another replica)',
+      'resumed stream: its move claimed here, sent on',
     );
-    if (!ours) return followed(n, held);
     claimed.add(mine.requestId);
     const stay = to.instance === from.session.instance;
     app.metrics.answersMoved.inc();
@@ -260,6 +254,8 @@ export async function followAnswer(
 const SLOW_READ_MS = 500;
 /** How long a resume looks for where a moved answer went (the replica moving it records that first). */
 const MOVE_LOOKUP_MS = 3_000;
+/** How often a resume looks the move up meanwhile. */
+const LOOKUP_EVERY_MS = 200;
 /**
  * How long a resume that may continue the answer itself leaves the move to the replica that
  * published it: that one claims it the moment it hears of it, if it runs — and should both claim,
@@ -279,7 +275,7 @@ export async function serveResume(
   const s = app.gateway.settings;
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
-  // Counted (not waited for): the replica its client left does not cancel it at the end of its hold.
+  // Recorded (not waited for): the replica its client left does not cancel it at the end of its hold.
   void app.gateway.moves?.resumed?.(point.requestId).catch((err: unknown) => app.log.warn({ err, inferenceId: point.requestId }, 'could not record a resume'));
   const ctl = new AbortController();
   const onClose = () => {

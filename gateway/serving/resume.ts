@@ -68,7 +68,7 @@ export function parseLastEventId(secret: string, scope: string, id: string): Res
  * claimed before its continuation is published, by whichever replica gets there first — the one
  * that published the answer, or one resuming it after that one died — so an answer is continued
  * once. A resume of the answer is recorded there too (key `resumed.<first id>`): the replica whose
- * client left does not cancel an answer a client came back for (routes/resume.ts `cancelUnlessResumed`).
+ * client left does not cancel an answer a client came back for (routes/inference.ts `cancelUnlessResumed`).
  */
 export interface MoveLog {
   /** Records `to` as move `n` unless one is recorded already; resolves with the move that holds (`to`, or the one before it). */
