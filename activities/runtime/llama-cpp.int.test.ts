@@ -112,6 +112,11 @@ test.each(['mapped', 'warm'] as const)(
     // A backoff far longer than the restart: the restart that comes sooner is the standby's.
     const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: kind, log: (l) => standbyLogs.push(l) });
     const said = kind === 'warm' ? ', warm,' : '';
+    // A wait that times out says what the runtime logged (a standby that failed to start, a restart's backoff).
+    const untilStandby = (what: string, cond: () => boolean, timeoutMs = 30_000): Promise<void> =>
+      until(what, cond, timeoutMs).catch((err: Error) => {
+        throw new Error(`${err.message}; runtime log:\n${standbyLogs.join('\n')}`);
+      });
     const waiting = () =>
       standbyLogs
         .flatMap((l) => new RegExp(`waits on standby${said} for port (\\d+) \\(pid (\\d+)\\)`).exec(l) ?? [])
@@ -122,13 +127,13 @@ test.each(['mapped', 'warm'] as const)(
       const before = warm.processes(POOL, 'warm-1')![0]!;
       const greedy = { max_tokens: 4, temperature: 0, stream: false };
       const first = await askInstance(nc, names, POOL, 'warm-1', greedy);
-      await until('an engine on standby', () => waiting().length === 1, 60_000);
+      await untilStandby('an engine on standby', () => waiting().length === 1, 60_000);
       const [standbyPid] = waiting();
       expect(processRunning(standbyPid!)).toBe(true);
       expect(standbyLogs.find((l) => l.includes('waits on standby'))).toContain(`for port ${before.port}`);
 
       process.kill(before.pid!, 'SIGKILL');
-      await until('the standby serving', () => {
+      await untilStandby('the standby serving', () => {
         const p = warm.processes(POOL, 'warm-1')![0]!;
         return p.pid !== before.pid && p.running;
       });
@@ -136,13 +141,13 @@ test.each(['mapped', 'warm'] as const)(
       expect(after).toMatchObject({ pid: standbyPid, port: before.port });
       expect(standbyLogs.some((l) => new RegExp(`restarting it on port ${before.port} in 0 ms`).test(l))).toBe(true);
       expect((await askInstance(nc, names, POOL, 'warm-1', greedy)).text).toBe(first.text);
-      await until('another engine on standby', () => waiting().length === 2, 60_000);
+      await untilStandby('another engine on standby', () => waiting().length === 2, 60_000);
       const [, nextPid] = waiting();
       expect(nextPid).not.toBe(standbyPid);
 
       // The standby itself killed while it waits (the OOM killer's pick): another replaces it, a second later.
       process.kill(nextPid!, 'SIGKILL');
-      await until('a third engine on standby', () => waiting().length === 3, 60_000);
+      await untilStandby('a third engine on standby', () => waiting().length === 3, 60_000);
       const [, , thirdPid] = waiting();
       expect(standbyLogs).toContainEqual(expect.stringMatching(/the engine on standby was killed by SIGKILL; another in 1000 ms/));
       expect(warm.processes(POOL, 'warm-1')![0]!).toMatchObject({ pid: after.pid, running: true });
