@@ -490,6 +490,74 @@ test('a client that drops its stream and comes back on another replica within th
   }
 }, 60_000);
 
+test('a resumed stream whose client leaves again is cancelled when the hold ends there, unless its client comes back once more', async () => {
+  const HOLD_MS = 1500;
+  const env = { MAGUS_GATEWAY_RESUME_HOLD_MS: String(HOLD_MS) };
+  const [first, second] = [await startGatewayProcess(env), await startGatewayProcess(env)];
+  const cancelledBefore = bridge.stats.cancelled;
+
+  /** The stream of `content` on `gateway` (resumed after `lastEventId`), its client gone after `pieces` pieces of text (its events so far). */
+  const leaveAfter = async (gateway: GatewayProcess, session: string, content: string, pieces: number, lastEventId?: string) => {
+    const client = new AbortController();
+    const events = rawStream(gateway, session, content, lastEventId, client.signal);
+    const had: RawEvent[] = [];
+    const reading = (async () => {
+      for (;;) had.push((await events.next()).value as RawEvent);
+    })();
+    reading.catch(() => undefined);
+    // With no piece to wait for (the answer held), long enough for the resume to be under way.
+    if (pieces === 0) await sleep(500);
+    else await until(`${pieces} pieces`, () => had.filter(pieceOf).length >= pieces, 10_000);
+    client.abort();
+    await expect(reading).rejects.toThrow();
+    return had;
+  };
+  /** A stream on `first` whose answer is held after HELD_AFTER pieces, its client gone there, then back on `second` and gone again. */
+  const twice = async (name: string) => {
+    const session = await pinnedSession(name);
+    const content = `${name}: tell me what a gateway forgets when it dies ${randomBytes(8).toString('hex')}`;
+    let release!: () => void;
+    hold = { released: new Promise<void>((resolve) => (release = resolve)), reached: 0 };
+    const had = await leaveAfter(first, session, content, HELD_AFTER);
+    hold = undefined;
+    const lastId = had.filter(pieceOf).at(-1)!.id;
+    // Back on the other replica: nothing new yet (the answer is held), then gone again.
+    await leaveAfter(second, session, content, 0, lastId);
+    return { session, content, had, lastId, release, leftAt: Date.now() };
+  };
+
+  // Gone twice and back a third time, on the first replica: neither replica cancels, and the rest comes once.
+  const thrice = await twice('came-back-twice');
+  await sleep(300);
+  const rest: RawEvent[] = [];
+  const resumed = (async () => {
+    for await (const e of rawStream(first, thrice.session, thrice.content, thrice.lastId)) rest.push(e);
+  })();
+  await sleep(HOLD_MS + 500); // both holds have passed
+  expect(bridge.stats.cancelled).toBe(cancelledBefore);
+  thrice.release();
+  await resumed;
+  expect(rest.at(-1)!.data).toBe('[DONE]');
+  expect([...thrice.had, ...rest].map(pieceOf).filter(Boolean)).toEqual(splitText(thrice.content, CHUNKS));
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(thrice.content))).toHaveLength(1);
+  expect(bridge.stats.cancelled).toBe(cancelledBefore);
+
+  // Gone twice, never back: the replica it was resumed on cancels it when its hold ends (the first
+  // replica's hold saw the resume, and leaves it).
+  const gone = await twice('gone-twice');
+  await until('the answer abandoned twice cancelled', () => bridge.stats.cancelled > cancelledBefore, HOLD_MS + 10_000);
+  expect(Date.now() - gone.leftAt).toBeGreaterThanOrEqual(HOLD_MS - 100);
+  gone.release();
+  await sleep(500);
+  expect(bridge.stats.cancelled).toBe(cancelledBefore + 1);
+
+  for (const p of [first, second]) {
+    p.child.kill('SIGTERM');
+    expect(await p.exited).toEqual({ code: 0, signal: null });
+    processes.delete(p);
+  }
+}, 60_000);
+
 /**
  * The id a stream's keep-alive says while the answer waits for its first chunk (a message with no
  * data), and the messages before it. The body is left open (a client that closed it would have

@@ -64,7 +64,7 @@ export interface GatewaySettings {
   keepAliveMs: number;
   /**
    * How long a resumable stream whose client left goes on for a resume before it is cancelled
-   * (routes/resume.ts `cancelUnlessResumed`; default 10 s: serving/resume.ts `DEFAULT_RESUME_HOLD_MS`; 0: cancelled at once).
+   * (routes/inference.ts `cancelUnlessResumed`; default 10 s: serving/resume.ts `DEFAULT_RESUME_HOLD_MS`; 0: cancelled at once).
    */
   resumeHoldMs?: number;
   /** Longest wait for a session (a cold start); then 503 with `Retry-After`. */

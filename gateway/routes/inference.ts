@@ -64,24 +64,28 @@ function exchangeOptions(app: FastifyInstance, entry: SessionEntry, req: Inferen
 }
 
 /**
- * Cancels request `requestId` of the answer first published as `first` on `session`'s instance —
- * its client left — unless a client comes back for the answer (a resume on any replica, routes/resume.ts,
- * recorded in the move log) within `resumeHoldMs`: a dropped connection is resumed, not cut; an answer nobody
- * comes back for stops generating then. Without a move log or a hold, at once.
+ * Runs `cancel` (the request serving the answer first published as `first`: its client left)
+ * unless a client comes back for the answer (a resume on any replica, routes/resume.ts, recorded
+ * in the move log) within `resumeHoldMs`: a dropped connection is resumed, not cut; an answer
+ * nobody comes back for stops generating then. `since`: the revision of the resume this client
+ * came with, when it did (routes/resume.ts) — only a later one counts; a first client's counts any.
+ * Without a move log or a hold, at once.
  */
-function cancelUnlessResumed(app: FastifyInstance, first: string, session: SessionEntry, requestId: string): void {
+export function cancelUnlessResumed(app: FastifyInstance, first: string, cancel: () => void, since: Promise<number> = Promise.resolve(0)): void {
   const g = app.gateway;
   const hold = g.settings.resumeHoldMs ?? DEFAULT_RESUME_HOLD_MS;
-  const wasResumed = g.moves?.wasResumed?.bind(g.moves);
-  if (!wasResumed || hold <= 0) return g.cancel?.(session, requestId);
-  // Any resume at all: this replica's client left once, so a resume is its client come back —
-  // perhaps before this replica noticed it left (a connection that died without a word).
+  const lastResumed = g.moves?.lastResumed?.bind(g.moves);
+  if (!lastResumed || hold <= 0) return cancel();
+  // Any later resume: this client left, so a resume is this client come back — perhaps before
+  // this replica noticed it left (a connection that died without a word).
   setTimeout(() => {
-    void wasResumed(first)
+    // A resume this replica could not record (0): any other one counts, as for a first client.
+    void Promise.all([lastResumed(first), since.catch(() => 0)])
+      .then(([last, mine]) => last > mine)
       .catch(() => false)
       .then((resumed) => {
         if (resumed) app.log.info({ inferenceId: first }, 'its client left and came back for it: not cancelled');
-        else g.cancel?.(session, requestId);
+        else cancel();
       });
   }, hold).unref();
 }
@@ -429,8 +433,9 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       client.log.info({ inferenceId: id }, err.message);
       // The engine stops generating for nobody — once its client, given ids to resume with, did not come back for it.
       if (published) {
-        if (resumable) cancelUnlessResumed(app, id, published, publishedId);
-        else g.cancel?.(published, publishedId);
+        const [at, request] = [published, publishedId];
+        if (resumable) cancelUnlessResumed(app, id, () => g.cancel?.(at, request));
+        else g.cancel?.(at, request);
       }
       throw err;
     }

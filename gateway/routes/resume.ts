@@ -17,7 +17,7 @@ import { errors, toGatewayError } from '../plugins/errors';
 import type { ResumedAnswer } from '../../shared/continuation';
 import { exchange, frameSubjectsOf, type Moved, type MoveHow, type ResponseRouter } from '../serving/exchange';
 import { continuationIdOf, parseLastEventId, type MoveLog, type MoveRecord, type ResumableAnswer, type ResumePoint } from '../serving/resume';
-import { meterOf, withModelDefaults, type InferencePayload } from './inference';
+import { cancelUnlessResumed, meterOf, withModelDefaults, type InferencePayload } from './inference';
 import type { SseResponse } from './sse';
 
 /** The resume point a request's `Last-Event-ID` names, for the key's `scope`; 400 when it is not one this key was given. */
@@ -76,7 +76,8 @@ export interface AskedAgain {
  *
  * When the answer moves (handed back by its bridge, or its bridge silent), the move the replica
  * that published it claimed is followed; with `asked` (the request sent again), a move nobody
- * claimed within {@link CLAIM_AFTER_MS} is claimed and continued here.
+ * claimed within {@link CLAIM_AFTER_MS} is claimed and continued here. `following` is told of
+ * each request followed: the first, then each move's.
  */
 export async function followAnswer(
   app: FastifyInstance,
@@ -84,6 +85,7 @@ export async function followAnswer(
   signal: AbortSignal,
   onChunk: (chunk: unknown, seq: number) => void,
   asked?: AskedAgain,
+  following?: (current: Moved) => void,
 ): Promise<unknown> {
   const g = app.gateway;
   const s = g.settings;
@@ -138,6 +140,7 @@ export async function followAnswer(
   };
   // Where the answer left its first request, if it did: known before any of that request's frames is relayed.
   await lookUp(1);
+  following?.({ session: published.entry, req });
   return exchange(published.entry, req, {
     router,
     publish: async (subject, r, e) => {
@@ -155,7 +158,11 @@ export async function followAnswer(
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
       ? {
-          move: (said: ResumedAnswer, from: Moved, how: MoveHow) => nextMove(g.moves!, ++moves, said, from, how),
+          move: async (said: ResumedAnswer, from: Moved, how: MoveHow) => {
+            const to = await nextMove(g.moves!, ++moves, said, from, how);
+            if (to) following?.(to);
+            return to;
+          },
           // Moved elsewhere as recorded: the request's frames up to where the answer left it.
           leftAt: () => knownMove(moves + 1)?.at,
           ...(g.bridgeSilent ? { silent: movedAway(g.bridgeSilent), onMovedAway: (from: Moved, at: number) => g.cancel?.(from.session, from.req.id, at) } : {}),
@@ -275,8 +282,11 @@ export async function serveResume(
   const s = app.gateway.settings;
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
-  // Recorded (not waited for): the replica its client left does not cancel it at the end of its hold.
-  void app.gateway.moves?.resumed?.(point.requestId).catch((err: unknown) => app.log.warn({ err, inferenceId: point.requestId }, 'could not record a resume'));
+  // Recorded (not waited for): the replica its client left does not cancel it at the end of its
+  // hold; nor does this one, should this client leave too and come back again.
+  const recorded = app.gateway.moves?.resumed?.(point.requestId) ?? Promise.resolve(0);
+  recorded.catch((err: unknown) => app.log.warn({ err, inferenceId: point.requestId }, 'could not record a resume'));
+  let current: Moved | undefined;
   const ctl = new AbortController();
   const onClose = () => {
     if (!reply.raw.writableEnded) ctl.abort(new Error('the client closed the connection'));
@@ -291,11 +301,15 @@ export async function serveResume(
         if (seq > point.seq) onChunk(chunk, seq);
       },
       asked,
+      (to) => (current = to),
     );
     sse.done();
   } catch (err) {
     if (ctl.signal.aborted) {
-      // Gone again: the answer goes on at the bridge, and the client may come back once more.
+      // Gone again: the answer goes on at the bridge for the client to come back once more, and
+      // stops generating for nobody once the hold has passed without it.
+      const at = current;
+      if (at) cancelUnlessResumed(app, point.requestId, () => app.gateway.cancel?.(at.session, at.req.id), recorded);
       if (!sse.started) reply.hijack();
       reply.raw.destroy();
       return reply;

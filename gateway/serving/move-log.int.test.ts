@@ -46,10 +46,14 @@ test('a move records where the answer left the request it moved from; a record w
   expect(await log.find('req5', 1)).toEqual(older); // … but not believed when read
 });
 
-test("a resume is recorded under the answer's first request: not resumed until one is, and a move's record is no resume", async () => {
+test("a resume is recorded under the answer's first request: none until one is, a later one after an earlier, and a move's record is no resume", async () => {
   await log.claim('req6', 1, { replica: 'r1', pool: 'p', instance: 'i2', requestId: 'req6-m1' });
-  expect(await log.wasResumed!('req6')).toBe(false);
-  await log.resumed!('req6');
-  expect(await log.wasResumed!('req6')).toBe(true);
-  expect(await log.wasResumed!('req7')).toBe(false);
+  expect(await log.lastResumed!('req6')).toBe(0);
+  const first = await log.resumed!('req6');
+  expect(first).toBeGreaterThan(0);
+  expect(await log.lastResumed!('req6')).toBe(first);
+  const again = await log.resumed!('req6'); // its client gone again and back once more
+  expect(again).toBeGreaterThan(first);
+  expect(await log.lastResumed!('req6')).toBe(again);
+  expect(await log.lastResumed!('req7')).toBe(0);
 });

@@ -74,10 +74,14 @@ export interface MoveLog {
   /** Records `to` as move `n` unless one is recorded already; resolves with the move that holds (`to`, or the one before it). */
   claim(first: string, n: number, to: MoveRecord): Promise<MoveRecord>;
   find(first: string, n: number): Promise<MoveRecord | undefined>;
-  /** Records that a client came back for the answer of `first`. */
-  resumed?(first: string): Promise<void>;
-  /** Whether a client came back for the answer of `first` (its resume ids are its client's alone). */
-  wasResumed?(first: string): Promise<boolean>;
+  /** Records that a client came back for the answer of `first`; resolves with the record's revision. */
+  resumed?(first: string): Promise<number>;
+  /**
+   * The revision of the last record that a client came back for the answer of `first` (its resume
+   * ids are its client's alone); 0 when none did. Revisions only grow: a resume after one a
+   * replica recorded itself has a higher one.
+   */
+  lastResumed?(first: string): Promise<number>;
 }
 
 /**
@@ -115,10 +119,11 @@ export function kvMoveLog(kv: Pick<KV, 'create' | 'get' | 'put'>): MoveLog {
       }
     },
     find,
-    resumed: async (first) => {
-      await kv.put(resumedKey(first), String(Date.now()));
+    resumed: (first) => kv.put(resumedKey(first), String(Date.now())),
+    lastResumed: async (first) => {
+      const e = await kv.get(resumedKey(first));
+      return e?.operation === 'PUT' ? e.revision : 0;
     },
-    wasResumed: async (first) => (await kv.get(resumedKey(first)))?.operation === 'PUT',
   };
 }
 
