@@ -70,6 +70,7 @@ beforeAll(async () => {
     startTimeoutSec: 60,
     name: 'engine',
     log: (l) => engineLog.push(l),
+    output: (l) => engineLog.push(l),
     stopGraceMs: 1000,
     // Restarted at once: this file kills it ~20 times (production waits 500 ms, doubling, unless
     // an engine waits on standby, as here: it then serves at once).
@@ -127,6 +128,12 @@ async function stream(sampling: { temperature: number; seed?: number }, onPiece?
 
 const standbys = () => engineLog.filter((l) => l.includes('waits on standby')).length;
 
+/** `until`, a timeout saying what the engine's supervisor and processes logged last (a standby that did not start, a backoff). */
+const untilEngine = (what: string, cond: () => boolean): Promise<void> =>
+  until(what, cond, 30_000).catch((err: Error) => {
+    throw new Error(`${err.message}; the engine's log, last 40 lines:\n${engineLog.slice(-40).join('\n')}`);
+  });
+
 /**
  * Kills the idle engine and waits for it to be back, and for the next engine on standby: the next
  * answer starts on an empty cache, and its engine's death is met as a running instance meets it.
@@ -135,8 +142,8 @@ async function freshEngine(): Promise<void> {
   const before = engine.restarts;
   const waited = standbys();
   process.kill(engine.current.process.child.pid!, 'SIGKILL');
-  await until('the engine runs again', () => engine.restarts > before, 30_000);
-  await until('an engine on standby again', () => standbys() > waited, 30_000);
+  await untilEngine('the engine runs again', () => engine.restarts > before);
+  await untilEngine('an engine on standby again', () => standbys() > waited);
 }
 
 /** Freezes the engine process, returns its pid. */
@@ -188,7 +195,7 @@ describe.each([
       const kill = async (pid: number) => {
         process.kill(pid, 'SIGKILL');
         killedAt = Date.now();
-        await until('the engine runs again', () => engine.restarts > restartsBefore, 30_000);
+        await untilEngine('the engine runs again', () => engine.restarts > restartsBefore);
         backAt = Date.now();
       };
       let answer: Streamed;

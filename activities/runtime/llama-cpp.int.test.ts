@@ -110,7 +110,7 @@ test.each(['mapped', 'warm'] as const)(
   async (kind) => {
     const standbyLogs: string[] = [];
     // A backoff far longer than the restart: the restart that comes sooner is the standby's.
-    const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: kind, log: (l) => standbyLogs.push(l) });
+    const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: kind, log: (l) => standbyLogs.push(l), output: (l) => standbyLogs.push(l) });
     const said = kind === 'warm' ? ', warm,' : '';
     // A wait that times out says what the runtime logged (a standby that failed to start, a restart's backoff).
     const untilStandby = (what: string, cond: () => boolean, timeoutMs = 30_000): Promise<void> =>
