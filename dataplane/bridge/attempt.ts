@@ -118,15 +118,55 @@ export class Attempt {
     this.ctx.log(`request ${this.req.id}: ${line}`);
   }
 
+  /** The deliveries it resolves: the one it began with, and any later one it adopted. */
+  private readonly deliveries: JsMsg[];
+  /** Resolves once its delivery is done with ({@link end}). */
+  private readonly ended: Promise<void>;
+  private markEnded: () => void = () => undefined;
+
   constructor(
     private readonly ctx: AttemptContext,
     readonly req: InferenceRequest,
-    readonly msg: JsMsg,
+    msg: JsMsg,
     readonly claim: RequestClaim,
     /** The claim's revision this attempt holds (0: none written, a first delivery's). */
     readonly revision: number,
   ) {
+    this.deliveries = [msg];
+    this.ended = new Promise((resolve) => (this.markEnded = resolve));
     this.paused = !ctx.isConnected();
+  }
+
+  /** Its latest delivery. */
+  get msg(): JsMsg {
+    return this.deliveries.at(-1)!;
+  }
+
+  /**
+   * Whether it is serving its request and may take a later delivery of it on ({@link adopt}):
+   * neither stopped nor ending.
+   */
+  get serving(): boolean {
+    return !this.signal.aborted && !this.concluding;
+  }
+
+  /**
+   * Takes `m`, a later delivery of its request to this bridge, on as the one it resolves: JetStream
+   * delivered it again while this attempt ran (a new leader of the request consumer does, whatever
+   * the attempt's progress reports said to the old one). Taking it over instead — claim, read back,
+   * continue — would stop an answer that was going well, and under bench:chaos that cost silences of
+   * ~1 s, and 31 s once its read-back failed. The attempt resolves every delivery it holds alike
+   * (one message delivered twice, or two messages of one request). Resolves once it is done with them.
+   */
+  adopt(m: JsMsg): Promise<void> {
+    this.deliveries.push(m);
+    return this.ended;
+  }
+
+  /** Hands its deliveries back to JetStream, for a retry after `delay` ms (default: at once). */
+  private nak(delay?: number): void {
+    for (const m of this.deliveries) m.nak(delay);
+    this.ctx.stats.nakked += 1;
   }
 
   /** Aborted when the attempt must stop; the reason is an {@link AbortReason}. */
@@ -271,8 +311,7 @@ export class Attempt {
           // any other goes back to the consumer, for a bridge of this instance that comes back.
           if (this.ctx.isConnected() && movable(this, this.ctx.continues === true, true))
             return this.endHandedBack('its instance is stopping (the drain deadline passed): continue it elsewhere', this.handedBack());
-          m.nak();
-          this.ctx.stats.nakked += 1;
+          this.nak();
         }
         return;
       case 'retry': {
@@ -288,8 +327,7 @@ export class Attempt {
           return this.conclude(errorFrame(this.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
         }
         this.ctx.log(`request ${this.req.id}: ${outcome.reason}; retrying in ${delay} ms`);
-        m.nak(delay);
-        this.ctx.stats.nakked += 1;
+        this.nak(delay);
         return;
       }
     }
@@ -377,6 +415,7 @@ export class Attempt {
   /** Its delivery is done with: late acknowledgements of its frames are ignored. */
   end(): void {
     this.ctx.frames.forget(this.pending);
+    this.markEnded();
   }
 
   /**
@@ -394,13 +433,12 @@ export class Attempt {
 
   /** Acks or terms the delivery once its terminal frame is out. */
   private resolveMessage(frame: ResponseFrame, resolve: 'ack' | 'term'): void {
-    if (resolve === 'ack') {
-      this.msg.ack();
-      this.ctx.stats.acked += 1;
-    } else {
-      this.msg.term(frame.type === 'error' ? (frame.error.code ?? 'error') : undefined);
-      this.ctx.stats.termed += 1;
+    for (const m of this.deliveries) {
+      if (resolve === 'ack') m.ack();
+      else m.term(frame.type === 'error' ? (frame.error.code ?? 'error') : undefined);
     }
+    if (resolve === 'ack') this.ctx.stats.acked += 1;
+    else this.ctx.stats.termed += 1;
   }
 }
 

@@ -49,6 +49,12 @@ export class LiveAttempts {
     return a;
   }
 
+  /** The attempt serving request `id` now, if one is ({@link Attempt.serving}). */
+  serving(id: string): Attempt | undefined {
+    for (const a of this.live) if (a.req.id === id && a.serving) return a;
+    return undefined;
+  }
+
   retire(a: Attempt): void {
     a.end();
     this.live.delete(a);

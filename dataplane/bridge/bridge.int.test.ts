@@ -33,6 +33,7 @@ import {
   instanceResponseSubjectOf,
   laneConsumerNameOf,
   laneSubjectOf,
+  requestSubjectFor,
   requestSubjectOf,
   responseSubjectOf,
   scopedSubject,
@@ -473,6 +474,31 @@ describe('redelivery', () => {
     await until('ack', () => heir.stats.acked === 1);
     expect(heir.stats).toMatchObject({ pulled: 1, redelivered: 1, resumed: 1, acked: 1, errors: 0 });
     await consumerEmptied(instance);
+  });
+
+  it('a request delivered again to the bridge serving it (a new consumer leader hands it out again) is not taken over: its attempt goes on, the engine called once, both deliveries resolved', async () => {
+    const stub = await engine(() => ({ chunks: 12, delayMs: 120 }));
+    // Two slots: the second delivery is pulled while the first is served (with every slot busy it
+    // waits for one, and is adopted if its request is still being served then).
+    const instance = await instanceWith({ slots: 2 });
+    const b = await bridge(instance, stub.url, { slots: 2 });
+    const { req, answer } = await sent(instance);
+    await until('a few chunks', () => answer.raw.length >= 4);
+    // The same request as a second message (no dedup id): to the bridge, another delivery of a
+    // request it is serving, as a consumer's new leader that did not know of the first hands out.
+    await nc
+      .jetstream()
+      .publish(requestSubjectFor(requestSubjectOf(names, POOL, instance), req, true), encodeJson(req), { expect: { streamName: names.requestStream } });
+    await until('the second delivery pulled', () => b.stats.pulled === 2);
+    expect(answer.raw.at(-1)?.type).toBe('chunk'); // while the first was served
+    await answer.finished;
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 12));
+    // Each seq once: nothing generated again, nothing published twice.
+    expect(answer.raw.map((f) => f.seq)).toEqual(Array.from({ length: 14 }, (_, i) => i));
+    expect(stub.calls).toHaveLength(1);
+    await consumerEmptied(instance, 'both deliveries resolved');
+    expect(b.stats).toMatchObject({ pulled: 2, adopted: 1, resumed: 0, superseded: 0, acked: 1, errors: 0 });
+    expect(await (await nc.jetstream().views.kv(names.claimsBucket)).get(claimKeyOf({ pool: POOL, instance }, req.id))).toBeNull();
   });
 
   it('a redelivery resumes after the frames a first delivery published, though it finds no claim', async () => {

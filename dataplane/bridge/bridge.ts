@@ -215,6 +215,7 @@ export class Bridge {
       resumedAcrossGap: 0,
       replayed: 0,
       superseded: 0,
+      adopted: 0,
       handedBack: 0,
       cancelled: 0,
       heartbeatsMissed: 0,

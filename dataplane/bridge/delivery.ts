@@ -2,7 +2,8 @@
  * Serving one delivery of a request to its end (README.md one folder up, "Exactly one answer per
  * request id", rules 1 and 3): checked at the trust boundary, dropped when its client went away,
  * served by a first attempt that writes no claim, or — a redelivery — claimed, replayed when it
- * was answered already, and resumed after the frames an earlier attempt published.
+ * was answered already, and resumed after the frames an earlier attempt published. A delivery of
+ * a request this bridge is serving now is adopted by the attempt serving it (attempt.ts `adopt`).
  */
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
 import type { InferenceRequest, ResponseFrame } from '../../shared/serving';
@@ -78,6 +79,15 @@ export async function serveDelivery(ctx: DeliveryContext, m: JsMsg): Promise<voi
     attempt?.check();
   }, ctx.workingEveryMs);
   try {
+    // Delivered again while this bridge serves it — marked so, or as a first delivery by a new
+    // consumer leader that did not know of the one before: the attempt goes on and resolves this
+    // delivery (attempt.ts `adopt`); this one's ticker keeps it from being delivered once more meanwhile.
+    const live = ctx.attempts.serving(req.id);
+    if (live) {
+      stats.adopted += 1;
+      live.log(`delivered again (delivery ${m.info.deliveryCount}) while this bridge serves it: its attempt goes on`);
+      return await live.adopt(m);
+    }
     if (!m.redelivered) return await serveFirst(ctx, m, req, (a) => (attempt = a));
     await serveRedelivery(ctx, m, req, (a) => (attempt = a));
   } finally {
@@ -114,6 +124,13 @@ async function serveFirst(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest,
   }
 }
 
+/** How long a redelivery reads its request's stored frames again before it hands the request back with a nak. */
+const READ_BACK_PATIENCE_MS = 12_000;
+/** How long one read of them may take to reach the last stored frame (a new stream leader catching up). */
+const READ_BACK_TIMEOUT_MS = 3_000;
+/** The first pause between two reads of them (doubling, up to the bridge's retry delay). */
+const READ_BACK_FIRST_PAUSE_MS = 250;
+
 /** A redelivery: claims the request, replays a finished one, or resumes after what reached the server. */
 async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest, track: (a: Attempt | undefined) => void): Promise<void> {
   const { nc, stats, log, names } = ctx;
@@ -149,17 +166,31 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
     let prior: ResponseFrame[] = [];
     {
       // No frame of the request is older than the request itself (stored at `since`).
-      let stored: Awaited<ReturnType<typeof readStoredFrames>>;
-      try {
-        stored = await readStoredFrames(ctx.js, ctx.jsm, names.responseStream, req.replyTo, { since: m.info.timestampNanos / 1e6 });
-      } catch (err) {
-        // The response stream has no leader (an election) or NATS is away: what was sent cannot
-        // be known yet. Hand it back for a retry soon rather than leave it to ack_wait; the
-        // next delivery takes over from our claim.
-        ctx.failed(`request ${req.id}: reading back its frames failed; retrying in ${ctx.retryDelayMs} ms`, err);
-        m.nak(ctx.retryDelayMs);
-        stats.nakked += 1;
-        return;
+      let stored: StoredFrames | undefined;
+      // The response stream has no leader (an election) or NATS is away: what was sent cannot be
+      // known yet. Read again here, the delivery kept (the ticker says it is being worked on), each
+      // read given READ_BACK_TIMEOUT_MS, for READ_BACK_PATIENCE_MS: a nak's redelivery comes from
+      // the request consumer, which is often electing a leader itself then and loses a nak sent to
+      // its old one — under bench:chaos one read waited 10 s, and the delivery after its nak came
+      // at ack_wait, 20 s later: a 31-s silence. Then hand it back for a retry; the next delivery
+      // takes over from our claim.
+      for (let pause = READ_BACK_FIRST_PAUSE_MS, giveUpAt = Date.now() + READ_BACK_PATIENCE_MS; !stored; pause = Math.min(2 * pause, ctx.retryDelayMs)) {
+        try {
+          stored = await readStoredFrames(ctx.js, ctx.jsm, names.responseStream, req.replyTo, {
+            since: m.info.timestampNanos / 1e6,
+            timeoutMs: READ_BACK_TIMEOUT_MS,
+          });
+        } catch (err) {
+          if (a.signal.aborted) return; // superseded or cut off meanwhile: not ours to resolve
+          if (Date.now() + pause > giveUpAt) {
+            ctx.failed(`request ${req.id}: reading back its frames failed; retrying in ${ctx.retryDelayMs} ms`, err);
+            m.nak(ctx.retryDelayMs);
+            stats.nakked += 1;
+            return;
+          }
+          ctx.log(`request ${req.id}: reading back its frames failed (${(err as Error).message}); reading again in ${pause} ms`);
+          await new Promise((resolve) => setTimeout(resolve, pause));
+        }
       }
       prior = stored.frames;
       // A large answer's parts say its usage only once joined into their `done`.

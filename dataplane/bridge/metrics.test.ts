@@ -15,6 +15,7 @@ describe('bridgeMetricsText', () => {
     resumedAcrossGap: 0,
     replayed: 0,
     superseded: 0,
+    adopted: 0,
     handedBack: 0,
     cancelled: 0,
     heartbeatsMissed: 0,

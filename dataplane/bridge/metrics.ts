@@ -30,6 +30,8 @@ export interface BridgeStats {
   replayed: number;
   /** Attempts that found a later delivery owned their request and stopped without resolving it. */
   superseded: number;
+  /** Deliveries of a request this bridge was serving then (the request consumer's leader changed, say): its attempt went on, and resolved them. */
+  adopted: number;
   /** Answers handed back to their gateway to be continued elsewhere (the drain deadline passed, or the engine went away). */
   handedBack: number;
   /** Requests whose client went away (a gateway's cancel): the engine call stopped, or never made. */
@@ -71,6 +73,7 @@ const STAT_HELP: Record<Exclude<keyof BridgeStats, 'inFlight'>, string> = {
   resumedAcrossGap: 'Take-overs that found frames lost between stored ones and generated on from before the gap, checked against the frames after it.',
   replayed: 'Deliveries of an already answered request: its last frame published again, nothing generated.',
   superseded: 'Attempts that found a later delivery owned their request.',
+  adopted: 'Deliveries of a request this bridge was serving then (a new request consumer leader delivered it again): its attempt went on and resolved them.',
   handedBack:
     'Answers handed back to their gateway to be continued on another instance (the drain deadline passed, the engine went away, or a take-over found the frames stored of it gone).',
   cancelled: 'Requests whose client went away.',
