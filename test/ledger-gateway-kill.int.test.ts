@@ -440,6 +440,13 @@ test('a stream resumed on another gateway with Last-Event-ID after its gateway w
   processes.delete(second);
 }, 60_000);
 
+/** The answer to `content` as a client that had `had` and then `rest` got it: whole, each piece once, to [DONE], and generated once. */
+function expectWholeOnce(content: string, had: RawEvent[], rest: RawEvent[]): void {
+  expect(rest.at(-1)!.data).toBe('[DONE]');
+  expect([...had, ...rest].map(pieceOf).filter(Boolean)).toEqual(splitText(content, CHUNKS));
+  expect(engine.requests.filter((r) => JSON.stringify(r).includes(content))).toHaveLength(1);
+}
+
 test('a client that drops its stream and comes back on another replica within the hold gets the rest, once, generated once; one that does not come back is cancelled when the hold ends', async () => {
   const HOLD_MS = 1500;
   const first = await startGatewayProcess({ MAGUS_GATEWAY_RESUME_HOLD_MS: String(HOLD_MS) });
@@ -472,9 +479,7 @@ test('a client that drops its stream and comes back on another replica within th
   await sleep(300);
   back.release();
   await resumed;
-  expect(rest.at(-1)!.data).toBe('[DONE]');
-  expect([...back.had, ...rest].map(pieceOf).filter(Boolean)).toEqual(splitText(back.content, CHUNKS));
-  expect(engine.requests.filter((r) => JSON.stringify(r).includes(back.content))).toHaveLength(1);
+  expectWholeOnce(back.content, back.had, rest);
   expect(bridge.stats.cancelled).toBe(cancelledBefore);
 
   // Dropped and never come back for: the engine goes on for the hold, then the answer is cancelled.
@@ -537,9 +542,7 @@ test('a resumed stream whose client leaves again is cancelled when the hold ends
   expect(bridge.stats.cancelled).toBe(cancelledBefore);
   thrice.release();
   await resumed;
-  expect(rest.at(-1)!.data).toBe('[DONE]');
-  expect([...thrice.had, ...rest].map(pieceOf).filter(Boolean)).toEqual(splitText(thrice.content, CHUNKS));
-  expect(engine.requests.filter((r) => JSON.stringify(r).includes(thrice.content))).toHaveLength(1);
+  expectWholeOnce(thrice.content, thrice.had, rest);
   expect(bridge.stats.cancelled).toBe(cancelledBefore);
 
   // Gone twice, never back: the replica it was resumed on cancels it when its hold ends (the first
