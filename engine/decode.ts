@@ -29,8 +29,17 @@ import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEva
 };
 import type { TokenChoice, TokenLogprob } from './api';
 
-/** Tokens of a prompt evaluated between two looks at the request's abort signal (in batches of llama.ts `EXACT_BATCH`). */
-const PROMPT_PIECE = 512;
+/**
+ * Tokens of a prompt handed to the context at a time (each piece a look at the request's abort
+ * signal): one batch's worth (llama.ts `EXACT_BATCH`). node-llama-cpp's batch loop goes on while
+ * any decode is queued, and a sequence that is generating queues its next token only after the
+ * batch with its last one — so while another sequence's piece of 512 tokens stood queued, the
+ * generating sequences got a token in almost none of its ~8 batches: an answer streaming beside a
+ * prompt being evaluated fell silent for the whole evaluation (2.6 s for 512 tokens here, made
+ * 2 tokens; an answer moved onto a busy instance silenced the others there). With pieces of one
+ * batch they take their turn between pieces: longest silence 0.38 s, the prompt as fast.
+ */
+export const PROMPT_PIECE = 63;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;
 /** Tokens a grammar's step looks through before it asks for the whole vocabulary's logits. */

@@ -64,3 +64,32 @@ test('a conversation that takes a slot another one held starts while two others 
   // Its first piece came while they were still early in their answers.
   expect(Math.max(...saidThen)).toBeLessThan(100);
 }, 60_000);
+
+test("an answer goes on while another conversation's long prompt is evaluated beside it, a token between each of the prompt's pieces", async () => {
+  let said = 0;
+  let twentySaid!: () => void;
+  const underway = new Promise<void>((resolve) => (twentySaid = resolve));
+  const long = stream('Tell me a long story about a lighthouse.', LONG, (n) => {
+    said = n;
+    if (n === 20) twentySaid();
+  });
+  await underway;
+  // ~800 tokens of prompt: 13 pieces of one batch (decode.ts `PROMPT_PIECE`).
+  const words = Array.from({ length: 130 }, (_, i) => `w${i % 89}x${i}`).join(' ');
+  const before = said;
+  const res = await fetch(`${engine.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({ messages: [{ role: 'user', content: `Summarise: ${words}` }], max_tokens: 1, temperature: 0 }),
+  });
+  const after = said;
+  const body = (await res.json()) as { usage: { prompt_tokens: number } };
+  expect(res.status).toBe(200);
+  expect(body.usage.prompt_tokens).toBeGreaterThan(700);
+  await long;
+  // The premise: it was still generating when the prompt's answer came.
+  expect(after).toBeLessThan(LONG);
+  // One piece of the answer (at least) for most of the prompt's pieces; with the prompt in pieces
+  // of 512 it said 2–4 in all, silent for the whole evaluation.
+  expect(after - before).toBeGreaterThanOrEqual(8);
+}, 60_000);
