@@ -39,7 +39,7 @@ import type { TokenChoice, TokenLogprob } from './api';
  * 2 tokens; an answer moved onto a busy instance silenced the others there). With pieces of one
  * batch they take their turn between pieces: longest silence 0.38 s, the prompt as fast.
  */
-export const PROMPT_PIECE = 63;
+const PROMPT_PIECE = 63;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;
 /** Tokens a grammar's step looks through before it asks for the whole vocabulary's logits. */

@@ -130,9 +130,7 @@ const standbys = () => engineLog.filter((l) => l.includes('waits on standby')).l
 
 /** `until`, a timeout saying what the engine's supervisor and processes logged last (a standby that did not start, a backoff). */
 const untilEngine = (what: string, cond: () => boolean): Promise<void> =>
-  until(what, cond, 30_000).catch((err: Error) => {
-    throw new Error(`${err.message}; the engine's log, last 40 lines:\n${engineLog.slice(-40).join('\n')}`);
-  });
+  until(() => `${what}; the engine's log, last 40 lines:\n${engineLog.slice(-40).join('\n')}`, cond, 30_000);
 
 /**
  * Kills the idle engine and waits for it to be back, and for the next engine on standby: the next

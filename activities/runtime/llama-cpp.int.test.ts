@@ -29,11 +29,9 @@ let rt: LocalRuntime;
 const logs: string[] = [];
 const stack = new TestStack();
 
-/** Waits like `until`, with the runtime's log in the error when it times out. */
-const untilLogged = (what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 60_000): Promise<void> =>
-  until(what, cond, timeoutMs).catch((err: Error) => {
-    throw new Error(`${err.message}; runtime log:\n${logs.join('\n')}`);
-  });
+/** Waits like `until`, with the runtime's log (`log`, default this file's runtime's) in the error when it times out. */
+const untilLogged = (what: string, cond: () => boolean | Promise<boolean>, timeoutMs = 60_000, log: readonly string[] = logs): Promise<void> =>
+  until(() => `${what}; runtime log:\n${log.join('\n')}`, cond, timeoutMs);
 
 beforeAll(async () => {
   const iso = isolation();
@@ -112,11 +110,6 @@ test.each(['mapped', 'warm'] as const)(
     // A backoff far longer than the restart: the restart that comes sooner is the standby's.
     const warm = await runtimeWith({ restart: { backoffMs: 30_000 }, standby: kind, log: (l) => standbyLogs.push(l), output: (l) => standbyLogs.push(l) });
     const said = kind === 'warm' ? ', warm,' : '';
-    // A wait that times out says what the runtime logged (a standby that failed to start, a restart's backoff).
-    const untilStandby = (what: string, cond: () => boolean, timeoutMs = 30_000): Promise<void> =>
-      until(what, cond, timeoutMs).catch((err: Error) => {
-        throw new Error(`${err.message}; runtime log:\n${standbyLogs.join('\n')}`);
-      });
     const waiting = () =>
       standbyLogs
         .flatMap((l) => new RegExp(`waits on standby${said} for port (\\d+) \\(pid (\\d+)\\)`).exec(l) ?? [])
@@ -127,27 +120,32 @@ test.each(['mapped', 'warm'] as const)(
       const before = warm.processes(POOL, 'warm-1')![0]!;
       const greedy = { max_tokens: 4, temperature: 0, stream: false };
       const first = await askInstance(nc, names, POOL, 'warm-1', greedy);
-      await untilStandby('an engine on standby', () => waiting().length === 1, 60_000);
+      await untilLogged('an engine on standby', () => waiting().length === 1, 60_000, standbyLogs);
       const [standbyPid] = waiting();
       expect(processRunning(standbyPid!)).toBe(true);
       expect(standbyLogs.find((l) => l.includes('waits on standby'))).toContain(`for port ${before.port}`);
 
       process.kill(before.pid!, 'SIGKILL');
-      await untilStandby('the standby serving', () => {
-        const p = warm.processes(POOL, 'warm-1')![0]!;
-        return p.pid !== before.pid && p.running;
-      });
+      await untilLogged(
+        'the standby serving',
+        () => {
+          const p = warm.processes(POOL, 'warm-1')![0]!;
+          return p.pid !== before.pid && p.running;
+        },
+        30_000,
+        standbyLogs,
+      );
       const after = warm.processes(POOL, 'warm-1')![0]!;
       expect(after).toMatchObject({ pid: standbyPid, port: before.port });
       expect(standbyLogs.some((l) => new RegExp(`restarting it on port ${before.port} in 0 ms`).test(l))).toBe(true);
       expect((await askInstance(nc, names, POOL, 'warm-1', greedy)).text).toBe(first.text);
-      await untilStandby('another engine on standby', () => waiting().length === 2, 60_000);
+      await untilLogged('another engine on standby', () => waiting().length === 2, 60_000, standbyLogs);
       const [, nextPid] = waiting();
       expect(nextPid).not.toBe(standbyPid);
 
       // The standby itself killed while it waits (the OOM killer's pick): another replaces it, a second later.
       process.kill(nextPid!, 'SIGKILL');
-      await untilStandby('a third engine on standby', () => waiting().length === 3, 60_000);
+      await untilLogged('a third engine on standby', () => waiting().length === 3, 60_000, standbyLogs);
       const [, , thirdPid] = waiting();
       expect(standbyLogs).toContainEqual(expect.stringMatching(/the engine on standby was killed by SIGKILL; another in 1000 ms/));
       expect(warm.processes(POOL, 'warm-1')![0]!).toMatchObject({ pid: after.pid, running: true });

@@ -433,9 +433,10 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       client.log.info({ inferenceId: id }, err.message);
       // The engine stops generating for nobody — once its client, given ids to resume with, did not come back for it.
       if (published) {
-        const [at, request] = [published, publishedId];
-        if (resumable) cancelUnlessResumed(app, id, () => g.cancel?.(at, request));
-        else g.cancel?.(at, request);
+        const [at, request] = [published, publishedId]; // as they are now: the hold ends later
+        const cancel = () => g.cancel?.(at, request);
+        if (resumable) cancelUnlessResumed(app, id, cancel);
+        else cancel();
       }
       throw err;
     }

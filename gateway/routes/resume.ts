@@ -154,15 +154,12 @@ export async function followAnswer(
     signal,
     onChunk,
     trace: (what, fields) => app.log.info({ inferenceId: place.requestId, resumed: true, ...fields }, what),
+    ...(following ? { onMoved: following } : {}),
     ...(g.bridgeRequeues ? { requeues: g.bridgeRequeues } : {}),
     // Moved (handed back, or its bridge went silent): follow it where the replica serving it sent it, or send it on.
     ...(g.moves
       ? {
-          move: async (said: ResumedAnswer, from: Moved, how: MoveHow) => {
-            const to = await nextMove(g.moves!, ++moves, said, from, how);
-            if (to) following?.(to);
-            return to;
-          },
+          move: (said: ResumedAnswer, from: Moved, how: MoveHow) => nextMove(g.moves!, ++moves, said, from, how),
           // Moved elsewhere as recorded: the request's frames up to where the answer left it.
           leftAt: () => knownMove(moves + 1)?.at,
           ...(g.bridgeSilent ? { silent: movedAway(g.bridgeSilent), onMovedAway: (from: Moved, at: number) => g.cancel?.(from.session, from.req.id, at) } : {}),

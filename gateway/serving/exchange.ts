@@ -333,7 +333,7 @@ export interface ExchangeOptions {
    * with the bridge's error.
    */
   move?: (said: ResumedAnswer, from: Moved, how: MoveHow) => Promise<Moved | undefined>;
-  /** The answer was moved (metrics). */
+  /** The answer was moved: `to` is the request its frames come from now (metrics; whom a resumed stream's client leaving cancels). */
   onMoved?: (to: Moved) => void;
   /**
    * Whether the bridge of the instance a request waits on stopped beating since it was sent there
