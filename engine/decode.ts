@@ -29,17 +29,8 @@ import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEva
 };
 import type { TokenChoice, TokenLogprob } from './api';
 
-/**
- * Tokens of a prompt handed to the context at a time (each piece a look at the request's abort
- * signal): one batch's worth (llama.ts `EXACT_BATCH`). node-llama-cpp's batch loop goes on while
- * any decode is queued, and a sequence that is generating queues its next token only after the
- * batch with its last one — so while another sequence's piece of 512 tokens stood queued, the
- * generating sequences got a token in almost none of its ~8 batches: an answer streaming beside a
- * prompt being evaluated fell silent for the whole evaluation (2.6 s for 512 tokens here, made
- * 2 tokens; an answer moved onto a busy instance silenced the others there). With pieces of one
- * batch they take their turn between pieces: longest silence 0.38 s, the prompt as fast.
- */
-const PROMPT_PIECE = 63;
+/** The fewest tokens of a prompt handed to the context at a time ({@link BatchShares.piece}). */
+const MIN_PIECE = 8;
 /** Candidates a token is drawn from when log-probabilities are wanted (llama.cpp's default top-k). */
 export const SAMPLE_TOP_K = 40;
 /** Tokens a grammar's step looks through before it asks for the whole vocabulary's logits. */
@@ -91,6 +82,51 @@ export class Erasures {
   }
 }
 
+/**
+ * How one context's batches are shared between its sequences: a prompt goes to the context in
+ * pieces (each a look at the request's abort signal) sized so that every prompt being evaluated
+ * and one token of every generating sequence fit in one batch (llama.ts `EXACT_BATCH`).
+ *
+ * node-llama-cpp's batch loop goes on while any decode is queued, and a generating sequence
+ * queues its next token only a few steps after the batch with its last one — after the loop has
+ * looked for what comes next. So whenever the queued prompt tokens overflow a batch, the next
+ * batch is theirs alone and the answers beside them skip it: with pieces of 512 tokens an answer
+ * beside a 588-token prompt fell silent 2.9 s; with pieces of one batch (63) it took every other
+ * batch beside two prompts, every third beside three (longest silence 1.29 and 2.51 s). With
+ * shares nothing overflows: the batch ends, every sequence queues again, and the next batch takes
+ * them all (0.91 and 1.02 s, the prompts as fast: `npm run bench:prompts-beside`).
+ */
+export class BatchShares {
+  private readonly count = { prompt: 0, generate: 0 };
+
+  constructor(private readonly batch: number) {}
+
+  /** Tokens of a prompt's next piece: an even share of a batch after a token for each generating sequence. */
+  piece(): number {
+    return Math.max(MIN_PIECE, Math.floor((this.batch - this.count.generate) / Math.max(1, this.count.prompt)));
+  }
+
+  /**
+   * Before a prompt's next piece, while any sequence generates: a turn of the event loop, so the
+   * piece is queued after the batch loop has looked for more work and ended, and the batch that
+   * takes it takes the generating sequences' next tokens too (queued meanwhile). Queued at once,
+   * the piece kept the loop going without them.
+   */
+  turn(): Promise<void> | undefined {
+    return this.count.generate > 0 ? new Promise((resolve) => setImmediate(resolve)) : undefined;
+  }
+
+  /** Counts a sequence as evaluating a prompt, or generating, until the returned function is called. */
+  enter(what: 'prompt' | 'generate'): () => void {
+    this.count[what]++;
+    let left = false;
+    return () => {
+      if (!left) this.count[what]--;
+      left = true;
+    };
+  }
+}
+
 export interface DecodeOptions {
   maxTokens: number;
   /** 0 = greedy. */
@@ -122,6 +158,8 @@ export interface DecodeOptions {
   grammar?: TokenGrammar;
   /** The erasures of the sequence's context ({@link Erasures}). */
   erasures: Erasures;
+  /** How the sequence's context shares its batches ({@link BatchShares}). */
+  shares: BatchShares;
   /**
    * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
    * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
@@ -297,108 +335,122 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
     o.onText(piece, done, answer.slice(begun, attached));
   };
 
-  // A long prompt in pieces, so a request whose client left stops between them.
-  while (input.length > PROMPT_PIECE + 1) {
-    if (o.signal.aborted) throw o.signal.reason;
-    await erasures.beforeStep();
-    await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, PROMPT_PIECE));
-    input = input.slice(PROMPT_PIECE);
+  // A long prompt in pieces ({@link BatchShares}); a request whose client left stops between them.
+  // The last piece goes with the first step, which asks for its last token's logits.
+  const prompting = o.shares.enter('prompt');
+  try {
+    for (let n = o.shares.piece(); input.length > n; n = o.shares.piece()) {
+      if (o.signal.aborted) throw o.signal.reason;
+      await erasures.beforeStep();
+      await o.shares.turn();
+      await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, n));
+      input = input.slice(n);
+    }
+  } finally {
+    prompting();
   }
 
-  while (sampled.length < o.maxTokens) {
-    if (o.signal.aborted) throw o.signal.reason;
-    const repeatPenalty = penalties
-      ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
-      : {};
-    const seed = stepSeed(requestSeed, sampled.length);
-    const sampling = { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty };
-    let out: { logits?: ReadonlyMap<Token, number>; totalLogitWeight?: number; token?: Token | null } | undefined;
-    let token: Token | null | undefined;
-    /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
-    let chosenLogit: number | undefined;
-    // Held while an erasure of another sequence waits for the context (awaited only then: per token).
-    const held = erasures.beforeStep();
-    if (held) await held;
-    if (grammar && !wantLogprobs) {
-      // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
-      token = await sampleOne(sequence, input, {
-        ...sampling,
-        grammarEvaluationState: grammar.state,
-        ...(grammar.bias ? { tokenBias: grammar.bias } : {}),
-        yieldEogToken: true,
-      });
-    } else {
-      const next: ControlledEvaluateInputItem = [
-        input.at(-1)!,
-        {
-          generateNext:
-            wantLogprobs || grammar
-              ? {
-                  logits: { filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) } },
-                  ...(wantLogprobs ? { totalLogitWeight: true } : {}),
-                  options: { temperature: 0, ...repeatPenalty },
-                }
-              : { token: true, options: sampling },
-        },
-      ];
-      const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
-      out = evaluated.at(-1)?.next;
-      if (grammar && out?.logits) {
-        let allowed = allowedOf(out.logits, grammar, candidates);
-        if (allowed.size === 0) {
-          // None of the most likely is allowed: the same position again, for every token's logit.
-          await erase(sequence.nextTokenIndex - 1);
-          const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
-          allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
-          if (allowed.size === 0) throw new Error('the grammar allows no token here');
-        }
-        token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
-        if (!out.logits.has(token)) chosenLogit = allowed.get(token);
-        if (!model.isEogToken(token)) grammar.accept(token);
-      } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
-    }
-    if (token == null) throw new Error('the model sampled no token');
-    sampled.push(token);
-    if (model.isEogToken(token)) {
-      finishReason = 'stop';
-      break;
-    }
-    input = [token];
-    answer.push(token);
-    const stopTokens = o.stopTokens?.find((t) => endsWithTokens(answer, t));
-    if (stopTokens) {
-      answer.length -= stopTokens.length;
+  const generating = o.shares.enter('generate');
+  try {
+    while (sampled.length < o.maxTokens) {
+      if (o.signal.aborted) throw o.signal.reason;
+      const repeatPenalty = penalties
+        ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
+        : {};
+      const seed = stepSeed(requestSeed, sampled.length);
+      const sampling = { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty };
+      let out: { logits?: ReadonlyMap<Token, number>; totalLogitWeight?: number; token?: Token | null } | undefined;
+      let token: Token | null | undefined;
+      /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
+      let chosenLogit: number | undefined;
+      // Held while an erasure of another sequence waits for the context (awaited only then: per token).
+      const held = erasures.beforeStep();
+      if (held) await held;
+      if (grammar && !wantLogprobs) {
+        // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
+        token = await sampleOne(sequence, input, {
+          ...sampling,
+          grammarEvaluationState: grammar.state,
+          ...(grammar.bias ? { tokenBias: grammar.bias } : {}),
+          yieldEogToken: true,
+        });
+      } else {
+        const next: ControlledEvaluateInputItem = [
+          input.at(-1)!,
+          {
+            generateNext:
+              wantLogprobs || grammar
+                ? {
+                    logits: { filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) } },
+                    ...(wantLogprobs ? { totalLogitWeight: true } : {}),
+                    options: { temperature: 0, ...repeatPenalty },
+                  }
+                : { token: true, options: sampling },
+          },
+        ];
+        const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
+        out = evaluated.at(-1)?.next;
+        if (grammar && out?.logits) {
+          let allowed = allowedOf(out.logits, grammar, candidates);
+          if (allowed.size === 0) {
+            // None of the most likely is allowed: the same position again, for every token's logit.
+            await erase(sequence.nextTokenIndex - 1);
+            const again = await sequence.controlledEvaluate([
+              [input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }],
+            ]);
+            allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
+            if (allowed.size === 0) throw new Error('the grammar allows no token here');
+          }
+          token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
+          if (!out.logits.has(token)) chosenLogit = allowed.get(token);
+          if (!model.isEogToken(token)) grammar.accept(token);
+        } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
+      }
+      if (token == null) throw new Error('the model sampled no token');
+      sampled.push(token);
+      if (model.isEogToken(token)) {
+        finishReason = 'stop';
+        break;
+      }
+      input = [token];
+      answer.push(token);
+      const stopTokens = o.stopTokens?.find((t) => endsWithTokens(answer, t));
+      if (stopTokens) {
+        answer.length -= stopTokens.length;
+        text = model.detokenize(answer);
+        finishReason = 'stop';
+        break;
+      }
+      const before = text.length;
       text = model.detokenize(answer);
-      finishReason = 'stop';
-      break;
+      starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
+      if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
+        // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
+        const norm = Math.max(...out.logits.values()) + Math.log(out.totalLogitWeight);
+        const lp = (t: Token): number => (out.logits!.get(t) ?? (t === token ? chosenLogit : undefined) ?? -Infinity) - norm;
+        // The most likely first (the end-of-generation tokens a grammar adds are asked by id: sorted in).
+        const top = [...out.logits]
+          .sort((a, b) => b[1] - a[1])
+          .slice(0, o.topLogprobs)
+          .map(([t]) => describe(t, lp(t)));
+        const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
+        // Its text and bytes are what it adds to the answer, known when it is sent.
+        pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });
+      }
+      const stopAt = findStop(text, o.stop, Math.max(0, sent - longestStop));
+      if (stopAt >= 0) {
+        text = text.slice(0, stopAt);
+        finishReason = 'stop';
+        break;
+      }
+      // Hold back an unfinished UTF-8 character and what could begin a stop text.
+      let safe = text.length;
+      while (safe > sent && text.charCodeAt(safe - 1) === 0xfffd) safe--;
+      safe -= stopPrefixAtEnd(text.slice(0, safe), o.stop);
+      send(safe);
     }
-    const before = text.length;
-    text = model.detokenize(answer);
-    starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
-    if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
-      // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
-      const norm = Math.max(...out.logits.values()) + Math.log(out.totalLogitWeight);
-      const lp = (t: Token): number => (out.logits!.get(t) ?? (t === token ? chosenLogit : undefined) ?? -Infinity) - norm;
-      // The most likely first (the end-of-generation tokens a grammar adds are asked by id: sorted in).
-      const top = [...out.logits]
-        .sort((a, b) => b[1] - a[1])
-        .slice(0, o.topLogprobs)
-        .map(([t]) => describe(t, lp(t)));
-      const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
-      // Its text and bytes are what it adds to the answer, known when it is sent.
-      pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });
-    }
-    const stopAt = findStop(text, o.stop, Math.max(0, sent - longestStop));
-    if (stopAt >= 0) {
-      text = text.slice(0, stopAt);
-      finishReason = 'stop';
-      break;
-    }
-    // Hold back an unfinished UTF-8 character and what could begin a stop text.
-    let safe = text.length;
-    while (safe > sent && text.charCodeAt(safe - 1) === 0xfffd) safe--;
-    safe -= stopPrefixAtEnd(text.slice(0, safe), o.stop);
-    send(safe);
+  } finally {
+    generating();
   }
   // An unfinished character at the end is not part of the answer (as LlamaChat returns it), nor
   // are the tokens of a stop text.

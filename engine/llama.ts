@@ -39,7 +39,7 @@ import {
 import { RESUME_MISMATCH } from '../shared/continuation';
 import { schemaToGbnf } from '../shared/grammar';
 import { toGrammarSchema } from '../shared/json-schema';
-import { decode, Erasures, type DecodeOptions, type TokenGrammar } from './decode';
+import { BatchShares, decode, Erasures, type DecodeOptions, type TokenGrammar } from './decode';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -228,7 +228,7 @@ interface Plan {
 }
 
 /** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
-type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText' | 'erasures'>;
+type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText' | 'erasures' | 'shares'>;
 
 /** How magus's own loop samples `req`'s answer of at most `maxTokens` (and continues it, when it is a resume). */
 function decodeSettings(req: ChatRequest | TextRequest, maxTokens: number): DecodeSettings {
@@ -265,6 +265,8 @@ export class LlamaBackend implements CompletionBackend {
   private embedder: LlamaEmbedder | undefined;
   /** The erasures of the context's sequences (decode.ts): one waiting holds the others' next step. */
   private readonly erasures = new Erasures();
+  /** How the context's batches are shared between its sequences (decode.ts): the size of a prompt's pieces. */
+  private readonly shares = new BatchShares(EXACT_BATCH);
 
   private constructor(
     private readonly lib: NodeLlamaCpp,
@@ -555,6 +557,7 @@ export class LlamaBackend implements CompletionBackend {
     return decode(this.model, chat.sequence, prompt, {
       ...o,
       erasures: this.erasures,
+      shares: this.shares,
       signal: io.signal,
       onText: (text, logprobs, tokens) => io.onText(text, logprobs, tokens),
     });
