@@ -80,6 +80,22 @@ export class HandBacks {
 /** Hand-backs further apart than this are not numbered together. */
 export const HAND_BACKS_APART_MS = 1_000;
 
+/**
+ * How long a claim check after a reconnect waits for its read. A direct get can go unanswered
+ * while the cluster gets over a server's death (a replica that knows of no leader drops it), and
+ * waiting out the client's 5-s timeout kept frames held that long; a read asked again (the sweep,
+ * every 500 ms) was answered at once. bench:chaos: held 5.2 s, the read that went out after the
+ * timeout answered in 156 ms.
+ */
+export const CLAIM_CHECK_MS = 1_000;
+
+/** `p`, or a rejection once `ms` pass without its answer (`p` goes on, unheard). */
+function within<T>(p: Promise<T>, ms: number): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`no answer in ${ms} ms`)), ms)));
+  return Promise.race([p, late]).finally(() => clearTimeout(timer));
+}
+
 export class Attempt {
   private controller = new AbortController();
   /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
@@ -92,6 +108,8 @@ export class Attempt {
   /** When it last began holding frames. */
   private pausedAt = Date.now();
   private resuming = false;
+  /** Claim checks after a reconnect that failed since it began holding frames (the first is logged). */
+  private failedChecks = 0;
   private concluding = false;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
   nextSeq = 0;
@@ -240,7 +258,7 @@ export class Attempt {
     this.resuming = true;
     try {
       if (!this.recorded) {
-        const rev = (await this.ctx.claims.revision(this.req.id)) ?? 0; // 0: no claim yet (a first delivery's)
+        const rev = (await within(this.ctx.claims.revision(this.req.id), CLAIM_CHECK_MS)) ?? 0; // 0: no claim yet (a first delivery's)
         if (!this.ctx.isConnected() || this.signal.aborted) return;
         if (rev > this.revision) return this.abort('superseded'); // a later delivery's claim (a lower one: a replica behind)
       }
@@ -250,8 +268,10 @@ export class Attempt {
       const held = this.held.splice(0);
       for (const f of held) this.send(f);
       if (held.length > 0) this.ctx.log(`request ${this.req.id}: ${held.length} frame(s) held ${Date.now() - this.pausedAt} ms while NATS was away published`);
+      this.failedChecks = 0;
     } catch (err) {
-      this.ctx.log(`request ${this.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames`);
+      if (++this.failedChecks === 1)
+        this.ctx.log(`request ${this.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames, asking again`);
     } finally {
       this.resuming = false;
     }
@@ -336,7 +356,8 @@ export class Attempt {
   /**
    * Publishes the terminal `frame`, records it in the claim and resolves the message. Connected
    * and holding nothing (the usual case), the frame goes out first and the claim's CAS follows,
-   * off the client's path; otherwise the CAS comes first and proves we still own the request.
+   * off the client's path; otherwise the CAS comes first and proves we still own the request —
+   * or a claim check after the reconnect does ({@link resume}) and it goes out then, the CAS after.
    * Superseded (the CAS fails): nothing more is published and the message is left to its owner.
    * A first delivery that wrote no claim and published its terminal frame writes none at all:
    * `MAGUS_RESPONSES` holds the frame, and a redelivery (a lost ack) reads it back and replays it.
@@ -351,7 +372,7 @@ export class Attempt {
     const out = splitFrame(whole, ctx.nc.info?.max_payload ?? DEFAULT_MAX_PAYLOAD);
     const frame = out.at(-1)!;
     this.nextSeq = frame.seq + 1;
-    const early = ctx.isConnected() && !this.paused && !this.signal.aborted;
+    let early = ctx.isConnected() && !this.paused && !this.signal.aborted;
     if (early) {
       try {
         for (const f of out) ctx.frames.publish(this.pending, this.req.replyTo, f);
@@ -372,6 +393,19 @@ export class Attempt {
     let finished: boolean;
     for (;;) {
       while (!ctx.isConnected() && !ctx.nc.isClosed() && Date.now() < giveUpAt) await new Promise((resolve) => setTimeout(resolve, 50));
+      if (!early && !this.paused && !this.signal.aborted && ctx.isConnected()) {
+        // The frames it held went out (a claim check after the reconnect found the request still
+        // its own, `resume`): the end follows them now, as it would have without the reconnect,
+        // and the claim's CAS records it off the client's path — it may wait for the claims
+        // bucket to have a leader again (an election: seconds).
+        early = true;
+        try {
+          for (const f of out) ctx.frames.publish(this.pending, this.req.replyTo, f);
+        } catch {
+          this.abort('closed');
+          return;
+        }
+      }
       try {
         finished = await ctx.claims.finish(this.req.id, this.claim, this.revision, frame, usage);
         break;

@@ -44,6 +44,7 @@ import { readStoredFrames } from '../response-stream';
 import { UsageLedger } from '../usage';
 import type { UsageRecord } from '../../shared/usage';
 import { decodeFrame, FrameSequencer } from '../frames';
+import { CLAIM_CHECK_MS } from './attempt';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
@@ -701,6 +702,53 @@ describe('redelivery', () => {
     expect(b.stats).toMatchObject({ errors: 0, superseded: 0 });
     expect(answer.raw.length - 17).toBeLessThanOrEqual(b.stats.framesResent);
     expect(logs.some((l) => l.includes('NATS disconnected'))).toBe(true);
+  });
+
+  it('held over a reconnect while the claims bucket elects a leader: the frames and the end go out once a read of the claim is answered, not when it takes writes again', async () => {
+    const stub = await engine(() => ({ chunks: 15, delayMs: 100 }));
+    const instance = await instanceWith();
+    const conn = await natsConnectAsBridge(names, POOL, instance);
+    cleanups.push(() => conn.close());
+    const b = await bridge(instance, stub.url, {}, conn);
+    const { req, answer } = await sent(instance);
+    await until('a few chunks', () => answer.raw.length >= 3);
+    // The bucket as a cluster's election leaves it: no write is taken (no stream listens to its
+    // subjects), and a direct get goes unanswered (a replica that knows of no leader drops it).
+    const bucket = `KV_${names.claimsBucket}`;
+    const { subjects, allow_direct } = (await jsm.streams.info(bucket)).config;
+    const dropped = nc.subscribe(`$JS.API.DIRECT.GET.${bucket}.>`);
+    let restored = false;
+    const restore = async () => {
+      if (restored) return;
+      restored = true;
+      await jsm.streams.update(bucket, { subjects, allow_direct });
+    };
+    cleanups.push(restore);
+    await jsm.streams.update(bucket, { subjects: [`${bucket}.elsewhere.>`], allow_direct: false });
+    await nc.flush();
+    await conn.reconnect();
+    // The engine's answer ends meanwhile (15 × 100 ms): its last frames and its end are held.
+    await until('the claim could not be finished', () => logs.some((l) => l.includes(`request ${req.id}: finishing the claim failed`)), 5_000);
+    await sleep(500);
+    const heldAt = answer.raw.length;
+    expect(answer.relayed.some((f) => f.type !== 'chunk')).toBe(false);
+    // Reads are answered again; writes are not, yet.
+    dropped.unsubscribe();
+    await jsm.streams.update(bucket, { allow_direct: true });
+    const readable = Date.now();
+    const frames = await answer.finished;
+    // Within a bounded check and a sweep (CLAIM_CHECK_MS + 500 ms), not the client's 5-s timeout.
+    expect(Date.now() - readable).toBeLessThan(CLAIM_CHECK_MS + 1_000);
+    expect(answer.raw.length).toBeGreaterThan(heldAt);
+    expect(answer.text()).toBe(expectedText(seedFor(req.id), 15));
+    expect(frames.filter((f) => f.type !== 'chunk')).toHaveLength(1);
+    // Resolved only once the claim records the end, which waits for the bucket's writes.
+    expect(b.stats.acked).toBe(0);
+    await restore();
+    await until('ack', () => b.stats.acked === 1);
+    expect(b.stats).toMatchObject({ errors: 0, superseded: 0 });
+    const claims = await openRequestClaims(nc.jetstream(), names, { pool: POOL, instance });
+    expect(await claims.acquire(req.id, 'later')).toMatchObject({ kind: 'finished', claim: { terminal: frames.at(-1) } });
   });
 
   it('a redelivery of an answered request re-publishes its recorded terminal frame without calling the engine', async () => {
