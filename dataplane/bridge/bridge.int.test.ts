@@ -677,14 +677,20 @@ describe('redelivery', () => {
     expect(b.stats).toMatchObject({ pulled: 2, redelivered: 1, resumed: 1, acked: 1 });
   });
 
-  it('frames produced while NATS reconnects are held and released in order once the claim is confirmed', async () => {
-    const stub = await engine(() => ({ chunks: 15, delayMs: 60 }));
+  /** A request answered in 15 chunks `delayMs` apart by a bridge on a connection of its own, once a few chunks are out. */
+  const underWay = async (delayMs: number) => {
+    const stub = await engine(() => ({ chunks: 15, delayMs }));
     const instance = await instanceWith();
     const conn = await natsConnectAsBridge(names, POOL, instance);
     cleanups.push(() => conn.close());
     const b = await bridge(instance, stub.url, {}, conn);
     const { req, answer } = await sent(instance);
     await until('a few chunks', () => answer.raw.length >= 3);
+    return { instance, conn, b, req, answer };
+  };
+
+  it('frames produced while NATS reconnects are held and released in order once the claim is confirmed', async () => {
+    const { conn, b, req, answer } = await underWay(60);
     await conn.reconnect();
     await answer.finished;
     expect(answer.text()).toBe(expectedText(seedFor(req.id), 15));
@@ -705,13 +711,7 @@ describe('redelivery', () => {
   });
 
   it('held over a reconnect while the claims bucket elects a leader: the frames and the end go out once a read of the claim is answered, not when it takes writes again', async () => {
-    const stub = await engine(() => ({ chunks: 15, delayMs: 100 }));
-    const instance = await instanceWith();
-    const conn = await natsConnectAsBridge(names, POOL, instance);
-    cleanups.push(() => conn.close());
-    const b = await bridge(instance, stub.url, {}, conn);
-    const { req, answer } = await sent(instance);
-    await until('a few chunks', () => answer.raw.length >= 3);
+    const { instance, conn, b, req, answer } = await underWay(100);
     // The bucket as a cluster's election leaves it: no write is taken (no stream listens to its
     // subjects), and a direct get goes unanswered (a replica that knows of no leader drops it).
     const bucket = `KV_${names.claimsBucket}`;
