@@ -58,3 +58,19 @@ export function streamAckProblem(msg: Pick<Msg, 'data' | 'headers'>): Error | un
   if (typeof ack.stream !== 'string') return new Error('malformed reply to a stream publish');
   return undefined;
 }
+
+/**
+ * `p`, or a rejection saying `what` did not answer once `ms` pass first (`p` goes on, unheard):
+ * for NATS answers that can go missing (a watch's first round, a direct get a replica drops).
+ */
+export async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([
+      p,
+      new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} did not answer within ${ms / 1000}s`)), ms))),
+    ]);
+  } finally {
+    clearTimeout(timer);
+  }
+}

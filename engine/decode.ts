@@ -97,13 +97,14 @@ export class Erasures {
  * them all (0.91 and 1.02 s, the prompts as fast: `npm run bench:prompts-beside`).
  */
 export class BatchShares {
-  private readonly count = { prompt: 0, generate: 0 };
+  /** What each sequence with a request does now. */
+  private readonly doing = new Map<LlamaContextSequence, 'prompt' | 'generate'>();
 
   constructor(private readonly batch: number) {}
 
   /** Tokens of a prompt's next piece: an even share of a batch after a token for each generating sequence. */
   piece(): number {
-    return Math.max(MIN_PIECE, Math.floor((this.batch - this.count.generate) / Math.max(1, this.count.prompt)));
+    return Math.max(MIN_PIECE, Math.floor((this.batch - this.count('generate')) / Math.max(1, this.count('prompt'))));
   }
 
   /**
@@ -113,17 +114,23 @@ export class BatchShares {
    * the piece kept the loop going without them.
    */
   turn(): Promise<void> | undefined {
-    return this.count.generate > 0 ? new Promise((resolve) => setImmediate(resolve)) : undefined;
+    return this.count('generate') > 0 ? new Promise((resolve) => setImmediate(resolve)) : undefined;
   }
 
-  /** Counts a sequence as evaluating a prompt, or generating, until the returned function is called. */
-  enter(what: 'prompt' | 'generate'): () => void {
-    this.count[what]++;
-    let left = false;
-    return () => {
-      if (!left) this.count[what]--;
-      left = true;
-    };
+  /** `sequence` evaluates its request's prompt, or generates its answer, from now on. */
+  now(sequence: LlamaContextSequence, what: 'prompt' | 'generate'): void {
+    this.doing.set(sequence, what);
+  }
+
+  /** `sequence`'s request ended. */
+  end(sequence: LlamaContextSequence): void {
+    this.doing.delete(sequence);
+  }
+
+  private count(what: 'prompt' | 'generate'): number {
+    let n = 0;
+    for (const w of this.doing.values()) if (w === what) n++;
+    return n;
   }
 }
 
@@ -266,6 +273,14 @@ function allowedOf(logits: ReadonlyMap<Token, number>, grammar: TokenGrammar, n:
  * end-of-generation token, a stop, or `maxTokens`.
  */
 export async function decode(model: LlamaModel, sequence: LlamaContextSequence, prompt: readonly Token[], o: DecodeOptions): Promise<Decoded> {
+  try {
+    return await decodeSteps(model, sequence, prompt, o);
+  } finally {
+    o.shares.end(sequence);
+  }
+}
+
+async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, prompt: readonly Token[], o: DecodeOptions): Promise<Decoded> {
   const resumed = o.resume?.tokens ?? [];
   const full = resumed.length > 0 ? [...prompt, ...resumed] : prompt;
   // At least the last token is evaluated again: its logits choose the next one.
@@ -337,120 +352,110 @@ export async function decode(model: LlamaModel, sequence: LlamaContextSequence, 
 
   // A long prompt in pieces ({@link BatchShares}); a request whose client left stops between them.
   // The last piece goes with the first step, which asks for its last token's logits.
-  const prompting = o.shares.enter('prompt');
-  try {
-    for (let n = o.shares.piece(); input.length > n; n = o.shares.piece()) {
-      if (o.signal.aborted) throw o.signal.reason;
-      await erasures.beforeStep();
-      await o.shares.turn();
-      await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, n));
-      input = input.slice(n);
-    }
-  } finally {
-    prompting();
+  o.shares.now(sequence, 'prompt');
+  for (let n = o.shares.piece(); input.length > n; n = o.shares.piece()) {
+    if (o.signal.aborted) throw o.signal.reason;
+    await erasures.beforeStep();
+    await o.shares.turn();
+    await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, n));
+    input = input.slice(n);
   }
 
-  const generating = o.shares.enter('generate');
-  try {
-    while (sampled.length < o.maxTokens) {
-      if (o.signal.aborted) throw o.signal.reason;
-      const repeatPenalty = penalties
-        ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
-        : {};
-      const seed = stepSeed(requestSeed, sampled.length);
-      const sampling = { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty };
-      let out: { logits?: ReadonlyMap<Token, number>; totalLogitWeight?: number; token?: Token | null } | undefined;
-      let token: Token | null | undefined;
-      /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
-      let chosenLogit: number | undefined;
-      // Held while an erasure of another sequence waits for the context (awaited only then: per token).
-      const held = erasures.beforeStep();
-      if (held) await held;
-      if (grammar && !wantLogprobs) {
-        // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
-        token = await sampleOne(sequence, input, {
-          ...sampling,
-          grammarEvaluationState: grammar.state,
-          ...(grammar.bias ? { tokenBias: grammar.bias } : {}),
-          yieldEogToken: true,
-        });
-      } else {
-        const next: ControlledEvaluateInputItem = [
-          input.at(-1)!,
-          {
-            generateNext:
-              wantLogprobs || grammar
-                ? {
-                    logits: { filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) } },
-                    ...(wantLogprobs ? { totalLogitWeight: true } : {}),
-                    options: { temperature: 0, ...repeatPenalty },
-                  }
-                : { token: true, options: sampling },
-          },
-        ];
-        const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
-        out = evaluated.at(-1)?.next;
-        if (grammar && out?.logits) {
-          let allowed = allowedOf(out.logits, grammar, candidates);
-          if (allowed.size === 0) {
-            // None of the most likely is allowed: the same position again, for every token's logit.
-            await erase(sequence.nextTokenIndex - 1);
-            const again = await sequence.controlledEvaluate([
-              [input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }],
-            ]);
-            allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
-            if (allowed.size === 0) throw new Error('the grammar allows no token here');
-          }
-          token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
-          if (!out.logits.has(token)) chosenLogit = allowed.get(token);
-          if (!model.isEogToken(token)) grammar.accept(token);
-        } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
-      }
-      if (token == null) throw new Error('the model sampled no token');
-      sampled.push(token);
-      if (model.isEogToken(token)) {
-        finishReason = 'stop';
-        break;
-      }
-      input = [token];
-      answer.push(token);
-      const stopTokens = o.stopTokens?.find((t) => endsWithTokens(answer, t));
-      if (stopTokens) {
-        answer.length -= stopTokens.length;
-        text = model.detokenize(answer);
-        finishReason = 'stop';
-        break;
-      }
-      const before = text.length;
-      text = model.detokenize(answer);
-      starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
-      if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
-        // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
-        const norm = Math.max(...out.logits.values()) + Math.log(out.totalLogitWeight);
-        const lp = (t: Token): number => (out.logits!.get(t) ?? (t === token ? chosenLogit : undefined) ?? -Infinity) - norm;
-        // The most likely first (the end-of-generation tokens a grammar adds are asked by id: sorted in).
-        const top = [...out.logits]
-          .sort((a, b) => b[1] - a[1])
-          .slice(0, o.topLogprobs)
-          .map(([t]) => describe(t, lp(t)));
-        const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
-        // Its text and bytes are what it adds to the answer, known when it is sent.
-        pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });
-      }
-      const stopAt = findStop(text, o.stop, Math.max(0, sent - longestStop));
-      if (stopAt >= 0) {
-        text = text.slice(0, stopAt);
-        finishReason = 'stop';
-        break;
-      }
-      // Hold back an unfinished UTF-8 character and what could begin a stop text.
-      let safe = text.length;
-      while (safe > sent && text.charCodeAt(safe - 1) === 0xfffd) safe--;
-      safe -= stopPrefixAtEnd(text.slice(0, safe), o.stop);
-      send(safe);
+  o.shares.now(sequence, 'generate');
+  while (sampled.length < o.maxTokens) {
+    if (o.signal.aborted) throw o.signal.reason;
+    const repeatPenalty = penalties
+      ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
+      : {};
+    const seed = stepSeed(requestSeed, sampled.length);
+    const sampling = { temperature: o.temperature, topP: o.topP, ...(o.topK !== undefined ? { topK: o.topK } : {}), seed, ...repeatPenalty };
+    let out: { logits?: ReadonlyMap<Token, number>; totalLogitWeight?: number; token?: Token | null } | undefined;
+    let token: Token | null | undefined;
+    /** The chosen token's logit, when it is not among those asked for (found in the whole vocabulary's). */
+    let chosenLogit: number | undefined;
+    // Held while an erasure of another sequence waits for the context (awaited only then: per token).
+    const held = erasures.beforeStep();
+    if (held) await held;
+    if (grammar && !wantLogprobs) {
+      // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
+      token = await sampleOne(sequence, input, {
+        ...sampling,
+        grammarEvaluationState: grammar.state,
+        ...(grammar.bias ? { tokenBias: grammar.bias } : {}),
+        yieldEogToken: true,
+      });
+    } else {
+      const next: ControlledEvaluateInputItem = [
+        input.at(-1)!,
+        {
+          generateNext:
+            wantLogprobs || grammar
+              ? {
+                  logits: { filter: { tokens: eogTokens, includeTop: Math.max(candidates, o.topLogprobs ?? 0, grammar ? GRAMMAR_TOP : 0) } },
+                  ...(wantLogprobs ? { totalLogitWeight: true } : {}),
+                  options: { temperature: 0, ...repeatPenalty },
+                }
+              : { token: true, options: sampling },
+        },
+      ];
+      const evaluated = await sequence.controlledEvaluate([...input.slice(0, -1), next]);
+      out = evaluated.at(-1)?.next;
+      if (grammar && out?.logits) {
+        let allowed = allowedOf(out.logits, grammar, candidates);
+        if (allowed.size === 0) {
+          // None of the most likely is allowed: the same position again, for every token's logit.
+          await erase(sequence.nextTokenIndex - 1);
+          const again = await sequence.controlledEvaluate([[input.at(-1)!, { generateNext: { logits: true, options: { temperature: 0, ...repeatPenalty } } }]]);
+          allowed = allowedOf(again.at(-1)?.next?.logits ?? new Map<Token, number>(), grammar, candidates);
+          if (allowed.size === 0) throw new Error('the grammar allows no token here');
+        }
+        token = drawToken(allowed, o.temperature, o.topP, uniform(seed), candidates);
+        if (!out.logits.has(token)) chosenLogit = allowed.get(token);
+        if (!model.isEogToken(token)) grammar.accept(token);
+      } else token = wantLogprobs && out?.logits ? drawToken(out.logits, o.temperature, o.topP, uniform(seed), candidates) : out?.token;
     }
-  } finally {
-    generating();
+    if (token == null) throw new Error('the model sampled no token');
+    sampled.push(token);
+    if (model.isEogToken(token)) {
+      finishReason = 'stop';
+      break;
+    }
+    input = [token];
+    answer.push(token);
+    const stopTokens = o.stopTokens?.find((t) => endsWithTokens(answer, t));
+    if (stopTokens) {
+      answer.length -= stopTokens.length;
+      text = model.detokenize(answer);
+      finishReason = 'stop';
+      break;
+    }
+    const before = text.length;
+    text = model.detokenize(answer);
+    starts.push(Math.max(starts.at(-1) ?? 0, Math.min(before, text.length)));
+    if (wantLogprobs && out?.logits && out.totalLogitWeight !== undefined) {
+      // log softmax: logit − max − ln Σ exp(logit − max) (the most likely first).
+      const norm = Math.max(...out.logits.values()) + Math.log(out.totalLogitWeight);
+      const lp = (t: Token): number => (out.logits!.get(t) ?? (t === token ? chosenLogit : undefined) ?? -Infinity) - norm;
+      // The most likely first (the end-of-generation tokens a grammar adds are asked by id: sorted in).
+      const top = [...out.logits]
+        .sort((a, b) => b[1] - a[1])
+        .slice(0, o.topLogprobs)
+        .map(([t]) => describe(t, lp(t)));
+      const offset = Math.max(pending.at(-1)?.offset ?? sent, Math.min(before, text.length));
+      // Its text and bytes are what it adds to the answer, known when it is sent.
+      pending.push({ token: '', bytes: [], logprob: lp(token), top, offset });
+    }
+    const stopAt = findStop(text, o.stop, Math.max(0, sent - longestStop));
+    if (stopAt >= 0) {
+      text = text.slice(0, stopAt);
+      finishReason = 'stop';
+      break;
+    }
+    // Hold back an unfinished UTF-8 character and what could begin a stop text.
+    let safe = text.length;
+    while (safe > sent && text.charCodeAt(safe - 1) === 0xfffd) safe--;
+    safe -= stopPrefixAtEnd(text.slice(0, safe), o.stop);
+    send(safe);
   }
   // An unfinished character at the end is not part of the answer (as LlamaChat returns it), nor
   // are the tokens of a stop text.

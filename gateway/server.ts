@@ -13,6 +13,7 @@ import { connect, Events, type KV, type NatsConnection } from 'nats';
 import { FullBacklogs } from './serving/backlogs';
 import { QueueWaits } from './serving/queue-waits';
 import { bridgeBeats } from './serving/beats';
+import { within } from '../dataplane/errors';
 import { leaderGet } from '../dataplane/kv-leader';
 import { deleteEntry } from '../dataplane/session-keys';
 import { kvMoveLog } from './serving/resume';
@@ -113,18 +114,6 @@ export function createServer(config: GatewayConfig, logStream?: NodeJS.WritableS
   });
   app.server.headersTimeout = config.http.headersTimeoutMs;
   return app;
-}
-
-async function within<T>(what: string, ms: number, p: Promise<T>): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  try {
-    return await Promise.race([
-      p,
-      new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`${what} did not answer within ${ms / 1000}s`)), ms))),
-    ]);
-  } finally {
-    clearTimeout(timer);
-  }
 }
 
 /** Demand told to a pool: a failure that says Temporal is unreachable has the probe look again at once. */

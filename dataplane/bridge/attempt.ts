@@ -13,6 +13,7 @@ import { BridgeErrorCode, errorFrame } from './error-frames';
 import type { BridgeStats } from './metrics';
 import { PendingFrames, type StoredFramePublisher } from './stored-frames';
 import { DEFAULT_MAX_PAYLOAD, splitFrame } from '../frames';
+import { within } from '../errors';
 import { CONTINUE_ELSEWHERE, resumedAnswer } from '../../shared/continuation';
 import { handBackFrame, movable } from './generate';
 
@@ -89,13 +90,6 @@ export const HAND_BACKS_APART_MS = 1_000;
  */
 export const CLAIM_CHECK_MS = 1_000;
 
-/** `p`, or a rejection once `ms` pass without its answer (`p` goes on, unheard). */
-function within<T>(p: Promise<T>, ms: number): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  const late = new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new Error(`no answer in ${ms} ms`)), ms)));
-  return Promise.race([p, late]).finally(() => clearTimeout(timer));
-}
-
 export class Attempt {
   private controller = new AbortController();
   /** Frames withheld while NATS is disconnected: published after a reconnect proves we still own the request. */
@@ -108,8 +102,8 @@ export class Attempt {
   /** When it last began holding frames. */
   private pausedAt = Date.now();
   private resuming = false;
-  /** Claim checks after a reconnect that failed since it began holding frames (the first is logged). */
-  private failedChecks = 0;
+  /** A claim check after a reconnect failed since it began holding frames (the first failure is logged, not each). */
+  private checkFailed = false;
   private concluding = false;
   /** The seq the next frame of this request gets (frames before it may come from an earlier attempt). */
   nextSeq = 0;
@@ -258,7 +252,7 @@ export class Attempt {
     this.resuming = true;
     try {
       if (!this.recorded) {
-        const rev = (await within(this.ctx.claims.revision(this.req.id), CLAIM_CHECK_MS)) ?? 0; // 0: no claim yet (a first delivery's)
+        const rev = (await within("the claim's read", CLAIM_CHECK_MS, this.ctx.claims.revision(this.req.id))) ?? 0; // 0: no claim yet (a first delivery's)
         if (!this.ctx.isConnected() || this.signal.aborted) return;
         if (rev > this.revision) return this.abort('superseded'); // a later delivery's claim (a lower one: a replica behind)
       }
@@ -268,10 +262,11 @@ export class Attempt {
       const held = this.held.splice(0);
       for (const f of held) this.send(f);
       if (held.length > 0) this.ctx.log(`request ${this.req.id}: ${held.length} frame(s) held ${Date.now() - this.pausedAt} ms while NATS was away published`);
-      this.failedChecks = 0;
+      this.checkFailed = false;
     } catch (err) {
-      if (++this.failedChecks === 1)
+      if (!this.checkFailed)
         this.ctx.log(`request ${this.req.id}: claim check after reconnect failed (${(err as Error).message}); still holding frames, asking again`);
+      this.checkFailed = true;
     } finally {
       this.resuming = false;
     }
@@ -372,14 +367,19 @@ export class Attempt {
     const out = splitFrame(whole, ctx.nc.info?.max_payload ?? DEFAULT_MAX_PAYLOAD);
     const frame = out.at(-1)!;
     this.nextSeq = frame.seq + 1;
-    let early = ctx.isConnected() && !this.paused && !this.signal.aborted;
-    if (early) {
+    /** Publishes the end; false when the connection is closed (the attempt is then aborted). */
+    const sendEnd = (): boolean => {
       try {
         for (const f of out) ctx.frames.publish(this.pending, this.req.replyTo, f);
+        return true;
       } catch {
         this.abort('closed');
-        return;
+        return false;
       }
+    };
+    let early = ctx.isConnected() && !this.paused && !this.signal.aborted;
+    if (early) {
+      if (!sendEnd()) return;
       if (this.revision === 0) {
         await this.whenStored();
         if (this.signal.aborted) return; // superseded or closed while waiting: not ours to resolve
@@ -399,12 +399,7 @@ export class Attempt {
         // and the claim's CAS records it off the client's path — it may wait for the claims
         // bucket to have a leader again (an election: seconds).
         early = true;
-        try {
-          for (const f of out) ctx.frames.publish(this.pending, this.req.replyTo, f);
-        } catch {
-          this.abort('closed');
-          return;
-        }
+        if (!sendEnd()) return;
       }
       try {
         finished = await ctx.claims.finish(this.req.id, this.claim, this.revision, frame, usage);
