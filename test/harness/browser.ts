@@ -12,6 +12,7 @@ import { REPO_ROOT } from './dev';
 import { sleep } from './wait';
 
 export const SCREENSHOTS = join(REPO_ROOT, 'test-results', 'ui');
+const BLANK_RELOAD_MS = 10_000;
 
 function chromium(): string {
   if (process.env.MAGUS_CHROMIUM) return process.env.MAGUS_CHROMIUM;
@@ -46,8 +47,14 @@ export async function openBrowser(): Promise<UiBrowser> {
   };
   const ui: UiBrowser = {
     async look(name, url, expected, timeoutMs = 30_000) {
-      // The UI keeps long polls open: wait for the DOM, then for the text.
-      await page.goto(url, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+      // The UI keeps long polls open: wait for the DOM, then for the text. A page still blank
+      // after BLANK_RELOAD_MS (the UI's scripts never ran: seen once in CI, the machine busy, a
+      // list that showed nothing for 30 s) is loaded again.
+      const load = async () => {
+        await page.goto(url, { waitUntil: 'domcontentloaded', timeout: timeoutMs });
+        return Date.now();
+      };
+      let loadedAt = await load();
       const deadline = Date.now() + timeoutMs;
       const wanted: readonly RegExp[] = expected instanceof RegExp ? [expected] : expected;
       const missing = (t: string) => wanted.filter((r) => !r.test(t));
@@ -55,9 +62,12 @@ export async function openBrowser(): Promise<UiBrowser> {
       while (missing(seen).length > 0) {
         if (Date.now() > deadline) {
           await page.screenshot({ path: join(SCREENSHOTS, `${name}.failed.png`) });
-          throw new Error(`${url} never showed ${missing(seen).map(String).join(' and ')}; it showed:\n${seen.slice(0, 3000)}`);
+          throw new Error(
+            `${url} never showed ${missing(seen).map(String).join(' and ')}; it showed:\n${seen.slice(0, 3000) || '(a blank page, loaded again every 10 s)'}`,
+          );
         }
         await sleep(500);
+        if (seen.trim() === '' && Date.now() - loadedAt > BLANK_RELOAD_MS) loadedAt = await load();
         seen = await text();
       }
       await page.screenshot({ path: join(SCREENSHOTS, `${name}.png`) });
