@@ -19,6 +19,7 @@ import type { GrammarSchema } from '../shared/json-schema';
 import { COMPLETIONS_DEFAULT_MAX_TOKENS, CompletionsRequest, promptsOf } from '../shared/completions';
 import { ENGINE_STARTING, EngineExtension, type ResumedAnswer } from '../shared/continuation';
 import type { CompletionUsage } from '../shared/serving';
+import type { SnapshotStats } from './snapshots';
 
 /** OpenAI's `finish_reason` values the engine produces. */
 export type FinishReason = 'stop' | 'length' | 'tool_calls';
@@ -195,6 +196,8 @@ export interface CompletionBackend {
    * @throws EngineHttpError (400 `context_length_exceeded`) when the prompt cannot fit
    */
   prepareText?(prompt: string, req: TextRequest, param: string): PreparedCompletion;
+  /** Backends that save their slots' KV caches (engine/snapshots.ts): what they saved and loaded. */
+  readonly snapshots?: SnapshotStats;
 }
 
 /** Embeddings of a model: one vector per input, in order. */

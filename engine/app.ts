@@ -540,9 +540,15 @@ export const engineApi: FastifyPluginAsync<EngineApiOptions> = (app, opts) => {
   });
 
   app.get('/metrics', (_request, reply) =>
-    reply
-      .type('text/plain; version=0.0.4; charset=utf-8')
-      .send(core.metrics.render({ loaded: core.status === 'ready', slots: core.slots.size, busy: core.slots.busy, queued: core.slots.queued })),
+    reply.type('text/plain; version=0.0.4; charset=utf-8').send(
+      core.metrics.render({
+        loaded: core.status === 'ready',
+        slots: core.slots.size,
+        busy: core.slots.busy,
+        queued: core.slots.queued,
+        ...(core.backend?.snapshots ? { snapshots: core.backend.snapshots } : {}),
+      }),
+    ),
   );
 
   return Promise.resolve();

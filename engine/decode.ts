@@ -28,6 +28,7 @@ import type { ControlledEvaluateInputItem, LlamaContextSequence, LlamaGrammarEva
   'resolution-mode': 'import',
 };
 import type { TokenChoice, TokenLogprob } from './api';
+import { sharedPrefix, type KvSnapshots } from './snapshots';
 
 /** The fewest tokens of a prompt handed to the context at a time ({@link BatchShares.piece}). */
 const MIN_PIECE = 8;
@@ -167,6 +168,8 @@ export interface DecodeOptions {
   erasures: Erasures;
   /** How the sequence's context shares its batches ({@link BatchShares}). */
   shares: BatchShares;
+  /** Where the context's sequences are saved and found again (engine/snapshots.ts); absent: nowhere. */
+  snapshots?: KvSnapshots;
   /**
    * Each new piece of the answer, with the log-probabilities of the tokens it completes and the
    * ids of the tokens whose text begins in it (a token spanning two pieces goes with the first):
@@ -284,10 +287,9 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
   const resumed = o.resume?.tokens ?? [];
   const full = resumed.length > 0 ? [...prompt, ...resumed] : prompt;
   // At least the last token is evaluated again: its logits choose the next one.
-  const held = sequence.contextTokens;
-  let keep = 0;
-  const reusable = Math.min(held.length, full.length - 1);
-  while (keep < reusable && held[keep] === full[keep]) keep++;
+  const prior = full.slice(0, full.length - 1);
+  let keep = sharedPrefix(sequence.contextTokens, prior);
+  if (o.snapshots && (await o.snapshots.restore(sequence, prior, keep))) keep = sharedPrefix(sequence.contextTokens, prior);
   const { erasures } = o;
   const erase = (start: number) => erasures.run(() => sequence.eraseContextTokenRanges([{ start, end: sequence.nextTokenIndex }]));
   if (keep < sequence.nextTokenIndex) await erase(keep);
@@ -376,6 +378,7 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
     // Held while an erasure of another sequence waits for the context (awaited only then: per token).
     const held = erasures.beforeStep();
     if (held) await held;
+    if (o.snapshots?.due(sequence)) await o.snapshots.save(sequence);
     if (grammar && !wantLogprobs) {
       // Natively, one token: the grammar's state masks only when the model's draw breaks it, and takes the token.
       token = await sampleOne(sequence, input, {

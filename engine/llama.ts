@@ -40,6 +40,7 @@ import { RESUME_MISMATCH } from '../shared/continuation';
 import { schemaToGbnf } from '../shared/grammar';
 import { toGrammarSchema } from '../shared/json-schema';
 import { BatchShares, decode, Erasures, type DecodeOptions, type TokenGrammar } from './decode';
+import { KvSnapshots, modelKey, type SnapshotStats } from './snapshots';
 
 type NodeLlamaCpp = typeof NodeLlamaCppModule;
 
@@ -89,6 +90,8 @@ export interface LlamaBackendOptions {
   threads: number;
   /** Tokens per slot; capped at the model's training context. */
   contextSize: number;
+  /** Where the slots' KV caches are saved for the engine that follows this one (snapshots.ts); absent: not saved. */
+  snapshots?: string;
   log?: (message: string) => void;
 }
 
@@ -228,7 +231,7 @@ interface Plan {
 }
 
 /** What a request asks of magus's own token loop (its cancellation and output come from the generation's IO). */
-type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText' | 'erasures' | 'shares'>;
+type DecodeSettings = Omit<DecodeOptions, 'signal' | 'onText' | 'erasures' | 'shares' | 'snapshots'>;
 
 /** How magus's own loop samples `req`'s answer of at most `maxTokens` (and continues it, when it is a resume). */
 function decodeSettings(req: ChatRequest | TextRequest, maxTokens: number): DecodeSettings {
@@ -267,6 +270,8 @@ export class LlamaBackend implements CompletionBackend {
   private readonly erasures = new Erasures();
   /** How the context's batches are shared between its sequences (decode.ts): the size of a prompt's pieces. */
   private readonly shares = new BatchShares(EXACT_BATCH);
+  /** The slots' KV snapshots, when they are kept. */
+  private readonly saved: KvSnapshots | undefined;
 
   private constructor(
     private readonly lib: NodeLlamaCpp,
@@ -278,8 +283,15 @@ export class LlamaBackend implements CompletionBackend {
     /** Tokens per slot. */
     readonly contextSize: number,
     private readonly threads: number,
+    snapshots: { dir: string; model: string; log: (message: string) => void } | undefined,
   ) {
     this.cached = chats.map(() => undefined);
+    const sequences = chats.map((c) => c.sequence);
+    this.saved = snapshots && new KvSnapshots(snapshots.dir, snapshots.model, sequences, this.erasures, snapshots.log);
+  }
+
+  get snapshots(): SnapshotStats | undefined {
+    return this.saved?.stats;
   }
 
   /** Loads the model and creates one sequence per slot. Nothing is downloaded or built. */
@@ -320,7 +332,8 @@ export class LlamaBackend implements CompletionBackend {
           const sequences: LlamaContextSequence[] = [];
           for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
           const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-          return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads);
+          const snapshots = opts.snapshots ? { dir: opts.snapshots, model: await modelKey(opts.modelPath), log } : undefined;
+          return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads, snapshots);
         } catch (err) {
           await llama.dispose();
           throw err;
@@ -558,6 +571,7 @@ export class LlamaBackend implements CompletionBackend {
       ...o,
       erasures: this.erasures,
       shares: this.shares,
+      ...(this.saved ? { snapshots: this.saved } : {}),
       signal: io.signal,
       onText: (text, logprobs, tokens) => io.onText(text, logprobs, tokens),
     });
@@ -570,6 +584,7 @@ export class LlamaBackend implements CompletionBackend {
 
   async dispose(): Promise<void> {
     await this.llama.dispose();
+    await this.saved?.dispose();
   }
 }
 

@@ -4,6 +4,8 @@
  * additions, cheap enough for every token.
  */
 
+import type { SnapshotStats } from './snapshots';
+
 /** A histogram with fixed upper bounds (seconds), cumulative only when rendered. */
 export class Histogram {
   private readonly counts: number[];
@@ -54,6 +56,8 @@ export interface EngineGauges {
   slots: number;
   busy: number;
   queued: number;
+  /** What the backend saved of its slots' KV caches and loaded of them (engine/snapshots.ts), when it does. */
+  snapshots?: SnapshotStats;
 }
 
 export class EngineMetrics {
@@ -103,6 +107,15 @@ export class EngineMetrics {
       single('magus_engine_generated_tokens_total', 'counter', 'Tokens generated.', this.generatedTokens),
       single('magus_engine_embedded_inputs_total', 'counter', 'Inputs of answered embeddings requests (each one vector).', this.embeddedInputs),
       single('magus_engine_embedded_tokens_total', 'counter', 'Tokens of answered embeddings requests.', this.embeddedTokens),
+      ...(g.snapshots
+        ? [
+            single('magus_engine_snapshots_saved_total', 'counter', "Saves of a slot's KV cache for the engine that follows (--snapshots).", g.snapshots.saves),
+            single('magus_engine_snapshot_bytes_total', 'counter', 'Bytes of those saves.', g.snapshots.savedBytes),
+            single('magus_engine_snapshots_loaded_total', 'counter', 'Requests that loaded a snapshot into their slot.', g.snapshots.loads),
+            single('magus_engine_snapshot_tokens_loaded_total', 'counter', 'Tokens those loads spared evaluating.', g.snapshots.loadedTokens),
+            single('magus_engine_snapshot_failures_total', 'counter', 'Saves and loads that failed (the answer went on without).', g.snapshots.failures),
+          ]
+        : []),
       single('magus_engine_requests_in_flight', 'gauge', 'Requests generating in a slot.', g.busy),
       single('magus_engine_requests_queued', 'gauge', 'Requests waiting for a slot.', g.queued),
       single('magus_engine_slots', 'gauge', 'Generation slots.', Number.isFinite(g.slots) ? g.slots : -1),

@@ -9,8 +9,12 @@ import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--resume-slots 1] [--queue 16]',
-  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json] [--standby [--warm]]',
+  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--snapshots DIR] [--json]',
+  '                    [--standby [--warm]]',
   '',
+  "  --snapshots save the slots' KV caches under DIR as answers are generated, and load those an engine",
+  '              before this one saved there: an engine that follows one killed mid-answer (its standby,',
+  '              the container restarted) goes on with its answers without evaluating them again',
   '  --standby   map the model, print "standby" (a JSON event with --json), then wait for a line',
   '              "start" on stdin before listening and serving: a restart in place that costs only',
   "              the context's making (the local runtime keeps one beside each engine)",
@@ -41,6 +45,8 @@ export interface EngineOptions {
   modelId: string;
   /** On SIGTERM/SIGINT, how long generations in flight may run on before they are aborted. */
   graceMs: number;
+  /** Where the slots' KV caches are saved, and those of the engine before found (engine/snapshots.ts); absent: not saved. */
+  snapshots?: string;
   /** Print lifecycle events as JSON lines on stdout. */
   json: boolean;
   /** Wait on standby, the weights mapped, for a line `start` on stdin (server.ts `Standby`). */
@@ -49,7 +55,19 @@ export interface EngineOptions {
   warm: boolean;
 }
 
-const VALUE_FLAGS = ['--model', '--host', '--port', '--slots', '--resume-slots', '--queue', '--threads', '--ctx', '--model-id', '--grace-ms'] as const;
+const VALUE_FLAGS = [
+  '--model',
+  '--host',
+  '--port',
+  '--slots',
+  '--resume-slots',
+  '--queue',
+  '--threads',
+  '--ctx',
+  '--model-id',
+  '--grace-ms',
+  '--snapshots',
+] as const;
 type ValueFlag = (typeof VALUE_FLAGS)[number];
 
 function integer(flag: string, text: string | undefined, fallback: number, min: number, max: number): number {
@@ -100,6 +118,7 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     ctx: integer('--ctx', values['--ctx'], ENGINE_CONTEXT, 16, 1 << 24),
     modelId: values['--model-id'] ?? basename(model),
     graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
+    ...(values['--snapshots'] ? { snapshots: values['--snapshots'] } : {}),
     json,
     standby,
     warm,

@@ -50,7 +50,14 @@ export interface Standby {
 }
 
 export async function startEngine(opts: EngineOptions, log: (message: string) => void, standby?: Standby): Promise<RunningEngine> {
-  const backendOptions = { modelPath: opts.model, slots: opts.slots + opts.resumeSlots, threads: opts.threads, contextSize: opts.ctx, log };
+  const backendOptions = {
+    modelPath: opts.model,
+    slots: opts.slots + opts.resumeSlots,
+    threads: opts.threads,
+    contextSize: opts.ctx,
+    ...(opts.snapshots ? { snapshots: opts.snapshots } : {}),
+    log,
+  };
   const core = new EngineCore({ modelId: opts.modelId, slots: opts.slots, queue: opts.queue, resumeSlots: opts.resumeSlots });
   const app = createEngineHttp(core, { logError: log });
   let preloaded: Awaited<ReturnType<typeof LlamaBackend.preload>> | undefined;

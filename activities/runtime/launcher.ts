@@ -68,6 +68,13 @@ export interface LocalEngineSettings {
    * (local-entry.ts).
    */
   standby?: StandbyKind;
+  /**
+   * A llama.cpp engine saves its slots' KV caches as it answers, in a directory of its instance's
+   * (under the system's temporary directory, removed when the instance stops), for the engine that
+   * follows it when it dies — its standby, or its restart — to load rather than evaluate again
+   * (engine/snapshots.ts). Default true.
+   */
+  snapshots?: boolean;
   /** distributed-llama binaries and topology size; unset: distributed-llama cannot run here. */
   dllama?: DllamaOptions;
   /**

@@ -4,7 +4,8 @@
  * On this machine it runs under supervision (restarted in place when it dies); in a pod it is the
  * magus image's `engine` mode, probed at `/v1/models`.
  */
-import { freemem } from 'node:os';
+import { mkdtemp, rm } from 'node:fs/promises';
+import { freemem, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
 import { RuntimeErrorType, runtimeError } from '../../shared/errors';
@@ -49,6 +50,8 @@ export function engineArgs(o: {
   /** Tokens per slot (default: the engine's). */ ctx?: number;
   /** Sequences beside the slots for resumed answers (default: the engine's, shared/engine-slots.ts `RESUME_SLOTS`). */
   resumeSlots?: number;
+  /** Where the slots' KV caches are saved for the engine that follows (engine/snapshots.ts). */
+  snapshots?: string;
 }): string[] {
   return [
     ...[
@@ -67,6 +70,7 @@ export function engineArgs(o: {
     ],
     ...(o.ctx !== undefined ? ['--ctx', String(o.ctx)] : []),
     ...(o.resumeSlots !== undefined ? ['--resume-slots', String(o.resumeSlots)] : []),
+    ...(o.snapshots !== undefined ? ['--snapshots', o.snapshots] : []),
   ];
 }
 
@@ -83,6 +87,8 @@ export interface EngineStart {
   threads: number;
   ctx?: number;
   resumeSlots?: number;
+  /** Where the slots' KV caches are saved for the engine that follows (engine/snapshots.ts). */
+  snapshots?: string;
   startTimeoutSec: number;
   name: string;
   log: (line: string) => void;
@@ -102,6 +108,7 @@ function spawnEngine(model: string, opts: EngineStart, standby?: StartedStandby)
       threads: opts.threads,
       ...(opts.ctx !== undefined ? { ctx: opts.ctx } : {}),
       ...(opts.resumeSlots !== undefined ? { resumeSlots: opts.resumeSlots } : {}),
+      ...(opts.snapshots !== undefined ? { snapshots: opts.snapshots } : {}),
     }),
     ...(standby ? ['--standby', ...(standby === 'warm' ? ['--warm'] : [])] : []),
   ]);
@@ -331,6 +338,10 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   const sizing = served.plan && engineSizingWith(served.plan, l.settings.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
   const slots = sizing?.slots ?? fixedSlots(fixed);
   if (sizing) l.log(`${l.name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
+  const snapshots = l.settings.snapshots === false ? undefined : await mkdtemp(join(tmpdir(), 'magus-kv-'));
+  const removeSnapshots = async () => {
+    if (snapshots) await rm(snapshots, { recursive: true, force: true });
+  };
   // Responses name the model as clients know it, not by its cached file.
   const engine = await startSupervisedEngine(model, {
     modelId: l.ready.name,
@@ -343,8 +354,12 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     output: l.settings.output,
     restart: l.settings.restart,
     ...(l.settings.standby ? { standby: standbyKind(l.settings.standby, sizing && sizing.kvCachePerSlot * (sizing.slots + sizing.resumeSlots)) } : {}),
+    ...(snapshots ? { snapshots } : {}),
     stopGraceMs: STOP_GRACE_MS,
     signal: l.signal,
+  }).catch(async (err: unknown) => {
+    await removeSnapshots();
+    throw err;
   });
   return {
     slots,
@@ -354,7 +369,10 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     },
     healthy: () => engine.healthy(),
     restarts: () => restartReport(engine, 'engine'),
-    stop: () => engine.stop(),
+    stop: async () => {
+      await engine.stop();
+      await removeSnapshots();
+    },
   };
 }
 

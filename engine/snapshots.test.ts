@@ -1,0 +1,139 @@
+/**
+ * An engine killed mid-answer, and the engine that follows it with the same `--snapshots`
+ * directory (as a standby or a restarted container does): the answer's resume loads the dead
+ * engine's snapshot of its slot — the prompt and the answer up to its last save — and evaluates
+ * only the rest, and goes on exactly as the undisturbed answer (tokens and log-probabilities, to
+ * the bit: engine/exact.test.ts says why they can).
+ */
+import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { startLlamaCppEngine, type EngineStart, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
+import { sseMessages } from '../test/harness/sse-stream';
+import { demoModelFile } from '../workers/dev/demo-model';
+import { EVERY } from './snapshots';
+
+let gguf: string;
+let dir: string;
+const engines: LlamaCppEngine[] = [];
+
+beforeAll(async () => {
+  gguf = await demoModelFile(() => undefined);
+  dir = mkdtempSync(join(tmpdir(), 'magus-snapshots-'));
+}, 120_000);
+
+afterAll(async () => {
+  await Promise.all(engines.map((e) => e.process.stop(1000)));
+  rmSync(dir, { recursive: true, force: true });
+});
+
+const start = async (snapshots: string | undefined = dir): Promise<LlamaCppEngine> => {
+  const opts: EngineStart = {
+    modelId: 'smol',
+    slots: 2,
+    threads: 1,
+    ctx: 1024,
+    ...(snapshots ? { snapshots } : {}),
+    startTimeoutSec: 60,
+    name: 'engine',
+    log: () => undefined,
+  };
+  const e = await startLlamaCppEngine(gguf, opts);
+  engines.push(e);
+  return e;
+};
+
+interface Piece {
+  text: string;
+  tokens: number[];
+  logprobs: unknown;
+}
+
+interface Usage {
+  prompt_tokens: number;
+  prompt_tokens_details: { cached_tokens: number };
+}
+
+const PROMPT = 'Tell me a story about a small boat.';
+
+/** A streamed greedy answer, read as a bridge reads it; `each` sees every piece as it comes (and may stop the reading). */
+async function answer(
+  engine: LlamaCppEngine,
+  resume?: { tokens: number[]; text: string },
+  each?: (pieces: Piece[]) => boolean,
+): Promise<{ pieces: Piece[]; usage?: Usage }> {
+  const res = await fetch(`${engine.url}/v1/chat/completions`, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json' },
+    body: JSON.stringify({
+      messages: [{ role: 'user', content: PROMPT }],
+      max_tokens: 240,
+      temperature: 0,
+      logprobs: true,
+      top_logprobs: 3,
+      stream: true,
+      stream_options: { include_usage: true },
+      magus: { tokens: true, ...(resume ? { resume } : {}) },
+    }),
+  });
+  expect(res.status).toBe(200);
+  const pieces: Piece[] = [];
+  let usage: Usage | undefined;
+  try {
+    for await (const e of sseMessages(res)) {
+      if (e.data === '[DONE]') break;
+      const event = JSON.parse(e.data) as { choices: { delta: { content?: string }; logprobs: unknown }[]; magus?: { tokens: number[] }; usage?: Usage };
+      if (event.usage) usage = event.usage;
+      const c = event.choices[0];
+      if (c?.delta.content) {
+        pieces.push({ text: c.delta.content, tokens: event.magus?.tokens ?? [], logprobs: c.logprobs });
+        if (each?.(pieces) === false) break;
+      }
+    }
+  } catch (err) {
+    if (!each) throw err; // the engine killed under the reading
+  }
+  return { pieces, ...(usage ? { usage } : {}) };
+}
+
+async function metric(engine: LlamaCppEngine, name: string): Promise<number> {
+  const text = await (await fetch(`${engine.url}/metrics`)).text();
+  const line = text.split('\n').find((l) => l.startsWith(`${name} `));
+  if (!line) throw new Error(`no ${name} in the engine's metrics`);
+  return Number(line.split(' ')[1]);
+}
+
+const tokensOf = (pieces: Piece[]) => pieces.reduce((n, p) => n + p.tokens.length, 0);
+
+test('an engine killed 120 tokens into an answer: the next one loads its snapshot, evaluates only what followed it, and goes on to the bit', async () => {
+  // The undisturbed answer, from an engine that keeps no snapshots.
+  const whole = await answer(await start(undefined));
+  expect(tokensOf(whole.pieces)).toBeGreaterThan(180);
+  const promptTokens = whole.usage!.prompt_tokens;
+
+  // The same answer from one that does, SIGKILLed once 120 of its tokens are read.
+  const first = await start();
+  const cut = await answer(first, undefined, (pieces) => {
+    if (tokensOf(pieces) < 120) return true;
+    first.process.child.kill('SIGKILL');
+    return false;
+  });
+  await first.process.exited;
+  const sent = cut.pieces;
+  expect(tokensOf(sent)).toBeGreaterThanOrEqual(120);
+  // Its snapshots stay for the next engine.
+  expect(readdirSync(dir, { recursive: true }).some((f) => String(f).endsWith('.kv'))).toBe(true);
+
+  const next = await start();
+  const said = tokensOf(sent);
+  const rest = await answer(next, { tokens: sent.flatMap((p) => p.tokens), text: sent.map((p) => p.text).join('') });
+  // Exactly the undisturbed answer's rest: same tokens, same log-probabilities.
+  expect(rest.pieces).toEqual(whole.pieces.slice(sent.length));
+  expect(rest.usage?.prompt_tokens_details.cached_tokens).toBe(promptTokens);
+  // What it loaded: the prompt and the answer up to the dead engine's last save before the cut (at most EVERY tokens, or a tenth, back).
+  expect(await metric(next, 'magus_engine_snapshots_loaded_total')).toBe(1);
+  const loaded = await metric(next, 'magus_engine_snapshot_tokens_loaded_total');
+  expect(loaded).toBeGreaterThanOrEqual(promptTokens + said - EVERY);
+  expect(loaded).toBeLessThanOrEqual(promptTokens + said - 1);
+  expect(await metric(next, 'magus_engine_snapshot_failures_total')).toBe(0);
+}, 180_000);

@@ -1,0 +1,208 @@
+/**
+ * Snapshots of the slots' KV caches in a directory (`magus engine --snapshots DIR`), so that the
+ * engine that follows one killed mid-answer (its standby, or the same pod's container restarted)
+ * loads what the dead one had evaluated instead of evaluating it again: the prompt and the answer
+ * so far of every answer it was generating. Evaluating them again was what a client still waited
+ * for after its engine's death — four answers of ~100 tokens on a standby sharing two cores: 2.3–5
+ * s (bench/README.md, session 61).
+ *
+ * A generating slot's sequence is saved (llama.cpp's sequence state file: its tokens, then their
+ * KV) whenever it has evaluated {@link EVERY} tokens — or a tenth of what it holds, when that is
+ * more: a save copies all of it — since its last save, between two of its steps, under the
+ * context lock (taken as an erasure takes it: decode.ts `Erasures`, the other slots hold one
+ * batch). A file is written under a temporary name and renamed, one per slot, in a directory of
+ * the process's own under one of the model's (a snapshot is loaded only into the model that made
+ * it). A request whose tokens share at least {@link MIN_GAIN} more tokens with a snapshot than
+ * with what its slot holds loads the one sharing most into its slot (under the context lock) and
+ * evaluates only the rest. The loaded KV is the one the dead engine computed, token by token, so
+ * the answer goes on exactly as it would have (engine/snapshots.test.ts).
+ *
+ * Snapshots of other processes (dead ones: an engine's standby serves only once it is dead) are
+ * read at the first request that could use them and removed {@link INHERITED_MS} later; the
+ * process's own are removed when it stops.
+ */
+import { createHash } from 'node:crypto';
+import { mkdirSync } from 'node:fs';
+import { mkdir, open, readdir, rename, rm, stat } from 'node:fs/promises';
+import { basename, join } from 'node:path';
+import type { LlamaContextSequence, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import type { Erasures } from './decode';
+
+/** Tokens evaluated since a slot's last save before it is saved again (at least: see the file comment). */
+export const EVERY = 32;
+/** A save waits until a tenth of what the slot holds is new: a save copies all of it. */
+const SHARE = 10;
+/** A snapshot is loaded only when it spares this many more tokens than the slot's own cache. */
+export const MIN_GAIN = 16;
+/** How long another process's snapshots are kept once read: its answers' resumes come within seconds. */
+const INHERITED_MS = 60_000;
+/** llama.cpp's sequence state file: magic `ggsq`, version (llama.cpp checks it at a load), token count, tokens, then the state. */
+const SEQ_MAGIC = 0x67677371;
+
+interface Snapshot {
+  file: string;
+  tokens: readonly Token[];
+}
+
+/** How many leading tokens `a` and `b` share. */
+export function sharedPrefix(a: readonly Token[], b: readonly Token[]): number {
+  const n = Math.min(a.length, b.length);
+  let i = 0;
+  while (i < n && a[i] === b[i]) i++;
+  return i;
+}
+
+/** The tokens a sequence state file holds (its header), or undefined when it is not one. */
+async function tokensOf(file: string): Promise<Token[] | undefined> {
+  const handle = await open(file, 'r');
+  try {
+    const head = Buffer.alloc(12);
+    if ((await handle.read(head, 0, 12, 0)).bytesRead < 12) return undefined;
+    if (head.readUInt32LE(0) !== SEQ_MAGIC) return undefined;
+    const count = head.readUInt32LE(8);
+    const body = Buffer.alloc(count * 4);
+    if ((await handle.read(body, 0, body.length, 12)).bytesRead < body.length) return undefined;
+    return Array.from({ length: count }, (_, i) => body.readUInt32LE(i * 4) as Token);
+  } finally {
+    await handle.close();
+  }
+}
+
+export interface SnapshotStats {
+  saves: number;
+  savedBytes: number;
+  /** Requests that loaded a snapshot, and the tokens it spared them. */
+  loads: number;
+  loadedTokens: number;
+  failures: number;
+}
+
+export class KvSnapshots {
+  /** This process's directory: `<dir>/<model>/<pid>-<random>`. */
+  private readonly own: string;
+  private readonly modelDir: string;
+  /** Per sequence: its file, and the tokens of its last save. */
+  private readonly slots = new Map<LlamaContextSequence, { file: string; saved: readonly Token[] }>();
+  /** Other processes' snapshots, read at the first request that could use one. */
+  private inherited: Promise<Snapshot[]> | undefined;
+  readonly stats: SnapshotStats = { saves: 0, savedBytes: 0, loads: 0, loadedTokens: 0, failures: 0 };
+
+  /**
+   * @param dir the directory shared by an engine and those that follow it
+   * @param model identifies the weights (see {@link modelKey}): snapshots of other weights are never read
+   */
+  constructor(
+    dir: string,
+    model: string,
+    sequences: readonly LlamaContextSequence[],
+    private readonly erasures: Erasures,
+    private readonly log: (message: string) => void,
+  ) {
+    this.modelDir = join(dir, model);
+    this.own = join(this.modelDir, `${process.pid}-${createHash('sha256').update(`${Math.random()}${Date.now()}`).digest('hex').slice(0, 8)}`);
+    mkdirSync(this.own, { recursive: true });
+    sequences.forEach((s, i) => this.slots.set(s, { file: join(this.own, `${i}.kv`), saved: [] }));
+  }
+
+  /** Whether `sequence` has evaluated enough since its last save to be saved before its next step. */
+  due(sequence: LlamaContextSequence): boolean {
+    const slot = this.slots.get(sequence);
+    if (!slot) return false;
+    const held = sequence.contextTokens;
+    return held.length - sharedPrefix(slot.saved, held) >= Math.max(EVERY, Math.floor(held.length / SHARE));
+  }
+
+  /** Saves what `sequence` holds (a failure is logged: the answer goes on unsaved). */
+  async save(sequence: LlamaContextSequence): Promise<void> {
+    const slot = this.slots.get(sequence);
+    if (!slot) return;
+    const partial = `${slot.file}.partial`;
+    try {
+      // Its directory again, should an engine that followed one before it have removed it (see others()).
+      await mkdir(this.own, { recursive: true });
+      const { fileSize, tokens } = await this.erasures.run(async () => {
+        const saved = await sequence.saveStateToFile(partial);
+        return { ...saved, tokens: [...sequence.contextTokens] };
+      });
+      await rename(partial, slot.file);
+      slot.saved = tokens;
+      this.stats.saves++;
+      this.stats.savedBytes += fileSize;
+    } catch (err) {
+      this.stats.failures++;
+      slot.saved = [];
+      this.log(`KV snapshot of ${basename(slot.file)} not saved: ${(err as Error).message}`);
+    }
+  }
+
+  /**
+   * Loads into `sequence` the snapshot sharing the most leading tokens with `tokens` (what the
+   * sequence is to hold before its next evaluation), when it shares at least {@link MIN_GAIN} more
+   * than `held` (what the sequence shares with them now). Returns whether it loaded one: the
+   * caller then finds what the sequence shares and erases the rest.
+   */
+  async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number): Promise<boolean> {
+    const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved }));
+    let best: { file: string; shared: number } | undefined;
+    for (const s of [...(await this.others()), ...own]) {
+      const shared = sharedPrefix(s.tokens, tokens);
+      if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared };
+    }
+    if (!best) return false;
+    const slot = this.slots.get(sequence);
+    // Whatever it loads, its own file is not what it holds now: the next save replaces it.
+    if (slot) slot.saved = [];
+    try {
+      await this.erasures.run(() => sequence.loadStateFromFile(best.file, { acceptRisk: true }));
+    } catch (err) {
+      // A failed load leaves the sequence empty (node-llama-cpp and llama.cpp clear it).
+      this.stats.failures++;
+      this.log(`KV snapshot ${best.file} not loaded: ${(err as Error).message}`);
+      return true;
+    }
+    this.stats.loads++;
+    this.stats.loadedTokens += sharedPrefix(sequence.contextTokens, tokens);
+    return true;
+  }
+
+  /**
+   * The other processes' snapshots of this model (read once; removed {@link INHERITED_MS} after).
+   * Their directories go with them, a standby's too (empty while it waits: it makes its own again
+   * at its first save).
+   */
+  private others(): Promise<Snapshot[]> {
+    return (this.inherited ??= (async () => {
+      const dirs = (await readdir(this.modelDir).catch(() => [] as string[])).map((d) => join(this.modelDir, d)).filter((d) => d !== this.own);
+      const found: Snapshot[] = [];
+      for (const d of dirs) {
+        for (const name of (await readdir(d).catch(() => [] as string[])).filter((n) => n.endsWith('.kv'))) {
+          const file = join(d, name);
+          const tokens = await tokensOf(file).catch(() => undefined);
+          if (tokens && tokens.length > 0) found.push({ file, tokens });
+        }
+      }
+      if (dirs.length > 0) {
+        this.log(`KV snapshots of an engine before this one: ${found.length} (of ${found.reduce((n, s) => n + s.tokens.length, 0)} tokens)`);
+        setTimeout(() => {
+          this.inherited = Promise.resolve([]);
+          for (const d of dirs) void rm(d, { recursive: true, force: true });
+        }, INHERITED_MS).unref();
+      }
+      return found;
+    })());
+  }
+
+  /** Removes this process's snapshots (a clean stop: nothing will resume from them). */
+  async dispose(): Promise<void> {
+    await rm(this.own, { recursive: true, force: true });
+  }
+}
+
+/** Identifies a model's weights for {@link KvSnapshots}: its file's name, size and modification time. */
+export async function modelKey(path: string): Promise<string> {
+  const s = await stat(path);
+  return createHash('sha256')
+    .update(`${basename(path)}\0${s.size}\0${s.mtimeMs}`)
+    .digest('hex')
+    .slice(0, 16);
+}
