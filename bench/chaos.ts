@@ -48,7 +48,8 @@
  */
 import { spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { cpus, loadavg } from 'node:os';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { connect, type NatsConnection } from 'nats';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -91,6 +92,10 @@ let rolled = 0;
 const RESUME_SLOTS = env('CHAOS_RESUME_SLOTS', Math.ceil(SLOTS / (INSTANCES.length - 1)));
 /** The engines' standby (`CHAOS_STANDBY`, the file comment). */
 const STANDBY = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
+/** The engines keep KV snapshots (engine/snapshots.ts) unless `CHAOS_SNAPSHOTS=0`. */
+const SNAPSHOTS = process.env.CHAOS_SNAPSHOTS !== '0';
+/** Their directories, one per instance (removed at the end). */
+const KV_DIR = mkdtempSync(join(tmpdir(), 'magus-chaos-kv-'));
 const POOL = 'chaos';
 const TOKEN_ID = 'chaos';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
@@ -230,11 +235,13 @@ async function startInstance(instance: string): Promise<void> {
     startTimeoutSec: 120,
     name: `engine-${instance}`,
     log: process.env.CHAOS_VERBOSE ? (line) => log(`engine ${instance}: ${line}`) : () => undefined,
-    ...(process.env.CHAOS_VERBOSE ? { output: (line: string) => /"level":5|error/i.test(line) && log(`engine ${instance}: ${line}`) } : {}),
+    ...(process.env.CHAOS_VERBOSE ? { output: (line: string) => /"level":5|error|KV snapshot/i.test(line) && log(`engine ${instance}: ${line}`) } : {}),
     stopGraceMs: 1000,
     restart: { maxRestarts: 1000, backoffMs: 0 },
     // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
     ...(STANDBY !== 'none' ? { standby: STANDBY } : {}),
+    // KV snapshots in a directory of the instance's, as the local runtime gives its engines.
+    ...(SNAPSHOTS ? { snapshots: join(KV_DIR, instance) } : {}),
   });
   await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
   await startInstanceBridge(instance);
@@ -546,6 +553,7 @@ async function main(): Promise<void> {
       await nc.close().catch(() => undefined);
     }
     for (const e of Object.values(engines)) await e.stop().catch(() => undefined);
+    rmSync(KV_DIR, { recursive: true, force: true });
     await worker.close().catch(() => undefined);
     await cluster.stop();
   }
@@ -555,7 +563,7 @@ async function main(): Promise<void> {
       .join(' ')}`,
   );
   console.log(
-    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${STANDBY}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
+    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${STANDBY}; KV snapshots: ${SNAPSHOTS ? 'kept' : 'none'}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
   );
   console.log(report.join('\n'));
   console.log(`faults: ${faults.map((f) => f.what).join('; ')}`);

@@ -234,6 +234,11 @@ describe('magus engine options', () => {
     expect(o.threads).toBeGreaterThanOrEqual(1);
     expect(parseEngineArgs(['--model', 'x', '--standby'])).toMatchObject({ standby: true, warm: false });
     expect(parseEngineArgs(['--model', 'x', '--standby', '--warm'])).toMatchObject({ standby: true, warm: true });
+    expect(o.snapshots).toBeUndefined();
+    expect(parseEngineArgs(['--model', 'x', '--snapshots', '/tmp/kv'])).toMatchObject({ snapshots: { dir: '/tmp/kv', maxBytes: 2 ** 30 } });
+    expect(parseEngineArgs(['--model', 'x', '--snapshots=/tmp/kv', '--snapshot-bytes', '1000'])).toMatchObject({
+      snapshots: { dir: '/tmp/kv', maxBytes: 1000 },
+    });
   });
 
   test.each([
@@ -244,6 +249,8 @@ describe('magus engine options', () => {
     [['--model', 'x', '--gpu'], /unknown option --gpu/],
     [['--model', 'x', 'extra'], /unexpected argument extra/],
     [['--model', 'x', '--warm'], /--warm goes with --standby/],
+    [['--model', 'x', '--snapshot-bytes', '10'], /--snapshot-bytes goes with --snapshots/],
+    [['--model', 'x', '--snapshots', '/tmp/kv', '--snapshot-bytes', '-1'], /--snapshot-bytes must be a whole number/],
   ])('%j is refused', (args, message) => {
     expect(() => parseEngineArgs(args)).toThrow(message);
     expect(() => parseEngineArgs(args)).toThrow(expect.objectContaining({ name: ENGINE_USAGE_ERROR }) as Error);

@@ -90,8 +90,8 @@ export interface LlamaBackendOptions {
   threads: number;
   /** Tokens per slot; capped at the model's training context. */
   contextSize: number;
-  /** Where the slots' KV caches are saved for the engine that follows this one (snapshots.ts); absent: not saved. */
-  snapshots?: string;
+  /** Where the slots' KV caches are saved for the engine that follows this one (snapshots.ts), and what the files may take; absent: not saved. */
+  snapshots?: { dir: string; maxBytes: number };
   log?: (message: string) => void;
 }
 
@@ -283,11 +283,16 @@ export class LlamaBackend implements CompletionBackend {
     /** Tokens per slot. */
     readonly contextSize: number,
     private readonly threads: number,
-    snapshots: { dir: string; model: string; log: (message: string) => void } | undefined,
+    snapshots: { dir: string; maxBytes: number; model: string; log: (message: string) => void } | undefined,
   ) {
     this.cached = chats.map(() => undefined);
     const sequences = chats.map((c) => c.sequence);
-    this.saved = snapshots && new KvSnapshots(snapshots.dir, snapshots.model, sequences, this.erasures, snapshots.log);
+    try {
+      this.saved = snapshots && new KvSnapshots(snapshots.dir, snapshots.model, snapshots.maxBytes, sequences, this.erasures, snapshots.log);
+    } catch (err) {
+      // Answers are served without (a restart evaluates them again), said once.
+      snapshots?.log(`KV snapshots off: ${(err as Error).message}`);
+    }
   }
 
   get snapshots(): SnapshotStats | undefined {
@@ -332,7 +337,7 @@ export class LlamaBackend implements CompletionBackend {
           const sequences: LlamaContextSequence[] = [];
           for (let i = 0; i < opts.slots; i++) sequences.push(context.getSequence());
           const chats = sequences.map((contextSequence) => new lib.LlamaChat({ contextSequence, chatWrapper: wrapper }));
-          const snapshots = opts.snapshots ? { dir: opts.snapshots, model: await modelKey(opts.modelPath), log } : undefined;
+          const snapshots = opts.snapshots ? { ...opts.snapshots, model: await modelKey(opts.modelPath), log } : undefined;
           return new LlamaBackend(lib, llama, model, chats, wrapper, info, contextSize, opts.threads, snapshots);
         } catch (err) {
           await llama.dispose();

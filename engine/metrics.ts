@@ -111,8 +111,15 @@ export class EngineMetrics {
         ? [
             single('magus_engine_snapshots_saved_total', 'counter', "Saves of a slot's KV cache for the engine that follows (--snapshots).", g.snapshots.saves),
             single('magus_engine_snapshot_bytes_total', 'counter', 'Bytes of those saves.', g.snapshots.savedBytes),
+            single(
+              'magus_engine_snapshot_save_seconds_total',
+              'counter',
+              'Time those saves took (the slot saved waits as long, the others a batch).',
+              g.snapshots.saveSeconds,
+            ),
             single('magus_engine_snapshots_loaded_total', 'counter', 'Requests that loaded a snapshot into their slot.', g.snapshots.loads),
             single('magus_engine_snapshot_tokens_loaded_total', 'counter', 'Tokens those loads spared evaluating.', g.snapshots.loadedTokens),
+            single('magus_engine_snapshot_load_seconds_total', 'counter', 'Time those loads took.', g.snapshots.loadSeconds),
             single('magus_engine_snapshot_failures_total', 'counter', 'Saves and loads that failed (the answer went on without).', g.snapshots.failures),
           ]
         : []),

@@ -9,12 +9,13 @@ import { UsageError } from '../platform/cli';
 
 export const ENGINE_USAGE = [
   'usage: magus engine --model <file.gguf> [--host 127.0.0.1] [--port 0] [--slots 1] [--resume-slots 1] [--queue 16]',
-  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--snapshots DIR] [--json]',
-  '                    [--standby [--warm]]',
+  '                    [--threads N] [--ctx 4096] [--model-id NAME] [--grace-ms 30000] [--json]',
+  '                    [--snapshots DIR [--snapshot-bytes 1073741824]] [--standby [--warm]]',
   '',
   "  --snapshots save the slots' KV caches under DIR as answers are generated, and load those an engine",
   '              before this one saved there: an engine that follows one killed mid-answer (its standby,',
-  '              the container restarted) goes on with its answers without evaluating them again',
+  '              the container restarted) goes on with its answers without evaluating them again;',
+  '              at most --snapshot-bytes together (a slot holding more than its share keeps its last)',
   '  --standby   map the model, print "standby" (a JSON event with --json), then wait for a line',
   '              "start" on stdin before listening and serving: a restart in place that costs only',
   "              the context's making (the local runtime keeps one beside each engine)",
@@ -45,8 +46,8 @@ export interface EngineOptions {
   modelId: string;
   /** On SIGTERM/SIGINT, how long generations in flight may run on before they are aborted. */
   graceMs: number;
-  /** Where the slots' KV caches are saved, and those of the engine before found (engine/snapshots.ts); absent: not saved. */
-  snapshots?: string;
+  /** Where the slots' KV caches are saved, and those of the engine before found, and what they may take together on disk (engine/snapshots.ts); absent: not saved. */
+  snapshots?: { dir: string; maxBytes: number };
   /** Print lifecycle events as JSON lines on stdout. */
   json: boolean;
   /** Wait on standby, the weights mapped, for a line `start` on stdin (server.ts `Standby`). */
@@ -67,6 +68,7 @@ const VALUE_FLAGS = [
   '--model-id',
   '--grace-ms',
   '--snapshots',
+  '--snapshot-bytes',
 ] as const;
 type ValueFlag = (typeof VALUE_FLAGS)[number];
 
@@ -105,6 +107,7 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
   const model = values['--model'];
   if (!model) throw new UsageError('--model <file.gguf> is required');
   if (warm && !standby) throw new UsageError('--warm goes with --standby (an engine that waits to serve)');
+  if (values['--snapshot-bytes'] !== undefined && !values['--snapshots']) throw new UsageError('--snapshot-bytes goes with --snapshots DIR');
   return {
     model,
     host: values['--host'] ?? '127.0.0.1',
@@ -118,7 +121,9 @@ export function parseEngineArgs(args: readonly string[]): EngineOptions {
     ctx: integer('--ctx', values['--ctx'], ENGINE_CONTEXT, 16, 1 << 24),
     modelId: values['--model-id'] ?? basename(model),
     graceMs: integer('--grace-ms', values['--grace-ms'], 30_000, 0, 3_600_000),
-    ...(values['--snapshots'] ? { snapshots: values['--snapshots'] } : {}),
+    ...(values['--snapshots']
+      ? { snapshots: { dir: values['--snapshots'], maxBytes: integer('--snapshot-bytes', values['--snapshot-bytes'], 2 ** 30, 0, Number.MAX_SAFE_INTEGER) } }
+      : {}),
     json,
     standby,
     warm,

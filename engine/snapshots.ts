@@ -8,7 +8,8 @@
  *
  * A generating slot's sequence is saved (llama.cpp's sequence state file: its tokens, then their
  * KV) whenever it has evaluated {@link EVERY} tokens — or a tenth of what it holds, when that is
- * more: a save copies all of it — since its last save, between two of its steps, under the
+ * more: a save copies all of it — since its last save, while it holds no more than its share of
+ * `--snapshot-bytes` (a slot past it keeps its last snapshot), between two of its steps, under the
  * context lock (taken as an erasure takes it: decode.ts `Erasures`, the other slots hold one
  * batch). A file is written under a temporary name and renamed, one per slot, in a directory of
  * the process's own under one of the model's (a snapshot is loaded only into the model that made
@@ -25,6 +26,7 @@ import { createHash } from 'node:crypto';
 import { mkdirSync } from 'node:fs';
 import { mkdir, open, readdir, rename, rm, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
+import { performance } from 'node:perf_hooks';
 import type { LlamaContextSequence, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
 import type { Erasures } from './decode';
 
@@ -32,8 +34,12 @@ import type { Erasures } from './decode';
 export const EVERY = 32;
 /** A save waits until a tenth of what the slot holds is new: a save copies all of it. */
 const SHARE = 10;
-/** A snapshot is loaded only when it spares this many more tokens than the slot's own cache. */
-export const MIN_GAIN = 16;
+/**
+ * A snapshot is loaded only when it spares this many more tokens than the slot's own cache: a load
+ * pauses every slot until the batch under way ends (35–130 ms under bench:chaos), evaluating a
+ * few tokens costs one step of a batch.
+ */
+export const MIN_GAIN = 32;
 /** How long another process's snapshots are kept once read: its answers' resumes come within seconds. */
 const INHERITED_MS = 60_000;
 /** llama.cpp's sequence state file: magic `ggsq`, version (llama.cpp checks it at a load), token count, tokens, then the state. */
@@ -75,6 +81,10 @@ export interface SnapshotStats {
   loads: number;
   loadedTokens: number;
   failures: number;
+  /** Seconds loads took, from asking for the context to the KV in place. */
+  loadSeconds: number;
+  /** Seconds saves took, from asking for the context to the file's rename (the slot waits as long; the others a batch). */
+  saveSeconds: number;
 }
 
 export class KvSnapshots {
@@ -85,15 +95,19 @@ export class KvSnapshots {
   private readonly slots = new Map<LlamaContextSequence, { file: string; saved: readonly Token[] }>();
   /** Other processes' snapshots, read at the first request that could use one. */
   private inherited: Promise<Snapshot[]> | undefined;
-  readonly stats: SnapshotStats = { saves: 0, savedBytes: 0, loads: 0, loadedTokens: 0, failures: 0 };
+  readonly stats: SnapshotStats = { saves: 0, savedBytes: 0, loads: 0, loadedTokens: 0, failures: 0, loadSeconds: 0, saveSeconds: 0 };
+  /** A save's bytes per token it holds (learned from the first save: the model's KV per token, and the header). */
+  private bytesPerToken: number | undefined;
 
   /**
    * @param dir the directory shared by an engine and those that follow it
    * @param model identifies the weights (see {@link modelKey}): snapshots of other weights are never read
+   * @param maxBytes what the files may take together: a slot holding more than its share is not saved again (its last snapshot stays)
    */
   constructor(
     dir: string,
     model: string,
+    private readonly maxBytes: number,
     sequences: readonly LlamaContextSequence[],
     private readonly erasures: Erasures,
     private readonly log: (message: string) => void,
@@ -109,6 +123,7 @@ export class KvSnapshots {
     const slot = this.slots.get(sequence);
     if (!slot) return false;
     const held = sequence.contextTokens;
+    if (this.bytesPerToken !== undefined && held.length * this.bytesPerToken > this.maxBytes / this.slots.size) return false;
     return held.length - sharedPrefix(slot.saved, held) >= Math.max(EVERY, Math.floor(held.length / SHARE));
   }
 
@@ -117,6 +132,7 @@ export class KvSnapshots {
     const slot = this.slots.get(sequence);
     if (!slot) return;
     const partial = `${slot.file}.partial`;
+    const started = performance.now();
     try {
       // Its directory again, should an engine that followed one before it have removed it (see others()).
       await mkdir(this.own, { recursive: true });
@@ -126,8 +142,10 @@ export class KvSnapshots {
       });
       await rename(partial, slot.file);
       slot.saved = tokens;
+      this.bytesPerToken ??= fileSize / Math.max(1, tokens.length);
       this.stats.saves++;
       this.stats.savedBytes += fileSize;
+      this.stats.saveSeconds += (performance.now() - started) / 1000;
     } catch (err) {
       this.stats.failures++;
       slot.saved = [];
@@ -142,16 +160,17 @@ export class KvSnapshots {
    * caller then finds what the sequence shares and erases the rest.
    */
   async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number): Promise<boolean> {
-    const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved }));
-    let best: { file: string; shared: number } | undefined;
-    for (const s of [...(await this.others()), ...own]) {
+    const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved, inherited: false }));
+    let best: { file: string; shared: number; inherited: boolean } | undefined;
+    for (const s of [...(await this.others()).map((o) => ({ ...o, inherited: true })), ...own]) {
       const shared = sharedPrefix(s.tokens, tokens);
-      if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared };
+      if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared, inherited: s.inherited };
     }
     if (!best) return false;
     const slot = this.slots.get(sequence);
     // Whatever it loads, its own file is not what it holds now: the next save replaces it.
     if (slot) slot.saved = [];
+    const started = performance.now();
     try {
       await this.erasures.run(() => sequence.loadStateFromFile(best.file, { acceptRisk: true }));
     } catch (err) {
@@ -160,8 +179,13 @@ export class KvSnapshots {
       this.log(`KV snapshot ${best.file} not loaded: ${(err as Error).message}`);
       return true;
     }
+    const ms = performance.now() - started;
+    const shared = sharedPrefix(sequence.contextTokens, tokens);
     this.stats.loads++;
-    this.stats.loadedTokens += sharedPrefix(sequence.contextTokens, tokens);
+    this.stats.loadedTokens += shared;
+    this.stats.loadSeconds += ms / 1000;
+    // Rare (after an engine's death), and what it spared is worth a line; a slot's own, as often as conversations move between slots, is counted only.
+    if (best.inherited) this.log(`loaded the KV snapshot of ${shared} tokens an engine before this one saved (${Math.round(ms)} ms)`);
     return true;
   }
 

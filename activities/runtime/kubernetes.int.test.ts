@@ -330,6 +330,8 @@ test('llama.cpp: one pod with `magus engine` and the bridge; destroy is idempote
     '2',
     '--threads',
     '1',
+    '--snapshots',
+    '/tmp/magus-kv',
   ]);
   await runtime.destroy(name, instance);
   await runtime.destroy(name, instance); // again: nothing to do

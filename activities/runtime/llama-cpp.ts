@@ -376,6 +376,9 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   };
 }
 
+/** Where an engine's pod keeps its KV snapshots (engine/snapshots.ts): under the pod's /tmp, an emptyDir. */
+const POD_SNAPSHOTS = '/tmp/magus-kv';
+
 export const llamaCppLauncher: EngineLauncher = {
   local: {
     available: () => true,
@@ -420,6 +423,8 @@ export const llamaCppLauncher: EngineLauncher = {
             threads: plan.threads,
             ...(plan.ctx !== undefined ? { ctx: plan.ctx } : {}),
             ...(plan.resumeSlots !== undefined ? { resumeSlots: plan.resumeSlots } : {}),
+            // The pod's /tmp (an emptyDir) outlives the container: a restart in place loads what it saved.
+            snapshots: POD_SNAPSHOTS,
           }),
         ],
         env: [{ name: 'HOME', value: '/tmp' }],
