@@ -11,10 +11,15 @@
  * frozen; "in the prompt phase": frozen before the request reaches it. Every answer starts on an
  * engine with an empty cache, so what the client has before the kill is the undisturbed answer's
  * beginning, to the byte. What follows is the engine's continuation from the tokens sent, and it
- * equals the undisturbed answer's rest: the tokens sent are evaluated again together, where the
- * first run evaluated them one by one, and the engine computes both alike to the bit
- * (engine/llama.ts `EXACT_BATCH`, engine/exact.test.ts).
+ * equals the undisturbed answer's rest: the engine that follows loads the dead one's KV snapshot
+ * of the answer (engine/snapshots.ts: the prompt and the tokens up to its last save) and
+ * evaluates the tokens sent after it — together, where the first run evaluated them one by one,
+ * and the engine computes both alike to the bit (engine/llama.ts `EXACT_BATCH`,
+ * engine/exact.test.ts).
  */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type OpenAI from 'openai';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -23,6 +28,7 @@ import { ensureInstanceConsumer, type DataPlaneNames } from '../dataplane';
 
 import { UsageLedger } from '../dataplane/usage';
 import { startBridge, type Bridge } from '../dataplane/bridge/bridge';
+import { EVERY } from '../engine/snapshots';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { isolation, natsConnectAsBridge } from './harness';
 import { natsStack, pinnedGatewayStack, TestStack } from './harness/stack';
@@ -61,6 +67,7 @@ beforeAll(async () => {
   const nats = await stack.open(natsStack(iso, { declare: true }));
   ({ names, nc } = nats);
   const gguf = await demoModelFile(() => undefined);
+  const kvDir = mkdtempSync(join(tmpdir(), 'magus-continue-kv-'));
   // The local runtime's supervision, with room for every kill of this file.
   engine = await startSupervisedEngine(gguf, {
     modelId: POOL,
@@ -76,7 +83,10 @@ beforeAll(async () => {
     // an engine waits on standby, as here: it then serves at once).
     restart: { maxRestarts: 40, backoffMs: 0 },
     standby: 'mapped',
+    // As the local runtime gives them: the engine that follows a killed one loads its KV snapshots.
+    snapshots: kvDir,
   });
+  stack.defer(() => rmSync(kvDir, { recursive: true, force: true }));
   stack.defer(() => engine.stop());
   await ensureInstanceConsumer(await nc.jetstreamManager(), names, { pool: POOL, instance: INSTANCE, slots: 1 });
   const bridgeNc = await natsConnectAsBridge(names, POOL, INSTANCE);
@@ -190,9 +200,11 @@ describe.each([
       const continuedBefore = bridge.stats.continued;
       let killedAt = 0;
       let backAt = 0;
+      let logAtKill = 0;
       const kill = async (pid: number) => {
         process.kill(pid, 'SIGKILL');
         killedAt = Date.now();
+        logAtKill = engineLog.length;
         await untilEngine('the engine runs again', () => engine.restarts > restartsBefore);
         backAt = Date.now();
       };
@@ -225,6 +237,16 @@ describe.each([
       await expectOneRecord(answer.id, tokens);
       // Continued from the tokens sent, not generated again (in the prompt phase nothing was sent).
       expect(bridge.stats.continued - continuedBefore).toBe(after === 0 ? 0 : 1);
+      if (after > 0) {
+        // And not evaluated again either: the engine that followed loaded the dead one's KV snapshot
+        // of its slot, saved at most EVERY tokens before the kill (engine/snapshots.ts).
+        const loaded = engineLog
+          .slice(logAtKill)
+          .map((l) => /loaded the KV snapshot of (\d+) tokens/.exec(l)?.[1])
+          .filter((n) => n !== undefined)
+          .map(Number);
+        expect(Math.max(0, ...loaded)).toBeGreaterThanOrEqual(reference.usage!.prompt_tokens + after - EVERY - 2);
+      }
       // The silence is the engine's restart in place (its standby serving: ~0.2–0.5 s here; a
       // start from nothing, ~2.5 s) and then at most MAX_GAP_MS: the bridge finds it back within
       // 100 ms and the answer resumes once its prompt and tokens are evaluated again.
