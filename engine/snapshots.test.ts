@@ -5,7 +5,7 @@
  * only the rest, and goes on exactly as the undisturbed answer (tokens and log-probabilities, to
  * the bit: engine/exact.test.ts says why they can).
  */
-import { mkdtempSync, readdirSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmSync, statSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { startLlamaCppEngine, type EngineStart, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -121,8 +121,12 @@ test('an engine killed 120 tokens into an answer: the next one loads its snapsho
   await first.process.exited;
   const sent = cut.pieces;
   expect(tokensOf(sent)).toBeGreaterThanOrEqual(120);
-  // Its snapshots stay for the next engine.
-  expect(readdirSync(dir, { recursive: true }).some((f) => String(f).endsWith('.kv'))).toBe(true);
+  // Its snapshots stay for the next engine, readable by this user alone (they hold the conversation).
+  const files = readdirSync(dir, { recursive: true }).map(String);
+  expect(files.some((f) => f.endsWith('.kv'))).toBe(true);
+  const dirs = files.map((f) => statSync(join(dir, f))).filter((st) => st.isDirectory());
+  expect(dirs.length).toBeGreaterThanOrEqual(2); // the model's, the process's
+  for (const st of dirs) expect(st.mode & 0o077).toBe(0);
 
   const next = await start();
   const said = tokensOf(sent);

@@ -114,7 +114,8 @@ export class KvSnapshots {
   ) {
     this.modelDir = join(dir, model);
     this.own = join(this.modelDir, `${process.pid}-${createHash('sha256').update(`${Math.random()}${Date.now()}`).digest('hex').slice(0, 8)}`);
-    mkdirSync(this.own, { recursive: true });
+    // Only this user reads them: they hold conversations' tokens and their KV.
+    mkdirSync(this.own, { recursive: true, mode: 0o700 });
     sequences.forEach((s, i) => this.slots.set(s, { file: join(this.own, `${i}.kv`), saved: [] }));
   }
 
@@ -135,7 +136,7 @@ export class KvSnapshots {
     const started = performance.now();
     try {
       // Its directory again, should an engine that followed one before it have removed it (see others()).
-      await mkdir(this.own, { recursive: true });
+      await mkdir(this.own, { recursive: true, mode: 0o700 });
       const { fileSize, tokens } = await this.erasures.run(async () => {
         const saved = await sequence.saveStateToFile(partial);
         return { ...saved, tokens: [...sequence.contextTokens] };
