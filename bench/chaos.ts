@@ -94,7 +94,7 @@ const RESUME_SLOTS = env('CHAOS_RESUME_SLOTS', Math.ceil(SLOTS / (INSTANCES.leng
 const STANDBY = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
 /** The engines keep KV snapshots (engine/snapshots.ts) unless `CHAOS_SNAPSHOTS=0`. */
 const SNAPSHOTS = process.env.CHAOS_SNAPSHOTS !== '0';
-/** Their directories, one per instance (removed at the end). */
+/** Their directory, all instances' (removed at the end). */
 const KV_DIR = mkdtempSync(join(tmpdir(), 'magus-chaos-kv-'));
 const POOL = 'chaos';
 const TOKEN_ID = 'chaos';
@@ -240,8 +240,8 @@ async function startInstance(instance: string): Promise<void> {
     restart: { maxRestarts: 1000, backoffMs: 0 },
     // An engine on standby beside each, as a worker's runtime keeps (MAGUS_ENGINE_STANDBY).
     ...(STANDBY !== 'none' ? { standby: STANDBY } : {}),
-    // KV snapshots in a directory of the instance's, as the local runtime gives its engines.
-    ...(SNAPSHOTS ? { snapshots: join(KV_DIR, instance) } : {}),
+    // KV snapshots in one directory for all, as the local runtime gives its engines.
+    ...(SNAPSHOTS ? { snapshots: KV_DIR } : {}),
   });
   await ensureInstanceConsumer(await worker.jetstreamManager(), names, { pool: POOL, instance, slots: SLOTS });
   await startInstanceBridge(instance);

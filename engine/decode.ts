@@ -289,7 +289,7 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
   // At least the last token is evaluated again: its logits choose the next one.
   const prior = full.slice(0, full.length - 1);
   let keep = sharedPrefix(sequence.contextTokens, prior);
-  if (o.snapshots && (await o.snapshots.restore(sequence, prior, keep))) keep = sharedPrefix(sequence.contextTokens, prior);
+  if (o.snapshots && (await o.snapshots.restore(sequence, prior, keep, resumed.length > 0))) keep = sharedPrefix(sequence.contextTokens, prior);
   const { erasures } = o;
   const erase = (start: number) => erasures.run(() => sequence.eraseContextTokenRanges([{ start, end: sequence.nextTokenIndex }]));
   if (keep < sequence.nextTokenIndex) await erase(keep);
@@ -365,7 +365,11 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
 
   o.shares.now(sequence, 'generate');
   while (sampled.length < o.maxTokens) {
-    if (o.signal.aborted) throw o.signal.reason;
+    if (o.signal.aborted) {
+      // Handed back (a drain's deadline): where another engine on this machine finds it.
+      if (o.snapshots?.worthSaving(sequence)) await o.snapshots.save(sequence);
+      throw o.signal.reason;
+    }
     const repeatPenalty = penalties
       ? { repeatPenalty: { punishTokens: sampled, penalty: o.repetitionPenalty, frequencyPenalty: o.frequencyPenalty, presencePenalty: o.presencePenalty } }
       : {};

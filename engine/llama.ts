@@ -589,7 +589,6 @@ export class LlamaBackend implements CompletionBackend {
 
   async dispose(): Promise<void> {
     await this.llama.dispose();
-    await this.saved?.dispose();
   }
 }
 

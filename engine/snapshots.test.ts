@@ -11,10 +11,12 @@ import { join } from 'node:path';
 import { startLlamaCppEngine, type EngineStart, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import { sseMessages } from '../test/harness/sse-stream';
 import { demoModelFile } from '../workers/dev/demo-model';
-import { EVERY } from './snapshots';
+import { until } from '../test/harness/wait';
+import { EVERY, STOP_MIN } from './snapshots';
 
 let gguf: string;
 let dir: string;
+const dirs: string[] = [];
 const engines: LlamaCppEngine[] = [];
 
 beforeAll(async () => {
@@ -24,7 +26,7 @@ beforeAll(async () => {
 
 afterAll(async () => {
   await Promise.all(engines.map((e) => e.process.stop(1000)));
-  rmSync(dir, { recursive: true, force: true });
+  for (const d of [dir, ...dirs]) rmSync(d, { recursive: true, force: true });
 });
 
 const start = async (snapshots: string | undefined = dir): Promise<LlamaCppEngine> => {
@@ -62,7 +64,9 @@ async function answer(
   resume?: { tokens: number[]; text: string },
   each?: (pieces: Piece[]) => boolean,
 ): Promise<{ pieces: Piece[]; usage?: Usage }> {
+  const client = new AbortController();
   const res = await fetch(`${engine.url}/v1/chat/completions`, {
+    signal: client.signal,
     method: 'POST',
     headers: { 'content-type': 'application/json' },
     body: JSON.stringify({
@@ -87,7 +91,10 @@ async function answer(
       const c = event.choices[0];
       if (c?.delta.content) {
         pieces.push({ text: c.delta.content, tokens: event.magus?.tokens ?? [], logprobs: c.logprobs });
-        if (each?.(pieces) === false) break;
+        if (each?.(pieces) === false) {
+          client.abort(); // the client gone: its engine stops the answer
+          break;
+        }
       }
     }
   } catch (err) {
@@ -140,4 +147,25 @@ test('an engine killed 120 tokens into an answer: the next one loads its snapsho
   expect(loaded).toBeGreaterThanOrEqual(promptTokens + said - EVERY);
   expect(loaded).toBeLessThanOrEqual(promptTokens + said - 1);
   expect(await metric(next, 'magus_engine_snapshot_failures_total')).toBe(0);
+}, 180_000);
+
+test('an answer its client cuts at 60 tokens (a drain handing it back) is saved as it stops, and another live engine sharing the directory goes on from it, to the bit', async () => {
+  const whole = await answer(await start(undefined));
+  const promptTokens = whole.usage!.prompt_tokens;
+  // A directory of their own: the test above left the same answer's snapshots in its.
+  const shared = mkdtempSync(join(tmpdir(), 'magus-snapshots-'));
+  dirs.push(shared);
+  const [draining, other] = [await start(shared), await start(shared)];
+  const cut = await answer(draining, undefined, (pieces) => tokensOf(pieces) < 60);
+  const sent = cut.pieces;
+  const said = tokensOf(sent);
+  // Its generation stopped (and was saved, before it ended).
+  await until('the cut answer stopped', async () => (await metric(draining, 'magus_engine_requests_in_flight')) === 0);
+  const rest = await answer(other, { tokens: sent.flatMap((p) => p.tokens), text: sent.map((p) => p.text).join('') });
+  expect(rest.pieces).toEqual(whole.pieces.slice(sent.length));
+  // The prompt and the tokens said, all but the last few at most (saved when the cut came, not up to EVERY before).
+  expect(await metric(other, 'magus_engine_snapshots_loaded_total')).toBe(1);
+  const loaded = await metric(other, 'magus_engine_snapshot_tokens_loaded_total');
+  expect(loaded).toBeGreaterThanOrEqual(promptTokens + said - STOP_MIN);
+  expect(loaded).toBeLessThanOrEqual(promptTokens + said - 1);
 }, 180_000);

@@ -18,9 +18,15 @@
  * evaluates only the rest. The loaded KV is the one the dead engine computed, token by token, so
  * the answer goes on exactly as it would have (engine/snapshots.test.ts).
  *
- * Snapshots of other processes (dead ones: an engine's standby serves only once it is dead) are
- * read at the first request that could use them and removed {@link INHERITED_MS} later; the
- * process's own are removed when it stops.
+ * An answer cut short by its client (a bridge handing it back at its drain deadline) is saved as
+ * it stops, when it has {@link STOP_MIN} tokens unsaved. Other processes' snapshots in the same
+ * directory are read at the first request and again for every request that resumes an answer:
+ * a dead engine's (its standby serves only once it is dead), and on one machine, where the local
+ * runtime gives all its engines one directory, a live one's — an answer handed back by a draining
+ * instance goes on on another from the draining engine's snapshot. Directories of processes that
+ * are gone are removed {@link INHERITED_MS} after they were found; the process's own stays when
+ * it stops (an answer handed back as it drained may be on its way to another engine), for those
+ * that follow to remove.
  */
 import { createHash } from 'node:crypto';
 import { mkdirSync } from 'node:fs';
@@ -40,6 +46,8 @@ const SHARE = 10;
  * few tokens costs one step of a batch.
  */
 export const MIN_GAIN = 32;
+/** An answer stopped by its client is saved as it stops when this many of its tokens are unsaved. */
+export const STOP_MIN = 8;
 /** How long another process's snapshots are kept once read: its answers' resumes come within seconds. */
 const INHERITED_MS = 60_000;
 /** llama.cpp's sequence state file: magic `ggsq`, version (llama.cpp checks it at a load), token count, tokens, then the state. */
@@ -93,8 +101,10 @@ export class KvSnapshots {
   private readonly modelDir: string;
   /** Per sequence: its file, and the tokens of its last save. */
   private readonly slots = new Map<LlamaContextSequence, { file: string; saved: readonly Token[] }>();
-  /** Other processes' snapshots, read at the first request that could use one. */
+  /** Other processes' snapshots, as last read (at the first request, and for each resume). */
   private inherited: Promise<Snapshot[]> | undefined;
+  /** Directories of processes that are gone, to be removed (once each). */
+  private readonly removing = new Set<string>();
   readonly stats: SnapshotStats = { saves: 0, savedBytes: 0, loads: 0, loadedTokens: 0, failures: 0, loadSeconds: 0, saveSeconds: 0 };
   /** A save's bytes per token it holds (learned from the first save: the model's KV per token, and the header). */
   private bytesPerToken: number | undefined;
@@ -126,6 +136,15 @@ export class KvSnapshots {
     const held = sequence.contextTokens;
     if (this.bytesPerToken !== undefined && held.length * this.bytesPerToken > this.maxBytes / this.slots.size) return false;
     return held.length - sharedPrefix(slot.saved, held) >= Math.max(EVERY, Math.floor(held.length / SHARE));
+  }
+
+  /** Whether `sequence`, stopping, holds enough unsaved to be saved now (an answer handed back: see the file comment). */
+  worthSaving(sequence: LlamaContextSequence): boolean {
+    const slot = this.slots.get(sequence);
+    if (!slot) return false;
+    const held = sequence.contextTokens;
+    if (this.bytesPerToken !== undefined && held.length * this.bytesPerToken > this.maxBytes / this.slots.size) return false;
+    return held.length - sharedPrefix(slot.saved, held) >= STOP_MIN;
   }
 
   /** Saves what `sequence` holds (a failure is logged: the answer goes on unsaved). */
@@ -160,10 +179,10 @@ export class KvSnapshots {
    * than `held` (what the sequence shares with them now). Returns whether it loaded one: the
    * caller then finds what the sequence shares and erases the rest.
    */
-  async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number): Promise<boolean> {
+  async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number, resuming: boolean): Promise<boolean> {
     const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved, inherited: false }));
     let best: { file: string; shared: number; inherited: boolean } | undefined;
-    for (const s of [...(await this.others()).map((o) => ({ ...o, inherited: true })), ...own]) {
+    for (const s of [...(await this.others(resuming)).map((o) => ({ ...o, inherited: true })), ...own]) {
       const shared = sharedPrefix(s.tokens, tokens);
       if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared, inherited: s.inherited };
     }
@@ -185,41 +204,49 @@ export class KvSnapshots {
     this.stats.loads++;
     this.stats.loadedTokens += shared;
     this.stats.loadSeconds += ms / 1000;
-    // Rare (after an engine's death), and what it spared is worth a line; a slot's own, as often as conversations move between slots, is counted only.
-    if (best.inherited) this.log(`loaded the KV snapshot of ${shared} tokens an engine before this one saved (${Math.round(ms)} ms)`);
+    // Rare (after an engine's death or a drain), and what it spared is worth a line; a slot's own, as often as conversations move between slots, is counted only.
+    if (best.inherited) this.log(`loaded the KV snapshot of ${shared} tokens another engine saved (${Math.round(ms)} ms)`);
     return true;
   }
 
   /**
-   * The other processes' snapshots of this model (read once; removed {@link INHERITED_MS} after).
-   * Their directories go with them, a standby's too (empty while it waits: it makes its own again
-   * at its first save).
+   * The other processes' snapshots of this model: read at the first request, and again when
+   * `fresh` (a resume: its answer's engine may have saved it since). Directories of processes that
+   * are gone — whose pid runs nothing, or is this process's own (a container's restart numbers
+   * its processes alike) — are removed {@link INHERITED_MS} after they were found.
    */
-  private others(): Promise<Snapshot[]> {
-    return (this.inherited ??= (async () => {
-      const dirs = (await readdir(this.modelDir).catch(() => [] as string[])).map((d) => join(this.modelDir, d)).filter((d) => d !== this.own);
+  private others(fresh: boolean): Promise<Snapshot[]> {
+    if (this.inherited && !fresh) return this.inherited;
+    const first = this.inherited === undefined;
+    return (this.inherited = (async () => {
+      const dirs = (await readdir(this.modelDir).catch(() => [] as string[])).filter((d) => join(this.modelDir, d) !== this.own);
       const found: Snapshot[] = [];
-      for (const d of dirs) {
-        for (const name of (await readdir(d).catch(() => [] as string[])).filter((n) => n.endsWith('.kv'))) {
-          const file = join(d, name);
-          const tokens = await tokensOf(file).catch(() => undefined);
-          if (tokens && tokens.length > 0) found.push({ file, tokens });
+      for (const name of dirs) {
+        const d = join(this.modelDir, name);
+        for (const file of (await readdir(d).catch(() => [] as string[])).filter((n) => n.endsWith('.kv'))) {
+          const tokens = await tokensOf(join(d, file)).catch(() => undefined);
+          if (tokens && tokens.length > 0) found.push({ file: join(d, file), tokens });
+        }
+        const pid = Number(name.split('-')[0]);
+        if (!this.removing.has(d) && (pid === process.pid || !running(pid))) {
+          this.removing.add(d);
+          setTimeout(() => void rm(d, { recursive: true, force: true }), INHERITED_MS).unref();
         }
       }
-      if (dirs.length > 0) {
-        this.log(`KV snapshots of an engine before this one: ${found.length} (of ${found.reduce((n, s) => n + s.tokens.length, 0)} tokens)`);
-        setTimeout(() => {
-          this.inherited = Promise.resolve([]);
-          for (const d of dirs) void rm(d, { recursive: true, force: true });
-        }, INHERITED_MS).unref();
-      }
+      if (first && found.length > 0) this.log(`KV snapshots of other engines: ${found.length} (of ${found.reduce((n, s) => n + s.tokens.length, 0)} tokens)`);
       return found;
     })());
   }
+}
 
-  /** Removes this process's snapshots (a clean stop: nothing will resume from them). */
-  async dispose(): Promise<void> {
-    await rm(this.own, { recursive: true, force: true });
+/** Whether process `pid` runs (one of another user's counts). */
+function running(pid: number): boolean {
+  if (!Number.isSafeInteger(pid) || pid <= 0) return false;
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (err) {
+    return (err as NodeJS.ErrnoException).code === 'EPERM';
   }
 }
 

@@ -20,6 +20,9 @@
  * repeated or missing (the engine's count of the answer's tokens is `max_tokens`, and the client
  * got no more pieces than that), one usage record under the request's id with the whole answer.
  */
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type OpenAI from 'openai';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -62,6 +65,11 @@ beforeAll(async () => {
   const nats = await stack.open(natsStack(iso, { declare: true }));
   ({ names, nc } = nats);
   const gguf = await demoModelFile(() => undefined);
+  // One directory of KV snapshots for both engines, as the local runtime gives a process's engines
+  // (the answers here are one greedy answer, which i2's slot soon holds: engine/snapshots.test.ts
+  // checks what is loaded).
+  const kvDir = mkdtempSync(join(tmpdir(), 'magus-move-kv-'));
+  stack.defer(() => rmSync(kvDir, { recursive: true, force: true }));
   for (const instance of ['i1', 'i2']) {
     const engine = await startSupervisedEngine(gguf, {
       modelId: POOL,
@@ -71,6 +79,7 @@ beforeAll(async () => {
       startTimeoutSec: 60,
       name: `engine-${instance}`,
       log: () => undefined,
+      snapshots: kvDir,
       stopGraceMs: 1000,
       restart: { maxRestarts: 10, backoffMs: 0 },
     });

@@ -69,9 +69,10 @@ export interface LocalEngineSettings {
    */
   standby?: StandbyKind;
   /**
-   * A llama.cpp engine saves its slots' KV caches as it answers, in a directory of its instance's
-   * (under the system's temporary directory, removed when the instance stops), for the engine that
-   * follows it when it dies — its standby, or its restart — to load rather than evaluate again
+   * A llama.cpp engine saves its slots' KV caches as it answers, in a directory all the engines
+   * this process starts share (under the system's temporary directory, removed when the process
+   * exits), for the engine that follows it when it dies — its standby, or its restart — and
+   * another instance an answer is handed to, to load rather than evaluate again
    * (engine/snapshots.ts). Default true.
    */
   snapshots?: boolean;

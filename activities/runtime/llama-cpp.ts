@@ -4,7 +4,7 @@
  * On this machine it runs under supervision (restarted in place when it dies); in a pod it is the
  * magus image's `engine` mode, probed at `/v1/models`.
  */
-import { mkdtemp, rm } from 'node:fs/promises';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { freemem, tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { DEFAULT_INSTANCE_MEMORY_BYTES, engineSizingWith, fixedSlots, ggufFileNames, servedGguf } from '../../shared/engine-slots';
@@ -338,10 +338,7 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
   const sizing = served.plan && engineSizingWith(served.plan, l.settings.instanceMemory ?? DEFAULT_INSTANCE_MEMORY_BYTES, fixed);
   const slots = sizing?.slots ?? fixedSlots(fixed);
   if (sizing) l.log(`${l.name}: ${slots} slot(s) of ${sizing.contextLength} tokens (${Math.ceil(sizing.kvCachePerSlot / 2 ** 20)} MiB of KV cache each)`);
-  const snapshots = l.settings.snapshots === false ? undefined : await mkdtemp(join(tmpdir(), 'magus-kv-'));
-  const removeSnapshots = async () => {
-    if (snapshots) await rm(snapshots, { recursive: true, force: true });
-  };
+  const snapshots = l.settings.snapshots === false ? undefined : localSnapshots();
   // Responses name the model as clients know it, not by its cached file.
   const engine = await startSupervisedEngine(model, {
     modelId: l.ready.name,
@@ -357,9 +354,6 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     ...(snapshots ? { snapshots } : {}),
     stopGraceMs: STOP_GRACE_MS,
     signal: l.signal,
-  }).catch(async (err: unknown) => {
-    await removeSnapshots();
-    throw err;
   });
   return {
     slots,
@@ -369,11 +363,23 @@ async function startLocal(l: LocalLaunch): Promise<LocalServing> {
     },
     healthy: () => engine.healthy(),
     restarts: () => restartReport(engine, 'engine'),
-    stop: async () => {
-      await engine.stop();
-      await removeSnapshots();
-    },
+    stop: () => engine.stop(),
   };
+}
+
+let localKv: string | undefined;
+
+/**
+ * The directory of KV snapshots every llama.cpp engine this process starts shares (under the
+ * system's temporary directory, this user's alone; removed when the process exits): an engine's
+ * standby or restart loads what it saved, and so does another instance of the same model that
+ * an answer is handed to (engine/snapshots.ts).
+ */
+function localSnapshots(): string {
+  if (localKv) return localKv;
+  const dir = mkdtempSync(join(tmpdir(), 'magus-kv-'));
+  process.once('exit', () => rmSync(dir, { recursive: true, force: true }));
+  return (localKv = dir);
 }
 
 /** Where an engine's pod keeps its KV snapshots (engine/snapshots.ts): under the pod's /tmp, an emptyDir. */
