@@ -73,7 +73,7 @@ test("a Dllama's resumeSlots reach llama.cpp's command line and its pod's memory
     (name) => `/models/${name}`,
     [],
   );
-  expect(containers.engine.args.slice(-2)).toEqual(['--resume-slots', '2']);
+  expect(containers.engine.args.slice(-4)).toEqual(['--resume-slots', '2', '--snapshots', '/tmp/magus-kv']);
 });
 
 test("an instance's pods drain: the engine's preStop waits for the bridge's /drained, within a grace of the drain timeout plus a margin", () => {
