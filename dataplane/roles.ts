@@ -94,6 +94,7 @@ export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPl
   const res = scopedSubject(names, `${Nats.responseSubjectPrefix}.>`);
   const cancel = scopedSubject(names, `${Nats.cancelSubjectPrefix}.>`);
   const beats = scopedSubject(names, `${Nats.beatSubjectPrefix}.>`);
+  const replicas = scopedSubject(names, `${Nats.gatewayReplicaSubjectPrefix}.>`);
   const common = [api('INFO')];
   switch (role) {
     case 'gateway':
@@ -116,10 +117,12 @@ export function rolePermissions(role: Exclude<NatsRole, 'bridge'>, names: DataPl
             // Frames it missed are read back from the response stream; its consumer is its own.
             ...streamRead(names.responseStream),
             api(`STREAM.INFO.${names.requestStream}`),
+            // Whether another replica is gone (gateway/serving/replicas.ts).
+            replicas,
           ],
         },
-        // Bridges' beats: an answer whose bridge stops beating is continued elsewhere.
-        subscribe: { allow: [inbox, res, beats] },
+        // Bridges' beats: an answer whose bridge stops beating is continued elsewhere. Its own replica subject, held while it runs.
+        subscribe: { allow: [inbox, res, beats, replicas] },
       };
     case 'controller':
       return {

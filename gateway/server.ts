@@ -17,6 +17,7 @@ import { within } from '../dataplane/errors';
 import { leaderGet } from '../dataplane/kv-leader';
 import { deleteEntry } from '../dataplane/session-keys';
 import { kvMoveLog } from './serving/resume';
+import { listenAsReplica, replicaGone } from './serving/replicas';
 import { Nats } from '../shared/constants';
 import { openModelRegistry } from '../dataplane/registry';
 import { endClaim, ensureResponsesBucket, instanceConsuming, readStoredFrames, responseStreamState, scopeSubject } from '../dataplane';
@@ -301,6 +302,9 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
     const responses: ResponseRouter =
       config.responseRouting === 'shared' ? await sharedResponseRouter(nc, routerOptions) : perRequestResponseRouter(nc, routerOptions);
     closers.push(() => responses.close());
+    // Held while this replica runs: another replica a client resumes on asks whether it is gone.
+    const unlisten = await listenAsReplica(nc, config.subjectScope, config.replicaId);
+    closers.push(() => Promise.resolve(unlisten()));
     // Frames published while this process was cut off are in the response stream: read them back.
     const js = nc.jetstream();
     const readStored = async (subject: string) => {
@@ -430,6 +434,7 @@ export async function startGateway(config: GatewayConfig, deps: GatewayDeps = {}
         }
       },
       moves: kvMoveLog(responsesKv),
+      replicaGone: (replica) => (natsUp ? replicaGone(nc, config.subjectScope, replica) : Promise.resolve(false)),
       bridgeSilent: (session, since) => natsUp && beats.silent(`${session.pool}.${session.instance}`, since),
       bridgeRequeues: (session) => waits.requeues(session.pool, session.instance),
       readiness,

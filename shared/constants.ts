@@ -73,6 +73,8 @@ export const Nats = {
   cancelSubjectPrefix: 'magus.cancel',
   /** `magus.beat.<pool>.<instance>`: a bridge says, every 250 ms, that it is alive (no payload); gateways notice one that stops. */
   beatSubjectPrefix: 'magus.beat',
+  /** `magus.gw.<replica>`: held by each gateway replica while it runs; another asks there whether it is gone (NATS's "no responders"). */
+  gatewayReplicaSubjectPrefix: 'magus.gw',
   modelsBucket: 'magus_models',
   tokensBucket: 'magus_tokens',
   sessionsBucket: 'magus_sessions',

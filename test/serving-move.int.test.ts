@@ -351,7 +351,7 @@ test('a stream whose gateway died, then whose engine was SIGKILLed: resumed on a
   // One record under the request's id, with the whole answer.
   const mine = await records(answerIdOf(first));
   expect(mine.map((r) => `${r.id} ${r.outcome} ${r.tokens.completion}`)).toEqual([`${answerIdOf(first).replace(/^chatcmpl-/, '')} completed ${ANSWER_TOKENS}`]);
-  // What was stored came at once; the longest silence is the move (the claim waits 1 s for the first replica, which is gone).
+  // What was stored came at once; the longest silence is the move (the first replica is gone: NATS says so, and the move is claimed here at once).
   const silence = Math.max(...rest.events.map((e, i) => e.at - (i === 0 ? resumedAt : rest.events[i - 1]!.at)));
   measured.push(`gateway gone, then engine SIGKILLed: resumed on another replica, longest silence ${silence} ms`);
   expect(text).toBe(reference.text);

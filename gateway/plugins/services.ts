@@ -119,6 +119,8 @@ export interface GatewayServices {
   retryAfterAt?: (session: SessionEntry) => number;
   /** Where moved answers went, for resumes on any replica (serving/resume.ts); absent: a resume stops at a move. */
   moves?: MoveLog;
+  /** Whether gateway replica `replica` is known gone (serving/replicas.ts): a resume then claims its answer's moves at once. Absent: never known. */
+  replicaGone?: (replica: string) => Promise<boolean>;
   /**
    * Writes a usage record for a request the gateway gave up on (dataplane/usage.ts; create-once,
    * so a bridge that recorded it first keeps its record); best effort, never awaited.

@@ -76,7 +76,8 @@ export interface AskedAgain {
  *
  * When the answer moves (handed back by its bridge, or its bridge silent), the move the replica
  * that published it claimed is followed; with `asked` (the request sent again), a move nobody
- * claimed within {@link CLAIM_AFTER_MS} is claimed and continued here. `following` is told of
+ * claimed within {@link CLAIM_AFTER_MS} — or at once when that replica is known gone
+ * (serving/replicas.ts) — is claimed and continued here. `following` is told of
  * each request followed: the first, then each move's.
  */
 export async function followAnswer(
@@ -214,10 +215,23 @@ export async function followAnswer(
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
     const { createdAt, at, spread } = how;
+    // The replica that published it, known gone (SIGKILLed, most often), will not claim it: no wait.
+    let publisherGone = false;
+    const whenGone = new Promise<void>((resolve) => {
+      if (!asked || !g.replicaGone) return;
+      g.replicaGone(place.replica).then(
+        (gone) => {
+          publisherGone = gone;
+          if (gone) resolve();
+        },
+        () => {},
+      );
+    });
     for (let waited = 0, wait = asked ? CLAIM_AFTER_MS : MOVE_LOOKUP_MS; waited <= wait && !signal.aborted; waited += LOOKUP_EVERY_MS) {
       const to = recorded.get(n) ?? (await lookUp(n));
       if (to) return followed(n, to, 'resumed stream: following its move');
-      await new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS));
+      if (publisherGone) break;
+      await Promise.race([new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS)), whenGone]);
     }
     if (!asked || signal.aborted) return undefined;
     const to = g.sessions.another?.(asked.model, from.session.instance, spread) ?? from.session;
@@ -230,7 +244,7 @@ export async function followAnswer(
     const held = await log.claim(place.requestId, n, { ...mine, at });
     if (held.requestId !== mine.requestId) return followed(n, held, 'resumed stream: following its move (claimed by another replica)');
     app.log.info(
-      { inferenceId: place.requestId, move: n, continuedAs: held.requestId, instance: held.instance },
+      { inferenceId: place.requestId, move: n, continuedAs: held.requestId, instance: held.instance, ...(publisherGone ? { publisherGone } : {}) },
       'resumed stream: its move claimed here, sent on',
     );
     claimed.add(mine.requestId);
@@ -263,7 +277,8 @@ const LOOKUP_EVERY_MS = 200;
 /**
  * How long a resume that may continue the answer itself leaves the move to the replica that
  * published it: that one claims it the moment it hears of it, if it runs — and should both claim,
- * the move log takes one (`MoveLog.claim`), so this only says who goes first.
+ * the move log takes one (`MoveLog.claim`), so this only says who goes first. Not waited when
+ * NATS says that replica is gone (no wait for a claim that cannot come).
  */
 const CLAIM_AFTER_MS = 1_000;
 
