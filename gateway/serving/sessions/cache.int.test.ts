@@ -591,6 +591,24 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect(demands).toEqual([]);
   });
 
+  it('queue waits: answers handed back together spread by their place whatever the queues — only one instance within the budget (a roll’s new one) does not take them all', async () => {
+    await publishPool(['i1', 'i2', 'i3', 'i4'], 4);
+    const waits = new QueueWaits(2_000);
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await cache.ready;
+    await until('the view mirrored', () => cache!.instancesOf(model)?.length === 4, 10_000);
+    // i2 and i3 have long queues, i4 (just started) none; i1 stops and hands back four answers.
+    waits.beat('tiny.i2', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
+    waits.beat('tiny.i3', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
+    waits.beat('tiny.i4', { running: 0, slots: 4, queued: 0, serviceMs: 8_000 });
+    expect(waits.overBudget('tiny', 'i2') && waits.overBudget('tiny', 'i3') && !waits.overBudget('tiny', 'i4')).toBe(true);
+    const movedTo = [0, 1, 2, 3].map((spread) => cache!.another(model, 'i1', spread)?.instance);
+    expect(movedTo).toEqual(['i2', 'i3', 'i4', 'i2']);
+    // A turn, not a moved answer, still goes where the queue is short.
+    waits.beat('tiny.i1', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
+    expect((await cache.acquire(req(key('new-turn')))).instance).toBe('i4');
+  });
+
   it('queue waits: a refusal’s Retry-After is the pool’s next instance when that comes sooner than a queue drains, paced by how long its starts took', async () => {
     const waits = new QueueWaits(2_000);
     cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });

@@ -227,7 +227,9 @@ export class SessionCache implements SessionBroker {
       spread !== undefined && Number.isSafeInteger(spread) && spread >= 0 ? (this.instancesOf(model) ?? []).filter((i) => i !== instance).sort() : [];
     const spreadTo = others.length > 0 ? others[spread! % others.length] : undefined;
     const busier = (i: string) => (i === spreadTo ? -1 : recent(i).length);
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier });
+    // Its queue does not rank an instance: a bridge takes the answers moved to it before what is queued there
+    // (ranked by it, a drain's hand-backs all went to the one instance a roll just started, past its resume sequences).
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier, queuesAside: true });
     if (!target) return undefined;
     this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };

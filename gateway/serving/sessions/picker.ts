@@ -38,13 +38,17 @@ export class InstancePicker {
    * replaced in the view) comes after every other: a turn or a moved answer sent there would wait
    * for a bridge that may never come. One whose bridge says it stops (its pod deleted, its
    * instance drained, not yet out of the view) comes before those and after every other: what is
-   * sent there is served only if its pod is let live that long. Then one whose queue is over the wait budget;
+   * sent there is served only if its pod is let live that long. Then one whose queue is over the wait budget
+   * (not with `queuesAside`: a moved answer, which its bridge takes before its queue);
    * `busier` ranks instances next (`another`: the answers moved to each just now, so that those of
    * one lost instance spread over the others), then their leases. A pool that scales on load
    * (its view's `scalesOn`) has no lease limit: its instances rank by how full their bridges say
    * they are (in flight and queued per slot), then by leases; it grows on that load itself.
    */
-  pick(model: ReadyModel, opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number } = {}): PublishedInstance | undefined {
+  pick(
+    model: ReadyModel,
+    opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number; queuesAside?: boolean } = {},
+  ): PublishedInstance | undefined {
     const entry = this.views.viewOf(model.namespace, model.name);
     if (!entry) return undefined;
     const onLoad = entry.scalesOn === 'load';
@@ -57,7 +61,7 @@ export class InstancePicker {
       if (n >= limit) continue;
       // One whose bridge is silent last, one that stops before it, then one whose queue would keep a request waiting past the budget, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
       const silent = this.silent?.(model.name, i.instance) === true ? 2 : this.stopping?.(model.name, i.instance) === true ? 1 : 0;
-      const crowded = this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
+      const crowded = !opts.queuesAside && this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
       const full = onLoad ? (this.waits?.occupancy(model.name, i.instance) ?? 0) : 0;
       const rank = [silent, crowded, opts.busier?.(i.instance) ?? 0, full, n];
       if (!bestRank || before(rank, bestRank)) {
