@@ -35,9 +35,12 @@
  * Each engine has one on standby beside it, warm (its context made), as a worker's local runtime
  * keeps by default when the memory allows; `CHAOS_STANDBY=mapped`: its model mapped only (a start
  * makes its context); `0`: none (a killed engine is started again from nothing).
- * `CHAOS_MAX_QUEUE_WAIT` sets the gateways' bound on a turn's wait in its queue (seconds; default 0:
- * none, so the streams queue as deep as they come; production's default is 5, and the turns over
- * it are then refused 429 and retried by the client after its `Retry-After`, counted apart).
+ * `CHAOS_MAX_QUEUE_WAIT` sets the gateways' bound on a turn's wait in its queue (a duration as
+ * `MAGUS_MAX_QUEUE_WAIT` takes it, e.g. `5s`; default `2m`, well inside the gateways' 5-minute deadline: a turn expected to wait longer in every queue
+ * is refused 429 and retried by the client after its `Retry-After`, counted apart, rather than
+ * queued to be cut at the deadline; 0: none, so the streams queue as deep as they come —
+ * 200 clients on 12 slots wait ~2 minutes each, and the unlucky ones past 5; production's
+ * default is 5).
  * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader, roll)
  * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
@@ -94,6 +97,8 @@ const RESUME_SLOTS = env('CHAOS_RESUME_SLOTS', Math.ceil(SLOTS / (INSTANCES.leng
 const STANDBY = process.env.CHAOS_STANDBY === '0' ? 'none' : process.env.CHAOS_STANDBY === 'mapped' ? 'mapped' : 'warm';
 /** The engines keep KV snapshots (engine/snapshots.ts) unless `CHAOS_SNAPSHOTS=0`. */
 const SNAPSHOTS = process.env.CHAOS_SNAPSHOTS !== '0';
+/** The gateways' bound on a turn's expected wait in its queue (`MAGUS_MAX_QUEUE_WAIT`; above). */
+const QUEUE_WAIT = process.env.CHAOS_MAX_QUEUE_WAIT ?? '0';
 /** Their directory, all instances' (removed at the end). */
 const KV_DIR = mkdtempSync(join(tmpdir(), 'magus-chaos-kv-'));
 const POOL = 'chaos';
@@ -163,10 +168,11 @@ async function startGateway(): Promise<GatewayProcess> {
       MAGUS_GATEWAY_SECRET: SECRET,
       MAGUS_GATEWAY_TOKENS: JSON.stringify({ [TOKEN_ID]: { digest: tokenDigest(TOKEN), name: 'bench:chaos' } }),
       MAGUS_GATEWAY_REQUEST_TIMEOUT_MS: String(5 * 60_000),
-      // Its streams queue at their instances by design (~65 each): no bound on the wait, or most
-      // turns would be refused (429 queue_full) and retried, and the run would measure that
-      // (`CHAOS_MAX_QUEUE_WAIT`: the gateways' bound in seconds, as production sets it).
-      MAGUS_MAX_QUEUE_WAIT: process.env.CHAOS_MAX_QUEUE_WAIT ?? '0',
+      // Its streams queue at their instances by design (~65 each): a bound of 2 minutes on the
+      // expected wait, not production's 5 s, or most turns would be refused (429 queue_full) and
+      // retried, and the run would measure that; none at all lets the unluckiest wait past the
+      // 5-minute deadline (`CHAOS_MAX_QUEUE_WAIT`: the gateways' bound, a duration).
+      MAGUS_MAX_QUEUE_WAIT: QUEUE_WAIT,
       // Warm turns only: Temporal is never asked.
       MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
       MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',
@@ -393,7 +399,11 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
     return `p50 ${fmt(p50(w) / 1000)} s / p99 ${fmt(p99(w) / 1000)} s / max ${fmt(Math.max(0, ...w) / 1000)} s`;
   };
   const reasons = new Map<string, number>();
-  for (const a of broken) reasons.set(a.error ?? 'no [DONE]', (reasons.get(a.error ?? 'no [DONE]') ?? 0) + 1);
+  // With how far each had come: a deadline passed in a queue (no piece yet) is not a stream cut mid-answer.
+  for (const a of broken) {
+    const why = `${a.error ?? 'no [DONE]'}, ${a.pieces === 0 ? 'before its first piece' : `after ${a.pieces} pieces`}`;
+    reasons.set(why, (reasons.get(why) ?? 0) + 1);
+  }
   return [
     `${name} (${fmt(seconds / 60, 1)} min${withFaults ? `, ${faults.length} faults` : ''}): ${answers.length} answers, ${broken.length} broken, ` +
       `${differing.length} differing from the reference, ${offPieces} pieces repeated or missing, ` +
@@ -563,7 +573,7 @@ async function main(): Promise<void> {
       .join(' ')}`,
   );
   console.log(
-    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${STANDBY}; KV snapshots: ${SNAPSHOTS ? 'kept' : 'none'}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
+    `${STREAMS} streams, ${INSTANCES.length} instances × ${SLOTS} slots + ${RESUME_SLOTS} resume sequences (engines on standby: ${STANDBY}; KV snapshots: ${SNAPSHOTS ? 'kept' : 'none'}; queue wait bound: ${QUEUE_WAIT}), SmolLM2-135M-Instruct greedy, ${TOKENS} tokens`,
   );
   console.log(report.join('\n'));
   console.log(`faults: ${faults.map((f) => f.what).join('; ')}`);
