@@ -10,7 +10,7 @@ import { EngineCore } from './core';
 import { parseEngineArgs } from './options';
 import { USAGE_ERROR as ENGINE_USAGE_ERROR } from '../platform/cli';
 import { until } from '../test/harness/wait';
-import { REQUEUED_HEADER } from '../shared/continuation';
+import { DUE_HEADER, REQUEUED_HEADER } from '../shared/continuation';
 
 /** A backend whose generations finish when the test says so. */
 class ScriptedBackend implements CompletionBackend {
@@ -128,6 +128,32 @@ describe('engine HTTP layer', () => {
     }
     expect(order).toEqual(['running', 'handed back', 'queued']);
     for (const r of [running, handedBack, queued]) expect((await r).statusCode).toBe(200);
+  });
+
+  test('a request handed back whose deadline comes after a queued one’s goes after it (the deadline header), and one whose deadline is bad is placed as if it had none', async () => {
+    core.ready(backend);
+    const post = (content: string, headers: Record<string, string> = {}) =>
+      fetch(`${base}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', ...headers },
+        body: JSON.stringify(body(content)),
+      }).then(answer);
+    const running = post('running', { [DUE_HEADER]: '1000' });
+    await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
+    const queued = post('queued', { [DUE_HEADER]: '2000' });
+    await until('one queued', () => core.slots.queued === 1, 5_000);
+    const later = post('handed back, due later', { [REQUEUED_HEADER]: '1', [DUE_HEADER]: '3000' });
+    await until('two waiting', () => core.slots.queued === 2, 5_000);
+    const bad = post('handed back, a bad deadline', { [REQUEUED_HEADER]: '1', [DUE_HEADER]: 'soon' });
+    await until('three waiting', () => core.slots.queued === 3, 5_000);
+    const order: string[] = [];
+    for (let i = 0; i < 4; i++) {
+      await until(`generation ${i + 1}`, () => backend.pending.length === i + 1, 5_000);
+      order.push(backend.prompts[i]!);
+      backend.pending[i]!.finish({ text: 'ok', finishReason: 'stop', completionTokens: 1, cachedPromptTokens: 0 });
+    }
+    expect(order).toEqual(['running', 'handed back, a bad deadline', 'queued', 'handed back, due later']);
+    for (const r of [running, queued, later, bad]) expect((await r).statusCode).toBe(200);
   });
 
   test('backend errors: 400s pass through; unexpected ones are a 500 without details, logged', async () => {

@@ -44,7 +44,7 @@ import {
   usageOf,
 } from './api';
 import type { ToolCall } from '../shared/chat';
-import { holdsPart, REQUEUED_HEADER, RESUME_MISMATCH } from '../shared/continuation';
+import { DUE_HEADER, holdsPart, REQUEUED_HEADER, RESUME_MISMATCH } from '../shared/continuation';
 import type { CompletionsRequest } from '../shared/completions';
 import { EmbeddingsRequest, embeddingInputs, type EmbeddingsResponse } from '../shared/embeddings';
 import type { EngineCore } from './core';
@@ -328,7 +328,10 @@ async function serve(core: EngineCore, opts: EngineApiOptions, reply: FastifyRep
   try {
     // Another instance handed it back with nothing said (shared/continuation.ts `REQUEUED_HEADER`): after the urgent, before the rest.
     const first = reply.request.headers[REQUEUED_HEADER] === '1';
-    slot = await core.slots.acquire({ signal: abort.signal, score: job.score, urgent: job.urgent, first });
+    // Its client's deadline (shared/continuation.ts `DUE_HEADER`): where one handed back stands among the queue.
+    const dueHeader = reply.request.headers[DUE_HEADER];
+    const due = typeof dueHeader === 'string' && /^\d{1,16}$/.test(dueHeader) ? Number(dueHeader) : undefined;
+    slot = await core.slots.acquire({ signal: abort.signal, score: job.score, urgent: job.urgent, first, ...(due !== undefined ? { due } : {}) });
   } catch (err) {
     res.off('close', onClose);
     if (abort.signal.aborted) return clientGone();

@@ -68,6 +68,27 @@ describe('SlotPool', () => {
     expect(order).toEqual(['urgent', 'first1', 'first2', 'plain2', 'plain1']);
   });
 
+  test('requests that go first with a deadline stand among the rest by it: the earliest deadline first, the urgent still ahead, and without deadlines as before', async () => {
+    const pool = new SlotPool(1, 3);
+    await pool.acquire();
+    const plain1 = pool.acquire({ due: 100 });
+    const plain2 = pool.acquire({ due: 200 });
+    const plain3 = pool.acquire({ due: 300 });
+    const first1 = pool.acquire({ first: true, due: 150 });
+    const first2 = pool.acquire({ first: true, due: 50 });
+    const first3 = pool.acquire({ first: true, due: 150 }); // as due as first1: after it
+    const firstUndue = pool.acquire({ first: true }); // no deadline (an older bridge): before every waiter that does not go first, as before deadlines
+    const urgent = pool.acquire({ urgent: true, due: 999 });
+    expect(pool.queued).toBe(8);
+    const order: string[] = [];
+    for (const [name, p] of Object.entries({ plain1, plain2, plain3, first1, first2, first3, firstUndue, urgent })) void p.then(() => order.push(name));
+    for (let i = 0; i < 8; i++) {
+      pool.release(0);
+      await new Promise((r) => setImmediate(r));
+    }
+    expect(order).toEqual(['urgent', 'first2', 'firstUndue', 'plain1', 'first1', 'first3', 'plain2', 'plain3']);
+  });
+
   test('reserved slots serve urgent requests alone: at once while one is free, then back to the urgent first', async () => {
     const pool = new SlotPool(1, 4, undefined, 1);
     expect(await pool.acquire()).toBe(0);

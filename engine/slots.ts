@@ -18,8 +18,11 @@
  * one released — whichever it is — and not only when that answer ends (faults come again before
  * a resumed answer ends). A waiter that goes *first* (a request handed back by
  * another instance with nothing said: it waited its turn in that one's queue) goes after the
- * urgent and before every other, in arrival order among those, and is not turned away either
- * (its bridge sends at most its slots of them at once).
+ * urgent and is not turned away either (its bridge sends at most its slots of them at once). With
+ * a `due` (its client's deadline), it goes before the waiters due later and after those due
+ * sooner — the earliest deadline first, so requests handed back from drained instances, which
+ * keep coming while faults do, no longer starve an instance's own queue past its clients'
+ * deadlines; without one, before every waiter that does not go first, in arrival order.
  */
 
 export const QUEUE_FULL_ERROR = 'QueueFullError';
@@ -48,6 +51,8 @@ interface Waiter {
   rank: number;
   /** Times a later waiter got a released slot before this one. */
   skipped: number;
+  /** Its client's deadline (epoch ms), when known: places one that goes first among the rest. */
+  due?: number;
 }
 
 /** How often the first waiter may be passed over for a waiter that owns the released slot's cache. */
@@ -63,8 +68,10 @@ export interface AcquireOptions {
   score?: (slot: number) => number;
   /** Served before every waiter that is not, and never refused for a full queue (see the class comment). */
   urgent?: boolean;
-  /** Served after the urgent and before every other waiter, and never refused for a full queue (see the class comment). */
+  /** Served after the urgent and before every other waiter (with `due`: those due no sooner), and never refused for a full queue (see the class comment). */
   first?: boolean;
+  /** Its client's deadline (epoch ms): where a waiter that goes first stands among the rest. */
+  due?: number;
 }
 
 /** Where a waiter stands (higher waits ahead). */
@@ -130,7 +137,8 @@ export class SlotPool {
       return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
     }
     return new Promise<number>((resolve, reject) => {
-      const waiter: Waiter = { resolve, reject, signal, score, rank, skipped: 0 };
+      const due = opts.due !== undefined && Number.isFinite(opts.due) ? opts.due : undefined;
+      const waiter: Waiter = { resolve, reject, signal, score, rank, skipped: 0, ...(due !== undefined ? { due } : {}) };
       if (signal) {
         waiter.onAbort = () => {
           const at = this.waiters.indexOf(waiter);
@@ -139,11 +147,27 @@ export class SlotPool {
         };
         signal.addEventListener('abort', waiter.onAbort, { once: true });
       }
-      // After those already waiting that rank as high, before every one that ranks lower.
-      const at = rank > RANK.other ? this.waiters.findIndex((w) => w.rank < rank) : -1;
+      const at = this.placeOf(rank, due);
       if (at >= 0) this.waiters.splice(at, 0, waiter);
       else this.waiters.push(waiter);
     });
+  }
+
+  /**
+   * Where a new waiter stands (−1: last): the urgent after the urgent; one that goes first after
+   * the urgent, those that go first due no later (or, without a due, all of them), and the rest
+   * due sooner than it (without a due on either side: before all of the rest); the rest last.
+   */
+  private placeOf(rank: number, due: number | undefined): number {
+    if (rank === RANK.urgent) return this.waiters.findIndex((w) => w.rank < RANK.urgent);
+    if (rank === RANK.other) return -1;
+    return this.waiters.findIndex((w) =>
+      w.rank === RANK.urgent
+        ? false
+        : w.rank === RANK.first
+          ? due !== undefined && (w.due ?? Infinity) > due
+          : due === undefined || w.due === undefined || w.due > due,
+    );
   }
 
   /**

@@ -64,6 +64,14 @@ export const ENGINE_STARTING = 'engine_starting';
  */
 export const REQUEUED_HEADER = 'x-magus-requeued';
 
+/**
+ * The request header a bridge sends with every call: the request's deadline (epoch ms, its
+ * `deadline`: when its client's gateway gives up). An engine places a request handed back
+ * ({@link REQUEUED_HEADER}) among its own queue by it, earliest deadline first (engine/slots.ts),
+ * rather than before all of it. A header for the same reason as that one.
+ */
+export const DUE_HEADER = 'x-magus-due';
+
 /** The error code of an engine that cannot continue a request (another model, a request its resume does not fit). */
 export const RESUME_MISMATCH = 'resume_mismatch';
 

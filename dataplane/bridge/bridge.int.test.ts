@@ -48,7 +48,7 @@ import { CLAIM_CHECK_MS } from './attempt';
 import { startBridge, type Bridge, type BridgeOptions } from './bridge';
 import { BridgeErrorCode } from './error-frames';
 import { seedFor } from './requests';
-import { CONTINUE_ELSEWHERE, ENGINE_STARTING, REQUEUED_HEADER, STOPPING_BEAT_EVERY_MS } from '../../shared/continuation';
+import { CONTINUE_ELSEWHERE, DUE_HEADER, ENGINE_STARTING, REQUEUED_HEADER, STOPPING_BEAT_EVERY_MS } from '../../shared/continuation';
 import { sleep, until } from '../../test/harness/wait';
 
 const POOL = 'pool';
@@ -1265,22 +1265,31 @@ describe("an instance's lanes", () => {
     const instance = await instanceWith();
     await bridge(instance, stub.url);
     const asked = (text: string) => ({ messages: [{ role: 'user' as const, content: text }] });
-    const { answer: inFlight } = await sent(instance, asked('first'));
+    const deadlines = new Map<string, number>();
+    const { req: firstReq, answer: inFlight } = await sent(instance, asked('first'));
+    deadlines.set('first', firstReq.deadline);
     await until('the first in flight', () => inFlight.raw.length >= 1);
     const queued = [];
-    for (const n of [1, 2, 3]) queued.push((await sent(instance, asked(`queued ${n}`))).answer);
+    for (const n of [1, 2, 3]) {
+      const { req, answer } = await sent(instance, asked(`queued ${n}`));
+      deadlines.set(`queued ${n}`, req.deadline);
+      queued.push(answer);
+    }
     await until('three queued', async () => (await consumerState(instance)).num_pending === 3);
     // Handed back by another instance (its drain deadline passed while it waited there): its
     // gateway sends it on, continuing an answer of which nothing was said (names.ts requestSubjectFor).
-    const { answer: handedBack } = await sent(instance, asked('handed back'), {
+    const { req: handedBackReq, answer: handedBack } = await sent(instance, asked('handed back'), {
       continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } },
     });
+    deadlines.set('handed back', handedBackReq.deadline);
     for (const a of [inFlight, handedBack, ...queued]) expect((await a.finished).at(-1)).toMatchObject({ type: 'done' });
     const order = stub.calls.map((c) => c.messages[0]!.content);
     // Beside the one in flight (a real engine queues it first: at most the slots' requests before it), before every queued one.
     expect(order).toEqual(['first', 'handed back', 'queued 1', 'queued 2', 'queued 3']);
     // Its engine is told it waited its turn elsewhere (it puts it before its own queue: engine/slots.ts); no other.
     expect(stub.callHeaders.map((h) => h[REQUEUED_HEADER])).toEqual([undefined, '1', undefined, undefined, undefined]);
+    // And every call says its request's deadline (the engine places one handed back among its queue by it).
+    expect(stub.callHeaders.map((h) => Number(h[DUE_HEADER]))).toEqual(order.map((text) => Math.round(deadlines.get(text)!)));
     const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
     expect(lane.config.filter_subject).toBe(laneSubjectOf(names, POOL, instance, 'requeued'));
     expect(lane.num_pending + lane.num_ack_pending).toBe(0);

@@ -8,6 +8,7 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import type { ChatCompletionRequest } from '../../shared/chat';
 import {
   CONTINUE_ELSEWHERE,
+  DUE_HEADER,
   ENGINE_STARTING,
   joinedAnswer,
   REQUEUED_HEADER,
@@ -310,13 +311,14 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
     frame: errorFrame(a.saidUpTo, 502, 'server_error', BridgeErrorCode.generationDiverged, 'the answer was interrupted and could not be resumed identically'),
   });
   try {
-    // Handed back by another instance with nothing said: it waited its turn there (its engine puts it before its own queue).
-    const headers = carried && !resume ? { [REQUEUED_HEADER]: '1' } : undefined;
+    // Handed back by another instance with nothing said: it waited its turn there (its engine puts it
+    // among its own queue by its deadline, which every call says).
+    const headers = { [DUE_HEADER]: String(Math.round(req.deadline)), ...(carried && !resume ? { [REQUEUED_HEADER]: '1' } : {}) };
     const called = Date.now();
     const res = await engine.post(path, JSON.stringify(body), {
       accept: stream ? 'text/event-stream' : 'application/json',
       signal,
-      ...(headers ? { headers } : {}),
+      headers,
     });
     if (res.status < 200 || res.status > 299) {
       const e = await engineErrorBody(res);
