@@ -57,8 +57,14 @@ describe('engine HTTP layer', () => {
     return { statusCode: res.status, body: text, json: () => JSON.parse(text) as unknown };
   };
   const get = async (path: string): Promise<Answer> => answer(await fetch(`${base}${path}`));
-  const complete = async (payload: unknown): Promise<Answer> =>
-    answer(await fetch(`${base}/v1/chat/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(payload) }));
+  const complete = async (payload: unknown, headers: Record<string, string> = {}): Promise<Answer> =>
+    answer(
+      await fetch(`${base}/v1/chat/completions`, {
+        method: 'POST',
+        headers: { 'content-type': 'application/json', ...headers },
+        body: JSON.stringify(payload),
+      }),
+    );
 
   test('answers 503 while the model loads, then serves', async () => {
     const health = await get('/health');
@@ -107,12 +113,7 @@ describe('engine HTTP layer', () => {
 
   test('a request with the requeued header (handed back by another instance) is not refused for a full queue and goes before the queued ones', async () => {
     core.ready(backend);
-    const post = (content: string, headers: Record<string, string> = {}) =>
-      fetch(`${base}/v1/chat/completions`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json', ...headers },
-        body: JSON.stringify(body(content)),
-      }).then(answer);
+    const post = (content: string, headers: Record<string, string> = {}) => complete(body(content), headers);
     const running = post('running');
     await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     const queued = post('queued');
@@ -132,12 +133,7 @@ describe('engine HTTP layer', () => {
 
   test('a request handed back whose deadline comes after a queued one’s goes after it (the deadline header), and one whose deadline is bad is placed as if it had none', async () => {
     core.ready(backend);
-    const post = (content: string, headers: Record<string, string> = {}) =>
-      fetch(`${base}/v1/chat/completions`, {
-        method: 'POST',
-        headers: { 'content-type': 'application/json', ...headers },
-        body: JSON.stringify(body(content)),
-      }).then(answer);
+    const post = (content: string, headers: Record<string, string> = {}) => complete(body(content), headers);
     const running = post('running', { [DUE_HEADER]: '1000' });
     await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     const queued = post('queued', { [DUE_HEADER]: '2000' });
