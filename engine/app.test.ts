@@ -65,6 +65,18 @@ describe('engine HTTP layer', () => {
         body: JSON.stringify(payload),
       }),
     );
+  /** A chat turn saying `content`, with more request headers. */
+  const post = (content: string, headers: Record<string, string> = {}) => complete(body(content), headers);
+  /** The prompts of the backend's next `n` generations, in the order it began them, each finished in turn. */
+  const servedInOrder = async (n: number): Promise<string[]> => {
+    const order: string[] = [];
+    for (let i = 0; i < n; i++) {
+      await until(`generation ${i + 1}`, () => backend.pending.length === i + 1, 5_000);
+      order.push(backend.prompts[i]!);
+      backend.pending[i]!.finish({ text: 'ok', finishReason: 'stop', completionTokens: 1, cachedPromptTokens: 0 });
+    }
+    return order;
+  };
 
   test('answers 503 while the model loads, then serves', async () => {
     const health = await get('/health');
@@ -113,7 +125,6 @@ describe('engine HTTP layer', () => {
 
   test('a request with the requeued header (handed back by another instance) is not refused for a full queue and goes before the queued ones', async () => {
     core.ready(backend);
-    const post = (content: string, headers: Record<string, string> = {}) => complete(body(content), headers);
     const running = post('running');
     await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     const queued = post('queued');
@@ -121,19 +132,12 @@ describe('engine HTTP layer', () => {
     expect((await post('refused')).statusCode).toBe(429);
     const handedBack = post('handed back', { [REQUEUED_HEADER]: '1' });
     await until('both waiting', () => core.slots.queued === 2, 5_000);
-    const order: string[] = [];
-    for (let i = 0; i < 3; i++) {
-      await until(`generation ${i + 1}`, () => backend.pending.length === i + 1, 5_000);
-      order.push(backend.prompts[i]!);
-      backend.pending[i]!.finish({ text: 'ok', finishReason: 'stop', completionTokens: 1, cachedPromptTokens: 0 });
-    }
-    expect(order).toEqual(['running', 'handed back', 'queued']);
+    expect(await servedInOrder(3)).toEqual(['running', 'handed back', 'queued']);
     for (const r of [running, handedBack, queued]) expect((await r).statusCode).toBe(200);
   });
 
   test('a request handed back whose deadline comes after a queued one’s goes after it (the deadline header), and one whose deadline is bad is placed as if it had none', async () => {
     core.ready(backend);
-    const post = (content: string, headers: Record<string, string> = {}) => complete(body(content), headers);
     const running = post('running', { [DUE_HEADER]: '1000' });
     await until('a generation at the backend', () => backend.pending.length === 1, 5_000);
     const queued = post('queued', { [DUE_HEADER]: '2000' });
@@ -142,13 +146,7 @@ describe('engine HTTP layer', () => {
     await until('two waiting', () => core.slots.queued === 2, 5_000);
     const bad = post('handed back, a bad deadline', { [REQUEUED_HEADER]: '1', [DUE_HEADER]: 'soon' });
     await until('three waiting', () => core.slots.queued === 3, 5_000);
-    const order: string[] = [];
-    for (let i = 0; i < 4; i++) {
-      await until(`generation ${i + 1}`, () => backend.pending.length === i + 1, 5_000);
-      order.push(backend.prompts[i]!);
-      backend.pending[i]!.finish({ text: 'ok', finishReason: 'stop', completionTokens: 1, cachedPromptTokens: 0 });
-    }
-    expect(order).toEqual(['running', 'handed back, a bad deadline', 'queued', 'handed back, due later']);
+    expect(await servedInOrder(4)).toEqual(['running', 'handed back, a bad deadline', 'queued', 'handed back, due later']);
     for (const r of [running, queued, later, bad]) expect((await r).statusCode).toBe(200);
   });
 
