@@ -5,7 +5,7 @@
  * only the rest, and goes on exactly as the undisturbed answer (tokens and log-probabilities, to
  * the bit: engine/exact.test.ts says why they can).
  */
-import { mkdtempSync, readdirSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { startLlamaCppEngine, type EngineStart, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
@@ -29,10 +29,10 @@ afterAll(async () => {
   for (const d of [dir, ...dirs]) rmSync(d, { recursive: true, force: true });
 });
 
-const start = async (snapshots: string | undefined = dir): Promise<LlamaCppEngine> => {
+const start = async (snapshots: string | undefined = dir, slots: Pick<EngineStart, 'slots' | 'resumeSlots'> = { slots: 2 }): Promise<LlamaCppEngine> => {
   const opts: EngineStart = {
     modelId: 'smol',
-    slots: 2,
+    ...slots,
     threads: 1,
     ctx: 1024,
     ...(snapshots ? { snapshots } : {}),
@@ -57,12 +57,15 @@ interface Usage {
 }
 
 const PROMPT = 'Tell me a story about a small boat.';
+/** Another conversation's, sharing with {@link PROMPT} fewer tokens than a snapshot's load asks for. */
+const COLOURS = 'Name three colours.';
 
 /** A streamed greedy answer, read as a bridge reads it; `each` sees every piece as it comes (and may stop the reading). */
 async function answer(
   engine: LlamaCppEngine,
   resume?: { tokens: number[]; text: string },
   each?: (pieces: Piece[]) => boolean,
+  prompt = PROMPT,
 ): Promise<{ pieces: Piece[]; usage?: Usage }> {
   const client = new AbortController();
   const res = await fetch(`${engine.url}/v1/chat/completions`, {
@@ -70,7 +73,7 @@ async function answer(
     method: 'POST',
     headers: { 'content-type': 'application/json' },
     body: JSON.stringify({
-      messages: [{ role: 'user', content: PROMPT }],
+      messages: [{ role: 'user', content: prompt }],
       max_tokens: 240,
       temperature: 0,
       logprobs: true,
@@ -168,4 +171,38 @@ test('an answer its client cuts at 60 tokens (a drain handing it back) is saved 
   const loaded = await metric(other, 'magus_engine_snapshot_tokens_loaded_total');
   expect(loaded).toBeGreaterThanOrEqual(promptTokens + said - STOP_MIN);
   expect(loaded).toBeLessThanOrEqual(promptTokens + said - 1);
+}, 180_000);
+
+test("a snapshot llama.cpp will not load (another version's) is not loaded over what the slot holds: the answer is evaluated again, right", async () => {
+  const plain = await start(undefined);
+  const whole = await answer(plain);
+  const colours = await answer(plain, undefined, undefined, COLOURS);
+  const shared = mkdtempSync(join(tmpdir(), 'magus-snapshots-'));
+  dirs.push(shared);
+  // An engine that answered, and died: its snapshots stay, and are then made another version's
+  // (llama.cpp reads the version before anything else, and refuses the file there).
+  const dead = await start(shared);
+  await answer(dead);
+  dead.process.child.kill('SIGKILL');
+  await dead.process.exited;
+  const files = readdirSync(shared, { recursive: true })
+    .map(String)
+    .filter((f) => f.endsWith('.kv'));
+  expect(files.length).toBeGreaterThan(0);
+  for (const f of files) {
+    const bytes = readFileSync(join(shared, f));
+    bytes.writeUInt32LE(bytes.readUInt32LE(4) + 100, 4);
+    writeFileSync(join(shared, f), bytes);
+  }
+  // One slot, holding another conversation when the resume comes.
+  const engine = await start(shared, { slots: 1, resumeSlots: 0 });
+  expect((await answer(engine, undefined, undefined, COLOURS)).pieces).toEqual(colours.pieces);
+  const resumeOf = (pieces: Piece[]) => ({ tokens: pieces.flatMap((p) => p.tokens), text: pieces.map((p) => p.text).join('') });
+  // A load refused there once left the KV in place while the sequence counted none, and the
+  // evaluation after it failed ("inconsistent sequence positions"), with it every answer in its batch.
+  const sent = whole.pieces.slice(0, 60);
+  const rest = await answer(engine, resumeOf(sent));
+  expect(rest.pieces).toEqual(whole.pieces.slice(sent.length));
+  expect(await metric(engine, 'magus_engine_snapshot_failures_total')).toBe(1);
+  expect(await metric(engine, 'magus_engine_snapshots_loaded_total')).toBe(0);
 }, 180_000);

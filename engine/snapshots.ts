@@ -30,7 +30,7 @@
  */
 import { createHash } from 'node:crypto';
 import { mkdirSync } from 'node:fs';
-import { mkdir, open, readdir, rename, rm, stat } from 'node:fs/promises';
+import { link, mkdir, open, readdir, rename, rm, stat } from 'node:fs/promises';
 import { basename, join } from 'node:path';
 import { performance } from 'node:perf_hooks';
 import type { LlamaContextSequence, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
@@ -187,17 +187,34 @@ export class KvSnapshots {
       if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared, inherited: s.inherited };
     }
     if (!best) return false;
+    // A name of its own for the file while it loads: the file may be replaced by its next save, or
+    // removed with its directory by an engine that found its process gone, after it was listed.
+    const loading = join(this.own, `${basename(best.file)}.${process.hrtime.bigint()}.loading`);
+    try {
+      await mkdir(this.own, { recursive: true, mode: 0o700 });
+      await link(best.file, loading);
+    } catch (err) {
+      this.log(`KV snapshot ${best.file} gone before its load: ${(err as Error).message}`);
+      return false;
+    }
     const slot = this.slots.get(sequence);
     // Whatever it loads, its own file is not what it holds now: the next save replaces it.
     if (slot) slot.saved = [];
     const started = performance.now();
     try {
-      await this.erasures.run(() => sequence.loadStateFromFile(best.file, { acceptRisk: true }));
+      await this.erasures.run(async () => {
+        // Emptied first: a load that fails before it reads the state (a file llama.cpp does not
+        // take) leaves the KV as it was while node-llama-cpp counts the sequence empty, and its next
+        // evaluation fails — with it the batch, every slot's answer. A failure after that empties it.
+        await sequence.eraseContextTokenRanges([{ start: 0, end: sequence.nextTokenIndex }]);
+        await sequence.loadStateFromFile(loading, { acceptRisk: true });
+      });
     } catch (err) {
-      // A failed load leaves the sequence empty (node-llama-cpp and llama.cpp clear it).
       this.stats.failures++;
       this.log(`KV snapshot ${best.file} not loaded: ${(err as Error).message}`);
       return true;
+    } finally {
+      await rm(loading, { force: true });
     }
     const ms = performance.now() - started;
     const shared = sharedPrefix(sequence.contextTokens, tokens);
