@@ -15,6 +15,13 @@
  * listened for `BRIDGE_SILENT_MS` and hears others: a turn sent to an instance whose bridge died
  * unheard would otherwise wait in a queue nobody serves until its deadline.
  *
+ * Not hearing a beat is not enough: a process that stalls, or reads a backlog of frames (a hundred
+ * streams resumed at once after another gateway died), reads its socket a chunk at a time, and its
+ * timers run between chunks — the beats of one bridge read, another's still unread behind them. So
+ * a bridge found quiet is silent only once a round trip to the NATS server that began after it
+ * was due (`flush`: the server answers after everything it sent before) has come back and its
+ * beat was not among what came before the answer; until then (a millisecond when idle) it is not.
+ *
  * Each start of an instance's bridge is judged apart (its beats' `boot`): a pod made again under
  * the same instance (a StatefulSet's, at once after a forced delete) beats while the one before is
  * still being killed, and must not vouch for it. The instance is silent for a request sent there
@@ -29,7 +36,9 @@ import type { QueueWaits } from './queue-waits';
 export interface BridgeBeats {
   /**
    * Whether the bridge of `key` (`<pool>.<instance>`) went silent (above): its newest start, or
-   * with `since` (when a request was sent there) any start heard since then.
+   * with `since` (when a request was sent there) any start heard since then. A quiet one is not
+   * silent until a round trip to the server has shown no beat of it was waiting to be read: the
+   * first judgement asks for one and says no, a later one (after it came back) says yes.
    */
   silent(key: string, since?: number): boolean;
   /** Whether the last beat of `key`'s newest bridge said it stops: it serves what it holds, and is going. */
@@ -58,7 +67,7 @@ function newestOf(starts: Map<string, Heard>): Heard | undefined {
 }
 
 export function bridgeBeats(
-  nc: Pick<NatsConnection, 'subscribe'>,
+  nc: Pick<NatsConnection, 'subscribe' | 'flush'>,
   prefix: string,
   waits: Pick<QueueWaits, 'beat' | 'sweep' | 'forget'>,
   now: () => number = Date.now,
@@ -68,6 +77,24 @@ export function bridgeBeats(
   let lastAny = -Infinity;
   /** Since when this process has been hearing beats (its start, or its last reconnect). */
   let listening = now();
+  /** When the newest round trip to the server that came back began: every beat sent before then was read. */
+  let readUpTo = -Infinity;
+  let roundTrip: Promise<void> | undefined;
+  /** Whether every beat the server sent since `due` was read; if not known yet, a round trip is asked to learn it. */
+  const readSince = (due: number): boolean => {
+    if (readUpTo >= due) return true;
+    if (!roundTrip) {
+      const began = now();
+      roundTrip = nc
+        .flush()
+        .then(
+          () => void (readUpTo = Math.max(readUpTo, began)),
+          () => undefined, // disconnected: the next judgement asks again
+        )
+        .finally(() => (roundTrip = undefined));
+    }
+    return false;
+  };
   const sub = nc.subscribe(`${prefix}.>`, {
     callback: (err, msg) => {
       if (err) return;
@@ -95,7 +122,7 @@ export function bridgeBeats(
   return {
     silent: (key, since) => {
       const t = now();
-      const quiet = (at: number, window: number) => t - at > window && t - lastAny <= window;
+      const quiet = (at: number, window: number) => t - at > window && t - lastAny <= window && readSince(at + window);
       const starts = heard.get(key);
       const newest = starts && newestOf(starts);
       if (!starts || !newest) return quiet(listening, BRIDGE_SILENT_MS);
