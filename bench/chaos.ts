@@ -129,6 +129,8 @@ interface Answer {
   error?: string;
   reconnects: number;
   refused: number;
+  /** Each reconnect (epoch ms): its stream lost, asked again, the answer's headers, its first event. */
+  resumes: { lost: number; asked?: number; headers?: number; event?: number }[];
 }
 
 interface GatewayProcess {
@@ -254,7 +256,7 @@ async function startInstance(instance: string): Promise<void> {
 
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
 async function answer(client: number, session: string, prompt: number): Promise<Answer> {
-  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now() };
+  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now(), resumes: [] };
   let lastId: string | undefined;
   const body = JSON.stringify({
     model: POOL,
@@ -266,6 +268,8 @@ async function answer(client: number, session: string, prompt: number): Promise<
   });
   for (let attempt = 0; ; attempt++) {
     const gw = gateways[(client + attempt) % gateways.length]!;
+    const resume = a.resumes.at(-1);
+    if (resume) resume.asked ??= Date.now();
     try {
       const res = await fetch(`${gw.url}/v1/chat/completions`, {
         method: 'POST',
@@ -289,7 +293,9 @@ async function answer(client: number, session: string, prompt: number): Promise<
       }
       // Every message, as an `EventSource` reads them: a keep-alive before the first chunk says the
       // answer's id with no data (gateway/README.md, "Resuming a stream"), kept as the last event id.
+      if (resume) resume.headers ??= Date.now();
       for await (const e of sseRecords(res)) {
+        if (resume) resume.event ??= Date.now();
         if (e.id) {
           lastId = e.id;
           a.instance ??= parseLastEventId(SECRET, TOKEN_ID, e.id)?.instance;
@@ -324,6 +330,7 @@ async function answer(client: number, session: string, prompt: number): Promise<
       // the connection broke: resume
     }
     a.reconnects += 1;
+    a.resumes.push({ lost: Date.now() });
     if (a.reconnects > MAX_RECONNECTS) {
       a.error = `gave up after ${MAX_RECONNECTS} reconnects`;
       return a;
@@ -333,6 +340,15 @@ async function answer(client: number, session: string, prompt: number): Promise<
 }
 
 const longestGap = (a: Answer) => a.times.slice(1).reduce((m, t, i) => Math.max(m, t - a.times[i]!), 0);
+
+/** The reconnects of `a` between `from` and `to`: each's times after `from` (stream lost, asked again, headers, first event). */
+function resumesIn(a: Answer, from: number, to: number): string {
+  const at = (t?: number) => (t === undefined ? '-' : `+${fmt((t - from) / 1000)}`);
+  const within = a.resumes.filter((r) => r.lost >= from && r.lost <= to);
+  return within.length === 0
+    ? ''
+    : `; reconnects (lost, asked, headers, first event, in s): ${within.map((r) => [r.lost, r.asked, r.headers, r.event].map(at).join(' ')).join('; ')}`;
+}
 
 /** The longest silence between two pieces of any answer after each kind of fault: the gap is the last fault's that began before it ended. */
 function gapsByFault(answers: Answer[]): Map<string, number> {
@@ -344,7 +360,7 @@ function gapsByFault(answers: Answer[]): Map<string, number> {
       const kind = cause?.kind ?? 'none';
       if (gap > 2_000 && process.env.CHAOS_VERBOSE)
         log(
-          `silence of ${fmt(gap / 1000)} s from ${new Date(a.times[i - 1]!).toISOString().slice(11, 23)} (${a.id}, ${a.reconnects} reconnects): after ${cause?.what ?? 'no fault'}`,
+          `silence of ${fmt(gap / 1000)} s from ${new Date(a.times[i - 1]!).toISOString().slice(11, 23)} (${a.id}, ${a.reconnects} reconnects): after ${cause?.what ?? 'no fault'}${resumesIn(a, a.times[i - 1]!, a.times[i]!)}`,
         );
       out.set(kind, Math.max(out.get(kind) ?? 0, gap));
     }
