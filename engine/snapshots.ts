@@ -147,6 +147,11 @@ export class KvSnapshots {
     return held.length - sharedPrefix(slot.saved, held) >= STOP_MIN;
   }
 
+  /** Its directory again, should an engine that followed one before it have removed it (see others()). */
+  private ownDir(): Promise<unknown> {
+    return mkdir(this.own, { recursive: true, mode: 0o700 });
+  }
+
   /** Saves what `sequence` holds (a failure is logged: the answer goes on unsaved). */
   async save(sequence: LlamaContextSequence): Promise<void> {
     const slot = this.slots.get(sequence);
@@ -154,8 +159,7 @@ export class KvSnapshots {
     const partial = `${slot.file}.partial`;
     const started = performance.now();
     try {
-      // Its directory again, should an engine that followed one before it have removed it (see others()).
-      await mkdir(this.own, { recursive: true, mode: 0o700 });
+      await this.ownDir();
       const { fileSize, tokens } = await this.erasures.run(async () => {
         const saved = await sequence.saveStateToFile(partial);
         return { ...saved, tokens: [...sequence.contextTokens] };
@@ -191,7 +195,7 @@ export class KvSnapshots {
     // removed with its directory by an engine that found its process gone, after it was listed.
     const loading = join(this.own, `${basename(best.file)}.${process.hrtime.bigint()}.loading`);
     try {
-      await mkdir(this.own, { recursive: true, mode: 0o700 });
+      await this.ownDir();
       await link(best.file, loading);
     } catch (err) {
       this.log(`KV snapshot ${best.file} gone before its load: ${(err as Error).message}`);

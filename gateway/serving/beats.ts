@@ -79,19 +79,20 @@ export function bridgeBeats(
   let listening = now();
   /** When the newest round trip to the server that came back began: every beat sent before then was read. */
   let readUpTo = -Infinity;
-  let roundTrip: Promise<void> | undefined;
-  /** Whether every beat the server sent since `due` was read; if not known yet, a round trip is asked to learn it. */
+  let asking = false;
+  /** Whether every beat the server sent since `due` was read; if not known yet, a round trip (one at a time) is asked to learn it. */
   const readSince = (due: number): boolean => {
     if (readUpTo >= due) return true;
-    if (!roundTrip) {
+    if (!asking) {
+      asking = true;
       const began = now();
-      roundTrip = nc
-        .flush()
-        .then(
-          () => void (readUpTo = Math.max(readUpTo, began)),
-          () => undefined, // disconnected: the next judgement asks again
-        )
-        .finally(() => (roundTrip = undefined));
+      nc.flush().then(
+        () => {
+          asking = false;
+          readUpTo = began;
+        },
+        () => (asking = false), // disconnected: the next judgement asks again
+      );
     }
     return false;
   };
