@@ -45,7 +45,12 @@ const envelope = {
    * to `replyTo` itself.
    */
   instanceFrames: Type.Optional(Type.Boolean()),
-  /** Epoch ms after which the gateway has given up: the bridge drops (terms) it unstarted. */
+  /**
+   * Epoch ms after which the gateway has given up waiting for the answer to begin: the bridge ends
+   * it (`deadline_exceeded`) while its client has nothing of it — unstarted, or a stream before its
+   * first piece, or an answer not streamed; a stream that has begun (a continuation with something
+   * said included) goes on to its end (dataplane/bridge/attempt.ts `cutsAt`).
+   */
   deadline: Type.Number(),
   /**
    * It continues another request's answer, handed back by that request's bridge

@@ -15,7 +15,7 @@ import { PendingFrames, type StoredFramePublisher } from './stored-frames';
 import { DEFAULT_MAX_PAYLOAD, splitFrame } from '../frames';
 import { within } from '../errors';
 import { CONTINUE_ELSEWHERE, resumedAnswer } from '../../shared/continuation';
-import { handBackFrame, movable } from './generate';
+import { carriesText, handBackFrame, movable } from './generate';
 
 /** Why an attempt was stopped before it concluded. */
 export type AbortReason = 'superseded' | 'closed' | 'shutdown' | 'diverged' | 'cancelled' | 'moved';
@@ -214,6 +214,21 @@ export class Attempt {
     return (this.req.continues?.resume.tokens.length ?? 0) > 0 || (resumedAnswer(this.answer)?.tokens.length ?? 0) > 0;
   }
 
+  /**
+   * When time cuts its request (epoch ms), `said` its frames so far: the request's deadline (its
+   * gateway stops waiting for it) until its client has part of the answer; then never. A stream
+   * that has begun goes on to its end, handed back and continued as often as that takes: its
+   * gateway bounds each silence instead (`MAGUS_GATEWAY_REQUEST_TIMEOUT_MS`), as it bounds the wait
+   * for the first piece.
+   */
+  cutsAt(said: readonly ResponseFrame[] = this.answer): number {
+    const begun =
+      this.req.kind !== 'embeddings' &&
+      this.req.body.stream === true &&
+      ((this.req.continues?.resume.tokens.length ?? 0) > 0 || said.some((f) => f.type === 'chunk' && carriesText(f.data)));
+    return begun ? Infinity : this.req.deadline;
+  }
+
   /** Notes what a frame of the request says of its usage: this attempt's, and those an earlier one sent. */
   note(frame: ResponseFrame): void {
     if (frame.type === 'error' || frame.type === 'part') return;
@@ -338,7 +353,7 @@ export class Attempt {
             'term',
           );
         }
-        if (Date.now() + delay >= this.req.deadline) {
+        if (Date.now() + delay >= this.cutsAt()) {
           return this.conclude(errorFrame(this.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, `${outcome.reason}; no time left to retry`), 'term');
         }
         this.ctx.log(`request ${this.req.id}: ${outcome.reason}; retrying in ${delay} ms`);

@@ -1214,15 +1214,38 @@ describe('failures', () => {
     await until('term', () => dllama.stats.termed === 1);
   });
 
-  it('a deadline passing mid-answer ends it with an error after the frames already sent', async () => {
-    const stub = await engine(() => ({ chunks: 50, delayMs: 100 }));
+  it('a deadline cuts an answer its client has nothing of yet; a stream that has begun goes on to its end, a continuation of one too', async () => {
+    const stub = await engine((call, body) =>
+      body.stream !== true ? { chunks: 12, delayMs: 100 } : call === 0 ? { chunks: 3, firstDelayMs: 2_000 } : { chunks: 12, delayMs: 100, tokens: true },
+    );
     const instance = await instanceWith();
     const b = await bridge(instance, stub.url);
-    const { answer } = await sent(instance, {}, { deadline: Date.now() + 1200 });
-    const frames = await answer.finished;
-    expect(frames.length).toBeGreaterThan(1);
-    expect(frames.at(-1)).toMatchObject({ seq: frames.length - 1, type: 'error', error: { code: BridgeErrorCode.deadlineExceeded } });
-    await until('term', () => b.stats.termed === 1);
+    // Nothing said when the deadline passes: a stream (its first piece late) and an answer not streamed.
+    const silent = await sent(instance, {}, { deadline: Date.now() + 800 });
+    expect(await silent.answer.finished).toEqual([
+      { seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown },
+    ]);
+    const whole = await sent(instance, { stream: false }, { deadline: Date.now() + 800 });
+    expect(await whole.answer.finished).toEqual([
+      { seq: 0, type: 'error', error: expect.objectContaining({ status: 504, code: BridgeErrorCode.deadlineExceeded }) as unknown },
+    ]);
+    // Its first piece before the deadline: all 12, the last 1.2 s later.
+    const begun = await sent(instance, {}, { deadline: Date.now() + 400 });
+    const frames = await begun.answer.finished;
+    expect(frames.at(-1)).toMatchObject({ type: 'done' });
+    expect(begun.answer.text()).toBe(expectedText(seedFor(begun.req.id), 12));
+    // Handed back mid-answer and continued here past the deadline it had: served, after what was said.
+    const continued = newId();
+    const said = { tokens: [0, 1, 2], text: expectedText(seedFor(continued), 3) };
+    const continuation = await sent(instance, {}, { deadline: Date.now() - 1, continues: { id: continued, createdAt: Date.now(), resume: said } });
+    expect((await continuation.answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    expect(said.text + continuation.answer.text()).toBe(expectedText(seedFor(continued), 12));
+    // One continued with nothing said is a first piece not yet had: cut like the first.
+    const unsaid = await sent(instance, {}, { deadline: Date.now() - 1, continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } } });
+    expect(await unsaid.answer.finished).toEqual([
+      { seq: 0, type: 'error', error: expect.objectContaining({ code: BridgeErrorCode.deadlineExceeded }) as unknown },
+    ]);
+    await until('terms', () => b.stats.termed === 3);
   });
 
   it('malformed and invalid requests are terminated, with an error frame when there is a replyTo', async () => {

@@ -58,7 +58,7 @@ export interface BridgeOptions {
   engineKind?: EngineKind;
   /** How to call the engine (default: {@link createEngineClient} on `engineUrl`); closed by stop(). */
   engineClient?: EngineClient;
-  /** Upper bound of one engine call; the request's deadline bounds it too. Default 10 min. */
+  /** Upper bound of one engine call; the request's deadline bounds it too until its client has part of the answer (Attempt.cutsAt). Default 10 min. */
   requestTimeoutMs?: number;
   /** First `nak` delay after a transient engine failure; doubles per delivery, at most 30 s. Default 1 s. */
   retryDelayMs?: number;

@@ -114,7 +114,7 @@ async function serveFirst(ctx: DeliveryContext, m: JsMsg, req: InferenceRequest,
     () => undefined, // unread, the attempt's periodic check still finds the claim
   );
   try {
-    if (Date.now() >= req.deadline) {
+    if (Date.now() >= a.cutsAt()) {
       return await a.conclude(errorFrame(0, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'), 'term');
     }
     await a.settle(await ctx.generate(a, []));
@@ -240,7 +240,7 @@ async function serveRedelivery(ctx: DeliveryContext, m: JsMsg, req: InferenceReq
         );
       }
     }
-    if (Date.now() >= req.deadline) {
+    if (Date.now() >= a.cutsAt(prior)) {
       return await a.conclude(
         errorFrame(a.nextSeq, 504, 'timeout', BridgeErrorCode.deadlineExceeded, 'the request deadline passed before it was served'),
         'term',

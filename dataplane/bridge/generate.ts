@@ -99,7 +99,7 @@ const ENGINE_TIMEOUT = Object.assign(new Error('engine call timed out'), { name:
 const READ_NO_FURTHER = Object.assign(new Error('the bridge reads no further'), { name: 'AbortError' });
 
 /** Whether a `chat.completion.chunk` (or a `text_completion` chunk) carries text (the role-only first chunk does not). */
-function carriesText(chunk: unknown): boolean {
+export function carriesText(chunk: unknown): boolean {
   const choice = (chunk as { choices?: { delta?: { content?: unknown }; text?: unknown }[] } | null)?.choices?.[0];
   const content = choice?.delta?.content ?? choice?.text;
   return typeof content === 'string' && content.length > 0;
@@ -154,7 +154,7 @@ export class LostAnswers {
 
 /** How {@link generate} calls the engine. */
 export interface GenerateOptions {
-  /** Upper bound of one engine call (the request's deadline bounds it too). */
+  /** Upper bound of one engine call (the request's deadline bounds it too until its client has part of the answer: Attempt.cutsAt). */
   requestTimeoutMs: number;
   /** The engine continues answers from their tokens (shared/engines.ts `continues`). */
   continues: boolean;
@@ -226,7 +226,7 @@ export async function generate(engine: EngineClient, a: Attempt, prior: readonly
       if (handBackAfter !== undefined && Date.now() - lostAt >= handBackAfter && movable(a, o.continues)) {
         return { kind: 'finish', resolve: 'term', frame: handBackFrame(a, `its engine went away (${outcome.reason}): continue it elsewhere`, a.handedBack()) };
       }
-      if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.req.deadline) return outcome;
+      if (Date.now() + ENGINE_RETRY_EVERY_MS - lostAt > o.engineWaitMs || Date.now() + ENGINE_RETRY_EVERY_MS >= a.cutsAt()) return outcome;
       await sleep(ENGINE_RETRY_EVERY_MS, undefined, { signal: a.signal }).catch(() => undefined);
       if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
     }
@@ -284,7 +284,6 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
       ? ((generating.body as { max_tokens?: number; max_completion_tokens?: number }).max_completion_tokens ?? generating.body.max_tokens)
       : undefined,
   };
-  const timeout = Math.max(1, Math.min(requestTimeoutMs, req.deadline - Date.now()));
   // One controller for the engine call: the attempt's abort, the timeout, and our own stop when
   // we read no further (divergence, errors). Reasons are preallocated: a DOMException per call
   // costs more than the rest of this function.
@@ -292,10 +291,18 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   const signal = local.signal;
   const onAttemptAbort = () => local.abort(a.signal.reason);
   a.signal.addEventListener('abort', onAttemptAbort, { once: true });
-  const timer = setTimeout(() => local.abort(ENGINE_TIMEOUT), timeout);
+  // The call ends at its bound, or at the request's deadline while its client has nothing of the
+  // answer (Attempt.cutsAt): one begun by then goes on, to the call's bound.
+  const callEnds = Date.now() + requestTimeoutMs;
+  const endsAt = () => Math.min(callEnds, a.cutsAt(frames));
+  const onTimer = () => {
+    if (Date.now() >= endsAt()) local.abort(ENGINE_TIMEOUT);
+    else timer = setTimeout(onTimer, Math.max(1, endsAt() - Date.now()));
+  };
+  let timer = setTimeout(onTimer, Math.max(1, endsAt() - Date.now()));
   const aborted = (): Outcome | null => {
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
-    if (Date.now() >= req.deadline)
+    if (Date.now() >= a.cutsAt(frames))
       return {
         kind: 'finish',
         resolve: 'term',

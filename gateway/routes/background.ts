@@ -206,8 +206,8 @@ export function endedWithout(record: StoredResponse, draft: ResponseDraft, statu
 
 /**
  * The latest state of a running record without a replica to end it: its answer read back (ended
- * there: the record is written so), or — never published by its deadline, or its frames gone
- * before an end — failed. Returns the record as it stands (a running one with its output so far).
+ * there: the record is written so), or — never published by its deadline, or nothing of it held
+ * well past that — failed. Returns the record as it stands (a running one with its output so far).
  * `onStalled` is told when its answer must move (handed back with no move recorded, or its
  * bridge silent): the replica that accepted it may be gone, and the caller may adopt the run.
  */
@@ -223,7 +223,10 @@ export async function lookIn(app: FastifyInstance, principal: Principal, record:
   if (draft.ended) end = (r) => endedBy(r, draft, draft.snapshot());
   else if (!placeOf(run) && now > run.publishBy)
     end = (r) => endedWithout(r, draft, 'failed', 'server_error', 'The gateway that accepted this response stopped before its request was queued.');
-  else if (placeOf(run) && run.deadline !== undefined && now > run.deadline + app.gateway.settings.requestTimeoutMs)
+  // Well past its deadline with nothing of it held: it never began, or its frames aged out. (One
+  // whose frames are held goes on: a stream that has begun is not cut by its deadline, and one that
+  // had not is ended by its bridge, in a frame, when the deadline passes: dataplane/README.md.)
+  else if (placeOf(run) && run.deadline !== undefined && now > run.deadline + app.gateway.settings.requestTimeoutMs && !stored)
     end = (r) => endedWithout(r, draft, 'failed', 'timeout', 'The answer did not end by its deadline, and what it had is no longer held.');
   if (end) return (await settleRun(app, principal, record.response.id, end)) ?? record;
   return stored ? { ...record, response: draft.snapshot() } : record;
