@@ -1,5 +1,5 @@
-import type { Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
-import { drawToken } from './decode';
+import type { LlamaContextSequence, Token } from 'node-llama-cpp' with { 'resolution-mode': 'import' };
+import { BatchShares, drawToken } from './decode';
 
 describe('drawToken', () => {
   // Most likely first, as node-llama-cpp returns them.
@@ -37,5 +37,60 @@ describe('drawToken', () => {
     const u = 0.8;
     expect(drawToken(logits, 0.2, 1, u)).toBe(7);
     expect(drawToken(logits, 5, 1, u)).not.toBe(7);
+  });
+});
+
+describe('BatchShares', () => {
+  const sequence = () => ({}) as LlamaContextSequence;
+  /** Whether `p` has settled after the callbacks already queued ran (a setImmediate turn included). */
+  const settledSoon = async (p: Promise<void> | undefined) => {
+    let done = false;
+    void p?.then(() => (done = true));
+    await new Promise((resolve) => setImmediate(resolve));
+    await new Promise((resolve) => setImmediate(resolve));
+    return p === undefined || done;
+  };
+
+  test('prompts share a batch evenly after a token for each generating sequence', () => {
+    const shares = new BatchShares(63);
+    const [a, b, g] = [sequence(), sequence(), sequence()];
+    shares.now(a, 'prompt');
+    expect(shares.piece()).toBe(63);
+    shares.now(g, 'generate');
+    shares.now(b, 'prompt');
+    expect(shares.piece()).toBe(31); // (63 - 1) / 2
+    shares.end(b);
+    expect(shares.piece()).toBe(62);
+  });
+
+  test("a resumed answer's prompt has the batches while it is evaluated: the other prompts wait, and go on when it generates or ends", async () => {
+    const shares = new BatchShares(63);
+    const [fresh, other, resumed, second, g] = [sequence(), sequence(), sequence(), sequence(), sequence()];
+    shares.now(g, 'generate');
+    shares.now(fresh, 'prompt');
+    shares.now(other, 'prompt');
+    expect(shares.piece()).toBe(31);
+    shares.now(resumed, 'resume');
+    // Its share: the batch but the generating token, not a third of it.
+    expect(shares.piece()).toBe(62);
+    const freshTurn = shares.turn(fresh);
+    const otherTurn = shares.turn(other);
+    expect(await settledSoon(shares.turn(resumed))).toBe(true);
+    expect(await settledSoon(freshTurn)).toBe(false);
+    shares.now(second, 'resume');
+    expect(shares.piece()).toBe(31); // two resumed prompts share it
+    shares.now(resumed, 'generate');
+    expect(await settledSoon(freshTurn)).toBe(false); // the second is still evaluated
+    shares.end(second); // (its client left)
+    expect(await settledSoon(freshTurn)).toBe(true);
+    expect(await settledSoon(otherTurn)).toBe(true);
+    expect(shares.piece()).toBe(30); // (63 - 2) / 2 again
+  });
+
+  test('without a generating sequence a prompt goes on at once', () => {
+    const shares = new BatchShares(63);
+    const a = sequence();
+    shares.now(a, 'prompt');
+    expect(shares.turn(a)).toBeUndefined();
   });
 });

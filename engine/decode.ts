@@ -98,42 +98,66 @@ export class Erasures {
  * them all (0.91 and 1.02 s, the prompts as fast: `npm run bench:prompts-beside`).
  */
 export class BatchShares {
-  /** What each sequence with a request does now. */
-  private readonly doing = new Map<LlamaContextSequence, 'prompt' | 'generate'>();
+  /** What each sequence with a request does now: evaluates a prompt (`resume`: a resumed answer's), or generates. */
+  private readonly doing = new Map<LlamaContextSequence, Doing>();
+  /** Prompts waiting for the resumed answers' prompts to be evaluated ({@link turn}). */
+  private waiting: (() => void)[] = [];
 
   constructor(private readonly batch: number) {}
 
-  /** Tokens of a prompt's next piece: an even share of a batch after a token for each generating sequence. */
+  /**
+   * Tokens of a prompt's next piece: an even share of a batch after a token for each generating
+   * sequence — among the resumed answers' prompts while there are any (the others wait: {@link turn}).
+   */
   piece(): number {
-    return Math.max(MIN_PIECE, Math.floor((this.batch - this.count('generate')) / Math.max(1, this.count('prompt'))));
+    const prompts = this.count('resume') || this.count('prompt');
+    return Math.max(MIN_PIECE, Math.floor((this.batch - this.count('generate')) / Math.max(1, prompts)));
   }
 
   /**
-   * Before a prompt's next piece, while any sequence generates: a turn of the event loop, so the
-   * piece is queued after the batch loop has looked for more work and ended, and the batch that
-   * takes it takes the generating sequences' next tokens too (queued meanwhile). Queued at once,
-   * the piece kept the loop going without them.
+   * Before a prompt's next piece. While a resumed answer's prompt is evaluated (its client holds
+   * part of the answer and hears nothing until it is: an instance was lost mid-answer), another
+   * prompt waits, so the batches are the resumed ones' and the generating sequences' — a new
+   * instance that took answers handed back at a drain beside first turns gave them their next
+   * piece only after every prompt's, 2 s later. While any sequence generates: a turn of the event
+   * loop, so the piece is queued after the batch loop has looked for more work and ended, and the
+   * batch that takes it takes the generating sequences' next tokens too (queued meanwhile). Queued
+   * at once, the piece kept the loop going without them.
    */
-  turn(): Promise<void> | undefined {
+  turn(sequence: LlamaContextSequence): Promise<void> | undefined {
+    if (this.doing.get(sequence) === 'prompt' && this.count('resume') > 0)
+      return new Promise<void>((resolve) => this.waiting.push(resolve)).then(() => this.turn(sequence));
     return this.count('generate') > 0 ? new Promise((resolve) => setImmediate(resolve)) : undefined;
   }
 
-  /** `sequence` evaluates its request's prompt, or generates its answer, from now on. */
-  now(sequence: LlamaContextSequence, what: 'prompt' | 'generate'): void {
+  /** `sequence` evaluates its request's prompt (a resumed answer's: `resume`), or generates its answer, from now on. */
+  now(sequence: LlamaContextSequence, what: Doing): void {
     this.doing.set(sequence, what);
+    this.release();
   }
 
   /** `sequence`'s request ended. */
   end(sequence: LlamaContextSequence): void {
     this.doing.delete(sequence);
+    this.release();
   }
 
-  private count(what: 'prompt' | 'generate'): number {
+  /** The prompts that wait go on once no resumed answer's prompt is evaluated. */
+  private release(): void {
+    if (this.waiting.length === 0 || this.count('resume') > 0) return;
+    const waiting = this.waiting;
+    this.waiting = [];
+    for (const go of waiting) go();
+  }
+
+  private count(what: Doing): number {
     let n = 0;
     for (const w of this.doing.values()) if (w === what) n++;
     return n;
   }
 }
+
+type Doing = 'prompt' | 'resume' | 'generate';
 
 export interface DecodeOptions {
   maxTokens: number;
@@ -289,6 +313,8 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
   // At least the last token is evaluated again: its logits choose the next one.
   const prior = full.slice(0, full.length - 1);
   let keep = sharedPrefix(sequence.contextTokens, prior);
+  // A resumed answer has the batches from now (BatchShares.turn): its snapshot's load waits for the context too.
+  if (resumed.length > 0) o.shares.now(sequence, 'resume');
   if (o.snapshots && (await o.snapshots.restore(sequence, prior, keep, resumed.length > 0))) keep = sharedPrefix(sequence.contextTokens, prior);
   const { erasures } = o;
   const erase = (start: number) => erasures.run(() => sequence.eraseContextTokenRanges([{ start, end: sequence.nextTokenIndex }]));
@@ -354,11 +380,13 @@ async function decodeSteps(model: LlamaModel, sequence: LlamaContextSequence, pr
 
   // A long prompt in pieces ({@link BatchShares}); a request whose client left stops between them.
   // The last piece goes with the first step, which asks for its last token's logits.
-  o.shares.now(sequence, 'prompt');
-  for (let n = o.shares.piece(); input.length > n; n = o.shares.piece()) {
+  o.shares.now(sequence, resumed.length > 0 ? 'resume' : 'prompt');
+  for (;;) {
     if (o.signal.aborted) throw o.signal.reason;
     await erasures.beforeStep();
-    await o.shares.turn();
+    await o.shares.turn(sequence);
+    const n = o.shares.piece(); // (after the turn: the sequences sharing the batch may have changed)
+    if (input.length <= n) break;
     await sequence.evaluateWithoutGeneratingNewTokens(input.slice(0, n));
     input = input.slice(n);
   }
