@@ -205,12 +205,15 @@ export class KvSnapshots {
     // Whatever it loads, its own file is not what it holds now: the next save replaces it.
     if (slot) slot.saved = [];
     const started = performance.now();
+    /** When the erasure had the context (the wait before it is the batch under way's). */
+    let erased = started;
     try {
       await this.erasures.run(async () => {
         // Emptied first: a load that fails before it reads the state (a file llama.cpp does not
         // take) leaves the KV as it was while node-llama-cpp counts the sequence empty, and its next
         // evaluation fails — with it the batch, every slot's answer. A failure after that empties it.
         await sequence.eraseContextTokenRanges([{ start: 0, end: sequence.nextTokenIndex }]);
+        erased = performance.now();
         await sequence.loadStateFromFile(loading, { acceptRisk: true });
       });
     } catch (err) {
@@ -226,7 +229,10 @@ export class KvSnapshots {
     this.stats.loadedTokens += shared;
     this.stats.loadSeconds += ms / 1000;
     // Rare (after an engine's death or a drain), and what it spared is worth a line; a slot's own, as often as conversations move between slots, is counted only.
-    if (best.inherited) this.log(`loaded the KV snapshot of ${shared} tokens another engine saved (${Math.round(ms)} ms)`);
+    if (best.inherited)
+      this.log(
+        `loaded the KV snapshot of ${shared} tokens another engine saved (${Math.round(ms)} ms: ${Math.round(erased - started)} waiting for the context, ${Math.round(performance.now() - erased)} loading)`,
+      );
     return true;
   }
 
