@@ -140,7 +140,10 @@ export async function followAnswer(
     return to;
   };
   // Where the answer left its first request, if it did: known before any of that request's frames is relayed.
+  const lookedUp = Date.now();
   await lookUp(1);
+  if (Date.now() - lookedUp >= SLOW_READ_MS)
+    app.log.info({ inferenceId: place.requestId, ms: Date.now() - lookedUp }, 'resumed stream: its first move looked up slowly');
   following?.({ session: published.entry, req });
   return exchange(published.entry, req, {
     router,
@@ -292,6 +295,9 @@ export async function serveResume(
   asked: AskedAgain,
 ): Promise<FastifyReply> {
   const s = app.gateway.settings;
+  // From its arrival: authenticated, its model found, its Last-Event-ID checked (a replica that ~100
+  // clients of a killed one come back to at once works through them).
+  if (reply.elapsedTime >= SLOW_READ_MS) app.log.info({ inferenceId: point.requestId, ms: Math.round(reply.elapsedTime) }, 'resumed stream: reached slowly');
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
   // Recorded (not waited for): the replica its client left does not cancel it at the end of its
