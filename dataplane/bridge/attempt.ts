@@ -219,7 +219,8 @@ export class Attempt {
    * gateway stops waiting for it) until its client has part of the answer; then never. A stream
    * that has begun goes on to its end, handed back and continued as often as that takes: its
    * gateway bounds each silence instead (`MAGUS_GATEWAY_REQUEST_TIMEOUT_MS`), as it bounds the wait
-   * for the first piece.
+   * for the first piece. (Not {@link holdsPart}: a stream whose frames say no tokens — one that
+   * cannot be continued elsewhere — has begun too.)
    */
   cutsAt(said: readonly ResponseFrame[] = this.answer): number {
     const begun =

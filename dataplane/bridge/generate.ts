@@ -295,11 +295,10 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   // answer (Attempt.cutsAt): one begun by then goes on, to the call's bound.
   const callEnds = Date.now() + requestTimeoutMs;
   const endsAt = () => Math.min(callEnds, a.cutsAt(frames));
-  const onTimer = () => {
-    if (Date.now() >= endsAt()) local.abort(ENGINE_TIMEOUT);
-    else timer = setTimeout(onTimer, Math.max(1, endsAt() - Date.now()));
-  };
-  let timer = setTimeout(onTimer, Math.max(1, endsAt() - Date.now()));
+  // Armed for when it ends as things stand; at that time, armed again if the answer began meanwhile.
+  const arm = (): NodeJS.Timeout =>
+    setTimeout(() => (Date.now() >= endsAt() ? local.abort(ENGINE_TIMEOUT) : (timer = arm())), Math.max(1, endsAt() - Date.now()));
+  let timer = arm();
   const aborted = (): Outcome | null => {
     if (a.signal.aborted) return { kind: 'aborted', reason: a.signal.reason as AbortReason };
     if (Date.now() >= a.cutsAt(frames))

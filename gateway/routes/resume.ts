@@ -140,10 +140,10 @@ export async function followAnswer(
     return to;
   };
   // Where the answer left its first request, if it did: known before any of that request's frames is relayed.
-  const lookedUp = Date.now();
+  const lookingUp = Date.now();
   await lookUp(1);
-  if (Date.now() - lookedUp >= SLOW_READ_MS)
-    app.log.info({ inferenceId: place.requestId, ms: Date.now() - lookedUp }, 'resumed stream: its first move looked up slowly');
+  const lookUpMs = Date.now() - lookingUp;
+  if (lookUpMs >= SLOW_READ_MS) app.log.info({ inferenceId: place.requestId, ms: lookUpMs }, 'resumed stream: its first move looked up slowly');
   following?.({ session: published.entry, req });
   return exchange(published.entry, req, {
     router,
