@@ -11,7 +11,10 @@
  * The load: `CHAOS_STREAMS` clients (default 200), each streaming greedy answers of up to
  * `CHAOS_TOKENS` tokens (default 64) one after the other, to one of a few prompts, through one of
  * the gateways, with plain `fetch` and an SSE reader that does what the gateway's README asks of a
- * client that loses its stream: the same request again, to any gateway, with `Last-Event-ID`.
+ * client that loses its stream: the same request again, to any gateway, with `Last-Event-ID`. The
+ * clients run in a process of their own (chaos-clients.ts), apart from the bridges and the
+ * engines' supervisors, as a worker's are from its clients: a late turn of one event loop neither
+ * delays the other's work nor what the clients record (both loops' lateness is reported).
  *
  * Two phases of `CHAOS_MINUTES` each (default 10): undisturbed, then with a fault every
  * `CHAOS_FAULT_EVERY_S` seconds (default 10), in turn:
@@ -49,11 +52,12 @@
  * answers), reconnects, completion tokens/s, and the wait for an answer's first piece (verbose:
  * apart for the answers moved before it, from the gateways' logs).
  */
-import { spawn, type ChildProcess } from 'node:child_process';
+import { fork, spawn, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { connect, type NatsConnection } from 'nats';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
@@ -62,15 +66,14 @@ import { startBridge, type Bridge } from '../dataplane/bridge';
 import { openModelRegistry } from '../dataplane/registry';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { conversationKey } from '../gateway/serving/conversation';
-import { parseLastEventId } from '../gateway/serving/resume';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { freePort } from '../workers/dev/services';
 import { pinConversation, publishPoolView } from '../test/harness/gateway';
 import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
-import { sseRecords } from '../test/harness/sse-stream';
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
+import { answer, type Answer, type ClientContext, type FromClients, type ToClients } from './chaos-clients';
 import { fmt, p50, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
@@ -110,28 +113,10 @@ const PROMPTS = ['a small boat', 'a red fox', 'the northern sea', 'an old lamp',
 /** Reconnects before a client gives an answer up as broken. */
 const MAX_RECONNECTS = 20;
 
-const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
+/** A late turn of this process's event loop logged (verbose). */
+const LATE_LOOP_MS = 200;
 
-interface Answer {
-  /** The chunks' id. */
-  id?: string;
-  /** The instance its first event id names (where it was first published). */
-  instance?: string;
-  /** When it was first asked for (epoch ms). */
-  asked: number;
-  prompt: number;
-  text: string;
-  pieces: number;
-  times: number[];
-  finish?: string;
-  completionTokens?: number;
-  done: boolean;
-  error?: string;
-  reconnects: number;
-  refused: number;
-  /** Each reconnect (epoch ms): its stream lost, asked again, the answer's headers, its first event. */
-  resumes: { lost: number; asked?: number; headers?: number; event?: number }[];
-}
+const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
 
 interface GatewayProcess {
   child: ChildProcess;
@@ -147,6 +132,10 @@ const engines: Record<string, Supervised<LlamaCppEngine>> = {};
 let gguf: string;
 const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
 let gateways: GatewayProcess[] = [];
+/** The clients' process (chaos-clients.ts). */
+let clients: ChildProcess;
+/** Tells the clients' process the gateways there are now. */
+const gatewaysChanged = () => clients.send({ type: 'gateways', gateways: gateways.map((g) => g.url) } satisfies ToClients);
 /** Each fault: what, of which kind, and when it began. */
 /** Verbose: when each answer (by its id) was first moved to another instance, as its gateway logged it. */
 const firstMoves = new Map<string, number>();
@@ -254,89 +243,14 @@ async function startInstance(instance: string): Promise<void> {
   await startInstanceBridge(instance);
 }
 
-/** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
-async function answer(client: number, session: string, prompt: number): Promise<Answer> {
-  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now(), resumes: [] };
-  let lastId: string | undefined;
-  const body = JSON.stringify({
-    model: POOL,
-    messages: [{ role: 'user', content: PROMPTS[prompt] }],
-    max_tokens: TOKENS,
-    temperature: 0,
-    stream: true,
-    stream_options: { include_usage: true },
-  });
-  for (let attempt = 0; ; attempt++) {
-    const gw = gateways[(client + attempt) % gateways.length]!;
-    const resume = a.resumes.at(-1);
-    if (resume) resume.asked ??= Date.now();
-    try {
-      const res = await fetch(`${gw.url}/v1/chat/completions`, {
-        method: 'POST',
-        headers: {
-          authorization: `Bearer ${TOKEN}`,
-          'content-type': 'application/json',
-          'x-session-id': session,
-          ...(lastId ? { 'last-event-id': lastId } : {}),
-        },
-        body,
-      });
-      if (res.status === 429 || res.status === 503) {
-        a.refused += 1;
-        await res.body?.cancel();
-        await sleep(Math.min(2000, Number(res.headers.get('retry-after') ?? 1) * 1000));
-        continue;
-      }
-      if (res.status !== 200) {
-        a.error = `${res.status} ${(await res.text()).slice(0, 200)}`;
-        return a;
-      }
-      // Every message, as an `EventSource` reads them: a keep-alive before the first chunk says the
-      // answer's id with no data (gateway/README.md, "Resuming a stream"), kept as the last event id.
-      if (resume) resume.headers ??= Date.now();
-      for await (const e of sseRecords(res)) {
-        if (resume) resume.event ??= Date.now();
-        if (e.id) {
-          lastId = e.id;
-          a.instance ??= parseLastEventId(SECRET, TOKEN_ID, e.id)?.instance;
-        }
-        if (e.data === undefined) continue;
-        if (e.data === '[DONE]') {
-          a.done = true;
-          return a;
-        }
-        const chunk = JSON.parse(e.data) as {
-          id?: string;
-          error?: { message?: string; code?: string };
-          choices?: { delta?: { content?: string }; finish_reason?: string | null }[];
-          usage?: { completion_tokens: number };
-        };
-        if (chunk.error) {
-          a.error = `error event: ${chunk.error.code ?? ''} ${chunk.error.message ?? ''}`;
-          return a;
-        }
-        a.id ??= chunk.id;
-        if (chunk.usage) a.completionTokens = chunk.usage.completion_tokens;
-        const c = chunk.choices?.[0];
-        if (c?.finish_reason) a.finish = c.finish_reason;
-        const piece = c?.delta?.content ?? '';
-        if (piece !== '') {
-          a.text += piece;
-          a.pieces += 1;
-          a.times.push(Date.now());
-        }
-      }
-    } catch {
-      // the connection broke: resume
-    }
-    a.reconnects += 1;
-    a.resumes.push({ lost: Date.now() });
-    if (a.reconnects > MAX_RECONNECTS) {
-      a.error = `gave up after ${MAX_RECONNECTS} reconnects`;
-      return a;
-    }
-    await sleep(100);
-  }
+/** `measure` of the answers first published on each instance (their first event id names it), by instance. */
+function byInstance(answers: Answer[], measure: (of: Answer[]) => string): string {
+  const by = new Map<string, Answer[]>();
+  for (const a of answers) by.set(a.instance ?? '?', [...(by.get(a.instance ?? '?') ?? []), a]);
+  return [...by]
+    .sort(([x], [y]) => x.localeCompare(y))
+    .map(([i, of]) => `${i} (${of.length}) ${measure(of)}`)
+    .join('; ');
 }
 
 const longestGap = (a: Answer) => a.times.slice(1).reduce((m, t, i) => Math.max(m, t - a.times[i]!), 0);
@@ -374,16 +288,38 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   let stop = false;
   // Faults for the phase's minutes; the answers still running then end without.
   const faulting = withFaults ? faultLoop(() => stop || Date.now() >= until) : Promise.resolve();
+  // This process's event loop (its bridges and engine supervisors): a late turn delays what they
+  // do — hearing an engine's death, relaying its frames. The clients' own is measured there.
+  const lag = monitorEventLoopDelay({ resolution: 20 });
+  lag.enable();
+  let tick = Date.now();
+  const lagWatch = setInterval(() => {
+    const late = Date.now() - tick - 100;
+    tick = Date.now();
+    if (late >= LATE_LOOP_MS && process.env.CHAOS_VERBOSE) log(`bench event loop (bridges, supervisors) ${late} ms late`);
+  }, 100);
   const progress = setInterval(() => {
     const tokens = answers.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
     log(`${name}: ${answers.length} answers, ${tokens} tokens, ${fmt(Math.max(0, until - Date.now()) / 60_000, 1)} min left`);
   }, 30_000);
-  await Promise.all(
-    sessions.map(async (session, client) => {
-      for (let turn = 0; Date.now() < until; turn++) answers.push(await answer(client, session, (client + turn) % PROMPTS.length));
-    }),
-  );
+  // The clients, in their process: every answer as it ends, until each client's last turn has.
+  const clientsDone = await new Promise<Extract<FromClients, { type: 'phase-done' }>>((resolve, reject) => {
+    const onMessage = (m: FromClients) => {
+      if (m.type === 'answer') answers.push(m.answer);
+      else {
+        clients.off('message', onMessage).off('exit', onExit);
+        resolve(m);
+      }
+    };
+    const onExit = (code: number | null) => reject(new Error(`the clients' process exited (${code}) mid-phase`));
+    clients.on('message', onMessage).once('exit', onExit);
+    clients.send({ type: 'phase', sessions, until } satisfies ToClients);
+  });
+  if (process.env.CHAOS_VERBOSE)
+    for (const l of clientsDone.late) console.log(`${new Date(l.at).toISOString().slice(11, 23)} clients' event loop ${l.ms} ms late`);
   clearInterval(progress);
+  clearInterval(lagWatch);
+  lag.disable();
   stop = true;
   await faulting;
   const seconds = (Date.now() - started) / 1000;
@@ -426,6 +362,8 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
       `${answers.reduce((n, a) => n + a.reconnects, 0)} reconnects, ${answers.reduce((n, a) => n + a.refused, 0)} refusals retried, ` +
       `${fmt(tokens / seconds, 1)} completion tokens/s`,
     `  wait for the first piece: ${waits(answers)}${process.env.CHAOS_VERBOSE ? `; of the ${movedFirst.length} moved before it: ${movedFirst.length > 0 ? waits(movedFirst) : '-'}` : ''}`,
+    ...(process.env.CHAOS_VERBOSE ? [`  wait for the first piece by the instance first asked: ${byInstance(answers, waits)}`] : []),
+    `  event loops late: the bridges' and supervisors' p99 ${fmt(lag.percentile(99) / 1e6, 0)} / max ${fmt(lag.max / 1e6, 0)} ms, the clients' p99 ${fmt(clientsDone.lateP99Ms, 0)} / max ${fmt(clientsDone.lateMaxMs, 0)} ms`,
     ...[...reasons].map(([why, n]) => `  broken: ${n} × ${why}`),
     ...(withFaults
       ? [
@@ -499,7 +437,9 @@ async function faultLoop(stopped: () => boolean): Promise<void> {
           victim.child.kill('SIGKILL');
           await victim.exited;
           gateways = gateways.filter((g) => g !== victim);
+          gatewaysChanged();
           gateways.push(await startGateway());
+          gatewaysChanged();
           fault('a gateway SIGKILLed, another started');
           break;
         }
@@ -543,6 +483,17 @@ async function main(): Promise<void> {
   // Fresh for the gateways' staleness bound while the bench runs.
   const views = setInterval(() => void publishPoolView(worker, names, POOL, instances, 1000).catch(() => undefined), 30_000);
   gateways = [await startGateway(), await startGateway()];
+  const context: Omit<ClientContext, 'gateways'> = {
+    pool: POOL,
+    token: TOKEN,
+    tokenId: TOKEN_ID,
+    secret: SECRET,
+    prompts: PROMPTS,
+    maxTokens: TOKENS,
+    maxReconnects: MAX_RECONNECTS,
+  };
+  clients = fork(join(__dirname, 'chaos-clients.ts'), [], { execArgv: ['-r', '@swc-node/register'] });
+  clients.send({ type: 'start', context, gateways: gateways.map((g) => g.url) } satisfies ToClients);
   const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
   for (const [n, session] of sessions.entries()) {
     const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session });
@@ -552,7 +503,7 @@ async function main(): Promise<void> {
   }
   // The undisturbed answers: each prompt alone.
   const reference: Answer[] = [];
-  for (const [p] of PROMPTS.entries()) reference.push(await answer(p, sessions[p]!, p));
+  for (const [p] of PROMPTS.entries()) reference.push(await answer({ ...context, gateways: () => gateways.map((g) => g.url) }, p, sessions[p]!, p));
   for (const r of reference) if (!r.done || r.error) throw new Error(`a reference answer failed: ${r.error ?? 'no [DONE]'}`);
   log(`reference answers: ${reference.map((r) => `${r.pieces} pieces`).join(', ')}`);
   const report: string[] = [];
@@ -571,6 +522,7 @@ async function main(): Promise<void> {
       for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
     }
     clearInterval(views);
+    clients.kill('SIGKILL');
     for (const g of gateways) g.child.kill('SIGKILL');
     await Promise.all(gateways.map((g) => g.exited));
     for (const { bridge, nc } of Object.values(bridges)) {
