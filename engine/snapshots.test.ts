@@ -12,7 +12,7 @@ import { startLlamaCppEngine, type EngineStart, type LlamaCppEngine } from '../a
 import { sseMessages } from '../test/harness/sse-stream';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { until } from '../test/harness/wait';
-import { EVERY, STOP_MIN } from './snapshots';
+import { EVERY, MIN_GAIN, RESUME_MIN_GAIN, STOP_MIN } from './snapshots';
 
 let gguf: string;
 let dir: string;
@@ -171,6 +171,29 @@ test('an answer its client cuts at 60 tokens (a drain handing it back) is saved 
   const loaded = await metric(other, 'magus_engine_snapshot_tokens_loaded_total');
   expect(loaded).toBeGreaterThanOrEqual(promptTokens + said - STOP_MIN);
   expect(loaded).toBeLessThanOrEqual(promptTokens + said - 1);
+}, 180_000);
+
+test("an answer resumed one token in, its prompt shorter than a fresh request's load asks, loads a snapshot sharing it all (what a standby taking a dead engine's answers meets)", async () => {
+  const whole = await answer(await start(undefined));
+  const promptTokens = whole.usage!.prompt_tokens;
+  // The case: what the resume evaluates again is under MIN_GAIN, over RESUME_MIN_GAIN.
+  expect(promptTokens).toBeLessThan(MIN_GAIN);
+  expect(promptTokens).toBeGreaterThanOrEqual(RESUME_MIN_GAIN);
+  const shared = mkdtempSync(join(tmpdir(), 'magus-snapshots-'));
+  dirs.push(shared);
+  // Another engine in the directory answered the same prompt (its slot saved as it generated).
+  const [other, next] = [await start(shared), await start(shared)];
+  expect((await answer(other)).pieces).toEqual(whole.pieces);
+  const sent = whole.pieces.slice(0, 1);
+  const rest = await answer(next, { tokens: sent.flatMap((p) => p.tokens), text: sent[0]!.text });
+  expect(rest.pieces).toEqual(whole.pieces.slice(1));
+  // It loaded the prompt and the token said but the last (whose logits choose the next), and evaluated only that one.
+  expect(await metric(next, 'magus_engine_snapshots_loaded_total')).toBe(1);
+  expect(await metric(next, 'magus_engine_snapshot_tokens_loaded_total')).toBe(promptTokens + tokensOf(sent) - 1);
+  // A fresh request for the same prompt on a fresh engine does not: what it would spare is under MIN_GAIN.
+  const fresh = await start(shared);
+  expect((await answer(fresh)).pieces).toEqual(whole.pieces);
+  expect(await metric(fresh, 'magus_engine_snapshots_loaded_total')).toBe(0);
 }, 180_000);
 
 test("a snapshot llama.cpp will not load (another version's) is not loaded over what the slot holds: the answer is evaluated again, right", async () => {

@@ -14,8 +14,8 @@
  * batch). A file is written under a temporary name and renamed, one per slot, in a directory of
  * the process's own under one of the model's (a snapshot is loaded only into the model that made
  * it). A request whose tokens share at least {@link MIN_GAIN} more tokens with a snapshot than
- * with what its slot holds loads the one sharing most into its slot (under the context lock) and
- * evaluates only the rest. The loaded KV is the one the dead engine computed, token by token, so
+ * with what its slot holds ({@link RESUME_MIN_GAIN} for an answer resumed) loads the one sharing
+ * most into its slot (under the context lock) and evaluates only the rest. The loaded KV is the one the dead engine computed, token by token, so
  * the answer goes on exactly as it would have (engine/snapshots.test.ts).
  *
  * An answer cut short by its client (a bridge handing it back at its drain deadline) is saved as
@@ -46,6 +46,15 @@ const SHARE = 10;
  * few tokens costs one step of a batch.
  */
 export const MIN_GAIN = 32;
+/**
+ * What a resumed answer's load asks instead: its client waits mid-answer for it, and a few
+ * resumed at once on an engine (the ones a dead engine's standby takes) evaluate in each other's
+ * batches — four answers 1–10 tokens in, their ~30-token prompts below {@link MIN_GAIN}, waited
+ * 1.2–1.8 s for their first piece on a standby under bench:chaos, where those that loaded a
+ * snapshot waited 0.1–0.5 s. A standby's slots hold nothing, and no batch is under way there for
+ * a load to wait for.
+ */
+export const RESUME_MIN_GAIN = 8;
 /** An answer stopped by its client is saved as it stops when this many of its tokens are unsaved. */
 export const STOP_MIN = 8;
 /** How long another process's snapshots are kept once read: its answers' resumes come within seconds. */
@@ -180,16 +189,26 @@ export class KvSnapshots {
   /**
    * Loads into `sequence` the snapshot sharing the most leading tokens with `tokens` (what the
    * sequence is to hold before its next evaluation), when it shares at least {@link MIN_GAIN} more
-   * than `held` (what the sequence shares with them now). Returns whether it loaded one: the
+   * than `held` (what the sequence shares with them now) — {@link RESUME_MIN_GAIN} when `resuming`. Returns whether it loaded one: the
    * caller then finds what the sequence shares and erases the rest.
    */
   async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number, resuming: boolean): Promise<boolean> {
     const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved, inherited: false }));
+    const gain = resuming ? RESUME_MIN_GAIN : MIN_GAIN;
     let best: { file: string; shared: number; inherited: boolean } | undefined;
-    for (const s of [...(await this.others(resuming)).map((o) => ({ ...o, inherited: true })), ...own]) {
+    /** The most any snapshot shares, worth loading or not (for the line below). */
+    let most = 0;
+    const all = [...(await this.others(resuming)).map((o) => ({ ...o, inherited: true })), ...own];
+    for (const s of all) {
       const shared = sharedPrefix(s.tokens, tokens);
-      if (shared >= held + MIN_GAIN && shared > (best?.shared ?? 0)) best = { file: s.file, shared, inherited: s.inherited };
+      most = Math.max(most, shared);
+      if (shared >= held + gain && shared > (best?.shared ?? 0)) best = { file: s.file, shared, inherited: s.inherited };
     }
+    // A resumed answer evaluates its prompt and its tokens said again: rare (an engine's death, a drain), and worth knowing why.
+    if (!best && resuming && tokens.length >= held + gain)
+      this.log(
+        `no KV snapshot for a resumed answer of ${tokens.length} tokens (its slot holds ${held}; of ${all.length} snapshots the closest shares ${most}): evaluated again`,
+      );
     if (!best) return false;
     // A name of its own for the file while it loads: the file may be replaced by its next save, or
     // removed with its directory by an engine that found its process gone, after it was listed.
