@@ -144,11 +144,36 @@ export type ToClients =
 /** The clients' process → chaos.ts. */
 export type FromClients =
   | { type: 'answer'; answer: Answer }
-  /** Every client's last turn has ended; how late this process's event loop was meanwhile (ms). */
-  | { type: 'phase-done'; lateP99Ms: number; lateMaxMs: number; late: { at: number; ms: number }[] };
+  /** Every client's last turn has ended; how late this process's event loop was meanwhile. */
+  | { type: 'phase-done'; lateness: LoopLateness };
 
-/** A late turn of the clients' event loop, kept for chaos.ts to log (verbose). */
-const LATE_LOOP_MS = 200;
+/** How late an event loop was while watched: p99 and max (ms), and each turn {@link LATE_TURN_MS} or more late. */
+export interface LoopLateness {
+  p99Ms: number;
+  maxMs: number;
+  late: { at: number; ms: number }[];
+}
+
+/** A turn of an event loop this late is kept (chaos.ts logs them, verbose). */
+const LATE_TURN_MS = 200;
+
+/** Watches how late this process's event loop is, until the returned function is called. */
+export function watchLoop(): () => LoopLateness {
+  const delay = monitorEventLoopDelay({ resolution: 20 });
+  delay.enable();
+  const late: { at: number; ms: number }[] = [];
+  let tick = Date.now();
+  const watch = setInterval(() => {
+    const ms = Date.now() - tick - 100;
+    tick = Date.now();
+    if (ms >= LATE_TURN_MS) late.push({ at: tick, ms });
+  }, 100);
+  return () => {
+    clearInterval(watch);
+    delay.disable();
+    return { p99Ms: delay.percentile(99) / 1e6, maxMs: delay.max / 1e6, late };
+  };
+}
 
 function serve(): void {
   let context: ClientContext | undefined;
@@ -159,23 +184,13 @@ function serve(): void {
     if (m.type === 'start' || m.type === 'gateways') gateways = m.gateways;
     if (m.type !== 'phase') return;
     const c = context!;
-    const lag = monitorEventLoopDelay({ resolution: 20 });
-    lag.enable();
-    const late: { at: number; ms: number }[] = [];
-    let tick = Date.now();
-    const watch = setInterval(() => {
-      const ms = Date.now() - tick - 100;
-      tick = Date.now();
-      if (ms >= LATE_LOOP_MS) late.push({ at: tick, ms });
-    }, 100);
+    const watched = watchLoop();
     void Promise.all(
       m.sessions.map(async (session, client) => {
         for (let turn = 0; Date.now() < m.until; turn++) send({ type: 'answer', answer: await answer(c, client, session, (client + turn) % c.prompts.length) });
       }),
     ).then(() => {
-      clearInterval(watch);
-      lag.disable();
-      send({ type: 'phase-done', lateP99Ms: lag.percentile(99) / 1e6, lateMaxMs: lag.max / 1e6, late });
+      send({ type: 'phase-done', lateness: watched() });
     });
   });
   // Gone with the bench.

@@ -57,7 +57,6 @@ import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { connect, type NatsConnection } from 'nats';
 import { startSupervisedEngine, type LlamaCppEngine } from '../activities/runtime/llama-cpp';
 import type { Supervised } from '../activities/runtime/supervise';
@@ -73,7 +72,7 @@ import { readyModel } from '../test/harness/gateway-app';
 import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-cluster';
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
-import { answer, type Answer, type ClientContext, type FromClients, type ToClients } from './chaos-clients';
+import { answer, watchLoop, type Answer, type ClientContext, type FromClients, type ToClients } from './chaos-clients';
 import { fmt, p50, p99 } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
@@ -112,9 +111,6 @@ const ROOT = join(__dirname, '..');
 const PROMPTS = ['a small boat', 'a red fox', 'the northern sea', 'an old lamp', 'the green hills', 'a quiet town'].map((p) => `Tell me a story about ${p}.`);
 /** Reconnects before a client gives an answer up as broken. */
 const MAX_RECONNECTS = 20;
-
-/** A late turn of this process's event loop logged (verbose). */
-const LATE_LOOP_MS = 200;
 
 const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
 
@@ -290,14 +286,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
   const faulting = withFaults ? faultLoop(() => stop || Date.now() >= until) : Promise.resolve();
   // This process's event loop (its bridges and engine supervisors): a late turn delays what they
   // do — hearing an engine's death, relaying its frames. The clients' own is measured there.
-  const lag = monitorEventLoopDelay({ resolution: 20 });
-  lag.enable();
-  let tick = Date.now();
-  const lagWatch = setInterval(() => {
-    const late = Date.now() - tick - 100;
-    tick = Date.now();
-    if (late >= LATE_LOOP_MS && process.env.CHAOS_VERBOSE) log(`bench event loop (bridges, supervisors) ${late} ms late`);
-  }, 100);
+  const watched = watchLoop();
   const progress = setInterval(() => {
     const tokens = answers.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
     log(`${name}: ${answers.length} answers, ${tokens} tokens, ${fmt(Math.max(0, until - Date.now()) / 60_000, 1)} min left`);
@@ -315,11 +304,11 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
     clients.on('message', onMessage).once('exit', onExit);
     clients.send({ type: 'phase', sessions, until } satisfies ToClients);
   });
-  if (process.env.CHAOS_VERBOSE)
-    for (const l of clientsDone.late) console.log(`${new Date(l.at).toISOString().slice(11, 23)} clients' event loop ${l.ms} ms late`);
   clearInterval(progress);
-  clearInterval(lagWatch);
-  lag.disable();
+  const lateness = { bridges: watched(), clients: clientsDone.lateness };
+  if (process.env.CHAOS_VERBOSE)
+    for (const [whose, l] of Object.entries(lateness))
+      for (const turn of l.late) console.log(`${new Date(turn.at).toISOString().slice(11, 23)} the ${whose}' event loop ${turn.ms} ms late`);
   stop = true;
   await faulting;
   const seconds = (Date.now() - started) / 1000;
@@ -363,7 +352,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
       `${fmt(tokens / seconds, 1)} completion tokens/s`,
     `  wait for the first piece: ${waits(answers)}${process.env.CHAOS_VERBOSE ? `; of the ${movedFirst.length} moved before it: ${movedFirst.length > 0 ? waits(movedFirst) : '-'}` : ''}`,
     ...(process.env.CHAOS_VERBOSE ? [`  wait for the first piece by the instance first asked: ${byInstance(answers, waits)}`] : []),
-    `  event loops late: the bridges' and supervisors' p99 ${fmt(lag.percentile(99) / 1e6, 0)} / max ${fmt(lag.max / 1e6, 0)} ms, the clients' p99 ${fmt(clientsDone.lateP99Ms, 0)} / max ${fmt(clientsDone.lateMaxMs, 0)} ms`,
+    `  event loops late: the bridges' and supervisors' p99 ${fmt(lateness.bridges.p99Ms, 0)} / max ${fmt(lateness.bridges.maxMs, 0)} ms, the clients' p99 ${fmt(lateness.clients.p99Ms, 0)} / max ${fmt(lateness.clients.maxMs, 0)} ms`,
     ...[...reasons].map(([why, n]) => `  broken: ${n} × ${why}`),
     ...(withFaults
       ? [
