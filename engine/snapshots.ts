@@ -15,8 +15,9 @@
  * the process's own under one of the model's (a snapshot is loaded only into the model that made
  * it). A request whose tokens share at least {@link MIN_GAIN} more tokens with a snapshot than
  * with what its slot holds ({@link RESUME_MIN_GAIN} for an answer resumed) loads the one sharing
- * most into its slot (under the context lock) and evaluates only the rest. The loaded KV is the one the dead engine computed, token by token, so
- * the answer goes on exactly as it would have (engine/snapshots.test.ts).
+ * most into its slot (under the context lock) and evaluates only the rest. The loaded KV is the
+ * one the dead engine computed, token by token, so the answer goes on exactly as it would have
+ * (engine/snapshots.test.ts).
  *
  * An answer cut short by its client (a bridge handing it back at its drain deadline) is saved as
  * it stops, when it has {@link STOP_MIN} tokens unsaved. Other processes' snapshots in the same
@@ -189,8 +190,9 @@ export class KvSnapshots {
   /**
    * Loads into `sequence` the snapshot sharing the most leading tokens with `tokens` (what the
    * sequence is to hold before its next evaluation), when it shares at least {@link MIN_GAIN} more
-   * than `held` (what the sequence shares with them now) — {@link RESUME_MIN_GAIN} when `resuming`. Returns whether it loaded one: the
-   * caller then finds what the sequence shares and erases the rest.
+   * than `held` (what the sequence shares with them now) — {@link RESUME_MIN_GAIN} when
+   * `resuming`. Returns whether it loaded one: the caller then finds what the sequence shares and
+   * erases the rest.
    */
   async restore(sequence: LlamaContextSequence, tokens: readonly Token[], held: number, resuming: boolean): Promise<boolean> {
     const own = [...this.slots.values()].filter((s) => s.saved.length > 0).map((s) => ({ file: s.file, tokens: s.saved, inherited: false }));
