@@ -282,6 +282,67 @@ describe('round trips through NATS', () => {
     expect(res.status).toBe(503);
     expect(await res.text()).not.toContain('nostream');
   });
+
+  /**
+   * A pool whose request stream comes only `afterMs` in (as one electing its leader answers no
+   * publish until it has one), answered `answerAfterMs` after by a bridge written here; returns the client's response.
+   */
+  async function turnWhileNoStream(name: string, body: object, afterMs: number, answerAfterMs = 0): Promise<Response> {
+    const key = conversationKey(TEST_SECRET, { scope: 'alice', model: 'default/tiny', messages: [], sessionId: name });
+    const late = `${scope}.magus.req.${name}.x`;
+    await sessionsKv.put(key, enc({ subject: late, pool: name, instance: 'x', expiresAt: Date.now() + 600_000 }));
+    const stream = `${streamName}_${name.toUpperCase()}`;
+    const bridged = (async () => {
+      await sleep(afterMs);
+      const jsm = await nc.jetstreamManager();
+      await jsm.streams.add({ name: stream, subjects: [`${scope}.magus.req.${name}.>`], retention: RetentionPolicy.Workqueue, storage: StorageType.Memory });
+      await jsm.consumers.add(stream, { durable_name: 'late', ack_policy: AckPolicy.Explicit });
+      const m = await (await js.consumers.get(stream, 'late')).next({ expires: 5_000 });
+      if (!m) throw new Error('no request reached the stream');
+      const req = m.json<InferenceRequest>();
+      m.ack();
+      await sleep(answerAfterMs);
+      for (const frame of script(req)) nc.publish(req.replyTo, enc(frame));
+      await nc.flush();
+      return req;
+    })();
+    bridged.catch(() => undefined);
+    try {
+      const res = await post(body, { 'x-session-id': name });
+      await bridged;
+      return res;
+    } finally {
+      await (await nc.jetstreamManager()).streams.delete(stream).catch(() => undefined);
+    }
+  }
+
+  it('a request stream that takes no publish yet (a leader election): a turn not committed waits it out and is answered, not refused', async () => {
+    const retries = async () => Number(/magus_gateway_publish_retries_total (\d+)/.exec(await (await fetch(`${gw.url}/metrics`)).text())?.[1] ?? 0);
+    const before = await retries();
+    const res = await turnWhileNoStream('electing', turn('elected'), 600);
+    expect(res.status).toBe(200);
+    expect(((await res.json()) as { choices: { message: { content: string } }[] }).choices[0]!.message.content).toBe('echo: elected');
+    expect(await retries()).toBeGreaterThan(before);
+  });
+
+  it('a streamed one says in its keep-alives that it is not queued yet, then streams the answer', async () => {
+    const res = await turnWhileNoStream('electing2', turn('elected', true), 600, 400);
+    expect(res.status).toBe(200);
+    const text = await res.text();
+    const said = text.split('\n').filter((l) => l.startsWith(': keep-alive: '));
+    const notYet = ': keep-alive: not queued yet at instance x of default/tiny (its request stream elects a leader, or NATS is away): trying again';
+    const queued = ': keep-alive: queued at instance x of default/tiny: waiting for its engine to begin the answer';
+    // Not queued, then queued once the stream took it; none of it after the answer began.
+    expect(said[0]).toBe(notYet);
+    expect(said.at(-1)).toBe(queued);
+    expect(said.lastIndexOf(notYet)).toBeLessThan(said.indexOf(queued));
+    expect(text.lastIndexOf(': keep-alive')).toBeLessThan(text.indexOf('data: '));
+    expect(sseEvents(text).map((e) => (e === '[DONE]' ? e : (e as { choices: { delta: { content: string } }[] }).choices[0]!.delta.content))).toEqual([
+      'Hel',
+      'lo',
+      '[DONE]',
+    ]);
+  });
 });
 
 describe('the official openai client', () => {

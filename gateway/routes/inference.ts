@@ -359,7 +359,8 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
     };
     published = entry;
     await turn.onPublish?.(entry, req);
-    sse?.waiting(`queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`);
+    const queued = `queued at instance ${entry.instance} of ${modelLabel}: waiting for its engine to begin the answer`;
+    sse?.waiting(queued);
     // Its chunks' ids let the client pick the answer up on any replica should this one die (routes/resume.ts).
     if (sse && g.responses.replica && turn.resumable) {
       resumable = true;
@@ -367,8 +368,11 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
         resumeIdPrefix(s.secret, principal.conversationScope, { replica: g.responses.replica, pool: entry.pool, instance: entry.instance, requestId: id }),
       );
     }
+    const options = exchangeOptions(app, entry, req, ctl.signal);
     const done = await exchange(entry, req, {
-      ...exchangeOptions(app, entry, req, ctl.signal),
+      ...options,
+      // A publish tried again (a stream electing its leader) says so in the keep-alives until it is queued.
+      publish: sse ? (subject, r, e) => options.publish(subject, r, e).then(() => sse.waiting(queued)) : options.publish,
       onChunk: streamed
         ? (chunk, seq) => {
             if (isUsageChunk(chunk)) countUsage(chunk);
@@ -376,7 +380,10 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
           }
         : undefined,
       retryPublish: sse && (() => sse.started),
-      onPublishRetry: () => app.metrics.publishRetries.inc(),
+      onPublishRetry: () => {
+        app.metrics.publishRetries.inc();
+        sse?.waiting(`not queued yet at instance ${entry.instance} of ${modelLabel} (its request stream elects a leader, or NATS is away): trying again`);
+      },
       trace: (what, fields) => client.log.info({ inferenceId: id, ...fields }, what),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed

@@ -1,7 +1,16 @@
 /** The exchange's ordering and timeouts (with fake timers) and the HTTP answer of error frames; the ordering rule itself is tested with dataplane/frames.ts. */
 import type { ErrorFrame, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import { SessionError, SessionErrorType } from '../plugins/errors';
-import { exchange, FIRST_GAP_READ_MS, frameError, GAP_READ_BACKS, PUBLISH_RETRY_MS, type ResponseRouter } from './exchange';
+import {
+  exchange,
+  FIRST_GAP_READ_MS,
+  frameError,
+  GAP_READ_BACKS,
+  NATS_UNREACHABLE,
+  PUBLISH_RETRY_MS,
+  PUBLISH_RETRY_UNCOMMITTED_MS,
+  type ResponseRouter,
+} from './exchange';
 
 const c = (seq: number): ResponseFrame => ({ seq, type: 'chunk', data: seq });
 const done = (seq: number): ResponseFrame => ({ seq, type: 'done', data: 'end' });
@@ -315,6 +324,7 @@ describe('exchange: a publish that fails', () => {
     close: () => Promise.resolve(),
   };
   function run(outcomes: (Error | undefined)[], committed: boolean) {
+    let committedNow = committed;
     const listeners = new Map<string, (f: ResponseFrame) => void>();
     const router: ResponseRouter = { ...noRouter, listen: (id, fn) => (listeners.set(id, fn), () => void listeners.delete(id)) };
     const published: string[] = [];
@@ -332,20 +342,55 @@ describe('exchange: a publish that fails', () => {
       gapTimeoutMs: 100,
       retryAfterSec: 3,
       signal: new AbortController().signal,
-      retryPublish: () => committed,
+      retryPublish: () => committedNow,
       onPublishRetry: () => (retries += 1),
       onAbandon: () => (abandoned += 1),
     });
     p.catch(() => undefined);
-    return { p, listeners, published, retries: () => retries, abandoned: () => abandoned };
+    return { p, listeners, published, retries: () => retries, abandoned: () => abandoned, commit: () => (committedNow = true) };
   }
   const noLeader = () => new Error('no stream stores this subject (no responders)');
 
-  it('is refused at once (503 with Retry-After) while the response is not committed', async () => {
-    const r = run([noLeader()], false);
+  it('not committed, waits out an election (same request id): the answer comes with no refusal', async () => {
+    const r = run([noLeader(), noLeader(), noLeader(), noLeader(), undefined], false);
+    await jest.advanceTimersByTimeAsync(250 + 500 + 1_000 + 2_000);
+    expect(r.published).toEqual(['r2', 'r2', 'r2', 'r2', 'r2']);
+    expect(r.retries()).toBe(4);
+    r.listeners.get('r2')!(done(0));
+    await expect(r.p).resolves.toBe('end');
+    expect(r.abandoned()).toBe(0);
+  });
+
+  it(`not committed, is refused 503 with Retry-After after PUBLISH_RETRY_UNCOMMITTED_MS (${PUBLISH_RETRY_UNCOMMITTED_MS} ms) of failures`, async () => {
+    const r = run([], false);
+    let refused = false;
+    r.p.catch(() => (refused = true));
+    await jest.advanceTimersByTimeAsync(PUBLISH_RETRY_UNCOMMITTED_MS - 2_500);
+    expect(refused).toBe(false);
+    await jest.advanceTimersByTimeAsync(2_500);
     await expect(r.p).rejects.toMatchObject({ name: 'GatewayError', status: 503, code: 'unavailable', headers: { 'retry-after': '3' } });
-    expect(r.published).toEqual(['r2']);
     expect(r.abandoned()).toBe(1);
+    const n = r.published.length;
+    await jest.advanceTimersByTimeAsync(10_000);
+    expect(r.published.length).toBe(n);
+  });
+
+  it('not committed, is refused at once (503 with Retry-After) when the gateway is cut off from NATS: another replica may not be', async () => {
+    const r = run([new Error(NATS_UNREACHABLE)], false);
+    await expect(r.p).rejects.toMatchObject({ status: 503, code: 'unavailable', headers: { 'retry-after': '3' } });
+    expect(r.published).toEqual(['r2']);
+  });
+
+  it('committed while it tries, is tried for PUBLISH_RETRY_MS from its first failure', async () => {
+    const r = run([], false);
+    let refused = false;
+    r.p.catch(() => (refused = true));
+    await jest.advanceTimersByTimeAsync(2_000);
+    r.commit();
+    await jest.advanceTimersByTimeAsync(PUBLISH_RETRY_MS - 2_000 - 2_500);
+    expect(refused).toBe(false);
+    await jest.advanceTimersByTimeAsync(2_500);
+    await expect(r.p).rejects.toMatchObject({ status: 503, code: 'unavailable' });
   });
 
   it('is tried again, same request id, once the response is committed; the answer then comes as usual', async () => {

@@ -361,10 +361,11 @@ export interface ExchangeOptions {
   retryAfterSec: number;
   signal: AbortSignal;
   /**
-   * Whether a publish that failed (no stream leader, no acknowledgement, NATS away) is tried
-   * again rather than refused: true once the response is committed (an SSE stream whose 200 went
-   * out with a keep-alive), when a refusal can no longer be a 503 the client retries. Tried with
-   * the same `Nats-Msg-Id`, so a publish that was stored after all is stored once.
+   * Whether the response is committed (an SSE stream whose 200 went out with a keep-alive), when a
+   * refusal can no longer be a 503 the client retries: a publish that failed (no stream leader, no
+   * acknowledgement, NATS away) is then tried again for {@link PUBLISH_RETRY_MS}, where one not
+   * committed is tried for {@link PUBLISH_RETRY_UNCOMMITTED_MS} before its 503. Tried with the same
+   * `Nats-Msg-Id`, so a publish that was stored after all is stored once.
    */
   retryPublish?: () => boolean;
   /** Each `chunk` frame's data, in order (streaming), with its seq. */
@@ -439,6 +440,16 @@ export const FIRST_GAP_READ_MS = 300;
  * window, and longer than a cluster's election (5–10 s).
  */
 export const PUBLISH_RETRY_MS = 30_000;
+
+/**
+ * How long a response not committed (a streamed one before its first keep-alive, a non-streamed
+ * one) keeps trying to queue its request before it is refused 503 with `Retry-After`: a stream
+ * leader's election (bench:chaos: 4–5 s from the kill on its 3-node cluster) is waited out here,
+ * where a refusal costs the client its `Retry-After` and a request to send again. A replica cut
+ * off from NATS ({@link NATS_UNREACHABLE}) refuses at once: another replica may not be. A
+ * streamed response commits within it (its keep-alive) and then tries for {@link PUBLISH_RETRY_MS}.
+ */
+export const PUBLISH_RETRY_UNCOMMITTED_MS = 8_000;
 const PUBLISH_RETRY_DELAYS_MS = [250, 500, 1_000, 2_000];
 
 /** Failure reasons after which the request may still be queued or running at the bridge. */
@@ -606,7 +617,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           idle.refresh();
           opts.onMoved?.(to);
           attempt = 0;
-          publishUntil = undefined;
+          failingSince = undefined;
           if (!leaveIfLeft()) publish();
         },
         (err: unknown) => fail('engine_error', toGatewayError(err, opts.retryAfterSec), err),
@@ -627,7 +638,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         : undefined;
     if (opts.signal.aborted) return onAbort();
     opts.signal.addEventListener('abort', onAbort, { once: true });
-    let publishUntil: number | undefined; // set at the first failure
+    let failingSince: number | undefined; // the first failure of the current request's publish
     let attempt = 0;
     const publish = (): void => {
       const at = current;
@@ -636,11 +647,13 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         if (finished || at !== current) return;
         if (sessionErrorType(err) === SessionErrorType.BacklogFull) return fail('backlog_full', toGatewayError(err, opts.retryAfterSec), err);
         if (err instanceof GatewayError && err.status === 413) return fail('too_large', err);
-        publishUntil ??= Math.min(at.req.deadline, Date.now() + PUBLISH_RETRY_MS);
+        failingSince ??= Date.now();
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
-        // A continuation's answer is under way: its publish is retried whatever the route said.
-        const retry = at.req !== req || opts.retryPublish?.() === true;
-        if (!retry || Date.now() + delay >= publishUntil) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
+        // A continuation's answer is under way: its publish is tried as a committed one's.
+        const committed = at.req !== req || opts.retryPublish?.() === true;
+        // Cut off from NATS, a replica not committed refuses at once: its client's retry may reach one that is not.
+        const window = committed ? PUBLISH_RETRY_MS : (err as Error | null)?.message === NATS_UNREACHABLE ? 0 : PUBLISH_RETRY_UNCOMMITTED_MS;
+        if (Date.now() + delay >= Math.min(at.req.deadline, failingSince + window)) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
         attempt += 1;
         opts.onPublishRetry?.();
         republish = setTimeout(publish, delay);
