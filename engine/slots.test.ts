@@ -68,6 +68,24 @@ describe('SlotPool', () => {
     expect(order).toEqual(['urgent', 'first1', 'first2', 'plain2', 'plain1']);
   });
 
+  test('the queue bound counts only the requests it may refuse: the urgent and those that go first, however many, do not turn the rest away', async () => {
+    const pool = new SlotPool(1, 2);
+    await pool.acquire();
+    const ahead = Array.from({ length: 10 }, (_, i) => pool.acquire(i % 5 === 0 ? { urgent: true } : { first: true, due: 100 + i }));
+    const plain1 = pool.acquire();
+    const plain2 = pool.acquire();
+    expect(pool.queued).toBe(12);
+    await expect(pool.acquire()).rejects.toMatchObject({
+      name: QUEUE_FULL_ERROR,
+      message: 'all 1 slots are busy and 2 requests are queued (and 10 ahead of them)',
+    });
+    for (let i = 0; i < 12; i++) {
+      pool.release(0);
+      await new Promise((r) => setImmediate(r));
+    }
+    for (const p of [...ahead, plain1, plain2]) expect(await settled(p)).toEqual({ value: 0 });
+  });
+
   test('requests that go first with a deadline stand among the rest by it: the earliest deadline first, the urgent still ahead, and without deadlines as before', async () => {
     const pool = new SlotPool(1, 3);
     await pool.acquire();

@@ -18,7 +18,9 @@
  * one released — whichever it is — and not only when that answer ends (faults come again before
  * a resumed answer ends). A waiter that goes *first* (a request handed back by
  * another instance with nothing said: it waited its turn in that one's queue) goes after the
- * urgent and is not turned away either (its bridge sends at most its slots of them at once). With
+ * urgent and is not turned away either (its bridge sends at most 64 of them at once: all it has, to
+ * be ordered here, dataplane/consumers.ts `REQUEUED_AT_ONCE`); neither they nor the urgent count
+ * towards the queue bound, which turns away only the rest. With
  * a `due` (its client's deadline), it goes before the waiters due later and after those due
  * sooner — the earliest deadline first, so requests handed back from drained instances, which
  * keep coming while faults do, no longer starve an instance's own queue past its clients'
@@ -89,7 +91,7 @@ export class SlotPool {
 
   /**
    * @param size number of slots (Infinity: never queue)
-   * @param maxQueue how many requests may wait for a slot (0: none)
+   * @param maxQueue how many requests that are neither urgent nor first may wait for a slot (0: none)
    * @param maxSkips how often the first waiter may be passed over for one that owns a released slot's cache
    * @param reserved slots beside `size` kept for urgent requests (the class comment)
    */
@@ -133,8 +135,16 @@ export class SlotPool {
         return Promise.resolve(slot);
       }
     }
-    if (rank === RANK.other && this.waiters.length >= this.maxQueue) {
-      return Promise.reject(new QueueFullError(`all ${this.size} slots are busy and ${this.waiters.length} requests are queued`));
+    // Only the requests it may refuse count towards the bound: a drain's worth of requests handed
+    // back (64 at once from a bridge) must not turn the instance's own queue away.
+    if (rank === RANK.other) {
+      const refusable = this.waiters.reduce((n, w) => n + (w.rank === RANK.other ? 1 : 0), 0);
+      if (refusable >= this.maxQueue) {
+        const ahead = this.waiters.length - refusable;
+        return Promise.reject(
+          new QueueFullError(`all ${this.size} slots are busy and ${refusable} requests are queued${ahead > 0 ? ` (and ${ahead} ahead of them)` : ''}`),
+        );
+      }
     }
     return new Promise<number>((resolve, reject) => {
       const due = opts.due !== undefined && Number.isFinite(opts.due) ? opts.due : undefined;
