@@ -79,28 +79,15 @@ export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataP
 const LANE_DESCRIPTIONS: Record<Lane, string> = { moved: 'answers moved to', requeued: 'requests handed back to' };
 
 /**
- * How many of the requests handed back to an instance (its `requeued` lane) its bridge may hold
- * at once, however few its slots: an engine that orders its waiting requests by their clients'
- * deadlines (shared/engines.ts `ordersByDeadline`) is handed all of them, where the lane is first
- * come, first served. A request handed back again (a drain, a roll, one after the other) otherwise
- * went behind every one handed back before it, each time: under bench:chaos one that had moved
- * three times before its first token waited 532 s, past its 5-minute deadline, where its
- * undisturbed peers waited ~100 s. Its bridge's calls wait in its engine's queue, not in the
- * stream; a drain hands back what it holds as it does what is still queued.
- */
-export const REQUEUED_AT_ONCE = 64;
-
-/**
  * The consumer of one of an instance's lanes (names.ts `LANES`), shaped like its request consumer
- * `like`: as many at once as its slots (the `requeued` lane: at least {@link REQUEUED_AT_ONCE}),
- * the same ack wait and deliveries.
+ * `like`: as many at once as its slots, the same ack wait and deliveries.
  */
 export function laneConsumerConfig(names: DataPlaneNames, pool: string, instance: string, lane: Lane, like: Partial<ConsumerConfig>): ConsumerConfig {
   return {
     description: `${LANE_DESCRIPTIONS[lane]} ${pool}/${instance}`,
     durable_name: laneConsumerNameOf(pool, instance, lane),
     filter_subject: laneSubjectOf(names, pool, instance, lane),
-    max_ack_pending: lane === 'requeued' ? Math.max(like.max_ack_pending ?? 1, REQUEUED_AT_ONCE) : (like.max_ack_pending ?? 1),
+    max_ack_pending: like.max_ack_pending ?? 1,
     ack_wait: like.ack_wait ?? nanos(30_000),
     max_deliver: like.max_deliver ?? 5,
     ack_policy: AckPolicy.Explicit,

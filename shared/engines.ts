@@ -33,13 +33,6 @@ export interface EngineDeclaration {
    * otherwise a later attempt generates it again with the pinned seed and checks it against them.
    */
   continues: boolean;
-  /**
-   * Whether it orders the requests waiting for a slot by their clients' deadlines (`x-magus-due`,
-   * shared/continuation.ts `DUE_HEADER`; engine/slots.ts): its bridge then hands it every request
-   * handed back to its instance at once (dataplane/consumers.ts `REQUEUED_AT_ONCE`), for it to
-   * order, rather than as many as it has slots in the order they were handed back.
-   */
-  ordersByDeadline: boolean;
 }
 
 /** The engines, by kind (the kind is what the `Dllama` resource, the bridge and `/v1/models` say). */
@@ -53,7 +46,6 @@ export const ENGINES = {
     concurrency: 'slots',
     topology: 'single',
     continues: true,
-    ordersByDeadline: true,
   },
   /** distributed-llama's `dllama-api` root and `dllama worker`s: its `.m` + `.t` artifacts, plain chat. */
   dllama: {
@@ -64,7 +56,6 @@ export const ENGINES = {
     concurrency: 'one',
     topology: 'distributed',
     continues: false,
-    ordersByDeadline: false,
   },
 } as const satisfies Record<string, EngineDeclaration>;
 

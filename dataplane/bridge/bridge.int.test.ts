@@ -23,8 +23,7 @@ import {
 } from '../../shared/serving';
 import { bridgeCredentialsText, bridgePermissions, natsAuthOptions, parseCredentialsFile, readNatsSigner } from '../roles';
 import { claimKeyOf, endClaim, openRequestClaims } from '../claims';
-import { ensureInstanceConsumer, REQUEUED_AT_ONCE, type InstanceConsumerOptions } from '../consumers';
-import type { EngineKind } from '../../shared/engines';
+import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
 import { encodeJson } from '../json';
 import {
@@ -1317,33 +1316,6 @@ describe("an instance's lanes", () => {
     const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
     expect(lane.config.filter_subject).toBe(laneSubjectOf(names, POOL, instance, 'requeued'));
     expect(lane.num_pending + lane.num_ack_pending).toBe(0);
-  });
-});
-
-describe('requests handed back to an instance, many at once', () => {
-  /** The most calls its engine had at once, six requests handed back to an instance of one slot. */
-  const handedBack = async (engineKind: EngineKind): Promise<number> => {
-    const stub = await engine(() => ({ chunks: 2, delayMs: 1_000 }));
-    const instance = await instanceWith();
-    await bridge(instance, stub.url, { engineKind });
-    const answers = [];
-    for (let n = 0; n < 6; n += 1) {
-      const continues = { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } };
-      answers.push((await sent(instance, { messages: [{ role: 'user', content: `handed back ${n}` }] }, { continues })).answer);
-    }
-    for (const a of answers) expect((await a.finished).at(-1)).toMatchObject({ type: 'done' });
-    expect(stub.callHeaders.every((h) => h[REQUEUED_HEADER] === '1' && Number(h[DUE_HEADER]) > Date.now())).toBe(true);
-    return stub.maxActive;
-  };
-
-  it('an engine that orders what waits by deadline is handed all of them at once, however few its slots (it puts the oldest first: engine/slots.ts)', async () => {
-    expect(await handedBack('llamacpp')).toBe(6);
-    const instance = await instanceWith();
-    expect((await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'))).config.max_ack_pending).toBe(REQUEUED_AT_ONCE);
-  });
-
-  it('one that does not (distributed-llama) is handed as many at once as its slots, in the order they came', async () => {
-    expect(await handedBack('dllama')).toBe(1);
   });
 });
 

@@ -1,7 +1,7 @@
 /**
  * The bridge: the sidecar next to an engine (`magus bridge`, workers/bridge.ts) and, in process,
  * the local runtime's. It pulls requests for one topology instance from JetStream (at most
- * `slots` at a time, more of those handed back to it), calls the engine's OpenAI API (node:http, keep-alive: engine-client.ts)
+ * `slots` at a time), calls the engine's OpenAI API (node:http, keep-alive: engine-client.ts)
  * and streams numbered {@link ResponseFrame}s back to the request's `replyTo` with core NATS,
  * each acknowledged by the response stream that stores it and published again until it is
  * (stored-frames.ts); a request is acked only once all of its frames are stored.
@@ -150,8 +150,7 @@ const QUEUE_READ_WAIT_MS = 100;
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
  * time from each: its requests, and its lanes — the answers moved to it, which the engine takes
- * first, and the requests handed back to it, which it takes next, all of them at once for an
- * engine that orders them by deadline) and
+ * first, and the requests handed back to it, which it takes next) and
  * serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the connection,
  * {@link Cancels} the gateways' cancels.
  */
@@ -234,30 +233,16 @@ export class Bridge {
     const jsm = await nc.jetstreamManager();
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
     const lanes: RequestConsumer[] = [];
-    // An engine that orders what waits is handed every request handed back here at once (consumers.ts `REQUEUED_AT_ONCE`).
-    const ordersByDeadline = engineOf(opts.engineKind ?? 'llamacpp').ordersByDeadline;
     for (const lane of LANES) {
-      const deep = lane === 'requeued' && ordersByDeadline;
-      const opened = await RequestConsumer.open({
-        nc,
-        js,
-        jsm,
-        names,
-        pool,
-        instance,
-        slots,
-        deep,
-        stats,
-        log,
-        failed,
-        lane: { lane, like: consumer.config },
-      }).catch((err: unknown) => {
-        // An instance whose NATS user was made before that lane may not pull it: its beats say
-        // so (no `requeued`), and gateways send what it would hold to its requests instead.
-        if (lane !== 'requeued') throw err;
-        log(`not pulling the requests handed back to this instance (${(err as Error).message}): gateways queue them with its requests`);
-        return null;
-      });
+      const opened = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed, lane: { lane, like: consumer.config } }).catch(
+        (err: unknown) => {
+          // An instance whose NATS user was made before that lane may not pull it: its beats say
+          // so (no `requeued`), and gateways send what it would hold to its requests instead.
+          if (lane !== 'requeued') throw err;
+          log(`not pulling the requests handed back to this instance (${(err as Error).message}): gateways queue them with its requests`);
+          return null;
+        },
+      );
       if (opened) lanes.push(opened);
     }
     const claims = await openRequestClaims(js, names, { pool, instance });
@@ -280,10 +265,10 @@ export class Bridge {
     this.failed = prepared.failed;
     this.consumer = consumer;
     this.lanes = lanes;
-    // A socket for every call its consumers may have at once (each pulls its `atOnce`: run()) and one
+    // A socket for every call its consumers may have at once (each pulls `slots`: run()) and one
     // for /health: with fewer, an answer moved here mid-way waited ~2 s under bench:chaos for a
     // socket held by requests queued in the engine, which it would have gone before.
-    this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: [consumer, ...lanes].reduce((n, c) => n + c.atOnce, 1) });
+    this.engine = opts.engineClient ?? createEngineClient(opts.engineUrl, { maxSockets: slots * (1 + lanes.length) + 1 });
     const requestTimeoutMs = opts.requestTimeoutMs ?? 10 * 60_000;
     const engineKind = opts.engineKind ?? 'llamacpp';
     const continues = engineOf(engineKind).continues;
@@ -480,7 +465,7 @@ export class Bridge {
   }
 
   private async pull(consumer: RequestConsumer): Promise<void> {
-    const semaphore = new Semaphore(consumer.atOnce);
+    const semaphore = new Semaphore(this.slots);
     try {
       for (let current = consumer.current; ; current = consumer.current) {
         for await (const m of current) {
