@@ -18,9 +18,8 @@
  * one released — whichever it is — and not only when that answer ends (faults come again before
  * a resumed answer ends). A waiter that goes *first* (a request handed back by
  * another instance with nothing said: it waited its turn in that one's queue) goes after the
- * urgent and is not turned away either (its bridge sends at most 64 of them at once: all it has, to
- * be ordered here, dataplane/consumers.ts `REQUEUED_AT_ONCE`); neither they nor the urgent count
- * towards the queue bound, which turns away only the rest. With
+ * urgent and is not turned away either (its bridge sends at most its slots of them at once); neither
+ * they nor the urgent count towards the queue bound, which turns away only the rest. With
  * a `due` (its client's deadline), it goes before the waiters due later and after those due
  * sooner — the earliest deadline first, so requests handed back from drained instances, which
  * keep coming while faults do, no longer starve an instance's own queue past its clients'
@@ -135,8 +134,8 @@ export class SlotPool {
         return Promise.resolve(slot);
       }
     }
-    // Only the requests it may refuse count towards the bound: a drain's worth of requests handed
-    // back (64 at once from a bridge) must not turn the instance's own queue away.
+    // Only the requests it may refuse count towards the bound: the requests handed back and the
+    // resumed answers waiting ahead of them must not turn the instance's own queue away.
     if (rank === RANK.other) {
       const refusable = this.waiters.reduce((n, w) => n + (w.rank === RANK.other ? 1 : 0), 0);
       if (refusable >= this.maxQueue) {
