@@ -379,7 +379,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
             turn.onChunk?.(chunk, seq);
           }
         : undefined,
-      retryPublish: sse && (() => sse.started),
+      committed: sse && (() => sse.started),
       onPublishRetry: () => {
         app.metrics.publishRetries.inc();
         sse?.waiting(`not queued yet at instance ${entry.instance} of ${modelLabel} (its request stream elects a leader, or NATS is away): trying again`);

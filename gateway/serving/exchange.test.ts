@@ -342,7 +342,7 @@ describe('exchange: a publish that fails', () => {
       gapTimeoutMs: 100,
       retryAfterSec: 3,
       signal: new AbortController().signal,
-      retryPublish: () => committedNow,
+      committed: () => committedNow,
       onPublishRetry: () => (retries += 1),
       onAbandon: () => (abandoned += 1),
     });

@@ -367,12 +367,12 @@ export interface ExchangeOptions {
    * committed is tried for {@link PUBLISH_RETRY_UNCOMMITTED_MS} before its 503. Tried with the same
    * `Nats-Msg-Id`, so a publish that was stored after all is stored once.
    */
-  retryPublish?: () => boolean;
+  committed?: () => boolean;
   /** Each `chunk` frame's data, in order (streaming), with its seq. */
   onChunk?: (data: unknown, seq: number) => void;
   /** An engine-side failure, for metrics (`timeout`, `frames_lost`, `engine_error`, `engine_rejected` (4xx), `publish_failed`). */
   onUpstreamError?: (reason: string) => void;
-  /** A failed publish about to be tried again ({@link ExchangeOptions.retryPublish}). */
+  /** A failed publish about to be tried again ({@link ExchangeOptions.committed}). */
   onPublishRetry?: () => void;
   /** What the exchange does about an answer that stalls (a gap read back, a move away from a silent bridge or as recorded elsewhere), for the log. */
   trace?: (what: string, fields: Record<string, unknown>) => void;
@@ -435,7 +435,7 @@ export const GAP_READ_BACKS = 9;
 export const FIRST_GAP_READ_MS = 300;
 
 /**
- * How long a committed response keeps trying to queue its request ({@link ExchangeOptions.retryPublish}),
+ * How long a committed response keeps trying to queue its request ({@link ExchangeOptions.committed}),
  * bounded also by the request's deadline: well inside the request stream's 5-minute duplicate
  * window, and longer than a cluster's election (5–10 s).
  */
@@ -650,7 +650,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
         failingSince ??= Date.now();
         const delay = PUBLISH_RETRY_DELAYS_MS[Math.min(attempt, PUBLISH_RETRY_DELAYS_MS.length - 1)]!;
         // A continuation's answer is under way: its publish is tried as a committed one's.
-        const committed = at.req !== req || opts.retryPublish?.() === true;
+        const committed = at.req !== req || opts.committed?.() === true;
         // Cut off from NATS, a replica not committed refuses at once: its client's retry may reach one that is not.
         const window = committed ? PUBLISH_RETRY_MS : (err as Error | null)?.message === NATS_UNREACHABLE ? 0 : PUBLISH_RETRY_UNCOMMITTED_MS;
         if (Date.now() + delay >= Math.min(at.req.deadline, failingSince + window)) return fail('publish_failed', errors.unavailable(opts.retryAfterSec), err);
