@@ -87,6 +87,8 @@ export async function followAnswer(
   onChunk: (chunk: unknown, seq: number) => void,
   asked?: AskedAgain,
   following?: (current: Moved) => void,
+  /** Told when each step of the way to its first frame is done (serveResume's timing line). */
+  mark?: (step: 'looked up' | 'read') => void,
 ): Promise<unknown> {
   const g = app.gateway;
   const s = g.settings;
@@ -104,13 +106,20 @@ export async function followAnswer(
   /** The subjects of request `id`'s frames on `pool`/`instance` (the first request's, or a continuation's). */
   const subjectsOf = (id: string, pool: string, instance: string) =>
     frameSubjectsOf({ id, replyTo: replySubjectOf(place.replica, id), instanceFrames: true }, instanceEntry(pool, instance));
+  // Where the answer left its first request, if it did, is looked up while that request's frames
+  // are read and followed (a herd of resumes on one replica waits one round trip less): they are
+  // held until it is known, then go to the exchange, which drops those after it (`leftAt`).
+  let firstMoveKnown = false;
+  const heldFirst: (() => void)[] = [];
+  const untilFirstMoveKnown = (id: string, onFrame: (frame: ResponseFrame) => void) =>
+    id !== place.requestId ? onFrame : (frame: ResponseFrame) => (firstMoveKnown ? onFrame(frame) : heldFirst.push(() => onFrame(frame)));
   // "Listening" follows a request's subjects, "publishing" hands over what is stored of it so far.
   let deliver: ((frame: ResponseFrame) => void) | undefined;
   const router: ResponseRouter = {
     replySubject: (id) => replySubjectOf(place.replica, id),
     listen: (id, onFrame, from) => {
-      deliver = onFrame;
-      return responses.follow!(from ? subjectsOf(id, from.pool, from.instance) : published.subjects, onFrame);
+      deliver = untilFirstMoveKnown(id, onFrame);
+      return responses.follow!(from ? subjectsOf(id, from.pool, from.instance) : published.subjects, deliver);
     },
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
@@ -118,6 +127,7 @@ export async function followAnswer(
   const readAll = async (r: Pick<InferenceRequest, 'id' | 'replyTo' | 'instanceFrames'>, e: SessionEntry): Promise<ResponseFrame[]> => {
     const started = Date.now();
     const frames = (await Promise.all(frameSubjectsOf(r, e).map(readStored))).flat();
+    mark?.('read');
     const took = Date.now() - started;
     if (took >= SLOW_READ_MS)
       app.log.info({ inferenceId: place.requestId, request: r.id, frames: frames.length, ms: took }, 'resumed stream: its stored frames read slowly');
@@ -139,11 +149,11 @@ export async function followAnswer(
     if (!to && g.moves && Date.now() - (lookedAt.get(n) ?? 0) >= 1000) void lookUp(n);
     return to;
   };
-  // Where the answer left its first request, if it did: known before any of that request's frames is relayed.
-  const lookingUp = Date.now();
-  await lookUp(1);
-  const lookUpMs = Date.now() - lookingUp;
-  if (lookUpMs >= SLOW_READ_MS) app.log.info({ inferenceId: place.requestId, ms: lookUpMs }, 'resumed stream: its first move looked up slowly');
+  void lookUp(1).then(() => {
+    mark?.('looked up');
+    firstMoveKnown = true;
+    for (const relay of heldFirst.splice(0)) relay();
+  });
   following?.({ session: published.entry, req });
   return exchange(published.entry, req, {
     router,
@@ -273,6 +283,10 @@ export async function followAnswer(
 
 /** A read of an answer's stored frames that takes this long is logged (a stream without a leader, e.g.). */
 const SLOW_READ_MS = 500;
+/** A resumed stream whose first event comes this long after its request arrived logs when each step was done. */
+const SLOW_FIRST_EVENT_MS = 1_000;
+/** Resumed streams this replica relays now. */
+let resumesUnderWay = 0;
 /** How long a resume looks for where a moved answer went (the replica moving it records that first). */
 const MOVE_LOOKUP_MS = 3_000;
 /** How often a resume looks the move up meanwhile. */
@@ -295,9 +309,18 @@ export async function serveResume(
   asked: AskedAgain,
 ): Promise<FastifyReply> {
   const s = app.gateway.settings;
-  // From its arrival: authenticated, its model found, its Last-Event-ID checked (a replica that ~100
-  // clients of a killed one come back to at once works through them).
-  if (reply.elapsedTime >= SLOW_READ_MS) app.log.info({ inferenceId: point.requestId, ms: Math.round(reply.elapsedTime) }, 'resumed stream: reached slowly');
+  // When each step to the first event was done, in ms from the request's arrival (a replica that
+  // ~100 clients of a killed one come back to at once works through them): logged when that first
+  // event took SLOW_FIRST_EVENT_MS or more, with how many other resumes were under way here.
+  const alongside = resumesUnderWay++;
+  const marks: Record<string, number> = { routed: Math.round(reply.elapsedTime) };
+  const mark = (step: string) => (marks[step] ??= Math.round(reply.elapsedTime));
+  let told = false;
+  const tell = (what: string) => {
+    if (told || reply.elapsedTime < SLOW_FIRST_EVENT_MS) return;
+    told = true;
+    app.log.info({ inferenceId: point.requestId, arrivedAt: Date.now() - Math.round(reply.elapsedTime), alongside, ...marks }, what);
+  };
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
   // Recorded (not waited for): the replica its client left does not cancel it at the end of its
@@ -316,10 +339,16 @@ export async function serveResume(
       point,
       ctl.signal,
       (chunk, seq) => {
-        if (seq > point.seq) onChunk(chunk, seq);
+        if (seq <= point.seq) return;
+        if (marks['first event'] === undefined) {
+          mark('first event');
+          tell('resumed stream: its first event came slowly');
+        }
+        onChunk(chunk, seq);
       },
       asked,
       (to) => (current = to),
+      mark,
     );
     sse.done();
   } catch (err) {
@@ -335,6 +364,11 @@ export async function serveResume(
     if (!sse.started) throw err;
     sse.fail(toGatewayError(err, s.retryAfterSec), point.requestId);
   } finally {
+    resumesUnderWay--;
+    if (marks['first event'] === undefined) {
+      mark('ended');
+      tell('resumed stream: ended slowly before a first event');
+    }
     sse.stop();
     reply.raw.removeListener('close', onClose);
   }

@@ -558,7 +558,9 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       // Its bridge could not know what this gateway relayed (the frames stored of the answer were
       // gone): it ends, or is handed back, after what was.
       const frame = sent.type === 'error' && sent.afterRelayed === true ? { ...sent, seq: sequencer.expected } : sent;
-      if (leftAt !== undefined && frame.seq >= leftAt) return; // after the answer left it: not the answer's
+      // After the answer left it (a recorded move says where, asked as each frame comes): not the answer's.
+      leftAt ??= opts.leftAt?.(current);
+      if (leftAt !== undefined && frame.seq >= leftAt) return;
       for (const f of sequencer.push(frame)) {
         if (finished) return;
         if (f.type === 'part') {
