@@ -45,7 +45,8 @@
  * refused 429 and retried by the client after its `Retry-After`, counted apart. A bound here also
  * moves warm turns off long queues, which asks Temporal, and this bench runs none).
  * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader, roll)
- * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
+ * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase; with
+ * `CHAOS_VERBOSE`, `CHAOS_SILENCE_SHOWN_MS` (default 2000) is the silence over which a client's is logged with its reconnects. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
  * alone before the phases), pieces more or fewer than the reference's (repeated or missing
  * tokens), the longest silence a client saw between two pieces of an answer (p99 and max over
@@ -139,6 +140,9 @@ const firstMoves = new Map<string, number>();
 const MOVED = /continued elsewhere|continuing it elsewhere/;
 /** A gateway's log lines shown with CHAOS_VERBOSE besides warnings: moves, and frames read back after a reconnect. */
 const SHOWN = /continued elsewhere|continuing it elsewhere|stored while NATS was unreachable|resumed stream|exchange: /;
+
+/** Verbose: silences longer than this (ms, `CHAOS_SILENCE_SHOWN_MS`; default the 2-s target) are logged with their reconnects. */
+const SILENCE_SHOWN_MS = Number(process.env.CHAOS_SILENCE_SHOWN_MS ?? 2_000);
 
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
@@ -268,7 +272,7 @@ function gapsByFault(answers: Answer[]): Map<string, number> {
       const gap = a.times[i]! - a.times[i - 1]!;
       const cause = faults.find((f) => f.end > a.times[i - 1]! - 2_000 && f.at < a.times[i]!);
       const kind = cause?.kind ?? 'none';
-      if (gap > 2_000 && process.env.CHAOS_VERBOSE)
+      if (gap > SILENCE_SHOWN_MS && process.env.CHAOS_VERBOSE)
         log(
           `silence of ${fmt(gap / 1000)} s from ${new Date(a.times[i - 1]!).toISOString().slice(11, 23)} (${a.id}, ${a.reconnects} reconnects): after ${cause?.what ?? 'no fault'}${resumesIn(a, a.times[i - 1]!, a.times[i]!)}`,
         );

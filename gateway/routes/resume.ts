@@ -110,16 +110,23 @@ export async function followAnswer(
   // are read and followed (a herd of resumes on one replica waits one round trip less): they are
   // held until it is known, then go to the exchange, which drops those after it (`leftAt`).
   let firstMoveKnown = false;
-  const heldFirst: (() => void)[] = [];
+  const heldFirst: ResponseFrame[] = [];
   const untilFirstMoveKnown = (id: string, onFrame: (frame: ResponseFrame) => void) =>
-    id !== place.requestId ? onFrame : (frame: ResponseFrame) => (firstMoveKnown ? onFrame(frame) : heldFirst.push(() => onFrame(frame)));
-  // "Listening" follows a request's subjects, "publishing" hands over what is stored of it so far.
-  let deliver: ((frame: ResponseFrame) => void) | undefined;
+    id !== place.requestId ? onFrame : (frame: ResponseFrame) => (firstMoveKnown ? onFrame(frame) : heldFirst.push(frame));
+  // "Listening" follows a request's subjects, "publishing" hands over what is stored of it so far —
+  // to that request's listener, while it listens: a read that ends after the answer moved on
+  // (the move known meanwhile, or handed back live) is not the next request's.
+  const listeners = new Map<string, (frame: ResponseFrame) => void>();
   const router: ResponseRouter = {
     replySubject: (id) => replySubjectOf(place.replica, id),
     listen: (id, onFrame, from) => {
-      deliver = untilFirstMoveKnown(id, onFrame);
-      return responses.follow!(from ? subjectsOf(id, from.pool, from.instance) : published.subjects, deliver);
+      const deliver = untilFirstMoveKnown(id, onFrame);
+      listeners.set(id, deliver);
+      const unfollow = responses.follow!(from ? subjectsOf(id, from.pool, from.instance) : published.subjects, deliver);
+      return () => {
+        if (listeners.get(id) === deliver) listeners.delete(id);
+        unfollow();
+      };
     },
     recover: () => Promise.resolve(0),
     close: () => Promise.resolve(),
@@ -152,14 +159,16 @@ export async function followAnswer(
   void lookUp(1).then(() => {
     mark?.('looked up');
     firstMoveKnown = true;
-    for (const relay of heldFirst.splice(0)) relay();
+    // To the first request's listener if the exchange still listens to it (it may have moved on meanwhile).
+    const deliver = listeners.get(place.requestId);
+    for (const frame of heldFirst.splice(0)) deliver?.(frame);
   });
   following?.({ session: published.entry, req });
   return exchange(published.entry, req, {
     router,
     publish: async (subject, r, e) => {
       if (claimed.has(r.id)) return g.publish(subject, r, e);
-      for (const f of await readAll(r, e)) deliver?.(f);
+      for (const f of await readAll(r, e)) listeners.get(r.id)?.(f);
     },
     readBack: readAll,
     requestTimeoutMs: s.requestTimeoutMs,
