@@ -324,10 +324,9 @@ export async function serveResume(
   const alongside = resumesUnderWay++;
   const marks: Record<string, number> = { routed: Math.round(reply.elapsedTime) };
   const mark = (step: string) => (marks[step] ??= Math.round(reply.elapsedTime));
-  let told = false;
+  // Told once: at its first event, or at its end when none came.
   const tell = (what: string) => {
-    if (told || reply.elapsedTime < SLOW_FIRST_EVENT_MS) return;
-    told = true;
+    if (reply.elapsedTime < SLOW_FIRST_EVENT_MS) return;
     app.log.info({ inferenceId: point.requestId, arrivedAt: Date.now() - Math.round(reply.elapsedTime), alongside, ...marks }, what);
   };
   reply.header('x-request-id', point.requestId);

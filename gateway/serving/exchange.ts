@@ -545,13 +545,15 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
     let parts = new FrameParts();
     /** Where the answer left the current request, once known ({@link ExchangeOptions.leftAt}). */
     let leftAt: number | undefined;
+    /** {@link leftAt}, asked of `opts.leftAt` until it is known. */
+    const knownLeftAt = (): number | undefined => (leftAt ??= opts.leftAt?.(current));
     /** Moves the answer on once it is known to have left the current request and every frame before that was relayed. */
     const leaveIfLeft = (): boolean => {
       if (finished || moving) return false;
-      leftAt ??= opts.leftAt?.(current);
-      if (leftAt === undefined || sequencer.expected < leftAt) return false;
-      opts.trace?.('exchange: left the request where a move recorded elsewhere says', { request: current.req.id, at: leftAt });
-      moveOn(leftAt);
+      const at = knownLeftAt();
+      if (at === undefined || sequencer.expected < at) return false;
+      opts.trace?.('exchange: left the request where a move recorded elsewhere says', { request: current.req.id, at });
+      moveOn(at);
       return true;
     };
     const deliver = (sent: ResponseFrame) => {
@@ -559,8 +561,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       // gone): it ends, or is handed back, after what was.
       const frame = sent.type === 'error' && sent.afterRelayed === true ? { ...sent, seq: sequencer.expected } : sent;
       // After the answer left it (a recorded move says where, asked as each frame comes): not the answer's.
-      leftAt ??= opts.leftAt?.(current);
-      if (leftAt !== undefined && frame.seq >= leftAt) return;
+      const at = knownLeftAt();
+      if (at !== undefined && frame.seq >= at) return;
       for (const f of sequencer.push(frame)) {
         if (finished) return;
         if (f.type === 'part') {
