@@ -327,7 +327,7 @@ export async function serveResume(
   // Told once: at its first event, or at its end when none came.
   const tell = (what: string) => {
     if (reply.elapsedTime < SLOW_FIRST_EVENT_MS) return;
-    app.log.info({ inferenceId: point.requestId, arrivedAt: Date.now() - Math.round(reply.elapsedTime), alongside, ...marks }, what);
+    app.log.info({ inferenceId: point.requestId, after: point.seq, arrivedAt: Date.now() - Math.round(reply.elapsedTime), alongside, ...marks }, what);
   };
   reply.header('x-request-id', point.requestId);
   sse.resumable(point.idPrefix, point.seq);
