@@ -11,7 +11,7 @@ const run = (...args: string[]) => spawnSync(process.execPath, [bin, ...args], {
 test('help lists every mode', () => {
   const r = run('--help');
   expect(r.status).toBe(0);
-  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model', 'keys', 'usage'])
+  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys', 'usage', 'nats-auth'])
     expect(r.stdout).toMatch(new RegExp(`^  ${mode} `, 'm'));
 });
 
@@ -65,11 +65,21 @@ describe('convert', () => {
 });
 
 test('every mode answers --help with its usage and exit 0, starting nothing', () => {
-  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'convert', 'model', 'keys', 'usage']) {
+  for (const mode of ['dev', 'worker', 'controller', 'gateway', 'bridge', 'engine', 'fetch', 'convert', 'model', 'keys', 'usage', 'nats-auth']) {
     // A mode that started its servers would not exit: spawnSync's timeout kills it, status null.
     const r = run(mode, '--help');
     expect([mode, r.status, r.stdout.startsWith(`usage: magus ${mode}`)]).toEqual([mode, 0, true]);
   }
+});
+
+test('dev --help names every option magus --help gives it', () => {
+  const summary = run('--help')
+    .stdout.split('\n')
+    .find((l) => l.startsWith('magus dev ['));
+  const options = summary?.match(/--[a-z-]+/g) ?? [];
+  expect(options).toContain('--demo');
+  const help = run('dev', '--help').stdout;
+  expect(options.filter((o) => !help.includes(o))).toEqual([]);
 });
 
 test('controller: --help prints usage and exits 0; without a cluster it says so and exits 1', () => {

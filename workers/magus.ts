@@ -336,11 +336,13 @@ function workerCommand(stop: AbortSignal): Promise<number> {
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   dev: () =>
     [
-      'usage: magus dev [--model org/repo] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+      'usage: magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
       '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers, with throwaway data)',
       '',
       DESCRIPTIONS.dev,
       '  --model org/repo   pull this Hugging Face repo instead of the offline demo model (needs internet)',
+      '  --demo NAME        the offline demo model: smollm2 (SmolLM2-135M-Instruct, the default) or tiny (a tiny',
+      '                     random Llama: instant, gibberish)',
       `  --engine KIND      the engine instances run (one of ${ENGINE_KINDS.join(', ')}; as MAGUS_ENGINES; default: the first`,
       '                     that can serve the model). With dllama the demo is stories260K (FFN padded to 192),',
       "                     served by distributed-llama's real dllama-api root and dllama workers (built once, ~20 s)",
