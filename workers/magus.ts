@@ -72,6 +72,10 @@ const DESCRIPTIONS: Record<Mode, string> = {
   'nats-auth': 'NATS users per role (gateway, controller, worker; a bridge per instance): credentials files, the signer and the server configuration',
 };
 
+/** `magus dev`'s options, in `magus --help` and `magus dev --help` alike. */
+const DEV_SYNOPSIS =
+  'magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]';
+
 export const EXIT_NOT_AVAILABLE = 2;
 
 function usage(): string {
@@ -82,7 +86,7 @@ function usage(): string {
     'modes:',
     ...MODES.map((m) => `  ${m.padEnd(width)}  ${DESCRIPTIONS[m]}`),
     '',
-    'magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+    DEV_SYNOPSIS,
     'magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers)',
     'magus convert <hf-dir> --format gguf|dllama --weights q40|q80|f16|f32 [-o out] [--threads N]',
     'magus model pull <org/repo>[@revision] --format gguf:q40[,dllama:q40] [--hub URL] [--token-env VAR]',
@@ -336,7 +340,7 @@ function workerCommand(stop: AbortSignal): Promise<number> {
 const MODE_USAGE: Partial<Record<Mode, () => string>> = {
   dev: () =>
     [
-      'usage: magus dev [--model org/repo | --demo smollm2|tiny] [--engine KIND [--nodes N]] [--port 8080] [--token-env HF_TOKEN] [--no-kube] [--data-dir DIR] [--fresh]',
+      `usage: ${DEV_SYNOPSIS}`,
       '       magus dev --services temporal,nats,s3,kubernetes [--json]   (only the servers, with throwaway data)',
       '',
       DESCRIPTIONS.dev,
