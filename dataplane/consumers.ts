@@ -79,15 +79,23 @@ export async function ensureInstanceConsumer(jsm: JetStreamManager, names: DataP
 const LANE_DESCRIPTIONS: Record<Lane, string> = { moved: 'answers moved to', requeued: 'requests handed back to' };
 
 /**
+ * How many of the requests handed back to an instance (its `requeued` lane) its bridge holds at
+ * once, however few its slots: it hands them to its engine earliest deadline first, as many at
+ * once as its slots (bridge/held.ts).
+ */
+export const REQUEUED_HELD = 64;
+
+/**
  * The consumer of one of an instance's lanes (names.ts `LANES`), shaped like its request consumer
- * `like`: as many at once as its slots, the same ack wait and deliveries.
+ * `like`: as many at once as its slots (the `requeued` lane: at least {@link REQUEUED_HELD}),
+ * the same ack wait and deliveries.
  */
 export function laneConsumerConfig(names: DataPlaneNames, pool: string, instance: string, lane: Lane, like: Partial<ConsumerConfig>): ConsumerConfig {
   return {
     description: `${LANE_DESCRIPTIONS[lane]} ${pool}/${instance}`,
     durable_name: laneConsumerNameOf(pool, instance, lane),
     filter_subject: laneSubjectOf(names, pool, instance, lane),
-    max_ack_pending: like.max_ack_pending ?? 1,
+    max_ack_pending: lane === 'requeued' ? Math.max(like.max_ack_pending ?? 1, REQUEUED_HELD) : (like.max_ack_pending ?? 1),
     ack_wait: like.ack_wait ?? nanos(30_000),
     max_deliver: like.max_deliver ?? 5,
     ack_policy: AckPolicy.Explicit,

@@ -23,7 +23,7 @@ import {
 } from '../../shared/serving';
 import { bridgeCredentialsText, bridgePermissions, natsAuthOptions, parseCredentialsFile, readNatsSigner } from '../roles';
 import { claimKeyOf, endClaim, openRequestClaims } from '../claims';
-import { ensureInstanceConsumer, type InstanceConsumerOptions } from '../consumers';
+import { ensureInstanceConsumer, REQUEUED_HELD, type InstanceConsumerOptions } from '../consumers';
 import { ensureDataPlane } from '../declare';
 import { encodeJson } from '../json';
 import {
@@ -1316,6 +1316,73 @@ describe("an instance's lanes", () => {
     const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
     expect(lane.config.filter_subject).toBe(laneSubjectOf(names, POOL, instance, 'requeued'));
     expect(lane.num_pending + lane.num_ack_pending).toBe(0);
+  });
+
+  /** A request handed back to `instance` with nothing said, due `inMs` from now. */
+  const handedBack = (instance: string, text: string, inMs: number) =>
+    sent(
+      instance,
+      { messages: [{ role: 'user', content: text }] },
+      { deadline: Date.now() + inMs, continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } } },
+    );
+
+  it('the requests handed back are served earliest deadline first, as many at once as its slots, not in the order handed back', async () => {
+    // The two in flight outlast the five handed back meanwhile.
+    const stub = await engine((_, body) =>
+      body.messages[0]!.content === 'first' || body.messages[0]!.content === 'second' ? { chunks: 20, delayMs: 150 } : { chunks: 3, delayMs: 50 },
+    );
+    const instance = await instanceWith({ slots: 2 });
+    const b = await bridge(instance, stub.url, { slots: 2 });
+    // The lane's slots (its own, beside its requests'), taken.
+    const first = [await handedBack(instance, 'first', 60_000), await handedBack(instance, 'second', 60_000)];
+    await until('both in flight', () => first.every(({ answer }) => answer.raw.length >= 1));
+    // Handed back meanwhile, the youngest first (a request handed back again is older than those before it).
+    const back = [];
+    for (const [text, inMs] of [
+      ['due in 60 s', 60_000],
+      ['due in 20 s', 20_000],
+      ['due in 50 s', 50_000],
+      ['due in 10 s', 10_000],
+      ['due in 30 s', 30_000],
+    ] as const)
+      back.push(await handedBack(instance, text, inMs));
+    for (const { answer } of [...first, ...back]) expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
+    const order = stub.calls.map((c) => c.messages[0]!.content);
+    expect(order.slice(2)).toEqual(['due in 10 s', 'due in 20 s', 'due in 30 s', 'due in 50 s', 'due in 60 s']);
+    // The engine never had more than its slots of them: the lane's consumer held the rest.
+    expect(stub.maxActive).toBe(2);
+    expect(stub.callHeaders.every((h) => h[REQUEUED_HEADER] === '1')).toBe(true);
+    await until('all acked', () => b.stats.acked === 7);
+    expect(b.stats.nakked).toBe(0);
+    const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
+    expect(lane.config.max_ack_pending).toBe(REQUEUED_HELD);
+    expect(lane.num_pending + lane.num_ack_pending).toBe(0);
+  });
+
+  it('those held are kept from redelivery while they wait, and handed back past the drain deadline like those still queued', async () => {
+    const stub = await engine(() => ({ chunks: 80, delayMs: 100 }));
+    const instance = await instanceWith({ ackWaitMs: 1_500 });
+    const b = await bridge(instance, stub.url, { drainTimeoutMs: 4_500 });
+    // The lane's slot taken, on an engine whose frames say no tokens: it cannot be continued elsewhere.
+    const { answer: inFlight } = await handedBack(instance, 'in flight', 60_000);
+    await until('in flight', () => inFlight.raw.length >= 1);
+    const held = [await handedBack(instance, 'held 1', 60_000), await handedBack(instance, 'held 2', 30_000)];
+    const lane = () => jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
+    await until('both held', async () => (await lane()).num_ack_pending === 3);
+    // Three ack waits pass while they are held, before the drain deadline: neither is delivered again.
+    await b.stop();
+    expect(b.stats.redelivered).toBe(0);
+    for (const { answer } of held) {
+      const frames = await answer.finished;
+      expect(frames).toHaveLength(1);
+      expect(frames[0]).toMatchObject({ seq: 0, type: 'error', error: { code: CONTINUE_ELSEWHERE } });
+    }
+    // The one in flight outlasted the deadline too: back to its consumer, for the bridge of the instance that comes back.
+    expect(stub.calls).toHaveLength(1);
+    expect(b.stats).toMatchObject({ handedBack: 2, nakked: 1, acked: 0 });
+    // Of the three, the lane keeps only the one in flight, nak'd, for the instance's next bridge.
+    const left = await lane();
+    expect(left.num_ack_pending + left.num_pending).toBe(1);
   });
 });
 

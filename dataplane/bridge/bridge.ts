@@ -38,6 +38,7 @@ import { handBackQueued, serveDelivery, type DeliveryContext } from './delivery'
 import { createEngineClient, type EngineClient } from './engine-client';
 import { errorFrame } from './error-frames';
 import { generate, LostAnswers, movable } from './generate';
+import { HeldRequests } from './held';
 import { processUsage, type BridgeHealth, type BridgeStats } from './metrics';
 import { storedFramePublisher, type StoredFramePublisher } from './stored-frames';
 
@@ -150,7 +151,8 @@ const QUEUE_READ_WAIT_MS = 100;
 /**
  * One instance's bridge: pulls deliveries from its {@link RequestConsumer}s (at most `slots` at a
  * time from each: its requests, and its lanes — the answers moved to it, which the engine takes
- * first, and the requests handed back to it, which it takes next) and
+ * first, and the requests handed back to it, which it takes next, earliest deadline first of up to
+ * the lane consumer's `max_ack_pending` it holds: held.ts) and
  * serves each (delivery.ts) by an {@link Attempt}; {@link LiveAttempts} follows the connection,
  * {@link Cancels} the gateways' cancels.
  */
@@ -196,6 +198,10 @@ export class Bridge {
   private reading: Promise<void> | undefined;
   /** How long the recent deliveries took to serve. */
   private readonly service = new ServiceTimes();
+  /** The requests handed back to it, held until a slot is free (held.ts); none before its lane is pulled. */
+  private held: HeldRequests | undefined;
+  /** Hands the held requests on as far as slots and state allow (set while its lane is pulled). */
+  private pumpHeld: () => void = () => undefined;
 
   /** Starts pulling and serving requests of one instance; the consumer must exist (ensureInstanceConsumer). */
   static async start(opts: BridgeOptions): Promise<Bridge> {
@@ -234,15 +240,28 @@ export class Bridge {
     const consumer = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed });
     const lanes: RequestConsumer[] = [];
     for (const lane of LANES) {
-      const opened = await RequestConsumer.open({ nc, js, jsm, names, pool, instance, slots, stats, log, failed, lane: { lane, like: consumer.config } }).catch(
-        (err: unknown) => {
-          // An instance whose NATS user was made before that lane may not pull it: its beats say
-          // so (no `requeued`), and gateways send what it would hold to its requests instead.
-          if (lane !== 'requeued') throw err;
-          log(`not pulling the requests handed back to this instance (${(err as Error).message}): gateways queue them with its requests`);
-          return null;
-        },
-      );
+      // The requests handed back are held and served earliest deadline first (held.ts).
+      const holds = lane === 'requeued';
+      const opened = await RequestConsumer.open({
+        nc,
+        js,
+        jsm,
+        names,
+        pool,
+        instance,
+        slots,
+        holds,
+        stats,
+        log,
+        failed,
+        lane: { lane, like: consumer.config },
+      }).catch((err: unknown) => {
+        // An instance whose NATS user was made before that lane may not pull it: its beats say
+        // so (no `requeued`), and gateways send what it would hold to its requests instead.
+        if (lane !== 'requeued') throw err;
+        log(`not pulling the requests handed back to this instance (${(err as Error).message}): gateways queue them with its requests`);
+        return null;
+      });
       if (opened) lanes.push(opened);
     }
     const claims = await openRequestClaims(js, names, { pool, instance });
@@ -424,6 +443,8 @@ export class Bridge {
     this.handingBack = true;
     // Those it can hand back now; any other runs on, holding its slot (the consumer's max_ack_pending), until it ends or the hand-back does.
     this.attempts.abortWhere('shutdown', (a) => movable(a, this.continues, true));
+    // Then every request it holds (after: their hand-backs are attempts of their own, not to be aborted).
+    this.pumpHeld();
     await this.whileQueued(Date.now() + HAND_BACK_MS);
   }
 
@@ -442,10 +463,10 @@ export class Bridge {
     }
   }
 
-  /** Requests and its lanes' not delivered yet (null: that cannot be read now). */
+  /** Requests and its lanes' not delivered yet, and those it holds (null: that cannot be read now). */
   private async undelivered(): Promise<number | null> {
     const [requests = null, ...lanes] = await Promise.all([this.consumer, ...this.lanes].map((c) => c.undelivered()));
-    return requests === null ? null : lanes.reduce<number>((sum, n) => sum + (n ?? 0), requests);
+    return requests === null ? null : lanes.reduce<number>((sum, n) => sum + (n ?? 0), requests + (this.held?.size ?? 0));
   }
 
   /** Serves what the consumers deliver until the bridge stops or the connection closes. */
@@ -461,37 +482,62 @@ export class Bridge {
     });
     // The lanes beside the slots' requests: the engine puts a resumed answer before its queue, and a
     // request handed back after those (generate.ts sends it with REQUEUED_HEADER).
-    this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => this.pull(c))).then(() => undefined);
+    this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => (c.lane === 'requeued' ? this.pullHeld(c) : this.pull(c)))).then(() => undefined);
   }
 
+  /** Serves what `consumer` delivers, in the order delivered, `slots` at a time. */
   private async pull(consumer: RequestConsumer): Promise<void> {
     const semaphore = new Semaphore(this.slots);
+    await this.pullEach(consumer, async (m) => {
+      await semaphore.acquire();
+      this.dispatch(m, () => semaphore.release());
+    });
+  }
+
+  /**
+   * Holds what `consumer` delivers (up to its `max_ack_pending`) and serves it earliest deadline
+   * first, `slots` at a time (held.ts). Stopping, it holds them until it hands them back (past
+   * the drain deadline) or stops; what it still holds then goes back to the consumer.
+   */
+  private async pullHeld(consumer: RequestConsumer): Promise<void> {
+    const held = new HeldRequests(this.delivery.workingEveryMs);
+    this.held = held;
+    let free = this.slots;
+    this.pumpHeld = () => {
+      for (;;) {
+        if (this.handingBack) {
+          for (const m of held.takeAll()) this.dispatch(m, () => undefined);
+          return;
+        }
+        if (this.stopping || free === 0) return;
+        const m = held.next();
+        if (!m) return;
+        free -= 1;
+        this.dispatch(m, () => {
+          free += 1;
+          this.pumpHeld();
+        });
+      }
+    };
+    try {
+      await this.pullEach(consumer, (m) => {
+        held.hold(m);
+        this.pumpHeld();
+      });
+    } finally {
+      held.close();
+      this.pumpHeld = () => undefined;
+      for (const m of held.takeAll()) this.nakLeft(m);
+    }
+  }
+
+  /** Hands each delivery of `consumer` to `each` until the bridge stops or the connection closes. */
+  private async pullEach(consumer: RequestConsumer, each: (m: JsMsg) => unknown): Promise<void> {
     try {
       for (let current = consumer.current; ; current = consumer.current) {
         for await (const m of current) {
           consumer.delivered();
-          await semaphore.acquire();
-          if (this.handingBack) {
-            const h = handBackQueued(this.delivery, m, this.continues, HAND_BACK_NAK_MS)
-              .catch((err) => this.failed(`handing back the request at stream seq ${m.seq}`, err))
-              .finally(() => {
-                semaphore.release();
-                this.handlers.delete(h);
-              });
-            this.handlers.add(h);
-            continue;
-          }
-          if (this.stopping) {
-            m.nak();
-            this.counts.nakked += 1;
-            semaphore.release();
-            continue;
-          }
-          const h = this.serve(m).finally(() => {
-            semaphore.release();
-            this.handlers.delete(h);
-          });
-          this.handlers.add(h);
+          await each(m);
         }
         // Ended: replaced (go on with the new one), or stopped or closed (done).
         if (current === consumer.current || this.stopping || this.nc.isClosed()) break;
@@ -500,6 +546,36 @@ export class Bridge {
       if (!this.nc.isClosed()) this.failed(`${consumer.label} loop`, err);
     } finally {
       this.consuming = false;
+    }
+  }
+
+  /**
+   * Serves a delivery, or past the drain deadline hands it back, or stopping sends it back to its
+   * consumer; `release` when that is done (its slot is free).
+   */
+  private dispatch(m: JsMsg, release: () => void): void {
+    if (this.stopping && !this.handingBack) {
+      this.nakLeft(m);
+      release();
+      return;
+    }
+    const done = this.handingBack
+      ? handBackQueued(this.delivery, m, this.continues, HAND_BACK_NAK_MS).catch((err) => this.failed(`handing back the request at stream seq ${m.seq}`, err))
+      : this.serve(m);
+    const h = done.finally(() => {
+      release();
+      this.handlers.delete(h);
+    });
+    this.handlers.add(h);
+  }
+
+  /** A delivery it will not serve, stopping: back to its consumer (for the bridge of the instance that comes back). */
+  private nakLeft(m: JsMsg): void {
+    try {
+      m.nak();
+      this.counts.nakked += 1;
+    } catch {
+      // closed connection: JetStream redelivers it after ack_wait
     }
   }
 

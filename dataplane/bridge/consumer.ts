@@ -27,8 +27,13 @@ export interface RequestConsumerOptions {
   names: DataPlaneNames;
   pool: string;
   instance: string;
-  /** Requests pulled at once (`max_messages` of each `consume()`). */
+  /** Requests the engine serves at once: what is pulled at once (`max_messages` of each `consume()`), unless `holds`. */
   slots: number;
+  /**
+   * Pulls as many at once as the consumer's `max_ack_pending` allows, not `slots`: its bridge holds
+   * them and serves them `slots` at a time in an order of its own (the `requeued` lane, held.ts).
+   */
+  holds?: boolean;
   stats: BridgeStats;
   log: (line: string) => void;
   /** Logs and counts an unexpected failure. */
@@ -72,6 +77,11 @@ export class RequestConsumer {
     return new RequestConsumer(opts, consumer, config);
   }
 
+  /** Requests it pulls at once: `slots`, or when it `holds`, its consumer's `max_ack_pending` (no fewer). */
+  get atOnce(): number {
+    return this.opts.holds ? Math.max(this.opts.slots, this.config.max_ack_pending ?? 0) : this.opts.slots;
+  }
+
   /** Which of the instance's lanes it pulls (undefined: its requests). */
   get lane(): Lane | undefined {
     return this.opts.lane?.lane;
@@ -103,7 +113,7 @@ export class RequestConsumer {
     const isStopping = () => this.stopping;
     // Pulls through one `consume()` at a time; a new one replaces it when the consumer had to be
     // created again (the old one would only notice after its heartbeats went missing, ~30 s).
-    this.messages = await this.consumer.consume({ max_messages: this.opts.slots });
+    this.messages = await this.consumer.consume({ max_messages: this.atOnce });
     this.watch(this.messages);
 
     // A server that restarted without its store (or lost the consumer some other way) would leave
@@ -188,7 +198,7 @@ export class RequestConsumer {
   /** Pulls through a new `consume()` from now on; the pull loop moves over to it. */
   private async pullAfresh(): Promise<void> {
     const old = this.messages;
-    this.messages = await this.consumer.consume({ max_messages: this.opts.slots });
+    this.messages = await this.consumer.consume({ max_messages: this.atOnce });
     this.watch(this.messages);
     old.stop();
   }
