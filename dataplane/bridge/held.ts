@@ -44,8 +44,15 @@ export class HeldRequests {
     return this.held.length;
   }
 
+  /**
+   * Holds `m`; a delivery of a message it holds already (a new consumer leader, which knew nothing
+   * of the first, delivers it again) replaces it: that one is the delivery the consumer waits on,
+   * and the request is served once.
+   */
   hold(m: JsMsg): void {
-    this.held.push({ m, due: dueOf(m.data) });
+    const same = this.held.find((h) => h.m.seq === m.seq);
+    if (same) same.m = m;
+    else this.held.push({ m, due: dueOf(m.data) });
   }
 
   /** The held delivery whose deadline comes first (of equal ones, the first in the stream), no longer held. */
