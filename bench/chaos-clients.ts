@@ -31,7 +31,7 @@ export interface Answer {
   reconnects: number;
   refused: number;
   /** Each reconnect (epoch ms): its stream lost, asked again, the answer's headers, its first event. */
-  resumes: { lost: number; asked?: number; headers?: number; event?: number }[];
+  resumes: { lost: number; asked?: number; headers?: number; event?: number; gateway?: string }[];
 }
 
 /** What a client needs to ask: the gateways (their URLs now), the key, and what to ask for. */
@@ -64,7 +64,10 @@ export async function answer(c: ClientContext, client: number, session: string, 
     const gateways = c.gateways();
     const gw = gateways[(client + attempt) % gateways.length]!;
     const resume = a.resumes.at(-1);
-    if (resume) resume.asked ??= Date.now();
+    if (resume) {
+      resume.asked ??= Date.now();
+      resume.gateway = gw; // the last one asked: the one that answered, when one did
+    }
     try {
       const res = await fetch(`${gw}/v1/chat/completions`, {
         method: 'POST',

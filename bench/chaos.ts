@@ -147,6 +147,9 @@ const SILENCE_SHOWN_MS = Number(process.env.CHAOS_SILENCE_SHOWN_MS ?? 2_000);
 /** Each fault: when it began (`at`) and when it was done (`end`: a drain's comes after its deadline). */
 const faults: { what: string; kind: string; at: number; end: number }[] = [];
 
+/** When each gateway (by URL) began to listen: a resume's line says whether it went to one just started. */
+const gatewayListening = new Map<string, number>();
+
 async function startGateway(): Promise<GatewayProcess> {
   const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, join(ROOT, 'bin', 'magus.js'), 'gateway'], {
     cwd: ROOT,
@@ -202,6 +205,7 @@ async function startGateway(): Promise<GatewayProcess> {
     });
     void exited.then(() => reject(new Error(`magus gateway exited before listening:\n${err}`)));
   });
+  gatewayListening.set(url, Date.now());
   return { child, url, exited };
 }
 
@@ -257,11 +261,13 @@ const longestGap = (a: Answer) => a.times.slice(1).reduce((m, t, i) => Math.max(
 
 /** The reconnects of `a` between `from` and `to`: each's times after `from` (stream lost, asked again, headers, first event). */
 function resumesIn(a: Answer, from: number, to: number): string {
-  const at = (t?: number) => (t === undefined ? '-' : `+${fmt((t - from) / 1000)}`);
+  const at = (t?: number) => (t === undefined ? '-' : `${t >= from ? '+' : ''}${fmt((t - from) / 1000)}`);
   const within = a.resumes.filter((r) => r.lost >= from && r.lost <= to);
   return within.length === 0
     ? ''
-    : `; reconnects (lost, asked, headers, first event, in s): ${within.map((r) => [r.lost, r.asked, r.headers, r.event].map(at).join(' ')).join('; ')}`;
+    : `; reconnects (lost, asked, headers, first event, in s; on the gateway listening since): ${within
+        .map((r) => [...[r.lost, r.asked, r.headers, r.event].map(at), at(r.gateway === undefined ? undefined : gatewayListening.get(r.gateway))].join(' '))
+        .join('; ')}`;
 }
 
 /** The longest silence between two pieces of any answer after each kind of fault: the gap is the last fault's that began before it ended. */
