@@ -85,6 +85,9 @@ const LANE_DESCRIPTIONS: Record<Lane, string> = { moved: 'answers moved to', req
  */
 export const REQUEUED_HELD = 64;
 
+/** The lane whose requests its bridge holds and orders itself ({@link REQUEUED_HELD}); the others it serves as delivered. */
+export const HELD_LANE: Lane = 'requeued';
+
 /**
  * The consumer of one of an instance's lanes (names.ts `LANES`), shaped like its request consumer
  * `like`: as many at once as its slots (the `requeued` lane: at least {@link REQUEUED_HELD}),
@@ -95,7 +98,7 @@ export function laneConsumerConfig(names: DataPlaneNames, pool: string, instance
     description: `${LANE_DESCRIPTIONS[lane]} ${pool}/${instance}`,
     durable_name: laneConsumerNameOf(pool, instance, lane),
     filter_subject: laneSubjectOf(names, pool, instance, lane),
-    max_ack_pending: lane === 'requeued' ? Math.max(like.max_ack_pending ?? 1, REQUEUED_HELD) : (like.max_ack_pending ?? 1),
+    max_ack_pending: lane === HELD_LANE ? Math.max(like.max_ack_pending ?? 1, REQUEUED_HELD) : (like.max_ack_pending ?? 1),
     ack_wait: like.ack_wait ?? nanos(30_000),
     max_deliver: like.max_deliver ?? 5,
     ack_policy: AckPolicy.Explicit,

@@ -27,6 +27,7 @@ import { requestKindOf } from '../../shared/request-kinds';
 import type { BridgeLoad, ResponseFrame } from '../../shared/serving';
 import type { UsageTotals } from '../../shared/usage';
 import { openRequestClaims, type RequestClaims } from '../claims';
+import { HELD_LANE } from '../consumers';
 import { beatSubjectOf, cancelSubjectOf, LANES, type DataPlaneNames } from '../names';
 import { BEAT_EVERY_MS, STOPPING_BEAT_EVERY_MS } from '../../shared/continuation';
 import { UsageLedger } from '../usage';
@@ -103,6 +104,12 @@ class Semaphore {
       return;
     }
     await new Promise<void>((resolve) => this.waiters.push(resolve));
+  }
+  /** Takes a free one now, if there is one (never waits). */
+  tryAcquire(): boolean {
+    if (this.free === 0) return false;
+    this.free -= 1;
+    return true;
   }
   release(): void {
     const next = this.waiters.shift();
@@ -241,7 +248,7 @@ export class Bridge {
     const lanes: RequestConsumer[] = [];
     for (const lane of LANES) {
       // The requests handed back are held and served earliest deadline first (held.ts).
-      const holds = lane === 'requeued';
+      const holds = lane === HELD_LANE;
       const opened = await RequestConsumer.open({
         nc,
         js,
@@ -482,7 +489,7 @@ export class Bridge {
     });
     // The lanes beside the slots' requests: the engine puts a resumed answer before its queue, and a
     // request handed back after those (generate.ts sends it with REQUEUED_HEADER).
-    this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => (c.lane === 'requeued' ? this.pullHeld(c) : this.pull(c)))).then(() => undefined);
+    this.loop = Promise.all([this.consumer, ...this.lanes].map((c) => (c.holds ? this.pullHeld(c) : this.pull(c)))).then(() => undefined);
   }
 
   /** Serves what `consumer` delivers, in the order delivered, `slots` at a time. */
@@ -502,22 +509,17 @@ export class Bridge {
   private async pullHeld(consumer: RequestConsumer): Promise<void> {
     const held = new HeldRequests(this.delivery.workingEveryMs);
     this.held = held;
-    let free = this.slots;
+    const semaphore = new Semaphore(this.slots);
     this.pumpHeld = () => {
-      for (;;) {
-        if (this.handingBack) {
-          for (const m of held.takeAll()) this.dispatch(m, () => undefined);
-          return;
-        }
-        if (this.stopping || free === 0) return;
-        const m = held.next();
-        if (!m) return;
-        free -= 1;
-        this.dispatch(m, () => {
-          free += 1;
+      if (this.handingBack) {
+        for (const m of held.takeAll()) this.dispatch(m, () => undefined);
+        return;
+      }
+      while (!this.stopping && held.size > 0 && semaphore.tryAcquire())
+        this.dispatch(held.next()!, () => {
+          semaphore.release();
           this.pumpHeld();
         });
-      }
     };
     try {
       await this.pullEach(consumer, (m) => {

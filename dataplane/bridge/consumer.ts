@@ -82,6 +82,11 @@ export class RequestConsumer {
     return this.opts.holds ? Math.max(this.opts.slots, this.config.max_ack_pending ?? 0) : this.opts.slots;
   }
 
+  /** Its bridge holds what it delivers and serves it in an order of its own (held.ts). */
+  get holds(): boolean {
+    return this.opts.holds === true;
+  }
+
   /** Which of the instance's lanes it pulls (undefined: its requests). */
   get lane(): Lane | undefined {
     return this.opts.lane?.lane;
