@@ -253,6 +253,26 @@ describe('readStoredFrames', () => {
     });
     await nc.flush();
     expect(made).toBe(0);
+    // One round trip, not two: the first batch is asked for before the last seq is answered.
+    const seen: string[] = [];
+    // Every message on the server, as the read's requests and their replies (to its inbox) pass.
+    const spy = nc.subscribe('>', {
+      callback: (_err, m) => {
+        if (m.subject === `$JS.API.DIRECT.GET.${names.responseStream}`) seen.push('batch asked');
+        else if (m.subject.startsWith(`$JS.API.DIRECT.GET.${names.responseStream}.`)) seen.push('last asked');
+        else if (m.subject.startsWith('_INBOX')) seen.push('answered');
+      },
+    });
+    await nc.flush();
+    const short = responseSubjectOf(names, 'stored-direct-short');
+    for (let seq = 0; seq < 3; seq++) nc.publish(short, encodeJson(chunk(seq)));
+    await nc.flush();
+    expect((await readStoredFrames(nc.jetstream(), jsm, names.responseStream, short, { direct: nc })).frames).toHaveLength(3);
+    await nc.flush();
+    expect(seen.filter((w) => w !== 'answered')).toEqual(['batch asked', 'last asked']);
+    expect(seen.indexOf('batch asked')).toBeLessThan(seen.indexOf('answered'));
+    expect(seen.indexOf('last asked')).toBeLessThan(seen.indexOf('answered'));
+    spy.unsubscribe();
     // The consumer's read (bridges read so) finds the same, and makes one.
     expect(await readStoredFrames(nc.jetstream(), jsm, names.responseStream, subject)).toEqual(direct);
     await nc.flush();

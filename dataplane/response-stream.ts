@@ -57,6 +57,11 @@ export async function readStoredFrames(
     direct?: NatsConnection;
   } = {},
 ): Promise<StoredFrames> {
+  // The first batch is asked for beside the last stored seq (one round trip, not two, for the
+  // answers of up to a batch of frames: a herd of resumes on one replica waits that much less); it
+  // is read only once that seq is known, as the later ones are.
+  const first = opts.direct ? directBatch(opts.direct, stream, subject, 1, opts.timeoutMs ?? 10_000) : undefined;
+  first?.catch(() => undefined); // awaited below only when the subject has frames
   let lastSeq: number;
   try {
     lastSeq = await lastSeqOf(jsm, stream, subject);
@@ -86,7 +91,7 @@ export async function readStoredFrames(
     return { frames, beyondGap, highestSeq, complete: !incomplete, ...(incomplete ? { incomplete } : {}) };
   };
   if (opts.direct) {
-    const stored = await readDirect(opts.direct, stream, subject, lastSeq, opts.timeoutMs ?? 10_000);
+    const stored = await readDirect(opts.direct, stream, subject, lastSeq, opts.timeoutMs ?? 10_000, first);
     if (stored) {
       for (const data of stored) take(data);
       return found();
@@ -126,39 +131,66 @@ const DIRECT_BATCH = 256;
  * gets (`{seq, next_by_subj, batch}`: any replica answers from its subject index); undefined when
  * the server does not batch them (before NATS 2.11: its replies carry no `Nats-Num-Pending`).
  * A replica behind the one that told `lastSeq` is asked again until `timeoutMs`; then it throws,
- * as the consumer's read does: frames not read are not frames that are gone.
+ * as the consumer's read does: frames not read are not frames that are gone. `first`, when given,
+ * is the batch from seq 1, asked for already.
  */
-async function readDirect(nc: NatsConnection, stream: string, subject: string, lastSeq: number, timeoutMs: number): Promise<Uint8Array[] | undefined> {
+async function readDirect(
+  nc: NatsConnection,
+  stream: string,
+  subject: string,
+  lastSeq: number,
+  timeoutMs: number,
+  first?: Promise<DirectBatch | undefined>,
+): Promise<Uint8Array[] | undefined> {
   const out: Uint8Array[] = [];
   const deadline = Date.now() + timeoutMs;
   let from = 1;
+  let asked = first;
   while (from <= lastSeq) {
     const left = deadline - Date.now();
     if (left <= 0) throw new Error(`reading ${subject} from ${stream} stopped before its last stored frame (stream seq ${lastSeq})`);
-    const replies = await nc.requestMany(`$JS.API.DIRECT.GET.${stream}`, JSON.stringify({ seq: from, next_by_subj: subject, batch: DIRECT_BATCH }), {
-      strategy: RequestStrategy.SentinelMsg,
-      maxWait: left,
-    });
+    const batch = await (asked ?? directBatch(nc, stream, subject, from, left));
+    asked = undefined;
+    if (!batch) return undefined;
     const before = from;
-    try {
-      for await (const m of replies) {
-        // The end of the batch (204), or nothing from `from` on (404): a reply without data.
-        if (m.data.length === 0) break;
-        if (m.headers?.get('Nats-Num-Pending') === '') return undefined;
-        const seq = Number(m.headers?.get('Nats-Sequence'));
-        if (!Number.isSafeInteger(seq) || seq < from)
-          throw new Error(`a direct get of ${subject} from ${stream} answered stream seq ${m.headers?.get('Nats-Sequence')}`);
-        if (seq > lastSeq) return out;
-        out.push(m.data);
-        from = seq + 1;
-      }
-    } catch (err) {
-      // A stream declared before `allow_direct`: nobody answers direct gets.
-      if ((err as { code?: string } | null)?.code === ErrorCode.NoResponders) return undefined;
-      throw err;
+    for (const m of batch) {
+      if (m.seq < from) throw new Error(`a direct get of ${subject} from ${stream} answered stream seq ${m.seq}`);
+      if (m.seq > lastSeq) return out;
+      out.push(m.data);
+      from = m.seq + 1;
     }
     // Nothing new from this replica: it is behind; another, or the same later, is asked.
     if (from === before) await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  return out;
+}
+
+/** What one batched direct get returned: each message's stream seq and data, in order. */
+type DirectBatch = { seq: number; data: Uint8Array }[];
+
+/**
+ * One batched direct get of `subject`'s messages from stream seq `from` on (up to
+ * {@link DIRECT_BATCH}); undefined when the server does not batch them or nobody answers direct
+ * gets (a stream declared before `allow_direct`).
+ */
+async function directBatch(nc: NatsConnection, stream: string, subject: string, from: number, maxWait: number): Promise<DirectBatch | undefined> {
+  const out: DirectBatch = [];
+  try {
+    const replies = await nc.requestMany(`$JS.API.DIRECT.GET.${stream}`, JSON.stringify({ seq: from, next_by_subj: subject, batch: DIRECT_BATCH }), {
+      strategy: RequestStrategy.SentinelMsg,
+      maxWait,
+    });
+    for await (const m of replies) {
+      // The end of the batch (204), or nothing from `from` on (404): a reply without data.
+      if (m.data.length === 0) break;
+      if (m.headers?.get('Nats-Num-Pending') === '') return undefined;
+      const seq = Number(m.headers?.get('Nats-Sequence'));
+      if (!Number.isSafeInteger(seq)) throw new Error(`a direct get of ${subject} from ${stream} answered stream seq ${m.headers?.get('Nats-Sequence')}`);
+      out.push({ seq, data: m.data });
+    }
+  } catch (err) {
+    if ((err as { code?: string } | null)?.code === ErrorCode.NoResponders) return undefined;
+    throw err;
   }
   return out;
 }
