@@ -10,7 +10,8 @@ import { MODES, type Mode } from '../shared/constants';
 import { ENGINE_KINDS, isEngineKind } from '../shared/engines';
 import { loadConfig, useDevConnection } from './config';
 import { ConfigError } from '../platform/config';
-import { ALL_SERVICES, startServices, type ServiceName } from './dev/services';
+import type * as ServicesModule from './dev/services';
+import type { ServiceName } from './dev/services';
 import type * as ConvertModule from './convert';
 import type * as EngineModule from './engine';
 import type * as BridgeModule from './bridge';
@@ -52,6 +53,7 @@ const load = {
   dev: () => require('./dev/dev') as typeof DevModule,
   dllamaDemo: () => require('./dev/dllama-demo') as typeof DllamaDemoModule,
   controller: () => require('./controller') as typeof ControllerModule,
+  services: () => require('./dev/services') as typeof ServicesModule,
   temporalHealth: () => require('../platform/temporal-health') as typeof TemporalHealthModule,
   processMetrics: () => require('../platform/process-metrics') as typeof ProcessMetricsModule,
 };
@@ -109,7 +111,8 @@ function parseServices(arg: string | undefined): ServiceName[] {
     .map((s) => s.trim())
     .filter(Boolean);
   for (const n of names) {
-    if (!(ALL_SERVICES as readonly string[]).includes(n)) throw new Error(`unknown service '${n}' (known: ${ALL_SERVICES.join(', ')})`);
+    const all = load.services().ALL_SERVICES;
+    if (!(all as readonly string[]).includes(n)) throw new Error(`unknown service '${n}' (known: ${all.join(', ')})`);
   }
   return names as ServiceName[];
 }
@@ -225,7 +228,7 @@ async function dev(args: string[], stop: AbortSignal): Promise<number> {
   }
   const services = parseServices(flag('--services'));
   if (!json) process.stderr.write(`magus dev: starting ${services.join(', ')} …\n`);
-  const running = await startServices({ services });
+  const running = await load.services().startServices({ services });
   const endpointsFile = join(running.dataDir, 'endpoints.json');
   writeFileSync(endpointsFile, JSON.stringify(running.endpoints, null, 2), { mode: 0o600 });
 
