@@ -141,8 +141,11 @@ export async function answer(c: ClientContext, client: number, session: string, 
 export type ToClients =
   | { type: 'start'; context: Omit<ClientContext, 'gateways'>; gateways: string[] }
   | { type: 'gateways'; gateways: string[] }
-  /** Each session asks turn after turn until `until` (epoch ms), client n to prompt (n + turn) mod prompts. */
-  | { type: 'phase'; sessions: string[]; until: number };
+  /**
+   * Each session asks turn after turn until `until` (epoch ms), client n to prompt (n + turn) mod
+   * prompts; `first` is client n's of `sessions[0]` (a share of the clients, in one of several processes).
+   */
+  | { type: 'phase'; sessions: string[]; first: number; until: number };
 
 /** The clients' process → chaos.ts. */
 export type FromClients =
@@ -189,7 +192,8 @@ function serve(): void {
     const c = context!;
     const watched = watchLoop();
     void Promise.all(
-      m.sessions.map(async (session, client) => {
+      m.sessions.map(async (session, i) => {
+        const client = m.first + i;
         for (let turn = 0; Date.now() < m.until; turn++) send({ type: 'answer', answer: await answer(c, client, session, (client + turn) % c.prompts.length) });
       }),
     ).then(() => {

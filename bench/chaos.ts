@@ -15,6 +15,9 @@
  * clients run in a process of their own (chaos-clients.ts), apart from the bridges and the
  * engines' supervisors, as a worker's are from its clients: a late turn of one event loop neither
  * delays the other's work nor what the clients record (both loops' lateness is reported).
+ * `CHAOS_CLIENT_PROCESSES` (default 1) shares the clients among that many processes: a client
+ * then waits less on the others' work in its event loop (~100 of them lose their streams at once
+ * at a gateway kill), as clients on their own machines would.
  *
  * Two phases of `CHAOS_MINUTES` each (default 10): undisturbed, then with a fault every
  * `CHAOS_FAULT_EVERY_S` seconds (default 10), in turn:
@@ -82,6 +85,8 @@ const TOKENS = env('CHAOS_TOKENS', 64);
 const MINUTES = env('CHAOS_MINUTES', 10);
 const FAULT_EVERY_S = env('CHAOS_FAULT_EVERY_S', 10);
 const SLOTS = env('CHAOS_SLOTS', 4);
+/** The clients' processes, the streams shared among them (`CHAOS_CLIENT_PROCESSES`, default 1: every client in one event loop). */
+const CLIENT_PROCESSES = Math.max(1, env('CHAOS_CLIENT_PROCESSES', 1));
 const INSTANCES = ['i1', 'i2', 'i3'];
 /** The instances the pool publishes now: {@link INSTANCES}, each replaced by a new one at a roll. */
 let instances = [...INSTANCES];
@@ -129,10 +134,12 @@ const engines: Record<string, Supervised<LlamaCppEngine>> = {};
 let gguf: string;
 const bridges: Record<string, { bridge: Bridge; nc: NatsConnection }> = {};
 let gateways: GatewayProcess[] = [];
-/** The clients' process (chaos-clients.ts). */
-let clients: ChildProcess;
-/** Tells the clients' process the gateways there are now. */
-const gatewaysChanged = () => clients.send({ type: 'gateways', gateways: gateways.map((g) => g.url) } satisfies ToClients);
+/** The clients' processes (chaos-clients.ts): `CHAOS_CLIENT_PROCESSES`, each with a share of the streams. */
+let clients: ChildProcess[] = [];
+/** Tells the clients' processes the gateways there are now. */
+const gatewaysChanged = () => {
+  for (const c of clients) c.send({ type: 'gateways', gateways: gateways.map((g) => g.url) } satisfies ToClients);
+};
 /** Each fault: what, of which kind, and when it began. */
 /** Verbose: when each answer (by its id) was first moved to another instance, as its gateway logged it. */
 const firstMoves = new Map<string, number>();
@@ -301,21 +308,36 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
     const tokens = answers.reduce((n, a) => n + (a.completionTokens ?? 0), 0);
     log(`${name}: ${answers.length} answers, ${tokens} tokens, ${fmt(Math.max(0, until - Date.now()) / 60_000, 1)} min left`);
   }, 30_000);
-  // The clients, in their process: every answer as it ends, until each client's last turn has.
-  const clientsDone = await new Promise<Extract<FromClients, { type: 'phase-done' }>>((resolve, reject) => {
-    const onMessage = (m: FromClients) => {
-      if (m.type === 'answer') answers.push(m.answer);
-      else {
-        clients.off('message', onMessage).off('exit', onExit);
-        resolve(m);
-      }
-    };
-    const onExit = (code: number | null) => reject(new Error(`the clients' process exited (${code}) mid-phase`));
-    clients.on('message', onMessage).once('exit', onExit);
-    clients.send({ type: 'phase', sessions, until } satisfies ToClients);
-  });
+  // The clients, in their processes: every answer as it ends, until each client's last turn has.
+  const share = Math.ceil(sessions.length / clients.length);
+  const clientsDone = await Promise.all(
+    clients.map(
+      (proc, n) =>
+        new Promise<Extract<FromClients, { type: 'phase-done' }>>((resolve, reject) => {
+          const onMessage = (m: FromClients) => {
+            if (m.type === 'answer') answers.push(m.answer);
+            else {
+              proc.off('message', onMessage).off('exit', onExit);
+              resolve(m);
+            }
+          };
+          const onExit = (code: number | null) => reject(new Error(`a clients' process exited (${code}) mid-phase`));
+          proc.on('message', onMessage).once('exit', onExit);
+          proc.send({ type: 'phase', sessions: sessions.slice(n * share, (n + 1) * share), first: n * share, until } satisfies ToClients);
+        }),
+    ),
+  );
   clearInterval(progress);
-  const lateness = { bridges: watched(), clients: clientsDone.lateness };
+  // The clients' processes' together: the worst p99 and max, every late turn.
+  const clientsLate = clientsDone.map((d) => d.lateness);
+  const lateness = {
+    bridges: watched(),
+    clients: {
+      p99Ms: Math.max(...clientsLate.map((l) => l.p99Ms)),
+      maxMs: Math.max(...clientsLate.map((l) => l.maxMs)),
+      late: clientsLate.flatMap((l) => l.late),
+    },
+  };
   if (process.env.CHAOS_VERBOSE)
     for (const [whose, l] of Object.entries(lateness))
       for (const turn of l.late) console.log(`${new Date(turn.at).toISOString().slice(11, 23)} the ${whose}' event loop ${turn.ms} ms late`);
@@ -491,8 +513,8 @@ async function main(): Promise<void> {
     maxTokens: TOKENS,
     maxReconnects: MAX_RECONNECTS,
   };
-  clients = fork(join(__dirname, 'chaos-clients.ts'), [], { execArgv: ['-r', '@swc-node/register'] });
-  clients.send({ type: 'start', context, gateways: gateways.map((g) => g.url) } satisfies ToClients);
+  clients = Array.from({ length: CLIENT_PROCESSES }, () => fork(join(__dirname, 'chaos-clients.ts'), [], { execArgv: ['-r', '@swc-node/register'] }));
+  for (const c of clients) c.send({ type: 'start', context, gateways: gateways.map((g) => g.url) } satisfies ToClients);
   const sessions = Array.from({ length: STREAMS }, (_, n) => `chaos-${n}`);
   for (const [n, session] of sessions.entries()) {
     const key = conversationKey(SECRET, { scope: TOKEN_ID, model: `default/${POOL}`, messages: [], sessionId: session });
@@ -521,7 +543,7 @@ async function main(): Promise<void> {
       for (const [i, { bridge }] of Object.entries(bridges)) log(`bridge ${i}: ${JSON.stringify(bridge.stats)}`);
     }
     clearInterval(views);
-    clients.kill('SIGKILL');
+    for (const c of clients) c.kill('SIGKILL');
     for (const g of gateways) g.child.kill('SIGKILL');
     await Promise.all(gateways.map((g) => g.exited));
     for (const { bridge, nc } of Object.values(bridges)) {
