@@ -56,7 +56,7 @@
  * answers), reconnects, completion tokens/s, and the wait for an answer's first piece (verbose:
  * apart for the answers moved before it, from the gateways' logs).
  */
-import { fork, spawn, type ChildProcess } from 'node:child_process';
+import { fork, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
@@ -77,7 +77,7 @@ import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-clu
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
 import { answer, watchLoop, type Answer, type ClientContext, type FromClients, type ToClients } from './chaos-clients';
-import { fmt, p50, p99 } from './common';
+import { fmt, p50, p99, spawnGateway, type GatewayProcess } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
 const STREAMS = env('CHAOS_STREAMS', 200);
@@ -113,18 +113,11 @@ const POOL = 'chaos';
 const TOKEN_ID = 'chaos';
 const TOKEN = `mgs_${TOKEN_ID}_${randomBytes(16).toString('hex')}`;
 const SECRET = randomBytes(32).toString('hex');
-const ROOT = join(__dirname, '..');
 const PROMPTS = ['a small boat', 'a red fox', 'the northern sea', 'an old lamp', 'the green hills', 'a quiet town'].map((p) => `Tell me a story about ${p}.`);
 /** Reconnects before a client gives an answer up as broken. */
 const MAX_RECONNECTS = 20;
 
 const log = (line: string) => console.log(`${new Date().toISOString().slice(11, 23)} ${line}`);
-
-interface GatewayProcess {
-  child: ChildProcess;
-  url: string;
-  exited: Promise<void>;
-}
 
 let cluster: TestNatsCluster;
 let worker: NatsConnection;
@@ -158,9 +151,8 @@ const faults: { what: string; kind: string; at: number; end: number }[] = [];
 const gatewayListening = new Map<string, number>();
 
 async function startGateway(): Promise<GatewayProcess> {
-  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, join(ROOT, 'bin', 'magus.js'), 'gateway'], {
-    cwd: ROOT,
-    env: {
+  const gateway = await spawnGateway(
+    {
       ...process.env,
       MAGUS_NATS_URL: cluster.servers.join(','),
       MAGUS_NATS_PREFIX: names.prefix,
@@ -177,9 +169,10 @@ async function startGateway(): Promise<GatewayProcess> {
       MAGUS_TEMPORAL_ADDRESS: `127.0.0.1:${await freePort()}`,
       MAGUS_LOG_LEVEL: process.env.CHAOS_VERBOSE ? 'info' : 'warn',
     },
-    stdio: ['ignore', process.env.CHAOS_VERBOSE ? 'pipe' : 'ignore', 'pipe'],
-  });
-  // Verbose: the gateway's moves and warnings.
+    { stdout: process.env.CHAOS_VERBOSE ? 'pipe' : 'ignore' },
+  );
+  // Verbose: the gateway's moves and warnings (what it wrote before it listened is still buffered).
+  const { child } = gateway;
   let partial = '';
   child.stdout?.on('data', (d: Buffer) => {
     const lines = (partial + d.toString()).split('\n');
@@ -198,22 +191,8 @@ async function startGateway(): Promise<GatewayProcess> {
         log(`gateway ${child.pid}: ${new Date(time).toISOString().slice(11, 23)} ${msg} ${inferenceId ?? ''} → ${instance ?? ''}${more}`);
       }
   });
-  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
-  let err = '';
-  const url = await new Promise<string>((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`magus gateway did not listen within 60 s:\n${err}`)), 60_000);
-    child.stderr!.on('data', (d: Buffer) => {
-      err += d.toString();
-      const m = /magus gateway: listening on (http:\/\/\S+) /.exec(err);
-      if (m) {
-        clearTimeout(timer);
-        resolve(m[1]!);
-      }
-    });
-    void exited.then(() => reject(new Error(`magus gateway exited before listening:\n${err}`)));
-  });
-  gatewayListening.set(url, Date.now());
-  return { child, url, exited };
+  gatewayListening.set(gateway.url, Date.now());
+  return gateway;
 }
 
 async function startInstanceBridge(instance: string): Promise<void> {

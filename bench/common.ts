@@ -2,7 +2,7 @@
  * What the benchmarks share: nearest-rank statistics over load results, their child processes
  * (forked under the same TypeScript loader, asked over IPC), and a process's CPU time.
  */
-import { fork, type ChildProcess } from 'node:child_process';
+import { fork, spawn, type ChildProcess } from 'node:child_process';
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import type { LoadResult, LoadSpec } from './gateway-client';
@@ -22,6 +22,45 @@ export const firstChunkMs = (r: LoadResult[]) => r.flatMap((x) => x.samples.map(
 
 /** Each request's latency (send → end), ms. */
 export const latencies = (r: LoadResult[]) => r.flatMap((x) => x.samples.map((s) => s.end - s.start));
+
+/** A `magus gateway` of this checkout, listening. */
+export interface GatewayProcess {
+  child: ChildProcess;
+  url: string;
+  exited: Promise<void>;
+  /** From spawn to its `listening` line. */
+  listeningMs: number;
+}
+
+/**
+ * Spawns `magus gateway` (`bin/magus.js`, with `nodeArgs` before it) with `env` (the caller's
+ * whole environment) and resolves once it says it listens; gone with this process (`setpriv
+ * --pdeathsig`). Its stdout is piped when `stdout` is, for the caller to read (its log lines).
+ */
+export async function spawnGateway(env: NodeJS.ProcessEnv, opts: { stdout?: 'pipe' | 'ignore'; nodeArgs?: string[] } = {}): Promise<GatewayProcess> {
+  const started = performance.now();
+  const root = join(__dirname, '..');
+  const child = spawn('setpriv', ['--pdeathsig', 'KILL', '--', process.execPath, ...(opts.nodeArgs ?? []), join(root, 'bin', 'magus.js'), 'gateway'], {
+    cwd: root,
+    env,
+    stdio: ['ignore', opts.stdout ?? 'ignore', 'pipe'],
+  });
+  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
+  let err = '';
+  const url = await new Promise<string>((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`magus gateway did not listen within 60 s:\n${err}`)), 60_000);
+    child.stderr!.on('data', (d: Buffer) => {
+      err += d.toString();
+      const m = /magus gateway: listening on (http:\/\/\S+) /.exec(err);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]!);
+      }
+    });
+    void exited.then(() => reject(new Error(`magus gateway exited before listening:\n${err}`)));
+  });
+  return { child, url, exited, listeningMs: performance.now() - started };
+}
 
 /** Forks a bench child (a file next to this one) under the same TypeScript loader as this process. */
 export function child(file: string): ChildProcess {

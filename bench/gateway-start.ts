@@ -7,20 +7,17 @@
  *
  * `npm run bench:gateway-start`; the process is SIGTERMed after each run.
  */
-import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { join } from 'node:path';
 import { connect } from 'nats';
 import { ensureDataPlane } from '../dataplane';
 import { tokenDigest } from '../gateway/plugins/auth';
 import { startNatsCluster } from '../test/harness/nats-cluster';
 import { sleep } from '../test/harness/wait';
 import { freePort } from '../workers/dev/services';
-import { cpuOf, fmt, p50, rssMb } from './common';
+import { cpuOf, fmt, p50, rssMb, spawnGateway } from './common';
 
 const RUNS = Number(process.env.START_RUNS ?? 8);
 const SETTLE_MS = Number(process.env.START_SETTLE_MS ?? 3_000);
-const ROOT = join(__dirname, '..');
 
 interface Start {
   listeningMs: number;
@@ -30,28 +27,12 @@ interface Start {
 }
 
 async function startOnce(env: NodeJS.ProcessEnv): Promise<Start> {
-  const started = performance.now();
-  const child = spawn(
-    process.execPath,
-    [...(process.env.START_PROF ? ['--cpu-prof', '--cpu-prof-dir=' + process.env.START_PROF] : []), join(ROOT, 'bin', 'magus.js'), 'gateway'],
-    { cwd: ROOT, env, stdio: ['ignore', 'ignore', 'pipe'] },
-  );
-  const exited = new Promise<void>((resolve) => child.once('exit', () => resolve()));
-  let err = '';
-  const listening = await new Promise<number>((resolve, reject) => {
-    const timer = setTimeout(() => reject(new Error(`magus gateway did not listen within 60 s:\n${err}`)), 60_000);
-    child.stderr.on('data', (d: Buffer) => {
-      err += d.toString();
-      if (/magus gateway: listening on /.test(err)) {
-        clearTimeout(timer);
-        resolve(performance.now() - started);
-      }
-    });
-    void exited.then(() => reject(new Error(`magus gateway exited before listening:\n${err}`)));
+  const { child, exited, listeningMs } = await spawnGateway(env, {
+    ...(process.env.START_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${process.env.START_PROF}`] } : {}),
   });
   const cpuAtListening = cpuOf(child.pid!);
   await sleep(SETTLE_MS);
-  const out = { listeningMs: listening, cpuAtListening, cpuSettled: cpuOf(child.pid!), rssMb: rssMb(child.pid!) };
+  const out = { listeningMs, cpuAtListening, cpuSettled: cpuOf(child.pid!), rssMb: rssMb(child.pid!) };
   child.kill('SIGTERM');
   await exited;
   return out;

@@ -110,8 +110,8 @@ function parseServices(arg: string | undefined): ServiceName[] {
     .split(',')
     .map((s) => s.trim())
     .filter(Boolean);
+  const all = load.services().ALL_SERVICES;
   for (const n of names) {
-    const all = load.services().ALL_SERVICES;
     if (!(all as readonly string[]).includes(n)) throw new Error(`unknown service '${n}' (known: ${all.join(', ')})`);
   }
   return names as ServiceName[];
