@@ -162,8 +162,10 @@ beforeAll(async () => {
 afterAll(() => stack.close());
 
 test('kubectl apply → the pipeline runs → kubectl wait Ready; status tells the story, progress moves', async () => {
-  // Slow bodies so the transfer takes a few seconds and the progress column has time to move.
-  hub.setFaults({ bytesPerSecond: 120_000 });
+  // Slow bodies so the transfer outlasts several progress reports (one per file every 3 s) and
+  // status writes (at most one a second): the 347-KB weights take ~9 s. At 120 KB/s (~3 s) a
+  // watch once saw a single Transferring value, the next report being the file's last.
+  hub.setFaults({ bytesPerSecond: 40_000 });
   const seen = new Set<string>();
   const w = watchResource<ModelResource>(kc, {
     path: `/apis/${CRD_GROUP}/${CRD_VERSION}/namespaces/${ns}/models`,
