@@ -104,7 +104,7 @@ test('a dead engine is restarted on its port and serves the instance again; a cr
 }, 180_000);
 
 test.each(['mapped', 'warm'] as const)(
-  'with an engine on standby (%s), a dead engine is replaced by it at once, on its port; another waits after, and replaces a standby killed; none is left once stopped',
+  "with an engine on standby (%s), started beside the engine's load, a dead engine is replaced by it at once, on its port; another waits after, and replaces a standby killed; none is left once stopped",
   async (kind) => {
     const standbyLogs: string[] = [];
     // A backoff far longer than the restart: the restart that comes sooner is the standby's.
@@ -118,6 +118,11 @@ test.each(['mapped', 'warm'] as const)(
     try {
       await warm.create({ namespace: 'default', model: POOL, pool: POOL, instance: 'warm-1' }, new AbortController().signal);
       const before = warm.processes(POOL, 'warm-1')![0]!;
+      // The first standby starts as soon as the engine listens, beside its load (not once it serves).
+      const startedAt = standbyLogs.findIndex((l) => l.includes(`starting an engine on standby${said} for port ${before.port} beside its load`));
+      const readyAt = standbyLogs.findIndex((l) => /magus engine: ready:/.test(l));
+      expect(startedAt).toBeGreaterThan(standbyLogs.findIndex((l) => l.includes(`listening on http://127.0.0.1:${before.port}`)));
+      expect(startedAt).toBeLessThan(readyAt);
       const greedy = { max_tokens: 4, temperature: 0, stream: false };
       const first = await askInstance(nc, names, POOL, 'warm-1', greedy);
       await untilLogged('an engine on standby', () => waiting().length === 1, 60_000, standbyLogs);

@@ -135,7 +135,7 @@ function spawnEngine(model: string, opts: EngineStart, standby?: StartedStandby)
    * start's deadline passes, `signal` aborts) rejects only once the process has exited, so it
    * leaves none behind; aborted, it rejects with `signal.reason`.
    */
-  const until = (event: 'standby' | 'ready', signal: AbortSignal | undefined): Promise<void> =>
+  const until = (event: 'listening' | 'standby' | 'ready', signal: AbortSignal | undefined): Promise<void> =>
     new Promise((ok, fail) => {
       /** Why the wait is given up; it fails with this once the process has exited. */
       let giveUp: Error | null = null;
@@ -144,7 +144,7 @@ function spawnEngine(model: string, opts: EngineStart, standby?: StartedStandby)
         // Nothing is served yet: no grace to give.
         void proc.stop(0);
       };
-      const what = event === 'ready' ? 'ready' : 'ready on standby';
+      const what = event === 'ready' ? 'ready' : event === 'listening' ? 'listening' : 'ready on standby';
       const timer = setTimeout(() => abandon(new Error(`engine did not become ${what} within ${opts.startTimeoutSec}s`)), opts.startTimeoutSec * 1000);
       const onAbort = () => abandon(signal!.reason as Error);
       const done = () => {
@@ -153,7 +153,7 @@ function spawnEngine(model: string, opts: EngineStart, standby?: StartedStandby)
         waiters.delete(check);
       };
       const check = () => {
-        if (giveUp || !seen.has(event) || (event === 'ready' && !url)) return;
+        if (giveUp || !seen.has(event) || (event !== 'standby' && !url)) return;
         done();
         ok();
       };
@@ -211,31 +211,37 @@ export async function startStandbyEngine(model: string, opts: EngineStart, kind:
  * flight fail over to the bridge's retry (nak, redelivery) and queued ones wait in the instance's
  * consumer. A crash loop and it stays down: `healthy()` turns false, for the pool to replace.
  *
- * With `standby`, a second engine waits beside it on standby, its model mapped (started once the
- * first is ready, and again after each restart): a death is answered by starting it at once —
+ * With `standby`, a second engine waits beside it on standby, its model mapped (the first one
+ * started as soon as the engine listens, its port known, so that it loads beside the engine's own
+ * load rather than in the first seconds the engine serves — started after the engine was ready,
+ * it made its context 3–4 s into a new instance's service, beside the answers a roll had just
+ * moved there, under bench:chaos; again after each restart): a death is answered by starting it at once —
  * the restart costs its context's making (~60 ms per 4,096-token slot; nothing when it is
  * `warm`, its context made ahead) and listening, not a process's start and a model's load (~2 s)
- * after a backoff. `standby` may be a function, asked at each standby's start which kind it is.
+ * after a backoff. `standby` may be a function, asked at each standby's start which kind it is
+ * (`loading`: the engine beside it has not made its own context yet).
  * A restart that finds it waiting comes at once (a crash loop is still given up after the
  * policy's `maxRestarts`); one that does not backs off as before. A standby that failed or is
  * not ready yet is replaced by a cold start (or waited for, while it loads).
  */
 export async function startSupervisedEngine(
   model: string,
-  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: StartedStandby | (() => StartedStandby) },
+  opts: EngineStart & { restart?: Partial<RestartPolicy>; stopGraceMs: number; standby?: StartedStandby | ((loading: boolean) => StartedStandby) },
 ): Promise<Supervised<LlamaCppEngine>> {
-  const first = await startLlamaCppEngine(model, opts);
-  const port = first.port;
+  if (opts.signal?.aborted) throw opts.signal.reason as Error;
+  const spawned = spawnEngine(model, opts);
+  await spawned.until('listening', opts.signal);
+  const port = spawned.engine().port;
   // `signal` is the first start's; a restart is aborted by stop() instead, and so is a standby's start.
   const { signal: _startOnly, standby: withStandby, restart: policy, stopGraceMs, ...again } = opts;
   const stopping = new AbortController();
   let spare: { engine: Promise<StandbyEngine | undefined>; waiting: boolean } | undefined;
   // Standbys lost in a row (died waiting, or failed to start): each next one comes later.
   let lost = 0;
-  const keepSpare = () => {
+  const keepSpare = (loading = false) => {
     if (!withStandby || stopping.signal.aborted) return;
     const next: NonNullable<typeof spare> = { engine: Promise.resolve(undefined), waiting: false };
-    const kind = typeof withStandby === 'function' ? withStandby() : withStandby;
+    const kind = typeof withStandby === 'function' ? withStandby(loading) : withStandby;
     const startedAt = Date.now();
     // A standby that dies while it waits (the OOM killer picks it, a stray kill) or fails to start
     // is replaced, after 1 s, doubling to 60 s while they keep dying young: otherwise the next
@@ -248,6 +254,7 @@ export async function startSupervisedEngine(
       opts.log(`${opts.name}: the engine on standby ${why}; another in ${wait} ms`);
       setTimeout(() => spare === next && keepSpare(), wait).unref();
     };
+    opts.log(`${opts.name}: starting an engine on standby${kind === 'warm' ? ', warm,' : ''} for port ${port}${loading ? ' beside its load' : ''}`);
     next.engine = startStandbyEngine(model, { ...again, port, signal: stopping.signal }, kind).then(
       (s) => {
         next.waiting = true;
@@ -283,7 +290,6 @@ export async function startSupervisedEngine(
     keepSpare();
     return e;
   };
-  keepSpare();
   /** Stops the engine on standby for good (none is started after). */
   const stopSpare = async (): Promise<void> => {
     stopping.abort(new Error('the engine is stopping'));
@@ -291,6 +297,15 @@ export async function startSupervisedEngine(
     spare = undefined;
     await s?.engine.then((e) => e?.process.stop(0));
   };
+  keepSpare(true);
+  try {
+    await spawned.until('ready', opts.signal);
+  } catch (err) {
+    // The engine did not start (it exited, its deadline passed, the start was aborted): nor does its standby.
+    await stopSpare();
+    throw err;
+  }
+  const first = spawned.engine();
   return supervise(first, {
     name: opts.name,
     log: opts.log,
@@ -323,11 +338,13 @@ function gguf(ready: ReadyModel): NonNullable<ReturnType<typeof servedGguf>> | s
 
 /**
  * The standby of `kind` (launcher.ts `StandbyKind`) for an engine whose KV cache takes `kvCache`
- * bytes (unknown: no memory plan); `auto` is decided at each standby's start, on the free memory then.
+ * bytes (unknown: no memory plan); `auto` is decided at each standby's start, on the free memory
+ * then — less the engine's own KV cache while that engine is `loading` (the first standby starts
+ * beside the engine's load, before the engine has made its context).
  */
-export function standbyKind(kind: StandbyKind, kvCache: number | undefined, free: () => number = freemem): () => StartedStandby {
+export function standbyKind(kind: StandbyKind, kvCache: number | undefined, free: () => number = freemem): (loading?: boolean) => StartedStandby {
   if (kind !== 'auto') return () => kind;
-  return () => (kvCache !== undefined && kvCache <= free() / 2 ? 'warm' : 'mapped');
+  return (loading = false) => (kvCache !== undefined && kvCache <= (free() - (loading ? kvCache : 0)) / 2 ? 'warm' : 'mapped');
 }
 
 async function startLocal(l: LocalLaunch): Promise<LocalServing> {

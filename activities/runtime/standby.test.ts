@@ -21,6 +21,13 @@ test('auto: warm while the KV cache fits in half the free memory, asked again at
   expect(kind()).toBe('warm');
 });
 
+test('auto beside an engine still loading: its own KV cache, not made yet, counts as taken', () => {
+  const kind = standbyKind('auto', 1 * GIB, () => 2.9 * GIB);
+  expect(kind()).toBe('warm');
+  expect(kind(true)).toBe('mapped');
+  expect(standbyKind('auto', 1 * GIB, () => 4 * GIB)(true)).toBe('warm');
+});
+
 test('auto without a memory plan (its KV cache unknown): mapped', () => {
   expect(standbyKind('auto', undefined, () => 100 * GIB)()).toBe('mapped');
 });
