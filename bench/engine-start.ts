@@ -9,7 +9,7 @@
  * `npm run bench:engine-start`; each engine is stopped (with its standby) after its run.
  */
 import { startSupervisedEngine } from '../activities/runtime/llama-cpp';
-import { sleep } from '../test/harness/wait';
+import { sleep, until } from '../test/harness/wait';
 import { demoModelFile } from '../workers/dev/demo-model';
 import { fmt, p50 } from './common';
 
@@ -39,8 +39,7 @@ async function startOnce(gguf: string, kind: (typeof KINDS)[number]): Promise<St
     ...(kind !== 'none' ? { standby: kind } : {}),
   });
   const readyMs = performance.now() - t0;
-  const deadline = Date.now() + 60_000;
-  while (kind !== 'none' && standbyMs === undefined && Date.now() < deadline) await sleep(20);
+  if (kind !== 'none') await until('its engine on standby', () => standbyMs !== undefined, 60_000);
   await engine.stop();
   return { readyMs, ...(standbyMs !== undefined ? { standbyMs } : {}) };
 }
