@@ -8,6 +8,7 @@
  * Run by chaos.ts with `fork` (the messages below); {@link answer} is also what chaos.ts asks its
  * reference answers with, in its own process.
  */
+import { subscribe } from 'node:diagnostics_channel';
 import { monitorEventLoopDelay } from 'node:perf_hooks';
 import { parseLastEventId } from '../gateway/serving/resume';
 import { sseRecords } from '../test/harness/sse-stream';
@@ -30,9 +31,31 @@ export interface Answer {
   error?: string;
   reconnects: number;
   refused: number;
-  /** Each reconnect (epoch ms): its stream lost, asked again, the answer's headers, its first event. */
-  resumes: { lost: number; asked?: number; headers?: number; event?: number; gateway?: string }[];
+  /** Each reconnect (epoch ms): its stream lost, asked again, its request's headers written to the socket, the answer's headers, its first event. */
+  resumes: Resume[];
 }
+
+export interface Resume {
+  lost: number;
+  asked?: number;
+  sent?: number;
+  headers?: number;
+  event?: number;
+  gateway?: string;
+}
+
+/**
+ * The resumes whose request is on its way, by `Last-Event-ID`: `fetch` (undici) says on a
+ * diagnostics channel when it writes a request's headers to its socket — the client's own share
+ * of the wait, apart from the gateway's.
+ */
+const sending = new Map<string, Resume>();
+subscribe('undici:client:sendHeaders', (message) => {
+  const { headers } = message as { headers?: string };
+  const id = headers === undefined ? undefined : /^last-event-id: *(\S+)\r?$/im.exec(headers)?.[1];
+  const r = id === undefined ? undefined : sending.get(id);
+  if (r) r.sent ??= Date.now();
+});
 
 /** What a client needs to ask: the gateways (their URLs now), the key, and what to ask for. */
 export interface ClientContext {
@@ -68,6 +91,8 @@ export async function answer(c: ClientContext, client: number, session: string, 
       resume.asked ??= Date.now();
       resume.gateway = gw; // the last one asked: the one that answered, when one did
     }
+    const sentAs = resume ? lastId : undefined;
+    if (resume && sentAs) sending.set(sentAs, resume);
     try {
       const res = await fetch(`${gw}/v1/chat/completions`, {
         method: 'POST',
@@ -126,6 +151,8 @@ export async function answer(c: ClientContext, client: number, session: string, 
       }
     } catch {
       // the connection broke: resume
+    } finally {
+      if (sentAs) sending.delete(sentAs);
     }
     a.reconnects += 1;
     a.resumes.push({ lost: Date.now() });

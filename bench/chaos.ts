@@ -77,7 +77,7 @@ import { startNatsCluster, type TestNatsCluster } from '../test/harness/nats-clu
 import { commonPrefix } from '../test/harness/timed-stream';
 import { eventually, sleep } from '../test/harness/wait';
 import { answer, watchLoop, type Answer, type ClientContext, type FromClients, type ToClients } from './chaos-clients';
-import { fmt, p50, p99, spawnGateway, type GatewayProcess } from './common';
+import { fmt, p50, p99, quantile, spawnGateway, type GatewayProcess } from './common';
 
 const env = (name: string, fallback: number) => (process.env[name] !== undefined ? Number(process.env[name]) : fallback);
 const STREAMS = env('CHAOS_STREAMS', 200);
@@ -245,14 +245,16 @@ function byInstance(answers: Answer[], measure: (of: Answer[]) => string): strin
 
 const longestGap = (a: Answer) => a.times.slice(1).reduce((m, t, i) => Math.max(m, t - a.times[i]!), 0);
 
-/** The reconnects of `a` between `from` and `to`: each's times after `from` (stream lost, asked again, headers, first event). */
+/** The reconnects of `a` between `from` and `to`: each's times after `from` (stream lost, asked again, its request written, the answer's headers, first event). */
 function resumesIn(a: Answer, from: number, to: number): string {
   const at = (t?: number) => (t === undefined ? '-' : `${t >= from ? '+' : ''}${fmt((t - from) / 1000)}`);
   const within = a.resumes.filter((r) => r.lost >= from && r.lost <= to);
   return within.length === 0
     ? ''
-    : `; reconnects (lost, asked, headers, first event, in s; on the gateway listening since): ${within
-        .map((r) => [...[r.lost, r.asked, r.headers, r.event].map(at), at(r.gateway === undefined ? undefined : gatewayListening.get(r.gateway))].join(' '))
+    : `; reconnects (lost, asked, sent, headers, first event, in s; on the gateway listening since): ${within
+        .map((r) =>
+          [...[r.lost, r.asked, r.sent, r.headers, r.event].map(at), at(r.gateway === undefined ? undefined : gatewayListening.get(r.gateway))].join(' '),
+        )
         .join('; ')}`;
 }
 
@@ -271,6 +273,33 @@ function gapsByFault(answers: Answer[]): Map<string, number> {
       out.set(kind, Math.max(out.get(kind) ?? 0, gap));
     }
   return out;
+}
+
+/**
+ * The reconnects of answers under way (a piece received) that a gateway kill cut — lost within 2 s
+ * after one — all of them: how long each client took to ask again, and the replica it asked to
+ * send the headers (with the first event, for an answer under way) — a distribution, where the
+ * longest silence is one stream's tail. Answers still queued resume too, but have no piece to wait for.
+ */
+function resumesAfterGatewayKills(answers: Answer[]): string[] {
+  const kills = faults.filter((f) => f.kind === 'gateway');
+  if (kills.length === 0) return [];
+  const resumes = answers.flatMap((a) =>
+    a.resumes.filter(
+      (r) =>
+        r.asked !== undefined &&
+        r.headers !== undefined &&
+        a.times[0] !== undefined &&
+        a.times[0] < r.lost &&
+        kills.some((f) => r.lost >= f.at && r.lost <= f.end + 2_000),
+    ),
+  );
+  const of = (ms: number[]) => `p50 ${fmt(p50(ms) / 1000)} / p90 ${fmt(quantile(ms, 0.9) / 1000)} / max ${fmt(Math.max(0, ...ms) / 1000)} s`;
+  return [
+    `  answers under way resumed after gateway kills (${resumes.length}): lost → asked ${of(resumes.map((r) => r.asked! - r.lost))}; ` +
+      `asked → sent ${of(resumes.filter((r) => r.sent !== undefined).map((r) => r.sent! - r.asked!))}; ` +
+      `sent → headers ${of(resumes.filter((r) => r.sent !== undefined).map((r) => r.headers! - r.sent!))}; lost → headers ${of(resumes.map((r) => r.headers! - r.lost))}`,
+  ];
 }
 
 async function phase(name: string, reference: Answer[], sessions: string[], withFaults: boolean): Promise<string> {
@@ -365,6 +394,7 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
     ...(process.env.CHAOS_VERBOSE ? [`  wait for the first piece by the instance first asked: ${byInstance(answers, waits)}`] : []),
     `  event loops late: the bridges' and supervisors' p99 ${fmt(lateness.bridges.p99Ms, 0)} / max ${fmt(lateness.bridges.maxMs, 0)} ms, the clients' p99 ${fmt(lateness.clients.p99Ms, 0)} / max ${fmt(lateness.clients.maxMs, 0)} ms`,
     ...[...reasons].map(([why, n]) => `  broken: ${n} × ${why}`),
+    ...(withFaults ? resumesAfterGatewayKills(whole) : []),
     ...(withFaults
       ? [
           `  longest silence by the fault before it: ${[...gapsByFault(whole)]
