@@ -38,7 +38,7 @@ export interface Answer {
 export interface Resume {
   lost: number;
   asked?: number;
-  sent?: number;
+  written?: number;
   headers?: number;
   event?: number;
   gateway?: string;
@@ -54,7 +54,7 @@ subscribe('undici:client:sendHeaders', (message) => {
   const { headers } = message as { headers?: string };
   const id = headers === undefined ? undefined : /^last-event-id: *(\S+)\r?$/im.exec(headers)?.[1];
   const r = id === undefined ? undefined : sending.get(id);
-  if (r) r.sent ??= Date.now();
+  if (r) r.written ??= Date.now();
 });
 
 /** What a client needs to ask: the gateways (their URLs now), the key, and what to ask for. */

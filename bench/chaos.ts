@@ -251,9 +251,9 @@ function resumesIn(a: Answer, from: number, to: number): string {
   const within = a.resumes.filter((r) => r.lost >= from && r.lost <= to);
   return within.length === 0
     ? ''
-    : `; reconnects (lost, asked, sent, headers, first event, in s; on the gateway listening since): ${within
+    : `; reconnects (lost, asked, written, headers, first event, in s; on the gateway listening since): ${within
         .map((r) =>
-          [...[r.lost, r.asked, r.sent, r.headers, r.event].map(at), at(r.gateway === undefined ? undefined : gatewayListening.get(r.gateway))].join(' '),
+          [...[r.lost, r.asked, r.written, r.headers, r.event].map(at), at(r.gateway === undefined ? undefined : gatewayListening.get(r.gateway))].join(' '),
         )
         .join('; ')}`;
 }
@@ -297,8 +297,8 @@ function resumesAfterGatewayKills(answers: Answer[]): string[] {
   const of = (ms: number[]) => `p50 ${fmt(p50(ms) / 1000)} / p90 ${fmt(quantile(ms, 0.9) / 1000)} / max ${fmt(Math.max(0, ...ms) / 1000)} s`;
   return [
     `  answers under way resumed after gateway kills (${resumes.length}): lost → asked ${of(resumes.map((r) => r.asked! - r.lost))}; ` +
-      `asked → sent ${of(resumes.filter((r) => r.sent !== undefined).map((r) => r.sent! - r.asked!))}; ` +
-      `sent → headers ${of(resumes.filter((r) => r.sent !== undefined).map((r) => r.headers! - r.sent!))}; lost → headers ${of(resumes.map((r) => r.headers! - r.lost))}`,
+      `asked → written ${of(resumes.filter((r) => r.written !== undefined).map((r) => r.written! - r.asked!))}; ` +
+      `written → headers ${of(resumes.filter((r) => r.written !== undefined).map((r) => r.headers! - r.written!))}; lost → headers ${of(resumes.map((r) => r.headers! - r.lost))}`,
   ];
 }
 
