@@ -91,8 +91,8 @@ export async function answer(c: ClientContext, client: number, session: string, 
       resume.asked ??= Date.now();
       resume.gateway = gw; // the last one asked: the one that answered, when one did
     }
-    const sentAs = resume ? lastId : undefined;
-    if (resume && sentAs) sending.set(sentAs, resume);
+    const resumedWith = resume ? lastId : undefined;
+    if (resumedWith) sending.set(resumedWith, resume!);
     try {
       const res = await fetch(`${gw}/v1/chat/completions`, {
         method: 'POST',
@@ -152,7 +152,7 @@ export async function answer(c: ClientContext, client: number, session: string, 
     } catch {
       // the connection broke: resume
     } finally {
-      if (sentAs) sending.delete(sentAs);
+      if (resumedWith) sending.delete(resumedWith);
     }
     a.reconnects += 1;
     a.resumes.push({ lost: Date.now() });

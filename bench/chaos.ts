@@ -295,10 +295,11 @@ function resumesAfterGatewayKills(answers: Answer[]): string[] {
     ),
   );
   const of = (ms: number[]) => `p50 ${fmt(p50(ms) / 1000)} / p90 ${fmt(quantile(ms, 0.9) / 1000)} / max ${fmt(Math.max(0, ...ms) / 1000)} s`;
+  const written = resumes.filter((r) => r.written !== undefined);
   return [
     `  answers under way resumed after gateway kills (${resumes.length}): lost → asked ${of(resumes.map((r) => r.asked! - r.lost))}; ` +
-      `asked → written ${of(resumes.filter((r) => r.written !== undefined).map((r) => r.written! - r.asked!))}; ` +
-      `written → headers ${of(resumes.filter((r) => r.written !== undefined).map((r) => r.headers! - r.written!))}; lost → headers ${of(resumes.map((r) => r.headers! - r.lost))}`,
+      `asked → written ${of(written.map((r) => r.written! - r.asked!))}; ` +
+      `written → headers ${of(written.map((r) => r.headers! - r.written!))}; lost → headers ${of(resumes.map((r) => r.headers! - r.lost))}`,
   ];
 }
 
