@@ -17,6 +17,7 @@ import { metricsRoutes } from './routes/metrics';
 import { modelRoutes } from './routes/models';
 import { responsesRoutes } from './routes/responses';
 import { describedRoute, openApiDocument, type DescribedRoute } from './openapi';
+import { lazySerializers, lazyValidators } from './compilers';
 
 /** The services the routes use (plugins/services.ts), plus the app's own extras. */
 export interface GatewayAppOptions extends Omit<GatewayServices, 'readiness'> {
@@ -81,13 +82,15 @@ const MAX_PARAM_LENGTH = 512;
  * of — words the 400: plugins/errors.ts); the `authorization` header never reaches a log line,
  * and one access-log line per request (the app's onResponse hook) instead of fastify's two; a
  * request Node's HTTP parser refuses, or fastify's router (a malformed or too long path), is
- * answered in OpenAI's error shape too.
+ * answered in OpenAI's error shape too. Each route's validators are compiled when a request first
+ * needs them, not at start (compilers.ts).
  */
 export const options = {
   clientErrorHandler,
   frameworkErrors,
   routerOptions: { maxParamLength: MAX_PARAM_LENGTH },
   ajv: { customOptions: { coerceTypes: false, discriminator: true, verbose: true, keywords: ['x-unsupported'] } },
+  schemaController: { compilersFactory: { buildValidator: lazyValidators(), buildSerializer: lazySerializers() } },
   logController: new LogController({ disableRequestLogging: true }),
   logger: {
     redact: {

@@ -3,7 +3,7 @@
  * data plane that answers published requests with scripted frames, a counting session broker,
  * and an app builder using the server options the gateway expects.
  */
-import Fastify, { type FastifyInstance } from 'fastify';
+import Fastify, { type FastifyInstance, type FastifyServerOptions } from 'fastify';
 import { Writable } from 'node:stream';
 import type { ReadyModel } from '../../shared/model';
 import type { ChatInference, InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
@@ -152,8 +152,11 @@ export type TestToken = ReturnType<typeof makeToken>;
 
 export async function buildTestApp(
   over: Partial<Omit<GatewayAppOptions, 'models'>> & { models?: ReadyModel[] | GatewayAppOptions['models'] } = {},
-  /** `storedFrames`: frames can be read back (the fake plane's {@link FakeDataPlane.readStored}), as background responses need. */
-  harness: { storedFrames?: boolean } = {},
+  /**
+   * `storedFrames`: frames can be read back (the fake plane's {@link FakeDataPlane.readStored}), as background responses need;
+   * `server`: fastify's options over the app's (`options`).
+   */
+  harness: { storedFrames?: boolean; server?: FastifyServerOptions } = {},
 ): Promise<TestApp> {
   const plane = new FakeDataPlane();
   const broker = new FakeBroker();
@@ -162,7 +165,7 @@ export async function buildTestApp(
   const entries = Object.fromEntries(Object.entries(tokens).map(([id, t]) => [id, t.entry]));
   const { models, ...rest } = over;
   const list = Array.isArray(models) || models === undefined ? (models ?? [readyModel('tiny'), readyModel('other-model')]) : undefined;
-  const app = Fastify({ ...options, logger: { ...options.logger, level: 'info', stream: log } });
+  const app = Fastify({ ...options, ...harness.server, logger: { ...options.logger, level: 'info', stream: log } });
   await app.register(gatewayApp, {
     settings: testSettings(),
     tokens: staticTokenSource(entries, 'test'),
