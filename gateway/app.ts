@@ -82,8 +82,9 @@ const MAX_PARAM_LENGTH = 512;
  * of — words the 400: plugins/errors.ts); the `authorization` header never reaches a log line,
  * and one access-log line per request (the app's onResponse hook) instead of fastify's two; a
  * request Node's HTTP parser refuses, or fastify's router (a malformed or too long path), is
- * answered in OpenAI's error shape too. Each route's validators are compiled when a request first
- * needs them, not at start (compilers.ts).
+ * answered in OpenAI's error shape too. A route's validators are made when a request first needs
+ * them, from the code `npm run build` generated for them, and compiled only without it: nothing is
+ * compiled at start (compilers.ts).
  */
 export const options = {
   clientErrorHandler,
