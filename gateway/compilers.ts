@@ -17,8 +17,8 @@
  * for its own compiler, so a route's `headers` schema must name them in lower case (refused when
  * the route is added, otherwise).
  */
-import { AjvCompiler } from '@fastify/ajv-compiler';
-import { SerializerSelector } from '@fastify/fast-json-stringify-compiler';
+import type { AjvCompiler } from '@fastify/ajv-compiler';
+import type { SerializerSelector } from '@fastify/fast-json-stringify-compiler';
 import type { FastifyServerOptions } from 'fastify';
 import { createHash } from 'node:crypto';
 import { existsSync } from 'node:fs';
@@ -71,7 +71,7 @@ export function generatedValidatorFile(dir: string, route: ValidatorRoute, exter
  * then, with nothing compiled.
  */
 export function lazyValidators(opts: { build?: BuildValidator; dir?: string } = {}): ValidatorFactory {
-  const build = opts.build ?? (AjvCompiler() as unknown as BuildValidator);
+  const build = opts.build ?? fastifyValidators;
   const dir = opts.dir === undefined ? GENERATED_VALIDATORS : opts.dir;
   const generated = dir !== '' && existsSync(dir);
   const lazyBuild: BuildValidator = (externalSchemas, options) => {
@@ -92,15 +92,30 @@ export function lazyValidators(opts: { build?: BuildValidator; dir?: string } = 
 }
 
 /** fastify's serializer builder (`schemaController.compilersFactory.buildSerializer`) with each serializer compiled on first use. */
-export function lazySerializers(build: BuildSerializer = SerializerSelector()): BuildSerializer {
+export function lazySerializers(build: BuildSerializer = fastifySerializers): BuildSerializer {
   return (externalSchemas, options) => {
-    const compile = build(externalSchemas, options);
+    let compile: ReturnType<BuildSerializer> | undefined;
     return (route) => {
       let serialize: Serialize | undefined;
-      return (doc) => (serialize ??= compile(route))(doc);
+      return (doc) => (serialize ??= (compile ??= build(externalSchemas, options))(route))(doc);
     };
   };
 }
+
+// fastify's own compilers, each loaded (Ajv, fast-json-stringify: ~20 ms of a start) only by a
+// replica that compiles, and one of each per process (they pool by their options).
+let ajvPool: BuildValidator | undefined;
+let fjsPool: BuildSerializer | undefined;
+const fastifyValidators: BuildValidator = (externalSchemas, options) => {
+  // eslint-disable-next-line @typescript-eslint/no-require-imports -- loaded when first compiling
+  ajvPool ??= (require('@fastify/ajv-compiler') as { AjvCompiler: typeof AjvCompiler }).AjvCompiler() as unknown as BuildValidator;
+  return ajvPool(externalSchemas, options);
+};
+const fastifySerializers: BuildSerializer = (externalSchemas, options) => {
+  // eslint-disable-next-line @typescript-eslint/no-require-imports -- loaded when first compiling
+  fjsPool ??= (require('@fastify/fast-json-stringify-compiler') as { SerializerSelector: typeof SerializerSelector }).SerializerSelector();
+  return fjsPool(externalSchemas, options);
+};
 
 /**
  * A validator that `make` makes (loads or compiles) at its first call, or when fastify first reads
