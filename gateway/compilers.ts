@@ -21,11 +21,12 @@ import type { AjvCompiler } from '@fastify/ajv-compiler';
 import type { SerializerSelector } from '@fastify/fast-json-stringify-compiler';
 import type { FastifyServerOptions } from 'fastify';
 import { createHash } from 'node:crypto';
-import { existsSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync, readdirSync } from 'node:fs';
+import { basename, join } from 'node:path';
 
 type Factories = NonNullable<NonNullable<FastifyServerOptions['schemaController']>['compilersFactory']>;
-type ValidatorFactory = NonNullable<Factories['buildValidator']>;
+/** What fastify takes as `schemaController.compilersFactory.buildValidator`. */
+export type ValidatorFactory = NonNullable<Factories['buildValidator']>;
 type BuildSerializer = ReturnType<typeof SerializerSelector>;
 type Serialize = ReturnType<ReturnType<BuildSerializer>>;
 
@@ -73,7 +74,8 @@ export function generatedValidatorFile(dir: string, route: ValidatorRoute, exter
 export function lazyValidators(opts: { build?: BuildValidator; dir?: string } = {}): ValidatorFactory {
   const build = opts.build ?? fastifyValidators;
   const dir = opts.dir === undefined ? GENERATED_VALIDATORS : opts.dir;
-  const generated = dir !== '' && existsSync(dir);
+  // The files the build wrote, read once: a route part's is looked up by name.
+  const generated = new Set(dir !== '' && existsSync(dir) ? readdirSync(dir) : []);
   const lazyBuild: BuildValidator = (externalSchemas, options) => {
     // Ajv itself is made only when a validator has to be compiled.
     let compile: ReturnType<BuildValidator> | undefined;
@@ -82,9 +84,9 @@ export function lazyValidators(opts: { build?: BuildValidator; dir?: string } = 
       const named = [...Object.keys(headers?.properties ?? {}), ...(headers?.required ?? [])];
       const upper = named.find((h) => h !== h.toLowerCase());
       if (upper) throw new Error(`${route.method} ${route.url}: header '${upper}' in its headers schema is to be named in lower case`);
-      const file = generated ? generatedValidatorFile(dir, route, externalSchemas, options) : undefined;
+      const file = generated.size > 0 ? generatedValidatorFile(dir, route, externalSchemas, options) : undefined;
       // eslint-disable-next-line @typescript-eslint/no-require-imports -- code the build generated, loaded when first needed
-      if (file && existsSync(file)) return lazyValidator(() => require(file) as Validator);
+      if (file && generated.has(basename(file))) return lazyValidator(() => require(file) as Validator);
       return lazyValidator(() => (compile ??= build(externalSchemas, options))(route));
     };
   };

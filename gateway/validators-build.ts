@@ -11,18 +11,16 @@
 import { AjvCompiler, AjvReference } from '@fastify/ajv-compiler';
 import standaloneCode from 'ajv/dist/standalone';
 import type Ajv from 'ajv';
-import Fastify, { type FastifyServerOptions } from 'fastify';
+import Fastify from 'fastify';
 import { mkdirSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import gatewayApp, { options } from './app';
-import { GENERATED_VALIDATORS, generatedValidatorFile, type BuildValidator } from './compilers';
+import { GENERATED_VALIDATORS, generatedValidatorFile, type BuildValidator, type ValidatorFactory } from './compilers';
 import { loadGatewayConfig } from './config';
 import { staticTokenSource } from './plugins/auth';
 import type { ResponseRouter } from './serving/exchange';
 import { createModelCatalog } from './serving/model-catalog';
 import { memoryResponseStore } from './serving/response-store';
 import type { SessionBroker } from './serving/sessions';
-
-type ValidatorFactory = NonNullable<NonNullable<NonNullable<FastifyServerOptions['schemaController']>['compilersFactory']>['buildValidator']>;
 
 /** A validator builder that also writes each validator's standalone code to `dir`, under the name compilers.ts looks it up by. */
 export function storeValidators(dir: string, stored: string[] = []): ValidatorFactory {
