@@ -19,6 +19,8 @@ export interface Answer {
   id?: string;
   /** The instance its first event id names (where it was first published). */
   instance?: string;
+  /** Every instance its event ids named, in order (moves and continuations: more than one). */
+  instances: string[];
   /** When it was first asked for (epoch ms). */
   asked: number;
   prompt: number;
@@ -73,7 +75,7 @@ export interface ClientContext {
 
 /** One streamed answer of `session` to prompt `prompt`, resumed with `Last-Event-ID` on any gateway after a lost stream. */
 export async function answer(c: ClientContext, client: number, session: string, prompt: number): Promise<Answer> {
-  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now(), resumes: [] };
+  const a: Answer = { prompt, text: '', pieces: 0, times: [], done: false, reconnects: 0, refused: 0, asked: Date.now(), resumes: [], instances: [] };
   let lastId: string | undefined;
   const body = JSON.stringify({
     model: c.pool,
@@ -121,7 +123,9 @@ export async function answer(c: ClientContext, client: number, session: string, 
         if (resume) resume.event ??= Date.now();
         if (e.id) {
           lastId = e.id;
-          a.instance ??= parseLastEventId(c.secret, c.tokenId, e.id)?.instance;
+          const named = parseLastEventId(c.secret, c.tokenId, e.id)?.instance;
+          a.instance ??= named;
+          if (named && a.instances.at(-1) !== named) a.instances.push(named);
         }
         if (e.data === undefined) continue;
         if (e.data === '[DONE]') {

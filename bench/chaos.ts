@@ -49,7 +49,9 @@
  * moves warm turns off long queues, which asks Temporal, and this bench runs none).
  * `CHAOS_FAULTS` (comma-separated: engine, drain, gateway, requests-leader, responses-leader, roll)
  * limits the faults to those kinds; `CHAOS_BASELINE=0` skips the undisturbed phase; with
- * `CHAOS_VERBOSE`, `CHAOS_SILENCE_SHOWN_MS` (default 2000) is the silence over which a client's is logged with its reconnects. Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
+ * `CHAOS_VERBOSE`, `CHAOS_SILENCE_SHOWN_MS` (default 2000) is the silence over which a client's is logged with its reconnects;
+ * `CHAOS_ANSWERS=<file>` appends every answer of each phase to that file, one JSON line each (its
+ * times, reconnects and the instances its event ids named). Reported per phase: answers, streams broken (ended without their whole answer: an error, or given
  * up after 20 reconnects), texts differing from the undisturbed reference (each prompt answered
  * alone before the phases), pieces more or fewer than the reference's (repeated or missing
  * tokens), the longest silence a client saw between two pieces of an answer (p99 and max over
@@ -58,7 +60,7 @@
  */
 import { fork, type ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { appendFileSync, mkdtempSync, rmSync } from 'node:fs';
 import { cpus, loadavg, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { connect, type NatsConnection } from 'nats';
@@ -337,6 +339,8 @@ async function phase(name: string, reference: Answer[], sessions: string[], with
     ),
   );
   clearInterval(progress);
+  // Every answer of the phase, one JSON line each, for a closer look than the report's.
+  if (process.env.CHAOS_ANSWERS) appendFileSync(process.env.CHAOS_ANSWERS, answers.map((a) => `${JSON.stringify({ phase: name, ...a })}\n`).join(''));
   // The clients' processes' together: the worst p99 and max, every late turn.
   const clientsLate = clientsDone.map((d) => d.lateness);
   const lateness = {

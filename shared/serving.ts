@@ -53,6 +53,13 @@ const envelope = {
    */
   deadline: Type.Number(),
   /**
+   * Epoch ms: where it stands in a queue (earliest first) when not at its `deadline` — a
+   * continuation keeps the place of the request it continues ({@link queueDueOf}): a resume gives
+   * the answer it moves on a later deadline (its client is waiting again), not a later turn.
+   * Absent (gateways before it, a first request): its deadline.
+   */
+  due: Type.Optional(Type.Number()),
+  /**
    * It continues another request's answer, handed back by that request's bridge
    * (shared/continuation.ts `CONTINUE_ELSEWHERE`): a streamed chat or text completion whose engine
    * resumes after the answer so far. Its frames are numbered from 0 on its own subjects.
@@ -84,6 +91,9 @@ export type ChatInference = Static<typeof ChatInference>;
 export type EmbeddingsInference = Static<typeof EmbeddingsInference>;
 export type CompletionsInference = Static<typeof CompletionsInference>;
 export type InferenceRequest = ChatInference | EmbeddingsInference | CompletionsInference;
+
+/** Where `req` stands in a queue, earliest first (epoch ms): its `due`, else its deadline. */
+export const queueDueOf = (req: Pick<InferenceRequest, 'due' | 'deadline'>): number => req.due ?? req.deadline;
 
 /**
  * One message on a request's `replyTo`, numbered from 0 so the gateway can detect gaps and
@@ -127,6 +137,11 @@ export type ResponseFrame =
        * the others whichever gateway moves each (frames of older bridges lack it).
        */
       spread?: number;
+      /**
+       * An answer handed back: its request's place in a queue ({@link queueDueOf}), which the
+       * request that continues it keeps (frames of older bridges lack it).
+       */
+      due?: number;
       /**
        * Its bridge could not know how much of the answer its client has (a take-over that found
        * the frames stored of it gone: `resume_failed`, or a hand-back): a gateway takes it at the

@@ -185,3 +185,40 @@ test('moved away from a silent bridge after its role, handed back after a role, 
   });
   expect(coldStarts).toEqual([]);
 }, 60_000);
+
+test('a turn whose gateway died before any of it was said, handed back by its bridge: the resume moves it on in its first place in the queues, under a deadline of its own', async () => {
+  const doomedNc = await natsConnectAs('gateway', names, 'magus-test-doomed-gateway-2');
+  const doomed = await gatewayStack(names, {
+    nc: doomedNc,
+    secret: SECRET,
+    tokens: { [TOKEN_ID]: TOKEN },
+    env,
+    deps: { coldStart: refusedColdStart(coldStarts, 'no cold start here') },
+  });
+  const before = new Set(published.keys());
+  const newTurn = () => [...published.values()].find((p) => !before.has(p.req.id) && p.instance === 'i1');
+  const live = turn(doomed.gateway.url, {
+    onEvent: async () => {
+      // Its role said (nothing of the answer): the gateway dies, its NATS connection before its client's.
+      await doomedNc.close();
+      return true;
+    },
+  });
+  await until('the turn reaches i1', () => newTurn() !== undefined);
+  const first = newTurn()!.req;
+  await say(first.id, role(0));
+  const cut = await live;
+  await Promise.resolve(doomed.close()).catch(() => undefined);
+  // Its bridge hands it back (a drain deadline, its engine gone), saying the request's place: nobody moves it yet.
+  await say(first.id, { ...handedBack(1), due: first.deadline } as ResponseFrame);
+  const rest = turn(survivor.url, { lastEventId: cut.events.at(-1)!.id! });
+  await until('moved on by the resume', () => published.has(`${first.id}-m1`), 15_000);
+  const moved = published.get(`${first.id}-m1`)!;
+  // Its place in a queue is the first request's (it waited its turn there); its deadline counts from the resume.
+  expect(moved.req.due).toBe(first.deadline);
+  expect(moved.req.deadline).toBeGreaterThan(first.deadline);
+  await say(moved.req.id, role(0), text(1, 'Fresh', 1), done(2));
+  const resumed = await rest;
+  expect(resumed.done).toBe(true);
+  expect(contentOf(resumed.events)).toBe('Fresh');
+}, 60_000);

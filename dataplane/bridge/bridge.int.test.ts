@@ -600,7 +600,7 @@ describe('redelivery', () => {
     const instance = await instanceWith({ ackWaitMs: 1500 });
     const doomed = await natsConnectAsBridge(names, POOL, instance);
     await bridge(instance, stub.url, {}, doomed);
-    const { answer } = await sent(instance);
+    const { req, answer } = await sent(instance);
     await loseEveryStoredFrame(instance, answer, 4, doomed);
     const said = answer.raw.length;
 
@@ -609,7 +609,14 @@ describe('redelivery', () => {
     // At seq 0 (none stored), which the client's gateway has: it takes it after what it relayed
     // (gateway/serving/exchange.ts), where the gateway's own read-back of the gap would wait.
     expect(answer.raw.slice(said)).toEqual([
-      { seq: 0, type: 'error', afterRelayed: true, spread: 0, error: expect.objectContaining({ status: 503, code: CONTINUE_ELSEWHERE }) as unknown },
+      {
+        seq: 0,
+        type: 'error',
+        afterRelayed: true,
+        spread: 0,
+        due: req.deadline,
+        error: expect.objectContaining({ status: 503, code: CONTINUE_ELSEWHERE }) as unknown,
+      },
     ]);
     expect(stub.calls).toHaveLength(1); // not generated again: its gateway continues it
     await until('term', () => heir.stats.termed === 1);
@@ -1318,15 +1325,23 @@ describe("an instance's lanes", () => {
     expect(lane.num_pending + lane.num_ack_pending).toBe(0);
   });
 
-  /** A request handed back to `instance` with nothing said, due `inMs` from now. */
-  const handedBack = (instance: string, text: string, inMs: number) =>
+  /**
+   * A request handed back to `instance` with nothing said, due `inMs` from now; with `placeInMs`,
+   * its place in a queue apart from its deadline (a continuation keeps the place of the request it
+   * continues, a resume gives it a later deadline: shared/serving.ts `queueDueOf`).
+   */
+  const handedBack = (instance: string, text: string, inMs: number, placeInMs?: number) =>
     sent(
       instance,
       { messages: [{ role: 'user', content: text }] },
-      { deadline: Date.now() + inMs, continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } } },
+      {
+        deadline: Date.now() + inMs,
+        ...(placeInMs !== undefined ? { due: Date.now() + placeInMs } : {}),
+        continues: { id: newId(), createdAt: Date.now(), resume: { tokens: [], text: '' } },
+      },
     );
 
-  it('the requests handed back are served earliest deadline first, as many at once as its slots, not in the order handed back', async () => {
+  it('the requests handed back are served earliest place first (their deadline, or the place they keep), as many at once as its slots, not in the order handed back', async () => {
     // The two in flight outlast the five handed back meanwhile.
     const stub = await engine((_, body) =>
       body.messages[0]!.content === 'first' || body.messages[0]!.content === 'second' ? { chunks: 20, delayMs: 150 } : { chunks: 3, delayMs: 50 },
@@ -1346,13 +1361,18 @@ describe("an instance's lanes", () => {
       ['due in 30 s', 30_000],
     ] as const)
       back.push(await handedBack(instance, text, inMs));
+    // Moved on by a resume: due in 90 s, its place that of a request due in 15 s.
+    const kept = await handedBack(instance, 'placed at 15 s', 90_000, 15_000);
+    back.push(kept);
     for (const { answer } of [...first, ...back]) expect((await answer.finished).at(-1)).toMatchObject({ type: 'done' });
     const order = stub.calls.map((c) => c.messages[0]!.content);
-    expect(order.slice(2)).toEqual(['due in 10 s', 'due in 20 s', 'due in 30 s', 'due in 50 s', 'due in 60 s']);
+    expect(order.slice(2)).toEqual(['due in 10 s', 'placed at 15 s', 'due in 20 s', 'due in 30 s', 'due in 50 s', 'due in 60 s']);
+    // Its engine is told its place, not its deadline (the engine orders its own queue by it).
+    expect(Number(stub.callHeaders[3]![DUE_HEADER])).toBe(Math.round(kept.req.due!));
     // The engine never had more than its slots of them: the lane's consumer held the rest.
     expect(stub.maxActive).toBe(2);
     expect(stub.callHeaders.every((h) => h[REQUEUED_HEADER] === '1')).toBe(true);
-    await until('all acked', () => b.stats.acked === 7);
+    await until('all acked', () => b.stats.acked === 8);
     expect(b.stats.nakked).toBe(0);
     const lane = await jsm.consumers.info(names.requestStream, laneConsumerNameOf(POOL, instance, 'requeued'));
     expect(lane.config.max_ack_pending).toBe(REQUEUED_HELD);
@@ -1523,7 +1543,8 @@ describe('shutdown', () => {
     const b = await bridge(instance, stub.url, { slots: 2, drainTimeoutMs: 300 }); // llama.cpp's engine: it continues answers
     const inFlight = [await sent(instance), await sent(instance)];
     await until('both answering', () => inFlight.every(({ answer }) => answer.raw.length >= 3));
-    const queued = [await sent(instance), await sent(instance)];
+    // One queued with a place of its own (a continuation's: shared/serving.ts `queueDueOf`), before its deadline.
+    const queued = [await sent(instance), await sent(instance, {}, { due: Date.now() - 30_000 })];
     await until('two queued', async () => (await consumerState(instance)).num_pending === 2);
     await b.stop();
     const last = async (list: typeof inFlight) => Promise.all(list.map(async ({ answer }) => (await answer.finished).at(-1)));
@@ -1533,6 +1554,9 @@ describe('shutdown', () => {
     const unsaid = await last(queued);
     for (const f of unsaid) expect(f).toMatchObject({ seq: 0, type: 'error', error: { code: CONTINUE_ELSEWHERE } });
     expect(unsaid.map((f) => (f as { spread?: number }).spread).sort()).toEqual([0, 1]);
+    // Each says its request's place in a queue, which the request continuing it keeps.
+    expect([...midway, ...unsaid].map((f) => (f as { due?: number }).due)).toEqual([...inFlight, ...queued].map(({ req }) => req.due ?? req.deadline));
+    expect(queued[1]!.req.due).toBeLessThan(queued[1]!.req.deadline);
     expect(b.stats.handedBack).toBe(4);
   });
 

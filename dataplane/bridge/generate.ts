@@ -19,7 +19,7 @@ import {
 import type { CompletionsRequest } from '../../shared/completions';
 import type { EmbeddingsRequest } from '../../shared/embeddings';
 import { requestKindOf } from '../../shared/request-kinds';
-import type { EmbeddingsInference, ErrorFrame, InferenceRequest, ResponseFrame } from '../../shared/serving';
+import { queueDueOf, type EmbeddingsInference, type ErrorFrame, type InferenceRequest, type ResponseFrame } from '../../shared/serving';
 import type { AbortReason, Attempt, Outcome } from './attempt';
 import type { EngineClient, EngineResponse } from './engine-client';
 import { BridgeErrorCode, errorFrame } from './error-frames';
@@ -198,9 +198,12 @@ export function movable(a: Attempt, continues: boolean, stopping = false): boole
   return resumedAnswer(a.answer) !== undefined;
 }
 
-/** The frame that hands `a`'s answer back to its gateway after the frames it has sent (`spread`: `Attempt.handedBack`'s). */
+/**
+ * The frame that hands `a`'s answer back to its gateway after the frames it has sent (`spread`:
+ * `Attempt.handedBack`'s), with its request's place in a queue (`due`), which its continuation keeps.
+ */
 export function handBackFrame(a: Attempt, why: string, spread?: number): ErrorFrame {
-  return { ...errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why), ...(spread !== undefined ? { spread } : {}) };
+  return { ...errorFrame(a.nextSeq, 503, 'server_error', CONTINUE_ELSEWHERE, why), ...(spread !== undefined ? { spread } : {}), due: queueDueOf(a.req) };
 }
 
 /**
@@ -318,8 +321,8 @@ async function callEngine(engine: EngineClient, a: Attempt, frames: ResponseFram
   });
   try {
     // Handed back by another instance with nothing said: it waited its turn there (its engine puts it
-    // among its own queue by its deadline, which every call says).
-    const headers = { [DUE_HEADER]: String(Math.round(req.deadline)), ...(carried && !resume ? { [REQUEUED_HEADER]: '1' } : {}) };
+    // among its own queue by its place, which every call says: shared/serving.ts `queueDueOf`).
+    const headers = { [DUE_HEADER]: String(Math.round(queueDueOf(req))), ...(carried && !resume ? { [REQUEUED_HEADER]: '1' } : {}) };
     const called = Date.now();
     const res = await engine.post(path, JSON.stringify(body), {
       accept: stream ? 'text/event-stream' : 'application/json',

@@ -3,13 +3,20 @@ import { dueOf, HeldRequests } from './held';
 
 const bytes = (s: string) => new TextEncoder().encode(s);
 
-describe('dueOf: the deadline a held request is ordered by', () => {
-  it("is the request's deadline", () => {
+describe('dueOf: the place a held request is ordered by', () => {
+  it("is the request's deadline when it says no place of its own", () => {
     expect(dueOf(bytes(JSON.stringify({ id: 'r', deadline: 1_796_550_000_000 })))).toBe(1_796_550_000_000);
   });
 
+  it("is the request's due when it says one (a continuation keeps its first request's place), its deadline when that is no finite number", () => {
+    expect(dueOf(bytes(JSON.stringify({ id: 'r', deadline: 1_796_550_300_000, due: 1_796_550_000_000 })))).toBe(1_796_550_000_000);
+    expect(dueOf(bytes(JSON.stringify({ id: 'r', deadline: 1_796_550_300_000, due: 'soon' })))).toBe(1_796_550_300_000);
+    expect(dueOf(bytes(JSON.stringify({ id: 'r', deadline: 1_796_550_300_000, due: null })))).toBe(1_796_550_300_000);
+  });
+
   it('is -Infinity for a request that says none, or none that is a finite number, or is not JSON: it goes first, to be refused at once', () => {
-    for (const data of ['{"id":"r"}', '{"deadline":"soon"}', '{"deadline":null}', 'null', '[1', '']) expect(dueOf(bytes(data))).toBe(-Infinity);
+    for (const data of ['{"id":"r"}', '{"deadline":"soon"}', '{"deadline":null}', '{"due":"soon"}', 'null', '[1', ''])
+      expect(dueOf(bytes(data))).toBe(-Infinity);
   });
 });
 

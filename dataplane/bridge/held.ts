@@ -7,15 +7,22 @@
  * times waited 152 s in its third instance's lane until its deadline. Held here (up to the lane
  * consumer's `max_ack_pending`, dataplane/consumers.ts `REQUEUED_HELD`), the oldest goes first;
  * the engine is handed no more of the lane at once than before (session 67 handed it all of them,
- * and the instances' own queues paid).
+ * and the instances' own queues paid). "Oldest" is its place (shared/serving.ts `queueDueOf`), which
+ * an answer keeps across its moves: a resume gave the request it moved on a later deadline, and
+ * ordered by that one a turn handed back again went behind each lane it came to — under
+ * bench:chaos one moved nine times and began 714 s after it was asked.
  */
 import type { JsMsg } from 'nats';
 
-/** A request's deadline (epoch ms) as its message says it; -Infinity when it says none (it goes first, to be refused at once). */
+/**
+ * A request's place in a queue (epoch ms) as its message says it: its `due`, else its deadline
+ * (shared/serving.ts `queueDueOf`); -Infinity when it says neither (it goes first, to be refused at once).
+ */
 export function dueOf(data: Uint8Array): number {
+  const finite = (v: unknown): number | undefined => (typeof v === 'number' && Number.isFinite(v) ? v : undefined);
   try {
-    const due = (JSON.parse(new TextDecoder().decode(data)) as { deadline?: unknown } | null)?.deadline;
-    return typeof due === 'number' && Number.isFinite(due) ? due : -Infinity;
+    const r = JSON.parse(new TextDecoder().decode(data)) as { due?: unknown; deadline?: unknown } | null;
+    return finite(r?.due) ?? finite(r?.deadline) ?? -Infinity;
   } catch {
     return -Infinity;
   }

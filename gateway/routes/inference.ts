@@ -9,7 +9,14 @@ import type { FastifyBaseLogger, FastifyInstance, FastifyReply, FastifyRequest }
 import { nuid } from 'nats';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
-import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
+import {
+  queueDueOf,
+  type ChatInference,
+  type CompletionsInference,
+  type EmbeddingsInference,
+  type InferenceRequest,
+  type SessionEntry,
+} from '../../shared/serving';
 import { meterSignature, type Metered, type MeterKey } from '../../dataplane/meter';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
@@ -387,7 +394,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       trace: (what, fields) => client.log.info({ inferenceId: id, ...fields }, what),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
-        ? async (said, from, { createdAt, at, spread }) => {
+        ? async (said, from, { createdAt, at, spread, due }) => {
             const to = g.sessions.another?.(model, from.session.instance, spread) ?? from.session;
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
@@ -405,7 +412,14 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
             }
             return {
               session: to,
-              req: { ...from.req, id: next, replyTo: g.responses.replySubject(next), continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) } },
+              req: {
+                ...from.req,
+                id: next,
+                replyTo: g.responses.replySubject(next),
+                // Its place in a queue: the request's it continues, as its bridge said it.
+                due: due ?? queueDueOf(from.req),
+                continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) },
+              },
             };
           }
         : undefined,

@@ -237,6 +237,9 @@ export async function followAnswer(
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
     const { createdAt, at, spread } = how;
+    // Its place in a queue: the request's it continues (as its bridge said it, else as a move
+    // before said it), not the later deadline this resume gives it.
+    const due = how.due ?? from.req.due;
     // The replica that published it, known gone (SIGKILLed, most often), will not claim it: no wait.
     let publisherGone = false;
     const whenGone = new Promise<void>((resolve) => {
@@ -277,6 +280,7 @@ export async function followAnswer(
       req: {
         ...continuation(mine).req,
         deadline: Date.now() + s.requestTimeoutMs,
+        ...(due !== undefined ? { due } : {}),
         meter: meterOf(g.meterKey, {
           id: place.requestId,
           kind: req.kind ?? 'chat',

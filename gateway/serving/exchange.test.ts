@@ -9,6 +9,7 @@ import {
   NATS_UNREACHABLE,
   PUBLISH_RETRY_MS,
   PUBLISH_RETRY_UNCOMMITTED_MS,
+  type MoveHow,
   type ResponseRouter,
 } from './exchange';
 
@@ -530,6 +531,33 @@ describe('exchange: an answer handed back, or whose bridge went silent, goes on 
       await Promise.resolve();
       await Promise.resolve();
       expect(t.published).toEqual(['magus.req.p.i1 r1', `${subject} r2`]);
+      t.listeners.get('r2')!(done(0));
+      await expect(t.p).resolves.toBe('end');
+    }
+  });
+
+  it("a hand-back's place in a queue (its frame's due) goes to the move, which the continuation keeps; one that is no finite number does not", async () => {
+    for (const [due, expected] of [
+      [1_700_000_000_000, 1_700_000_000_000],
+      [undefined, undefined],
+      [Number.NaN, undefined],
+      ['soon', undefined],
+    ] as const) {
+      const hows: MoveHow[] = [];
+      const t = setUp({
+        move: (said, from, how) => {
+          hows.push(how);
+          return Promise.resolve({ session: s2, req: { ...from.req, id: 'r2', replyTo: 'magus.res.r2' } });
+        },
+      });
+      await Promise.resolve();
+      t.listeners.get('r1')!(text(0, 'Once', [7]));
+      t.listeners.get('r1')!({ ...handedBack(1), due } as ErrorFrame);
+      await Promise.resolve();
+      await Promise.resolve();
+      expect(hows).toHaveLength(1);
+      expect(hows[0]!.due).toBe(expected);
+      expect('due' in hows[0]!).toBe(expected !== undefined);
       t.listeners.get('r2')!(done(0));
       await expect(t.p).resolves.toBe('end');
     }

@@ -395,6 +395,8 @@ export interface MoveHow {
   at: number;
   /** The answer's place among those its bridge handed back together (`ResponseFrame` `spread`). */
   spread?: number;
+  /** The place in a queue of the request moved from, as its bridge said it (`ResponseFrame` `due`): the continuation keeps it. */
+  due?: number;
 }
 
 /** A request of the exchange and the instance it was published to: the first, or one that continues its answer. */
@@ -578,7 +580,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
           relayedChunks += 1;
           createdAt ??= createdOf(f.data);
           opts.onChunk?.(f.data, base + f.seq);
-        } else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq, f.spread);
+        } else if (f.error.code === CONTINUE_ELSEWHERE && opts.move) moveOn(f.seq, f.spread, f.due);
         else {
           const e = frameError(f, opts.retryAfterSec);
           fail(e.status < 500 ? 'engine_rejected' : 'engine_error', e, f.error);
@@ -597,7 +599,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       );
     let unlisten = listen(current);
     /** The bridge handed the answer back after `seq` frames of the current request: continue it as a new request. */
-    const moveOn = (seq: number, spread?: number) => {
+    const moveOn = (seq: number, spread?: number, due?: number) => {
       const answer = said.answer;
       const from = current;
       moving = true;
@@ -605,7 +607,9 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       unlisten();
       unlisten = () => undefined;
       if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
-      opts.move!(answer, from, { createdAt: createdAt ?? Date.now(), at: seq, ...(spread !== undefined ? { spread } : {}) }).then(
+      const how: MoveHow = { createdAt: createdAt ?? Date.now(), at: seq, ...(spread !== undefined ? { spread } : {}) };
+      if (typeof due === 'number' && Number.isFinite(due)) how.due = due;
+      opts.move!(answer, from, how).then(
         (to) => {
           moving = false;
           if (finished) return;
