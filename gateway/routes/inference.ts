@@ -24,6 +24,7 @@ import { errors, sessionErrorType, SessionErrorType, toGatewayError, type Gatewa
 import { setTimeout as sleep } from 'node:timers/promises';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
+import { holdsPart } from '../../shared/continuation';
 import { continuationIdOf, DEFAULT_RESUME_HOLD_MS, resumeIdPrefix } from '../serving/resume';
 import type { ModelServing } from '../serving/sessions';
 import type { SseResponse } from './sse';
@@ -395,7 +396,7 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
         ? async (said, from, { createdAt, at, spread, due }) => {
-            const to = g.sessions.another?.(model, from.session.instance, spread) ?? from.session;
+            const to = g.sessions.another?.(model, from.session.instance, spread, { byLoad: !holdsPart(said) }) ?? from.session;
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
             const stay = to.instance === from.session.instance;

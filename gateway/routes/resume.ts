@@ -14,7 +14,7 @@ import type { ReadyModel } from '../../shared/model';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { Principal } from '../plugins/auth';
 import { errors, toGatewayError } from '../plugins/errors';
-import type { ResumedAnswer } from '../../shared/continuation';
+import { holdsPart, type ResumedAnswer } from '../../shared/continuation';
 import { exchange, frameSubjectsOf, type Moved, type MoveHow, type ResponseRouter } from '../serving/exchange';
 import { continuationIdOf, parseLastEventId, type MoveLog, type MoveRecord, type ResumableAnswer, type ResumePoint } from '../serving/resume';
 import { cancelUnlessResumed, meterOf, withModelDefaults, type InferencePayload } from './inference';
@@ -259,7 +259,7 @@ export async function followAnswer(
       await Promise.race([new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS)), whenGone]);
     }
     if (!asked || signal.aborted) return undefined;
-    const to = g.sessions.another?.(asked.model, from.session.instance, spread) ?? from.session;
+    const to = g.sessions.another?.(asked.model, from.session.instance, spread, { byLoad: !holdsPart(said) }) ?? from.session;
     const mine: ResumableAnswer = {
       replica: place.replica,
       pool: to.pool,

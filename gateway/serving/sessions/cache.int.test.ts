@@ -609,6 +609,27 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     expect((await cache.acquire(req(key('new-turn')))).instance).toBe('i4');
   });
 
+  it('answers handed back with nothing said go to the least full instance, counting those this gateway sent since; of equal ones, by their place', async () => {
+    await publishPool(['i1', 'i2', 'i3', 'i4'], 4);
+    const waits = new QueueWaits(0);
+    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await cache.ready;
+    await until('the view mirrored', () => cache!.instancesOf(model)?.length === 4, 10_000);
+    // i1 drains: i2 and i3 hold 3 per slot, i4 one (a drained instance back, its queue handed away).
+    waits.beat('tiny.i2', { running: 4, slots: 4, queued: 8, serviceMs: 8_000 });
+    waits.beat('tiny.i3', { running: 4, slots: 4, queued: 8, serviceMs: 8_000 });
+    waits.beat('tiny.i4', { running: 4, slots: 4, queued: 0, serviceMs: 8_000 });
+    const unsaid = (spread: number) => cache!.another(model, 'i1', spread, { byLoad: true })?.instance;
+    // Eight to i4 (1 → 3 per slot), then by their place where all are equal.
+    expect([0, 1, 2, 3, 4, 5, 6, 7].map(unsaid)).toEqual(Array(8).fill('i4'));
+    expect([8, 9, 10].map(unsaid)).toEqual(['i4', 'i2', 'i3']);
+    // Answers with part said still go by their place (a resume sequence each, whatever the queues).
+    expect([0, 1, 2].map((spread) => cache!.another(model, 'i1', spread)?.instance)).toEqual(['i2', 'i3', 'i4']);
+    // One whose bridge said no load lately comes after those that did.
+    waits.beat('tiny.i2', undefined);
+    expect([0, 1, 2, 3].map((n) => unsaid(n + 11))).not.toContain('i2');
+  });
+
   it('queue waits: a refusal’s Retry-After is the pool’s next instance when that comes sooner than a queue drains, paced by how long its starts took', async () => {
     const waits = new QueueWaits(2_000);
     cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });

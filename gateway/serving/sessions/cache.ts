@@ -218,7 +218,7 @@ export class SessionCache implements SessionBroker {
     return (this.instancesOf(model) ?? []).some((i) => i !== instance);
   }
 
-  another(model: ReadyModel, instance: string, spread?: number): SessionEntry | undefined {
+  another(model: ReadyModel, instance: string, spread?: number, opts: { byLoad?: boolean } = {}): SessionEntry | undefined {
     const now = this.now();
     const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);
     // Told its place among a bridge's hand-backs: the same choice on every gateway (ranked before
@@ -229,9 +229,13 @@ export class SessionCache implements SessionBroker {
     const busier = (i: string) => (i === spreadTo ? -1 : recent(i).length);
     // Its queue does not rank an instance: a bridge takes the answers moved to it before what is queued there
     // (ranked by it, a drain's hand-backs all went to the one instance a roll just started, past its resume sequences).
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier, queuesAside: true });
+    // Nothing said of it: it goes before the target's queue in its place, so each instance's queue
+    // pays for what it takes — the least full takes it (by name, each went where the n-th went
+    // whatever its load, and a drained instance's queue doubled the queues of two while the third idled).
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier, queuesAside: true, ...(opts.byLoad ? { byLoad: true } : {}) });
     if (!target) return undefined;
     this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
+    if (opts.byLoad) this.waits?.published(model.name, target.instance);
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };
   }
 

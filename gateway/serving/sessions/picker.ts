@@ -40,14 +40,16 @@ export class InstancePicker {
    * instance drained, not yet out of the view) comes before those and after every other: what is
    * sent there is served only if its pod is let live that long. Then one whose queue is over the wait budget
    * (not with `queuesAside`: a moved answer, which its bridge takes before its queue);
-   * `busier` ranks instances next (`another`: the answers moved to each just now, so that those of
+   * `byLoad` ranks instances by how full their bridges say they are (in flight and queued per
+   * slot; unknown last) next (`another`, an answer with nothing said), then
+   * `busier` (`another`: the answers moved to each just now, so that those of
    * one lost instance spread over the others), then their leases. A pool that scales on load
    * (its view's `scalesOn`) has no lease limit: its instances rank by how full their bridges say
    * they are (in flight and queued per slot), then by leases; it grows on that load itself.
    */
   pick(
     model: ReadyModel,
-    opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number; queuesAside?: boolean } = {},
+    opts: { anyLoad?: boolean; avoid?: string; busier?: (instance: string) => number; queuesAside?: boolean; byLoad?: boolean } = {},
   ): PublishedInstance | undefined {
     const entry = this.views.viewOf(model.namespace, model.name);
     if (!entry) return undefined;
@@ -63,7 +65,8 @@ export class InstancePicker {
       const silent = this.silent?.(model.name, i.instance) === true ? 2 : this.stopping?.(model.name, i.instance) === true ? 1 : 0;
       const crowded = !opts.queuesAside && this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
       const full = onLoad ? (this.waits?.occupancy(model.name, i.instance) ?? 0) : 0;
-      const rank = [silent, crowded, opts.busier?.(i.instance) ?? 0, full, n];
+      const load = opts.byLoad ? (this.waits?.occupancy(model.name, i.instance) ?? Infinity) : 0;
+      const rank = [silent, crowded, load, opts.busier?.(i.instance) ?? 0, full, n];
       if (!bestRank || before(rank, bestRank)) {
         best = i;
         bestRank = rank;
