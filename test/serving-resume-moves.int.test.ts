@@ -132,8 +132,9 @@ const contentOf = (events: RawEvent[]) =>
   events.map((e) => (JSON.parse(e.data) as { choices?: { delta?: { content?: string } }[] }).choices?.[0]?.delta?.content ?? '').join('');
 const seqOf = (e: RawEvent) => Number(e.id!.split('.')[2]);
 
-test('moved away from a silent bridge after its role, handed back after a role, cut after "The story"; the left request answered later after all: a resume gets " of a fox" once, numbered on', async () => {
-  const doomedNc = await natsConnectAs('gateway', names, 'magus-test-doomed-gateway');
+/** A gateway replica on a NATS connection of its own (`client`): closing it kills the replica as far as the data plane can tell. */
+async function doomedGateway(client: string) {
+  const doomedNc = await natsConnectAs('gateway', names, client);
   const doomed = await gatewayStack(names, {
     nc: doomedNc,
     secret: SECRET,
@@ -141,6 +142,11 @@ test('moved away from a silent bridge after its role, handed back after a role, 
     env,
     deps: { coldStart: refusedColdStart(coldStarts, 'no cold start here') },
   });
+  return { doomedNc, doomed };
+}
+
+test('moved away from a silent bridge after its role, handed back after a role, cut after "The story"; the left request answered later after all: a resume gets " of a fox" once, numbered on', async () => {
+  const { doomedNc, doomed } = await doomedGateway('magus-test-doomed-gateway');
   const live = turn(doomed.gateway.url, {
     onEvent: async (events) => {
       if (events.length < 3) return false;
@@ -187,14 +193,7 @@ test('moved away from a silent bridge after its role, handed back after a role, 
 }, 60_000);
 
 test('a turn whose gateway died before any of it was said, handed back by its bridge: the resume moves it on in its first place in the queues, under a deadline of its own', async () => {
-  const doomedNc = await natsConnectAs('gateway', names, 'magus-test-doomed-gateway-2');
-  const doomed = await gatewayStack(names, {
-    nc: doomedNc,
-    secret: SECRET,
-    tokens: { [TOKEN_ID]: TOKEN },
-    env,
-    deps: { coldStart: refusedColdStart(coldStarts, 'no cold start here') },
-  });
+  const { doomedNc, doomed } = await doomedGateway('magus-test-doomed-gateway-2');
   const before = new Set(published.keys());
   const newTurn = () => [...published.values()].find((p) => !before.has(p.req.id) && p.instance === 'i1');
   const live = turn(doomed.gateway.url, {
