@@ -13,6 +13,7 @@
  * bench:chaos one moved nine times and began 714 s after it was asked.
  */
 import type { JsMsg } from 'nats';
+import { queueDueOf } from '../../shared/serving';
 
 /**
  * A request's place in a queue (epoch ms) as its message says it: its `due`, else its deadline
@@ -22,7 +23,7 @@ export function dueOf(data: Uint8Array): number {
   const finite = (v: unknown): number | undefined => (typeof v === 'number' && Number.isFinite(v) ? v : undefined);
   try {
     const r = JSON.parse(new TextDecoder().decode(data)) as { due?: unknown; deadline?: unknown } | null;
-    return finite(r?.due) ?? finite(r?.deadline) ?? -Infinity;
+    return queueDueOf({ due: finite(r?.due), deadline: finite(r?.deadline) ?? -Infinity });
   } catch {
     return -Infinity;
   }

@@ -9,14 +9,7 @@ import type { FastifyBaseLogger, FastifyInstance, FastifyReply, FastifyRequest }
 import { nuid } from 'nats';
 import type { ReadyModel } from '../../shared/model';
 import { modelSampling, withSamplingDefaults } from '../../shared/sampling';
-import {
-  queueDueOf,
-  type ChatInference,
-  type CompletionsInference,
-  type EmbeddingsInference,
-  type InferenceRequest,
-  type SessionEntry,
-} from '../../shared/serving';
+import type { ChatInference, CompletionsInference, EmbeddingsInference, InferenceRequest, SessionEntry } from '../../shared/serving';
 import { meterSignature, type Metered, type MeterKey } from '../../dataplane/meter';
 import { usageIn, usageRecordOf } from '../../shared/usage';
 import { mayUse, type Principal } from '../plugins/auth';
@@ -417,8 +410,8 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
                 ...from.req,
                 id: next,
                 replyTo: g.responses.replySubject(next),
-                // Its place in a queue: the request's it continues, as its bridge said it.
-                due: due ?? queueDueOf(from.req),
+                // Its place in a queue: the request's it continues (without one, that request's deadline, kept here).
+                ...(due !== undefined ? { due } : {}),
                 continues: { id, createdAt, resume: said, ...(stay ? { stay } : {}) },
               },
             };

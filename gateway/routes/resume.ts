@@ -236,10 +236,8 @@ export async function followAnswer(
    * its metering the answer's key as this replica's client presents it.
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
-    const { createdAt, at, spread } = how;
-    // Its place in a queue: the request's it continues (as its bridge said it, else as a move
-    // before said it), not the later deadline this resume gives it.
-    const due = how.due ?? from.req.due;
+    // `due`: its place in a queue, the request's it continues, not the later deadline this resume gives it.
+    const { createdAt, at, spread, due } = how;
     // The replica that published it, known gone (SIGKILLed, most often), will not claim it: no wait.
     let publisherGone = false;
     const whenGone = new Promise<void>((resolve) => {

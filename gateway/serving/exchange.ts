@@ -395,7 +395,10 @@ export interface MoveHow {
   at: number;
   /** The answer's place among those its bridge handed back together (`ResponseFrame` `spread`). */
   spread?: number;
-  /** The place in a queue of the request moved from, as its bridge said it (`ResponseFrame` `due`): the continuation keeps it. */
+  /**
+   * The place in a queue of the request moved from — as its bridge said it (`ResponseFrame` `due`),
+   * else the request's own `due` (none: its deadline is its place) — which the continuation keeps.
+   */
   due?: number;
 }
 
@@ -608,7 +611,8 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       unlisten = () => undefined;
       if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
       const how: MoveHow = { createdAt: createdAt ?? Date.now(), at: seq, ...(spread !== undefined ? { spread } : {}) };
-      if (typeof due === 'number' && Number.isFinite(due)) how.due = due;
+      const place = typeof due === 'number' && Number.isFinite(due) ? due : from.req.due;
+      if (place !== undefined) how.due = place;
       opts.move!(answer, from, how).then(
         (to) => {
           moving = false;

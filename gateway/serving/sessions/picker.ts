@@ -64,8 +64,9 @@ export class InstancePicker {
       // One whose bridge is silent last, one that stops before it, then one whose queue would keep a request waiting past the budget, then `busier` (answers moved there just now), then (on load) how full it is, then leases.
       const silent = this.silent?.(model.name, i.instance) === true ? 2 : this.stopping?.(model.name, i.instance) === true ? 1 : 0;
       const crowded = !opts.queuesAside && this.waits?.overBudget(model.name, i.instance) === true ? 1 : 0;
-      const full = onLoad ? (this.waits?.occupancy(model.name, i.instance) ?? 0) : 0;
-      const load = opts.byLoad ? (this.waits?.occupancy(model.name, i.instance) ?? Infinity) : 0;
+      const occupancy = onLoad || opts.byLoad ? this.waits?.occupancy(model.name, i.instance) : undefined;
+      const full = onLoad ? (occupancy ?? 0) : 0;
+      const load = opts.byLoad ? (occupancy ?? Infinity) : 0;
       const rank = [silent, crowded, load, opts.busier?.(i.instance) ?? 0, full, n];
       if (!bestRank || before(rank, bestRank)) {
         best = i;
