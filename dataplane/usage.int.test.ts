@@ -112,9 +112,20 @@ describe('a request the gateway gave up on (recordRefusal): the ledger says what
     expect(await kv.get(`${usageKeyOf(read[0]!)}.told`)).not.toBeNull();
   });
 
-  it('the bridge first, not completed: nothing to correct', async () => {
-    await b.record({ ...record('req-told-3', 'team-d/chat', T0), outcome: 'cancelled' });
-    await expect(a.recordRefusal(refusal('req-told-3'))).resolves.toBe('existed');
-    expect((await a.read({ key: 'team-d/chat' })).find((r) => r.id === 'req-told-3')?.outcome).toBe('cancelled');
+  it('the bridge first, cancelled with the tokens made before the gateway gave up (its cancel came mid-answer): corrected', async () => {
+    await b.record({ ...record('req-told-3', 'team-d/chat', T0, 2), outcome: 'cancelled', error: 'client_closed' });
+    await expect(a.recordRefusal(refusal('req-told-3'))).resolves.toBe('corrected');
+    expect((await a.read({ key: 'team-d/chat' })).find((r) => r.id === 'req-told-3')).toMatchObject({
+      outcome: 'failed',
+      tokens: { total: 0 },
+      corrects: { outcome: 'cancelled', tokens: { completion: 2, total: 12 } },
+    });
+  });
+
+  it('the bridge first, failed with no tokens: it says what the client was told; nothing to correct', async () => {
+    await b.record({ ...refusal('req-told-4'), error: 'no_instance' });
+    await expect(a.recordRefusal(refusal('req-told-4'))).resolves.toBe('existed');
+    expect(await kv.get(`${usageKeyOf(refusal('req-told-4'))}.told`)).toBeNull();
+    expect((await a.read({ key: 'team-d/chat' })).find((r) => r.id === 'req-told-4')).toMatchObject({ outcome: 'failed', error: 'no_instance' });
   });
 });

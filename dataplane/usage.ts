@@ -56,18 +56,19 @@ export class UsageLedger {
 
   /**
    * Records what a gateway told the client of a request it gave up on (`r`: failed, no tokens;
-   * README.md, "The usage ledger"). `written`: no record was there. `existed`: one was — this
-   * gateway's earlier try, or a bridge's that does not say the client was answered. `corrected`:
-   * a bridge recorded the request `completed` first (its publish was stored after all and served,
-   * its cancel lost): a correction carrying what it corrects is written beside that record, once,
-   * and readers and sums take the correction instead. Records are never updated: a correction is
-   * a record of its own.
+   * README.md, "The usage ledger"). `written`: no record was there. `existed`: one was that says
+   * what `r` says (this gateway's earlier try, or a bridge's `failed` with no tokens). `corrected`:
+   * a bridge recorded the request otherwise first — its publish was stored after all and served,
+   * `completed` (the gateway's cancel lost) or `cancelled` with the tokens made before the cancel
+   * came: a correction carrying what it corrects is written beside that record, once, and readers
+   * and sums take the correction instead. Records are never updated: a correction is a record of
+   * its own.
    */
   async recordRefusal(r: UsageRecord): Promise<'written' | 'existed' | 'corrected'> {
     if ((await this.record(r)) === 'written') return 'written';
     const stored = await this.kv.get(usageKeyOf(r));
     const base = stored?.operation === 'PUT' ? parseUsageRecord(decodeJson(stored.value)) : undefined;
-    if (base?.outcome !== 'completed') return 'existed';
+    if (base === undefined || (base.outcome === r.outcome && base.tokens.total === r.tokens.total)) return 'existed';
     try {
       await this.kv.put(correctionKeyOf(r), encodeJson({ ...r, corrects: { outcome: base.outcome, tokens: base.tokens } }), { previousSeq: 0 });
     } catch (err) {

@@ -504,14 +504,20 @@ describe('the data plane on a three-node NATS cluster', () => {
       expect(bridge.stats.framesUnstored).toBe(0);
       // The usage ledger through both outages: exactly one record per accepted request, completed;
       // a refused one (a 503) none, or the gateway's own record of giving up (failed, no tokens) —
-      // never a completed one, though its publish may have been stored and served (its cancel lost
-      // while the bridge reconnected): the gateway's record, written when it answered 503, comes
-      // first, or — when the bridge's came first (both waited for the ledger's new leader; seen once
-      // in CI) — the gateway's correction stands in its place (dataplane/usage.ts, recordRefusal).
+      // never one with tokens, though its publish may have been stored and served (its cancel lost
+      // while the bridge reconnected, or heard after the first tokens): the gateway's record, written
+      // when it answered 503, comes first, or — when the bridge's came first (both waited for the
+      // ledger's new leader; seen in CI, `completed` once, `cancelled` with 2 tokens once) — the
+      // gateway's correction stands in its place (dataplane/usage.ts, recordRefusal).
       const ledger = await UsageLedger.open(worker.jetstream(), names);
       const byId = async () => new Map((await ledger.read()).map((r) => [r.id, r]));
       let records = await byId();
-      const settled = () => accepted.every((o) => records.has(o.id!)) && refused.every((o) => records.get(o.id!)?.outcome !== 'completed');
+      const settled = () =>
+        accepted.every((o) => records.has(o.id!)) &&
+        refused.every((o) => {
+          const r = records.get(o.id!);
+          return r === undefined || (r.outcome === 'failed' && r.tokens.total === 0);
+        });
       for (let i = 0; !settled() && i < 100; i++) {
         await sleep(100);
         records = await byId();
@@ -520,7 +526,7 @@ describe('the data plane on a three-node NATS cluster', () => {
       process.stdout.write(
         `ledger: ${records.size} records for ${accepted.length} accepted requests (bridge recorded ${bridge.stats.usageRecorded}); ` +
           `of ${refused.length} refused, ${refusedRecords.length} recorded, ${refusedRecords.filter((r) => r.outcome === 'failed' && r.tokens.total === 0).length} of them failed with no tokens ` +
-          `(${refusedRecords.filter((r) => r.corrects).length} correcting a bridge's completed record)\n`,
+          `(${refusedRecords.filter((r) => r.corrects).length} correcting a bridge's record)\n`,
       );
       expect(accepted.filter((o) => records.get(o.id!)?.outcome !== 'completed' || !records.get(o.id!)?.reported)).toEqual([]);
       expect(refusedRecords.filter((r) => r.outcome !== 'failed' || r.tokens.total !== 0)).toEqual([]);
