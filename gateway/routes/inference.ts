@@ -17,7 +17,6 @@ import { errors, sessionErrorType, SessionErrorType, toGatewayError, type Gatewa
 import { setTimeout as sleep } from 'node:timers/promises';
 import { exchange, frameSubjectsOf, type ExchangeOptions } from '../serving/exchange';
 import { contextLengthOf, promptTokenBound, type LimitGrant } from '../serving/limits';
-import { holdsPart } from '../../shared/continuation';
 import { continuationIdOf, DEFAULT_RESUME_HOLD_MS, resumeIdPrefix } from '../serving/resume';
 import type { ModelServing } from '../serving/sessions';
 import type { SseResponse } from './sse';
@@ -388,8 +387,9 @@ export async function runTurn(app: FastifyInstance, client: TurnClient, turn: Tu
       trace: (what, fields) => client.log.info({ inferenceId: id, ...fields }, what),
       // Handed back by its bridge (its instance stops, its engine went away): the rest on another instance, else where it was.
       move: streamed
-        ? async (said, from, { createdAt, at, spread, due }) => {
-            const to = g.sessions.another?.(model, from.session.instance, spread, { byLoad: !holdsPart(said) }) ?? from.session;
+        ? async (said, from, how) => {
+            const { createdAt, at, due } = how;
+            const to = g.sessions.another?.(model, from.session.instance, how) ?? from.session;
             moves += 1;
             const next = continuationIdOf(id, moves, () => nuid.next());
             const stay = to.instance === from.session.instance;

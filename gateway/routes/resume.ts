@@ -14,7 +14,7 @@ import type { ReadyModel } from '../../shared/model';
 import type { InferenceRequest, ResponseFrame, SessionEntry } from '../../shared/serving';
 import type { Principal } from '../plugins/auth';
 import { errors, toGatewayError } from '../plugins/errors';
-import { holdsPart, type ResumedAnswer } from '../../shared/continuation';
+import type { ResumedAnswer } from '../../shared/continuation';
 import { exchange, frameSubjectsOf, type Moved, type MoveHow, type ResponseRouter } from '../serving/exchange';
 import { continuationIdOf, parseLastEventId, type MoveLog, type MoveRecord, type ResumableAnswer, type ResumePoint } from '../serving/resume';
 import { cancelUnlessResumed, meterOf, withModelDefaults, type InferencePayload } from './inference';
@@ -237,7 +237,7 @@ export async function followAnswer(
    */
   async function nextMove(log: MoveLog, n: number, said: ResumedAnswer, from: Moved, how: MoveHow): Promise<Moved | undefined> {
     // `due`: its place in a queue, the request's it continues, not the later deadline this resume gives it.
-    const { createdAt, at, spread, due } = how;
+    const { createdAt, at, due } = how;
     // The replica that published it, known gone (SIGKILLed, most often), will not claim it: no wait.
     let publisherGone = false;
     const whenGone = new Promise<void>((resolve) => {
@@ -257,7 +257,7 @@ export async function followAnswer(
       await Promise.race([new Promise((resolve) => setTimeout(resolve, LOOKUP_EVERY_MS)), whenGone]);
     }
     if (!asked || signal.aborted) return undefined;
-    const to = g.sessions.another?.(asked.model, from.session.instance, spread, { byLoad: !holdsPart(said) }) ?? from.session;
+    const to = g.sessions.another?.(asked.model, from.session.instance, how) ?? from.session;
     const mine: ResumableAnswer = {
       replica: place.replica,
       pool: to.pool,

@@ -23,7 +23,7 @@ import { instanceResponseSubjectOf, isBacklogFull, REPLICA_ID, requestSubjectFor
 
 export { streamAckProblem };
 import { decodeFrame, FrameParts, FrameSequencer, MAX_JOINED_BYTES } from '../../dataplane/frames';
-import { AnswerSoFar, CONTINUE_ELSEWHERE, STOPPING_BEAT_EVERY_MS, type ResumedAnswer } from '../../shared/continuation';
+import { AnswerSoFar, CONTINUE_ELSEWHERE, holdsPart, STOPPING_BEAT_EVERY_MS, type ResumedAnswer } from '../../shared/continuation';
 import { errors, GatewayError, OpenAIErrorType, retryAfter, SessionError, SessionErrorType, sessionErrorType, toGatewayError } from '../plugins/errors';
 
 /**
@@ -395,6 +395,8 @@ export interface MoveHow {
   at: number;
   /** The answer's place among those its bridge handed back together (`ResponseFrame` `spread`). */
   spread?: number;
+  /** Nothing of the answer said yet (shared/continuation.ts `holdsPart`): it goes to the least full instance (sessions `another`). */
+  byLoad: boolean;
   /**
    * The place in a queue of the request moved from — as its bridge said it (`ResponseFrame` `due`),
    * else the request's own `due` (none: its deadline is its place) — which the continuation keeps.
@@ -610,7 +612,7 @@ export function exchange(session: SessionEntry, req: InferenceRequest, opts: Exc
       unlisten();
       unlisten = () => undefined;
       if (!answer) return fail('engine_error', errors.upstream(503, 'engine_error'), new Error(`${from.req.id} was handed back but cannot be continued`));
-      const how: MoveHow = { createdAt: createdAt ?? Date.now(), at: seq, ...(spread !== undefined ? { spread } : {}) };
+      const how: MoveHow = { createdAt: createdAt ?? Date.now(), at: seq, byLoad: !holdsPart(answer), ...(spread !== undefined ? { spread } : {}) };
       const place = typeof due === 'number' && Number.isFinite(due) ? due : from.req.due;
       if (place !== undefined) how.due = place;
       opts.move!(answer, from, how).then(

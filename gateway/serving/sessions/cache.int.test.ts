@@ -406,9 +406,12 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     other = await start();
     await until('both replicas see the pool', () => cache!.instancesOf(model)?.length === 3 && other!.instancesOf(model)?.length === 3, 10_000);
     // i2's bridge handed back four answers (spread 0–3): three of them this replica's clients', one the other's.
-    const movedTo = [cache.another(model, 'i2', 0), cache.another(model, 'i2', 1), other.another(model, 'i2', 2), cache.another(model, 'i2', 3)].map(
-      (e) => e?.instance,
-    );
+    const movedTo = [
+      cache.another(model, 'i2', { spread: 0 }),
+      cache.another(model, 'i2', { spread: 1 }),
+      other.another(model, 'i2', { spread: 2 }),
+      cache.another(model, 'i2', { spread: 3 }),
+    ].map((e) => e?.instance);
     expect(movedTo).toEqual(['i1', 'i3', 'i1', 'i3']);
     // Without a place (a bridge gone silent, an older bridge): each replica's own recent moves, so both may pick the same.
     const unplaced = [cache.another(model, 'i1')?.instance, other.another(model, 'i1')?.instance];
@@ -416,7 +419,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     // No other instance: none.
     await publishPool(['i1'], 4);
     await until('the view shrank', () => cache!.instancesOf(model)?.length === 1, 10_000);
-    expect(cache.another(model, 'i1', 0)).toBeUndefined();
+    expect(cache.another(model, 'i1', { spread: 0 })).toBeUndefined();
   });
 
   it('an entry of a brand-new instance the replica’s view does not list yet is not moved', async () => {
@@ -602,7 +605,7 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     waits.beat('tiny.i3', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
     waits.beat('tiny.i4', { running: 0, slots: 4, queued: 0, serviceMs: 8_000 });
     expect(waits.overBudget('tiny', 'i2') && waits.overBudget('tiny', 'i3') && !waits.overBudget('tiny', 'i4')).toBe(true);
-    const movedTo = [0, 1, 2, 3].map((spread) => cache!.another(model, 'i1', spread)?.instance);
+    const movedTo = [0, 1, 2, 3].map((spread) => cache!.another(model, 'i1', { spread })?.instance);
     expect(movedTo).toEqual(['i2', 'i3', 'i4', 'i2']);
     // A turn, not a moved answer, still goes where the queue is short.
     waits.beat('tiny.i1', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
@@ -619,12 +622,12 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     waits.beat('tiny.i2', { running: 4, slots: 4, queued: 8, serviceMs: 8_000 });
     waits.beat('tiny.i3', { running: 4, slots: 4, queued: 8, serviceMs: 8_000 });
     waits.beat('tiny.i4', { running: 4, slots: 4, queued: 0, serviceMs: 8_000 });
-    const unsaid = (spread: number) => cache!.another(model, 'i1', spread, { byLoad: true })?.instance;
+    const unsaid = (spread: number) => cache!.another(model, 'i1', { spread, byLoad: true })?.instance;
     // Eight to i4 (1 → 3 per slot), then by their place where all are equal.
     expect([0, 1, 2, 3, 4, 5, 6, 7].map(unsaid)).toEqual(Array(8).fill('i4'));
     expect([8, 9, 10].map(unsaid)).toEqual(['i4', 'i2', 'i3']);
     // Answers with part said still go by their place (a resume sequence each, whatever the queues).
-    expect([0, 1, 2].map((spread) => cache!.another(model, 'i1', spread)?.instance)).toEqual(['i2', 'i3', 'i4']);
+    expect([0, 1, 2].map((spread) => cache!.another(model, 'i1', { spread })?.instance)).toEqual(['i2', 'i3', 'i4']);
     // One whose bridge said no load lately comes after those that did.
     waits.beat('tiny.i2', undefined);
     expect([0, 1, 2, 3].map((n) => unsaid(n + 11))).not.toContain('i2');

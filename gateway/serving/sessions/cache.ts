@@ -218,7 +218,7 @@ export class SessionCache implements SessionBroker {
     return (this.instancesOf(model) ?? []).some((i) => i !== instance);
   }
 
-  another(model: ReadyModel, instance: string, spread?: number, opts: { byLoad?: boolean } = {}): SessionEntry | undefined {
+  another(model: ReadyModel, instance: string, { spread, byLoad }: { spread?: number; byLoad?: boolean } = {}): SessionEntry | undefined {
     const now = this.now();
     const recent = (i: string) => (this.movedTo.get(instanceKey(model.namespace, model.name, i)) ?? []).filter((t) => now - t < MOVES_SPREAD_MS);
     // Told its place among a bridge's hand-backs: the same choice on every gateway (ranked before
@@ -232,10 +232,10 @@ export class SessionCache implements SessionBroker {
     // Nothing said of it: it goes before the target's queue in its place, so each instance's queue
     // pays for what it takes — the least full takes it (by name, each went where the n-th went
     // whatever its load, and a drained instance's queue doubled the queues of two while the third idled).
-    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier, queuesAside: true, ...(opts.byLoad ? { byLoad: true } : {}) });
+    const target = this.picker.pick(model, { anyLoad: true, avoid: instance, busier, queuesAside: true, ...(byLoad ? { byLoad: true } : {}) });
     if (!target) return undefined;
     this.movedTo.set(instanceKey(model.namespace, model.name, target.instance), [...recent(target.instance), now]);
-    if (opts.byLoad) this.waits?.published(model.name, target.instance);
+    if (byLoad) this.waits?.published(model.name, target.instance);
     return { subject: target.subject, pool: model.name, namespace: model.namespace, instance: target.instance, expiresAt: now };
   }
 

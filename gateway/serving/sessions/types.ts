@@ -41,14 +41,15 @@ export interface SessionBroker {
   route(req: { model: ReadyModel; signal: AbortSignal }): Promise<SessionEntry>;
   /**
    * Another instance the pool publishes than `instance`, the least loaded, to continue an answer
-   * on (its bridge handed it back); none when the view lists no other. With `spread` (the
-   * answer's place among those its bridge handed back together, `ResponseFrame`'s `spread`):
-   * the `spread`-th of the others by name, unless its queue is over the wait budget. With
-   * `byLoad` (an answer of which nothing was said, which goes before the target's own queue, in its
-   * place: shared/serving.ts `queueDueOf`), the least full first (in flight and queued per slot, as
-   * its bridge last said, with what this gateway sent there since), then as without. Nothing is written.
+   * on (its bridge handed it back); none when the view lists no other. `place` is the move's
+   * (gateway/serving/exchange.ts `MoveHow`). With `spread` (the answer's place among those its
+   * bridge handed back together, `ResponseFrame`'s `spread`): the `spread`-th of the others by
+   * name, unless its queue is over the wait budget. With `byLoad` (an answer of which nothing was
+   * said, which goes before the target's own queue, in its place: shared/serving.ts `queueDueOf`),
+   * the least full first (in flight and queued per slot, as its bridge last said, with what this
+   * gateway sent there since), then as without. Nothing is written.
    */
-  another?(model: ReadyModel, instance: string, spread?: number, opts?: { byLoad?: boolean }): SessionEntry | undefined;
+  another?(model: ReadyModel, instance: string, place?: { spread?: number; byLoad?: boolean }): SessionEntry | undefined;
   /** Whether {@link another} would find one, without counting a move to it. */
   hasAnother?(model: ReadyModel, instance: string): boolean;
   /**
