@@ -185,6 +185,13 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
     await c.ready;
     return c;
   };
+  /** A cache that ranks by queue waits (a wait budget of `budgetMs`), ready, and the waits its bridges' beats go to. */
+  const startWithWaits = async (budgetMs: number) => {
+    const waits = new QueueWaits(budgetMs);
+    const c = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
+    await c.ready;
+    return { c, waits };
+  };
 
   it('NATS not answering a first turn’s create or a renewal: Unavailable (a 503 with Retry-After), not a failure of the request', async () => {
     await publishPool(['i1'], 4);
@@ -540,10 +547,9 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
 
   it('queue waits: turns go where the wait is within the budget, a warm one moves off a long queue, and with every queue too long a turn is refused with the soonest Retry-After and its pool told the demand', async () => {
     await publishPool(['i1', 'i2'], 100);
-    const waits = new QueueWaits(2_000);
+    const { c, waits } = await startWithWaits(2_000);
+    cache = c;
     const load = (running: number, queued: number) => ({ running, slots: 1, queued, serviceMs: 1_000 });
-    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
-    await cache.ready;
     await until('the pool view mirrored', () => cache!.pools!.get(poolKey) !== undefined, 10_000);
     const warm = key('warm');
     await kv.put(warm, enc(placed('i1')));
@@ -579,9 +585,8 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
 
   it('queue waits: a warm turn moved off a long queue goes to an instance within the budget even when that one is past its leases — it never waits for a start', async () => {
     await publishPool(['i1', 'i2'], 1);
-    const waits = new QueueWaits(2_000);
-    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
-    await cache.ready;
+    const { c, waits } = await startWithWaits(2_000);
+    cache = c;
     const warm = key('warm-full');
     await kv.put(warm, enc(placed('i1')));
     await kv.put(key('other'), enc(placed('i2')));
@@ -596,9 +601,8 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
 
   it('queue waits: answers handed back together spread by their place whatever the queues — only one instance within the budget (a roll’s new one) does not take them all', async () => {
     await publishPool(['i1', 'i2', 'i3', 'i4'], 4);
-    const waits = new QueueWaits(2_000);
-    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
-    await cache.ready;
+    const { c, waits } = await startWithWaits(2_000);
+    cache = c;
     await until('the view mirrored', () => cache!.instancesOf(model)?.length === 4, 10_000);
     // i2 and i3 have long queues, i4 (just started) none; i1 stops and hands back four answers.
     waits.beat('tiny.i2', { running: 4, slots: 4, queued: 60, serviceMs: 8_000 });
@@ -614,9 +618,8 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
 
   it('answers handed back with nothing said go to the least full instance, counting those this gateway sent since; of equal ones, by their place', async () => {
     await publishPool(['i1', 'i2', 'i3', 'i4'], 4);
-    const waits = new QueueWaits(0);
-    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
-    await cache.ready;
+    const { c, waits } = await startWithWaits(0);
+    cache = c;
     await until('the view mirrored', () => cache!.instancesOf(model)?.length === 4, 10_000);
     // i1 drains: i2 and i3 hold 3 per slot, i4 one (a drained instance back, its queue handed away).
     waits.beat('tiny.i2', { running: 4, slots: 4, queued: 8, serviceMs: 8_000 });
@@ -634,9 +637,8 @@ describe('the entry-lease protocol: first turns, renewals and moves', () => {
   });
 
   it('queue waits: a refusal’s Retry-After is the pool’s next instance when that comes sooner than a queue drains, paced by how long its starts took', async () => {
-    const waits = new QueueWaits(2_000);
-    cache = new SessionCache({ kv, pools, coldStart: noCold, firstTurns: firstTurns(), waits });
-    await cache.ready;
+    const { c, waits } = await startWithWaits(2_000);
+    cache = c;
     const t0 = Date.now();
     // A start seen from its beginning to its end: i2 listed starting since t0 − 4 s, then ready in a view written at t0.
     await publishPool(['i1'], 4, { starting: [{ instance: 'i2', since: t0 - 4_000 }], updatedAt: t0 - 4_000 });
